@@ -1,0 +1,5 @@
+"""``python -m balancer`` runs the ``kvlb`` command line."""
+
+from balancer.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,78 @@
+"""Engine-neutral KV-cache events (pure).
+
+Decoders in :mod:`balancer.engines` turn engine bytes into these; the index applies them in order.
+Stored blocks carry their tokens, never a router key: the key of a block chains over its parent's key,
+which only the index knows (through the per-cache engine-hash map), so the index computes keys with
+:class:`balancer.hashing.BlockHasher`.
+
+Only **full** blocks appear here: decoders drop partial blocks (and, for TRT-LLM, their later removal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from balancer.types import EngineHash
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """A chain of full blocks stored on one DP rank.
+
+    ``engine_hashes[i]`` is the engine's handle of block ``i``; block 0's parent is ``parent``
+    (``None``: the root) and block ``i``'s parent is block ``i - 1``.
+
+    ``tokens`` holds the blocks' token ids as little-endian u32, concatenated: block ``i`` covers
+    tokens ``[i * block_size, (i + 1) * block_size + lookahead_tokens)``. ``lookahead_tokens`` is 1 for
+    SGLang EAGLE bigram pages (a page of ``block_size`` pairs spans ``block_size + 1`` tokens), else 0.
+
+    ``lora_name`` and ``cache_salt`` select the key namespace of the root block; a child inherits its
+    parent's namespace through the chained key.
+    """
+
+    dp_rank: int
+    parent: EngineHash | None
+    engine_hashes: tuple[EngineHash, ...]
+    tokens: bytes
+    block_size: int
+    lookahead_tokens: int = 0
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def block_count(self) -> int:
+        return len(self.engine_hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class Removed:
+    """Blocks evicted from one DP rank, by engine hash (unknown hashes are ignored and counted)."""
+
+    dp_rank: int
+    engine_hashes: tuple[EngineHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Cleared:
+    """The engine emptied the cache of one DP rank (SGLang/vLLM ``AllBlocksCleared``)."""
+
+    dp_rank: int
+
+
+ResyncReason = Literal["restart", "gap", "regression", "overflow", "epoch", "lease", "stale"]
+
+
+@dataclass(frozen=True, slots=True)
+class Resync:
+    """What the index knows of one DP rank can no longer be trusted: clear it and let it refill.
+
+    Raised by decoders and sources for an engine restart (TRT-LLM ``created``, a new epoch), an
+    ``event_id``/seq regression, a gap that replay cannot fill, or a queue overflow.
+    """
+
+    dp_rank: int
+    reason: ResyncReason
+
+
+KvEvent = Stored | Removed | Cleared | Resync

@@ -1,0 +1,121 @@
+"""Router-owned block keys (pure).
+
+A block key is XXH3-64 over the block's token ids as little-endian u32, **seeded with the parent's
+key**; the root block is seeded with the namespace seed, itself an XXH3-64 of the pool's model name,
+LoRA name and cache salt. So a key identifies the whole prefix up to and including its block, and two
+namespaces never share keys.
+
+Only full blocks are hashed. Three alignment modes match what the engines cache:
+
+* ``plain``: blocks of ``block_size`` tokens (SGLang, vLLM).
+* ``trtllm``: TRT-LLM caches over ``prompt[:-1]``, so the last prompt token is left out.
+* ``bigram``: SGLang EAGLE pages hold ``block_size`` token pairs; page ``j`` spans tokens
+  ``[j*bs, j*bs + bs + 1)``, so a prompt of N tokens has ``(N - 1) // bs`` full pages.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import xxhash
+
+from balancer.types import BlockKey
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+NAMESPACE_SEED = 0x6B766C62  # "kvlb": the seed of the namespace hash itself
+"""Fixed seed for namespace hashing, so keys are stable across processes and releases."""
+
+AlignMode = Literal["plain", "trtllm", "bigram"]
+
+
+def namespace_seed(model: str, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+    """Root seed for a (model, LoRA, salt) namespace; fields are NUL-separated so they cannot alias."""
+    text = f"{model}\x00{lora_name or ''}\x00{cache_salt or ''}"
+    return _xxh3(text.encode("utf-8"), seed=NAMESPACE_SEED)
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian u32 bytes; raises ``OverflowError``/``TypeError`` on bad ids."""
+    packed = array("I", token_ids)
+    if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
+        raise RuntimeError("array('I') is not 32-bit on this platform")
+    return packed.tobytes() if _LITTLE_ENDIAN else _byteswapped(packed)
+
+
+def _byteswapped(packed: array[int]) -> bytes:  # pragma: no cover - big-endian hosts only
+    packed.byteswap()
+    return packed.tobytes()
+
+
+_LITTLE_ENDIAN = array("I", [1]).tobytes()[0] == 1
+
+
+def chain_keys(
+    seed: int, tokens: bytes | memoryview, block_size: int, count: int, lookahead_tokens: int = 0
+) -> list[BlockKey]:
+    """Keys of ``count`` consecutive blocks in packed ``tokens``, chained from ``seed``.
+
+    ``seed`` is the parent's key, or the namespace seed for a root block. Block ``i`` covers bytes
+    ``[4*i*bs, 4*((i+1)*bs + lookahead))``. The caller guarantees ``tokens`` is long enough.
+    """
+    view = memoryview(tokens)
+    step = 4 * block_size
+    span = step + 4 * lookahead_tokens
+    keys: list[BlockKey] = []
+    append = keys.append
+    key = seed
+    start = 0
+    for _ in range(count):
+        key = _xxh3(view[start : start + span], seed=key)
+        append(BlockKey(key))
+        start += step
+    return keys
+
+
+def full_blocks(token_count: int, block_size: int, mode: AlignMode) -> int:
+    """How many full blocks a prompt of ``token_count`` tokens has in ``mode``."""
+    if mode == "plain":
+        return token_count // block_size
+    # trtllm drops the last token; bigram has token_count - 1 pair units: same count
+    return max(token_count - 1, 0) // block_size
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHasher:
+    """Computes the block keys of one pool: model namespace, block size and alignment mode."""
+
+    model: str
+    block_size: int
+    mode: AlignMode = "plain"
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+
+    def root_seed(self, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """The seed of a root block in this pool's namespace (plus an optional LoRA and salt)."""
+        return namespace_seed(self.model, lora_name, cache_salt)
+
+    @property
+    def lookahead_tokens(self) -> int:
+        return 1 if self.mode == "bigram" else 0
+
+    def request_keys(
+        self,
+        token_ids: Sequence[int],
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> list[BlockKey]:
+        """Keys of every full block of a prompt, as the engine of this pool would cache it."""
+        count = full_blocks(len(token_ids), self.block_size, self.mode)
+        if count == 0:
+            return []
+        used = count * self.block_size + self.lookahead_tokens
+        packed = pack_tokens(token_ids[:used])
+        return chain_keys(
+            self.root_seed(lora_name, cache_salt), packed, self.block_size, count, self.lookahead_tokens
+        )

@@ -1,0 +1,91 @@
+"""The ``PrefixIndex`` seam (pure): what every index backend offers.
+
+Every backend (in-memory, Redis, mirror) passes ``tests/contract/test_index_contract.py``.
+
+Semantics shared by all backends:
+
+* ``apply`` takes one replica's events in order. A ``Stored`` whose parent engine hash is unknown for
+  that (replica, dp_rank) is skipped whole and counted; a ``Removed`` of an unknown hash is counted and
+  ignored; ``Cleared`` and ``Resync`` clear that (replica, dp_rank).
+* ``match`` walks the request's keys from the root and stops when no candidate still holds the next
+  block. A replica's overlap is the best of its DP ranks. Speculative entries count as held until
+  they expire or a real event confirms or removes them.
+* Memory is bounded by a total block budget; the least recently used blocks go first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from balancer.events import KvEvent
+from balancer.types import BlockKey, Overlap, ReplicaId
+
+
+@dataclass(slots=True)
+class ApplyResult:
+    """Counts of what one ``apply`` call did (summed into ``kvlb_index_*`` metrics)."""
+
+    stored_blocks: int = 0
+    removed_blocks: int = 0
+    cleared_caches: int = 0
+    resyncs: int = 0
+    skipped_unknown_parent: int = 0
+    unknown_removals: int = 0
+    evicted_blocks: int = 0
+
+    def add(self, other: ApplyResult) -> None:
+        self.stored_blocks += other.stored_blocks
+        self.removed_blocks += other.removed_blocks
+        self.cleared_caches += other.cleared_caches
+        self.resyncs += other.resyncs
+        self.skipped_unknown_parent += other.skipped_unknown_parent
+        self.unknown_removals += other.unknown_removals
+        self.evicted_blocks += other.evicted_blocks
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """A point-in-time view of an index's size."""
+
+    unique_blocks: int
+    held_blocks: int
+    """(cache, block) holdings: a block held by three caches counts three times."""
+    blocks_by_replica: dict[ReplicaId, int] = field(default_factory=dict)
+    speculative_entries: int = 0
+    capacity_blocks: int = 0
+    bytes_per_block: float | None = None
+    """Measured or estimated memory per held block; ``None`` when the backend cannot tell."""
+
+
+class PrefixIndex(Protocol):
+    """Who holds which blocks. All methods are coroutines so that remote backends fit."""
+
+    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        """Apply one replica's events in order. ``now`` is monotonic seconds (for LRU/TTL)."""
+        ...
+
+    async def match(
+        self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
+    ) -> Overlap:
+        """Leading blocks of ``keys`` held by each replica in ``among`` (all known when ``None``)."""
+        ...
+
+    async def add_speculative(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
+    ) -> None:
+        """Pretend ``replica`` holds ``keys`` until ``now + ttl_s`` (a routed request will store them)."""
+        ...
+
+    async def drop_replica(self, replica: ReplicaId) -> int:
+        """Forget every block of every DP rank of ``replica``; returns how many holdings went."""
+        ...
+
+    async def stats(self) -> IndexStats:
+        """Current size and per-replica block counts."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release resources (connections, tasks)."""
+        ...

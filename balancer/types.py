@@ -1,0 +1,99 @@
+"""Core vocabulary shared by every layer (pure).
+
+Two kinds of hash never mix:
+
+* ``BlockKey``: the router-owned key of one full block of tokens, chained over its parent
+  (see :mod:`balancer.hashing`). Requests and stored events both map to it; routing uses only it.
+* ``EngineHash``: the engine's own handle for a block (SGLang, vLLM, TRT-LLM), normalised to u64.
+  It is only ever used to find the ``BlockKey`` of a parent or of a removed block.
+
+A replica is one engine endpoint; an engine with data parallelism keeps one independent KV cache per
+DP rank, so the index tracks holders per :class:`CacheId` = (replica, dp_rank) and reports overlap per
+replica as the best of its ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NewType
+
+ReplicaId = NewType("ReplicaId", str)
+BlockKey = NewType("BlockKey", int)
+EngineHash = NewType("EngineHash", int)
+
+U64_MASK = (1 << 64) - 1
+
+
+def to_u64(value: int) -> int:
+    """Normalise a signed i64 or an unsigned u64 hash to u64 (two's complement)."""
+    return value & U64_MASK
+
+
+@dataclass(frozen=True, slots=True)
+class CacheId:
+    """One independent KV cache: a replica and one of its data-parallel ranks (0 without DP)."""
+
+    replica: ReplicaId
+    dp_rank: int = 0
+
+    def __str__(self) -> str:
+        return self.replica if self.dp_rank == 0 else f"{self.replica}#dp{self.dp_rank}"
+
+
+@dataclass(frozen=True, slots=True)
+class Overlap:
+    """Result of a prefix match: leading full blocks each replica already holds.
+
+    ``blocks`` has an entry for every replica asked about (0 when it holds nothing);
+    ``best_rank`` names the DP rank that holds the longest prefix on that replica.
+    """
+
+    blocks: dict[ReplicaId, int]
+    best_rank: dict[ReplicaId, int] = field(default_factory=dict)
+    request_blocks: int = 0
+
+    def of(self, replica: ReplicaId) -> int:
+        """Overlap of one replica in blocks (0 when unknown)."""
+        return self.blocks.get(replica, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class CostTerms:
+    """The per-replica terms of one routing decision, in blocks unless named otherwise.
+
+    ``cost`` is what the policy minimised (``None`` for policies that do not score, e.g. round
+    robin). ``excluded`` gives the reason a replica was not eligible (guard, unhealthy, ...).
+    """
+
+    replica: ReplicaId
+    overlap_blocks: int
+    request_blocks: int
+    pending_prefill_blocks: float
+    active_decode_blocks: float
+    waiting_requests: float
+    kv_usage: float | None
+    prefill_term: float
+    decode_term: float
+    queue_term: float
+    cost: float | None
+    probability: float | None = None
+    excluded: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A routing choice and why it was made.
+
+    ``terms`` holds one :class:`CostTerms` per candidate replica, so any decision can be explained
+    (``/admin/explain``, debug logs, ``x-kvlb-*`` headers). ``cached_tokens`` is the predicted prefix
+    reuse on the chosen replica.
+    """
+
+    replica: ReplicaId
+    policy: str
+    overlap_blocks: int
+    request_blocks: int
+    cached_tokens: int
+    terms: tuple[CostTerms, ...]
+    dp_rank: int = 0
+    reason: str = ""
