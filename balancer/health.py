@@ -1,0 +1,117 @@
+"""Replica health: a circuit breaker per replica and the routable set (pure; callers pass ``now``).
+
+A replica is routable when its breaker is closed (or half-open for one trial), its last health probe
+succeeded, and it is not draining. Request failures before the first byte and failed probes both
+count against the breaker; ``failure_threshold`` consecutive failures open it for ``open_s`` seconds,
+after which one trial request is let through (half-open): success closes it, failure re-opens it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from balancer.types import ReplicaId
+
+BreakerState = Literal["closed", "open", "half_open"]
+
+
+@dataclass(frozen=True, slots=True)
+class BreakerConfig:
+    failure_threshold: int = 3
+    """Consecutive failures that open the breaker (≥ 1)."""
+    open_s: float = 5.0
+    """Seconds an open breaker refuses traffic before one trial request is allowed."""
+
+
+@dataclass(slots=True)
+class ReplicaHealth:
+    """Mutable health record of one replica."""
+
+    replica: ReplicaId
+    probe_ok: bool = False
+    draining: bool = False
+    consecutive_failures: int = 0
+    opened_at: float | None = None
+    trial_in_flight: bool = False
+    last_probe_at: float | None = None
+    last_error: str | None = None
+
+    def state(self, now: float, config: BreakerConfig) -> BreakerState:
+        if self.opened_at is None:
+            return "closed"
+        return "half_open" if now - self.opened_at >= config.open_s else "open"
+
+
+@dataclass(slots=True)
+class HealthBook:
+    """Health of every replica; routing asks it which replicas are eligible."""
+
+    config: BreakerConfig = field(default_factory=BreakerConfig)
+    replicas: dict[ReplicaId, ReplicaHealth] = field(default_factory=dict)
+
+    def add(self, replica: ReplicaId, probe_ok: bool = False) -> None:
+        self.replicas.setdefault(replica, ReplicaHealth(replica, probe_ok=probe_ok))
+
+    def remove(self, replica: ReplicaId) -> None:
+        self.replicas.pop(replica, None)
+
+    def routable(self, now: float, among: Iterable[ReplicaId] | None = None) -> list[ReplicaId]:
+        """Replicas that may take a new request now (order preserved)."""
+        names = self.replicas.keys() if among is None else among
+        out = []
+        for name in names:
+            rec = self.replicas.get(name)
+            if rec is None or rec.draining or not rec.probe_ok:
+                continue
+            state = rec.state(now, self.config)
+            if state == "open" or (state == "half_open" and rec.trial_in_flight):
+                continue
+            out.append(name)
+        return out
+
+    def on_routed(self, replica: ReplicaId, now: float) -> None:
+        """A request was sent; in half-open state it is the one trial."""
+        rec = self.replicas.get(replica)
+        if rec is not None and rec.state(now, self.config) == "half_open":
+            rec.trial_in_flight = True
+
+    def on_success(self, replica: ReplicaId) -> None:
+        rec = self.replicas.get(replica)
+        if rec is not None:
+            rec.consecutive_failures = 0
+            rec.opened_at = None
+            rec.trial_in_flight = False
+            rec.last_error = None
+
+    def on_failure(self, replica: ReplicaId, now: float, error: str) -> None:
+        rec = self.replicas.get(replica)
+        if rec is None:
+            return
+        rec.consecutive_failures += 1
+        rec.last_error = error
+        rec.trial_in_flight = False
+        if rec.opened_at is not None or rec.consecutive_failures >= self.config.failure_threshold:
+            rec.opened_at = now
+
+    def on_probe(self, replica: ReplicaId, ok: bool, now: float, error: str | None = None) -> None:
+        """Result of a health probe: success marks it live; failure also counts against the breaker."""
+        rec = self.replicas.get(replica)
+        if rec is None:
+            return
+        rec.last_probe_at = now
+        was_ok = rec.probe_ok
+        rec.probe_ok = ok
+        if ok:
+            if not was_ok:
+                self.on_success(replica)
+        else:
+            self.on_failure(replica, now, error or "health probe failed")
+
+    def set_draining(self, replica: ReplicaId, draining: bool) -> bool:
+        rec = self.replicas.get(replica)
+        if rec is None:
+            return False
+        rec.draining = draining
+        return True

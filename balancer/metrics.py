@@ -1,0 +1,187 @@
+"""Prometheus collectors for every kvlb subsystem, bound to an injected registry (pure).
+
+Names follow ``kvlb_<subsystem>_<name>_<unit>``. One :class:`Metrics` is built by the composition root
+(``app.py``) and passed down; tests build their own with a fresh ``CollectorRegistry``, so there is no
+global state to reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics:
+    """Every collector kvlb exports. Build with :meth:`create`."""
+
+    registry: CollectorRegistry
+    # http / requests
+    requests_total: Counter
+    ttft_seconds: Histogram
+    e2e_seconds: Histogram
+    shed_total: Counter
+    retries_total: Counter
+    inflight_requests: Gauge
+    # routing
+    route_decision_seconds: Histogram
+    route_decisions_total: Counter
+    predicted_cached_tokens_total: Counter
+    reported_cached_tokens_total: Counter
+    # events
+    events_applied_total: Counter
+    events_decode_errors_total: Counter
+    events_seq_gaps_total: Counter
+    events_replays_total: Counter
+    events_resyncs_total: Counter
+    events_queue_overflow_total: Counter
+    events_lag_seconds: Gauge
+    # index
+    index_blocks: Gauge
+    index_skipped_total: Counter
+    # load / replicas
+    replica_load: Gauge
+    replica_healthy: Gauge
+    scrape_errors_total: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
+        reg = registry if registry is not None else CollectorRegistry()
+        return cls(
+            registry=reg,
+            requests_total=Counter(
+                "kvlb_http_requests_total",
+                "Requests answered, by endpoint, status code, replica and policy.",
+                ["endpoint", "status", "replica", "policy"],
+                registry=reg,
+            ),
+            ttft_seconds=Histogram(
+                "kvlb_http_ttft_seconds",
+                "Time from request arrival to the first upstream byte.",
+                ["replica", "policy"],
+                buckets=_LATENCY_BUCKETS_S,
+                registry=reg,
+            ),
+            e2e_seconds=Histogram(
+                "kvlb_http_e2e_seconds",
+                "Time from request arrival to the last byte sent to the client.",
+                ["replica", "policy"],
+                buckets=_LATENCY_BUCKETS_S,
+                registry=reg,
+            ),
+            shed_total=Counter(
+                "kvlb_admission_shed_total",
+                "Requests refused by admission control (429/503), by reason.",
+                ["reason"],
+                registry=reg,
+            ),
+            retries_total=Counter(
+                "kvlb_upstream_retries_total",
+                "Requests retried on another replica before the first byte, by reason.",
+                ["reason"],
+                registry=reg,
+            ),
+            inflight_requests=Gauge(
+                "kvlb_http_inflight_requests", "Requests being served now.", registry=reg
+            ),
+            route_decision_seconds=Histogram(
+                "kvlb_route_decision_seconds",
+                "Time to choose a replica (hashing, index match, policy).",
+                buckets=_DECISION_BUCKETS_S,
+                registry=reg,
+            ),
+            route_decisions_total=Counter(
+                "kvlb_route_decisions_total",
+                "Routing decisions, by policy and chosen replica.",
+                ["policy", "replica"],
+                registry=reg,
+            ),
+            predicted_cached_tokens_total=Counter(
+                "kvlb_route_predicted_cached_tokens_total",
+                "Prompt tokens the router predicted to be cached on the chosen replica.",
+                ["replica"],
+                registry=reg,
+            ),
+            reported_cached_tokens_total=Counter(
+                "kvlb_route_reported_cached_tokens_total",
+                "Prompt tokens the replica reported as cached (usage.prompt_tokens_details.cached_tokens).",
+                ["replica"],
+                registry=reg,
+            ),
+            events_applied_total=Counter(
+                "kvlb_events_applied_total",
+                "KV events applied to the index, by engine, event type and status.",
+                ["engine", "type", "status"],
+                registry=reg,
+            ),
+            events_decode_errors_total=Counter(
+                "kvlb_events_decode_errors_total",
+                "Engine messages or events that could not be decoded, by engine and reason.",
+                ["engine", "reason"],
+                registry=reg,
+            ),
+            events_seq_gaps_total=Counter(
+                "kvlb_events_seq_gaps_total",
+                "Gaps seen in a replica's event sequence (ZMQ seq or TRT-LLM event_id).",
+                ["replica"],
+                registry=reg,
+            ),
+            events_replays_total=Counter(
+                "kvlb_events_replays_total",
+                "Replay requests to an engine's replay socket, by outcome (filled, partial, failed).",
+                ["replica", "outcome"],
+                registry=reg,
+            ),
+            events_resyncs_total=Counter(
+                "kvlb_events_resyncs_total",
+                "Times a replica's index state was cleared to resynchronise, by reason.",
+                ["replica", "reason"],
+                registry=reg,
+            ),
+            events_queue_overflow_total=Counter(
+                "kvlb_events_queue_overflow_total",
+                "Event queue overflows (the replica is cleared and resynchronised).",
+                ["replica"],
+                registry=reg,
+            ),
+            events_lag_seconds=Gauge(
+                "kvlb_events_lag_seconds",
+                "Engine timestamp of the last applied batch vs our clock (wall time, may be skewed).",
+                ["replica"],
+                registry=reg,
+            ),
+            index_blocks=Gauge(
+                "kvlb_index_blocks",
+                "Blocks in the prefix index (kind=unique|held|speculative).",
+                ["kind"],
+                registry=reg,
+            ),
+            index_skipped_total=Counter(
+                "kvlb_index_skipped_total",
+                "Events the index skipped, by reason (unknown_parent, unknown_removal, block_size).",
+                ["reason"],
+                registry=reg,
+            ),
+            replica_load=Gauge(
+                "kvlb_replica_load",
+                "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage).",
+                ["replica", "kind"],
+                registry=reg,
+            ),
+            replica_healthy=Gauge(
+                "kvlb_replica_healthy",
+                "1 when the replica is healthy and routable, else 0.",
+                ["replica"],
+                registry=reg,
+            ),
+            scrape_errors_total=Counter(
+                "kvlb_scrape_errors_total",
+                "Failed engine metric scrapes, by replica.",
+                ["replica"],
+                registry=reg,
+            ),
+        )

@@ -1,0 +1,80 @@
+"""Settings loading: defaults, YAML, env and --set precedence, and clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from balancer import config
+from balancer.errors import ConfigError
+
+YAML = """
+listen: {port: 9100}
+pools:
+  - model: m1
+    replicas:
+      - {id: a, url: "http://127.0.0.1:1", engine: sglang, block_size: 16, events: "tcp://127.0.0.1:5557"}
+      - {id: b, url: "http://127.0.0.1:2", engine: trtllm, block_size: 32}
+policy: {name: cost, weights: {credit: 0.5}}
+"""
+
+
+def test_defaults_validate() -> None:
+    settings = config.load(env={})
+    assert settings.listen.port == 8000
+    assert settings.pools == ()
+    assert settings.redis.url is None
+
+
+def test_yaml_env_and_set_precedence(tmp_path: Path) -> None:
+    path = tmp_path / "kvlb.yaml"
+    path.write_text(YAML)
+    env = {"KVLB_LISTEN__PORT": "9200", "KVLB_REDIS__URL": "redis://127.0.0.1:7", "HOME": "/x"}
+    settings = config.load(path, sets=["listen.port=9300", "limits.max_retries=0"], env=env)
+    assert settings.listen.port == 9300  # --set beats env beats file
+    assert settings.redis.url == "redis://127.0.0.1:7"
+    assert settings.limits.max_retries == 0
+    assert [r.id for r in settings.pools[0].replicas] == ["a", "b"]
+    assert settings.pools[0].replicas[1].engine == "trtllm"
+    assert settings.policy.weights == {"credit": 0.5}
+
+
+def test_config_file_from_env(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("listen: {port: 1234}\n")
+    assert config.load(env={"KVLB_CONFIG": str(path)}).listen.port == 1234
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["listen.prot=1"], "unknown key"),
+        (["listen.port=abc"], "expected an integer"),
+        (["limits.max_inflight=0"], "limits.max_inflight must be > 0"),
+        (["redis.url=http://x"], "redis.url must start with"),
+        (["pools=[{model: m, replicas: [{id: a, url: 'ftp://x'}]}]"], "url must be http"),
+        (["pools=[{model: m, replicas: [{id: a, url: 'http://x', engine: foo}]}]"], "must be one of"),
+        (
+            ["pools=[{model: m, replicas: [{id: a, url: 'http://x'}, {id: a, url: 'http://y'}]}]"],
+            "appears twice",
+        ),
+        (["nonsense"], "name=value"),
+    ],
+)
+def test_bad_settings_name_the_field(sets: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config.load(sets=sets, env={})
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        config.load(tmp_path / "missing.yaml", env={})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(bad, env={})
+    top = tmp_path / "top.yaml"
+    top.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        config.load(top, env={})
