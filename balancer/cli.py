@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
-        module: _CommandModule = importlib.import_module(name)  # type: ignore[assignment]
+        module: _CommandModule = importlib.import_module(name)
         module.register(subparsers)
     return parser
 

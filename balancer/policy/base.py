@@ -1,0 +1,216 @@
+"""The routing-policy seam (pure): weights, the request view, the ``Policy`` protocol, the registry.
+
+A policy is a pure function of ``(request, overlap, load, weights, rng)`` that returns a
+:class:`~balancer.types.Decision`. It does no I/O, reads no clock, takes randomness only from the
+``random.Random`` it is given, and never reserves load or touches the index: the router commits a
+decision (``LoadTracker.reserve``, speculative index entries) after the policy returns.
+
+State: every policy is stateless except ``round_robin``, whose rotation counter is the policy
+instance's own attribute. :data:`POLICIES` therefore maps a name to a *factory*: each router builds
+its own instance, and nothing is shared at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import random
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, Protocol
+
+from balancer.errors import ConfigError
+from balancer.load import LoadSnapshot
+from balancer.types import Decision, Overlap, ReplicaId
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyWeights:
+    """The runtime-tunable knobs of every policy (``/admin/policy``, Redis pub/sub).
+
+    Construction validates (so an instance is always valid); :meth:`replace` returns a validated
+    copy. Cost fields are in **blocks**; defaults follow Dynamo's KV router (credit 1, decode weight
+    1, temperature 0) and SGLang Model Gateway's CLI defaults for the threshold policy.
+    """
+
+    prefill_weight: float = 1.0
+    """``w_prefill``, cost per block of prefill (queued on the replica plus this request's uncached
+    blocks); ≥ 0. 0 makes the cost ignore prefill work and with it cache affinity; large values make
+    the policy chase cache hits and short prefill queues over decode load."""
+    overlap_credit: float = 1.0
+    """``credit``, the fraction of a cached block subtracted from this request's prefill; 0..1.
+    1 means a cached block costs nothing to prefill (Dynamo's default); 0 ignores the cache, so the
+    cost policy becomes pure load balancing."""
+    decode_weight: float = 1.0
+    """``w_decode``, cost per KV block held by requests decoding on the replica; ≥ 0. 0 ignores decode
+    load (only prefill backlog and affinity count)."""
+    queue_weight: float = 0.0
+    """``w_queue``, cost in blocks per request waiting in the engine's queue (scraped); ≥ 0. 0
+    (default, as Dynamo) ignores the scraped queue; set it near the mean prompt length in blocks when
+    several balancers share replicas, because the router-tracked counts only see this balancer."""
+    temperature: float = 0.0
+    """Softmax temperature over range-normalised costs; ≥ 0. 0 picks the lowest cost (ties broken at
+    random). At 1 a replica at the far end of the cost range is e≈2.7 times less likely than the
+    best; large values approach a uniform choice among eligible replicas."""
+    kv_usage_ceiling: float | None = 0.95
+    """Replicas whose scraped KV usage (0..1) is ≥ this are excluded, unless every candidate is; in
+    (0, 1]. 1 excludes only replicas reporting a full cache; ``None`` disables the guard. Replicas
+    with unknown or stale usage are never excluded."""
+    imbalance_threshold_blocks: float | None = None
+    """Imbalance guard of the cost policy: a replica whose load (the cost without this request's
+    terms) exceeds the least loaded eligible replica's by more than this many blocks gets no overlap
+    credit, so cache affinity cannot pile more work onto it; > 0. Small values make the policy behave
+    like least-load under any imbalance; ``None`` (default, as Dynamo) disables the guard."""
+    cache_threshold: float = 0.3
+    """``sglang_threshold``: route to the best prefix match only if its match ratio
+    (overlap/request blocks) is above this; 0..1. 0 sends every request with any overlap to its best
+    match (SMG's KV-event mode); 1 never routes on the cache."""
+    balance_abs_threshold: float = 64.0
+    """``sglang_threshold``: the fleet is imbalanced when max − min request load exceeds this (and the
+    relative test holds), and then the least loaded replica is chosen; ≥ 0 requests. 0 makes any
+    difference count."""
+    balance_rel_threshold: float = 1.5
+    """``sglang_threshold``: the fleet is imbalanced only if max load > this × min load too; ≥ 1.
+    1 reduces the rule to the absolute test (when min load > 0)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field that is mistyped or out of range."""
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            optional = f.name in _OPTIONAL_FIELDS
+            if value is None and optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise ConfigError(f"policy.{f.name} must be a finite number, got {value!r}")
+        _check_range("prefill_weight", self.prefill_weight, 0.0, None)
+        _check_range("overlap_credit", self.overlap_credit, 0.0, 1.0)
+        _check_range("decode_weight", self.decode_weight, 0.0, None)
+        _check_range("queue_weight", self.queue_weight, 0.0, None)
+        _check_range("temperature", self.temperature, 0.0, None)
+        _check_range("cache_threshold", self.cache_threshold, 0.0, 1.0)
+        _check_range("balance_abs_threshold", self.balance_abs_threshold, 0.0, None)
+        _check_range("balance_rel_threshold", self.balance_rel_threshold, 1.0, None)
+        ceiling = self.kv_usage_ceiling
+        if ceiling is not None and not 0.0 < ceiling <= 1.0:
+            raise ConfigError(f"policy.kv_usage_ceiling must be in (0, 1] or null, got {ceiling}")
+        threshold = self.imbalance_threshold_blocks
+        if threshold is not None and threshold <= 0.0:
+            raise ConfigError(f"policy.imbalance_threshold_blocks must be > 0 or null, got {threshold}")
+
+    def replace(self, **changes: Any) -> PolicyWeights:
+        """A validated copy with ``changes`` applied; unknown names raise :class:`ConfigError`."""
+        unknown = sorted(set(changes) - _FIELD_NAMES)
+        if unknown:
+            raise ConfigError(f"unknown policy weight(s): {', '.join(unknown)}")
+        coerced = {name: _as_float(value) for name, value in changes.items()}
+        return dataclasses.replace(self, **coerced)
+
+    def to_dict(self) -> dict[str, float | None]:
+        """Plain JSON-able mapping of every field (``None`` → ``null``)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], base: PolicyWeights | None = None) -> PolicyWeights:
+        """Weights from a (possibly partial) mapping laid over ``base`` (defaults when ``None``)."""
+        return (base if base is not None else cls()).replace(**dict(data))
+
+
+_OPTIONAL_FIELDS = frozenset({"kv_usage_ceiling", "imbalance_threshold_blocks"})
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))
+
+
+def _as_float(value: Any) -> Any:
+    """Integers become floats so weights compare and serialise alike; anything else is left for
+    :meth:`PolicyWeights.validate` to judge."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _check_range(name: str, value: float, low: float, high: float | None) -> None:
+    if value < low or (high is not None and value > high):
+        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
+        raise ConfigError(f"policy.{name} must be {bounds}, got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a policy needs to know about one request.
+
+    ``candidates`` are the replicas the router allows (healthy, same pool), in a stable order;
+    duplicates are ignored. ``request_blocks`` is the number of full blocks of the prompt (what the
+    index was asked to match); ``prompt_tokens`` the prompt length in tokens.
+    """
+
+    candidates: tuple[ReplicaId, ...]
+    request_blocks: int
+    prompt_tokens: int
+    session_key: str | None = None
+    """Sticky-routing key (a header or the OpenAI ``user`` field), used by ``session``."""
+    request_id: str | None = None
+    """For logs only; no policy routes on it."""
+
+
+class Policy(Protocol):
+    """A routing policy: pure, side-effect free (``round_robin`` advances only its own counter).
+
+    Raises :class:`~balancer.errors.NoReplicasAvailable` when ``request.candidates`` is empty.
+    """
+
+    @property
+    def name(self) -> str:
+        """The registry name, reported in ``Decision.policy``."""
+        ...
+
+    def __call__(
+        self,
+        request: RouteRequest,
+        overlap: Overlap,
+        load: LoadSnapshot,
+        weights: PolicyWeights,
+        rng: random.Random,
+    ) -> Decision: ...
+
+
+PolicyFactory = Callable[[], Policy]
+
+
+POLICY_NAMES = ("cost", "round_robin", "random", "least_load", "power_of_two", "session", "sglang_threshold")
+DEFAULT_POLICY = "cost"
+
+
+def _builtin(name: str) -> Policy:
+    # Imported here, not at the top: the policy modules import this one.
+    from balancer.policy.baselines import LeastLoad, PowerOfTwo, RandomChoice, RoundRobin, Session
+    from balancer.policy.cost import CostPolicy
+    from balancer.policy.sglang import SglangThreshold
+
+    classes: dict[str, Callable[[], Policy]] = {
+        "cost": CostPolicy,
+        "round_robin": RoundRobin,
+        "random": RandomChoice,
+        "least_load": LeastLoad,
+        "power_of_two": PowerOfTwo,
+        "session": Session,
+        "sglang_threshold": SglangThreshold,
+    }
+    return classes[name]()
+
+
+POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
+    {name: functools.partial(_builtin, name) for name in POLICY_NAMES}
+)
+"""Policy name → factory of a fresh instance (read-only)."""
+
+
+def make_policy(name: str) -> Policy:
+    """A fresh policy by registry name; an unknown name raises :class:`ConfigError`."""
+    factory = POLICIES.get(name)
+    if factory is None:
+        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
+    return factory()

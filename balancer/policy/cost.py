@@ -1,0 +1,190 @@
+"""The default routing policy: a cost in KV blocks, trading cache affinity against load (pure).
+
+For each candidate replica ``r`` (lower is better)::
+
+    cost_r = w_prefill · (pending_prefill_blocks_r + request_blocks − credit_r · overlap_r)
+           + w_decode  · active_decode_blocks_r
+           + w_queue   · waiting_r
+
+* ``pending_prefill_blocks_r``: uncached prompt tokens of requests this balancer routed to ``r``
+  that have not produced a first token yet, divided by the block size (router-tracked).
+* ``request_blocks``: full blocks of this request's prompt; ``overlap_r`` the leading ones ``r``
+  already holds (clamped to ``request_blocks``), so the prefill term is never negative.
+* ``active_decode_blocks_r``: KV blocks of requests decoding on ``r`` (router-tracked).
+* ``waiting_r``: the engine's scraped queue length, 0 when unknown or stale.
+* ``credit_r`` = ``overlap_credit``, or 0 when the imbalance guard withdraws it (below).
+
+Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_decode`` = 1, ``w_queue`` = 0,
+``temperature`` = 0; guards: ``kv_usage_ceiling`` = 0.95, ``imbalance_threshold_blocks`` off.
+
+Guards, applied before choosing:
+
+1. **KV-usage ceiling**: a replica whose fresh scraped KV usage is ≥ ``kv_usage_ceiling`` is excluded
+   (``excluded="kv_usage>=…"``), unless that would exclude every candidate, in which case nobody is.
+2. **Imbalance**: let ``load_r`` be the cost without this request's terms
+   (``w_prefill·pending + w_decode·decode + w_queue·waiting``). A replica whose ``load_r`` exceeds the
+   least loaded eligible replica's by more than ``imbalance_threshold_blocks`` loses its overlap
+   credit. Withdrawing the credit only from the overloaded replicas (rather than ignoring affinity
+   everywhere) keeps affinity between the others, while the cache can no longer pull work onto a
+   replica that is already far behind.
+
+Choice: ``temperature`` 0 takes the lowest cost, ties broken uniformly with ``rng``. ``temperature``
+T > 0 samples with ``p_r ∝ exp(−z_r / T)``, ``z_r = (cost_r − min) / (max − min)`` over eligible
+replicas (all equal when the range is 0), so T is independent of the cost's scale.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import replace
+
+from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.policy.base import PolicyWeights, RouteRequest
+from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min
+from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+
+
+class CostPolicy:
+    """The block-cost policy described in the module docstring. Stateless."""
+
+    name = "cost"
+
+    def __call__(
+        self,
+        request: RouteRequest,
+        overlap: Overlap,
+        load: LoadSnapshot,
+        weights: PolicyWeights,
+        rng: random.Random,
+    ) -> Decision:
+        candidates = candidates_of(request)
+        loads = {replica: load.of(replica) for replica in candidates}
+        excluded, notes = kv_guard(loads, weights.kv_usage_ceiling)
+        eligible = [r for r in candidates if r not in excluded]
+        no_credit = imbalance_guard(
+            {r: base_load(loads[r], weights) for r in eligible}, weights.imbalance_threshold_blocks
+        )
+        if no_credit:
+            notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
+        terms = [
+            cost_terms(
+                loads[r],
+                overlap_blocks(overlap, r, request.request_blocks),
+                request.request_blocks,
+                weights,
+                credit=0.0 if r in no_credit else weights.overlap_credit,
+                excluded=excluded.get(r),
+            )
+            for r in candidates
+        ]
+        chosen, terms = choose(terms, weights.temperature, rng)
+        mode = "argmin" if weights.temperature == 0 else f"softmax T={weights.temperature:g}"
+        reason = "; ".join([mode, *notes])
+        return decide(self.name, chosen, request, overlap, load, terms, reason)
+
+
+def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
+    """The replica's cost before this request: ``w_prefill·pending + w_decode·decode + w_queue·waiting``."""
+    return (
+        weights.prefill_weight * load.pending_prefill_blocks
+        + weights.decode_weight * load.active_decode_blocks
+        + weights.queue_weight * (load.waiting_reqs or 0)
+    )
+
+
+def kv_guard(
+    loads: dict[ReplicaId, ReplicaLoad], ceiling: float | None
+) -> tuple[dict[ReplicaId, str], list[str]]:
+    """Replicas at or above the KV-usage ceiling → exclusion reason, plus notes for the decision.
+    Nobody is excluded when the guard is off or when every candidate is at the ceiling."""
+    if ceiling is None:
+        return {}, []
+    full = {
+        replica: f"kv_usage>={ceiling:g}"
+        for replica, load in loads.items()
+        if load.kv_usage is not None and load.kv_usage >= ceiling
+    }
+    if full and len(full) == len(loads):
+        return {}, [f"every candidate at kv_usage>={ceiling:g}: guard lifted"]
+    return full, []
+
+
+def imbalance_guard(loads: dict[ReplicaId, float], threshold_blocks: float | None) -> list[ReplicaId]:
+    """Replicas whose load exceeds the minimum by more than ``threshold_blocks`` (none when off)."""
+    if threshold_blocks is None or not loads:
+        return []
+    floor = min(loads.values())
+    return [replica for replica, value in loads.items() if value - floor > threshold_blocks]
+
+
+def cost_terms(
+    load: ReplicaLoad,
+    overlap: int,
+    request_blocks: int,
+    weights: PolicyWeights,
+    *,
+    credit: float,
+    excluded: str | None,
+) -> CostTerms:
+    """The three weighted terms and their sum for one replica (computed for excluded ones too, so
+    an explanation shows what they would have cost)."""
+    waiting = float(load.waiting_reqs or 0)
+    prefill_term = weights.prefill_weight * (load.pending_prefill_blocks + request_blocks - credit * overlap)
+    decode_term = weights.decode_weight * load.active_decode_blocks
+    queue_term = weights.queue_weight * waiting
+    return CostTerms(
+        replica=load.replica,
+        overlap_blocks=overlap,
+        request_blocks=request_blocks,
+        pending_prefill_blocks=load.pending_prefill_blocks,
+        active_decode_blocks=float(load.active_decode_blocks),
+        waiting_requests=waiting,
+        kv_usage=load.kv_usage,
+        prefill_term=prefill_term,
+        decode_term=decode_term,
+        queue_term=queue_term,
+        cost=prefill_term + decode_term + queue_term,
+        excluded=excluded,
+    )
+
+
+def choose(
+    terms: Sequence[CostTerms], temperature: float, rng: random.Random
+) -> tuple[ReplicaId, list[CostTerms]]:
+    """Pick among the non-excluded terms: argmin (T = 0) or softmax sampling (T > 0). Returns the
+    choice and the terms, with probabilities filled in when sampling (0 for excluded replicas)."""
+    scored = [(t.replica, _cost(t)) for t in terms if t.excluded is None]
+    if temperature == 0:
+        return pick_min(scored, rng), list(terms)
+    probabilities = softmax_probabilities([cost for _, cost in scored], temperature)
+    by_replica = dict(zip((r for r, _ in scored), probabilities, strict=True))
+    chosen = sample([r for r, _ in scored], probabilities, rng)
+    with_p = [replace(t, probability=by_replica.get(t.replica, 0.0)) for t in terms]
+    return chosen, with_p
+
+
+def softmax_probabilities(costs: Sequence[float], temperature: float) -> list[float]:
+    """``p_i ∝ exp(−z_i/T)`` with costs min-max normalised to ``z`` in 0..1 (uniform when equal)."""
+    low, high = min(costs), max(costs)
+    spread = high - low
+    weights = [math.exp(-((c - low) / spread if spread > 0 else 0.0) / temperature) for c in costs]
+    total = sum(weights)  # ≥ 1: the cheapest replica has z = 0 and weight exp(0) = 1
+    return [w / total for w in weights]
+
+
+def sample(replicas: Sequence[ReplicaId], probabilities: Sequence[float], rng: random.Random) -> ReplicaId:
+    """One replica drawn with the given probabilities (one ``rng.random()`` draw)."""
+    point = rng.random()
+    cumulative = 0.0
+    for replica, p in zip(replicas, probabilities, strict=True):
+        cumulative += p
+        if point < cumulative:
+            return replica
+    return replicas[-1]  # float rounding left the sum a hair below 1
+
+
+def _cost(terms: CostTerms) -> float:
+    assert terms.cost is not None  # cost_terms always sets it
+    return terms.cost
