@@ -1,0 +1,11 @@
+"""Event ingestion (does I/O): engine streams → ordered batches → ``PrefixIndex.apply``.
+
+* :mod:`~balancer.sources.base`: the ``EventSource`` seam, ``IngestBatch``, status and backoff.
+* :mod:`~balancer.sources.zmq_sub`: SGLang/vLLM ZMQ SUB per DP rank, gap replay over DEALER.
+* :mod:`~balancer.sources.trtllm_poll`: the single consumer of TRT-LLM's ``POST /kv_cache_events``.
+* :mod:`~balancer.sources.pipeline`: per-replica bounded queue + applier, and ``EventIngest``,
+  the owner of every ingest task.
+* :mod:`~balancer.sources.build`: sources for a configured replica.
+
+The engine metrics scraper lives in :mod:`balancer.scrape`.
+"""

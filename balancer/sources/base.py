@@ -1,0 +1,147 @@
+"""The event-source seam and what every source shares (pure: no sockets, no clock reads).
+
+A source (:mod:`balancer.sources.zmq_sub`, :mod:`balancer.sources.trtllm_poll`) talks to one engine
+stream, decodes its messages with the engine's sans-IO decoder, keeps the stream in order (gaps,
+replay, restarts) and hands ordered :class:`IngestBatch` es to an :data:`Emit` callback. The callback
+is :meth:`balancer.sources.pipeline.ReplicaPipeline.offer`: synchronous and never blocking, so a slow
+index can never stall a socket (the pipeline's bounded queue drops and resyncs instead).
+
+Sources do I/O; this module only holds the seam, the status record and small helpers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from balancer.engines import DecodedBatch
+from balancer.errors import ConfigError, EventDecodeError
+from balancer.events import KvEvent, Resync
+from balancer.metrics import Metrics
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+PER_EVENT_ERROR = "event"
+"""``reason`` label for one malformed event inside a good message (the detail is only logged)."""
+INTERNAL_ERROR = "internal"
+"""``reason`` label for a decoder that failed with something other than ``EventDecodeError``."""
+
+
+@dataclass(frozen=True, slots=True)
+class IngestBatch:
+    """Events of one replica, in order, ready for ``PrefixIndex.apply``.
+
+    ``engine_ts`` is the engine's wall-clock timestamp of the batch (ZMQ envelope ``ts``), used only
+    for the lag gauge; ``None`` when the transport has none (TRT-LLM).
+    """
+
+    events: tuple[KvEvent, ...]
+    engine_ts: float | None = None
+
+
+Emit = Callable[[IngestBatch], None]
+"""Where a source puts ordered batches; must not block (see ``ReplicaPipeline.offer``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SourceStatus:
+    """What a source knows about its stream, for ``/admin/replicas`` (a point-in-time copy)."""
+
+    kind: str
+    """``"zmq"`` or ``"trtllm"``."""
+    replica: ReplicaId
+    endpoint: str
+    dp_rank: int | None
+    """The DP rank this source serves; ``None`` when one stream carries every rank (TRT-LLM)."""
+    last_seq: int | None
+    """Last ZMQ sequence number taken in order; ``None`` before the first or after a restart."""
+    last_event_wall_ts: float | None
+    """Our wall clock (``time.time()``) when the last message with events arrived."""
+    messages: int
+    gaps: int
+    replays: int
+    replay_failures: int
+    resyncs: int
+    duplicates: int
+    decode_errors: int
+    transport_errors: int
+    epoch: str | None = None
+    disabled: bool = False
+    """TRT-LLM answered 404: the engine runs without ``event_buffer_max_size``."""
+
+
+@dataclass(slots=True)
+class SourceCounters:
+    """Mutable counters a source updates as it goes; :meth:`status` freezes them."""
+
+    messages: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    resyncs: int = 0
+    duplicates: int = 0
+    decode_errors: int = 0
+    transport_errors: int = 0
+    last_event_wall_ts: float | None = None
+
+
+class EventSource(Protocol):
+    """One engine event stream of one replica. ``run`` returns only when cancelled (or the ZMQ
+    context is terminated); transport errors are retried with backoff, bad input is counted."""
+
+    replica: ReplicaId
+
+    async def run(self, emit: Emit) -> None: ...
+
+    def status(self) -> SourceStatus: ...
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Exponential delays for retries: ``initial_s``, ×``factor`` each failure, capped at ``max_s``."""
+
+    initial_s: float
+    max_s: float
+    factor: float = 2.0
+    _next_s: float = field(init=False, default=0.0)
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.initial_s) and 0 < self.initial_s <= self.max_s):
+            raise ConfigError(f"backoff needs 0 < initial_s <= max_s, got {self.initial_s}, {self.max_s}")
+        if self.factor < 1:
+            raise ConfigError(f"backoff factor must be >= 1, got {self.factor}")
+        self._next_s = self.initial_s
+
+    def next_delay(self) -> float:
+        """The delay to wait now (seconds); the following one grows."""
+        delay = self._next_s
+        self._next_s = min(self.max_s, self._next_s * self.factor)
+        return delay
+
+    def reset(self) -> None:
+        """A success: the next failure waits ``initial_s`` again."""
+        self._next_s = self.initial_s
+
+
+def count_decode_error(metrics: Metrics, engine: str, exc: Exception) -> None:
+    """Count a message that could not be decoded at all (``EventDecodeError`` or a decoder bug)."""
+    reason = exc.reason if isinstance(exc, EventDecodeError) else INTERNAL_ERROR
+    metrics.events_decode_errors_total.labels(engine, reason).inc()
+
+
+def count_decoded(metrics: Metrics, engine: str, replica: ReplicaId, batch: DecodedBatch) -> None:
+    """Count what a good message still lost: malformed events and events ignored on purpose."""
+    if batch.errors:
+        metrics.events_decode_errors_total.labels(engine, PER_EVENT_ERROR).inc(len(batch.errors))
+        log.debug("replica %s: %d malformed events, first: %s", replica, len(batch.errors), batch.errors[0])
+    if batch.ignored:
+        metrics.events_applied_total.labels(engine, "other", "ignored").inc(batch.ignored)
+
+
+def resyncs_in(events: tuple[KvEvent, ...] | list[KvEvent]) -> list[Resync]:
+    """The ``Resync`` events among ``events`` (decoders emit their own, e.g. TRT-LLM ``created``)."""
+    return [event for event in events if isinstance(event, Resync)]

@@ -1,0 +1,57 @@
+"""Builds the event sources of one configured replica (no I/O itself: sockets open in ``run``).
+
+SGLang and vLLM: one :class:`ZmqEventSource` per DP rank, rank ``r`` on the configured endpoint's port
+``+ r`` (replay likewise), none when the replica has no ``events`` endpoint. TRT-LLM: one
+:class:`TrtllmPoller` on the replica's HTTP URL. Every source gets its own decoder.
+"""
+
+from __future__ import annotations
+
+import aiohttp
+import zmq.asyncio
+
+from balancer.config import ReplicaConfig
+from balancer.engines.sglang import SglangDecoder
+from balancer.engines.trtllm import TrtllmDecoder
+from balancer.metrics import Metrics
+from balancer.sources.base import EventSource
+from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
+from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings, endpoint_for_rank
+from balancer.types import ReplicaId
+
+
+def build_sources(
+    replica: ReplicaConfig,
+    *,
+    zmq_ctx: zmq.asyncio.Context,
+    session: aiohttp.ClientSession,
+    metrics: Metrics,
+    zmq_settings: ZmqSourceSettings | None = None,
+    poll_settings: PollSettings | None = None,
+) -> list[EventSource]:
+    """The sources feeding ``replica``'s pipeline (possibly none)."""
+    replica_id = ReplicaId(replica.id)
+    if replica.engine == "trtllm":
+        decoder = TrtllmDecoder(tokens_per_block=replica.block_size)
+        poller = TrtllmPoller(
+            replica_id, replica.url, session=session, decoder=decoder, metrics=metrics, settings=poll_settings
+        )
+        return [poller]
+    if replica.events is None:
+        return []
+    sources: list[EventSource] = []
+    for rank in range(replica.dp_size):
+        replay = None if replica.replay is None else endpoint_for_rank(replica.replay, rank)
+        source = ZmqEventSource(
+            replica_id,
+            endpoint_for_rank(replica.events, rank),
+            ctx=zmq_ctx,
+            decoder=SglangDecoder(block_size=replica.block_size),
+            metrics=metrics,
+            dp_rank=rank,
+            topic=replica.topic.encode("utf-8"),
+            replay_endpoint=replay,
+            settings=zmq_settings,
+        )
+        sources.append(source)
+    return sources

@@ -1,0 +1,237 @@
+"""Poller of TRT-LLM's ``POST /kv_cache_events`` drain for one replica (does I/O).
+
+Each POST returns, and removes from the engine, every event buffered since the last one: the poller
+must be the only consumer of that replica (see DESIGN.md, Redis lease). Ordering lives in the
+stateful :class:`balancer.engines.trtllm.TrtllmDecoder` (``event_id`` per rank, ``created``), whose
+``Resync`` events flow through unchanged.
+
+Pacing: after a drain that held anything the next poll comes after ``min_interval_s``; each empty
+drain doubles the wait up to ``max_interval_s``. Connection errors, timeouts and bad statuses back
+off (``error_backoff_*``) and never end the loop; a 404 (events disabled on the engine) is logged
+once and retried every ``disabled_retry_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from balancer.engines import DecodedBatch, Decoder
+from balancer.errors import ConfigError, EventDecodeError
+from balancer.events import Resync
+from balancer.metrics import Metrics
+from balancer.sources.base import (
+    Backoff,
+    Emit,
+    IngestBatch,
+    SourceCounters,
+    SourceStatus,
+    count_decode_error,
+    count_decoded,
+    resyncs_in,
+)
+from balancer.sources.http import BodyTooLarge, read_capped
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+EVENTS_PATH = "/kv_cache_events"
+
+
+@dataclass(frozen=True, slots=True)
+class PollSettings:
+    """Settings of every :class:`TrtllmPoller`."""
+
+    min_interval_s: float = 0.01
+    """Wait after a drain that returned events (seconds). Must be > 0."""
+    max_interval_s: float = 0.5
+    """Longest wait between polls of an idle engine (seconds); the staleness bound of the index
+    for TRT-LLM when traffic resumes. Must be ≥ ``min_interval_s``."""
+    request_timeout_s: float = 5.0
+    """Whole-request timeout (seconds). Older engines hold an idle drain ~2 s, so keep it above
+    that; at the limit the poll counts as an error and backs off."""
+    error_backoff_initial_s: float = 0.2
+    """First wait after a failed poll (seconds); doubles per consecutive failure."""
+    error_backoff_max_s: float = 5.0
+    """Longest wait after failures (seconds), e.g. while the engine is down or not started yet."""
+    disabled_retry_s: float = 30.0
+    """Wait between polls while the engine answers 404 (events disabled) (seconds)."""
+    max_body_bytes: int = 64 * 1024 * 1024
+    """Largest drain body accepted (bytes). A larger one is dropped and counted; the decoder then
+    sees an ``event_id`` gap on the next drain and resyncs."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field out of range."""
+        for name in (
+            "min_interval_s",
+            "max_interval_s",
+            "request_timeout_s",
+            "error_backoff_initial_s",
+            "error_backoff_max_s",
+            "disabled_retry_s",
+        ):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"trtllm_poll.{name} must be a finite number > 0, got {value}")
+        if self.min_interval_s > self.max_interval_s:
+            raise ConfigError("trtllm_poll.min_interval_s must be <= max_interval_s")
+        if self.error_backoff_initial_s > self.error_backoff_max_s:
+            raise ConfigError("trtllm_poll.error_backoff_initial_s must be <= error_backoff_max_s")
+        if self.max_body_bytes < 2:
+            raise ConfigError("trtllm_poll.max_body_bytes must be >= 2")
+
+
+class PollError(Exception):
+    """One poll failed at the HTTP level (bad status, oversized body)."""
+
+
+class TrtllmPoller:
+    """The single consumer of one replica's ``/kv_cache_events`` drain."""
+
+    kind = "trtllm"
+
+    def __init__(
+        self,
+        replica: ReplicaId,
+        base_url: str,
+        *,
+        session: aiohttp.ClientSession,
+        decoder: Decoder,
+        metrics: Metrics,
+        settings: PollSettings | None = None,
+    ) -> None:
+        """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
+        (stateful) ``TrtllmDecoder``."""
+        self.replica = replica
+        self.url = base_url.rstrip("/") + EVENTS_PATH
+        self.settings = settings or PollSettings()
+        self.settings.validate()
+        self._session = session
+        self._decoder = decoder
+        self._metrics = metrics
+        self._engine = decoder.engine
+        self._interval_s = self.settings.min_interval_s
+        self._backoff = Backoff(self.settings.error_backoff_initial_s, self.settings.error_backoff_max_s)
+        self._failing = False
+        self._disabled = False
+        self._counters = SourceCounters()
+
+    def status(self) -> SourceStatus:
+        c = self._counters
+        return SourceStatus(
+            kind=self.kind,
+            replica=self.replica,
+            endpoint=self.url,
+            dp_rank=None,
+            last_seq=None,
+            last_event_wall_ts=c.last_event_wall_ts,
+            messages=c.messages,
+            gaps=c.gaps,
+            replays=0,
+            replay_failures=0,
+            resyncs=c.resyncs,
+            duplicates=0,
+            decode_errors=c.decode_errors,
+            transport_errors=c.transport_errors,
+            disabled=self._disabled,
+        )
+
+    async def run(self, emit: Emit) -> None:
+        """Poll until cancelled."""
+        while True:
+            delay_s = await self.poll_once(emit)
+            await asyncio.sleep(delay_s)
+
+    async def poll_once(self, emit: Emit) -> float:
+        """One drain; returns how long to wait before the next (seconds)."""
+        try:
+            body = await self._drain()
+        except (aiohttp.ClientError, TimeoutError, PollError) as exc:
+            return self._failed(exc)
+        if self._failing:
+            log.info("replica %s: %s reachable again", self.replica, self.url)
+        self._failing = False
+        self._backoff.reset()
+        if body is None:
+            if not self._disabled:
+                log.warning(
+                    "replica %s: %s answers 404; KV events are off on the engine "
+                    "(set kv_cache_config.event_buffer_max_size > 0); retrying every %.0f s",
+                    self.replica,
+                    self.url,
+                    self.settings.disabled_retry_s,
+                )
+            self._disabled = True
+            return self.settings.disabled_retry_s
+        self._disabled = False
+        batch = self._decode(body)
+        busy = batch is None or bool(batch.events or batch.ignored or batch.errors)
+        if batch is not None:
+            self._deliver(batch, emit)
+        if busy:
+            self._interval_s = self.settings.min_interval_s
+        else:
+            self._interval_s = min(self.settings.max_interval_s, self._interval_s * 2)
+        return self._interval_s
+
+    async def _drain(self) -> bytes | None:
+        """POST the drain; the body, or ``None`` for 404. Raises on errors."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
+        async with self._session.post(self.url, timeout=timeout) as resp:
+            if resp.status == 404:
+                await resp.release()
+                return None
+            if resp.status != 200:
+                raise PollError(f"HTTP {resp.status}")
+            try:
+                return await read_capped(resp, self.settings.max_body_bytes)
+            except BodyTooLarge as exc:
+                raise PollError(str(exc)) from None
+
+    def _failed(self, exc: BaseException) -> float:
+        self._counters.transport_errors += 1
+        delay_s = self._backoff.next_delay()
+        if not self._failing:
+            log.warning(
+                "replica %s: drain %s failed (%s); retrying with backoff", self.replica, self.url, exc
+            )
+        else:
+            log.debug("replica %s: drain failed again: %s", self.replica, exc)
+        self._failing = True
+        return delay_s
+
+    def _decode(self, body: bytes) -> DecodedBatch | None:
+        try:
+            batch = self._decoder.decode([body])
+        except EventDecodeError as exc:
+            self._decode_failed(exc)
+            return None
+        except Exception as exc:  # a decoder bug on odd input must not stop polling
+            log.exception("replica %s: decoder failed", self.replica)
+            self._decode_failed(exc)
+            return None
+        count_decoded(self._metrics, self._engine, self.replica, batch)
+        return batch
+
+    def _decode_failed(self, exc: Exception) -> None:
+        self._counters.decode_errors += 1
+        count_decode_error(self._metrics, self._engine, exc)
+        log.debug("replica %s: undecodable drain: %s", self.replica, exc)
+
+    def _deliver(self, batch: DecodedBatch, emit: Emit) -> None:
+        self._counters.messages += 1
+        self._counters.decode_errors += len(batch.errors)
+        resyncs: list[Resync] = resyncs_in(batch.events)
+        self._counters.resyncs += len(resyncs)
+        gaps = sum(1 for resync in resyncs if resync.reason == "gap")
+        if gaps:
+            self._counters.gaps += gaps
+            self._metrics.events_seq_gaps_total.labels(self.replica).inc(gaps)
+        if batch.events:
+            self._counters.last_event_wall_ts = time.time()
+            emit(IngestBatch(tuple(batch.events)))

@@ -1,0 +1,337 @@
+"""ZMQ subscriber for one SGLang/vLLM publisher (one DP rank), with DEALER replay (does I/O).
+
+The engine PUBlishes ``[topic, seq (8 bytes big-endian), msgpack batch]``; ``seq`` counts batches per
+publisher from 0. This source keeps the stream in order:
+
+* **Start / late join.** With no state yet, the first message decides: if its seq is the one wanted
+  (0, or the ``resume_seq`` given to the constructor) it is taken; if it is beyond, the replay socket
+  is asked for everything from the wanted seq. When replay is off, fails, or starts above the wanted
+  seq (its buffer no longer holds it), ``Resync(rank, "gap")`` goes out first and the stream goes on.
+* **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over a fresh
+  DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and count.
+  Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
+  ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
+* **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
+  previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
+  handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
+  metadata is the same with reason ``"epoch"``.
+* Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
+  the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.asyncio
+
+from balancer.engines import DecodedBatch, Decoder
+from balancer.errors import ConfigError, EventDecodeError
+from balancer.events import KvEvent, Resync, ResyncReason
+from balancer.metrics import Metrics
+from balancer.sources.base import (
+    Backoff,
+    Emit,
+    IngestBatch,
+    SourceCounters,
+    SourceStatus,
+    count_decode_error,
+    count_decoded,
+)
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+SEQ_BYTES = 8
+REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqSourceSettings:
+    """Settings of every :class:`ZmqEventSource`."""
+
+    replay_timeout_s: float = 2.0
+    """Budget for one whole replay exchange (seconds). At the limit the batches read so far are kept
+    and the rest of the gap becomes a ``Resync``. Must be > 0."""
+    replay_max_batches: int = 20_000
+    """Most batches read in one replay (engines keep 10 000 by default). Beyond it the replay stops
+    and the remainder resyncs; bounds the time spent away from the live socket. Must be ≥ 1."""
+    rcvhwm: int = 100_000
+    """SUB receive high-water mark (messages). Above it ZMQ drops messages, which shows as a gap.
+    Must be ≥ 1."""
+    reconnect_initial_s: float = 0.1
+    """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
+    reconnect_max_s: float = 5.0
+    """Longest wait between reopen attempts (seconds); also ZMQ's own reconnect interval cap."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field out of range."""
+        for name in ("replay_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")
+        if self.reconnect_initial_s > self.reconnect_max_s:
+            raise ConfigError("zmq.reconnect_initial_s must be <= zmq.reconnect_max_s")
+        for name in ("replay_max_batches", "rcvhwm"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
+    """The endpoint of DP rank ``dp_rank``: TCP port + rank; ``ipc://`` paths get ``_dp{rank}``."""
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        parts = urlsplit(endpoint)
+        if parts.port is None:
+            raise ConfigError(f"endpoint {endpoint!r} has no port")
+        host = endpoint[len("tcp://") : endpoint.rindex(":")]
+        return f"tcp://{host}:{parts.port + dp_rank}"
+    return f"{endpoint}_dp{dp_rank}"
+
+
+class ZmqEventSource:
+    """Subscribes to one publisher (one replica, one DP rank) and emits its batches in order."""
+
+    kind = "zmq"
+
+    def __init__(
+        self,
+        replica: ReplicaId,
+        endpoint: str,
+        *,
+        ctx: zmq.asyncio.Context,
+        decoder: Decoder,
+        metrics: Metrics,
+        dp_rank: int = 0,
+        topic: bytes = b"",
+        replay_endpoint: str | None = None,
+        resume_seq: int | None = None,
+        settings: ZmqSourceSettings | None = None,
+    ) -> None:
+        """``resume_seq`` is the next seq the index still needs (from a durable store); ``None``
+        means the index holds nothing of this rank, so seq 0 is wanted."""
+        self.replica = replica
+        self.endpoint = endpoint
+        self.dp_rank = dp_rank
+        self.topic = topic
+        self.replay_endpoint = replay_endpoint
+        self.settings = settings or ZmqSourceSettings()
+        self.settings.validate()
+        self._ctx = ctx
+        self._decoder = decoder
+        self._metrics = metrics
+        self._engine = decoder.engine
+        self._want = resume_seq if resume_seq is not None else 0
+        self._last_seq: int | None = None
+        self._live_last: int | None = None
+        self._epoch: str | None = None
+        self._rank_warned = False
+        self._counters = SourceCounters()
+
+    def status(self) -> SourceStatus:
+        c = self._counters
+        return SourceStatus(
+            kind=self.kind,
+            replica=self.replica,
+            endpoint=self.endpoint,
+            dp_rank=self.dp_rank,
+            last_seq=self._last_seq,
+            last_event_wall_ts=c.last_event_wall_ts,
+            messages=c.messages,
+            gaps=c.gaps,
+            replays=c.replays,
+            replay_failures=c.replay_failures,
+            resyncs=c.resyncs,
+            duplicates=c.duplicates,
+            decode_errors=c.decode_errors,
+            transport_errors=c.transport_errors,
+            epoch=self._epoch,
+        )
+
+    async def run(self, emit: Emit) -> None:
+        """Receive until cancelled (or the context is terminated); reopen the socket on errors."""
+        backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
+        while True:
+            sub = self._open_sub()
+            try:
+                while True:
+                    frames = await sub.recv_multipart()
+                    backoff.reset()
+                    await self._on_message(frames, emit)
+            except zmq.ZMQError as exc:
+                if exc.errno == zmq.ETERM:
+                    return
+                self._counters.transport_errors += 1
+                log.warning(
+                    "replica %s rank %d: SUB %s failed: %s", self.replica, self.dp_rank, self.endpoint, exc
+                )
+            finally:
+                sub.close(linger=0)
+            await asyncio.sleep(backoff.next_delay())
+
+    def _open_sub(self) -> zmq.asyncio.Socket:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.reconnect_max_s * 1000))
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        return sub
+
+    def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
+        try:
+            batch = self._decoder.decode(frames)
+        except EventDecodeError as exc:
+            self._decode_failed(exc)
+            return None
+        except Exception as exc:  # a decoder bug on odd input must not stop ingestion
+            log.exception("replica %s: decoder failed", self.replica)
+            self._decode_failed(exc)
+            return None
+        if batch.seq is None:
+            self._decode_failed(EventDecodeError("frame", "message has no sequence number"))
+            return None
+        self._counters.decode_errors += len(batch.errors)
+        count_decoded(self._metrics, self._engine, self.replica, batch)
+        return batch
+
+    def _decode_failed(self, exc: Exception) -> None:
+        self._counters.decode_errors += 1
+        count_decode_error(self._metrics, self._engine, exc)
+        log.debug("replica %s rank %d: undecodable message: %s", self.replica, self.dp_rank, exc)
+
+    async def _on_message(self, frames: Sequence[bytes], emit: Emit) -> None:
+        batch = self._decode(frames)
+        if batch is None or batch.seq is None:
+            return
+        self._counters.messages += 1
+        seq = batch.seq
+        if batch.epoch is not None:
+            if self._epoch is not None and batch.epoch != self._epoch:
+                self._restart(emit, "epoch")
+            self._epoch = batch.epoch
+        if self._live_last is not None and seq <= self._live_last:
+            self._restart(emit, "restart")
+        self._live_last = seq
+        expected = self._expected()
+        if seq < expected:
+            if self._last_seq is not None:
+                self._counters.duplicates += 1  # already taken from a replay
+                return
+            # No state, and the engine is behind our resume point: it restarted meanwhile.
+            self._resync(emit, "restart")
+            self._want = expected = seq
+        if seq > expected:
+            if self._last_seq is not None:
+                self._counters.gaps += 1
+                self._metrics.events_seq_gaps_total.labels(self.replica).inc()
+            if self.replay_endpoint is not None:
+                await self._replay(expected, emit)
+            if seq < self._expected():
+                return  # the replay delivered it
+        self._accept(batch, emit)
+
+    def _expected(self) -> int:
+        return self._want if self._last_seq is None else self._last_seq + 1
+
+    def _restart(self, emit: Emit, reason: ResyncReason) -> None:
+        log.info("replica %s rank %d: publisher restarted (%s)", self.replica, self.dp_rank, reason)
+        self._resync(emit, reason)
+        self._last_seq = None
+        self._live_last = None
+        self._want = 0
+
+    def _resync(self, emit: Emit, reason: ResyncReason) -> None:
+        self._counters.resyncs += 1
+        emit(IngestBatch((Resync(self.dp_rank, reason),)))
+
+    def _accept(self, batch: DecodedBatch, emit: Emit) -> None:
+        """Take ``batch`` as the next in order; anything skipped before it is lost: resync."""
+        assert batch.seq is not None
+        if batch.seq > self._expected():
+            self._resync(emit, "gap")
+        self._last_seq = batch.seq
+        if batch.events:
+            self._counters.last_event_wall_ts = time.time()
+            emit(IngestBatch(tuple(self._ranked(batch)), batch.timestamp))
+
+    def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
+        """Events with this source's rank when the envelope names none (the port decides the rank)."""
+        if batch.dp_rank is None:
+            if self.dp_rank == 0:
+                return batch.events
+            return [dataclasses.replace(event, dp_rank=self.dp_rank) for event in batch.events]
+        if batch.dp_rank != self.dp_rank and not self._rank_warned:
+            self._rank_warned = True
+            log.warning(
+                "replica %s: publisher %s says dp_rank %d, configured %d (check dp_size/ports)",
+                self.replica,
+                self.endpoint,
+                batch.dp_rank,
+                self.dp_rank,
+            )
+        return batch.events
+
+    async def _replay(self, start_seq: int, emit: Emit) -> None:
+        """Ask the replay socket for every batch from ``start_seq`` and take the new ones in order."""
+        assert self.replay_endpoint is not None
+        self._counters.replays += 1
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        first_seq: int | None = None
+        complete = False
+        try:
+            dealer.connect(self.replay_endpoint)
+            async with asyncio.timeout(self.settings.replay_timeout_s):
+                # A DEALER with no peer yet holds the send: keep it inside the time budget.
+                await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+                for _ in range(self.settings.replay_max_batches):
+                    frames = await dealer.recv_multipart()
+                    if len(frames) == 3 and frames[0] == b"" and frames[1] == REPLAY_END:
+                        complete = True
+                        break
+                    seq = self._on_replayed(frames, emit)
+                    if first_seq is None:
+                        first_seq = seq
+        except TimeoutError:
+            log.info("replica %s rank %d: replay from %d timed out", self.replica, self.dp_rank, start_seq)
+        except zmq.ZMQError as exc:
+            if exc.errno == zmq.ETERM:
+                raise
+            log.warning("replica %s rank %d: replay failed: %s", self.replica, self.dp_rank, exc)
+        finally:
+            dealer.close(linger=0)
+        self._count_replay(start_seq, first_seq, complete)
+
+    def _on_replayed(self, frames: Sequence[bytes], emit: Emit) -> int | None:
+        """Take one replayed ``[b"", seq8, payload]``; returns its seq (``None`` when unusable)."""
+        if len(frames) != 3 or frames[0] != b"":
+            self._decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
+            return None
+        batch = self._decode(frames[1:])
+        if batch is None or batch.seq is None:
+            return None
+        if batch.seq >= self._expected():
+            self._accept(batch, emit)
+        return batch.seq
+
+    def _count_replay(self, start_seq: int, first_seq: int | None, complete: bool) -> None:
+        if first_seq is None:
+            outcome = "failed"
+        elif first_seq > start_seq or not complete:
+            outcome = "partial"
+        else:
+            outcome = "filled"
+        if outcome != "filled":
+            self._counters.replay_failures += 1
+        self._metrics.events_replays_total.labels(self.replica, outcome).inc()
+        log.debug("replica %s rank %d: replay from %d %s", self.replica, self.dp_rank, start_seq, outcome)

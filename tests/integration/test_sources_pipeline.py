@@ -1,0 +1,229 @@
+"""ReplicaPipeline and EventIngest: ordered apply, overflow → resync, failing index, task ownership."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from balancer.events import Cleared, KvEvent, Removed, Resync
+from balancer.index.base import ApplyResult, IndexStats
+from balancer.metrics import Metrics
+from balancer.sources.base import Emit, IngestBatch, SourceStatus
+from balancer.sources.pipeline import EventIngest, IngestSettings, ReplicaPipeline
+from balancer.types import EngineHash, ReplicaId
+
+R1 = ReplicaId("r1")
+R2 = ReplicaId("r2")
+
+
+class RecordingIndex:
+    """Test double of the sink: records ``apply`` calls; can be told to fail."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[ReplicaId, list[KvEvent], float]] = []
+        self.fail_next = 0
+        self.dropped: list[ReplicaId] = []
+
+    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        if self.fail_next:
+            self.fail_next -= 1
+            raise ConnectionError("backend down")
+        self.calls.append((replica, list(events), now))
+        return ApplyResult(
+            removed_blocks=sum(len(e.engine_hashes) for e in events if isinstance(e, Removed)),
+            cleared_caches=sum(isinstance(e, Cleared) for e in events),
+            resyncs=sum(isinstance(e, Resync) for e in events),
+            unknown_removals=1,
+        )
+
+    async def drop_replica(self, replica: ReplicaId) -> int:
+        self.dropped.append(replica)
+        return 0
+
+    async def stats(self) -> IndexStats:
+        return IndexStats(0, 0)
+
+    async def aclose(self) -> None:
+        return None
+
+    def events(self, replica: ReplicaId | None = None) -> list[KvEvent]:
+        return [e for r, events, _ in self.calls if replica in (None, r) for e in events]
+
+
+def removed(n: int, rank: int = 0) -> IngestBatch:
+    return IngestBatch((Removed(rank, (EngineHash(n),)),), engine_ts=time.time() - 0.5)
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+def sample(metrics: Metrics, name: str, labels: dict[str, str]) -> float:
+    return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def test_batches_apply_in_order_with_monotonic_now_and_metrics() -> None:
+    index, metrics = RecordingIndex(), Metrics.create()
+    pipeline = ReplicaPipeline(R1, "sglang", index, metrics=metrics)  # type: ignore[arg-type]
+    for n in range(50):
+        pipeline.offer(removed(n))
+    pipeline.offer(IngestBatch(()))  # empty batches are not queued
+    assert pipeline.queued_batches == 50
+    before = time.monotonic()
+    task = asyncio.create_task(pipeline.run())
+    try:
+        await eventually(lambda: pipeline.applied_batches == 50)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [e.engine_hashes[0] for e in index.events() if isinstance(e, Removed)] == list(range(50))
+    assert len(index.calls) < 50  # queued batches were coalesced into fewer apply calls
+    assert all(before <= now <= time.monotonic() for _, _, now in index.calls)
+    labels = {"engine": "sglang", "type": "removed", "status": "applied"}
+    assert sample(metrics, "kvlb_events_applied_total", labels) == 50
+    assert sample(metrics, "kvlb_index_skipped_total", {"reason": "unknown_removal"}) == len(index.calls)
+    lag = sample(metrics, "kvlb_events_lag_seconds", {"replica": R1})
+    assert 0.5 <= lag < 5.0
+
+
+async def test_overflow_drops_the_backlog_and_resyncs_each_rank() -> None:
+    index, metrics = RecordingIndex(), Metrics.create()
+    settings = IngestSettings(queue_max_batches=3)
+    pipeline = ReplicaPipeline(R1, "sglang", index, metrics=metrics, settings=settings)  # type: ignore[arg-type]
+    pipeline.offer(removed(1, rank=0))
+    pipeline.offer(removed(2, rank=2))
+    pipeline.offer(removed(3, rank=0))
+    pipeline.offer(removed(4, rank=1))  # full: everything queued so far and this batch go
+    assert pipeline.queued_batches == 1
+    pipeline.offer(removed(5, rank=0))  # after the overflow, batches queue normally
+    task = asyncio.create_task(pipeline.run())
+    try:
+        await eventually(lambda: pipeline.applied_batches == 2)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert index.events() == [
+        Resync(0, "overflow"),
+        Resync(1, "overflow"),
+        Resync(2, "overflow"),
+        Removed(0, (EngineHash(5),)),
+    ]
+    assert pipeline.overflows == 1
+    assert sample(metrics, "kvlb_events_queue_overflow_total", {"replica": R1}) == 1
+    assert sample(metrics, "kvlb_events_resyncs_total", {"replica": R1, "reason": "overflow"}) == 3
+
+
+async def test_failed_apply_is_survived_and_its_ranks_resync() -> None:
+    index, metrics = RecordingIndex(), Metrics.create()
+    index.fail_next = 1
+    pipeline = ReplicaPipeline(R1, "trtllm", index, metrics=metrics)  # type: ignore[arg-type]
+    task = asyncio.create_task(pipeline.run())
+    try:
+        pipeline.offer(removed(1, rank=3))
+        await eventually(lambda: pipeline.apply_errors == 1)
+        pipeline.offer(removed(2, rank=0))
+        await eventually(lambda: pipeline.applied_batches == 1)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert index.events() == [Resync(3, "stale"), Removed(0, (EngineHash(2),))]
+    labels = {"engine": "trtllm", "type": "batch", "status": "error"}
+    assert sample(metrics, "kvlb_events_applied_total", labels) == 1
+
+
+class ScriptedSource:
+    """Test double of an EventSource: emits its batches, then waits to be cancelled."""
+
+    def __init__(self, replica: ReplicaId, batches: list[IngestBatch]) -> None:
+        self.replica = replica
+        self.batches = batches
+        self.cancelled = False
+
+    async def run(self, emit: Emit) -> None:
+        for batch in self.batches:
+            emit(batch)
+            await asyncio.sleep(0)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+
+    def status(self) -> SourceStatus:
+        return SourceStatus(
+            "scripted", self.replica, "-", 0, None, None, len(self.batches), 0, 0, 0, 0, 0, 0, 0
+        )
+
+
+async def test_ingest_owns_and_cancels_every_task() -> None:
+    index, metrics = RecordingIndex(), Metrics.create()
+    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+    first = ScriptedSource(R1, [removed(n) for n in range(3)])
+    ingest.add_replica(R1, "sglang", [first])
+    with pytest.raises(ValueError, match="already"):
+        ingest.add_replica(R1, "sglang", [])
+    await ingest.start()
+    second = ScriptedSource(R2, [removed(7, rank=1)])
+    ingest.add_replica(R2, "vllm", [second])  # added while running: starts at once
+    await eventually(lambda: len(index.events(R1)) == 3 and len(index.events(R2)) == 1)
+    status = ingest.status()
+    assert status[R1].applied_batches >= 1 and status[R1].sources[0].messages == 3
+    assert status[R2].engine == "vllm"
+
+    await ingest.remove_replica(R2)
+    assert second.cancelled and index.dropped == [R2]
+    assert set(ingest.status()) == {R1}
+
+    tasks_before = {t for t in asyncio.all_tasks() if t.get_name().startswith("kvlb-")}
+    assert len(tasks_before) == 2
+    await ingest.aclose()
+    assert first.cancelled
+    assert all(t.done() for t in tasks_before)
+    assert not {t for t in asyncio.all_tasks() if t.get_name().startswith("kvlb-") and not t.done()}
+
+
+def test_settings_validation() -> None:
+    from balancer.errors import ConfigError
+
+    with pytest.raises(ConfigError):
+        IngestSettings(queue_max_batches=0).validate()
+    with pytest.raises(ConfigError):
+        IngestSettings(coalesce_max_batches=0).validate()
+
+
+async def test_build_sources_per_engine() -> None:
+    import aiohttp
+    import zmq.asyncio
+
+    from balancer.config import ReplicaConfig
+    from balancer.sources.build import build_sources
+    from balancer.sources.trtllm_poll import TrtllmPoller
+    from balancer.sources.zmq_sub import ZmqEventSource
+
+    ctx = zmq.asyncio.Context()
+    try:
+        async with aiohttp.ClientSession() as session:
+            common = {"zmq_ctx": ctx, "session": session, "metrics": Metrics.create()}
+            sgl = ReplicaConfig(
+                id="s", url="http://h:1", events="tcp://h:5557", replay="tcp://h:6000", dp_size=3, topic="kv"
+            )
+            sources = build_sources(sgl, **common)  # type: ignore[arg-type]
+            assert all(isinstance(s, ZmqEventSource) for s in sources)
+            zmq_sources = [s for s in sources if isinstance(s, ZmqEventSource)]
+            assert [(s.dp_rank, s.endpoint, s.replay_endpoint, s.topic) for s in zmq_sources] == [
+                (0, "tcp://h:5557", "tcp://h:6000", b"kv"),
+                (1, "tcp://h:5558", "tcp://h:6001", b"kv"),
+                (2, "tcp://h:5559", "tcp://h:6002", b"kv"),
+            ]
+            assert build_sources(ReplicaConfig(id="v", url="http://h:1", engine="vllm"), **common) == []  # type: ignore[arg-type]
+            trt = build_sources(ReplicaConfig(id="t", url="http://h:2/", engine="trtllm"), **common)  # type: ignore[arg-type]
+            assert len(trt) == 1 and isinstance(trt[0], TrtllmPoller)
+            assert trt[0].url == "http://h:2/kv_cache_events"
+    finally:
+        ctx.destroy(linger=0)
