@@ -1,0 +1,210 @@
+"""Mooncake trace replay as token-id ``/v1/completions`` requests (pure, but :func:`read_trace` reads a file).
+
+A Mooncake trace (FAST'25, Kimi/Moonshot AI) is JSON lines of ``timestamp`` (ms from the start),
+``input_length``, ``output_length`` and ``hash_ids``, the prompt's 512-token blocks (the last may be
+partial); requests sharing a leading run of ``hash_ids`` share that prefix. Replay turns each hash id
+into 512 token ids drawn from a generator seeded by ``(salt, hash_id)``, with the salt taken once from
+the run's rng, so equal ids always give equal blocks within a run and a new seed gives new tokens. The
+prompt is the blocks' concatenation truncated to ``input_length``; ids lie in ``[1000, 100000)``, safe
+for the DeepSeek-V3 vocabulary (129,280) the emulator and kvlb use.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from loadtests.workloads.base import RequestSpec, check_positive, make_tags
+
+MOONCAKE_BLOCK_TOKENS = 512
+"""Tokens per ``hash_ids`` entry in the published Mooncake traces."""
+
+
+class TraceError(ValueError):
+    """A trace line that is not a valid Mooncake record."""
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    """One Mooncake trace record."""
+
+    timestamp_ms: int
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def parse_trace_line(line: str) -> TraceRow:
+    """One JSON line → :class:`TraceRow`; raises :class:`TraceError` when a field is missing or wrong."""
+    try:
+        raw = json.loads(line)
+        row = TraceRow(
+            timestamp_ms=int(raw["timestamp"]),
+            input_length=int(raw["input_length"]),
+            output_length=int(raw["output_length"]),
+            hash_ids=tuple(int(h) for h in raw["hash_ids"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise TraceError(f"bad trace line {line[:80]!r}: {exc}") from exc
+    if row.input_length < 0 or row.output_length < 0 or any(h < 0 for h in row.hash_ids):
+        raise TraceError(f"negative length or hash id in trace line {line[:80]!r}")
+    return row
+
+
+def read_trace(path: str | Path, *, offset: int = 0, limit: int | None = None) -> Iterator[TraceRow]:
+    """Rows ``offset .. offset + limit`` of a trace file, read lazily (blank lines skipped). I/O."""
+    if offset < 0 or (limit is not None and limit < 0):
+        raise ValueError(f"offset and limit must be >= 0, got {offset}, {limit}")
+    taken = 0
+    index = 0
+    with open(path, encoding="utf-8") as lines:
+        for line in lines:
+            if limit is not None and taken >= limit:
+                return
+            if not line.strip():
+                continue
+            if index >= offset:
+                yield parse_trace_line(line)
+                taken += 1
+            index += 1
+
+
+class BlockTokens:
+    """Deterministic token ids per hash id, with a bounded LRU of recent blocks.
+
+    ``cache_blocks`` blocks are kept; past that the least recently used is dropped and counted in
+    ``evictions`` (it is regenerated, identical, when asked again).
+    """
+
+    __slots__ = ("_cache", "block_tokens", "cache_blocks", "evictions", "high", "low", "salt")
+
+    def __init__(
+        self,
+        salt: int,
+        *,
+        block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+        low: int = 1000,
+        high: int = 100_000,
+        cache_blocks: int = 4096,
+    ) -> None:
+        check_positive("BlockTokens", block_tokens=block_tokens, cache_blocks=cache_blocks)
+        if not 0 <= low < high:
+            raise ValueError(f"need 0 <= low < high, got {low}, {high}")
+        self.salt = salt
+        self.block_tokens = block_tokens
+        self.low = low
+        self.high = high
+        self.cache_blocks = cache_blocks
+        self.evictions = 0
+        self._cache: OrderedDict[int, tuple[int, ...]] = OrderedDict()
+
+    def block(self, hash_id: int) -> tuple[int, ...]:
+        """The ``block_tokens`` ids of ``hash_id``."""
+        cached = self._cache.get(hash_id)
+        if cached is not None:
+            self._cache.move_to_end(hash_id)
+            return cached
+        # A str seed is hashed with SHA-512 by random.Random: stable across runs and platforms.
+        raw = random.Random(f"{self.salt}:{hash_id}").randbytes(4 * self.block_tokens)
+        span = self.high - self.low
+        ids = tuple(self.low + v % span for v in struct.unpack(f"<{self.block_tokens}I", raw))
+        self._cache[hash_id] = ids
+        if len(self._cache) > self.cache_blocks:
+            self._cache.popitem(last=False)
+            self.evictions += 1
+        return ids
+
+    def prompt(self, hash_ids: Iterable[int], length: int) -> list[int]:
+        """Blocks of ``hash_ids`` concatenated, cut at ``length`` (short if the blocks run out)."""
+        ids: list[int] = []
+        for hash_id in hash_ids:
+            if len(ids) >= length:
+                break
+            ids.extend(self.block(hash_id))
+        del ids[length:]
+        return ids
+
+
+def replay(
+    rows: Iterable[TraceRow],
+    rng: random.Random,
+    *,
+    time_scale: float = 1.0,
+    max_tokens_cap: int | None = None,
+    max_input_tokens: int | None = None,
+    first_index: int = 0,
+) -> Iterator[RequestSpec]:
+    """Specs of ``rows``: token-id prompts, ``arrival_s`` = (timestamp − first timestamp) · ``time_scale``.
+
+    ``max_tokens`` is ``output_length`` (at least 1), cut at ``max_tokens_cap``; prompts are cut at
+    ``max_input_tokens`` (a prefix, so sharing is kept). A row whose ``input_length`` is longer than its
+    blocks is padded with fresh ids from ``rng`` (an unshared tail). Request ids count from ``first_index``.
+    """
+    check_positive("replay", time_scale=time_scale)
+    blocks = BlockTokens(rng.getrandbits(64))
+    start_ms: int | None = None
+    for n, row in enumerate(rows, start=first_index):
+        start_ms = row.timestamp_ms if start_ms is None else start_ms
+        length = row.input_length if max_input_tokens is None else min(row.input_length, max_input_tokens)
+        prompt = blocks.prompt(row.hash_ids, length)
+        prompt.extend(rng.randrange(blocks.low, blocks.high) for _ in range(length - len(prompt)))
+        max_tokens = max(1, row.output_length)
+        if max_tokens_cap is not None:
+            max_tokens = min(max_tokens, max_tokens_cap)
+        yield RequestSpec(
+            f"mooncake-{n}",
+            max_tokens,
+            prompt_token_ids=tuple(prompt),
+            arrival_s=max(0.0, (row.timestamp_ms - start_ms) / 1000.0 * time_scale),
+            tags=make_tags(trace_index=n, input_length=row.input_length, blocks=len(row.hash_ids)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeWorkload:
+    """Replay of a Mooncake trace file slice (``offset``, ``limit``) with a time scale."""
+
+    name: ClassVar[str] = "mooncake"
+
+    path: str
+    """The trace file (JSON lines)."""
+
+    offset: int = 0
+    """Rows skipped at the start of the file."""
+
+    limit: int | None = None
+    """Rows replayed after ``offset``; ``None``: to the end of the file."""
+
+    time_scale: float = 1.0
+    """Multiplies the gaps between timestamps (< 1 replays faster, e.g. 0.5 = twice the rate)."""
+
+    max_tokens_cap: int | None = None
+    """Upper bound on ``max_tokens`` (from ``output_length``); ``None``: none."""
+
+    max_input_tokens: int | None = None
+    """Prompts are cut to this many tokens (kept a prefix) to fit a replica's context; ``None``: none."""
+
+    def __post_init__(self) -> None:
+        check_positive(self.name, time_scale=self.time_scale)
+        for name, value in (
+            ("max_tokens_cap", self.max_tokens_cap),
+            ("max_input_tokens", self.max_input_tokens),
+        ):
+            if value is not None:
+                check_positive(self.name, **{name: value})
+
+    def generate(self, rng: random.Random) -> Iterator[RequestSpec]:
+        return replay(
+            read_trace(self.path, offset=self.offset, limit=self.limit),
+            rng,
+            time_scale=self.time_scale,
+            max_tokens_cap=self.max_tokens_cap,
+            max_input_tokens=self.max_input_tokens,
+            first_index=self.offset,
+        )
