@@ -127,6 +127,7 @@ class PoolRouter:
         merged: dict[ReplicaId, int] = {}
         ranks: dict[ReplicaId, int] = {}
         exact_tokens: dict[ReplicaId, int] = {}
+        speculative: dict[ReplicaId, int] = {}
         keys_by_space: dict[int, list[BlockKey]] = {}
         for space in self._spaces_for(candidates):
             keys = space.hasher.request_keys(token_ids, lora_name, cache_salt)
@@ -134,10 +135,14 @@ class PoolRouter:
             among = [r for r in candidates if r in space.replicas]
             overlap = space.table.match(keys, among, now)
             bs = space.hasher.block_size
+            confirmed = space.table.match(keys, among, now, True) if space.table.has_speculative else overlap
             for replica, blocks in overlap.blocks.items():
                 exact_tokens[replica] = blocks * bs
                 merged[replica] = blocks * bs // ref_bs
                 ranks[replica] = overlap.best_rank.get(replica, 0)
+                pending = blocks - confirmed.of(replica)
+                if pending > 0:
+                    speculative[replica] = pending * bs // ref_bs
         request_blocks = len(token_ids) // ref_bs
         route = RouteRequest(
             candidates=tuple(candidates),
@@ -146,7 +151,7 @@ class PoolRouter:
             session_key=session_key,
             request_id=request_id,
         )
-        overlap_all = Overlap(blocks=merged, best_rank=ranks, request_blocks=request_blocks)
+        overlap_all = Overlap(merged, ranks, request_blocks, speculative)
         decision = policy(route, overlap_all, self.tracker().snapshot(now), weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []

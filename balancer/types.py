@@ -51,6 +51,9 @@ class Overlap:
     blocks: dict[ReplicaId, int]
     best_rank: dict[ReplicaId, int] = field(default_factory=dict)
     request_blocks: int = 0
+    speculative_blocks: dict[ReplicaId, int] = field(default_factory=dict)
+    """Part of ``blocks`` backed only by speculative entries: blocks a request routed there earlier is
+    still prefilling. Work the new request shares rather than waits behind (see the cost policy)."""
 
     def of(self, replica: ReplicaId) -> int:
         """Overlap of one replica in blocks (0 when unknown)."""
@@ -78,6 +81,8 @@ class CostTerms:
     cost: float | None
     probability: float | None = None
     excluded: str | None = None
+    shared_pending_blocks: float = 0.0
+    """Pending prefill blocks not counted as load because this request shares them (speculative)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,7 @@
 
 For each candidate replica ``r`` (lower is better)::
 
-    cost_r = w_prefill · (pending_prefill_blocks_r + request_blocks − credit_r · overlap_r)
+    cost_r = w_prefill · (pending_prefill_blocks_r − shared_r + request_blocks − credit_r · overlap_r)
            + w_decode  · active_decode_blocks_r
            + w_queue   · waiting_r
 
@@ -13,6 +13,12 @@ For each candidate replica ``r`` (lower is better)::
 * ``active_decode_blocks_r``: KV blocks of requests decoding on ``r`` (router-tracked).
 * ``waiting_r``: the engine's scraped queue length, 0 when unknown or stale.
 * ``credit_r`` = ``overlap_credit``, or 0 when the imbalance guard withdraws it (below).
+* ``shared_r`` = ``min(pending_prefill_blocks_r, credit_r · speculative_r)``, where
+  ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
+  request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
+  blocks this request will reuse, so it is shared, not competing. Without this term a burst of
+  same-prefix requests arriving before the first KV event would scatter over the fleet (each
+  follower sees the leader's prefill as load), which is the case speculative entries exist for.
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_decode`` = 1, ``w_queue`` = 0,
 ``temperature`` = 0; guards: ``kv_usage_ceiling`` = 0.95, ``imbalance_threshold_blocks`` off.
@@ -76,6 +82,7 @@ class CostPolicy:
                 weights,
                 credit=0.0 if r in no_credit else weights.overlap_credit,
                 excluded=excluded.get(r),
+                speculative=min(overlap.speculative_blocks.get(r, 0), request.request_blocks),
             )
             for r in candidates
         ]
@@ -127,11 +134,15 @@ def cost_terms(
     *,
     credit: float,
     excluded: str | None,
+    speculative: int = 0,
 ) -> CostTerms:
     """The three weighted terms and their sum for one replica (computed for excluded ones too, so
     an explanation shows what they would have cost)."""
     waiting = float(load.waiting_reqs or 0)
-    prefill_term = weights.prefill_weight * (load.pending_prefill_blocks + request_blocks - credit * overlap)
+    shared = min(load.pending_prefill_blocks, credit * speculative)
+    prefill_term = weights.prefill_weight * (
+        load.pending_prefill_blocks - shared + request_blocks - credit * overlap
+    )
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
     return CostTerms(
@@ -147,6 +158,7 @@ def cost_terms(
         queue_term=queue_term,
         cost=prefill_term + decode_term + queue_term,
         excluded=excluded,
+        shared_pending_blocks=shared,
     )
 
 
