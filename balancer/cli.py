@@ -14,6 +14,8 @@ from typing import Protocol
 
 _COMMAND_MODULES: tuple[str, ...] = (
     "balancer.bench.command",
+    "replicas.cli",
+    "balancer.serve_cmd",
 )
 
 

@@ -34,6 +34,8 @@ class ApplyResult:
     skipped_unknown_parent: int = 0
     unknown_removals: int = 0
     evicted_blocks: int = 0
+    skipped_block_size_mismatch: int = 0
+    """``Stored`` events whose block size or lookahead differs from the pool's, skipped whole."""
 
     def add(self, other: ApplyResult) -> None:
         self.stored_blocks += other.stored_blocks
@@ -43,6 +45,7 @@ class ApplyResult:
         self.skipped_unknown_parent += other.skipped_unknown_parent
         self.unknown_removals += other.unknown_removals
         self.evicted_blocks += other.evicted_blocks
+        self.skipped_block_size_mismatch += other.skipped_block_size_mismatch
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,335 @@
+"""The OpenAI-compatible HTTP API every emulated replica serves (I/O shell, aiohttp).
+
+``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming, ``usage`` with
+``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, and what vLLM-style routers
+call on workers: ``/v1/chat/completions/render``, ``/v1/completions/render`` and ``/tokenize``.
+Prompts are tokenized by the balancer's own tokenizer seam (:mod:`balancer.tokenize`), so replica
+and balancer see the same ids; a prompt may also be given as token ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from balancer.tokenize import TokenizeError
+from replicas.sim.context import ReplicaContext, json_error
+from replicas.sim.engine import RequestHandle
+from replicas.sim.sampling import sampling_salt, token_text
+from replicas.sim.scheduler import SimRequest
+
+CTX_KEY = web.AppKey("sim_ctx", ReplicaContext)
+
+_INLINE_TOKENIZE_CHARS = 2048
+"""Shorter texts are tokenized inline; longer ones in a thread (tokenizing is CPU work)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+    stream: bool
+    include_usage: bool
+    dp_rank: int | None
+
+
+def _ctx(request: web.Request) -> ReplicaContext:
+    return request.app[CTX_KEY]
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise web.HTTPBadRequest(text=f"invalid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise web.HTTPBadRequest(text="the body must be a JSON object")
+    return body
+
+
+def parse_sampling(body: Mapping[str, Any], default_max_tokens: int) -> Sampling:
+    """Sampling parameters of a request; ``ValueError`` names the bad field."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_new = default_max_tokens if max_tokens is None else max_tokens
+    temperature = body.get("temperature", 1.0)
+    seed = body.get("seed")
+    if not isinstance(max_new, int) or isinstance(max_new, bool) or max_new < 1:
+        raise ValueError("max_tokens must be an integer >= 1")
+    if not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError("temperature must be a number >= 0")
+    if seed is not None and not isinstance(seed, int):
+        raise ValueError("seed must be an integer")
+    if body.get("n", 1) != 1:
+        raise ValueError("only n = 1 is supported")
+    options = body.get("stream_options") or {}
+    dp_rank = body.get("data_parallel_rank")
+    return Sampling(
+        max_new_tokens=max_new,
+        temperature=float(temperature),
+        seed=seed,
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
+        dp_rank=dp_rank if isinstance(dp_rank, int) else None,
+    )
+
+
+async def tokenize_chat(ctx: ReplicaContext, messages: Any) -> list[int]:
+    if not isinstance(messages, list) or not messages:
+        raise TokenizeError("messages must be a non-empty list")
+    size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
+    if size <= _INLINE_TOKENIZE_CHARS:
+        return ctx.tokenizer.encode_chat(messages)
+    return await asyncio.to_thread(ctx.tokenizer.encode_chat, messages)
+
+
+async def tokenize_prompt(ctx: ReplicaContext, prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
+        return await asyncio.to_thread(ctx.tokenizer.encode_prompt, prompt)
+    if not isinstance(prompt, (str, list)):
+        raise TokenizeError("prompt must be a string or a list of token ids")
+    return ctx.tokenizer.encode_prompt(prompt)
+
+
+def _usage(request: SimRequest) -> dict[str, Any]:
+    prompt, completion = len(request.prompt), len(request.output)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": request.cached_tokens},
+    }
+
+
+def _sse(payload: Mapping[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _Shape:
+    """Chat or text-completion response objects."""
+
+    def __init__(self, chat: bool, rid: str, model: str) -> None:
+        self.chat = chat
+        self.head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": model,
+        }
+
+    def chunk(self, text: str | None, first: bool, finish: str | None) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {} if text is None else {"content": text}
+            if first:
+                delta["role"] = "assistant"
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self.head, "choices": [choice]}
+
+    def whole(self, text: str, request: SimRequest) -> dict[str, Any]:
+        finish = request.finish_reason
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            obj = "text_completion"
+        return {**self.head, "object": obj, "choices": [choice], "usage": _usage(request)}
+
+
+async def generate(
+    request: web.Request,
+    ctx: ReplicaContext,
+    ids: list[int],
+    body: Mapping[str, Any],
+    *,
+    chat: bool,
+    received_s: float,
+) -> web.StreamResponse:
+    """Run one request through the engine and answer as OpenAI does (JSON or SSE).
+
+    ``received_s`` (model time) is when the handler started: the request's TTFT clock starts there.
+    """
+    try:
+        sampling = parse_sampling(body, ctx.config.default_max_tokens)
+    except ValueError as exc:
+        return json_error(400, str(exc))
+    total = len(ids) + sampling.max_new_tokens
+    if total > ctx.config.profile.max_context_tokens or not ctx.engine.fits(
+        len(ids), sampling.max_new_tokens
+    ):
+        limit = ctx.config.profile.max_context_tokens
+        return json_error(
+            400, f"prompt ({len(ids)}) + max_tokens ({sampling.max_new_tokens}) exceeds {limit}"
+        )
+    rid = ctx.next_request_id("chatcmpl" if chat else "cmpl")
+    salt = sampling_salt(sampling.temperature, sampling.seed, ctx.request_counter)
+    sim = SimRequest(rid, ids, sampling.max_new_tokens, arrival_s=0.0, salt=salt)
+    handle = ctx.engine.submit(sim, sampling.dp_rank, received_s)
+    if handle is None:
+        return json_error(503, "the waiting queue is full", "ServiceUnavailableError")
+    shape = _Shape(chat, rid, ctx.model)
+    try:
+        if sampling.stream:
+            return await _stream(request, ctx, handle, shape, sampling.include_usage)
+        pieces = []
+        while (out := await handle.next()) is not None:
+            pieces.append(token_text(out.token))
+        if sim.finish_reason == "abort":
+            return json_error(503, "the engine restarted", "ServiceUnavailableError")
+        return web.json_response(shape.whole("".join(pieces), sim), headers=_headers(ctx, handle))
+    finally:
+        if sim.finish_reason is None:
+            ctx.engine.abort(handle)
+
+
+def _headers(ctx: ReplicaContext, handle: RequestHandle) -> dict[str, str]:
+    return {"x-sim-replica": ctx.config.name, "x-sim-dp-rank": str(handle.rank)}
+
+
+async def _stream(
+    request: web.Request, ctx: ReplicaContext, handle: RequestHandle, shape: _Shape, include_usage: bool
+) -> web.StreamResponse:
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(ctx, handle)}
+    )
+    await response.prepare(request)
+    crash_after = ctx.faults.settings.crash_after_chunks
+    sent = 0
+    while (out := await handle.next()) is not None:
+        await response.write(_sse(shape.chunk(token_text(out.token), out.index == 0, None)))
+        sent += 1
+        if crash_after is not None and sent >= crash_after:
+            if request.transport is not None:
+                request.transport.abort()  # the "engine crashed mid-stream" fault
+            return response
+    if handle.request.finish_reason == "abort":
+        if request.transport is not None:
+            request.transport.abort()
+        return response
+    await response.write(_sse(shape.chunk(None, sent == 0, handle.request.finish_reason)))
+    if include_usage:
+        await response.write(_sse({**shape.head, "choices": [], "usage": _usage(handle.request)}))
+    await response.write(_sse("[DONE]"))
+    await response.write_eof()
+    return response
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    ctx = _ctx(request)
+    received_s = ctx.engine.clock.now()
+    body = await _json(request)
+    try:
+        ids = await tokenize_chat(ctx, body.get("messages"))
+    except TokenizeError as exc:
+        return json_error(400, str(exc))
+    return await generate(request, ctx, ids, body, chat=True, received_s=received_s)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    ctx = _ctx(request)
+    received_s = ctx.engine.clock.now()
+    body = await _json(request)
+    try:
+        ids = await tokenize_prompt(ctx, body.get("prompt"))
+    except TokenizeError as exc:
+        return json_error(400, str(exc))
+    return await generate(request, ctx, ids, body, chat=False, received_s=received_s)
+
+
+def _render_body(ctx: ReplicaContext, ids: Sequence[int], body: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        sampling = parse_sampling(body, ctx.config.default_max_tokens)
+        params: dict[str, Any] = {"max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature}
+    except ValueError:
+        params = {}
+    return {
+        "request_id": ctx.next_request_id("render"),
+        "token_ids": list(ids),
+        "features": None,
+        "sampling_params": params,
+        "model": ctx.model,
+        "stream": bool(body.get("stream", False)),
+    }
+
+
+async def chat_render(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    body = await _json(request)
+    try:
+        ids = await tokenize_chat(ctx, body.get("messages"))
+    except TokenizeError as exc:
+        return json_error(400, str(exc))
+    return web.json_response(_render_body(ctx, ids, body))
+
+
+async def completions_render(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    body = await _json(request)
+    try:
+        ids = await tokenize_prompt(ctx, body.get("prompt"))
+    except TokenizeError as exc:
+        return json_error(400, str(exc))
+    return web.json_response([_render_body(ctx, ids, body)])
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``/tokenize``: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
+    ctx = _ctx(request)
+    body = await _json(request)
+    try:
+        if "messages" in body:
+            ids = await tokenize_chat(ctx, body["messages"])
+        else:
+            ids = await tokenize_prompt(ctx, body.get("prompt"))
+    except TokenizeError as exc:
+        return json_error(400, str(exc))
+    limit = ctx.config.profile.max_context_tokens
+    return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None})
+
+
+async def models(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    card = {
+        "id": ctx.model,
+        "object": "model",
+        "created": int(ctx.started_wall),
+        "owned_by": "kvlb-sim",
+        "root": ctx.model,
+        "max_model_len": ctx.config.profile.max_context_tokens,
+    }
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    ctx = _ctx(request)
+    if ctx.faults.settings.fail_health:
+        return web.Response(status=503, text="unhealthy (injected fault)")
+    return web.Response(status=200)
+
+
+def add_openai_routes(app: web.Application, ctx: ReplicaContext) -> None:
+    app[CTX_KEY] = ctx
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions/render", chat_render)
+    app.router.add_post("/v1/completions/render", completions_render)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)

@@ -1,0 +1,193 @@
+"""One emulated replica: engine loop + personality + HTTP server + admin endpoints (I/O shell).
+
+Lifecycle: ``await Replica.start()`` binds every socket and starts every task; ``await stop()`` undoes
+it in reverse order. All tasks are owned here (or by the engine and the personality, which this class
+owns) and cancelled on stop.
+
+Admin endpoints (for tests and the demo; not part of any engine's API):
+
+* ``GET /admin/faults``; ``POST /admin/faults`` with any of the keys of
+  :class:`replicas.sim.faults.FaultSettings` and the one-shot actions ``stall_s``, ``refuse_s``,
+  ``restart``; ``DELETE /admin/faults`` clears the standing faults.
+* ``GET /admin/requests``: modelled timings of recently finished requests (``?clear=1`` empties it).
+* ``GET /admin/stats``: per-rank cache and queue figures plus event counters.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from dataclasses import asdict, replace
+from typing import Any
+
+import zmq.asyncio
+from aiohttp import web
+
+from balancer.tokenize import Tokenizer
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.context import ReplicaContext, json_error, rank_stats
+from replicas.sim.engine import Engine
+from replicas.sim.faults import FaultSettings, FaultState, parse_fault_request
+from replicas.sim.http import add_openai_routes
+from replicas.sim.personality_sglang import SglangPersonality
+from replicas.sim.personality_trtllm import TrtllmPersonality
+from replicas.sim.ports import free_port_run
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_TIMEOUT_S = 1.0
+"""How long stopping waits for open HTTP connections (streams are cut after that)."""
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Largest request body accepted."""
+
+
+def resolve_ports(config: ReplicaConfig) -> ReplicaConfig:
+    """``config`` with every port 0 replaced by free ports (consecutive per DP rank)."""
+    http_port = config.http_port or free_port_run(config.host, 1)
+    event_port, replay_port = config.event_port, config.replay_port
+    if config.engine == "sglang" and (event_port == 0 or replay_port == 0):
+        base = free_port_run(config.host, 2 * config.dp_size)
+        event_port = event_port or base
+        replay_port = replay_port or base + config.dp_size
+    return replace(config, http_port=http_port, event_port=event_port, replay_port=replay_port)
+
+
+class Replica:
+    """An emulated SGLang or TRT-LLM engine endpoint."""
+
+    def __init__(self, config: ReplicaConfig, tokenizer: Tokenizer, zctx: zmq.asyncio.Context) -> None:
+        self.config = config = resolve_ports(config)
+        self.faults = FaultState(config.faults, random.Random(config.seed))
+        self.personality: SglangPersonality | TrtllmPersonality
+        if config.engine == "sglang":
+            self.personality = SglangPersonality(zctx, config, self.faults)
+        else:
+            self.personality = TrtllmPersonality(config, self.faults)
+        vocab = int(getattr(tokenizer, "vocab_size", config.profile.vocab_size))
+        self.engine = Engine(config, self.faults, self.personality, vocab)
+        self.ctx = ReplicaContext(config, self.engine, self.faults, tokenizer, vocab)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        add_openai_routes(self.app, self.ctx)
+        self.personality.add_routes(self.app, self.ctx)
+        self._add_admin_routes()
+        self._runner = web.AppRunner(self.app, access_log=None, shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+        self._site: web.TCPSite | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.config.http_port}"
+
+    async def start(self) -> None:
+        await self.personality.start()
+        self.engine.start()
+        await self._runner.setup()
+        await self._listen()
+
+    async def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._runner.cleanup()
+        self._site = None
+        await self.engine.stop()
+        await self.personality.close()
+
+    def describe(self) -> dict[str, Any]:
+        """What a client needs to reach this replica (the fleet prints it)."""
+        return {
+            "name": self.config.name,
+            "engine": self.config.engine,
+            "url": self.url,
+            "model": self.config.profile.model,
+            "profile": self.config.profile.name,
+            "dp_size": self.config.dp_size,
+            "block_size": self.config.block_size,
+            **self.personality.describe(),
+        }
+
+    def restart(self) -> None:
+        """The engine process restarts: requests aborted, cache emptied, events start over."""
+        self.engine.restart()
+        self.personality.restart()
+
+    async def refuse_connections(self, wall_s: float) -> None:
+        """Close the listener now and reopen it after ``wall_s`` seconds (in an owned task)."""
+        if self._site is not None:
+            await self._site.stop()
+            self._site = None
+        self._spawn(self._reopen_after(wall_s))
+
+    async def _listen(self) -> None:
+        self._site = web.TCPSite(self._runner, self.config.host, self.config.http_port, reuse_address=True)
+        await self._site.start()
+
+    async def _reopen_after(self, wall_s: float) -> None:
+        await asyncio.sleep(wall_s)
+        if self._site is None:
+            await self._listen()
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ------------------------------------------------------------------------------------- admin
+
+    def _add_admin_routes(self) -> None:
+        router = self.app.router
+        router.add_get("/admin/faults", self._get_faults)
+        router.add_post("/admin/faults", self._post_faults)
+        router.add_delete("/admin/faults", self._clear_faults)
+        router.add_get("/admin/requests", self._requests)
+        router.add_get("/admin/stats", self._stats)
+
+    async def _get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.describe())
+
+    async def _post_faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+            if not isinstance(body, dict):
+                raise ValueError("the body must be a JSON object")
+            settings, actions = parse_fault_request(self.faults.settings, body)
+        except ValueError as exc:
+            return json_error(400, str(exc))
+        self.faults.settings = settings
+        if actions.restart:
+            self.restart()
+        if actions.stall_s > 0:
+            self.engine.stall(actions.stall_s)
+        if actions.refuse_s > 0:
+            await self.refuse_connections(actions.refuse_s)
+        log.info("replica %s faults now %s, actions %s", self.config.name, settings, actions)
+        return web.json_response({**self.faults.describe(), "actions": asdict(actions)})
+
+    async def _clear_faults(self, request: web.Request) -> web.Response:
+        self.faults.settings = FaultSettings()
+        return web.json_response(self.faults.describe())
+
+    async def _requests(self, request: web.Request) -> web.Response:
+        records = list(self.engine.finished_log)
+        if request.query.get("clear") in ("1", "true"):
+            self.engine.finished_log.clear()
+        return web.json_response(records)
+
+    async def _stats(self, request: web.Request) -> web.Response:
+        stats: dict[str, Any] = {
+            "name": self.config.name,
+            "ranks": [rank_stats(self.ctx, r) for r in range(self.config.dp_size)],
+            "faults": self.faults.describe(),
+            "requests_total": self.engine.requests_total,
+        }
+        personality = self.personality
+        if isinstance(personality, SglangPersonality):
+            stats["seq"] = [p.seq for p in personality.publishers]
+            stats["epoch"] = [p.epoch for p in personality.publishers]
+        else:
+            stats["events_buffered"] = len(personality.buffer.events)
+            stats["events_overflow_dropped"] = personality.buffer.overflow_dropped
+            stats["events_fault_dropped"] = personality.buffer.fault_dropped
+        return web.json_response(stats)

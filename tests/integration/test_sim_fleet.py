@@ -1,0 +1,110 @@
+"""Fleets: the in-process port layout, and ``kvlb sim`` as a real process (listing, idle CPU, SIGTERM)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+import aiohttp
+import pytest
+
+from balancer.tokenize import TokenIdTokenizer
+from replicas.fleet import Fleet, FleetSpec, ProcessFleet, template_config
+from replicas.measure import cpu_seconds
+from replicas.sim.ports import free_port_run
+
+IDLE_CPU_LIMIT = 0.05
+"""The target: an idle replica costs at most 5% of one core."""
+
+
+async def test_fleet_port_layout_and_mixed_engines() -> None:
+    base = free_port_run("127.0.0.1", 3)
+    events = free_port_run("127.0.0.1", 12)
+    spec = FleetSpec(
+        replicas=3,
+        engine="mixed",
+        template=template_config(profile="cpu-test", time_scale=20.0, dp_size=2),
+        base_port=base,
+        event_port_base=events,
+    )
+    async with Fleet(spec.configs(), TokenIdTokenizer()) as fleet, aiohttp.ClientSession() as session:
+        listing = fleet.describe()
+        assert [r["engine"] for r in listing] == ["sglang", "trtllm", "sglang"]
+        assert [r["url"] for r in listing] == [f"http://127.0.0.1:{base + i}" for i in range(3)]
+        assert listing[0]["events"] == [f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{events + 1}"]
+        assert listing[0]["replay"] == [f"tcp://127.0.0.1:{events + 2}", f"tcp://127.0.0.1:{events + 3}"]
+        assert listing[2]["events"][0] == f"tcp://127.0.0.1:{events + 8}"
+        for replica in listing:
+            body = {"prompt": [5, 6, 7, 8, 9], "max_tokens": 2}
+            async with session.post(replica["url"] + "/v1/completions", json=body) as response:
+                assert response.status == 200
+
+
+async def test_kvlb_sim_process_lists_idles_cheaply_and_stops_on_sigterm() -> None:
+    args = ["--replicas", "2", "--engine", "mixed", "--profile", "cpu-test", "--tokenizer", "none"]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "balancer", "sim", *args, stdout=asyncio.subprocess.PIPE
+    )
+    try:
+        assert process.stdout is not None
+        lines: list[str] = []
+        async with asyncio.timeout(30):
+            while not (lines and lines[-1].startswith("{")):
+                lines.append((await process.stdout.readline()).decode().strip())
+        replicas: list[dict[str, Any]] = json.loads(lines[-1])["replicas"]
+        assert len(lines) == 3 and lines[0].startswith("sim-0 sglang http://127.0.0.1:")
+        assert "events=tcp://127.0.0.1:" in lines[0] and lines[1].startswith("sim-1 trtllm")
+        async with aiohttp.ClientSession() as session:
+            for replica in replicas:
+                body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3}
+                async with session.post(replica["url"] + "/v1/completions", json=body) as response:
+                    assert response.status == 200
+        await asyncio.sleep(0.5)
+        before = cpu_seconds(process.pid)
+        await asyncio.sleep(2.0)
+        idle_per_replica = (cpu_seconds(process.pid) - before) / 2.0 / len(replicas)
+        assert idle_per_replica < IDLE_CPU_LIMIT
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+@pytest.mark.parametrize("bad", [["--profile", "nope"], ["--replicas", "1", "--slowdown", "0"]])
+async def test_kvlb_sim_rejects_bad_arguments(bad: list[str]) -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "replicas.cli", "--tokenizer", "none", *bad,
+        stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    async with asyncio.timeout(30):
+        assert await process.wait() == 2
+
+
+async def test_process_fleet_splits_replicas_over_children() -> None:
+    spec = FleetSpec(
+        replicas=3,
+        engine="trtllm",
+        template=template_config(profile="cpu-test"),
+        tokenizer="none",
+        extra_args=("--profile", "cpu-test", "--time-scale", "20"),
+    )
+    fleet = ProcessFleet(spec, processes=2)
+    try:
+        await fleet.start()
+        assert len(fleet.pids) == 2 and [r["name"] for r in fleet.replicas] == ["sim-0", "sim-1", "sim-2"]
+        async with aiohttp.ClientSession() as session:
+            for replica in fleet.replicas:
+                assert replica["engine"] == "trtllm"
+                body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 2}
+                async with session.post(replica["url"] + "/v1/completions", json=body) as response:
+                    assert response.status == 200
+    finally:
+        children = list(fleet.children)
+        await fleet.stop()
+    assert all(child.returncode == 0 for child in children)

@@ -1,0 +1,189 @@
+"""The emulator's OpenAI API over real HTTP: tokenizer seam, streaming, usage, determinism, timing, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq.asyncio
+
+from balancer.default_tokenizer import deepseek_tokenizer_file, default_tokenizer
+from balancer.tokenize import TokenIdTokenizer, Tokenizer
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.profiles import get_profile
+from replicas.sim.replica import Replica
+from replicas.sim.timing import isolated_ttft_s
+
+# Slow prefill (2,000 tok/s) so that the prefix-cache effect dominates wall-clock noise.
+TIMED = get_profile("cpu-test").with_overrides(
+    prefill_s_per_token=0.0005, chunk_prefill_tokens=1024, kv_capacity_tokens=4096, max_context_tokens=2048
+)
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> Tokenizer:
+    if deepseek_tokenizer_file() is None:
+        pytest.skip("deepseek-tokenizer is not installed")
+    return default_tokenizer()  # what `kvlb sim` loads by default, as the balancer does
+
+
+@asynccontextmanager
+async def running(
+    tokenizer: Tokenizer | None = None, **overrides: Any
+) -> AsyncIterator[tuple[Replica, aiohttp.ClientSession]]:
+    settings: dict[str, Any] = {"profile": get_profile("cpu-test"), "time_scale": 20.0, **overrides}
+    config = ReplicaConfig(name="h", engine="sglang", **settings)
+    zctx = zmq.asyncio.Context()
+    replica = Replica(config, tokenizer or TokenIdTokenizer(), zctx)
+    await replica.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            yield replica, session
+    finally:
+        await replica.stop()
+        zctx.destroy(linger=0)
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with session.post(url, json=body) as response:
+        return response.status, await response.json()
+
+
+async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, list[Any]]:
+    """Seconds to the first content chunk, and every SSE payload (``[DONE]`` as a string)."""
+    started = time.perf_counter()
+    first: float | None = None
+    payloads: list[Any] = []
+    async with session.post(url, json={**body, "stream": True}) as response:
+        assert response.status == 200 and response.content_type == "text/event-stream"
+        async for line in response.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if first is None:
+                first = time.perf_counter() - started
+            payloads.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    assert first is not None
+    return first, payloads
+
+
+async def test_chat_uses_the_balancer_tokenizer_seam(deepseek: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a prime."}]
+    expected = deepseek.encode_chat(messages)
+    async with running(deepseek) as (replica, session):
+        status, body = await post(
+            session, replica.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 3}
+        )
+        assert status == 200 and body["object"] == "chat.completion"
+        assert body["usage"]["prompt_tokens"] == len(expected) and body["usage"]["completion_tokens"] == 3
+        assert body["choices"][0]["message"]["role"] == "assistant"
+        status, render = await post(
+            session, replica.url + "/v1/chat/completions/render", {"messages": messages}
+        )
+        assert status == 200 and render["token_ids"] == expected
+        status, tokens = await post(session, replica.url + "/tokenize", {"prompt": "hello world"})
+        assert tokens["tokens"] == deepseek.encode_prompt("hello world") and tokens["count"] == len(
+            tokens["tokens"]
+        )
+        status, listing = await post(session, replica.url + "/v1/completions/render", {"prompt": "hi"})
+        assert status == 200 and listing[0]["token_ids"] == deepseek.encode_prompt("hi")
+        models = await (await session.get(replica.url + "/v1/models")).json()
+        assert models["data"][0]["id"] == replica.config.profile.model
+
+
+async def test_streaming_chunks_usage_and_done() -> None:
+    async with running() as (replica, session):
+        body = {"prompt": list(range(100, 130)), "max_tokens": 5, "stream_options": {"include_usage": True}}
+        _, payloads = await stream(session, replica.url + "/v1/completions", body)
+        texts = [p["choices"][0]["text"] for p in payloads[:5]]
+        assert all(texts) and payloads[5]["choices"][0]["finish_reason"] == "length"
+        assert payloads[6]["usage"]["completion_tokens"] == 5 and payloads[6]["choices"] == []
+        assert payloads[-1] == "[DONE]"
+        _, whole = await post(session, replica.url + "/v1/completions", {**body, "temperature": 0})
+        assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 28
+
+
+async def test_generation_is_deterministic_and_max_tokens_honoured() -> None:
+    async with running() as (replica, session):
+        url = replica.url + "/v1/completions"
+        prompt = {"prompt": list(range(50, 70)), "max_tokens": 7}
+        greedy = [(await post(session, url, {**prompt, "temperature": 0}))[1] for _ in range(2)]
+        seeded = [(await post(session, url, {**prompt, "temperature": 0.8, "seed": 5}))[1] for _ in range(2)]
+        free = [(await post(session, url, {**prompt, "temperature": 0.8}))[1] for _ in range(2)]
+        text = [[r["choices"][0]["text"] for r in group] for group in (greedy, seeded, free)]
+        assert text[0][0] == text[0][1] and text[1][0] == text[1][1] and text[2][0] != text[2][1]
+        assert text[0][0] != text[1][0]
+        assert all(r["usage"]["completion_tokens"] == 7 for r in greedy + seeded + free)
+        assert len(text[0][0].split()) == 7
+        status, error = await post(session, url, {"prompt": list(range(600)), "max_tokens": 1})
+        assert status == 400 and "exceeds" in error["error"]["message"]
+        status, _ = await post(session, url, {"prompt": [1, 2], "max_tokens": 0})
+        assert status == 400
+        status, _ = await post(session, url, {"prompt": "text needs a tokenizer"})
+        assert status == 400
+
+
+async def test_cached_prefix_makes_ttft_faster_by_the_modelled_amount() -> None:
+    scale = 4.0
+    prompt = list(range(1000, 1400))  # 400 tokens; the warm request reuses 396 of them
+    cold_model = isolated_ttft_s(TIMED, prompt_tokens=400, cached_tokens=0)
+    warm_model = isolated_ttft_s(TIMED, prompt_tokens=400, cached_tokens=396)
+    async with running(profile=TIMED, time_scale=scale) as (replica, session):
+        url = replica.url + "/v1/completions"
+        cold, _ = await stream(session, url, {"prompt": prompt, "max_tokens": 2})
+        warm, _ = await stream(session, url, {"prompt": prompt, "max_tokens": 2})
+        records = await (await session.get(replica.url + "/admin/requests")).json()
+    assert [r["cached_tokens"] for r in records] == [0, 396]
+    assert records[0]["modelled_ttft_s"] == pytest.approx(cold_model / scale, rel=0.05, abs=0.001)
+    assert records[1]["modelled_ttft_s"] == pytest.approx(warm_model / scale, rel=0.05, abs=0.001)
+    saved = (cold_model - warm_model) / scale  # 49.5 ms of wall time
+    assert cold - warm == pytest.approx(saved, rel=0.3)
+
+
+async def test_time_scale_shrinks_wall_clock_ttft() -> None:
+    prompt = list(range(2000, 2400))
+    ttfts = {}
+    for scale in (2.0, 8.0):
+        async with running(profile=TIMED, time_scale=scale) as (replica, session):
+            ttfts[scale], _ = await stream(
+                session, replica.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1}
+            )
+    assert 3.0 < ttfts[2.0] / ttfts[8.0] < 4.6
+
+
+async def test_stall_slowdown_and_crash_mid_stream() -> None:
+    async with running(profile=TIMED, time_scale=4.0) as (replica, session):
+        url = replica.url + "/v1/completions"
+        body = {"prompt": list(range(3000, 3200)), "max_tokens": 8}
+        base, _ = await stream(session, url, body)
+        await post(session, replica.url + "/admin/faults", {"slowdown": 3.0})
+        slow, _ = await stream(session, url, {**body, "prompt": list(range(4000, 4200))})
+        assert slow == pytest.approx(3 * base, rel=0.35)
+        await post(session, replica.url + "/admin/faults", {"slowdown": 1.0, "stall_s": 0.3})
+        stalled, _ = await stream(session, url, {**body, "prompt": list(range(5000, 5200))})
+        assert stalled >= 0.25
+        await post(session, replica.url + "/admin/faults", {"crash_after_chunks": 2})
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await stream(session, url, {**body, "prompt": list(range(6000, 6200))})
+        faults = await (await session.delete(replica.url + "/admin/faults")).json()
+        assert faults["crash_after_chunks"] is None
+        _, payloads = await stream(session, url, body)
+        assert payloads[-1] == "[DONE]"
+
+
+async def test_refused_connections_come_back() -> None:
+    async with running() as (replica, session):
+        status, _ = await post(session, replica.url + "/admin/faults", {"refuse_s": 0.4})
+        assert status == 200
+        async with aiohttp.ClientSession() as fresh:
+            with pytest.raises(aiohttp.ClientConnectorError):
+                await fresh.get(replica.url + "/health")
+        await asyncio.sleep(0.6)
+        async with aiohttp.ClientSession() as fresh, fresh.get(replica.url + "/health") as response:
+            assert response.status == 200
