@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -80,7 +80,7 @@ class UpstreamStream:
     def content_type(self) -> str:
         return self._response.headers.get("content-type", "application/json")
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
         content = self._response.content
         while True:

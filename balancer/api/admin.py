@@ -1,0 +1,195 @@
+"""The admin API (I/O): policy tuning, dry-run explanations, replica views, draining.
+
+Behind ``auth.admin_token`` when it is set (checked by the middleware). Every policy change is
+applied at once, bumps the version and is logged at INFO with who made it and what changed.
+
+* ``GET /admin/policy`` / ``PUT /admin/policy`` ``{"name"?: str, "weights"?: {...}}``
+* ``POST /admin/explain``: the body of a chat or completions request (``messages`` decides which);
+  returns the full decision with every replica's cost terms. Nothing is committed. The
+  ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
+* ``GET /admin/replicas``: health, breaker, draining, load, index blocks, event and scrape status.
+* ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from balancer.api.errors import ApiError
+from balancer.api.middleware import caller
+from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
+from balancer.api.parsing import (
+    RequestKind,
+    parse_json_object,
+    parse_request,
+    parse_weights_header,
+    weights_from,
+)
+from balancer.api.proxy import choose
+from balancer.api.state import REQUEST_ID, STATE, Pool, ServiceState
+from balancer.config import ReplicaConfig
+from balancer.errors import ConfigError
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+_POLICY_KEYS = frozenset({"name", "weights"})
+
+
+async def get_policy(request: web.Request) -> web.Response:
+    return web.json_response(request.app[STATE].policy.view.to_json())
+
+
+async def put_policy(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    limits = state.settings.limits
+    body = parse_json_object(
+        await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
+    )
+    unknown = sorted(set(body) - _POLICY_KEYS)
+    if unknown:
+        raise ApiError(400, f"unknown key(s) {unknown}; expected 'name' and/or 'weights'")
+    name = body.get("name")
+    if name is not None and not isinstance(name, str):
+        raise ApiError(400, "'name' must be a string")
+    changes_in = body.get("weights", {})
+    if not isinstance(changes_in, dict):
+        raise ApiError(400, "'weights' must be an object of weight names to numbers")
+    weights = weights_from(changes_in, state.policy.view.weights, "weights")
+    who = caller(request)
+    try:
+        changes = state.policy.update(name, weights, who, state.wall_clock())
+    except ConfigError as exc:
+        raise ApiError(400, str(exc)) from None
+    view = state.policy.view
+    if changes:
+        summary = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
+        log.info("policy v%d set by %s: %s", view.version, who, summary)
+    return web.json_response({**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}})
+
+
+async def explain(request: web.Request) -> web.Response:
+    """Dry-run routing of a request body: the decision and all its terms, without committing."""
+    state = request.app[STATE]
+    limits = state.settings.limits
+    raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
+    kind: RequestKind = "chat" if "messages" in parse_json_object(raw) else "completions"
+    parsed = parse_request(raw, kind)
+    pool = find_pool(state, parsed.model)
+    header = request.headers.get(WEIGHTS_HEADER)
+    weights = state.policy.view.weights
+    if header is not None:
+        weights = parse_weights_header(header, weights)
+    token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
+    plan = choose(state, pool, token_ids, parsed, weights, request[REQUEST_ID])
+    return web.json_response(
+        {
+            "model": pool.model,
+            "kind": kind,
+            "prompt_tokens": plan.prompt_tokens,
+            "cached_tokens": plan.cached_tokens,
+            "weights": weights.to_dict(),
+            "decision": dataclasses.asdict(plan.decision),
+        }
+    )
+
+
+async def list_replicas(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"replicas": replica_views(state)})
+
+
+def replica_views(state: ServiceState) -> list[dict[str, Any]]:
+    now = state.monotonic()
+    wall = state.wall_clock()
+    ingest = state.ingest_status()
+    views = []
+    for pool in state.pools.values():
+        snapshot = pool.router.tracker().snapshot(now)
+        blocks: dict[ReplicaId, int] = {}
+        for space in pool.router.spaces.values():
+            blocks.update(space.table.stats().blocks_by_replica)
+        routable = set(state.health.routable(now, pool.replicas))
+        for replica_id, config in pool.replicas.items():
+            view = _replica_view(state, pool, config, now, wall)
+            view["routable"] = replica_id in routable
+            view["load"] = dataclasses.asdict(snapshot.of(replica_id))
+            view["index"] = {"blocks": blocks.get(replica_id, 0)}
+            status = ingest.get(replica_id)
+            view["events"] = None if status is None else _ages(dataclasses.asdict(status), wall)
+            scraper = state.scrapers.get(replica_id)
+            view["scrape"] = None if scraper is None else _ages(dataclasses.asdict(scraper.status()), wall)
+            views.append(view)
+    return views
+
+
+def _replica_view(
+    state: ServiceState, pool: Pool, config: ReplicaConfig, now: float, wall: float
+) -> dict[str, Any]:
+    replica = ReplicaId(config.id)
+    record = state.health.replicas.get(replica)
+    health: dict[str, Any] | None = None
+    if record is not None:
+        health = {
+            "probe_ok": record.probe_ok,
+            "draining": record.draining,
+            "breaker": record.state(now, state.health.config),
+            "consecutive_failures": record.consecutive_failures,
+            "last_error": record.last_error,
+            "last_probe_age_s": None
+            if record.last_probe_at is None
+            else round(now - record.last_probe_at, 3),
+        }
+    return {
+        "id": config.id,
+        "model": pool.model,
+        "url": config.url,
+        "engine": config.engine,
+        "block_size": config.block_size,
+        "dp_size": config.dp_size,
+        "inflight": state.inflight_by_replica.get(replica, 0),
+        "health": health,
+    }
+
+
+def _ages(record: dict[str, Any], wall: float) -> dict[str, Any]:
+    """Adds ``*_age_s`` next to every ``*_wall_ts`` field (recursively into lists of records)."""
+    out: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, list | tuple):
+            value = [_ages(v, wall) if isinstance(v, dict) else v for v in value]
+        out[key] = value
+        if key.endswith("_wall_ts"):
+            out[key[: -len("_wall_ts")] + "_age_s"] = None if value is None else round(wall - value, 3)
+    return out
+
+
+async def drain(request: web.Request) -> web.Response:
+    return _set_draining(request, True)
+
+
+async def undrain(request: web.Request) -> web.Response:
+    return _set_draining(request, False)
+
+
+def _set_draining(request: web.Request, draining: bool) -> web.Response:
+    state = request.app[STATE]
+    replica = ReplicaId(request.match_info["replica"])
+    if not state.health.set_draining(replica, draining):
+        known = ", ".join(sorted(str(r) for r in state.health.replicas))
+        raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
+    log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", caller(request))
+    return web.json_response({"replica": replica, "draining": draining})
+
+
+def add_admin_routes(app: web.Application) -> None:
+    app.router.add_get("/admin/policy", get_policy)
+    app.router.add_put("/admin/policy", put_policy)
+    app.router.add_post("/admin/explain", explain)
+    app.router.add_get("/admin/replicas", list_replicas)
+    app.router.add_post("/admin/replicas/{replica}/drain", drain)
+    app.router.add_post("/admin/replicas/{replica}/undrain", undrain)

@@ -1,0 +1,84 @@
+"""HTTP error responses in OpenAI's shape, and the mapping from kvlb's errors to them (pure).
+
+Every error a client sees is ``{"error": {"message", "type", "code"}}`` with the HTTP status in
+``code``. Messages are written for the client; internal exception text never reaches it (unexpected
+errors become a generic 500 and are logged with their traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+
+from aiohttp import web
+
+from balancer.errors import ConfigError, NoReplicasAvailable, Overloaded, UpstreamError, UpstreamTimeout
+from balancer.tokenize import TokenizeError
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "internal_error",
+    502: "upstream_error",
+    503: "service_unavailable",
+    504: "upstream_timeout",
+}
+
+
+class ApiError(Exception):
+    """An error answer: status, client-facing message and extra headers (e.g. ``Retry-After``)."""
+
+    def __init__(
+        self, status: int, message: str, *, headers: Mapping[str, str] | None = None, kind: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = dict(headers or {})
+        self.kind = kind or _TYPES.get(status, "error")
+
+
+def retry_after(seconds: float) -> dict[str, str]:
+    """A ``Retry-After`` header in whole seconds (at least 1)."""
+    return {"Retry-After": str(max(1, math.ceil(seconds)))}
+
+
+def error_body(status: int, message: str, kind: str | None = None) -> bytes:
+    payload = {"error": {"message": message, "type": kind or _TYPES.get(status, "error"), "code": status}}
+    return json.dumps(payload).encode("utf-8")
+
+
+def error_response(error: ApiError, request_id: str | None = None) -> web.Response:
+    headers = dict(error.headers)
+    if request_id is not None:
+        headers["x-request-id"] = request_id
+    return web.Response(
+        status=error.status,
+        body=error_body(error.status, error.message, error.kind),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+def from_balancer_error(exc: Exception) -> ApiError | None:
+    """The HTTP answer for one of kvlb's own errors; ``None`` for anything unexpected."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), headers=retry_after(exc.retry_after_s))
+    if isinstance(exc, NoReplicasAvailable):
+        return ApiError(503, str(exc), headers=retry_after(1.0))
+    if isinstance(exc, TokenizeError | ConfigError):
+        return ApiError(400, str(exc))
+    if isinstance(exc, UpstreamTimeout):
+        return ApiError(504, str(exc))
+    if isinstance(exc, UpstreamError):
+        return ApiError(502, str(exc))
+    return None

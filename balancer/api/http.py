@@ -1,0 +1,84 @@
+"""The aiohttp application (I/O): assembles the routes and serves the operational endpoints.
+
+* ``GET /healthz``: 200 while the process runs (liveness).
+* ``GET /readyz``: 200 once every pool has a healthy replica and the event sources run; else 503
+  with the reasons (readiness).
+* ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first).
+* ``GET /openapi.json``: the API description.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from balancer.api.admin import add_admin_routes
+from balancer.api.middleware import kvlb_middleware
+from balancer.api.openai import add_openai_routes
+from balancer.api.openapi import openapi_document
+from balancer.api.state import STATE, ServiceState
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    problems = state.readiness(state.monotonic())
+    if problems:
+        return web.json_response({"ready": False, "reasons": problems}, status=503)
+    return web.json_response({"ready": True})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    refresh_gauges(state)
+    body = generate_latest(state.metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+def refresh_gauges(state: ServiceState) -> None:
+    """Set the gauges that are views of current state: index size, replica load and health."""
+    metrics = state.metrics
+    now = state.monotonic()
+    unique = held = speculative = 0
+    for pool in state.pools.values():
+        for space in pool.router.spaces.values():
+            stats = space.table.stats()
+            unique += stats.unique_blocks
+            held += stats.held_blocks
+            speculative += stats.speculative_entries
+        snapshot = pool.router.tracker().snapshot(now)
+        routable = set(state.health.routable(now, pool.replicas))
+        for replica in pool.replicas:
+            load = snapshot.of(replica)
+            gauge = metrics.replica_load
+            gauge.labels(replica, "inflight").set(state.inflight_by_replica.get(replica, 0))
+            gauge.labels(replica, "pending_prefill_tokens").set(load.pending_prefill_tokens)
+            gauge.labels(replica, "decode_blocks").set(load.active_decode_blocks)
+            if load.waiting_reqs is not None:
+                gauge.labels(replica, "waiting").set(load.waiting_reqs)
+            if load.kv_usage is not None:
+                gauge.labels(replica, "kv_usage").set(load.kv_usage)
+            metrics.replica_healthy.labels(replica).set(1 if replica in routable else 0)
+    metrics.index_blocks.labels("unique").set(unique)
+    metrics.index_blocks.labels("held").set(held)
+    metrics.index_blocks.labels("speculative").set(speculative)
+
+
+def build_web_app(state: ServiceState) -> web.Application:
+    """The web application for ``state``; lifecycle (tasks, sessions) belongs to the caller."""
+    app = web.Application(middlewares=[kvlb_middleware], client_max_size=state.settings.limits.max_body_bytes)
+    app[STATE] = state
+    add_openai_routes(app)
+    add_admin_routes(app)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)
+    return app

@@ -1,0 +1,115 @@
+"""The one middleware every request passes (I/O): request id, auth, error mapping, request metrics.
+
+* ``x-request-id``: the client's (if printable and ≤ 128 characters) or a new one; echoed on every
+  answer and forwarded to the replica.
+* Auth: ``/v1/*`` needs ``Authorization: Bearer <key>`` with a key from ``auth.api_keys`` (when any
+  is set); ``/admin/*`` needs ``auth.admin_token`` (when set). Failures are 401 with a JSON message.
+* Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
+  OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
+* ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from balancer.api.errors import ApiError, error_response, from_balancer_error
+from balancer.api.state import OUTCOME, REQUEST_ID, STATE, Outcome, ServiceState
+from balancer.config import AuthConfig
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+MAX_REQUEST_ID_CHARS = 128
+UNAUTHENTICATED = {"WWW-Authenticate": "Bearer"}
+
+
+def request_id_of(request: web.Request) -> str:
+    given = request.headers.get("x-request-id", "")
+    if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
+        return given
+    return uuid.uuid4().hex
+
+
+def _bearer(request: web.Request) -> str | None:
+    value = request.headers.get("Authorization", "")
+    scheme, _, token = value.partition(" ")
+    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
+
+
+def _matches(token: str | None, allowed: tuple[str, ...]) -> bool:
+    if token is None:
+        return False
+    candidate = token.encode("utf-8")
+    # compare_digest on every key: no early exit that would leak which key matched.
+    return sum(hmac.compare_digest(candidate, key.encode("utf-8")) for key in allowed) > 0
+
+
+def check_auth(request: web.Request, auth: AuthConfig) -> None:
+    path = request.path
+    if path.startswith("/v1/") and auth.api_keys and not _matches(_bearer(request), auth.api_keys):
+        raise ApiError(
+            401, "a valid API key is required: Authorization: Bearer <key>", headers=UNAUTHENTICATED
+        )
+    admin_token = auth.admin_token
+    if (
+        path.startswith("/admin")
+        and admin_token is not None
+        and not _matches(_bearer(request), (admin_token,))
+    ):
+        raise ApiError(
+            401, "the admin token is required: Authorization: Bearer <token>", headers=UNAUTHENTICATED
+        )
+
+
+def caller(request: web.Request) -> str:
+    """Who made an admin call, for the audit log: a token fingerprint (never the token) and address."""
+    token = _bearer(request)
+    who = f"token:{hashlib.sha256(token.encode('utf-8')).hexdigest()[:8]}" if token else "anonymous"
+    return f"{who}@{request.remote or '?'}"
+
+
+def _endpoint(request: web.Request) -> str:
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state: ServiceState = request.app[STATE]
+    request_id = request_id_of(request)
+    request[REQUEST_ID] = request_id
+    outcome = request[OUTCOME] = Outcome()
+    status = "500"
+    try:
+        try:
+            check_auth(request, state.settings.auth)
+            response = await handler(request)
+        except asyncio.CancelledError:
+            status = "499"
+            raise
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            response = error_response(ApiError(exc.status, exc.reason), request_id)
+        except Exception as exc:
+            error = from_balancer_error(exc)
+            if error is None:
+                log.exception("request %s: unexpected error on %s", request_id, request.path)
+                error = ApiError(500, "internal error; see the balancer log for request " + request_id)
+            response = error_response(error, request_id)
+        status = str(response.status)
+    finally:
+        label = outcome.status or status
+        state.metrics.requests_total.labels(_endpoint(request), label, outcome.replica, outcome.policy).inc()
+    if not response.prepared:
+        response.headers.setdefault("x-request-id", request_id)
+    return response

@@ -1,0 +1,179 @@
+"""The OpenAPI 3.1 description served at ``/openapi.json`` (pure: builds a dict).
+
+Request and response bodies of the OpenAI endpoints are the engines' own (kvlb forwards them
+untouched), so only the fields kvlb reads are described.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from balancer import __version__
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "Malformed body or headers (the message names the field)",
+        401: "Missing or wrong bearer token",
+        403: "x-kvlb-weights sent while auth.allow_weight_override is off",
+        404: "Unknown model (the message lists the known ones) or replica",
+        408: "Body not received within timeouts.body_read_s",
+        413: "Body over limits.max_body_bytes",
+        429: "Over limits.max_inflight or every replica at limits.max_inflight_per_replica (Retry-After)",
+        502: "Replicas failed before answering (after retries)",
+        503: "No healthy replica (Retry-After)",
+    }
+    return {str(code): _json(_ERROR, text[code]) for code in codes}
+
+
+_ROUTED_HEADERS = {
+    "x-request-id": {
+        "description": "The client's request id or a generated one",
+        "schema": {"type": "string"},
+    },
+    "x-kvlb-replica": {"description": "The replica that served the request", "schema": {"type": "string"}},
+    "x-kvlb-cached-tokens": {
+        "description": "Prompt tokens predicted to be cached on that replica",
+        "schema": {"type": "integer"},
+    },
+}
+
+_GENERATE = {
+    "parameters": [
+        {"name": "x-request-id", "in": "header", "required": False, "schema": {"type": "string"}},
+        {
+            "name": "x-kvlb-weights",
+            "in": "header",
+            "required": False,
+            "description": "JSON object of policy weight overrides (needs auth.allow_weight_override)",
+            "schema": {"type": "string"},
+        },
+    ],
+    "responses": {
+        "200": {
+            "description": "The replica's answer, relayed as is (JSON, or SSE when stream is true). A "
+            'replica failing mid-stream ends the SSE stream with a `data: {"error": ...}` event.',
+            "headers": _ROUTED_HEADERS,
+        },
+        **_errors(400, 401, 403, 404, 408, 413, 429, 502, 503),
+    },
+}
+
+
+def openapi_document() -> dict[str, Any]:
+    """The whole document (a fresh deep copy each call)."""
+    return copy.deepcopy(
+        {
+            "openapi": "3.1.0",
+            "info": {
+                "title": "kvlb",
+                "version": __version__,
+                "description": "KV-cache-aware LLM load balancer",
+            },
+            "components": _COMPONENTS,
+            "paths": {**_public_paths(), **_admin_paths()},
+        }
+    )
+
+
+_COMPONENTS: dict[str, Any] = {
+    "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+    "schemas": {
+        "Error": {
+            "type": "object",
+            "properties": {
+                "error": {
+                    "type": "object",
+                    "properties": {
+                        "message": {"type": "string"},
+                        "type": {"type": "string"},
+                        "code": {"type": "integer"},
+                    },
+                }
+            },
+        },
+        "Policy": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "weights": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
+                "version": {"type": "integer"},
+                "updated_by": {"type": "string"},
+                "updated_at": {"type": "number"},
+            },
+        },
+    },
+}
+
+
+def _public_paths() -> dict[str, Any]:
+    ok = _json({"type": "object"}, "OK")
+    bearer: dict[str, Any] = {"security": [{"bearer": []}]}
+    return {
+        "/v1/chat/completions": {
+            "post": {"summary": "Chat completion (needs model, messages)", **_GENERATE, **bearer}
+        },
+        "/v1/completions": {
+            "post": {"summary": "Completion (needs model, prompt: text or token ids)", **_GENERATE, **bearer}
+        },
+        "/v1/models": {"get": {"summary": "Models served (one per pool)", "responses": {"200": ok}}},
+        "/healthz": {"get": {"summary": "Liveness", "responses": {"200": ok}}},
+        "/readyz": {
+            "get": {
+                "summary": "Readiness: every pool has a healthy replica and event sources run",
+                "responses": {"200": ok, "503": _json({"type": "object"}, "Not ready, with reasons")},
+            }
+        },
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
+        "/openapi.json": {"get": {"summary": "This document", "responses": {"200": ok}}},
+    }
+
+
+def _admin_paths() -> dict[str, Any]:
+    ok = _json({"type": "object"}, "OK")
+    admin: dict[str, Any] = {"security": [{"bearer": []}]}
+    return {
+        "/admin/policy": {
+            "get": {"summary": "Policy in force", **admin, "responses": {"200": _json(_POLICY, "Policy")}},
+            "put": {
+                "summary": "Change policy name and/or weights (applied at once, version + 1)",
+                **admin,
+                "requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}},
+                "responses": {"200": _json(_POLICY, "Policy after the change"), **_errors(400, 401)},
+            },
+        },
+        "/admin/explain": {
+            "post": {
+                "summary": "Dry-run routing of a request body: the decision with every cost term",
+                **admin,
+                "responses": {"200": ok, **_errors(400, 401, 404, 503)},
+            }
+        },
+        "/admin/replicas": {
+            "get": {
+                "summary": "Health, load, index and event status per replica",
+                **admin,
+                "responses": {"200": ok},
+            }
+        },
+        "/admin/replicas/{replica}/drain": {
+            "post": {"summary": "Stop routing new requests to a replica", **admin, **_REPLICA}
+        },
+        "/admin/replicas/{replica}/undrain": {
+            "post": {"summary": "Route to a drained replica again", **admin, **_REPLICA}
+        },
+    }
+
+
+_POLICY = {"$ref": "#/components/schemas/Policy"}
+_REPLICA = {
+    "parameters": [{"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}}],
+    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(401, 404)},
+}

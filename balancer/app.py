@@ -1,0 +1,270 @@
+"""Composition root (I/O): builds every component from :class:`Settings`, owns every task, and shuts
+down in order.
+
+Start order: tokenizers (in a thread) → pools (routers, key spaces, health records) → event ingest
+per key space (sources and appliers) → load scrapers → health probers → HTTP server. ``stop`` undoes
+it in reverse: stop accepting and let in-flight requests finish within ``shutdown_grace_s`` (then
+cancel them), cancel probers and scrapers, close event ingest, close HTTP sessions and the ZMQ
+context. Nothing here is global: a test builds as many :class:`Balancer` s as it likes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from balancer.api.http import build_web_app
+from balancer.api.state import PolicyControl, Pool, ServiceState
+from balancer.config import PoolConfig, Settings
+from balancer.default_tokenizer import default_tokenizer
+from balancer.errors import ConfigError
+from balancer.health import HealthBook
+from balancer.index.memory import MemoryIndex
+from balancer.index.slots import TableLimits
+from balancer.load import LoadConfig
+from balancer.metrics import Metrics
+from balancer.policy import PolicyWeights
+from balancer.prober import HealthProber, ProbeSettings
+from balancer.router import KeySpace, PoolRouter, align_mode
+from balancer.sources.build import build_sources
+from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.sources.scraper import MetricsScraper, ScrapeSettings
+from balancer.tokenize import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
+from balancer.types import ReplicaId
+from balancer.upstream import UpstreamClient
+
+log = logging.getLogger(__name__)
+
+STALE_SCRAPES = 3
+"""Scraped engine stats count as fresh for this many scrape periods (at least 5 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Process-level options of ``kvlb serve`` that are not part of the shared settings."""
+
+    shutdown_grace_s: float = 30.0
+    """After SIGTERM, in-flight requests get this long (seconds) to finish; the rest are cancelled
+    (their load released, their upstream connections closed)."""
+
+
+def load_pool_tokenizer(path: str | None, limits: TokenizeLimits) -> Tokenizer:
+    """A pool's tokenizer; ``None`` is DeepSeek-V3 (token-id prompts only if its package is missing).
+    Blocking: call in a thread."""
+    if path is not None:
+        return load_tokenizer(path, limits=limits)
+    try:
+        return default_tokenizer(limits)
+    except ConfigError as exc:
+        log.warning("%s; only token-id prompts can be routed", exc)
+        return TokenIdTokenizer(limits)
+
+
+class Balancer:
+    """The whole service: ``async with Balancer(settings) as b:`` serves on ``b.url``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        tokenizers: Mapping[str, Tokenizer] | None = None,
+        options: ServeOptions | None = None,
+    ) -> None:
+        """``tokenizers`` maps a model to a ready tokenizer (tests share one instead of loading)."""
+        self.settings = settings
+        self.options = options or ServeOptions()
+        self.metrics = Metrics.create(registry)
+        self._given_tokenizers = dict(tokenizers or {})
+        self.state: ServiceState | None = None
+        self.url = ""
+        self._zmq: zmq.asyncio.Context | None = None
+        self._control: aiohttp.ClientSession | None = None
+        self._upstream = UpstreamClient(settings.timeouts)
+        self._ingests: dict[int, EventIngest] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        """Build and start everything; on failure, undo what was started and re-raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        settings = self.settings
+        pools = await self._build_pools()
+        weights = PolicyWeights.from_dict(settings.policy.weights)
+        self.state = state = ServiceState(
+            settings=settings,
+            pools=pools,
+            health=HealthBook(),
+            upstream=self._upstream,
+            metrics=self.metrics,
+            policy=PolicyControl(settings.policy.name, weights, time.time()),
+            rng=random.Random(settings.policy.seed),
+        )
+        for pool in pools.values():
+            for replica in pool.replicas:
+                state.health.add(replica)
+        self._zmq = zmq.asyncio.Context()
+        self._control = aiohttp.ClientSession()
+        await self._start_ingest(state)
+        self._start_scrapers(state)
+        self._start_probers(state)
+        await self._start_http(state)
+
+    async def _build_pools(self) -> dict[str, Pool]:
+        limits = TokenizeLimits(max_prompt_tokens=self.settings.limits.max_prompt_tokens)
+        loaded: dict[str | None, Tokenizer] = {}
+        pools: dict[str, Pool] = {}
+        for config in self.settings.pools:
+            tokenizer = self._given_tokenizers.get(config.model)
+            if tokenizer is None:
+                if config.tokenizer not in loaded:
+                    loaded[config.tokenizer] = await asyncio.to_thread(
+                        load_pool_tokenizer, config.tokenizer, limits
+                    )
+                tokenizer = loaded[config.tokenizer]
+            pools[config.model] = self._build_pool(config, tokenizer)
+        return pools
+
+    def _build_pool(self, config: PoolConfig, tokenizer: Tokenizer) -> Pool:
+        settings = self.settings
+        stale_after_s = max(5.0, STALE_SCRAPES * settings.scrape_interval_s)
+        router = PoolRouter(
+            config.model,
+            TableLimits(capacity_blocks=settings.limits.index_capacity_blocks),
+            LoadConfig(stale_after_s=stale_after_s),
+        )
+        for replica in config.replicas:
+            router.add_replica(ReplicaId(replica.id), replica.block_size, align_mode(replica.engine))
+        router.tracker()  # built once every key space exists (its block size is the pool's smallest)
+        replicas = {ReplicaId(r.id): r for r in config.replicas}
+        return Pool(config.model, router, tokenizer, replicas)
+
+    async def _start_ingest(self, state: ServiceState) -> None:
+        assert self._zmq is not None and self._control is not None
+        ingest_settings = IngestSettings(queue_max_batches=self.settings.limits.event_queue_size)
+        for pool in state.pools.values():
+            for replica_id, config in pool.replicas.items():
+                space: KeySpace = pool.router.space_of[replica_id]
+                ingest = self._ingests.get(id(space))
+                if ingest is None:
+                    index = MemoryIndex.over(space.table)
+                    ingest = EventIngest(index, metrics=self.metrics, settings=ingest_settings)
+                    self._ingests[id(space)] = ingest
+                    state.ingests.append(ingest)
+                sources = build_sources(
+                    config, zmq_ctx=self._zmq, session=self._control, metrics=self.metrics
+                )
+                ingest.add_replica(replica_id, config.engine, sources)
+        for ingest in self._ingests.values():
+            await ingest.start()
+        state.sources_started = True
+
+    def _start_scrapers(self, state: ServiceState) -> None:
+        assert self._control is not None
+        interval_s = self.settings.scrape_interval_s
+        if interval_s <= 0:
+            return
+        scrape_settings = ScrapeSettings(interval_s=interval_s, timeout_s=max(1.0, min(interval_s, 5.0)))
+        for pool in state.pools.values():
+            tracker = pool.router.tracker()
+            for replica_id, config in pool.replicas.items():
+                scraper = MetricsScraper(
+                    replica_id,
+                    config.url,
+                    config.engine,
+                    session=self._control,
+                    observe=tracker.observe,
+                    metrics=self.metrics,
+                    settings=scrape_settings,
+                    metrics_path=config.metrics_path,
+                )
+                state.scrapers[replica_id] = scraper
+                self._spawn(scraper.run(), f"kvlb-scrape-{replica_id}")
+
+    def _start_probers(self, state: ServiceState) -> None:
+        assert self._control is not None
+        probe = ProbeSettings(
+            interval_s=self.settings.health_interval_s, timeout_s=max(1.0, self.settings.timeouts.connect_s)
+        )
+        for _pool, config in state.replicas():
+            prober = HealthProber(
+                ReplicaId(config.id), config.url, session=self._control, health=state.health, settings=probe
+            )
+            self._spawn(prober.run(), f"kvlb-probe-{config.id}")
+
+    async def _start_http(self, state: ServiceState) -> None:
+        app = build_web_app(state)
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=self.options.shutdown_grace_s
+        )
+        await self._runner.setup()
+        listen = self.settings.listen
+        site = web.TCPSite(self._runner, listen.host, listen.port, reuse_address=True)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_report_exit)
+        self._tasks.append(task)
+
+    async def stop(self) -> None:
+        """Ordered shutdown (idempotent): HTTP (with grace) → probers/scrapers → ingest → sessions."""
+        if self.state is not None:
+            self.state.shutting_down = True
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+        tasks, self._tasks = self._tasks, []
+        for task in reversed(tasks):
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        ingests, self._ingests = list(self._ingests.values()), {}
+        for ingest in reversed(ingests):
+            await ingest.aclose()
+        await self._upstream.aclose()
+        if self._control is not None:
+            control, self._control = self._control, None
+            await control.close()
+        if self._zmq is not None:
+            context, self._zmq = self._zmq, None
+            context.destroy(linger=0)
+
+    async def __aenter__(self) -> Balancer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()
+
+
+def _report_exit(task: asyncio.Task[None]) -> None:
+    """Probers and scrapers run until cancelled: any other exit is a bug worth a log line."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None:
+        log.error("task %s died", task.get_name(), exc_info=exc)
+    else:
+        log.warning("task %s ended", task.get_name())

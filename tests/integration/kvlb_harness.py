@@ -1,0 +1,209 @@
+"""Shared set-up of the HTTP integration tests: emulated replicas and a balancer on 127.0.0.1.
+
+The replicas are the real emulator (:mod:`replicas.sim`) running on the test's event loop; the
+balancer is the real :class:`balancer.app.Balancer`. Nothing is mocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+from multidict import CIMultiDict
+
+from balancer.app import Balancer
+from balancer.config import Settings, from_mapping
+from balancer.default_tokenizer import default_tokenizer
+from balancer.tokenize import Tokenizer
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.profiles import get_profile
+from replicas.sim.replica import Replica
+
+MODEL = "sim-test"
+"""The model name of the emulator's ``cpu-test`` profile."""
+READY_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    headers: CIMultiDict[str]
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+@dataclass
+class Harness:
+    replicas: list[Replica]
+    balancer: Balancer
+    session: aiohttp.ClientSession
+
+    @property
+    def url(self) -> str:
+        return self.balancer.url
+
+    def replica(self, name: str) -> Replica:
+        return next(r for r in self.replicas if r.config.name == name)
+
+    async def kill(self, name: str) -> None:
+        """Stop one replica for good (its sockets close; the balancer is not told)."""
+        replica = self.replica(name)
+        self.replicas.remove(replica)
+        await replica.stop()
+
+    async def warm(self, prompt: list[int]) -> str:
+        """Send ``prompt`` once and wait until its holder's events reach the index; returns the holder."""
+        answer = await self.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+        assert answer.status == 200, answer.body
+        holder = answer.headers["x-kvlb-replica"]
+        full_blocks = len(prompt) // 4
+
+        async def indexed() -> bool:
+            return int((await self.replica_view(holder))["index"]["blocks"]) >= full_blocks
+
+        await wait_for(f"{full_blocks} blocks of {holder} in the index", indexed)
+        return holder
+
+    async def post(self, path: str, body: Any, headers: Mapping[str, str] | None = None) -> Answer:
+        """POST ``body`` (bytes as is, anything else as JSON) and read the whole answer."""
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        async with self.session.post(self.url + path, data=data, headers=headers) as response:
+            return Answer(response.status, response.headers.copy(), await response.read())
+
+    async def admin(self, method: str, path: str, body: Any = None, token: str | None = None) -> Any:
+        token = token or self.balancer.settings.auth.admin_token
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with self.session.request(method, self.url + path, json=body, headers=headers) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    async def replica_view(self, replica: str) -> dict[str, Any]:
+        views = (await self.admin("GET", "/admin/replicas"))["replicas"]
+        view: dict[str, Any] = next(v for v in views if v["id"] == replica)
+        return view
+
+
+def replica_entry(replica: Replica) -> dict[str, Any]:
+    info = replica.describe()
+    entry: dict[str, Any] = {
+        "id": replica.config.name,
+        "url": replica.url,
+        "engine": replica.config.engine,
+        "block_size": replica.config.block_size,
+    }
+    if replica.config.engine == "sglang":
+        entry["events"] = info["events"][0]
+        entry["replay"] = info["replay"][0]
+    return entry
+
+
+def settings_for(replicas: list[Replica], **overrides: Any) -> Settings:
+    """Settings for one pool over ``replicas``; ``overrides`` are dotted names (``limits__max_inflight``)."""
+    tree: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [{"model": MODEL, "replicas": [replica_entry(r) for r in replicas]}],
+        "policy": {"seed": 7},
+        "health_interval_s": 0.2,
+        "scrape_interval_s": 0.5,
+    }
+    for dotted, value in overrides.items():
+        node = tree
+        *parents, leaf = dotted.split("__")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    settings: Settings = from_mapping(Settings, tree)
+    return settings.validate()
+
+
+@asynccontextmanager
+async def running(
+    tokenizer: Tokenizer,
+    count: int = 2,
+    *,
+    engines: tuple[str, ...] = ("sglang",),
+    time_scale: float = 1.0,
+    **overrides: Any,
+) -> AsyncIterator[Harness]:
+    """``count`` emulated replicas (engines cycled) and a ready balancer in front of them."""
+    zctx = zmq.asyncio.Context()
+    replicas: list[Replica] = []
+    balancer: Balancer | None = None
+    try:
+        for index in range(count):
+            engine: Any = engines[index % len(engines)]
+            config = ReplicaConfig(
+                name=f"r{index}", engine=engine, profile=get_profile("cpu-test"), time_scale=time_scale
+            )
+            replica = Replica(config, tokenizer, zctx)
+            await replica.start()
+            replicas.append(replica)
+        balancer = Balancer(settings_for(replicas, **overrides), tokenizers={MODEL: tokenizer})
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            harness = Harness(replicas, balancer, session)
+            await wait_ready(session, balancer.url)
+            yield harness
+    finally:
+        if balancer is not None:
+            await balancer.stop()
+        for replica in reversed(replicas):
+            await replica.stop()
+        zctx.destroy(linger=0)
+
+
+async def wait_for(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
+    """Poll ``check`` every 20 ms until it is true; fail naming ``what`` after ``timeout_s``."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while not await check():  # noqa: ASYNC110 - polls state in another component
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        raise AssertionError(f"timed out after {timeout_s}s waiting for {what}") from None
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while True:
+            async with session.get(url + "/readyz") as response:
+                if response.status == 200:
+                    return
+            await asyncio.sleep(0.02)
+
+
+def sse_payloads(raw: bytes) -> list[Any]:
+    """The ``data:`` payloads of an SSE body, JSON-decoded (``[DONE]`` kept as a string)."""
+    out: list[Any] = []
+    for event in raw.decode().split("\n\n"):
+        for line in event.splitlines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` in Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+@functools.cache
+def shared_deepseek() -> Tokenizer:
+    """The default tokenizer, loaded once per test session (it takes about a second)."""
+    return default_tokenizer()

@@ -1,0 +1,60 @@
+"""``kvlb admin`` against a running balancer (the CLI runs in a thread; the server on the test loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from kvlb_harness import MODEL, running, shared_deepseek
+
+from balancer.cli import main
+from balancer.tokenize import Tokenizer
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+async def test_kvlb_admin_commands(
+    tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}]}))
+    token_file = tmp_path / "token"
+    token_file.write_text("root\n")
+    async with running(tokenizer, 2, auth__admin_token="root") as h:
+
+        async def cli(*args: str, token: tuple[str, ...] = ("--token", "root")) -> tuple[int, str, str]:
+            code = await asyncio.to_thread(main, ["admin", "--url", h.url, *token, *args])
+            captured = capsys.readouterr()
+            return code, captured.out, captured.err
+
+        code, out, _ = await cli("replicas")
+        assert code == 0 and [r["id"] for r in json.loads(out)["replicas"]] == ["r0", "r1"]
+        code, out, _ = await cli("explain", str(request))
+        decision = json.loads(out)["decision"]
+        assert code == 0 and {t["replica"] for t in decision["terms"]} == {"r0", "r1"}
+        assert (
+            decision["policy"] == "cost"
+            and decision["request_blocks"] == json.loads(out)["prompt_tokens"] // 4
+        )
+        code, out, _ = await cli("drain", "r0", token=("--token-file", str(token_file)))
+        assert code == 0 and json.loads(out) == {"replica": "r0", "draining": True}
+        assert (await h.replica_view("r0"))["health"]["draining"] is True
+        code, out, _ = await cli("undrain", "r0")
+        assert code == 0 and json.loads(out)["draining"] is False
+        code, out, _ = await cli(
+            "policy", "set", "name=least_load", "kv_usage_ceiling=null", "queue_weight=2"
+        )
+        policy = json.loads(out)
+        assert code == 0 and policy["name"] == "least_load" and policy["version"] == 2
+        assert policy["weights"]["kv_usage_ceiling"] is None and policy["weights"]["queue_weight"] == 2.0
+        code, out, err = await cli("policy", "set", "overlap_credit=7")
+        assert code == 1 and "HTTP 400" in err and "overlap_credit" in err
+        code, out, err = await cli("policy", "get", token=())
+        assert code == 1 and "HTTP 401" in err
+        code, out, err = await cli("drain", "nope")
+        assert code == 1 and "HTTP 404" in err

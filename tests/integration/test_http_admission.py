@@ -1,0 +1,151 @@
+"""Admission and lifecycle over real sockets: in-flight caps, draining, readiness, client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
+
+from balancer.tokenize import Tokenizer
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+def long_stream(first: int) -> dict[str, Any]:
+    """A streaming request that generates for a while (hundreds of tokens at a slowed time scale)."""
+    return {"model": MODEL, "prompt": [first, 2, 3, 4, 5], "max_tokens": 200, "stream": True}
+
+
+async def open_streams(h: Harness, count: int) -> list[aiohttp.ClientResponse]:
+    """Start ``count`` streams and wait for each one's first chunk (so all are in flight)."""
+    responses = []
+    for index in range(count):
+        response = await h.session.post(h.url + "/v1/completions", json=long_stream(10 + index))
+        responses.append(response)
+        assert response.status == 200
+        assert (await response.content.readline()).startswith(b"data: ")
+    return responses
+
+
+async def close_streams(responses: list[aiohttp.ClientResponse]) -> None:
+    for response in responses:
+        response.close()
+
+
+async def test_over_the_inflight_cap_the_balancer_answers_429_with_retry_after(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 2, time_scale=0.25, limits__max_inflight=1) as h:
+        streams = await open_streams(h, 1)
+        try:
+            answer = await h.post("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
+            assert answer.status == 429 and answer.headers["Retry-After"] == "1"
+            assert "in flight" in answer.json()["error"]["message"]
+        finally:
+            await close_streams(streams)
+        async with h.session.get(h.url + "/metrics") as response:
+            assert (
+                metric_value(await response.text(), "kvlb_admission_shed_total", reason="max_inflight") == 1
+            )
+
+
+async def test_with_every_replica_full_the_balancer_answers_429(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 2, time_scale=0.25, limits__max_inflight_per_replica=1) as h:
+        streams = await open_streams(h, 2)
+        try:
+            views = (await h.admin("GET", "/admin/replicas"))["replicas"]
+            assert [v["inflight"] for v in views] == [1, 1]
+            answer = await h.post("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
+            assert answer.status == 429 and "Retry-After" in answer.headers
+            assert "every replica" in answer.json()["error"]["message"]
+        finally:
+            await close_streams(streams)
+
+
+async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer) -> None:
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    async with running(tokenizer, 2) as h:
+        for name in ("r0", "r1"):
+            assert await h.admin("POST", f"/admin/replicas/{name}/drain") == {
+                "replica": name,
+                "draining": True,
+            }
+        answer = await h.post("/v1/completions", body)
+        assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+        async with h.session.get(h.url + "/readyz") as response:
+            assert response.status == 503
+            assert (await response.json())["reasons"] == [f"pool '{MODEL}' has no healthy replica"]
+        await h.admin("POST", "/admin/replicas/r1/undrain")
+        for _ in range(3):
+            answer = await h.post("/v1/completions", body)
+            assert answer.status == 200 and answer.headers["x-kvlb-replica"] == "r1"
+        async with h.session.post(h.url + "/admin/replicas/r9/drain") as response:
+            assert response.status == 404
+
+
+async def test_a_client_going_away_stops_the_replica_and_frees_the_load(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 1, time_scale=0.25) as h:
+        streams = await open_streams(h, 1)
+        await close_streams(streams)  # the client vanishes mid-stream
+
+        async def freed() -> bool:
+            view = await h.replica_view("r0")
+            async with h.session.get(h.replicas[0].url + "/admin/stats") as stats:
+                running_reqs = (await stats.json())["ranks"][0]["num_running_reqs"]
+            return bool(view["inflight"] == 0 and running_reqs == 0)
+
+        await wait_for("the replica to stop and the load to be released", freed, timeout_s=3.0)
+        async with h.session.get(h.replicas[0].url + "/admin/stats") as stats:
+            generated = (await stats.json())["ranks"][0]["generation_tokens_total"]
+        assert generated < 200  # it stopped long before max_tokens
+        async with h.session.get(h.url + "/metrics") as response:
+            assert metric_value(await response.text(), "kvlb_http_requests_total", status="499") == 1
+
+
+async def test_operational_endpoints(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 2) as h:
+        async with h.session.get(h.url + "/healthz") as response:
+            assert response.status == 200
+        async with h.session.get(h.url + "/readyz") as response:
+            assert response.status == 200 and (await response.json()) == {"ready": True}
+        async with h.session.get(h.url + "/v1/models") as response:
+            models = await response.json()
+        assert [m["id"] for m in models["data"]] == [MODEL] and models["data"][0]["replicas"] == 2
+        async with h.session.get(h.url + "/openapi.json") as response:
+            document = await response.json()
+        assert document["openapi"].startswith("3.") and "/admin/explain" in document["paths"]
+        assert (
+            await h.post("/v1/completions", {"model": MODEL, "prompt": [3, 4, 5, 6], "max_tokens": 2})
+        ).status == 200
+        async with h.session.get(h.url + "/metrics") as response:
+            assert response.headers["Content-Type"].startswith("text/plain")
+            text = await response.text()
+        assert metric_value(text, "kvlb_http_requests_total", endpoint="/v1/completions", status="200") == 1
+        assert metric_value(text, "kvlb_route_decision_seconds_count") == 1
+        assert metric_value(text, "kvlb_replica_healthy") == 2
+        assert metric_value(text, "kvlb_http_inflight_requests") == 0
+        views = (await h.admin("GET", "/admin/replicas"))["replicas"]
+        assert {v["id"] for v in views} == {"r0", "r1"}
+        for view in views:
+            assert view["routable"] and view["health"]["breaker"] == "closed"
+            assert view["events"]["sources"][0]["kind"] == "zmq"
+
+
+async def chunked(parts: int, size: int) -> AsyncIterator[bytes]:
+    for _ in range(parts):
+        yield b" " * size
+        await asyncio.sleep(0)
+
+
+async def test_an_oversized_chunked_body_is_refused_while_reading(tokenizer: Tokenizer) -> None:
+    async with (
+        running(tokenizer, 1, limits__max_body_bytes=4096) as h,
+        h.session.post(h.url + "/v1/completions", data=chunked(4, 2048)) as response,
+    ):
+        assert response.status == 413
+        assert "max_body_bytes" in (await response.json())["error"]["message"]
