@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install redis lint typecheck test test-fast demo bench clean
+.PHONY: install proto redis lint typecheck test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,25 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) proto
+
+# gRPC stubs: generated from proto/ at build time (never committed). `-I proto` names the file
+# kvlb/v1/balancer.proto, so the grpc module imports `kvlb.v1`: the sed rewrites that to the package.
+PROTO_SRC := $(shell find proto -name '*.proto' 2>/dev/null)
+PROTO_OUT := balancer/_proto
+PROTO_STAMP := $(PROTO_OUT)/.generated-stamp
+
+proto: $(PROTO_STAMP)
+
+$(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
+	rm -rf $(PROTO_OUT)
+	mkdir -p $(PROTO_OUT)
+	$(PY) -m grpc_tools.protoc -I proto --python_out=$(PROTO_OUT) --pyi_out=$(PROTO_OUT) \
+		--grpc_python_out=$(PROTO_OUT) $(PROTO_SRC)
+	sed -i -E 's/^(from|import) kvlb\.v1( |\.)/\1 balancer._proto.kvlb.v1\2/' \
+		$$(find $(PROTO_OUT) -name '*.py' -o -name '*.pyi')
+	find $(PROTO_OUT) -type d -exec touch {}/__init__.py \;
+	touch $@
 
 # Tests start their own redis-server on a free port; this only makes sure the binary exists.
 redis:
@@ -24,17 +42,21 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check balancer replicas tests
 
-typecheck: $(STAMP)
+typecheck: $(STAMP) proto
 	$(VENV)/bin/mypy balancer
 
-test: $(STAMP) redis lint typecheck
+test: $(STAMP) proto redis lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) proto
 	$(PY) -m pytest -q -p no:cacheprovider -x -m "not slow"
+
+# The README's main command: an emulated SGLang + TRT-LLM fleet, kvlb vs round robin (about a minute).
+demo: $(STAMP) proto
+	$(VENV)/bin/kvlb demo
 
 bench: $(STAMP)
 	$(VENV)/bin/kvlb bench index
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(PROTO_OUT) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -2,10 +2,11 @@
 down in order.
 
 Start order: tokenizers (in a thread) → pools (routers, key spaces, health records) → event ingest
-per key space (sources and appliers) → load scrapers → health probers → HTTP server. ``stop`` undoes
-it in reverse: stop accepting and let in-flight requests finish within ``shutdown_grace_s`` (then
-cancel them), cancel probers and scrapers, close event ingest, close HTTP sessions and the ZMQ
-context. Nothing here is global: a test builds as many :class:`Balancer` s as it likes.
+per key space (sources and appliers) → load scrapers → health probers → HTTP server → gRPC server
+(when ``listen.grpc_port`` is set). ``stop`` undoes it in reverse: stop accepting (HTTP and gRPC
+together) and let in-flight requests finish within ``shutdown_grace_s`` (then cancel them), cancel
+probers and scrapers, close event ingest, close HTTP sessions and the ZMQ context. Nothing here is
+global: a test builds as many :class:`Balancer` s as it likes.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from balancer.api.grpc import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.api.state import PolicyControl, Pool, ServiceState
 from balancer.config import PoolConfig, Settings
@@ -95,6 +97,9 @@ class Balancer:
         self._ingests: dict[int, EventIngest] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
+        self._grpc: GrpcServer | None = None
+        self.grpc_port: int | None = None
+        """The bound gRPC port once started (``None``: gRPC disabled)."""
 
     async def start(self) -> None:
         """Build and start everything; on failure, undo what was started and re-raise."""
@@ -126,6 +131,7 @@ class Balancer:
         self._start_scrapers(state)
         self._start_probers(state)
         await self._start_http(state)
+        await self._start_grpc(state)
 
     async def _build_pools(self) -> dict[str, Pool]:
         limits = TokenizeLimits(max_prompt_tokens=self.settings.limits.max_prompt_tokens)
@@ -222,18 +228,32 @@ class Balancer:
         self.url = f"http://{host}:{port}"
         log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
 
+    async def _start_grpc(self, state: ServiceState) -> None:
+        port = self.settings.listen.grpc_port
+        if port is None:
+            return
+        self._grpc = GrpcServer(state)
+        self.grpc_port = await self._grpc.start(self.settings.listen.host, port)
+        log.info("kvlb serving gRPC on %s:%d", self.settings.listen.host, self.grpc_port)
+
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(_report_exit)
         self._tasks.append(task)
 
     async def stop(self) -> None:
-        """Ordered shutdown (idempotent): HTTP (with grace) → probers/scrapers → ingest → sessions."""
+        """Ordered shutdown (idempotent): HTTP and gRPC (with grace) → probers/scrapers → ingest →
+        sessions."""
         if self.state is not None:
             self.state.shutting_down = True
+        servers: list[Coroutine[Any, Any, None]] = []
+        if self._grpc is not None:
+            grpc_server, self._grpc = self._grpc, None
+            servers.append(grpc_server.stop(self.options.shutdown_grace_s))
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            await runner.cleanup()
+            servers.append(runner.cleanup())
+        await asyncio.gather(*servers)
         tasks, self._tasks = self._tasks, []
         for task in reversed(tasks):
             task.cancel()

@@ -9,12 +9,17 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, event and scrape status.
 * ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
+
+:func:`change_policy`, :func:`explain_raw`, :func:`replica_views` and :func:`set_draining` do the
+work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc_admin`) calls the same code.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
@@ -30,9 +35,11 @@ from balancer.api.parsing import (
     weights_from,
 )
 from balancer.api.proxy import choose
-from balancer.api.state import REQUEST_ID, STATE, Pool, ServiceState
+from balancer.api.state import REQUEST_ID, STATE, PolicyView, Pool, ServiceState
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError
+from balancer.policy import PolicyWeights
+from balancer.router import RoutePlan
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -50,6 +57,15 @@ async def put_policy(request: web.Request) -> web.Response:
     body = parse_json_object(
         await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
     )
+    view, changes = change_policy(state, body, caller(request))
+    return web.json_response({**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}})
+
+
+def change_policy(
+    state: ServiceState, body: Mapping[str, Any], who: str
+) -> tuple[PolicyView, dict[str, tuple[object, object]]]:
+    """Validate and apply ``{"name"?, "weights"?}`` (400 when invalid); returns the policy now in
+    force and ``{field: (old, new)}``, and logs who changed what."""
     unknown = sorted(set(body) - _POLICY_KEYS)
     if unknown:
         raise ApiError(400, f"unknown key(s) {unknown}; expected 'name' and/or 'weights'")
@@ -60,7 +76,6 @@ async def put_policy(request: web.Request) -> web.Response:
     if not isinstance(changes_in, dict):
         raise ApiError(400, "'weights' must be an object of weight names to numbers")
     weights = weights_from(changes_in, state.policy.view.weights, "weights")
-    who = caller(request)
     try:
         changes = state.policy.update(name, weights, who, state.wall_clock())
     except ConfigError as exc:
@@ -69,7 +84,27 @@ async def put_policy(request: web.Request) -> web.Response:
     if changes:
         summary = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
         log.info("policy v%d set by %s: %s", view.version, who, summary)
-    return web.json_response({**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}})
+    return view, changes
+
+
+@dataclass(frozen=True, slots=True)
+class Explained:
+    """The decision a request would get now, and what it was computed with."""
+
+    model: str
+    kind: RequestKind
+    weights: PolicyWeights
+    plan: RoutePlan
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "kind": self.kind,
+            "prompt_tokens": self.plan.prompt_tokens,
+            "cached_tokens": self.plan.cached_tokens,
+            "weights": self.weights.to_dict(),
+            "decision": dataclasses.asdict(self.plan.decision),
+        }
 
 
 async def explain(request: web.Request) -> web.Response:
@@ -77,25 +112,24 @@ async def explain(request: web.Request) -> web.Response:
     state = request.app[STATE]
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
+    explained = await explain_raw(state, raw, request.headers.get(WEIGHTS_HEADER), request[REQUEST_ID])
+    return web.json_response(explained.to_json())
+
+
+async def explain_raw(
+    state: ServiceState, raw: bytes, weights_header: str | None, request_id: str
+) -> Explained:
+    """Dry-run routing of a chat or completions body (``messages`` decides which); commits nothing.
+    ``weights_header`` is an ``x-kvlb-weights`` value laid over the policy's weights."""
     kind: RequestKind = "chat" if "messages" in parse_json_object(raw) else "completions"
     parsed = parse_request(raw, kind)
     pool = find_pool(state, parsed.model)
-    header = request.headers.get(WEIGHTS_HEADER)
     weights = state.policy.view.weights
-    if header is not None:
-        weights = parse_weights_header(header, weights)
-    token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
-    plan = choose(state, pool, token_ids, parsed, weights, request[REQUEST_ID])
-    return web.json_response(
-        {
-            "model": pool.model,
-            "kind": kind,
-            "prompt_tokens": plan.prompt_tokens,
-            "cached_tokens": plan.cached_tokens,
-            "weights": weights.to_dict(),
-            "decision": dataclasses.asdict(plan.decision),
-        }
-    )
+    if weights_header is not None:
+        weights = parse_weights_header(weights_header, weights)
+    token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
+    plan = choose(state, pool, token_ids, parsed, weights, request_id)
+    return Explained(pool.model, kind, weights, plan)
 
 
 async def list_replicas(request: web.Request) -> web.Response:
@@ -177,13 +211,17 @@ async def undrain(request: web.Request) -> web.Response:
 
 
 def _set_draining(request: web.Request, draining: bool) -> web.Response:
-    state = request.app[STATE]
     replica = ReplicaId(request.match_info["replica"])
+    set_draining(request.app[STATE], replica, draining, caller(request))
+    return web.json_response({"replica": replica, "draining": draining})
+
+
+def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
+    """Drain or undrain ``replica`` (404 naming the known replicas when it is unknown)."""
     if not state.health.set_draining(replica, draining):
         known = ", ".join(sorted(str(r) for r in state.health.replicas))
         raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
-    log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", caller(request))
-    return web.json_response({"replica": replica, "draining": draining})
+    log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
 
 
 def add_admin_routes(app: web.Application) -> None:

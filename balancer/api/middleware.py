@@ -39,13 +39,17 @@ def request_id_of(request: web.Request) -> str:
     return uuid.uuid4().hex
 
 
-def _bearer(request: web.Request) -> str | None:
-    value = request.headers.get("Authorization", "")
+def bearer_token(value: str) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` value (HTTP header or gRPC metadata)."""
     scheme, _, token = value.partition(" ")
     return token.strip() if scheme.lower() == "bearer" and token.strip() else None
 
 
-def _matches(token: str | None, allowed: tuple[str, ...]) -> bool:
+def _bearer(request: web.Request) -> str | None:
+    return bearer_token(request.headers.get("Authorization", ""))
+
+
+def token_matches(token: str | None, allowed: tuple[str, ...]) -> bool:
     if token is None:
         return False
     candidate = token.encode("utf-8")
@@ -55,7 +59,7 @@ def _matches(token: str | None, allowed: tuple[str, ...]) -> bool:
 
 def check_auth(request: web.Request, auth: AuthConfig) -> None:
     path = request.path
-    if path.startswith("/v1/") and auth.api_keys and not _matches(_bearer(request), auth.api_keys):
+    if path.startswith("/v1/") and auth.api_keys and not token_matches(_bearer(request), auth.api_keys):
         raise ApiError(
             401, "a valid API key is required: Authorization: Bearer <key>", headers=UNAUTHENTICATED
         )
@@ -63,7 +67,7 @@ def check_auth(request: web.Request, auth: AuthConfig) -> None:
     if (
         path.startswith("/admin")
         and admin_token is not None
-        and not _matches(_bearer(request), (admin_token,))
+        and not token_matches(_bearer(request), (admin_token,))
     ):
         raise ApiError(
             401, "the admin token is required: Authorization: Bearer <token>", headers=UNAUTHENTICATED
@@ -72,9 +76,12 @@ def check_auth(request: web.Request, auth: AuthConfig) -> None:
 
 def caller(request: web.Request) -> str:
     """Who made an admin call, for the audit log: a token fingerprint (never the token) and address."""
-    token = _bearer(request)
+    return caller_of(_bearer(request), request.remote)
+
+
+def caller_of(token: str | None, address: str | None) -> str:
     who = f"token:{hashlib.sha256(token.encode('utf-8')).hexdigest()[:8]}" if token else "anonymous"
-    return f"{who}@{request.remote or '?'}"
+    return f"{who}@{address or '?'}"
 
 
 def _endpoint(request: web.Request) -> str:

@@ -10,22 +10,28 @@
 * **Relay**: SSE chunks are written as they arrive, never re-parsed. A replica failing mid-stream ends
   the stream with one ``data: {"error": ...}`` event. A client going away closes the upstream
   response, so the replica stops generating.
+
+Choose, commit, forward and release do not depend on the transport: :func:`dispatch` runs them and
+hands the opened answer to a ``deliver`` callback (:func:`relay` for HTTP, the gRPC servicer's own
+relay for ``Generate``); both relays share :func:`on_first_chunk` and :func:`on_relayed`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, Collection, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from aiohttp import web
 
 from balancer.api.errors import ApiError, retry_after
 from balancer.api.parsing import ParsedRequest
-from balancer.api.state import OUTCOME, Pool, ServiceState
+from balancer.api.state import OUTCOME, Outcome, Pool, ServiceState
 from balancer.config import ReplicaConfig
 from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
@@ -40,6 +46,8 @@ MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest non-streaming replica answer buffered before relaying; larger → 502."""
 ERROR_EVENT_TIMEOUT_S = 1.0
 """How long writing the final error event to a slow client may take."""
+
+T = TypeVar("T")
 
 
 class _TermsLog:
@@ -188,8 +196,21 @@ class Forward:
 
 async def forward(request: web.Request, state: ServiceState, job: Forward) -> web.StreamResponse:
     """Route, forward with retries before the first byte, relay; always release the load."""
-    outcome = request[OUTCOME]
     headers = forwardable_headers(request.headers, job.request_id)
+    deliver = functools.partial(relay, request, state, job)
+    return await dispatch(state, job, headers, request[OUTCOME], deliver)
+
+
+async def dispatch(
+    state: ServiceState,
+    job: Forward,
+    headers: Mapping[str, str],
+    outcome: Outcome,
+    deliver: Callable[[Lease, Opened], Awaitable[T]],
+) -> T:
+    """Choose → commit → forward (retried on another replica until the first byte) → ``deliver`` →
+    release; the load is released whatever happens. Raises :class:`ApiError` 429/502 when every
+    attempt failed, and :class:`NoReplicasAvailable` / :class:`Overloaded` when none could start."""
     exclude: set[ReplicaId] = set()
     last_error: RetryableUpstream | None = None
     max_retries = state.settings.limits.max_retries
@@ -207,7 +228,7 @@ async def forward(request: web.Request, state: ServiceState, job: Forward) -> we
         try:
             replica = job.pool.replicas[lease.replica]
             try:
-                opened = await open_first(state, replica, job.path, job.body, headers)
+                opened = await open_first(state, replica, job.path, job.body, dict(headers))
             except RetryableUpstream as exc:
                 if exc.status != 429:  # a busy replica is not a broken one
                     state.health.on_failure(lease.replica, state.monotonic(), str(exc))
@@ -219,7 +240,7 @@ async def forward(request: web.Request, state: ServiceState, job: Forward) -> we
                 if attempt < max_retries:
                     state.metrics.retries_total.labels(exc.reason).inc()
                 continue
-            return await relay(request, state, job, lease, opened)
+            return await deliver(lease, opened)
         finally:
             lease.release()
     failed = ", ".join(sorted(exclude))
@@ -234,21 +255,14 @@ async def relay(
     """Send the replica's answer to the client; closes the upstream if the client goes away."""
     outcome = request[OUTCOME]
     stream = opened.stream
-    policy = lease.plan.decision.policy
-    lease.first_token()
-    if stream.status < 500:
-        state.health.on_success(lease.replica)
-    else:
-        state.health.on_failure(lease.replica, state.monotonic(), f"replica answered {stream.status}")
-    state.metrics.ttft_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
+    on_first_chunk(state, job, lease, stream)
     headers = {
         "Content-Type": stream.content_type,
         "x-request-id": job.request_id,
         "x-kvlb-replica": lease.replica,
         "x-kvlb-cached-tokens": str(lease.plan.cached_tokens),
     }
-    remaining_s = state.settings.timeouts.total_s - (state.monotonic() - job.arrived)
-    deadline = asyncio.get_running_loop().time() + max(0.0, remaining_s)
+    deadline = relay_deadline(state, job)
     try:
         if stream.content_type.startswith(SSE_CONTENT_TYPE):
             response = await _relay_stream(request, state, lease, opened, headers, deadline)
@@ -263,15 +277,41 @@ async def relay(
         raise
     finally:
         await opened.chunks.aclose()
-    if outcome.status is None:
+    on_relayed(state, job, lease, stream, complete=outcome.status is None)
+    return response
+
+
+def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream) -> None:
+    """Bookkeeping once the replica's first body chunk is in: first token, health, TTFT."""
+    lease.first_token()
+    if stream.status < 500:
+        state.health.on_success(lease.replica)
+    else:
+        state.health.on_failure(lease.replica, state.monotonic(), f"replica answered {stream.status}")
+    policy = lease.plan.decision.policy
+    state.metrics.ttft_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
+
+
+def relay_deadline(state: ServiceState, job: Forward) -> float:
+    """The loop time at which ``timeouts.total_s`` since the request's arrival runs out."""
+    remaining_s = state.settings.timeouts.total_s - (state.monotonic() - job.arrived)
+    return asyncio.get_running_loop().time() + max(0.0, remaining_s)
+
+
+def on_relayed(
+    state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream, complete: bool
+) -> None:
+    """Bookkeeping once relaying ended: a complete answer returns its connection to the pool and
+    reports the engine's cached tokens; anything else closes the connection."""
+    if complete:
         stream.release()
         usage = stream.usage()
         if usage.cached_tokens is not None:
             state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
     else:
         stream.close()
+    policy = lease.plan.decision.policy
     state.metrics.e2e_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
-    return response
 
 
 async def _relay_stream(
@@ -293,7 +333,7 @@ async def _relay_stream(
                 async for chunk in opened.chunks:
                     await response.write(chunk)
         except (UpstreamError, TimeoutError) as exc:
-            message = _failure(state, lease, exc)
+            message = failure_message(state, lease, exc)
             log.warning(
                 "request %s: replica %s broke mid-stream: %s", headers["x-request-id"], lease.replica, message
             )
@@ -319,12 +359,12 @@ async def _relay_whole(
                     raise UpstreamError(f"answer larger than {MAX_RESPONSE_BYTES} bytes")
                 parts.append(chunk)
     except (UpstreamError, TimeoutError) as exc:
-        message = _failure(state, lease, exc)
+        message = failure_message(state, lease, exc)
         raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
     return web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
 
 
-def _failure(state: ServiceState, lease: Lease, exc: Exception) -> str:
+def failure_message(state: ServiceState, lease: Lease, exc: Exception) -> str:
     """Describe a failure after the first byte; only the replica's own failures count against it
     (not the request's overall ``timeouts.total_s`` deadline)."""
     if isinstance(exc, UpstreamError):

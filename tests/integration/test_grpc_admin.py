@@ -1,0 +1,124 @@
+"""``kvlb.v1.Admin`` and gRPC auth over a real grpc.aio channel (emulated replicas)."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+import pytest
+from google.protobuf import struct_pb2
+from grpc_harness import bearer, failure, grpc_running, token_request
+from kvlb_harness import shared_deepseek
+
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.tokenize import Tokenizer
+
+PREFIX = list(range(1000, 1032))
+"""32 token ids: 8 full blocks of the emulator's 4-token pages."""
+ADMIN = bearer("root")
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+def weights(**values: float | None) -> struct_pb2.Struct:
+    struct = struct_pb2.Struct()
+    struct.update(values)
+    return struct
+
+
+async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_version(
+    tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="balancer.api.admin")
+    async with grpc_running(tokenizer, auth__admin_token="root") as g:
+        holder = await g.http.warm(PREFIX)
+
+        async def routed(count: int) -> list[str]:
+            requests = [pb.RouteRequest(request=token_request([*PREFIX, i])) for i in range(count)]
+            return [(await g.balancer.Route(r)).replica_id for r in requests]
+
+        assert await routed(3) == [holder] * 3
+        answer = await g.admin.SetPolicy(pb.SetPolicyRequest(name="round_robin"), metadata=ADMIN)
+        assert answer.policy.name == "round_robin" and answer.policy.version == 2
+        assert [(c.field, c.old.string_value, c.new.string_value) for c in answer.changed] == [
+            ("name", "cost", "round_robin")
+        ]
+        audit = [r.getMessage() for r in caplog.records if r.name == "balancer.api.admin"]
+        assert len(audit) == 1 and audit[0].startswith("policy v2 set by token:")
+        assert sorted(set(await routed(4))) == ["r0", "r1"]
+        http_view = await g.http.admin("GET", "/admin/policy")
+        assert http_view["version"] == 2 and http_view["name"] == "round_robin"
+        assert http_view["updated_by"] == answer.policy.updated_by
+
+        change = pb.SetPolicyRequest(name="cost", weights=weights(overlap_credit=0.25, kv_usage_ceiling=None))
+        answer = await g.admin.SetPolicy(change, metadata=ADMIN)
+        assert answer.policy.version == 3 and answer.policy.weights["overlap_credit"] == 0.25
+        assert {c.field for c in answer.changed} == {"name", "overlap_credit", "kv_usage_ceiling"}
+        assert (await g.http.admin("GET", "/admin/policy"))["weights"]["kv_usage_ceiling"] is None
+        explained = await g.admin.Explain(
+            pb.ExplainRequest(request=token_request([*PREFIX, 5])), metadata=ADMIN
+        )
+        terms = {t.replica: t for t in explained.decision.terms}
+        # prefill = pending + request_blocks - credit * overlap = 0 + 8 - 0.25 * 8 on the holder.
+        assert terms[holder].prefill_term == pytest.approx(6.0)
+        assert explained.kind == "completions" and explained.prompt_tokens == 33
+
+        refused = await failure(
+            g.admin.SetPolicy(pb.SetPolicyRequest(weights=weights(overlap_credit=2)), metadata=ADMIN)
+        )
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "overlap_credit" in refused.details()
+        unknown = await failure(g.admin.SetPolicy(pb.SetPolicyRequest(name="nope"), metadata=ADMIN))
+        assert unknown.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in unknown.details()
+        assert (await g.admin.GetPolicy(pb.GetPolicyRequest(), metadata=ADMIN)).version == 3
+
+
+async def test_list_and_drain_replicas(tokenizer: Tokenizer) -> None:
+    async with grpc_running(tokenizer, auth__admin_token="root") as g:
+        listed = await g.admin.ListReplicas(pb.ListReplicasRequest(), metadata=ADMIN)
+        assert [(r.id, r.routable, r.draining, r.block_size) for r in listed.replicas] == [
+            ("r0", True, False, 4),
+            ("r1", True, False, 4),
+        ]
+        http_views = (await g.http.admin("GET", "/admin/replicas"))["replicas"]
+        assert listed.replicas[0].details["url"] == http_views[0]["url"] == listed.replicas[0].url
+        assert listed.replicas[0].details["health"]["breaker"] == http_views[0]["health"]["breaker"]
+
+        drained = await g.admin.DrainReplica(pb.DrainReplicaRequest(replica_id="r0"), metadata=ADMIN)
+        assert drained.draining and (await g.http.replica_view("r0"))["health"]["draining"] is True
+        for i in range(3):
+            routed = await g.balancer.Route(pb.RouteRequest(request=token_request([*PREFIX, i])))
+            assert routed.replica_id == "r1"
+        undrain = pb.DrainReplicaRequest(replica_id="r0", undrain=True)
+        assert not (await g.admin.DrainReplica(undrain, metadata=ADMIN)).draining
+        missing = await failure(g.admin.DrainReplica(pb.DrainReplicaRequest(replica_id="r9"), metadata=ADMIN))
+        assert missing.code() == grpc.StatusCode.NOT_FOUND and "r0, r1" in missing.details()
+
+
+async def test_api_keys_and_the_admin_token_guard_their_services(tokenizer: Tokenizer) -> None:
+    async with grpc_running(tokenizer, 1, auth__api_keys=["sk-one"], auth__admin_token="root") as g:
+        route = pb.RouteRequest(request=token_request(PREFIX))
+        for metadata in ((), bearer("sk-wrong"), (("authorization", "sk-one"),), ADMIN):
+            error = await failure(g.balancer.Route(route, metadata=metadata))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert "Bearer <key>" in error.details() and "sk-one" not in error.details()
+        generate = g.balancer.Generate(token_request(PREFIX))
+        assert (await failure(generate.read())).code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await g.balancer.Route(route, metadata=bearer("sk-one"))).replica_id == "r0"
+
+        get = pb.GetPolicyRequest()
+        for metadata in ((), bearer("nope")):
+            error = await failure(g.admin.GetPolicy(get, metadata=metadata))
+            assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "admin token" in error.details()
+        denied = await failure(g.admin.GetPolicy(get, metadata=bearer("sk-one")))
+        assert denied.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert (await g.admin.GetPolicy(get, metadata=ADMIN)).version == 1
+        # Per-call weights are refused unless auth.allow_weight_override; Explain (admin) takes them.
+        overridden = (*bearer("sk-one"), ("x-kvlb-weights", '{"overlap_credit": 0.5}'))
+        error = await failure(g.balancer.Route(route, metadata=overridden))
+        assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "x-kvlb-weights" in error.details()
+        explain = pb.ExplainRequest(request=token_request(PREFIX))
+        tried = (*ADMIN, ("x-kvlb-weights", '{"overlap_credit": 0.5}'))
+        assert (await g.admin.Explain(explain, metadata=tried)).weights["overlap_credit"] == 0.5

@@ -1,0 +1,137 @@
+"""gRPC status codes for bad input and limits, health, reflection and shutdown (real grpc.aio server)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_harness import failure, grpc_running, token_request
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from kvlb_harness import MODEL, shared_deepseek, wait_for
+
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.tokenize import Tokenizer
+
+PROMPT = list(range(100, 140))
+INTERNALS = ("Traceback", "Exception", "internal", "File ")
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+def route(request: pb.GenerateRequest) -> pb.RouteRequest:
+    return pb.RouteRequest(request=request)
+
+
+async def test_bad_messages_and_limits_get_clear_client_errors(tokenizer: Tokenizer) -> None:
+    limits = {"limits__max_body_bytes": 4096, "limits__max_prompt_tokens": 64}
+    async with grpc_running(tokenizer, **limits) as g:
+        raw_route = g.channel.unary_unary("/kvlb.v1.Balancer/Route")
+        bad_utf8 = b"\x0a\x05\x0a\x03\xff\xfe\xfd"  # RouteRequest.request.model = invalid UTF-8
+        cases: list[tuple[object, grpc.StatusCode, str]] = [
+            (raw_route(b"\xff\xff\xff"), grpc.StatusCode.INVALID_ARGUMENT, "malformed request"),
+            (raw_route(bad_utf8), grpc.StatusCode.INVALID_ARGUMENT, "UTF-8"),
+            (g.balancer.Route(pb.RouteRequest()), grpc.StatusCode.INVALID_ARGUMENT, "'request' is required"),
+            (
+                g.balancer.Route(route(pb.GenerateRequest(model=MODEL))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "one of 'chat_messages', 'prompt_token_ids' or 'prompt_text'",
+            ),
+            (
+                g.balancer.Route(route(pb.GenerateRequest(prompt_text="hi"))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "'model' is required",
+            ),
+            (
+                g.balancer.Route(route(pb.GenerateRequest(model="gpt-x", prompt_text="hi"))),
+                grpc.StatusCode.NOT_FOUND,
+                f"known models: {MODEL}",
+            ),
+            (
+                g.balancer.Route(route(token_request(PROMPT, extra_json="[1]"))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "'extra_json' must be a JSON object",
+            ),
+            (
+                g.balancer.Route(route(token_request(PROMPT, extra_json='{"stream": false}'))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "may not set ['stream']",
+            ),
+            (
+                g.balancer.Route(route(token_request(PROMPT, temperature=-1.0))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "'temperature'",
+            ),
+            (
+                g.balancer.Route(route(token_request(list(range(100, 180))))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "over limits.max_prompt_tokens = 64",
+            ),
+            (g.balancer.Release(pb.ReleaseRequest()), grpc.StatusCode.INVALID_ARGUMENT, "'request_id'"),
+        ]
+        for call, code, detail in cases:
+            error = await failure(call)  # type: ignore[arg-type]
+            assert (error.code(), detail in error.details()) == (code, True), error.details()
+            assert not any(word in error.details() for word in INTERNALS), error.details()
+            assert len(dict(error.trailing_metadata() or ())["x-request-id"]) == 32
+
+        oversized = token_request(list(range(1000, 4000)))  # 3000 two-byte varints > 4096 bytes
+        assert oversized.ByteSize() > 4096
+        for call in (
+            g.balancer.Route(route(oversized)),
+            g.balancer.Generate(oversized).read(),
+            g.admin.Explain(pb.ExplainRequest(request=oversized)),
+        ):
+            error = await failure(call)
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "4096" in error.details()
+
+        # The replica itself refuses (prompt + max_tokens over its 512-token context): its message.
+        refused = await failure(g.balancer.Generate(token_request(PROMPT, max_tokens=500)).read())
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "answered 400: prompt (40) + max_tokens (500) exceeds 512" in refused.details()
+
+        for replica in ("r0", "r1"):
+            await g.http.admin("POST", f"/admin/replicas/{replica}/drain")
+        unavailable = await failure(g.balancer.Generate(token_request(PROMPT)).read())
+        assert (
+            unavailable.code() == grpc.StatusCode.UNAVAILABLE
+            and "no healthy replica" in unavailable.details()
+        )
+        assert dict(unavailable.trailing_metadata() or ())["retry-after"] == "1"
+
+
+async def test_health_reflection_and_shutdown(tokenizer: Tokenizer) -> None:
+    async with grpc_running(tokenizer) as g:
+        health = health_pb2_grpc.HealthStub(g.channel)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for service in ("", "kvlb.v1.Admin"):
+            assert (await health.Check(health_pb2.HealthCheckRequest(service=service))).status == serving
+
+        async def balancer_serving() -> bool:
+            answer = await health.Check(health_pb2.HealthCheckRequest(service="kvlb.v1.Balancer"))
+            return bool(answer.status == serving)
+
+        await wait_for("kvlb.v1.Balancer to report SERVING", balancer_serving)
+        unknown = await failure(health.Check(health_pb2.HealthCheckRequest(service="nope")))
+        assert unknown.code() == grpc.StatusCode.NOT_FOUND
+
+        reflection = reflection_pb2_grpc.ServerReflectionStub(g.channel)
+        asks = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="kvlb.v1.Balancer"),
+        ]
+        answers = [answer async for answer in reflection.ServerReflectionInfo(iter(asks))]
+        services = {s.name for s in answers[0].list_services_response.service}
+        assert {"kvlb.v1.Balancer", "kvlb.v1.Admin", "grpc.health.v1.Health"} <= services
+        files = answers[1].file_descriptor_response.file_descriptor_proto
+        assert files and b"kvlb/v1/balancer.proto" in files[0]
+
+        held = await g.balancer.Route(pb.RouteRequest(request=token_request(PROMPT), reserve=True))
+        state = g.http.balancer.state
+        assert state is not None and state.inflight_by_replica == {held.replica_id: 1}
+        await g.http.balancer.stop()
+        assert state.inflight_by_replica == {}  # the reservation was released at shutdown
+        gone = await failure(g.balancer.Route(pb.RouteRequest(request=token_request(PROMPT))))
+        assert gone.code() == grpc.StatusCode.UNAVAILABLE
