@@ -1,0 +1,31 @@
+# kvlb: the balancer (`kvlb serve`), and the engine emulator (`kvlb sim`) for trials.
+#   docker build -t kvlb:dev .
+#   docker run --rm -p 8000:8000 -v $PWD/kvlb.yaml:/etc/kvlb/config.yaml:ro kvlb:dev
+# Settings: /etc/kvlb/config.yaml ($KVLB_CONFIG), then KVLB_* variables (docs/operations.md).
+
+FROM python:3.11-slim-bookworm AS build
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY balancer/ balancer/
+COPY replicas/ replicas/
+COPY loadtests/ loadtests/
+COPY proto/ proto/
+COPY deploy/docker/install.sh /usr/local/bin/kvlb-install
+RUN kvlb-install /opt/kvlb /src
+
+FROM python:3.11-slim-bookworm
+LABEL org.opencontainers.image.title="kvlb" \
+      org.opencontainers.image.description="KV-cache-aware load balancer for LLM inference" \
+      org.opencontainers.image.licenses="Apache-2.0"
+RUN groupadd --system --gid 10001 kvlb \
+    && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvlb
+COPY --from=build /opt/kvlb /opt/kvlb
+ENV PATH=/opt/kvlb/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    KVLB_CONFIG=/etc/kvlb/config.yaml \
+    KVLB_LISTEN__HOST=0.0.0.0
+USER 10001:10001
+EXPOSE 8000 50051
+# kvlb serve handles SIGTERM itself: it stops accepting, drains for --shutdown-grace-s, then exits.
+ENTRYPOINT ["kvlb", "serve"]

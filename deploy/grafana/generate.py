@@ -1,0 +1,184 @@
+"""Writes kvlb-dashboard.json, the Grafana dashboard of kvlb (run: python deploy/grafana/generate.py).
+
+Edit the panels here, not in the JSON: tests/deploy/test_observability.py checks that the JSON is
+this script's output and that every metric a query names is one kvlb exports.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+OUT = Path(__file__).with_name("kvlb-dashboard.json")
+DS = {"type": "prometheus", "uid": "${datasource}"}
+R = "$__rate_interval"
+SEL = 'job=~"$job"'
+REP = 'job=~"$job", replica=~"$replica"'
+API = f'{SEL}, endpoint!~"/metrics|/healthz|/readyz|/openapi.json"'
+
+Target = tuple[str, str]  # (PromQL, legend)
+
+
+def rate(metric: str, by: str = "", sel: str = SEL) -> str:
+    """``sum [by (...)] (rate(metric{sel}[$__rate_interval]))``."""
+    group = f" by ({by})" if by else ""
+    return f"sum{group} (rate({metric}{{{sel}}}[{R}]))"
+
+
+def load(kind: str, how: str = "sum") -> str:
+    return f'{how} by (replica) (kvlb_replica_load{{{REP}, kind="{kind}"}})'
+
+
+def quantiles(metric: str) -> list[Target]:
+    return [
+        (f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket{{{SEL}}}[{R}])))", f"p{round(q * 100)}")
+        for q in (0.5, 0.9, 0.99)
+    ]
+
+
+PREDICTED = rate("kvlb_route_predicted_cached_tokens_total")
+REPORTED = rate("kvlb_route_reported_cached_tokens_total")
+TTFT_P90 = (
+    f"histogram_quantile(0.9, sum by (le, replica) (rate(kvlb_http_ttft_seconds_bucket{{{REP}}}[{R}])))"
+)
+FAILED_APPLY = rate("kvlb_events_applied_total", sel=f'{SEL}, type="batch", status="error"')
+
+ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
+    ("Traffic", [
+        ("Requests/s by status", "reqps",
+         [(rate("kvlb_http_requests_total", "status", API), "{{status}}")], ""),
+        ("Time to first token", "s", quantiles("kvlb_http_ttft_seconds"), ""),
+        ("End to end latency", "s", quantiles("kvlb_http_e2e_seconds"), ""),
+        ("In flight", "short", [(f"sum(kvlb_http_inflight_requests{{{SEL}}})", "requests")], ""),
+        ("Shed requests/s (admission)", "reqps",
+         [(rate("kvlb_admission_shed_total", "reason"), "{{reason}}")], ""),
+        ("Retried requests/s", "reqps", [(rate("kvlb_upstream_retries_total", "reason"), "{{reason}}")], ""),
+    ]),
+    ("Cache affinity", [
+        ("Cached prompt tokens/s: predicted vs reported", "short",
+         [(PREDICTED, "predicted by kvlb"), (REPORTED, "reported by engines")],
+         "Predicted: overlap the router saw; reported: usage.prompt_tokens_details.cached_tokens."),
+        ("Reported / predicted cache hits", "percentunit", [(f"{REPORTED} / {PREDICTED}", "ratio")],
+         "Near 1: the index is right. Well below 1: it holds blocks the engines evicted."),
+        ("Cached tokens per request", "short",
+         [(f"{REPORTED} / {rate('kvlb_route_decisions_total')}", "reported")], ""),
+        ("Decision time", "s", quantiles("kvlb_route_decision_seconds"), "Hashing, index match and policy."),
+    ]),
+    ("Replicas", [
+        ("Routed requests/s per replica", "reqps",
+         [(rate("kvlb_route_decisions_total", "replica", REP), "{{replica}}")], ""),
+        ("In flight per replica", "short", [(load("inflight"), "{{replica}}")], ""),
+        ("Pending prefill tokens per replica", "short",
+         [(load("pending_prefill_tokens"), "{{replica}}")], ""),
+        ("Decode blocks per replica", "short", [(load("decode_blocks"), "{{replica}}")], ""),
+        ("Engine queue and KV usage", "short",
+         [(load("waiting", "max"), "{{replica}} waiting"), (load("kv_usage", "max"), "{{replica}} kv usage")],
+         "Scraped from the engines."),
+        ("Healthy replicas", "short",
+         [(f"min by (replica) (kvlb_replica_healthy{{{REP}}})", "{{replica}}")], ""),
+        ("TTFT p90 per replica", "s", [(TTFT_P90, "{{replica}}")], ""),
+        ("Scrape errors/s", "short", [(rate("kvlb_scrape_errors_total", "replica", REP), "{{replica}}")], ""),
+    ]),
+    ("Index and events", [
+        ("Index blocks", "short", [(f"max by (kind) (kvlb_index_blocks{{{SEL}}})", "{{kind}}")],
+         "unique, held (per cache) and speculative blocks, per balancer."),
+        ("Event lag per replica", "s",
+         [(f"max by (replica) (kvlb_events_lag_seconds{{{REP}}})", "{{replica}}")],
+         "Engine timestamp of the newest applied batch vs kvlb's clock (SGLang/vLLM)."),
+        ("Events applied/s", "short",
+         [(rate("kvlb_events_applied_total", "engine, type, status"), "{{engine}} {{type}} {{status}}")], ""),
+        ("Sequence gaps and replays", "short", [
+            (rate("kvlb_events_seq_gaps_total", "replica", REP), "{{replica}} gaps"),
+            (rate("kvlb_events_replays_total", "replica, outcome", REP), "{{replica}} replay {{outcome}}"),
+        ], ""),
+        ("Resyncs and queue overflows", "short", [
+            (rate("kvlb_events_resyncs_total", "replica, reason", REP), "{{replica}} resync {{reason}}"),
+            (rate("kvlb_events_queue_overflow_total", "replica", REP), "{{replica}} overflow"),
+        ], ""),
+        ("Decode errors and skipped events", "short", [
+            (rate("kvlb_events_decode_errors_total", "engine, reason"), "{{engine}} decode {{reason}}"),
+            (rate("kvlb_index_skipped_total", "reason"), "skipped {{reason}}"),
+        ], "skipped block_size: a replica's block size differs from its events'."),
+    ]),
+    ("Redis", [
+        ("Index writes failing (Redis health)", "short", [(FAILED_APPLY, "failed applies/s")],
+         "With Redis configured, index.apply fails while Redis is down, full or too slow."),
+    ]),
+]  # fmt: skip
+
+
+def panel(panel_id: int, title: str, unit: str, targets: list[Target], description: str) -> dict[str, Any]:
+    return {
+        "id": panel_id,
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+        "options": {"legend": {"displayMode": "list", "placement": "bottom"}, "tooltip": {"mode": "multi"}},
+        "targets": [
+            {"refId": chr(ord("A") + i), "datasource": DS, "expr": expr, "legendFormat": legend}
+            for i, (expr, legend) in enumerate(targets)
+        ],
+    }
+
+
+def variable(name: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "query",
+        "datasource": DS,
+        "query": {"query": query, "refId": name},
+        "definition": query,
+        "includeAll": True,
+        "multi": True,
+        "allValue": ".*",
+        "current": {"text": "All", "value": "$__all"},
+        "refresh": 2,
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    panels: list[dict[str, Any]] = []
+    y = 0
+    for title, row in ROWS:
+        panels.append({"id": len(panels) + 1, "type": "row", "title": title, "collapsed": False,
+                       "gridPos": {"h": 1, "w": 24, "x": 0, "y": y}, "panels": []})  # fmt: skip
+        y += 1
+        for position, spec in enumerate(row):
+            item = panel(len(panels) + 1, *spec)
+            item["gridPos"] = {"h": 8, "w": 12, "x": 12 * (position % 2), "y": y + 8 * (position // 2)}
+            panels.append(item)
+        y += 8 * ((len(row) + 1) // 2)
+    datasource = {"name": "datasource", "type": "datasource", "query": "prometheus", "label": "Prometheus"}
+    return {
+        "title": "kvlb",
+        "uid": "kvlb-overview",
+        "description": "KV-cache-aware load balancer: traffic, cache affinity, replicas, index and events.",
+        "tags": ["kvlb", "llm", "inference"],
+        "timezone": "browser",
+        "schemaVersion": 39,
+        "version": 1,
+        "editable": True,
+        "refresh": "30s",
+        "time": {"from": "now-3h", "to": "now"},
+        "templating": {
+            "list": [
+                datasource,
+                variable("job", "label_values(kvlb_http_inflight_requests, job)"),
+                variable("replica", 'label_values(kvlb_replica_healthy{job=~"$job"}, replica)'),
+            ]
+        },
+        "annotations": {"list": []},
+        "panels": panels,
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+if __name__ == "__main__":
+    OUT.write_text(render())
+    print(f"wrote {OUT}")

@@ -1,0 +1,171 @@
+"""The Grafana dashboard and the alert rules: they parse, and every metric they query is one kvlb
+exports, checked against the registry and against a running ``kvlb serve``'s ``/metrics``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from manifests import DEPLOY, K8S
+from prometheus_client import generate_latest
+from promql import exposed_series, metric_names
+
+from balancer.metrics import Metrics
+
+DASHBOARD = DEPLOY / "grafana" / "kvlb-dashboard.json"
+ALERTS = DEPLOY / "prometheus" / "kvlb-alerts.yaml"
+GRAFANA_VARIABLES = {"$__rate_interval": "5m", "$job": ".*", "$replica": ".*"}
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    return data
+
+
+def dashboard_queries() -> list[str]:
+    board = dashboard()
+    queries = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
+    queries += [v["query"]["query"] for v in board["templating"]["list"] if v["type"] == "query"]
+    return queries
+
+
+def alert_rules() -> list[dict[str, Any]]:
+    return [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+
+
+def queried_names() -> set[str]:
+    names: set[str] = set()
+    for query in dashboard_queries() + [rule["expr"] for rule in alert_rules()]:
+        variable = re.fullmatch(r"label_values\((.*),\s*\w+\)", query)  # Grafana: (series, label)
+        names |= metric_names(variable.group(1) if variable else query)
+    return names
+
+
+def test_metric_names_are_extracted_from_promql() -> None:
+    expr = (
+        'histogram_quantile(0.99, sum by (le, replica) (rate(a_bucket{job=~"x|y", b="c{d}"}[5m] offset 1d)))'
+        " / on (replica) group_left max without (kind) (b:rate5m) > bool 2e3 and c_total unless d"
+    )
+    assert metric_names(expr) == {"a_bucket", "b:rate5m", "c_total", "d"}
+
+
+def test_dashboard_is_the_generators_output_and_well_formed() -> None:
+    spec = importlib.util.spec_from_file_location("kvlb_dashboard", DEPLOY / "grafana" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    generator = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(generator)
+    assert DASHBOARD.read_text() == generator.render(), "run: python deploy/grafana/generate.py"
+    board = dashboard()
+    ids = [p["id"] for p in board["panels"]]
+    assert len(ids) == len(set(ids))
+    titles = {p["title"] for p in board["panels"]}
+    for wanted in ("Requests/s by status", "Time to first token", "Event lag per replica"):
+        assert wanted in titles
+    for item in board["panels"]:
+        if item["type"] != "row":
+            assert item["targets"] and all(t["expr"] and t["refId"] for t in item["targets"]), item["title"]
+
+
+def test_alert_rules_ship_unchanged_as_a_prometheusrule() -> None:
+    rule = yaml.safe_load((K8S / "base" / "prometheusrule.yaml").read_text())
+    assert rule["spec"] == yaml.safe_load(ALERTS.read_text())
+    names = {r["alert"] for r in alert_rules()}
+    wanted = {"KvlbReplicaCacheInvisible", "KvlbIndexLagging", "KvlbCacheHitRateDrop", "KvlbHighErrorRate"}
+    assert wanted <= names
+    for item in alert_rules():
+        assert item["labels"]["severity"] in ("warning", "critical")
+        assert item["annotations"]["runbook"].startswith("docs/operations.md#")
+
+
+def test_runbook_anchors_exist() -> None:
+    text = (DEPLOY.parent / "docs" / "operations.md").read_text()
+    anchors = {
+        "-".join("".join(c for c in line.lstrip("#").strip().lower() if c.isalnum() or c in " -").split())
+        for line in text.splitlines()
+        if line.startswith("#")
+    }
+    for item in alert_rules():
+        assert item["annotations"]["runbook"].split("#")[1] in anchors, item["alert"]
+
+
+def test_every_queried_metric_is_in_the_registry() -> None:
+    exported = exposed_series(generate_latest(Metrics.create().registry).decode())
+    missing = queried_names() - exported
+    assert not missing, f"queried but not exported by balancer/metrics.py: {sorted(missing)}"
+
+
+def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> None:
+    pytest.importorskip("balancer.app", reason="kvlb serve is not available")
+    config = tmp_path / "kvlb.yaml"
+    config.write_text("listen: {host: 127.0.0.1, port: 0}\nscrape_interval_s: 0\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLB_")}
+    process = subprocess.Popen(
+        [sys.executable, "-m", "balancer", "serve", "--config", str(config), "--no-uvloop"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline()  # {"kvlb": "serving", "url": ...} once it listens
+        assert line, process.stderr.read() if process.stderr else "kvlb serve exited"
+        url = json.loads(line)["url"]
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+            exposition = response.read().decode()
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+    missing = queried_names() - exposed_series(exposition)
+    assert not missing, f"queried but not on a running kvlb's /metrics: {sorted(missing)}"
+
+
+promtool = shutil.which("promtool")
+
+
+@pytest.mark.skipif(promtool is None, reason="promtool (Debian package prometheus) not installed")
+def test_promtool_accepts_every_query_and_rule(tmp_path: Path) -> None:
+    assert promtool is not None
+    queries = []
+    for query in dashboard_queries():
+        if query.startswith("label_values("):
+            continue
+        for variable, value in GRAFANA_VARIABLES.items():
+            query = query.replace(variable, value)
+        queries.append(query)
+    recording = {
+        "groups": [
+            {"name": "dashboard", "rules": [{"record": f"q{i}", "expr": q} for i, q in enumerate(queries)]}
+        ]
+    }
+    path = tmp_path / "dashboard-rules.yaml"
+    path.write_text(yaml.safe_dump(recording))
+    for rules in (path, ALERTS):
+        result = subprocess.run(
+            [promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(promtool is None, reason="promtool (Debian package prometheus) not installed")
+def test_alerts_fire_on_the_failures_they_describe() -> None:
+    assert promtool is not None
+    tests = [str(path) for path in sorted((DEPLOY / "prometheus").glob("*.test.yaml"))]
+    assert len(tests) == 2
+    result = subprocess.run([promtool, "test", "rules", *tests], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
