@@ -1,0 +1,193 @@
+"""Limits, counters, per-slot records and slot bookkeeping of the in-memory prefix table (pure).
+
+A *slot* is one bit of the holder masks in :mod:`balancer.index.table`: a :class:`CacheSlot` per
+(replica, dp_rank) KV cache, and a :class:`SpecSlot` per replica with speculative entries.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from balancer.types import ReplicaId
+
+_MAX_DERIVED = 4096
+"""Cached candidate masks and holder groups; both caches are cleared when full or when slots change."""
+
+
+@dataclass(frozen=True, slots=True)
+class TableLimits:
+    """Bounds of a :class:`~balancer.index.table.PrefixTable`."""
+
+    capacity_blocks: int = 1_000_000
+    """Unique block keys kept, all caches together. Beyond it the least recently stored keys are
+    evicted with all their holders, down to ``capacity - capacity // 128`` (exact LRU below 128
+    blocks), and counted in ``ApplyResult.evicted_blocks`` and ``TableCounters.evicted_blocks``."""
+    max_speculative_keys: int = 250_000
+    """Speculative (replica, key) holdings alive at once, about ``requests/s × ttl_s × prompt blocks``
+    (also bounds the expiry queue; ~100 B each). Keys beyond it are not added and are counted in
+    ``TableCounters.speculative_overflow``; 0 disables speculation."""
+    max_slots: int = 4096
+    """Caches ((replica, dp_rank) pairs) plus one speculative slot per replica. A ``Stored`` for a new
+    cache beyond it is skipped, and so are speculative keys of a new replica; both are counted in
+    ``TableCounters.slot_overflow``."""
+
+    def __post_init__(self) -> None:
+        if self.capacity_blocks <= 0 or self.max_speculative_keys < 0 or self.max_slots <= 0:
+            raise ValueError(f"invalid table limits: {self}")
+
+
+@dataclass(slots=True)
+class TableCounters:
+    """Cumulative counts that the ``ApplyResult`` of one call does not carry."""
+
+    evicted_blocks: int = 0
+    """Unique keys evicted over the budget (by ``apply`` and by ``add_speculative``)."""
+    speculative_overflow: int = 0
+    """Speculative keys not added: over ``max_speculative_keys`` or no free slot."""
+    speculative_expired: int = 0
+    speculative_confirmed: int = 0
+    """Speculative keys that a real store of the same replica turned into real holdings."""
+    slot_overflow: int = 0
+    """Caches or speculative slots refused over ``max_slots``."""
+
+
+class CacheSlot:
+    """One KV cache: its bit and its engine-hash map, which is also its reverse set."""
+
+    __slots__ = ("bit", "dp_rank", "dups", "held", "keys", "replica", "slot")
+
+    def __init__(self, replica: ReplicaId, dp_rank: int, slot: int) -> None:
+        self.replica = replica
+        self.dp_rank = dp_rank
+        self.slot = slot
+        self.bit = 1 << slot
+        self.keys: dict[int, int] = {}
+        """engine hash → block key; an entry whose key lost this bit (evicted) is stale."""
+        self.dups: dict[int, int] = {}
+        """block key → extra engine hashes mapping to it (rare: the same tokens under two handles)."""
+        self.held = 0
+        """Keys whose mask has this bit."""
+
+
+class SpecSlot:
+    """The speculative bit of one replica (it stands for rank 0): key → expiry, monotonic seconds."""
+
+    __slots__ = ("alive", "bit", "expiry", "replica", "slot")
+    dp_rank = 0
+
+    def __init__(self, replica: ReplicaId, slot: int) -> None:
+        self.replica = replica
+        self.slot = slot
+        self.bit = 1 << slot
+        self.expiry: dict[int, float] = {}
+        self.alive = True
+
+
+class SlotRegistry:
+    """Slot numbers, their owners and each replica's caches; the lowest free slot is reused first."""
+
+    def __init__(self, max_slots: int, counters: TableCounters) -> None:
+        self._max_slots = max_slots
+        self._counters = counters
+        self._free: list[int] = []
+        self.owners: list[CacheSlot | SpecSlot | None] = []
+        """slot → owner (``None`` while free)."""
+        self.caches: dict[ReplicaId, dict[int, CacheSlot]] = {}
+        self.specs: dict[ReplicaId, SpecSlot] = {}
+        self.replica_masks: dict[ReplicaId, int] = {}
+        """replica → OR of the bits of all its slots (ranks and speculative)."""
+        self.spec_mask = 0
+        """OR of the bits of every speculative slot."""
+        self._amongs: dict[Collection[ReplicaId] | None, tuple[int, dict[ReplicaId, int]]] = {}
+        self._groups: dict[int, tuple[tuple[ReplicaId, ...], dict[ReplicaId, int]]] = {}
+
+    def cache(self, replica: ReplicaId, dp_rank: int) -> CacheSlot | None:
+        ranks = self.caches.get(replica)
+        return None if ranks is None else ranks.get(dp_rank)
+
+    def new_cache(self, replica: ReplicaId, dp_rank: int) -> CacheSlot | None:
+        slot = self._alloc()
+        if slot is None:
+            return None
+        cache = CacheSlot(replica, dp_rank, slot)
+        self._install(cache)
+        self.caches.setdefault(replica, {})[dp_rank] = cache
+        return cache
+
+    def new_spec(self, replica: ReplicaId) -> SpecSlot | None:
+        slot = self._alloc()
+        if slot is None:
+            return None
+        spec = self.specs[replica] = SpecSlot(replica, slot)
+        self._install(spec)
+        self.spec_mask |= spec.bit
+        return spec
+
+    def release(self, replica: ReplicaId) -> tuple[list[CacheSlot], SpecSlot | None]:
+        """Free every slot of ``replica``; the caller unsets their bits (before reusing any)."""
+        caches = list(self.caches.pop(replica, {}).values())
+        spec = self.specs.pop(replica, None)
+        if spec is not None:
+            self.spec_mask &= ~spec.bit
+        for owner in [*caches, spec]:
+            if owner is not None:
+                self.owners[owner.slot] = None
+                heapq.heappush(self._free, owner.slot)
+        self.replica_masks.pop(replica, None)
+        self._changed()
+        return caches, spec
+
+    def _alloc(self) -> int | None:
+        if self._free:
+            return heapq.heappop(self._free)
+        if len(self.owners) >= self._max_slots:
+            self._counters.slot_overflow += 1
+            return None
+        self.owners.append(None)
+        return len(self.owners) - 1
+
+    def _install(self, owner: CacheSlot | SpecSlot) -> None:
+        self.owners[owner.slot] = owner
+        self.replica_masks[owner.replica] = self.replica_masks.get(owner.replica, 0) | owner.bit
+        self._changed()
+
+    def _changed(self) -> None:
+        """Slot owners changed: drop what was derived from them."""
+        self._amongs.clear()
+        self._groups.clear()
+
+    def candidates(self, among: Collection[ReplicaId] | None) -> tuple[int, dict[ReplicaId, int]]:
+        """The mask of the candidates' slots and a zeroed result dict (cached for reusable keys)."""
+        cacheable = among is None or type(among) is frozenset or type(among) is tuple
+        if cacheable and (found := self._amongs.get(among)) is not None:
+            return found
+        masks = self.replica_masks
+        replicas = masks if among is None else among
+        mask = 0
+        for replica in replicas:
+            mask |= masks.get(replica, 0)
+        found = (mask, dict.fromkeys(replicas, 0))
+        if cacheable:
+            if len(self._amongs) >= _MAX_DERIVED:
+                self._amongs.clear()
+            self._amongs[among] = found
+        return found
+
+    def group(self, bits: int) -> tuple[tuple[ReplicaId, ...], dict[ReplicaId, int]]:
+        """The replicas owning ``bits``, and a rank of each (cached: the same groups recur)."""
+        found = self._groups.get(bits)
+        if found is None:
+            best: dict[ReplicaId, int] = {}
+            rest = bits
+            while rest:
+                low = rest & -rest
+                rest ^= low
+                owner = self.owners[low.bit_length() - 1]
+                if owner is not None:
+                    best[owner.replica] = owner.dp_rank
+            if len(self._groups) >= _MAX_DERIVED:
+                self._groups.clear()
+            found = self._groups[bits] = (tuple(best), best)
+        return found

@@ -1,0 +1,367 @@
+"""The in-memory prefix table of one pool (pure: no I/O, no clock; callers pass ``now``).
+
+Layout (DESIGN.md decisions 1 and 2):
+
+* ``holders``: block key → bitmask of the caches holding it. Each cache (replica, dp_rank) owns one
+  bit ("slot"); each replica with speculative entries owns one more, which stands for its rank 0.
+  Freed slots are reused, lowest first, so masks stay small.
+* Per cache, ``engine hash → block key``. It resolves parents and removals, and is the cache's
+  reverse set, so clearing or dropping a cache costs O(its own blocks), never O(index).
+* The dict's insertion order is the LRU order: storing a block re-inserts its key at the end. Over
+  the budget the oldest keys go, with all their holders. A cache's map entries for evicted keys stay
+  (they still chain children correctly) and are dropped once they outnumber its live blocks.
+* ``match`` walks the request keys ANDing masks; a bit that drops out at depth ``i`` gives its cache
+  an overlap of ``i``. Neither ``match`` nor ``apply`` creates an object per block beyond the key.
+"""
+
+from __future__ import annotations
+
+import heapq
+import sys
+from collections.abc import Collection, Iterable, Sequence
+from itertools import islice
+
+import xxhash
+
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.hashing import BlockHasher
+from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
+from balancer.types import BlockKey, Overlap, ReplicaId
+
+_xxh3 = xxhash.xxh3_64_intdigest  # positional seed: the keyword form costs ~50 ns more per block
+_INT_BYTES = 36  # a u64 Python int (three 30-bit digits), for the memory estimate
+_COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live count
+_EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
+
+
+class PrefixTable:
+    """Who holds which blocks, for one pool (one :class:`BlockHasher`). Synchronous and pure."""
+
+    def __init__(self, hasher: BlockHasher, limits: TableLimits | None = None) -> None:
+        self.hasher = hasher
+        self.limits = limits or TableLimits()
+        self.counters = TableCounters()
+        self._holders: dict[int, int] = {}
+        self._slots = SlotRegistry(self.limits.max_slots, self.counters)
+        self._spec_heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
+        self._spec_seq = 0
+        self._spec_count = 0
+        self._block_size = hasher.block_size
+        self._lookahead = hasher.lookahead_tokens
+        cap = self.limits.capacity_blocks
+        self._evict_target = cap - cap // _EVICT_BATCH_DIVISOR
+
+    # ------------------------------------------------------------------ events
+
+    def apply(self, replica: ReplicaId, events: Iterable[KvEvent], now: float) -> ApplyResult:
+        """Apply one replica's events in order (semantics in :mod:`balancer.index.base`)."""
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        result = ApplyResult()
+        for event in events:
+            if type(event) is Stored:
+                self._store(replica, event, result)
+            elif type(event) is Removed:
+                self._remove(replica, event, result)
+            elif isinstance(event, Cleared | Resync):  # speculative entries stay: requests are in flight
+                if (cache := self._slots.cache(replica, event.dp_rank)) is not None:
+                    self._clear(cache)
+                result.cleared_caches += type(event) is Cleared
+                result.resyncs += type(event) is Resync
+        return result
+
+    def _store(self, replica: ReplicaId, event: Stored, result: ApplyResult) -> None:
+        count = len(event.engine_hashes)
+        if (
+            event.block_size != self._block_size
+            or event.lookahead_tokens != self._lookahead
+            or len(event.tokens) < 4 * (count * self._block_size + self._lookahead)
+        ):
+            result.skipped_block_size_mismatch += 1
+            return
+        if not count:
+            return
+        cache = self._slots.cache(replica, event.dp_rank)
+        if event.parent is None:
+            seed = self.hasher.root_seed(event.lora_name, event.cache_salt)
+        else:
+            known = None if cache is None else cache.keys.get(event.parent)
+            if known is None:
+                result.skipped_unknown_parent += 1
+                return
+            seed = known
+        if cache is None:
+            cache = self._slots.new_cache(replica, event.dp_rank)
+            if cache is None:
+                return
+        result.stored_blocks += self._store_chain(cache, seed, event)
+        if len(self._holders) > self.limits.capacity_blocks:
+            result.evicted_blocks += self._evict()
+
+    def _store_chain(self, cache: CacheSlot, seed: int, event: Stored) -> int:
+        """The hot loop: hash each block, set this cache's bit, map its engine hash."""
+        holders = self._holders
+        pop = holders.pop
+        setdefault = cache.keys.setdefault
+        bit = cache.bit
+        spec = self._slots.specs.get(cache.replica)
+        pending = spec.expiry if spec is not None and spec.expiry else None
+        spec_clear = ~spec.bit if spec is not None else -1
+        tokens = event.tokens
+        xxh3 = _xxh3
+        step = 4 * self._block_size
+        end = step * len(event.engine_hashes)
+        span = step + 4 * self._lookahead
+        key = seed
+        already = confirmed = 0
+        for engine_hash, start, stop in zip(
+            event.engine_hashes, range(0, end, step), range(span, end + span, step), strict=True
+        ):
+            key = xxh3(tokens[start:stop], key)
+            mask = pop(key, 0)
+            if pending is not None and key in pending:  # a real store confirms a speculative one
+                del pending[key]
+                mask &= spec_clear
+                confirmed += 1
+            if mask & bit:  # already held: a re-store, or a second handle for the same tokens
+                holders[key] = mask
+                already += 1
+                self._restore(cache, engine_hash, key)
+            else:
+                holders[key] = mask | bit if mask else bit  # share the bit object: no int per block
+                if setdefault(engine_hash, key) is not key:  # a known handle: same or other tokens
+                    self._remap(cache, engine_hash, key)
+        cache.held += len(event.engine_hashes) - already
+        if confirmed:
+            self._spec_count -= confirmed
+            self.counters.speculative_confirmed += confirmed
+        return len(event.engine_hashes)
+
+    def _remap(self, cache: CacheSlot, engine_hash: int, key: int) -> None:
+        prev = cache.keys[engine_hash]
+        if prev != key:  # the handle pointed at other tokens: release those
+            self._release(cache, prev)
+            cache.keys[engine_hash] = key
+
+    def _restore(self, cache: CacheSlot, engine_hash: int, key: int) -> None:
+        prev = cache.keys.get(engine_hash)
+        if prev == key:
+            return
+        if prev is not None:
+            self._release(cache, prev)
+        cache.keys[engine_hash] = key
+        cache.dups[key] = cache.dups.get(key, 0) + 1
+
+    def _remove(self, replica: ReplicaId, event: Removed, result: ApplyResult) -> None:
+        cache = self._slots.cache(replica, event.dp_rank)
+        if cache is None:
+            result.unknown_removals += len(event.engine_hashes)
+            return
+        pop = cache.keys.pop
+        for engine_hash in event.engine_hashes:
+            key = pop(engine_hash, None)
+            if key is None:
+                result.unknown_removals += 1
+            elif self._release(cache, key):
+                result.removed_blocks += 1
+
+    def _release(self, cache: CacheSlot, key: int) -> bool:
+        """One handle of ``key`` went from ``cache``; clear its bit if it was the last live one."""
+        dups = cache.dups
+        if dups and key in dups:
+            if dups[key] > 1:
+                dups[key] -= 1
+            else:
+                del dups[key]
+            return True
+        if not self._holders.get(key, 0) & cache.bit:
+            return False  # evicted earlier: the handle was stale
+        self._unset((key,), cache.bit)
+        cache.held -= 1
+        return True
+
+    def _clear(self, cache: CacheSlot) -> int:
+        self._unset(cache.keys.values(), cache.bit)
+        held, cache.keys, cache.dups, cache.held = cache.held, {}, {}, 0
+        return held
+
+    # ------------------------------------------------------------------ budget
+
+    def _evict(self) -> int:
+        """Evict the least recently stored keys down to the low-water mark; returns how many."""
+        holders = self._holders
+        victims = list(islice(holders, len(holders) - self._evict_target))
+        for key in victims:
+            self._drop_holders(key, holders.pop(key))
+        self.counters.evicted_blocks += len(victims)
+        return len(victims)
+
+    def _unset(self, keys: Iterable[int], bit: int) -> None:
+        holders = self._holders
+        for key in keys:
+            mask = holders.get(key, 0)
+            if mask & bit:
+                mask ^= bit
+                if mask:
+                    holders[key] = mask  # an existing key keeps its LRU position
+                else:
+                    del holders[key]
+
+    def _drop_holders(self, key: int, mask: int) -> None:
+        owners = self._slots.owners
+        while mask:
+            low = mask & -mask
+            mask ^= low
+            owner = owners[low.bit_length() - 1]
+            if type(owner) is CacheSlot:
+                owner.held -= 1
+                if owner.dups:
+                    owner.dups.pop(key, None)
+                if len(owner.keys) > 2 * owner.held + _COMPACT_SLACK:
+                    self._compact(owner)
+            elif isinstance(owner, SpecSlot) and owner.expiry.pop(key, None) is not None:
+                self._spec_count -= 1
+
+    def _compact(self, cache: CacheSlot) -> None:
+        """Drop map entries of evicted keys (amortised O(1): runs once they outnumber live ones)."""
+        get = self._holders.get
+        bit = cache.bit
+        cache.keys = {h: k for h, k in cache.keys.items() if get(k, 0) & bit}
+
+    # ------------------------------------------------------------------ queries
+
+    def match(
+        self,
+        keys: Sequence[BlockKey],
+        among: Collection[ReplicaId] | None,
+        now: float,
+        confirmed_only: bool = False,
+    ) -> Overlap:
+        """Leading blocks of ``keys`` held by each replica in ``among`` (all known when ``None``).
+
+        ``best_rank`` names the rank holding the longest prefix, for replicas with an overlap only
+        (0 when that prefix is speculative).
+        Pass ``among`` as a frozenset (or tuple) that is reused across calls: its mask is cached.
+        ``confirmed_only`` ignores speculative holdings (only blocks the engines reported count).
+        """
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        group = self._slots.group
+        mask, template = self._slots.candidates(among)
+        if confirmed_only:
+            mask &= ~self._slots.spec_mask
+        blocks = template.copy()
+        ranks: dict[ReplicaId, int] = {}
+        fromkeys = dict.fromkeys
+        depth = 0
+        for depth, found in enumerate(map(self._holders.get, keys)):
+            if found is None:
+                break
+            held = mask & found
+            if held != mask:  # some candidates stop here: their overlap is ``depth``
+                if depth:
+                    replicas, best = group(mask ^ held)
+                    blocks.update(fromkeys(replicas, depth))
+                    ranks.update(best)
+                mask = held
+                if not held:
+                    break
+        else:
+            depth = len(keys)
+        if mask and depth:
+            replicas, best = group(mask)
+            blocks.update(fromkeys(replicas, depth))
+            ranks.update(best)
+        return Overlap(blocks, ranks, len(keys))
+
+    @property
+    def has_speculative(self) -> bool:
+        """Whether any speculative holding may still be alive."""
+        return bool(self._spec_heap)
+
+    # ------------------------------------------------------------------ speculation
+
+    def add_speculative(self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float) -> None:
+        """Count ``replica`` (as its rank 0) as a holder of ``keys`` until ``now + ttl_s``.
+
+        The keys form the speculative slot's own chain, so pass the whole prompt (keys the replica
+        already holds included). Re-adding a key extends its expiry; a real store of a key by the
+        replica confirms it (it stops being speculative); expiry is checked by every call given ``now``.
+        """
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        if ttl_s <= 0 or not keys:
+            return
+        limit = self.limits.max_speculative_keys
+        spec = self._slots.specs.get(replica)
+        if spec is None and limit:
+            spec = self._slots.new_spec(replica)
+        if spec is None or len(self._spec_heap) >= limit:
+            self.counters.speculative_overflow += len(keys)
+            return
+        expiry_s = now + ttl_s
+        holders = self._holders
+        pending = spec.expiry
+        taken: list[int] = []
+        for key in keys:
+            if key not in pending:
+                if self._spec_count >= limit:
+                    self.counters.speculative_overflow += 1
+                    continue
+                self._spec_count += 1
+                mask = holders.pop(key, 0)  # re-insert: a speculative block counts as recently used
+                holders[key] = mask | spec.bit
+            pending[key] = expiry_s
+            taken.append(key)
+        if taken:
+            self._spec_seq += 1
+            heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
+        if len(holders) > self.limits.capacity_blocks:
+            self._evict()
+
+    def _expire(self, now: float) -> None:
+        """Pop due heap entries; a key whose expiry was not extended meanwhile loses its bit."""
+        heap = self._spec_heap
+        while heap and heap[0][0] <= now:
+            expiry_s, _, spec, keys = heapq.heappop(heap)
+            if not spec.alive:
+                continue
+            pending = spec.expiry
+            due = [key for key in keys if pending.get(key) == expiry_s]  # not confirmed nor extended
+            for key in due:
+                del pending[key]
+            self._spec_count -= len(due)
+            self.counters.speculative_expired += len(due)
+            self._unset(due, spec.bit)
+
+    # ------------------------------------------------------------------ replicas and stats
+
+    def drop_replica(self, replica: ReplicaId) -> int:
+        """Forget every rank and speculative entry of ``replica``; returns the real holdings dropped."""
+        caches, spec = self._slots.release(replica)
+        dropped = sum(self._clear(cache) for cache in caches)
+        if spec is not None:
+            self._unset(spec.expiry, spec.bit)
+            self._spec_count -= len(spec.expiry)
+            spec.expiry = {}
+            spec.alive = False
+        return dropped
+
+    def stats(self) -> IndexStats:
+        """Sizes; ``bytes_per_block`` is an estimate (container sizes + 36 B per stored u64 int)."""
+        by_replica = {r: sum(c.held for c in ranks.values()) for r, ranks in self._slots.caches.items()}
+        held = sum(by_replica.values())
+        size = sys.getsizeof(self._holders) + _INT_BYTES * len(self._holders)
+        for ranks in self._slots.caches.values():
+            for cache in ranks.values():
+                size += sys.getsizeof(cache.keys) + _INT_BYTES * len(cache.keys)
+                size += sys.getsizeof(cache.dups) if cache.dups else 0
+        return IndexStats(
+            unique_blocks=len(self._holders),
+            held_blocks=held,
+            blocks_by_replica=by_replica,
+            speculative_entries=self._spec_count,
+            capacity_blocks=self.limits.capacity_blocks,
+            bytes_per_block=size / held if held else None,
+        )

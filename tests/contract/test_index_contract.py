@@ -1,0 +1,280 @@
+"""The ``PrefixIndex`` contract (balancer/index/base.py), run on every backend.
+
+A backend is added by one line in ``FACTORIES``: an async function that takes the pool's
+``BlockHasher`` and a block budget and returns a fresh, empty index (closed by the fixture).
+Events carry tokens and the index computes keys; requests are hashed with ``BlockHasher.request_keys``,
+so every match below also checks that both sides derive the same keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+
+import pytest
+from redis_server import redis_index  # a private redis-server per session (tests/conftest.py)
+
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.base import ApplyResult, PrefixIndex
+from balancer.index.memory import MemoryIndex
+from balancer.types import EngineHash, ReplicaId
+
+IndexFactory = Callable[[BlockHasher, int], Awaitable[PrefixIndex]]
+
+
+async def _memory(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
+    return MemoryIndex.with_capacity(hasher, capacity_blocks)
+
+
+FACTORIES: dict[str, IndexFactory] = {
+    "memory": _memory,
+    "redis": redis_index,
+}
+
+BS = 4
+PLAIN = BlockHasher("model-a", BS)
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+MakeIndex = Callable[..., Awaitable[PrefixIndex]]
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+async def make_index(request: pytest.FixtureRequest) -> AsyncIterator[MakeIndex]:
+    made: list[PrefixIndex] = []
+
+    async def make(hasher: BlockHasher = PLAIN, capacity_blocks: int = 100_000) -> PrefixIndex:
+        index = await FACTORIES[request.param](hasher, capacity_blocks)
+        made.append(index)
+        return index
+
+    yield make
+    for index in made:
+        await index.aclose()
+
+
+def toks(blocks: int, first: int = 1, block_size: int = BS) -> list[int]:
+    """``blocks`` full blocks of distinct token ids starting at ``first``."""
+    return list(range(first, first + blocks * block_size))
+
+
+def hashes(*values: int) -> tuple[EngineHash, ...]:
+    return tuple(EngineHash(v) for v in values)
+
+
+def stored(
+    tokens: Sequence[int],
+    engine: Sequence[int],
+    parent: int | None = None,
+    dp_rank: int = 0,
+    block_size: int = BS,
+    **namespace: str,
+) -> Stored:
+    return Stored(
+        dp_rank,
+        None if parent is None else EngineHash(parent),
+        hashes(*engine),
+        pack_tokens(tokens),
+        block_size,
+        lora_name=namespace.get("lora_name"),
+        cache_salt=namespace.get("cache_salt"),
+    )
+
+
+async def apply(index: PrefixIndex, replica: ReplicaId, *events: KvEvent, now: float = 0.0) -> ApplyResult:
+    return await index.apply(replica, list(events), now)
+
+
+async def overlap(
+    index: PrefixIndex, tokens: Sequence[int], among: Sequence[ReplicaId] | None = None, now: float = 0.0
+) -> dict[ReplicaId, int]:
+    result = await index.match(PLAIN.request_keys(tokens), among, now)
+    return result.blocks
+
+
+async def test_store_then_match_counts_leading_blocks(make_index: MakeIndex) -> None:
+    index = await make_index()
+    result = await apply(index, A, stored(toks(4), [11, 12, 13, 14]))
+    assert result.stored_blocks == 4
+    assert await overlap(index, toks(6)) == {A: 4}
+    assert await overlap(index, toks(2) + [999] * BS + toks(2, 9)) == {A: 2}
+    assert await overlap(index, toks(1, 5000)) == {A: 0}
+    full = await index.match(PLAIN.request_keys([*toks(6), 1]), None, 0.0)
+    assert full.request_blocks == 6
+
+
+async def test_child_chains_from_its_parent(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(2), [1, 2]), stored(toks(2, 9), [3, 4], parent=2))
+    assert await overlap(index, toks(4)) == {A: 4}
+    # the child's tokens alone, from the root, are a different prefix
+    assert await overlap(index, toks(2, 9)) == {A: 0}
+
+
+async def test_unknown_parent_skips_the_whole_store(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(2), [1, 2], dp_rank=0))
+    result = await apply(
+        index, A, stored(toks(2, 9), [3, 4], parent=77), stored(toks(2, 9), [5, 6], parent=2, dp_rank=1)
+    )
+    assert result.skipped_unknown_parent == 2  # parents are per (replica, dp_rank)
+    assert result.stored_blocks == 0
+    assert await overlap(index, toks(4)) == {A: 2}
+
+
+async def test_remove_stops_the_walk_and_counts_unknown(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(4), [1, 2, 3, 4]))
+    result = await apply(index, A, Removed(0, hashes(3, 404)), Removed(1, hashes(1)))
+    assert result.removed_blocks == 1
+    assert result.unknown_removals == 2
+    assert await overlap(index, toks(4)) == {A: 2}
+
+
+async def test_restore_is_idempotent(make_index: MakeIndex) -> None:
+    index = await make_index()
+    event = stored(toks(3), [1, 2, 3])
+    await apply(index, A, event)
+    await apply(index, A, event)
+    stats = await index.stats()
+    assert (stats.unique_blocks, stats.held_blocks) == (3, 3)
+    await apply(index, A, Removed(0, hashes(1, 2, 3)))
+    assert await overlap(index, toks(3)) == {A: 0}
+
+
+@pytest.mark.parametrize("event", [Cleared(0), Resync(0, "gap")])
+async def test_clear_and_resync_empty_one_rank_only(make_index: MakeIndex, event: KvEvent) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(3), [1, 2, 3], dp_rank=0), stored(toks(2), [1, 2], dp_rank=1))
+    await apply(index, B, stored(toks(3), [1, 2, 3]))
+    result = await apply(index, A, event)
+    assert (result.cleared_caches, result.resyncs) == ((1, 0) if isinstance(event, Cleared) else (0, 1))
+    assert await overlap(index, toks(3)) == {A: 2, B: 3}
+    again = await apply(index, A, stored(toks(1, 5000), [9], parent=3, dp_rank=0))
+    assert again.skipped_unknown_parent == 1  # the rank's engine-hash map went too
+    assert (await index.stats()).blocks_by_replica[A] == 2
+
+
+async def test_drop_replica_forgets_every_rank(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(3), [1, 2, 3], dp_rank=0), stored(toks(2), [1, 2], dp_rank=1))
+    await apply(index, B, stored(toks(2), [1, 2]))
+    assert await index.drop_replica(A) == 5
+    assert await overlap(index, toks(3)) == {B: 2}
+    assert await index.drop_replica(A) == 0
+    stats = await index.stats()
+    assert (stats.unique_blocks, stats.held_blocks) == (2, 2)
+    assert A not in stats.blocks_by_replica
+
+
+async def test_overlap_is_the_best_rank(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(2), [1, 2], dp_rank=0), stored(toks(4), [1, 2, 3, 4], dp_rank=3))
+    result = await index.match(PLAIN.request_keys(toks(5)), None, 0.0)
+    assert result.blocks == {A: 4}
+    assert result.best_rank[A] == 3
+
+
+async def test_among_restricts_and_lists_every_replica_asked(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(4), [1, 2, 3, 4]))
+    await apply(index, B, stored(toks(2), [1, 2]))
+    assert await overlap(index, toks(4), among=[B, C]) == {B: 2, C: 0}
+    assert await overlap(index, toks(4), among=[]) == {}
+    assert await overlap(index, toks(4)) == {A: 4, B: 2}
+
+
+async def test_speculative_entries_count_until_they_expire(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(1), [1]))
+    await index.add_speculative(B, PLAIN.request_keys(toks(3)), ttl_s=2.0, now=10.0)
+    assert await overlap(index, toks(4), among=[A, B], now=11.9) == {A: 1, B: 3}
+    assert (await index.stats()).speculative_entries == 3
+    assert await overlap(index, toks(4), among=[A, B], now=12.0) == {A: 1, B: 0}
+    assert (await index.stats()).speculative_entries == 0
+
+
+async def test_a_real_store_confirms_a_speculative_entry(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await index.add_speculative(A, PLAIN.request_keys(toks(3)), ttl_s=1.0, now=0.0)
+    await apply(index, A, stored(toks(2), [1, 2]), now=0.5)
+    assert await overlap(index, toks(3), now=5.0) == {A: 2}  # the stored two stay, the third expired
+    stats = await index.stats()
+    assert (stats.speculative_entries, stats.held_blocks) == (0, 2)
+
+
+async def test_speculative_extension_and_drop(make_index: MakeIndex) -> None:
+    index = await make_index()
+    keys = PLAIN.request_keys(toks(2))
+    await index.add_speculative(A, keys, ttl_s=1.0, now=0.0)
+    await index.add_speculative(A, keys[:1], ttl_s=5.0, now=0.5)
+    assert await overlap(index, toks(2), now=2.0) == {A: 1}
+    await index.drop_replica(A)
+    assert await overlap(index, toks(2), among=[A], now=2.0) == {A: 0}
+
+
+async def test_budget_evicts_least_recently_stored(make_index: MakeIndex) -> None:
+    index = await make_index(capacity_blocks=8)
+    await apply(index, A, stored(toks(4, 100), [1, 2, 3, 4]))
+    await apply(index, B, stored(toks(4, 200), [5, 6, 7, 8]))
+    await apply(index, B, stored(toks(4, 100), [1, 2, 3, 4]))  # touches the first chain
+    result = await apply(index, C, stored(toks(4, 300), [9, 10, 11, 12]))
+    assert result.evicted_blocks == 4
+    assert await overlap(index, toks(4, 200)) == {A: 0, B: 0, C: 0}
+    assert await overlap(index, toks(4, 100)) == {A: 4, B: 4, C: 0}
+    assert await overlap(index, toks(4, 300)) == {A: 0, B: 0, C: 4}
+    stats = await index.stats()
+    assert stats.unique_blocks == 8 and stats.capacity_blocks == 8
+    assert stats.blocks_by_replica == {A: 4, B: 4, C: 4}
+
+
+async def test_namespaces_never_share_keys(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(2), [1, 2], lora_name="lora-x"))
+    await apply(index, B, stored(toks(2), [1, 2], cache_salt="tenant-1"))
+    assert await overlap(index, toks(2)) == {A: 0, B: 0}
+    lora = await index.match(PLAIN.request_keys(toks(2), lora_name="lora-x"), None, 0.0)
+    salted = await index.match(PLAIN.request_keys(toks(2), cache_salt="tenant-1"), None, 0.0)
+    assert (lora.blocks, salted.blocks) == ({A: 2, B: 0}, {A: 0, B: 2})
+    # a child inherits its root's namespace through the chained key
+    await apply(index, A, stored(toks(1, 50), [3], parent=2))
+    deeper = await index.match(PLAIN.request_keys(toks(2) + toks(1, 50), lora_name="lora-x"), None, 0.0)
+    assert deeper.blocks[A] == 3
+
+
+async def test_block_size_mismatch_is_skipped_and_counted(make_index: MakeIndex) -> None:
+    index = await make_index()
+    result = await apply(index, A, stored(toks(2, block_size=8), [1, 2], block_size=8))
+    assert result.skipped_block_size_mismatch == 1 and result.stored_blocks == 0
+    assert (await index.stats()).unique_blocks == 0
+
+
+async def test_bigram_pages_use_one_lookahead_token(make_index: MakeIndex) -> None:
+    bigram = BlockHasher("model-a", BS, "bigram")
+    index = await make_index(hasher=bigram)
+    prompt = [*toks(3), 7]  # 13 tokens: three pages of four pairs
+    event = Stored(0, None, hashes(1, 2, 3), pack_tokens(prompt), BS, lookahead_tokens=1)
+    assert (await apply(index, A, event)).stored_blocks == 3
+    result = await index.match(bigram.request_keys([*prompt, 8, 9]), None, 0.0)
+    assert result.blocks == {A: 3}
+    other = await index.match(bigram.request_keys([*toks(3), 6]), None, 0.0)
+    assert other.blocks == {A: 2}  # the lookahead token is part of the last page
+    plain_event = stored(toks(2), [4, 5])
+    assert (await apply(index, B, plain_event)).skipped_block_size_mismatch == 1
+
+
+async def test_trtllm_requests_leave_out_the_last_token(make_index: MakeIndex) -> None:
+    trtllm = BlockHasher("model-a", BS, "trtllm")
+    index = await make_index(hasher=trtllm)
+    await apply(index, A, stored(toks(2), [1, 2]))
+    assert (await index.match(trtllm.request_keys(toks(2)), None, 0.0)).blocks == {A: 1}
+    assert (await index.match(trtllm.request_keys([*toks(2), 0]), None, 0.0)).blocks == {A: 2}
+
+
+async def test_stats_count_unique_and_held_blocks(make_index: MakeIndex) -> None:
+    index = await make_index(capacity_blocks=1000)
+    await apply(index, A, stored(toks(3), [1, 2, 3]))
+    await apply(index, B, stored(toks(2), [1, 2]), stored(toks(1, 40), [9]))
+    stats = await index.stats()
+    assert (stats.unique_blocks, stats.held_blocks) == (4, 6)
+    assert stats.blocks_by_replica == {A: 3, B: 3}
+    assert stats.capacity_blocks == 1000
+    assert stats.bytes_per_block is None or stats.bytes_per_block > 0

@@ -1,0 +1,215 @@
+"""Two balancers in one process sharing a real private ``redis-server``, over emulated replicas.
+
+Each balancer is a real :class:`~balancer.app.Balancer` with ``redis.url`` set; the replicas are
+the real emulator on real sockets. Checked: leases spread and every replica is ingested exactly
+once; both balancers route on the same index (from the stream, never from their own ingest); an
+engine restart clears its blocks everywhere; a policy change reaches the other balancer within 1 s
+with the same version; a fenced (stale-generation) writer is refused and gives the replica up; a
+balancer started later warms from Redis (snapshot + stream) with the full index before it is ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import pytest
+import zmq.asyncio
+from kvlb_harness import MODEL, settings_for, shared_deepseek, wait_for, wait_ready
+from redis_server import RedisServer
+
+from balancer.app import Balancer
+from balancer.fleet.runtime import FleetRuntime
+from balancer.index.redis_index import StaleGenerationError
+from balancer.tokenize import Tokenizer
+from balancer.types import ReplicaId
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.profiles import get_profile
+from replicas.sim.replica import Replica
+
+pytestmark = pytest.mark.redis
+
+PREFIX = list(range(2000, 2032))
+"""32 token ids: 8 full blocks of the emulator's 4-token pages."""
+FAST = {"redis__lease_ttl_s": 1.5, "redis__tick_s": 0.25, "redis__policy_poll_s": 0.25}
+
+
+@dataclass
+class Fleet:
+    replicas: list[Replica]
+    balancers: list[Balancer]
+    session: aiohttp.ClientSession
+    settings: Any
+
+    async def add_balancer(self) -> Balancer:
+        balancer = Balancer(self.settings, tokenizers={MODEL: shared_deepseek()})
+        await balancer.start()
+        self.balancers.append(balancer)
+        return balancer
+
+    async def get(self, balancer: Balancer, path: str) -> Any:
+        async with self.session.get(balancer.url + path) as response:
+            assert response.status == 200, await response.text()
+            return await response.json()
+
+    async def post(self, balancer: Balancer, path: str, body: Any, method: str = "POST") -> Any:
+        async with self.session.request(method, balancer.url + path, json=body) as response:
+            assert response.status == 200, await response.text()
+            return await response.json(), response.headers
+
+    async def blocks(self, balancer: Balancer) -> dict[str, int]:
+        views = (await self.get(balancer, "/admin/replicas"))["replicas"]
+        return {v["id"]: v["index"]["blocks"] for v in views}
+
+
+def fleet_of(balancer: Balancer) -> FleetRuntime:
+    assert balancer.fleet is not None
+    return balancer.fleet
+
+
+def completion(suffix: list[int]) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": PREFIX + suffix, "max_tokens": 1, "temperature": 0}
+
+
+def overlaps(explained: dict[str, Any]) -> dict[str, int]:
+    return {t["replica"]: t["overlap_blocks"] for t in explained["decision"]["terms"]}
+
+
+@asynccontextmanager
+async def fleet(redis_server: RedisServer, tokenizer: Tokenizer, balancers: int = 2) -> AsyncIterator[Fleet]:
+    zctx = zmq.asyncio.Context()
+    replicas: list[Replica] = []
+    started: list[Balancer] = []
+    try:
+        for index in range(4):
+            config = ReplicaConfig(name=f"r{index}", engine="sglang", profile=get_profile("cpu-test"))
+            replica = Replica(config, tokenizer, zctx)
+            await replica.start()
+            replicas.append(replica)
+        # no speculative entries: only the engines' events (through Redis) explain affinity
+        settings = settings_for(
+            replicas, redis__url=redis_server.url, limits__speculative_ttl_s=0.001, **FAST
+        )
+        async with aiohttp.ClientSession() as session:
+            group = Fleet(replicas, started, session, settings)
+            for _ in range(balancers):
+                await group.add_balancer()
+            for balancer in started:
+                await wait_ready(session, balancer.url)
+            yield group
+    finally:
+        for balancer in reversed(started):
+            await balancer.stop()
+        for replica in reversed(replicas):
+            await replica.stop()
+        zctx.destroy(linger=0)
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+async def test_balancers_share_one_index_and_one_policy(redis_server: RedisServer, tokenizer: Tokenizer) -> None:
+    async with fleet(redis_server, tokenizer) as f:
+        a, b = f.balancers
+
+        async def spread() -> bool:
+            held = [set(fleet_of(x).status()["leases"]) for x in f.balancers]
+            return len(held[0]) == len(held[1]) == 2 and not held[0] & held[1]
+
+        await wait_for("leases spread 2 + 2", spread, timeout_s=10)
+        answer, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
+        holder = headers["x-kvlb-replica"]
+        started = time.monotonic()
+
+        async def both_see_it() -> bool:
+            for balancer in (a, b):
+                explained, _ = await f.post(balancer, "/admin/explain", completion([9]))
+                if overlaps(explained)[holder] != 8:
+                    return False
+            return True
+
+        await wait_for("both balancers to see the holder's 8 blocks", both_see_it)
+        assert time.monotonic() - started < 1.0
+        explained_a, _ = await f.post(a, "/admin/explain", completion([9]))
+        explained_b, _ = await f.post(b, "/admin/explain", completion([9]))
+        assert overlaps(explained_a) == overlaps(explained_b)
+        assert explained_a["decision"]["replica"] == explained_b["decision"]["replica"] == holder
+
+        # an engine restart clears its blocks on every balancer
+        async with f.session.post(f.replicas[int(holder[1:])].url + "/admin/faults", json={"restart": True}):
+            pass
+
+        async def cleared() -> bool:
+            return [(await f.blocks(x))[holder] for x in (a, b)] == [0, 0]
+
+        await wait_for("the restarted engine's blocks to go everywhere", cleared)
+
+        # a policy change through one balancer reaches the other within 1 s, same version
+        before = (await f.get(b, "/admin/policy"))["version"]
+        changed, _ = await f.post(a, "/admin/policy", {"weights": {"prefill_weight": 2.5}}, method="PUT")
+        started = time.monotonic()
+
+        async def adopted() -> bool:
+            view = await f.get(b, "/admin/policy")
+            return bool(view["weights"]["prefill_weight"] == 2.5)
+
+        await wait_for("the policy change to reach the other balancer", adopted)
+        assert time.monotonic() - started < 1.0
+        view_a, view_b = await f.get(a, "/admin/policy"), await f.get(b, "/admin/policy")
+        assert view_a["version"] == view_b["version"] == before + 1
+
+
+async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    async with fleet(redis_server, tokenizer, balancers=1) as f:
+        (a,) = f.balancers
+        async def indexed(total: int) -> None:
+            async def check() -> bool:
+                return sum((await f.blocks(a)).values()) == total
+
+            await wait_for(f"{total} blocks indexed", check)
+
+        for i in range(7):  # distinct prompts of 9 full blocks each
+            prompt = list(range(5000 + 100 * i, 5036 + 100 * i))
+            await f.post(a, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+            await indexed(9 * (i + 1))
+            if i == 4:  # a snapshot now; the last two prompts are only in the stream after it
+                runtime = fleet_of(a)
+                (space,) = runtime._spaces
+                await space.mirror.write_snapshot()
+        want = await f.blocks(a)
+
+        late = await f.add_balancer()
+        await wait_ready(f.session, late.url)
+        assert await f.blocks(late) == want  # ready means warm: the full index, before any new event
+        (mirror,) = fleet_of(late).status()["mirrors"].values()
+        assert mirror["snapshots_loaded"] == 1 and not mirror["partial"]
+
+        # fencing: another owner takes a lease of a's (generation bump); a's next write is refused
+        fleet_a = fleet_of(a)
+        assert fleet_a.leases is not None
+        victim = next(iter(fleet_a.leases.held), None)
+        assert victim is not None
+        entry = fleet_a.leases.replicas[victim]
+        await fleet_a.text.delete(entry.keys.lease(victim))
+        thief = await entry.lease.__class__(
+            fleet_a.text, entry.keys, victim, "thief", entry.lease.settings
+        ).acquire()
+        assert thief.acquired
+        with pytest.raises(StaleGenerationError):
+            await entry.writer.apply_at(ReplicaId(victim), [], 0.0, {0: 10**9})
+        stale = await fleet_a.text.hget(entry.keys.counters, "stale_generation")
+        assert int(stale) >= 1
+
+        async def gave_up() -> bool:
+            return victim not in fleet_a.status()["leases"]
+
+        await wait_for("the fenced balancer to stop ingesting the replica", gave_up)

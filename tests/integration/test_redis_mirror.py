@@ -1,0 +1,153 @@
+"""The applied-event stream and ``Mirror`` against a real private ``redis-server``.
+
+A writer ``RedisIndex`` applies seeded random batches (and drops); one mirror tails the stream
+while the writes happen, another starts afterwards from the retained stream. Both must answer every
+match exactly as the writer's Redis index does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+from redis_server import RedisServer, fresh_settings
+from test_redis_index import HASHER, REPLICAS, random_event, random_path, tokens
+
+from balancer.errors import EventDecodeError
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.index.mirror import Mirror, MirrorSettings
+from balancer.index.redis_index import RedisIndex
+from balancer.index.redis_schema import RedisIndexSettings
+from balancer.index.stream import decode_batch, decode_entry, encode_batch
+from balancer.types import EngineHash, ReplicaId
+
+pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+async def text_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    conn = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    yield conn
+    await conn.aclose()
+
+
+@pytest.fixture
+async def raw_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    conn = aioredis.Redis.from_url(redis_server.url, decode_responses=False)
+    yield conn
+    await conn.aclose()
+
+
+def make_mirror(raw_client: aioredis.Redis, settings: RedisIndexSettings) -> Mirror:
+    return Mirror(raw_client, HASHER, settings, time.monotonic, MirrorSettings(read_count=7, block_ms=50))
+
+
+async def write_random(writer: RedisIndex, rng: random.Random, batches: int) -> None:
+    for step in range(batches):
+        if rng.random() < 0.05:
+            await writer.drop_replica(rng.choice(REPLICAS))
+        else:
+            batch = [random_event(rng) for _ in range(rng.randint(1, 5))]
+            await writer.apply(rng.choice(REPLICAS), batch, float(step))
+
+
+async def assert_same_matches(writer: RedisIndex, mirrors: list[Mirror], rng: random.Random) -> None:
+    for _ in range(200):
+        keys = HASHER.request_keys(tokens(random_path(rng)))
+        among = None if rng.random() < 0.5 else rng.sample(REPLICAS, rng.randint(1, 3))
+        want = await writer.match(keys, among, 0.0)
+        for mirror in mirrors:
+            got = await mirror.match(keys, among, 0.0)
+            assert got.blocks == want.blocks
+    want_stats = await writer.stats()
+    for mirror in mirrors:
+        got_stats = await mirror.stats()
+        assert (got_stats.unique_blocks, got_stats.held_blocks) == (
+            want_stats.unique_blocks,
+            want_stats.held_blocks,
+        )
+        assert got_stats.blocks_by_replica == want_stats.blocks_by_replica
+
+
+@pytest.mark.parametrize(("seed", "capacity"), [(11, 100_000), (12, 12)])
+async def test_two_mirrors_converge_with_the_writer(
+    text_client: aioredis.Redis, raw_client: aioredis.Redis, seed: int, capacity: int
+) -> None:
+    settings = fresh_settings(capacity)
+    writer = RedisIndex(text_client, HASHER, settings)
+    rng = random.Random(seed)
+    tailing = make_mirror(raw_client, settings)
+    stop = asyncio.Event()
+    task = asyncio.create_task(tailing.run(stop))
+    await asyncio.wait_for(tailing.ready.wait(), 5)
+    await write_random(writer, rng, 120)
+    entries = (await writer.counters())["stream_entries"]
+    late = make_mirror(raw_client, settings)
+    assert await late.warm_start() == entries
+    for _ in range(200):  # bounded wait for the tailing mirror to catch up
+        if tailing.last_number == entries:
+            break
+        await asyncio.sleep(0.02)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert tailing.last_number == entries and tailing.counters.resyncs == 0
+    assert not late.partial and not tailing.partial
+    await assert_same_matches(writer, [tailing, late], rng)
+
+
+async def test_a_trimmed_stream_makes_a_lagging_mirror_rebuild(
+    text_client: aioredis.Redis, raw_client: aioredis.Redis
+) -> None:
+    settings = fresh_settings(100_000, stream_maxlen=10)
+    writer = RedisIndex(text_client, HASHER, settings)
+    mirror = make_mirror(raw_client, settings)
+    assert await mirror.warm_start() == 0 and mirror.ready.is_set()
+    a = ReplicaId("a")
+    first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(a, [first], 0.0)
+    assert await mirror.poll(block_ms=10) == 1
+    for i in range(400):  # MAXLEN ~ trims whole stream nodes (100 entries each)
+        await writer.apply(a, [Removed(0, (EngineHash(1000 + i),))], 0.0)
+    assert await text_client.xlen(writer.keys.stream) < 400
+    await mirror.poll(block_ms=10)
+    assert mirror.counters.resyncs == 1
+    assert mirror.partial  # the first store was trimmed away: the copy no longer knows it
+    assert mirror.last_number == (await writer.counters())["stream_entries"]
+
+
+async def test_no_stream_when_disabled(text_client: aioredis.Redis) -> None:
+    writer = RedisIndex(text_client, HASHER, fresh_settings(100_000, stream_maxlen=0))
+    first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(ReplicaId("a"), [first], 0.0)
+    await writer.drop_replica(ReplicaId("a"))
+    assert await text_client.exists(writer.keys.stream) == 0
+
+
+def test_batch_codec_round_trips_every_event_kind() -> None:
+    events: list[KvEvent] = [
+        Stored(
+            1, None, (EngineHash(2**64 - 1), EngineHash(7)), b"\x01\x00\x00\x00" * 8, 4, 0, "lora", "salt"
+        ),
+        Stored(0, EngineHash(7), (EngineHash(8),), b"\x02\x00\x00\x00" * 5, 4, 1),
+        Removed(3, (EngineHash(8), EngineHash(9))),
+        Cleared(2),
+        Resync(1, "gap"),
+    ]
+    assert decode_batch(encode_batch(events)) == events
+    entry = decode_entry(b"5-1", {b"r": b"rep", b"n": b"3", b"e": encode_batch(events)})
+    assert (entry.entry_id, entry.number, entry.replica, entry.events, entry.dropped) == (
+        "5-1",
+        3,
+        "rep",
+        events,
+        False,
+    )
+    assert decode_entry("6-0", {b"r": b"rep", b"n": b"4", b"d": b"1"}).dropped
+    with pytest.raises(EventDecodeError):
+        decode_batch(b"\x91\x92\x09\x00")  # an unknown event tag
+    with pytest.raises(EventDecodeError):
+        decode_entry(b"7-0", {b"n": b"1"})

@@ -1,0 +1,141 @@
+"""A private ``redis-server`` for tests (I/O: a subprocess on 127.0.0.1, a free port).
+
+One server per test session, started on first use and stopped by PID at session end (the
+``tests/conftest.py`` fixtures; ``atexit`` as a backstop). Never touches a server on 6379.
+Tests that need it are skipped, not failed, when the ``redis-server`` binary is missing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis
+
+from balancer.hashing import BlockHasher
+from balancer.index.base import PrefixIndex
+from balancer.index.redis_index import RedisIndex
+from balancer.index.redis_schema import RedisIndexSettings
+
+_START_TIMEOUT_S = 10.0
+
+
+@dataclass
+class RedisServer:
+    """A running ``redis-server`` subprocess."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def kill(self) -> None:
+        """SIGKILL: the server dies without saving anything more."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=5)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=5)
+
+    def flushall(self) -> None:
+        with redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5) as client:
+            client.flushall()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_server(port: int | None = None, data_dir: Path | None = None) -> RedisServer:
+    """Start a fresh server; ``pytest.skip`` if the binary is missing. With ``data_dir`` it keeps an
+    append-only file there (fsync every second), so a restart on the same port and dir keeps the data."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server binary not found (make redis)")
+    port = port or _free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    if data_dir is None:
+        argv += ["--appendonly", "no"]
+    else:
+        argv += ["--appendonly", "yes", "--dir", str(data_dir)]
+    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = RedisServer(process, port)
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {process.returncode} (port {port})")
+        try:
+            with redis.Redis(host="127.0.0.1", port=port, socket_timeout=1) as client:
+                if client.ping():
+                    return server
+        except redis.ConnectionError:
+            time.sleep(0.02)
+    server.stop()
+    raise RuntimeError(f"redis-server did not answer PING on port {port} within {_START_TIMEOUT_S} s")
+
+
+class _Shared:
+    """The session's server, started lazily (the contract factory has no fixture to ask)."""
+
+    server: RedisServer | None = None
+
+    @classmethod
+    def get(cls) -> RedisServer:
+        if cls.server is None or cls.server.process.poll() is not None:
+            cls.server = start_server()
+            atexit.register(cls.server.stop)
+        return cls.server
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.server is not None:
+            cls.server.stop()
+            cls.server = None
+
+
+def shared_server() -> RedisServer:
+    """The session's server (started on first call)."""
+    return _Shared.get()
+
+
+def started_server() -> RedisServer | None:
+    """The session's server if it was started, else ``None``."""
+    return _Shared.server
+
+
+def stop_shared_server() -> None:
+    _Shared.stop()
+
+
+_pools = itertools.count()
+
+
+def fresh_settings(capacity_blocks: int = 100_000, stream_maxlen: int = 10_000) -> RedisIndexSettings:
+    """Settings with a pool name not used before in this session."""
+    return RedisIndexSettings(
+        pool=f"test-{next(_pools)}", capacity_blocks=capacity_blocks, stream_maxlen=stream_maxlen
+    )
+
+
+async def redis_index(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
+    """Contract-suite factory: an empty ``RedisIndex`` on the session's server."""
+    settings = fresh_settings(capacity_blocks)
+    return RedisIndex.from_url(shared_server().url, hasher, settings)

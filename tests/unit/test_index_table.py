@@ -1,0 +1,222 @@
+"""``PrefixTable`` behaviour beyond the shared contract: bounds, slots, caches and edge cases."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from balancer.events import Removed, Stored
+from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.slots import TableLimits
+from balancer.index.table import PrefixTable
+from balancer.types import EngineHash, ReplicaId
+
+BS = 2
+HASHER = BlockHasher("m", BS)
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+
+
+def toks(blocks: int, first: int = 1) -> list[int]:
+    return list(range(first, first + blocks * BS))
+
+
+def stored(
+    tokens: Sequence[int], engine: Sequence[int], parent: int | None = None, dp_rank: int = 0
+) -> Stored:
+    return Stored(
+        dp_rank,
+        None if parent is None else EngineHash(parent),
+        tuple(EngineHash(h) for h in engine),
+        pack_tokens(tokens),
+        BS,
+    )
+
+
+def table(**limits: int) -> PrefixTable:
+    return PrefixTable(HASHER, TableLimits(**limits))
+
+
+def blocks(
+    t: PrefixTable, tokens: Sequence[int], among: Sequence[ReplicaId] | None = None, now: float = 0.0
+) -> dict[ReplicaId, int]:
+    return t.match(HASHER.request_keys(tokens), among, now).blocks
+
+
+def test_limits_are_validated() -> None:
+    with pytest.raises(ValueError):
+        TableLimits(capacity_blocks=0)
+    with pytest.raises(ValueError):
+        TableLimits(max_speculative_keys=-1)
+
+
+def test_eviction_is_batched_above_128_blocks() -> None:
+    t = table(capacity_blocks=1280)
+    evicted = 0
+    for i in range(130):
+        first = 1 + i * 10 * BS
+        evicted += t.apply(A, [stored(toks(10, first), range(i * 10, i * 10 + 10))], 0.0).evicted_blocks
+    # the 129th chain makes 1290 > 1280: evict down to 1280 - 1280 // 128 = 1270; the 130th fits
+    assert evicted == 20
+    assert t.stats().unique_blocks == 1280
+    assert t.counters.evicted_blocks == 20
+    assert blocks(t, toks(10, 1)) == {A: 0}  # the oldest chain went first
+    assert blocks(t, toks(10, 1 + 129 * 10 * BS)) == {A: 10}
+
+
+def test_a_child_of_an_evicted_parent_still_chains() -> None:
+    t = table(capacity_blocks=2)
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    t.apply(B, [stored(toks(2, 100), [7, 8])], 0.0)  # evicts A's two blocks
+    assert blocks(t, toks(2)) == {A: 0, B: 0}
+    result = t.apply(A, [stored(toks(1, 50), [3], parent=2)], 0.0)
+    assert result.skipped_unknown_parent == 0 and result.stored_blocks == 1
+    keys = HASHER.request_keys(toks(2) + toks(1, 50))
+    assert t.match(keys, [A], 0.0).blocks == {A: 0}  # its ancestors are gone from the index...
+    assert t.stats().blocks_by_replica[A] == 1  # ...but the child is held under the right key
+    assert keys[-1] in t._holders
+
+
+def test_stale_engine_hashes_are_compacted() -> None:
+    t = table(capacity_blocks=16)
+    for i in range(200):  # replica A stores 200 * 4 blocks; B's stores evict most of them
+        t.apply(A, [stored(toks(4, 1 + i * 8 * BS), range(i * 4, i * 4 + 4))], 0.0)
+        t.apply(B, [stored(toks(4, 5000 + i * 8 * BS), range(i * 4, i * 4 + 4))], 0.0)
+    cache = t._slots.cache(A, 0)
+    assert cache is not None
+    assert cache.held <= 16
+    assert len(cache.keys) <= 2 * cache.held + 64 + 4
+
+
+def test_a_second_handle_for_the_same_tokens() -> None:
+    t = table()
+    t.apply(A, [stored(toks(1), [1]), stored(toks(1), [2])], 0.0)
+    assert t.stats().held_blocks == 1
+    t.apply(A, [Removed(0, (EngineHash(1),))], 0.0)
+    assert blocks(t, toks(1)) == {A: 1}
+    t.apply(A, [Removed(0, (EngineHash(2),))], 0.0)
+    assert blocks(t, toks(1)) == {A: 0}
+    assert t.stats().unique_blocks == 0
+
+
+def test_a_reused_handle_releases_its_old_tokens() -> None:
+    t = table()
+    t.apply(A, [stored(toks(1), [1])], 0.0)
+    t.apply(A, [stored(toks(1, 40), [1])], 0.0)
+    assert blocks(t, toks(1)) == {A: 0}
+    assert blocks(t, toks(1, 40)) == {A: 1}
+    assert t.stats().held_blocks == 1
+
+
+def test_speculative_keys_are_capped_and_counted() -> None:
+    t = table(max_speculative_keys=3)
+    t.add_speculative(A, HASHER.request_keys(toks(5)), 10.0, 0.0)
+    assert t.stats().speculative_entries == 3
+    assert t.counters.speculative_overflow == 2
+    assert blocks(t, toks(5)) == {A: 3}
+    t.add_speculative(B, HASHER.request_keys(toks(1, 90)), 10.0, 0.0)
+    assert t.counters.speculative_overflow == 3
+    off = table(max_speculative_keys=0)
+    off.add_speculative(A, HASHER.request_keys(toks(2)), 10.0, 0.0)
+    assert off.counters.speculative_overflow == 2 and blocks(off, toks(2)) == {}
+
+
+def test_speculation_is_a_chain_of_its_own() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2], dp_rank=1)], 0.0)
+    t.add_speculative(A, HASHER.request_keys(toks(3))[2:], 1.0, 0.0)
+    assert blocks(t, toks(3)) == {A: 2}  # a tail alone does not extend another rank's prefix
+    t.add_speculative(A, HASHER.request_keys(toks(3)), 1.0, 0.0)
+    assert t.stats().speculative_entries == 3
+    result = t.match(HASHER.request_keys(toks(3)), None, 0.0)
+    assert (result.blocks, result.best_rank) == ({A: 3}, {A: 0})
+    t.apply(A, [stored(toks(3), [1, 2, 3], dp_rank=1)], 0.5)  # confirms all three
+    assert t.stats().speculative_entries == 0
+    assert t.counters.speculative_confirmed == 3
+    result = t.match(HASHER.request_keys(toks(3)), None, 0.6)
+    assert (result.blocks, result.best_rank) == ({A: 3}, {A: 1})
+
+
+def test_expiry_also_runs_on_apply_and_counts() -> None:
+    t = table()
+    t.add_speculative(A, HASHER.request_keys(toks(2)), 1.0, 0.0)
+    t.apply(B, [], 5.0)
+    assert t.stats().speculative_entries == 0
+    assert t.stats().unique_blocks == 0
+    assert t.counters.speculative_expired == 2
+
+
+def test_evicting_a_speculative_key_forgets_it() -> None:
+    t = table(capacity_blocks=2)
+    t.add_speculative(A, HASHER.request_keys(toks(2)), 10.0, 0.0)
+    t.apply(B, [stored(toks(2, 30), [1, 2])], 0.0)
+    assert t.stats().speculative_entries == 0
+    assert blocks(t, toks(2), now=20.0) == {A: 0, B: 0}
+
+
+def test_slots_are_bounded_and_reused() -> None:
+    t = table(max_slots=2)
+    t.apply(A, [stored(toks(1), [1])], 0.0)
+    t.apply(B, [stored(toks(1), [1])], 0.0)
+    assert t.apply(C, [stored(toks(1), [1])], 0.0).stored_blocks == 0
+    assert t.counters.slot_overflow == 1
+    t.add_speculative(C, HASHER.request_keys(toks(1)), 1.0, 0.0)
+    assert t.counters.slot_overflow == 2 and t.counters.speculative_overflow == 1
+    assert t.drop_replica(A) == 1
+    assert t.apply(C, [stored(toks(2), [1, 2])], 0.0).stored_blocks == 2
+    assert blocks(t, toks(2)) == {B: 1, C: 2}
+
+
+def test_a_reused_speculative_slot_ignores_old_expiries() -> None:
+    t = table(max_slots=1)
+    t.add_speculative(A, HASHER.request_keys(toks(2)), 1.0, 0.0)
+    t.drop_replica(A)
+    t.add_speculative(B, HASHER.request_keys(toks(2)), 5.0, 0.0)
+    assert blocks(t, toks(2), now=2.0) == {B: 2}  # A's heap entry at t=1 must not expire B's keys
+    assert blocks(t, toks(2), now=5.0) == {B: 0}
+
+
+def test_cached_candidate_masks_follow_new_replicas() -> None:
+    t = table()
+    among = frozenset({A, B})
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    assert blocks(t, toks(2), among=among) == {A: 2, B: 0}  # type: ignore[arg-type]
+    t.apply(B, [stored(toks(1), [1])], 0.0)
+    assert blocks(t, toks(2), among=among) == {A: 2, B: 1}  # type: ignore[arg-type]
+    t.drop_replica(A)
+    t.apply(C, [stored(toks(2), [1, 2])], 0.0)  # takes A's old slot
+    assert blocks(t, toks(2), among=among) == {A: 0, B: 1}  # type: ignore[arg-type]
+    assert blocks(t, toks(2)) == {B: 1, C: 2}
+
+
+def test_short_or_malformed_events() -> None:
+    t = table()
+    short = Stored(0, None, (EngineHash(1), EngineHash(2)), pack_tokens(toks(1)), BS)
+    assert t.apply(A, [short], 0.0).skipped_block_size_mismatch == 1
+    empty = Stored(0, None, (), b"", BS)
+    assert t.apply(A, [empty], 0.0).stored_blocks == 0
+    assert t.apply(A, [Removed(0, (EngineHash(5),))], 0.0).unknown_removals == 1
+    assert t.stats().unique_blocks == 0 and t.stats().bytes_per_block is None
+
+
+def test_memory_estimate_is_plausible() -> None:
+    t = table()
+    for i in range(100):
+        t.apply(A, [stored(toks(10, 1 + i * 20 * BS), range(i * 10, i * 10 + 10))], 0.0)
+    estimate = t.stats().bytes_per_block
+    assert estimate is not None and 72 < estimate < 400
+
+
+def test_confirmed_only_ignores_speculative_holdings() -> None:
+    t = table()
+    keys = HASHER.request_keys(toks(3))
+    t.apply(A, [stored(toks(1), [1])], 0.0)
+    assert not t.has_speculative
+    t.add_speculative(A, keys, 1.0, 0.0)
+    t.add_speculative(B, keys, 1.0, 0.0)
+    assert t.has_speculative
+    assert t.match(keys, None, 0.0).blocks == {A: 3, B: 3}
+    assert t.match(keys, None, 0.0, confirmed_only=True).blocks == {A: 1, B: 0}
+    assert t.match(keys, frozenset({B}), 0.0, confirmed_only=True).blocks == {B: 0}
+    t.drop_replica(B)
+    assert t.match(keys, None, 0.5).blocks == {A: 3}
