@@ -1,0 +1,19 @@
+"""Fleet-scale simulator: the service's routing code over modelled replicas, on virtual time.
+
+``des`` (event loop), ``replica_model`` (fast event-level replica) and ``step_model`` (the emulator's
+scheduler), ``routing`` (PoolRouter with candidate pruning), ``sources`` (workloads, tiled traces),
+``fleet`` (the wiring) and ``report`` (records, summary, comparison). See ``docs/simulate.md``.
+"""
+
+from loadtests.simulate.fleet import FleetSim, SimConfig, SimResult, simulate
+from loadtests.simulate.sources import SimRequest, trace_requests, workload_requests
+
+__all__ = [
+    "FleetSim",
+    "SimConfig",
+    "SimRequest",
+    "SimResult",
+    "simulate",
+    "trace_requests",
+    "workload_requests",
+]

@@ -1,0 +1,303 @@
+"""The simulator's routing: the service's ``PoolRouter``, made affordable for big fleets (pure).
+
+Every request goes through :meth:`balancer.router.PoolRouter.plan` and ``commit`` — the same hashing,
+prefix table, policy and load accounting as ``kvlb serve`` — with two changes that only affect speed:
+
+* **Sharded load tracker.** :class:`ShardedTracker` is a ``LoadTracker`` that keeps one real
+  ``LoadTracker`` per replica and builds a snapshot of the replicas in :attr:`ShardedTracker.focus`
+  only (the candidates), so a snapshot costs O(candidates), not O(fleet). Caps such as
+  ``max_tracked_requests`` then apply per replica.
+* **Candidate pruning** (:class:`SimRouter`, ``prune=True``). With the ``cost`` policy at temperature 0
+  the choice is the argmin of ``base_load_r + w_prefill·(request_blocks − credit·overlap_r) − shared``.
+  For every replica without overlap that is ``base_load_r + w_prefill·request_blocks``, so among them
+  only the least loaded can win. The policy is therefore given the replicas holding the request's
+  first block (all with overlap > 0, speculative ones included) plus the ``prune_k`` least loaded
+  eligible replicas, kept in a heap keyed by the policy's own ``base_load``. Guards keep this exact:
+  replicas over the KV-usage ceiling are skipped when picking the least loaded (if every replica is
+  over it, the full set is used, as the guard then lifts), and the imbalance guard's floor is the
+  least loaded eligible replica, which is always in the set. ``least_load`` is pruned the same way
+  on ``request_load``. Exactness holds up to tie-breaking: among replicas of exactly equal cost the
+  service draws from all of them, the pruned set from fewer (the heap orders equal loads at random).
+  Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
+  ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
+  candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
+  choice against the full one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import random
+from collections.abc import Callable, Iterable, Sequence
+
+from balancer.errors import NoReplicasAvailable, Overloaded
+from balancer.events import KvEvent
+from balancer.index.slots import TableLimits
+from balancer.load import EngineStats, LoadConfig, LoadSnapshot, LoadTracker, LoadTrackerStats, ReplicaLoad
+from balancer.policy.base import PolicyWeights, make_policy
+from balancer.policy.cost import base_load
+from balancer.router import KeySpace, PoolRouter, RoutePlan
+from balancer.types import ReplicaId
+
+
+class ShardedTracker(LoadTracker):
+    """A ``LoadTracker`` made of one real tracker per replica; snapshots cover :attr:`focus` only."""
+
+    def __init__(self, config: LoadConfig | None = None) -> None:
+        super().__init__(config)
+        self._shards: dict[ReplicaId, LoadTracker] = {}
+        self._owner: dict[str, ReplicaId] = {}
+        self.focus: Sequence[ReplicaId] | None = None
+        """Replicas the next :meth:`snapshot` covers (``None``: every replica seen)."""
+
+    def shard(self, replica: ReplicaId) -> LoadTracker:
+        found = self._shards.get(replica)
+        if found is None:
+            found = self._shards[replica] = LoadTracker(self.config)
+        return found
+
+    def load_of(self, replica: ReplicaId, now: float) -> ReplicaLoad:
+        """One replica's load at ``now`` (O(1))."""
+        shard = self._shards.get(replica)
+        return ReplicaLoad(replica=replica) if shard is None else shard.snapshot(now).of(replica)
+
+    def reserve(
+        self, request_id: str, replica: ReplicaId, prefill_tokens: int, decode_blocks: int, now: float
+    ) -> bool:
+        if request_id in self._owner:
+            return False
+        if not self.shard(replica).reserve(request_id, replica, prefill_tokens, decode_blocks, now):
+            return False
+        self._owner[request_id] = replica
+        return True
+
+    def first_token(self, request_id: str, now: float) -> bool:
+        replica = self._owner.get(request_id)
+        return replica is not None and self.shard(replica).first_token(request_id, now)
+
+    def release(self, request_id: str, now: float) -> bool:
+        replica = self._owner.pop(request_id, None)
+        return replica is not None and self.shard(replica).release(request_id, now)
+
+    def expire(self, now: float) -> int:
+        return sum(shard.expire(now) for shard in self._shards.values())
+
+    def observe(self, replica: ReplicaId, stats: EngineStats, now: float) -> bool:
+        return self.shard(replica).observe(replica, stats, now)
+
+    def forget(self, replica: ReplicaId) -> int:
+        shard = self._shards.pop(replica, None)
+        return 0 if shard is None else shard.forget(replica)
+
+    def snapshot(self, now: float) -> LoadSnapshot:
+        replicas = self._shards.keys() if self.focus is None else self.focus
+        loads: dict[ReplicaId, ReplicaLoad] = {}
+        for replica in replicas:  # like LoadTracker: replicas without any data are absent
+            shard = self._shards.get(replica)
+            found = None if shard is None else shard.snapshot(now).replicas.get(replica)
+            if found is not None:
+                loads[replica] = found
+        return LoadSnapshot(now=now, block_size_tokens=self.config.block_size_tokens, replicas=loads)
+
+    def stats(self) -> LoadTrackerStats:
+        totals = dict.fromkeys((f.name for f in dataclasses.fields(LoadTrackerStats)), 0)
+        for shard in self._shards.values():
+            for name, value in dataclasses.asdict(shard.stats()).items():
+                totals[name] += value
+        return LoadTrackerStats(**totals)
+
+
+class LoadOrder:
+    """Replicas ordered by a load key, with random order among equal keys (a lazy heap)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._heap: list[tuple[float, float, int, ReplicaId]] = []
+        self._version: dict[ReplicaId, int] = {}
+
+    def update(self, replica: ReplicaId, key: float) -> None:
+        version = self._version.get(replica, 0) + 1
+        self._version[replica] = version
+        heapq.heappush(self._heap, (key, self._rng.random(), version, replica))
+        if len(self._heap) > 4 * len(self._version) + 64:
+            self._heap = [e for e in self._heap if self._version[e[3]] == e[2]]
+            heapq.heapify(self._heap)
+
+    def least(self, count: int, eligible: Callable[[ReplicaId], bool]) -> list[ReplicaId]:
+        """Up to ``count`` eligible replicas with the lowest keys (the heap is left as it was)."""
+        heap = self._heap
+        popped: list[tuple[float, float, int, ReplicaId]] = []
+        chosen: list[ReplicaId] = []
+        while heap and len(chosen) < count:
+            entry = heapq.heappop(heap)
+            if self._version.get(entry[3]) != entry[2]:
+                continue  # superseded by a later update
+            popped.append(entry)
+            if eligible(entry[3]):
+                chosen.append(entry[3])
+        for entry in popped:
+            heapq.heappush(heap, entry)
+        return chosen
+
+
+@dataclasses.dataclass(slots=True)
+class RoutingCounters:
+    pruned: int = 0
+    """Requests routed over a pruned candidate set."""
+    full: int = 0
+    """Requests routed over every replica below its in-flight cap."""
+    candidates: int = 0
+    """Candidates given to the policy, summed over requests."""
+    refused: int = 0
+    """Requests with no replica below its in-flight cap (the service answers 429)."""
+
+
+class SimRouter:
+    """One pool's routing over a simulated fleet; see the module docstring."""
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaId],
+        *,
+        model: str,
+        block_size: int,
+        policy: str,
+        weights: PolicyWeights,
+        rng: random.Random,
+        limits: TableLimits,
+        max_inflight_per_replica: int,
+        speculative_ttl_s: float = 2.0,
+        prune: bool = True,
+        prune_k: int = 4,
+    ) -> None:
+        self.replicas = tuple(replicas)
+        self.router = PoolRouter(model, limits)
+        for replica in self.replicas:
+            self.router.add_replica(replica, block_size, "plain")
+        self.tracker = ShardedTracker(LoadConfig(block_size_tokens=block_size))
+        self.router.load = self.tracker
+        self.space: KeySpace = self.router.space_of[self.replicas[0]]
+        self.policy = make_policy(policy)
+        self.weights = weights
+        self.rng = rng
+        self.cap = max_inflight_per_replica
+        self.speculative_ttl_s = speculative_ttl_s
+        self.prune_k = max(1, prune_k)
+        self.inflight = dict.fromkeys(self.replicas, 0)
+        self._kv_usage: dict[ReplicaId, tuple[float, float]] = {}
+        """The KV usage last given to :meth:`observe` and when: the policy's guard reads the same."""
+        self.counters = RoutingCounters()
+        self._key = self._prune_key(policy, weights) if prune else None
+        self._scraped_key = self._key is not None and (policy == "least_load" or weights.queue_weight > 0)
+        """Whether the pruning key reads scraped gauges (the waiting queue)."""
+        self._order = LoadOrder(random.Random(rng.getrandbits(64)))
+        for replica in self.replicas:
+            self._touch(replica, 0.0)
+
+    @staticmethod
+    def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
+        if policy == "cost" and weights.temperature == 0:
+            return lambda load: base_load(load, weights)
+        if policy == "least_load":
+            return lambda load: float(load.request_load)
+        return None
+
+    def _touch(self, replica: ReplicaId, now: float) -> None:
+        if self._key is not None:
+            self._order.update(replica, self._key(self.tracker.load_of(replica, now)))
+
+    def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
+        """What the policy is given: pruned when exact (module docstring), else every open replica."""
+        cap = self.cap
+        inflight = self.inflight
+        if self._key is None:
+            return self._full()
+        ceiling = self.weights.kv_usage_ceiling if self.policy.name == "cost" else None
+
+        stale_before = now - self.tracker.config.stale_after_s
+        usages = self._kv_usage
+
+        def eligible(replica: ReplicaId) -> bool:
+            if inflight[replica] >= cap:
+                return False
+            if ceiling is None or (seen := usages.get(replica)) is None:
+                return True
+            return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
+
+        least = self._order.least(self.prune_k, eligible)
+        if not least:
+            return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
+        chosen = dict.fromkeys(self._holders(token_ids, now) if self.policy.name == "cost" else ())
+        chosen.update(dict.fromkeys(least))
+        self.counters.pruned += 1
+        return [r for r in chosen if inflight[r] < cap]
+
+    def _full(self) -> list[ReplicaId]:
+        self.counters.full += 1
+        return [r for r in self.replicas if self.inflight[r] < self.cap]
+
+    def _holders(self, token_ids: Sequence[int], now: float) -> Iterable[ReplicaId]:
+        """Replicas holding the request's first block (really or speculatively): overlap > 0."""
+        size = self.space.hasher.block_size
+        first = self.space.hasher.request_keys(token_ids[:size]) if len(token_ids) >= size else []
+        if not first:
+            return ()
+        overlap = self.space.table.match(first, None, now)
+        return [replica for replica, blocks in overlap.blocks.items() if blocks]
+
+    def route(
+        self, request_id: str, token_ids: Sequence[int], max_tokens: int, session_key: str | None, now: float
+    ) -> RoutePlan:
+        """Plan and commit one request; raises ``Overloaded`` when every replica is at its cap."""
+        candidates = self.candidates(token_ids, now)
+        if not candidates:
+            self.counters.refused += 1
+            raise Overloaded(f"every replica has {self.cap} requests in flight", 1.0)
+        self.counters.candidates += len(candidates)
+        self.tracker.focus = candidates
+        try:
+            plan = self.router.plan(
+                token_ids,
+                candidates,
+                self.policy,
+                self.weights,
+                self.rng,
+                now,
+                session_key=session_key,
+                request_id=request_id,
+                max_tokens=max_tokens,
+            )
+        except NoReplicasAvailable:
+            self.counters.refused += 1
+            raise
+        finally:
+            self.tracker.focus = None
+        replica = plan.decision.replica
+        self.router.commit(plan, request_id, now, self.speculative_ttl_s)
+        self.inflight[replica] += 1
+        self._touch(replica, now)
+        return plan
+
+    def first_token(self, request_id: str, replica: ReplicaId, now: float) -> None:
+        self.router.first_token(request_id, now)
+        self._touch(replica, now)
+
+    def release(self, request_id: str, replica: ReplicaId, now: float) -> None:
+        self.router.release(request_id, now)
+        self.inflight[replica] -= 1
+        self._touch(replica, now)
+
+    def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> None:
+        self.space.table.apply(replica, events, now)
+
+    def observe(self, replica: ReplicaId, stats: EngineStats, now: float) -> None:
+        self.tracker.observe(replica, stats, now)
+        usage = stats.kv_usage
+        if usage is None or not math.isfinite(usage):
+            self._kv_usage.pop(replica, None)
+        else:  # clamped as the tracker does
+            self._kv_usage[replica] = (min(1.0, max(0.0, usage)), now)
+        if self._scraped_key:
+            self._touch(replica, now)

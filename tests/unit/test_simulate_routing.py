@@ -1,0 +1,148 @@
+"""The simulator's routing: the sharded tracker equals one LoadTracker, and pruned candidate sets
+give the policy's choice over the full set (exactly, up to ties)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from balancer.events import Stored
+from balancer.hashing import pack_tokens
+from balancer.index.slots import TableLimits
+from balancer.load import EngineStats, LoadConfig, LoadTracker
+from balancer.policy.base import PolicyWeights
+from balancer.router import RoutePlan
+from balancer.types import EngineHash, ReplicaId
+from loadtests.simulate.routing import LoadOrder, ShardedTracker, SimRouter
+
+BLOCK = 4
+
+
+def test_sharded_tracker_matches_one_tracker() -> None:
+    rng = random.Random(11)
+    names = [ReplicaId(f"r{i}") for i in range(5)]
+    config = LoadConfig(block_size_tokens=BLOCK, max_age_s=50.0)
+    plain, sharded = LoadTracker(config), ShardedTracker(config)
+    live: list[str] = []
+    now = 0.0
+    for n in range(400):
+        now += rng.uniform(0.0, 0.5)
+        op = rng.random()
+        if op < 0.4 or not live:
+            rid, replica = f"q{n}", rng.choice(names)
+            args = (rid, replica, rng.randrange(0, 500), rng.randrange(1, 40), now)
+            assert plain.reserve(*args) == sharded.reserve(*args)
+            live.append(rid)
+        elif op < 0.6:
+            rid = rng.choice(live)
+            assert plain.first_token(rid, now) == sharded.first_token(rid, now)
+        elif op < 0.85:
+            rid = live.pop(rng.randrange(len(live)))
+            assert plain.release(rid, now) == sharded.release(rid, now)
+        else:
+            stats = EngineStats(rng.randrange(0, 9), rng.randrange(0, 9), rng.random())
+            replica = rng.choice(names)
+            assert plain.observe(replica, stats, now) == sharded.observe(replica, stats, now)
+        assert plain.snapshot(now).replicas == sharded.snapshot(now).replicas
+    sharded.focus = names[:2]
+    assert set(sharded.snapshot(now).replicas) <= set(names[:2])
+    assert plain.stats().released_total == sharded.stats().released_total
+
+
+def test_load_order_returns_least_keys_and_skips_superseded() -> None:
+    order = LoadOrder(random.Random(1))
+    for n, key in enumerate([5.0, 1.0, 3.0, 2.0]):
+        order.update(ReplicaId(f"r{n}"), key)
+    order.update(ReplicaId("r1"), 9.0)  # supersedes its key 1.0
+    assert order.least(2, lambda _: True) == ["r3", "r2"]
+    assert order.least(2, lambda r: r != "r3") == ["r2", "r0"]
+    assert order.least(10, lambda _: True) == ["r3", "r2", "r0", "r1"]  # the heap was left intact
+
+
+def _fleet(
+    seed: int, policy: str, weights: PolicyWeights, replicas: int = 12
+) -> tuple[SimRouter, list[tuple[int, ...]]]:
+    rng = random.Random(seed)
+    names = [ReplicaId(f"r{i:02d}") for i in range(replicas)]
+    router = SimRouter(
+        names, model="m", block_size=BLOCK, policy=policy, weights=weights, rng=random.Random(seed),
+        limits=TableLimits(), max_inflight_per_replica=5, prune_k=2,
+    )  # fmt: skip
+    prefixes = [tuple(rng.randrange(1000, 5000) for _ in range(40)) for _ in range(6)]
+    for n, replica in enumerate(names):  # every replica caches a random depth of two prefixes
+        for k, prefix in enumerate(rng.sample(prefixes, 2)):
+            depth = rng.randrange(1, 10)
+            hashes = tuple(EngineHash(1000 * n + 100 * k + i) for i in range(depth))
+            stored = Stored(0, None, hashes, pack_tokens(prefix[: depth * BLOCK]), BLOCK)
+            router.apply(replica, [stored], 0.0)
+    for n in range(3 * replicas):  # real load: routed, some past their first token
+        tokens = (
+            *rng.choice(prefixes)[: rng.randrange(4, 40)],
+            *(rng.randrange(5000, 9000) for _ in range(9)),
+        )
+        router.route(f"warm{n}", tokens, rng.randrange(1, 64), None, 0.5)
+    for n in range(0, 3 * replicas, 2):
+        replica = router.tracker._owner[f"warm{n}"]
+        router.first_token(f"warm{n}", replica, 0.6)
+    for replica in names:
+        router.observe(replica, EngineStats(1, rng.randrange(0, 4), rng.choice([0.2, 0.5, 0.97])), 0.7)
+    return router, [list(p) for p in prefixes]  # type: ignore[misc]
+
+
+def _plan(router: SimRouter, tokens: list[int], candidates: list[ReplicaId], seed: int) -> RoutePlan:
+    router.tracker.focus = candidates
+    try:
+        return router.router.plan(tokens, candidates, router.policy, router.weights, random.Random(seed), 1.0)
+    finally:
+        router.tracker.focus = None
+
+
+def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
+    scored = [(t.cost, t.replica) for t in plan.decision.terms if t.excluded is None and t.cost is not None]
+    low = min(cost for cost, _ in scored)
+    return low, [r for cost, r in scored if cost <= low + 1e-9 * max(1.0, abs(low))]
+
+
+@pytest.mark.parametrize(
+    ("policy", "weights"),
+    [
+        ("cost", PolicyWeights(kv_usage_ceiling=None)),
+        ("cost", PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0)),
+        (
+            "cost",
+            PolicyWeights(overlap_credit=0.5, decode_weight=0.3, queue_weight=2.0, kv_usage_ceiling=0.9),
+        ),
+        ("least_load", PolicyWeights()),
+    ],
+)
+def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWeights) -> None:
+    for seed in range(3):
+        router, prefixes = _fleet(seed, policy, weights)
+        rng = random.Random(100 + seed)
+        pruned_smaller = 0
+        for n in range(50):
+            tokens = [
+                *rng.choice(prefixes)[: rng.randrange(0, 41)],
+                *(rng.randrange(5000, 9000) for _ in range(7)),
+            ]
+            pruned = router.candidates(tokens, 1.0)
+            full = router._full()
+            pruned_smaller += len(pruned) < len(full)
+            by_pruned, by_full = _plan(router, tokens, pruned, n), _plan(router, tokens, full, n)
+            full_cost, full_best = _best(by_full)
+            chosen = by_pruned.decision.replica
+            chosen_cost = next(t.cost for t in by_full.decision.terms if t.replica == chosen)
+            assert chosen in full_best, (seed, n, chosen, full_best)
+            assert chosen_cost == pytest.approx(full_cost)
+            if len(full_best) == 1:
+                assert chosen == by_full.decision.replica
+        assert pruned_smaller > 25  # the pruning did prune
+
+
+def test_temperature_and_baselines_get_every_open_replica() -> None:
+    for policy, weights in (("cost", PolicyWeights(temperature=0.5)), ("round_robin", PolicyWeights())):
+        router, _ = _fleet(0, policy, weights)
+        full = router._full()
+        assert router.candidates([1, 2, 3, 4, 5], 1.0) == full
+        assert all(router.inflight[r] < router.cap for r in full)
