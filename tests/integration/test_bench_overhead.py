@@ -1,0 +1,111 @@
+"""``kvlb bench overhead`` at smoke size: real processes (fake upstream, plain proxy, ``kvlb serve``),
+every field of the report present and consistent. No timing assertions; the pure figure helpers are
+checked against hand-computed values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from balancer.bench.overhead import SMOKE, OverheadShape, measure
+from balancer.bench.overhead_report import (
+    MODES,
+    PROXIES,
+    added,
+    format_report,
+    histogram_delta,
+    histogram_quantile,
+    parse_histogram,
+    percentile,
+)
+from balancer.default_tokenizer import deepseek_tokenizer_file
+
+LATENCY_FIELDS = ("n", "mean_ms", "p50_ms", "p90_ms", "p99_ms")
+CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_utilisation")
+
+
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+async def test_smoke_run_reports_every_field() -> None:
+    report = await measure(SMOKE)
+    assert report["shape"]["kinds"] == ["chat", "tokens"]
+    assert report["prompt_tokens"]["min"] > 0
+    assert report["tokenize_ms"]["p50_ms"] > 0
+    for kind in ("chat", "tokens"):
+        run = report["runs"][kind]
+        seq, conc = run["sequential"], run["concurrent"]
+        for mode in MODES:
+            assert set(LATENCY_FIELDS) <= set(seq["latency"][mode])
+            assert seq["latency"][mode]["n"] == SMOKE.sequential_rounds
+            expected = SMOKE.concurrent_rounds * SMOKE.burst_requests
+            assert conc["latency"][mode]["n"] == expected
+            assert conc["req_per_s"][mode] > 0
+        for proxy in PROXIES:
+            assert set(CPU_FIELDS) <= set(conc["cpu"][proxy])
+            direct_p50 = seq["latency"]["direct"]["p50_ms"]
+            assert seq["added"][proxy]["p50_ms"] == pytest.approx(
+                seq["latency"][proxy]["p50_ms"] - direct_p50
+            )
+        # every kvlb request of this kind made exactly one routing decision
+        routed = SMOKE.warmup_rounds + SMOKE.sequential_rounds + SMOKE.concurrency
+        routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
+        assert run["route_decision"]["count"] == routed
+        assert run["route_decision"]["mean_us"] > 0
+    table = format_report(report)
+    for text in ("[chat]", "[tokens]", "added p50", "kvlb route decision", "targets (chat)"):
+        assert text in table
+
+
+def test_shape_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="concurrency"):
+        OverheadShape(concurrency=0)
+    with pytest.raises(ValueError, match="kinds"):
+        OverheadShape(kinds=("images",))
+
+
+def test_added_latency_is_the_difference_of_percentiles() -> None:
+    by_mode = {
+        "direct": {"p50_ms": 1.0, "p90_ms": 2.0, "p99_ms": 3.0},
+        "forward": {"p50_ms": 1.5, "p90_ms": 2.5, "p99_ms": 5.0},
+        "kvlb": {"p50_ms": 2.0, "p90_ms": None, "p99_ms": 4.0},
+    }
+    out = added(by_mode)
+    assert out["forward"] == {"p50_ms": 0.5, "p90_ms": 0.5, "p99_ms": 2.0}
+    assert out["kvlb"] == {"p50_ms": 1.0, "p90_ms": None, "p99_ms": 1.0}
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([], 50) is None
+
+
+METRICS_BEFORE = """\
+# TYPE kvlb_route_decision_seconds histogram
+kvlb_route_decision_seconds_bucket{le="0.0001"} 1.0
+kvlb_route_decision_seconds_bucket{le="0.001"} 1.0
+kvlb_route_decision_seconds_bucket{le="0.01"} 2.0
+kvlb_route_decision_seconds_bucket{le="+Inf"} 2.0
+kvlb_route_decision_seconds_count 2.0
+kvlb_route_decision_seconds_sum 0.006
+kvlb_route_decisions_total{policy="cost",replica="a"} 2.0
+"""
+METRICS_AFTER = """\
+kvlb_route_decision_seconds_bucket{le="0.0001"} 1.0
+kvlb_route_decision_seconds_bucket{le="0.001"} 81.0
+kvlb_route_decision_seconds_bucket{le="0.01"} 102.0
+kvlb_route_decision_seconds_bucket{le="+Inf"} 102.0
+kvlb_route_decision_seconds_count 102.0
+kvlb_route_decision_seconds_sum 0.056
+"""
+
+
+def test_histogram_quantiles_interpolate_inside_buckets() -> None:
+    before = parse_histogram(METRICS_BEFORE, "kvlb_route_decision_seconds")
+    after = parse_histogram(METRICS_AFTER, "kvlb_route_decision_seconds")
+    assert before["count"] == 2 and before["buckets"][-1] == (math.inf, 2.0)
+    delta = histogram_delta(after, before)
+    assert delta["count"] == 100 and delta["sum"] == pytest.approx(0.05)
+    assert [n for _, n in delta["buckets"]] == [0.0, 80.0, 100.0, 100.0]
+    # rank 50 of 100 falls in (0.0001, 0.001], which holds ranks 1..80: 50/80 of the way.
+    assert histogram_quantile(0.5, delta) == pytest.approx(0.0001 + 0.0009 * 50 / 80)
+    # rank 99 falls in (0.001, 0.01], which holds ranks 81..100: 19/20 of the way.
+    assert histogram_quantile(0.99, delta) == pytest.approx(0.001 + 0.009 * 19 / 20)
+    assert histogram_quantile(0.5, {"buckets": []}) is None
