@@ -16,6 +16,7 @@ defines (vLLM's completions default; DeepSeek-V3's post-processor adds none, so 
 from __future__ import annotations
 
 import json
+import re
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from balancer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
 from balancer.errors import BalancerError, ConfigError
+from balancer.token_cache import AddedToken, SegmentCache, build_splitter, encode_segmented
 
 U32_LIMIT = 1 << 32
 
@@ -61,6 +63,10 @@ class TokenizeLimits:
 
     max_prompt_tokens: int = 1_048_576
     """Most token ids one prompt may have, tokenized or passed through. More: :class:`PromptTooLarge`."""
+
+    segment_cache_tokens: int = 2_000_000
+    """Token ids kept by the segment cache (4 bytes each; repeated system prompts and earlier turns
+    are then tokenized once). 0 disables it; past the cap the least recently used segments go."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0:
@@ -196,7 +202,7 @@ class TokenIdTokenizer:
 class HfTokenizer:
     """A Hugging Face fast tokenizer (``tokenizer.json``) plus its chat template."""
 
-    __slots__ = ("_chat", "_name", "_tokenizer", "limits")
+    __slots__ = ("_chat", "_name", "_segments", "_splitter", "_tokenizer", "limits")
 
     def __init__(
         self,
@@ -213,6 +219,39 @@ class HfTokenizer:
         self._chat = chat
         self._name = name
         self.limits = limits or TokenizeLimits()
+        self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens)
+        self._splitter = self._checked_splitter()
+
+    def _checked_splitter(self) -> tuple[re.Pattern[str], dict[str, int]] | None:
+        """The special-token splitter for the segment cache, if segmenting is exact here."""
+        added = [
+            AddedToken(
+                content=str(tok.content),
+                token_id=int(token_id),
+                special=bool(tok.special),
+                verbatim=not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized),
+            )
+            for token_id, tok in self._tokenizer.get_added_tokens_decoder().items()
+        ]
+        splitter = build_splitter(added)
+        if splitter is None or self.limits.segment_cache_tokens <= 0:
+            return None
+        specials = list(splitter[1])[:3]
+        probe = f"{specials[0]} Hello there!\n  tabs\tand  spaces {specials[-1]}x y{specials[0]}".join(
+            ["A segment", " another one ", "\u00e9t\u00e9 \u4e2d\u6587 1234"]
+        )
+        plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
+        cached = encode_segmented(probe, splitter[0], splitter[1], SegmentCache(min_chars=0), self._raw)
+        return splitter if cached == plain else None
+
+    def _raw(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    @property
+    def segment_cache(self) -> SegmentCache | None:
+        """The segment cache in use (``None`` when segmenting is not exact for this tokenizer)."""
+        return self._segments if self._splitter is not None else None
 
     @classmethod
     def load(
@@ -309,7 +348,11 @@ class HfTokenizer:
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.limits.check_chars(text)
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        ids: list[int]
+        if self._splitter is not None and not add_special_tokens:
+            ids = encode_segmented(text, self._splitter[0], self._splitter[1], self._segments, self._raw)
+        else:
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         self.limits.check_tokens(len(ids))
         return ids
 

