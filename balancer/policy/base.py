@@ -43,9 +43,11 @@ class PolicyWeights:
     """``credit``, the fraction of a cached block subtracted from this request's prefill; 0..1.
     1 means a cached block costs nothing to prefill (Dynamo's default); 0 ignores the cache, so the
     cost policy becomes pure load balancing."""
-    decode_weight: float = 1.0
+    decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; ≥ 0. 0 ignores decode
-    load (only prefill backlog and affinity count)."""
+    load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding
+    sequence of P prompt blocks then weighs as much as a full cache miss of P blocks, so affinity
+    loses to any decode load; see docs/policies.md for the sweep that chose 0.1."""
     queue_weight: float = 0.0
     """``w_queue``, cost in blocks per request waiting in the engine's queue (scraped); ≥ 0. 0
     (default, as Dynamo) ignores the scraped queue; set it near the mean prompt length in blocks when
