@@ -1,0 +1,350 @@
+"""The load-test report: JSON, markdown and the targets of the issue (pure but for the file writers).
+
+Per router the report gives TTFT p50/p90/p99, ITL and e2e, output tok/s and req/s, the hit rate
+from the replicas' own ``cached_tokens`` counters (and the one the client saw in ``usage``), the
+per-replica request counts and two imbalances, errors; then ratios against ``round_robin`` and
+against the best peer (the peer with the lowest TTFT p90), and the targets of the workload.
+
+Definitions (the rest are :mod:`loadtests.stats`'):
+
+- ``hit_rate``: Σ replica ``cached_tokens_total`` / Σ ``prompt_tokens_total`` over the run (counter
+  differences); ``client_hit_rate``: the same from the streamed ``usage`` (``None`` if not passed).
+- ``request_imbalance``: max / mean of requests per replica (replica counters); 1.0 is even.
+- ``load_imbalance``: the time average, over load samples where the fleet is busy, of max / mean of
+  ``running + waiting`` per replica.
+- ``oracle_fraction``: ``hit_rate`` / the oracle's bound (:mod:`loadtests.oracle`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.runs import RouterRun
+from loadtests.stats import ratio
+
+REPORT_VERSION = 1
+
+ROUTER_FIELDS: tuple[str, ...] = (
+    "name", "kind", "policy", "status", "note",
+    "requests", "ok", "errors", "error_rate", "timeouts", "cancelled", "duration_s",
+    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s",
+    "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "output_tok_per_s", "req_per_s",
+    "hit_rate", "client_hit_rate", "oracle_fraction", "replica_requests",
+    "request_imbalance", "load_imbalance", "vs_round_robin", "vs_best_peer",
+)  # fmt: skip
+"""Keys of every router entry in the JSON report (values may be ``None`` for a router that did not run)."""
+
+RATIO_FIELDS: tuple[str, ...] = (
+    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "e2e_p90_s", "output_tok_per_s", "req_per_s",
+    "hit_rate",
+)  # fmt: skip
+"""Fields compared against round-robin and the best peer (this router / the other)."""
+
+_SUMMARY_KEYS = (
+    "requests", "ok", "errors", "error_rate", "timeouts", "cancelled", "duration_s",
+    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s",
+    "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "output_tok_per_s", "req_per_s",
+)  # fmt: skip
+
+
+def _replica_figures(run: RouterRun) -> dict[str, Any]:
+    delta = run.replica_delta
+    prompt = sum(d["prompt_tokens_total"] for d in delta.values())
+    cached = sum(d["cached_tokens_total"] for d in delta.values())
+    requests = {name: int(d["requests_total"]) for name, d in sorted(delta.items())}
+    mean = sum(requests.values()) / len(requests) if requests else 0
+    return {
+        "hit_rate": ratio(cached, prompt),
+        "replica_requests": requests,
+        "request_imbalance": ratio(max(requests.values()), mean) if requests and mean else None,
+    }
+
+
+def load_imbalance(series: Mapping[str, Sequence[tuple[float, float, float]]]) -> float | None:
+    """Time-averaged max/mean of ``running + waiting`` over samples where the fleet had work."""
+    columns = [list(samples) for samples in series.values() if samples]
+    if not columns:
+        return None
+    values = []
+    for row in zip(*columns, strict=False):
+        loads = [running + waiting for _, running, waiting in row]
+        mean = sum(loads) / len(loads)
+        if mean > 0:
+            values.append(max(loads) / mean)
+    return sum(values) / len(values) if values else None
+
+
+def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any]:
+    """One router's JSON entry (ratios are filled in by :func:`add_ratios`)."""
+    entry: dict[str, Any] = {
+        "name": run.spec.name,
+        "kind": run.spec.kind,
+        "policy": run.spec.policy,
+        "status": run.status,
+        "note": run.note,
+    }
+    summary = run.summary.to_dict() if run.summary is not None else {}
+    entry.update({key: summary.get(key) for key in _SUMMARY_KEYS})
+    figures = _replica_figures(run) if run.replica_delta else {}
+    entry["hit_rate"] = figures.get("hit_rate")
+    entry["client_hit_rate"] = summary.get("hit_rate")
+    entry["oracle_fraction"] = ratio(entry["hit_rate"], oracle_hit_rate)
+    entry["replica_requests"] = figures.get("replica_requests")
+    entry["request_imbalance"] = figures.get("request_imbalance")
+    entry["load_imbalance"] = load_imbalance(run.load_series) if run.load_series else None
+    entry["vs_round_robin"] = None
+    entry["vs_best_peer"] = None
+    entry["wall_s"] = run.wall_s
+    entry["summary"] = summary
+    records = run.result.records if run.result is not None else ()
+    entry["ttft_s"] = sorted(r.ttft_s for r in records if r.ok and r.ttft_s is not None)
+    entry["load_series"] = {name: [list(s) for s in samples] for name, samples in run.load_series.items()}
+    entry["load_samples_dropped"] = run.samples_dropped
+    return entry
+
+
+def best_peer(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """The peer that ran with the lowest TTFT p90."""
+    peers = [
+        e for e in entries if e["kind"] != "kvlb" and e["status"] == "ok" and e["ttft_p90_s"] is not None
+    ]
+    return min(peers, key=lambda e: e["ttft_p90_s"]) if peers else None
+
+
+def _ratios(entry: Mapping[str, Any], other: Mapping[str, Any] | None) -> dict[str, float | None] | None:
+    if other is None or entry["status"] != "ok":
+        return None
+    return {key: ratio(entry[key], other[key]) for key in RATIO_FIELDS}
+
+
+def add_ratios(entries: list[dict[str, Any]]) -> str | None:
+    """Fill ``vs_round_robin`` and ``vs_best_peer``; returns the best peer's name."""
+    base = next((e for e in entries if e["name"] == "round_robin" and e["status"] == "ok"), None)
+    peer = best_peer(entries)
+    for entry in entries:
+        entry["vs_round_robin"] = _ratios(entry, base)
+        entry["vs_best_peer"] = _ratios(entry, peer)
+    return None if peer is None else str(peer["name"])
+
+
+def _find(entries: Sequence[Mapping[str, Any]], name: str) -> Mapping[str, Any] | None:
+    return next((e for e in entries if e["name"] == name and e["status"] == "ok"), None)
+
+
+def _target(name: str, value: float | None, threshold: float, at_most: bool, detail: str) -> dict[str, Any]:
+    met = None if value is None else (value <= threshold if at_most else value >= threshold)
+    return {
+        "name": name,
+        "value": value,
+        "threshold": threshold,
+        "at_most": at_most,
+        "met": met,
+        "detail": detail,
+    }
+
+
+def targets(
+    workload: str, entries: Sequence[Mapping[str, Any]], oracle_hit_rate: float | None
+) -> list[dict[str, Any]]:
+    """The issue's targets for ``workload`` (``met`` is ``None`` when a figure is missing)."""
+    kvlb, rr = _find(entries, "kvlb"), _find(entries, "round_robin")
+
+    def get(entry: Mapping[str, Any] | None, key: str) -> float | None:
+        return None if entry is None else entry.get(key)
+
+    peers = [e for e in entries if e["kind"] != "kvlb" and e["status"] == "ok"]
+    peer_ttft = min((e["ttft_p90_s"] for e in peers if e["ttft_p90_s"] is not None), default=None)
+    peer_tput = max((e["output_tok_per_s"] for e in peers if e["output_tok_per_s"] is not None), default=None)
+    result = []
+    if workload == "tenants":
+        result.append(
+            _target(
+                "ttft_p90 kvlb / round_robin",
+                ratio(get(kvlb, "ttft_p90_s"), get(rr, "ttft_p90_s")),
+                0.1,
+                True,
+                "TTFT p90",
+            )
+        )
+        result.append(
+            _target(
+                "ttft_p90 kvlb / better peer",
+                ratio(get(kvlb, "ttft_p90_s"), peer_ttft),
+                0.5,
+                True,
+                "peer with the lower TTFT p90",
+            )
+        )
+        result.append(
+            _target(
+                "output tok/s kvlb / better peer",
+                ratio(get(kvlb, "output_tok_per_s"), peer_tput),
+                1.2,
+                False,
+                "peer with the higher output tok/s",
+            )
+        )
+        result.append(
+            _target(
+                "hit rate kvlb / oracle",
+                ratio(get(kvlb, "hit_rate"), oracle_hit_rate),
+                0.9,
+                False,
+                "replica-side hit rate over the oracle bound",
+            )
+        )
+    elif workload == "unique":
+        ll = _find(entries, "least_load")
+        result.append(
+            _target(
+                "ttft_p90 kvlb / least_load",
+                ratio(get(kvlb, "ttft_p90_s"), get(ll, "ttft_p90_s")),
+                1.05,
+                True,
+                "within 5% (or better)",
+            )
+        )
+    elif workload == "mooncake":
+        result.append(
+            _target(
+                "ttft_p90 kvlb / round_robin",
+                ratio(get(kvlb, "ttft_p90_s"), get(rr, "ttft_p90_s")),
+                0.2,
+                True,
+                "TTFT p90",
+            )
+        )
+    return result  # fmt: skip
+
+
+def build_report(
+    meta: Mapping[str, Any], oracle: Mapping[str, Any] | None, runs: Sequence[RouterRun]
+) -> dict[str, Any]:
+    """The whole JSON report."""
+    oracle_rate = None if oracle is None else oracle.get("hit_rate")
+    entries = [router_entry(run, oracle_rate) for run in runs]
+    peer = add_ratios(entries)
+    return {
+        "kvlb_loadtest": REPORT_VERSION,
+        "meta": dict(meta),
+        "oracle": None if oracle is None else dict(oracle),
+        "best_peer": peer,
+        "routers": entries,
+        "targets": targets(str(meta.get("workload", {}).get("name", "")), entries, oracle_rate),
+    }  # fmt: skip
+
+
+def write_json(report: Mapping[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+
+
+def write_records(runs: Sequence[RouterRun], out: Path) -> list[Path]:
+    """Every request's record, one JSON line each, in ``requests-<router>.jsonl`` (for later analysis)."""
+    paths = []
+    for run in runs:
+        if run.result is None:
+            continue
+        safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in run.spec.name)
+        path = out / f"requests-{safe}.jsonl"
+        with path.open("w", encoding="utf-8") as file:
+            for record in run.result.records:
+                file.write(json.dumps(record.to_dict()) + "\n")
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ markdown
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value * 1000:.0f}" if value >= 0.1 else f"{value * 1000:.1f}"
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "–" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{100 * value:.1f}%"
+
+
+def _router_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = [
+        "| router | ok / sent | errors | TTFT p50 / p90 / p99 ms | ITL p50 / p90 ms | e2e p50 / p90 ms "
+        "| out tok/s | req/s | hit rate (replicas) | hit rate (usage) | of oracle | req imbalance "
+        "| load imbalance |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        if e["status"] != "ok":
+            rows.append(f"| {e['name']} | {e['status']}: {e['note']} |" + " |" * 11)
+            continue
+        rows.append(
+            f"| {e['name']} | {e['ok']} / {e['requests']} | {e['errors']} "
+            f"| {_ms(e['ttft_p50_s'])} / {_ms(e['ttft_p90_s'])} / {_ms(e['ttft_p99_s'])} "
+            f"| {_ms(e['itl_p50_s'])} / {_ms(e['itl_p90_s'])} "
+            f"| {_ms(e['e2e_p50_s'])} / {_ms(e['e2e_p90_s'])} "
+            f"| {_num(e['output_tok_per_s'], 0)} | {_num(e['req_per_s'])} | {_pct(e['hit_rate'])} "
+            f"| {_pct(e['client_hit_rate'])} | {_pct(e['oracle_fraction'])} | {_num(e['request_imbalance'])} "
+            f"| {_num(e['load_imbalance'])} |"
+        )
+    return rows
+
+
+def _ratio_rows(entries: Sequence[Mapping[str, Any]], key: str) -> list[str]:
+    rows = [
+        "| router | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | e2e p90 | out tok/s | req/s | hit rate |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        ratios = e.get(key)
+        if ratios:
+            rows.append(f"| {e['name']} | " + " | ".join(_num(ratios[k]) for k in RATIO_FIELDS) + " |")
+    return rows
+
+
+def _target_rows(rows_in: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = ["| target | measured | needed | met |", "|---|---|---|---|"]
+    for t in rows_in:
+        needed = ("≤ " if t["at_most"] else "≥ ") + f"{t['threshold']:g}"
+        met = "n/a" if t["met"] is None else ("yes" if t["met"] else "**no**")
+        rows.append(f"| {t['name']} ({t['detail']}) | {_num(t['value'], 3)} | {needed} | {met} |")
+    return rows
+
+
+def markdown(report: Mapping[str, Any], plots: Sequence[str], plots_note: str | None) -> str:
+    """The human report: set-up, per-router table, ratio tables, targets, plots."""
+    meta, oracle, entries = report["meta"], report["oracle"], report["routers"]
+    lines = ["# kvlb load test", "", f"`{meta.get('command', '')}`", ""]
+    lines += [f"- started: {meta.get('started')}; load average before: {meta.get('load_average')}"]
+    lines += [f"- fleet: {json.dumps(meta.get('fleet'))}", f"- workload: {json.dumps(meta.get('workload'))}"]
+    lines += [f"- drive: {json.dumps(meta.get('drive'))}"]
+    if oracle:
+        lines += [
+            f"- oracle: hit rate ≤ {_pct(oracle.get('hit_rate'))} with the fleet's KV capacity "
+            f"({oracle.get('capacity_blocks')} blocks pooled); infinite cache "
+            f"{_pct(oracle.get('unbounded_hit_rate'))}; "
+            f"prefix demand {oracle.get('distinct_blocks')} blocks. "
+            f"Method: {oracle.get('method')}."
+        ]
+    lines += ["", "## Routers", "", *_router_rows(entries), ""]
+    lines += ["## Ratios against round_robin", "", *_ratio_rows(entries, "vs_round_robin"), ""]
+    if report.get("best_peer"):
+        lines += [f"## Ratios against the best peer ({report['best_peer']})", ""]
+        lines += [*_ratio_rows(entries, "vs_best_peer"), ""]
+    if report.get("targets"):
+        lines += ["## Targets", "", *_target_rows(report["targets"]), ""]
+    lines += ["## Plots", ""]
+    lines += [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
+    if plots_note:
+        lines.append(plots_note)
+    return "\n".join(lines) + "\n"
+
+
+def write_markdown(
+    report: Mapping[str, Any], path: Path, plots: Sequence[str], plots_note: str | None
+) -> None:
+    path.write_text(markdown(report, plots, plots_note), encoding="utf-8")

@@ -1,0 +1,237 @@
+"""One load-test campaign: the same request stream through each router in turn (I/O).
+
+For each router: flush the fleet's caches (after it is idle), start the router, wait until it sees
+every replica, read the replicas' counters, drive the stream (open or closed loop) while sampling
+every replica's load every ``sample_interval_s``, wait until the fleet is idle, read the counters
+again, stop the router. The replica-side figures (hit rate, requests per replica) are the counter
+differences, so they count what the replicas did whatever the router passes back to the client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import aiohttp
+
+from loadtests.driver import RunResult, run_closed_loop, run_open_loop
+from loadtests.fleet_runner import FleetHandle, flush, replica_stats, start_router, wait_idle
+from loadtests.peers import RouterSpec, peer_available
+from loadtests.stats import RequestRecord, Summary
+from loadtests.workloads.base import RequestSpec
+
+MAX_LOAD_SAMPLES = 20_000
+"""Load samples kept per router run (per replica and time); later ones are dropped and counted."""
+
+RunStatus = Literal["ok", "skipped", "failed"]
+
+
+@dataclass(frozen=True, slots=True)
+class DriveOptions:
+    """How the stream is sent (same for every router)."""
+
+    mode: Literal["open", "closed"] = "open"
+    concurrency: int = 512
+    """Open loop: cap on requests in flight. Closed loop: number of users."""
+    max_duration_s: float = 600.0
+    """Per router; requests still in flight then are cancelled."""
+    timeout_s: float = 300.0
+    """Per request."""
+    sample_interval_s: float = 0.5
+    seed: int = 0
+    kvlb_sets: tuple[str, ...] = ()
+    """``kvlb serve --set`` overrides for every kvlb router (e.g. ``limits.speculative_ttl_s=5``)."""
+
+
+@dataclass
+class RouterRun:
+    """What one router did with the stream."""
+
+    spec: RouterSpec
+    status: RunStatus
+    note: str = ""
+    result: RunResult | None = None
+    summary: Summary | None = None
+    replica_delta: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per replica, counter differences over the run: requests, prompt and cached tokens."""
+    load_series: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
+    """Per replica, ``(t_s, running, waiting)`` samples."""
+    samples_dropped: int = 0
+    wall_s: float = 0.0
+    process: tuple[int, int] | None = None
+    """The router process this run started and stopped: (pid, exit code)."""
+
+
+class Progress:
+    """A one-line progress bar on ``stream`` (redrawn in place on a terminal, every 10% otherwise)."""
+
+    def __init__(self, label: str, total: int, stream: TextIO | None = None) -> None:
+        self.label = label
+        self.total = max(1, total)
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.done = 0
+        self.errors = 0
+        self.t0 = time.monotonic()
+        self._last_draw = 0.0
+        self._last_decile = -1
+
+    def update(self, record: RequestRecord) -> None:
+        self.done += 1
+        if record.outcome != "ok":
+            self.errors += 1
+        now = time.monotonic()
+        decile = 10 * self.done // self.total
+        if self.tty and (now - self._last_draw > 0.1 or self.done == self.total):
+            self._last_draw = now
+            self._draw("\r")
+        elif not self.tty and decile != self._last_decile:
+            self._last_decile = decile
+            self._draw("")
+            self.stream.write("\n")
+
+    def _draw(self, prefix: str) -> None:
+        width = 30
+        filled = min(width, width * self.done // self.total)
+        bar = "#" * filled + "." * (width - filled)
+        elapsed = time.monotonic() - self.t0
+        self.stream.write(
+            f"{prefix}{self.label:<20} [{bar}] {self.done}/{self.total} errors {self.errors} {elapsed:6.1f} s"
+        )
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+class LoadSampler:
+    """Polls every replica's running and waiting requests until stopped (bounded sample count)."""
+
+    def __init__(self, session: aiohttp.ClientSession, fleet: FleetHandle, interval_s: float) -> None:
+        self.session = session
+        self.fleet = fleet
+        self.interval_s = interval_s
+        self.series: dict[str, list[tuple[float, float, float]]] = {name: [] for name in fleet.names}
+        self.kept = 0
+        self.dropped = 0
+
+    async def run(self) -> None:
+        t0 = time.monotonic()
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError, KeyError):
+                stats = await replica_stats(self.session, self.fleet)
+                t_s = time.monotonic() - t0
+                for name, figures in stats.items():
+                    if self.kept >= MAX_LOAD_SAMPLES:
+                        self.dropped += 1
+                        continue
+                    self.kept += 1
+                    sample = (t_s, figures["num_running_reqs"], figures["num_waiting_reqs"])
+                    self.series.setdefault(name, []).append(sample)
+            await asyncio.sleep(self.interval_s)
+
+
+def _delta(
+    before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, float]]:
+    keys = ("requests_total", "prompt_tokens_total", "cached_tokens_total", "generation_tokens_total")
+    return {name: {key: after[name][key] - before[name].get(key, 0) for key in keys} for name in after}
+
+
+async def _drive(
+    specs: Sequence[RequestSpec], url: str, model: str, router: RouterSpec, options: DriveOptions
+) -> RunResult:
+    progress = Progress(router.name, len(specs))
+    common: dict[str, Any] = {
+        "model": model,
+        "max_requests": len(specs),
+        "max_duration_s": options.max_duration_s,
+        "timeout_s": options.timeout_s,
+        "on_progress": progress.update,
+        "replica_header": router.replica_header,
+    }
+    try:
+        if options.mode == "open":
+            return await run_open_loop(specs, url, concurrency_cap=options.concurrency, **common)
+        return await run_closed_loop(specs, url, users=options.concurrency, **common)
+    finally:
+        progress.close()
+
+
+async def run_router(
+    router: RouterSpec,
+    fleet: FleetHandle,
+    specs: Sequence[RequestSpec],
+    options: DriveOptions,
+    logs: Path,
+) -> RouterRun:
+    """One router through the whole stream (module docstring); failures end as a ``failed`` run."""
+    if router.is_peer and not peer_available(router):
+        return RouterRun(router, "skipped", "not installed (pip install sglang-router / vllm-router)")
+    started = time.monotonic()
+    async with aiohttp.ClientSession() as session:
+        await flush(session, fleet)
+        try:
+            child, url = await start_router(
+                router, fleet, logs, seed=options.seed, kvlb_sets=options.kvlb_sets
+            )
+        except (RuntimeError, OSError, ValueError) as exc:
+            return RouterRun(router, "failed", f"could not start: {exc}")
+        try:
+            before = await replica_stats(session, fleet)
+            sampler = LoadSampler(session, fleet, options.sample_interval_s)
+            sampling = asyncio.create_task(sampler.run())
+            try:
+                result = await _drive(specs, url, fleet.model, router, options)
+            finally:
+                sampling.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampling
+            await wait_idle(session, fleet)
+            after = await replica_stats(session, fleet)
+        except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
+            traceback.print_exc(file=sys.stderr)
+            return RouterRun(router, "failed", f"run failed: {type(exc).__name__}: {exc}")
+        finally:
+            code = await child.stop()
+    run = RouterRun(
+        router,
+        "ok",
+        note=f"router exit code {code}" if code not in (0, -15) else "",
+        result=result,
+        summary=result.summary(replicas=fleet.names),
+        replica_delta=_delta(before, after),
+        load_series=sampler.series,
+        samples_dropped=sampler.dropped,
+    )
+    run.wall_s = time.monotonic() - started
+    run.process = (child.pid, code)
+    return run
+
+
+async def run_all(
+    routers: Sequence[RouterSpec],
+    fleet: FleetHandle,
+    specs: Sequence[RequestSpec],
+    options: DriveOptions,
+    logs: Path,
+) -> list[RouterRun]:
+    """Every router in order; leaves the fleet flushed and idle."""
+    runs = []
+    for router in routers:
+        run = await run_router(router, fleet, specs, options, logs)
+        if run.status != "ok":
+            print(f"{router.name}: {run.status}: {run.note}", file=sys.stderr)
+        runs.append(run)
+    async with aiohttp.ClientSession() as session:
+        await wait_idle(session, fleet)
+    return runs
