@@ -10,11 +10,21 @@ policy compares like with like.
 :meth:`PoolRouter.plan` is side-effect free (it may only expire stale speculative entries inside the
 table). :meth:`PoolRouter.commit` reserves load and adds speculative index entries afterwards, and
 :meth:`PoolRouter.release` undoes the reservation when the request ends or is cancelled.
+
+Speculative entries live in two phases. Until the request's first token the engine has not finished
+its prefill, so it cannot have reported the blocks yet: the entries are held for ``pending_ttl_s``
+(bounded by the first-byte timeout). At the first token, or when the request ends without one, they
+drop to the short ``speculative_ttl_s``, within which the engine's own events confirm them.
+
+Decode load counts a request's *private* blocks only (uncached prompt plus output): its cached prefix
+is shared with every other request on that replica that uses it, and counting it per request made a
+few same-prefix requests outweigh the affinity that brought them there.
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
@@ -67,6 +77,10 @@ class PoolRouter:
         self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
         self.space_of: dict[ReplicaId, KeySpace] = {}
         self.load: LoadTracker | None = None
+        self._speculating: OrderedDict[str, tuple[ReplicaId, tuple[BlockKey, ...], float]] = OrderedDict()
+        self.max_speculating = self._limits.max_speculative_keys // 16 + 1
+        """Requests whose speculative entries wait for a first token; past it the oldest keep their
+        long TTL (they still expire, only later)."""
 
     @property
     def reference_block_size(self) -> int:
@@ -155,11 +169,12 @@ class PoolRouter:
         decision = policy(route, overlap_all, self.tracker().snapshot(now), weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
-        decode_tokens = len(token_ids) + max(0, max_tokens)
+        cached = exact_tokens.get(decision.replica, 0)
+        decode_tokens = len(token_ids) - cached + max(0, max_tokens)
         return RoutePlan(
             decision=decision,
             prompt_tokens=len(token_ids),
-            cached_tokens=exact_tokens.get(decision.replica, 0),
+            cached_tokens=cached,
             keys=tuple(keys),
             decode_blocks=-(-decode_tokens // ref_bs),
         )
@@ -172,19 +187,45 @@ class PoolRouter:
                 seen.setdefault(id(space), space)
         return list(seen.values())
 
-    def commit(self, plan: RoutePlan, request_id: str, now: float, speculative_ttl_s: float) -> bool:
-        """Reserve the request's load and add speculative entries; ``False`` if the id is taken."""
+    def commit(
+        self,
+        plan: RoutePlan,
+        request_id: str,
+        now: float,
+        speculative_ttl_s: float,
+        pending_ttl_s: float | None = None,
+    ) -> bool:
+        """Reserve the request's load and add speculative entries; ``False`` if the id is taken.
+
+        The entries are held for ``pending_ttl_s`` (default: ``speculative_ttl_s``) until the first
+        token, then for ``speculative_ttl_s``."""
         replica = plan.decision.replica
         reserved = self.tracker().reserve(
             request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
         )
         space = self.space_of.get(replica)
         if reserved and space is not None and plan.keys and speculative_ttl_s > 0:
-            space.table.add_speculative(replica, plan.keys, speculative_ttl_s, now)
+            long_ttl_s = max(speculative_ttl_s, pending_ttl_s or 0.0)
+            space.table.add_speculative(replica, plan.keys, long_ttl_s, now)
+            if long_ttl_s > speculative_ttl_s:
+                self._speculating[request_id] = (replica, plan.keys, speculative_ttl_s)
+                while len(self._speculating) > self.max_speculating:
+                    self._speculating.popitem(last=False)
         return reserved
 
     def first_token(self, request_id: str, now: float) -> None:
         self.tracker().first_token(request_id, now)
+        self._settle(request_id, now)
 
     def release(self, request_id: str, now: float) -> None:
         self.tracker().release(request_id, now)
+        self._settle(request_id, now)
+
+    def _settle(self, request_id: str, now: float) -> None:
+        """The prefill is over (or abandoned): shorten the request's speculative entries."""
+        found = self._speculating.pop(request_id, None)
+        if found is not None:
+            replica, keys, ttl_s = found
+            space = self.space_of.get(replica)
+            if space is not None:
+                space.table.add_speculative(replica, keys, ttl_s, now)

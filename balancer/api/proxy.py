@@ -132,7 +132,13 @@ class Lease:
         self.tracking_id = tracking_id
         self._released = False
         now = state.monotonic()
-        pool.router.commit(plan, tracking_id, now, state.settings.limits.speculative_ttl_s)
+        pool.router.commit(
+            plan,
+            tracking_id,
+            now,
+            state.settings.limits.speculative_ttl_s,
+            pending_ttl_s=state.settings.timeouts.first_byte_s,
+        )
         state.inflight_by_replica[self.replica] = state.inflight_by_replica.get(self.replica, 0) + 1
         state.health.on_routed(self.replica, now)
         state.metrics.route_decisions_total.labels(plan.decision.policy, self.replica).inc()

@@ -117,3 +117,36 @@ def test_same_prefix_burst_before_any_event_does_not_scatter() -> None:
     other = [t + 50_000 for t in PROMPT]
     plan = router.plan(other, replicas, policy, weights, rng, now=0.1)
     assert plan.decision.replica != chosen[0]
+
+
+def test_speculation_is_held_until_the_first_token_then_shortened() -> None:
+    router = pool()
+    policy, weights = make_policy("cost"), PolicyWeights()
+    plan = router.plan(PROMPT, [A, B], policy, weights, random.Random(2), now=0.0)
+    router.commit(plan, "slow", now=0.0, speculative_ttl_s=2.0, pending_ttl_s=30.0)
+    chosen = plan.decision.replica
+    # Queued for 5 s without a first token: the engine cannot have reported the blocks yet.
+    assert router.plan(PROMPT, [A, B], policy, weights, random.Random(2), now=5.0).cached_tokens == 128
+    router.first_token("slow", now=6.0)
+    held = router.plan(PROMPT, [A, B], policy, weights, random.Random(2), now=7.9)
+    assert held.decision.replica == chosen and held.cached_tokens == 128
+    assert router.plan(PROMPT, [A, B], policy, weights, random.Random(2), now=8.1).cached_tokens == 0
+
+
+def test_release_without_first_token_shortens_speculation() -> None:
+    router = pool()
+    policy, weights = make_policy("cost"), PolicyWeights()
+    plan = router.plan(PROMPT, [A, B], policy, weights, random.Random(2), now=0.0)
+    router.commit(plan, "cancelled", now=0.0, speculative_ttl_s=2.0, pending_ttl_s=30.0)
+    router.release("cancelled", now=1.0)
+    assert router.plan(PROMPT, [A, B], policy, weights, random.Random(2), now=3.1).cached_tokens == 0
+
+
+def test_decode_load_counts_private_blocks_only() -> None:
+    router = pool()
+    router.space_of[A].table.apply(A, [stored(PROMPT, 16)], now=0.0)
+    plan = router.plan(
+        PROMPT, [A], make_policy("cost"), PolicyWeights(), random.Random(0), 0.0, max_tokens=30
+    )
+    assert plan.cached_tokens == 128
+    assert plan.decode_blocks == -(-(len(PROMPT) - 128 + 30) // 16)  # uncached prompt + output only
