@@ -16,6 +16,9 @@ _COMMAND_MODULES: tuple[str, ...] = (
     "balancer.bench.command",
     "replicas.cli",
     "balancer.serve_cmd",
+    "loadtests.cli",
+    "balancer.demo_cmd",
+    "loadtests.sim_cmd",
 )
 
 
