@@ -18,7 +18,7 @@ from balancer.default_tokenizer import default_tokenizer
 from balancer.token_cache import AddedToken, SegmentCache, build_splitter, encode_segmented
 from balancer.tokenize import HfTokenizer, TokenizeLimits
 
-WORDS = "the quick brown fox jumps over a lazy dog while kvlb routes cached prefixes 42 ü 中文".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "kvlb", "42", "ü", "中文"]
 
 
 @functools.cache
