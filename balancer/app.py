@@ -31,6 +31,7 @@ from balancer.api.state import PolicyControl, Pool, ServiceState
 from balancer.config import PoolConfig, Settings
 from balancer.default_tokenizer import default_tokenizer
 from balancer.errors import ConfigError
+from balancer.fleet.runtime import FleetRuntime
 from balancer.health import HealthBook
 from balancer.index.memory import MemoryIndex
 from balancer.index.slots import TableLimits
@@ -39,9 +40,11 @@ from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.prober import HealthProber, ProbeSettings
 from balancer.router import KeySpace, PoolRouter, align_mode
+from balancer.server_log import server_logger
 from balancer.sources.build import build_sources
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.sources.scraper import MetricsScraper, ScrapeSettings
+from balancer.tls import server_ssl_context
 from balancer.tokenize import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream import UpstreamClient
@@ -95,6 +98,8 @@ class Balancer:
         self._control: aiohttp.ClientSession | None = None
         self._upstream = UpstreamClient(settings.timeouts)
         self._ingests: dict[int, EventIngest] = {}
+        self.fleet: FleetRuntime | None = None
+        """The Redis side (leases, mirrors, shared policy) when ``redis.url`` is set."""
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
@@ -164,6 +169,11 @@ class Balancer:
 
     async def _start_ingest(self, state: ServiceState) -> None:
         assert self._zmq is not None and self._control is not None
+        if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
+            self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
+            await self.fleet.start()
+            state.sources_started = True
+            return
         ingest_settings = IngestSettings(queue_max_batches=self.settings.limits.event_queue_size)
         for pool in state.pools.values():
             for replica_id, config in pool.replicas.items():
@@ -217,15 +227,23 @@ class Balancer:
 
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)
+        listen = self.settings.listen
+        ssl_context = server_ssl_context(listen)
         self._runner = web.AppRunner(
-            app, access_log=None, handler_cancellation=True, shutdown_timeout=self.options.shutdown_grace_s
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=self.options.shutdown_grace_s,
+            keepalive_timeout=self.settings.timeouts.client_idle_s,
+            logger=server_logger(),
         )
         await self._runner.setup()
-        listen = self.settings.listen
-        site = web.TCPSite(self._runner, listen.host, listen.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
+        )
         await site.start()
         host, port = self._runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
         log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
 
     async def _start_grpc(self, state: ServiceState) -> None:
@@ -258,6 +276,9 @@ class Balancer:
         for task in reversed(tasks):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self.fleet is not None:
+            fleet, self.fleet = self.fleet, None
+            await fleet.stop()
         ingests, self._ingests = list(self._ingests.values()), {}
         for ingest in reversed(ingests):
             await ingest.aclose()

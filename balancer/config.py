@@ -70,6 +70,16 @@ class ListenConfig:
     """HTTP port (0 picks a free one)."""
     grpc_port: int | None = None
     """gRPC port; ``None`` disables the gRPC server (0 picks a free one)."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain: with ``tls_key_file`` the HTTP and gRPC servers speak TLS only
+    (``https://``); ``None`` serves plain text (keep it behind a TLS-terminating proxy)."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file`` (both or neither; unreadable files fail at start-up)."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +94,9 @@ class TimeoutConfig:
     """Cap on a whole request; expiry ends it with an error."""
     body_read_s: float = 10.0
     """Time allowed to read the client's request body (slow-body protection); expiry → 408."""
+    client_idle_s: float = 15.0
+    """A client connection that has not completed a request's headers this long after it opened
+    or after its previous answer is closed (idle keep-alive, slowloris trickling headers)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +108,13 @@ class LimitConfig:
     max_inflight: int = 1024
     """Requests served at once by this balancer; more → 429 with Retry-After."""
     max_inflight_per_replica: int = 256
-    """Requests in flight to one replica; a full replica is not chosen; all full → 429."""
+    """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
+    in the admission queue like one over ``max_inflight``."""
+    max_queued: int = 128
+    """Requests waiting for admission (over ``max_inflight``, or every replica full), first come first
+    served; one more → 429 with Retry-After at once. 0: no queue, excess is refused at once."""
+    queue_timeout_s: float = 2.0
+    """Longest wait in the admission queue (seconds); at the limit → 503 with Retry-After."""
     max_retries: int = 2
     """Extra attempts on other replicas before the first byte (connect error, 429/503)."""
     event_queue_size: int = 4096
@@ -118,8 +137,52 @@ class AuthConfig:
 
 @dataclass(frozen=True, slots=True)
 class RedisConfig:
+    """The fleet mode: several balancers sharing one Redis (docs/redis-fleet.md)."""
+
     url: str | None = None
-    """``redis://`` or ``rediss://`` URL of the shared index; ``None`` keeps everything in memory."""
+    """``redis://`` or ``rediss://`` (TLS) URL of the shared index, with AUTH as
+    ``redis://user:password@host:port/db``; ``None`` keeps everything in this process, in memory."""
+    key_prefix: str = "kvlb"
+    """First part of every key name, so several fleets can share one Redis (no braces)."""
+    tls_ca_file: str | None = None
+    """``rediss://`` only: CA bundle that signed the server's certificate (``None``: system CAs)."""
+    instance_id: str | None = None
+    """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique."""
+    lease_ttl_s: float = 5.0
+    """Ingestion lease lifetime without renewal (seconds): a dead balancer's replicas are taken over
+    this long (plus up to ``tick_s``) after its last renewal."""
+    tick_s: float = 1.0
+    """Period of heartbeats, lease renewals and take-overs, snapshot checks (seconds); < lease_ttl_s / 2."""
+    stream_maxlen: int = 10_000
+    """Approximate length of each key space's applied-event stream (batches). A mirror further behind
+    rebuilds from the latest snapshot (counted)."""
+    snapshot_interval_s: float = 60.0
+    """Longest time between two table snapshots of a changing key space (seconds); snapshots are also
+    written every ``stream_maxlen / 4`` entries."""
+    replica_timeout_s: float = 30.0
+    """A replica with no events and failed health probes this long is dropped from the index of the
+    whole fleet (seconds)."""
+    policy_poll_s: float = 0.5
+    """Periodic check of the shared policy version, besides pub/sub (seconds): the worst-case delay of
+    a policy change reaching every balancer."""
+    socket_timeout_s: float = 2.0
+    """Timeout of one Redis call or connect (seconds); at the limit the call counts as an error."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
+            raise ConfigError("redis.url must start with redis:// or rediss://")
+        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
+            raise ConfigError("redis.key_prefix must be non-empty, without braces")
+        for name in ("lease_ttl_s", "tick_s", "snapshot_interval_s", "replica_timeout_s", "policy_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"redis.{name} must be > 0, got {getattr(self, name)}")
+        if self.socket_timeout_s <= 0:
+            raise ConfigError("redis.socket_timeout_s must be > 0")
+        if self.tick_s * 2 > self.lease_ttl_s:
+            raise ConfigError("redis.tick_s must be at most half of redis.lease_ttl_s")
+        if self.stream_maxlen < 100:
+            raise ConfigError("redis.stream_maxlen must be >= 100")
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +196,53 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Where replicas come from besides ``pools[].replicas`` (docs/operations.md, "Discovery")."""
+
+    kind: Literal["static", "file", "kubernetes"] = "static"
+    """``static``: only ``pools[].replicas``. ``file``: also the replicas of a YAML file, reloaded when
+    it changes. ``kubernetes``: also the engine pods found by ``label_selector`` in ``namespace``."""
+    file: str | None = None
+    """``kind: file``: path of a YAML file ``{pools: [{model, replicas: [...]}]}``; a broken file keeps
+    the last good replica set."""
+    reload_interval_s: float = 2.0
+    """``kind: file``: seconds between checks of the file's mtime, size and inode."""
+    namespace: str | None = None
+    """``kind: kubernetes``: namespace to watch; ``None``: the pod's own (service-account file)."""
+    label_selector: str = "kvlb.io/role=engine"
+    """``kind: kubernetes``: label selector of the engines' EndpointSlices (or pods)."""
+    resource: Literal["endpointslices", "pods"] = "endpointslices"
+    """``kind: kubernetes``: watch EndpointSlices (pod annotations are then read per pod) or pods."""
+    annotation_prefix: str = "kvlb.io/"
+    """``kind: kubernetes``: prefix of the pod annotations (``<prefix>engine``, ``<prefix>model`` ...)."""
+    default_model: str | None = None
+    """``kind: kubernetes``: pool of pods without a ``<prefix>model`` annotation (``None``: skip them)."""
+    api_url: str = "https://kubernetes.default.svc"
+    """``kind: kubernetes``: API server; ``http://127.0.0.1:8001`` runs outside a cluster via
+    ``kubectl proxy``."""
+    watch_timeout_s: float = 240.0
+    """``kind: kubernetes``: server-side watch duration; the watch then resumes at its resourceVersion."""
+    request_timeout_s: float = 10.0
+    """``kind: kubernetes``: timeout of a list or get, and of a watch's connect and headers."""
+    backoff_max_s: float = 30.0
+    """``kind: kubernetes``: longest wait between retries after an API error (exponential from 0.5 s)."""
+    max_replicas: int = 1024
+    """Most discovered replicas; the rest are skipped and logged."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if self.kind == "file" and not self.file:
+            raise ConfigError("discovery.file is required when discovery.kind is file")
+        for name in ("reload_interval_s", "watch_timeout_s", "request_timeout_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"discovery.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_replicas < 1:
+            raise ConfigError("discovery.max_replicas must be >= 1")
+        if not self.api_url.startswith(("http://", "https://")):
+            raise ConfigError("discovery.api_url must be http(s)://")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
     pools: tuple[PoolConfig, ...] = ()
@@ -141,6 +251,7 @@ class Settings:
     limits: LimitConfig = field(default_factory=LimitConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     scrape_interval_s: float = 1.0
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
@@ -178,14 +289,18 @@ class Settings:
             "timeouts.first_byte_s": self.timeouts.first_byte_s,
             "timeouts.idle_s": self.timeouts.idle_s,
             "timeouts.total_s": self.timeouts.total_s,
+            "timeouts.client_idle_s": self.timeouts.client_idle_s,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
-        if self.redis.url is not None and not self.redis.url.startswith(("redis://", "rediss://")):
-            raise ConfigError("redis.url must start with redis:// or rediss://")
+        self.listen.validate()
+        if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
+            raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
+        self.redis.validate()
+        self.discovery.validate()
         return self
 
 
@@ -288,9 +403,7 @@ def _parse_value(text: str) -> Any:
         raise ConfigError(f"cannot parse value {text!r}: {exc}") from None
 
 
-def merge_overrides(
-    base: Mapping[str, Any], env: Mapping[str, str], sets: Sequence[str]
-) -> dict[str, Any]:
+def merge_overrides(base: Mapping[str, Any], env: Mapping[str, str], sets: Sequence[str]) -> dict[str, Any]:
     """Apply ``KVLB_A__B=v`` environment entries, then ``a.b=v`` strings, onto a copy of ``base``."""
     tree: dict[str, Any] = _deep_copy(base)
     for key, raw in sorted(env.items()):

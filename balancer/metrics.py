@@ -8,6 +8,7 @@ global state to reset.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -47,6 +48,22 @@ class Metrics:
     replica_load: Gauge
     replica_healthy: Gauge
     scrape_errors_total: Counter
+    # redis fleet (only moves when redis.url is set)
+    redis_up: Gauge
+    redis_errors_total: Counter
+    redis_apply_seconds: Histogram
+    redis_apply_retries_total: Counter
+    redis_stale_writes_total: Counter
+    redis_leases_held: Gauge
+    redis_lease_events_total: Counter
+    redis_fleet_members: Gauge
+    redis_mirror_lag_seconds: Gauge
+    redis_mirror_entries_total: Counter
+    redis_mirror_resyncs_total: Counter
+    redis_mirror_partial: Gauge
+    redis_replicas_dropped_total: Counter
+    redis_policy_updates_total: Counter
+    redis_snapshots_total: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
@@ -132,7 +149,7 @@ class Metrics:
             ),
             events_replays_total=Counter(
                 "kvlb_events_replays_total",
-                "Replay requests to an engine's replay socket, by outcome (filled, partial, failed).",
+                "Replay requests to an engine's replay socket, by outcome (filled, partial, failed, empty).",
                 ["replica", "outcome"],
                 registry=reg,
             ),
@@ -184,4 +201,108 @@ class Metrics:
                 ["replica"],
                 registry=reg,
             ),
+            **_redis_collectors(reg),
         )
+
+
+class _RedisCollectors(TypedDict):
+    redis_up: Gauge
+    redis_errors_total: Counter
+    redis_apply_seconds: Histogram
+    redis_apply_retries_total: Counter
+    redis_stale_writes_total: Counter
+    redis_leases_held: Gauge
+    redis_lease_events_total: Counter
+    redis_fleet_members: Gauge
+    redis_mirror_lag_seconds: Gauge
+    redis_mirror_entries_total: Counter
+    redis_mirror_resyncs_total: Counter
+    redis_mirror_partial: Gauge
+    redis_replicas_dropped_total: Counter
+    redis_policy_updates_total: Counter
+    redis_snapshots_total: Counter
+
+
+def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
+    """The ``kvlb_redis_*`` collectors of the fleet mode (:mod:`balancer.fleet`)."""
+    return {
+        "redis_up": Gauge(
+            "kvlb_redis_up", "1 while this balancer's last Redis calls succeeded, else 0.", registry=reg
+        ),
+        "redis_errors_total": Counter(
+            "kvlb_redis_errors_total",
+            "Failed Redis calls, by component (writer, mirror, lease, policy, snapshot).",
+            ["component"],
+            registry=reg,
+        ),
+        "redis_apply_seconds": Histogram(
+            "kvlb_redis_apply_seconds",
+            "Time of one event batch applied to the Redis index (retries included).",
+            buckets=_LATENCY_BUCKETS_S,
+            registry=reg,
+        ),
+        "redis_apply_retries_total": Counter(
+            "kvlb_redis_apply_retries_total",
+            "Event batch applies retried after a Redis error (the batch waits, bounded by the queue).",
+            registry=reg,
+        ),
+        "redis_stale_writes_total": Counter(
+            "kvlb_redis_stale_writes_total",
+            "Writes refused because the replica's generation moved on (another ingester or a drop).",
+            registry=reg,
+        ),
+        "redis_leases_held": Gauge(
+            "kvlb_redis_leases_held", "Replica ingestion leases this balancer holds.", registry=reg
+        ),
+        "redis_lease_events_total": Counter(
+            "kvlb_redis_lease_events_total",
+            "Ingestion lease changes of this balancer (acquired, released, lost).",
+            ["event"],
+            registry=reg,
+        ),
+        "redis_fleet_members": Gauge(
+            "kvlb_redis_fleet_members", "Live balancers seen in Redis (heartbeats).", registry=reg
+        ),
+        "redis_mirror_lag_seconds": Gauge(
+            "kvlb_redis_mirror_lag_seconds",
+            "Our wall clock minus the Redis time of the last stream entry the mirror applied.",
+            ["space"],
+            registry=reg,
+        ),
+        "redis_mirror_entries_total": Counter(
+            "kvlb_redis_mirror_entries_total",
+            "Stream entries applied to the local mirror, by key space.",
+            ["space"],
+            registry=reg,
+        ),
+        "redis_mirror_resyncs_total": Counter(
+            "kvlb_redis_mirror_resyncs_total",
+            "Mirror rebuilds after stream entries went missing, by key space.",
+            ["space"],
+            registry=reg,
+        ),
+        "redis_mirror_partial": Gauge(
+            "kvlb_redis_mirror_partial",
+            "1 when the mirror was built from a trimmed stream (older blocks unknown), by key space.",
+            ["space"],
+            registry=reg,
+        ),
+        "redis_replicas_dropped_total": Counter(
+            "kvlb_redis_replicas_dropped_total",
+            "Replicas dropped fleet-wide after no events and failed health beyond the timeout.",
+            ["replica"],
+            registry=reg,
+        ),
+        "redis_policy_updates_total": Counter(
+            "kvlb_redis_policy_updates_total",
+            "Policy changes written to Redis (source=local) or adopted from it (source=remote).",
+            ["source"],
+            registry=reg,
+        ),
+        "redis_snapshots_total": Counter(
+            "kvlb_redis_snapshots_total",
+            "Mirror table snapshots written to or loaded from Redis (op=write|load).",
+            ["op"],
+            registry=reg,
+        ),
+    }

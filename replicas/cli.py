@@ -36,6 +36,7 @@ _PASSTHROUGH = {
     "host_cache_blocks": "--host-cache-blocks", "metrics_prefix": "--metrics-prefix",
     "default_max_tokens": "--default-max-tokens", "drop_events": "--drop-events", "slowdown": "--slowdown",
     "crash_after_chunks": "--crash-after-chunks", "seed": "--seed", "log_level": "--log-level",
+    "eviction": "--eviction",
 }  # fmt: skip
 _PASSTHROUGH_FLAGS = {
     "fail_health": "--fail-health",
@@ -56,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--event-encoding", choices=("map", "array"), default="map", help="SGLang event encoding")
     add("--page-size", type=int, default=None, help="KV page/block size (default: profile, 32 for TRT-LLM)")
     add("--topic", default="", help="SGLang ZMQ topic")
+    add("--eviction", choices=("node", "block"), default="node",
+        help="KV eviction: whole LRU leaves (SGLang) or just the blocks needed (vLLM)")  # fmt: skip
     add("--buffer-steps", type=int, default=10_000, help="SGLang replay buffer, in batches")
     add("--event-buffer-max-size", type=int, default=16_384, help="TRT-LLM event buffer, in events")
     add("--host-cache-blocks", type=int, default=0, help="TRT-LLM host tier blocks (updated events)")
@@ -107,6 +110,7 @@ def spec_from_args(args: argparse.Namespace) -> FleetSpec:
         epoch_in_topic=args.epoch_in_topic,
         default_max_tokens=args.default_max_tokens,
         seed=args.seed,
+        eviction=args.eviction,
         model_path=tokenizer_model_path(args.tokenizer),
     )
     passthrough: list[str] = []

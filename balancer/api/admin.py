@@ -9,6 +9,8 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, event and scrape status.
 * ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
+* ``GET /admin/fleet``: with Redis, this balancer's fleet view (members, its leases, mirrors);
+  ``{"fleet": null}`` when embedded.
 
 :func:`change_policy`, :func:`explain_raw`, :func:`replica_views` and :func:`set_draining` do the
 work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc_admin`) calls the same code.
@@ -224,10 +226,16 @@ def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: s
     log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
 
 
+async def fleet_view(request: web.Request) -> web.Response:
+    status = request.app[STATE].fleet_status
+    return web.json_response({"fleet": None if status is None else status()})
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/policy", get_policy)
     app.router.add_put("/admin/policy", put_policy)
     app.router.add_post("/admin/explain", explain)
     app.router.add_get("/admin/replicas", list_replicas)
+    app.router.add_get("/admin/fleet", fleet_view)
     app.router.add_post("/admin/replicas/{replica}/drain", drain)
     app.router.add_post("/admin/replicas/{replica}/undrain", undrain)

@@ -40,7 +40,7 @@ from balancer.api.grpc_messages import (
     openai_call,
     read_chunk,
 )
-from balancer.api.openai import find_pool, tokenize
+from balancer.api.openai import admitted, find_pool, tokenize
 from balancer.api.parsing import parse_request
 from balancer.api.proxy import (
     SSE_CONTENT_TYPE,
@@ -56,6 +56,7 @@ from balancer.api.proxy import (
 )
 from balancer.api.state import ServiceState
 from balancer.errors import ConfigError, UpstreamError
+from balancer.tls import grpc_key_pair
 from balancer.upstream import forwardable_headers
 
 log = logging.getLogger(__name__)
@@ -167,20 +168,12 @@ class BalancerService:
         state = self.state
         arrived = state.monotonic()
         call.adopt_request_id(request.request_id)
-        limits = state.settings.limits
-        if state.inflight >= limits.max_inflight:
-            state.metrics.shed_total.labels("max_inflight").inc()
-            raise ApiError(429, f"the balancer has {limits.max_inflight} requests in flight")
-        state.inflight += 1
-        state.metrics.inflight_requests.inc()
-        try:
+        async with admitted(state) as admission:
             job = await prepare(state, request, call, arrived, stream=True)
             headers = forwardable_headers(call.metadata, call.request_id)
             headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
+            await admission.wait_for_replica(job.pool)
             await dispatch(state, job, headers, call.outcome, functools.partial(self._relay, call, job))
-        finally:
-            state.inflight -= 1
-            state.metrics.inflight_requests.dec()
 
     async def _relay(self, call: Call, job: Forward, lease: Lease, opened: Opened) -> None:
         state, stream = self.state, opened.stream
@@ -340,8 +333,12 @@ class GrpcServer:
         services = (BALANCER_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
         reflection.enable_server_reflection(services, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        key_pair = grpc_key_pair(self.state.settings.listen)
         try:
-            self.port = server.add_insecure_port(address)
+            if key_pair is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, grpc.ssl_server_credentials([key_pair]))
         except RuntimeError as exc:
             raise ConfigError(f"listen.grpc_port: cannot bind {address}: {exc}") from None
         if self.port == 0:

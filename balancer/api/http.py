@@ -1,8 +1,9 @@
 """The aiohttp application (I/O): assembles the routes and serves the operational endpoints.
 
 * ``GET /healthz``: 200 while the process runs (liveness).
-* ``GET /readyz``: 200 once every pool has a healthy replica and the event sources run; else 503
-  with the reasons (readiness).
+* ``GET /readyz``: 200 once every pool has a healthy replica and the event sources run (and, with
+  Redis, every mirror is warm); else 503 with the reasons (readiness). ``degraded`` lists what
+  still works around a problem, e.g. Redis unreachable while routing goes on from the mirrors.
 * ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first).
 * ``GET /openapi.json``: the API description.
 """
@@ -26,9 +27,11 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
     problems = state.readiness(state.monotonic())
+    degraded = state.degraded()
+    extra = {"degraded": degraded} if degraded else {}
     if problems:
-        return web.json_response({"ready": False, "reasons": problems}, status=503)
-    return web.json_response({"ready": True})
+        return web.json_response({"ready": False, "reasons": problems, **extra}, status=503)
+    return web.json_response({"ready": True, **extra})
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -30,6 +30,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 MAX_REQUEST_ID_CHARS = 128
 UNAUTHENTICATED = {"WWW-Authenticate": "Bearer"}
+_KEPT_ERROR_HEADERS = frozenset({"allow", "retry-after"})
+"""Headers of aiohttp's own HTTP errors that survive the JSON error mapping."""
 
 
 def request_id_of(request: web.Request) -> str:
@@ -84,6 +86,16 @@ def caller_of(token: str | None, address: str | None) -> str:
     return f"{who}@{address or '?'}"
 
 
+def _explain(request: web.Request, exc: web.HTTPException) -> str:
+    """A client-facing message for aiohttp's own errors (no route, wrong method, bad request...)."""
+    where = f"{request.method} {request.path}"
+    if exc.status == 404:
+        return f"{where}: {exc.reason}: no such endpoint (the API is described at /openapi.json)"
+    if exc.status == 405:
+        return f"{where}: {exc.reason}; allowed: {exc.headers.get('Allow', 'none')}"
+    return f"{where}: {exc.text or exc.reason}"
+
+
 def _endpoint(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
@@ -106,7 +118,8 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            response = error_response(ApiError(exc.status, exc.reason), request_id)
+            kept = {k: v for k, v in exc.headers.items() if k.lower() in _KEPT_ERROR_HEADERS}
+            response = error_response(ApiError(exc.status, _explain(request, exc), headers=kept), request_id)
         except Exception as exc:
             error = from_balancer_error(exc)
             if error is None:

@@ -1,19 +1,22 @@
 """The OpenAI-compatible endpoints (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-Per request: admission (``limits.max_inflight`` → 429), a bounded body read (``limits.max_body_bytes``
-→ 413, ``timeouts.body_read_s`` → 408), JSON validation (400), the pool by ``model`` (404 listing the
-known models), tokenisation with the pool's tokenizer (long prompts in a thread), then
-:func:`balancer.api.proxy.forward`.
+Per request: admission (``limits.max_inflight`` with a queue of ``limits.max_queued``: full → 429,
+waited ``limits.queue_timeout_s`` → 503; see :mod:`balancer.admission`), a bounded body read
+(``limits.max_body_bytes`` → 413, ``timeouts.body_read_s`` → 408), JSON validation (400), the pool
+by ``model`` (404 listing the known models), tokenisation with the pool's tokenizer (long prompts in a
+thread), a wait in the same queue while every replica is full, then :func:`balancer.api.proxy.forward`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from balancer.admission import Admission, AdmissionLimits, AdmissionRefused
 from balancer.api.errors import ApiError, retry_after
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
 from balancer.api.proxy import Forward, forward
@@ -49,24 +52,77 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     state = request.app[STATE]
     arrived = state.monotonic()
     limits = state.settings.limits
-    if state.inflight >= limits.max_inflight:
-        state.metrics.shed_total.labels("max_inflight").inc()
-        raise ApiError(
-            429, f"the balancer has {limits.max_inflight} requests in flight", headers=retry_after(1)
-        )
-    state.inflight += 1
-    state.metrics.inflight_requests.inc()
-    try:
+    async with admitted(state) as admission:
         body = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
         parsed = parse_request(body, kind)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
         token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
         job = Forward(pool, parsed, token_ids, weights, body, path, request[REQUEST_ID], arrived)
+        await admission.wait_for_replica(pool)
         return await forward(request, state, job)
+
+
+class Admitted:
+    """What :func:`admitted` yields: the request's queue deadline, for its wait for a replica slot."""
+
+    def __init__(self, state: ServiceState, admission: Admission, deadline: float) -> None:
+        self.state = state
+        self.admission = admission
+        self.deadline = deadline
+
+    async def wait_for_replica(self, pool: Pool) -> None:
+        """Wait in the admission queue while every routable replica of ``pool`` is full (then the
+        request goes on; with no routable replica it goes on at once, to get its 503)."""
+        cap = self.state.settings.limits.max_inflight_per_replica
+        what = f"every replica of model {pool.model!r} has {cap} requests in flight"
+        try:
+            await self.admission.wait_until(
+                functools.partial(_replica_free, self.state, pool), self.deadline, what
+            )
+        except AdmissionRefused as exc:
+            raise _refusal(self.state, exc, "replica_full") from None
+
+
+@contextlib.asynccontextmanager
+async def admitted(state: ServiceState) -> AsyncIterator[Admitted]:
+    """Hold one of ``limits.max_inflight`` slots (waiting in the bounded queue if need be) for the
+    body of the ``async with``; refusals are :class:`ApiError` 429 (queue full) or 503 (timeout)."""
+    admission = admission_of(state)
+    deadline = admission.deadline()
+    try:
+        await admission.enter(deadline)
+    except AdmissionRefused as exc:
+        raise _refusal(state, exc, "max_inflight") from None
+    state.inflight += 1
+    state.metrics.inflight_requests.inc()
+    try:
+        yield Admitted(state, admission, deadline)
     finally:
         state.inflight -= 1
         state.metrics.inflight_requests.dec()
+        admission.leave()
+
+
+def admission_of(state: ServiceState) -> Admission:
+    """The service's admission queue, built from ``settings.limits`` on first use."""
+    if state.admission is None:
+        limits = state.settings.limits
+        state.admission = Admission(
+            AdmissionLimits(limits.max_inflight, limits.max_queued, limits.queue_timeout_s)
+        )
+    return state.admission
+
+
+def _replica_free(state: ServiceState, pool: Pool) -> bool:
+    routable = state.health.routable(state.monotonic(), pool.replicas)
+    cap = state.settings.limits.max_inflight_per_replica
+    return not routable or any(state.inflight_by_replica.get(r, 0) < cap for r in routable)
+
+
+def _refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> ApiError:
+    state.metrics.shed_total.labels(full_reason if exc.reason == "queue_full" else exc.reason).inc()
+    return ApiError(exc.status, exc.message, headers=retry_after(exc.retry_after_s))
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:

@@ -67,6 +67,50 @@ _GENERATE = {
 }
 
 
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+_COMMON_FIELDS: dict[str, Any] = {
+    "model": {"type": "string", "minLength": 1, "description": "A pool's model (404 lists the known ones)"},
+    "stream": {"type": "boolean"},
+    "max_tokens": {"type": "integer", "minimum": 0},
+    "max_completion_tokens": {"type": "integer", "minimum": 0},
+    "user": {"type": "string", "description": "Session key of the session policy"},
+}
+_COMPLETION_BODY: dict[str, Any] = {
+    "type": "object",
+    "description": "Only the fields kvlb reads are described; the rest goes to the replica untouched.",
+    "required": ["model", "prompt"],
+    "properties": {
+        **_COMMON_FIELDS,
+        "prompt": {
+            "oneOf": [
+                {"type": "string"},
+                {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            ]
+        },
+    },
+}
+_CHAT_BODY: dict[str, Any] = {
+    "type": "object",
+    "description": "Only the fields kvlb reads are described; the rest goes to the replica untouched.",
+    "required": ["model", "messages"],
+    "properties": {
+        **_COMMON_FIELDS,
+        "messages": {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role"],
+                "properties": {"role": {"type": "string"}, "content": {"type": ["string", "array", "null"]}},
+            },
+        },
+    },
+}
+
+
 def openapi_document() -> dict[str, Any]:
     """The whole document (a fresh deep copy each call)."""
     return copy.deepcopy(
@@ -118,12 +162,28 @@ def _public_paths() -> dict[str, Any]:
     bearer: dict[str, Any] = {"security": [{"bearer": []}]}
     return {
         "/v1/chat/completions": {
-            "post": {"summary": "Chat completion (needs model, messages)", **_GENERATE, **bearer}
+            "post": {
+                "summary": "Chat completion (needs model, messages)",
+                "requestBody": _body(_CHAT_BODY),
+                **_GENERATE,
+                **bearer,
+            }
         },
         "/v1/completions": {
-            "post": {"summary": "Completion (needs model, prompt: text or token ids)", **_GENERATE, **bearer}
+            "post": {
+                "summary": "Completion (needs model, prompt: text or token ids)",
+                "requestBody": _body(_COMPLETION_BODY),
+                **_GENERATE,
+                **bearer,
+            }
         },
-        "/v1/models": {"get": {"summary": "Models served (one per pool)", "responses": {"200": ok}}},
+        "/v1/models": {
+            "get": {
+                "summary": "Models served (one per pool)",
+                "responses": {"200": ok, **_errors(401)},
+                **bearer,
+            }
+        },
         "/healthz": {"get": {"summary": "Liveness", "responses": {"200": ok}}},
         "/readyz": {
             "get": {
@@ -141,11 +201,15 @@ def _admin_paths() -> dict[str, Any]:
     admin: dict[str, Any] = {"security": [{"bearer": []}]}
     return {
         "/admin/policy": {
-            "get": {"summary": "Policy in force", **admin, "responses": {"200": _json(_POLICY, "Policy")}},
+            "get": {
+                "summary": "Policy in force",
+                **admin,
+                "responses": {"200": _json(_POLICY, "Policy"), **_errors(401)},
+            },
             "put": {
                 "summary": "Change policy name and/or weights (applied at once, version + 1)",
                 **admin,
-                "requestBody": {"content": {"application/json": {"schema": {"type": "object"}}}},
+                "requestBody": _body(_POLICY_CHANGE),
                 "responses": {"200": _json(_POLICY, "Policy after the change"), **_errors(400, 401)},
             },
         },
@@ -153,6 +217,7 @@ def _admin_paths() -> dict[str, Any]:
             "post": {
                 "summary": "Dry-run routing of a request body: the decision with every cost term",
                 **admin,
+                "requestBody": _body({"oneOf": [_CHAT_BODY, _COMPLETION_BODY]}),
                 "responses": {"200": ok, **_errors(400, 401, 404, 503)},
             }
         },
@@ -160,7 +225,14 @@ def _admin_paths() -> dict[str, Any]:
             "get": {
                 "summary": "Health, load, index and event status per replica",
                 **admin,
-                "responses": {"200": ok},
+                "responses": {"200": ok, **_errors(401)},
+            }
+        },
+        "/admin/fleet": {
+            "get": {
+                "summary": "With Redis: fleet members, this balancer's leases and mirrors (else null)",
+                **admin,
+                "responses": {"200": ok, **_errors(401)},
             }
         },
         "/admin/replicas/{replica}/drain": {
@@ -173,6 +245,17 @@ def _admin_paths() -> dict[str, Any]:
 
 
 _POLICY = {"$ref": "#/components/schemas/Policy"}
+_POLICY_CHANGE = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "name": {
+            "type": ["string", "null"],
+            "description": "cost or a baseline (docs/policies.md); null keeps it",
+        },
+        "weights": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
+    },
+}
 _REPLICA = {
     "parameters": [{"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}}],
     "responses": {"200": _json({"type": "object"}, "OK"), **_errors(401, 404)},

@@ -11,9 +11,11 @@ import random
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
 
+from balancer.admission import Admission
 from balancer.config import ReplicaConfig, Settings
 from balancer.health import HealthBook
 from balancer.metrics import Metrics
@@ -80,6 +82,8 @@ class PolicyControl:
         make_policy(name)  # validates the name
         self.view = PolicyView(name, weights, 1, "config", wall_now)
         self._instances: dict[str, Policy] = {}
+        self.listeners: list[Callable[[PolicyView], None]] = []
+        """Called with the new view after each local change (the fleet writes it to Redis)."""
 
     def policy_for(self, model: str) -> Policy:
         policy = self._instances.get(model)
@@ -106,7 +110,21 @@ class PolicyControl:
         if new_name != old.name:
             self._instances.clear()
         self.view = PolicyView(new_name, weights, old.version + 1, who, wall_now)
+        for listener in self.listeners:
+            listener(self.view)
         return changes
+
+    def adopt(self, view: PolicyView) -> bool:
+        """Install a view decided elsewhere (another balancer, through Redis) without telling the
+        listeners; ``False`` when it is the one in force. Raises :class:`ConfigError` for an
+        unknown policy name."""
+        if view == self.view:
+            return False
+        if view.name != self.view.name:
+            make_policy(view.name)
+            self._instances.clear()
+        self.view = view
+        return True
 
 
 @dataclass(slots=True)
@@ -126,10 +144,18 @@ class ServiceState:
     scrapers: dict[ReplicaId, MetricsScraper] = field(default_factory=dict)
     sources_started: bool = False
     shutting_down: bool = False
+    readiness_checks: list[Callable[[], list[str]]] = field(default_factory=list)
+    """More reasons not to be ready (the fleet: mirrors not warm yet)."""
+    degraded_checks: list[Callable[[], list[str]]] = field(default_factory=list)
+    """Reasons the service runs degraded but still serves (the fleet: Redis unreachable)."""
+    fleet_status: Callable[[], dict[str, Any]] | None = None
+    """The fleet's view for ``GET /admin/fleet`` (``None``: embedded, no Redis)."""
     inflight: int = 0
     """Requests being handled now (admission control against ``limits.max_inflight``)."""
     inflight_by_replica: dict[ReplicaId, int] = field(default_factory=dict)
     """Requests committed to each replica and not yet released."""
+    admission: Admission | None = None
+    """The bounded admission queue (built on first use by :func:`balancer.api.openai.admission_of`)."""
     _next_seq: int = 0
 
     def replicas(self) -> Iterable[tuple[Pool, ReplicaConfig]]:
@@ -160,7 +186,13 @@ class ServiceState:
         for model, pool in self.pools.items():
             if not self.health.routable(now, pool.replicas):
                 problems.append(f"pool {model!r} has no healthy replica")
+        for check in self.readiness_checks:
+            problems.extend(check())
         return problems
+
+    def degraded(self) -> list[str]:
+        """Why the service runs degraded while still ready (empty: not degraded)."""
+        return [reason for check in self.degraded_checks for reason in check()]
 
 
 STATE = web.AppKey("kvlb_state", ServiceState)

@@ -18,6 +18,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from balancer.bench.overhead import add_parser as add_overhead_parser
 
     add_overhead_parser(kinds)
+    from balancer.bench.redis_bench import add_parser as add_redis_parser
+
+    add_redis_parser(kinds)
     bench.set_defaults(handler=lambda _args: _usage(bench))
 
 

@@ -71,6 +71,9 @@ class _RankState:
     last_event_id: int
     creating: bool
     """Every event since the last ``created`` was a ``created``: the rank is in its start-up burst."""
+    restart_window: int | None = None
+    """After a restart, the largest window its ``created`` burst announced; when the burst ends, a
+    smaller one than ``max_window_size`` replaces it (the engine came back with a shorter context)."""
 
 
 @dataclass(slots=True)
@@ -211,6 +214,7 @@ class TrtllmDecoder:
         window = raw.get("window_size")
         if window is not None:
             window = _int(window, "window_size")
+        self._track_restart(rank, kind == "created", window)
         if kind == "created":
             if window is not None and (self.max_window_size is None or window > self.max_window_size):
                 self._raise_window(window, out)
@@ -253,12 +257,24 @@ class TrtllmDecoder:
         elif event_id > state.last_event_id + 1:
             reason = "gap"
         if reason is not None:
+            state.restart_window = 0 if reason == "restart" else None
             out.events.append(Resync(rank, reason))
             self._window_ranks.discard(rank)  # the index clears the rank: nothing stale is left
             if reason != "gap":  # a restarted engine's partial blocks are gone
                 self._forget_partials(rank)
         state.last_event_id = event_id
         state.creating = created
+
+    def _track_restart(self, rank: int, created: bool, window: int | None) -> None:
+        state = self._ranks[rank]
+        if state.restart_window is None:
+            return
+        if created:
+            state.restart_window = max(state.restart_window, window or 0)
+            return
+        if 0 < state.restart_window < (self.max_window_size or 0):
+            self.max_window_size = state.restart_window
+        state.restart_window = None
 
     def _in_max_window(self, window: int | None, out: _Out) -> bool:
         if window is None:

@@ -11,8 +11,10 @@ index's event order. The lease is a Redis string ``lease:<replica>`` = owner tok
   engine sequence number applied (``RedisIndex.apply(..., seq=)`` stores it with each batch), so
   the new owner resumes (or replays) from there.
 * Positions are stored as text, ``rank:seq`` pairs joined by commas (``-`` when the engine has no
-  sequence numbers, e.g. a TRT-LLM drain; a bare integer is rank 0's). A trailing ``!`` says the
-  last holder stopped cleanly, with every event it took applied (:func:`encode_positions`).
+  sequence numbers, e.g. a TRT-LLM drain; a bare integer is rank 0's), then ``@`` and the number of
+  writes so far (each write's text is unique, so a writer can tell whether its own write landed).
+  A trailing ``!`` says the last holder stopped cleanly, with every event it took applied
+  (:func:`encode_positions`).
 * ``renew`` extends only the caller's own lease; ``release`` deletes only the caller's own lease.
 * ``keep`` renews every ``renew_every_s`` until stopped; it sets ``lost`` and returns when the
   lease is gone (expired and taken, or deleted).
@@ -102,26 +104,31 @@ class LeaseGrant:
     """Last applied sequence number per DP rank."""
     clean: bool = False
     """The previous holder stopped cleanly (no event taken from the engine was left unapplied)."""
+    writes: int = 0
+    """Writes with positions so far (the ``@`` part)."""
 
 
-def encode_positions(positions: Mapping[int, int], clean: bool = False) -> str:
+def encode_positions(positions: Mapping[int, int], clean: bool = False, writes: int = 0) -> str:
     """``{rank: seq}`` as stored in the ``seq`` hash (see the module docstring)."""
     text = ",".join(f"{rank}:{seq}" for rank, seq in sorted(positions.items())) or "-"
+    if writes:
+        text += f"@{writes}"
     return text + "!" if clean else text
 
 
-def decode_positions(text: str) -> tuple[dict[int, int], bool]:
-    """The inverse of :func:`encode_positions`; malformed pairs are ignored."""
+def decode_positions(text: str) -> tuple[dict[int, int], bool, int]:
+    """``(positions, clean, writes)`` from :func:`encode_positions` text; bad pairs are ignored."""
     clean = text.endswith("!")
-    body = text.rstrip("!")
+    body, _, count = text.rstrip("!").partition("@")
+    writes = int(count) if count.isdigit() else 0
     if body.lstrip("-").isdigit():
-        return {0: int(body)}, clean
+        return {0: int(body)}, clean, writes
     positions: dict[int, int] = {}
     for pair in body.split(","):
         rank, sep, seq = pair.partition(":")
         if sep and rank.isdigit() and seq.lstrip("-").isdigit():
             positions[int(rank)] = int(seq)
-    return positions, clean
+    return positions, clean, writes
 
 
 class IngestionLease:
@@ -148,8 +155,8 @@ class IngestionLease:
         ok, generation, seq = cast("list[Any]", await self._acquire(keys=self._anchor, args=args))
         if ok:
             self.lost.clear()
-        positions, clean = decode_positions(seq) if seq else ({}, False)
-        return LeaseGrant(bool(ok), int(generation), positions.get(0), seq, positions, clean)
+        positions, clean, writes = decode_positions(seq) if seq else ({}, False, 0)
+        return LeaseGrant(bool(ok), int(generation), positions.get(0), seq, positions, clean, writes)
 
     async def renew(self) -> bool:
         """Extend the lease if it is still ours."""

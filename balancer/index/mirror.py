@@ -41,7 +41,7 @@ from balancer.index.redis_schema import RedisIndexSettings, RedisKeys
 from balancer.index.slots import TableLimits
 from balancer.index.stream import StreamEntry, decode_entry
 from balancer.index.table import PrefixTable
-from balancer.index.table_snapshot import SnapshotError, dump_table, load_table
+from balancer.index.table_snapshot import SnapshotError, capture, dump_table, encode, load_table
 from balancer.types import BlockKey, Overlap, ReplicaId
 
 log = logging.getLogger(__name__)
@@ -181,7 +181,9 @@ class Mirror:
     async def poll(self, block_ms: int | None = None) -> int:
         """Apply the entries added since the last read, waiting up to ``block_ms`` for the first."""
         wait = self.mirror.block_ms if block_ms is None else block_ms
-        reply = await self.client.xread({self._stream: self.last_id}, count=self.mirror.read_count, block=wait)
+        reply = await self.client.xread(
+            {self._stream: self.last_id}, count=self.mirror.read_count, block=wait
+        )
         if not reply:
             return 0
         _, raw = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", reply)[0]
@@ -241,8 +243,11 @@ class Mirror:
         return dump_table(self.index.table, self.last_number, self.last_id, self.partial)
 
     async def write_snapshot(self) -> int:
-        """Store :meth:`snapshot` in Redis for starting mirrors; returns its size in bytes."""
-        data = self.snapshot()
+        """Store :meth:`snapshot` in Redis for starting mirrors; returns its size in bytes.
+
+        Only the copy of the table's state runs on the event loop; encoding runs in a thread."""
+        state = capture(self.index.table)
+        data = await asyncio.to_thread(encode, state, self.last_number, self.last_id, self.partial)
         await self.client.set(self._keys.snapshot, data)
         return len(data)
 

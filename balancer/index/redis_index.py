@@ -43,6 +43,7 @@ from balancer.types import BlockKey, Overlap, ReplicaId
 _Args = list[str | int | bytes]
 _STALE_GENERATION = 1
 _STALE_HINT = 2
+_STALE_POSITION = 3
 
 
 class StaleGenerationError(BalancerError):
@@ -57,6 +58,16 @@ class StaleGenerationError(BalancerError):
         self.replica = replica
         self.expected = expected
         self.current = current
+
+
+class PositionMismatchError(BalancerError):
+    """``apply(..., expect_seq=)`` found other positions stored: Redis lost writes (a restart
+    without them), or another writer wrote. Nothing was applied; re-read the positions and resume."""
+
+    def __init__(self, replica: ReplicaId, expected: str) -> None:
+        super().__init__(f"replica {replica!r}: stored positions are not {expected!r}")
+        self.replica = replica
+        self.expected = expected
 
 
 class RedisIndex:
@@ -102,17 +113,23 @@ class RedisIndex:
         *,
         generation: int | None = None,
         seq: int | str | None = None,
+        expect_seq: str | None = None,
     ) -> ApplyResult:
         """Apply one replica's events in order, atomically.
 
         ``generation`` fences stale writers (see :class:`StaleGenerationError`). ``seq``, the engine
         sequence number of the batch's last event (or the positions text of
         :func:`balancer.index.lease.encode_positions`), is stored with the batch in the same call,
-        so a lease taker resumes exactly after it (:mod:`balancer.index.lease`).
+        so a lease taker resumes exactly after it (:mod:`balancer.index.lease`). With
+        ``expect_seq`` (and ``generation``) the batch applies only if the stored ``seq`` is exactly
+        that text, else :class:`PositionMismatchError`: a writer never builds on lost writes.
         """
         outside = outside_parents(self.hasher, events)
         hinted = self._hints.take(replica, outside)
-        head: _Args = [self.keys.prefix, replica, "" if generation is None else generation]
+        fence = "" if generation is None else str(generation)
+        if fence and expect_seq is not None:
+            fence += "|" + expect_seq
+        head: _Args = [self.keys.prefix, replica, fence]
         head += [repr(float(now)), self.settings.capacity_blocks, self.settings.evict_target_blocks]
         maxlen = self.settings.stream_maxlen
         head += [maxlen, encode_batch(events) if maxlen else b"", "" if seq is None else seq]
@@ -131,6 +148,8 @@ class RedisIndex:
             hinted = {}
         if reply[0] == _STALE_GENERATION:
             raise StaleGenerationError(replica, cast(int, generation), int(reply[1]))
+        if reply[0] == _STALE_POSITION:
+            raise PositionMismatchError(replica, cast(str, expect_seq))
         self._hints.learn(replica, plan)
         result = plan.result
         result.stored_blocks += reply[2]

@@ -176,18 +176,27 @@ end
 """
 
 _APPLY_BODY = """
--- ARGV: prefix, replica, generation ('' = unfenced), now, capacity, target, stream maxlen,
+-- ARGV: prefix, replica, generation ('' = unfenced; 'g|text' also requires seq[replica] == text),
+--       now, capacity, target, stream maxlen,
 --       stream payload, engine seq ('' = none), n_checks,
 --       n_checks x (rank, engine hash, expected key or ''), ops...
 -- ops: 'S' rank parent expected ehs keys | 'R' rank ehs | 'C' rank
 -- returns {0, 0, stored, removed, unknown, evicted, skipped} | {1, current generation} | {2, 0}
+--         | {3, 0} (the stored seq is not the expected one)
 local REPLICA, NOW = ARGV[2], ARGV[4]
 local CAPACITY, TARGET = tonumber(ARGV[5]), tonumber(ARGV[6])
 if ARGV[3] ~= '' then
+  local want, want_seq = ARGV[3], nil
+  local bar = string.find(want, '|', 1, true)
+  if bar then want, want_seq = string.sub(want, 1, bar - 1), string.sub(want, bar + 1) end
   local current = call('HGET', P .. 'gen', REPLICA) or '0'
-  if current ~= ARGV[3] then
+  if current ~= want then
     call('HINCRBY', CTR, 'stale_generation', 1)
     return {1, tonumber(current)}
+  end
+  if want_seq and (call('HGET', P .. 'seq', REPLICA) or '') ~= want_seq then
+    call('HINCRBY', CTR, 'stale_position', 1)
+    return {3, 0}
   end
 end
 local NCHECKS = tonumber(ARGV[10])

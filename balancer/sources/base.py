@@ -41,6 +41,11 @@ class IngestBatch:
 
     events: tuple[KvEvent, ...]
     engine_ts: float | None = None
+    seq: int | None = None
+    """The engine's sequence number of the message (ZMQ seq), so a new ingester can resume after it;
+    ``None`` when the transport has none or for batches a source made up (``Resync``)."""
+    dp_rank: int | None = None
+    """The DP rank whose sequence ``seq`` counts (the publisher's rank)."""
 
 
 Emit = Callable[[IngestBatch], None]

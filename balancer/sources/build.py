@@ -7,6 +7,8 @@ SGLang and vLLM: one :class:`ZmqEventSource` per DP rank, rank ``r`` on the conf
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import aiohttp
 import zmq.asyncio
 
@@ -28,8 +30,12 @@ def build_sources(
     metrics: Metrics,
     zmq_settings: ZmqSourceSettings | None = None,
     poll_settings: PollSettings | None = None,
+    resume: Mapping[int, int] | None = None,
 ) -> list[EventSource]:
-    """The sources feeding ``replica``'s pipeline (possibly none)."""
+    """The sources feeding ``replica``'s pipeline (possibly none). ``resume`` maps a DP rank to the
+    last sequence number already applied (from Redis): that rank's source resumes right after it; a
+    rank missing from a given ``resume`` starts at seq 0. Either way it asks the replay socket at
+    once for what it missed (an ingester taking a replica over, or the fleet's first one)."""
     replica_id = ReplicaId(replica.id)
     if replica.engine == "trtllm":
         decoder = TrtllmDecoder(tokens_per_block=replica.block_size)
@@ -51,6 +57,7 @@ def build_sources(
             dp_rank=rank,
             topic=replica.topic.encode("utf-8"),
             replay_endpoint=replay,
+            resume_seq=None if resume is None else resume.get(rank, -1) + 1,
             settings=zmq_settings,
         )
         sources.append(source)

@@ -10,6 +10,10 @@ each other. ``offer`` never blocks: when the queue is full its content is droppe
 ``kvlb_events_queue_overflow_total``), because stale affinity is better than unbounded memory or a
 stalled socket. ``now`` for the index is ``time.monotonic()``, read here, never in the pure core.
 
+An index that also offers ``apply_at`` (:class:`PositionedIndex`, the Redis writer of
+:mod:`balancer.fleet.writer`) gets, with each apply, the last engine sequence number per DP rank
+among the applied batches, so a balancer that takes the replica over later resumes right after it.
+
 :class:`EventIngest` owns every task (sources and appliers); ``aclose`` cancels and awaits them all.
 """
 
@@ -18,8 +22,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from balancer.errors import ConfigError
 from balancer.events import KvEvent, Resync
@@ -47,6 +52,17 @@ class IngestSettings:
         for name in ("queue_max_batches", "coalesce_max_batches"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ingest.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@runtime_checkable
+class PositionedIndex(Protocol):
+    """An index that records, with each batch, the engine positions it came from."""
+
+    async def apply_at(
+        self, replica: ReplicaId, events: Sequence[KvEvent], now: float, positions: Mapping[int, int]
+    ) -> ApplyResult:
+        """``apply`` plus ``positions``: DP rank → sequence number of its last batch in ``events``."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +98,8 @@ class ReplicaPipeline:
         self.settings = settings or IngestSettings()
         self.settings.validate()
         self._index = index
+        self._apply_at = index.apply_at if isinstance(index, PositionedIndex) else None
+        self._busy = False
         self._metrics = metrics
         self._monotonic = monotonic
         self._wall_clock = wall_clock
@@ -125,14 +143,30 @@ class ReplicaPipeline:
             batches = [await self._queue.get()]
             while len(batches) < self.settings.coalesce_max_batches and not self._queue.empty():
                 batches.append(self._queue.get_nowait())
-            await self._apply(batches)
+            self._busy = True
+            try:
+                await self._apply(batches)
+            finally:
+                self._busy = False
+
+    async def wait_applied(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s``) until every queued batch is applied; ``True`` when all were,
+        without an apply failure left to resync (stop the sources first)."""
+        deadline = self._monotonic() + timeout_s
+        while (self._busy or not self._queue.empty()) and self._monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+        return not self._busy and self._queue.empty() and not self._unsure_ranks
 
     async def _apply(self, batches: list[IngestBatch]) -> None:
         events: list[KvEvent] = [Resync(rank, "stale") for rank in sorted(self._unsure_ranks)]
         for batch in batches:
             events.extend(batch.events)
         try:
-            result = await self._index.apply(self.replica, events, self._monotonic())
+            if self._apply_at is not None:
+                positions = {b.dp_rank: b.seq for b in batches if b.seq is not None and b.dp_rank is not None}
+                result = await self._apply_at(self.replica, events, self._monotonic(), positions)
+            else:
+                result = await self._index.apply(self.replica, events, self._monotonic())
         except Exception:  # a failing backend (e.g. Redis down) must not end ingestion
             self.apply_errors += 1
             self._metrics.events_applied_total.labels(self.engine, "batch", "error").inc()
@@ -207,14 +241,27 @@ class EventIngest:
             self._start(entry)
         return pipeline
 
-    async def remove_replica(self, replica: ReplicaId, *, drop_index: bool = True) -> None:
-        """Stop ``replica``'s tasks and, by default, forget its blocks in the index."""
+    async def remove_replica(
+        self, replica: ReplicaId, *, drop_index: bool = True, drain_s: float = 0.0
+    ) -> bool:
+        """Stop ``replica``'s tasks and, by default, forget its blocks in the index.
+
+        With ``drain_s`` > 0 the sources stop first and queued batches get that long to be applied.
+        Returns ``True`` when every batch taken from the engine was applied."""
         entry = self._replicas.pop(replica, None)
         if entry is None:
-            return
-        await _cancel(entry.tasks)
+            return True
+        await _cancel(entry.tasks[1:])  # the sources
+        applied = await entry.pipeline.wait_applied(drain_s) if drain_s > 0 else False
+        await _cancel(entry.tasks[:1])  # the applier
         if drop_index:
             await self._index.drop_replica(replica)
+        return applied
+
+    def pipeline(self, replica: ReplicaId) -> ReplicaPipeline | None:
+        """The pipeline of ``replica`` while it ingests."""
+        entry = self._replicas.get(replica)
+        return None if entry is None else entry.pipeline
 
     async def start(self) -> None:
         """Start every registered replica's applier and sources (idempotent)."""

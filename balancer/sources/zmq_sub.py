@@ -7,6 +7,9 @@ publisher from 0. This source keeps the stream in order:
   (0, or the ``resume_seq`` given to the constructor) it is taken; if it is beyond, the replay socket
   is asked for everything from the wanted seq. When replay is off, fails, or starts above the wanted
   seq (its buffer no longer holds it), ``Resync(rank, "gap")`` goes out first and the stream goes on.
+  With a ``resume_seq`` the replay socket is also asked at once, before any live message, so a
+  replica that went quiet after the previous ingester stopped still gets its missed batches to the
+  index (a new holder of its Redis lease); an answer with nothing newer counts as ``empty``.
 * **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over a fresh
   DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and count.
   Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
@@ -98,6 +101,11 @@ def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
     return f"{endpoint}_dp{dp_rank}"
 
 
+def _is_replay_end(frames: Sequence[bytes]) -> bool:
+    """The end of a replay: ``[b"", seq -1, b""]`` (SGLang) or ``[b"", b"", seq -1, b""]`` (vLLM)."""
+    return len(frames) in (3, 4) and frames[0] == b"" and frames[-2] == REPLAY_END and frames[-1] == b""
+
+
 class ZmqEventSource:
     """Subscribes to one publisher (one replica, one DP rank) and emits its batches in order."""
 
@@ -131,6 +139,10 @@ class ZmqEventSource:
         self._metrics = metrics
         self._engine = decoder.engine
         self._want = resume_seq if resume_seq is not None else 0
+        self._catch_up = resume_seq is not None and replay_endpoint is not None
+        self._caught_up_from: int | None = None
+        """The seq a catch-up replay started at, until the first live message: a live seq below it
+        means the engine restarted meanwhile (everything published since we subscribed is newer)."""
         self._last_seq: int | None = None
         self._live_last: int | None = None
         self._epoch: str | None = None
@@ -163,6 +175,10 @@ class ZmqEventSource:
         while True:
             sub = self._open_sub()
             try:
+                if self._catch_up:  # live messages queue on the SUB meanwhile; duplicates are dropped
+                    self._catch_up = False
+                    self._caught_up_from = self._want
+                    await self._replay(self._want, emit)
                 while True:
                     frames = await sub.recv_multipart()
                     backoff.reset()
@@ -219,7 +235,10 @@ class ZmqEventSource:
             if self._epoch is not None and batch.epoch != self._epoch:
                 self._restart(emit, "epoch")
             self._epoch = batch.epoch
-        if self._live_last is not None and seq <= self._live_last:
+        caught_up_from, self._caught_up_from = self._caught_up_from, None
+        went_back = self._live_last is not None and seq <= self._live_last
+        below_catch_up = caught_up_from is not None and self._last_seq is not None and seq < caught_up_from
+        if went_back or below_catch_up:
             self._restart(emit, "restart")
         self._live_last = seq
         expected = self._expected()
@@ -262,7 +281,7 @@ class ZmqEventSource:
         self._last_seq = batch.seq
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
-            emit(IngestBatch(tuple(self._ranked(batch)), batch.timestamp))
+            emit(IngestBatch(tuple(self._ranked(batch)), batch.timestamp, batch.seq, self.dp_rank))
 
     def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
         """Events with this source's rank when the envelope names none (the port decides the rank)."""
@@ -296,7 +315,7 @@ class ZmqEventSource:
                 await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
                 for _ in range(self.settings.replay_max_batches):
                     frames = await dealer.recv_multipart()
-                    if len(frames) == 3 and frames[0] == b"" and frames[1] == REPLAY_END:
+                    if _is_replay_end(frames):
                         complete = True
                         break
                     seq = self._on_replayed(frames, emit)
@@ -313,8 +332,9 @@ class ZmqEventSource:
         self._count_replay(start_seq, first_seq, complete)
 
     def _on_replayed(self, frames: Sequence[bytes], emit: Emit) -> int | None:
-        """Take one replayed ``[b"", seq8, payload]``; returns its seq (``None`` when unusable)."""
-        if len(frames) != 3 or frames[0] != b"":
+        """Take one replayed ``[b"", seq8, payload]`` (SGLang) or ``[b"", topic, seq8, payload]``
+        (vLLM ≥ 0.32); returns its seq (``None`` when unusable)."""
+        if len(frames) not in (3, 4) or frames[0] != b"":
             self._decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
             return None
         batch = self._decode(frames[1:])
@@ -325,13 +345,15 @@ class ZmqEventSource:
         return batch.seq
 
     def _count_replay(self, start_seq: int, first_seq: int | None, complete: bool) -> None:
-        if first_seq is None:
+        if first_seq is None and complete and self._last_seq is None:
+            outcome = "empty"  # a catch-up found nothing newer than the resume point
+        elif first_seq is None:
             outcome = "failed"
         elif first_seq > start_seq or not complete:
             outcome = "partial"
         else:
             outcome = "filled"
-        if outcome != "filled":
+        if outcome not in ("filled", "empty"):
             self._counters.replay_failures += 1
         self._metrics.events_replays_total.labels(self.replica, outcome).inc()
         log.debug("replica %s rank %d: replay from %d %s", self.replica, self.dp_rank, start_seq, outcome)

@@ -9,7 +9,10 @@ SGLang's radix cache; inserting a sequence that diverges inside a node splits it
 * Requests hold a :class:`Lease`: the deepest tree node they use is locked, and so are its ancestors
   (a reference count per node). Locked pages are never evicted.
 * When the pool runs short, unlocked **leaf** nodes are evicted, least recently used first (ties by
-  age), whole nodes at a time, exactly as SGLang's ``evict`` deletes leaves.
+  age), whole nodes at a time, exactly as SGLang's ``evict`` deletes leaves. With ``evict_whole_nodes``
+  off, only as many pages as needed go, tail page first (vLLM's block pool: a request's blocks are
+  freed tail first into an LRU queue and evicted one by one on reuse), so the head of a long prefix
+  survives a small eviction, as measured on a real vLLM engine (docs/real-engines.md).
 * Every change to the tree is recorded as an engine-neutral :data:`CacheRecord` (pages stored under a
   parent page, pages removed, cache cleared) for the personalities to turn into wire events.
 
@@ -96,12 +99,20 @@ class CacheStats:
 class PrefixCache:
     """A bounded paged prefix cache with reference counts and LRU eviction of unreferenced leaves."""
 
-    def __init__(self, *, page_size: int, capacity_blocks: int, store_partial: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        page_size: int,
+        capacity_blocks: int,
+        store_partial: bool = False,
+        evict_whole_nodes: bool = True,
+    ) -> None:
         if page_size <= 0 or capacity_blocks <= 0:
             raise ValueError(f"page_size and capacity_blocks must be > 0 ({page_size}, {capacity_blocks})")
         self.page_size = page_size
         self.capacity_blocks = capacity_blocks
         self.store_partial = store_partial
+        self.evict_whole_nodes = evict_whole_nodes
         self._next_id = 0
         self._generation = 0
         self._root = _Node(self._new_id(), [], None, 0.0)
@@ -303,6 +314,9 @@ class PrefixCache:
         freed = 0
         while freed < need_blocks and heap:
             _, _, victim = heapq.heappop(heap)
+            if not self.evict_whole_nodes and len(victim.pages) > need_blocks - freed:
+                freed += self._evict_tail(victim, need_blocks - freed)
+                break
             parent = victim.parent
             assert parent is not None
             del parent.children[victim.pages[0].tokens]
@@ -312,10 +326,21 @@ class PrefixCache:
             self.evictable_blocks -= len(victim.pages)
             self.stats.evictions += 1
             self.stats.evicted_blocks += len(victim.pages)
-            self.stats.records.append(PagesRemoved(tuple(victim.pages)))
+            order = victim.pages if self.evict_whole_nodes else list(reversed(victim.pages))
+            self.stats.records.append(PagesRemoved(tuple(order)))
             if parent is not self._root and not parent.children and not parent.lock_ref:
                 heapq.heappush(heap, (parent.last_access_s, parent.uid, parent))
         return freed
+
+    def _evict_tail(self, victim: _Node, count: int) -> int:
+        """Evict the last ``count`` pages of leaf ``victim`` (fewer than it has), tail first."""
+        gone = victim.pages[-count:]
+        del victim.pages[-count:]
+        self.tree_blocks -= count
+        self.evictable_blocks -= count
+        self.stats.evicted_blocks += count
+        self.stats.records.append(PagesRemoved(tuple(reversed(gone))))
+        return count
 
     def _drop_tree(self) -> None:
         self._root.children.clear()

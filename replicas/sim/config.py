@@ -16,6 +16,7 @@ from replicas.sim.profiles import Profile
 
 EngineKind = Literal["sglang", "trtllm"]
 EventEncoding = Literal["map", "array"]
+Eviction = Literal["node", "block"]
 
 TRTLLM_TOKENS_PER_BLOCK = 32
 """TRT-LLM's default ``kv_cache_config.tokens_per_block``."""
@@ -101,6 +102,10 @@ class ReplicaConfig:
     faults: FaultSettings = field(default_factory=FaultSettings)
     """Faults active from start-up."""
 
+    eviction: Eviction = "node"
+    """What a short KV pool evicts: ``node``, whole least-recently-used radix leaves (SGLang), or
+    ``block``, only the pages needed, tail first (vLLM; keeps the head of a long prefix cached)."""
+
     def __post_init__(self) -> None:
         if self.engine not in ("sglang", "trtllm"):
             raise ValueError(f"engine must be sglang or trtllm, got {self.engine!r}")
@@ -110,6 +115,8 @@ class ReplicaConfig:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.event_encoding not in ("map", "array"):
             raise ValueError(f"event_encoding must be map or array, got {self.event_encoding!r}")
+        if self.eviction not in ("node", "block"):
+            raise ValueError(f"eviction must be node or block, got {self.eviction!r}")
         if self.metrics_prefix not in ("sglang:", "sglang_"):
             raise ValueError(f"metrics_prefix must be sglang: or sglang_, got {self.metrics_prefix!r}")
         for name in ("buffer_steps", "hwm", "event_buffer_max_size", "iter_stats_max", "max_waiting"):

@@ -213,6 +213,7 @@ class Engine:
                         page_size=config.block_size,
                         capacity_blocks=config.capacity_blocks,
                         store_partial=config.engine == "trtllm",
+                        evict_whole_nodes=config.eviction == "node",
                     ),
                     caching,
                     max_waiting=config.max_waiting,

@@ -40,7 +40,7 @@ async def close_streams(responses: list[aiohttp.ClientResponse]) -> None:
 
 
 async def test_over_the_inflight_cap_the_balancer_answers_429_with_retry_after(tokenizer: Tokenizer) -> None:
-    async with running(tokenizer, 2, time_scale=0.25, limits__max_inflight=1) as h:
+    async with running(tokenizer, 2, time_scale=0.25, limits__max_inflight=1, limits__max_queued=0) as h:
         streams = await open_streams(h, 1)
         try:
             answer = await h.post("/v1/completions", {"model": MODEL, "prompt": [1, 2], "max_tokens": 1})
@@ -55,7 +55,9 @@ async def test_over_the_inflight_cap_the_balancer_answers_429_with_retry_after(t
 
 
 async def test_with_every_replica_full_the_balancer_answers_429(tokenizer: Tokenizer) -> None:
-    async with running(tokenizer, 2, time_scale=0.25, limits__max_inflight_per_replica=1) as h:
+    async with running(
+        tokenizer, 2, time_scale=0.25, limits__max_inflight_per_replica=1, limits__max_queued=0
+    ) as h:
         streams = await open_streams(h, 2)
         try:
             views = (await h.admin("GET", "/admin/replicas"))["replicas"]

@@ -10,7 +10,6 @@ balancer started later warms from Redis (snapshot + stream) with the full index 
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq.asyncio
-from kvlb_harness import MODEL, settings_for, shared_deepseek, wait_for, wait_ready
+from kvlb_harness import MODEL, metric_value, running, settings_for, shared_deepseek, wait_for, wait_ready
 from redis_server import RedisServer
 
 from balancer.app import Balancer
@@ -115,7 +114,9 @@ def tokenizer() -> Tokenizer:
     return shared_deepseek()
 
 
-async def test_balancers_share_one_index_and_one_policy(redis_server: RedisServer, tokenizer: Tokenizer) -> None:
+async def test_balancers_share_one_index_and_one_policy(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
     async with fleet(redis_server, tokenizer) as f:
         a, b = f.balancers
 
@@ -124,7 +125,7 @@ async def test_balancers_share_one_index_and_one_policy(redis_server: RedisServe
             return len(held[0]) == len(held[1]) == 2 and not held[0] & held[1]
 
         await wait_for("leases spread 2 + 2", spread, timeout_s=10)
-        answer, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
+        _, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
         holder = headers["x-kvlb-replica"]
         started = time.monotonic()
 
@@ -153,7 +154,7 @@ async def test_balancers_share_one_index_and_one_policy(redis_server: RedisServe
 
         # a policy change through one balancer reaches the other within 1 s, same version
         before = (await f.get(b, "/admin/policy"))["version"]
-        changed, _ = await f.post(a, "/admin/policy", {"weights": {"prefill_weight": 2.5}}, method="PUT")
+        await f.post(a, "/admin/policy", {"weights": {"prefill_weight": 2.5}}, method="PUT")
         started = time.monotonic()
 
         async def adopted() -> bool:
@@ -171,6 +172,7 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
 ) -> None:
     async with fleet(redis_server, tokenizer, balancers=1) as f:
         (a,) = f.balancers
+
         async def indexed(total: int) -> None:
             async def check() -> bool:
                 return sum((await f.blocks(a)).values()) == total
@@ -213,3 +215,25 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
             return victim not in fleet_a.status()["leases"]
 
         await wait_for("the fenced balancer to stop ingesting the replica", gave_up)
+
+
+async def test_a_silent_unhealthy_replica_is_dropped_fleet_wide(redis_server: RedisServer) -> None:
+    async with running(
+        shared_deepseek(), redis__url=redis_server.url, redis__replica_timeout_s=0.6,
+        limits__speculative_ttl_s=0.001, **FAST,
+    ) as h:  # fmt: skip
+        holder = await h.warm(list(range(9000, 9032)))
+        runtime = fleet_of(h.balancer)
+        assert runtime.leases is not None
+        keys = runtime.leases.replicas[ReplicaId(holder)].keys
+        generation = int(await runtime.text.hget(keys.generations, holder) or 0)
+        await h.kill(holder)  # no more events, and its health probes fail
+
+        async def dropped() -> bool:
+            return int((await h.replica_view(holder))["index"]["blocks"]) == 0
+
+        await wait_for(f"{holder} to be dropped from the index", dropped, timeout_s=10)
+        assert int(await runtime.text.hget(keys.generations, holder)) == generation + 1
+        async with h.session.get(h.url + "/metrics") as response:
+            text = await response.text()
+        assert metric_value(text, "kvlb_redis_replicas_dropped_total", replica=holder) == 1

@@ -103,6 +103,8 @@ class Publisher:
         self.seq = 0
         self.topic = TOPIC
         self.replay_requests: list[int] = []
+        self.replay_served = asyncio.Event()
+        """Set once a replay request has been answered in full (END sent)."""
         self._server = asyncio.create_task(self._serve_replay())
 
     @property
@@ -147,6 +149,7 @@ class Publisher:
                 if seq >= start_seq:
                     await self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
             await self.router.send_multipart([identity, b"", END, b""])
+            self.replay_served.set()
 
     async def aclose(self) -> None:
         self._server.cancel()
@@ -332,10 +335,12 @@ async def test_late_join_beyond_buffer_and_resume_point(ctx: zmq.asyncio.Context
         await publisher.pages(10)
         async with running(ctx, publisher.endpoint, publisher.replay_endpoint, resume_seq=3) as rig:
             await publisher.wait_subscribed()
+            # The catch-up replay is answered first, while the buffer holds 7..10.
+            await asyncio.wait_for(publisher.replay_served.wait(), 5)
             await publisher.pages(1)
             await rig.settle(10)
             assert publisher.replay_requests == [3]
-            assert rig.index.timeline() == ["gap", 8, 9, 10, 11]
+            assert rig.index.timeline() == ["gap", 7, 8, 9, 10, 11]
     finally:
         await publisher.aclose()
 
@@ -348,7 +353,7 @@ async def test_engine_behind_the_resume_point_restarted(
         await publisher.pages(3)
         await rig.settle(2)
         assert rig.index.timeline() == ["restart", 1, 2, 3]
-        assert publisher.replay_requests == []
+        assert publisher.replay_requests == [100]  # the catch-up at start found nothing that new
 
 
 async def test_unreachable_replay_socket_times_out_and_resyncs(
@@ -474,3 +479,29 @@ async def test_end_to_end_into_memory_index(ctx: zmq.asyncio.Context, publisher:
         assert stats.blocks_by_replica.get(REPLICA) == 6
     finally:
         await ingest.aclose()
+
+
+async def test_resume_catches_up_from_a_quiet_publisher(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    # A new ingester resumes at seq 4 of a replica that publishes nothing more: the batches it
+    # missed still arrive, asked for at once rather than at the next live message.
+    await publisher.pages(8)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, resume_seq=4) as rig:
+        await rig.settle(7)
+        assert rig.index.pages() == [5, 6, 7, 8]
+        assert rig.index.resyncs() == []
+        assert publisher.replay_requests == [4]
+
+
+async def test_an_engine_restarted_after_a_catch_up_is_not_taken_for_duplicates(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    await publisher.pages(6)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, resume_seq=2) as rig:
+        await rig.settle(5)  # caught up 2..5 from the replay socket, no live message yet
+        publisher.restart()
+        await publisher.wait_subscribed()
+        await publisher.pages(2)  # seq 0 and 1 of the new process
+        await rig.settle(1)
+        assert rig.index.timeline() == [3, 4, 5, 6, "restart", 1, 2]

@@ -1,0 +1,150 @@
+"""Admission control with a bounded, first-come-first-served wait queue (async shell, no I/O).
+
+A request is admitted while fewer than ``max_inflight`` are; otherwise it waits in a queue of at most
+``max_queued`` requests, for at most ``queue_timeout_s``. A request leaving hands its slot straight
+to the oldest waiter, so the queue is fair and the in-flight count never exceeds the cap.
+
+The same queue bounds requests that were admitted but find every replica full
+(``limits.max_inflight_per_replica``): they wait for a replica's request to end (woken at each
+:meth:`Admission.leave`, and every ``RECHECK_S`` for slots freed elsewhere, e.g. a gRPC reservation
+expiring), within the same deadline. Refusals say why:
+
+* the queue is full → :class:`AdmissionRefused` with status 429 (``reason="queue_full"``);
+* the wait timed out → status 503 (``reason="queue_timeout"``); both carry ``retry_after_s``.
+
+Time comes from the running loop (``loop.time()``); nothing here is global.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+RECHECK_S = 0.05
+"""Longest sleep of a request waiting for a replica slot between two checks (seconds)."""
+
+
+class AdmissionRefused(Exception):
+    """The request is not admitted: ``status`` 429 (queue full) or 503 (waited too long)."""
+
+    def __init__(self, status: int, reason: str, message: str, retry_after_s: float) -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    max_inflight: int
+    """Requests admitted at once (≥ 1)."""
+    max_queued: int
+    """Requests waiting at once, for admission or for a replica slot (≥ 0; 0 refuses at once)."""
+    queue_timeout_s: float
+    """Longest wait of one request, both waits together (seconds, > 0)."""
+
+
+class Admission:
+    """The in-flight count and the wait queue of one balancer (shared by HTTP and gRPC)."""
+
+    def __init__(self, limits: AdmissionLimits) -> None:
+        self.limits = limits
+        self.inflight = 0
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._replica_waiters = 0
+        self._freed = asyncio.Event()
+        self.refused_total = {"queue_full": 0, "queue_timeout": 0}
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting now (for admission or for a replica slot)."""
+        return len(self._waiters) + self._replica_waiters
+
+    def deadline(self) -> float:
+        """The loop time at which a request arriving now stops waiting."""
+        return asyncio.get_running_loop().time() + self.limits.queue_timeout_s
+
+    async def enter(self, deadline: float) -> None:
+        """Take a slot, waiting in the queue until ``deadline`` (loop time) if all are taken."""
+        if self.inflight < self.limits.max_inflight and not self._waiters:
+            self.inflight += 1
+            return
+        self._check_room(f"the balancer has {self.limits.max_inflight} requests in flight")
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await waiter
+        except TimeoutError:
+            self._give_back(waiter)
+            raise self._timed_out() from None
+        except BaseException:
+            self._give_back(waiter)
+            raise
+
+    def leave(self) -> None:
+        """Release a slot: the oldest waiter takes it over, else the count drops."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot passes on: ``inflight`` stays
+                self._wake_replica_waiters()
+                return
+        self.inflight -= 1
+        self._wake_replica_waiters()
+
+    async def wait_until(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
+        """Wait (counted in the queue) until ``ready()`` holds, e.g. some replica has a free slot;
+        ``what`` says what is busy. Without a queue (``max_queued`` 0) it returns at once."""
+        if ready() or self.limits.max_queued == 0:
+            return
+        self._check_room(what)
+        self._replica_waiters += 1
+        try:
+            async with asyncio.timeout_at(deadline):
+                while not ready():
+                    self._freed.clear()
+                    try:
+                        async with asyncio.timeout(RECHECK_S):
+                            await self._freed.wait()
+                    except TimeoutError:
+                        continue
+        except TimeoutError:
+            raise self._timed_out() from None
+        finally:
+            self._replica_waiters -= 1
+
+    def _check_room(self, what: str) -> None:
+        if self.queued >= self.limits.max_queued:
+            self.refused_total["queue_full"] += 1
+            message = (
+                f"{what} and {self.queued} requests queued (limits.max_queued = {self.limits.max_queued})"
+            )
+            raise AdmissionRefused(429, "queue_full", message, 1.0)
+
+    def _timed_out(self) -> AdmissionRefused:
+        self.refused_total["queue_timeout"] += 1
+        timeout_s = self.limits.queue_timeout_s
+        return AdmissionRefused(
+            503,
+            "queue_timeout",
+            f"no capacity within limits.queue_timeout_s = {timeout_s}s (every slot or replica busy)",
+            max(1.0, timeout_s),
+        )
+
+    def _give_back(self, waiter: asyncio.Future[None]) -> None:
+        """A waiter gives up: out of the queue, or, if the slot was handed to it meanwhile, pass it on."""
+        if waiter.done() and not waiter.cancelled():
+            self.leave()
+            return
+        waiter.cancel()
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    def _wake_replica_waiters(self) -> None:
+        if self._replica_waiters:
+            self._freed.set()

@@ -1,0 +1,272 @@
+"""``LeaseManager``: which balancer ingests which replica, and replica liveness (I/O, Redis).
+
+Every ``tick_s`` each balancer:
+
+1. **Heartbeats** into the fleet's member set (a ZSET scored with Redis server ``TIME``, so every
+   balancer judges expiry on one clock) and reads the live members.
+2. **Renews** the leases it holds (``PEXPIRE``, only if still its own). One found gone is *lost*:
+   its ingest stops at once, without draining (the new holder resumes from Redis).
+3. **Spreads** leases: its fair share is ``ceil(replicas / live members)``. Below it, it takes free
+   leases, preferring the replicas that rendezvous hashing gives it; above it, it hands one over
+   per tick (sources stopped, queue drained, positions marked clean, lease deleted).
+4. **Liveness** of the replicas it holds: one that sent no event and failed its health probes for
+   ``replica_timeout_s`` is dropped from the index fleet-wide (``RedisIndex.drop_replica`` bumps its
+   generation and appends a drop entry that every mirror applies). It is dropped again only after
+   it sends events again.
+
+Taking a lease bumps the replica's generation (fencing the previous holder) and returns the
+positions applied so far: ZMQ sources resume right after them (engine replay, or ``Resync`` when the
+replay buffer no longer covers the gap). A TRT-LLM drain cannot be replayed: unless the previous
+holder stopped cleanly, the new holder resyncs the replica's ranks first.
+
+Lease expiry uses the Redis server's clock (``PX``); ``now`` values here are local monotonic seconds
+(health) and wall seconds (event ages), never compared with Redis time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+import xxhash
+from redis.exceptions import RedisError
+
+from balancer.config import ReplicaConfig
+from balancer.events import Resync
+from balancer.fleet.writer import FencedWriter
+from balancer.health import HealthBook
+from balancer.index.lease import IngestionLease, encode_positions
+from balancer.index.redis_schema import RedisKeys
+from balancer.metrics import Metrics
+from balancer.sources.base import EventSource, IngestBatch
+from balancer.sources.pipeline import EventIngest
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+_HEARTBEAT = """
+-- KEYS[1]: members ZSET; ARGV: member, ttl_ms -> live members (scored by Redis TIME, ms)
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[1], now, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - tonumber(ARGV[2]))
+return redis.call('ZRANGE', KEYS[1], 0, -1)
+"""
+
+_HAND_OVER = """
+-- KEYS[1]: anchor; ARGV: lease key, owner, seq hash, replica, positions ('' = leave) -> 1 if ours
+if redis.call('GET', ARGV[1]) ~= ARGV[2] then return 0 end
+if ARGV[5] ~= '' then redis.call('HSET', ARGV[3], ARGV[4], ARGV[5]) end
+return redis.call('DEL', ARGV[1])
+"""
+
+BuildSources = Callable[[ReplicaConfig, Mapping[int, int]], Sequence[EventSource]]
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseTiming:
+    tick_s: float = 1.0
+    """Period of heartbeats, renewals, take-overs and liveness checks (seconds)."""
+    ttl_s: float = 5.0
+    """Lease and membership lifetime without renewal (seconds): a dead holder's replicas are taken
+    over between ``ttl_s`` and ``ttl_s + tick_s`` after its last renewal."""
+    drain_s: float = 2.0
+    """On a hand-over, queued batches get this long to reach Redis before the lease goes."""
+    replica_timeout_s: float = 30.0
+    """No events and failed health this long → the replica is dropped from the index fleet-wide."""
+
+
+@dataclass(slots=True)
+class FleetReplica:
+    """One replica as the lease manager sees it."""
+
+    config: ReplicaConfig
+    keys: RedisKeys
+    writer: FencedWriter
+    ingest: EventIngest
+    lease: IngestionLease
+
+
+@dataclass(slots=True)
+class _Held:
+    acquired_wall: float
+    failing_since: float | None = None
+    dropped_wall: float | None = None
+
+
+class LeaseManager:
+    """Takes, keeps, spreads and gives up this balancer's ingestion leases."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        replicas: Sequence[FleetReplica],
+        *,
+        members_key: str,
+        instance: str,
+        timing: LeaseTiming,
+        health: HealthBook,
+        metrics: Metrics,
+        build_sources: BuildSources,
+        on_redis: Callable[[bool], None] = lambda ok: None,
+    ) -> None:
+        self.client = client
+        self.replicas = {ReplicaId(r.config.id): r for r in replicas}
+        self.instance = instance
+        self.timing = timing
+        self.members: list[str] = []
+        self.held: dict[ReplicaId, _Held] = {}
+        self._members_key = members_key
+        self._health = health
+        self._metrics = metrics
+        self._build_sources = build_sources
+        self._on_redis = on_redis
+        self._lost: set[ReplicaId] = set()
+        self._heartbeat = client.register_script(_HEARTBEAT)
+        self._hand_over = client.register_script(_HAND_OVER)
+
+    def lost(self, replica: ReplicaId) -> None:
+        """Called by a writer fenced out of ``replica``: stop its ingest at the next tick."""
+        self._lost.add(replica)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick until ``stop`` is set; Redis errors are counted and the next tick retries."""
+        while not stop.is_set():
+            try:
+                await self.tick()
+                self._on_redis(True)
+            except (RedisError, OSError) as exc:
+                self._on_redis(False)
+                self._metrics.redis_errors_total.labels("lease").inc()
+                log.warning("lease manager: redis error: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.timing.tick_s)
+
+    async def tick(self) -> None:
+        ttl_ms = max(1, round(self.timing.ttl_s * 1000))
+        members = await self._heartbeat(keys=[self._members_key], args=[self.instance, ttl_ms])
+        self.members = [m.decode() if isinstance(m, bytes) else str(m) for m in cast("list[Any]", members)]
+        self._metrics.redis_fleet_members.set(len(self.members))
+        for replica in list(self._lost):
+            self._lost.discard(replica)
+            if replica in self.held:
+                await self._give_up(replica, graceful=False)
+        await self._renew()
+        await self._check_liveness()
+        await self._spread()
+        self._metrics.redis_leases_held.set(len(self.held))
+
+    async def _renew(self) -> None:
+        for replica in list(self.held):
+            if not await self.replicas[replica].lease.renew():
+                log.warning("lease of %s lost", replica)
+                await self._give_up(replica, graceful=False)
+
+    async def _spread(self) -> None:
+        share = math.ceil(len(self.replicas) / max(1, len(self.members)))
+        if len(self.held) > share:
+            worst = min(self.held, key=self._preference)
+            log.info("handing %s over (holding %d, fair share %d)", worst, len(self.held), share)
+            await self._give_up(worst, graceful=True)
+            return
+        for replica in sorted(self.replicas, key=self._preference, reverse=True):
+            if len(self.held) >= share:
+                break
+            if replica not in self.held:
+                await self._take(replica)
+
+    def _preference(self, replica: ReplicaId) -> tuple[int, int]:
+        """Rendezvous hashing: (how many live members rank below us for ``replica``, our score)."""
+
+        def score(member: str) -> int:
+            return xxhash.xxh3_64_intdigest(f"{member}|{replica}".encode())
+
+        mine = score(self.instance)
+        return sum(score(m) < mine for m in self.members if m != self.instance), mine
+
+    async def _take(self, replica: ReplicaId) -> None:
+        entry = self.replicas[replica]
+        grant = await entry.lease.acquire()
+        if not grant.acquired:
+            return
+        positions, applied = dict(grant.positions), grant.applied
+        if grant.clean:  # from now on an unclean stop must be noticed again
+            applied = encode_positions(positions, writes=grant.writes)
+            await self.client.hset(entry.keys.applied_seq, replica, applied)
+        entry.writer.hold(
+            replica, entry.lease, grant.generation, positions, writes=grant.writes, applied=applied
+        )
+        sources = self._build_sources(entry.config, positions)
+        pipeline = entry.ingest.add_replica(replica, entry.config.engine, sources)
+        if entry.config.engine == "trtllm" and grant.applied and not grant.clean:
+            ranks = await cast("Any", self.client.smembers(entry.keys.ranks(replica)))
+            resyncs = tuple(Resync(int(r), "gap") for r in sorted(ranks, key=int)) or (Resync(0, "gap"),)
+            pipeline.offer(IngestBatch(resyncs))
+        self.held[replica] = _Held(time.time())
+        self._metrics.redis_lease_events_total.labels("acquired").inc()
+        log.info("ingesting %s (generation %d, resuming after %s)", replica, grant.generation, positions)
+
+    async def _give_up(self, replica: ReplicaId, *, graceful: bool) -> None:
+        self.held.pop(replica, None)
+        entry = self.replicas[replica]
+        drain_s = self.timing.drain_s if graceful else 0.0
+        drained = await entry.ingest.remove_replica(replica, drop_index=False, drain_s=drain_s)
+        holding = entry.writer.release(replica)
+        if not graceful:
+            self._metrics.redis_lease_events_total.labels("lost").inc()
+            return
+        clean = ""
+        if drained and holding is not None:
+            clean = encode_positions(holding.positions, clean=True, writes=holding.writes)
+        args = [entry.keys.lease(replica), entry.lease.owner, entry.keys.applied_seq, replica, clean]
+        await self._hand_over(keys=[entry.keys.counters], args=args)
+        self._metrics.redis_lease_events_total.labels("released").inc()
+
+    async def _check_liveness(self) -> None:
+        now, wall = time.monotonic(), time.time()
+        timeout_s = self.timing.replica_timeout_s
+        for replica, held in list(self.held.items()):
+            record = self._health.replicas.get(replica)
+            if record is None or record.probe_ok:
+                held.failing_since = None
+            elif held.failing_since is None:
+                held.failing_since = now
+            last_event = self._last_event_wall(replica)
+            if held.dropped_wall is not None:
+                if last_event is not None and last_event > held.dropped_wall:
+                    held.dropped_wall = None  # it talks again: it may be dropped again later
+                continue
+            silent_s = wall - max(last_event or 0.0, held.acquired_wall)
+            failing_s = 0.0 if held.failing_since is None else now - held.failing_since
+            if silent_s >= timeout_s and failing_s >= timeout_s:
+                log.warning("replica %s: no events for %.0f s and unhealthy: dropping it", replica, silent_s)
+                await self.replicas[replica].writer.drop(replica)
+                held.dropped_wall = wall
+                self._metrics.redis_replicas_dropped_total.labels(replica).inc()
+
+    def _last_event_wall(self, replica: ReplicaId) -> float | None:
+        status = self.replicas[replica].ingest.status().get(replica)
+        if status is None:
+            return None
+        stamps = [s.last_event_wall_ts for s in status.sources if s.last_event_wall_ts is not None]
+        return max(stamps, default=None)
+
+    async def stop(self) -> None:
+        """Hand every held replica over (drained, positions marked clean) and leave the member set."""
+
+        async def hand_over(replica: ReplicaId) -> None:
+            try:
+                await self._give_up(replica, graceful=True)
+            except (RedisError, OSError) as exc:
+                log.warning("lease of %s not handed over cleanly: %s", replica, exc)
+
+        await asyncio.gather(*(hand_over(replica) for replica in list(self.held)))  # drains in parallel
+        with contextlib.suppress(RedisError, OSError):
+            await self.client.zrem(self._members_key, self.instance)

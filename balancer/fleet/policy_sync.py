@@ -1,0 +1,172 @@
+"""``PolicySync``: the routing policy and its weights, shared by the fleet through Redis (I/O).
+
+Redis holds the policy in force in one HASH (``<prefix>:policy``: ``name``, ``weights`` as JSON,
+``version``, ``updated_by``, ``updated_at``). A change made through any balancer's admin API (HTTP
+or gRPC) is written there by one script that increments ``version`` and publishes it on
+``<prefix>:policy:changed``. Every balancer adopts it when the message arrives, and also checks the
+version every ``poll_s`` in case a message was missed (pub/sub is fire-and-forget). So a change
+reaches every balancer within ``poll_s`` at worst, usually within milliseconds.
+
+At start-up an empty Redis gets this balancer's configured policy (version 1); otherwise the stored
+one wins. After Redis lost its data, the first balancer to notice writes its view back with its
+version, so versions never go backwards. While a local change is still being written, remote
+views are not adopted (no flicker back to the previous one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from balancer.api.state import PolicyControl, PolicyView
+from balancer.errors import ConfigError
+from balancer.metrics import Metrics
+from balancer.policy import PolicyWeights
+
+log = logging.getLogger(__name__)
+
+_WRITE = """
+-- KEYS[1]: policy HASH; ARGV: name, weights json, updated_by, updated_at, channel, version or ''
+-- version '' = a change: increment; else seed with that version, only if the hash is absent
+if ARGV[6] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+  redis.call('HSET', KEYS[1], 'version', ARGV[6])
+end
+local v = ARGV[6] ~= '' and tonumber(ARGV[6]) or redis.call('HINCRBY', KEYS[1], 'version', 1)
+redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4])
+redis.call('PUBLISH', ARGV[5], v)
+return v
+"""
+
+
+class PolicySync:
+    """Keeps one balancer's :class:`PolicyControl` and the fleet's policy in Redis equal."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        control: PolicyControl,
+        *,
+        key_prefix: str,
+        poll_s: float,
+        metrics: Metrics,
+        on_redis: Callable[[bool], None] = lambda ok: None,
+    ) -> None:
+        """``client`` must decode responses."""
+        self.client = client
+        self.control = control
+        self.key = f"{key_prefix}:policy"
+        self.channel = f"{key_prefix}:policy:changed"
+        self.poll_s = poll_s
+        self._metrics = metrics
+        self._on_redis = on_redis
+        self._write = client.register_script(_WRITE)
+        self._writing = 0
+        self._unsent: PolicyView | None = None
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        control.listeners.append(self._on_local_change)
+
+    # ------------------------------------------------------------------ local → Redis
+
+    def _on_local_change(self, view: PolicyView) -> None:
+        self._writing += 1
+        task = asyncio.get_running_loop().create_task(self._publish(view))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _publish(self, view: PolicyView) -> None:
+        try:
+            async with self._lock:  # one write at a time: the fleet sees the changes in order
+                version = await self._store(view, seed=False)
+            if self.control.view is view:  # the fleet's version number is the one in force
+                self.control.adopt(_with_version(view, version))
+            self._metrics.redis_policy_updates_total.labels("local").inc()
+            log.info("policy v%d written to Redis", version)
+        except (RedisError, OSError) as exc:
+            self._unsent = view  # the periodic check writes it once Redis answers again
+            self._failed(exc)
+        finally:
+            self._writing -= 1
+
+    async def _store(self, view: PolicyView, *, seed: bool) -> int:
+        args: list[Any] = [view.name, json.dumps(view.weights.to_dict()), view.updated_by]
+        args += [repr(view.updated_at_wall), self.channel, view.version if seed else ""]
+        return int(await self._write(keys=[self.key], args=args))
+
+    # ------------------------------------------------------------------ Redis → local
+
+    async def sync(self) -> None:
+        """Adopt the stored policy, or seed Redis with ours when it has none."""
+        if self._unsent is not None:
+            view, self._unsent = self._unsent, None
+            if self.control.view is view:
+                self._writing += 1
+                await self._publish(view)
+        raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
+        self._on_redis(True)
+        if not raw.get("version"):
+            if await self._store(self.control.view, seed=True) >= 0:
+                log.info("policy v%d seeded into Redis", self.control.view.version)
+            return
+        if self._writing:
+            return
+        try:
+            view = PolicyView(
+                name=raw["name"],
+                weights=PolicyWeights.from_dict(json.loads(raw["weights"])),
+                version=int(raw["version"]),
+                updated_by=raw.get("updated_by", "?"),
+                updated_at_wall=float(raw.get("updated_at", "0")),
+            )
+            adopted = self.control.adopt(view)
+        except (KeyError, ValueError, ConfigError) as exc:
+            log.warning("ignoring the policy stored in Redis: %s", exc)
+            return
+        if adopted:
+            self._metrics.redis_policy_updates_total.labels("remote").inc()
+            log.info("policy v%d adopted from Redis (set by %s)", view.version, view.updated_by)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Listen for change messages and check every ``poll_s`` until ``stop`` is set."""
+        delay_s = self.poll_s
+        while not stop.is_set():
+            pubsub = self.client.pubsub()
+            try:
+                await pubsub.subscribe(self.channel)
+                await self.sync()
+                delay_s = self.poll_s
+                while not stop.is_set():
+                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
+                    await self.sync()  # a message or the periodic check: compare and adopt
+            except (RedisError, OSError) as exc:
+                self._failed(exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay_s)
+                delay_s = min(5.0, delay_s * 2)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _failed(self, exc: BaseException) -> None:
+        self._on_redis(False)
+        self._metrics.redis_errors_total.labels("policy").inc()
+        log.warning("policy sync: redis error: %s", exc)
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, RedisError, OSError):
+                await asyncio.wait_for(task, 2.0)
+        with contextlib.suppress(ValueError):
+            self.control.listeners.remove(self._on_local_change)
+
+
+def _with_version(view: PolicyView, version: int) -> PolicyView:
+    return PolicyView(view.name, view.weights, version, view.updated_by, view.updated_at_wall)

@@ -1,0 +1,326 @@
+"""``FleetRuntime``: the Redis side of one balancer, built and owned by :mod:`balancer.app` (I/O).
+
+Used only when ``redis.url`` is set. Per key space (one per pool and caching scheme: block size and
+alignment, exactly as :class:`~balancer.router.PoolRouter` splits them) it builds:
+
+* a :class:`~balancer.index.redis_index.RedisIndex` whose Redis "pool" is the key space
+  (``<model>/<block size>/<mode>``: the keys of different schemes never mix, and each has its own
+  applied-event stream);
+* a :class:`~balancer.fleet.writer.FencedWriter` and an :class:`~balancer.sources.pipeline.EventIngest`
+  over it, which ingest only the replicas whose lease this balancer holds;
+* a :class:`~balancer.index.mirror.Mirror` that installs each table it builds into the key space the
+  router reads (``KeySpace.table``). Routing reads only that table: it never waits on Redis.
+
+Around them: the :class:`~balancer.fleet.leases.LeaseManager`, the
+:class:`~balancer.fleet.policy_sync.PolicySync` and the
+:class:`~balancer.fleet.snapshots.SnapshotKeeper`. ``/readyz`` stays 503 until every mirror has
+warmed up; while Redis is unreachable the balancer stays ready on its mirrors and ``/readyz`` and
+``kvlb_redis_up`` show it degraded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import redis.asyncio as aioredis
+import zmq.asyncio
+
+from balancer.api.state import ServiceState
+from balancer.config import RedisConfig, ReplicaConfig
+from balancer.errors import ConfigError
+from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
+from balancer.fleet.policy_sync import PolicySync
+from balancer.fleet.snapshots import SnapshotKeeper
+from balancer.fleet.writer import FencedWriter
+from balancer.index.lease import IngestionLease, LeaseSettings
+from balancer.index.mirror import Mirror
+from balancer.index.redis_index import RedisIndex
+from balancer.index.redis_schema import RedisIndexSettings
+from balancer.index.table import PrefixTable
+from balancer.router import KeySpace
+from balancer.sources.base import EventSource
+from balancer.sources.build import build_sources
+from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+_XREAD_BLOCK_S = 1.0
+
+
+def space_name(model: str, block_size: int, mode: str) -> str:
+    """The Redis pool name of a key space (the hash tag of all its keys)."""
+    return f"{model}/{block_size}/{mode}"
+
+
+def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> aioredis.Redis:
+    """A pooled client for ``config.url`` (TLS and AUTH come from the URL; the CA from the config)."""
+    assert config.url is not None
+    kwargs: dict[str, Any] = {
+        "decode_responses": decode,
+        "socket_timeout": config.socket_timeout_s + extra_timeout_s,
+        "socket_connect_timeout": config.socket_timeout_s,
+    }
+    if config.url.startswith("rediss://") and config.tls_ca_file:
+        kwargs["ssl_ca_certs"] = config.tls_ca_file
+    return aioredis.Redis.from_url(config.url, **kwargs)
+
+
+@dataclass(slots=True)
+class _Space:
+    name: str
+    space: KeySpace
+    index: RedisIndex
+    writer: FencedWriter
+    ingest: EventIngest
+    mirror: Mirror
+    seen_entries: int = 0
+    seen_resyncs: int = 0
+
+
+class FleetRuntime:
+    """Every Redis-backed part of one balancer; ``start`` after the pools, ``stop`` before them."""
+
+    def __init__(
+        self, state: ServiceState, *, zmq_ctx: zmq.asyncio.Context, session: aiohttp.ClientSession
+    ) -> None:
+        self.state = state
+        self.config = state.settings.redis
+        self.instance = (
+            self.config.instance_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+        )
+        self.text = redis_client(self.config, decode=True)
+        self.raw = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)
+        self._zmq = zmq_ctx
+        self._session = session
+        self._spaces: list[_Space] = []
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._redis_ok_at = 0.0
+        self._redis_failed_at = 0.0
+        self.leases: LeaseManager | None = None
+        self.policy: PolicySync | None = None
+        self.snapshots: SnapshotKeeper | None = None
+
+    # ------------------------------------------------------------------ building
+
+    def _build(self) -> list[FleetReplica]:
+        state, config = self.state, self.config
+        ingest_settings = IngestSettings(queue_max_batches=state.settings.limits.event_queue_size)
+        replicas: list[FleetReplica] = []
+        for pool in state.pools.values():
+            by_space: dict[int, _Space] = {}
+            for (block_size, mode), space in pool.router.spaces.items():
+                name = space_name(pool.model, block_size, mode)
+                try:
+                    settings = RedisIndexSettings(
+                        pool=name,
+                        key_prefix=config.key_prefix,
+                        capacity_blocks=space.table.limits.capacity_blocks,
+                        stream_maxlen=config.stream_maxlen,
+                    )
+                except ValueError as exc:
+                    raise ConfigError(f"pool {pool.model!r}: {exc}") from None
+                index = RedisIndex(self.text, space.hasher, settings)
+                writer = FencedWriter(
+                    index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result
+                )
+                ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
+                mirror = Mirror(
+                    self.raw, space.hasher, settings, state.monotonic,
+                    limits=space.table.limits, on_table=_installer(space),
+                )  # fmt: skip
+                entry = _Space(name, space, index, writer, ingest, mirror)
+                self._spaces.append(entry)
+                by_space[id(space)] = entry
+                state.ingests.append(ingest)
+            for replica_id, replica in pool.replicas.items():
+                entry = by_space[id(pool.router.space_of[replica_id])]
+                keys = entry.index.keys
+                lease = IngestionLease(self.text, keys, replica_id, self.instance, self._lease_settings())
+                replicas.append(FleetReplica(replica, keys, entry.writer, entry.ingest, lease))
+        return replicas
+
+    def _lease_settings(self) -> LeaseSettings:
+        return LeaseSettings(ttl_s=self.config.lease_ttl_s, renew_every_s=self.config.tick_s)
+
+    def _sources(self, replica: ReplicaConfig, resume: Mapping[int, int]) -> Sequence[EventSource]:
+        return build_sources(
+            replica, zmq_ctx=self._zmq, session=self._session, metrics=self.state.metrics, resume=resume
+        )
+
+    async def start(self) -> None:
+        """Build every part and start the tasks (mirrors warm up in the background)."""
+        state, config = self.state, self.config
+        replicas = self._build()
+        self.leases = LeaseManager(
+            self.text,
+            replicas,
+            members_key=f"{config.key_prefix}:members",
+            instance=self.instance,
+            timing=LeaseTiming(
+                tick_s=config.tick_s, ttl_s=config.lease_ttl_s, replica_timeout_s=config.replica_timeout_s
+            ),
+            health=state.health,
+            metrics=state.metrics,
+            build_sources=self._sources,
+            on_redis=self._redis_result,
+        )
+        self.policy = PolicySync(
+            self.text,
+            state.policy,
+            key_prefix=config.key_prefix,
+            poll_s=config.policy_poll_s,
+            metrics=state.metrics,
+            on_redis=self._redis_result,
+        )
+        self.snapshots = SnapshotKeeper(
+            self.raw,
+            owner=self.instance,
+            interval_s=config.snapshot_interval_s,
+            every_entries=config.stream_maxlen // 4,
+            ttl_s=config.lease_ttl_s,
+            metrics=state.metrics,
+        )
+        for entry in self._spaces:
+            self.snapshots.add(entry.mirror, entry.index.keys)
+            await entry.ingest.start()
+            self._spawn(entry.mirror.run(self._stop), f"kvlb-mirror-{entry.name}")
+        self._spawn(self.leases.run(self._stop), "kvlb-leases")
+        self._spawn(self.policy.run(self._stop), "kvlb-policy-sync")
+        self._spawn(self._housekeeping(), "kvlb-fleet-housekeeping")
+        state.readiness_checks.append(self.not_ready)
+        state.degraded_checks.append(self.degraded)
+        state.fleet_status = self.status
+        log.info("fleet member %s: %d key space(s) on Redis", self.instance, len(self._spaces))
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_report_exit)
+        self._tasks.append(task)
+
+    # ------------------------------------------------------------------ running
+
+    def _lost(self, replica: ReplicaId) -> None:
+        if self.leases is not None:
+            self.leases.lost(replica)
+
+    def _redis_result(self, ok: bool) -> None:
+        if ok:
+            self._redis_ok_at = time.monotonic()
+        else:
+            self._redis_failed_at = time.monotonic()
+
+    async def _housekeeping(self) -> None:
+        """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
+        assert self.snapshots is not None
+        while not self._stop.is_set():
+            try:
+                await self.snapshots.tick()
+            except Exception as exc:  # a failed snapshot must not end the loop
+                self.state.metrics.redis_errors_total.labels("snapshot").inc()
+                log.warning("snapshot: %s", exc)
+            self.refresh_metrics()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.config.tick_s)
+
+    def refresh_metrics(self) -> None:
+        metrics = self.state.metrics
+        metrics.redis_up.set(0 if self.redis_down() else 1)
+        for entry in self._spaces:
+            mirror, counters = entry.mirror, entry.mirror.counters
+            if mirror.lag_s is not None:
+                metrics.redis_mirror_lag_seconds.labels(entry.name).set(mirror.lag_s)
+            metrics.redis_mirror_entries_total.labels(entry.name).inc(
+                counters.entries_applied - entry.seen_entries
+            )
+            metrics.redis_mirror_resyncs_total.labels(entry.name).inc(counters.resyncs - entry.seen_resyncs)
+            entry.seen_entries, entry.seen_resyncs = counters.entries_applied, counters.resyncs
+            metrics.redis_mirror_partial.labels(entry.name).set(1 if mirror.partial else 0)
+
+    def redis_down(self) -> bool:
+        mirrors_down = any(not e.mirror.connected and e.mirror.counters.redis_errors for e in self._spaces)
+        return mirrors_down or self._redis_failed_at > self._redis_ok_at
+
+    def not_ready(self) -> list[str]:
+        return [f"mirror of {e.name} not warm yet" for e in self._spaces if not e.mirror.ready.is_set()]
+
+    def degraded(self) -> list[str]:
+        reasons = []
+        if self.redis_down():
+            reasons.append("redis unreachable: routing on the local mirrors, ingesters buffering")
+        reasons += [
+            f"mirror of {e.name} is partial (stream trimmed)" for e in self._spaces if e.mirror.partial
+        ]
+        return reasons
+
+    def status(self) -> dict[str, Any]:
+        """For ``/admin/fleet``-style views and tests."""
+        return {
+            "instance": self.instance,
+            "members": [] if self.leases is None else list(self.leases.members),
+            "leases": [] if self.leases is None else sorted(self.leases.held),
+            "redis_up": not self.redis_down(),
+            "mirrors": {
+                e.name: {
+                    "ready": e.mirror.ready.is_set(),
+                    "entry": e.mirror.last_number,
+                    "partial": e.mirror.partial,
+                    "lag_s": e.mirror.lag_s,
+                    "resyncs": e.mirror.counters.resyncs,
+                    "snapshots_loaded": e.mirror.counters.snapshots_loaded,
+                }
+                for e in self._spaces
+            },
+        }
+
+    # ------------------------------------------------------------------ stopping
+
+    async def stop(self) -> None:
+        """Hand the leases over (drained, clean), stop every task, close ingest and connections."""
+        self._stop.set()
+        for task in self._tasks:
+            if task.get_name() == "kvlb-leases":  # no take-over may race the hand-over below
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        if self.leases is not None:
+            try:
+                async with asyncio.timeout(self.config.lease_ttl_s):
+                    await self.leases.stop()
+            except TimeoutError:
+                log.warning("lease hand-over timed out; the leases will expire")
+        if self.snapshots is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.snapshots.release(), self.config.socket_timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        for entry in self._spaces:
+            await entry.ingest.aclose()
+        if self.policy is not None:
+            await self.policy.aclose()
+        await self.text.aclose()
+        await self.raw.aclose()
+
+
+def _installer(space: KeySpace) -> Callable[[PrefixTable], None]:
+    def install(table: PrefixTable) -> None:
+        space.table = table
+
+    return install
+
+
+def _report_exit(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        log.error("fleet task %s died", task.get_name(), exc_info=exc)

@@ -1,0 +1,209 @@
+"""``FencedWriter``: what the ingest pipelines of one key space apply to in fleet mode (I/O, Redis).
+
+It stands between :class:`~balancer.sources.pipeline.ReplicaPipeline` and the key space's
+:class:`~balancer.index.redis_index.RedisIndex`. For each replica whose lease this balancer holds it
+knows the generation to write with and the engine positions applied so far, and stores the new
+positions in the same atomic call as the batch (so the next holder resumes exactly after it).
+
+* **Redis unreachable.** ``apply`` retries the same batch with exponential backoff. Meanwhile the
+  pipeline's bounded queue fills; when it overflows, its content is replaced by ``Resync`` for the
+  ranks it touched (``kvlb_events_queue_overflow_total``). So ingesters buffer, bounded, then resync.
+* **Exactly once.** Each write also requires the positions stored by the previous one
+  (``expect_seq``). A write whose answer was lost is recognised by its unique text and not redone;
+  positions that are neither (Redis restarted without our last writes) give the replica up, and the
+  lease manager takes it anew from the positions Redis kept, replaying the rest from the engine.
+* **Fenced.** A :class:`~balancer.index.redis_index.StaleGenerationError` while the lease is still
+  ours means our own liveness drop bumped the generation: take the new one and write again.
+  Otherwise another balancer took the replica: the holding is marked lost, ``on_lost`` is told,
+  and the error goes up (the pipeline logs it; the lease manager stops the replica's ingest).
+
+Routing never reads this class: every balancer, this one included, sees the writes through its
+mirror (:mod:`balancer.index.mirror`), so all of them apply the same batches in the same order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
+
+from balancer.errors import BalancerError
+from balancer.events import KvEvent
+from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.lease import IngestionLease, encode_positions
+from balancer.index.redis_index import PositionMismatchError, RedisIndex, StaleGenerationError
+from balancer.metrics import Metrics
+from balancer.types import BlockKey, Overlap, ReplicaId
+
+log = logging.getLogger(__name__)
+
+
+class LeaseLostError(BalancerError):
+    """This balancer no longer ingests the replica (its lease went to another one)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RetrySettings:
+    initial_s: float = 0.05
+    """First wait after a failed write (seconds); doubles per consecutive failure."""
+    max_s: float = 2.0
+    """Longest wait between two attempts while Redis is unreachable (seconds)."""
+
+
+@dataclass(slots=True)
+class Holding:
+    """One leased replica: how to write it and how far it got."""
+
+    lease: IngestionLease
+    generation: int
+    positions: dict[int, int] = field(default_factory=dict)
+    """Last applied engine sequence number per DP rank (as stored in Redis)."""
+    writes: int = 0
+    applied: str = ""
+    """The positions text Redis holds for the replica (what the next write expects)."""
+    lost: bool = False
+
+
+class FencedWriter:
+    """The :class:`~balancer.index.base.PrefixIndex` (plus ``apply_at``) of one key space's ingest."""
+
+    def __init__(
+        self,
+        index: RedisIndex,
+        *,
+        metrics: Metrics,
+        on_lost: Callable[[ReplicaId], None],
+        on_redis: Callable[[bool], None] = lambda ok: None,
+        retry: RetrySettings | None = None,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``on_redis(ok)`` is told whether each Redis call worked (for the degraded state)."""
+        self.index = index
+        self.holdings: dict[ReplicaId, Holding] = {}
+        self._metrics = metrics
+        self._on_lost = on_lost
+        self._on_redis = on_redis
+        self._retry = retry or RetrySettings()
+        self._wall_clock = wall_clock
+
+    def hold(
+        self,
+        replica: ReplicaId,
+        lease: IngestionLease,
+        generation: int,
+        positions: Mapping[int, int],
+        *,
+        writes: int = 0,
+        applied: str = "",
+    ) -> None:
+        """Start writing ``replica``; ``applied`` is the positions text Redis holds for it now."""
+        self.holdings[replica] = Holding(lease, generation, dict(positions), writes, applied)
+
+    def release(self, replica: ReplicaId) -> Holding | None:
+        holding = self.holdings.pop(replica, None)
+        if holding is not None:
+            holding.lost = True  # a retry loop still running gives up
+        return holding
+
+    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        return await self.apply_at(replica, events, now, {})
+
+    async def apply_at(
+        self, replica: ReplicaId, events: Sequence[KvEvent], now: float, positions: Mapping[int, int]
+    ) -> ApplyResult:
+        """Write one batch fenced by the replica's generation, with its positions; waits out outages."""
+        holding = self._holding(replica)
+        merged = {**holding.positions, **positions}
+        text = encode_positions(merged, writes=holding.writes + 1)
+        delay_s = self._retry.initial_s
+        started = time.perf_counter()
+        while True:
+            try:
+                # ``now`` for Redis is wall-clock seconds: shared by every balancer (it only dates
+                # speculative entries there, which kvlb keeps local).
+                result = await self.index.apply(
+                    replica,
+                    events,
+                    self._wall_clock(),
+                    generation=holding.generation,
+                    seq=text,
+                    expect_seq=holding.applied,
+                )
+            except PositionMismatchError:
+                self._on_redis(True)
+                if await self.index.client.hget(self.index.keys.applied_seq, replica) != text:
+                    holding.lost = True
+                    log.warning("replica %s: Redis lost our last writes; taking it anew", replica)
+                    self._on_lost(replica)
+                    raise
+                result = ApplyResult()  # our previous attempt landed; its answer was lost
+            except StaleGenerationError as exc:
+                self._on_redis(True)
+                await self._fenced(replica, holding, exc)
+                continue
+            except (RedisError, OSError) as exc:
+                self._on_redis(False)
+                self._metrics.redis_errors_total.labels("writer").inc()
+                self._metrics.redis_apply_retries_total.inc()
+                if delay_s == self._retry.initial_s:
+                    log.warning("replica %s: Redis write failed (%s); retrying with backoff", replica, exc)
+                await asyncio.sleep(delay_s)
+                delay_s = min(self._retry.max_s, delay_s * 2)
+                self._holding(replica)  # raises once the lease went away meanwhile
+                continue
+            self._on_redis(True)
+            holding.positions, holding.applied = merged, text
+            holding.writes += 1
+            self._metrics.redis_apply_seconds.observe(time.perf_counter() - started)
+            return result
+
+    def _holding(self, replica: ReplicaId) -> Holding:
+        holding = self.holdings.get(replica)
+        if holding is None or holding.lost:
+            raise LeaseLostError(f"replica {replica!r} is not ingested by this balancer")
+        return holding
+
+    async def _fenced(self, replica: ReplicaId, holding: Holding, exc: StaleGenerationError) -> None:
+        """Adopt the new generation if the lease is still ours, else give the replica up (raises)."""
+        self._metrics.redis_stale_writes_total.inc()
+        if await holding.lease.holder() == holding.lease.owner and exc.current > holding.generation:
+            log.info("replica %s: generation %d -> %d (dropped)", replica, holding.generation, exc.current)
+            holding.generation = exc.current
+            return
+        holding.lost = True
+        log.warning("replica %s: another balancer ingests it now (%s)", replica, exc)
+        self._on_lost(replica)
+        raise exc
+
+    async def drop(self, replica: ReplicaId) -> int:
+        """Drop ``replica`` fleet-wide (bumps its generation; a held replica goes on writing)."""
+        dropped = await self.index.drop_replica(replica)
+        holding = self.holdings.get(replica)
+        if holding is not None:
+            holding.generation = await self.index.generation(replica)
+        return dropped
+
+    # --------------------------------------------------------- the rest of PrefixIndex (tools only)
+
+    async def match(
+        self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
+    ) -> Overlap:
+        return await self.index.match(keys, among, now)
+
+    async def add_speculative(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
+    ) -> None:
+        """Speculative entries stay local to each balancer (its mirror's table): nothing to do here."""
+
+    async def drop_replica(self, replica: ReplicaId) -> int:
+        return await self.drop(replica)
+
+    async def stats(self) -> IndexStats:
+        return await self.index.stats()
+
+    async def aclose(self) -> None:
+        """The index belongs to the fleet runtime, which closes it."""

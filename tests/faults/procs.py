@@ -1,0 +1,183 @@
+"""Real processes for the fault suite: ``kvlb sim`` replicas and ``kvlb serve`` (test helper, I/O).
+
+Every child gets fixed ports chosen up front, so a killed replica can be started again on the same
+ports (as an orchestrator would restart it). Children are stopped by PID only (SIGTERM, then SIGKILL
+after a bounded wait); stderr goes to a file under the test's directory for post-mortems.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+START_TIMEOUT_S = 40.0
+STOP_TIMEOUT_S = 10.0
+MODEL = "sim-test"
+BLOCK_SIZE = 4
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct ports free right now on 127.0.0.1 (the kernel picks them)."""
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    stderr: Path
+    process: asyncio.subprocess.Process | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    def log_tail(self, lines: int = 40) -> str:
+        text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def start(self, ready_key: str) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVLB_")}  # only the config file
+        with self.stderr.open("ab") as err:
+            self.process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "balancer",
+                *self.args,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=err,
+                env=env,
+            )
+        assert self.process.stdout is not None
+        try:
+            async with asyncio.timeout(START_TIMEOUT_S):
+                while line := await self.process.stdout.readline():
+                    text = line.decode().strip()
+                    if text.startswith("{") and ready_key in text:
+                        self.info = json.loads(text)
+                        return
+        except TimeoutError:
+            pass
+        await self.stop()
+        raise AssertionError(f"{self.name} did not start:\n{self.log_tail()}")
+
+    def signal(self, sig: signal.Signals) -> None:
+        if self.alive:
+            os.kill(self.pid, sig)
+
+    async def kill(self) -> None:
+        """SIGKILL: no graceful close of anything."""
+        if self.alive:
+            assert self.process is not None
+            self.process.kill()
+            await self.process.wait()
+
+    async def stop(self) -> None:
+        if not self.alive:
+            return
+        assert self.process is not None
+        self.signal(signal.SIGCONT)  # a stopped child cannot handle SIGTERM
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            async with asyncio.timeout(STOP_TIMEOUT_S):
+                await self.process.wait()
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+
+    def rss_bytes(self) -> int:
+        """Resident set size from /proc (0 when the process is gone)."""
+        try:
+            fields = Path(f"/proc/{self.pid}/statm").read_text().split()
+        except (OSError, AssertionError):
+            return 0
+        return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@dataclass
+class Sim(Child):
+    engine: str = "sglang"
+    http_port: int = 0
+    event_port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    def entry(self) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "id": self.name,
+            "url": self.url,
+            "engine": self.engine,
+            "block_size": BLOCK_SIZE,
+        }
+        if self.engine == "sglang":
+            entry["events"] = f"tcp://127.0.0.1:{self.event_port}"
+            entry["replay"] = f"tcp://127.0.0.1:{self.event_port + 1}"
+        return entry
+
+
+def sim(name: str, engine: str, tmp: Path, *extra: str, time_scale: float = 1.0) -> Sim:
+    http_port, event_port = free_ports(1)[0], _event_pair()
+    args = [
+        "sim", "--replicas", "1", "--engine", engine, "--profile", "cpu-test", "--page-size", str(BLOCK_SIZE),
+        "--time-scale", str(time_scale), "--tokenizer", "none", "--base-port", str(http_port),
+        "--event-port-base", str(event_port), "--log-level", "WARNING", *extra,
+    ]  # fmt: skip
+    return Sim(name, args, tmp / f"{name}.stderr", engine=engine, http_port=http_port, event_port=event_port)
+
+
+def _event_pair() -> int:
+    """A port p with p + 1 free too (SGLang's PUB and replay ports)."""
+    for _ in range(50):
+        port = free_ports(1)[0]
+        try:
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no pair of consecutive free ports")
+
+
+def write_config(tmp: Path, sims: list[Sim], name: str = "kvlb", **top: Any) -> Path:
+    config: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [{"model": MODEL, "replicas": [s.entry() for s in sims]}],
+        "policy": {"seed": 3},
+        "health_interval_s": 0.25,
+        "scrape_interval_s": 0.5,
+        **top,
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def serve(tmp: Path, config: Path, name: str = "kvlb") -> Child:
+    args = ["serve", "--config", str(config), "--shutdown-grace-s", "2", "--log-level", "INFO"]
+    return Child(name, args, tmp / f"{name}.stderr")
