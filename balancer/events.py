@@ -60,7 +60,7 @@ class Cleared:
     dp_rank: int
 
 
-ResyncReason = Literal["restart", "gap", "regression", "overflow", "epoch", "lease", "stale"]
+ResyncReason = Literal["restart", "gap", "regression", "overflow", "epoch", "lease", "stale", "disconnect"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,10 @@ publisher from 0. This source keeps the stream in order:
   previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
   handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
   metadata is the same with reason ``"epoch"``.
+* **Lost connection.** A socket monitor sees the SUB's TCP connection drop: the publisher's process
+  died (its cache with it) or the network failed. ``Resync(rank, "disconnect")`` clears the rank and
+  the next connection asks the replay socket for everything from seq 0. This is what catches a crash
+  and restart whose new seq happens to land above the old one.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -27,17 +31,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from balancer.engines import DecodedBatch, Decoder
-from balancer.errors import ConfigError, EventDecodeError
+from balancer.errors import EventDecodeError
 from balancer.events import KvEvent, Resync, ResyncReason
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -49,56 +51,15 @@ from balancer.sources.base import (
     count_decode_error,
     count_decoded,
 )
+from balancer.sources.zmq_settings import ZmqSourceSettings, endpoint_for_rank
 from balancer.types import ReplicaId
+
+__all__ = ["ZmqEventSource", "ZmqSourceSettings", "endpoint_for_rank"]
 
 log = logging.getLogger(__name__)
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
-
-
-@dataclass(frozen=True, slots=True)
-class ZmqSourceSettings:
-    """Settings of every :class:`ZmqEventSource`."""
-
-    replay_timeout_s: float = 2.0
-    """Budget for one whole replay exchange (seconds). At the limit the batches read so far are kept
-    and the rest of the gap becomes a ``Resync``. Must be > 0."""
-    replay_max_batches: int = 20_000
-    """Most batches read in one replay (engines keep 10 000 by default). Beyond it the replay stops
-    and the remainder resyncs; bounds the time spent away from the live socket. Must be ≥ 1."""
-    rcvhwm: int = 100_000
-    """SUB receive high-water mark (messages). Above it ZMQ drops messages, which shows as a gap.
-    Must be ≥ 1."""
-    reconnect_initial_s: float = 0.1
-    """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
-    reconnect_max_s: float = 5.0
-    """Longest wait between reopen attempts (seconds); also ZMQ's own reconnect interval cap."""
-
-    def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first field out of range."""
-        for name in ("replay_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value > 0):
-                raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")
-        if self.reconnect_initial_s > self.reconnect_max_s:
-            raise ConfigError("zmq.reconnect_initial_s must be <= zmq.reconnect_max_s")
-        for name in ("replay_max_batches", "rcvhwm"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")
-
-
-def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
-    """The endpoint of DP rank ``dp_rank``: TCP port + rank; ``ipc://`` paths get ``_dp{rank}``."""
-    if dp_rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        parts = urlsplit(endpoint)
-        if parts.port is None:
-            raise ConfigError(f"endpoint {endpoint!r} has no port")
-        host = endpoint[len("tcp://") : endpoint.rindex(":")]
-        return f"tcp://{host}:{parts.port + dp_rank}"
-    return f"{endpoint}_dp{dp_rank}"
 
 
 def _is_replay_end(frames: Sequence[bytes]) -> bool:
@@ -147,6 +108,7 @@ class ZmqEventSource:
         self._live_last: int | None = None
         self._epoch: str | None = None
         self._rank_warned = False
+        self._replay_on_connect = False
         self._counters = SourceCounters()
 
     def status(self) -> SourceStatus:
@@ -174,15 +136,22 @@ class ZmqEventSource:
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         while True:
             sub = self._open_sub()
+            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             try:
                 if self._catch_up:  # live messages queue on the SUB meanwhile; duplicates are dropped
                     self._catch_up = False
                     self._caught_up_from = self._want
                     await self._replay(self._want, emit)
                 while True:
-                    frames = await sub.recv_multipart()
-                    backoff.reset()
-                    await self._on_message(frames, emit)
+                    ready = dict(await poller.poll())
+                    if sub in ready:
+                        backoff.reset()
+                        await self._drain(sub, emit)
+                    if monitor in ready:
+                        await self._on_monitor(monitor, sub, emit)
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM:
                     return
@@ -191,8 +160,41 @@ class ZmqEventSource:
                     "replica %s rank %d: SUB %s failed: %s", self.replica, self.dp_rank, self.endpoint, exc
                 )
             finally:
+                sub.disable_monitor()
+                monitor.close(linger=0)
                 sub.close(linger=0)
             await asyncio.sleep(backoff.next_delay())
+
+    async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
+        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
+        for _ in range(limit):
+            try:
+                frames = await sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            await self._on_message(frames, emit)
+
+    async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
+        """Connection events of the SUB. A dropped TCP connection means the publisher's process went
+        away (a crash or restart takes its cache with it) or the network did: the rank is resynced
+        once the old connection's queued messages are handled, and on the next connection the replay
+        socket is asked for everything from seq 0, so a live publisher's buffer refills the index.
+        Without this a restarted engine whose first live seq lands above the old last seq would look
+        like a gap, and replay would stack the new process's blocks on the dead one's."""
+        while True:
+            try:
+                event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                await self._drain(sub, emit, limit=self.settings.rcvhwm)
+                if self._live_last is not None or self._last_seq is not None:
+                    self._restart(emit, "disconnect")
+                    self._replay_on_connect = True
+            elif event["event"] == zmq.EVENT_CONNECTED and self._replay_on_connect:
+                self._replay_on_connect = False
+                if self.replay_endpoint is not None:
+                    await self._replay(0, emit)
 
     def _open_sub(self) -> zmq.asyncio.Socket:
         sub = self._ctx.socket(zmq.SUB)

@@ -88,7 +88,9 @@ def page(seq: int) -> dict[str, object]:
 class Publisher:
     """An SGLang-style publisher of one DP rank: XPUB live stream + ROUTER replay ring buffer."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, *, buffer_steps: int = 1000, port: int = 0) -> None:
+    def __init__(
+        self, ctx: zmq.asyncio.Context, *, buffer_steps: int = 1000, port: int = 0, replay_port: int = 0
+    ) -> None:
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
         if port:
@@ -98,7 +100,11 @@ class Publisher:
             self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        if replay_port:
+            self.router.bind(f"tcp://127.0.0.1:{replay_port}")
+            self.replay_port = replay_port
+        else:
+            self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self.seq = 0
         self.topic = TOPIC
@@ -315,6 +321,32 @@ async def test_restart_missing_first_batches_replays_from_zero(
         await rig.settle(2)
         assert rig.index.timeline() == [1, 2, 3, 4, 5, "restart", 1, 2, 3]
         assert publisher.replay_requests == [0]
+
+
+async def test_a_new_process_whose_seq_lands_above_the_old_one_is_a_restart(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """The engine process dies and a new one starts on the same ports. The SUB misses the new
+    process's first batches, so the first live seq it sees (6) is above the old last seq (4): by seq
+    alone a gap, which replay would fill from the new process on top of the dead one's blocks. The
+    dropped TCP connection says otherwise: the rank is resynced and replayed from 0."""
+    old = Publisher(ctx)
+    async with running(ctx, old.endpoint, old.replay_endpoint) as rig:
+        await old.wait_subscribed()
+        await old.pages(5)
+        await rig.settle(4)
+        await old.aclose()
+        await eventually(lambda: rig.index.resyncs() == [(0, "disconnect")])
+        new = Publisher(ctx, port=old.port, replay_port=old.replay_port)
+        try:
+            await new.wait_subscribed()
+            await new.pages(8, drop=lambda seq: seq < 6)
+            await rig.settle(7)
+            assert rig.index.timeline() == [1, 2, 3, 4, 5, "disconnect", 1, 2, 3, 4, 5, 6, 7, 8]
+            assert rig.metric("kvlb_events_resyncs_total", {"replica": REPLICA, "reason": "disconnect"}) == 1
+            assert rig.metric("kvlb_events_resyncs_total", {"replica": REPLICA, "reason": "gap"}) == 0
+        finally:
+            await new.aclose()
 
 
 async def test_late_join_replays_from_zero(ctx: zmq.asyncio.Context, publisher: Publisher) -> None:

@@ -1,0 +1,53 @@
+"""Settings and endpoint arithmetic of the ZMQ event source (pure)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from balancer.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqSourceSettings:
+    """Settings of every :class:`ZmqEventSource`."""
+
+    replay_timeout_s: float = 2.0
+    """Budget for one whole replay exchange (seconds). At the limit the batches read so far are kept
+    and the rest of the gap becomes a ``Resync``. Must be > 0."""
+    replay_max_batches: int = 20_000
+    """Most batches read in one replay (engines keep 10 000 by default). Beyond it the replay stops
+    and the remainder resyncs; bounds the time spent away from the live socket. Must be ≥ 1."""
+    rcvhwm: int = 100_000
+    """SUB receive high-water mark (messages). Above it ZMQ drops messages, which shows as a gap.
+    Must be ≥ 1."""
+    reconnect_initial_s: float = 0.1
+    """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
+    reconnect_max_s: float = 5.0
+    """Longest wait between reopen attempts (seconds); also ZMQ's own reconnect interval cap."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field out of range."""
+        for name in ("replay_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")
+        if self.reconnect_initial_s > self.reconnect_max_s:
+            raise ConfigError("zmq.reconnect_initial_s must be <= zmq.reconnect_max_s")
+        for name in ("replay_max_batches", "rcvhwm"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")
+
+
+def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
+    """The endpoint of DP rank ``dp_rank``: TCP port + rank; ``ipc://`` paths get ``_dp{rank}``."""
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        parts = urlsplit(endpoint)
+        if parts.port is None:
+            raise ConfigError(f"endpoint {endpoint!r} has no port")
+        host = endpoint[len("tcp://") : endpoint.rindex(":")]
+        return f"tcp://{host}:{parts.port + dp_rank}"
+    return f"{endpoint}_dp{dp_rank}"
