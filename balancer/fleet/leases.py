@@ -14,6 +14,10 @@ Every ``tick_s`` each balancer:
    generation and appends a drop entry that every mirror applies). It is dropped again only after
    it sends events again.
 
+Replicas found by discovery join with :meth:`LeaseManager.add` and count in the fair share from the
+next tick. :meth:`LeaseManager.remove` forgets one that left; if this balancer holds its lease, it
+stops the ingest, drops the replica's blocks fleet-wide and deletes the lease (never mid-tick).
+
 Taking a lease bumps the replica's generation (fencing the previous holder) and returns the
 positions applied so far: ZMQ sources resume right after them (engine replay, or ``Resync`` when the
 replay buffer no longer covers the gap). A TRT-LLM drain cannot be replayed: unless the previous
@@ -96,9 +100,12 @@ class FleetReplica:
 
 @dataclass(slots=True)
 class _Held:
-    acquired_wall: float
+    heard_at: float
+    """Monotonic time the replica's sources last showed a new message (or the lease was taken)."""
+    messages: int = 0
+    """Messages its sources had received at ``heard_at``."""
     failing_since: float | None = None
-    dropped_wall: float | None = None
+    dropped: bool = False
 
 
 class LeaseManager:
@@ -129,6 +136,8 @@ class LeaseManager:
         self._build_sources = build_sources
         self._on_redis = on_redis
         self._lost: set[ReplicaId] = set()
+        self._lock = asyncio.Lock()
+        """Held by a tick and by :meth:`remove`, so a replica never leaves in the middle of a tick."""
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._hand_over = client.register_script(_HAND_OVER)
 
@@ -139,6 +148,7 @@ class LeaseManager:
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until ``stop`` is set; Redis errors are counted and the next tick retries."""
         while not stop.is_set():
+            started = time.monotonic()
             try:
                 await self.tick()
                 self._on_redis(True)
@@ -146,10 +156,44 @@ class LeaseManager:
                 self._on_redis(False)
                 self._metrics.redis_errors_total.labels("lease").inc()
                 log.warning("lease manager: redis error: %s", exc)
+            wait_s = max(0.0, self.timing.tick_s - (time.monotonic() - started))  # a fixed period
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.timing.tick_s)
+                await asyncio.wait_for(stop.wait(), wait_s)
+
+    def add(self, replica: FleetReplica) -> None:
+        """A replica found by discovery: from the next tick its lease counts in the fair share and
+        may be taken. An id already known keeps its entry."""
+        self.replicas.setdefault(ReplicaId(replica.config.id), replica)
+
+    async def remove(self, replica: ReplicaId) -> bool:
+        """A replica that left (discovery): forget it, and if this balancer holds its lease, stop its
+        ingest, drop its blocks fleet-wide and delete the lease. ``True`` when the lease was ours.
+        Redis errors are logged: the lease then expires on its own, as it is no longer renewed."""
+        async with self._lock:
+            entry = self.replicas.pop(replica, None)
+            self._lost.discard(replica)
+            if entry is None or self.held.pop(replica, None) is None:
+                return False
+            await entry.ingest.remove_replica(replica, drop_index=False)
+            try:
+                await entry.writer.drop(replica)
+                entry.writer.release(replica)
+                await entry.lease.release()
+            except (RedisError, OSError) as exc:
+                entry.writer.release(replica)
+                self._metrics.redis_errors_total.labels("lease").inc()
+                log.warning("replica %s left, but its lease was not released: %s", replica, exc)
+                return True
+            self._metrics.redis_lease_events_total.labels("released").inc()
+            self._metrics.redis_leases_held.set(len(self.held))
+            log.info("replica %s left: ingest stopped, blocks dropped, lease released", replica)
+            return True
 
     async def tick(self) -> None:
+        async with self._lock:
+            await self._tick()
+
+    async def _tick(self) -> None:
         ttl_ms = max(1, round(self.timing.ttl_s * 1000))
         members = await self._heartbeat(keys=[self._members_key], args=[self.instance, ttl_ms])
         self.members = [m.decode() if isinstance(m, bytes) else str(m) for m in cast("list[Any]", members)]
@@ -164,10 +208,32 @@ class LeaseManager:
         self._metrics.redis_leases_held.set(len(self.held))
 
     async def _renew(self) -> None:
-        for replica in list(self.held):
-            if not await self.replicas[replica].lease.renew():
-                log.warning("lease of %s lost", replica)
-                await self._give_up(replica, graceful=False)
+        """Renew every held lease at once (one round trip of time however many are held, which
+        matters when Redis is slow), then take back or give up those that expired."""
+        held = list(self.held)
+        renewed = await asyncio.gather(*(self.replicas[replica].lease.renew() for replica in held))
+        for replica, ok in zip(held, renewed, strict=True):
+            if ok or await self._retake(replica):
+                continue
+            log.warning("lease of %s lost", replica)
+            await self._give_up(replica, graceful=False)
+
+    async def _retake(self, replica: ReplicaId) -> bool:
+        """A lease that expired while Redis was unreachable (longer than ``ttl_s``) may still be free.
+        Take it back and keep the running pipeline, with the events it holds, when nobody wrote the
+        replica meanwhile: Redis holds exactly our last positions. Else the replica is given up and
+        taken anew like any other (a TRT-LLM drain then resyncs)."""
+        entry = self.replicas[replica]
+        holding = entry.writer.holdings.get(replica)
+        if holding is None or holding.lost:
+            return False
+        grant = await entry.lease.acquire()
+        if not grant.acquired or grant.applied != holding.applied:
+            return False
+        holding.generation = grant.generation
+        self._metrics.redis_lease_events_total.labels("retaken").inc()
+        log.info("lease of %s expired and taken back (generation %d)", replica, grant.generation)
+        return True
 
     async def _spread(self) -> None:
         share = math.ceil(len(self.replicas) / max(1, len(self.members)))
@@ -209,7 +275,7 @@ class LeaseManager:
             ranks = await cast("Any", self.client.smembers(entry.keys.ranks(replica)))
             resyncs = tuple(Resync(int(r), "gap") for r in sorted(ranks, key=int)) or (Resync(0, "gap"),)
             pipeline.offer(IngestBatch(resyncs))
-        self.held[replica] = _Held(time.time())
+        self.held[replica] = _Held(time.monotonic(), self._messages(replica))
         self._metrics.redis_lease_events_total.labels("acquired").inc()
         log.info("ingesting %s (generation %d, resuming after %s)", replica, grant.generation, positions)
 
@@ -230,7 +296,9 @@ class LeaseManager:
         self._metrics.redis_lease_events_total.labels("released").inc()
 
     async def _check_liveness(self) -> None:
-        now, wall = time.monotonic(), time.time()
+        """Drop a replica that sent nothing and failed its probes for ``replica_timeout_s``. Both are
+        timed on the monotonic clock: "sent nothing" means its sources' message count stood still."""
+        now = time.monotonic()
         timeout_s = self.timing.replica_timeout_s
         for replica, held in list(self.held.items()):
             record = self._health.replicas.get(replica)
@@ -238,25 +306,24 @@ class LeaseManager:
                 held.failing_since = None
             elif held.failing_since is None:
                 held.failing_since = now
-            last_event = self._last_event_wall(replica)
-            if held.dropped_wall is not None:
-                if last_event is not None and last_event > held.dropped_wall:
-                    held.dropped_wall = None  # it talks again: it may be dropped again later
+            messages = self._messages(replica)
+            if messages != held.messages:
+                held.messages, held.heard_at = messages, now
+                held.dropped = False  # it talks again: it may be dropped again later
+            if held.dropped:
                 continue
-            silent_s = wall - max(last_event or 0.0, held.acquired_wall)
+            silent_s = now - held.heard_at
             failing_s = 0.0 if held.failing_since is None else now - held.failing_since
             if silent_s >= timeout_s and failing_s >= timeout_s:
                 log.warning("replica %s: no events for %.0f s and unhealthy: dropping it", replica, silent_s)
                 await self.replicas[replica].writer.drop(replica)
-                held.dropped_wall = wall
+                held.dropped = True
                 self._metrics.redis_replicas_dropped_total.labels(replica).inc()
 
-    def _last_event_wall(self, replica: ReplicaId) -> float | None:
+    def _messages(self, replica: ReplicaId) -> int:
+        """Messages the replica's event sources have received so far."""
         status = self.replicas[replica].ingest.status().get(replica)
-        if status is None:
-            return None
-        stamps = [s.last_event_wall_ts for s in status.sources if s.last_event_wall_ts is not None]
-        return max(stamps, default=None)
+        return 0 if status is None else sum(s.messages for s in status.sources)
 
     async def stop(self) -> None:
         """Hand every held replica over (drained, positions marked clean) and leave the member set."""
