@@ -2,11 +2,14 @@
 down in order.
 
 Start order: tokenizers (in a thread) → pools (routers, key spaces, health records) → event ingest
-per key space (sources and appliers) → load scrapers → health probers → HTTP server → gRPC server
-(when ``listen.grpc_port`` is set). ``stop`` undoes it in reverse: stop accepting (HTTP and gRPC
-together) and let in-flight requests finish within ``shutdown_grace_s`` (then cancel them), cancel
-probers and scrapers, close event ingest, close HTTP sessions and the ZMQ context. Nothing here is
-global: a test builds as many :class:`Balancer` s as it likes.
+per key space (sources and appliers; the fleet runtime with Redis) → load scrapers and health
+probers → discovery (``discovery.kind`` file or kubernetes) → HTTP server → gRPC server (when
+``listen.grpc_port`` is set). Everything per replica, and the discovery that adds and removes
+replicas at run time, lives in :mod:`balancer.replica_lifecycle`. ``stop`` undoes it in reverse:
+stop accepting (HTTP and gRPC together) and let in-flight requests finish within
+``shutdown_grace_s`` (then cancel them), cancel discovery, probers and scrapers, stop the fleet,
+close event ingest, close HTTP sessions and the ZMQ context. Nothing here is global: a test builds
+as many :class:`Balancer` s as it likes.
 """
 
 from __future__ import annotations
@@ -30,20 +33,17 @@ from balancer.api.http import build_web_app
 from balancer.api.state import PolicyControl, Pool, ServiceState
 from balancer.config import PoolConfig, Settings
 from balancer.default_tokenizer import default_tokenizer
+from balancer.discovery import Discovery, build_discovery
 from balancer.errors import ConfigError
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health import HealthBook
-from balancer.index.memory import MemoryIndex
 from balancer.index.slots import TableLimits
 from balancer.load import LoadConfig
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
-from balancer.prober import HealthProber, ProbeSettings
-from balancer.router import KeySpace, PoolRouter, align_mode
+from balancer.replica_lifecycle import ReplicaLifecycle
+from balancer.router import PoolRouter, align_mode
 from balancer.server_log import server_logger
-from balancer.sources.build import build_sources
-from balancer.sources.pipeline import EventIngest, IngestSettings
-from balancer.sources.scraper import MetricsScraper, ScrapeSettings
 from balancer.tls import server_ssl_context
 from balancer.tokenize import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
@@ -86,8 +86,10 @@ class Balancer:
         registry: CollectorRegistry | None = None,
         tokenizers: Mapping[str, Tokenizer] | None = None,
         options: ServeOptions | None = None,
+        discovery: Discovery | None = None,
     ) -> None:
-        """``tokenizers`` maps a model to a ready tokenizer (tests share one instead of loading)."""
+        """``tokenizers`` maps a model to a ready tokenizer (tests share one instead of loading);
+        ``discovery`` replaces the one ``settings.discovery`` describes."""
         self.settings = settings
         self.options = options or ServeOptions()
         self.metrics = Metrics.create(registry)
@@ -97,10 +99,11 @@ class Balancer:
         self._zmq: zmq.asyncio.Context | None = None
         self._control: aiohttp.ClientSession | None = None
         self._upstream = UpstreamClient(settings.timeouts)
-        self._ingests: dict[int, EventIngest] = {}
+        self._discovery = discovery
+        self.replicas: ReplicaLifecycle | None = None
+        """Per-replica tasks and ingest, and the discovery (built at start)."""
         self.fleet: FleetRuntime | None = None
         """The Redis side (leases, mirrors, shared policy) when ``redis.url`` is set."""
-        self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
         self.grpc_port: int | None = None
@@ -132,9 +135,7 @@ class Balancer:
                 state.health.add(replica)
         self._zmq = zmq.asyncio.Context()
         self._control = aiohttp.ClientSession()
-        await self._start_ingest(state)
-        self._start_scrapers(state)
-        self._start_probers(state)
+        await self._start_replicas(state)
         await self._start_http(state)
         await self._start_grpc(state)
 
@@ -167,63 +168,19 @@ class Balancer:
         replicas = {ReplicaId(r.id): r for r in config.replicas}
         return Pool(config.model, router, tokenizer, replicas)
 
-    async def _start_ingest(self, state: ServiceState) -> None:
+    async def _start_replicas(self, state: ServiceState) -> None:
+        """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""
         assert self._zmq is not None and self._control is not None
+        self.replicas = replicas = ReplicaLifecycle(state, zmq_ctx=self._zmq, session=self._control)
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
             self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
             await self.fleet.start()
-            state.sources_started = True
-            return
-        ingest_settings = IngestSettings(queue_max_batches=self.settings.limits.event_queue_size)
-        for pool in state.pools.values():
-            for replica_id, config in pool.replicas.items():
-                space: KeySpace = pool.router.space_of[replica_id]
-                ingest = self._ingests.get(id(space))
-                if ingest is None:
-                    index = MemoryIndex.over(space.table)
-                    ingest = EventIngest(index, metrics=self.metrics, settings=ingest_settings)
-                    self._ingests[id(space)] = ingest
-                    state.ingests.append(ingest)
-                sources = build_sources(
-                    config, zmq_ctx=self._zmq, session=self._control, metrics=self.metrics
-                )
-                ingest.add_replica(replica_id, config.engine, sources)
-        for ingest in self._ingests.values():
-            await ingest.start()
+            replicas.fleet = self.fleet
+        await replicas.start_static()
         state.sources_started = True
-
-    def _start_scrapers(self, state: ServiceState) -> None:
-        assert self._control is not None
-        interval_s = self.settings.scrape_interval_s
-        if interval_s <= 0:
-            return
-        scrape_settings = ScrapeSettings(interval_s=interval_s, timeout_s=max(1.0, min(interval_s, 5.0)))
-        for pool in state.pools.values():
-            tracker = pool.router.tracker()
-            for replica_id, config in pool.replicas.items():
-                scraper = MetricsScraper(
-                    replica_id,
-                    config.url,
-                    config.engine,
-                    session=self._control,
-                    observe=tracker.observe,
-                    metrics=self.metrics,
-                    settings=scrape_settings,
-                    metrics_path=config.metrics_path,
-                )
-                state.scrapers[replica_id] = scraper
-                self._spawn(scraper.run(), f"kvlb-scrape-{replica_id}")
-
-    def _start_probers(self, state: ServiceState) -> None:
-        assert self._control is not None
-        probe = ProbeSettings(
-            interval_s=self.settings.health_interval_s, timeout_s=max(1.0, self.settings.timeouts.connect_s)
-        )
-        for _pool, config in state.replicas():
-            prober = HealthProber(
-                ReplicaId(config.id), config.url, session=self._control, health=state.health, settings=probe
-            )
-            self._spawn(prober.run(), f"kvlb-probe-{config.id}")
+        discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
+        if discovery is not None:
+            replicas.start_discovery(discovery)
 
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)
@@ -254,14 +211,9 @@ class Balancer:
         self.grpc_port = await self._grpc.start(self.settings.listen.host, port)
         log.info("kvlb serving gRPC on %s:%d", self.settings.listen.host, self.grpc_port)
 
-    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(_report_exit)
-        self._tasks.append(task)
-
     async def stop(self) -> None:
-        """Ordered shutdown (idempotent): HTTP and gRPC (with grace) → probers/scrapers → ingest →
-        sessions."""
+        """Ordered shutdown (idempotent): HTTP and gRPC (with grace) → discovery, probers and
+        scrapers → fleet → ingest → sessions."""
         if self.state is not None:
             self.state.shutting_down = True
         servers: list[Coroutine[Any, Any, None]] = []
@@ -272,16 +224,13 @@ class Balancer:
             runner, self._runner = self._runner, None
             servers.append(runner.cleanup())
         await asyncio.gather(*servers)
-        tasks, self._tasks = self._tasks, []
-        for task in reversed(tasks):
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if self.replicas is not None:
+            await self.replicas.cancel_tasks()  # discovery first: no replica is added meanwhile
         if self.fleet is not None:
             fleet, self.fleet = self.fleet, None
             await fleet.stop()
-        ingests, self._ingests = list(self._ingests.values()), {}
-        for ingest in reversed(ingests):
-            await ingest.aclose()
+        if self.replicas is not None:
+            await self.replicas.close_ingest()
         await self._upstream.aclose()
         if self._control is not None:
             control, self._control = self._control, None
@@ -298,14 +247,3 @@ class Balancer:
         self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.stop()
-
-
-def _report_exit(task: asyncio.Task[None]) -> None:
-    """Probers and scrapers run until cancelled: any other exit is a bug worth a log line."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("task %s died", task.get_name(), exc_info=exc)
-    else:
-        log.warning("task %s ended", task.get_name())

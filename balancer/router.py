@@ -23,6 +23,7 @@ few same-prefix requests outweigh the affinity that brought them there.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -87,13 +88,20 @@ class PoolRouter:
         return min((bs for bs, _ in self.spaces), default=16)
 
     def add_replica(self, replica: ReplicaId, block_size: int, mode: AlignMode) -> KeySpace:
-        """Register a replica's caching scheme; returns the key space whose table its events feed."""
+        """Register a replica's caching scheme; returns the key space whose table its events feed.
+
+        A replica added while the pool routes (discovery) keeps the load tracker: other replicas'
+        reservations and scraped stats stay, and so does the tracker object that scrapers feed. A
+        smaller block size only changes the tracker's reference size (reservations made before it
+        keep their decode blocks in the old unit until they end)."""
         space = self.spaces.get((block_size, mode))
         if space is None:
             hasher = BlockHasher(self.model, block_size, mode)
             space = KeySpace(hasher, PrefixTable(hasher, self._limits))
             self.spaces[(block_size, mode)] = space
-            self.load = None  # the reference block size may have changed
+            load = self.load
+            if load is not None and load.config.block_size_tokens != self.reference_block_size:
+                load.config = dataclasses.replace(load.config, block_size_tokens=self.reference_block_size)
         space.replicas.add(replica)
         self.space_of[replica] = space
         return space

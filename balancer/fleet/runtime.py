@@ -11,6 +11,11 @@ alignment, exactly as :class:`~balancer.router.PoolRouter` splits them) it build
 * a :class:`~balancer.index.mirror.Mirror` that installs each table it builds into the key space the
   router reads (``KeySpace.table``). Routing reads only that table: it never waits on Redis.
 
+A replica found by discovery after start gets the same (:meth:`FleetRuntime.add_replica`; its key
+space's Redis side is built then if new); one that leaves is forgotten by the lease manager, which
+drops its blocks fleet-wide and deletes its lease if this balancer held it
+(:meth:`FleetRuntime.remove_replica`).
+
 Around them: the :class:`~balancer.fleet.leases.LeaseManager`, the
 :class:`~balancer.fleet.policy_sync.PolicySync` and the
 :class:`~balancer.fleet.snapshots.SnapshotKeeper`. ``/readyz`` stays 503 until every mirror has
@@ -104,6 +109,8 @@ class FleetRuntime:
         self._zmq = zmq_ctx
         self._session = session
         self._spaces: list[_Space] = []
+        self._by_space: dict[int, _Space] = {}
+        """``id(KeySpace)`` → its Redis side."""
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._redis_ok_at = 0.0
@@ -115,41 +122,55 @@ class FleetRuntime:
     # ------------------------------------------------------------------ building
 
     def _build(self) -> list[FleetReplica]:
-        state, config = self.state, self.config
-        ingest_settings = IngestSettings(queue_max_batches=state.settings.limits.event_queue_size)
         replicas: list[FleetReplica] = []
-        for pool in state.pools.values():
-            by_space: dict[int, _Space] = {}
+        for pool in self.state.pools.values():
             for (block_size, mode), space in pool.router.spaces.items():
-                name = space_name(pool.model, block_size, mode)
-                try:
-                    settings = RedisIndexSettings(
-                        pool=name,
-                        key_prefix=config.key_prefix,
-                        capacity_blocks=space.table.limits.capacity_blocks,
-                        stream_maxlen=config.stream_maxlen,
-                    )
-                except ValueError as exc:
-                    raise ConfigError(f"pool {pool.model!r}: {exc}") from None
-                index = RedisIndex(self.text, space.hasher, settings)
-                writer = FencedWriter(
-                    index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result
-                )
-                ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
-                mirror = Mirror(
-                    self.raw, space.hasher, settings, state.monotonic,
-                    limits=space.table.limits, on_table=_installer(space),
-                )  # fmt: skip
-                entry = _Space(name, space, index, writer, ingest, mirror)
-                self._spaces.append(entry)
-                by_space[id(space)] = entry
-                state.ingests.append(ingest)
-            for replica_id, replica in pool.replicas.items():
-                entry = by_space[id(pool.router.space_of[replica_id])]
-                keys = entry.index.keys
-                lease = IngestionLease(self.text, keys, replica_id, self.instance, self._lease_settings())
-                replicas.append(FleetReplica(replica, keys, entry.writer, entry.ingest, lease))
+                self._space_entry(pool.model, block_size, mode, space)
+            for replica in pool.replicas.values():
+                replicas.append(self._fleet_replica(replica, pool.router.space_of[ReplicaId(replica.id)]))
         return replicas
+
+    def _space_entry(self, model: str, block_size: int, mode: str, space: KeySpace) -> _Space:
+        """The Redis side of one key space (index, writer, ingest, mirror), built once."""
+        entry = self._by_space.get(id(space))
+        if entry is not None:
+            return entry
+        state, config = self.state, self.config
+        name = space_name(model, block_size, mode)
+        try:
+            settings = RedisIndexSettings(
+                pool=name,
+                key_prefix=config.key_prefix,
+                capacity_blocks=space.table.limits.capacity_blocks,
+                stream_maxlen=config.stream_maxlen,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"pool {model!r}: {exc}") from None
+        index = RedisIndex(self.text, space.hasher, settings)
+        writer = FencedWriter(index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result)
+        ingest_settings = IngestSettings(queue_max_batches=state.settings.limits.event_queue_size)
+        ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
+        mirror = Mirror(
+            self.raw, space.hasher, settings, state.monotonic,
+            limits=space.table.limits, on_table=_installer(space),
+        )  # fmt: skip
+        entry = _Space(name, space, index, writer, ingest, mirror)
+        self._spaces.append(entry)
+        self._by_space[id(space)] = entry
+        state.ingests.append(ingest)
+        return entry
+
+    def _fleet_replica(self, replica: ReplicaConfig, space: KeySpace) -> FleetReplica:
+        entry = self._by_space[id(space)]
+        keys = entry.index.keys
+        lease = IngestionLease(self.text, keys, ReplicaId(replica.id), self.instance, self._lease_settings())
+        return FleetReplica(replica, keys, entry.writer, entry.ingest, lease)
+
+    async def _start_space(self, entry: _Space) -> None:
+        assert self.snapshots is not None
+        self.snapshots.add(entry.mirror, entry.index.keys)
+        await entry.ingest.start()
+        self._spawn(entry.mirror.run(self._stop), f"kvlb-mirror-{entry.name}")
 
     def _lease_settings(self) -> LeaseSettings:
         return LeaseSettings(ttl_s=self.config.lease_ttl_s, renew_every_s=self.config.tick_s)
@@ -193,9 +214,7 @@ class FleetRuntime:
             metrics=state.metrics,
         )
         for entry in self._spaces:
-            self.snapshots.add(entry.mirror, entry.index.keys)
-            await entry.ingest.start()
-            self._spawn(entry.mirror.run(self._stop), f"kvlb-mirror-{entry.name}")
+            await self._start_space(entry)
         self._spawn(self.leases.run(self._stop), "kvlb-leases")
         self._spawn(self.policy.run(self._stop), "kvlb-policy-sync")
         self._spawn(self._housekeeping(), "kvlb-fleet-housekeeping")
@@ -208,6 +227,25 @@ class FleetRuntime:
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(_report_exit)
         self._tasks.append(task)
+
+    # ------------------------------------------------------------------ discovered replicas
+
+    async def add_replica(self, model: str, replica: ReplicaConfig) -> None:
+        """A replica found after start (already in the pool's router): its key space's Redis side is
+        built and started if new, and the lease manager may take its lease from the next tick."""
+        assert self.leases is not None
+        pool = self.state.pools[model]
+        space = pool.router.space_of[ReplicaId(replica.id)]
+        block_size, mode = next(k for k, v in pool.router.spaces.items() if v is space)
+        if id(space) not in self._by_space:
+            await self._start_space(self._space_entry(model, block_size, mode, space))
+        self.leases.add(self._fleet_replica(replica, space))
+
+    async def remove_replica(self, replica: ReplicaId) -> bool:
+        """A replica that left: if this balancer ingests it, its ingest stops, its blocks are dropped
+        fleet-wide and its lease is released. ``True`` when it held the lease."""
+        assert self.leases is not None
+        return await self.leases.remove(replica)
 
     # ------------------------------------------------------------------ running
 
