@@ -48,6 +48,8 @@ class Metrics:
     replica_load: Gauge
     replica_healthy: Gauge
     scrape_errors_total: Counter
+    # process
+    process_asyncio_tasks: Gauge
     # redis fleet (only moves when redis.url is set)
     redis_up: Gauge
     redis_errors_total: Counter
@@ -201,6 +203,12 @@ class Metrics:
                 ["replica"],
                 registry=reg,
             ),
+            process_asyncio_tasks=Gauge(
+                "kvlb_process_asyncio_tasks",
+                "Tasks alive on kvlb's event loop, counted at scrape time (the scrape's own included); "
+                "flat under steady load, growth means a leak.",
+                registry=reg,
+            ),
             **_redis_collectors(reg),
         )
 
@@ -256,7 +264,7 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
         ),
         "redis_lease_events_total": Counter(
             "kvlb_redis_lease_events_total",
-            "Ingestion lease changes of this balancer (acquired, released, lost).",
+            "Ingestion lease changes of this balancer (acquired, released, lost, retaken after expiring).",
             ["event"],
             registry=reg,
         ),

@@ -3,6 +3,9 @@
 Starts (or attaches to) an emulated SGLang fleet, builds the request stream once, computes the
 oracle bound, runs every router in turn (flushing the caches between runs), and writes
 ``report.json``, ``report.md`` and PNG plots to ``--out``. See ``docs/loadtest.md``.
+
+With ``--duration`` it is a soak instead (:mod:`loadtests.faults.soak`): one kvlb under steady load
+with replica faults every ``--fault-every``, and kvlb's resources over time (``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtests.faults.soak import add_soak_arguments, soak_campaign
 from loadtests.fleet_runner import FleetHandle, FleetOptions, attach_fleet, read_capacity, start_fleet
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
@@ -60,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--param", action="append", default=[], metavar="NAME=VALUE",
         help="a workload field, e.g. --param context_tokens=2000 (repeatable)")  # fmt: skip
     add("--requests", type=int, default=400, help="requests per router (default 400)")
-    add("--rate", type=float, default=10.0, help="open loop: Poisson arrivals per second (default 10)")
+    add("--rate", type=float, default=None,
+        help="open loop: Poisson arrivals per second (default 10; soak: steady, default 20)")  # fmt: skip
     add("--mode", choices=("open", "closed"), default="open", help="open (arrival rate) or closed (users)")
     add("--concurrency", type=int, default=512, help="open: in-flight cap; closed: users (default 512)")
     add("--routers", default=",".join(DEFAULT_ROUTERS),
@@ -93,6 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--netns", action="store_true",
         help="run everything in a new network namespace with only loopback (unshare -n)")  # fmt: skip
     add("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    add_soak_arguments(parser)
 
 
 def _params(pairs: Sequence[str]) -> dict[str, Any]:
@@ -298,15 +304,20 @@ def run(args: argparse.Namespace) -> int:
     if args.netns and not args.in_netns:
         return _reexec_in_netns()
     try:
-        routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]
-        if not routers or args.requests <= 0 or args.rate <= 0:
-            raise ValueError("need at least one router, --requests > 0 and --rate > 0")
+        if args.duration is not None:
+            campaign = soak_campaign(args, _own_argv())
+        else:
+            args.rate = 10.0 if args.rate is None else args.rate
+            routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]
+            if not routers or args.requests <= 0 or args.rate <= 0:
+                raise ValueError("need at least one router, --requests > 0 and --rate > 0")
+            out = args.out or Path("loadtest-results") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+            campaign = _campaign(args, routers, out)
     except ValueError as exc:
         print(f"kvlb loadtest: {exc}", file=sys.stderr)
         return 2
-    out = args.out or Path("loadtest-results") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        return asyncio.run(_cancel_on_sigterm(_campaign(args, routers, out)))
+        return asyncio.run(_cancel_on_sigterm(campaign))
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kvlb loadtest: {exc}", file=sys.stderr)
         return 1

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -46,8 +48,10 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def refresh_gauges(state: ServiceState) -> None:
-    """Set the gauges that are views of current state: index size, replica load and health."""
+    """Set the gauges that are views of current state: index size, replica load and health, and the
+    event loop's task count (called on the loop, by the ``/metrics`` handler)."""
     metrics = state.metrics
+    metrics.process_asyncio_tasks.set(len(asyncio.all_tasks()))
     now = state.monotonic()
     unique = held = speculative = 0
     for pool in state.pools.values():

@@ -16,9 +16,10 @@ import time
 from pathlib import Path
 
 import pytest
-from fleet import fleet
-from load import Load, percentile
 from report import save_result
+
+from loadtests.faults.fleet import fleet
+from loadtests.faults.load import Load, percentile
 
 MAX_INFLIGHT = 4
 MAX_QUEUED = 8

@@ -1,4 +1,4 @@
-"""Steady load for the fault suite, and the classification of every request's outcome (I/O).
+"""Steady load for fault runs, and the classification of every request's outcome (I/O).
 
 A fixed-rate open loop (one request every ``1 / rate`` seconds, at most ``max_outstanding`` at once):
 half of the requests stream. Prompts are token ids of ``4k + 1`` tokens and ``max_tokens`` is 4, so
@@ -6,7 +6,7 @@ neither engine ever stores a partial block (TRT-LLM keys ``(prompt + output)[:-1
 be compared block for block with the engines. Prefixes come from a pool larger than the engines'
 caches, so old blocks keep being evicted (and removed from the index) under load.
 
-Outcomes (the suite's invariants are stated on them):
+Outcomes (the fault suite's and the soak's invariants are stated on them):
 
 * ``ok``: 200 and a whole answer (a JSON body, or a stream ending with ``[DONE]``);
 * ``stream_error``: a stream that ended with an explicit ``data: {"error": ...}`` event;
@@ -185,7 +185,7 @@ def classify(
         except ValueError:
             return "lost", f"200 with a broken body: {text[:200]}"
     message = _message(raw)
-    if status in (429, 503) and "Retry-After" in headers:  # type: ignore[operator]
+    if status in (429, 503) and "Retry-After" in headers:
         return "refused", f"{status}: {message}"
     if status in (502, 504) and "while answering" in message:
         return "upstream_error", message

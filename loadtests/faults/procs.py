@@ -1,8 +1,9 @@
-"""Real processes for the fault suite: ``kvlb sim`` replicas and ``kvlb serve`` (test helper, I/O).
+"""Real processes for fault runs: ``kvlb sim`` replicas and ``kvlb serve`` (I/O).
 
 Every child gets fixed ports chosen up front, so a killed replica can be started again on the same
 ports (as an orchestrator would restart it). Children are stopped by PID only (SIGTERM, then SIGKILL
-after a bounded wait); stderr goes to a file under the test's directory for post-mortems.
+after a bounded wait); stderr goes to a file under the run's directory for post-mortems. Used by the
+soak mode of ``kvlb loadtest`` and by ``tests/faults``.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ class Child:
 
     @property
     def pid(self) -> int:
-        assert self.process is not None
+        if self.process is None:
+            raise RuntimeError(f"{self.name} was never started")
         return self.process.pid
 
     @property
@@ -83,7 +85,7 @@ class Child:
         except TimeoutError:
             pass
         await self.stop()
-        raise AssertionError(f"{self.name} did not start:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.name} did not start:\n{self.log_tail()}")
 
     def signal(self, sig: signal.Signals) -> None:
         if self.alive:
@@ -113,9 +115,16 @@ class Child:
         """Resident set size from /proc (0 when the process is gone)."""
         try:
             fields = Path(f"/proc/{self.pid}/statm").read_text().split()
-        except (OSError, AssertionError):
+        except (OSError, RuntimeError):
             return 0
         return int(fields[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def fd_count(self) -> int:
+        """Open file descriptors: entries of /proc/<pid>/fd (0 when the process is gone)."""
+        try:
+            return len(os.listdir(f"/proc/{self.pid}/fd"))
+        except (OSError, RuntimeError):
+            return 0
 
 
 @dataclass

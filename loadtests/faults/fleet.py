@@ -1,4 +1,4 @@
-"""A fleet under test: emulated replicas and one kvlb, all real processes, plus what the suite
+"""A fleet under test: emulated replicas and one kvlb, all real processes, plus what a fault run
 observes of them: the index against the engines' true caches, kvlb's counters, its memory (I/O).
 
 **Convergence** means: for every replica, the blocks kvlb's index holds for it (``GET
@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from procs import BLOCK_SIZE, Child, Sim, serve, sim, write_config
+
+from loadtests.faults.procs import BLOCK_SIZE, Child, Sim, serve, sim, write_config
 
 POLL_S = 0.05
 
@@ -44,7 +45,8 @@ class Fleet:
     async def fault(self, name: str, **body: Any) -> dict[str, Any]:
         """``POST /admin/faults`` on one emulated replica."""
         async with self.session.post(self.replica(name).url + "/admin/faults", json=body) as response:
-            assert response.status == 200, await response.text()
+            if response.status != 200:
+                raise RuntimeError(f"POST /admin/faults on {name}: {await response.text()}")
             result: dict[str, Any] = await response.json()
             return result
 
@@ -123,7 +125,7 @@ class Fleet:
             if any(v["id"] == name and v["routable"] for v in views):
                 return
             await asyncio.sleep(POLL_S)
-        raise AssertionError(f"{name} never became routable again")
+        raise RuntimeError(f"{name} never became routable again")
 
 
 @contextlib.asynccontextmanager
@@ -172,4 +174,4 @@ async def _wait_ready(f: Fleet, url: str, timeout_s: float = 30.0) -> None:
                     await f.wait_routable(s.name, url=url)
                 return
         await asyncio.sleep(POLL_S)
-    raise AssertionError(f"kvlb at {url} not ready:\n{f.kvlb.log_tail()}")
+    raise RuntimeError(f"kvlb at {url} not ready:\n{f.kvlb.log_tail()}")

@@ -1,0 +1,219 @@
+"""Replica fault scenarios and their runner (I/O): steady load → fault → recovery → convergence.
+
+Each scenario starts a fleet (three emulated replicas: two SGLang, one TRT-LLM, unless it says
+otherwise) and one ``kvlb serve``, runs the load of :mod:`loadtests.faults.load` for a warm-up,
+injects its fault, undoes it (or lets kvlb route around it), and measures from that moment how long
+the index takes to match the engines' caches again while the load goes on. ``scale`` stretches every
+phase (1 in ``make test``, 4 in ``make faults``). The faults here touch replicas only; the soak of
+``kvlb loadtest --duration`` injects them in turn. ``tests/faults/scenarios.py`` adds the Redis ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from loadtests.faults.fleet import Fleet, fleet
+from loadtests.faults.load import Load, percentile
+
+CONVERGE_LIMIT_S = 2.0
+"""The target: the index matches the engines within this long after the fault."""
+MEASURE_LIMIT_S = 15.0
+"""How long convergence is waited for (the figure is reported even when over the target)."""
+FAULT_TIMEOUTS = {"connect_s": 0.5, "first_byte_s": 1.5, "idle_s": 1.5}
+"""kvlb's upstream timeouts in fault runs: a hung replica costs 1.5 s, not the default minute."""
+
+Inject = Callable[[Fleet, float, Load], Awaitable[str]]
+"""Injects the fault, waits ``hold_s``, recovers; returns a note for the report."""
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    inject: Inject
+    engines: tuple[str, ...] = ("sglang", "sglang", "trtllm")
+    sim_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    hold_s: float = 1.5
+    rate: float = 20.0
+    redis: bool = False
+    """Fleet mode: a private ``redis-server`` (append-only file), reached through a delay proxy."""
+    kvlbs: int = 1
+    """kvlb instances (more than one only with ``redis``); the load and the checks use the first."""
+    exact: bool = True
+    """Whether the index must match the engines exactly within the target. ``False`` after a resync:
+    the engine still holds blocks stored before the gap that no event will name again, so the index
+    only catches up as they are evicted; it must then at least hold nothing the engine lacks."""
+
+
+@dataclass
+class Result:
+    scenario: str
+    title: str
+    sent: int
+    ok: int
+    retried: int
+    stream_errors: int
+    upstream_errors: int
+    refused: int
+    lost: int
+    converge_s: float | None
+    """Until the index matches the engines' caches block for block."""
+    within_s: float | None
+    """Until the index holds no more blocks than the engines (it claims nothing they lack)."""
+    rss_mb: float
+    p99_s: float
+    """Of the successful requests, over the whole run."""
+    p99_fault_s: float
+    """Of the successful requests started while the fault was on."""
+    counters: dict[str, float]
+    note: str
+    lost_details: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+INTERESTING = (
+    "kvlb_upstream_retries_total",
+    "kvlb_events_seq_gaps_total",
+    "kvlb_events_replays_total",
+    "kvlb_events_resyncs_total",
+    "kvlb_events_queue_overflow_total",
+)
+"""kvlb's counters whose change over a scenario goes into its result."""
+
+
+async def run_in_fleet(
+    scenario: Scenario, tmp: Path, scale: float, top: dict[str, Any], context: dict[str, Any]
+) -> Result:
+    """Run ``scenario`` on a fresh fleet; ``top`` is added to kvlb's config, ``context`` to the fleet's."""
+    engines, args, kvlbs = scenario.engines, scenario.sim_args, scenario.kvlbs
+    async with fleet(tmp, engines, sim_args=args, kvlbs=kvlbs, **top) as f:
+        f.context = context
+        before = await f.metrics()
+        load = Load(f.url, rate=scenario.rate, seed=hash(scenario.name) & 0xFFFF)
+        load.start()
+        try:
+            await asyncio.sleep(1.5 * scale)
+            injected = time.monotonic()
+            note = await scenario.inject(f, scenario.hold_s * scale, load)
+            recovered = time.monotonic()
+            within_s, converge_s = await f.time_to_converge(recovered, MEASURE_LIMIT_S)
+            if converge_s is None:
+                note += f"; not converged after {MEASURE_LIMIT_S}s: {await f.divergence()}"
+            await asyncio.sleep(max(0.0, 1.0 * scale - (time.monotonic() - recovered)))
+            rss_mb = f.kvlb.rss_bytes() / 2**20
+        finally:
+            await load.stop()
+        after = await f.metrics()
+        counts = load.counts()
+        delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in INTERESTING}
+        return Result(
+            scenario=scenario.name,
+            title=scenario.title,
+            sent=len(load.records),
+            ok=counts["ok"],
+            retried=int(delta["kvlb_upstream_retries_total"]),
+            stream_errors=counts["stream_error"],
+            upstream_errors=counts["upstream_error"],
+            refused=counts["refused"],
+            lost=counts["lost"],
+            converge_s=converge_s,
+            within_s=within_s,
+            rss_mb=round(rss_mb, 1),
+            p99_s=round(percentile(load.latencies_s(), 0.99), 3),
+            p99_fault_s=round(percentile(load.latencies_s(injected, recovered), 0.99), 3),
+            counters=delta,
+            note=note,
+            lost_details=[r.detail for r in load.records if r.outcome == "lost"][:5],
+        )
+
+
+# ------------------------------------------------------------------------------------------ faults
+
+
+async def crash_mid_stream(f: Fleet, hold_s: float, load: Load) -> str:
+    """SIGKILL a replica with streams in flight; an orchestrator starts it again ``hold_s`` later."""
+    streams, records = await load.long_streams(6)
+    await f.replica("r0").kill()
+    await asyncio.sleep(hold_s)
+    await f.restart_replica("r0")
+    await asyncio.gather(*streams)
+    cut = [r.outcome for r in records if r.replica == "r0"]
+    return f"r0 SIGKILLed with {len(cut)} long stream(s) on it ({', '.join(cut) or '-'}), restarted"
+
+
+async def restart_flushed(f: Fleet, hold_s: float, load: Load) -> str:
+    """The engine restarts in place: in-flight requests cut, cache emptied, events from seq 0."""
+    await f.fault("r0", restart=True)
+    await f.fault("r2", restart=True)
+    return "r0 (SGLang) and r2 (TRT-LLM) restarted"
+
+
+async def hwm_loss(f: Fleet, hold_s: float, load: Load) -> str:
+    """Half of r0's event batches lost after their seq was taken (a PUB high-water mark)."""
+    await f.fault("r0", drop_events=0.5)
+    await asyncio.sleep(hold_s)
+    stats = await f.fault("r0", drop_events=0.0)
+    return f"r0 lost {stats['dropped_batches']} batches"
+
+
+async def gap_beyond_buffer(f: Fleet, hold_s: float, load: Load) -> str:
+    """Every batch lost for ``hold_s`` while the replay buffer keeps only 4: replay cannot fill it."""
+    await f.fault("r0", drop_events=1.0)
+    await asyncio.sleep(hold_s)
+    stats = await f.fault("r0", drop_events=0.0)
+    return f"r0 lost {stats['dropped_batches']} batches, replay buffer 4"
+
+
+async def trtllm_overflow(f: Fleet, hold_s: float, load: Load) -> str:
+    """TRT-LLM's event buffer overflows: events dropped after their ``event_id`` was taken."""
+    await f.fault("r2", drop_events=0.5)
+    await asyncio.sleep(hold_s)
+    stats = await f.fault("r2", drop_events=0.0)
+    return f"r2 lost {stats['dropped_batches']} event batches (event_id gaps)"
+
+
+async def slow_replica(f: Fleet, hold_s: float, load: Load) -> str:
+    await f.fault("r1", slowdown=10.0)
+    await asyncio.sleep(hold_s * 2)
+    await f.fault("r1", slowdown=1.0)
+    return "r1 at 10x step time"
+
+
+async def hung_replica(f: Fleet, hold_s: float, load: Load) -> str:
+    """SIGSTOP: the kernel still accepts r1's connections, nothing ever answers them."""
+    f.replica("r1").signal(signal.SIGSTOP)
+    await asyncio.sleep(hold_s * 2)
+    f.replica("r1").signal(signal.SIGCONT)
+    await f.wait_routable("r1")
+    return "r1 SIGSTOPped (accepts, never answers), then SIGCONT"
+
+
+REPLICA_SCENARIOS = {
+    s.name: s
+    for s in (
+        Scenario("crash_mid_stream", "replica crash mid-stream (SIGKILL, restart)", crash_mid_stream),
+        Scenario("restart_flushed", "replica restart with flushed cache", restart_flushed),
+        Scenario("hwm_loss_replay", "PUB HWM event loss (seq gap) → replay", hwm_loss),
+        Scenario(
+            "gap_beyond_replay",
+            "gap larger than the replay buffer → resync",
+            gap_beyond_buffer,
+            sim_args={"r0": ("--buffer-steps", "4")},
+            exact=False,
+        ),
+        Scenario(
+            "trtllm_overflow", "TRT-LLM buffer overflow (event_id gap) → resync", trtllm_overflow, exact=False
+        ),
+        Scenario("slow_replica", "slow replica (10× step time)", slow_replica),
+        Scenario("hung_replica", "replica accepts connections, never answers", hung_replica),
+    )
+}
+"""The faults that need nothing but the replicas (no Redis), by name."""
