@@ -40,9 +40,12 @@ class PolicyWeights:
     blocks); ≥ 0. 0 makes the cost ignore prefill work and with it cache affinity; large values make
     the policy chase cache hits and short prefill queues over decode load."""
     overlap_credit: float = 1.0
-    """``credit``, the fraction of a cached block subtracted from this request's prefill; 0..1.
+    """``credit``, the blocks subtracted per cached block from this request's prefill; 0..4.
     1 means a cached block costs nothing to prefill (Dynamo's default); 0 ignores the cache, so the
-    cost policy becomes pure load balancing."""
+    cost policy becomes pure load balancing. Above 1 a replica lacking the prefix is charged
+    ``credit − 1`` blocks more per block it would have to copy: a duplication penalty that keeps a
+    shared context on one replica (and the fleet's caches from holding it twice) until the load gap
+    exceeds ``credit ×`` its size. 4 at most, beyond which affinity ignores any realistic backlog."""
     decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; ≥ 0. 0 ignores decode
     load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding
@@ -56,10 +59,12 @@ class PolicyWeights:
     """Softmax temperature over range-normalised costs; ≥ 0. 0 picks the lowest cost (ties broken at
     random). At 1 a replica at the far end of the cost range is e≈2.7 times less likely than the
     best; large values approach a uniform choice among eligible replicas."""
-    kv_usage_ceiling: float | None = 0.95
+    kv_usage_ceiling: float | None = None
     """Replicas whose scraped KV usage (0..1) is ≥ this are excluded, unless every candidate is; in
-    (0, 1]. 1 excludes only replicas reporting a full cache; ``None`` disables the guard. Replicas
-    with unknown or stale usage are never excluded."""
+    (0, 1]. 1 excludes only replicas reporting a full cache; ``None`` (default) disables the guard.
+    Replicas with unknown or stale usage are never excluded. Off by default: under load a prefix's
+    home replica is often full of running requests, and excluding it sends its followers to cold
+    replicas, which copy the context and evict others' (see docs/policies.md)."""
     imbalance_threshold_blocks: float | None = None
     """Imbalance guard of the cost policy: a replica whose load (the cost without this request's
     terms) exceeds the least loaded eligible replica's by more than this many blocks gets no overlap
@@ -90,7 +95,7 @@ class PolicyWeights:
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ConfigError(f"policy.{f.name} must be a finite number, got {value!r}")
         _check_range("prefill_weight", self.prefill_weight, 0.0, None)
-        _check_range("overlap_credit", self.overlap_credit, 0.0, 1.0)
+        _check_range("overlap_credit", self.overlap_credit, 0.0, 4.0)
         _check_range("decode_weight", self.decode_weight, 0.0, None)
         _check_range("queue_weight", self.queue_weight, 0.0, None)
         _check_range("temperature", self.temperature, 0.0, None)

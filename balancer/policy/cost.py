@@ -12,16 +12,18 @@ For each candidate replica ``r`` (lower is better)::
   already holds (clamped to ``request_blocks``), so the prefill term is never negative.
 * ``active_decode_blocks_r``: KV blocks of requests decoding on ``r`` (router-tracked).
 * ``waiting_r``: the engine's scraped queue length, 0 when unknown or stale.
-* ``credit_r`` = ``overlap_credit``, or 0 when the imbalance guard withdraws it (below).
-* ``shared_r`` = ``min(pending_prefill_blocks_r, credit_r · speculative_r)``, where
+* ``credit_r`` = ``overlap_credit``, or 0 when the imbalance guard withdraws it (below). Above 1 it
+  adds a duplication penalty: a replica without the prefix pays ``credit − 1`` extra per missing block.
+* ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
   blocks this request will reuse, so it is shared, not competing. Without this term a burst of
   same-prefix requests arriving before the first KV event would scatter over the fleet (each
   follower sees the leader's prefill as load), which is the case speculative entries exist for.
 
-Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_decode`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; guards: ``kv_usage_ceiling`` = 0.95, ``imbalance_threshold_blocks`` off.
+Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_queue`` = 0,
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1; guards ``kv_usage_ceiling`` and
+``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
 
@@ -139,7 +141,7 @@ def cost_terms(
     """The three weighted terms and their sum for one replica (computed for excluded ones too, so
     an explanation shows what they would have cost)."""
     waiting = float(load.waiting_reqs or 0)
-    shared = min(load.pending_prefill_blocks, credit * speculative)
+    shared = min(load.pending_prefill_blocks, min(credit, 1.0) * speculative)
     prefill_term = weights.prefill_weight * (
         load.pending_prefill_blocks - shared + request_blocks - credit * overlap
     )

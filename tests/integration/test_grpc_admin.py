@@ -53,11 +53,11 @@ async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_versi
         assert http_view["version"] == 2 and http_view["name"] == "round_robin"
         assert http_view["updated_by"] == answer.policy.updated_by
 
-        change = pb.SetPolicyRequest(name="cost", weights=weights(overlap_credit=0.25, kv_usage_ceiling=None))
+        change = pb.SetPolicyRequest(name="cost", weights=weights(overlap_credit=0.25, kv_usage_ceiling=0.9))
         answer = await g.admin.SetPolicy(change, metadata=ADMIN)
         assert answer.policy.version == 3 and answer.policy.weights["overlap_credit"] == 0.25
         assert {c.field for c in answer.changed} == {"name", "overlap_credit", "kv_usage_ceiling"}
-        assert (await g.http.admin("GET", "/admin/policy"))["weights"]["kv_usage_ceiling"] is None
+        assert (await g.http.admin("GET", "/admin/policy"))["weights"]["kv_usage_ceiling"] == 0.9
         explained = await g.admin.Explain(
             pb.ExplainRequest(request=token_request([*PREFIX, 5])), metadata=ADMIN
         )
@@ -67,7 +67,7 @@ async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_versi
         assert explained.kind == "completions" and explained.prompt_tokens == 33
 
         refused = await failure(
-            g.admin.SetPolicy(pb.SetPolicyRequest(weights=weights(overlap_credit=2)), metadata=ADMIN)
+            g.admin.SetPolicy(pb.SetPolicyRequest(weights=weights(overlap_credit=5)), metadata=ADMIN)
         )
         assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "overlap_credit" in refused.details()
         unknown = await failure(g.admin.SetPolicy(pb.SetPolicyRequest(name="nope"), metadata=ADMIN))

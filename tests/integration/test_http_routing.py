@@ -78,11 +78,13 @@ async def test_replica_crash_mid_stream_ends_with_an_error_event_and_frees_its_l
 
 
 async def test_replica_dead_before_the_first_byte_is_retried_on_another(tokenizer: Tokenizer) -> None:
-    # Probes are slow here, so the balancer still believes the dead replica is healthy.
+    # Probes are slow here, so the balancer still believes the dead replica is healthy. Only its HTTP
+    # listener goes (a killed process would also close its event socket, which resyncs its blocks
+    # away, so the prefix would no longer draw the request to it).
     async with running(tokenizer, health_interval_s=60.0) as h:
         holder = await h.warm(PREFIX)
         other = "r1" if holder == "r0" else "r0"
-        await h.kill(holder)
+        await h.replica(holder).refuse_connections(30.0)
         answer = await h.post("/v1/completions", completion([9, 9], stream=True))
         assert answer.status == 200
         assert answer.headers["x-kvlb-replica"] == other
@@ -124,7 +126,7 @@ async def test_put_policy_changes_decisions_at_once(
         assert terms[holder]["prefill_term"] == pytest.approx(6.0)
 
         async with h.session.put(
-            h.url + "/admin/policy", json={"weights": {"overlap_credit": 2}}
+            h.url + "/admin/policy", json={"weights": {"overlap_credit": 5}}
         ) as response:
             assert response.status == 400
             assert "overlap_credit" in (await response.json())["error"]["message"]

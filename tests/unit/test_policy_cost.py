@@ -129,7 +129,7 @@ def test_no_candidates_raises() -> None:
 
 def test_kv_ceiling_excludes_a_full_replica() -> None:
     loads = [ReplicaLoad(B, kv_usage=0.95), ReplicaLoad(A, kv_usage=0.5)]  # at the ceiling counts
-    decision = route({A: 0, B: 10}, loads)
+    decision = route({A: 0, B: 10}, loads, kv_usage_ceiling=0.95)
     assert decision.replica == A
     assert terms_of(decision)[B].excluded == "kv_usage>=0.95"
     assert terms_of(decision)[A].excluded is None
@@ -137,17 +137,42 @@ def test_kv_ceiling_excludes_a_full_replica() -> None:
 
 def test_kv_ceiling_is_lifted_when_every_candidate_is_full() -> None:
     loads = [ReplicaLoad(A, kv_usage=0.99), ReplicaLoad(B, kv_usage=1.0)]
-    decision = route({A: 0, B: 10}, loads)
+    decision = route({A: 0, B: 10}, loads, kv_usage_ceiling=0.95)
     assert decision.replica == B
     assert all(t.excluded is None for t in decision.terms)
     assert "guard lifted" in decision.reason
 
 
-def test_kv_ceiling_ignores_unknown_usage_and_can_be_disabled() -> None:
+def test_kv_ceiling_ignores_unknown_usage_and_is_off_by_default() -> None:
     loads = [ReplicaLoad(A, kv_usage=None), ReplicaLoad(B, kv_usage=0.99)]
-    assert route({A: 0, B: 10}, loads).replica == A
+    assert route({A: 0, B: 10}, loads, kv_usage_ceiling=0.95).replica == A
+    assert route({A: 0, B: 10}, loads).replica == B
     assert route({A: 0, B: 10}, loads, kv_usage_ceiling=None).replica == B
     assert route({A: 0, B: 10}, loads, kv_usage_ceiling=1.0).replica == B
+
+
+# --- duplication penalty (overlap_credit > 1) -----------------------------------------------
+
+
+def test_credit_above_one_keeps_a_prefix_home_against_a_larger_backlog() -> None:
+    # A holds 8 of 10 blocks with 12 blocks of prefill queued; B is idle and holds nothing.
+    # Credit 1: A costs 12 + 10 - 8 = 14 > B's 10. Credit 2: A costs 12 + 10 - 16 = 6 < 10.
+    loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B)]
+    assert route({A: 8, B: 0}, loads).replica == B
+    decision = route({A: 8, B: 0}, loads, overlap_credit=2.0)
+    assert decision.replica == A
+    assert terms_of(decision)[A].prefill_term == pytest.approx(6.0)
+
+
+def test_credit_above_one_does_not_inflate_the_shared_pending_discount() -> None:
+    # all of A's overlap is speculative (a leader still prefilling 20 blocks): shared is capped at
+    # the speculative blocks themselves, not credit x them
+    loads = [ReplicaLoad(A, pending_prefill_blocks=20.0), ReplicaLoad(B)]
+    request = RouteRequest(candidates=(A, B), request_blocks=10, prompt_tokens=10 * BLOCK + 3)
+    overlap = Overlap(blocks={A: 8, B: 0}, request_blocks=10, speculative_blocks={A: 8})
+    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
+    decision = CostPolicy()(request, overlap, snapshot, PolicyWeights(overlap_credit=2.0), random.Random(0))
+    assert terms_of(decision)[A].shared_pending_blocks == pytest.approx(8.0)
 
 
 # --- imbalance guard -------------------------------------------------------------------------
@@ -193,7 +218,7 @@ def test_ties_are_broken_at_random_and_reproducibly() -> None:
 
 def test_temperature_reports_probabilities_that_sum_to_one() -> None:
     loads = [ReplicaLoad(C, kv_usage=0.99)]
-    decision = route({A: 0, B: 10, C: 10}, loads, temperature=0.5)
+    decision = route({A: 0, B: 10, C: 10}, loads, temperature=0.5, kv_usage_ceiling=0.95)
     by_replica = terms_of(decision)
     assert by_replica[C].probability == 0.0
     assert by_replica[A].probability is not None and by_replica[B].probability is not None
@@ -289,7 +314,7 @@ def test_never_picks_an_excluded_replica_and_argmin_is_minimal(
     ("field", "value"),
     [
         ("prefill_weight", -1.0),
-        ("overlap_credit", 1.5),
+        ("overlap_credit", 4.5),
         ("overlap_credit", -0.1),
         ("decode_weight", math.nan),
         ("queue_weight", math.inf),
@@ -317,7 +342,7 @@ def test_replace_validates_coerces_and_keeps_the_original() -> None:
     changed = weights.replace(temperature=1, kv_usage_ceiling=None)
     assert changed.temperature == 1.0 and isinstance(changed.temperature, float)
     assert changed.kv_usage_ceiling is None
-    assert weights.temperature == 0.0 and weights.kv_usage_ceiling == 0.95
+    assert weights.temperature == 0.0 and weights.kv_usage_ceiling is None
     with pytest.raises(ConfigError, match="unknown policy weight"):
         weights.replace(temprature=1.0)
 
