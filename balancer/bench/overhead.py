@@ -9,13 +9,15 @@ noisy shared machine slows them alike:
 * ``kvlb``: client → ``kvlb serve`` (one pool of ``replicas`` replicas, all on the fake upstream, the
   default cost policy, the default DeepSeek-V3 tokenizer) → upstream.
 
-Every server is its own process; the client runs here. Two prompt kinds are measured: ``chat``
-(``prompt_tokens``-token chat messages: kvlb renders and tokenizes them, which is part of its cost)
-and ``tokens`` (the same prompts as token ids to ``/v1/completions``: kvlb's cost without the
-tokenizer). Reported per kind and phase: latency p50/p90/p99 per path, the added latency of each
-proxy (its percentile minus the direct path's), req/s, each proxy process's CPU per request from
-``/proc`` (so the rate one fully busy core routes), and the route-decision time from kvlb's own
-``kvlb_route_decision_seconds`` histogram. The tokenizer's time on the same prompts is measured here.
+Every server is its own process; the client runs here. Three prompt kinds are measured: ``chat``
+(``prompt_tokens``-token chat messages: kvlb renders and tokenizes them, which is part of its cost),
+``chat_cold`` (the same, but each system prompt unique per request, so kvlb's tokenizer segment cache
+never hits) and ``tokens`` (the same prompts as token ids to ``/v1/completions``: kvlb's cost without
+the tokenizer); the shapes and bodies are built in :mod:`balancer.bench.overhead_workload`. Reported
+per kind and phase: latency p50/p90/p99 per path, the added latency of each proxy (its percentile
+minus the direct path's), req/s, each proxy process's CPU per request from ``/proc`` (so the rate one
+fully busy core routes), and the route-decision time from kvlb's own ``kvlb_route_decision_seconds``
+histogram. The tokenizer's time on the same prompts is measured here.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ import asyncio
 import contextlib
 import json
 import os
-import random
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -48,137 +49,39 @@ from balancer.bench.overhead_report import (
     parse_histogram,
     percentile,
 )
-from balancer.bench.overhead_servers import MODEL, Servers, start_servers
+from balancer.bench.overhead_servers import Servers, start_servers
+from balancer.bench.overhead_workload import (
+    KIND_DESCRIPTIONS,
+    KINDS,
+    SMOKE,
+    OverheadShape,
+    Prompts,
+    build_prompts,
+)
 from balancer.child_process import Child, cpu_seconds, stop_all
 from balancer.default_tokenizer import default_tokenizer
-from balancer.tokenize import Tokenizer
-from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
 
-KINDS: tuple[str, ...] = ("chat", "chat_cold", "tokens")
+__all__ = [
+    "KINDS",
+    "SMOKE",
+    "BenchError",
+    "OverheadShape",
+    "Prompts",
+    "add_parser",
+    "build_prompts",
+    "measure",
+    "run_command",
+    "shape_from_args",
+]
+
 READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
-QUESTION_TOKENS = 64
-"""The user message of each chat prompt; the system message holds the rest."""
 DECISION_METRIC = "kvlb_route_decision_seconds"
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
-@dataclass(frozen=True, slots=True)
-class OverheadShape:
-    """Sizes of one ``kvlb bench overhead`` run."""
-
-    prompt_tokens: int = 8192
-    """Approximate prompt size in tokens (the measured mean is reported)."""
-    prompts: int = 32
-    """Distinct prompts, sent in turn."""
-    sequential_rounds: int = 200
-    """Sequential phase: each round sends one request on every path, in a rotating order."""
-    warmup_rounds: int = 20
-    """Sequential rounds sent first and not counted (connections, caches, JIT-free warm-up)."""
-    concurrency: int = 32
-    """Concurrent phase: clients with one request in flight each."""
-    concurrent_rounds: int = 6
-    """Concurrent phase: each round runs one burst per path, in a rotating order."""
-    burst_requests: int = 128
-    """Requests per burst (one path at a time)."""
-    replicas: int = 4
-    """Replicas in kvlb's pool (all on the fake upstream): the policy scores this many."""
-    max_tokens: int = 2
-    """``max_tokens`` of each request (the fake upstream ignores it)."""
-    kinds: tuple[str, ...] = KINDS
-    """Prompt kinds to measure: ``chat`` and/or ``tokens``."""
-    seed: int = 0
-    """Seed of the prompt text."""
-
-    def __post_init__(self) -> None:
-        sizes = {name: getattr(self, name) for name in _POSITIVE}
-        for name, value in sizes.items():
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.warmup_rounds < 0:
-            raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
-        unknown = sorted(set(self.kinds) - set(KINDS))
-        if unknown or not self.kinds:
-            raise ValueError(f"kinds must be among {', '.join(KINDS)}, got {', '.join(self.kinds) or 'none'}")
-
-
-_POSITIVE = (
-    "prompt_tokens", "prompts", "sequential_rounds", "concurrency", "concurrent_rounds",
-    "burst_requests", "replicas", "max_tokens",
-)  # fmt: skip
-
-
-SMOKE = OverheadShape(
-    prompt_tokens=512,
-    prompts=2,
-    sequential_rounds=4,
-    warmup_rounds=1,
-    concurrency=4,
-    concurrent_rounds=1,
-    burst_requests=8,
-    replicas=2,
-)
-"""A seconds-long run for tests and CI (figures meaningless)."""
-
-
 class BenchError(RuntimeError):
     """A request of the benchmark failed (the figures would be wrong)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prompts:
-    """The request bodies of both kinds, and what tokenizing the chat prompts cost here."""
-
-    chat: tuple[bytes, ...]
-    tokens: tuple[bytes, ...]
-    token_counts: tuple[int, ...]
-    tokenize_s: tuple[float, ...]
-    chat_cold: tuple[bytes, ...] = ()
-    """Chat bodies whose system prompt is unique per request: kvlb's tokenizer cache never hits."""
-
-    def bodies(self, kind: str) -> tuple[str, tuple[bytes, ...]]:
-        """(path, bodies) of ``kind``."""
-        if kind == "chat":
-            return "/v1/chat/completions", self.chat
-        if kind == "chat_cold":
-            return "/v1/chat/completions", self.chat_cold
-        return "/v1/completions", self.tokens
-
-
-def build_prompts(shape: OverheadShape, tokenizer: Tokenizer) -> Prompts:
-    """Distinct chat prompts of about ``prompt_tokens`` tokens, and the same as token ids. Blocking."""
-    rng = random.Random(shape.seed)
-    system_words = words_for_tokens(max(1, shape.prompt_tokens - QUESTION_TOKENS), TOKENS_PER_WORD)
-    question_words = words_for_tokens(QUESTION_TOKENS, TOKENS_PER_WORD)
-    chat, tokens, counts, timings = [], [], [], []
-    for _ in range(shape.prompts):
-        messages = [
-            {"role": "system", "content": random_text(rng, system_words)},
-            {"role": "user", "content": random_text(rng, question_words)},
-        ]
-        ids: list[int] = []
-        for _ in range(3):
-            started = time.perf_counter()
-            ids = tokenizer.encode_chat(messages)
-            timings.append(time.perf_counter() - started)
-        common = {"model": MODEL, "max_tokens": shape.max_tokens, "stream": True}
-        chat.append(json.dumps({**common, "messages": messages}).encode())
-        tokens.append(json.dumps({**common, "prompt": ids}).encode())
-        counts.append(len(ids))
-    return Prompts(tuple(chat), tuple(tokens), tuple(counts), tuple(timings), cold_bodies(shape, chat))
-
-
-def cold_bodies(shape: OverheadShape, chat: list[bytes]) -> tuple[bytes, ...]:
-    """One body per request sent (no repeats): each system prompt starts with a unique nonce, so
-    every request is tokenized from scratch, as for traffic that shares no prompt text."""
-    needed = shape.warmup_rounds + shape.sequential_rounds + shape.burst_requests * shape.concurrent_rounds
-    out = []
-    for index in range(needed):
-        body = json.loads(chat[index % len(chat)])
-        system = body["messages"][0]
-        system["content"] = f"Request {index} of this run. {system['content']}"
-        out.append(json.dumps(body).encode())
-    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -294,21 +197,13 @@ async def concurrent(
     }
 
 
-_DESCRIPTIONS = {
-    "chat": "chat messages to /v1/chat/completions (kvlb renders and tokenizes them; the 32 system "
-    "prompts repeat, so after the first round they come from kvlb's segment cache)",
-    "chat_cold": "chat messages whose system prompt is unique per request (tokenized from scratch)",
-    "tokens": "the same prompts as token ids to /v1/completions (no tokenizer in kvlb's path)",
-}
-
-
 async def measure_kind(
     session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, prompts: Prompts, kind: str
 ) -> dict[str, Any]:
     path, bodies = prompts.bodies(kind)
     kvlb_url = servers.urls["kvlb"]
     before = await scrape_decisions(session, kvlb_url)
-    result: dict[str, Any] = {"description": _DESCRIPTIONS[kind]}
+    result: dict[str, Any] = {"description": KIND_DESCRIPTIONS[kind]}
     result["sequential"] = await sequential(session, servers, shape, path, bodies)
     result["concurrent"] = await concurrent(session, servers, shape, path, bodies)
     after = await scrape_decisions(session, kvlb_url)
@@ -373,7 +268,7 @@ def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seconds), for CI")
     parser.add_argument(
-        "--kinds", default=",".join(KINDS), help="comma-separated: chat,tokens (default both)"
+        "--kinds", default=",".join(KINDS), help="comma-separated: chat,chat_cold,tokens (default all)"
     )
     parser.add_argument("--concurrency", type=int, default=None, help="clients of the concurrent phase (32)")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt size in tokens (8192)")
