@@ -113,11 +113,17 @@ class Replica:
         self.engine.restart()
         self.personality.restart()
 
-    async def refuse_connections(self, wall_s: float) -> None:
-        """Close the listener now and reopen it after ``wall_s`` seconds (in an owned task)."""
+    async def refuse_connections(self, wall_s: float, spare: object = None) -> None:
+        """Close the listener and every open connection now (as a dead HTTP server would), and
+        reopen the listener after ``wall_s`` seconds (in an owned task). The event sockets stay.
+        ``spare`` is the connection handler asking for it, left to answer (and then close)."""
         if self._site is not None:
             await self._site.stop()
             self._site = None
+        server = self._runner.server
+        for handler in list(server.connections if server is not None else ()):
+            if handler is not spare:
+                handler.force_close()
         self._spawn(self._reopen_after(wall_s))
 
     async def _listen(self) -> None:
@@ -161,9 +167,12 @@ class Replica:
         if actions.stall_s > 0:
             self.engine.stall(actions.stall_s)
         if actions.refuse_s > 0:
-            await self.refuse_connections(actions.refuse_s)
+            await self.refuse_connections(actions.refuse_s, spare=request.protocol)
         log.info("replica %s faults now %s, actions %s", self.config.name, settings, actions)
-        return web.json_response({**self.faults.describe(), "actions": asdict(actions)})
+        response = web.json_response({**self.faults.describe(), "actions": asdict(actions)})
+        if actions.refuse_s > 0:
+            response.force_close()  # the server is "down": this connection ends with the answer
+        return response
 
     async def _clear_faults(self, request: web.Request) -> web.Response:
         self.faults.settings = FaultSettings()
