@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
@@ -43,6 +43,7 @@ class Metrics:
     events_lag_seconds: Gauge
     # index
     index_blocks: Gauge
+    index_replica_blocks: Gauge
     index_skipped_total: Counter
     # load / replicas
     replica_load: Gauge
@@ -70,6 +71,8 @@ class Metrics:
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
         reg = registry if registry is not None else CollectorRegistry()
+        # kvlb_process_{cpu_seconds_total,resident_memory_bytes,open_fds,...}: capacity and leaks.
+        ProcessCollector(namespace="kvlb", registry=reg)
         return cls(
             registry=reg,
             requests_total=Counter(
@@ -177,6 +180,13 @@ class Metrics:
                 "kvlb_index_blocks",
                 "Blocks in the prefix index (kind=unique|held|speculative).",
                 ["kind"],
+                registry=reg,
+            ),
+            index_replica_blocks=Gauge(
+                "kvlb_index_replica_blocks",
+                "Blocks the index says a replica's caches hold (all ranks and key spaces), set at "
+                "scrape time; compare with the engine's own cache size.",
+                ["replica"],
                 registry=reg,
             ),
             index_skipped_total=Counter(

@@ -171,6 +171,7 @@ class ReplicaLifecycle:
         pool.router.remove_replica(replica)
         metrics = state.metrics
         metrics.replica_healthy.remove(replica)
+        metrics.index_replica_blocks.remove(replica)
         for kind in ("inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage"):
             metrics.replica_load.remove(replica, kind)
 

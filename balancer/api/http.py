@@ -55,11 +55,16 @@ def refresh_gauges(state: ServiceState) -> None:
     now = state.monotonic()
     unique = held = speculative = 0
     for pool in state.pools.values():
+        by_replica = dict.fromkeys(pool.replicas, 0)
         for space in pool.router.spaces.values():
             stats = space.table.stats()
             unique += stats.unique_blocks
             held += stats.held_blocks
             speculative += stats.speculative_entries
+            for replica, blocks in stats.blocks_by_replica.items():
+                by_replica[replica] = by_replica.get(replica, 0) + blocks
+        for replica, blocks in by_replica.items():
+            metrics.index_replica_blocks.labels(replica).set(blocks)
         snapshot = pool.router.tracker().snapshot(now)
         routable = set(state.health.routable(now, pool.replicas))
         for replica in pool.replicas:

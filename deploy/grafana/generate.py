@@ -72,6 +72,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("Pending prefill tokens per replica", "short",
          [(load("pending_prefill_tokens"), "{{replica}}")], ""),
         ("Decode blocks per replica", "short", [(load("decode_blocks"), "{{replica}}")], ""),
+        ("Index blocks per replica", "short",
+         [(f"max by (replica) (kvlb_index_replica_blocks{{{REP}}})", "{{replica}}")],
+         "Blocks the index says each replica's caches hold; flat at the engine's capacity once full."),
         ("Engine queue and KV usage", "short",
          [(load("waiting", "max"), "{{replica}} waiting"), (load("kv_usage", "max"), "{{replica}} kv usage")],
          "Scraped from the engines."),
@@ -104,6 +107,29 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
     ("Redis", [
         ("Index writes failing (Redis health)", "short", [(FAILED_APPLY, "failed applies/s")],
          "With Redis configured, index.apply fails while Redis is down, full or too slow."),
+        ("Redis up per balancer", "short", [(f"min by (instance) (kvlb_redis_up{{{SEL}}})", "{{instance}}")],
+         "1 while the balancer's last Redis calls succeeded."),
+        ("Redis errors/s", "short", [(rate("kvlb_redis_errors_total", "component"), "{{component}}")], ""),
+        ("Redis apply time", "s", quantiles("kvlb_redis_apply_seconds"), "One batch, retries included."),
+        ("Ingestion leases", "short", [
+            (f"sum by (instance) (kvlb_redis_leases_held{{{SEL}}})", "{{instance}} held"),
+            (rate("kvlb_redis_lease_events_total", "event"), "{{event}}/s"),
+        ], "Each replica's events are ingested by the one balancer holding its lease."),
+        ("Mirror lag and fleet members", "short", [
+            (f"max by (space) (kvlb_redis_mirror_lag_seconds{{{SEL}}})", "lag s {{space}}"),
+            (f"max (kvlb_redis_fleet_members{{{SEL}}})", "balancers"),
+        ], "Mirror lag: our clock minus the last applied stream entry's Redis time."),
+    ]),
+    ("Balancer process", [
+        ("CPU per balancer", "percentunit",
+         [(f"sum by (instance) (rate(kvlb_process_cpu_seconds_total{{{SEL}}}[{R}]))", "{{instance}}")],
+         "Cores used; capacity sizing in docs/operations.md."),
+        ("Resident memory", "bytes",
+         [(f"max by (instance) (kvlb_process_resident_memory_bytes{{{SEL}}})", "{{instance}}")], ""),
+        ("Open fds and asyncio tasks", "short", [
+            (f"max by (instance) (kvlb_process_open_fds{{{SEL}}})", "{{instance}} fds"),
+            (f"max by (instance) (kvlb_process_asyncio_tasks{{{SEL}}})", "{{instance}} tasks"),
+        ], "Flat under steady load; growth means a leak."),
     ]),
 ]  # fmt: skip
 

@@ -130,16 +130,18 @@ async def serve_on_discovered(setup: Setup) -> None:
 async def check_removed(setup: Setup) -> None:
     """r1 is gone everywhere; r0 serves again."""
 
-    async def gone() -> bool:
-        return "r1" not in await setup.views()
-
-    await wait_for("r1 removed from /admin/replicas", gone, timeout_s=10)
-    assert await setup.held_blocks() == 0  # r0 was drained: every held block was r1's
     state = setup.balancer.state
     lifecycle = setup.balancer.replicas
     assert state is not None and lifecycle is not None
     r1 = ReplicaId("r1")
     router = state.pools[MODEL].router
+
+    async def gone() -> bool:
+        # Routing stops at the first step of the teardown; the router's tables are the last.
+        return "r1" not in await setup.views() and r1 not in router.space_of
+
+    await wait_for("r1 removed from /admin/replicas and the router", gone, timeout_s=10)
+    assert await setup.held_blocks() == 0  # r0 was drained: every held block was r1's
     assert r1 not in router.space_of and r1 not in state.health.replicas and r1 not in state.scrapers
     assert r1 not in state.ingest_status() and r1 not in lifecycle.discovered
     assert all(r1 not in s.table.stats().blocks_by_replica for s in router.spaces.values())
