@@ -25,11 +25,17 @@ class ZmqSourceSettings:
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
-    """Longest wait between reopen attempts (seconds); also ZMQ's own reconnect interval cap."""
+    """Longest wait between reopen attempts of a failed socket (seconds). Must be > 0."""
+    publisher_reconnect_max_s: float = 0.5
+    """ZMQ's own cap on the interval between TCP reconnect attempts to a publisher that went away
+    (seconds; ZMQ doubles the interval from 0.1 s up to it). A restarted engine's events reach kvlb
+    at most this long after it listens again (the replay from seq 0 then fills what it sent before);
+    each attempt is one TCP connect, so a low cap is cheap. Must be > 0."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""
-        for name in ("replay_timeout_s", "reconnect_initial_s", "reconnect_max_s"):
+        timeouts = ("replay_timeout_s", "reconnect_initial_s", "reconnect_max_s", "publisher_reconnect_max_s")
+        for name in timeouts:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")

@@ -200,7 +200,7 @@ class ZmqEventSource:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.settings.reconnect_max_s * 1000))
+        sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
         return sub
