@@ -8,7 +8,10 @@ Every ``tick_s`` each balancer:
    its ingest stops at once, without draining (the new holder resumes from Redis).
 3. **Spreads** leases: its fair share is ``ceil(replicas / live members)``. Below it, it takes free
    leases, preferring the replicas that rendezvous hashing gives it; above it, it hands one over
-   per tick (sources stopped, queue drained, positions marked clean, lease deleted).
+   per tick (sources stopped, queue drained, positions marked clean, lease deleted). For
+   ``ttl_s + tick_s`` after a failed tick it takes none: after a Redis outage longer than the TTL
+   every lease has expired, and each holder should take its own back (keeping its pipeline) before
+   anyone takes another's (which would resync a TRT-LLM replica).
 4. **Liveness** of the replicas it holds: one that sent no event and failed its health probes for
    ``replica_timeout_s`` is dropped from the index fleet-wide (``RedisIndex.drop_replica`` bumps its
    generation and appends a drop entry that every mirror applies). It is dropped again only after
@@ -136,6 +139,9 @@ class LeaseManager:
         self._build_sources = build_sources
         self._on_redis = on_redis
         self._lost: set[ReplicaId] = set()
+        self._quiet_until = 0.0
+        """Monotonic time before which no lease is newly taken: set by a failed tick, so that after a
+        Redis outage every holder first gets ``ttl_s`` to take its own expired leases back."""
         self._lock = asyncio.Lock()
         """Held by a tick and by :meth:`remove`, so a replica never leaves in the middle of a tick."""
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -154,6 +160,7 @@ class LeaseManager:
                 self._on_redis(True)
             except (RedisError, OSError) as exc:
                 self._on_redis(False)
+                self._quiet_until = time.monotonic() + self.timing.ttl_s + self.timing.tick_s
                 self._metrics.redis_errors_total.labels("lease").inc()
                 log.warning("lease manager: redis error: %s", exc)
             wait_s = max(0.0, self.timing.tick_s - (time.monotonic() - started))  # a fixed period
@@ -242,6 +249,8 @@ class LeaseManager:
             log.info("handing %s over (holding %d, fair share %d)", worst, len(self.held), share)
             await self._give_up(worst, graceful=True)
             return
+        if time.monotonic() < self._quiet_until:
+            return  # after Redis errors: let the holders take their expired leases back first
         for replica in sorted(self.replicas, key=self._preference, reverse=True):
             if len(self.held) >= share:
                 break

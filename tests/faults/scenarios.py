@@ -102,7 +102,6 @@ SCENARIOS = {
                 redis_restarted,
                 redis=True,
                 kvlbs=2,
-                exact=False,
             ),
             Scenario(
                 "redis_slow",
@@ -110,7 +109,6 @@ SCENARIOS = {
                 redis_slow,
                 redis=True,
                 kvlbs=2,
-                exact=False,
             ),
         )
     },
