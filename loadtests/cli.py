@@ -188,6 +188,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     load_average = [round(x, 2) for x in os.getloadavg()]
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     if args.attach:
         fleet = attach_fleet(args.attach)
     else:
@@ -230,7 +231,8 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     ]
     meta = {
         "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in _own_argv() if a != "--in-netns"),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started": started_at,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "load_average": load_average,
         "netns": bool(args.in_netns),
         "processes": processes,

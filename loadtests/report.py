@@ -319,7 +319,10 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], plots_note: str | 
     """The human report: set-up, per-router table, ratio tables, targets, plots."""
     meta, oracle, entries = report["meta"], report["oracle"], report["routers"]
     lines = ["# kvlb load test", "", f"`{meta.get('command', '')}`", ""]
-    lines += [f"- started: {meta.get('started')}; load average before: {meta.get('load_average')}"]
+    lines += [
+        f"- started: {meta.get('started')}, finished: {meta.get('finished', '?')}; "
+        f"load average before: {meta.get('load_average')}"
+    ]
     lines += [f"- fleet: {json.dumps(meta.get('fleet'))}", f"- workload: {json.dumps(meta.get('workload'))}"]
     lines += [f"- drive: {json.dumps(meta.get('drive'))}"]
     if oracle:
