@@ -13,6 +13,9 @@ Definitions (the rest are :mod:`loadtests.stats`'):
 - ``load_imbalance``: the time average, over load samples where the fleet is busy, of max / mean of
   ``running + waiting`` per replica.
 - ``oracle_fraction``: ``hit_rate`` / the oracle's bound (:mod:`loadtests.oracle`).
+- ``replicas_per_group``: the mean number of distinct replicas that served one prefix group (a
+  ``tenant`` tag where the workload sets one, else a session); 1.0 is perfect affinity, a high value
+  means copies of the same context on many replicas. ``None`` without groups or replica headers.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.runs import RouterRun
-from loadtests.stats import ratio
+from loadtests.stats import RequestRecord, ratio
 
 REPORT_VERSION = 1
 
@@ -33,7 +36,7 @@ ROUTER_FIELDS: tuple[str, ...] = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s",
     "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "output_tok_per_s", "req_per_s",
     "hit_rate", "client_hit_rate", "oracle_fraction", "replica_requests",
-    "request_imbalance", "load_imbalance", "vs_round_robin", "vs_best_peer",
+    "request_imbalance", "load_imbalance", "replicas_per_group", "vs_round_robin", "vs_best_peer",
 )  # fmt: skip
 """Keys of every router entry in the JSON report (values may be ``None`` for a router that did not run)."""
 
@@ -61,6 +64,16 @@ def _replica_figures(run: RouterRun) -> dict[str, Any]:
         "replica_requests": requests,
         "request_imbalance": ratio(max(requests.values()), mean) if requests and mean else None,
     }
+
+
+def replicas_per_group(records: Sequence[RequestRecord]) -> float | None:
+    """Mean distinct replicas per prefix group: the ``tenant`` tag, else the session id."""
+    groups: dict[str, set[str]] = {}
+    for record in records:
+        group = record.tag("tenant") or record.session_id
+        if group is not None and record.replica:
+            groups.setdefault(group, set()).add(record.replica)
+    return sum(len(replicas) for replicas in groups.values()) / len(groups) if groups else None
 
 
 def load_imbalance(series: Mapping[str, Sequence[tuple[float, float, float]]]) -> float | None:
@@ -95,11 +108,12 @@ def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any
     entry["replica_requests"] = figures.get("replica_requests")
     entry["request_imbalance"] = figures.get("request_imbalance")
     entry["load_imbalance"] = load_imbalance(run.load_series) if run.load_series else None
+    records = run.result.records if run.result is not None else ()
+    entry["replicas_per_group"] = replicas_per_group(records)
     entry["vs_round_robin"] = None
     entry["vs_best_peer"] = None
     entry["wall_s"] = run.wall_s
     entry["summary"] = summary
-    records = run.result.records if run.result is not None else ()
     entry["ttft_s"] = sorted(r.ttft_s for r in records if r.ok and r.ttft_s is not None)
     entry["load_series"] = {name: [list(s) for s in samples] for name, samples in run.load_series.items()}
     entry["load_samples_dropped"] = run.samples_dropped
@@ -275,12 +289,12 @@ def _router_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = [
         "| router | ok / sent | errors | TTFT p50 / p90 / p99 ms | ITL p50 / p90 ms | e2e p50 / p90 ms "
         "| out tok/s | req/s | hit rate (replicas) | hit rate (usage) | of oracle | req imbalance "
-        "| load imbalance |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load imbalance | replicas per group |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         if e["status"] != "ok":
-            rows.append(f"| {e['name']} | {e['status']}: {e['note']} |" + " |" * 11)
+            rows.append(f"| {e['name']} | {e['status']}: {e['note']} |" + " |" * 12)
             continue
         rows.append(
             f"| {e['name']} | {e['ok']} / {e['requests']} | {e['errors']} "
@@ -289,7 +303,7 @@ def _router_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
             f"| {_ms(e['e2e_p50_s'])} / {_ms(e['e2e_p90_s'])} "
             f"| {_num(e['output_tok_per_s'], 0)} | {_num(e['req_per_s'])} | {_pct(e['hit_rate'])} "
             f"| {_pct(e['client_hit_rate'])} | {_pct(e['oracle_fraction'])} | {_num(e['request_imbalance'])} "
-            f"| {_num(e['load_imbalance'])} |"
+            f"| {_num(e['load_imbalance'])} | {_num(e.get('replicas_per_group'))} |"
         )
     return rows
 

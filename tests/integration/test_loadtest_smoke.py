@@ -28,9 +28,10 @@ ROUTERS = ("kvlb", "round_robin")
 FIELDS_PER_ROUTER = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "e2e_p50_s", "e2e_p90_s",
     "output_tok_per_s", "req_per_s", "hit_rate", "request_imbalance", "load_imbalance", "errors",
+    "replicas_per_group",
 )  # fmt: skip
 """The per-router figures the issue lists: TTFT p50/p90/p99, ITL and e2e, output tok/s and req/s, hit
-rate (replica counters), per-replica load imbalance, errors."""
+rate (replica counters), per-replica load imbalance, errors; and how many replicas served a tenant."""
 
 
 def _run_loadtest(out: Path) -> subprocess.CompletedProcess[str]:

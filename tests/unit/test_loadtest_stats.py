@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from loadtests.report import replicas_per_group
 from loadtests.sse import StreamState
 from loadtests.stats import (
     SUMMARY_FIELDS,
@@ -177,3 +178,16 @@ def test_stream_state_errors() -> None:
     assert failed.outcome == "error" and "overloaded" in (failed.error or "")
     with pytest.raises(ValueError):
         StreamState(start=0.0).feed_line(b"data: {not json", 0.1)
+
+
+def test_replicas_per_group_counts_distinct_replicas_per_tenant_else_session() -> None:
+    records = [
+        _ok("a", 0.1, 1.0, "r0", tags=(("tenant", "t0"),), session_id="t0-u0"),
+        _ok("b", 0.1, 1.0, "r1", tags=(("tenant", "t0"),), session_id="t0-u1"),
+        _ok("c", 0.1, 1.0, "r1", tags=(("tenant", "t0"),), session_id="t0-u1"),
+        _ok("d", 0.1, 1.0, "r2", session_id="chat-7"),  # no tenant tag: grouped by session
+        _ok("e", 0.1, 1.0, "r2", session_id="chat-7"),
+        RequestRecord("f", "timeout", start_s=0.6, error="slow", session_id="chat-8"),  # no replica
+    ]
+    assert replicas_per_group(records) == (2 + 1) / 2
+    assert replicas_per_group([_ok("g", 0.1, 1.0, "r0")]) is None  # neither tag nor session
