@@ -263,6 +263,7 @@ class FleetRuntime:
         """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
         assert self.snapshots is not None
         while not self._stop.is_set():
+            self.refresh_metrics()  # first at start: a snapshot may take a while (it is idempotent)
             try:
                 await self.snapshots.tick()
             except Exception as exc:  # a failed snapshot must not end the loop
