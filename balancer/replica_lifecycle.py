@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
 import aiohttp
 import zmq.asyncio
@@ -40,6 +38,7 @@ from balancer.router import KeySpace, align_mode
 from balancer.sources.build import build_sources
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.sources.scraper import MetricsScraper, ScrapeSettings
+from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -96,15 +95,12 @@ class ReplicaLifecycle:
     def start_discovery(self, discovery: Discovery) -> None:
         """Run ``discovery`` in a task of its own, applying each change with :meth:`apply`."""
         self.discovery = discovery
-        task = asyncio.create_task(discovery.run(self.apply), name="kvlb-discovery")
-        task.add_done_callback(_report_exit)
-        self._discovery_task = task
+        self._discovery_task = spawn(discovery.run(self.apply), "kvlb-discovery")
 
     async def stop_discovery(self) -> None:
         task, self._discovery_task = self._discovery_task, None
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_all([task])
 
     async def apply(self, event: DiscoveryEvent) -> None:
         """The discovery hook: apply one change (an update arrives as a removal, then an addition)."""
@@ -161,7 +157,7 @@ class ReplicaLifecycle:
         state = self.state
         pool.replicas.pop(replica, None)
         state.health.remove(replica)
-        await _cancel(self._tasks.pop(replica, []))
+        await cancel_all(self._tasks.pop(replica, []))
         state.scrapers.pop(replica, None)
         space = pool.router.space_of.get(replica)
         if self.fleet is not None:
@@ -204,11 +200,11 @@ class ReplicaLifecycle:
                 metrics_path=config.metrics_path,
             )
             self.state.scrapers[replica] = scraper
-            tasks.append(_spawn(scraper.run(), f"kvlb-scrape-{replica}"))
+            tasks.append(spawn(scraper.run(), f"kvlb-scrape-{replica}"))
         prober = HealthProber(
             replica, config.url, session=self._session, health=self.state.health, settings=self._probe
         )
-        tasks.append(_spawn(prober.run(), f"kvlb-probe-{replica}"))
+        tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
 
     # ------------------------------------------------------------------ shutdown
 
@@ -216,7 +212,7 @@ class ReplicaLifecycle:
         """Cancel every scraper and prober (discovery first, so none is started meanwhile)."""
         await self.stop_discovery()
         tasks, self._tasks = self._tasks, {}
-        await _cancel([task for group in tasks.values() for task in group])
+        await cancel_all([task for group in tasks.values() for task in group])
 
     async def close_ingest(self) -> None:
         """Close the embedded-mode ingests, newest first (the fleet closes its own)."""
@@ -224,26 +220,3 @@ class ReplicaLifecycle:
         ingests, self.ingests = list(self.ingests.values()), {}
         for ingest in reversed(ingests):
             await ingest.aclose()
-
-
-def _spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
-    task = asyncio.create_task(coro, name=name)
-    task.add_done_callback(_report_exit)
-    return task
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in reversed(tasks):
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _report_exit(task: asyncio.Task[None]) -> None:
-    """Discovery, probers and scrapers run until cancelled: any other exit is worth a log line."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("task %s died", task.get_name(), exc_info=exc)
-    else:
-        log.warning("task %s ended", task.get_name())

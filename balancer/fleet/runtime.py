@@ -32,7 +32,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +56,7 @@ from balancer.router import KeySpace
 from balancer.sources.base import EventSource
 from balancer.sources.build import build_sources
 from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -223,10 +224,8 @@ class FleetRuntime:
         state.fleet_status = self.status
         log.info("fleet member %s: %d key space(s) on Redis", self.instance, len(self._spaces))
 
-    def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=name)
-        task.add_done_callback(_report_exit)
-        self._tasks.append(task)
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(spawn(coro, name))
 
     # ------------------------------------------------------------------ discovered replicas
 
@@ -263,13 +262,12 @@ class FleetRuntime:
         """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
         assert self.snapshots is not None
         while not self._stop.is_set():
-            self.refresh_metrics()  # first at start: a snapshot may take a while (it is idempotent)
+            self.refresh_metrics()  # before the snapshot, which may take a while: set at start
             try:
                 await self.snapshots.tick()
             except Exception as exc:  # a failed snapshot must not end the loop
                 self.state.metrics.redis_errors_total.labels("snapshot").inc()
                 log.warning("snapshot: %s", exc)
-            self.refresh_metrics()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.config.tick_s)
 
@@ -330,8 +328,7 @@ class FleetRuntime:
         self._stop.set()
         for task in self._tasks:
             if task.get_name() == "kvlb-leases":  # no take-over may race the hand-over below
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
+                await cancel_all([task])
         if self.leases is not None:
             try:
                 async with asyncio.timeout(self.config.lease_ttl_s):
@@ -341,10 +338,8 @@ class FleetRuntime:
         if self.snapshots is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.snapshots.release(), self.config.socket_timeout_s)
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        tasks, self._tasks = self._tasks, []
+        await cancel_all(tasks)
         for entry in self._spaces:
             await entry.ingest.aclose()
         if self.policy is not None:
@@ -358,8 +353,3 @@ def _installer(space: KeySpace) -> Callable[[PrefixTable], None]:
         space.table = table
 
     return install
-
-
-def _report_exit(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and (exc := task.exception()) is not None:
-        log.error("fleet task %s died", task.get_name(), exc_info=exc)

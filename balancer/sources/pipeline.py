@@ -31,6 +31,7 @@ from balancer.events import KvEvent, Resync
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource, IngestBatch, SourceStatus
+from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -251,9 +252,9 @@ class EventIngest:
         entry = self._replicas.pop(replica, None)
         if entry is None:
             return True
-        await _cancel(entry.tasks[1:])  # the sources
+        await cancel_all(entry.tasks[1:])  # the sources
         applied = await entry.pipeline.wait_applied(drain_s) if drain_s > 0 else False
-        await _cancel(entry.tasks[:1])  # the applier
+        await cancel_all(entry.tasks[:1])  # the applier
         if drop_index:
             await self._index.drop_replica(replica)
         return applied
@@ -275,7 +276,7 @@ class EventIngest:
         """Cancel and await every task, newest first; the index itself is not closed here."""
         self._running = False
         for entry in reversed(list(self._replicas.values())):
-            await _cancel(entry.tasks)
+            await cancel_all(entry.tasks)
 
     def status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
         """Ingest state of every replica (queue, overflows, applies, each source's stream state)."""
@@ -295,30 +296,7 @@ class EventIngest:
 
     def _start(self, entry: _Replica) -> None:
         name = entry.pipeline.replica
-        tasks = [asyncio.create_task(entry.pipeline.run(), name=f"kvlb-apply-{name}")]
-        for position, source in enumerate(entry.sources):
-            task = asyncio.create_task(
-                source.run(entry.pipeline.offer), name=f"kvlb-source-{name}-{position}"
-            )
-            tasks.append(task)
-        for task in tasks:
-            task.add_done_callback(_report_exit)
-        entry.tasks = tasks
-
-
-def _report_exit(task: asyncio.Task[None]) -> None:
-    """Sources and appliers run until cancelled: an exit is a bug (or a terminated ZMQ context)."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None:
-        log.error("ingest task %s died", task.get_name(), exc_info=exc)
-    else:
-        log.info("ingest task %s ended", task.get_name())
-
-
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel ``tasks`` in reverse start order and wait for each to finish."""
-    for task in reversed(tasks):
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+        entry.tasks = [spawn(entry.pipeline.run(), f"kvlb-apply-{name}")] + [
+            spawn(source.run(entry.pipeline.offer), f"kvlb-source-{name}-{position}")
+            for position, source in enumerate(entry.sources)
+        ]

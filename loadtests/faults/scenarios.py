@@ -156,28 +156,28 @@ async def restart_flushed(f: Fleet, hold_s: float, load: Load) -> str:
     return "r0 (SGLang) and r2 (TRT-LLM) restarted"
 
 
+async def _drop_events(f: Fleet, replica: str, fraction: float, hold_s: float) -> int:
+    """Drop ``fraction`` of ``replica``'s event batches (after their seq was taken) for ``hold_s``;
+    returns how many were dropped."""
+    await f.fault(replica, drop_events=fraction)
+    await asyncio.sleep(hold_s)
+    stats = await f.fault(replica, drop_events=0.0)
+    return int(stats["dropped_batches"])
+
+
 async def hwm_loss(f: Fleet, hold_s: float, load: Load) -> str:
     """Half of r0's event batches lost after their seq was taken (a PUB high-water mark)."""
-    await f.fault("r0", drop_events=0.5)
-    await asyncio.sleep(hold_s)
-    stats = await f.fault("r0", drop_events=0.0)
-    return f"r0 lost {stats['dropped_batches']} batches"
+    return f"r0 lost {await _drop_events(f, 'r0', 0.5, hold_s)} batches"
 
 
 async def gap_beyond_buffer(f: Fleet, hold_s: float, load: Load) -> str:
     """Every batch lost for ``hold_s`` while the replay buffer keeps only 4: replay cannot fill it."""
-    await f.fault("r0", drop_events=1.0)
-    await asyncio.sleep(hold_s)
-    stats = await f.fault("r0", drop_events=0.0)
-    return f"r0 lost {stats['dropped_batches']} batches, replay buffer 4"
+    return f"r0 lost {await _drop_events(f, 'r0', 1.0, hold_s)} batches, replay buffer 4"
 
 
 async def trtllm_overflow(f: Fleet, hold_s: float, load: Load) -> str:
     """TRT-LLM's event buffer overflows: events dropped after their ``event_id`` was taken."""
-    await f.fault("r2", drop_events=0.5)
-    await asyncio.sleep(hold_s)
-    stats = await f.fault("r2", drop_events=0.0)
-    return f"r2 lost {stats['dropped_batches']} event batches (event_id gaps)"
+    return f"r2 lost {await _drop_events(f, 'r2', 0.5, hold_s)} event batches (event_id gaps)"
 
 
 async def slow_replica(f: Fleet, hold_s: float, load: Load) -> str:

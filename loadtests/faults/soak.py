@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from balancer.scrape import ScrapeError, parse_prometheus
 from loadtests.faults.fleet import Fleet, fleet
 from loadtests.faults.load import Load, percentile
 from loadtests.faults.scenarios import FAULT_TIMEOUTS, REPLICA_SCENARIOS
@@ -134,7 +135,7 @@ class Sampler:
 
     async def sample(self, drained: bool = False) -> None:
         t_s = time.monotonic() - self._started
-        series = await self._scrape()
+        figures = kvlb_figures(await self._scrape())
         engines = await self.fleet.engine_blocks()
         kvlb = self.fleet.kvlb
         finished = Counter(r.outcome for r in self.load.records if r.outcome != "pending")
@@ -146,11 +147,11 @@ class Sampler:
                 "t_s": round(t_s, 1),
                 "rss_mb": round(kvlb.rss_bytes() / 2**20, 1),
                 "fds": kvlb.fd_count(),
-                "tasks": _int(series.get("kvlb_process_asyncio_tasks")),
-                "index_held_blocks": _int(series.get('kvlb_index_blocks{kind="held"}')),
-                "index_unique_blocks": _int(series.get('kvlb_index_blocks{kind="unique"}')),
+                "tasks": figures["tasks"],
+                "index_held_blocks": figures["index_held_blocks"],
+                "index_unique_blocks": figures["index_unique_blocks"],
                 "engine_blocks": None if engines is None else sum(engines.values()),
-                "inflight": _int(series.get("kvlb_http_inflight_requests")),
+                "inflight": figures["inflight"],
                 "completed": completed,
                 "errors": errors,
                 "lost": interval["lost"],
@@ -160,31 +161,39 @@ class Sampler:
             }
         )
 
-    async def _scrape(self) -> dict[str, float]:
-        """kvlb's ``/metrics`` as ``{series: value}`` (empty when kvlb does not answer)."""
+    async def _scrape(self) -> str:
+        """kvlb's ``/metrics`` text (empty when kvlb does not answer)."""
         try:
             timeout = aiohttp.ClientTimeout(total=2.0)
             async with self.fleet.session.get(self.fleet.url + "/metrics", timeout=timeout) as response:
                 text = await response.text()
         except (aiohttp.ClientError, TimeoutError):
-            return {}
-        return parse_series(text)
+            return ""
+        return text
 
 
-def parse_series(text: str) -> dict[str, float]:
-    """Prometheus text → ``{'name{labels}': value}`` (pure)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("#") or " " not in line:
-            continue
-        head, _, value = line.rpartition(" ")
-        with contextlib.suppress(ValueError):
-            out[head] = float(value)
-    return out
+KVLB_SERIES = ("kvlb_process_asyncio_tasks", "kvlb_index_blocks", "kvlb_http_inflight_requests")
+"""The series of kvlb's ``/metrics`` a sample records."""
 
 
-def _int(value: float | None) -> int | None:
-    return None if value is None else int(value)
+def kvlb_figures(text: str) -> dict[str, int | None]:
+    """The sampled figures in kvlb's ``/metrics`` text (``None`` where a series is missing; all of
+    them when the text does not parse)."""
+    try:
+        samples = parse_prometheus(text, KVLB_SERIES)
+    except ScrapeError:
+        samples = {}
+
+    def value(name: str, **labels: str) -> int | None:
+        found = [v for have, v in samples.get(name, []) if all(have.get(k) == w for k, w in labels.items())]
+        return int(found[0]) if found else None
+
+    return {
+        "tasks": value("kvlb_process_asyncio_tasks"),
+        "index_held_blocks": value("kvlb_index_blocks", kind="held"),
+        "index_unique_blocks": value("kvlb_index_blocks", kind="unique"),
+        "inflight": value("kvlb_http_inflight_requests"),
+    }
 
 
 async def _inject_in_turn(

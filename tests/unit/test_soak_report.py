@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from loadtests.faults.soak import parse_duration, parse_series
+from loadtests.faults.soak import kvlb_figures, parse_duration
 from loadtests.faults.soak_report import GrowthLimits, judge, markdown, quarters
 
 
@@ -25,9 +25,20 @@ def test_parse_duration_refuses_junk(text: str) -> None:
         parse_duration(text)
 
 
-def test_parse_series_keeps_labels() -> None:
-    text = '# HELP x\nkvlb_index_blocks{kind="held"} 12.0\nkvlb_process_asyncio_tasks 31.0\nbroken line x\n'
-    assert parse_series(text) == {'kvlb_index_blocks{kind="held"}': 12.0, "kvlb_process_asyncio_tasks": 31.0}
+def test_kvlb_figures_pick_the_series_by_labels() -> None:
+    text = (
+        '# HELP x\nkvlb_index_blocks{kind="unique"} 7.0\nkvlb_index_blocks{kind="held"} 12.0\n'
+        "kvlb_process_asyncio_tasks 31.0\nother_metric 5\n"
+    )
+    assert kvlb_figures(text) == {
+        "tasks": 31,
+        "index_held_blocks": 12,
+        "index_unique_blocks": 7,
+        "inflight": None,
+    }
+    nothing = {"tasks": None, "index_held_blocks": None, "index_unique_blocks": None, "inflight": None}
+    assert kvlb_figures("") == nothing  # kvlb did not answer
+    assert kvlb_figures("kvlb_process_asyncio_tasks{oops 1\n") == nothing  # unparseable: no figure
 
 
 def samples(values: list[float | None], key: str = "tasks") -> list[dict[str, Any]]:
