@@ -68,12 +68,16 @@ class EngineStats:
     report it.
 
     ``kv_usage`` is the used fraction of the KV pool, 0..1 (SGLang ``token_usage``, vLLM
-    ``kv_cache_usage_perc``, TRT-LLM ``kvCacheStats`` used/max).
+    ``kv_cache_usage_perc``, TRT-LLM ``kvCacheStats`` used/max). ``capacity_tokens`` is the pool's
+    size in tokens (SGLang ``max_total_num_tokens``, vLLM blocks × block size, TRT-LLM
+    ``maxNumBlocks`` × tokens per block); it does not change while the engine runs, so the tracker
+    keeps the last value reported and never lets it go stale.
     """
 
     running_reqs: int | None = None
     waiting_reqs: int | None = None
     kv_usage: float | None = None
+    capacity_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +100,9 @@ class ReplicaLoad:
     running_reqs: int | None = None
     kv_usage: float | None = None
     stats_age_s: float | None = None
+    capacity_blocks: float | None = None
+    """KV pool size in blocks of the snapshot's block size, from the last scrape that reported it
+    (``None`` when never reported). Unlike the other scraped fields it is not dropped when stale."""
 
     @property
     def in_flight_reqs(self) -> int:
@@ -191,6 +198,7 @@ class LoadTracker:
         self._requests: OrderedDict[str, _Reservation] = OrderedDict()
         self._totals: dict[ReplicaId, _Totals] = {}
         self._scrapes: dict[ReplicaId, _Scrape] = {}
+        self._capacity_tokens: dict[ReplicaId, int] = {}
         self._reserved = self._released = self._expired = self._overflow = 0
         self._duplicates = self._unknown = self._ignored_stats = 0
 
@@ -264,13 +272,17 @@ class LoadTracker:
         if replica not in self._scrapes and len(self._scrapes) >= self.config.max_replicas:
             self._ignored_stats += 1
             return False
-        self._scrapes[replica] = _Scrape(_sanitise(stats), now)
+        clean = _sanitise(stats)
+        self._scrapes[replica] = _Scrape(clean, now)
+        if clean.capacity_tokens is not None:
+            self._capacity_tokens[replica] = clean.capacity_tokens
         return True
 
     def forget(self, replica: ReplicaId) -> int:
         """Drop a replica that left the pool: its scraped stats and reservations. Returns how many
         reservations went (they are neither released nor expired in the counters)."""
         self._scrapes.pop(replica, None)
+        self._capacity_tokens.pop(replica, None)
         gone = [rid for rid, res in self._requests.items() if res.replica == replica]
         for rid in gone:
             del self._requests[rid]
@@ -290,6 +302,7 @@ class LoadTracker:
                 age_s = max(0.0, now - scrape.at)
                 if age_s <= self.config.stale_after_s:
                     stats = scrape.stats
+            capacity = self._capacity_tokens.get(replica)
             replicas[replica] = ReplicaLoad(
                 replica=replica,
                 pending_prefill_reqs=totals.prefill_reqs,
@@ -301,6 +314,7 @@ class LoadTracker:
                 running_reqs=stats.running_reqs,
                 kv_usage=stats.kv_usage,
                 stats_age_s=age_s,
+                capacity_blocks=None if capacity is None else capacity / block_size,
             )
         return LoadSnapshot(now=now, block_size_tokens=block_size, replicas=replicas)
 
@@ -333,4 +347,10 @@ def _sanitise(stats: EngineStats) -> EngineStats:
     usage = stats.kv_usage
     if usage is not None:
         usage = min(1.0, max(0.0, usage)) if math.isfinite(usage) else None
-    return EngineStats(count(stats.running_reqs), count(stats.waiting_reqs), usage)
+    capacity = stats.capacity_tokens
+    return EngineStats(
+        count(stats.running_reqs),
+        count(stats.waiting_reqs),
+        usage,
+        capacity if capacity is not None and capacity > 0 else None,
+    )

@@ -150,6 +150,7 @@ class PoolRouter:
         ranks: dict[ReplicaId, int] = {}
         exact_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
+        held: dict[ReplicaId, int] = {}
         keys_by_space: dict[int, list[BlockKey]] = {}
         for space in self._spaces_for(candidates):
             keys = space.hasher.request_keys(token_ids, lora_name, cache_salt)
@@ -162,6 +163,7 @@ class PoolRouter:
                 exact_tokens[replica] = blocks * bs
                 merged[replica] = blocks * bs // ref_bs
                 ranks[replica] = overlap.best_rank.get(replica, 0)
+                held[replica] = space.table.held_blocks(replica) * bs // ref_bs
                 pending = blocks - confirmed.of(replica)
                 if pending > 0:
                     speculative[replica] = pending * bs // ref_bs
@@ -173,7 +175,7 @@ class PoolRouter:
             session_key=session_key,
             request_id=request_id,
         )
-        overlap_all = Overlap(merged, ranks, request_blocks, speculative)
+        overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
         decision = policy(route, overlap_all, self.tracker().snapshot(now), weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []

@@ -8,7 +8,8 @@ What each engine reports, and how it becomes one load per replica:
   three ``/get_load`` shapes (``{"load": n}``; a list per rank of ``num_reqs`` = running + waiting,
   ``num_waiting_reqs``, ``num_tokens``).
 * **vLLM** Prometheus: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``vllm:kv_cache_usage_perc`` (older ``vllm:gpu_cache_usage_perc``), prefix-cache hit counters.
+  ``vllm:kv_cache_usage_perc`` (older ``vllm:gpu_cache_usage_perc``), prefix-cache hit counters,
+  the pool size from ``vllm:cache_config_info``'s ``num_gpu_blocks`` and ``block_size`` labels.
 * **TRT-LLM** ``/metrics`` JSON iteration stats (a drained list; the newest element per attention-DP
   rank counts): ``numActiveRequests``, ``numQueuedRequests``, ``kvCacheStats.usedNumBlocks /
   maxNumBlocks``; or Prometheus ``/prometheus/metrics`` (``trtllm_`` prefix).
@@ -55,7 +56,7 @@ class ScrapedLoad:
 
     def engine_stats(self) -> EngineStats:
         """The part :meth:`balancer.load.LoadTracker.observe` takes."""
-        return EngineStats(self.running_reqs, self.waiting_reqs, self.kv_usage)
+        return EngineStats(self.running_reqs, self.waiting_reqs, self.kv_usage, self.capacity_tokens)
 
 
 # --- Prometheus text -----------------------------------------------------------------------------
@@ -198,6 +199,7 @@ def parse_vllm_prometheus(text: str) -> ScrapedLoad:
             "vllm:prefix_cache_hits_total",
             "vllm:prefix_cache_queries_total",
             "vllm:gpu_prefix_cache_hit_rate",
+            "vllm:cache_config_info",
         ),
     )
     if not samples.get("vllm:num_requests_running"):
@@ -214,9 +216,22 @@ def parse_vllm_prometheus(text: str) -> ScrapedLoad:
         running_reqs=_count(_sum(samples, "vllm:num_requests_running")),
         waiting_reqs=_count(_sum(samples, "vllm:num_requests_waiting")),
         kv_usage=usage,
+        capacity_tokens=_vllm_capacity_tokens(samples.get("vllm:cache_config_info", ())),
         cache_hit_rate=hit_rate,
         dp_ranks=_rank_count(samples, "vllm:num_requests_running"),
     )
+
+
+def _vllm_capacity_tokens(series: Iterable[tuple[Labels, float]]) -> int | None:
+    """Pool size from ``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` labels, summed
+    over engines (DP ranks); ``None`` when a label is missing or not a positive integer."""
+    per_engine: dict[str, int] = {}
+    for labels, _ in series:
+        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
+        if not (blocks.isdigit() and size.isdigit()) or int(blocks) * int(size) <= 0:
+            return None
+        per_engine[labels.get("engine", "")] = int(blocks) * int(size)
+    return sum(per_engine.values()) or None
 
 
 _TRTLLM_GAUGES = (

@@ -54,6 +54,9 @@ class Overlap:
     speculative_blocks: dict[ReplicaId, int] = field(default_factory=dict)
     """Part of ``blocks`` backed only by speculative entries: blocks a request routed there earlier is
     still prefilling. Work the new request shares rather than waits behind (see the cost policy)."""
+    held_blocks: dict[ReplicaId, int] = field(default_factory=dict)
+    """Blocks each replica's caches hold in all (any prompt), from its KV events: with the pool size
+    this gives how full its cache is (absent when the index did not say)."""
 
     def of(self, replica: ReplicaId) -> int:
         """Overlap of one replica in blocks (0 when unknown)."""
@@ -83,6 +86,10 @@ class CostTerms:
     excluded: str | None = None
     shared_pending_blocks: float = 0.0
     """Pending prefill blocks not counted as load because this request shares them (speculative)."""
+    duplication_term: float = 0.0
+    """The cost policy's charge for copying blocks another candidate already holds into a full cache."""
+    cache_pressure: float | None = None
+    """0..1: how full the replica's cache is, as the duplication charge scales it (``None``: unknown)."""
 
 
 @dataclass(frozen=True, slots=True)

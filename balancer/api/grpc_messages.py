@@ -252,6 +252,8 @@ def _terms_message(terms: CostTerms) -> pb.CostTerms:
         probability=terms.probability,
         excluded=terms.excluded or "",
         shared_pending_blocks=terms.shared_pending_blocks,
+        duplication_term=terms.duplication_term,
+        cache_pressure=terms.cache_pressure,
     )
 
 

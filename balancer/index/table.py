@@ -348,6 +348,11 @@ class PrefixTable:
             spec.alive = False
         return dropped
 
+    def held_blocks(self, replica: ReplicaId) -> int:
+        """Blocks ``replica``'s caches hold (over its DP ranks; speculative entries not counted)."""
+        ranks = self._slots.caches.get(replica)
+        return 0 if ranks is None else sum(cache.held for cache in ranks.values())
+
     def stats(self) -> IndexStats:
         """Sizes; ``bytes_per_block`` is an estimate (container sizes + 36 B per stored u64 int)."""
         by_replica = {r: sum(c.held for c in ranks.values()) for r, ranks in self._slots.caches.items()}

@@ -46,6 +46,13 @@ class PolicyWeights:
     ``credit − 1`` blocks more per block it would have to copy: a duplication penalty that keeps a
     shared context on one replica (and the fleet's caches from holding it twice) until the load gap
     exceeds ``credit ×`` its size. 4 at most, beyond which affinity ignores any realistic backlog."""
+    duplication_weight: float = 1.0
+    """``w_dup``, blocks charged per block of this request's prefix that another candidate already
+    holds and this replica would copy, scaled by this replica's cache pressure (0 while its cache
+    has room, 1 once it is nearly full: then every copied block evicts a block someone else may
+    reuse); 0..4. 0 turns the charge off; at 1 a full replica must be ``2 ×`` the prefix behind the
+    holder in prefill work before it takes a copy (credit 1), while a replica with room still takes
+    one at ``1 ×``. Needs the pool size from the metrics scrape; without it the pressure is 0."""
     decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; ≥ 0. 0 ignores decode
     load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding
@@ -96,6 +103,7 @@ class PolicyWeights:
                 raise ConfigError(f"policy.{f.name} must be a finite number, got {value!r}")
         _check_range("prefill_weight", self.prefill_weight, 0.0, None)
         _check_range("overlap_credit", self.overlap_credit, 0.0, 4.0)
+        _check_range("duplication_weight", self.duplication_weight, 0.0, 4.0)
         _check_range("decode_weight", self.decode_weight, 0.0, None)
         _check_range("queue_weight", self.queue_weight, 0.0, None)
         _check_range("temperature", self.temperature, 0.0, None)

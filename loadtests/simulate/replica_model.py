@@ -164,6 +164,7 @@ class FastReplica:
             running_reqs=self.running,
             waiting_reqs=len(self.waiting),
             kv_usage=self.cache.active_blocks / self.cache.capacity_blocks,
+            capacity_tokens=self.cache.capacity_blocks * self.cache.page_size,
         )
 
     # ------------------------------------------------------------------------------------ intake

@@ -37,7 +37,7 @@ from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
 from balancer.load import EngineStats, LoadConfig, LoadSnapshot, LoadTracker, LoadTrackerStats, ReplicaLoad
 from balancer.policy.base import PolicyWeights, make_policy
-from balancer.policy.cost import base_load
+from balancer.policy.cost import base_load, cache_pressure
 from balancer.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
 
@@ -125,21 +125,39 @@ class LoadOrder:
             self._heap = [e for e in self._heap if self._version[e[3]] == e[2]]
             heapq.heapify(self._heap)
 
-    def least(self, count: int, eligible: Callable[[ReplicaId], bool]) -> list[ReplicaId]:
-        """Up to ``count`` eligible replicas with the lowest keys (the heap is left as it was)."""
+    def discard(self, replica: ReplicaId) -> None:
+        """Take ``replica`` out of the order (its entries become stale)."""
+        if replica in self._version:
+            self._version[replica] += 1
+
+    def least(
+        self,
+        count: int,
+        eligible: Callable[[ReplicaId], bool],
+        bound: Callable[[float, ReplicaId], float] | None = None,
+        best: float = math.inf,
+    ) -> tuple[list[ReplicaId], float]:
+        """Up to ``count`` eligible replicas with the lowest keys (the heap is left as it was).
+
+        With ``bound`` (a replica's cost given its key; never below the key) the scan goes on past
+        ``count`` while the next key is below the lowest bound seen (starting from ``best``), so
+        every replica that could cost less is returned. Returns the replicas and that lowest bound.
+        """
         heap = self._heap
         popped: list[tuple[float, float, int, ReplicaId]] = []
         chosen: list[ReplicaId] = []
-        while heap and len(chosen) < count:
+        while heap and (len(chosen) < count or (bound is not None and heap[0][0] < best)):
             entry = heapq.heappop(heap)
             if self._version.get(entry[3]) != entry[2]:
                 continue  # superseded by a later update
             popped.append(entry)
             if eligible(entry[3]):
                 chosen.append(entry[3])
+                if bound is not None:
+                    best = min(best, bound(entry[0], entry[3]))
         for entry in popped:
             heapq.heappush(heap, entry)
-        return chosen
+        return chosen, best
 
 
 @dataclasses.dataclass(slots=True)
@@ -193,6 +211,12 @@ class SimRouter:
         self._scraped_key = self._key is not None and (policy == "least_load" or weights.queue_weight > 0)
         """Whether the pruning key reads scraped gauges (the waiting queue)."""
         self._order = LoadOrder(random.Random(rng.getrandbits(64)))
+        self._dup = self._key is not None and policy == "cost" and weights.duplication_weight > 0
+        """Whether the cost has the duplication charge: replicas then sit in two orders by pressure."""
+        self._full_order = LoadOrder(random.Random(rng.getrandbits(64)))
+        """Replicas at cache pressure 1 (the others are in ``_order``), when ``_dup``."""
+        self._pressure: dict[ReplicaId, float] = {}
+        """Cache pressure of each replica as the policy computes it (absent: 0 or unknown)."""
         for replica in self.replicas:
             self._touch(replica, 0.0)
 
@@ -206,7 +230,36 @@ class SimRouter:
 
     def _touch(self, replica: ReplicaId, now: float) -> None:
         if self._key is not None:
-            self._order.update(replica, self._key(self.tracker.load_of(replica, now)))
+            order = self._full_order if self._pressure.get(replica, 0.0) >= 1.0 else self._order
+            order.update(replica, self._key(self.tracker.load_of(replica, now)))
+
+    def _repressure(self, replica: ReplicaId, now: float) -> None:
+        """Recompute ``replica``'s cache pressure (held blocks or pool size changed); move it
+        between the two orders when it reaches or leaves 1."""
+        was_full = self._pressure.get(replica, 0.0) >= 1.0
+        held = self.space.table.held_blocks(replica)
+        pressure = cache_pressure(held, self.tracker.load_of(replica, now).capacity_blocks) or 0.0
+        self._pressure[replica] = pressure
+        if (pressure >= 1.0) != was_full:
+            (self._full_order if was_full else self._order).discard(replica)
+            self._touch(replica, now)
+
+    def _least(self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool]) -> list[ReplicaId]:
+        """The ``prune_k`` least loaded eligible replicas; with the duplication charge, every
+        replica that could undercut them: a replica without the prefix costs
+        ``base_load + w_prefill·(request_blocks + w_dup·pressure·copied)`` and ``copied`` is at most
+        ``request_blocks``, so the full replicas' least loaded bound the others' scan."""
+        if not self._dup:
+            return self._order.least(self.prune_k, eligible)[0]
+        weights = self.weights
+        request_blocks = len(token_ids) // self.space.hasher.block_size
+        charge = weights.prefill_weight * weights.duplication_weight * request_blocks
+        pressure = self._pressure
+        full, best = self._full_order.least(self.prune_k, eligible, lambda key, _: key + charge)
+        rest, _ = self._order.least(
+            self.prune_k, eligible, lambda key, r: key + charge * pressure.get(r, 0.0), best
+        )
+        return full + rest
 
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
@@ -226,7 +279,7 @@ class SimRouter:
                 return True
             return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
 
-        least = self._order.least(self.prune_k, eligible)
+        least = self._least(token_ids, eligible)
         if not least:
             return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
         chosen = dict.fromkeys(self._holders(token_ids, now) if self.policy.name == "cost" else ())
@@ -291,6 +344,8 @@ class SimRouter:
 
     def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> None:
         self.space.table.apply(replica, events, now)
+        if self._dup:
+            self._repressure(replica, now)
 
     def observe(self, replica: ReplicaId, stats: EngineStats, now: float) -> None:
         self.tracker.observe(replica, stats, now)
@@ -299,5 +354,7 @@ class SimRouter:
             self._kv_usage.pop(replica, None)
         else:  # clamped as the tracker does
             self._kv_usage[replica] = (min(1.0, max(0.0, usage)), now)
+        if self._dup:
+            self._repressure(replica, now)
         if self._scraped_key:
             self._touch(replica, now)

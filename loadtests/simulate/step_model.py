@@ -42,6 +42,7 @@ class StepReplica:
             running_reqs=len(self.scheduler.running),
             waiting_reqs=len(self.scheduler.waiting),
             kv_usage=self.cache.active_blocks / self.cache.capacity_blocks,
+            capacity_tokens=self.cache.capacity_blocks * self.cache.page_size,
         )
 
     def submit(self, job: Job, now: float) -> int | None:

@@ -155,6 +155,19 @@ def test_scraped_stats_have_an_age_and_go_stale() -> None:
     assert stale.request_load == 0
 
 
+def test_pool_size_is_kept_once_reported_and_never_goes_stale() -> None:
+    t = tracker(stale_after_s=5.0)  # 16-token blocks
+    t.observe(A, EngineStats(kv_usage=0.5, capacity_tokens=32_768), now=0.0)
+    assert t.snapshot(1.0).of(A).capacity_blocks == 2048
+    t.observe(A, EngineStats(kv_usage=0.6), now=2.0)  # a scrape without it keeps the last value
+    assert t.snapshot(100.0).of(A).capacity_blocks == 2048  # stale stats, same pool
+    t.observe(A, EngineStats(capacity_tokens=0), now=3.0)  # nonsense is dropped, not stored
+    assert t.snapshot(3.0).of(A).capacity_blocks == 2048
+    assert t.forget(A) == 0
+    t.observe(A, EngineStats(waiting_reqs=1), now=4.0)
+    assert t.snapshot(4.0).of(A).capacity_blocks is None
+
+
 def test_never_scraped_replica_reports_none() -> None:
     t = tracker()
     t.reserve("r1", A, 10, 1, now=0.0)

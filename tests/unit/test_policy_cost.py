@@ -325,6 +325,8 @@ def test_never_picks_an_excluded_replica_and_argmin_is_minimal(
         ("cache_threshold", 2.0),
         ("balance_abs_threshold", -1.0),
         ("balance_rel_threshold", 0.5),
+        ("duplication_weight", 4.5),
+        ("duplication_weight", -0.1),
         ("decode_weight", True),
         ("decode_weight", "1"),
         ("temperature", None),
@@ -357,10 +359,11 @@ def test_dict_round_trip_and_partial_updates() -> None:
         PolicyWeights.from_dict({"nope": 1})
 
 
-def test_defaults_follow_dynamo_except_decode_weight() -> None:
+def test_defaults_follow_dynamo_except_decode_and_duplication_weights() -> None:
     weights = PolicyWeights()
     assert (weights.overlap_credit, weights.prefill_weight, weights.temperature) == (1.0, 1.0, 0.0)
     assert weights.decode_weight == 0.1  # chosen by the simulator sweep in docs/policies.md
+    assert weights.duplication_weight == 1.0  # kvlb's own term, ibid.
 
 
 def test_registry_builds_fresh_named_instances() -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from balancer.events import Stored
 from balancer.hashing import pack_tokens
+from balancer.load import EngineStats
 from balancer.policy.base import PolicyWeights, make_policy
 from balancer.router import PoolRouter, align_mode
 from balancer.types import EngineHash, ReplicaId
@@ -48,6 +51,17 @@ def test_hot_prefix_goes_to_holder_and_plan_has_no_side_effects() -> None:
     assert plan.decision.overlap_blocks == 8
     assert len(plan.keys) == 8
     assert router.tracker().snapshot(1.0).of(B).pending_prefill_tokens == 0  # plan reserved nothing
+
+
+def test_plan_gives_the_policy_each_replicas_holdings_for_its_cache_pressure() -> None:
+    router = pool()
+    router.space_of[B].table.apply(B, [stored(PROMPT, 16)], now=0.0)  # 8 blocks held
+    router.tracker().observe(B, EngineStats(capacity_tokens=10 * 16), now=0.0)  # a pool of 10
+    plan = router.plan(PROMPT, [A, B], make_policy("cost"), PolicyWeights(), random.Random(1), now=1.0)
+    terms = {t.replica: t for t in plan.decision.terms}
+    assert terms[B].cache_pressure == pytest.approx(0.75)  # fill 0.8 on the 0.5..0.9 ramp
+    assert terms[A].cache_pressure is None  # pool size never scraped
+    assert terms[A].duplication_term == 0.0
 
 
 def test_commit_reserves_and_speculates_then_release() -> None:

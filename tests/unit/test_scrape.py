@@ -79,6 +79,23 @@ def test_vllm_capture_matches_independent_parse() -> None:
     assert load.cache_hit_rate == pytest.approx(hits / queries)
     # ``vllm:num_requests_waiting_by_reason`` shares the prefix and must not be summed in.
     assert len(oracle(VLLM_TEXT, "vllm:num_requests_waiting_by_reason")) > 1
+    assert load.capacity_tokens == 6144  # the capture's own kv_cache_size_tokens label: 48 blocks x 128
+
+
+@pytest.mark.parametrize(
+    ("labels", "expected"),
+    [
+        ('engine="0",num_gpu_blocks="10",block_size="16"', 160),
+        ('engine="0",num_gpu_blocks="None",block_size="16"', None),
+        ('engine="0",block_size="16"', None),
+        ('engine="0",num_gpu_blocks="0",block_size="16"', None),
+    ],
+)
+def test_vllm_pool_size_from_cache_config_labels(labels: str, expected: int | None) -> None:
+    text = f"vllm:num_requests_running 1\nvllm:cache_config_info{{{labels}}} 1.0\n"
+    assert parse_vllm_prometheus(text).capacity_tokens == expected
+    two_engines = text + 'vllm:cache_config_info{engine="1",num_gpu_blocks="10",block_size="16"} 1.0\n'
+    assert parse_vllm_prometheus(two_engines).capacity_tokens == (None if expected is None else 320)
 
 
 def test_parse_prometheus_reads_every_capture_sample_like_prometheus_client() -> None:
@@ -257,5 +274,9 @@ def test_trtllm_iteration_stats_empty_and_malformed() -> None:
 
 
 def test_engine_stats_view() -> None:
-    load = ScrapedLoad(running_reqs=1, waiting_reqs=2, kv_usage=0.5, used_tokens=3, cache_hit_rate=0.1)
-    assert load.engine_stats() == EngineStats(running_reqs=1, waiting_reqs=2, kv_usage=0.5)
+    load = ScrapedLoad(
+        running_reqs=1, waiting_reqs=2, kv_usage=0.5, used_tokens=3, capacity_tokens=64, cache_hit_rate=0.1
+    )
+    assert load.engine_stats() == EngineStats(
+        running_reqs=1, waiting_reqs=2, kv_usage=0.5, capacity_tokens=64
+    )

@@ -55,9 +55,23 @@ def test_load_order_returns_least_keys_and_skips_superseded() -> None:
     for n, key in enumerate([5.0, 1.0, 3.0, 2.0]):
         order.update(ReplicaId(f"r{n}"), key)
     order.update(ReplicaId("r1"), 9.0)  # supersedes its key 1.0
-    assert order.least(2, lambda _: True) == ["r3", "r2"]
-    assert order.least(2, lambda r: r != "r3") == ["r2", "r0"]
-    assert order.least(10, lambda _: True) == ["r3", "r2", "r0", "r1"]  # the heap was left intact
+    assert order.least(2, lambda _: True)[0] == ["r3", "r2"]
+    assert order.least(2, lambda r: r != "r3")[0] == ["r2", "r0"]
+    assert order.least(10, lambda _: True)[0] == ["r3", "r2", "r0", "r1"]  # the heap was left intact
+    order.discard(ReplicaId("r2"))
+    assert order.least(10, lambda _: True)[0] == ["r3", "r0", "r1"]
+
+
+def test_load_order_bound_scans_on_while_a_cheaper_replica_may_follow() -> None:
+    order = LoadOrder(random.Random(1))
+    for name, key in (("a", 1.0), ("b", 2.0), ("c", 4.0), ("d", 7.0)):
+        order.update(ReplicaId(name), key)
+    extra = {"a": 5.0, "b": 3.0, "c": 0.0, "d": 0.0}  # cost = key + extra
+    chosen, best = order.least(1, lambda _: True, lambda key, r: key + extra[r])
+    assert chosen == ["a", "b", "c"]  # d's key 7 is not below the best cost, 4 (c)
+    assert best == 4.0
+    chosen, best = order.least(1, lambda _: True, lambda key, r: key + extra[r], best=1.5)
+    assert (chosen, best) == (["a"], 1.5)  # a bound from elsewhere stops the scan at once
 
 
 def _fleet(
@@ -86,7 +100,10 @@ def _fleet(
         replica = router.tracker._owner[f"warm{n}"]
         router.first_token(f"warm{n}", replica, 0.6)
     for replica in names:
-        router.observe(replica, EngineStats(1, rng.randrange(0, 4), rng.choice([0.2, 0.5, 0.97])), 0.7)
+        capacity = rng.choice([10, 14, 20, 40, None])  # blocks: full, pressured, half-full, empty, unknown
+        usage = rng.choice([0.2, 0.5, 0.97])
+        stats = EngineStats(1, rng.randrange(0, 4), usage, None if capacity is None else capacity * BLOCK)
+        router.observe(replica, stats, 0.7)
     return router, [list(p) for p in prefixes]  # type: ignore[misc]
 
 
@@ -113,6 +130,8 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
             "cost",
             PolicyWeights(overlap_credit=0.5, decode_weight=0.3, queue_weight=2.0, kv_usage_ceiling=0.9),
         ),
+        ("cost", PolicyWeights(duplication_weight=1.0)),
+        ("cost", PolicyWeights(duplication_weight=4.0, overlap_credit=0.5, imbalance_threshold_blocks=8.0)),
         ("least_load", PolicyWeights()),
     ],
 )
@@ -120,7 +139,7 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
     for seed in range(3):
         router, prefixes = _fleet(seed, policy, weights)
         rng = random.Random(100 + seed)
-        pruned_smaller = 0
+        pruned_smaller = charged = 0
         for n in range(50):
             tokens = [
                 *rng.choice(prefixes)[: rng.randrange(0, 41)],
@@ -137,7 +156,9 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
             assert chosen_cost == pytest.approx(full_cost)
             if len(full_best) == 1:
                 assert chosen == by_full.decision.replica
+            charged += any(t.duplication_term > 0 for t in by_full.decision.terms)
         assert pruned_smaller > 25  # the pruning did prune
+        assert (charged > 10) == (policy == "cost")  # the charge (on by default) was in play
 
 
 def test_temperature_and_baselines_get_every_open_replica() -> None:

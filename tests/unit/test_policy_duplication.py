@@ -1,0 +1,113 @@
+"""The cost policy's duplication charge: cache pressure from held blocks and pool size, the charge
+per copied block, and where it is (not) applied."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
+from balancer.policy.cost import PRESSURE_FULL_FILL, PRESSURE_START_FILL, cache_pressure
+from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+BLOCK = 16
+POOL = 100.0  # blocks
+
+
+def route(
+    overlaps: dict[ReplicaId, int],
+    held: dict[ReplicaId, int],
+    loads: list[ReplicaLoad],
+    request_blocks: int = 10,
+    **weights: float,
+) -> Decision:
+    request = RouteRequest(
+        candidates=tuple(overlaps), request_blocks=request_blocks, prompt_tokens=request_blocks * BLOCK
+    )
+    overlap = Overlap(blocks=overlaps, request_blocks=request_blocks, held_blocks=held)
+    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
+    return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))
+
+
+def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
+    return {t.replica: t for t in decision.terms}
+
+
+@pytest.mark.parametrize(
+    ("held", "capacity", "expected"),
+    [
+        (0, 100.0, 0.0),
+        (50, 100.0, 0.0),  # at the start of the ramp
+        (70, 100.0, 0.5),
+        (90, 100.0, 1.0),  # full from 90 %
+        (130, 100.0, 1.0),  # index ahead of the pool (stale events): clamped
+        (10, None, None),
+        (None, 100.0, None),
+        (10, 0.0, None),
+    ],
+)
+def test_cache_pressure_ramps_from_half_full_to_ninety_percent(
+    held: int | None, capacity: float | None, expected: float | None
+) -> None:
+    assert (PRESSURE_START_FILL, PRESSURE_FULL_FILL) == (0.5, 0.9)
+    got = cache_pressure(held, capacity)
+    assert got == (None if expected is None else pytest.approx(expected))
+
+
+def test_a_full_replica_pays_for_copying_a_prefix_held_elsewhere() -> None:
+    # A holds 8 of 10 blocks with 12 blocks of prefill queued; B is idle, full and holds none of it.
+    # Without the charge B wins (10 < 12 + 2); with it B pays 8 more: 18 > 14.
+    loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B, capacity_blocks=POOL)]
+    held = {A: 95, B: 95}
+    assert route({A: 8, B: 0}, held, loads, duplication_weight=0.0).replica == B
+    decision = route({A: 8, B: 0}, held, loads)
+    terms = terms_of(decision)
+    assert decision.replica == A
+    assert terms[B].duplication_term == pytest.approx(8.0)
+    assert terms[B].cache_pressure == pytest.approx(1.0)
+    assert terms[B].cost == pytest.approx(10.0 + 0.1 * 0 + 8.0)
+    assert terms[A].duplication_term == 0.0  # it holds the most: nothing to copy
+
+
+def test_a_replica_with_room_copies_for_free() -> None:
+    loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B, capacity_blocks=POOL)]
+    decision = route({A: 8, B: 0}, {A: 95, B: 30}, loads)
+    assert decision.replica == B
+    assert terms_of(decision)[B].duplication_term == 0.0
+    assert terms_of(decision)[B].cache_pressure == 0.0
+
+
+def test_charge_scales_with_pressure_weight_and_copied_blocks() -> None:
+    loads = [ReplicaLoad(r, capacity_blocks=POOL) for r in (A, B, C)]
+    decision = route(
+        {A: 8, B: 3, C: 0}, {A: 60, B: 70, C: 80}, loads, duplication_weight=2.0, prefill_weight=0.5
+    )
+    terms = terms_of(decision)
+    assert terms[A].duplication_term == 0.0
+    assert terms[B].duplication_term == pytest.approx(0.5 * 2.0 * 0.5 * (8 - 3))
+    assert terms[C].duplication_term == pytest.approx(0.5 * 2.0 * 0.75 * 8)
+
+
+def test_unknown_pool_size_or_holdings_mean_no_charge() -> None:
+    loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B)]  # B never scraped
+    decision = route({A: 8, B: 0}, {A: 95, B: 95}, loads)
+    assert decision.replica == B
+    assert terms_of(decision)[B].cache_pressure is None
+
+
+def test_an_overloaded_holder_losing_its_credit_does_not_charge_the_others() -> None:
+    # The imbalance guard withdraws A's credit: copying its prefix is then what the guard wants.
+    loads = [ReplicaLoad(A, pending_prefill_blocks=50.0), ReplicaLoad(B, capacity_blocks=POOL)]
+    decision = route({A: 8, B: 0}, {A: 95, B: 95}, loads, imbalance_threshold_blocks=20.0)
+    assert decision.replica == B
+    assert terms_of(decision)[B].duplication_term == 0.0
+
+
+def test_excluded_holder_does_not_charge_the_others() -> None:
+    loads = [ReplicaLoad(A, kv_usage=0.99), ReplicaLoad(B, capacity_blocks=POOL)]
+    decision = route({A: 8, B: 0}, {A: 95, B: 95}, loads, kv_usage_ceiling=0.95)
+    assert decision.replica == B
+    assert terms_of(decision)[B].duplication_term == 0.0
