@@ -9,8 +9,10 @@ of TTFT p90 (lower), output tokens/s (higher) and hit rate (higher) and better o
 ≤ ``max_imbalance``, no errors, hit rate ≥ ``min_hit_rate``); points within 1 % of that objective
 count as tied and the higher hit rate wins. It is printed as a ``kvlb admin policy set`` line.
 
-Default grid (:data:`DEFAULT_GRID`, 36 points): ``overlap_credit`` 0 / 0.5 / 1, ``prefill_weight``
-0.5 / 1 / 2, ``decode_weight`` 0 / 1, ``imbalance_threshold_blocks`` off / 256.
+Default grid (:data:`DEFAULT_GRID`, 36 points): ``overlap_credit`` 0 / 1 / 2, ``duplication_weight``
+0 / 1, ``decode_weight`` 0 / 0.1 / 1, ``imbalance_threshold_blocks`` off / 256. ``prefill_weight`` is
+not swept: the argmin is unchanged when every weight is scaled by the same factor, so it only moves
+prefill against decode and queue, which ``decode_weight`` covers.
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from loadtests.stats import Summary
 Grid = Mapping[str, Sequence[float | None]]
 
 DEFAULT_GRID: Grid = {
-    "overlap_credit": (0.0, 0.5, 1.0),
-    "prefill_weight": (0.5, 1.0, 2.0),
-    "decode_weight": (0.0, 1.0),
+    "overlap_credit": (0.0, 1.0, 2.0),
+    "duplication_weight": (0.0, 1.0),
+    "decode_weight": (0.0, 0.1, 1.0),
     "imbalance_threshold_blocks": (None, 256.0),
 }
 """The sweep when no ``--grid`` is given (module docstring)."""

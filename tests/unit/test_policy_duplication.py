@@ -40,19 +40,19 @@ def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
     ("held", "capacity", "expected"),
     [
         (0, 100.0, 0.0),
-        (50, 100.0, 0.0),  # at the start of the ramp
-        (70, 100.0, 0.5),
-        (90, 100.0, 1.0),  # full from 90 %
+        (25, 100.0, 0.0),  # at the start of the ramp
+        (50, 100.0, 0.5),
+        (75, 100.0, 1.0),  # full from three quarters
         (130, 100.0, 1.0),  # index ahead of the pool (stale events): clamped
         (10, None, None),
         (None, 100.0, None),
         (10, 0.0, None),
     ],
 )
-def test_cache_pressure_ramps_from_half_full_to_ninety_percent(
+def test_cache_pressure_ramps_from_a_quarter_to_three_quarters_full(
     held: int | None, capacity: float | None, expected: float | None
 ) -> None:
-    assert (PRESSURE_START_FILL, PRESSURE_FULL_FILL) == (0.5, 0.9)
+    assert (PRESSURE_START_FILL, PRESSURE_FULL_FILL) == (0.25, 0.75)
     got = cache_pressure(held, capacity)
     assert got == (None if expected is None else pytest.approx(expected))
 
@@ -74,7 +74,7 @@ def test_a_full_replica_pays_for_copying_a_prefix_held_elsewhere() -> None:
 
 def test_a_replica_with_room_copies_for_free() -> None:
     loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B, capacity_blocks=POOL)]
-    decision = route({A: 8, B: 0}, {A: 95, B: 30}, loads)
+    decision = route({A: 8, B: 0}, {A: 95, B: 20}, loads)
     assert decision.replica == B
     assert terms_of(decision)[B].duplication_term == 0.0
     assert terms_of(decision)[B].cache_pressure == 0.0
@@ -83,12 +83,12 @@ def test_a_replica_with_room_copies_for_free() -> None:
 def test_charge_scales_with_pressure_weight_and_copied_blocks() -> None:
     loads = [ReplicaLoad(r, capacity_blocks=POOL) for r in (A, B, C)]
     decision = route(
-        {A: 8, B: 3, C: 0}, {A: 60, B: 70, C: 80}, loads, duplication_weight=2.0, prefill_weight=0.5
+        {A: 8, B: 3, C: 0}, {A: 40, B: 50, C: 62}, loads, duplication_weight=2.0, prefill_weight=0.5
     )
     terms = terms_of(decision)
     assert terms[A].duplication_term == 0.0
     assert terms[B].duplication_term == pytest.approx(0.5 * 2.0 * 0.5 * (8 - 3))
-    assert terms[C].duplication_term == pytest.approx(0.5 * 2.0 * 0.75 * 8)
+    assert terms[C].duplication_term == pytest.approx(0.5 * 2.0 * 0.74 * 8)
 
 
 def test_unknown_pool_size_or_holdings_mean_no_charge() -> None:

@@ -56,10 +56,10 @@ def test_hot_prefix_goes_to_holder_and_plan_has_no_side_effects() -> None:
 def test_plan_gives_the_policy_each_replicas_holdings_for_its_cache_pressure() -> None:
     router = pool()
     router.space_of[B].table.apply(B, [stored(PROMPT, 16)], now=0.0)  # 8 blocks held
-    router.tracker().observe(B, EngineStats(capacity_tokens=10 * 16), now=0.0)  # a pool of 10
+    router.tracker().observe(B, EngineStats(capacity_tokens=20 * 16), now=0.0)  # a pool of 20
     plan = router.plan(PROMPT, [A, B], make_policy("cost"), PolicyWeights(), random.Random(1), now=1.0)
     terms = {t.replica: t for t in plan.decision.terms}
-    assert terms[B].cache_pressure == pytest.approx(0.75)  # fill 0.8 on the 0.5..0.9 ramp
+    assert terms[B].cache_pressure == pytest.approx(0.3)  # fill 0.4 on the 0.25..0.75 ramp
     assert terms[A].cache_pressure is None  # pool size never scraped
     assert terms[A].duplication_term == 0.0
 
