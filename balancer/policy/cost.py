@@ -24,15 +24,15 @@ For each candidate replica ``r`` (lower is better)::
 * ``copied_r`` = ``max_overlap − overlap_r``: blocks of the prefix that another candidate holds (the
   longest overlap among eligible replicas that keep their credit) and ``r`` would compute again.
 * ``pressure_r`` (:func:`cache_pressure`): 0 while ``r``'s cache is at most a quarter full, rising
-  to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape;
-  0 when either is unknown). The duplication charge prices what a copy evicts: on a replica with room a copy costs
-  only its prefill, on a full one every copied block pushes out a block another request may reuse,
-  and a context copied to several full replicas crowds the others' contexts out of the fleet.
-  Tenants whose contexts overflow the fleet's caches then stay on their replica (hit rate of the
-  llm-d-shaped ``tenants`` run 0.50 → 0.75 in the simulator), while workloads that fill the
+  to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape; 0
+  when either is unknown). The duplication charge prices what a copy evicts: on a replica with room
+  a copy costs only its prefill, on a full one every copied block pushes out a block another request
+  may reuse, and a context copied to several full replicas crowds the others' contexts out of the
+  fleet. Tenants whose contexts overflow the fleet's caches then stay on their replica (hit rate of
+  the llm-d-shaped ``tenants`` run 0.50 → 0.75 in the simulator), while workloads that fill the
   caches slowly (``agent``, ``chat``) still spread when the fleet is empty (docs/policies.md). The
-  ramp starts early because copies made while the caches fill are the ones that overflow them
-  later (with 0.3 s of event lag, a 0.5 → 0.9 ramp gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
+  ramp starts early because copies made while the caches fill are the ones that overflow them later
+  (with 0.3 s of event lag, a 0.5 → 0.9 ramp gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_queue`` = 0,
 ``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; guards ``kv_usage_ceiling``
