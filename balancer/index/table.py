@@ -24,7 +24,7 @@ from itertools import islice
 import xxhash
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
-from balancer.hashing import BlockHasher
+from balancer.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
@@ -274,6 +274,34 @@ class PrefixTable:
             blocks.update(fromkeys(replicas, depth))
             ranks.update(best)
         return Overlap(blocks, ranks, len(keys))
+
+    def prefix_holders(
+        self,
+        token_ids: Sequence[int],
+        now: float,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> tuple[tuple[ReplicaId, ...], int]:
+        """The replicas holding a request's first block (overlap > 0 in :meth:`match`, speculative
+        included) and the largest overlap any replica has. Hashes only while someone holds the
+        prefix and costs nothing per replica without it: a cheap bound for candidate pruning."""
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        count = full_blocks(len(token_ids), self._block_size, self.hasher.mode)
+        if not count:
+            return (), 0
+        data, get = pack_tokens(token_ids), self._holders.get
+        step, span = 4 * self._block_size, 4 * (self._block_size + self._lookahead)
+        key = _xxh3(data[:span], self.hasher.root_seed(lora_name, cache_salt))
+        mask = get(key, 0)
+        first, depth = self._slots.group(mask)[0] if mask else (), 0
+        while mask:
+            depth += 1
+            if depth == count:
+                break
+            key = _xxh3(data[depth * step : depth * step + span], key)
+            mask &= get(key, 0)
+        return first, depth
 
     @property
     def has_speculative(self) -> bool:

@@ -1,8 +1,9 @@
 """Fleet-scale simulator: the service's routing code over modelled replicas, on virtual time.
 
-``des`` (event loop), ``replica_model`` (fast event-level replica) and ``step_model`` (the emulator's
-scheduler), ``routing`` (PoolRouter with candidate pruning), ``sources`` (workloads, tiled traces),
-``fleet`` (the wiring) and ``report`` (records, summary, comparison). See ``docs/simulate.md``.
+``des`` (event loop), ``replica_model`` (fast event-level replica) with ``block_cache`` (the
+emulator's prefix cache at block level) and ``step_model`` (the emulator's scheduler), ``routing``
+(PoolRouter with candidate pruning), ``sources`` (workloads, tiled traces), ``fleet`` (the wiring)
+and ``report`` (records, summary, comparison). See ``docs/simulate.md``.
 """
 
 from loadtests.simulate.fleet import FleetSim, SimConfig, SimResult, simulate

@@ -25,16 +25,15 @@ import math
 import random
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any, Literal
 
 from balancer.config import LimitConfig
 from balancer.errors import NoReplicasAvailable, Overloaded
-from balancer.events import Cleared, KvEvent, Removed, Stored
-from balancer.hashing import pack_tokens
+from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
 from balancer.policy.base import PolicyWeights
-from balancer.types import EngineHash, ReplicaId
+from balancer.types import ReplicaId
+from loadtests.simulate.block_cache import BlockCache
 from loadtests.simulate.des import EventLoop
 from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, ReplicaModel
 from loadtests.simulate.report import GapHistogram, RecordColumns, run_summary
@@ -42,7 +41,6 @@ from loadtests.simulate.routing import SimRouter
 from loadtests.simulate.sources import SimRequest
 from loadtests.simulate.step_model import StepReplica
 from loadtests.stats import Summary
-from replicas.sim.cache import CacheCleared, CacheRecord, PagesRemoved, PagesStored, PrefixCache
 from replicas.sim.profiles import Profile, get_profile
 
 ReplicaKind = Literal["fast", "step"]
@@ -110,22 +108,6 @@ class SimResult:
     stats: dict[str, Any]
 
 
-def kv_events(records: Iterable[CacheRecord], page_size: int) -> list[KvEvent]:
-    """A cache's change records as the engine-neutral events a decoder would produce."""
-    events: list[KvEvent] = []
-    for record in records:
-        if isinstance(record, PagesStored):
-            parent = None if record.parent is None else EngineHash(record.parent.page_id)
-            tokens = pack_tokens(list(chain.from_iterable(page.tokens for page in record.pages)))
-            ids = tuple(EngineHash(page.page_id) for page in record.pages)
-            events.append(Stored(0, parent, ids, tokens, page_size))
-        elif isinstance(record, PagesRemoved):
-            events.append(Removed(0, tuple(EngineHash(page.page_id) for page in record.pages)))
-        elif isinstance(record, CacheCleared):
-            events.append(Cleared(0))
-    return events
-
-
 class FleetSim:
     """One simulation run; build, then :meth:`run` once."""
 
@@ -149,11 +131,9 @@ class FleetSim:
             prune=config.prune,
             prune_k=config.prune_k,
         )
-        kind: Callable[..., ReplicaModel] = FastReplica if config.replica_model == "fast" else StepReplica
         capacity = max(1, self.profile.kv_capacity_tokens // self.page_size)
         self.models: dict[ReplicaId, ReplicaModel] = {
-            name: kind(name, self.profile, self._cache(capacity), self, config.max_waiting)
-            for name in self.names
+            name: self._model(name, capacity) for name in self.names
         }
         self.records = RecordColumns(self.names)
         self.gaps = GapHistogram()
@@ -164,8 +144,13 @@ class FleetSim:
         self._events_applied = 0
         self._reported = 0
 
-    def _cache(self, capacity_blocks: int) -> PrefixCache:
-        return PagedCache(page_size=self.page_size, capacity_blocks=capacity_blocks)
+    def _model(self, name: ReplicaId, capacity_blocks: int) -> ReplicaModel:
+        size, waiting = self.page_size, self.config.max_waiting
+        if self.config.replica_model == "fast":
+            cache = BlockCache(page_size=size, capacity_blocks=capacity_blocks)
+            return FastReplica(name, self.profile, cache, self, waiting)
+        paged = PagedCache(page_size=size, capacity_blocks=capacity_blocks)
+        return StepReplica(name, self.profile, paged, self, waiting)
 
     # ------------------------------------------------------------------------------------- run
 
@@ -224,7 +209,10 @@ class FleetSim:
         replica = plan.decision.replica
         self.records.route(index, self._index_of[replica])
         model = self.models[replica]
-        status = model.submit(Job(index, request.token_ids, request.max_tokens), now)
+        job = Job(index, request.token_ids, request.max_tokens)
+        if len(plan.keys) == len(request.token_ids) // self.page_size:
+            job.keys = list(plan.keys)  # the router hashed the prompt's pages already (same model, size)
+        status = model.submit(job, now)
         if status is not None:
             self.router.release(request_id, replica, now)
             self.records.refuse(index, now, status)
@@ -265,10 +253,7 @@ class FleetSim:
         self.router.release(f"sim-{job.index}", replica, now)
         self._inflight -= 1
 
-    def cache_changed(self, replica: ReplicaId, records: list[CacheRecord], now: float) -> None:
-        events = kv_events(records, self.page_size)
-        if not events:
-            return
+    def cache_changed(self, replica: ReplicaId, events: list[KvEvent], now: float) -> None:
         if self.config.event_delay_s > 0:
             self.loop.schedule(now + self.config.event_delay_s, self._apply, (replica, events))
         else:

@@ -10,8 +10,10 @@ model jumps from change to change: a few events per request instead of one per t
 What is the same as the step model: continuous batching with the ``max_running_requests`` cap, FIFO
 admission only when the step's prefill budget has room (so a request is matched against the cache
 at the step it would be admitted at), chunked prefill in FIFO order, lockstep decode, the SGLang
-caching rules on the *same* :class:`~replicas.sim.cache.PrefixCache` class (acquire ``prompt[:-1]``,
-insert the prompt when its prefill ends, insert ``prompt + output[:-1]`` and release at the end).
+caching rules (acquire ``prompt[:-1]``, insert the prompt when its prefill ends, insert
+``prompt + output[:-1]`` and release at the end) on a :class:`~loadtests.simulate.block_cache.BlockCache`,
+the emulator's :class:`~replicas.sim.cache.PrefixCache` at block level: pages are named by their
+block keys (computed once per request, or taken from the router's plan), not cut into token tuples.
 
 Approximations (measured against the step model in ``tests/unit/test_simulate_models.py``):
 
@@ -30,9 +32,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from balancer.events import KvEvent
+from balancer.hashing import BlockHasher, chain_keys, pack_tokens
 from balancer.load import EngineStats
-from balancer.types import ReplicaId
-from replicas.sim.cache import CacheRecord, Lease, PageTokens, PrefixCache
+from balancer.types import BlockKey, ReplicaId
+from loadtests.simulate.block_cache import BlockCache, BlockLease
+from replicas.sim.cache import PageTokens, PrefixCache
 from replicas.sim.profiles import Profile
 from replicas.sim.timing import step_time_s
 
@@ -45,7 +50,11 @@ class Job:
     """The request's index in the run (its record)."""
     prompt: Sequence[int]
     max_tokens: int
-    lease: Lease | None = None
+    keys: list[BlockKey] | None = None
+    """Block keys of the prompt's full pages (fast model; computed at submit when ``None``)."""
+    packed: bytes | None = None
+    """The prompt as little-endian u32 (fast model; packed at submit when ``None``)."""
+    lease: BlockLease | None = None
     cached_tokens: int = 0
     remaining: int = 0
     """Prompt tokens still to prefill (fast model)."""
@@ -60,18 +69,39 @@ class ReplicaSink(Protocol):
 
     def finished(self, replica: ReplicaId, job: Job, now: float) -> None: ...
 
-    def cache_changed(self, replica: ReplicaId, records: list[CacheRecord], now: float) -> None: ...
+    def cache_changed(self, replica: ReplicaId, events: list[KvEvent], now: float) -> None:
+        """The replica's cache changed: its KV events (dp rank 0), in order."""
+        ...
 
     def decode_gaps(self, gap_s: float, count: int) -> None:
         """``count`` inter-token gaps of ``gap_s`` seconds each (pooled ITL)."""
         ...
 
 
+class PoolStats(Protocol):
+    evicted_blocks: int
+
+
+class KvPool(Protocol):
+    """What the fleet and the intake check read of a replica's cache (both cache classes)."""
+
+    page_size: int
+    capacity_blocks: int
+
+    @property
+    def active_blocks(self) -> int: ...
+
+    @property
+    def stats(self) -> PoolStats: ...
+
+
 class ReplicaModel(Protocol):
     """What the fleet drives: submit requests, advance to the model's own wake-up times."""
 
     replica: ReplicaId
-    cache: PrefixCache
+
+    @property
+    def cache(self) -> KvPool: ...
 
     @property
     def wake_s(self) -> float | None:
@@ -89,7 +119,7 @@ class ReplicaModel(Protocol):
         ...
 
 
-def refusal(profile: Profile, cache: PrefixCache, prompt_tokens: int, max_tokens: int) -> int | None:
+def refusal(profile: Profile, cache: KvPool, prompt_tokens: int, max_tokens: int) -> int | None:
     """The emulator's intake check: 400 when prompt + ``max_tokens`` exceeds the context or the pool."""
     pages = -(-(prompt_tokens + max_tokens) // cache.page_size)
     if prompt_tokens + max_tokens > profile.max_context_tokens or pages > cache.capacity_blocks:
@@ -110,6 +140,16 @@ def output_tokens(count: int) -> list[int]:
     return [*ids * whole, *ids[:part]]
 
 
+_OUTPUT_PACKED = pack_tokens(OUTPUT_TOKEN_IDS)
+
+
+def output_bytes(count: int) -> bytes:
+    """``output_tokens(count)`` packed as little-endian u32."""
+    whole, part = divmod(max(0, count), len(OUTPUT_TOKEN_IDS))
+    head = _OUTPUT_PACKED[: 4 * part]
+    return _OUTPUT_PACKED * whole + head if whole else head
+
+
 class PagedCache(PrefixCache):
     """The emulator's :class:`PrefixCache` with a faster page cutter (same pages, same order).
 
@@ -128,12 +168,14 @@ class FastReplica:
     """One replica (one DP rank), modelled change to change (module docstring)."""
 
     def __init__(
-        self, replica: ReplicaId, profile: Profile, cache: PrefixCache, sink: ReplicaSink, max_waiting: int
+        self, replica: ReplicaId, profile: Profile, cache: BlockCache, sink: ReplicaSink, max_waiting: int
     ) -> None:
         self.replica = replica
         self.profile = profile
         self.cache = cache
         self.sink = sink
+        self.hasher = BlockHasher(profile.model, cache.page_size)
+        """Names the cache's pages: the router's block keys when both use the same model and size."""
         self.max_waiting = max_waiting
         self.waiting: deque[Job] = deque()
         self.prefill: deque[Job] = deque()
@@ -175,6 +217,11 @@ class FastReplica:
             return status
         if len(self.waiting) >= self.max_waiting:
             return 503
+        if job.packed is None:
+            job.packed = pack_tokens(job.prompt)
+        if job.keys is None:
+            count = len(job.prompt) // self.cache.page_size
+            job.keys = chain_keys(self.hasher.root_seed(), job.packed, self.cache.page_size, count)
         self.waiting.append(job)
         if self._wake_s is None:  # idle: the engine loop wakes and starts a step now
             self._plan(now)
@@ -239,8 +286,8 @@ class FastReplica:
         self._plan(now)
 
     def _first_token(self, job: Job, now: float) -> None:
-        assert job.lease is not None
-        self.cache.insert(job.lease, job.prompt, now)
+        assert job.lease is not None and job.keys is not None and job.packed is not None
+        self.cache.insert(job.lease, job.keys, len(job.prompt) // self.cache.page_size, job.packed, now)
         job.first_step = self.steps
         self.sink.first_token(self.replica, job, now)
         if job.max_tokens <= 1:
@@ -251,10 +298,16 @@ class FastReplica:
         self._ctx_offset += len(job.prompt) + 1 - job.first_step
 
     def _finish(self, job: Job, now: float, *, decoding: bool) -> None:
-        lease = job.lease
-        assert lease is not None
-        sequence = (*job.prompt, *output_tokens(job.max_tokens - 1))
-        self.cache.insert(lease, sequence, now)
+        lease, keys, packed = job.lease, job.keys, job.packed
+        assert lease is not None and keys is not None and packed is not None
+        size = self.cache.page_size
+        generated = max(0, job.max_tokens - 1)
+        count = (len(job.prompt) + generated) // size  # full pages of prompt + output[:-1]
+        if count > len(keys):  # pages past the prompt's: chained on from its last full page
+            packed += output_bytes(generated)
+            seed = keys[-1] if keys else self.hasher.root_seed()
+            keys = keys + chain_keys(seed, packed[4 * size * len(keys) :], size, count - len(keys))
+        self.cache.insert(lease, keys, count, packed, now)
         self.cache.release(lease, now)
         if decoding:
             self._ctx_offset -= len(job.prompt) + 1 - job.first_step
@@ -288,13 +341,17 @@ class FastReplica:
         self._blocked = False
         if not self.waiting or self.backlog >= chunk or self.running >= cap:
             return
+        size = self.cache.page_size
         if self.prefill:  # the step model has cached the head's finished chunks by now
             head = self.prefill[0]
-            assert head.lease is not None
-            self.cache.insert(head.lease, head.prompt[: len(head.prompt) - head.remaining], now)
+            assert head.lease is not None and head.keys is not None and head.packed is not None
+            done = (len(head.prompt) - head.remaining) // size
+            self.cache.insert(head.lease, head.keys, done, head.packed, now)
         while self.waiting and self.backlog < chunk and self.running < cap:
             job = self.waiting[0]
-            lease = self.cache.acquire(job.prompt[:-1], len(job.prompt) + job.max_tokens, now)
+            assert job.keys is not None
+            pages = (len(job.prompt) - 1) // size  # the match covers prompt[:-1]
+            lease = self.cache.acquire(job.keys, pages, len(job.prompt) + job.max_tokens, now)
             if lease is None:
                 self._blocked = True
                 return
@@ -306,6 +363,6 @@ class FastReplica:
             self.prefill.append(job)
 
     def _flush_records(self, now: float) -> None:
-        records = self.cache.take_records()
-        if records:
-            self.sink.cache_changed(self.replica, records, now)
+        events = self.cache.take_events()
+        if events:
+            self.sink.cache_changed(self.replica, events, now)

@@ -1,24 +1,26 @@
 """Request streams for the simulator: workloads by name, and Mooncake traces tiled to any length (pure,
 but :func:`trace_requests` reads its file once).
 
-A :class:`SimRequest` is a prompt as token ids, ``max_tokens``, an arrival time and an optional
-session key. Workloads come from :func:`loadtests.workloads.make_workload`, as in ``kvlb loadtest``:
-token-id prompts are used as they are and chat prompts are rendered once per distinct chat with the
-default tokenizer (DeepSeek-V3 and its template, what the balancer and the emulator use). Workloads
-without a schedule get Poisson arrivals at ``rate``.
+A :class:`SimRequest` is a prompt as token ids (an ``array('I')``: the router and the replicas pack
+it into bytes for hashing, which is a copy for an array and a conversion per token for a tuple),
+``max_tokens``, an arrival time and an optional session key. Workloads come from
+:func:`loadtests.workloads.make_workload`, as in ``kvlb loadtest``: token-id prompts are used as
+they are and chat prompts are rendered once per distinct chat with the default tokenizer
+(DeepSeek-V3 and its template, what the balancer and the emulator use). Workloads without a
+schedule get Poisson arrivals at ``rate``.
 
 ``trace_requests`` replays a Mooncake trace for any number of requests by *tiling* it: request ``n``
 is row ``n mod rows`` of tile ``n div rows``, shifted by whole trace lengths, so the arrival pattern,
 lengths and prefix sharing of the trace repeat. Tiles share nothing: every 512-token block starts
 with a token unique to its (tile, hash id) and continues with a fixed filler, so two prompts share a
-prefix exactly when their hash ids do (the token values themselves do not matter to a cache). The
-filler is one tuple, so a billion cached tokens are references, not new integers.
+prefix exactly when their hash ids do (the token values themselves do not matter to a cache).
 """
 
 from __future__ import annotations
 
 import math
 import random
+from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import islice
@@ -79,7 +81,8 @@ def workload_requests(
         if spec.prompt_token_ids is None and encoder is None:
             encoder = default_chat_encoder()
         arrival_s = spec.arrival_s if spec.arrival_s is not None else next(arrivals)
-        yield SimRequest(_tokens(spec, chats, encoder), spec.max_tokens, arrival_s, spec.session_id)
+        prompt = array("I", _tokens(spec, chats, encoder))
+        yield SimRequest(prompt, spec.max_tokens, arrival_s, spec.session_id)
 
 
 def _tokens(
@@ -144,7 +147,7 @@ def trace_requests(
     scale = 1.0 if rate_per_s is None or shape.span_s <= 0 else shape.rate_per_s / rate_per_s
     hash_span = 1 + max((h for row in rows for h in row.hash_ids), default=0)
     rng = random.Random(seed)
-    filler = tuple(rng.randrange(1000, 100_000) for _ in range(MOONCAKE_BLOCK_TOKENS - 1))
+    filler = array("I", [rng.randrange(1000, 100_000) for _ in range(MOONCAKE_BLOCK_TOKENS - 1)])
     total = len(rows) if requests is None else requests
     if _MARKER_BASE + (total // len(rows) + 1) * hash_span >= _TAIL_BASE or total >= _TAIL_BASE:
         raise ValueError(f"too many requests ({total}) for a tiled trace of {len(rows)} rows")
@@ -154,7 +157,7 @@ def trace_requests(
             tile, index = divmod(n, len(rows))
             row = rows[index]
             length = row.input_length if max_input_tokens is None else min(row.input_length, max_input_tokens)
-            prompt: list[int] = []
+            prompt = array("I")
             for hash_id in row.hash_ids:
                 if len(prompt) >= length:
                     break
@@ -169,6 +172,6 @@ def trace_requests(
             if max_tokens_cap is not None:
                 max_tokens = min(max_tokens, max_tokens_cap)
             arrival_s = (tile * shape.period_s + (row.timestamp_ms - first_ms) / 1000.0) * scale
-            yield SimRequest(tuple(prompt), max_tokens, arrival_s)
+            yield SimRequest(prompt, max_tokens, arrival_s)
 
     return shape, generate()

@@ -9,12 +9,33 @@ costs one event per engine step, so it is meant for small runs and for validatin
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import chain
+
+from balancer.events import Cleared, KvEvent, Removed, Stored
+from balancer.hashing import pack_tokens
 from balancer.load import EngineStats
-from balancer.types import ReplicaId
+from balancer.types import EngineHash, ReplicaId
 from loadtests.simulate.replica_model import Job, ReplicaSink, refusal
-from replicas.sim.cache import PrefixCache
+from replicas.sim.cache import CacheCleared, CacheRecord, PagesRemoved, PagesStored, PrefixCache
 from replicas.sim.profiles import Profile
 from replicas.sim.scheduler import SGLANG_CACHING, Scheduler, SimRequest, StepPlan
+
+
+def kv_events(records: Iterable[CacheRecord], page_size: int) -> list[KvEvent]:
+    """A cache's change records as the engine-neutral events a decoder would produce."""
+    events: list[KvEvent] = []
+    for record in records:
+        if isinstance(record, PagesStored):
+            parent = None if record.parent is None else EngineHash(record.parent.page_id)
+            tokens = pack_tokens(list(chain.from_iterable(page.tokens for page in record.pages)))
+            ids = tuple(EngineHash(page.page_id) for page in record.pages)
+            events.append(Stored(0, parent, ids, tokens, page_size))
+        elif isinstance(record, PagesRemoved):
+            events.append(Removed(0, tuple(EngineHash(page.page_id) for page in record.pages)))
+        elif isinstance(record, CacheCleared):
+            events.append(Cleared(0))
+    return events
 
 
 class StepReplica:
@@ -70,7 +91,7 @@ class StepReplica:
                 job.cached_tokens = out.request.cached_tokens
                 self.sink.first_token(self.replica, job, now)
         if result.records:
-            self.sink.cache_changed(self.replica, list(result.records), now)
+            self.sink.cache_changed(self.replica, kv_events(result.records, self.cache.page_size), now)
         for request in result.finished:
             self.sink.finished(self.replica, self._jobs.pop(request), now)
         self._start(now)

@@ -183,9 +183,11 @@ class PrefixCache:
         self.private_blocks -= released
         room = released + self.free_blocks
         if room < len(fresh):
+            self._pin(node, +1)  # the walk's end must survive the eviction the new pages hang under
             self._evict(len(fresh) - room)
+            self._pin(node, -1)
             room = released + self.free_blocks
-        fresh = fresh[:room]
+        fresh = fresh[: max(0, room)]
         deepest = self._add_node(node, fresh, now) if fresh else node
         self._lock(deepest, now)
         self._unlock(lease.node, now)
@@ -286,6 +288,16 @@ class PrefixCache:
             depth += len(walker.pages)
             walker = walker.parent
         return depth
+
+    def _pin(self, node: _Node, delta: int) -> None:
+        """Hold (+1) or let go (−1) of one node without touching its access time."""
+        if node is self._root:
+            return
+        if node.lock_ref == 0:
+            self.evictable_blocks -= len(node.pages)
+        node.lock_ref += delta
+        if node.lock_ref == 0:
+            self.evictable_blocks += len(node.pages)
 
     def _lock(self, node: _Node, now: float) -> None:
         walker: _Node | None = node

@@ -220,3 +220,35 @@ def test_confirmed_only_ignores_speculative_holdings() -> None:
     assert t.match(keys, frozenset({B}), 0.0, confirmed_only=True).blocks == {B: 0}
     t.drop_replica(B)
     assert t.match(keys, None, 0.5).blocks == {A: 3}
+
+
+@pytest.mark.parametrize("mode", ["plain", "trtllm", "bigram"])
+def test_prefix_holders_agree_with_match(mode: str) -> None:
+    import random
+
+    hasher = BlockHasher("m", BS, mode)  # type: ignore[arg-type]
+    rng = random.Random(7)
+    t = PrefixTable(hasher, TableLimits())
+    prefixes = [[rng.randrange(1, 9) for _ in range(12)] for _ in range(4)]
+    for n, replica in enumerate([A, B, C, ReplicaId("d")]):
+        for k, prefix in enumerate(rng.sample(prefixes, 2)):
+            depth = rng.randrange(1, 5)
+            chain = stored(
+                prefix[: depth * BS + hasher.lookahead_tokens],
+                range(100 * n + 10 * k, 100 * n + 10 * k + depth),
+            )
+            t.apply(
+                replica,
+                [Stored(0, None, chain.engine_hashes, chain.tokens, BS, hasher.lookahead_tokens)],
+                0.0,
+            )
+    t.add_speculative(C, hasher.request_keys(prefixes[0][:9]), 1.0, 0.0)
+    for now in (0.5, 2.0):  # the speculative entry alive, then expired
+        for _ in range(200):
+            tokens = rng.choice(prefixes)[: rng.randrange(0, 13)] + [rng.randrange(1, 9) for _ in range(2)]
+            keys = hasher.request_keys(tokens)
+            first = t.match(keys[:1], None, now).blocks
+            overlap = t.match(keys, None, now).blocks
+            holders, longest = t.prefix_holders(tokens, now)
+            assert set(holders) == {r for r, b in first.items() if b}
+            assert longest == max(overlap.values(), default=0)

@@ -7,10 +7,13 @@ from typing import Any
 
 import pytest
 
+from balancer.events import KvEvent
+from balancer.hashing import pack_tokens
 from balancer.types import ReplicaId
 from loadtests.simulate import SimConfig, SimResult, simulate, workload_requests
-from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, output_tokens
-from replicas.sim.cache import CacheRecord, PrefixCache
+from loadtests.simulate.block_cache import BlockCache
+from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, output_bytes, output_tokens
+from replicas.sim.cache import PrefixCache
 from replicas.sim.profiles import get_profile
 from replicas.sim.timing import isolated_ttft_s, step_time_s
 
@@ -27,7 +30,7 @@ class _Sink:
     def finished(self, replica: ReplicaId, job: Job, now: float) -> None:
         self.done[job.index] = now
 
-    def cache_changed(self, replica: ReplicaId, records: list[CacheRecord], now: float) -> None:
+    def cache_changed(self, replica: ReplicaId, events: list[KvEvent], now: float) -> None:
         pass
 
     def decode_gaps(self, gap_s: float, count: int) -> None:
@@ -42,7 +45,7 @@ def _drain(model: FastReplica) -> None:
 def test_one_request_alone_takes_the_modelled_prefill_and_decode() -> None:
     profile = get_profile("h100-qwen3-32b")
     sink = _Sink()
-    model = FastReplica(ReplicaId("r"), profile, PagedCache(page_size=16, capacity_blocks=8000), sink, 16)
+    model = FastReplica(ReplicaId("r"), profile, BlockCache(page_size=16, capacity_blocks=8000), sink, 16)
     prompt = tuple(range(1000, 1000 + 20_000))  # three prefill chunks of 8192
     assert model.submit(Job(0, prompt, max_tokens=5), 2.0) is None
     _drain(model)
@@ -65,7 +68,7 @@ def test_one_request_alone_takes_the_modelled_prefill_and_decode() -> None:
 
 def test_refusals_match_the_emulator_intake() -> None:
     profile = get_profile("cpu-test")
-    model = FastReplica(ReplicaId("r"), profile, PagedCache(page_size=4, capacity_blocks=64), _Sink(), 1)
+    model = FastReplica(ReplicaId("r"), profile, BlockCache(page_size=4, capacity_blocks=64), _Sink(), 1)
     assert model.submit(Job(0, tuple(range(600)), 8), 0.0) == 400  # beyond max_context_tokens
     assert model.submit(Job(1, (), 8), 0.0) == 400
     assert model.submit(Job(2, tuple(range(40)), 8), 0.0) is None
@@ -89,6 +92,8 @@ def test_paged_cache_cuts_pages_as_the_emulator_does() -> None:
                     tokens, partial=partial
                 )
     assert output_tokens(2000)[:3] == [100, 101, 102] and len(output_tokens(2000)) == 2000
+    for count in (0, 1, 899, 900, 901, 2000):
+        assert output_bytes(count) == pack_tokens(output_tokens(count))
 
 
 def _both(
