@@ -16,7 +16,11 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   replicas over the KV-usage ceiling are skipped when picking the least loaded (if every replica is
   over it, the full set is used, as the guard then lifts), and the imbalance guard's floor is the
   least loaded eligible replica, which is always in the set. ``least_load`` is pruned the same way
-  on ``request_load``. Exactness holds up to tie-breaking: among replicas of exactly equal cost the
+  on ``request_load``. With the duplication charge a replica without the prefix also pays
+  ``w_prefill·w_dup·copied·pressure_r``, so replicas also sit in 8 pressure bands (each its own
+  heap) and a band is scanned only while its least load plus the charge at the band's lowest
+  pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
+  tie-breaking: among replicas of exactly equal cost the
   service draws from all of them, the pruned set from fewer (the heap orders equal loads at random).
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
@@ -27,19 +31,29 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
-from balancer.load import EngineStats, LoadConfig, LoadSnapshot, LoadTracker, LoadTrackerStats, ReplicaLoad
+from balancer.load import (
+    EngineStats,
+    LoadConfig,
+    LoadSnapshot,
+    LoadTracker,
+    LoadTrackerStats,
+    ReplicaLoad,
+)
 from balancer.policy.base import PolicyWeights, make_policy
 from balancer.policy.cost import base_load, cache_pressure
 from balancer.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
+from loadtests.simulate.load_order import LoadOrder
+
+PRESSURE_BANDS = 8
+"""Pressure bands of the duplication-charge pruning (band ``b``: pressure in ``[b/8, (b+1)/8)``)."""
 
 
 class ShardedTracker(LoadTracker):
@@ -64,7 +78,12 @@ class ShardedTracker(LoadTracker):
         return ReplicaLoad(replica=replica) if shard is None else shard.snapshot(now).of(replica)
 
     def reserve(
-        self, request_id: str, replica: ReplicaId, prefill_tokens: int, decode_blocks: int, now: float
+        self,
+        request_id: str,
+        replica: ReplicaId,
+        prefill_tokens: int,
+        decode_blocks: int,
+        now: float,
     ) -> bool:
         if request_id in self._owner:
             return False
@@ -107,57 +126,6 @@ class ShardedTracker(LoadTracker):
             for name, value in dataclasses.asdict(shard.stats()).items():
                 totals[name] += value
         return LoadTrackerStats(**totals)
-
-
-class LoadOrder:
-    """Replicas ordered by a load key, with random order among equal keys (a lazy heap)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self._rng = rng
-        self._heap: list[tuple[float, float, int, ReplicaId]] = []
-        self._version: dict[ReplicaId, int] = {}
-
-    def update(self, replica: ReplicaId, key: float) -> None:
-        version = self._version.get(replica, 0) + 1
-        self._version[replica] = version
-        heapq.heappush(self._heap, (key, self._rng.random(), version, replica))
-        if len(self._heap) > 4 * len(self._version) + 64:
-            self._heap = [e for e in self._heap if self._version[e[3]] == e[2]]
-            heapq.heapify(self._heap)
-
-    def discard(self, replica: ReplicaId) -> None:
-        """Take ``replica`` out of the order (its entries become stale)."""
-        if replica in self._version:
-            self._version[replica] += 1
-
-    def least(
-        self,
-        count: int,
-        eligible: Callable[[ReplicaId], bool],
-        bound: Callable[[float, ReplicaId], float] | None = None,
-        best: float = math.inf,
-    ) -> tuple[list[ReplicaId], float]:
-        """Up to ``count`` eligible replicas with the lowest keys (the heap is left as it was).
-
-        With ``bound`` (a replica's cost given its key; never below the key) the scan goes on past
-        ``count`` while the next key is below the lowest bound seen (starting from ``best``), so
-        every replica that could cost less is returned. Returns the replicas and that lowest bound.
-        """
-        heap = self._heap
-        popped: list[tuple[float, float, int, ReplicaId]] = []
-        chosen: list[ReplicaId] = []
-        while heap and (len(chosen) < count or (bound is not None and heap[0][0] < best)):
-            entry = heapq.heappop(heap)
-            if self._version.get(entry[3]) != entry[2]:
-                continue  # superseded by a later update
-            popped.append(entry)
-            if eligible(entry[3]):
-                chosen.append(entry[3])
-                if bound is not None:
-                    best = min(best, bound(entry[0], entry[3]))
-        for entry in popped:
-            heapq.heappush(heap, entry)
-        return chosen, best
 
 
 @dataclasses.dataclass(slots=True)
@@ -212,9 +180,11 @@ class SimRouter:
         """Whether the pruning key reads scraped gauges (the waiting queue)."""
         self._order = LoadOrder(random.Random(rng.getrandbits(64)))
         self._dup = self._key is not None and policy == "cost" and weights.duplication_weight > 0
-        """Whether the cost has the duplication charge: replicas then sit in two orders by pressure."""
-        self._full_order = LoadOrder(random.Random(rng.getrandbits(64)))
-        """Replicas at cache pressure 1 (the others are in ``_order``), when ``_dup``."""
+        """Whether the cost has the duplication charge: replicas then also sit in pressure bands."""
+        self._bands = [LoadOrder(None) for _ in range(PRESSURE_BANDS + 1)]
+        """When ``_dup``: band ``b`` orders the replicas with pressure in ``[b/B, (b+1)/B)``, band
+        ``B`` those at pressure 1 (``_order`` keeps every replica, for the least loaded overall)."""
+        self._band: dict[ReplicaId, int] = {}
         self._pressure: dict[ReplicaId, float] = {}
         """Cache pressure of each replica as the policy computes it (absent: 0 or unknown)."""
         for replica in self.replicas:
@@ -230,36 +200,85 @@ class SimRouter:
 
     def _touch(self, replica: ReplicaId, now: float) -> None:
         if self._key is not None:
-            order = self._full_order if self._pressure.get(replica, 0.0) >= 1.0 else self._order
-            order.update(replica, self._key(self.tracker.load_of(replica, now)))
+            key = self._key(self.tracker.load_of(replica, now))
+            self._order.update(replica, key)
+            if self._dup:
+                self._bands[self._band.get(replica, 0)].update(replica, key)
 
     def _repressure(self, replica: ReplicaId, now: float) -> None:
-        """Recompute ``replica``'s cache pressure (held blocks or pool size changed); move it
-        between the two orders when it reaches or leaves 1."""
-        was_full = self._pressure.get(replica, 0.0) >= 1.0
+        """Recompute ``replica``'s cache pressure (held blocks or pool size changed); move it to
+        its new pressure band when that changed."""
         held = self.space.table.held_blocks(replica)
         pressure = cache_pressure(held, self.tracker.load_of(replica, now).capacity_blocks) or 0.0
         self._pressure[replica] = pressure
-        if (pressure >= 1.0) != was_full:
-            (self._full_order if was_full else self._order).discard(replica)
+        band = min(PRESSURE_BANDS, int(pressure * PRESSURE_BANDS))
+        was = self._band.get(replica, 0)
+        if band != was:
+            self._bands[was].discard(replica)
+            self._band[replica] = band
             self._touch(replica, now)
 
-    def _least(self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool]) -> list[ReplicaId]:
+    def _least(
+        self, token_ids: Sequence[int], holders: Sequence[ReplicaId], longest: int, now: float,
+        eligible: Callable[[ReplicaId], bool],
+    ) -> list[ReplicaId]:  # fmt: skip
         """The ``prune_k`` least loaded eligible replicas; with the duplication charge, every
-        replica that could undercut them: a replica without the prefix costs
-        ``base_load + w_prefill·(request_blocks + w_dup·pressure·copied)`` and ``copied`` is at most
-        ``request_blocks``, so the full replicas' least loaded bound the others' scan."""
+        replica that could undercut them. A replica without the prefix costs
+        ``base_load + w_prefill·request_blocks + charge·pressure`` with ``charge = w_prefill·w_dup·
+        copied`` the same for all of them (:meth:`_copied`), so each pressure band is scanned while
+        its least key plus ``charge`` × the band's lowest pressure may undercut the best seen. The
+        charge must be the policy's own, not a bound: with an upper bound a replica of a higher
+        band than the best seen could be skipped although it is cheaper at the real charge."""
         if not self._dup:
             return self._order.least(self.prune_k, eligible)[0]
+        keyed = self._order.least_keyed(self.prune_k, eligible)
+        least = [r for _, r in keyed]
+        if not least:
+            return least
         weights = self.weights
-        request_blocks = len(token_ids) // self.space.hasher.block_size
-        charge = weights.prefill_weight * weights.duplication_weight * request_blocks
+        copied = self._copied(token_ids, holders, longest, keyed[0][0], now, eligible)
+        charge = weights.prefill_weight * weights.duplication_weight * copied
+        if charge <= 0:
+            return least
         pressure = self._pressure
-        full, best = self._full_order.least(self.prune_k, eligible, lambda key, _: key + charge)
-        rest, _ = self._order.least(
-            self.prune_k, eligible, lambda key, r: key + charge * pressure.get(r, 0.0), best
-        )
-        return full + rest
+        best = min(key + charge * pressure.get(r, 0.0) for key, r in keyed)
+        chosen = dict.fromkeys(least)
+        for band, order in enumerate(self._bands):
+            low = charge * band / PRESSURE_BANDS
+            if not order.has_below(best - low):
+                continue
+            found, best = order.least(
+                0,
+                eligible,
+                lambda key, r: key + charge * pressure.get(r, 0.0),
+                best,
+                offset=low,
+            )
+            chosen.update(dict.fromkeys(found))
+        return list(chosen)
+
+    def _copied(
+        self, token_ids: Sequence[int], holders: Sequence[ReplicaId], longest: int, floor: float, now: float,
+        eligible: Callable[[ReplicaId], bool],
+    ) -> int:  # fmt: skip
+        """The policy's ``max_overlap``: the longest overlap among holders that are candidates, pass
+        the KV guard and keep their credit (``floor``: the least eligible base load). ``longest``
+        when every holder qualifies, else one match over the qualifying ones."""
+        request_blocks = len(token_ids) // self.space.hasher.block_size
+        threshold = self.weights.imbalance_threshold_blocks
+        key = self._key
+        assert key is not None  # _dup implies pruning
+        kept = [
+            h
+            for h in holders
+            if eligible(h) and (threshold is None or key(self.tracker.load_of(h, now)) - floor <= threshold)
+        ]
+        if len(kept) == len(holders):
+            return min(longest, request_blocks)
+        if not kept:
+            return 0
+        overlap = self.space.table.match(self.space.hasher.request_keys(token_ids), kept, now)
+        return min(max(overlap.blocks.values(), default=0), request_blocks)
 
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
@@ -279,10 +298,13 @@ class SimRouter:
                 return True
             return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
 
-        least = self._least(token_ids, eligible)
+        holders, longest = (
+            self.space.table.prefix_holders(token_ids, now) if self.policy.name == "cost" else ((), 0)
+        )
+        least = self._least(token_ids, holders, longest, now, eligible)
         if not least:
             return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
-        chosen = dict.fromkeys(self._holders(token_ids, now) if self.policy.name == "cost" else ())
+        chosen = dict.fromkeys(holders)
         chosen.update(dict.fromkeys(least))
         self.counters.pruned += 1
         return [r for r in chosen if inflight[r] < cap]
@@ -291,17 +313,13 @@ class SimRouter:
         self.counters.full += 1
         return [r for r in self.replicas if self.inflight[r] < self.cap]
 
-    def _holders(self, token_ids: Sequence[int], now: float) -> Iterable[ReplicaId]:
-        """Replicas holding the request's first block (really or speculatively): overlap > 0."""
-        size = self.space.hasher.block_size
-        first = self.space.hasher.request_keys(token_ids[:size]) if len(token_ids) >= size else []
-        if not first:
-            return ()
-        overlap = self.space.table.match(first, None, now)
-        return [replica for replica, blocks in overlap.blocks.items() if blocks]
-
     def route(
-        self, request_id: str, token_ids: Sequence[int], max_tokens: int, session_key: str | None, now: float
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        max_tokens: int,
+        session_key: str | None,
+        now: float,
     ) -> RoutePlan:
         """Plan and commit one request; raises ``Overloaded`` when every replica is at its cap."""
         candidates = self.candidates(token_ids, now)

@@ -14,7 +14,8 @@ from balancer.load import EngineStats, LoadConfig, LoadTracker
 from balancer.policy.base import PolicyWeights
 from balancer.router import RoutePlan
 from balancer.types import EngineHash, ReplicaId
-from loadtests.simulate.routing import LoadOrder, ShardedTracker, SimRouter
+from loadtests.simulate.load_order import LoadOrder
+from loadtests.simulate.routing import ShardedTracker, SimRouter
 
 BLOCK = 4
 
@@ -167,3 +168,57 @@ def test_temperature_and_baselines_get_every_open_replica() -> None:
         full = router._full()
         assert router.candidates([1, 2, 3, 4, 5], 1.0) == full
         assert all(router.inflight[r] < router.cap for r in full)
+
+
+def _pressured_fleet(seed: int, weights: PolicyWeights) -> tuple[SimRouter, list[tuple[int, ...]]]:
+    """60 replicas whose private holdings put them in every pressure band (pool 40 blocks), some
+    holding a shared prefix, under random load: where the duplication charge decides the choice."""
+    rng = random.Random(seed)
+    names = [ReplicaId(f"r{i:02d}") for i in range(60)]
+    router = SimRouter(
+        names, model="m", block_size=BLOCK, policy="cost", weights=weights, rng=random.Random(seed),
+        limits=TableLimits(), max_inflight_per_replica=50, prune_k=1,
+    )  # fmt: skip
+    shared = [tuple(rng.randrange(1000, 5000) for _ in range(60)) for _ in range(6)]
+    for n, replica in enumerate(names):
+        fill = rng.randrange(0, 44)
+        private = tuple(rng.randrange(5000, 9000) for _ in range(fill * BLOCK))
+        if fill:
+            hashes = tuple(EngineHash(10_000 * n + i) for i in range(fill))
+            router.apply(replica, [Stored(0, None, hashes, pack_tokens(private), BLOCK)], 0.0)
+        if rng.random() < 0.15:
+            prefix, depth = rng.choice(shared), rng.randrange(1, 15)
+            hashes = tuple(EngineHash(10_000 * n + 5_000 + i) for i in range(depth))
+            router.apply(replica, [Stored(0, None, hashes, pack_tokens(prefix[: depth * BLOCK]), BLOCK)], 0.0)
+        router.observe(replica, EngineStats(1, rng.randrange(0, 3), 0.5, 40 * BLOCK), 0.1)
+    for n in range(120):
+        tokens = (*rng.choice(shared)[: rng.randrange(0, 60)], *(rng.randrange(9000, 9999) for _ in range(9)))
+        router.route(f"load{n}", tokens, rng.randrange(1, 30), None, 0.2)
+        if rng.random() < 0.5:
+            router.first_token(f"load{n}", router.tracker._owner[f"load{n}"], 0.3)
+    return router, shared  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        PolicyWeights(),
+        PolicyWeights(duplication_weight=4.0, overlap_credit=0.5),
+        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9),
+    ],
+)
+def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: PolicyWeights) -> None:
+    charged = 0
+    for seed in range(8):
+        router, shared = _pressured_fleet(seed, weights)
+        rng = random.Random(1000 + seed)
+        for n in range(40):
+            tokens = [
+                *rng.choice(shared)[: rng.randrange(0, 60)],
+                *(rng.randrange(9000, 9999) for _ in range(5)),
+            ]
+            by_full = _plan(router, tokens, router._full(), n)
+            by_pruned = _plan(router, tokens, router.candidates(tokens, 1.0), n)
+            assert by_pruned.decision.replica in _best(by_full)[1], (seed, n)
+            charged += any(t.duplication_term > 0 for t in by_full.decision.terms)
+    assert charged > 50  # the charge was in play
