@@ -52,37 +52,36 @@ class LoadOrder:
         ``count`` while the next key is below the lowest bound seen (starting from ``best``), so
         every replica that could cost less is returned. Returns the replicas and that lowest bound.
         """
+        keyed, best = self._scan(count, eligible, bound, best, offset)
+        return [replica for _, replica in keyed], best
+
+    def least_keyed(self, count: int, eligible: Callable[[ReplicaId], bool]) -> list[tuple[float, ReplicaId]]:
+        """Up to ``count`` eligible replicas with the lowest keys, with their keys."""
+        return self._scan(count, eligible, None, math.inf, 0.0)[0]
+
+    def _scan(
+        self,
+        count: int,
+        eligible: Callable[[ReplicaId], bool],
+        bound: Callable[[float, ReplicaId], float] | None,
+        best: float,
+        offset: float,
+    ) -> tuple[list[tuple[float, ReplicaId]], float]:
         heap = self._heap
         popped: list[tuple[float, float, ReplicaId, int]] = []
-        chosen: list[ReplicaId] = []
+        chosen: list[tuple[float, ReplicaId]] = []
         while heap and (len(chosen) < count or (bound is not None and heap[0][0] + offset < best)):
             entry = heapq.heappop(heap)
             if self._version.get(entry[2]) != entry[3]:
                 continue  # superseded by a later update
             popped.append(entry)
             if eligible(entry[2]):
-                chosen.append(entry[2])
+                chosen.append((entry[0], entry[2]))
                 if bound is not None:
                     best = min(best, bound(entry[0], entry[2]))
         for entry in popped:
             heapq.heappush(heap, entry)
         return chosen, best
-
-    def least_keyed(self, count: int, eligible: Callable[[ReplicaId], bool]) -> list[tuple[float, ReplicaId]]:
-        """Up to ``count`` eligible replicas with the lowest keys, with their keys."""
-        heap = self._heap
-        popped: list[tuple[float, float, ReplicaId, int]] = []
-        chosen: list[tuple[float, ReplicaId]] = []
-        while heap and len(chosen) < count:
-            entry = heapq.heappop(heap)
-            if self._version.get(entry[2]) != entry[3]:
-                continue
-            popped.append(entry)
-            if eligible(entry[2]):
-                chosen.append((entry[0], entry[2]))
-        for entry in popped:
-            heapq.heappush(heap, entry)
-        return chosen
 
     def has_below(self, key: float) -> bool:
         """Whether a replica may have a key below ``key`` (the heap's top is a lower bound)."""
