@@ -12,16 +12,16 @@ import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from recording_index import RecordingIndex
 
 from balancer.engines.trtllm import TrtllmDecoder
-from balancer.events import KvEvent, Removed, Resync, Stored
-from balancer.index.base import ApplyResult, IndexStats
+from balancer.events import Removed, Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.base import IngestBatch
 from balancer.sources.pipeline import EventIngest
@@ -38,26 +38,6 @@ FAST = PollSettings(
     error_backoff_max_s=0.04,
     disabled_retry_s=0.03,
 )
-
-
-class RecordingIndex:
-    """Test double of the sink: records every event ``apply`` receives, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[KvEvent] = []
-
-    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
-        self.events.extend(events)
-        return ApplyResult()
-
-    async def drop_replica(self, replica: ReplicaId) -> int:
-        return 0
-
-    async def stats(self) -> IndexStats:
-        return IndexStats(0, 0)
-
-    async def aclose(self) -> None:
-        return None
 
 
 def created(event_id: int) -> dict[str, Any]:
@@ -160,7 +140,7 @@ class Rig:
 
 @contextlib.asynccontextmanager
 async def polling(session: aiohttp.ClientSession, port: int) -> AsyncIterator[Rig]:
-    metrics, index = Metrics.create(), RecordingIndex()
+    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     poller = TrtllmPoller(
         REPLICA,
         f"http://127.0.0.1:{port}/",

@@ -14,16 +14,15 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from recording_index import RecordingIndex
 
 from balancer.engines.sglang import SglangDecoder
-from balancer.events import KvEvent, Resync, Stored
-from balancer.index.base import ApplyResult, IndexStats
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
@@ -34,43 +33,6 @@ TOPIC = b"kv-events"
 BLOCK = 4
 END = (-1).to_bytes(8, "big", signed=True)
 FAST = ZmqSourceSettings(replay_timeout_s=1.0, reconnect_initial_s=0.01, reconnect_max_s=0.1)
-
-
-class RecordingIndex:
-    """Test double of the sink: records every event ``apply`` receives, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[KvEvent] = []
-
-    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
-        assert replica == REPLICA
-        self.events.extend(events)
-        stored = sum(e.block_count for e in events if isinstance(e, Stored))
-        return ApplyResult(stored_blocks=stored, resyncs=sum(isinstance(e, Resync) for e in events))
-
-    async def drop_replica(self, replica: ReplicaId) -> int:
-        return 0
-
-    async def stats(self) -> IndexStats:
-        return IndexStats(0, 0)
-
-    async def aclose(self) -> None:
-        return None
-
-    def pages(self) -> list[int]:
-        """Engine hash of every stored page, in arrival order."""
-        return [h for e in self.events if isinstance(e, Stored) for h in e.engine_hashes]
-
-    def resyncs(self) -> list[tuple[int, str]]:
-        return [(e.dp_rank, e.reason) for e in self.events if isinstance(e, Resync)]
-
-    def timeline(self) -> list[object]:
-        """Pages and resyncs interleaved as they arrived."""
-        return [
-            e.engine_hashes[0] if isinstance(e, Stored) else e.reason
-            for e in self.events
-            if isinstance(e, Stored | Resync)
-        ]
 
 
 def page(seq: int) -> dict[str, object]:
@@ -208,7 +170,7 @@ async def running(
 ) -> AsyncIterator[Rig]:
     """A real EventIngest with one ZMQ source feeding a RecordingIndex."""
     metrics = Metrics.create()
-    index = RecordingIndex()
+    index = RecordingIndex(REPLICA)
     kwargs.setdefault("settings", FAST)
     source = ZmqEventSource(
         REPLICA,
