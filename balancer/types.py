@@ -87,7 +87,8 @@ class CostTerms:
     shared_pending_blocks: float = 0.0
     """Pending prefill blocks not counted as load because this request shares them (speculative)."""
     duplication_term: float = 0.0
-    """The cost policy's charge for copying blocks another candidate already holds into a full cache."""
+    """The cost policy's charge for the blocks this request would insert into the replica's cache,
+    scaled by how full it is (each one then evicts a block that other requests may reuse)."""
     cache_pressure: float | None = None
     """0..1: how full the replica's cache is, as the duplication charge scales it (``None``: unknown)."""
 

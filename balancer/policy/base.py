@@ -47,12 +47,13 @@ class PolicyWeights:
     shared context on one replica (and the fleet's caches from holding it twice) until the load gap
     exceeds ``credit ×`` its size. 4 at most, beyond which affinity ignores any realistic backlog."""
     duplication_weight: float = 1.0
-    """``w_dup``, blocks charged per block of this request's prefix that another candidate already
-    holds and this replica would copy, scaled by this replica's cache pressure (0 while its cache
-    has room, 1 once it is nearly full: then every copied block evicts a block someone else may
-    reuse); 0..4. 0 turns the charge off; at 1 a full replica must be ``2 ×`` the prefix behind the
-    holder in prefill work before it takes a copy (credit 1), while a replica with room still takes
-    one at ``1 ×``. Needs the pool size from the metrics scrape; without it the pressure is 0."""
+    """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
+    uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
+    is nearly full: then every inserted block evicts a block someone else may reuse); 0..4. 0 turns
+    the charge off. At 1, between full replicas a copy of a prefix another one holds costs twice its
+    prefill (a full replica must be ``2 ×`` the prefix behind the holder before it takes a copy),
+    and a new context goes to a replica with room rather than evict a reused one. Needs the pool
+    size from the metrics scrape; without it the pressure is 0."""
     decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; ≥ 0. 0 ignores decode
     load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding

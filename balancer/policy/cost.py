@@ -3,7 +3,7 @@
 For each candidate replica ``r`` (lower is better)::
 
     cost_r = w_prefill · (pending_prefill_blocks_r − shared_r + request_blocks − credit_r · overlap_r)
-           + w_prefill · w_dup · pressure_r · copied_r
+           + w_prefill · w_dup · pressure_r · inserted_r
            + w_decode  · active_decode_blocks_r
            + w_queue   · waiting_r
 
@@ -21,18 +21,24 @@ For each candidate replica ``r`` (lower is better)::
   blocks this request will reuse, so it is shared, not competing. Without this term a burst of
   same-prefix requests arriving before the first KV event would scatter over the fleet (each
   follower sees the leader's prefill as load), which is the case speculative entries exist for.
-* ``copied_r`` = ``max_overlap − overlap_r``: blocks of the prefix that another candidate holds (the
-  longest overlap among eligible replicas that keep their credit) and ``r`` would compute again.
+* ``inserted_r`` = ``request_blocks − overlap_r``: the blocks ``r`` would compute and add to its
+  cache (all of them when ``r`` gets no credit: a replica without credit is treated as holding
+  nothing).
 * ``pressure_r`` (:func:`cache_pressure`): 0 while ``r``'s cache is at most a quarter full, rising
   to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape; 0
-  when either is unknown). The duplication charge prices what a copy evicts: on a replica with room
-  a copy costs only its prefill, on a full one every copied block pushes out a block another request
-  may reuse, and a context copied to several full replicas crowds the others' contexts out of the
-  fleet. Tenants whose contexts overflow the fleet's caches then stay on their replica (hit rate of
-  the llm-d-shaped ``tenants`` run 0.50 → 0.75 in the simulator), while workloads that fill the
-  caches slowly (``agent``, ``chat``) still spread when the fleet is empty (docs/policies.md). The
-  ramp starts early because copies made while the caches fill are the ones that overflow them later
-  (with 0.3 s of event lag, a 0.5 → 0.9 ramp gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
+  when either is unknown). The charge prices what an insertion evicts: on a replica with room a
+  block costs only its prefill, on a full one every inserted block pushes out a block another
+  request may reuse. Between equally full replicas it adds the same ``w_dup`` per missing block to
+  every candidate, so a replica lacking a prefix that another one holds pays ``w_dup`` more per
+  block it would copy: a context copied to several full replicas would crowd the others' contexts
+  out of the fleet, so tenants whose contexts overflow the fleet's caches stay on their replica
+  (hit rate of the llm-d-shaped ``tenants`` run 0.51 → 0.72 in the simulator). Between replicas
+  of different fill it sends new contexts to the one with room, rather than to a full one where
+  they evict a context its own requests are about to reuse (the hot spots of docs/loadtest.md).
+  Workloads that fill the caches slowly (``agent``, ``chat``) still spread while the fleet is
+  empty (docs/policies.md). The ramp starts early because copies made while the caches fill are
+  the ones that overflow them later (copied-blocks charge, 0.3 s of event lag: a 0.5 → 0.9 ramp
+  gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_queue`` = 0,
 ``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; guards ``kv_usage_ceiling``
@@ -95,7 +101,6 @@ class CostPolicy:
         if no_credit:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
         overlaps = {r: overlap_blocks(overlap, r, request.request_blocks) for r in candidates}
-        held_elsewhere = max((overlaps[r] for r in eligible if r not in no_credit), default=0)
         terms = [
             cost_terms(
                 loads[r],
@@ -105,7 +110,6 @@ class CostPolicy:
                 credit=0.0 if r in no_credit else weights.overlap_credit,
                 excluded=excluded.get(r),
                 speculative=min(overlap.speculative_blocks.get(r, 0), request.request_blocks),
-                copied=max(0, held_elsewhere - overlaps[r]),
                 pressure=cache_pressure(overlap.held_blocks.get(r), loads[r].capacity_blocks),
             )
             for r in candidates
@@ -170,18 +174,17 @@ def cost_terms(
     credit: float,
     excluded: str | None,
     speculative: int = 0,
-    copied: int = 0,
     pressure: float | None = None,
 ) -> CostTerms:
     """The weighted terms and their sum for one replica (computed for excluded ones too, so an
-    explanation shows what they would have cost). ``copied``: blocks of the prefix another
-    candidate holds that this one lacks; ``pressure``: its :func:`cache_pressure`."""
+    explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`."""
     waiting = float(load.waiting_reqs or 0)
     shared = min(load.pending_prefill_blocks, min(credit, 1.0) * speculative)
     prefill_term = weights.prefill_weight * (
         load.pending_prefill_blocks - shared + request_blocks - credit * overlap
     )
-    duplication_term = weights.prefill_weight * weights.duplication_weight * (pressure or 0.0) * copied
+    inserted = request_blocks - (overlap if credit > 0 else 0)
+    duplication_term = weights.prefill_weight * weights.duplication_weight * (pressure or 0.0) * inserted
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
     return CostTerms(

@@ -17,8 +17,8 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   over it, the full set is used, as the guard then lifts), and the imbalance guard's floor is the
   least loaded eligible replica, which is always in the set. ``least_load`` is pruned the same way
   on ``request_load``. With the duplication charge a replica without the prefix also pays
-  ``w_prefill·w_dup·copied·pressure_r``, so replicas also sit in 8 pressure bands (each its own
-  heap) and a band is scanned only while its least load plus the charge at the band's lowest
+  ``w_prefill·w_dup·request_blocks·pressure_r``, so replicas also sit in 8 pressure bands (each its
+  own heap) and a band is scanned only while its least load plus the charge at the band's lowest
   pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
   tie-breaking: among replicas of exactly equal cost the
   service draws from all of them, the pruned set from fewer (the heap orders equal loads at random).
@@ -218,17 +218,12 @@ class SimRouter:
             self._band[replica] = band
             self._touch(replica, now)
 
-    def _least(
-        self, token_ids: Sequence[int], holders: Sequence[ReplicaId], longest: int, now: float,
-        eligible: Callable[[ReplicaId], bool],
-    ) -> list[ReplicaId]:  # fmt: skip
+    def _least(self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool]) -> list[ReplicaId]:
         """The ``prune_k`` least loaded eligible replicas; with the duplication charge, every
         replica that could undercut them. A replica without the prefix costs
         ``base_load + w_prefill·request_blocks + charge·pressure`` with ``charge = w_prefill·w_dup·
-        copied`` the same for all of them (:meth:`_copied`), so each pressure band is scanned while
-        its least key plus ``charge`` × the band's lowest pressure may undercut the best seen. The
-        charge must be the policy's own, not a bound: with an upper bound a replica of a higher
-        band than the best seen could be skipped although it is cheaper at the real charge."""
+        request_blocks`` the same for all of them, so each pressure band is scanned while its least
+        key plus ``charge`` × the band's lowest pressure may undercut the best seen."""
         if not self._dup:
             return self._order.least(self.prune_k, eligible)[0]
         keyed = self._order.least_keyed(self.prune_k, eligible)
@@ -236,8 +231,8 @@ class SimRouter:
         if not least:
             return least
         weights = self.weights
-        copied = self._copied(token_ids, holders, longest, keyed[0][0], now, eligible)
-        charge = weights.prefill_weight * weights.duplication_weight * copied
+        request_blocks = len(token_ids) // self.space.hasher.block_size
+        charge = weights.prefill_weight * weights.duplication_weight * request_blocks
         if charge <= 0:
             return least
         pressure = self._pressure
@@ -257,29 +252,6 @@ class SimRouter:
             chosen.update(dict.fromkeys(found))
         return list(chosen)
 
-    def _copied(
-        self, token_ids: Sequence[int], holders: Sequence[ReplicaId], longest: int, floor: float, now: float,
-        eligible: Callable[[ReplicaId], bool],
-    ) -> int:  # fmt: skip
-        """The policy's ``max_overlap``: the longest overlap among holders that are candidates, pass
-        the KV guard and keep their credit (``floor``: the least eligible base load). ``longest``
-        when every holder qualifies, else one match over the qualifying ones."""
-        request_blocks = len(token_ids) // self.space.hasher.block_size
-        threshold = self.weights.imbalance_threshold_blocks
-        key = self._key
-        assert key is not None  # _dup implies pruning
-        kept = [
-            h
-            for h in holders
-            if eligible(h) and (threshold is None or key(self.tracker.load_of(h, now)) - floor <= threshold)
-        ]
-        if len(kept) == len(holders):
-            return min(longest, request_blocks)
-        if not kept:
-            return 0
-        overlap = self.space.table.match(self.space.hasher.request_keys(token_ids), kept, now)
-        return min(max(overlap.blocks.values(), default=0), request_blocks)
-
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
         cap = self.cap
@@ -298,10 +270,10 @@ class SimRouter:
                 return True
             return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
 
-        holders, longest = (
+        holders, _ = (
             self.space.table.prefix_holders(token_ids, now) if self.policy.name == "cost" else ((), 0)
         )
-        least = self._least(token_ids, holders, longest, now, eligible)
+        least = self._least(token_ids, eligible)
         if not least:
             return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
         chosen = dict.fromkeys(holders)
