@@ -281,27 +281,18 @@ class PrefixTable:
         now: float,
         lora_name: str | None = None,
         cache_salt: str | None = None,
-    ) -> tuple[tuple[ReplicaId, ...], int]:
+    ) -> tuple[ReplicaId, ...]:
         """The replicas holding a request's first block (overlap > 0 in :meth:`match`, speculative
-        included) and the largest overlap any replica has. Hashes only while someone holds the
-        prefix and costs nothing per replica without it: a cheap bound for candidate pruning."""
+        included). Hashes one block and costs nothing per replica without it: candidate pruning
+        needs no more, since every other replica has overlap 0."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
-        count = full_blocks(len(token_ids), self._block_size, self.hasher.mode)
-        if not count:
-            return (), 0
-        data, get = pack_tokens(token_ids), self._holders.get
-        step, span = 4 * self._block_size, 4 * (self._block_size + self._lookahead)
-        key = _xxh3(data[:span], self.hasher.root_seed(lora_name, cache_salt))
-        mask = get(key, 0)
-        first, depth = self._slots.group(mask)[0] if mask else (), 0
-        while mask:
-            depth += 1
-            if depth == count:
-                break
-            key = _xxh3(data[depth * step : depth * step + span], key)
-            mask &= get(key, 0)
-        return first, depth
+        if not full_blocks(len(token_ids), self._block_size, self.hasher.mode):
+            return ()
+        first_block = pack_tokens(token_ids[: self._block_size + self._lookahead])
+        key = _xxh3(first_block, self.hasher.root_seed(lora_name, cache_salt))
+        mask = self._holders.get(key, 0)
+        return self._slots.group(mask)[0] if mask else ()
 
     @property
     def has_speculative(self) -> bool:

@@ -270,9 +270,7 @@ class SimRouter:
                 return True
             return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
 
-        holders, _ = (
-            self.space.table.prefix_holders(token_ids, now) if self.policy.name == "cost" else ((), 0)
-        )
+        holders = self.space.table.prefix_holders(token_ids, now) if self.policy.name == "cost" else ()
         least = self._least(token_ids, eligible)
         if not least:
             return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
