@@ -3,7 +3,7 @@
 Decoders in :mod:`balancer.engines` turn engine bytes into these; the index applies them in order.
 Stored blocks carry their tokens, never a router key: the key of a block chains over its parent's key,
 which only the index knows (through the per-cache engine-hash map), so the index computes keys with
-:class:`balancer.hashing.BlockHasher`.
+:class:`balancer.index.hashing.BlockHasher`.
 
 Only **full** blocks appear here: decoders drop partial blocks (and, for TRT-LLM, their later removal).
 """

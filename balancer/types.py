@@ -3,7 +3,7 @@
 Two kinds of hash never mix:
 
 * ``BlockKey``: the router-owned key of one full block of tokens, chained over its parent
-  (see :mod:`balancer.hashing`). Requests and stored events both map to it; routing uses only it.
+  (see :mod:`balancer.index.hashing`). Requests and stored events both map to it; routing uses only it.
 * ``EngineHash``: the engine's own handle for a block (SGLang, vLLM, TRT-LLM), normalised to u64.
   It is only ever used to find the ``BlockKey`` of a parent or of a removed block.
 

@@ -2,7 +2,7 @@
 
 How it is computed. Every prompt is cut into the blocks an engine can reuse: the full blocks of
 ``prompt[:-1]`` (engines always compute the last prompt token), each named by a chained key (the
-key of block ``j`` stands for the whole prefix up to and including it, :mod:`balancer.hashing`). The
+key of block ``j`` stands for the whole prefix up to and including it, :mod:`balancer.index.hashing`). The
 request stream is then played, in order, through **one pooled cache** holding ``replicas · K``
 blocks (K = one replica's KV pool in blocks) that evicts with Belady's MIN rule: when full, drop the
 block whose next use is farthest in the future (never a block of the request being served).
@@ -27,7 +27,7 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from balancer.hashing import BlockHasher
+from balancer.index.hashing import BlockHasher
 
 NEVER = 1 << 62
 """Next-use position of a block that is never used again."""

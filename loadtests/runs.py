@@ -22,8 +22,8 @@ from typing import Any, Literal, TextIO
 import aiohttp
 
 from loadtests.driver import RunResult, run_closed_loop, run_open_loop
-from loadtests.fleet_runner import FleetHandle, flush, replica_stats, start_router, wait_idle
 from loadtests.peers import RouterSpec, peer_available
+from loadtests.processes import EmulatorHandle, flush, replica_stats, start_router, wait_idle
 from loadtests.stats import RequestRecord, Summary
 from loadtests.workloads.base import RequestSpec
 
@@ -116,7 +116,7 @@ class Progress:
 class LoadSampler:
     """Polls every replica's running and waiting requests until stopped (bounded sample count)."""
 
-    def __init__(self, session: aiohttp.ClientSession, fleet: FleetHandle, interval_s: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, fleet: EmulatorHandle, interval_s: float) -> None:
         self.session = session
         self.fleet = fleet
         self.interval_s = interval_s
@@ -169,7 +169,7 @@ async def _drive(
 
 async def run_router(
     router: RouterSpec,
-    fleet: FleetHandle,
+    fleet: EmulatorHandle,
     specs: Sequence[RequestSpec],
     options: DriveOptions,
     logs: Path,
@@ -220,7 +220,7 @@ async def run_router(
 
 async def run_all(
     routers: Sequence[RouterSpec],
-    fleet: FleetHandle,
+    fleet: EmulatorHandle,
     specs: Sequence[RequestSpec],
     options: DriveOptions,
     logs: Path,

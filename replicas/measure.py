@@ -25,8 +25,8 @@ from typing import Any
 
 import aiohttp
 
-from replicas.cli import runner
-from replicas.fleet import FleetSpec, ProcessFleet, template_config
+from replicas.command import runner
+from replicas.emulator import EmulatorSpec, ProcessEmulator, template_config
 from replicas.sim.profiles import PROFILES
 
 MAX_IN_FLIGHT = 1024
@@ -55,7 +55,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def cpu_per_replica(fleet: ProcessFleet, seconds: float) -> float:
+async def cpu_per_replica(fleet: ProcessEmulator, seconds: float) -> float:
     """Percent of one core used per replica over ``seconds`` of wall time."""
     before = sum(cpu_seconds(pid) for pid in fleet.pids)
     await asyncio.sleep(seconds)
@@ -183,10 +183,10 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     passthrough = ["--profile", args.profile, "--time-scale", str(args.time_scale)]
     if args.no_uvloop:
         passthrough.append("--no-uvloop")
-    spec = FleetSpec(
+    spec = EmulatorSpec(
         replicas=args.replicas, engine=args.engine, template=template, extra_args=tuple(passthrough)
     )
-    fleet = ProcessFleet(spec, args.processes)
+    fleet = ProcessEmulator(spec, args.processes)
     try:
         await fleet.start()
         await asyncio.sleep(args.settle_s)

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from balancer.hashing import BlockHasher
 from balancer.index.base import PrefixIndex
-from balancer.index.redis_index import RedisIndex
-from balancer.index.redis_schema import RedisIndexSettings
+from balancer.index.hashing import BlockHasher
+from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.schema import RedisIndexSettings
 
 _START_TIMEOUT_S = 10.0
 

@@ -13,7 +13,7 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
   ``{"fleet": null}`` when embedded.
 
 :func:`change_policy`, :func:`explain_raw`, :func:`replica_views` and :func:`set_draining` do the
-work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc_admin`) calls the same code.
+work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc.admin`) calls the same code.
 """
 
 from __future__ import annotations
@@ -37,11 +37,11 @@ from balancer.api.parsing import (
     weights_from,
 )
 from balancer.api.proxy import choose
-from balancer.api.state import REQUEST_ID, STATE, PolicyView, Pool, ServiceState
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
-from balancer.router import RoutePlan
+from balancer.routing.router import RoutePlan
+from balancer.service.state import REQUEST_ID, STATE, PolicyView, Pool, ServiceState
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)

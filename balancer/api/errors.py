@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from balancer.errors import ConfigError, NoReplicasAvailable, Overloaded, UpstreamError, UpstreamTimeout
-from balancer.tokenize import TokenizeError
+from balancer.tokenizer.tokenizer import TokenizeError
 
 _TYPES = {
     400: "invalid_request_error",

@@ -19,7 +19,7 @@ from balancer.api.admin import add_admin_routes
 from balancer.api.middleware import kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
-from balancer.api.state import STATE, ServiceState
+from balancer.service.state import STATE, ServiceState
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -21,8 +21,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from balancer.api.errors import ApiError, error_response, from_balancer_error
-from balancer.api.state import OUTCOME, REQUEST_ID, STATE, Outcome, ServiceState
 from balancer.config import AuthConfig
+from balancer.service.state import OUTCOME, REQUEST_ID, STATE, Outcome, ServiceState
 
 log = logging.getLogger(__name__)
 

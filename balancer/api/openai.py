@@ -1,7 +1,7 @@
 """The OpenAI-compatible endpoints (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 Per request: admission (``limits.max_inflight`` with a queue of ``limits.max_queued``: full → 429,
-waited ``limits.queue_timeout_s`` → 503; see :mod:`balancer.admission`), a bounded body read
+waited ``limits.queue_timeout_s`` → 503; see :mod:`balancer.service.admission`), a bounded body read
 (``limits.max_body_bytes`` → 413, ``timeouts.body_read_s`` → 408), JSON validation (400), the pool
 by ``model`` (404 listing the known models), tokenisation with the pool's tokenizer (long prompts in a
 thread), a wait in the same queue while every replica is full, then :func:`balancer.api.proxy.forward`.
@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from balancer.admission import Admission, AdmissionLimits, AdmissionRefused
 from balancer.api.errors import ApiError, retry_after
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
 from balancer.api.proxy import Forward, forward
-from balancer.api.state import REQUEST_ID, STATE, Pool, ServiceState
 from balancer.policy import PolicyWeights
-from balancer.tokenize import TokenizeError
+from balancer.service.admission import Admission, AdmissionLimits, AdmissionRefused
+from balancer.service.state import REQUEST_ID, STATE, Pool, ServiceState
+from balancer.tokenizer.tokenizer import TokenizeError
 
 INLINE_TOKENIZE_CHARS = 4096
 """Prompts with fewer characters are tokenized on the event loop; longer ones in a thread."""

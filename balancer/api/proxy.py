@@ -1,6 +1,6 @@
 """Route and proxy one OpenAI request (I/O): choose → commit → forward → relay → release.
 
-* **Choose**: candidates are the pool's routable replicas (:class:`~balancer.health.HealthBook`)
+* **Choose**: candidates are the pool's routable replicas (:class:`~balancer.health.book.HealthBook`)
   that are below ``limits.max_inflight_per_replica``; :meth:`PoolRouter.plan` picks one.
 * **Commit**: a :class:`Lease` reserves load and adds speculative index entries; it is released in
   ``finally`` whatever happens (end, error, client gone).
@@ -31,13 +31,13 @@ from aiohttp import web
 
 from balancer.api.errors import ApiError, retry_after
 from balancer.api.parsing import ParsedRequest
-from balancer.api.state import OUTCOME, Outcome, Pool, ServiceState
 from balancer.config import ReplicaConfig
 from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
-from balancer.router import RoutePlan
+from balancer.routing.router import RoutePlan
+from balancer.service.state import OUTCOME, Outcome, Pool, ServiceState
 from balancer.types import CostTerms, ReplicaId
-from balancer.upstream import RetryableUpstream, UpstreamStream, forwardable_headers
+from balancer.upstream.client import RetryableUpstream, UpstreamStream, forwardable_headers
 
 log = logging.getLogger(__name__)
 

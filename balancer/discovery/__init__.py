@@ -1,7 +1,7 @@
 """Replica discovery: static settings, a reloaded file, or Kubernetes (I/O; see each module).
 
 :func:`build_discovery` returns the discovery the settings ask for (``None`` for ``static``: the
-``pools[].replicas`` are all there is). The application (:mod:`balancer.replica_lifecycle`) runs it
+``pools[].replicas`` are all there is). The application (:mod:`balancer.service.lifecycle`) runs it
 as one task::
 
     discovery = build_discovery(settings)

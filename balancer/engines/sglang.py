@@ -34,7 +34,7 @@ import msgpack
 from balancer.engines import DecodedBatch
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
-from balancer.hashing import pack_tokens
+from balancer.index.hashing import pack_tokens
 from balancer.types import U64_MASK, EngineHash
 
 SEQ_BYTES = 8

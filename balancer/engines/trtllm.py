@@ -54,7 +54,7 @@ from typing import Any
 from balancer.engines import DecodedBatch
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import KvEvent, Removed, Resync, ResyncReason, Stored
-from balancer.hashing import pack_tokens
+from balancer.index.hashing import pack_tokens
 from balancer.types import U64_MASK, EngineHash, to_u64
 
 _HEX = re.compile(r"[0-9a-fA-F]{1,128}")

@@ -48,9 +48,9 @@ from redis.exceptions import RedisError
 from balancer.config import ReplicaConfig
 from balancer.events import Resync
 from balancer.fleet.writer import FencedWriter
-from balancer.health import HealthBook
-from balancer.index.lease import IngestionLease, encode_positions
-from balancer.index.redis_schema import RedisKeys
+from balancer.health.book import HealthBook
+from balancer.index.redis.lease import IngestionLease, encode_positions
+from balancer.index.redis.schema import RedisKeys
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource, IngestBatch
 from balancer.sources.pipeline import EventIngest

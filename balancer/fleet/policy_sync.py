@@ -25,10 +25,10 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from balancer.api.state import PolicyControl, PolicyView
 from balancer.errors import ConfigError
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
+from balancer.service.state import PolicyControl, PolicyView
 
 log = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
-"""``FleetRuntime``: the Redis side of one balancer, built and owned by :mod:`balancer.app` (I/O).
+"""``FleetRuntime``: the Redis side of one balancer, built and owned by :mod:`balancer.service.app` (I/O).
 
 Used only when ``redis.url`` is set. Per key space (one per pool and caching scheme: block size and
-alignment, exactly as :class:`~balancer.router.PoolRouter` splits them) it builds:
+alignment, exactly as :class:`~balancer.routing.router.PoolRouter` splits them) it builds:
 
-* a :class:`~balancer.index.redis_index.RedisIndex` whose Redis "pool" is the key space
+* a :class:`~balancer.index.redis.index.RedisIndex` whose Redis "pool" is the key space
   (``<model>/<block size>/<mode>``: the keys of different schemes never mix, and each has its own
   applied-event stream);
 * a :class:`~balancer.fleet.writer.FencedWriter` and an :class:`~balancer.sources.pipeline.EventIngest`
   over it, which ingest only the replicas whose lease this balancer holds;
-* a :class:`~balancer.index.mirror.Mirror` that installs each table it builds into the key space the
+* a :class:`~balancer.index.redis.mirror.Mirror` that installs each table it builds into the key space the
   router reads (``KeySpace.table``). Routing reads only that table: it never waits on Redis.
 
 A replica found by discovery after start gets the same (:meth:`FleetRuntime.add_replica`; its key
@@ -40,19 +40,19 @@ import aiohttp
 import redis.asyncio as aioredis
 import zmq.asyncio
 
-from balancer.api.state import ServiceState
 from balancer.config import RedisConfig, ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.writer import FencedWriter
-from balancer.index.lease import IngestionLease, LeaseSettings
-from balancer.index.mirror import Mirror
-from balancer.index.redis_index import RedisIndex
-from balancer.index.redis_schema import RedisIndexSettings
+from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.lease import IngestionLease, LeaseSettings
+from balancer.index.redis.mirror import Mirror
+from balancer.index.redis.schema import RedisIndexSettings
 from balancer.index.table import PrefixTable
-from balancer.router import KeySpace
+from balancer.routing.router import KeySpace
+from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
 from balancer.sources.build import build_sources
 from balancer.sources.pipeline import EventIngest, IngestSettings

@@ -1,7 +1,7 @@
 """``SnapshotKeeper``: one balancer at a time writes each key space's table snapshot (I/O, Redis).
 
 A starting balancer's mirror loads the latest snapshot and replays only the stream entries after it
-(:mod:`balancer.index.mirror`), which is what makes a warm start fast and complete even once the
+(:mod:`balancer.index.redis.mirror`), which is what makes a warm start fast and complete even once the
 stream has been trimmed. The writer of a key space holds its ``snaplease`` key (``SET NX PX``,
 renewed each tick). It writes when its mirror moved on by ``every_entries`` entries since the last
 snapshot (a quarter of the stream's length by default, so a snapshot is always younger than the
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
-from balancer.index.mirror import Mirror
-from balancer.index.redis_schema import RedisKeys
+from balancer.index.redis.mirror import Mirror
+from balancer.index.redis.schema import RedisKeys
 from balancer.metrics import Metrics
 
 log = logging.getLogger(__name__)

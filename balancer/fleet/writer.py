@@ -1,7 +1,7 @@
 """``FencedWriter``: what the ingest pipelines of one key space apply to in fleet mode (I/O, Redis).
 
 It stands between :class:`~balancer.sources.pipeline.ReplicaPipeline` and the key space's
-:class:`~balancer.index.redis_index.RedisIndex`. For each replica whose lease this balancer holds it
+:class:`~balancer.index.redis.index.RedisIndex`. For each replica whose lease this balancer holds it
 knows the generation to write with and the engine positions applied so far, and stores the new
 positions in the same atomic call as the batch (so the next holder resumes exactly after it).
 
@@ -12,13 +12,13 @@ positions in the same atomic call as the batch (so the next holder resumes exact
   (``expect_seq``). A write whose answer was lost is recognised by its unique text and not redone;
   positions that are neither (Redis restarted without our last writes) give the replica up, and the
   lease manager takes it anew from the positions Redis kept, replaying the rest from the engine.
-* **Fenced.** A :class:`~balancer.index.redis_index.StaleGenerationError` while the lease is still
+* **Fenced.** A :class:`~balancer.index.redis.index.StaleGenerationError` while the lease is still
   ours means our own liveness drop bumped the generation: take the new one and write again.
   Otherwise another balancer took the replica: the holding is marked lost, ``on_lost`` is told,
   and the error goes up (the pipeline logs it; the lease manager stops the replica's ingest).
 
 Routing never reads this class: every balancer, this one included, sees the writes through its
-mirror (:mod:`balancer.index.mirror`), so all of them apply the same batches in the same order.
+mirror (:mod:`balancer.index.redis.mirror`), so all of them apply the same batches in the same order.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from redis.exceptions import RedisError
 from balancer.errors import BalancerError
 from balancer.events import KvEvent
 from balancer.index.base import ApplyResult, IndexStats
-from balancer.index.lease import IngestionLease, encode_positions
-from balancer.index.redis_index import PositionMismatchError, RedisIndex, StaleGenerationError
+from balancer.index.redis.index import PositionMismatchError, RedisIndex, StaleGenerationError
+from balancer.index.redis.lease import IngestionLease, encode_positions
 from balancer.metrics import Metrics
 from balancer.types import BlockKey, Overlap, ReplicaId
 

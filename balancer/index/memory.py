@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from balancer.events import KvEvent
-from balancer.hashing import BlockHasher
 from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.hashing import BlockHasher
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.types import BlockKey, Overlap, ReplicaId

@@ -24,8 +24,8 @@ from itertools import islice
 import xxhash
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
-from balancer.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
 

@@ -22,7 +22,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from balancer.errors import ConfigError
-from balancer.load import LoadSnapshot
+from balancer.load.tracker import LoadSnapshot
 from balancer.types import Decision, Overlap, ReplicaId
 
 

@@ -1,6 +1,6 @@
 """Baseline policies that ignore the block cost, for comparison in ``loadtests/`` (pure).
 
-"Load" here is :attr:`ReplicaLoad.request_load <balancer.load.ReplicaLoad.request_load>`:
+"Load" here is :attr:`ReplicaLoad.request_load <balancer.load.tracker.ReplicaLoad.request_load>`:
 ``requests_r = in_flight_r + waiting_r``, the requests this balancer has in flight on ``r`` (prefill
 and decode, router-tracked) plus the engine's scraped queue (0 when unknown or stale). Every
 baseline fills :class:`~balancer.types.CostTerms` with the load fields; ``cost`` is the score it
@@ -16,7 +16,7 @@ import random
 
 import xxhash
 
-from balancer.load import LoadSnapshot
+from balancer.load.tracker import LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min, plain_terms
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId

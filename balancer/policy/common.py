@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 
 from balancer.errors import NoReplicasAvailable
-from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import RouteRequest
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 

@@ -67,7 +67,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import replace
 
-from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId

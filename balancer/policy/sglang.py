@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import random
 
-from balancer.load import LoadSnapshot
+from balancer.load.tracker import LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min, plain_terms
 from balancer.types import Decision, Overlap

@@ -7,5 +7,5 @@
   the owner of every ingest task.
 * :mod:`~balancer.sources.build`: sources for a configured replica.
 
-The engine metrics scraper lives in :mod:`balancer.scrape`.
+The engine metrics scraper lives in :mod:`balancer.load.scrape`.
 """

@@ -18,8 +18,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtests.faults.fleet import Fleet, fleet
 from loadtests.faults.load import Load, percentile
+from loadtests.faults.rig import FaultRig, fault_rig
 
 CONVERGE_LIMIT_S = 2.0
 """The target: the index matches the engines within this long after the fault."""
@@ -28,7 +28,7 @@ MEASURE_LIMIT_S = 15.0
 FAULT_TIMEOUTS = {"connect_s": 0.5, "first_byte_s": 1.5, "idle_s": 1.5}
 """kvlb's upstream timeouts in fault runs: a hung replica costs 1.5 s, not the default minute."""
 
-Inject = Callable[[Fleet, float, Load], Awaitable[str]]
+Inject = Callable[[FaultRig, float, Load], Awaitable[str]]
 """Injects the fault, waits ``hold_s``, recovers; returns a note for the report."""
 
 
@@ -42,7 +42,7 @@ class Scenario:
     hold_s: float = 1.5
     rate: float = 20.0
     redis: bool = False
-    """Fleet mode: a private ``redis-server`` (append-only file), reached through a delay proxy."""
+    """FaultRig mode: a private ``redis-server`` (append-only file), reached through a delay proxy."""
     kvlbs: int = 1
     """kvlb instances (more than one only with ``redis``); the load and the checks use the first."""
     exact: bool = True
@@ -94,7 +94,7 @@ async def run_in_fleet(
 ) -> Result:
     """Run ``scenario`` on a fresh fleet; ``top`` is added to kvlb's config, ``context`` to the fleet's."""
     engines, args, kvlbs = scenario.engines, scenario.sim_args, scenario.kvlbs
-    async with fleet(tmp, engines, sim_args=args, kvlbs=kvlbs, **top) as f:
+    async with fault_rig(tmp, engines, sim_args=args, kvlbs=kvlbs, **top) as f:
         f.context = context
         before = await f.metrics()
         load = Load(f.url, rate=scenario.rate, seed=hash(scenario.name) & 0xFFFF)
@@ -138,7 +138,7 @@ async def run_in_fleet(
 # ------------------------------------------------------------------------------------------ faults
 
 
-async def crash_mid_stream(f: Fleet, hold_s: float, load: Load) -> str:
+async def crash_mid_stream(f: FaultRig, hold_s: float, load: Load) -> str:
     """SIGKILL a replica with streams in flight; an orchestrator starts it again ``hold_s`` later."""
     streams, records = await load.long_streams(6)
     await f.replica("r0").kill()
@@ -149,14 +149,14 @@ async def crash_mid_stream(f: Fleet, hold_s: float, load: Load) -> str:
     return f"r0 SIGKILLed with {len(cut)} long stream(s) on it ({', '.join(cut) or '-'}), restarted"
 
 
-async def restart_flushed(f: Fleet, hold_s: float, load: Load) -> str:
+async def restart_flushed(f: FaultRig, hold_s: float, load: Load) -> str:
     """The engine restarts in place: in-flight requests cut, cache emptied, events from seq 0."""
     await f.fault("r0", restart=True)
     await f.fault("r2", restart=True)
     return "r0 (SGLang) and r2 (TRT-LLM) restarted"
 
 
-async def _drop_events(f: Fleet, replica: str, fraction: float, hold_s: float) -> int:
+async def _drop_events(f: FaultRig, replica: str, fraction: float, hold_s: float) -> int:
     """Drop ``fraction`` of ``replica``'s event batches (after their seq was taken) for ``hold_s``;
     returns how many were dropped."""
     await f.fault(replica, drop_events=fraction)
@@ -165,29 +165,29 @@ async def _drop_events(f: Fleet, replica: str, fraction: float, hold_s: float) -
     return int(stats["dropped_batches"])
 
 
-async def hwm_loss(f: Fleet, hold_s: float, load: Load) -> str:
+async def hwm_loss(f: FaultRig, hold_s: float, load: Load) -> str:
     """Half of r0's event batches lost after their seq was taken (a PUB high-water mark)."""
     return f"r0 lost {await _drop_events(f, 'r0', 0.5, hold_s)} batches"
 
 
-async def gap_beyond_buffer(f: Fleet, hold_s: float, load: Load) -> str:
+async def gap_beyond_buffer(f: FaultRig, hold_s: float, load: Load) -> str:
     """Every batch lost for ``hold_s`` while the replay buffer keeps only 4: replay cannot fill it."""
     return f"r0 lost {await _drop_events(f, 'r0', 1.0, hold_s)} batches, replay buffer 4"
 
 
-async def trtllm_overflow(f: Fleet, hold_s: float, load: Load) -> str:
+async def trtllm_overflow(f: FaultRig, hold_s: float, load: Load) -> str:
     """TRT-LLM's event buffer overflows: events dropped after their ``event_id`` was taken."""
     return f"r2 lost {await _drop_events(f, 'r2', 0.5, hold_s)} event batches (event_id gaps)"
 
 
-async def slow_replica(f: Fleet, hold_s: float, load: Load) -> str:
+async def slow_replica(f: FaultRig, hold_s: float, load: Load) -> str:
     await f.fault("r1", slowdown=10.0)
     await asyncio.sleep(hold_s * 2)
     await f.fault("r1", slowdown=1.0)
     return "r1 at 10x step time"
 
 
-async def hung_replica(f: Fleet, hold_s: float, load: Load) -> str:
+async def hung_replica(f: FaultRig, hold_s: float, load: Load) -> str:
     """SIGSTOP: the kernel still accepts r1's connections, nothing ever answers them."""
     f.replica("r1").signal(signal.SIGSTOP)
     await asyncio.sleep(hold_s * 2)

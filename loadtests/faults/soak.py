@@ -30,9 +30,9 @@ from typing import Any
 
 import aiohttp
 
-from balancer.scrape import ScrapeError, parse_prometheus
-from loadtests.faults.fleet import Fleet, fleet
+from balancer.load.scrape import ScrapeError, parse_prometheus
 from loadtests.faults.load import Load, percentile
+from loadtests.faults.rig import FaultRig, fault_rig
 from loadtests.faults.scenarios import FAULT_TIMEOUTS, REPLICA_SCENARIOS
 from loadtests.faults.soak_report import GrowthLimits, judge, write_report
 
@@ -104,7 +104,7 @@ class SoakOptions:
 class Sampler:
     """Samples kvlb and the load every ``every_s`` on its own task (started and stopped by the soak)."""
 
-    fleet: Fleet
+    fleet: FaultRig
     load: Load
     every_s: float
     samples: list[dict[str, Any]] = field(default_factory=list)
@@ -197,7 +197,7 @@ def kvlb_figures(text: str) -> dict[str, int | None]:
 
 
 async def _inject_in_turn(
-    f: Fleet, load: Load, options: SoakOptions, sampler: Sampler, started: float
+    f: FaultRig, load: Load, options: SoakOptions, sampler: Sampler, started: float
 ) -> list[dict[str, Any]]:
     faults: list[dict[str, Any]] = []
     every = options.fault_every_s
@@ -225,7 +225,7 @@ async def _inject_in_turn(
 async def soak(options: SoakOptions, logs: Path) -> dict[str, Any]:
     """Run the soak with its processes' configs and stderr in ``logs``; returns the report's figures."""
     top: dict[str, Any] = {"timeouts": dict(FAULT_TIMEOUTS)}
-    async with fleet(logs, sim_args={"r0": ("--buffer-steps", "4")}, **top) as f:
+    async with fault_rig(logs, sim_args={"r0": ("--buffer-steps", "4")}, **top) as f:
         load = Load(f.url, rate=options.rate, seed=options.seed)
         sampler = Sampler(f, load, options.sample_every_s)
         started = time.monotonic()

@@ -6,14 +6,14 @@ emulator's prefix cache at block level) and ``step_model`` (the emulator's sched
 and ``report`` (records, summary, comparison). See ``docs/simulate.md``.
 """
 
-from loadtests.simulate.fleet import FleetSim, SimConfig, SimResult, simulate
+from loadtests.simulate.simulation import SimConfig, SimResult, Simulation, simulate
 from loadtests.simulate.sources import SimRequest, trace_requests, workload_requests
 
 __all__ = [
-    "FleetSim",
     "SimConfig",
     "SimRequest",
     "SimResult",
+    "Simulation",
     "simulate",
     "trace_requests",
     "workload_requests",

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from balancer.events import KvEvent
-from balancer.hashing import BlockHasher, chain_keys, pack_tokens
-from balancer.load import EngineStats
+from balancer.index.hashing import BlockHasher, chain_keys, pack_tokens
+from balancer.load.tracker import EngineStats
 from balancer.types import BlockKey, ReplicaId
 from loadtests.simulate.block_cache import BlockCache, BlockLease
 from replicas.sim.cache import PageTokens, PrefixCache

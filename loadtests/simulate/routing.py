@@ -1,6 +1,6 @@
 """The simulator's routing: the service's ``PoolRouter``, made affordable for big fleets (pure).
 
-Every request goes through :meth:`balancer.router.PoolRouter.plan` and ``commit`` — the same hashing,
+Every request goes through :meth:`balancer.routing.router.PoolRouter.plan` and ``commit`` — the same hashing,
 prefix table, policy and load accounting as ``kvlb serve`` — with two changes that only affect speed:
 
 * **Sharded load tracker.** :class:`ShardedTracker` is a ``LoadTracker`` that keeps one real
@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
-from balancer.load import (
+from balancer.load.tracker import (
     EngineStats,
     LoadConfig,
     LoadSnapshot,
@@ -48,7 +48,7 @@ from balancer.load import (
 )
 from balancer.policy.base import PolicyWeights, make_policy
 from balancer.policy.cost import base_load, cache_pressure
-from balancer.router import KeySpace, PoolRouter, RoutePlan
+from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
 from loadtests.simulate.load_order import LoadOrder
 

@@ -102,7 +102,7 @@ def _tokens(
 
 def default_chat_encoder() -> ChatEncoder:
     """Chat → token ids with the default tokenizer and template (loads it once; blocking)."""
-    from balancer.default_tokenizer import default_tokenizer
+    from balancer.tokenizer.default import default_tokenizer
 
     tokenizer = default_tokenizer()
     return lambda messages: tokenizer.encode_chat(messages)

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from itertools import chain
 
 from balancer.events import Cleared, KvEvent, Removed, Stored
-from balancer.hashing import pack_tokens
-from balancer.load import EngineStats
+from balancer.index.hashing import pack_tokens
+from balancer.load.tracker import EngineStats
 from balancer.types import EngineHash, ReplicaId
 from loadtests.simulate.replica_model import Job, ReplicaSink, refusal
 from replicas.sim.cache import CacheCleared, CacheRecord, PagesRemoved, PagesStored, PrefixCache

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.engine import Engine
 from replicas.sim.faults import FaultState

@@ -3,7 +3,7 @@
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming, ``usage`` with
 ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, and what vLLM-style routers
 call on workers: ``/v1/chat/completions/render``, ``/v1/completions/render`` and ``/tokenize``.
-Prompts are tokenized by the balancer's own tokenizer seam (:mod:`balancer.tokenize`), so replica
+Prompts are tokenized by the balancer's own tokenizer seam (:mod:`balancer.tokenizer.tokenizer`), so replica
 and balancer see the same ids; a prompt may also be given as token ids.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from balancer.tokenize import TokenizeError
+from balancer.tokenizer.tokenizer import TokenizeError
 from replicas.sim.context import ReplicaContext, json_error
 from replicas.sim.engine import RequestHandle
 from replicas.sim.sampling import sampling_salt, token_text

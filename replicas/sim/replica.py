@@ -24,7 +24,7 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.context import ReplicaContext, json_error, rank_stats
 from replicas.sim.engine import Engine

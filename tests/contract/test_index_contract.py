@@ -14,8 +14,8 @@ import pytest
 from redis_server import redis_index  # a private redis-server per session (tests/conftest.py)
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
-from balancer.hashing import BlockHasher, pack_tokens
 from balancer.index.base import ApplyResult, PrefixIndex
+from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.memory import MemoryIndex
 from balancer.types import EngineHash, ReplicaId
 

@@ -13,8 +13,8 @@ import yaml
 from manifests import DEPLOY, ROOT
 
 from balancer import config
-from balancer.cli import build_parser
-from replicas.cli import spec_from_args
+from balancer.cli.main import build_parser
+from replicas.command import spec_from_args
 from replicas.sim.profiles import PROFILES
 
 COMPOSE = DEPLOY / "compose" / "docker-compose.yaml"

@@ -30,7 +30,7 @@ from manifests import (
 )
 
 from balancer import config
-from balancer.cli import build_parser
+from balancer.cli.main import build_parser
 from balancer.discovery.k8s_objects import build_replica, endpoint_from_pod, pod_annotations
 
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"

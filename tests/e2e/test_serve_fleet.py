@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 from serve_harness import MODEL, Child, kill, start_serve, start_sim, stop, write_config
 
-from balancer.default_tokenizer import deepseek_tokenizer_file
+from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
     deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"

@@ -14,8 +14,8 @@ from typing import Any
 from redis_server import RedisServer, start_server
 from tcp_proxy import DelayProxy
 
-from loadtests.faults.fleet import Fleet
 from loadtests.faults.load import Load
+from loadtests.faults.rig import FaultRig
 from loadtests.faults.scenarios import (
     CONVERGE_LIMIT_S,
     FAULT_TIMEOUTS,
@@ -29,7 +29,7 @@ from loadtests.faults.scenarios import (
 __all__ = ["CONVERGE_LIMIT_S", "MEASURE_LIMIT_S", "SCENARIOS", "Result", "Scenario", "run"]
 
 FLEET_TIMING = {"lease_ttl_s": 2.0, "tick_s": 0.5, "socket_timeout_s": 1.0}
-"""Fleet mode in the suite: a dead kvlb's leases are taken over within about 2.5 s."""
+"""FaultRig mode in the suite: a dead kvlb's leases are taken over within about 2.5 s."""
 
 
 async def run(scenario: Scenario, tmp: Path, scale: float = 1.0) -> Result:
@@ -53,7 +53,7 @@ async def run(scenario: Scenario, tmp: Path, scale: float = 1.0) -> Result:
 # ------------------------------------------------------------------------------------ Redis faults
 
 
-async def kvlb_killed(f: Fleet, hold_s: float, load: Load) -> str:
+async def kvlb_killed(f: FaultRig, hold_s: float, load: Load) -> str:
     """SIGKILL the second kvlb (no hand-over): the first takes its leases over when they expire."""
     held = await _leases(f, f.others[0].info["url"])
     f.checked = [f.url]
@@ -61,7 +61,7 @@ async def kvlb_killed(f: Fleet, hold_s: float, load: Load) -> str:
     return f"kvlb-1 SIGKILLed holding {len(held)} lease(s): {', '.join(sorted(held)) or '-'}"
 
 
-async def redis_restarted(f: Fleet, hold_s: float, load: Load) -> str:
+async def redis_restarted(f: FaultRig, hold_s: float, load: Load) -> str:
     """SIGKILL redis-server; start it again on the same port and data (append-only file)."""
     server: RedisServer = f.context["redis"]
     f.checked = [f.url, *(other.info["url"] for other in f.others)]
@@ -71,7 +71,7 @@ async def redis_restarted(f: Fleet, hold_s: float, load: Load) -> str:
     return "redis-server SIGKILLed, restarted from its append-only file"
 
 
-async def redis_slow(f: Fleet, hold_s: float, load: Load) -> str:
+async def redis_slow(f: FaultRig, hold_s: float, load: Load) -> str:
     """Every Redis round trip delayed by 2 × 150 ms through the proxy (under the 1 s socket timeout)."""
     proxy: DelayProxy = f.context["proxy"]
     f.checked = [f.url, *(other.info["url"] for other in f.others)]
@@ -81,7 +81,7 @@ async def redis_slow(f: Fleet, hold_s: float, load: Load) -> str:
     return "Redis round trips +300 ms"
 
 
-async def _leases(f: Fleet, url: str) -> list[str]:
+async def _leases(f: FaultRig, url: str) -> list[str]:
     async with f.session.get(url + "/admin/fleet") as response:
         fleet_view = (await response.json())["fleet"] or {}
     leases = fleet_view.get("leases", [])

@@ -2,6 +2,6 @@
 
 import sys
 
-from balancer.cli import main
+from balancer.cli.main import main
 
 raise SystemExit(main(["loadtest", *sys.argv[1:]]))

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from report import save_result
 
-from loadtests.faults.fleet import fleet
 from loadtests.faults.load import Load, percentile
+from loadtests.faults.rig import fault_rig
 
 MAX_INFLIGHT = 4
 MAX_QUEUED = 8
@@ -29,7 +29,7 @@ LIMITS = {"max_inflight": MAX_INFLIGHT, "max_queued": MAX_QUEUED, "queue_timeout
 
 
 async def measure(tmp: Path, phase_s: float, engines: tuple[str, ...]) -> dict[str, float]:
-    async with fleet(tmp, engines, time_scale=0.1, limits=LIMITS) as f:
+    async with fault_rig(tmp, engines, time_scale=0.1, limits=LIMITS) as f:
         light = Load(f.url, rate=3.0, seed=5)
         light.start()
         await asyncio.sleep(phase_s)

@@ -33,7 +33,7 @@ from balancer.engines.sglang import SglangDecoder
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, Removed, Resync, Stored
-from balancer.hashing import BlockHasher
+from balancer.index.hashing import BlockHasher
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.types import U64_MASK, ReplicaId

@@ -21,7 +21,7 @@ from sglang_encoder import sglang_page_digests
 from balancer.engines import DecodedBatch
 from balancer.engines.sglang import SglangDecoder
 from balancer.events import Cleared, KvEvent, Removed, Stored
-from balancer.hashing import BlockHasher, chain_keys
+from balancer.index.hashing import BlockHasher, chain_keys
 from balancer.types import BlockKey, ReplicaId, to_u64
 
 REAL_DIR = Path(__file__).parent / "real"

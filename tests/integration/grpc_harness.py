@@ -14,7 +14,7 @@ from kvlb_harness import MODEL, Harness, running
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 Metadata = tuple[tuple[str, str], ...]
 

@@ -26,9 +26,9 @@ import redis.asyncio as aioredis
 from redis_server import start_server
 
 from balancer.events import KvEvent, Stored
-from balancer.hashing import BlockHasher, pack_tokens
-from balancer.index.redis_index import RedisIndex
-from balancer.index.redis_schema import RedisIndexSettings
+from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.schema import RedisIndexSettings
 from balancer.types import EngineHash, ReplicaId
 
 BS = 16

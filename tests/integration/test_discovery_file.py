@@ -11,10 +11,10 @@ import pytest
 from balancer.config import ReplicaConfig
 from balancer.discovery import DiscoveryEvent, FileDiscovery, ReplicaAdded, ReplicaRemoved
 from balancer.events import Stored
-from balancer.hashing import pack_tokens
+from balancer.index.hashing import pack_tokens
 from balancer.index.memory import MemoryIndex
 from balancer.metrics import Metrics
-from balancer.router import PoolRouter, align_mode
+from balancer.routing.router import PoolRouter, align_mode
 from balancer.sources.pipeline import EventIngest
 from balancer.types import EngineHash, ReplicaId
 

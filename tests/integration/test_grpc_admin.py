@@ -11,7 +11,7 @@ from grpc_harness import bearer, failure, grpc_running, token_request
 from kvlb_harness import shared_deepseek
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 PREFIX = list(range(1000, 1032))
 """32 token ids: 8 full blocks of the emulator's 4-token pages."""

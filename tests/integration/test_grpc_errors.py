@@ -10,7 +10,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kvlb_harness import MODEL, shared_deepseek, wait_for
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 PROMPT = list(range(100, 140))
 INTERNALS = ("Traceback", "Exception", "internal", "File ")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from kvlb_harness import MODEL, running, shared_deepseek
 
-from balancer.cli import main
-from balancer.tokenize import Tokenizer
+from balancer.cli.main import main
+from balancer.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
 
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture

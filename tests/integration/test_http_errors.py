@@ -7,7 +7,7 @@ import json
 import pytest
 from kvlb_harness import MODEL, running, shared_deepseek
 
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from kvlb_harness import MODEL, running, shared_deepseek, sse_payloads
 
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture

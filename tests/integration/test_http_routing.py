@@ -7,7 +7,7 @@ import logging
 import pytest
 from kvlb_harness import MODEL, metric_value, running, shared_deepseek, sse_payloads, wait_for
 
-from balancer.tokenize import Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 PREFIX = list(range(1000, 1032))
 """32 token ids: 8 full blocks of the emulator's 4-token pages."""

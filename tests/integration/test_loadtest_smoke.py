@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from balancer.default_tokenizer import deepseek_tokenizer_file
+from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = [
     pytest.mark.slow,

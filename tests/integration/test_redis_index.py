@@ -17,10 +17,10 @@ import redis.asyncio as aioredis
 from redis_server import RedisServer, fresh_settings
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
-from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.memory import MemoryIndex
-from balancer.index.redis_index import RedisIndex, StaleGenerationError
-from balancer.index.redis_schema import RedisIndexSettings
+from balancer.index.redis.index import RedisIndex, StaleGenerationError
+from balancer.index.redis.schema import RedisIndexSettings
 from balancer.types import EngineHash, ReplicaId
 
 pytestmark = pytest.mark.redis

@@ -11,9 +11,9 @@ import redis.asyncio as aioredis
 from redis_server import RedisServer, fresh_settings
 
 from balancer.events import Stored
-from balancer.hashing import BlockHasher
-from balancer.index.lease import IngestionLease, LeaseSettings
-from balancer.index.redis_index import RedisIndex, StaleGenerationError
+from balancer.index.hashing import BlockHasher
+from balancer.index.redis.index import RedisIndex, StaleGenerationError
+from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.types import EngineHash, ReplicaId
 
 pytestmark = pytest.mark.redis

@@ -19,10 +19,10 @@ from test_redis_index import HASHER, REPLICAS, random_event, random_path, tokens
 
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
-from balancer.index.mirror import Mirror, MirrorSettings
-from balancer.index.redis_index import RedisIndex
-from balancer.index.redis_schema import RedisIndexSettings
-from balancer.index.stream import decode_batch, decode_entry, encode_batch
+from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.mirror import Mirror, MirrorSettings
+from balancer.index.redis.schema import RedisIndexSettings
+from balancer.index.redis.stream import decode_batch, decode_entry, encode_batch
 from balancer.types import EngineHash, ReplicaId
 
 pytestmark = pytest.mark.redis

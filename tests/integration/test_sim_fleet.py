@@ -11,8 +11,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from balancer.tokenize import TokenIdTokenizer
-from replicas.fleet import Fleet, FleetSpec, ProcessFleet, template_config
+from balancer.tokenizer.tokenizer import TokenIdTokenizer
+from replicas.emulator import Emulator, EmulatorSpec, ProcessEmulator, template_config
 from replicas.measure import cpu_seconds
 from replicas.sim.ports import free_port_run
 
@@ -23,14 +23,14 @@ IDLE_CPU_LIMIT = 0.05
 async def test_fleet_port_layout_and_mixed_engines() -> None:
     base = free_port_run("127.0.0.1", 3)
     events = free_port_run("127.0.0.1", 12)
-    spec = FleetSpec(
+    spec = EmulatorSpec(
         replicas=3,
         engine="mixed",
         template=template_config(profile="cpu-test", time_scale=20.0, dp_size=2),
         base_port=base,
         event_port_base=events,
     )
-    async with Fleet(spec.configs(), TokenIdTokenizer()) as fleet, aiohttp.ClientSession() as session:
+    async with Emulator(spec.configs(), TokenIdTokenizer()) as fleet, aiohttp.ClientSession() as session:
         listing = fleet.describe()
         assert [r["engine"] for r in listing] == ["sglang", "trtllm", "sglang"]
         assert [r["url"] for r in listing] == [f"http://127.0.0.1:{base + i}" for i in range(3)]
@@ -79,7 +79,7 @@ async def test_kvlb_sim_process_lists_idles_cheaply_and_stops_on_sigterm() -> No
 @pytest.mark.parametrize("bad", [["--profile", "nope"], ["--replicas", "1", "--slowdown", "0"]])
 async def test_kvlb_sim_rejects_bad_arguments(bad: list[str]) -> None:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "replicas.cli", "--tokenizer", "none", *bad,
+        sys.executable, "-m", "replicas.command", "--tokenizer", "none", *bad,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     async with asyncio.timeout(30):
@@ -87,14 +87,14 @@ async def test_kvlb_sim_rejects_bad_arguments(bad: list[str]) -> None:
 
 
 async def test_process_fleet_splits_replicas_over_children() -> None:
-    spec = FleetSpec(
+    spec = EmulatorSpec(
         replicas=3,
         engine="trtllm",
         template=template_config(profile="cpu-test"),
         tokenizer="none",
         extra_args=("--profile", "cpu-test", "--time-scale", "20"),
     )
-    fleet = ProcessFleet(spec, processes=2)
+    fleet = ProcessEmulator(spec, processes=2)
     try:
         await fleet.start()
         assert len(fleet.pids) == 2 and [r["name"] for r in fleet.replicas] == ["sim-0", "sim-1", "sim-2"]

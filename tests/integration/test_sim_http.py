@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 import zmq.asyncio
 
-from balancer.default_tokenizer import deepseek_tokenizer_file, default_tokenizer
-from balancer.tokenize import TokenIdTokenizer, Tokenizer
+from balancer.tokenizer.default import deepseek_tokenizer_file, default_tokenizer
+from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica

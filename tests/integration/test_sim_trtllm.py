@@ -13,7 +13,7 @@ import aiohttp
 import pytest
 import zmq.asyncio
 
-from balancer.tokenize import TokenIdTokenizer
+from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica

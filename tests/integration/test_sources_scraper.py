@@ -13,10 +13,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from balancer.load import LoadTracker
+from balancer.load.scrape import parse_sglang_prometheus, parse_vllm_prometheus
+from balancer.load.scraper import MetricsScraper, ScrapeSettings
+from balancer.load.tracker import LoadTracker
 from balancer.metrics import Metrics
-from balancer.scrape import parse_sglang_prometheus, parse_vllm_prometheus
-from balancer.sources.scraper import MetricsScraper, ScrapeSettings
 from balancer.types import ReplicaId
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"

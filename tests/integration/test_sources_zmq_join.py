@@ -167,7 +167,7 @@ def test_endpoint_for_rank() -> None:
 async def test_end_to_end_into_memory_index(ctx: zmq.asyncio.Context, publisher: Publisher) -> None:
     """Wire → real decoder → pipeline → real MemoryIndex → a request prefix matches the replica."""
     memory = pytest.importorskip("balancer.index.memory")
-    from balancer.hashing import BlockHasher
+    from balancer.index.hashing import BlockHasher
 
     hasher = BlockHasher(model="m", block_size=BLOCK)
     index = memory.MemoryIndex(hasher)

@@ -23,7 +23,7 @@ from real_engines import MODEL_DIR, MODEL_NAME, VllmReplica
 from real_events import EventTap, HeldBlocks, Message
 from real_workload import ChatRequest, shared_prefix_workload
 
-from balancer.tokenize import HfTokenizer
+from balancer.tokenizer.tokenizer import HfTokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica

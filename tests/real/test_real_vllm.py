@@ -32,8 +32,8 @@ from real_engines import (
 from real_events import EventTap, HeldBlocks, request_prefix_ids
 from real_workload import ChatRequest, shared_prefix_workload
 
-from balancer.default_tokenizer import default_tokenizer
-from balancer.tokenize import HfTokenizer
+from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.tokenizer import HfTokenizer
 
 BLOCK = 32
 MAX_TOKENS = 4

@@ -1,6 +1,6 @@
 """The bounded admission queue: FIFO hand-over, refusals with Retry-After, replica-slot waits.
 
-The first tests drive :class:`balancer.admission.Admission` directly on the event loop; the last ones
+The first tests drive :class:`balancer.service.admission.Admission` directly on the event loop; the last ones
 go through a real balancer and emulated replicas over sockets.
 """
 
@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from kvlb_harness import MODEL, Harness, running, shared_deepseek
 
-from balancer.admission import Admission, AdmissionLimits, AdmissionRefused
-from balancer.tokenize import Tokenizer
+from balancer.service.admission import Admission, AdmissionLimits, AdmissionRefused
+from balancer.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture

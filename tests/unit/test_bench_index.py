@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from balancer.cli import main
+from balancer.cli.main import main
 
 KVLB_FIELDS = {
     "apply_blocks_per_s",

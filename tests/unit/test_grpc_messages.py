@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
-from balancer.api.grpc_messages import SseEvents, decision_message, openai_call, read_chunk
+from balancer.api.grpc.messages import SseEvents, decision_message, openai_call, read_chunk
 from balancer.errors import UpstreamError
 from balancer.types import CostTerms, Decision, ReplicaId
 

@@ -1,6 +1,6 @@
-"""Test vectors for the router-owned block keys (balancer.hashing).
+"""Test vectors for the router-owned block keys (balancer.index.hashing).
 
-The literals below were computed once with balancer.hashing and are checked here twice: against the
+The literals below were computed once with balancer.index.hashing and are checked here twice: against the
 frozen numbers (so a change of the key recipe fails loudly, since every stored index and every Redis
 mirror depends on it) and against an independent re-implementation written from the recipe in the
 module docstring with ``xxhash.xxh3_64_intdigest`` and ``struct.pack('<I')``.
@@ -15,7 +15,14 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.hashing import NAMESPACE_SEED, BlockHasher, chain_keys, full_blocks, namespace_seed, pack_tokens
+from balancer.index.hashing import (
+    NAMESPACE_SEED,
+    BlockHasher,
+    chain_keys,
+    full_blocks,
+    namespace_seed,
+    pack_tokens,
+)
 
 T32 = list(range(1, 33))  # 32 tokens: two full blocks of 16
 T33 = list(range(1, 34))  # 33 tokens: the 33rd makes the trtllm and bigram second block complete
@@ -68,7 +75,7 @@ def ref_keys(
     salt: str | None = None,
     model: str = "m",
 ) -> list[int]:
-    """The key recipe, written out block by block without balancer.hashing."""
+    """The key recipe, written out block by block without balancer.index.hashing."""
     cached = tokens if mode == "plain" else tokens[:-1]  # trtllm drops the last token
     count = len(cached) // block_size  # bigram: len(tokens) - 1 pair units, same count
     extra = 1 if mode == "bigram" else 0

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from balancer.health import BreakerConfig, HealthBook
+from balancer.health.book import BreakerConfig, HealthBook
 from balancer.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, invariant, rule
 
 from balancer.events import Cleared, Removed, Resync, Stored
-from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.types import EngineHash, ReplicaId

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from balancer.events import Removed, Stored
-from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.types import EngineHash, ReplicaId

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.errors import ConfigError
-from balancer.load import EngineStats, LoadConfig, LoadTracker, ReplicaLoad
+from balancer.load.tracker import EngineStats, LoadConfig, LoadTracker, ReplicaLoad
 from balancer.types import ReplicaId
 
 A = ReplicaId("a")

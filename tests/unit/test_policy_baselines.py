@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from balancer.errors import NoReplicasAvailable
-from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import (
     POLICY_NAMES,
     LeastLoad,

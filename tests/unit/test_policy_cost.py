@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.errors import ConfigError, NoReplicasAvailable
-from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import POLICIES, POLICY_NAMES, CostPolicy, PolicyWeights, RouteRequest, make_policy
 from balancer.types import Decision, Overlap, ReplicaId
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from balancer.load import LoadSnapshot, ReplicaLoad
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
 from balancer.policy.cost import PRESSURE_FULL_FILL, PRESSURE_START_FILL, cache_pressure
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from balancer.events import Stored
-from balancer.hashing import pack_tokens
-from balancer.load import EngineStats
+from balancer.index.hashing import pack_tokens
+from balancer.load.tracker import EngineStats
 from balancer.policy.base import PolicyWeights, make_policy
-from balancer.router import PoolRouter, align_mode
+from balancer.routing.router import PoolRouter, align_mode
 from balancer.types import EngineHash, ReplicaId
 
 A, B, T = ReplicaId("a"), ReplicaId("b"), ReplicaId("t")

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from balancer.load import EngineStats
-from balancer.router import PoolRouter
+from balancer.load.tracker import EngineStats
+from balancer.routing.router import PoolRouter
 from balancer.types import ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")

@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from balancer.load import EngineStats
-from balancer.scrape import (
+from balancer.load.scrape import (
     ScrapedLoad,
     ScrapeError,
     parse_prometheus,
@@ -23,6 +22,7 @@ from balancer.scrape import (
     parse_trtllm_prometheus,
     parse_vllm_prometheus,
 )
+from balancer.load.tracker import EngineStats
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
 SGLANG_TEXT = (FIXTURES / "sglang-0.5.23-cpu.txt").read_text()

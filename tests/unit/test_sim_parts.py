@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from replicas.fleet import FleetSpec, template_config
+from replicas.emulator import EmulatorSpec, template_config
 from replicas.sim.config import TRTLLM_TOKENS_PER_BLOCK, ReplicaConfig
 from replicas.sim.faults import FaultSettings, FaultState, parse_fault_request
 from replicas.sim.profiles import PROFILES, get_profile
@@ -68,7 +68,7 @@ def test_config_block_size_defaults_per_engine_and_validation() -> None:
 
 
 def test_mixed_fleet_alternates_engines_and_lays_out_ports() -> None:
-    spec = FleetSpec(
+    spec = EmulatorSpec(
         replicas=4, engine="mixed", template=template_config(profile="cpu-test", dp_size=2),
         base_port=9000, event_port_base=9100, index_offset=2,
     )  # fmt: skip

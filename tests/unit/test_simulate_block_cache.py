@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.types import BlockKey
 from loadtests.simulate.block_cache import BlockCache, BlockLease
 from loadtests.simulate.step_model import kv_events

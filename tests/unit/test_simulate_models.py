@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from balancer.events import KvEvent
-from balancer.hashing import pack_tokens
+from balancer.index.hashing import pack_tokens
 from balancer.types import ReplicaId
 from loadtests.simulate import SimConfig, SimResult, simulate, workload_requests
 from loadtests.simulate.block_cache import BlockCache

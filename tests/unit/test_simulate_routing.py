@@ -8,11 +8,11 @@ import random
 import pytest
 
 from balancer.events import Stored
-from balancer.hashing import pack_tokens
+from balancer.index.hashing import pack_tokens
 from balancer.index.slots import TableLimits
-from balancer.load import EngineStats, LoadConfig, LoadTracker
+from balancer.load.tracker import EngineStats, LoadConfig, LoadTracker
 from balancer.policy.base import PolicyWeights
-from balancer.router import RoutePlan
+from balancer.routing.router import RoutePlan
 from balancer.types import EngineHash, ReplicaId
 from loadtests.simulate.load_order import LoadOrder
 from loadtests.simulate.routing import ShardedTracker, SimRouter

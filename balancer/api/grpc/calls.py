@@ -1,0 +1,222 @@
+"""What every kvlb gRPC method shares (I/O): metadata, auth, malformed messages, status codes, metrics.
+
+:func:`method_handler` wraps a method of :mod:`balancer.api.grpc.server` or :mod:`balancer.api.grpc.admin`
+the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
+
+1. the request id: the ``x-request-id`` metadata if printable and ≤ 128 characters, else a new one;
+2. auth from the ``authorization: Bearer ...`` metadata and the same ``settings.auth`` as HTTP
+   (:func:`authorize`);
+3. a message that did not parse is refused with INVALID_ARGUMENT. The deserializer never raises
+   (grpc would answer INTERNAL), it returns :class:`Malformed` instead;
+4. errors become status codes: :class:`CallError` as it is, kvlb's own errors through the same HTTP
+   mapping as the HTTP API (:data:`CODES`); anything unexpected is logged with its traceback and
+   becomes INTERNAL with only the request id;
+5. ``kvlb_http_requests_total{endpoint="/kvlb.v1.Balancer/Generate", status="OK", replica, policy}``
+   is counted once per call (``status`` is the gRPC code name, or ``stream_error``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from balancer.api.errors import ApiError, from_balancer_error
+from balancer.api.middleware import MAX_REQUEST_ID_CHARS, bearer_token, caller_of, token_matches
+from balancer.api.parsing import parse_weights_header
+from balancer.config import AuthConfig
+from balancer.policy import PolicyWeights
+from balancer.service.state import Outcome, ServiceState
+
+log = logging.getLogger(__name__)
+
+Access = Literal["client", "admin"]
+Method = Callable[[Any, "Call"], Awaitable[Any]]
+
+WEIGHTS_METADATA = "x-kvlb-weights"
+
+CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    403: grpc.StatusCode.PERMISSION_DENIED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    422: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    502: grpc.StatusCode.UNAVAILABLE,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+"""HTTP statuses of :class:`ApiError` (and so of kvlb's own errors) → gRPC codes; others: INTERNAL."""
+
+
+class CallError(Exception):
+    """End the call with ``code`` and a client-facing ``message``; ``retry_after_s`` is sent as the
+    trailing metadata ``retry-after`` (whole seconds)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+def status_of(exc: Exception, request_id: str) -> CallError:
+    """The status a failed call ends with; unexpected errors are logged and stay opaque."""
+    if isinstance(exc, CallError):
+        return exc
+    error = from_balancer_error(exc)
+    if error is None:
+        log.error("grpc request %s: unexpected error", request_id, exc_info=exc)
+        return CallError(
+            grpc.StatusCode.INTERNAL, f"internal error; see the balancer log for request {request_id}"
+        )
+    retry = error.headers.get("Retry-After")
+    code = CODES.get(error.status, grpc.StatusCode.INTERNAL)
+    return CallError(code, error.message, float(retry) if retry is not None else None)
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A request message that did not parse; the handler answers INVALID_ARGUMENT with ``detail``."""
+
+    detail: str
+
+
+def lenient(message_type: type[Message]) -> Callable[[bytes], Message | Malformed]:
+    """A request deserializer that returns :class:`Malformed` instead of raising."""
+
+    def parse(raw: bytes) -> Message | Malformed:
+        try:
+            return message_type.FromString(raw)
+        except DecodeError as exc:
+            return Malformed(f"malformed request: {exc}")
+
+    return parse
+
+
+def authorize(auth: AuthConfig, access: Access, token: str | None) -> None:
+    """Client calls need a key of ``auth.api_keys`` (when any); admin calls need ``auth.admin_token``
+    (when set). No or an unknown token → UNAUTHENTICATED; a client key on an admin call →
+    PERMISSION_DENIED."""
+    if access == "client":
+        if auth.api_keys and not token_matches(token, auth.api_keys):
+            raise CallError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "a valid API key is required: metadata authorization: Bearer <key>",
+            )
+        return
+    if auth.admin_token is None or token_matches(token, (auth.admin_token,)):
+        return
+    if token_matches(token, auth.api_keys):
+        raise CallError(grpc.StatusCode.PERMISSION_DENIED, "admin calls need the admin token, not an API key")
+    raise CallError(
+        grpc.StatusCode.UNAUTHENTICATED, "the admin token is required: metadata authorization: Bearer <token>"
+    )
+
+
+@dataclass(slots=True)
+class Call:
+    """One call as a method sees it."""
+
+    state: ServiceState
+    context: Any
+    """The ``grpc.aio.ServicerContext``."""
+    metadata: dict[str, str]
+    """Text metadata (the first value of each key); binary (``-bin``) keys are left out."""
+    request_id: str
+    id_given: bool
+    outcome: Outcome = field(default_factory=Outcome)
+
+    @classmethod
+    def of(cls, state: ServiceState, context: Any) -> Call:
+        metadata: dict[str, str] = {}
+        for key, value in context.invocation_metadata() or ():
+            if isinstance(value, str):
+                metadata.setdefault(key, value)
+        given = _valid_request_id(metadata.get("x-request-id", ""))
+        return cls(state, context, metadata, given or uuid.uuid4().hex, given is not None)
+
+    @property
+    def token(self) -> str | None:
+        return bearer_token(self.metadata.get("authorization", ""))
+
+    def caller(self) -> str:
+        """Who made the call, for the audit log (a token fingerprint, never the token)."""
+        return caller_of(self.token, self.context.peer())
+
+    def adopt_request_id(self, request_id: str) -> None:
+        """Use the id in the message when the metadata carried none."""
+        valid = _valid_request_id(request_id)
+        if not self.id_given and valid is not None:
+            self.request_id = valid
+
+    def weights(self, *, always: bool = False) -> PolicyWeights:
+        """The policy's weights, or the ``x-kvlb-weights`` override when it is allowed (``always``
+        for admin calls; else ``auth.allow_weight_override``, otherwise PERMISSION_DENIED)."""
+        base = self.state.policy.view.weights
+        value = self.metadata.get(WEIGHTS_METADATA)
+        if value is None:
+            return base
+        if not always and not self.state.settings.auth.allow_weight_override:
+            raise ApiError(403, f"{WEIGHTS_METADATA} is not allowed here (auth.allow_weight_override is off)")
+        return parse_weights_header(value, base)
+
+
+def _valid_request_id(given: str) -> str | None:
+    return given if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable() else None
+
+
+def method_handler(
+    state: ServiceState,
+    endpoint: str,
+    access: Access,
+    method: Method,
+    request_type: type[Message],
+    response_type: type[Message],
+    *,
+    streaming: bool = False,
+) -> Any:
+    """A ``grpc.RpcMethodHandler`` running ``method`` with auth, errors and metrics (see the module
+    docstring). A streaming ``method`` writes with ``call.context.write`` and returns ``None``."""
+
+    async def handle(request: Any, context: Any) -> Any:
+        call = Call.of(state, context)
+        status = "OK"
+        try:
+            authorize(state.settings.auth, access, call.token)
+            if isinstance(request, Malformed):
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
+            return await method(request, call)
+        except asyncio.CancelledError:
+            status = "CANCELLED"
+            raise
+        except Exception as exc:
+            error = status_of(exc, call.request_id)
+            status = error.code.name
+        finally:
+            label = call.outcome.status or status
+            outcome = call.outcome
+            state.metrics.requests_total.labels(endpoint, label, outcome.replica, outcome.policy).inc()
+        trailers: list[tuple[str, str]] = [("x-request-id", call.request_id)]
+        if error.retry_after_s is not None:
+            trailers.append(("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
+        await context.abort(error.code, error.message, trailing_metadata=tuple(trailers))
+
+    deserializer = lenient(request_type)
+    serializer = response_type.SerializeToString
+    if streaming:
+        return grpc.unary_stream_rpc_method_handler(
+            handle, request_deserializer=deserializer, response_serializer=serializer
+        )
+    return grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=deserializer, response_serializer=serializer
+    )

@@ -1,0 +1,288 @@
+"""Conversions between kvlb's gRPC messages and the OpenAI and admin JSON shapes (pure).
+
+* :func:`openai_call`: a ``GenerateRequest`` as the OpenAI request the replica gets (chat messages →
+  ``/v1/chat/completions``; token ids or text → ``/v1/completions``). The body then goes through the
+  same :func:`~balancer.api.parsing.parse_request` as an HTTP body, so both transports validate alike.
+* :class:`SseEvents`: splits the replica's server-sent events into ``data:`` payloads (bounded), and
+  :func:`read_chunk` takes what a ``GenerateChunk`` carries besides the raw JSON.
+* :func:`decision_message`, :func:`policy_message`, :func:`struct_of`: kvlb's objects as messages.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from google.protobuf import json_format, struct_pb2
+
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.api.errors import ApiError
+from balancer.api.parsing import RequestKind
+from balancer.errors import UpstreamError
+from balancer.service.state import PolicyView
+from balancer.types import CostTerms, Decision
+
+MAX_SSE_EVENT_BYTES = 1024 * 1024
+"""Longest server-sent event accepted from a replica; longer → the stream fails (UNAVAILABLE)."""
+MAX_ERROR_CHARS = 512
+"""Longest replica error message passed on to a client."""
+RESERVED_EXTRA_KEYS = frozenset(
+    {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "user"}
+    | {"stream", "stream_options"}
+)
+"""OpenAI fields ``extra_json`` may not set: the request's own fields (or kvlb) set them."""
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAICall:
+    """The OpenAI request a ``GenerateRequest`` stands for."""
+
+    kind: RequestKind
+    path: str
+    body: bytes
+
+
+def openai_call(request: pb.GenerateRequest, *, stream: bool) -> OpenAICall:
+    """The OpenAI body for ``request`` (400 naming the field when it is incomplete or invalid).
+    ``stream`` asks the replica for an event stream that ends with a usage chunk."""
+    if not request.model:
+        raise ApiError(400, "'model' is required and must be a non-empty string")
+    body = _extra(request.extra_json)
+    body["model"] = request.model
+    kind: RequestKind = "completions"
+    which = request.WhichOneof("input")
+    if which == "chat_messages":
+        if not request.chat_messages.messages:
+            raise ApiError(400, "'chat_messages.messages' must not be empty")
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat_messages.messages]
+        kind = "chat"
+    elif which == "prompt_token_ids":
+        if not request.prompt_token_ids.ids:
+            raise ApiError(400, "'prompt_token_ids.ids' must not be empty")
+        body["prompt"] = list(request.prompt_token_ids.ids)
+    elif which == "prompt_text":
+        body["prompt"] = request.prompt_text
+    else:
+        raise ApiError(400, "one of 'chat_messages', 'prompt_token_ids' or 'prompt_text' is required")
+    if request.max_tokens:
+        body["max_tokens"] = request.max_tokens
+    if request.HasField("temperature"):
+        if not (math.isfinite(request.temperature) and request.temperature >= 0):
+            raise ApiError(400, f"'temperature' must be a finite number >= 0, got {request.temperature}")
+        body["temperature"] = request.temperature
+    if request.HasField("session_key"):
+        body["user"] = request.session_key
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+    return OpenAICall(kind, path, json.dumps(body, separators=(",", ":")).encode("utf-8"))
+
+
+def _extra(text: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"'extra_json' is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'extra_json' must be a JSON object, got {type(value).__name__}")
+    reserved = sorted(RESERVED_EXTRA_KEYS & set(value))
+    if reserved:
+        raise ApiError(400, f"'extra_json' may not set {reserved}: use the request's own fields")
+    return value
+
+
+class SseEvents:
+    """Splits a server-sent event byte stream into its ``data:`` payloads, whatever the chunking.
+
+    An event longer than ``max_event_bytes`` without its blank-line end raises
+    :class:`~balancer.errors.UpstreamError` (a replica cannot make the balancer buffer without bound).
+    """
+
+    def __init__(self, max_event_bytes: int = MAX_SSE_EVENT_BYTES) -> None:
+        self._buffer = bytearray()
+        self._max_event_bytes = max_event_bytes
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The payloads of the events completed by ``chunk`` (``[DONE]`` included)."""
+        self._buffer += chunk
+        payloads: list[bytes] = []
+        while True:
+            end, separator = _event_end(self._buffer)
+            if end < 0:
+                break
+            data = _data_of(bytes(self._buffer[:end]))
+            del self._buffer[: end + separator]
+            if data is not None:
+                payloads.append(data)
+        if len(self._buffer) > self._max_event_bytes:
+            raise UpstreamError(f"an event of the replica's stream exceeds {self._max_event_bytes} bytes")
+        return payloads
+
+    def close(self) -> list[bytes]:
+        """The payload of a last event the stream ended without a blank line after."""
+        data = _data_of(bytes(self._buffer))
+        self._buffer.clear()
+        return [] if data is None else [data]
+
+
+def _event_end(buffer: bytearray) -> tuple[int, int]:
+    """Where the first complete event ends, and the length of its separator; (-1, 0) if none."""
+    found = [(i, len(s)) for s in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(s)) >= 0]
+    return min(found) if found else (-1, 0)
+
+
+def _data_of(event: bytes) -> bytes | None:
+    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkInfo:
+    """What one OpenAI stream chunk says besides its raw JSON."""
+
+    text: str = ""
+    """``choices[0].delta.content`` (chat) or ``choices[0].text`` (completions)."""
+    finish_reason: str | None = None
+    usage: pb.Usage | None = None
+    error: str | None = None
+    """The message of an ``{"error": ...}`` event."""
+
+
+def read_chunk(data: bytes) -> ChunkInfo:
+    """Read one chunk; anything not shaped as expected reads as empty (it is still relayed raw)."""
+    try:
+        payload = json.loads(data)
+    except (ValueError, RecursionError):
+        return ChunkInfo()
+    if not isinstance(payload, dict):
+        return ChunkInfo()
+    if payload.get("error") is not None:
+        return ChunkInfo(error=error_text(payload))
+    text = ""
+    finish: str | None = None
+    choices = payload.get("choices")
+    if isinstance(choices, list):
+        for position, choice in enumerate(c for c in choices if isinstance(c, dict)):
+            if isinstance(choice.get("finish_reason"), str):
+                finish = choice["finish_reason"]
+            if position == 0:
+                delta = choice.get("delta")
+                content = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+                text = content if isinstance(content, str) else ""
+    return ChunkInfo(text, finish, _usage(payload.get("usage")))
+
+
+def _usage(value: object) -> pb.Usage | None:
+    if not isinstance(value, dict):
+        return None
+    usage = pb.Usage(
+        prompt_tokens=_count(value.get("prompt_tokens")),
+        completion_tokens=_count(value.get("completion_tokens")),
+        total_tokens=_count(value.get("total_tokens")),
+    )
+    details = value.get("prompt_tokens_details")
+    if isinstance(details, dict) and _is_count(details.get("cached_tokens")):
+        usage.cached_tokens = details["cached_tokens"]
+    return usage
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and 0 <= value < 2**32
+
+
+def _count(value: object) -> int:
+    return value if isinstance(value, int) and _is_count(value) else 0
+
+
+def error_text(payload: Mapping[str, Any]) -> str:
+    """The message of an OpenAI/FastAPI-style error body, shortened for a status detail."""
+    error = payload.get("error")
+    message: object = error.get("message") if isinstance(error, dict) else error
+    for key in ("message", "detail"):
+        if message is None:
+            message = payload.get(key)
+    return str(message if message is not None else payload)[:MAX_ERROR_CHARS]
+
+
+def error_body_text(body: bytes) -> str:
+    """The message of a replica's error answer (JSON or plain text)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError):
+        return body.decode("utf-8", "replace").strip()[:MAX_ERROR_CHARS]
+    if isinstance(payload, dict):
+        return error_text(payload)
+    return str(payload)[:MAX_ERROR_CHARS]
+
+
+def decision_message(decision: Decision) -> pb.Decision:
+    return pb.Decision(
+        replica=decision.replica,
+        policy=decision.policy,
+        overlap_blocks=decision.overlap_blocks,
+        request_blocks=decision.request_blocks,
+        cached_tokens=decision.cached_tokens,
+        terms=[_terms_message(t) for t in decision.terms],
+        dp_rank=decision.dp_rank,
+        reason=decision.reason,
+    )
+
+
+def _terms_message(terms: CostTerms) -> pb.CostTerms:
+    return pb.CostTerms(
+        replica=terms.replica,
+        overlap_blocks=terms.overlap_blocks,
+        request_blocks=terms.request_blocks,
+        pending_prefill_blocks=terms.pending_prefill_blocks,
+        active_decode_blocks=terms.active_decode_blocks,
+        waiting_requests=terms.waiting_requests,
+        kv_usage=terms.kv_usage,
+        prefill_term=terms.prefill_term,
+        decode_term=terms.decode_term,
+        queue_term=terms.queue_term,
+        cost=terms.cost,
+        probability=terms.probability,
+        excluded=terms.excluded or "",
+        shared_pending_blocks=terms.shared_pending_blocks,
+        duplication_term=terms.duplication_term,
+        cache_pressure=terms.cache_pressure,
+    )
+
+
+def policy_message(view: PolicyView) -> pb.Policy:
+    return pb.Policy(
+        name=view.name,
+        weights=struct_of(view.weights.to_dict()),
+        version=view.version,
+        updated_by=view.updated_by,
+        updated_at=view.updated_at_wall,
+    )
+
+
+def struct_of(data: Mapping[str, Any]) -> struct_pb2.Struct:
+    """A JSON-like mapping as a ``google.protobuf.Struct`` (numbers become doubles)."""
+    struct = struct_pb2.Struct()
+    json_format.ParseDict(json.loads(json.dumps(data)), struct)
+    return struct
+
+
+def value_of(data: object) -> struct_pb2.Value:
+    """A JSON-like value as a ``google.protobuf.Value``."""
+    return struct_of({"value": data}).fields["value"]
+
+
+def dict_of(struct: struct_pb2.Struct, where: str) -> dict[str, Any]:
+    """A client's ``Struct`` as a dict; 400 naming ``where`` if it holds no JSON (NaN, infinity)."""
+    try:
+        result: dict[str, Any] = json_format.MessageToDict(struct)
+    except ValueError as exc:
+        raise ApiError(400, f"'{where}' is not valid JSON: {exc}") from None
+    return result

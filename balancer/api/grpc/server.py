@@ -1,0 +1,382 @@
+"""The gRPC front (I/O): ``kvlb.v1.Balancer`` and ``kvlb.v1.Admin`` on one ``grpc.aio`` server, with
+the standard health and reflection services. The contract is ``proto/kvlb/v1/balancer.proto``.
+
+* ``Generate`` runs the HTTP proxy's own path (:func:`balancer.api.proxy.dispatch`: choose → commit →
+  forward with retries before the first byte → relay → release). The replica is always asked for an
+  event stream with usage; each of its events becomes one ``GenerateChunk`` (raw JSON plus the text
+  delta), and a last chunk carries the replica, the predicted and reported cached tokens and the usage.
+  A replica failing mid-stream ends the call with UNAVAILABLE after the chunks already sent; a client
+  going away (or its deadline passing) closes the upstream response so the replica stops generating.
+* ``Route`` is the decision only. With ``reserve`` it is committed like a forwarded request and held
+  in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
+* Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
+  message with RESOURCE_EXHAUSTED before any handler runs); admission, prompt and timeout limits are
+  the HTTP API's.
+* Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
+  follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.api.errors import ApiError
+from balancer.api.grpc.admin import ADMIN_SERVICE, admin_handlers
+from balancer.api.grpc.calls import Call, CallError, method_handler
+from balancer.api.grpc.messages import (
+    SseEvents,
+    decision_message,
+    error_body_text,
+    openai_call,
+    read_chunk,
+)
+from balancer.api.openai import admitted, find_pool, tokenize
+from balancer.api.parsing import parse_request
+from balancer.api.proxy import (
+    SSE_CONTENT_TYPE,
+    Forward,
+    Lease,
+    Opened,
+    choose,
+    dispatch,
+    failure_message,
+    on_first_chunk,
+    on_relayed,
+    relay_deadline,
+)
+from balancer.errors import ConfigError, UpstreamError
+from balancer.service.state import ServiceState
+from balancer.service.tls import grpc_key_pair
+from balancer.upstream.client import forwardable_headers
+
+log = logging.getLogger(__name__)
+
+BALANCER_SERVICE: str = pb.DESCRIPTOR.services_by_name["Balancer"].full_name
+MAX_ERROR_BODY_BYTES = 64 * 1024
+"""Most of a replica's error answer read to quote its message."""
+MAINTENANCE_INTERVAL_S = 1.0
+"""Longest period of the reservation expiry and health refresh (shorter with ``health_interval_s``)."""
+
+
+class Reservations:
+    """Decisions reserved by ``Route(reserve=true)``: at most ``capacity`` at once, each held until
+    released or for ``ttl_s`` (then released by :meth:`expire`, so a lost ``Release`` cannot pin load)."""
+
+    def __init__(self, capacity: int, ttl_s: float) -> None:
+        self.capacity = capacity
+        self.ttl_s = ttl_s
+        self._held: dict[str, tuple[Lease, float]] = {}
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def check(self, request_id: str, now: float) -> None:
+        """Raise unless a reservation for ``request_id`` can be held now (call before committing)."""
+        self.expire(now)
+        if request_id in self._held:
+            raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"a reservation for {request_id!r} is held")
+        if len(self._held) >= self.capacity:
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.capacity} reservations are held (the cap)", 1.0
+            )
+
+    def hold(self, request_id: str, lease: Lease, now: float) -> None:
+        self._held[request_id] = (lease, now + self.ttl_s)
+
+    def pop(self, request_id: str, now: float) -> Lease | None:
+        self.expire(now)
+        held = self._held.pop(request_id, None)
+        return None if held is None else held[0]
+
+    def expire(self, now: float) -> int:
+        """Release reservations past their TTL; returns how many. Insertion order is expiry order."""
+        count = 0
+        while self._held:
+            request_id, (lease, expires_at) = next(iter(self._held.items()))
+            if expires_at > now:
+                break
+            del self._held[request_id]
+            lease.release()
+            count += 1
+        self.expired_total += count
+        return count
+
+    def release_all(self) -> None:
+        held, self._held = self._held, {}
+        for lease, _ in held.values():
+            lease.release()
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What a relayed stream said so far."""
+
+    index: int = 0
+    finish_reason: str = ""
+    usage: pb.Usage | None = None
+    error: str | None = None
+
+
+async def prepare(
+    state: ServiceState, request: pb.GenerateRequest, call: Call, arrived: float, *, stream: bool
+) -> Forward:
+    """Validate ``request`` as the HTTP API validates a body, find its pool, weights and token ids."""
+    openai = openai_call(request, stream=stream)
+    parsed = parse_request(openai.body, openai.kind)
+    pool = find_pool(state, parsed.model)
+    weights = call.weights()
+    token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
+    return Forward(pool, parsed, token_ids, weights, openai.body, openai.path, call.request_id, arrived)
+
+
+class BalancerService:
+    """``kvlb.v1.Balancer``: Generate, Route, Release."""
+
+    def __init__(self, state: ServiceState, reservations: Reservations) -> None:
+        self.state = state
+        self.reservations = reservations
+
+    def handlers(self) -> Any:
+        name = BALANCER_SERVICE
+
+        def handler(method: str, run: Any, request: Any, response: Any, streaming: bool = False) -> Any:
+            return method_handler(
+                self.state, f"/{name}/{method}", "client", run, request, response, streaming=streaming
+            )
+
+        return grpc.method_handlers_generic_handler(
+            name,
+            {
+                "Generate": handler("Generate", self.generate, pb.GenerateRequest, pb.GenerateChunk, True),
+                "Route": handler("Route", self.route, pb.RouteRequest, pb.RouteResponse),
+                "Release": handler("Release", self.release, pb.ReleaseRequest, pb.ReleaseResponse),
+            },
+        )
+
+    async def generate(self, request: pb.GenerateRequest, call: Call) -> None:
+        state = self.state
+        arrived = state.monotonic()
+        call.adopt_request_id(request.request_id)
+        async with admitted(state) as admission:
+            job = await prepare(state, request, call, arrived, stream=True)
+            headers = forwardable_headers(call.metadata, call.request_id)
+            headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
+            await admission.wait_for_replica(job.pool)
+            await dispatch(state, job, headers, call.outcome, functools.partial(self._relay, call, job))
+
+    async def _relay(self, call: Call, job: Forward, lease: Lease, opened: Opened) -> None:
+        state, stream = self.state, opened.stream
+        on_first_chunk(state, job, lease, stream)
+        if stream.status != 200 or not stream.content_type.startswith(SSE_CONTENT_TYPE):
+            await self._refused(job, lease, opened)
+        await call.context.send_initial_metadata(
+            (
+                ("x-request-id", call.request_id),
+                ("x-kvlb-replica", lease.replica),
+                ("x-kvlb-cached-tokens", str(lease.plan.cached_tokens)),
+            )
+        )
+        progress = _Progress()
+        try:
+            failure = await self._pump(call, lease, opened, relay_deadline(state, job), progress)
+        except BaseException:  # the client went away (cancelled) or could not be written to
+            stream.close()
+            raise
+        finally:
+            await opened.chunks.aclose()
+        on_relayed(state, job, lease, stream, complete=failure is None)
+        if failure is not None:
+            raise failure
+        if progress.error is not None:
+            message = f"replica {lease.replica} reported an error: {progress.error}"
+            raise CallError(grpc.StatusCode.UNAVAILABLE, message)
+        done = pb.GenerateDone(
+            request_id=call.request_id,
+            replica_id=lease.replica,
+            predicted_cached_tokens=lease.plan.cached_tokens,
+            finish_reason=progress.finish_reason,
+            usage=progress.usage,
+        )
+        await call.context.write(pb.GenerateChunk(index=progress.index, done=done))
+
+    async def _pump(
+        self, call: Call, lease: Lease, opened: Opened, deadline: float, progress: _Progress
+    ) -> CallError | None:
+        """Relay every event; a replica failure (or ``timeouts.total_s``) is returned, not raised."""
+        events = SseEvents()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._emit(call, events.feed(opened.first), progress)
+                async for chunk in opened.chunks:
+                    await self._emit(call, events.feed(chunk), progress)
+                await self._emit(call, events.close(), progress)
+        except (UpstreamError, TimeoutError) as exc:
+            message = failure_message(self.state, lease, exc)
+            log.warning(
+                "request %s: replica %s broke mid-stream: %s", call.request_id, lease.replica, message
+            )
+            call.outcome.status = "stream_error"
+            timed_out = isinstance(exc, TimeoutError)
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if timed_out else grpc.StatusCode.UNAVAILABLE
+            return CallError(code, f"replica {lease.replica} failed mid-stream: {message}")
+        return None
+
+    async def _emit(self, call: Call, payloads: list[bytes], progress: _Progress) -> None:
+        for data in payloads:
+            if data == b"[DONE]":
+                continue
+            info = read_chunk(data)
+            progress.finish_reason = info.finish_reason or progress.finish_reason
+            progress.usage = info.usage or progress.usage
+            progress.error = progress.error or info.error
+            await call.context.write(pb.GenerateChunk(raw_json=data, text=info.text, index=progress.index))
+            progress.index += 1
+
+    async def _refused(self, job: Forward, lease: Lease, opened: Opened) -> NoReturn:
+        """End the call for an answer that is not a 200 event stream, quoting the replica's message."""
+        stream = opened.stream
+        body = bytearray(opened.first)
+        try:
+            async with asyncio.timeout_at(relay_deadline(self.state, job)):
+                async for chunk in opened.chunks:
+                    body += chunk
+                    if len(body) >= MAX_ERROR_BODY_BYTES:
+                        break
+        except (UpstreamError, TimeoutError):
+            pass  # quote what arrived
+        finally:
+            await opened.chunks.aclose()
+            on_relayed(self.state, job, lease, stream, complete=False)
+        replica = lease.replica
+        if stream.status == 200:
+            message = f"replica {replica} answered {stream.content_type}, not an event stream"
+            raise CallError(grpc.StatusCode.UNAVAILABLE, message)
+        text = error_body_text(bytes(body[:MAX_ERROR_BODY_BYTES]))
+        refused = stream.status in (400, 413, 422)  # the request's fault, not the replica's
+        code = grpc.StatusCode.INVALID_ARGUMENT if refused else grpc.StatusCode.UNAVAILABLE
+        raise CallError(code, f"replica {replica} answered {stream.status}: {text}")
+
+    async def route(self, request: pb.RouteRequest, call: Call) -> pb.RouteResponse:
+        state = self.state
+        if not request.HasField("request"):
+            raise ApiError(400, "'request' is required")
+        call.adopt_request_id(request.request.request_id)
+        job = await prepare(state, request.request, call, state.monotonic(), stream=False)
+        plan = choose(state, job.pool, job.token_ids, job.parsed, job.weights, call.request_id)
+        decision = plan.decision
+        call.outcome.replica, call.outcome.policy = decision.replica, decision.policy
+        if request.reserve:
+            now = state.monotonic()
+            self.reservations.check(call.request_id, now)
+            lease = Lease(state, job.pool, plan, state.tracking_id(call.request_id))
+            self.reservations.hold(call.request_id, lease, now)
+        return pb.RouteResponse(
+            request_id=call.request_id,
+            replica_id=decision.replica,
+            replica_url=job.pool.replicas[decision.replica].url,
+            prompt_tokens=plan.prompt_tokens,
+            predicted_cached_tokens=plan.cached_tokens,
+            decision=decision_message(decision),
+            reserved=request.reserve,
+        )
+
+    async def release(self, request: pb.ReleaseRequest, call: Call) -> pb.ReleaseResponse:
+        if not request.request_id:
+            raise ApiError(400, "'request_id' is required")
+        lease = self.reservations.pop(request.request_id, self.state.monotonic())
+        if lease is None:
+            raise CallError(
+                grpc.StatusCode.NOT_FOUND,
+                f"no reservation for {request.request_id!r} is held (released, expired after "
+                f"{self.reservations.ttl_s}s, or never made)",
+            )
+        lease.release()
+        call.outcome.replica = lease.replica
+        return pb.ReleaseResponse(request_id=request.request_id, replica_id=lease.replica)
+
+
+class GrpcServer:
+    """The server and what it owns: the reservations and the maintenance task."""
+
+    def __init__(self, state: ServiceState) -> None:
+        self.state = state
+        limits, timeouts = state.settings.limits, state.settings.timeouts
+        self.reservations = Reservations(limits.max_inflight, timeouts.total_s)
+        self.health = health.aio.HealthServicer()
+        self.port = 0
+        self._server: Any = None
+        self._maintenance: asyncio.Task[None] | None = None
+        self._ready: bool | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        """Bind ``host:port`` (0 picks a free port) and serve; returns the bound port."""
+        options = [
+            ("grpc.max_receive_message_length", self.state.settings.limits.max_body_bytes),
+            ("grpc.so_reuseport", 0),  # a port in use is an error, not silently shared
+        ]
+        server = self._server = grpc.aio.server(options=options)
+        server.add_generic_rpc_handlers(
+            (BalancerService(self.state, self.reservations).handlers(), admin_handlers(self.state))
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        services = (BALANCER_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(services, server)
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        key_pair = grpc_key_pair(self.state.settings.listen)
+        try:
+            if key_pair is None:
+                self.port = server.add_insecure_port(address)
+            else:
+                self.port = server.add_secure_port(address, grpc.ssl_server_credentials([key_pair]))
+        except RuntimeError as exc:
+            raise ConfigError(f"listen.grpc_port: cannot bind {address}: {exc}") from None
+        if self.port == 0:
+            raise ConfigError(f"listen.grpc_port: cannot bind {address}")
+        await server.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        await self.health.set(ADMIN_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await self._refresh_health()
+        self._maintenance = asyncio.create_task(self._maintain(), name="kvlb-grpc-maintenance")
+        return self.port
+
+    async def stop(self, grace_s: float) -> None:
+        """Report NOT_SERVING, refuse new calls, give running ones ``grace_s`` (then cancel them),
+        and release every reservation (idempotent)."""
+        server, self._server = self._server, None
+        if server is None:
+            return
+        await self.health.enter_graceful_shutdown()
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._maintenance
+            self._maintenance = None
+        await server.stop(grace_s)
+        self.reservations.release_all()
+
+    async def _maintain(self) -> None:
+        interval_s = min(MAINTENANCE_INTERVAL_S, max(0.05, self.state.settings.health_interval_s))
+        while True:
+            await asyncio.sleep(interval_s)
+            expired = self.reservations.expire(self.state.monotonic())
+            if expired:
+                log.warning("%d route reservation(s) expired without Release", expired)
+            await self._refresh_health()
+
+    async def _refresh_health(self) -> None:
+        ready = not self.state.readiness(self.state.monotonic())
+        if ready != self._ready:
+            self._ready = ready
+            serving = health_pb2.HealthCheckResponse
+            await self.health.set(BALANCER_SERVICE, serving.SERVING if ready else serving.NOT_SERVING)

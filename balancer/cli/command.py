@@ -1,0 +1,197 @@
+"""``kvlb serve`` (run the balancer) and ``kvlb admin`` (talk to a running one's admin API) (I/O).
+
+``kvlb serve`` prints one JSON line ``{"kvlb": "serving", "url": ...}`` on stdout once it listens
+(useful with ``--set listen.port=0``), logs to stderr, and shuts down in order on SIGTERM or SIGINT.
+``kvlb admin`` prints the server's JSON answer on stdout; an error answer goes to stderr, exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any, TypeAlias
+
+import yaml
+
+from balancer.config import Settings, load
+from balancer.errors import ConfigError
+from balancer.service.app import Balancer, ServeOptions
+
+log = logging.getLogger(__name__)
+
+SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+
+def register(subparsers: SubParsers) -> None:
+    _register_serve(subparsers)
+    _register_admin(subparsers)
+
+
+# ------------------------------------------------------------------------------------------ serve
+
+
+def _register_serve(subparsers: SubParsers) -> None:
+    parser = subparsers.add_parser(
+        "serve",
+        help="run the balancer",
+        description="Serve the OpenAI-compatible endpoint in front of the configured replicas. Settings "
+        "come from the YAML file, then KVLB_* environment variables (KVLB_LIMITS__MAX_INFLIGHT=64), "
+        "then --set; see docs/http-api.md.",
+    )
+    parser.add_argument("--config", "-c", metavar="FILE", help="YAML settings file (default: $KVLB_CONFIG)")
+    parser.add_argument(
+        "--set",
+        metavar="NAME=VALUE",
+        action="append",
+        default=[],
+        help="override one setting, e.g. --set listen.port=9000 --set policy.name=least_load (repeatable)",
+    )
+    parser.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=ServeOptions().shutdown_grace_s,
+        help="after SIGTERM, seconds in-flight requests get to finish (default %(default)s)",
+    )
+    parser.add_argument("--log-level", default=None, help="logging level (default: the log_level setting)")
+    parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    parser.set_defaults(handler=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = load(args.config, args.set)
+    except ConfigError as exc:
+        print(f"kvlb serve: {exc}", file=sys.stderr)
+        return 2
+    level = (args.log_level or settings.log_level).upper()
+    logging.basicConfig(
+        level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.shutdown_grace_s < 0:
+        print("kvlb serve: --shutdown-grace-s must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        _runner(not args.no_uvloop)(serve(settings, ServeOptions(shutdown_grace_s=args.shutdown_grace_s)))
+    except ConfigError as exc:
+        print(f"kvlb serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+async def serve(settings: Settings, options: ServeOptions) -> None:
+    """Run until SIGTERM/SIGINT, then stop in order (a second signal is ignored: shutdown is bounded
+    by ``shutdown_grace_s``)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    balancer = Balancer(settings, options=options)
+    try:
+        await balancer.start()
+        print(json.dumps({"kvlb": "serving", "url": balancer.url}), flush=True)
+        await stop.wait()
+        log.info("signal received: draining for up to %.1fs, then stopping", options.shutdown_grace_s)
+    finally:
+        await balancer.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    log.info("stopped")
+
+
+def _runner(use_uvloop: bool) -> Callable[[Coroutine[Any, Any, None]], None]:
+    if use_uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            return uvloop.run
+    return asyncio.run
+
+
+# ------------------------------------------------------------------------------------------ admin
+
+
+def _register_admin(subparsers: SubParsers) -> None:
+    parser = subparsers.add_parser(
+        "admin",
+        help="inspect and tune a running balancer",
+        description="Call a running balancer's admin API and print its JSON answer.",
+    )
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="balancer URL (default %(default)s)")
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token", help="admin bearer token (auth.admin_token)")
+    token.add_argument("--token-file", type=Path, help="file holding the admin token (keeps it out of ps)")
+    parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default %(default)s)")
+    actions = parser.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
+    policy = actions.add_parser("policy", help="show or change the routing policy")
+    policy_actions = policy.add_subparsers(dest="policy_command", metavar="get|set", required=True)
+    policy_actions.add_parser("get", help="print the policy in force")
+    setter = policy_actions.add_parser("set", help="change it: name=cost overlap_credit=0.5 ...")
+    setter.add_argument("pairs", nargs="+", metavar="NAME=VALUE", help="'name' or a weight (null clears)")
+    explain = actions.add_parser("explain", help="dry-run routing of a request body")
+    explain.add_argument("file", help="JSON request body file ('-' for stdin)")
+    actions.add_parser("replicas", help="health, load, index and events per replica")
+    for name in ("drain", "undrain"):
+        action = actions.add_parser(name, help=f"{name} a replica")
+        action.add_argument("replica", help="replica id")
+    parser.set_defaults(handler=run_admin)
+
+
+def admin_request(args: argparse.Namespace) -> tuple[str, str, Any]:
+    """(method, path, JSON body or None) for the parsed ``kvlb admin`` arguments."""
+    command = args.admin_command
+    if command == "policy" and args.policy_command == "get":
+        return "GET", "/admin/policy", None
+    if command == "policy":
+        body: dict[str, Any] = {}
+        weights: dict[str, Any] = {}
+        for item in args.pairs:
+            name, sep, raw = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"expected NAME=VALUE, got {item!r}")
+            if name.strip() == "name":
+                body["name"] = raw.strip()
+            else:
+                weights[name.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        if weights:
+            body["weights"] = weights
+        return "PUT", "/admin/policy", body
+    if command == "explain":
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
+        return "POST", "/admin/explain", json.loads(text)
+    if command == "replicas":
+        return "GET", "/admin/replicas", None
+    return "POST", f"/admin/replicas/{args.replica}/{command}", None
+
+
+def run_admin(args: argparse.Namespace) -> int:
+    try:
+        method, path, body = admin_request(args)
+        token = args.token_file.read_text("utf-8").strip() if args.token_file else args.token
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        print(f"kvlb admin: {exc}", file=sys.stderr)
+        return 2
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=args.timeout_s) as response:
+            answer = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        print(f"kvlb admin: HTTP {exc.code}: {exc.read().decode('utf-8', 'replace')}", file=sys.stderr)
+        return 1
+    except (urllib.error.URLError, TimeoutError, ValueError) as exc:
+        print(f"kvlb admin: cannot reach {args.url}: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(answer, indent=2))
+    return 0

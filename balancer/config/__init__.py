@@ -1,0 +1,35 @@
+"""Settings: :mod:`~balancer.config.settings` (the frozen dataclasses) and
+:mod:`~balancer.config.loader` (defaults → YAML → ``KVLB_*`` environment → ``--set``; the only reader of
+the environment). Import from here: ``from balancer.config import ReplicaConfig``."""
+
+from balancer.config.loader import from_mapping, load, merge_overrides
+from balancer.config.settings import (
+    AuthConfig,
+    DiscoveryConfig,
+    EngineKind,
+    LimitConfig,
+    ListenConfig,
+    PolicyConfig,
+    PoolConfig,
+    RedisConfig,
+    ReplicaConfig,
+    Settings,
+    TimeoutConfig,
+)
+
+__all__ = [
+    "AuthConfig",
+    "DiscoveryConfig",
+    "EngineKind",
+    "LimitConfig",
+    "ListenConfig",
+    "PolicyConfig",
+    "PoolConfig",
+    "RedisConfig",
+    "ReplicaConfig",
+    "Settings",
+    "TimeoutConfig",
+    "from_mapping",
+    "load",
+    "merge_overrides",
+]

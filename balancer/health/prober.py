@@ -1,0 +1,99 @@
+"""Health probes (I/O): one task per replica, ``GET <url>/health`` every ``interval_s``.
+
+Each result goes to :meth:`balancer.health.book.HealthBook.on_probe` with ``time.monotonic()``: a 200 marks
+the replica live (a replica is not routable before its first good probe), anything else (status,
+timeout, refused connection) counts against its circuit breaker. Transitions are logged once, not
+every period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from balancer.errors import ConfigError
+from balancer.health.book import HealthBook
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeSettings:
+    """Settings of every :class:`HealthProber`."""
+
+    interval_s: float = 2.0
+    """Period between probe starts (seconds), > 0. A dead replica is noticed within about one
+    period (plus the breaker, which opens after its failure threshold)."""
+    timeout_s: float = 2.0
+    """Whole-probe timeout (seconds), > 0; at the limit the probe counts as failed."""
+    path: str = "/health"
+    """Probed path; SGLang, vLLM and trtllm-serve all answer 200 on ``/health`` when up."""
+
+    def validate(self) -> None:
+        for name in ("interval_s", "timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"probe.{name} must be a finite number > 0, got {value}")
+
+
+class HealthProber:
+    """Probes one replica until cancelled."""
+
+    def __init__(
+        self,
+        replica: ReplicaId,
+        base_url: str,
+        *,
+        session: aiohttp.ClientSession,
+        health: HealthBook,
+        settings: ProbeSettings | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replica = replica
+        self.settings = settings or ProbeSettings()
+        self.url = base_url.rstrip("/") + self.settings.path
+        self.settings.validate()
+        self._session = session
+        self._health = health
+        self._monotonic = monotonic
+        self._last_ok: bool | None = None
+
+    async def run(self) -> None:
+        """Probe at once, then every ``interval_s``; never raises but for cancellation."""
+        while True:
+            started = self._monotonic()
+            await self.probe_once()
+            elapsed_s = self._monotonic() - started
+            await asyncio.sleep(max(0.0, self.settings.interval_s - elapsed_s))
+
+    async def probe_once(self) -> bool:
+        error = await self._probe()
+        ok = error is None
+        self._health.on_probe(self.replica, ok, self._monotonic(), error)
+        if ok != self._last_ok:
+            if ok:
+                log.info("replica %s is healthy", self.replica)
+            else:
+                log.warning("replica %s failed its health probe: %s", self.replica, error)
+        self._last_ok = ok
+        return ok
+
+    async def _probe(self) -> str | None:
+        """``None`` when healthy, else why not."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        try:
+            async with self._session.get(self.url, timeout=timeout) as response:
+                if response.status == 200:
+                    return None
+                return f"{self.settings.path} answered {response.status}"
+        except TimeoutError:
+            return f"{self.settings.path} timed out after {self.settings.timeout_s}s"
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"{self.settings.path}: {type(exc).__name__}"

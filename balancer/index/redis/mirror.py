@@ -1,0 +1,267 @@
+"""``Mirror``: a local copy of one key space's Redis index, fed by its applied-event stream (I/O).
+
+The request path reads the mirror's :class:`~balancer.index.table.PrefixTable`, never Redis. The
+mirror replays the stream's batches (see :mod:`balancer.index.redis.stream`) in stream order. Its table
+has the same semantics and budget as the Redis index, so it reaches the same holders, evictions
+included. Each balancer's own speculative entries stay local; they count toward the local budget,
+so under eviction pressure a mirror may evict slightly differently from Redis.
+
+**Warm start** builds a fresh table off to the side, then installs it (``on_table``), so routing
+keeps reading the previous table meanwhile. It loads the latest table snapshot if there is one
+(:mod:`balancer.index.snapshot`, written by some balancer with :meth:`Mirror.write_snapshot`)
+and replays only the entries after it; with no usable snapshot it replays every retained entry
+(``XRANGE``). It then tails with ``XREAD BLOCK``.
+
+Entries are numbered consecutively (field ``n``). A mirror that finds entries missing (trimmed by
+``MAXLEN ~`` before it read them, or a Redis that lost its data) warm-starts again and counts a
+resync. A stream trimmed before any snapshot covered it yields a *partial* mirror: blocks stored
+before the oldest retained entry stay unknown until an engine stores them again. ``ready`` is set
+after the first warm start. Redis errors are counted and retried with exponential backoff; the
+table keeps serving meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from balancer.errors import EventDecodeError
+from balancer.index.base import IndexStats
+from balancer.index.hashing import BlockHasher
+from balancer.index.memory import MemoryIndex
+from balancer.index.redis.schema import RedisIndexSettings, RedisKeys
+from balancer.index.redis.stream import StreamEntry, decode_entry
+from balancer.index.slots import TableLimits
+from balancer.index.snapshot import SnapshotError, capture, dump_table, encode, load_table
+from balancer.index.table import PrefixTable
+from balancer.types import BlockKey, Overlap, ReplicaId
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MirrorSettings:
+    """How a mirror reads the stream."""
+
+    read_count: int = 512
+    """Entries per ``XRANGE``/``XREAD`` call; bounds the memory of one read."""
+    block_ms: int = 1000
+    """``XREAD BLOCK`` timeout in milliseconds; bounds how long a stop request waits."""
+    retry_s: float = 0.1
+    """First pause after a Redis error (seconds); doubles per consecutive error up to
+    ``retry_max_s``. Errors are counted, never raised."""
+    retry_max_s: float = 2.0
+    """Longest pause between two attempts while Redis is unreachable (seconds)."""
+
+    def __post_init__(self) -> None:
+        if self.read_count <= 0 or self.block_ms <= 0 or self.retry_s < 0 or self.retry_max_s < self.retry_s:
+            raise ValueError(f"invalid mirror settings: {self}")
+
+
+@dataclass(slots=True)
+class MirrorCounters:
+    entries_applied: int = 0
+    resyncs: int = 0
+    """Rebuilds after entries went missing between two reads."""
+    decode_errors: int = 0
+    """Entries skipped because they could not be decoded (the mirror then diverges: resync)."""
+    redis_errors: int = 0
+    snapshots_loaded: int = 0
+    snapshots_refused: int = 0
+    """Snapshots present but unusable (other key space, corrupt, or older than the stream)."""
+
+
+class Mirror:
+    """Tails one key space's stream into a local table. ``client`` must use ``decode_responses=False``."""
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        hasher: BlockHasher,
+        settings: RedisIndexSettings,
+        clock: Callable[[], float],
+        mirror: MirrorSettings | None = None,
+        *,
+        limits: TableLimits | None = None,
+        on_table: Callable[[PrefixTable], None] | None = None,
+    ) -> None:
+        """``clock`` gives ``now`` for the local table (the routing clock: speculative entries are
+        local). ``on_table`` is called with each newly built table once it is complete."""
+        self.client = client
+        self.hasher = hasher
+        self.settings = settings
+        self.mirror = mirror or MirrorSettings()
+        self.counters = MirrorCounters()
+        self.limits = limits or TableLimits(capacity_blocks=settings.capacity_blocks)
+        self.index = MemoryIndex(hasher, self.limits)
+        """The local copy; replaced by a fresh one on a warm start (read it through this attribute)."""
+        self.last_id = "0-0"
+        self.last_number = 0
+        self.partial = False
+        """True when the history before the oldest retained entry was trimmed before we read it."""
+        self.lag_s: float | None = None
+        """Our wall clock minus the Redis time in the ID of the last entry applied while tailing."""
+        self.ready = asyncio.Event()
+        self.connected = False
+        """Whether the last Redis call succeeded."""
+        self._keys = RedisKeys(settings)
+        self._stream = self._keys.stream
+        self._clock = clock
+        self._on_table = on_table
+        self._replay_last = ("0-0", 0)
+        self._replay_partial = False
+
+    # ------------------------------------------------------------------ reading
+
+    async def warm_start(self) -> int:
+        """Build a table from the snapshot (if usable) and the entries after it, then install it.
+
+        Returns how many stream entries were applied."""
+        fresh, number, last_id, partial = await self._from_snapshot()
+        applied, continuous = await self._replay(fresh, last_id, number)
+        if not continuous:  # the snapshot is older than the retained stream: start from scratch
+            self.counters.snapshots_refused += 1
+            fresh, number, last_id, partial = MemoryIndex(self.hasher, self.limits), 0, "0-0", False
+            applied, _ = await self._replay(fresh, last_id, number)
+            partial = True
+        else:
+            partial = partial or self._replay_partial
+        self.index, self.partial = fresh, partial
+        self.last_id, self.last_number = self._replay_last
+        if self._on_table is not None:
+            self._on_table(fresh.table)
+        self.ready.set()
+        return applied
+
+    async def _from_snapshot(self) -> tuple[MemoryIndex, int, str, bool]:
+        data = await self.client.get(self._keys.snapshot)
+        if isinstance(data, bytes) and data:
+            try:
+                snap = await asyncio.to_thread(load_table, data, self.hasher, self.limits)
+            except SnapshotError as exc:
+                self.counters.snapshots_refused += 1
+                log.warning("mirror of %s: ignoring snapshot: %s", self._stream, exc)
+            else:
+                self.counters.snapshots_loaded += 1
+                return MemoryIndex.over(snap.table), snap.entry_number, snap.entry_id, snap.partial
+        return MemoryIndex(self.hasher, self.limits), 0, "0-0", False
+
+    async def _replay(self, into: MemoryIndex, after_id: str, after_number: int) -> tuple[int, bool]:
+        """Apply every retained entry after ``after_id``; ``False`` if entries right after it are gone."""
+        self._replay_last = (after_id, after_number)
+        self._replay_partial = False
+        applied = 0
+        start = "-" if after_id == "0-0" else "(" + after_id
+        while True:
+            raw = await self.client.xrange(self._stream, min=start, count=self.mirror.read_count)
+            if not raw:
+                return applied, True
+            for entry_id, fields in raw:
+                entry = self._decode(entry_id, fields)
+                if entry is None:
+                    continue
+                expected = self._replay_last[1] + 1
+                if entry.number != expected:
+                    if after_number and applied == 0:
+                        return 0, False
+                    self._replay_partial = self._replay_partial or entry.number > 1
+                await self._apply(entry, into)
+                self._replay_last = (entry.entry_id, entry.number)
+                applied += 1
+            start = "(" + self._replay_last[0]
+
+    async def poll(self, block_ms: int | None = None) -> int:
+        """Apply the entries added since the last read, waiting up to ``block_ms`` for the first."""
+        wait = self.mirror.block_ms if block_ms is None else block_ms
+        reply = await self.client.xread(
+            {self._stream: self.last_id}, count=self.mirror.read_count, block=wait
+        )
+        if not reply:
+            return 0
+        _, raw = cast("list[tuple[bytes, list[tuple[bytes, dict[bytes, bytes]]]]]", reply)[0]
+        applied = 0
+        for entry_id, fields in raw:
+            entry = self._decode(entry_id, fields)
+            if entry is None:
+                continue
+            if entry.number != self.last_number + 1:
+                self.counters.resyncs += 1
+                missing = (self.last_number + 1, entry.number - 1)
+                log.warning("mirror of %s: entries %d..%d missing, rebuilding", self._stream, *missing)
+                return applied + await self.warm_start()
+            await self._apply(entry, self.index)
+            self.last_id, self.last_number = entry.entry_id, entry.number
+            self.lag_s = time.time() - int(entry.entry_id.partition("-")[0]) / 1000
+            applied += 1
+        return applied
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Warm start, then tail until ``stop`` is set; Redis errors are counted and retried."""
+        delay_s = self.mirror.retry_s
+        while not stop.is_set():
+            try:
+                if not self.ready.is_set():
+                    await self.warm_start()
+                await self.poll()
+                self.connected = True
+                delay_s = self.mirror.retry_s
+            except (RedisError, OSError) as exc:
+                self.connected = False
+                self.counters.redis_errors += 1
+                log.warning("mirror of %s: redis error: %s", self._stream, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay_s)
+                delay_s = min(self.mirror.retry_max_s, max(delay_s * 2, 0.01))
+
+    def _decode(self, entry_id: Any, fields: Any) -> StreamEntry | None:
+        try:
+            return decode_entry(entry_id, fields)
+        except EventDecodeError as exc:
+            self.counters.decode_errors += 1
+            log.warning("mirror of %s: skipping entry %r: %s", self._stream, entry_id, exc)
+            return None
+
+    async def _apply(self, entry: StreamEntry, into: MemoryIndex) -> None:
+        if entry.dropped:
+            await into.drop_replica(entry.replica)
+        else:
+            await into.apply(entry.replica, entry.events, self._clock())
+        self.counters.entries_applied += 1
+
+    # ------------------------------------------------------------------ snapshots
+
+    def snapshot(self) -> bytes:
+        """The current table (speculative entries left out) as of the last applied entry."""
+        return dump_table(self.index.table, self.last_number, self.last_id, self.partial)
+
+    async def write_snapshot(self) -> int:
+        """Store :meth:`snapshot` in Redis for starting mirrors; returns its size in bytes.
+
+        Only the copy of the table's state runs on the event loop; encoding runs in a thread."""
+        state = capture(self.index.table)
+        data = await asyncio.to_thread(encode, state, self.last_number, self.last_id, self.partial)
+        await self.client.set(self._keys.snapshot, data)
+        return len(data)
+
+    # ------------------------------------------------------------------ the local index
+
+    async def match(
+        self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
+    ) -> Overlap:
+        return await self.index.match(keys, among, now)
+
+    async def add_speculative(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
+    ) -> None:
+        await self.index.add_speculative(replica, keys, ttl_s, now)
+
+    async def stats(self) -> IndexStats:
+        return await self.index.stats()

@@ -1,0 +1,169 @@
+"""The Redis key schema of one pool's global prefix index, in one place (pure).
+
+Every key name starts with ``<prefix>:{<pool>}:``. The ``{pool}`` hash tag puts all keys of one pool
+in one Redis Cluster slot, so each Lua script (which touches many keys) runs on one node and every
+pipeline of one pool goes to one node. ``docs/redis-schema.md`` describes each key; this module is
+the only code that spells a key name (the Lua scripts receive :attr:`RedisKeys.prefix` and append
+the same suffixes).
+
+Identifiers inside names and fields:
+
+* a block key and an engine hash are 16 lowercase hex digits (u64, big-endian);
+* a *cache id* is ``<replica>#<dp_rank>``; a replica's speculative holder is ``<replica>#s``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from balancer.types import U64_MASK, ReplicaId
+
+SPEC_TAG = "s"
+"""The rank tag of a replica's speculative holder field (``<replica>#s``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RedisIndexSettings:
+    """Where one pool's index lives in Redis and how big it may grow."""
+
+    pool: str
+    """Pool name (normally the model name): the hash tag of every key. Must not contain ``{``, ``}``."""
+    key_prefix: str = "kvlb"
+    """First component of every key name, so several deployments can share one Redis."""
+    capacity_blocks: int = 4_000_000
+    """Unique block keys kept. Past it the least recently touched keys are evicted with all their
+    holders, down to ``capacity - capacity // 128``, and counted (``evicted_blocks``)."""
+    max_speculative_keys: int = 100_000
+    """Speculative (replica, key) holdings alive at once; more are not added and are counted in
+    the ``speculative_overflow`` counter. 0 disables speculative entries."""
+    parent_hints_per_cache: int = 65_536
+    """Engine hashes per (replica, rank) whose keys a writer remembers from its own writes, so that
+    a batch continuing an earlier one needs no read round trip. Past it the oldest are forgotten
+    (their parents are then read from Redis); 0 disables the hints."""
+    stream_maxlen: int = 10_000
+    """Approximate length cap (``XADD MAXLEN ~``) of the pool's applied-event stream, in batches.
+    Each entry carries its batch's tokens (about 4 B per token), so 10k batches of 32 blocks of 16
+    tokens take about 25 MB. A mirror that falls further behind than this resyncs (counted).
+    0 disables the stream (no mirrors)."""
+
+    def __post_init__(self) -> None:
+        if not self.pool or "{" in self.pool or "}" in self.pool:
+            raise ValueError(f"pool must be non-empty without braces, got {self.pool!r}")
+        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
+            raise ValueError(f"key_prefix must be non-empty without braces, got {self.key_prefix!r}")
+        counts = (self.max_speculative_keys, self.parent_hints_per_cache, self.stream_maxlen)
+        if self.capacity_blocks <= 0 or min(counts) < 0:
+            raise ValueError(f"invalid Redis index settings: {self}")
+
+    @property
+    def evict_target_blocks(self) -> int:
+        """Unique keys left after an eviction round (evicting in batches keeps scripts short)."""
+        return self.capacity_blocks - self.capacity_blocks // 128
+
+
+class RedisKeys:
+    """Key names of one pool (see ``docs/redis-schema.md`` for types and contents)."""
+
+    __slots__ = ("prefix",)
+
+    def __init__(self, settings: RedisIndexSettings) -> None:
+        self.prefix = f"{settings.key_prefix}:{{{settings.pool}}}:"
+        """Common start of every key of the pool; the Lua scripts append the suffixes below."""
+
+    def block(self, key_hex: str) -> str:
+        """HASH: holders of one block. Field ``<cache id>`` → handle count; ``<replica>#s`` → expiry."""
+        return f"{self.prefix}b:{key_hex}"
+
+    def engine_map(self, cache_id: str) -> str:
+        """HASH: engine hash (hex) → block key (hex) of one cache; also its reverse set."""
+        return f"{self.prefix}m:{cache_id}"
+
+    def ranks(self, replica: ReplicaId) -> str:
+        """SET: the DP ranks of ``replica`` that have (or had) a cache."""
+        return f"{self.prefix}ranks:{replica}"
+
+    def spec(self, replica: ReplicaId) -> str:
+        """ZSET: block key (hex) → expiry (caller's clock, seconds) of ``replica``'s speculative keys."""
+        return f"{self.prefix}s:{replica}"
+
+    @property
+    def lru(self) -> str:
+        """ZSET: block key (hex) → tick of its last touch; the lowest ticks are evicted first."""
+        return f"{self.prefix}lru"
+
+    @property
+    def tick(self) -> str:
+        """STRING: the last LRU tick handed out (one per touched block)."""
+        return f"{self.prefix}tick"
+
+    @property
+    def held(self) -> str:
+        """HASH: cache id → number of blocks it holds (the field exists once the cache was created)."""
+        return f"{self.prefix}held"
+
+    @property
+    def replicas(self) -> str:
+        """SET: replicas with a cache or a speculative slot (the candidates of ``match(None)``)."""
+        return f"{self.prefix}replicas"
+
+    @property
+    def spec_replicas(self) -> str:
+        """SET: replicas whose speculative ZSET may be non-empty (scanned to expire entries)."""
+        return f"{self.prefix}spec"
+
+    @property
+    def generations(self) -> str:
+        """HASH: replica → generation (absent = 0); bumped by ``drop_replica`` to fence old writers."""
+        return f"{self.prefix}gen"
+
+    @property
+    def counters(self) -> str:
+        """HASH: cumulative counters (``evicted_blocks``, ``stale_generation``, ``speculative_*``)."""
+        return f"{self.prefix}ctr"
+
+    @property
+    def stream(self) -> str:
+        """STREAM: applied event batches of the pool, tailed by every balancer's mirror."""
+        return f"{self.prefix}events"
+
+    def lease(self, replica: ReplicaId) -> str:
+        """STRING with a PX expiry: owner token of ``replica``'s ingestion lease."""
+        return f"{self.prefix}lease:{replica}"
+
+    @property
+    def snapshot(self) -> str:
+        """STRING: the latest table snapshot of a mirror, with the stream entry it reflects."""
+        return f"{self.prefix}snap"
+
+    @property
+    def snapshot_lease(self) -> str:
+        """STRING with a PX expiry: the balancer that writes this key space's snapshots."""
+        return f"{self.prefix}snaplease"
+
+    @property
+    def applied_seq(self) -> str:
+        """HASH: replica → engine positions applied by its lease holder (``rank:seq,...``; a trailing
+        ``!`` marks a clean hand-over; see :mod:`balancer.index.redis.lease`)."""
+        return f"{self.prefix}seq"
+
+
+def cache_id(replica: ReplicaId, dp_rank: int) -> str:
+    """The field name of one (replica, dp_rank) cache in block hashes."""
+    return f"{replica}#{dp_rank}"
+
+
+def split_cache_id(field: str) -> tuple[ReplicaId, int | None]:
+    """``(replica, dp_rank)`` of a holder field; ``dp_rank`` is ``None`` for a speculative holder."""
+    replica, _, tag = field.rpartition("#")
+    return ReplicaId(replica), None if tag == SPEC_TAG else int(tag)
+
+
+def hex_u64s(values: Sequence[int]) -> str:
+    """u64 values as concatenated 16-digit lowercase hex (one C call for a whole chain)."""
+    return struct.pack(f">{len(values)}Q", *(v & U64_MASK for v in values)).hex()
+
+
+def hex_u64(value: int) -> str:
+    return f"{value & U64_MASK:016x}"

@@ -1,0 +1,219 @@
+"""Periodic scrape of one replica's own load report (does I/O; parsing is in :mod:`balancer.load.scrape`).
+
+Each engine kind has an ordered list of endpoints; a 404 moves to the next one (remembered), so an
+engine without ``/v1/loads`` falls back to ``/metrics``. Every result goes to the ``observe``
+callback (``LoadTracker.observe``) with ``time.monotonic()``; failures count in
+``kvlb_scrape_errors_total{replica}`` and the loop goes on at the same interval.
+
+TRT-LLM's ``/metrics`` is a drain of iteration stats like ``/kv_cache_events``: one consumer only. An
+empty drain means no iteration ran since the last scrape, reported as 0 running and 0 waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from balancer.errors import ConfigError
+from balancer.load.scrape import (
+    ScrapedLoad,
+    ScrapeError,
+    parse_sglang_loads,
+    parse_sglang_prometheus,
+    parse_trtllm_iteration_stats,
+    parse_trtllm_prometheus,
+    parse_vllm_prometheus,
+)
+from balancer.load.tracker import EngineStats
+from balancer.metrics import Metrics
+from balancer.sources.http import BodyTooLarge, read_capped
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+Observe = Callable[[ReplicaId, EngineStats, float], object]
+"""``LoadTracker.observe(replica, stats, now)``; ``now`` is monotonic seconds."""
+Parser = Callable[[bytes], ScrapedLoad | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeSettings:
+    """Settings of every :class:`MetricsScraper`."""
+
+    interval_s: float = 1.0
+    """Period between scrape starts (seconds). Must be > 0; keep it below the load tracker's
+    ``stale_after_s`` or scraped stats expire between scrapes."""
+    timeout_s: float = 3.0
+    """Whole-request timeout (seconds); at the limit the scrape counts as an error. Must be > 0."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest report accepted (bytes); a larger one is an error. Must be ≥ 1."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first field out of range."""
+        for name in ("interval_s", "timeout_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"scrape.{name} must be a finite number > 0, got {value}")
+        if self.max_body_bytes < 1:
+            raise ConfigError("scrape.max_body_bytes must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeTarget:
+    """One endpoint and the parser of its body."""
+
+    path: str
+    parse: Parser
+
+
+@dataclass(frozen=True, slots=True)
+class ScraperStatus:
+    """A scraper's state for ``/admin/replicas``."""
+
+    replica: ReplicaId
+    url: str
+    """The endpoint in use now (after any 404 fallback)."""
+    scrapes: int
+    errors: int
+    last_ok_wall_ts: float | None
+    last: ScrapedLoad | None
+    last_error: str | None
+
+
+def _text(parse: Callable[[str], ScrapedLoad]) -> Parser:
+    return lambda body: parse(body.decode("utf-8", "replace"))
+
+
+def _json(parse: Callable[[object], ScrapedLoad | None]) -> Parser:
+    def parse_json(body: bytes) -> ScrapedLoad | None:
+        try:
+            document = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise ScrapeError(f"body is not JSON: {exc}") from None
+        return parse(document)
+
+    return parse_json
+
+
+def scrape_targets(engine: str, metrics_path: str | None = None) -> tuple[ScrapeTarget, ...]:
+    """Endpoints tried for ``engine``, in order; ``metrics_path`` replaces the Prometheus path."""
+    if engine == "sglang":
+        return (
+            ScrapeTarget("/v1/loads?include=core,memory", _json(parse_sglang_loads)),
+            ScrapeTarget(metrics_path or "/metrics", _text(parse_sglang_prometheus)),
+            ScrapeTarget("/get_load", _json(parse_sglang_loads)),
+        )
+    if engine == "vllm":
+        return (ScrapeTarget(metrics_path or "/metrics", _text(parse_vllm_prometheus)),)
+    if engine == "trtllm":
+        return (
+            ScrapeTarget("/metrics", _json(parse_trtllm_iteration_stats)),
+            ScrapeTarget(metrics_path or "/prometheus/metrics", _text(parse_trtllm_prometheus)),
+        )
+    raise ConfigError(f"no load scraper for engine {engine!r}")
+
+
+class MetricsScraper:
+    """Scrapes one replica every ``interval_s`` and reports to ``observe``."""
+
+    def __init__(
+        self,
+        replica: ReplicaId,
+        base_url: str,
+        engine: str,
+        *,
+        session: aiohttp.ClientSession,
+        observe: Observe,
+        metrics: Metrics,
+        settings: ScrapeSettings | None = None,
+        metrics_path: str | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.replica = replica
+        self.base_url = base_url.rstrip("/")
+        self.settings = settings or ScrapeSettings()
+        self.settings.validate()
+        self._targets = scrape_targets(engine, metrics_path)
+        self._target = 0
+        self._session = session
+        self._observe = observe
+        self._metrics = metrics
+        self._monotonic = monotonic
+        self._scrapes = 0
+        self._errors = 0
+        self._last: ScrapedLoad | None = None
+        self._last_ok_wall_ts: float | None = None
+        self._last_error: str | None = None
+
+    def status(self) -> ScraperStatus:
+        return ScraperStatus(
+            replica=self.replica,
+            url=self.base_url + self._targets[self._target].path,
+            scrapes=self._scrapes,
+            errors=self._errors,
+            last_ok_wall_ts=self._last_ok_wall_ts,
+            last=self._last,
+            last_error=self._last_error,
+        )
+
+    async def run(self) -> None:
+        """Scrape until cancelled; errors are counted and logged on change, never raised."""
+        while True:
+            started = self._monotonic()
+            await self.scrape_and_observe()
+            elapsed_s = self._monotonic() - started
+            await asyncio.sleep(max(0.0, self.settings.interval_s - elapsed_s))
+
+    async def scrape_and_observe(self) -> ScrapedLoad | None:
+        """One scrape; reports a success to ``observe`` and returns it (``None`` on failure)."""
+        self._scrapes += 1
+        try:
+            load = await self.scrape_once()
+        except (aiohttp.ClientError, TimeoutError, ScrapeError) as exc:
+            self._errors += 1
+            self._metrics.scrape_errors_total.labels(self.replica).inc()
+            message = f"{type(exc).__name__}: {exc}"
+            if message != self._last_error:
+                log.warning("replica %s: load scrape failed: %s", self.replica, message)
+            self._last_error = message
+            return None
+        if self._last_error is not None:
+            log.info("replica %s: load scrape works again", self.replica)
+        self._last_error = None
+        self._last = load
+        self._last_ok_wall_ts = time.time()
+        self._observe(self.replica, load.engine_stats(), self._monotonic())
+        return load
+
+    async def scrape_once(self) -> ScrapedLoad:
+        """Fetch and parse the load report, trying the next endpoint on 404. Raises on failure."""
+        for _ in range(len(self._targets)):
+            target = self._targets[self._target]
+            status, body = await self._get(target.path)
+            if status == 404 and len(self._targets) > 1:
+                self._target = (self._target + 1) % len(self._targets)
+                log.info("replica %s: %s is 404, trying %s", self.replica, target.path, self.status().url)
+                continue
+            if status != 200:
+                raise ScrapeError(f"HTTP {status} from {target.path}")
+            load = target.parse(body)
+            return load if load is not None else ScrapedLoad(running_reqs=0, waiting_reqs=0)
+        raise ScrapeError("every load endpoint answered 404")
+
+    async def _get(self, path: str) -> tuple[int, bytes]:
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        async with self._session.get(self.base_url + path, timeout=timeout) as resp:
+            if resp.status != 200:
+                await resp.release()
+                return resp.status, b""
+            try:
+                return resp.status, await read_capped(resp, self.settings.max_body_bytes)
+            except BodyTooLarge as exc:
+                raise ScrapeError(str(exc)) from None

@@ -1,0 +1,241 @@
+"""Routing for one pool: hash → match → load snapshot → policy, then a separate commitment (pure).
+
+A pool is every replica serving one model. Replicas whose engines cache differently (block size,
+TRT-LLM's ``prompt[:-1]`` alignment, EAGLE bigram pages) cannot share block keys, so the pool keeps
+one :class:`KeySpace` (hasher + prefix table) per caching scheme. A request is hashed once per key
+space that has candidates, and the overlaps are merged into one :class:`~balancer.types.Overlap`
+counted in the pool's *reference* block size (the smallest block size in the pool), so the cost
+policy compares like with like.
+
+:meth:`PoolRouter.plan` is side-effect free (it may only expire stale speculative entries inside the
+table). :meth:`PoolRouter.commit` reserves load and adds speculative index entries afterwards, and
+:meth:`PoolRouter.release` undoes the reservation when the request ends or is cancelled.
+
+Speculative entries live in two phases. Until the request's first token the engine has not finished
+its prefill, so it cannot have reported the blocks yet: the entries are held for ``pending_ttl_s``
+(bounded by the first-byte timeout). At the first token, or when the request ends without one, they
+drop to the short ``speculative_ttl_s``, within which the engine's own events confirm them.
+
+Decode load counts a request's *private* blocks only (uncached prompt plus output): its cached prefix
+is shared with every other request on that replica that uses it, and counting it per request made a
+few same-prefix requests outweigh the affinity that brought them there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+
+from balancer.index.hashing import AlignMode, BlockHasher
+from balancer.index.slots import TableLimits
+from balancer.index.table import PrefixTable
+from balancer.load.tracker import LoadConfig, LoadTracker
+from balancer.policy.base import Policy, PolicyWeights, RouteRequest
+from balancer.types import BlockKey, Decision, Overlap, ReplicaId
+
+
+@dataclass(slots=True)
+class KeySpace:
+    """Replicas that cache blocks the same way, and the prefix table of their blocks."""
+
+    hasher: BlockHasher
+    table: PrefixTable
+    replicas: set[ReplicaId] = field(default_factory=set)
+
+
+@dataclass(frozen=True, slots=True)
+class RoutePlan:
+    """A decision plus what committing it needs: the chosen replica's keys and exact cached tokens."""
+
+    decision: Decision
+    prompt_tokens: int
+    cached_tokens: int
+    """Prompt tokens predicted to be cached on the chosen replica (its own block size)."""
+    keys: tuple[BlockKey, ...]
+    """The request's block keys in the chosen replica's key space (for speculative entries)."""
+    decode_blocks: int
+
+
+def align_mode(engine: str, bigram: bool = False) -> AlignMode:
+    """The caching alignment of an engine: TRT-LLM hashes ``prompt[:-1]``; EAGLE pages are pairs."""
+    if engine == "trtllm":
+        return "trtllm"
+    return "bigram" if bigram else "plain"
+
+
+class PoolRouter:
+    """Routing state of one pool: key spaces, the load tracker, and the replicas' schemes."""
+
+    def __init__(
+        self, model: str, limits: TableLimits | None = None, load_config: LoadConfig | None = None
+    ) -> None:
+        self.model = model
+        self._limits = limits or TableLimits()
+        self._load_config = load_config
+        self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
+        self.space_of: dict[ReplicaId, KeySpace] = {}
+        self.load: LoadTracker | None = None
+        self._speculating: OrderedDict[str, tuple[ReplicaId, tuple[BlockKey, ...], float]] = OrderedDict()
+        self.max_speculating = self._limits.max_speculative_keys // 16 + 1
+        """Requests whose speculative entries wait for a first token; past it the oldest keep their
+        long TTL (they still expire, only later)."""
+
+    @property
+    def reference_block_size(self) -> int:
+        return min((bs for bs, _ in self.spaces), default=16)
+
+    def add_replica(self, replica: ReplicaId, block_size: int, mode: AlignMode) -> KeySpace:
+        """Register a replica's caching scheme; returns the key space whose table its events feed.
+
+        A replica added while the pool routes (discovery) keeps the load tracker: other replicas'
+        reservations and scraped stats stay, and so does the tracker object that scrapers feed. A
+        smaller block size only changes the tracker's reference size (reservations made before it
+        keep their decode blocks in the old unit until they end)."""
+        space = self.spaces.get((block_size, mode))
+        if space is None:
+            hasher = BlockHasher(self.model, block_size, mode)
+            space = KeySpace(hasher, PrefixTable(hasher, self._limits))
+            self.spaces[(block_size, mode)] = space
+            load = self.load
+            if load is not None and load.config.block_size_tokens != self.reference_block_size:
+                load.config = dataclasses.replace(load.config, block_size_tokens=self.reference_block_size)
+        space.replicas.add(replica)
+        self.space_of[replica] = space
+        return space
+
+    def remove_replica(self, replica: ReplicaId) -> None:
+        space = self.space_of.pop(replica, None)
+        if space is not None:
+            space.replicas.discard(replica)
+            space.table.drop_replica(replica)
+        if self.load is not None:
+            self.load.forget(replica)
+
+    def tracker(self) -> LoadTracker:
+        """The pool's load tracker, in reference blocks (built on first use)."""
+        if self.load is None:
+            base = self._load_config or LoadConfig()
+            self.load = LoadTracker(
+                LoadConfig(
+                    block_size_tokens=self.reference_block_size,
+                    stale_after_s=base.stale_after_s,
+                    max_age_s=base.max_age_s,
+                    max_tracked_requests=base.max_tracked_requests,
+                    max_replicas=base.max_replicas,
+                )
+            )
+        return self.load
+
+    def plan(
+        self,
+        token_ids: Sequence[int],
+        candidates: Sequence[ReplicaId],
+        policy: Policy,
+        weights: PolicyWeights,
+        rng: random.Random,
+        now: float,
+        *,
+        session_key: str | None = None,
+        request_id: str | None = None,
+        max_tokens: int = 0,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
+    ) -> RoutePlan:
+        """Choose a replica among ``candidates`` (side-effect free apart from TTL expiry)."""
+        ref_bs = self.reference_block_size
+        merged: dict[ReplicaId, int] = {}
+        ranks: dict[ReplicaId, int] = {}
+        exact_tokens: dict[ReplicaId, int] = {}
+        speculative: dict[ReplicaId, int] = {}
+        held: dict[ReplicaId, int] = {}
+        keys_by_space: dict[int, list[BlockKey]] = {}
+        for space in self._spaces_for(candidates):
+            keys = space.hasher.request_keys(token_ids, lora_name, cache_salt)
+            keys_by_space[id(space)] = keys
+            among = [r for r in candidates if r in space.replicas]
+            overlap = space.table.match(keys, among, now)
+            bs = space.hasher.block_size
+            confirmed = space.table.match(keys, among, now, True) if space.table.has_speculative else overlap
+            for replica, blocks in overlap.blocks.items():
+                exact_tokens[replica] = blocks * bs
+                merged[replica] = blocks * bs // ref_bs
+                ranks[replica] = overlap.best_rank.get(replica, 0)
+                held[replica] = space.table.held_blocks(replica) * bs // ref_bs
+                pending = blocks - confirmed.of(replica)
+                if pending > 0:
+                    speculative[replica] = pending * bs // ref_bs
+        request_blocks = len(token_ids) // ref_bs
+        route = RouteRequest(
+            candidates=tuple(candidates),
+            request_blocks=request_blocks,
+            prompt_tokens=len(token_ids),
+            session_key=session_key,
+            request_id=request_id,
+        )
+        overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
+        decision = policy(route, overlap_all, self.tracker().snapshot(now), weights, rng)
+        chosen_space = self.space_of.get(decision.replica)
+        keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
+        cached = exact_tokens.get(decision.replica, 0)
+        decode_tokens = len(token_ids) - cached + max(0, max_tokens)
+        return RoutePlan(
+            decision=decision,
+            prompt_tokens=len(token_ids),
+            cached_tokens=cached,
+            keys=tuple(keys),
+            decode_blocks=-(-decode_tokens // ref_bs),
+        )
+
+    def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:
+        seen: dict[int, KeySpace] = {}
+        for replica in candidates:
+            space = self.space_of.get(replica)
+            if space is not None:
+                seen.setdefault(id(space), space)
+        return list(seen.values())
+
+    def commit(
+        self,
+        plan: RoutePlan,
+        request_id: str,
+        now: float,
+        speculative_ttl_s: float,
+        pending_ttl_s: float | None = None,
+    ) -> bool:
+        """Reserve the request's load and add speculative entries; ``False`` if the id is taken.
+
+        The entries are held for ``pending_ttl_s`` (default: ``speculative_ttl_s``) until the first
+        token, then for ``speculative_ttl_s``."""
+        replica = plan.decision.replica
+        reserved = self.tracker().reserve(
+            request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
+        )
+        space = self.space_of.get(replica)
+        if reserved and space is not None and plan.keys and speculative_ttl_s > 0:
+            long_ttl_s = max(speculative_ttl_s, pending_ttl_s or 0.0)
+            space.table.add_speculative(replica, plan.keys, long_ttl_s, now)
+            if long_ttl_s > speculative_ttl_s:
+                self._speculating[request_id] = (replica, plan.keys, speculative_ttl_s)
+                while len(self._speculating) > self.max_speculating:
+                    self._speculating.popitem(last=False)
+        return reserved
+
+    def first_token(self, request_id: str, now: float) -> None:
+        self.tracker().first_token(request_id, now)
+        self._settle(request_id, now)
+
+    def release(self, request_id: str, now: float) -> None:
+        self.tracker().release(request_id, now)
+        self._settle(request_id, now)
+
+    def _settle(self, request_id: str, now: float) -> None:
+        """The prefill is over (or abandoned): shorten the request's speculative entries."""
+        found = self._speculating.pop(request_id, None)
+        if found is not None:
+            replica, keys, ttl_s = found
+            space = self.space_of.get(replica)
+            if space is not None:
+                space.table.add_speculative(replica, keys, ttl_s, now)

@@ -1,0 +1,249 @@
+"""Composition root (I/O): builds every component from :class:`Settings`, owns every task, and shuts
+down in order.
+
+Start order: tokenizers (in a thread) → pools (routers, key spaces, health records) → event ingest
+per key space (sources and appliers; the fleet runtime with Redis) → load scrapers and health
+probers → discovery (``discovery.kind`` file or kubernetes) → HTTP server → gRPC server (when
+``listen.grpc_port`` is set). Everything per replica, and the discovery that adds and removes
+replicas at run time, lives in :mod:`balancer.service.lifecycle`. ``stop`` undoes it in reverse:
+stop accepting (HTTP and gRPC together) and let in-flight requests finish within
+``shutdown_grace_s`` (then cancel them), cancel discovery, probers and scrapers, stop the fleet,
+close event ingest, close HTTP sessions and the ZMQ context. Nothing here is global: a test builds
+as many :class:`Balancer` s as it likes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Coroutine, Mapping
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import zmq.asyncio
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from balancer.api.grpc.server import GrpcServer
+from balancer.api.http import build_web_app
+from balancer.config import PoolConfig, Settings
+from balancer.discovery import Discovery, build_discovery
+from balancer.errors import ConfigError
+from balancer.fleet.runtime import FleetRuntime
+from balancer.health.book import HealthBook
+from balancer.index.slots import TableLimits
+from balancer.load.tracker import LoadConfig
+from balancer.metrics import Metrics
+from balancer.policy import PolicyWeights
+from balancer.routing.router import PoolRouter, align_mode
+from balancer.service.lifecycle import ReplicaLifecycle
+from balancer.service.server_log import server_logger
+from balancer.service.state import PolicyControl, Pool, ServiceState
+from balancer.service.tls import server_ssl_context
+from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
+from balancer.types import ReplicaId
+from balancer.upstream.client import UpstreamClient
+
+log = logging.getLogger(__name__)
+
+STALE_SCRAPES = 3
+"""Scraped engine stats count as fresh for this many scrape periods (at least 5 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServeOptions:
+    """Process-level options of ``kvlb serve`` that are not part of the shared settings."""
+
+    shutdown_grace_s: float = 30.0
+    """After SIGTERM, in-flight requests get this long (seconds) to finish; the rest are cancelled
+    (their load released, their upstream connections closed)."""
+
+
+def load_pool_tokenizer(path: str | None, limits: TokenizeLimits) -> Tokenizer:
+    """A pool's tokenizer; ``None`` is DeepSeek-V3 (token-id prompts only if its package is missing).
+    Blocking: call in a thread."""
+    if path is not None:
+        return load_tokenizer(path, limits=limits)
+    try:
+        return default_tokenizer(limits)
+    except ConfigError as exc:
+        log.warning("%s; only token-id prompts can be routed", exc)
+        return TokenIdTokenizer(limits)
+
+
+class Balancer:
+    """The whole service: ``async with Balancer(settings) as b:`` serves on ``b.url``."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        registry: CollectorRegistry | None = None,
+        tokenizers: Mapping[str, Tokenizer] | None = None,
+        options: ServeOptions | None = None,
+        discovery: Discovery | None = None,
+    ) -> None:
+        """``tokenizers`` maps a model to a ready tokenizer (tests share one instead of loading);
+        ``discovery`` replaces the one ``settings.discovery`` describes."""
+        self.settings = settings
+        self.options = options or ServeOptions()
+        self.metrics = Metrics.create(registry)
+        self._given_tokenizers = dict(tokenizers or {})
+        self.state: ServiceState | None = None
+        self.url = ""
+        self._zmq: zmq.asyncio.Context | None = None
+        self._control: aiohttp.ClientSession | None = None
+        self._upstream = UpstreamClient(settings.timeouts)
+        self._discovery = discovery
+        self.replicas: ReplicaLifecycle | None = None
+        """Per-replica tasks and ingest, and the discovery (built at start)."""
+        self.fleet: FleetRuntime | None = None
+        """The Redis side (leases, mirrors, shared policy) when ``redis.url`` is set."""
+        self._runner: web.AppRunner | None = None
+        self._grpc: GrpcServer | None = None
+        self.grpc_port: int | None = None
+        """The bound gRPC port once started (``None``: gRPC disabled)."""
+
+    async def start(self) -> None:
+        """Build and start everything; on failure, undo what was started and re-raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        settings = self.settings
+        pools = await self._build_pools()
+        weights = PolicyWeights.from_dict(settings.policy.weights)
+        self.state = state = ServiceState(
+            settings=settings,
+            pools=pools,
+            health=HealthBook(),
+            upstream=self._upstream,
+            metrics=self.metrics,
+            policy=PolicyControl(settings.policy.name, weights, time.time()),
+            rng=random.Random(settings.policy.seed),
+        )
+        for pool in pools.values():
+            for replica in pool.replicas:
+                state.health.add(replica)
+        self._zmq = zmq.asyncio.Context()
+        self._control = aiohttp.ClientSession()
+        await self._start_replicas(state)
+        await self._start_http(state)
+        await self._start_grpc(state)
+
+    async def _build_pools(self) -> dict[str, Pool]:
+        limits = TokenizeLimits(max_prompt_tokens=self.settings.limits.max_prompt_tokens)
+        loaded: dict[str | None, Tokenizer] = {}
+        pools: dict[str, Pool] = {}
+        for config in self.settings.pools:
+            tokenizer = self._given_tokenizers.get(config.model)
+            if tokenizer is None:
+                if config.tokenizer not in loaded:
+                    loaded[config.tokenizer] = await asyncio.to_thread(
+                        load_pool_tokenizer, config.tokenizer, limits
+                    )
+                tokenizer = loaded[config.tokenizer]
+            pools[config.model] = self._build_pool(config, tokenizer)
+        return pools
+
+    def _build_pool(self, config: PoolConfig, tokenizer: Tokenizer) -> Pool:
+        settings = self.settings
+        stale_after_s = max(5.0, STALE_SCRAPES * settings.scrape_interval_s)
+        router = PoolRouter(
+            config.model,
+            TableLimits(capacity_blocks=settings.limits.index_capacity_blocks),
+            LoadConfig(stale_after_s=stale_after_s),
+        )
+        for replica in config.replicas:
+            router.add_replica(ReplicaId(replica.id), replica.block_size, align_mode(replica.engine))
+        router.tracker()  # built once every key space exists (its block size is the pool's smallest)
+        replicas = {ReplicaId(r.id): r for r in config.replicas}
+        return Pool(config.model, router, tokenizer, replicas)
+
+    async def _start_replicas(self, state: ServiceState) -> None:
+        """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""
+        assert self._zmq is not None and self._control is not None
+        self.replicas = replicas = ReplicaLifecycle(state, zmq_ctx=self._zmq, session=self._control)
+        if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
+            self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
+            await self.fleet.start()
+            replicas.fleet = self.fleet
+        await replicas.start_static()
+        state.sources_started = True
+        discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
+        if discovery is not None:
+            replicas.start_discovery(discovery)
+
+    async def _start_http(self, state: ServiceState) -> None:
+        app = build_web_app(state)
+        listen = self.settings.listen
+        ssl_context = server_ssl_context(listen)
+        self._runner = web.AppRunner(
+            app,
+            access_log=None,
+            handler_cancellation=True,
+            shutdown_timeout=self.options.shutdown_grace_s,
+            keepalive_timeout=self.settings.timeouts.client_idle_s,
+            logger=server_logger(),
+        )
+        await self._runner.setup()
+        site = web.TCPSite(
+            self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
+        )
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
+        log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
+
+    async def _start_grpc(self, state: ServiceState) -> None:
+        port = self.settings.listen.grpc_port
+        if port is None:
+            return
+        self._grpc = GrpcServer(state)
+        self.grpc_port = await self._grpc.start(self.settings.listen.host, port)
+        log.info("kvlb serving gRPC on %s:%d", self.settings.listen.host, self.grpc_port)
+
+    async def stop(self) -> None:
+        """Ordered shutdown (idempotent): HTTP and gRPC (with grace) → discovery, probers and
+        scrapers → fleet → ingest → sessions."""
+        if self.state is not None:
+            self.state.shutting_down = True
+        servers: list[Coroutine[Any, Any, None]] = []
+        if self._grpc is not None:
+            grpc_server, self._grpc = self._grpc, None
+            servers.append(grpc_server.stop(self.options.shutdown_grace_s))
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            servers.append(runner.cleanup())
+        await asyncio.gather(*servers)
+        if self.replicas is not None:
+            await self.replicas.cancel_tasks()  # discovery first: no replica is added meanwhile
+        if self.fleet is not None:
+            fleet, self.fleet = self.fleet, None
+            await fleet.stop()
+        if self.replicas is not None:
+            await self.replicas.close_ingest()
+        await self._upstream.aclose()
+        if self._control is not None:
+            control, self._control = self._control, None
+            await control.close()
+        if self._zmq is not None:
+            context, self._zmq = self._zmq, None
+            context.destroy(linger=0)
+
+    async def __aenter__(self) -> Balancer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.stop()

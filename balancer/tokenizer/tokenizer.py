@@ -1,0 +1,395 @@
+"""The tokenizer seam: prompt or chat messages → token ids (IO-light).
+
+Loading reads files (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``) and is
+blocking: the service calls :func:`load_tokenizer` / :meth:`HfTokenizer.load` once, in a thread.
+Encoding does no I/O but is CPU work (milliseconds for a long prompt), so the service runs
+``encode_*`` for long prompts through ``asyncio.to_thread``; a loaded tokenizer is immutable and
+safe to share between threads.
+
+The ids match what the engine computes (vLLM, SGLang): the chat is rendered by its template (see
+:mod:`balancer.tokenizer.chat_template`), and the rendered text, which already holds BOS when the template
+writes it, is encoded **without** special tokens (vLLM's chat default, ``add_special_tokens=False``).
+Plain ``/v1/completions`` prompts are encoded **with** them, as the ``tokenizer.json`` post-processor
+defines (vLLM's completions default; DeepSeek-V3's post-processor adds none, so its prompts get no BOS).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from tokenizers import Tokenizer as _RustTokenizer
+
+from balancer.errors import BalancerError, ConfigError
+from balancer.tokenizer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
+from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter, encode_segmented
+
+U32_LIMIT = 1 << 32
+
+_NO_CHAT = "no tokenizer is configured: chat requests need a tokenizer (and its chat template)"
+
+
+class TokenizeError(BalancerError, ValueError):
+    """A prompt that cannot be turned into token ids (maps to HTTP 400)."""
+
+
+class PromptTooLarge(TokenizeError):
+    """A prompt over a configured limit; ``size`` and ``limit`` are in ``unit`` (maps to HTTP 413)."""
+
+    def __init__(self, size: int, limit: int, unit: str) -> None:
+        super().__init__(f"prompt has {size} {unit}, over the limit of {limit} {unit}")
+        self.size = size
+        self.limit = limit
+        self.unit = unit
+
+
+class ChatTemplateError(TokenizeError):
+    """The chat template refused the messages (``raise_exception``) or failed on them."""
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeLimits:
+    """Size caps checked before and after tokenizing."""
+
+    max_prompt_chars: int = 4_000_000
+    """Longest prompt text or rendered chat, in characters. Longer: :class:`PromptTooLarge` is raised
+    before any tokenizing, so an oversized body costs no CPU."""
+
+    max_prompt_tokens: int = 1_048_576
+    """Most token ids one prompt may have, tokenized or passed through. More: :class:`PromptTooLarge`."""
+
+    segment_cache_tokens: int = 2_000_000
+    """Token ids kept by the segment cache (4 bytes each; repeated system prompts and earlier turns
+    are then tokenized once). 0 disables it; past the cap the least recently used segments go."""
+
+    def __post_init__(self) -> None:
+        if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0:
+            raise ConfigError(f"tokenize limits must be > 0, got {self}")
+
+    def check_chars(self, text: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise PromptTooLarge(len(text), self.max_prompt_chars, "characters")
+
+    def check_chars_sum(self, texts: Iterable[str]) -> None:
+        total = sum(map(len, texts))
+        if total > self.max_prompt_chars:
+            raise PromptTooLarge(total, self.max_prompt_chars, "characters")
+
+    def check_tokens(self, count: int) -> None:
+        if count > self.max_prompt_tokens:
+            raise PromptTooLarge(count, self.max_prompt_tokens, "tokens")
+
+
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What the request path needs: token ids for a completion prompt or a chat."""
+
+    @property
+    def name(self) -> str:
+        """Label for logs and metrics (e.g. the tokenizer's directory name)."""
+        ...
+
+    @property
+    def supports_text(self) -> bool:
+        """False when only token-id prompts can be routed (no tokenizer configured)."""
+        ...
+
+    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a ``/v1/completions`` prompt: text is tokenized, a list of ids is validated."""
+        ...
+
+    def render_chat(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """The chat as the engine's template renders it (the text of ``/v1/chat/completions/render``)."""
+        ...
+
+    def encode_chat(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Ids of the rendered chat, as the engine will prefill them."""
+        ...
+
+
+def validate_token_ids(token_ids: Sequence[int], limits: TokenizeLimits) -> list[int]:
+    """A copy of ``token_ids`` after checking each is an ``int`` with ``0 <= t < 2**32``.
+
+    Raises :class:`TokenizeError` (a ``ValueError``) naming the problem, or :class:`PromptTooLarge`.
+    """
+    if isinstance(token_ids, (str, bytes)):
+        raise TokenizeError("token ids must be a list of integers, not a string")
+    limits.check_tokens(len(token_ids))
+    ids = list(token_ids)
+    if not ids:
+        return ids
+    kinds = set(map(type, ids))  # C-speed type scan; bool is rejected although it is an int
+    if kinds != {int}:
+        bad = sorted(k.__name__ for k in kinds - {int})
+        raise TokenizeError(f"token ids must be integers, found {', '.join(bad)}")
+    try:  # one C pass that fails on any id outside [0, 2**32) (cheaper than min() and max())
+        array("I", ids)
+    except OverflowError:
+        low, high = min(ids), max(ids)
+        wrong = low if low < 0 else high
+        raise TokenizeError(f"token id {wrong} is outside [0, 2**32)") from None
+    return ids
+
+
+class TokenIdTokenizer:
+    """Passthrough for deployments without a tokenizer: only token-id prompts can be routed."""
+
+    __slots__ = ("limits",)
+
+    def __init__(self, limits: TokenizeLimits | None = None) -> None:
+        self.limits = limits or TokenizeLimits()
+
+    @property
+    def name(self) -> str:
+        return "token-ids"
+
+    @property
+    def supports_text(self) -> bool:
+        return False
+
+    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            raise TokenizeError(
+                "no tokenizer is configured: send the prompt as a list of token ids, or configure one"
+            )
+        return validate_token_ids(prompt, self.limits)
+
+    def render_chat(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        raise TokenizeError(_NO_CHAT)
+
+    def encode_chat(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        raise TokenizeError(_NO_CHAT)
+
+
+class HfTokenizer:
+    """A Hugging Face fast tokenizer (``tokenizer.json``) plus its chat template."""
+
+    __slots__ = ("_chat", "_name", "_segments", "_splitter", "_tokenizer", "limits")
+
+    def __init__(
+        self,
+        tokenizer: _RustTokenizer,
+        chat: ChatTemplate,
+        *,
+        name: str,
+        limits: TokenizeLimits | None = None,
+    ) -> None:
+        # Truncation or padding saved in tokenizer.json would silently change the ids: turn them off.
+        tokenizer.no_truncation()
+        tokenizer.no_padding()
+        self._tokenizer = tokenizer
+        self._chat = chat
+        self._name = name
+        self.limits = limits or TokenizeLimits()
+        self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens)
+        self._splitter = self._checked_splitter()
+
+    def _checked_splitter(self) -> tuple[re.Pattern[str], dict[str, int]] | None:
+        """The special-token splitter for the segment cache, if segmenting is exact here."""
+        added = [
+            AddedToken(
+                content=str(tok.content),
+                token_id=int(token_id),
+                special=bool(tok.special),
+                verbatim=not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized),
+            )
+            for token_id, tok in self._tokenizer.get_added_tokens_decoder().items()
+        ]
+        splitter = build_splitter(added)
+        if splitter is None or self.limits.segment_cache_tokens <= 0:
+            return None
+        specials = list(splitter[1])[:3]
+        probe = f"{specials[0]} Hello there!\n  tabs\tand  spaces {specials[-1]}x y{specials[0]}".join(
+            ["A segment", " another one ", "\u00e9t\u00e9 \u4e2d\u6587 1234"]
+        )
+        plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
+        cached = encode_segmented(probe, splitter[0], splitter[1], SegmentCache(min_chars=0), self._raw)
+        return splitter if cached == plain else None
+
+    def _raw(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return ids
+
+    @property
+    def segment_cache(self) -> SegmentCache | None:
+        """The segment cache in use (``None`` when segmenting is not exact for this tokenizer)."""
+        return self._segments if self._splitter is not None else None
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path,
+        *,
+        chat_template: str | None = None,
+        name: str | None = None,
+        limits: TokenizeLimits | None = None,
+        clock: Callable[[], datetime] = datetime.now,
+    ) -> HfTokenizer:
+        """Load ``tokenizer.json`` (a directory or the file) and the template beside it. Blocking.
+
+        The template is, first found: ``chat_template`` (the template text itself), a
+        ``chat_template.jinja`` file, ``chat_template`` in ``tokenizer_config.json`` (a string, or a
+        list of ``{"name", "template"}`` of which ``default`` is used, and ``tool_use`` when the
+        request has tools, as transformers does), else ChatML. Raises :class:`ConfigError` when
+        files are missing or malformed.
+        """
+        given = Path(path)
+        file = given / "tokenizer.json" if given.is_dir() else given
+        try:
+            tokenizer = _RustTokenizer.from_file(str(file))
+        except Exception as exc:  # the Rust binding raises a bare Exception for every failure
+            raise ConfigError(f"cannot load tokenizer {file}: {exc}") from exc
+        config = _read_config(file.parent / "tokenizer_config.json")
+        template = chat_template if chat_template is not None else _find_template(file.parent, config)
+        chat = ChatTemplate(template, special_tokens(config), clock)
+        return cls(tokenizer, chat, name=name or file.parent.name or file.stem, limits=limits)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def supports_text(self) -> bool:
+        return True
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+        """Ids of a completion prompt. CPU-bound: run long prompts via ``asyncio.to_thread``."""
+        if not isinstance(prompt, str):
+            return validate_token_ids(prompt, self.limits)
+        return self._encode(prompt, add_special_tokens)
+
+    def render_chat(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools | None = None,
+        **template_kwargs: Any,
+    ) -> str:
+        """Render the chat template. Raises :class:`ChatTemplateError` when the template refuses."""
+        flat = flatten_messages(messages)
+        # Cheap guard first: rendering a huge body would cost CPU before the size check below.
+        self.limits.check_chars_sum(m["content"] for m in flat if isinstance(m.get("content"), str))
+        try:
+            text = self._chat.render(
+                flat,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
+        except RENDER_ERRORS as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        self.limits.check_chars(text)
+        return text
+
+    def encode_chat(
+        self,
+        messages: Messages,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools | None = None,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Ids of the rendered chat. CPU-bound: run long chats via ``asyncio.to_thread``.
+
+        No special tokens are added: the template writes BOS itself, as vLLM's chat endpoint assumes.
+        """
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
+        )
+        return self._encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
+        """Text of ``token_ids`` (for tests, debugging and ``/admin`` views)."""
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.limits.check_chars(text)
+        ids: list[int]
+        if self._splitter is not None and not add_special_tokens:
+            ids = encode_segmented(text, self._splitter[0], self._splitter[1], self._segments, self._raw)
+        else:
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        self.limits.check_tokens(len(ids))
+        return ids
+
+
+def load_tokenizer(
+    path: str | Path | None,
+    *,
+    chat_template: str | None = None,
+    limits: TokenizeLimits | None = None,
+) -> Tokenizer:
+    """A tokenizer from a directory or a ``tokenizer.json`` path; ``None`` gives the id passthrough.
+
+    Blocking (reads files): call it from a thread in async code.
+    """
+    if path is None:
+        return TokenIdTokenizer(limits)
+    return HfTokenizer.load(path, chat_template=chat_template, limits=limits)
+
+
+def _find_template(folder: Path, config: Mapping[str, Any]) -> Any:
+    """``chat_template.jinja`` (what transformers 5 saves) wins over the config's ``chat_template``."""
+    jinja_file = folder / "chat_template.jinja"
+    if not jinja_file.is_file():
+        return config.get("chat_template")
+    try:
+        return jinja_file.read_text("utf-8")
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {jinja_file}: {exc}") from exc
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text("utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return config

@@ -1,0 +1,1 @@
+"""Talking to replicas (I/O): :mod:`~balancer.upstream.client` opens streamed requests to a replica."""

@@ -1,0 +1,215 @@
+"""Figures and the readable table of ``kvlb bench overhead`` (pure: no I/O, no clock).
+
+* Latency percentiles interpolate linearly between closest ranks (numpy's default).
+* The *added* latency of a proxy at a percentile is ``percentile(proxy) − percentile(direct)``, both
+  taken over the same interleaved run, so slow phases of a shared machine hit every path alike.
+* Route-decision quantiles come from the ``kvlb_route_decision_seconds`` histogram (difference of two
+  scrapes), interpolated inside buckets as Prometheus' ``histogram_quantile`` does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+MODES: tuple[str, ...] = ("direct", "forward", "kvlb")
+"""``direct``: client → fake upstream; ``forward``: through a plain aiohttp proxy; ``kvlb``."""
+PROXIES: tuple[str, ...] = ("forward", "kvlb")
+
+TARGETS: dict[str, float] = {"added_p50_ms": 0.5, "added_p99_ms": 2.0, "req_per_s_per_process": 2000.0}
+"""The issue's targets for kvlb (8k-token chat prompts)."""
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """The ``p``-th percentile (0..100) by linear interpolation; ``None`` for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = p / 100 * (len(ordered) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def latency_figures(latencies_s: Sequence[float]) -> dict[str, float | int | None]:
+    """Count, mean, p50, p90 and p99 of latencies in seconds, reported in milliseconds."""
+
+    def ms(value: float | None) -> float | None:
+        return None if value is None else round(value * 1000, 4)
+
+    mean = sum(latencies_s) / len(latencies_s) if latencies_s else None
+    return {
+        "n": len(latencies_s),
+        "mean_ms": ms(mean),
+        "p50_ms": ms(percentile(latencies_s, 50)),
+        "p90_ms": ms(percentile(latencies_s, 90)),
+        "p99_ms": ms(percentile(latencies_s, 99)),
+    }
+
+
+def added(by_mode: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Per proxy: its p50/p90/p99 minus the direct path's (milliseconds)."""
+    direct = by_mode["direct"]
+    return {
+        proxy: {
+            f"{key}_ms": _diff(by_mode[proxy].get(f"{key}_ms"), direct.get(f"{key}_ms"))
+            for key in ("p50", "p90", "p99")
+        }
+        for proxy in PROXIES
+    }
+
+
+def _diff(a: Any, b: Any) -> float | None:
+    if a is None or b is None:
+        return None
+    return round(float(a) - float(b), 4)
+
+
+def cpu_figures(requests: int, cpu_s: float, wall_s: float) -> dict[str, float | None]:
+    """A process's CPU per request, the rate one fully busy core would route, and its mean load."""
+    return {
+        "requests": requests,
+        "cpu_s": round(cpu_s, 3),
+        "cpu_ms_per_request": round(cpu_s / requests * 1000, 4) if requests else None,
+        "req_per_cpu_s": round(requests / cpu_s, 1) if cpu_s > 0 else None,
+        "cpu_utilisation": round(cpu_s / wall_s, 3) if wall_s > 0 else None,
+    }
+
+
+# --------------------------------------------------------------------------- Prometheus histogram
+
+
+def parse_histogram(text: str, name: str) -> dict[str, Any]:
+    """``{"buckets": [(le, cumulative count)...], "sum": s, "count": n}`` of an unlabelled histogram
+    (the samples of every label set are added up)."""
+    buckets: dict[float, float] = {}
+    total_sum = 0.0
+    count = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "_"):
+            continue
+        head, _, value_text = line.rpartition(" ")
+        value = float(value_text)
+        if head.startswith(name + "_bucket"):
+            le_text = head.split('le="', 1)[1].split('"', 1)[0]
+            le = math.inf if le_text == "+Inf" else float(le_text)
+            buckets[le] = buckets.get(le, 0.0) + value
+        elif head.startswith(name + "_sum"):
+            total_sum += value
+        elif head.startswith(name + "_count"):
+            count += value
+    return {"buckets": sorted(buckets.items()), "sum": total_sum, "count": count}
+
+
+def histogram_delta(after: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
+    """``after − before``, bucket by bucket."""
+    old = dict(before["buckets"])
+    return {
+        "buckets": [(le, n - old.get(le, 0.0)) for le, n in after["buckets"]],
+        "sum": after["sum"] - before["sum"],
+        "count": after["count"] - before["count"],
+    }
+
+
+def histogram_quantile(q: float, histogram: Mapping[str, Any]) -> float | None:
+    """The ``q`` quantile (0..1), linear inside the bucket that holds it; ``None`` when empty."""
+    buckets: list[tuple[float, float]] = list(histogram["buckets"])
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_le, lower_n = 0.0, 0.0
+    for le, n in buckets:
+        if n >= rank:
+            if math.isinf(le):
+                return lower_le
+            if n == lower_n:
+                return le
+            return lower_le + (le - lower_le) * (rank - lower_n) / (n - lower_n)
+        lower_le, lower_n = le, n
+    return lower_le  # pragma: no cover - the last bucket is +Inf and holds everything
+
+
+def decision_figures(histogram: Mapping[str, Any]) -> dict[str, float | None]:
+    """Count, mean, p50 and p99 (microseconds) of route decisions in a histogram delta."""
+    count = histogram["count"]
+
+    def us(value: float | None) -> float | None:
+        return None if value is None else round(value * 1e6, 2)
+
+    return {
+        "count": count,
+        "mean_us": us(histogram["sum"] / count) if count else None,
+        "p50_us": us(histogram_quantile(0.5, histogram)),
+        "p99_us": us(histogram_quantile(0.99, histogram)),
+    }
+
+
+# --------------------------------------------------------------------------------------- table
+
+
+def _num(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "n/a"
+    return f"{value:,.{digits}f}"
+
+
+def _kind_lines(kind: str, run: Mapping[str, Any]) -> list[str]:
+    lines = [f"[{kind}] {run['description']}"]
+    lines.append(
+        f"  {'phase':<12}{'path':<9}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}"
+    )
+    for phase in ("sequential", "concurrent"):
+        data = run[phase]
+        for mode in MODES:
+            lat = data["latency"][mode]
+            add = data["added"].get(mode, {})
+            rate = data.get("req_per_s", {}).get(mode)
+            label = phase if mode == "direct" else ""
+            lines.append(
+                f"  {label:<12}{mode:<9}{_num(lat['p50_ms']):>9}{_num(lat['p99_ms']):>9}"
+                f"{_num(add.get('p50_ms')):>11}{_num(add.get('p99_ms')):>11}{_num(rate, 0):>9}"
+            )
+    for proxy in PROXIES:
+        cpu = run["concurrent"]["cpu"][proxy]
+        lines.append(
+            f"  {proxy} process CPU: {_num(cpu['cpu_ms_per_request'], 3)} ms/request → "
+            f"{_num(cpu['req_per_cpu_s'], 0)} routed req/s per fully busy core "
+            f"(it ran at {_num(cpu['cpu_utilisation'], 2)} cores)"
+        )
+    decision = run["route_decision"]
+    lines.append(
+        f"  kvlb route decision (kvlb_route_decision_seconds): mean {_num(decision['mean_us'], 1)} µs, "
+        f"p50 {_num(decision['p50_us'], 1)} µs, p99 {_num(decision['p99_us'], 1)} µs"
+    )
+    return lines
+
+
+def format_report(report: Mapping[str, Any]) -> str:
+    """The readable table of a report built by :func:`loadtests.bench.overhead.run.run`."""
+    shape, targets = report["shape"], report["targets"]
+    measured_tokens = report["prompt_tokens"]["mean"]
+    lines = [
+        f"kvlb bench overhead: {shape['prompt_tokens']:,}-token prompts ({measured_tokens:,.0f} tokens "
+        f"measured), {shape['prompts']} distinct, concurrency {shape['concurrency']}, "
+        f"fake upstream answering at once; load average {report['machine']['loadavg']}",
+    ]
+    tok = report["tokenize_ms"]
+    lines.append(
+        f"tokenizing one prompt (kvlb's tokenizer, measured in the bench process): p50 "
+        f"{_num(tok['p50_ms'])} ms, p99 {_num(tok['p99_ms'])} ms"
+    )
+    for kind, run in report["runs"].items():
+        lines.extend(_kind_lines(kind, run))
+    chat = report["runs"].get("chat")
+    if chat is not None:
+        seq = chat["sequential"]["added"]["kvlb"]
+        conc = chat["concurrent"]["added"]["kvlb"]
+        rate = chat["concurrent"]["cpu"]["kvlb"]["req_per_cpu_s"]
+        lines.append(
+            f"targets (chat): added p50 ≤ {targets['added_p50_ms']} ms → sequential "
+            f"{_num(seq['p50_ms'])}, concurrent {_num(conc['p50_ms'])}; added p99 ≤ "
+            f"{targets['added_p99_ms']} ms → {_num(seq['p99_ms'])}, {_num(conc['p99_ms'])}; "
+            f"≥ {targets['req_per_s_per_process']:,.0f} req/s per process → {_num(rate, 0)}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,297 @@
+"""``kvlb bench overhead``: the latency kvlb adds to a request and the CPU it spends per request (I/O).
+
+Three paths to one minimal fast fake engine (:mod:`loadtests.bench.overhead.servers`), measured side by
+side in one run and interleaved request by request (sequential) or burst by burst (concurrent), so a
+noisy shared machine slows them alike:
+
+* ``direct``: client → fake upstream;
+* ``forward``: client → a plain aiohttp forwarding proxy → upstream (the floor of any aiohttp proxy);
+* ``kvlb``: client → ``kvlb serve`` (one pool of ``replicas`` replicas, all on the fake upstream, the
+  default cost policy, the default DeepSeek-V3 tokenizer) → upstream.
+
+Every server is its own process; the client runs here. Three prompt kinds are measured: ``chat``
+(``prompt_tokens``-token chat messages: kvlb renders and tokenizes them, which is part of its cost),
+``chat_cold`` (the same, but each system prompt unique per request, so kvlb's tokenizer segment cache
+never hits) and ``tokens`` (the same prompts as token ids to ``/v1/completions``: kvlb's cost without
+the tokenizer); the shapes and bodies are built in :mod:`loadtests.bench.overhead.workload`. Reported
+per kind and phase: latency p50/p90/p99 per path, the added latency of each proxy (its percentile
+minus the direct path's), req/s, each proxy process's CPU per request from ``/proc`` (so the rate one
+fully busy core routes), and the route-decision time from kvlb's own ``kvlb_route_decision_seconds``
+histogram. The tokenizer's time on the same prompts is measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from balancer.tokenizer.default import default_tokenizer
+from loadtests.bench.overhead.report import (
+    MODES,
+    PROXIES,
+    TARGETS,
+    added,
+    cpu_figures,
+    decision_figures,
+    format_report,
+    histogram_delta,
+    latency_figures,
+    parse_histogram,
+    percentile,
+)
+from loadtests.bench.overhead.servers import Servers, start_servers
+from loadtests.bench.overhead.workload import (
+    KIND_DESCRIPTIONS,
+    KINDS,
+    SMOKE,
+    OverheadShape,
+    Prompts,
+    build_prompts,
+)
+from loadtests.child_process import Child, cpu_seconds, stop_all
+
+__all__ = [
+    "KINDS",
+    "SMOKE",
+    "BenchError",
+    "OverheadShape",
+    "Prompts",
+    "add_parser",
+    "build_prompts",
+    "measure",
+    "run_command",
+    "shape_from_args",
+]
+
+READY_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 30.0
+DECISION_METRIC = "kvlb_route_decision_seconds"
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+class BenchError(RuntimeError):
+    """A request of the benchmark failed (the figures would be wrong)."""
+
+
+# ------------------------------------------------------------------------------------ processes
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    """Poll ``/readyz`` until 200 (bounded by :data:`READY_TIMEOUT_S`)."""
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while True:
+            async with session.get(url + "/readyz") as response:
+                if response.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+
+
+async def scrape_decisions(session: aiohttp.ClientSession, kvlb_url: str) -> dict[str, Any]:
+    async with session.get(kvlb_url + "/metrics") as response:
+        return parse_histogram(await response.text(), DECISION_METRIC)
+
+
+# ------------------------------------------------------------------------------------- measuring
+
+
+async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
+    """One streamed request, read to its end; its latency in seconds (raises :class:`BenchError`)."""
+    started = time.perf_counter()
+    async with session.post(url, data=body, headers=JSON_HEADERS) as response:
+        data = await response.read()
+    latency_s = time.perf_counter() - started
+    if response.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
+        raise BenchError(f"{url} answered {response.status}: {data[:300]!r}")
+    return latency_s
+
+
+def _rotated(items: Sequence[str], by: int) -> list[str]:
+    shift = by % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
+async def sequential(
+    session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, path: str, bodies: Sequence[bytes]
+) -> dict[str, Any]:
+    """One request at a time, paths interleaved; latencies and each proxy's CPU per request."""
+    urls = servers.urls
+    latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+    cpu_before: dict[str, float] = {}
+    started = 0.0
+    for index in range(shape.warmup_rounds + shape.sequential_rounds):
+        if index == shape.warmup_rounds:
+            cpu_before = {proxy: cpu_seconds(servers.pids[proxy]) for proxy in PROXIES}
+            started = time.perf_counter()
+        body = bodies[index % len(bodies)]
+        for mode in _rotated(MODES, index):
+            latency_s = await send(session, urls[mode] + path, body)
+            if index >= shape.warmup_rounds:
+                latencies[mode].append(latency_s)
+    wall_s = time.perf_counter() - started
+    by_mode = {mode: latency_figures(latencies[mode]) for mode in MODES}
+    cpu = {
+        proxy: cpu_figures(
+            shape.sequential_rounds, cpu_seconds(servers.pids[proxy]) - cpu_before[proxy], wall_s
+        )
+        for proxy in PROXIES
+    }
+    return {"latency": by_mode, "added": added(by_mode), "cpu": cpu}
+
+
+async def burst(
+    session: aiohttp.ClientSession, url: str, bodies: Sequence[bytes], requests: int, concurrency: int
+) -> list[float]:
+    """``requests`` requests from ``concurrency`` clients that each keep one in flight."""
+    latencies: list[float] = []
+    taken = 0
+
+    async def client() -> None:
+        nonlocal taken
+        while taken < requests:
+            body = bodies[taken % len(bodies)]
+            taken += 1
+            latencies.append(await send(session, url, body))
+
+    async with asyncio.TaskGroup() as group:
+        for _ in range(concurrency):
+            group.create_task(client())
+    return latencies
+
+
+async def concurrent(
+    session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, path: str, bodies: Sequence[bytes]
+) -> dict[str, Any]:
+    """Bursts of ``concurrency`` clients, one path at a time, paths rotating between rounds."""
+    urls, pids = servers.urls, servers.pids
+    for mode in MODES:  # warm-up: open ``concurrency`` connections on every hop
+        await burst(session, urls[mode] + path, bodies, shape.concurrency, shape.concurrency)
+    latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+    wall_s = dict.fromkeys(MODES, 0.0)
+    cpu_s = dict.fromkeys(MODES, 0.0)
+    for round_index in range(shape.concurrent_rounds):
+        for mode in _rotated(MODES, round_index):
+            cpu_before = cpu_seconds(pids[mode])
+            started = time.perf_counter()
+            latencies[mode] += await burst(
+                session, urls[mode] + path, bodies, shape.burst_requests, shape.concurrency
+            )
+            wall_s[mode] += time.perf_counter() - started
+            cpu_s[mode] += cpu_seconds(pids[mode]) - cpu_before
+    by_mode = {mode: latency_figures(latencies[mode]) for mode in MODES}
+    return {
+        "latency": by_mode,
+        "added": added(by_mode),
+        "req_per_s": {mode: round(len(latencies[mode]) / wall_s[mode], 1) for mode in MODES},
+        "cpu": {proxy: cpu_figures(len(latencies[proxy]), cpu_s[proxy], wall_s[proxy]) for proxy in PROXIES},
+    }
+
+
+async def measure_kind(
+    session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, prompts: Prompts, kind: str
+) -> dict[str, Any]:
+    path, bodies = prompts.bodies(kind)
+    kvlb_url = servers.urls["kvlb"]
+    before = await scrape_decisions(session, kvlb_url)
+    result: dict[str, Any] = {"description": KIND_DESCRIPTIONS[kind]}
+    result["sequential"] = await sequential(session, servers, shape, path, bodies)
+    result["concurrent"] = await concurrent(session, servers, shape, path, bodies)
+    after = await scrape_decisions(session, kvlb_url)
+    result["route_decision"] = decision_figures(histogram_delta(after, before))
+    return result
+
+
+async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str, Any]:
+    """Start the servers, measure every kind, stop everything; the JSON-ready report."""
+    tokenizer = await asyncio.to_thread(default_tokenizer)
+    prompts = await asyncio.to_thread(build_prompts, shape, tokenizer)
+    children: list[Child] = []
+    with contextlib.ExitStack() as stack:
+        folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-")))
+        try:
+            servers = await start_servers(shape.replicas, folder, children)
+            connector = aiohttp.TCPConnector(limit=0, limit_per_host=shape.concurrency + 4)
+            async with aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+            ) as session:
+                await wait_ready(session, servers.urls["kvlb"])
+                runs = {
+                    kind: await measure_kind(session, servers, shape, prompts, kind) for kind in shape.kinds
+                }
+        finally:
+            await stop_all(children)
+    counts = prompts.token_counts
+    return {
+        "shape": {**asdict(shape), "kinds": list(shape.kinds)},
+        "targets": TARGETS,
+        "machine": {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
+        "prompt_tokens": {"mean": sum(counts) / len(counts), "min": min(counts), "max": max(counts)},
+        "tokenize_ms": {
+            "p50_ms": _ms(percentile(prompts.tokenize_s, 50)),
+            "p99_ms": _ms(percentile(prompts.tokenize_s, 99)),
+        },
+        "runs": runs,
+    }
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value * 1000, 3)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def _event_loop_runner() -> Callable[[Coroutine[Any, Any, dict[str, Any]]], dict[str, Any]]:
+    with contextlib.suppress(ImportError):
+        import uvloop
+
+        return uvloop.run
+    return asyncio.run
+
+
+def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``kvlb bench overhead`` (called by :mod:`loadtests.bench.command`)."""
+    parser = kinds.add_parser(
+        "overhead",
+        help="latency kvlb adds vs. the replica directly and a plain aiohttp proxy; req/s per process",
+    )
+    parser.add_argument("--json", action="store_true", help="print the JSON report only")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes (seconds), for CI")
+    parser.add_argument(
+        "--kinds", default=",".join(KINDS), help="comma-separated: chat,chat_cold,tokens (default all)"
+    )
+    parser.add_argument("--concurrency", type=int, default=None, help="clients of the concurrent phase (32)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt size in tokens (8192)")
+    parser.set_defaults(handler=run_command)
+
+
+def shape_from_args(args: argparse.Namespace) -> OverheadShape:
+    shape = SMOKE if args.smoke else OverheadShape()
+    changes: dict[str, Any] = {"kinds": tuple(k.strip() for k in args.kinds.split(",") if k.strip())}
+    if args.concurrency is not None:
+        changes["concurrency"] = args.concurrency
+    if args.prompt_tokens is not None:
+        changes["prompt_tokens"] = args.prompt_tokens
+    return OverheadShape(**{**asdict(shape), **changes})
+
+
+def run_command(args: argparse.Namespace) -> int:
+    shape = shape_from_args(args)
+    report = _event_loop_runner()(measure(shape))
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        print()
+        print(json.dumps(report))
+    return 0

@@ -1,0 +1,331 @@
+"""``kvlb loadtest``: one workload through kvlb's policies and the peers, with a report (I/O).
+
+Starts (or attaches to) an emulated SGLang fleet, builds the request stream once, computes the
+oracle bound, runs every router in turn (flushing the caches between runs), and writes
+``report.json``, ``report.md`` and PNG plots to ``--out``. See ``docs/loadtest.md``.
+
+With ``--duration`` it is a soak instead (:mod:`loadtests.faults.soak`): one kvlb under steady load
+with replica faults every ``--fault-every``, and kvlb's resources over time (``docs/reliability.md``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import os
+import random
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from loadtests.faults.soak import add_soak_arguments, soak_campaign
+from loadtests.oracle import prefix_reuse_bound
+from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
+from loadtests.processes import (
+    EmulatorHandle,
+    EmulatorOptions,
+    attach_emulator,
+    read_capacity,
+    start_emulator,
+)
+from loadtests.report import build_report, write_json, write_markdown, write_records
+from loadtests.report_plots import write_plots
+from loadtests.runs import DriveOptions, run_all
+from loadtests.workloads import (
+    MooncakeWorkload,
+    RequestSpec,
+    TenantsWorkload,
+    Workload,
+    make_workload,
+    poisson_arrivals,
+    with_arrivals,
+)
+from replicas.sim.profiles import PROFILES
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "loadtest",
+        help="compare kvlb's policies and the peers on one workload",
+        description=__doc__,
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--workload", default="tenants", help="tenants, unique, mooncake, chat, rag, agent (default tenants)")
+    add("--param", action="append", default=[], metavar="NAME=VALUE",
+        help="a workload field, e.g. --param context_tokens=2000 (repeatable)")  # fmt: skip
+    add("--requests", type=int, default=400, help="requests per router (default 400)")
+    add("--rate", type=float, default=None,
+        help="open loop: Poisson arrivals per second (default 10; soak: steady, default 20)")  # fmt: skip
+    add("--mode", choices=("open", "closed"), default="open", help="open (arrival rate) or closed (users)")
+    add("--concurrency", type=int, default=512, help="open: in-flight cap; closed: users (default 512)")
+    add("--routers", default=",".join(DEFAULT_ROUTERS),
+        help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>, "
+        "sglang_cache_aware, vllm_kv_aware (default: all; peers not installed are skipped)")  # fmt: skip
+    add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
+        help="`kvlb serve --set` override for all kvlb routers, e.g. limits.speculative_ttl_s=5")  # fmt: skip
+    add("--trace", help="mooncake: the trace file (JSON lines)")
+    add("--trace-offset", type=int, default=0, help="mooncake: rows skipped")
+    add("--trace-time-scale", type=float, default=1.0, help="mooncake: multiplies the arrival gaps")
+    add("--max-input-tokens", type=int, default=None, help="mooncake: prompts cut to this many tokens")
+    add("--max-tokens-cap", type=int, default=None, help="mooncake: cap on completion tokens")
+    add("--replicas", type=int, default=8, help="replicas to start (default 8)")
+    add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="emulator profile")
+    add("--kv-capacity-tokens", type=int, default=None, help="per-replica KV pool (default: the profile's)")
+    add("--max-context-tokens", type=int, default=None, help="per-request context (default: the profile's)")
+    add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second")
+    add("--processes", type=int, default=2, help="child processes the fleet is split over")
+    add("--event-flavor", choices=("auto", "sglang", "vllm"), default="auto",
+        help="KV-event fields the replicas publish; auto: vllm when vllm_kv_aware runs (it needs "
+        "lora_name), else sglang")  # fmt: skip
+    add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb sim` prints")
+    add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
+    add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
+    add("--max-duration-s", type=float, default=600.0, help="per router: cancel what is left after this")
+    add("--timeout-s", type=float, default=300.0, help="per request")
+    add("--sample-interval-s", type=float, default=0.5, help="per-replica load sampling period")
+    add("--no-oracle", action="store_true", help="skip the oracle bound (it tokenizes every prompt)")
+    add("--no-plots", action="store_true", help="write no PNG plots")
+    add("--netns", action="store_true",
+        help="run everything in a new network namespace with only loopback (unshare -n)")  # fmt: skip
+    add("--in-netns", action="store_true", help=argparse.SUPPRESS)
+    add_soak_arguments(parser)
+
+
+def _params(pairs: Sequence[str]) -> dict[str, Any]:
+    params: dict[str, Any] = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--param expects NAME=VALUE, got {pair!r}")
+        params[name.strip()] = yaml.safe_load(raw)
+    return params
+
+
+def build_workload(args: argparse.Namespace, capacity_tokens: int, replicas: int) -> Workload:
+    """The workload named by ``args``; ``tenants`` without a ``tenants`` count is sized to the fleet."""
+    params = _params(args.param)
+    if args.workload == "mooncake":
+        if not args.trace:
+            raise ValueError("--workload mooncake needs --trace")
+        return MooncakeWorkload(
+            path=str(args.trace),
+            offset=args.trace_offset,
+            limit=args.requests,
+            time_scale=args.trace_time_scale,
+            max_tokens_cap=args.max_tokens_cap,
+            max_input_tokens=args.max_input_tokens,
+        )
+    workload = make_workload(args.workload, **params)
+    fields = {f.name for f in dataclasses.fields(workload)}  # type: ignore[arg-type]
+    if "num_requests" in fields and "num_requests" not in params:
+        workload = dataclasses.replace(workload, num_requests=args.requests)  # type: ignore[type-var]
+    if isinstance(workload, TenantsWorkload) and "tenants" not in params:
+        workload = workload.for_capacity(capacity_tokens, replicas=replicas)
+    return workload
+
+
+def build_specs(workload: Workload, args: argparse.Namespace) -> list[RequestSpec]:
+    """The stream every router gets: ``--requests`` specs, with Poisson arrivals when they have none."""
+    specs = list(itertools.islice(workload.generate(random.Random(args.seed)), args.requests))
+    if args.mode == "open" and specs and specs[0].arrival_s is None:
+        arrivals = poisson_arrivals(args.rate, random.Random(args.seed + 1))
+        specs = list(with_arrivals(specs, arrivals))
+    return specs
+
+
+def spec_token_ids(specs: Sequence[RequestSpec]) -> list[list[int]]:
+    """The token ids the replicas will see (chat prompts via the fleet's default tokenizer)."""
+    from balancer.tokenizer.default import default_tokenizer
+
+    tokenizer = None
+    memo: dict[tuple[Any, ...], list[int]] = {}
+    prompts = []
+    for spec in specs:
+        if spec.prompt_token_ids is not None:
+            prompts.append(list(spec.prompt_token_ids))
+            continue
+        key = tuple(spec.messages or ())
+        if key not in memo:
+            tokenizer = tokenizer or default_tokenizer()
+            memo[key] = tokenizer.encode_chat([m.to_json() for m in spec.messages or ()])
+        prompts.append(memo[key])
+    return prompts
+
+
+def _oracle(specs: Sequence[RequestSpec], fleet: EmulatorHandle) -> dict[str, Any]:
+    prompts = spec_token_ids(specs)
+    result = prefix_reuse_bound(
+        prompts,
+        block_size=fleet.block_size,
+        replicas=len(fleet.replicas),
+        blocks_per_replica=fleet.capacity_tokens // fleet.block_size,
+    )
+    return result.to_dict()
+
+
+def _event_flavor(choice: str, routers: Sequence[RouterSpec]) -> str:
+    if choice != "auto":
+        return choice
+    return "vllm" if any(r.kind == "vllm" for r in routers) else "sglang"
+
+
+def _workload_meta(workload: Workload) -> dict[str, Any]:
+    data = dataclasses.asdict(workload)  # type: ignore[call-overload]
+    return {"name": workload.name, **data}
+
+
+async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Path) -> int:
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    load_average = [round(x, 2) for x in os.getloadavg()]
+    started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    if args.attach:
+        fleet = attach_emulator(args.attach)
+    else:
+        options = EmulatorOptions(
+            replicas=args.replicas,
+            profile=args.profile,
+            kv_capacity_tokens=args.kv_capacity_tokens,
+            max_context_tokens=args.max_context_tokens,
+            time_scale=args.time_scale,
+            processes=args.processes,
+            event_flavor=_event_flavor(args.event_flavor, routers),
+        )
+        print(f"starting {args.replicas} replicas ({args.profile}) ...", file=sys.stderr)
+        fleet = await start_emulator(options, logs)
+    try:
+        async with aiohttp.ClientSession() as session:
+            capacity = await read_capacity(session, fleet)
+        workload = build_workload(args, capacity, len(fleet.replicas))
+        specs = build_specs(workload, args)
+        oracle = None
+        if not args.no_oracle:
+            print(f"oracle over {len(specs)} prompts ...", file=sys.stderr)
+            oracle = await asyncio.to_thread(_oracle, specs, fleet)
+        drive = DriveOptions(
+            mode=args.mode,
+            concurrency=args.concurrency,
+            max_duration_s=args.max_duration_s,
+            timeout_s=args.timeout_s,
+            sample_interval_s=args.sample_interval_s,
+            seed=args.seed,
+            kvlb_sets=tuple(args.kvlb_set),
+        )
+        runs = await run_all(routers, fleet, specs, drive, logs)
+    finally:
+        started = list(fleet.children)
+        await fleet.stop()
+    processes = [{"name": c.name, "pid": c.pid, "exit_code": c.process.returncode} for c in started]
+    processes += [
+        {"name": r.spec.name, "pid": r.process[0], "exit_code": r.process[1]} for r in runs if r.process
+    ]
+    meta = {
+        "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in _own_argv() if a != "--in-netns"),
+        "started": started_at,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": load_average,
+        "netns": bool(args.in_netns),
+        "processes": processes,
+        "fleet": {
+            "replicas": len(fleet.replicas),
+            "attached": bool(args.attach),
+            "profile": args.profile if not args.attach else fleet.replicas[0].get("profile"),
+            "model": fleet.model,
+            "block_size": fleet.block_size,
+            "kv_capacity_tokens_per_replica": fleet.capacity_tokens,
+            "time_scale": args.time_scale,
+            "event_flavor": None if args.attach else _event_flavor(args.event_flavor, routers),
+        },
+        "workload": _workload_meta(workload),
+        "drive": {**dataclasses.asdict(drive), "requests": len(specs), "rate_per_s": args.rate},
+    }
+    report = build_report(meta, oracle, runs)
+    plots, note = ([], "Plots skipped (--no-plots).") if args.no_plots else write_plots(report, out)
+    write_json(report, out / "report.json")
+    write_records(runs, out)
+    write_markdown(report, out / "report.md", plots, note)
+    print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
+    if note:
+        print(note, file=sys.stderr)
+    return 1 if any(r.status == "failed" for r in runs) else 0
+
+
+def _own_argv() -> list[str]:
+    """The arguments after ``loadtest`` on this process's command line."""
+    argv = sys.argv[1:]
+    return argv[argv.index("loadtest") + 1 :] if "loadtest" in argv else argv
+
+
+def _reexec_in_netns() -> int:
+    """Run this same command inside ``unshare -n`` with loopback up (no other interface exists)."""
+    unshare, ip = shutil.which("unshare"), shutil.which("ip")
+    if unshare is None or ip is None:
+        print("kvlb loadtest: --netns needs unshare and ip (util-linux, iproute2)", file=sys.stderr)
+        return 2
+    flags = ["-n"] if os.geteuid() == 0 else ["-r", "-n"]
+    inner = [a for a in _own_argv() if a != "--netns"]
+    argv = [unshare, *flags, "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh"]
+    argv += [sys.executable, "-m", "balancer", "loadtest", *inner, "--in-netns"]
+    with subprocess.Popen(argv) as child:
+
+        def forward(signum: int, _frame: object) -> None:
+            child.send_signal(signum)  # the inner run stops what it started, then exits
+
+        previous = signal.signal(signal.SIGTERM, forward)
+        try:
+            return child.wait()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+
+async def _cancel_on_sigterm(campaign: Coroutine[Any, Any, int]) -> int:
+    """Run ``campaign``; SIGTERM cancels it, so every process it started is still stopped."""
+    task = asyncio.ensure_future(campaign)
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        print("kvlb loadtest: stopped by SIGTERM", file=sys.stderr)
+        return 143
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.netns and not args.in_netns:
+        return _reexec_in_netns()
+    try:
+        if args.duration is not None:
+            campaign = soak_campaign(args, _own_argv())
+        else:
+            args.rate = 10.0 if args.rate is None else args.rate
+            routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]
+            if not routers or args.requests <= 0 or args.rate <= 0:
+                raise ValueError("need at least one router, --requests > 0 and --rate > 0")
+            out = args.out or Path("loadtest-results") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+            campaign = _campaign(args, routers, out)
+    except ValueError as exc:
+        print(f"kvlb loadtest: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_cancel_on_sigterm(campaign))
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"kvlb loadtest: {exc}", file=sys.stderr)
+        return 1

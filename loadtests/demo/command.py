@@ -1,0 +1,140 @@
+"""``kvlb demo``: the command line of :mod:`loadtests.demo.run` and its progress bar (I/O).
+
+The progress bar goes to stderr (redrawn in place on a terminal, a line per phase step otherwise);
+the table goes to stdout, followed by the JSON report on one line with ``--json``. Exit status: 0
+when both runs finished (errors are reported in the table), 1 when the demo could not run, 130 on
+Ctrl-C or SIGTERM (every process started is stopped first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any, TextIO
+
+from loadtests.demo.report import format_header, format_table
+from loadtests.demo.run import SMOKE, DemoShape, run_demo
+
+BAR_WIDTH = 30
+REDRAW_S = 0.1
+"""Least time between two redraws of the bar on a terminal."""
+LINE_STEPS = 4
+"""Off a terminal, a phase prints a line at each quarter."""
+
+
+class ProgressBar:
+    """``[#####.....] 120/240  kvlb run  12.3 s`` on a terminal; plain lines otherwise."""
+
+    def __init__(self, stream: TextIO, enabled: bool = True) -> None:
+        self.stream = stream
+        self.enabled = enabled
+        self.tty = stream.isatty()
+        self.started = time.monotonic()
+        self._last_draw = 0.0
+        self._last_step: tuple[str, int] = ("", -1)
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        finished = done >= total
+        if self.tty:
+            if not finished and now - self._last_draw < REDRAW_S:
+                return
+            self._last_draw = now
+            self.stream.write("\r" + self._line(phase, done, total, now) + ("\n" if finished else ""))
+        else:
+            step = done * LINE_STEPS // max(total, 1)
+            if (phase, step) == self._last_step:
+                return
+            self._last_step = (phase, step)
+            self.stream.write(self._line(phase, done, total, now) + "\n")
+        self.stream.flush()
+
+    def _line(self, phase: str, done: int, total: int, now: float) -> str:
+        filled = BAR_WIDTH * done // max(total, 1)
+        bar = "#" * filled + "." * (BAR_WIDTH - filled)
+        return f"[{bar}] {done:>4}/{total:<4} {phase:<28} {now - self.started:6.1f} s"
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "demo",
+        help="emulated mixed fleet: kvlb vs round robin on a shared-prefix chat workload",
+        description="Start 4 emulated replicas (SGLang and TRT-LLM) and kvlb on 127.0.0.1, send a "
+        "shared-prefix chat workload through kvlb, then the same workload round robin, and print "
+        "TTFT, prefix-cache hit rate and per-replica share for both. Takes about a minute.",
+    )
+    parser.add_argument("--json", action="store_true", help="also print the JSON report (last line)")
+    parser.add_argument("--smoke", action="store_true", help="a few-seconds run (tests, CI)")
+    parser.add_argument("--requests", type=int, help="requests per run (default 240)")
+    parser.add_argument("--rate", type=float, help="Poisson arrivals per second (default 10)")
+    parser.add_argument("--seed", type=int, help="seed of prompts and arrival times (default 1)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    parser.set_defaults(handler=run)
+
+
+def shape_from_args(args: argparse.Namespace) -> DemoShape:
+    shape = SMOKE if args.smoke else DemoShape()
+    changes: dict[str, Any] = {}
+    if args.requests is not None:
+        changes["requests"] = args.requests
+    if args.rate is not None:
+        changes["rate_per_s"] = args.rate
+    if args.seed is not None:
+        changes["seed"] = args.seed
+    return replace(shape, **changes)
+
+
+def _runner(use_uvloop: bool) -> Callable[[Coroutine[Any, Any, dict[str, Any]]], dict[str, Any]]:
+    if use_uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            return uvloop.run
+    return asyncio.run
+
+
+async def _until_done_or_terminated(shape: DemoShape, progress: ProgressBar) -> dict[str, Any]:
+    """Run the demo; SIGTERM cancels it like Ctrl-C does, so its processes are stopped too."""
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, task.cancel)
+    try:
+        return await run_demo(shape, progress)
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
+def run(args: argparse.Namespace) -> int:
+    shape = shape_from_args(args)
+    if shape.requests < 1 or shape.rate_per_s <= 0:
+        print("kvlb demo: --requests must be >= 1 and --rate > 0", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    progress = ProgressBar(sys.stderr, enabled=not args.no_progress)
+    try:
+        report = _runner(not args.no_uvloop)(_until_done_or_terminated(shape, progress))
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("\nkvlb demo: interrupted; every process it started was stopped", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a process did not start, a replica refused a flush...
+        print(f"\nkvlb demo: failed: {exc}", file=sys.stderr)
+        return 1
+    print(format_header(report))
+    print()
+    print(format_table(report))
+    print(f"(wall time {report['wall_s']:.0f} s)")
+    if args.json:
+        print(json.dumps(report))
+    return 0

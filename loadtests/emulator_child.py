@@ -1,0 +1,89 @@
+"""Child process of a load-test fleet: ``kvlb sim`` with the overrides a load test needs (I/O).
+
+``python -m loadtests.emulator_child --replicas N --index-offset I --profile P`` runs N emulated SGLang
+replicas on this process's event loop, prints the fleet listing (one JSON line, as ``kvlb sim``)
+and runs until SIGTERM. Beyond ``kvlb sim`` it takes ``--kv-capacity-tokens`` (a pool small enough
+for a workload to overflow one replica), ``--max-context-tokens`` and ``--event-flavor vllm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Sequence
+from dataclasses import replace
+
+from replicas.command import print_listing, runner
+from replicas.emulator import (
+    Emulator,
+    EmulatorSpec,
+    load_emulator_tokenizer,
+    template_config,
+    tokenizer_model_path,
+)
+from replicas.sim.personality_sglang import SglangPersonality
+from replicas.sim.profiles import PROFILES
+from replicas.wire.sglang import KvEventEncoder
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m loadtests.emulator_child", description=__doc__)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--index-offset", type=int, default=0)
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="h100-llama3-8b")
+    parser.add_argument("--kv-capacity-tokens", type=int, default=None)
+    parser.add_argument("--max-context-tokens", type=int, default=None)
+    parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--tokenizer", default="default")
+    parser.add_argument("--event-flavor", choices=("sglang", "vllm"), default="sglang")
+    args = parser.parse_args(argv)
+    template = template_config(
+        profile=args.profile, time_scale=args.time_scale, model_path=tokenizer_model_path(args.tokenizer)
+    )
+    overrides = {
+        key: value
+        for key, value in (
+            ("kv_capacity_tokens", args.kv_capacity_tokens),
+            ("max_context_tokens", args.max_context_tokens),
+        )
+        if value is not None
+    }
+    template = replace(template, profile=template.profile.with_overrides(**overrides))
+    spec = EmulatorSpec(
+        replicas=args.replicas,
+        engine="sglang",
+        template=template,
+        index_offset=args.index_offset,
+        tokenizer=args.tokenizer,
+    )
+    runner(True)(_serve(spec, args.event_flavor))
+    return 0
+
+
+def _use_vllm_events(fleet: Emulator) -> None:
+    """Publish vLLM-shaped events. A stopgap: the emulator has no option for it yet, so this swaps
+    the encoder of each publisher (same hashes and batches, vLLM's field set)."""
+    for replica in fleet.replicas:
+        personality = replica.personality
+        if isinstance(personality, SglangPersonality):
+            for publisher in personality.publishers:
+                encoding = replica.config.event_encoding
+                publisher._encoder = KvEventEncoder(flavor="vllm", encoding=encoding)
+
+
+async def _serve(spec: EmulatorSpec, event_flavor: str = "sglang") -> None:
+    tokenizer = await asyncio.to_thread(load_emulator_tokenizer, spec.tokenizer)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Emulator(spec.configs(), tokenizer) as fleet:
+        if event_flavor == "vllm":
+            _use_vllm_events(fleet)
+        print_listing(fleet.describe())
+        await stop.wait()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,332 @@
+"""Processes of a load test: the emulated fleet, ``kvlb serve`` and the peers (I/O).
+
+Everything is a child process started here and stopped here, by its own pid: SIGTERM, a bounded
+wait, then SIGKILL. Each child prints one JSON line when it is ready (the fleet its replica listing,
+kvlb ``{"kvlb": "serving"}``); peers print nothing useful, so readiness is polled over HTTP.
+
+The fleet runs in ``processes`` children (``python -m loadtests.emulator_child``: ``kvlb sim`` plus the
+profile overrides and event flavour ``kvlb sim`` lacks). Or :func:`attach_emulator` uses a running
+fleet from its listing (``kvlb sim … > fleet.jsonl``); it must be SGLang replicas (flush, events,
+``/admin/stats``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from loadtests.peers import PEER_ENV, RouterSpec, peer_command
+from replicas.sim.ports import free_port_run
+
+START_TIMEOUT_S = 90.0
+"""How long a child may take to print its ready line (the tokenizer loads in it)."""
+STOP_TIMEOUT_S = 10.0
+"""How long a child may take to exit after SIGTERM before SIGKILL."""
+READY_TIMEOUT_S = 60.0
+"""How long a router may take to see every replica (healthy, registered)."""
+IDLE_TIMEOUT_S = 120.0
+"""How long the fleet may take to finish leftover requests before a flush."""
+HTTP_TIMEOUT_S = 10.0
+
+
+@dataclass
+class Child:
+    """A started child process, its stderr log and the JSON of its ready line."""
+
+    name: str
+    process: asyncio.subprocess.Process
+    log_path: Path
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def log_tail(self, lines: int = 20) -> str:
+        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def stop(self) -> int:
+        """SIGTERM, bounded wait, SIGKILL; returns the exit code."""
+        process = self.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        return int(process.returncode or 0)
+
+
+async def spawn(
+    name: str, argv: Sequence[str], logs: Path, *, ready_key: str | None, env: Mapping[str, str] | None = None
+) -> Child:
+    """Start ``argv``; with ``ready_key``, wait (bounded) for a JSON stdout line containing it."""
+    log_path = logs / f"{name}.log"
+    with log_path.open("wb") as err:
+        process = await asyncio.create_subprocess_exec(
+            *argv,
+            stdout=asyncio.subprocess.PIPE if ready_key else err,
+            stderr=err,
+            env=dict(env) if env is not None else None,
+        )
+    child = Child(name, process, log_path)
+    if ready_key is None:
+        return child
+    assert process.stdout is not None
+    try:
+        async with asyncio.timeout(START_TIMEOUT_S):
+            while line := await process.stdout.readline():
+                text = line.decode(errors="replace").strip()
+                if text.startswith("{") and ready_key in text:
+                    child.info = json.loads(text)
+                    return child
+    except TimeoutError:
+        pass
+    await child.stop()
+    raise RuntimeError(f"{name} did not start (pid {process.pid}):\n{child.log_tail()}")
+
+
+# ------------------------------------------------------------------------------------------ fleet
+
+
+@dataclass(frozen=True, slots=True)
+class EmulatorOptions:
+    """The fleet a load test starts."""
+
+    replicas: int = 8
+    profile: str = "h100-llama3-8b"
+    kv_capacity_tokens: int | None = None
+    """Per-replica KV pool in tokens; ``None``: the profile's."""
+    max_context_tokens: int | None = None
+    """Per-request context limit; ``None``: the profile's."""
+    time_scale: float = 1.0
+    processes: int = 2
+    event_flavor: str = "sglang"
+    """KV-event field set: ``sglang`` (0.5.23) or ``vllm`` (adds ``lora_name`` etc.; vllm-router's
+    ``kv_aware`` rejects events without ``lora_name``)."""
+
+
+@dataclass
+class EmulatorHandle:
+    """A running fleet: the listing of its replicas and the children (none when attached)."""
+
+    replicas: list[dict[str, Any]]
+    children: list[Child] = field(default_factory=list)
+    capacity_tokens: int = 0
+    """One replica's KV pool, in tokens (read from the replicas)."""
+
+    @property
+    def names(self) -> list[str]:
+        return [str(r["name"]) for r in self.replicas]
+
+    @property
+    def model(self) -> str:
+        return str(self.replicas[0]["model"])
+
+    @property
+    def block_size(self) -> int:
+        return int(self.replicas[0]["block_size"])
+
+    async def stop(self) -> None:
+        for child in reversed(self.children):
+            await child.stop()
+        self.children.clear()
+
+
+async def start_emulator(options: EmulatorOptions, logs: Path) -> EmulatorHandle:
+    """Start ``options.replicas`` SGLang replicas over ``options.processes`` children."""
+    processes = max(1, min(options.processes, options.replicas))
+    per_child, extra = divmod(options.replicas, processes)
+    handle = EmulatorHandle([])
+    offset = 0
+    try:
+        for index in range(processes):
+            count = per_child + (1 if index < extra else 0)
+            argv = [sys.executable, "-m", "loadtests.emulator_child", *_child_args(options, offset, count)]
+            child = await spawn(f"fleet-{index}", argv, logs, ready_key='"replicas"', env=os.environ)
+            handle.children.append(child)
+            handle.replicas.extend(child.info["replicas"])
+            offset += count
+    except BaseException:
+        await handle.stop()
+        raise
+    return handle
+
+
+def _child_args(options: EmulatorOptions, offset: int, count: int) -> list[str]:
+    args = [
+        "--replicas", str(count), "--index-offset", str(offset), "--profile", options.profile,
+        "--time-scale", str(options.time_scale), "--event-flavor", options.event_flavor,
+    ]  # fmt: skip
+    if options.kv_capacity_tokens is not None:
+        args += ["--kv-capacity-tokens", str(options.kv_capacity_tokens)]
+    if options.max_context_tokens is not None:
+        args += ["--max-context-tokens", str(options.max_context_tokens)]
+    return args
+
+
+def attach_emulator(listing: Path) -> EmulatorHandle:
+    """A running fleet from the JSON listing ``kvlb sim`` prints (the last ``{"replicas": …}`` line)."""
+    replicas: list[dict[str, Any]] | None = None
+    for line in listing.read_text(encoding="utf-8").splitlines():
+        if line.strip().startswith("{") and '"replicas"' in line:
+            replicas = json.loads(line)["replicas"]
+    if not replicas:
+        raise ValueError(f"{listing}: no {{'replicas': [...]}} line found")
+    if any(r.get("engine") != "sglang" for r in replicas):
+        raise ValueError("attach needs SGLang replicas (flush_cache and ZMQ events)")
+    return EmulatorHandle(replicas)
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str) -> Any:
+    async with session.get(url, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)) as response:
+        response.raise_for_status()
+        return await response.json(content_type=None)
+
+
+async def replica_stats(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> dict[str, dict[str, Any]]:
+    """``GET /admin/stats`` of every replica, ranks summed: name → figures."""
+    answers = await asyncio.gather(*(_get_json(session, r["url"] + "/admin/stats") for r in fleet.replicas))
+    result: dict[str, dict[str, Any]] = {}
+    for replica, answer in zip(fleet.replicas, answers, strict=True):
+        summed: dict[str, float] = {}
+        for rank in answer["ranks"]:
+            for key, value in rank.items():
+                if isinstance(value, (int, float)) and key != "dp_rank":
+                    summed[key] = summed.get(key, 0) + value
+        result[str(replica["name"])] = summed
+    return result
+
+
+async def read_capacity(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> int:
+    """One replica's KV pool in tokens (the smallest of the fleet's, per DP rank summed)."""
+    stats = await replica_stats(session, fleet)
+    fleet.capacity_tokens = int(min(s["max_total_num_tokens"] for s in stats.values()))
+    return fleet.capacity_tokens
+
+
+async def wait_idle(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> None:
+    """Until no replica runs or queues a request (bounded by :data:`IDLE_TIMEOUT_S`)."""
+    async with asyncio.timeout(IDLE_TIMEOUT_S):
+        while True:
+            stats = await replica_stats(session, fleet)
+            if all(s["num_running_reqs"] + s["num_waiting_reqs"] == 0 for s in stats.values()):
+                return
+            await asyncio.sleep(0.2)
+
+
+async def flush(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> None:
+    """Empty every replica's prefix cache (``POST /flush_cache``, refused while busy: wait idle first)."""
+    await wait_idle(session, fleet)
+    for replica in fleet.replicas:
+        async with session.post(
+            replica["url"] + "/flush_cache", timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+        ) as response:
+            if response.status != 200:
+                raise RuntimeError(f"flush of {replica['name']} failed: HTTP {response.status}")
+        await _get_json(session, replica["url"] + "/admin/requests?clear=1")
+
+
+# ------------------------------------------------------------------------------------------ routers
+
+
+def kvlb_config(
+    fleet: EmulatorHandle, policy: str, seed: int, weights: Mapping[str, float] | None = None
+) -> dict[str, Any]:
+    """The ``kvlb serve`` settings for one pool over the fleet with ``policy`` (and weight overrides)."""
+    replicas = [
+        {
+            "id": r["name"],
+            "url": r["url"],
+            "engine": "sglang",
+            "block_size": r["block_size"],
+            "dp_size": r.get("dp_size", 1),
+            "events": r["events"][0],
+            "replay": r["replay"][0],
+        }
+        for r in fleet.replicas
+    ]
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [{"model": fleet.model, "replicas": replicas}],
+        "policy": {"name": policy, "seed": seed, "weights": dict(weights or {})},
+        "log_level": "WARNING",
+    }
+
+
+async def start_router(
+    spec: RouterSpec, fleet: EmulatorHandle, logs: Path, *, seed: int, kvlb_sets: Sequence[str] = ()
+) -> tuple[Child, str]:
+    """Start the router of ``spec`` in front of ``fleet``; returns it and its base URL once ready.
+
+    ``kvlb_sets`` are ``kvlb serve --set NAME=VALUE`` overrides for kvlb routers (ignored by peers)."""
+    if spec.kind == "kvlb":
+        config = logs / f"{_file_name(spec.name)}.yaml"
+        config.write_text(yaml.safe_dump(kvlb_config(fleet, spec.policy, seed, dict(spec.weights))))
+        argv = [sys.executable, "-m", "balancer", "serve", "--config", str(config)]
+        argv += [arg for item in kvlb_sets for arg in ("--set", item)]
+        child = await spawn(_file_name(spec.name), argv, logs, ready_key='"serving"', env=os.environ)
+        url = str(child.info["url"])
+    else:
+        port, metrics_port = free_port_run("127.0.0.1", 1), free_port_run("127.0.0.1", 1)
+        argv = peer_command(
+            spec, port=port, metrics_port=metrics_port, replicas=fleet.replicas, model=fleet.model
+        )
+        env = {**os.environ, **PEER_ENV}
+        child = await spawn(spec.name, argv, logs, ready_key=None, env=env)
+        url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_router_ready(spec, url, fleet, child)
+    except BaseException:
+        await child.stop()
+        raise
+    return child, url
+
+
+def _file_name(router: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in router)
+
+
+async def _wait_router_ready(spec: RouterSpec, url: str, fleet: EmulatorHandle, child: Child) -> None:
+    async with aiohttp.ClientSession() as session:
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                while not await _router_ready(session, spec, url, len(fleet.replicas)):
+                    if child.process.returncode is not None:
+                        raise RuntimeError(f"{spec.name} exited with {child.process.returncode}")
+                    await asyncio.sleep(0.3)
+        except (TimeoutError, RuntimeError) as exc:
+            raise RuntimeError(f"{spec.name} not ready at {url}: {exc}\n{child.log_tail()}") from None
+    if spec.kind == "vllm":
+        await asyncio.sleep(1.0)  # ZMQ slow joiner: let the SUB sockets connect before the first event
+
+
+async def _router_ready(session: aiohttp.ClientSession, spec: RouterSpec, url: str, replicas: int) -> bool:
+    try:
+        if spec.kind == "kvlb":
+            views = (await _get_json(session, url + "/admin/replicas"))["replicas"]
+            return len(views) == replicas and all(v["routable"] for v in views)
+        if spec.kind == "sglang":
+            workers = await _get_json(session, url + "/workers")
+            listed = workers.get("workers", workers) if isinstance(workers, dict) else workers
+            return isinstance(listed, list) and len(listed) >= replicas
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=2)) as response:
+            return response.status == 200
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+        return False

@@ -1,0 +1,276 @@
+"""A simulated fleet behind the real routing code, on virtual time (pure: no clock, no I/O).
+
+:class:`Simulation` wires the pieces together on one :class:`~loadtests.simulate.des.EventLoop`:
+
+* **arrivals** are pulled from the request stream one at a time (the heap holds one future
+  arrival), routed by :class:`~loadtests.simulate.routing.SimRouter` (the service's ``PoolRouter``:
+  hash, match, policy, commit with speculative entries) and submitted to the chosen replica;
+* **replicas** (:class:`~loadtests.simulate.replica_model.FastReplica`, or the emulator's own
+  scheduler in :class:`~loadtests.simulate.step_model.StepReplica`) report first tokens and ends,
+  which move the request from prefill to decode and release it in the router's load tracker, as
+  the proxy does;
+* **KV events**: every change of a replica's cache becomes ``Stored``/``Removed`` events (page ids as
+  engine hashes, the pages' tokens) applied to the router's prefix table, after ``event_delay_s``;
+* **scrapes**: every ``scrape_interval_s`` each replica's running/waiting/KV-usage gauges are given to
+  the load tracker, as the metrics scraper does.
+
+What it leaves out: network and proxy latency (TTFT is replica arrival → first token), retries,
+health checks, the balancer's global in-flight cap, data parallelism (one rank per replica) and
+TRT-LLM caching rules (replicas cache as SGLang does).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from balancer.config import LimitConfig
+from balancer.errors import NoReplicasAvailable, Overloaded
+from balancer.events import KvEvent
+from balancer.index.slots import TableLimits
+from balancer.policy.base import PolicyWeights
+from balancer.types import ReplicaId
+from loadtests.simulate.block_cache import BlockCache
+from loadtests.simulate.des import EventLoop
+from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, ReplicaModel
+from loadtests.simulate.report import GapHistogram, RecordColumns, run_summary
+from loadtests.simulate.routing import SimRouter
+from loadtests.simulate.sources import SimRequest
+from loadtests.simulate.step_model import StepReplica
+from loadtests.stats import Summary
+from replicas.sim.profiles import Profile, get_profile
+
+ReplicaKind = Literal["fast", "step"]
+_LIMITS = LimitConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """One simulated fleet and balancer."""
+
+    replicas: int = 8
+    """Replicas in the pool (≥ 1). Memory grows with replicas × KV capacity (tokens are cached)."""
+    profile: str = "h100-llama3-8b"
+    """Emulator profile (timing and capacity) of every replica: ``replicas/sim/profiles.py``."""
+    page_size: int | None = None
+    """KV page size in tokens, also the router's block size; ``None``: the profile's. Larger pages
+    make long prompts cheaper to simulate (fewer blocks) and match only whole pages."""
+    kv_capacity_tokens: int | None = None
+    """Overrides the profile's KV pool size, tokens per replica; ``None``: the profile's."""
+    policy: str = "cost"
+    """Routing policy name (``balancer.policy.POLICY_NAMES``)."""
+    weights: PolicyWeights = field(default_factory=PolicyWeights)
+    """Policy weights, as ``kvlb admin policy set`` takes them."""
+    replica_model: ReplicaKind = "fast"
+    """``fast``: event-level model; ``step``: the emulator's scheduler step by step (slow, exact)."""
+    seed: int = 0
+    """Seed of the routing tie-breaks (the workload has its own)."""
+    prune: bool = True
+    """Give the policy a pruned candidate set where that is exact (``routing`` module docs)."""
+    prune_k: int = 4
+    """Least-loaded replicas added to the holders of the first block when pruning (≥ 1)."""
+    speculative_ttl_s: float = _LIMITS.speculative_ttl_s
+    """Speculative index entries' lifetime, seconds (the service's ``limits.speculative_ttl_s``)."""
+    index_capacity_blocks: int = _LIMITS.index_capacity_blocks
+    """Prefix-index block budget (the service's ``limits.index_capacity_blocks``); LRU beyond it."""
+    max_inflight_per_replica: int = _LIMITS.max_inflight_per_replica
+    """A replica with this many requests in flight is not a candidate; all full → 429."""
+    max_waiting: int = 4096
+    """Replica waiting-queue cap (the emulator's ``max_waiting``); a full queue answers 503."""
+    scrape_interval_s: float = 1.0
+    """Engine-gauge scrape period, virtual seconds; 0 disables scraping (router-side load only)."""
+    event_delay_s: float = 0.0
+    """Delay between a cache change on a replica and its events reaching the index, seconds."""
+
+    def resolved_profile(self) -> Profile:
+        profile = get_profile(self.profile)
+        if self.kv_capacity_tokens is not None:
+            profile = profile.with_overrides(kv_capacity_tokens=self.kv_capacity_tokens)
+        return profile
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {name: getattr(self, name) for name in self.__slots__}
+        data["weights"] = self.weights.to_dict()
+        return data
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """A finished simulation."""
+
+    summary: Summary
+    records: RecordColumns
+    virtual_s: float
+    events: int
+    stats: dict[str, Any]
+
+
+class Simulation:
+    """One simulation run; build, then :meth:`run` once."""
+
+    def __init__(self, config: SimConfig, requests: Iterable[SimRequest]) -> None:
+        self.config = config
+        self.profile = config.resolved_profile()
+        self.page_size = config.page_size or self.profile.page_size
+        self.names = tuple(ReplicaId(f"r{i:04d}") for i in range(config.replicas))
+        self._index_of = {name: i for i, name in enumerate(self.names)}
+        self.loop = EventLoop()
+        self.router = SimRouter(
+            self.names,
+            model=self.profile.model,
+            block_size=self.page_size,
+            policy=config.policy,
+            weights=config.weights,
+            rng=random.Random(config.seed),
+            limits=TableLimits(capacity_blocks=config.index_capacity_blocks),
+            max_inflight_per_replica=config.max_inflight_per_replica,
+            speculative_ttl_s=config.speculative_ttl_s,
+            prune=config.prune,
+            prune_k=config.prune_k,
+        )
+        capacity = max(1, self.profile.kv_capacity_tokens // self.page_size)
+        self.models: dict[ReplicaId, ReplicaModel] = {
+            name: self._model(name, capacity) for name in self.names
+        }
+        self.records = RecordColumns(self.names)
+        self.gaps = GapHistogram()
+        self._requests: Iterator[SimRequest] = iter(requests)
+        self._wakes: dict[ReplicaId, tuple[float, int]] = {}
+        self._inflight = 0
+        self._arrivals_left = True
+        self._events_applied = 0
+        self._reported = 0
+
+    def _model(self, name: ReplicaId, capacity_blocks: int) -> ReplicaModel:
+        size, waiting = self.page_size, self.config.max_waiting
+        if self.config.replica_model == "fast":
+            cache = BlockCache(page_size=size, capacity_blocks=capacity_blocks)
+            return FastReplica(name, self.profile, cache, self, waiting)
+        paged = PagedCache(page_size=size, capacity_blocks=capacity_blocks)
+        return StepReplica(name, self.profile, paged, self, waiting)
+
+    # ------------------------------------------------------------------------------------- run
+
+    def run(self, progress: Callable[[int, float], None] | None = None, every: int = 100_000) -> SimResult:
+        """Run until every request has ended; ``progress(requests, virtual_s)`` every ``every``."""
+        self._next_arrival()
+        if self.config.scrape_interval_s > 0:
+            self.loop.schedule(self.loop.now_s, self._scrape)
+        while self.loop.run(max_events=10_000):
+            if progress is not None and len(self.records) // every != self._reported:
+                self._reported = len(self.records) // every
+                progress(len(self.records), self.loop.now_s)
+        end_s = self.loop.now_s
+        summary = run_summary(self.records, self.gaps, end_s)
+        return SimResult(summary, self.records, end_s, self.loop.processed, self._stats())
+
+    def _stats(self) -> dict[str, Any]:
+        counters = self.router.counters
+        table = self.router.space.table
+        index = table.stats()
+        routed = counters.pruned + counters.full
+        return {
+            "replica_model": self.config.replica_model,
+            "page_size": self.page_size,
+            "routed_pruned": counters.pruned,
+            "routed_full": counters.full,
+            "mean_candidates": counters.candidates / routed if routed else None,
+            "refused_no_capacity": counters.refused,
+            "kv_event_batches": self._events_applied,
+            "index_unique_blocks": index.unique_blocks,
+            "index_held_blocks": index.held_blocks,
+            "index_evicted_blocks": table.counters.evicted_blocks,
+            "speculative_confirmed": table.counters.speculative_confirmed,
+            "speculative_expired": table.counters.speculative_expired,
+            "replica_evicted_blocks": sum(m.cache.stats.evicted_blocks for m in self.models.values()),
+        }
+
+    def _next_arrival(self) -> None:
+        request = next(self._requests, None)
+        if request is None:
+            self._arrivals_left = False
+            return
+        self.loop.schedule(max(self.loop.now_s, request.arrival_s), self._arrive, request)
+
+    def _arrive(self, request: SimRequest, now: float) -> None:
+        index = self.records.add(now, len(request.token_ids))
+        self._next_arrival()
+        request_id = f"sim-{index}"
+        try:
+            plan = self.router.route(
+                request_id, request.token_ids, request.max_tokens, request.session_id, now
+            )
+        except (Overloaded, NoReplicasAvailable):
+            self.records.refuse(index, now, 429)
+            return
+        replica = plan.decision.replica
+        self.records.route(index, self._index_of[replica])
+        model = self.models[replica]
+        job = Job(index, request.token_ids, request.max_tokens)
+        if len(plan.keys) == len(request.token_ids) // self.page_size:
+            job.keys = list(plan.keys)  # the router hashed the prompt's pages already (same model, size)
+        status = model.submit(job, now)
+        if status is not None:
+            self.router.release(request_id, replica, now)
+            self.records.refuse(index, now, status)
+            return
+        self._inflight += 1
+        self._reschedule(model)
+
+    def _reschedule(self, model: ReplicaModel) -> None:
+        wake = model.wake_s
+        current = self._wakes.get(model.replica)
+        if current is not None:
+            if current[0] == wake:
+                return
+            self.loop.cancel(current[1])
+            del self._wakes[model.replica]
+        if wake is not None:
+            self._wakes[model.replica] = (wake, self.loop.schedule(wake, self._wake, model))
+
+    def _wake(self, model: ReplicaModel, now: float) -> None:
+        self._wakes.pop(model.replica, None)
+        model.advance(now)
+        self._reschedule(model)
+
+    def _scrape(self, _: Any, now: float) -> None:
+        for name, model in self.models.items():
+            self.router.observe(name, model.engine_stats(), now)
+        if self._arrivals_left or self._inflight:
+            self.loop.schedule(now + self.config.scrape_interval_s, self._scrape)
+
+    # ------------------------------------------------------------------------ replica sink
+
+    def first_token(self, replica: ReplicaId, job: Job, now: float) -> None:
+        self.records.first_token(job.index, now)
+        self.router.first_token(f"sim-{job.index}", replica, now)
+
+    def finished(self, replica: ReplicaId, job: Job, now: float) -> None:
+        self.records.finish(job.index, now, job.cached_tokens, job.max_tokens)
+        self.router.release(f"sim-{job.index}", replica, now)
+        self._inflight -= 1
+
+    def cache_changed(self, replica: ReplicaId, events: list[KvEvent], now: float) -> None:
+        if self.config.event_delay_s > 0:
+            self.loop.schedule(now + self.config.event_delay_s, self._apply, (replica, events))
+        else:
+            self._apply((replica, events), now)
+
+    def _apply(self, item: tuple[ReplicaId, list[KvEvent]], now: float) -> None:
+        self.router.apply(item[0], item[1], now)
+        self._events_applied += 1
+
+    def decode_gaps(self, gap_s: float, count: int) -> None:
+        self.gaps.add(gap_s, count)
+
+
+def simulate(config: SimConfig, requests: Iterable[SimRequest]) -> SimResult:
+    """Run one simulation to the end."""
+    if config.replicas < 1:
+        raise ValueError(f"replicas must be >= 1, got {config.replicas}")
+    if not math.isfinite(config.scrape_interval_s) or config.scrape_interval_s < 0:
+        raise ValueError(f"scrape_interval_s must be >= 0, got {config.scrape_interval_s}")
+    return Simulation(config, requests).run()

@@ -1,0 +1,199 @@
+"""``kvlb sim``: start a fleet of emulated engine replicas and run until Ctrl-C/SIGTERM (I/O).
+
+Prints one line per replica (name, engine, HTTP URL, event endpoints), then one JSON line
+``{"replicas": [...]}`` for scripts. Also runnable as ``python -m replicas.command`` (the child-process
+form :class:`replicas.emulator.ProcessEmulator` uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from replicas.emulator import (
+    Emulator,
+    EmulatorSpec,
+    ProcessEmulator,
+    load_emulator_tokenizer,
+    template_config,
+    tokenizer_model_path,
+)
+from replicas.sim.faults import FaultSettings
+from replicas.sim.profiles import PROFILES
+
+# Options copied to child processes; each maps an argparse dest to its flag.
+_PASSTHROUGH = {
+    "profile": "--profile", "time_scale": "--time-scale", "dp_size": "--dp-size",
+    "event_encoding": "--event-encoding", "page_size": "--page-size", "topic": "--topic",
+    "buffer_steps": "--buffer-steps", "event_buffer_max_size": "--event-buffer-max-size",
+    "host_cache_blocks": "--host-cache-blocks", "metrics_prefix": "--metrics-prefix",
+    "default_max_tokens": "--default-max-tokens", "drop_events": "--drop-events", "slowdown": "--slowdown",
+    "crash_after_chunks": "--crash-after-chunks", "seed": "--seed", "log_level": "--log-level",
+    "eviction": "--eviction",
+}  # fmt: skip
+_PASSTHROUGH_FLAGS = {
+    "fail_health": "--fail-health",
+    "epoch_in_topic": "--epoch-in-topic",
+    "no_uvloop": "--no-uvloop",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--replicas", type=int, default=2, help="number of replicas (default 2)")
+    add("--engine", choices=("sglang", "trtllm", "mixed"), default="sglang", help="engine to emulate")
+    add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="timing/capacity profile")
+    add("--base-port", type=int, default=0, help="HTTP port of replica 0, +i for replica i (0: free ports)")
+    add("--event-port-base", type=int, default=0, help="SGLang event ports start here (0: free ports)")
+    add("--time-scale", type=float, default=1.0, help="model seconds per wall second (default 1)")
+    add("--dp-size", type=int, default=1, help="data-parallel ranks per replica")
+    add("--event-encoding", choices=("map", "array"), default="map", help="SGLang event encoding")
+    add("--page-size", type=int, default=None, help="KV page/block size (default: profile, 32 for TRT-LLM)")
+    add("--topic", default="", help="SGLang ZMQ topic")
+    add("--eviction", choices=("node", "block"), default="node",
+        help="KV eviction: whole LRU leaves (SGLang) or just the blocks needed (vLLM)")  # fmt: skip
+    add("--buffer-steps", type=int, default=10_000, help="SGLang replay buffer, in batches")
+    add("--event-buffer-max-size", type=int, default=16_384, help="TRT-LLM event buffer, in events")
+    add("--host-cache-blocks", type=int, default=0, help="TRT-LLM host tier blocks (updated events)")
+    add("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:", help="SGLang metric prefix")
+    add("--epoch-in-topic", action="store_true", help="append SGLang's epoch to the topic frame")
+    add("--default-max-tokens", type=int, default=64, help="max_tokens when a request gives none")
+    add("--tokenizer", default="default", help="tokenizer folder or tokenizer.json; 'none' for token ids "
+        "only; 'default': the balancer's default tokenizer (DeepSeek-V3 with its chat template)")  # fmt: skip
+    add("--drop-events", type=float, default=0.0, help="fault: fraction of event batches lost")
+    add("--slowdown", type=float, default=1.0, help="fault: step-time multiplier")
+    add("--fail-health", action="store_true", help="fault: health endpoints answer 503")
+    add("--crash-after-chunks", type=int, default=None, help="fault: cut streams after N chunks")
+    add("--seed", type=int, default=0, help="seed of fault randomness")
+    add("--processes", type=int, default=1, help="split the replicas over this many child processes")
+    add("--index-offset", type=int, default=0, help=argparse.SUPPRESS)
+    add("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    add("--log-level", default="warning", help="logging level")
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "sim",
+        help="run emulated SGLang/TRT-LLM replicas",
+        description="Start a fleet of emulated engine replicas on consecutive ports.",
+    )
+    add_arguments(parser)
+    parser.set_defaults(handler=run)
+
+
+def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
+    faults = FaultSettings(
+        drop_events=args.drop_events,
+        slowdown=args.slowdown,
+        fail_health=args.fail_health,
+        crash_after_chunks=args.crash_after_chunks,
+    )
+    template = template_config(
+        profile=args.profile,
+        time_scale=args.time_scale,
+        dp_size=args.dp_size,
+        event_encoding=args.event_encoding,
+        faults=faults,
+        page_size=args.page_size,
+        topic=args.topic,
+        buffer_steps=args.buffer_steps,
+        event_buffer_max_size=args.event_buffer_max_size,
+        host_cache_blocks=args.host_cache_blocks,
+        metrics_prefix=args.metrics_prefix,
+        epoch_in_topic=args.epoch_in_topic,
+        default_max_tokens=args.default_max_tokens,
+        seed=args.seed,
+        eviction=args.eviction,
+        model_path=tokenizer_model_path(args.tokenizer),
+    )
+    passthrough: list[str] = []
+    for dest, flag in _PASSTHROUGH.items():
+        value = getattr(args, dest)
+        if value is not None:
+            passthrough += [flag, str(value)]
+    passthrough += [flag for dest, flag in _PASSTHROUGH_FLAGS.items() if getattr(args, dest)]
+    return EmulatorSpec(
+        replicas=args.replicas,
+        engine=args.engine,
+        template=template,
+        base_port=args.base_port,
+        event_port_base=args.event_port_base,
+        index_offset=args.index_offset,
+        tokenizer=args.tokenizer,
+        extra_args=tuple(passthrough),
+    )
+
+
+def print_listing(replicas: Sequence[dict[str, Any]]) -> None:
+    for info in replicas:
+        endpoints = " ".join(f"{key}={','.join(info[key])}" for key in ("events", "replay") if key in info)
+        print(f"{info['name']} {info['engine']} {info['url']} {endpoints}".rstrip())
+    print(json.dumps({"replicas": list(replicas)}), flush=True)
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+
+
+async def _serve_in_process(spec: EmulatorSpec) -> None:
+    tokenizer = await asyncio.to_thread(load_emulator_tokenizer, spec.tokenizer)
+    async with Emulator(spec.configs(), tokenizer) as fleet:
+        print_listing(fleet.describe())
+        await _wait_for_signal()
+
+
+async def _serve_processes(spec: EmulatorSpec, processes: int) -> None:
+    fleet = ProcessEmulator(spec, processes)
+    try:
+        await fleet.start()
+        print_listing(fleet.replicas)
+        await _wait_for_signal()
+    finally:
+        await fleet.stop()
+
+
+def runner(use_uvloop: bool) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """``uvloop.run`` when wanted and installed, else ``asyncio.run``."""
+    if use_uvloop:
+        with contextlib.suppress(ImportError):
+            import uvloop
+
+            return uvloop.run
+    return asyncio.run
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    try:
+        spec = spec_from_args(args)
+    except (KeyError, ValueError) as exc:
+        print(f"kvlb sim: {exc}", file=sys.stderr)
+        return 2
+    serve = _serve_processes(spec, args.processes) if args.processes > 1 else _serve_in_process(spec)
+    runner(not args.no_uvloop)(serve)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m replicas.command", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
