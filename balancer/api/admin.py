@@ -27,7 +27,7 @@ from typing import Any
 from aiohttp import web
 
 from balancer.api.errors import ApiError
-from balancer.api.middleware import caller
+from balancer.api.middleware import REQUEST_ID, STATE, caller
 from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
 from balancer.api.parsing import (
     RequestKind,
@@ -36,12 +36,13 @@ from balancer.api.parsing import (
     parse_weights_header,
     weights_from,
 )
-from balancer.api.proxy import choose
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
 from balancer.routing.router import RoutePlan
-from balancer.service.state import REQUEST_ID, STATE, PolicyView, Pool, ServiceState
+from balancer.service.dispatch import Forward, select
+from balancer.service.policy_control import PolicyView
+from balancer.service.state import Pool, ServiceState
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -130,7 +131,8 @@ async def explain_raw(
     if weights_header is not None:
         weights = parse_weights_header(weights_header, weights)
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
-    plan = choose(state, pool, token_ids, parsed, weights, request_id)
+    job = Forward(pool, token_ids, weights, parsed.session_key, parsed.max_tokens, raw, "", request_id, 0.0)
+    plan = select(state, job)
     return Explained(pool.model, kind, weights, plan)
 
 
@@ -187,7 +189,7 @@ def _replica_view(
         "engine": config.engine,
         "block_size": config.block_size,
         "dp_size": config.dp_size,
-        "inflight": state.inflight_by_replica.get(replica, 0),
+        "inflight": pool.router.in_flight(replica),
         "health": health,
     }
 

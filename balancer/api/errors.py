@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from aiohttp import web
 
 from balancer.errors import ConfigError, NoReplicasAvailable, Overloaded, UpstreamError, UpstreamTimeout
+from balancer.service.admission import AdmissionRefused
 from balancer.tokenizer.tokenizer import TokenizeError
 
 _TYPES = {
@@ -71,6 +72,8 @@ def from_balancer_error(exc: Exception) -> ApiError | None:
     """The HTTP answer for one of kvlb's own errors; ``None`` for anything unexpected."""
     if isinstance(exc, ApiError):
         return exc
+    if isinstance(exc, AdmissionRefused):
+        return ApiError(exc.status, exc.message, headers=retry_after(exc.retry_after_s))
     if isinstance(exc, Overloaded):
         return ApiError(429, str(exc), headers=retry_after(exc.retry_after_s))
     if isinstance(exc, NoReplicasAvailable):

@@ -16,10 +16,10 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from balancer.api.admin import add_admin_routes
-from balancer.api.middleware import kvlb_middleware
+from balancer.api.middleware import STATE, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
-from balancer.service.state import STATE, ServiceState
+from balancer.service.state import ServiceState
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -70,7 +70,7 @@ def refresh_gauges(state: ServiceState) -> None:
         for replica in pool.replicas:
             load = snapshot.of(replica)
             gauge = metrics.replica_load
-            gauge.labels(replica, "inflight").set(state.inflight_by_replica.get(replica, 0))
+            gauge.labels(replica, "inflight").set(pool.router.in_flight(replica))
             gauge.labels(replica, "pending_prefill_tokens").set(load.pending_prefill_tokens)
             gauge.labels(replica, "decode_blocks").set(load.active_decode_blocks)
             if load.waiting_reqs is not None:

@@ -22,11 +22,16 @@ from aiohttp import web
 
 from balancer.api.errors import ApiError, error_response, from_balancer_error
 from balancer.config import AuthConfig
-from balancer.service.state import OUTCOME, REQUEST_ID, STATE, Outcome, ServiceState
+from balancer.service.state import Outcome, ServiceState
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+STATE = web.AppKey("kvlb_state", ServiceState)
+"""The service state the app serves (set by :func:`balancer.api.http.build_web_app`)."""
+REQUEST_ID = web.RequestKey("kvlb_request_id", str)
+OUTCOME = web.RequestKey("kvlb_outcome", Outcome)
 
 MAX_REQUEST_ID_CHARS = 128
 UNAUTHENTICATED = {"WWW-Authenticate": "Bearer"}

@@ -1,33 +1,61 @@
-"""The OpenAI-compatible endpoints (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+"""The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-Per request: admission (``limits.max_inflight`` with a queue of ``limits.max_queued``: full → 429,
-waited ``limits.queue_timeout_s`` → 503; see :mod:`balancer.service.admission`), a bounded body read
-(``limits.max_body_bytes`` → 413, ``timeouts.body_read_s`` → 408), JSON validation (400), the pool
-by ``model`` (404 listing the known models), tokenisation with the pool's tokenizer (long prompts in a
-thread), a wait in the same queue while every replica is full, then :func:`balancer.api.proxy.forward`.
+A chat request reads top-down here: admission (:func:`balancer.service.dispatch.admitted`: a slot of
+``limits.max_inflight``, full queue → 429, waited ``limits.queue_timeout_s`` → 503), a bounded body
+read (``limits.max_body_bytes`` → 413, ``timeouts.body_read_s`` → 408), parsing
+(:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
+with the pool's tokenizer (long prompts in a thread), a wait in the same queue while every replica is
+full, then :func:`balancer.service.dispatch.dispatch` (route → open → retry → release) with
+:func:`relay` as its delivery.
+
+**Relay**: the client response is not started until the replica's first body chunk arrives (so a
+replica failing before it is retried elsewhere). SSE chunks are written as they arrive, never
+re-parsed; a replica failing mid-stream ends the stream with one ``data: {"error": ...}`` event; a
+client going away closes the upstream response, so the replica stops generating. A non-streaming
+answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+import json
+import logging
+from collections.abc import Callable
 
 from aiohttp import web
 
-from balancer.api.errors import ApiError, retry_after
+from balancer.api.errors import ApiError
+from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
-from balancer.api.proxy import Forward, forward
+from balancer.errors import UpstreamError
 from balancer.policy import PolicyWeights
-from balancer.service.admission import Admission, AdmissionLimits, AdmissionRefused
-from balancer.service.state import REQUEST_ID, STATE, Pool, ServiceState
+from balancer.routing.router import Lease
+from balancer.service.dispatch import (
+    Forward,
+    Opened,
+    admitted,
+    dispatch,
+    failure_message,
+    on_first_chunk,
+    on_relayed,
+    relay_deadline,
+)
+from balancer.service.state import Pool, ServiceState
 from balancer.tokenizer.tokenizer import TokenizeError
+from balancer.upstream.client import forwardable_headers
+
+log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_CHARS = 4096
 """Prompts with fewer characters are tokenized on the event loop; longer ones in a thread."""
 BODY_READ_CHUNK_BYTES = 64 * 1024
 WEIGHTS_HEADER = "x-kvlb-weights"
+SSE_CONTENT_TYPE = "text/event-stream"
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+"""Largest non-streaming replica answer buffered before relaying; larger → 502."""
+ERROR_EVENT_TIMEOUT_S = 1.0
+"""How long writing the final error event to a slow client may take."""
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -58,71 +86,14 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
         token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
-        job = Forward(pool, parsed, token_ids, weights, body, path, request[REQUEST_ID], arrived)
-        await admission.wait_for_replica(pool)
-        return await forward(request, state, job)
-
-
-class Admitted:
-    """What :func:`admitted` yields: the request's queue deadline, for its wait for a replica slot."""
-
-    def __init__(self, state: ServiceState, admission: Admission, deadline: float) -> None:
-        self.state = state
-        self.admission = admission
-        self.deadline = deadline
-
-    async def wait_for_replica(self, pool: Pool) -> None:
-        """Wait in the admission queue while every routable replica of ``pool`` is full (then the
-        request goes on; with no routable replica it goes on at once, to get its 503)."""
-        cap = self.state.settings.limits.max_inflight_per_replica
-        what = f"every replica of model {pool.model!r} has {cap} requests in flight"
-        try:
-            await self.admission.wait_until(
-                functools.partial(_replica_free, self.state, pool), self.deadline, what
-            )
-        except AdmissionRefused as exc:
-            raise _refusal(self.state, exc, "replica_full") from None
-
-
-@contextlib.asynccontextmanager
-async def admitted(state: ServiceState) -> AsyncIterator[Admitted]:
-    """Hold one of ``limits.max_inflight`` slots (waiting in the bounded queue if need be) for the
-    body of the ``async with``; refusals are :class:`ApiError` 429 (queue full) or 503 (timeout)."""
-    admission = admission_of(state)
-    deadline = admission.deadline()
-    try:
-        await admission.enter(deadline)
-    except AdmissionRefused as exc:
-        raise _refusal(state, exc, "max_inflight") from None
-    state.inflight += 1
-    state.metrics.inflight_requests.inc()
-    try:
-        yield Admitted(state, admission, deadline)
-    finally:
-        state.inflight -= 1
-        state.metrics.inflight_requests.dec()
-        admission.leave()
-
-
-def admission_of(state: ServiceState) -> Admission:
-    """The service's admission queue, built from ``settings.limits`` on first use."""
-    if state.admission is None:
-        limits = state.settings.limits
-        state.admission = Admission(
-            AdmissionLimits(limits.max_inflight, limits.max_queued, limits.queue_timeout_s)
+        request_id = request[REQUEST_ID]
+        job = Forward(
+            pool, token_ids, weights, parsed.session_key, parsed.max_tokens, body, path, request_id, arrived
         )
-    return state.admission
-
-
-def _replica_free(state: ServiceState, pool: Pool) -> bool:
-    routable = state.health.routable(state.monotonic(), pool.replicas)
-    cap = state.settings.limits.max_inflight_per_replica
-    return not routable or any(state.inflight_by_replica.get(r, 0) < cap for r in routable)
-
-
-def _refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> ApiError:
-    state.metrics.shed_total.labels(full_reason if exc.reason == "queue_full" else exc.reason).inc()
-    return ApiError(exc.status, exc.message, headers=retry_after(exc.retry_after_s))
+        await admission.wait_for_replica(pool)
+        headers = forwardable_headers(request.headers, request_id)
+        deliver = functools.partial(relay, request, state, job)
+        return await dispatch(state, job, headers, request[OUTCOME], deliver)
 
 
 async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
@@ -186,6 +157,93 @@ async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) ->
             400, f"prompt has {len(token_ids)} tokens, over limits.max_prompt_tokens = {max_prompt_tokens}"
         )
     return token_ids
+
+
+async def relay(
+    request: web.Request, state: ServiceState, job: Forward, lease: Lease, opened: Opened
+) -> web.StreamResponse:
+    """Send the replica's answer to the client; closes the upstream if the client goes away."""
+    outcome = request[OUTCOME]
+    stream = opened.stream
+    on_first_chunk(state, job, lease, stream)
+    headers = {
+        "Content-Type": stream.content_type,
+        "x-request-id": job.request_id,
+        "x-kvlb-replica": lease.replica,
+        "x-kvlb-cached-tokens": str(lease.plan.cached_tokens),
+    }
+    deadline = relay_deadline(state, job)
+    try:
+        if stream.content_type.startswith(SSE_CONTENT_TYPE):
+            response = await _relay_stream(request, state, lease, opened, headers, deadline)
+        else:
+            response = await _relay_whole(state, lease, opened, headers, deadline)
+    except asyncio.CancelledError:  # the client went away (handler cancellation)
+        stream.close()
+        outcome.status = "499"
+        raise
+    except BaseException:
+        stream.close()
+        raise
+    finally:
+        await opened.chunks.aclose()
+    on_relayed(state, job, lease, stream, complete=outcome.status is None)
+    return response
+
+
+async def _relay_stream(
+    request: web.Request,
+    state: ServiceState,
+    lease: Lease,
+    opened: Opened,
+    headers: dict[str, str],
+    deadline: float,
+) -> web.StreamResponse:
+    outcome = request[OUTCOME]
+    response = web.StreamResponse(status=opened.stream.status, headers=headers)
+    response.headers["Cache-Control"] = "no-cache"
+    try:
+        await response.prepare(request)
+        await response.write(opened.first)
+        try:
+            async with asyncio.timeout_at(deadline):
+                async for chunk in opened.chunks:
+                    await response.write(chunk)
+        except (UpstreamError, TimeoutError) as exc:
+            message = failure_message(state, lease, exc)
+            log.warning(
+                "request %s: replica %s broke mid-stream: %s", headers["x-request-id"], lease.replica, message
+            )
+            outcome.status = "stream_error"
+            async with asyncio.timeout(ERROR_EVENT_TIMEOUT_S):
+                await response.write(sse_error_event(f"replica {lease.replica} failed mid-stream: {message}"))
+        await response.write_eof()
+    except (ConnectionResetError, TimeoutError):  # the client went away or stopped reading
+        outcome.status = "499"
+    return response
+
+
+async def _relay_whole(
+    state: ServiceState, lease: Lease, opened: Opened, headers: dict[str, str], deadline: float
+) -> web.Response:
+    parts = [opened.first]
+    size = len(opened.first)
+    try:
+        async with asyncio.timeout_at(deadline):
+            async for chunk in opened.chunks:
+                size += len(chunk)
+                if size > MAX_RESPONSE_BYTES:
+                    raise UpstreamError(f"answer larger than {MAX_RESPONSE_BYTES} bytes")
+                parts.append(chunk)
+    except (UpstreamError, TimeoutError) as exc:
+        message = failure_message(state, lease, exc)
+        raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
+    return web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
+
+
+def sse_error_event(message: str, status: int = 502) -> bytes:
+    payload = {"error": {"message": message, "type": "upstream_error", "code": status}}
+    return b"data: " + json.dumps(payload).encode("utf-8") + b"\n\n"
 
 
 def add_openai_routes(app: web.Application) -> None:

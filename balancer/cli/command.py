@@ -22,9 +22,9 @@ from typing import Any, TypeAlias
 
 import yaml
 
+from balancer.app import Balancer, ServeOptions
 from balancer.config import Settings, load
 from balancer.errors import ConfigError
-from balancer.service.app import Balancer, ServeOptions
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 from balancer.errors import ConfigError
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
-from balancer.service.state import PolicyControl, PolicyView
+from balancer.service.policy_control import PolicyControl, PolicyView
 
 log = logging.getLogger(__name__)
 

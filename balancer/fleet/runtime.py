@@ -1,4 +1,4 @@
-"""``FleetRuntime``: the Redis side of one balancer, built and owned by :mod:`balancer.service.app` (I/O).
+"""``FleetRuntime``: the Redis side of one balancer, built and owned by :mod:`balancer.app` (I/O).
 
 Used only when ``redis.url`` is set. Per key space (one per pool and caching scheme: block size and
 alignment, exactly as :class:`~balancer.routing.router.PoolRouter` splits them) it builds:

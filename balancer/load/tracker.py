@@ -265,6 +265,11 @@ class LoadTracker:
         self._expired += count
         return count
 
+    def in_flight(self, replica: ReplicaId) -> int:
+        """Reservations held on ``replica`` now, in prefill or decode (as of the last expiry)."""
+        totals = self._totals.get(replica)
+        return 0 if totals is None else totals.prefill_reqs + totals.decode_seqs
+
     def observe(self, replica: ReplicaId, stats: EngineStats, now: float) -> bool:
         """Record one scrape of ``replica``'s engine stats. Out-of-range values are sanitised:
         negative counts and non-finite usage become ``None``, usage is clamped to 0..1. Returns

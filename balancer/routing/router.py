@@ -1,4 +1,11 @@
-"""Routing for one pool: hash → match → load snapshot → policy, then a separate commitment (pure).
+"""Routing for one pool: candidates → hash → match → load snapshot → policy → commitment (pure).
+
+:meth:`PoolRouter.route` is the whole decision for one request: the candidates (the pool's routable
+replicas, from the shared :class:`~balancer.health.book.HealthBook`, below
+``limits.max_inflight_per_replica``), the plan, and the commitment, returned as a :class:`Lease` that
+the caller releases when the request ends. :meth:`PoolRouter.select` is the same decision without the
+commitment (explain, gRPC ``Route`` without ``reserve``). In-flight requests are counted once, as the
+load tracker's reservations: the per-replica cap reads them, and the lease releases them.
 
 A pool is every replica serving one model. Replicas whose engines cache differently (block size,
 TRT-LLM's ``prompt[:-1]`` alignment, EAGLE bigram pages) cannot share block keys, so the pool keeps
@@ -29,12 +36,17 @@ from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
+from balancer.errors import NoReplicasAvailable, Overloaded
+from balancer.health.book import HealthBook
 from balancer.index.hashing import AlignMode, BlockHasher
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
 from balancer.policy.base import Policy, PolicyWeights, RouteRequest
 from balancer.types import BlockKey, Decision, Overlap, ReplicaId
+
+FULL_RETRY_AFTER_S = 1.0
+"""``Retry-After`` of the refusal when every routable replica is at its in-flight cap (seconds)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +71,67 @@ class RoutePlan:
     decode_blocks: int
 
 
+@dataclass(frozen=True, slots=True)
+class RouteLimits:
+    """What bounds one pool's routing (from ``limits.*`` and ``timeouts.*``)."""
+
+    max_inflight_per_replica: int = 256
+    """Requests committed to one replica and not yet released; a replica at the cap is not a
+    candidate, and a pool whose routable replicas are all at it refuses with :class:`Overloaded`."""
+    speculative_ttl_s: float = 2.0
+    """Life of a committed request's speculative index entries after its first token (seconds;
+    0 disables speculation)."""
+    pending_ttl_s: float | None = None
+    """Life of those entries until the first token (seconds; ``None``: ``speculative_ttl_s``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRequest:
+    """One request as the router sees it: its tokens, and the policy and weights that decide it."""
+
+    token_ids: Sequence[int]
+    policy: Policy
+    weights: PolicyWeights
+    request_id: str
+    """The client's request id (session affinity, logs); leases get a process-unique tracking id."""
+    session_key: str | None = None
+    max_tokens: int = 0
+    """Completion tokens asked for (decode load); 0 when unknown."""
+    exclude: frozenset[ReplicaId] = frozenset()
+    """Replicas not to choose (they already failed this request)."""
+
+
+class Lease:
+    """One committed decision: the request's load is reserved on :attr:`replica` (and counted
+    against its in-flight cap) until :meth:`release`, which is idempotent."""
+
+    __slots__ = ("_released", "_router", "plan", "replica", "tracking_id")
+
+    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str) -> None:
+        self._router = router
+        self.plan = plan
+        self.replica = plan.decision.replica
+        self.tracking_id = tracking_id
+        self._released = False
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def first_token(self, now: float) -> None:
+        """The replica produced its first token: the request moves from prefill to decode."""
+        if not self._released:
+            self._router.first_token(self.tracking_id, now)
+
+    def release(self, now: float) -> bool:
+        """The request ended (or was abandoned); ``False`` when it was already released."""
+        if self._released:
+            return False
+        self._released = True
+        self._router.release(self.tracking_id, now)
+        return True
+
+
 def align_mode(engine: str, bigram: bool = False) -> AlignMode:
     """The caching alignment of an engine: TRT-LLM hashes ``prompt[:-1]``; EAGLE pages are pairs."""
     if engine == "trtllm":
@@ -70,11 +143,24 @@ class PoolRouter:
     """Routing state of one pool: key spaces, the load tracker, and the replicas' schemes."""
 
     def __init__(
-        self, model: str, limits: TableLimits | None = None, load_config: LoadConfig | None = None
+        self,
+        model: str,
+        limits: TableLimits | None = None,
+        load_config: LoadConfig | None = None,
+        *,
+        health: HealthBook | None = None,
+        route_limits: RouteLimits | None = None,
+        rng: random.Random | None = None,
     ) -> None:
+        """``health`` is the service's shared book (``None``: every registered replica is routable);
+        ``rng`` breaks the policy's ties in :meth:`select`."""
         self.model = model
         self._limits = limits or TableLimits()
         self._load_config = load_config
+        self.health = health
+        self.route_limits = route_limits or RouteLimits()
+        self.rng = rng or random.Random(0)
+        self._next_lease = 0
         self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
         self.space_of: dict[ReplicaId, KeySpace] = {}
         self.load: LoadTracker | None = None
@@ -128,6 +214,65 @@ class PoolRouter:
                 )
             )
         return self.load
+
+    def in_flight(self, replica: ReplicaId) -> int:
+        """Requests committed to ``replica`` and not yet released (the load tracker's reservations)."""
+        return self.tracker().in_flight(replica)
+
+    def routable(self, now: float) -> list[ReplicaId]:
+        """The pool's replicas that may take a request now (health), in registration order."""
+        if self.health is None:
+            return list(self.space_of)
+        return self.health.routable(now, self.space_of)
+
+    def has_free_slot(self, now: float) -> bool:
+        """Some routable replica is below its in-flight cap, or none is routable at all (then
+        :meth:`candidates` refuses at once, so waiting for a slot would not help)."""
+        routable = self.routable(now)
+        cap = self.route_limits.max_inflight_per_replica
+        return not routable or any(self.in_flight(r) < cap for r in routable)
+
+    def candidates(self, now: float, exclude: Collection[ReplicaId] = ()) -> list[ReplicaId]:
+        """Routable replicas not in ``exclude`` and below their in-flight cap. Raises
+        :class:`NoReplicasAvailable` when none is routable, :class:`Overloaded` when all are full."""
+        routable = [r for r in self.routable(now) if r not in exclude]
+        if not routable:
+            raise NoReplicasAvailable(f"no healthy replica serves model {self.model!r}")
+        cap = self.route_limits.max_inflight_per_replica
+        eligible = [r for r in routable if self.in_flight(r) < cap]
+        if not eligible:
+            message = f"every replica of model {self.model!r} has {cap} requests in flight"
+            raise Overloaded(message, FULL_RETRY_AFTER_S)
+        return eligible
+
+    def select(self, request: PoolRequest, now: float) -> RoutePlan:
+        """The decision for ``request`` among :meth:`candidates`, committing nothing."""
+        return self.plan(
+            request.token_ids,
+            self.candidates(now, request.exclude),
+            request.policy,
+            request.weights,
+            self.rng,
+            now,
+            session_key=request.session_key,
+            request_id=request.request_id,
+            max_tokens=request.max_tokens,
+        )
+
+    def route(self, request: PoolRequest, now: float) -> Lease:
+        """Select and commit: the returned lease holds the request's load until released."""
+        return self.lease(self.select(request, now), request.request_id, now)
+
+    def lease(self, plan: RoutePlan, request_id: str, now: float) -> Lease:
+        """Commit ``plan`` (load reserved, speculative entries added, the replica told it was
+        routed to) under a tracking id unique in this router (clients may reuse request ids)."""
+        self._next_lease += 1
+        tracking_id = f"{request_id}#{self._next_lease}"
+        limits = self.route_limits
+        self.commit(plan, tracking_id, now, limits.speculative_ttl_s, pending_ttl_s=limits.pending_ttl_s)
+        if self.health is not None:
+            self.health.on_routed(plan.decision.replica, now)
+        return Lease(self, plan, tracking_id)
 
     def plan(
         self,

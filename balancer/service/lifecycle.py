@@ -1,6 +1,6 @@
 """What starts and stops with each replica, static or discovered (I/O: tasks, sockets, Redis).
 
-Built and owned by :mod:`balancer.service.app`. Per replica it runs a load scraper (when
+Built and owned by :mod:`balancer.app`. Per replica it runs a load scraper (when
 ``scrape_interval_s`` > 0) and a health prober, and feeds the replica's KV events into the index:
 without Redis through one :class:`~balancer.sources.pipeline.EventIngest` per key space (kept here),
 with Redis through the :class:`~balancer.fleet.runtime.FleetRuntime`, whose lease manager decides

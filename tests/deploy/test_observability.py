@@ -106,7 +106,7 @@ def test_every_queried_metric_is_in_the_registry() -> None:
 
 
 def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> None:
-    pytest.importorskip("balancer.service.app", reason="kvlb serve is not available")
+    pytest.importorskip("balancer.app", reason="kvlb serve is not available")
     config = tmp_path / "kvlb.yaml"
     config.write_text("listen: {host: 127.0.0.1, port: 0}\nscrape_interval_s: 0\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLB_")}

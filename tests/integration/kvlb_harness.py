@@ -1,7 +1,7 @@
 """Shared set-up of the HTTP integration tests: emulated replicas and a balancer on 127.0.0.1.
 
 The replicas are the real emulator (:mod:`replicas.sim`) running on the test's event loop; the
-balancer is the real :class:`balancer.service.app.Balancer`. Nothing is mocked.
+balancer is the real :class:`balancer.app.Balancer`. Nothing is mocked.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import aiohttp
 import zmq.asyncio
 from multidict import CIMultiDict
 
+from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
-from balancer.service.app import Balancer
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import Tokenizer
 from replicas.sim.config import ReplicaConfig

@@ -1,4 +1,4 @@
-"""Discovery wired into the running service: a real :class:`~balancer.service.app.Balancer` adds and removes
+"""Discovery wired into the running service: a real :class:`~balancer.app.Balancer` adds and removes
 replicas found by Kubernetes discovery (the fake API server on 127.0.0.1) and, with Redis, by file
 discovery (a real ``redis-server``). The replicas are the real emulator on real sockets.
 
@@ -34,9 +34,9 @@ from kvlb_harness import (
 )
 from redis_server import RedisServer
 
+from balancer.app import Balancer
 from balancer.fleet.runtime import space_name
 from balancer.index.redis.schema import RedisIndexSettings, RedisKeys
-from balancer.service.app import Balancer
 from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile

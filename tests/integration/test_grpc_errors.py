@@ -130,8 +130,11 @@ async def test_health_reflection_and_shutdown(tokenizer: Tokenizer) -> None:
 
         held = await g.balancer.Route(pb.RouteRequest(request=token_request(PROMPT), reserve=True))
         state = g.http.balancer.state
-        assert state is not None and state.inflight_by_replica == {held.replica_id: 1}
+        assert state is not None
+        (router,) = [pool.router for pool in state.pools.values()]
+        in_flight = {r: router.in_flight(r) for r in router.space_of}
+        assert in_flight == {r: int(r == held.replica_id) for r in router.space_of}
         await g.http.balancer.stop()
-        assert state.inflight_by_replica == {}  # the reservation was released at shutdown
+        assert all(router.in_flight(r) == 0 for r in router.space_of)  # released at shutdown
         gone = await failure(g.balancer.Route(pb.RouteRequest(request=token_request(PROMPT))))
         assert gone.code() == grpc.StatusCode.UNAVAILABLE

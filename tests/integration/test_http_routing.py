@@ -100,6 +100,7 @@ async def test_put_policy_changes_decisions_at_once(
     tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG, logger="balancer.api")
+    caplog.set_level(logging.DEBUG, logger="balancer.service.dispatch")
     async with running(tokenizer) as h:
         holder = await h.warm(PREFIX)
         before = [
@@ -110,7 +111,7 @@ async def test_put_policy_changes_decisions_at_once(
         assert policy["name"] == "round_robin" and policy["version"] == 2
         audit = [r.getMessage() for r in caplog.records if r.name == "balancer.api.admin"]
         assert audit == ["policy v2 set by anonymous@127.0.0.1: name: cost -> round_robin"]
-        decisions = [r.getMessage() for r in caplog.records if r.name == "balancer.api.proxy"]
+        decisions = [r.getMessage() for r in caplog.records if r.name == "balancer.service.dispatch"]
         assert len(decisions) == 4 and f"-> {holder}" in decisions[-1] and "cost=" in decisions[-1]
         after = [
             (await h.post("/v1/completions", completion([i]))).headers["x-kvlb-replica"] for i in range(4)

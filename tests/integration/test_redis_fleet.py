@@ -1,6 +1,6 @@
 """Two balancers in one process sharing a real private ``redis-server``, over emulated replicas.
 
-Each balancer is a real :class:`~balancer.service.app.Balancer` with ``redis.url`` set; the replicas are
+Each balancer is a real :class:`~balancer.app.Balancer` with ``redis.url`` set; the replicas are
 the real emulator on real sockets. Checked: leases spread and every replica is ingested exactly
 once; both balancers route on the same index (from the stream, never from their own ingest); an
 engine restart clears its blocks everywhere; a policy change reaches the other balancer within 1 s
@@ -22,9 +22,9 @@ import zmq.asyncio
 from kvlb_harness import MODEL, metric_value, running, settings_for, shared_deepseek, wait_for, wait_ready
 from redis_server import RedisServer
 
+from balancer.app import Balancer
 from balancer.fleet.runtime import FleetRuntime
 from balancer.index.redis.index import StaleGenerationError
-from balancer.service.app import Balancer
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig

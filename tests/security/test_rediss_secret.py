@@ -24,7 +24,7 @@ from procs_free import free_port
 from test_secrets_not_logged import Capture
 from upstream_stub import MODEL, RecordingReplica, balancer_over, stub_settings
 
-from balancer.service.app import Balancer
+from balancer.app import Balancer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
 PASSWORD = "r3dis-pass-5e8f1a"

@@ -18,9 +18,9 @@ from upstream_stub import MODEL, RecordingReplica, stub_settings
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
+from balancer.app import Balancer
 from balancer.config import load
 from balancer.errors import ConfigError
-from balancer.service.app import Balancer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
 BODY = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 1}

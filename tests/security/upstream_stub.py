@@ -20,8 +20,8 @@ import aiohttp
 from aiohttp import web
 from kvlb_harness import wait_ready
 
+from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
-from balancer.service.app import Balancer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
 MODEL = "stub-model"

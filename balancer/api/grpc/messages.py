@@ -22,7 +22,7 @@ from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.parsing import RequestKind
 from balancer.errors import UpstreamError
-from balancer.service.state import PolicyView
+from balancer.service.policy_control import PolicyView
 from balancer.types import CostTerms, Decision
 
 MAX_SSE_EVENT_BYTES = 1024 * 1024

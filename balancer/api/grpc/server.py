@@ -1,8 +1,8 @@
 """The gRPC front (I/O): ``kvlb.v1.Balancer`` and ``kvlb.v1.Admin`` on one ``grpc.aio`` server, with
 the standard health and reflection services. The contract is ``proto/kvlb/v1/balancer.proto``.
 
-* ``Generate`` runs the HTTP proxy's own path (:func:`balancer.api.proxy.dispatch`: choose → commit →
-  forward with retries before the first byte → relay → release). The replica is always asked for an
+* ``Generate`` runs the HTTP face's own path (:func:`balancer.service.dispatch.dispatch`: route and
+  commit → forward with retries before the first byte → relay → release). The replica is always asked for an
   event stream with usage; each of its events becomes one ``GenerateChunk`` (raw JSON plus the text
   delta), and a last chunk carries the replica, the predicted and reported cached tokens and the usage.
   A replica failing mid-stream ends the call with UNAVAILABLE after the chunks already sent; a client
@@ -40,21 +40,22 @@ from balancer.api.grpc.messages import (
     openai_call,
     read_chunk,
 )
-from balancer.api.openai import admitted, find_pool, tokenize
+from balancer.api.openai import SSE_CONTENT_TYPE, find_pool, tokenize
 from balancer.api.parsing import parse_request
-from balancer.api.proxy import (
-    SSE_CONTENT_TYPE,
+from balancer.errors import ConfigError, UpstreamError
+from balancer.routing.router import Lease
+from balancer.service.dispatch import (
     Forward,
-    Lease,
     Opened,
-    choose,
+    admitted,
+    commit,
     dispatch,
     failure_message,
     on_first_chunk,
     on_relayed,
     relay_deadline,
+    select,
 )
-from balancer.errors import ConfigError, UpstreamError
 from balancer.service.state import ServiceState
 from balancer.service.tls import grpc_key_pair
 from balancer.upstream.client import forwardable_headers
@@ -107,15 +108,15 @@ class Reservations:
             if expires_at > now:
                 break
             del self._held[request_id]
-            lease.release()
+            lease.release(now)
             count += 1
         self.expired_total += count
         return count
 
-    def release_all(self) -> None:
+    def release_all(self, now: float) -> None:
         held, self._held = self._held, {}
         for lease, _ in held.values():
-            lease.release()
+            lease.release(now)
 
 
 @dataclass(slots=True)
@@ -137,7 +138,17 @@ async def prepare(
     pool = find_pool(state, parsed.model)
     weights = call.weights()
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
-    return Forward(pool, parsed, token_ids, weights, openai.body, openai.path, call.request_id, arrived)
+    return Forward(
+        pool,
+        token_ids,
+        weights,
+        parsed.session_key,
+        parsed.max_tokens,
+        openai.body,
+        openai.path,
+        call.request_id,
+        arrived,
+    )
 
 
 class BalancerService:
@@ -273,13 +284,13 @@ class BalancerService:
             raise ApiError(400, "'request' is required")
         call.adopt_request_id(request.request.request_id)
         job = await prepare(state, request.request, call, state.monotonic(), stream=False)
-        plan = choose(state, job.pool, job.token_ids, job.parsed, job.weights, call.request_id)
+        plan = select(state, job)
         decision = plan.decision
         call.outcome.replica, call.outcome.policy = decision.replica, decision.policy
         if request.reserve:
             now = state.monotonic()
             self.reservations.check(call.request_id, now)
-            lease = Lease(state, job.pool, plan, state.tracking_id(call.request_id))
+            lease = commit(state, job, plan)
             self.reservations.hold(call.request_id, lease, now)
         return pb.RouteResponse(
             request_id=call.request_id,
@@ -301,7 +312,7 @@ class BalancerService:
                 f"no reservation for {request.request_id!r} is held (released, expired after "
                 f"{self.reservations.ttl_s}s, or never made)",
             )
-        lease.release()
+        lease.release(self.state.monotonic())
         call.outcome.replica = lease.replica
         return pb.ReleaseResponse(request_id=request.request_id, replica_id=lease.replica)
 
@@ -363,7 +374,7 @@ class GrpcServer:
                 await self._maintenance
             self._maintenance = None
         await server.stop(grace_s)
-        self.reservations.release_all()
+        self.reservations.release_all(self.state.monotonic())
 
     async def _maintain(self) -> None:
         interval_s = min(MAINTENANCE_INTERVAL_S, max(0.05, self.state.settings.health_interval_s))

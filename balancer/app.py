@@ -39,10 +39,12 @@ from balancer.index.slots import TableLimits
 from balancer.load.tracker import LoadConfig
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
-from balancer.routing.router import PoolRouter, align_mode
+from balancer.routing.router import PoolRouter, RouteLimits, align_mode
+from balancer.service.admission import Admission, AdmissionLimits
 from balancer.service.lifecycle import ReplicaLifecycle
+from balancer.service.policy_control import PolicyControl
 from balancer.service.server_log import server_logger
-from balancer.service.state import PolicyControl, Pool, ServiceState
+from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
@@ -119,16 +121,20 @@ class Balancer:
 
     async def _start(self) -> None:
         settings = self.settings
-        pools = await self._build_pools()
+        health = HealthBook()
+        pools = await self._build_pools(health, random.Random(settings.policy.seed))
         weights = PolicyWeights.from_dict(settings.policy.weights)
+        limits = settings.limits
+        admission = Admission(AdmissionLimits(limits.max_inflight, limits.max_queued, limits.queue_timeout_s))
+        self.metrics.inflight_requests.set_function(lambda: admission.inflight)
         self.state = state = ServiceState(
             settings=settings,
             pools=pools,
-            health=HealthBook(),
+            health=health,
             upstream=self._upstream,
             metrics=self.metrics,
             policy=PolicyControl(settings.policy.name, weights, time.time()),
-            rng=random.Random(settings.policy.seed),
+            admission=admission,
         )
         for pool in pools.values():
             for replica in pool.replicas:
@@ -139,7 +145,9 @@ class Balancer:
         await self._start_http(state)
         await self._start_grpc(state)
 
-    async def _build_pools(self) -> dict[str, Pool]:
+    async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
+        """One pool per configured model; every pool's router reads the shared ``health`` book and
+        breaks ties with the one ``rng`` (``policy.seed``)."""
         limits = TokenizeLimits(max_prompt_tokens=self.settings.limits.max_prompt_tokens)
         loaded: dict[str | None, Tokenizer] = {}
         pools: dict[str, Pool] = {}
@@ -151,16 +159,26 @@ class Balancer:
                         load_pool_tokenizer, config.tokenizer, limits
                     )
                 tokenizer = loaded[config.tokenizer]
-            pools[config.model] = self._build_pool(config, tokenizer)
+            pools[config.model] = self._build_pool(config, tokenizer, health, rng)
         return pools
 
-    def _build_pool(self, config: PoolConfig, tokenizer: Tokenizer) -> Pool:
+    def _build_pool(
+        self, config: PoolConfig, tokenizer: Tokenizer, health: HealthBook, rng: random.Random
+    ) -> Pool:
         settings = self.settings
         stale_after_s = max(5.0, STALE_SCRAPES * settings.scrape_interval_s)
+        route_limits = RouteLimits(
+            max_inflight_per_replica=settings.limits.max_inflight_per_replica,
+            speculative_ttl_s=settings.limits.speculative_ttl_s,
+            pending_ttl_s=settings.timeouts.first_byte_s,
+        )
         router = PoolRouter(
             config.model,
             TableLimits(capacity_blocks=settings.limits.index_capacity_blocks),
             LoadConfig(stale_after_s=stale_after_s),
+            health=health,
+            route_limits=route_limits,
+            rng=rng,
         )
         for replica in config.replicas:
             router.add_replica(ReplicaId(replica.id), replica.block_size, align_mode(replica.engine))

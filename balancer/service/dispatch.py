@@ -1,0 +1,301 @@
+"""Serve one request whatever the face (I/O): admit → route → open → retry → deliver → release.
+
+Both faces (HTTP :mod:`balancer.api.openai`, gRPC :mod:`balancer.api.grpc.server`) parse and
+tokenize a request into a :class:`Forward`, and relay the opened answer in their own protocol; the
+rest is here, once:
+
+* **Admit** (:func:`admitted`): one of ``limits.max_inflight`` slots, waiting in the bounded queue of
+  :mod:`balancer.service.admission` (full → 429, waited ``limits.queue_timeout_s`` → 503), and the
+  same queue while every routable replica of the pool is at ``limits.max_inflight_per_replica``.
+* **Route**: :meth:`PoolRouter.route <balancer.routing.router.PoolRouter.route>` picks the replica
+  and commits the decision as a :class:`~balancer.routing.router.Lease` (load reserved, speculative
+  index entries added); the lease is released in ``finally`` whatever happens.
+* **Open**: the client's original body bytes go to the replica, and nothing is sent to the client
+  until the replica's first body chunk arrives, so a replica that fails before it (connect error,
+  429/503, broken or silent stream) is retried on another one, up to ``limits.max_retries``.
+* **Deliver**: the face's relay gets the lease and the opened answer; :func:`on_first_chunk` and
+  :func:`on_relayed` are the bookkeeping both relays share (first token, health, TTFT, usage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from balancer.config import ReplicaConfig
+from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
+from balancer.policy import PolicyWeights
+from balancer.routing.router import Lease, PoolRequest, RoutePlan
+from balancer.service.admission import AdmissionRefused
+from balancer.service.state import Outcome, Pool, ServiceState
+from balancer.types import CostTerms, ReplicaId
+from balancer.upstream.client import RetryableUpstream, UpstreamStream
+
+log = logging.getLogger(__name__)
+
+BUSY_RETRY_AFTER_S = 1.0
+"""``Retry-After`` when every replica tried answered 429 (seconds)."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """One parsed and tokenized request, ready to go: where, what, and who asked."""
+
+    pool: Pool
+    token_ids: Sequence[int]
+    weights: PolicyWeights
+    session_key: str | None
+    """The OpenAI ``user`` field (the ``session`` policy)."""
+    max_tokens: int
+    """Completion tokens asked for; 0 when absent."""
+    body: bytes
+    """The client's body, forwarded byte for byte."""
+    path: str
+    request_id: str
+    arrived: float
+    """Monotonic arrival time (TTFT, end-to-end latency and the ``timeouts.total_s`` deadline)."""
+
+
+@dataclass(slots=True)
+class Opened:
+    """An upstream answer whose first body chunk has arrived (nothing sent to the client yet)."""
+
+    stream: UpstreamStream
+    chunks: AsyncGenerator[bytes, None]
+    first: bytes
+
+
+class Admitted:
+    """What :func:`admitted` yields: the request's queue deadline, for its wait for a replica slot."""
+
+    def __init__(self, state: ServiceState, deadline: float) -> None:
+        self.state = state
+        self.deadline = deadline
+
+    async def wait_for_replica(self, pool: Pool) -> None:
+        """Wait in the admission queue while every routable replica of ``pool`` is full (then the
+        request goes on; with no routable replica it goes on at once, to get its 503)."""
+        cap = self.state.settings.limits.max_inflight_per_replica
+        what = f"every replica of model {pool.model!r} has {cap} requests in flight"
+        try:
+            await self.state.admission.wait_until(
+                lambda: pool.router.has_free_slot(self.state.monotonic()), self.deadline, what
+            )
+        except AdmissionRefused as exc:
+            _count_refusal(self.state, exc, "replica_full")
+            raise
+
+
+@contextlib.asynccontextmanager
+async def admitted(state: ServiceState) -> AsyncIterator[Admitted]:
+    """Hold one of ``limits.max_inflight`` slots (waiting in the bounded queue if need be) for the
+    body of the ``async with``; refusals are :class:`AdmissionRefused` (429 queue full, 503 timeout)."""
+    admission = state.admission
+    deadline = admission.deadline()
+    try:
+        await admission.enter(deadline)
+    except AdmissionRefused as exc:
+        _count_refusal(state, exc, "max_inflight")
+        raise
+    try:
+        yield Admitted(state, deadline)
+    finally:
+        admission.leave()
+
+
+def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
+    state.metrics.shed_total.labels(full_reason if exc.reason == "queue_full" else exc.reason).inc()
+
+
+class _TermsLog:
+    """Formats a decision's per-replica terms only when a DEBUG line is actually emitted."""
+
+    __slots__ = ("_terms",)
+
+    def __init__(self, terms: Sequence[CostTerms]) -> None:
+        self._terms = terms
+
+    def __str__(self) -> str:
+        return "; ".join(
+            f"{t.replica}: cost={t.cost} overlap={t.overlap_blocks}/{t.request_blocks} "
+            f"prefill={t.prefill_term:.2f} duplication={t.duplication_term:.2f} "
+            f"decode={t.decode_term:.2f} queue={t.queue_term:.2f}"
+            + (f" excluded={t.excluded}" if t.excluded else "")
+            for t in self._terms
+        )
+
+
+def pool_request(state: ServiceState, job: Forward, exclude: Collection[ReplicaId] = ()) -> PoolRequest:
+    """``job`` as its pool's router sees it, under the policy in force for that pool."""
+    return PoolRequest(
+        token_ids=job.token_ids,
+        policy=state.policy.policy_for(job.pool.model),
+        weights=job.weights,
+        request_id=job.request_id,
+        session_key=job.session_key,
+        max_tokens=job.max_tokens,
+        exclude=frozenset(exclude),
+    )
+
+
+def select(state: ServiceState, job: Forward) -> RoutePlan:
+    """The decision for ``job``, committing nothing (explain, gRPC ``Route`` without ``reserve``)."""
+    started = time.perf_counter()
+    plan = job.pool.router.select(pool_request(state, job), state.monotonic())
+    state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
+    _log_decision(job, plan)
+    return plan
+
+
+def route(state: ServiceState, job: Forward, exclude: Collection[ReplicaId] = ()) -> Lease:
+    """Route and commit ``job``: the lease holds its load until released. Raises
+    :class:`NoReplicasAvailable` / :class:`Overloaded` when no replica can take it."""
+    started = time.perf_counter()
+    lease = job.pool.router.route(pool_request(state, job, exclude), state.monotonic())
+    state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
+    _log_decision(job, lease.plan)
+    record_commit(state, lease)
+    return lease
+
+
+def commit(state: ServiceState, job: Forward, plan: RoutePlan) -> Lease:
+    """Commit a plan made by :func:`select` (gRPC ``Route`` with ``reserve``)."""
+    lease = job.pool.router.lease(plan, job.request_id, state.monotonic())
+    record_commit(state, lease)
+    return lease
+
+
+def record_commit(state: ServiceState, lease: Lease) -> None:
+    plan = lease.plan
+    state.metrics.route_decisions_total.labels(plan.decision.policy, lease.replica).inc()
+    state.metrics.predicted_cached_tokens_total.labels(lease.replica).inc(plan.cached_tokens)
+
+
+def _log_decision(job: Forward, plan: RoutePlan) -> None:
+    decision = plan.decision
+    log.debug(
+        "route %s model=%s policy=%s -> %s (%s) cached_tokens=%d of %d; terms: %s",
+        job.request_id,
+        job.pool.model,
+        decision.policy,
+        decision.replica,
+        decision.reason,
+        plan.cached_tokens,
+        plan.prompt_tokens,
+        _TermsLog(decision.terms),
+    )
+
+
+async def open_first(
+    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: dict[str, str]
+) -> Opened:
+    """Send the request and wait for the first body chunk; any failure so far is retryable."""
+    stream = await state.upstream.open(replica.url, path, body, headers)
+    chunks = stream.chunks()
+    try:
+        first = await anext(chunks, b"")
+    except UpstreamError as exc:
+        stream.close()
+        raise RetryableUpstream("first_byte", str(exc)) from None
+    except BaseException:
+        stream.close()
+        raise
+    return Opened(stream, chunks, first)
+
+
+async def dispatch(
+    state: ServiceState,
+    job: Forward,
+    headers: Mapping[str, str],
+    outcome: Outcome,
+    deliver: Callable[[Lease, Opened], Awaitable[T]],
+) -> T:
+    """Route → open (retried on another replica until the first byte) → ``deliver`` → release; the
+    load is released whatever happens. Raises :class:`Overloaded` (every replica tried answered 429)
+    or :class:`UpstreamError` (every attempt failed), and :class:`NoReplicasAvailable` /
+    :class:`Overloaded` when none could start."""
+    exclude: set[ReplicaId] = set()
+    last_error: RetryableUpstream | None = None
+    max_retries = state.settings.limits.max_retries
+    for attempt in range(max_retries + 1):
+        try:
+            lease = route(state, job, exclude)
+        except (NoReplicasAvailable, Overloaded) as exc:
+            if last_error is None:
+                reason = "no_healthy" if isinstance(exc, NoReplicasAvailable) else "replica_full"
+                state.metrics.shed_total.labels(reason).inc()
+                raise
+            break
+        outcome.replica, outcome.policy = lease.replica, lease.plan.decision.policy
+        try:
+            replica = job.pool.replicas[lease.replica]
+            try:
+                opened = await open_first(state, replica, job.path, job.body, dict(headers))
+            except RetryableUpstream as exc:
+                if exc.status != 429:  # a busy replica is not a broken one
+                    state.health.on_failure(lease.replica, state.monotonic(), str(exc))
+                log.warning(
+                    "request %s: replica %s failed before answering: %s", job.request_id, replica.id, exc
+                )
+                exclude.add(lease.replica)
+                last_error = exc
+                if attempt < max_retries:
+                    state.metrics.retries_total.labels(exc.reason).inc()
+                continue
+            return await deliver(lease, opened)
+        finally:
+            lease.release(state.monotonic())
+    failed = ", ".join(sorted(exclude))
+    if last_error is not None and last_error.status == 429:
+        raise Overloaded(f"replica(s) {failed} are busy (429)", BUSY_RETRY_AFTER_S)
+    raise UpstreamError(f"replica(s) {failed} failed before answering and no other could: {last_error}")
+
+
+def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream) -> None:
+    """Bookkeeping once the replica's first body chunk is in: first token, health, TTFT."""
+    now = state.monotonic()
+    lease.first_token(now)
+    if stream.status < 500:
+        state.health.on_success(lease.replica)
+    else:
+        state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
+    policy = lease.plan.decision.policy
+    state.metrics.ttft_seconds.labels(lease.replica, policy).observe(now - job.arrived)
+
+
+def relay_deadline(state: ServiceState, job: Forward) -> float:
+    """The loop time at which ``timeouts.total_s`` since the request's arrival runs out."""
+    remaining_s = state.settings.timeouts.total_s - (state.monotonic() - job.arrived)
+    return asyncio.get_running_loop().time() + max(0.0, remaining_s)
+
+
+def on_relayed(
+    state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream, complete: bool
+) -> None:
+    """Bookkeeping once relaying ended: a complete answer returns its connection to the pool and
+    reports the engine's cached tokens; anything else closes the connection."""
+    if complete:
+        stream.release()
+        usage = stream.usage()
+        if usage.cached_tokens is not None:
+            state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
+    else:
+        stream.close()
+    policy = lease.plan.decision.policy
+    state.metrics.e2e_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
+
+
+def failure_message(state: ServiceState, lease: Lease, exc: Exception) -> str:
+    """Describe a failure after the first byte; only the replica's own failures count against it
+    (not the request's overall ``timeouts.total_s`` deadline)."""
+    if isinstance(exc, UpstreamError):
+        state.health.on_failure(lease.replica, state.monotonic(), str(exc))
+        return str(exc)
+    return f"request exceeded timeouts.total_s = {state.settings.timeouts.total_s}s"

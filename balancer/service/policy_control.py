@@ -1,0 +1,83 @@
+"""The routing policy in force and its runtime changes (no I/O): ``PUT /admin/policy``, the gRPC
+admin RPCs and the fleet's shared policy (Redis) all go through :class:`PolicyControl`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from balancer.policy import Policy, PolicyWeights, make_policy
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyView:
+    """The policy in force, as ``GET /admin/policy`` shows it."""
+
+    name: str
+    weights: PolicyWeights
+    version: int
+    """Starts at 1 and increments on every change."""
+    updated_by: str
+    updated_at_wall: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "weights": self.weights.to_dict(),
+            "version": self.version,
+            "updated_by": self.updated_by,
+            "updated_at": self.updated_at_wall,
+        }
+
+
+class PolicyControl:
+    """The runtime-tunable policy: its name, weights and version, and one instance per pool
+    (``round_robin`` keeps its rotation per instance, so pools never share one)."""
+
+    def __init__(self, name: str, weights: PolicyWeights, wall_now: float) -> None:
+        make_policy(name)  # validates the name
+        self.view = PolicyView(name, weights, 1, "config", wall_now)
+        self._instances: dict[str, Policy] = {}
+        self.listeners: list[Callable[[PolicyView], None]] = []
+        """Called with the new view after each local change (the fleet writes it to Redis)."""
+
+    def policy_for(self, model: str) -> Policy:
+        policy = self._instances.get(model)
+        if policy is None:
+            policy = self._instances[model] = make_policy(self.view.name)
+        return policy
+
+    def update(
+        self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
+    ) -> dict[str, tuple[object, object]]:
+        """Apply a validated change; returns ``{field: (old, new)}`` (empty: nothing changed,
+        and the version stays). Raises :class:`ConfigError` for an unknown policy name."""
+        old = self.view
+        new_name = old.name if name is None else name
+        if new_name != old.name:
+            make_policy(new_name)
+        changes: dict[str, tuple[object, object]] = {}
+        if new_name != old.name:
+            changes["name"] = (old.name, new_name)
+        before, after = old.weights.to_dict(), weights.to_dict()
+        changes.update({k: (before[k], after[k]) for k in after if before[k] != after[k]})
+        if not changes:
+            return changes
+        if new_name != old.name:
+            self._instances.clear()
+        self.view = PolicyView(new_name, weights, old.version + 1, who, wall_now)
+        for listener in self.listeners:
+            listener(self.view)
+        return changes
+
+    def adopt(self, view: PolicyView) -> bool:
+        """Install a view decided elsewhere (another balancer, through Redis) without telling the
+        listeners; ``False`` when it is the one in force. Raises :class:`ConfigError` for an
+        unknown policy name."""
+        if view == self.view:
+            return False
+        if view.name != self.view.name:
+            make_policy(view.name)
+            self._instances.clear()
+        self.view = view
+        return True
