@@ -2,7 +2,8 @@
 
 A pool is every replica serving one model. Replicas whose engines cache differently (block size,
 TRT-LLM's ``prompt[:-1]`` alignment, EAGLE bigram pages) cannot share block keys, so the pool keeps
-one :class:`KeySpace` (hasher + prefix table) per caching scheme. A request is hashed once per key
+one :class:`KeySpace` (hasher + prefix table) per caching scheme; a replica's scheme is its block size
+and the alignment its engine's spec gives (:mod:`balancer.engines`). A request is hashed once per key
 space that has candidates, and the overlaps are merged into one :class:`~balancer.types.Overlap`
 counted in the pool's *reference* block size (the smallest block size in the pool), so the cost
 policy compares like with like.
@@ -57,13 +58,6 @@ class RoutePlan:
     keys: tuple[BlockKey, ...]
     """The request's block keys in the chosen replica's key space (for speculative entries)."""
     decode_blocks: int
-
-
-def align_mode(engine: str, bigram: bool = False) -> AlignMode:
-    """The caching alignment of an engine: TRT-LLM hashes ``prompt[:-1]``; EAGLE pages are pairs."""
-    if engine == "trtllm":
-        return "trtllm"
-    return "bigram" if bigram else "plain"
 
 
 class PoolRouter:
