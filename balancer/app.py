@@ -32,6 +32,7 @@ from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
+from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import HealthBook
@@ -39,7 +40,7 @@ from balancer.index.slots import TableLimits
 from balancer.load.tracker import LoadConfig
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
-from balancer.routing.router import PoolRouter, RouteLimits, align_mode
+from balancer.routing.router import PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
@@ -181,7 +182,8 @@ class Balancer:
             rng=rng,
         )
         for replica in config.replicas:
-            router.add_replica(ReplicaId(replica.id), replica.block_size, align_mode(replica.engine))
+            alignment = engine_spec(replica.engine).alignment()
+            router.add_replica(ReplicaId(replica.id), replica.block_size, alignment)
         router.tracker()  # built once every key space exists (its block size is the pool's smallest)
         replicas = {ReplicaId(r.id): r for r in config.replicas}
         return Pool(config.model, router, tokenizer, replicas)

@@ -10,7 +10,7 @@ annotation             required    meaning
 ``model``              no          the pool (``pools[].model``); default ``discovery.default_model``
 ``port``               no          HTTP port; default the EndpointSlice's (or container's) ``http``
                                    port, or its only port
-``block-size``         no          tokens per KV block; default 16 (32 for ``trtllm``)
+``block-size``         no          tokens per KV block; default per engine (16; 32 for ``trtllm``)
 ``dp-size``            no          data-parallel ranks; default 1
 ``event-port``         no          ZMQ PUB port of rank 0 (SGLang/vLLM); absent: no events
 ``replay-port``        no          ZMQ replay port of rank 0; absent: gaps resync instead
@@ -29,13 +29,11 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from balancer.config import EngineKind, PoolConfig, ReplicaConfig, Settings
+from balancer.config import PoolConfig, ReplicaConfig, Settings
 from balancer.discovery.base import Discovered
+from balancer.engines.registry import ENGINE_SPECS
 from balancer.errors import ConfigError
 from balancer.types import ReplicaId
-
-ENGINES: tuple[EngineKind, ...] = ("sglang", "vllm", "trtllm")
-DEFAULT_BLOCK_SIZE = {"sglang": 16, "vllm": 16, "trtllm": 32}
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +129,9 @@ def build_replica(
 ) -> Discovered:
     """The replica of one endpoint; raises :class:`ConfigError` saying why it cannot be used."""
     engine = annotations.get(prefix + "engine")
-    if engine not in ENGINES:
-        raise ConfigError(f"annotation {prefix}engine must be one of {list(ENGINES)}, got {engine!r}")
+    spec = None if engine is None else ENGINE_SPECS.get(engine)
+    if spec is None:
+        raise ConfigError(f"annotation {prefix}engine must be one of {list(ENGINE_SPECS)}, got {engine!r}")
     model = annotations.get(prefix + "model") or default_model
     if not model:
         raise ConfigError(f"no annotation {prefix}model and no discovery.default_model")
@@ -145,8 +144,8 @@ def build_replica(
     replica = ReplicaConfig(
         id=endpoint.pod,
         url=f"http://{host}:{port}",
-        engine=engine,
-        block_size=_int(annotations, prefix + "block-size", DEFAULT_BLOCK_SIZE[engine]) or 0,
+        engine=spec.name,
+        block_size=_int(annotations, prefix + "block-size", spec.default_block_size) or 0,
         events=None if event_port is None else f"tcp://{host}:{event_port}",
         replay=None if replay_port is None else f"tcp://{host}:{replay_port}",
         topic=annotations.get(prefix + "topic", ""),

@@ -1,12 +1,20 @@
-"""Sans-IO decoders, one module per engine (pure): engine bytes → engine-neutral events.
+"""The engines kvlb speaks, one module per engine (pure: no I/O, no clock, no module state).
 
-* :mod:`balancer.engines.sglang`: SGLang and vLLM ZMQ frames ``[topic, seq, msgpack]``.
-* :mod:`balancer.engines.trtllm`: TRT-LLM ``POST /kv_cache_events`` JSON drains.
+* :mod:`balancer.engines.sglang`: SGLang's ZMQ frames ``[topic, seq, msgpack]`` (the decoder vLLM
+  shares) and SGLang's spec.
+* :mod:`balancer.engines.vllm`: vLLM's spec (SGLang's decoder, vLLM's own load reports).
+* :mod:`balancer.engines.trtllm`: TRT-LLM ``POST /kv_cache_events`` JSON drains and TRT-LLM's spec.
 
-A decoder may keep per-stream state (TRT-LLM remembers partial blocks and ``event_id`` per rank), but
-it never does I/O and never reads a clock. A message that cannot be decoded at all raises
-:class:`balancer.errors.EventDecodeError`; a malformed event *inside* a good message is skipped and
-its reason recorded in ``DecodedBatch.errors``, so one bad event never loses its neighbours.
+Each engine module defines ``SPEC``, an :class:`~balancer.engines.spec.EngineSpec` holding every
+engine-specific choice (decoder, hash alignment, default block size, event transport, load scrape
+targets, lease takeover); :mod:`balancer.engines.registry` maps engine names to them. Nothing outside
+this package branches on an engine's name. This module holds the decoder seam shared by every engine.
+
+A decoder turns engine bytes into engine-neutral events. It may keep per-stream state (TRT-LLM
+remembers partial blocks and ``event_id`` per rank), but it never does I/O and never reads a clock. A
+message that cannot be decoded at all raises :class:`balancer.errors.EventDecodeError`; a malformed
+event *inside* a good message is skipped and its reason recorded in ``DecodedBatch.errors``, so one
+bad event never loses its neighbours.
 """
 
 from __future__ import annotations
@@ -48,15 +56,5 @@ class Decoder(Protocol):
         ...
 
 
-DecoderFactory = Callable[[], Decoder]
-
-
-def decoder_factories() -> dict[str, DecoderFactory]:
-    """Every known decoder by engine name (``sglang``, ``vllm``, ``trtllm``); each call builds anew."""
-    from balancer.engines import sglang, trtllm
-
-    return {
-        "sglang": sglang.SglangDecoder,
-        "vllm": sglang.SglangDecoder,
-        "trtllm": trtllm.TrtllmDecoder,
-    }
+DecoderFactory = Callable[[int], Decoder]
+"""Tokens per KV block of the replica → a new decoder for one event stream."""

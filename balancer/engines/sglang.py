@@ -1,4 +1,4 @@
-"""SGLang and vLLM ZMQ KV-event decoder (pure: no I/O, no clock).
+"""SGLang: the ZMQ KV-event decoder vLLM shares, and SGLang's :data:`SPEC` (pure: no I/O, no clock).
 
 One message is ``[topic, seq, payload]`` from a PUB socket, or ``[seq, payload]`` from a replay
 reply once the DEALER's empty delimiter is stripped. ``seq`` is 8 bytes big-endian; ``payload`` is a
@@ -21,6 +21,9 @@ Events are positional arrays ``["BlockStored", ...]`` (older builds) or tagged m
 Index 7 of a positional ``BlockStored`` is vLLM's ``lora_name`` (a string) or SGLang's salted
 ``metadata`` map (``{"cache_salt": ...}``): the type decides. The only state is the learned vLLM
 main group, so one decoder serves one replica.
+
+SGLang's spec: plain alignment (EAGLE: bigram pages), 16 tokens per page by default, ZMQ events per DP
+rank with replay, and load from ``/v1/loads`` (else Prometheus ``/metrics``, else ``/get_load``).
 """
 
 from __future__ import annotations
@@ -32,9 +35,17 @@ from typing import Any
 import msgpack
 
 from balancer.engines import DecodedBatch
+from balancer.engines.spec import EngineSpec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
 from balancer.index.hashing import pack_tokens
+from balancer.load.scrape import (
+    ScrapeTarget,
+    json_parser,
+    parse_sglang_loads,
+    parse_sglang_prometheus,
+    text_parser,
+)
 from balancer.types import U64_MASK, EngineHash
 
 SEQ_BYTES = 8
@@ -357,3 +368,19 @@ def _on_gpu(fields: Mapping[Any, Any]) -> bool:
     if isinstance(medium, str):
         return False
     raise _Malformed("medium is not a string")
+
+
+SPEC = EngineSpec(
+    name="sglang",
+    decoder=SglangDecoder,
+    align_mode="plain",
+    bigram_align_mode="bigram",
+    default_block_size=16,
+    transport="zmq",
+    scrape_targets=(
+        ScrapeTarget("/v1/loads?include=core,memory", json_parser(parse_sglang_loads)),
+        ScrapeTarget("/metrics", text_parser(parse_sglang_prometheus), prometheus=True),
+        ScrapeTarget("/get_load", json_parser(parse_sglang_loads)),
+    ),
+    resync_on_unclean_takeover=False,
+)

@@ -1,4 +1,4 @@
-"""TensorRT-LLM KV-cache event decoder (pure): ``POST /kv_cache_events`` JSON → engine-neutral events.
+"""TensorRT-LLM: the ``POST /kv_cache_events`` JSON decoder and TRT-LLM's :data:`SPEC` (pure).
 
 One message is one frame: the JSON body of a drain, a list of event objects (``[]`` when idle). The
 decoder keeps per-stream state (known windows, last ``event_id`` and partial-block hashes per
@@ -40,6 +40,10 @@ attention-DP rank), does no I/O and reads no clock. What it decides, and why:
   skipped with its reason in ``DecodedBatch.errors``; its ``event_id``, when valid, still counts, so it
   causes no false gap. ``ignored`` counts empty ``{}`` events, events of other windows or unknown types,
   dropped blocks, removed partial hashes and ignored updates, one each.
+
+TRT-LLM's spec: blocks over ``prompt[:-1]``, 32 tokens per block by default, events from the HTTP
+drain (one consumer; an unclean lease takeover resyncs, as the drained events cannot be replayed), and
+load from the ``/metrics`` iteration-stats drain, else Prometheus ``/prometheus/metrics``.
 """
 
 from __future__ import annotations
@@ -52,9 +56,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from balancer.engines import DecodedBatch
+from balancer.engines.spec import EngineSpec
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import KvEvent, Removed, Resync, ResyncReason, Stored
 from balancer.index.hashing import pack_tokens
+from balancer.load.scrape import (
+    ScrapeTarget,
+    json_parser,
+    parse_trtllm_iteration_stats,
+    parse_trtllm_prometheus,
+    text_parser,
+)
 from balancer.types import U64_MASK, EngineHash, to_u64
 
 _HEX = re.compile(r"[0-9a-fA-F]{1,128}")
@@ -386,3 +398,18 @@ class TrtllmDecoder:
     def _forget_partials(self, rank: int) -> None:
         for key in [key for key in self._partials if key[0] == rank]:
             del self._partials[key]
+
+
+SPEC = EngineSpec(
+    name="trtllm",
+    decoder=TrtllmDecoder,
+    align_mode="trtllm",
+    bigram_align_mode="trtllm",
+    default_block_size=32,
+    transport="http_drain",
+    scrape_targets=(
+        ScrapeTarget("/metrics", json_parser(parse_trtllm_iteration_stats)),
+        ScrapeTarget("/prometheus/metrics", text_parser(parse_trtllm_prometheus), prometheus=True),
+    ),
+    resync_on_unclean_takeover=True,
+)

@@ -24,7 +24,8 @@ stops the ingest, drops the replica's blocks fleet-wide and deletes the lease (n
 Taking a lease bumps the replica's generation (fencing the previous holder) and returns the
 positions applied so far: ZMQ sources resume right after them (engine replay, or ``Resync`` when the
 replay buffer no longer covers the gap). A TRT-LLM drain cannot be replayed: unless the previous
-holder stopped cleanly, the new holder resyncs the replica's ranks first.
+holder stopped cleanly, the new holder resyncs the replica's ranks first (the engine's spec says so:
+``EngineSpec.resync_on_unclean_takeover``).
 
 Lease expiry uses the Redis server's clock (``PX``); ``now`` values here are local monotonic seconds
 (health) and wall seconds (event ages), never compared with Redis time.
@@ -46,6 +47,7 @@ import xxhash
 from redis.exceptions import RedisError
 
 from balancer.config import ReplicaConfig
+from balancer.engines.registry import engine_spec
 from balancer.events import Resync
 from balancer.fleet.writer import FencedWriter
 from balancer.health.book import HealthBook
@@ -280,7 +282,8 @@ class LeaseManager:
         )
         sources = self._build_sources(entry.config, positions)
         pipeline = entry.ingest.add_replica(replica, entry.config.engine, sources)
-        if entry.config.engine == "trtllm" and grant.applied and not grant.clean:
+        needs_resync = engine_spec(entry.config.engine).resync_on_unclean_takeover
+        if needs_resync and grant.applied and not grant.clean:
             ranks = await cast("Any", self.client.smembers(entry.keys.ranks(replica)))
             resyncs = tuple(Resync(int(r), "gap") for r in sorted(ranks, key=int)) or (Resync(0, "gap"),)
             pipeline.offer(IngestBatch(resyncs))

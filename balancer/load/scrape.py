@@ -18,13 +18,17 @@ Aggregation over series: a series is one DP rank when it carries a ``dp``/``dp_r
 ``attention_dp_rank`` label, else all series share rank "". Series of the same rank (other TP/PP
 ranks report the same scheduler) are merged by ``max``; ranks are then summed for counts and
 averaged for fractions.
+
+A :class:`ScrapeTarget` pairs an endpoint with the parser of its body; each engine's spec
+(:mod:`balancer.engines`) lists its targets in the order :mod:`balancer.load.scraper` tries them.
 """
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 from balancer.errors import BalancerError
@@ -57,6 +61,47 @@ class ScrapedLoad:
     def engine_stats(self) -> EngineStats:
         """The part :meth:`balancer.load.tracker.LoadTracker.observe` takes."""
         return EngineStats(self.running_reqs, self.waiting_reqs, self.kv_usage, self.capacity_tokens)
+
+
+Parser = Callable[[bytes], ScrapedLoad | None]
+"""A response body → the load it reports; ``None`` means idle (an empty drain). Raises ``ScrapeError``."""
+
+
+@dataclass(frozen=True, slots=True)
+class ScrapeTarget:
+    """One load endpoint of an engine and the parser of its body."""
+
+    path: str
+    """Path (and query) on the replica's HTTP base URL, e.g. ``/v1/loads?include=core,memory``."""
+    parse: Parser
+    """Turns the body of a 200 response into a load."""
+    prometheus: bool = False
+    """A Prometheus exposition: a replica's ``metrics_path`` setting replaces ``path``."""
+
+
+def text_parser(parse: Callable[[str], ScrapedLoad]) -> Parser:
+    """A body parser from a text parser (the body is UTF-8; bad bytes are replaced)."""
+    return lambda body: parse(body.decode("utf-8", "replace"))
+
+
+def json_parser(parse: Callable[[object], ScrapedLoad | None]) -> Parser:
+    """A body parser from a parser of JSON documents; a body that is not JSON raises ``ScrapeError``."""
+
+    def parse_json(body: bytes) -> ScrapedLoad | None:
+        try:
+            document = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise ScrapeError(f"body is not JSON: {exc}") from None
+        return parse(document)
+
+    return parse_json
+
+
+def with_metrics_path(targets: Iterable[ScrapeTarget], metrics_path: str | None) -> tuple[ScrapeTarget, ...]:
+    """``targets`` with ``metrics_path`` (unless empty) in place of every Prometheus target's path."""
+    if not metrics_path:
+        return tuple(targets)
+    return tuple(replace(target, path=metrics_path) if target.prometheus else target for target in targets)
 
 
 # --- Prometheus text -----------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Periodic scrape of one replica's own load report (does I/O; parsing is in :mod:`balancer.load.scrape`).
 
-Each engine kind has an ordered list of endpoints; a 404 moves to the next one (remembered), so an
-engine without ``/v1/loads`` falls back to ``/metrics``. Every result goes to the ``observe``
-callback (``LoadTracker.observe``) with ``time.monotonic()``; failures count in
-``kvlb_scrape_errors_total{replica}`` and the loop goes on at the same interval.
+Each engine's spec (:mod:`balancer.engines`) lists its load endpoints in order; a 404 moves to the
+next one (remembered), so an SGLang without ``/v1/loads`` falls back to ``/metrics``. Every result
+goes to the ``observe`` callback (``LoadTracker.observe``) with ``time.monotonic()``; failures count
+in ``kvlb_scrape_errors_total{replica}`` and the loop goes on at the same interval.
 
 TRT-LLM's ``/metrics`` is a drain of iteration stats like ``/kv_cache_events``: one consumer only. An
 empty drain means no iteration ran since the last scrape, reported as 0 running and 0 waiting.
@@ -12,7 +12,6 @@ empty drain means no iteration ran since the last scrape, reported as 0 running 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -21,16 +20,9 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
-from balancer.load.scrape import (
-    ScrapedLoad,
-    ScrapeError,
-    parse_sglang_loads,
-    parse_sglang_prometheus,
-    parse_trtllm_iteration_stats,
-    parse_trtllm_prometheus,
-    parse_vllm_prometheus,
-)
+from balancer.load.scrape import ScrapedLoad, ScrapeError, with_metrics_path
 from balancer.load.tracker import EngineStats
 from balancer.metrics import Metrics
 from balancer.sources.http import BodyTooLarge, read_capped
@@ -40,7 +32,6 @@ log = logging.getLogger(__name__)
 
 Observe = Callable[[ReplicaId, EngineStats, float], object]
 """``LoadTracker.observe(replica, stats, now)``; ``now`` is monotonic seconds."""
-Parser = Callable[[bytes], ScrapedLoad | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +57,6 @@ class ScrapeSettings:
 
 
 @dataclass(frozen=True, slots=True)
-class ScrapeTarget:
-    """One endpoint and the parser of its body."""
-
-    path: str
-    parse: Parser
-
-
-@dataclass(frozen=True, slots=True)
 class ScraperStatus:
     """A scraper's state for ``/admin/replicas``."""
 
@@ -87,41 +70,11 @@ class ScraperStatus:
     last_error: str | None
 
 
-def _text(parse: Callable[[str], ScrapedLoad]) -> Parser:
-    return lambda body: parse(body.decode("utf-8", "replace"))
-
-
-def _json(parse: Callable[[object], ScrapedLoad | None]) -> Parser:
-    def parse_json(body: bytes) -> ScrapedLoad | None:
-        try:
-            document = json.loads(body)
-        except (ValueError, RecursionError) as exc:
-            raise ScrapeError(f"body is not JSON: {exc}") from None
-        return parse(document)
-
-    return parse_json
-
-
-def scrape_targets(engine: str, metrics_path: str | None = None) -> tuple[ScrapeTarget, ...]:
-    """Endpoints tried for ``engine``, in order; ``metrics_path`` replaces the Prometheus path."""
-    if engine == "sglang":
-        return (
-            ScrapeTarget("/v1/loads?include=core,memory", _json(parse_sglang_loads)),
-            ScrapeTarget(metrics_path or "/metrics", _text(parse_sglang_prometheus)),
-            ScrapeTarget("/get_load", _json(parse_sglang_loads)),
-        )
-    if engine == "vllm":
-        return (ScrapeTarget(metrics_path or "/metrics", _text(parse_vllm_prometheus)),)
-    if engine == "trtllm":
-        return (
-            ScrapeTarget("/metrics", _json(parse_trtllm_iteration_stats)),
-            ScrapeTarget(metrics_path or "/prometheus/metrics", _text(parse_trtllm_prometheus)),
-        )
-    raise ConfigError(f"no load scraper for engine {engine!r}")
-
-
 class MetricsScraper:
-    """Scrapes one replica every ``interval_s`` and reports to ``observe``."""
+    """Scrapes one replica every ``interval_s`` and reports to ``observe``.
+
+    ``engine`` names the spec whose scrape targets are tried (an unknown one raises ``ConfigError``);
+    ``metrics_path``, when set, replaces the path of its Prometheus targets."""
 
     def __init__(
         self,
@@ -140,7 +93,7 @@ class MetricsScraper:
         self.base_url = base_url.rstrip("/")
         self.settings = settings or ScrapeSettings()
         self.settings.validate()
-        self._targets = scrape_targets(engine, metrics_path)
+        self._targets = with_metrics_path(engine_spec(engine).scrape_targets, metrics_path)
         self._target = 0
         self._session = session
         self._observe = observe

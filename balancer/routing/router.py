@@ -9,7 +9,8 @@ load tracker's reservations: the per-replica cap reads them, and the lease relea
 
 A pool is every replica serving one model. Replicas whose engines cache differently (block size,
 TRT-LLM's ``prompt[:-1]`` alignment, EAGLE bigram pages) cannot share block keys, so the pool keeps
-one :class:`KeySpace` (hasher + prefix table) per caching scheme. A request is hashed once per key
+one :class:`KeySpace` (hasher + prefix table) per caching scheme; a replica's scheme is its block size
+and the alignment its engine's spec gives (:mod:`balancer.engines`). A request is hashed once per key
 space that has candidates, and the overlaps are merged into one :class:`~balancer.types.Overlap`
 counted in the pool's *reference* block size (the smallest block size in the pool), so the cost
 policy compares like with like.
@@ -130,13 +131,6 @@ class Lease:
         self._released = True
         self._router.release(self.tracking_id, now)
         return True
-
-
-def align_mode(engine: str, bigram: bool = False) -> AlignMode:
-    """The caching alignment of an engine: TRT-LLM hashes ``prompt[:-1]``; EAGLE pages are pairs."""
-    if engine == "trtllm":
-        return "trtllm"
-    return "bigram" if bigram else "plain"
 
 
 class PoolRouter:

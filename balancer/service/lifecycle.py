@@ -30,11 +30,12 @@ import zmq.asyncio
 
 from balancer.config import ReplicaConfig
 from balancer.discovery import Discovery, DiscoveryEvent, ReplicaAdded
+from balancer.engines.registry import engine_spec
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.prober import HealthProber, ProbeSettings
 from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
-from balancer.routing.router import KeySpace, align_mode
+from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
 from balancer.sources.build import build_sources
 from balancer.sources.pipeline import EventIngest, IngestSettings
@@ -123,7 +124,7 @@ class ReplicaLifecycle:
         if owner is not None:
             log.warning("discovered replica %s: id already used in pool %r: ignored", replica, owner)
             return False
-        space = pool.router.add_replica(replica, config.block_size, align_mode(config.engine))
+        space = pool.router.add_replica(replica, config.block_size, engine_spec(config.engine).alignment())
         self.discovered[replica] = model
         try:
             if self.fleet is not None:

@@ -1,20 +1,21 @@
 """Builds the event sources of one configured replica (no I/O itself: sockets open in ``run``).
 
-SGLang and vLLM: one :class:`ZmqEventSource` per DP rank, rank ``r`` on the configured endpoint's port
-``+ r`` (replay likewise), none when the replica has no ``events`` endpoint. TRT-LLM: one
+The engine's spec (:mod:`balancer.engines`) says which transport and decoder. ``zmq`` (SGLang, vLLM):
+one :class:`ZmqEventSource` per DP rank, rank ``r`` on the configured endpoint's port ``+ r`` (replay
+likewise), none when the replica has no ``events`` endpoint. ``http_drain`` (TRT-LLM): one
 :class:`TrtllmPoller` on the replica's HTTP URL. Every source gets its own decoder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import assert_never
 
 import aiohttp
 import zmq.asyncio
 
 from balancer.config import ReplicaConfig
-from balancer.engines.sglang import SglangDecoder
-from balancer.engines.trtllm import TrtllmDecoder
+from balancer.engines.registry import engine_spec
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
@@ -37,12 +38,15 @@ def build_sources(
     rank missing from a given ``resume`` starts at seq 0. Either way it asks the replay socket at
     once for what it missed (an ingester taking a replica over, or the fleet's first one)."""
     replica_id = ReplicaId(replica.id)
-    if replica.engine == "trtllm":
-        decoder = TrtllmDecoder(tokens_per_block=replica.block_size)
+    spec = engine_spec(replica.engine)
+    if spec.transport == "http_drain":
+        decoder = spec.decoder(replica.block_size)
         poller = TrtllmPoller(
             replica_id, replica.url, session=session, decoder=decoder, metrics=metrics, settings=poll_settings
         )
         return [poller]
+    if spec.transport != "zmq":
+        assert_never(spec.transport)
     if replica.events is None:
         return []
     sources: list[EventSource] = []
@@ -52,7 +56,7 @@ def build_sources(
             replica_id,
             endpoint_for_rank(replica.events, rank),
             ctx=zmq_ctx,
-            decoder=SglangDecoder(block_size=replica.block_size),
+            decoder=spec.decoder(replica.block_size),
             metrics=metrics,
             dp_rank=rank,
             topic=replica.topic.encode("utf-8"),

@@ -3,12 +3,12 @@
 Whatever bytes arrive, a decoder returns a :class:`DecodedBatch` of engine-neutral events or raises
 :class:`EventDecodeError`, nothing else; a valid empty message gives no events; every ``Stored``
 has exactly the tokens its blocks span; and decoding is deterministic. Each engine supplies a valid
-sample message and a valid empty one in ``SAMPLES``.
+sample message and a valid empty one in ``SAMPLES``; its decoder comes from its spec
+(:data:`balancer.engines.registry.ENGINE_SPECS`), built for the engine's default block size.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,7 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.engines import DecodedBatch, Decoder, decoder_factories
+from balancer.engines import DecodedBatch, Decoder
+from balancer.engines.registry import ENGINE_SPECS, engine_spec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, Removed, Resync, Stored
 from balancer.types import U64_MASK
@@ -26,9 +27,6 @@ from balancer.types import U64_MASK
 
 @dataclass(frozen=True)
 class Sample:
-    module: str
-    """The module that defines the engine's decoder (a missing one skips that engine)."""
-    cls: str
     message: list[bytes]
     """A valid message with at least one ``Stored``."""
     empty: list[bytes]
@@ -106,26 +104,18 @@ _TRTLLM = [
 ]
 
 SAMPLES: dict[str, Sample] = {
-    "sglang": Sample("balancer.engines.sglang", "SglangDecoder", _SGLANG, _zmq([])),
-    "vllm": Sample("balancer.engines.sglang", "SglangDecoder", _VLLM, _zmq([])),
-    "trtllm": Sample("balancer.engines.trtllm", "TrtllmDecoder", _TRTLLM, [b"[]"]),
+    "sglang": Sample(_SGLANG, _zmq([])),
+    "vllm": Sample(_VLLM, _zmq([])),
+    "trtllm": Sample(_TRTLLM, [b"[]"]),
 }
 
 Factory = Callable[[], Decoder]
 
 
 def _factory(engine: str) -> Factory:
-    """The registry's factory; while another engine's module is missing, the engine's own class."""
-    sample = SAMPLES[engine]
-    try:
-        module = importlib.import_module(sample.module)
-    except ImportError as exc:
-        pytest.skip(f"{engine}: {sample.module} is not importable yet ({exc})")
-    try:
-        return decoder_factories()[engine]
-    except ImportError:
-        factory: Factory = getattr(module, sample.cls)
-        return factory
+    """A fresh decoder of ``engine`` per call, from its spec, for its default block size."""
+    spec = engine_spec(engine)
+    return lambda: spec.decoder(spec.default_block_size)
 
 
 @pytest.fixture(scope="module", params=sorted(SAMPLES))
@@ -166,11 +156,7 @@ def decode_or_reject(factory: Factory, frames: list[bytes]) -> None:
 
 
 def test_every_registered_engine_has_a_sample() -> None:
-    try:
-        registered = set(decoder_factories())
-    except ImportError as exc:
-        pytest.skip(f"the registry cannot import every engine yet ({exc})")
-    assert registered <= set(SAMPLES)
+    assert set(ENGINE_SPECS) == set(SAMPLES)
 
 
 def test_decoder_names_its_engine(factory: Factory) -> None:

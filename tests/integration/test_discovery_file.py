@@ -10,11 +10,12 @@ import pytest
 
 from balancer.config import ReplicaConfig
 from balancer.discovery import DiscoveryEvent, FileDiscovery, ReplicaAdded, ReplicaRemoved
+from balancer.engines.registry import engine_spec
 from balancer.events import Stored
 from balancer.index.hashing import pack_tokens
 from balancer.index.memory import MemoryIndex
 from balancer.metrics import Metrics
-from balancer.routing.router import PoolRouter, align_mode
+from balancer.routing.router import PoolRouter
 from balancer.sources.pipeline import EventIngest
 from balancer.types import EngineHash, ReplicaId
 
@@ -152,7 +153,8 @@ async def test_hook_drops_a_removed_replicas_blocks_from_the_index(tmp_path: Pat
     async def hook(event: DiscoveryEvent) -> None:
         if isinstance(event, ReplicaAdded):
             replica = ReplicaId(event.replica.id)
-            space = router.add_replica(replica, event.replica.block_size, align_mode(event.replica.engine))
+            alignment = engine_spec(event.replica.engine).alignment()
+            space = router.add_replica(replica, event.replica.block_size, alignment)
             ingest = ingests.setdefault(
                 id(space), EventIngest(MemoryIndex.over(space.table), metrics=metrics)
             )

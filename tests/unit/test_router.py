@@ -10,7 +10,7 @@ from balancer.events import Stored
 from balancer.index.hashing import pack_tokens
 from balancer.load.tracker import EngineStats
 from balancer.policy.base import PolicyWeights, make_policy
-from balancer.routing.router import PoolRouter, align_mode
+from balancer.routing.router import PoolRouter
 from balancer.types import EngineHash, ReplicaId
 
 A, B, T = ReplicaId("a"), ReplicaId("b"), ReplicaId("t")
@@ -33,12 +33,6 @@ def pool() -> PoolRouter:
     router.add_replica(A, 16, "plain")
     router.add_replica(B, 16, "plain")
     return router
-
-
-def test_align_mode() -> None:
-    assert align_mode("trtllm") == "trtllm"
-    assert align_mode("sglang") == "plain"
-    assert align_mode("sglang", bigram=True) == "bigram"
 
 
 def test_hot_prefix_goes_to_holder_and_plan_has_no_side_effects() -> None:

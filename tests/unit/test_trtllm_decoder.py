@@ -28,7 +28,7 @@ from trtllm_fake import (
     write_goldens,
 )
 
-from balancer.engines import decoder_factories
+from balancer.engines.registry import engine_spec
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.errors import EventDecodeError
 from balancer.events import Removed, Resync, Stored
@@ -106,7 +106,8 @@ def test_spec_example_is_the_verbatim_body() -> None:
 
 
 def test_default_decoder_takes_an_empty_drain() -> None:
-    decoder = decoder_factories()["trtllm"]()
+    spec = engine_spec("trtllm")
+    decoder = spec.decoder(spec.default_block_size)
     assert decoder.engine == "trtllm"
     batch = decoder.decode([b"[]"])
     assert batch.events == [] and batch.ignored == 0 and batch.errors == ()
