@@ -14,7 +14,7 @@ from typing import Protocol
 
 _COMMAND_MODULES: tuple[str, ...] = (
     "loadtests.bench.command",
-    "replicas.command",
+    "loadtests.emulate",
     "balancer.cli.command",
     "loadtests.command",
     "loadtests.demo.command",
