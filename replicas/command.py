@@ -32,8 +32,9 @@ from replicas.sim.tokenizer import DEFAULT_TOKENIZER, TOKEN_IDS_ONLY, TokenizerL
 SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
 
 COMMAND_NAME = "emulate"
+"""The subcommand of ``kvlb`` (``kvlb simulate`` is the discrete-event simulator, another thing)."""
 DEPRECATED_NAME = "sim"
-"""The command's old name, kept as an alias that warns (``kvlb simulate`` is the simulator)."""
+"""The command's old name, kept as an alias that warns once and then runs the same handler."""
 
 # Options copied to child processes; each maps an argparse dest to its flag.
 _PASSTHROUGH = {
