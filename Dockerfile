@@ -1,4 +1,4 @@
-# kvlb: the balancer (`kvlb serve`), and the engine emulator (`kvlb sim`) for trials.
+# kvlb: the balancer (`kvlb serve`), and the engine emulator (`kvlb emulate`) for trials.
 #   docker build -t kvlb:dev .
 #   docker run --rm -p 8000:8000 -v $PWD/kvlb.yaml:/etc/kvlb/config.yaml:ro kvlb:dev
 # Settings: /etc/kvlb/config.yaml ($KVLB_CONFIG), then KVLB_* variables (docs/operations.md).

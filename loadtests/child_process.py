@@ -2,7 +2,7 @@
 
 A :class:`Child` is a ``python -m <module> ...`` process that announces itself with one JSON line on
 stdout (``{"kvlb": "serving", "url": ...}`` for ``kvlb serve``, ``{"replicas": [...]}`` for
-``kvlb sim``). :func:`spawn` waits a bounded time for that line; :func:`stop` always ends the process
+``kvlb emulate``). :func:`spawn` waits a bounded time for that line; :func:`stop` always ends the process
 (SIGTERM, then SIGKILL after a bounded wait). Stderr goes to a file so a failure can show its tail.
 :func:`cpu_seconds` reads a process's user + system CPU time from ``/proc`` (Linux).
 """

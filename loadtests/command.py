@@ -93,7 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--event-flavor", choices=("auto", "sglang", "vllm"), default="auto",
         help="KV-event fields the replicas publish; auto: vllm when vllm_kv_aware runs (it needs "
         "lora_name), else sglang")  # fmt: skip
-    add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb sim` prints")
+    add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb emulate` prints")
     add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
     add("--max-duration-s", type=float, default=600.0, help="per router: cancel what is left after this")

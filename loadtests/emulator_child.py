@@ -1,9 +1,10 @@
-"""Child process of a load-test fleet: ``kvlb sim`` with the overrides a load test needs (I/O).
+"""Child process of a load-test fleet: ``kvlb emulate`` with the overrides a load test needs (I/O).
 
 ``python -m loadtests.emulator_child --replicas N --index-offset I --profile P`` runs N emulated SGLang
-replicas on this process's event loop, prints the fleet listing (one JSON line, as ``kvlb sim``)
-and runs until SIGTERM. Beyond ``kvlb sim`` it takes ``--kv-capacity-tokens`` (a pool small enough
+replicas on this process's event loop, prints the fleet listing (one JSON line, as ``kvlb emulate``)
+and runs until SIGTERM. Beyond ``kvlb emulate`` it takes ``--kv-capacity-tokens`` (a pool small enough
 for a workload to overflow one replica), ``--max-context-tokens`` and ``--event-flavor vllm``.
+Tokenizers are the balancer's (:data:`loadtests.emulate.BALANCER_TOKENIZERS`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,12 @@ import signal
 from collections.abc import Sequence
 from dataclasses import replace
 
+from loadtests.emulate import BALANCER_TOKENIZERS
 from replicas.command import print_listing, runner
-from replicas.emulator import (
-    Emulator,
-    EmulatorSpec,
-    load_emulator_tokenizer,
-    template_config,
-    tokenizer_model_path,
-)
+from replicas.emulator import Emulator, EmulatorSpec, template_config
 from replicas.sim.personality_sglang import SglangPersonality
 from replicas.sim.profiles import PROFILES
+from replicas.sim.tokenizer import DEFAULT_TOKENIZER
 from replicas.wire.sglang import KvEventEncoder
 
 
@@ -35,11 +32,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-capacity-tokens", type=int, default=None)
     parser.add_argument("--max-context-tokens", type=int, default=None)
     parser.add_argument("--time-scale", type=float, default=1.0)
-    parser.add_argument("--tokenizer", default="default")
+    parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
     parser.add_argument("--event-flavor", choices=("sglang", "vllm"), default="sglang")
     args = parser.parse_args(argv)
     template = template_config(
-        profile=args.profile, time_scale=args.time_scale, model_path=tokenizer_model_path(args.tokenizer)
+        profile=args.profile,
+        time_scale=args.time_scale,
+        model_path=BALANCER_TOKENIZERS.model_path(args.tokenizer),
     )
     overrides = {
         key: value
@@ -73,7 +72,7 @@ def _use_vllm_events(fleet: Emulator) -> None:
 
 
 async def _serve(spec: EmulatorSpec, event_flavor: str = "sglang") -> None:
-    tokenizer = await asyncio.to_thread(load_emulator_tokenizer, spec.tokenizer)
+    tokenizer = await asyncio.to_thread(BALANCER_TOKENIZERS.load, spec.tokenizer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

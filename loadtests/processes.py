@@ -4,9 +4,9 @@ Everything is a child process started here and stopped here, by its own pid: SIG
 wait, then SIGKILL. Each child prints one JSON line when it is ready (the fleet its replica listing,
 kvlb ``{"kvlb": "serving"}``); peers print nothing useful, so readiness is polled over HTTP.
 
-The fleet runs in ``processes`` children (``python -m loadtests.emulator_child``: ``kvlb sim`` plus the
-profile overrides and event flavour ``kvlb sim`` lacks). Or :func:`attach_emulator` uses a running
-fleet from its listing (``kvlb sim … > fleet.jsonl``); it must be SGLang replicas (flush, events,
+The fleet runs in ``processes`` children (``python -m loadtests.emulator_child``: ``kvlb emulate`` plus the
+profile overrides and event flavour ``kvlb emulate`` lacks). Or :func:`attach_emulator` uses a running
+fleet from its listing (``kvlb emulate … > fleet.jsonl``); it must be SGLang replicas (flush, events,
 ``/admin/stats``).
 """
 
@@ -182,7 +182,7 @@ def _child_args(options: EmulatorOptions, offset: int, count: int) -> list[str]:
 
 
 def attach_emulator(listing: Path) -> EmulatorHandle:
-    """A running fleet from the JSON listing ``kvlb sim`` prints (the last ``{"replicas": …}`` line)."""
+    """A running fleet from the JSON listing ``kvlb emulate`` prints (the last ``{"replicas": …}`` line)."""
     replicas: list[dict[str, Any]] | None = None
     for line in listing.read_text(encoding="utf-8").splitlines():
         if line.strip().startswith("{") and '"replicas"' in line:

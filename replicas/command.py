@@ -1,8 +1,14 @@
-"""``kvlb sim``: start a fleet of emulated engine replicas and run until Ctrl-C/SIGTERM (I/O).
+"""``kvlb emulate``: start a fleet of emulated engine replicas and run until Ctrl-C/SIGTERM (I/O).
 
 Prints one line per replica (name, engine, HTTP URL, event endpoints), then one JSON line
-``{"replicas": [...]}`` for scripts. Also runnable as ``python -m replicas.command`` (the child-process
-form :class:`replicas.emulator.ProcessEmulator` uses).
+``{"replicas": [...]}`` for scripts. ``kvlb sim`` is its deprecated old name (a warning on stderr,
+then the same command).
+
+:class:`EmulateCommand` is the command bound to a tokenizer loader (:mod:`replicas.sim.tokenizer`) and
+to the module its child processes run. This module binds none: ``python -m replicas.command`` (the
+child form of :class:`replicas.emulator.ProcessEmulator`) serves token-id prompts only
+(``--tokenizer none``). ``kvlb emulate`` is :mod:`loadtests.emulate`, which binds the balancer's
+tokenizers.
 """
 
 from __future__ import annotations
@@ -15,18 +21,20 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeAlias
 
-from replicas.emulator import (
-    Emulator,
-    EmulatorSpec,
-    ProcessEmulator,
-    load_emulator_tokenizer,
-    template_config,
-    tokenizer_model_path,
-)
+from replicas.emulator import EMULATOR_MODULE, Emulator, EmulatorSpec, ProcessEmulator, template_config
 from replicas.sim.faults import FaultSettings
 from replicas.sim.profiles import PROFILES
+from replicas.sim.tokenizer import DEFAULT_TOKENIZER, TOKEN_IDS_ONLY, TokenizerLoader
+
+SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+
+COMMAND_NAME = "emulate"
+"""The subcommand of ``kvlb`` (``kvlb simulate`` is the discrete-event simulator, another thing)."""
+DEPRECATED_NAME = "sim"
+"""The command's old name, kept as an alias that warns once and then runs the same handler."""
 
 # Options copied to child processes; each maps an argparse dest to its flag.
 _PASSTHROUGH = {
@@ -65,8 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:", help="SGLang metric prefix")
     add("--epoch-in-topic", action="store_true", help="append SGLang's epoch to the topic frame")
     add("--default-max-tokens", type=int, default=64, help="max_tokens when a request gives none")
-    add("--tokenizer", default="default", help="tokenizer folder or tokenizer.json; 'none' for token ids "
-        "only; 'default': the balancer's default tokenizer (DeepSeek-V3 with its chat template)")  # fmt: skip
+    add("--tokenizer", default=DEFAULT_TOKENIZER, help="tokenizer folder or tokenizer.json; 'none' for token "
+        "ids only; 'default': the balancer's default tokenizer (DeepSeek-V3 with its chat template). "
+        "`python -m replicas.command` alone has only 'none'")  # fmt: skip
     add("--drop-events", type=float, default=0.0, help="fault: fraction of event batches lost")
     add("--slowdown", type=float, default=1.0, help="fault: step-time multiplier")
     add("--fail-health", action="store_true", help="fault: health endpoints answer 503")
@@ -76,59 +85,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--index-offset", type=int, default=0, help=argparse.SUPPRESS)
     add("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     add("--log-level", default="warning", help="logging level")
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "sim",
-        help="run emulated SGLang/TRT-LLM replicas",
-        description="Start a fleet of emulated engine replicas on consecutive ports.",
-    )
-    add_arguments(parser)
-    parser.set_defaults(handler=run)
-
-
-def spec_from_args(args: argparse.Namespace) -> EmulatorSpec:
-    faults = FaultSettings(
-        drop_events=args.drop_events,
-        slowdown=args.slowdown,
-        fail_health=args.fail_health,
-        crash_after_chunks=args.crash_after_chunks,
-    )
-    template = template_config(
-        profile=args.profile,
-        time_scale=args.time_scale,
-        dp_size=args.dp_size,
-        event_encoding=args.event_encoding,
-        faults=faults,
-        page_size=args.page_size,
-        topic=args.topic,
-        buffer_steps=args.buffer_steps,
-        event_buffer_max_size=args.event_buffer_max_size,
-        host_cache_blocks=args.host_cache_blocks,
-        metrics_prefix=args.metrics_prefix,
-        epoch_in_topic=args.epoch_in_topic,
-        default_max_tokens=args.default_max_tokens,
-        seed=args.seed,
-        eviction=args.eviction,
-        model_path=tokenizer_model_path(args.tokenizer),
-    )
-    passthrough: list[str] = []
-    for dest, flag in _PASSTHROUGH.items():
-        value = getattr(args, dest)
-        if value is not None:
-            passthrough += [flag, str(value)]
-    passthrough += [flag for dest, flag in _PASSTHROUGH_FLAGS.items() if getattr(args, dest)]
-    return EmulatorSpec(
-        replicas=args.replicas,
-        engine=args.engine,
-        template=template,
-        base_port=args.base_port,
-        event_port_base=args.event_port_base,
-        index_offset=args.index_offset,
-        tokenizer=args.tokenizer,
-        extra_args=tuple(passthrough),
-    )
 
 
 def print_listing(replicas: Sequence[dict[str, Any]]) -> None:
@@ -150,23 +106,6 @@ async def _wait_for_signal() -> None:
             loop.remove_signal_handler(sig)
 
 
-async def _serve_in_process(spec: EmulatorSpec) -> None:
-    tokenizer = await asyncio.to_thread(load_emulator_tokenizer, spec.tokenizer)
-    async with Emulator(spec.configs(), tokenizer) as fleet:
-        print_listing(fleet.describe())
-        await _wait_for_signal()
-
-
-async def _serve_processes(spec: EmulatorSpec, processes: int) -> None:
-    fleet = ProcessEmulator(spec, processes)
-    try:
-        await fleet.start()
-        print_listing(fleet.replicas)
-        await _wait_for_signal()
-    finally:
-        await fleet.stop()
-
-
 def runner(use_uvloop: bool) -> Callable[[Coroutine[Any, Any, None]], None]:
     """``uvloop.run`` when wanted and installed, else ``asyncio.run``."""
     if use_uvloop:
@@ -177,22 +116,124 @@ def runner(use_uvloop: bool) -> Callable[[Coroutine[Any, Any, None]], None]:
     return asyncio.run
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
-    try:
-        spec = spec_from_args(args)
-    except (KeyError, ValueError) as exc:
-        print(f"kvlb sim: {exc}", file=sys.stderr)
-        return 2
-    serve = _serve_processes(spec, args.processes) if args.processes > 1 else _serve_in_process(spec)
-    runner(not args.no_uvloop)(serve)
-    return 0
+@dataclass(frozen=True, slots=True)
+class EmulateCommand:
+    """``kvlb emulate`` bound to where its tokenizers come from."""
+
+    tokenizers: TokenizerLoader
+    """Reads ``--tokenizer`` (the tokenizer and the ``model_path`` replicas report)."""
+    child_module: str
+    """What each child of ``--processes N`` runs (``python -m``): a module whose ``main`` is this same
+    command, so that the children read ``--tokenizer`` as the parent does."""
+
+    def register(self, subparsers: SubParsers) -> None:
+        """Add ``emulate`` and its deprecated alias ``sim`` to a ``kvlb`` command line."""
+        parser = subparsers.add_parser(
+            COMMAND_NAME,
+            help="run emulated SGLang/TRT-LLM replicas",
+            description="Start a fleet of emulated engine replicas on consecutive ports.",
+        )
+        add_arguments(parser)
+        parser.set_defaults(handler=self.run)
+        alias = subparsers.add_parser(
+            DEPRECATED_NAME,
+            help=f"deprecated: the old name of '{COMMAND_NAME}'",
+            description=f"Deprecated: use 'kvlb {COMMAND_NAME}' (the same options).",
+        )
+        add_arguments(alias)
+        alias.set_defaults(handler=self.run_deprecated_alias)
+
+    def spec_from_args(self, args: argparse.Namespace) -> EmulatorSpec:
+        """The fleet the arguments describe. Raises ``KeyError`` or ``ValueError`` when they are wrong."""
+        faults = FaultSettings(
+            drop_events=args.drop_events,
+            slowdown=args.slowdown,
+            fail_health=args.fail_health,
+            crash_after_chunks=args.crash_after_chunks,
+        )
+        template = template_config(
+            profile=args.profile,
+            time_scale=args.time_scale,
+            dp_size=args.dp_size,
+            event_encoding=args.event_encoding,
+            faults=faults,
+            page_size=args.page_size,
+            topic=args.topic,
+            buffer_steps=args.buffer_steps,
+            event_buffer_max_size=args.event_buffer_max_size,
+            host_cache_blocks=args.host_cache_blocks,
+            metrics_prefix=args.metrics_prefix,
+            epoch_in_topic=args.epoch_in_topic,
+            default_max_tokens=args.default_max_tokens,
+            seed=args.seed,
+            eviction=args.eviction,
+            model_path=self.tokenizers.model_path(args.tokenizer),
+        )
+        passthrough: list[str] = []
+        for dest, flag in _PASSTHROUGH.items():
+            value = getattr(args, dest)
+            if value is not None:
+                passthrough += [flag, str(value)]
+        passthrough += [flag for dest, flag in _PASSTHROUGH_FLAGS.items() if getattr(args, dest)]
+        return EmulatorSpec(
+            replicas=args.replicas,
+            engine=args.engine,
+            template=template,
+            base_port=args.base_port,
+            event_port_base=args.event_port_base,
+            index_offset=args.index_offset,
+            tokenizer=args.tokenizer,
+            extra_args=tuple(passthrough),
+        )
+
+    def run(self, args: argparse.Namespace, name: str = COMMAND_NAME) -> int:
+        logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+        try:
+            spec = self.spec_from_args(args)
+        except (KeyError, ValueError) as exc:
+            print(f"kvlb {name}: {exc}", file=sys.stderr)
+            return 2
+        serve = self._serve_processes(spec, args.processes) if args.processes > 1 else self._serve(spec)
+        runner(not args.no_uvloop)(serve)
+        return 0
+
+    def run_deprecated_alias(self, args: argparse.Namespace) -> int:
+        """``kvlb sim``: one warning line on stderr, then :meth:`run`."""
+        print(
+            f"kvlb {DEPRECATED_NAME}: deprecated, use 'kvlb {COMMAND_NAME}' (the same options)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return self.run(args, DEPRECATED_NAME)
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        """The child-process form: ``python -m <child_module> [options]``."""
+        parser = argparse.ArgumentParser(prog=f"python -m {self.child_module}", description=__doc__)
+        add_arguments(parser)
+        return self.run(parser.parse_args(argv))
+
+    async def _serve(self, spec: EmulatorSpec) -> None:
+        tokenizer = await asyncio.to_thread(self.tokenizers.load, spec.tokenizer)
+        async with Emulator(spec.configs(), tokenizer) as fleet:
+            print_listing(fleet.describe())
+            await _wait_for_signal()
+
+    async def _serve_processes(self, spec: EmulatorSpec, processes: int) -> None:
+        fleet = ProcessEmulator(spec, processes, self.child_module)
+        try:
+            await fleet.start()
+            print_listing(fleet.replicas)
+            await _wait_for_signal()
+        finally:
+            await fleet.stop()
+
+
+TOKEN_IDS_COMMAND = EmulateCommand(TOKEN_IDS_ONLY, EMULATOR_MODULE)
+"""The emulator without a tokenizer loader: ``--tokenizer none`` only."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m replicas.command", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return TOKEN_IDS_COMMAND.main(argv)
 
 
 if __name__ == "__main__":

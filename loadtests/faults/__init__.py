@@ -1,6 +1,6 @@
 """Fault runs with real processes: the harness of ``tests/faults`` and the soak of ``kvlb loadtest``.
 
-- :mod:`loadtests.faults.procs` (I/O): ``kvlb sim`` replicas and ``kvlb serve`` as child processes.
+- :mod:`loadtests.faults.procs` (I/O): ``kvlb emulate`` replicas and ``kvlb serve`` as child processes.
 - :mod:`loadtests.faults.rig` (I/O): a running fleet, and its index compared with the engines'.
 - :mod:`loadtests.faults.load` (I/O): steady load and the classification of every request's outcome.
 - :mod:`loadtests.faults.scenarios` (I/O): the replica faults and the one-scenario runner.

@@ -1,4 +1,4 @@
-"""Real processes for fault runs: ``kvlb sim`` replicas and ``kvlb serve`` (I/O).
+"""Real processes for fault runs: ``kvlb emulate`` replicas and ``kvlb serve`` (I/O).
 
 Every child gets fixed ports chosen up front, so a killed replica can be started again on the same
 ports (as an orchestrator would restart it). Children are stopped by PID only (SIGTERM, then SIGKILL
@@ -153,8 +153,9 @@ class Sim(Child):
 def sim(name: str, engine: str, tmp: Path, *extra: str, time_scale: float = 1.0) -> Sim:
     http_port, event_port = free_ports(1)[0], _event_pair()
     args = [
-        "sim", "--replicas", "1", "--engine", engine, "--profile", "cpu-test", "--page-size", str(BLOCK_SIZE),
-        "--time-scale", str(time_scale), "--tokenizer", "none", "--base-port", str(http_port),
+        "emulate", "--replicas", "1", "--engine", engine, "--profile", "cpu-test",
+        "--page-size", str(BLOCK_SIZE), "--time-scale", str(time_scale), "--tokenizer", "none",
+        "--base-port", str(http_port),
         "--event-port-base", str(event_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     return Sim(name, args, tmp / f"{name}.stderr", engine=engine, http_port=http_port, event_port=event_port)

@@ -1,6 +1,6 @@
 """Soak mode of ``kvlb loadtest`` (I/O): ``kvlb loadtest --duration 30m --fault-every 30s``.
 
-One ``kvlb serve`` in front of three emulated replicas (two SGLang, one TRT-LLM: ``kvlb sim``
+One ``kvlb serve`` in front of three emulated replicas (two SGLang, one TRT-LLM: ``kvlb emulate``
 processes) under a steady load of ``--rate`` requests/s (:mod:`loadtests.faults.load`: half of them
 streaming) for ``--duration``. Every ``--fault-every`` the next replica fault of :data:`ROTATION` is
 injected (``0``: none; one fault at a time, a late one starts when the previous one is done), and the

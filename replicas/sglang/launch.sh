@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch a real SGLang server with KV events and metrics enabled, in place of `kvlb sim --engine sglang`.
+# Launch a real SGLang server with KV events and metrics enabled, in place of `kvlb emulate --engine sglang`.
 # Needs a GPU host with `pip install "sglang[all]"` (CUDA). Override any variable from the environment:
 #   MODEL=Qwen/Qwen3-32B-FP8 PORT=30001 EVENT_PORT=5567 REPLAY_PORT=5568 ./launch.sh
 set -euo pipefail

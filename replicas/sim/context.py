@@ -14,11 +14,11 @@ from typing import Any
 
 from aiohttp import web
 
-from balancer.tokenizer.tokenizer import Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.engine import Engine
 from replicas.sim.faults import FaultState
 from replicas.sim.scheduler import SimRequest
+from replicas.sim.tokenizer import PromptTokenizer
 
 HEALTH_GENERATE_TIMEOUT_S = 5.0
 """How long ``/health_generate`` waits for its one-token generation before failing."""
@@ -34,7 +34,7 @@ class ReplicaContext:
     config: ReplicaConfig
     engine: Engine
     faults: FaultState
-    tokenizer: Tokenizer
+    tokenizer: PromptTokenizer
     vocab_size: int
     started_wall: float = field(default_factory=time.time)
     request_counter: int = 0

@@ -3,8 +3,9 @@
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming, ``usage`` with
 ``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, and what vLLM-style routers
 call on workers: ``/v1/chat/completions/render``, ``/v1/completions/render`` and ``/tokenize``.
-Prompts are tokenized by the balancer's own tokenizer seam (:mod:`balancer.tokenizer.tokenizer`), so replica
-and balancer see the same ids; a prompt may also be given as token ids.
+Prompts are tokenized by the tokenizer the replica was given (:mod:`replicas.sim.tokenizer`; ``kvlb
+emulate`` gives it the balancer's, so replica and balancer see the same ids); a prompt may also be given
+as token ids. A prompt the tokenizer refuses (a ``ValueError``) is answered 400.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from typing import Any
 
 from aiohttp import web
 
-from balancer.tokenizer.tokenizer import TokenizeError
 from replicas.sim.context import ReplicaContext, json_error
 from replicas.sim.engine import RequestHandle
 from replicas.sim.sampling import sampling_salt, token_text
 from replicas.sim.scheduler import SimRequest
+from replicas.sim.tokenizer import PromptError
 
 CTX_KEY = web.AppKey("sim_ctx", ReplicaContext)
 
@@ -82,7 +83,7 @@ def parse_sampling(body: Mapping[str, Any], default_max_tokens: int) -> Sampling
 
 async def tokenize_chat(ctx: ReplicaContext, messages: Any) -> list[int]:
     if not isinstance(messages, list) or not messages:
-        raise TokenizeError("messages must be a non-empty list")
+        raise PromptError("messages must be a non-empty list")
     size = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
     if size <= _INLINE_TOKENIZE_CHARS:
         return ctx.tokenizer.encode_chat(messages)
@@ -95,7 +96,7 @@ async def tokenize_prompt(ctx: ReplicaContext, prompt: Any) -> list[int]:
     if isinstance(prompt, str) and len(prompt) > _INLINE_TOKENIZE_CHARS:
         return await asyncio.to_thread(ctx.tokenizer.encode_prompt, prompt)
     if not isinstance(prompt, (str, list)):
-        raise TokenizeError("prompt must be a string or a list of token ids")
+        raise PromptError("prompt must be a string or a list of token ids")
     return ctx.tokenizer.encode_prompt(prompt)
 
 
@@ -237,7 +238,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await _json(request)
     try:
         ids = await tokenize_chat(ctx, body.get("messages"))
-    except TokenizeError as exc:
+    except ValueError as exc:
         return json_error(400, str(exc))
     return await generate(request, ctx, ids, body, chat=True, received_s=received_s)
 
@@ -248,7 +249,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     body = await _json(request)
     try:
         ids = await tokenize_prompt(ctx, body.get("prompt"))
-    except TokenizeError as exc:
+    except ValueError as exc:
         return json_error(400, str(exc))
     return await generate(request, ctx, ids, body, chat=False, received_s=received_s)
 
@@ -274,7 +275,7 @@ async def chat_render(request: web.Request) -> web.Response:
     body = await _json(request)
     try:
         ids = await tokenize_chat(ctx, body.get("messages"))
-    except TokenizeError as exc:
+    except ValueError as exc:
         return json_error(400, str(exc))
     return web.json_response(_render_body(ctx, ids, body))
 
@@ -284,7 +285,7 @@ async def completions_render(request: web.Request) -> web.Response:
     body = await _json(request)
     try:
         ids = await tokenize_prompt(ctx, body.get("prompt"))
-    except TokenizeError as exc:
+    except ValueError as exc:
         return json_error(400, str(exc))
     return web.json_response([_render_body(ctx, ids, body)])
 
@@ -298,7 +299,7 @@ async def tokenize(request: web.Request) -> web.Response:
             ids = await tokenize_chat(ctx, body["messages"])
         else:
             ids = await tokenize_prompt(ctx, body.get("prompt"))
-    except TokenizeError as exc:
+    except ValueError as exc:
         return json_error(400, str(exc))
     limit = ctx.config.profile.max_context_tokens
     return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None})

@@ -24,7 +24,6 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
-from balancer.tokenizer.tokenizer import Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.context import ReplicaContext, json_error, rank_stats
 from replicas.sim.engine import Engine
@@ -33,6 +32,7 @@ from replicas.sim.http import add_openai_routes
 from replicas.sim.personality_sglang import SglangPersonality
 from replicas.sim.personality_trtllm import TrtllmPersonality
 from replicas.sim.ports import free_port_run
+from replicas.sim.tokenizer import PromptTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def resolve_ports(config: ReplicaConfig) -> ReplicaConfig:
 class Replica:
     """An emulated SGLang or TRT-LLM engine endpoint."""
 
-    def __init__(self, config: ReplicaConfig, tokenizer: Tokenizer, zctx: zmq.asyncio.Context) -> None:
+    def __init__(self, config: ReplicaConfig, tokenizer: PromptTokenizer, zctx: zmq.asyncio.Context) -> None:
         self.config = config = resolve_ports(config)
         self.faults = FaultState(config.faults, random.Random(config.seed))
         self.personality: SglangPersonality | TrtllmPersonality

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Launch a real trtllm-serve with KV events and iteration stats, in place of `kvlb sim --engine trtllm`.
+# Launch a real trtllm-serve with KV events and iteration stats, in place of `kvlb emulate --engine trtllm`.
 # Needs a GPU host with TensorRT-LLM installed (pypi.nvidia.com). Override from the environment:
 #   MODEL=Qwen/Qwen3-32B-FP8 PORT=8001 ./serve.sh
 set -euo pipefail

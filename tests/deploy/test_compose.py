@@ -14,7 +14,7 @@ from manifests import DEPLOY, ROOT
 
 from balancer import config
 from balancer.cli.main import build_parser
-from replicas.command import spec_from_args
+from loadtests.emulate import COMMAND as EMULATE
 from replicas.sim.profiles import PROFILES
 
 COMPOSE = DEPLOY / "compose" / "docker-compose.yaml"
@@ -72,15 +72,15 @@ def test_docker_compose_config_accepts_the_file() -> None:
 
 
 def sim_replicas() -> dict[str, dict[str, Any]]:
-    """What each sim service serves, from its own flags through ``kvlb sim``'s real port layout."""
+    """What each sim service serves, from its own flags through ``kvlb emulate``'s real port layout."""
     served = {}
     for name, service in compose()["services"].items():
         if not name.startswith("sim-"):
             continue
         command = argv(service)
-        assert command[:2] == ["kvlb", "sim"]
+        assert command[:2] == ["kvlb", "emulate"]
         args = build_parser().parse_args(command[1:])
-        (replica,) = spec_from_args(args).configs()
+        (replica,) = EMULATE.spec_from_args(args).configs()
         served[name] = {
             "engine": replica.engine,
             "model": PROFILES[args.profile].model,

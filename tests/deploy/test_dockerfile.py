@@ -100,4 +100,4 @@ def test_install_step_works_in_a_fresh_venv(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     help_text = subprocess.run([str(venv / "bin/kvlb"), "--help"], capture_output=True, text=True, timeout=60)
-    assert help_text.returncode == 0 and "serve" in help_text.stdout
+    assert help_text.returncode == 0 and "serve" in help_text.stdout and "emulate" in help_text.stdout

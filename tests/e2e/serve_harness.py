@@ -1,4 +1,4 @@
-"""Processes for the end-to-end tests: ``kvlb sim`` replicas and ``kvlb serve``, on 127.0.0.1.
+"""Processes for the end-to-end tests: ``kvlb emulate`` replicas and ``kvlb serve``, on 127.0.0.1.
 
 Every process is started with a bounded wait for its "ready" JSON line and always stopped (SIGTERM,
 then SIGKILL) by :func:`stop`; stderr goes to a file under the test's ``tmp_path`` so a failure can
@@ -59,7 +59,7 @@ async def start_sim(index: int, tmp: Path, time_scale: float = 0.5) -> Child:
     """One emulated SGLang replica named ``sim-<index>`` in its own process, with the default
     tokenizer (the same one ``kvlb serve`` uses for a pool without ``tokenizer``)."""
     args = [
-        "sim", "--replicas", "1", "--index-offset", str(index), "--engine", "sglang",
+        "emulate", "--replicas", "1", "--index-offset", str(index), "--engine", "sglang",
         "--profile", "cpu-test", "--time-scale", str(time_scale),
     ]  # fmt: skip
     child = await _spawn(f"sim-{index}", args, tmp, '"replicas"')

@@ -1,4 +1,4 @@
-"""``kvlb serve`` with ``discovery.kind: file``, as a process, in front of two ``kvlb sim`` replicas.
+"""``kvlb serve`` with ``discovery.kind: file``, as a process, in front of two ``kvlb emulate`` replicas.
 
 sim-0 is static (in ``pools``); sim-1 appears when the replica file lists it and leaves when the
 file no longer does. Over real processes and sockets: once listed, sim-1 is routable, serves a chat
@@ -95,7 +95,7 @@ class Client:
 async def test_file_discovery_adds_and_removes_a_replica(tmp_path: Path) -> None:
     sims = await _spawn(
         "sims",
-        ["sim", "--replicas", "2", "--engine", "sglang", "--profile", "cpu-test", "--time-scale", "0.5"],
+        ["emulate", "--replicas", "2", "--engine", "sglang", "--profile", "cpu-test", "--time-scale", "0.5"],
         tmp_path,
         '"replicas"',
     )

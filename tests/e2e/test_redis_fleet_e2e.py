@@ -173,7 +173,7 @@ async def test_three_balancers_one_redis(tmp_path: Path) -> None:
     redis_dir.mkdir()
     server: RedisServer = start_server(data_dir=redis_dir)
     ctx = zmq.asyncio.Context()
-    sims = await _spawn("sims", ["sim", "--replicas", "4", "--engine", "sglang", "--profile", "cpu-test",
+    sims = await _spawn("sims", ["emulate", "--replicas", "4", "--engine", "sglang", "--profile", "cpu-test",
                                  "--time-scale", "0.5"], tmp_path, '"replicas"')  # fmt: skip
     infos = sims.info["replicas"]
     observer = Observer(infos, ctx)

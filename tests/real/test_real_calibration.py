@@ -1,4 +1,4 @@
-"""Emulator calibration: ``kvlb sim``'s SGLang-format replica vs a real vLLM CPU engine (opt-in).
+"""Emulator calibration: ``kvlb emulate``'s SGLang-format replica vs a real vLLM CPU engine (opt-in).
 
 Both get the same sequential chat workload with the same tokenizer, block size 32 and the same small
 KV cache (vLLM ``--num-gpu-blocks-override``, less its reserved null block), so evictions happen. A

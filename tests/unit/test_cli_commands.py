@@ -1,0 +1,66 @@
+"""The ``kvlb`` command line: the service's commands, then the tools' entry points in a stable order;
+a broken tool is reported and left out; ``kvlb sim`` warns and runs as ``kvlb emulate``."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import pytest
+
+from balancer.cli.main import COMMAND_GROUP, build_parser, installed_tools, main
+from loadtests.emulate import COMMAND as EMULATE
+
+EVERY_COMMAND = ["serve", "admin", "bench", "demo", "emulate", "sim", "loadtest", "simulate", "tune"]
+"""The service's commands, then each tool's by entry-point name (``emulate`` adds ``sim``,
+``simulate`` adds ``tune``)."""
+
+
+def _commands(tools: list[EntryPoint] | None = None) -> list[str]:
+    parser = build_parser(tools)
+    (subparsers,) = (a for a in parser._actions if a.dest == "command")
+    assert isinstance(subparsers.choices, dict)
+    return list(subparsers.choices)
+
+
+def test_every_command_in_a_stable_order() -> None:
+    assert {tool.name for tool in installed_tools()} == {"bench", "demo", "emulate", "loadtest", "simulate"}
+    assert _commands() == EVERY_COMMAND
+    assert _commands(list(reversed(installed_tools()))) == EVERY_COMMAND
+
+
+def test_a_broken_tool_is_reported_and_the_rest_still_work(capsys: pytest.CaptureFixture[str]) -> None:
+    broken = [
+        EntryPoint("aaa", "kvlb_no_such_module:register", COMMAND_GROUP),
+        EntryPoint("zzz", "loadtests.emulate:no_such_function", COMMAND_GROUP),
+        EntryPoint("clash", "loadtests.emulate:register", COMMAND_GROUP),  # 'emulate' before the real one
+    ]
+    parser = build_parser([*broken, *installed_tools()])
+    errors = capsys.readouterr().err.splitlines()
+    assert len(errors) == 3
+    assert errors[0].startswith("kvlb: command 'aaa' is unavailable (kvlb_no_such_module:register): ")
+    assert "ModuleNotFoundError" in errors[0]
+    assert errors[1].startswith("kvlb: command 'emulate' is unavailable") and "conflicting" in errors[1]
+    assert errors[2].startswith("kvlb: command 'zzz' is unavailable") and "AttributeError" in errors[2]
+    args = parser.parse_args(["serve", "--set", "listen.port=0"])
+    assert args.handler.__name__ == "run_serve"
+    assert parser.parse_args(["simulate"]).command == "simulate"
+
+
+def test_the_service_commands_need_no_tool(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _commands([]) == ["serve", "admin"]
+    assert capsys.readouterr().err == ""
+
+
+def test_sim_is_a_deprecated_alias_of_emulate(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--replicas", "1", "--slowdown", "0", "--tokenizer", "none"]  # an invalid fault setting
+    assert main(["emulate", *argv]) == 2
+    emulate_err = capsys.readouterr().err.splitlines()
+    assert main(["sim", *argv]) == 2
+    sim_err = capsys.readouterr().err.splitlines()
+    assert sim_err[0] == "kvlb sim: deprecated, use 'kvlb emulate' (the same options)"
+    assert sim_err[1:] == [line.replace("kvlb emulate:", "kvlb sim:", 1) for line in emulate_err]
+    assert len(emulate_err) == 1 and emulate_err[0].startswith("kvlb emulate: ")
+    parser = build_parser()
+    same = ["--replicas", "3", "--engine", "mixed", "--profile", "cpu-test", "--tokenizer", "none"]
+    as_sim, as_emulate = parser.parse_args(["sim", *same]), parser.parse_args(["emulate", *same])
+    assert EMULATE.spec_from_args(as_sim) == EMULATE.spec_from_args(as_emulate)
