@@ -8,8 +8,8 @@ Two kinds of hash never mix:
   It is only ever used to find the ``BlockKey`` of a parent or of a removed block.
 
 A replica is one engine endpoint; an engine with data parallelism keeps one independent KV cache per
-DP rank, so the index tracks holders per :class:`CacheId` = (replica, dp_rank) and reports overlap per
-replica as the best of its ranks.
+DP rank, so the index tracks holders per cache = (replica, dp_rank) and reports overlap per replica
+as the best of its ranks.
 """
 
 from __future__ import annotations
@@ -27,17 +27,6 @@ U64_MASK = (1 << 64) - 1
 def to_u64(value: int) -> int:
     """Normalise a signed i64 or an unsigned u64 hash to u64 (two's complement)."""
     return value & U64_MASK
-
-
-@dataclass(frozen=True, slots=True)
-class CacheId:
-    """One independent KV cache: a replica and one of its data-parallel ranks (0 without DP)."""
-
-    replica: ReplicaId
-    dp_rank: int = 0
-
-    def __str__(self) -> str:
-        return self.replica if self.dp_rank == 0 else f"{self.replica}#dp{self.dp_rank}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import aiohttp
 
+from balancer.errors import UpstreamError
 from loadtests.sse import StreamState
 from loadtests.stats import RequestRecord, Summary, summarize
 from loadtests.workloads.base import RequestSpec, poisson_arrivals
@@ -95,7 +96,7 @@ class _Runner:
             raise
         except TimeoutError:
             state.fail("timeout", f"no complete answer within {self.options.timeout_s} s")
-        except (aiohttp.ClientError, ValueError) as exc:  # transport failures; bad JSON or over-long lines
+        except (aiohttp.ClientError, ValueError, UpstreamError) as exc:  # transport; bad JSON; endless event
             state.fail("error", f"{type(exc).__name__}: {exc}")
         self._finish(spec, scheduled_s, state)
 
@@ -116,9 +117,11 @@ class _Runner:
                 state.fail("http_error", f"HTTP {response.status}: {await response.text(errors='replace')}")
                 return
             if "text/event-stream" in response.headers.get("content-type", ""):
-                async for line in response.content:
-                    if state.feed_line(line, time.monotonic()):
+                async for chunk in response.content.iter_any():
+                    if state.feed(chunk, time.monotonic()):
                         break
+                else:
+                    state.end(time.monotonic())
             else:  # the server ignored "stream": one whole answer
                 state.absorb(json.loads(await response.read()), time.monotonic())
                 state.done = True

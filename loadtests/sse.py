@@ -1,7 +1,8 @@
 """OpenAI streaming-response parsing into a request record (pure: times are passed in).
 
-:class:`StreamState` takes the SSE lines of one ``/v1/chat/completions`` or ``/v1/completions``
-stream as they arrive, with the monotonic time of each, and keeps what a record needs: the time of
+:class:`StreamState` takes the bytes of one ``/v1/chat/completions`` or ``/v1/completions`` stream as
+they arrive, with the monotonic time of each chunk, splits them into events with the service's own
+SSE parser (:class:`balancer.upstream.sse.SseEvents`) and keeps what a record needs: the time of
 every content chunk, the last ``usage`` object, whether ``data: [DONE]`` came, and an error event if
 one did. :meth:`StreamState.record` then builds the :class:`~loadtests.stats.RequestRecord`.
 """
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from balancer.upstream.sse import DONE, SseEvents
 from loadtests.stats import Outcome, RequestRecord
 from loadtests.workloads.base import RequestSpec
 
@@ -33,21 +35,27 @@ class StreamState:
     usage: Mapping[str, Any] | None = None
     replica: str | None = None
     done: bool = False
+    events: SseEvents = field(default_factory=SseEvents)
 
     def fail(self, outcome: Outcome, error: str) -> None:
         self.outcome = outcome
         self.error = error[:ERROR_TEXT_CHARS]
 
-    def feed_line(self, line: bytes, now: float) -> bool:
-        """Take one SSE line; ``True`` when the stream is over (``[DONE]`` or an error event).
+    def feed(self, chunk: bytes, now: float) -> bool:
+        """Take the next bytes of the stream; ``True`` when it is over (``[DONE]`` or an error event).
 
-        Raises ``ValueError`` (``json.JSONDecodeError``) on a data line that is not JSON.
+        Raises ``ValueError`` (``json.JSONDecodeError``) on an event whose data is not JSON, and
+        :class:`~balancer.errors.UpstreamError` on an event longer than the parser's bound.
         """
-        text = line.strip()
-        if not text.startswith(b"data:"):
-            return False  # blank separators, comments, "event:" lines
-        data = text[5:].strip()
-        if data == b"[DONE]":
+        return any(self._take(data, now) for data in self.events.feed(chunk))
+
+    def end(self, now: float) -> None:
+        """At the end of the body: take a last event that came without its blank line."""
+        for data in self.events.close():
+            self._take(data, now)
+
+    def _take(self, data: bytes, now: float) -> bool:
+        if data.strip() == DONE:
             self.done = True
             return True
         self.absorb(json.loads(data), now)

@@ -13,16 +13,21 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import redis
+import redis.asyncio as aioredis
 
-from balancer.index.base import PrefixIndex
+from balancer.events import KvEvent
+from balancer.index.base import ApplyResult, IndexStats, PrefixIndex
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.mirror import Mirror, MirrorSettings
 from balancer.index.redis.schema import RedisIndexSettings
+from balancer.types import BlockKey, Overlap, ReplicaId
 
 _START_TIMEOUT_S = 10.0
 
@@ -139,3 +144,65 @@ async def redis_index(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
     """Contract-suite factory: an empty ``RedisIndex`` on the session's server."""
     settings = fresh_settings(capacity_blocks)
     return RedisIndex.from_url(shared_server().url, hasher, settings)
+
+
+class MirroredIndex:
+    """The fleet's two halves under the ``PrefixIndex`` contract: a :class:`RedisIndex` takes the
+    writes (``apply``, ``drop_replica``) and a :class:`Mirror` that follows its applied-event stream
+    answers the reads (``match``, ``stats``) and keeps the speculative entries, which stay local to
+    each balancer in fleet mode. After each write the mirror polls the stream, as its tail loop
+    would, and applies the new entries at the write's ``now`` (its clock is the caller's)."""
+
+    def __init__(self, writer: RedisIndex, raw_client: aioredis.Redis) -> None:
+        self.writer = writer
+        self._raw = raw_client
+        self._now = 0.0
+        self.mirror = Mirror(
+            raw_client, writer.hasher, writer.settings, self._clock, MirrorSettings(block_ms=1)
+        )
+
+    def _clock(self) -> float:
+        return self._now
+
+    async def _follow(self, now: float) -> None:
+        """Apply the stream entries the last write added (none when it changed nothing)."""
+        self._now = now
+        await self.mirror.poll(block_ms=1)
+
+    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        result = await self.writer.apply(replica, events, now)
+        await self._follow(now)
+        return result
+
+    async def match(
+        self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
+    ) -> Overlap:
+        return await self.mirror.match(keys, among, now)
+
+    async def add_speculative(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
+    ) -> None:
+        await self.mirror.add_speculative(replica, keys, ttl_s, now)
+
+    async def drop_replica(self, replica: ReplicaId) -> int:
+        dropped = await self.writer.drop_replica(replica)
+        await self._follow(self._now)
+        return dropped
+
+    async def stats(self) -> IndexStats:
+        return await self.mirror.stats()
+
+    async def aclose(self) -> None:
+        await self.writer.aclose()
+        await self._raw.aclose()
+
+
+async def mirror_index(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
+    """Contract-suite factory: a ``RedisIndex`` writer and a warm ``Mirror`` of its stream."""
+    url = shared_server().url
+    index = MirroredIndex(
+        RedisIndex.from_url(url, hasher, fresh_settings(capacity_blocks)),
+        aioredis.Redis.from_url(url, decode_responses=False),
+    )
+    await index.mirror.warm_start()
+    return index

@@ -193,11 +193,6 @@ class TrtllmDecoder:
         self._window_ranks: set[int] = set()
         self._shows_ranks = False
 
-    @property
-    def partial_hashes(self) -> int:
-        """How many partial-block hashes are remembered now."""
-        return len(self._partials)
-
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch:
         """Decode one drain; raises ``EventDecodeError`` when the body is not a JSON list."""
         body = _parse_body(frames)

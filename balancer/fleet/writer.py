@@ -187,7 +187,7 @@ class FencedWriter:
             holding.generation = await self.index.generation(replica)
         return dropped
 
-    # --------------------------------------------------------- the rest of PrefixIndex (tools only)
+    # ------------------------------------- the rest of PrefixIndex (EventIngest applies and drops only)
 
     async def match(
         self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float

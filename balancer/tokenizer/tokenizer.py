@@ -30,8 +30,6 @@ from balancer.errors import BalancerError, ConfigError
 from balancer.tokenizer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
 from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter, encode_segmented
 
-U32_LIMIT = 1 << 32
-
 _NO_CHAT = "no tokenizer is configured: chat requests need a tokenizer (and its chat template)"
 
 

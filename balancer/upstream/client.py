@@ -100,17 +100,6 @@ class UpstreamStream:
                 del self._tail[:-_TAIL_BYTES]
             yield chunk
 
-    async def read_all(self, limit_bytes: int) -> bytes:
-        """The whole body (non-streaming responses), bounded by ``limit_bytes``."""
-        parts: list[bytes] = []
-        size = 0
-        async for chunk in self.chunks():
-            size += len(chunk)
-            if size > limit_bytes:
-                raise UpstreamError(f"replica response exceeds {limit_bytes} bytes")
-            parts.append(chunk)
-        return b"".join(parts)
-
     def usage(self) -> UsageTail:
         return read_usage(bytes(self._tail[-_TAIL_BYTES:]))
 
@@ -162,20 +151,6 @@ class UpstreamClient:
             response.release()
             raise RetryableUpstream("status", f"replica answered {response.status}", response.status)
         return UpstreamStream(response, self._timeouts.idle_s)
-
-    async def get_json(self, base_url: str, path: str, timeout_s: float) -> object:
-        """A small GET for health and metadata; raises UpstreamError on failure."""
-        try:
-            async with self.session.get(
-                base_url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=timeout_s)
-            ) as response:
-                if response.status != 200:
-                    raise UpstreamError(f"{path} answered {response.status}")
-                return await response.json(content_type=None)
-        except TimeoutError:
-            raise UpstreamTimeout(f"{path} timed out after {timeout_s}s") from None
-        except (aiohttp.ClientError, ConnectionError, ValueError) as exc:
-            raise UpstreamError(f"{path}: {exc.__class__.__name__}") from None
 
     async def aclose(self) -> None:
         if self._session is not None:

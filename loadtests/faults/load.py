@@ -29,6 +29,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from balancer.errors import UpstreamError
+from balancer.upstream.sse import SseEvents
+
 MODEL = "sim-test"
 MAX_TOKENS = 4
 PROMPT_TOKENS = 17
@@ -173,7 +176,10 @@ def classify(
 ) -> tuple[str, str]:
     text = raw.decode("utf-8", "replace")
     if status == 200 and stream:
-        events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+        try:
+            events = [data.decode("utf-8", "replace") for data in _sse_payloads(raw)]
+        except UpstreamError as exc:
+            return "lost", str(exc)
         if events and events[-1] == "[DONE]":
             return "ok", ""
         if events and '"error"' in events[-1]:
@@ -190,6 +196,12 @@ def classify(
     if status in (502, 504) and "while answering" in message:
         return "upstream_error", message
     return "lost", f"{status}: {message}"
+
+
+def _sse_payloads(raw: bytes) -> list[bytes]:
+    """The ``data:`` payloads of a whole event-stream body (a last event may lack its blank line)."""
+    events = SseEvents()
+    return events.feed(raw) + events.close()
 
 
 def _message(raw: bytes) -> str:

@@ -20,7 +20,8 @@ from typing import Any, TypeAlias
 import yaml
 
 from balancer.errors import ConfigError
-from balancer.policy.base import POLICY_NAMES, PolicyWeights
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import POLICY_NAMES
 from loadtests import tune
 from loadtests.simulate import SimConfig, SimRequest, Simulation, trace_requests, workload_requests
 from loadtests.simulate.report import compare, compare_table, summary_of, summary_table

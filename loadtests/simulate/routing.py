@@ -46,8 +46,9 @@ from balancer.load.tracker import (
     LoadTrackerStats,
     ReplicaLoad,
 )
-from balancer.policy.base import PolicyWeights, make_policy
+from balancer.policy.base import PolicyWeights
 from balancer.policy.cost import base_load, cache_pressure
+from balancer.policy.registry import make_policy
 from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
 from loadtests.simulate.load_order import LoadOrder

@@ -61,7 +61,7 @@ class SimConfig:
     kv_capacity_tokens: int | None = None
     """Overrides the profile's KV pool size, tokens per replica; ``None``: the profile's."""
     policy: str = "cost"
-    """Routing policy name (``balancer.policy.POLICY_NAMES``)."""
+    """Routing policy name (``balancer.policy.registry.POLICY_NAMES``)."""
     weights: PolicyWeights = field(default_factory=PolicyWeights)
     """Policy weights, as ``kvlb admin policy set`` takes them."""
     replica_model: ReplicaKind = "fast"

@@ -1,4 +1,4 @@
-"""SGLang and vLLM KV-event wire encoding and engine block hashes, for the emulator (pure).
+"""SGLang and vLLM KV-event wire encoding and SGLang's page hash, for the emulator (pure).
 
 Produces the bytes a real publisher sends on its ZMQ PUB socket: three frames ``[topic, seq8, payload]``
 where ``payload`` is msgpack of the envelope ``[ts, events, dp_rank]`` and each event is either a tagged
@@ -7,22 +7,17 @@ map (``{"type": "BlockStored", ...}``, SGLang 0.5.23 and vLLM 0.32.0 as captured
 ``use_bin_type=True`` gives the same bytes as msgspec for these payloads (float64 timestamps, smallest
 integer forms, str8 for 32..255-byte strings); the unit tests prove it on every real capture frame.
 
-Hashes, reproduced from the captures' tokens:
-
-* SGLang: ``digest_i = SHA-256([LE u32 len(extra_key) || extra_key] || digest_{i-1} || LE u32 tokens)``,
-  event hash = first 8 digest bytes, big-endian, **signed** i64. Bigram (EAGLE) pages hash token pairs.
-* vLLM (sha256 build): ``digest = SHA-256(pickle((parent_digest or NONE_HASH, tuple(tokens), extra_keys),
-  protocol=5))``, event hash = last 8 digest bytes, **unsigned** u64; ``NONE_HASH = SHA-256(pickle(
-  "vllm-none-hash", protocol=5))``. Protocols 0-4 reproduce none of the captured hashes; 5 reproduces all.
+SGLang's page hash, reproduced from the captures' tokens: ``digest_i = SHA-256([LE u32
+len(extra_key) || extra_key] || digest_{i-1} || LE u32 tokens)``, event hash = first 8 digest bytes,
+big-endian, **signed** i64. Bigram (EAGLE) pages hash token pairs. (Whole-prompt chains and vLLM's
+block hash, which only the tests need, are in ``tests/wire_hashes.py``.)
 """
 
 from __future__ import annotations
 
 import hashlib
-import pickle
 import struct
 from collections.abc import Sequence
-from itertools import pairwise
 from typing import Any, Final, Literal
 
 import msgpack
@@ -35,12 +30,6 @@ SEQ_BYTES: Final = 8
 """Width of the big-endian sequence number frame."""
 EPOCH_MARKER: Final = b"\x00sgl-kv-epoch="
 """Appended to the topic frame, then the epoch, by SGLang publishers that serve snapshots."""
-VLLM_PICKLE_PROTOCOL: Final = 5
-"""The pickle protocol vLLM's ``sha256`` block hasher uses (``pickle.HIGHEST_PROTOCOL`` on 3.8+)."""
-VLLM_NONE_HASH: Final[bytes] = hashlib.sha256(
-    pickle.dumps("vllm-none-hash", protocol=VLLM_PICKLE_PROTOCOL)
-).digest()
-"""The parent digest vLLM chains the first block of a request to."""
 REPLAY_END: Final[list[bytes]] = [b"", (-1).to_bytes(SEQ_BYTES, "big", signed=True), b""]
 """The frames a replay server sends after the last replayed batch (as a DEALER sees them)."""
 
@@ -88,62 +77,6 @@ def page_digest(prior: bytes | None, units: TokenUnits, extra_key: str | None = 
 def digest_to_i64(digest: bytes) -> int:
     """SGLang's event hash of a page digest: its first 8 bytes as a big-endian signed i64."""
     return int.from_bytes(digest[:8], "big", signed=True)
-
-
-def sglang_page_hashes(
-    tokens: Sequence[int],
-    page_size: int,
-    *,
-    extra_key: str | None = None,
-    bigram: bool = False,
-    prior_digest: bytes | None = None,
-) -> list[tuple[int, bytes]]:
-    """``(i64 event hash, digest)`` of every page of ``tokens``, chained from ``prior_digest``.
-
-    ``page_size`` counts units (tokens, or pairs in bigram mode, where N tokens make N-1 pairs). The last
-    page may be partial; SGLang hashes and publishes it too.
-    """
-    if page_size <= 0:
-        raise ValueError(f"page_size must be positive, got {page_size}")
-    units: list[int] | list[tuple[int, int]]
-    units = list(pairwise(tokens)) if bigram else list(tokens)
-    pages: list[tuple[int, bytes]] = []
-    prior = prior_digest
-    for start in range(0, len(units), page_size):
-        prior = page_digest(prior, units[start : start + page_size], extra_key)
-        pages.append((digest_to_i64(prior), prior))
-    return pages
-
-
-def vllm_block_hash(
-    parent_digest: bytes | None,
-    block_tokens: Sequence[int],
-    *,
-    extra_keys: tuple[object, ...] | None = None,
-) -> tuple[int, bytes]:
-    """``(u64 event hash, digest)`` of one vLLM block (CPU build, ``sha256`` prefix-cache hash).
-
-    ``parent_digest`` is the parent's full 32-byte digest (``None``: first block of the request).
-    ``extra_keys`` is the block's key tuple (LoRA name, cache salt on block 0, ...), ``None`` when empty.
-    """
-    parent = VLLM_NONE_HASH if parent_digest is None else parent_digest
-    payload = (parent, tuple(int(token) for token in block_tokens), extra_keys)
-    digest = hashlib.sha256(pickle.dumps(payload, protocol=VLLM_PICKLE_PROTOCOL)).digest()
-    return int.from_bytes(digest[-8:], "big"), digest
-
-
-def vllm_block_hashes(
-    tokens: Sequence[int], block_size: int, *, parent_digest: bytes | None = None
-) -> list[tuple[int, bytes]]:
-    """Chained vLLM hashes of the **full** blocks of ``tokens`` (vLLM never hashes a partial block)."""
-    if block_size <= 0:
-        raise ValueError(f"block_size must be positive, got {block_size}")
-    blocks: list[tuple[int, bytes]] = []
-    prior = parent_digest
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        value, prior = vllm_block_hash(prior, tokens[start : start + block_size])
-        blocks.append((value, prior))
-    return blocks
 
 
 # --------------------------------------------------------------------------------------------- events

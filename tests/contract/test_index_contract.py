@@ -2,6 +2,9 @@
 
 A backend is added by one line in ``FACTORIES``: an async function that takes the pool's
 ``BlockHasher`` and a block budget and returns a fresh, empty index (closed by the fixture).
+The backends: the in-memory index, the Redis index, and the fleet mirror (``MirroredIndex`` in
+``tests/redis_server.py``: writes go through a ``RedisIndex``, then the mirror polls the stream;
+reads and speculative entries are the mirror's, as in fleet mode).
 Events carry tokens and the index computes keys; requests are hashed with ``BlockHasher.request_keys``,
 so every match below also checks that both sides derive the same keys.
 """
@@ -11,7 +14,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
-from redis_server import redis_index  # a private redis-server per session (tests/conftest.py)
+from redis_server import mirror_index, redis_index  # a private redis-server per session (tests/conftest.py)
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, PrefixIndex
@@ -29,6 +32,7 @@ async def _memory(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
 FACTORIES: dict[str, IndexFactory] = {
     "memory": _memory,
     "redis": redis_index,
+    "mirror": mirror_index,
 }
 
 BS = 4

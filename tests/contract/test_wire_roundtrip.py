@@ -17,11 +17,12 @@ from typing import Any
 
 import msgpack
 import pytest
+from wire_hashes import sglang_page_hashes, vllm_block_hashes
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.types import EngineHash
 from replicas.wire import trtllm
-from replicas.wire.sglang import KvEventEncoder, frames, sglang_page_hashes, vllm_block_hashes
+from replicas.wire.sglang import KvEventEncoder, frames
 
 U64 = (1 << 64) - 1
 EPOCH_MARKER = b"\x00sgl-kv-epoch="

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
+from loadtests.emulator_measure import cpu_seconds
 from replicas.emulator import Emulator, EmulatorSpec, ProcessEmulator, template_config
-from replicas.measure import cpu_seconds
 from replicas.sim.ports import free_port_run
 
 IDLE_CPU_LIMIT = 0.05

@@ -1,19 +1,16 @@
-"""The pure gRPC conversions: request → OpenAI body, SSE splitting, chunk reading, decisions."""
+"""The pure gRPC conversions: request → OpenAI body, chunk reading (of SSE payloads), decisions."""
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
-from balancer.api.grpc.messages import SseEvents, decision_message, openai_call, read_chunk
-from balancer.errors import UpstreamError
+from balancer.api.grpc.messages import decision_message, openai_call, read_chunk
 from balancer.types import CostTerms, Decision, ReplicaId
+from balancer.upstream.sse import SseEvents
 
 STREAM = (
     b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":"Hi"},"finish_reason":null}]}\n\n'
@@ -94,22 +91,6 @@ def test_sse_payloads_are_read_whole_with_text_finish_and_usage() -> None:
     assert read_chunk(b'{"choices":[{"text":"abc","finish_reason":"length"}]}').text == "abc"
     assert read_chunk(b'{"error": {"message": "engine aborted"}}').error == "engine aborted"
     assert read_chunk(b"not json") == read_chunk(b"[1, 2]") == read_chunk(b'{"usage": null}')
-
-
-@given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
-def test_sse_splitting_does_not_depend_on_how_the_bytes_are_chunked(cuts: list[int]) -> None:
-    whole = SseEvents().feed(STREAM)
-    events = SseEvents()
-    bounds = [0, *sorted(cuts), len(STREAM)]
-    pieces = [STREAM[a:b] for a, b in itertools.pairwise(bounds)]
-    assert [p for piece in pieces for p in events.feed(piece)] + events.close() == whole
-
-
-def test_an_endless_event_is_refused() -> None:
-    events = SseEvents(max_event_bytes=64)
-    assert events.feed(b"data: " + b"x" * 50) == []
-    with pytest.raises(UpstreamError):
-        events.feed(b"y" * 20)
 
 
 def test_a_decision_keeps_every_term_and_leaves_absent_values_unset() -> None:

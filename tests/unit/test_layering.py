@@ -45,6 +45,17 @@ class Rule:
 RULES = (
     Rule("the service imports none of its tools", "balancer", ("loadtests", "replicas")),
     Rule("the emulator stands alone", "replicas", ("balancer", "loadtests")),
+    Rule(
+        "nothing below the faces imports them",
+        "balancer",
+        ("balancer.api", "balancer.cli"),
+        exempt=("balancer.api", "balancer.cli", "balancer.app", "balancer.__main__"),
+    ),
+    Rule(
+        "the pure core reaches no service, face or I/O shell",
+        "balancer.routing",
+        ("balancer.service", "balancer.api", "balancer.sources", "balancer.fleet", "balancer.upstream"),
+    ),
 )
 
 NO_DYNAMIC_IMPORTS = ("balancer",)

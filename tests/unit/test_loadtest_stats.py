@@ -141,21 +141,20 @@ def _spec() -> RequestSpec:
     return RequestSpec("s1", 4, prompt_token_ids=(1, 2), session_id="sess", tags=(("k", "v"),))
 
 
-def test_stream_state_turns_sse_lines_into_a_record() -> None:
+def test_stream_state_turns_sse_chunks_into_a_record() -> None:
     state = StreamState(start=10.0)
-    lines = [
-        b": keep-alive\n",
+    chunks = [
+        b": keep-alive\n\n",
         b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}], "usage": null}\n',
         b"\n",
-        b'data: {"choices": [{"index": 0, "delta": {"content": "He"}}]}\n',
-        b'data: {"choices": [{"index": 0, "text": "llo"}]}\n',
-        b'data: {"choices": [{"index": 0, "delta": {"content": "!"}}]}\n',
-        b'data: {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 3,'
-        b' "prompt_tokens_details": {"cached_tokens": 8}}}\n',
+        b'data: {"choices": [{"index": 0, "delta": {"content": "He"}}]}\n\n',
+        b'data: {"choices": [{"index": 0, "text": "llo"}]}\r\n\r\n',
+        b'data: {"choices": [{"index": 0, "delta": {"content": "!"}}]}\n\ndata: {"choices": [], "usage": ',
+        b'{"prompt_tokens": 12, "completion_tokens": 3, "prompt_tokens_details": {"cached_tokens": 8}}}\n\n',
     ]
     times = [10.05, 10.1, 10.1, 10.2, 10.25, 10.4, 10.45]
-    assert not any(state.feed_line(line, now) for line, now in zip(lines, times, strict=True))
-    assert state.feed_line(b"data: [DONE]\n", 10.5)
+    assert not any(state.feed(chunk, now) for chunk, now in zip(chunks, times, strict=True))
+    assert state.feed(b"data: [DONE]\n\n", 10.5)
     state.status = 200
     state.settle()
     record = state.record(_spec(), run_start=9.0, end=10.5, scheduled_s=0.9)
@@ -169,15 +168,20 @@ def test_stream_state_turns_sse_lines_into_a_record() -> None:
 
 def test_stream_state_errors() -> None:
     unfinished = StreamState(start=0.0)
-    unfinished.feed_line(b'data: {"choices": [{"text": "x"}]}', 0.1)
+    unfinished.feed(b'data: {"choices": [{"text": "x"}]}\n\n', 0.1)
     unfinished.settle()
     assert unfinished.outcome == "error" and "[DONE]" in (unfinished.error or "")
     failed = StreamState(start=0.0)
-    assert failed.feed_line(b'data: {"error": {"message": "overloaded", "code": 503}}', 0.1)
+    assert failed.feed(b'data: {"error": {"message": "overloaded", "code": 503}}\n\n', 0.1)
     failed.settle()
     assert failed.outcome == "error" and "overloaded" in (failed.error or "")
     with pytest.raises(ValueError):
-        StreamState(start=0.0).feed_line(b"data: {not json", 0.1)
+        StreamState(start=0.0).feed(b"data: {not json\n\n", 0.1)
+    cut = StreamState(start=0.0)  # a body that ends without the last blank line
+    assert not cut.feed(b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n', 0.1)
+    cut.end(0.2)
+    cut.settle()
+    assert cut.outcome == "ok" and cut.chunk_times == [0.1]
 
 
 def test_replicas_per_group_counts_distinct_replicas_per_tenant_else_session() -> None:

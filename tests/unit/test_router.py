@@ -9,7 +9,8 @@ import pytest
 from balancer.events import Stored
 from balancer.index.hashing import pack_tokens
 from balancer.load.tracker import EngineStats
-from balancer.policy.base import PolicyWeights, make_policy
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import make_policy
 from balancer.routing.router import PoolRouter
 from balancer.types import EngineHash, ReplicaId
 

@@ -8,7 +8,8 @@ from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import Stored
 from balancer.health.book import HealthBook
 from balancer.index.hashing import pack_tokens
-from balancer.policy.base import PolicyWeights, make_policy
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import make_policy
 from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
 from balancer.types import EngineHash, ReplicaId
 

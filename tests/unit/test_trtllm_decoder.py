@@ -24,6 +24,7 @@ from trtllm_fake import (
     _scenario_golden,
     decode,
     event_json,
+    partial_hashes,
     summary,
     write_goldens,
 )
@@ -197,7 +198,7 @@ def test_multimodal_blocks_end_the_chain() -> None:
     batch = decode(decoder, body)
     assert [e.engine_hashes for e in batch.events if isinstance(e, Stored)] == [(1,), (4,)]
     assert batch.ignored == 3 and batch.errors == ()
-    assert decoder.partial_hashes == 0
+    assert partial_hashes(decoder) == 0
 
 
 def test_secondary_level_blocks_are_not_held() -> None:
@@ -313,7 +314,7 @@ def test_partial_memory_is_bounded_oldest_first() -> None:
     batch = decode(decoder, body)
     assert decoder.partial_overflow == 1
     assert batch.events == [Removed(0, (100,))]
-    assert batch.ignored == 3 + 2 and decoder.partial_hashes == 0
+    assert batch.ignored == 3 + 2 and partial_hashes(decoder) == 0
 
 
 def test_partial_hash_memory_is_per_rank() -> None:

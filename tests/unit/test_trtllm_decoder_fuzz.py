@@ -8,7 +8,7 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from trtllm_fake import U64, FakeTrtllm, decode, summary
+from trtllm_fake import U64, FakeTrtllm, decode, partial_hashes, summary
 
 from balancer.engines import DecodedBatch
 from balancer.engines.trtllm import TrtllmDecoder
@@ -30,7 +30,7 @@ def check_invariants(decoder: TrtllmDecoder, batch: DecodedBatch, body_events: i
             assert isinstance(item, Resync)
     assert len(batch.errors) <= body_events
     assert batch.ignored >= 0
-    assert decoder.partial_hashes <= decoder.max_partial_hashes
+    assert partial_hashes(decoder) <= decoder.max_partial_hashes
 
 
 # --------------------------------------------------------------------------- random streams

@@ -11,19 +11,16 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from wire_hashes import VLLM_NONE_HASH, sglang_page_hashes, vllm_block_hash, vllm_block_hashes
 
 from replicas.wire.sglang import (
     REPLAY_END,
-    VLLM_NONE_HASH,
     KvEventEncoder,
     digest_to_i64,
     frames,
     page_digest,
     parse_replay_request,
     replay_reply,
-    sglang_page_hashes,
-    vllm_block_hash,
-    vllm_block_hashes,
 )
 
 _CAPTURE_DIRS = (

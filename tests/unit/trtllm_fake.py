@@ -376,3 +376,8 @@ def summary(batch: DecodedBatch) -> Json:
         "ignored": batch.ignored,
         "errors": len(batch.errors),
     }
+
+
+def partial_hashes(decoder: TrtllmDecoder) -> int:
+    """How many partial-block hashes ``decoder`` remembers now (its bounded private memory)."""
+    return len(decoder._partials)

@@ -3,8 +3,8 @@
 * :func:`openai_call`: a ``GenerateRequest`` as the OpenAI request the replica gets (chat messages →
   ``/v1/chat/completions``; token ids or text → ``/v1/completions``). The body then goes through the
   same :func:`~balancer.api.parsing.parse_request` as an HTTP body, so both transports validate alike.
-* :class:`SseEvents`: splits the replica's server-sent events into ``data:`` payloads (bounded), and
-  :func:`read_chunk` takes what a ``GenerateChunk`` carries besides the raw JSON.
+* :func:`read_chunk`: what a ``GenerateChunk`` carries besides the raw JSON of one event payload
+  (the replica's stream is split into payloads by :class:`balancer.upstream.sse.SseEvents`).
 * :func:`decision_message`, :func:`policy_message`, :func:`struct_of`: kvlb's objects as messages.
 """
 
@@ -21,12 +21,9 @@ from google.protobuf import json_format, struct_pb2
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.parsing import RequestKind
-from balancer.errors import UpstreamError
 from balancer.service.policy_control import PolicyView
 from balancer.types import CostTerms, Decision
 
-MAX_SSE_EVENT_BYTES = 1024 * 1024
-"""Longest server-sent event accepted from a replica; longer → the stream fails (UNAVAILABLE)."""
 MAX_ERROR_CHARS = 512
 """Longest replica error message passed on to a client."""
 RESERVED_EXTRA_KEYS = frozenset(
@@ -95,53 +92,6 @@ def _extra(text: str) -> dict[str, Any]:
     if reserved:
         raise ApiError(400, f"'extra_json' may not set {reserved}: use the request's own fields")
     return value
-
-
-class SseEvents:
-    """Splits a server-sent event byte stream into its ``data:`` payloads, whatever the chunking.
-
-    An event longer than ``max_event_bytes`` without its blank-line end raises
-    :class:`~balancer.errors.UpstreamError` (a replica cannot make the balancer buffer without bound).
-    """
-
-    def __init__(self, max_event_bytes: int = MAX_SSE_EVENT_BYTES) -> None:
-        self._buffer = bytearray()
-        self._max_event_bytes = max_event_bytes
-
-    def feed(self, chunk: bytes) -> list[bytes]:
-        """The payloads of the events completed by ``chunk`` (``[DONE]`` included)."""
-        self._buffer += chunk
-        payloads: list[bytes] = []
-        while True:
-            end, separator = _event_end(self._buffer)
-            if end < 0:
-                break
-            data = _data_of(bytes(self._buffer[:end]))
-            del self._buffer[: end + separator]
-            if data is not None:
-                payloads.append(data)
-        if len(self._buffer) > self._max_event_bytes:
-            raise UpstreamError(f"an event of the replica's stream exceeds {self._max_event_bytes} bytes")
-        return payloads
-
-    def close(self) -> list[bytes]:
-        """The payload of a last event the stream ended without a blank line after."""
-        data = _data_of(bytes(self._buffer))
-        self._buffer.clear()
-        return [] if data is None else [data]
-
-
-def _event_end(buffer: bytearray) -> tuple[int, int]:
-    """Where the first complete event ends, and the length of its separator; (-1, 0) if none."""
-    found = [(i, len(s)) for s in (b"\n\n", b"\r\n\r\n") if (i := buffer.find(s)) >= 0]
-    return min(found) if found else (-1, 0)
-
-
-def _data_of(event: bytes) -> bytes | None:
-    lines = [line[5:] for line in event.splitlines() if line.startswith(b"data:")]
-    if not lines:
-        return None
-    return b"\n".join(line[1:] if line.startswith(b" ") else line for line in lines)
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,6 @@ from balancer.api.errors import ApiError
 from balancer.api.grpc.admin import ADMIN_SERVICE, admin_handlers
 from balancer.api.grpc.calls import Call, CallError, method_handler
 from balancer.api.grpc.messages import (
-    SseEvents,
     decision_message,
     error_body_text,
     openai_call,
@@ -59,6 +58,7 @@ from balancer.service.dispatch import (
 from balancer.service.state import ServiceState
 from balancer.service.tls import grpc_key_pair
 from balancer.upstream.client import forwardable_headers
+from balancer.upstream.sse import SseEvents
 
 log = logging.getLogger(__name__)
 

@@ -5,6 +5,6 @@
 * :mod:`~balancer.index.redis.plan`: events → bounded script calls (pure).
 * :mod:`~balancer.index.redis.index`: ``RedisIndex``, the ``PrefixIndex`` backend over Redis.
 * :mod:`~balancer.index.redis.stream`: the applied-batch stream that mirrors follow.
-* :mod:`~balancer.index.redis.mirror`: ``MirrorIndex``, an in-memory copy fed by that stream.
+* :mod:`~balancer.index.redis.mirror`: ``Mirror``, an in-memory copy fed by that stream (what routing reads).
 * :mod:`~balancer.index.redis.lease`: the per-replica ingest lease.
 """

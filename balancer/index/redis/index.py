@@ -179,7 +179,11 @@ class RedisIndex:
     async def match(
         self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
     ) -> Overlap:
-        """Leading blocks held per replica: one ``EVALSHA`` that stops where the candidates stop."""
+        """Leading blocks held per replica: one ``EVALSHA`` that stops where the candidates stop.
+
+        Routing never calls this (it reads the mirror's table). It keeps the seam uniform: the
+        contract suite checks the Redis index's state through it, and the Redis integration tests
+        use it as the oracle the mirrors must agree with."""
         asked = None if among is None else list(among)
         args: _Args = [self.keys.prefix, repr(float(now)), -1 if asked is None else len(asked)]
         args += asked or []
@@ -200,7 +204,10 @@ class RedisIndex:
     async def add_speculative(
         self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
     ) -> None:
-        """``replica`` (as its rank 0) holds ``keys`` until ``now + ttl_s`` (its own chain: pass them all)."""
+        """``replica`` (as its rank 0) holds ``keys`` until ``now + ttl_s`` (its own chain: pass them all).
+
+        Fleet balancers keep speculative entries in their mirror's table, so only the contract suite
+        and the Redis tests call this."""
         if ttl_s <= 0 or not keys:
             return
         args: _Args = [self.keys.prefix, replica, repr(float(now)), repr(float(now + ttl_s))]

@@ -1,10 +1,12 @@
 """``Mirror``: a local copy of one key space's Redis index, fed by its applied-event stream (I/O).
 
-The request path reads the mirror's :class:`~balancer.index.table.PrefixTable`, never Redis. The
-mirror replays the stream's batches (see :mod:`balancer.index.redis.stream`) in stream order. Its table
-has the same semantics and budget as the Redis index, so it reaches the same holders, evictions
-included. Each balancer's own speculative entries stay local; they count toward the local budget,
-so under eviction pressure a mirror may evict slightly differently from Redis.
+The mirror is the fleet's read side, not a ``PrefixIndex``: nothing applies events to it but the
+stream. The request path reads the mirror's :class:`~balancer.index.table.PrefixTable`, never
+Redis. The mirror replays the stream's batches (see :mod:`balancer.index.redis.stream`) in stream
+order. Its table has the same semantics and budget as the Redis index, so it reaches the same
+holders, evictions included (the index contract suite runs on it). Each balancer's own
+speculative entries stay local; they count toward the local budget, so under eviction pressure a
+mirror may evict slightly differently from Redis.
 
 **Warm start** builds a fresh table off to the side, then installs it (``on_table``), so routing
 keeps reading the previous table meanwhile. It loads the latest table snapshot if there is one
@@ -252,6 +254,8 @@ class Mirror:
         return len(data)
 
     # ------------------------------------------------------------------ the local index
+    # The read half of the ``PrefixIndex`` seam. Routing reads the installed table instead; these
+    # serve the contract suite (writes through a RedisIndex, reads here), the tests and the benches.
 
     async def match(
         self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float

@@ -2,9 +2,10 @@
 
 Every key name starts with ``<prefix>:{<pool>}:``. The ``{pool}`` hash tag puts all keys of one pool
 in one Redis Cluster slot, so each Lua script (which touches many keys) runs on one node and every
-pipeline of one pool goes to one node. ``docs/redis-schema.md`` describes each key; this module is
-the only code that spells a key name (the Lua scripts receive :attr:`RedisKeys.prefix` and append
-the same suffixes).
+pipeline of one pool goes to one node. ``docs/redis-schema.md`` describes each key. Python code
+spells the names of the keys it touches only here; the Lua scripts (:mod:`balancer.index.redis.scripts`)
+receive :attr:`RedisKeys.prefix` and append the suffixes of the keys only they touch (``b:``, ``s:``,
+``lru``, ``tick``, ``held``, ``replicas``, ``spec``).
 
 Identifiers inside names and fields:
 
@@ -70,11 +71,7 @@ class RedisKeys:
 
     def __init__(self, settings: RedisIndexSettings) -> None:
         self.prefix = f"{settings.key_prefix}:{{{settings.pool}}}:"
-        """Common start of every key of the pool; the Lua scripts append the suffixes below."""
-
-    def block(self, key_hex: str) -> str:
-        """HASH: holders of one block. Field ``<cache id>`` → handle count; ``<replica>#s`` → expiry."""
-        return f"{self.prefix}b:{key_hex}"
+        """Common start of every key of the pool; the Lua scripts append their suffixes to it."""
 
     def engine_map(self, cache_id: str) -> str:
         """HASH: engine hash (hex) → block key (hex) of one cache; also its reverse set."""
@@ -83,35 +80,6 @@ class RedisKeys:
     def ranks(self, replica: ReplicaId) -> str:
         """SET: the DP ranks of ``replica`` that have (or had) a cache."""
         return f"{self.prefix}ranks:{replica}"
-
-    def spec(self, replica: ReplicaId) -> str:
-        """ZSET: block key (hex) → expiry (caller's clock, seconds) of ``replica``'s speculative keys."""
-        return f"{self.prefix}s:{replica}"
-
-    @property
-    def lru(self) -> str:
-        """ZSET: block key (hex) → tick of its last touch; the lowest ticks are evicted first."""
-        return f"{self.prefix}lru"
-
-    @property
-    def tick(self) -> str:
-        """STRING: the last LRU tick handed out (one per touched block)."""
-        return f"{self.prefix}tick"
-
-    @property
-    def held(self) -> str:
-        """HASH: cache id → number of blocks it holds (the field exists once the cache was created)."""
-        return f"{self.prefix}held"
-
-    @property
-    def replicas(self) -> str:
-        """SET: replicas with a cache or a speculative slot (the candidates of ``match(None)``)."""
-        return f"{self.prefix}replicas"
-
-    @property
-    def spec_replicas(self) -> str:
-        """SET: replicas whose speculative ZSET may be non-empty (scanned to expire entries)."""
-        return f"{self.prefix}spec"
 
     @property
     def generations(self) -> str:

@@ -1,12 +1,14 @@
-"""Measure the emulator's own cost and accuracy; prints one JSON object (I/O; ``python -m replicas.measure``).
+"""Measure the emulator's own cost and accuracy from outside; prints one JSON object (I/O; a tool:
+``python -m loadtests.emulator_measure``).
 
 1. Starts ``--replicas`` emulated replicas split over ``--processes`` child processes
    (``python -m replicas.command --tokenizer none``: the prompts are token ids).
 2. Idle cost: CPU seconds of the children (``/proc/<pid>/stat``) over ``--idle-s``, per replica.
 3. Accuracy under load: open-loop Poisson arrivals at ``--rate`` req/s for ``--load-s`` seconds, spread
    round robin, streaming ``/v1/completions`` with token-id prompts that share prefixes (so both cache
-   hits and misses occur). For each request the observed TTFT (send → first SSE chunk, at the client)
-   is compared with the TTFT the replica modelled (``GET /admin/requests``).
+   hits and misses occur). For each request the observed TTFT (send → first SSE event, at the client,
+   read with :class:`balancer.upstream.sse.SseEvents`) is compared with the TTFT the replica modelled
+   (``GET /admin/requests``).
 
 Figures are provisional on a shared machine; the JSON records every parameter used.
 """
@@ -26,6 +28,8 @@ from typing import Any
 
 import aiohttp
 
+from balancer.errors import UpstreamError
+from balancer.upstream.sse import SseEvents
 from replicas.command import runner
 from replicas.emulator import EmulatorSpec, ProcessEmulator, template_config
 from replicas.sim.profiles import PROFILES
@@ -83,11 +87,13 @@ async def one_request(
             if response.status != 200:
                 sample.error = f"HTTP {response.status}"
                 return
-            async for line in response.content:
-                if line.startswith(b"data: {") and sample.observed_s is None:
-                    sample.observed_s = time.perf_counter() - started
-                    sample.request_id = json.loads(line[6:])["id"]
-    except (aiohttp.ClientError, TimeoutError) as exc:
+            events = SseEvents()
+            async for chunk in response.content.iter_any():
+                for event in events.feed(chunk):
+                    if event.startswith(b"{") and sample.observed_s is None:
+                        sample.observed_s = time.perf_counter() - started
+                        sample.request_id = json.loads(event)["id"]
+    except (aiohttp.ClientError, TimeoutError, UpstreamError) as exc:
         sample.error = type(exc).__name__
 
 
@@ -205,7 +211,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await fleet.stop()
     return {
-        "command": " ".join([sys.executable, "-m", "replicas.measure", *sys.argv[1:]]),
+        "command": " ".join([sys.executable, "-m", "loadtests.emulator_measure", *sys.argv[1:]]),
         "replicas": args.replicas,
         "processes": fleet.processes,
         "engine": args.engine,
@@ -228,7 +234,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m replicas.measure", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtests.emulator_measure", description=__doc__)
     add = parser.add_argument
     add("--replicas", type=int, default=8)
     add("--processes", type=int, default=2)
