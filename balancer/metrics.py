@@ -165,7 +165,8 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
     return {
         "route_decision_seconds": histogram(
             "kvlb_route_decision_seconds",
-            "Time to choose a replica (hashing, index match, policy).",
+            "Time to choose a replica (candidates, hashing, index match, policy; with the commitment "
+            "when the request is forwarded).",
             buckets=_DECISION_BUCKETS_S,
         ),
         "route_decisions_total": counter(

@@ -154,9 +154,11 @@ class ReplicaLifecycle:
         return True
 
     async def _tear_down(self, pool: Pool, replica: ReplicaId) -> None:
-        """Undo whatever :meth:`add` did for ``replica`` (each step is a no-op if it was not done)."""
+        """Undo whatever :meth:`add` did for ``replica`` (each step is a no-op if it was not done).
+
+        Routing stops first (its health record goes, so the router never picks it again); the replica
+        leaves ``pool.replicas``, and so ``/admin/replicas``, last, once its blocks have left the index."""
         state = self.state
-        pool.replicas.pop(replica, None)
         state.health.remove(replica)
         await cancel_all(self._tasks.pop(replica, []))
         state.scrapers.pop(replica, None)
@@ -166,6 +168,7 @@ class ReplicaLifecycle:
         elif space is not None and (ingest := self.ingests.get(id(space))) is not None:
             await ingest.remove_replica(replica)  # its blocks leave the table
         pool.router.remove_replica(replica)
+        pool.replicas.pop(replica, None)
         metrics = state.metrics
         metrics.replica_healthy.remove(replica)
         metrics.index_replica_blocks.remove(replica)
