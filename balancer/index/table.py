@@ -1,6 +1,6 @@
 """The in-memory prefix table of one pool (pure: no I/O, no clock; callers pass ``now``).
 
-Layout (DESIGN.md decisions 1 and 2):
+Layout (router-owned keys and the index structure: ``docs/architecture.md``, decisions):
 
 * ``holders``: block key → bitmask of the caches holding it. Each cache (replica, dp_rank) owns one
   bit ("slot"); each replica with speculative entries owns one more, which stands for its rank 0.
