@@ -8,7 +8,7 @@
 balancer without Redis) or by the fleet mirror (:mod:`balancer.index.redis.mirror`), which replays
 the Redis index's stream into a table and installs it for the router.
 
-Layout (DESIGN.md decisions 1 and 2):
+Layout (router-owned keys and the index structure: ``docs/architecture.md``, decisions 1 and 2):
 
 * ``holders``: block key → bitmask of the caches holding it. Each cache (replica, dp_rank) owns one
   bit ("slot"); each replica with speculative entries owns one more, which stands for its rank 0.

@@ -1,9 +1,9 @@
 """Poller of TRT-LLM's ``POST /kv_cache_events`` drain for one replica (does I/O).
 
 Each POST returns, and removes from the engine, every event buffered since the last one: the poller
-must be the only consumer of that replica (see DESIGN.md, Redis lease). Ordering lives in the
-stateful :class:`balancer.engines.trtllm.TrtllmDecoder` (``event_id`` per rank, ``created``), whose
-``Resync`` events flow through unchanged.
+must be the only consumer of that replica (with Redis, its ingestion lease: ``docs/redis-fleet.md``).
+Ordering lives in the stateful :class:`balancer.engines.trtllm.TrtllmDecoder` (``event_id`` per rank,
+``created``), whose ``Resync`` events flow through unchanged.
 
 Pacing: after a drain that held anything the next poll comes after ``min_interval_s``; each empty
 drain doubles the wait up to ``max_interval_s``. Connection errors, timeouts and bad statuses back

@@ -69,8 +69,10 @@ def test_dockerignore_keeps_what_the_build_copies_and_drops_the_rest() -> None:
         "tests/conftest.py",
         "balancer/__pycache__/x.pyc",
         "a/.env",
+        "loadtests/traces/mooncake_synthetic_trace.jsonl",
     ):
         assert ignore.excluded(path), path
+    assert not ignore.excluded("loadtests/workloads/mooncake.py")
     assert not ignore.excluded("deploy/docker/install.sh") and ignore.excluded("deploy/k8s/base/config.yaml")
 
 

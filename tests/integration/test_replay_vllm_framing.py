@@ -3,7 +3,7 @@
 vLLM's ``ZmqEventPublisher._service_replay`` answers ``[b"", start_seq8]`` with one
 ``[b"", topic, seq8, payload]`` per buffered batch and ends with ``[b"", b"", seq -1, b""]``; SGLang
 sends ``[b"", seq8, payload]`` and ``[b"", seq -1, b""]``. The payloads served here are the real
-frames captured from vLLM 0.32.0 on CPU (shared/fixtures/real-engine-captures), seq 0..11; the live
+frames captured from vLLM 0.32.0 on CPU (``tests/golden/real/vllm-0.32.0-cpu``), seq 0..11; the live
 stream then sends seq 12, so a subscriber that joined late must replay 0..11 to catch up.
 """
 
@@ -13,7 +13,6 @@ import asyncio
 from pathlib import Path
 
 import msgpack
-import pytest
 import zmq
 import zmq.asyncio
 
@@ -24,9 +23,7 @@ from balancer.sources.base import IngestBatch
 from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
 from balancer.types import ReplicaId
 
-CAPTURES = (
-    Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "real-engine-captures" / "vllm-0.32.0-cpu"
-)
+CAPTURES = Path(__file__).resolve().parents[1] / "golden" / "real" / "vllm-0.32.0-cpu"
 TOPIC = b"kv-events"
 END = b"\xff" * 8
 
@@ -52,7 +49,6 @@ async def serve_vllm_replay(
         await router.send_multipart([client, b"", b"", END, b""])
 
 
-@pytest.mark.skipif(not CAPTURES.is_dir(), reason="shared real-engine captures not present")
 async def test_late_subscriber_replays_a_vllm_buffer() -> None:
     batches = captured_batches()
     assert [seq for seq, _ in batches] == list(range(12))

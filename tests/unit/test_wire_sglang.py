@@ -23,17 +23,14 @@ from replicas.wire.sglang import (
     replay_reply,
 )
 
-_CAPTURE_DIRS = (
-    Path(__file__).resolve().parents[1] / "golden" / "real-engine-captures",
-    Path("/work/shared/fixtures/real-engine-captures"),
-)
-CAPTURES = next((path for path in _CAPTURE_DIRS if path.is_dir()), None)
-needs_captures = pytest.mark.skipif(CAPTURES is None, reason="real engine captures not available")
+CAPTURES = Path(__file__).resolve().parents[1] / "golden" / "real"
+"""The real engine captures (``tests/golden/real/README.md``): part of the tree, so never skipped."""
 
 
 def capture_files(folder: str) -> list[Path]:
-    assert CAPTURES is not None
-    return sorted((CAPTURES / folder).glob("*.hex"))
+    files = sorted((CAPTURES / folder).glob("*.hex"))
+    assert files, f"no captured frames in {CAPTURES / folder}"
+    return files
 
 
 def read_capture(path: Path) -> list[bytes]:
@@ -45,8 +42,6 @@ def capture_batches(folder: str) -> list[list[Any]]:
 
 
 def all_capture_paths() -> list[Path]:
-    if CAPTURES is None:
-        return []
     return capture_files("sglang-0.5.23-cpu") + capture_files("vllm-0.32.0-cpu")
 
 
@@ -83,7 +78,6 @@ def test_sglang_partial_last_page_and_prior_chaining() -> None:
     assert continued == pages[1:]
 
 
-@needs_captures
 def test_sglang_capture_hashes_reproduced_from_tokens() -> None:
     """Every BlockStored hash of the SGLang 0.5.23 capture follows from its tokens and its parent."""
     digests: dict[int, bytes] = {}
@@ -102,7 +96,6 @@ def test_sglang_capture_hashes_reproduced_from_tokens() -> None:
     assert checked == total > 0
 
 
-@needs_captures
 def test_vllm_capture_hashes_reproduced_from_tokens() -> None:
     """Every BlockStored hash of the vLLM 0.32.0 capture follows from pickle protocol 5 + SHA-256."""
     digests: dict[int, bytes] = {}
@@ -124,7 +117,6 @@ def test_vllm_capture_hashes_reproduced_from_tokens() -> None:
     assert checked == total > 0
 
 
-@needs_captures
 def test_vllm_block_hashes_chain_matches_capture_chain() -> None:
     """Frames 001-004 each store one block chained to the previous frame's block."""
     events = [batch[1][0] for batch in capture_batches("vllm-0.32.0-cpu")[:4]]
@@ -161,7 +153,6 @@ def rebuild(encoder: KvEventEncoder, event: dict[str, Any]) -> object:
     return encoder.all_blocks_cleared()
 
 
-@needs_captures
 @pytest.mark.parametrize("path", all_capture_paths(), ids=lambda path: path.name)
 def test_reencoding_a_real_capture_is_byte_exact(path: Path) -> None:
     """Decode a real frame, re-encode its logical content, and get the engine's exact bytes back."""

@@ -38,7 +38,7 @@ from loadtests.workloads.mooncake import BlockTokens, TraceError, parse_trace_li
 from loadtests.workloads.text import TOKENS_PER_WORD, random_text
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "tokenizer"
-TRACE = Path("/work/shared/traces/mooncake_synthetic_trace.jsonl")
+TRACE = Path(__file__).resolve().parents[2] / "loadtests" / "traces" / "mooncake_synthetic_trace.jsonl"
 
 SMALL: dict[str, dict[str, Any]] = {
     "tenants": {"tenants": 3, "users_per_tenant": 2, "context_tokens": 300, "question_tokens": 50},
@@ -296,7 +296,6 @@ def test_mooncake_slices_caps_and_salts(trace_file: Path) -> None:
         parse_trace_line('{"timestamp": 0, "input_length": 5}')
 
 
-@pytest.mark.skipif(not TRACE.exists(), reason="shared Mooncake trace not present")
 def test_mooncake_replay_of_the_published_trace_matches_lengths_and_sharing() -> None:
     specs = list(MooncakeWorkload(path=str(TRACE), limit=150).generate(random.Random(0)))
     rows = [json.loads(line) for line in itertools.islice(TRACE.open(encoding="utf-8"), 150)]

@@ -1,8 +1,8 @@
 """``RedisIndex``: the global :class:`~balancer.index.base.PrefixIndex` kept in Redis (I/O).
 
-Redis holds the fleet's prefix index (DESIGN.md decision 3); the request path reads a local mirror
-(:mod:`balancer.index.redis.mirror`), never this class. Key layout: :mod:`balancer.index.redis.schema`
-and ``docs/redis-schema.md``.
+Redis holds the fleet's prefix index (``docs/architecture.md``, decision 3); the request path reads a
+local mirror (:mod:`balancer.index.redis.mirror`), never this class. Key layout:
+:mod:`balancer.index.redis.schema` and ``docs/redis-schema.md``.
 
 One ``apply`` is one atomic ``EVALSHA`` (the batch, its stream entry and its ``seq``), preceded by
 one pipelined ``HMGET`` only when a parent is neither in the batch nor in this writer's hints
