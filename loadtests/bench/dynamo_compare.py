@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from loadtests.bench.index_bench import BenchShape, Workload
 
 DYNAMO_SEED = 1337
-"""Dynamo's XXH3 seed for per-block token hashes (reference/engine-events.md §5.2)."""
+"""Dynamo's XXH3 seed for per-block token hashes (docs/reference/engine-events.md §5.2)."""
 
 
 def _load() -> tuple[Any, Callable[..., list[int]], str] | None:

@@ -2,8 +2,9 @@
 
 Each scenario encodes engine events with the emulator and states, from its own inputs (never from the
 encoded bytes), the engine-neutral events (:mod:`balancer.events`) a decoder must yield. Two decoders
-are held to that: a small reference decoder written here from the wire spec, so the encoders are checked
-today, and the balancer's own decoders (skipped until ``balancer.engines.sglang`` / ``.trtllm`` exist).
+are held to that: a small reference decoder written here from the wire spec
+(docs/reference/engine-events.md), so the encoders are checked today, and the balancer's own decoders
+(skipped until ``balancer.engines.sglang`` / ``.trtllm`` exist).
 """
 
 from __future__ import annotations

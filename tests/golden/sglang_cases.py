@@ -70,7 +70,7 @@ def _spec_cases() -> list[Case]:
     return [
         Case(
             "spec-sglang-array",
-            "engine-events.md §1.4 SGLang example: two chained pages, an eviction, a clear",
+            "docs/reference/engine-events.md §1.4 SGLang example: two chained pages, an eviction, a clear",
             live_frames(batch_array(1700000000.5, sglang_events, 0), 0),
             expect(
                 [
@@ -85,13 +85,14 @@ def _spec_cases() -> list[Case]:
         ),
         Case(
             "spec-vllm-positional",
-            "engine-events.md §1.4 vLLM positional era (12-element BlockStored, 4-element BlockRemoved)",
+            "docs/reference/engine-events.md §1.4 vLLM positional era"
+            " (12-element BlockStored, 4-element BlockRemoved)",
             live_frames(batch_array(1.5, vllm_positional, 0), 1),
             expect([stored_vllm, exp_removed([SPEC_VLLM_HASH])], seq=1, ts=1.5),
         ),
         Case(
             "spec-vllm-map",
-            "engine-events.md §1.4 vLLM map era as captured from vLLM 0.26.0",
+            "docs/reference/engine-events.md §1.4 vLLM map era as captured from vLLM 0.26.0",
             live_frames(batch_array(1789095808.8378847, [vllm_map], 0), 2),
             expect([stored_vllm], seq=2, ts=1789095808.8378847),
         ),

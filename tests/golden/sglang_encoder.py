@@ -1,8 +1,8 @@
 """An SGLang/vLLM ZMQ event *encoder* and SGLang's reference page hash (test-only, pure).
 
-Written from engine-events.md §1.3–§1.4 and §2.4 independently of ``balancer.engines.sglang``, so
-that the golden tests catch drift between what the engines send and what the decoder reads. The
-golden cases built with it live in ``sglang_cases.py``.
+Written from docs/reference/engine-events.md §1.3–§1.4 and §2.4 independently of
+``balancer.engines.sglang``, so that the golden tests catch drift between what the engines send and
+what the decoder reads. The golden cases built with it live in ``sglang_cases.py``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import msgpack
 TOPIC = b"kv-events"
 MASK64 = (1 << 64) - 1
 
-# engine-events.md §1.4: frame 2 of the SGLang example (array era, medium + attn_dp_rank)
+# docs/reference/engine-events.md §1.4: frame 2 of the SGLang example (array era, medium + attn_dp_rank)
 SPEC_SGLANG_HEX = (
     "93cb41d954fc402000009497ab426c6f636b53746f72656491d3cf97adeedb59e05bc0940102030404c0a3475055"
     "97ab426c6f636b53746f72656491d3cb701dbfc2cfd592d3cf97adeedb59e05b940506070804c0a347505593ac426c"

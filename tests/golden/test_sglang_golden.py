@@ -2,7 +2,7 @@
 
 The fixtures are checked in. These tests decode them and compare with their JSON sidecars, check
 that the encoder still produces exactly those bytes (so neither side drifts silently), and pin the
-engine-events.md §1.4 example to its published hex and SGLang's real page hashes.
+docs/reference/engine-events.md §1.4 example to its published hex and SGLang's real page hashes.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def test_spec_hashes_are_sglangs_real_page_hashes() -> None:
     # [5] (the §2.4 golden). The example's token_ids are illustrative; the decoder keeps them as sent.
     assert sglang_page_hashes([1, 2, 3, 4, 5], 4) == [h1, h2]
     assert sglang_page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4)[1] != h2
-    # the other goldens quoted in engine-events.md §2.4
+    # the other goldens quoted in docs/reference/engine-events.md §2.4
     assert sglang_page_hashes([10, 20, 30, 40], 4, bigram=True) == [-2735951481331064195]
     assert sglang_page_hashes([1, 2, 3, 4, 5, 6], 4, bigram=True) == [
         -638950109823820341,

@@ -1,7 +1,7 @@
 """SGLang personality over real sockets: ZMQ PUB frames, replay, HTTP endpoints, DP ranks, faults.
 
 Frames are checked against an independent reference decode written here from the spec
-(``engine-events.md`` §1-§2) and, when present, against the balancer's own decoder.
+(``docs/reference/engine-events.md`` §1-§2) and, when present, against the balancer's own decoder.
 """
 
 from __future__ import annotations
@@ -92,7 +92,9 @@ def ref_decode(frames: list[bytes]) -> tuple[int, int, list[Any]]:
 
 
 def ref_page_hashes(tokens: list[int], page: int) -> list[int]:
-    """SGLang's chained SHA-256 page hashes as signed i64 (spec §2.4), written independently."""
+    """SGLang's chained SHA-256 page hashes as signed i64, written independently.
+
+    The recipe is docs/reference/engine-events.md §2.4."""
     out, prior = [], b""
     for start in range(0, len(tokens) - len(tokens) % page, page):
         prior = hashlib.sha256(prior + struct.pack(f"<{page}I", *tokens[start : start + page])).digest()

@@ -23,7 +23,9 @@ U32, U64 = (1 << 32) - 1, (1 << 64) - 1
 
 
 def ref_block_hash(tokens: list[int], parent: int | None) -> int:
-    """TRT-LLM's V1 ``BlockKeyHasher`` (engine-events.md §4.5), written independently of the emulator."""
+    """TRT-LLM's V1 ``BlockKeyHasher``, written independently of the emulator.
+
+    The recipe is docs/reference/engine-events.md §4.5."""
 
     def mix32(value: int, seed: int) -> int:
         value &= U32

@@ -1,8 +1,9 @@
 """TrtllmPoller against a real aiohttp server on 127.0.0.1 serving a draining ``POST /kv_cache_events``.
 
-The fake engine answers with the JSON of engine-events.md §4.4 (``created``/``stored``/``removed``,
-``event_id``, ``window_size``) and forgets what it returned, as trtllm-serve does. The poller decodes
-with the real ``TrtllmDecoder``; the sink records what ``index.apply`` received.
+The fake engine answers with the JSON of docs/reference/engine-events.md §4.4
+(``created``/``stored``/``removed``, ``event_id``, ``window_size``) and forgets what it returned, as
+trtllm-serve does. The poller decodes with the real ``TrtllmDecoder``; the sink records what
+``index.apply`` received.
 """
 
 from __future__ import annotations

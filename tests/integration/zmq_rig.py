@@ -1,11 +1,11 @@
 """The rig of the ZMQ source tests (test_sources_zmq*.py): a real publisher on 127.0.0.1 and a
 real EventIngest feeding a recording index.
 
-The publisher is written for the tests from the wire facts (engine-events.md §1): an XPUB (a PUB
-that also tells us when the subscriber has joined) sending ``[topic, seq8, msgpack([ts, events,
-rank])]`` and a ROUTER replay server answering ``[b"", seq8]`` with ``[b"", seq8, payload]`` frames
-and the END marker. Events are SGLang 0.5.23 tagged maps. The source decodes with the real
-``SglangDecoder``; the sink records what ``index.apply`` received.
+The publisher is written for the tests from the wire facts (docs/reference/engine-events.md §1): an
+XPUB (a PUB that also tells us when the subscriber has joined) sending ``[topic, seq8,
+msgpack([ts, events, rank])]`` and a ROUTER replay server answering ``[b"", seq8]`` with
+``[b"", seq8, payload]`` frames and the END marker. Events are SGLang 0.5.23 tagged maps. The source
+decodes with the real ``SglangDecoder``; the sink records what ``index.apply`` received.
 """
 
 from __future__ import annotations

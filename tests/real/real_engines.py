@@ -2,7 +2,7 @@
 
 Everything listens on 127.0.0.1, except the engines' ZMQ PUB and replay sockets: vLLM binds only when
 the endpoint holds ``*`` (``tcp://*:PORT``); with a host address it *connects out* instead
-(reference/real-engines.md §2.2), so the engines bind every interface and every subscriber connects
+(docs/reference/real-engines.md §2.2), so the engines bind every interface and every subscriber connects
 to 127.0.0.1. Each process is started in its own session and stopped by its PID: SIGTERM, a bounded
 wait, then SIGKILL to the process group that PID leads (the API server's EngineCore children).
 """

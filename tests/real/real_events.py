@@ -4,7 +4,7 @@
 replays those messages into "which blocks does this engine hold now", keyed by the block's *prefix
 identity* (the SHA-256 of every token from the start of the sequence to the end of the block), so
 engines that hash differently (vLLM's pickled SHA-256 chain, SGLang's int32 chain) compare directly.
-:func:`vllm_block_hashes` is vLLM's block-hash recipe (reference/real-engines.md §2.3), used to name
+:func:`vllm_block_hashes` is vLLM's block-hash recipe (docs/reference/real-engines.md §2.3), used to name
 a request's blocks the way the engine does.
 """
 

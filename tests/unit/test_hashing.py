@@ -89,7 +89,7 @@ def ref_keys(
 
 
 def test_xxhash_library_matches_engine_events_goldens() -> None:
-    # engine-events.md §5.2: raw XXH3-64 with seed 1337 over little-endian u32 tokens.
+    # docs/reference/engine-events.md §5.2: raw XXH3-64 with seed 1337 over little-endian u32 tokens.
     assert xxhash.xxh3_64_intdigest(struct.pack("<4I", 1, 2, 3, 4), seed=1337) == 14643705804678351452
     assert xxhash.xxh3_64_intdigest(struct.pack("<4I", 5, 6, 7, 8), seed=1337) == 16777012769546811212
 

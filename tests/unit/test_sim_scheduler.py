@@ -60,7 +60,9 @@ def test_step_time_formula_and_idle_step() -> None:
 
 
 def test_profiles_match_the_documented_ranges() -> None:
-    """peers.md / docs/emulator.md: thousands of prefill tok/s; ITL about 10-40 ms with batch."""
+    """Thousands of prefill tok/s; ITL about 10-40 ms with batch.
+
+    Sources: docs/reference/peers.md and docs/emulator.md (Profiles)."""
     for name in ("h100-llama3-8b", "h100-qwen3-32b"):
         profile = get_profile(name)
         assert 3_000 <= 1 / profile.prefill_s_per_token <= 20_000

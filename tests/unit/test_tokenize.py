@@ -102,7 +102,7 @@ def deepseek(tmp_path_factory: pytest.TempPathFactory) -> HfTokenizer:
 
 def test_loads_the_real_deepseek_v3_vocabulary(deepseek: HfTokenizer) -> None:
     assert deepseek.name == "deepseek-v3"
-    assert deepseek.vocab_size == 129280  # real-engines.md §1: len(tokenizer)
+    assert deepseek.vocab_size == 129280  # docs/reference/real-engines.md §1: len(tokenizer)
     assert isinstance(deepseek, Tokenizer)
     assert isinstance(TokenIdTokenizer(), Tokenizer)
 

@@ -49,7 +49,9 @@ def all_capture_paths() -> list[Path]:
 
 
 def test_sglang_page_hash_goldens() -> None:
-    """The five goldens produced by SGLang's own ``RadixKey.hash_page`` (engine-events.md §2.4)."""
+    """The five goldens produced by SGLang's own ``RadixKey.hash_page``.
+
+    They are quoted in docs/reference/engine-events.md §2.4."""
 
     def hashes(tokens: list[int], page_size: int, **kwargs: Any) -> list[int]:
         return [value for value, _ in sglang_page_hashes(tokens, page_size, **kwargs)]
@@ -164,7 +166,7 @@ def test_reencoding_a_real_capture_is_byte_exact(path: Path) -> None:
 
 
 def test_array_encoding_matches_msgspec_golden() -> None:
-    """The positional-era bytes msgspec produced for engine-events.md §1.4's SGLang example."""
+    """The positional-era bytes msgspec produced for docs/reference/engine-events.md §1.4's SGLang example."""
     golden = bytes.fromhex(
         "93cb41d954fc402000009497ab426c6f636b53746f72656491d3cf97adeedb59e05bc0940102030404c0a3475055"
         "97ab426c6f636b53746f72656491d3cb701dbfc2cfd592d3cf97adeedb59e05b940506070804c0a347505593ac426c"

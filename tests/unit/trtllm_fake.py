@@ -1,9 +1,9 @@
 """An encoder of TRT-LLM event drains independent of kvlb's decoder (``FakeTrtllm``), the golden
 scenarios it writes, and helpers shared by the TRT-LLM decoder tests.
 
-``FakeTrtllm`` is written from the wire format (engine-events.md §4.4) and the decoding rules in
-``balancer/engines/trtllm.py``'s docstring, sharing no code with the decoder. It produces each drain
-together with the engine-neutral events kvlb should decode from it. The goldens in
+``FakeTrtllm`` is written from the wire format (docs/reference/engine-events.md §4.4) and the
+decoding rules in ``balancer/engines/trtllm.py``'s docstring, sharing no code with the decoder. It
+produces each drain together with the engine-neutral events kvlb should decode from it. The goldens in
 ``tests/golden/trtllm/`` are its frozen output (plus the spec's own example, with hand-written
 expectations). After a deliberate change, regenerate them and review the diff::
 
