@@ -8,13 +8,16 @@ The balancer reads only what routing needs (model, prompt or messages, ``stream`
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
+from balancer.tokenizer.tokenizer import first_surrogate
 
 RequestKind = Literal["chat", "completions"]
 
@@ -46,12 +49,47 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     if not raw:
         raise ApiError(400, "the request body is empty; expected a JSON object")
     try:
-        body = json.loads(raw)
+        body = strict_json.loads(raw)
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
         raise ApiError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    if _MAYBE_SURROGATE.search(raw) is not None or json.detect_encoding(raw) != "utf-8":
+        where = lone_surrogate_at(body)  # rare: only then is the whole body walked
+        if where is not None:
+            raise ApiError(
+                400,
+                f"the request body is not valid Unicode: {where} holds a lone UTF-16 surrogate; "
+                "strings must be UTF-8 text (a surrogate escape must be half of a pair)",
+            )
     return body
+
+
+_MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+"""What a surrogate can come from in a UTF-8 JSON body: a ``\\uD800``..``\\uDFFF`` escape, or
+its CESU-8 bytes (``json.loads`` decodes with ``surrogatepass``). Paired escapes (emoji) match too;
+the walk of :func:`lone_surrogate_at` then finds nothing. UTF-16 and UTF-32 bodies are always walked."""
+
+
+def lone_surrogate_at(value: Any) -> str | None:
+    """Where the first string or key of ``value`` holding a lone UTF-16 surrogate is (e.g.
+    ``'messages[0].content'``), or ``None``. Iterative, so any nesting ``json.loads`` accepts is fine."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, item = stack.pop()
+        if isinstance(item, str):
+            if first_surrogate(item) is not None:
+                return f"'{path}'" if path else "a string"
+        elif isinstance(item, dict):
+            children: list[tuple[str, Any]] = []
+            for key, child in item.items():
+                if first_surrogate(key) is not None:
+                    return f"a key of '{path}'" if path else "a top-level key"
+                children.append((f"{path}.{key}" if path else key, child))
+            stack.extend(reversed(children))  # document order
+        elif isinstance(item, list):
+            stack.extend((f"{path}[{i}]", item[i]) for i in range(len(item) - 1, -1, -1))
+    return None
 
 
 def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
@@ -159,7 +197,7 @@ def parse_weights_header(value: str, base: PolicyWeights) -> PolicyWeights:
     if len(value) > MAX_WEIGHTS_HEADER_CHARS:
         raise ApiError(400, f"x-kvlb-weights is longer than {MAX_WEIGHTS_HEADER_CHARS} characters")
     try:
-        data = json.loads(value)
+        data = strict_json.loads(value)
     except ValueError as exc:
         raise ApiError(400, f"x-kvlb-weights is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

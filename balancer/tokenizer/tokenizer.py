@@ -349,12 +349,39 @@ class HfTokenizer:
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.limits.check_chars(text)
         ids: list[int]
-        if self._splitter is not None and not add_special_tokens:
-            ids = encode_segmented(text, self._splitter[0], self._splitter[1], self._segments, self._raw)
-        else:
-            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            if self._splitter is not None and not add_special_tokens:
+                ids = encode_segmented(text, self._splitter[0], self._splitter[1], self._segments, self._raw)
+            else:
+                ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
+            raise TokenizeError(encode_failure(text, exc)) from None
         self.limits.check_tokens(len(ids))
         return ids
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+"""A UTF-16 surrogate code point: never valid alone in a Python ``str`` that is text."""
+
+
+def first_surrogate(text: str) -> int | None:
+    """Position of the first lone UTF-16 surrogate in ``text`` (``None`` when there is none)."""
+    if text.isascii():
+        return None
+    found = _SURROGATE.search(text)
+    return None if found is None else found.start()
+
+
+def encode_failure(text: str, exc: BaseException) -> str:
+    """The client-facing reason a tokenizer refused ``text`` (run only after a failure)."""
+    position = first_surrogate(text)
+    if position is not None:
+        code = ord(text[position])
+        return (
+            f"the prompt is not valid Unicode: lone UTF-16 surrogate U+{code:04X} at character "
+            f"{position}; send text as UTF-8 (or escaped surrogate pairs)"
+        )
+    return f"the prompt cannot be tokenized: {type(exc).__name__}: {exc}"
 
 
 def load_tokenizer(
