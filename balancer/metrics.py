@@ -51,6 +51,7 @@ class Metrics:
     scrape_errors_total: Counter
     # process
     process_asyncio_tasks: Gauge
+    log_suppressed_total: Counter
     # redis fleet (only moves when redis.url is set)
     redis_up: Gauge
     redis_errors_total: Counter
@@ -217,6 +218,12 @@ class Metrics:
                 "kvlb_process_asyncio_tasks",
                 "Tasks alive on kvlb's event loop, counted at scrape time (the scrape's own included); "
                 "flat under steady load, growth means a leak.",
+                registry=reg,
+            ),
+            log_suppressed_total=Counter(
+                "kvlb_log_suppressed_total",
+                "Repeated warnings held back by the log rate limiter (balancer/log_limit.py), by cause.",
+                ["cause"],
                 registry=reg,
             ),
             **_redis_collectors(reg),

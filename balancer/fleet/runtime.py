@@ -154,6 +154,7 @@ class FleetRuntime:
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
             limits=space.table.limits, on_table=_installer(space),
+            suppressed=state.metrics.log_suppressed_total,
         )  # fmt: skip
         entry = _Space(name, space, index, writer, ingest, mirror)
         self._spaces.append(entry)
