@@ -111,7 +111,7 @@ class LimitedWarnings:
         if held_back:
             message += " (%d more since the last such line, not logged; kvlb_log_suppressed_total{cause=%r})"
             args = (*args, held_back, cause)
-        self.logger.warning(message, *args, exc_info=exc_info)
+        self.logger.warning(message, *args, exc_info=exc_info, stacklevel=2)  # the caller's line
         return True
 
     def resolved(self, cause: str, subject: str) -> None:
