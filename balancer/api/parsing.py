@@ -202,6 +202,9 @@ def parse_weights_header(value: str, base: PolicyWeights) -> PolicyWeights:
         raise ApiError(400, f"x-kvlb-weights is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "x-kvlb-weights must be a JSON object of weight names to numbers")
+    where = lone_surrogate_at(data)
+    if where is not None:
+        raise ApiError(400, f"x-kvlb-weights is not valid Unicode: {where} holds a lone UTF-16 surrogate")
     return weights_from(data, base, "x-kvlb-weights")
 
 
