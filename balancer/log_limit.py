@@ -109,7 +109,7 @@ class LimitedWarnings:
                 self._suppressed.labels(cause).inc()
             return False
         if held_back:
-            message += " (%d more since the last such line, not logged; kvlb_log_suppressed_total{cause=%r})"
+            message += ' (%d more since the last such line; kvlb_log_suppressed_total{cause="%s"})'
             args = (*args, held_back, cause)
         self.logger.warning(message, *args, exc_info=exc_info, stacklevel=2)  # the caller's line
         return True

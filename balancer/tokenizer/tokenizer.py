@@ -32,6 +32,9 @@ from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter
 
 U32_LIMIT = 1 << 32
 
+MAX_REASON_CHARS = 200
+"""Longest tokenizer error text passed on to a client."""
+
 _NO_CHAT = "no tokenizer is configured: chat requests need a tokenizer (and its chat template)"
 
 
@@ -354,6 +357,8 @@ class HfTokenizer:
                 ids = encode_segmented(text, self._splitter[0], self._splitter[1], self._segments, self._raw)
             else:
                 ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        except TokenizeError:
+            raise
         except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
             raise TokenizeError(encode_failure(text, exc)) from None
         self.limits.check_tokens(len(ids))
@@ -382,7 +387,7 @@ def encode_failure(text: str, exc: BaseException) -> str:
             f"the prompt is not valid Unicode: lone UTF-16 surrogate U+{code:04X} at character "
             f"{position}; send text as UTF-8 (or escaped surrogate pairs)"
         )
-    return f"the prompt cannot be tokenized: {type(exc).__name__}: {exc}"
+    return f"the prompt cannot be tokenized: {type(exc).__name__}: {str(exc)[:MAX_REASON_CHARS]}"
 
 
 def load_tokenizer(
