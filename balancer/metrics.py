@@ -47,6 +47,7 @@ class Metrics:
     replica_healthy: Gauge
     scrape_errors_total: Counter
     process_asyncio_tasks: Gauge
+    log_suppressed_total: Counter
     redis_up: Gauge
     redis_errors_total: Counter
     redis_apply_seconds: Histogram
@@ -298,16 +299,23 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
 
 class _ProcessCollectors(TypedDict):
     process_asyncio_tasks: Gauge
+    log_suppressed_total: Counter
 
 
 def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
-    """``kvlb_process_*`` beside the ``ProcessCollector``'s: the event loop's tasks."""
-    _, gauge, _ = _constructors(reg)
+    """``kvlb_process_*`` beside the ``ProcessCollector``'s: the event loop's tasks; and the log
+    rate limiter's held-back warnings."""
+    counter, gauge, _ = _constructors(reg)
     return {
         "process_asyncio_tasks": gauge(
             "kvlb_process_asyncio_tasks",
             "Tasks alive on kvlb's event loop, counted at scrape time (the scrape's own included); "
             "flat under steady load, growth means a leak.",
+        ),
+        "log_suppressed_total": counter(
+            "kvlb_log_suppressed_total",
+            "Repeated warnings held back by the log rate limiter (balancer/log_limit.py), by cause.",
+            ["cause"],
         ),
     }
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from aiohttp import web
 
+from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import REQUEST_ID, STATE, caller
 from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
@@ -51,7 +52,7 @@ _POLICY_KEYS = frozenset({"name", "weights"})
 
 
 async def get_policy(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].policy.view.to_json())
+    return web.json_response(request.app[STATE].policy.view.to_json(), dumps=strict_json.dumps)
 
 
 async def put_policy(request: web.Request) -> web.Response:
@@ -61,7 +62,9 @@ async def put_policy(request: web.Request) -> web.Response:
         await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
     )
     view, changes = change_policy(state, body, caller(request))
-    return web.json_response({**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}})
+    return web.json_response(
+        {**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}}, dumps=strict_json.dumps
+    )
 
 
 def change_policy(
@@ -116,7 +119,7 @@ async def explain(request: web.Request) -> web.Response:
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
     explained = await explain_raw(state, raw, request.headers.get(WEIGHTS_HEADER), request[REQUEST_ID])
-    return web.json_response(explained.to_json())
+    return web.json_response(explained.to_json(), dumps=strict_json.dumps)
 
 
 async def explain_raw(
@@ -138,7 +141,7 @@ async def explain_raw(
 
 async def list_replicas(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response({"replicas": replica_views(state)})
+    return web.json_response({"replicas": replica_views(state)}, dumps=strict_json.dumps)
 
 
 def replica_views(state: ServiceState) -> list[dict[str, Any]]:
@@ -217,7 +220,7 @@ async def undrain(request: web.Request) -> web.Response:
 def _set_draining(request: web.Request, draining: bool) -> web.Response:
     replica = ReplicaId(request.match_info["replica"])
     set_draining(request.app[STATE], replica, draining, caller(request))
-    return web.json_response({"replica": replica, "draining": draining})
+    return web.json_response({"replica": replica, "draining": draining}, dumps=strict_json.dumps)
 
 
 def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
@@ -230,7 +233,7 @@ def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: s
 
 async def fleet_view(request: web.Request) -> web.Response:
     status = request.app[STATE].fleet_status
-    return web.json_response({"fleet": None if status is None else status()})
+    return web.json_response({"fleet": None if status is None else status()}, dumps=strict_json.dumps)
 
 
 def add_admin_routes(app: web.Application) -> None:

@@ -7,12 +7,12 @@ errors become a generic 500 and are logged with their traceback).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping
 
 from aiohttp import web
 
+from balancer import strict_json
 from balancer.errors import ConfigError, NoReplicasAvailable, Overloaded, UpstreamError, UpstreamTimeout
 from balancer.service.admission import AdmissionRefused
 from balancer.tokenizer.tokenizer import TokenizeError
@@ -53,7 +53,7 @@ def retry_after(seconds: float) -> dict[str, str]:
 
 def error_body(status: int, message: str, kind: str | None = None) -> bytes:
     payload = {"error": {"message": message, "type": kind or _TYPES.get(status, "error"), "code": status}}
-    return json.dumps(payload).encode("utf-8")
+    return strict_json.dumps(payload).encode("utf-8")
 
 
 def error_response(error: ApiError, request_id: str | None = None) -> web.Response:

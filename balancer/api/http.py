@@ -15,6 +15,7 @@ import asyncio
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from balancer import strict_json
 from balancer.api.admin import add_admin_routes
 from balancer.api.middleware import STATE, kvlb_middleware
 from balancer.api.openai import add_openai_routes
@@ -23,7 +24,7 @@ from balancer.service.state import ServiceState
 
 
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+    return web.json_response({"status": "ok"}, dumps=strict_json.dumps)
 
 
 async def readyz(request: web.Request) -> web.Response:
@@ -32,8 +33,10 @@ async def readyz(request: web.Request) -> web.Response:
     degraded = state.degraded()
     extra = {"degraded": degraded} if degraded else {}
     if problems:
-        return web.json_response({"ready": False, "reasons": problems, **extra}, status=503)
-    return web.json_response({"ready": True, **extra})
+        return web.json_response(
+            {"ready": False, "reasons": problems, **extra}, status=503, dumps=strict_json.dumps
+        )
+    return web.json_response({"ready": True, **extra}, dumps=strict_json.dumps)
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -44,7 +47,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def openapi(request: web.Request) -> web.Response:
-    return web.json_response(openapi_document())
+    return web.json_response(openapi_document(), dumps=strict_json.dumps)
 
 
 def refresh_gauges(state: ServiceState) -> None:

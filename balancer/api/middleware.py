@@ -59,7 +59,7 @@ def _bearer(request: web.Request) -> str | None:
 def token_matches(token: str | None, allowed: tuple[str, ...]) -> bool:
     if token is None:
         return False
-    candidate = token.encode("utf-8")
+    candidate = token.encode("utf-8", "surrogatepass")  # HTTP headers decode bytes as surrogates
     # compare_digest on every key: no early exit that would leak which key matched.
     return sum(hmac.compare_digest(candidate, key.encode("utf-8")) for key in allowed) > 0
 
@@ -87,7 +87,12 @@ def caller(request: web.Request) -> str:
 
 
 def caller_of(token: str | None, address: str | None) -> str:
-    who = f"token:{hashlib.sha256(token.encode('utf-8')).hexdigest()[:8]}" if token else "anonymous"
+    # surrogatepass: an HTTP header's non-UTF-8 bytes arrive as surrogates, which must not be a 500
+    who = (
+        f"token:{hashlib.sha256(token.encode('utf-8', 'surrogatepass')).hexdigest()[:8]}"
+        if token
+        else "anonymous"
+    )
     return f"{who}@{address or '?'}"
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 from collections.abc import Callable
 
 from aiohttp import web
 
+from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
@@ -73,7 +73,7 @@ async def models(request: web.Request) -> web.Response:
         {"id": model, "object": "model", "created": 0, "owned_by": "kvlb", "replicas": len(pool.replicas)}
         for model, pool in state.pools.items()
     ]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": data}, dumps=strict_json.dumps)
 
 
 async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.StreamResponse:
@@ -243,7 +243,7 @@ async def _relay_whole(
 
 def sse_error_event(message: str, status: int = 502) -> bytes:
     payload = {"error": {"message": message, "type": "upstream_error", "code": status}}
-    return b"data: " + json.dumps(payload).encode("utf-8") + b"\n\n"
+    return b"data: " + strict_json.dumps(payload).encode("utf-8") + b"\n\n"
 
 
 def add_openai_routes(app: web.Application) -> None:

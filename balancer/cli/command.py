@@ -22,6 +22,7 @@ from typing import Any, TypeAlias
 
 import yaml
 
+from balancer import strict_json
 from balancer.app import Balancer, ServeOptions
 from balancer.config import Settings, load
 from balancer.errors import ConfigError
@@ -97,7 +98,7 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
     balancer = Balancer(settings, options=options)
     try:
         await balancer.start()
-        print(json.dumps({"kvlb": "serving", "url": balancer.url}), flush=True)
+        print(strict_json.dumps({"kvlb": "serving", "url": balancer.url}), flush=True)
         await stop.wait()
         log.info("signal received: draining for up to %.1fs, then stopping", options.shutdown_grace_s)
     finally:
@@ -176,13 +177,13 @@ def run_admin(args: argparse.Namespace) -> int:
     try:
         method, path, body = admin_request(args)
         token = args.token_file.read_text("utf-8").strip() if args.token_file else args.token
+        data = None if body is None else json.dumps(body, allow_nan=False).encode("utf-8")  # strict JSON
     except (OSError, ValueError, yaml.YAMLError) as exc:
         print(f"kvlb admin: {exc}", file=sys.stderr)
         return 2
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    data = None if body is None else json.dumps(body).encode("utf-8")
     request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout_s) as response:
@@ -193,5 +194,5 @@ def run_admin(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, TimeoutError, ValueError) as exc:
         print(f"kvlb admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(answer, indent=2))
+    print(strict_json.dumps(answer, indent=2))
     return 0

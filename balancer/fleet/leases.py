@@ -53,6 +53,7 @@ from balancer.fleet.writer import FencedWriter
 from balancer.health.book import HealthBook
 from balancer.index.redis.lease import IngestionLease, encode_positions
 from balancer.index.redis.schema import RedisKeys
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource, IngestBatch
 from balancer.sources.pipeline import EventIngest
@@ -138,6 +139,7 @@ class LeaseManager:
         self._members_key = members_key
         self._health = health
         self._metrics = metrics
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
         self._build_sources = build_sources
         self._on_redis = on_redis
         self._lost: set[ReplicaId] = set()
@@ -160,11 +162,12 @@ class LeaseManager:
             try:
                 await self.tick()
                 self._on_redis(True)
+                self._warnings.resolved("lease_redis_error", "")
             except (RedisError, OSError) as exc:
                 self._on_redis(False)
                 self._quiet_until = time.monotonic() + self.timing.ttl_s + self.timing.tick_s
                 self._metrics.redis_errors_total.labels("lease").inc()
-                log.warning("lease manager: redis error: %s", exc)
+                self._warnings.warning("lease_redis_error", "", "lease manager: redis error: %s", exc)
             wait_s = max(0.0, self.timing.tick_s - (time.monotonic() - started))  # a fixed period
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), wait_s)

@@ -17,15 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, cast
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
+from balancer import strict_json
 from balancer.errors import ConfigError
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyControl, PolicyView
@@ -58,8 +60,12 @@ class PolicySync:
         poll_s: float,
         metrics: Metrics,
         on_redis: Callable[[bool], None] = lambda ok: None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``client`` must decode responses."""
+        """``client`` must decode responses. A policy in Redis that cannot be read (a corrupt hash,
+        another type at its key, out-of-range weights) is ignored and logged once, then once a minute
+        with the count (``kvlb_log_suppressed_total{cause="policy_invalid"}``), however often it is
+        polled; Redis errors likewise (``cause="policy_redis_error"``)."""
         self.client = client
         self.control = control
         self.key = f"{key_prefix}:policy"
@@ -72,6 +78,7 @@ class PolicySync:
         self._unsent: PolicyView | None = None
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
         control.listeners.append(self._on_local_change)
 
     # ------------------------------------------------------------------ local → Redis
@@ -97,7 +104,7 @@ class PolicySync:
             self._writing -= 1
 
     async def _store(self, view: PolicyView, *, seed: bool) -> int:
-        args: list[Any] = [view.name, json.dumps(view.weights.to_dict()), view.updated_by]
+        args: list[Any] = [view.name, strict_json.dumps(view.weights.to_dict()), view.updated_by]
         args += [repr(view.updated_at_wall), self.channel, view.version if seed else ""]
         return int(await self._write(keys=[self.key], args=args))
 
@@ -110,8 +117,14 @@ class PolicySync:
             if self.control.view is view:
                 self._writing += 1
                 await self._publish(view)
-        raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
+        try:
+            raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
+        except ResponseError as exc:  # Redis answers, but the key holds no hash (e.g. WRONGTYPE)
+            self._on_redis(True)
+            self._invalid(f"{self.key} cannot be read as a hash: {exc}")
+            return
         self._on_redis(True)
+        self._warnings.resolved("policy_redis_error", "")
         if not raw.get("version"):
             if await self._store(self.control.view, seed=True) >= 0:
                 log.info("policy v%d seeded into Redis", self.control.view.version)
@@ -121,15 +134,16 @@ class PolicySync:
         try:
             view = PolicyView(
                 name=raw["name"],
-                weights=PolicyWeights.from_dict(json.loads(raw["weights"])),
+                weights=PolicyWeights.from_dict(strict_json.loads(raw["weights"])),
                 version=int(raw["version"]),
                 updated_by=raw.get("updated_by", "?"),
                 updated_at_wall=float(raw.get("updated_at", "0")),
             )
             adopted = self.control.adopt(view)
-        except (KeyError, ValueError, ConfigError) as exc:
-            log.warning("ignoring the policy stored in Redis: %s", exc)
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
+            self._invalid(f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc))
             return
+        self._warnings.resolved("policy_invalid", "")
         if adopted:
             self._metrics.redis_policy_updates_total.labels("remote").inc()
             log.info("policy v%d adopted from Redis (set by %s)", view.version, view.updated_by)
@@ -155,10 +169,13 @@ class PolicySync:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    def _invalid(self, reason: str) -> None:
+        self._warnings.warning("policy_invalid", "", "ignoring the policy stored in Redis: %s", reason)
+
     def _failed(self, exc: BaseException) -> None:
         self._on_redis(False)
         self._metrics.redis_errors_total.labels("policy").inc()
-        log.warning("policy sync: redis error: %s", exc)
+        self._warnings.warning("policy_redis_error", "", "policy sync: redis error: %s", exc)
 
     async def aclose(self) -> None:
         for task in list(self._tasks):

@@ -51,6 +51,7 @@ from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.index.redis.mirror import Mirror
 from balancer.index.redis.schema import RedisIndexSettings
 from balancer.index.table import PrefixTable
+from balancer.log_limit import LimitedWarnings
 from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
@@ -116,6 +117,7 @@ class FleetRuntime:
         self._tasks: list[asyncio.Task[None]] = []
         self._redis_ok_at = 0.0
         self._redis_failed_at = 0.0
+        self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
         self.snapshots: SnapshotKeeper | None = None
@@ -154,6 +156,7 @@ class FleetRuntime:
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
             limits=space.table.limits, on_table=_installer(space),
+            suppressed=state.metrics.log_suppressed_total,
         )  # fmt: skip
         entry = _Space(name, space, index, writer, ingest, mirror)
         self._spaces.append(entry)
@@ -267,7 +270,9 @@ class FleetRuntime:
                 await self.snapshots.tick()
             except Exception as exc:  # a failed snapshot must not end the loop
                 self.state.metrics.redis_errors_total.labels("snapshot").inc()
-                log.warning("snapshot: %s", exc)
+                self._warnings.warning("snapshot_failed", "", "snapshot: %s", exc)  # every tick_s: limited
+            else:
+                self._warnings.resolved("snapshot_failed", "")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.config.tick_s)
 

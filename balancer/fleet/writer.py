@@ -36,6 +36,7 @@ from balancer.events import KvEvent
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.redis.index import PositionMismatchError, RedisIndex, StaleGenerationError
 from balancer.index.redis.lease import IngestionLease, encode_positions
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.types import BlockKey, Overlap, ReplicaId
 
@@ -89,6 +90,7 @@ class FencedWriter:
         self._on_redis = on_redis
         self._retry = retry or RetrySettings()
         self._wall_clock = wall_clock
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
 
     def hold(
         self,
@@ -149,13 +151,20 @@ class FencedWriter:
                 self._on_redis(False)
                 self._metrics.redis_errors_total.labels("writer").inc()
                 self._metrics.redis_apply_retries_total.inc()
-                if delay_s == self._retry.initial_s:
-                    log.warning("replica %s: Redis write failed (%s); retrying with backoff", replica, exc)
+                if delay_s == self._retry.initial_s:  # once per batch, and batches queue up: limited
+                    self._warnings.warning(
+                        "redis_write_failed",
+                        replica,
+                        "replica %s: Redis write failed (%s); retrying with backoff",
+                        replica,
+                        exc,
+                    )
                 await asyncio.sleep(delay_s)
                 delay_s = min(self._retry.max_s, delay_s * 2)
                 self._holding(replica)  # raises once the lease went away meanwhile
                 continue
             self._on_redis(True)
+            self._warnings.resolved("redis_write_failed", replica)
             holding.positions, holding.applied = merged, text
             holding.writes += 1
             self._metrics.redis_apply_seconds.observe(time.perf_counter() - started)

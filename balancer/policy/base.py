@@ -18,6 +18,7 @@ import math
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from balancer.errors import ConfigError
@@ -36,8 +37,9 @@ class PolicyWeights:
 
     prefill_weight: float = 1.0
     """``w_prefill``, cost per block of prefill (queued on the replica plus this request's uncached
-    blocks); ≥ 0. 0 makes the cost ignore prefill work and with it cache affinity; large values make
-    the policy chase cache hits and short prefill queues over decode load."""
+    blocks); 0..1000 (the bound keeps every cost finite). 0 makes the cost ignore prefill work and
+    with it cache affinity; large values make the policy chase cache hits and short prefill queues
+    over decode load."""
     overlap_credit: float = 1.0
     """``credit``, the blocks subtracted per cached block from this request's prefill; 0..4.
     1 means a cached block costs nothing to prefill (Dynamo's default); 0 ignores the cache, so the
@@ -54,16 +56,17 @@ class PolicyWeights:
     and a new context goes to a replica with room rather than evict a reused one. Needs the pool
     size from the metrics scrape; without it the pressure is 0."""
     decode_weight: float = 0.1
-    """``w_decode``, cost per KV block held by requests decoding on the replica; ≥ 0. 0 ignores decode
+    """``w_decode``, cost per KV block held by requests decoding on the replica; 0..1000. 0 ignores decode
     load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding
     sequence of P prompt blocks then weighs as much as a full cache miss of P blocks, so affinity
     loses to any decode load; see docs/policies.md for the sweep that chose 0.1."""
     queue_weight: float = 0.0
-    """``w_queue``, cost in blocks per request waiting in the engine's queue (scraped); ≥ 0. 0
+    """``w_queue``, cost in blocks per request waiting in the engine's queue (scraped); 0..1e6
+    blocks (a prompt of a million tokens in blocks of one). 0
     (default, as Dynamo) ignores the scraped queue; set it near the mean prompt length in blocks when
     several balancers share replicas, because the router-tracked counts only see this balancer."""
     temperature: float = 0.0
-    """Softmax temperature over range-normalised costs; ≥ 0. 0 picks the lowest cost (ties broken at
+    """Softmax temperature over range-normalised costs; 0..1e6. 0 picks the lowest cost (ties broken at
     random). At 1 a replica at the far end of the cost range is e≈2.7 times less likely than the
     best; large values approach a uniform choice among eligible replicas."""
     kv_usage_ceiling: float | None = None
@@ -75,25 +78,27 @@ class PolicyWeights:
     imbalance_threshold_blocks: float | None = None
     """Imbalance guard of the cost policy: a replica whose load (the cost without this request's
     terms) exceeds the least loaded eligible replica's by more than this many blocks gets no overlap
-    credit, so cache affinity cannot pile more work onto it; > 0. Small values make the policy behave
-    like least-load under any imbalance; ``None`` (default, as Dynamo) disables the guard."""
+    credit, so cache affinity cannot pile more work onto it; in (0, 1e9] blocks. Small values make
+    the policy behave like least-load under any imbalance; ``None`` (default, as Dynamo) disables
+    the guard."""
     cache_threshold: float = 0.3
     """``sglang_threshold``: route to the best prefix match only if its match ratio
     (overlap/request blocks) is above this; 0..1. 0 sends every request with any overlap to its best
     match (SMG's KV-event mode); 1 never routes on the cache."""
     balance_abs_threshold: float = 64.0
     """``sglang_threshold``: the fleet is imbalanced when max − min request load exceeds this (and the
-    relative test holds), and then the least loaded replica is chosen; ≥ 0 requests. 0 makes any
+    relative test holds), and then the least loaded replica is chosen; 0..1e6 requests. 0 makes any
     difference count."""
     balance_rel_threshold: float = 1.5
-    """``sglang_threshold``: the fleet is imbalanced only if max load > this × min load too; ≥ 1.
+    """``sglang_threshold``: the fleet is imbalanced only if max load > this × min load too; 1..1e6.
     1 reduces the rule to the absolute test (when min load > 0)."""
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first field that is mistyped or out of range."""
+        """Raise :class:`ConfigError` naming the first field that is mistyped or out of range
+        (every field has a finite range, :data:`WEIGHT_RANGES`, so every cost stays finite)."""
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             optional = f.name in _OPTIONAL_FIELDS
@@ -101,21 +106,10 @@ class PolicyWeights:
                 continue
             if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
                 raise ConfigError(f"policy.{f.name} must be a finite number, got {value!r}")
-        _check_range("prefill_weight", self.prefill_weight, 0.0, None)
-        _check_range("overlap_credit", self.overlap_credit, 0.0, 4.0)
-        _check_range("duplication_weight", self.duplication_weight, 0.0, 4.0)
-        _check_range("decode_weight", self.decode_weight, 0.0, None)
-        _check_range("queue_weight", self.queue_weight, 0.0, None)
-        _check_range("temperature", self.temperature, 0.0, None)
-        _check_range("cache_threshold", self.cache_threshold, 0.0, 1.0)
-        _check_range("balance_abs_threshold", self.balance_abs_threshold, 0.0, None)
-        _check_range("balance_rel_threshold", self.balance_rel_threshold, 1.0, None)
-        ceiling = self.kv_usage_ceiling
-        if ceiling is not None and not 0.0 < ceiling <= 1.0:
-            raise ConfigError(f"policy.kv_usage_ceiling must be in (0, 1] or null, got {ceiling}")
-        threshold = self.imbalance_threshold_blocks
-        if threshold is not None and threshold <= 0.0:
-            raise ConfigError(f"policy.imbalance_threshold_blocks must be > 0 or null, got {threshold}")
+            weight_range = WEIGHT_RANGES[f.name]
+            if not weight_range.contains(value):
+                null = " or null" if optional else ""
+                raise ConfigError(f"policy.{f.name} must be in {weight_range}{null}, got {value}")
 
     def replace(self, **changes: Any) -> PolicyWeights:
         """A validated copy with ``changes`` applied; unknown names raise :class:`ConfigError`."""
@@ -135,6 +129,48 @@ class PolicyWeights:
         return (base if base is not None else cls()).replace(**dict(data))
 
 
+@dataclass(frozen=True, slots=True)
+class WeightRange:
+    """The closed range ``[low, high]`` of one weight (``(low, high]`` when ``low_open``)."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        return above and value <= self.high
+
+    def __str__(self) -> str:
+        opening = "(" if self.low_open else "["
+        return f"{opening}{_number(self.low)}, {_number(self.high)}]"
+
+
+def _number(value: float) -> str:
+    """``1000000`` rather than ``1e+06`` (as a client would type it in JSON)."""
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
+WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
+    {
+        "prefill_weight": WeightRange(0.0, 1e3),
+        "overlap_credit": WeightRange(0.0, 4.0),
+        "duplication_weight": WeightRange(0.0, 4.0),
+        "decode_weight": WeightRange(0.0, 1e3),
+        "queue_weight": WeightRange(0.0, 1e6),
+        "temperature": WeightRange(0.0, 1e6),
+        "kv_usage_ceiling": WeightRange(0.0, 1.0, low_open=True),
+        "imbalance_threshold_blocks": WeightRange(0.0, 1e9, low_open=True),
+        "cache_threshold": WeightRange(0.0, 1.0),
+        "balance_abs_threshold": WeightRange(0.0, 1e6),
+        "balance_rel_threshold": WeightRange(1.0, 1e6),
+    }
+)
+"""Every weight's range (docs/policies.md): a value outside it is refused wherever weights come
+from (config file, ``/admin/policy``, gRPC admin, ``x-kvlb-weights``, the Redis-shared policy), all
+through :meth:`PolicyWeights.validate`. The upper bounds are far above any useful value; they keep
+every cost term finite (at most about 1e3 × the blocks of a prompt and a backlog)."""
+
 _OPTIONAL_FIELDS = frozenset({"kv_usage_ceiling", "imbalance_threshold_blocks"})
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))
 
@@ -145,12 +181,6 @@ def _as_float(value: Any) -> Any:
     if isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     return value
-
-
-def _check_range(name: str, value: float, low: float, high: float | None) -> None:
-    if value < low or (high is not None and value > high):
-        bounds = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ConfigError(f"policy.{name} must be {bounds}, got {value}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,10 @@ each other. ``offer`` never blocks: when the queue is full its content is droppe
 ``kvlb_events_queue_overflow_total``), because stale affinity is better than unbounded memory or a
 stalled socket. ``now`` for the index is ``time.monotonic()``, read here, never in the pure core.
 
+Repeated failures are logged through :class:`~balancer.log_limit.LimitedWarnings`: once, then once
+a minute with the count (``kvlb_log_suppressed_total{cause}``), so a lost lease or a Redis outage
+does not write a line (or a traceback) per queued batch.
+
 An index that also offers ``apply_at`` (:class:`PositionedIndex`, the Redis writer of
 :mod:`balancer.fleet.writer`) gets, with each apply, the last engine sequence number per DP rank
 among the applied batches, so a balancer that takes the replica over later resumes right after it.
@@ -26,9 +30,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
-from balancer.errors import ConfigError
+from balancer.errors import BalancerError, ConfigError
 from balancer.events import KvEvent, Resync
 from balancer.index.base import ApplyResult, PrefixIndex
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource, IngestBatch, SourceStatus
 from balancer.tasks import cancel_all, spawn
@@ -105,6 +110,7 @@ class ReplicaPipeline:
         self._monotonic = monotonic
         self._wall_clock = wall_clock
         self._queue: asyncio.Queue[IngestBatch] = asyncio.Queue(self.settings.queue_max_batches)
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
         self._unsure_ranks: set[int] = set()
         self.overflows = 0
         self.applied_batches = 0
@@ -130,7 +136,9 @@ class ReplicaPipeline:
         ranks = sorted({event.dp_rank for item in dropped for event in item.events})
         self.overflows += 1
         self._metrics.events_queue_overflow_total.labels(self.replica).inc()
-        log.warning(
+        self._warnings.warning(
+            "events_queue_overflow",
+            self.replica,
             "replica %s: event queue full (%d batches); dropped them, resyncing ranks %s",
             self.replica,
             len(dropped),
@@ -168,14 +176,24 @@ class ReplicaPipeline:
                 result = await self._apply_at(self.replica, events, self._monotonic(), positions)
             else:
                 result = await self._index.apply(self.replica, events, self._monotonic())
-        except Exception:  # a failing backend (e.g. Redis down) must not end ingestion
+        except Exception as exc:  # a failing backend (e.g. Redis down, lease lost) must not end ingestion
             self.apply_errors += 1
             self._metrics.events_applied_total.labels(self.engine, "batch", "error").inc()
-            log.exception("replica %s: index.apply failed; its ranks will resync", self.replica)
+            # kvlb's own errors (a lost lease, a fenced write) are expected: no traceback for them.
+            self._warnings.warning(
+                "index_apply_failed",
+                self.replica,
+                "replica %s: index.apply failed (%s: %s); its ranks will resync",
+                self.replica,
+                type(exc).__name__,
+                exc,
+                exc_info=not isinstance(exc, BalancerError),
+            )
             # The index may hold part of these events: clear those ranks on the next apply.
             self._unsure_ranks.update(event.dp_rank for event in events)
             return
         self._unsure_ranks.clear()
+        self._warnings.resolved("index_apply_failed", self.replica)
         self.applied_batches += len(batches)
         self.last_applied_wall_ts = self._wall_clock()
         self._record(result, events)

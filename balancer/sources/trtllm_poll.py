@@ -24,6 +24,7 @@ import aiohttp
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import Resync
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
@@ -114,6 +115,7 @@ class TrtllmPoller:
         self._session = session
         self._decoder = decoder
         self._metrics = metrics
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
         self._engine = decoder.engine
         self._interval_s = self.settings.min_interval_s
         self._backoff = Backoff(self.settings.error_backoff_initial_s, self.settings.error_backoff_max_s)
@@ -212,7 +214,9 @@ class TrtllmPoller:
             self._decode_failed(exc)
             return None
         except Exception as exc:  # a decoder bug on odd input must not stop polling
-            log.exception("replica %s: decoder failed", self.replica)
+            self._warnings.warning(
+                "decoder_failed", self.replica, "replica %s: decoder failed", self.replica, exc_info=exc
+            )
             self._decode_failed(exc)
             return None
         count_decoded(self._metrics, self._engine, self.replica, batch)

@@ -41,6 +41,7 @@ from zmq.utils.monitor import parse_monitor_message
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
 from balancer.events import KvEvent, Resync, ResyncReason
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
@@ -98,6 +99,7 @@ class ZmqEventSource:
         self._ctx = ctx
         self._decoder = decoder
         self._metrics = metrics
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
         self._engine = decoder.engine
         self._want = resume_seq if resume_seq is not None else 0
         self._catch_up = resume_seq is not None and replay_endpoint is not None
@@ -156,8 +158,14 @@ class ZmqEventSource:
                 if exc.errno == zmq.ETERM:
                     return
                 self._counters.transport_errors += 1
-                log.warning(
-                    "replica %s rank %d: SUB %s failed: %s", self.replica, self.dp_rank, self.endpoint, exc
+                self._warnings.warning(
+                    "zmq_sub_failed",
+                    f"{self.replica}/{self.dp_rank}",
+                    "replica %s rank %d: SUB %s failed: %s",
+                    self.replica,
+                    self.dp_rank,
+                    self.endpoint,
+                    exc,
                 )
             finally:
                 sub.disable_monitor()
@@ -212,7 +220,9 @@ class ZmqEventSource:
             self._decode_failed(exc)
             return None
         except Exception as exc:  # a decoder bug on odd input must not stop ingestion
-            log.exception("replica %s: decoder failed", self.replica)
+            self._warnings.warning(
+                "decoder_failed", self.replica, "replica %s: decoder failed", self.replica, exc_info=exc
+            )
             self._decode_failed(exc)
             return None
         if batch.seq is None:
@@ -328,7 +338,14 @@ class ZmqEventSource:
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
                 raise
-            log.warning("replica %s rank %d: replay failed: %s", self.replica, self.dp_rank, exc)
+            self._warnings.warning(
+                "replay_failed",
+                f"{self.replica}/{self.dp_rank}",
+                "replica %s rank %d: replay failed: %s",
+                self.replica,
+                self.dp_rank,
+                exc,
+            )
         finally:
             dealer.close(linger=0)
         self._count_replay(start_seq, first_seq, complete)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -360,3 +361,34 @@ async def test_encoding_from_worker_threads(deepseek: HfTokenizer) -> None:
     results = await asyncio.gather(*(asyncio.to_thread(deepseek.encode_chat, long_chat) for _ in range(4)))
     assert all(result == expected for result in results)
     assert len(expected) > 1000
+
+
+# ---------------------------------------------------------------- input that is not text (issue #17)
+
+
+@pytest.mark.parametrize("text", ["a\ud800b", "a\udfff", "\udc00", "ok " * 50 + "\ud83d"])
+def test_a_lone_surrogate_is_a_tokenize_error_naming_it(deepseek: HfTokenizer, text: str) -> None:
+    """The Rust binding raises ``TypeError`` on a lone surrogate; it must reach the client as a 400."""
+    position = next(i for i, c in enumerate(text) if 0xD800 <= ord(c) <= 0xDFFF)
+    code = re.escape(f"U+{ord(text[position]):04X}")
+    with pytest.raises(TokenizeError, match=f"lone UTF-16 surrogate {code} at character {position}"):
+        deepseek.encode_prompt(text)
+    with pytest.raises(TokenizeError, match=code):  # the segment-cache path (no special tokens)
+        deepseek.encode_chat([{"role": "user", "content": text}])
+    with pytest.raises(TokenizeError, match=code):
+        deepseek.encode_chat([{"role": "user", "content": [{"type": "text", "text": text}]}])
+    assert deepseek.encode_prompt("a\U0001f600b")  # a paired surrogate is just an emoji
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.text(alphabet=st.characters(exclude_categories=()), max_size=40))
+def test_any_python_string_tokenizes_or_is_a_tokenize_error(deepseek: HfTokenizer, text: str) -> None:
+    """Surrogates included (Hypothesis excludes category Cs unless told): never another exception."""
+    for encode in (
+        lambda: deepseek.encode_prompt(text),
+        lambda: deepseek.encode_chat([{"role": "user", "content": text}]),
+    ):
+        try:
+            assert isinstance(encode(), list)
+        except TokenizeError as exc:
+            assert str(exc)

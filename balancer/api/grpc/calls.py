@@ -171,6 +171,13 @@ class Call:
         return parse_weights_header(value, base)
 
 
+def wire_text(message: str) -> str:
+    """``message`` as a status detail can carry it: gRPC sends details as UTF-8, and a lone
+    surrogate echoed from the client's JSON (say, an unknown weight name) would make the server fail
+    to send the status at all, leaving the call to hang until its deadline. It becomes ``\\udXXX``."""
+    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _valid_request_id(given: str) -> str | None:
     return given if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable() else None
 
@@ -209,7 +216,7 @@ def method_handler(
         trailers: list[tuple[str, str]] = [("x-request-id", call.request_id)]
         if error.retry_after_s is not None:
             trailers.append(("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
-        await context.abort(error.code, error.message, trailing_metadata=tuple(trailers))
+        await context.abort(error.code, wire_text(error.message), trailing_metadata=tuple(trailers))
 
     deserializer = lenient(request_type)
     serializer = response_type.SerializeToString

@@ -18,6 +18,7 @@ from typing import Any
 
 from google.protobuf import json_format, struct_pb2
 
+from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.parsing import RequestKind
@@ -76,14 +77,14 @@ def openai_call(request: pb.GenerateRequest, *, stream: bool) -> OpenAICall:
         body["stream"] = True
         body["stream_options"] = {"include_usage": True}
     path = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
-    return OpenAICall(kind, path, json.dumps(body, separators=(",", ":")).encode("utf-8"))
+    return OpenAICall(kind, path, strict_json.dumps(body, separators=(",", ":")).encode("utf-8"))
 
 
 def _extra(text: str) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        value = json.loads(text)
+        value = strict_json.loads(text)
     except (ValueError, RecursionError) as exc:
         raise ApiError(400, f"'extra_json' is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
@@ -220,7 +221,7 @@ def policy_message(view: PolicyView) -> pb.Policy:
 def struct_of(data: Mapping[str, Any]) -> struct_pb2.Struct:
     """A JSON-like mapping as a ``google.protobuf.Struct`` (numbers become doubles)."""
     struct = struct_pb2.Struct()
-    json_format.ParseDict(json.loads(json.dumps(data)), struct)
+    json_format.ParseDict(json.loads(strict_json.dumps(data)), struct)
     return struct
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 from redis.exceptions import RedisError
 
 from balancer.errors import EventDecodeError
@@ -44,6 +45,7 @@ from balancer.index.redis.stream import StreamEntry, decode_entry
 from balancer.index.slots import TableLimits
 from balancer.index.snapshot import SnapshotError, capture, dump_table, encode, load_table
 from balancer.index.table import PrefixTable
+from balancer.log_limit import LimitedWarnings
 from balancer.types import BlockKey, Overlap, ReplicaId
 
 log = logging.getLogger(__name__)
@@ -94,14 +96,18 @@ class Mirror:
         *,
         limits: TableLimits | None = None,
         on_table: Callable[[PrefixTable], None] | None = None,
+        suppressed: Counter | None = None,
     ) -> None:
         """``clock`` gives ``now`` for the local table (the routing clock: speculative entries are
-        local). ``on_table`` is called with each newly built table once it is complete."""
+        local). ``on_table`` is called with each newly built table once it is complete. Repeated
+        Redis errors and undecodable entries are logged once, then once a minute with the count, which
+        ``suppressed`` (``kvlb_log_suppressed_total``) counts too."""
         self.client = client
         self.hasher = hasher
         self.settings = settings
         self.mirror = mirror or MirrorSettings()
         self.counters = MirrorCounters()
+        self._warnings = LimitedWarnings(log, suppressed, clock=time.monotonic)
         self.limits = limits or TableLimits(capacity_blocks=settings.capacity_blocks)
         self.index = MemoryIndex(hasher, self.limits)
         """The local copy; replaced by a fresh one on a warm start (read it through this attribute)."""
@@ -214,11 +220,14 @@ class Mirror:
                     await self.warm_start()
                 await self.poll()
                 self.connected = True
+                self._warnings.resolved("mirror_redis_error", self._stream)
                 delay_s = self.mirror.retry_s
             except (RedisError, OSError) as exc:
                 self.connected = False
                 self.counters.redis_errors += 1
-                log.warning("mirror of %s: redis error: %s", self._stream, exc)
+                self._warnings.warning(
+                    "mirror_redis_error", self._stream, "mirror of %s: redis error: %s", self._stream, exc
+                )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay_s)
                 delay_s = min(self.mirror.retry_max_s, max(delay_s * 2, 0.01))
@@ -228,7 +237,14 @@ class Mirror:
             return decode_entry(entry_id, fields)
         except EventDecodeError as exc:
             self.counters.decode_errors += 1
-            log.warning("mirror of %s: skipping entry %r: %s", self._stream, entry_id, exc)
+            self._warnings.warning(
+                "mirror_bad_entry",
+                self._stream,
+                "mirror of %s: skipping entry %r: %s",
+                self._stream,
+                entry_id,
+                exc,
+            )
             return None
 
     async def _apply(self, entry: StreamEntry, into: MemoryIndex) -> None:

@@ -1,0 +1,126 @@
+"""Loops that meet the same failure on every turn log it once, then count it (issue #17, defect 7).
+
+Real Redis, real balancer: a policy key overwritten with a string (``WRONGTYPE`` on every poll), then
+a policy hash with an out-of-range weight, each give one warning however many polls see them, and
+``kvlb_log_suppressed_total{cause="policy_invalid"}`` counts the rest. A replica whose lease is gone
+(the real fenced writer refuses every batch) gives one line without a traceback, not one per batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import pytest
+import redis.asyncio as aioredis
+from kvlb_harness import Harness, metric_value, running, shared_deepseek, wait_for
+from redis_server import RedisServer, fresh_settings
+
+from balancer.events import Removed
+from balancer.fleet.writer import FencedWriter
+from balancer.index.hashing import BlockHasher
+from balancer.index.redis.index import RedisIndex
+from balancer.metrics import Metrics
+from balancer.sources.base import IngestBatch
+from balancer.sources.pipeline import ReplicaPipeline
+from balancer.types import EngineHash, ReplicaId
+
+pytestmark = pytest.mark.redis
+
+POLL_S = 0.05
+POLICY_KEY = "kvlb:policy"
+
+
+def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if text in r.getMessage()]
+
+
+async def metrics_text(h: Harness) -> str:
+    async with h.session.get(h.url + "/metrics") as response:
+        return await response.text()
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def test_a_corrupt_shared_policy_logs_once_and_counts_every_other_poll(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="balancer.fleet.policy_sync")
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        async with running(
+            shared_deepseek(), 1, redis__url=redis_server.url, redis__policy_poll_s=POLL_S
+        ) as h:
+
+            async def seeded() -> bool:
+                return bool(await client.hget(POLICY_KEY, "version"))
+
+            await wait_for("the policy to be seeded into Redis", seeded)
+            policy = await h.admin("GET", "/admin/policy")
+
+            await client.set(POLICY_KEY, "not a hash")  # every poll now gets WRONGTYPE
+            await asyncio.sleep(40 * POLL_S)
+            warned = lines(caplog, "ignoring the policy stored in Redis")
+            assert len(warned) == 1, [r.getMessage() for r in warned]
+            assert "cannot be read as a hash" in warned[0].getMessage()
+            suppressed = metric_value(
+                await metrics_text(h), "kvlb_log_suppressed_total", cause="policy_invalid"
+            )
+            assert suppressed >= 10  # about 40 polls saw it; one line was written
+            assert not lines(caplog, "policy sync: redis error")  # Redis answered: it is not down
+            async with h.session.get(h.url + "/readyz") as response:
+                ready = await response.json()
+            assert response.status == 200 and "degraded" not in ready, ready
+            assert await h.admin("GET", "/admin/policy") == policy  # the policy in force is kept
+
+            await client.delete(POLICY_KEY)  # the balancer seeds it again; a valid read ends the cause
+            await wait_for("the policy to be seeded again", seeded)
+            await asyncio.sleep(4 * POLL_S)
+            await client.hset(POLICY_KEY, "weights", '{"prefill_weight": 1e308}')
+            await asyncio.sleep(40 * POLL_S)
+            warned = lines(caplog, "ignoring the policy stored in Redis")
+            assert len(warned) == 2, [r.getMessage() for r in warned]
+            assert "policy.prefill_weight must be in [0, 1000], got 1e+308" in warned[1].getMessage()
+            after = metric_value(await metrics_text(h), "kvlb_log_suppressed_total", cause="policy_invalid")
+            assert after >= suppressed + 10
+            assert (await h.admin("GET", "/admin/policy"))["weights"] == policy["weights"]
+    finally:
+        await client.aclose()
+
+
+async def test_a_lost_lease_logs_one_line_and_no_traceback_not_one_per_batch(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="balancer.sources.pipeline")
+    replica = ReplicaId("r-lost")
+    client = aioredis.Redis.from_url(redis_server.url)
+    metrics = Metrics.create()
+    lost: list[ReplicaId] = []
+    index = RedisIndex(client, BlockHasher("flood", 4), fresh_settings())
+    writer = FencedWriter(index, metrics=metrics, on_lost=lost.append)  # holds no lease: refuses all
+    pipeline = ReplicaPipeline(replica, "sglang", writer, metrics=metrics)
+    task = asyncio.create_task(pipeline.run())
+    try:
+        for n in range(100):
+            pipeline.offer(IngestBatch((Removed(0, (EngineHash(n),)),)))
+            await asyncio.sleep(0)  # one apply per batch, as when batches trickle in
+        await eventually(lambda: pipeline.queued_batches == 0 and pipeline.apply_errors >= 50)
+        await asyncio.sleep(0.05)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+    failed = lines(caplog, "index.apply failed")
+    assert len(failed) == 1, [r.getMessage() for r in failed]
+    assert failed[0].pathname.endswith("pipeline.py")  # the line names its caller, not the limiter
+    assert "LeaseLostError" in failed[0].getMessage() and not failed[0].exc_info
+    labels = {"cause": "index_apply_failed"}
+    suppressed = metrics.registry.get_sample_value("kvlb_log_suppressed_total", labels)
+    assert suppressed == pipeline.apply_errors - 1
