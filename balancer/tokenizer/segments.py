@@ -27,6 +27,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +51,10 @@ class Splitter:
     """Raw-text tokens first, then normalised ones (when the normaliser is the identity)."""
     ids: dict[str, int]
     """Every split token's id."""
+    initials: tuple[tuple[str, ...], ...] = ()
+    """Per pass, the first characters of its tokens. Matches are looked for only where one occurs
+    (``str.find``): the regex alone scans every character when a pass's tokens start with different
+    characters (DeepSeek-V3's second pass: about 0.2 ms on an 8k-token chat)."""
 
     def split(self, text: str) -> list[str]:
         """``text`` as pieces; the pieces that are split tokens are keys of :attr:`ids`.
@@ -58,15 +63,49 @@ class Splitter:
         every occurrence of a token's text is matched by its pass.
         """
         pieces = [text]
-        for pattern in self.passes:
+        for pattern, initials in zip(self.passes, self.initials, strict=True):
             out: list[str] = []
             for piece in pieces:
                 if piece in self.ids:
                     out.append(piece)
-                    continue
-                out.extend(part for part in pattern.split(piece) if part)
+                else:
+                    _split_pass(pattern, initials, piece, out)
             pieces = out
         return pieces
+
+
+MAX_PROBES = 32
+"""Places a token may start at that :func:`_split_pass` tries one by one before the regex scans the
+rest of the piece in one call (text full of ``<``, such as HTML, would otherwise cost a Python loop
+turn per ``<``)."""
+
+
+def _split_pass(pattern: re.Pattern[str], initials: tuple[str, ...], piece: str, out: list[str]) -> None:
+    """Append ``piece`` split at the leftmost-longest matches of ``pattern`` (tokens included) to
+    ``out``; the same pieces as ``pattern.split``, found by trying only where an initial occurs."""
+    start = position = 0
+    upcoming = {initial: piece.find(initial) for initial in initials}  # next place of each, or -1
+    for _ in range(MAX_PROBES):
+        for initial, at in upcoming.items():
+            if 0 <= at < position:
+                upcoming[initial] = piece.find(initial, position)
+        found = [at for at in upcoming.values() if at >= 0]
+        if not found:
+            break
+        at = min(found)
+        match = pattern.match(piece, at)  # the longest token starting here: alternatives are longest first
+        if match is None:
+            position = at + 1
+            continue
+        if at > start:
+            out.append(piece[start:at])
+        out.append(match.group())
+        start = position = match.end()
+    else:  # many candidates: the regex scans the rest (no token starts in piece[start:position])
+        out.extend(part for part in pattern.split(piece[start:]) if part)
+        return
+    if start < len(piece):
+        out.append(piece[start:])
 
 
 def build_splitter(tokens: Iterable[AddedToken], *, identity_normalizer: bool = False) -> Splitter | None:
@@ -87,14 +126,39 @@ def build_splitter(tokens: Iterable[AddedToken], *, identity_normalizer: bool = 
     if not groups:
         return None
     passes = tuple(_alternation(group) for group in groups)
-    ids = {**normalized, **raw}
-    return Splitter(passes, ids)
+    initials = tuple(tuple(sorted({token[0] for token in group})) for group in groups)
+    return Splitter(passes, {**normalized, **raw}, initials)
 
 
 def _alternation(tokens: Iterable[str]) -> re.Pattern[str]:
-    """Longest first: at each position the longest token wins (leftmost-longest)."""
-    alternatives = "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True))
-    return re.compile(f"({alternatives})")
+    """One capturing group matching the longest of ``tokens`` that starts at a position.
+
+    The tokens are laid out as a trie (``<(?:\uff5c(?:User\uff5c>|Assistant\uff5c>)|think>)``), so a
+    place that starts no token fails after a character or two instead of trying each token in turn
+    (DeepSeek-V3 has 1,237 that start with ``<``). At each node the longer continuations are tried
+    before ending there, so the match is the longest, as ``tokenizers``' leftmost-longest matcher's.
+    """
+    trie: dict[str, Any] = {}
+    for token in tokens:
+        node = trie
+        for char in token:
+            node = node.setdefault(char, {})
+        node[_END] = {}
+    return re.compile(f"({_trie_pattern(trie)})")
+
+
+_END = ""
+"""The trie key marking that a token ends at a node (no character is the empty string)."""
+
+
+def _trie_pattern(node: dict[str, Any]) -> str:
+    branches = [re.escape(char) + _trie_pattern(child) for char, child in sorted(node.items()) if char]
+    if not branches:
+        return ""
+    if len(branches) == 1 and _END not in node:
+        return branches[0]
+    group = "(?:" + "|".join(branches) + ")"
+    return group + "?" if _END in node else group
 
 
 @dataclass(slots=True)

@@ -237,3 +237,47 @@ def test_a_long_encode_in_a_thread_lets_other_threads_run(tokenizer: HfTokenizer
         ran_meanwhile += 1 if not done.is_set() else 0
     worker.join()
     assert ran_meanwhile >= 20
+
+
+def reference_split(text: str, passes: list[list[str]]) -> list[str]:
+    """Leftmost-longest matching, pass by pass, written the slow obvious way."""
+    pieces, tokens_so_far = [text], set[str]()
+    for tokens in passes:
+        out: list[str] = []
+        for piece in pieces:
+            if piece in tokens_so_far:
+                out.append(piece)
+                continue
+            start = position = 0
+            while position < len(piece):
+                hits = [t for t in tokens if piece.startswith(t, position)]
+                if not hits:
+                    position += 1
+                    continue
+                longest = max(hits, key=len)
+                out += [piece[start:position], longest] if position > start else [longest]
+                start = position = position + len(longest)
+            if start < len(piece):
+                out.append(piece[start:])
+        pieces, tokens_so_far = out, tokens_so_far | set(tokens)
+    return pieces
+
+
+PASS_TOKENS = [["<a>", "<ab>", "<abc>", "<b", "|x|"], ["<ab", "<abd>", "b<", "|x", "<a>"]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="<>abcdx| ", max_size=300))
+def test_splitter_is_leftmost_longest_per_pass(text: str) -> None:
+    """Tokens sharing prefixes, one in both passes, texts full of ``<`` (past ``MAX_PROBES``, the
+    regex fallback): the pieces of :meth:`Splitter.split` are those of the obvious algorithm."""
+    added = [
+        AddedToken(token, index, special=False, verbatim=True, normalized=bool(number))
+        for number, tokens in enumerate(PASS_TOKENS)
+        for index, token in enumerate(tokens)
+    ]
+    splitter = build_splitter(added, identity_normalizer=True)
+    assert splitter is not None
+    expected_passes = [PASS_TOKENS[0], [t for t in PASS_TOKENS[1] if t not in PASS_TOKENS[0]]]
+    assert splitter.split(text) == reference_split(text, expected_passes)
+    assert splitter.split(text * 8) == reference_split(text * 8, expected_passes)
