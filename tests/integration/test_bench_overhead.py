@@ -34,6 +34,9 @@ async def test_smoke_run_reports_every_field() -> None:
     assert report["prompt_tokens"]["min"] > 0
     assert report["tokenize_ms"]["p50_ms"] > 0
     assert report["tokenize_shared_ms"]["p50_ms"] > 0
+    threads = report["tokenize_threads"]
+    assert threads["rounds"] == 10 and threads["threads"] == 4
+    assert threads["chats_per_s_p50"] > 0 and threads["max_loop_lag_ms_max"] >= threads["max_loop_lag_ms_p50"]
     for kind in ("chat_shared", "chat", "chat_cold", "tokens"):
         run = report["runs"][kind]
         seq, conc = run["sequential"], run["concurrent"]

@@ -203,6 +203,14 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"{_num(tok['p50_ms'])} ms, p99 {_num(tok['p99_ms'])} ms; chat_shared with its system prompt "
         f"cached p50 {_num(shared.get('p50_ms'))} ms, p99 {_num(shared.get('p99_ms'))} ms"
     )
+    threads = report.get("tokenize_threads")
+    if threads is not None:
+        lines.append(
+            f"{threads['threads']} threads tokenizing new chat prompts at once ({threads['rounds']} rounds): "
+            f"{_num(threads['chats_per_s_p50'], 1)} prompts/s, the event loop stalled at most "
+            f"{_num(threads['max_loop_lag_ms_p50'])} ms per round (p50), "
+            f"{_num(threads['max_loop_lag_ms_max'])} ms worst"
+        )
     runs = report["runs"]
     ordered = sorted(runs, key=lambda kind: kind != HEADLINE_KIND)
     for kind in ordered:

@@ -26,7 +26,8 @@ p50/p90/p99 per path, the added latency of each proxy (its percentile minus the 
 each proxy process's CPU per request from ``/proc`` (so the rate one fully busy core routes), and the
 route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram. The tokenizer's time is
 measured here, on a tokenizer with its segment cache off (every sample a full encode) and for
-``chat_shared`` prompts once their system prompts are cached.
+``chat_shared`` prompts once their system prompts are cached; so is the event loop's longest stall
+while four threads tokenize new prompts at once (``tokenize_threads``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 import aiohttp
 
 from balancer.tokenizer.default import default_tokenizer
-from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits
+from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
 from loadtests.bench.overhead.report import (
     MODES,
     PROXIES,
@@ -230,6 +231,50 @@ async def measure_kind(
     return result
 
 
+LAG_THREADS = 4
+LAG_ROUNDS = 10
+LAG_TICK_S = 0.001
+
+
+async def tokenize_in_threads(
+    tokenizer: Tokenizer, chats: Sequence[Any], threads: int = LAG_THREADS, rounds: int = LAG_ROUNDS
+) -> dict[str, Any]:
+    """``rounds`` times, ``threads`` chats tokenized at once through ``asyncio.to_thread`` (as kvlb
+    does with long prompts) while a task ticks every :data:`LAG_TICK_S` on this loop: the longest
+    the loop stalled in each round (a tokenizer holding the GIL stalls it for whole encodes) and the
+    chats tokenized per second."""
+    lags: list[float] = []
+    stalls, rates = [], []
+
+    async def ticker(stop: asyncio.Event) -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(LAG_TICK_S)
+            now = time.perf_counter()
+            lags.append(now - last - LAG_TICK_S)
+            last = now
+
+    for round_index in range(rounds):
+        lags.clear()
+        stop = asyncio.Event()
+        ticks = asyncio.create_task(ticker(stop))
+        batch = [chats[(round_index * threads + i) % len(chats)] for i in range(threads)]
+        started = time.perf_counter()
+        await asyncio.gather(*(asyncio.to_thread(tokenizer.encode_chat, chat) for chat in batch))
+        elapsed = time.perf_counter() - started
+        stop.set()
+        await ticks
+        stalls.append(max(lags, default=0.0))
+        rates.append(threads / elapsed)
+    return {
+        "threads": threads,
+        "rounds": rounds,
+        "max_loop_lag_ms_p50": _ms(percentile(stalls, 50)),
+        "max_loop_lag_ms_max": _ms(max(stalls)),
+        "chats_per_s_p50": round(percentile(rates, 50) or 0.0, 1),
+    }
+
+
 def bench_tokenizers() -> tuple[HfTokenizer, HfTokenizer]:
     """The default tokenizer twice: with its segment cache off (the from-scratch timings, every
     sample a full encode) and on (the ``chat_shared`` timings, as kvlb tokenizes). Blocking."""
@@ -240,6 +285,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     """Start the servers, measure every kind, stop everything; the JSON-ready report."""
     cold, warm = await asyncio.to_thread(bench_tokenizers)
     prompts = await asyncio.to_thread(build_prompts, shape, cold, warm)
+    threads = await tokenize_in_threads(cold, [json.loads(body)["messages"] for body in prompts.chat])
     children: list[Child] = []
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-")))
@@ -269,6 +315,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
             "p50_ms": _ms(percentile(prompts.tokenize_shared_s, 50)),
             "p99_ms": _ms(percentile(prompts.tokenize_shared_s, 99)),
         },
+        "tokenize_threads": threads,
         "runs": runs,
     }
 
