@@ -51,7 +51,7 @@ class Splitter:
     """Raw-text tokens first, then normalised ones (when the normaliser is the identity)."""
     ids: dict[str, int]
     """Every split token's id."""
-    initials: tuple[tuple[str, ...], ...] = ()
+    initials: tuple[tuple[str, ...], ...]
     """Per pass, the first characters of its tokens. Matches are looked for only where one occurs
     (``str.find``): the regex alone scans every character when a pass's tokens start with different
     characters (DeepSeek-V3's second pass: about 0.2 ms on an 8k-token chat)."""
@@ -93,7 +93,7 @@ def _split_pass(pattern: re.Pattern[str], initials: tuple[str, ...], piece: str,
         if not found:
             break
         at = min(found)
-        match = pattern.match(piece, at)  # the longest token starting here: alternatives are longest first
+        match = pattern.match(piece, at)  # the longest token starting here (see _alternation)
         if match is None:
             position = at + 1
             continue
