@@ -48,7 +48,9 @@ from balancer.upstream.client import forwardable_headers
 log = logging.getLogger(__name__)
 
 INLINE_TOKENIZE_CHARS = 4096
-"""Prompts with fewer characters are tokenized on the event loop; longer ones in a thread."""
+"""Requests whose text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`: the prompt, or all of
+a chat's messages, content parts, tools and a per-message allowance) is at most this many characters
+are tokenized on the event loop (about a millisecond); larger ones in a thread."""
 BODY_READ_CHUNK_BYTES = 64 * 1024
 WEIGHTS_HEADER = "x-kvlb-weights"
 SSE_CONTENT_TYPE = "text/event-stream"

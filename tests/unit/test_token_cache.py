@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -11,13 +13,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken as RustAddedToken
 from tokenizers import Tokenizer as RustTokenizer
-from tokenizers import models, pre_tokenizers
+from tokenizers import models, normalizers, pre_tokenizers
 
 from balancer.tokenizer.chat_template import ChatTemplate
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter, encode_segmented
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits
 
+CHAT_TOKENS = [
+    "<\uff5cUser\uff5c>",
+    "<\uff5cAssistant\uff5c>",
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+    "<|EOT|>",
+    "<\uff5ctd\uff5c>",
+]
+"""Added tokens of DeepSeek-V3 with ``special: false`` (all but the last also ``normalized: true``),
+on which the fast tokenizer splits all the same; the first two open and close every chat turn."""
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "kvlb", "42", "ü", "中文"]
 
 
@@ -76,14 +87,14 @@ def test_cached_chat_ids_equal_plain_encode_and_repeat_hits(tokenizer: HfTokeniz
 )
 def test_segmented_encoding_is_exact_for_arbitrary_text(texts: list[str], seed: int) -> None:
     tok = shared_tokenizer()
-    assert tok._splitter is not None
-    pattern, specials = tok._splitter
-    names = sorted(specials)[:20]
+    splitter = tok._splitter
+    assert splitter is not None
+    names = [*sorted(splitter.ids)[:20], *CHAT_TOKENS]
     rng = random.Random(seed)
     text = "".join(t + rng.choice(names) for t in texts)
     cache = SegmentCache(min_chars=0)
-    assert encode_segmented(text, pattern, specials, cache, tok._raw) == plain(tok, text)
-    assert encode_segmented(text, pattern, specials, cache, tok._raw) == plain(tok, text)  # from cache
+    assert encode_segmented(text, splitter, cache, tok._raw) == plain(tok, text)
+    assert encode_segmented(text, splitter, cache, tok._raw) == plain(tok, text)  # from cache
 
 
 def test_lru_is_bounded_by_tokens() -> None:
@@ -113,3 +124,160 @@ def test_tokenizer_with_stripping_specials_falls_back(tmp_path: Path) -> None:
     tok = HfTokenizer(rust, ChatTemplate(None, {}), name="tiny", limits=TokenizeLimits())
     assert tok.segment_cache is None
     assert tok.encode_prompt("hello <sep> world", add_special_tokens=False) == [1, 3, 2]
+
+
+def fresh(tok: HfTokenizer, **limits: int) -> HfTokenizer:
+    """``tok`` with a segment cache of its own (so hit and miss counts are this test's)."""
+    return HfTokenizer(tok._tokenizer, tok._chat, name="fresh", limits=TokenizeLimits(**limits))
+
+
+def test_non_special_chat_tokens_are_split_points(tokenizer: HfTokenizer) -> None:
+    splitter = tokenizer._splitter
+    assert splitter is not None
+    assert set(CHAT_TOKENS) <= set(splitter.ids)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    pieces = splitter.split(tokenizer.render_chat(messages))
+    assert pieces == [
+        "<\uff5cbegin\u2581of\u2581sentence\uff5c>",
+        "Be brief.\n\n",  # the template ends the system prompt with a blank line
+        CHAT_TOKENS[0],
+        "Hi there",
+        CHAT_TOKENS[1],
+    ]
+
+
+def test_shared_8k_system_prompt_hits_the_cache_and_ids_stay_exact(tokenizer: HfTokenizer) -> None:
+    """A chat sharing an 8k-token system prompt and differing in the user message: the system
+    prompt's segment comes from the cache, and the ids equal a plain encode of the whole text."""
+    tok = fresh(tokenizer)
+    cache = tok.segment_cache
+    assert cache is not None
+    rng = random.Random(8)
+    system = " ".join(rng.choice(WORDS) for _ in range(7000))
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "What is a fox? " * 30}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "Why is a dog lazy? " * 30}]
+    assert tok.encode_chat(first) == plain(tok, tok.render_chat(first))
+    assert (cache.hits, cache.misses) == (0, 2)  # the system prompt and the user message
+    ids = tok.encode_chat(second)
+    assert len(ids) > 8000
+    assert ids == plain(tok, tok.render_chat(second))
+    assert (cache.hits, cache.misses) == (1, 3)  # the system prompt hit; the new question missed
+    assert system + "\n\n" in cache._entries
+
+
+def test_split_passes_follow_the_tokenizer_two_pass_order() -> None:
+    """``tokenizers`` matches ``normalized: false`` tokens on the raw text before ``normalized: true``
+    ones: in ``xabcx`` the raw ``bc`` wins over the normalised ``ab`` that starts first."""
+    vocab = {ch: i for i, ch in enumerate("[abcxyz ")}
+    rust = RustTokenizer(models.WordLevel(vocab, unk_token="["))
+    rust.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    rust.normalizer = normalizers.Sequence([])
+    rust.add_tokens([RustAddedToken("ab", normalized=True)])
+    rust.add_tokens([RustAddedToken("bc", normalized=False)])
+    tok = HfTokenizer(rust, ChatTemplate(None, {}), name="two-pass", limits=TokenizeLimits())
+    splitter = tok._splitter
+    assert splitter is not None and len(splitter.passes) == 2
+    for text in ("xabcx", "ab bc abc bcab", "zabx ycbc", "abab cbcb"):
+        expected = rust.encode(text, add_special_tokens=False).ids
+        assert encode_segmented(text, splitter, SegmentCache(min_chars=0), tok._raw) == expected
+    assert splitter.split("xabcx") == ["xa", "bc", "x"]
+
+
+def test_normalised_tokens_are_not_split_points_under_a_real_normaliser() -> None:
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    rust = RustTokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    rust.pre_tokenizer = pre_tokenizers.Whitespace()
+    rust.normalizer = normalizers.Lowercase()
+    rust.add_tokens([RustAddedToken("<turn>", normalized=True), RustAddedToken("<raw>", normalized=False)])
+    tok = HfTokenizer(rust, ChatTemplate(None, {}), name="lower", limits=TokenizeLimits())
+    splitter = tok._splitter
+    assert splitter is not None and set(splitter.ids) == {"<raw>"}
+    text = "Hello <TURN> world <raw> HELLO <turn>"
+    assert (
+        tok.encode_prompt(text, add_special_tokens=False) == rust.encode(text, add_special_tokens=False).ids
+    )
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=600), add_special_tokens=st.booleans())
+def test_gil_free_encode_gives_the_ids_of_encode(text: str, add_special_tokens: bool) -> None:
+    """``encode_batch_fast`` (used because it releases the GIL) returns ``encode``'s ids exactly."""
+    tok = shared_tokenizer()
+    expected = tok._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+    assert tok._ids(text, add_special_tokens) == expected
+
+
+def test_gil_free_encode_gives_the_ids_of_encode_on_long_chats(tokenizer: HfTokenizer) -> None:
+    rng = random.Random(11)
+    for _ in range(20):
+        text = tokenizer.render_chat(chat(rng, rng.randint(100, 3000)))
+        assert tokenizer._ids(text, False) == plain(tokenizer, text)
+        assert tokenizer._ids(text, True) == tokenizer._tokenizer.encode(text).ids
+
+
+def test_a_long_encode_in_a_thread_lets_other_threads_run(tokenizer: HfTokenizer) -> None:
+    """While a worker thread encodes a ~200k-token prompt, this thread keeps running Python code:
+    the encode does not hold the GIL (``Tokenizer.encode`` would: this thread would wake only after it).
+    """
+    rng = random.Random(3)
+    text = " ".join(rng.choice(WORDS) for _ in range(150_000))
+    started, done = threading.Event(), threading.Event()
+
+    def work() -> None:
+        started.set()
+        tokenizer.encode_prompt(text)
+        done.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    ran_meanwhile = 0
+    while not done.is_set():
+        time.sleep(0.001)
+        ran_meanwhile += 1 if not done.is_set() else 0
+    worker.join()
+    assert ran_meanwhile >= 20
+
+
+def reference_split(text: str, passes: list[list[str]]) -> list[str]:
+    """Leftmost-longest matching, pass by pass, written the slow obvious way."""
+    pieces, tokens_so_far = [text], set[str]()
+    for tokens in passes:
+        out: list[str] = []
+        for piece in pieces:
+            if piece in tokens_so_far:
+                out.append(piece)
+                continue
+            start = position = 0
+            while position < len(piece):
+                hits = [t for t in tokens if piece.startswith(t, position)]
+                if not hits:
+                    position += 1
+                    continue
+                longest = max(hits, key=len)
+                out += [piece[start:position], longest] if position > start else [longest]
+                start = position = position + len(longest)
+            if start < len(piece):
+                out.append(piece[start:])
+        pieces, tokens_so_far = out, tokens_so_far | set(tokens)
+    return pieces
+
+
+PASS_TOKENS = [["<a>", "<ab>", "<abc>", "<b", "|x|"], ["<ab", "<abd>", "b<", "|x", "<a>"]]
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="<>abcdx| ", max_size=300))
+def test_splitter_is_leftmost_longest_per_pass(text: str) -> None:
+    """Tokens sharing prefixes, one in both passes, texts full of ``<`` (past ``MAX_PROBES``, the
+    regex fallback): the pieces of :meth:`Splitter.split` are those of the obvious algorithm."""
+    added = [
+        AddedToken(token, index, special=False, verbatim=True, normalized=bool(number))
+        for number, tokens in enumerate(PASS_TOKENS)
+        for index, token in enumerate(tokens)
+    ]
+    splitter = build_splitter(added, identity_normalizer=True)
+    assert splitter is not None
+    expected_passes = [PASS_TOKENS[0], [t for t in PASS_TOKENS[1] if t not in PASS_TOKENS[0]]]
+    assert splitter.split(text) == reference_split(text, expected_passes)
+    assert splitter.split(text * 8) == reference_split(text * 8, expected_passes)

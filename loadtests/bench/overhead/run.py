@@ -9,15 +9,25 @@ noisy shared machine slows them alike:
 * ``kvlb``: client → ``kvlb serve`` (one pool of ``replicas`` replicas, all on the fake upstream, the
   default cost policy, the default DeepSeek-V3 tokenizer) → upstream.
 
-Every server is its own process; the client runs here. Three prompt kinds are measured: ``chat``
-(``prompt_tokens``-token chat messages: kvlb renders and tokenizes them, which is part of its cost),
-``chat_cold`` (the same, but each system prompt unique per request, so kvlb's tokenizer segment cache
-never hits) and ``tokens`` (the same prompts as token ids to ``/v1/completions``: kvlb's cost without
-the tokenizer); the shapes and bodies are built in :mod:`loadtests.bench.overhead.workload`. Reported
-per kind and phase: latency p50/p90/p99 per path, the added latency of each proxy (its percentile
-minus the direct path's), req/s, each proxy process's CPU per request from ``/proc`` (so the rate one
-fully busy core routes), and the route-decision time from kvlb's own ``kvlb_route_decision_seconds``
-histogram. The tokenizer's time on the same prompts is measured here.
+Every server is its own process; the client runs here. Four prompt kinds are measured, built in
+:mod:`loadtests.bench.overhead.workload`:
+
+* ``chat_shared`` (the headline): ``prompt_tokens``-token chats, one of ``prompts`` shared system
+  prompts and a user message new in every request, as chat traffic is: kvlb renders and tokenizes
+  them, the system prompt from its segment cache;
+* ``chat``: the ``prompts`` chats repeated whole (every segment a cache hit after the warm-up);
+* ``chat_cold``: system prompt and user message unique per request (no cache hit);
+* ``tokens``: the ``chat`` prompts as token ids to ``/v1/completions`` (kvlb's cost without the
+  tokenizer).
+
+The warm-up sends every distinct prompt at least once; the unique kinds never send a body twice to a
+path (each phase and round takes bodies no earlier one took). Reported per kind and phase: latency
+p50/p90/p99 per path, the added latency of each proxy (its percentile minus the direct path's), req/s,
+each proxy process's CPU per request from ``/proc`` (so the rate one fully busy core routes), and the
+route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram. The tokenizer's time is
+measured here, on a tokenizer with its segment cache off (every sample a full encode) and for
+``chat_shared`` prompts once their system prompts are cached; so is the event loop's longest stall
+while four threads tokenize new prompts at once (``tokenize_threads``).
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from typing import Any
 import aiohttp
 
 from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
 from loadtests.bench.overhead.report import (
     MODES,
     PROXIES,
@@ -68,6 +79,7 @@ __all__ = [
     "OverheadShape",
     "Prompts",
     "add_parser",
+    "bench_tokenizers",
     "build_prompts",
     "measure",
     "run_command",
@@ -129,14 +141,14 @@ async def sequential(
     latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
     cpu_before: dict[str, float] = {}
     started = 0.0
-    for index in range(shape.warmup_rounds + shape.sequential_rounds):
-        if index == shape.warmup_rounds:
+    for index in range(shape.warmup + shape.sequential_rounds):
+        if index == shape.warmup:
             cpu_before = {proxy: cpu_seconds(servers.pids[proxy]) for proxy in PROXIES}
             started = time.perf_counter()
         body = bodies[index % len(bodies)]
         for mode in _rotated(MODES, index):
             latency_s = await send(session, urls[mode] + path, body)
-            if index >= shape.warmup_rounds:
+            if index >= shape.warmup:
                 latencies[mode].append(latency_s)
     wall_s = time.perf_counter() - started
     by_mode = {mode: latency_figures(latencies[mode]) for mode in MODES}
@@ -150,16 +162,22 @@ async def sequential(
 
 
 async def burst(
-    session: aiohttp.ClientSession, url: str, bodies: Sequence[bytes], requests: int, concurrency: int
+    session: aiohttp.ClientSession,
+    url: str,
+    bodies: Sequence[bytes],
+    start: int,
+    requests: int,
+    concurrency: int,
 ) -> list[float]:
-    """``requests`` requests from ``concurrency`` clients that each keep one in flight."""
+    """``requests`` requests from ``concurrency`` clients that each keep one in flight; they send
+    ``bodies[start:start + requests]`` (cyclically)."""
     latencies: list[float] = []
     taken = 0
 
     async def client() -> None:
         nonlocal taken
         while taken < requests:
-            body = bodies[taken % len(bodies)]
+            body = bodies[(start + taken) % len(bodies)]
             taken += 1
             latencies.append(await send(session, url, body))
 
@@ -175,7 +193,8 @@ async def concurrent(
     """Bursts of ``concurrency`` clients, one path at a time, paths rotating between rounds."""
     urls, pids = servers.urls, servers.pids
     for mode in MODES:  # warm-up: open ``concurrency`` connections on every hop
-        await burst(session, urls[mode] + path, bodies, shape.concurrency, shape.concurrency)
+        start = shape.concurrent_warmup_start
+        await burst(session, urls[mode] + path, bodies, start, shape.concurrency, shape.concurrency)
     latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
     wall_s = dict.fromkeys(MODES, 0.0)
     cpu_s = dict.fromkeys(MODES, 0.0)
@@ -183,8 +202,9 @@ async def concurrent(
         for mode in _rotated(MODES, round_index):
             cpu_before = cpu_seconds(pids[mode])
             started = time.perf_counter()
+            start = shape.burst_start(round_index)
             latencies[mode] += await burst(
-                session, urls[mode] + path, bodies, shape.burst_requests, shape.concurrency
+                session, urls[mode] + path, bodies, start, shape.burst_requests, shape.concurrency
             )
             wall_s[mode] += time.perf_counter() - started
             cpu_s[mode] += cpu_seconds(pids[mode]) - cpu_before
@@ -211,10 +231,61 @@ async def measure_kind(
     return result
 
 
+LAG_THREADS = 4
+LAG_ROUNDS = 10
+LAG_TICK_S = 0.001
+
+
+async def tokenize_in_threads(
+    tokenizer: Tokenizer, chats: Sequence[Any], threads: int = LAG_THREADS, rounds: int = LAG_ROUNDS
+) -> dict[str, Any]:
+    """``rounds`` times, ``threads`` chats tokenized at once through ``asyncio.to_thread`` (as kvlb
+    does with long prompts) while a task ticks every :data:`LAG_TICK_S` on this loop: the longest
+    the loop stalled in each round (a tokenizer holding the GIL stalls it for whole encodes) and the
+    chats tokenized per second."""
+    lags: list[float] = []
+    stalls, rates = [], []
+
+    async def ticker(stop: asyncio.Event) -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            await asyncio.sleep(LAG_TICK_S)
+            now = time.perf_counter()
+            lags.append(now - last - LAG_TICK_S)
+            last = now
+
+    for round_index in range(rounds):
+        lags.clear()
+        stop = asyncio.Event()
+        ticks = asyncio.create_task(ticker(stop))
+        batch = [chats[(round_index * threads + i) % len(chats)] for i in range(threads)]
+        started = time.perf_counter()
+        await asyncio.gather(*(asyncio.to_thread(tokenizer.encode_chat, chat) for chat in batch))
+        elapsed = time.perf_counter() - started
+        stop.set()
+        await ticks
+        stalls.append(max(lags, default=0.0))
+        rates.append(threads / elapsed)
+    return {
+        "threads": threads,
+        "rounds": rounds,
+        "max_loop_lag_ms_p50": _ms(percentile(stalls, 50)),
+        "max_loop_lag_ms_max": _ms(max(stalls)),
+        "chats_per_s_p50": round(percentile(rates, 50) or 0.0, 1),
+    }
+
+
+def bench_tokenizers() -> tuple[HfTokenizer, HfTokenizer]:
+    """The default tokenizer twice: with its segment cache off (the from-scratch timings, every
+    sample a full encode) and on (the ``chat_shared`` timings, as kvlb tokenizes). Blocking."""
+    return default_tokenizer(TokenizeLimits(segment_cache_tokens=0)), default_tokenizer()
+
+
 async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str, Any]:
     """Start the servers, measure every kind, stop everything; the JSON-ready report."""
-    tokenizer = await asyncio.to_thread(default_tokenizer)
-    prompts = await asyncio.to_thread(build_prompts, shape, tokenizer)
+    cold, warm = await asyncio.to_thread(bench_tokenizers)
+    prompts = await asyncio.to_thread(build_prompts, shape, cold, warm)
+    threads = await tokenize_in_threads(cold, [json.loads(body)["messages"] for body in prompts.chat])
     children: list[Child] = []
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-")))
@@ -240,6 +311,11 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
             "p50_ms": _ms(percentile(prompts.tokenize_s, 50)),
             "p99_ms": _ms(percentile(prompts.tokenize_s, 99)),
         },
+        "tokenize_shared_ms": {
+            "p50_ms": _ms(percentile(prompts.tokenize_shared_s, 50)),
+            "p99_ms": _ms(percentile(prompts.tokenize_shared_s, 99)),
+        },
+        "tokenize_threads": threads,
         "runs": runs,
     }
 
@@ -268,7 +344,7 @@ def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seconds), for CI")
     parser.add_argument(
-        "--kinds", default=",".join(KINDS), help="comma-separated: chat,chat_cold,tokens (default all)"
+        "--kinds", default=",".join(KINDS), help=f"comma-separated, of {','.join(KINDS)} (default all)"
     )
     parser.add_argument("--concurrency", type=int, default=None, help="clients of the concurrent phase (32)")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt size in tokens (8192)")

@@ -16,14 +16,19 @@ from balancer.tokenizer.tokenizer import Tokenizer
 from loadtests.bench.overhead.servers import MODEL
 from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
 
-KINDS: tuple[str, ...] = ("chat", "chat_cold", "tokens")
+KINDS: tuple[str, ...] = ("chat_shared", "chat", "chat_cold", "tokens")
+UNIQUE_KINDS = frozenset({"chat_shared", "chat_cold"})
+"""Kinds whose every request is a new body (no body is sent twice to a path)."""
 QUESTION_TOKENS = 64
 """The user message of each chat prompt; the system message holds the rest."""
 
 KIND_DESCRIPTIONS = {
-    "chat": "chat messages to /v1/chat/completions (kvlb renders and tokenizes them; the 32 system "
-    "prompts repeat, so after the first round they come from kvlb's segment cache)",
-    "chat_cold": "chat messages whose system prompt is unique per request (tokenized from scratch)",
+    "chat_shared": "chat messages to /v1/chat/completions: one of the shared system prompts (from "
+    "kvlb's segment cache after the warm-up) and a user message unique per request",
+    "chat": "chat messages to /v1/chat/completions (kvlb renders and tokenizes them; the distinct prompts "
+    "repeat whole, so after the warm-up every segment comes from kvlb's segment cache)",
+    "chat_cold": "chat messages whose system prompt and user message are unique per request "
+    "(tokenized from scratch)",
     "tokens": "the same prompts as token ids to /v1/completions (no tokenizer in kvlb's path)",
 }
 
@@ -39,7 +44,8 @@ class OverheadShape:
     sequential_rounds: int = 200
     """Sequential phase: each round sends one request on every path, in a rotating order."""
     warmup_rounds: int = 20
-    """Sequential rounds sent first and not counted (connections, caches, JIT-free warm-up)."""
+    """Sequential rounds sent first and not counted (connections, caches); at least :attr:`prompts`
+    are sent (:attr:`warmup`), so that every distinct prompt has been seen before measuring."""
     concurrency: int = 32
     """Concurrent phase: clients with one request in flight each."""
     concurrent_rounds: int = 6
@@ -51,7 +57,7 @@ class OverheadShape:
     max_tokens: int = 2
     """``max_tokens`` of each request (the fake upstream ignores it)."""
     kinds: tuple[str, ...] = KINDS
-    """Prompt kinds to measure: ``chat`` and/or ``tokens``."""
+    """Prompt kinds to measure, among :data:`KINDS`."""
     seed: int = 0
     """Seed of the prompt text."""
 
@@ -65,6 +71,26 @@ class OverheadShape:
         unknown = sorted(set(self.kinds) - set(KINDS))
         if unknown or not self.kinds:
             raise ValueError(f"kinds must be among {', '.join(KINDS)}, got {', '.join(self.kinds) or 'none'}")
+
+    @property
+    def warmup(self) -> int:
+        """Warm-up rounds sent: :attr:`warmup_rounds`, but never fewer than the distinct prompts."""
+        return max(self.warmup_rounds, self.prompts)
+
+    @property
+    def concurrent_warmup_start(self) -> int:
+        """Index of the first body of the concurrent phase's warm-up burst (after the sequential phase)."""
+        return self.warmup + self.sequential_rounds
+
+    def burst_start(self, round_index: int) -> int:
+        """Index of the first body of concurrent round ``round_index``: every phase and round takes
+        bodies no earlier one took, so a kind of unique bodies never resends one."""
+        return self.concurrent_warmup_start + self.concurrency + round_index * self.burst_requests
+
+    @property
+    def requests_per_path(self) -> int:
+        """Requests each path gets of one kind: the bodies a kind of unique bodies needs."""
+        return self.burst_start(self.concurrent_rounds)
 
 
 _POSITIVE = (
@@ -88,26 +114,36 @@ SMOKE = OverheadShape(
 
 @dataclass(frozen=True, slots=True)
 class Prompts:
-    """The request bodies of both kinds, and what tokenizing the chat prompts cost here."""
+    """The request bodies of every kind, and what tokenizing the chat prompts cost here."""
 
     chat: tuple[bytes, ...]
     tokens: tuple[bytes, ...]
     token_counts: tuple[int, ...]
     tokenize_s: tuple[float, ...]
+    """Tokenizing one ``chat`` prompt with the segment cache off: every sample a full encode."""
     chat_cold: tuple[bytes, ...] = ()
-    """Chat bodies whose system prompt is unique per request: kvlb's tokenizer cache never hits."""
+    """Chat bodies whose system prompt and user message are unique per request: no cache hit."""
+    chat_shared: tuple[bytes, ...] = ()
+    """Chat bodies with one of the ``chat`` system prompts and a user message unique per request."""
+    tokenize_shared_s: tuple[float, ...] = ()
+    """Tokenizing one ``chat_shared`` prompt once the system prompts are cached (what kvlb spends)."""
 
     def bodies(self, kind: str) -> tuple[str, tuple[bytes, ...]]:
         """(path, bodies) of ``kind``."""
-        if kind == "chat":
-            return "/v1/chat/completions", self.chat
-        if kind == "chat_cold":
-            return "/v1/chat/completions", self.chat_cold
-        return "/v1/completions", self.tokens
+        if kind == "tokens":
+            return "/v1/completions", self.tokens
+        by_kind = {"chat": self.chat, "chat_cold": self.chat_cold, "chat_shared": self.chat_shared}
+        return "/v1/chat/completions", by_kind[kind]
 
 
-def build_prompts(shape: OverheadShape, tokenizer: Tokenizer) -> Prompts:
-    """Distinct chat prompts of about ``prompt_tokens`` tokens, and the same as token ids. Blocking."""
+def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None = None) -> Prompts:
+    """Distinct chat prompts of about ``prompt_tokens`` tokens, the same as token ids, and the
+    bodies of the unique kinds. Blocking.
+
+    ``cold`` tokenizes and is timed: give it one whose segment cache is off, so that every timed
+    sample is a full encode (through a cache, repeats would time hits). ``warm`` (cache on) times the
+    ``chat_shared`` prompts once their system prompts are cached; without it they are not timed.
+    """
     rng = random.Random(shape.seed)
     system_words = words_for_tokens(max(1, shape.prompt_tokens - QUESTION_TOKENS), TOKENS_PER_WORD)
     question_words = words_for_tokens(QUESTION_TOKENS, TOKENS_PER_WORD)
@@ -120,23 +156,58 @@ def build_prompts(shape: OverheadShape, tokenizer: Tokenizer) -> Prompts:
         ids: list[int] = []
         for _ in range(3):
             started = time.perf_counter()
-            ids = tokenizer.encode_chat(messages)
+            ids = cold.encode_chat(messages)
             timings.append(time.perf_counter() - started)
         common = {"model": MODEL, "max_tokens": shape.max_tokens, "stream": True}
         chat.append(json.dumps({**common, "messages": messages}).encode())
         tokens.append(json.dumps({**common, "prompt": ids}).encode())
         counts.append(len(ids))
-    return Prompts(tuple(chat), tuple(tokens), tuple(counts), tuple(timings), cold_bodies(shape, chat))
+    shared = shared_bodies(shape, chat, random.Random(shape.seed + 1), question_words)
+    return Prompts(
+        tuple(chat),
+        tuple(tokens),
+        tuple(counts),
+        tuple(timings),
+        chat_cold=cold_bodies(shape, chat),
+        chat_shared=shared,
+        tokenize_shared_s=time_shared(shape, shared, warm) if warm is not None else (),
+    )
 
 
 def cold_bodies(shape: OverheadShape, chat: list[bytes]) -> tuple[bytes, ...]:
-    """One body per request sent (no repeats): each system prompt starts with a unique nonce, so
-    every request is tokenized from scratch, as for traffic that shares no prompt text."""
-    needed = shape.warmup_rounds + shape.sequential_rounds + shape.burst_requests * shape.concurrent_rounds
+    """One body per request sent (no repeats): the system prompt and the user message each start
+    with a unique nonce, so every request is tokenized from scratch, as for traffic that shares no
+    prompt text."""
     out = []
-    for index in range(needed):
+    for index in range(shape.requests_per_path):
         body = json.loads(chat[index % len(chat)])
-        system = body["messages"][0]
-        system["content"] = f"Request {index} of this run. {system['content']}"
+        for message in body["messages"]:
+            message["content"] = f"Request {index} of this run. {message['content']}"
         out.append(json.dumps(body).encode())
     return tuple(out)
+
+
+def shared_bodies(
+    shape: OverheadShape, chat: list[bytes], rng: random.Random, question_words: int
+) -> tuple[bytes, ...]:
+    """One body per request sent: the system prompt of ``chat[index % prompts]`` (so the warm-up sends
+    each once) and a fresh user message: what chat traffic with shared system prompts looks like."""
+    out = []
+    for index in range(shape.requests_per_path):
+        body = json.loads(chat[index % len(chat)])
+        body["messages"][1]["content"] = f"Question {index}: {random_text(rng, question_words)}"
+        out.append(json.dumps(body).encode())
+    return tuple(out)
+
+
+def time_shared(shape: OverheadShape, bodies: tuple[bytes, ...], warm: Tokenizer) -> tuple[float, ...]:
+    """Seconds to tokenize each of ``3 × prompts`` ``chat_shared`` prompts after the first ``prompts``
+    (which put every system prompt in ``warm``'s cache) were tokenized untimed."""
+    timings = []
+    for index in range(min(len(bodies), 4 * shape.prompts)):
+        messages = json.loads(bodies[index])["messages"]
+        started = time.perf_counter()
+        warm.encode_chat(messages)
+        if index >= shape.prompts:
+            timings.append(time.perf_counter() - started)
+    return tuple(timings)

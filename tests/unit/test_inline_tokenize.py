@@ -1,0 +1,96 @@
+"""What runs on the event loop: a request is tokenized inline only when all the text the tokenizer
+reads is short (content parts, tools and the message count included); longer ones go to a thread."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any, cast
+
+import pytest
+
+from balancer.api.openai import INLINE_TOKENIZE_CHARS, tokenize
+from balancer.api.parsing import PER_MESSAGE_CHARS, ParsedRequest, json_text_chars, parse_request
+from balancer.service.state import Pool
+from balancer.tokenizer.default import deepseek_tokenizer_file, default_tokenizer
+
+
+def chat_body(messages: list[dict[str, Any]], **extra: Any) -> bytes:
+    return json.dumps({"model": "m", "messages": messages, **extra}).encode()
+
+
+def parts(text: str) -> list[dict[str, str]]:
+    return [{"type": "text", "text": text}, {"type": "image_url", "image_url": "http://x/y.png"}]
+
+
+def test_json_text_chars_counts_every_string_and_key() -> None:
+    assert json_text_chars({"ab": ["cde", {"f": "gh"}, 3, None, True]}) == 2 + 3 + 1 + 2
+    assert json_text_chars("x" * 10) == 10
+    assert json_text_chars([]) == 0
+
+
+def test_content_parts_count_towards_the_size() -> None:
+    text = "word " * 20_000
+    parsed = parse_request(chat_body([{"role": "user", "content": parts(text)}]), "chat")
+    assert parsed.text_chars >= len(text) > INLINE_TOKENIZE_CHARS
+
+
+def test_tools_count_towards_the_size() -> None:
+    tool = {"type": "function", "function": {"name": "f", "description": "d" * 10_000, "parameters": {}}}
+    parsed = parse_request(chat_body([{"role": "user", "content": "hi"}], tools=[tool]), "chat")
+    assert parsed.text_chars >= 10_000 > INLINE_TOKENIZE_CHARS
+
+
+def test_many_short_messages_count_towards_the_size() -> None:
+    messages = [
+        {"role": "user", "content": "ok"} for _ in range(INLINE_TOKENIZE_CHARS // PER_MESSAGE_CHARS + 1)
+    ]
+    parsed = parse_request(chat_body(messages), "chat")
+    assert parsed.text_chars > INLINE_TOKENIZE_CHARS
+
+
+def test_a_short_chat_stays_small() -> None:
+    parsed = parse_request(chat_body([{"role": "user", "content": "What is 2+2?"}]), "chat")
+    assert parsed.text_chars < INLINE_TOKENIZE_CHARS
+
+
+class RecordingTokenizer:
+    """Records the thread each encode ran on."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def encode_chat(self, messages: Sequence[Any], **kwargs: Any) -> list[int]:
+        self.threads.append(threading.current_thread())
+        return [1, 2, 3]
+
+
+async def test_a_large_content_part_request_is_tokenized_in_a_thread() -> None:
+    recorder = RecordingTokenizer()
+    pool = cast(Pool, SimpleNamespace(tokenizer=recorder))
+    large = parse_request(chat_body([{"role": "user", "content": parts("word " * 20_000)}]), "chat")
+    small = parse_request(chat_body([{"role": "user", "content": parts("word")}]), "chat")
+    assert await tokenize(pool, large, 100) == [1, 2, 3]
+    assert await tokenize(pool, small, 100) == [1, 2, 3]
+    assert recorder.threads[0] is not threading.main_thread()
+    assert recorder.threads[1] is threading.main_thread()
+
+
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+async def test_the_loop_keeps_running_while_a_large_content_part_is_tokenized() -> None:
+    """A 1M-character content part with the real tokenizer: the event loop ticks throughout (it was
+    tokenized inline before, so no tick could happen until it was done)."""
+    tokenizer = await asyncio.to_thread(default_tokenizer)
+    pool = cast(Pool, SimpleNamespace(tokenizer=tokenizer))
+    text = " ".join(f"word{i % 977}" for i in range(120_000))
+    parsed: ParsedRequest = parse_request(chat_body([{"role": "user", "content": parts(text)}]), "chat")
+    task = asyncio.create_task(tokenize(pool, parsed, 1_048_576))
+    ticks = 0
+    while not task.done():
+        await asyncio.sleep(0.001)
+        ticks += 0 if task.done() else 1
+    assert len(await task) > 100_000
+    assert ticks >= 5
