@@ -40,6 +40,7 @@ class Metrics:
     events_replays_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
+    events_oversize_total: Counter
     events_lag_seconds: Gauge
     # index
     index_blocks: Gauge
@@ -167,6 +168,12 @@ class Metrics:
             events_queue_overflow_total=Counter(
                 "kvlb_events_queue_overflow_total",
                 "Event queue overflows (the replica is cleared and resynchronised).",
+                ["replica"],
+                registry=reg,
+            ),
+            events_oversize_total=Counter(
+                "kvlb_events_oversize_total",
+                "Events dropped for carrying more than limits.max_event_blocks blocks (the rank resyncs).",
                 ["replica"],
                 registry=reg,
             ),

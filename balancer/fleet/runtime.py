@@ -149,7 +149,10 @@ class FleetRuntime:
             raise ConfigError(f"pool {model!r}: {exc}") from None
         index = RedisIndex(self.text, space.hasher, settings)
         writer = FencedWriter(index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result)
-        ingest_settings = IngestSettings(queue_max_batches=state.settings.limits.event_queue_size)
+        ingest_settings = IngestSettings(
+            queue_max_batches=state.settings.limits.event_queue_size,
+            max_event_blocks=state.settings.limits.max_event_blocks,
+        )
         ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
