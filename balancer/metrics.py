@@ -64,6 +64,7 @@ class Metrics:
     redis_mirror_lag_seconds: Gauge
     redis_mirror_entries_total: Counter
     redis_mirror_resyncs_total: Counter
+    redis_mirror_skipped_entries_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -242,6 +243,7 @@ class _RedisCollectors(TypedDict):
     redis_mirror_lag_seconds: Gauge
     redis_mirror_entries_total: Counter
     redis_mirror_resyncs_total: Counter
+    redis_mirror_skipped_entries_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -303,6 +305,13 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
         "redis_mirror_resyncs_total": Counter(
             "kvlb_redis_mirror_resyncs_total",
             "Mirror rebuilds after stream entries went missing, by key space.",
+            ["space"],
+            registry=reg,
+        ),
+        "redis_mirror_skipped_entries_total": Counter(
+            "kvlb_redis_mirror_skipped_entries_total",
+            "Stream entries the mirror could not decode and skipped (one with an entry number also"
+            " rebuilds the mirror), by key space.",
             ["space"],
             registry=reg,
         ),

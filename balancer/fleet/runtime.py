@@ -92,6 +92,7 @@ class _Space:
     mirror: Mirror
     seen_entries: int = 0
     seen_resyncs: int = 0
+    seen_skipped: int = 0
 
 
 class FleetRuntime:
@@ -286,6 +287,9 @@ class FleetRuntime:
             )
             metrics.redis_mirror_resyncs_total.labels(entry.name).inc(counters.resyncs - entry.seen_resyncs)
             entry.seen_entries, entry.seen_resyncs = counters.entries_applied, counters.resyncs
+            skipped = metrics.redis_mirror_skipped_entries_total.labels(entry.name)
+            skipped.inc(counters.decode_errors - entry.seen_skipped)
+            entry.seen_skipped = counters.decode_errors
             metrics.redis_mirror_partial.labels(entry.name).set(1 if mirror.partial else 0)
 
     def redis_down(self) -> bool:
