@@ -65,6 +65,7 @@ class Metrics:
     redis_mirror_entries_total: Counter
     redis_mirror_resyncs_total: Counter
     redis_mirror_skipped_entries_total: Counter
+    redis_wrongtype_keys_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -244,6 +245,7 @@ class _RedisCollectors(TypedDict):
     redis_mirror_entries_total: Counter
     redis_mirror_resyncs_total: Counter
     redis_mirror_skipped_entries_total: Counter
+    redis_wrongtype_keys_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -313,6 +315,12 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
             "Stream entries the mirror could not decode and skipped (one with an entry number also"
             " rebuilds the mirror), by key space.",
             ["space"],
+            registry=reg,
+        ),
+        "redis_wrongtype_keys_total": Counter(
+            "kvlb_redis_wrongtype_keys_total",
+            "Keys of kvlb's namespace found holding another type (garbage written over them), deleted"
+            " and rebuilt by this balancer's next write.",
             registry=reg,
         ),
         "redis_mirror_partial": Gauge(

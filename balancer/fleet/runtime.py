@@ -120,6 +120,7 @@ class FleetRuntime:
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
         self.snapshots: SnapshotKeeper | None = None
+        self._seen_repairs = 0
 
     # ------------------------------------------------------------------ building
 
@@ -278,6 +279,14 @@ class FleetRuntime:
     def refresh_metrics(self) -> None:
         metrics = self.state.metrics
         metrics.redis_up.set(0 if self.redis_down() else 1)
+        repairs = sum(e.index.repaired_keys for e in self._spaces)
+        if self.leases is not None:
+            repairs += sum(r.lease.repaired_keys for r in self.leases.replicas.values())
+        if repairs > self._seen_repairs:
+            new = repairs - self._seen_repairs
+            metrics.redis_wrongtype_keys_total.inc(new)
+            log.warning("redis: %d wrong-typed keys of ours deleted and repaired", new)
+        self._seen_repairs = repairs
         for entry in self._spaces:
             mirror, counters = entry.mirror, entry.mirror.counters
             if mirror.lag_s is not None:

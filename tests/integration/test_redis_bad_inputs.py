@@ -18,8 +18,11 @@ from redis_server import RedisServer, fresh_settings
 from test_redis_index import HASHER, random_event
 from test_redis_mirror import assert_same_matches
 
+from balancer.fleet.writer import FencedWriter
 from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.index.redis.mirror import Mirror, MirrorSettings
+from balancer.metrics import Metrics
 from balancer.types import ReplicaId
 
 pytestmark = pytest.mark.redis
@@ -81,3 +84,40 @@ async def test_an_undecodable_stream_entry_is_skipped_once(
     late = Mirror(raw_client, HASHER, settings, time.monotonic, MirrorSettings(read_count=4))
     await late.warm_start()  # a warm start skips it too
     assert late.last_number == mirror.last_number
+
+
+@pytest.mark.parametrize("kind", ["lease", "seq", "gen", "ctr"])
+async def test_a_wrong_typed_key_is_repaired_and_the_lease_kept(
+    text_client: aioredis.Redis, kind: str
+) -> None:
+    """Garbage (a LIST) over the lease, ``seq``, ``gen`` or ``ctr`` key cost the writer its lease with
+    WRONGTYPE (defect 6): now the next renewal or write deletes it, counts it and goes on."""
+    index = RedisIndex(text_client, HASHER, fresh_settings())
+    keys = index.keys
+    lease = IngestionLease(text_client, keys, A, "me", LeaseSettings(ttl_s=5, renew_every_s=1))
+    lost: list[ReplicaId] = []
+    writer = FencedWriter(index, metrics=Metrics.create(), on_lost=lost.append)
+    grant = await lease.acquire()
+    assert grant.acquired
+    writer.hold(A, lease, grant.generation, {}, writes=grant.writes, applied=grant.applied)
+    rng = random.Random(6)
+    await writer.apply_at(A, [random_event(rng) for _ in range(3)], 0.0, {0: 1})
+    key = {"lease": keys.lease(A), "seq": keys.applied_seq, "gen": keys.generations, "ctr": keys.counters}[
+        kind
+    ]
+    await text_client.delete(key)
+    await text_client.rpush(key, "garbage")  # type: ignore[misc]
+
+    assert await lease.renew()  # the renewal repairs a garbage lease and keeps it ours
+    other = IngestionLease(text_client, keys, A, "other", LeaseSettings(ttl_s=5, renew_every_s=1))
+    assert not (await other.acquire()).acquired
+    for seq in (2, 3):
+        await writer.apply_at(A, [random_event(rng) for _ in range(3)], 0.0, {0: seq})
+    assert not lost and await lease.holder() == "me"
+    assert lease.repaired_keys + other.repaired_keys + index.repaired_keys == 1
+    counters = await index.counters()
+    assert counters[f"wrongtype_{kind}"] == 1
+    assert await text_client.type(key) == ("string" if kind == "lease" else "hash")
+    grant = await lease.acquire()  # positions and generation are in Redis again
+    assert grant.acquired and grant.positions == {0: 3}
+    assert grant.generation == writer.holdings[A].generation

@@ -97,6 +97,9 @@ class RedisIndex:
         self._hints = ParentHints(settings.parent_hints_per_cache)
         self.hint_retries = 0
         """``apply`` calls retried because a parent hint was stale (another writer, a drop)."""
+        self.repaired_keys = 0
+        """Keys of the pool found holding another type (garbage written over them) and deleted by
+        this index's scripts (``ctr.wrongtype_<key>`` in Redis; ``docs/redis-schema.md``)."""
         self._anchor = [self.keys.counters]  # KEYS[1] of every script: routes to the pool's slot
         self._apply = client.register_script(scripts.APPLY)
         self._speculate = client.register_script(scripts.SPECULATE)
@@ -184,6 +187,7 @@ class RedisIndex:
                 outside.setdefault(rank, set()).add(eh)
             hinted = {}
         self._refused(replica, reply, generation, expect_seq)
+        self.repaired_keys += int(reply[7])
         self._hints.learn(replica, plan)
         result = plan.result
         result.stored_blocks += reply[2]
@@ -209,6 +213,7 @@ class RedisIndex:
             reply = cast("list[int]", await self._clear_step(keys=self._anchor, args=args))
             self._refused(replica, reply, generation, expect_seq)
             released += int(reply[2])
+            self.repaired_keys += int(reply[3])
             if int(reply[1]) == 0:
                 return released
 
@@ -279,6 +284,7 @@ class RedisIndex:
             released += await self._clear_steps(replica, int(rank))
         args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen]
         reply = cast("list[int]", await self._drop(keys=self._anchor, args=args))
+        self.repaired_keys += int(reply[2])
         return released + int(reply[0])
 
     async def generation(self, replica: ReplicaId) -> int:

@@ -30,6 +30,19 @@ local function count(name, n)
   if n ~= 0 then ctr[name] = (ctr[name] or 0) + n end
 end
 
+-- Garbage written over a key of ours (another type) is deleted and counted, so one bad write
+-- cannot stop the fleet with WRONGTYPE. `repaired` goes back to the caller (a metric).
+local repaired = 0
+local function repair(key, want, name)
+  local t = call('TYPE', key)['ok']
+  if t == want or t == 'none' then return false end
+  call('DEL', key)
+  repaired = repaired + 1
+  call('HINCRBY', CTR, 'wrongtype_' .. name, 1)
+  return true
+end
+repair(CTR, 'hash', 'ctr')
+
 local function call_chunked(cmd, key, list)
   for i = 1, #list, CHUNK do
     call(cmd, key, unpack(list, i, math.min(i + CHUNK - 1, #list)))
@@ -172,17 +185,28 @@ end
 
 -- the writer's fence: '' = unfenced; 'g' = generation g; 'g|text' also requires seq[replica] == text.
 -- Returns nil when the write may go on, else the refusal: {1, current generation} | {3, 0}.
+-- After `gen` or `seq` was repaired (deleted), a replica's missing field is unknown, not 0 or
+-- empty: the writer's own value is taken (and the generation written back) instead of refusing it.
 local function fence(replica, want)
+  repair(P .. 'gen', 'hash', 'gen')
+  repair(P .. 'seq', 'hash', 'seq')
   if want == '' then return nil end
   local want_seq = nil
   local bar = string.find(want, '|', 1, true)
   if bar then want, want_seq = string.sub(want, 1, bar - 1), string.sub(want, bar + 1) end
-  local current = call('HGET', P .. 'gen', replica) or '0'
+  local current = call('HGET', P .. 'gen', replica)
+  if not current and call('HEXISTS', CTR, 'wrongtype_gen') == 1 then
+    call('HSET', P .. 'gen', replica, want)
+    current = want
+  end
+  current = current or '0'
   if current ~= want then
     call('HINCRBY', CTR, 'stale_generation', 1)
     return {1, tonumber(current)}
   end
-  if want_seq and (call('HGET', P .. 'seq', replica) or '') ~= want_seq then
+  local stored = call('HGET', P .. 'seq', replica)
+  if not stored and call('HEXISTS', CTR, 'wrongtype_seq') == 1 then stored = want_seq end
+  if want_seq and (stored or '') ~= want_seq then
     call('HINCRBY', CTR, 'stale_position', 1)
     return {3, 0}
   end
@@ -211,8 +235,8 @@ _APPLY_BODY = """
 --       stream payload, engine seq ('' = none), limit (LIMIT), n_checks,
 --       n_checks x (rank, engine hash, expected key or ''), ops...
 -- ops: 'S' rank parent expected ehs keys | 'R' rank ehs | 'C' rank
--- returns {0, 0, stored, removed, unknown, evicted, skipped} | {1, current generation} | {2, 0}
---         | {3, 0} (the stored seq is not the expected one)
+-- returns {0, 0, stored, removed, unknown, evicted, skipped, keys repaired} | {1, current generation}
+--         | {2, 0} (a stale parent hint) | {3, 0} (the stored seq is not the expected one)
 local REPLICA, NOW = ARGV[2], ARGV[4]
 local CAPACITY, TARGET = tonumber(ARGV[5]), tonumber(ARGV[6])
 local refused = fence(REPLICA, ARGV[3])
@@ -328,7 +352,7 @@ end
 finish()
 if ARGV[9] ~= '' then call('HSET', P .. 'seq', REPLICA, ARGV[9]) end
 publish(tonumber(ARGV[7]), REPLICA, {'e', ARGV[8]})
-return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped}
+return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped, repaired}
 """
 
 _SPECULATE_BODY = """
@@ -374,8 +398,9 @@ return taken
 """
 
 _DROP_BODY = """
--- ARGV: prefix, replica, stream maxlen; returns {holdings dropped, new generation}
+-- ARGV: prefix, replica, stream maxlen; returns {holdings dropped, new generation, keys repaired}
 local REPLICA = ARGV[2]
+repair(P .. 'gen', 'hash', 'gen')
 local rk = P .. 'ranks:' .. REPLICA
 local dropped = 0
 for _, rank in ipairs(call('SMEMBERS', rk)) do
@@ -398,7 +423,7 @@ call('SREM', REPLICAS, REPLICA)
 local gen = call('HINCRBY', P .. 'gen', REPLICA, 1)
 finish()
 publish(tonumber(ARGV[3]), REPLICA, {'d', 1})
-return {dropped, gen}
+return {dropped, gen, repaired}
 """
 
 _CLEAR_STEP_BODY = """
@@ -406,13 +431,13 @@ _CLEAR_STEP_BODY = """
 -- Empties up to `limit` entries of the cache's engine-hash map (and its holder fields), so that the
 -- `Cleared`/`Resync` or drop that follows runs in bounded time. Writes no stream entry: the cache
 -- is emptied whole right after, by the call that does publish.
--- returns {0, map entries left, holdings released} | {1, current generation} | {3, 0}
+-- returns {0, map entries left, holdings released, keys repaired} | {1, current generation} | {3, 0}
 local REPLICA = ARGV[2]
 local refused = fence(REPLICA, ARGV[3])
 if refused then return refused end
 local cid = REPLICA .. '#' .. ARGV[4]
 local mk = P .. 'm:' .. cid
-if call('HEXISTS', HELD, cid) == 0 then return {0, 0, 0} end
+if call('HEXISTS', HELD, cid) == 0 then return {0, 0, 0, repaired} end
 local kv = call('HRANDFIELD', mk, tonumber(ARGV[5]), 'WITHVALUES')
 local dels, released = {}, 0
 for i = 1, #kv, 2 do
@@ -427,7 +452,7 @@ end
 held_add(cid, -released)
 call_chunked('HDEL', mk, dels)
 finish()
-return {0, call('HLEN', mk), released}
+return {0, call('HLEN', mk), released, repaired}
 """
 
 APPLY = PRELUDE + _APPLY_BODY
