@@ -52,7 +52,9 @@ end
 repair(KEYS[1], 'hash', 'ctr')
 """
 
-_ACQUIRE = _REPAIR + """
+_ACQUIRE = (
+    _REPAIR
+    + """
 -- KEYS[1]: anchor; ARGV: prefix, replica, owner, ttl_ms
 -- -> {acquired, generation, last seq or '', keys repaired}
 local P, R, OWNER, TTL = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
@@ -75,8 +77,11 @@ else
 end
 return {1, gen, redis.call('HGET', P .. 'seq', R) or '', fixed}
 """
+)
 
-_RENEW = _REPAIR + """
+_RENEW = (
+    _REPAIR
+    + """
 -- KEYS[1]: anchor; ARGV: lease key, owner, ttl_ms -> {1 if still ours, keys repaired}
 -- Garbage over our lease: we held it at our last renewal and nobody could take it since (a taker
 -- needs the key absent), so it is ours again.
@@ -89,8 +94,11 @@ if redis.call('GET', ARGV[1]) == ARGV[2] then
 end
 return {0, fixed}
 """
+)
 
-_RELEASE = _REPAIR + """
+_RELEASE = (
+    _REPAIR
+    + """
 -- KEYS[1]: anchor; ARGV: lease key, owner -> 1 if it was ours
 repair(ARGV[1], 'string', 'lease')
 if redis.call('GET', ARGV[1]) == ARGV[2] then
@@ -98,6 +106,7 @@ if redis.call('GET', ARGV[1]) == ARGV[2] then
 end
 return 0
 """
+)
 
 
 @dataclass(frozen=True, slots=True)
