@@ -4,9 +4,13 @@ Redis holds the fleet's prefix index (DESIGN.md decision 3); the request path re
 (:mod:`balancer.index.redis.mirror`), never this class. Key layout: :mod:`balancer.index.redis.schema`
 and ``docs/redis-schema.md``.
 
-One ``apply`` is one atomic ``EVALSHA`` (the batch, its stream entry and its ``seq``), preceded by
-one pipelined ``HMGET`` only when a parent is neither in the batch nor in this writer's hints
-(:mod:`balancer.index.redis.plan`). Keys are hashed here: XXH3 does not exist in Lua.
+A batch is applied in segments of at most ``max_script_blocks`` blocks
+(:func:`~balancer.index.redis.plan.split_batch`), so that no script holds Redis for long. Each
+segment is one atomic ``EVALSHA`` (the segment and its stream entry; the last one also stores
+``seq``), preceded by one pipelined ``HMGET`` only when a parent is neither in the segment nor in
+this writer's hints (:mod:`balancer.index.redis.plan`), and, for a segment that clears a cache, by
+``CLEAR_STEP`` calls that empty it in bounded steps. Keys are hashed here: XXH3 does not exist in
+Lua.
 
 Generation fencing: ``apply(..., generation=g)`` is rejected whole, with
 :class:`StaleGenerationError` and a ``stale_generation`` count in Redis, unless ``g`` is the
@@ -126,14 +130,17 @@ class RedisIndex:
         seq: int | str | None = None,
         expect_seq: str | None = None,
     ) -> ApplyResult:
-        """Apply one replica's events in order, atomically.
+        """Apply one replica's events in order: each segment of at most ``max_script_blocks``
+        blocks atomically, the positions (``seq``) with the last one.
 
         ``generation`` fences stale writers (see :class:`StaleGenerationError`). ``seq``, the engine
         sequence number of the batch's last event (or the positions text of
-        :func:`balancer.index.redis.lease.encode_positions`), is stored with the batch in the same call,
-        so a lease taker resumes exactly after it (:mod:`balancer.index.redis.lease`). With
-        ``expect_seq`` (and ``generation``) the batch applies only if the stored ``seq`` is exactly
-        that text, else :class:`PositionMismatchError`: a writer never builds on lost writes.
+        :func:`balancer.index.redis.lease.encode_positions`), is stored in the same call as the last
+        segment, so a lease taker resumes exactly after the batch, or replays all of it when a write
+        was cut short between segments (:mod:`balancer.index.redis.lease`). With
+        ``expect_seq`` (and ``generation``) each segment applies only if the stored ``seq`` is exactly
+        that text, else :class:`PositionMismatchError`: a writer never builds on lost writes. A
+        refusal on the first segment leaves Redis untouched.
         """
         fence = "" if generation is None else str(generation)
         if fence and expect_seq is not None:
