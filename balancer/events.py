@@ -60,7 +60,9 @@ class Cleared:
     dp_rank: int
 
 
-ResyncReason = Literal["restart", "gap", "regression", "overflow", "epoch", "lease", "stale", "disconnect"]
+ResyncReason = Literal[
+    "restart", "gap", "regression", "overflow", "epoch", "lease", "stale", "disconnect", "oversize"
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +70,8 @@ class Resync:
     """What the index knows of one DP rank can no longer be trusted: clear it and let it refill.
 
     Raised by decoders and sources for an engine restart (TRT-LLM ``created``, a new epoch), an
-    ``event_id``/seq regression, a gap that replay cannot fill, or a queue overflow.
+    ``event_id``/seq regression, a gap that replay cannot fill, a queue overflow, or an event
+    dropped for carrying more blocks than ``limits.max_event_blocks`` (``oversize``).
     """
 
     dp_rank: int
@@ -76,3 +79,13 @@ class Resync:
 
 
 KvEvent = Stored | Removed | Cleared | Resync
+
+
+def event_blocks(event: KvEvent) -> int:
+    """Blocks an event carries: its engine hashes, or for a ``Stored`` its whole token blocks if
+    more (what bounds its cost to decode, hash, store and stream); 0 for ``Cleared``/``Resync``."""
+    if type(event) is Stored:
+        return max(len(event.engine_hashes), len(event.tokens) // (4 * max(1, event.block_size)))
+    if type(event) is Removed:
+        return len(event.engine_hashes)
+    return 0

@@ -39,6 +39,7 @@ class Metrics:
     events_replays_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
+    events_oversize_total: Counter
     events_lag_seconds: Gauge
     index_blocks: Gauge
     index_replica_blocks: Gauge
@@ -59,6 +60,8 @@ class Metrics:
     redis_mirror_lag_seconds: Gauge
     redis_mirror_entries_total: Counter
     redis_mirror_resyncs_total: Counter
+    redis_mirror_skipped_entries_total: Counter
+    redis_wrongtype_keys_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -195,6 +198,7 @@ class _EventsCollectors(TypedDict):
     events_replays_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
+    events_oversize_total: Counter
     events_lag_seconds: Gauge
 
 
@@ -230,6 +234,11 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_queue_overflow_total": counter(
             "kvlb_events_queue_overflow_total",
             "Event queue overflows (the replica is cleared and resynchronised).",
+            ["replica"],
+        ),
+        "events_oversize_total": counter(
+            "kvlb_events_oversize_total",
+            "Events dropped for carrying more than limits.max_event_blocks blocks (the rank resyncs).",
             ["replica"],
         ),
         "events_lag_seconds": gauge(
@@ -332,6 +341,8 @@ class _RedisCollectors(TypedDict):
     redis_mirror_lag_seconds: Gauge
     redis_mirror_entries_total: Counter
     redis_mirror_resyncs_total: Counter
+    redis_mirror_skipped_entries_total: Counter
+    redis_wrongtype_keys_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -384,6 +395,17 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
             "kvlb_redis_mirror_resyncs_total",
             "Mirror rebuilds after stream entries went missing, by key space.",
             ["space"],
+        ),
+        "redis_mirror_skipped_entries_total": counter(
+            "kvlb_redis_mirror_skipped_entries_total",
+            "Stream entries the mirror could not decode and skipped (one with an entry number also"
+            " rebuilds the mirror), by key space.",
+            ["space"],
+        ),
+        "redis_wrongtype_keys_total": counter(
+            "kvlb_redis_wrongtype_keys_total",
+            "Keys of kvlb's namespace found holding another type (garbage written over them), deleted"
+            " and rebuilt by this balancer's next write.",
         ),
         "redis_mirror_partial": gauge(
             "kvlb_redis_mirror_partial",

@@ -42,7 +42,7 @@ from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
 from balancer.routing.router import RoutePlan
 from balancer.service.dispatch import Forward, select
-from balancer.service.policy_control import PolicyView
+from balancer.service.policy_control import PolicyCommitError, PolicyView
 from balancer.service.state import Pool, ServiceState
 from balancer.types import ReplicaId
 
@@ -61,17 +61,18 @@ async def put_policy(request: web.Request) -> web.Response:
     body = parse_json_object(
         await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
     )
-    view, changes = change_policy(state, body, caller(request))
+    view, changes = await change_policy(state, body, caller(request))
     return web.json_response(
         {**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}}, dumps=strict_json.dumps
     )
 
 
-def change_policy(
+async def change_policy(
     state: ServiceState, body: Mapping[str, Any], who: str
 ) -> tuple[PolicyView, dict[str, tuple[object, object]]]:
     """Validate and apply ``{"name"?, "weights"?}`` (400 when invalid); returns the policy now in
-    force and ``{field: (old, new)}``, and logs who changed what."""
+    force and ``{field: (old, new)}``, and logs who changed what. In fleet mode the change is
+    stored in Redis first; when that fails it is applied nowhere (503 with the reason)."""
     unknown = sorted(set(body) - _POLICY_KEYS)
     if unknown:
         raise ApiError(400, f"unknown key(s) {unknown}; expected 'name' and/or 'weights'")
@@ -83,9 +84,11 @@ def change_policy(
         raise ApiError(400, "'weights' must be an object of weight names to numbers")
     weights = weights_from(changes_in, state.policy.view.weights, "weights")
     try:
-        changes = state.policy.update(name, weights, who, state.wall_clock())
+        changes = await state.policy.change(name, weights, who, state.wall_clock())
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from None
+    except PolicyCommitError as exc:
+        raise ApiError(503, str(exc)) from None
     view = state.policy.view
     if changes:
         summary = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())

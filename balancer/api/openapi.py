@@ -207,10 +207,11 @@ def _admin_paths() -> dict[str, Any]:
                 "responses": {"200": _json(_POLICY, "Policy"), **_errors(401)},
             },
             "put": {
-                "summary": "Change policy name and/or weights (applied at once, version + 1)",
+                "summary": "Change policy name and/or weights (applied at once, version + 1; with Redis,"
+                " 503 when the fleet could not store it, and then applied nowhere)",
                 **admin,
                 "requestBody": _body(_POLICY_CHANGE),
-                "responses": {"200": _json(_POLICY, "Policy after the change"), **_errors(400, 401)},
+                "responses": {"200": _json(_POLICY, "Policy after the change"), **_errors(400, 401, 503)},
             },
         },
         "/admin/explain": {

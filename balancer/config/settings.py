@@ -109,6 +109,10 @@ class LimitConfig:
     """Extra attempts on other replicas before the first byte (connect error, 429/503)."""
     event_queue_size: int = 4096
     """Undecoded event messages buffered per (replica, rank); overflow clears that cache (resync)."""
+    max_event_blocks: int = 262_144
+    """Most blocks one KV event may carry (engine hashes, or whole token blocks of a ``Stored``);
+    a larger event is dropped and its rank resyncs (``kvlb_events_oversize_total``). The default
+    fits a ``max_prompt_tokens`` context at any block size (SGLang pages of 1 token included)."""
     index_capacity_blocks: int = 4_000_000
     """Block budget of the prefix index; past it the least recently used blocks are evicted."""
     speculative_ttl_s: float = 2.0
@@ -274,6 +278,7 @@ class Settings:
             "limits.max_inflight": self.limits.max_inflight,
             "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
             "limits.event_queue_size": self.limits.event_queue_size,
+            "limits.max_event_blocks": self.limits.max_event_blocks,
             "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
             "timeouts.connect_s": self.timeouts.connect_s,
             "timeouts.first_byte_s": self.timeouts.first_byte_s,

@@ -71,10 +71,18 @@ return redis.call('ZRANGE', KEYS[1], 0, -1)
 """
 
 _HAND_OVER = """
--- KEYS[1]: anchor; ARGV: lease key, owner, seq hash, replica, positions ('' = leave) -> 1 if ours
-if redis.call('GET', ARGV[1]) ~= ARGV[2] then return 0 end
-if ARGV[5] ~= '' then redis.call('HSET', ARGV[3], ARGV[4], ARGV[5]) end
-return redis.call('DEL', ARGV[1])
+-- KEYS: counters (the pool's slot), lease, seq; ARGV: owner, replica, positions ('' = leave)
+-- -> 1 if ours
+local lease_type = redis.call('TYPE', KEYS[2])['ok']
+if lease_type ~= 'string' then  -- absent, or garbage written over it (deleted): not ours now
+  if lease_type ~= 'none' then redis.call('DEL', KEYS[2]) end
+  return 0
+end
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then return 0 end
+local seq_type = redis.call('TYPE', KEYS[3])['ok']
+if seq_type ~= 'hash' and seq_type ~= 'none' then redis.call('DEL', KEYS[3]) end
+if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
+return redis.call('DEL', KEYS[2])
 """
 
 BuildSources = Callable[[ReplicaConfig, Mapping[int, int]], Sequence[EventSource]]
@@ -306,8 +314,8 @@ class LeaseManager:
         clean = ""
         if drained and holding is not None:
             clean = encode_positions(holding.positions, clean=True, writes=holding.writes)
-        args = [entry.keys.lease(replica), entry.lease.owner, entry.keys.applied_seq, replica, clean]
-        await self._hand_over(keys=[entry.keys.counters], args=args)
+        keys = [entry.keys.counters, entry.keys.lease(replica), entry.keys.applied_seq]
+        await self._hand_over(keys=keys, args=[entry.lease.owner, replica, clean])
         self._metrics.redis_lease_events_total.labels("released").inc()
 
     async def _check_liveness(self) -> None:

@@ -30,21 +30,39 @@ from balancer.errors import ConfigError
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
-from balancer.service.policy_control import PolicyControl, PolicyView
+from balancer.service.policy_control import PolicyCommitError, PolicyControl, PolicyView
 
 log = logging.getLogger(__name__)
 
 _WRITE = """
--- KEYS[1]: policy HASH; ARGV: name, weights json, updated_by, updated_at, channel, version or ''
--- version '' = a change: increment; else seed with that version, only if the hash is absent
+-- KEYS[1]: policy HASH; ARGV: name, weights json, updated_by, updated_at, channel, version or '',
+--          floor (the writer's version)
+-- version '' = a change: increment; else seed with that version, only if the hash is absent.
+-- A key of another type, or a version that is not an integer (garbage written over it), is
+-- repaired: the key is rewritten whole, numbered from `floor`, so versions never go back.
+-- -> {version, 1 if repaired} ({-1, 0}: a seed found a policy)
+local repaired = 0
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'hash' and t ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  repaired = 1
+end
+local stored = redis.call('HGET', KEYS[1], 'version')
+if t == 'hash' and not stored then
+  redis.call('DEL', KEYS[1])
+  repaired = 1
+elseif stored and not string.match(stored, '^%d+$') then
+  redis.call('HSET', KEYS[1], 'version', ARGV[7])
+  repaired = 1
+end
 if ARGV[6] ~= '' then
-  if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+  if repaired == 0 and redis.call('EXISTS', KEYS[1]) == 1 then return {-1, 0} end
   redis.call('HSET', KEYS[1], 'version', ARGV[6])
 end
 local v = ARGV[6] ~= '' and tonumber(ARGV[6]) or redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4])
 redis.call('PUBLISH', ARGV[5], v)
-return v
+return {v, repaired}
 """
 
 
@@ -80,6 +98,7 @@ class PolicySync:
         self._tasks: set[asyncio.Task[None]] = set()
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
         control.listeners.append(self._on_local_change)
+        control.committer = self.commit
 
     # ------------------------------------------------------------------ local → Redis
 
@@ -103,10 +122,32 @@ class PolicySync:
         finally:
             self._writing -= 1
 
+    async def commit(self, view: PolicyView) -> PolicyView:
+        """Store a change made through this balancer's admin API for the whole fleet, before it is
+        applied here (``PolicyControl.committer``); returns it with the fleet's version. Raises
+        :class:`PolicyCommitError` when Redis did not take it: then it is applied nowhere."""
+        self._writing += 1
+        try:
+            async with self._lock:  # one write at a time: the fleet sees the changes in order
+                version = await self._store(view, seed=False)
+        except (RedisError, OSError) as exc:
+            self._failed(exc)
+            raise PolicyCommitError(f"policy not changed: Redis did not store it ({exc})") from exc
+        finally:
+            self._writing -= 1
+        self._on_redis(True)
+        self._metrics.redis_policy_updates_total.labels("local").inc()
+        log.info("policy v%d written to Redis", version)
+        return _with_version(view, version)
+
     async def _store(self, view: PolicyView, *, seed: bool) -> int:
         args: list[Any] = [view.name, strict_json.dumps(view.weights.to_dict()), view.updated_by]
-        args += [repr(view.updated_at_wall), self.channel, view.version if seed else ""]
-        return int(await self._write(keys=[self.key], args=args))
+        args += [repr(view.updated_at_wall), self.channel, view.version if seed else "", view.version]
+        version, repaired = cast("list[int]", await self._write(keys=[self.key], args=args))
+        if repaired:
+            self._metrics.redis_wrongtype_keys_total.inc()
+            log.warning("policy key %s held garbage: rewritten with this balancer's policy", self.key)
+        return int(version)
 
     # ------------------------------------------------------------------ Redis → local
 
@@ -119,13 +160,13 @@ class PolicySync:
                 await self._publish(view)
         try:
             raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
-        except ResponseError as exc:  # Redis answers, but the key holds no hash (e.g. WRONGTYPE)
-            self._on_redis(True)
-            self._invalid(f"{self.key} cannot be read as a hash: {exc}")
-            return
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            raw = {}  # garbage over the key: the seed below repairs it with our policy
         self._on_redis(True)
         self._warnings.resolved("policy_redis_error", "")
-        if not raw.get("version"):
+        if not raw.get("version") or not raw["version"].isdigit():
             if await self._store(self.control.view, seed=True) >= 0:
                 log.info("policy v%d seeded into Redis", self.control.view.version)
             return
@@ -183,6 +224,8 @@ class PolicySync:
                 await asyncio.wait_for(task, 2.0)
         with contextlib.suppress(ValueError):
             self.control.listeners.remove(self._on_local_change)
+        if self.control.committer == self.commit:
+            self.control.committer = None
 
 
 def _with_version(view: PolicyView, version: int) -> PolicyView:

@@ -93,6 +93,7 @@ class _Space:
     mirror: Mirror
     seen_entries: int = 0
     seen_resyncs: int = 0
+    seen_skipped: int = 0
 
 
 class FleetRuntime:
@@ -121,6 +122,7 @@ class FleetRuntime:
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
         self.snapshots: SnapshotKeeper | None = None
+        self._seen_repairs = 0
 
     # ------------------------------------------------------------------ building
 
@@ -151,7 +153,10 @@ class FleetRuntime:
             raise ConfigError(f"pool {model!r}: {exc}") from None
         index = RedisIndex(self.text, space.hasher, settings)
         writer = FencedWriter(index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result)
-        ingest_settings = IngestSettings(queue_max_batches=state.settings.limits.event_queue_size)
+        ingest_settings = IngestSettings(
+            queue_max_batches=state.settings.limits.event_queue_size,
+            max_event_blocks=state.settings.limits.max_event_blocks,
+        )
         ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
@@ -279,6 +284,14 @@ class FleetRuntime:
     def refresh_metrics(self) -> None:
         metrics = self.state.metrics
         metrics.redis_up.set(0 if self.redis_down() else 1)
+        repairs = sum(e.index.repaired_keys for e in self._spaces)
+        if self.leases is not None:
+            repairs += sum(r.lease.repaired_keys for r in self.leases.replicas.values())
+        if repairs > self._seen_repairs:
+            new = repairs - self._seen_repairs
+            metrics.redis_wrongtype_keys_total.inc(new)
+            log.warning("redis: %d wrong-typed keys of ours deleted and repaired", new)
+        self._seen_repairs = repairs
         for entry in self._spaces:
             mirror, counters = entry.mirror, entry.mirror.counters
             if mirror.lag_s is not None:
@@ -288,6 +301,9 @@ class FleetRuntime:
             )
             metrics.redis_mirror_resyncs_total.labels(entry.name).inc(counters.resyncs - entry.seen_resyncs)
             entry.seen_entries, entry.seen_resyncs = counters.entries_applied, counters.resyncs
+            skipped = metrics.redis_mirror_skipped_entries_total.labels(entry.name)
+            skipped.inc(counters.decode_errors - entry.seen_skipped)
+            entry.seen_skipped = counters.decode_errors
             metrics.redis_mirror_partial.labels(entry.name).set(1 if mirror.partial else 0)
 
     def redis_down(self) -> bool:

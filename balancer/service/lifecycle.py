@@ -74,7 +74,10 @@ class ReplicaLifecycle:
         self._probe = ProbeSettings(
             interval_s=settings.health_interval_s, timeout_s=max(1.0, settings.timeouts.connect_s)
         )
-        self._ingest_settings = IngestSettings(queue_max_batches=settings.limits.event_queue_size)
+        self._ingest_settings = IngestSettings(
+            queue_max_batches=settings.limits.event_queue_size,
+            max_event_blocks=settings.limits.max_event_blocks,
+        )
 
     # ------------------------------------------------------------------ static replicas
 

@@ -3,10 +3,15 @@ admin RPCs and the fleet's shared policy (Redis) all go through :class:`PolicyCo
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from balancer.errors import BalancerError
 from balancer.policy import Policy, PolicyWeights, make_policy
+
+
+class PolicyCommitError(BalancerError):
+    """A policy change could not reach the fleet (Redis), so it was not applied anywhere (503)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +44,11 @@ class PolicyControl:
         self.view = PolicyView(name, weights, 1, "config", wall_now)
         self._instances: dict[str, Policy] = {}
         self.listeners: list[Callable[[PolicyView], None]] = []
-        """Called with the new view after each local change (the fleet writes it to Redis)."""
+        """Called with the new view after each change applied by :meth:`update`."""
+        self.committer: Callable[[PolicyView], Awaitable[PolicyView]] | None = None
+        """Set by the fleet (Redis): stores a change for every balancer before :meth:`change`
+        applies it here, and returns it as stored (the fleet's version); raises
+        :class:`PolicyCommitError` when it could not."""
 
     def policy_for(self, model: str) -> Policy:
         policy = self._instances.get(model)
@@ -50,8 +59,32 @@ class PolicyControl:
     def update(
         self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
     ) -> dict[str, tuple[object, object]]:
-        """Apply a validated change; returns ``{field: (old, new)}`` (empty: nothing changed,
-        and the version stays). Raises :class:`ConfigError` for an unknown policy name."""
+        """Apply a validated change here at once (then tell the listeners); returns
+        ``{field: (old, new)}`` (empty: nothing changed, and the version stays). Raises
+        :class:`ConfigError` for an unknown policy name."""
+        view, changes = self._proposal(name, weights, who, wall_now)
+        if view is not None:
+            self._install(view)
+            for listener in self.listeners:
+                listener(view)
+        return changes
+
+    async def change(
+        self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
+    ) -> dict[str, tuple[object, object]]:
+        """:meth:`update`, except that with a :attr:`committer` (the fleet) the change is applied
+        here only once the committer stored it; :class:`PolicyCommitError` when it could not, and
+        nothing changed here."""
+        if self.committer is None:
+            return self.update(name, weights, who, wall_now)
+        view, changes = self._proposal(name, weights, who, wall_now)
+        if view is not None:
+            self._install(await self.committer(view))
+        return changes
+
+    def _proposal(
+        self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
+    ) -> tuple[PolicyView | None, dict[str, tuple[object, object]]]:
         old = self.view
         new_name = old.name if name is None else name
         if new_name != old.name:
@@ -62,13 +95,14 @@ class PolicyControl:
         before, after = old.weights.to_dict(), weights.to_dict()
         changes.update({k: (before[k], after[k]) for k in after if before[k] != after[k]})
         if not changes:
-            return changes
-        if new_name != old.name:
+            return None, changes
+        return PolicyView(new_name, weights, old.version + 1, who, wall_now), changes
+
+    def _install(self, view: PolicyView) -> None:
+        if view.name != self.view.name:
+            make_policy(view.name)
             self._instances.clear()
-        self.view = PolicyView(new_name, weights, old.version + 1, who, wall_now)
-        for listener in self.listeners:
-            listener(self.view)
-        return changes
+        self.view = view
 
     def adopt(self, view: PolicyView) -> bool:
         """Install a view decided elsewhere (another balancer, through Redis) without telling the
@@ -76,8 +110,5 @@ class PolicyControl:
         unknown policy name."""
         if view == self.view:
             return False
-        if view.name != self.view.name:
-            make_policy(view.name)
-            self._instances.clear()
-        self.view = view
+        self._install(view)
         return True

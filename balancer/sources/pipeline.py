@@ -27,11 +27,11 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from balancer.errors import BalancerError, ConfigError
-from balancer.events import KvEvent, Resync
+from balancer.events import KvEvent, Resync, event_blocks
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -52,10 +52,15 @@ class IngestSettings:
     coalesce_max_batches: int = 64
     """Most queued batches merged into one ``index.apply`` call (fewer awaits under load, same
     order). Must be ≥ 1."""
+    max_event_blocks: int = 262_144
+    """Most blocks one event may carry (engine hashes, or whole token blocks of a ``Stored``). A
+    larger event is dropped where it enters the queue and its rank resyncs (``Resync(rank,
+    "oversize")``, counted in ``kvlb_events_oversize_total``), so one hostile or broken event
+    cannot hold the index (or a shared Redis) for seconds. Must be ≥ 1."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""
-        for name in ("queue_max_batches", "coalesce_max_batches"):
+        for name in ("queue_max_batches", "coalesce_max_batches", "max_event_blocks"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ingest.{name} must be >= 1, got {getattr(self, name)}")
 
@@ -125,6 +130,8 @@ class ReplicaPipeline:
         """Queue ``batch`` without blocking; on overflow, replace the backlog by resyncs."""
         if not batch.events:
             return
+        if any(event_blocks(event) > self.settings.max_event_blocks for event in batch.events):
+            batch = self._without_oversize(batch)
         try:
             self._queue.put_nowait(batch)
             return
@@ -145,6 +152,26 @@ class ReplicaPipeline:
             ranks,
         )
         self._queue.put_nowait(IngestBatch(tuple(Resync(rank, "overflow") for rank in ranks)))
+
+    def _without_oversize(self, batch: IngestBatch) -> IngestBatch:
+        """``batch`` with each event over ``max_event_blocks`` replaced by a resync of its rank."""
+        cap = self.settings.max_event_blocks
+        kept: list[KvEvent] = []
+        for event in batch.events:
+            blocks = event_blocks(event)
+            if blocks <= cap:
+                kept.append(event)
+                continue
+            self._metrics.events_oversize_total.labels(self.replica).inc()
+            log.warning(
+                "replica %s: dropped an event of %d blocks (limits.max_event_blocks = %d); resyncing rank %d",
+                self.replica,
+                blocks,
+                cap,
+                event.dp_rank,
+            )
+            kept.append(Resync(event.dp_rank, "oversize"))
+        return replace(batch, events=tuple(kept))
 
     async def run(self) -> None:
         """Apply queued batches in order until cancelled; an index failure is logged, not fatal."""

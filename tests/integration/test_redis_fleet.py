@@ -10,6 +10,8 @@ balancer started later warms from Redis (snapshot + stream) with the full index 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis.asyncio as aioredis
 import zmq.asyncio
 from kvlb_harness import MODEL, metric_value, running, settings_for, shared_deepseek, wait_for, wait_ready
 from redis_server import RedisServer
@@ -278,3 +281,57 @@ async def test_an_expired_lease_nobody_took_is_taken_back_without_a_resync(
             return (await f.blocks(a))[holder] >= blocks + 4
 
         await wait_for("the holder's next events to be written", more)
+
+
+async def test_a_policy_change_reaches_the_fleet_or_is_refused(
+    redis_server: RedisServer, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue #17 defect 5: a change that Redis did not store answered 200 and applied on one
+    balancer only. Now it is refused (503, the reason) and applied nowhere; garbage over the policy
+    key (a LIST) is repaired by the next write instead of being warned about every poll."""
+    async with fleet(redis_server, tokenizer) as f:
+        a, b = f.balancers
+        redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        key = fleet_of(a).policy.key  # type: ignore[union-attr]
+        try:
+            await redis.delete(key)
+            await redis.rpush(key, "garbage")  # type: ignore[misc]
+            caplog.clear()
+
+            async def repaired() -> bool:
+                return bool(await redis.type(key) == "hash")
+
+            await wait_for("the garbage policy key to be rewritten", repaired, timeout_s=5)
+            await asyncio.sleep(1.0)  # 4 polls of each balancer
+            warnings = [
+                r for r in caplog.records if r.levelno >= logging.WARNING and "polic" in r.getMessage()
+            ]
+            assert len(warnings) <= 2, [r.getMessage() for r in warnings]  # once, not every poll
+            texts = [await (await f.session.get(x.url + "/metrics")).text() for x in (a, b)]
+            assert sum(metric_value(t, "kvlb_redis_wrongtype_keys_total") for t in texts) >= 1
+
+            # a change that reaches Redis reaches both balancers
+            await f.post(a, "/admin/policy", {"weights": {"prefill_weight": 3.5}}, method="PUT")
+
+            async def both_adopted() -> bool:
+                views = [await f.get(x, "/admin/policy") for x in (a, b)]
+                return all(v["weights"]["prefill_weight"] == 3.5 for v in views)
+
+            await wait_for("the change to reach both balancers", both_adopted)
+            before = await f.get(a, "/admin/policy")
+
+            # Redis refuses writes: the change is refused too, and applied nowhere
+            await redis.config_set("min-replicas-to-write", 1)
+            try:
+                async with f.session.put(
+                    a.url + "/admin/policy", json={"weights": {"prefill_weight": 4.5}}
+                ) as response:
+                    assert response.status == 503
+                    assert "Redis" in (await response.json())["error"]["message"]
+            finally:
+                await redis.config_set("min-replicas-to-write", 0)
+            await asyncio.sleep(0.5)
+            assert await f.get(a, "/admin/policy") == before
+            assert (await f.get(b, "/admin/policy"))["weights"]["prefill_weight"] == 3.5
+        finally:
+            await redis.aclose()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from balancer.events import Cleared, KvEvent, Removed, Resync
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.metrics import Metrics
 from balancer.sources.base import Emit, IngestBatch, SourceStatus
@@ -117,6 +117,26 @@ async def test_overflow_drops_the_backlog_and_resyncs_each_rank() -> None:
     assert pipeline.overflows == 1
     assert sample(metrics, "kvlb_events_queue_overflow_total", {"replica": R1}) == 1
     assert sample(metrics, "kvlb_events_resyncs_total", {"replica": R1, "reason": "overflow"}) == 3
+
+
+async def test_an_event_over_max_event_blocks_is_dropped_and_its_rank_resyncs() -> None:
+    """Issue #17 defect 1: one huge ``Stored`` (or ``Removed``) never reaches the index."""
+    index, metrics = RecordingIndex(), Metrics.create()
+    settings = IngestSettings(max_event_blocks=4)
+    pipeline = ReplicaPipeline(R1, "sglang", index, metrics=metrics, settings=settings)  # type: ignore[arg-type]
+    fits = Stored(0, None, tuple(EngineHash(h) for h in range(4)), bytes(4 * 16 * 4), 16)
+    too_long = Stored(1, None, tuple(EngineHash(h) for h in range(5)), bytes(5 * 16 * 4), 16)
+    padded = Stored(2, None, (EngineHash(9),), bytes(5 * 16 * 4), 16)  # few hashes, many tokens
+    pipeline.offer(IngestBatch((fits, too_long, padded, Removed(3, tuple(map(EngineHash, range(5)))))))
+    task = asyncio.create_task(pipeline.run())
+    try:
+        await eventually(lambda: pipeline.applied_batches == 1)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert index.events() == [fits, Resync(1, "oversize"), Resync(2, "oversize"), Resync(3, "oversize")]
+    assert sample(metrics, "kvlb_events_oversize_total", {"replica": R1}) == 3
+    assert sample(metrics, "kvlb_events_resyncs_total", {"replica": R1, "reason": "oversize"}) == 3
 
 
 async def test_failed_apply_is_survived_and_its_ranks_resync() -> None:

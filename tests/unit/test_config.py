@@ -52,6 +52,7 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["listen.prot=1"], "unknown key"),
         (["listen.port=abc"], "expected an integer"),
         (["limits.max_inflight=0"], "limits.max_inflight must be > 0"),
+        (["limits.max_event_blocks=0"], "limits.max_event_blocks must be > 0"),
         (["redis.url=http://x"], "redis.url must start with"),
         (["pools=[{model: m, replicas: [{id: a, url: 'ftp://x'}]}]"], "url must be http"),
         (["pools=[{model: m, replicas: [{id: a, url: 'http://x', engine: foo}]}]"], "must be one of"),

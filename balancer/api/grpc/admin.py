@@ -43,7 +43,7 @@ class AdminService:
             body["name"] = request.name
         if request.HasField("weights"):
             body["weights"] = dict_of(request.weights, "weights")
-        view, changes = change_policy(self.state, body, call.caller())
+        view, changes = await change_policy(self.state, body, call.caller())
         changed = [
             pb.PolicyChange(field=name, old=value_of(old), new=value_of(new))
             for name, (old, new) in changes.items()

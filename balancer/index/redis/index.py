@@ -4,9 +4,13 @@ Redis holds the fleet's prefix index (``docs/architecture.md``, decision 3); the
 local mirror (:mod:`balancer.index.redis.mirror`), never this class. Key layout:
 :mod:`balancer.index.redis.schema` and ``docs/redis-schema.md``.
 
-One ``apply`` is one atomic ``EVALSHA`` (the batch, its stream entry and its ``seq``), preceded by
-one pipelined ``HMGET`` only when a parent is neither in the batch nor in this writer's hints
-(:mod:`balancer.index.redis.plan`). Keys are hashed here: XXH3 does not exist in Lua.
+A batch is applied in segments of at most ``max_script_blocks`` blocks
+(:func:`~balancer.index.redis.plan.split_batch`), so that no script holds Redis for long. Each
+segment is one atomic ``EVALSHA`` (the segment and its stream entry; the last one also stores
+``seq``), preceded by one pipelined ``HMGET`` only when a parent is neither in the segment nor in
+this writer's hints (:mod:`balancer.index.redis.plan`), and, for a segment that clears a cache, by
+``CLEAR_STEP`` calls that empty it in bounded steps. Keys are hashed here: XXH3 does not exist in
+Lua.
 
 Generation fencing: ``apply(..., generation=g)`` is rejected whole, with
 :class:`StaleGenerationError` and a ``stale_generation`` count in Redis, unless ``g`` is the
@@ -24,11 +28,18 @@ from typing import Any, cast
 import redis.asyncio as aioredis
 
 from balancer.errors import BalancerError
-from balancer.events import KvEvent
+from balancer.events import Cleared, KvEvent, Resync
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis import scripts
-from balancer.index.redis.plan import ParentHints, Parents, hint_checks, outside_parents, plan_batch
+from balancer.index.redis.plan import (
+    ParentHints,
+    Parents,
+    hint_checks,
+    outside_parents,
+    plan_batch,
+    split_batch,
+)
 from balancer.index.redis.schema import (
     RedisIndexSettings,
     RedisKeys,
@@ -90,10 +101,14 @@ class RedisIndex:
         self._hints = ParentHints(settings.parent_hints_per_cache)
         self.hint_retries = 0
         """``apply`` calls retried because a parent hint was stale (another writer, a drop)."""
+        self.repaired_keys = 0
+        """Keys of the pool found holding another type (garbage written over them) and deleted by
+        this index's scripts (``ctr.wrongtype_<key>`` in Redis; ``docs/redis-schema.md``)."""
         self._anchor = [self.keys.counters]  # KEYS[1] of every script: routes to the pool's slot
         self._apply = client.register_script(scripts.APPLY)
         self._speculate = client.register_script(scripts.SPECULATE)
         self._drop = client.register_script(scripts.DROP)
+        self._clear_step = client.register_script(scripts.CLEAR_STEP)
         self._match = client.register_script(scripts.MATCH)
         self._stats = client.register_script(scripts.STATS)
 
@@ -115,24 +130,56 @@ class RedisIndex:
         seq: int | str | None = None,
         expect_seq: str | None = None,
     ) -> ApplyResult:
-        """Apply one replica's events in order, atomically.
+        """Apply one replica's events in order: each segment of at most ``max_script_blocks``
+        blocks atomically, the positions (``seq``) with the last one.
 
         ``generation`` fences stale writers (see :class:`StaleGenerationError`). ``seq``, the engine
         sequence number of the batch's last event (or the positions text of
-        :func:`balancer.index.redis.lease.encode_positions`), is stored with the batch in the same call,
-        so a lease taker resumes exactly after it (:mod:`balancer.index.redis.lease`). With
-        ``expect_seq`` (and ``generation``) the batch applies only if the stored ``seq`` is exactly
-        that text, else :class:`PositionMismatchError`: a writer never builds on lost writes.
+        :func:`balancer.index.redis.lease.encode_positions`), is stored in the same call as the last
+        segment, so a lease taker resumes exactly after the batch, or replays all of it when a write
+        was cut short between segments (:mod:`balancer.index.redis.lease`). With
+        ``expect_seq`` (and ``generation``) each segment applies only if the stored ``seq`` is exactly
+        that text, else :class:`PositionMismatchError`: a writer never builds on lost writes. A
+        refusal on the first segment leaves Redis untouched.
         """
-        outside = outside_parents(self.hasher, events)
-        hinted = self._hints.take(replica, outside)
         fence = "" if generation is None else str(generation)
         if fence and expect_seq is not None:
             fence += "|" + expect_seq
+        total = ApplyResult()
+        segments = split_batch(self.hasher, events, self.settings.max_script_blocks)
+        if not segments and (seq is not None or generation is not None):
+            segments = [[]]  # the fence is still checked, positions alone still move
+        for position, segment in enumerate(segments):
+            last = position == len(segments) - 1
+            first = segment[0] if segment else None
+            if isinstance(first, Cleared | Resync):
+                await self._clear_steps(replica, first.dp_rank, fence, generation, expect_seq)
+            # Only the last segment stores ``seq``: a write cut short between segments leaves the old
+            # positions, so it is retried (or replayed by the next holder) from the start, and
+            # re-applying the segments that landed is harmless (stores and clears are idempotent).
+            stored_seq = seq if last else None
+            part = await self._apply_segment(replica, segment, now, fence, stored_seq, generation, expect_seq)
+            total.add(part)
+        return total
+
+    async def _apply_segment(
+        self,
+        replica: ReplicaId,
+        events: Sequence[KvEvent],
+        now: float,
+        fence: str,
+        seq: int | str | None,
+        generation: int | None,
+        expect_seq: str | None,
+    ) -> ApplyResult:
+        """One ``APPLY`` call: at most ``max_script_blocks`` blocks (:func:`split_batch`)."""
+        outside = outside_parents(self.hasher, events)
+        hinted = self._hints.take(replica, outside)
         head: _Args = [self.keys.prefix, replica, fence]
         head += [repr(float(now)), self.settings.capacity_blocks, self.settings.evict_target_blocks]
         maxlen = self.settings.stream_maxlen
         head += [maxlen, encode_batch(events) if maxlen else b"", "" if seq is None else seq]
+        head.append(self.settings.max_script_blocks)
         for _attempt in range(2):  # a stale hint costs one retry that reads every parent
             plan = plan_batch(self.hasher, events, {**hinted, **await self._fetch_parents(replica, outside)})
             if not plan.ops and generation is None and seq is None:
@@ -146,10 +193,8 @@ class RedisIndex:
             for rank, eh in hinted:
                 outside.setdefault(rank, set()).add(eh)
             hinted = {}
-        if reply[0] == _STALE_GENERATION:
-            raise StaleGenerationError(replica, cast(int, generation), int(reply[1]))
-        if reply[0] == _STALE_POSITION:
-            raise PositionMismatchError(replica, cast(str, expect_seq))
+        self._refused(replica, reply, generation, expect_seq)
+        self.repaired_keys += int(reply[7])
         self._hints.learn(replica, plan)
         result = plan.result
         result.stored_blocks += reply[2]
@@ -158,6 +203,35 @@ class RedisIndex:
         result.evicted_blocks += reply[5]
         result.skipped_unknown_parent += reply[6]
         return result
+
+    async def _clear_steps(
+        self,
+        replica: ReplicaId,
+        rank: int,
+        fence: str = "",
+        generation: int | None = None,
+        expect_seq: str | None = None,
+    ) -> int:
+        """Empty one cache in calls of at most ``max_script_blocks`` map entries (before the call
+        that clears it whole and publishes the clear); returns the holdings released."""
+        args: _Args = [self.keys.prefix, replica, fence, rank, self.settings.max_script_blocks]
+        released = 0
+        while True:
+            reply = cast("list[int]", await self._clear_step(keys=self._anchor, args=args))
+            self._refused(replica, reply, generation, expect_seq)
+            released += int(reply[2])
+            self.repaired_keys += int(reply[3])
+            if int(reply[1]) == 0:
+                return released
+
+    @staticmethod
+    def _refused(
+        replica: ReplicaId, reply: list[int], generation: int | None, expect_seq: str | None
+    ) -> None:
+        if reply[0] == _STALE_GENERATION:
+            raise StaleGenerationError(replica, cast(int, generation), int(reply[1]))
+        if reply[0] == _STALE_POSITION:
+            raise PositionMismatchError(replica, expect_seq or "")
 
     async def _fetch_parents(self, replica: ReplicaId, outside: dict[int, set[int]]) -> Parents:
         """One pipelined ``HMGET`` per rank for the parents that neither the batch nor a hint gives."""
@@ -218,9 +292,14 @@ class RedisIndex:
     async def drop_replica(self, replica: ReplicaId) -> int:
         """Forget every rank and speculative entry of ``replica`` and bump its generation."""
         self._hints.forget(replica)
+        ranks = cast("set[str]", await cast("Any", self.client.smembers(self.keys.ranks(replica))))
+        released = 0
+        for rank in sorted(ranks):
+            released += await self._clear_steps(replica, int(rank))
         args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen]
         reply = cast("list[int]", await self._drop(keys=self._anchor, args=args))
-        return int(reply[0])
+        self.repaired_keys += int(reply[2])
+        return released + int(reply[0])
 
     async def generation(self, replica: ReplicaId) -> int:
         """The generation a writer of ``replica`` must pass to ``apply`` (0 before any drop)."""

@@ -37,39 +37,76 @@ from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-_ACQUIRE = """
--- KEYS[1]: anchor; ARGV: prefix, replica, owner, ttl_ms -> {acquired, generation, last seq or ''}
-local P, R, OWNER, TTL = ARGV[1], ARGV[2], ARGV[3], ARGV[4]
-local lk = P .. 'lease:' .. R
+_REPAIR = """
+-- Garbage written over a key of ours (another type) is deleted and counted in the pool's counters
+-- (KEYS[1], repaired first), so one bad write cannot cost a lease with WRONGTYPE.
+local fixed = 0
+local function repair(key, want, name)
+  local t = redis.call('TYPE', key)['ok']
+  if t == want or t == 'none' then return false end
+  redis.call('DEL', key)
+  fixed = fixed + 1
+  redis.call('HINCRBY', KEYS[1], 'wrongtype_' .. name, 1)
+  return true
+end
+repair(KEYS[1], 'hash', 'ctr')
+"""
+
+_ACQUIRE = (
+    _REPAIR
+    + """
+-- KEYS: counters, lease, gen, seq; ARGV: replica, owner, ttl_ms
+-- -> {acquired, generation, last seq or '', keys repaired}
+local R, OWNER, TTL = ARGV[1], ARGV[2], ARGV[3]
+local lk, GEN, SEQ = KEYS[2], KEYS[3], KEYS[4]
+repair(GEN, 'hash', 'gen')
+repair(SEQ, 'hash', 'seq')
+if repair(lk, 'string', 'lease') then
+  return {0, 0, '', fixed}  -- its holder renews it first (next tick); else it is free then
+end
 local holder = redis.call('GET', lk)
 local gen
 if holder == OWNER then
   redis.call('PEXPIRE', lk, TTL)
-  gen = tonumber(redis.call('HGET', P .. 'gen', R) or '0')
+  gen = tonumber(redis.call('HGET', GEN, R) or '0')
 elseif holder then
-  return {0, 0, ''}
+  return {0, 0, '', fixed}
 else
   redis.call('SET', lk, OWNER, 'PX', TTL)
-  gen = redis.call('HINCRBY', P .. 'gen', R, 1)
+  gen = redis.call('HINCRBY', GEN, R, 1)
 end
-return {1, gen, redis.call('HGET', P .. 'seq', R) or ''}
+return {1, gen, redis.call('HGET', SEQ, R) or '', fixed}
 """
+)
 
-_RENEW = """
--- KEYS[1]: anchor; ARGV: lease key, owner, ttl_ms -> 1 if still ours
-if redis.call('GET', ARGV[1]) == ARGV[2] then
-  return redis.call('PEXPIRE', ARGV[1], ARGV[3])
+_RENEW = (
+    _REPAIR
+    + """
+-- KEYS: counters, lease; ARGV: owner, ttl_ms -> {1 if still ours, keys repaired}
+-- Garbage over our lease: we held it at our last renewal, and a taker needs the key absent, so
+-- it is ours again.
+if repair(KEYS[2], 'string', 'lease') then
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+  return {1, fixed}
+end
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+  return {redis.call('PEXPIRE', KEYS[2], ARGV[2]), fixed}
+end
+return {0, fixed}
+"""
+)
+
+_RELEASE = (
+    _REPAIR
+    + """
+-- KEYS: counters, lease; ARGV: owner -> 1 if it was ours
+repair(KEYS[2], 'string', 'lease')
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+  return redis.call('DEL', KEYS[2])
 end
 return 0
 """
-
-_RELEASE = """
--- KEYS[1]: anchor; ARGV: lease key, owner -> 1 if it was ours
-if redis.call('GET', ARGV[1]) == ARGV[2] then
-  return redis.call('DEL', ARGV[1])
-end
-return 0
-"""
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +180,8 @@ class IngestionLease:
         self.owner = owner
         self.settings = settings
         self.lost = asyncio.Event()
+        self.repaired_keys = 0
+        """Wrong-typed keys (lease, ``gen``, ``seq``, ``ctr``) this lease's scripts deleted."""
         self._key = keys.lease(replica)
         self._anchor = [keys.counters]
         self._acquire = client.register_script(_ACQUIRE)
@@ -151,8 +190,10 @@ class IngestionLease:
 
     async def acquire(self) -> LeaseGrant:
         """Take the lease if it is free or already ours (a new holder bumps the generation)."""
-        args: list[str | int] = [self.keys.prefix, self.replica, self.owner, self.settings.ttl_ms]
-        ok, generation, seq = cast("list[Any]", await self._acquire(keys=self._anchor, args=args))
+        keys = [*self._anchor, self._key, self.keys.generations, self.keys.applied_seq]
+        args: list[str | int] = [self.replica, self.owner, self.settings.ttl_ms]
+        ok, generation, seq, fixed = cast("list[Any]", await self._acquire(keys=keys, args=args))
+        self.repaired_keys += int(fixed)
         if ok:
             self.lost.clear()
         positions, clean, writes = decode_positions(seq) if seq else ({}, False, 0)
@@ -160,12 +201,14 @@ class IngestionLease:
 
     async def renew(self) -> bool:
         """Extend the lease if it is still ours."""
-        args: list[str | int] = [self._key, self.owner, self.settings.ttl_ms]
-        return bool(await self._renew(keys=self._anchor, args=args))
+        args: list[str | int] = [self.owner, self.settings.ttl_ms]
+        ours, fixed = cast("list[int]", await self._renew(keys=[*self._anchor, self._key], args=args))
+        self.repaired_keys += int(fixed)
+        return bool(ours)
 
     async def release(self) -> bool:
         """Give the lease up if it is still ours (another ingester can take it at once)."""
-        return bool(await self._release(keys=self._anchor, args=[self._key, self.owner]))
+        return bool(await self._release(keys=[*self._anchor, self._key], args=[self.owner]))
 
     async def holder(self) -> str | None:
         return cast("str | None", await cast("Any", self.client.get(self._key)))

@@ -41,7 +41,7 @@ from balancer.index.base import IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.memory import MemoryIndex
 from balancer.index.redis.schema import RedisIndexSettings, RedisKeys
-from balancer.index.redis.stream import StreamEntry, decode_entry
+from balancer.index.redis.stream import StreamEntry, decode_entry, entry_number
 from balancer.index.slots import TableLimits
 from balancer.index.snapshot import SnapshotError, capture, dump_table, encode, load_table
 from balancer.index.table import PrefixTable
@@ -168,13 +168,20 @@ class Mirror:
         self._replay_partial = False
         applied = 0
         start = "-" if after_id == "0-0" else "(" + after_id
+        cursor = after_id  # the last entry read, decodable or not: the next read starts after it
         while True:
             raw = await self.client.xrange(self._stream, min=start, count=self.mirror.read_count)
             if not raw:
+                self._replay_last = (cursor, self._replay_last[1])
                 return applied, True
             for entry_id, fields in raw:
+                cursor = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
                 entry = self._decode(entry_id, fields)
-                if entry is None:
+                if entry is None:  # skipped; a numbered one held a batch we now lack
+                    number = entry_number(fields)
+                    if number is not None and number > self._replay_last[1]:
+                        self._replay_last = (cursor, number)
+                        self._replay_partial = True
                     continue
                 expected = self._replay_last[1] + 1
                 if entry.number != expected:
@@ -184,7 +191,7 @@ class Mirror:
                 await self._apply(entry, into)
                 self._replay_last = (entry.entry_id, entry.number)
                 applied += 1
-            start = "(" + self._replay_last[0]
+            start = "(" + cursor
 
     async def poll(self, block_ms: int | None = None) -> int:
         """Apply the entries added since the last read, waiting up to ``block_ms`` for the first."""
@@ -198,8 +205,13 @@ class Mirror:
         applied = 0
         for entry_id, fields in raw:
             entry = self._decode(entry_id, fields)
-            if entry is None:
-                continue
+            if entry is None:  # skip past it (never read it again); it may have held a batch
+                self.last_id = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+                if entry_number(fields) is None:
+                    continue  # no entry number: not written by APPLY, nothing lost
+                self.counters.resyncs += 1
+                log.warning("mirror of %s: entry %s unreadable, rebuilding", self._stream, self.last_id)
+                return applied + await self.warm_start()
             if entry.number != self.last_number + 1:
                 self.counters.resyncs += 1
                 missing = (self.last_number + 1, entry.number - 1)

@@ -12,10 +12,10 @@ parent where it is used, under the script's atomicity.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
-from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored, event_blocks
 from balancer.index.base import ApplyResult
 from balancer.index.hashing import BlockHasher, chain_keys
 from balancer.index.redis.schema import hex_u64, hex_u64s
@@ -164,3 +164,49 @@ def hint_checks(hinted: Parents) -> ScriptArgs:
     for (rank, eh), key in hinted.items():
         checks += [rank, hex_u64(eh), "" if key is None else hex_u64(key)]
     return checks
+
+
+def split_batch(hasher: BlockHasher, events: Sequence[KvEvent], max_blocks: int) -> list[list[KvEvent]]:
+    """The batch as segments of at most ``max_blocks`` blocks each, one ``APPLY`` call apiece.
+
+    A longer accepted ``Stored`` becomes consecutive ``Stored`` pieces, each chained to the previous
+    piece's last engine hash (the same keys: the parent's key comes from the map the piece before
+    wrote); a longer ``Removed`` becomes pieces. A ``Cleared``/``Resync`` starts a segment, so that
+    its cache can be emptied in bounded steps right before it (:data:`scripts.CLEAR_STEP`)."""
+    segments: list[list[KvEvent]] = []
+    current: list[KvEvent] = []
+    size = 0
+    for event in events:
+        if isinstance(event, Cleared | Resync) and current:
+            segments.append(current)
+            current, size = [], 0
+        for piece in _pieces(hasher, event, max_blocks):
+            blocks = event_blocks(piece)
+            if current and size + blocks > max_blocks:
+                segments.append(current)
+                current, size = [], 0
+            current.append(piece)
+            size += blocks
+    if current:
+        segments.append(current)
+    return segments
+
+
+def _pieces(hasher: BlockHasher, event: KvEvent, max_blocks: int) -> list[KvEvent]:
+    if event_blocks(event) <= max_blocks:
+        return [event]
+    if type(event) is Removed:
+        ehs = event.engine_hashes
+        return [Removed(event.dp_rank, ehs[i : i + max_blocks]) for i in range(0, len(ehs), max_blocks)]
+    if type(event) is not Stored or not event.engine_hashes or not accepts(hasher, event):
+        return [event]  # skipped whole by the script; the ingest cap bounds its size
+    pieces: list[KvEvent] = []
+    width = 4 * event.block_size
+    look = 4 * event.lookahead_tokens
+    ehs = event.engine_hashes
+    for start in range(0, len(ehs), max_blocks):
+        end = min(len(ehs), start + max_blocks)
+        parent = event.parent if start == 0 else ehs[start - 1]
+        tokens = event.tokens[start * width : end * width + look]
+        pieces.append(replace(event, parent=parent, engine_hashes=ehs[start:end], tokens=tokens))
+    return pieces

@@ -48,6 +48,11 @@ class RedisIndexSettings:
     Each entry carries its batch's tokens (about 4 B per token), so 10k batches of 32 blocks of 16
     tokens take about 25 MB. A mirror that falls further behind than this resyncs (counted).
     0 disables the stream (no mirrors)."""
+    max_script_blocks: int = 512
+    """Blocks (engine hashes of ``Stored`` and ``Removed``, or map entries emptied by a clear) one
+    script call may touch. A longer batch is applied in several calls, each with its own stream
+    entry, so that Redis answers other clients between them (``docs/redis-schema.md``, "Script
+    time"). Must be ≥ 1."""
 
     def __post_init__(self) -> None:
         if not self.pool or "{" in self.pool or "}" in self.pool:
@@ -55,7 +60,7 @@ class RedisIndexSettings:
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
             raise ValueError(f"key_prefix must be non-empty without braces, got {self.key_prefix!r}")
         counts = (self.max_speculative_keys, self.parent_hints_per_cache, self.stream_maxlen)
-        if self.capacity_blocks <= 0 or min(counts) < 0:
+        if self.capacity_blocks <= 0 or self.max_script_blocks <= 0 or min(counts) < 0:
             raise ValueError(f"invalid Redis index settings: {self}")
 
     @property

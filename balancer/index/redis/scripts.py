@@ -24,10 +24,24 @@ local call = redis.call
 local ctr, held, dirty = {}, {}, {}
 local gone = {}  -- block key -> tick at which its last holder went (this call only)
 local tick = nil
+local LIMIT = 0  -- most blocks an eviction round, or map entries a compaction, touches (0: all)
 
 local function count(name, n)
   if n ~= 0 then ctr[name] = (ctr[name] or 0) + n end
 end
+
+-- Garbage written over a key of ours (another type) is deleted and counted, so one bad write
+-- cannot stop the fleet with WRONGTYPE. `repaired` goes back to the caller (a metric).
+local repaired = 0
+local function repair(key, want, name)
+  local t = call('TYPE', key)['ok']
+  if t == want or t == 'none' then return false end
+  call('DEL', key)
+  repaired = repaired + 1
+  call('HINCRBY', CTR, 'wrongtype_' .. name, 1)
+  return true
+end
+repair(CTR, 'hash', 'ctr')
 
 local function call_chunked(cmd, key, list)
   for i = 1, #list, CHUNK do
@@ -101,11 +115,18 @@ local function expire(now)
   end
 end
 
--- drop a cache's map entries whose block it no longer holds (they outnumber its live blocks)
+-- drop a cache's map entries whose block it no longer holds (they outnumber its live blocks);
+-- past LIMIT entries, a random sample of LIMIT per call (more than half are dead when it runs)
 local function compact(cid)
   local mk = P .. 'm:' .. cid
-  if call('HLEN', mk) <= 2 * held_get(cid) + 64 then return end
-  local kv = call('HGETALL', mk)
+  local n = call('HLEN', mk)
+  if n <= 2 * held_get(cid) + 64 then return end
+  local kv
+  if LIMIT > 0 and n > LIMIT then
+    kv = call('HRANDFIELD', mk, LIMIT, 'WITHVALUES')
+  else
+    kv = call('HGETALL', mk)
+  end
   local dead = {}
   for i = 1, #kv, 2 do
     if call('HEXISTS', P .. 'b:' .. kv[i + 1], cid) == 0 then dead[#dead + 1] = kv[i] end
@@ -117,6 +138,7 @@ local function evict(capacity, target)
   local n = call('ZCARD', LRU)
   if n <= capacity then return 0 end
   local k = n - target
+  if LIMIT > 0 and k > LIMIT then k = LIMIT end  -- the rest on the next calls: Redis stays responsive
   local victims = call('ZRANGE', LRU, 0, k - 1)
   local touched = {}
   for _, key in ipairs(victims) do
@@ -161,6 +183,36 @@ local function publish(maxlen, replica, extra)
   call('XADD', P .. 'events', 'MAXLEN', '~', maxlen, '*', 'r', replica, 'n', n, unpack(extra))
 end
 
+-- the writer's fence: '' = unfenced; 'g' = generation g; 'g|text' also requires seq[replica] == text.
+-- Returns nil when the write may go on, else the refusal: {1, current generation} | {3, 0}.
+-- After `gen` or `seq` was repaired (deleted), a replica's missing field is unknown, not 0 or
+-- empty: the writer's own value is taken (and the generation written back) instead of refusing it.
+local function fence(replica, want)
+  repair(P .. 'gen', 'hash', 'gen')
+  repair(P .. 'seq', 'hash', 'seq')
+  if want == '' then return nil end
+  local want_seq = nil
+  local bar = string.find(want, '|', 1, true)
+  if bar then want, want_seq = string.sub(want, 1, bar - 1), string.sub(want, bar + 1) end
+  local current = call('HGET', P .. 'gen', replica)
+  if not current and call('HEXISTS', CTR, 'wrongtype_gen') == 1 then
+    call('HSET', P .. 'gen', replica, want)
+    current = want
+  end
+  current = current or '0'
+  if current ~= want then
+    call('HINCRBY', CTR, 'stale_generation', 1)
+    return {1, tonumber(current)}
+  end
+  local stored = call('HGET', P .. 'seq', replica)
+  if not stored and call('HEXISTS', CTR, 'wrongtype_seq') == 1 then stored = want_seq end
+  if want_seq and (stored or '') ~= want_seq then
+    call('HINCRBY', CTR, 'stale_position', 1)
+    return {3, 0}
+  end
+  return nil
+end
+
 local function split16(s)
   local out = {}
   for i = 1, #s, 16 do out[#out + 1] = string.sub(s, i, i + 15) end
@@ -180,29 +232,18 @@ end
 _APPLY_BODY = """
 -- ARGV: prefix, replica, generation ('' = unfenced; 'g|text' also requires seq[replica] == text),
 --       now, capacity, target, stream maxlen,
---       stream payload, engine seq ('' = none), n_checks,
+--       stream payload, engine seq ('' = none), limit (LIMIT), n_checks,
 --       n_checks x (rank, engine hash, expected key or ''), ops...
 -- ops: 'S' rank parent expected ehs keys | 'R' rank ehs | 'C' rank
--- returns {0, 0, stored, removed, unknown, evicted, skipped} | {1, current generation} | {2, 0}
---         | {3, 0} (the stored seq is not the expected one)
+-- returns {0, 0, stored, removed, unknown, evicted, skipped, keys repaired} | {1, current generation}
+--         | {2, 0} (a stale parent hint) | {3, 0} (the stored seq is not the expected one)
 local REPLICA, NOW = ARGV[2], ARGV[4]
 local CAPACITY, TARGET = tonumber(ARGV[5]), tonumber(ARGV[6])
-if ARGV[3] ~= '' then
-  local want, want_seq = ARGV[3], nil
-  local bar = string.find(want, '|', 1, true)
-  if bar then want, want_seq = string.sub(want, 1, bar - 1), string.sub(want, bar + 1) end
-  local current = call('HGET', P .. 'gen', REPLICA) or '0'
-  if current ~= want then
-    call('HINCRBY', CTR, 'stale_generation', 1)
-    return {1, tonumber(current)}
-  end
-  if want_seq and (call('HGET', P .. 'seq', REPLICA) or '') ~= want_seq then
-    call('HINCRBY', CTR, 'stale_position', 1)
-    return {3, 0}
-  end
-end
-local NCHECKS = tonumber(ARGV[10])
-for j = 11, 10 + 3 * NCHECKS, 3 do  -- the writer's parent hints, checked before any write
+local refused = fence(REPLICA, ARGV[3])
+if refused then return refused end
+LIMIT = tonumber(ARGV[10])
+local NCHECKS = tonumber(ARGV[11])
+for j = 12, 11 + 3 * NCHECKS, 3 do  -- the writer's parent hints, checked before any write
   if (call('HGET', P .. 'm:' .. REPLICA .. '#' .. ARGV[j], ARGV[j + 1]) or '') ~= ARGV[j + 2] then
     return {2, 0}
   end
@@ -294,7 +335,7 @@ local function remove(rank, ehs)
   call_chunked('HDEL', mk, dels)
 end
 
-local i = 11 + 3 * NCHECKS
+local i = 12 + 3 * NCHECKS
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'S' then
@@ -311,7 +352,7 @@ end
 finish()
 if ARGV[9] ~= '' then call('HSET', P .. 'seq', REPLICA, ARGV[9]) end
 publish(tonumber(ARGV[7]), REPLICA, {'e', ARGV[8]})
-return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped}
+return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped, repaired}
 """
 
 _SPECULATE_BODY = """
@@ -357,8 +398,9 @@ return taken
 """
 
 _DROP_BODY = """
--- ARGV: prefix, replica, stream maxlen; returns {holdings dropped, new generation}
+-- ARGV: prefix, replica, stream maxlen; returns {holdings dropped, new generation, keys repaired}
 local REPLICA = ARGV[2]
+repair(P .. 'gen', 'hash', 'gen')
 local rk = P .. 'ranks:' .. REPLICA
 local dropped = 0
 for _, rank in ipairs(call('SMEMBERS', rk)) do
@@ -381,7 +423,36 @@ call('SREM', REPLICAS, REPLICA)
 local gen = call('HINCRBY', P .. 'gen', REPLICA, 1)
 finish()
 publish(tonumber(ARGV[3]), REPLICA, {'d', 1})
-return {dropped, gen}
+return {dropped, gen, repaired}
+"""
+
+_CLEAR_STEP_BODY = """
+-- ARGV: prefix, replica, fence (as APPLY's), rank, limit
+-- Empties up to `limit` entries of the cache's engine-hash map (and its holder fields), so that the
+-- `Cleared`/`Resync` or drop that follows runs in bounded time. Writes no stream entry: the cache
+-- is emptied whole right after, by the call that does publish.
+-- returns {0, map entries left, holdings released, keys repaired} | {1, current generation} | {3, 0}
+local REPLICA = ARGV[2]
+local refused = fence(REPLICA, ARGV[3])
+if refused then return refused end
+local cid = REPLICA .. '#' .. ARGV[4]
+local mk = P .. 'm:' .. cid
+if call('HEXISTS', HELD, cid) == 0 then return {0, 0, 0, repaired} end
+local kv = call('HRANDFIELD', mk, tonumber(ARGV[5]), 'WITHVALUES')
+local dels, released = {}, 0
+for i = 1, #kv, 2 do
+  local key = kv[i + 1]
+  local bk = P .. 'b:' .. key
+  if call('HDEL', bk, cid) == 1 then
+    unhold(bk, key)
+    released = released + 1
+  end
+  dels[#dels + 1] = kv[i]
+end
+held_add(cid, -released)
+call_chunked('HDEL', mk, dels)
+finish()
+return {0, call('HLEN', mk), released, repaired}
 """
 
 APPLY = PRELUDE + _APPLY_BODY
@@ -390,6 +461,8 @@ SPECULATE = PRELUDE + _SPECULATE_BODY
 """Add or extend speculative holdings of one replica, then enforce the block budget."""
 DROP = PRELUDE + _DROP_BODY
 """Forget every cache and speculative entry of one replica and bump its generation."""
+CLEAR_STEP = PRELUDE + _CLEAR_STEP_BODY
+"""Empty a bounded part of one cache before the ``Cleared``/``Resync`` or drop that empties it whole."""
 
 
 # Queries ------------------------------------------------------------------------------------------

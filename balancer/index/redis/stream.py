@@ -111,3 +111,13 @@ def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Stream
     if b"d" in fields:
         return StreamEntry(text_id, number, replica, [], True)
     return StreamEntry(text_id, number, replica, decode_batch(fields.get(b"e", b"\x90")), False)
+
+
+def entry_number(fields: object) -> int | None:
+    """The ``n`` field of a raw entry, ``None`` when absent or not a number (then ``APPLY`` did not
+    write the entry, so it carried no batch)."""
+    value = fields.get(b"n") if isinstance(fields, Mapping) else None
+    try:
+        return None if value is None else int(value)
+    except (TypeError, ValueError):
+        return None
