@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from balancer.errors import ConfigError
 
@@ -132,6 +133,10 @@ class RedisConfig:
     url: str | None = None
     """``redis://`` or ``rediss://`` (TLS) URL of the shared index, with AUTH as
     ``redis://user:password@host:port/db``; ``None`` keeps everything in this process, in memory."""
+    cluster: bool = False
+    """``url`` names one node of a Redis Cluster: the client discovers the others, sends each call to
+    the master of its key's slot, and follows ``MOVED``/``ASK`` and failovers (docs/redis-fleet.md,
+    "Topologies"). The URL's database must be 0."""
     key_prefix: str = "kvlb"
     """First part of every key name, so several fleets can share one Redis (no braces)."""
     tls_ca_file: str | None = None
@@ -162,6 +167,10 @@ class RedisConfig:
         """Raise :class:`ConfigError` naming the first bad field."""
         if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError("redis.url must start with redis:// or rediss://")
+        if self.cluster and self.url is None:
+            raise ConfigError("redis.cluster needs redis.url (a seed node of the cluster)")
+        if self.cluster and self.url is not None and urlsplit(self.url).path.strip("/") not in ("", "0"):
+            raise ConfigError("redis.cluster: the URL's database must be 0 (Redis Cluster has only db 0)")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
             raise ConfigError("redis.key_prefix must be non-empty, without braces")
         for name in ("lease_ttl_s", "tick_s", "snapshot_interval_s", "replica_timeout_s", "policy_poll_s"):

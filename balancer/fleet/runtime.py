@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 import zmq.asyncio
 
 from balancer.config import RedisConfig, ReplicaConfig
@@ -46,6 +45,7 @@ from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.writer import FencedWriter
+from balancer.index.redis.client import RedisClient, connect
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.index.redis.mirror import Mirror
@@ -69,17 +69,18 @@ def space_name(model: str, block_size: int, mode: str) -> str:
     return f"{model}/{block_size}/{mode}"
 
 
-def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> aioredis.Redis:
-    """A pooled client for ``config.url`` (TLS and AUTH come from the URL; the CA from the config)."""
+def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> RedisClient:
+    """A pooled client for ``config.url``: one server, or a Redis Cluster with ``config.cluster``
+    (TLS and AUTH come from the URL; the CA from the config)."""
     assert config.url is not None
-    kwargs: dict[str, Any] = {
-        "decode_responses": decode,
-        "socket_timeout": config.socket_timeout_s + extra_timeout_s,
-        "socket_connect_timeout": config.socket_timeout_s,
-    }
-    if config.url.startswith("rediss://") and config.tls_ca_file:
-        kwargs["ssl_ca_certs"] = config.tls_ca_file
-    return aioredis.Redis.from_url(config.url, **kwargs)
+    return connect(
+        config.url,
+        cluster=config.cluster,
+        decode=decode,
+        socket_timeout_s=config.socket_timeout_s + extra_timeout_s,
+        connect_timeout_s=config.socket_timeout_s,
+        tls_ca_file=config.tls_ca_file,
+    )
 
 
 @dataclass(slots=True)

@@ -28,6 +28,7 @@ from balancer.events import KvEvent
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis import scripts
+from balancer.index.redis.client import RedisClient
 from balancer.index.redis.plan import ParentHints, Parents, hint_checks, outside_parents, plan_batch
 from balancer.index.redis.schema import (
     RedisIndexSettings,
@@ -75,7 +76,7 @@ class RedisIndex:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         hasher: BlockHasher,
         settings: RedisIndexSettings,
         *,

@@ -1,0 +1,65 @@
+"""The Redis clients kvlb talks through, and the errors that mean "Redis did not do it" (I/O setup).
+
+Two topologies (``docs/redis-fleet.md``, "Topologies"):
+
+* **One server** (or a managed endpoint that looks like one): :class:`redis.asyncio.Redis`.
+* **Redis Cluster** (``redis.cluster: true``): :class:`redis.asyncio.cluster.RedisCluster`. The URL
+  names a seed node; the client reads the slot table from it (``CLUSTER SLOTS``), sends each
+  command to the master of its key's slot, follows ``MOVED`` (slot moved: table patched, then
+  reloaded) and ``ASK`` (slot migrating), and after a connection error, a timeout or
+  ``CLUSTERDOWN`` reloads the table from the nodes it knows before retrying (a few times, at
+  once). A failover therefore shows up as a short burst of errors; every kvlb component already
+  retries Redis errors with its own bounded backoff, and the first call after the promotion goes
+  to the new master.
+
+Every key kvlb touches in one call shares one slot (the ``{pool}`` hash tag, or a single fleet-wide
+key), so both clients run the same commands and scripts.
+
+:data:`REDIS_ERRORS` is what callers catch as "Redis unavailable": the cluster client raises some
+topology errors (``RedisClusterException``: no reachable node, slot not covered) that are not
+``RedisError`` subclasses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import RedisClusterException, RedisError
+
+RedisClient: TypeAlias = aioredis.Redis | RedisCluster
+"""A single-server or a cluster client; kvlb uses only what both offer."""
+
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+"""Failures of a Redis call that a caller retries (server down, failover, timeout, refusal)."""
+
+CLUSTER_RETRIES = 3
+"""Attempts after the first one inside one cluster call, each after reloading the slot table. Few:
+with an unreachable host each attempt may wait ``socket_timeout_s``, and the callers retry anyway."""
+
+
+def connect(
+    url: str,
+    *,
+    cluster: bool = False,
+    decode: bool,
+    socket_timeout_s: float | None = None,
+    connect_timeout_s: float | None = None,
+    tls_ca_file: str | None = None,
+) -> RedisClient:
+    """A pooled client for ``url`` (``redis://`` or ``rediss://``, AUTH in the URL). Connections are
+    opened on first use, so this never blocks nor fails on an unreachable server."""
+    kwargs: dict[str, Any] = {
+        "decode_responses": decode,
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+    }
+    if url.startswith("rediss://") and tls_ca_file:
+        kwargs["ssl_ca_certs"] = tls_ca_file
+    if cluster:
+        retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), CLUSTER_RETRIES)
+        return RedisCluster.from_url(url, retry=retry, **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
