@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from balancer.errors import ConfigError
-from balancer.index.redis.client import REDIS_ERRORS, RedisClient
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyControl, PolicyView
@@ -136,8 +136,10 @@ class PolicySync:
         """Listen for change messages and check every ``poll_s`` until ``stop`` is set."""
         delay_s = self.poll_s
         while not stop.is_set():
-            pubsub = self.client.pubsub()
+            pubsub = None
             try:
+                await initialized(self.client)
+                pubsub = self.client.pubsub()
                 await pubsub.subscribe(self.channel)
                 await self.sync()
                 delay_s = self.poll_s
@@ -150,8 +152,9 @@ class PolicySync:
                     await asyncio.wait_for(stop.wait(), delay_s)
                 delay_s = min(5.0, delay_s * 2)
             finally:
-                with contextlib.suppress(*REDIS_ERRORS):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                if pubsub is not None:
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def _failed(self, exc: BaseException) -> None:
         self._on_redis(False)

@@ -63,3 +63,11 @@ def connect(
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), CLUSTER_RETRIES)
         return RedisCluster.from_url(url, retry=retry, **kwargs)
     return aioredis.Redis.from_url(url, **kwargs)
+
+
+async def initialized(client: RedisClient) -> None:
+    """Load a cluster client's slot table now if it has none yet (no-op otherwise). Pub/sub on a
+    cluster client picks its node from that table and fails on an empty one (redis-py 8.1), so call
+    this before ``client.pubsub()``."""
+    if isinstance(client, RedisCluster):
+        await client.initialize()
