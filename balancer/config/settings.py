@@ -109,7 +109,15 @@ class LimitConfig:
     max_retries: int = 2
     """Extra attempts on other replicas before the first byte (connect error, 429/503)."""
     event_queue_size: int = 4096
-    """Undecoded event messages buffered per (replica, rank); overflow clears that cache (resync)."""
+    """Event batches buffered per replica between its sources and the index; overflow clears the
+    caches they touched (resync)."""
+    event_queue_bytes: int = 64 * 1024 * 1024
+    """The same queue's bound in bytes (decoded events, estimated: tokens + 40 B per engine hash +
+    100 B per event); whichever bound is hit first overflows it. Also bounds one ``index.apply``
+    (queued batches are merged). See docs/reliability.md, "Memory"."""
+    event_message_bytes: int = 16 * 1024 * 1024
+    """Largest ZMQ event message accepted (``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets). ZMQ
+    drops the connection of a publisher that sends a larger one: a disconnect, then a resync."""
     index_capacity_blocks: int = 4_000_000
     """Block budget of the prefix index; past it the least recently used blocks are evicted."""
     speculative_ttl_s: float = 2.0
@@ -283,6 +291,8 @@ class Settings:
             "limits.max_inflight": self.limits.max_inflight,
             "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
             "limits.event_queue_size": self.limits.event_queue_size,
+            "limits.event_queue_bytes": self.limits.event_queue_bytes,
+            "limits.event_message_bytes": self.limits.event_message_bytes,
             "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
             "timeouts.connect_s": self.timeouts.connect_s,
             "timeouts.first_byte_s": self.timeouts.first_byte_s,

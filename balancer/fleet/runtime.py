@@ -54,7 +54,7 @@ from balancer.index.table import PrefixTable
 from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
-from balancer.sources.build import build_sources
+from balancer.sources.build import build_sources, zmq_settings_for
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -150,7 +150,10 @@ class FleetRuntime:
             raise ConfigError(f"pool {model!r}: {exc}") from None
         index = RedisIndex(self.text, space.hasher, settings)
         writer = FencedWriter(index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result)
-        ingest_settings = IngestSettings(queue_max_batches=state.settings.limits.event_queue_size)
+        limits = state.settings.limits
+        ingest_settings = IngestSettings(
+            queue_max_batches=limits.event_queue_size, queue_max_bytes=limits.event_queue_bytes
+        )
         ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
@@ -179,7 +182,12 @@ class FleetRuntime:
 
     def _sources(self, replica: ReplicaConfig, resume: Mapping[int, int]) -> Sequence[EventSource]:
         return build_sources(
-            replica, zmq_ctx=self._zmq, session=self._session, metrics=self.state.metrics, resume=resume
+            replica,
+            zmq_ctx=self._zmq,
+            session=self._session,
+            metrics=self.state.metrics,
+            zmq_settings=zmq_settings_for(self.state.settings.limits),
+            resume=resume,
         )
 
     async def start(self) -> None:

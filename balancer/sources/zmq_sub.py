@@ -200,6 +200,7 @@ class ZmqEventSource:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
@@ -308,6 +309,7 @@ class ZmqEventSource:
         self._counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         first_seq: int | None = None
         complete = False
         try:
