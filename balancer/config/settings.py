@@ -120,6 +120,9 @@ class LimitConfig:
     drops the connection of a publisher that sends a larger one: a disconnect, then a resync."""
     index_capacity_blocks: int = 4_000_000
     """Block budget of the prefix index; past it the least recently used blocks are evicted."""
+    max_speculative_keys: int = 250_000
+    """Speculative block entries (routed requests' blocks before the engine reports them) held at
+    once per key space; more are not added (counted). Their expiry heap lists at most twice as many."""
     speculative_ttl_s: float = 2.0
     """How long a routed request's blocks count as held before the engine's events confirm them."""
 
@@ -294,6 +297,7 @@ class Settings:
             "limits.event_queue_bytes": self.limits.event_queue_bytes,
             "limits.event_message_bytes": self.limits.event_message_bytes,
             "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
+            "limits.max_speculative_keys": self.limits.max_speculative_keys,
             "timeouts.connect_s": self.timeouts.connect_s,
             "timeouts.first_byte_s": self.timeouts.first_byte_s,
             "timeouts.idle_s": self.timeouts.idle_s,
