@@ -24,7 +24,8 @@ class ZmqSourceSettings:
     Must be ≥ 1."""
     max_message_bytes: int = 16 * 1024 * 1024
     """``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets: a publisher sending a larger message is
-    disconnected by ZMQ (then a resync). Bounds one message in memory. Must be ≥ 1."""
+    disconnected by ZMQ (then a resync; the source opens a fresh socket, as libzmq does not
+    reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
