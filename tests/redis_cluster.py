@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,12 @@ class Node:
 
     def client(self) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, decode_responses=True)
+
+    def answers(self) -> bool:
+        if not self.alive:
+            return False
+        with self.client() as client:
+            return bool(client.ping())
 
 
 @dataclass
@@ -152,8 +159,7 @@ def _start_node(binary: str, port: int, directory: Path) -> Node:
     return Node(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
 
 
-def _wait(what: str, check: object, timeout_s: float) -> None:
-    assert callable(check)
+def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -183,7 +189,7 @@ def start_cluster(data_dir: Path | None = None) -> RedisClusterProcs:
                 ports.append(port)
         nodes += [_start_node(server, port, data_dir / str(port)) for port in ports]
         for node in nodes:
-            _wait(f"node {node.port} to answer PING", lambda n=node: n.alive and n.client().ping(), 10.0)
+            _wait(f"node {node.port} to answer PING", node.answers, 10.0)
         create = [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
         create += ["--cluster-replicas", "1", "--cluster-yes"]
         done = subprocess.run(create, capture_output=True, timeout=_START_TIMEOUT_S, check=False)
