@@ -25,8 +25,10 @@ from loadtests.faults.scenarios import (
     FAULT_TIMEOUTS,
     MEASURE_LIMIT_S,
     REPLICA_SCENARIOS,
+    Inject,
     Result,
     Scenario,
+    Verify,
     run_in_fleet,
 )
 
@@ -93,42 +95,53 @@ async def redis_slow(f: FaultRig, hold_s: float, load: Load) -> str:
 
 
 SGLANG_SPACE_KEY = "kvlb:{sim-test/4/plain}:ctr"
-"""A key of the SGLang replicas' key space in the fault rig (slot 9294, the second master's range;
-the TRT-LLM space ``sim-test/4/trtllm`` is on the third master)."""
+"""A key of the SGLang replicas' key space in the fault rig (slot 9294, the second master's range,
+with the shared policy ``kvlb:policy``)."""
+TRTLLM_SPACE_KEY = "kvlb:{sim-test/4/trtllm}:ctr"
+"""A key of the TRT-LLM replica's key space (slot 14346, the third master's range, with the member
+set ``kvlb:members``)."""
 
 
-async def cluster_master_killed(f: FaultRig, hold_s: float, load: Load) -> str:
-    """SIGKILL the cluster master serving the SGLang key space (and the shared policy); returns
-    once its replica is promoted and every live node says ``cluster_state:ok``."""
-    cluster: RedisClusterProcs = f.context["cluster"]
-    f.checked = [f.url, *(other.info["url"] for other in f.others)]
-    before = await _stream_entries(cluster)
-    killed_at = time.monotonic()
-    old = await asyncio.to_thread(cluster.kill_master_of, SGLANG_SPACE_KEY)
-    new_port = await asyncio.to_thread(cluster.wait_promoted, SGLANG_SPACE_KEY, old.port)
-    promoted_s = time.monotonic() - killed_at
-    f.context["promoted"] = (before, new_port)
-    return (
-        f"master :{old.port} of the SGLang key space SIGKILLed; replica :{new_port} promoted "
-        f"after {promoted_s:.2f} s (stream at entry {before})"
-    )
+def kill_master(space_key: str, label: str) -> Inject:
+    """SIGKILL the cluster master serving ``space_key``'s key space; the inject returns once its
+    replica is promoted and every live node says ``cluster_state:ok``."""
+
+    async def inject(f: FaultRig, hold_s: float, load: Load) -> str:
+        cluster: RedisClusterProcs = f.context["cluster"]
+        f.checked = [f.url, *(other.info["url"] for other in f.others)]
+        before = await _stream_entries(cluster, space_key)
+        killed_at = time.monotonic()
+        old = await asyncio.to_thread(cluster.kill_master_of, space_key)
+        new_port = await asyncio.to_thread(cluster.wait_promoted, space_key, old.port)
+        promoted_s = time.monotonic() - killed_at
+        f.context["promoted"] = (before, new_port)
+        return (
+            f"master :{old.port} of the {label} key space SIGKILLed; replica :{new_port} promoted "
+            f"after {promoted_s:.2f} s (stream at entry {before})"
+        )
+
+    return inject
 
 
-async def cluster_followed(f: FaultRig) -> str:
-    """Every kvlb follows the new topology: Redis up again, and new batches of the SGLang key space
-    written through the promoted master (its stream goes on past the number seen at the kill)."""
-    cluster: RedisClusterProcs = f.context["cluster"]
-    before, new_port = f.context["promoted"]
-    deadline = time.monotonic() + 10.0
-    while True:
-        after = await _stream_entries(cluster)
-        ups = [await _metric(f, url, "kvlb_redis_up") for url in f.checked]
-        if after > before and all(up == 1.0 for up in ups):
-            break
-        assert time.monotonic() < deadline, f"stream {before} -> {after}, kvlb_redis_up {ups}"
-        await asyncio.sleep(0.1)
-    assert cluster.master_port(SGLANG_SPACE_KEY) == new_port
-    return f"{after - before} entries since, through :{new_port}; kvlb_redis_up 1 on {len(ups)} kvlb"
+def followed(space_key: str) -> Verify:
+    """Every kvlb follows the new topology: Redis up again, and new batches of the key space written
+    through the promoted master (its stream goes on past the number seen at the kill)."""
+
+    async def verify(f: FaultRig) -> str:
+        cluster: RedisClusterProcs = f.context["cluster"]
+        before, new_port = f.context["promoted"]
+        deadline = time.monotonic() + 10.0
+        while True:
+            after = await _stream_entries(cluster, space_key)
+            ups = [await _metric(f, url, "kvlb_redis_up") for url in f.checked]
+            if after > before and all(up == 1.0 for up in ups):
+                break
+            assert time.monotonic() < deadline, f"stream {before} -> {after}, kvlb_redis_up {ups}"
+            await asyncio.sleep(0.1)
+        assert cluster.master_port(space_key) == new_port
+        return f"{after - before} entries since, through :{new_port}; kvlb_redis_up 1 on {len(ups)} kvlb"
+
+    return verify
 
 
 async def _metric(f: FaultRig, url: str, name: str) -> float | None:
@@ -140,12 +153,12 @@ async def _metric(f: FaultRig, url: str, name: str) -> float | None:
     return None
 
 
-async def _stream_entries(cluster: RedisClusterProcs) -> int:
-    """The number of the SGLang key space's last stream entry (``ctr.stream_entries``)."""
+async def _stream_entries(cluster: RedisClusterProcs, space_key: str) -> int:
+    """The number of the key space's last stream entry (``ctr.stream_entries``)."""
 
     def read() -> int:
-        with cluster.node(cluster.master_port(SGLANG_SPACE_KEY)).client() as client:
-            return int(client.hget(SGLANG_SPACE_KEY, "stream_entries") or 0)
+        with cluster.node(cluster.master_port(space_key)).client() as client:
+            return int(client.hget(space_key, "stream_entries") or 0)
 
     return await asyncio.to_thread(read)
 
@@ -175,12 +188,22 @@ SCENARIOS = {
             Scenario(
                 "cluster_master_killed",
                 "Redis Cluster master killed (replica promoted)",
-                cluster_master_killed,
+                kill_master(SGLANG_SPACE_KEY, "SGLang"),
                 redis=True,
                 cluster=True,
                 kvlbs=2,
                 converge_limit_s=5.0,
-                verify=cluster_followed,
+                verify=followed(SGLANG_SPACE_KEY),
+            ),
+            Scenario(
+                "cluster_master_killed_trtllm",
+                "Redis Cluster master of the TRT-LLM key space and the member set killed",
+                kill_master(TRTLLM_SPACE_KEY, "TRT-LLM"),
+                redis=True,
+                cluster=True,
+                kvlbs=2,
+                converge_limit_s=5.0,
+                verify=followed(TRTLLM_SPACE_KEY),
             ),
             Scenario(
                 "redis_slow",
