@@ -175,7 +175,10 @@ class Balancer:
         )
         router = PoolRouter(
             config.model,
-            TableLimits(capacity_blocks=settings.limits.index_capacity_blocks),
+            TableLimits(
+                capacity_blocks=settings.limits.index_capacity_blocks,
+                max_speculative_keys=settings.limits.max_speculative_keys,
+            ),
             LoadConfig(stale_after_s=stale_after_s),
             health=health,
             route_limits=route_limits,

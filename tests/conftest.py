@@ -1,4 +1,5 @@
-"""Shared fixtures. The Redis section: one private ``redis-server`` per session (tests/redis_server.py)."""
+"""Shared fixtures. The Redis section: one private ``redis-server`` per session (tests/redis_server.py)
+and, for the tests that ask for it, one private 3 + 3 Redis Cluster (tests/redis_cluster.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 # tests/ is on sys.path (rootdir conftest, no __init__.py), so helper modules import by name.
+from redis_cluster import RedisClusterProcs, RedisTarget, shared_cluster, started_cluster, stop_shared_cluster
 from redis_server import RedisServer, shared_server, started_server, stop_shared_server
 
 # ---------------------------------------------------------------------------------------- Redis
@@ -18,16 +20,36 @@ def redis_server() -> Iterator[RedisServer]:
     yield shared_server()
 
 
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterProcs]:
+    """A private Redis Cluster (3 masters, 3 replicas) on free ports; tests must not kill its nodes
+    (a failover test starts its own with :func:`redis_cluster.start_cluster`)."""
+    yield shared_cluster()
+
+
+@pytest.fixture(params=["server", "cluster"])
+def redis_target(request: pytest.FixtureRequest) -> RedisTarget:
+    """The test runs twice: on the session's single ``redis-server`` and on the session's cluster."""
+    if request.param == "server":
+        return RedisTarget("server", shared_server().url)
+    cluster = shared_cluster()
+    return RedisTarget("cluster", cluster.url, cluster)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_redis_server_at_exit() -> Iterator[None]:
     yield
     stop_shared_server()
+    stop_shared_cluster()
 
 
 @pytest.fixture(autouse=True)
 def _flush_redis_after_test() -> Iterator[None]:
-    """Empty the session's server after each test that started or used it."""
+    """Empty the session's server (and cluster) after each test once they were started."""
     yield
     server = started_server()
     if server is not None and server.process.poll() is None:
         server.flushall()
+    cluster = started_cluster()
+    if cluster is not None and all(node.alive for node in cluster.nodes):
+        cluster.flush()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
+from urllib.parse import urlsplit
 
 from balancer.errors import ConfigError
 
@@ -108,13 +109,24 @@ class LimitConfig:
     max_retries: int = 2
     """Extra attempts on other replicas before the first byte (connect error, 429/503)."""
     event_queue_size: int = 4096
-    """Undecoded event messages buffered per (replica, rank); overflow clears that cache (resync)."""
+    """Event batches buffered per replica between its sources and the index; overflow clears the
+    caches they touched (resync)."""
+    event_queue_bytes: int = 64 * 1024 * 1024
+    """The same queue's bound in bytes (decoded events, estimated: tokens + 40 B per engine hash +
+    100 B per event); whichever bound is hit first overflows it. Also bounds one ``index.apply``
+    (queued batches are merged). See docs/reliability.md, "Memory"."""
+    event_message_bytes: int = 16 * 1024 * 1024
+    """Largest ZMQ event message accepted (``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets). ZMQ
+    drops the connection of a publisher that sends a larger one: a disconnect, then a resync."""
     max_event_blocks: int = 262_144
     """Most blocks one KV event may carry (engine hashes, or whole token blocks of a ``Stored``);
     a larger event is dropped and its rank resyncs (``kvlb_events_oversize_total``). The default
     fits a ``max_prompt_tokens`` context at any block size (SGLang pages of 1 token included)."""
     index_capacity_blocks: int = 4_000_000
     """Block budget of the prefix index; past it the least recently used blocks are evicted."""
+    max_speculative_keys: int = 250_000
+    """Speculative block entries (routed requests' blocks before the engine reports them) held at
+    once per key space; more are not added (counted). Their expiry heap lists at most twice as many."""
     speculative_ttl_s: float = 2.0
     """How long a routed request's blocks count as held before the engine's events confirm them."""
 
@@ -136,6 +148,10 @@ class RedisConfig:
     url: str | None = None
     """``redis://`` or ``rediss://`` (TLS) URL of the shared index, with AUTH as
     ``redis://user:password@host:port/db``; ``None`` keeps everything in this process, in memory."""
+    cluster: bool = False
+    """``url`` names one node of a Redis Cluster: the client discovers the others, sends each call to
+    the master of its key's slot, and follows ``MOVED``/``ASK`` and failovers (docs/redis-fleet.md,
+    "Topologies"). The URL's database must be 0."""
     key_prefix: str = "kvlb"
     """First part of every key name, so several fleets can share one Redis (no braces)."""
     tls_ca_file: str | None = None
@@ -166,6 +182,10 @@ class RedisConfig:
         """Raise :class:`ConfigError` naming the first bad field."""
         if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError("redis.url must start with redis:// or rediss://")
+        if self.cluster and self.url is None:
+            raise ConfigError("redis.cluster needs redis.url (a seed node of the cluster)")
+        if self.cluster and self.url is not None and urlsplit(self.url).path.strip("/") not in ("", "0"):
+            raise ConfigError("redis.cluster: the URL's database must be 0 (Redis Cluster has only db 0)")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
             raise ConfigError("redis.key_prefix must be non-empty, without braces")
         for name in ("lease_ttl_s", "tick_s", "snapshot_interval_s", "replica_timeout_s", "policy_poll_s"):
@@ -279,7 +299,10 @@ class Settings:
             "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
             "limits.event_queue_size": self.limits.event_queue_size,
             "limits.max_event_blocks": self.limits.max_event_blocks,
+            "limits.event_queue_bytes": self.limits.event_queue_bytes,
+            "limits.event_message_bytes": self.limits.event_message_bytes,
             "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
+            "limits.max_speculative_keys": self.limits.max_speculative_keys,
             "timeouts.connect_s": self.timeouts.connect_s,
             "timeouts.first_byte_s": self.timeouts.first_byte_s,
             "timeouts.idle_s": self.timeouts.idle_s,

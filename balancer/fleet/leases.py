@@ -42,15 +42,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 import xxhash
-from redis.exceptions import RedisError
 
 from balancer.config import ReplicaConfig
 from balancer.engines.registry import engine_spec
 from balancer.events import Resync
 from balancer.fleet.writer import FencedWriter
 from balancer.health.book import HealthBook
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient
 from balancer.index.redis.lease import IngestionLease, encode_positions
 from balancer.index.redis.schema import RedisKeys
 from balancer.log_limit import LimitedWarnings
@@ -127,7 +126,7 @@ class LeaseManager:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         replicas: Sequence[FleetReplica],
         *,
         members_key: str,
@@ -171,7 +170,7 @@ class LeaseManager:
                 await self.tick()
                 self._on_redis(True)
                 self._warnings.resolved("lease_redis_error", "")
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._on_redis(False)
                 self._quiet_until = time.monotonic() + self.timing.ttl_s + self.timing.tick_s
                 self._metrics.redis_errors_total.labels("lease").inc()
@@ -199,7 +198,7 @@ class LeaseManager:
                 await entry.writer.drop(replica)
                 entry.writer.release(replica)
                 await entry.lease.release()
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 entry.writer.release(replica)
                 self._metrics.redis_errors_total.labels("lease").inc()
                 log.warning("replica %s left, but its lease was not released: %s", replica, exc)
@@ -354,9 +353,9 @@ class LeaseManager:
         async def hand_over(replica: ReplicaId) -> None:
             try:
                 await self._give_up(replica, graceful=True)
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("lease of %s not handed over cleanly: %s", replica, exc)
 
         await asyncio.gather(*(hand_over(replica) for replica in list(self.held)))  # drains in parallel
-        with contextlib.suppress(RedisError, OSError):
+        with contextlib.suppress(*REDIS_ERRORS):
             await self.client.zrem(self._members_key, self.instance)

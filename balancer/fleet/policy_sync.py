@@ -22,11 +22,11 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
 from balancer import strict_json
 from balancer.errors import ConfigError
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
@@ -71,7 +71,7 @@ class PolicySync:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         control: PolicyControl,
         *,
         key_prefix: str,
@@ -116,7 +116,7 @@ class PolicySync:
                 self.control.adopt(_with_version(view, version))
             self._metrics.redis_policy_updates_total.labels("local").inc()
             log.info("policy v%d written to Redis", version)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._unsent = view  # the periodic check writes it once Redis answers again
             self._failed(exc)
         finally:
@@ -193,22 +193,25 @@ class PolicySync:
         """Listen for change messages and check every ``poll_s`` until ``stop`` is set."""
         delay_s = self.poll_s
         while not stop.is_set():
-            pubsub = self.client.pubsub()
+            pubsub = None
             try:
+                await initialized(self.client)
+                pubsub = self.client.pubsub()
                 await pubsub.subscribe(self.channel)
                 await self.sync()
                 delay_s = self.poll_s
                 while not stop.is_set():
                     await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
                     await self.sync()  # a message or the periodic check: compare and adopt
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._failed(exc)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay_s)
                 delay_s = min(5.0, delay_s * 2)
             finally:
-                with contextlib.suppress(RedisError, OSError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                if pubsub is not None:
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def _invalid(self, reason: str) -> None:
         self._warnings.warning("policy_invalid", "", "ignoring the policy stored in Redis: %s", reason)
@@ -220,7 +223,7 @@ class PolicySync:
 
     async def aclose(self) -> None:
         for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError, RedisError, OSError):
+            with contextlib.suppress(asyncio.CancelledError, TimeoutError, *REDIS_ERRORS):
                 await asyncio.wait_for(task, 2.0)
         with contextlib.suppress(ValueError):
             self.control.listeners.remove(self._on_local_change)

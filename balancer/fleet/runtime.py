@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-import redis.asyncio as aioredis
 import zmq.asyncio
 
 from balancer.config import RedisConfig, ReplicaConfig
@@ -46,6 +45,7 @@ from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.writer import FencedWriter
+from balancer.index.redis.client import RedisClient, connect
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.index.redis.mirror import Mirror
@@ -55,7 +55,7 @@ from balancer.log_limit import LimitedWarnings
 from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
-from balancer.sources.build import build_sources
+from balancer.sources.build import build_sources, zmq_settings_for
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -70,17 +70,18 @@ def space_name(model: str, block_size: int, mode: str) -> str:
     return f"{model}/{block_size}/{mode}"
 
 
-def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> aioredis.Redis:
-    """A pooled client for ``config.url`` (TLS and AUTH come from the URL; the CA from the config)."""
+def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> RedisClient:
+    """A pooled client for ``config.url``: one server, or a Redis Cluster with ``config.cluster``
+    (TLS and AUTH come from the URL; the CA from the config)."""
     assert config.url is not None
-    kwargs: dict[str, Any] = {
-        "decode_responses": decode,
-        "socket_timeout": config.socket_timeout_s + extra_timeout_s,
-        "socket_connect_timeout": config.socket_timeout_s,
-    }
-    if config.url.startswith("rediss://") and config.tls_ca_file:
-        kwargs["ssl_ca_certs"] = config.tls_ca_file
-    return aioredis.Redis.from_url(config.url, **kwargs)
+    return connect(
+        config.url,
+        cluster=config.cluster,
+        decode=decode,
+        socket_timeout_s=config.socket_timeout_s + extra_timeout_s,
+        connect_timeout_s=config.socket_timeout_s,
+        tls_ca_file=config.tls_ca_file,
+    )
 
 
 @dataclass(slots=True)
@@ -153,9 +154,11 @@ class FleetRuntime:
             raise ConfigError(f"pool {model!r}: {exc}") from None
         index = RedisIndex(self.text, space.hasher, settings)
         writer = FencedWriter(index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result)
+        limits = state.settings.limits
         ingest_settings = IngestSettings(
-            queue_max_batches=state.settings.limits.event_queue_size,
-            max_event_blocks=state.settings.limits.max_event_blocks,
+            queue_max_batches=limits.event_queue_size,
+            queue_max_bytes=limits.event_queue_bytes,
+            max_event_blocks=limits.max_event_blocks,
         )
         ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         mirror = Mirror(
@@ -186,7 +189,12 @@ class FleetRuntime:
 
     def _sources(self, replica: ReplicaConfig, resume: Mapping[int, int]) -> Sequence[EventSource]:
         return build_sources(
-            replica, zmq_ctx=self._zmq, session=self._session, metrics=self.state.metrics, resume=resume
+            replica,
+            zmq_ctx=self._zmq,
+            session=self._session,
+            metrics=self.state.metrics,
+            zmq_settings=zmq_settings_for(self.state.settings.limits),
+            resume=resume,
         )
 
     async def start(self) -> None:

@@ -17,8 +17,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-import redis.asyncio as aioredis
-
+from balancer.index.redis.client import RedisClient
 from balancer.index.redis.mirror import Mirror
 from balancer.index.redis.schema import RedisKeys
 from balancer.metrics import Metrics
@@ -48,7 +47,7 @@ class SnapshotKeeper:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         *,
         owner: str,
         interval_s: float,

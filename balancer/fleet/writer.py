@@ -29,11 +29,10 @@ import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from redis.exceptions import RedisError
-
 from balancer.errors import BalancerError
 from balancer.events import KvEvent
 from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.redis.client import REDIS_ERRORS
 from balancer.index.redis.index import PositionMismatchError, RedisIndex, StaleGenerationError
 from balancer.index.redis.lease import IngestionLease, encode_positions
 from balancer.log_limit import LimitedWarnings
@@ -147,7 +146,7 @@ class FencedWriter:
                 self._on_redis(True)
                 await self._fenced(replica, holding, exc)
                 continue
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self._on_redis(False)
                 self._metrics.redis_errors_total.labels("writer").inc()
                 self._metrics.redis_apply_retries_total.inc()

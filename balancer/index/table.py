@@ -56,6 +56,9 @@ class PrefixTable:
         self._spec_heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
         self._spec_seq = 0
         self._spec_count = 0
+        self._spec_refs = 0
+        """Keys listed by the heap's entries, stale ones included (a key re-added with a new expiry
+        is listed again): bounded by ``2 × max_speculative_keys`` (:meth:`_compact_spec_heap`)."""
         self._block_size = hasher.block_size
         self._lookahead = hasher.lookahead_tokens
         cap = self.limits.capacity_blocks
@@ -325,9 +328,11 @@ class PrefixTable:
         spec = self._slots.specs.get(replica)
         if spec is None and limit:
             spec = self._slots.new_spec(replica)
-        if spec is None or len(self._spec_heap) >= limit:
+        if spec is None:
             self.counters.speculative_overflow += len(keys)
             return
+        if self._spec_refs + min(len(keys), limit) > 2 * limit:
+            self._compact_spec_heap()  # then at most ``limit`` are listed: room for ``limit`` more
         expiry_s = now + ttl_s
         holders = self._holders
         pending = spec.expiry
@@ -344,6 +349,7 @@ class PrefixTable:
             taken.append(key)
         if taken:
             self._spec_seq += 1
+            self._spec_refs += len(taken)
             heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
         if len(holders) > self.limits.capacity_blocks:
             self._evict()
@@ -353,6 +359,7 @@ class PrefixTable:
         heap = self._spec_heap
         while heap and heap[0][0] <= now:
             expiry_s, _, spec, keys = heapq.heappop(heap)
+            self._spec_refs -= len(keys)
             if not spec.alive:
                 continue
             pending = spec.expiry
@@ -362,6 +369,35 @@ class PrefixTable:
             self._spec_count -= len(due)
             self.counters.speculative_expired += len(due)
             self._unset(due, spec.bit)
+
+    def _compact_spec_heap(self) -> None:
+        """Rebuild the heap from the live entries only (one per replica and expiry).
+
+        Each add lists its keys in a new heap entry, and the entry of a key whose expiry changed
+        stays until its own expiry (a routed request's keys are listed for ``pending_ttl_s``, the
+        upstream first-byte timeout, and again for ``speculative_ttl_s`` after its first token). Under
+        a burst those stale lists kept every request's keys alive for a minute: about 22 kB per
+        2k-token request (defect 8). Runs when the listed keys would pass ``2 × max_speculative_keys``,
+        so it is amortised O(1) per key and the heap lists at most that many."""
+        groups: dict[tuple[float, int], list[int]] = {}
+        specs: dict[int, SpecSlot] = {}
+        for spec in self._slots.specs.values():
+            specs[spec.slot] = spec
+            for key, expiry_s in spec.expiry.items():
+                groups.setdefault((expiry_s, spec.slot), []).append(key)
+        heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
+        for (expiry_s, slot), keys in groups.items():
+            self._spec_seq += 1
+            heap.append((expiry_s, self._spec_seq, specs[slot], keys))
+        heapq.heapify(heap)
+        self._spec_heap = heap
+        self._spec_refs = sum(len(keys) for *_, keys in heap)
+        self.counters.speculative_compactions += 1
+
+    @property
+    def speculative_listed(self) -> int:
+        """Keys the expiry heap lists (stale entries included); at most ``2 × max_speculative_keys``."""
+        return self._spec_refs
 
     # ------------------------------------------------------------------ replicas and stats
 

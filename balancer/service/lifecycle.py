@@ -37,7 +37,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
-from balancer.sources.build import build_sources
+from balancer.sources.build import build_sources, zmq_settings_for
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -77,6 +77,7 @@ class ReplicaLifecycle:
         self._ingest_settings = IngestSettings(
             queue_max_batches=settings.limits.event_queue_size,
             max_event_blocks=settings.limits.max_event_blocks,
+            queue_max_bytes=settings.limits.event_queue_bytes,
         )
 
     # ------------------------------------------------------------------ static replicas
@@ -188,7 +189,13 @@ class ReplicaLifecycle:
             ingest = EventIngest(index, metrics=self.state.metrics, settings=self._ingest_settings)
             self.ingests[id(space)] = ingest
             self.state.ingests.append(ingest)
-        sources = build_sources(config, zmq_ctx=self._zmq, session=self._session, metrics=self.state.metrics)
+        sources = build_sources(
+            config,
+            zmq_ctx=self._zmq,
+            session=self._session,
+            metrics=self.state.metrics,
+            zmq_settings=zmq_settings_for(self.state.settings.limits),
+        )
         ingest.add_replica(ReplicaId(config.id), config.engine, sources)
         return ingest
 

@@ -14,13 +14,18 @@ from typing import assert_never
 import aiohttp
 import zmq.asyncio
 
-from balancer.config import ReplicaConfig
+from balancer.config import LimitConfig, ReplicaConfig
 from balancer.engines.registry import engine_spec
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings, endpoint_for_rank
 from balancer.types import ReplicaId
+
+
+def zmq_settings_for(limits: LimitConfig) -> ZmqSourceSettings:
+    """The ZMQ source settings the configured limits ask for (``limits.event_message_bytes``)."""
+    return ZmqSourceSettings(max_message_bytes=limits.event_message_bytes)
 
 
 def build_sources(

@@ -5,7 +5,10 @@
     source(s) ──offer()──▶ bounded queue ──▶ one applier task ──▶ index.apply(replica, events, now)
 
 One queue and one applier per replica keep that replica's events in order; replicas never wait on
-each other. ``offer`` never blocks: when the queue is full its content is dropped and replaced by
+each other. The queue is bounded in batches and in bytes (:func:`batch_bytes`, an estimate of the
+decoded events' memory), so a flood of large batches costs at most ``queue_max_bytes`` per replica;
+one ``index.apply`` merges queued batches, so it is bounded by the same figure.
+``offer`` never blocks: when the queue is full its content is dropped and replaced by
 ``Resync(rank, "overflow")`` for every rank it touched (counted in
 ``kvlb_events_queue_overflow_total``), because stale affinity is better than unbounded memory or a
 stalled socket. ``now`` for the index is ``time.monotonic()``, read here, never in the pure core.
@@ -31,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol, runtime_checkable
 
 from balancer.errors import BalancerError, ConfigError
-from balancer.events import KvEvent, Resync, event_blocks
+from balancer.events import KvEvent, Resync, Stored, event_blocks
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -57,12 +60,34 @@ class IngestSettings:
     larger event is dropped where it enters the queue and its rank resyncs (``Resync(rank,
     "oversize")``, counted in ``kvlb_events_oversize_total``), so one hostile or broken event
     cannot hold the index (or a shared Redis) for seconds. Must be ≥ 1."""
+    queue_max_bytes: int = 64 * 1024 * 1024
+    """Bytes (:func:`batch_bytes`) queued per replica; a batch that would pass it overflows the
+    queue like one batch too many. A single batch larger than this is replaced by resyncs of its
+    ranks at once. Must be ≥ 1."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""
-        for name in ("queue_max_batches", "coalesce_max_batches", "max_event_blocks"):
+        for name in ("queue_max_batches", "coalesce_max_batches", "max_event_blocks", "queue_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ingest.{name} must be >= 1, got {getattr(self, name)}")
+
+
+EVENT_OVERHEAD_BYTES = 100
+"""Estimated memory of one decoded event besides its tokens and hashes (object, tuple, fields)."""
+HASH_BYTES = 40
+"""Estimated memory of one engine hash in a decoded event (a Python int and its tuple slot)."""
+
+
+def batch_bytes(events: Sequence[KvEvent]) -> int:
+    """Estimated memory of decoded ``events``: tokens (packed bytes), hashes, per-event overhead."""
+    total = 0
+    for event in events:
+        total += EVENT_OVERHEAD_BYTES
+        if type(event) is Stored:
+            total += len(event.tokens) + HASH_BYTES * len(event.engine_hashes)
+        else:
+            total += HASH_BYTES * len(getattr(event, "engine_hashes", ()))
+    return total
 
 
 @runtime_checkable
@@ -114,7 +139,9 @@ class ReplicaPipeline:
         self._metrics = metrics
         self._monotonic = monotonic
         self._wall_clock = wall_clock
-        self._queue: asyncio.Queue[IngestBatch] = asyncio.Queue(self.settings.queue_max_batches)
+        self._queue: asyncio.Queue[tuple[IngestBatch, int]] = asyncio.Queue(self.settings.queue_max_batches)
+        self.queued_bytes = 0
+        """:func:`batch_bytes` of the queued batches."""
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
         self._unsure_ranks: set[int] = set()
         self.overflows = 0
@@ -132,26 +159,34 @@ class ReplicaPipeline:
             return
         if any(event_blocks(event) > self.settings.max_event_blocks for event in batch.events):
             batch = self._without_oversize(batch)
-        try:
-            self._queue.put_nowait(batch)
-            return
-        except asyncio.QueueFull:
-            pass
+        size = batch_bytes(batch.events)
+        if self.queued_bytes + size <= self.settings.queue_max_bytes:
+            try:
+                self._queue.put_nowait((batch, size))
+                self.queued_bytes += size
+                return
+            except asyncio.QueueFull:
+                pass
         dropped = [batch]
         while not self._queue.empty():
-            dropped.append(self._queue.get_nowait())
+            dropped.append(self._queue.get_nowait()[0])
+        self.queued_bytes = 0
         ranks = sorted({event.dp_rank for item in dropped for event in item.events})
         self.overflows += 1
         self._metrics.events_queue_overflow_total.labels(self.replica).inc()
         self._warnings.warning(
             "events_queue_overflow",
             self.replica,
-            "replica %s: event queue full (%d batches); dropped them, resyncing ranks %s",
+            "replica %s: event queue full (%d batches, %d bytes); dropped them, resyncing ranks %s",
             self.replica,
             len(dropped),
+            size,
             ranks,
         )
-        self._queue.put_nowait(IngestBatch(tuple(Resync(rank, "overflow") for rank in ranks)))
+        resync = IngestBatch(tuple(Resync(rank, "overflow") for rank in ranks))
+        resync_size = batch_bytes(resync.events)
+        self._queue.put_nowait((resync, resync_size))
+        self.queued_bytes = resync_size
 
     def _without_oversize(self, batch: IngestBatch) -> IngestBatch:
         """``batch`` with each event over ``max_event_blocks`` replaced by a resync of its rank."""
@@ -163,7 +198,9 @@ class ReplicaPipeline:
                 kept.append(event)
                 continue
             self._metrics.events_oversize_total.labels(self.replica).inc()
-            log.warning(
+            self._warnings.warning(
+                "events_oversize",
+                self.replica,
                 "replica %s: dropped an event of %d blocks (limits.max_event_blocks = %d); resyncing rank %d",
                 self.replica,
                 blocks,
@@ -176,14 +213,19 @@ class ReplicaPipeline:
     async def run(self) -> None:
         """Apply queued batches in order until cancelled; an index failure is logged, not fatal."""
         while True:
-            batches = [await self._queue.get()]
+            batches = [self._taken(await self._queue.get())]
             while len(batches) < self.settings.coalesce_max_batches and not self._queue.empty():
-                batches.append(self._queue.get_nowait())
+                batches.append(self._taken(self._queue.get_nowait()))
             self._busy = True
             try:
                 await self._apply(batches)
             finally:
                 self._busy = False
+
+    def _taken(self, item: tuple[IngestBatch, int]) -> IngestBatch:
+        batch, size = item
+        self.queued_bytes = max(0, self.queued_bytes - size)
+        return batch
 
     async def wait_applied(self, timeout_s: float) -> bool:
         """Wait (up to ``timeout_s``) until every queued batch is applied; ``True`` when all were,

@@ -22,6 +22,10 @@ class ZmqSourceSettings:
     rcvhwm: int = 100_000
     """SUB receive high-water mark (messages). Above it ZMQ drops messages, which shows as a gap.
     Must be ≥ 1."""
+    max_message_bytes: int = 16 * 1024 * 1024
+    """``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets: a publisher sending a larger message is
+    disconnected by ZMQ (then a resync; the source opens a fresh socket, as libzmq does not
+    reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
@@ -41,7 +45,7 @@ class ZmqSourceSettings:
                 raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")
         if self.reconnect_initial_s > self.reconnect_max_s:
             raise ConfigError("zmq.reconnect_initial_s must be <= zmq.reconnect_max_s")
-        for name in ("replay_max_batches", "rcvhwm"):
+        for name in ("replay_max_batches", "rcvhwm", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")
 

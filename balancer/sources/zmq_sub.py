@@ -63,6 +63,11 @@ SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 
 
+class _Reopen(Exception):
+    """The SUB lost its publisher: open a fresh socket (libzmq does not reconnect a connection it
+    dropped for a protocol error, such as a message over ``ZMQ_MAXMSGSIZE``)."""
+
+
 def _is_replay_end(frames: Sequence[bytes]) -> bool:
     """The end of a replay: ``[b"", seq -1, b""]`` (SGLang) or ``[b"", b"", seq -1, b""]`` (vLLM)."""
     return len(frames) in (3, 4) and frames[0] == b"" and frames[-2] == REPLAY_END and frames[-1] == b""
@@ -154,6 +159,9 @@ class ZmqEventSource:
                         await self._drain(sub, emit)
                     if monitor in ready:
                         await self._on_monitor(monitor, sub, emit)
+            except _Reopen:
+                backoff.reset()
+                continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
             except zmq.ZMQError as exc:
                 if exc.errno == zmq.ETERM:
                     return
@@ -199,6 +207,7 @@ class ZmqEventSource:
                 if self._live_last is not None or self._last_seq is not None:
                     self._restart(emit, "disconnect")
                     self._replay_on_connect = True
+                raise _Reopen  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif event["event"] == zmq.EVENT_CONNECTED and self._replay_on_connect:
                 self._replay_on_connect = False
                 if self.replay_endpoint is not None:
@@ -208,6 +217,7 @@ class ZmqEventSource:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         sub.connect(self.endpoint)
@@ -318,6 +328,7 @@ class ZmqEventSource:
         self._counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         first_seq: int | None = None
         complete = False
         try:

@@ -30,6 +30,8 @@ FAULT_TIMEOUTS = {"connect_s": 0.5, "first_byte_s": 1.5, "idle_s": 1.5}
 
 Inject = Callable[[FaultRig, float, Load], Awaitable[str]]
 """Injects the fault, waits ``hold_s``, recovers; returns a note for the report."""
+Verify = Callable[[FaultRig], Awaitable[str]]
+"""Checks the fleet once the index converged (raises ``AssertionError``); returns a note."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,12 @@ class Scenario:
     """FaultRig mode: a private ``redis-server`` (append-only file), reached through a delay proxy."""
     kvlbs: int = 1
     """kvlb instances (more than one only with ``redis``); the load and the checks use the first."""
+    cluster: bool = False
+    """With ``redis``: a 3-master, 3-replica Redis Cluster instead of one server (no delay proxy)."""
+    converge_limit_s: float = CONVERGE_LIMIT_S
+    """The convergence target of this scenario (seconds after the recovery)."""
+    verify: Verify | None = None
+    """Run after the convergence measurement, with the load still on; its note is appended."""
     exact: bool = True
     """Whether the index must match the engines exactly within the target. ``False`` after a resync:
     the engine still holds blocks stored before the gap that no event will name again, so the index
@@ -107,6 +115,8 @@ async def run_in_fleet(
             within_s, converge_s = await f.time_to_converge(recovered, MEASURE_LIMIT_S)
             if converge_s is None:
                 note += f"; not converged after {MEASURE_LIMIT_S}s: {await f.divergence()}"
+            if scenario.verify is not None:
+                note += "; " + await scenario.verify(f)
             await asyncio.sleep(max(0.0, 1.0 * scale - (time.monotonic() - recovered)))
             rss_mb = f.kvlb.rss_bytes() / 2**20
         finally:

@@ -3,14 +3,18 @@ Redis ones (fleet mode), and the runner that starts a private ``redis-server`` f
 
 The Redis scenarios run two ``kvlb serve`` sharing a ``redis-server`` (append-only file) reached
 through a :class:`tcp_proxy.DelayProxy`; the load goes to the first, every kvlb still running is checked.
+The cluster scenario runs them on a private 3-master, 3-replica Redis Cluster
+(:mod:`redis_cluster`, ``redis.cluster: true``) instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
+from redis_cluster import RedisClusterProcs, start_cluster
 from redis_server import RedisServer, start_server
 from tcp_proxy import DelayProxy
 
@@ -21,8 +25,10 @@ from loadtests.faults.scenarios import (
     FAULT_TIMEOUTS,
     MEASURE_LIMIT_S,
     REPLICA_SCENARIOS,
+    Inject,
     Result,
     Scenario,
+    Verify,
     run_in_fleet,
 )
 
@@ -36,6 +42,13 @@ async def run(scenario: Scenario, tmp: Path, scale: float = 1.0) -> Result:
     top: dict[str, Any] = {"timeouts": dict(FAULT_TIMEOUTS)}
     if not scenario.redis:
         return await run_in_fleet(scenario, tmp, scale, top, {})
+    if scenario.cluster:
+        cluster = await asyncio.to_thread(start_cluster, tmp / "cluster")
+        top["redis"] = {"url": cluster.url, "cluster": True, **FLEET_TIMING}
+        try:
+            return await run_in_fleet(scenario, tmp, scale, top, {"cluster": cluster})
+        finally:
+            await asyncio.to_thread(cluster.stop)
     data_dir = tmp / "redis"
     data_dir.mkdir()
     server = await asyncio.to_thread(start_server, None, data_dir)
@@ -81,6 +94,75 @@ async def redis_slow(f: FaultRig, hold_s: float, load: Load) -> str:
     return "Redis round trips +300 ms"
 
 
+SGLANG_SPACE_KEY = "kvlb:{sim-test/4/plain}:ctr"
+"""A key of the SGLang replicas' key space in the fault rig (slot 9294, the second master's range,
+with the shared policy ``kvlb:policy``)."""
+TRTLLM_SPACE_KEY = "kvlb:{sim-test/4/trtllm}:ctr"
+"""A key of the TRT-LLM replica's key space (slot 14346, the third master's range, with the member
+set ``kvlb:members``)."""
+
+
+def kill_master(space_key: str, label: str) -> Inject:
+    """SIGKILL the cluster master serving ``space_key``'s key space; the inject returns once its
+    replica is promoted and every live node says ``cluster_state:ok``."""
+
+    async def inject(f: FaultRig, hold_s: float, load: Load) -> str:
+        cluster: RedisClusterProcs = f.context["cluster"]
+        f.checked = [f.url, *(other.info["url"] for other in f.others)]
+        before = await _stream_entries(cluster, space_key)
+        killed_at = time.monotonic()
+        old = await asyncio.to_thread(cluster.kill_master_of, space_key)
+        new_port = await asyncio.to_thread(cluster.wait_promoted, space_key, old.port)
+        promoted_s = time.monotonic() - killed_at
+        f.context["promoted"] = (before, new_port)
+        return (
+            f"master :{old.port} of the {label} key space SIGKILLed; replica :{new_port} promoted "
+            f"after {promoted_s:.2f} s (stream at entry {before})"
+        )
+
+    return inject
+
+
+def followed(space_key: str) -> Verify:
+    """Every kvlb follows the new topology: Redis up again, and new batches of the key space written
+    through the promoted master (its stream goes on past the number seen at the kill)."""
+
+    async def verify(f: FaultRig) -> str:
+        cluster: RedisClusterProcs = f.context["cluster"]
+        before, new_port = f.context["promoted"]
+        deadline = time.monotonic() + 10.0
+        while True:
+            after = await _stream_entries(cluster, space_key)
+            ups = [await _metric(f, url, "kvlb_redis_up") for url in f.checked]
+            if after > before and all(up == 1.0 for up in ups):
+                break
+            assert time.monotonic() < deadline, f"stream {before} -> {after}, kvlb_redis_up {ups}"
+            await asyncio.sleep(0.1)
+        assert cluster.master_port(space_key) == new_port
+        return f"{after - before} entries since, through :{new_port}; kvlb_redis_up 1 on {len(ups)} kvlb"
+
+    return verify
+
+
+async def _metric(f: FaultRig, url: str, name: str) -> float | None:
+    async with f.session.get(url + "/metrics") as response:
+        text = await response.text()
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.rpartition(" ")[2])
+    return None
+
+
+async def _stream_entries(cluster: RedisClusterProcs, space_key: str) -> int:
+    """The number of the key space's last stream entry (``ctr.stream_entries``)."""
+
+    def read() -> int:
+        with cluster.node(cluster.master_port(space_key)).client() as client:
+            return int(client.hget(space_key, "stream_entries") or 0)
+
+    return await asyncio.to_thread(read)
+
+
 async def _leases(f: FaultRig, url: str) -> list[str]:
     async with f.session.get(url + "/admin/fleet") as response:
         fleet_view = (await response.json())["fleet"] or {}
@@ -102,6 +184,26 @@ SCENARIOS = {
                 redis_restarted,
                 redis=True,
                 kvlbs=2,
+            ),
+            Scenario(
+                "cluster_master_killed",
+                "Redis Cluster master killed (replica promoted)",
+                kill_master(SGLANG_SPACE_KEY, "SGLang"),
+                redis=True,
+                cluster=True,
+                kvlbs=2,
+                converge_limit_s=5.0,
+                verify=followed(SGLANG_SPACE_KEY),
+            ),
+            Scenario(
+                "cluster_master_killed_trtllm",
+                "Redis Cluster master of the TRT-LLM key space and the member set killed",
+                kill_master(TRTLLM_SPACE_KEY, "TRT-LLM"),
+                redis=True,
+                cluster=True,
+                kvlbs=2,
+                converge_limit_s=5.0,
+                verify=followed(TRTLLM_SPACE_KEY),
             ),
             Scenario(
                 "redis_slow",

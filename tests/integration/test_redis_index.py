@@ -1,5 +1,6 @@
-"""``RedisIndex`` against a real private ``redis-server``: equivalence with ``MemoryIndex``, fencing,
-batching, memory per block.
+"""``RedisIndex`` against a real private ``redis-server`` and a real 3 + 3 Redis Cluster (the
+``redis_target`` parameter): equivalence with ``MemoryIndex``, fencing, batching, pools on different
+cluster masters, memory per block (single server only).
 
 The differential test drives both indexes with the same seeded random batches (several events per
 ``apply``, parents defined inside and outside the batch, second handles, removals, clears, drops,
@@ -14,11 +15,14 @@ from dataclasses import asdict
 
 import pytest
 import redis.asyncio as aioredis
+from redis.crc import key_slot
+from redis_cluster import RedisClusterProcs, RedisTarget
 from redis_server import RedisServer, fresh_settings
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.memory import MemoryIndex
+from balancer.index.redis.client import RedisClient
 from balancer.index.redis.index import RedisIndex, StaleGenerationError
 from balancer.index.redis.schema import RedisIndexSettings
 from balancer.types import EngineHash, ReplicaId
@@ -32,13 +36,20 @@ Path = tuple[int, ...]
 
 
 @pytest.fixture
-async def client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+async def client(redis_target: RedisTarget) -> AsyncIterator[RedisClient]:
+    conn = redis_target.client(decode=True)
+    yield conn
+    await conn.aclose()
+
+
+@pytest.fixture
+async def server_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
     conn = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     yield conn
     await conn.aclose()
 
 
-def make_index(client: aioredis.Redis, settings: RedisIndexSettings | None = None) -> RedisIndex:
+def make_index(client: RedisClient, settings: RedisIndexSettings | None = None) -> RedisIndex:
     return RedisIndex(client, HASHER, settings or fresh_settings())
 
 
@@ -95,7 +106,7 @@ async def compare_stats(memory: MemoryIndex, redis_index: RedisIndex) -> None:
     [(1, 100_000, 1), (2, 100_000, 1), (3, 6, 1), (4, 9, 1), (5, 20, 1), (6, 100_000, 2), (7, 9, 2)],
 )
 async def test_same_results_as_memory_index(
-    client: aioredis.Redis, seed: int, capacity: int, writers: int
+    client: RedisClient, seed: int, capacity: int, writers: int
 ) -> None:
     """With two writers on one pool, each one's parent hints go stale and must be caught."""
     rng = random.Random(seed)
@@ -134,7 +145,7 @@ def chain(first: int, blocks: int, parent: int | None = None, base_hash: int = 0
     return Stored(0, parent_hash, ehs, pack_tokens(list(range(first * BS, (first + blocks) * BS))), BS)
 
 
-async def test_stale_generation_is_rejected_whole_and_counted(client: aioredis.Redis) -> None:
+async def test_stale_generation_is_rejected_whole_and_counted(client: RedisClient) -> None:
     index = make_index(client)
     a = ReplicaId("a")
     assert await index.generation(a) == 0
@@ -152,7 +163,7 @@ async def test_stale_generation_is_rejected_whole_and_counted(client: aioredis.R
     assert (await index.match(keys, None, 2.0)).blocks == {a: 3}
 
 
-async def test_generations_are_per_replica(client: aioredis.Redis) -> None:
+async def test_generations_are_per_replica(client: RedisClient) -> None:
     index = make_index(client)
     a, b = ReplicaId("a"), ReplicaId("b")
     await index.drop_replica(a)
@@ -161,7 +172,7 @@ async def test_generations_are_per_replica(client: aioredis.Redis) -> None:
         await index.apply(a, [], 0.0, generation=0)  # an empty batch is fenced too
 
 
-async def test_batch_resolves_parents_inside_and_outside_itself(client: aioredis.Redis) -> None:
+async def test_batch_resolves_parents_inside_and_outside_itself(client: RedisClient) -> None:
     index = make_index(client)
     a = ReplicaId("a")
     await index.apply(a, [chain(0, 2)], 0.0)  # engine hashes 0, 1
@@ -179,7 +190,7 @@ async def test_batch_resolves_parents_inside_and_outside_itself(client: aioredis
     assert (await index.match(keys, None, 1.0)).blocks == {a: 0}  # the clear came last
 
 
-async def test_other_pools_are_untouched(client: aioredis.Redis) -> None:
+async def test_other_pools_are_untouched(client: RedisClient) -> None:
     one, two = make_index(client), make_index(client)
     a = ReplicaId("a")
     await one.apply(a, [chain(0, 4)], 0.0)
@@ -192,8 +203,9 @@ async def test_other_pools_are_untouched(client: aioredis.Redis) -> None:
     assert any("{" + one.settings.pool + "}" in name for name in names)
 
 
-async def test_redis_memory_per_held_block(client: aioredis.Redis) -> None:
+async def test_redis_memory_per_held_block(server_client: aioredis.Redis) -> None:
     """Bytes of Redis memory per held block, measured with ``INFO memory`` (printed with -s)."""
+    client = server_client
     index = make_index(client)
     replicas, chains, chain_blocks = 4, 40, 32
     before = (await client.info("memory"))["used_memory"]
@@ -208,3 +220,43 @@ async def test_redis_memory_per_held_block(client: aioredis.Redis) -> None:
     per_unique = (after - before) / stats.unique_blocks
     print(f"redis bytes per held block {per_held:.0f}, per unique block {per_unique:.0f}")
     assert 16 < per_held < 2000
+
+
+def pools_on_distinct_masters(cluster: RedisClusterProcs, count: int) -> list[str]:
+    """``count`` pool names whose ``{pool}`` hash tags are served by ``count`` different masters."""
+    chosen: dict[int, str] = {}
+    for n in range(200):
+        name = f"spread-{n}"
+        master = cluster.master_port("kvlb:{" + name + "}:ctr")
+        chosen.setdefault(master, name)
+        if len(chosen) == count:
+            return list(chosen.values())
+    raise AssertionError(f"no {count} pools on distinct masters among 200 names")
+
+
+async def test_pools_on_different_cluster_masters_stay_apart(redis_cluster: RedisClusterProcs) -> None:
+    """Three pools on three masters: each pool's keys live on its own master only, each answers
+    only from its own keys, and a drop in one leaves the others alone."""
+    client = RedisTarget("cluster", redis_cluster.url, redis_cluster).client(decode=True)
+    try:
+        await _pools_stay_apart(redis_cluster, client)
+    finally:
+        await client.aclose()
+
+
+async def _pools_stay_apart(redis_cluster: RedisClusterProcs, client: RedisClient) -> None:
+    names = pools_on_distinct_masters(redis_cluster, 3)
+    indexes = [make_index(client, RedisIndexSettings(pool=name, capacity_blocks=1000)) for name in names]
+    a = ReplicaId("a")
+    for number, index in enumerate(indexes):
+        await index.apply(a, [chain(100 * number, 3 + number)], 0.0)
+    masters = [redis_cluster.master_port(index.keys.counters) for index in indexes]
+    assert len(set(masters)) == 3, masters
+    assert len({key_slot(index.keys.counters.encode()) for index in indexes}) == 3
+    for index, port in zip(indexes, masters, strict=True):
+        with redis_cluster.node(port).client() as node:
+            names_here = node.keys("*")
+        assert names_here and all(index.keys.prefix in name for name in names_here), names_here
+        assert (await index.stats()).held_blocks == 3 + indexes.index(index)
+    await indexes[0].drop_replica(a)
+    assert [(await index.stats()).held_blocks for index in indexes] == [0, 4, 5]

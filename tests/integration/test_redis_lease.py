@@ -1,5 +1,6 @@
-"""Ingestion leases against a real private ``redis-server``: exclusivity, renewal, release,
-takeover after expiry, fencing of the old owner, and the stored last sequence number."""
+"""Ingestion leases against a real private ``redis-server`` and a real 3 + 3 Redis Cluster:
+exclusivity, renewal, release, takeover after expiry, fencing of the old owner, and the stored last
+sequence number."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-import redis.asyncio as aioredis
-from redis_server import RedisServer, fresh_settings
+from redis_cluster import RedisTarget
+from redis_server import fresh_settings
 
 from balancer.events import Stored
 from balancer.index.hashing import BlockHasher
@@ -23,8 +24,8 @@ R = ReplicaId("trtllm-0")
 
 
 @pytest.fixture
-async def index(redis_server: RedisServer) -> AsyncIterator[RedisIndex]:
-    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+async def index(redis_target: RedisTarget) -> AsyncIterator[RedisIndex]:
+    client = redis_target.client(decode=True)
     yield RedisIndex(client, HASHER, fresh_settings())
     await client.aclose()
 

@@ -1,4 +1,5 @@
-"""The applied-event stream and ``Mirror`` against a real private ``redis-server``.
+"""The applied-event stream and ``Mirror`` against a real private ``redis-server`` and a real 3 + 3
+Redis Cluster (the ``redis_target`` parameter).
 
 A writer ``RedisIndex`` applies seeded random batches (and drops); one mirror tails the stream
 while the writes happen, another starts afterwards from the retained stream. Both must answer every
@@ -13,12 +14,13 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-import redis.asyncio as aioredis
-from redis_server import RedisServer, fresh_settings
+from redis_cluster import RedisTarget
+from redis_server import fresh_settings
 from test_redis_index import HASHER, REPLICAS, random_event, random_path, tokens
 
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.index.redis.client import RedisClient
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror, MirrorSettings
 from balancer.index.redis.schema import RedisIndexSettings
@@ -29,20 +31,20 @@ pytestmark = pytest.mark.redis
 
 
 @pytest.fixture
-async def text_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    conn = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+async def text_client(redis_target: RedisTarget) -> AsyncIterator[RedisClient]:
+    conn = redis_target.client(decode=True)
     yield conn
     await conn.aclose()
 
 
 @pytest.fixture
-async def raw_client(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
-    conn = aioredis.Redis.from_url(redis_server.url, decode_responses=False)
+async def raw_client(redis_target: RedisTarget) -> AsyncIterator[RedisClient]:
+    conn = redis_target.client(decode=False)
     yield conn
     await conn.aclose()
 
 
-def make_mirror(raw_client: aioredis.Redis, settings: RedisIndexSettings) -> Mirror:
+def make_mirror(raw_client: RedisClient, settings: RedisIndexSettings) -> Mirror:
     return Mirror(raw_client, HASHER, settings, time.monotonic, MirrorSettings(read_count=7, block_ms=50))
 
 
@@ -75,7 +77,7 @@ async def assert_same_matches(writer: RedisIndex, mirrors: list[Mirror], rng: ra
 
 @pytest.mark.parametrize(("seed", "capacity"), [(11, 100_000), (12, 12)])
 async def test_two_mirrors_converge_with_the_writer(
-    text_client: aioredis.Redis, raw_client: aioredis.Redis, seed: int, capacity: int
+    text_client: RedisClient, raw_client: RedisClient, seed: int, capacity: int
 ) -> None:
     settings = fresh_settings(capacity)
     writer = RedisIndex(text_client, HASHER, settings)
@@ -100,7 +102,7 @@ async def test_two_mirrors_converge_with_the_writer(
 
 
 async def test_a_trimmed_stream_makes_a_lagging_mirror_rebuild(
-    text_client: aioredis.Redis, raw_client: aioredis.Redis
+    text_client: RedisClient, raw_client: RedisClient
 ) -> None:
     settings = fresh_settings(100_000, stream_maxlen=10)
     writer = RedisIndex(text_client, HASHER, settings)
@@ -119,7 +121,7 @@ async def test_a_trimmed_stream_makes_a_lagging_mirror_rebuild(
     assert mirror.last_number == (await writer.counters())["stream_entries"]
 
 
-async def test_no_stream_when_disabled(text_client: aioredis.Redis) -> None:
+async def test_no_stream_when_disabled(text_client: RedisClient) -> None:
     writer = RedisIndex(text_client, HASHER, fresh_settings(100_000, stream_maxlen=0))
     first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
     await writer.apply(ReplicaId("a"), [first], 0.0)

@@ -12,7 +12,7 @@ from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.metrics import Metrics
 from balancer.sources.base import Emit, IngestBatch, SourceStatus
-from balancer.sources.pipeline import EventIngest, IngestSettings, ReplicaPipeline
+from balancer.sources.pipeline import EventIngest, IngestSettings, ReplicaPipeline, batch_bytes
 from balancer.types import EngineHash, ReplicaId
 
 R1 = ReplicaId("r1")
@@ -137,6 +137,37 @@ async def test_an_event_over_max_event_blocks_is_dropped_and_its_rank_resyncs() 
     assert index.events() == [fits, Resync(1, "oversize"), Resync(2, "oversize"), Resync(3, "oversize")]
     assert sample(metrics, "kvlb_events_oversize_total", {"replica": R1}) == 3
     assert sample(metrics, "kvlb_events_resyncs_total", {"replica": R1, "reason": "oversize"}) == 3
+
+
+def stored(rank: int, tokens: int) -> IngestBatch:
+    return IngestBatch((Stored(rank, None, (EngineHash(tokens),), bytes(4 * tokens), tokens),))
+
+
+async def test_the_queue_is_bounded_in_bytes_too() -> None:
+    """Three batches of ~40 kB fit 100 kB of queue; the fourth overflows it (backlog → resyncs),
+    and the bytes counted go back to the resync's size, then to 0 once applied."""
+    index, metrics = RecordingIndex(), Metrics.create()
+    settings = IngestSettings(queue_max_batches=1000, queue_max_bytes=100_000)
+    pipeline = ReplicaPipeline(R1, "sglang", index, metrics=metrics, settings=settings)  # type: ignore[arg-type]
+    one = batch_bytes(stored(0, 8000).events)
+    assert 32_000 < one < 33_000
+    pipeline.offer(stored(0, 8000))
+    pipeline.offer(stored(1, 8000))
+    pipeline.offer(stored(0, 8000))
+    assert pipeline.queued_batches == 3 and pipeline.queued_bytes == 3 * one
+    pipeline.offer(stored(2, 8000))  # 4 × 32 kB > 100 kB: overflow
+    assert pipeline.queued_batches == 1 and pipeline.overflows == 1
+    assert pipeline.queued_bytes == batch_bytes([Resync(0, "overflow")] * 3)
+    pipeline.offer(stored(0, 200_000))  # one batch over the bound on its own: resync at once
+    assert pipeline.overflows == 2 and pipeline.queued_batches == 1
+    task = asyncio.create_task(pipeline.run())
+    try:
+        await eventually(lambda: pipeline.applied_batches == 1)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert index.events() == [Resync(0, "overflow"), Resync(1, "overflow"), Resync(2, "overflow")]
+    assert pipeline.queued_bytes == 0
 
 
 async def test_failed_apply_is_survived_and_its_ranks_resync() -> None:

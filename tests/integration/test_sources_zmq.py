@@ -4,6 +4,9 @@ filled by replay, resyncs, and restarts of the engine (seq regression, a new pro
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+
 import zmq
 import zmq.asyncio
 from zmq_rig import (  # noqa: F401  (pytest fixtures)
@@ -135,3 +138,25 @@ async def test_a_new_process_whose_seq_lands_above_the_old_one_is_a_restart(
             assert rig.metric("kvlb_events_resyncs_total", {"replica": REPLICA, "reason": "gap"}) == 0
         finally:
             await new.aclose()
+
+
+async def test_a_message_over_max_message_bytes_is_refused_and_resynced(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """``ZMQ_MAXMSGSIZE``: a batch larger than ``max_message_bytes`` never reaches kvlb's memory; ZMQ
+    drops the publisher's connection instead, which resyncs the rank; the stream then goes on."""
+    settings = dataclasses.replace(FAST, max_message_bytes=4096)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+        await publisher.wait_subscribed()
+        await publisher.pages(3)
+        await rig.settle(2)
+        huge = dict(page(publisher.seq), token_ids=[1000 + i for i in range(4 * 1024)])
+        await publisher.publish([huge])  # seq 3: about 12 kB
+        await eventually(lambda: (0, "disconnect") in rig.index.resyncs())
+        async with asyncio.timeout(5):  # the XPUB sees the unsubscribe, then the fresh socket's
+            while await publisher.pub.recv() != b"\x01" + TOPIC:
+                pass
+        await publisher.pages(3)  # seqs 4-6
+        await rig.settle(6)
+        assert 4 not in rig.index.pages()  # the huge batch (page hash 4) was never applied
+        assert rig.index.pages()[-3:] == [5, 6, 7]

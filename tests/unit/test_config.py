@@ -40,6 +40,13 @@ def test_yaml_env_and_set_precedence(tmp_path: Path) -> None:
     assert settings.policy.weights == {"credit": 0.5}
 
 
+def test_redis_cluster_setting() -> None:
+    settings = config.load(sets=["redis.url=redis://h:7000/0", "redis.cluster=true"], env={})
+    assert settings.redis.cluster
+    settings = config.load(env={"KVLB_REDIS__URL": "redis://h:7000", "KVLB_REDIS__CLUSTER": "true"})
+    assert settings.redis.cluster and settings.redis.url == "redis://h:7000"
+
+
 def test_config_file_from_env(tmp_path: Path) -> None:
     path = tmp_path / "c.yaml"
     path.write_text("listen: {port: 1234}\n")
@@ -54,6 +61,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.max_inflight=0"], "limits.max_inflight must be > 0"),
         (["limits.max_event_blocks=0"], "limits.max_event_blocks must be > 0"),
         (["redis.url=http://x"], "redis.url must start with"),
+        (["redis.cluster=true"], "redis.cluster needs redis.url"),
+        (["redis.url=redis://h:7000/2", "redis.cluster=true"], "database must be 0"),
         (["pools=[{model: m, replicas: [{id: a, url: 'ftp://x'}]}]"], "url must be http"),
         (["pools=[{model: m, replicas: [{id: a, url: 'http://x', engine: foo}]}]"], "must be one of"),
         (

@@ -252,3 +252,24 @@ def test_prefix_holders_agree_with_match(mode: str) -> None:
             holders = t.prefix_holders(tokens, now)
             assert set(holders) == {r for r, b in first.items() if b}
             assert set(holders) == {r for r, b in overlap.items() if b}
+
+
+def test_re_added_keys_do_not_pile_up_in_the_expiry_heap() -> None:
+    """The router's pattern: each request's keys are added with the long first-byte TTL, then again
+    with the short TTL at its first token. The long entries stay listed until their own expiry; the
+    heap is rebuilt whenever it would list more than 2 × the cap (defect 8: a minute of requests'
+    keys kept alive). Expiry still follows the latest TTL of each key."""
+    t = table(max_speculative_keys=1000)
+    now = 0.0
+    for request in range(400):  # 400 × 20 keys listed twice (the long entries for 60 s): 16 000
+        keys = HASHER.request_keys(toks(20, first=1000 * request))
+        t.add_speculative(A, keys, 60.0, now)
+        t.add_speculative(A, keys, 2.0, now)
+        assert t.speculative_listed <= 2 * 1000
+        now += 0.1  # 20 requests (400 keys) within the short TTL: under the cap of 1000
+    assert t.counters.speculative_compactions > 0
+    assert t.stats().speculative_entries <= 1000
+    live = HASHER.request_keys(toks(20, first=1000 * 399))
+    assert t.match(live, None, now).blocks == {A: 20}
+    assert t.match(live, None, now + 3.0).blocks.get(A, 0) == 0  # the short TTL, not the long one
+    assert t.stats().speculative_entries == 0

@@ -32,6 +32,7 @@ from balancer.events import Cleared, KvEvent, Resync
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis import scripts
+from balancer.index.redis.client import RedisClient
 from balancer.index.redis.plan import (
     ParentHints,
     Parents,
@@ -86,7 +87,7 @@ class RedisIndex:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         hasher: BlockHasher,
         settings: RedisIndexSettings,
         *,

@@ -29,9 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import redis.asyncio as aioredis
-from redis.exceptions import RedisError
-
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient
 from balancer.index.redis.schema import RedisKeys
 from balancer.types import ReplicaId
 
@@ -172,7 +170,7 @@ class IngestionLease:
     """The lease of one replica, held under one owner token. ``client`` decodes responses."""
 
     def __init__(
-        self, client: aioredis.Redis, keys: RedisKeys, replica: ReplicaId, owner: str, settings: LeaseSettings
+        self, client: RedisClient, keys: RedisKeys, replica: ReplicaId, owner: str, settings: LeaseSettings
     ) -> None:
         self.client = client
         self.keys = keys
@@ -226,7 +224,7 @@ class IngestionLease:
                 return
             try:
                 still_ours = await self.renew()
-            except RedisError as exc:
+            except REDIS_ERRORS as exc:
                 log.warning("lease of %s: renewal failed: %s", self.replica, exc)
                 continue
             if not still_ours:

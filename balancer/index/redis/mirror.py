@@ -32,14 +32,13 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
-import redis.asyncio as aioredis
 from prometheus_client import Counter
-from redis.exceptions import RedisError
 
 from balancer.errors import EventDecodeError
 from balancer.index.base import IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.memory import MemoryIndex
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient
 from balancer.index.redis.schema import RedisIndexSettings, RedisKeys
 from balancer.index.redis.stream import StreamEntry, decode_entry, entry_number
 from balancer.index.slots import TableLimits
@@ -88,7 +87,7 @@ class Mirror:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: RedisClient,
         hasher: BlockHasher,
         settings: RedisIndexSettings,
         clock: Callable[[], float],
@@ -234,7 +233,7 @@ class Mirror:
                 self.connected = True
                 self._warnings.resolved("mirror_redis_error", self._stream)
                 delay_s = self.mirror.retry_s
-            except (RedisError, OSError) as exc:
+            except REDIS_ERRORS as exc:
                 self.connected = False
                 self.counters.redis_errors += 1
                 self._warnings.warning(

@@ -1,0 +1,140 @@
+"""The Redis clients kvlb talks through, and the errors that mean "Redis did not do it" (I/O setup).
+
+Two topologies (``docs/redis-fleet.md``, "Topologies"):
+
+* **One server** (or a managed endpoint that looks like one): :class:`redis.asyncio.Redis`.
+* **Redis Cluster** (``redis.cluster: true``): :class:`FailoverSafeCluster`, a
+  :class:`redis.asyncio.cluster.RedisCluster`. The URL
+  names a seed node; the client reads the slot table from it (``CLUSTER SLOTS``), sends each
+  command to the master of its key's slot, follows ``MOVED`` (slot moved: table patched, then
+  reloaded) and ``ASK`` (slot migrating), and after a connection error, a timeout or
+  ``CLUSTERDOWN`` reloads the table from the nodes it knows before retrying (a few times, at
+  once). A failover therefore shows up as a short burst of errors; every kvlb component already
+  retries Redis errors with its own bounded backoff, and the first call after the promotion goes
+  to the new master.
+
+Every key kvlb touches in one call shares one slot (the ``{pool}`` hash tag, or a single fleet-wide
+key), so both clients run the same commands and scripts.
+
+:data:`REDIS_ERRORS` is what callers catch as "Redis unavailable": the cluster client raises some
+topology errors (``RedisClusterException``: no reachable node, slot not covered) that are not
+``RedisError`` subclasses.
+
+**A redis-py 8.1 race, contained here.** When the cluster client reloads its topology (after a
+connection error or ``CLUSTERDOWN``) it disconnects every connection of every node, including
+connections another task is using at that moment. That task then fails inside redis-py with
+``AttributeError`` (``'NoneType' object has no attribute 'writelines'``) or ``RuntimeError`` (the
+transport is closed), not with a Redis error, and a loop catching Redis errors would die (seen
+with the mirror in the failover test). :class:`FailoverSafeCluster` turns exactly those two, raised
+from inside a cluster call, a pipeline or a pub/sub call, into ``redis.ConnectionError``; the
+connection reconnects on its next use.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeAlias
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError
+
+_RACES = (AttributeError, RuntimeError)
+"""What redis-py raises for a connection closed under a running call (see the module doc)."""
+
+
+def _reset(exc: BaseException) -> RedisConnectionError:
+    return RedisConnectionError(f"cluster connection reset during a topology reload: {exc!r}")
+
+
+class _SafePipeline(ClusterPipeline):
+    async def execute(self, raise_on_error: bool = True, allow_redirections: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error, allow_redirections)
+        except _RACES as exc:
+            raise _reset(exc) from exc
+
+
+class _SafePubSub(ClusterPubSub):
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _RACES as exc:
+            raise _reset(exc) from exc
+
+    async def get_message(
+        self,
+        ignore_subscribe_messages: bool = False,
+        timeout: float | None = 0.0,  # noqa: ASYNC109 - the signature of redis-py's method
+    ) -> dict[str, Any] | None:
+        try:
+            message: dict[str, Any] | None = await super().get_message(ignore_subscribe_messages, timeout)
+        except _RACES as exc:
+            raise _reset(exc) from exc
+        return message
+
+
+class FailoverSafeCluster(RedisCluster):
+    """A :class:`RedisCluster` whose calls fail with ``ConnectionError`` when redis-py closes their
+    connection under them during a topology reload (see the module doc)."""
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **kwargs)
+        except _RACES as exc:
+            raise _reset(exc) from exc
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> ClusterPipeline:
+        if shard_hint:
+            raise RedisClusterException("shard_hint is deprecated in cluster mode")
+        return _SafePipeline(self, transaction)  # type: ignore[abstract]  # as RedisCluster.pipeline does
+
+    def pubsub(
+        self, node: ClusterNode | None = None, host: str | None = None, port: int | None = None, **kwargs: Any
+    ) -> ClusterPubSub:
+        return _SafePubSub(self, node=node, host=host, port=port, **kwargs)
+
+
+RedisClient: TypeAlias = aioredis.Redis | RedisCluster
+"""A single-server or a cluster client; kvlb uses only what both offer."""
+
+REDIS_ERRORS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException, OSError)
+"""Failures of a Redis call that a caller retries (server down, failover, timeout, refusal)."""
+
+CLUSTER_RETRIES = 3
+"""Attempts after the first one inside one cluster call, each after reloading the slot table. Few:
+with an unreachable host each attempt may wait ``socket_timeout_s``, and the callers retry anyway."""
+
+
+def connect(
+    url: str,
+    *,
+    cluster: bool = False,
+    decode: bool,
+    socket_timeout_s: float | None = None,
+    connect_timeout_s: float | None = None,
+    tls_ca_file: str | None = None,
+) -> RedisClient:
+    """A pooled client for ``url`` (``redis://`` or ``rediss://``, AUTH in the URL). Connections are
+    opened on first use, so this never blocks nor fails on an unreachable server."""
+    kwargs: dict[str, Any] = {
+        "decode_responses": decode,
+        "socket_timeout": socket_timeout_s,
+        "socket_connect_timeout": connect_timeout_s,
+    }
+    if url.startswith("rediss://") and tls_ca_file:
+        kwargs["ssl_ca_certs"] = tls_ca_file
+    if cluster:
+        retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), CLUSTER_RETRIES)
+        return FailoverSafeCluster.from_url(url, retry=retry, **kwargs)
+    return aioredis.Redis.from_url(url, **kwargs)
+
+
+async def initialized(client: RedisClient) -> None:
+    """Load a cluster client's slot table now if it has none yet (no-op otherwise). Pub/sub on a
+    cluster client picks its node from that table and fails on an empty one (redis-py 8.1), so call
+    this before ``client.pubsub()``."""
+    if isinstance(client, RedisCluster):
+        await client.initialize()
