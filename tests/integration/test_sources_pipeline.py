@@ -170,6 +170,18 @@ async def test_the_queue_is_bounded_in_bytes_too() -> None:
     assert pipeline.queued_bytes == 0
 
 
+def test_the_ingest_status_shows_the_queued_bytes() -> None:
+    """``/admin/replicas`` shows each replica's queued bytes (``events.queued_bytes``)."""
+    ingest = EventIngest(RecordingIndex(), metrics=Metrics.create())  # type: ignore[arg-type]
+    pipeline = ingest.add_replica(R1, "sglang", [])
+    assert ingest.status()[R1].queued_bytes == 0
+    pipeline.offer(stored(0, 8000))
+    pipeline.offer(stored(1, 100))
+    expected = batch_bytes(stored(0, 8000).events) + batch_bytes(stored(1, 100).events)
+    assert ingest.status()[R1].queued_bytes == pipeline.queued_bytes == expected
+    assert ingest.status()[R1].queued_batches == 2
+
+
 async def test_failed_apply_is_survived_and_its_ranks_resync() -> None:
     index, metrics = RecordingIndex(), Metrics.create()
     index.fail_next = 1
