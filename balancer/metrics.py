@@ -40,6 +40,7 @@ class Metrics:
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
+    events_disconnects_total: Counter
     events_lag_seconds: Gauge
     index_blocks: Gauge
     index_replica_blocks: Gauge
@@ -199,6 +200,7 @@ class _EventsCollectors(TypedDict):
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
+    events_disconnects_total: Counter
     events_lag_seconds: Gauge
 
 
@@ -239,6 +241,12 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_oversize_total": counter(
             "kvlb_events_oversize_total",
             "Events dropped for carrying more than limits.max_event_blocks blocks (the rank resyncs).",
+            ["replica"],
+        ),
+        "events_disconnects_total": counter(
+            "kvlb_events_disconnects_total",
+            "Dropped connections to a ZMQ event publisher: the engine went away, the network failed, or "
+            "ZMQ refused a message over limits.event_message_bytes (the rank resyncs, the SUB is reopened).",
             ["replica"],
         ),
         "events_lag_seconds": gauge(

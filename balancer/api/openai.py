@@ -92,6 +92,9 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         job = Forward(
             pool, token_ids, weights, parsed.session_key, parsed.max_tokens, body, path, request_id, arrived
         )
+        # Parsed tiny chat messages keep 7 times their bytes (docs/reliability.md, "Memory"):
+        # nothing below reads them, so they must not live as long as the answer streams.
+        del parsed
         await admission.wait_for_replica(pool)
         headers = forwardable_headers(request.headers, request_id)
         deliver = functools.partial(relay, request, state, job)

@@ -116,8 +116,10 @@ class LimitConfig:
     100 B per event); whichever bound is hit first overflows it. Also bounds one ``index.apply``
     (queued batches are merged). See docs/reliability.md, "Memory"."""
     event_message_bytes: int = 16 * 1024 * 1024
-    """Largest ZMQ event message accepted (``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets). ZMQ
-    drops the connection of a publisher that sends a larger one: a disconnect, then a resync."""
+    """Largest ZMQ event message accepted (``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets) and
+    largest TRT-LLM drain body. ZMQ drops the connection of a publisher that sends a larger message:
+    a disconnect (``kvlb_events_disconnects_total``), then a resync; a larger drain body is dropped
+    and the next drain's ``event_id`` gap resyncs."""
     max_event_blocks: int = 262_144
     """Most blocks one KV event may carry (engine hashes, or whole token blocks of a ``Stored``);
     a larger event is dropped and its rank resyncs (``kvlb_events_oversize_total``). The default

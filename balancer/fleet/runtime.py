@@ -55,7 +55,7 @@ from balancer.log_limit import LimitedWarnings
 from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
-from balancer.sources.build import build_sources, zmq_settings_for
+from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -194,6 +194,7 @@ class FleetRuntime:
             session=self._session,
             metrics=self.state.metrics,
             zmq_settings=zmq_settings_for(self.state.settings.limits),
+            poll_settings=poll_settings_for(self.state.settings.limits),
             resume=resume,
         )
 

@@ -37,7 +37,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
-from balancer.sources.build import build_sources, zmq_settings_for
+from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -195,6 +195,7 @@ class ReplicaLifecycle:
             session=self._session,
             metrics=self.state.metrics,
             zmq_settings=zmq_settings_for(self.state.settings.limits),
+            poll_settings=poll_settings_for(self.state.settings.limits),
         )
         ingest.add_replica(ReplicaId(config.id), config.engine, sources)
         return ingest

@@ -28,6 +28,12 @@ def zmq_settings_for(limits: LimitConfig) -> ZmqSourceSettings:
     return ZmqSourceSettings(max_message_bytes=limits.event_message_bytes)
 
 
+def poll_settings_for(limits: LimitConfig) -> PollSettings:
+    """The TRT-LLM drain settings the configured limits ask for (``limits.event_message_bytes``
+    caps a drain body)."""
+    return PollSettings(max_body_bytes=limits.event_message_bytes)
+
+
 def build_sources(
     replica: ReplicaConfig,
     *,

@@ -108,6 +108,8 @@ class ReplicaIngestStatus:
     replica: ReplicaId
     engine: str
     queued_batches: int
+    queued_bytes: int
+    """:func:`batch_bytes` of the queued batches (bounded by ``limits.event_queue_bytes``)."""
     overflows: int
     applied_batches: int
     apply_errors: int
@@ -372,6 +374,7 @@ class EventIngest:
                 replica=replica,
                 engine=entry.pipeline.engine,
                 queued_batches=entry.pipeline.queued_batches,
+                queued_bytes=entry.pipeline.queued_bytes,
                 overflows=entry.pipeline.overflows,
                 applied_batches=entry.pipeline.applied_batches,
                 apply_errors=entry.pipeline.apply_errors,

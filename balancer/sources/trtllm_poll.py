@@ -62,9 +62,10 @@ class PollSettings:
     """Longest wait after failures (seconds), e.g. while the engine is down or not started yet."""
     disabled_retry_s: float = 30.0
     """Wait between polls while the engine answers 404 (events disabled) (seconds)."""
-    max_body_bytes: int = 64 * 1024 * 1024
-    """Largest drain body accepted (bytes). A larger one is dropped and counted; the decoder then
-    sees an ``event_id`` gap on the next drain and resyncs."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """Largest drain body accepted (bytes; ``limits.event_message_bytes``). A larger one is read no
+    further than this, dropped and counted as a transport error; the decoder then sees an
+    ``event_id`` gap on the next drain and resyncs."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""

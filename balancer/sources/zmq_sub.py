@@ -19,9 +19,12 @@ publisher from 0. This source keeps the stream in order:
   handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
   metadata is the same with reason ``"epoch"``.
 * **Lost connection.** A socket monitor sees the SUB's TCP connection drop: the publisher's process
-  died (its cache with it) or the network failed. ``Resync(rank, "disconnect")`` clears the rank and
-  the next connection asks the replay socket for everything from seq 0. This is what catches a crash
-  and restart whose new seq happens to land above the old one.
+  died (its cache with it), the network failed, or ZMQ refused a message over ``max_message_bytes``
+  (``ZMQ_MAXMSGSIZE``; the monitor does not say which). The disconnect is counted
+  (``kvlb_events_disconnects_total``) and logged (rate-limited), ``Resync(rank, "disconnect")`` clears
+  the rank, the SUB is reopened (libzmq does not reconnect after the protocol error of an oversize
+  message) and the next connection asks the replay socket for everything from seq 0. This is also
+  what catches a crash and restart whose new seq happens to land above the old one.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -204,6 +207,17 @@ class ZmqEventSource:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
+                self._metrics.events_disconnects_total.labels(self.replica).inc()
+                self._warnings.warning(
+                    "zmq_disconnected",
+                    f"{self.replica}/{self.dp_rank}",
+                    "replica %s rank %d: publisher %s dropped the connection (engine restart, network, "
+                    "or a message over limits.event_message_bytes = %d); resyncing, reconnecting",
+                    self.replica,
+                    self.dp_rank,
+                    self.endpoint,
+                    self.settings.max_message_bytes,
+                )
                 if self._live_last is not None or self._last_seq is not None:
                     self._restart(emit, "disconnect")
                     self._replay_on_connect = True

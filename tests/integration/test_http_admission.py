@@ -136,6 +136,7 @@ async def test_operational_endpoints(tokenizer: Tokenizer) -> None:
         for view in views:
             assert view["routable"] and view["health"]["breaker"] == "closed"
             assert view["events"]["sources"][0]["kind"] == "zmq"
+            assert view["events"]["queued_bytes"] >= 0 and isinstance(view["events"]["queued_bytes"], int)
 
 
 async def chunked(parts: int, size: int) -> AsyncIterator[bytes]:

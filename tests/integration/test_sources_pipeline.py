@@ -170,6 +170,18 @@ async def test_the_queue_is_bounded_in_bytes_too() -> None:
     assert pipeline.queued_bytes == 0
 
 
+def test_the_ingest_status_shows_the_queued_bytes() -> None:
+    """``/admin/replicas`` shows each replica's queued bytes (``events.queued_bytes``)."""
+    ingest = EventIngest(RecordingIndex(), metrics=Metrics.create())  # type: ignore[arg-type]
+    pipeline = ingest.add_replica(R1, "sglang", [])
+    assert ingest.status()[R1].queued_bytes == 0
+    pipeline.offer(stored(0, 8000))
+    pipeline.offer(stored(1, 100))
+    expected = batch_bytes(stored(0, 8000).events) + batch_bytes(stored(1, 100).events)
+    assert ingest.status()[R1].queued_bytes == pipeline.queued_bytes == expected
+    assert ingest.status()[R1].queued_batches == 2
+
+
 async def test_failed_apply_is_survived_and_its_ranks_resync() -> None:
     index, metrics = RecordingIndex(), Metrics.create()
     index.fail_next = 1
@@ -252,8 +264,8 @@ async def test_build_sources_per_engine() -> None:
     import aiohttp
     import zmq.asyncio
 
-    from balancer.config import ReplicaConfig
-    from balancer.sources.build import build_sources
+    from balancer.config import LimitConfig, ReplicaConfig
+    from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
     from balancer.sources.trtllm_poll import TrtllmPoller
     from balancer.sources.zmq_sub import ZmqEventSource
 
@@ -276,5 +288,16 @@ async def test_build_sources_per_engine() -> None:
             trt = build_sources(ReplicaConfig(id="t", url="http://h:2/", engine="trtllm"), **common)  # type: ignore[arg-type]
             assert len(trt) == 1 and isinstance(trt[0], TrtllmPoller)
             assert trt[0].url == "http://h:2/kv_cache_events"
+            # limits.event_message_bytes caps a ZMQ message and a TRT-LLM drain body alike
+            limits = LimitConfig(event_message_bytes=4096)
+            sized = {
+                **common,
+                "zmq_settings": zmq_settings_for(limits),
+                "poll_settings": poll_settings_for(limits),
+            }
+            (sub,) = build_sources(ReplicaConfig(id="s1", url="http://h:1", events="tcp://h:5557"), **sized)  # type: ignore[arg-type]
+            (poller,) = build_sources(ReplicaConfig(id="t1", url="http://h:2/", engine="trtllm"), **sized)  # type: ignore[arg-type]
+            assert isinstance(sub, ZmqEventSource) and sub.settings.max_message_bytes == 4096
+            assert isinstance(poller, TrtllmPoller) and poller.settings.max_body_bytes == 4096
     finally:
         ctx.destroy(linger=0)

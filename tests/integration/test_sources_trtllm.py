@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import json
 import logging
 import socket
 import time
@@ -140,7 +142,9 @@ class Rig:
 
 
 @contextlib.asynccontextmanager
-async def polling(session: aiohttp.ClientSession, port: int) -> AsyncIterator[Rig]:
+async def polling(
+    session: aiohttp.ClientSession, port: int, settings: PollSettings = FAST
+) -> AsyncIterator[Rig]:
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     poller = TrtllmPoller(
         REPLICA,
@@ -148,7 +152,7 @@ async def polling(session: aiohttp.ClientSession, port: int) -> AsyncIterator[Ri
         session=session,
         decoder=TrtllmDecoder(tokens_per_block=TPB),
         metrics=metrics,
-        settings=FAST,
+        settings=settings,
     )
     ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
     ingest.add_replica(REPLICA, "trtllm", [poller])
@@ -244,6 +248,26 @@ async def test_bad_body_is_counted_and_polling_goes_on(
         labels = {"engine": "trtllm", "reason": "json"}
         assert rig.metrics.registry.get_sample_value("kvlb_events_decode_errors_total", labels) == 1
         assert rig.poller.status().decode_errors == 1
+
+
+async def test_a_drain_over_the_byte_limit_is_dropped_and_the_gap_resyncs(
+    session: aiohttp.ClientSession, engine: FakeEngine
+) -> None:
+    """``limits.event_message_bytes`` caps a drain body: a larger one is read no further than the
+    limit, counted as a transport error, and the next drain's ``event_id`` gap resyncs."""
+    port = await engine.start()
+    engine.pending = [created(0), stored(1, None, block(71, 0))]
+    settings = dataclasses.replace(FAST, max_body_bytes=4096)
+    async with polling(session, port, settings) as rig:
+        await eventually(lambda: len(rig.of(Stored)) == 1)
+        big = [stored(2 + n, None, block(100 + n, 4 * n)) for n in range(40)]
+        engine.raw_body = json.dumps(big).encode()
+        assert len(engine.raw_body) > 4096
+        await eventually(lambda: rig.poller.status().transport_errors == 1)
+        engine.pending = [stored(42, None, block(99, 0))]
+        await eventually(lambda: len(rig.of(Stored)) == 2)
+        assert rig.of(Resync) == [Resync(0, "restart"), Resync(0, "gap")]
+        assert rig.of(Stored)[1].engine_hashes == (99,)
 
 
 async def test_interval_adapts_to_traffic(session: aiohttp.ClientSession, engine: FakeEngine) -> None:

@@ -60,6 +60,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["listen.port=abc"], "expected an integer"),
         (["limits.max_inflight=0"], "limits.max_inflight must be > 0"),
         (["limits.max_event_blocks=0"], "limits.max_event_blocks must be > 0"),
+        (["limits.event_queue_bytes=0"], "limits.event_queue_bytes must be > 0"),
+        (["limits.event_message_bytes=0"], "limits.event_message_bytes must be > 0"),
         (["redis.url=http://x"], "redis.url must start with"),
         (["redis.cluster=true"], "redis.cluster needs redis.url"),
         (["redis.url=redis://h:7000/2", "redis.cluster=true"], "database must be 0"),

@@ -1,0 +1,211 @@
+"""The per-item memory figures of docs/reliability.md, "Memory" (tracemalloc, in this process).
+
+``python -m loadtests.memory_figures`` from the repository root prints, for each kind of input:
+
+* ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of five shapes:
+  the peak while parsing and what the parsed request keeps, over the body's bytes;
+* ``ids``: the token ids of one long prompt (the default tokenizer): bytes kept per id;
+* ``events``: engine decoders on real captured frames (``tests/golden/real/``) and on synthetic
+  batches: the peak while decoding one message, the memory a queue of decoded batches keeps per
+  wire byte (averaged over 50 decodes each, one-time decoder state excluded), and
+  :func:`balancer.sources.pipeline.batch_bytes` (the event queue's estimate) over that memory;
+* ``index``: a :class:`~balancer.index.memory.MemoryIndex` holding 200,000 blocks in chains of
+  1,000, stored by one replica, then by a second.
+
+``python -m loadtests.memory_figures events`` runs one part. Figures vary by a few percent between
+runs and Python versions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import json
+import random
+import struct
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from balancer.api.parsing import parse_request
+from balancer.engines.registry import engine_spec
+from balancer.events import Stored
+from balancer.index.hashing import BlockHasher
+from balancer.index.memory import MemoryIndex
+from balancer.sources.base import IngestBatch
+from balancer.sources.pipeline import batch_bytes
+from balancer.tokenizer.default import default_tokenizer
+from balancer.types import EngineHash, ReplicaId
+from replicas.wire import trtllm as trtllm_wire
+
+MIB = 1024 * 1024
+REAL = Path(__file__).resolve().parent.parent / "tests" / "golden" / "real"
+REPEAT = 50
+
+
+def traced(call: Callable[[], Any]) -> tuple[Any, int, int]:
+    """``call()``, the bytes it left allocated and its peak, both above the starting point."""
+    gc.collect()
+    tracemalloc.start()
+    base, _ = tracemalloc.get_traced_memory()
+    result = call()
+    kept, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return result, kept - base, peak - base
+
+
+def bodies() -> None:
+    shapes: list[tuple[str, str, bytes]] = [
+        (
+            "chat of one 8 MiB string",
+            "chat",
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": "a" * (8 * MIB)}]}).encode(),
+        ),
+        (
+            "prompt of 1.2 M token ids",
+            "completions",
+            json.dumps({"model": "m", "prompt": [100_000 + i % 50_000 for i in range(1_200_000)]}).encode(),
+        ),
+        (
+            "2.8 M empty objects",
+            "completions",
+            b'{"model": "m", "prompt": "x", "x": [' + b",".join([b"{}"] * 2_800_000) + b"]}",
+        ),
+        (
+            "2.8 M empty arrays",
+            "completions",
+            b'{"model": "m", "prompt": "x", "x": [' + b",".join([b"[]"] * 2_800_000) + b"]}",
+        ),
+        (
+            "270,000 one-letter chat messages",
+            "chat",
+            json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 270_000}).encode(),
+        ),
+    ]
+    for name, kind, body in shapes:
+        _, kept, peak = traced(lambda body=body, kind=kind: parse_request(body, kind))  # type: ignore[misc]
+        size = len(body)
+        print(
+            f"body, {name}: {size / 1e6:.1f} MB; parse peak {peak / 1e6:.0f} MB ({peak / size:.1f}x), "
+            f"kept {kept / 1e6:.0f} MB ({kept / size:.1f}x)"
+        )
+
+
+def ids() -> None:
+    tokenizer = default_tokenizer()
+    rng = random.Random(1)
+    words = ["alpha", "river", "stone", "cloud", "green", "number", "seven", "quiet", "table", "light"]
+    text = " ".join(rng.choice(words) + str(rng.randrange(1000)) for _ in range(80_000))
+    token_ids, kept, _ = traced(lambda: tokenizer.encode_prompt(text))
+    print(f"token ids: {len(token_ids):,} ids keep {kept / 1e6:.1f} MB, {kept / len(token_ids):.1f} B per id")
+
+
+def _decode(name: str, engine: str, block_size: int, messages: Sequence[Sequence[bytes]]) -> None:
+    decoder = engine_spec(engine).decoder(block_size)
+    for frames in messages:  # warm-up: the decoder's one-time state is not counted below
+        decoder.decode(frames)
+    largest = max(messages, key=lambda frames: sum(len(frame) for frame in frames))
+    _, _, peak = traced(lambda: decoder.decode(largest))
+    peak_ratio = peak / sum(len(frame) for frame in largest)
+    wire = REPEAT * sum(sum(len(frame) for frame in frames) for frames in messages)
+    queue, kept, _ = traced(
+        lambda: [
+            IngestBatch(tuple(decoder.decode(frames).events)) for _ in range(REPEAT) for frames in messages
+        ]
+    )
+    estimate = sum(batch_bytes(batch.events) for batch in queue)
+    print(
+        f"events, {name}: decode peak {peak_ratio:.1f}x the largest message; queued, {kept / wire:.2f}x"
+        f" the wire bytes; batch_bytes = {estimate / kept:.2f} of that"
+    )
+
+
+def _hex_frames(path: Path) -> list[bytes]:
+    return [bytes.fromhex(line) for line in path.read_text().split()]
+
+
+def events() -> None:
+    sglang_real = [_hex_frames(path) for path in sorted((REAL / "sglang-0.5.23-cpu").glob("*.hex"))]
+    _decode("SGLang 0.5.23, the real captured frames", "sglang", 1, sglang_real)
+    block = 16
+
+    def page(n: int) -> dict[str, Any]:
+        tokens = [(n * block + i) % 120_000 + 1000 for i in range(block)]
+        return {
+            "type": "BlockStored",
+            "block_hashes": [n + 1],
+            "parent_block_hash": n or None,
+            "token_ids": tokens,
+            "block_size": block,
+            "lora_id": None,
+            "medium": "GPU",
+        }
+
+    def message(events: list[dict[str, Any]]) -> list[bytes]:
+        return [b"kv", (5).to_bytes(8, "big"), msgpack.packb([time.time(), events, 0])]
+
+    _decode(
+        "SGLang, 1,500 one-page BlockStored of 16 tokens",
+        "sglang",
+        block,
+        [message([page(n) for n in range(1500)])],
+    )
+    removed = [{"type": "BlockRemoved", "block_hashes": [n + 10**15], "medium": "GPU"} for n in range(1500)]
+    _decode("SGLang, 1,500 one-hash BlockRemoved", "sglang", block, [message(removed)])
+    long_event = dict(
+        page(0),
+        block_hashes=list(range(1, 4097)),
+        token_ids=[i % 120_000 + 1000 for i in range(4096 * block)],
+    )
+    _decode("SGLang, one BlockStored of 4,096 pages", "sglang", block, [message([long_event])])
+    tpb = 32
+    drain: list[dict[str, Any]] = [trtllm_wire.created(0, [100_000], 4096)]
+    for n in range(500):
+        tokens = [(n * tpb + i) % 120_000 + 1000 for i in range(tpb)]
+        drain.append(trtllm_wire.stored(1 + n, None if n == 0 else n, [(n + 1, tokens)], 4096))
+    body = json.dumps(drain).encode()
+    decoder = engine_spec("trtllm").decoder(tpb)
+    _, kept, peak = traced(lambda: decoder.decode([body]))
+    print(
+        f"events, TRT-LLM drain of 500 one-block stored events: {len(body):,} B; decode peak "
+        f"{peak / len(body):.1f}x, kept {kept / len(body):.2f}x"
+    )
+
+
+def index() -> None:
+    block, chains, length = 16, 200, 1000
+    table = MemoryIndex(BlockHasher("m", block))
+
+    def chain(number: int, salt: int) -> Stored:
+        tokens = [(number * length * block + i) % 120_000 + 1000 for i in range(length * block)]
+        hashes = tuple(EngineHash(salt + number * length + i + 1) for i in range(length))
+        return Stored(0, None, hashes, struct.pack(f"<{len(tokens)}I", *tokens), block)
+
+    async def store(replica: str, salt: int) -> None:
+        for number in range(chains):
+            await table.apply(ReplicaId(replica), [chain(number, salt)], 0.0)
+
+    _, one, _ = traced(lambda: asyncio.run(store("a", 0)))
+    _, two, _ = traced(lambda: asyncio.run(store("b", 10**12)))
+    blocks = chains * length
+    print(
+        f"index, {blocks:,} blocks: {one / blocks:.0f} B per block held by one replica, "
+        f"{(one + two) / blocks:.0f} B per block held by two"
+    )
+
+
+PARTS: dict[str, Callable[[], None]] = {"bodies": bodies, "ids": ids, "events": events, "index": index}
+
+
+def main(argv: Sequence[str]) -> None:
+    for name in argv or list(PARTS):
+        PARTS[name]()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
