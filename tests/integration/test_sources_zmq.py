@@ -146,6 +146,9 @@ async def test_a_message_over_max_message_bytes_is_refused_and_resynced(
     """``ZMQ_MAXMSGSIZE``: a batch larger than ``max_message_bytes`` never reaches kvlb's memory; ZMQ
     drops the publisher's connection instead, which resyncs the rank; the stream then goes on."""
     settings = dataclasses.replace(FAST, max_message_bytes=4096)
+    # Every subscription reaches the test, a duplicate too: the fresh socket may subscribe before the
+    # XPUB has dropped the old connection, and a plain XPUB passes up only a topic's first subscriber.
+    publisher.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
         await publisher.wait_subscribed()
         await publisher.pages(3)

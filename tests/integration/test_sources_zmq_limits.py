@@ -27,7 +27,9 @@ SMALL = dataclasses.replace(FAST, max_message_bytes=LIMIT)
 
 
 async def resubscribed(publisher: Publisher, timeout_s: float = 5.0) -> None:
-    """Wait for the source's new SUB to subscribe (the XPUB first reports the old one leaving)."""
+    """Wait for the source's new SUB to subscribe. The publisher must be verbose
+    (``XPUB_VERBOSE``): the new socket may subscribe before the XPUB has dropped the old connection,
+    and a plain XPUB passes up only a topic's first subscriber."""
     async with asyncio.timeout(timeout_s):
         while await publisher.pub.recv() != b"\x01" + TOPIC:
             pass
@@ -36,6 +38,7 @@ async def resubscribed(publisher: Publisher, timeout_s: float = 5.0) -> None:
 async def test_an_oversize_message_is_refused_counted_resynced_and_the_next_one_applied(
     ctx: zmq.asyncio.Context, publisher: Publisher
 ) -> None:
+    publisher.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=SMALL) as rig:
         await publisher.wait_subscribed()
         await publisher.pages(3)
