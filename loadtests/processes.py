@@ -307,7 +307,7 @@ async def _wait_router_ready(spec: RouterSpec, url: str, fleet: EmulatorHandle, 
     async with aiohttp.ClientSession() as session:
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
-                while not await _router_ready(session, spec, url, len(fleet.replicas)):
+                while not await router_ready(session, spec, url, len(fleet.replicas)):
                     if child.process.returncode is not None:
                         raise RuntimeError(f"{spec.name} exited with {child.process.returncode}")
                     await asyncio.sleep(0.3)
@@ -317,7 +317,8 @@ async def _wait_router_ready(spec: RouterSpec, url: str, fleet: EmulatorHandle, 
         await asyncio.sleep(1.0)  # ZMQ slow joiner: let the SUB sockets connect before the first event
 
 
-async def _router_ready(session: aiohttp.ClientSession, spec: RouterSpec, url: str, replicas: int) -> bool:
+async def router_ready(session: aiohttp.ClientSession, spec: RouterSpec, url: str, replicas: int) -> bool:
+    """Whether the router at ``url`` is up and lists ``replicas`` workers (one poll, never raises)."""
     try:
         if spec.kind == "kvlb":
             views = (await _get_json(session, url + "/admin/replicas"))["replicas"]

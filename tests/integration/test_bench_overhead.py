@@ -19,9 +19,12 @@ from loadtests.bench.overhead.report import (
     histogram_delta,
     histogram_quantile,
     parse_histogram,
+    peer_ratios,
     percentile,
 )
 from loadtests.bench.overhead.run import SMOKE, OverheadShape, bench_tokenizers, build_prompts, measure
+from loadtests.bench.overhead.servers import PEER_PATHS
+from loadtests.peers import peer_available
 
 LATENCY_FIELDS = ("n", "mean_ms", "p50_ms", "p90_ms", "p99_ms")
 CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_utilisation")
@@ -31,6 +34,9 @@ CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_u
 async def test_smoke_run_reports_every_field() -> None:
     report = await measure(SMOKE)
     assert report["shape"]["kinds"] == ["chat_shared", "chat", "chat_cold", "tokens"]
+    installed = [spec.name for spec in PEER_PATHS if peer_available(spec)]
+    assert report["peers"]["measured"] == installed
+    assert sorted(report["peers"]["skipped"]) == sorted({s.name for s in PEER_PATHS} - set(installed))
     assert report["prompt_tokens"]["min"] > 0
     assert report["tokenize_ms"]["p50_ms"] > 0
     assert report["tokenize_shared_ms"]["p50_ms"] > 0
@@ -40,14 +46,17 @@ async def test_smoke_run_reports_every_field() -> None:
     for kind in ("chat_shared", "chat", "chat_cold", "tokens"):
         run = report["runs"][kind]
         seq, conc = run["sequential"], run["concurrent"]
-        for mode in MODES:
+        peers = installed if kind != "tokens" else []  # sglang-router rejects token-id prompts
+        assert list(seq["latency"]) == list(conc["latency"]) == [*MODES, *peers]
+        for mode in [*MODES, *peers]:
             assert set(LATENCY_FIELDS) <= set(seq["latency"][mode])
             assert seq["latency"][mode]["n"] == SMOKE.sequential_rounds
             expected = SMOKE.concurrent_rounds * SMOKE.burst_requests
             assert conc["latency"][mode]["n"] == expected
             assert conc["req_per_s"][mode] > 0
-        for proxy in PROXIES:
+        for proxy in [*PROXIES, *peers]:
             assert set(CPU_FIELDS) <= set(conc["cpu"][proxy])
+            assert set(CPU_FIELDS) <= set(seq["cpu"][proxy])
             direct_p50 = seq["latency"]["direct"]["p50_ms"]
             assert seq["added"][proxy]["p50_ms"] == pytest.approx(
                 seq["latency"][proxy]["p50_ms"] - direct_p50
@@ -57,7 +66,17 @@ async def test_smoke_run_reports_every_field() -> None:
         routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
+    if "sglang_cache_aware" in installed:
+        assert sorted(report["peer_ratios"]) == ["chat", "chat_shared"]
+        for figures in report["peer_ratios"].values():
+            assert set(figures) == {"sequential", "concurrent"}
+            assert "cpu_ratio" in figures["concurrent"] and "kvlb_added_p50_ms" in figures["concurrent"]
+    else:
+        assert report["peer_ratios"] == {}
     table = format_report(report)
+    assert ("kvlb vs sglang_cache_aware (chat_shared)" in table) == ("sglang_cache_aware" in installed)
+    for name in report["peers"]["skipped"]:
+        assert f"peer path skipped: {name}" in table
     for text in (
         "[chat_shared]",
         "[chat]",
@@ -159,3 +178,29 @@ def test_histogram_quantiles_interpolate_inside_buckets() -> None:
     # rank 99 falls in (0.001, 0.01], which holds ranks 81..100: 19/20 of the way.
     assert histogram_quantile(0.99, delta) == pytest.approx(0.001 + 0.009 * 19 / 20)
     assert histogram_quantile(0.5, {"buckets": []}) is None
+
+
+def test_peer_ratios_divide_kvlb_cpu_by_sglang_cache_aware() -> None:
+    def phase(kvlb_ms: float, peer_ms: float | None) -> dict[str, object]:
+        return {
+            "cpu": {
+                "kvlb": {"cpu_ms_per_request": kvlb_ms},
+                "sglang_cache_aware": {"cpu_ms_per_request": peer_ms},
+            },
+            "added": {"kvlb": {"p50_ms": 1.5}, "sglang_cache_aware": {"p50_ms": 0.25}},
+        }
+
+    runs = {
+        "chat_shared": {"sequential": phase(0.6, 0.2), "concurrent": phase(0.3, 0.1)},
+        "chat": {"sequential": phase(0.6, None), "concurrent": phase(0.3, 0.0)},
+        "tokens": {"sequential": phase(1.0, 1.0), "concurrent": phase(1.0, 1.0)},
+    }
+    out = peer_ratios(runs)
+    assert sorted(out) == ["chat", "chat_shared"]  # the issue's two kinds only
+    assert out["chat_shared"]["sequential"]["cpu_ratio"] == 3.0
+    assert out["chat_shared"]["concurrent"]["cpu_ratio"] == 3.0
+    assert out["chat_shared"]["concurrent"]["kvlb_added_p50_ms"] == 1.5
+    assert out["chat_shared"]["concurrent"]["sglang_cache_aware_added_p50_ms"] == 0.25
+    assert out["chat"]["sequential"]["cpu_ratio"] is None and out["chat"]["concurrent"]["cpu_ratio"] is None
+    no_peer = {"chat": {"concurrent": {"cpu": {"kvlb": {}}}}}
+    assert peer_ratios(no_peer) == {}

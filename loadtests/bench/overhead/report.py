@@ -14,8 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 MODES: tuple[str, ...] = ("direct", "forward", "kvlb")
-"""``direct``: client → fake upstream; ``forward``: through a plain aiohttp proxy; ``kvlb``."""
+"""``direct``: client → fake upstream; ``forward``: through a plain aiohttp proxy; ``kvlb``. The peer
+paths (``sglang_cache_aware``, ``sglang_round_robin``) follow when they ran."""
 PROXIES: tuple[str, ...] = ("forward", "kvlb")
+"""The paths always measured besides ``direct``."""
+PEER_BASELINE = "sglang_cache_aware"
+"""The peer whose CPU per request the issue's ratio divides by."""
+RATIO_KINDS: tuple[str, ...] = ("chat_shared", "chat")
 
 HEADLINE_KIND = "chat_shared"
 """The kind the targets line reports (``chat`` when it was not run): chats that share system prompts."""
@@ -52,15 +57,46 @@ def latency_figures(latencies_s: Sequence[float]) -> dict[str, float | int | Non
 
 
 def added(by_mode: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Per proxy: its p50/p90/p99 minus the direct path's (milliseconds)."""
+    """Per proxy (every path but ``direct``): its p50/p90/p99 minus the direct path's (milliseconds)."""
     direct = by_mode["direct"]
     return {
         proxy: {
             f"{key}_ms": _diff(by_mode[proxy].get(f"{key}_ms"), direct.get(f"{key}_ms"))
             for key in ("p50", "p90", "p99")
         }
-        for proxy in PROXIES
+        for proxy in by_mode
+        if proxy != "direct"
     }
+
+
+def _ratio(a: Any, b: Any) -> float | None:
+    if a is None or b is None or float(b) <= 0:
+        return None
+    return round(float(a) / float(b), 3)
+
+
+def peer_ratios(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind of :data:`RATIO_KINDS` run with :data:`PEER_BASELINE` measured: kvlb's CPU per request
+    ÷ the peer's (each phase), and both paths' added p50 (ms). Empty when the peer did not run."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind in RATIO_KINDS:
+        run = runs.get(kind)
+        if run is None or PEER_BASELINE not in run["concurrent"]["cpu"]:
+            continue
+        figures: dict[str, Any] = {}
+        for phase in ("sequential", "concurrent"):
+            cpu, add = run[phase]["cpu"], run[phase]["added"]
+            kvlb_ms = cpu["kvlb"]["cpu_ms_per_request"]
+            peer_ms = cpu[PEER_BASELINE]["cpu_ms_per_request"]
+            figures[phase] = {
+                "kvlb_cpu_ms_per_request": kvlb_ms,
+                f"{PEER_BASELINE}_cpu_ms_per_request": peer_ms,
+                "cpu_ratio": _ratio(kvlb_ms, peer_ms),
+                "kvlb_added_p50_ms": add["kvlb"]["p50_ms"],
+                f"{PEER_BASELINE}_added_p50_ms": add[PEER_BASELINE]["p50_ms"],
+            }
+        out[kind] = figures
+    return out
 
 
 def _diff(a: Any, b: Any) -> float | None:
@@ -160,21 +196,20 @@ def _num(value: Any, digits: int = 2) -> str:
 def _kind_lines(kind: str, run: Mapping[str, Any]) -> list[str]:
     lines = [f"[{kind}] {run['description']}"]
     lines.append(
-        f"  {'phase':<12}{'path':<9}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}"
+        f"  {'phase':<12}{'path':<20}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}"
     )
     for phase in ("sequential", "concurrent"):
         data = run[phase]
-        for mode in MODES:
+        for mode in data["latency"]:
             lat = data["latency"][mode]
             add = data["added"].get(mode, {})
             rate = data.get("req_per_s", {}).get(mode)
             label = phase if mode == "direct" else ""
             lines.append(
-                f"  {label:<12}{mode:<9}{_num(lat['p50_ms']):>9}{_num(lat['p99_ms']):>9}"
+                f"  {label:<12}{mode:<20}{_num(lat['p50_ms']):>9}{_num(lat['p99_ms']):>9}"
                 f"{_num(add.get('p50_ms')):>11}{_num(add.get('p99_ms')):>11}{_num(rate, 0):>9}"
             )
-    for proxy in PROXIES:
-        cpu = run["concurrent"]["cpu"][proxy]
+    for proxy, cpu in run["concurrent"]["cpu"].items():
         lines.append(
             f"  {proxy} process CPU: {_num(cpu['cpu_ms_per_request'], 3)} ms/request → "
             f"{_num(cpu['req_per_cpu_s'], 0)} routed req/s per fully busy core "
@@ -226,5 +261,18 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"{_num(seq['p50_ms'])}, concurrent {_num(conc['p50_ms'])}; added p99 ≤ "
             f"{targets['added_p99_ms']} ms → {_num(seq['p99_ms'])}, {_num(conc['p99_ms'])}; "
             f"≥ {targets['req_per_s_per_process']:,.0f} req/s per process → {_num(rate, 0)}"
+        )
+    peers = report.get("peers", {})
+    for reason in peers.get("skipped", {}).values():
+        lines.append(f"peer path skipped: {reason}")
+    for kind, figures in report.get("peer_ratios", {}).items():
+        seq, conc = figures["sequential"], figures["concurrent"]
+        lines.append(
+            f"kvlb vs {PEER_BASELINE} ({kind}): CPU per request ratio (kvlb ÷ peer) concurrent "
+            f"{_num(conc['cpu_ratio'], 2)} ({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ "
+            f"{_num(conc[f'{PEER_BASELINE}_cpu_ms_per_request'], 3)} ms), sequential "
+            f"{_num(seq['cpu_ratio'], 2)}; added p50 kvlb {_num(seq['kvlb_added_p50_ms'])} / "
+            f"{_num(conc['kvlb_added_p50_ms'])} ms, peer {_num(seq[f'{PEER_BASELINE}_added_p50_ms'])} / "
+            f"{_num(conc[f'{PEER_BASELINE}_added_p50_ms'])} ms (sequential / concurrent)"
         )
     return "\n".join(lines)

@@ -1,13 +1,18 @@
 """``kvlb bench overhead``: the latency kvlb adds to a request and the CPU it spends per request (I/O).
 
-Three paths to one minimal fast fake engine (:mod:`loadtests.bench.overhead.servers`), measured side by
-side in one run and interleaved request by request (sequential) or burst by burst (concurrent), so a
-noisy shared machine slows them alike:
+Three paths (five with sglang-router) to one minimal fast fake engine
+(:mod:`loadtests.bench.overhead.servers`), measured side by side in one run and interleaved request by
+request (sequential) or burst by burst (concurrent), so a noisy shared machine slows them alike:
 
 * ``direct``: client → fake upstream;
 * ``forward``: client → a plain aiohttp forwarding proxy → upstream (the floor of any aiohttp proxy);
 * ``kvlb``: client → ``kvlb serve`` (one pool of ``replicas`` replicas, all on the fake upstream, the
-  default cost policy, the default DeepSeek-V3 tokenizer) → upstream.
+  default cost policy, the default DeepSeek-V3 tokenizer) → upstream;
+* ``sglang_cache_aware`` and ``sglang_round_robin``: client → sglang-router with that ``--policy`` (its
+  defaults otherwise; it does not tokenize: its cache tree holds the request text) → the same
+  ``replicas`` upstream URLs, for the chat kinds only (its ``/v1/completions`` rejects token ids).
+  Measured only when ``sglang-router`` is installed; the report lists the peers it skipped, and
+  ``peer_ratios`` sets kvlb's CPU per request against ``sglang_cache_aware``'s.
 
 Every server is its own process; the client runs here. Four prompt kinds are measured, built in
 :mod:`loadtests.bench.overhead.workload`:
@@ -50,7 +55,6 @@ from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
 from loadtests.bench.overhead.report import (
     MODES,
-    PROXIES,
     TARGETS,
     added,
     cpu_figures,
@@ -59,6 +63,7 @@ from loadtests.bench.overhead.report import (
     histogram_delta,
     latency_figures,
     parse_histogram,
+    peer_ratios,
     percentile,
 )
 from loadtests.bench.overhead.servers import Servers, start_servers
@@ -133,30 +138,37 @@ def _rotated(items: Sequence[str], by: int) -> list[str]:
     return [*items[shift:], *items[:shift]]
 
 
+def kind_modes(servers: Servers, path: str) -> tuple[str, ...]:
+    """The paths measured for requests to ``path``: the peers take chats only (sglang-router's
+    ``/v1/completions`` rejects token-id prompts with 422)."""
+    return servers.modes if path == "/v1/chat/completions" else MODES
+
+
 async def sequential(
     session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, path: str, bodies: Sequence[bytes]
 ) -> dict[str, Any]:
     """One request at a time, paths interleaved; latencies and each proxy's CPU per request."""
-    urls = servers.urls
-    latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
+    urls, modes = servers.urls, kind_modes(servers, path)
+    proxies = modes[1:]
+    latencies: dict[str, list[float]] = {mode: [] for mode in modes}
     cpu_before: dict[str, float] = {}
     started = 0.0
     for index in range(shape.warmup + shape.sequential_rounds):
         if index == shape.warmup:
-            cpu_before = {proxy: cpu_seconds(servers.pids[proxy]) for proxy in PROXIES}
+            cpu_before = {proxy: cpu_seconds(servers.pids[proxy]) for proxy in proxies}
             started = time.perf_counter()
         body = bodies[index % len(bodies)]
-        for mode in _rotated(MODES, index):
+        for mode in _rotated(modes, index):
             latency_s = await send(session, urls[mode] + path, body)
             if index >= shape.warmup:
                 latencies[mode].append(latency_s)
     wall_s = time.perf_counter() - started
-    by_mode = {mode: latency_figures(latencies[mode]) for mode in MODES}
+    by_mode = {mode: latency_figures(latencies[mode]) for mode in modes}
     cpu = {
         proxy: cpu_figures(
             shape.sequential_rounds, cpu_seconds(servers.pids[proxy]) - cpu_before[proxy], wall_s
         )
-        for proxy in PROXIES
+        for proxy in proxies
     }
     return {"latency": by_mode, "added": added(by_mode), "cpu": cpu}
 
@@ -191,15 +203,15 @@ async def concurrent(
     session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, path: str, bodies: Sequence[bytes]
 ) -> dict[str, Any]:
     """Bursts of ``concurrency`` clients, one path at a time, paths rotating between rounds."""
-    urls, pids = servers.urls, servers.pids
-    for mode in MODES:  # warm-up: open ``concurrency`` connections on every hop
+    urls, pids, modes = servers.urls, servers.pids, kind_modes(servers, path)
+    for mode in modes:  # warm-up: open ``concurrency`` connections on every hop
         start = shape.concurrent_warmup_start
         await burst(session, urls[mode] + path, bodies, start, shape.concurrency, shape.concurrency)
-    latencies: dict[str, list[float]] = {mode: [] for mode in MODES}
-    wall_s = dict.fromkeys(MODES, 0.0)
-    cpu_s = dict.fromkeys(MODES, 0.0)
+    latencies: dict[str, list[float]] = {mode: [] for mode in modes}
+    wall_s = dict.fromkeys(modes, 0.0)
+    cpu_s = dict.fromkeys(modes, 0.0)
     for round_index in range(shape.concurrent_rounds):
-        for mode in _rotated(MODES, round_index):
+        for mode in _rotated(modes, round_index):
             cpu_before = cpu_seconds(pids[mode])
             started = time.perf_counter()
             start = shape.burst_start(round_index)
@@ -208,12 +220,14 @@ async def concurrent(
             )
             wall_s[mode] += time.perf_counter() - started
             cpu_s[mode] += cpu_seconds(pids[mode]) - cpu_before
-    by_mode = {mode: latency_figures(latencies[mode]) for mode in MODES}
+    by_mode = {mode: latency_figures(latencies[mode]) for mode in modes}
     return {
         "latency": by_mode,
         "added": added(by_mode),
-        "req_per_s": {mode: round(len(latencies[mode]) / wall_s[mode], 1) for mode in MODES},
-        "cpu": {proxy: cpu_figures(len(latencies[proxy]), cpu_s[proxy], wall_s[proxy]) for proxy in PROXIES},
+        "req_per_s": {mode: round(len(latencies[mode]) / wall_s[mode], 1) for mode in modes},
+        "cpu": {
+            proxy: cpu_figures(len(latencies[proxy]), cpu_s[proxy], wall_s[proxy]) for proxy in modes[1:]
+        },
     }
 
 
@@ -287,6 +301,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     prompts = await asyncio.to_thread(build_prompts, shape, cold, warm)
     threads = await tokenize_in_threads(cold, [json.loads(body)["messages"] for body in prompts.chat])
     children: list[Child] = []
+    servers: Servers | None = None
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-")))
         try:
@@ -300,7 +315,10 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
                     kind: await measure_kind(session, servers, shape, prompts, kind) for kind in shape.kinds
                 }
         finally:
+            if servers is not None:
+                await servers.stop_peers()
             await stop_all(children)
+    assert servers is not None  # started, or the run raised
     counts = prompts.token_counts
     return {
         "shape": {**asdict(shape), "kinds": list(shape.kinds)},
@@ -317,6 +335,8 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
         },
         "tokenize_threads": threads,
         "runs": runs,
+        "peers": {"measured": list(servers.peers), "skipped": servers.skipped},
+        "peer_ratios": peer_ratios(runs),
     }
 
 

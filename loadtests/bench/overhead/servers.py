@@ -8,9 +8,13 @@
 * ``forward``: the floor for any aiohttp proxy: read the body, POST it to the upstream over one pooled
   session, relay the response chunk by chunk. No parsing, no routing.
 
-``python -m loadtests.bench.overhead.servers upstream`` (or ``forward --upstream URL``) binds a free
-port on 127.0.0.1, prints ``{"bench_server": ..., "url": ...}`` and serves until SIGTERM/SIGINT.
-:func:`start_servers` (parent side) starts both, plus ``kvlb serve`` in front of the upstream.
+``python -m loadtests.bench.overhead.servers upstream [--ports N]`` (or ``forward --upstream URL``) binds
+free ports on 127.0.0.1 (the upstream ``N``, one process answering on each: a router that keys workers
+by URL sees ``N`` workers), prints ``{"bench_server": ..., "url": ..., "urls": [...]}`` and serves
+until SIGTERM/SIGINT. :func:`start_servers` (parent side) starts both, plus ``kvlb serve`` in front of
+the upstream's ``replicas`` URLs, and the installed peer routers (:data:`PEER_PATHS`: sglang-router's
+``cache_aware`` and ``round_robin``, started as :mod:`loadtests.peers` builds them) in front of the same
+URLs.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +34,21 @@ import aiohttp
 import yaml
 from aiohttp import web
 
+from loadtests import processes
 from loadtests.child_process import Child, spawn
+from loadtests.peers import PEER_ENV, RouterSpec, peer_available, peer_command
+from replicas.sim.ports import free_port_run
 
 MODEL = "bench"
 """The model name of kvlb's one pool in the benchmark."""
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest request body either server accepts (an 8k-token chat body is about 50 KB)."""
 HOP_BY_HOP = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+PEER_PATHS: tuple[RouterSpec, ...] = (
+    RouterSpec("sglang_cache_aware", "sglang", "cache_aware"),
+    RouterSpec("sglang_round_robin", "sglang", "round_robin"),
+)
+"""The peer routers measured as paths when installed (sglang-router: text chats, no tokenizer)."""
 
 
 def _sse(payload: object) -> bytes:
@@ -117,8 +130,8 @@ def forward_app(upstream_url: str) -> web.Application:
     return app
 
 
-async def serve(kind: str, upstream_url: str | None) -> None:
-    """Serve ``kind`` on a free port until SIGTERM/SIGINT."""
+async def serve(kind: str, upstream_url: str | None, ports: int = 1) -> None:
+    """Serve ``kind`` on ``ports`` free ports until SIGTERM/SIGINT."""
     if kind == "forward":
         if not upstream_url:
             raise SystemExit("forward needs --upstream URL")
@@ -127,10 +140,10 @@ async def serve(kind: str, upstream_url: str | None) -> None:
         app = upstream_app()
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    print(json.dumps({"bench_server": kind, "url": f"http://{host}:{port}"}), flush=True)
+    for _ in range(max(1, ports)):
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+    urls = [f"http://{address[0]}:{address[1]}" for address in runner.addresses]
+    print(json.dumps({"bench_server": kind, "url": urls[0], "urls": urls}), flush=True)
     stopped = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -146,11 +159,20 @@ async def serve(kind: str, upstream_url: str | None) -> None:
 
 @dataclass
 class Servers:
-    """The three server processes and the URL of each path."""
+    """The server processes and the URL of each path (``direct``, ``forward``, ``kvlb``, then the peers
+    that run)."""
 
     upstream: Child
     forward: Child
     kvlb: Child
+    peers: dict[str, tuple[processes.Child, str]] = field(default_factory=dict)
+    """Peer path name → (its process, its base URL)."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Peer path name → why it is not measured (not installed)."""
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return ("direct", "forward", "kvlb", *self.peers)
 
     @property
     def urls(self) -> dict[str, str]:
@@ -158,17 +180,24 @@ class Servers:
             "direct": str(self.upstream.info["url"]),
             "forward": str(self.forward.info["url"]),
             "kvlb": str(self.kvlb.info["url"]),
+            **{name: url for name, (_, url) in self.peers.items()},
         }
 
     @property
     def pids(self) -> dict[str, int]:
-        return {"direct": self.upstream.pid, "forward": self.forward.pid, "kvlb": self.kvlb.pid}
+        peers = {name: child.pid for name, (child, _) in self.peers.items()}
+        return {"direct": self.upstream.pid, "forward": self.forward.pid, "kvlb": self.kvlb.pid, **peers}
+
+    async def stop_peers(self) -> None:
+        for child, _ in reversed(self.peers.values()):
+            await child.stop()
 
 
-def kvlb_config(upstream_url: str, replicas: int) -> dict[str, Any]:
-    """``kvlb serve`` settings: one pool whose replicas all point at the fake upstream."""
+def kvlb_config(upstream_urls: Sequence[str], replicas: int) -> dict[str, Any]:
+    """``kvlb serve`` settings: one pool of ``replicas`` replicas on the fake upstream's URLs (in turn)."""
     entries = [
-        {"id": f"up-{i}", "url": upstream_url, "engine": "sglang", "block_size": 16} for i in range(replicas)
+        {"id": f"up-{i}", "url": upstream_urls[i % len(upstream_urls)], "engine": "sglang", "block_size": 16}
+        for i in range(replicas)
     ]
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
@@ -180,29 +209,74 @@ def kvlb_config(upstream_url: str, replicas: int) -> dict[str, Any]:
     }
 
 
-async def start_servers(replicas: int, log_dir: Path, children: list[Child]) -> Servers:
-    """Start upstream, forward proxy and kvlb (appended to ``children`` as they start)."""
+async def start_servers(
+    replicas: int, log_dir: Path, children: list[Child], peers: Sequence[RouterSpec] = PEER_PATHS
+) -> Servers:
+    """Start upstream, forward proxy and kvlb (appended to ``children`` as they start), then the
+    installed ``peers`` (call :meth:`Servers.stop_peers`; a peer that fails to start stops the others)."""
     module = __name__
-    upstream = await spawn("upstream", module, ["upstream"], log_dir=log_dir, ready_key="bench_server")
+    upstream = await spawn(
+        "upstream", module, ["upstream", "--ports", str(replicas)], log_dir=log_dir, ready_key="bench_server"
+    )
     children.append(upstream)
     url = str(upstream.info["url"])
+    upstream_urls = [str(u) for u in upstream.info["urls"]]
     forward = await spawn(
         "forward", module, ["forward", "--upstream", url], log_dir=log_dir, ready_key="bench_server"
     )
     children.append(forward)
     config = log_dir / "kvlb.yaml"
-    config.write_text(yaml.safe_dump(kvlb_config(url, replicas)))
+    config.write_text(yaml.safe_dump(kvlb_config(upstream_urls, replicas)))
     kvlb = await spawn(
         "kvlb", "balancer", ["serve", "--config", str(config)], log_dir=log_dir, ready_key="kvlb"
     )
     children.append(kvlb)
-    return Servers(upstream, forward, kvlb)
+    servers = Servers(upstream, forward, kvlb)
+    try:
+        for spec in peers:
+            if not peer_available(spec):
+                servers.skipped[spec.name] = f"{spec.name}: not installed (pip sglang-router)"
+                continue
+            servers.peers[spec.name] = await start_peer(spec, upstream_urls, log_dir)
+    except BaseException:
+        await servers.stop_peers()
+        raise
+    return servers
+
+
+PEER_READY_TIMEOUT_S = 30.0
+
+
+async def start_peer(
+    spec: RouterSpec, upstream_urls: Sequence[str], log_dir: Path
+) -> tuple[processes.Child, str]:
+    """Start peer ``spec`` in front of ``upstream_urls`` (the hub closed: :data:`PEER_ENV`); bounded wait
+    until it lists every worker."""
+    port, metrics_port = free_port_run("127.0.0.1", 1), free_port_run("127.0.0.1", 1)
+    listing = [{"url": u} for u in upstream_urls]
+    argv = peer_command(spec, port=port, metrics_port=metrics_port, replicas=listing, model=MODEL)
+    child = await processes.spawn(spec.name, argv, log_dir, ready_key=None, env={**os.environ, **PEER_ENV})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session, asyncio.timeout(PEER_READY_TIMEOUT_S):
+            while not await processes.router_ready(session, spec, url, len(upstream_urls)):
+                if child.process.returncode is not None:
+                    raise RuntimeError(f"{spec.name} exited with {child.process.returncode}")
+                await asyncio.sleep(0.1)
+    except (TimeoutError, RuntimeError) as exc:
+        await child.stop()
+        raise RuntimeError(f"{spec.name} not ready at {url}: {exc}\n{child.log_tail()}") from None
+    except BaseException:
+        await child.stop()
+        raise
+    return child, url
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtests.bench.overhead.servers")
     parser.add_argument("kind", choices=("upstream", "forward"))
     parser.add_argument("--upstream", help="upstream base URL (forward only)")
+    parser.add_argument("--ports", type=int, default=1, help="ports the upstream answers on (upstream only)")
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     args = parser.parse_args(argv)
     run = asyncio.run
@@ -211,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             import uvloop
 
             run = uvloop.run
-    run(serve(args.kind, args.upstream))
+    run(serve(args.kind, args.upstream, args.ports))
     return 0
 
 
