@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from balancer import strict_json
 from balancer.errors import ConfigError
@@ -93,34 +93,11 @@ class PolicySync:
         self._on_redis = on_redis
         self._write = client.register_script(_WRITE)
         self._writing = 0
-        self._unsent: PolicyView | None = None
         self._lock = asyncio.Lock()
-        self._tasks: set[asyncio.Task[None]] = set()
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
-        control.listeners.append(self._on_local_change)
         control.committer = self.commit
 
     # ------------------------------------------------------------------ local → Redis
-
-    def _on_local_change(self, view: PolicyView) -> None:
-        self._writing += 1
-        task = asyncio.get_running_loop().create_task(self._publish(view))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _publish(self, view: PolicyView) -> None:
-        try:
-            async with self._lock:  # one write at a time: the fleet sees the changes in order
-                version = await self._store(view, seed=False)
-            if self.control.view is view:  # the fleet's version number is the one in force
-                self.control.adopt(_with_version(view, version))
-            self._metrics.redis_policy_updates_total.labels("local").inc()
-            log.info("policy v%d written to Redis", version)
-        except REDIS_ERRORS as exc:
-            self._unsent = view  # the periodic check writes it once Redis answers again
-            self._failed(exc)
-        finally:
-            self._writing -= 1
 
     async def commit(self, view: PolicyView) -> PolicyView:
         """Store a change made through this balancer's admin API for the whole fleet, before it is
@@ -130,7 +107,7 @@ class PolicySync:
         try:
             async with self._lock:  # one write at a time: the fleet sees the changes in order
                 version = await self._store(view, seed=False)
-        except (RedisError, OSError) as exc:
+        except REDIS_ERRORS as exc:
             self._failed(exc)
             raise PolicyCommitError(f"policy not changed: Redis did not store it ({exc})") from exc
         finally:
@@ -153,11 +130,6 @@ class PolicySync:
 
     async def sync(self) -> None:
         """Adopt the stored policy, or seed Redis with ours when it has none."""
-        if self._unsent is not None:
-            view, self._unsent = self._unsent, None
-            if self.control.view is view:
-                self._writing += 1
-                await self._publish(view)
         try:
             raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
         except ResponseError as exc:
@@ -222,11 +194,6 @@ class PolicySync:
         self._warnings.warning("policy_redis_error", "", "policy sync: redis error: %s", exc)
 
     async def aclose(self) -> None:
-        for task in list(self._tasks):
-            with contextlib.suppress(asyncio.CancelledError, TimeoutError, *REDIS_ERRORS):
-                await asyncio.wait_for(task, 2.0)
-        with contextlib.suppress(ValueError):
-            self.control.listeners.remove(self._on_local_change)
         if self.control.committer == self.commit:
             self.control.committer = None
 

@@ -43,8 +43,6 @@ class PolicyControl:
         make_policy(name)  # validates the name
         self.view = PolicyView(name, weights, 1, "config", wall_now)
         self._instances: dict[str, Policy] = {}
-        self.listeners: list[Callable[[PolicyView], None]] = []
-        """Called with the new view after each change applied by :meth:`update`."""
         self.committer: Callable[[PolicyView], Awaitable[PolicyView]] | None = None
         """Set by the fleet (Redis): stores a change for every balancer before :meth:`change`
         applies it here, and returns it as stored (the fleet's version); raises
@@ -56,30 +54,16 @@ class PolicyControl:
             policy = self._instances[model] = make_policy(self.view.name)
         return policy
 
-    def update(
-        self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
-    ) -> dict[str, tuple[object, object]]:
-        """Apply a validated change here at once (then tell the listeners); returns
-        ``{field: (old, new)}`` (empty: nothing changed, and the version stays). Raises
-        :class:`ConfigError` for an unknown policy name."""
-        view, changes = self._proposal(name, weights, who, wall_now)
-        if view is not None:
-            self._install(view)
-            for listener in self.listeners:
-                listener(view)
-        return changes
-
     async def change(
         self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
     ) -> dict[str, tuple[object, object]]:
-        """:meth:`update`, except that with a :attr:`committer` (the fleet) the change is applied
-        here only once the committer stored it; :class:`PolicyCommitError` when it could not, and
-        nothing changed here."""
-        if self.committer is None:
-            return self.update(name, weights, who, wall_now)
+        """Apply a validated change; returns ``{field: (old, new)}`` (empty: nothing changed, and the
+        version stays). With a :attr:`committer` (the fleet) it is applied here only once the
+        committer stored it: :class:`PolicyCommitError` when it could not, and nothing changed.
+        Raises :class:`ConfigError` for an unknown policy name."""
         view, changes = self._proposal(name, weights, who, wall_now)
         if view is not None:
-            self._install(await self.committer(view))
+            self._install(view if self.committer is None else await self.committer(view))
         return changes
 
     def _proposal(
@@ -105,9 +89,9 @@ class PolicyControl:
         self.view = view
 
     def adopt(self, view: PolicyView) -> bool:
-        """Install a view decided elsewhere (another balancer, through Redis) without telling the
-        listeners; ``False`` when it is the one in force. Raises :class:`ConfigError` for an
-        unknown policy name."""
+        """Install a view decided elsewhere (another balancer, through Redis) without committing it;
+        ``False`` when it is the one in force. Raises :class:`ConfigError` for an unknown policy
+        name."""
         if view == self.view:
             return False
         self._install(view)

@@ -17,7 +17,13 @@ from hypothesis import strategies as st
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.parsing import lone_surrogate_at, parse_json_object, parse_weights_header, weights_from
+from balancer.api.parsing import (
+    lone_surrogate_at,
+    may_hold_surrogate,
+    parse_json_object,
+    parse_weights_header,
+    weights_from,
+)
 from balancer.errors import ConfigError
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import PolicyWeights
@@ -71,6 +77,7 @@ def test_the_body_parser_names_where_a_lone_surrogate_is() -> None:
     cases = {
         b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}': "'messages[0].content'",
         b'{"prompt": "a\\udfff"}': "'prompt'",
+        b'{"prompt": ["a\\uDBFF"]}': "'prompt[0]'",  # upper-case escapes are JSON too
         b'{"tools": [{"x": {"\\udc00": 1}}]}': "a key of 'tools[0].x'",
         b'{"x": "\xed\xa0\x80"}': "'x'",  # CESU-8 bytes: json.loads decodes them with surrogatepass
         '{"a": ["ok", "\ud800"]}'.encode("utf-16", "surrogatepass"): "'a[1]'",
@@ -82,6 +89,23 @@ def test_the_body_parser_names_where_a_lone_surrogate_is() -> None:
         assert f"{where} holds a lone UTF-16 surrogate" in info.value.message
     assert parse_json_object(b'{"p": "\\ud83d\\ude00 \\\\ud800"}') == {"p": "\U0001f600 \\ud800"}
     assert lone_surrogate_at({"a": [{"b": "x"}, "y"], "c": "z"}) is None
+
+
+@given(st.text(alphabet=st.characters(exclude_categories=()), min_size=1))
+def test_a_body_that_decodes_to_a_lone_surrogate_is_never_skipped_by_the_byte_hints(text: str) -> None:
+    """The byte pre-filter may say "maybe" too often, never "no" for a body that holds one."""
+    for raw in (
+        json.dumps({"x": text}).encode(),  # \\uXXXX escapes
+        json.dumps({"x": text}, ensure_ascii=False).encode("utf-8", "surrogatepass"),  # CESU-8
+        json.dumps({"x": text}, ensure_ascii=False).encode("utf-16", "surrogatepass"),
+    ):
+        if lone_surrogate_at(json.loads(raw)) is not None:
+            assert may_hold_surrogate(raw)
+
+
+def test_token_ids_and_ascii_text_skip_the_walk() -> None:
+    assert not may_hold_surrogate(json.dumps({"prompt": list(range(8192)), "model": "m"}).encode())
+    assert not may_hold_surrogate(b'{"messages": [{"role": "user", "content": "plain text"}]}')
 
 
 # ------------------------------------------------------------------------ weight ranges
