@@ -210,3 +210,42 @@ def _pieces(hasher: BlockHasher, event: KvEvent, max_blocks: int) -> list[KvEven
         tokens = event.tokens[start * width : end * width + look]
         pieces.append(replace(event, parent=parent, engine_hashes=ehs[start:end], tokens=tokens))
     return pieces
+
+
+@dataclass(slots=True)
+class OpKeys:
+    """What one ``APPLY`` call's operations name, so that its ``KEYS`` can be declared."""
+
+    ranks: set[int] = field(default_factory=set)
+    """Ranks whose engine-hash map the ops read or write."""
+    stored_keys: list[str] = field(default_factory=list)
+    """Block keys (hex) the ``S`` ops store."""
+    map_fields: dict[int, list[str]] = field(default_factory=dict)
+    """Per rank, the engine hashes (hex) whose current map values the ops may release."""
+    cleared: set[int] = field(default_factory=set)
+    """Ranks a ``C`` op empties (every value of their map may be released)."""
+
+
+def op_keys(ops: ScriptArgs, hinted: Parents) -> OpKeys:
+    """Walk ``BatchPlan.ops`` (and the hinted parents' ranks) as ``APPLY`` will."""
+    out = OpKeys(ranks={rank for rank, _ in hinted})
+    i = 0
+    while i < len(ops):
+        op, rank = ops[i], int(ops[i + 1])
+        out.ranks.add(rank)
+        if op == "S":
+            out.map_fields.setdefault(rank, []).extend(split_hex(str(ops[i + 4])))
+            out.stored_keys.extend(split_hex(str(ops[i + 5])))
+            i += 6
+        elif op == "R":
+            out.map_fields.setdefault(rank, []).extend(split_hex(str(ops[i + 2])))
+            i += 3
+        else:
+            out.cleared.add(rank)
+            i += 2
+    return out
+
+
+def split_hex(joined: str) -> list[str]:
+    """Concatenated 16-digit hex values, one string each."""
+    return [joined[i : i + 16] for i in range(0, len(joined), 16)]
