@@ -199,13 +199,13 @@ class RedisIndex:
         maxlen = self.settings.stream_maxlen
         head += [maxlen, encode_batch(events) if maxlen else b"", "" if seq is None else seq]
         stale_hint = False
+        plan = plan_batch(self.hasher, events, {**hinted, **await self._fetch_parents(replica, outside)})
+        if not plan.ops and generation is None and seq is None:
+            return plan.result
+        keys = await self._apply_keys(replica, op_keys(plan.ops, hinted), spec, unique)
         for _attempt in range(_ATTEMPTS):
-            plan = plan_batch(self.hasher, events, {**hinted, **await self._fetch_parents(replica, outside)})
-            if not plan.ops and generation is None and seq is None:
-                return plan.result
             args = [*head, len(hinted), *hint_checks(hinted), *plan.ops]
-            keys = await self._apply_keys(replica, op_keys(plan.ops, hinted), spec, unique)
-            reply = cast("list[int]", await self._apply(keys=keys, args=args))
+            reply = cast("list[Any]", await self._apply(keys=keys, args=args))
             if reply[0] == _STALE_HINT and not stale_hint:
                 stale_hint = True  # a stale hint costs one retry that reads every parent
                 self.hint_retries += 1
@@ -213,11 +213,13 @@ class RedisIndex:
                 for rank, eh in hinted:
                     outside.setdefault(rank, set()).add(eh)
                 hinted = {}
-            elif reply[0] != scripts.RETRY:
-                break
+                plan = plan_batch(self.hasher, events, await self._fetch_parents(replica, outside))
+                keys = await self._apply_keys(replica, op_keys(plan.ops, hinted), spec, unique)
+            elif reply[0] == scripts.RETRY:
+                self.key_retries += 1  # the blocks a store replaces, or a stale hint: declare them
+                keys = list(dict.fromkeys([*keys, *cast("list[str]", reply[2])]))
             else:
-                self.key_retries += 1
-                spec, unique = await self._expire_done()
+                break
         else:
             raise BalancerError(f"replica {replica!r}: the keys of a batch kept changing")
         self._refused(replica, reply, generation, expect_seq)
@@ -232,15 +234,22 @@ class RedisIndex:
         return result
 
     async def _apply_keys(self, replica: ReplicaId, named: OpKeys, spec: list[str], unique: int) -> list[str]:
-        """``KEYS`` of one ``APPLY``: the fixed keys, the replica's, the maps and blocks it names, the
-        blocks those maps hold now for the engine hashes it changes, and, near the capacity, the
-        blocks its evictions may take and every speculative set (one pipelined read)."""
+        """``KEYS`` of one ``APPLY``: the fixed keys, the replica's, every speculative set, the maps
+        and blocks it names, the blocks its removals release (from this writer's hints, else read)
+        and, near the capacity, the blocks its evictions may take (one pipelined read, if any)."""
         maps = {rank: self.keys.engine_map(cache_id(replica, rank)) for rank in sorted(named.ranks)}
         keys = [*self._fixed, self.keys.ranks(replica), self.keys.speculative(replica), *maps.values()]
         keys += [self.keys.speculative(r) for r in spec]
         keys += [self.keys.block(key) for key in named.stored_keys]
-        reads = [(rank, fields) for rank, fields in named.map_fields.items() if rank not in named.cleared]
-        victims = self._victims_to_read(unique, len(named.stored_keys))
+        reads: list[tuple[int, list[str]]] = []
+        for rank, fields in named.removed_fields.items():
+            if rank in named.cleared:
+                continue
+            hinted, unknown = self._hints.split_known(replica, rank, fields)
+            keys += [self.keys.block(hex_u64(key)) for key in hinted]
+            if unknown:
+                reads.append((rank, unknown))
+        victims = self._victims_to_read(unique, named)
         if reads or named.cleared or victims:
             pipe = self.client.pipeline(transaction=False)
             for rank, fields in reads:
@@ -287,12 +296,14 @@ class RedisIndex:
         members, unique = await pipe.execute()
         return sorted(cast("set[str]", members)), int(unique)
 
-    def _victims_to_read(self, unique: int, adding: int) -> int:
-        """Blocks at the head of ``lru`` a write of ``adding`` blocks may evict (0 below capacity)."""
-        capacity, target = self.settings.capacity_blocks, self.settings.evict_target_blocks
-        if unique + adding <= capacity:
+    def _victims_to_read(self, unique: int, named: OpKeys) -> int:
+        """Blocks at the head of ``lru`` that the evictions after the ``S`` ops of one ``APPLY`` may
+        take: the excess over the target, at most ``max_script_blocks`` per op (0 below capacity)."""
+        adding = len(named.stored_keys)
+        if unique + adding <= self.settings.capacity_blocks:
             return 0
-        return min(unique + 2 * adding - target, 4 * self.settings.max_script_blocks)
+        excess = unique + adding - self.settings.evict_target_blocks
+        return min(excess, self.settings.max_script_blocks * named.stores)
 
     async def _evict(self, unique_blocks: int, touched: list[str]) -> int:
         """Eviction rounds of at most ``max_script_blocks`` blocks while the pool is past its
@@ -342,8 +353,8 @@ class RedisIndex:
             else:
                 flat = cast("dict[str, str]", await cast("Any", self.client.hgetall(mk)))
                 pairs = [x for item in flat.items() for x in item]
-            keys = [*self._fixed, mk, *dict.fromkeys(self.keys.block(v) for v in pairs[1::2])]
-            await self._compact_script(keys=keys, args=[self.keys.prefix, cid, *pairs])
+            keys = [*self._fixed, mk, *(self.keys.block(v) for v in pairs[1::2])]
+            await self._compact_script(keys=keys, args=[self.keys.prefix, cid, "".join(pairs[::2])])
 
     async def _clear_steps(
         self,
@@ -361,8 +372,8 @@ class RedisIndex:
             pairs = await self._sample(mk)
             if not pairs:
                 break
-            keys = [*self._fixed, mk, *dict.fromkeys(self.keys.block(v) for v in pairs[1::2])]
-            args: _Args = [self.keys.prefix, replica, fence, rank, *pairs]
+            keys = [*self._fixed, mk, *(self.keys.block(v) for v in pairs[1::2])]
+            args: _Args = [self.keys.prefix, replica, fence, rank, "".join(pairs[::2])]
             reply = cast("list[int]", await self._clear_step(keys=keys, args=args))
             self._refused(replica, reply, generation, expect_seq)
             released += int(reply[2])

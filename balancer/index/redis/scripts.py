@@ -180,15 +180,21 @@ local function touched_list()
   return out
 end
 
--- whether every value of map `mk` among `fields` (all of them when nil) names a declared block
-local function map_declared(mk, fields)
+-- whether every value of map `mk` among `fields` (all of them when nil) names a declared block;
+-- the undeclared ones are added to `missing` (when given), for the caller's next try
+local function map_declared(mk, fields, missing)
   if not D[mk] then return false end
   local values
   if fields == nil then values = call('HVALS', mk) else values = hmget(mk, fields) end
+  local ok = true
   for _, v in ipairs(values) do
-    if v and not D[P .. 'b:' .. v] then return false end
+    local bk = v and P .. 'b:' .. v
+    if bk and not D[bk] then
+      ok = false
+      if missing then missing[#missing + 1] = bk else return false end
+    end
   end
-  return true
+  return ok
 end
 
 -- append to the pool's event stream (maxlen 0: no stream); fields r, n (consecutive), then `extra`
@@ -287,18 +293,21 @@ return {e, call('ZCARD', LRU), touched_list()}
 """
 
 _COMPACT_BODY = """
--- ARGV: prefix, cache id, field/value pairs of its map (read by the caller).
--- KEYS: fixed, m:<cid>, b:<value> of each pair.
+-- ARGV: prefix, cache id, engine hashes of entries of its map (concatenated hex, read by the
+--       caller). KEYS: fixed, m:<cid>, then b:<value> of each entry, in the same order.
 -- Drops the map entries whose block the cache no longer holds (a map outnumbering the cache's live
--- blocks, after evictions); an entry changed since the caller read it is left alone.
+-- blocks, after evictions); an entry whose value changed since the caller read it is left alone.
 -- returns entries dropped
 local cid = ARGV[2]
 local mk = P .. 'm:' .. cid
+local fields = split16(ARGV[3])
+local first = #KEYS - #fields
+local skip = #P + 3
 local dead = {}
-for i = 3, #ARGV, 2 do
-  local field, key = ARGV[i], ARGV[i + 1]
-  if call('HGET', mk, field) == key and call('HEXISTS', P .. 'b:' .. key, cid) == 0 then
-    dead[#dead + 1] = field
+for i = 1, #fields do
+  local bk = KEYS[first + i]
+  if call('HGET', mk, fields[i]) == string.sub(bk, skip) and call('HEXISTS', bk, cid) == 0 then
+    dead[#dead + 1] = fields[i]
   end
 end
 call_chunked('HDEL', mk, dead)
@@ -318,7 +327,8 @@ _APPLY_BODY = """
 -- returns {0, 0, stored, removed, unknown, evicted, skipped, keys repaired, unique blocks,
 --          {cache ids that lost a block to an eviction}} |
 --         {1, current generation} | {2, 0} (a stale parent hint) | {3, 0} (the stored seq is not the
---         expected one) | {4, 0} (a key the batch touches is not declared: nothing written)
+--         expected one) | {4, 0, {undeclared keys}} (a key the batch touches is not declared:
+--         nothing written; the caller declares them and calls again)
 local REPLICA = ARGV[2]
 local refused = fence(REPLICA, ARGV[3])
 if refused then return refused end
@@ -327,27 +337,30 @@ local NCHECKS = tonumber(ARGV[10])
 local FIRST_OP = 11 + 3 * NCHECKS
 for j = 11, FIRST_OP - 1, 3 do  -- the writer's parent hints, checked before any write
   local mk = P .. 'm:' .. REPLICA .. '#' .. ARGV[j]
-  if not D[mk] then return {4, 0} end
+  if not D[mk] then return {4, 0, {mk}} end
   if (call('HGET', mk, ARGV[j + 1]) or '') ~= ARGV[j + 2] then
     return {2, 0}
   end
 end
 do  -- every block the ops may release must be declared, before anything is written
+  local missing = {}
   local i = FIRST_OP
   while i <= #ARGV do
     local op = ARGV[i]
     local mk = P .. 'm:' .. REPLICA .. '#' .. ARGV[i + 1]
+    local fields = nil
     if op == 'S' then
-      if not map_declared(mk, split16(ARGV[i + 4])) then return {4, 0} end
+      fields = split16(ARGV[i + 4])
       i = i + 6
     elseif op == 'R' then
-      if not map_declared(mk, split16(ARGV[i + 2])) then return {4, 0} end
+      fields = split16(ARGV[i + 2])
       i = i + 3
     else
-      if not map_declared(mk, nil) then return {4, 0} end
       i = i + 2
     end
+    if not map_declared(mk, fields, missing) and D[mk] == nil then missing[#missing + 1] = mk end
   end
+  if #missing > 0 then return {4, 0, missing} end
 end
 local spec_key = P .. 's:' .. REPLICA
 local spec_field = REPLICA .. '#s'
@@ -541,13 +554,14 @@ return {0, dropped, gen, repaired}
 """
 
 _CLEAR_STEP_BODY = """
--- ARGV: prefix, replica, fence (as APPLY's), rank, field/value pairs of the cache's map (read by
---       the caller, at most `max_script_blocks`).
--- KEYS: fixed, m:<cid>, b:<value> of each pair.
+-- ARGV: prefix, replica, fence (as APPLY's), rank, the engine hashes of entries of the cache's map
+--       (concatenated hex, read by the caller, at most `max_script_blocks`).
+-- KEYS: fixed, m:<cid>, then b:<value> of each of those entries, in the same order.
 -- Empties those entries of the cache's engine-hash map (and their holder fields), so that the
--- `Cleared`/`Resync` or drop that follows runs in bounded time; an entry changed since the caller
--- read it is left for the next step. Writes no stream entry: the cache is emptied whole right
--- after, by the call that does publish.
+-- `Cleared`/`Resync` or drop that follows runs in bounded time. Only the cache's own writer (this
+-- caller) changes an entry's value; another writer's compaction may only have deleted it since the
+-- read, and then its block no longer has this cache's field: both deletions are no-ops. Writes no
+-- stream entry: the cache is emptied whole right after, by the call that does publish.
 -- returns {0, map entries left, holdings released, keys repaired} | {1, current generation} | {3, 0}
 local REPLICA = ARGV[2]
 local refused = fence(REPLICA, ARGV[3])
@@ -555,20 +569,19 @@ if refused then return refused end
 local cid = REPLICA .. '#' .. ARGV[4]
 local mk = P .. 'm:' .. cid
 if call('HEXISTS', HELD, cid) == 0 then return {0, 0, 0, repaired} end
-local dels, released = {}, 0
-for i = 5, #ARGV, 2 do
-  local field, key = ARGV[i], ARGV[i + 1]
-  if call('HGET', mk, field) == key then
-    local bk = P .. 'b:' .. key
-    if call('HDEL', bk, cid) == 1 then
-      unhold(bk, key)
-      released = released + 1
-    end
-    dels[#dels + 1] = field
+local fields = split16(ARGV[5])
+local first = #KEYS - #fields  -- KEYS[first + i] is the block of fields[i]
+local skip = #P + 3
+local released = 0
+for i = 1, #fields do
+  local bk = KEYS[first + i]
+  if call('HDEL', bk, cid) == 1 then
+    unhold(bk, string.sub(bk, skip))
+    released = released + 1
   end
 end
 held_add(cid, -released)
-call_chunked('HDEL', mk, dels)
+call_chunked('HDEL', mk, fields)
 finish()
 return {0, call('HLEN', mk), released, repaired}
 """
