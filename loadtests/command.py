@@ -42,6 +42,7 @@ from loadtests.processes import (
 from loadtests.report import build_report, write_json, write_markdown, write_records
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
+from loadtests.target import add_target_arguments, target_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,
@@ -105,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run everything in a new network namespace with only loopback (unshare -n)")  # fmt: skip
     add("--in-netns", action="store_true", help=argparse.SUPPRESS)
     add_soak_arguments(parser)
+    add_target_arguments(parser)
 
 
 def _params(pairs: Sequence[str]) -> dict[str, Any]:
@@ -117,8 +119,9 @@ def _params(pairs: Sequence[str]) -> dict[str, Any]:
     return params
 
 
-def build_workload(args: argparse.Namespace, capacity_tokens: int, replicas: int) -> Workload:
-    """The workload named by ``args``; ``tenants`` without a ``tenants`` count is sized to the fleet."""
+def build_workload(args: argparse.Namespace, capacity_tokens: int | None, replicas: int) -> Workload:
+    """The workload named by ``args``; ``tenants`` without a ``tenants`` count is sized to the fleet
+    (when its capacity is known: ``--target`` without ``--kv-capacity-tokens`` keeps the default)."""
     params = _params(args.param)
     if args.workload == "mooncake":
         if not args.trace:
@@ -135,7 +138,7 @@ def build_workload(args: argparse.Namespace, capacity_tokens: int, replicas: int
     fields = {f.name for f in dataclasses.fields(workload)}  # type: ignore[arg-type]
     if "num_requests" in fields and "num_requests" not in params:
         workload = dataclasses.replace(workload, num_requests=args.requests)  # type: ignore[type-var]
-    if isinstance(workload, TenantsWorkload) and "tenants" not in params:
+    if isinstance(workload, TenantsWorkload) and "tenants" not in params and capacity_tokens is not None:
         workload = workload.for_capacity(capacity_tokens, replicas=replicas)
     return workload
 
@@ -312,7 +315,18 @@ def run(args: argparse.Namespace) -> int:
     if args.netns and not args.in_netns:
         return _reexec_in_netns()
     try:
-        if args.duration is not None:
+        if args.target and args.duration is not None:
+            raise ValueError("--target and --duration (soak) do not go together")
+        if args.target:
+            args.rate = 10.0 if args.rate is None else args.rate
+            if args.requests <= 0 or args.rate <= 0:
+                raise ValueError("need --requests > 0 and --rate > 0")
+            out = (
+                args.out
+                or Path("loadtest-results") / f"target-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+            )
+            campaign = target_campaign(args, _own_argv(), out)
+        elif args.duration is not None:
             campaign = soak_campaign(args, _own_argv())
         else:
             args.rate = 10.0 if args.rate is None else args.rate
