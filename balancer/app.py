@@ -44,6 +44,7 @@ from balancer.routing.router import PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
+from balancer.service.series import SeriesSampler
 from balancer.service.server_log import server_logger
 from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
@@ -136,6 +137,7 @@ class Balancer:
             metrics=self.metrics,
             policy=PolicyControl(settings.policy.name, weights, time.time()),
             admission=admission,
+            series=self._series(),
         )
         for pool in pools.values():
             for replica in pool.replicas:
@@ -145,6 +147,18 @@ class Balancer:
         await self._start_replicas(state)
         await self._start_http(state)
         await self._start_grpc(state)
+
+    def _series(self) -> SeriesSampler:
+        """The console's bounded time series (``console.series_*``)."""
+        console = self.settings.console
+        overflow = self.metrics.console_series_overflow_total
+        return SeriesSampler(
+            console.series_interval_s,
+            console.series_intervals,
+            console.series_ttft_samples,
+            console.series_max_replicas,
+            on_overflow=lambda kind: overflow.labels(kind).inc(),
+        )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
         """One pool per configured model; every pool's router reads the shared ``health`` book and

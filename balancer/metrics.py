@@ -49,6 +49,7 @@ class Metrics:
     replica_healthy: Gauge
     scrape_errors_total: Counter
     process_asyncio_tasks: Gauge
+    console_series_overflow_total: Counter
     log_suppressed_total: Counter
     redis_up: Gauge
     redis_errors_total: Counter
@@ -84,6 +85,7 @@ class Metrics:
             **_index_collectors(reg),
             **_replica_collectors(reg),
             **_process_collectors(reg),
+            **_console_collectors(reg),
             **_redis_collectors(reg),
         )
 
@@ -333,6 +335,24 @@ def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
             "kvlb_log_suppressed_total",
             "Repeated warnings held back by the log rate limiter (balancer/log_limit.py), by cause.",
             ["cause"],
+        ),
+    }
+
+
+class _ConsoleCollectors(TypedDict):
+    console_series_overflow_total: Counter
+
+
+def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
+    """``kvlb_console_*``: the web console's in-process time series (``GET /admin/series``)."""
+    counter, _, _ = _constructors(reg)
+    return {
+        "console_series_overflow_total": counter(
+            "kvlb_console_series_overflow_total",
+            "Items the series sampler left out of an interval at its bounds: kind=ttft_samples (a "
+            "TTFT sample beyond console.series_ttft_samples, kept or not by reservoir sampling), "
+            "kind=replicas (a request counted under (other) beyond console.series_max_replicas).",
+            ["kind"],
         ),
     }
 

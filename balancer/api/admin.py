@@ -3,12 +3,15 @@
 Behind ``auth.admin_token`` when it is set (checked by the middleware). Every policy change is
 applied at once, bumps the version and is logged at INFO with who made it and what changed.
 
-* ``GET /admin/policy`` / ``PUT /admin/policy`` ``{"name"?: str, "weights"?: {...}}``
+* ``GET /admin/policy`` (with the policy names and every weight's range) / ``PUT /admin/policy``
+  ``{"name"?: str, "weights"?: {...}}``
 * ``POST /admin/explain``: the body of a chat or completions request (``messages`` decides which);
   returns the full decision with every replica's cost terms. Nothing is committed. The
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, event and scrape status.
 * ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
+* ``GET /admin/series?minutes=``: the console's time series per interval (requests per replica,
+  predicted and reported hit rate, TTFT p50/p90), from :mod:`balancer.service.series`.
 * ``GET /admin/fleet``: with Redis, this balancer's fleet view (members, its leases, mirrors);
   ``{"fleet": null}`` when embedded.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +43,8 @@ from balancer.api.parsing import (
 )
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError
-from balancer.policy import PolicyWeights
+from balancer.policy import POLICY_NAMES, PolicyWeights
+from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
 from balancer.service.dispatch import Forward, select
 from balancer.service.policy_control import PolicyCommitError, PolicyView
@@ -52,7 +57,24 @@ _POLICY_KEYS = frozenset({"name", "weights"})
 
 
 async def get_policy(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].policy.view.to_json(), dumps=strict_json.dumps)
+    body = {**request.app[STATE].policy.view.to_json(), **policy_choices()}
+    return web.json_response(body, dumps=strict_json.dumps)
+
+
+def policy_choices() -> dict[str, Any]:
+    """What ``GET /admin/policy`` adds to the policy in force: the policy names, and every weight's
+    documented range (:data:`~balancer.policy.base.WEIGHT_RANGES`) as ``{"low", "high",
+    "low_open", "nullable"}``."""
+    ranges = {
+        name: {
+            "low": weight_range.low,
+            "high": weight_range.high,
+            "low_open": weight_range.low_open,
+            "nullable": name in OPTIONAL_WEIGHTS,
+        }
+        for name, weight_range in WEIGHT_RANGES.items()
+    }
+    return {"policies": list(POLICY_NAMES), "ranges": ranges}
 
 
 async def put_policy(request: web.Request) -> web.Response:
@@ -234,6 +256,32 @@ def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: s
     log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
 
 
+SERIES_DEFAULT_MINUTES = 10.0
+
+
+async def series(request: web.Request) -> web.Response:
+    """``GET /admin/series?minutes=``: the console's time series (:mod:`balancer.service.series`)
+    over the last ``minutes`` (default 10, at most what the ring holds; 400 when not a number > 0)."""
+    state = request.app[STATE]
+    unknown = sorted(set(request.query) - {"minutes"})
+    if unknown:
+        raise ApiError(400, f"unknown query parameter(s) {[k[:40] for k in unknown[:5]]}; expected 'minutes'")
+    raw = request.query.get("minutes")
+    minutes = SERIES_DEFAULT_MINUTES
+    if raw is not None:
+        try:
+            minutes = float(raw)
+        except ValueError:
+            minutes = math.nan
+        if not math.isfinite(minutes) or minutes <= 0:
+            raise ApiError(400, f"'minutes' must be a number > 0, got {raw[:40]!r}")
+    sampler = state.series
+    if sampler is None:
+        raise ApiError(404, "the series sampler is not running on this balancer")
+    minutes = min(minutes, sampler.span_s / 60.0)
+    return web.json_response(sampler.series(minutes, state.wall_clock()), dumps=strict_json.dumps)
+
+
 async def fleet_view(request: web.Request) -> web.Response:
     status = request.app[STATE].fleet_status
     return web.json_response({"fleet": None if status is None else status()}, dumps=strict_json.dumps)
@@ -245,5 +293,6 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/explain", explain)
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/fleet", fleet_view)
+    app.router.add_get("/admin/series", series)
     app.router.add_post("/admin/replicas/{replica}/drain", drain)
     app.router.add_post("/admin/replicas/{replica}/undrain", undrain)

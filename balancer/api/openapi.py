@@ -151,6 +151,20 @@ _COMPONENTS: dict[str, Any] = {
                 "version": {"type": "integer"},
                 "updated_by": {"type": "string"},
                 "updated_at": {"type": "number"},
+                "policies": {"type": "array", "items": {"type": "string"}},
+                "ranges": {
+                    "type": "object",
+                    "description": "Every weight's documented range (GET only)",
+                    "additionalProperties": {
+                        "type": "object",
+                        "properties": {
+                            "low": {"type": "number"},
+                            "high": {"type": "number"},
+                            "low_open": {"type": "boolean"},
+                            "nullable": {"type": "boolean"},
+                        },
+                    },
+                },
             },
         },
     },
@@ -193,6 +207,12 @@ def _public_paths() -> dict[str, Any]:
         },
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": ok}}},
+        "/ui/": {
+            "get": {
+                "summary": "The web console (static; its data comes from /admin/* with the admin token)",
+                "responses": {"200": {"description": "HTML, with a Content-Security-Policy"}},
+            }
+        },
     }
 
 
@@ -234,6 +254,23 @@ def _admin_paths() -> dict[str, Any]:
                 "summary": "With Redis: fleet members, this balancer's leases and mirrors (else null)",
                 **admin,
                 "responses": {"200": ok, **_errors(401)},
+            }
+        },
+        "/admin/series": {
+            "get": {
+                "summary": "The console's time series per interval: requests per replica, predicted and "
+                "reported hit rate, TTFT p50/p90",
+                **admin,
+                "parameters": [
+                    {
+                        "name": "minutes",
+                        "in": "query",
+                        "required": False,
+                        "description": "How far back (default 10; capped at what the ring holds)",
+                        "schema": {"type": "number", "exclusiveMinimum": 0},
+                    }
+                ],
+                "responses": {"200": ok, **_errors(400, 401)},
             }
         },
         "/admin/replicas/{replica}/drain": {

@@ -259,6 +259,32 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsoleConfig:
+    """The web console at ``/ui`` and the time series its plots read (``GET /admin/series``;
+    docs/operations.md, "Tuning with the console")."""
+
+    enabled: bool = True
+    """Serve the console's static page at ``/ui`` (it shows nothing until the admin token is
+    entered; the admin API it calls is served either way)."""
+    series_interval_s: float = 5.0
+    """Length of one interval of the series (hit rate, TTFT, requests per replica); 0.5..3600 s."""
+    series_intervals: int = 180
+    """Intervals kept (the oldest fall off): 180 × 5 s is the last 15 minutes; 1..100000."""
+    series_ttft_samples: int = 256
+    """TTFT samples kept per interval for its p50/p90 (a uniform sample beyond that; 8 bytes each);
+    1..100000."""
+    series_max_replicas: int = 256
+    """Replica names counted per interval; requests to more are counted under ``(other)``; 1..100000."""
+
+    def validate(self) -> None:
+        if not 0.5 <= self.series_interval_s <= 3600:
+            raise ConfigError("console.series_interval_s must be in [0.5, 3600]")
+        for name in ("series_intervals", "series_ttft_samples", "series_max_replicas"):
+            if not 1 <= getattr(self, name) <= 100_000:
+                raise ConfigError(f"console.{name} must be in [1, 100000]")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
     pools: tuple[PoolConfig, ...] = ()
@@ -268,6 +294,7 @@ class Settings:
     auth: AuthConfig = field(default_factory=AuthConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
     scrape_interval_s: float = 1.0
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
@@ -321,4 +348,5 @@ class Settings:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
         self.redis.validate()
         self.discovery.validate()
+        self.console.validate()
         return self

@@ -171,7 +171,9 @@ from (config file, ``/admin/policy``, gRPC admin, ``x-kvlb-weights``, the Redis-
 through :meth:`PolicyWeights.validate`. The upper bounds are far above any useful value; they keep
 every cost term finite (at most about 1e3 × the blocks of a prompt and a backlog)."""
 
-_OPTIONAL_FIELDS = frozenset({"kv_usage_ceiling", "imbalance_threshold_blocks"})
+OPTIONAL_WEIGHTS = frozenset({"kv_usage_ceiling", "imbalance_threshold_blocks"})
+"""The weights that may be ``None`` (their guard off)."""
+_OPTIONAL_FIELDS = OPTIONAL_WEIGHTS
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))
 
 

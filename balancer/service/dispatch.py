@@ -176,6 +176,8 @@ def record_commit(state: ServiceState, lease: Lease) -> None:
     plan = lease.plan
     state.metrics.route_decisions_total.labels(plan.decision.policy, lease.replica).inc()
     state.metrics.predicted_cached_tokens_total.labels(lease.replica).inc(plan.cached_tokens)
+    if state.series is not None:
+        state.series.on_commit(lease.replica, plan.prompt_tokens, plan.cached_tokens, state.wall_clock())
 
 
 def _log_decision(job: Forward, plan: RoutePlan) -> None:
@@ -268,6 +270,8 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
         state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
     policy = lease.plan.decision.policy
     state.metrics.ttft_seconds.labels(lease.replica, policy).observe(now - job.arrived)
+    if state.series is not None:
+        state.series.on_ttft(now - job.arrived, state.wall_clock())
 
 
 def relay_deadline(state: ServiceState, job: Forward) -> float:
@@ -286,6 +290,9 @@ def on_relayed(
         usage = stream.usage()
         if usage.cached_tokens is not None:
             state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
+            if state.series is not None:
+                prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
+                state.series.on_usage(prompt, usage.cached_tokens, state.wall_clock())
     else:
         stream.close()
     policy = lease.plan.decision.policy

@@ -21,6 +21,7 @@ from balancer.metrics import Metrics
 from balancer.routing.router import PoolRouter
 from balancer.service.admission import Admission
 from balancer.service.policy_control import PolicyControl
+from balancer.service.series import SeriesSampler
 from balancer.sources.pipeline import EventIngest, ReplicaIngestStatus
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
@@ -60,6 +61,8 @@ class ServiceState:
     policy: PolicyControl
     admission: Admission
     """The bounded admission queue of ``limits.max_inflight`` / ``limits.max_queued``."""
+    series: SeriesSampler | None = None
+    """The console's time series (``GET /admin/series``), fed by dispatch; ``None``: not sampled."""
     monotonic: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     ingests: list[EventIngest] = field(default_factory=list)
