@@ -263,7 +263,7 @@ class ConsoleConfig:
     """The web console at ``/ui`` and the time series its plots read (``GET /admin/series``;
     docs/operations.md, "Tuning with the console")."""
 
-    enabled: bool = True
+    ui_enabled: bool = True
     """Serve the console's static page at ``/ui`` (it shows nothing until the admin token is
     entered; the admin API it calls is served either way)."""
     series_interval_s: float = 5.0

@@ -1,5 +1,5 @@
 """The web console's static files (data, no I/O at import): ``static/`` holds the page served at
-``/ui`` (:mod:`balancer.api.console`), written by hand with no build step and no third-party code.
+``/ui`` (:mod:`balancer.api.webui`), written by hand with no build step and no third-party code.
 
 :data:`STATIC_FILES` names every file and its media type; nothing else under ``static/`` is served.
 """

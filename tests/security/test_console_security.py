@@ -1,4 +1,4 @@
-"""The web console's security (balancer/api/console.py, middleware.check_origin) and its series
+"""The web console's security (balancer/api/webui.py, middleware.check_origin) and its series
 endpoint, against a real balancer in front of emulated replicas.
 
 * ``/admin/*`` needs the admin token, including the endpoints the console reads
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from kvlb_harness import MODEL, Harness, running, shared_deepseek
 
-from balancer.api.console import CONTENT_SECURITY_POLICY
+from balancer.api.webui import CONTENT_SECURITY_POLICY
 from balancer.console import STATIC_FILES, read_static
 from balancer.policy import POLICY_NAMES
 from balancer.policy.base import WEIGHT_RANGES

@@ -48,7 +48,7 @@ class ConsoleFiles:
             self.files[name] = (body, content_type, '"' + hashlib.sha256(body).hexdigest()[:32] + '"')
 
 
-_FILES = web.AppKey("kvlb_console_files", ConsoleFiles)
+_FILES = web.AppKey("kvlb_ui_files", ConsoleFiles)
 
 
 async def console_root(request: web.Request) -> web.Response:
@@ -68,7 +68,7 @@ async def console_file(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={**headers, "Content-Type": content_type})
 
 
-def add_console_routes(app: web.Application) -> None:
+def add_ui_routes(app: web.Application) -> None:
     """``GET /ui``, ``/ui/`` and ``/ui/{file}`` (only the files :data:`STATIC_FILES` names)."""
     app[_FILES] = ConsoleFiles()
     app.router.add_get("/ui", console_root)
