@@ -65,7 +65,7 @@
     if (value === null || value === undefined || Number.isNaN(value)) return DASH;
     if (typeof value !== "number") return String(value);
     if (Number.isInteger(value)) return value.toLocaleString("en-US");
-    return value.toFixed(digits === undefined ? 2 : digits);
+    return String(Number(value.toFixed(digits === undefined ? 2 : digits)));
   }
 
   function fmtPercent(value) {
@@ -222,7 +222,8 @@
       const [healthText, healthClass] = healthOf(view);
       const load = view.load || {};
       const events = view.events;
-      const lag = events && typeof events.last_applied_age_s === "number" ? fmtSeconds(events.last_applied_age_s) : DASH;
+      const lag = events && typeof events.last_lag_s === "number" ? fmtSeconds(Math.max(0, events.last_lag_s)) : DASH;
+      const lastEvent = events && typeof events.last_applied_age_s === "number" ? "last event applied " + fmtSeconds(events.last_applied_age_s) + " ago" : "no event applied yet";
       body.append(
         el(
           "tr",
@@ -237,7 +238,7 @@
           el("td", { class: "num", text: fmtNumber(load.waiting_reqs) }),
           el("td", { class: "num", text: typeof load.kv_usage === "number" ? fmtPercent(load.kv_usage) : DASH }),
           el("td", { class: "num", text: fmtNumber(view.index ? view.index.blocks : null) }),
-          el("td", { class: "num", text: lag }),
+          el("td", { class: "num", text: lag, title: lastEvent }),
           el("td", { class: "num", text: events ? fmtNumber(events.queued_batches) : DASH }),
           el("td", { class: "num", text: accuracyOf(view) })
         )
