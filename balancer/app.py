@@ -42,6 +42,8 @@ from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.routing.router import PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits
+from balancer.service.audit import AuditLog
+from balancer.service.decisions import DecisionLog
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
 from balancer.service.server_log import server_logger
@@ -136,6 +138,8 @@ class Balancer:
             metrics=self.metrics,
             policy=PolicyControl(settings.policy.name, weights, time.time()),
             admission=admission,
+            decisions=self._decision_log(),
+            audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
         )
         for pool in pools.values():
             for replica in pool.replicas:
@@ -145,6 +149,20 @@ class Balancer:
         await self._start_replicas(state)
         await self._start_http(state)
         await self._start_grpc(state)
+
+    def _decision_log(self) -> DecisionLog:
+        console, metrics = self.settings.console, self.metrics
+
+        def on_evict(pool: str, reason: str, count: int) -> None:
+            metrics.console_ring_evicted_total.labels(pool, reason).inc(count)
+
+        def on_size(pool: str, entries: int, nbytes: int) -> None:
+            metrics.console_ring_entries.labels(pool).set(entries)
+            metrics.console_ring_bytes.labels(pool).set(nbytes)
+
+        return DecisionLog(
+            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_size=on_size
+        )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
         """One pool per configured model; every pool's router reads the shared ``health`` book and

@@ -259,6 +259,44 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsoleConfig:
+    """The SRE console's memory: recent decisions (``/admin/decisions``, ``/admin/whatif``) and the
+    audit log of policy changes (``/admin/audit``)."""
+
+    decision_ring_size: int = 10_000
+    """Committed decisions kept per pool, with what re-running the policy on them needs (prefix
+    matches, load snapshot, cost terms); past it the oldest is evicted
+    (``kvlb_console_ring_evicted_total{reason="count"}``). 0 keeps none (whatif has nothing to
+    replay). At most 1,000,000."""
+    decision_ring_bytes: int = 64 * 1024 * 1024
+    """Byte budget of one pool's ring (estimated: about 1 kB per entry plus 0.5 kB per candidate
+    replica); past it the oldest entries are evicted (``kvlb_console_ring_evicted_total{reason=
+    "bytes"}``, ``kvlb_console_ring_bytes``). Must be > 0."""
+    tenant_header: str = "x-kvlb-tenant"
+    """Request header whose value is kept with each decision (filter of ``/admin/decisions``);
+    values longer than 128 characters are cut. Case-insensitive."""
+    audit_log_size: int = 1_000
+    """Policy changes kept in ``/admin/audit`` (the oldest are dropped; every change is also logged
+    at INFO). Must be >= 1."""
+    whatif_max_entries: int = 100_000
+    """Most decisions one ``/admin/whatif`` replays (its ``last``); bounds its CPU time (about
+    10 µs per decision and candidate, in a worker thread). Must be >= 1."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if not 0 <= self.decision_ring_size <= 1_000_000:
+            raise ConfigError("console.decision_ring_size must be in 0..1000000")
+        if self.decision_ring_bytes <= 0:
+            raise ConfigError("console.decision_ring_bytes must be > 0")
+        if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
+            raise ConfigError("console.tenant_header must be a header name (letters, digits, '-', '_')")
+        if self.audit_log_size < 1:
+            raise ConfigError("console.audit_log_size must be >= 1")
+        if self.whatif_max_entries < 1:
+            raise ConfigError("console.whatif_max_entries must be >= 1")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
     pools: tuple[PoolConfig, ...] = ()
@@ -268,6 +306,7 @@ class Settings:
     auth: AuthConfig = field(default_factory=AuthConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
     scrape_interval_s: float = 1.0
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
@@ -321,4 +360,5 @@ class Settings:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
         self.redis.validate()
         self.discovery.validate()
+        self.console.validate()
         return self
