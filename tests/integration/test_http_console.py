@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from typing import Any
 
 import pytest
 from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek
 
+from balancer.cli.main import main
 from balancer.tokenizer.tokenizer import Tokenizer
 
 TOKEN = "root"
@@ -153,3 +156,43 @@ async def test_ring_evicts_by_count(tokenizer: Tokenizer) -> None:
         async with h.session.get(h.url + "/metrics") as response:
             text = await response.text()
         assert metric_value(text, "kvlb_console_ring_evicted_total", pool=MODEL, reason="count") == 2
+
+
+async def test_cli_whatif_decisions_and_audit(
+    tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running(tokenizer, 2, auth__admin_token=TOKEN) as h:
+        shared = list(range(2000, 2032))
+        await h.warm(shared)
+        for i in range(4):
+            await _send(h, [*shared, i], "team-a")
+
+        async def cli(*args: str) -> tuple[int, str, str]:
+            code = await asyncio.to_thread(main, ["admin", "--url", h.url, "--token", TOKEN, *args])
+            captured = capsys.readouterr()
+            return code, captured.out, captured.err
+
+        code, out, _ = await cli("whatif", "--weight", "overlap_credit=0", "--sample", "2")
+        assert code == 0 and "decisions 5" in out and "hit rate" in out and "load spread" in out
+        assert "r0" in out and "r1" in out and "note: static replay" in out
+        code, out, _ = await cli("whatif", "--json", "-w", "decode_weight=0.1")
+        assert code == 0 and json.loads(out)["changed_share"] == 0.0
+        code, out, err = await cli("whatif", "-w", "overlap_credit=9")
+        assert code == 1 and "HTTP 400" in err and "overlap_credit" in err
+        code, out, err = await cli("whatif", "--policy", "nope")
+        assert code == 1 and "HTTP 400" in err
+        code, out, _ = await cli("decisions", "--tenant", "team-a", "--json")
+        assert code == 0 and len(json.loads(out)["decisions"]) == 4
+        code, out, _ = await cli("decisions", "--limit", "2")
+        assert code == 0 and out.splitlines()[0].split()[:4] == ["id", "utc", "pool", "replica"]
+        assert len(out.splitlines()) == 3
+        code, out, _ = await cli("decisions", "--id", "1")
+        assert code == 0 and json.loads(out)["id"] == 1
+        code, out, _ = await cli(
+            "policy", "set", "decode_weight=0.2", "--reason", "more decode", "--actor", "carol"
+        )
+        assert code == 0
+        code, out, _ = await cli("audit")
+        assert code == 0 and "carol" in out and "decode_weight: 0.1 -> 0.2" in out and "more decode" in out
+        code, out, _ = await cli("audit", "--json", "--limit", "1")
+        assert code == 0 and json.loads(out)["entries"][0]["actor"] == "carol"
