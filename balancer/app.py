@@ -42,6 +42,8 @@ from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.routing.router import PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits
+from balancer.service.audit import AuditLog
+from balancer.service.decisions import DecisionLog
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
@@ -138,6 +140,8 @@ class Balancer:
             policy=PolicyControl(settings.policy.name, weights, time.time()),
             admission=admission,
             series=self._series(),
+            decisions=self._decision_log(),
+            audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
         )
         for pool in pools.values():
             for replica in pool.replicas:
@@ -158,6 +162,20 @@ class Balancer:
             console.series_ttft_samples,
             console.series_max_replicas,
             on_overflow=lambda kind: overflow.labels(kind).inc(),
+        )
+
+    def _decision_log(self) -> DecisionLog:
+        console, metrics = self.settings.console, self.metrics
+
+        def on_evict(pool: str, reason: str, count: int) -> None:
+            metrics.console_ring_evicted_total.labels(pool, reason).inc(count)
+
+        def on_size(pool: str, entries: int, nbytes: int) -> None:
+            metrics.console_ring_entries.labels(pool).set(entries)
+            metrics.console_ring_bytes.labels(pool).set(nbytes)
+
+        return DecisionLog(
+            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_size=on_size
         )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:

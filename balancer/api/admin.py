@@ -4,7 +4,9 @@ Behind ``auth.admin_token`` when it is set (checked by the middleware). Every po
 applied at once, bumps the version and is logged at INFO with who made it and what changed.
 
 * ``GET /admin/policy`` (with the policy names and every weight's range) / ``PUT /admin/policy``
-  ``{"name"?: str, "weights"?: {...}}``
+  ``{"name"?: str, "weights"?: {...}, "reason"?: str}`` (the ``x-kvlb-actor`` header names who, for
+  the audit log; ``GET /admin/audit`` lists changes).
+* ``POST /admin/whatif``, ``GET /admin/decisions``, ``GET /admin/audit``: :mod:`balancer.api.console`.
 * ``POST /admin/explain``: the body of a chat or completions request (``messages`` decides which);
   returns the full decision with every replica's cost terms. Nothing is committed. The
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
@@ -46,6 +48,7 @@ from balancer.errors import ConfigError
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
+from balancer.service.audit import DEFAULT_ACTOR, MAX_ACTOR_CHARS, MAX_REASON_CHARS, AuditEntry
 from balancer.service.dispatch import Forward, select
 from balancer.service.policy_control import PolicyCommitError, PolicyView
 from balancer.service.state import Pool, ServiceState
@@ -53,7 +56,19 @@ from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-_POLICY_KEYS = frozenset({"name", "weights"})
+_POLICY_KEYS = frozenset({"name", "weights", "reason"})
+ACTOR_HEADER = "x-kvlb-actor"
+"""Who makes an admin change, as the audit log names them (``admin`` when absent)."""
+
+
+def actor_of(value: str | None) -> str:
+    """The ``x-kvlb-actor`` value checked (printable, at most ``MAX_ACTOR_CHARS``; 400 otherwise)."""
+    if value is None or not value.strip():
+        return DEFAULT_ACTOR
+    value = value.strip()
+    if len(value) > MAX_ACTOR_CHARS or not value.isprintable():
+        raise ApiError(400, f"{ACTOR_HEADER} must be printable and at most {MAX_ACTOR_CHARS} characters")
+    return value
 
 
 async def get_policy(request: web.Request) -> web.Response:
@@ -83,21 +98,26 @@ async def put_policy(request: web.Request) -> web.Response:
     body = parse_json_object(
         await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
     )
-    view, changes = await change_policy(state, body, caller(request))
+    actor = actor_of(request.headers.get(ACTOR_HEADER))
+    view, changes = await change_policy(state, body, caller(request), actor)
     return web.json_response(
         {**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}}, dumps=strict_json.dumps
     )
 
 
 async def change_policy(
-    state: ServiceState, body: Mapping[str, Any], who: str
+    state: ServiceState, body: Mapping[str, Any], who: str, actor: str = DEFAULT_ACTOR
 ) -> tuple[PolicyView, dict[str, tuple[object, object]]]:
-    """Validate and apply ``{"name"?, "weights"?}`` (400 when invalid); returns the policy now in
-    force and ``{field: (old, new)}``, and logs who changed what. In fleet mode the change is
-    stored in Redis first; when that fails it is applied nowhere (503 with the reason)."""
+    """Validate and apply ``{"name"?, "weights"?, "reason"?}`` (400 when invalid); returns the
+    policy now in force and ``{field: (old, new)}``, logs who changed what and why once, and adds
+    the change to the audit log. In fleet mode the change is stored in Redis first; when that fails
+    it is applied nowhere (503 with the reason)."""
     unknown = sorted(set(body) - _POLICY_KEYS)
     if unknown:
-        raise ApiError(400, f"unknown key(s) {unknown}; expected 'name' and/or 'weights'")
+        raise ApiError(400, f"unknown key(s) {unknown}; expected 'name', 'weights' and/or 'reason'")
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} characters")
     name = body.get("name")
     if name is not None and not isinstance(name, str):
         raise ApiError(400, "'name' must be a string")
@@ -114,7 +134,25 @@ async def change_policy(
     view = state.policy.view
     if changes:
         summary = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
-        log.info("policy v%d set by %s: %s", view.version, who, summary)
+        log.info(
+            "policy v%d set by %s: %s; actor: %s; reason: %s",
+            view.version,
+            who,
+            summary,
+            actor,
+            reason or "-",
+        )
+        state.audit.add(
+            AuditEntry(
+                wall_ts=view.updated_at_wall,
+                actor=actor,
+                caller=who,
+                reason=reason,
+                version=view.version,
+                before={k: old for k, (old, _) in changes.items()},
+                after={k: new for k, (_, new) in changes.items()},
+            )
+        )
     return view, changes
 
 

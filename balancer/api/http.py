@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from balancer import strict_json
 from balancer.api.admin import add_admin_routes
+from balancer.api.console import add_console_routes
 from balancer.api.middleware import STATE, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
@@ -95,6 +96,7 @@ def build_web_app(state: ServiceState) -> web.Application:
     app[STATE] = state
     add_openai_routes(app)
     add_admin_routes(app)
+    add_console_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)

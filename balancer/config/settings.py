@@ -260,8 +260,28 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True, slots=True)
 class ConsoleConfig:
-    """The web console at ``/ui`` and the time series its plots read (``GET /admin/series``;
-    docs/operations.md, "Tuning with the console")."""
+    """The SRE console: its page at ``/ui``, its memory of recent decisions (``/admin/decisions``,
+    ``/admin/whatif``), the audit log of policy changes (``/admin/audit``) and the time series its
+    plots read (``/admin/series``); docs/operations.md, "Tuning with the console"."""
+
+    decision_ring_size: int = 10_000
+    """Committed decisions kept per pool, with what re-running the policy on them needs (prefix
+    matches, load snapshot, cost terms); past it the oldest is evicted
+    (``kvlb_console_ring_evicted_total{reason="count"}``). 0 keeps none (whatif has nothing to
+    replay). At most 1,000,000."""
+    decision_ring_bytes: int = 64 * 1024 * 1024
+    """Byte budget of one pool's ring (estimated: about 1 kB per entry plus 0.5 kB per candidate
+    replica); past it the oldest entries are evicted (``kvlb_console_ring_evicted_total{reason=
+    "bytes"}``, ``kvlb_console_ring_bytes``). Must be > 0."""
+    tenant_header: str = "x-kvlb-tenant"
+    """Request header whose value is kept with each decision (filter of ``/admin/decisions``);
+    values longer than 128 characters are cut. Case-insensitive."""
+    audit_log_size: int = 1_000
+    """Policy changes kept in ``/admin/audit`` (the oldest are dropped; every change is also logged
+    at INFO). Must be >= 1."""
+    whatif_max_entries: int = 100_000
+    """Most decisions one ``/admin/whatif`` replays (its ``last``); bounds its CPU time (about
+    10 µs per decision and candidate, in a worker thread). Must be >= 1."""
 
     ui_enabled: bool = True
     """Serve the console's static page at ``/ui`` (it shows nothing until the admin token is
@@ -277,6 +297,17 @@ class ConsoleConfig:
     """Replica names counted per interval; requests to more are counted under ``(other)``; 1..100000."""
 
     def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if not 0 <= self.decision_ring_size <= 1_000_000:
+            raise ConfigError("console.decision_ring_size must be in 0..1000000")
+        if self.decision_ring_bytes <= 0:
+            raise ConfigError("console.decision_ring_bytes must be > 0")
+        if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
+            raise ConfigError("console.tenant_header must be a header name (letters, digits, '-', '_')")
+        if self.audit_log_size < 1:
+            raise ConfigError("console.audit_log_size must be >= 1")
+        if self.whatif_max_entries < 1:
+            raise ConfigError("console.whatif_max_entries must be >= 1")
         if not 0.5 <= self.series_interval_s <= 3600:
             raise ConfigError("console.series_interval_s must be in [0.5, 3600]")
         for name in ("series_intervals", "series_ttft_samples", "series_max_replicas"):

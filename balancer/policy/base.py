@@ -203,6 +203,16 @@ class RouteRequest:
     """For logs only; no policy routes on it."""
 
 
+@dataclass(frozen=True, slots=True)
+class PolicyInputs:
+    """Everything a policy call read besides the weights and the rng: kept with a committed
+    decision (the console's decision ring) so that the policy can be re-run on it (what-if)."""
+
+    request: RouteRequest
+    overlap: Overlap
+    load: LoadSnapshot
+
+
 class Policy(Protocol):
     """A routing policy: pure, side-effect free (``round_robin`` advances only its own counter).
 
