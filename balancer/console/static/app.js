@@ -274,8 +274,9 @@
 
   function rangeText(range) {
     if (!range) return DASH;
-    const low = (range.low_open ? "(" : "[") + fmtNumber(range.low);
-    return low + ", " + fmtNumber(range.high) + "]" + (range.nullable ? " or empty (off)" : "");
+    // as WeightRange prints it (and an SRE would type it): [0, 1000], no thousands separators
+    const low = (range.low_open ? "(" : "[") + String(range.low);
+    return low + ", " + String(range.high) + "]" + (range.nullable ? " or empty (off)" : "");
   }
 
   async function refreshPolicy() {
@@ -422,7 +423,7 @@
       el(
         "tbody",
         {},
-        el("tr", { "data-figure": "changed_share" }, el("td", { text: "decisions that change" }), el("td", { text: "" }), el("td", { class: "num", text: fmtPercent(result.changed_share) }), el("td", { text: "" })),
+        el("tr", { "data-figure": "changed_share" }, el("td", { text: "decisions that change" }), el("td", { class: "num", text: fmtNumber(result.changed) + " of " + fmtNumber(result.decisions) }), el("td", { class: "num", text: fmtPercent(result.changed_share) }), el("td", { text: "" })),
         el("tr", { "data-figure": "hit_rate" }, el("td", { text: "hit rate" }), el("td", { class: "num", text: fmtPercent(before.hit_rate) }), el("td", { class: "num", text: fmtPercent(after.hit_rate) }), el("td", { class: "num", text: delta(before.hit_rate, after.hit_rate, true) })),
         el("tr", { "data-figure": "predicted_cached_tokens" }, el("td", { text: "predicted cached tokens" }), el("td", { class: "num", text: fmtNumber(before.predicted_cached_tokens) }), el("td", { class: "num", text: fmtNumber(after.predicted_cached_tokens) }), el("td", { class: "num", text: delta(before.predicted_cached_tokens, after.predicted_cached_tokens, false) })),
         el("tr", { "data-figure": "load_spread" }, el("td", { text: "load spread (max ÷ mean)" }), el("td", { class: "num", text: fmtNumber(before.load_spread) }), el("td", { class: "num", text: fmtNumber(after.load_spread) }), el("td", { class: "num", text: delta(before.load_spread, after.load_spread, false) }))
@@ -452,7 +453,7 @@
       for (const item of sample.slice(0, 5)) {
         const b = item.before || {};
         const a = item.after || {};
-        list.append(el("li", {}, "decision " + item.id + " at " + fmtTime(item.ts) + ": " + b.replica + " → " + a.replica + " (" + termsText(a.terms && a.terms[a.replica]) + ")"));
+        list.append(el("li", {}, "decision " + item.id + " at " + fmtTime(item.ts) + ": " + b.replica + " → " + a.replica + " (after: " + termsText(termsByReplica(a)[a.replica]) + ")"));
       }
       target.append(el("h3", { text: "Changed decisions (sample)" }), list);
     }
@@ -530,8 +531,8 @@
           {},
           el("td", { text: fmtDateTime(entry.ts) }),
           el("td", { text: entry.actor || DASH }),
-          el("td", { text: changeText(entry.change) }),
-          el("td", { class: "reason", text: entry.reason || DASH })
+          el("td", { class: "wrap", text: changeText(entry.change) }),
+          el("td", { class: "wrap reason", text: entry.reason || DASH })
         )
       );
     }
@@ -539,19 +540,41 @@
 
   // ------------------------------------------------------------------ decisions
 
-  const TERM_ORDER = ["cost", "prefill", "prefill_term", "duplication", "duplication_term", "decode", "decode_term", "queue", "queue_term"];
+  // The cost terms the feed and the explanation show, in this order (others are left out).
+  const TERM_COLUMNS = [
+    ["cost", "cost"],
+    ["overlap_blocks", "overlap"],
+    ["prefill_term", "prefill"],
+    ["duplication_term", "duplication"],
+    ["decode_term", "decode"],
+    ["queue_term", "queue"],
+    ["pending_prefill_blocks", "pending prefill blocks"],
+    ["active_decode_blocks", "decode blocks"],
+    ["waiting_requests", "waiting"],
+    ["kv_usage", "KV usage"],
+    ["probability", "probability"],
+    ["excluded", "excluded"],
+  ];
 
   function termsText(terms) {
     if (!terms) return DASH;
-    const keys = Object.keys(terms).sort((a, b) => {
-      const ia = TERM_ORDER.indexOf(a);
-      const ib = TERM_ORDER.indexOf(b);
-      return (ia < 0 ? 99 : ia) - (ib < 0 ? 99 : ib) || a.localeCompare(b);
-    });
-    return keys
-      .filter((k) => typeof terms[k] === "number" || typeof terms[k] === "string")
-      .map((k) => k.replace(/_term$/, "") + " " + (typeof terms[k] === "number" ? fmtNumber(terms[k]) : terms[k]))
-      .join(" · ");
+    const parts = [];
+    for (const [key, label] of TERM_COLUMNS.slice(0, 6)) {
+      const value = terms[key];
+      if (value === null || value === undefined) continue;
+      if (key === "overlap_blocks" && typeof terms.request_blocks === "number") parts.push(label + " " + value + "/" + terms.request_blocks);
+      else parts.push(label + " " + fmtNumber(value));
+    }
+    return parts.length ? parts.join(" · ") : DASH;
+  }
+
+  // {replica: {term: value}} from either shape: the feed's map or /admin/decisions/{id}'s list.
+  function termsByReplica(d) {
+    if (d.terms && !Array.isArray(d.terms)) return d.terms;
+    const list = (d.decision && d.decision.terms) || d.terms || [];
+    const out = {};
+    for (const t of list) out[t.replica] = t;
+    return out;
   }
 
   async function refreshDecisions() {
@@ -581,7 +604,7 @@
         el("td", { text: d.replica }),
         el("td", { class: "num", text: fmtNumber(d.prefill_tokens) }),
         el("td", { class: "num", text: fmtNumber(d.predicted_cached_tokens) }),
-        el("td", { text: termsText(d.terms && d.terms[d.replica]) })
+        el("td", { class: "wrap", text: termsText(termsByReplica(d)[d.replica]) })
       );
       row.addEventListener("click", () => explain(String(d.id)));
       body.append(row);
@@ -606,19 +629,44 @@
       return;
     }
     clear(target);
-    target.append(el("h3", { text: "Decision " + d.id + " → " + d.replica }));
-    target.append(el("p", { class: "muted", text: fmtDateTime(d.ts) + " · pool " + d.pool + " · tenant " + (d.tenant || DASH) + " · " + fmtNumber(d.predicted_cached_tokens) + " of " + fmtNumber(d.prefill_tokens) + " tokens predicted cached" }));
-    const explanation = d.explanation;
-    if (typeof explanation === "string") target.append(el("p", { id: "explanation-text", text: explanation }));
-    else if (explanation && typeof explanation === "object") target.append(el("pre", { id: "explanation-text", text: JSON.stringify(explanation, null, 2) }));
-    const terms = d.terms || {};
-    const names = [...new Set(Object.values(terms).flatMap((t) => Object.keys(t || {})))];
-    if (names.length) {
-      const head = el("tr", {}, el("th", { text: "replica" }), ...names.map((n) => el("th", { text: n.replace(/_term$/, "") })));
+    const decision = d.decision || {};
+    const chosen = d.replica || decision.replica;
+    const prompt = d.prefill_tokens !== undefined ? d.prefill_tokens : d.prompt_tokens;
+    const cached = d.predicted_cached_tokens !== undefined ? d.predicted_cached_tokens : d.cached_tokens;
+    target.append(el("h3", { text: "Decision " + d.id + " → " + chosen }));
+    target.append(
+      el("p", { class: "muted", text: fmtDateTime(d.ts) + " · pool " + d.pool + " · tenant " + (d.tenant || DASH) + " · policy " + (decision.policy || d.policy || DASH) })
+    );
+    const why = decision.reason || d.reason || (typeof d.explanation === "string" ? d.explanation : "");
+    target.append(
+      el(
+        "p",
+        { id: "explanation-text" },
+        (why ? "Why: " + why + ". " : "") + fmtNumber(cached) + " of " + fmtNumber(prompt) + " prompt tokens predicted cached on " + chosen + "."
+      )
+    );
+    const terms = termsByReplica(d);
+    const columns = TERM_COLUMNS.filter(([key]) => Object.values(terms).some((t) => t && t[key] !== undefined && t[key] !== null && t[key] !== ""));
+    if (Object.keys(terms).length) {
+      const head = el("tr", {}, el("th", { text: "replica" }), ...columns.map(([, label]) => el("th", { text: label })));
       const rows = Object.entries(terms).map(([replica, t]) =>
-        el("tr", { class: replica === d.replica ? "selected" : "" }, el("td", { text: replica + (replica === d.replica ? " ✓" : "") }), ...names.map((n) => el("td", { class: "num", text: fmtNumber(t ? t[n] : null) })))
+        el(
+          "tr",
+          { class: replica === chosen ? "selected" : "", "data-replica": replica },
+          el("td", { text: replica + (replica === chosen ? " ✓" : "") }),
+          ...columns.map(([key]) => {
+            const v = t ? t[key] : null;
+            const text = key === "overlap_blocks" && t && typeof t.request_blocks === "number" ? v + "/" + t.request_blocks : key === "kv_usage" && typeof v === "number" ? fmtPercent(v) : fmtNumber(v);
+            return el("td", { class: "num", text });
+          })
+        )
       );
-      target.append(el("table", { id: "explanation-terms" }, el("thead", {}, head), el("tbody", {}, ...rows)));
+      target.append(el("div", { class: "scroll" }, el("table", { id: "explanation-terms" }, el("thead", {}, head), el("tbody", {}, ...rows))));
+      target.append(el("p", { class: "muted", text: "cost = prefill + duplication + decode + queue, in blocks; the lowest cost wins (docs/policies.md)." }));
+    }
+    if (d.weights) {
+      const weights = Object.entries(d.weights).filter(([, v]) => v !== null).map(([k, v]) => k + "=" + fmtNumber(v, 4)).join(", ");
+      target.append(el("p", { class: "muted", text: "weights: " + weights }));
     }
   }
 
