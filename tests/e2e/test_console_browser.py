@@ -38,6 +38,7 @@ TOKEN = "console-e2e-admin-token"
 REPLICAS = 3
 TENANTS = ("acme", "globex", "initech")
 WAIT_S = 20.0
+PLOT_AFTER_APPLY_S = 8.0
 CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -138,11 +139,11 @@ async def send(session: aiohttp.ClientSession, url: str, count: int, pause_s: fl
 
 @contextlib.asynccontextmanager
 async def background_traffic(session: aiohttp.ClientSession, url: str) -> AsyncIterator[None]:
-    """A request every ~0.3 s while the browser looks, so that the views have something to update."""
+    """A request every ~0.2 s while the browser looks, so that the views have something to update."""
 
     async def loop() -> None:
         while True:
-            await send(session, url, 3, pause_s=0.3)
+            await send(session, url, 3, pause_s=0.15)
 
     task = asyncio.create_task(loop())
     try:
@@ -291,7 +292,6 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     one(driver, "#decisions-pause").click()  # the feed stops redrawing under the screenshots below
 
     shoot(driver, "fleet", "#fleet")
-    shoot(driver, "plots", "#plots")
 
     # policy: the ranges, a what-if as the SRE types, then apply with a reason
     wait_for(driver, "the weights", lambda d: by_css(d, "#w-decode_weight"))
@@ -319,6 +319,9 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
 
     seen["audit"] = wait_for(driver, "the change in the audit log", audit_row).text
     shoot(driver, "audit", "#audit")
+    time.sleep(PLOT_AFTER_APPLY_S)  # the plots' picture: some traffic after the change too
+    wait_for(driver, "the plots redrawn", lambda d: by_css(d, "#plot-hit path.line"))
+    shoot(driver, "plots", "#plots")
     shoot(driver, "console")
 
     # the token: in sessionStorage, never in a cookie, never in a URL the page loaded

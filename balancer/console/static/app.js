@@ -745,8 +745,12 @@
   async function refreshSeries() {
     const minutes = $("plot-minutes").value;
     const series = await api("GET", "/admin/series?minutes=" + encodeURIComponent(minutes));
-    const rows = series.intervals || [];
+    const all = series.intervals || [];
     const interval = series.interval_s;
+    // leading intervals without traffic (kvlb just started) are left out, down to a minute's worth
+    const first = all.findIndex((r) => r.requests > 0 || r.ttft_count > 0);
+    const keep = Math.max(12, Math.ceil(60 / interval));
+    const rows = first < 0 ? all : all.slice(Math.max(0, Math.min(first, all.length - keep)));
     drawLines($("plot-hit"), $("legend-hit"), rows, [
       { key: "predicted_hit_rate", label: "predicted by kvlb" },
       { key: "reported_hit_rate", label: "reported by the engines" },
