@@ -339,6 +339,19 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the login box after logging out", lambda d: one(d, "#login").is_displayed())
     seen["stored_after_logout"] = driver.execute_script("return sessionStorage.getItem('kvlb.adminToken')")
     seen["errors"] += errors_in_log(driver)
+
+    # the log check bites: an inline script injected into the page is refused by the CSP, and says so
+    driver.execute_script(
+        "const s = document.createElement('script'); s.textContent = 'window.kvlbInjected = 1';"
+        "document.body.appendChild(s);"
+    )
+    seen["injected_ran"] = driver.execute_script("return window.kvlbInjected === 1")
+    seen["csp_report"] = wait_for(
+        driver,
+        "the CSP violation in the browser log",
+        lambda d: [m for m in errors_in_log(d) if "Content Security Policy" in m],
+        timeout_s=5.0,
+    )
     return seen
 
 
@@ -386,5 +399,6 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert seen["cookie"] == ""
     assert not [u for u in seen["urls"] if TOKEN in u], seen["urls"]
     assert seen["errors"] == [], json.dumps(seen["errors"], indent=1)
+    assert seen["injected_ran"] is False and seen["csp_report"]
     for name in ("fleet", "plots", "decisions", "policy", "audit", "console"):
         assert (SCREENSHOTS / f"{name}.png").exists(), name
