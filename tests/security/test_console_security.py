@@ -13,7 +13,10 @@ endpoint, against a real balancer in front of emulated replicas.
 
 from __future__ import annotations
 
+import fnmatch
+import tomllib
 from html.parser import HTMLParser
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -92,6 +95,14 @@ def test_the_shipped_html_has_no_inline_script_or_style() -> None:
     for risky in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
         assert risky not in js, risky
     assert "localStorage" not in js and "document.cookie" not in js  # sessionStorage only, no cookies
+
+
+def test_the_static_files_are_package_data() -> None:
+    """``pip install`` ships them: pyproject's package-data covers every file the console serves."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["package-data"]["balancer"]
+    for name in STATIC_FILES:
+        assert any(fnmatch.fnmatch(f"console/static/{name}", p) for p in patterns), name
 
 
 async def call(
