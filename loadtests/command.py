@@ -42,6 +42,7 @@ from loadtests.processes import (
 from loadtests.report import build_report, write_json, write_markdown, write_records
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
+from loadtests.whatif_check import add_whatif_arguments, whatif_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,
@@ -105,6 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run everything in a new network namespace with only loopback (unshare -n)")  # fmt: skip
     add("--in-netns", action="store_true", help=argparse.SUPPRESS)
     add_soak_arguments(parser)
+    add_whatif_arguments(parser)
 
 
 def _params(pairs: Sequence[str]) -> dict[str, Any]:
@@ -314,6 +316,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.duration is not None:
             campaign = soak_campaign(args, _own_argv())
+        elif args.whatif:
+            args.rate = 10.0 if args.rate is None else args.rate
+            out = args.out or Path("loadtest-results") / f"whatif-{time.strftime('%Y%m%d-%H%M%S')}"
+            campaign = whatif_campaign(args, out)
         else:
             args.rate = 10.0 if args.rate is None else args.rate
             routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]

@@ -8,7 +8,7 @@ tokens and hit rate, the spread of assigned prefill across replicas, per-replica
 a sample of changed decisions with both sides' cost terms.
 
 Randomness is coupled, so that unchanged weights reproduce every recorded decision: the replay's
-``random.Random`` (:class:`ReplayRng`, seeded with the record's id) keeps the recorded replica when
+``random.Random`` (:class:`ReplayRng`) keeps the recorded replica when
 a tie-break or a uniform choice offers it, re-draws the recorded sample of ``power_of_two``, and for
 softmax sampling returns the middle of the recorded replica's probability interval (a common random
 number: with other weights the same draw lands where the new probabilities put it).
@@ -36,21 +36,33 @@ NOT_SAMPLED = "not sampled"
 
 
 class ReplayRng(random.Random):
-    """A ``random.Random`` that prefers the recorded outcome (see the module docstring)."""
+    """A ``random.Random`` that prefers the recorded outcome (see the module docstring). One is
+    seeded per replay and :meth:`prefer` points it at each record in turn (seeding a Mersenne
+    Twister per record would cost more than most policy calls)."""
 
-    def __init__(self, seed: int, recorded: Decision) -> None:
+    def __init__(self, seed: int) -> None:
         super().__init__(seed)
-        self._prefer = recorded.replica
-        self._sampled = [t.replica for t in recorded.terms if t.excluded is None]
-        self._sampling = any(t.excluded == NOT_SAMPLED for t in recorded.terms)
+        self._prefer: str | None = None
+        self._sampled: list[str] = []
+        self._sampling = False
         self._point: float | None = None
-        if any(t.probability is not None and t.probability < 1.0 for t in recorded.terms):
+
+    def prefer(self, recorded: Decision) -> None:
+        """Couple the next policy call to ``recorded``."""
+        self._prefer = recorded.replica
+        self._sampling = False
+        self._point = None
+        terms = recorded.terms
+        if any(t.excluded == NOT_SAMPLED for t in terms):
+            self._sampling = True
+            self._sampled = [t.replica for t in terms if t.excluded is None]
+        if any(t.probability is not None and t.probability < 1.0 for t in terms):
             low = 0.0
-            for t in recorded.terms:
+            for t in terms:
                 if t.excluded is not None:
                     continue
                 p = t.probability or 0.0
-                if t.replica == self._prefer:
+                if t.replica == recorded.replica:
                     self._point = low + p / 2
                     break
                 low += p
@@ -136,7 +148,7 @@ def replay(
     *,
     sample: int = 10,
     pause: Callable[[], None] | None = None,
-    pause_every: int = 64,
+    pause_every: int = 8,
 ) -> WhatIfResult:
     """Re-run ``policy`` with ``weights`` on ``records`` (oldest first) and compare with what was
     decided. ``sample``: most changed decisions described (the newest ones). ``pause`` is called
@@ -147,14 +159,14 @@ def replay(
     prompt_tokens = changed = 0
     other_config = 0
     changes: list[tuple[DecisionRecord, Decision]] = []
+    rng = ReplayRng(len(records))
     for i, record in enumerate(records):
         if pause is not None and i and i % pause_every == 0:
             pause()
         inputs = record.inputs
         replicas.update(dict.fromkeys(inputs.request.candidates))
-        decision = policy(
-            inputs.request, inputs.overlap, inputs.load, weights, ReplayRng(record.id, record.decision)
-        )
+        rng.prefer(record.decision)
+        decision = policy(inputs.request, inputs.overlap, inputs.load, weights, rng)
         prompt_tokens += inputs.request.prompt_tokens
         before.add(record.decision)
         after.add(decision)
