@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -31,8 +32,11 @@ from serve_harness import MODEL, Child, _spawn, start_serve, stop
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
+CHROMIUM = os.environ.get("KVLBTEST_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMEDRIVER = (
+    os.environ.get("KVLBTEST_CHROMEDRIVER") or shutil.which("chromedriver") or "/usr/bin/chromedriver"
+)
+"""The browser and its driver (``KVLBTEST_CHROMIUM`` / ``KVLBTEST_CHROMEDRIVER`` point elsewhere)."""
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "build" / "console"
 TOKEN = "console-e2e-admin-token"
 REPLICAS = 3

@@ -18,6 +18,7 @@
   const $ = (id) => document.getElementById(id);
   const state = {
     token: null,
+    session: 0,
     timers: [],
     policy: null,
     pools: [],
@@ -151,6 +152,7 @@
   }
 
   function logout(message) {
+    state.session += 1;
     for (const timer of state.timers) clearTimeout(timer);
     state.timers = [];
     state.token = null;
@@ -163,25 +165,27 @@
     setText("status", "not logged in");
   }
 
-  // A poller runs fn every `every` ms, one call at a time; errors are shown, never thrown.
+  // A poller runs fn every `every` ms, one call at a time, until the session it was started in ends
+  // (log out, or a 401); errors are shown by fn, never thrown.
   function poll(fn, every) {
-    let stopped = false;
+    const session = state.session;
     const run = async () => {
-      if (stopped || state.token === null) return;
+      if (session !== state.session || state.token === null) return;
       try {
         await fn();
       } catch (err) {
         if (err.status === 401) return;
       }
+      if (session !== state.session) return;
       const timer = setTimeout(run, every);
       state.timers.push(timer);
       if (state.timers.length > 64) state.timers = state.timers.slice(-16);
     };
     run();
-    return () => (stopped = true);
   }
 
   function start() {
+    state.session += 1;
     poll(refreshFleet, FLEET_EVERY_MS);
     poll(refreshPolicy, POLICY_EVERY_MS);
     poll(refreshSeries, SERIES_EVERY_MS);
@@ -530,7 +534,7 @@
           "tr",
           {},
           el("td", { text: fmtDateTime(entry.ts) }),
-          el("td", { text: entry.actor || DASH }),
+          el("td", { text: entry.actor || DASH, title: entry.caller ? "caller " + entry.caller + (entry.version ? ", version " + entry.version : "") : "" }),
           el("td", { class: "wrap", text: changeText(entry.change) }),
           el("td", { class: "wrap reason", text: entry.reason || DASH })
         )
@@ -791,6 +795,11 @@
     for (const id of ["filter-pool", "filter-replica", "filter-tenant"]) {
       $(id).addEventListener("change", () => refreshDecisions().catch(() => {}));
     }
+    let tenantTimer = null;
+    $("filter-tenant").addEventListener("input", () => {
+      clearTimeout(tenantTimer);
+      tenantTimer = setTimeout(() => refreshDecisions().catch(() => {}), WHATIF_DEBOUNCE_MS);
+    });
     $("actor").value = sessionStorage.getItem(ACTOR_KEY) || "";
     const saved = sessionStorage.getItem(TOKEN_KEY);
     if (saved) login(saved);
