@@ -45,6 +45,9 @@ class _Interval:
     ttft_s: array[float] = field(default_factory=lambda: array("d"))
     ttft_seen: int = 0
     by_replica: dict[str, int] = field(default_factory=dict)
+    row: dict[str, Any] | None = None
+    """The interval as :meth:`SeriesSampler.series` lists it, kept once a newer interval exists
+    (samples only ever land in the newest one, so an older row never changes)."""
 
 
 def percentile(ordered: list[float], q: float) -> float | None:
@@ -99,10 +102,10 @@ class SeriesSampler:
 
     def _at(self, wall: float) -> _Interval:
         """The interval ``wall`` falls in (a clock stepping back lands in the newest interval)."""
-        start = math.floor(wall / self.interval_s) * self.interval_s
         ring = self._ring
-        if ring and ring[-1].start >= start:
-            return ring[-1]
+        if ring and wall < ring[-1].start + self.interval_s:
+            return ring[-1]  # the common case: still in the newest interval (or the clock stepped back)
+        start = math.floor(wall / self.interval_s) * self.interval_s
         interval = _Interval(start)
         ring.append(interval)
         return interval
@@ -147,11 +150,19 @@ class SeriesSampler:
         count = max(1, min(self.capacity, math.ceil(minutes * 60.0 / self.interval_s)))
         oldest = newest - (count - 1) * self.interval_s
         held = {interval.start: interval for interval in self._ring if interval.start >= oldest}
+        newest_held = self._ring[-1] if self._ring else None
         rows = []
         for step in range(count):
             start = oldest + step * self.interval_s
             interval = held.get(start)
-            rows.append(_row(interval if interval is not None else _Interval(start)))
+            if interval is None:
+                rows.append(_row(_Interval(start)))
+            elif interval is newest_held:
+                rows.append(_row(interval))
+            else:
+                if interval.row is None:
+                    interval.row = _row(interval)
+                rows.append(interval.row)
         return {"interval_s": self.interval_s, "span_s": self.span_s, "now": wall, "intervals": rows}
 
 

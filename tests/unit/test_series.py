@@ -101,3 +101,15 @@ def test_invalid_sizes_are_refused() -> None:
         SeriesSampler(0.0, 1, 1, 1)
     with pytest.raises(ValueError):
         SeriesSampler(5.0, 0, 1, 1)
+
+
+def test_older_rows_are_computed_once_and_the_newest_stays_live() -> None:
+    s, _ = sampler()
+    s.on_commit("r0", 10, 5, 1000.0)
+    s.on_commit("r0", 10, 5, 1005.0)
+    first = s.series(minutes=10 / 60, wall=1005.0)["intervals"]
+    s.on_commit("r1", 10, 10, 1006.0)  # lands in the newest interval only
+    again = s.series(minutes=10 / 60, wall=1006.0)["intervals"]
+    assert again[0] is first[0]  # the closed interval's row, kept
+    assert first[1]["requests"] == 1 and again[1]["requests"] == 2
+    assert again[1]["replicas"] == {"r0": 1, "r1": 1}
