@@ -68,6 +68,12 @@ class Metrics:
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
     redis_snapshots_total: Counter
+    console_series_overflow_total: Counter
+    console_ring_entries: Gauge
+    console_ring_bytes: Gauge
+    console_ring_evicted_total: Counter
+    console_whatif_seconds: Histogram
+    console_audit_dropped_total: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
@@ -86,6 +92,7 @@ class Metrics:
             **_replica_collectors(reg),
             **_process_collectors(reg),
             **_redis_collectors(reg),
+            **_console_collectors(reg),
         )
 
 
@@ -442,5 +449,51 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
             "kvlb_redis_snapshots_total",
             "Mirror table snapshots written to or loaded from Redis (op=write|load).",
             ["op"],
+        ),
+    }
+
+
+class _ConsoleCollectors(TypedDict):
+    console_series_overflow_total: Counter
+    console_ring_entries: Gauge
+    console_ring_bytes: Gauge
+    console_ring_evicted_total: Counter
+    console_whatif_seconds: Histogram
+    console_audit_dropped_total: Counter
+
+
+def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
+    """``kvlb_console_*``: the decision ring (``/admin/decisions``, ``/admin/whatif``), the audit log
+    and the time series of the console's plots (``/admin/series``)."""
+    counter, gauge, histogram = _constructors(reg)
+    return {
+        "console_series_overflow_total": counter(
+            "kvlb_console_series_overflow_total",
+            "Items the series sampler left out of an interval at its bounds: kind=ttft_samples (a "
+            "TTFT sample beyond console.series_ttft_samples, kept or not by reservoir sampling), "
+            "kind=replicas (a request counted under (other) beyond console.series_max_replicas).",
+            ["kind"],
+        ),
+        "console_ring_entries": gauge(
+            "kvlb_console_ring_entries", "Decisions held in the pool's decision ring.", ["pool"]
+        ),
+        "console_ring_bytes": gauge(
+            "kvlb_console_ring_bytes",
+            "Estimated bytes held by the pool's decision ring (console.decision_ring_bytes caps it).",
+            ["pool"],
+        ),
+        "console_ring_evicted_total": counter(
+            "kvlb_console_ring_evicted_total",
+            "Decisions evicted from the ring, by the bound that evicted them (count or bytes).",
+            ["pool", "reason"],
+        ),
+        "console_whatif_seconds": histogram(
+            "kvlb_console_whatif_seconds",
+            "Time of one what-if replay (worker thread).",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        ),
+        "console_audit_dropped_total": counter(
+            "kvlb_console_audit_dropped_total",
+            "Policy changes dropped from the in-memory audit log (console.audit_log_size).",
         ),
     }

@@ -43,6 +43,7 @@ from loadtests.report import build_report, write_json, write_markdown, write_rec
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
 from loadtests.target import add_target_arguments, target_campaign
+from loadtests.whatif_check import add_whatif_arguments, whatif_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,
@@ -107,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--in-netns", action="store_true", help=argparse.SUPPRESS)
     add_soak_arguments(parser)
     add_target_arguments(parser)
+    add_whatif_arguments(parser)
 
 
 def _params(pairs: Sequence[str]) -> dict[str, Any]:
@@ -328,6 +330,10 @@ def run(args: argparse.Namespace) -> int:
             campaign = target_campaign(args, _own_argv(), out)
         elif args.duration is not None:
             campaign = soak_campaign(args, _own_argv())
+        elif args.whatif:
+            args.rate = 10.0 if args.rate is None else args.rate
+            out = args.out or Path("loadtest-results") / f"whatif-{time.strftime('%Y%m%d-%H%M%S')}"
+            campaign = whatif_campaign(args, out)
         else:
             args.rate = 10.0 if args.rate is None else args.rate
             routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]

@@ -43,7 +43,7 @@ from balancer.index.hashing import AlignMode, BlockHasher
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
-from balancer.policy.base import Policy, PolicyWeights, RouteRequest
+from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
 from balancer.types import BlockKey, Decision, Overlap, ReplicaId
 
 FULL_RETRY_AFTER_S = 1.0
@@ -70,6 +70,8 @@ class RoutePlan:
     keys: tuple[BlockKey, ...]
     """The request's block keys in the chosen replica's key space (for speculative entries)."""
     decode_blocks: int
+    inputs: PolicyInputs | None = None
+    """What the policy decided on (references, no copy): the console's decision ring keeps it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -315,7 +317,8 @@ class PoolRouter:
             request_id=request_id,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
-        decision = policy(route, overlap_all, self.tracker().snapshot(now), weights, rng)
+        snapshot = self.tracker().snapshot(now)
+        decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
         cached = exact_tokens.get(decision.replica, 0)
@@ -326,6 +329,7 @@ class PoolRouter:
             cached_tokens=cached,
             keys=tuple(keys),
             decode_blocks=-(-decode_tokens // ref_bs),
+            inputs=PolicyInputs(route, overlap_all, snapshot),
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:

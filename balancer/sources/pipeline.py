@@ -115,6 +115,9 @@ class ReplicaIngestStatus:
     apply_errors: int
     last_applied_wall_ts: float | None
     sources: tuple[SourceStatus, ...]
+    last_lag_s: float | None = None
+    """Event lag of the last applied batch that carried an engine timestamp: our wall clock when it
+    was applied minus the engine's timestamp (``kvlb_events_lag_seconds``; clocks may be skewed)."""
 
 
 class ReplicaPipeline:
@@ -150,6 +153,7 @@ class ReplicaPipeline:
         self.applied_batches = 0
         self.apply_errors = 0
         self.last_applied_wall_ts: float | None = None
+        self.last_lag_s: float | None = None
 
     @property
     def queued_batches(self) -> int:
@@ -271,6 +275,7 @@ class ReplicaPipeline:
         engine_ts = batches[-1].engine_ts
         if engine_ts is not None:
             lag_s = self.last_applied_wall_ts - engine_ts
+            self.last_lag_s = lag_s
             self._metrics.events_lag_seconds.labels(self.replica).set(lag_s)
 
     def _record(self, result: ApplyResult, events: Sequence[KvEvent]) -> None:
@@ -380,6 +385,7 @@ class EventIngest:
                 apply_errors=entry.pipeline.apply_errors,
                 last_applied_wall_ts=entry.pipeline.last_applied_wall_ts,
                 sources=tuple(source.status() for source in entry.sources),
+                last_lag_s=entry.pipeline.last_lag_s,
             )
             for replica, entry in self._replicas.items()
         }
