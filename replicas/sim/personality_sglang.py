@@ -1,7 +1,9 @@
 """SGLang 0.5.23 personality: ZMQ KV events, replay, and SGLang's HTTP endpoints (I/O shell).
 
 Per DP rank: a PUB socket on ``event_port + rank`` sending ``[topic, seq8, msgpack([ts, events,
-rank])]`` and a ROUTER replay socket on ``replay_port + rank`` keeping the last ``buffer_steps`` batches.
+rank])]`` and a ROUTER replay socket on ``replay_port + rank`` keeping the last ``buffer_steps`` batches,
+answering ``[b"", topic, seq8, payload]`` per batch and ``[b"", b"", ff×8, b""]`` at the end, as 0.5.23's
+own ``ZmqEventPublisher`` does.
 Events behave as in the real 0.5.23 captures:
 
 * ``AllBlocksCleared`` is the first batch (seq 0) at start-up, and the answer to ``/flush_cache``;
@@ -154,7 +156,9 @@ class RankPublisher:
             identity = request[0]
             for seq, payload in list(self.buffer):
                 if seq >= start:
-                    await self._replay.send_multipart([identity, *replay_reply(seq, payload)])
+                    await self._replay.send_multipart(
+                        [identity, *replay_reply(self.config.topic, seq, payload)]
+                    )
             await self._replay.send_multipart([identity, *REPLAY_END])
 
 

@@ -1,6 +1,7 @@
 """SGLang and vLLM KV-event wire encoding and SGLang's page hash, for the emulator (pure).
 
 Produces the bytes a real publisher sends on its ZMQ PUB socket: three frames ``[topic, seq8, payload]``
+(and on its ROUTER replay socket ``[b"", topic, seq8, payload]`` per batch, then :data:`REPLAY_END`)
 where ``payload`` is msgpack of the envelope ``[ts, events, dp_rank]`` and each event is either a tagged
 map (``{"type": "BlockStored", ...}``, SGLang 0.5.23 and vLLM 0.32.0 as captured) or a positional array
 (``["BlockStored", f1, f2, ...]``, the older msgspec ``array_like`` era). Plain ``msgpack.packb`` with
@@ -30,8 +31,11 @@ SEQ_BYTES: Final = 8
 """Width of the big-endian sequence number frame."""
 EPOCH_MARKER: Final = b"\x00sgl-kv-epoch="
 """Appended to the topic frame, then the epoch, by SGLang publishers that serve snapshots."""
-REPLAY_END: Final[list[bytes]] = [b"", (-1).to_bytes(SEQ_BYTES, "big", signed=True), b""]
-"""The frames a replay server sends after the last replayed batch (as a DEALER sees them)."""
+REPLAY_END_SEQ: Final = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+"""The seq frame of the replay end marker: ``ff`` × 8."""
+REPLAY_END: Final[list[bytes]] = [b"", b"", REPLAY_END_SEQ, b""]
+"""The frames a replay server sends after the last replayed batch (as a DEALER sees them): an empty
+topic, seq ``-1`` and an empty payload (SGLang 0.5.23 and vLLM 0.32, docs/reference/engine-events.md §1.2)."""
 
 _U64_MASK: Final = (1 << 64) - 1
 _I64_SIGN_BIT: Final = 1 << 63
@@ -247,9 +251,10 @@ def frames(topic: str, seq: int, payload: bytes, *, epoch: str | None = None) ->
     return [head, _seq_bytes(seq), payload]
 
 
-def replay_reply(seq: int, payload: bytes) -> list[bytes]:
-    """One replayed batch as a ROUTER sends it after the client identity: ``[b"", seq8, payload]``."""
-    return [b"", _seq_bytes(seq), payload]
+def replay_reply(topic: str, seq: int, payload: bytes) -> list[bytes]:
+    """One replayed batch as a ROUTER sends it after the client identity: ``[b"", topic, seq8,
+    payload]`` (SGLang 0.5.23 and vLLM 0.32 carry the topic frame; older notes showed 3 frames)."""
+    return [b"", topic.encode("utf-8"), _seq_bytes(seq), payload]
 
 
 def parse_replay_request(request_frames: Sequence[bytes]) -> int:

@@ -272,8 +272,8 @@ def test_frames_topic_seq_and_epoch() -> None:
 
 
 def test_replay_framing() -> None:
-    assert replay_reply(7, b"x") == [b"", (7).to_bytes(8, "big"), b"x"]
-    assert REPLAY_END == [b"", b"\xff" * 8, b""]
+    assert replay_reply("kv", 7, b"x") == [b"", b"kv", (7).to_bytes(8, "big"), b"x"]
+    assert REPLAY_END == [b"", b"", b"\xff" * 8, b""]
     assert parse_replay_request([b"id", b"", (42).to_bytes(8, "big")]) == 42
     for bad in ([b"id", (42).to_bytes(8, "big")], [b"id", b"x", b"\x00" * 8], [b"id", b"", b"\x00" * 4]):
         with pytest.raises(ValueError):
@@ -294,12 +294,12 @@ def test_replay_round_trip_over_real_zmq_sockets() -> None:
         start = parse_replay_request(request)
         for seq, payload in ((0, b"a"), (1, b"b"), (2, b"c")):
             if seq >= start:
-                router.send_multipart([request[0], *replay_reply(seq, payload)])
+                router.send_multipart([request[0], *replay_reply("kv", seq, payload)])
         router.send_multipart([request[0], *REPLAY_END])
         received: list[list[bytes]] = []
         while dealer.poll(2000) and len(received) < 3:
             received.append(dealer.recv_multipart())
-        assert received == [replay_reply(1, b"b"), replay_reply(2, b"c"), REPLAY_END]
+        assert received == [replay_reply("kv", 1, b"b"), replay_reply("kv", 2, b"c"), REPLAY_END]
     finally:
         dealer.close(linger=0)
         router.close(linger=0)
