@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from itertools import pairwise
 from typing import Final
 
-from replicas.wire.sglang import digest_to_i64, page_digest
+from replicas.wire.sglang import digest_to_i64, page_digest, salt_seed
 
 VLLM_PICKLE_PROTOCOL: Final = 5
 """The pickle protocol vLLM's ``sha256`` block hasher uses (``pickle.HIGHEST_PROTOCOL`` on 3.8+)."""
@@ -36,14 +36,20 @@ def sglang_page_hashes(
     extra_key: str | None = None,
     bigram: bool = False,
     prior_digest: bytes | None = None,
+    cache_salt: str | None = None,
 ) -> list[tuple[int, bytes]]:
     """``(i64 event hash, digest)`` of every page of ``tokens``, chained from ``prior_digest``.
 
     ``page_size`` counts units (tokens, or pairs in bigram mode, where N tokens make N-1 pairs). The last
-    page may be partial; SGLang hashes and publishes it too.
+    page may be partial; SGLang hashes and publishes it too. ``cache_salt`` (a request's root pages
+    only) starts the chain from SGLang 0.5.23's salt seed rather than from no prior digest.
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    if cache_salt is not None:
+        if prior_digest is not None:
+            raise ValueError("a salt seeds a root chain: give cache_salt or prior_digest, not both")
+        prior_digest = salt_seed(cache_salt)
     units: list[int] | list[tuple[int, int]]
     units = list(pairwise(tokens)) if bigram else list(tokens)
     pages: list[tuple[int, bytes]] = []
