@@ -35,7 +35,7 @@ from replicas.sim.replica import Replica
 CAPTURES = Path(__file__).resolve().parent / "real" / "sglang-0.5.23-cpu"
 TOPIC = b"kv-events"
 END_SEQ = b"\xff" * 8
-ZMQ_ENGINES: tuple[EngineKind, ...] = ("sglang",)
+ZMQ_ENGINES: tuple[EngineKind, ...] = ("sglang", "vllm")
 
 
 def captured_batches() -> list[tuple[int, bytes]]:
@@ -54,7 +54,12 @@ def captured_batches() -> list[tuple[int, bytes]]:
 @asynccontextmanager
 async def running(zctx: zmq.asyncio.Context, engine: EngineKind) -> AsyncIterator[Replica]:
     config = ReplicaConfig(
-        name="golden", engine=engine, profile=get_profile("cpu-test"), time_scale=20.0, topic="kv-events"
+        name="golden",
+        engine=engine,
+        profile=get_profile("cpu-test"),
+        time_scale=20.0,
+        topic="kv-events",
+        page_size=4,
     )
     replica = Replica(config, TokenIdTokenizer(), zctx)
     await replica.start()
