@@ -21,7 +21,6 @@ HTTP: ``/server_info`` and ``/get_server_info`` (with ``page_size`` and the ``kv
 from __future__ import annotations
 
 import json
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -44,8 +43,6 @@ from replicas.sim.faults import FaultState
 from replicas.sim.scheduler import StepResult
 from replicas.sim.zmq_events import ZmqRankPublisher
 from replicas.wire.sglang import KvEventEncoder, digest_to_i64, page_digest
-
-log = logging.getLogger(__name__)
 
 
 class RankPublisher(ZmqRankPublisher):
