@@ -92,8 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-context-tokens", type=int, default=None, help="per-request context (default: the profile's)")
     add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="child processes the fleet is split over")
+    add("--engine", choices=("sglang", "vllm"), default="sglang",
+        help="engine the replicas emulate: SGLang 0.5.23 (block 16) or vLLM 0.32 (block 128, its "
+        "events, /reset_prefix_cache and vllm: metrics)")  # fmt: skip
     add("--event-flavor", choices=("auto", "sglang", "vllm"), default="auto",
-        help="KV-event fields the replicas publish; auto: vllm when vllm_kv_aware runs (it needs "
+        help="SGLang replicas: KV-event fields they publish; auto: vllm when vllm_kv_aware runs (it needs "
         "lora_name), else sglang")  # fmt: skip
     add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb emulate` prints")
     add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
@@ -210,9 +213,10 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             max_context_tokens=args.max_context_tokens,
             time_scale=args.time_scale,
             processes=args.processes,
+            engine=args.engine,
             event_flavor=_event_flavor(args.event_flavor, routers),
         )
-        print(f"starting {args.replicas} replicas ({args.profile}) ...", file=sys.stderr)
+        print(f"starting {args.replicas} {args.engine} replicas ({args.profile}) ...", file=sys.stderr)
         fleet = await start_emulator(options, logs)
     try:
         async with aiohttp.ClientSession() as session:
@@ -255,6 +259,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             "block_size": fleet.block_size,
             "kv_capacity_tokens_per_replica": fleet.capacity_tokens,
             "time_scale": args.time_scale,
+            "engine": str(fleet.replicas[0].get("engine")),
             "event_flavor": None if args.attach else _event_flavor(args.event_flavor, routers),
         },
         "workload": _workload_meta(workload),
