@@ -22,6 +22,8 @@ DECODE_ERROR_REASONS: Final = (
 decoders and sources, ``event`` (a malformed event in a good message) and ``internal`` (a decoder bug)."""
 REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 """Every ``outcome`` of ``kvlb_events_replays_total``."""
+REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
+"""Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
 """Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
 APPLIED_OUTCOMES: Final = (
@@ -116,6 +118,8 @@ class Metrics:
         if replays:
             for outcome in REPLAY_OUTCOMES:
                 self.events_replays_total.labels(replica, outcome)
+            for outcome in REPLAY_POLL_OUTCOMES:
+                self.events_replay_polls_total.labels(replica, outcome)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:

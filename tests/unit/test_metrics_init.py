@@ -17,6 +17,7 @@ from balancer.metrics import (
     APPLIED_OUTCOMES,
     DECODE_ERROR_REASONS,
     REPLAY_OUTCOMES,
+    REPLAY_POLL_OUTCOMES,
     RESYNC_REASONS,
     Metrics,
 )
@@ -71,4 +72,9 @@ def test_the_known_decode_error_reasons_cover_every_reason_in_the_code() -> None
 
 def test_the_known_replay_outcomes_cover_the_subscriber() -> None:
     text = (Path(balancer.__file__).resolve().parent / "sources" / "zmq_sub.py").read_text(encoding="utf-8")
-    assert set(re.findall(r'outcome = "([a-z_]+)"', text)) == set(REPLAY_OUTCOMES)
+    polls = set(
+        re.findall(r'"([a-z_]+)" if found else \("([a-z_]+)" if complete else "([a-z_]+)"\)', text)[0]
+    )
+    assigned = set(re.findall(r'outcome = "([a-z_]+)"', text))
+    assert polls == set(REPLAY_POLL_OUTCOMES)
+    assert assigned | polls == set(REPLAY_OUTCOMES) | set(REPLAY_POLL_OUTCOMES)
