@@ -74,6 +74,9 @@ class Publisher:
         self.replay_requests: list[int] = []
         self.replay_served = asyncio.Event()
         """Set once a replay request has been answered in full (END sent)."""
+        self.replay_gate: asyncio.Event | None = None
+        """When set to an event, each replay request is answered only once it is set (from the buffer
+        as it is then): a slow replay socket, while live messages queue on the subscriber."""
         self._server = asyncio.create_task(self._serve_replay())
 
     @property
@@ -114,6 +117,8 @@ class Publisher:
             assert empty == b""
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            if self.replay_gate is not None:
+                await self.replay_gate.wait()
             for seq, payload in list(self.buffer):
                 if seq >= start_seq:
                     await self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
