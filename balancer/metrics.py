@@ -37,6 +37,7 @@ class Metrics:
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
     events_replays_total: Counter
+    events_replay_polls_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -197,6 +198,7 @@ class _EventsCollectors(TypedDict):
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
     events_replays_total: Counter
+    events_replay_polls_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -226,6 +228,12 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_replays_total": counter(
             "kvlb_events_replays_total",
             "Replay requests to an engine's replay socket, by outcome (filled, partial, failed, empty).",
+            ["replica", "outcome"],
+        ),
+        "events_replay_polls_total": counter(
+            "kvlb_events_replay_polls_total",
+            "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
+            "held batches the live stream lost; nothing; failed).",
             ["replica", "outcome"],
         ),
         "events_resyncs_total": counter(

@@ -18,6 +18,12 @@ publisher from 0. This source keeps the stream in order:
   DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and count.
   Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
   ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
+* **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
+  asked for anything after the last batch taken (the interval doubles while the answers hold nothing,
+  up to ``replay_poll_max_s``). A publisher that goes on publishing while its live messages are lost
+  (a PUB high-water mark, a stalled connection) is then read from its replay buffer: the index stays
+  exact instead of waiting for the next live message to show a gap the buffer may no longer cover.
+  Counted in ``kvlb_events_replay_polls_total``; batches found are a gap (``kvlb_events_seq_gaps_total``).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
   previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
   handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
@@ -139,6 +145,9 @@ class ZmqEventSource:
         self._lost: tuple[int, int | None, str | None] | None = None
         """(last seq, its payload digest, epoch) when the connection dropped, until a batch shows
         whether the publisher restarted."""
+        self._poll_interval_s = self.settings.replay_poll_min_s
+        self._heard_at = time.monotonic()
+        """When the live stream (or a poll that found batches) last brought something."""
         self._counters = SourceCounters()
 
     def status(self) -> SourceStatus:
@@ -171,12 +180,14 @@ class ZmqEventSource:
             poller.register(monitor, zmq.POLLIN)
             try:
                 while True:
-                    ready = dict(await poller.poll())
+                    ready = dict(await poller.poll(timeout=self._poll_timeout_ms()))
                     if monitor in ready:  # first: a new connection's catch-up merges the queued live
                         await self._on_monitor(monitor, sub, emit)
                     if sub in ready:
                         backoff.reset()
                         await self._drain(sub, emit)
+                    elif not ready and self._poll_due():
+                        await self._poll_replay(sub, emit)
             except _Reopen:
                 backoff.reset()
                 continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
@@ -198,6 +209,44 @@ class ZmqEventSource:
                 monitor.close(linger=0)
                 sub.close(linger=0)
             await asyncio.sleep(backoff.next_delay())
+
+    def _poll_timeout_ms(self) -> int | None:
+        """How long to wait for a message before the next replay poll (``None``: no poll)."""
+        if self.replay_endpoint is None or self._last_seq is None:
+            return None  # nothing to poll after: the catch-up of the next connection asks from the start
+        left_s = self._heard_at + self._poll_interval_s - time.monotonic()
+        return max(1, int(left_s * 1000) + 1)
+
+    def _poll_due(self) -> bool:
+        return (
+            self.replay_endpoint is not None
+            and self._last_seq is not None
+            and time.monotonic() - self._heard_at >= self._poll_interval_s
+        )
+
+    async def _poll_replay(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
+        """The live stream is silent: ask the replay socket for anything after the last batch."""
+        before = self._last_seq
+        found, complete = await self._replay(self._expected(), emit, live=sub, poll=True)
+        outcome = "new" if found else ("nothing" if complete else "failed")
+        self._metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
+        if found:
+            self._counters.gaps += 1
+            self._metrics.events_seq_gaps_total.labels(self.replica).inc()
+            log.debug(
+                "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
+            )
+            self._heard(time.monotonic())
+        else:
+            self._heard_at = time.monotonic()
+            self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
+        held, self._held = self._held, None
+        if held is not None:
+            await self._on_live(held[0], held[1], emit)
+
+    def _heard(self, now: float) -> None:
+        self._heard_at = now
+        self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
         """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
@@ -253,7 +302,7 @@ class ZmqEventSource:
         self._catching_up = True
         self._replayed = {}
         try:
-            complete = await self._replay(start, emit, live=sub)
+            _, complete = await self._replay(start, emit, live=sub)
         finally:
             self._catching_up = False
         lost = self._lost
@@ -327,6 +376,7 @@ class ZmqEventSource:
         """One live message (``digest``: of its payload), in the order the SUB received it."""
         assert batch.seq is not None
         self._counters.messages += 1
+        self._heard(time.monotonic())
         seq = batch.seq
         if batch.epoch is not None:
             if self._epoch is not None and batch.epoch != self._epoch:
@@ -446,12 +496,17 @@ class ZmqEventSource:
             )
         return batch.events
 
-    async def _replay(self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None = None) -> bool:
+    async def _replay(
+        self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None = None, *, poll: bool = False
+    ) -> tuple[bool, bool]:
         """Ask the replay socket for every batch from ``start_seq`` and take the new ones in order;
-        ``live`` (a catch-up) is the SUB whose queued messages merge with the answer. Returns
-        whether the answer was complete (its end marker arrived)."""
+        ``live`` (a catch-up or a poll) is the SUB whose queued messages merge with the answer.
+        Returns whether any batch came and whether the answer was complete (its end marker arrived).
+        A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
+        found batches."""
         assert self.replay_endpoint is not None
-        self._counters.replays += 1
+        if not poll:
+            self._counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
@@ -471,7 +526,13 @@ class ZmqEventSource:
                     if first_seq is None:
                         first_seq = seq
         except TimeoutError:
-            log.info("replica %s rank %d: replay from %d timed out", self.replica, self.dp_rank, start_seq)
+            log.log(
+                logging.DEBUG if poll else logging.INFO,
+                "replica %s rank %d: replay from %d timed out",
+                self.replica,
+                self.dp_rank,
+                start_seq,
+            )
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
                 raise
@@ -485,8 +546,12 @@ class ZmqEventSource:
             )
         finally:
             dealer.close(linger=0)
+        if poll and first_seq is None:
+            return False, complete
+        if poll:
+            self._counters.replays += 1
         self._count_replay(start_seq, first_seq, complete)
-        return complete
+        return first_seq is not None, complete
 
     async def _on_replayed(
         self, frames: Sequence[bytes], emit: Emit, live: zmq.asyncio.Socket | None

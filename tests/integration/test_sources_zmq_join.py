@@ -6,6 +6,7 @@ engine started after the balancer, and the path into a real in-memory index.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import msgpack
@@ -31,7 +32,7 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 from balancer.engines.sglang import SglangDecoder
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
-from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings, endpoint_for_rank
+from balancer.sources.zmq_sub import ZmqEventSource, endpoint_for_rank
 
 
 async def test_late_join_replays_from_zero(ctx: zmq.asyncio.Context, publisher: Publisher) -> None:
@@ -80,7 +81,7 @@ async def test_unreachable_replay_socket_times_out_and_resyncs(
     probe = ctx.socket(zmq.ROUTER)
     dead_port = probe.bind_to_random_port("tcp://127.0.0.1")
     probe.close(0)
-    settings = ZmqSourceSettings(replay_timeout_s=0.2, reconnect_initial_s=0.01, reconnect_max_s=0.1)
+    settings = dataclasses.replace(FAST, replay_timeout_s=0.2)
     dead = f"tcp://127.0.0.1:{dead_port}"
     async with running(ctx, publisher.endpoint, dead, settings=settings) as rig:
         await publisher.wait_subscribed()
