@@ -36,7 +36,7 @@ class ZmqSourceSettings:
     at most this long after it listens again (the replay from seq 0 then fills what it sent before);
     each attempt is one TCP connect, so a low cap is cheap. Must be > 0."""
 
-    replay_poll_min_s: float = 0.1
+    replay_poll_min_s: float = 0.05
     """How long the live stream may be silent before the replay socket is asked for anything newer
     than the last batch taken (seconds). A publisher whose live messages are lost while it goes on
     publishing (a PUB high-water mark, a stalled connection) is read from its replay buffer instead,

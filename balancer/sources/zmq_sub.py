@@ -588,4 +588,17 @@ class ZmqEventSource:
         if outcome not in ("filled", "empty"):
             self._counters.replay_failures += 1
         self._metrics.events_replays_total.labels(self.replica, outcome).inc()
+        if outcome == "partial" and first_seq is not None and first_seq > start_seq and not self._catching_up:
+            self._warnings.warning(
+                "replay_partial",
+                f"{self.replica}/{self.dp_rank}",
+                "replica %s rank %d: replay from %d found the publisher's buffer starting at %d: "
+                "batches %d-%d are lost, the rank resyncs",
+                self.replica,
+                self.dp_rank,
+                start_seq,
+                first_seq,
+                start_seq,
+                first_seq - 1,
+            )
         log.debug("replica %s rank %d: replay from %d %s", self.replica, self.dp_rank, start_seq, outcome)
