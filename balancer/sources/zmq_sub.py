@@ -23,7 +23,8 @@ publisher from 0. This source keeps the stream in order:
   up to ``replay_poll_max_s``). A publisher that goes on publishing while its live messages are lost
   (a PUB high-water mark, a stalled connection) is then read from its replay buffer: the index stays
   exact instead of waiting for the next live message to show a gap the buffer may no longer cover.
-  Counted in ``kvlb_events_replay_polls_total``; batches found are a gap (``kvlb_events_seq_gaps_total``).
+  Counted in ``kvlb_events_replay_polls_total`` (a poll that finds the buffer past the wanted seq is
+  also a ``partial`` replay, and a gap resync).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
   previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
   handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
@@ -230,9 +231,7 @@ class ZmqEventSource:
         found, complete = await self._replay(self._expected(), emit, live=sub, poll=True)
         outcome = "new" if found else ("nothing" if complete else "failed")
         self._metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
-        if found:
-            self._counters.gaps += 1
-            self._metrics.events_seq_gaps_total.labels(self.replica).inc()
+        if found:  # not a gap in itself: the live copies of these batches may only be late
             log.debug(
                 "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
             )
@@ -503,7 +502,7 @@ class ZmqEventSource:
         ``live`` (a catch-up or a poll) is the SUB whose queued messages merge with the answer.
         Returns whether any batch came and whether the answer was complete (its end marker arrived).
         A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
-        found batches."""
+        shows lost batches (``partial``)."""
         assert self.replay_endpoint is not None
         if not poll:
             self._counters.replays += 1
@@ -546,11 +545,11 @@ class ZmqEventSource:
             )
         finally:
             dealer.close(linger=0)
-        if poll and first_seq is None:
-            return False, complete
-        if poll:
-            self._counters.replays += 1
-        self._count_replay(start_seq, first_seq, complete)
+        lossy = first_seq is not None and (first_seq > start_seq or not complete)
+        if not poll or lossy:  # a poll that found nothing, or everything, is counted by its caller only
+            if poll:
+                self._counters.replays += 1
+            self._count_replay(start_seq, first_seq, complete)
         return first_seq is not None, complete
 
     async def _on_replayed(
