@@ -154,7 +154,7 @@ def metadata(rng: random.Random) -> tuple[tuple[str, str], ...]:
     if rng.random() < 0.2:
         out.append(("x-request-id", rng.choice(("", "id with spaces", "i" * 200))))
     if rng.random() < 0.1:
-        out.append(("x-kvlb-actor", rng.choice(("", "alice", "a" * 100, "tab\there"))))
+        out.append(("x-kvlb-actor", rng.choice(("", "alice", "a" * 100, "  "))))
     return tuple(out)
 
 
