@@ -5,7 +5,8 @@ Behind ``auth.admin_token`` like every ``/admin`` path (the middleware).
 * ``POST /admin/whatif`` ``{"pool"?, "weights"?, "policy"?, "last"?, "sample"?}``: re-run a policy
   with proposed weights on the pool's recorded decisions (:mod:`balancer.service.whatif`), in a
   worker thread over a copy of the ring; commits nothing. At most :data:`MAX_CONCURRENT_WHATIF` run
-  at once (more → 429).
+  at once (more → 429), counted until their thread ends; a cancelled request (client gone, shutdown)
+  stops its thread at its next pause.
 * ``GET /admin/decisions?pool=&replica=&tenant=&since_id=&limit=``: recent decisions, newest first.
 * ``GET /admin/decisions/{id}``: one decision with its full explanation and inputs.
 * ``GET /admin/audit?limit=``: policy changes, newest first.
@@ -17,7 +18,9 @@ admin service calls the same code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +36,7 @@ from balancer.errors import ConfigError
 from balancer.policy import make_policy
 from balancer.service.decisions import DecisionRecord, terms_by_replica
 from balancer.service.state import ServiceState
-from balancer.service.whatif import replay
+from balancer.service.whatif import WhatIfResult, replay
 
 WHATIF_KEYS = frozenset({"pool", "weights", "policy", "last", "sample"})
 MAX_SAMPLE = 100
@@ -45,15 +48,33 @@ WHATIF_RETRY_AFTER_S = 1.0
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_FILTER_CHARS = 256
-PAUSE_EVERY = 8
-"""A replay lets go of the GIL every this many decisions (for :data:`PAUSE_S`), so that the event
-loop's thread waits about that long at most for it (8 decisions of 4 replicas: 0.2 to 1 ms),
-rather than the interpreter's 5 ms switch interval."""
+WORK_SLICE_S = 200e-6
+"""A replay lets go of the GIL (for :data:`PAUSE_S`) after every this much CPU time, so that the
+event loop's thread waits about that long at most for it, rather than the interpreter's 5 ms switch
+interval."""
 PAUSE_S = 50e-6
 
 
-def _pause() -> None:
-    time.sleep(PAUSE_S)
+class Abandoned(Exception):
+    """Raised in the replay's thread when its request was cancelled."""
+
+
+class ReplayPacer:
+    """The ``pause`` of a replay in a worker thread: after every :data:`WORK_SLICE_S` of work it
+    sleeps :data:`PAUSE_S` (letting go of the GIL), and it raises :class:`Abandoned` once
+    ``cancelled`` is set."""
+
+    def __init__(self, cancelled: threading.Event) -> None:
+        self.cancelled = cancelled
+        self.slice_end = 0.0
+
+    def __call__(self) -> None:
+        if time.perf_counter() < self.slice_end:
+            return
+        if self.cancelled.is_set():
+            raise Abandoned
+        time.sleep(PAUSE_S)
+        self.slice_end = time.perf_counter() + WORK_SLICE_S
 
 
 def _int_field(body: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:
@@ -106,14 +127,28 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
             headers={"Retry-After": str(int(WHATIF_RETRY_AFTER_S))},
         )
     records = state.decisions.ring(pool).snapshot(last)
-    state.whatif_running += 1
+    loop = asyncio.get_running_loop()
+    cancelled = threading.Event()
+
+    def finished() -> None:
+        state.whatif_running -= 1
+
+    pause = ReplayPacer(cancelled)
+
+    def work() -> WhatIfResult:
+        try:
+            return replay(pool, records, policy, weights, sample=sample, pause=pause, pause_every=1)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
+                loop.call_soon_threadsafe(finished)
+
+    state.whatif_running += 1  # until the thread ends, not until this handler does
     started = time.perf_counter()
     try:
-        result = await asyncio.to_thread(
-            replay, pool, records, policy, weights, sample=sample, pause=_pause, pause_every=PAUSE_EVERY
-        )
-    finally:
-        state.whatif_running -= 1
+        result = await loop.run_in_executor(None, work)
+    except asyncio.CancelledError:
+        cancelled.set()  # the client went away or kvlb stops: the thread ends at its next pause
+        raise
     state.metrics.console_whatif_seconds.observe(time.perf_counter() - started)
     answer = result.to_json()
     answer["elapsed_s"] = round(time.perf_counter() - started, 6)
@@ -137,6 +172,7 @@ def record_summary(record: DecisionRecord) -> dict[str, Any]:
         "pool": record.pool,
         "replica": record.decision.replica,
         "tenant": record.tenant,
+        "request_id": record.inputs.request.request_id,
         "policy": record.policy,
         "prefill_tokens": record.prompt_tokens,
         "predicted_cached_tokens": record.cached_tokens,
@@ -154,6 +190,7 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
         "pool": record.pool,
         "model": record.pool,
         "tenant": record.tenant,
+        "request_id": record.inputs.request.request_id,
         "prompt_tokens": record.prompt_tokens,
         "cached_tokens": record.cached_tokens,
         "weights": record.weights.to_dict(),
@@ -190,16 +227,13 @@ def _text_filter(query: Mapping[str, str], name: str) -> str | None:
 
 
 def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:
+    """A query parameter of decimal digits only (no sign, no spaces, not empty) in ``low..high``."""
     raw = query.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, f"'{name}' must be an integer in {low}..{high}") from None
-    if not low <= value <= high:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or not low <= int(raw) <= high:
         raise ApiError(400, f"'{name}' must be an integer in {low}..{high}")
-    return value
+    return int(raw)
 
 
 def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, Any]:
