@@ -95,6 +95,29 @@ class RatePoint:
         return data
 
 
+_POINT_FIELDS = (
+    "rate", "source", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate",
+    "prompt_tokens", "cached_tokens",
+)  # fmt: skip
+
+
+def point_from_dict(data: Mapping[str, Any]) -> RatePoint:
+    """A point of a saved report (:meth:`RatePoint.to_dict`)."""
+    extra = {k: v for k, v in data.items() if k not in _POINT_FIELDS and k not in ("error_rate", "meets_slo")}
+    return RatePoint(**{k: data[k] for k in _POINT_FIELDS}, extra=extra)
+
+
+def searches_from_report(report: Mapping[str, Any]) -> dict[str, Search]:
+    """The simulator searches of a saved ``kvlb capacity`` report, by router."""
+    found = {}
+    for row in report.get("routers", ()):
+        if not row.get("points"):
+            continue
+        points = tuple(point_from_dict(p) for p in row["points"])
+        found[row["name"]] = Search(points, row.get("capacity_rate"), row.get("first_failing_rate"))
+    return found
+
+
 def point_of(rate: float, summary: Summary, source: Source, **extra: Any) -> RatePoint:
     """A :class:`RatePoint` from a run's summary (simulated or measured)."""
     errors = summary.requests - summary.ok

@@ -101,6 +101,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=f"the oracle's prefill-backlog bound, s ({DEFAULT_LOAD_BOUND_S})")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
     add("--confirm", action="store_true", help="run the bracketing rates on the emulated fleet")
+    add("--searches-from", type=Path, metavar="CAPACITY.json",
+        help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
+        "with --confirm, only confirms them")  # fmt: skip
     add("--confirm-requests", type=int, default=400, help="requests per fleet run (400)")
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
@@ -405,7 +408,16 @@ def run(args: argparse.Namespace) -> int:
     start = args.start_rate or 2.0 * args.replicas
     log(f"{len(stream.requests)} requests; base rate {stream.base_rate:.3g}/s; searching from {start:.3g}/s")
     searches: dict[str, Search] = {}
+    saved_searches = (
+        capacity.searches_from_report(json.loads(args.searches_from.read_text("utf-8")))
+        if args.searches_from is not None
+        else {}
+    )
     for name in names:
+        if name in saved_searches:
+            searches[name] = saved_searches[name]
+            log(f"{name}: search from {args.searches_from}: capacity {searches[name].capacity} req/s")
+            continue
         measure = sim_measure(args, name, stream, log)
         searches[name] = capacity.search(
             functools.partial(measure, limit=None),
@@ -457,6 +469,7 @@ def run(args: argparse.Namespace) -> int:
         "processes": processes,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "oracle_load_bound_s": args.oracle_load_bound_s,
+        "searches_from": str(args.searches_from) if args.searches_from is not None else None,
     }
     peers = [n for n in names if n in PEER_NAMES]
     report = capacity.build_report(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -117,3 +118,10 @@ def test_a_router_with_more_than_one_percent_errors_is_invalid_with_the_reason()
     entry = router_entry(_run("sglang_cache_aware", 3), None)
     assert entry["status"] == "invalid" and "3 of 200" in entry["note"]
     assert math.isclose(entry["error_rate"], 3 / 200)
+
+
+def test_searches_round_trip_through_a_saved_report() -> None:
+    searches = {"kvlb": _search(40.0), "round_robin": _search(20.0)}
+    report = capacity.build_report({}, Slo(), searches, [])
+    again = capacity.searches_from_report(json.loads(json.dumps(report)))
+    assert again == searches
