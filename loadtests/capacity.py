@@ -308,6 +308,15 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"| {_fmt(r['ttft_p90_s_at_capacity'])} | {_fmt(r['hit_rate_at_capacity'])} "
             f"| {_fmt(r['saved_vs_oracle'])} | {fleet or 'no'} |"
         )
+    diagnosis = report.get("diagnosis")
+    if diagnosis:
+        lines += [
+            "",
+            f"At kvlb's capacity ({diagnosis['rate']:.3g} req/s) kvlb saves "
+            f"{_fmt(diagnosis['kvlb_lru_vs_oracle'])} of the oracle's prefill on the engines' LRU caches, "
+            f"{_fmt(diagnosis['kvlb_min_engines_vs_oracle'])} with the same policy on MIN engines "
+            "(LRU to MIN: eviction; MIN to 1: placement).",
+        ]
     lines += [
         "",
         "## Every point",

@@ -37,7 +37,7 @@ from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES, RouterSpec, parse_router
 from loadtests.simulate import SimConfig, SimRequest, Simulation
-from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S, plan_oracle, simulate_oracle
+from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S, BeladySimulation, plan_oracle, simulate_oracle
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,
@@ -233,6 +233,27 @@ def sim_measure(args: argparse.Namespace, name: str, stream: Stream, log: Callab
         return point
 
     return measure
+
+
+def diagnose(args: argparse.Namespace, stream: Stream, rate: float) -> dict[str, Any]:
+    """Where kvlb's saved prefill falls short of the oracle's at ``rate``: kvlb's placement on the
+    engines' LRU caches, the same policy on MIN engines (:class:`BeladySimulation`), and the oracle's
+    plan. LRU → MIN is what eviction blindness costs; MIN → oracle is what placement costs."""
+    config = sim_config(args, parse_router("kvlb"))
+    requests = stream.at(rate)
+    lru = Simulation(config, requests).run().summary
+    belady = BeladySimulation(config, requests).run().summary
+    planned = oracle_saved(args, stream, rate)
+    return {
+        "rate": rate,
+        "kvlb_lru_cached_tokens": lru.cached_tokens,
+        "kvlb_min_engines_cached_tokens": belady.cached_tokens,
+        "oracle_planned_hit_tokens": planned,
+        "kvlb_lru_vs_oracle": capacity._ratio(lru.cached_tokens, planned),
+        "kvlb_min_engines_vs_oracle": capacity._ratio(belady.cached_tokens, planned),
+        "kvlb_lru_ttft_p90_s": lru.ttft_p90_s,
+        "kvlb_min_engines_ttft_p90_s": belady.ttft_p90_s,
+    }
 
 
 def oracle_saved(args: argparse.Namespace, stream: Stream, rate: float) -> int:
@@ -441,6 +462,11 @@ def run(args: argparse.Namespace) -> int:
         replicas=args.replicas,
         blocks_per_replica=profile.kv_capacity_tokens // profile.page_size,
     ).to_dict()
+    kvlb_search = searches.get("kvlb")
+    diagnosis = None
+    if kvlb_search is not None and kvlb_search.capacity is not None and not args.smoke:
+        log("diagnosis at kvlb's capacity: kvlb on MIN engines ...")
+        diagnosis = diagnose(args, stream, kvlb_search.capacity)
     confirmed: dict[str, list[RatePoint]] = {}
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
@@ -482,6 +508,7 @@ def run(args: argparse.Namespace) -> int:
         oracle_saved=saved,
         invalid=invalid,
     )
+    report["diagnosis"] = diagnosis
     (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
     (out / "capacity.md").write_text(capacity.markdown(report), "utf-8")
     (out / "ttft_vs_rate.svg").write_text(capacity.svg_plot(report), "utf-8")
