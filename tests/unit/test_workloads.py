@@ -335,3 +335,20 @@ def test_mooncake_text_prompts_share_words_exactly_where_hash_ids_do(trace_file:
     assert [s.messages for s in same] == [s.messages for s in specs]
     with pytest.raises(ValueError):
         MooncakeWorkload(path=str(trace_file), prompt_format="chat")
+
+
+def test_loadtest_builds_the_mooncake_workload_as_text_from_a_param(trace_file: Path) -> None:
+    import argparse
+
+    from loadtests.command import build_workload
+
+    args = argparse.Namespace(
+        workload="mooncake", param=["prompt_format=text"], trace=str(trace_file), trace_offset=0,
+        requests=4, trace_time_scale=1.0, max_tokens_cap=None, max_input_tokens=None,
+    )  # fmt: skip
+    workload = build_workload(args, capacity_tokens=8192, replicas=2)
+    assert isinstance(workload, MooncakeWorkload) and workload.prompt_format == "text"
+    specs = list(workload.generate(random.Random(0)))
+    assert all(s.messages is not None for s in specs)
+    args.param = []
+    assert build_workload(args, capacity_tokens=8192, replicas=2).prompt_format == "tokens"  # type: ignore[attr-defined]
