@@ -61,9 +61,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "loadtest",
         help="compare kvlb's policies and the peers on one workload",
         description=__doc__,
+        epilog="Peers: `pip install -e '.[peers]'` installs both peer routers (sglang-router for "
+        "sglang_cache_aware, vllm-router for vllm_kv_aware); a peer that is not installed is skipped. "
+        "sglang-router takes text only: give the Mooncake trace --param prompt_format=text. A router "
+        "with more than 1%% failed requests is reported invalid, with the reason, instead of a row.",
     )
     add_arguments(parser)
     parser.set_defaults(handler=run)
+    from loadtests import capacity_command
+
+    capacity_command.register(subparsers)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,6 +145,7 @@ def build_workload(args: argparse.Namespace, capacity_tokens: int | None, replic
             time_scale=args.trace_time_scale,
             max_tokens_cap=args.max_tokens_cap,
             max_input_tokens=args.max_input_tokens,
+            prompt_format=str(params.get("prompt_format", "tokens")),
         )
     workload = make_workload(args.workload, **params)
     fields = {f.name for f in dataclasses.fields(workload)}  # type: ignore[arg-type]

@@ -101,6 +101,10 @@ def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any
     }
     summary = run.summary.to_dict() if run.summary is not None else {}
     entry.update({key: summary.get(key) for key in _SUMMARY_KEYS})
+    reason = invalid_reason(run)
+    if reason is not None:
+        entry["status"] = "invalid"
+        entry["note"] = reason
     figures = _replica_figures(run) if run.replica_delta else {}
     entry["hit_rate"] = figures.get("hit_rate")
     entry["client_hit_rate"] = summary.get("hit_rate")
@@ -118,6 +122,32 @@ def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any
     entry["load_series"] = {name: [list(s) for s in samples] for name, samples in run.load_series.items()}
     entry["load_samples_dropped"] = run.samples_dropped
     return entry
+
+
+MAX_VALID_ERROR_RATE = 0.01
+"""A router whose run failed more than this share of its requests is reported invalid, not compared:
+a broken harness (a peer refusing the prompt format, say), not a result."""
+
+
+def invalid_reason(run: RouterRun) -> str | None:
+    """Why a finished run is invalid (more than :data:`MAX_VALID_ERROR_RATE` of its requests failed),
+    with the commonest failures; ``None`` when it is valid or did not run."""
+    if run.status != "ok" or run.summary is None or not run.summary.requests:
+        return None
+    failed = run.summary.requests - run.summary.ok
+    if failed / run.summary.requests <= MAX_VALID_ERROR_RATE:
+        return None
+    kinds: dict[str, int] = {}
+    records = run.result.records if run.result is not None else ()
+    for record in records:
+        if not record.ok:
+            kind = f"HTTP {record.status}" if record.status else record.outcome
+            kinds[kind] = kinds.get(kind, 0) + 1
+    common = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items(), key=lambda kv: -kv[1])[:3])
+    return (
+        f"invalid run: {failed} of {run.summary.requests} requests failed "
+        f"(> {MAX_VALID_ERROR_RATE:.0%}){': ' + common if common else ''}"
+    )
 
 
 def best_peer(entries: Sequence[Mapping[str, Any]]) -> Mapping[str, Any] | None:

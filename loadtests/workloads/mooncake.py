@@ -7,6 +7,17 @@ into 512 token ids drawn from a generator seeded by ``(salt, hash_id)``, with th
 the run's rng, so equal ids always give equal blocks within a run and a new seed gives new tokens. The
 prompt is the blocks' concatenation truncated to ``input_length``; ids lie in ``[1000, 100000)``, safe
 for the DeepSeek-V3 vocabulary (129,280) the emulator and kvlb use.
+
+``prompt_format="text"`` replays the same rows as **text** chat requests instead (one user message),
+for routers that accept only text (sglang-router) and so that kvlb runs on the same text. Each hash id
+becomes a block of words (:func:`loadtests.workloads.text.random_text`, drawn from a generator seeded
+by ``(salt, hash_id)``) sized to 512 tokens at :data:`~loadtests.workloads.text.TOKENS_PER_WORD`;
+the prompt is the blocks joined by spaces, the last block cut to the row's remaining length in words,
+and an unshared tail of fresh words when ``input_length`` runs past the blocks. Two rows sharing a
+leading run of hash ids therefore share that text prefix exactly, and, since the tokenizer splits
+at spaces first, the same token prefix up to the first differing word. Block boundaries fall within
+tokenizer drift of multiples of 512 tokens (a few percent: the words drawn vary in token count), not
+on them; prompt lengths are approximate in the same way.
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from loadtests.workloads.base import RequestSpec, check_positive, make_tags
+from loadtests.workloads.base import ChatMessage, RequestSpec, check_positive, make_tags
+from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
 
 MOONCAKE_BLOCK_TOKENS = 512
 """Tokens per ``hash_ids`` entry in the published Mooncake traces."""
@@ -131,6 +143,46 @@ class BlockTokens:
         return ids
 
 
+class BlockText:
+    """Deterministic text per hash id (module docstring), with a bounded LRU of recent blocks."""
+
+    __slots__ = ("_cache", "block_words", "cache_blocks", "salt")
+
+    def __init__(
+        self, salt: int, *, block_tokens: int = MOONCAKE_BLOCK_TOKENS, cache_blocks: int = 4096
+    ) -> None:
+        check_positive("BlockText", block_tokens=block_tokens, cache_blocks=cache_blocks)
+        self.salt = salt
+        self.block_words = words_for_tokens(block_tokens, TOKENS_PER_WORD)
+        self.cache_blocks = cache_blocks
+        self._cache: OrderedDict[int, list[str]] = OrderedDict()
+
+    def block(self, hash_id: int) -> list[str]:
+        """The ``block_words`` words of ``hash_id``."""
+        cached = self._cache.get(hash_id)
+        if cached is not None:
+            self._cache.move_to_end(hash_id)
+            return cached
+        words = random_text(random.Random(f"text:{self.salt}:{hash_id}"), self.block_words).split(" ")
+        self._cache[hash_id] = words
+        if len(self._cache) > self.cache_blocks:
+            self._cache.popitem(last=False)
+        return words
+
+    def prompt(self, hash_ids: Iterable[int], length: int, rng: random.Random) -> str:
+        """Blocks of ``hash_ids`` joined, cut at about ``length`` tokens, padded with fresh words."""
+        want = words_for_tokens(length, TOKENS_PER_WORD)
+        words: list[str] = []
+        for hash_id in hash_ids:
+            if len(words) >= want:
+                break
+            words.extend(self.block(hash_id))
+        del words[want:]
+        if len(words) < want:
+            words.extend(random_text(rng, want - len(words)).split(" "))
+        return " ".join(words)
+
+
 def replay(
     rows: Iterable[TraceRow],
     rng: random.Random,
@@ -139,6 +191,7 @@ def replay(
     max_tokens_cap: int | None = None,
     max_input_tokens: int | None = None,
     first_index: int = 0,
+    prompt_format: str = "tokens",
 ) -> Iterator[RequestSpec]:
     """Specs of ``rows``: token-id prompts, ``arrival_s`` = (timestamp − first timestamp) · ``time_scale``.
 
@@ -147,20 +200,31 @@ def replay(
     blocks is padded with fresh ids from ``rng`` (an unshared tail). Request ids count from ``first_index``.
     """
     check_positive("replay", time_scale=time_scale)
-    blocks = BlockTokens(rng.getrandbits(64))
+    if prompt_format not in ("tokens", "text"):
+        raise ValueError(f"prompt_format must be tokens or text, got {prompt_format!r}")
+    salt = rng.getrandbits(64)
+    blocks = BlockTokens(salt)
+    texts = BlockText(salt)
     start_ms: int | None = None
     for n, row in enumerate(rows, start=first_index):
         start_ms = row.timestamp_ms if start_ms is None else start_ms
         length = row.input_length if max_input_tokens is None else min(row.input_length, max_input_tokens)
-        prompt = blocks.prompt(row.hash_ids, length)
-        prompt.extend(rng.randrange(blocks.low, blocks.high) for _ in range(length - len(prompt)))
         max_tokens = max(1, row.output_length)
         if max_tokens_cap is not None:
             max_tokens = min(max_tokens, max_tokens_cap)
+        token_ids: tuple[int, ...] | None = None
+        messages: tuple[ChatMessage, ...] | None = None
+        if prompt_format == "text":
+            messages = (ChatMessage("user", texts.prompt(row.hash_ids, length, rng)),)
+        else:
+            prompt = blocks.prompt(row.hash_ids, length)
+            prompt.extend(rng.randrange(blocks.low, blocks.high) for _ in range(length - len(prompt)))
+            token_ids = tuple(prompt)
         yield RequestSpec(
             f"mooncake-{n}",
             max_tokens,
-            prompt_token_ids=tuple(prompt),
+            messages=messages,
+            prompt_token_ids=token_ids,
             arrival_s=max(0.0, (row.timestamp_ms - start_ms) / 1000.0 * time_scale),
             tags=make_tags(trace_index=n, input_length=row.input_length, blocks=len(row.hash_ids)),
         )
@@ -190,8 +254,14 @@ class MooncakeWorkload:
     max_input_tokens: int | None = None
     """Prompts are cut to this many tokens (kept a prefix) to fit a replica's context; ``None``: none."""
 
+    prompt_format: str = "tokens"
+    """``tokens``: token-id prompts to ``/v1/completions``; ``text``: the same prefix structure as
+    text chat requests (module docstring), for text-only routers such as sglang-router."""
+
     def __post_init__(self) -> None:
         check_positive(self.name, time_scale=self.time_scale)
+        if self.prompt_format not in ("tokens", "text"):
+            raise ValueError(f"mooncake: prompt_format must be tokens or text, got {self.prompt_format!r}")
         for name, value in (
             ("max_tokens_cap", self.max_tokens_cap),
             ("max_input_tokens", self.max_input_tokens),
@@ -207,4 +277,5 @@ class MooncakeWorkload:
             max_tokens_cap=self.max_tokens_cap,
             max_input_tokens=self.max_input_tokens,
             first_index=self.offset,
+            prompt_format=self.prompt_format,
         )

@@ -10,9 +10,11 @@ import pytest
 from balancer.cli.main import COMMAND_GROUP, build_parser, installed_tools, main
 from loadtests.emulate import COMMAND as EMULATE
 
-EVERY_COMMAND = ["serve", "admin", "bench", "demo", "emulate", "sim", "loadtest", "simulate", "tune"]
+EVERY_COMMAND = [
+    "serve", "admin", "bench", "demo", "emulate", "sim", "loadtest", "capacity", "simulate", "tune",
+]  # fmt: skip
 """The service's commands, then each tool's by entry-point name (``emulate`` adds ``sim``,
-``simulate`` adds ``tune``)."""
+``loadtest`` adds ``capacity``, ``simulate`` adds ``tune``)."""
 
 
 def _commands(tools: list[EntryPoint] | None = None) -> list[str]:

@@ -317,3 +317,38 @@ def test_poisson_arrivals_are_deterministic_with_the_asked_rate() -> None:
     assert 0.95 / 20 < gaps[-1] / 5000 < 1.05 / 20
     specs = list(with_arrivals(UniqueWorkload(num_requests=3).generate(random.Random(0)), [0.5, 1.0]))
     assert [spec.arrival_s for spec in specs] == [0.5, 1.0]
+
+
+def test_mooncake_text_prompts_share_words_exactly_where_hash_ids_do(trace_file: Path) -> None:
+    workload = MooncakeWorkload(path=str(trace_file), prompt_format="text")
+    specs = list(workload.generate(random.Random(0)))
+    assert all(s.prompt_token_ids is None and s.messages is not None for s in specs)
+    assert all(s.path == "/v1/chat/completions" for s in specs)
+    words = [(s.messages or ())[0].content.split(" ") for s in specs]
+    block = round(512 / 1.09)  # words of one 512-token block
+    assert [len(w) for w in words] == [round(n / 1.09) for n in (1200, 1100, 100, 512)]
+    assert words[0][: 2 * block] == words[1][: 2 * block]  # hash ids 0, 1 shared
+    assert words[0][2 * block :][:20] != words[1][2 * block :][:20]  # 2 against 5
+    assert words[3] == words[0][:block]
+    assert _common_prefix(words[0], words[2]) < 3
+    same = list(MooncakeWorkload(path=str(trace_file), prompt_format="text").generate(random.Random(0)))
+    assert [s.messages for s in same] == [s.messages for s in specs]
+    with pytest.raises(ValueError):
+        MooncakeWorkload(path=str(trace_file), prompt_format="chat")
+
+
+def test_loadtest_builds_the_mooncake_workload_as_text_from_a_param(trace_file: Path) -> None:
+    import argparse
+
+    from loadtests.command import build_workload
+
+    args = argparse.Namespace(
+        workload="mooncake", param=["prompt_format=text"], trace=str(trace_file), trace_offset=0,
+        requests=4, trace_time_scale=1.0, max_tokens_cap=None, max_input_tokens=None,
+    )  # fmt: skip
+    workload = build_workload(args, capacity_tokens=8192, replicas=2)
+    assert isinstance(workload, MooncakeWorkload) and workload.prompt_format == "text"
+    specs = list(workload.generate(random.Random(0)))
+    assert all(s.messages is not None for s in specs)
+    args.param = []
+    assert build_workload(args, capacity_tokens=8192, replicas=2).prompt_format == "tokens"  # type: ignore[attr-defined]

@@ -1,0 +1,404 @@
+"""Capacity at an SLO: the search, the figures and the report of ``kvlb capacity`` (pure).
+
+A router's **capacity** is the highest offered arrival rate at which it meets the SLO: TTFT p90 (and,
+when set, p99) within the bound and an error rate of at most ``max_error_rate``. :func:`search`
+finds it for one router from a ``measure(rate) → RatePoint`` function (the simulator in
+``kvlb capacity``): it steps the rate up or down by ``growth`` until one rate passes and one fails,
+then bisects (geometrically) until the bracket is narrower than ``rel_tol``. The capacity is the
+highest passing rate below the lowest failing one. TTFT is not strictly monotone in the rate on a
+finite sample, so a pass above a fail is recorded in the points but does not move the capacity.
+
+:func:`build_report` turns the searches into the report: capacity per router, its ratio to round
+robin and to the best peer, and the prefill tokens saved against the oracle; :func:`markdown` and
+:func:`svg_plot` render it (an SVG of TTFT p90 against offered rate per router, with the SLO line).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from loadtests.stats import Summary
+
+Source = Literal["sim", "fleet"]
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """What a rate must meet."""
+
+    ttft_p90_s: float = 2.0
+    ttft_p99_s: float | None = None
+    max_error_rate: float = 0.001
+
+    def __post_init__(self) -> None:
+        if not self.ttft_p90_s > 0 or (self.ttft_p99_s is not None and not self.ttft_p99_s > 0):
+            raise ValueError("SLO TTFT bounds must be > 0")
+        if not 0 <= self.max_error_rate < 1:
+            raise ValueError(f"max_error_rate must be in [0, 1), got {self.max_error_rate}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ttft_p90_s": self.ttft_p90_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "max_error_rate": self.max_error_rate,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RatePoint:
+    """One run at one offered rate."""
+
+    rate: float
+    source: Source
+    requests: int
+    errors: int
+    ttft_p50_s: float | None
+    ttft_p90_s: float | None
+    ttft_p99_s: float | None
+    hit_rate: float | None
+    prompt_tokens: int
+    cached_tokens: int
+    """Prefill tokens saved (served from cache)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def error_rate(self) -> float:
+        return self.errors / self.requests if self.requests else 1.0
+
+    def meets(self, slo: Slo) -> bool:
+        if self.error_rate > slo.max_error_rate or self.ttft_p90_s is None:
+            return False
+        if self.ttft_p90_s > slo.ttft_p90_s:
+            return False
+        return slo.ttft_p99_s is None or (self.ttft_p99_s is not None and self.ttft_p99_s <= slo.ttft_p99_s)
+
+    def to_dict(self, slo: Slo | None = None) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "rate": self.rate,
+            "source": self.source,
+            "requests": self.requests,
+            "errors": self.errors,
+            "error_rate": self.error_rate,
+            "ttft_p50_s": self.ttft_p50_s,
+            "ttft_p90_s": self.ttft_p90_s,
+            "ttft_p99_s": self.ttft_p99_s,
+            "hit_rate": self.hit_rate,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            **self.extra,
+        }
+        if slo is not None:
+            data["meets_slo"] = self.meets(slo)
+        return data
+
+
+_POINT_FIELDS = (
+    "rate", "source", "requests", "errors", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "hit_rate",
+    "prompt_tokens", "cached_tokens",
+)  # fmt: skip
+
+
+def point_from_dict(data: Mapping[str, Any]) -> RatePoint:
+    """A point of a saved report (:meth:`RatePoint.to_dict`)."""
+    extra = {k: v for k, v in data.items() if k not in _POINT_FIELDS and k not in ("error_rate", "meets_slo")}
+    return RatePoint(**{k: data[k] for k in _POINT_FIELDS}, extra=extra)
+
+
+def searches_from_report(report: Mapping[str, Any]) -> dict[str, Search]:
+    """The simulator searches of a saved ``kvlb capacity`` report, by router."""
+    found = {}
+    for row in report.get("routers", ()):
+        if not row.get("points"):
+            continue
+        points = tuple(point_from_dict(p) for p in row["points"])
+        found[row["name"]] = Search(points, row.get("capacity_rate"), row.get("first_failing_rate"))
+    return found
+
+
+def point_of(rate: float, summary: Summary, source: Source, **extra: Any) -> RatePoint:
+    """A :class:`RatePoint` from a run's summary (simulated or measured)."""
+    errors = summary.requests - summary.ok
+    return RatePoint(
+        rate=rate,
+        source=source,
+        requests=summary.requests,
+        errors=errors,
+        ttft_p50_s=summary.ttft_p50_s,
+        ttft_p90_s=summary.ttft_p90_s,
+        ttft_p99_s=summary.ttft_p99_s,
+        hit_rate=summary.hit_rate,
+        prompt_tokens=summary.prompt_tokens,
+        cached_tokens=summary.cached_tokens,
+        extra=extra,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Search:
+    """One router's search: every point run, and the bracket."""
+
+    points: tuple[RatePoint, ...]
+    capacity: float | None
+    """Highest passing rate below the lowest failing one; ``None``: even the lowest rate tried failed."""
+    first_fail: float | None
+    """Lowest failing rate above the capacity; ``None``: no failure up to the highest rate tried."""
+
+    def point_at(self, rate: float | None) -> RatePoint | None:
+        return next((p for p in self.points if rate is not None and p.rate == rate), None)
+
+
+def search(
+    measure: Callable[[float], RatePoint],
+    slo: Slo,
+    start_rate: float,
+    *,
+    growth: float = 1.5,
+    rel_tol: float = 0.05,
+    max_points: int = 16,
+) -> Search:
+    """Bracket then bisect the capacity (module docstring); at most ``max_points`` runs."""
+    if not start_rate > 0 or not growth > 1 or not rel_tol > 0 or max_points < 2:
+        raise ValueError("need start_rate > 0, growth > 1, rel_tol > 0 and max_points >= 2")
+    points: dict[float, RatePoint] = {}
+
+    def run(rate: float) -> bool:
+        point = points.get(rate)
+        if point is None:
+            point = points[rate] = measure(rate)
+        return point.meets(slo)
+
+    low: float | None = None
+    high: float | None = None
+    rate = start_rate
+    if run(rate):
+        low = rate
+        while len(points) < max_points:
+            rate *= growth
+            if not run(rate):
+                high = rate
+                break
+            low = rate
+    else:
+        high = rate
+        while len(points) < max_points:
+            rate /= growth
+            if run(rate):
+                low = rate
+                break
+            high = rate
+    while low is not None and high is not None and high / low > 1 + rel_tol and len(points) < max_points:
+        middle = math.sqrt(low * high)
+        if run(middle):
+            low = middle
+        else:
+            high = middle
+    return Search(tuple(sorted(points.values(), key=lambda p: p.rate)), low, high)
+
+
+# ---------------------------------------------------------------------------------------- report
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def build_report(
+    meta: Mapping[str, Any],
+    slo: Slo,
+    searches: Mapping[str, Search],
+    peers: Sequence[str],
+    *,
+    confirmed: Mapping[str, Sequence[RatePoint]] | None = None,
+    oracle_bound: Mapping[str, Any] | None = None,
+    oracle_saved: Mapping[str, int] | None = None,
+    invalid: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """The report: per router its capacity, ratios, saved prefill against the oracle, and points.
+
+    ``peers`` names the routers that count as peers (the best peer is the one of highest capacity).
+    ``confirmed`` holds emulated-fleet points per router; ``oracle_bound`` the pooled MIN bound of
+    ``loadtests/oracle.py``; ``oracle_saved`` the tokens the simulator's oracle plan
+    (``loadtests/simulate/oracle.py``) serves from cache at each router's capacity rate; ``invalid``
+    routers whose runs were invalid, with the reason.
+    """
+    confirmed = confirmed or {}
+    invalid = invalid or {}
+    capacities = {name: s.capacity for name, s in searches.items()}
+    rr = capacities.get("round_robin")
+    peer_caps = {p: capacities[p] for p in peers if capacities.get(p) is not None}
+    best_peer = max(peer_caps, key=lambda p: peer_caps[p] or 0.0) if peer_caps else None
+    oracle_saved = oracle_saved or {}
+    routers = []
+    for name, found in searches.items():
+        at = found.point_at(found.capacity)
+        saved = at.cached_tokens if at is not None else None
+        bound = oracle_saved.get(name)
+        pooled = None
+        if oracle_bound is not None and at is not None and oracle_bound.get("hit_rate") is not None:
+            pooled = _ratio(at.hit_rate, oracle_bound["hit_rate"])
+        routers.append(
+            {
+                "name": name,
+                "capacity_rate": found.capacity,
+                "first_failing_rate": found.first_fail,
+                "vs_round_robin": _ratio(found.capacity, rr),
+                "vs_best_peer": _ratio(found.capacity, peer_caps.get(best_peer)) if best_peer else None,
+                "ttft_p90_s_at_capacity": at.ttft_p90_s if at else None,
+                "ttft_p99_s_at_capacity": at.ttft_p99_s if at else None,
+                "hit_rate_at_capacity": at.hit_rate if at else None,
+                "prefill_saved_tokens": saved,
+                "oracle_saved_tokens": bound,
+                "saved_vs_oracle": _ratio(saved, bound),
+                "hit_rate_vs_pooled_bound": pooled,
+                "points": [p.to_dict(slo) for p in found.points],
+                "confirmed": [p.to_dict(slo) for p in confirmed.get(name, ())],
+                "invalid": invalid.get(name),
+            }
+        )
+    for name, reason in invalid.items():
+        if name not in searches:
+            routers.append({"name": name, "capacity_rate": None, "invalid": reason, "points": []})
+    return {
+        "kind": "kvlb-capacity",
+        "meta": dict(meta),
+        "slo": slo.to_dict(),
+        "best_peer": best_peer,
+        "oracle_bound": dict(oracle_bound) if oracle_bound is not None else None,
+        "routers": routers,
+    }
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def markdown(report: Mapping[str, Any]) -> str:
+    """The report as markdown tables: capacities, then every point."""
+    slo = report["slo"]
+    bound = f"TTFT p90 ≤ {slo['ttft_p90_s']:g} s"
+    if slo.get("ttft_p99_s") is not None:
+        bound += f", p99 ≤ {slo['ttft_p99_s']:g} s"
+    lines = [
+        f"# Capacity at the SLO ({bound}, errors ≤ {slo['max_error_rate']:.2%})",
+        "",
+        f"Best peer: {report.get('best_peer') or '-'}. Rates in requests/s offered (model time).",
+        "",
+        "| router | capacity req/s | first failing | vs round robin | vs best peer | TTFT p90 s at capacity "
+        "| hit rate | saved prefill / oracle's | measured on the fleet |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in report["routers"]:
+        if r.get("invalid") and r.get("capacity_rate") is None:
+            lines.append(f"| {r['name']} | invalid: {r['invalid']} | | | | | | | |")
+            continue
+        fleet = ", ".join(
+            f"{p['rate']:.3g} ({'pass' if p['meets_slo'] else 'fail'}, p90 {_fmt(p['ttft_p90_s'])} s)"
+            for p in r.get("confirmed", ())
+        )
+        lines.append(
+            f"| {r['name']} | {_fmt(r['capacity_rate'])} | {_fmt(r['first_failing_rate'])} "
+            f"| {_fmt(r['vs_round_robin'])} | {_fmt(r['vs_best_peer'])} "
+            f"| {_fmt(r['ttft_p90_s_at_capacity'])} | {_fmt(r['hit_rate_at_capacity'])} "
+            f"| {_fmt(r['saved_vs_oracle'])} | {fleet or 'no'} |"
+        )
+    diagnosis = report.get("diagnosis")
+    if diagnosis:
+        lines += [
+            "",
+            f"At kvlb's capacity ({diagnosis['rate']:.3g} req/s) kvlb saves "
+            f"{_fmt(diagnosis['kvlb_lru_vs_oracle'])} of the oracle's prefill on the engines' LRU caches, "
+            f"{_fmt(diagnosis['kvlb_min_engines_vs_oracle'])} with the same policy on MIN engines "
+            "(LRU to MIN: eviction; MIN to 1: placement).",
+        ]
+    lines += [
+        "",
+        "## Every point",
+        "",
+        "| router | source | rate | TTFT p90 s | p99 s | errors | hit rate | SLO |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for r in report["routers"]:
+        for p in [*r.get("points", ()), *r.get("confirmed", ())]:
+            lines.append(
+                f"| {r['name']} | {p['source']} | {p['rate']:.4g} | {_fmt(p['ttft_p90_s'])} "
+                f"| {_fmt(p['ttft_p99_s'])} | {p['errors']} | {_fmt(p['hit_rate'])} "
+                f"| {'pass' if p['meets_slo'] else 'fail'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+_COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f")
+
+
+def svg_plot(report: Mapping[str, Any], width: int = 720, height: int = 440) -> str:
+    """TTFT p90 (log scale) against offered rate, one line per router (simulated points; fleet
+    points as hollow circles), with the SLO as a dashed line."""
+    series = []
+    for r in report["routers"]:
+        sim = [(p["rate"], p["ttft_p90_s"]) for p in r.get("points", ()) if p.get("ttft_p90_s")]
+        fleet = [(p["rate"], p["ttft_p90_s"]) for p in r.get("confirmed", ()) if p.get("ttft_p90_s")]
+        if sim or fleet:
+            series.append((r["name"], sim, fleet))
+    slo = float(report["slo"]["ttft_p90_s"])
+    values = [v for _, s, f in series for _, v in (*s, *f)] + [slo]
+    rates = [x for _, s, f in series for x, _ in (*s, *f)] or [1.0]
+    left, right, top, bottom = 70, width - 170, 30, height - 50
+    x0, x1 = 0.0, max(rates) * 1.05
+    y0, y1 = math.log10(max(min(values), 1e-3) / 1.5), math.log10(max(values) * 1.5)
+
+    def sx(x: float) -> float:
+        return left + (x - x0) / (x1 - x0 or 1) * (right - left)
+
+    def sy(y: float) -> float:
+        return bottom - (math.log10(max(y, 1e-3)) - y0) / (y1 - y0 or 1) * (bottom - top)
+
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'font-family="sans-serif" font-size="12">',
+        f'<rect width="{width}" height="{height}" fill="white"/>',
+        f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>',
+        f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="black"/>',
+        f'<text x="{(left + right) / 2}" y="{height - 12}" text-anchor="middle">offered rate, req/s</text>',
+        f'<text x="16" y="{(top + bottom) / 2}" transform="rotate(-90 16 {(top + bottom) / 2})" '
+        f'text-anchor="middle">TTFT p90, s (log)</text>',
+    ]
+    for k in range(6):
+        x = x0 + (x1 - x0) * k / 5
+        out.append(f'<text x="{sx(x):.1f}" y="{bottom + 16}" text-anchor="middle">{x:.3g}</text>')
+    for exponent in range(math.floor(y0), math.ceil(y1) + 1):
+        for m in (1, 2, 5):
+            y = m * 10.0**exponent
+            if y0 <= math.log10(y) <= y1:
+                out.append(f'<text x="{left - 6}" y="{sy(y) + 4:.1f}" text-anchor="end">{y:g}</text>')
+                out.append(
+                    f'<line x1="{left}" y1="{sy(y):.1f}" x2="{right}" y2="{sy(y):.1f}" stroke="#eee"/>'
+                )
+    out.append(
+        f'<line x1="{left}" y1="{sy(slo):.1f}" x2="{right}" y2="{sy(slo):.1f}" stroke="black" '
+        f'stroke-dasharray="6 4"/><text x="{right - 4}" y="{sy(slo) - 4:.1f}" text-anchor="end">'
+        f"SLO {slo:g} s</text>"
+    )
+    for i, (name, sim, fleet) in enumerate(series):
+        colour = _COLOURS[i % len(_COLOURS)]
+        if sim:
+            path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in sim)
+            out.append(f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="2"/>')
+            out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="3" fill="{colour}"/>' for x, y in sim]
+        ring = f'r="6" fill="none" stroke="{colour}" stroke-width="2"'
+        out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" {ring}/>' for x, y in fleet]
+        ly = top + 10 + 18 * i
+        key = f'x1="{right + 12}" y1="{ly}" x2="{right + 32}" y2="{ly}"'
+        out.append(f'<line {key} stroke="{colour}" stroke-width="2"/>')
+        out.append(f'<text x="{right + 38}" y="{ly + 4}">{name}</text>')
+    ly = top + 10 + 18 * len(series)
+    out.append(f'<circle cx="{right + 22}" cy="{ly}" r="6" fill="none" stroke="black"/>')
+    out.append(f'<text x="{right + 38}" y="{ly + 4}">emulated fleet</text>')
+    out.append("</svg>")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,521 @@
+"""``kvlb capacity``: each router's highest arrival rate within a TTFT SLO (I/O shell).
+
+1. Builds the request stream once (a workload, or the Mooncake trace with ``--trace``).
+2. For each router, searches the capacity in the simulator (:func:`loadtests.capacity.search`: the
+   stream's arrival times rescaled to each offered rate, the real policy code routing it). ``oracle``
+   is the simulator's oracle router (:mod:`loadtests.simulate.oracle`); ``sglang_cache_aware`` is
+   simulated by kvlb's ``sglang_threshold`` policy (its switch rule on kvlb's index).
+3. With ``--confirm``, runs the bracketing rates of each router (its capacity and the first failing
+   rate) on the emulated fleet with ``kvlb loadtest``'s machinery (the real peers for peer names),
+   on the first ``--confirm-requests`` requests, next to a simulation of those same requests. The
+   report says which rates were measured on the fleet. A fleet run with more than 1% errors marks
+   the router invalid, with the reason.
+4. Writes ``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg`` (and ``.png`` with matplotlib).
+
+Rates and TTFTs are in model time (``--time-scale`` converts for the fleet). See ``docs/loadtest.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import functools
+import importlib.util
+import itertools
+import json
+import random
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from balancer.policy.base import PolicyWeights
+from loadtests import capacity
+from loadtests.capacity import RatePoint, Search, Slo
+from loadtests.oracle import prefix_reuse_bound
+from loadtests.peers import PEER_NAMES, RouterSpec, parse_router
+from loadtests.simulate import SimConfig, SimRequest, Simulation
+from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S, BeladySimulation, plan_oracle, simulate_oracle
+from loadtests.workloads import (
+    MooncakeWorkload,
+    RequestSpec,
+    TenantsWorkload,
+    Workload,
+    make_workload,
+    poisson_arrivals,
+    with_arrivals,
+)
+from replicas.sim.profiles import PROFILES
+
+DEFAULT_ROUTERS = ("kvlb", "round_robin", "least_load", "sglang_cache_aware", "oracle")
+SIM_POLICY = {"sglang_cache_aware": "sglang_threshold"}
+"""Fleet router name → the kvlb policy that simulates it."""
+SMOKE: dict[str, Any] = {
+    "workload": "tenants",
+    "params": {
+        "prompt_format": "tokens",
+        "tenants": 4,
+        "users_per_tenant": 2,
+        "context_tokens": 1024,
+        "question_tokens": 128,
+        "max_tokens": 16,
+    },
+    "requests": 120,
+    "replicas": 2,
+}
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "capacity",
+        help="each router's highest arrival rate within a TTFT SLO (simulator search, fleet confirmation)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add = parser.add_argument
+    add("--workload", default="tenants", help="tenants, unique, chat, rag, agent (default tenants)")
+    add("--param", action="append", default=[], metavar="NAME=VALUE", help="a workload field (repeatable)")
+    add("--trace", type=Path, help="a Mooncake trace: replay it (all rows, or --requests)")
+    add("--trace-offset", type=int, default=0, help="trace rows skipped")
+    add("--prompt-format", choices=("tokens", "text"), default="tokens",
+        help="trace prompts: token ids, or text of the same prefix structure (text-only peers)")  # fmt: skip
+    add("--max-input-tokens", type=int, default=8000, help="trace: prompts cut to this (8000)")
+    add("--max-tokens-cap", type=int, default=32, help="trace: cap on completion tokens (32)")
+    add("--requests", type=int, default=None, help="requests (default: the trace's rows; workloads 600)")
+    add("--routers", default=",".join(DEFAULT_ROUTERS),
+        help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>[+w=v], "
+        "sglang_cache_aware (simulated as sglang_threshold), oracle (simulator only)")  # fmt: skip
+    add("--replicas", type=int, default=8, help="replicas (8)")
+    add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="replica profile")
+    add("--kv-capacity-tokens", type=int, default=None, help="per-replica KV pool (default: the profile's)")
+    add("--slo-ttft-p90", default="2s", help="TTFT p90 bound, model time (2s; smoke 0.3s)")
+    add("--slo-ttft-p99", default=None, help="also a TTFT p99 bound, e.g. 4s")
+    add("--max-error-rate", type=float, default=0.001, help="error rate bound (0.001)")
+    add("--start-rate", type=float, default=None, help="first rate tried (default: 2 per replica)")
+    add("--growth", type=float, default=1.5, help="rate step while bracketing (1.5)")
+    add("--rel-tol", type=float, default=0.05, help="bisect until the bracket is this narrow (0.05)")
+    add("--max-points", type=int, default=14, help="simulations per router at most (14)")
+    add("--oracle-load-bound-s", type=float, default=DEFAULT_LOAD_BOUND_S,
+        help=f"the oracle's prefill-backlog bound, s ({DEFAULT_LOAD_BOUND_S})")  # fmt: skip
+    add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
+    add("--confirm", action="store_true", help="run the bracketing rates on the emulated fleet")
+    add("--searches-from", type=Path, metavar="CAPACITY.json",
+        help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
+        "with --confirm, only confirms them")  # fmt: skip
+    add("--confirm-requests", type=int, default=400, help="requests per fleet run (400)")
+    add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
+    add("--processes", type=int, default=2, help="fleet: child processes")
+    add("--out", type=Path, default=None, help="output folder (default capacity-results/<workload>-<time>)")
+    add("--smoke", action="store_true", help="tiny preset for CI (2 replicas, 120 short requests)")
+    add("--json", action="store_true", help="print the JSON report on stdout")
+    parser.set_defaults(handler=run)
+
+
+def parse_seconds(text: str | None) -> float | None:
+    """``2s``, ``500ms``, ``2`` → seconds."""
+    if text is None:
+        return None
+    raw = text.strip().lower()
+    if raw.endswith("ms"):
+        return float(raw[:-2]) / 1000.0
+    return float(raw.removesuffix("s"))
+
+
+# ------------------------------------------------------------------------------------------- stream
+
+
+@dataclasses.dataclass(frozen=True)
+class Stream:
+    """The request stream at its base rate; :meth:`at` rescales arrivals to any offered rate."""
+
+    specs: list[RequestSpec]
+    requests: list[SimRequest]
+    base_rate: float
+
+    def at(self, rate: float, limit: int | None = None) -> list[SimRequest]:
+        scale = self.base_rate / rate
+        chosen = self.requests if limit is None else self.requests[:limit]
+        return [dataclasses.replace(r, arrival_s=r.arrival_s * scale) for r in chosen]
+
+    def specs_at(self, rate: float, limit: int, wall_per_model: float) -> list[RequestSpec]:
+        scale = self.base_rate / rate * wall_per_model
+        return [dataclasses.replace(s, arrival_s=(s.arrival_s or 0.0) * scale) for s in self.specs[:limit]]
+
+
+def build_stream(args: argparse.Namespace) -> tuple[Workload, Stream]:
+    from loadtests.command import spec_token_ids
+
+    params = dict(SMOKE["params"]) if args.smoke else {}
+    params |= _params(args.param)
+    workload: Workload
+    if args.trace is not None:
+        workload = MooncakeWorkload(
+            path=str(args.trace),
+            offset=args.trace_offset,
+            limit=args.requests,
+            max_tokens_cap=args.max_tokens_cap,
+            max_input_tokens=args.max_input_tokens,
+            prompt_format=args.prompt_format,
+        )
+    else:
+        workload = make_workload(args.workload, **params)
+        fields = {f.name for f in dataclasses.fields(workload)}  # type: ignore[arg-type]
+        if "num_requests" in fields and "num_requests" not in params:
+            workload = dataclasses.replace(workload, num_requests=args.requests)  # type: ignore[type-var]
+        if isinstance(workload, TenantsWorkload) and "tenants" not in params:
+            profile = PROFILES[args.profile]
+            kv = args.kv_capacity_tokens or profile.kv_capacity_tokens
+            workload = workload.for_capacity(kv, replicas=args.replicas)
+    specs = list(itertools.islice(workload.generate(random.Random(args.seed)), args.requests))
+    if not specs:
+        raise ValueError("the workload produced no requests")
+    if specs[0].arrival_s is None:
+        specs = list(with_arrivals(specs, poisson_arrivals(1.0, random.Random(args.seed + 1))))
+    span = max(s.arrival_s or 0.0 for s in specs)
+    base_rate = len(specs) / span if span > 0 else 1.0
+    prompts = spec_token_ids(specs)
+    requests = [
+        SimRequest(p, s.max_tokens, s.arrival_s or 0.0, s.session_id)
+        for p, s in zip(prompts, specs, strict=True)
+    ]
+    return workload, Stream(specs, requests, base_rate)
+
+
+def _params(pairs: Sequence[str]) -> dict[str, Any]:
+    from loadtests.command import _params as parse
+
+    return parse(pairs)
+
+
+# --------------------------------------------------------------------------------------- simulator
+
+
+def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
+    policy = "cost" if spec is None else SIM_POLICY.get(spec.name, spec.policy)
+    weights = (
+        PolicyWeights().replace(**dict(spec.weights))
+        if spec is not None and spec.weights
+        else PolicyWeights()
+    )
+    return SimConfig(
+        replicas=args.replicas,
+        profile=args.profile,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        policy=policy,
+        weights=weights,
+        seed=args.seed,
+    )
+
+
+def sim_measure(args: argparse.Namespace, name: str, stream: Stream, log: Callable[[str], None]) -> Any:
+    """``rate → RatePoint`` of router ``name`` in the simulator."""
+    spec = None if name == "oracle" else parse_router(name)
+    config = sim_config(args, spec)
+
+    def measure(rate: float, limit: int | None = None) -> RatePoint:
+        requests = stream.at(rate, limit)
+        if name == "oracle":
+            plan, result = simulate_oracle(config, requests, args.oracle_load_bound_s)
+            point = capacity.point_of(
+                rate,
+                result.summary,
+                "sim",
+                planned_hit_tokens=plan.hit_tokens,
+                planned_hit_rate=plan.hit_rate,
+            )
+        else:
+            result = Simulation(config, requests).run()
+            point = capacity.point_of(rate, result.summary, "sim")
+        log(f"  {name} @ {rate:.3g}/s: TTFT p90 {point.ttft_p90_s or float('nan'):.3f} s, "
+            f"errors {point.errors}, hit rate {point.hit_rate or 0:.3f}")  # fmt: skip
+        return point
+
+    return measure
+
+
+def diagnose(args: argparse.Namespace, stream: Stream, rate: float) -> dict[str, Any]:
+    """Where kvlb's saved prefill falls short of the oracle's at ``rate``: kvlb's placement on the
+    engines' LRU caches, the same policy on MIN engines (:class:`BeladySimulation`), and the oracle's
+    plan. LRU → MIN is what eviction blindness costs; MIN → oracle is what placement costs."""
+    config = sim_config(args, parse_router("kvlb"))
+    requests = stream.at(rate)
+    lru = Simulation(config, requests).run().summary
+    belady = BeladySimulation(config, requests).run().summary
+    planned = oracle_saved(args, stream, rate)
+    return {
+        "rate": rate,
+        "kvlb_lru_cached_tokens": lru.cached_tokens,
+        "kvlb_min_engines_cached_tokens": belady.cached_tokens,
+        "oracle_planned_hit_tokens": planned,
+        "kvlb_lru_vs_oracle": capacity._ratio(lru.cached_tokens, planned),
+        "kvlb_min_engines_vs_oracle": capacity._ratio(belady.cached_tokens, planned),
+        "kvlb_lru_ttft_p90_s": lru.ttft_p90_s,
+        "kvlb_min_engines_ttft_p90_s": belady.ttft_p90_s,
+    }
+
+
+def oracle_saved(args: argparse.Namespace, stream: Stream, rate: float) -> int:
+    """Tokens the oracle's plan serves from cache at ``rate``."""
+    config = sim_config(args, None)
+    profile = config.resolved_profile()
+    page = profile.page_size
+    plan = plan_oracle(
+        stream.at(rate),
+        replicas=args.replicas,
+        blocks_per_replica=max(1, profile.kv_capacity_tokens // page),
+        block_size=page,
+        prefill_s_per_token=profile.prefill_s_per_token,
+        load_bound_s=args.oracle_load_bound_s,
+    )
+    return plan.hit_tokens
+
+
+# ------------------------------------------------------------------------------------------- fleet
+
+
+async def confirm_on_fleet(
+    args: argparse.Namespace,
+    stream: Stream,
+    searches: dict[str, Search],
+    out: Path,
+    log: Callable[[str], None],
+) -> tuple[dict[str, list[RatePoint]], dict[str, str], list[dict[str, Any]]]:
+    """Each router's bracketing rates on the emulated fleet, each next to a simulation of the same
+    requests; returns the points, the invalid routers with their reasons, and the processes."""
+    from loadtests.processes import EmulatorOptions, start_emulator
+    from loadtests.report import invalid_reason
+    from loadtests.runs import DriveOptions, run_all
+
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    options = EmulatorOptions(
+        replicas=args.replicas,
+        profile=args.profile,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        time_scale=args.time_scale,
+        processes=args.processes,
+    )
+    log(f"starting {args.replicas} emulated replicas ({args.profile}) ...")
+    fleet = await start_emulator(options, logs)
+    confirmed: dict[str, list[RatePoint]] = {}
+    invalid: dict[str, str] = {}
+    processes: list[dict[str, Any]] = []
+    drive = DriveOptions(seed=args.seed, max_duration_s=900.0)
+    limit = min(args.confirm_requests, len(stream.specs))
+    try:
+        for name, found in searches.items():
+            if name == "oracle":
+                continue
+            spec = parse_router(name)
+            for rate in (found.capacity, found.first_fail):
+                if rate is None or name in invalid:
+                    continue
+                specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
+                log(f"fleet: {name} @ {rate:.3g}/s (model time), {limit} requests ...")
+                runs = await run_all([spec], fleet, specs, drive, logs)
+                run = runs[0]
+                if run.process:
+                    processes.append({"name": name, "pid": run.process[0], "exit_code": run.process[1]})
+                if run.status != "ok" or run.summary is None:
+                    invalid[name] = f"{run.status}: {run.note}"
+                    continue
+                reason = invalid_reason(run)
+                if reason is not None:
+                    invalid[name] = reason
+                sim = sim_measure(args, name, stream, lambda _: None)(rate, limit)
+                ts = args.time_scale
+                s = run.summary
+                point = RatePoint(
+                    rate=rate,
+                    source="fleet",
+                    requests=s.requests,
+                    errors=s.requests - s.ok,
+                    ttft_p50_s=None if s.ttft_p50_s is None else s.ttft_p50_s * ts,
+                    ttft_p90_s=None if s.ttft_p90_s is None else s.ttft_p90_s * ts,
+                    ttft_p99_s=None if s.ttft_p99_s is None else s.ttft_p99_s * ts,
+                    hit_rate=s.hit_rate,
+                    prompt_tokens=s.prompt_tokens,
+                    cached_tokens=s.cached_tokens,
+                    extra={
+                        "sim_same_requests_ttft_p90_s": sim.ttft_p90_s,
+                        "sim_same_requests_meets_slo": sim.meets(_slo(args)),
+                        "sim_same_requests_hit_rate": sim.hit_rate,
+                        "fleet_vs_sim_ttft_p90": capacity._ratio(
+                            None if s.ttft_p90_s is None else s.ttft_p90_s * ts, sim.ttft_p90_s
+                        ),
+                        "wall_s": run.wall_s,
+                    },
+                )
+                confirmed.setdefault(name, []).append(point)
+    finally:
+        children = list(fleet.children)
+        await fleet.stop()
+        processes += [{"name": c.name, "pid": c.pid, "exit_code": c.process.returncode} for c in children]
+    return confirmed, invalid, processes
+
+
+# ---------------------------------------------------------------------------------------------- run
+
+
+def _slo(args: argparse.Namespace) -> Slo:
+    return Slo(
+        ttft_p90_s=parse_seconds(args.slo_ttft_p90) or 2.0,
+        ttft_p99_s=parse_seconds(args.slo_ttft_p99),
+        max_error_rate=args.max_error_rate,
+    )
+
+
+def write_png(report: dict[str, Any], path: Path) -> bool:
+    """The SVG's plot as a PNG when matplotlib is installed."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return False
+    import matplotlib  # type: ignore[import-not-found, unused-ignore]
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # type: ignore[import-not-found, unused-ignore]
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for r in report["routers"]:
+        sim = [(p["rate"], p["ttft_p90_s"]) for p in r.get("points", ()) if p.get("ttft_p90_s")]
+        if sim:
+            (line,) = axes.plot(*zip(*sim, strict=True), marker="o", label=r["name"])
+            fleet = [(p["rate"], p["ttft_p90_s"]) for p in r.get("confirmed", ()) if p.get("ttft_p90_s")]
+            if fleet:
+                axes.scatter(*zip(*fleet, strict=True), s=80, facecolors="none", edgecolors=line.get_color())
+    axes.axhline(report["slo"]["ttft_p90_s"], linestyle="--", color="black", label="SLO")
+    axes.set_yscale("log")
+    axes.set_xlabel("offered rate, req/s")
+    axes.set_ylabel("TTFT p90, s")
+    axes.legend()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def run(args: argparse.Namespace) -> int:
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    if args.smoke:
+        args.requests = args.requests or SMOKE["requests"]
+        args.replicas = SMOKE["replicas"]
+        args.max_points = min(args.max_points, 8)
+        args.rel_tol = max(args.rel_tol, 0.25)
+        args.growth = max(args.growth, 3.0)
+        if args.slo_ttft_p90 == "2s":  # 120 short requests on 2 replicas: a tighter SLO to bracket
+            args.slo_ttft_p90 = "0.3s"
+    elif args.requests is None and args.trace is None:
+        args.requests = 600
+    try:
+        slo = _slo(args)
+        names = [n.strip() for n in args.routers.split(",") if n.strip()]
+        for name in names:
+            if name != "oracle":
+                parse_router(name)
+            if name == "vllm_kv_aware":
+                raise ValueError("vllm_kv_aware has no simulator model; `kvlb loadtest` runs it")
+        if not names:
+            raise ValueError("--routers names no router")
+        started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        workload, stream = build_stream(args)
+    except (ValueError, KeyError, OSError) as exc:
+        print(f"kvlb capacity: {exc}", file=sys.stderr)
+        return 2
+    label = "mooncake" if args.trace is not None else args.workload
+    out = args.out or Path("capacity-results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    start = args.start_rate or 2.0 * args.replicas
+    log(f"{len(stream.requests)} requests; base rate {stream.base_rate:.3g}/s; searching from {start:.3g}/s")
+    searches: dict[str, Search] = {}
+    saved_searches = (
+        capacity.searches_from_report(json.loads(args.searches_from.read_text("utf-8")))
+        if args.searches_from is not None
+        else {}
+    )
+    for name in names:
+        if name in saved_searches:
+            searches[name] = saved_searches[name]
+            log(f"{name}: search from {args.searches_from}: capacity {searches[name].capacity} req/s")
+            continue
+        measure = sim_measure(args, name, stream, log)
+        searches[name] = capacity.search(
+            functools.partial(measure, limit=None),
+            slo,
+            start,
+            growth=args.growth,
+            rel_tol=args.rel_tol,
+            max_points=args.max_points,
+        )
+        log(f"{name}: capacity {searches[name].capacity} req/s (first failing {searches[name].first_fail})")
+    saved = {
+        name: oracle_saved(args, stream, found.capacity)
+        for name, found in searches.items()
+        if found.capacity is not None
+    }
+    config = sim_config(args, None)
+    profile = config.resolved_profile()
+    pooled = prefix_reuse_bound(
+        [r.token_ids for r in stream.requests],
+        block_size=profile.page_size,
+        replicas=args.replicas,
+        blocks_per_replica=profile.kv_capacity_tokens // profile.page_size,
+    ).to_dict()
+    kvlb_search = searches.get("kvlb")
+    diagnosis = None
+    if kvlb_search is not None and kvlb_search.capacity is not None and not args.smoke:
+        log("diagnosis at kvlb's capacity: kvlb on MIN engines ...")
+        diagnosis = diagnose(args, stream, kvlb_search.capacity)
+    confirmed: dict[str, list[RatePoint]] = {}
+    invalid: dict[str, str] = {}
+    processes: list[dict[str, Any]] = []
+    if args.confirm:
+        confirmed, invalid, processes = asyncio.run(confirm_on_fleet(args, stream, searches, out, log))
+    meta = {
+        "command": "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
+        if "capacity" in sys.argv
+        else "kvlb capacity",
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "workload": {"name": workload.name, **dataclasses.asdict(workload)},  # type: ignore[call-overload]
+        "requests": len(stream.requests),
+        "base_rate_per_s": stream.base_rate,
+        "fleet": {
+            "replicas": args.replicas,
+            "profile": args.profile,
+            "kv_capacity_tokens": profile.kv_capacity_tokens,
+        },
+        "simulated_as": {
+            n: SIM_POLICY.get(n, "oracle" if n == "oracle" else parse_router(n).policy) for n in names
+        },
+        "confirmed_on_fleet": bool(args.confirm),
+        "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
+        "time_scale": args.time_scale,
+        "processes": processes,
+        "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
+        "oracle_load_bound_s": args.oracle_load_bound_s,
+        "searches_from": str(args.searches_from) if args.searches_from is not None else None,
+    }
+    peers = [n for n in names if n in PEER_NAMES]
+    report = capacity.build_report(
+        meta,
+        slo,
+        searches,
+        peers,
+        confirmed=confirmed,
+        oracle_bound=pooled,
+        oracle_saved=saved,
+        invalid=invalid,
+    )
+    report["diagnosis"] = diagnosis
+    (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
+    (out / "capacity.md").write_text(capacity.markdown(report), "utf-8")
+    (out / "ttft_vs_rate.svg").write_text(capacity.svg_plot(report), "utf-8")
+    png = write_png(report, out / "ttft_vs_rate.png")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(capacity.markdown(report).split("## Every point")[0])
+    log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
+    return 0

