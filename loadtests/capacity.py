@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 from loadtests.stats import Summary
 
-Source = Literal["sim", "fleet"]
+Source = Literal["sim", "fleet", "target"]
+"""Where a point was measured: the simulator, the emulated fleet, or a deployed endpoint (``--target``)."""
 
 
 @dataclass(frozen=True, slots=True)

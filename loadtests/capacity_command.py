@@ -34,6 +34,7 @@ from typing import Any
 from balancer.policy.base import PolicyWeights
 from loadtests import capacity
 from loadtests.capacity import RatePoint, Search, Slo
+from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES, RouterSpec, parse_router
 from loadtests.simulate import SimConfig, SimRequest, Simulation
@@ -110,6 +111,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--out", type=Path, default=None, help="output folder (default capacity-results/<workload>-<time>)")
     add("--smoke", action="store_true", help="tiny preset for CI (2 replicas, 120 short requests)")
     add("--json", action="store_true", help="print the JSON report on stdout")
+    add_target_arguments(parser)
     parser.set_defaults(handler=run)
 
 
@@ -411,8 +413,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         slo = _slo(args)
         names = [n.strip() for n in args.routers.split(",") if n.strip()]
+        if args.target:
+            names = ["target"]
+            if args.confirm or args.searches_from is not None:
+                raise ValueError("--target measures every point for real: no --confirm, --searches-from")
         for name in names:
-            if name != "oracle":
+            if name not in ("oracle", "target"):
                 parse_router(name)
             if name == "vllm_kv_aware":
                 raise ValueError("vllm_kv_aware has no simulator model; `kvlb loadtest` runs it")
@@ -434,6 +440,8 @@ def run(args: argparse.Namespace) -> int:
         if args.searches_from is not None
         else {}
     )
+    if args.target:
+        return _run_target(args, workload, stream, slo, out, start, started, log)
     for name in names:
         if name in saved_searches:
             searches[name] = saved_searches[name]
@@ -519,3 +527,45 @@ def run(args: argparse.Namespace) -> int:
         print(capacity.markdown(report).split("## Every point")[0])
     log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
     return 0
+
+
+def _run_target(
+    args: argparse.Namespace,
+    workload: Workload,
+    stream: Stream,
+    slo: Slo,
+    out: Path,
+    start: float,
+    started: str,
+    log: Callable[[str], None],
+) -> int:
+    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity_target`)."""
+    try:
+        found = search_target(args, lambda rate, limit: stream.specs_at(rate, limit, 1.0), slo, start, log)
+    except (TargetDown, ValueError, OSError) as exc:
+        print(f"kvlb capacity: {exc}", file=sys.stderr)
+        return 1
+    meta = {
+        "command": "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
+        if "capacity" in sys.argv
+        else "kvlb capacity",
+        "started": started,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "target": args.target,
+        "workload": {"name": workload.name, **dataclasses.asdict(workload)},  # type: ignore[call-overload]
+        "requests_per_point": min(args.target_requests, len(stream.specs)),
+        "base_rate_per_s": stream.base_rate,
+        "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
+        "slo_gate_rate": args.slo_gate,
+    }
+    report = capacity.build_report(meta, slo, {"target": found}, [])
+    (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
+    (out / "capacity.md").write_text(capacity.markdown(report), "utf-8")
+    (out / "ttft_vs_rate.svg").write_text(capacity.svg_plot(report), "utf-8")
+    png = write_png(report, out / "ttft_vs_rate.png")
+    if args.json:
+        print(json.dumps(report, indent=1))
+    else:
+        print(capacity.markdown(report).split("## Every point")[0])
+    log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
+    return gate(found, args, log)

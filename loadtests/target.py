@@ -113,7 +113,7 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         f"a missed one makes the command exit {EXIT_SLO_MISSED}")  # fmt: skip
 
 
-def _headers(pairs: Sequence[str]) -> dict[str, str]:
+def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
     headers: dict[str, str] = {}
     for pair in pairs:
         name, sep, value = pair.partition(":")
@@ -123,7 +123,7 @@ def _headers(pairs: Sequence[str]) -> dict[str, str]:
     return headers
 
 
-async def _first_model(session: aiohttp.ClientSession, base: str, headers: Mapping[str, str]) -> str:
+async def first_model(session: aiohttp.ClientSession, base: str, headers: Mapping[str, str]) -> str:
     url = base.rstrip("/").removesuffix("/v1") + "/v1/models"
     async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as response:
         if response.status != 200:
@@ -140,11 +140,11 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     from loadtests.command import build_specs, build_workload  # the shared workload options
 
     slos = [parse_slo(text) for text in args.slo]
-    headers = _headers(args.header)
+    headers = parse_headers(args.header)
     load_average = [round(x, 2) for x in os.getloadavg()]
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     async with aiohttp.ClientSession() as session:
-        model = args.model or await _first_model(session, args.target, headers)
+        model = args.model or await first_model(session, args.target, headers)
     workload = build_workload(args, args.kv_capacity_tokens, args.replicas)
     specs = build_specs(workload, args)
     progress = Progress(f"{args.workload} → target", len(specs))

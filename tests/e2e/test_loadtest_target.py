@@ -86,6 +86,40 @@ async def test_drives_a_live_kvlb_and_reports_what_the_job_needs(kvlb: str, tmp_
     assert "MISSED" in stderr
 
 
+async def _capacity(out: Path, url: str, *extra: str) -> tuple[int, str]:
+    argv = [
+        sys.executable, "-m", "balancer", "capacity", "--target", url, "--workload", "tenants",
+        "--param", "tenants=3", "--param", "users_per_tenant=2", "--param", "context_tokens=200",
+        "--param", "question_tokens=20", "--param", "max_tokens=4", "--requests", "60",
+        "--target-requests", "12", "--start-rate", "6", "--max-points", "3", "--replicas", "2",
+        "--slo-ttft-p90", "5s", "--out", str(out), *extra,
+    ]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ}
+    )
+    async with asyncio.timeout(240):
+        _, stderr = await process.communicate()
+    assert process.returncode is not None
+    return process.returncode, stderr.decode(errors="replace")
+
+
+async def test_capacity_searches_a_live_kvlb_for_real(kvlb: str, tmp_path: Path) -> None:
+    code, stderr = await _capacity(tmp_path / "cap", kvlb, "--slo-gate", "100000")
+    assert code == EXIT_SLO_MISSED, stderr[-3000:]  # nothing here serves 100k req/s within the SLO
+    report = json.loads((tmp_path / "cap" / "capacity.json").read_text())
+    (row,) = report["routers"]
+    assert row["name"] == "target" and report["meta"]["target"] == kvlb
+    points = row["points"]
+    assert 1 <= len(points) <= 3 and all(p["source"] == "target" for p in points)
+    assert all(p["requests"] == 12 for p in points)
+    # the verdicts follow the measured figures, and the capacity is the highest passing rate
+    for p in points:
+        assert p["meets_slo"] == (p["errors"] == 0 and p["ttft_p90_s"] is not None and p["ttft_p90_s"] <= 5.0)
+    passing = [p["rate"] for p in points if p["meets_slo"]]
+    assert row["capacity_rate"] == (max(passing) if passing else None)
+    assert (tmp_path / "cap" / "ttft_vs_rate.svg").exists() and "MISSED" in stderr
+
+
 async def test_a_target_that_answers_nothing_is_a_failed_run(tmp_path: Path) -> None:
     code, stderr = await _loadtest(
         tmp_path / "dead", "http://127.0.0.1:9", "--model", "m", "--timeout-s", "5"

@@ -1,0 +1,125 @@
+"""``kvlb capacity --target URL``: the capacity search run for real against a deployed endpoint (I/O).
+
+The same bracket-then-bisect search as the simulator's (:func:`loadtests.capacity.search`), but each
+offered rate is a real run of the stream's first ``--target-requests`` requests, their arrival times
+rescaled to that rate, driven at the URL with ``kvlb loadtest --target``'s driver. Every point of the
+report is measured (source ``target``); TTFTs are wall time. A point with more than
+``--max-error-rate`` failures does not meet the SLO; a target where no request of the first point
+succeeds stops the search (exit 1). With ``--slo-gate RATE`` the command exits
+:data:`loadtests.target.EXIT_SLO_MISSED` when the capacity found is below ``RATE``, so a rollout can be
+gated on "this deployment still serves N req/s within the SLO".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+
+from loadtests import capacity
+from loadtests.capacity import RatePoint, Search, Slo
+from loadtests.driver import REPLICA_HEADER, run_open_loop
+from loadtests.runs import Progress
+from loadtests.target import EXIT_SLO_MISSED, first_model, parse_headers
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--target", metavar="URL",
+        help="search the capacity of this OpenAI-compatible endpoint for real (a deployed kvlb, a peer "
+        "router, an engine) instead of the simulator; every point is a run at the URL")  # fmt: skip
+    add("--model", help="--target: the model name (default: the first of GET /v1/models)")
+    add("--header", action="append", default=[], metavar="NAME:VALUE",
+        help="--target: a header on every request (repeatable)")  # fmt: skip
+    add("--target-requests", type=int, default=200, help="--target: requests per offered rate (200)")
+    add("--target-timeout-s", type=float, default=120.0, help="--target: per request (120)")
+    add("--slo-gate", type=float, default=None, metavar="RATE",
+        help=f"--target: exit {EXIT_SLO_MISSED} when the capacity found is below RATE req/s")  # fmt: skip
+
+
+def measure_target(
+    args: argparse.Namespace,
+    specs_at: Callable[[float, int], list[Any]],
+    model: str,
+    log: Callable[[str], None],
+) -> Callable[[float], RatePoint]:
+    """A point per offered rate: the first ``--target-requests`` requests at that rate, at the URL."""
+    headers = parse_headers(args.header)
+
+    def measure(rate: float) -> RatePoint:
+        specs = specs_at(rate, args.target_requests)
+        progress = Progress(f"{rate:.3g} req/s", len(specs))
+        try:
+            result = asyncio.run(
+                run_open_loop(
+                    specs,
+                    args.target,
+                    model=model,
+                    max_requests=len(specs),
+                    max_duration_s=max(60.0, 4 * len(specs) / rate + args.target_timeout_s),
+                    concurrency_cap=1024,
+                    timeout_s=args.target_timeout_s,
+                    headers=headers,
+                    on_progress=progress.update,
+                    replica_header=REPLICA_HEADER,
+                )
+            )
+        finally:
+            progress.close()
+        summary = result.summary()
+        point = capacity.point_of(
+            rate, summary, "target", req_per_s=summary.req_per_s, replica_share=summary.replica_share
+        )
+        log(
+            f"target @ {rate:.3g}/s: TTFT p90 {point.ttft_p90_s}, errors {point.errors}/{point.requests}, "
+            f"hit rate {point.hit_rate}"
+        )
+        if summary.ok == 0:
+            raise TargetDown(f"no request succeeded at {rate:.3g}/s: {result.records[0].error}")
+        return point
+
+    return measure
+
+
+class TargetDown(RuntimeError):
+    """The target answered no request of a point: the search stops."""
+
+
+def model_of(args: argparse.Namespace) -> str:
+    if args.model:
+        return str(args.model)
+
+    async def ask() -> str:
+        async with aiohttp.ClientSession() as session:
+            return await first_model(session, args.target, parse_headers(args.header))
+
+    return asyncio.run(ask())
+
+
+def search_target(
+    args: argparse.Namespace,
+    specs_at: Callable[[float, int], list[Any]],
+    slo: Slo,
+    start: float,
+    log: Callable[[str], None],
+) -> Search:
+    return capacity.search(
+        measure_target(args, specs_at, model_of(args), log),
+        slo,
+        start,
+        growth=args.growth,
+        rel_tol=args.rel_tol,
+        max_points=args.max_points,
+    )
+
+
+def gate(found: Search, args: argparse.Namespace, log: Callable[[str], None]) -> int:
+    """The exit code: the SLO gate on the capacity found."""
+    if args.slo_gate is None:
+        return 0
+    ok = found.capacity is not None and found.capacity >= args.slo_gate
+    log(f"capacity {found.capacity} req/s against the gate {args.slo_gate}: {'met' if ok else 'MISSED'}")
+    return 0 if ok else EXIT_SLO_MISSED
