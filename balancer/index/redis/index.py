@@ -109,6 +109,7 @@ class RedisIndex:
         self._apply = client.register_script(scripts.APPLY)
         self._speculate = client.register_script(scripts.SPECULATE)
         self._drop = client.register_script(scripts.DROP)
+        self._drop_blocks = client.register_script(scripts.DROP_BLOCKS)
         self._clear_step = client.register_script(scripts.CLEAR_STEP)
         self._match = client.register_script(scripts.MATCH)
         self._stats = client.register_script(scripts.STATS)
@@ -301,6 +302,21 @@ class RedisIndex:
         reply = cast("list[int]", await self._drop(keys=self._anchor, args=args))
         self.repaired_keys += int(reply[2])
         return released + int(reply[0])
+
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        """Forget ``replica``'s real holdings of ``keys`` on every rank, in calls of at most
+        ``max_script_blocks`` keys; each call that dropped something appends the keys to the stream
+        (field ``x``), so every mirror drops them too. Unfenced: a receipt is not an ingest write,
+        and each call is atomic against the ingest writer's ``APPLY``."""
+        step = self.settings.max_script_blocks
+        dropped = 0
+        for start in range(0, len(keys), step):
+            part = keys[start : start + step]
+            args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen, hex_u64s(part)]
+            reply = cast("list[int]", await self._drop_blocks(keys=self._anchor, args=args))
+            dropped += int(reply[0])
+            self.repaired_keys += int(reply[1])
+        return dropped
 
     async def generation(self, replica: ReplicaId) -> int:
         """The generation a writer of ``replica`` must pass to ``apply`` (0 before any drop)."""

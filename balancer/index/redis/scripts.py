@@ -455,12 +455,45 @@ finish()
 return {0, call('HLEN', mk), released, repaired}
 """
 
+_DROP_BLOCKS_BODY = """
+-- ARGV: prefix, replica, stream maxlen, keys (hex, concatenated; at most max_script_blocks)
+-- Forgets the replica's real holdings of these keys on every rank (receipts: the blocks past the
+-- point the engine reported). Speculative fields, other holders and the engine-hash maps stay (a
+-- map entry of a dropped key is stale, as after an eviction). Publishes the keys ('x') when any went.
+-- returns {holdings dropped, keys repaired}
+local REPLICA, JOINED = ARGV[2], ARGV[4]
+local keys = split16(JOINED)
+local dropped = 0
+for _, rank in ipairs(call('SMEMBERS', P .. 'ranks:' .. REPLICA)) do
+  local cid = REPLICA .. '#' .. rank
+  local n = 0
+  for _, key in ipairs(keys) do
+    local bk = P .. 'b:' .. key
+    if call('HDEL', bk, cid) == 1 then
+      unhold(bk, key)
+      n = n + 1
+    end
+  end
+  if n > 0 then
+    held_add(cid, -n)
+    dropped = dropped + n
+    LIMIT = #keys
+    compact(cid)
+  end
+end
+finish()
+if dropped > 0 then publish(tonumber(ARGV[3]), REPLICA, {'x', JOINED}) end
+return {dropped, repaired}
+"""
+
 APPLY = PRELUDE + _APPLY_BODY
 """Apply one replica's normalised event batch (generation check first; nothing written if stale)."""
 SPECULATE = PRELUDE + _SPECULATE_BODY
 """Add or extend speculative holdings of one replica, then enforce the block budget."""
 DROP = PRELUDE + _DROP_BODY
 """Forget every cache and speculative entry of one replica and bump its generation."""
+DROP_BLOCKS = PRELUDE + _DROP_BLOCKS_BODY
+"""Forget one replica's real holdings of the given keys on every rank (bounded by the caller)."""
 CLEAR_STEP = PRELUDE + _CLEAR_STEP_BODY
 """Empty a bounded part of one cache before the ``Cleared``/``Resync`` or drop that empties it whole."""
 
