@@ -139,7 +139,13 @@ def _register_admin(subparsers: SubParsers) -> None:
     setter.add_argument("pairs", nargs="+", metavar="NAME=VALUE", help="'name' or a weight (null clears)")
     explain = actions.add_parser("explain", help="dry-run routing of a request body")
     explain.add_argument("file", help="JSON request body file ('-' for stdin)")
-    actions.add_parser("replicas", help="health, load, index and events per replica")
+    replicas = actions.add_parser("replicas", help="health, load, index, prediction and events per replica")
+    replicas.add_argument(
+        "--table",
+        action="store_true",
+        help="one line per replica (routable, in flight, index blocks, prediction accuracy, event lag, "
+        "last resync) instead of the JSON",
+    )
     for name in ("drain", "undrain"):
         action = actions.add_parser(name, help=f"{name} a replica")
         action.add_argument("replica", help="replica id")
@@ -194,5 +200,59 @@ def run_admin(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, TimeoutError, ValueError) as exc:
         print(f"kvlb admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
-    print(strict_json.dumps(answer, indent=2))
+    if getattr(args, "table", False) and isinstance(answer, dict):
+        print(replicas_table(answer.get("replicas", [])))
+    else:
+        print(strict_json.dumps(answer, indent=2))
     return 0
+
+
+REPLICAS_COLUMNS = (
+    "replica",
+    "routable",
+    "inflight",
+    "blocks",
+    "receipts",
+    "exact",
+    "within_1",
+    "lag_s",
+    "resync_age_s",
+)
+"""The columns of ``kvlb admin replicas --table``."""
+
+
+def replicas_table(views: list[dict[str, Any]]) -> str:
+    """``/admin/replicas`` as one line per replica: the prediction accuracy over its last receipts
+    (exact share, share within one block), its event lag and the age of its last resync."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return str(value)
+
+    rows: list[tuple[str, ...]] = [REPLICAS_COLUMNS]
+    for view in views:
+        prediction = view.get("prediction") or {}
+        events = view.get("events") or {}
+        rows.append(
+            tuple(
+                cell(v)
+                for v in (
+                    view.get("id"),
+                    view.get("routable"),
+                    view.get("inflight"),
+                    (view.get("index") or {}).get("blocks"),
+                    prediction.get("receipts"),
+                    prediction.get("accuracy"),
+                    prediction.get("within_one_block"),
+                    events.get("lag_s"),
+                    events.get("last_resync_age_s"),
+                )
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)

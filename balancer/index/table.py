@@ -448,9 +448,11 @@ class PrefixTable:
                 self._compact(cache)
         return dropped
 
-    def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey]) -> list[BlockKey]:
-        """Those of ``keys`` that ``replica`` holds speculatively and no real store has confirmed yet
-        (expired entries excluded only once a call given ``now`` expired them)."""
+    def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> list[BlockKey]:
+        """Those of ``keys`` that ``replica`` holds speculatively at ``now``: routed there, and no
+        real store by the replica has confirmed them since."""
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
         spec = self._slots.specs.get(replica)
         if spec is None or not spec.expiry:
             return []

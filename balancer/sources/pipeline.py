@@ -115,6 +115,11 @@ class ReplicaIngestStatus:
     apply_errors: int
     last_applied_wall_ts: float | None
     sources: tuple[SourceStatus, ...]
+    lag_s: float | None = None
+    """Our wall clock minus the engine's timestamp of the last batch applied (``None``: none yet, or
+    the engine stamps no batch); also ``kvlb_events_lag_seconds``."""
+    last_resync_wall_ts: float | None = None
+    """Our wall clock when a resync of any rank was last applied (``None``: never)."""
 
 
 class ReplicaPipeline:
@@ -150,6 +155,8 @@ class ReplicaPipeline:
         self.applied_batches = 0
         self.apply_errors = 0
         self.last_applied_wall_ts: float | None = None
+        self.lag_s: float | None = None
+        self.last_resync_wall_ts: float | None = None
 
     @property
     def queued_batches(self) -> int:
@@ -271,7 +278,10 @@ class ReplicaPipeline:
         engine_ts = batches[-1].engine_ts
         if engine_ts is not None:
             lag_s = self.last_applied_wall_ts - engine_ts
+            self.lag_s = lag_s
             self._metrics.events_lag_seconds.labels(self.replica).set(lag_s)
+        if result.resyncs:
+            self.last_resync_wall_ts = self.last_applied_wall_ts
 
     def _record(self, result: ApplyResult, events: Sequence[KvEvent]) -> None:
         """Metrics from one apply: ``stored``/``removed`` count blocks, the other types events."""
@@ -380,6 +390,8 @@ class EventIngest:
                 apply_errors=entry.pipeline.apply_errors,
                 last_applied_wall_ts=entry.pipeline.last_applied_wall_ts,
                 sources=tuple(source.status() for source in entry.sources),
+                lag_s=entry.pipeline.lag_s,
+                last_resync_wall_ts=entry.pipeline.last_resync_wall_ts,
             )
             for replica, entry in self._replicas.items()
         }
