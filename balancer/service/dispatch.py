@@ -280,14 +280,16 @@ def relay_deadline(state: ServiceState, job: Forward) -> float:
 def on_relayed(
     state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream, complete: bool
 ) -> None:
-    """Bookkeeping once relaying ended: a complete answer returns its connection to the pool and
-    reports the engine's cached tokens; anything else closes the connection."""
-    if complete:
-        stream.release()
+    """Bookkeeping once relaying ended: a complete answer returns its connection to the pool;
+    anything else closes the connection. An upstream body read to its end reports the engine's
+    cached tokens (a receipt), even when the client left before the last bytes reached it."""
+    if stream.finished:
         usage = stream.usage()
         if usage.cached_tokens is not None:
             state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
             record_receipt(state, lease, usage.cached_tokens)
+    if complete:
+        stream.release()
     else:
         stream.close()
     policy = lease.plan.decision.policy
