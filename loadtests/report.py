@@ -112,6 +112,7 @@ def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any
     records = run.result.records if run.result is not None else ()
     entry["replicas_per_group"] = replicas_per_group(records)
     entry["prediction"] = run.prediction
+    entry["evicted_blocks"] = sum(d.get("evicted_blocks_total", 0) for d in run.replica_delta.values())
     entry["vs_round_robin"] = None
     entry["vs_best_peer"] = None
     entry["wall_s"] = run.wall_s
@@ -324,8 +325,9 @@ def _router_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
 def _prediction_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
     """kvlb's receipts: each response's cached_tokens against the route's prediction."""
     rows = [
-        "| router | receipts | exact | within one block | stale blocks | dropped | learned |",
-        "|---|---|---|---|---|---|---|",
+        "| router | receipts | exact | within one block | stale blocks | dropped | learned "
+        "| blocks the replicas evicted |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
         p = e.get("prediction")
@@ -333,7 +335,8 @@ def _prediction_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
             rows.append(
                 f"| {e['name']} | {p['receipts']:.0f} | {_num(p['exact_share'], 4)} "
                 f"| {_num(p['within_one_block_share'], 4)} | {p['stale_blocks']:.0f} "
-                f"| {p['dropped_blocks']:.0f} | {p['learned_blocks']:.0f} |"
+                f"| {p['dropped_blocks']:.0f} | {p['learned_blocks']:.0f} "
+                f"| {e.get('evicted_blocks', 0):.0f} |"
             )
     return rows if len(rows) > 2 else []
 

@@ -146,8 +146,14 @@ class LoadSampler:
 def _delta(
     before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, float]]:
-    keys = ("requests_total", "prompt_tokens_total", "cached_tokens_total", "generation_tokens_total")
-    return {name: {key: after[name][key] - before[name].get(key, 0) for key in keys} for name in after}
+    keys = (
+        "requests_total",
+        "prompt_tokens_total",
+        "cached_tokens_total",
+        "generation_tokens_total",
+        "evicted_blocks_total",
+    )
+    return {name: {key: after[name].get(key, 0) - before[name].get(key, 0) for key in keys} for name in after}
 
 
 async def _drive(
