@@ -173,6 +173,8 @@ class Balancer:
             # without events, the routed blocks are the index: they live as long as an engine's cache
             speculative_ttl_s=settings.limits.speculative_ttl_s if config.kv_events else config.approx_ttl_s,
             pending_ttl_s=settings.timeouts.first_byte_s,
+            receipt_drops=settings.limits.receipt_drops,
+            kv_events=config.kv_events,
         )
         router = PoolRouter(
             config.model,

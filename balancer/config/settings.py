@@ -140,6 +140,11 @@ class LimitConfig:
     once per key space; more are not added (counted). Their expiry heap lists at most twice as many."""
     speculative_ttl_s: float = 2.0
     """How long a routed request's blocks count as held before the engine's events confirm them."""
+    receipt_drops: bool = False
+    """Whether a receipt that reports fewer cached blocks than predicted drops the replica's stale
+    holdings from the index at once. Off by default: measured, the drops removed holdings that the
+    request itself had just cached again (``docs/prefix-index.md``, "Receipts"); off, receipts
+    measure and learn."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -75,6 +75,9 @@ class RoutePlan:
     decode_blocks: int
     block_size: int = 16
     """Tokens per block of the chosen replica (the unit of ``keys`` and of receipts)."""
+    confirmed_tokens: int = 0
+    """Of ``cached_tokens``, those the replica's own events reported (speculative entries left out):
+    the index's view of the engine's cache, which receipts check in a pool with KV events."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +92,11 @@ class RouteLimits:
     0 disables speculation)."""
     pending_ttl_s: float | None = None
     """Life of those entries until the first token (seconds; ``None``: ``speculative_ttl_s``)."""
+    receipt_drops: bool = False
+    """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
+    kv_events: bool = True
+    """Whether the pool's engines publish KV events: receipts then check the confirmed prediction
+    (:attr:`RoutePlan.confirmed_tokens`); without events, the whole one (speculative included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +326,7 @@ class PoolRouter:
         merged: dict[ReplicaId, int] = {}
         ranks: dict[ReplicaId, int] = {}
         exact_tokens: dict[ReplicaId, int] = {}
+        confirmed_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
         keys_by_space: dict[int, list[BlockKey]] = {}
@@ -333,6 +342,7 @@ class PoolRouter:
                 merged[replica] = blocks * bs // ref_bs
                 ranks[replica] = overlap.best_rank.get(replica, 0)
                 held[replica] = space.table.held_blocks(replica) * bs // ref_bs
+                confirmed_tokens[replica] = confirmed.of(replica) * bs
                 pending = blocks - confirmed.of(replica)
                 if pending > 0:
                     speculative[replica] = pending * bs // ref_bs
@@ -349,11 +359,13 @@ class PoolRouter:
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
         cached = exact_tokens.get(decision.replica, 0)
+        confirmed_cached = confirmed_tokens.get(decision.replica, 0)
         chosen_bs = ref_bs
         if chosen_space is not None:
             chosen_bs = chosen_space.hasher.block_size
             reusable = reusable_blocks(len(token_ids), chosen_bs, chosen_space.hasher.mode)
             cached = min(cached, reusable * chosen_bs)
+            confirmed_cached = min(confirmed_cached, cached)
         decode_tokens = len(token_ids) - cached + max(0, max_tokens)
         return RoutePlan(
             decision=decision,
@@ -362,6 +374,7 @@ class PoolRouter:
             keys=tuple(keys),
             decode_blocks=-(-decode_tokens // ref_bs),
             block_size=chosen_bs,
+            confirmed_tokens=confirmed_cached,
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:
@@ -433,11 +446,12 @@ class PoolRouter:
         """
         plan = lease.plan
         replica = lease.replica
-        receipt = read_receipt(replica, plan.keys, plan.block_size, plan.cached_tokens, reported_tokens)
+        predicted = plan.confirmed_tokens if self.route_limits.kv_events else plan.cached_tokens
+        receipt = read_receipt(replica, plan.keys, plan.block_size, predicted, reported_tokens)
         self.receipts.record(receipt)
         space = self.space_of.get(replica)
         dropped = learned = 0
-        if space is not None and receipt.stale:
+        if space is not None and receipt.stale and self.route_limits.receipt_drops:
             dropped = space.table.drop_blocks(replica, space.table.speculated(replica, receipt.stale, now))
         elif space is not None and receipt.unseen and self.route_limits.speculative_ttl_s > 0:
             prefix = plan.keys[: receipt.reported_blocks]

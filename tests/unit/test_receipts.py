@@ -84,8 +84,11 @@ def test_prediction_of_a_block_aligned_prompt_held_whole_is_one_block_short() ->
     assert plan.decision.overlap_blocks == 8 and plan.cached_tokens == 7 * BS and plan.block_size == BS
 
 
+DROPS = RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0, receipt_drops=True)
+
+
 def test_fewer_reported_drops_the_stale_holdings_not_yet_stored_again() -> None:
-    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0))
+    router = PoolRouter("m", route_limits=DROPS)
     router.add_replica(A, BS, "plain")
     table = router.space_of[A].table
     table.apply(A, [stored(PROMPT, 8)], now=0.0)  # the engine evicts behind our back afterwards
@@ -105,7 +108,7 @@ def test_fewer_reported_drops_the_stale_holdings_not_yet_stored_again() -> None:
 
 
 def test_fewer_reported_keeps_blocks_the_engine_stored_again_since_the_routing() -> None:
-    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0))
+    router = PoolRouter("m", route_limits=DROPS)
     router.add_replica(A, BS, "plain")
     table = router.space_of[A].table
     table.apply(A, [stored(PROMPT, 8)], now=0.0)
@@ -134,10 +137,38 @@ def test_more_reported_learns_the_prefix_as_speculative_entries() -> None:
 
 
 def test_receipts_without_speculation_learn_nothing_and_drop_nothing() -> None:
-    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=0.0))
+    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=0.0, receipt_drops=True))
     router.add_replica(A, BS, "plain")
     table = router.space_of[A].table
     table.apply(A, [stored(PROMPT, 8)], now=0.0)
     lease = router.route(PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r"), 1.0)
     settled = lease.settle_receipt(0, now=2.0)
     assert (settled.dropped_blocks, settled.learned_blocks, table.held_blocks(A)) == (0, 0, 8)
+
+
+def test_drops_are_off_by_default_receipts_only_measure_and_learn() -> None:
+    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0))
+    router.add_replica(A, BS, "plain")
+    table = router.space_of[A].table
+    table.apply(A, [stored(PROMPT, 8)], now=0.0)
+    lease = router.route(PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r"), 1.0)
+    settled = lease.settle_receipt(3 * BS, now=2.0)
+    assert (settled.receipt.error_blocks, len(settled.receipt.stale), settled.dropped_blocks) == (-5, 5, 0)
+    assert table.held_blocks(A) == 8
+
+
+def test_with_events_receipts_check_the_confirmed_prediction_not_the_bets() -> None:
+    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0))
+    router.add_replica(A, BS, "plain")
+    router.space_of[A].table.apply(A, [stored(PROMPT, 3)], now=0.0)
+    request = PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r")
+    first = router.route(request, 1.0)  # in flight: its 8 blocks are speculated on A
+    second = router.route(request, 1.1)
+    assert (second.plan.cached_tokens, second.plan.confirmed_tokens) == (8 * BS, 3 * BS)
+    assert second.settle_receipt(3 * BS, now=2.0).receipt.exact  # the engine had what it reported
+    no_events = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=60.0, kv_events=False))
+    no_events.add_replica(A, BS, "plain")
+    no_events.route(request, 1.0)
+    again = no_events.route(request, 1.1)
+    assert again.settle_receipt(8 * BS, now=2.0).receipt.exact  # without events the bets are the index
+    first.release(2.0)
