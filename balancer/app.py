@@ -174,7 +174,6 @@ class Balancer:
             speculative_ttl_s=settings.limits.speculative_ttl_s if config.kv_events else config.approx_ttl_s,
             pending_ttl_s=settings.timeouts.first_byte_s,
             receipt_drops=settings.limits.receipt_drops,
-            kv_events=config.kv_events,
         )
         router = PoolRouter(
             config.model,

@@ -75,9 +75,6 @@ class RoutePlan:
     decode_blocks: int
     block_size: int = 16
     """Tokens per block of the chosen replica (the unit of ``keys`` and of receipts)."""
-    confirmed_tokens: int = 0
-    """Of ``cached_tokens``, those the replica's own events reported (speculative entries left out):
-    the index's view of the engine's cache, which receipts check in a pool with KV events."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,9 +91,6 @@ class RouteLimits:
     """Life of those entries until the first token (seconds; ``None``: ``speculative_ttl_s``)."""
     receipt_drops: bool = False
     """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
-    kv_events: bool = True
-    """Whether the pool's engines publish KV events: receipts then check the confirmed prediction
-    (:attr:`RoutePlan.confirmed_tokens`); without events, the whole one (speculative included)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,7 +320,6 @@ class PoolRouter:
         merged: dict[ReplicaId, int] = {}
         ranks: dict[ReplicaId, int] = {}
         exact_tokens: dict[ReplicaId, int] = {}
-        confirmed_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
         keys_by_space: dict[int, list[BlockKey]] = {}
@@ -342,7 +335,6 @@ class PoolRouter:
                 merged[replica] = blocks * bs // ref_bs
                 ranks[replica] = overlap.best_rank.get(replica, 0)
                 held[replica] = space.table.held_blocks(replica) * bs // ref_bs
-                confirmed_tokens[replica] = confirmed.of(replica) * bs
                 pending = blocks - confirmed.of(replica)
                 if pending > 0:
                     speculative[replica] = pending * bs // ref_bs
@@ -359,13 +351,11 @@ class PoolRouter:
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
         cached = exact_tokens.get(decision.replica, 0)
-        confirmed_cached = confirmed_tokens.get(decision.replica, 0)
         chosen_bs = ref_bs
         if chosen_space is not None:
             chosen_bs = chosen_space.hasher.block_size
             reusable = reusable_blocks(len(token_ids), chosen_bs, chosen_space.hasher.mode)
             cached = min(cached, reusable * chosen_bs)
-            confirmed_cached = min(confirmed_cached, cached)
         decode_tokens = len(token_ids) - cached + max(0, max_tokens)
         return RoutePlan(
             decision=decision,
@@ -374,7 +364,6 @@ class PoolRouter:
             keys=tuple(keys),
             decode_blocks=-(-decode_tokens // ref_bs),
             block_size=chosen_bs,
-            confirmed_tokens=confirmed_cached,
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:
@@ -446,8 +435,7 @@ class PoolRouter:
         """
         plan = lease.plan
         replica = lease.replica
-        predicted = plan.confirmed_tokens if self.route_limits.kv_events else plan.cached_tokens
-        receipt = read_receipt(replica, plan.keys, plan.block_size, predicted, reported_tokens)
+        receipt = read_receipt(replica, plan.keys, plan.block_size, plan.cached_tokens, reported_tokens)
         self.receipts.record(receipt)
         space = self.space_of.get(replica)
         dropped = learned = 0

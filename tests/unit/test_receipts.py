@@ -155,20 +155,3 @@ def test_drops_are_off_by_default_receipts_only_measure_and_learn() -> None:
     settled = lease.settle_receipt(3 * BS, now=2.0)
     assert (settled.receipt.error_blocks, len(settled.receipt.stale), settled.dropped_blocks) == (-5, 5, 0)
     assert table.held_blocks(A) == 8
-
-
-def test_with_events_receipts_check_the_confirmed_prediction_not_the_bets() -> None:
-    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0))
-    router.add_replica(A, BS, "plain")
-    router.space_of[A].table.apply(A, [stored(PROMPT, 3)], now=0.0)
-    request = PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r")
-    first = router.route(request, 1.0)  # in flight: its 8 blocks are speculated on A
-    second = router.route(request, 1.1)
-    assert (second.plan.cached_tokens, second.plan.confirmed_tokens) == (8 * BS, 3 * BS)
-    assert second.settle_receipt(3 * BS, now=2.0).receipt.exact  # the engine had what it reported
-    no_events = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=60.0, kv_events=False))
-    no_events.add_replica(A, BS, "plain")
-    no_events.route(request, 1.0)
-    again = no_events.route(request, 1.1)
-    assert again.settle_receipt(8 * BS, now=2.0).receipt.exact  # without events the bets are the index
-    first.release(2.0)
