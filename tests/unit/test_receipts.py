@@ -155,3 +155,32 @@ def test_drops_are_off_by_default_receipts_only_measure_and_learn() -> None:
     settled = lease.settle_receipt(3 * BS, now=2.0)
     assert (settled.receipt.error_blocks, len(settled.receipt.stale), settled.dropped_blocks) == (-5, 5, 0)
     assert table.held_blocks(A) == 8
+
+
+def test_admin_replicas_table_shows_accuracy_lag_and_last_resync() -> None:
+    from balancer.cli.command import replicas_table
+
+    views = [
+        {
+            "id": "sim-0",
+            "routable": True,
+            "inflight": 2,
+            "index": {"blocks": 120},
+            "prediction": {"receipts": 256, "accuracy": 0.98828125, "within_one_block": 1.0},
+            "events": {"lag_s": 0.004, "last_resync_age_s": None},
+        },
+        {
+            "id": "sim-1",
+            "routable": False,
+            "inflight": 0,
+            "index": {"blocks": 0},
+            "prediction": {},
+            "events": None,
+        },
+    ]
+    lines = replicas_table(views).splitlines()
+    assert lines[0].split() == [
+        "replica", "routable", "inflight", "blocks", "receipts", "exact", "within_1", "lag_s", "resync_age_s"
+    ]  # fmt: skip
+    assert lines[1].split() == ["sim-0", "yes", "2", "120", "256", "0.988", "1.000", "0.004", "-"]
+    assert lines[2].split() == ["sim-1", "no", "0", "0", "-", "-", "-", "-", "-"]
