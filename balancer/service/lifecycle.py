@@ -23,6 +23,7 @@ Discovery only removes the replicas it added. Every event is applied in full bef
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import aiohttp
@@ -179,6 +180,8 @@ class ReplicaLifecycle:
         metrics.index_replica_blocks.remove(replica)
         for kind in ("inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage"):
             metrics.replica_load.remove(replica, kind)
+        with contextlib.suppress(KeyError):  # set at its first receipt only
+            metrics.prediction_accuracy_ratio.remove(replica)
 
     # ------------------------------------------------------------------ per replica
 
