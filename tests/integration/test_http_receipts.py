@@ -33,6 +33,7 @@ async def metrics(h: Harness) -> str:
 
 
 async def test_a_receipt_drops_blocks_the_engine_evicted_without_saying(tokenizer: Tokenizer) -> None:
+    """With ``limits.receipt_drops`` on (off by default: docs/prefix-index.md, "Receipts")."""
     async with running(tokenizer, count=1, limits__receipt_drops=True) as h:
         holder = await h.warm([*PREFIX, 1, 2, 3])
         view = await h.replica_view(holder)
