@@ -258,7 +258,19 @@ def receipt_figures(metrics_text: str) -> dict[str, float]:
 
 
 async def kvlb_receipts(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
-    """:func:`receipt_figures` of the kvlb at ``url`` (``None`` if its metrics cannot be read)."""
+    """:func:`receipt_figures` of the kvlb at ``url`` (``None`` if its metrics cannot be read), once
+    it has released every request (a request's receipt is recorded before its release; the client
+    may have its last bytes a moment before that)."""
+    try:
+        async with asyncio.timeout(10.0):
+            while True:
+                async with session.get(url + "/admin/replicas") as response:
+                    views = (await response.json())["replicas"] if response.status == 200 else []
+                if all(view.get("inflight", 0) == 0 for view in views):
+                    break
+                await asyncio.sleep(0.05)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+        pass  # read the counters anyway
     try:
         async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
             if response.status != 200:
