@@ -53,6 +53,8 @@ from balancer.index.redis.stream import encode_batch
 from balancer.types import BlockKey, Overlap, ReplicaId
 
 _Args = list[str | int | bytes]
+_FIXED_NAMES = ("lru", "held", "spec", "replicas", "tick", "gen", "seq", "events")
+"""The pool's keys after ``ctr`` that ``DROP_BLOCKS`` declares (its ``KEYS[2..9]``)."""
 _STALE_GENERATION = 1
 _STALE_HINT = 2
 _STALE_POSITION = 3
@@ -306,14 +308,19 @@ class RedisIndex:
     async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
         """Forget ``replica``'s real holdings of ``keys`` on every rank, in calls of at most
         ``max_script_blocks`` keys; each call that dropped something appends the keys to the stream
-        (field ``x``), so every mirror drops them too. Unfenced: a receipt is not an ingest write,
-        and each call is atomic against the ingest writer's ``APPLY``."""
+        (field ``x``), so every mirror drops them too. The script declares every key it touches (the
+        pool's fixed keys, the replica's ``ranks:`` set, each key's ``b:`` hash). Unfenced: a receipt
+        is not an ingest write, and each call is atomic against the ingest writer's ``APPLY``."""
         step = self.settings.max_script_blocks
+        prefix = self.keys.prefix
+        fixed = [self.keys.counters, *(prefix + name for name in _FIXED_NAMES), self.keys.ranks(replica)]
         dropped = 0
         for start in range(0, len(keys), step):
-            part = keys[start : start + step]
-            args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen, hex_u64s(part)]
-            reply = cast("list[int]", await self._drop_blocks(keys=self._anchor, args=args))
+            part = list(dict.fromkeys(keys[start : start + step]))
+            joined = hex_u64s(part)
+            blocks = [f"{prefix}b:{key}" for key in _split_hex(joined)]
+            args: _Args = [prefix, replica, self.settings.stream_maxlen, joined]
+            reply = cast("list[int]", await self._drop_blocks(keys=[*fixed, *blocks], args=args))
             dropped += int(reply[0])
             self.repaired_keys += int(reply[1])
         return dropped

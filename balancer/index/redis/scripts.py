@@ -457,18 +457,21 @@ return {0, call('HLEN', mk), released, repaired}
 
 _DROP_BLOCKS_BODY = """
 -- ARGV: prefix, replica, stream maxlen, keys (hex, concatenated; at most max_script_blocks)
+-- KEYS (all declared): ctr, lru, held, spec, replicas, tick, gen, seq, events (the pool's fixed keys),
+--       ranks:<replica>, then b:<key> of every key of ARGV[4], in that order.
 -- Forgets the replica's real holdings of these keys on every rank (receipts: the blocks past the
 -- point the engine reported). Speculative fields, other holders and the engine-hash maps stay (a
--- map entry of a dropped key is stale, as after an eviction). Publishes the keys ('x') when any went.
--- returns {holdings dropped, keys repaired}
+-- map entry of a dropped key is stale, as after an eviction; compaction is left to later calls).
+-- Publishes the keys ('x') when any went. returns {holdings dropped, keys repaired}
 local REPLICA, JOINED = ARGV[2], ARGV[4]
 local keys = split16(JOINED)
+local FIRST = #KEYS - #keys  -- KEYS[FIRST + i] is the block of keys[i]
 local dropped = 0
-for _, rank in ipairs(call('SMEMBERS', P .. 'ranks:' .. REPLICA)) do
+for _, rank in ipairs(call('SMEMBERS', KEYS[10])) do
   local cid = REPLICA .. '#' .. rank
   local n = 0
-  for _, key in ipairs(keys) do
-    local bk = P .. 'b:' .. key
+  for i, key in ipairs(keys) do
+    local bk = KEYS[FIRST + i]
     if call('HDEL', bk, cid) == 1 then
       unhold(bk, key)
       n = n + 1
@@ -477,8 +480,6 @@ for _, rank in ipairs(call('SMEMBERS', P .. 'ranks:' .. REPLICA)) do
   if n > 0 then
     held_add(cid, -n)
     dropped = dropped + n
-    LIMIT = #keys
-    compact(cid)
   end
 end
 finish()
