@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto redis lint typecheck test test-fast faults test-real demo bench clean
+.PHONY: install proto redis browser lint typecheck test test-fast faults test-real demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,14 @@ $(PROTO_STAMP): $(PROTO_SRC) $(STAMP)
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q redis-server; }
 
+# The console's browser test (tests/e2e/test_console_browser.py) drives Debian's chromium through
+# chromium-driver (no browser download). When they cannot be installed, that test is skipped and
+# pytest's summary says why.
+browser:
+	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || \
+	{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; } || \
+	echo "make: chromium and chromium-driver could not be installed: the browser test will be skipped"
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check balancer replicas tests
@@ -45,7 +53,7 @@ lint: $(STAMP)
 typecheck: $(STAMP) proto
 	$(VENV)/bin/mypy balancer
 
-test: $(STAMP) proto redis lint typecheck
+test: $(STAMP) proto redis browser lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider
 
 test-fast: $(STAMP) proto
@@ -70,8 +78,11 @@ test-real: $(STAMP) proto
 	KVLB_REAL=1 $(PY) -m pytest -q -p no:cacheprovider tests/real
 
 # The README's main command: an emulated SGLang + TRT-LLM fleet, kvlb vs round robin (about a minute).
+# It prints the console's URL and admin token at the start; the fleet stays up DEMO_LINGER seconds
+# after the figures (Ctrl-C ends it early) so the console can be explored.
+DEMO_LINGER ?= 600
 demo: $(STAMP) proto
-	$(VENV)/bin/kvlb demo
+	$(VENV)/bin/kvlb demo --linger $(DEMO_LINGER)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvlb bench index

@@ -42,8 +42,11 @@ from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.routing.router import PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits
+from balancer.service.audit import AuditLog
+from balancer.service.decisions import DecisionLog
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
+from balancer.service.series import SeriesSampler
 from balancer.service.server_log import server_logger
 from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
@@ -136,6 +139,9 @@ class Balancer:
             metrics=self.metrics,
             policy=PolicyControl(settings.policy.name, weights, time.time()),
             admission=admission,
+            series=self._series(),
+            decisions=self._decision_log(),
+            audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
         )
         for pool in pools.values():
             for replica in pool.replicas:
@@ -145,6 +151,32 @@ class Balancer:
         await self._start_replicas(state)
         await self._start_http(state)
         await self._start_grpc(state)
+
+    def _series(self) -> SeriesSampler:
+        """The console's bounded time series (``console.series_*``)."""
+        console = self.settings.console
+        overflow = self.metrics.console_series_overflow_total
+        return SeriesSampler(
+            console.series_interval_s,
+            console.series_intervals,
+            console.series_ttft_samples,
+            console.series_max_replicas,
+            on_overflow=lambda kind: overflow.labels(kind).inc(),
+        )
+
+    def _decision_log(self) -> DecisionLog:
+        console, metrics = self.settings.console, self.metrics
+
+        def on_evict(pool: str, reason: str, count: int) -> None:
+            metrics.console_ring_evicted_total.labels(pool, reason).inc(count)
+
+        def on_size(pool: str, entries: int, nbytes: int) -> None:
+            metrics.console_ring_entries.labels(pool).set(entries)
+            metrics.console_ring_bytes.labels(pool).set(nbytes)
+
+        return DecisionLog(
+            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_size=on_size
+        )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
         """One pool per configured model; every pool's router reads the shared ``health`` book and

@@ -9,9 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TypedDict
+from typing import Final, TypedDict, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from balancer.events import ResyncReason
+
+DECODE_ERROR_REASONS: Final = (
+    "frame", "msgpack", "json", "schema", "stream", "replay_end", "event", "internal",
+)  # fmt: skip
+"""Every ``reason`` of ``kvlb_events_decode_errors_total``: the ``EventDecodeError`` reasons of the
+decoders and sources, ``event`` (a malformed event in a good message) and ``internal`` (a decoder bug)."""
+REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
+"""Every ``outcome`` of ``kvlb_events_replays_total``."""
+REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
+"""Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
+RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
+"""Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
+APPLIED_OUTCOMES: Final = (
+    ("stored", "applied"), ("stored", "unknown_parent"), ("stored", "block_size"), ("removed", "applied"),
+    ("removed", "unknown"), ("cleared", "applied"), ("resync", "applied"), ("other", "ignored"),
+    ("batch", "error"),
+)  # fmt: skip
+"""Every ``(type, status)`` of ``kvlb_events_applied_total``."""
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ERROR_BUCKETS_BLOCKS = (-64.0, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
@@ -47,6 +67,7 @@ class Metrics:
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
     events_replays_total: Counter
+    events_replay_polls_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -77,6 +98,38 @@ class Metrics:
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
     redis_snapshots_total: Counter
+    console_series_overflow_total: Counter
+    console_ring_entries: Gauge
+    console_ring_bytes: Gauge
+    console_ring_evicted_total: Counter
+    console_whatif_seconds: Histogram
+    console_audit_dropped_total: Counter
+
+    def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
+        """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
+        that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
+        or discovered); ``replays``: its transport has a replay socket (ZMQ)."""
+        for reason in DECODE_ERROR_REASONS:
+            self.events_decode_errors_total.labels(engine, reason)
+        for kind, status in APPLIED_OUTCOMES:
+            self.events_applied_total.labels(engine, kind, status)
+        for counter in (
+            self.events_seq_gaps_total,
+            self.events_queue_overflow_total,
+            self.events_oversize_total,
+            self.events_disconnects_total,
+            self.scrape_errors_total,
+            self.predicted_cached_tokens_total,
+            self.reported_cached_tokens_total,
+        ):
+            counter.labels(replica)
+        for reason in RESYNC_REASONS:
+            self.events_resyncs_total.labels(replica, reason)
+        if replays:
+            for outcome in REPLAY_OUTCOMES:
+                self.events_replays_total.labels(replica, outcome)
+            for outcome in REPLAY_POLL_OUTCOMES:
+                self.events_replay_polls_total.labels(replica, outcome)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
@@ -95,6 +148,7 @@ class Metrics:
             **_replica_collectors(reg),
             **_process_collectors(reg),
             **_redis_collectors(reg),
+            **_console_collectors(reg),
         )
 
 
@@ -259,6 +313,7 @@ class _EventsCollectors(TypedDict):
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
     events_replays_total: Counter
+    events_replay_polls_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -288,6 +343,12 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_replays_total": counter(
             "kvlb_events_replays_total",
             "Replay requests to an engine's replay socket, by outcome (filled, partial, failed, empty).",
+            ["replica", "outcome"],
+        ),
+        "events_replay_polls_total": counter(
+            "kvlb_events_replay_polls_total",
+            "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
+            "held batches the live stream lost; nothing; failed).",
             ["replica", "outcome"],
         ),
         "events_resyncs_total": counter(
@@ -496,5 +557,51 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
             "kvlb_redis_snapshots_total",
             "Mirror table snapshots written to or loaded from Redis (op=write|load).",
             ["op"],
+        ),
+    }
+
+
+class _ConsoleCollectors(TypedDict):
+    console_series_overflow_total: Counter
+    console_ring_entries: Gauge
+    console_ring_bytes: Gauge
+    console_ring_evicted_total: Counter
+    console_whatif_seconds: Histogram
+    console_audit_dropped_total: Counter
+
+
+def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
+    """``kvlb_console_*``: the decision ring (``/admin/decisions``, ``/admin/whatif``), the audit log
+    and the time series of the console's plots (``/admin/series``)."""
+    counter, gauge, histogram = _constructors(reg)
+    return {
+        "console_series_overflow_total": counter(
+            "kvlb_console_series_overflow_total",
+            "Items the series sampler left out of an interval at its bounds: kind=ttft_samples (a "
+            "TTFT sample beyond console.series_ttft_samples, kept or not by reservoir sampling), "
+            "kind=replicas (a request counted under (other) beyond console.series_max_replicas).",
+            ["kind"],
+        ),
+        "console_ring_entries": gauge(
+            "kvlb_console_ring_entries", "Decisions held in the pool's decision ring.", ["pool"]
+        ),
+        "console_ring_bytes": gauge(
+            "kvlb_console_ring_bytes",
+            "Estimated bytes held by the pool's decision ring (console.decision_ring_bytes caps it).",
+            ["pool"],
+        ),
+        "console_ring_evicted_total": counter(
+            "kvlb_console_ring_evicted_total",
+            "Decisions evicted from the ring, by the bound that evicted them (count or bytes).",
+            ["pool", "reason"],
+        ),
+        "console_whatif_seconds": histogram(
+            "kvlb_console_whatif_seconds",
+            "Time of one what-if replay (worker thread).",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        ),
+        "console_audit_dropped_total": counter(
+            "kvlb_console_audit_dropped_total",
+            "Policy changes dropped from the in-memory audit log (console.audit_log_size).",
         ),
     }

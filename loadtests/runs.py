@@ -14,7 +14,7 @@ import contextlib
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -70,6 +70,8 @@ class RouterRun:
     wall_s: float = 0.0
     process: tuple[int, int] | None = None
     """The router process this run started and stopped: (pid, exit code)."""
+    after_drive: dict[str, Any] = field(default_factory=dict)
+    """What the ``after_drive`` hook of :func:`run_router` returned (e.g. a what-if answer)."""
 
 
 class Progress:
@@ -182,8 +184,11 @@ async def run_router(
     specs: Sequence[RequestSpec],
     options: DriveOptions,
     logs: Path,
+    after_drive: Callable[[aiohttp.ClientSession, str], Awaitable[dict[str, Any]]] | None = None,
 ) -> RouterRun:
-    """One router through the whole stream (module docstring); failures end as a ``failed`` run."""
+    """One router through the whole stream (module docstring); failures end as a ``failed`` run.
+    ``after_drive(session, url)`` is called once the fleet is idle, before the router stops (it
+    may ask the router's admin API); what it returns is kept in :attr:`RouterRun.after_drive`."""
     if router.is_peer and not peer_available(router):
         return RouterRun(router, "skipped", "not installed (pip install sglang-router / vllm-router)")
     started = time.monotonic()
@@ -208,6 +213,7 @@ async def run_router(
             await wait_idle(session, fleet)
             after = await replica_stats(session, fleet)
             prediction = await kvlb_receipts(session, url) if router.kind == "kvlb" else None
+            extra = {} if after_drive is None else await after_drive(session, url)
         except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
             traceback.print_exc(file=sys.stderr)
             return RouterRun(router, "failed", f"run failed: {type(exc).__name__}: {exc}")
@@ -223,6 +229,7 @@ async def run_router(
         load_series=sampler.series,
         samples_dropped=sampler.dropped,
         prediction=prediction,
+        after_drive=extra,
     )
     run.wall_s = time.monotonic() - started
     run.process = (child.pid, code)

@@ -3,13 +3,18 @@
 Behind ``auth.admin_token`` when it is set (checked by the middleware). Every policy change is
 applied at once, bumps the version and is logged at INFO with who made it and what changed.
 
-* ``GET /admin/policy`` / ``PUT /admin/policy`` ``{"name"?: str, "weights"?: {...}}``
+* ``GET /admin/policy`` (with the policy names and every weight's range) / ``PUT /admin/policy``
+  ``{"name"?: str, "weights"?: {...}, "reason"?: str}`` (the ``x-kvlb-actor`` header names who, for
+  the audit log; ``GET /admin/audit`` lists changes).
+* ``POST /admin/whatif``, ``GET /admin/decisions``, ``GET /admin/audit``: :mod:`balancer.api.console`.
 * ``POST /admin/explain``: the body of a chat or completions request (``messages`` decides which);
   returns the full decision with every replica's cost terms. Nothing is committed. The
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, prediction accuracy (the
   last receipts), event status (lag, last resync) and scrape status.
 * ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
+* ``GET /admin/series?minutes=``: the console's time series per interval (requests per replica,
+  predicted and reported hit rate, TTFT p50/p90), from :mod:`balancer.service.series`.
 * ``GET /admin/fleet``: with Redis, this balancer's fleet view (members, its leases, mirrors);
   ``{"fleet": null}`` when embedded.
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,8 +46,10 @@ from balancer.api.parsing import (
 )
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError
-from balancer.policy import PolicyWeights
+from balancer.policy import POLICY_NAMES, PolicyWeights
+from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
+from balancer.service.audit import DEFAULT_ACTOR, MAX_ACTOR_CHARS, MAX_REASON_CHARS, AuditEntry
 from balancer.service.dispatch import Forward, select
 from balancer.service.policy_control import PolicyCommitError, PolicyView
 from balancer.service.state import Pool, ServiceState
@@ -49,11 +57,40 @@ from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-_POLICY_KEYS = frozenset({"name", "weights"})
+_POLICY_KEYS = frozenset({"name", "weights", "reason"})
+ACTOR_HEADER = "x-kvlb-actor"
+"""Who makes an admin change, as the audit log names them (``admin`` when absent)."""
+
+
+def actor_of(value: str | None) -> str:
+    """The ``x-kvlb-actor`` value checked (printable, at most ``MAX_ACTOR_CHARS``; 400 otherwise)."""
+    if value is None or not value.strip():
+        return DEFAULT_ACTOR
+    value = value.strip()
+    if len(value) > MAX_ACTOR_CHARS or not value.isprintable():
+        raise ApiError(400, f"{ACTOR_HEADER} must be printable and at most {MAX_ACTOR_CHARS} characters")
+    return value
 
 
 async def get_policy(request: web.Request) -> web.Response:
-    return web.json_response(request.app[STATE].policy.view.to_json(), dumps=strict_json.dumps)
+    body = {**request.app[STATE].policy.view.to_json(), **policy_choices()}
+    return web.json_response(body, dumps=strict_json.dumps)
+
+
+def policy_choices() -> dict[str, Any]:
+    """What ``GET /admin/policy`` adds to the policy in force: the policy names, and every weight's
+    documented range (:data:`~balancer.policy.base.WEIGHT_RANGES`) as ``{"low", "high",
+    "low_open", "nullable"}``."""
+    ranges = {
+        name: {
+            "low": weight_range.low,
+            "high": weight_range.high,
+            "low_open": weight_range.low_open,
+            "nullable": name in OPTIONAL_WEIGHTS,
+        }
+        for name, weight_range in WEIGHT_RANGES.items()
+    }
+    return {"policies": list(POLICY_NAMES), "ranges": ranges}
 
 
 async def put_policy(request: web.Request) -> web.Response:
@@ -62,21 +99,26 @@ async def put_policy(request: web.Request) -> web.Response:
     body = parse_json_object(
         await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
     )
-    view, changes = await change_policy(state, body, caller(request))
+    actor = actor_of(request.headers.get(ACTOR_HEADER))
+    view, changes = await change_policy(state, body, caller(request), actor)
     return web.json_response(
         {**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}}, dumps=strict_json.dumps
     )
 
 
 async def change_policy(
-    state: ServiceState, body: Mapping[str, Any], who: str
+    state: ServiceState, body: Mapping[str, Any], who: str, actor: str = DEFAULT_ACTOR
 ) -> tuple[PolicyView, dict[str, tuple[object, object]]]:
-    """Validate and apply ``{"name"?, "weights"?}`` (400 when invalid); returns the policy now in
-    force and ``{field: (old, new)}``, and logs who changed what. In fleet mode the change is
-    stored in Redis first; when that fails it is applied nowhere (503 with the reason)."""
+    """Validate and apply ``{"name"?, "weights"?, "reason"?}`` (400 when invalid); returns the
+    policy now in force and ``{field: (old, new)}``, logs who changed what and why once, and adds
+    the change to the audit log. In fleet mode the change is stored in Redis first; when that fails
+    it is applied nowhere (503 with the reason)."""
     unknown = sorted(set(body) - _POLICY_KEYS)
     if unknown:
-        raise ApiError(400, f"unknown key(s) {unknown}; expected 'name' and/or 'weights'")
+        raise ApiError(400, f"unknown key(s) {unknown}; expected 'name', 'weights' and/or 'reason'")
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} characters")
     name = body.get("name")
     if name is not None and not isinstance(name, str):
         raise ApiError(400, "'name' must be a string")
@@ -93,7 +135,25 @@ async def change_policy(
     view = state.policy.view
     if changes:
         summary = ", ".join(f"{k}: {old} -> {new}" for k, (old, new) in changes.items())
-        log.info("policy v%d set by %s: %s", view.version, who, summary)
+        log.info(
+            "policy v%d set by %s: %s; actor: %s; reason: %s",
+            view.version,
+            who,
+            summary,
+            actor,
+            reason or "-",
+        )
+        state.audit.add(
+            AuditEntry(
+                wall_ts=view.updated_at_wall,
+                actor=actor,
+                caller=who,
+                reason=reason,
+                version=view.version,
+                before={k: old for k, (old, _) in changes.items()},
+                after={k: new for k, (_, new) in changes.items()},
+            )
+        )
     return view, changes
 
 
@@ -248,6 +308,32 @@ def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: s
     log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
 
 
+SERIES_DEFAULT_MINUTES = 10.0
+
+
+async def series(request: web.Request) -> web.Response:
+    """``GET /admin/series?minutes=``: the console's time series (:mod:`balancer.service.series`)
+    over the last ``minutes`` (default 10, at most what the ring holds; 400 when not a number > 0)."""
+    state = request.app[STATE]
+    unknown = sorted(set(request.query) - {"minutes"})
+    if unknown:
+        raise ApiError(400, f"unknown query parameter(s) {[k[:40] for k in unknown[:5]]}; expected 'minutes'")
+    raw = request.query.get("minutes")
+    minutes = SERIES_DEFAULT_MINUTES
+    if raw is not None:
+        try:
+            minutes = float(raw)
+        except ValueError:
+            minutes = math.nan
+        if not math.isfinite(minutes) or minutes <= 0:
+            raise ApiError(400, f"'minutes' must be a number > 0, got {raw[:40]!r}")
+    sampler = state.series
+    if sampler is None:
+        raise ApiError(404, "the series sampler is not running on this balancer")
+    minutes = min(minutes, sampler.span_s / 60.0)
+    return web.json_response(sampler.series(minutes, state.wall_clock()), dumps=strict_json.dumps)
+
+
 async def fleet_view(request: web.Request) -> web.Response:
     status = request.app[STATE].fleet_status
     return web.json_response({"fleet": None if status is None else status()}, dumps=strict_json.dumps)
@@ -259,5 +345,6 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_post("/admin/explain", explain)
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/fleet", fleet_view)
+    app.router.add_get("/admin/series", series)
     app.router.add_post("/admin/replicas/{replica}/drain", drain)
     app.router.add_post("/admin/replicas/{replica}/undrain", undrain)

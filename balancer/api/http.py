@@ -6,6 +6,8 @@
   still works around a problem, e.g. Redis unreachable while routing goes on from the mirrors.
 * ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first).
 * ``GET /openapi.json``: the API description.
+* ``GET /ui/``: the web console's static page (:mod:`balancer.api.webui`), unless
+  ``console.ui_enabled`` is off.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from balancer import strict_json
 from balancer.api.admin import add_admin_routes
+from balancer.api.console import add_console_routes
 from balancer.api.middleware import STATE, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
+from balancer.api.webui import add_ui_routes
 from balancer.service.state import ServiceState
 
 
@@ -92,8 +96,11 @@ def build_web_app(state: ServiceState) -> web.Application:
     app[STATE] = state
     add_openai_routes(app)
     add_admin_routes(app)
+    add_console_routes(app)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)
+    if state.settings.console.ui_enabled:
+        add_ui_routes(app)
     return app

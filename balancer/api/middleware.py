@@ -4,6 +4,8 @@
   answer and forwarded to the replica.
 * Auth: ``/v1/*`` needs ``Authorization: Bearer <key>`` with a key from ``auth.api_keys`` (when any
   is set); ``/admin/*`` needs ``auth.admin_token`` (when set). Failures are 401 with a JSON message.
+  An admin write (not GET/HEAD/OPTIONS) whose ``Origin`` header names another origin is a 403
+  (:func:`check_origin`): the console's writes are CSRF-safe.
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
   OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
@@ -17,6 +19,7 @@ import hmac
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -81,6 +84,32 @@ def check_auth(request: web.Request, auth: AuthConfig) -> None:
         )
 
 
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def check_origin(request: web.Request) -> None:
+    """Refuse (403) an admin write that a browser sent from another origin: the ``Origin`` header,
+    when present, must name this server's own host and port (the ``Host`` header). Browsers add
+    ``Origin`` to every cross-origin request and to same-origin writes; ``curl``, ``kvlb admin`` and
+    the gRPC face send none. The admin token travels in a header and never in a cookie, so a foreign
+    page cannot send it anyway; this is the second lock on the door."""
+    if request.method in SAFE_METHODS or not request.path.startswith("/admin"):
+        return
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return
+    own = request.host.lower()
+    try:
+        parts = urlsplit(origin.strip())
+        given = parts.netloc.lower() if parts.scheme in ("http", "https") else ""
+    except ValueError:
+        given = ""
+    if not given or given != own:
+        raise ApiError(
+            403, f"admin writes are refused from another origin: Origin {origin[:200]!r} is not {own!r}"
+        )
+
+
 def caller(request: web.Request) -> str:
     """Who made an admin call, for the audit log: a token fingerprint (never the token) and address."""
     return caller_of(_bearer(request), request.remote)
@@ -121,6 +150,7 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
     try:
         try:
             check_auth(request, state.settings.auth)
+            check_origin(request)
             response = await handler(request)
         except asyncio.CancelledError:
             status = "499"

@@ -90,7 +90,16 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
         request_id = request[REQUEST_ID]
         job = Forward(
-            pool, token_ids, weights, parsed.session_key, parsed.max_tokens, body, path, request_id, arrived
+            pool,
+            token_ids,
+            weights,
+            parsed.session_key,
+            parsed.max_tokens,
+            body,
+            path,
+            request_id,
+            arrived,
+            request.headers.get(state.settings.console.tenant_header),
         )
         # Parsed tiny chat messages keep 7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.

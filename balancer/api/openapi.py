@@ -23,10 +23,11 @@ def _errors(*codes: int) -> dict[str, Any]:
         400: "Malformed body or headers (the message names the field)",
         401: "Missing or wrong bearer token",
         403: "x-kvlb-weights sent while auth.allow_weight_override is off",
-        404: "Unknown model (the message lists the known ones) or replica",
+        404: "Unknown model (the message lists the known ones), replica, pool or decision",
         408: "Body not received within timeouts.body_read_s",
         413: "Body over limits.max_body_bytes",
-        429: "Over limits.max_inflight or every replica at limits.max_inflight_per_replica (Retry-After)",
+        429: "Over limits.max_inflight or every replica at limits.max_inflight_per_replica, or too many"
+        " what-if replays at once (Retry-After)",
         502: "Replicas failed before answering (after retries)",
         503: "No healthy replica (Retry-After)",
     }
@@ -151,6 +152,20 @@ _COMPONENTS: dict[str, Any] = {
                 "version": {"type": "integer"},
                 "updated_by": {"type": "string"},
                 "updated_at": {"type": "number"},
+                "policies": {"type": "array", "items": {"type": "string"}},
+                "ranges": {
+                    "type": "object",
+                    "description": "Every weight's documented range (GET only)",
+                    "additionalProperties": {
+                        "type": "object",
+                        "properties": {
+                            "low": {"type": "number"},
+                            "high": {"type": "number"},
+                            "low_open": {"type": "boolean"},
+                            "nullable": {"type": "boolean"},
+                        },
+                    },
+                },
             },
         },
     },
@@ -193,6 +208,12 @@ def _public_paths() -> dict[str, Any]:
         },
         "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text"}}}},
         "/openapi.json": {"get": {"summary": "This document", "responses": {"200": ok}}},
+        "/ui/": {
+            "get": {
+                "summary": "The web console (static; its data comes from /admin/* with the admin token)",
+                "responses": {"200": {"description": "HTML, with a Content-Security-Policy"}},
+            }
+        },
     }
 
 
@@ -210,6 +231,15 @@ def _admin_paths() -> dict[str, Any]:
                 "summary": "Change policy name and/or weights (applied at once, version + 1; with Redis,"
                 " 503 when the fleet could not store it, and then applied nowhere)",
                 **admin,
+                "parameters": [
+                    {
+                        "name": "x-kvlb-actor",
+                        "in": "header",
+                        "required": False,
+                        "description": "Who makes the change, for the audit log (default admin)",
+                        "schema": {"type": "string", "maxLength": 64},
+                    }
+                ],
                 "requestBody": _body(_POLICY_CHANGE),
                 "responses": {"200": _json(_POLICY, "Policy after the change"), **_errors(400, 401, 503)},
             },
@@ -236,13 +266,141 @@ def _admin_paths() -> dict[str, Any]:
                 "responses": {"200": ok, **_errors(401)},
             }
         },
+        "/admin/series": {
+            "get": {
+                "summary": "The console's time series per interval: requests per replica, predicted and "
+                "reported hit rate, TTFT p50/p90",
+                **admin,
+                "parameters": [
+                    {
+                        "name": "minutes",
+                        "in": "query",
+                        "required": False,
+                        "description": "How far back (default 10; capped at what the ring holds)",
+                        "schema": {"type": "number", "exclusiveMinimum": 0},
+                    }
+                ],
+                "responses": {"200": ok, **_errors(400, 401)},
+            }
+        },
         "/admin/replicas/{replica}/drain": {
             "post": {"summary": "Stop routing new requests to a replica", **admin, **_REPLICA}
         },
         "/admin/replicas/{replica}/undrain": {
             "post": {"summary": "Route to a drained replica again", **admin, **_REPLICA}
         },
+        **_console_paths(admin),
     }
+
+
+def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
+    """The console's paths (:mod:`balancer.api.console`, ``PUT /admin/policy``'s audit)."""
+    query_int = {"type": "integer", "minimum": 1, "maximum": 1000}
+    return {
+        "/admin/whatif": {
+            "post": {
+                "summary": "Replay the pool's recent decisions with proposed weights or another policy "
+                "(commits nothing): changed share, predicted hit rate and load spread before and after",
+                **admin,
+                "requestBody": _body(_WHATIF),
+                "responses": {
+                    "200": _json(_WHATIF_ANSWER, "The replay's figures"),
+                    **_errors(400, 401, 404, 429),
+                },
+            }
+        },
+        "/admin/decisions": {
+            "get": {
+                "summary": "Recent committed decisions with their cost terms, newest first",
+                **admin,
+                "parameters": [
+                    {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "replica", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {"name": "tenant", "in": "query", "required": False, "schema": {"type": "string"}},
+                    {
+                        "name": "since_id",
+                        "in": "query",
+                        "required": False,
+                        "schema": {"type": "integer", "minimum": 0},
+                    },
+                    {"name": "limit", "in": "query", "required": False, "schema": query_int},
+                ],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "properties": {"decisions": {"type": "array", "items": {"type": "object"}}},
+                        },
+                        "Decisions",
+                    ),
+                    **_errors(400, 401, 404),
+                },
+            }
+        },
+        "/admin/decisions/{id}": {
+            "get": {
+                "summary": "One recorded decision: its explanation (as /admin/explain) and its inputs",
+                **admin,
+                "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}],
+                "responses": {"200": _json({"type": "object"}, "The decision"), **_errors(400, 401, 404)},
+            }
+        },
+        "/admin/audit": {
+            "get": {
+                "summary": "Policy changes, newest first: when, who (x-kvlb-actor), what, why",
+                **admin,
+                "parameters": [{"name": "limit", "in": "query", "required": False, "schema": query_int}],
+                "responses": {
+                    "200": _json(
+                        {
+                            "type": "object",
+                            "properties": {"entries": {"type": "array", "items": {"type": "object"}}},
+                        },
+                        "Audit entries",
+                    ),
+                    **_errors(400, 401),
+                },
+            }
+        },
+    }
+
+
+_WHATIF: dict[str, Any] = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "pool": {"type": ["string", "null"], "description": "A pool's model; null: the only pool"},
+        "weights": {
+            "type": ["object", "null"],
+            "additionalProperties": {"type": ["number", "null"]},
+            "description": "Weights laid over the ones in force (ranges of docs/policies.md)",
+        },
+        "policy": {"type": ["string", "null"], "description": "Policy to replay; null: the one in force"},
+        "last": {"type": ["integer", "null"], "minimum": 1, "description": "Newest N decisions only"},
+        "sample": {"type": ["integer", "null"], "minimum": 0, "maximum": 100},
+    },
+}
+_WHATIF_SIDE: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "predicted_cached_tokens": {"type": "integer"},
+        "hit_rate": {"type": "number"},
+        "load_spread": {"type": "number"},
+    },
+}
+_WHATIF_ANSWER: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "pool": {"type": "string"},
+        "decisions": {"type": "integer"},
+        "changed_share": {"type": "number"},
+        "before": _WHATIF_SIDE,
+        "after": _WHATIF_SIDE,
+        "replicas": {"type": "array", "items": {"type": "object"}},
+        "sample": {"type": "array", "items": {"type": "object"}},
+        "notes": {"type": "array", "items": {"type": "string"}},
+    },
+}
 
 
 _POLICY = {"$ref": "#/components/schemas/Policy"}
@@ -255,6 +413,7 @@ _POLICY_CHANGE = {
             "description": "cost or a baseline (docs/policies.md); null keeps it",
         },
         "weights": {"type": "object", "additionalProperties": {"type": ["number", "null"]}},
+        "reason": {"type": ["string", "null"], "maxLength": 500, "description": "Why, for the audit log"},
     },
 }
 _REPLICA = {

@@ -14,7 +14,9 @@ import json
 import logging
 import signal
 import sys
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Coroutine
 from pathlib import Path
@@ -137,6 +139,38 @@ def _register_admin(subparsers: SubParsers) -> None:
     policy_actions.add_parser("get", help="print the policy in force")
     setter = policy_actions.add_parser("set", help="change it: name=cost overlap_credit=0.5 ...")
     setter.add_argument("pairs", nargs="+", metavar="NAME=VALUE", help="'name' or a weight (null clears)")
+    setter.add_argument("--reason", help="why, for the audit log (at most 500 characters)")
+    setter.add_argument("--actor", help="who, for the audit log (x-kvlb-actor; default: admin)")
+    whatif = actions.add_parser(
+        "whatif",
+        help="replay recent decisions with other weights or another policy (commits nothing)",
+        description="Re-run the policy on the pool's recorded decisions with proposed weights and print "
+        "what would change: share of changed decisions, predicted hit rate, load spread, replicas.",
+    )
+    whatif.add_argument(
+        "--weight",
+        "-w",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a proposed weight (repeatable)",
+    )
+    whatif.add_argument("--policy", help="policy to replay (default: the one in force)")
+    whatif.add_argument("--pool", help="model name of the pool (default: the only pool)")
+    whatif.add_argument("--last", type=int, help="replay only the newest N decisions")
+    whatif.add_argument("--sample", type=int, help="changed decisions to describe (0..100, default 10)")
+    whatif.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
+    decisions = actions.add_parser("decisions", help="recent routing decisions, newest first")
+    decisions.add_argument("--pool", help="only this pool (model name)")
+    decisions.add_argument("--replica", help="only decisions for this replica")
+    decisions.add_argument("--tenant", help="only this tenant header value")
+    decisions.add_argument("--since-id", type=int, help="only decisions with a larger id")
+    decisions.add_argument("--limit", type=int, help="at most N (1..1000, default 100)")
+    decisions.add_argument("--id", type=int, help="one decision with its full explanation")
+    decisions.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
+    audit = actions.add_parser("audit", help="policy changes: who, when, what, why (newest first)")
+    audit.add_argument("--limit", type=int, help="at most N (1..1000, default 100)")
+    audit.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
     explain = actions.add_parser("explain", help="dry-run routing of a request body")
     explain.add_argument("file", help="JSON request body file ('-' for stdin)")
     replicas = actions.add_parser("replicas", help="health, load, index, prediction and events per replica")
@@ -170,7 +204,33 @@ def admin_request(args: argparse.Namespace) -> tuple[str, str, Any]:
                 weights[name.strip()] = yaml.safe_load(raw) if raw.strip() else None
         if weights:
             body["weights"] = weights
+        if args.reason is not None:
+            body["reason"] = args.reason
         return "PUT", "/admin/policy", body
+    if command == "whatif":
+        proposed: dict[str, Any] = {}
+        for item in args.weight:
+            name, sep, raw = item.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"expected NAME=VALUE, got {item!r}")
+            proposed[name.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        body = {"weights": proposed or None, "policy": args.policy, "pool": args.pool}
+        body.update({"last": args.last, "sample": args.sample})
+        return "POST", "/admin/whatif", body
+    if command == "decisions":
+        if args.id is not None:
+            return "GET", f"/admin/decisions/{args.id}", None
+        params = {
+            "pool": args.pool,
+            "replica": args.replica,
+            "tenant": args.tenant,
+            "since_id": args.since_id,
+            "limit": args.limit,
+        }
+        query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        return "GET", "/admin/decisions" + (f"?{query}" if query else ""), None
+    if command == "audit":
+        return "GET", "/admin/audit" + ("" if args.limit is None else f"?limit={args.limit}"), None
     if command == "explain":
         text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text("utf-8")
         return "POST", "/admin/explain", json.loads(text)
@@ -190,6 +250,8 @@ def run_admin(args: argparse.Namespace) -> int:
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
+    if getattr(args, "actor", None):
+        headers["x-kvlb-actor"] = args.actor
     request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout_s) as response:
@@ -200,8 +262,11 @@ def run_admin(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, TimeoutError, ValueError) as exc:
         print(f"kvlb admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
+    table = None if getattr(args, "json", True) else TABLES.get(args.admin_command)
     if getattr(args, "table", False) and isinstance(answer, dict):
         print(replicas_table(answer.get("replicas", [])))
+    elif table is not None and not (args.admin_command == "decisions" and args.id is not None):
+        print(table(answer))
     else:
         print(strict_json.dumps(answer, indent=2))
     return 0
@@ -249,10 +314,100 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
                     prediction.get("receipts"),
                     prediction.get("accuracy"),
                     prediction.get("within_one_block"),
-                    events.get("lag_s"),
+                    events.get("last_lag_s"),
                     events.get("last_resync_age_s"),
                 )
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def _number(value: Any, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _rows(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=True)]
+    lines = [header, *rows]
+    return "\n".join(
+        "  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)).rstrip() for line in lines
+    )
+
+
+def whatif_table(answer: dict[str, Any]) -> str:
+    """``kvlb admin whatif``'s table: the figures before and after, then per replica."""
+    before, after = answer["before"], answer["after"]
+    head = (
+        f"pool {answer['pool']}  policy {answer['policy']}  decisions {answer['decisions']}  "
+        f"changed {answer['changed']} ({answer['changed_share']:.1%})"
+    )
+    figures = _rows(
+        ["", "before", "after"],
+        [
+            [name, _number(before[key]), _number(after[key])]
+            for name, key in (
+                ("predicted cached tokens", "predicted_cached_tokens"),
+                ("hit rate", "hit_rate"),
+                ("load spread (max/mean prefill)", "load_spread"),
+            )
+        ],
+    )
+    replicas = _rows(
+        ["replica", "before share", "after share", "delta"],
+        [
+            [r["replica"], f"{r['before_share']:.3f}", f"{r['after_share']:.3f}", f"{r['delta_share']:+.3f}"]
+            for r in answer["replicas"]
+        ],
+    )
+    changes = [
+        f"  #{c['id']}: {c['before']['replica']} -> {c['after']['replica']}" for c in answer.get("sample", [])
+    ]
+    notes = [f"note: {n}" for n in answer.get("notes", [])]
+    parts = [head, figures, replicas]
+    if changes:
+        parts.append("changed decisions (newest first):\n" + "\n".join(changes))
+    return "\n\n".join(parts + (["\n".join(notes)] if notes else []))
+
+
+def decisions_table(answer: dict[str, Any]) -> str:
+    rows = []
+    for d in answer["decisions"]:
+        cost = d["terms"].get(d["replica"], {}).get("cost")
+        rows.append(
+            [
+                str(d["id"]),
+                time.strftime("%H:%M:%S", time.gmtime(d["ts"])),
+                d["pool"],
+                d["replica"],
+                d["tenant"] or "-",
+                str(d["prefill_tokens"]),
+                str(d["predicted_cached_tokens"]),
+                _number(cost, 2),
+            ]
+        )
+    return _rows(["id", "utc", "pool", "replica", "tenant", "prefill", "cached", "cost"], rows)
+
+
+def audit_table(answer: dict[str, Any]) -> str:
+    rows = []
+    for e in answer["entries"]:
+        before, after = e["change"]["before"], e["change"]["after"]
+        change = ", ".join(f"{k}: {before.get(k)} -> {v}" for k, v in after.items())
+        rows.append(
+            [
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["ts"])),
+                e["actor"],
+                str(e["version"]),
+                change,
+                e["reason"] or "-",
+            ]
+        )
+    return _rows(["utc", "actor", "version", "change", "reason"], rows)
+
+
+TABLES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "whatif": whatif_table,
+    "decisions": decisions_table,
+    "audit": audit_table,
+}

@@ -5,6 +5,7 @@ the environment). Import from here: ``from balancer.config import ReplicaConfig`
 from balancer.config.loader import from_mapping, load, merge_overrides
 from balancer.config.settings import (
     AuthConfig,
+    ConsoleConfig,
     DiscoveryConfig,
     EngineKind,
     LimitConfig,
@@ -19,6 +20,7 @@ from balancer.config.settings import (
 
 __all__ = [
     "AuthConfig",
+    "ConsoleConfig",
     "DiscoveryConfig",
     "EngineKind",
     "LimitConfig",

@@ -273,6 +273,63 @@ class DiscoveryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ConsoleConfig:
+    """The SRE console: its page at ``/ui``, its memory of recent decisions (``/admin/decisions``,
+    ``/admin/whatif``), the audit log of policy changes (``/admin/audit``) and the time series its
+    plots read (``/admin/series``); docs/operations.md, "Tuning with the console"."""
+
+    decision_ring_size: int = 10_000
+    """Committed decisions kept per pool, with what re-running the policy on them needs (prefix
+    matches, load snapshot, cost terms); past it the oldest is evicted
+    (``kvlb_console_ring_evicted_total{reason="count"}``). 0 keeps none (whatif has nothing to
+    replay). At most 1,000,000."""
+    decision_ring_bytes: int = 64 * 1024 * 1024
+    """Byte budget of one pool's ring (estimated, on the high side: 1.2 kB per entry plus 0.7 kB per
+    replica in its cost terms and load snapshot); past it the oldest entries are evicted
+    (``kvlb_console_ring_evicted_total{reason="bytes"}``, ``kvlb_console_ring_bytes``). Must be > 0."""
+    tenant_header: str = "x-kvlb-tenant"
+    """Request header whose value is kept with each decision (filter of ``/admin/decisions``);
+    values longer than 128 characters are cut. Case-insensitive."""
+    audit_log_size: int = 1_000
+    """Policy changes kept in ``/admin/audit`` (the oldest are dropped; every change is also logged
+    at INFO). Must be >= 1."""
+    whatif_max_entries: int = 100_000
+    """Most decisions one ``/admin/whatif`` replays (its ``last``); bounds its CPU time (0.1 to
+    0.4 ms per decision of 4 replicas, in a worker thread). Must be >= 1."""
+
+    ui_enabled: bool = True
+    """Serve the console's static page at ``/ui`` (it shows nothing until the admin token is
+    entered; the admin API it calls is served either way)."""
+    series_interval_s: float = 5.0
+    """Length of one interval of the series (hit rate, TTFT, requests per replica); 0.5..3600 s."""
+    series_intervals: int = 180
+    """Intervals kept (the oldest fall off): 180 × 5 s is the last 15 minutes; 1..100000."""
+    series_ttft_samples: int = 256
+    """TTFT samples kept per interval for its p50/p90 (a uniform sample beyond that; 8 bytes each);
+    1..100000."""
+    series_max_replicas: int = 256
+    """Replica names counted per interval; requests to more are counted under ``(other)``; 1..100000."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if not 0 <= self.decision_ring_size <= 1_000_000:
+            raise ConfigError("console.decision_ring_size must be in 0..1000000")
+        if self.decision_ring_bytes <= 0:
+            raise ConfigError("console.decision_ring_bytes must be > 0")
+        if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
+            raise ConfigError("console.tenant_header must be a header name (letters, digits, '-', '_')")
+        if self.audit_log_size < 1:
+            raise ConfigError("console.audit_log_size must be >= 1")
+        if self.whatif_max_entries < 1:
+            raise ConfigError("console.whatif_max_entries must be >= 1")
+        if not 0.5 <= self.series_interval_s <= 3600:
+            raise ConfigError("console.series_interval_s must be in [0.5, 3600]")
+        for name in ("series_intervals", "series_ttft_samples", "series_max_replicas"):
+            if not 1 <= getattr(self, name) <= 100_000:
+                raise ConfigError(f"console.{name} must be in [1, 100000]")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
     pools: tuple[PoolConfig, ...] = ()
@@ -282,6 +339,7 @@ class Settings:
     auth: AuthConfig = field(default_factory=AuthConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    console: ConsoleConfig = field(default_factory=ConsoleConfig)
     scrape_interval_s: float = 1.0
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
@@ -337,4 +395,5 @@ class Settings:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
         self.redis.validate()
         self.discovery.validate()
+        self.console.validate()
         return self

@@ -171,7 +171,9 @@ from (config file, ``/admin/policy``, gRPC admin, ``x-kvlb-weights``, the Redis-
 through :meth:`PolicyWeights.validate`. The upper bounds are far above any useful value; they keep
 every cost term finite (at most about 1e3 × the blocks of a prompt and a backlog)."""
 
-_OPTIONAL_FIELDS = frozenset({"kv_usage_ceiling", "imbalance_threshold_blocks"})
+OPTIONAL_WEIGHTS = frozenset({"kv_usage_ceiling", "imbalance_threshold_blocks"})
+"""The weights that may be ``None`` (their guard off)."""
+_OPTIONAL_FIELDS = OPTIONAL_WEIGHTS
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))
 
 
@@ -199,6 +201,16 @@ class RouteRequest:
     """Sticky-routing key (a header or the OpenAI ``user`` field), used by ``session``."""
     request_id: str | None = None
     """For logs only; no policy routes on it."""
+
+
+@dataclass(frozen=True, slots=True)
+class PolicyInputs:
+    """Everything a policy call read besides the weights and the rng: kept with a committed
+    decision (the console's decision ring) so that the policy can be re-run on it (what-if)."""
+
+    request: RouteRequest
+    overlap: Overlap
+    load: LoadSnapshot
 
 
 class Policy(Protocol):

@@ -43,7 +43,7 @@ from balancer.index.hashing import AlignMode, BlockHasher, full_blocks
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
-from balancer.policy.base import Policy, PolicyWeights, RouteRequest
+from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
 from balancer.routing.receipts import ReceiptBook, Settled, read_receipt
 from balancer.types import BlockKey, Decision, Overlap, ReplicaId
 
@@ -75,6 +75,8 @@ class RoutePlan:
     decode_blocks: int
     block_size: int = 16
     """Tokens per block of the chosen replica (the unit of ``keys`` and of receipts)."""
+    inputs: PolicyInputs | None = None
+    """What the policy decided on (references, no copy): the console's decision ring keeps it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -347,7 +349,8 @@ class PoolRouter:
             request_id=request_id,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
-        decision = policy(route, overlap_all, self.tracker().snapshot(now), weights, rng)
+        snapshot = self.tracker().snapshot(now)
+        decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
         cached = exact_tokens.get(decision.replica, 0)
@@ -364,6 +367,7 @@ class PoolRouter:
             keys=tuple(keys),
             decode_blocks=-(-decode_tokens // ref_bs),
             block_size=chosen_bs,
+            inputs=PolicyInputs(route, overlap_all, snapshot),
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:

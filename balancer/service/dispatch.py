@@ -62,6 +62,8 @@ class Forward:
     request_id: str
     arrived: float
     """Monotonic arrival time (TTFT, end-to-end latency and the ``timeouts.total_s`` deadline)."""
+    tenant: str | None = None
+    """The ``console.tenant_header`` value, kept with the decision in the console's ring."""
 
 
 @dataclass(slots=True)
@@ -162,21 +164,35 @@ def route(state: ServiceState, job: Forward, exclude: Collection[ReplicaId] = ()
     lease = job.pool.router.route(pool_request(state, job, exclude), state.monotonic())
     state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
     _log_decision(job, lease.plan)
-    record_commit(state, lease)
+    record_commit(state, job, lease)
     return lease
 
 
 def commit(state: ServiceState, job: Forward, plan: RoutePlan) -> Lease:
     """Commit a plan made by :func:`select` (gRPC ``Route`` with ``reserve``)."""
     lease = job.pool.router.lease(plan, job.request_id, state.monotonic())
-    record_commit(state, lease)
+    record_commit(state, job, lease)
     return lease
 
 
-def record_commit(state: ServiceState, lease: Lease) -> None:
+def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
+    """Count a committed decision, and keep it in the pool's decision ring (the console)."""
     plan = lease.plan
     state.metrics.route_decisions_total.labels(plan.decision.policy, lease.replica).inc()
     state.metrics.predicted_cached_tokens_total.labels(lease.replica).inc(plan.cached_tokens)
+    if plan.inputs is not None:
+        state.decisions.record(
+            job.pool.model,
+            plan.inputs,
+            plan.decision,
+            job.weights,
+            plan.prompt_tokens,
+            plan.cached_tokens,
+            job.tenant,
+            state.wall_clock(),
+        )
+    if state.series is not None:
+        state.series.on_commit(lease.replica, plan.prompt_tokens, plan.cached_tokens, state.wall_clock())
 
 
 def _log_decision(job: Forward, plan: RoutePlan) -> None:
@@ -269,6 +285,8 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
         state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
     policy = lease.plan.decision.policy
     state.metrics.ttft_seconds.labels(lease.replica, policy).observe(now - job.arrived)
+    if state.series is not None:
+        state.series.on_ttft(now - job.arrived, state.wall_clock())
 
 
 def relay_deadline(state: ServiceState, job: Forward) -> float:
@@ -288,6 +306,9 @@ def on_relayed(
         if usage.cached_tokens is not None:
             state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
             record_receipt(state, lease, usage.cached_tokens)
+            if state.series is not None:
+                prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
+                state.series.on_usage(prompt, usage.cached_tokens, state.wall_clock())
     if complete:
         stream.release()
     else:

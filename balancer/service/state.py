@@ -20,7 +20,10 @@ from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.routing.router import PoolRouter
 from balancer.service.admission import Admission
+from balancer.service.audit import AuditLog
+from balancer.service.decisions import DecisionLog
 from balancer.service.policy_control import PolicyControl
+from balancer.service.series import SeriesSampler
 from balancer.sources.pipeline import EventIngest, ReplicaIngestStatus
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
@@ -63,6 +66,8 @@ class ServiceState:
     policy: PolicyControl
     admission: Admission
     """The bounded admission queue of ``limits.max_inflight`` / ``limits.max_queued``."""
+    series: SeriesSampler | None = None
+    """The console's time series (``GET /admin/series``), fed by dispatch; ``None``: not sampled."""
     monotonic: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
     ingests: list[EventIngest] = field(default_factory=list)
@@ -75,6 +80,12 @@ class ServiceState:
     """Reasons the service runs degraded but still serves (the fleet: Redis unreachable)."""
     fleet_status: Callable[[], dict[str, Any]] | None = None
     """The fleet's view for ``GET /admin/fleet`` (``None``: embedded, no Redis)."""
+    decisions: DecisionLog = field(default_factory=lambda: DecisionLog(10_000, 64 * 1024 * 1024))
+    """Recent committed decisions per pool (``console.decision_ring_*``; the app builds it)."""
+    audit: AuditLog = field(default_factory=lambda: AuditLog(1_000))
+    """Policy changes (``console.audit_log_size``; the app builds it)."""
+    whatif_running: int = 0
+    """What-if replays running now (``balancer.api.console`` bounds them)."""
 
     def replicas(self) -> Iterable[tuple[Pool, ReplicaConfig]]:
         for pool in self.pools.values():

@@ -115,9 +115,9 @@ class ReplicaIngestStatus:
     apply_errors: int
     last_applied_wall_ts: float | None
     sources: tuple[SourceStatus, ...]
-    lag_s: float | None = None
-    """Our wall clock minus the engine's timestamp of the last batch applied (``None``: none yet, or
-    the engine stamps no batch); also ``kvlb_events_lag_seconds``."""
+    last_lag_s: float | None = None
+    """Event lag of the last applied batch that carried an engine timestamp: our wall clock when it
+    was applied minus the engine's timestamp (``kvlb_events_lag_seconds``; clocks may be skewed)."""
     last_resync_wall_ts: float | None = None
     """Our wall clock when a resync of any rank was last applied (``None``: never)."""
 
@@ -155,7 +155,7 @@ class ReplicaPipeline:
         self.applied_batches = 0
         self.apply_errors = 0
         self.last_applied_wall_ts: float | None = None
-        self.lag_s: float | None = None
+        self.last_lag_s: float | None = None
         self.last_resync_wall_ts: float | None = None
 
     @property
@@ -278,7 +278,7 @@ class ReplicaPipeline:
         engine_ts = batches[-1].engine_ts
         if engine_ts is not None:
             lag_s = self.last_applied_wall_ts - engine_ts
-            self.lag_s = lag_s
+            self.last_lag_s = lag_s
             self._metrics.events_lag_seconds.labels(self.replica).set(lag_s)
         if result.resyncs:
             self.last_resync_wall_ts = self.last_applied_wall_ts
@@ -390,7 +390,7 @@ class EventIngest:
                 apply_errors=entry.pipeline.apply_errors,
                 last_applied_wall_ts=entry.pipeline.last_applied_wall_ts,
                 sources=tuple(source.status() for source in entry.sources),
-                lag_s=entry.pipeline.lag_s,
+                last_lag_s=entry.pipeline.last_lag_s,
                 last_resync_wall_ts=entry.pipeline.last_resync_wall_ts,
             )
             for replica, entry in self._replicas.items()

@@ -9,8 +9,13 @@
    ``/admin/faults``) and wait until kvlb's index has dropped their blocks.
 4. Switch kvlb to ``round_robin`` (``PUT /admin/policy``) and send the same request stream again.
 5. Report both runs' TTFT, hit rate (the replicas' own ``cached_tokens``) and per-replica share.
+6. With ``linger_s``: switch back to ``cost`` and keep the fleet and kvlb up that long with a
+   trickle of the same workload, so that the console (``/ui/``, its URL and admin token announced
+   when kvlb is up) can be looked at after the figures are printed.
 
-Every process started here is stopped on the way out, also on errors and Ctrl-C.
+kvlb runs with a fresh random admin token (``auth.admin_token``); each request carries its
+tenant-and-user id in ``x-kvlb-tenant`` (the console filters decisions by it). Every process started
+here is stopped on the way out, also on errors and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import secrets
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -43,6 +49,10 @@ FLUSH_TIMEOUT_S = 15.0
 DRAIN_GRACE_S = 30.0
 """A run may take this much longer than its schedule (queued requests finish) before it is cut."""
 REQUEST_TIMEOUT_S = 60.0
+TENANT_HEADER = "x-kvlb-tenant"
+"""Carries each request's tenant-and-user id (kvlb's default ``console.tenant_header``)."""
+LINGER_RATE_PER_S = 2.0
+"""Arrival rate of the trickle that keeps the console's views moving while the demo lingers."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +60,9 @@ class DemoShape:
     """Sizes of one demo run (the defaults take about a minute on 2 cores)."""
 
     replicas: int = 4
-    """Emulated replicas; SGLang (even index) and TRT-LLM (odd) alternate."""
+    """Emulated replicas; with ``engines`` ``mixed``, SGLang (even index) and TRT-LLM (odd) alternate."""
+    engines: str = "mixed"
+    """The fleet: ``mixed`` (SGLang and TRT-LLM), or every replica ``sglang``, ``vllm`` or ``trtllm``."""
     fleet_processes: int = 2
     """Child processes the replicas are split over."""
     profile: str = "cpu-small-llama"
@@ -112,8 +124,9 @@ def request_stream(shape: DemoShape) -> Iterator[RequestSpec]:
     return with_arrivals(specs, poisson_arrivals(shape.rate_per_s, random.Random(shape.seed + 1)))
 
 
-def kvlb_settings(model: str, replicas: list[dict[str, Any]]) -> dict[str, Any]:
-    """``kvlb serve`` settings for one pool over the fleet's listing."""
+def kvlb_settings(model: str, replicas: list[dict[str, Any]], admin_token: str) -> dict[str, Any]:
+    """``kvlb serve`` settings for one pool over the fleet's listing, the admin API behind
+    ``admin_token``."""
     entries = []
     for info in replicas:
         entry = {
@@ -122,13 +135,14 @@ def kvlb_settings(model: str, replicas: list[dict[str, Any]]) -> dict[str, Any]:
             "engine": info["engine"],
             "block_size": info["block_size"],
         }
-        if info["engine"] == "sglang":
+        if "replay" in info:  # a ZMQ publisher (SGLang, vLLM)
             entry["events"], entry["replay"] = info["events"][0], info["replay"][0]
         entries.append(entry)
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": [{"model": model, "replicas": entries}],
         "policy": {"seed": 7},
+        "auth": {"admin_token": admin_token},
         "scrape_interval_s": 0.5,
         "health_interval_s": 1.0,
         "log_level": "WARNING",
@@ -146,7 +160,13 @@ class Demo:
         self.fleet: list[dict[str, Any]] = []
         self.children: list[Child] = []
         self.kvlb_url = ""
+        self.admin_token = secrets.token_urlsafe(18)
+        """kvlb's admin token (the console's login), fresh for each demo."""
         self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def console_url(self) -> str:
+        return self.kvlb_url + "/ui/"
 
     async def start(self) -> None:
         shape = self.shape
@@ -157,11 +177,13 @@ class Demo:
             profile=shape.profile,
             kv_capacity_tokens=shape.kv_capacity_tokens,
             time_scale=shape.time_scale,
+            engines=shape.engines,
             log_dir=self.log_dir,
             children=self.children,
         )
         config = self.log_dir / "kvlb.yaml"
-        config.write_text(yaml.safe_dump(kvlb_settings(self.model, self.fleet)))
+        config.write_text(yaml.safe_dump(kvlb_settings(self.model, self.fleet, self.admin_token)))
+        config.chmod(0o600)  # it holds the admin token
         kvlb = await spawn(
             "kvlb", "balancer", ["serve", "--config", str(config)], log_dir=self.log_dir, ready_key="kvlb"
         )
@@ -183,9 +205,12 @@ class Demo:
     def replica_ids(self) -> list[str]:
         return [str(info["name"]) for info in self.fleet]
 
+    async def set_policy(self, policy: str, reason: str) -> None:
+        await self._admin("PUT", "/admin/policy", {"name": policy, "reason": reason})
+
     async def run(self, key: str, policy: str) -> dict[str, Any]:
         """Set ``policy`` and send the workload; the run's summary (a dict) with the policy name."""
-        await self._admin("PUT", "/admin/policy", {"name": policy})
+        await self.set_policy(policy, f"kvlb demo: the {key} run")
         shape = self.shape
         done = 0
         phase = f"{key} run"
@@ -205,16 +230,40 @@ class Demo:
             concurrency_cap=shape.concurrency_cap,
             timeout_s=REQUEST_TIMEOUT_S,
             on_progress=on_record,
+            session_header=TENANT_HEADER,
         )
         summary = result.summary(self.replica_ids).to_dict()
         return {"policy": policy, **summary}
+
+    async def linger(self, seconds: float) -> None:
+        """Keep everything up for ``seconds`` with a trickle of the same workload (a request every
+        ``1 / LINGER_RATE_PER_S`` s on average), for a look at the console."""
+        shape = self.shape
+        specs = workload_for(shape).generate(random.Random(shape.seed + 2))
+        stream = with_arrivals(specs, poisson_arrivals(LINGER_RATE_PER_S, random.Random(shape.seed + 3)))
+        self.progress("lingering: the console is up", 0, 1)
+        started = time.monotonic()
+        while (left := seconds - (time.monotonic() - started)) > 0:
+            await run_open_loop(
+                stream,
+                self.kvlb_url,
+                model=self.model,
+                max_requests=shape.requests,
+                max_duration_s=left,
+                concurrency_cap=shape.concurrency_cap,
+                timeout_s=REQUEST_TIMEOUT_S,
+                session_header=TENANT_HEADER,
+            )
+            specs = workload_for(shape).generate(random.Random(shape.seed + 2))
+            stream = with_arrivals(specs, poisson_arrivals(LINGER_RATE_PER_S, random.Random(shape.seed + 3)))
+        self.progress("lingering: the console is up", 1, 1)
 
     async def flush(self) -> None:
         """Empty every replica's KV cache and wait until kvlb's index holds none of their blocks."""
         self.progress("flushing replica caches", 0, 1)
         for info in self.fleet:
-            if info["engine"] == "sglang":
-                flushed = self._post_ok(info["url"] + "/flush_cache", None)
+            if "flush" in info:  # SGLang POST /flush_cache, vLLM POST /reset_prefix_cache
+                flushed = self._post_ok(info["url"] + str(info["flush"]).partition(" ")[2], None)
             else:
                 flushed = self._post_ok(info["url"] + "/admin/faults", {"restart": True})
             await self._until(f"{info['name']} flushed", flushed, FLUSH_TIMEOUT_S)
@@ -243,7 +292,8 @@ class Demo:
 
     async def _admin(self, method: str, path: str, body: Any = None) -> Any:
         assert self.session is not None
-        async with self.session.request(method, self.kvlb_url + path, json=body) as response:
+        headers = {"Authorization": f"Bearer {self.admin_token}", "x-kvlb-actor": "kvlb demo"}
+        async with self.session.request(method, self.kvlb_url + path, json=body, headers=headers) as response:
             if response.status != 200:
                 raise RuntimeError(
                     f"kvlb {method} {path} answered {response.status}: {await response.text()}"
@@ -293,21 +343,42 @@ class Demo:
         }
 
 
-async def run_demo(shape: DemoShape, progress: ProgressFn) -> dict[str, Any]:
-    """Run the whole demo and return its JSON-ready report; always stops what it started."""
+ConsoleFn = Callable[[str, str], None]
+"""``(console_url, admin_token)``: called once kvlb is up."""
+ReportFn = Callable[[dict[str, Any]], None]
+"""Called with the report before the demo lingers (so that it is printed while the console is up)."""
+
+
+async def run_demo(
+    shape: DemoShape,
+    progress: ProgressFn,
+    *,
+    on_console: ConsoleFn | None = None,
+    on_report: ReportFn | None = None,
+    linger_s: float = 0.0,
+) -> dict[str, Any]:
+    """Run the whole demo and return its JSON-ready report; always stops what it started. With
+    ``linger_s`` > 0, ``on_report`` gets the report first, then everything stays up that long."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvlb-demo-") as folder:
         demo = Demo(shape, progress, Path(folder))
         try:
             await demo.start()
+            if on_console is not None:
+                on_console(demo.console_url, demo.admin_token)
             kvlb_run = await demo.run("kvlb", "cost")
             await demo.flush()
             round_robin_run = await demo.run("round robin", "round_robin")
             report = demo.describe()
+            report["runs"] = {"kvlb": kvlb_run, "round_robin": round_robin_run}
+            report["verdict"] = verdict(kvlb_run, round_robin_run)
+            report["shape"] = asdict(shape)
+            report["wall_s"] = round(time.monotonic() - started, 1)
+            if linger_s > 0:
+                await demo.set_policy("cost", "kvlb demo: back to kvlb's default policy for the console")
+                if on_report is not None:
+                    on_report(report)
+                await demo.linger(linger_s)
         finally:
             await demo.stop()
-    report["runs"] = {"kvlb": kvlb_run, "round_robin": round_robin_run}
-    report["verdict"] = verdict(kvlb_run, round_robin_run)
-    report["shape"] = asdict(shape)
-    report["wall_s"] = round(time.monotonic() - started, 1)
     return report

@@ -122,3 +122,33 @@ async def test_api_keys_and_the_admin_token_guard_their_services(tokenizer: Toke
         explain = pb.ExplainRequest(request=token_request(PREFIX))
         tried = (*ADMIN, ("x-kvlb-weights", '{"overlap_credit": 0.5}'))
         assert (await g.admin.Explain(explain, metadata=tried)).weights["overlap_credit"] == 0.5
+
+
+async def test_what_if_and_an_audited_set_policy(tokenizer: Tokenizer) -> None:
+    async with grpc_running(tokenizer, auth__admin_token="root") as g:
+        await g.http.warm(PREFIX)
+        for i in range(6):
+            await g.balancer.Route(pb.RouteRequest(request=token_request([*PREFIX, i]), reserve=True))
+        same = await g.admin.WhatIf(pb.WhatIfRequest(), metadata=ADMIN)
+        assert same.decisions == 7 and same.changed_share == 0.0  # the warm-up and 6 reserved Routes
+        assert same.before == same.after and {r.replica for r in same.replicas} == {"r0", "r1"}
+        assert same.details["changed_share"] == 0.0 and len(same.notes) >= 1
+        cold = await g.admin.WhatIf(
+            pb.WhatIfRequest(weights=weights(overlap_credit=0.0), last=4, sample=2), metadata=ADMIN
+        )
+        assert cold.decisions == 4
+        assert cold.after.predicted_cached_tokens <= cold.before.predicted_cached_tokens
+        bad = await failure(
+            g.admin.WhatIf(pb.WhatIfRequest(weights=weights(overlap_credit=9.0)), metadata=ADMIN)
+        )
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT and "overlap_credit" in (bad.details() or "")
+        bad = await failure(g.admin.WhatIf(pb.WhatIfRequest(policy="nope"), metadata=ADMIN))
+        assert bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+        denied = await failure(g.admin.WhatIf(pb.WhatIfRequest()))
+        assert denied.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        change = pb.SetPolicyRequest(weights=weights(decode_weight=0.3), reason="from gRPC")
+        await g.admin.SetPolicy(change, metadata=(*ADMIN, ("x-kvlb-actor", "bob")))
+        entries = (await g.http.admin("GET", "/admin/audit"))["entries"]
+        assert [(e["actor"], e["reason"]) for e in entries] == [("bob", "from gRPC")]
+        assert entries[0]["change"] == {"before": {"decode_weight": 0.1}, "after": {"decode_weight": 0.3}}

@@ -60,7 +60,7 @@ async def test_a_receipt_drops_blocks_the_engine_evicted_without_saying(tokenize
             "within_one_block": 0.5,
             "mean_error_blocks": -4.0,
         }
-        assert view["events"]["lag_s"] is not None
+        assert view["events"]["last_lag_s"] is not None
         # The engine computed the prefix again and holds it; the request's speculative entries say so
         # while they last, and once they expired a receipt tells kvlb again.
         again = await h.post("/v1/completions", completion([4, 5]))

@@ -59,6 +59,13 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
             ("GET", "/healthz", None, None, 200),
             ("GET", "/readyz", None, None, 200),
             ("GET", "/openapi.json", None, None, 200),
+            ("POST", "/admin/whatif", {"weights": TOP, "sample": 100}, None, 200),
+            ("POST", "/admin/whatif", {"policy": "least_load"}, None, 200),
+            ("GET", "/admin/decisions?limit=1000", None, None, 200),
+            ("GET", "/admin/decisions/1", None, None, 200),
+            ("GET", "/admin/audit", None, None, 200),
+            ("GET", "/admin/series?minutes=15", None, None, 200),
+            ("GET", "/admin/series?minutes=nan", None, None, 400),
             ("GET", "/v1/models", None, None, 200),
             ("POST", "/v1/completions", completion, top_header, 200),
             ("POST", "/v1/chat/completions", chat, None, 200),
@@ -80,6 +87,8 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
             ("DELETE", "/admin/policy", None, None, 405),
         ]
         seen: set[tuple[str, str]] = {("GET", "/metrics")}  # Prometheus text, not JSON
+        seen.add(("GET", "/ui/"))  # HTML (tests/security/test_console_security.py); its 404 is JSON:
+        requests.append(("GET", "/ui/nowhere.js", None, None, 404))
         for method, path, body, headers, status in requests:
             answer = await call(h, method, path, body, headers)
             where = f"{method} {path} {body!r:.80}"
@@ -92,6 +101,7 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
                 if status >= 400:
                     assert document["error"]["code"] == status, where
             template = path.replace("/r0/", "/{replica}/").replace("/nope/", "/{replica}/")
+            template = template.split("?")[0].replace("/decisions/1", "/decisions/{id}")
             seen.add((method, template))
         documented = {(m.upper(), p) for p, ops in openapi_document()["paths"].items() for m in ops}
         assert documented <= seen, f"endpoints not checked: {sorted(documented - seen)}"

@@ -167,7 +167,7 @@ def test_admin_replicas_table_shows_accuracy_lag_and_last_resync() -> None:
             "inflight": 2,
             "index": {"blocks": 120},
             "prediction": {"receipts": 256, "accuracy": 0.98828125, "within_one_block": 1.0},
-            "events": {"lag_s": 0.004, "last_resync_age_s": None},
+            "events": {"last_lag_s": 0.004, "last_resync_age_s": None},
         },
         {
             "id": "sim-1",

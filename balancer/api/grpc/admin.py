@@ -11,7 +11,8 @@ from typing import Any
 import grpc
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.admin import change_policy, explain_raw, replica_views, set_draining
+from balancer.api.admin import ACTOR_HEADER, actor_of, change_policy, explain_raw, replica_views, set_draining
+from balancer.api.console import run_whatif
 from balancer.api.errors import ApiError
 from balancer.api.grpc.calls import WEIGHTS_METADATA, Call, method_handler
 from balancer.api.grpc.messages import (
@@ -29,7 +30,7 @@ ADMIN_SERVICE: str = pb.DESCRIPTOR.services_by_name["Admin"].full_name
 
 
 class AdminService:
-    """GetPolicy, SetPolicy, Explain, ListReplicas, DrainReplica."""
+    """GetPolicy, SetPolicy, Explain, ListReplicas, DrainReplica, WhatIf."""
 
     def __init__(self, state: ServiceState) -> None:
         self.state = state
@@ -43,7 +44,10 @@ class AdminService:
             body["name"] = request.name
         if request.HasField("weights"):
             body["weights"] = dict_of(request.weights, "weights")
-        view, changes = await change_policy(self.state, body, call.caller())
+        if request.HasField("reason"):
+            body["reason"] = request.reason
+        actor = actor_of(call.metadata.get(ACTOR_HEADER))
+        view, changes = await change_policy(self.state, body, call.caller(), actor)
         changed = [
             pb.PolicyChange(field=name, old=value_of(old), new=value_of(new))
             for name, (old, new) in changes.items()
@@ -93,6 +97,42 @@ class AdminService:
         set_draining(self.state, ReplicaId(request.replica_id), draining, call.caller())
         return pb.DrainReplicaResponse(replica_id=request.replica_id, draining=draining)
 
+    async def what_if(self, request: pb.WhatIfRequest, call: Call) -> pb.WhatIfResponse:
+        body: dict[str, Any] = {}
+        for name in ("pool", "policy", "last", "sample"):
+            if request.HasField(name):
+                body[name] = getattr(request, name)
+        if request.HasField("weights"):
+            body["weights"] = dict_of(request.weights, "weights")
+        answer = await run_whatif(self.state, body)
+
+        def side(data: dict[str, Any]) -> pb.WhatIfSide:
+            return pb.WhatIfSide(
+                predicted_cached_tokens=data["predicted_cached_tokens"],
+                hit_rate=data["hit_rate"],
+                load_spread=data["load_spread"],
+            )
+
+        return pb.WhatIfResponse(
+            pool=answer["pool"],
+            policy=answer["policy"],
+            decisions=answer["decisions"],
+            changed_share=answer["changed_share"],
+            before=side(answer["before"]),
+            after=side(answer["after"]),
+            replicas=[
+                pb.WhatIfShare(
+                    replica=r["replica"],
+                    before_share=r["before_share"],
+                    after_share=r["after_share"],
+                    delta_share=r["delta_share"],
+                )
+                for r in answer["replicas"]
+            ],
+            notes=answer["notes"],
+            details=struct_of(answer),
+        )
+
 
 def admin_handlers(state: ServiceState) -> Any:
     """The generic handler of ``kvlb.v1.Admin`` for ``grpc.aio.Server.add_generic_rpc_handlers``."""
@@ -104,6 +144,7 @@ def admin_handlers(state: ServiceState) -> Any:
         "Explain": (service.explain, pb.ExplainRequest, pb.ExplainResponse),
         "ListReplicas": (service.list_replicas, pb.ListReplicasRequest, pb.ListReplicasResponse),
         "DrainReplica": (service.drain_replica, pb.DrainReplicaRequest, pb.DrainReplicaResponse),
+        "WhatIf": (service.what_if, pb.WhatIfRequest, pb.WhatIfResponse),
     }
     return grpc.method_handlers_generic_handler(
         name,

@@ -148,6 +148,7 @@ async def prepare(
         openai.path,
         call.request_id,
         arrived,
+        call.metadata.get(state.settings.console.tenant_header.lower()),
     )
 
 

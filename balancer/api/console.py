@@ -1,0 +1,256 @@
+"""The console's admin API (I/O): what-if replays, recent decisions, the audit log.
+
+Behind ``auth.admin_token`` like every ``/admin`` path (the middleware).
+
+* ``POST /admin/whatif`` ``{"pool"?, "weights"?, "policy"?, "last"?, "sample"?}``: re-run a policy
+  with proposed weights on the pool's recorded decisions (:mod:`balancer.service.whatif`), in a
+  worker thread over a copy of the ring; commits nothing. At most :data:`MAX_CONCURRENT_WHATIF` run
+  at once (more → 429).
+* ``GET /admin/decisions?pool=&replica=&tenant=&since_id=&limit=``: recent decisions, newest first.
+* ``GET /admin/decisions/{id}``: one decision with its full explanation and inputs.
+* ``GET /admin/audit?limit=``: policy changes, newest first.
+
+:func:`run_whatif`, :func:`decisions_json` and :func:`audit_json` take no aiohttp object, so the gRPC
+admin service calls the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from balancer import strict_json
+from balancer.api.errors import ApiError
+from balancer.api.middleware import STATE
+from balancer.api.openai import read_body
+from balancer.api.parsing import parse_json_object, weights_from
+from balancer.errors import ConfigError
+from balancer.policy import make_policy
+from balancer.service.decisions import DecisionRecord, terms_by_replica
+from balancer.service.state import ServiceState
+from balancer.service.whatif import replay
+
+WHATIF_KEYS = frozenset({"pool", "weights", "policy", "last", "sample"})
+MAX_SAMPLE = 100
+"""Most changed decisions one what-if describes (``sample``; default :data:`DEFAULT_SAMPLE`)."""
+DEFAULT_SAMPLE = 10
+MAX_CONCURRENT_WHATIF = 2
+"""What-if replays running at once per balancer; one more is refused with 429."""
+WHATIF_RETRY_AFTER_S = 1.0
+MAX_LIMIT = 1000
+DEFAULT_LIMIT = 100
+MAX_FILTER_CHARS = 256
+PAUSE_EVERY = 8
+"""A replay lets go of the GIL every this many decisions (for :data:`PAUSE_S`), so that the event
+loop's thread waits about that long at most for it (8 decisions of 4 replicas: 0.2 to 1 ms),
+rather than the interpreter's 5 ms switch interval."""
+PAUSE_S = 50e-6
+
+
+def _pause() -> None:
+    time.sleep(PAUSE_S)
+
+
+def _int_field(body: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be an integer in {low}..{high} or null")
+    return value
+
+
+async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a what-if body (400 with the reason) and replay it off the event loop."""
+    unknown = sorted(set(body) - WHATIF_KEYS)
+    if unknown:
+        raise ApiError(400, f"unknown key(s) {unknown}; expected {sorted(WHATIF_KEYS)}")
+    pool = body.get("pool")
+    if pool is None:
+        if len(state.pools) != 1:
+            raise ApiError(400, f"'pool' is required: one of {sorted(state.pools)}")
+        pool = next(iter(state.pools))
+    if not isinstance(pool, str):
+        raise ApiError(400, "'pool' must be a string (a model name) or null")
+    if pool not in state.pools:
+        raise ApiError(404, f"unknown pool {pool!r}; known: {', '.join(sorted(state.pools)) or 'none'}")
+    changes = body.get("weights")
+    if changes is None:
+        changes = {}
+    if not isinstance(changes, dict):
+        raise ApiError(400, "'weights' must be an object of weight names to numbers, or null")
+    view = state.policy.view
+    weights = weights_from(changes, view.weights, "weights")
+    name = body.get("policy")
+    if name is None:
+        name = view.name
+    if not isinstance(name, str):
+        raise ApiError(400, "'policy' must be a policy name or null")
+    try:
+        policy = make_policy(name)
+    except ConfigError as exc:
+        raise ApiError(400, str(exc)) from None
+    limit = state.settings.console.whatif_max_entries
+    last = _int_field(body, "last", 1, limit, limit)
+    sample = _int_field(body, "sample", 0, MAX_SAMPLE, DEFAULT_SAMPLE)
+    assert sample is not None
+    if state.whatif_running >= MAX_CONCURRENT_WHATIF:
+        raise ApiError(
+            429,
+            f"{MAX_CONCURRENT_WHATIF} what-if replays are running; retry shortly",
+            headers={"Retry-After": str(int(WHATIF_RETRY_AFTER_S))},
+        )
+    records = state.decisions.ring(pool).snapshot(last)
+    state.whatif_running += 1
+    started = time.perf_counter()
+    try:
+        result = await asyncio.to_thread(
+            replay, pool, records, policy, weights, sample=sample, pause=_pause, pause_every=PAUSE_EVERY
+        )
+    finally:
+        state.whatif_running -= 1
+    state.metrics.console_whatif_seconds.observe(time.perf_counter() - started)
+    answer = result.to_json()
+    answer["elapsed_s"] = round(time.perf_counter() - started, 6)
+    return answer
+
+
+async def whatif(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    limits = state.settings.limits
+    body = parse_json_object(
+        await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
+    )
+    return web.json_response(await run_whatif(state, body), dumps=strict_json.dumps)
+
+
+def record_summary(record: DecisionRecord) -> dict[str, Any]:
+    """One decision as ``/admin/decisions`` lists it."""
+    return {
+        "id": record.id,
+        "ts": record.wall_ts,
+        "pool": record.pool,
+        "replica": record.decision.replica,
+        "tenant": record.tenant,
+        "policy": record.policy,
+        "prefill_tokens": record.prompt_tokens,
+        "predicted_cached_tokens": record.cached_tokens,
+        "reason": record.decision.reason,
+        "terms": terms_by_replica(record.decision.terms),
+    }
+
+
+def record_detail(record: DecisionRecord) -> dict[str, Any]:
+    """One decision as ``/admin/explain`` shows a dry run, plus its id, time, tenant and inputs."""
+    inputs = record.inputs
+    return {
+        "id": record.id,
+        "ts": record.wall_ts,
+        "pool": record.pool,
+        "model": record.pool,
+        "tenant": record.tenant,
+        "prompt_tokens": record.prompt_tokens,
+        "cached_tokens": record.cached_tokens,
+        "weights": record.weights.to_dict(),
+        "decision": dataclasses.asdict(record.decision),
+        "inputs": {
+            "candidates": list(inputs.request.candidates),
+            "request_blocks": inputs.request.request_blocks,
+            "overlap_blocks": dict(inputs.overlap.blocks),
+            "speculative_blocks": dict(inputs.overlap.speculative_blocks),
+            "held_blocks": dict(inputs.overlap.held_blocks),
+            "block_size_tokens": inputs.load.block_size_tokens,
+            "load": {r: dataclasses.asdict(load) for r, load in inputs.load.replicas.items()},
+        },
+    }
+
+
+def _known_params(query: Mapping[str, str], known: frozenset[str]) -> None:
+    unknown = sorted(set(query) - known)
+    if unknown:
+        raise ApiError(400, f"unknown query parameter(s) {unknown[:5]}; known: {sorted(known)}")
+
+
+DECISIONS_PARAMS = frozenset({"pool", "replica", "tenant", "since_id", "limit"})
+AUDIT_PARAMS = frozenset({"limit"})
+
+
+def _text_filter(query: Mapping[str, str], name: str) -> str | None:
+    value = query.get(name)
+    if value is None or value == "":
+        return None
+    if len(value) > MAX_FILTER_CHARS:
+        raise ApiError(400, f"'{name}' is longer than {MAX_FILTER_CHARS} characters")
+    return value
+
+
+def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:
+    raw = query.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ApiError(400, f"'{name}' must be an integer in {low}..{high}") from None
+    if not low <= value <= high:
+        raise ApiError(400, f"'{name}' must be an integer in {low}..{high}")
+    return value
+
+
+def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, Any]:
+    """``/admin/decisions`` for the query parameters in ``query`` (400 when one is bad)."""
+    _known_params(query, DECISIONS_PARAMS)
+    pool = _text_filter(query, "pool")
+    if pool is not None and pool not in state.pools:
+        raise ApiError(404, f"unknown pool {pool!r}; known: {', '.join(sorted(state.pools)) or 'none'}")
+    found = state.decisions.query(
+        pool=pool,
+        replica=_text_filter(query, "replica"),
+        tenant=_text_filter(query, "tenant"),
+        since_id=_int_param(query, "since_id", 0, 2**62, 0),
+        limit=_int_param(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT),
+    )
+    return {"decisions": [record_summary(r) for r in found]}
+
+
+async def list_decisions(request: web.Request) -> web.Response:
+    return web.json_response(decisions_json(request.app[STATE], request.query), dumps=strict_json.dumps)
+
+
+def decision_json(state: ServiceState, raw_id: str) -> dict[str, Any]:
+    try:
+        record_id = int(raw_id)
+    except ValueError:
+        raise ApiError(400, f"decision id must be an integer, got {raw_id[:40]!r}") from None
+    record = state.decisions.find(record_id)
+    if record is None:
+        raise ApiError(404, f"decision {record_id} is not in the ring (evicted, or never made)")
+    return record_detail(record)
+
+
+async def get_decision(request: web.Request) -> web.Response:
+    _known_params(request.query, frozenset())
+    body = decision_json(request.app[STATE], request.match_info["id"])
+    return web.json_response(body, dumps=strict_json.dumps)
+
+
+def audit_json(state: ServiceState, limit: int) -> dict[str, Any]:
+    return {"entries": [entry.to_json() for entry in state.audit.newest(limit)]}
+
+
+async def audit(request: web.Request) -> web.Response:
+    _known_params(request.query, AUDIT_PARAMS)
+    limit = _int_param(request.query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT)
+    return web.json_response(audit_json(request.app[STATE], limit), dumps=strict_json.dumps)
+
+
+def add_console_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/whatif", whatif)
+    app.router.add_get("/admin/decisions", list_decisions)
+    app.router.add_get("/admin/decisions/{id}", get_decision)
+    app.router.add_get("/admin/audit", audit)

@@ -1,0 +1,254 @@
+"""Counterfactual replay (pure): re-run a policy on recorded decisions (``POST /admin/whatif``).
+
+Each :class:`~balancer.service.decisions.DecisionRecord` keeps what the policy read when it decided:
+the candidates, the prefix match per replica, the load snapshot. :func:`replay` calls the real
+policy code (:mod:`balancer.policy`) on those inputs with proposed weights (or another policy) and
+compares the result with what was decided: the share of decisions that change, the predicted cached
+tokens and hit rate, the spread of assigned prefill across replicas, per-replica traffic shares, and
+a sample of changed decisions with both sides' cost terms.
+
+Randomness is coupled, so that unchanged weights reproduce every recorded decision: the replay's
+``random.Random`` (:class:`ReplayRng`) keeps the recorded replica when
+a tie-break or a uniform choice offers it, re-draws the recorded sample of ``power_of_two``, and for
+softmax sampling returns the middle of the recorded replica's probability interval (a common random
+number: with other weights the same draw lands where the new probabilities put it).
+
+What it cannot know (docs/operations.md, "What-if"): the cache and load that *different* decisions
+would have produced. Each record's prefix matches and load are those of the traffic as it was
+actually routed; a change that moves a prefix to another replica would, from then on, find that
+replica warm and the first one colder, and its load higher. The replay scores each decision alone
+on the recorded state, so it predicts the first-order effect of a change, not the new steady state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from balancer.policy.base import Policy, PolicyWeights
+from balancer.service.decisions import DecisionRecord, terms_by_replica
+from balancer.types import Decision, ReplicaId
+
+NOT_SAMPLED = "not sampled"
+"""``power_of_two``'s exclusion reason of the candidates it did not sample."""
+
+
+class ReplayRng(random.Random):
+    """A ``random.Random`` that prefers the recorded outcome (see the module docstring). One is
+    seeded per replay and :meth:`prefer` points it at each record in turn (seeding a Mersenne
+    Twister per record would cost more than most policy calls)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__(seed)
+        self._prefer: str | None = None
+        self._sampled: list[str] = []
+        self._sampling = False
+        self._point: float | None = None
+
+    def prefer(self, recorded: Decision) -> None:
+        """Couple the next policy call to ``recorded``."""
+        self._prefer = recorded.replica
+        self._sampling = False
+        self._point = None
+        terms = recorded.terms
+        if any(t.excluded == NOT_SAMPLED for t in terms):
+            self._sampling = True
+            self._sampled = [t.replica for t in terms if t.excluded is None]
+        if any(t.probability is not None and t.probability < 1.0 for t in terms):
+            low = 0.0
+            for t in terms:
+                if t.excluded is not None:
+                    continue
+                p = t.probability or 0.0
+                if t.replica == recorded.replica:
+                    self._point = low + p / 2
+                    break
+                low += p
+
+    def choice(self, seq: Any) -> Any:
+        if self._prefer in seq:
+            return self._prefer
+        return super().choice(seq)
+
+    def sample(self, population: Any, k: int, *, counts: Any = None) -> list[Any]:
+        if self._sampling and len(self._sampled) == k and all(r in population for r in self._sampled):
+            return list(self._sampled)
+        return super().sample(population, k)
+
+    def random(self) -> float:
+        if self._point is not None:
+            return self._point
+        return super().random()
+
+
+@dataclass(slots=True)
+class _Side:
+    """Running totals of one side (before: as decided; after: as replayed)."""
+
+    cached_tokens: int = 0
+    prefill_blocks: dict[ReplicaId, int] = field(default_factory=dict)
+    decisions: dict[ReplicaId, int] = field(default_factory=dict)
+
+    def add(self, decision: Decision) -> None:
+        replica = decision.replica
+        self.cached_tokens += decision.cached_tokens
+        uncached = max(0, decision.request_blocks - decision.overlap_blocks)
+        self.prefill_blocks[replica] = self.prefill_blocks.get(replica, 0) + uncached
+        self.decisions[replica] = self.decisions.get(replica, 0) + 1
+
+    def summary(self, prompt_tokens: int, replicas: Sequence[ReplicaId]) -> dict[str, Any]:
+        blocks = [self.prefill_blocks.get(r, 0) for r in replicas]
+        mean = sum(blocks) / len(blocks) if blocks else 0.0
+        return {
+            "predicted_cached_tokens": self.cached_tokens,
+            "hit_rate": self.cached_tokens / prompt_tokens if prompt_tokens else 0.0,
+            "load_spread": max(blocks) / mean if mean > 0 else 1.0,
+            "prefill_blocks": sum(blocks),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class WhatIfResult:
+    """What :func:`replay` found; :meth:`to_json` is the ``/admin/whatif`` answer."""
+
+    pool: str
+    policy: str
+    weights: PolicyWeights
+    decisions: int
+    changed: int
+    before: dict[str, Any]
+    after: dict[str, Any]
+    replicas: list[dict[str, Any]]
+    sample: list[dict[str, Any]]
+    notes: list[str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pool": self.pool,
+            "policy": self.policy,
+            "weights": self.weights.to_dict(),
+            "decisions": self.decisions,
+            "changed": self.changed,
+            "changed_share": self.changed / self.decisions if self.decisions else 0.0,
+            "before": self.before,
+            "after": self.after,
+            "replicas": self.replicas,
+            "sample": self.sample,
+            "notes": self.notes,
+        }
+
+
+def replay(
+    pool: str,
+    records: Sequence[DecisionRecord],
+    policy: Policy,
+    weights: PolicyWeights,
+    *,
+    sample: int = 10,
+    pause: Callable[[], None] | None = None,
+    pause_every: int = 8,
+) -> WhatIfResult:
+    """Re-run ``policy`` with ``weights`` on ``records`` (oldest first) and compare with what was
+    decided. ``sample``: most changed decisions described (the newest ones). ``pause`` is called
+    every ``pause_every`` records (the shell passes a short sleep, so that a replay in a worker
+    thread lets the event loop's thread take the GIL)."""
+    before, after = _Side(), _Side()
+    replicas: dict[ReplicaId, None] = {}
+    prompt_tokens = changed = 0
+    other_config = 0
+    changes: list[tuple[DecisionRecord, Decision]] = []
+    rng = ReplayRng(len(records))
+    for i, record in enumerate(records):
+        if pause is not None and i and i % pause_every == 0:
+            pause()
+        inputs = record.inputs
+        replicas.update(dict.fromkeys(inputs.request.candidates))
+        rng.prefer(record.decision)
+        decision = policy(inputs.request, inputs.overlap, inputs.load, weights, rng)
+        prompt_tokens += inputs.request.prompt_tokens
+        before.add(record.decision)
+        after.add(decision)
+        if record.policy != policy.name or record.weights != weights:
+            other_config += 1
+        if decision.replica != record.decision.replica:
+            changed += 1
+            changes.append((record, decision))
+            if len(changes) > 2 * max(sample, 1):
+                del changes[: len(changes) - max(sample, 1)]
+    order = list(replicas)
+    n = len(records)
+    shares: list[dict[str, Any]] = []
+    for replica in order:
+        b = before.decisions.get(replica, 0) / n if n else 0.0
+        a = after.decisions.get(replica, 0) / n if n else 0.0
+        shares.append(
+            {
+                "replica": replica,
+                "before_share": b,
+                "after_share": a,
+                "delta_share": a - b,
+                "before_prefill_blocks": before.prefill_blocks.get(replica, 0),
+                "after_prefill_blocks": after.prefill_blocks.get(replica, 0),
+            }
+        )
+    shares.sort(key=lambda s: (-s["delta_share"], s["replica"]))
+    described = (
+        [_describe(record, decision) for record, decision in reversed(changes[-sample:])]
+        if sample > 0
+        else []
+    )
+    return WhatIfResult(
+        pool=pool,
+        policy=policy.name,
+        weights=weights,
+        decisions=n,
+        changed=changed,
+        before=before.summary(prompt_tokens, order),
+        after=after.summary(prompt_tokens, order),
+        replicas=shares,
+        sample=described,
+        notes=_notes(n, other_config, policy, weights),
+    )
+
+
+def _describe(record: DecisionRecord, decision: Decision) -> dict[str, Any]:
+    return {
+        "id": record.id,
+        "ts": record.wall_ts,
+        "tenant": record.tenant,
+        "prompt_tokens": record.prompt_tokens,
+        "before": _side_json(record.decision),
+        "after": _side_json(decision),
+    }
+
+
+def _side_json(decision: Decision) -> dict[str, Any]:
+    return {
+        "replica": decision.replica,
+        "policy": decision.policy,
+        "reason": decision.reason,
+        "predicted_cached_tokens": decision.cached_tokens,
+        "terms": terms_by_replica(decision.terms),
+    }
+
+
+def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights) -> list[str]:
+    notes = [
+        "static replay: each decision is re-scored on the prefix matches and load recorded when it was "
+        "made; the cache and load that different decisions would have produced are not modelled, so "
+        "'after' is the first-order effect, not the new steady state"
+    ]
+    if n == 0:
+        notes.append("no decisions recorded for this pool yet (console.decision_ring_size)")
+    if other_config:
+        notes.append(
+            f"{other_config} of {n} decisions were made under another policy or other weights than the "
+            "ones replayed (a policy change in the window, or an x-kvlb-weights override)"
+        )
+    if policy.name == "round_robin":
+        notes.append("round_robin is replayed from a fresh rotation")
+    if policy.name in ("random", "power_of_two") or weights.temperature > 0:
+        notes.append("a sampling policy: random draws are coupled to the recorded ones, not reproduced")
+    return notes

@@ -1,0 +1,198 @@
+"""The console's admin API against a live balancer and emulated replicas: decisions, what-if, audit."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek
+
+from balancer.cli.main import main
+from balancer.tokenizer.tokenizer import Tokenizer
+
+TOKEN = "root"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+async def _send(h: Harness, prompt: list[int], tenant: str | None = None) -> str:
+    headers = {"x-kvlb-tenant": tenant} if tenant else None
+    answer = await h.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1}, headers)
+    assert answer.status == 200, answer.body
+    return answer.headers["x-kvlb-replica"]
+
+
+async def _call(h: Harness, method: str, path: str, body: Any = None, **headers: str) -> tuple[int, Any]:
+    async with h.session.request(method, h.url + path, json=body, headers={**AUTH, **headers}) as response:
+        return response.status, await response.json()
+
+
+async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 2, auth__admin_token=TOKEN) as h:
+        shared = list(range(1000, 1064))
+        await h.warm(shared)
+        chosen = [
+            await _send(h, [*shared, i, i + 1, i + 2, i + 3], "team-a" if i % 2 else "team-b")
+            for i in range(12)
+        ]
+
+        status, listed = await _call(h, "GET", "/admin/decisions?limit=5")
+        assert status == 200 and len(listed["decisions"]) == 5
+        ids = [d["id"] for d in listed["decisions"]]
+        assert ids == sorted(ids, reverse=True)
+        newest = listed["decisions"][0]
+        assert newest["replica"] == chosen[-1] and newest["pool"] == MODEL
+        assert newest["prefill_tokens"] == 68 and set(newest["terms"]) == {"r0", "r1"}
+        assert newest["predicted_cached_tokens"] >= 64  # the warmed prefix
+        status, team_a = await _call(h, "GET", "/admin/decisions?tenant=team-a&limit=1000")
+        assert status == 200 and len(team_a["decisions"]) == 6
+        assert all(d["tenant"] == "team-a" for d in team_a["decisions"])
+        status, since = await _call(h, "GET", f"/admin/decisions?since_id={ids[1]}")
+        assert status == 200 and [d["id"] for d in since["decisions"]] == [ids[0]]
+        status, one = await _call(h, "GET", f"/admin/decisions/{ids[0]}")
+        assert status == 200 and one["decision"]["replica"] == chosen[-1]
+        assert {t["replica"] for t in one["decision"]["terms"]} == {"r0", "r1"}
+        assert one["inputs"]["candidates"] == ["r0", "r1"]
+
+        # Unchanged weights: the replay reproduces every recorded decision.
+        status, same = await _call(h, "POST", "/admin/whatif", {})
+        assert status == 200, same
+        assert same["decisions"] == 13 and same["changed_share"] == 0.0
+        assert same["before"] == same["after"] and same["sample"] == []
+        # No credit for the cache: affinity goes, the hit rate predicted falls.
+        status, cold = await _call(
+            h, "POST", "/admin/whatif", {"weights": {"overlap_credit": 0.0}, "sample": 3}
+        )
+        assert status == 200, cold
+        assert cold["after"]["predicted_cached_tokens"] <= cold["before"]["predicted_cached_tokens"]
+        assert {r["replica"] for r in cold["replicas"]} == {"r0", "r1"}
+        assert abs(sum(r["delta_share"] for r in cold["replicas"])) < 1e-9
+        assert len(cold["sample"]) == min(3, cold["changed"])
+        status, rr = await _call(h, "POST", "/admin/whatif", {"policy": "round_robin", "last": 4})
+        assert status == 200 and rr["decisions"] == 4 and rr["policy"] == "round_robin"
+
+        for body in (
+            {"weights": {"overlap_credit": 9}},
+            {"weights": {"nope": 1}},
+            {"policy": "nope"},
+            {"last": 0},
+            {"sample": 1000},
+            {"extra": 1},
+            {"weights": [1]},
+        ):
+            status, error = await _call(h, "POST", "/admin/whatif", body)
+            assert status == 400, (body, error)
+        status, _ = await _call(h, "POST", "/admin/whatif", {"pool": "nope"})
+        assert status == 404
+        for query in ("limit=0", "limit=1001", "since_id=x", "limit=abc"):
+            status, _ = await _call(h, "GET", f"/admin/decisions?{query}")
+            assert status == 400, query
+        status, _ = await _call(h, "GET", "/admin/decisions/abc")
+        assert status == 400
+        status, _ = await _call(h, "GET", "/admin/decisions/999999")
+        assert status == 404
+
+        # The audit log: reason and actor, newest first; a bad reason or actor is a 400.
+        status, changed = await _call(
+            h,
+            "PUT",
+            "/admin/policy",
+            {"weights": {"decode_weight": 0.2}, "reason": "decode-heavy traffic"},
+            **{"x-kvlb-actor": "alice"},
+        )
+        assert status == 200 and changed["version"] == 2
+        status, _ = await _call(h, "PUT", "/admin/policy", {"name": "least_load"})
+        status, log = await _call(h, "GET", "/admin/audit")
+        assert status == 200 and [e["actor"] for e in log["entries"]] == ["admin", "alice"]
+        first = log["entries"][1]
+        assert first["reason"] == "decode-heavy traffic" and first["version"] == 2
+        assert first["change"] == {"before": {"decode_weight": 0.1}, "after": {"decode_weight": 0.2}}
+        assert log["entries"][0]["change"]["after"] == {"name": "least_load"}
+        status, _ = await _call(h, "PUT", "/admin/policy", {"reason": "x" * 501})
+        assert status == 400
+        status, _ = await _call(h, "PUT", "/admin/policy", {"reason": 5})
+        assert status == 400
+        status, _ = await _call(h, "PUT", "/admin/policy", {}, **{"x-kvlb-actor": "a" * 65})
+        assert status == 400
+        status, _ = await _call(h, "GET", "/admin/audit?limit=0")
+        assert status == 400
+
+        async with h.session.get(h.url + "/metrics") as response:
+            text = await response.text()
+        assert metric_value(text, "kvlb_console_ring_entries", pool=MODEL) == 13
+        assert metric_value(text, "kvlb_console_ring_bytes", pool=MODEL) > 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/admin/whatif"),
+        ("GET", "/admin/decisions"),
+        ("GET", "/admin/decisions/1"),
+        ("GET", "/admin/audit"),
+    ],
+)
+async def test_console_needs_the_admin_token(tokenizer: Tokenizer, method: str, path: str) -> None:
+    async with running(tokenizer, 1, auth__admin_token=TOKEN) as h:
+        async with h.session.request(method, h.url + path, json={}) as response:
+            assert response.status == 401
+        bad = {"Authorization": "Bearer wrong"}
+        async with h.session.request(method, h.url + path, json={}, headers=bad) as response:
+            assert response.status == 401
+
+
+async def test_ring_evicts_by_count(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 1, console__decision_ring_size=3) as h:
+        for i in range(5):
+            await _send(h, list(range(i, i + 20)))
+        listed = await h.admin("GET", "/admin/decisions")
+        assert [d["id"] for d in listed["decisions"]] == [5, 4, 3]
+        async with h.session.get(h.url + "/metrics") as response:
+            text = await response.text()
+        assert metric_value(text, "kvlb_console_ring_evicted_total", pool=MODEL, reason="count") == 2
+
+
+async def test_cli_whatif_decisions_and_audit(
+    tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with running(tokenizer, 2, auth__admin_token=TOKEN) as h:
+        shared = list(range(2000, 2032))
+        await h.warm(shared)
+        for i in range(4):
+            await _send(h, [*shared, i], "team-a")
+
+        async def cli(*args: str) -> tuple[int, str, str]:
+            code = await asyncio.to_thread(main, ["admin", "--url", h.url, "--token", TOKEN, *args])
+            captured = capsys.readouterr()
+            return code, captured.out, captured.err
+
+        code, out, _ = await cli("whatif", "--weight", "overlap_credit=0", "--sample", "2")
+        assert code == 0 and "decisions 5" in out and "hit rate" in out and "load spread" in out
+        assert "r0" in out and "r1" in out and "note: static replay" in out
+        code, out, _ = await cli("whatif", "--json", "-w", "decode_weight=0.1")
+        assert code == 0 and json.loads(out)["changed_share"] == 0.0
+        code, out, err = await cli("whatif", "-w", "overlap_credit=9")
+        assert code == 1 and "HTTP 400" in err and "overlap_credit" in err
+        code, out, err = await cli("whatif", "--policy", "nope")
+        assert code == 1 and "HTTP 400" in err
+        code, out, _ = await cli("decisions", "--tenant", "team-a", "--json")
+        assert code == 0 and len(json.loads(out)["decisions"]) == 4
+        code, out, _ = await cli("decisions", "--limit", "2")
+        assert code == 0 and out.splitlines()[0].split()[:4] == ["id", "utc", "pool", "replica"]
+        assert len(out.splitlines()) == 3
+        code, out, _ = await cli("decisions", "--id", "1")
+        assert code == 0 and json.loads(out)["id"] == 1
+        code, out, _ = await cli(
+            "policy", "set", "decode_weight=0.2", "--reason", "more decode", "--actor", "carol"
+        )
+        assert code == 0
+        code, out, _ = await cli("audit")
+        assert code == 0 and "carol" in out and "decode_weight: 0.1 -> 0.2" in out and "more decode" in out
+        code, out, _ = await cli("audit", "--json", "--limit", "1")
+        assert code == 0 and json.loads(out)["entries"][0]["actor"] == "carol"
