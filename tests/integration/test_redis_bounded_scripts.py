@@ -244,16 +244,10 @@ async def test_drop_blocks_runs_in_bounded_calls_and_mirrors_agree(
 
 
 async def test_drop_blocks_declares_every_key_it_touches(client: aioredis.Redis) -> None:
-    """``DROP_BLOCKS`` run with a ``call`` that refuses any key not in ``KEYS`` (as Redis Cluster's
-    strict mode would): it drops what it should, so it touched declared keys only."""
-    guard = (
-        "local D = {}\nfor _, k in ipairs(KEYS) do D[k] = true end\n"
-        "local function call(cmd, key, ...)\n"
-        "  if not D[key] then error('kvlb: undeclared key ' .. key) end\n"
-        "  return redis.call(cmd, key, ...)\nend"
-    )
+    """The scripts' ``call`` refuses any key not in ``KEYS`` (``scripts.PRELUDE``): ``DROP_BLOCKS``
+    drops what it should, so it touched declared keys only."""
+    assert "undeclared key" in scripts.DROP_BLOCKS
     index = RedisIndex(client, HASHER, replace(fresh_settings(), max_script_blocks=4))
-    index._drop_blocks = client.register_script(scripts.DROP_BLOCKS.replace("local call = redis.call", guard))
     await index.apply(A, [long_chain(10), long_chain(6, rank=1)], 0.0)
     keys = HASHER.request_keys(list(range(BS, 11 * BS)))
     assert await index.drop_blocks(A, [*keys[3:], keys[3]]) == 7 + 3  # a repeated key counts once
