@@ -210,8 +210,10 @@ class Balancer:
         stale_after_s = max(5.0, STALE_SCRAPES * settings.scrape_interval_s)
         route_limits = RouteLimits(
             max_inflight_per_replica=settings.limits.max_inflight_per_replica,
-            speculative_ttl_s=settings.limits.speculative_ttl_s,
+            # without events, the routed blocks are the index: they live as long as an engine's cache
+            speculative_ttl_s=settings.limits.speculative_ttl_s if config.kv_events else config.approx_ttl_s,
             pending_ttl_s=settings.timeouts.first_byte_s,
+            receipt_drops=settings.limits.receipt_drops,
         )
         router = PoolRouter(
             config.model,
@@ -229,7 +231,7 @@ class Balancer:
             router.add_replica(ReplicaId(replica.id), replica.block_size, alignment)
         router.tracker()  # built once every key space exists (its block size is the pool's smallest)
         replicas = {ReplicaId(r.id): r for r in config.replicas}
-        return Pool(config.model, router, tokenizer, replicas)
+        return Pool(config.model, router, tokenizer, replicas, kv_events=config.kv_events)
 
     async def _start_replicas(self, state: ServiceState) -> None:
         """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""

@@ -34,6 +34,8 @@ APPLIED_OUTCOMES: Final = (
 """Every ``(type, status)`` of ``kvlb_events_applied_total``."""
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ERROR_BUCKETS_BLOCKS = (-64.0, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
+"""Signed prediction errors (reported minus predicted blocks): exact = ``le="0"`` minus ``le="-1"``."""
 _DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
 
 
@@ -53,6 +55,14 @@ class Metrics:
     route_decisions_total: Counter
     predicted_cached_tokens_total: Counter
     reported_cached_tokens_total: Counter
+    prediction_error_blocks: Histogram
+    receipts_total: Counter
+    receipts_exact_total: Counter
+    receipts_within_block_total: Counter
+    prediction_accuracy_ratio: Gauge
+    receipt_stale_blocks_total: Counter
+    index_receipt_drops_blocks_total: Counter
+    index_receipt_learned_blocks_total: Counter
     events_applied_total: Counter
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
@@ -216,11 +226,20 @@ class _RouteCollectors(TypedDict):
     route_decisions_total: Counter
     predicted_cached_tokens_total: Counter
     reported_cached_tokens_total: Counter
+    prediction_error_blocks: Histogram
+    receipts_total: Counter
+    receipts_exact_total: Counter
+    receipts_within_block_total: Counter
+    prediction_accuracy_ratio: Gauge
+    receipt_stale_blocks_total: Counter
+    index_receipt_drops_blocks_total: Counter
+    index_receipt_learned_blocks_total: Counter
 
 
 def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
-    """``kvlb_route_*``: routing decisions and how well they predicted the cache."""
-    counter, _, histogram = _constructors(reg)
+    """``kvlb_route_*``: routing decisions and how well they predicted the cache; receipts (each
+    response's ``cached_tokens`` against the prediction) and the index corrections they make."""
+    counter, gauge, histogram = _constructors(reg)
     return {
         "route_decision_seconds": histogram(
             "kvlb_route_decision_seconds",
@@ -241,6 +260,49 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
         "reported_cached_tokens_total": counter(
             "kvlb_route_reported_cached_tokens_total",
             "Prompt tokens the replica reported as cached (usage.prompt_tokens_details.cached_tokens).",
+            ["replica"],
+        ),
+        "prediction_error_blocks": histogram(
+            "kvlb_route_prediction_error_blocks",
+            "Per response with cached_tokens: reported minus predicted cached blocks on the chosen "
+            "replica (signed: < 0 the index promised blocks the engine lacked, > 0 it missed some).",
+            ["replica"],
+            buckets=_ERROR_BUCKETS_BLOCKS,
+        ),
+        "receipts_total": counter(
+            "kvlb_route_receipts_total",
+            "Responses that reported cached_tokens (receipts), by replica.",
+            ["replica"],
+        ),
+        "receipts_exact_total": counter(
+            "kvlb_route_receipts_exact_total",
+            "Receipts whose cached blocks were exactly the predicted ones, by replica.",
+            ["replica"],
+        ),
+        "receipts_within_block_total": counter(
+            "kvlb_route_receipts_within_block_total",
+            "Receipts within one block of the prediction (either way), by replica.",
+            ["replica"],
+        ),
+        "prediction_accuracy_ratio": gauge(
+            "kvlb_route_prediction_accuracy_ratio",
+            "Share of exact predictions over the replica's last 256 receipts.",
+            ["replica"],
+        ),
+        "receipt_stale_blocks_total": counter(
+            "kvlb_route_receipt_stale_blocks_total",
+            "Blocks predicted cached that the engine reported missing (the index was stale), by replica.",
+            ["replica"],
+        ),
+        "index_receipt_drops_blocks_total": counter(
+            "kvlb_index_receipt_drops_blocks_total",
+            "Holdings dropped from the index because a receipt showed them stale, by replica.",
+            ["replica"],
+        ),
+        "index_receipt_learned_blocks_total": counter(
+            "kvlb_index_receipt_learned_blocks_total",
+            "Blocks a receipt showed cached that the index did not know, added as speculative entries,"
+            " by replica.",
             ["replica"],
         ),
     }

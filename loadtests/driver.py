@@ -37,6 +37,8 @@ from loadtests.workloads.base import RequestSpec, poisson_arrivals
 __all__ = ["RequestRecord", "RunResult", "poisson_arrivals", "run_closed_loop", "run_open_loop"]
 
 REPLICA_HEADER = "x-kvlb-replica"
+PREDICTED_HEADER = "x-kvlb-cached-tokens"
+"""kvlb's predicted cached tokens for the request, kept in each record next to the reported ones."""
 
 ProgressFn = Callable[[RequestRecord], None]
 """Called with each record as its request ends (on the event loop: keep it quick; must not raise)."""
@@ -113,6 +115,8 @@ class _Runner:
         ) as response:
             state.status = response.status
             state.replica = response.headers.get(options.replica_header)
+            predicted = response.headers.get(PREDICTED_HEADER, "")
+            state.predicted_cached_tokens = int(predicted) if predicted.isdigit() else None
             if response.status != 200:
                 state.fail("http_error", f"HTTP {response.status}: {await response.text(errors='replace')}")
                 return

@@ -6,6 +6,9 @@ A router is named on the command line:
   are kvlb's baselines; ``kvlb:<policy>`` is any kvlb policy (e.g. ``kvlb:sglang_threshold``), and
   ``kvlb:<policy>+<weight>=<value>+…`` the same with policy weights changed (``docs/policies.md``),
   e.g. ``kvlb:cost+decode_weight=0.1``.
+* ``kvlb_no_events``: kvlb's default policy on a pool with ``kv_events: false``: no KV event is read;
+  the index learns only from routing decisions and receipts (``docs/prefix-index.md``). A suffix
+  ``~no_events`` does the same for any kvlb router, e.g. ``kvlb:cost+decode_weight=0.1~no_events``.
 * ``sglang_cache_aware``: ``sglang-router`` (pip ``sglang-router``) with ``--policy cache_aware``,
   its defaults otherwise (cache threshold 0.3, balance thresholds 64 / 1.5). It keeps a text tree
   of routed requests; it reads no KV events.
@@ -55,6 +58,8 @@ class RouterSpec:
     """kvlb policy name, or the peer's ``--policy`` value."""
     weights: tuple[tuple[str, float], ...] = ()
     """kvlb policy weight overrides (name, value)."""
+    kv_events: bool = True
+    """kvlb: read the replicas' KV events (``False``: the pool's ``kv_events: false``)."""
 
     @property
     def is_peer(self) -> bool:
@@ -66,9 +71,19 @@ class RouterSpec:
         return "x-kvlb-replica" if self.kind == "kvlb" else "x-sim-replica"
 
 
+NO_EVENTS_SUFFIX = "~no_events"
+
+
 def parse_router(name: str) -> RouterSpec:
     """A router name (module docstring) → its spec; ``ValueError`` for an unknown one."""
     text = name.strip()
+    if text == "kvlb_no_events":
+        return RouterSpec(text, "kvlb", "cost", kv_events=False)
+    if text.endswith(NO_EVENTS_SUFFIX) and len(text) > len(NO_EVENTS_SUFFIX):
+        base = parse_router(text[: -len(NO_EVENTS_SUFFIX)])
+        if base.kind != "kvlb":
+            raise ValueError(f"router {text!r}: {NO_EVENTS_SUFFIX} applies to kvlb routers only")
+        return RouterSpec(text, "kvlb", base.policy, base.weights, kv_events=False)
     if text == "kvlb":
         return RouterSpec("kvlb", "kvlb", "cost")
     if text in KVLB_BASELINES:
@@ -89,7 +104,7 @@ def parse_router(name: str) -> RouterSpec:
         return RouterSpec(text, "sglang", "cache_aware")
     if text == "vllm_kv_aware":
         return RouterSpec(text, "vllm", "kv_aware")
-    known = ", ".join((*DEFAULT_ROUTERS, "kvlb:<policy>"))
+    known = ", ".join((*DEFAULT_ROUTERS, "kvlb_no_events", "kvlb:<policy>", "<kvlb router>~no_events"))
     raise ValueError(f"unknown router {name!r}; known: {known}")
 
 

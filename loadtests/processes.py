@@ -254,9 +254,15 @@ async def flush(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> None:
 
 
 def kvlb_config(
-    fleet: EmulatorHandle, policy: str, seed: int, weights: Mapping[str, float] | None = None
+    fleet: EmulatorHandle,
+    policy: str,
+    seed: int,
+    weights: Mapping[str, float] | None = None,
+    *,
+    kv_events: bool = True,
 ) -> dict[str, Any]:
-    """The ``kvlb serve`` settings for one pool over the fleet with ``policy`` (and weight overrides)."""
+    """The ``kvlb serve`` settings for one pool over the fleet with ``policy`` (and weight overrides);
+    ``kv_events=False``: the pool reads no KV events (``pools[].kv_events: false``)."""
     replicas = [
         {
             "id": r["name"],
@@ -269,9 +275,14 @@ def kvlb_config(
         }
         for r in fleet.replicas
     ]
+    pool: dict[str, Any] = {"model": fleet.model, "replicas": replicas}
+    if not kv_events:
+        pool["kv_events"] = False
+        for replica in replicas:
+            del replica["events"], replica["replay"]
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "pools": [{"model": fleet.model, "replicas": replicas}],
+        "pools": [pool],
         "policy": {"name": policy, "seed": seed, "weights": dict(weights or {})},
         "log_level": "WARNING",
     }
@@ -285,7 +296,8 @@ async def start_router(
     ``kvlb_sets`` are ``kvlb serve --set NAME=VALUE`` overrides for kvlb routers (ignored by peers)."""
     if spec.kind == "kvlb":
         config = logs / f"{_file_name(spec.name)}.yaml"
-        config.write_text(yaml.safe_dump(kvlb_config(fleet, spec.policy, seed, dict(spec.weights))))
+        settings = kvlb_config(fleet, spec.policy, seed, dict(spec.weights), kv_events=spec.kv_events)
+        config.write_text(yaml.safe_dump(settings))
         argv = [sys.executable, "-m", "balancer", "serve", "--config", str(config)]
         argv += [arg for item in kvlb_sets for arg in ("--set", item)]
         child = await spawn(_file_name(spec.name), argv, logs, ready_key='"serving"', env=os.environ)

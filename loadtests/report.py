@@ -36,7 +36,8 @@ ROUTER_FIELDS: tuple[str, ...] = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s",
     "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "output_tok_per_s", "req_per_s",
     "hit_rate", "client_hit_rate", "oracle_fraction", "replica_requests",
-    "request_imbalance", "load_imbalance", "replicas_per_group", "vs_round_robin", "vs_best_peer",
+    "request_imbalance", "load_imbalance", "replicas_per_group", "prediction", "vs_round_robin",
+    "vs_best_peer",
 )  # fmt: skip
 """Keys of every router entry in the JSON report (values may be ``None`` for a router that did not run)."""
 
@@ -114,6 +115,8 @@ def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any
     entry["load_imbalance"] = load_imbalance(run.load_series) if run.load_series else None
     records = run.result.records if run.result is not None else ()
     entry["replicas_per_group"] = replicas_per_group(records)
+    entry["prediction"] = run.prediction
+    entry["evicted_blocks"] = sum(d.get("evicted_blocks_total", 0) for d in run.replica_delta.values())
     entry["vs_round_robin"] = None
     entry["vs_best_peer"] = None
     entry["wall_s"] = run.wall_s
@@ -261,6 +264,17 @@ def targets(
                 "TTFT p90",
             )
         )
+    prediction = get(kvlb, "prediction")
+    if prediction:
+        result.append(
+            _target(
+                "kvlb predictions within one block",
+                prediction.get("within_one_block_share"),
+                0.98,
+                False,
+                "share of responses whose cached_tokens were within one block of the prediction",
+            )
+        )
     return result  # fmt: skip
 
 
@@ -338,6 +352,25 @@ def _router_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
     return rows
 
 
+def _prediction_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """kvlb's receipts: each response's cached_tokens against the route's prediction."""
+    rows = [
+        "| router | receipts | exact | within one block | stale blocks | dropped | learned "
+        "| blocks the replicas evicted |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for e in entries:
+        p = e.get("prediction")
+        if p:
+            rows.append(
+                f"| {e['name']} | {p['receipts']:.0f} | {_num(p['exact_share'], 4)} "
+                f"| {_num(p['within_one_block_share'], 4)} | {p['stale_blocks']:.0f} "
+                f"| {p['dropped_blocks']:.0f} | {p['learned_blocks']:.0f} "
+                f"| {e.get('evicted_blocks', 0):.0f} |"
+            )
+    return rows if len(rows) > 2 else []
+
+
 def _ratio_rows(entries: Sequence[Mapping[str, Any]], key: str) -> list[str]:
     rows = [
         "| router | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | e2e p90 | out tok/s | req/s | hit rate |",
@@ -378,6 +411,10 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], plots_note: str | 
             f"Method: {oracle.get('method')}."
         ]
     lines += ["", "## Routers", "", *_router_rows(entries), ""]
+    prediction = _prediction_rows(entries)
+    if prediction:
+        lines += ["## Prediction (kvlb's receipts: cached_tokens against the route's prediction)", ""]
+        lines += [*prediction, ""]
     lines += ["## Ratios against round_robin", "", *_ratio_rows(entries, "vs_round_robin"), ""]
     if report.get("best_peer"):
         lines += [f"## Ratios against the best peer ({report['best_peer']})", ""]

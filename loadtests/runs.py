@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.driver import RunResult, run_closed_loop, run_open_loop
 from loadtests.peers import RouterSpec, peer_available
@@ -64,6 +65,8 @@ class RouterRun:
     load_series: dict[str, list[tuple[float, float, float]]] = field(default_factory=dict)
     """Per replica, ``(t_s, running, waiting)`` samples."""
     samples_dropped: int = 0
+    prediction: dict[str, float] | None = None
+    """kvlb routers: its receipts over the run (:func:`kvlb_receipts`); ``None`` for peers."""
     wall_s: float = 0.0
     process: tuple[int, int] | None = None
     """The router process this run started and stopped: (pid, exit code)."""
@@ -145,8 +148,14 @@ class LoadSampler:
 def _delta(
     before: dict[str, dict[str, Any]], after: dict[str, dict[str, Any]]
 ) -> dict[str, dict[str, float]]:
-    keys = ("requests_total", "prompt_tokens_total", "cached_tokens_total", "generation_tokens_total")
-    return {name: {key: after[name][key] - before[name].get(key, 0) for key in keys} for name in after}
+    keys = (
+        "requests_total",
+        "prompt_tokens_total",
+        "cached_tokens_total",
+        "generation_tokens_total",
+        "evicted_blocks_total",
+    )
+    return {name: {key: after[name].get(key, 0) - before[name].get(key, 0) for key in keys} for name in after}
 
 
 async def _drive(
@@ -203,6 +212,7 @@ async def run_router(
                     await sampling
             await wait_idle(session, fleet)
             after = await replica_stats(session, fleet)
+            prediction = await kvlb_receipts(session, url) if router.kind == "kvlb" else None
             extra = {} if after_drive is None else await after_drive(session, url)
         except (aiohttp.ClientError, TimeoutError, RuntimeError) as exc:
             traceback.print_exc(file=sys.stderr)
@@ -218,11 +228,63 @@ async def run_router(
         replica_delta=_delta(before, after),
         load_series=sampler.series,
         samples_dropped=sampler.dropped,
+        prediction=prediction,
         after_drive=extra,
     )
     run.wall_s = time.monotonic() - started
     run.process = (child.pid, code)
     return run
+
+
+RECEIPT_COUNTERS = {
+    "receipts": "kvlb_route_receipts_total",
+    "exact": "kvlb_route_receipts_exact_total",
+    "within_one_block": "kvlb_route_receipts_within_block_total",
+    "stale_blocks": "kvlb_route_receipt_stale_blocks_total",
+    "dropped_blocks": "kvlb_index_receipt_drops_blocks_total",
+    "learned_blocks": "kvlb_index_receipt_learned_blocks_total",
+}
+"""Fields of :attr:`RouterRun.prediction` and the kvlb counters they sum over replicas."""
+
+
+def receipt_figures(metrics_text: str) -> dict[str, float]:
+    """kvlb's receipt counters in a ``/metrics`` text, summed over replicas, plus the shares of exact
+    predictions and of predictions within one block (``None`` without a receipt)."""
+    wanted = {name: key for key, name in RECEIPT_COUNTERS.items()}
+    sums = dict.fromkeys(RECEIPT_COUNTERS, 0.0)
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            key = wanted.get(sample.name)
+            if key is not None:
+                sums[key] += sample.value
+    figures: dict[str, Any] = dict(sums)
+    count = sums["receipts"]
+    figures["exact_share"] = sums["exact"] / count if count else None
+    figures["within_one_block_share"] = sums["within_one_block"] / count if count else None
+    return figures
+
+
+async def kvlb_receipts(session: aiohttp.ClientSession, url: str) -> dict[str, float] | None:
+    """:func:`receipt_figures` of the kvlb at ``url`` (``None`` if its metrics cannot be read), once
+    it has released every request (a request's receipt is recorded before its release; the client
+    may have its last bytes a moment before that)."""
+    try:
+        async with asyncio.timeout(10.0):
+            while True:
+                async with session.get(url + "/admin/replicas") as response:
+                    views = (await response.json())["replicas"] if response.status == 200 else []
+                if all(view.get("inflight", 0) == 0 for view in views):
+                    break
+                await asyncio.sleep(0.05)
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError):
+        pass  # read the counters anyway
+    try:
+        async with session.get(url + "/metrics", timeout=aiohttp.ClientTimeout(total=10)) as response:
+            if response.status != 200:
+                return None
+            return receipt_figures(await response.text())
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
 
 
 async def run_all(

@@ -34,6 +34,8 @@ class StreamState:
     chunk_times: list[float] = field(default_factory=list)
     usage: Mapping[str, Any] | None = None
     replica: str | None = None
+    predicted_cached_tokens: int | None = None
+    """kvlb's ``x-kvlb-cached-tokens`` header (``None`` from peers)."""
     done: bool = False
     events: SseEvents = field(default_factory=SseEvents)
 
@@ -107,6 +109,7 @@ class StreamState:
             if isinstance(details, Mapping)
             else None,
             replica=self.replica,
+            predicted_cached_tokens=self.predicted_cached_tokens,
         )
 
 

@@ -60,6 +60,8 @@ class RequestRecord:
     """``usage.prompt_tokens_details.cached_tokens`` as the server reported it."""
     replica: str | None = None
     """The replica header's value (``x-kvlb-replica`` by default)."""
+    predicted_cached_tokens: int | None = None
+    """kvlb's prediction for the request (its ``x-kvlb-cached-tokens`` header; ``None`` from peers)."""
 
     @property
     def ok(self) -> bool:

@@ -189,6 +189,11 @@ class MirroredIndex:
         await self._follow(self._now)
         return dropped
 
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        dropped = await self.writer.drop_blocks(replica, keys)
+        await self._follow(self._now)
+        return dropped
+
     async def stats(self) -> IndexStats:
         return await self.mirror.stats()
 

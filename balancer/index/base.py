@@ -24,6 +24,9 @@ Semantics shared by all backends:
 * ``apply`` takes one replica's events in order. A ``Stored`` whose parent engine hash is unknown for
   that (replica, dp_rank) is skipped whole and counted; a ``Removed`` of an unknown hash is counted and
   ignored; ``Cleared`` and ``Resync`` clear that (replica, dp_rank).
+* ``drop_blocks`` forgets one replica's real holdings of the keys given, on every rank; a later
+  ``Removed`` of a dropped block is ignored, a later ``Stored`` holds it again, and its children still
+  chain from it.
 * ``match`` walks the request's keys from the root and stops when no candidate still holds the next
   block. A replica's overlap is the best of its DP ranks. Speculative entries count as held until
   they expire or a real event confirms or removes them.
@@ -103,6 +106,12 @@ class PrefixIndex(Protocol):
 
     async def drop_replica(self, replica: ReplicaId) -> int:
         """Forget every block of every DP rank of ``replica``; returns how many holdings went."""
+        ...
+
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        """Forget ``replica``'s real holdings of ``keys`` on every DP rank (its speculative entries
+        and other replicas' holdings stay); returns how many holdings went. Receipts call it with
+        the blocks past the point an engine reported (``docs/prefix-index.md``, "Receipts")."""
         ...
 
     async def stats(self) -> IndexStats:

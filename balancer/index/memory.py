@@ -51,6 +51,9 @@ class MemoryIndex:
     async def drop_replica(self, replica: ReplicaId) -> int:
         return self.table.drop_replica(replica)
 
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        return self.table.drop_blocks(replica, keys)
+
     async def stats(self) -> IndexStats:
         return self.table.stats()
 

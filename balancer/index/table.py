@@ -455,6 +455,53 @@ class PrefixTable:
             spec.alive = False
         return dropped
 
+    def drop_blocks(self, replica: ReplicaId, keys: Iterable[BlockKey]) -> int:
+        """Forget ``replica``'s real holdings of ``keys``, on every DP rank; returns the holdings
+        dropped (one per rank and key held).
+
+        The operation behind receipts (a replica's blocks past the point its engine reported) and,
+        for any caller that knows a replica lost some blocks without saying so, the narrow form of
+        :meth:`drop_replica`. Speculative entries stay (they are the router's own bets on requests
+        in flight and expire on their own). Other holders of the same keys are untouched, and a key
+        that keeps a holder keeps its LRU position. The engine-hash map keeps its entries, as after
+        an eviction: a later ``Removed`` of one is ignored, a later ``Stored`` holds the key again,
+        and a child still chains from it (the engine still knows its parent)."""
+        ranks = self._slots.caches.get(replica)
+        if not ranks:
+            return 0
+        wanted = keys if isinstance(keys, Sequence) else list(keys)
+        holders = self._holders
+        dropped = 0
+        for cache in ranks.values():
+            bit = cache.bit
+            for key in wanted:
+                mask = holders.get(key, 0)
+                if not mask & bit:
+                    continue
+                mask ^= bit
+                if mask:
+                    holders[key] = mask
+                else:
+                    del holders[key]
+                if cache.dups:
+                    cache.dups.pop(key, None)
+                cache.held -= 1
+                dropped += 1
+            if len(cache.keys) > 2 * cache.held + _COMPACT_SLACK:
+                self._compact(cache)
+        return dropped
+
+    def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> list[BlockKey]:
+        """Those of ``keys`` that ``replica`` holds speculatively at ``now``: routed there, and no
+        real store by the replica has confirmed them since."""
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        spec = self._slots.specs.get(replica)
+        if spec is None or not spec.expiry:
+            return []
+        pending = spec.expiry
+        return [key for key in keys if key in pending]
+
     def held_blocks(self, replica: ReplicaId) -> int:
         """Blocks ``replica``'s caches hold (over its DP ranks; speculative entries not counted)."""
         ranks = self._slots.caches.get(replica)

@@ -39,11 +39,12 @@ from dataclasses import dataclass, field
 
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.health.book import HealthBook
-from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo
+from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
 from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
+from balancer.routing.receipts import ReceiptBook, Settled, read_receipt
 from balancer.types import BlockKey, Decision, Overlap, ReplicaId
 
 FULL_RETRY_AFTER_S = 1.0
@@ -68,10 +69,14 @@ class RoutePlan:
     decision: Decision
     prompt_tokens: int
     cached_tokens: int
-    """Prompt tokens predicted to be cached on the chosen replica (its own block size)."""
+    """Prompt tokens predicted to be cached on the chosen replica (its own block size), at most the
+    blocks an engine can reuse: never the block holding the prompt's last token, which engines
+    always compute (:func:`reusable_blocks`). Receipts compare it with the engine's report."""
     keys: tuple[BlockKey, ...]
     """The request's block keys in the chosen replica's key space (for speculative entries)."""
     decode_blocks: int
+    block_size: int = 16
+    """Tokens per block of the chosen replica (the unit of ``keys`` and of receipts)."""
     inputs: PolicyInputs | None = None
     """What the policy decided on (references, no copy): the console's decision ring keeps it."""
 
@@ -92,6 +97,8 @@ class RouteLimits:
     """Runs of 32 block keys each key space memoises (:class:`~balancer.index.hashing.KeyMemo`,
     about 1.5 kB each: 6 MB at the default, 2M tokens of distinct prefixes at block size 16); least
     recently used out first; 0 turns the memo off."""
+    receipt_drops: bool = False
+    """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +115,18 @@ class PoolRequest:
     """Completion tokens asked for (decode load); 0 when unknown."""
     exclude: frozenset[ReplicaId] = frozenset()
     """Replicas not to choose (they already failed this request)."""
+
+
+def reusable_blocks(prompt_tokens: int, block_size: int, mode: AlignMode) -> int:
+    """Blocks of a prompt an engine can take from its cache: the full blocks of ``prompt[:-1]``.
+
+    An engine always computes at least the last prompt token (its logits start the answer): SGLang
+    and vLLM match ``prompt[:-1]``, so a block-aligned prompt held whole is reported one block short
+    of its keys; TRT-LLM's key space already leaves the last token out. EAGLE bigram pages keep
+    their key count (not measured against an engine)."""
+    if mode == "bigram":
+        return full_blocks(prompt_tokens, block_size, mode)
+    return max(0, prompt_tokens - 1) // block_size
 
 
 class Lease:
@@ -127,10 +146,20 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
+    @property
+    def router_receipts(self) -> ReceiptBook:
+        """The pool's receipt book (each replica's last prediction errors)."""
+        return self._router.receipts
+
     def first_token(self, now: float) -> None:
         """The replica produced its first token: the request moves from prefill to decode."""
         if not self._released:
             self._router.first_token(self.tracking_id, now)
+
+    def settle_receipt(self, reported_tokens: int, now: float) -> Settled:
+        """The engine reported ``reported_tokens`` cached: check the prediction, correct the index
+        (:meth:`PoolRouter.settle_receipt`)."""
+        return self._router.settle_receipt(self, reported_tokens, now)
 
     def release(self, now: float) -> bool:
         """The request ended (or was abandoned); ``False`` when it was already released."""
@@ -170,6 +199,8 @@ class PoolRouter:
         self.max_speculating = self._limits.max_speculative_keys // 16 + 1
         """Requests whose speculative entries wait for a first token; past it the oldest keep their
         long TTL (they still expire, only later)."""
+        self.receipts = ReceiptBook()
+        """Each replica's last prediction errors (``/admin/replicas``)."""
 
     @property
     def reference_block_size(self) -> int:
@@ -202,6 +233,7 @@ class PoolRouter:
             space.table.drop_replica(replica)
         if self.load is not None:
             self.load.forget(replica)
+        self.receipts.forget(replica)
 
     def tracker(self) -> LoadTracker:
         """The pool's load tracker, in reference blocks (built on first use)."""
@@ -328,6 +360,11 @@ class PoolRouter:
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
         cached = exact_tokens.get(decision.replica, 0)
+        chosen_bs = ref_bs
+        if chosen_space is not None:
+            chosen_bs = chosen_space.hasher.block_size
+            reusable = reusable_blocks(len(token_ids), chosen_bs, chosen_space.hasher.mode)
+            cached = min(cached, reusable * chosen_bs)
         decode_tokens = len(token_ids) - cached + max(0, max_tokens)
         return RoutePlan(
             decision=decision,
@@ -335,6 +372,7 @@ class PoolRouter:
             cached_tokens=cached,
             keys=tuple(keys),
             decode_blocks=-(-decode_tokens // ref_bs),
+            block_size=chosen_bs,
             inputs=PolicyInputs(route, overlap_all, snapshot),
         )
 
@@ -388,3 +426,33 @@ class PoolRouter:
             space = self.space_of.get(replica)
             if space is not None:
                 space.table.add_speculative(replica, keys, ttl_s, now)
+
+    def settle_receipt(self, lease: Lease, reported_tokens: int, now: float) -> Settled:
+        """Check ``lease``'s prediction against the engine's ``cached_tokens`` and correct the index.
+
+        * **Fewer** reported, by at least one block: the request's keys from the reported point to
+          the predicted one were stale when it was routed. The replica's real holdings of those of
+          them that it still holds only speculatively since (no store by the engine has confirmed
+          them since they were routed) are dropped at once (:meth:`PrefixTable.drop_blocks
+          <balancer.index.table.PrefixTable.drop_blocks>`). A key the engine stored again since is
+          kept: the request itself computed those blocks, and an engine caches what it computes, so
+          a store reported after the routing is newer than the receipt's view of the cache, which
+          is the one at the request's admission. The speculative entries stay: they stand for that
+          recomputation, and the engine's events confirm them or they expire.
+        * **More** reported: the engine held blocks the index did not know of: the request's keys up
+          to the reported point are added as speculative entries for ``speculative_ttl_s`` (in
+          no-events pools, the life of every holding), which the engine's events confirm if any.
+        """
+        plan = lease.plan
+        replica = lease.replica
+        receipt = read_receipt(replica, plan.keys, plan.block_size, plan.cached_tokens, reported_tokens)
+        self.receipts.record(receipt)
+        space = self.space_of.get(replica)
+        dropped = learned = 0
+        if space is not None and receipt.stale and self.route_limits.receipt_drops:
+            dropped = space.table.drop_blocks(replica, space.table.speculated(replica, receipt.stale, now))
+        elif space is not None and receipt.unseen and self.route_limits.speculative_ttl_s > 0:
+            prefix = plan.keys[: receipt.reported_blocks]
+            space.table.add_speculative(replica, prefix, self.route_limits.speculative_ttl_s, now)
+            learned = len(receipt.unseen)
+        return Settled(receipt, dropped, learned)

@@ -30,6 +30,7 @@ from typing import TypeVar
 from balancer.config import ReplicaConfig
 from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
+from balancer.routing.receipts import Settled
 from balancer.routing.router import Lease, PoolRequest, RoutePlan
 from balancer.service.admission import AdmissionRefused
 from balancer.service.state import Outcome, Pool, ServiceState
@@ -297,20 +298,57 @@ def relay_deadline(state: ServiceState, job: Forward) -> float:
 def on_relayed(
     state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream, complete: bool
 ) -> None:
-    """Bookkeeping once relaying ended: a complete answer returns its connection to the pool and
-    reports the engine's cached tokens; anything else closes the connection."""
-    if complete:
-        stream.release()
+    """Bookkeeping once relaying ended: a complete answer returns its connection to the pool;
+    anything else closes the connection. An upstream body read to its end reports the engine's
+    cached tokens (a receipt), even when the client left before the last bytes reached it."""
+    if stream.finished:
         usage = stream.usage()
         if usage.cached_tokens is not None:
             state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
+            record_receipt(state, lease, usage.cached_tokens)
             if state.series is not None:
                 prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
                 state.series.on_usage(prompt, usage.cached_tokens, state.wall_clock())
+    if complete:
+        stream.release()
     else:
         stream.close()
     policy = lease.plan.decision.policy
     state.metrics.e2e_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
+
+
+def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Settled:
+    """The engine's ``cached_tokens`` for a routed request: compare it with the prediction, let the
+    router correct the index, and count both (``kvlb_route_prediction_error_blocks`` and friends)."""
+    settled = lease.settle_receipt(cached_tokens, state.monotonic())
+    receipt, replica, metrics = settled.receipt, lease.replica, state.metrics
+    metrics.prediction_error_blocks.labels(replica).observe(receipt.error_blocks)
+    metrics.receipts_total.labels(replica).inc()
+    if receipt.exact:
+        metrics.receipts_exact_total.labels(replica).inc()
+    if receipt.within_one_block:
+        metrics.receipts_within_block_total.labels(replica).inc()
+    if receipt.stale:
+        metrics.receipt_stale_blocks_total.labels(replica).inc(len(receipt.stale))
+    if settled.dropped_blocks:
+        metrics.index_receipt_drops_blocks_total.labels(replica).inc(settled.dropped_blocks)
+    if settled.learned_blocks:
+        metrics.index_receipt_learned_blocks_total.labels(replica).inc(settled.learned_blocks)
+    accuracy = lease.router_receipts.stats(replica).accuracy
+    if accuracy is not None:
+        metrics.prediction_accuracy_ratio.labels(replica).set(accuracy)
+    if not receipt.within_one_block:
+        log.debug(
+            "receipt %s on %s: predicted %d blocks, engine reported %d (stale %d, dropped %d, learned %d)",
+            lease.tracking_id,
+            replica,
+            receipt.predicted_blocks,
+            receipt.reported_blocks,
+            len(receipt.stale),
+            settled.dropped_blocks,
+            settled.learned_blocks,
+        )
+    return settled
 
 
 def failure_message(state: ServiceState, lease: Lease, exc: Exception) -> str:

@@ -23,6 +23,7 @@ Discovery only removes the replicas it added. Every event is applied in full bef
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import aiohttp
@@ -37,6 +38,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
+from balancer.sources.base import EventSource
 from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
@@ -178,6 +180,8 @@ class ReplicaLifecycle:
         metrics.index_replica_blocks.remove(replica)
         for kind in ("inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage"):
             metrics.replica_load.remove(replica, kind)
+        with contextlib.suppress(KeyError):  # set at its first receipt only
+            metrics.prediction_accuracy_ratio.remove(replica)
 
     # ------------------------------------------------------------------ per replica
 
@@ -189,14 +193,16 @@ class ReplicaLifecycle:
             ingest = EventIngest(index, metrics=self.state.metrics, settings=self._ingest_settings)
             self.ingests[id(space)] = ingest
             self.state.ingests.append(ingest)
-        sources = build_sources(
-            config,
-            zmq_ctx=self._zmq,
-            session=self._session,
-            metrics=self.state.metrics,
-            zmq_settings=zmq_settings_for(self.state.settings.limits),
-            poll_settings=poll_settings_for(self.state.settings.limits),
-        )
+        sources: list[EventSource] = []  # pools[].kv_events: false: routing decisions and receipts only
+        if self.state.kv_events(ReplicaId(config.id)):
+            sources = build_sources(
+                config,
+                zmq_ctx=self._zmq,
+                session=self._session,
+                metrics=self.state.metrics,
+                zmq_settings=zmq_settings_for(self.state.settings.limits),
+                poll_settings=poll_settings_for(self.state.settings.limits),
+            )
         ingest.add_replica(ReplicaId(config.id), config.engine, sources)
         return ingest
 

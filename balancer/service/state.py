@@ -49,6 +49,9 @@ class Pool:
     router: PoolRouter
     tokenizer: Tokenizer
     replicas: dict[ReplicaId, ReplicaConfig]
+    kv_events: bool = True
+    """Whether the pool's engines publish KV events (``pools[].kv_events``); without, no event source
+    runs and the index learns from routing decisions and receipts only."""
 
 
 @dataclass(slots=True)
@@ -88,6 +91,13 @@ class ServiceState:
         for pool in self.pools.values():
             for config in pool.replicas.values():
                 yield pool, config
+
+    def kv_events(self, replica: ReplicaId) -> bool:
+        """Whether ``replica``'s pool takes KV events (``True`` for a replica of no pool)."""
+        for pool in self.pools.values():
+            if replica in pool.replicas or replica in pool.router.space_of:
+                return pool.kv_events
+        return True
 
     def ingest_status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
         out: dict[ReplicaId, ReplicaIngestStatus] = {}

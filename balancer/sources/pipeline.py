@@ -118,6 +118,8 @@ class ReplicaIngestStatus:
     last_lag_s: float | None = None
     """Event lag of the last applied batch that carried an engine timestamp: our wall clock when it
     was applied minus the engine's timestamp (``kvlb_events_lag_seconds``; clocks may be skewed)."""
+    last_resync_wall_ts: float | None = None
+    """Our wall clock when a resync of any rank was last applied (``None``: never)."""
 
 
 class ReplicaPipeline:
@@ -154,6 +156,7 @@ class ReplicaPipeline:
         self.apply_errors = 0
         self.last_applied_wall_ts: float | None = None
         self.last_lag_s: float | None = None
+        self.last_resync_wall_ts: float | None = None
 
     @property
     def queued_batches(self) -> int:
@@ -277,6 +280,8 @@ class ReplicaPipeline:
             lag_s = self.last_applied_wall_ts - engine_ts
             self.last_lag_s = lag_s
             self._metrics.events_lag_seconds.labels(self.replica).set(lag_s)
+        if result.resyncs:
+            self.last_resync_wall_ts = self.last_applied_wall_ts
 
     def _record(self, result: ApplyResult, events: Sequence[KvEvent]) -> None:
         """Metrics from one apply: ``stored``/``removed`` count blocks, the other types events."""
@@ -386,6 +391,7 @@ class EventIngest:
                 last_applied_wall_ts=entry.pipeline.last_applied_wall_ts,
                 sources=tuple(source.status() for source in entry.sources),
                 last_lag_s=entry.pipeline.last_lag_s,
+                last_resync_wall_ts=entry.pipeline.last_resync_wall_ts,
             )
             for replica, entry in self._replicas.items()
         }

@@ -71,6 +71,8 @@ class UpstreamStream:
         self._idle_s = idle_s
         self._tail = bytearray()
         self.bytes_relayed = 0
+        self.finished = False
+        """The whole body was read (its end reached): :meth:`usage` is the engine's last word."""
 
     @property
     def status(self) -> int:
@@ -94,6 +96,7 @@ class UpstreamStream:
             if not chunk:
                 if not content.is_eof():  # pragma: no cover - readany returns b"" only at EOF
                     continue
+                self.finished = True
                 return
             self.bytes_relayed += len(chunk)
             self._tail += chunk

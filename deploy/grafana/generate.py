@@ -42,6 +42,9 @@ REPORTED = rate("kvlb_route_reported_cached_tokens_total")
 TTFT_P90 = (
     f"histogram_quantile(0.9, sum by (le, replica) (rate(kvlb_http_ttft_seconds_bucket{{{REP}}}[{R}])))"
 )
+RECEIPTS = rate("kvlb_route_receipts_total", "replica", REP)
+EXACT = rate("kvlb_route_receipts_exact_total", "replica", REP)
+WITHIN = rate("kvlb_route_receipts_within_block_total", "replica", REP)
 FAILED_APPLY = rate("kvlb_events_applied_total", sel=f'{SEL}, type="batch", status="error"')
 
 ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
@@ -64,6 +67,16 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("Cached tokens per request", "short",
          [(f"{REPORTED} / {rate('kvlb_route_decisions_total')}", "reported")], ""),
         ("Decision time", "s", quantiles("kvlb_route_decision_seconds"), "Hashing, index match and policy."),
+        ("Prediction accuracy per replica", "percentunit",
+         [(f"{WITHIN} / {RECEIPTS}", "{{replica}} within one block"),
+          (f"{EXACT} / {RECEIPTS}", "{{replica}} exact")],
+         "Receipts: the share of responses whose cached_tokens were the predicted blocks (exact) or "
+         "within one block of them. Alert KvlbPredictionAccuracyLow under 90% within one block."),
+        ("Receipt corrections (blocks/s)", "short",
+         [(rate("kvlb_route_receipt_stale_blocks_total"), "stale (predicted, not reported)"),
+          (rate("kvlb_index_receipt_drops_blocks_total"), "dropped from the index"),
+          (rate("kvlb_index_receipt_learned_blocks_total"), "learned (reported, not predicted)")],
+         "What receipts found wrong in the index and what they changed."),
     ]),
     ("Replicas", [
         ("Routed requests/s per replica", "reqps",

@@ -282,3 +282,44 @@ async def test_stats_count_unique_and_held_blocks(make_index: MakeIndex) -> None
     assert stats.blocks_by_replica == {A: 3, B: 3}
     assert stats.capacity_blocks == 1000
     assert stats.bytes_per_block is None or stats.bytes_per_block > 0
+
+
+async def test_drop_blocks_forgets_one_replicas_holdings_past_a_point(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(4), [1, 2, 3, 4], dp_rank=0), stored(toks(3), [1, 2, 3], dp_rank=1))
+    await apply(index, B, stored(toks(4), [1, 2, 3, 4]))
+    keys = PLAIN.request_keys(toks(4))
+    assert await index.drop_blocks(A, keys[2:]) == 3  # blocks 2..3 on rank 0, block 2 on rank 1
+    assert await overlap(index, toks(4)) == {A: 2, B: 4}
+    stats = await index.stats()
+    assert (stats.unique_blocks, stats.blocks_by_replica) == (4, {A: 4, B: 4})
+    assert await index.drop_blocks(A, keys[2:]) == 0  # nothing left to drop
+    assert await index.drop_blocks(C, keys) == 0  # an unknown replica
+
+
+async def test_drop_blocks_keeps_speculative_entries_and_lets_stores_come_back(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await apply(index, A, stored(toks(3), [1, 2, 3]))
+    keys = PLAIN.request_keys(toks(3))
+    await index.add_speculative(A, keys[:2], ttl_s=5.0, now=0.0)
+    assert await index.drop_blocks(A, keys) == 3
+    assert await overlap(index, toks(3), now=1.0) == {A: 2}  # the speculative two stay
+    assert await overlap(index, toks(3), now=6.0) == {A: 0}
+    # a child still chains from a dropped parent, a removal of a dropped block is ignored,
+    # and storing a dropped block holds it again
+    again = await apply(index, A, stored(toks(1, 1 + 3 * BS), [4], parent=3), now=6.0)
+    assert again.skipped_unknown_parent == 0
+    removal = await apply(index, A, Removed(0, hashes(3)), now=6.0)
+    assert removal.removed_blocks == 0
+    await apply(index, A, stored(toks(3), [1, 2, 3]), now=6.0)
+    assert await overlap(index, toks(4), now=6.0) == {A: 4}
+    assert (await index.stats()).blocks_by_replica == {A: 4}
+
+
+async def test_drop_blocks_of_the_last_holder_frees_the_key(make_index: MakeIndex) -> None:
+    index = await make_index(capacity_blocks=4)
+    await apply(index, A, stored(toks(4), [1, 2, 3, 4]))
+    assert await index.drop_blocks(A, PLAIN.request_keys(toks(4))) == 4
+    assert (await index.stats()).unique_blocks == 0
+    await apply(index, B, stored(toks(4, 100), [5, 6, 7, 8]))  # fits the budget: nothing evicted
+    assert await overlap(index, toks(4, 100)) == {A: 0, B: 4}

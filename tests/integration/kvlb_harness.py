@@ -106,11 +106,14 @@ def replica_entry(replica: Replica) -> dict[str, Any]:
     return entry
 
 
-def settings_for(replicas: list[Replica], **overrides: Any) -> Settings:
-    """Settings for one pool over ``replicas``; ``overrides`` are dotted names (``limits__max_inflight``)."""
+def settings_for(
+    replicas: list[Replica], pool: Mapping[str, Any] | None = None, **overrides: Any
+) -> Settings:
+    """Settings for one pool over ``replicas`` (``pool``: more keys of its entry, e.g. ``kv_events``);
+    ``overrides`` are dotted names (``limits__max_inflight``)."""
     tree: dict[str, Any] = {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "pools": [{"model": MODEL, "replicas": [replica_entry(r) for r in replicas]}],
+        "pools": [{"model": MODEL, "replicas": [replica_entry(r) for r in replicas], **(pool or {})}],
         "policy": {"seed": 7},
         "health_interval_s": 0.2,
         "scrape_interval_s": 0.5,
@@ -132,6 +135,7 @@ async def running(
     *,
     engines: tuple[str, ...] = ("sglang",),
     time_scale: float = 1.0,
+    pool: Mapping[str, Any] | None = None,
     page_size: int | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Harness]:
@@ -153,7 +157,7 @@ async def running(
             replica = Replica(config, tokenizer, zctx)
             await replica.start()
             replicas.append(replica)
-        balancer = Balancer(settings_for(replicas, **overrides), tokenizers={MODEL: tokenizer})
+        balancer = Balancer(settings_for(replicas, pool, **overrides), tokenizers={MODEL: tokenizer})
         await balancer.start()
         async with aiohttp.ClientSession() as session:
             harness = Harness(replicas, balancer, session)

@@ -1,4 +1,5 @@
-"""Smoke test of ``kvlb loadtest``: two emulated replicas, a few dozen requests, kvlb vs round_robin.
+"""Smoke test of ``kvlb loadtest``: two emulated replicas, a few dozen requests, kvlb vs round_robin
+vs kvlb without KV events.
 
 Runs the real command as a process (it starts the fleet and one ``kvlb serve`` per router itself) and
 checks that both routers complete every request and that the report carries every field the issue
@@ -24,7 +25,7 @@ pytestmark = [
 ]
 
 REQUESTS = 30
-ROUTERS = ("kvlb", "round_robin")
+ROUTERS = ("kvlb", "round_robin", "kvlb_no_events")
 FIELDS_PER_ROUTER = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "e2e_p50_s", "e2e_p90_s",
     "output_tok_per_s", "req_per_s", "hit_rate", "request_imbalance", "load_imbalance", "errors",
@@ -82,7 +83,7 @@ def test_report_has_every_field(smoke: tuple[Path, dict[str, object]]) -> None:
         assert entry["ttft_p50_s"] <= entry["ttft_p90_s"] <= entry["ttft_p99_s"]
         assert len(entry["ttft_s"]) == REQUESTS
         assert entry["load_series"] and all(entry["load_series"].values())
-    kvlb, rr = report["routers"]  # type: ignore[misc]
+    kvlb, rr, _ = report["routers"]  # type: ignore[misc]
     assert rr["vs_round_robin"]["ttft_p90_s"] == pytest.approx(1.0)
     assert kvlb["vs_round_robin"]["ttft_p90_s"] == pytest.approx(kvlb["ttft_p90_s"] / rr["ttft_p90_s"])
     oracle = report["oracle"]  # type: ignore[index]
@@ -113,3 +114,15 @@ def test_every_started_process_was_stopped(smoke: tuple[Path, dict[str, object]]
         assert process["exit_code"] is not None
         with pytest.raises(ProcessLookupError):
             os.kill(process["pid"], 0)
+
+
+def test_every_kvlb_router_reports_its_receipts(smoke: tuple[Path, dict[str, object]]) -> None:
+    out, report = smoke
+    for entry in report["routers"]:  # type: ignore[attr-defined]
+        prediction = entry["prediction"]
+        assert prediction["receipts"] == REQUESTS, entry["name"]  # every streamed answer had usage
+        assert 0 <= prediction["exact"] <= prediction["within_one_block"] <= REQUESTS
+        assert prediction["within_one_block_share"] == prediction["within_one_block"] / REQUESTS
+    assert "## Prediction" in (out / "report.md").read_text()
+    names = [t["name"] for t in report["targets"]]  # type: ignore[index]
+    assert "kvlb predictions within one block" in names

@@ -27,6 +27,7 @@ from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult
 from balancer.index.hashing import BlockHasher
 from balancer.index.memory import MemoryIndex
+from balancer.index.redis import scripts
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror
 from balancer.index.redis.plan import split_batch
@@ -203,3 +204,51 @@ async def test_split_applies_agree_with_the_mirror(
             assert ours.unique_blocks == theirs.unique_blocks
     finally:
         await raw.aclose()
+
+
+async def test_drop_blocks_runs_in_bounded_calls_and_mirrors_agree(
+    client: aioredis.Redis, redis_server: RedisServer
+) -> None:
+    """``drop_blocks`` of more keys than ``max_script_blocks`` is several ``DROP_BLOCKS`` calls, each
+    with its own ``x`` stream entry; the Redis index, a memory index and a mirror agree after it."""
+    settings = replace(fresh_settings(), max_script_blocks=7)
+    index = RedisIndex(client, HASHER, settings)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    mirror = Mirror(raw, HASHER, settings, lambda: 0.0)
+    memory = MemoryIndex.with_capacity(HASHER, 100_000)
+    try:
+        await mirror.warm_start()
+        batch: list[KvEvent] = [long_chain(40), long_chain(25, rank=1)]
+        await memory.apply(A, batch, 0.0)
+        await index.apply(A, batch, 0.0)
+        while await mirror.poll(block_ms=10):
+            pass
+        applied = mirror.counters.entries_applied
+        keys = HASHER.request_keys(list(range(BS, 41 * BS)))
+        assert await index.drop_blocks(A, keys[10:]) == await memory.drop_blocks(A, keys[10:]) == 30 + 15
+        while await mirror.poll(block_ms=10):
+            pass
+        for probe in (keys, keys[:12]):
+            want = (await memory.match(probe, None, 0.0)).blocks
+            assert (
+                (await index.match(probe, None, 0.0)).blocks
+                == want
+                == (await mirror.match(probe, None, 0.0)).blocks
+            )
+        assert (await index.stats()).blocks_by_replica == (await memory.stats()).blocks_by_replica
+        assert (await mirror.stats()).blocks_by_replica == {A: 10 + 10}
+        assert mirror.counters.entries_applied - applied == 5  # 30 keys in calls of 7: 5 x entries
+        assert mirror.counters.resyncs == 0
+    finally:
+        await raw.aclose()
+
+
+async def test_drop_blocks_declares_every_key_it_touches(client: aioredis.Redis) -> None:
+    """The scripts' ``call`` refuses any key not in ``KEYS`` (``scripts.PRELUDE``): ``DROP_BLOCKS``
+    drops what it should, so it touched declared keys only."""
+    assert "undeclared key" in scripts.DROP_BLOCKS
+    index = RedisIndex(client, HASHER, replace(fresh_settings(), max_script_blocks=4))
+    await index.apply(A, [long_chain(10), long_chain(6, rank=1)], 0.0)
+    keys = HASHER.request_keys(list(range(BS, 11 * BS)))
+    assert await index.drop_blocks(A, [*keys[3:], keys[3]]) == 7 + 3  # a repeated key counts once
+    assert (await index.match(keys, None, 0.0)).blocks == {A: 3}

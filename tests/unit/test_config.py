@@ -95,3 +95,13 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
     top.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="top level must be a mapping"):
         config.load(top, env={})
+
+
+def test_a_pool_without_kv_events_needs_a_positive_approx_ttl() -> None:
+    pool = {"model": "m", "kv_events": False, "approx_ttl_s": 30}
+    settings = config.from_mapping(config.Settings, {"pools": [pool]}).validate()
+    assert (settings.pools[0].kv_events, settings.pools[0].approx_ttl_s) == (False, 30.0)
+    assert config.from_mapping(config.Settings, {"pools": [{"model": "m"}]}).pools[0].kv_events
+    assert not config.Settings().limits.receipt_drops
+    with pytest.raises(ConfigError, match="approx_ttl_s"):
+        config.from_mapping(config.Settings, {"pools": [{**pool, "approx_ttl_s": 0}]}).validate()

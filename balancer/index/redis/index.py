@@ -121,6 +121,7 @@ class RedisIndex:
         self._apply = client.register_script(scripts.APPLY)
         self._speculate = client.register_script(scripts.SPECULATE)
         self._drop = client.register_script(scripts.DROP)
+        self._drop_blocks = client.register_script(scripts.DROP_BLOCKS)
         self._clear_step = client.register_script(scripts.CLEAR_STEP)
         self._match = client.register_script(scripts.MATCH)
         self._stats = client.register_script(scripts.STATS)
@@ -502,6 +503,26 @@ class RedisIndex:
 
     async def _speculative_replicas(self) -> set[str]:
         return cast("set[str]", await cast("Any", self.client.smembers(self.keys.speculative_replicas)))
+
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        """Forget ``replica``'s real holdings of ``keys`` on every rank, in calls of at most
+        ``max_script_blocks`` keys; each call that dropped something appends the keys to the stream
+        (field ``x``), so every mirror drops them too. The script declares every key it touches (the
+        pool's fixed keys, the replica's ``ranks:`` set, each key's ``b:`` hash). Unfenced: a receipt
+        is not an ingest write, and each call is atomic against the ingest writer's ``APPLY``."""
+        step = self.settings.max_script_blocks
+        prefix = self.keys.prefix
+        fixed = [*self._fixed, self.keys.ranks(replica)]
+        dropped = 0
+        for start in range(0, len(keys), step):
+            part = list(dict.fromkeys(keys[start : start + step]))
+            joined = hex_u64s(part)
+            blocks = [self.keys.block(key) for key in split_hex(joined)]
+            args: _Args = [prefix, replica, self.settings.stream_maxlen, joined]
+            reply = cast("list[int]", await self._drop_blocks(keys=[*fixed, *blocks], args=args))
+            dropped += int(reply[0])
+            self.repaired_keys += int(reply[1])
+        return dropped
 
     async def generation(self, replica: ReplicaId) -> int:
         """The generation a writer of ``replica`` must pass to ``apply`` (0 before any drop)."""

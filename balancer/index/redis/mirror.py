@@ -261,6 +261,8 @@ class Mirror:
     async def _apply(self, entry: StreamEntry, into: MemoryIndex) -> None:
         if entry.dropped:
             await into.drop_replica(entry.replica)
+        elif entry.dropped_keys:
+            await into.drop_blocks(entry.replica, entry.dropped_keys)
         else:
             await into.apply(entry.replica, entry.events, self._clock())
         self.counters.entries_applied += 1

@@ -586,12 +586,46 @@ finish()
 return {0, call('HLEN', mk), released, repaired}
 """
 
+_DROP_BLOCKS_BODY = """
+-- ARGV: prefix, replica, stream maxlen, keys (hex, concatenated; at most max_script_blocks)
+-- KEYS (all declared): ctr, lru, held, spec, replicas, tick, gen, seq, events (the pool's fixed keys),
+--       ranks:<replica>, then b:<key> of every key of ARGV[4], in that order.
+-- Forgets the replica's real holdings of these keys on every rank (receipts: the blocks past the
+-- point the engine reported). Speculative fields, other holders and the engine-hash maps stay (a
+-- map entry of a dropped key is stale, as after an eviction; compaction is left to later calls).
+-- Publishes the keys ('x') when any went. returns {holdings dropped, keys repaired}
+local REPLICA, JOINED = ARGV[2], ARGV[4]
+local keys = split16(JOINED)
+local FIRST = #KEYS - #keys  -- KEYS[FIRST + i] is the block of keys[i]
+local dropped = 0
+for _, rank in ipairs(call('SMEMBERS', KEYS[10])) do
+  local cid = REPLICA .. '#' .. rank
+  local n = 0
+  for i, key in ipairs(keys) do
+    local bk = KEYS[FIRST + i]
+    if call('HDEL', bk, cid) == 1 then
+      unhold(bk, key)
+      n = n + 1
+    end
+  end
+  if n > 0 then
+    held_add(cid, -n)
+    dropped = dropped + n
+  end
+end
+finish()
+if dropped > 0 then publish(tonumber(ARGV[3]), REPLICA, {'x', JOINED}) end
+return {dropped, repaired}
+"""
+
 APPLY = PRELUDE + _APPLY_BODY
 """Apply one segment of a replica's normalised event batch (fence first; nothing written if stale)."""
 SPECULATE = PRELUDE + _SPECULATE_BODY
 """Add or extend speculative holdings of one replica (its eviction is a separate ``EVICT``)."""
 DROP = PRELUDE + _DROP_BODY
 """Forget every cache and speculative entry of one replica and bump its generation."""
+DROP_BLOCKS = PRELUDE + _DROP_BLOCKS_BODY
+"""Forget one replica's real holdings of the given keys on every rank (bounded by the caller)."""
 CLEAR_STEP = PRELUDE + _CLEAR_STEP_BODY
 """Empty a bounded part of one cache before the ``Cleared``/``Resync`` or drop that empties it whole."""
 EXPIRE = PRELUDE + _EXPIRE_BODY

@@ -13,6 +13,8 @@ Stream entry fields (bytes):
 * ``e``: the normalised event batch as the writer passed it, in msgpack. Keys are not included:
   the reader hashes the tokens itself.
 * ``d``: present, value ``1``, instead of ``e`` when the replica was dropped.
+* ``x``: instead of ``e``, the block keys (16 hex digits each, concatenated) whose real holdings the
+  replica lost (``RedisIndex.drop_blocks``: receipts).
 
 Each event is a msgpack array:
 
@@ -33,7 +35,7 @@ import msgpack
 
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Resync, ResyncReason, Stored
-from balancer.types import EngineHash, ReplicaId
+from balancer.types import BlockKey, EngineHash, ReplicaId
 
 _STORED, _REMOVED, _CLEARED, _RESYNC = 0, 1, 2, 3
 
@@ -98,6 +100,8 @@ class StreamEntry:
     replica: ReplicaId
     events: list[KvEvent]
     dropped: bool
+    dropped_keys: tuple[BlockKey, ...] = ()
+    """Keys whose real holdings ``replica`` lost (``x``); empty otherwise."""
 
 
 def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> StreamEntry:
@@ -110,7 +114,18 @@ def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Stream
     text_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     if b"d" in fields:
         return StreamEntry(text_id, number, replica, [], True)
+    if b"x" in fields:
+        return StreamEntry(text_id, number, replica, [], False, _decode_keys(entry_id, fields[b"x"]))
     return StreamEntry(text_id, number, replica, decode_batch(fields.get(b"e", b"\x90")), False)
+
+
+def _decode_keys(entry_id: bytes | str, joined: bytes) -> tuple[BlockKey, ...]:
+    if len(joined) % 16:
+        raise EventDecodeError("stream", f"bad stream entry {entry_id!r}: keys of {len(joined)} hex digits")
+    try:
+        return tuple(BlockKey(int(joined[i : i + 16], 16)) for i in range(0, len(joined), 16))
+    except ValueError as exc:
+        raise EventDecodeError("stream", f"bad stream entry {entry_id!r}: {exc}") from exc
 
 
 def entry_number(fields: object) -> int | None:

@@ -1,0 +1,142 @@
+"""Receipts: every response's cached-token report checked against the route's prediction (pure).
+
+An engine that answers with ``usage.prompt_tokens_details.cached_tokens`` says how much of the
+prompt it found in its prefix cache when it admitted the request. The router predicted that figure
+when it chose the replica (:attr:`RoutePlan.cached_tokens <balancer.routing.router.RoutePlan>`,
+kept on the :class:`~balancer.routing.router.Lease`). :func:`read_receipt` compares the two in the
+replica's blocks and names the keys they disagree on:
+
+* **fewer** reported than predicted: ``stale`` is the request's keys from the reported point to the
+  predicted one, which the index said the replica held and the engine did not have;
+* **more** reported than predicted: ``unseen`` is the request's keys from the predicted point to the
+  reported one, which the engine had and the index did not know of.
+
+What the router does with them is :meth:`PoolRouter.settle_receipt
+<balancer.routing.router.PoolRouter.settle_receipt>`. :class:`ReceiptBook` keeps the last
+``window`` errors of each replica for ``/admin/replicas`` (bounded: one window per replica of the
+pool, forgotten with the replica).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from balancer.types import BlockKey, ReplicaId
+
+RECEIPT_WINDOW = 256
+"""Receipts kept per replica for its accuracy in ``/admin/replicas`` (the last ones)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Receipt:
+    """One response's report against the route's prediction, in the replica's own blocks."""
+
+    replica: ReplicaId
+    block_size: int
+    """Tokens per block of the replica (its key space)."""
+    predicted_blocks: int
+    """Blocks the router predicted cached on the replica at route time (speculative ones included)."""
+    reported_blocks: int
+    """Full blocks of the engine's ``cached_tokens``."""
+    stale: tuple[BlockKey, ...] = ()
+    """The request's keys ``[reported, predicted)`` (empty unless fewer were reported)."""
+    unseen: tuple[BlockKey, ...] = ()
+    """The request's keys ``[predicted, reported)`` (empty unless more were reported)."""
+
+    @property
+    def error_blocks(self) -> int:
+        """Reported minus predicted blocks: negative when the index promised blocks the engine did
+        not have, positive when the engine had blocks the index did not know of."""
+        return self.reported_blocks - self.predicted_blocks
+
+    @property
+    def exact(self) -> bool:
+        return self.reported_blocks == self.predicted_blocks
+
+    @property
+    def within_one_block(self) -> bool:
+        return abs(self.reported_blocks - self.predicted_blocks) <= 1
+
+
+def read_receipt(
+    replica: ReplicaId,
+    keys: tuple[BlockKey, ...],
+    block_size: int,
+    predicted_tokens: int,
+    reported_tokens: int,
+) -> Receipt:
+    """Compare ``reported_tokens`` (the engine's ``cached_tokens``) with ``predicted_tokens`` for a
+    request whose block keys on ``replica`` are ``keys``. Token counts are cut to full blocks; keys
+    beyond the request's own are never named."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be > 0, got {block_size}")
+    predicted = max(0, predicted_tokens) // block_size
+    reported = max(0, reported_tokens) // block_size
+    stale: tuple[BlockKey, ...] = ()
+    unseen: tuple[BlockKey, ...] = ()
+    if reported < predicted:
+        stale = keys[reported:predicted]
+    elif reported > predicted:
+        unseen = keys[predicted:reported]
+    return Receipt(replica, block_size, predicted, reported, stale, unseen)
+
+
+@dataclass(frozen=True, slots=True)
+class Settled:
+    """What one receipt changed: the comparison, and the index corrections it made."""
+
+    receipt: Receipt
+    dropped_blocks: int = 0
+    """Real holdings of the replica dropped (stale keys the engine has not stored again since)."""
+    learned_blocks: int = 0
+    """Keys the engine had and the index did not know of, added as speculative entries."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReceiptStats:
+    """A replica's last receipts (at most :data:`RECEIPT_WINDOW`)."""
+
+    receipts: int
+    exact: int
+    within_one_block: int
+    mean_error_blocks: float | None
+    """Mean of reported minus predicted blocks (``None`` with no receipt)."""
+
+    @property
+    def accuracy(self) -> float | None:
+        """Share of the window's receipts whose prediction was exact (``None`` with no receipt)."""
+        return self.exact / self.receipts if self.receipts else None
+
+    @property
+    def within_one_block_share(self) -> float | None:
+        return self.within_one_block / self.receipts if self.receipts else None
+
+
+class ReceiptBook:
+    """The last ``window`` prediction errors of each replica (bounded per replica)."""
+
+    def __init__(self, window: int = RECEIPT_WINDOW) -> None:
+        if window <= 0:
+            raise ValueError(f"window must be > 0, got {window}")
+        self.window = window
+        self._errors: dict[ReplicaId, deque[int]] = {}
+
+    def record(self, receipt: Receipt) -> None:
+        errors = self._errors.get(receipt.replica)
+        if errors is None:
+            errors = self._errors[receipt.replica] = deque(maxlen=self.window)
+        errors.append(receipt.error_blocks)
+
+    def stats(self, replica: ReplicaId) -> ReceiptStats:
+        errors = self._errors.get(replica, ())
+        count = len(errors)
+        return ReceiptStats(
+            receipts=count,
+            exact=sum(1 for e in errors if e == 0),
+            within_one_block=sum(1 for e in errors if -1 <= e <= 1),
+            mean_error_blocks=sum(errors) / count if count else None,
+        )
+
+    def forget(self, replica: ReplicaId) -> None:
+        self._errors.pop(replica, None)

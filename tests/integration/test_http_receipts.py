@@ -1,0 +1,93 @@
+"""Receipts through a live kvlb and emulated replicas whose cache changes behind kvlb's back."""
+
+from __future__ import annotations
+
+import pytest
+from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
+
+from balancer.tokenizer.tokenizer import Tokenizer
+
+PREFIX = list(range(1000, 1032))
+"""32 token ids: 8 full blocks of the emulator's 4-token pages."""
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+def completion(suffix: list[int]) -> dict[str, object]:
+    return {"model": MODEL, "prompt": PREFIX + suffix, "max_tokens": 2, "temperature": 0}
+
+
+def evict_silently(h: Harness, name: str) -> None:
+    """Empty the replica's prefix cache and discard the records it would have published."""
+    for rank in h.replica(name).engine.ranks:
+        assert rank.scheduler.flush_cache()
+        rank.scheduler.take_records()
+
+
+async def metrics(h: Harness) -> str:
+    async with h.session.get(h.url + "/metrics") as response:
+        return await response.text()
+
+
+async def test_a_receipt_drops_blocks_the_engine_evicted_without_saying(tokenizer: Tokenizer) -> None:
+    """With ``limits.receipt_drops`` on (off by default: docs/prefix-index.md, "Receipts")."""
+    async with running(tokenizer, count=1, limits__receipt_drops=True) as h:
+        holder = await h.warm([*PREFIX, 1, 2, 3])
+        view = await h.replica_view(holder)
+        held = int(view["index"]["blocks"])
+        assert held >= 8 and view["prediction"]["accuracy"] == 1.0  # the warm-up: predicted 0, got 0
+        # the engine forgets its cache and its next batches are lost: kvlb still believes in them
+        async with h.session.post(h.replica(holder).url + "/admin/faults", json={"drop_events": 1.0}) as r:
+            assert r.status == 200
+        evict_silently(h, holder)
+        answer = await h.post("/v1/completions", completion([7, 8, 9]))
+        assert answer.status == 200 and answer.headers["x-kvlb-cached-tokens"] == "32"
+        assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        text = await metrics(h)
+        assert metric_value(text, "kvlb_route_receipt_stale_blocks_total", replica=holder) == 8
+        assert metric_value(text, "kvlb_index_receipt_drops_blocks_total", replica=holder) == 8
+        assert metric_value(text, "kvlb_route_receipts_total", replica=holder) == 2
+        assert metric_value(text, "kvlb_route_receipts_exact_total", replica=holder) == 1
+        assert metric_value(text, "kvlb_route_prediction_error_blocks_bucket", replica=holder, le="-8.0") == 1
+        view = await h.replica_view(holder)
+        assert int(view["index"]["blocks"]) == held - 8  # the stale prefix is gone from the index
+        assert view["prediction"] == {
+            "receipts": 2,
+            "accuracy": 0.5,
+            "within_one_block": 0.5,
+            "mean_error_blocks": -4.0,
+        }
+        assert view["events"]["last_lag_s"] is not None
+        # The engine computed the prefix again and holds it; the request's speculative entries say so
+        # while they last, and once they expired a receipt tells kvlb again.
+        again = await h.post("/v1/completions", completion([4, 5]))
+        assert again.headers["x-kvlb-cached-tokens"] == "32"
+        assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+
+async def test_without_kv_events_routing_and_receipts_teach_the_index(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, count=1, pool={"kv_events": False, "approx_ttl_s": 0.5}) as h:
+        first = await h.post("/v1/completions", completion([1, 2, 3]))
+        assert first.status == 200 and first.headers["x-kvlb-cached-tokens"] == "0"
+        replica = first.headers["x-kvlb-replica"]
+        view = await h.replica_view(replica)
+        assert view["events"] == {**view["events"], "sources": [], "applied_batches": 0}
+        # routed blocks count as held for approx_ttl_s: the next request is predicted exactly
+        second = await h.post("/v1/completions", completion([4, 5]))
+        assert second.headers["x-kvlb-cached-tokens"] == "32"
+        assert second.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+
+        async def expired() -> bool:
+            explained = await h.admin("POST", "/admin/explain", completion([6]))
+            return bool(explained["cached_tokens"] == 0)
+
+        await wait_for("the routed blocks to expire", expired)
+        third = await h.post("/v1/completions", completion([6]))  # predicted 0, the engine has 8 blocks
+        assert third.headers["x-kvlb-cached-tokens"] == "0"
+        assert third.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 32
+        text = await metrics(h)
+        assert metric_value(text, "kvlb_index_receipt_learned_blocks_total", replica=replica) == 8
+        assert (await h.replica_view(replica))["prediction"]["receipts"] == 3

@@ -1,0 +1,186 @@
+"""Receipts: the engine's cached_tokens against the route's prediction, and the index corrections."""
+
+from __future__ import annotations
+
+import pytest
+
+from balancer.events import Stored
+from balancer.index.hashing import pack_tokens
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import make_policy
+from balancer.routing.receipts import ReceiptBook, read_receipt
+from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits, reusable_blocks
+from balancer.types import BlockKey, EngineHash, ReplicaId
+
+A, B = ReplicaId("a"), ReplicaId("b")
+BS = 16
+PROMPT = list(range(1000, 1000 + 8 * BS + 3))  # 8 full blocks and 3 tokens
+KEYS = tuple(BlockKey(k) for k in range(100, 108))
+
+
+def stored(tokens: list[int], blocks: int, first_hash: int = 1) -> Stored:
+    return Stored(
+        dp_rank=0,
+        parent=None,
+        engine_hashes=tuple(EngineHash(first_hash + i) for i in range(blocks)),
+        tokens=pack_tokens(tokens[: blocks * BS]),
+        block_size=BS,
+    )
+
+
+def test_read_receipt_names_the_keys_either_side_disagrees_on() -> None:
+    exact = read_receipt(A, KEYS, BS, 5 * BS, 5 * BS + 7)  # partial blocks do not count
+    assert (exact.error_blocks, exact.exact, exact.within_one_block, exact.stale, exact.unseen) == (
+        0,
+        True,
+        True,
+        (),
+        (),
+    )
+    fewer = read_receipt(A, KEYS, BS, 6 * BS, 2 * BS)
+    assert (fewer.error_blocks, fewer.stale, fewer.unseen) == (-4, KEYS[2:6], ())
+    assert not fewer.within_one_block
+    more = read_receipt(A, KEYS, BS, BS, 3 * BS)
+    assert (more.error_blocks, more.stale, more.unseen) == (2, (), KEYS[1:3])
+    beyond = read_receipt(A, KEYS, BS, 0, 20 * BS)  # never names keys the request does not have
+    assert beyond.unseen == KEYS and beyond.reported_blocks == 20
+    with pytest.raises(ValueError):
+        read_receipt(A, KEYS, 0, 0, 0)
+
+
+def test_receipt_book_is_a_bounded_window_per_replica() -> None:
+    book = ReceiptBook(window=4)
+    for predicted, reported in [(9, 0), (2, 2), (3, 4), (5, 5), (1, 1)]:
+        book.record(read_receipt(A, KEYS, BS, predicted * BS, reported * BS))
+    stats = book.stats(A)  # the first (-9) left the window
+    assert (stats.receipts, stats.exact, stats.within_one_block) == (4, 3, 4)
+    assert stats.accuracy == 0.75 and stats.mean_error_blocks == 0.25
+    assert book.stats(B).accuracy is None
+    book.forget(A)
+    assert book.stats(A).receipts == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "mode", "blocks"),
+    [
+        (128, "plain", 7),
+        (129, "plain", 8),
+        (1, "plain", 0),
+        (0, "plain", 0),
+        (129, "trtllm", 8),
+        (130, "bigram", 8),
+    ],
+)
+def test_reusable_blocks_leave_the_last_token_to_compute(tokens: int, mode: str, blocks: int) -> None:
+    assert reusable_blocks(tokens, BS, mode) == blocks  # type: ignore[arg-type]
+
+
+def test_prediction_of_a_block_aligned_prompt_held_whole_is_one_block_short() -> None:
+    router = PoolRouter("m")
+    router.add_replica(A, BS, "plain")
+    prompt = PROMPT[: 8 * BS]
+    router.space_of[A].table.apply(A, [stored(prompt, 8)], now=0.0)
+    plan = router.plan(prompt, [A], make_policy("cost"), PolicyWeights(), router.rng, now=1.0)
+    assert plan.decision.overlap_blocks == 8 and plan.cached_tokens == 7 * BS and plan.block_size == BS
+
+
+DROPS = RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0, receipt_drops=True)
+
+
+def test_fewer_reported_drops_the_stale_holdings_not_yet_stored_again() -> None:
+    router = PoolRouter("m", route_limits=DROPS)
+    router.add_replica(A, BS, "plain")
+    table = router.space_of[A].table
+    table.apply(A, [stored(PROMPT, 8)], now=0.0)  # the engine evicts behind our back afterwards
+    lease = router.route(PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r"), 1.0)
+    assert lease.plan.cached_tokens == 8 * BS
+    settled = lease.settle_receipt(3 * BS, now=2.0)  # the engine had 3 blocks
+    assert settled.receipt.error_blocks == -5 and len(settled.receipt.stale) == 5
+    assert settled.dropped_blocks == 5
+    assert table.held_blocks(A) == 3
+    keys = list(lease.plan.keys)
+    assert table.match(keys, [A], 2.0, True).of(A) == 3  # real holdings: what the engine reported
+    assert table.match(keys, [A], 2.0).of(A) == 8  # the request's own recomputation, speculated
+    assert router.receipts.stats(A).exact == 0
+    # the engine's store of the recomputed blocks comes later: held again, confirmed
+    table.apply(A, [stored(PROMPT, 8)], now=2.5)
+    assert table.match(keys, [A], 100.0).of(A) == 8
+
+
+def test_fewer_reported_keeps_blocks_the_engine_stored_again_since_the_routing() -> None:
+    router = PoolRouter("m", route_limits=DROPS)
+    router.add_replica(A, BS, "plain")
+    table = router.space_of[A].table
+    table.apply(A, [stored(PROMPT, 8)], now=0.0)
+    lease = router.route(PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r"), 1.0)
+    table.apply(A, [stored(PROMPT, 8)], now=1.5)  # the request's own blocks, stored before the receipt
+    settled = lease.settle_receipt(3 * BS, now=2.0)
+    assert len(settled.receipt.stale) == 5 and settled.dropped_blocks == 0
+    assert table.match(list(lease.plan.keys), [A], 100.0).of(A) == 8
+
+
+def test_more_reported_learns_the_prefix_as_speculative_entries() -> None:
+    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=2.0))
+    router.add_replica(A, BS, "plain")
+    router.add_replica(B, BS, "plain")
+    table = router.space_of[A].table
+    request = PoolRequest(PROMPT, make_policy("round_robin"), PolicyWeights(), "r")
+    lease = router.route(request, 0.0)
+    replica = lease.replica
+    lease.release(0.1)
+    settled = lease.settle_receipt(6 * BS, now=10.0)  # its own speculative entries expired long ago
+    assert settled.receipt.error_blocks == 6 and settled.learned_blocks == 6
+    keys = list(lease.plan.keys)
+    assert table.match(keys, [replica], 11.0).of(replica) == 6
+    assert table.match(keys, [replica], 12.0).of(replica) == 0  # speculative_ttl_s later, unconfirmed
+    assert router.receipts.stats(replica).receipts == 1
+
+
+def test_receipts_without_speculation_learn_nothing_and_drop_nothing() -> None:
+    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=0.0, receipt_drops=True))
+    router.add_replica(A, BS, "plain")
+    table = router.space_of[A].table
+    table.apply(A, [stored(PROMPT, 8)], now=0.0)
+    lease = router.route(PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r"), 1.0)
+    settled = lease.settle_receipt(0, now=2.0)
+    assert (settled.dropped_blocks, settled.learned_blocks, table.held_blocks(A)) == (0, 0, 8)
+
+
+def test_drops_are_off_by_default_receipts_only_measure_and_learn() -> None:
+    router = PoolRouter("m", route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0))
+    router.add_replica(A, BS, "plain")
+    table = router.space_of[A].table
+    table.apply(A, [stored(PROMPT, 8)], now=0.0)
+    lease = router.route(PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "r"), 1.0)
+    settled = lease.settle_receipt(3 * BS, now=2.0)
+    assert (settled.receipt.error_blocks, len(settled.receipt.stale), settled.dropped_blocks) == (-5, 5, 0)
+    assert table.held_blocks(A) == 8
+
+
+def test_admin_replicas_table_shows_accuracy_lag_and_last_resync() -> None:
+    from balancer.cli.command import replicas_table
+
+    views = [
+        {
+            "id": "sim-0",
+            "routable": True,
+            "inflight": 2,
+            "index": {"blocks": 120},
+            "prediction": {"receipts": 256, "accuracy": 0.98828125, "within_one_block": 1.0},
+            "events": {"last_lag_s": 0.004, "last_resync_age_s": None},
+        },
+        {
+            "id": "sim-1",
+            "routable": False,
+            "inflight": 0,
+            "index": {"blocks": 0},
+            "prediction": {},
+            "events": None,
+        },
+    ]
+    lines = replicas_table(views).splitlines()
+    assert lines[0].split() == [
+        "replica", "routable", "inflight", "blocks", "receipts", "exact", "within_1", "lag_s", "resync_age_s"
+    ]  # fmt: skip
+    assert lines[1].split() == ["sim-0", "yes", "2", "120", "256", "0.988", "1.000", "0.004", "-"]
+    assert lines[2].split() == ["sim-1", "no", "0", "0", "-", "-", "-", "-", "-"]
