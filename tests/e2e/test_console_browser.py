@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -234,6 +235,18 @@ def errors_in_log(driver: Any) -> list[str]:
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
 
 
+def put_policy(url: str, body: dict[str, Any], actor: str) -> None:
+    """``PUT /admin/policy`` from outside the browser (blocking: called from the browser's thread)."""
+    request = urllib.request.Request(
+        url + "/admin/policy",
+        data=json.dumps(body).encode(),
+        method="PUT",
+        headers={"Authorization": f"Bearer {TOKEN}", "x-kvlb-actor": actor},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
 def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     """Everything the SRE does, in one browser session; returns what the test checks afterwards."""
     seen: dict[str, Any] = {}
@@ -307,6 +320,12 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     seen["whatif"] = one(driver, "#whatif-result").text
     seen["whatif_hit"] = one(driver, '#whatif-summary tr[data-figure="hit_rate"]').text
     assert not one(driver, "#apply").is_enabled()  # no reason yet
+    # someone else changes the policy meanwhile: the proposal stays, compared with the new version
+    put_policy(url, {"weights": {"decode_weight": 0.2}, "reason": "another SRE"}, actor="sre-bob")
+    wait_for(driver, "the change noticed", lambda d: "changed to v2" in one(d, "#apply-result").text)
+    assert one(driver, "#w-overlap_credit").get_attribute("value") == "0"
+    assert one(driver, '#weights-table tr[data-weight="decode_weight"] td.current').text == "0.2"
+    assert one(driver, "#w-decode_weight").get_attribute("value") == "0.2"  # untouched: follows
     one(driver, "#actor").send_keys("sre-alice")
     one(driver, "#reason").send_keys("browser test: what does ignoring the cache do")
     shoot(driver, "policy", "#policy")
@@ -393,9 +412,10 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert "[0, 1000]" in seen["decode_range"]
     assert "hit rate" in seen["whatif_hit"] and "%" in seen["whatif_hit"]
     assert "decisions that change" in seen["whatif"]
-    assert seen["applied"].startswith("Applied: policy v2"), seen["applied"]
+    assert seen["applied"].startswith("Applied: policy v3"), seen["applied"]
     assert "sre-alice" in seen["audit"] and "overlap_credit" in seen["audit"]
-    assert policy["weights"]["overlap_credit"] == 0.0 and policy["version"] == 2
+    assert policy["weights"]["overlap_credit"] == 0.0 and policy["version"] == 3
+    assert policy["weights"]["decode_weight"] == 0.2  # the other SRE's change stays
     entry = audit["entries"][0]
     assert entry["reason"] == "browser test: what does ignoring the cache do"
     assert "sre-alice" in entry["actor"]

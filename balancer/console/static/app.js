@@ -287,14 +287,29 @@
     const policy = await api("GET", "/admin/policy");
     const first = state.policy === null;
     const changedVersion = !first && state.policy.version !== policy.version;
+    const previous = state.policy;
     state.policy = policy;
     setText("policy-version", "v" + policy.version + " by " + policy.updated_by + " at " + fmtDateTime(policy.updated_at));
     const names = policy.policies || [policy.name];
     fillSelect($("policy-name"), names, false);
-    if (first || changedVersion) {
+    if (first || (changedVersion && !state.proposal)) {
       $("policy-name").value = policy.name;
       buildWeights(policy);
     } else {
+      if (changedVersion) {
+        // the weights this SRE did not touch follow the new version (else Apply would revert them)
+        for (const input of document.querySelectorAll("#weights-table input[data-weight]")) {
+          const name = input.dataset.weight;
+          const old = previous.weights[name];
+          if (input.value.trim() === (old === null ? "" : String(old))) {
+            const now = policy.weights[name];
+            input.value = now === null ? "" : String(now);
+          }
+        }
+        $("apply-result").className = "warn";
+        setText("apply-result", "The policy changed to v" + policy.version + " (by " + policy.updated_by + ") while you were editing: your proposal is now compared with it.");
+        onProposalInput();
+      }
       for (const [name, value] of Object.entries(policy.weights)) {
         const cell = document.querySelector('#weights-table tr[data-weight="' + name + '"] td.current');
         if (cell) cell.textContent = value === null ? "off" : fmtNumber(value, 4);
