@@ -221,11 +221,16 @@ def shoot(driver: Any, name: str, selector: str | None = None) -> Path:
         time.sleep(0.3)
         driver.save_screenshot(str(path))
         driver.set_window_size(width, height)
-    else:
+    else:  # one section, the window made tall enough to hold all of it
         element = one(driver, selector)
+        size = driver.get_window_size()
+        needed = int(element.size["height"]) + 200
+        if needed > size["height"]:
+            driver.set_window_size(size["width"], min(4000, needed))
         driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", element)
-        time.sleep(0.2)
+        time.sleep(0.3)
         element.screenshot(str(path))
+        driver.set_window_size(size["width"], size["height"])
     assert path.stat().st_size > 1000, path
     return path
 
