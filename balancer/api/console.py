@@ -5,7 +5,8 @@ Behind ``auth.admin_token`` like every ``/admin`` path (the middleware).
 * ``POST /admin/whatif`` ``{"pool"?, "weights"?, "policy"?, "last"?, "sample"?}``: re-run a policy
   with proposed weights on the pool's recorded decisions (:mod:`balancer.service.whatif`), in a
   worker thread over a copy of the ring; commits nothing. At most :data:`MAX_CONCURRENT_WHATIF` run
-  at once (more → 429).
+  at once (more → 429), counted until their thread ends; a cancelled request (client gone, shutdown)
+  stops its thread at its next pause.
 * ``GET /admin/decisions?pool=&replica=&tenant=&since_id=&limit=``: recent decisions, newest first.
 * ``GET /admin/decisions/{id}``: one decision with its full explanation and inputs.
 * ``GET /admin/audit?limit=``: policy changes, newest first.
@@ -17,7 +18,9 @@ admin service calls the same code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -33,7 +36,7 @@ from balancer.errors import ConfigError
 from balancer.policy import make_policy
 from balancer.service.decisions import DecisionRecord, terms_by_replica
 from balancer.service.state import ServiceState
-from balancer.service.whatif import replay
+from balancer.service.whatif import WhatIfResult, replay
 
 WHATIF_KEYS = frozenset({"pool", "weights", "policy", "last", "sample"})
 MAX_SAMPLE = 100
@@ -52,8 +55,8 @@ rather than the interpreter's 5 ms switch interval."""
 PAUSE_S = 50e-6
 
 
-def _pause() -> None:
-    time.sleep(PAUSE_S)
+class _Abandoned(Exception):
+    """Raised in the replay's thread when its request was cancelled."""
 
 
 def _int_field(body: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:
@@ -106,14 +109,31 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
             headers={"Retry-After": str(int(WHATIF_RETRY_AFTER_S))},
         )
     records = state.decisions.ring(pool).snapshot(last)
-    state.whatif_running += 1
+    loop = asyncio.get_running_loop()
+    cancelled = threading.Event()
+
+    def finished() -> None:
+        state.whatif_running -= 1
+
+    def pause() -> None:
+        if cancelled.is_set():
+            raise _Abandoned
+        time.sleep(PAUSE_S)
+
+    def work() -> WhatIfResult:
+        try:
+            return replay(pool, records, policy, weights, sample=sample, pause=pause, pause_every=PAUSE_EVERY)
+        finally:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
+                loop.call_soon_threadsafe(finished)
+
+    state.whatif_running += 1  # until the thread ends, not until this handler does
     started = time.perf_counter()
     try:
-        result = await asyncio.to_thread(
-            replay, pool, records, policy, weights, sample=sample, pause=_pause, pause_every=PAUSE_EVERY
-        )
-    finally:
-        state.whatif_running -= 1
+        result = await loop.run_in_executor(None, work)
+    except asyncio.CancelledError:
+        cancelled.set()  # the client went away or kvlb stops: the thread ends at its next pause
+        raise
     state.metrics.console_whatif_seconds.observe(time.perf_counter() - started)
     answer = result.to_json()
     answer["elapsed_s"] = round(time.perf_counter() - started, 6)

@@ -42,6 +42,7 @@ METHODS: dict[str, bool] = {  # full name → server streaming
     "/kvlb.v1.Admin/Explain": False,
     "/kvlb.v1.Admin/ListReplicas": False,
     "/kvlb.v1.Admin/DrainReplica": False,
+    "/kvlb.v1.Admin/WhatIf": False,
 }
 
 
@@ -97,7 +98,27 @@ def valid_message(method: str, rng: random.Random) -> Message:
             )
         }
         request.weights.update(weights)
+        if rng.random() < 0.3:
+            request.reason = rng.choice(("why", "", "r" * 600, "\u202e\u0000"))
         return request
+    if name == "WhatIf":
+        what = pb.WhatIfRequest()
+        if rng.random() < 0.5:
+            what.policy = rng.choice(("cost", "least_load", "round_robin", "nope", ""))
+        if rng.random() < 0.3:
+            what.pool = rng.choice((MODEL, "", "no-such-pool"))
+        if rng.random() < 0.5:
+            what.last = rng.choice((0, 1, 5, 2**32 - 1))
+        if rng.random() < 0.5:
+            what.sample = rng.choice((0, 3, 101, 2**32 - 1))
+        what.weights.update(
+            {
+                rng.choice(("overlap_credit", "temperature", "bogus")): rng.choice(
+                    (0.5, -3.0, 1e300, None, "x")
+                )
+            }
+        )
+        return what
     if name == "Explain":
         return pb.ExplainRequest(request=generate_request(rng))
     if name == "DrainReplica":
@@ -132,6 +153,8 @@ def metadata(rng: random.Random) -> tuple[tuple[str, str], ...]:
         out.append(("x-kvlb-weights", rng.choice(("{", "[]", '{"temperature": -1}', "{}"))))
     if rng.random() < 0.2:
         out.append(("x-request-id", rng.choice(("", "id with spaces", "i" * 200))))
+    if rng.random() < 0.1:
+        out.append(("x-kvlb-actor", rng.choice(("", "alice", "a" * 100, "  "))))
     return tuple(out)
 
 

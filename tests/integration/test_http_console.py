@@ -6,8 +6,9 @@ import asyncio
 import json
 from typing import Any
 
+import aiohttp
 import pytest
-from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek
+from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
 
 from balancer.cli.main import main
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -90,6 +91,12 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
             assert status == 400, (body, error)
         status, _ = await _call(h, "POST", "/admin/whatif", {"pool": "nope"})
         assert status == 404
+        state = h.balancer.state
+        assert state is not None and state.whatif_running == 0  # every replay's thread has ended
+        state.whatif_running = 2  # two replays running: a third is refused
+        async with h.session.post(h.url + "/admin/whatif", json={}, headers=AUTH) as response:
+            assert response.status == 429 and response.headers["Retry-After"] == "1"
+        state.whatif_running = 0
         for query in ("limit=0", "limit=1001", "since_id=x", "limit=abc"):
             status, _ = await _call(h, "GET", f"/admin/decisions?{query}")
             assert status == 400, query
@@ -196,3 +203,37 @@ async def test_cli_whatif_decisions_and_audit(
         assert code == 0 and "carol" in out and "decode_weight: 0.1 -> 0.2" in out and "more decode" in out
         code, out, _ = await cli("audit", "--json", "--limit", "1")
         assert code == 0 and json.loads(out)["entries"][0]["actor"] == "carol"
+
+
+async def test_a_cancelled_whatif_stops_its_thread(tokenizer: Tokenizer) -> None:
+    """A client that goes away cancels the handler; the replay's thread stops at its next pause and
+    frees its slot, long before the whole ring would have been replayed."""
+    many = 60_000
+    async with running(tokenizer, 2, console__decision_ring_size=many, console__whatif_max_entries=many) as h:
+        await _send(h, list(range(3000, 3040)))
+        state = h.balancer.state
+        assert state is not None
+        log = state.decisions
+        first = log.ring(MODEL).entries[0]
+        for _ in range(many - 1):  # the same decision again: a ring full without 60,000 requests
+            log.record(
+                MODEL,
+                first.inputs,
+                first.decision,
+                first.weights,
+                first.prompt_tokens,
+                first.cached_tokens,
+                None,
+                first.wall_ts,
+            )
+        timeout = aiohttp.ClientTimeout(total=0.3)
+        with pytest.raises(TimeoutError):
+            await h.session.post(
+                h.url + "/admin/whatif", json={"weights": {"overlap_credit": 0}}, timeout=timeout
+            )
+        assert state.whatif_running == 1
+
+        async def freed() -> bool:
+            return state.whatif_running == 0
+
+        await wait_for("the replay's thread to stop", freed, timeout_s=3.0)

@@ -110,7 +110,9 @@ async def test_put_policy_changes_decisions_at_once(
         policy = await h.admin("PUT", "/admin/policy", {"name": "round_robin"})
         assert policy["name"] == "round_robin" and policy["version"] == 2
         audit = [r.getMessage() for r in caplog.records if r.name == "balancer.api.admin"]
-        assert audit == ["policy v2 set by anonymous@127.0.0.1: name: cost -> round_robin"]
+        assert audit == [
+            "policy v2 set by anonymous@127.0.0.1: name: cost -> round_robin; actor: admin; reason: -"
+        ]
         decisions = [r.getMessage() for r in caplog.records if r.name == "balancer.service.dispatch"]
         assert len(decisions) == 4 and f"-> {holder}" in decisions[-1] and "cost=" in decisions[-1]
         after = [
