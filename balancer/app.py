@@ -43,7 +43,7 @@ from balancer.policy import PolicyWeights
 from balancer.routing.router import PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits
 from balancer.service.audit import AuditLog
-from balancer.service.decisions import DecisionLog
+from balancer.service.decisions import DecisionLog, DecisionRing
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
@@ -143,6 +143,8 @@ class Balancer:
             decisions=self._decision_log(),
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
         )
+        for model in pools:
+            state.decisions.ring(model)  # its gauges exist from the start
         for pool in pools.values():
             for replica in pool.replicas:
                 state.health.add(replica)
@@ -165,17 +167,23 @@ class Balancer:
         )
 
     def _decision_log(self) -> DecisionLog:
+        """The console's rings; their gauges read the ring when scraped, and the eviction counter's
+        children are looked up once (a labels() call costs microseconds on the commit path)."""
         console, metrics = self.settings.console, self.metrics
+        evicted: dict[tuple[str, str], Any] = {}
 
         def on_evict(pool: str, reason: str, count: int) -> None:
-            metrics.console_ring_evicted_total.labels(pool, reason).inc(count)
+            child = evicted.get((pool, reason))
+            if child is None:
+                child = evicted[(pool, reason)] = metrics.console_ring_evicted_total.labels(pool, reason)
+            child.inc(count)
 
-        def on_size(pool: str, entries: int, nbytes: int) -> None:
-            metrics.console_ring_entries.labels(pool).set(entries)
-            metrics.console_ring_bytes.labels(pool).set(nbytes)
+        def on_ring(pool: str, ring: DecisionRing) -> None:
+            metrics.console_ring_entries.labels(pool).set_function(lambda: ring.stats.entries)
+            metrics.console_ring_bytes.labels(pool).set_function(lambda: ring.stats.bytes)
 
         return DecisionLog(
-            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_size=on_size
+            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_ring=on_ring
         )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:

@@ -269,7 +269,7 @@ class ConsoleConfig:
     matches, load snapshot, cost terms); past it the oldest is evicted
     (``kvlb_console_ring_evicted_total{reason="count"}``). 0 keeps none (whatif has nothing to
     replay). At most 1,000,000."""
-    decision_ring_bytes: int = 64 * 1024 * 1024
+    decision_ring_bytes: int = 128 * 1024 * 1024
     """Byte budget of one pool's ring (estimated, on the high side: 1.2 kB per entry plus 0.7 kB per
     replica in its cost terms and load snapshot); past it the oldest entries are evicted
     (``kvlb_console_ring_evicted_total{reason="bytes"}``, ``kvlb_console_ring_bytes``). Must be > 0."""
@@ -280,7 +280,7 @@ class ConsoleConfig:
     """Policy changes kept in ``/admin/audit`` (the oldest are dropped; every change is also logged
     at INFO). Must be >= 1."""
     whatif_max_entries: int = 100_000
-    """Most decisions one ``/admin/whatif`` replays (its ``last``); bounds its CPU time (0.1 to
+    """Most decisions one ``/admin/whatif`` replays (its ``last``); bounds its CPU time (0.04 to
     0.4 ms per decision of 4 replicas, in a worker thread). Must be >= 1."""
 
     ui_enabled: bool = True

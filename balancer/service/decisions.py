@@ -120,7 +120,7 @@ class DecisionRing:
 
 class DecisionLog:
     """Every pool's ring and the one id counter; ``on_evict(pool, reason, n)`` reports evictions
-    and ``on_size(pool, entries, bytes)`` the ring's size after each append (metrics)."""
+    and ``on_ring(pool, ring)`` each new ring (metrics: gauges that read its stats when scraped)."""
 
     def __init__(
         self,
@@ -128,19 +128,21 @@ class DecisionLog:
         max_bytes: int,
         *,
         on_evict: Callable[[str, str, int], None] | None = None,
-        on_size: Callable[[str, int, int], None] | None = None,
+        on_ring: Callable[[str, DecisionRing], None] | None = None,
     ) -> None:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.rings: dict[str, DecisionRing] = {}
         self._next_id = 0
         self._on_evict = on_evict
-        self._on_size = on_size
+        self._on_ring = on_ring
 
     def ring(self, pool: str) -> DecisionRing:
         ring = self.rings.get(pool)
         if ring is None:
             ring = self.rings[pool] = DecisionRing(self.max_entries, self.max_bytes)
+            if self._on_ring is not None:
+                self._on_ring(pool, ring)
         return ring
 
     def record(
@@ -171,15 +173,12 @@ class DecisionLog:
             cached_tokens=cached_tokens,
             nbytes=estimate_bytes(inputs, decision, tenant),
         )
-        ring = self.ring(pool)
-        by_count, by_bytes = ring.append(record)
-        if self._on_evict is not None:
+        by_count, by_bytes = self.ring(pool).append(record)
+        if self._on_evict is not None and (by_count or by_bytes):
             if by_count:
                 self._on_evict(pool, "count", by_count)
             if by_bytes:
                 self._on_evict(pool, "bytes", by_bytes)
-        if self._on_size is not None:
-            self._on_size(pool, ring.stats.entries, ring.stats.bytes)
         return record
 
     def find(self, record_id: int) -> DecisionRecord | None:

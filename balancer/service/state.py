@@ -77,7 +77,7 @@ class ServiceState:
     """Reasons the service runs degraded but still serves (the fleet: Redis unreachable)."""
     fleet_status: Callable[[], dict[str, Any]] | None = None
     """The fleet's view for ``GET /admin/fleet`` (``None``: embedded, no Redis)."""
-    decisions: DecisionLog = field(default_factory=lambda: DecisionLog(10_000, 64 * 1024 * 1024))
+    decisions: DecisionLog = field(default_factory=lambda: DecisionLog(10_000, 128 * 1024 * 1024))
     """Recent committed decisions per pool (``console.decision_ring_*``; the app builds it)."""
     audit: AuditLog = field(default_factory=lambda: AuditLog(1_000))
     """Policy changes (``console.audit_log_size``; the app builds it)."""

@@ -51,6 +51,7 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         assert newest["replica"] == chosen[-1] and newest["pool"] == MODEL
         assert newest["prefill_tokens"] == 68 and set(newest["terms"]) == {"r0", "r1"}
         assert newest["predicted_cached_tokens"] >= 64  # the warmed prefix
+        assert isinstance(newest["request_id"], str) and newest["request_id"]
         status, team_a = await _call(h, "GET", "/admin/decisions?tenant=team-a&limit=1000")
         assert status == 200 and len(team_a["decisions"]) == 6
         assert all(d["tenant"] == "team-a" for d in team_a["decisions"])

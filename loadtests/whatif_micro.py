@@ -1,0 +1,110 @@
+"""What recording a decision and replaying the ring cost, in process (``python -m loadtests.whatif_micro``).
+
+Routes ``--decisions`` requests through a real :class:`~balancer.routing.router.PoolRouter` (4
+replicas, 4 shared prefixes of 8 blocks, random suffixes, a third of the leases released), keeps
+every decision in a :class:`~balancer.service.decisions.DecisionLog` with the app's metric
+callbacks, then times: ``PoolRouter.route`` (select and commit, for scale), ``DecisionLog.record``
+(the cost added at commitment), and
+:func:`~balancer.service.whatif.replay` of the whole ring with the weights in force and with
+``overlap_credit`` 0.5, without pauses (the worker thread's pure CPU time). Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from typing import Any
+
+from balancer.app import Balancer
+from balancer.config import Settings
+from balancer.events import Stored
+from balancer.health.book import HealthBook
+from balancer.index.hashing import pack_tokens
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import make_policy
+from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
+from balancer.service.whatif import replay
+from balancer.types import EngineHash, ReplicaId
+
+REPLICAS = [ReplicaId(f"r{i}") for i in range(4)]
+
+
+def _prefix(i: int) -> list[int]:
+    return list(range(10_000 * (i + 1), 10_000 * (i + 1) + 128))
+
+
+def _router() -> PoolRouter:
+    health = HealthBook()
+    for replica in REPLICAS:
+        health.add(replica, probe_ok=True)
+    router = PoolRouter("m", health=health, route_limits=RouteLimits(max_inflight_per_replica=1_000_000))
+    for i, replica in enumerate(REPLICAS):
+        router.add_replica(replica, 16, "plain")
+        hashes = tuple(EngineHash(100 * i + 1 + k) for k in range(8))
+        stored = Stored(
+            dp_rank=0, parent=None, engine_hashes=hashes, tokens=pack_tokens(_prefix(i)), block_size=16
+        )
+        router.space_of[replica].table.apply(replica, [stored], now=0.0)
+    return router
+
+
+def measure(decisions: int, seed: int) -> dict[str, Any]:
+    router = _router()
+    log = Balancer(Settings())._decision_log()
+    policy, weights = make_policy("cost"), PolicyWeights()
+    rng = random.Random(seed)
+    leases = []
+    recording = routing = 0.0
+    for k in range(decisions):
+        now = 1.0 + k * 0.01
+        tokens = _prefix(rng.randrange(4))[: rng.choice([64, 128])] + [
+            rng.randrange(50_000) for _ in range(64)
+        ]
+        started = time.perf_counter()
+        lease = router.route(PoolRequest(tokens, policy, weights, f"q{k}"), now)
+        routing += time.perf_counter() - started
+        plan = lease.plan
+        assert plan.inputs is not None
+        started = time.perf_counter()
+        log.record(
+            "m", plan.inputs, plan.decision, weights, plan.prompt_tokens, plan.cached_tokens, None, now
+        )
+        recording += time.perf_counter() - started
+        leases.append(lease)
+        if k % 3 == 0:
+            leases.pop(0).release(now)
+    records = log.ring("m").snapshot()
+    replays: dict[str, Any] = {}
+    for label, proposed in (
+        ("unchanged", weights),
+        ("overlap_credit=0.5", weights.replace(overlap_credit=0.5)),
+    ):
+        started = time.perf_counter()
+        result = replay("m", records, make_policy("cost"), proposed)
+        replays[label] = {"seconds": round(time.perf_counter() - started, 3), "changed": result.changed}
+    return {
+        "decisions": len(records),
+        "replicas": len(REPLICAS),
+        "route_us_mean": round(1e6 * routing / decisions, 2),
+        "record_us_mean": round(1e6 * recording / decisions, 2),
+        "ring_bytes_estimate": log.ring("m").stats.bytes,
+        "replay": replays,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--decisions", type=int, default=10_000)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    print(json.dumps(measure(args.decisions, args.seed), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
