@@ -413,7 +413,7 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert set(seen["fleet_health"]) == {"healthy"}
     assert set(seen["share_legend"]) >= set(replica_ids[:1]) and set(seen["share_legend"]) <= set(replica_ids)
     assert set(seen["tenants_after_filter"]) == {TENANTS[1]}
-    assert "Decision" in seen["explanation"]
+    assert "Decision" in seen["explanation"] and "request " in seen["explanation"]
     assert "[0, 1000]" in seen["decode_range"]
     assert "hit rate" in seen["whatif_hit"] and "%" in seen["whatif_hit"]
     assert "decisions that change" in seen["whatif"]

@@ -654,7 +654,7 @@
     const cached = d.predicted_cached_tokens !== undefined ? d.predicted_cached_tokens : d.cached_tokens;
     target.append(el("h3", { text: "Decision " + d.id + " → " + chosen }));
     target.append(
-      el("p", { class: "muted", text: fmtDateTime(d.ts) + " · pool " + d.pool + " · tenant " + (d.tenant || DASH) + " · policy " + (decision.policy || d.policy || DASH) })
+      el("p", { class: "muted", text: fmtDateTime(d.ts) + " · pool " + d.pool + " · tenant " + (d.tenant || DASH) + " · policy " + (decision.policy || d.policy || DASH) + (d.request_id ? " · request " + d.request_id : "") })
     );
     const why = decision.reason || d.reason || (typeof d.explanation === "string" ? d.explanation : "");
     target.append(
