@@ -204,10 +204,16 @@
     return ["not routable", "bad"];
   }
 
+  // Prediction accuracy, when kvlb reports it: /admin/replicas' "prediction" (the engines' receipts
+  // of cached blocks vs what the router predicted) as {receipts, accuracy, within_one_block,
+  // mean_error_blocks}; "—" when absent or not measured yet.
   function accuracyOf(view) {
-    const found = [view.prediction_accuracy, view.prediction && view.prediction.accuracy, view.accuracy];
-    for (const value of found) if (typeof value === "number") return fmtPercent(value);
-    return DASH;
+    const p = view.prediction;
+    if (!p || typeof p.accuracy !== "number") return [DASH, ""];
+    const details = [fmtNumber(p.receipts) + " receipts"];
+    if (typeof p.within_one_block === "number") details.push(fmtPercent(p.within_one_block) + " within one block");
+    if (typeof p.mean_error_blocks === "number") details.push("mean error " + fmtNumber(p.mean_error_blocks) + " blocks");
+    return [fmtPercent(p.accuracy), details.join(", ")];
   }
 
   async function refreshFleet() {
@@ -244,7 +250,7 @@
           el("td", { class: "num", text: fmtNumber(view.index ? view.index.blocks : null) }),
           el("td", { class: "num", text: lag, title: lastEvent }),
           el("td", { class: "num", text: events ? fmtNumber(events.queued_batches) : DASH }),
-          el("td", { class: "num", text: accuracyOf(view) })
+          el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] })
         )
       );
     }
