@@ -9,9 +9,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import TypedDict
+from typing import Final, TypedDict, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+
+from balancer.events import ResyncReason
+
+DECODE_ERROR_REASONS: Final = (
+    "frame", "msgpack", "json", "schema", "stream", "replay_end", "event", "internal",
+)  # fmt: skip
+"""Every ``reason`` of ``kvlb_events_decode_errors_total``: the ``EventDecodeError`` reasons of the
+decoders and sources, ``event`` (a malformed event in a good message) and ``internal`` (a decoder bug)."""
+REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
+"""Every ``outcome`` of ``kvlb_events_replays_total``."""
+REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
+"""Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
+RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
+"""Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
+APPLIED_OUTCOMES: Final = (
+    ("stored", "applied"), ("stored", "unknown_parent"), ("stored", "block_size"), ("removed", "applied"),
+    ("removed", "unknown"), ("cleared", "applied"), ("resync", "applied"), ("other", "ignored"),
+    ("batch", "error"),
+)  # fmt: skip
+"""Every ``(type, status)`` of ``kvlb_events_applied_total``."""
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
@@ -37,6 +57,7 @@ class Metrics:
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
     events_replays_total: Counter
+    events_replay_polls_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -73,6 +94,32 @@ class Metrics:
     console_ring_evicted_total: Counter
     console_whatif_seconds: Histogram
     console_audit_dropped_total: Counter
+
+    def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
+        """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
+        that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
+        or discovered); ``replays``: its transport has a replay socket (ZMQ)."""
+        for reason in DECODE_ERROR_REASONS:
+            self.events_decode_errors_total.labels(engine, reason)
+        for kind, status in APPLIED_OUTCOMES:
+            self.events_applied_total.labels(engine, kind, status)
+        for counter in (
+            self.events_seq_gaps_total,
+            self.events_queue_overflow_total,
+            self.events_oversize_total,
+            self.events_disconnects_total,
+            self.scrape_errors_total,
+            self.predicted_cached_tokens_total,
+            self.reported_cached_tokens_total,
+        ):
+            counter.labels(replica)
+        for reason in RESYNC_REASONS:
+            self.events_resyncs_total.labels(replica, reason)
+        if replays:
+            for outcome in REPLAY_OUTCOMES:
+                self.events_replays_total.labels(replica, outcome)
+            for outcome in REPLAY_POLL_OUTCOMES:
+                self.events_replay_polls_total.labels(replica, outcome)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
@@ -204,6 +251,7 @@ class _EventsCollectors(TypedDict):
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
     events_replays_total: Counter
+    events_replay_polls_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -233,6 +281,12 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_replays_total": counter(
             "kvlb_events_replays_total",
             "Replay requests to an engine's replay socket, by outcome (filled, partial, failed, empty).",
+            ["replica", "outcome"],
+        ),
+        "events_replay_polls_total": counter(
+            "kvlb_events_replay_polls_total",
+            "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
+            "held batches the live stream lost; nothing; failed).",
             ["replica", "outcome"],
         ),
         "events_resyncs_total": counter(

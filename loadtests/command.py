@@ -42,6 +42,7 @@ from loadtests.processes import (
 from loadtests.report import build_report, write_json, write_markdown, write_records
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
+from loadtests.target import add_target_arguments, target_campaign
 from loadtests.whatif_check import add_whatif_arguments, whatif_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
@@ -91,8 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-context-tokens", type=int, default=None, help="per-request context (default: the profile's)")
     add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="child processes the fleet is split over")
+    add("--engine", choices=("sglang", "vllm"), default="sglang",
+        help="engine the replicas emulate: SGLang 0.5.23 (block 16) or vLLM 0.32 (block 128, its "
+        "events, /reset_prefix_cache and vllm: metrics)")  # fmt: skip
     add("--event-flavor", choices=("auto", "sglang", "vllm"), default="auto",
-        help="KV-event fields the replicas publish; auto: vllm when vllm_kv_aware runs (it needs "
+        help="SGLang replicas: KV-event fields they publish; auto: vllm when vllm_kv_aware runs (it needs "
         "lora_name), else sglang")  # fmt: skip
     add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb emulate` prints")
     add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
@@ -106,6 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run everything in a new network namespace with only loopback (unshare -n)")  # fmt: skip
     add("--in-netns", action="store_true", help=argparse.SUPPRESS)
     add_soak_arguments(parser)
+    add_target_arguments(parser)
     add_whatif_arguments(parser)
 
 
@@ -119,8 +124,9 @@ def _params(pairs: Sequence[str]) -> dict[str, Any]:
     return params
 
 
-def build_workload(args: argparse.Namespace, capacity_tokens: int, replicas: int) -> Workload:
-    """The workload named by ``args``; ``tenants`` without a ``tenants`` count is sized to the fleet."""
+def build_workload(args: argparse.Namespace, capacity_tokens: int | None, replicas: int) -> Workload:
+    """The workload named by ``args``; ``tenants`` without a ``tenants`` count is sized to the fleet
+    (when its capacity is known: ``--target`` without ``--kv-capacity-tokens`` keeps the default)."""
     params = _params(args.param)
     if args.workload == "mooncake":
         if not args.trace:
@@ -137,7 +143,7 @@ def build_workload(args: argparse.Namespace, capacity_tokens: int, replicas: int
     fields = {f.name for f in dataclasses.fields(workload)}  # type: ignore[arg-type]
     if "num_requests" in fields and "num_requests" not in params:
         workload = dataclasses.replace(workload, num_requests=args.requests)  # type: ignore[type-var]
-    if isinstance(workload, TenantsWorkload) and "tenants" not in params:
+    if isinstance(workload, TenantsWorkload) and "tenants" not in params and capacity_tokens is not None:
         workload = workload.for_capacity(capacity_tokens, replicas=replicas)
     return workload
 
@@ -207,9 +213,10 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             max_context_tokens=args.max_context_tokens,
             time_scale=args.time_scale,
             processes=args.processes,
+            engine=args.engine,
             event_flavor=_event_flavor(args.event_flavor, routers),
         )
-        print(f"starting {args.replicas} replicas ({args.profile}) ...", file=sys.stderr)
+        print(f"starting {args.replicas} {args.engine} replicas ({args.profile}) ...", file=sys.stderr)
         fleet = await start_emulator(options, logs)
     try:
         async with aiohttp.ClientSession() as session:
@@ -252,6 +259,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             "block_size": fleet.block_size,
             "kv_capacity_tokens_per_replica": fleet.capacity_tokens,
             "time_scale": args.time_scale,
+            "engine": str(fleet.replicas[0].get("engine")),
             "event_flavor": None if args.attach else _event_flavor(args.event_flavor, routers),
         },
         "workload": _workload_meta(workload),
@@ -314,7 +322,18 @@ def run(args: argparse.Namespace) -> int:
     if args.netns and not args.in_netns:
         return _reexec_in_netns()
     try:
-        if args.duration is not None:
+        if args.target and args.duration is not None:
+            raise ValueError("--target and --duration (soak) do not go together")
+        if args.target:
+            args.rate = 10.0 if args.rate is None else args.rate
+            if args.requests <= 0 or args.rate <= 0:
+                raise ValueError("need --requests > 0 and --rate > 0")
+            out = (
+                args.out
+                or Path("loadtest-results") / f"target-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
+            )
+            campaign = target_campaign(args, _own_argv(), out)
+        elif args.duration is not None:
             campaign = soak_campaign(args, _own_argv())
         elif args.whatif:
             args.rate = 10.0 if args.rate is None else args.rate

@@ -1,9 +1,10 @@
 """Child process of a load-test fleet: ``kvlb emulate`` with the overrides a load test needs (I/O).
 
-``python -m loadtests.emulator_child --replicas N --index-offset I --profile P`` runs N emulated SGLang
-replicas on this process's event loop, prints the fleet listing (one JSON line, as ``kvlb emulate``)
-and runs until SIGTERM. Beyond ``kvlb emulate`` it takes ``--kv-capacity-tokens`` (a pool small enough
-for a workload to overflow one replica), ``--max-context-tokens`` and ``--event-flavor vllm``.
+``python -m loadtests.emulator_child --replicas N --index-offset I --profile P [--engine vllm]`` runs N
+emulated SGLang (or vLLM) replicas on this process's event loop, prints the fleet listing (one JSON line,
+as ``kvlb emulate``) and runs until SIGTERM. Beyond ``kvlb emulate`` it takes ``--kv-capacity-tokens``
+(a pool small enough for a workload to overflow one replica), ``--max-context-tokens`` and
+``--event-flavor vllm`` (SGLang replicas publishing vLLM's field set).
 Tokenizers are the balancer's (:data:`loadtests.emulate.BALANCER_TOKENIZERS`).
 """
 
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--time-scale", type=float, default=1.0)
     parser.add_argument("--tokenizer", default=DEFAULT_TOKENIZER)
     parser.add_argument("--event-flavor", choices=("sglang", "vllm"), default="sglang")
+    parser.add_argument("--engine", choices=("sglang", "vllm"), default="sglang")
     args = parser.parse_args(argv)
     template = template_config(
         profile=args.profile,
@@ -51,7 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     template = replace(template, profile=template.profile.with_overrides(**overrides))
     spec = EmulatorSpec(
         replicas=args.replicas,
-        engine="sglang",
+        engine=args.engine,
         template=template,
         index_offset=args.index_offset,
         tokenizer=args.tokenizer,
@@ -61,8 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _use_vllm_events(fleet: Emulator) -> None:
-    """Publish vLLM-shaped events. A stopgap: the emulator has no option for it yet, so this swaps
-    the encoder of each publisher (same hashes and batches, vLLM's field set)."""
+    """SGLang replicas publishing vLLM-shaped events: swaps the encoder of each SGLang publisher (same
+    hashes and batches, vLLM's field set). ``--engine vllm`` runs real vLLM personalities instead."""
     for replica in fleet.replicas:
         personality = replica.personality
         if isinstance(personality, SglangPersonality):

@@ -117,9 +117,13 @@ class EmulatorOptions:
     """Per-request context limit; ``None``: the profile's."""
     time_scale: float = 1.0
     processes: int = 2
+    engine: str = "sglang"
+    """The engine the replicas emulate: ``sglang`` (0.5.23) or ``vllm`` (0.32: its events, block size
+    128, block eviction, ``/reset_prefix_cache`` and ``vllm:`` metrics)."""
     event_flavor: str = "sglang"
-    """KV-event field set: ``sglang`` (0.5.23) or ``vllm`` (adds ``lora_name`` etc.; vllm-router's
-    ``kv_aware`` rejects events without ``lora_name``)."""
+    """SGLang replicas only: the KV-event field set, ``sglang`` or ``vllm`` (a stopgap that adds
+    ``lora_name`` etc. to SGLang replicas' events, for vllm-router's ``kv_aware``, which rejects events
+    without ``lora_name``)."""
 
 
 @dataclass
@@ -150,7 +154,7 @@ class EmulatorHandle:
 
 
 async def start_emulator(options: EmulatorOptions, logs: Path) -> EmulatorHandle:
-    """Start ``options.replicas`` SGLang replicas over ``options.processes`` children."""
+    """Start ``options.replicas`` replicas of ``options.engine`` over ``options.processes`` children."""
     processes = max(1, min(options.processes, options.replicas))
     per_child, extra = divmod(options.replicas, processes)
     handle = EmulatorHandle([])
@@ -173,6 +177,7 @@ def _child_args(options: EmulatorOptions, offset: int, count: int) -> list[str]:
     args = [
         "--replicas", str(count), "--index-offset", str(offset), "--profile", options.profile,
         "--time-scale", str(options.time_scale), "--event-flavor", options.event_flavor,
+        "--engine", options.engine,
     ]  # fmt: skip
     if options.kv_capacity_tokens is not None:
         args += ["--kv-capacity-tokens", str(options.kv_capacity_tokens)]
@@ -189,8 +194,8 @@ def attach_emulator(listing: Path) -> EmulatorHandle:
             replicas = json.loads(line)["replicas"]
     if not replicas:
         raise ValueError(f"{listing}: no {{'replicas': [...]}} line found")
-    if any(r.get("engine") != "sglang" for r in replicas):
-        raise ValueError("attach needs SGLang replicas (flush_cache and ZMQ events)")
+    if any("replay" not in r or "flush" not in r for r in replicas):
+        raise ValueError("attach needs SGLang or vLLM replicas (a cache flush and ZMQ events)")
     return EmulatorHandle(replicas)
 
 
@@ -232,11 +237,13 @@ async def wait_idle(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> No
 
 
 async def flush(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> None:
-    """Empty every replica's prefix cache (``POST /flush_cache``, refused while busy: wait idle first)."""
+    """Empty every replica's prefix cache (its listed ``flush``: SGLang ``POST /flush_cache``, vLLM
+    ``POST /reset_prefix_cache``; refused while busy: wait idle first)."""
     await wait_idle(session, fleet)
     for replica in fleet.replicas:
-        async with session.post(
-            replica["url"] + "/flush_cache", timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
+        method, _, path = str(replica.get("flush", "POST /flush_cache")).partition(" ")
+        async with session.request(
+            method, replica["url"] + path, timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT_S)
         ) as response:
             if response.status != 200:
                 raise RuntimeError(f"flush of {replica['name']} failed: HTTP {response.status}")
@@ -254,7 +261,7 @@ def kvlb_config(
         {
             "id": r["name"],
             "url": r["url"],
-            "engine": "sglang",
+            "engine": r["engine"],
             "block_size": r["block_size"],
             "dp_size": r.get("dp_size", 1),
             "events": r["events"][0],

@@ -56,18 +56,22 @@ _PASSTHROUGH_FLAGS = {
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--replicas", type=int, default=2, help="number of replicas (default 2)")
-    add("--engine", choices=("sglang", "trtllm", "mixed"), default="sglang", help="engine to emulate")
+    add("--engine", choices=("sglang", "vllm", "trtllm", "mixed"), default="sglang",
+        help="engine to emulate: SGLang 0.5.23, vLLM 0.32, TRT-LLM, "
+        "or mixed (SGLang and TRT-LLM alternate)")  # fmt: skip
     add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="timing/capacity profile")
     add("--base-port", type=int, default=0, help="HTTP port of replica 0, +i for replica i (0: free ports)")
-    add("--event-port-base", type=int, default=0, help="SGLang event ports start here (0: free ports)")
+    add("--event-port-base", type=int, default=0, help="SGLang/vLLM event ports start here (0: free ports)")
     add("--time-scale", type=float, default=1.0, help="model seconds per wall second (default 1)")
     add("--dp-size", type=int, default=1, help="data-parallel ranks per replica")
-    add("--event-encoding", choices=("map", "array"), default="map", help="SGLang event encoding")
-    add("--page-size", type=int, default=None, help="KV page/block size (default: profile, 32 for TRT-LLM)")
-    add("--topic", default="", help="SGLang ZMQ topic")
-    add("--eviction", choices=("node", "block"), default="node",
-        help="KV eviction: whole LRU leaves (SGLang) or just the blocks needed (vLLM)")  # fmt: skip
-    add("--buffer-steps", type=int, default=10_000, help="SGLang replay buffer, in batches")
+    add("--event-encoding", choices=("map", "array"), default="map", help="SGLang/vLLM event encoding")
+    add("--page-size", type=int, default=None,
+        help="KV page/block size (default: the profile's for SGLang, 32 TRT-LLM, 128 vLLM)")  # fmt: skip
+    add("--topic", default="", help="SGLang/vLLM ZMQ topic")
+    add("--eviction", choices=("node", "block"), default=None,
+        help="KV eviction: whole LRU leaves (SGLang) or just the blocks needed (vLLM); "
+        "default: the engine's")  # fmt: skip
+    add("--buffer-steps", type=int, default=10_000, help="SGLang/vLLM replay buffer, in batches")
     add("--event-buffer-max-size", type=int, default=16_384, help="TRT-LLM event buffer, in events")
     add("--host-cache-blocks", type=int, default=0, help="TRT-LLM host tier blocks (updated events)")
     add("--metrics-prefix", choices=("sglang:", "sglang_"), default="sglang:", help="SGLang metric prefix")
@@ -130,7 +134,7 @@ class EmulateCommand:
         """Add ``emulate`` and its deprecated alias ``sim`` to a ``kvlb`` command line."""
         parser = subparsers.add_parser(
             COMMAND_NAME,
-            help="run emulated SGLang/TRT-LLM replicas",
+            help="run emulated SGLang/vLLM/TRT-LLM replicas",
             description="Start a fleet of emulated engine replicas on consecutive ports.",
         )
         add_arguments(parser)

@@ -1,8 +1,8 @@
 """Start a fleet of emulated replicas, in this process or as child processes (I/O).
 
 Port layout for ``base_port`` P and ``event_port_base`` E (``0`` for either: free ports): replica ``i``
-serves HTTP on ``P + i``; an SGLang replica with ``d`` DP ranks publishes on ``E + 2·d·i + r`` and
-serves replay on ``E + 2·d·i + d + r`` (rank ``r``). ``mixed`` alternates SGLang (even ``i``) and
+serves HTTP on ``P + i``; an SGLang or vLLM replica with ``d`` DP ranks publishes on ``E + 2·d·i + r``
+and serves replay on ``E + 2·d·i + d + r`` (rank ``r``). ``mixed`` alternates SGLang (even ``i``) and
 TRT-LLM (odd ``i``).
 
 :class:`Emulator` runs replicas on the current event loop (tests, the demo). :class:`ProcessEmulator` splits
@@ -32,7 +32,7 @@ from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
 from replicas.sim.tokenizer import DEFAULT_TOKENIZER, PromptTokenizer
 
-FleetEngine = Literal["sglang", "trtllm", "mixed"]
+FleetEngine = Literal["sglang", "trtllm", "vllm", "mixed"]
 
 CHILD_START_TIMEOUT_S = 60.0
 """How long a child process may take to print its replicas."""

@@ -3,30 +3,22 @@
 * :func:`sglang_page_hashes`: SGLang's page hashes of a whole prompt, chained with the emulator's own
   :func:`replicas.wire.sglang.page_digest` (the per-page recipe the emulator publishes with).
 * :func:`vllm_block_hash`, :func:`vllm_block_hashes`: vLLM's ``sha256`` prefix-cache hash (CPU
-  build): ``digest = SHA-256(pickle((parent_digest or NONE_HASH, tuple(tokens), extra_keys),
-  protocol=5))``, event hash = last 8 digest bytes, **unsigned** u64; ``NONE_HASH = SHA-256(pickle(
-  "vllm-none-hash", protocol=5))``. Protocols 0-4 reproduce none of the captured hashes; 5 reproduces
-  all (``tests/unit/test_wire_sglang.py`` checks every captured hash).
-
-Nothing outside the tests needs them, so they live here rather than in the emulator.
+  build), chained over a whole prompt with the emulator's per-block recipe
+  (:func:`replicas.wire.vllm.block_hash`, which the vLLM personality publishes with);
+  ``tests/unit/test_wire_sglang.py`` checks it on every captured hash.
 """
 
 from __future__ import annotations
 
-import hashlib
-import pickle
 from collections.abc import Sequence
 from itertools import pairwise
 from typing import Final
 
-from replicas.wire.sglang import digest_to_i64, page_digest
+from replicas.wire.sglang import digest_to_i64, page_digest, salt_seed
+from replicas.wire.vllm import NONE_HASH, PICKLE_PROTOCOL, block_hash
 
-VLLM_PICKLE_PROTOCOL: Final = 5
-"""The pickle protocol vLLM's ``sha256`` block hasher uses (``pickle.HIGHEST_PROTOCOL`` on 3.8+)."""
-VLLM_NONE_HASH: Final[bytes] = hashlib.sha256(
-    pickle.dumps("vllm-none-hash", protocol=VLLM_PICKLE_PROTOCOL)
-).digest()
-"""The parent digest vLLM chains the first block of a request to."""
+VLLM_PICKLE_PROTOCOL: Final = PICKLE_PROTOCOL
+VLLM_NONE_HASH: Final[bytes] = NONE_HASH
 
 
 def sglang_page_hashes(
@@ -36,14 +28,20 @@ def sglang_page_hashes(
     extra_key: str | None = None,
     bigram: bool = False,
     prior_digest: bytes | None = None,
+    cache_salt: str | None = None,
 ) -> list[tuple[int, bytes]]:
     """``(i64 event hash, digest)`` of every page of ``tokens``, chained from ``prior_digest``.
 
     ``page_size`` counts units (tokens, or pairs in bigram mode, where N tokens make N-1 pairs). The last
-    page may be partial; SGLang hashes and publishes it too.
+    page may be partial; SGLang hashes and publishes it too. ``cache_salt`` (a request's root pages
+    only) starts the chain from SGLang 0.5.23's salt seed rather than from no prior digest.
     """
     if page_size <= 0:
         raise ValueError(f"page_size must be positive, got {page_size}")
+    if cache_salt is not None:
+        if prior_digest is not None:
+            raise ValueError("a salt seeds a root chain: give cache_salt or prior_digest, not both")
+        prior_digest = salt_seed(cache_salt)
     units: list[int] | list[tuple[int, int]]
     units = list(pairwise(tokens)) if bigram else list(tokens)
     pages: list[tuple[int, bytes]] = []
@@ -54,21 +52,8 @@ def sglang_page_hashes(
     return pages
 
 
-def vllm_block_hash(
-    parent_digest: bytes | None,
-    block_tokens: Sequence[int],
-    *,
-    extra_keys: tuple[object, ...] | None = None,
-) -> tuple[int, bytes]:
-    """``(u64 event hash, digest)`` of one vLLM block (CPU build, ``sha256`` prefix-cache hash).
-
-    ``parent_digest`` is the parent's full 32-byte digest (``None``: first block of the request).
-    ``extra_keys`` is the block's key tuple (LoRA name, cache salt on block 0, ...), ``None`` when empty.
-    """
-    parent = VLLM_NONE_HASH if parent_digest is None else parent_digest
-    payload = (parent, tuple(int(token) for token in block_tokens), extra_keys)
-    digest = hashlib.sha256(pickle.dumps(payload, protocol=VLLM_PICKLE_PROTOCOL)).digest()
-    return int.from_bytes(digest[-8:], "big"), digest
+vllm_block_hash = block_hash
+"""vLLM's hash of one block: the emulator's own (:func:`replicas.wire.vllm.block_hash`)."""
 
 
 def vllm_block_hashes(

@@ -19,8 +19,9 @@ Events are positional arrays ``["BlockStored", ...]`` (older builds) or tagged m
   by ``lora_id``, vLLM ``extra_keys`` other than the LoRA name or the salt, e.g. multimodal).
 
 Index 7 of a positional ``BlockStored`` is vLLM's ``lora_name`` (a string) or SGLang's salted
-``metadata`` map (``{"cache_salt": ...}``): the type decides. The only state is the learned vLLM
-main group, so one decoder serves one replica.
+``metadata`` map (``{"cache_salt": ...}``): the type decides. A map carries the salt as SGLang 0.5.23's
+top-level ``cache_salt`` or, in older maps, as that ``metadata`` map (which wins when both are there).
+The only state is the learned vLLM main group, so one decoder serves one replica.
 
 SGLang's spec: plain alignment (EAGLE: bigram pages), 16 tokens per page by default, ZMQ events per DP
 rank with replay, and load from ``/v1/loads`` (else Prometheus ``/metrics``, else ``/get_load``).

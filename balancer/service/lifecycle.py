@@ -203,6 +203,8 @@ class ReplicaLifecycle:
     def _start_tasks(self, pool: Pool, config: ReplicaConfig) -> None:
         replica = ReplicaId(config.id)
         tasks = self._tasks.setdefault(replica, [])
+        replays = engine_spec(config.engine).transport == "zmq"
+        self.state.metrics.init_replica(replica, config.engine, replays=replays)
         if self._scrape is not None:
             scraper = MetricsScraper(
                 replica,

@@ -46,8 +46,9 @@ def build_sources(
 ) -> list[EventSource]:
     """The sources feeding ``replica``'s pipeline (possibly none). ``resume`` maps a DP rank to the
     last sequence number already applied (from Redis): that rank's source resumes right after it; a
-    rank missing from a given ``resume`` starts at seq 0. Either way it asks the replay socket at
-    once for what it missed (an ingester taking a replica over, or the fleet's first one)."""
+    rank missing from a given ``resume`` starts at seq 0. Either way, and without ``resume`` too, it
+    asks the replay socket for everything from there as soon as it connects (a fresh kvlb, an
+    ingester taking a replica over, or the fleet's first one)."""
     replica_id = ReplicaId(replica.id)
     spec = engine_spec(replica.engine)
     if spec.transport == "http_drain":

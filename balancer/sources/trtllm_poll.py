@@ -9,11 +9,19 @@ Pacing: after a drain that held anything the next poll comes after ``min_interva
 drain doubles the wait up to ``max_interval_s``. Connection errors, timeouts and bad statuses back
 off (``error_backoff_*``) and never end the loop; a 404 (events disabled on the engine) is logged
 once and retried every ``disabled_retry_s``.
+
+**Engine down.** A drain whose connection is *refused* means nothing listens on the engine's port:
+its process is gone, and its KV cache with it (a timeout or a server error does not say that; those
+only back off). The poller then drops the blocks of every rank it has delivered at once
+(``Resync(rank, "disconnect")``) and logs the engine as disconnected, without waiting for a new
+process's ``created`` events; once a drain answers again and the decoder sees a new start-up burst
+(``created``) or an ``event_id`` regression, the engine is logged as restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import math
 import time
@@ -122,6 +130,10 @@ class TrtllmPoller:
         self._backoff = Backoff(self.settings.error_backoff_initial_s, self.settings.error_backoff_max_s)
         self._failing = False
         self._disabled = False
+        self._down = False
+        """A refused drain dropped the replica's blocks; not yet seen back with a new start-up."""
+        self._ranks: set[int] = set()
+        """DP ranks this poller delivered events of (at most the engine's attention-DP size)."""
         self._counters = SourceCounters()
 
     def status(self) -> SourceStatus:
@@ -155,6 +167,8 @@ class TrtllmPoller:
         try:
             body = await self._drain()
         except (aiohttp.ClientError, TimeoutError, PollError) as exc:
+            if _refused(exc) and self._ranks:
+                self._engine_gone(emit)
             return self._failed(exc)
         if self._failing:
             log.info("replica %s: %s reachable again", self.replica, self.url)
@@ -196,6 +210,21 @@ class TrtllmPoller:
             except BodyTooLarge as exc:
                 raise PollError(str(exc)) from None
 
+    def _engine_gone(self, emit: Emit) -> None:
+        """Nothing listens on the engine's port: drop what every rank held, at once."""
+        ranks, self._ranks = sorted(self._ranks), set()
+        self._down = True
+        self._counters.resyncs += len(ranks)
+        self._metrics.events_disconnects_total.labels(self.replica).inc()
+        log.warning(
+            "replica %s: %s refused the connection: engine disconnected (down or restarting); "
+            "its blocks dropped (ranks %s)",
+            self.replica,
+            self.url,
+            ranks,
+        )
+        emit(IngestBatch(tuple(Resync(rank, "disconnect") for rank in ranks)))
+
     def _failed(self, exc: BaseException) -> float:
         self._counters.transport_errors += 1
         delay_s = self._backoff.next_delay()
@@ -233,6 +262,10 @@ class TrtllmPoller:
         self._counters.decode_errors += len(batch.errors)
         resyncs: list[Resync] = resyncs_in(batch.events)
         self._counters.resyncs += len(resyncs)
+        if self._down and any(resync.reason in ("restart", "regression") for resync in resyncs):
+            self._down = False
+            log.info("replica %s: engine restarted (a new start-up burst of events)", self.replica)
+        self._ranks.update(event.dp_rank for event in batch.events)
         gaps = sum(1 for resync in resyncs if resync.reason == "gap")
         if gaps:
             self._counters.gaps += gaps
@@ -240,3 +273,8 @@ class TrtllmPoller:
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
             emit(IngestBatch(tuple(batch.events)))
+
+
+def _refused(exc: BaseException) -> bool:
+    """Whether a drain failed because nothing listens on the engine's port."""
+    return isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno == errno.ECONNREFUSED

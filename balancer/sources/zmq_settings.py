@@ -36,15 +36,35 @@ class ZmqSourceSettings:
     at most this long after it listens again (the replay from seq 0 then fills what it sent before);
     each attempt is one TCP connect, so a low cap is cheap. Must be > 0."""
 
+    replay_poll_min_s: float = 0.05
+    """How long the live stream may be silent before the replay socket is asked for anything newer
+    than the last batch taken (seconds). A publisher whose live messages are lost while it goes on
+    publishing (a PUB high-water mark, a stalled connection) is read from its replay buffer instead,
+    as long as the buffer outlasts this interval; an answer with nothing new doubles the interval up
+    to ``replay_poll_max_s``, a live message or a poll that found batches resets it. Must be > 0."""
+    replay_poll_max_s: float = 2.0
+    """Longest interval between such polls of a silent publisher (seconds): what an idle engine
+    costs (one small request per DP rank per interval), and how late a publisher that went on
+    without its live stream after a long idle spell is noticed. Must be ≥ ``replay_poll_min_s``."""
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""
-        timeouts = ("replay_timeout_s", "reconnect_initial_s", "reconnect_max_s", "publisher_reconnect_max_s")
+        timeouts = (
+            "replay_timeout_s",
+            "reconnect_initial_s",
+            "reconnect_max_s",
+            "publisher_reconnect_max_s",
+            "replay_poll_min_s",
+            "replay_poll_max_s",
+        )
         for name in timeouts:
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")
         if self.reconnect_initial_s > self.reconnect_max_s:
             raise ConfigError("zmq.reconnect_initial_s must be <= zmq.reconnect_max_s")
+        if self.replay_poll_min_s > self.replay_poll_max_s:
+            raise ConfigError("zmq.replay_poll_min_s must be <= zmq.replay_poll_max_s")
         for name in ("replay_max_batches", "rcvhwm", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")

@@ -3,17 +3,28 @@
 The engine PUBlishes ``[topic, seq (8 bytes big-endian), msgpack batch]``; ``seq`` counts batches per
 publisher from 0. This source keeps the stream in order:
 
-* **Start / late join.** With no state yet, the first message decides: if its seq is the one wanted
-  (0, or the ``resume_seq`` given to the constructor) it is taken; if it is beyond, the replay socket
-  is asked for everything from the wanted seq. When replay is off, fails, or starts above the wanted
-  seq (its buffer no longer holds it), ``Resync(rank, "gap")`` goes out first and the stream goes on.
-  With a ``resume_seq`` the replay socket is also asked at once, before any live message, so a
-  replica that went quiet after the previous ingester stopped still gets its missed batches to the
-  index (a new holder of its Redis lease); an answer with nothing newer counts as ``empty``.
+* **Start, late join, reconnect.** On every new connection of the SUB (the first one, and each one
+  after a lost connection) the replay socket is asked at once for everything it still holds from the
+  seq wanted (0, or the ``resume_seq`` given to the constructor; the publisher answers from the
+  earliest batch it kept), so an idle engine's existing cache reaches the index without waiting for
+  its next batch. Live messages queue on the SUB meanwhile and are merged by seq: a replayed batch
+  is taken when it is the next wanted; when the buffer no longer reaches back to the wanted seq,
+  the live messages queued below its first seq are taken first (they are older); what neither holds
+  becomes ``Resync(rank, "gap")``; live messages the replay already delivered are dropped as
+  duplicates (by seq, and by content: a live batch whose seq was replayed with another payload is a
+  new incarnation of the publisher, ``Resync(rank, "restart")``). An answer with nothing at or after
+  the wanted seq counts as ``empty``.
 * **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over a fresh
   DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and count.
   Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
   ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
+* **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
+  asked for anything after the last batch taken (the interval doubles while the answers hold nothing,
+  up to ``replay_poll_max_s``). A publisher that goes on publishing while its live messages are lost
+  (a PUB high-water mark, a stalled connection) is then read from its replay buffer: the index stays
+  exact instead of waiting for the next live message to show a gap the buffer may no longer cover.
+  Counted in ``kvlb_events_replay_polls_total`` (a poll that finds the buffer past the wanted seq is
+  also a ``partial`` replay, and a gap resync).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
   previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
   handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
@@ -21,10 +32,13 @@ publisher from 0. This source keeps the stream in order:
 * **Lost connection.** A socket monitor sees the SUB's TCP connection drop: the publisher's process
   died (its cache with it), the network failed, or ZMQ refused a message over ``max_message_bytes``
   (``ZMQ_MAXMSGSIZE``; the monitor does not say which). The disconnect is counted
-  (``kvlb_events_disconnects_total``) and logged (rate-limited), ``Resync(rank, "disconnect")`` clears
-  the rank, the SUB is reopened (libzmq does not reconnect after the protocol error of an oversize
-  message) and the next connection asks the replay socket for everything from seq 0. This is also
-  what catches a crash and restart whose new seq happens to land above the old one.
+  (``kvlb_events_disconnects_total``) and logged as a disconnect (rate-limited),
+  ``Resync(rank, "disconnect")`` drops the rank's blocks at once, the SUB is reopened (libzmq does not
+  reconnect after the protocol error of an oversize message) and the next connection asks the replay
+  socket for everything from seq 0. Whether the publisher restarted is logged once it is known: a
+  batch at the old last seq with another payload, a seq below it, or a new epoch means a new process
+  ("restarted"); the same payload at that seq means the same one ("reconnected"). This is also what
+  catches a crash and restart whose new seq happens to land above the old one.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -64,6 +78,9 @@ log = logging.getLogger(__name__)
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+MAX_REPLAYED_DIGESTS = 4096
+"""Payload digests a catch-up keeps (its newest batches), to tell a live duplicate from a batch of a
+restarted publisher at the same seq; dropped at the first live message."""
 
 
 class _Reopen(Exception):
@@ -110,7 +127,6 @@ class ZmqEventSource:
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
         self._engine = decoder.engine
         self._want = resume_seq if resume_seq is not None else 0
-        self._catch_up = resume_seq is not None and replay_endpoint is not None
         self._caught_up_from: int | None = None
         """The seq a catch-up replay started at, until the first live message: a live seq below it
         means the engine restarted meanwhile (everything published since we subscribed is newer)."""
@@ -118,7 +134,21 @@ class ZmqEventSource:
         self._live_last: int | None = None
         self._epoch: str | None = None
         self._rank_warned = False
-        self._replay_on_connect = False
+        self._replay_on_connect = replay_endpoint is not None
+        """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
+        start (whatever the resume point) and after every lost connection."""
+        self._catching_up = False
+        self._replayed: dict[int, int] = {}
+        """seq → payload digest of the current catch-up's batches (at most ``MAX_REPLAYED_DIGESTS``)."""
+        self._held: tuple[DecodedBatch, int] | None = None
+        """A live message read during a catch-up that is newer than the replay's first batch."""
+        self._last_digest: int | None = None
+        self._lost: tuple[int, int | None, str | None] | None = None
+        """(last seq, its payload digest, epoch) when the connection dropped, until a batch shows
+        whether the publisher restarted."""
+        self._poll_interval_s = self.settings.replay_poll_min_s
+        self._heard_at = time.monotonic()
+        """When the live stream (or a poll that found batches) last brought something."""
         self._counters = SourceCounters()
 
     def status(self) -> SourceStatus:
@@ -145,23 +175,20 @@ class ZmqEventSource:
         """Receive until cancelled (or the context is terminated); reopen the socket on errors."""
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         while True:
-            sub = self._open_sub()
-            monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            sub, monitor = self._open_sub()
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             try:
-                if self._catch_up:  # live messages queue on the SUB meanwhile; duplicates are dropped
-                    self._catch_up = False
-                    self._caught_up_from = self._want
-                    await self._replay(self._want, emit)
                 while True:
-                    ready = dict(await poller.poll())
+                    ready = dict(await poller.poll(timeout=self._poll_timeout_ms()))
+                    if monitor in ready:  # first: a new connection's catch-up merges the queued live
+                        await self._on_monitor(monitor, sub, emit)
                     if sub in ready:
                         backoff.reset()
                         await self._drain(sub, emit)
-                    if monitor in ready:
-                        await self._on_monitor(monitor, sub, emit)
+                    elif not ready and self._poll_due():
+                        await self._poll_replay(sub, emit)
             except _Reopen:
                 backoff.reset()
                 continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
@@ -184,6 +211,42 @@ class ZmqEventSource:
                 sub.close(linger=0)
             await asyncio.sleep(backoff.next_delay())
 
+    def _poll_timeout_ms(self) -> int | None:
+        """How long to wait for a message before the next replay poll (``None``: no poll)."""
+        if self.replay_endpoint is None or self._last_seq is None:
+            return None  # nothing to poll after: the catch-up of the next connection asks from the start
+        left_s = self._heard_at + self._poll_interval_s - time.monotonic()
+        return max(1, int(left_s * 1000) + 1)
+
+    def _poll_due(self) -> bool:
+        return (
+            self.replay_endpoint is not None
+            and self._last_seq is not None
+            and time.monotonic() - self._heard_at >= self._poll_interval_s
+        )
+
+    async def _poll_replay(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
+        """The live stream is silent: ask the replay socket for anything after the last batch."""
+        before = self._last_seq
+        found, complete = await self._replay(self._expected(), emit, live=sub, poll=True)
+        outcome = "new" if found else ("nothing" if complete else "failed")
+        self._metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
+        if found:  # not a gap in itself: the live copies of these batches may only be late
+            log.debug(
+                "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
+            )
+            self._heard(time.monotonic())
+        else:
+            self._heard_at = time.monotonic()
+            self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
+        held, self._held = self._held, None
+        if held is not None:
+            await self._on_live(held[0], held[1], emit)
+
+    def _heard(self, now: float) -> None:
+        self._heard_at = now
+        self._poll_interval_s = self.settings.replay_poll_min_s
+
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
         """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
         for _ in range(limit):
@@ -195,11 +258,13 @@ class ZmqEventSource:
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
-        away (a crash or restart takes its cache with it) or the network did: the rank is resynced
-        once the old connection's queued messages are handled, and on the next connection the replay
-        socket is asked for everything from seq 0, so a live publisher's buffer refills the index.
-        Without this a restarted engine whose first live seq lands above the old last seq would look
-        like a gap, and replay would stack the new process's blocks on the dead one's."""
+        away (a crash or restart takes its cache with it) or the network did: once the old
+        connection's queued messages are handled the rank's blocks are dropped at once
+        (``Resync(rank, "disconnect")``), and on the next connection the replay socket is asked for
+        everything from seq 0, so a live publisher's buffer refills the index. Without this a
+        restarted engine whose first live seq lands above the old last seq would look like a gap, and
+        replay would stack the new process's blocks on the dead one's. Every new connection (the
+        first one too) starts with that catch-up."""
         while True:
             try:
                 event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
@@ -211,31 +276,70 @@ class ZmqEventSource:
                 self._warnings.warning(
                     "zmq_disconnected",
                     f"{self.replica}/{self.dp_rank}",
-                    "replica %s rank %d: publisher %s dropped the connection (engine restart, network, "
-                    "or a message over limits.event_message_bytes = %d); resyncing, reconnecting",
+                    "replica %s rank %d: publisher %s disconnected (engine down, network, or a message "
+                    "over limits.event_message_bytes = %d); its blocks dropped, reconnecting",
                     self.replica,
                     self.dp_rank,
                     self.endpoint,
                     self.settings.max_message_bytes,
                 )
                 if self._live_last is not None or self._last_seq is not None:
-                    self._restart(emit, "disconnect")
-                    self._replay_on_connect = True
+                    if self._last_seq is not None:
+                        self._lost = (self._last_seq, self._last_digest, self._epoch)
+                    self._forget(emit, "disconnect")
+                self._replay_on_connect = self.replay_endpoint is not None
                 raise _Reopen  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif event["event"] == zmq.EVENT_CONNECTED and self._replay_on_connect:
                 self._replay_on_connect = False
-                if self.replay_endpoint is not None:
-                    await self._replay(0, emit)
+                await self._catch_up(sub, emit)
 
-    def _open_sub(self) -> zmq.asyncio.Socket:
+    async def _catch_up(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
+        """Replay everything the publisher still holds from the wanted seq, merged with the live
+        messages the SUB queued meanwhile (``_on_replayed``, ``_take_live_below``)."""
+        start = self._expected()
+        self._caught_up_from = start
+        self._catching_up = True
+        self._replayed = {}
+        try:
+            _, complete = await self._replay(start, emit, live=sub)
+        finally:
+            self._catching_up = False
+        lost = self._lost
+        if lost is not None and complete and self._last_seq is not None and self._last_seq < lost[0]:
+            self._restarted(f"its newest batch is seq {self._last_seq}, it had reached {lost[0]}")
+        held, self._held = self._held, None
+        if held is not None:
+            await self._on_live(held[0], held[1], emit)
+
+    async def _take_live_below(self, sub: zmq.asyncio.Socket, limit: int, emit: Emit) -> None:
+        """During a catch-up whose replay starts at ``limit``, above the wanted seq: take the live
+        messages queued below ``limit`` first (they are older), keep the first one at or above it
+        for after the replay."""
+        for _ in range(self.settings.rcvhwm):
+            try:
+                frames = await sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            batch = self._decode(frames)
+            if batch is None or batch.seq is None:
+                continue
+            if batch.seq >= limit:
+                self._held = (batch, hash(frames[-1]))
+                return
+            await self._on_live(batch, hash(frames[-1]), emit, may_replay=False)
+
+    def _open_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
+        """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
+        its catch-up) is missed."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
-        return sub
+        return sub, monitor
 
     def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
         try:
@@ -252,8 +356,6 @@ class ZmqEventSource:
         if batch.seq is None:
             self._decode_failed(EventDecodeError("frame", "message has no sequence number"))
             return None
-        self._counters.decode_errors += len(batch.errors)
-        count_decoded(self._metrics, self._engine, self.replica, batch)
         return batch
 
     def _decode_failed(self, exc: Exception) -> None:
@@ -265,7 +367,15 @@ class ZmqEventSource:
         batch = self._decode(frames)
         if batch is None or batch.seq is None:
             return
+        await self._on_live(batch, hash(frames[-1]), emit)
+
+    async def _on_live(
+        self, batch: DecodedBatch, digest: int, emit: Emit, *, may_replay: bool = True
+    ) -> None:
+        """One live message (``digest``: of its payload), in the order the SUB received it."""
+        assert batch.seq is not None
         self._counters.messages += 1
+        self._heard(time.monotonic())
         seq = batch.seq
         if batch.epoch is not None:
             if self._epoch is not None and batch.epoch != self._epoch:
@@ -274,7 +384,9 @@ class ZmqEventSource:
         caught_up_from, self._caught_up_from = self._caught_up_from, None
         went_back = self._live_last is not None and seq <= self._live_last
         below_catch_up = caught_up_from is not None and self._last_seq is not None and seq < caught_up_from
-        if went_back or below_catch_up:
+        replayed = self._replayed.get(seq) if self._live_last is None else None
+        self._replayed = {}
+        if went_back or below_catch_up or (replayed is not None and replayed != digest):
             self._restart(emit, "restart")
         self._live_last = seq
         expected = self._expected()
@@ -289,35 +401,82 @@ class ZmqEventSource:
             if self._last_seq is not None:
                 self._counters.gaps += 1
                 self._metrics.events_seq_gaps_total.labels(self.replica).inc()
-            if self.replay_endpoint is not None:
+            if may_replay and self.replay_endpoint is not None:
                 await self._replay(expected, emit)
             if seq < self._expected():
                 return  # the replay delivered it
-        self._accept(batch, emit)
+        self._accept(batch, digest, emit, live=True)
 
     def _expected(self) -> int:
         return self._want if self._last_seq is None else self._last_seq + 1
 
     def _restart(self, emit: Emit, reason: ResyncReason) -> None:
-        log.info("replica %s rank %d: publisher restarted (%s)", self.replica, self.dp_rank, reason)
+        """The stream shows a new incarnation of the publisher (seq regression, new epoch)."""
+        self._restarted(f"{reason} after seq {self._last_seq}")
+        self._forget(emit, reason)
+
+    def _restarted(self, why: str) -> None:
+        self._lost = None
+        log.info("replica %s rank %d: publisher restarted (%s)", self.replica, self.dp_rank, why)
+
+    def _forget(self, emit: Emit, reason: ResyncReason) -> None:
+        """Drop the rank's blocks and stream state: the next batch is taken as a fresh start."""
         self._resync(emit, reason)
         self._last_seq = None
         self._live_last = None
+        self._last_digest = None
+        self._replayed = {}
         self._want = 0
 
     def _resync(self, emit: Emit, reason: ResyncReason) -> None:
         self._counters.resyncs += 1
         emit(IngestBatch((Resync(self.dp_rank, reason),)))
 
-    def _accept(self, batch: DecodedBatch, emit: Emit) -> None:
-        """Take ``batch`` as the next in order; anything skipped before it is lost: resync."""
+    def _accept(self, batch: DecodedBatch, digest: int, emit: Emit, *, live: bool) -> None:
+        """Take ``batch`` as the next in order; anything skipped before it is lost: resync. Its
+        malformed and ignored events are counted here, once, whichever copy (live or replayed)
+        arrived first."""
         assert batch.seq is not None
+        if self._lost is not None:
+            self._note_incarnation(batch, digest, live=live)
         if batch.seq > self._expected():
             self._resync(emit, "gap")
         self._last_seq = batch.seq
+        self._last_digest = digest
+        self._counters.decode_errors += len(batch.errors)
+        count_decoded(self._metrics, self._engine, self.replica, batch)
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
             emit(IngestBatch(tuple(self._ranked(batch)), batch.timestamp, batch.seq, self.dp_rank))
+
+    def _note_incarnation(self, batch: DecodedBatch, digest: int, *, live: bool) -> None:
+        """After a lost connection: log whether the publisher restarted, once a batch shows it."""
+        assert self._lost is not None and batch.seq is not None
+        old_seq, old_digest, old_epoch = self._lost
+        if batch.epoch is not None and old_epoch is not None and batch.epoch != old_epoch:
+            self._restarted("a new epoch after the disconnect")
+        elif batch.seq == old_seq and digest != old_digest:
+            self._restarted(f"seq {old_seq} holds another batch than before the disconnect")
+        elif batch.seq == old_seq:
+            self._lost = None
+            log.info(
+                "replica %s rank %d: publisher reconnected, same process (seq %d unchanged)",
+                self.replica,
+                self.dp_rank,
+                old_seq,
+            )
+        elif batch.seq < old_seq and live:
+            self._restarted(f"live seq {batch.seq}, it had reached {old_seq}")
+        elif batch.seq > old_seq:
+            self._lost = None
+            log.info(
+                "replica %s rank %d: publisher reconnected at seq %d (it had reached %d; whether it "
+                "restarted is unknown)",
+                self.replica,
+                self.dp_rank,
+                batch.seq,
+                old_seq,
+            )
 
     def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
         """Events with this source's rank when the envelope names none (the port decides the rank)."""
@@ -336,10 +495,17 @@ class ZmqEventSource:
             )
         return batch.events
 
-    async def _replay(self, start_seq: int, emit: Emit) -> None:
-        """Ask the replay socket for every batch from ``start_seq`` and take the new ones in order."""
+    async def _replay(
+        self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None = None, *, poll: bool = False
+    ) -> tuple[bool, bool]:
+        """Ask the replay socket for every batch from ``start_seq`` and take the new ones in order;
+        ``live`` (a catch-up or a poll) is the SUB whose queued messages merge with the answer.
+        Returns whether any batch came and whether the answer was complete (its end marker arrived).
+        A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
+        shows lost batches (``partial``)."""
         assert self.replay_endpoint is not None
-        self._counters.replays += 1
+        if not poll:
+            self._counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
@@ -355,11 +521,17 @@ class ZmqEventSource:
                     if _is_replay_end(frames):
                         complete = True
                         break
-                    seq = self._on_replayed(frames, emit)
+                    seq = await self._on_replayed(frames, emit, live if first_seq is None else None)
                     if first_seq is None:
                         first_seq = seq
         except TimeoutError:
-            log.info("replica %s rank %d: replay from %d timed out", self.replica, self.dp_rank, start_seq)
+            log.log(
+                logging.DEBUG if poll else logging.INFO,
+                "replica %s rank %d: replay from %d timed out",
+                self.replica,
+                self.dp_rank,
+                start_seq,
+            )
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
                 raise
@@ -373,19 +545,34 @@ class ZmqEventSource:
             )
         finally:
             dealer.close(linger=0)
-        self._count_replay(start_seq, first_seq, complete)
+        lossy = first_seq is not None and (first_seq > start_seq or not complete)
+        if not poll or lossy:  # a poll that found nothing, or everything, is counted by its caller only
+            if poll:
+                self._counters.replays += 1
+            self._count_replay(start_seq, first_seq, complete)
+        return first_seq is not None, complete
 
-    def _on_replayed(self, frames: Sequence[bytes], emit: Emit) -> int | None:
+    async def _on_replayed(
+        self, frames: Sequence[bytes], emit: Emit, live: zmq.asyncio.Socket | None
+    ) -> int | None:
         """Take one replayed ``[b"", seq8, payload]`` (SGLang) or ``[b"", topic, seq8, payload]``
-        (vLLM ≥ 0.32); returns its seq (``None`` when unusable)."""
+        (vLLM ≥ 0.32); returns its seq (``None`` when unusable). ``live``: the first batch of a
+        catch-up, when older live messages may wait on the SUB."""
         if len(frames) not in (3, 4) or frames[0] != b"":
             self._decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
             return None
         batch = self._decode(frames[1:])
         if batch is None or batch.seq is None:
             return None
+        digest = hash(frames[-1])
+        if live is not None and batch.seq > self._expected():
+            await self._take_live_below(live, batch.seq, emit)
+        if self._catching_up:
+            if len(self._replayed) >= MAX_REPLAYED_DIGESTS:
+                del self._replayed[next(iter(self._replayed))]
+            self._replayed[batch.seq] = digest
         if batch.seq >= self._expected():
-            self._accept(batch, emit)
+            self._accept(batch, digest, emit, live=False)
         return batch.seq
 
     def _count_replay(self, start_seq: int, first_seq: int | None, complete: bool) -> None:
@@ -400,4 +587,17 @@ class ZmqEventSource:
         if outcome not in ("filled", "empty"):
             self._counters.replay_failures += 1
         self._metrics.events_replays_total.labels(self.replica, outcome).inc()
+        if outcome == "partial" and first_seq is not None and first_seq > start_seq and not self._catching_up:
+            self._warnings.warning(
+                "replay_partial",
+                f"{self.replica}/{self.dp_rank}",
+                "replica %s rank %d: replay from %d found the publisher's buffer starting at %d: "
+                "batches %d-%d are lost, the rank resyncs",
+                self.replica,
+                self.dp_rank,
+                start_seq,
+                first_seq,
+                start_seq,
+                first_seq - 1,
+            )
         log.debug("replica %s rank %d: replay from %d %s", self.replica, self.dp_rank, start_seq, outcome)

@@ -23,6 +23,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any, TextIO
 
+from loadtests.demo.emulator import ENGINE_CHOICES
 from loadtests.demo.report import format_header, format_table
 from loadtests.demo.run import SMOKE, DemoShape, run_demo
 
@@ -71,13 +72,20 @@ class ProgressBar:
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "demo",
-        help="emulated mixed fleet: kvlb vs round robin on a shared-prefix chat workload",
-        description="Start 4 emulated replicas (SGLang and TRT-LLM) and kvlb on 127.0.0.1, send a "
+        help="emulated fleet: kvlb vs round robin on a shared-prefix chat workload",
+        description="Start 4 emulated replicas (SGLang and TRT-LLM; --engines vllm: vLLM) and kvlb on "
+        "127.0.0.1, send a "
         "shared-prefix chat workload through kvlb, then the same workload round robin, and print "
         "TTFT, prefix-cache hit rate and per-replica share for both. Takes about a minute.",
     )
     parser.add_argument("--json", action="store_true", help="also print the JSON report (last line)")
     parser.add_argument("--smoke", action="store_true", help="a few-seconds run (tests, CI)")
+    parser.add_argument(
+        "--engines",
+        choices=ENGINE_CHOICES,
+        default=None,
+        help="the fleet: mixed (SGLang and TRT-LLM, the default), sglang, vllm or trtllm",
+    )
     parser.add_argument("--requests", type=int, help="requests per run (default 240)")
     parser.add_argument("--rate", type=float, help="Poisson arrivals per second (default 10)")
     parser.add_argument("--seed", type=int, help="seed of prompts and arrival times (default 1)")
@@ -103,6 +111,8 @@ def shape_from_args(args: argparse.Namespace) -> DemoShape:
         changes["rate_per_s"] = args.rate
     if args.seed is not None:
         changes["seed"] = args.seed
+    if args.engines is not None:
+        changes["engines"] = args.engines
     return replace(shape, **changes)
 
 

@@ -5,11 +5,12 @@ profile with a smaller pool, so that a modest workload already overflows one rep
 runs its own small child entry point::
 
     python -m loadtests.demo.emulator --replicas 2 --index-offset 0 --profile cpu-small-llama \\
-        --kv-capacity-tokens 16384 --time-scale 0.5
+        --kv-capacity-tokens 16384 --time-scale 0.5 [--engines vllm]
 
-which starts those replicas in-process (:class:`replicas.emulator.Emulator`, SGLang at even indices and
-TRT-LLM at odd ones, the balancer's default tokenizer), prints ``{"replicas": [...]}`` and serves
-until SIGTERM/SIGINT. :func:`start_emulator` starts the children and returns their listings.
+which starts those replicas in-process (:class:`replicas.emulator.Emulator`; ``--engines mixed``, the
+default: SGLang at even indices and TRT-LLM at odd ones; the balancer's default tokenizer), prints
+``{"replicas": [...]}`` and serves until SIGTERM/SIGINT. :func:`start_emulator` starts the children and
+returns their listings.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ from replicas.emulator import Emulator, EmulatorSpec, template_config
 from replicas.sim.profiles import Profile, get_profile
 from replicas.sim.tokenizer import DEFAULT_TOKENIZER
 
+ENGINE_CHOICES = ("mixed", "sglang", "vllm", "trtllm")
+"""What ``--engines`` takes: ``mixed`` alternates SGLang and TRT-LLM; the others are one engine."""
+
 
 def demo_profile(name: str, kv_capacity_tokens: int | None) -> Profile:
     """Profile ``name``, with its KV pool set to ``kv_capacity_tokens`` when given."""
@@ -48,12 +52,13 @@ async def start_emulator(
     time_scale: float,
     log_dir: Path,
     children: list[Child],
+    engines: str = "mixed",
 ) -> list[dict[str, Any]]:
     """Start ``replicas`` replicas over ``processes`` children (appended to ``children`` as they
     start, so the caller stops them whatever happens); returns every replica's listing."""
     processes = max(1, min(processes, replicas))
     per_child, extra = divmod(replicas, processes)
-    common = ["--profile", profile, "--time-scale", str(time_scale)]
+    common = ["--profile", profile, "--time-scale", str(time_scale), "--engines", engines]
     if kv_capacity_tokens is not None:
         common += ["--kv-capacity-tokens", str(kv_capacity_tokens)]
     pending = []
@@ -85,7 +90,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_path=BALANCER_TOKENIZERS.model_path(DEFAULT_TOKENIZER),
     )
     spec = EmulatorSpec(
-        replicas=args.replicas, engine="mixed", template=template, index_offset=args.index_offset
+        replicas=args.replicas, engine=args.engines, template=template, index_offset=args.index_offset
     )
     tokenizer = await asyncio.to_thread(BALANCER_TOKENIZERS.load, DEFAULT_TOKENIZER)
     stopped = asyncio.Event()
@@ -104,6 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--profile", default="cpu-small-llama")
     parser.add_argument("--kv-capacity-tokens", type=int, default=None)
     parser.add_argument("--time-scale", type=float, default=1.0)
+    parser.add_argument("--engines", choices=ENGINE_CHOICES, default="mixed")
     args = parser.parse_args(argv)
     run = asyncio.run
     with contextlib.suppress(ImportError):

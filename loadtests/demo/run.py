@@ -60,7 +60,9 @@ class DemoShape:
     """Sizes of one demo run (the defaults take about a minute on 2 cores)."""
 
     replicas: int = 4
-    """Emulated replicas; SGLang (even index) and TRT-LLM (odd) alternate."""
+    """Emulated replicas; with ``engines`` ``mixed``, SGLang (even index) and TRT-LLM (odd) alternate."""
+    engines: str = "mixed"
+    """The fleet: ``mixed`` (SGLang and TRT-LLM), or every replica ``sglang``, ``vllm`` or ``trtllm``."""
     fleet_processes: int = 2
     """Child processes the replicas are split over."""
     profile: str = "cpu-small-llama"
@@ -133,7 +135,7 @@ def kvlb_settings(model: str, replicas: list[dict[str, Any]], admin_token: str) 
             "engine": info["engine"],
             "block_size": info["block_size"],
         }
-        if info["engine"] == "sglang":
+        if "replay" in info:  # a ZMQ publisher (SGLang, vLLM)
             entry["events"], entry["replay"] = info["events"][0], info["replay"][0]
         entries.append(entry)
     return {
@@ -175,6 +177,7 @@ class Demo:
             profile=shape.profile,
             kv_capacity_tokens=shape.kv_capacity_tokens,
             time_scale=shape.time_scale,
+            engines=shape.engines,
             log_dir=self.log_dir,
             children=self.children,
         )
@@ -259,8 +262,8 @@ class Demo:
         """Empty every replica's KV cache and wait until kvlb's index holds none of their blocks."""
         self.progress("flushing replica caches", 0, 1)
         for info in self.fleet:
-            if info["engine"] == "sglang":
-                flushed = self._post_ok(info["url"] + "/flush_cache", None)
+            if "flush" in info:  # SGLang POST /flush_cache, vLLM POST /reset_prefix_cache
+                flushed = self._post_ok(info["url"] + str(info["flush"]).partition(" ")[2], None)
             else:
                 flushed = self._post_ok(info["url"] + "/admin/faults", {"restart": True})
             await self._until(f"{info['name']} flushed", flushed, FLUSH_TIMEOUT_S)

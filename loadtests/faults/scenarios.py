@@ -91,6 +91,7 @@ INTERESTING = (
     "kvlb_upstream_retries_total",
     "kvlb_events_seq_gaps_total",
     "kvlb_events_replays_total",
+    "kvlb_events_replay_polls_total",
     "kvlb_events_resyncs_total",
     "kvlb_events_queue_overflow_total",
 )

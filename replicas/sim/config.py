@@ -1,9 +1,9 @@
 """Settings of one emulated replica (pure, frozen).
 
-Ports: ``http_port`` serves the OpenAI API and the engine's own endpoints. An SGLang replica publishes
-KV events on ``event_port + rank`` (ZMQ PUB) and serves replay on ``replay_port + rank`` (ZMQ ROUTER),
-one of each per data-parallel rank, as SGLang does. Port 0 means "pick free ports" (consecutive ones
-for the DP ranks). Everything binds ``host`` (loopback by default).
+Ports: ``http_port`` serves the OpenAI API and the engine's own endpoints. An SGLang or vLLM replica
+publishes KV events on ``event_port + rank`` (ZMQ PUB) and serves replay on ``replay_port + rank`` (ZMQ
+ROUTER), one of each per data-parallel rank, as both engines do. Port 0 means "pick free ports"
+(consecutive ones for the DP ranks). Everything binds ``host`` (loopback by default).
 """
 
 from __future__ import annotations
@@ -14,12 +14,17 @@ from typing import Literal
 from replicas.sim.faults import FaultSettings
 from replicas.sim.profiles import Profile
 
-EngineKind = Literal["sglang", "trtllm"]
+EngineKind = Literal["sglang", "trtllm", "vllm"]
+ZMQ_ENGINES: tuple[EngineKind, ...] = ("sglang", "vllm")
+"""The engines that publish KV events over ZMQ PUB sockets with a ROUTER replay socket."""
 EventEncoding = Literal["map", "array"]
 Eviction = Literal["node", "block"]
 
 TRTLLM_TOKENS_PER_BLOCK = 32
 """TRT-LLM's default ``kv_cache_config.tokens_per_block``."""
+VLLM_BLOCK_SIZE = 128
+"""vLLM's block size when none is given, as the captured vLLM 0.32 CPU build runs
+(``vllm:cache_config_info{block_size="128"}``, tests/golden/real/README.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,10 +47,10 @@ class ReplicaConfig:
     """HTTP port (0: any free port)."""
 
     event_port: int = 0
-    """SGLang: PUB port of DP rank 0; rank ``r`` uses ``event_port + r`` (0: free consecutive ports)."""
+    """SGLang/vLLM: PUB port of DP rank 0; rank ``r`` uses ``event_port + r`` (0: free consecutive ports)."""
 
     replay_port: int = 0
-    """SGLang: ROUTER replay port of DP rank 0, ``+ r`` per rank (0: free consecutive ports)."""
+    """SGLang/vLLM: ROUTER replay port of DP rank 0, ``+ r`` per rank (0: free consecutive ports)."""
 
     dp_size: int = 1
     """Data-parallel ranks: independent caches and schedulers behind one HTTP endpoint (1..64)."""
@@ -54,7 +59,7 @@ class ReplicaConfig:
     """Model seconds per wall second (> 0); 10 runs ten times faster than the modelled GPU."""
 
     page_size: int | None = None
-    """Tokens per KV page; ``None``: the profile's page size (SGLang) or 32 (TRT-LLM)."""
+    """Tokens per KV page; ``None``: the profile's page size (SGLang), 32 (TRT-LLM) or 128 (vLLM)."""
 
     event_encoding: EventEncoding = "map"
     """SGLang events as tagged maps (0.5.23) or positional arrays (older msgspec ``array_like``)."""
@@ -102,20 +107,21 @@ class ReplicaConfig:
     faults: FaultSettings = field(default_factory=FaultSettings)
     """Faults active from start-up."""
 
-    eviction: Eviction = "node"
+    eviction: Eviction | None = None
     """What a short KV pool evicts: ``node``, whole least-recently-used radix leaves (SGLang), or
-    ``block``, only the pages needed, tail first (vLLM; keeps the head of a long prefix cached)."""
+    ``block``, only the pages needed, tail first (vLLM; keeps the head of a long prefix cached).
+    ``None``: the engine's own (``block`` for vLLM, ``node`` otherwise); see :attr:`eviction_mode`."""
 
     def __post_init__(self) -> None:
-        if self.engine not in ("sglang", "trtllm"):
-            raise ValueError(f"engine must be sglang or trtllm, got {self.engine!r}")
+        if self.engine not in ("sglang", "trtllm", "vllm"):
+            raise ValueError(f"engine must be sglang, trtllm or vllm, got {self.engine!r}")
         if not 1 <= self.dp_size <= 64:
             raise ValueError(f"dp_size must be in 1..64, got {self.dp_size}")
         if self.page_size is not None and self.page_size <= 0:
             raise ValueError(f"page_size must be > 0, got {self.page_size}")
         if self.event_encoding not in ("map", "array"):
             raise ValueError(f"event_encoding must be map or array, got {self.event_encoding!r}")
-        if self.eviction not in ("node", "block"):
+        if self.eviction not in (None, "node", "block"):
             raise ValueError(f"eviction must be node or block, got {self.eviction!r}")
         if self.metrics_prefix not in ("sglang:", "sglang_"):
             raise ValueError(f"metrics_prefix must be sglang: or sglang_, got {self.metrics_prefix!r}")
@@ -127,10 +133,20 @@ class ReplicaConfig:
 
     @property
     def block_size(self) -> int:
-        """Tokens per KV page (SGLang page size) or block (TRT-LLM ``tokens_per_block``)."""
+        """Tokens per KV page (SGLang page size) or block (TRT-LLM ``tokens_per_block``, vLLM
+        ``--block-size``)."""
         if self.page_size is not None:
             return self.page_size
-        return self.profile.page_size if self.engine == "sglang" else TRTLLM_TOKENS_PER_BLOCK
+        defaults = {"sglang": self.profile.page_size, "trtllm": TRTLLM_TOKENS_PER_BLOCK}
+        return defaults.get(self.engine, VLLM_BLOCK_SIZE)
+
+    @property
+    def eviction_mode(self) -> Eviction:
+        """:attr:`eviction`, or the engine's own when it is ``None``: vLLM's block pool frees single
+        blocks, SGLang's radix cache whole leaves (TRT-LLM is modelled like SGLang)."""
+        if self.eviction is not None:
+            return self.eviction
+        return "block" if self.engine == "vllm" else "node"
 
     @property
     def capacity_blocks(self) -> int:

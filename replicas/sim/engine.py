@@ -23,13 +23,26 @@ from typing import Any, Protocol
 from replicas.sim.cache import CacheRecord, PrefixCache
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.faults import FaultState
-from replicas.sim.scheduler import SGLANG_CACHING, TRTLLM_CACHING, Scheduler, SimRequest, StepResult, TokenOut
+from replicas.sim.scheduler import (
+    SGLANG_CACHING,
+    TRTLLM_CACHING,
+    VLLM_CACHING,
+    CachePolicy,
+    Scheduler,
+    SimRequest,
+    StepResult,
+    TokenOut,
+)
 from replicas.sim.timing import TimeScale
 
 log = logging.getLogger(__name__)
 
 MAX_LAG_WALL_S = 0.002
 """How far (wall seconds) the loop may fall behind the model before it stops catching up."""
+
+
+_CACHING: dict[str, CachePolicy] = {"sglang": SGLANG_CACHING, "trtllm": TRTLLM_CACHING, "vllm": VLLM_CACHING}
+"""When each engine puts computed KV into its prefix cache."""
 
 
 class SimClock:
@@ -203,7 +216,7 @@ class Engine:
     ) -> None:
         self.config = config
         self.clock = SimClock(TimeScale(config.time_scale))
-        caching = SGLANG_CACHING if config.engine == "sglang" else TRTLLM_CACHING
+        caching = _CACHING[config.engine]
         self.ranks = [
             RankLoop(
                 rank,
@@ -213,7 +226,7 @@ class Engine:
                         page_size=config.block_size,
                         capacity_blocks=config.capacity_blocks,
                         store_partial=config.engine == "trtllm",
-                        evict_whole_nodes=config.eviction == "node",
+                        evict_whole_nodes=config.eviction_mode == "node",
                     ),
                     caching,
                     max_waiting=config.max_waiting,

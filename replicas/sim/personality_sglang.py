@@ -1,7 +1,9 @@
 """SGLang 0.5.23 personality: ZMQ KV events, replay, and SGLang's HTTP endpoints (I/O shell).
 
 Per DP rank: a PUB socket on ``event_port + rank`` sending ``[topic, seq8, msgpack([ts, events,
-rank])]`` and a ROUTER replay socket on ``replay_port + rank`` keeping the last ``buffer_steps`` batches.
+rank])]`` and a ROUTER replay socket on ``replay_port + rank`` keeping the last ``buffer_steps`` batches,
+answering ``[b"", topic, seq8, payload]`` per batch and ``[b"", b"", ff×8, b""]`` at the end, as 0.5.23's
+own ``ZmqEventPublisher`` does.
 Events behave as in the real 0.5.23 captures:
 
 * ``AllBlocksCleared`` is the first batch (seq 0) at start-up, and the answer to ``/flush_cache``;
@@ -18,12 +20,8 @@ HTTP: ``/server_info`` and ``/get_server_info`` (with ``page_size`` and the ``kv
 
 from __future__ import annotations
 
-import asyncio
 import json
-import logging
 import time
-import uuid
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,83 +41,25 @@ from replicas.sim.context import (
 )
 from replicas.sim.faults import FaultState
 from replicas.sim.scheduler import StepResult
-from replicas.wire.sglang import (
-    REPLAY_END,
-    KvEventEncoder,
-    digest_to_i64,
-    frames,
-    page_digest,
-    parse_replay_request,
-    replay_reply,
-)
-
-log = logging.getLogger(__name__)
+from replicas.sim.zmq_events import ZmqRankPublisher
+from replicas.wire.sglang import KvEventEncoder, digest_to_i64, page_digest
 
 
-class RankPublisher:
-    """The KV-event publisher of one DP rank: PUB + replay ROUTER + the page-hash map."""
+class RankPublisher(ZmqRankPublisher):
+    """SGLang 0.5.23's publisher of one DP rank: ``AllBlocksCleared`` first, one ``BlockStored`` per
+    new radix node (signed i64 SHA-256 page hashes), a step's evictions in one ``BlockRemoved``."""
 
     def __init__(
         self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState
     ) -> None:
-        self.rank = rank
-        self.config = config
-        self._faults = faults
-        self._encoder = KvEventEncoder(flavor="sglang", encoding=config.event_encoding)
-        self.pub_endpoint = f"tcp://{config.host}:{config.event_port + rank}"
-        self.replay_endpoint = f"tcp://{config.host}:{config.replay_port + rank}"
-        self._pub = zctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.SNDHWM, config.hwm)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._replay = zctx.socket(zmq.ROUTER)
-        self._replay.setsockopt(zmq.LINGER, 0)
-        # A sync view of the PUB socket: a PUB send never blocks (it drops at the HWM).
-        self._send: zmq.Socket[bytes] = zmq.Socket.shadow(self._pub.underlying)
-        self._hashes: dict[int, tuple[int, bytes]] = {}  # page id -> (i64 hash, digest); bounded by the pool
-        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
-        self.seq = 0
-        self.epoch = uuid.uuid4().hex
-        self._task: asyncio.Task[None] | None = None
+        encoder = KvEventEncoder(flavor="sglang", encoding=config.event_encoding)
+        super().__init__(zctx, config, rank, faults, encoder)
 
-    def start(self) -> None:
-        self._pub.bind(self.pub_endpoint)
-        self._replay.bind(self.replay_endpoint)
-        self._task = asyncio.create_task(self._serve_replay(), name=f"sglang-replay-{self.rank}")
-        self.publish([self._encoder.all_blocks_cleared()])
+    def startup_events(self) -> list[object]:
+        return [self._encoder.all_blocks_cleared()]
 
-    async def close(self) -> None:
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        self._pub.close(linger=0)
-        self._replay.close(linger=0)
-
-    def restart(self) -> None:
-        """A new engine process: seq from 0, empty replay buffer, new epoch, AllBlocksCleared first."""
-        self._hashes.clear()
-        self.buffer.clear()
-        self.seq = 0
-        self.epoch = uuid.uuid4().hex
-        self.publish([self._encoder.all_blocks_cleared()])
-
-    def on_records(self, records: Sequence[CacheRecord]) -> None:
-        events = [event for record in coalesce_removals(records) for event in self._encode(record)]
-        if events:
-            self.publish(events)
-
-    def publish(self, events: list[object]) -> None:
-        """One batch: its seq is consumed and it is kept for replay even when the fault drops it."""
-        payload = self._encoder.batch(time.time(), events, self.rank)
-        seq, self.seq = self.seq, self.seq + 1
-        self.buffer.append((seq, payload))
-        if self._faults.drop_batch():
-            return
-        epoch = self.epoch if self.config.epoch_in_topic else None
-        try:
-            self._send.send_multipart(frames(self.config.topic, seq, payload, epoch=epoch), flags=zmq.NOBLOCK)
-        except zmq.Again:  # PUB drops at the HWM rather than raising, but be safe
-            log.debug("PUB send of seq %d would block; dropped", seq)
+    def encode(self, records: Sequence[CacheRecord]) -> list[object]:
+        return [event for record in coalesce_removals(records) for event in self._encode(record)]
 
     def _encode(self, record: CacheRecord) -> list[object]:
         if isinstance(record, PagesStored):
@@ -142,20 +82,6 @@ class RankPublisher:
         assert isinstance(record, CacheCleared)
         self._hashes.clear()
         return [self._encoder.all_blocks_cleared()]
-
-    async def _serve_replay(self) -> None:
-        while True:
-            request = await self._replay.recv_multipart()
-            try:
-                start = parse_replay_request(request)
-            except ValueError as exc:
-                log.debug("ignoring malformed replay request: %s", exc)
-                continue
-            identity = request[0]
-            for seq, payload in list(self.buffer):
-                if seq >= start:
-                    await self._replay.send_multipart([identity, *replay_reply(seq, payload)])
-            await self._replay.send_multipart([identity, *REPLAY_END])
 
 
 class SglangPersonality:
@@ -185,6 +111,7 @@ class SglangPersonality:
             "events": [p.pub_endpoint for p in self.publishers],
             "replay": [p.replay_endpoint for p in self.publishers],
             "topic": self.config.topic,
+            "flush": "POST /flush_cache",
         }
 
     def add_routes(self, app: web.Application, ctx: ReplicaContext) -> None:

@@ -24,13 +24,14 @@ from typing import Any
 import zmq.asyncio
 from aiohttp import web
 
-from replicas.sim.config import ReplicaConfig
+from replicas.sim.config import ZMQ_ENGINES, ReplicaConfig
 from replicas.sim.context import ReplicaContext, json_error, rank_stats
 from replicas.sim.engine import Engine
 from replicas.sim.faults import FaultSettings, FaultState, parse_fault_request
 from replicas.sim.http import add_openai_routes
 from replicas.sim.personality_sglang import SglangPersonality
 from replicas.sim.personality_trtllm import TrtllmPersonality
+from replicas.sim.personality_vllm import VllmPersonality
 from replicas.sim.ports import free_port_run
 from replicas.sim.tokenizer import PromptTokenizer
 
@@ -47,7 +48,7 @@ def resolve_ports(config: ReplicaConfig) -> ReplicaConfig:
     """``config`` with every port 0 replaced by free ports (consecutive per DP rank)."""
     http_port = config.http_port or free_port_run(config.host, 1)
     event_port, replay_port = config.event_port, config.replay_port
-    if config.engine == "sglang" and (event_port == 0 or replay_port == 0):
+    if config.engine in ZMQ_ENGINES and (event_port == 0 or replay_port == 0):
         base = free_port_run(config.host, 2 * config.dp_size)
         event_port = event_port or base
         replay_port = replay_port or base + config.dp_size
@@ -55,14 +56,16 @@ def resolve_ports(config: ReplicaConfig) -> ReplicaConfig:
 
 
 class Replica:
-    """An emulated SGLang or TRT-LLM engine endpoint."""
+    """An emulated SGLang, vLLM or TRT-LLM engine endpoint."""
 
     def __init__(self, config: ReplicaConfig, tokenizer: PromptTokenizer, zctx: zmq.asyncio.Context) -> None:
         self.config = config = resolve_ports(config)
         self.faults = FaultState(config.faults, random.Random(config.seed))
-        self.personality: SglangPersonality | TrtllmPersonality
+        self.personality: SglangPersonality | VllmPersonality | TrtllmPersonality
         if config.engine == "sglang":
             self.personality = SglangPersonality(zctx, config, self.faults)
+        elif config.engine == "vllm":
+            self.personality = VllmPersonality(zctx, config, self.faults)
         else:
             self.personality = TrtllmPersonality(config, self.faults)
         vocab = int(getattr(tokenizer, "vocab_size", config.profile.vocab_size))
@@ -192,7 +195,7 @@ class Replica:
             "requests_total": self.engine.requests_total,
         }
         personality = self.personality
-        if isinstance(personality, SglangPersonality):
+        if isinstance(personality, SglangPersonality | VllmPersonality):
             stats["seq"] = [p.seq for p in personality.publishers]
             stats["epoch"] = [p.epoch for p in personality.publishers]
         else:

@@ -44,6 +44,9 @@ class CachePolicy:
 
 SGLANG_CACHING = CachePolicy(insert_prefill_chunks=True, drop_last_prompt_token=False)
 TRTLLM_CACHING = CachePolicy(insert_prefill_chunks=False, drop_last_prompt_token=True)
+VLLM_CACHING = CachePolicy(insert_prefill_chunks=True, drop_last_prompt_token=False)
+"""vLLM caches each full block as soon as a step computes it (the captured 0.32 engine published a
+512-token prompt's four blocks over four chunked-prefill steps, tests/golden/real/vllm-0.32.0-cpu)."""
 
 
 @dataclass(eq=False, slots=True)

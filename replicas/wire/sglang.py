@@ -1,6 +1,7 @@
 """SGLang and vLLM KV-event wire encoding and SGLang's page hash, for the emulator (pure).
 
 Produces the bytes a real publisher sends on its ZMQ PUB socket: three frames ``[topic, seq8, payload]``
+(and on its ROUTER replay socket ``[b"", topic, seq8, payload]`` per batch, then :data:`REPLAY_END`)
 where ``payload`` is msgpack of the envelope ``[ts, events, dp_rank]`` and each event is either a tagged
 map (``{"type": "BlockStored", ...}``, SGLang 0.5.23 and vLLM 0.32.0 as captured) or a positional array
 (``["BlockStored", f1, f2, ...]``, the older msgspec ``array_like`` era). Plain ``msgpack.packb`` with
@@ -9,8 +10,13 @@ integer forms, str8 for 32..255-byte strings); the unit tests prove it on every 
 
 SGLang's page hash, reproduced from the captures' tokens: ``digest_i = SHA-256([LE u32
 len(extra_key) || extra_key] || digest_{i-1} || LE u32 tokens)``, event hash = first 8 digest bytes,
-big-endian, **signed** i64. Bigram (EAGLE) pages hash token pairs. (Whole-prompt chains and vLLM's
-block hash, which only the tests need, are in ``tests/wire_hashes.py``.)
+big-endian, **signed** i64. Bigram (EAGLE) pages hash token pairs. A salted request's chain (SGLang
+0.5.23's published event hashes) starts from :func:`salt_seed` instead of no prior digest, with no
+``extra_key`` framing. (Whole-prompt chains, which only the tests need, are in ``tests/wire_hashes.py``.)
+
+SGLang 0.5.23's events are msgspec structs with ``omit_defaults``: a ``BlockStored`` map always carries
+``block_hashes``, ``parent_block_hash``, ``token_ids``, ``block_size`` and ``lora_id`` (no default),
+and ``medium`` and ``cache_salt`` only when set (docs/reference/engine-events.md §1.3).
 """
 
 from __future__ import annotations
@@ -30,8 +36,14 @@ SEQ_BYTES: Final = 8
 """Width of the big-endian sequence number frame."""
 EPOCH_MARKER: Final = b"\x00sgl-kv-epoch="
 """Appended to the topic frame, then the epoch, by SGLang publishers that serve snapshots."""
-REPLAY_END: Final[list[bytes]] = [b"", (-1).to_bytes(SEQ_BYTES, "big", signed=True), b""]
-"""The frames a replay server sends after the last replayed batch (as a DEALER sees them)."""
+REPLAY_END_SEQ: Final = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+"""The seq frame of the replay end marker: ``ff`` × 8."""
+REPLAY_END: Final[list[bytes]] = [b"", b"", REPLAY_END_SEQ, b""]
+"""The frames a replay server sends after the last replayed batch (as a DEALER sees them): an empty
+topic, seq ``-1`` and an empty payload (SGLang 0.5.23 and vLLM 0.32, docs/reference/engine-events.md §1.2)."""
+
+SALT_SEED_DOMAIN: Final = b"sglang-cache-salt-v1\x00"
+"""What SGLang 0.5.23 hashes before a request's cache salt to seed that request's page-hash chain."""
 
 _U64_MASK: Final = (1 << 64) - 1
 _I64_SIGN_BIT: Final = 1 << 63
@@ -74,6 +86,12 @@ def page_digest(prior: bytes | None, units: TokenUnits, extra_key: str | None = 
     return sha.digest()
 
 
+def salt_seed(cache_salt: str) -> bytes:
+    """The prior digest of a salted request's root page in SGLang 0.5.23's event hashes:
+    ``SHA-256(b"sglang-cache-salt-v1\\0" || UTF-8 salt)``. Unsalted chains start from no prior digest."""
+    return hashlib.sha256(SALT_SEED_DOMAIN + cache_salt.encode("utf-8")).digest()
+
+
 def digest_to_i64(digest: bytes) -> int:
     """SGLang's event hash of a page digest: its first 8 bytes as a big-endian signed i64."""
     return int.from_bytes(digest[:8], "big", signed=True)
@@ -112,14 +130,19 @@ def _check_shape(block_count: int, unit_count: int, block_size: int) -> None:
 class KvEventEncoder:
     """Builds KV events and batch payloads shaped exactly as one engine flavour publishes them.
 
-    ``flavor`` selects the field set: SGLang (``lora_id``, ``medium``, trailing ``metadata`` when salted;
-    hashes as signed i64) or vLLM (adds ``lora_name``, ``extra_keys``, ``group_idx``,
-    ``kv_cache_spec_kind``; hashes as unsigned u64). ``encoding`` selects tagged maps (current engines)
-    or positional arrays (msgspec ``array_like``, where every declared field is always present).
+    ``flavor`` selects the field set: SGLang (``lora_id``, ``medium``; hashes as signed i64) or vLLM
+    (adds ``lora_name``, ``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``; hashes as unsigned
+    u64). ``encoding`` selects tagged maps (current engines) or positional arrays (msgspec
+    ``array_like``, where every declared field is always present).
     ``envelope`` is ``"array"`` (every release seen) or ``"map"`` (an unreleased vLLM main).
 
-    Not confirmed by a capture: SGLang maps keep ``"medium": None`` (the last SGLang struct seen has no
-    ``omit_defaults``), and vLLM's ``extra_keys`` with a LoRA or salt (LoRA name, then salt on block 0).
+    SGLang maps are 0.5.23's: a salt is the top-level ``cache_salt`` field, and ``medium`` and
+    ``cache_salt`` are left out when ``None`` (``omit_defaults``). SGLang arrays are the older
+    positional era, where a salt is the trailing ``metadata: {cache_salt}`` of
+    ``BlockStoredWithMetadata`` and ``medium`` is always present.
+
+    Not confirmed by a capture: vLLM's ``extra_keys`` with a LoRA or salt (LoRA name, then salt on
+    block 0).
     """
 
     def __init__(
@@ -174,8 +197,14 @@ class KvEventEncoder:
         if self.flavor == "sglang":
             if lora_name is not None:
                 raise ValueError("SGLang BlockStored has no lora_name field")
+            if self.encoding == "array":
+                if cache_salt is not None:
+                    fields["metadata"] = {"cache_salt": cache_salt}
+                return self._shape("BlockStored", fields)
+            if medium is None:
+                del fields["medium"]  # 0.5.23: omit_defaults
             if cache_salt is not None:
-                fields["metadata"] = {"cache_salt": cache_salt}
+                fields["cache_salt"] = cache_salt
             return self._shape("BlockStored", fields)
         if bigram:
             raise ValueError("vLLM BlockStored carries plain token ids, not bigram pairs")
@@ -199,6 +228,8 @@ class KvEventEncoder:
         }
         if self.flavor == "vllm":
             fields["group_idx"] = 0
+        elif self.encoding == "map" and medium is None:
+            del fields["medium"]  # SGLang 0.5.23: omit_defaults
         return self._shape("BlockRemoved", fields)
 
     def all_blocks_cleared(self) -> object:
@@ -247,9 +278,10 @@ def frames(topic: str, seq: int, payload: bytes, *, epoch: str | None = None) ->
     return [head, _seq_bytes(seq), payload]
 
 
-def replay_reply(seq: int, payload: bytes) -> list[bytes]:
-    """One replayed batch as a ROUTER sends it after the client identity: ``[b"", seq8, payload]``."""
-    return [b"", _seq_bytes(seq), payload]
+def replay_reply(topic: str, seq: int, payload: bytes) -> list[bytes]:
+    """One replayed batch as a ROUTER sends it after the client identity: ``[b"", topic, seq8,
+    payload]`` (SGLang 0.5.23 and vLLM 0.32 carry the topic frame; older notes showed 3 frames)."""
+    return [b"", topic.encode("utf-8"), _seq_bytes(seq), payload]
 
 
 def parse_replay_request(request_frames: Sequence[bytes]) -> int:

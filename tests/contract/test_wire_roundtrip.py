@@ -71,7 +71,7 @@ def sglang_map_scenario() -> Scenario:
     prompt, more, salted = toks(1, 40), toks(2, 16), toks(3, 16)
     (h0, _), (h1, d1), (h2, _) = sglang_page_hashes(prompt, 16)
     ((m0, _),) = sglang_page_hashes(more, 16, prior_digest=d1)
-    ((s0, _),) = sglang_page_hashes(salted, 16, extra_key="tenant-a")
+    ((s0, _),) = sglang_page_hashes(salted, 16, cache_salt="tenant-a")  # 0.5.23's salt-seeded chain
     events = [
         enc.block_stored([h0, h1, h2], None, prompt, 16),
         enc.block_stored([m0], h1, more, 16),
@@ -236,7 +236,8 @@ def ref_stored(fields: dict[str, Any], rank: int) -> Stored | None:
         size,
         lookahead_tokens=1 if bigram else 0,
         lora_name=fields.get("lora_name"),
-        cache_salt=(fields.get("metadata") or {}).get("cache_salt"),
+        # SGLang 0.5.23 maps: top-level cache_salt; the positional era: the trailing metadata map
+        cache_salt=fields.get("cache_salt") or (fields.get("metadata") or {}).get("cache_salt"),
     )
 
 

@@ -88,3 +88,28 @@ async def test_demo_smoke_reports_both_runs() -> None:
     assert report["verdict"] in stdout
     assert "round robin run" in stderr  # the progress bar went to stderr
     assert _processes_with(marker) == []  # the fleet and kvlb were stopped
+
+
+async def test_demo_smoke_runs_a_vllm_fleet() -> None:
+    """``kvlb demo --engines vllm``: four vLLM personalities (128-token blocks), routed by kvlb's vLLM
+    spec; both runs complete, and kvlb's run finds cached prefixes."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "balancer", "demo", "--smoke", "--json", "--no-progress", "--engines", "vllm",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        async with asyncio.timeout(DEMO_TIMEOUT_S):
+            out, err = await process.communicate()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode == 0, err.decode()[-3000:]
+    report = json.loads(out.decode().strip().splitlines()[-1])
+    assert [(r["engine"], r["block_size"]) for r in report["fleet"]] == [("vllm", 128)] * 4
+    assert report["shape"]["engines"] == "vllm"
+    requests = report["workload"]["requests"]
+    for key in ("kvlb", "round_robin"):
+        run = report["runs"][key]
+        assert (run["ok"], run["errors"]) == (requests, 0)
+    assert report["runs"]["kvlb"]["cached_tokens"] > 0

@@ -27,6 +27,7 @@ from sglang_encoder import (
     live_frames,
     seq_frame,
     sglang_map_stored,
+    sglang_page_digests,
     sglang_page_hashes,
     sglang_stored,
     tagged,
@@ -106,6 +107,10 @@ def _sglang_cases() -> list[Case]:
     bigram_hashes = sglang_page_hashes(bigram_tokens, 4, bigram=True)
     pairs = [[bigram_tokens[j], bigram_tokens[j + 1]] for j in range(len(bigram_tokens) - 1)]
     salted = sglang_page_hashes([1, 2, 3, 4], 4, extra_key="salt-A")
+    seeded = sglang_page_hashes([1, 2, 3, 4, 5, 6, 7, 8], 4, cache_salt="tenant-a")
+    seeded_tail = sglang_page_hashes(
+        [9, 10, 11, 12], 4, prior=sglang_page_digests([1, 2, 3, 4, 5, 6, 7, 8], 4, cache_salt="tenant-a")[-1]
+    )
     return [
         Case(
             "sglang-legacy-array",
@@ -159,7 +164,8 @@ def _sglang_cases() -> list[Case]:
         ),
         Case(
             "sglang-salted",
-            "salted BlockStoredWithMetadata: 8th positional element {cache_salt}, and the map form",
+            "older salted BlockStoredWithMetadata: 8th positional element {cache_salt}, and the "
+            "pre-0.5.23 map form with a metadata map (kvlb still reads both)",
             live_frames(
                 batch_array(
                     14.0,
@@ -175,6 +181,34 @@ def _sglang_cases() -> list[Case]:
                 7,
             ),
             expect([exp_stored(salted, None, [1, 2, 3, 4], 4, cache_salt="salt-A")] * 2, seq=7, ts=14.0),
+        ),
+        Case(
+            "sglang-0.5.23-salted",
+            "SGLang 0.5.23: top-level cache_salt, the salt-seeded hash chain, a child page chained on, "
+            "and omit_defaults (a BlockStored and a BlockRemoved without medium)",
+            live_frames(
+                batch_array(
+                    15.0,
+                    [
+                        sglang_map_stored(seeded, None, [1, 2, 3, 4, 5, 6, 7, 8], 4, cache_salt="tenant-a"),
+                        sglang_map_stored(seeded_tail, seeded[-1], [9, 10, 11, 12], 4, cache_salt="tenant-a"),
+                        sglang_map_stored(hashes[:1], None, tokens[:4], 4, medium=None),
+                        tagged("BlockRemoved", block_hashes=seeded_tail),
+                    ],
+                    0,
+                ),
+                8,
+            ),
+            expect(
+                [
+                    exp_stored(seeded, None, [1, 2, 3, 4, 5, 6, 7, 8], 4, cache_salt="tenant-a"),
+                    exp_stored(seeded_tail, seeded[-1], [9, 10, 11, 12], 4, cache_salt="tenant-a"),
+                    exp_stored(hashes[:1], None, tokens[:4], 4),
+                    exp_removed(seeded_tail),
+                ],
+                seq=8,
+                ts=15.0,
+            ),
         ),
         Case(
             "sglang-partial-page",

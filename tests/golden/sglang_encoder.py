@@ -48,6 +48,15 @@ SPEC_VLLM_HASH = 15760518052499183552
 # --------------------------------------------------------------------------- reference hashes
 
 
+SGLANG_SALT_DOMAIN = b"sglang-cache-salt-v1\x00"
+"""§1.3, checked against SGLang 0.5.23: a salted request's event-hash chain is seeded with
+SHA-256(this || UTF-8 salt) as the root page's prior digest (no extra-key framing)."""
+
+
+def sglang_salt_seed(cache_salt: str) -> bytes:
+    return hashlib.sha256(SGLANG_SALT_DOMAIN + cache_salt.encode("utf-8")).digest()
+
+
 def sglang_page_digests(
     tokens: list[int],
     page_size: int,
@@ -55,8 +64,14 @@ def sglang_page_digests(
     extra_key: str | None = None,
     bigram: bool = False,
     prior: bytes | None = None,
+    cache_salt: str | None = None,
 ) -> list[bytes]:
-    """SGLang's chained SHA-256 page digests (§2.4); full pages and a trailing partial one."""
+    """SGLang's chained SHA-256 page digests (§2.4); full pages and a trailing partial one.
+
+    ``cache_salt`` seeds a root chain as SGLang 0.5.23 does (:func:`sglang_salt_seed`)."""
+    if cache_salt is not None:
+        assert prior is None, "a salt seeds a root chain"
+        prior = sglang_salt_seed(cache_salt)
     units: list[tuple[int, ...]] = (
         [(tokens[j], tokens[j + 1]) for j in range(len(tokens) - 1)] if bigram else [(t,) for t in tokens]
     )
@@ -172,17 +187,29 @@ def tagged(tag: str, **fields: Any) -> dict[str, Any]:
 
 
 def sglang_map_stored(
-    hashes: list[Any], parent: Any, token_ids: list[Any], block_size: int
+    hashes: list[Any],
+    parent: Any,
+    token_ids: list[Any],
+    block_size: int,
+    *,
+    medium: str | None = "GPU",
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
-    return tagged(
+    """SGLang 0.5.23's ``BlockStored`` map (§1.3): ``lora_id`` always, ``medium`` and the top-level
+    ``cache_salt`` only when set (msgspec ``omit_defaults``)."""
+    event = tagged(
         "BlockStored",
         block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=token_ids,
         block_size=block_size,
         lora_id=None,
-        medium="GPU",
     )
+    if medium is not None:
+        event["medium"] = medium
+    if cache_salt is not None:
+        event["cache_salt"] = cache_salt
+    return event
 
 
 # --------------------------------------------------------------------------- expectations

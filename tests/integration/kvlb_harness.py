@@ -65,7 +65,7 @@ class Harness:
         answer = await self.post("/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 1})
         assert answer.status == 200, answer.body
         holder = answer.headers["x-kvlb-replica"]
-        full_blocks = len(prompt) // 4
+        full_blocks = len(prompt) // self.replica(holder).config.block_size
 
         async def indexed() -> bool:
             return int((await self.replica_view(holder))["index"]["blocks"]) >= full_blocks
@@ -100,7 +100,7 @@ def replica_entry(replica: Replica) -> dict[str, Any]:
         "engine": replica.config.engine,
         "block_size": replica.config.block_size,
     }
-    if replica.config.engine == "sglang":
+    if "replay" in info:  # a ZMQ publisher (SGLang, vLLM)
         entry["events"] = info["events"][0]
         entry["replay"] = info["replay"][0]
     return entry
@@ -132,9 +132,11 @@ async def running(
     *,
     engines: tuple[str, ...] = ("sglang",),
     time_scale: float = 1.0,
+    page_size: int | None = None,
     **overrides: Any,
 ) -> AsyncIterator[Harness]:
-    """``count`` emulated replicas (engines cycled) and a ready balancer in front of them."""
+    """``count`` emulated replicas (engines cycled; ``page_size``: their block size, default each
+    engine's) and a ready balancer in front of them."""
     zctx = zmq.asyncio.Context()
     replicas: list[Replica] = []
     balancer: Balancer | None = None
@@ -142,7 +144,11 @@ async def running(
         for index in range(count):
             engine: Any = engines[index % len(engines)]
             config = ReplicaConfig(
-                name=f"r{index}", engine=engine, profile=get_profile("cpu-test"), time_scale=time_scale
+                name=f"r{index}",
+                engine=engine,
+                profile=get_profile("cpu-test"),
+                time_scale=time_scale,
+                page_size=page_size,
             )
             replica = Replica(config, tokenizer, zctx)
             await replica.start()

@@ -70,7 +70,7 @@ async def test_late_subscriber_replays_a_vllm_buffer() -> None:
             metrics=Metrics.create(),
             topic=TOPIC,
             replay_endpoint=f"tcp://127.0.0.1:{replay_port}",
-            settings=ZmqSourceSettings(replay_timeout_s=5.0),
+            settings=ZmqSourceSettings(replay_timeout_s=5.0, replay_poll_min_s=60.0, replay_poll_max_s=60.0),
         )
         source_task = asyncio.create_task(source.run(received.append))
         async with asyncio.timeout(5):

@@ -66,6 +66,7 @@ async def receive(sub: zmq.asyncio.Socket, timeout_s: float = 0.3) -> list[list[
 
 
 async def replay(zctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[list[bytes]]:
+    """``[b"", seq8, payload]`` of each batch a DEALER gets from ``start`` (0.5.23's 4-frame replies)."""
     dealer = zctx.socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
@@ -75,10 +76,11 @@ async def replay(zctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[l
         async with asyncio.timeout(5):
             while True:
                 reply = await dealer.recv_multipart()
-                if reply[1] == END_SEQ:
-                    assert reply == [b"", END_SEQ, b""]
+                assert len(reply) == 4 and reply[0] == b""  # 0.5.23: [b"", topic, seq8, payload]
+                if reply[2] == END_SEQ:
+                    assert reply == [b"", b"", END_SEQ, b""]
                     return replies
-                replies.append(reply)
+                replies.append([b"", reply[2], reply[3]])  # the topic frame checked, then dropped
     finally:
         dealer.close(linger=0)
 

@@ -33,7 +33,7 @@ async def test_in_order_batches_arrive_in_order(ctx: zmq.asyncio.Context, publis
         await rig.settle(29)
         assert rig.index.pages() == list(range(1, 31))
         assert rig.index.resyncs() == []
-        assert publisher.replay_requests == []
+        assert publisher.replay_requests == [0]  # the catch-up of the new connection; no gap replay
         assert rig.source.status().last_seq == 29
         applied = rig.metric(
             "kvlb_events_applied_total", {"engine": "sglang", "type": "stored", "status": "applied"}
@@ -48,19 +48,22 @@ async def test_gaps_are_filled_by_replay_exactly_once(ctx: zmq.asyncio.Context, 
     dropped = {3, 4, 5, 11, 19}
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
         await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)  # the connection's catch-up: empty
         await publisher.pages(25, drop=lambda seq: seq in dropped)
         await rig.settle(24)
         assert rig.index.pages() == list(range(1, 26))  # every page, in order, exactly once
         assert rig.index.resyncs() == []
         # A replay returns the whole buffer tail, so a later gap may already be covered by it.
-        requests = publisher.replay_requests
+        catch_up, *requests = publisher.replay_requests
+        assert catch_up == 0
         assert requests[0] == 3 and set(requests) <= {3, 11, 19}
         assert rig.metric("kvlb_events_seq_gaps_total", {"replica": REPLICA}) == len(requests)
         assert rig.metric("kvlb_events_replays_total", {"replica": REPLICA, "outcome": "filled"}) == len(
             requests
         )
+        assert rig.metric("kvlb_events_replays_total", {"replica": REPLICA, "outcome": "empty"}) == 1
         status = rig.source.status()
-        assert (status.gaps, status.replays, status.replay_failures) == (len(requests), len(requests), 0)
+        assert (status.gaps, status.replays, status.replay_failures) == (len(requests), len(requests) + 1, 0)
 
 
 async def test_gap_beyond_replay_buffer_resyncs(ctx: zmq.asyncio.Context) -> None:
@@ -111,7 +114,7 @@ async def test_restart_missing_first_batches_replays_from_zero(
         await publisher.pages(3, drop=lambda seq: seq < 2)  # the SUB missed seq 0 and 1 of the new run
         await rig.settle(2)
         assert rig.index.timeline() == [1, 2, 3, 4, 5, "restart", 1, 2, 3]
-        assert publisher.replay_requests == [0]
+        assert publisher.replay_requests == [0, 0]  # the connection's catch-up, then the restart's
 
 
 async def test_a_new_process_whose_seq_lands_above_the_old_one_is_a_restart(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -32,7 +33,15 @@ REPLICA = ReplicaId("sgl-0")
 TOPIC = b"kv-events"
 BLOCK = 4
 END = (-1).to_bytes(8, "big", signed=True)
-FAST = ZmqSourceSettings(replay_timeout_s=1.0, reconnect_initial_s=0.01, reconnect_max_s=0.1)
+FAST = ZmqSourceSettings(
+    replay_timeout_s=1.0,
+    reconnect_initial_s=0.01,
+    reconnect_max_s=0.1,
+    replay_poll_min_s=60.0,  # no poll of a silent stream: these tests count the replay requests
+    replay_poll_max_s=60.0,
+)
+POLLING = dataclasses.replace(FAST, replay_poll_min_s=0.05, replay_poll_max_s=0.2)
+"""Polls a silent stream's replay socket (tests/integration/test_sources_zmq_poll.py)."""
 
 
 def page(seq: int) -> dict[str, object]:
@@ -74,6 +83,9 @@ class Publisher:
         self.replay_requests: list[int] = []
         self.replay_served = asyncio.Event()
         """Set once a replay request has been answered in full (END sent)."""
+        self.replay_gate: asyncio.Event | None = None
+        """When set to an event, each replay request is answered only once it is set (from the buffer
+        as it is then): a slow replay socket, while live messages queue on the subscriber."""
         self._server = asyncio.create_task(self._serve_replay())
 
     @property
@@ -114,6 +126,8 @@ class Publisher:
             assert empty == b""
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            if self.replay_gate is not None:
+                await self.replay_gate.wait()
             for seq, payload in list(self.buffer):
                 if seq >= start_seq:
                     await self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])

@@ -6,7 +6,8 @@ a shared-prefix chat workload over them. A test-side SUB per engine rebuilds wha
 from the same events (:mod:`real_events`), which is the truth the assertions compare kvlb with.
 
 The tests run in file order and share one module-scoped fleet: parity, routing with the cost policy,
-the round-robin baseline, a replica restart, then a kvlb restart that must be filled by replay.
+the round-robin baseline, a replica restart (its blocks gone before any traffic), then a kvlb
+restart whose index must equal the idle engines' caches, by replay, before any new batch.
 """
 
 from __future__ import annotations
@@ -167,6 +168,25 @@ def _run(fleet: Fleet, requests: list[ChatRequest]) -> tuple[list[dict[str, Any]
     return records, time.monotonic() - started
 
 
+def _log_requests(report: dict[str, Any], phase: str, records: list[dict[str, Any]]) -> None:
+    """Per request: kvlb's prediction (``x-kvlb-cached-tokens``) next to the engine's report
+    (``usage.prompt_tokens_details.cached_tokens``); ``make test-real`` prints them as a table."""
+    rows = report.setdefault("requests", [])
+    for r in records:
+        rows.append(
+            {
+                "phase": phase,
+                "group": r["group"],
+                "round": r["round"],
+                "replica": r["replica"],
+                "prompt_tokens": r["prompt_tokens"],
+                "predicted": r["predicted"],
+                "cached": r["cached"],
+                "error": r["predicted"] - r["cached"],
+            }
+        )
+
+
 def _hit_rates(records: list[dict[str, Any]]) -> dict[str, float]:
     repeats = [r for r in records if r["round"] > 0]
     return {
@@ -242,6 +262,7 @@ def test_repeated_prefixes_land_on_the_replica_holding_them(fleet: Fleet, report
     requests = shared_prefix_workload(1, GROUPS, ROUNDS, PREFIX_WORDS)
     records, took_s = _run(fleet, requests)
     fleet.records["cost"] = records
+    _log_requests(report, "cost", records)
     assert all(r["prompt_tokens"] == r["kvlb_prompt_tokens"] for r in records)
     errors = [abs(r["cached"] - r["predicted"]) for r in records]
     repeats = [r for r in records if r["round"] > 0]
@@ -271,6 +292,7 @@ def test_kvlb_beats_round_robin_on_prefix_hits(fleet: Fleet, report: dict[str, A
     finally:
         http_json("PUT", fleet.kvlb.url + "/admin/policy", {"name": "cost"})
     fleet.records["round_robin"] = records
+    _log_requests(report, "round_robin", records)
     cost = _hit_rates(fleet.records["cost"])
     rr = _hit_rates(records)
     report["routing_round_robin"] = {"requests": len(records), "run_s": round(took_s, 1), **rr}
@@ -294,13 +316,17 @@ def test_replica_restart_clears_its_blocks_and_routing_recovers(fleet: Fleet, re
     stale_blocks = _kvlb_blocks(fleet)[victim.name]
 
     # The restarted engine publishes nothing until it runs a step (vLLM has no start-up
-    # AllBlocksCleared): kvlb still believes the old blocks until the first batch shows seq 0.
+    # AllBlocksCleared), but kvlb dropped the dead process's blocks when its publisher connection
+    # went (Resync "disconnect"), and the catch-up of the new connection found nothing to replay: the
+    # index holds none of the victim's blocks before any traffic. (The test-side truth still does: it
+    # learns of the restart only from the new process's first batch.)
     group = groups[0] if groups else 0
     again = [r for r in shared_prefix_workload(1, GROUPS, ROUNDS + 1, PREFIX_WORDS) if r.group == group]
     first = _send(fleet, again[ROUNDS])
     after = _wait_index_matches_truth(fleet)
     view = _source_status(fleet, victim.name)
     second = _send(fleet, again[ROUNDS - 1])
+    _log_requests(report, "after_replica_restart", [first, second])
     report["replica_restart"] = {
         "restarted": victim.name,
         "blocks_before": before[victim.name],
@@ -312,6 +338,9 @@ def test_replica_restart_clears_its_blocks_and_routing_recovers(fleet: Fleet, re
         "blocks_after_first_batch": after[victim.name],
         "second_request": {k: second[k] for k in ("replica", "predicted", "cached")},
     }
+    assert stale_blocks == 0, stale_blocks
+    if first["replica"] == victim.name:
+        assert first["predicted"] == 0, first  # no block of the dead process was predicted
     assert view["resyncs"] > resyncs_before, view
     assert after[victim.name] < before[victim.name]
     assert second["replica"] == first["replica"]
@@ -324,10 +353,13 @@ def test_kvlb_restart_gap_is_filled_by_replay(fleet: Fleet, report: dict[str, An
     fleet.kvlb.stop()
     start_s = fleet.kvlb.start()
     _wait_routable(fleet.kvlb, list(fleet.taps))
-    time.sleep(1.0)
-    empty = _kvlb_blocks(fleet)
+    # No engine publishes anything now: the new subscriber's catch-up at connect replays each
+    # engine's buffer from seq 0, so kvlb knows the engines' caches before any new batch.
+    caught_up_s = time.monotonic()
+    right_after = _wait_index_matches_truth(fleet, timeout_s=10.0)
+    caught_up_s = time.monotonic() - caught_up_s
     # Traffic from elsewhere (another balancer, a direct client): each engine publishes one new batch,
-    # whose seq is far past 0, so the new subscriber must replay the engine's buffer to catch up.
+    # which kvlb takes live after what it replayed.
     for i, replica in enumerate(fleet.replicas):
         text = f"direct {i} " + "outside traffic " * 40
         body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
@@ -337,12 +369,14 @@ def test_kvlb_restart_gap_is_filled_by_replay(fleet: Fleet, report: dict[str, An
     other = fleet.kvlb.metric("kvlb_events_replays_total") - filled
     requests = [r for r in shared_prefix_workload(1, GROUPS, ROUNDS, PREFIX_WORDS) if r.round == 1]
     records = [_send(fleet, r) for r in requests]
+    _log_requests(report, "after_kvlb_restart", records)
     misplaced = [r for r in records if r["truth_cached"][r["replica"]] < max(r["truth_cached"].values())]
     errors = [abs(r["cached"] - r["predicted"]) for r in records]
     report["kvlb_restart_replay"] = {
         "kvlb_ready_s": round(start_s, 2),
         "blocks_before": before,
-        "blocks_right_after_start": empty,
+        "blocks_right_after_start": right_after,
+        "index_equal_to_engines_after_ready_s": round(caught_up_s, 2),
         "blocks_after_replay": after,
         "replays_filled": filled,
         "replays_not_filled": other,
@@ -350,6 +384,7 @@ def test_kvlb_restart_gap_is_filled_by_replay(fleet: Fleet, report: dict[str, An
         "max_abs_predicted_minus_cached": max(errors),
         "hits": f"{sum(r['cached'] > 0 for r in records)}/{len(records)}",
     }
+    assert right_after == before  # the idle engines' caches, before any new batch
     assert filled >= len(fleet.replicas) and other == 0
     assert all(after[name] > before[name] for name in before)
     assert not misplaced, misplaced

@@ -21,6 +21,7 @@ from replicas.wire.sglang import (
     page_digest,
     parse_replay_request,
     replay_reply,
+    salt_seed,
 )
 
 CAPTURES = Path(__file__).resolve().parents[1] / "golden" / "real"
@@ -61,6 +62,19 @@ def test_sglang_page_hash_goldens() -> None:
     assert hashes([10, 20, 30, 40], 4, bigram=True) == [-2735951481331064195]
     assert hashes([1, 2, 3, 4, 5, 6], 4, bigram=True) == [-638950109823820341, 3604587133525381017]
     assert hashes([1, 2, 3, 4], 4, extra_key="salt-A") == [1848708812856982025]
+
+
+def test_salted_chain_starts_from_the_salt_seed() -> None:
+    """SGLang 0.5.23 seeds a salted request's event-hash chain with SHA-256("sglang-cache-salt-v1\\0" +
+    salt) as the root page's prior digest; no extra-key framing."""
+    seed = hashlib.sha256(b"sglang-cache-salt-v1\x00tenant-a").digest()
+    assert salt_seed("tenant-a") == seed
+    root = hashlib.sha256(seed + struct.pack("<2I", 1, 2)).digest()
+    child = hashlib.sha256(root + struct.pack("<2I", 7, 8)).digest()
+    pages = sglang_page_hashes([1, 2, 7, 8], 2, cache_salt="tenant-a")
+    assert pages == [(digest_to_i64(root), root), (digest_to_i64(child), child)]
+    assert pages != sglang_page_hashes([1, 2, 7, 8], 2)  # the salt namespaces the chain
+    assert pages != sglang_page_hashes([1, 2, 7, 8], 2, extra_key="tenant-a")  # not the older framing
 
 
 def test_page_digest_layout() -> None:
@@ -206,14 +220,20 @@ def test_vllm_map_omits_default_sliding_window() -> None:
     assert stored["extra_keys"] == [None]
 
 
-def test_sglang_salted_event_carries_trailing_metadata() -> None:
+def test_sglang_salted_event_carries_the_salt_as_each_era_did() -> None:
+    """Positional era: trailing ``metadata`` map. 0.5.23 maps: top-level ``cache_salt``, and a field at
+    its default (``medium: None``) left out, not written as nil."""
     array = KvEventEncoder(encoding="array").block_stored([1], None, [1, 2], 2, cache_salt="tenant")
     assert array == ["BlockStored", [1], None, [1, 2], 2, None, "GPU", {"cache_salt": "tenant"}]
     mapped = KvEventEncoder().block_stored([1], None, [1, 2], 2, cache_salt="tenant", medium=None)
     assert mapped == {
         "type": "BlockStored", "block_hashes": [1], "parent_block_hash": None, "token_ids": [1, 2],
-        "block_size": 2, "lora_id": None, "medium": None, "metadata": {"cache_salt": "tenant"},
+        "block_size": 2, "lora_id": None, "cache_salt": "tenant",
     }  # fmt: skip
+    salted = KvEventEncoder().block_stored([1], None, [1, 2], 2, cache_salt="tenant")
+    assert isinstance(salted, dict) and list(salted)[-2:] == ["medium", "cache_salt"]
+    assert KvEventEncoder().block_removed([1], medium=None) == {"type": "BlockRemoved", "block_hashes": [1]}
+    assert KvEventEncoder(encoding="array").block_removed([1], medium=None) == ["BlockRemoved", [1], None]
     with pytest.raises(ValueError, match="lora_name"):
         KvEventEncoder().block_stored([1], None, [1, 2], 2, lora_name="x")
 
@@ -272,8 +292,8 @@ def test_frames_topic_seq_and_epoch() -> None:
 
 
 def test_replay_framing() -> None:
-    assert replay_reply(7, b"x") == [b"", (7).to_bytes(8, "big"), b"x"]
-    assert REPLAY_END == [b"", b"\xff" * 8, b""]
+    assert replay_reply("kv", 7, b"x") == [b"", b"kv", (7).to_bytes(8, "big"), b"x"]
+    assert REPLAY_END == [b"", b"", b"\xff" * 8, b""]
     assert parse_replay_request([b"id", b"", (42).to_bytes(8, "big")]) == 42
     for bad in ([b"id", (42).to_bytes(8, "big")], [b"id", b"x", b"\x00" * 8], [b"id", b"", b"\x00" * 4]):
         with pytest.raises(ValueError):
@@ -294,12 +314,12 @@ def test_replay_round_trip_over_real_zmq_sockets() -> None:
         start = parse_replay_request(request)
         for seq, payload in ((0, b"a"), (1, b"b"), (2, b"c")):
             if seq >= start:
-                router.send_multipart([request[0], *replay_reply(seq, payload)])
+                router.send_multipart([request[0], *replay_reply("kv", seq, payload)])
         router.send_multipart([request[0], *REPLAY_END])
         received: list[list[bytes]] = []
         while dealer.poll(2000) and len(received) < 3:
             received.append(dealer.recv_multipart())
-        assert received == [replay_reply(1, b"b"), replay_reply(2, b"c"), REPLAY_END]
+        assert received == [replay_reply("kv", 1, b"b"), replay_reply("kv", 2, b"c"), REPLAY_END]
     finally:
         dealer.close(linger=0)
         router.close(linger=0)

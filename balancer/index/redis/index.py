@@ -34,12 +34,15 @@ from balancer.index.hashing import BlockHasher
 from balancer.index.redis import scripts
 from balancer.index.redis.client import RedisClient
 from balancer.index.redis.plan import (
+    OpKeys,
     ParentHints,
     Parents,
     hint_checks,
+    op_keys,
     outside_parents,
     plan_batch,
     split_batch,
+    split_hex,
 )
 from balancer.index.redis.schema import (
     RedisIndexSettings,
@@ -56,6 +59,12 @@ _Args = list[str | int | bytes]
 _STALE_GENERATION = 1
 _STALE_HINT = 2
 _STALE_POSITION = 3
+_ATTEMPTS = 8
+"""Calls of one script before giving up when the keys it must declare keep changing under it."""
+_MAX_ROUNDS = 100_000
+"""Bound of the loops that empty a map or expire entries a bounded step at a time."""
+_EVICT_ROUNDS = 4
+"""Eviction rounds after one write (each of at most ``max_script_blocks`` blocks)."""
 
 
 class StaleGenerationError(BalancerError):
@@ -105,13 +114,19 @@ class RedisIndex:
         self.repaired_keys = 0
         """Keys of the pool found holding another type (garbage written over them) and deleted by
         this index's scripts (``ctr.wrongtype_<key>`` in Redis; ``docs/redis-schema.md``)."""
-        self._anchor = [self.keys.counters]  # KEYS[1] of every script: routes to the pool's slot
+        self.key_retries = 0
+        """Script calls retried because a key they had to touch was not declared: the state moved
+        between the read that names the keys and the script (another writer)."""
+        self._fixed = self.keys.fixed  # the first KEYS of every script (``ctr`` routes the call)
         self._apply = client.register_script(scripts.APPLY)
         self._speculate = client.register_script(scripts.SPECULATE)
         self._drop = client.register_script(scripts.DROP)
         self._clear_step = client.register_script(scripts.CLEAR_STEP)
         self._match = client.register_script(scripts.MATCH)
         self._stats = client.register_script(scripts.STATS)
+        self._expire_script = client.register_script(scripts.EXPIRE)
+        self._evict_script = client.register_script(scripts.EVICT)
+        self._compact_script = client.register_script(scripts.COMPACT)
 
     @classmethod
     def from_url(cls, url: str, hasher: BlockHasher, settings: RedisIndexSettings) -> RedisIndex:
@@ -173,27 +188,40 @@ class RedisIndex:
         generation: int | None,
         expect_seq: str | None,
     ) -> ApplyResult:
-        """One ``APPLY`` call: at most ``max_script_blocks`` blocks (:func:`split_batch`)."""
+        """One ``APPLY`` call (at most ``max_script_blocks`` blocks, :func:`split_batch`), then an
+        eviction round when the pool is past its capacity."""
+        spec, unique = await self._expire(now)
         outside = outside_parents(self.hasher, events)
         hinted = self._hints.take(replica, outside)
         head: _Args = [self.keys.prefix, replica, fence]
-        head += [repr(float(now)), self.settings.capacity_blocks, self.settings.evict_target_blocks]
+        head += [self.settings.capacity_blocks, self.settings.evict_target_blocks]
+        head.append(self.settings.max_script_blocks)
         maxlen = self.settings.stream_maxlen
         head += [maxlen, encode_batch(events) if maxlen else b"", "" if seq is None else seq]
-        head.append(self.settings.max_script_blocks)
-        for _attempt in range(2):  # a stale hint costs one retry that reads every parent
-            plan = plan_batch(self.hasher, events, {**hinted, **await self._fetch_parents(replica, outside)})
-            if not plan.ops and generation is None and seq is None:
-                return plan.result
+        stale_hint = False
+        plan = plan_batch(self.hasher, events, {**hinted, **await self._fetch_parents(replica, outside)})
+        if not plan.ops and generation is None and seq is None:
+            return plan.result
+        keys = await self._apply_keys(replica, op_keys(plan.ops, hinted), spec, unique)
+        for _attempt in range(_ATTEMPTS):
             args = [*head, len(hinted), *hint_checks(hinted), *plan.ops]
-            reply = cast("list[int]", await self._apply(keys=self._anchor, args=args))
-            if reply[0] != _STALE_HINT:
+            reply = cast("list[Any]", await self._apply(keys=keys, args=args))
+            if reply[0] == _STALE_HINT and not stale_hint:
+                stale_hint = True  # a stale hint costs one retry that reads every parent
+                self.hint_retries += 1
+                self._hints.forget(replica)
+                for rank, eh in hinted:
+                    outside.setdefault(rank, set()).add(eh)
+                hinted = {}
+                plan = plan_batch(self.hasher, events, await self._fetch_parents(replica, outside))
+                keys = await self._apply_keys(replica, op_keys(plan.ops, hinted), spec, unique)
+            elif reply[0] == scripts.RETRY:
+                self.key_retries += 1  # the blocks a store replaces, or a stale hint: declare them
+                keys = list(dict.fromkeys([*keys, *cast("list[str]", reply[2])]))
+            else:
                 break
-            self.hint_retries += 1
-            self._hints.forget(replica)  # read every parent from Redis and try once more
-            for rank, eh in hinted:
-                outside.setdefault(rank, set()).add(eh)
-            hinted = {}
+        else:
+            raise BalancerError(f"replica {replica!r}: the keys of a batch kept changing")
         self._refused(replica, reply, generation, expect_seq)
         self.repaired_keys += int(reply[7])
         self._hints.learn(replica, plan)
@@ -201,9 +229,132 @@ class RedisIndex:
         result.stored_blocks += reply[2]
         result.removed_blocks += reply[3]
         result.unknown_removals += reply[4]
-        result.evicted_blocks += reply[5]
         result.skipped_unknown_parent += reply[6]
+        result.evicted_blocks += int(reply[5]) + await self._evict(int(reply[8]), cast("list[str]", reply[9]))
         return result
+
+    async def _apply_keys(self, replica: ReplicaId, named: OpKeys, spec: list[str], unique: int) -> list[str]:
+        """``KEYS`` of one ``APPLY``: the fixed keys, the replica's, every speculative set, the maps
+        and blocks it names, the blocks its removals release (from this writer's hints, else read)
+        and, near the capacity, the blocks its evictions may take (one pipelined read, if any)."""
+        maps = {rank: self.keys.engine_map(cache_id(replica, rank)) for rank in sorted(named.ranks)}
+        keys = [*self._fixed, self.keys.ranks(replica), self.keys.speculative(replica), *maps.values()]
+        keys += [self.keys.speculative(r) for r in spec]
+        keys += [self.keys.block(key) for key in named.stored_keys]
+        reads: list[tuple[int, list[str]]] = []
+        for rank, fields in named.removed_fields.items():
+            if rank in named.cleared:
+                continue
+            hinted, unknown = self._hints.split_known(replica, rank, fields)
+            keys += [self.keys.block(hex_u64(key)) for key in hinted]
+            if unknown:
+                reads.append((rank, unknown))
+        victims = self._victims_to_read(unique, named)
+        if reads or named.cleared or victims:
+            pipe = self.client.pipeline(transaction=False)
+            for rank, fields in reads:
+                pipe.hmget(maps[rank], fields)
+            for rank in named.cleared:
+                pipe.hvals(maps[rank])
+            if victims:
+                pipe.zrange(self.keys.lru, 0, victims - 1)
+            for values in cast("list[list[str | None]]", await pipe.execute()):
+                keys += [self.keys.block(value) for value in values if value is not None]
+        return list(dict.fromkeys(keys))
+
+    async def _expire(self, now: float) -> tuple[list[str], int]:
+        """Drop the speculative entries due at ``now`` (``EXPIRE`` calls of at most
+        ``max_script_blocks`` entries, each after a read of which they are); returns the replicas
+        with speculative entries and the pool's unique blocks, as the next call must declare them."""
+        limit = self.settings.max_script_blocks
+        for _round in range(_MAX_ROUNDS):
+            pipe = self.client.pipeline(transaction=False)
+            pipe.smembers(self.keys.speculative_replicas)
+            pipe.zcard(self.keys.lru)
+            members, unique = cast("tuple[set[str], int]", tuple(await pipe.execute()))
+            replicas = sorted(members)
+            if not replicas:
+                return replicas, int(unique)
+            pipe = self.client.pipeline(transaction=False)
+            for replica in replicas:
+                pipe.zrangebyscore(self.keys.speculative(replica), "-inf", now, start=0, num=limit)
+            due = cast("list[list[str]]", await pipe.execute())
+            if not any(due):
+                return replicas, int(unique)
+            keys = [*self._fixed, *(self.keys.speculative(r) for r in replicas)]
+            keys += [self.keys.block(key) for keys_due in due for key in keys_due]
+            args: _Args = [self.keys.prefix, repr(float(now))]
+            _expired, stopped = await self._expire_script(keys=keys, args=args)
+            if not stopped:
+                return await self._expire_done()
+        return await self._expire_done()
+
+    async def _expire_done(self) -> tuple[list[str], int]:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.smembers(self.keys.speculative_replicas)
+        pipe.zcard(self.keys.lru)
+        members, unique = await pipe.execute()
+        return sorted(cast("set[str]", members)), int(unique)
+
+    def _victims_to_read(self, unique: int, named: OpKeys) -> int:
+        """Blocks at the head of ``lru`` that the evictions after the ``S`` ops of one ``APPLY`` may
+        take: the excess over the target, at most ``max_script_blocks`` per op (0 below capacity)."""
+        adding = len(named.stored_keys)
+        if unique + adding <= self.settings.capacity_blocks:
+            return 0
+        excess = unique + adding - self.settings.evict_target_blocks
+        return min(excess, self.settings.max_script_blocks * named.stores)
+
+    async def _evict(self, unique_blocks: int, touched: list[str]) -> int:
+        """Eviction rounds of at most ``max_script_blocks`` blocks while the pool is past its
+        capacity (at most :data:`_EVICT_ROUNDS` per call: the rest on the next write); then the maps
+        of the caches that lost blocks (``touched``, and in these rounds) are compacted. Returns the
+        blocks evicted."""
+        capacity, target = self.settings.capacity_blocks, self.settings.evict_target_blocks
+        limit = self.settings.max_script_blocks
+        evicted = 0
+        lost = set(touched)
+        for _round in range(_EVICT_ROUNDS):
+            if unique_blocks <= capacity:
+                break
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrange(self.keys.lru, 0, min(unique_blocks - target, limit) - 1)
+            pipe.smembers(self.keys.speculative_replicas)
+            victims, spec = cast("tuple[list[str], set[str]]", tuple(await pipe.execute()))
+            keys = [*self._fixed, *(self.keys.block(key) for key in victims)]
+            keys += [self.keys.speculative(replica) for replica in sorted(spec)]
+            args: _Args = [self.keys.prefix, capacity, target, limit]
+            n, unique_blocks, cids = cast("list[Any]", await self._evict_script(keys=keys, args=args))
+            evicted += int(n)
+            lost.update(cids)
+            if not n:
+                break
+        if lost:
+            await self._compact(sorted(lost))
+        return evicted
+
+    async def _compact(self, cids: list[str]) -> None:
+        """Drop the dead entries of the maps that outnumber their cache's blocks (a random sample of
+        ``max_script_blocks`` entries per map and call, more than half dead when it runs)."""
+        limit = self.settings.max_script_blocks
+        pipe = self.client.pipeline(transaction=False)
+        for cid in cids:
+            pipe.hlen(self.keys.engine_map(cid))
+            pipe.hget(self.keys.held, cid)
+        sizes = await pipe.execute()
+        for cid, n, held in zip(cids, sizes[::2], sizes[1::2], strict=True):
+            if int(n) <= 2 * int(held or 0) + 64:
+                continue
+            mk = self.keys.engine_map(cid)
+            if int(n) > limit:
+                pairs = cast(
+                    "list[str]", await cast("Any", self.client.hrandfield(mk, limit, withvalues=True))
+                )
+            else:
+                flat = cast("dict[str, str]", await cast("Any", self.client.hgetall(mk)))
+                pairs = [x for item in flat.items() for x in item]
+            keys = [*self._fixed, mk, *(self.keys.block(v) for v in pairs[1::2])]
+            await self._compact_script(keys=keys, args=[self.keys.prefix, cid, "".join(pairs[::2])])
 
     async def _clear_steps(
         self,
@@ -215,15 +366,21 @@ class RedisIndex:
     ) -> int:
         """Empty one cache in calls of at most ``max_script_blocks`` map entries (before the call
         that clears it whole and publishes the clear); returns the holdings released."""
-        args: _Args = [self.keys.prefix, replica, fence, rank, self.settings.max_script_blocks]
+        mk = self.keys.engine_map(cache_id(replica, rank))
         released = 0
-        while True:
-            reply = cast("list[int]", await self._clear_step(keys=self._anchor, args=args))
+        for _round in range(_MAX_ROUNDS):
+            pairs = await self._sample(mk)
+            if not pairs:
+                break
+            keys = [*self._fixed, mk, *(self.keys.block(v) for v in pairs[1::2])]
+            args: _Args = [self.keys.prefix, replica, fence, rank, "".join(pairs[::2])]
+            reply = cast("list[int]", await self._clear_step(keys=keys, args=args))
             self._refused(replica, reply, generation, expect_seq)
             released += int(reply[2])
             self.repaired_keys += int(reply[3])
             if int(reply[1]) == 0:
-                return released
+                break
+        return released
 
     @staticmethod
     def _refused(
@@ -254,17 +411,20 @@ class RedisIndex:
     async def match(
         self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
     ) -> Overlap:
-        """Leading blocks held per replica: one ``EVALSHA`` that stops where the candidates stop.
+        """Leading blocks held per replica: one ``EVALSHA`` that stops where the candidates stop
+        (after the ``EXPIRE`` of due speculative entries, so that ``stats`` agrees with the table).
 
         Routing never calls this (it reads the mirror's table). It keeps the seam uniform: the
         contract suite checks the Redis index's state through it, and the Redis integration tests
         use it as the oracle the mirrors must agree with."""
+        await self._expire(now)
         asked = None if among is None else list(among)
         args: _Args = [self.keys.prefix, repr(float(now)), -1 if asked is None else len(asked)]
         args += asked or []
-        if keys:
-            args += _split_hex(hex_u64s(keys))
-        listed, pairs = cast("list[Any]", await self._match(keys=self._anchor, args=args))
+        hexes = split_hex(hex_u64s(keys)) if keys else []
+        args += hexes
+        script_keys = [*self._fixed, *dict.fromkeys(self.keys.block(key) for key in hexes)]
+        listed, pairs = cast("list[Any]", await self._match(keys=script_keys, args=args))
         replicas = [ReplicaId(r) for r in listed] if asked is None else asked
         blocks = dict.fromkeys(replicas, 0)
         best = dict.fromkeys(replicas, 0)
@@ -285,22 +445,63 @@ class RedisIndex:
         and the Redis tests call this."""
         if ttl_s <= 0 or not keys:
             return
-        args: _Args = [self.keys.prefix, replica, repr(float(now)), repr(float(now + ttl_s))]
-        args += [self.settings.capacity_blocks, self.settings.evict_target_blocks]
-        args += [self.settings.max_speculative_keys, *_split_hex(hex_u64s(keys))]
-        await self._speculate(keys=self._anchor, args=args)
+        await self._expire(now)
+        hexes = split_hex(hex_u64s(keys))
+        args: _Args = [self.keys.prefix, replica, repr(float(now + ttl_s))]
+        args += [self.settings.max_speculative_keys, *hexes]
+        for _attempt in range(_ATTEMPTS):
+            replicas = await self._speculative_replicas()
+            script_keys = [*self._fixed, *(self.keys.speculative(r) for r in sorted({*replicas, replica}))]
+            script_keys += dict.fromkeys(self.keys.block(key) for key in hexes)
+            code, _taken, unique_blocks = cast(
+                "list[int]", await self._speculate(keys=script_keys, args=args)
+            )
+            if code != scripts.RETRY:
+                break
+            self.key_retries += 1
+        else:
+            raise BalancerError("the replicas with speculative entries kept changing")
+        await self._evict(int(unique_blocks), [])
 
     async def drop_replica(self, replica: ReplicaId) -> int:
         """Forget every rank and speculative entry of ``replica`` and bump its generation."""
         self._hints.forget(replica)
-        ranks = cast("set[str]", await cast("Any", self.client.smembers(self.keys.ranks(replica))))
         released = 0
-        for rank in sorted(ranks):
+        ranks = await self._ranks(replica)
+        for rank in ranks:
             released += await self._clear_steps(replica, int(rank))
         args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen]
-        reply = cast("list[int]", await self._drop(keys=self._anchor, args=args))
-        self.repaired_keys += int(reply[2])
-        return released + int(reply[0])
+        for _attempt in range(_ATTEMPTS):
+            ranks = sorted(
+                cast("set[str]", await cast("Any", self.client.smembers(self.keys.ranks(replica))))
+            )
+            maps = [self.keys.engine_map(f"{replica}#{rank}") for rank in ranks]
+            pipe = self.client.pipeline(transaction=False)
+            for mk in maps:
+                pipe.hvals(mk)
+            pipe.zrange(self.keys.speculative(replica), 0, -1)
+            held = cast("list[list[str]]", await pipe.execute())
+            keys = [*self._fixed, self.keys.ranks(replica), self.keys.speculative(replica), *maps]
+            keys += dict.fromkeys(self.keys.block(key) for values in held for key in values)
+            reply = cast("list[int]", await self._drop(keys=keys, args=args))
+            if reply[0] != scripts.RETRY:
+                break
+            self.key_retries += 1
+        else:
+            raise BalancerError(f"replica {replica!r}: its keys kept changing during the drop")
+        self.repaired_keys += int(reply[3])
+        return released + int(reply[1])
+
+    async def _ranks(self, replica: ReplicaId) -> list[str]:
+        return sorted(cast("set[str]", await cast("Any", self.client.smembers(self.keys.ranks(replica)))))
+
+    async def _sample(self, map_key: str) -> list[str]:
+        """Up to ``max_script_blocks`` random entries of a map, as field, value, field, value..."""
+        limit = self.settings.max_script_blocks
+        return cast("list[str]", await cast("Any", self.client.hrandfield(map_key, limit, withvalues=True)))
+
+    async def _speculative_replicas(self) -> set[str]:
+        return cast("set[str]", await cast("Any", self.client.smembers(self.keys.speculative_replicas)))
 
     async def generation(self, replica: ReplicaId) -> int:
         """The generation a writer of ``replica`` must pass to ``apply`` (0 before any drop)."""
@@ -314,9 +515,17 @@ class RedisIndex:
 
     async def stats(self) -> IndexStats:
         """Sizes from Redis; ``bytes_per_block`` is ``None`` (see ``docs/redis-schema.md`` figures)."""
-        unique, held_pairs, speculative = cast(
-            "list[Any]", await self._stats(keys=self._anchor, args=[self.keys.prefix])
-        )
+        for _attempt in range(_ATTEMPTS):
+            replicas = await self._speculative_replicas()
+            keys = [*self._fixed, *(self.keys.speculative(r) for r in sorted(replicas))]
+            code, unique, held_pairs, speculative = cast(
+                "list[Any]", await self._stats(keys=keys, args=[self.keys.prefix])
+            )
+            if code != scripts.RETRY:
+                break
+            self.key_retries += 1
+        else:
+            raise BalancerError("the replicas with speculative entries kept changing")
         by_replica: dict[ReplicaId, int] = {}
         for field, value in zip(held_pairs[::2], held_pairs[1::2], strict=True):
             replica, _ = split_cache_id(field)
@@ -333,7 +542,3 @@ class RedisIndex:
         """Close the connection pool if this index created it."""
         if self._owns_client:
             await self.client.aclose()
-
-
-def _split_hex(joined: str) -> list[str]:
-    return [joined[i : i + 16] for i in range(0, len(joined), 16)]

@@ -135,6 +135,19 @@ class ParentHints:
                 ehs -= hit
         return found
 
+    def split_known(self, replica: str, rank: int, ehs_hex: list[str]) -> tuple[list[int], list[str]]:
+        """The keys hinted for these engine hashes (hex), and the engine hashes not hinted."""
+        cache = self._caches.get((replica, rank), {})
+        known: list[int] = []
+        unknown: list[str] = []
+        for eh_hex in ehs_hex:
+            key = cache.get(int(eh_hex, 16))
+            if key is None:
+                unknown.append(eh_hex)
+            else:
+                known.append(key)
+        return known, unknown
+
     def learn(self, replica: str, plan: BatchPlan) -> None:
         """Record the map changes of a batch that ``APPLY`` accepted."""
         if self._per_cache <= 0:
@@ -210,3 +223,45 @@ def _pieces(hasher: BlockHasher, event: KvEvent, max_blocks: int) -> list[KvEven
         tokens = event.tokens[start * width : end * width + look]
         pieces.append(replace(event, parent=parent, engine_hashes=ehs[start:end], tokens=tokens))
     return pieces
+
+
+@dataclass(slots=True)
+class OpKeys:
+    """What one ``APPLY`` call's operations name, so that its ``KEYS`` can be declared."""
+
+    ranks: set[int] = field(default_factory=set)
+    """Ranks whose engine-hash map the ops read or write."""
+    stored_keys: list[str] = field(default_factory=list)
+    """Block keys (hex) the ``S`` ops store."""
+    stores: int = 0
+    """``S`` ops (each may be followed by an eviction round)."""
+    removed_fields: dict[int, list[str]] = field(default_factory=dict)
+    """Per rank, the engine hashes (hex) whose current map values the ``R`` ops release. (The values
+    an ``S`` may replace are rare: ``APPLY`` names the undeclared ones and is called again.)"""
+    cleared: set[int] = field(default_factory=set)
+    """Ranks a ``C`` op empties (every value of their map may be released)."""
+
+
+def op_keys(ops: ScriptArgs, hinted: Parents) -> OpKeys:
+    """Walk ``BatchPlan.ops`` (and the hinted parents' ranks) as ``APPLY`` will."""
+    out = OpKeys(ranks={rank for rank, _ in hinted})
+    i = 0
+    while i < len(ops):
+        op, rank = ops[i], int(ops[i + 1])
+        out.ranks.add(rank)
+        if op == "S":
+            out.stored_keys.extend(split_hex(str(ops[i + 5])))
+            out.stores += 1
+            i += 6
+        elif op == "R":
+            out.removed_fields.setdefault(rank, []).extend(split_hex(str(ops[i + 2])))
+            i += 3
+        else:
+            out.cleared.add(rank)
+            i += 2
+    return out
+
+
+def split_hex(joined: str) -> list[str]:
+    """Concatenated 16-digit hex values, one string each."""
+    return [joined[i : i + 16] for i in range(0, len(joined), 16)]

@@ -3,9 +3,9 @@
 Every key name starts with ``<prefix>:{<pool>}:``. The ``{pool}`` hash tag puts all keys of one pool
 in one Redis Cluster slot, so each Lua script (which touches many keys) runs on one node and every
 pipeline of one pool goes to one node. ``docs/redis-schema.md`` describes each key. Python code
-spells the names of the keys it touches only here; the Lua scripts (:mod:`balancer.index.redis.scripts`)
-receive :attr:`RedisKeys.prefix` and append the suffixes of the keys only they touch (``b:``, ``s:``,
-``lru``, ``tick``, ``held``, ``replicas``, ``spec``).
+spells the names of the keys only here. The Lua scripts (:mod:`balancer.index.redis.scripts`) are
+given every key they touch in ``KEYS`` (:attr:`RedisKeys.fixed` first, then the ``m:``, ``b:`` and
+``s:`` keys of the call) and :attr:`RedisKeys.prefix`, from which they spell the names they check.
 
 Identifiers inside names and fields:
 
@@ -77,6 +77,36 @@ class RedisKeys:
     def __init__(self, settings: RedisIndexSettings) -> None:
         self.prefix = f"{settings.key_prefix}:{{{settings.pool}}}:"
         """Common start of every key of the pool; the Lua scripts append their suffixes to it."""
+
+    @property
+    def fixed(self) -> list[str]:
+        """The keys every index script declares (``KEYS[1]`` = :attr:`counters` routes the call)."""
+        names = ("lru", "held", "spec", "replicas", "tick", "gen", "seq", "events")
+        return [self.counters, *(self.prefix + name for name in names)]
+
+    @property
+    def lru(self) -> str:
+        """ZSET: block key (hex) scored by the tick of its last touch; its size is the pool's
+        unique blocks."""
+        return f"{self.prefix}lru"
+
+    @property
+    def held(self) -> str:
+        """HASH: cache id → blocks it holds."""
+        return f"{self.prefix}held"
+
+    @property
+    def speculative_replicas(self) -> str:
+        """SET: replicas with speculative entries (each has a :meth:`speculative` set)."""
+        return f"{self.prefix}spec"
+
+    def speculative(self, replica: ReplicaId | str) -> str:
+        """ZSET: block key (hex) → expiry of ``replica``'s speculative holdings."""
+        return f"{self.prefix}s:{replica}"
+
+    def block(self, key_hex: str) -> str:
+        """HASH: holder field (cache id → handle count, ``<replica>#s`` → expiry) of one block."""
+        return f"{self.prefix}b:{key_hex}"
 
     def engine_map(self, cache_id: str) -> str:
         """HASH: engine hash (hex) → block key (hex) of one cache; also its reverse set."""

@@ -1,30 +1,45 @@
 """Lua scripts of the Redis prefix index, as constants (pure text; run by :mod:`balancer.index.redis.index`).
 
-Every script gets ``KEYS[1]`` = the pool's counters key (it routes the call to the pool's Cluster
-slot) and ``ARGV[1]`` = the pool's key prefix; it builds the other key names from that prefix, which
-is safe in Redis Cluster because the ``{pool}`` hash tag puts them all in the same slot. The key
-layout is documented in ``docs/redis-schema.md``; the semantics mirror
-:class:`balancer.index.table.PrefixTable` (LRU order, handle counts, speculative holders).
+**Every script declares every key it touches.** ``KEYS`` starts with the pool's fixed keys
+(:attr:`balancer.index.redis.schema.RedisKeys.fixed`: ``ctr`` first, which routes the call to the
+pool's Cluster slot) and goes on with the data keys of this call: the ``m:`` maps and ``b:`` blocks
+it names, the ``s:`` sets of the replicas it reads. The caller reads which those are first (the
+blocks an eviction takes from ``lru``, the values of the maps a batch or a clear changes, the
+replicas in ``spec``), with plain commands. The script's ``call`` refuses any key not in ``KEYS``
+(an error, which the tests would show), and each script checks, before its first write, that the
+keys it is about to touch are declared: if the state moved between the read and the script (another
+writer), it writes nothing and answers ``{4, 0}`` (re-read and retry) or, for an eviction, an
+expiry or a clear step, stops at the first undeclared key and leaves the rest for the next call.
+``ARGV[1]`` is the pool's key prefix, from which the script spells the names it checks.
 
-Each script is atomic: a batch of events, a speculative add, a drop or a match is applied whole.
+The key layout is documented in ``docs/redis-schema.md``; the semantics mirror
+:class:`balancer.index.table.PrefixTable` (LRU order, handle counts, speculative holders). Each
+script is atomic: a segment of events, a speculative add, an eviction round or a match is applied
+whole. ``EXPIRE`` and ``EVICT`` run as their own calls, before and after the calls that need them.
 
-The write scripts come first; the queries (``MATCH``, ``STATS``) last. ``MATCH`` first expires due
-speculative entries, so that ``stats`` afterwards agrees with the in-memory table; it writes nothing
-else.
+The write scripts come first; the queries (``MATCH``, ``STATS``) last. They write nothing.
 """
 
 from __future__ import annotations
+
+RETRY = 4
+"""First reply element of a script that found a key it needs undeclared: nothing was written."""
 
 PRELUDE = """
 local P = ARGV[1]
 local LRU, HELD, CTR = P .. 'lru', P .. 'held', P .. 'ctr'
 local SPECSET, REPLICAS, TICK = P .. 'spec', P .. 'replicas', P .. 'tick'
 local CHUNK = 4000
-local call = redis.call
+local D = {}
+for _, k in ipairs(KEYS) do D[k] = true end
+-- every key a script touches goes through `call`, which refuses an undeclared one
+local function call(cmd, key, ...)
+  if not D[key] then error('kvlb: undeclared key ' .. key) end
+  return redis.call(cmd, key, ...)
+end
 local ctr, held, dirty = {}, {}, {}
 local gone = {}  -- block key -> tick at which its last holder went (this call only)
 local tick = nil
-local LIMIT = 0  -- most blocks an eviction round, or map entries a compaction, touches (0: all)
 
 local function count(name, n)
   if n ~= 0 then ctr[name] = (ctr[name] or 0) + n end
@@ -47,6 +62,15 @@ local function call_chunked(cmd, key, list)
   for i = 1, #list, CHUNK do
     call(cmd, key, unpack(list, i, math.min(i + CHUNK - 1, #list)))
   end
+end
+
+local function hmget(key, fields)
+  local out = {}
+  for i = 1, #fields, CHUNK do
+    local part = call('HMGET', key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
+    for j = 1, #part do out[#out + 1] = part[j] end
+  end
+  return out
 end
 
 local function next_tick()
@@ -97,70 +121,6 @@ local function release(cid, key)
   return true
 end
 
-local function expire(now)
-  for _, r in ipairs(call('SMEMBERS', SPECSET)) do
-    local sk = P .. 's:' .. r
-    local due = call('ZRANGEBYSCORE', sk, '-inf', now)
-    if #due > 0 then
-      local f = r .. '#s'
-      for _, key in ipairs(due) do
-        local bk = P .. 'b:' .. key
-        call('HDEL', bk, f)
-        unhold(bk, key)
-      end
-      call('ZREMRANGEBYSCORE', sk, '-inf', now)
-      count('speculative_expired', #due)
-    end
-    if call('ZCARD', sk) == 0 then call('SREM', SPECSET, r) end
-  end
-end
-
--- drop a cache's map entries whose block it no longer holds (they outnumber its live blocks);
--- past LIMIT entries, a random sample of LIMIT per call (more than half are dead when it runs)
-local function compact(cid)
-  local mk = P .. 'm:' .. cid
-  local n = call('HLEN', mk)
-  if n <= 2 * held_get(cid) + 64 then return end
-  local kv
-  if LIMIT > 0 and n > LIMIT then
-    kv = call('HRANDFIELD', mk, LIMIT, 'WITHVALUES')
-  else
-    kv = call('HGETALL', mk)
-  end
-  local dead = {}
-  for i = 1, #kv, 2 do
-    if call('HEXISTS', P .. 'b:' .. kv[i + 1], cid) == 0 then dead[#dead + 1] = kv[i] end
-  end
-  call_chunked('HDEL', mk, dead)
-end
-
-local function evict(capacity, target)
-  local n = call('ZCARD', LRU)
-  if n <= capacity then return 0 end
-  local k = n - target
-  if LIMIT > 0 and k > LIMIT then k = LIMIT end  -- the rest on the next calls: Redis stays responsive
-  local victims = call('ZRANGE', LRU, 0, k - 1)
-  local touched = {}
-  for _, key in ipairs(victims) do
-    local bk = P .. 'b:' .. key
-    local fv = call('HGETALL', bk)
-    for i = 1, #fv, 2 do
-      local f = fv[i]
-      if string.sub(f, -2) == '#s' then
-        call('ZREM', P .. 's:' .. string.sub(f, 1, -3), key)
-      else
-        held_add(f, -1)
-        touched[f] = true
-      end
-    end
-    call('DEL', bk)
-  end
-  call('ZREMRANGEBYRANK', LRU, 0, k - 1)
-  for cid in pairs(touched) do compact(cid) end
-  count('evicted_blocks', k)
-  return k
-end
-
 -- empty one cache: its holder fields and its engine-hash map (its reverse set); returns its count
 local function clear(cid)
   if call('HEXISTS', HELD, cid) == 0 then return 0 end
@@ -174,6 +134,67 @@ local function clear(cid)
   held[cid] = 0
   dirty[cid] = true
   return n
+end
+
+-- Evict down to `target` once past `capacity`: at most `limit` blocks (0: no cap), in `lru` order,
+-- stopping at the first block whose keys (its `b:`, its speculative holders' `s:`) the caller did
+-- not declare: the caller's EVICT call goes on from there. The caches that lost a block are kept
+-- in `touched` for the caller's map compaction.
+local touched = {}
+local function evict(capacity, target, limit)
+  local n = call('ZCARD', LRU)
+  if n <= capacity then return 0 end
+  local k = n - target
+  if limit > 0 and k > limit then k = limit end
+  local evicted = 0
+  for _, key in ipairs(call('ZRANGE', LRU, 0, k - 1)) do
+    local bk = P .. 'b:' .. key
+    if not D[bk] then break end
+    local fv = call('HGETALL', bk)
+    local ok = true
+    for i = 1, #fv, 2 do
+      local f = fv[i]
+      if string.sub(f, -2) == '#s' and not D[P .. 's:' .. string.sub(f, 1, -3)] then ok = false end
+    end
+    if not ok then break end
+    for i = 1, #fv, 2 do
+      local f = fv[i]
+      if string.sub(f, -2) == '#s' then
+        call('ZREM', P .. 's:' .. string.sub(f, 1, -3), key)
+      else
+        held_add(f, -1)
+        touched[f] = true
+      end
+    end
+    call('DEL', bk)
+    call('ZREM', LRU, key)
+    evicted = evicted + 1
+  end
+  count('evicted_blocks', evicted)
+  return evicted
+end
+
+local function touched_list()
+  local out = {}
+  for cid in pairs(touched) do out[#out + 1] = cid end
+  return out
+end
+
+-- whether every value of map `mk` among `fields` (all of them when nil) names a declared block;
+-- the undeclared ones are added to `missing` (when given), for the caller's next try
+local function map_declared(mk, fields, missing)
+  if not D[mk] then return false end
+  local values
+  if fields == nil then values = call('HVALS', mk) else values = hmget(mk, fields) end
+  local ok = true
+  for _, v in ipairs(values) do
+    local bk = v and P .. 'b:' .. v
+    if bk and not D[bk] then
+      ok = false
+      if missing then missing[#missing + 1] = bk else return false end
+    end
+  end
+  return ok
 end
 
 -- append to the pool's event stream (maxlen 0: no stream); fields r, n (consecutive), then `extra`
@@ -219,36 +240,128 @@ local function split16(s)
   return out
 end
 
-local function hmget(key, fields)
-  local out = {}
-  for i = 1, #fields, CHUNK do
-    local part = call('HMGET', key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
-    for j = 1, #part do out[#out + 1] = part[j] end
+-- speculative sets: whether every replica in `spec` has its `s:` key declared
+local function specs_declared()
+  for _, r in ipairs(call('SMEMBERS', SPECSET)) do
+    if not D[P .. 's:' .. r] then return false end
   end
-  return out
+  return true
 end
+"""
+
+_EXPIRE_BODY = """
+-- ARGV: prefix, now. KEYS: fixed, s:<r> of the replicas in `spec`, b:<key> of their due entries.
+-- Drops due speculative entries in `s:` order; stops at an undeclared key (the next call goes on).
+-- returns {entries expired, 1 if an undeclared key stopped it else 0}
+local NOW = ARGV[2]
+local expired, stopped = 0, 0
+for _, r in ipairs(call('SMEMBERS', SPECSET)) do
+  local sk = P .. 's:' .. r
+  if not D[sk] then
+    stopped = 1
+  else
+    local due = call('ZRANGEBYSCORE', sk, '-inf', NOW)
+    local f, done = r .. '#s', {}
+    for _, key in ipairs(due) do
+      local bk = P .. 'b:' .. key
+      if not D[bk] then
+        stopped = 1
+        break
+      end
+      call('HDEL', bk, f)
+      unhold(bk, key)
+      done[#done + 1] = key
+    end
+    call_chunked('ZREM', sk, done)
+    expired = expired + #done
+    if call('ZCARD', sk) == 0 then call('SREM', SPECSET, r) end
+  end
+end
+count('speculative_expired', expired)
+finish()
+return {expired, stopped}
+"""
+
+_EVICT_BODY = """
+-- ARGV: prefix, capacity, target, limit. KEYS: fixed, b:<key> of the blocks at the head of `lru`,
+-- s:<r> of the replicas in `spec`.
+-- One eviction round (see `evict`) for what the writes left past the capacity.
+-- returns {blocks evicted, unique blocks left, {cache ids that lost a block}}
+local e = evict(tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]))
+finish()
+return {e, call('ZCARD', LRU), touched_list()}
+"""
+
+_COMPACT_BODY = """
+-- ARGV: prefix, cache id, engine hashes of entries of its map (concatenated hex, read by the
+--       caller). KEYS: fixed, m:<cid>, then b:<value> of each entry, in the same order.
+-- Drops the map entries whose block the cache no longer holds (a map outnumbering the cache's live
+-- blocks, after evictions); an entry whose value changed since the caller read it is left alone.
+-- returns entries dropped
+local cid = ARGV[2]
+local mk = P .. 'm:' .. cid
+local fields = split16(ARGV[3])
+local first = #KEYS - #fields
+local skip = #P + 3
+local dead = {}
+for i = 1, #fields do
+  local bk = KEYS[first + i]
+  if call('HGET', mk, fields[i]) == string.sub(bk, skip) and call('HEXISTS', bk, cid) == 0 then
+    dead[#dead + 1] = fields[i]
+  end
+end
+call_chunked('HDEL', mk, dead)
+return #dead
 """
 
 _APPLY_BODY = """
 -- ARGV: prefix, replica, generation ('' = unfenced; 'g|text' also requires seq[replica] == text),
---       now, capacity, target, stream maxlen,
---       stream payload, engine seq ('' = none), limit (LIMIT), n_checks,
+--       capacity, target, limit, stream maxlen, stream payload, engine seq ('' = none), n_checks,
 --       n_checks x (rank, engine hash, expected key or ''), ops...
 -- ops: 'S' rank parent expected ehs keys | 'R' rank ehs | 'C' rank
--- returns {0, 0, stored, removed, unknown, evicted, skipped, keys repaired} | {1, current generation}
---         | {2, 0} (a stale parent hint) | {3, 0} (the stored seq is not the expected one)
-local REPLICA, NOW = ARGV[2], ARGV[4]
-local CAPACITY, TARGET = tonumber(ARGV[5]), tonumber(ARGV[6])
+-- KEYS: fixed, ranks:<replica>, s:<replica>, m:<cid> of every rank named, b:<key> of every key the
+--       'S' ops store and of every value the named maps hold for the ops' engine hashes (all values
+--       of a map a 'C' op clears), and for the evictions after each 'S': b:<key> of the blocks at
+--       the head of `lru` and s:<r> of the replicas in `spec` (an eviction stops at an undeclared
+--       block: the caller's EVICT goes on).
+-- returns {0, 0, stored, removed, unknown, evicted, skipped, keys repaired, unique blocks,
+--          {cache ids that lost a block to an eviction}} |
+--         {1, current generation} | {2, 0} (a stale parent hint) | {3, 0} (the stored seq is not the
+--         expected one) | {4, 0, {undeclared keys}} (a key the batch touches is not declared:
+--         nothing written; the caller declares them and calls again)
+local REPLICA = ARGV[2]
 local refused = fence(REPLICA, ARGV[3])
 if refused then return refused end
-LIMIT = tonumber(ARGV[10])
-local NCHECKS = tonumber(ARGV[11])
-for j = 12, 11 + 3 * NCHECKS, 3 do  -- the writer's parent hints, checked before any write
-  if (call('HGET', P .. 'm:' .. REPLICA .. '#' .. ARGV[j], ARGV[j + 1]) or '') ~= ARGV[j + 2] then
+local CAPACITY, TARGET, LIMIT = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
+local NCHECKS = tonumber(ARGV[10])
+local FIRST_OP = 11 + 3 * NCHECKS
+for j = 11, FIRST_OP - 1, 3 do  -- the writer's parent hints, checked before any write
+  local mk = P .. 'm:' .. REPLICA .. '#' .. ARGV[j]
+  if not D[mk] then return {4, 0, {mk}} end
+  if (call('HGET', mk, ARGV[j + 1]) or '') ~= ARGV[j + 2] then
     return {2, 0}
   end
 end
-expire(NOW)
+do  -- every block the ops may release must be declared, before anything is written
+  local missing = {}
+  local i = FIRST_OP
+  while i <= #ARGV do
+    local op = ARGV[i]
+    local mk = P .. 'm:' .. REPLICA .. '#' .. ARGV[i + 1]
+    local fields = nil
+    if op == 'S' then
+      fields = split16(ARGV[i + 4])
+      i = i + 6
+    elseif op == 'R' then
+      fields = split16(ARGV[i + 2])
+      i = i + 3
+    else
+      i = i + 2
+    end
+    if not map_declared(mk, fields, missing) and D[mk] == nil then missing[#missing + 1] = mk end
+  end
+  if #missing > 0 then return {4, 0, missing} end
+end
 local spec_key = P .. 's:' .. REPLICA
 local spec_field = REPLICA .. '#s'
 local has_spec = call('ZCARD', spec_key) > 0
@@ -311,8 +424,9 @@ local function store(rank, parent, expected, ehs, keys)
   call_chunked('HSET', mk, mset)
   held_add(cid, added)
   count('speculative_confirmed', confirmed)
+  if confirmed > 0 and call('ZCARD', spec_key) == 0 then call('SREM', SPECSET, REPLICA) end
   res.stored = res.stored + #ehl
-  res.evicted = res.evicted + evict(CAPACITY, TARGET)
+  res.evicted = res.evicted + evict(CAPACITY, TARGET, LIMIT)
 end
 
 local function remove(rank, ehs)
@@ -335,7 +449,7 @@ local function remove(rank, ehs)
   call_chunked('HDEL', mk, dels)
 end
 
-local i = 12 + 3 * NCHECKS
+local i = FIRST_OP
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'S' then
@@ -352,20 +466,23 @@ end
 finish()
 if ARGV[9] ~= '' then call('HSET', P .. 'seq', REPLICA, ARGV[9]) end
 publish(tonumber(ARGV[7]), REPLICA, {'e', ARGV[8]})
-return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped, repaired}
+return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped, repaired,
+        call('ZCARD', LRU), touched_list()}
 """
 
 _SPECULATE_BODY = """
--- ARGV: prefix, replica, now, expiry, capacity, target, limit, keys...
-local REPLICA, NOW, EXPIRY = ARGV[2], ARGV[3], ARGV[4]
-local LIMIT = tonumber(ARGV[7])
-expire(NOW)
-local nkeys = #ARGV - 7
+-- ARGV: prefix, replica, expiry, limit, keys...
+-- KEYS: fixed, s:<r> of every replica in `spec` and of `replica`, b:<key> of every key.
+-- returns {0, entries taken, unique blocks} | {4, 0, 0} (a replica in `spec` not declared)
+local REPLICA, EXPIRY = ARGV[2], ARGV[3]
+local LIMIT = tonumber(ARGV[4])
+local nkeys = #ARGV - 4
 if LIMIT <= 0 then
   count('speculative_overflow', nkeys)
   finish()
-  return 0
+  return {0, 0, call('ZCARD', LRU)}
 end
+if not specs_declared() then return {4, 0, 0} end
 call('SADD', REPLICAS, REPLICA)
 local total = 0
 for _, r in ipairs(call('SMEMBERS', SPECSET)) do
@@ -373,7 +490,7 @@ for _, r in ipairs(call('SMEMBERS', SPECSET)) do
 end
 local sk, sf = P .. 's:' .. REPLICA, REPLICA .. '#s'
 local taken = 0
-for i = 8, #ARGV do
+for i = 5, #ARGV do
   local key = ARGV[i]
   local bk = P .. 'b:' .. key
   if call('ZSCORE', sk, key) then
@@ -392,18 +509,29 @@ for i = 8, #ARGV do
   end
 end
 if taken > 0 then call('SADD', SPECSET, REPLICA) end
-evict(tonumber(ARGV[5]), tonumber(ARGV[6]))
 finish()
-return taken
+return {0, taken, call('ZCARD', LRU)}
 """
 
 _DROP_BODY = """
--- ARGV: prefix, replica, stream maxlen; returns {holdings dropped, new generation, keys repaired}
+-- ARGV: prefix, replica, stream maxlen
+-- KEYS: fixed, ranks:<replica>, s:<replica>, m:<cid> of each of its ranks, b:<key> of every value of
+--       those maps and of every speculative entry of the replica.
+-- returns {0, holdings dropped, new generation, keys repaired} | {4, 0, 0, 0} (undeclared: nothing)
 local REPLICA = ARGV[2]
 repair(P .. 'gen', 'hash', 'gen')
 local rk = P .. 'ranks:' .. REPLICA
+local sk, sf = P .. 's:' .. REPLICA, REPLICA .. '#s'
+local ranks = call('SMEMBERS', rk)
+for _, rank in ipairs(ranks) do
+  if not map_declared(P .. 'm:' .. REPLICA .. '#' .. rank, nil) then return {4, 0, 0, 0} end
+end
+local spec = call('ZRANGE', sk, 0, -1)
+for _, key in ipairs(spec) do
+  if not D[P .. 'b:' .. key] then return {4, 0, 0, 0} end
+end
 local dropped = 0
-for _, rank in ipairs(call('SMEMBERS', rk)) do
+for _, rank in ipairs(ranks) do
   local cid = REPLICA .. '#' .. rank
   dropped = dropped + clear(cid)
   call('HDEL', HELD, cid)
@@ -411,8 +539,7 @@ for _, rank in ipairs(call('SMEMBERS', rk)) do
   held[cid] = nil
 end
 call('DEL', rk)
-local sk, sf = P .. 's:' .. REPLICA, REPLICA .. '#s'
-for _, key in ipairs(call('ZRANGE', sk, 0, -1)) do
+for _, key in ipairs(spec) do
   local bk = P .. 'b:' .. key
   call('HDEL', bk, sf)
   unhold(bk, key)
@@ -423,14 +550,18 @@ call('SREM', REPLICAS, REPLICA)
 local gen = call('HINCRBY', P .. 'gen', REPLICA, 1)
 finish()
 publish(tonumber(ARGV[3]), REPLICA, {'d', 1})
-return {dropped, gen, repaired}
+return {0, dropped, gen, repaired}
 """
 
 _CLEAR_STEP_BODY = """
--- ARGV: prefix, replica, fence (as APPLY's), rank, limit
--- Empties up to `limit` entries of the cache's engine-hash map (and its holder fields), so that the
--- `Cleared`/`Resync` or drop that follows runs in bounded time. Writes no stream entry: the cache
--- is emptied whole right after, by the call that does publish.
+-- ARGV: prefix, replica, fence (as APPLY's), rank, the engine hashes of entries of the cache's map
+--       (concatenated hex, read by the caller, at most `max_script_blocks`).
+-- KEYS: fixed, m:<cid>, then b:<value> of each of those entries, in the same order.
+-- Empties those entries of the cache's engine-hash map (and their holder fields), so that the
+-- `Cleared`/`Resync` or drop that follows runs in bounded time. Only the cache's own writer (this
+-- caller) changes an entry's value; another writer's compaction may only have deleted it since the
+-- read, and then its block no longer has this cache's field: both deletions are no-ops. Writes no
+-- stream entry: the cache is emptied whole right after, by the call that does publish.
 -- returns {0, map entries left, holdings released, keys repaired} | {1, current generation} | {3, 0}
 local REPLICA = ARGV[2]
 local refused = fence(REPLICA, ARGV[3])
@@ -438,41 +569,49 @@ if refused then return refused end
 local cid = REPLICA .. '#' .. ARGV[4]
 local mk = P .. 'm:' .. cid
 if call('HEXISTS', HELD, cid) == 0 then return {0, 0, 0, repaired} end
-local kv = call('HRANDFIELD', mk, tonumber(ARGV[5]), 'WITHVALUES')
-local dels, released = {}, 0
-for i = 1, #kv, 2 do
-  local key = kv[i + 1]
-  local bk = P .. 'b:' .. key
+local fields = split16(ARGV[5])
+local first = #KEYS - #fields  -- KEYS[first + i] is the block of fields[i]
+local skip = #P + 3
+local released = 0
+for i = 1, #fields do
+  local bk = KEYS[first + i]
   if call('HDEL', bk, cid) == 1 then
-    unhold(bk, key)
+    unhold(bk, string.sub(bk, skip))
     released = released + 1
   end
-  dels[#dels + 1] = kv[i]
 end
 held_add(cid, -released)
-call_chunked('HDEL', mk, dels)
+call_chunked('HDEL', mk, fields)
 finish()
 return {0, call('HLEN', mk), released, repaired}
 """
 
 APPLY = PRELUDE + _APPLY_BODY
-"""Apply one replica's normalised event batch (generation check first; nothing written if stale)."""
+"""Apply one segment of a replica's normalised event batch (fence first; nothing written if stale)."""
 SPECULATE = PRELUDE + _SPECULATE_BODY
-"""Add or extend speculative holdings of one replica, then enforce the block budget."""
+"""Add or extend speculative holdings of one replica (its eviction is a separate ``EVICT``)."""
 DROP = PRELUDE + _DROP_BODY
 """Forget every cache and speculative entry of one replica and bump its generation."""
 CLEAR_STEP = PRELUDE + _CLEAR_STEP_BODY
 """Empty a bounded part of one cache before the ``Cleared``/``Resync`` or drop that empties it whole."""
-
-
+EXPIRE = PRELUDE + _EXPIRE_BODY
+"""Drop the speculative entries that are due."""
+EVICT = PRELUDE + _EVICT_BODY
+"""One bounded eviction round, when the pool holds more unique blocks than its capacity."""
+COMPACT = PRELUDE + _COMPACT_BODY
+"""Drop dead entries of one cache's engine-hash map."""
 # Queries ------------------------------------------------------------------------------------------
 
 _MATCH_BODY = """
 -- ARGV: prefix, now, n_among (-1: every replica), among..., keys...
+-- KEYS: fixed, b:<key> of every key.
+-- A speculative holder counts while its expiry (the field's value) is after `now`: the caller runs
+-- EXPIRE first, so this only matters for an entry that fell due in between.
 -- returns {replicas asked when n_among = -1, {holder field, depth, ...}}
-local NOW, NA = ARGV[2], tonumber(ARGV[3])
-expire(NOW)
-finish()
+local NOW, NA = tonumber(ARGV[2]), tonumber(ARGV[3])
+local function live(f, v)
+  return v and (string.sub(f, -2) ~= '#s' or tonumber(v) > NOW)
+end
 local asked, listed = {}, {}
 if NA < 0 then
   listed = call('SMEMBERS', REPLICAS)
@@ -488,13 +627,13 @@ for i = first, #ARGV do
     local fv = call('HGETALL', bk)
     for j = 1, #fv, 2 do
       local r = string.match(fv[j], '^(.*)#[^#]*$')
-      if r and asked[r] then alive[#alive + 1] = fv[j] end
+      if r and asked[r] and live(fv[j], fv[j + 1]) then alive[#alive + 1] = fv[j] end
     end
   else
     local vals = hmget(bk, alive)
     local still = {}
     for j, f in ipairs(alive) do
-      if vals[j] then
+      if live(f, vals[j]) then
         still[#still + 1] = f
       else
         out[#out + 1] = f
@@ -514,15 +653,17 @@ return {listed, out}
 """
 
 _STATS_BODY = """
--- ARGV: prefix; returns {unique blocks, {cache id, held, ...}, speculative entries}
+-- ARGV: prefix. KEYS: fixed, s:<r> of every replica in `spec`.
+-- returns {0, unique blocks, {cache id, held, ...}, speculative entries} | {4, 0, {}, 0}
+if not specs_declared() then return {4, 0, {}, 0} end
 local spec = 0
 for _, r in ipairs(call('SMEMBERS', SPECSET)) do
   spec = spec + call('ZCARD', P .. 's:' .. r)
 end
-return {call('ZCARD', LRU), call('HGETALL', HELD), spec}
+return {0, call('ZCARD', LRU), call('HGETALL', HELD), spec}
 """
 
 MATCH = PRELUDE + _MATCH_BODY
-"""Expire due speculative entries, then walk the request's keys and report each holder's depth."""
+"""Walk the request's keys and report each holder's depth (read only)."""
 STATS = PRELUDE + _STATS_BODY
 """Sizes: unique blocks, per-cache held counts, live speculative entries."""

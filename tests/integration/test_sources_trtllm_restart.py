@@ -1,0 +1,122 @@
+"""A TRT-LLM engine that goes down and comes back, against the emulator's TRT-LLM personality over
+real HTTP (``replicas.sim``) and the real ``TrtllmPoller``: its blocks are dropped as soon as a drain
+is refused (the process is gone, its cache with it), before any new process exists; it is logged as
+disconnected, then as restarted once the new process's ``created`` burst arrives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+import zmq.asyncio
+from recording_index import RecordingIndex
+
+from balancer.engines.trtllm import TrtllmDecoder
+from balancer.events import Resync, Stored
+from balancer.metrics import Metrics
+from balancer.sources.pipeline import EventIngest
+from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
+from balancer.tokenizer.tokenizer import TokenIdTokenizer
+from balancer.types import ReplicaId
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.profiles import get_profile
+from replicas.sim.replica import Replica
+
+REPLICA = ReplicaId("trt-0")
+TPB = 8
+FAST = PollSettings(
+    min_interval_s=0.005, max_interval_s=0.05, error_backoff_initial_s=0.02, error_backoff_max_s=0.1
+)
+LOGGER = "balancer.sources.trtllm_poll"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.005)
+
+
+@contextlib.asynccontextmanager
+async def emulated(port: int, zctx: zmq.asyncio.Context) -> AsyncIterator[Replica]:
+    config = ReplicaConfig(
+        name="trt",
+        engine="trtllm",
+        profile=get_profile("cpu-test"),
+        time_scale=20.0,
+        page_size=TPB,
+        http_port=port,
+    )
+    replica = Replica(config, TokenIdTokenizer(), zctx)
+    await replica.start()
+    try:
+        yield replica
+    finally:
+        await replica.stop()
+
+
+async def complete(session: aiohttp.ClientSession, replica: Replica, prompt: list[int]) -> None:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    async with session.post(replica.url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_a_refused_drain_drops_the_engines_blocks_at_once_then_the_restart_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    port = free_port()
+    zctx = zmq.asyncio.Context()
+    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    try:
+        async with aiohttp.ClientSession() as session:
+            poller = TrtllmPoller(
+                REPLICA,
+                f"http://127.0.0.1:{port}",
+                session=session,
+                decoder=TrtllmDecoder(tokens_per_block=TPB),
+                metrics=metrics,
+                settings=FAST,
+            )
+            ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+            ingest.add_replica(REPLICA, "trtllm", [poller])
+            await ingest.start()
+            try:
+                async with emulated(port, zctx) as replica:
+                    await complete(session, replica, list(range(100, 133)))
+                    await eventually(lambda: any(isinstance(e, Stored) for e in index.events))
+                stopped = time.monotonic()  # the process is gone: nothing listens on its port
+                await eventually(lambda: Resync(0, "disconnect") in index.events)
+                dropped_after_s = time.monotonic() - stopped
+                messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+                assert any("disconnected" in m for m in messages), messages
+                assert not any("restarted" in m for m in messages), messages
+                assert dropped_after_s < 1.0
+                assert (
+                    metrics.registry.get_sample_value("kvlb_events_disconnects_total", {"replica": REPLICA})
+                    == 1
+                )
+                seen = len(index.events)
+                async with emulated(port, zctx) as replica:  # a new process on the same port
+                    await complete(session, replica, list(range(200, 233)))
+                    await eventually(lambda: any(isinstance(e, Stored) for e in index.events[seen:]))
+                new = index.events[seen:]
+                assert new[0] == Resync(0, "restart")  # the new process's ``created`` burst
+                messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+                assert sum("restarted" in m for m in messages) == 1, messages
+            finally:
+                await ingest.aclose()
+    finally:
+        zctx.destroy(linger=0)

@@ -1,0 +1,147 @@
+"""An emulated SGLang engine (``replicas.sim``, its real PUB and replay ROUTER) that crashes and is
+started again on the same ports, in front of the real ``ZmqEventSource``: its blocks leave the index
+as soon as its publisher connection drops, before the new process exists (logged as disconnected);
+the new process is logged as restarted once its first batches show it, and a kvlb source started
+after the engine went quiet learns its cache from the replay socket without a new batch."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+
+import aiohttp
+import pytest
+import zmq.asyncio
+from recording_index import RecordingIndex
+
+from balancer.engines.sglang import SglangDecoder
+from balancer.events import Resync, Stored
+from balancer.metrics import Metrics
+from balancer.sources.pipeline import EventIngest
+from balancer.sources.zmq_sub import ZmqEventSource
+from balancer.tokenizer.tokenizer import TokenIdTokenizer
+from balancer.types import ReplicaId
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.profiles import get_profile
+from replicas.sim.replica import Replica
+
+REPLICA = ReplicaId("sgl-0")
+PAGE = 4
+LOGGER = "balancer.sources.zmq_sub"
+
+
+def free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+@contextlib.asynccontextmanager
+async def emulated(ports: list[int], zctx: zmq.asyncio.Context) -> AsyncIterator[Replica]:
+    http, events, replay = ports
+    config = ReplicaConfig(
+        name="sgl",
+        engine="sglang",
+        profile=get_profile("cpu-test"),
+        time_scale=20.0,
+        page_size=PAGE,
+        http_port=http,
+        event_port=events,
+        replay_port=replay,
+    )
+    replica = Replica(config, TokenIdTokenizer(), zctx)
+    await replica.start()
+    try:
+        yield replica
+    finally:
+        await replica.stop()
+
+
+@contextlib.asynccontextmanager
+async def ingesting(ports: list[int], ctx: zmq.asyncio.Context) -> AsyncIterator[RecordingIndex]:
+    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    source = ZmqEventSource(
+        REPLICA,
+        f"tcp://127.0.0.1:{ports[1]}",
+        ctx=ctx,
+        decoder=SglangDecoder(block_size=PAGE),
+        metrics=metrics,
+        replay_endpoint=f"tcp://127.0.0.1:{ports[2]}",
+    )
+    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+    ingest.add_replica(REPLICA, "sglang", [source])
+    await ingest.start()
+    try:
+        yield index
+    finally:
+        await ingest.aclose()
+
+
+async def complete(session: aiohttp.ClientSession, replica: Replica, prompt: list[int]) -> None:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    async with session.post(replica.url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+def stored_pages(events: list[object]) -> int:
+    return sum(len(e.engine_hashes) for e in events if isinstance(e, Stored))
+
+
+async def test_a_crashed_engine_is_dropped_at_once_and_its_restart_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    ports = free_ports(3)
+    zctx, ctx = zmq.asyncio.Context(), zmq.asyncio.Context()
+    try:
+        async with aiohttp.ClientSession() as session, ingesting(ports, ctx) as index:
+            async with emulated(ports, zctx) as replica:
+                await complete(session, replica, list(range(100, 117)))
+                await eventually(lambda: stored_pages(index.events) >= 4)
+            stopped = time.monotonic()  # the process is gone, and its cache with it
+            await eventually(lambda: Resync(0, "disconnect") in index.events)
+            assert time.monotonic() - stopped < 1.0
+            messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+            assert any("disconnected" in m for m in messages) and not any("restarted" in m for m in messages)
+            seen = len(index.events)
+            async with emulated(ports, zctx) as replica:  # a new process on the same ports
+                await complete(session, replica, list(range(200, 217)))
+                await eventually(lambda: stored_pages(index.events[seen:]) >= 4)
+            messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+            assert sum("restarted" in m for m in messages) == 1, messages
+            assert not any(isinstance(e, Resync) for e in index.events[seen:])  # dropped once, at the crash
+    finally:
+        ctx.destroy(linger=0)
+        zctx.destroy(linger=0)
+
+
+async def test_a_source_started_after_an_idle_engine_learns_its_cache_from_replay() -> None:
+    ports = free_ports(3)
+    zctx, ctx = zmq.asyncio.Context(), zmq.asyncio.Context()
+    try:
+        async with aiohttp.ClientSession() as session, emulated(ports, zctx) as replica:
+            await complete(session, replica, list(range(300, 317)))
+            await complete(session, replica, list(range(400, 417)))
+            await asyncio.sleep(0.2)  # the engine is idle from here on
+            async with ingesting(ports, ctx) as index:
+                await eventually(lambda: stored_pages(index.events) >= 8)
+                assert stored_pages(index.events) == 8  # 2 × 4 full pages, no new batch needed
+    finally:
+        ctx.destroy(linger=0)
+        zctx.destroy(linger=0)
