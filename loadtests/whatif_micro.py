@@ -6,18 +6,24 @@ every decision in a :class:`~balancer.service.decisions.DecisionLog` with the ap
 callbacks, then times: ``PoolRouter.route`` (select and commit, for scale), ``DecisionLog.record``
 (the cost added at commitment), and
 :func:`~balancer.service.whatif.replay` of the whole ring with the weights in force and with
-``overlap_credit`` 0.5, without pauses (the worker thread's pure CPU time). Prints JSON.
+``overlap_credit`` 0.5, without pauses (the worker thread's pure CPU time); and the event loop's lag
+(how late a 0.5 ms ``asyncio.sleep`` wakes) while nothing else runs, while replays run back to back
+in a worker thread without pauses, and paced as kvlb paces them (:class:`ReplayPacer`). Prints JSON.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import random
 import sys
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+from balancer.api.console import ReplayPacer
 from balancer.app import Balancer
 from balancer.config import Settings
 from balancer.events import Stored
@@ -85,13 +91,59 @@ def measure(decisions: int, seed: int) -> dict[str, Any]:
         started = time.perf_counter()
         result = replay("m", records, make_policy("cost"), proposed)
         replays[label] = {"seconds": round(time.perf_counter() - started, 3), "changed": result.changed}
+    lags = {
+        "idle": asyncio.run(_loop_lag(None)),
+        "replay, no pauses": asyncio.run(
+            _loop_lag(lambda: replay("m", records, make_policy("cost"), weights))
+        ),
+        "replay, paced as kvlb does": asyncio.run(
+            _loop_lag(
+                lambda: replay(
+                    "m",
+                    records,
+                    make_policy("cost"),
+                    weights,
+                    pause=ReplayPacer(threading.Event()),
+                    pause_every=1,
+                )
+            )
+        ),
+    }
     return {
+        "loop_lag_ms": lags,
         "decisions": len(records),
         "replicas": len(REPLICAS),
         "route_us_mean": round(1e6 * routing / decisions, 2),
         "record_us_mean": round(1e6 * recording / decisions, 2),
         "ring_bytes_estimate": log.ring("m").stats.bytes,
         "replay": replays,
+    }
+
+
+async def _loop_lag(background: Callable[[], object] | None, ticks: int = 1000) -> dict[str, float]:
+    """How late ``asyncio.sleep(0.5 ms)`` wakes (event-loop lag) while ``background`` runs in a
+    worker thread (again and again until the ticks are done): the GIL wait a replay adds to every
+    step of routing."""
+    done = threading.Event()
+
+    def loop_background() -> None:
+        while background is not None and not done.is_set():
+            background()
+
+    worker = asyncio.get_running_loop().run_in_executor(None, loop_background)
+    lags = []
+    try:
+        for _ in range(ticks):
+            started = time.perf_counter()
+            await asyncio.sleep(0.0005)
+            lags.append(time.perf_counter() - started - 0.0005)
+    finally:
+        done.set()
+        await worker
+    lags.sort()
+    return {
+        q: round(1e3 * lags[int(f * (len(lags) - 1))], 3)
+        for q, f in (("p50", 0.5), ("p90", 0.9), ("p99", 0.99))
     }
 
 

@@ -48,15 +48,33 @@ WHATIF_RETRY_AFTER_S = 1.0
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_FILTER_CHARS = 256
-PAUSE_EVERY = 8
-"""A replay lets go of the GIL every this many decisions (for :data:`PAUSE_S`), so that the event
-loop's thread waits about that long at most for it (8 decisions of 4 replicas: 0.2 to 1 ms),
-rather than the interpreter's 5 ms switch interval."""
+WORK_SLICE_S = 200e-6
+"""A replay lets go of the GIL (for :data:`PAUSE_S`) after every this much CPU time, so that the
+event loop's thread waits about that long at most for it, rather than the interpreter's 5 ms switch
+interval."""
 PAUSE_S = 50e-6
 
 
-class _Abandoned(Exception):
+class Abandoned(Exception):
     """Raised in the replay's thread when its request was cancelled."""
+
+
+class ReplayPacer:
+    """The ``pause`` of a replay in a worker thread: after every :data:`WORK_SLICE_S` of work it
+    sleeps :data:`PAUSE_S` (letting go of the GIL), and it raises :class:`Abandoned` once
+    ``cancelled`` is set."""
+
+    def __init__(self, cancelled: threading.Event) -> None:
+        self.cancelled = cancelled
+        self.slice_end = 0.0
+
+    def __call__(self) -> None:
+        if time.perf_counter() < self.slice_end:
+            return
+        if self.cancelled.is_set():
+            raise Abandoned
+        time.sleep(PAUSE_S)
+        self.slice_end = time.perf_counter() + WORK_SLICE_S
 
 
 def _int_field(body: Mapping[str, Any], name: str, low: int, high: int, default: int | None) -> int | None:
@@ -115,14 +133,11 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
     def finished() -> None:
         state.whatif_running -= 1
 
-    def pause() -> None:
-        if cancelled.is_set():
-            raise _Abandoned
-        time.sleep(PAUSE_S)
+    pause = ReplayPacer(cancelled)
 
     def work() -> WhatIfResult:
         try:
-            return replay(pool, records, policy, weights, sample=sample, pause=pause, pause_every=PAUSE_EVERY)
+            return replay(pool, records, policy, weights, sample=sample, pause=pause, pause_every=1)
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
                 loop.call_soon_threadsafe(finished)
