@@ -211,6 +211,20 @@ def one(driver: Any, selector: str) -> Any:
     return driver.find_element(By.CSS_SELECTOR, selector)
 
 
+def click_first(driver: Any, selector: str, attempts: int = 5) -> None:
+    """Click the first element matching ``selector``, again if a redraw replaced it meanwhile."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for attempt in range(attempts):
+        try:
+            by_css(driver, selector)[0].click()
+            return
+        except StaleElementReferenceException:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1)
+
+
 def shoot(driver: Any, name: str, selector: str | None = None) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
@@ -271,13 +285,17 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the console", lambda d: one(d, "#console").is_displayed())
 
     # fleet: every replica, with its health, index blocks and event lag
-    def fleet_rows(d: Any) -> list[Any] | bool:
-        rows = by_css(d, "#fleet-table tbody tr")
+    def fleet_rows(d: Any) -> list[tuple[str, str]] | bool:
+        # read in the wait (a redraw every 2 s replaces the rows: a stale read is retried)
+        rows = [
+            (row.get_attribute("data-replica"), row.find_elements("css selector", "td")[3].text)
+            for row in by_css(d, "#fleet-table tbody tr")
+        ]
         return rows if len(rows) == len(replica_ids) else False
 
     rows = wait_for(driver, "a row per replica", fleet_rows)
-    seen["fleet"] = sorted(row.get_attribute("data-replica") for row in rows)
-    seen["fleet_health"] = [row.find_elements("css selector", "td")[3].text for row in rows]
+    seen["fleet"] = sorted(replica for replica, _ in rows)
+    seen["fleet_health"] = [health for _, health in rows]
 
     def cells(d: Any, selector: str, column: int) -> list[str]:
         return [r.find_elements("css selector", "td")[column].text for r in by_css(d, selector)]
@@ -292,8 +310,11 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the hit-rate line", lambda d: by_css(d, "#plot-hit path.line"))
     wait_for(driver, "the TTFT line", lambda d: by_css(d, "#plot-ttft path.line"))
     wait_for(driver, "the share bars", lambda d: by_css(d, "#plot-share rect.bar"))
-    legend = by_css(driver, "#legend-share span")
-    seen["share_legend"] = sorted(e.get_attribute("data-replica") for e in legend)
+    seen["share_legend"] = wait_for(
+        driver,
+        "the share legend",
+        lambda d: sorted(e.get_attribute("data-replica") for e in by_css(d, "#legend-share span")),
+    )
 
     # decisions: the live feed, a tenant filter, an explanation
     wait_for(driver, "decisions in the feed", lambda d: len(by_css(d, "#decisions-table tbody tr")) >= 5)
@@ -306,7 +327,7 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
         return tenants if tenants and set(tenants) == {TENANTS[1]} else False
 
     seen["tenants_after_filter"] = wait_for(driver, "the tenant filter", filtered)
-    by_css(driver, "#decisions-table tbody tr")[0].click()
+    click_first(driver, "#decisions-table tbody tr")  # the feed redraws every 2 s: retried if stale
     wait_for(driver, "the explanation", lambda d: by_css(d, "#explanation h3"))
     wait_for(driver, "the explanation's terms", lambda d: len(by_css(d, "#explanation-terms tbody tr")) >= 1)
     seen["explanation"] = one(driver, "#explanation").text
@@ -339,13 +360,14 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the apply result", lambda d: "Applied" in one(d, "#apply-result").text)
     seen["applied"] = one(driver, "#apply-result").text
 
-    def audit_row(d: Any) -> Any:
+    def audit_row(d: Any) -> str | bool:
         for row in by_css(d, "#audit-table tbody tr"):
-            if "ignoring the cache" in row.text:
-                return row
+            text = row.text
+            if "ignoring the cache" in text:
+                return str(text)
         return False
 
-    seen["audit"] = wait_for(driver, "the change in the audit log", audit_row).text
+    seen["audit"] = wait_for(driver, "the change in the audit log", audit_row)
     shoot(driver, "audit", "#audit")
     time.sleep(PLOT_AFTER_APPLY_S)  # the plots' picture: some traffic after the change too
     wait_for(driver, "the plots redrawn", lambda d: by_css(d, "#plot-hit path.line"))
