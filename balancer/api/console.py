@@ -227,16 +227,13 @@ def _text_filter(query: Mapping[str, str], name: str) -> str | None:
 
 
 def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:
+    """A query parameter of decimal digits only (no sign, no spaces, not empty) in ``low..high``."""
     raw = query.get(name)
-    if raw is None or raw == "":
+    if raw is None:
         return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ApiError(400, f"'{name}' must be an integer in {low}..{high}") from None
-    if not low <= value <= high:
+    if not (raw.isascii() and raw.isdigit() and len(raw) <= 18) or not low <= int(raw) <= high:
         raise ApiError(400, f"'{name}' must be an integer in {low}..{high}")
-    return value
+    return int(raw)
 
 
 def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, Any]:

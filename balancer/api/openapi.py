@@ -295,7 +295,9 @@ def _admin_paths() -> dict[str, Any]:
 
 def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
     """The console's paths (:mod:`balancer.api.console`, ``PUT /admin/policy``'s audit)."""
-    query_int = {"type": "integer", "minimum": 1, "maximum": 1000}
+    # Query values are strings: as integers, a negative case "452" (a string where an integer is
+    # expected) would reach the server as the same bytes as a valid 452.
+    query_int = {"type": "string", "pattern": "^[0-9]{1,4}$", "description": "1..1000"}
     return {
         "/admin/whatif": {
             "post": {
@@ -321,7 +323,7 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
                         "name": "since_id",
                         "in": "query",
                         "required": False,
-                        "schema": {"type": "integer", "minimum": 0},
+                        "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
                     },
                     {"name": "limit", "in": "query", "required": False, "schema": query_int},
                 ],

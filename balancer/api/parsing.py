@@ -3,13 +3,21 @@
 The balancer reads only what routing needs (model, prompt or messages, ``stream``, ``max_tokens``,
 ``user``) and forwards the client's original bytes untouched. Anything malformed raises
 :class:`~balancer.api.errors.ApiError` 400 with a message naming the field.
+
+Bodies are decoded with ``msgspec``, which accepts only strict JSON in UTF-8 whose strings hold no
+lone surrogate; a ``/v1/completions`` body in ASCII is decoded into a typed struct whose token ids are
+checked (ints in ``[0, 2**32)``) in the same pass. A body either decoder refuses goes through the
+stdlib path (:func:`parse_json_object`), which accepts what it always did (a UTF-16 body, ``1e400``)
+and words each refusal as before; so the fast decoders change what a request costs, never its answer.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
@@ -48,6 +56,41 @@ class ParsedRequest:
     """Size of the text the tokenizer reads, in characters (decides whether tokenizing runs in a
     thread): the prompt text, or for a chat every string in the messages (content parts and tool
     calls included), the tools and template kwargs, plus :data:`PER_MESSAGE_CHARS` per message."""
+    ids_checked: bool = False
+    """``prompt`` is a non-empty list of token ids already checked to be ints in ``[0, 2**32)``
+    (by the typed decoder): only the prompt-size limit is left to check."""
+
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+"""A token id as the typed decoder checks it (the range of :func:`validate_token_ids
+<balancer.tokenizer.tokenizer.validate_token_ids>`; ``true``/``false`` are not ints in ``msgspec``)."""
+
+
+class _CompletionBody(msgspec.Struct):
+    """What routing reads of a ``/v1/completions`` body; other fields are skipped while decoding."""
+
+    prompt: str | list[TokenId] | None = None
+    model: Any = None
+    stream: Any = False
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    user: Any = None
+
+
+_OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
+_COMPLETION_DECODER = msgspec.json.Decoder(_CompletionBody)
+_FAST_DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError)
+"""What the fast decoders raise on a body they refuse (``ValidationError`` is a ``DecodeError``;
+invalid UTF-8 raises ``UnicodeDecodeError``): the body then takes the stdlib path."""
+
+
+def decode_object(raw: bytes) -> dict[str, Any]:
+    """``raw`` as a JSON object, or 400: :func:`parse_json_object`'s answer, at ``msgspec`` speed
+    for a body it accepts (strict UTF-8 JSON holding no lone surrogate, so no walk is needed)."""
+    try:
+        return _OBJECT_DECODER.decode(raw)
+    except _FAST_DECODE_ERRORS:
+        return parse_json_object(raw)
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -109,19 +152,14 @@ def lone_surrogate_at(value: Any) -> str | None:
 
 def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     """Validate the fields routing reads; other fields are the engine's business."""
-    body = parse_json_object(raw)
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise ApiError(400, "'model' is required and must be a non-empty string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean")
-    common: dict[str, Any] = {
-        "model": model,
-        "stream": stream,
-        "max_tokens": _max_tokens(body),
-        "session_key": _optional_str(body, "user"),
-    }
+    if kind == "completions" and (fast := typed_completion(raw)) is not None:
+        return fast
+    return parse_body(decode_object(raw), kind)
+
+
+def parse_body(body: Mapping[str, Any], kind: RequestKind) -> ParsedRequest:
+    """:func:`parse_request` of a decoded body."""
+    common = _common(body)
     if kind == "chat":
         messages = _messages(body)
         chat_kwargs = _chat_kwargs(body)
@@ -132,6 +170,52 @@ def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
     prompt = _prompt(body)
     chars = len(prompt) if isinstance(prompt, str) else 0
     return ParsedRequest(kind="completions", prompt=prompt, text_chars=chars, **common)
+
+
+def typed_completion(raw: bytes) -> ParsedRequest | None:
+    """The typed decode of a completion body, or ``None`` when the stdlib path must answer.
+
+    Only ASCII bodies: the struct decoder skips unread fields without checking their UTF-8 (an
+    escaped lone surrogate is refused even there, raw CESU-8 bytes are not), and ASCII holds neither.
+    A prompt the struct does not take (absent, a batch, an id out of range, a ``bool``) takes the
+    stdlib path too, for its own message."""
+    if not raw.isascii():
+        return None
+    try:
+        body = _COMPLETION_DECODER.decode(raw)
+    except _FAST_DECODE_ERRORS:
+        return None
+    if body.prompt is None:
+        return None
+    fields = {
+        "model": body.model,
+        "stream": body.stream,
+        "max_tokens": body.max_tokens,
+        "max_completion_tokens": body.max_completion_tokens,
+        "user": body.user,
+    }
+    common = _common(fields)
+    if isinstance(body.prompt, str):
+        return ParsedRequest(kind="completions", prompt=body.prompt, text_chars=len(body.prompt), **common)
+    if not body.prompt:
+        raise ApiError(400, "'prompt' must not be empty")
+    return ParsedRequest(kind="completions", prompt=body.prompt, ids_checked=True, **common)
+
+
+def _common(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The checked fields every kind of request has."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "'model' is required and must be a non-empty string")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean")
+    return {
+        "model": model,
+        "stream": stream,
+        "max_tokens": _max_tokens(body),
+        "session_key": _optional_str(body, "user"),
+    }
 
 
 def json_text_chars(value: Any) -> int:

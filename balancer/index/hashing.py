@@ -11,6 +11,12 @@ Only full blocks are hashed. Three alignment modes match what the engines cache:
 * ``trtllm``: TRT-LLM caches over ``prompt[:-1]``, so the last prompt token is left out.
 * ``bigram``: SGLang EAGLE pages hold ``block_size`` token pairs; page ``j`` spans tokens
   ``[j*bs, j*bs + bs + 1)``, so a prompt of N tokens has ``(N - 1) // bs`` full pages.
+
+Requests share long prefixes (a system prompt, earlier turns), so the request path hashes through a
+:class:`KeyMemo`: the keys of each run of :data:`MEMO_CHUNK_BLOCKS` blocks, looked up by the key
+before the run and an XXH3-128 of the run's bytes. A key is a function of exactly those two, so a
+memoised run gives the keys hashing would give; a shared 8k-token prefix then costs 16 lookups
+instead of 512 block hashes.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ import xxhash
 from balancer.types import BlockKey
 
 _xxh3 = xxhash.xxh3_64_intdigest
+_xxh3_128 = xxhash.xxh3_128_intdigest
+
+MEMO_CHUNK_BLOCKS = 32
+"""Blocks per memoised run of keys (:class:`KeyMemo`): 512 tokens at block size 16. A prefix is reused
+in whole runs, so up to this many blocks past the last full shared run are hashed again."""
 
 NAMESPACE_SEED = 0x6B766C62  # "kvlb": the seed of the namespace hash itself
 """Fixed seed for namespace hashing, so keys are stable across processes and releases."""
@@ -114,11 +125,13 @@ class BlockHasher:
         token_ids: Sequence[int],
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        memo: KeyMemo | None = None,
     ) -> list[BlockKey]:
         """Keys of every full block of a prompt, as the engine of this pool would cache it.
 
         When at least one block is full, every id is validated (``OverflowError`` outside
         ``[0, 2**32)``, ``TypeError`` if not an int), including those of the unhashed partial tail.
+        With ``memo``, runs of blocks hashed before are looked up instead (the same keys).
         """
         count = full_blocks(len(token_ids), self.block_size, self.mode)
         if count == 0:
@@ -126,6 +139,64 @@ class BlockHasher:
         # Packing the whole prompt is cheaper than slicing it first; chain_keys reads only the
         # ``count`` full blocks (plus the bigram lookahead token).
         packed = pack_tokens(token_ids)
-        return chain_keys(
-            self.root_seed(lora_name, cache_salt), packed, self.block_size, count, self.lookahead_tokens
-        )
+        seed = self.root_seed(lora_name, cache_salt)
+        if memo is None:
+            return chain_keys(seed, packed, self.block_size, count, self.lookahead_tokens)
+        return memo.keys(seed, packed, self.block_size, count, self.lookahead_tokens)
+
+
+class KeyMemo:
+    """The keys of recently hashed runs of :data:`MEMO_CHUNK_BLOCKS` blocks (pure, bounded).
+
+    An entry is looked up by (the key before the run, XXH3-128 of the run's packed tokens) and holds
+    the run's keys. The key chain makes that pair determine the keys, so a hit gives exactly what
+    hashing gives (barring a 128-bit digest collision, far rarer than the 64-bit key collisions the
+    index already accepts). At most ``max_runs`` entries, least recently used out first (about
+    1.5 kB each: 32 keys and the lookup pair); ``evictions`` counts them.
+    """
+
+    __slots__ = ("_runs", "evictions", "hits", "max_runs", "misses")
+
+    def __init__(self, max_runs: int = 4096) -> None:
+        if max_runs < 0:
+            raise ValueError(f"max_runs must be >= 0, got {max_runs}")
+        self.max_runs = max_runs
+        self._runs: dict[tuple[int, int], tuple[BlockKey, ...]] = {}
+        self.hits = 0
+        self.misses = 0
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._runs)
+
+    def keys(
+        self, seed: int, packed: bytes, block_size: int, count: int, lookahead_tokens: int = 0
+    ) -> list[BlockKey]:
+        """:func:`chain_keys` of ``count`` blocks of ``packed`` from ``seed``, whole runs from the memo."""
+        run_bytes = 4 * block_size * MEMO_CHUNK_BLOCKS
+        extra = 4 * lookahead_tokens
+        whole_runs = count // MEMO_CHUNK_BLOCKS if self.max_runs else 0
+        runs = self._runs
+        keys: list[BlockKey] = []
+        key = seed
+        view = memoryview(packed)
+        for start in range(0, whole_runs * run_bytes, run_bytes):
+            span = view[start : start + run_bytes + extra]
+            ident = (key, _xxh3_128(span))
+            found = runs.pop(ident, None)  # re-inserted below: the dict's order is the LRU order
+            if found is None:
+                self.misses += 1
+                found = tuple(chain_keys(key, bytes(span), block_size, MEMO_CHUNK_BLOCKS, lookahead_tokens))
+                if len(runs) >= self.max_runs:
+                    del runs[next(iter(runs))]
+                    self.evictions += 1
+            else:
+                self.hits += 1
+            runs[ident] = found
+            keys.extend(found)
+            key = found[-1]
+        rest = count - whole_runs * MEMO_CHUNK_BLOCKS
+        if rest:
+            tail = packed[whole_runs * run_bytes :]
+            keys.extend(chain_keys(key, tail, block_size, rest, lookahead_tokens))
+        return keys

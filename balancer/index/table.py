@@ -27,7 +27,8 @@ from __future__ import annotations
 import heapq
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from itertools import islice
+from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
+from operator import and_, eq
 
 import xxhash
 
@@ -259,33 +260,68 @@ class PrefixTable:
         """
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
-        group = self._slots.group
         mask, template = self._slots.candidates(among)
         if confirmed_only:
             mask &= ~self._slots.spec_mask
         blocks = template.copy()
         ranks: dict[ReplicaId, int] = {}
+        group = self._slots.group
         fromkeys = dict.fromkeys
-        depth = 0
-        for depth, found in enumerate(map(self._holders.get, keys)):
-            if found is None:
-                break
-            held = mask & found
-            if held != mask:  # some candidates stop here: their overlap is ``depth``
-                if depth:
-                    replicas, best = group(mask ^ held)
-                    blocks.update(fromkeys(replicas, depth))
-                    ranks.update(best)
-                mask = held
-                if not held:
-                    break
-        else:
-            depth = len(keys)
-        if mask and depth:
-            replicas, best = group(mask)
+        for depth, bits in self._walk(keys, mask):
+            replicas, best = group(bits)
             blocks.update(fromkeys(replicas, depth))
             ranks.update(best)
         return Overlap(blocks, ranks, len(keys))
+
+    def match_confirmed(
+        self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
+    ) -> tuple[Overlap, dict[ReplicaId, int]]:
+        """:meth:`match`, and per replica the part of that overlap the engines reported (speculative
+        entries left out; absent: 0), from one walk of ``keys``: what ``match`` gives with and
+        without ``confirmed_only``. Each slot's overlap does not depend on the others', so the
+        reported overlap is the longest of a replica's cache slots, and the overlap the longest of
+        those and its speculative slot."""
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        mask, template = self._slots.candidates(among)
+        spec_mask = self._slots.spec_mask
+        blocks = template.copy()
+        ranks: dict[ReplicaId, int] = {}
+        confirmed: dict[ReplicaId, int] = {}
+        group = self._slots.group
+        fromkeys = dict.fromkeys
+        for depth, bits in self._walk(keys, mask):  # depths increase: a later update is longer
+            replicas, best = group(bits)
+            blocks.update(fromkeys(replicas, depth))
+            ranks.update(best)
+            if sure := bits & ~spec_mask:
+                confirmed.update(fromkeys(group(sure)[0], depth))
+        return Overlap(blocks, ranks, len(keys)), confirmed
+
+    def _walk(self, keys: Sequence[BlockKey], mask: int) -> list[tuple[int, int]]:
+        """``(depth, bits)``, depth increasing: the slots of ``mask`` holding exactly the first
+        ``depth`` keys of ``keys`` (depth > 0), at C speed apart from one step per distinct depth.
+
+        ``held[d]`` (the slots holding all of the first ``d`` keys) never grows with ``d``, and
+        clearing bits makes a smaller int, so ``held`` is non-increasing and each of its values is one
+        run: the slots leaving after the run of ``held[d]`` hold exactly ``d`` keys, where ``d`` is
+        the run's last depth."""
+        if not mask:
+            return []
+        masks = list(map(self._holders.get, keys))
+        if None in masks:
+            del masks[masks.index(None) :]
+        held = list(accumulate(masks, and_, initial=mask))
+        walk: list[tuple[int, int]] = []
+        values = sorted(set(held), reverse=True)
+        for value, after in pairwise(values):
+            depth = held.index(after) - 1  # the last depth of ``value``'s run
+            if depth:
+                walk.append((depth, value ^ after))
+        last = values[-1]
+        if last and masks:
+            walk.append((len(masks), last))
+        return walk
 
     def prefix_holders(
         self,
@@ -336,17 +372,23 @@ class PrefixTable:
         expiry_s = now + ttl_s
         holders = self._holders
         pending = spec.expiry
-        taken: list[int] = []
-        for key in keys:
-            if key not in pending:
-                if self._spec_count >= limit:
-                    self.counters.speculative_overflow += 1
-                    continue
-                self._spec_count += 1
-                mask = holders.pop(key, 0)  # re-insert: a speculative block counts as recently used
-                holders[key] = mask | spec.bit
-            pending[key] = expiry_s
-            taken.append(key)
+        taken: Sequence[int] = keys if type(keys) is tuple else tuple(keys)
+        # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
+        # first add): they only get the new expiry, at C speed; the new ones are inserted one by one.
+        fresh = list(dict.fromkeys(filterfalse(pending.__contains__, taken)))
+        if fresh:
+            room = max(0, limit - self._spec_count)
+            if len(fresh) > room:
+                self.counters.speculative_overflow += len(fresh) - room
+                refused = set(fresh[room:])
+                fresh = fresh[:room]
+                taken = tuple(key for key in taken if key not in refused)
+            self._spec_count += len(fresh)
+            bit = spec.bit
+            pop = holders.pop
+            for key in fresh:
+                holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+        pending.update(zip(taken, repeat(expiry_s)))
         if taken:
             self._spec_seq += 1
             self._spec_refs += len(taken)
@@ -363,7 +405,8 @@ class PrefixTable:
             if not spec.alive:
                 continue
             pending = spec.expiry
-            due = [key for key in keys if pending.get(key) == expiry_s]  # not confirmed nor extended
+            # the keys neither confirmed nor extended since (C-speed filter: most were extended)
+            due = list(compress(keys, map(eq, repeat(expiry_s), map(pending.get, keys))))
             for key in due:
                 del pending[key]
             self._spec_count -= len(due)

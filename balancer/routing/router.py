@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.health.book import HealthBook
-from balancer.index.hashing import AlignMode, BlockHasher
+from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
@@ -57,6 +57,8 @@ class KeySpace:
     hasher: BlockHasher
     table: PrefixTable
     replicas: set[ReplicaId] = field(default_factory=set)
+    memo: KeyMemo = field(default_factory=KeyMemo)
+    """Keys of recently hashed runs of blocks (shared prefixes are hashed once)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +88,10 @@ class RouteLimits:
     0 disables speculation)."""
     pending_ttl_s: float | None = None
     """Life of those entries until the first token (seconds; ``None``: ``speculative_ttl_s``)."""
+    key_memo_runs: int = 4096
+    """Runs of 32 block keys each key space memoises (:class:`~balancer.index.hashing.KeyMemo`,
+    about 1.5 kB each: 6 MB at the default, 2M tokens of distinct prefixes at block size 16); least
+    recently used out first; 0 turns the memo off."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,7 +185,8 @@ class PoolRouter:
         space = self.spaces.get((block_size, mode))
         if space is None:
             hasher = BlockHasher(self.model, block_size, mode)
-            space = KeySpace(hasher, PrefixTable(hasher, self._limits))
+            memo = KeyMemo(self.route_limits.key_memo_runs)
+            space = KeySpace(hasher, PrefixTable(hasher, self._limits), memo=memo)
             self.spaces[(block_size, mode)] = space
             load = self.load
             if load is not None and load.config.block_size_tokens != self.reference_block_size:
@@ -294,18 +301,17 @@ class PoolRouter:
         held: dict[ReplicaId, int] = {}
         keys_by_space: dict[int, list[BlockKey]] = {}
         for space in self._spaces_for(candidates):
-            keys = space.hasher.request_keys(token_ids, lora_name, cache_salt)
+            keys = space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo)
             keys_by_space[id(space)] = keys
             among = [r for r in candidates if r in space.replicas]
-            overlap = space.table.match(keys, among, now)
+            overlap, confirmed = space.table.match_confirmed(keys, among, now)
             bs = space.hasher.block_size
-            confirmed = space.table.match(keys, among, now, True) if space.table.has_speculative else overlap
             for replica, blocks in overlap.blocks.items():
                 exact_tokens[replica] = blocks * bs
                 merged[replica] = blocks * bs // ref_bs
                 ranks[replica] = overlap.best_rank.get(replica, 0)
                 held[replica] = space.table.held_blocks(replica) * bs // ref_bs
-                pending = blocks - confirmed.of(replica)
+                pending = blocks - confirmed.get(replica, 0)
                 if pending > 0:
                     speculative[replica] = pending * bs // ref_bs
         request_blocks = len(token_ids) // ref_bs

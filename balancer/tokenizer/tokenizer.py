@@ -65,7 +65,7 @@ class TokenizeLimits:
     """Most token ids one prompt may have, tokenized or passed through. More: :class:`PromptTooLarge`."""
 
     segment_cache_tokens: int = 2_000_000
-    """Token ids kept by the segment cache (4 bytes each; repeated system prompts and earlier turns
+    """Token ids kept by the segment cache (8 bytes each; repeated system prompts and earlier turns
     are then tokenized once). 0 disables it; past the cap the least recently used segments go."""
 
     def __post_init__(self) -> None:
@@ -128,6 +128,15 @@ class Tokenizer(Protocol):
         **template_kwargs: Any,
     ) -> list[int]:
         """Ids of the rendered chat, as the engine will prefill them."""
+        ...
+
+    def encode_chat_if_cached(
+        self, messages: Messages, chat_kwargs: Mapping[str, Any], max_new_chars: int
+    ) -> list[int] | None:
+        """:meth:`encode_chat` (``chat_kwargs``: its keyword arguments) when at most
+        ``max_new_chars`` characters of the rendered chat are not in a cache of already tokenized
+        text; else ``None``, having rendered the chat but encoded nothing (the caller encodes it in
+        a thread)."""
         ...
 
 
@@ -198,6 +207,11 @@ class TokenIdTokenizer:
     ) -> list[int]:
         raise TokenizeError(_NO_CHAT)
 
+    def encode_chat_if_cached(
+        self, messages: Messages, chat_kwargs: Mapping[str, Any], max_new_chars: int
+    ) -> list[int] | None:
+        raise TokenizeError(_NO_CHAT)
+
 
 class HfTokenizer:
     """A Hugging Face fast tokenizer (``tokenizer.json``) plus its chat template."""
@@ -219,7 +233,7 @@ class HfTokenizer:
         self._chat = chat
         self._name = name
         self.limits = limits or TokenizeLimits()
-        self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens)
+        self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens, ints=self._shared_ints())
         self._splitter = self._checked_splitter()
 
     def _checked_splitter(self) -> Splitter | None:
@@ -242,6 +256,12 @@ class HfTokenizer:
         plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
         cached = encode_segmented(probe, splitter, SegmentCache(min_chars=0), self._raw)
         return splitter if cached == plain else None
+
+    def _shared_ints(self) -> tuple[int, ...]:
+        """One int object per vocabulary id, for the segment cache (none when the cache is off)."""
+        if self.limits.segment_cache_tokens <= 0:
+            return ()
+        return tuple(range(self._tokenizer.get_vocab_size(with_added_tokens=True)))
 
     def _raw(self, text: str) -> list[int]:
         return self._ids(text, add_special_tokens=False)
@@ -352,22 +372,44 @@ class HfTokenizer:
         )
         return self._encode(text, add_special_tokens=False)
 
+    def encode_chat_if_cached(
+        self, messages: Messages, chat_kwargs: Mapping[str, Any], max_new_chars: int
+    ) -> list[int] | None:
+        """:meth:`encode_chat` if at most ``max_new_chars`` characters of the rendered chat miss the
+        segment cache (a shared system prompt or earlier turns are hits), else ``None``. Renders
+        and splits the chat either way: cheap next to encoding (about 0.1 ms for 8k tokens)."""
+        if self._splitter is None:
+            return None
+        text = self.render_chat(messages, **chat_kwargs)
+        ids = self._segmented(text, max_new_chars)
+        if ids is not None:
+            self.limits.check_tokens(len(ids))
+        return ids
+
+    def _segmented(self, text: str, max_new_chars: int | None = None) -> list[int] | None:
+        assert self._splitter is not None
+        try:
+            return encode_segmented(text, self._splitter, self._segments, self._raw, max_new_chars)
+        except TokenizeError:
+            raise
+        except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
+            raise TokenizeError(encode_failure(text, exc)) from None
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (for tests, debugging and ``/admin`` views)."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         self.limits.check_chars(text)
-        ids: list[int]
-        try:
-            if self._splitter is not None and not add_special_tokens:
-                ids = encode_segmented(text, self._splitter, self._segments, self._raw)
-            else:
+        ids: list[int] | None
+        if self._splitter is not None and not add_special_tokens:
+            ids = self._segmented(text)
+            assert ids is not None  # no character budget
+        else:
+            try:
                 ids = self._ids(text, add_special_tokens)
-        except TokenizeError:
-            raise
-        except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
-            raise TokenizeError(encode_failure(text, exc)) from None
+            except Exception as exc:  # the Rust binding: TypeError for lone surrogates, else Exception
+                raise TokenizeError(encode_failure(text, exc)) from None
         self.limits.check_tokens(len(ids))
         return ids
 

@@ -84,8 +84,9 @@ class UpstreamStream:
         """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
         content = self._response.content
         while True:
-            try:
-                chunk = await asyncio.wait_for(content.readany(), self._idle_s)
+            try:  # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per call
+                async with asyncio.timeout(self._idle_s):
+                    chunk = await content.readany()
             except TimeoutError:
                 raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
             except (aiohttp.ClientError, ConnectionError) as exc:
@@ -135,10 +136,8 @@ class UpstreamClient:
         url = base_url.rstrip("/") + path
         timeout = aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s, sock_read=None)
         try:
-            response = await asyncio.wait_for(
-                self.session.post(url, data=body, headers=dict(headers), timeout=timeout),
-                self._timeouts.first_byte_s,
-            )
+            async with asyncio.timeout(self._timeouts.first_byte_s):
+                response = await self.session.post(url, data=body, headers=dict(headers), timeout=timeout)
         except TimeoutError:
             raise RetryableUpstream(
                 "timeout", f"no response headers within {self._timeouts.first_byte_s}s"

@@ -18,6 +18,7 @@ from loadtests.bench.overhead.report import (
     format_report,
     histogram_delta,
     histogram_quantile,
+    own_ratios,
     parse_histogram,
     peer_ratios,
     percentile,
@@ -40,6 +41,10 @@ async def test_smoke_run_reports_every_field() -> None:
     assert report["prompt_tokens"]["min"] > 0
     assert report["tokenize_ms"]["p50_ms"] > 0
     assert report["tokenize_shared_ms"]["p50_ms"] > 0
+    assert report["tokenize_cpu_ms"]["p50_ms"] > 0
+    assert sorted(report["own_ratios"]) == ["chat_cold", "tokens"]
+    for figures in report["own_ratios"].values():
+        assert "cpu_ratio" in figures["concurrent"]  # None when a CPU figure rounds to 0 (smoke)
     threads = report["tokenize_threads"]
     assert threads["rounds"] == 10 and threads["threads"] == 4
     assert threads["chats_per_s_p50"] > 0 and threads["max_loop_lag_ms_max"] >= threads["max_loop_lag_ms_p50"]
@@ -84,6 +89,8 @@ async def test_smoke_run_reports_every_field() -> None:
         "added p50",
         "kvlb route decision",
         "targets (chat_shared)",
+        "kvlb vs forward (tokens)",
+        "kvlb vs the tokenizer's own CPU (chat_cold)",
     ):
         assert text in table
 
@@ -204,3 +211,22 @@ def test_peer_ratios_divide_kvlb_cpu_by_sglang_cache_aware() -> None:
     assert out["chat"]["sequential"]["cpu_ratio"] is None and out["chat"]["concurrent"]["cpu_ratio"] is None
     no_peer = {"chat": {"concurrent": {"cpu": {"kvlb": {}}}}}
     assert peer_ratios(no_peer) == {}
+
+
+def test_own_ratios_divide_kvlb_cpu_by_forward_and_by_the_tokenizer() -> None:
+    def phase(kvlb_ms: float, forward_ms: float) -> dict[str, object]:
+        return {
+            "cpu": {"kvlb": {"cpu_ms_per_request": kvlb_ms}, "forward": {"cpu_ms_per_request": forward_ms}}
+        }
+
+    runs = {
+        "tokens": {"sequential": phase(1.0, 0.5), "concurrent": phase(0.9, 0.3)},
+        "chat_cold": {"sequential": phase(12.0, 0.5), "concurrent": phase(11.0, 0.3)},
+    }
+    out = own_ratios(runs, 10.0)
+    assert out["tokens"]["sequential"]["cpu_ratio"] == 2.0
+    assert out["tokens"]["concurrent"]["cpu_ratio"] == 3.0
+    assert out["chat_cold"]["sequential"]["cpu_ratio"] == 1.2
+    assert out["chat_cold"]["concurrent"]["cpu_ratio"] == 1.1
+    assert own_ratios({"chat_cold": runs["chat_cold"]}, None)["chat_cold"]["concurrent"]["cpu_ratio"] is None
+    assert own_ratios({}, 10.0) == {}

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +26,7 @@ import pytest
 from real_engines import (
     MODEL_DIR,
     MODEL_NAME,
+    ROOT,
     KvlbServe,
     VllmReplica,
     http_json,
@@ -390,3 +393,25 @@ def test_kvlb_restart_gap_is_filled_by_replay(fleet: Fleet, report: dict[str, An
     assert not misplaced, misplaced
     assert max(errors) <= BLOCK
     assert all(status_of(r.url + "/health") == 200 for r in fleet.replicas)
+
+
+def test_loadtest_target_drives_the_real_fleet(fleet: Fleet, report: dict[str, Any], tmp_path: Path) -> None:
+    """``kvlb loadtest --target`` at this kvlb in front of the real engines: a load-test job's run."""
+    out = tmp_path / "target"
+    argv = [
+        sys.executable, "-m", "balancer", "loadtest", "--target", fleet.kvlb.url, "--model", MODEL_NAME,
+        "--workload", "tenants", "--param", "tenants=2", "--param", "users_per_tenant=2",
+        "--param", "context_tokens=200", "--param", "question_tokens=20", "--param", "max_tokens=4",
+        "--requests", "12", "--rate", "1", "--timeout-s", "120", "--max-duration-s", "300",
+        "--slo", "error_rate=0", "--out", str(out),
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVLB_")}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((out / "report.json").read_text())["summary"]
+    names = ("requests", "ok", "ttft_p50_s", "ttft_p90_s", "e2e_p90_s", "hit_rate", "replica_share")
+    report["loadtest_target"] = {name: summary[name] for name in names}
+    assert summary["ok"] == 12
+    # vLLM reports usage.prompt_tokens_details.cached_tokens, and the tenants repeat their contexts
+    assert summary["hit_rate"] is not None and summary["hit_rate"] > 0
+    assert summary["replica_share"] and set(summary["replica_share"]) <= {r.name for r in fleet.replicas}

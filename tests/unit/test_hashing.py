@@ -16,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.index.hashing import (
+    MEMO_CHUNK_BLOCKS,
     NAMESPACE_SEED,
     BlockHasher,
+    KeyMemo,
     chain_keys,
     full_blocks,
     namespace_seed,
@@ -212,3 +214,51 @@ def test_prefix_property_and_reference(tokens: list[int], cut: int, block_size: 
     assert keys == ref_keys(tokens, block_size, mode)
     prefix_keys = hasher.request_keys(tokens[:cut])
     assert keys[: len(prefix_keys)] == prefix_keys
+
+
+# ------------------------------------------------------------------------ the key memo
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    heads=st.lists(
+        st.lists(st.integers(0, 2**32 - 1), max_size=3 * MEMO_CHUNK_BLOCKS), min_size=1, max_size=3
+    ),
+    tails=st.lists(st.lists(st.integers(0, 9), max_size=2 * MEMO_CHUNK_BLOCKS), min_size=1, max_size=4),
+    block_size=st.sampled_from([1, 2]),
+    mode=st.sampled_from(["plain", "trtllm", "bigram"]),
+    max_runs=st.sampled_from([0, 1, 2, 64]),
+)
+def test_the_memo_gives_the_keys_hashing_gives(
+    heads: list[list[int]], tails: list[list[int]], block_size: int, mode: str, max_runs: int
+) -> None:
+    """Prompts sharing prefixes (and tiny memos that evict) hash through the memo to the same keys."""
+    hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
+    memo = KeyMemo(max_runs)
+    for round_ in range(2):
+        for head in heads:
+            for tail in tails:
+                prompt = head + tail
+                assert hasher.request_keys(prompt, memo=memo) == ref_keys(prompt, block_size, mode)
+                salted = hasher.request_keys(prompt, cache_salt="s", memo=memo)
+                assert salted == hasher.request_keys(prompt, cache_salt="s"), round_
+    assert len(memo) <= max_runs
+    if max_runs == 0:
+        assert memo.hits + memo.misses == 0  # off: nothing looked up
+
+
+def test_a_shared_prefix_is_hashed_once_and_the_memo_is_bounded() -> None:
+    hasher = BlockHasher("m", 16)
+    memo = KeyMemo(max_runs=40)
+    shared = list(range(16 * MEMO_CHUNK_BLOCKS * 16))  # 16 whole runs: an 8k-token system prompt
+    first = hasher.request_keys([*shared, *range(900, 1200)], memo=memo)
+    assert (memo.hits, memo.misses) == (0, 16)
+    second = hasher.request_keys([*shared, *range(2000, 2300)], memo=memo)
+    assert (memo.hits, memo.misses) == (16, 16)
+    assert first[: 16 * MEMO_CHUNK_BLOCKS] == second[: 16 * MEMO_CHUNK_BLOCKS]
+    assert first[16 * MEMO_CHUNK_BLOCKS :] != second[16 * MEMO_CHUNK_BLOCKS :]
+    for start in range(0, 40 * 512, 512):  # one run each, 40 new ones: 16 + 40 runs for 40 places
+        hasher.request_keys(list(range(start + 10**6, start + 10**6 + 16 * MEMO_CHUNK_BLOCKS)), memo=memo)
+    assert len(memo) == 40 and memo.evictions == 16
+    with pytest.raises(ValueError):
+        KeyMemo(-1)

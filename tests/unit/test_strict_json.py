@@ -4,10 +4,12 @@ weight has a finite, documented range that every source of weights is checked ag
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +20,15 @@ from hypothesis import strategies as st
 from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.parsing import (
+    ParsedRequest,
+    decode_object,
     lone_surrogate_at,
     may_hold_surrogate,
+    parse_body,
     parse_json_object,
+    parse_request,
     parse_weights_header,
+    typed_completion,
     weights_from,
 )
 from balancer.errors import ConfigError
@@ -177,3 +184,64 @@ def test_the_largest_weights_keep_every_cost_finite_and_printable() -> None:
         decision = CostPolicy()(request, overlap, load, weights, random.Random(0))
         text = json.dumps(dataclasses.asdict(decision), allow_nan=False)  # raises on a non-finite number
         assert strict_parse(text)["replica"] in replicas
+
+
+# ------------------------------------------------------------------------ the fast decoders
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(st.characters()),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(st.characters()), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+def stdlib_answer(call: Callable[[], Any]) -> Any:
+    try:
+        return call()
+    except ApiError as exc:
+        return (exc.status, exc.message)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    value=st.dictionaries(
+        st.sampled_from(["model", "prompt", "stream", "max_tokens", "user", "messages", "x", "\ud800"]),
+        json_values | st.lists(st.integers(-2, 2**32 + 1), max_size=4),
+        max_size=5,
+    ),
+    encoding=st.sampled_from(["ascii", "utf-8", "cesu-8", "utf-16"]),
+)
+def test_the_fast_decoders_answer_as_the_stdlib_path(value: dict[str, Any], encoding: str) -> None:
+    """Whatever the body (lone surrogates, odd types, ids out of range, UTF-16): the msgspec decoders
+    accept exactly what the stdlib path accepts, with the same value, and refuse with its message."""
+    text = json.dumps(value, ensure_ascii=encoding == "ascii")
+    raw = text.encode("utf-16" if encoding == "utf-16" else "utf-8", "surrogatepass")
+    expected = stdlib_answer(lambda: parse_json_object(raw))
+    assert stdlib_answer(lambda: decode_object(raw)) == expected
+    for kind in ("chat", "completions"):
+        reference = expected
+        if not isinstance(expected, tuple):
+            reference = stdlib_answer(functools.partial(parse_body, expected, kind))
+        got = stdlib_answer(functools.partial(parse_request, raw, kind))
+        if isinstance(got, ParsedRequest) and got.ids_checked:
+            assert isinstance(reference, ParsedRequest)
+            assert dataclasses.replace(got, ids_checked=False) == reference
+            assert set(map(type, got.prompt)) == {int} and min(got.prompt) >= 0 and max(got.prompt) < 2**32
+        else:
+            assert got == reference
+
+
+def test_token_ids_are_checked_while_decoding() -> None:
+    ids = list(range(0, 8192 * 15, 15))
+    parsed = parse_request(json.dumps({"model": "m", "prompt": ids, "stream": True}).encode(), "completions")
+    assert parsed.ids_checked and parsed.prompt == ids and parsed.stream
+    for prompt in ([1, True], [1, -1], [2**32], [1.0], [[1, 2]], ["a"]):  # the stdlib path decides
+        raw = json.dumps({"model": "m", "prompt": prompt}).encode()
+        assert typed_completion(raw) is None
+        answer = stdlib_answer(functools.partial(parse_request, raw, "completions"))
+        assert not (isinstance(answer, ParsedRequest) and answer.ids_checked)
+    with pytest.raises(ApiError, match="'prompt' must not be empty"):
+        parse_request(b'{"model": "m", "prompt": []}', "completions")
+    # raw CESU-8 in a field the struct skips: not ASCII, so the checking decoder answers
+    with pytest.raises(ApiError, match="lone UTF-16 surrogate"):
+        parse_request(b'{"model": "m", "prompt": [1], "x": "\xed\xa0\x80"}', "completions")

@@ -75,6 +75,36 @@ def _ratio(a: Any, b: Any) -> float | None:
     return round(float(a) / float(b), 3)
 
 
+def own_ratios(runs: Mapping[str, Mapping[str, Any]], tokenizer_cpu_ms: float | None) -> dict[str, Any]:
+    """The issue's two other CPU ratios, per phase: ``tokens``, kvlb's CPU per request ÷ the plain
+    forward proxy's; ``chat_cold``, kvlb's CPU per request ÷ the tokenizer's own CPU per new chat
+    (``tokenizer_cpu_ms``, measured in the bench process). A kind that was not run is left out."""
+
+    def kvlb_cpu(kind: str, phase: str, mode: str = "kvlb") -> Any:
+        return runs[kind][phase]["cpu"][mode]["cpu_ms_per_request"]
+
+    out: dict[str, Any] = {}
+    if "tokens" in runs:
+        out["tokens"] = {
+            phase: {
+                "kvlb_cpu_ms_per_request": kvlb_cpu("tokens", phase),
+                "forward_cpu_ms_per_request": kvlb_cpu("tokens", phase, "forward"),
+                "cpu_ratio": _ratio(kvlb_cpu("tokens", phase), kvlb_cpu("tokens", phase, "forward")),
+            }
+            for phase in ("sequential", "concurrent")
+        }
+    if "chat_cold" in runs:
+        out["chat_cold"] = {
+            phase: {
+                "kvlb_cpu_ms_per_request": kvlb_cpu("chat_cold", phase),
+                "tokenizer_cpu_ms": tokenizer_cpu_ms,
+                "cpu_ratio": _ratio(kvlb_cpu("chat_cold", phase), tokenizer_cpu_ms),
+            }
+            for phase in ("sequential", "concurrent")
+        }
+    return out
+
+
 def peer_ratios(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per kind of :data:`RATIO_KINDS` run with :data:`PEER_BASELINE` measured: kvlb's CPU per request
     ÷ the peer's (each phase), and both paths' added p50 (ms). Empty when the peer did not run."""
@@ -274,5 +304,21 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"{_num(seq['cpu_ratio'], 2)}; added p50 kvlb {_num(seq['kvlb_added_p50_ms'])} / "
             f"{_num(conc['kvlb_added_p50_ms'])} ms, peer {_num(seq[f'{PEER_BASELINE}_added_p50_ms'])} / "
             f"{_num(conc[f'{PEER_BASELINE}_added_p50_ms'])} ms (sequential / concurrent)"
+        )
+    own = report.get("own_ratios", {})
+    if "tokens" in own:
+        seq, conc = own["tokens"]["sequential"], own["tokens"]["concurrent"]
+        lines.append(
+            f"kvlb vs forward (tokens): CPU per request ratio concurrent {_num(conc['cpu_ratio'], 2)} "
+            f"({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ "
+            f"{_num(conc['forward_cpu_ms_per_request'], 3)} ms), "
+            f"sequential {_num(seq['cpu_ratio'], 2)}"
+        )
+    if "chat_cold" in own:
+        seq, conc = own["chat_cold"]["sequential"], own["chat_cold"]["concurrent"]
+        lines.append(
+            f"kvlb vs the tokenizer's own CPU (chat_cold): ratio concurrent {_num(conc['cpu_ratio'], 2)} "
+            f"({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ {_num(conc['tokenizer_cpu_ms'], 3)} ms), "
+            f"sequential {_num(seq['cpu_ratio'], 2)}"
         )
     return "\n".join(lines)

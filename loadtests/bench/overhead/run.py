@@ -62,6 +62,7 @@ from loadtests.bench.overhead.report import (
     format_report,
     histogram_delta,
     latency_figures,
+    own_ratios,
     parse_histogram,
     peer_ratios,
     percentile,
@@ -333,10 +334,12 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
             "p50_ms": _ms(percentile(prompts.tokenize_shared_s, 50)),
             "p99_ms": _ms(percentile(prompts.tokenize_shared_s, 99)),
         },
+        "tokenize_cpu_ms": {"p50_ms": _ms(percentile(prompts.tokenize_cpu_s, 50))},
         "tokenize_threads": threads,
         "runs": runs,
         "peers": {"measured": list(servers.peers), "skipped": servers.skipped},
         "peer_ratios": peer_ratios(runs),
+        "own_ratios": own_ratios(runs, _ms(percentile(prompts.tokenize_cpu_s, 50))),
     }
 
 

@@ -127,6 +127,9 @@ class Prompts:
     """Chat bodies with one of the ``chat`` system prompts and a user message unique per request."""
     tokenize_shared_s: tuple[float, ...] = ()
     """Tokenizing one ``chat_shared`` prompt once the system prompts are cached (what kvlb spends)."""
+    tokenize_cpu_s: tuple[float, ...] = ()
+    """The process CPU (all threads) of each ``tokenize_s`` sample: the tokenizer's own CPU per new
+    chat, which kvlb's CPU per ``chat_cold`` request is set against."""
 
     def bodies(self, kind: str) -> tuple[str, tuple[bytes, ...]]:
         """(path, bodies) of ``kind``."""
@@ -147,7 +150,7 @@ def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None 
     rng = random.Random(shape.seed)
     system_words = words_for_tokens(max(1, shape.prompt_tokens - QUESTION_TOKENS), TOKENS_PER_WORD)
     question_words = words_for_tokens(QUESTION_TOKENS, TOKENS_PER_WORD)
-    chat, tokens, counts, timings = [], [], [], []
+    chat, tokens, counts, timings, cpu = [], [], [], [], []
     for _ in range(shape.prompts):
         messages = [
             {"role": "system", "content": random_text(rng, system_words)},
@@ -155,9 +158,10 @@ def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None 
         ]
         ids: list[int] = []
         for _ in range(3):
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             ids = cold.encode_chat(messages)
             timings.append(time.perf_counter() - started)
+            cpu.append(time.process_time() - cpu_started)
         common = {"model": MODEL, "max_tokens": shape.max_tokens, "stream": True}
         chat.append(json.dumps({**common, "messages": messages}).encode())
         tokens.append(json.dumps({**common, "prompt": ids}).encode())
@@ -171,6 +175,7 @@ def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None 
         chat_cold=cold_bodies(shape, chat),
         chat_shared=shared,
         tokenize_shared_s=time_shared(shape, shared, warm) if warm is not None else (),
+        tokenize_cpu_s=tuple(cpu),
     )
 
 
