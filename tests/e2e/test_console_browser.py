@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,20 @@ def one(driver: Any, selector: str) -> Any:
     return driver.find_element(By.CSS_SELECTOR, selector)
 
 
+def click_first(driver: Any, selector: str, attempts: int = 5) -> None:
+    """Click the first element matching ``selector``, again if a redraw replaced it meanwhile."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    for attempt in range(attempts):
+        try:
+            by_css(driver, selector)[0].click()
+            return
+        except StaleElementReferenceException:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.1)
+
+
 def shoot(driver: Any, name: str, selector: str | None = None) -> Path:
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     path = SCREENSHOTS / f"{name}.png"
@@ -220,11 +235,16 @@ def shoot(driver: Any, name: str, selector: str | None = None) -> Path:
         time.sleep(0.3)
         driver.save_screenshot(str(path))
         driver.set_window_size(width, height)
-    else:
+    else:  # one section, the window made tall enough to hold all of it
         element = one(driver, selector)
+        size = driver.get_window_size()
+        needed = int(element.size["height"]) + 200
+        if needed > size["height"]:
+            driver.set_window_size(size["width"], min(4000, needed))
         driver.execute_script("arguments[0].scrollIntoView({block: 'start'})", element)
-        time.sleep(0.2)
+        time.sleep(0.3)
         element.screenshot(str(path))
+        driver.set_window_size(size["width"], size["height"])
     assert path.stat().st_size > 1000, path
     return path
 
@@ -232,6 +252,18 @@ def shoot(driver: Any, name: str, selector: str | None = None) -> Path:
 def errors_in_log(driver: Any) -> list[str]:
     """Browser log entries at SEVERE (failed loads, uncaught errors, CSP violations)."""
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+
+
+def put_policy(url: str, body: dict[str, Any], actor: str) -> None:
+    """``PUT /admin/policy`` from outside the browser (blocking: called from the browser's thread)."""
+    request = urllib.request.Request(
+        url + "/admin/policy",
+        data=json.dumps(body).encode(),
+        method="PUT",
+        headers={"Authorization": f"Bearer {TOKEN}", "x-kvlb-actor": actor},
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
 
 
 def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
@@ -253,13 +285,17 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the console", lambda d: one(d, "#console").is_displayed())
 
     # fleet: every replica, with its health, index blocks and event lag
-    def fleet_rows(d: Any) -> list[Any] | bool:
-        rows = by_css(d, "#fleet-table tbody tr")
+    def fleet_rows(d: Any) -> list[tuple[str, str]] | bool:
+        # read in the wait (a redraw every 2 s replaces the rows: a stale read is retried)
+        rows = [
+            (row.get_attribute("data-replica"), row.find_elements("css selector", "td")[3].text)
+            for row in by_css(d, "#fleet-table tbody tr")
+        ]
         return rows if len(rows) == len(replica_ids) else False
 
     rows = wait_for(driver, "a row per replica", fleet_rows)
-    seen["fleet"] = sorted(row.get_attribute("data-replica") for row in rows)
-    seen["fleet_health"] = [row.find_elements("css selector", "td")[3].text for row in rows]
+    seen["fleet"] = sorted(replica for replica, _ in rows)
+    seen["fleet_health"] = [health for _, health in rows]
 
     def cells(d: Any, selector: str, column: int) -> list[str]:
         return [r.find_elements("css selector", "td")[column].text for r in by_css(d, selector)]
@@ -274,8 +310,11 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the hit-rate line", lambda d: by_css(d, "#plot-hit path.line"))
     wait_for(driver, "the TTFT line", lambda d: by_css(d, "#plot-ttft path.line"))
     wait_for(driver, "the share bars", lambda d: by_css(d, "#plot-share rect.bar"))
-    legend = by_css(driver, "#legend-share span")
-    seen["share_legend"] = sorted(e.get_attribute("data-replica") for e in legend)
+    seen["share_legend"] = wait_for(
+        driver,
+        "the share legend",
+        lambda d: sorted(e.get_attribute("data-replica") for e in by_css(d, "#legend-share span")),
+    )
 
     # decisions: the live feed, a tenant filter, an explanation
     wait_for(driver, "decisions in the feed", lambda d: len(by_css(d, "#decisions-table tbody tr")) >= 5)
@@ -288,7 +327,7 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
         return tenants if tenants and set(tenants) == {TENANTS[1]} else False
 
     seen["tenants_after_filter"] = wait_for(driver, "the tenant filter", filtered)
-    by_css(driver, "#decisions-table tbody tr")[0].click()
+    click_first(driver, "#decisions-table tbody tr")  # the feed redraws every 2 s: retried if stale
     wait_for(driver, "the explanation", lambda d: by_css(d, "#explanation h3"))
     wait_for(driver, "the explanation's terms", lambda d: len(by_css(d, "#explanation-terms tbody tr")) >= 1)
     seen["explanation"] = one(driver, "#explanation").text
@@ -307,6 +346,12 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     seen["whatif"] = one(driver, "#whatif-result").text
     seen["whatif_hit"] = one(driver, '#whatif-summary tr[data-figure="hit_rate"]').text
     assert not one(driver, "#apply").is_enabled()  # no reason yet
+    # someone else changes the policy meanwhile: the proposal stays, compared with the new version
+    put_policy(url, {"weights": {"decode_weight": 0.2}, "reason": "another SRE"}, actor="sre-bob")
+    wait_for(driver, "the change noticed", lambda d: "changed to v2" in one(d, "#apply-result").text)
+    assert one(driver, "#w-overlap_credit").get_attribute("value") == "0"
+    assert one(driver, '#weights-table tr[data-weight="decode_weight"] td.current').text == "0.2"
+    assert one(driver, "#w-decode_weight").get_attribute("value") == "0.2"  # untouched: follows
     one(driver, "#actor").send_keys("sre-alice")
     one(driver, "#reason").send_keys("browser test: what does ignoring the cache do")
     shoot(driver, "policy", "#policy")
@@ -315,13 +360,14 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the apply result", lambda d: "Applied" in one(d, "#apply-result").text)
     seen["applied"] = one(driver, "#apply-result").text
 
-    def audit_row(d: Any) -> Any:
+    def audit_row(d: Any) -> str | bool:
         for row in by_css(d, "#audit-table tbody tr"):
-            if "ignoring the cache" in row.text:
-                return row
+            text = row.text
+            if "ignoring the cache" in text:
+                return str(text)
         return False
 
-    seen["audit"] = wait_for(driver, "the change in the audit log", audit_row).text
+    seen["audit"] = wait_for(driver, "the change in the audit log", audit_row)
     shoot(driver, "audit", "#audit")
     time.sleep(PLOT_AFTER_APPLY_S)  # the plots' picture: some traffic after the change too
     wait_for(driver, "the plots redrawn", lambda d: by_css(d, "#plot-hit path.line"))
@@ -389,13 +435,14 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert set(seen["fleet_health"]) == {"healthy"}
     assert set(seen["share_legend"]) >= set(replica_ids[:1]) and set(seen["share_legend"]) <= set(replica_ids)
     assert set(seen["tenants_after_filter"]) == {TENANTS[1]}
-    assert "Decision" in seen["explanation"]
+    assert "Decision" in seen["explanation"] and "request " in seen["explanation"]
     assert "[0, 1000]" in seen["decode_range"]
     assert "hit rate" in seen["whatif_hit"] and "%" in seen["whatif_hit"]
     assert "decisions that change" in seen["whatif"]
-    assert seen["applied"].startswith("Applied: policy v2"), seen["applied"]
+    assert seen["applied"].startswith("Applied: policy v3"), seen["applied"]
     assert "sre-alice" in seen["audit"] and "overlap_credit" in seen["audit"]
-    assert policy["weights"]["overlap_credit"] == 0.0 and policy["version"] == 2
+    assert policy["weights"]["overlap_credit"] == 0.0 and policy["version"] == 3
+    assert policy["weights"]["decode_weight"] == 0.2  # the other SRE's change stays
     entry = audit["entries"][0]
     assert entry["reason"] == "browser test: what does ignoring the cache do"
     assert "sre-alice" in entry["actor"]

@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from balancer.config import ConsoleConfig
+from balancer.errors import ConfigError
 from balancer.service.series import OTHER_REPLICAS, SeriesSampler, percentile
 
 
@@ -113,3 +115,19 @@ def test_older_rows_are_computed_once_and_the_newest_stays_live() -> None:
     assert again[0] is first[0]  # the closed interval's row, kept
     assert first[1]["requests"] == 1 and again[1]["requests"] == 2
     assert again[1]["replicas"] == {"r0": 1, "r1": 1}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("series_interval_s", 0.1),
+        ("series_interval_s", 7200.0),
+        ("series_intervals", 0),
+        ("series_ttft_samples", 0),
+        ("series_max_replicas", 100_001),
+    ],
+)
+def test_console_series_settings_are_bounded(field: str, value: float) -> None:
+    with pytest.raises(ConfigError, match=f"console.{field}"):
+        ConsoleConfig(**{field: value}).validate()  # type: ignore[arg-type]
+    ConsoleConfig().validate()

@@ -204,10 +204,16 @@
     return ["not routable", "bad"];
   }
 
+  // Prediction accuracy, when kvlb reports it: /admin/replicas' "prediction" (the engines' receipts
+  // of cached blocks vs what the router predicted) as {receipts, accuracy, within_one_block,
+  // mean_error_blocks}; "—" when absent or not measured yet.
   function accuracyOf(view) {
-    const found = [view.prediction_accuracy, view.prediction && view.prediction.accuracy, view.accuracy];
-    for (const value of found) if (typeof value === "number") return fmtPercent(value);
-    return DASH;
+    const p = view.prediction;
+    if (!p || typeof p.accuracy !== "number") return [DASH, ""];
+    const details = [fmtNumber(p.receipts) + " receipts"];
+    if (typeof p.within_one_block === "number") details.push(fmtPercent(p.within_one_block) + " within one block");
+    if (typeof p.mean_error_blocks === "number") details.push("mean error " + fmtNumber(p.mean_error_blocks) + " blocks");
+    return [fmtPercent(p.accuracy), details.join(", ")];
   }
 
   async function refreshFleet() {
@@ -244,7 +250,7 @@
           el("td", { class: "num", text: fmtNumber(view.index ? view.index.blocks : null) }),
           el("td", { class: "num", text: lag, title: lastEvent }),
           el("td", { class: "num", text: events ? fmtNumber(events.queued_batches) : DASH }),
-          el("td", { class: "num", text: accuracyOf(view) })
+          el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] })
         )
       );
     }
@@ -287,14 +293,29 @@
     const policy = await api("GET", "/admin/policy");
     const first = state.policy === null;
     const changedVersion = !first && state.policy.version !== policy.version;
+    const previous = state.policy;
     state.policy = policy;
     setText("policy-version", "v" + policy.version + " by " + policy.updated_by + " at " + fmtDateTime(policy.updated_at));
     const names = policy.policies || [policy.name];
     fillSelect($("policy-name"), names, false);
-    if (first || changedVersion) {
+    if (first || (changedVersion && !state.proposal)) {
       $("policy-name").value = policy.name;
       buildWeights(policy);
     } else {
+      if (changedVersion) {
+        // the weights this SRE did not touch follow the new version (else Apply would revert them)
+        for (const input of document.querySelectorAll("#weights-table input[data-weight]")) {
+          const name = input.dataset.weight;
+          const old = previous.weights[name];
+          if (input.value.trim() === (old === null ? "" : String(old))) {
+            const now = policy.weights[name];
+            input.value = now === null ? "" : String(now);
+          }
+        }
+        $("apply-result").className = "warn";
+        setText("apply-result", "The policy changed to v" + policy.version + " (by " + policy.updated_by + ") while you were editing: your proposal is now compared with it.");
+        onProposalInput();
+      }
       for (const [name, value] of Object.entries(policy.weights)) {
         const cell = document.querySelector('#weights-table tr[data-weight="' + name + '"] td.current');
         if (cell) cell.textContent = value === null ? "off" : fmtNumber(value, 4);
@@ -639,7 +660,7 @@
     const cached = d.predicted_cached_tokens !== undefined ? d.predicted_cached_tokens : d.cached_tokens;
     target.append(el("h3", { text: "Decision " + d.id + " → " + chosen }));
     target.append(
-      el("p", { class: "muted", text: fmtDateTime(d.ts) + " · pool " + d.pool + " · tenant " + (d.tenant || DASH) + " · policy " + (decision.policy || d.policy || DASH) })
+      el("p", { class: "muted", text: fmtDateTime(d.ts) + " · pool " + d.pool + " · tenant " + (d.tenant || DASH) + " · policy " + (decision.policy || d.policy || DASH) + (d.request_id ? " · request " + d.request_id : "") })
     );
     const why = decision.reason || d.reason || (typeof d.explanation === "string" ? d.explanation : "");
     target.append(
