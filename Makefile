@@ -78,11 +78,12 @@ test-real: $(STAMP) proto
 	KVLB_REAL=1 $(PY) -m pytest -q -p no:cacheprovider tests/real
 
 # The README's main command: an emulated SGLang + TRT-LLM fleet, kvlb vs round robin (about a minute).
-# It prints the console's URL and admin token at the start; the fleet stays up DEMO_LINGER seconds
-# after the figures (Ctrl-C ends it early) so the console can be explored.
+# It prints the console's URL and admin token at the start; on a terminal the fleet stays up
+# DEMO_LINGER seconds after the figures (Ctrl-C ends it early) so the console can be explored.
+# Run from a script or CI (no terminal), it ends with the figures.
 DEMO_LINGER ?= 600
 demo: $(STAMP) proto
-	$(VENV)/bin/kvlb demo --linger $(DEMO_LINGER)
+	$(VENV)/bin/kvlb demo --linger $(DEMO_LINGER) --linger-on-terminal
 
 bench: $(STAMP)
 	$(VENV)/bin/kvlb bench index

@@ -90,6 +90,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--rate", type=float, help="Poisson arrivals per second (default 10)")
     parser.add_argument("--seed", type=int, help="seed of prompts and arrival times (default 1)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument(
+        "--linger-on-terminal",
+        action="store_true",
+        help="linger only when stdin and stderr are a terminal (a person is watching; `make demo`)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     parser.add_argument(
         "--linger",
@@ -166,6 +171,12 @@ def run(args: argparse.Namespace) -> int:
     if shape.requests < 1 or shape.rate_per_s <= 0 or not 0 <= args.linger <= 86_400:
         print("kvlb demo: --requests must be >= 1, --rate > 0 and --linger in 0..86400", file=sys.stderr)
         return 2
+    if args.linger_on_terminal and args.linger > 0 and not (sys.stdin.isatty() and sys.stderr.isatty()):
+        print(
+            "kvlb demo: not on a terminal, so the fleet stops after the figures (no --linger)",
+            file=sys.stderr,
+        )
+        args.linger = 0.0
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     progress = ProgressBar(sys.stderr, enabled=not args.no_progress)
     printed = False
