@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.health.book import HealthBook
 from balancer.index.hashing import AlignMode, BlockHasher
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
@@ -177,7 +178,7 @@ class PoolRouter:
         space = self.spaces.get((block_size, mode))
         if space is None:
             hasher = BlockHasher(self.model, block_size, mode)
-            space = KeySpace(hasher, PrefixTable(hasher, self._limits))
+            space = KeySpace(hasher, LockedPrefixTable(hasher, self._limits))
             self.spaces[(block_size, mode)] = space
             load = self.load
             if load is not None and load.config.block_size_tokens != self.reference_block_size:

@@ -21,7 +21,7 @@ from balancer.metrics import Metrics
 from balancer.routing.router import PoolRouter
 from balancer.service.admission import Admission
 from balancer.service.policy_control import PolicyControl
-from balancer.sources.pipeline import EventIngest, ReplicaIngestStatus
+from balancer.sources.pipeline import IngestView, ReplicaIngestStatus
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
@@ -62,7 +62,7 @@ class ServiceState:
     """The bounded admission queue of ``limits.max_inflight`` / ``limits.max_queued``."""
     monotonic: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
-    ingests: list[EventIngest] = field(default_factory=list)
+    ingests: list[IngestView] = field(default_factory=list)
     scrapers: dict[ReplicaId, MetricsScraper] = field(default_factory=dict)
     sources_started: bool = False
     shutting_down: bool = False

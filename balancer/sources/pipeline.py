@@ -298,6 +298,13 @@ class ReplicaPipeline:
                 self._metrics.events_resyncs_total.labels(self.replica, event.reason).inc()
 
 
+class IngestView(Protocol):
+    """What the service reads of an ingest: :class:`EventIngest`, or its handle on the ingest
+    thread (:class:`~balancer.sources.ingest_thread.ThreadedIngest`)."""
+
+    def status(self) -> dict[ReplicaId, ReplicaIngestStatus]: ...
+
+
 @dataclass(slots=True)
 class _Replica:
     pipeline: ReplicaPipeline
