@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import socket
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -65,6 +66,27 @@ class ServeOptions:
     shutdown_grace_s: float = 30.0
     """After SIGTERM, in-flight requests get this long (seconds) to finish; the rest are cancelled
     (their load released, their upstream connections closed)."""
+    worker: WorkerRole | None = None
+    """Set when this process is one of ``kvlb serve --workers N`` (:mod:`balancer.cli.workers`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """This balancer's place among the workers of one ``kvlb serve --workers N``."""
+
+    index: int
+    """0 … ``count - 1``; worker 0 drains the TRT-LLM engines and republishes their events."""
+    count: int
+    """How many workers serve the port (≥ 1)."""
+    listen_fd: int
+    """The supervisor's listening HTTP socket, inherited: served instead of binding ``listen.port``."""
+    run_dir: str
+    """The supervisor's private directory: the ``ipc://`` endpoints of the TRT-LLM relay live here."""
+
+    @property
+    def drains(self) -> bool:
+        """Whether this worker drains TRT-LLM engines itself (worker 0) rather than follow the relay."""
+        return self.index == 0
 
 
 def load_pool_tokenizer(path: str | None, limits: TokenizeLimits) -> Tokenizer:
@@ -218,9 +240,16 @@ class Balancer:
             logger=server_logger(),
         )
         await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
-        )
+        worker = self.options.worker
+        site: web.BaseSite
+        if worker is not None:  # the supervisor's listening socket, shared by every worker
+            sock = socket.socket(fileno=worker.listen_fd)
+            sock.setblocking(False)
+            site = web.SockSite(self._runner, sock, ssl_context=ssl_context)
+        else:
+            site = web.TCPSite(
+                self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
+            )
         await site.start()
         host, port = self._runner.addresses[0][:2]
         self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
@@ -230,7 +259,7 @@ class Balancer:
         port = self.settings.listen.grpc_port
         if port is None:
             return
-        self._grpc = GrpcServer(state)
+        self._grpc = GrpcServer(state, reuse_port=self.options.worker is not None)
         self.grpc_port = await self._grpc.start(self.settings.listen.host, port)
         log.info("kvlb serving gRPC on %s:%d", self.settings.listen.host, self.grpc_port)
 
