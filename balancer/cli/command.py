@@ -172,7 +172,7 @@ ORPHAN_CHECK_S = 1.0
 
 
 async def _stop_when_orphaned(parent_pid: int, stop: asyncio.Event) -> None:
-    while os.getppid() == parent_pid:
+    while os.getppid() == parent_pid:  # noqa: ASYNC110 (no event tells a process its parent died)
         await asyncio.sleep(ORPHAN_CHECK_S)
     log.warning("the supervisor (pid %d) is gone: stopping", parent_pid)
     stop.set()
