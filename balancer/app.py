@@ -31,6 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
+from balancer.api.siblings import Siblings, sibling_middleware
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
@@ -48,6 +49,7 @@ from balancer.service.policy_control import PolicyControl
 from balancer.service.server_log import server_logger
 from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
+from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
@@ -131,6 +133,7 @@ class Balancer:
         """The Redis side (leases, mirrors, shared policy) when ``redis.url`` is set."""
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
+        self._siblings: Siblings | None = None
         self.grpc_port: int | None = None
         """The bound gRPC port once started (``None``: gRPC disabled)."""
 
@@ -216,7 +219,11 @@ class Balancer:
     async def _start_replicas(self, state: ServiceState) -> None:
         """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""
         assert self._zmq is not None and self._control is not None
-        self.replicas = replicas = ReplicaLifecycle(state, zmq_ctx=self._zmq, session=self._control)
+        worker = self.options.worker
+        relay = None if worker is None or worker.count < 2 else RelayRole(worker.run_dir, worker.drains)
+        self.replicas = replicas = ReplicaLifecycle(
+            state, zmq_ctx=self._zmq, session=self._control, relay=relay
+        )
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
             self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
             await self.fleet.start()
@@ -229,6 +236,12 @@ class Balancer:
 
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)
+        worker = self.options.worker
+        if worker is not None and worker.count > 1:
+            self._siblings = Siblings(worker.run_dir, worker.index, worker.count)
+            await self._siblings.open()
+            fan_out = self.settings.redis.url is None  # with Redis the fleet shares the policy itself
+            app.middlewares.append(sibling_middleware(self._siblings, fan_out_admin=fan_out))
         listen = self.settings.listen
         ssl_context = server_ssl_context(listen)
         self._runner = web.AppRunner(
@@ -240,7 +253,6 @@ class Balancer:
             logger=server_logger(),
         )
         await self._runner.setup()
-        worker = self.options.worker
         site: web.BaseSite
         if worker is not None:  # the supervisor's listening socket, shared by every worker
             sock = socket.socket(fileno=worker.listen_fd)
@@ -252,6 +264,12 @@ class Balancer:
             )
         await site.start()
         host, port = self._runner.addresses[0][:2]
+        if self._siblings is not None:  # the private port the other workers reach this one on
+            private = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=ssl_context)
+            await private.start()
+            private_host, private_port = self._runner.addresses[-1][:2]
+            scheme = "https" if ssl_context else "http"
+            self._siblings.register(f"{scheme}://{private_host}:{private_port}")
         self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
         log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
 
@@ -276,6 +294,9 @@ class Balancer:
             runner, self._runner = self._runner, None
             servers.append(runner.cleanup())
         await asyncio.gather(*servers)
+        if self._siblings is not None:
+            siblings, self._siblings = self._siblings, None
+            await siblings.aclose()
         if self.replicas is not None:
             await self.replicas.cancel_tasks()  # discovery first: no replica is added meanwhile
         if self.fleet is not None:

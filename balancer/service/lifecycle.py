@@ -39,7 +39,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
-from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
+from balancer.sources.build import RelayRole, build_sources, poll_settings_for, zmq_settings_for
 from balancer.sources.ingest_thread import IngestThread, ThreadedIngest
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
@@ -52,9 +52,16 @@ class ReplicaLifecycle:
     """Per-replica tasks and event ingest of one balancer, and the discovery that changes them."""
 
     def __init__(
-        self, state: ServiceState, *, zmq_ctx: zmq.asyncio.Context, session: aiohttp.ClientSession
+        self,
+        state: ServiceState,
+        *,
+        zmq_ctx: zmq.asyncio.Context,
+        session: aiohttp.ClientSession,
+        relay: RelayRole | None = None,
     ) -> None:
+        """``relay``: this is one worker of ``kvlb serve --workers N`` (TRT-LLM drained by one)."""
         self.state = state
+        self._relay = relay
         self.fleet: FleetRuntime | None = None
         """Set by the app in Redis mode: leases, not this class, decide who ingests a replica."""
         self.ingests: dict[int, ThreadedIngest] = {}
@@ -208,6 +215,7 @@ class ReplicaLifecycle:
             metrics=self.state.metrics,
             zmq_settings=zmq_settings_for(self.state.settings.limits),
             poll_settings=poll_settings_for(self.state.settings.limits),
+            relay=self._relay,
         )
         await ingest.add_replica(ReplicaId(config.id), config.engine, sources)
         return ingest

@@ -17,6 +17,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -106,9 +107,12 @@ class TrtllmPoller:
         decoder: Decoder,
         metrics: Metrics,
         settings: PollSettings | None = None,
+        tap: Callable[[bytes], None] | None = None,
     ) -> None:
         """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
-        (stateful) ``TrtllmDecoder``."""
+        (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something (the
+        relay to the other workers, :mod:`balancer.sources.trtllm_relay`)."""
+        self.tap = tap
         self.replica = replica
         self.url = base_url.rstrip("/") + EVENTS_PATH
         self.settings = settings or PollSettings()
@@ -176,6 +180,8 @@ class TrtllmPoller:
         busy = batch is None or bool(batch.events or batch.ignored or batch.errors)
         if batch is not None:
             self._deliver(batch, emit)
+        if busy and self.tap is not None:
+            self.tap(body)
         if busy:
             self._interval_s = self.settings.min_interval_s
         else:
