@@ -35,8 +35,8 @@ from typing import TypeVar
 import aiohttp
 import zmq.asyncio
 
-from balancer.sources.base import EventSource, IngestBatch, SourceStatus
-from balancer.sources.pipeline import EventIngest, ReplicaIngestStatus, ReplicaPipeline
+from balancer.sources.base import EventSource, Gate, IngestBatch, SourceStatus
+from balancer.sources.pipeline import EventIngest, GatedSource, ReplicaIngestStatus, ReplicaPipeline
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,15 @@ class _Yielding:
     def __init__(self, source: EventSource) -> None:
         self.source = source
         self.replica = source.replica
+
+    @property
+    def gate(self) -> Gate | None:
+        return self.source.gate if isinstance(self.source, GatedSource) else None
+
+    @gate.setter
+    def gate(self, value: Gate | None) -> None:
+        if isinstance(self.source, GatedSource):
+            self.source.gate = value
 
     async def run(self, emit: Callable[[IngestBatch], None]) -> None:
         def emit_and_yield(batch: IngestBatch) -> None:

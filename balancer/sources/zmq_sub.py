@@ -49,6 +49,7 @@ from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
     Emit,
+    Gate,
     IngestBatch,
     SourceCounters,
     SourceStatus,
@@ -120,6 +121,11 @@ class ZmqEventSource:
         self._rank_warned = False
         self._replay_on_connect = False
         self._counters = SourceCounters()
+        self.gate: Gate | None = None
+        """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
+        self._shedding = False
+        self.shed = 0
+        """Messages dropped undecoded (the budget was spent)."""
 
     def status(self) -> SourceStatus:
         c = self._counters
@@ -256,13 +262,42 @@ class ZmqEventSource:
         count_decoded(self._metrics, self._engine, self.replica, batch)
         return batch
 
+    def _shed(self, frames: Sequence[bytes], emit: Emit) -> DecodedBatch | None:
+        """Drop a message undecoded (the replica's CPU budget is spent): only its seq is read, so the
+        stream stays in order without a replay; the first of a run resyncs the rank."""
+        if len(frames) < 3 or len(frames[1]) != SEQ_BYTES:
+            return None
+        self.shed += 1
+        self._metrics.events_shed_total.labels(self.replica).inc()
+        if not self._shedding:
+            self._shedding = True
+            self._warnings.warning(
+                "events_shed",
+                self.replica,
+                "replica %s rank %d: event ingestion over its CPU budget; dropping messages undecoded "
+                "and resyncing",
+                self.replica,
+                self.dp_rank,
+            )
+            self._resync(emit, "overflow")
+        return DecodedBatch([], seq=int.from_bytes(frames[1], "big"))
+
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
         count_decode_error(self._metrics, self._engine, exc)
         log.debug("replica %s rank %d: undecodable message: %s", self.replica, self.dp_rank, exc)
 
     async def _on_message(self, frames: Sequence[bytes], emit: Emit) -> None:
-        batch = self._decode(frames)
+        gate = self.gate
+        if gate is None:
+            batch = self._decode(frames)
+        elif not gate.admits():
+            batch = self._shed(frames, emit)
+        else:
+            started = time.thread_time()
+            batch = self._decode(frames)
+            gate.charge(time.thread_time() - started)
+            self._shedding = False
         if batch is None or batch.seq is None:
             return
         self._counters.messages += 1

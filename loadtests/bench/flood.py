@@ -356,9 +356,10 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
             "queue_overflows": scrape(metrics, "kvlb_events_queue_overflow_total"),
             "resyncs": scrape(metrics, "kvlb_events_resyncs_total"),
             "stored_blocks_applied": scrape(
-                metrics, "kvlb_events_applied_total", kind="stored", status="applied"
+                metrics, "kvlb_events_applied_total", type="stored", status="applied"
             ),
             "seq_gaps": scrape(metrics, "kvlb_events_seq_gaps_total"),
+            "shed_messages": scrape(metrics, "kvlb_events_shed_total"),
         },
     }
 
@@ -423,7 +424,9 @@ def format_report(report: dict[str, Any]) -> str:
     events = report["kvlb_events"]
     lines.append(
         f"kvlb: {events['stored_blocks_applied']:,.0f} blocks applied, {events['queue_overflows']:.0f} queue "
-        f"overflows, {events['resyncs']:.0f} resyncs, {events['seq_gaps']:.0f} gaps; leases lost: "
+        f"overflows, {events['shed_messages']:,.0f} messages shed undecoded, "
+        f"{events['resyncs']:.0f} resyncs, "
+        f"{events['seq_gaps']:.0f} gaps; leases lost: "
         f"{report['leases_lost']} (embedded: none held)"
     )
     return "\n".join(lines)
