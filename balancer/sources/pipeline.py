@@ -170,7 +170,15 @@ class ReplicaPipeline:
         """The replica's ingestion CPU budget, shared with its sources (``None``: unbounded)."""
 
     def admits(self) -> bool:
-        """Whether the replica's sources may decode now (its CPU budget is not spent)."""
+        """Whether the replica's sources may decode now: its CPU budget is not spent and its queue is
+        under half full (past that the applier is behind, and what is decoded now would most likely
+        be dropped by the next overflow: it is cheaper to drop it undecoded)."""
+        settings = self.settings
+        if (
+            self._queue.qsize() * 2 > settings.queue_max_batches
+            or self.queued_bytes * 2 > settings.queue_max_bytes
+        ):
+            return False
         return self.budget is None or self.budget.allows(self._monotonic())
 
     def charge(self, cpu_s: float) -> None:

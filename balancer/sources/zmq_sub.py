@@ -25,6 +25,11 @@ publisher from 0. This source keeps the stream in order:
   the rank, the SUB is reopened (libzmq does not reconnect after the protocol error of an oversize
   message) and the next connection asks the replay socket for everything from seq 0. This is also
   what catches a crash and restart whose new seq happens to land above the old one.
+* **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``; the rank
+  resyncs once per run, the seq still advances so no replay is asked) while the replica's ingestion
+  CPU budget is spent or its queue is over half full (the ``gate``, :mod:`balancer.sources.budget`),
+  or while the source has read for ``max_behind_s`` without finding the socket empty: a flood then
+  costs reading it, not decoding it, and ZMQ does not buffer it.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -124,6 +129,8 @@ class ZmqEventSource:
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
+        self._behind_since: float | None = None
+        """When the current run of reads without an empty socket began (``None``: caught up)."""
         self.shed = 0
         """Messages dropped undecoded (the budget was spent)."""
 
@@ -196,8 +203,15 @@ class ZmqEventSource:
             try:
                 frames = await sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                self._behind_since = None  # caught up
                 return
-            await self._on_message(frames, emit)
+            now = time.monotonic()
+            if self._behind_since is None:
+                self._behind_since = now
+            behind = now - self._behind_since > self.settings.max_behind_s
+            await self._on_message(frames, emit, behind)
+            if self.gate is not None:
+                await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
@@ -234,6 +248,7 @@ class ZmqEventSource:
                     await self._replay(0, emit)
 
     def _open_sub(self) -> zmq.asyncio.Socket:
+        self._behind_since = None  # a fresh socket has no backlog of ours
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
@@ -274,7 +289,8 @@ class ZmqEventSource:
             self._warnings.warning(
                 "events_shed",
                 self.replica,
-                "replica %s rank %d: event ingestion over its CPU budget; dropping messages undecoded "
+                "replica %s rank %d: events arrive faster than its ingestion budget allows; "
+                "dropping messages undecoded "
                 "and resyncing",
                 self.replica,
                 self.dp_rank,
@@ -287,12 +303,13 @@ class ZmqEventSource:
         count_decode_error(self._metrics, self._engine, exc)
         log.debug("replica %s rank %d: undecodable message: %s", self.replica, self.dp_rank, exc)
 
-    async def _on_message(self, frames: Sequence[bytes], emit: Emit) -> None:
+    async def _on_message(self, frames: Sequence[bytes], emit: Emit, behind: bool = False) -> None:
         gate = self.gate
-        if gate is None:
-            batch = self._decode(frames)
-        elif not gate.admits():
+        if behind or (gate is not None and not gate.admits()):
             batch = self._shed(frames, emit)
+        elif gate is None:
+            batch = self._decode(frames)
+            self._shedding = False
         else:
             started = time.thread_time()
             batch = self._decode(frames)
@@ -373,6 +390,13 @@ class ZmqEventSource:
 
     async def _replay(self, start_seq: int, emit: Emit) -> None:
         """Ask the replay socket for every batch from ``start_seq`` and take the new ones in order."""
+        assert self.replay_endpoint is not None
+        try:
+            await self._replay_from(start_seq, emit)
+        finally:
+            self._behind_since = None  # time spent replaying is not a backlog of the live stream
+
+    async def _replay_from(self, start_seq: int, emit: Emit) -> None:
         assert self.replay_endpoint is not None
         self._counters.replays += 1
         dealer = self._ctx.socket(zmq.DEALER)
