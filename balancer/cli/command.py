@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -125,6 +126,7 @@ def run_serve(args: argparse.Namespace) -> int:
             print("kvlb serve: --worker-index needs --listen-fd and --run-dir", file=sys.stderr)
             return 2
         role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir)
+        _die_with_parent()
     elif args.workers > 1:
         supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)
         try:
@@ -165,6 +167,17 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     log.info("stopped")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this worker SIGKILL when its supervisor dies (even by SIGKILL), so no
+    orphan keeps the listener; elsewhere :func:`_stop_when_orphaned` notices within a second."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 ORPHAN_CHECK_S = 1.0
