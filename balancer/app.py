@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry
 
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
-from balancer.api.siblings import Siblings, sibling_middleware
+from balancer.api.siblings import Siblings, catch_up, sibling_middleware
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
@@ -253,6 +253,8 @@ class Balancer:
             logger=server_logger(),
         )
         await self._runner.setup()
+        if self._siblings is not None and self.settings.redis.url is None:  # with Redis: the fleet's
+            await catch_up(self._siblings, state)  # a restarted worker takes the others' policy first
         site: web.BaseSite
         if worker is not None:  # the supervisor's listening socket, shared by every worker
             sock = socket.socket(fileno=worker.listen_fd)

@@ -8,8 +8,9 @@ A request on the shared port reaches one worker. Two things must still read as o
   ``x-kvlb-sibling: 1`` so it is applied there and not sent on again: a drain as it came, a policy
   change as the whole policy the receiving worker now runs (its answer's name and weights).
   Embedded mode only: with Redis the policy already travels through the fleet. A sibling that
-  cannot be reached in :data:`SIBLING_TIMEOUT_S` is logged; one that restarts later starts from the
-  configured settings (a known gap: it does not ask its siblings for the policy in force).
+  cannot be reached in :data:`SIBLING_TIMEOUT_S` is logged. A worker the supervisor restarts asks a
+  sibling for the policy in force and the drained replicas (:meth:`Siblings.catch_up`) before it
+  serves.
 * **``GET /metrics``**: the receiving worker answers with every worker's series, each sample labelled
   ``worker="<index>"`` (a sum over workers is a PromQL ``sum without (worker)``). A worker that does
   not answer in time is left out of that scrape (logged).
@@ -33,6 +34,10 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from balancer import strict_json
+from balancer.policy import PolicyWeights
+from balancer.service.policy_control import PolicyView
+from balancer.service.state import ServiceState
+from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +104,43 @@ class Siblings:
         others = self.others()
         results = await asyncio.gather(*(one(url) for url in others.values()), return_exceptions=True)
         return dict(zip(others, results, strict=True))
+
+
+async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
+    """Adopt the policy and the drained replicas of the first sibling that answers (a restarted
+    worker joining the others); ``False`` when none did (the first start: none is up yet)."""
+    token = state.settings.auth.admin_token
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    policies = await siblings.call("GET", "/admin/policy", headers=headers)
+    replicas = await siblings.call("GET", "/admin/replicas", headers=headers)
+    for index, answer in policies.items():
+        listed = replicas.get(index)
+        if isinstance(answer, BaseException) or answer[0] != 200:
+            continue
+        if listed is None or isinstance(listed, BaseException) or listed[0] != 200:
+            continue
+        view = strict_json.loads(answer[1])
+        state.policy.adopt(
+            PolicyView(
+                str(view["name"]),
+                PolicyWeights.from_dict(view["weights"]),
+                int(view["version"]),
+                str(view["updated_by"]),
+                float(view["updated_at"]),
+            )
+        )
+        for replica in strict_json.loads(listed[1])["replicas"]:
+            health = replica.get("health") or {}
+            if health.get("draining"):
+                state.health.set_draining(ReplicaId(replica["id"]), True)
+        log.info(
+            "worker %d: policy version %s and drains taken from worker %d",
+            siblings.index,
+            view["version"],
+            index,
+        )
+        return True
+    return False
 
 
 def sibling_middleware(

@@ -3,7 +3,7 @@
 Every worker holds the index of both (SGLang: its own ZMQ subscription; TRT-LLM: worker 0 drains and
 relays), an admin change made through the shared port reaches both workers, ``/metrics`` carries both
 workers' series, and a worker killed with SIGKILL under load is restarted while the requests on the
-other worker complete.
+other worker complete; the restarted worker runs the policy changed before it died.
 """
 
 from __future__ import annotations
@@ -195,3 +195,12 @@ async def check_kill_under_load(url: str, serve: Child) -> None:
     assert (await fresh_get(url + "/healthz"))["status"] == "ok"
     text = serve.stderr.read_text()
     assert "worker 1 (pid" in text and "restarting" in text
+    # the restarted worker took the policy in force from its sibling before serving
+    async with asyncio.timeout(30):
+        while serve.stderr.read_text().count("kvlb serving 2 pool(s)") < 3:  # noqa: ASYNC110 - a log
+            await asyncio.sleep(0.1)
+    versions = set()
+    for _ in range(16):
+        view = await fresh_get(url + "/admin/policy")
+        versions.add((view["version"], view["weights"]["decode_weight"]))
+    assert versions == {(2, 0.5)}
