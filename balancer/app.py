@@ -15,6 +15,7 @@ as many :class:`Balancer` s as it likes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
 import socket
@@ -38,6 +39,7 @@ from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import HealthBook
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.load.tracker import LoadConfig
 from balancer.metrics import Metrics
@@ -47,6 +49,7 @@ from balancer.service.admission import Admission, AdmissionLimits
 from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
 from balancer.service.server_log import server_logger
+from balancer.service.spec_share import SpeculationShare
 from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
@@ -134,6 +137,8 @@ class Balancer:
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
         self._siblings: Siblings | None = None
+        self._speculation: SpeculationShare | None = None
+        self._speculation_task: concurrent.futures.Future[None] | None = None
         self.grpc_port: int | None = None
         """The bound gRPC port once started (``None``: gRPC disabled)."""
 
@@ -229,10 +234,25 @@ class Balancer:
             await self.fleet.start()
             replicas.fleet = self.fleet
         await replicas.start_static()
+        if relay is not None and self.fleet is None:  # embedded workers: share speculative entries
+            self._share_speculation(state, replicas, relay.run_dir)
         state.sources_started = True
         discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
         if discovery is not None:
             replicas.start_discovery(discovery)
+
+    def _share_speculation(self, state: ServiceState, replicas: ReplicaLifecycle, run_dir: str) -> None:
+        worker = self.options.worker
+        thread = replicas.thread
+        assert worker is not None and thread.loop is not None and thread.zmq is not None
+        tables: dict[str, LockedPrefixTable] = {}
+        for pool in state.pools.values():
+            for (block_size, mode), space in pool.router.spaces.items():
+                if isinstance(space.table, LockedPrefixTable):
+                    tables[f"{pool.model}|{block_size}|{mode}"] = space.table
+        share = self._speculation = SpeculationShare(run_dir, worker.index, worker.count, tables)
+        share.start_publishing()
+        self._speculation_task = asyncio.run_coroutine_threadsafe(share.receive(thread.zmq), thread.loop)
 
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)
@@ -304,6 +324,12 @@ class Balancer:
         if self.fleet is not None:
             fleet, self.fleet = self.fleet, None
             await fleet.stop()
+        if self._speculation_task is not None:
+            self._speculation_task.cancel()
+            self._speculation_task = None
+        if self._speculation is not None:
+            self._speculation.close()
+            self._speculation = None
         if self.replicas is not None:
             await self.replicas.close_ingest()
         await self._upstream.aclose()

@@ -13,7 +13,7 @@ No I/O, no clock, no module state: the lock is the instance's own.
 from __future__ import annotations
 
 import threading
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 
 from balancer.events import KvEvent, event_blocks
 from balancer.index.base import ApplyResult, IndexStats
@@ -40,6 +40,9 @@ class LockedPrefixTable(PrefixTable):
         self.lock = threading.Lock()
         self.apply_slice_blocks = max(1, apply_slice_blocks)
         """Most blocks (``event_blocks``) applied per hold of the lock; a larger event is one slice."""
+        self.on_speculative: Callable[[ReplicaId, Sequence[BlockKey], float], None] | None = None
+        """Told every speculative entry routing adds here (the workers of ``kvlb serve --workers``
+        share them: :mod:`balancer.service.spec_share`)."""
 
     def apply(self, replica: ReplicaId, events: Iterable[KvEvent], now: float) -> ApplyResult:
         """Apply in order, releasing the lock between slices of ``apply_slice_blocks`` blocks."""
@@ -80,6 +83,15 @@ class LockedPrefixTable(PrefixTable):
             return super().prefix_holders(token_ids, now, lora_name, cache_salt)
 
     def add_speculative(self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float) -> None:
+        with self.lock:
+            super().add_speculative(replica, keys, ttl_s, now)
+        if self.on_speculative is not None:
+            self.on_speculative(replica, keys, ttl_s)
+
+    def add_shared_speculative(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
+    ) -> None:
+        """A speculative entry another worker made (not passed on to :attr:`on_speculative`)."""
         with self.lock:
             super().add_speculative(replica, keys, ttl_s, now)
 
