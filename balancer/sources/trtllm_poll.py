@@ -30,6 +30,7 @@ from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
     Emit,
+    Gate,
     IngestBatch,
     SourceCounters,
     SourceStatus,
@@ -93,6 +94,10 @@ class PollError(Exception):
     """One poll failed at the HTTP level (bad status, oversized body)."""
 
 
+GATE_WAIT_S = 0.05
+"""Pause (seconds) between checks of a spent ingestion budget before the next drain."""
+
+
 class TrtllmPoller:
     """The single consumer of one replica's ``/kv_cache_events`` drain."""
 
@@ -113,6 +118,8 @@ class TrtllmPoller:
         (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something (the
         relay to the other workers, :mod:`balancer.sources.trtllm_relay`)."""
         self.tap = tap
+        self.gate: Gate | None = None
+        """The replica's ingestion CPU budget (set by the ingest); while spent, drains wait."""
         self.replica = replica
         self.url = base_url.rstrip("/") + EVENTS_PATH
         self.settings = settings or PollSettings()
@@ -149,8 +156,12 @@ class TrtllmPoller:
         )
 
     async def run(self, emit: Emit) -> None:
-        """Poll until cancelled."""
+        """Poll until cancelled. While the replica's ingestion CPU budget is spent (:attr:`gate`) the
+        next drain waits: the engine keeps the events (up to its ``event_buffer_max_size``; past it
+        the ``event_id`` gap resyncs), kvlb spends nothing on them."""
         while True:
+            while self.gate is not None and not self.gate.admits():  # noqa: ASYNC110 (a budget refills with time)
+                await asyncio.sleep(GATE_WAIT_S)
             delay_s = await self.poll_once(emit)
             await asyncio.sleep(delay_s)
 
@@ -215,6 +226,14 @@ class TrtllmPoller:
         return delay_s
 
     def _decode(self, body: bytes) -> DecodedBatch | None:
+        started = time.thread_time()
+        try:
+            return self._decode_body(body)
+        finally:
+            if self.gate is not None:
+                self.gate.charge(time.thread_time() - started)
+
+    def _decode_body(self, body: bytes) -> DecodedBatch | None:
         try:
             batch = self._decoder.decode([body])
         except EventDecodeError as exc:
