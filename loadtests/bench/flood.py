@@ -16,7 +16,8 @@ request p50/p99 and ``/healthz`` p50/p99 and the ratios flood ÷ baseline (targe
 (summed over its processes: supervisor and workers) before the flood, at its peak and
 ``settle_s`` after the flood, the flood's own figures (publish time, batches, events, overflows and
 resyncs from ``/metrics``), and the Redis leases lost (``kvlb_redis_lease_events_total{event="lost"}``;
-``null`` in the embedded mode this bench runs: there are no leases to lose).
+``null`` in the embedded mode it runs by default: there are no leases to lose; ``--redis`` runs kvlb
+in fleet mode with a ``redis-server`` of its own).
 
 Prints the JSON report (``--json``) or a table then the JSON. ``--smoke`` is a tiny run for CI (a
 test runs it and asserts no timing).
@@ -40,6 +41,7 @@ import yaml
 import zmq
 
 from loadtests.bench.overhead.report import percentile
+from loadtests.bench.redis_bench import _wait_up, start_redis
 from loadtests.child_process import Child, spawn, stop_all
 from replicas.wire.sglang import KvEventEncoder
 
@@ -73,6 +75,8 @@ class FloodShape:
     """RSS is read this long after the flood phase (seconds)."""
     workers: int = 1
     """``kvlb serve --workers``."""
+    redis: bool = False
+    """Fleet mode: kvlb with its own ``redis-server`` (then leases can be lost)."""
 
 
 SMOKE = FloodShape(
@@ -98,8 +102,9 @@ def encode_payloads(shape: FloodShape) -> list[bytes]:
     return payloads
 
 
-def kvlb_config(upstream_urls: list[str], events_port: int) -> dict[str, Any]:
+def kvlb_config(upstream_urls: list[str], events_port: int, redis_url: str | None = None) -> dict[str, Any]:
     return {
+        **({"redis": {"url": redis_url}} if redis_url else {}),
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": [
             {
@@ -299,7 +304,13 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
             children.append(upstream)
             config = folder / "kvlb.yaml"
             urls = [str(u) for u in upstream.info["urls"]]
-            config.write_text(yaml.safe_dump(kvlb_config(urls, events_port)))
+            redis_url = None
+            if shape.redis:
+                redis_process, redis_url = start_redis()
+                stack.callback(redis_process.wait)
+                stack.callback(redis_process.kill)
+                await _wait_up(redis_url)
+            config.write_text(yaml.safe_dump(kvlb_config(urls, events_port, redis_url)))
             argv = ["serve", "--config", str(config), "--workers", str(shape.workers)]
             kvlb = await spawn("kvlb", "balancer", argv, log_dir=folder, ready_key="kvlb")
             children.append(kvlb)
@@ -433,7 +444,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"overflows, {events['shed_messages']:,.0f} messages shed undecoded, "
         f"{events['resyncs']:.0f} resyncs, "
         f"{events['seq_gaps']:.0f} gaps; leases lost: "
-        f"{report['leases_lost']} (embedded: none held)"
+        f"{report['leases_lost']}" + (" (embedded: none held)" if report["leases_lost"] is None else "")
     )
     return "\n".join(lines)
 
@@ -446,6 +457,7 @@ def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes (seconds), for CI")
     parser.add_argument("--workers", type=int, default=1, help="kvlb serve --workers (default 1)")
+    parser.add_argument("--redis", action="store_true", help="fleet mode, with its own redis-server")
     parser.add_argument(
         "--settle-s", type=float, default=None, help="RSS read this long after the flood (30)"
     )
@@ -453,7 +465,7 @@ def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def run_command(args: argparse.Namespace) -> int:
-    shape = replace(SMOKE if args.smoke else FloodShape(), workers=args.workers)
+    shape = replace(SMOKE if args.smoke else FloodShape(), workers=args.workers, redis=args.redis)
     if args.settle_s is not None:
         shape = replace(shape, settle_s=args.settle_s)
     report = asyncio.run(measure(shape))
