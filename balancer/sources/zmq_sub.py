@@ -201,15 +201,21 @@ class ZmqEventSource:
         """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
         for _ in range(limit):
             try:
-                frames = await sub.recv_multipart(zmq.NOBLOCK)
+                parts = await sub.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 self._behind_since = None  # caught up
                 return
             now = time.monotonic()
             if self._behind_since is None:
                 self._behind_since = now
-            behind = now - self._behind_since > self.settings.max_behind_s
-            await self._on_message(frames, emit, behind)
+            gate = self.gate
+            shed = now - self._behind_since > self.settings.max_behind_s
+            shed = shed or (gate is not None and not gate.admits())
+            if shed:  # only topic and seq are read: the payload is never copied out of ZMQ
+                frames = [part.bytes if i < 2 else b"" for i, part in enumerate(parts)]
+            else:
+                frames = [part.bytes for part in parts]
+            await self._on_message(frames, emit, shed)
             if self.gate is not None:
                 await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
 
@@ -303,9 +309,9 @@ class ZmqEventSource:
         count_decode_error(self._metrics, self._engine, exc)
         log.debug("replica %s rank %d: undecodable message: %s", self.replica, self.dp_rank, exc)
 
-    async def _on_message(self, frames: Sequence[bytes], emit: Emit, behind: bool = False) -> None:
+    async def _on_message(self, frames: Sequence[bytes], emit: Emit, shed: bool = False) -> None:
         gate = self.gate
-        if behind or (gate is not None and not gate.admits()):
+        if shed:
             batch = self._shed(frames, emit)
         elif gate is None:
             batch = self._decode(frames)
