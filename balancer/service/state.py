@@ -24,7 +24,7 @@ from balancer.service.audit import AuditLog
 from balancer.service.decisions import DecisionLog
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
-from balancer.sources.pipeline import EventIngest, ReplicaIngestStatus
+from balancer.sources.pipeline import IngestView, ReplicaIngestStatus
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
@@ -70,7 +70,7 @@ class ServiceState:
     """The console's time series (``GET /admin/series``), fed by dispatch; ``None``: not sampled."""
     monotonic: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
-    ingests: list[EventIngest] = field(default_factory=list)
+    ingests: list[IngestView] = field(default_factory=list)
     scrapers: dict[ReplicaId, MetricsScraper] = field(default_factory=dict)
     sources_started: bool = False
     shutting_down: bool = False
