@@ -18,6 +18,7 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
     ctx_fixture,
     eventually,
     publisher_fixture,
+    running,
 )
 
 from balancer.engines.sglang import SglangDecoder
@@ -75,3 +76,82 @@ async def test_a_spent_budget_sheds_messages_undecoded_and_resyncs_once(
         assert shed == source.shed
     finally:
         await ingest.aclose()
+
+
+class Switch:
+    """A gate the test opens and closes (a budget spent or not), charging nothing."""
+
+    def __init__(self) -> None:
+        self.open = True
+
+    def admits(self) -> bool:
+        return self.open
+
+    def charge(self, cpu_s: float) -> None:
+        return None
+
+
+async def test_shed_messages_keep_restart_detection_by_seq(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """A publisher that restarts while its messages are shed: the seq regression of a shed message
+    is still a restart (the rank forgotten, seq 0 taken as its start), and its run resyncs after it."""
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        gate = Switch()
+        rig.source.gate = gate
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(10)
+        await rig.settle(9)
+        gate.open = False
+        publisher.restart()
+        await publisher.pages(5)
+        await rig.settle(4)
+        assert rig.index.pages() == list(range(1, 11))
+        assert rig.index.resyncs() == [(0, "restart"), (0, "overflow")]
+        assert publisher.replay_requests == [0]  # no gap: shed messages advance the seq
+        assert rig.source.shed == 5
+        gate.open = True
+        await publisher.pages(3)
+        await rig.settle(7)
+        assert rig.index.pages()[10:] == [6, 7, 8]  # decoded again, in order, no new resync
+        assert rig.index.resyncs() == [(0, "restart"), (0, "overflow")]
+
+
+async def test_a_shed_live_copy_of_a_replayed_batch_resyncs(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """The catch-up's replay brings seqs 0..4 while their live copies queue on the SUB. A decoded live
+    copy is compared by payload (the same: a duplicate); a shed one cannot be, as it might be a
+    restarted publisher's batch at that seq, so it resyncs the rank (once for its run)."""
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        gate = Switch()
+        gate.open = False
+        rig.source.gate = gate
+        publisher.replay_gate = asyncio.Event()
+        await publisher.wait_subscribed()
+        await eventually(lambda: publisher.replay_requests == [0])
+        await publisher.pages(5)  # live, queued on the SUB while the replay is held
+        publisher.replay_gate.set()
+        await rig.settle(4)
+        await eventually(lambda: rig.source.shed == 5)
+        await eventually(lambda: rig.ingest.status()[REPLICA].queued_batches == 0)
+        assert rig.index.timeline() == [1, 2, 3, 4, 5, "overflow"]
+        assert rig.source.status().duplicates == 5
+        assert publisher.replay_requests == [0]
+
+
+async def test_decoded_live_copies_of_replayed_batches_are_duplicates(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        rig.source.gate = Switch()
+        publisher.replay_gate = asyncio.Event()
+        await publisher.wait_subscribed()
+        await eventually(lambda: publisher.replay_requests == [0])
+        await publisher.pages(5)
+        publisher.replay_gate.set()
+        await rig.settle(4)
+        await eventually(lambda: rig.source.status().duplicates == 5)
+        assert rig.index.timeline() == [1, 2, 3, 4, 5]
+        assert rig.source.shed == 0
