@@ -6,7 +6,8 @@ A request on the shared port reaches one worker. Two things must still read as o
   receiving worker applied one (status < 300), :func:`sibling_middleware` sends it, with the
   caller's ``Authorization`` header, to every other worker's private address, marked
   ``x-kvlb-sibling: 1`` so it is applied there and not sent on again: a drain as it came, a policy
-  change as the whole policy the receiving worker now runs (its answer's name and weights).
+  change as the whole policy the receiving worker now runs (its answer's name and weights) with the
+  change's reason and ``x-kvlb-actor``, so every worker's audit log has it.
   Embedded mode only: with Redis the policy already travels through the fleet. A sibling that
   cannot be reached in :data:`SIBLING_TIMEOUT_S` is logged. A worker the supervisor restarts asks a
   sibling for the policy in force and the drained replicas (:meth:`Siblings.catch_up`) before it
@@ -34,6 +35,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from balancer import strict_json
+from balancer.api.admin import ACTOR_HEADER, POLICY_REASON
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyView
 from balancer.service.state import ServiceState
@@ -170,13 +172,19 @@ def _replayed_body(request: web.Request, response: web.StreamResponse) -> bytes:
     if request.path != "/admin/policy" or not isinstance(response, web.Response):
         return b""
     view = strict_json.loads(bytes(response.body or b"{}"))  # type: ignore[arg-type]
-    return strict_json.dumps({"name": view["name"], "weights": view["weights"]}).encode("utf-8")
+    replayed: dict[str, object] = {"name": view["name"], "weights": view["weights"]}
+    reason = request.get(POLICY_REASON)
+    if isinstance(reason, str):
+        replayed["reason"] = reason
+    return strict_json.dumps(replayed).encode("utf-8")
 
 
 async def _fan_out(request: web.Request, body: bytes, siblings: Siblings) -> None:
     headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
     if (auth := request.headers.get("Authorization")) is not None:
         headers["Authorization"] = auth
+    if (actor := request.headers.get(ACTOR_HEADER)) is not None:
+        headers[ACTOR_HEADER] = actor
     path = request.path_qs
     for index, result in (await siblings.call(request.method, path, body=body, headers=headers)).items():
         if isinstance(result, BaseException):

@@ -144,14 +144,24 @@ async def fetch_text(url: str) -> str:
 
 
 async def check_admin_reaches_both(url: str) -> None:
-    body = {"weights": {"decode_weight": 0.5}}
-    async with aiohttp.ClientSession() as session, session.put(url + "/admin/policy", json=body) as r:
+    """The change reaches both workers, and both audit logs name its actor and reason (each worker
+    keeps its own console memory: a fresh connection reaches either)."""
+    body = {"weights": {"decode_weight": 0.5}, "reason": "e2e: workers"}
+    headers = {"x-kvlb-actor": "sre-1"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.put(url + "/admin/policy", json=body, headers=headers) as r,
+    ):
         assert r.status == 200, await r.text()
     versions = set()
+    audits = set()
     for _ in range(16):
         view = await fresh_get(url + "/admin/policy")
         versions.add((view["version"], view["weights"]["decode_weight"]))
+        newest = (await fresh_get(url + "/admin/audit?limit=1"))["entries"][0]
+        audits.add((newest["version"], newest["actor"], newest["reason"]))
     assert versions == {(2, 0.5)}
+    assert audits == {(2, "sre-1", "e2e: workers")}
 
 
 async def check_kill_under_load(url: str, serve: Child) -> None:
