@@ -126,7 +126,8 @@ class Metrics:
             counter.labels(replica)
         for reason in RESYNC_REASONS:
             self.events_resyncs_total.labels(replica, reason)
-        if replays:
+        if replays:  # the ZMQ transports: they also shed (kvlb_events_shed_total)
+            self.events_shed_total.labels(replica)
             for outcome in REPLAY_OUTCOMES:
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
