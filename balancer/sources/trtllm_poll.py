@@ -47,6 +47,7 @@ from balancer.sources.base import (
     resyncs_in,
 )
 from balancer.sources.http import BodyTooLarge, read_capped
+from balancer.sources.trtllm_relay import disconnect_body
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -123,8 +124,9 @@ class TrtllmPoller:
         tap: Callable[[bytes], None] | None = None,
     ) -> None:
         """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
-        (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something (the
-        relay to the other workers, :mod:`balancer.sources.trtllm_relay`)."""
+        (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something, and
+        a disconnect marker when a refused drain drops the ranks (the relay to the other workers,
+        :mod:`balancer.sources.trtllm_relay`)."""
         self.tap = tap
         self.gate: Gate | None = None
         """The replica's ingestion CPU budget (set by the ingest); while spent, drains wait."""
@@ -241,6 +243,8 @@ class TrtllmPoller:
             ranks,
         )
         emit(IngestBatch(tuple(Resync(rank, "disconnect") for rank in ranks)))
+        if self.tap is not None:  # the other workers drop the same ranks (:mod:`.trtllm_relay`)
+            self.tap(disconnect_body(ranks))
 
     def _failed(self, exc: BaseException) -> float:
         self._counters.transport_errors += 1

@@ -11,21 +11,29 @@ A body the PUB drops (its high-water mark, a subscriber that connects late, work
 draining while a subscriber reconnects) shows as an ``event_id`` gap in the decoder, which resyncs
 that rank (``Resync(rank, "gap")``): the index goes stale for that rank, never wrong. Bodies are
 bounded by ``max_message_bytes`` (``ZMQ_MAXMSGSIZE`` on the SUB, as for the engines' own streams).
+
+When worker 0's drain is refused (nothing listens: the engine process and its cache are gone) it
+drops the ranks it delivered at once (``Resync(rank, "disconnect")``) and relays that too, as a
+message no drain body can be (:func:`disconnect_body`): every other worker drops the same ranks at
+once instead of keeping the dead process's blocks until the new one's ``created`` burst.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import time
+from collections.abc import Iterable
 
 import zmq
 import zmq.asyncio
 
 from balancer.engines import Decoder
 from balancer.errors import EventDecodeError
+from balancer.events import Resync
 from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
@@ -45,6 +53,28 @@ RELAY_SNDHWM = 10_000
 """Bodies the relay PUB queues per subscriber before it drops (then the subscriber's decoder resyncs)."""
 
 
+DISCONNECT_PREFIX = b"\x00kvlb-disconnect "
+"""Starts a relayed disconnect (a drain body is JSON: it never starts with a NUL byte)."""
+
+
+def disconnect_body(ranks: Iterable[int]) -> bytes:
+    """The relayed message for "the engine is gone: drop these ranks"."""
+    return DISCONNECT_PREFIX + json.dumps(sorted(ranks)).encode("ascii")
+
+
+def disconnected_ranks(body: bytes) -> list[int] | None:
+    """The ranks of a relayed disconnect; ``None`` for a drain body (or a malformed marker)."""
+    if not body.startswith(DISCONNECT_PREFIX):
+        return None
+    try:
+        ranks = json.loads(body[len(DISCONNECT_PREFIX) :])
+    except ValueError:
+        return None
+    if not isinstance(ranks, list) or not all(isinstance(r, int) and r >= 0 for r in ranks):
+        return None
+    return ranks
+
+
 def relay_endpoint(run_dir: str, replica: ReplicaId) -> str:
     """The ``ipc://`` endpoint the drainer republishes ``replica``'s bodies on (short: ipc paths are
     limited to about 100 bytes, replica ids are not)."""
@@ -62,15 +92,20 @@ class RelayPublisher:
         self.published = 0
         self.dropped = 0
 
-    def __call__(self, body: bytes) -> None:
+    def bind(self) -> zmq.asyncio.Socket:
+        """The PUB, bound on the first call."""
         if self._pub is None:
             pub = self._ctx.socket(zmq.PUB)
             pub.setsockopt(zmq.LINGER, 0)
             pub.setsockopt(zmq.SNDHWM, RELAY_SNDHWM)
             pub.bind(self.endpoint)
             self._pub = pub
+        return self._pub
+
+    def __call__(self, body: bytes) -> None:
+        pub = self.bind()
         try:
-            self._pub.send(body, zmq.NOBLOCK)
+            pub.send(body, zmq.NOBLOCK)
             self.published += 1
         except zmq.Again:
             self.dropped += 1
@@ -143,6 +178,19 @@ class RelaySource:
             await asyncio.sleep(backoff.next_delay())
 
     def _on_body(self, body: bytes, emit: Emit) -> None:
+        ranks = disconnected_ranks(body)
+        if ranks is not None:
+            self._counters.resyncs += len(ranks)
+            self._metrics.events_disconnects_total.labels(self.replica).inc()
+            log.info(
+                "replica %s: the draining worker found the engine disconnected; its blocks dropped "
+                "(ranks %s)",
+                self.replica,
+                ranks,
+            )
+            if ranks:
+                emit(IngestBatch(tuple(Resync(rank, "disconnect") for rank in ranks)))
+            return
         try:
             batch = self._decoder.decode([body])
         except EventDecodeError as exc:
