@@ -212,8 +212,14 @@ class Balancer:
             metrics.console_ring_entries.labels(pool).set_function(lambda: ring.stats.entries)
             metrics.console_ring_bytes.labels(pool).set_function(lambda: ring.stats.bytes)
 
+        worker = self.options.worker
         return DecisionLog(
-            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_ring=on_ring
+            console.decision_ring_size,
+            console.decision_ring_bytes,
+            on_evict=on_evict,
+            on_ring=on_ring,
+            id_offset=0 if worker is None else worker.index,
+            id_step=1 if worker is None else worker.count,
         )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
