@@ -15,8 +15,10 @@ as many :class:`Balancer` s as it likes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import random
+import socket
 import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass
@@ -30,12 +32,14 @@ from prometheus_client import CollectorRegistry
 
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
+from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import HealthBook
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.load.tracker import LoadConfig
 from balancer.metrics import Metrics
@@ -48,8 +52,10 @@ from balancer.service.lifecycle import ReplicaLifecycle
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
 from balancer.service.server_log import server_logger
+from balancer.service.spec_share import SpeculationShare
 from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
+from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
@@ -68,6 +74,27 @@ class ServeOptions:
     shutdown_grace_s: float = 30.0
     """After SIGTERM, in-flight requests get this long (seconds) to finish; the rest are cancelled
     (their load released, their upstream connections closed)."""
+    worker: WorkerRole | None = None
+    """Set when this process is one of ``kvlb serve --workers N`` (:mod:`balancer.cli.workers`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRole:
+    """This balancer's place among the workers of one ``kvlb serve --workers N``."""
+
+    index: int
+    """0 … ``count - 1``; worker 0 drains the TRT-LLM engines and republishes their events."""
+    count: int
+    """How many workers serve the port (≥ 1)."""
+    listen_fd: int
+    """The supervisor's listening HTTP socket, inherited: served instead of binding ``listen.port``."""
+    run_dir: str
+    """The supervisor's private directory: the ``ipc://`` endpoints of the TRT-LLM relay live here."""
+
+    @property
+    def drains(self) -> bool:
+        """Whether this worker drains TRT-LLM engines itself (worker 0) rather than follow the relay."""
+        return self.index == 0
 
 
 def load_pool_tokenizer(path: str | None, limits: TokenizeLimits) -> Tokenizer:
@@ -112,6 +139,9 @@ class Balancer:
         """The Redis side (leases, mirrors, shared policy) when ``redis.url`` is set."""
         self._runner: web.AppRunner | None = None
         self._grpc: GrpcServer | None = None
+        self._siblings: Siblings | None = None
+        self._speculation: SpeculationShare | None = None
+        self._speculation_task: concurrent.futures.Future[None] | None = None
         self.grpc_port: int | None = None
         """The bound gRPC port once started (``None``: gRPC disabled)."""
 
@@ -182,8 +212,14 @@ class Balancer:
             metrics.console_ring_entries.labels(pool).set_function(lambda: ring.stats.entries)
             metrics.console_ring_bytes.labels(pool).set_function(lambda: ring.stats.bytes)
 
+        worker = self.options.worker
         return DecisionLog(
-            console.decision_ring_size, console.decision_ring_bytes, on_evict=on_evict, on_ring=on_ring
+            console.decision_ring_size,
+            console.decision_ring_bytes,
+            on_evict=on_evict,
+            on_ring=on_ring,
+            id_offset=0 if worker is None else worker.index,
+            id_step=1 if worker is None else worker.count,
         )
 
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
@@ -236,19 +272,46 @@ class Balancer:
     async def _start_replicas(self, state: ServiceState) -> None:
         """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""
         assert self._zmq is not None and self._control is not None
-        self.replicas = replicas = ReplicaLifecycle(state, zmq_ctx=self._zmq, session=self._control)
+        worker = self.options.worker
+        relay = None if worker is None or worker.count < 2 else RelayRole(worker.run_dir, worker.drains)
+        self.replicas = replicas = ReplicaLifecycle(
+            state, zmq_ctx=self._zmq, session=self._control, relay=relay
+        )
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
             self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
             await self.fleet.start()
             replicas.fleet = self.fleet
         await replicas.start_static()
+        if relay is not None and self.fleet is None:  # embedded workers: share speculative entries
+            self._share_speculation(state, replicas, relay.run_dir)
         state.sources_started = True
         discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
         if discovery is not None:
             replicas.start_discovery(discovery)
 
+    def _share_speculation(self, state: ServiceState, replicas: ReplicaLifecycle, run_dir: str) -> None:
+        worker = self.options.worker
+        thread = replicas.thread
+        assert worker is not None and thread.loop is not None and thread.zmq is not None
+        tables: dict[str, LockedPrefixTable] = {}
+        for pool in state.pools.values():
+            for (block_size, mode), space in pool.router.spaces.items():
+                if isinstance(space.table, LockedPrefixTable):
+                    tables[f"{pool.model}|{block_size}|{mode}"] = space.table
+        share = self._speculation = SpeculationShare(run_dir, worker.index, worker.count, tables)
+        share.start_publishing()
+        self._speculation_task = asyncio.run_coroutine_threadsafe(share.receive(thread.zmq), thread.loop)
+
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)
+        worker = self.options.worker
+        if worker is not None and worker.count > 1:
+            self._siblings = Siblings(worker.run_dir, worker.index, worker.count)
+            await self._siblings.open()
+            fan_out = self.settings.redis.url is None  # with Redis the fleet shares the policy itself
+            app.middlewares.append(sibling_middleware(self._siblings, fan_out_admin=fan_out))
+            if fan_out:
+                state.admin_fan_out = grpc_fan_out(self._siblings, self.settings.auth.admin_token)
         listen = self.settings.listen
         ssl_context = server_ssl_context(listen)
         self._runner = web.AppRunner(
@@ -260,11 +323,25 @@ class Balancer:
             logger=server_logger(),
         )
         await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
-        )
+        if self._siblings is not None and self.settings.redis.url is None:  # with Redis: the fleet's
+            await catch_up(self._siblings, state)  # a restarted worker takes the others' policy first
+        site: web.BaseSite
+        if worker is not None:  # the supervisor's listening socket, shared by every worker
+            sock = socket.socket(fileno=worker.listen_fd)
+            sock.setblocking(False)
+            site = web.SockSite(self._runner, sock, ssl_context=ssl_context)
+        else:
+            site = web.TCPSite(
+                self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
+            )
         await site.start()
         host, port = self._runner.addresses[0][:2]
+        if self._siblings is not None:  # the private port the other workers reach this one on
+            private = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=ssl_context)
+            await private.start()
+            private_host, private_port = self._runner.addresses[-1][:2]
+            scheme = "https" if ssl_context else "http"
+            self._siblings.register(f"{scheme}://{private_host}:{private_port}")
         self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
         log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
 
@@ -272,7 +349,7 @@ class Balancer:
         port = self.settings.listen.grpc_port
         if port is None:
             return
-        self._grpc = GrpcServer(state)
+        self._grpc = GrpcServer(state, reuse_port=self.options.worker is not None)
         self.grpc_port = await self._grpc.start(self.settings.listen.host, port)
         log.info("kvlb serving gRPC on %s:%d", self.settings.listen.host, self.grpc_port)
 
@@ -289,11 +366,20 @@ class Balancer:
             runner, self._runner = self._runner, None
             servers.append(runner.cleanup())
         await asyncio.gather(*servers)
+        if self._siblings is not None:
+            siblings, self._siblings = self._siblings, None
+            await siblings.aclose()
         if self.replicas is not None:
             await self.replicas.cancel_tasks()  # discovery first: no replica is added meanwhile
         if self.fleet is not None:
             fleet, self.fleet = self.fleet, None
             await fleet.stop()
+        if self._speculation_task is not None:
+            self._speculation_task.cancel()
+            self._speculation_task = None
+        if self._speculation is not None:
+            self._speculation.close()
+            self._speculation = None
         if self.replicas is not None:
             await self.replicas.close_ingest()
         await self._upstream.aclose()

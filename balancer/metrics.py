@@ -71,6 +71,7 @@ class Metrics:
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
+    events_shed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
     index_blocks: Gauge
@@ -125,7 +126,8 @@ class Metrics:
             counter.labels(replica)
         for reason in RESYNC_REASONS:
             self.events_resyncs_total.labels(replica, reason)
-        if replays:
+        if replays:  # the ZMQ transports: they also shed (kvlb_events_shed_total)
+            self.events_shed_total.labels(replica)
             for outcome in REPLAY_OUTCOMES:
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
@@ -317,6 +319,7 @@ class _EventsCollectors(TypedDict):
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
+    events_shed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
 
@@ -364,6 +367,12 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_oversize_total": counter(
             "kvlb_events_oversize_total",
             "Events dropped for carrying more than limits.max_event_blocks blocks (the rank resyncs).",
+            ["replica"],
+        ),
+        "events_shed_total": counter(
+            "kvlb_events_shed_total",
+            "Event messages read and dropped undecoded because the replica's ingestion CPU budget was "
+            "spent (a flood; the rank resyncs once per run of shed messages).",
             ["replica"],
         ),
         "events_disconnects_total": counter(

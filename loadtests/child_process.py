@@ -120,3 +120,19 @@ def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     # After the command name: state is field 3, utime 14 and stime 15 (1-based, man 5 proc).
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """:func:`cpu_seconds` of ``pid`` plus its live children's (``kvlb serve --workers N``: the
+    supervisor and its workers); Linux only. A child that exited meanwhile is left out."""
+    total = cpu_seconds(pid)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == pid:
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            if int(fields[1]) == pid:
+                total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS_PER_S
+        except (OSError, ValueError, IndexError):
+            continue
+    return total

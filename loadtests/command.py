@@ -88,6 +88,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "sglang_cache_aware, vllm_kv_aware (default: all; peers not installed are skipped)")  # fmt: skip
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
         help="`kvlb serve --set` override for all kvlb routers, e.g. limits.speculative_ttl_s=5")  # fmt: skip
+    add("--kvlb-workers", type=int, default=None,
+        help="`kvlb serve --workers` of every kvlb router (default: kvlb's own, the cores)")  # fmt: skip
     add("--trace", help="mooncake: the trace file (JSON lines)")
     add("--trace-offset", type=int, default=0, help="mooncake: rows skipped")
     add("--trace-time-scale", type=float, default=1.0, help="mooncake: multiplies the arrival gaps")
@@ -243,6 +245,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             sample_interval_s=args.sample_interval_s,
             seed=args.seed,
             kvlb_sets=tuple(args.kvlb_set),
+            kvlb_workers=args.kvlb_workers,
         )
         runs = await run_all(routers, fleet, specs, drive, logs)
     finally:

@@ -289,17 +289,26 @@ def kvlb_config(
 
 
 async def start_router(
-    spec: RouterSpec, fleet: EmulatorHandle, logs: Path, *, seed: int, kvlb_sets: Sequence[str] = ()
+    spec: RouterSpec,
+    fleet: EmulatorHandle,
+    logs: Path,
+    *,
+    seed: int,
+    kvlb_sets: Sequence[str] = (),
+    kvlb_workers: int | None = None,
 ) -> tuple[Child, str]:
     """Start the router of ``spec`` in front of ``fleet``; returns it and its base URL once ready.
 
-    ``kvlb_sets`` are ``kvlb serve --set NAME=VALUE`` overrides for kvlb routers (ignored by peers)."""
+    ``kvlb_sets`` are ``kvlb serve --set NAME=VALUE`` overrides for kvlb routers (ignored by peers);
+    ``kvlb_workers`` their ``--workers`` (``None``: kvlb's default)."""
     if spec.kind == "kvlb":
         config = logs / f"{_file_name(spec.name)}.yaml"
         settings = kvlb_config(fleet, spec.policy, seed, dict(spec.weights), kv_events=spec.kv_events)
         config.write_text(yaml.safe_dump(settings))
         argv = [sys.executable, "-m", "balancer", "serve", "--config", str(config)]
         argv += [arg for item in kvlb_sets for arg in ("--set", item)]
+        if kvlb_workers is not None:
+            argv += ["--workers", str(kvlb_workers)]
         child = await spawn(_file_name(spec.name), argv, logs, ready_key='"serving"', env=os.environ)
         url = str(child.info["url"])
     else:

@@ -49,6 +49,8 @@ class DriveOptions:
     seed: int = 0
     kvlb_sets: tuple[str, ...] = ()
     """``kvlb serve --set`` overrides for every kvlb router (e.g. ``limits.speculative_ttl_s=5``)."""
+    kvlb_workers: int | None = None
+    """``kvlb serve --workers`` of every kvlb router (``None``: its default, the cores)."""
 
 
 @dataclass
@@ -196,7 +198,12 @@ async def run_router(
         await flush(session, fleet)
         try:
             child, url = await start_router(
-                router, fleet, logs, seed=options.seed, kvlb_sets=options.kvlb_sets
+                router,
+                fleet,
+                logs,
+                seed=options.seed,
+                kvlb_sets=options.kvlb_sets,
+                kvlb_workers=options.kvlb_workers,
             )
         except (RuntimeError, OSError, ValueError) as exc:
             return RouterRun(router, "failed", f"could not start: {exc}")

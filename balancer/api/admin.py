@@ -59,6 +59,9 @@ log = logging.getLogger(__name__)
 
 _POLICY_KEYS = frozenset({"name", "weights", "reason"})
 ACTOR_HEADER = "x-kvlb-actor"
+POLICY_REASON = "kvlb.policy_reason"
+"""Where ``PUT /admin/policy`` leaves the change's reason on the request (for the sibling workers of
+``kvlb serve --workers N``, :mod:`balancer.api.siblings`)."""
 """Who makes an admin change, as the audit log names them (``admin`` when absent)."""
 
 
@@ -101,6 +104,7 @@ async def put_policy(request: web.Request) -> web.Response:
     )
     actor = actor_of(request.headers.get(ACTOR_HEADER))
     view, changes = await change_policy(state, body, caller(request), actor)
+    request[POLICY_REASON] = body.get("reason")  # sent on to the sibling workers with the change
     return web.json_response(
         {**view.to_json(), "changed": {k: [o, n] for k, (o, n) in changes.items()}}, dumps=strict_json.dumps
     )

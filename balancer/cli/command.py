@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -25,7 +27,8 @@ from typing import Any, TypeAlias
 import yaml
 
 from balancer import strict_json
-from balancer.app import Balancer, ServeOptions
+from balancer.app import Balancer, ServeOptions, WorkerRole
+from balancer.cli.workers import supervise
 from balancer.config import Settings, load
 from balancer.errors import ConfigError
 
@@ -66,7 +69,41 @@ def _register_serve(subparsers: SubParsers) -> None:
     )
     parser.add_argument("--log-level", default=None, help="logging level (default: the log_level setting)")
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=default_workers(),
+        help="worker processes serving the port (default: the number of cores, %(default)s); 1 serves "
+        "in this process",
+    )
+    # Set by the supervisor of --workers N for each worker it starts (docs/architecture.md).
+    parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
+
+
+def default_workers() -> int:
+    """``--workers`` by default: the cores this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The ``kvlb serve`` options a worker gets from its supervisor (all but the worker ones)."""
+    argv: list[str] = []
+    if args.config:
+        argv += ["--config", str(args.config)]
+    for item in args.set:
+        argv += ["--set", item]
+    argv += ["--shutdown-grace-s", str(args.shutdown_grace_s)]
+    if args.log_level:
+        argv += ["--log-level", args.log_level]
+    if args.no_uvloop:
+        argv.append("--no-uvloop")
+    return argv
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -82,8 +119,27 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.shutdown_grace_s < 0:
         print("kvlb serve: --shutdown-grace-s must be >= 0", file=sys.stderr)
         return 2
+    if args.workers < 1:
+        print("kvlb serve: --workers must be >= 1", file=sys.stderr)
+        return 2
+    role = None
+    if args.worker_index is not None:
+        if args.listen_fd is None or args.run_dir is None:
+            print("kvlb serve: --worker-index needs --listen-fd and --run-dir", file=sys.stderr)
+            return 2
+        role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir)
+        _die_with_parent()
+    elif args.workers > 1:
+        supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)
+        try:
+            _runner(not args.no_uvloop)(supervise_run)
+        except ConfigError as exc:
+            print(f"kvlb serve: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    options = ServeOptions(shutdown_grace_s=args.shutdown_grace_s, worker=role)
     try:
-        _runner(not args.no_uvloop)(serve(settings, ServeOptions(shutdown_grace_s=args.shutdown_grace_s)))
+        _runner(not args.no_uvloop)(serve(settings, options))
     except ConfigError as exc:
         print(f"kvlb serve: {exc}", file=sys.stderr)
         return 2
@@ -98,16 +154,43 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     balancer = Balancer(settings, options=options)
+    orphan_watch = None
+    if options.worker is not None:  # a worker ends with its supervisor, even one killed with -9
+        orphan_watch = asyncio.create_task(_stop_when_orphaned(os.getppid(), stop), name="kvlb-orphan-watch")
     try:
         await balancer.start()
         print(strict_json.dumps({"kvlb": "serving", "url": balancer.url}), flush=True)
         await stop.wait()
         log.info("signal received: draining for up to %.1fs, then stopping", options.shutdown_grace_s)
     finally:
+        if orphan_watch is not None:
+            orphan_watch.cancel()
         await balancer.stop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     log.info("stopped")
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel sends this worker SIGKILL when its supervisor dies (even by SIGKILL), so no
+    orphan keeps the listener; elsewhere :func:`_stop_when_orphaned` notices within a second."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+ORPHAN_CHECK_S = 1.0
+"""How often (seconds) a worker checks that its supervisor is still its parent."""
+
+
+async def _stop_when_orphaned(parent_pid: int, stop: asyncio.Event) -> None:
+    while os.getppid() == parent_pid:  # noqa: ASYNC110 (no event tells a process its parent died)
+        await asyncio.sleep(ORPHAN_CHECK_S)
+    log.warning("the supervisor (pid %d) is gone: stopping", parent_pid)
+    stop.set()
 
 
 def _runner(use_uvloop: bool) -> Callable[[Coroutine[Any, Any, None]], None]:

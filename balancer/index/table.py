@@ -502,6 +502,13 @@ class PrefixTable:
         pending = spec.expiry
         return [key for key in keys if key in pending]
 
+    def drop_speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> int:
+        """:meth:`drop_blocks` of those of ``keys`` that ``replica`` holds only speculatively at
+        ``now`` (:meth:`speculated`): a receipt's stale keys, less those the engine stored again
+        since the routing. One call, so that a table shared between threads
+        (:class:`~balancer.index.locked.LockedPrefixTable`) has no store land between the two."""
+        return self.drop_blocks(replica, self.speculated(replica, keys, now))
+
     def held_blocks(self, replica: ReplicaId) -> int:
         """Blocks ``replica``'s caches hold (over its DP ranks; speculative entries not counted)."""
         ranks = self._slots.caches.get(replica)

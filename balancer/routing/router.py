@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.health.book import HealthBook
 from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadTracker
@@ -217,7 +218,7 @@ class PoolRouter:
         if space is None:
             hasher = BlockHasher(self.model, block_size, mode)
             memo = KeyMemo(self.route_limits.key_memo_runs)
-            space = KeySpace(hasher, PrefixTable(hasher, self._limits), memo=memo)
+            space = KeySpace(hasher, LockedPrefixTable(hasher, self._limits), memo=memo)
             self.spaces[(block_size, mode)] = space
             load = self.load
             if load is not None and load.config.block_size_tokens != self.reference_block_size:
@@ -450,7 +451,7 @@ class PoolRouter:
         space = self.space_of.get(replica)
         dropped = learned = 0
         if space is not None and receipt.stale and self.route_limits.receipt_drops:
-            dropped = space.table.drop_blocks(replica, space.table.speculated(replica, receipt.stale, now))
+            dropped = space.table.drop_speculated(replica, receipt.stale, now)
         elif space is not None and receipt.unseen and self.route_limits.speculative_ttl_s > 0:
             prefix = plan.keys[: receipt.reported_blocks]
             space.table.add_speculative(replica, prefix, self.route_limits.speculative_ttl_s, now)

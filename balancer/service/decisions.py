@@ -129,11 +129,17 @@ class DecisionLog:
         *,
         on_evict: Callable[[str, str, int], None] | None = None,
         on_ring: Callable[[str, DecisionRing], None] | None = None,
+        id_offset: int = 0,
+        id_step: int = 1,
     ) -> None:
+        """``id_offset``/``id_step``: the ids of worker ``i`` of ``kvlb serve --workers N`` are
+        ``i + 1``, ``i + 1 + N``, … so that no two workers give one id to different decisions (each
+        worker keeps its own ring: another worker's id is a 404 there, never another decision)."""
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.rings: dict[str, DecisionRing] = {}
-        self._next_id = 0
+        self._id_step = max(1, id_step)
+        self._next_id = id_offset + 1 - self._id_step
         self._on_evict = on_evict
         self._on_ring = on_ring
 
@@ -157,7 +163,7 @@ class DecisionLog:
         wall_ts: float,
     ) -> DecisionRecord:
         """Append one committed decision to ``pool``'s ring; returns the record (with its id)."""
-        self._next_id += 1
+        self._next_id += self._id_step
         if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
             tenant = tenant[:MAX_TENANT_CHARS]
         record = DecisionRecord(

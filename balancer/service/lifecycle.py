@@ -4,7 +4,9 @@ Built and owned by :mod:`balancer.app`. Per replica it runs a load scraper (when
 ``scrape_interval_s`` > 0) and a health prober, and feeds the replica's KV events into the index:
 without Redis through one :class:`~balancer.sources.pipeline.EventIngest` per key space (kept here),
 with Redis through the :class:`~balancer.fleet.runtime.FleetRuntime`, whose lease manager decides
-which balancer ingests it.
+which balancer ingests it. The embedded ingests run on an
+:class:`~balancer.sources.ingest_thread.IngestThread` (its own loop, ZMQ context and HTTP session),
+so decoding and applying events never takes the request loop's time.
 
 :meth:`ReplicaLifecycle.apply` is the discovery hook (:mod:`balancer.discovery`):
 
@@ -39,7 +41,8 @@ from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
 from balancer.sources.base import EventSource
-from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
+from balancer.sources.build import RelayRole, build_sources, poll_settings_for, zmq_settings_for
+from balancer.sources.ingest_thread import IngestThread, ThreadedIngest
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -51,13 +54,22 @@ class ReplicaLifecycle:
     """Per-replica tasks and event ingest of one balancer, and the discovery that changes them."""
 
     def __init__(
-        self, state: ServiceState, *, zmq_ctx: zmq.asyncio.Context, session: aiohttp.ClientSession
+        self,
+        state: ServiceState,
+        *,
+        zmq_ctx: zmq.asyncio.Context,
+        session: aiohttp.ClientSession,
+        relay: RelayRole | None = None,
     ) -> None:
+        """``relay``: this is one worker of ``kvlb serve --workers N`` (TRT-LLM drained by one)."""
         self.state = state
+        self._relay = relay
         self.fleet: FleetRuntime | None = None
         """Set by the app in Redis mode: leases, not this class, decide who ingests a replica."""
-        self.ingests: dict[int, EventIngest] = {}
+        self.ingests: dict[int, ThreadedIngest] = {}
         """``id(KeySpace)`` → the ingest writing its table (embedded mode only)."""
+        self.thread = IngestThread()
+        """Where the embedded ingests run (started with the first one)."""
         self.discovered: dict[ReplicaId, str] = {}
         """Replicas added by discovery → their pool's model."""
         self.discovery: Discovery | None = None
@@ -87,9 +99,10 @@ class ReplicaLifecycle:
     async def start_static(self) -> None:
         """Ingest (embedded mode), scrapers and probers of every ``pools[].replicas`` entry."""
         if self.fleet is None:
+            await self.thread.start()
             for pool in self.state.pools.values():
                 for replica_id, config in pool.replicas.items():
-                    self._add_sources(config, pool.router.space_of[replica_id])
+                    await self._add_sources(config, pool.router.space_of[replica_id])
             self._ingest_running = True
             for ingest in self.ingests.values():
                 await ingest.start()
@@ -136,7 +149,7 @@ class ReplicaLifecycle:
             if self.fleet is not None:
                 await self.fleet.add_replica(model, config)
             else:
-                ingest = self._add_sources(config, space)
+                ingest = await self._add_sources(config, space)
                 if self._ingest_running:
                     await ingest.start()  # a new key space's ingest; idempotent otherwise
             state.health.add(replica)
@@ -185,25 +198,32 @@ class ReplicaLifecycle:
 
     # ------------------------------------------------------------------ per replica
 
-    def _add_sources(self, config: ReplicaConfig, space: KeySpace) -> EventIngest:
-        """Register the replica's event sources with its key space's ingest (built on first use)."""
+    async def _add_sources(self, config: ReplicaConfig, space: KeySpace) -> ThreadedIngest:
+        """Register the replica's event sources with its key space's ingest (built on first use),
+        on the ingest thread with its ZMQ context and session."""
+        thread = self.thread
+        await thread.start()
         ingest = self.ingests.get(id(space))
         if ingest is None:
             index = MemoryIndex.over(space.table)
-            ingest = EventIngest(index, metrics=self.state.metrics, settings=self._ingest_settings)
+            ingest = ThreadedIngest(
+                thread, EventIngest(index, metrics=self.state.metrics, settings=self._ingest_settings)
+            )
             self.ingests[id(space)] = ingest
             self.state.ingests.append(ingest)
         sources: list[EventSource] = []  # pools[].kv_events: false: routing decisions and receipts only
         if self.state.kv_events(ReplicaId(config.id)):
+            assert thread.zmq is not None and thread.session is not None
             sources = build_sources(
                 config,
-                zmq_ctx=self._zmq,
-                session=self._session,
+                zmq_ctx=thread.zmq,
+                session=thread.session,
                 metrics=self.state.metrics,
                 zmq_settings=zmq_settings_for(self.state.settings.limits),
                 poll_settings=poll_settings_for(self.state.settings.limits),
+                relay=self._relay,
             )
-        ingest.add_replica(ReplicaId(config.id), config.engine, sources)
+        await ingest.add_replica(ReplicaId(config.id), config.engine, sources)
         return ingest
 
     def _start_tasks(self, pool: Pool, config: ReplicaConfig) -> None:
@@ -238,8 +258,10 @@ class ReplicaLifecycle:
         await cancel_all([task for group in tasks.values() for task in group])
 
     async def close_ingest(self) -> None:
-        """Close the embedded-mode ingests, newest first (the fleet closes its own)."""
+        """Close the embedded-mode ingests, newest first (the fleet closes its own), then their
+        thread."""
         self._ingest_running = False
         ingests, self.ingests = list(self.ingests.values()), {}
         for ingest in reversed(ingests):
             await ingest.aclose()
+        await self.thread.stop()

@@ -10,7 +10,7 @@ router (its load tracker's reservations).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +24,7 @@ from balancer.service.audit import AuditLog
 from balancer.service.decisions import DecisionLog
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
-from balancer.sources.pipeline import EventIngest, ReplicaIngestStatus
+from balancer.sources.pipeline import IngestView, ReplicaIngestStatus
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
@@ -70,10 +70,14 @@ class ServiceState:
     """The console's time series (``GET /admin/series``), fed by dispatch; ``None``: not sampled."""
     monotonic: Callable[[], float] = time.monotonic
     wall_clock: Callable[[], float] = time.time
-    ingests: list[EventIngest] = field(default_factory=list)
+    ingests: list[IngestView] = field(default_factory=list)
     scrapers: dict[ReplicaId, MetricsScraper] = field(default_factory=dict)
     sources_started: bool = False
     shutting_down: bool = False
+    admin_fan_out: Callable[[str, str, bytes, str | None], Awaitable[None]] | None = None
+    """``(method, path, body, actor)``: sends an admin change made through gRPC to the sibling
+    workers of ``kvlb serve --workers N`` (embedded mode; HTTP changes go through the siblings
+    middleware). ``None``: one process, or the fleet shares the change."""
     readiness_checks: list[Callable[[], list[str]]] = field(default_factory=list)
     """More reasons not to be ready (the fleet: mirrors not warm yet)."""
     degraded_checks: list[Callable[[], list[str]]] = field(default_factory=list)

@@ -52,6 +52,15 @@ Emit = Callable[[IngestBatch], None]
 """Where a source puts ordered batches; must not block (see ``ReplicaPipeline.offer``)."""
 
 
+class Gate(Protocol):
+    """What a source asks before decoding and tells after: its replica's ingestion CPU budget
+    (:meth:`balancer.sources.pipeline.ReplicaPipeline.admits` and ``charge``)."""
+
+    def admits(self) -> bool: ...
+
+    def charge(self, cpu_s: float) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class SourceStatus:
     """What a source knows about its stream, for ``/admin/replicas`` (a point-in-time copy)."""

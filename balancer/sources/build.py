@@ -9,6 +9,7 @@ likewise), none when the replica has no ``events`` endpoint. ``http_drain`` (TRT
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import assert_never
 
 import aiohttp
@@ -19,8 +20,19 @@ from balancer.engines.registry import engine_spec
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
+from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
 from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings, endpoint_for_rank
 from balancer.types import ReplicaId
+
+
+@dataclass(frozen=True, slots=True)
+class RelayRole:
+    """How a worker of ``kvlb serve --workers N`` gets TRT-LLM events (see :mod:`.trtllm_relay`)."""
+
+    run_dir: str
+    """The supervisor's directory, where the relay's ``ipc://`` endpoints live."""
+    drains: bool
+    """``True``: drain the engine and republish; ``False``: follow the relay."""
 
 
 def zmq_settings_for(limits: LimitConfig) -> ZmqSourceSettings:
@@ -43,18 +55,44 @@ def build_sources(
     zmq_settings: ZmqSourceSettings | None = None,
     poll_settings: PollSettings | None = None,
     resume: Mapping[int, int] | None = None,
+    relay: RelayRole | None = None,
 ) -> list[EventSource]:
     """The sources feeding ``replica``'s pipeline (possibly none). ``resume`` maps a DP rank to the
     last sequence number already applied (from Redis): that rank's source resumes right after it; a
     rank missing from a given ``resume`` starts at seq 0. Either way, and without ``resume`` too, it
     asks the replay socket for everything from there as soon as it connects (a fresh kvlb, an
-    ingester taking a replica over, or the fleet's first one)."""
+    ingester taking a replica over, or the fleet's first one).
+
+    ``relay`` (the workers of ``kvlb serve --workers N``, embedded mode): a TRT-LLM replica is drained
+    by the worker whose role ``drains`` (it republishes each body) and followed through the relay by
+    the others."""
     replica_id = ReplicaId(replica.id)
     spec = engine_spec(replica.engine)
     if spec.transport == "http_drain":
         decoder = spec.decoder(replica.block_size)
+        tap = None
+        if relay is not None:
+            endpoint = relay_endpoint(relay.run_dir, replica_id)
+            if not relay.drains:
+                max_bytes = (poll_settings or PollSettings()).max_body_bytes
+                follower = RelaySource(
+                    replica_id,
+                    endpoint,
+                    ctx=zmq_ctx,
+                    decoder=decoder,
+                    metrics=metrics,
+                    max_message_bytes=max_bytes,
+                )
+                return [follower]
+            tap = RelayPublisher(endpoint, zmq_ctx)
         poller = TrtllmPoller(
-            replica_id, replica.url, session=session, decoder=decoder, metrics=metrics, settings=poll_settings
+            replica_id,
+            replica.url,
+            session=session,
+            decoder=decoder,
+            metrics=metrics,
+            settings=poll_settings,
+            tap=tap,
         )
         return [poller]
     if spec.transport != "zmq":

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -38,7 +39,8 @@ from balancer.events import KvEvent, Resync, Stored, event_blocks
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
-from balancer.sources.base import EventSource, IngestBatch, SourceStatus
+from balancer.sources.base import EventSource, Gate, IngestBatch, SourceStatus
+from balancer.sources.budget import CpuBudget
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
@@ -65,8 +67,18 @@ class IngestSettings:
     queue like one batch too many. A single batch larger than this is replaced by resyncs of its
     ranks at once. Must be ≥ 1."""
 
+    cpu_share: float = 0.25
+    """CPU seconds per second the replica's ingestion (decode and apply) may spend; past it its
+    sources shed messages undecoded and its ranks resync (:mod:`balancer.sources.budget`). Must be
+    > 0; ``math.inf`` turns the budget off."""
+    cpu_burst_s: float = 0.5
+    """CPU seconds of ingestion a replica may save up while quiet and spend at once. Must be > 0."""
+
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""
+        for name in ("cpu_share", "cpu_burst_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"ingest.{name} must be > 0, got {getattr(self, name)}")
         for name in ("queue_max_batches", "coalesce_max_batches", "max_event_blocks", "queue_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ingest.{name} must be >= 1, got {getattr(self, name)}")
@@ -157,6 +169,29 @@ class ReplicaPipeline:
         self.last_applied_wall_ts: float | None = None
         self.last_lag_s: float | None = None
         self.last_resync_wall_ts: float | None = None
+        self.budget = (
+            None
+            if math.isinf(self.settings.cpu_share)
+            else (CpuBudget(self.settings.cpu_share, self.settings.cpu_burst_s))
+        )
+        """The replica's ingestion CPU budget, shared with its sources (``None``: unbounded)."""
+
+    def admits(self) -> bool:
+        """Whether the replica's sources may decode now: its CPU budget is not spent and its queue is
+        under half full (past that the applier is behind, and what is decoded now would most likely
+        be dropped by the next overflow: it is cheaper to drop it undecoded)."""
+        settings = self.settings
+        if (
+            self._queue.qsize() * 2 > settings.queue_max_batches
+            or self.queued_bytes * 2 > settings.queue_max_bytes
+        ):
+            return False
+        return self.budget is None or self.budget.allows(self._monotonic())
+
+    def charge(self, cpu_s: float) -> None:
+        """Count ``cpu_s`` of decoding or applying against the replica's budget."""
+        if self.budget is not None:
+            self.budget.charge(cpu_s, self._monotonic())
 
     @property
     def queued_batches(self) -> int:
@@ -226,10 +261,12 @@ class ReplicaPipeline:
             while len(batches) < self.settings.coalesce_max_batches and not self._queue.empty():
                 batches.append(self._taken(self._queue.get_nowait()))
             self._busy = True
+            started = time.thread_time()
             try:
                 await self._apply(batches)
             finally:
                 self._busy = False
+                self.charge(time.thread_time() - started)
 
     def _taken(self, item: tuple[IngestBatch, int]) -> IngestBatch:
         batch, size = item
@@ -306,6 +343,20 @@ class ReplicaPipeline:
         for event in events:
             if isinstance(event, Resync):
                 self._metrics.events_resyncs_total.labels(self.replica, event.reason).inc()
+
+
+@runtime_checkable
+class GatedSource(Protocol):
+    """A source that sheds messages while its replica's CPU budget is spent."""
+
+    gate: Gate | None
+
+
+class IngestView(Protocol):
+    """What the service reads of an ingest: :class:`EventIngest`, or its handle on the ingest
+    thread (:class:`~balancer.sources.ingest_thread.ThreadedIngest`)."""
+
+    def status(self) -> dict[ReplicaId, ReplicaIngestStatus]: ...
 
 
 @dataclass(slots=True)
@@ -398,6 +449,9 @@ class EventIngest:
 
     def _start(self, entry: _Replica) -> None:
         name = entry.pipeline.replica
+        for source in entry.sources:
+            if isinstance(source, GatedSource):
+                source.gate = entry.pipeline
         entry.tasks = [spawn(entry.pipeline.run(), f"kvlb-apply-{name}")] + [
             spawn(source.run(entry.pipeline.offer), f"kvlb-source-{name}-{position}")
             for position, source in enumerate(entry.sources)

@@ -25,6 +25,7 @@ import errno
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -37,6 +38,7 @@ from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
     Emit,
+    Gate,
     IngestBatch,
     SourceCounters,
     SourceStatus,
@@ -45,6 +47,7 @@ from balancer.sources.base import (
     resyncs_in,
 )
 from balancer.sources.http import BodyTooLarge, read_capped
+from balancer.sources.trtllm_relay import disconnect_body
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -100,6 +103,10 @@ class PollError(Exception):
     """One poll failed at the HTTP level (bad status, oversized body)."""
 
 
+GATE_WAIT_S = 0.05
+"""Pause (seconds) between checks of a spent ingestion budget before the next drain."""
+
+
 class TrtllmPoller:
     """The single consumer of one replica's ``/kv_cache_events`` drain."""
 
@@ -114,9 +121,15 @@ class TrtllmPoller:
         decoder: Decoder,
         metrics: Metrics,
         settings: PollSettings | None = None,
+        tap: Callable[[bytes], None] | None = None,
     ) -> None:
         """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
-        (stateful) ``TrtllmDecoder``."""
+        (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something, and
+        a disconnect marker when a refused drain drops the ranks (the relay to the other workers,
+        :mod:`balancer.sources.trtllm_relay`)."""
+        self.tap = tap
+        self.gate: Gate | None = None
+        """The replica's ingestion CPU budget (set by the ingest); while spent, drains wait."""
         self.replica = replica
         self.url = base_url.rstrip("/") + EVENTS_PATH
         self.settings = settings or PollSettings()
@@ -157,8 +170,12 @@ class TrtllmPoller:
         )
 
     async def run(self, emit: Emit) -> None:
-        """Poll until cancelled."""
+        """Poll until cancelled. While the replica's ingestion CPU budget is spent (:attr:`gate`) the
+        next drain waits: the engine keeps the events (up to its ``event_buffer_max_size``; past it
+        the ``event_id`` gap resyncs), kvlb spends nothing on them."""
         while True:
+            while self.gate is not None and not self.gate.admits():  # noqa: ASYNC110 (a budget refills with time)
+                await asyncio.sleep(GATE_WAIT_S)
             delay_s = await self.poll_once(emit)
             await asyncio.sleep(delay_s)
 
@@ -190,6 +207,8 @@ class TrtllmPoller:
         busy = batch is None or bool(batch.events or batch.ignored or batch.errors)
         if batch is not None:
             self._deliver(batch, emit)
+        if busy and self.tap is not None:
+            self.tap(body)
         if busy:
             self._interval_s = self.settings.min_interval_s
         else:
@@ -224,6 +243,8 @@ class TrtllmPoller:
             ranks,
         )
         emit(IngestBatch(tuple(Resync(rank, "disconnect") for rank in ranks)))
+        if self.tap is not None:  # the other workers drop the same ranks (:mod:`.trtllm_relay`)
+            self.tap(disconnect_body(ranks))
 
     def _failed(self, exc: BaseException) -> float:
         self._counters.transport_errors += 1
@@ -238,6 +259,14 @@ class TrtllmPoller:
         return delay_s
 
     def _decode(self, body: bytes) -> DecodedBatch | None:
+        started = time.thread_time()
+        try:
+            return self._decode_body(body)
+        finally:
+            if self.gate is not None:
+                self.gate.charge(time.thread_time() - started)
+
+    def _decode_body(self, body: bytes) -> DecodedBatch | None:
         try:
             batch = self._decoder.decode([body])
         except EventDecodeError as exc:

@@ -26,6 +26,11 @@ class ZmqSourceSettings:
     """``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets: a publisher sending a larger message is
     disconnected by ZMQ (then a resync; the source opens a fresh socket, as libzmq does not
     reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
+    max_behind_s: float = 1.0
+    """Longest the source may keep reading without ever finding the socket empty (seconds): past it
+    the publisher sends faster than kvlb decodes and applies, so the rest of the backlog is read and
+    dropped undecoded (the rank resyncs once, ``kvlb_events_shed_total``) until the socket is empty.
+    Bounds what ZMQ buffers in a flood and how stale the index gets. Must be > 0."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
@@ -56,6 +61,7 @@ class ZmqSourceSettings:
             "publisher_reconnect_max_s",
             "replay_poll_min_s",
             "replay_poll_max_s",
+            "max_behind_s",
         )
         for name in timeouts:
             value = getattr(self, name)

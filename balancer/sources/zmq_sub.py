@@ -39,6 +39,15 @@ publisher from 0. This source keeps the stream in order:
   batch at the old last seq with another payload, a seq below it, or a new epoch means a new process
   ("restarted"); the same payload at that seq means the same one ("reconnected"). This is also what
   catches a crash and restart whose new seq happens to land above the old one.
+* **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
+  replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
+  :mod:`balancer.sources.budget`), or while the source has read for ``max_behind_s`` without finding
+  the socket empty: a flood then costs reading it, not decoding it, and ZMQ does not buffer it. Only
+  its seq is read, and a shed message goes through the same ordering as a decoded one (duplicates,
+  gaps, the catch-up merge, restart detection), so the seq still advances and no replay is asked; the
+  rank resyncs once per run, at the stream position of the run's first accepted shed message. Its
+  payload is unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same
+  seq: such a message resyncs the rank too.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -63,6 +72,7 @@ from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
     Emit,
+    Gate,
     IngestBatch,
     SourceCounters,
     SourceStatus,
@@ -140,9 +150,10 @@ class ZmqEventSource:
         self._catching_up = False
         self._replayed: dict[int, int] = {}
         """seq → payload digest of the current catch-up's batches (at most ``MAX_REPLAYED_DIGESTS``)."""
-        self._held: tuple[DecodedBatch, int] | None = None
+        self._held: tuple[DecodedBatch, int | None] | None = None
         """A live message read during a catch-up that is newer than the replay's first batch."""
         self._last_digest: int | None = None
+        """The payload digest of the last batch taken (``None``: none, or it was shed)."""
         self._lost: tuple[int, int | None, str | None] | None = None
         """(last seq, its payload digest, epoch) when the connection dropped, until a batch shows
         whether the publisher restarted."""
@@ -150,6 +161,13 @@ class ZmqEventSource:
         self._heard_at = time.monotonic()
         """When the live stream (or a poll that found batches) last brought something."""
         self._counters = SourceCounters()
+        self.gate: Gate | None = None
+        """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
+        self._shedding = False
+        self._behind_since: float | None = None
+        """When the current run of reads without an empty socket began (``None``: caught up)."""
+        self.shed = 0
+        """Messages dropped undecoded (the budget was spent)."""
 
     def status(self) -> SourceStatus:
         c = self._counters
@@ -250,11 +268,32 @@ class ZmqEventSource:
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
         """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
         for _ in range(limit):
-            try:
-                frames = await sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            read = await self._read(sub)
+            if read is None:
                 return
-            await self._on_message(frames, emit)
+            await self._on_message(*read, emit)
+            if self.gate is not None:
+                await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
+
+    async def _read(self, sub: zmq.asyncio.Socket) -> tuple[list[bytes], bool] | None:
+        """The next message queued on ``sub`` and whether to shed it (``None``: the socket is empty).
+        A message is shed while the replica's budget is spent (the ``gate``) or the source has read
+        for ``max_behind_s`` without finding the socket empty; a shed message's payload is never
+        copied out of ZMQ (only topic and seq are read)."""
+        try:
+            parts = await sub.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            self._behind_since = None  # caught up
+            return None
+        now = time.monotonic()
+        if self._behind_since is None:
+            self._behind_since = now
+        gate = self.gate
+        shed = now - self._behind_since > self.settings.max_behind_s
+        shed = shed or (gate is not None and not gate.admits())
+        if shed:
+            return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
+        return [part.bytes for part in parts], False
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
@@ -314,23 +353,26 @@ class ZmqEventSource:
     async def _take_live_below(self, sub: zmq.asyncio.Socket, limit: int, emit: Emit) -> None:
         """During a catch-up whose replay starts at ``limit``, above the wanted seq: take the live
         messages queued below ``limit`` first (they are older), keep the first one at or above it
-        for after the replay."""
+        for after the replay. These are shed as :meth:`_drain`'s would be."""
         for _ in range(self.settings.rcvhwm):
-            try:
-                frames = await sub.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            read = await self._read(sub)
+            if read is None:
                 return
-            batch = self._decode(frames)
-            if batch is None or batch.seq is None:
+            frames, shed = read
+            taken = self._take(frames, shed)
+            if taken is None:
                 continue
+            batch, digest = taken
+            assert batch.seq is not None
             if batch.seq >= limit:
-                self._held = (batch, hash(frames[-1]))
+                self._held = (batch, digest)
                 return
-            await self._on_live(batch, hash(frames[-1]), emit, may_replay=False)
+            await self._on_live(batch, digest, emit, may_replay=False)
 
     def _open_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
         its catch-up) is missed."""
+        self._behind_since = None  # a fresh socket has no backlog of ours
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
@@ -358,21 +400,47 @@ class ZmqEventSource:
             return None
         return batch
 
+    def _shed(self, frames: Sequence[bytes]) -> DecodedBatch | None:
+        """A message dropped undecoded (the replica's CPU budget is spent): only its seq is read, so
+        the stream stays in order without a replay. The rank resyncs when the first shed message of
+        a run is accepted (:meth:`_accept`), at its place in the stream."""
+        if len(frames) < 3 or len(frames[1]) != SEQ_BYTES:
+            return None
+        self.shed += 1
+        self._metrics.events_shed_total.labels(self.replica).inc()
+        return DecodedBatch([], seq=int.from_bytes(frames[1], "big"))
+
+    def _take(self, frames: Sequence[bytes], shed: bool) -> tuple[DecodedBatch, int | None] | None:
+        """One live message decoded (its decode charged to the ``gate``) or shed, with its payload's
+        digest (``None``: shed, the payload is unknown); ``None`` when it is unusable."""
+        gate = self.gate
+        if shed:
+            batch = self._shed(frames)
+        elif gate is None:
+            batch = self._decode(frames)
+        else:
+            started = time.thread_time()
+            batch = self._decode(frames)
+            gate.charge(time.thread_time() - started)
+        if batch is None or batch.seq is None:
+            return None
+        return batch, None if shed else hash(frames[-1])
+
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
         count_decode_error(self._metrics, self._engine, exc)
         log.debug("replica %s rank %d: undecodable message: %s", self.replica, self.dp_rank, exc)
 
-    async def _on_message(self, frames: Sequence[bytes], emit: Emit) -> None:
-        batch = self._decode(frames)
-        if batch is None or batch.seq is None:
-            return
-        await self._on_live(batch, hash(frames[-1]), emit)
+    async def _on_message(self, frames: Sequence[bytes], shed: bool, emit: Emit) -> None:
+        taken = self._take(frames, shed)
+        if taken is not None:
+            await self._on_live(taken[0], taken[1], emit)
 
     async def _on_live(
-        self, batch: DecodedBatch, digest: int, emit: Emit, *, may_replay: bool = True
+        self, batch: DecodedBatch, digest: int | None, emit: Emit, *, may_replay: bool = True
     ) -> None:
-        """One live message (``digest``: of its payload), in the order the SUB received it."""
+        """One live message (``digest``: of its payload; ``None``: shed, the payload unknown), in the
+        order the SUB received it."""
         assert batch.seq is not None
         self._counters.messages += 1
         self._heard(time.monotonic())
@@ -386,13 +454,17 @@ class ZmqEventSource:
         below_catch_up = caught_up_from is not None and self._last_seq is not None and seq < caught_up_from
         replayed = self._replayed.get(seq) if self._live_last is None else None
         self._replayed = {}
-        if went_back or below_catch_up or (replayed is not None and replayed != digest):
+        changed = replayed is not None and digest is not None and replayed != digest
+        if went_back or below_catch_up or changed:
             self._restart(emit, "restart")
         self._live_last = seq
         expected = self._expected()
         if seq < expected:
             if self._last_seq is not None:
                 self._counters.duplicates += 1  # already taken from a replay
+                if digest is None and replayed is not None:
+                    # Shed: its payload cannot tell a duplicate from a restarted publisher's batch.
+                    self._shed_run(emit)
                 return
             # No state, and the engine is behind our resume point: it restarted meanwhile.
             self._resync(emit, "restart")
@@ -432,15 +504,19 @@ class ZmqEventSource:
         self._counters.resyncs += 1
         emit(IngestBatch((Resync(self.dp_rank, reason),)))
 
-    def _accept(self, batch: DecodedBatch, digest: int, emit: Emit, *, live: bool) -> None:
+    def _accept(self, batch: DecodedBatch, digest: int | None, emit: Emit, *, live: bool) -> None:
         """Take ``batch`` as the next in order; anything skipped before it is lost: resync. Its
         malformed and ignored events are counted here, once, whichever copy (live or replayed)
-        arrived first."""
+        arrived first. ``digest`` ``None``: a shed message (no events), whose run resyncs here."""
         assert batch.seq is not None
         if self._lost is not None:
             self._note_incarnation(batch, digest, live=live)
         if batch.seq > self._expected():
             self._resync(emit, "gap")
+        if digest is None:
+            self._shed_run(emit)
+        else:
+            self._shedding = False
         self._last_seq = batch.seq
         self._last_digest = digest
         self._counters.decode_errors += len(batch.errors)
@@ -449,12 +525,31 @@ class ZmqEventSource:
             self._counters.last_event_wall_ts = time.time()
             emit(IngestBatch(tuple(self._ranked(batch)), batch.timestamp, batch.seq, self.dp_rank))
 
-    def _note_incarnation(self, batch: DecodedBatch, digest: int, *, live: bool) -> None:
-        """After a lost connection: log whether the publisher restarted, once a batch shows it."""
+    def _shed_run(self, emit: Emit) -> None:
+        """A shed message taken in order: the first of a run resyncs the rank (its lost removals
+        could otherwise leave stale blocks), the rest of the run need not."""
+        if self._shedding:
+            return
+        self._shedding = True
+        self._warnings.warning(
+            "events_shed",
+            self.replica,
+            "replica %s rank %d: events arrive faster than its ingestion budget allows; "
+            "dropping messages undecoded and resyncing",
+            self.replica,
+            self.dp_rank,
+        )
+        self._resync(emit, "overflow")
+
+    def _note_incarnation(self, batch: DecodedBatch, digest: int | None, *, live: bool) -> None:
+        """After a lost connection: log whether the publisher restarted, once a batch shows it (a
+        shed batch at the old last seq cannot: the next batch decides)."""
         assert self._lost is not None and batch.seq is not None
         old_seq, old_digest, old_epoch = self._lost
         if batch.epoch is not None and old_epoch is not None and batch.epoch != old_epoch:
             self._restarted("a new epoch after the disconnect")
+        elif batch.seq == old_seq and (digest is None or old_digest is None):
+            pass
         elif batch.seq == old_seq and digest != old_digest:
             self._restarted(f"seq {old_seq} holds another batch than before the disconnect")
         elif batch.seq == old_seq:
@@ -503,6 +598,15 @@ class ZmqEventSource:
         Returns whether any batch came and whether the answer was complete (its end marker arrived).
         A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
         shows lost batches (``partial``)."""
+        assert self.replay_endpoint is not None
+        try:
+            return await self._replay_from(start_seq, emit, live, poll=poll)
+        finally:
+            self._behind_since = None  # time spent replaying is not a backlog of the live stream
+
+    async def _replay_from(
+        self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None, *, poll: bool
+    ) -> tuple[bool, bool]:
         assert self.replay_endpoint is not None
         if not poll:
             self._counters.replays += 1

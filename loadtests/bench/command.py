@@ -18,7 +18,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from loadtests.bench.overhead.run import add_parser as add_overhead_parser
 
     add_overhead_parser(kinds)
+    from loadtests.bench.flood import add_parser as add_flood_parser
     from loadtests.bench.redis_bench import add_parser as add_redis_parser
+
+    add_flood_parser(kinds)
 
     add_redis_parser(kinds)
     bench.set_defaults(handler=lambda _args: _usage(bench))

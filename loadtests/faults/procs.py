@@ -189,5 +189,17 @@ def write_config(tmp: Path, sims: list[Sim], name: str = "kvlb", **top: Any) -> 
 
 
 def serve(tmp: Path, config: Path, name: str = "kvlb") -> Child:
-    args = ["serve", "--config", str(config), "--shutdown-grace-s", "2", "--log-level", "INFO"]
+    # One process per fleet member: the scenarios kill, pause and restart kvlb processes and read
+    # their ports; a --workers supervisor is tested on its own (tests/e2e/test_serve_workers.py).
+    args = [
+        "serve",
+        "--config",
+        str(config),
+        "--shutdown-grace-s",
+        "2",
+        "--log-level",
+        "INFO",
+        "--workers",
+        "1",
+    ]
     return Child(name, args, tmp / f"{name}.stderr")

@@ -19,7 +19,9 @@ from redis_server import mirror_index, redis_index  # a private redis-server per
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.memory import MemoryIndex
+from balancer.index.slots import TableLimits
 from balancer.types import EngineHash, ReplicaId
 
 IndexFactory = Callable[[BlockHasher, int], Awaitable[PrefixIndex]]
@@ -29,8 +31,15 @@ async def _memory(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
     return MemoryIndex.with_capacity(hasher, capacity_blocks)
 
 
+async def _locked(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
+    """The table ingestion shares with the request loop; a tiny slice so every apply is cut up."""
+    table = LockedPrefixTable(hasher, TableLimits(capacity_blocks=capacity_blocks), apply_slice_blocks=2)
+    return MemoryIndex.over(table)
+
+
 FACTORIES: dict[str, IndexFactory] = {
     "memory": _memory,
+    "locked": _locked,
     "redis": redis_index,
     "mirror": mirror_index,
 }

@@ -111,7 +111,10 @@ async def start_fleet(tmp: Path) -> tuple[list[Child], str]:
     path = tmp / "kvlb.yaml"
     path.write_text(yaml.safe_dump(config))
     try:
-        serve = await start_serve(tmp, path)
+        # One worker: the console's memory (decisions, series, audit) is each worker's own, and a
+        # browser's connections and this test's traffic may each reach a different worker of
+        # `--workers N` (docs/operations.md, "kvlb serve --workers N").
+        serve = await start_serve(tmp, path, "--workers", "1")
     except BaseException:
         await stop(sims)
         raise

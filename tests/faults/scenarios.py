@@ -148,7 +148,7 @@ async def _metric(f: FaultRig, url: str, name: str) -> float | None:
     async with f.session.get(url + "/metrics") as response:
         text = await response.text()
     for line in text.splitlines():
-        if line.startswith(name + " "):
+        if line.startswith((name + " ", name + '{worker="')):  # one process, or one --workers worker
             return float(line.rpartition(" ")[2])
     return None
 

@@ -52,14 +52,15 @@ async def test_smoke_run_reports_every_field() -> None:
         run = report["runs"][kind]
         seq, conc = run["sequential"], run["concurrent"]
         peers = installed if kind != "tokens" else []  # sglang-router rejects token-id prompts
-        assert list(seq["latency"]) == list(conc["latency"]) == [*MODES, *peers]
-        for mode in [*MODES, *peers]:
+        paths = [*MODES, "kvlb_w2", *peers]  # kvlb: --workers 1; kvlb_w2: --workers 2
+        assert list(seq["latency"]) == list(conc["latency"]) == paths
+        for mode in paths:
             assert set(LATENCY_FIELDS) <= set(seq["latency"][mode])
             assert seq["latency"][mode]["n"] == SMOKE.sequential_rounds
             expected = SMOKE.concurrent_rounds * SMOKE.burst_requests
             assert conc["latency"][mode]["n"] == expected
             assert conc["req_per_s"][mode] > 0
-        for proxy in [*PROXIES, *peers]:
+        for proxy in [*PROXIES, "kvlb_w2", *peers]:
             assert set(CPU_FIELDS) <= set(conc["cpu"][proxy])
             assert set(CPU_FIELDS) <= set(seq["cpu"][proxy])
             direct_p50 = seq["latency"]["direct"]["p50_ms"]
@@ -71,6 +72,13 @@ async def test_smoke_run_reports_every_field() -> None:
         routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
+    assert report["shape"]["workers"] == [1, 2]
+    for kind in ("chat_shared", "chat", "chat_cold", "tokens"):
+        ratios = report["workers_ratios"][kind]
+        assert ratios["kvlb_w1_req_per_s"] > 0 and ratios["kvlb_w2_req_per_s"] > 0
+        assert ratios["w2_over_w1"] == pytest.approx(
+            ratios["kvlb_w2_req_per_s"] / ratios["kvlb_w1_req_per_s"], 0.01
+        )
     if "sglang_cache_aware" in installed:
         assert sorted(report["peer_ratios"]) == ["chat", "chat_shared"]
         for figures in report["peer_ratios"].values():
@@ -91,6 +99,7 @@ async def test_smoke_run_reports_every_field() -> None:
         "targets (chat_shared)",
         "kvlb vs forward (tokens)",
         "kvlb vs the tokenizer's own CPU (chat_cold)",
+        "--workers sweep (chat_cold, concurrent req/s)",
     ):
         assert text in table
 

@@ -11,6 +11,7 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -22,6 +23,7 @@ from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
+from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig
@@ -118,5 +120,58 @@ async def test_a_refused_drain_drops_the_engines_blocks_at_once_then_the_restart
                 assert sum("restarted" in m for m in messages) == 1, messages
             finally:
                 await ingest.aclose()
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def test_a_relay_follower_drops_the_engines_blocks_with_the_drainer(tmp_path: Path) -> None:
+    """``kvlb serve --workers N``: worker 0 drains and relays; when its drain is refused the other
+    workers (``RelaySource``) drop the same ranks at once, then take the new process's burst."""
+    port = free_port()
+    zctx = zmq.asyncio.Context()
+    metrics, index, followed = Metrics.create(), RecordingIndex(REPLICA), RecordingIndex(REPLICA)
+    endpoint = relay_endpoint(str(tmp_path), REPLICA)
+    try:
+        async with aiohttp.ClientSession() as session:
+            poller = TrtllmPoller(
+                REPLICA,
+                f"http://127.0.0.1:{port}",
+                session=session,
+                decoder=TrtllmDecoder(tokens_per_block=TPB),
+                metrics=metrics,
+                settings=FAST,
+                tap=(relay := RelayPublisher(endpoint, zctx)),
+            )
+            relay.bind()  # before the follower connects: no body is lost to a late join
+            follower = RelaySource(
+                REPLICA,
+                endpoint,
+                ctx=zctx,
+                decoder=TrtllmDecoder(tokens_per_block=TPB),
+                metrics=Metrics.create(),
+                max_message_bytes=1 << 20,
+            )
+            ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+            ingest.add_replica(REPLICA, "trtllm", [poller])
+            other = EventIngest(followed, metrics=Metrics.create())  # type: ignore[arg-type]
+            other.add_replica(REPLICA, "trtllm", [follower])
+            await other.start()
+            await asyncio.sleep(0.3)  # the follower's SUB has connected
+            await ingest.start()
+            try:
+                async with emulated(port, zctx) as replica:
+                    await complete(session, replica, list(range(100, 133)))
+                    await eventually(lambda: any(isinstance(e, Stored) for e in followed.events))
+                await eventually(lambda: Resync(0, "disconnect") in followed.events)
+                assert Resync(0, "disconnect") in index.events
+                assert follower.status().resyncs >= 1
+                seen = len(followed.events)
+                async with emulated(port, zctx) as replica:
+                    await complete(session, replica, list(range(200, 233)))
+                    await eventually(lambda: any(isinstance(e, Stored) for e in followed.events[seen:]))
+                assert followed.events[seen] == Resync(0, "restart")
+            finally:
+                await ingest.aclose()
+                await other.aclose()
     finally:
         zctx.destroy(linger=0)

@@ -140,6 +140,18 @@ def test_query_filters_newest_first_and_find() -> None:
     assert log.query(pool="other") == []
 
 
+def test_workers_give_disjoint_ids() -> None:
+    """Worker i of ``kvlb serve --workers N`` numbers its decisions i+1, i+1+N, …: an id asked of
+    the wrong worker is not found there, never taken for another decision."""
+    logs = [DecisionLog(100, 1 << 30, id_offset=i, id_step=3) for i in range(3)]
+    for log in logs:
+        drive(log, 4)
+    ids = [[r.id for r in log.ring("m").entries] for log in logs]
+    assert ids == [[1, 4, 7, 10], [2, 5, 8, 11], [3, 6, 9, 12]]
+    assert logs[1].find(5) is not None and logs[1].find(4) is None
+    assert [r.id for r in logs[2].query(since_id=6)] == [12, 9]
+
+
 @pytest.mark.parametrize("policy", POLICY_NAMES)
 def test_unchanged_weights_reproduce_every_decision(policy: str) -> None:
     """Re-running the recorded policy with its own weights changes nothing, whatever the policy

@@ -47,6 +47,8 @@ def test_a_registered_replica_has_every_counter_at_zero() -> None:
         assert f'kvlb_{name}_total{{replica="r0"}} 0.0' in text
     for reason in RESYNC_REASONS:
         assert f'kvlb_events_resyncs_total{{reason="{reason}",replica="r0"}} 0.0' in text
+    assert 'kvlb_events_shed_total{replica="r0"} 0.0' in text  # a ZMQ source sheds, a TRT-LLM drain waits
+    assert 'kvlb_events_shed_total{replica="t0"}' not in text
     for outcome in REPLAY_OUTCOMES:
         assert f'kvlb_events_replays_total{{outcome="{outcome}",replica="r0"}} 0.0' in text
         assert (

@@ -7,9 +7,11 @@ Behind ``auth.admin_token`` when it is set (:func:`balancer.api.grpc.calls.autho
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 import grpc
 
+from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.admin import ACTOR_HEADER, actor_of, change_policy, explain_raw, replica_views, set_draining
 from balancer.api.console import run_whatif
@@ -48,6 +50,12 @@ class AdminService:
             body["reason"] = request.reason
         actor = actor_of(call.metadata.get(ACTOR_HEADER))
         view, changes = await change_policy(self.state, body, call.caller(), actor)
+        if self.state.admin_fan_out is not None:  # the other workers of kvlb serve --workers N
+            sent: dict[str, Any] = {"name": view.name, "weights": view.weights.to_dict()}
+            if "reason" in body:
+                sent["reason"] = body["reason"]
+            data = strict_json.dumps(sent).encode("utf-8")
+            await self.state.admin_fan_out("PUT", "/admin/policy", data, call.metadata.get(ACTOR_HEADER))
         changed = [
             pb.PolicyChange(field=name, old=value_of(old), new=value_of(new))
             for name, (old, new) in changes.items()
@@ -95,6 +103,10 @@ class AdminService:
             raise ApiError(400, "'replica_id' is required")
         draining = not request.undrain
         set_draining(self.state, ReplicaId(request.replica_id), draining, call.caller())
+        if self.state.admin_fan_out is not None:  # the other workers of kvlb serve --workers N
+            action = "drain" if draining else "undrain"
+            path = f"/admin/replicas/{quote(request.replica_id, safe='')}/{action}"
+            await self.state.admin_fan_out("POST", path, b"", None)
         return pb.DrainReplicaResponse(replica_id=request.replica_id, draining=draining)
 
     async def what_if(self, request: pb.WhatIfRequest, call: Call) -> pb.WhatIfResponse:

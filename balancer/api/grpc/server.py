@@ -321,7 +321,9 @@ class BalancerService:
 class GrpcServer:
     """The server and what it owns: the reservations and the maintenance task."""
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, *, reuse_port: bool = False) -> None:
+        """``reuse_port``: bind with ``SO_REUSEPORT`` (the workers of ``kvlb serve --workers``)."""
+        self.reuse_port = reuse_port
         self.state = state
         limits, timeouts = state.settings.limits, state.settings.timeouts
         self.reservations = Reservations(limits.max_inflight, timeouts.total_s)
@@ -335,7 +337,8 @@ class GrpcServer:
         """Bind ``host:port`` (0 picks a free port) and serve; returns the bound port."""
         options = [
             ("grpc.max_receive_message_length", self.state.settings.limits.max_body_bytes),
-            ("grpc.so_reuseport", 0),  # a port in use is an error, not silently shared
+            # a port in use is an error, not silently shared (workers share theirs on purpose)
+            ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
         server = self._server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers(

@@ -25,7 +25,12 @@ RATIO_KINDS: tuple[str, ...] = ("chat_shared", "chat")
 HEADLINE_KIND = "chat_shared"
 """The kind the targets line reports (``chat`` when it was not run): chats that share system prompts."""
 
-TARGETS: dict[str, float] = {"added_p50_ms": 0.5, "added_p99_ms": 2.0, "req_per_s_per_process": 2000.0}
+TARGETS: dict[str, float] = {
+    "added_p50_ms": 0.5,
+    "added_p99_ms": 2.0,
+    "req_per_s_per_process": 2000.0,
+    "workers2_new_prompt_req_per_s_ratio": 1.7,
+}
 """The issue's targets for kvlb (8k-token chat prompts)."""
 
 
@@ -125,6 +130,24 @@ def peer_ratios(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, An
                 "kvlb_added_p50_ms": add["kvlb"]["p50_ms"],
                 f"{PEER_BASELINE}_added_p50_ms": add[PEER_BASELINE]["p50_ms"],
             }
+        out[kind] = figures
+    return out
+
+
+def workers_ratios(
+    runs: Mapping[str, Mapping[str, Any]], workers: Sequence[int]
+) -> dict[str, dict[str, Any]]:
+    """Per kind: each ``kvlb_w<n>`` path's concurrent req/s ÷ the ``kvlb`` path's (``--workers
+    workers[0]``), with both rates. ``chat_cold`` is the new-prompt figure of the issue's target."""
+    out: dict[str, dict[str, Any]] = {}
+    for kind, run in runs.items():
+        rates = run["concurrent"]["req_per_s"]
+        base = rates.get("kvlb")
+        figures: dict[str, Any] = {f"kvlb_w{workers[0]}_req_per_s": base}
+        for count in workers[1:]:
+            rate = rates.get(f"kvlb_w{count}")
+            figures[f"kvlb_w{count}_req_per_s"] = rate
+            figures[f"w{count}_over_w{workers[0]}"] = _ratio(rate, base)
         out[kind] = figures
     return out
 
@@ -321,4 +344,12 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ {_num(conc['tokenizer_cpu_ms'], 3)} ms), "
             f"sequential {_num(seq['cpu_ratio'], 2)}"
         )
+    for kind, figures in report.get("workers_ratios", {}).items():
+        parts = [f"{name} {_num(value, 2 if '_over_' in name else 1)}" for name, value in figures.items()]
+        target = (
+            f" (target w2/w1 ≥ {targets.get('workers2_new_prompt_req_per_s_ratio')})"
+            if kind == "chat_cold"
+            else ""
+        )
+        lines.append(f"--workers sweep ({kind}, concurrent req/s): {', '.join(parts)}{target}")
     return "\n".join(lines)

@@ -66,6 +66,7 @@ from loadtests.bench.overhead.report import (
     parse_histogram,
     peer_ratios,
     percentile,
+    workers_ratios,
 )
 from loadtests.bench.overhead.servers import Servers, start_servers
 from loadtests.bench.overhead.workload import (
@@ -76,7 +77,7 @@ from loadtests.bench.overhead.workload import (
     Prompts,
     build_prompts,
 )
-from loadtests.child_process import Child, cpu_seconds, stop_all
+from loadtests.child_process import Child, stop_all, tree_cpu_seconds
 
 __all__ = [
     "KINDS",
@@ -142,7 +143,7 @@ def _rotated(items: Sequence[str], by: int) -> list[str]:
 def kind_modes(servers: Servers, path: str) -> tuple[str, ...]:
     """The paths measured for requests to ``path``: the peers take chats only (sglang-router's
     ``/v1/completions`` rejects token-id prompts with 422)."""
-    return servers.modes if path == "/v1/chat/completions" else MODES
+    return servers.modes if path == "/v1/chat/completions" else (*MODES, *servers.workers)
 
 
 async def sequential(
@@ -156,7 +157,7 @@ async def sequential(
     started = 0.0
     for index in range(shape.warmup + shape.sequential_rounds):
         if index == shape.warmup:
-            cpu_before = {proxy: cpu_seconds(servers.pids[proxy]) for proxy in proxies}
+            cpu_before = {proxy: tree_cpu_seconds(servers.pids[proxy]) for proxy in proxies}
             started = time.perf_counter()
         body = bodies[index % len(bodies)]
         for mode in _rotated(modes, index):
@@ -167,7 +168,7 @@ async def sequential(
     by_mode = {mode: latency_figures(latencies[mode]) for mode in modes}
     cpu = {
         proxy: cpu_figures(
-            shape.sequential_rounds, cpu_seconds(servers.pids[proxy]) - cpu_before[proxy], wall_s
+            shape.sequential_rounds, tree_cpu_seconds(servers.pids[proxy]) - cpu_before[proxy], wall_s
         )
         for proxy in proxies
     }
@@ -213,14 +214,14 @@ async def concurrent(
     cpu_s = dict.fromkeys(modes, 0.0)
     for round_index in range(shape.concurrent_rounds):
         for mode in _rotated(modes, round_index):
-            cpu_before = cpu_seconds(pids[mode])
+            cpu_before = tree_cpu_seconds(pids[mode])
             started = time.perf_counter()
             start = shape.burst_start(round_index)
             latencies[mode] += await burst(
                 session, urls[mode] + path, bodies, start, shape.burst_requests, shape.concurrency
             )
             wall_s[mode] += time.perf_counter() - started
-            cpu_s[mode] += cpu_seconds(pids[mode]) - cpu_before
+            cpu_s[mode] += tree_cpu_seconds(pids[mode]) - cpu_before
     by_mode = {mode: latency_figures(latencies[mode]) for mode in modes}
     return {
         "latency": by_mode,
@@ -306,12 +307,13 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-")))
         try:
-            servers = await start_servers(shape.replicas, folder, children)
+            servers = await start_servers(shape.replicas, folder, children, workers=shape.workers)
             connector = aiohttp.TCPConnector(limit=0, limit_per_host=shape.concurrency + 4)
             async with aiohttp.ClientSession(
                 connector=connector, timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
             ) as session:
-                await wait_ready(session, servers.urls["kvlb"])
+                for path in servers.kvlb_paths:
+                    await wait_ready(session, servers.urls[path])
                 runs = {
                     kind: await measure_kind(session, servers, shape, prompts, kind) for kind in shape.kinds
                 }
@@ -322,7 +324,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     assert servers is not None  # started, or the run raised
     counts = prompts.token_counts
     return {
-        "shape": {**asdict(shape), "kinds": list(shape.kinds)},
+        "shape": {**asdict(shape), "kinds": list(shape.kinds), "workers": list(shape.workers)},
         "targets": TARGETS,
         "machine": {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
         "prompt_tokens": {"mean": sum(counts) / len(counts), "min": min(counts), "max": max(counts)},
@@ -340,6 +342,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
         "peers": {"measured": list(servers.peers), "skipped": servers.skipped},
         "peer_ratios": peer_ratios(runs),
         "own_ratios": own_ratios(runs, _ms(percentile(prompts.tokenize_cpu_s, 50))),
+        "workers_ratios": workers_ratios(runs, shape.workers),
     }
 
 
@@ -371,6 +374,9 @@ def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     )
     parser.add_argument("--concurrency", type=int, default=None, help="clients of the concurrent phase (32)")
     parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt size in tokens (8192)")
+    parser.add_argument(
+        "--workers", default=None, help="kvlb serve --workers counts side by side, e.g. 1,2 (default 1,2)"
+    )
     parser.set_defaults(handler=run_command)
 
 
@@ -381,6 +387,8 @@ def shape_from_args(args: argparse.Namespace) -> OverheadShape:
         changes["concurrency"] = args.concurrency
     if args.prompt_tokens is not None:
         changes["prompt_tokens"] = args.prompt_tokens
+    if args.workers is not None:
+        changes["workers"] = tuple(int(n) for n in args.workers.split(",") if n.strip())
     return OverheadShape(**{**asdict(shape), **changes})
 
 

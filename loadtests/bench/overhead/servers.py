@@ -165,6 +165,8 @@ class Servers:
     upstream: Child
     forward: Child
     kvlb: Child
+    workers: dict[str, Child] = field(default_factory=dict)
+    """More ``kvlb serve`` processes, ``kvlb_w<n>`` → the one started with ``--workers n``."""
     peers: dict[str, tuple[processes.Child, str]] = field(default_factory=dict)
     """Peer path name → (its process, its base URL)."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -172,7 +174,12 @@ class Servers:
 
     @property
     def modes(self) -> tuple[str, ...]:
-        return ("direct", "forward", "kvlb", *self.peers)
+        return ("direct", "forward", "kvlb", *self.workers, *self.peers)
+
+    @property
+    def kvlb_paths(self) -> tuple[str, ...]:
+        """``kvlb`` and the ``kvlb_w<n>`` paths (every kind is measured on them)."""
+        return ("kvlb", *self.workers)
 
     @property
     def urls(self) -> dict[str, str]:
@@ -180,13 +187,21 @@ class Servers:
             "direct": str(self.upstream.info["url"]),
             "forward": str(self.forward.info["url"]),
             "kvlb": str(self.kvlb.info["url"]),
+            **{name: str(child.info["url"]) for name, child in self.workers.items()},
             **{name: url for name, (_, url) in self.peers.items()},
         }
 
     @property
     def pids(self) -> dict[str, int]:
         peers = {name: child.pid for name, (child, _) in self.peers.items()}
-        return {"direct": self.upstream.pid, "forward": self.forward.pid, "kvlb": self.kvlb.pid, **peers}
+        workers = {name: child.pid for name, child in self.workers.items()}
+        return {
+            "direct": self.upstream.pid,
+            "forward": self.forward.pid,
+            "kvlb": self.kvlb.pid,
+            **workers,
+            **peers,
+        }
 
     async def stop_peers(self) -> None:
         for child, _ in reversed(self.peers.values()):
@@ -210,10 +225,15 @@ def kvlb_config(upstream_urls: Sequence[str], replicas: int) -> dict[str, Any]:
 
 
 async def start_servers(
-    replicas: int, log_dir: Path, children: list[Child], peers: Sequence[RouterSpec] = PEER_PATHS
+    replicas: int,
+    log_dir: Path,
+    children: list[Child],
+    peers: Sequence[RouterSpec] = PEER_PATHS,
+    workers: Sequence[int] = (1,),
 ) -> Servers:
-    """Start upstream, forward proxy and kvlb (appended to ``children`` as they start), then the
-    installed ``peers`` (call :meth:`Servers.stop_peers`; a peer that fails to start stops the others)."""
+    """Start upstream, forward proxy and kvlb (``--workers workers[0]``; one more kvlb per other count
+    of ``workers``, path ``kvlb_w<n>``), appended to ``children`` as they start, then the installed
+    ``peers`` (call :meth:`Servers.stop_peers`; a peer that fails to start stops the others)."""
     module = __name__
     upstream = await spawn(
         "upstream", module, ["upstream", "--ports", str(replicas)], log_dir=log_dir, ready_key="bench_server"
@@ -227,11 +247,15 @@ async def start_servers(
     children.append(forward)
     config = log_dir / "kvlb.yaml"
     config.write_text(yaml.safe_dump(kvlb_config(upstream_urls, replicas)))
-    kvlb = await spawn(
-        "kvlb", "balancer", ["serve", "--config", str(config)], log_dir=log_dir, ready_key="kvlb"
-    )
+    serve = ["serve", "--config", str(config), "--workers"]
+    kvlb = await spawn("kvlb", "balancer", [*serve, str(workers[0])], log_dir=log_dir, ready_key="kvlb")
     children.append(kvlb)
     servers = Servers(upstream, forward, kvlb)
+    for count in workers[1:]:
+        name = f"kvlb_w{count}"
+        child = await spawn(name, "balancer", [*serve, str(count)], log_dir=log_dir, ready_key="kvlb")
+        children.append(child)
+        servers.workers[name] = child
     try:
         for spec in peers:
             if not peer_available(spec):

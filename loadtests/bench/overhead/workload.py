@@ -60,6 +60,9 @@ class OverheadShape:
     """Prompt kinds to measure, among :data:`KINDS`."""
     seed: int = 0
     """Seed of the prompt text."""
+    workers: tuple[int, ...] = (1, 2)
+    """``kvlb serve --workers`` counts measured side by side: the path ``kvlb`` runs the first, each
+    other count ``n`` the path ``kvlb_w<n>`` (its CPU summed over the supervisor and workers)."""
 
     def __post_init__(self) -> None:
         sizes = {name: getattr(self, name) for name in _POSITIVE}
@@ -68,6 +71,8 @@ class OverheadShape:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
+        if not self.workers or min(self.workers) < 1 or len(set(self.workers)) != len(self.workers):
+            raise ValueError(f"workers must be distinct counts >= 1, got {self.workers}")
         unknown = sorted(set(self.kinds) - set(KINDS))
         if unknown or not self.kinds:
             raise ValueError(f"kinds must be among {', '.join(KINDS)}, got {', '.join(self.kinds) or 'none'}")

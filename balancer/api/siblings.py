@@ -1,0 +1,274 @@
+"""What one worker of ``kvlb serve --workers N`` tells the others (I/O: HTTP on 127.0.0.1, files).
+
+A request on the shared port reaches one worker. Two things must still read as one service:
+
+* **Admin changes** (``PUT /admin/policy``, ``POST /admin/replicas/{id}/drain|undrain``): after the
+  receiving worker applied one (status < 300), :func:`sibling_middleware` sends it, with the
+  caller's ``Authorization`` header, to every other worker's private address, marked
+  ``x-kvlb-sibling: 1`` so it is applied there and not sent on again: a drain as it came, a policy
+  change as the whole policy the receiving worker now runs (its answer's name and weights) with the
+  change's reason and ``x-kvlb-actor``, so every worker's audit log has it.
+  Embedded mode only: with Redis the policy already travels through the fleet. A sibling that
+  cannot be reached in :data:`SIBLING_TIMEOUT_S` is logged. A worker the supervisor restarts asks a
+  sibling for the policy in force and the drained replicas (:meth:`Siblings.catch_up`) before it
+  serves. A change made through gRPC (``Admin.SetPolicy``, ``Admin.DrainReplica``) is sent the
+  same way (:func:`grpc_fan_out`, ``ServiceState.admin_fan_out``).
+* **``GET /metrics``**: the receiving worker answers with every worker's series, each sample labelled
+  ``worker="<index>"`` (a sum over workers is a PromQL ``sum without (worker)``). A worker that does
+  not answer in time is left out of that scrape (logged).
+
+Each worker also serves the app on a private port (127.0.0.1, ephemeral) and writes its URL to
+``<run dir>/worker-<index>.url``; the siblings read those files at each fan-out, so a restarted
+worker is found at its new port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from balancer import strict_json
+from balancer.api.admin import ACTOR_HEADER, POLICY_REASON
+from balancer.policy import PolicyWeights
+from balancer.service.policy_control import PolicyView
+from balancer.service.state import ServiceState
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+SIBLING_HEADER = "x-kvlb-sibling"
+SIBLING_TIMEOUT_S = 2.0
+"""Budget (seconds) of one call to a sibling worker."""
+_FANNED_OUT = re.compile(r"^/admin/(policy|replicas/[^/]+/(drain|undrain))$")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class Siblings:
+    """This worker's index, and where the other workers of its supervisor listen privately."""
+
+    def __init__(self, run_dir: str, index: int, count: int) -> None:
+        self.run_dir = Path(run_dir)
+        self.index = index
+        self.count = count
+        self.session: aiohttp.ClientSession | None = None
+
+    def register(self, url: str) -> None:
+        """Publish this worker's private URL (atomically: write, then rename)."""
+        path = self.run_dir / f"worker-{self.index}.url"
+        temporary = path.with_suffix(f".tmp{os.getpid()}")
+        temporary.write_text(url)
+        temporary.replace(path)
+
+    def others(self) -> dict[int, str]:
+        """The other workers' private URLs, by index (a worker not started yet is missing)."""
+        found: dict[int, str] = {}
+        for index in range(self.count):
+            if index == self.index:
+                continue
+            try:
+                found[index] = (self.run_dir / f"worker-{index}.url").read_text().strip()
+            except OSError:
+                continue
+        return found
+
+    async def open(self) -> None:
+        self.session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S),
+            connector=aiohttp.TCPConnector(ssl=False),  # loopback to our own sibling
+        )
+
+    async def aclose(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            await session.close()
+
+    async def call(
+        self, method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None
+    ) -> dict[int, tuple[int, bytes] | BaseException]:
+        """The same request to every sibling at once: index → (status, body) or the error."""
+        session = self.session
+        if session is None:
+            return {}
+        sent = {**(headers or {}), SIBLING_HEADER: "1"}
+
+        async def one(url: str) -> tuple[int, bytes]:
+            async with session.request(method, url + path, data=body, headers=sent) as response:
+                return response.status, await response.read()
+
+        others = self.others()
+        results = await asyncio.gather(*(one(url) for url in others.values()), return_exceptions=True)
+        return dict(zip(others, results, strict=True))
+
+
+async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
+    """Adopt the policy and the drained replicas of the first sibling that answers (a restarted
+    worker joining the others); ``False`` when none did (the first start: none is up yet)."""
+    token = state.settings.auth.admin_token
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    policies = await siblings.call("GET", "/admin/policy", headers=headers)
+    replicas = await siblings.call("GET", "/admin/replicas", headers=headers)
+    for index, answer in policies.items():
+        listed = replicas.get(index)
+        if isinstance(answer, BaseException) or answer[0] != 200:
+            continue
+        if listed is None or isinstance(listed, BaseException) or listed[0] != 200:
+            continue
+        view = strict_json.loads(answer[1])
+        state.policy.adopt(
+            PolicyView(
+                str(view["name"]),
+                PolicyWeights.from_dict(view["weights"]),
+                int(view["version"]),
+                str(view["updated_by"]),
+                float(view["updated_at"]),
+            )
+        )
+        for replica in strict_json.loads(listed[1])["replicas"]:
+            health = replica.get("health") or {}
+            if health.get("draining"):
+                state.health.set_draining(ReplicaId(replica["id"]), True)
+        log.info(
+            "worker %d: policy version %s and drains taken from worker %d",
+            siblings.index,
+            view["version"],
+            index,
+        )
+        return True
+    return False
+
+
+def sibling_middleware(
+    siblings: Siblings, *, fan_out_admin: bool
+) -> Callable[..., Awaitable[web.StreamResponse]]:
+    """The middleware that fans admin changes out and gathers ``/metrics`` (see the module doc)."""
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.headers.get(SIBLING_HEADER):
+            return await handler(request)
+        if request.method == "GET" and request.path == "/metrics":
+            return await _gathered_metrics(request, handler, siblings)
+        if fan_out_admin and request.method in ("PUT", "POST") and _FANNED_OUT.match(request.path):
+            response = await handler(request)
+            if response.status < 300:
+                await _fan_out(request, _replayed_body(request, response), siblings)
+            return response
+        return await handler(request)
+
+    return middleware
+
+
+def _replayed_body(request: web.Request, response: web.StreamResponse) -> bytes:
+    """What the siblings get: for the policy, the whole policy now in force (name and weights, from
+    the answer), so every worker ends on the same one; for a drain, nothing."""
+    if request.path != "/admin/policy" or not isinstance(response, web.Response):
+        return b""
+    view = strict_json.loads(bytes(response.body or b"{}"))  # type: ignore[arg-type]
+    replayed: dict[str, object] = {"name": view["name"], "weights": view["weights"]}
+    reason = request.get(POLICY_REASON)
+    if isinstance(reason, str):
+        replayed["reason"] = reason
+    return strict_json.dumps(replayed).encode("utf-8")
+
+
+async def _fan_out(request: web.Request, body: bytes, siblings: Siblings) -> None:
+    headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+    if (auth := request.headers.get("Authorization")) is not None:
+        headers["Authorization"] = auth
+    if (actor := request.headers.get(ACTOR_HEADER)) is not None:
+        headers[ACTOR_HEADER] = actor
+    await _send(siblings, request.method, request.path_qs, body, headers)
+
+
+async def _send(siblings: Siblings, method: str, path: str, body: bytes, headers: dict[str, str]) -> None:
+    for index, result in (await siblings.call(method, path, body=body, headers=headers)).items():
+        if isinstance(result, BaseException):
+            log.warning("worker %d: %s %s not applied (%s)", index, method, path, result)
+        elif result[0] >= 300:
+            log.warning("worker %d: %s %s answered %d", index, method, path, result[0])
+
+
+def grpc_fan_out(
+    siblings: Siblings, admin_token: str | None
+) -> Callable[[str, str, bytes, str | None], Awaitable[None]]:
+    """What :attr:`ServiceState.admin_fan_out` calls for an admin change made through gRPC (which
+    has no HTTP middleware): the same request to every sibling's private port, authorised with the
+    admin token (the gRPC caller was checked already)."""
+
+    async def send(method: str, path: str, body: bytes, actor: str | None) -> None:
+        headers = {"Content-Type": "application/json"}
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
+        if actor is not None:
+            headers[ACTOR_HEADER] = actor
+        await _send(siblings, method, path, body, headers)
+
+    return send
+
+
+async def _gathered_metrics(request: web.Request, handler: Handler, siblings: Siblings) -> web.StreamResponse:
+    response = await handler(request)
+    if response.status != 200 or not isinstance(response, web.Response) or response.body is None:
+        return response
+    local = bytes(response.body).decode("utf-8")  # type: ignore[arg-type]
+    texts = {siblings.index: local}
+    for index, result in (await siblings.call("GET", "/metrics")).items():
+        if isinstance(result, BaseException) or result[0] != 200:
+            log.warning("worker %d: /metrics not gathered (%s)", index, result)
+            continue
+        texts[index] = result[1].decode("utf-8", errors="replace")
+    return web.Response(
+        text=merge_metrics(texts),
+        content_type="text/plain",
+        charset="utf-8",
+        headers={"X-Kvlb-Workers": str(len(texts))},
+    )
+
+
+def merge_metrics(texts: dict[int, str]) -> str:
+    """Prometheus text of several workers as one exposition, every sample labelled ``worker``."""
+    order: list[str] = []
+    families: dict[str, tuple[str, str, list[str]]] = {}
+    for index in sorted(texts):
+        for family in text_string_to_metric_families(texts[index]):
+            if family.name not in families:
+                families[family.name] = (family.documentation, family.type, [])
+                order.append(family.name)
+            lines = families[family.name][2]
+            for sample in family.samples:
+                labels = {**sample.labels, "worker": str(index)}
+                rendered = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+                lines.append(f"{sample.name}{{{rendered}}} {_number(sample.value)}")
+    out: list[str] = []
+    for name in order:
+        documentation, kind, lines = families[name]
+        typed = name + "_total" if kind == "counter" and not name.endswith("_total") else name
+        out.append(f"# HELP {typed} {_escape_help(documentation)}")
+        out.append(f"# TYPE {typed} {kind}")
+        out.extend(lines)
+    return "\n".join(out) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _escape_help(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if value != value:
+        return "NaN"
+    if value in (float("inf"), float("-inf")):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))

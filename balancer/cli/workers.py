@@ -1,0 +1,246 @@
+"""``kvlb serve --workers N``: the supervisor of N worker processes serving one port (I/O).
+
+The supervisor binds the HTTP listening socket itself (``listen.host``/``listen.port``; port 0 picks
+one) and hands it to every worker (a pre-forked listener: the kernel queues connections on the one
+socket and each worker accepts from it, so a worker that dies loses no queued connection). For gRPC
+(``listen.grpc_port``) every worker binds the same port with ``SO_REUSEPORT``; with port 0 the
+supervisor reserves a free port first (a bound socket that never listens) and names it to the workers.
+
+Each worker is ``python -m balancer serve`` with the same settings and a :class:`WorkerRole`
+(``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options): a whole balancer with its
+own index, fed by its own subscriptions to every ZMQ engine (a PUB fans out to every SUB), so all
+workers hold the same index. A TRT-LLM drain is destructive, so worker 0 alone drains each TRT-LLM
+engine and republishes every drained body on ``ipc://<run dir>/trtllm-<replica>.ipc``; the other
+workers subscribe to it (:mod:`balancer.sources.trtllm_relay`).
+
+The supervisor prints ``{"kvlb": "serving", "url": ..., "workers": N}`` once every worker announced
+itself, restarts a worker that exits (after ``restart_backoff_s``, doubling up to
+``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``), and on SIGTERM/SIGINT
+forwards the signal to every worker and waits for them (each drains its in-flight requests within
+``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from balancer import strict_json
+from balancer.config import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorSettings:
+    """How the supervisor starts and restarts workers."""
+
+    start_timeout_s: float = 120.0
+    """Most seconds a worker may take to announce itself (it loads a tokenizer first)."""
+    restart_backoff_s: float = 0.5
+    """Delay (seconds) before restarting a worker that exited; doubles while it keeps dying."""
+    max_restart_backoff_s: float = 30.0
+    """Cap (seconds) of the restart delay."""
+    stable_after_s: float = 30.0
+    """A worker that ran this long (seconds) before exiting is restarted after the initial delay."""
+    kill_after_s: float = 10.0
+    """Seconds past the shutdown grace before a worker still alive is killed (SIGKILL)."""
+
+
+@dataclass(slots=True)
+class _Worker:
+    index: int
+    process: asyncio.subprocess.Process | None = None
+    started_at: float = 0.0
+    restarts: int = 0
+    backoff_s: float = 0.0
+    url: str = ""
+    reader: asyncio.Task[None] | None = None
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
+    """A TCP socket bound to ``host:port`` and listening, inheritable by the workers."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def reserved_port(host: str) -> socket.socket:
+    """A bound, never-listening ``SO_REUSEPORT`` socket on a free port: keeps the port while the
+    workers bind it with ``SO_REUSEPORT`` too."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, 0))
+    return sock
+
+
+class Supervisor:
+    """Starts ``count`` workers on one listening socket, restarts the ones that exit, stops them all."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        count: int,
+        worker_argv: Sequence[str],
+        *,
+        supervisor: SupervisorSettings | None = None,
+        shutdown_grace_s: float = 30.0,
+    ) -> None:
+        """``worker_argv`` is ``kvlb serve``'s own options (config, ``--set``, log level, grace)."""
+        self.settings = settings
+        self.count = count
+        self.worker_argv = list(worker_argv)
+        self.config = supervisor or SupervisorSettings()
+        self.shutdown_grace_s = shutdown_grace_s
+        self.workers = [_Worker(i) for i in range(count)]
+        self.url = ""
+        self.grpc_port: int | None = None
+        self.run_dir = ""
+        self._sock: socket.socket | None = None
+        self._grpc_sock: socket.socket | None = None
+        self._stopping = False
+        self._restarters: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        listen = self.settings.listen
+        self.run_dir = tempfile.mkdtemp(prefix="kvlb-workers-")
+        self._sock = listening_socket(listen.host, listen.port)
+        host, port = self._sock.getsockname()[:2]
+        scheme = "https" if listen.tls_cert_file is not None else "http"
+        self.url = f"{scheme}://{host}:{port}"
+        if listen.grpc_port is not None:
+            if listen.grpc_port == 0:
+                self._grpc_sock = reserved_port(listen.host)
+                self.grpc_port = int(self._grpc_sock.getsockname()[1])
+            else:
+                self.grpc_port = listen.grpc_port
+        await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
+        async with asyncio.timeout(self.config.start_timeout_s):
+            await asyncio.gather(*(worker.ready.wait() for worker in self.workers))
+
+    def _argv(self, worker: _Worker) -> list[str]:
+        assert self._sock is not None
+        argv = [sys.executable, "-m", "balancer", "serve", *self.worker_argv]
+        argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
+        argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
+        if self.grpc_port is not None:
+            argv += ["--set", f"listen.grpc_port={self.grpc_port}"]
+        return argv
+
+    async def _spawn(self, worker: _Worker) -> None:
+        assert self._sock is not None
+        worker.ready = asyncio.Event()
+        process = await asyncio.create_subprocess_exec(
+            *self._argv(worker), stdout=asyncio.subprocess.PIPE, pass_fds=(self._sock.fileno(),)
+        )
+        worker.process = process
+        worker.started_at = time.monotonic()
+        worker.reader = asyncio.create_task(self._follow(worker, process), name=f"kvlb-worker-{worker.index}")
+
+    async def _follow(self, worker: _Worker, process: asyncio.subprocess.Process) -> None:
+        """Read the worker's stdout (its announcement), wait for its exit, restart it unless stopping."""
+        assert process.stdout is not None
+        while line := await process.stdout.readline():
+            text = line.decode(errors="replace").strip()
+            if text.startswith("{") and '"kvlb"' in text:
+                with contextlib.suppress(ValueError):
+                    worker.url = str(json.loads(text).get("url", ""))
+                worker.ready.set()
+        code = await process.wait()
+        if self._stopping:
+            return
+        ran_s = time.monotonic() - worker.started_at
+        if ran_s >= self.config.stable_after_s or worker.backoff_s == 0:
+            worker.backoff_s = self.config.restart_backoff_s
+        else:
+            worker.backoff_s = min(self.config.max_restart_backoff_s, worker.backoff_s * 2)
+        worker.restarts += 1
+        log.warning(
+            "worker %d (pid %d) exited with %d after %.1fs; restarting in %.1fs (restart %d)",
+            worker.index,
+            process.pid,
+            code,
+            ran_s,
+            worker.backoff_s,
+            worker.restarts,
+        )
+        await asyncio.sleep(worker.backoff_s)
+        if not self._stopping:
+            await self._spawn(worker)
+
+    def pids(self) -> list[int]:
+        """The live workers' process ids, by index (0 for one being restarted)."""
+        return [
+            w.process.pid if w.process is not None and w.process.returncode is None else 0
+            for w in self.workers
+        ]
+
+    async def stop(self) -> None:
+        """SIGTERM every worker, wait for them (killing laggards), close the sockets, remove the run dir."""
+        self._stopping = True
+        live = [w.process for w in self.workers if w.process is not None and w.process.returncode is None]
+        for process in live:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+        for process in live:
+            try:
+                async with asyncio.timeout(self.shutdown_grace_s + self.config.kill_after_s):
+                    await process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        readers = [w.reader for w in self.workers if w.reader is not None]
+        for reader in readers:
+            reader.cancel()
+        await asyncio.gather(*readers, return_exceptions=True)
+        for sock in (self._sock, self._grpc_sock):
+            if sock is not None:
+                sock.close()
+        self._sock = self._grpc_sock = None
+        if self.run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+async def supervise(
+    settings: Settings, count: int, worker_argv: Sequence[str], shutdown_grace_s: float
+) -> None:
+    """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    supervisor = Supervisor(settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s)
+    try:
+        await supervisor.start()
+        announcement = {
+            "kvlb": "serving",
+            "url": supervisor.url,
+            "workers": count,
+            "pid": os.getpid(),
+            "worker_pids": supervisor.pids(),
+        }
+        print(strict_json.dumps(announcement), flush=True)
+        await stop.wait()
+        log.info("signal received: stopping %d workers", count)
+    finally:
+        await supervisor.stop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

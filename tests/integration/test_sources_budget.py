@@ -1,0 +1,157 @@
+"""The per-replica ingestion CPU budget against a real publisher: once it is spent the ZMQ source
+reads each message off the socket and drops it undecoded (counted), resyncs its rank once, and keeps
+the stream in order (no replay, no gap); ``CpuBudget`` itself refills at its share."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import zmq.asyncio
+from recording_index import RecordingIndex
+from zmq_rig import (  # noqa: F401  (pytest fixtures)
+    BLOCK,
+    FAST,
+    REPLICA,
+    TOPIC,
+    Publisher,
+    ctx_fixture,
+    eventually,
+    publisher_fixture,
+    running,
+)
+
+from balancer.engines.sglang import SglangDecoder
+from balancer.errors import ConfigError
+from balancer.metrics import Metrics
+from balancer.sources.budget import CpuBudget
+from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.sources.zmq_sub import ZmqEventSource
+
+
+def test_the_budget_refills_at_its_share_up_to_its_burst() -> None:
+    budget = CpuBudget(share=0.25, burst_s=0.1)
+    assert budget.allows(0.0)
+    budget.charge(0.3, 0.0)  # 0.1 - 0.3 = -0.2 s in debt
+    assert not budget.allows(0.5)  # +0.125
+    assert budget.allows(0.9)  # +0.225 > 0.2
+    assert budget.allows(100.0)
+    budget.charge(0.1, 100.0)  # capped at the burst: 0.1 - 0.1 = 0
+    assert not budget.allows(100.0)
+    with pytest.raises(ConfigError):
+        CpuBudget(share=0.0, burst_s=1.0)
+
+
+async def test_a_spent_budget_sheds_messages_undecoded_and_resyncs_once(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    metrics = Metrics.create()
+    index = RecordingIndex(REPLICA)
+    source = ZmqEventSource(
+        REPLICA,
+        publisher.endpoint,
+        ctx=ctx,
+        decoder=SglangDecoder(block_size=BLOCK),
+        metrics=metrics,
+        topic=TOPIC,
+        replay_endpoint=publisher.replay_endpoint,
+        settings=FAST,
+    )
+    # a budget so small that the first decode spends it and nothing refills it during the test
+    settings = IngestSettings(cpu_share=1e-9, cpu_burst_s=1e-9)
+    ingest = EventIngest(index, metrics=metrics, settings=settings)  # type: ignore[arg-type]
+    ingest.add_replica(REPLICA, "sglang", [source])
+    await ingest.start()
+    try:
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)  # the connection's catch-up: empty
+        await publisher.pages(40)
+        await eventually(lambda: source.status().last_seq == 39)
+        assert source.shed >= 38  # the first message was decoded (and spent the budget)
+        assert index.pages()[:1] == [1] and len(index.pages()) == 40 - source.shed
+        assert index.resyncs() == [(0, "overflow")]  # once, at the start of the run of shed messages
+        # the connection's catch-up only, no gap replay: the shed messages kept the stream in order
+        assert publisher.replay_requests == [0]
+        shed = metrics.registry.get_sample_value("kvlb_events_shed_total", {"replica": REPLICA})
+        assert shed == source.shed
+    finally:
+        await ingest.aclose()
+
+
+class Switch:
+    """A gate the test opens and closes (a budget spent or not), charging nothing."""
+
+    def __init__(self) -> None:
+        self.open = True
+
+    def admits(self) -> bool:
+        return self.open
+
+    def charge(self, cpu_s: float) -> None:
+        return None
+
+
+async def test_shed_messages_keep_restart_detection_by_seq(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """A publisher that restarts while its messages are shed: the seq regression of a shed message
+    is still a restart (the rank forgotten, seq 0 taken as its start), and its run resyncs after it."""
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        gate = Switch()
+        rig.source.gate = gate
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(10)
+        await rig.settle(9)
+        gate.open = False
+        publisher.restart()
+        await publisher.pages(5)
+        await rig.settle(4)
+        assert rig.index.pages() == list(range(1, 11))
+        assert rig.index.resyncs() == [(0, "restart"), (0, "overflow")]
+        assert publisher.replay_requests == [0]  # no gap: shed messages advance the seq
+        assert rig.source.shed == 5
+        gate.open = True
+        await publisher.pages(3)
+        await rig.settle(7)
+        assert rig.index.pages()[10:] == [6, 7, 8]  # decoded again, in order, no new resync
+        assert rig.index.resyncs() == [(0, "restart"), (0, "overflow")]
+
+
+async def test_a_shed_live_copy_of_a_replayed_batch_resyncs(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """The catch-up's replay brings seqs 0..4 while their live copies queue on the SUB. A decoded live
+    copy is compared by payload (the same: a duplicate); a shed one cannot be, as it might be a
+    restarted publisher's batch at that seq, so it resyncs the rank (once for its run)."""
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        gate = Switch()
+        gate.open = False
+        rig.source.gate = gate
+        publisher.replay_gate = asyncio.Event()
+        await publisher.wait_subscribed()
+        await eventually(lambda: publisher.replay_requests == [0])
+        await publisher.pages(5)  # live, queued on the SUB while the replay is held
+        publisher.replay_gate.set()
+        await rig.settle(4)
+        await eventually(lambda: rig.source.shed == 5)
+        await eventually(lambda: rig.ingest.status()[REPLICA].queued_batches == 0)
+        assert rig.index.timeline() == [1, 2, 3, 4, 5, "overflow"]
+        assert rig.source.status().duplicates == 5
+        assert publisher.replay_requests == [0]
+
+
+async def test_decoded_live_copies_of_replayed_batches_are_duplicates(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        rig.source.gate = Switch()
+        publisher.replay_gate = asyncio.Event()
+        await publisher.wait_subscribed()
+        await eventually(lambda: publisher.replay_requests == [0])
+        await publisher.pages(5)
+        publisher.replay_gate.set()
+        await rig.settle(4)
+        await eventually(lambda: rig.source.status().duplicates == 5)
+        assert rig.index.timeline() == [1, 2, 3, 4, 5]
+        assert rig.source.shed == 0
