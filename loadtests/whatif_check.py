@@ -228,6 +228,8 @@ async def whatif_campaign(args: argparse.Namespace, out: Path) -> int:
         timeout_s=args.timeout_s,
         sample_interval_s=args.sample_interval_s,
         seed=args.seed,
+        # one worker: the decision ring is each worker's own, and the replay must see every decision
+        kvlb_workers=1,
         kvlb_sets=(
             *args.kvlb_set,
             f"console.decision_ring_size={ring}",

@@ -97,7 +97,9 @@ class Group:
 
     async def start(self) -> Child:
         name = f"serve-{next(self._names)}"
-        child = await _spawn(name, ["serve", "--config", str(self.config)], self.tmp, '"serving"')
+        # one worker per balancer: the test counts balancers, leases and instances one to one
+        argv = ["serve", "--config", str(self.config), "--workers", "1"]
+        child = await _spawn(name, argv, self.tmp, '"serving"')
         self.serves.append(child)
         await self.wait_ready(child)
         return child

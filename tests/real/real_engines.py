@@ -304,7 +304,8 @@ class KvlbServe:
         log = (self.log_dir / f"kvlb-{self.starts}.log").open("wb")
         started = time.monotonic()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "balancer", "serve", "--config", str(self.config_path)],
+            # one worker: the checks read one process's index, metrics and receipts
+            [sys.executable, "-m", "balancer", "serve", "--config", str(self.config_path), "--workers", "1"],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=log,
