@@ -28,6 +28,7 @@ from balancer import strict_json
 from balancer.app import Balancer, ServeOptions
 from balancer.config import Settings, load
 from balancer.errors import ConfigError
+from balancer.gc_tuning import settle_after_start
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
     balancer = Balancer(settings, options=options)
     try:
         await balancer.start()
+        settle_after_start()
         print(strict_json.dumps({"kvlb": "serving", "url": balancer.url}), flush=True)
         await stop.wait()
         log.info("signal received: draining for up to %.1fs, then stopping", options.shutdown_grace_s)
