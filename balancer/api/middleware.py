@@ -169,7 +169,10 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
         status = str(response.status)
     finally:
         label = outcome.status or status
-        state.metrics.requests_total.labels(_endpoint(request), label, outcome.replica, outcome.policy).inc()
+        metrics = state.metrics
+        metrics.children.of(
+            metrics.requests_total, _endpoint(request), label, outcome.replica, outcome.policy
+        ).inc()
     if not response.prepared:
         response.headers.setdefault("x-request-id", request_id)
     return response

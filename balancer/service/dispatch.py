@@ -177,8 +177,9 @@ def commit(state: ServiceState, job: Forward, plan: RoutePlan) -> Lease:
 def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
     """Count a committed decision, and keep it in the pool's decision ring (the console)."""
     plan = lease.plan
-    state.metrics.route_decisions_total.labels(plan.decision.policy, lease.replica).inc()
-    state.metrics.predicted_cached_tokens_total.labels(lease.replica).inc(plan.cached_tokens)
+    metrics = state.metrics
+    metrics.children.of(metrics.route_decisions_total, plan.decision.policy, lease.replica).inc()
+    metrics.children.of(metrics.predicted_cached_tokens_total, lease.replica).inc(plan.cached_tokens)
     if plan.inputs is not None:
         state.decisions.record(
             job.pool.model,
@@ -283,7 +284,8 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
     else:
         state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
     policy = lease.plan.decision.policy
-    state.metrics.ttft_seconds.labels(lease.replica, policy).observe(now - job.arrived)
+    metrics = state.metrics
+    metrics.children.of(metrics.ttft_seconds, lease.replica, policy).observe(now - job.arrived)
     if state.series is not None:
         state.series.on_ttft(now - job.arrived, state.wall_clock())
 
@@ -299,18 +301,19 @@ def on_relayed(
 ) -> None:
     """Bookkeeping once relaying ended: a complete answer returns its connection to the pool and
     reports the engine's cached tokens; anything else closes the connection."""
+    metrics = state.metrics
     if complete:
         stream.release()
         usage = stream.usage()
         if usage.cached_tokens is not None:
-            state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
+            metrics.children.of(metrics.reported_cached_tokens_total, lease.replica).inc(usage.cached_tokens)
             if state.series is not None:
                 prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
                 state.series.on_usage(prompt, usage.cached_tokens, state.wall_clock())
     else:
         stream.close()
     policy = lease.plan.decision.policy
-    state.metrics.e2e_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
+    metrics.children.of(metrics.e2e_seconds, lease.replica, policy).observe(state.monotonic() - job.arrived)
 
 
 def failure_message(state: ServiceState, lease: Lease, exc: Exception) -> str:
