@@ -211,7 +211,7 @@ def _log_decision(job: Forward, plan: RoutePlan) -> None:
 
 
 async def open_first(
-    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: dict[str, str]
+    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: Mapping[str, str]
 ) -> Opened:
     """Send the request and wait for the first body chunk; any failure so far is retryable."""
     stream = await state.upstream.open(replica.url, path, body, headers)
@@ -254,7 +254,7 @@ async def dispatch(
         try:
             replica = job.pool.replicas[lease.replica]
             try:
-                opened = await open_first(state, replica, job.path, job.body, dict(headers))
+                opened = await open_first(state, replica, job.path, job.body, headers)
             except RetryableUpstream as exc:
                 if exc.status != 429:  # a busy replica is not a broken one
                     state.health.on_failure(lease.replica, state.monotonic(), str(exc))

@@ -119,6 +119,7 @@ class UpstreamClient:
         self._timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
         self._max_connections = max_connections
+        self._request_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -134,10 +135,11 @@ class UpstreamClient:
     async def open(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
         """POST ``body`` and wait for the response headers; failures before them are retryable."""
         url = base_url.rstrip("/") + path
-        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s, sock_read=None)
         try:
             async with asyncio.timeout(self._timeouts.first_byte_s):
-                response = await self.session.post(url, data=body, headers=dict(headers), timeout=timeout)
+                response = await self.session.post(
+                    url, data=body, headers=headers, timeout=self._request_timeout
+                )
         except TimeoutError:
             raise RetryableUpstream(
                 "timeout", f"no response headers within {self._timeouts.first_byte_s}s"
