@@ -238,14 +238,21 @@ async def _relay_stream(
     deadline: float,
 ) -> web.StreamResponse:
     outcome = request[OUTCOME]
-    response = _SseResponse(status=opened.stream.status, headers=headers)
+    stream = opened.stream
+    response = _SseResponse(status=stream.status, headers=headers)
     response.headers["Cache-Control"] = "no-cache"
     try:
         await response.prepare(request)
+        if stream.at_eof():  # the whole answer is in: headers, body and its end in one write
+            await response.write_eof(opened.first)
+            return response
         await response.write(opened.first)
         try:
             async with asyncio.timeout_at(deadline):
                 async for chunk in opened.chunks:
+                    if stream.at_eof():  # the last chunk goes out with the end of the stream
+                        await response.write_eof(chunk)
+                        return response
                     await response.write(chunk)
         except (UpstreamError, TimeoutError) as exc:
             message = failure_message(state, lease, exc)

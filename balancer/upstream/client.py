@@ -101,6 +101,10 @@ class UpstreamStream:
                 del self._tail[:-_TAIL_BYTES]
             yield chunk
 
+    def at_eof(self) -> bool:
+        """Whether the whole body has arrived and every chunk of it was yielded."""
+        return self._response.content.at_eof()
+
     def usage(self) -> UsageTail:
         return read_usage(bytes(self._tail[-_TAIL_BYTES:]))
 
