@@ -84,9 +84,13 @@ class UpstreamStream:
         """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
         content = self._response.content
         while True:
-            try:  # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per call
-                async with asyncio.timeout(self._idle_s):
-                    chunk = await content.readany()
+            try:
+                # What has arrived already is taken without a wait (or its timer: one per chunk
+                # otherwise); asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task
+                chunk = content.read_nowait()
+                if not chunk and not content.at_eof():
+                    async with asyncio.timeout(self._idle_s):
+                        chunk = await content.readany()
             except TimeoutError:
                 raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
             except (aiohttp.ClientError, ConnectionError) as exc:
