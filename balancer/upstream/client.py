@@ -71,8 +71,13 @@ class UpstreamStream:
         self._idle_s = idle_s
         self._tail = bytearray()
         self.bytes_relayed = 0
-        self.finished = False
-        """The whole body was read (its end reached): :meth:`usage` is the engine's last word."""
+        self._ended = False
+
+    @property
+    def finished(self) -> bool:
+        """The whole body was read (its end reached): :meth:`usage` is the engine's last word. Also
+        when the relay stopped iterating at the last chunk because the end had already arrived."""
+        return self._ended or self._response.content.at_eof()
 
     @property
     def status(self) -> int:
@@ -100,7 +105,7 @@ class UpstreamStream:
             if not chunk:
                 if not content.is_eof():  # pragma: no cover - readany returns b"" only at EOF
                     continue
-                self.finished = True
+                self._ended = True
                 return
             self.bytes_relayed += len(chunk)
             self._tail += chunk
