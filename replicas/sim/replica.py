@@ -16,6 +16,7 @@ Admin endpoints (for tests and the demo; not part of any engine's API):
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import random
 from dataclasses import asdict, replace
@@ -44,6 +45,10 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body accepted."""
 
 
+BIND_ATTEMPTS = 5
+"""Listen attempts of a replica whose HTTP port was picked free (another pick after each refusal)."""
+
+
 def resolve_ports(config: ReplicaConfig) -> ReplicaConfig:
     """``config`` with every port 0 replaced by free ports (consecutive per DP rank)."""
     http_port = config.http_port or free_port_run(config.host, 1)
@@ -59,6 +64,7 @@ class Replica:
     """An emulated SGLang, vLLM or TRT-LLM engine endpoint."""
 
     def __init__(self, config: ReplicaConfig, tokenizer: PromptTokenizer, zctx: zmq.asyncio.Context) -> None:
+        self._auto_http_port = config.http_port == 0
         self.config = config = resolve_ports(config)
         self.faults = FaultState(config.faults, random.Random(config.seed))
         self.personality: SglangPersonality | VllmPersonality | TrtllmPersonality
@@ -87,7 +93,17 @@ class Replica:
         await self.personality.start()
         self.engine.start()
         await self._runner.setup()
-        await self._listen()
+        for attempt in range(BIND_ATTEMPTS):
+            try:
+                await self._listen()
+                return
+            except OSError as exc:
+                # a free port picked at construction may be taken by another process by now
+                if exc.errno != errno.EADDRINUSE or not self._auto_http_port or attempt == BIND_ATTEMPTS - 1:
+                    raise
+                log.info("replica %s: port %d taken, trying another", self.config.name, self.config.http_port)
+                self.config = replace(self.config, http_port=free_port_run(self.config.host, 1))
+                self.ctx.config = self.config
 
     async def stop(self) -> None:
         for task in list(self._tasks):
