@@ -102,6 +102,37 @@ class SourceCounters:
     transport_errors: int = 0
     last_event_wall_ts: float | None = None
 
+    def status(
+        self,
+        kind: str,
+        replica: ReplicaId,
+        endpoint: str,
+        *,
+        dp_rank: int | None = None,
+        last_seq: int | None = None,
+        epoch: str | None = None,
+        disabled: bool = False,
+    ) -> SourceStatus:
+        """The counters as they are now, with the source's identity."""
+        return SourceStatus(
+            kind=kind,
+            replica=replica,
+            endpoint=endpoint,
+            dp_rank=dp_rank,
+            last_seq=last_seq,
+            last_event_wall_ts=self.last_event_wall_ts,
+            messages=self.messages,
+            gaps=self.gaps,
+            replays=self.replays,
+            replay_failures=self.replay_failures,
+            resyncs=self.resyncs,
+            duplicates=self.duplicates,
+            decode_errors=self.decode_errors,
+            transport_errors=self.transport_errors,
+            epoch=epoch,
+            disabled=disabled,
+        )
+
 
 class EventSource(Protocol):
     """One engine event stream of one replica. ``run`` returns only when cancelled (or the ZMQ

@@ -150,24 +150,7 @@ class TrtllmPoller:
         self._counters = SourceCounters()
 
     def status(self) -> SourceStatus:
-        c = self._counters
-        return SourceStatus(
-            kind=self.kind,
-            replica=self.replica,
-            endpoint=self.url,
-            dp_rank=None,
-            last_seq=None,
-            last_event_wall_ts=c.last_event_wall_ts,
-            messages=c.messages,
-            gaps=c.gaps,
-            replays=0,
-            replay_failures=0,
-            resyncs=c.resyncs,
-            duplicates=0,
-            decode_errors=c.decode_errors,
-            transport_errors=c.transport_errors,
-            disabled=self._disabled,
-        )
+        return self._counters.status(self.kind, self.replica, self.url, disabled=self._disabled)
 
     async def run(self, emit: Emit) -> None:
         """Poll until cancelled. While the replica's ingestion CPU budget is spent (:attr:`gate`) the

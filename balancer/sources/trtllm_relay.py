@@ -136,23 +136,7 @@ class RelaySource:
         self._counters = SourceCounters()
 
     def status(self) -> SourceStatus:
-        c = self._counters
-        return SourceStatus(
-            kind=self.kind,
-            replica=self.replica,
-            endpoint=self.endpoint,
-            dp_rank=None,
-            last_seq=None,
-            last_event_wall_ts=c.last_event_wall_ts,
-            messages=c.messages,
-            gaps=c.gaps,
-            replays=0,
-            replay_failures=0,
-            resyncs=c.resyncs,
-            duplicates=0,
-            decode_errors=c.decode_errors,
-            transport_errors=c.transport_errors,
-        )
+        return self._counters.status(self.kind, self.replica, self.endpoint)
 
     async def run(self, emit: Emit) -> None:
         """Receive and decode until cancelled (or the context is terminated)."""

@@ -170,22 +170,12 @@ class ZmqEventSource:
         """Messages dropped undecoded (the budget was spent)."""
 
     def status(self) -> SourceStatus:
-        c = self._counters
-        return SourceStatus(
-            kind=self.kind,
-            replica=self.replica,
-            endpoint=self.endpoint,
+        return self._counters.status(
+            self.kind,
+            self.replica,
+            self.endpoint,
             dp_rank=self.dp_rank,
             last_seq=self._last_seq,
-            last_event_wall_ts=c.last_event_wall_ts,
-            messages=c.messages,
-            gaps=c.gaps,
-            replays=c.replays,
-            replay_failures=c.replay_failures,
-            resyncs=c.resyncs,
-            duplicates=c.duplicates,
-            decode_errors=c.decode_errors,
-            transport_errors=c.transport_errors,
             epoch=self._epoch,
         )
 
