@@ -178,9 +178,8 @@ def commit(state: ServiceState, job: Forward, plan: RoutePlan) -> Lease:
 def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
     """Count a committed decision, and keep it in the pool's decision ring (the console)."""
     plan = lease.plan
-    metrics = state.metrics
-    metrics.children.of(metrics.route_decisions_total, plan.decision.policy, lease.replica).inc()
-    metrics.children.of(metrics.predicted_cached_tokens_total, lease.replica).inc(plan.cached_tokens)
+    state.metrics.route_decisions_total.labels(plan.decision.policy, lease.replica).inc()
+    state.metrics.predicted_cached_tokens_total.labels(lease.replica).inc(plan.cached_tokens)
     if plan.inputs is not None:
         state.decisions.record(
             job.pool.model,
@@ -212,7 +211,7 @@ def _log_decision(job: Forward, plan: RoutePlan) -> None:
 
 
 async def open_first(
-    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: Mapping[str, str]
+    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: dict[str, str]
 ) -> Opened:
     """Send the request and wait for the first body chunk; any failure so far is retryable."""
     stream = await state.upstream.open(replica.url, path, body, headers)
@@ -255,7 +254,7 @@ async def dispatch(
         try:
             replica = job.pool.replicas[lease.replica]
             try:
-                opened = await open_first(state, replica, job.path, job.body, headers)
+                opened = await open_first(state, replica, job.path, job.body, dict(headers))
             except RetryableUpstream as exc:
                 if exc.status != 429:  # a busy replica is not a broken one
                     state.health.on_failure(lease.replica, state.monotonic(), str(exc))
@@ -285,8 +284,7 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
     else:
         state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
     policy = lease.plan.decision.policy
-    metrics = state.metrics
-    metrics.children.of(metrics.ttft_seconds, lease.replica, policy).observe(now - job.arrived)
+    state.metrics.ttft_seconds.labels(lease.replica, policy).observe(now - job.arrived)
     if state.series is not None:
         state.series.on_ttft(now - job.arrived, state.wall_clock())
 
@@ -303,11 +301,10 @@ def on_relayed(
     """Bookkeeping once relaying ended: a complete answer returns its connection to the pool;
     anything else closes the connection. An upstream body read to its end reports the engine's
     cached tokens (a receipt), even when the client left before the last bytes reached it."""
-    metrics = state.metrics
     if stream.finished:
         usage = stream.usage()
         if usage.cached_tokens is not None:
-            metrics.children.of(metrics.reported_cached_tokens_total, lease.replica).inc(usage.cached_tokens)
+            state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
             record_receipt(state, lease, usage.cached_tokens)
             if state.series is not None:
                 prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
@@ -317,7 +314,7 @@ def on_relayed(
     else:
         stream.close()
     policy = lease.plan.decision.policy
-    metrics.children.of(metrics.e2e_seconds, lease.replica, policy).observe(state.monotonic() - job.arrived)
+    state.metrics.e2e_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
 
 
 def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Settled:
