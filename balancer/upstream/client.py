@@ -136,6 +136,9 @@ class UpstreamClient:
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s),
                 auto_decompress=False,
+                # no cookie jar: a replica's Set-Cookie must not ride along on other clients'
+                # requests, and filtering an empty jar cost every request a little
+                cookie_jar=aiohttp.DummyCookieJar(),
             )
         return self._session
 

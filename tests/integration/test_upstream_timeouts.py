@@ -66,3 +66,32 @@ async def test_a_silent_stream_times_out_after_idle_s(base_url: str) -> None:
         stream.close()
     finally:
         await client.aclose()
+
+
+async def test_a_replica_cookie_is_not_sent_back_on_later_requests() -> None:
+    """The client keeps no cookie jar: one client's upstream session must not ride on another's."""
+    seen: list[str | None] = []
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Cookie"))
+        response = web.Response(text="{}", content_type="application/json")
+        response.set_cookie("session", "client-a")
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    client = UpstreamClient(TimeoutConfig(first_byte_s=5.0, idle_s=5.0))
+    try:
+        url = f"http://localhost:{runner.addresses[0][1]}"  # a host name: the jar takes no IP cookies
+        for _ in range(2):
+            stream = await client.open(url, "/v1/completions", b"{}", {})
+            assert [chunk async for chunk in stream.chunks()] == [b"{}"]
+            assert stream.at_eof()
+            stream.release()
+        assert seen == [None, None]
+    finally:
+        await client.aclose()
+        await runner.cleanup()
