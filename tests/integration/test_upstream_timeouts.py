@@ -89,7 +89,7 @@ async def test_a_replica_cookie_is_not_sent_back_on_later_requests() -> None:
         for _ in range(2):
             stream = await client.open(url, "/v1/completions", b"{}", {})
             assert [chunk async for chunk in stream.chunks()] == [b"{}"]
-            assert stream.at_eof()
+            assert stream.finished
             stream.release()
         assert seen == [None, None]
     finally:
