@@ -40,8 +40,7 @@ from replicas.sim.context import (
     rank_stats,
 )
 from replicas.sim.faults import FaultState
-from replicas.sim.scheduler import StepResult
-from replicas.sim.zmq_events import ZmqRankPublisher
+from replicas.sim.zmq_events import ZmqPersonality, ZmqRankPublisher
 from replicas.wire.sglang import KvEventEncoder, digest_to_i64, page_digest
 
 
@@ -84,35 +83,15 @@ class RankPublisher(ZmqRankPublisher):
         return [self._encoder.all_blocks_cleared()]
 
 
-class SglangPersonality:
+class SglangPersonality(ZmqPersonality):
     """Step observer and HTTP routes of an SGLang replica."""
 
-    def __init__(self, zctx: zmq.asyncio.Context, config: ReplicaConfig, faults: FaultState) -> None:
-        self.config = config
-        self.publishers = [RankPublisher(zctx, config, rank, faults) for rank in range(config.dp_size)]
+    flush_path = "/flush_cache"
 
-    def on_step(self, rank: int, result: StepResult | None, records: Sequence[CacheRecord]) -> None:
-        self.publishers[rank].on_records(records)
-
-    async def start(self) -> None:
-        for publisher in self.publishers:
-            publisher.start()
-
-    async def close(self) -> None:
-        for publisher in self.publishers:
-            await publisher.close()
-
-    def restart(self) -> None:
-        for publisher in self.publishers:
-            publisher.restart()
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "events": [p.pub_endpoint for p in self.publishers],
-            "replay": [p.replay_endpoint for p in self.publishers],
-            "topic": self.config.topic,
-            "flush": "POST /flush_cache",
-        }
+    def publisher(
+        self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState
+    ) -> RankPublisher:
+        return RankPublisher(zctx, config, rank, faults)
 
     def add_routes(self, app: web.Application, ctx: ReplicaContext) -> None:
         routes = _SglangRoutes(ctx, self)

@@ -27,7 +27,6 @@ endpoints): ``/metrics`` with vLLM's metric names and labels (``vllm:num_request
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -37,8 +36,7 @@ from replicas.sim.cache import CacheCleared, CacheRecord, PagesRemoved, PagesSto
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.context import ReplicaContext, Sample, prometheus_text, rank_stats
 from replicas.sim.faults import FaultState
-from replicas.sim.scheduler import StepResult
-from replicas.sim.zmq_events import ZmqRankPublisher
+from replicas.sim.zmq_events import ZmqPersonality, ZmqRankPublisher
 from replicas.wire.sglang import KvEventEncoder
 from replicas.wire.vllm import block_hash
 
@@ -87,35 +85,15 @@ class VllmRankPublisher(ZmqRankPublisher):
         return self._encoder.block_stored(hashes, parent_hash, tokens, self.config.block_size)
 
 
-class VllmPersonality:
+class VllmPersonality(ZmqPersonality):
     """Step observer and HTTP routes of a vLLM replica."""
 
-    def __init__(self, zctx: zmq.asyncio.Context, config: ReplicaConfig, faults: FaultState) -> None:
-        self.config = config
-        self.publishers = [VllmRankPublisher(zctx, config, rank, faults) for rank in range(config.dp_size)]
+    flush_path = FLUSH_PATH
 
-    def on_step(self, rank: int, result: StepResult | None, records: Sequence[CacheRecord]) -> None:
-        self.publishers[rank].on_records(records)
-
-    async def start(self) -> None:
-        for publisher in self.publishers:
-            publisher.start()
-
-    async def close(self) -> None:
-        for publisher in self.publishers:
-            await publisher.close()
-
-    def restart(self) -> None:
-        for publisher in self.publishers:
-            publisher.restart()
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "events": [p.pub_endpoint for p in self.publishers],
-            "replay": [p.replay_endpoint for p in self.publishers],
-            "topic": self.config.topic,
-            "flush": f"POST {FLUSH_PATH}",
-        }
+    def publisher(
+        self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState
+    ) -> VllmRankPublisher:
+        return VllmRankPublisher(zctx, config, rank, faults)
 
     def add_routes(self, app: web.Application, ctx: ReplicaContext) -> None:
         routes = _VllmRoutes(ctx)

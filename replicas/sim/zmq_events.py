@@ -20,6 +20,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Sequence
+from typing import Any, ClassVar
 
 import zmq
 import zmq.asyncio
@@ -27,6 +28,7 @@ import zmq.asyncio
 from replicas.sim.cache import CacheRecord
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.faults import FaultState
+from replicas.sim.scheduler import StepResult
 from replicas.wire.sglang import REPLAY_END, KvEventEncoder, frames, parse_replay_request, replay_reply
 
 log = logging.getLogger(__name__)
@@ -131,3 +133,42 @@ class ZmqRankPublisher:
                     reply = replay_reply(self.config.topic, seq, payload)
                     await self._replay.send_multipart([identity, *reply])
             await self._replay.send_multipart([identity, *REPLAY_END])
+
+
+class ZmqPersonality:
+    """The step observer of an engine that publishes over ZMQ: one publisher per DP rank. A subclass
+    builds its publishers (:meth:`publisher`), names its flush endpoint and adds its HTTP routes."""
+
+    flush_path: ClassVar[str]
+
+    def __init__(self, zctx: zmq.asyncio.Context, config: ReplicaConfig, faults: FaultState) -> None:
+        self.config = config
+        self.publishers = [self.publisher(zctx, config, rank, faults) for rank in range(config.dp_size)]
+
+    def publisher(
+        self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState
+    ) -> ZmqRankPublisher:
+        raise NotImplementedError
+
+    def on_step(self, rank: int, result: StepResult | None, records: Sequence[CacheRecord]) -> None:
+        self.publishers[rank].on_records(records)
+
+    async def start(self) -> None:
+        for publisher in self.publishers:
+            publisher.start()
+
+    async def close(self) -> None:
+        for publisher in self.publishers:
+            await publisher.close()
+
+    def restart(self) -> None:
+        for publisher in self.publishers:
+            publisher.restart()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "events": [p.pub_endpoint for p in self.publishers],
+            "replay": [p.replay_endpoint for p in self.publishers],
+            "topic": self.config.topic,
+            "flush": f"POST {self.flush_path}",
+        }
