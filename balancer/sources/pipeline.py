@@ -30,9 +30,9 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.events import KvEvent, Resync, Stored, event_blocks
@@ -45,6 +45,8 @@ from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +84,42 @@ class IngestSettings:
         for name in ("queue_max_batches", "coalesce_max_batches", "max_event_blocks", "queue_max_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ingest.{name} must be >= 1, got {getattr(self, name)}")
+
+
+class OwnCpu(Generic[T]):
+    """Awaits a coroutine and adds up the thread CPU spent in its own steps (``cpu_s``).
+
+    ``time.thread_time()`` around a plain ``await`` would also count whatever the event loop ran
+    while the coroutine waited (other replicas' ingestion, and in fleet mode every request and the
+    Redis writer's backoff sleeps): charged to one replica's budget, that made a Redis outage spend
+    it and shed (then resync) healthy engines. Each step from resumption to the next suspension is
+    timed instead."""
+
+    __slots__ = ("_coroutine", "cpu_s")
+
+    def __init__(self, coroutine: Coroutine[Any, Any, T]) -> None:
+        self._coroutine = coroutine
+        self.cpu_s = 0.0
+
+    def __await__(self) -> Generator[Any, Any, T]:
+        steps = self._coroutine.__await__()
+        sent: Any = None
+        thrown: BaseException | None = None
+        while True:
+            started = time.thread_time()
+            try:
+                yielded = steps.send(sent) if thrown is None else steps.throw(thrown)
+            except StopIteration as done:
+                return cast(T, done.value)
+            finally:
+                self.cpu_s += time.thread_time() - started
+            try:
+                sent, thrown = (yield yielded), None
+            except GeneratorExit:
+                self._coroutine.close()
+                raise
+            except BaseException as exc:  # handed to the coroutine (cancellation too)
+                sent, thrown = None, exc
 
 
 EVENT_OVERHEAD_BYTES = 100
@@ -261,12 +299,12 @@ class ReplicaPipeline:
             while len(batches) < self.settings.coalesce_max_batches and not self._queue.empty():
                 batches.append(self._taken(self._queue.get_nowait()))
             self._busy = True
-            started = time.thread_time()
+            applying = OwnCpu(self._apply(batches))
             try:
-                await self._apply(batches)
+                await applying
             finally:
                 self._busy = False
-                self.charge(time.thread_time() - started)
+                self.charge(applying.cpu_s)
 
     def _taken(self, item: tuple[IngestBatch, int]) -> IngestBatch:
         batch, size = item

@@ -5,6 +5,8 @@ the stream in order (no replay, no gap); ``CpuBudget`` itself refills at its sha
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Sequence
 
 import pytest
 import zmq.asyncio
@@ -23,10 +25,14 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 
 from balancer.engines.sglang import SglangDecoder
 from balancer.errors import ConfigError
+from balancer.events import KvEvent, Resync
+from balancer.index.base import ApplyResult
 from balancer.metrics import Metrics
+from balancer.sources.base import IngestBatch
 from balancer.sources.budget import CpuBudget
-from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.sources.pipeline import EventIngest, IngestSettings, OwnCpu
 from balancer.sources.zmq_sub import ZmqEventSource
+from balancer.types import ReplicaId
 
 
 def test_the_budget_refills_at_its_share_up_to_its_burst() -> None:
@@ -155,3 +161,80 @@ async def test_decoded_live_copies_of_replayed_batches_are_duplicates(
         await eventually(lambda: rig.source.status().duplicates == 5)
         assert rig.index.timeline() == [1, 2, 3, 4, 5]
         assert rig.source.shed == 0
+
+
+class WaitingIndex(RecordingIndex):
+    """An index whose apply waits (as the Redis writer does on a round trip or a backoff) and spends
+    ``cpu_s`` of its own CPU before returning."""
+
+    def __init__(self, replica: ReplicaId, wait_s: float, cpu_s: float) -> None:
+        super().__init__(replica)
+        self.wait_s, self.cpu_s = wait_s, cpu_s
+
+    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        await asyncio.sleep(self.wait_s)
+        _burn(self.cpu_s)
+        return await super().apply(replica, events, now)
+
+
+def _burn(cpu_s: float) -> None:
+    started = time.thread_time()
+    while time.thread_time() - started < cpu_s:
+        pass
+
+
+async def test_an_apply_is_charged_its_own_cpu_not_what_the_loop_ran_while_it_waited() -> None:
+    """Regression: the applier charged ``thread_time`` around the whole ``await``, so a Redis apply
+    waiting on an outage was charged every request the loop served meanwhile; the budget was spent
+    and healthy engines were shed and resynced (the Redis-restart fault converged in 4-8 s)."""
+    index = WaitingIndex(REPLICA, wait_s=0.4, cpu_s=0.05)
+    settings = IngestSettings(cpu_share=1e-9, cpu_burst_s=1.0)  # no refill during the test
+    ingest = EventIngest(index, metrics=Metrics.create(), settings=settings)  # type: ignore[arg-type]
+    pipeline = ingest.add_replica(REPLICA, "sglang", [])
+    await ingest.start()
+    try:
+        pipeline.offer(IngestBatch((Resync(0, "gap"),)))
+        await asyncio.sleep(0.05)
+        _burn(0.3)  # the loop's other work while the apply waits
+        assert await pipeline.wait_applied(5.0)
+        assert pipeline.budget is not None
+        spent_s = 1.0 - pipeline.budget._tokens_s
+        assert 0.04 <= spent_s < 0.15, spent_s  # its own 0.05 s, not the 0.3 s burnt beside it
+    finally:
+        await ingest.aclose()
+
+
+async def test_own_cpu_passes_results_exceptions_and_cancellation_through() -> None:
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        _burn(0.02)
+        return 42
+
+    timed = OwnCpu(answer())
+    assert await timed == 42 and timed.cpu_s >= 0.02
+
+    async def failing() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("bad")
+
+    with pytest.raises(ValueError, match="bad"):
+        await OwnCpu(failing())
+
+    cleaned: list[bool] = []
+
+    async def waiting() -> None:
+        try:
+            await asyncio.sleep(10)
+        finally:
+            cleaned.append(True)
+
+    task = asyncio.create_task(_await(OwnCpu(waiting())))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert cleaned == [True]
+
+
+async def _await(awaitable: OwnCpu[None]) -> None:
+    await awaitable
