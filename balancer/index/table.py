@@ -42,6 +42,11 @@ _xxh3 = xxhash.xxh3_64_intdigest  # positional seed: the keyword form costs ~50 
 _INT_BYTES = 36  # a u64 Python int (three 30-bit digits), for the memory estimate
 _COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live count
 _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
+_NEVER = float("inf")
+GONE_MAX = 4096
+"""Removed engine hashes a learning cache remembers (``CacheSlot.gone``)."""
+GONE_S = 5.0
+"""How long (seconds) a removed engine hash may not be learned back from a receipt."""
 
 
 class PrefixTable:
@@ -64,6 +69,10 @@ class PrefixTable:
         self._lookahead = hasher.lookahead_tokens
         cap = self.limits.capacity_blocks
         self._evict_target = cap - cap // _EVICT_BATCH_DIVISOR
+        self._suspects: dict[CacheSlot, None] = {}
+        """Caches holding suspect keys (after an event gap, ``TableLimits.gap_hold_s``)."""
+        self._suspect_due = _NEVER
+        """The earliest ``suspect_until`` of those caches."""
 
     # ------------------------------------------------------------------ events
 
@@ -71,14 +80,20 @@ class PrefixTable:
         """Apply one replica's events in order (semantics in :mod:`balancer.index.base`)."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
         result = ApplyResult()
         for event in events:
             if type(event) is Stored:
                 self._store(replica, event, result)
             elif type(event) is Removed:
-                self._remove(replica, event, result)
+                self._remove(replica, event, result, now)
             elif isinstance(event, Cleared | Resync):  # speculative entries stay: requests are in flight
-                if (cache := self._slots.cache(replica, event.dp_rank)) is not None:
+                if (cache := self._slots.cache(replica, event.dp_rank)) is None:
+                    pass
+                elif type(event) is Resync and event.reason == "gap" and self.limits.gap_hold_s > 0:
+                    self._suspect_all(cache, now)
+                else:
                     self._clear(cache)
                 result.cleared_caches += type(event) is Cleared
                 result.resyncs += type(event) is Resync
@@ -108,6 +123,8 @@ class PrefixTable:
             cache = self._slots.new_cache(replica, event.dp_rank)
             if cache is None:
                 return
+        if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
+            self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
         result.stored_blocks += self._store_chain(cache, seed, event)
         if len(self._holders) > self.limits.capacity_blocks:
             result.evicted_blocks += self._evict()
@@ -128,10 +145,13 @@ class PrefixTable:
         span = step + 4 * self._lookahead
         key = seed
         already = confirmed = 0
+        suspect = cache.suspect
         for engine_hash, start, stop in zip(
             event.engine_hashes, range(0, end, step), range(span, end + span, step), strict=True
         ):
             key = xxh3(tokens[start:stop], key)
+            if suspect and suspect.pop(key, 0) is None:  # stored again: the engine holds it
+                self.counters.suspect_confirmed += 1
             mask = pop(key, 0)
             if pending is not None and key in pending:  # a real store confirms a speculative one
                 del pending[key]
@@ -166,17 +186,24 @@ class PrefixTable:
         cache.keys[engine_hash] = key
         cache.dups[key] = cache.dups.get(key, 0) + 1
 
-    def _remove(self, replica: ReplicaId, event: Removed, result: ApplyResult) -> None:
+    def _remove(self, replica: ReplicaId, event: Removed, result: ApplyResult, now: float) -> None:
         cache = self._slots.cache(replica, event.dp_rank)
         if cache is None:
             result.unknown_removals += len(event.engine_hashes)
             return
         pop = cache.keys.pop
+        suspect = cache.suspect
+        gone = cache.gone
         for engine_hash in event.engine_hashes:
+            if gone is not None:
+                self._tombstone(gone, engine_hash, now)
             key = pop(engine_hash, None)
             if key is None:
                 result.unknown_removals += 1
-            elif self._release(cache, key):
+                continue
+            if suspect:
+                suspect.pop(key, None)
+            if self._release(cache, key):
                 result.removed_blocks += 1
 
     def _release(self, cache: CacheSlot, key: int) -> bool:
@@ -197,7 +224,185 @@ class PrefixTable:
     def _clear(self, cache: CacheSlot) -> int:
         self._unset(cache.keys.values(), cache.bit)
         held, cache.keys, cache.dups, cache.held = cache.held, {}, {}, 0
+        cache.suspect = {}
+        if cache.gone is not None:
+            cache.gone = {}
         return held
+
+    # ------------------------------------------------------------------ event gaps
+
+    def _suspect_all(self, cache: CacheSlot, now: float) -> None:
+        """An event gap: every block the cache holds becomes suspect until ``now + gap_hold_s``.
+
+        The lost events may have removed some of them (and stored others, which the index lacks):
+        what the engine confirms within the hold stays, the rest goes then (:meth:`_expire_suspects`).
+        The engine-hash map stays whole, so later events still chain from and remove these blocks."""
+        get = self._holders.get
+        bit = cache.bit
+        held = [key for key in cache.keys.values() if get(key, 0) & bit]
+        cache.suspect.update(dict.fromkeys(held))
+        self.counters.suspect_marked += len(held)
+        cache.suspect_until = now + self.limits.gap_hold_s
+        self._suspects[cache] = None
+        self._suspect_due = min(self._suspect_due, cache.suspect_until)
+
+    def _expire_suspects(self, now: float) -> None:
+        """Drop the unconfirmed suspect blocks of every cache whose hold ended by ``now``."""
+        due = _NEVER
+        for cache in list(self._suspects):
+            if cache.suspect and cache.suspect_until > now:
+                due = min(due, cache.suspect_until)
+                continue
+            del self._suspects[cache]
+            if cache.suspect and self._slots.cache(cache.replica, cache.dp_rank) is cache:
+                self.counters.suspect_dropped += self._drop_keys(cache, cache.suspect)
+            cache.suspect = {}
+        self._suspect_due = due
+
+    def settle_suspect(
+        self, replica: ReplicaId, found: Sequence[BlockKey], missing: Sequence[BlockKey], now: float
+    ) -> tuple[int, int]:
+        """What a receipt says of ``replica``'s suspect blocks: ``found`` (the request's keys up to
+        the reported point) were cached when the engine admitted it, so they are confirmed;
+        ``missing`` (the keys from the reported point to the predicted one) were not, so those still
+        suspect are dropped at once. Returns ``(confirmed, dropped)``; costs nothing without suspects.
+
+        With several DP ranks the receipt does not say which rank served it: every rank's suspects
+        are settled (a rank that holds the same prefix is confirmed with it)."""
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
+        if not self._suspects:
+            return 0, 0
+        ranks = self._slots.caches.get(replica)
+        confirmed = dropped = 0
+        for cache in ranks.values() if ranks else ():
+            suspect = cache.suspect
+            if not suspect:
+                continue
+            for key in found:
+                if suspect.pop(key, 0) is None:
+                    confirmed += 1
+            gone = [key for key in missing if key in suspect]
+            for key in gone:
+                del suspect[key]
+            dropped += self._drop_keys(cache, gone)
+        self.counters.suspect_confirmed += confirmed
+        self.counters.suspect_dropped += dropped
+        return confirmed, dropped
+
+    # ------------------------------------------------------------------ receipts with engine hashes
+
+    def learn_blocks(
+        self,
+        replica: ReplicaId,
+        keys: Sequence[BlockKey],
+        engine_hashes: Sequence[int],
+        now: float,
+        *,
+        hold: bool,
+    ) -> tuple[int, int, int]:
+        """Blocks a receipt found cached on ``replica``, with the engine hashes the router computed
+        for them: ``keys[i]`` is the request's key ``i`` and ``engine_hashes[i]`` the engine's hash of
+        the same block (chained from the root). Returns ``(matched, mismatched, learned)``.
+
+        * Check: a hash the cache maps to the same key ``matched``, to another key ``mismatched``
+          (the computed hashes are not the engine's: the caller must stop trusting them).
+        * With ``hold`` and no mismatch: the blocks become real holdings under those hashes, as a
+          ``Stored`` would make them (so the engine's later events remove them and chain from them),
+          from the root up to the first one removed in the last ``GONE_S`` (the receipt reflects the
+          cache at the request's admission; a removal applied since is newer, and takes every
+          block after it with it). Suspect ones are confirmed; ``learned`` counts new holdings.
+
+        Only for a replica with one cache (with several DP ranks a receipt does not say which)."""
+        ranks = self._slots.caches.get(replica)
+        if not ranks or len(ranks) != 1:
+            return 0, 0, 0
+        cache = next(iter(ranks.values()))
+        if cache.gone is None:
+            cache.gone = {}
+        get = cache.keys.get
+        matched = mismatched = 0
+        for key, engine_hash in zip(keys, engine_hashes, strict=False):
+            known = get(engine_hash)
+            if known is not None:
+                matched += known == key
+                mismatched += known != key
+        if not hold or mismatched:
+            return matched, mismatched, 0
+        learned = 0
+        gone = cache.gone
+        for key, engine_hash in zip(keys, engine_hashes, strict=False):
+            if now - gone.get(engine_hash, -_NEVER) < GONE_S:
+                break
+            learned += self._hold(cache, key, engine_hash)
+        if len(self._holders) > self.limits.capacity_blocks:
+            self._evict()
+        return matched, mismatched, learned
+
+    def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` one of ``replica``'s caches really holds (speculative entries
+        not counted): a receipt that found more cached has something to teach."""
+        ranks = self._slots.caches.get(replica)
+        if not ranks:
+            return 0
+        held = self._holders.get
+        best = 0
+        for cache in ranks.values():
+            bit = cache.bit
+            depth = 0
+            for key in keys:
+                if not held(key, 0) & bit:
+                    break
+                depth += 1
+            best = max(best, depth)
+        return best
+
+    def _hold(self, cache: CacheSlot, key: int, engine_hash: int) -> int:
+        """One block as a real store would hold it (LRU position refreshed); 1 if it was not held."""
+        holders = self._holders
+        mask = holders.pop(key, 0)
+        spec = self._slots.specs.get(cache.replica)
+        if spec is not None and spec.expiry.pop(key, None) is not None:
+            mask &= ~spec.bit
+            self._spec_count -= 1
+            self.counters.speculative_confirmed += 1
+        if cache.suspect and cache.suspect.pop(key, 0) is None:
+            self.counters.suspect_confirmed += 1
+        if mask & cache.bit:
+            holders[key] = mask
+            if cache.keys.get(engine_hash) != key:
+                self._restore(cache, engine_hash, key)
+            return 0
+        holders[key] = mask | cache.bit
+        if cache.keys.setdefault(engine_hash, key) != key:
+            self._remap(cache, engine_hash, key)
+        cache.held += 1
+        return 1
+
+    @staticmethod
+    def _tombstone(gone: dict[int, float], engine_hash: int, now: float) -> None:
+        """Remember a removal; entries older than ``GONE_S`` go first, then the oldest past ``GONE_MAX``."""
+        gone.pop(engine_hash, None)
+        gone[engine_hash] = now
+        while gone:
+            oldest = next(iter(gone))
+            if len(gone) <= GONE_MAX and now - gone[oldest] < GONE_S:
+                break
+            del gone[oldest]
+
+    def suspect_blocks(self, replica: ReplicaId) -> int:
+        """Suspect entries of ``replica``'s caches (a few may name blocks evicted since)."""
+        ranks = self._slots.caches.get(replica)
+        return 0 if ranks is None else sum(len(cache.suspect) for cache in ranks.values())
+
+    def engine_hashes(self, replica: ReplicaId, dp_rank: int = 0) -> set[int]:
+        """The engine hashes of the blocks one cache holds (what the engine should hold, if the
+        index is exact): for checks and debugging, O(the cache's blocks)."""
+        cache = self._slots.cache(replica, dp_rank)
+        if cache is None:
+            return set()
+        get = self._holders.get
+        return {engine_hash for engine_hash, key in cache.keys.items() if get(key, 0) & cache.bit}
 
     # ------------------------------------------------------------------ budget
 
@@ -260,6 +465,8 @@ class PrefixTable:
         """
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
         mask, template = self._slots.candidates(among)
         if confirmed_only:
             mask &= ~self._slots.spec_mask
@@ -283,6 +490,8 @@ class PrefixTable:
         those and its speculative slot."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
         mask, template = self._slots.candidates(among)
         spec_mask = self._slots.spec_mask
         blocks = template.copy()
@@ -470,25 +679,28 @@ class PrefixTable:
         if not ranks:
             return 0
         wanted = keys if isinstance(keys, Sequence) else list(keys)
+        return sum(self._drop_keys(cache, wanted) for cache in list(ranks.values()))
+
+    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int]) -> int:
+        """Clear ``cache``'s bit on those of ``keys`` it holds (handles kept); returns how many."""
         holders = self._holders
+        bit = cache.bit
         dropped = 0
-        for cache in ranks.values():
-            bit = cache.bit
-            for key in wanted:
-                mask = holders.get(key, 0)
-                if not mask & bit:
-                    continue
-                mask ^= bit
-                if mask:
-                    holders[key] = mask
-                else:
-                    del holders[key]
-                if cache.dups:
-                    cache.dups.pop(key, None)
-                cache.held -= 1
-                dropped += 1
-            if len(cache.keys) > 2 * cache.held + _COMPACT_SLACK:
-                self._compact(cache)
+        for key in keys:
+            mask = holders.get(key, 0)
+            if not mask & bit:
+                continue
+            mask ^= bit
+            if mask:
+                holders[key] = mask
+            else:
+                del holders[key]
+            if cache.dups:
+                cache.dups.pop(key, None)
+            cache.held -= 1
+            dropped += 1
+        if len(cache.keys) > 2 * cache.held + _COMPACT_SLACK:
+            self._compact(cache)
         return dropped
 
     def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> list[BlockKey]:

@@ -106,6 +106,11 @@ def _calls(table: LockedPrefixTable, keys: list[int]) -> dict[str, object]:
         "speculated": lambda: table.speculated(B, keys, 0.0),
         "drop_speculated": lambda: table.drop_speculated(A, keys, 0.0),
         "held_blocks": lambda: table.held_blocks(A),
+        "settle_suspect": lambda: table.settle_suspect(A, keys, (), 0.0),
+        "suspect_blocks": lambda: table.suspect_blocks(A),
+        "engine_hashes": lambda: table.engine_hashes(A),
+        "learn_blocks": lambda: table.learn_blocks(A, keys, [1, 2], 0.0, hold=True),
+        "held_prefix": lambda: table.held_prefix(A, keys),
         "stats": lambda: table.stats,
     }
 
