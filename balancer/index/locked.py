@@ -130,12 +130,12 @@ class LockedPrefixTable(PrefixTable):
         replica: ReplicaId,
         keys: Sequence[BlockKey],
         engine_hashes: Sequence[int],
-        now: float,
+        routed_at: float,
         *,
         hold: bool,
     ) -> tuple[int, int, int]:
         with self.lock:
-            return super().learn_blocks(replica, keys, engine_hashes, now, hold=hold)
+            return super().learn_blocks(replica, keys, engine_hashes, routed_at, hold=hold)
 
     def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
         with self.lock:

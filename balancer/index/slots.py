@@ -77,6 +77,7 @@ class CacheSlot:
         "dp_rank",
         "dups",
         "gone",
+        "gone_floor",
         "held",
         "keys",
         "replica",
@@ -103,8 +104,11 @@ class CacheSlot:
         """When the unconfirmed ``suspect`` keys are dropped (monotonic seconds)."""
         self.gone: dict[int, float] | None = None
         """Once receipts teach this cache blocks (``PrefixTable.learn_blocks``): engine hashes the
-        engine removed lately → when (at most ``GONE_MAX``, oldest out first), which a receipt read
-        before the removal must not bring back."""
+        engine removed lately → when (at most ``GONE_MAX`` and ``GONE_S`` back, oldest out first),
+        which a receipt of a request routed before the removal must not bring back."""
+        self.gone_floor = float("-inf")
+        """The latest removal time forgotten from ``gone``: a request routed before it is not learned
+        from (its removals may no longer be remembered)."""
 
 
 class SpecSlot:

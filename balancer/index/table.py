@@ -45,8 +45,8 @@ _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan
 _NEVER = float("inf")
 GONE_MAX = 4096
 """Removed engine hashes a learning cache remembers (``CacheSlot.gone``)."""
-GONE_S = 5.0
-"""How long (seconds) a removed engine hash may not be learned back from a receipt."""
+GONE_S = 60.0
+"""How long (seconds) a learning cache remembers a removed engine hash (``CacheSlot.gone``)."""
 
 
 class PrefixTable:
@@ -196,7 +196,7 @@ class PrefixTable:
         gone = cache.gone
         for engine_hash in event.engine_hashes:
             if gone is not None:
-                self._tombstone(gone, engine_hash, now)
+                self._tombstone(cache, gone, engine_hash, now)
             key = pop(engine_hash, None)
             if key is None:
                 result.unknown_removals += 1
@@ -227,6 +227,7 @@ class PrefixTable:
         cache.suspect = {}
         if cache.gone is not None:
             cache.gone = {}
+            cache.gone_floor = float("-inf")
         return held
 
     # ------------------------------------------------------------------ event gaps
@@ -297,7 +298,7 @@ class PrefixTable:
         replica: ReplicaId,
         keys: Sequence[BlockKey],
         engine_hashes: Sequence[int],
-        now: float,
+        routed_at: float,
         *,
         hold: bool,
     ) -> tuple[int, int, int]:
@@ -309,9 +310,11 @@ class PrefixTable:
           (the computed hashes are not the engine's: the caller must stop trusting them).
         * With ``hold`` and no mismatch: the blocks become real holdings under those hashes, as a
           ``Stored`` would make them (so the engine's later events remove them and chain from them),
-          from the root up to the first one removed in the last ``GONE_S`` (the receipt reflects the
-          cache at the request's admission; a removal applied since is newer, and takes every
-          block after it with it). Suspect ones are confirmed; ``learned`` counts new holdings.
+          from the root up to the first one whose removal was applied after ``routed_at`` (the
+          request's routing, before its admission): the receipt shows the cache at the admission, so
+          such a removal may be newer, and it took every block after it with it. A removal applied
+          before the routing is older than the receipt's view: the engine stored the block again.
+          Suspect ones are confirmed; ``learned`` counts new holdings.
 
         Only for a replica with one cache (with several DP ranks a receipt does not say which)."""
         ranks = self._slots.caches.get(replica)
@@ -327,12 +330,12 @@ class PrefixTable:
             if known is not None:
                 matched += known == key
                 mismatched += known != key
-        if not hold or mismatched:
+        if not hold or mismatched or routed_at <= cache.gone_floor:
             return matched, mismatched, 0
         learned = 0
         gone = cache.gone
         for key, engine_hash in zip(keys, engine_hashes, strict=False):
-            if now - gone.get(engine_hash, -_NEVER) < GONE_S:
+            if gone.get(engine_hash, -_NEVER) >= routed_at:
                 break
             learned += self._hold(cache, key, engine_hash)
         if len(self._holders) > self.limits.capacity_blocks:
@@ -380,15 +383,16 @@ class PrefixTable:
         return 1
 
     @staticmethod
-    def _tombstone(gone: dict[int, float], engine_hash: int, now: float) -> None:
-        """Remember a removal; entries older than ``GONE_S`` go first, then the oldest past ``GONE_MAX``."""
+    def _tombstone(cache: CacheSlot, gone: dict[int, float], engine_hash: int, now: float) -> None:
+        """Remember a removal; entries older than ``GONE_S`` go first, then the oldest past ``GONE_MAX``
+        (``gone_floor`` keeps the latest time forgotten)."""
         gone.pop(engine_hash, None)
         gone[engine_hash] = now
         while gone:
             oldest = next(iter(gone))
             if len(gone) <= GONE_MAX and now - gone[oldest] < GONE_S:
                 break
-            del gone[oldest]
+            cache.gone_floor = max(cache.gone_floor, gone.pop(oldest))
 
     def suspect_blocks(self, replica: ReplicaId) -> int:
         """Suspect entries of ``replica``'s caches (a few may name blocks evicted since)."""

@@ -148,13 +148,15 @@ class Lease:
     """One committed decision: the request's load is reserved on :attr:`replica` (and counted
     against its in-flight cap) until :meth:`release`, which is idempotent."""
 
-    __slots__ = ("_released", "_router", "plan", "replica", "tracking_id")
+    __slots__ = ("_released", "_router", "plan", "replica", "routed_at", "tracking_id")
 
-    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str) -> None:
+    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str, routed_at: float = 0.0) -> None:
         self._router = router
         self.plan = plan
         self.replica = plan.decision.replica
         self.tracking_id = tracking_id
+        self.routed_at = routed_at
+        """When the request was committed (monotonic seconds): receipts date their view by it."""
         self._released = False
 
     @property
@@ -352,7 +354,7 @@ class PoolRouter:
         self.commit(plan, tracking_id, now, limits.speculative_ttl_s, pending_ttl_s=limits.pending_ttl_s)
         if self.health is not None:
             self.health.on_routed(plan.decision.replica, now)
-        return Lease(self, plan, tracking_id)
+        return Lease(self, plan, tracking_id, now)
 
     def plan(
         self,
@@ -531,6 +533,8 @@ class PoolRouter:
         if trusted and space.table.held_prefix(replica, found_keys) >= len(found_keys):
             return 0
         hashes = block_hashes(plan.token_ids[: reported * plan.block_size], plan.block_size)
-        found, wrong, learned = space.table.learn_blocks(replica, found_keys, hashes, now, hold=trusted)
+        found, wrong, learned = space.table.learn_blocks(
+            replica, found_keys, hashes, lease.routed_at, hold=trusted
+        )
         self._hash_trust[replica] = (-1, checked + 1) if wrong else (matched + found, checked + 1)
         return learned
