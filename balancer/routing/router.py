@@ -525,8 +525,8 @@ class PoolRouter:
         and only while checking or when the index lacked some. Returns the blocks learned."""
         replica, plan = lease.replica, lease.plan
         block_hashes = self._block_hashes.get(replica)
-        if block_hashes is None or self.hash_trust(replica) is False:
-            return 0
+        if block_hashes is None or self.hash_trust(replica) is False or space.table.limits.gap_hold_s <= 0:
+            return 0  # gap_hold_s 0: the table follows another index (the fleet mirror) or recovery is off
         matched, checked = self._hash_trust.get(replica, (0, 0))
         trusted = matched >= HASH_TRUST_BLOCKS
         found_keys = plan.keys[:reported]
