@@ -158,3 +158,41 @@ def test_dropping_the_replica_forgets_its_suspects() -> None:
     t.apply(A, [stored(toks(2), [1, 2])], 1.1)
     t.apply(A, [], 3.0)
     assert t.engine_hashes(A) == {1, 2}
+
+
+def test_learn_blocks_checks_the_hashes_against_the_map_and_holds_them() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    keys = HASHER.request_keys(toks(4))
+    assert t.learn_blocks(A, keys, [1, 2, 3, 4], 1.0, hold=False) == (2, 0, 0)
+    assert t.learn_blocks(A, keys, [2, 1, 3, 4], 1.0, hold=True) == (0, 2, 0)  # other keys: refused
+    assert t.learn_blocks(A, keys, [1, 2, 3, 4], 1.0, hold=True) == (2, 0, 2)
+    assert t.engine_hashes(A) == {1, 2, 3, 4}
+    assert t.apply(A, [Removed(0, (EngineHash(4),))], 2.0).removed_blocks == 1  # a real handle
+    assert t.engine_hashes(A) == {1, 2, 3}
+
+
+def test_learning_stops_at_a_block_removed_after_the_request_was_routed() -> None:
+    t = table()
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.0)
+    keys = HASHER.request_keys(toks(3))
+    t.learn_blocks(A, keys, [1, 2, 3], 0.5, hold=False)  # the cache starts remembering removals
+    t.apply(A, [Removed(0, (EngineHash(2), EngineHash(3)))], 2.0)
+    # routed at 1.5, before the removal: the receipt's view may predate it; only block 1 is certain
+    assert t.learn_blocks(A, keys, [1, 2, 3], 1.5, hold=True) == (1, 0, 0)
+    assert t.engine_hashes(A) == {1}
+    # routed at 2.5, after it: the engine found them cached again (their new stores were lost)
+    assert t.learn_blocks(A, keys, [1, 2, 3], 2.5, hold=True) == (1, 0, 2)
+    assert t.engine_hashes(A) == {1, 2, 3}
+
+
+def test_learning_confirms_suspect_blocks_and_needs_a_single_rank() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    keys = HASHER.request_keys(toks(2))
+    t.learn_blocks(A, keys, [1, 2], 0.5, hold=True)
+    assert t.suspect_blocks(A) == 0
+    two = PrefixTable(HASHER, TableLimits(gap_hold_s=HOLD_S))
+    two.apply(A, [stored(toks(2), [1, 2]), Stored(1, None, (EngineHash(7),), pack_tokens(toks(1)), BS)], 0.0)
+    assert two.learn_blocks(A, keys, [1, 2], 0.5, hold=True) == (0, 0, 0)
