@@ -256,6 +256,7 @@ class Balancer:
             TableLimits(
                 capacity_blocks=settings.limits.index_capacity_blocks,
                 max_speculative_keys=settings.limits.max_speculative_keys,
+                gap_hold_s=settings.limits.gap_hold_s,
             ),
             LoadConfig(stale_after_s=stale_after_s),
             health=health,
@@ -263,8 +264,8 @@ class Balancer:
             rng=rng,
         )
         for replica in config.replicas:
-            alignment = engine_spec(replica.engine).alignment()
-            router.add_replica(ReplicaId(replica.id), replica.block_size, alignment)
+            spec = engine_spec(replica.engine)
+            router.add_replica(ReplicaId(replica.id), replica.block_size, spec.alignment(), spec.block_hashes)
         router.tracker()  # built once every key space exists (its block size is the pool's smallest)
         replicas = {ReplicaId(r.id): r for r in config.replicas}
         return Pool(config.model, router, tokenizer, replicas, kv_events=config.kv_events)

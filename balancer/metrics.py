@@ -63,6 +63,8 @@ class Metrics:
     receipt_stale_blocks_total: Counter
     index_receipt_drops_blocks_total: Counter
     index_receipt_learned_blocks_total: Counter
+    index_receipt_taught_blocks_total: Counter
+    index_receipt_confirmed_blocks_total: Counter
     events_applied_total: Counter
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
@@ -236,6 +238,8 @@ class _RouteCollectors(TypedDict):
     receipt_stale_blocks_total: Counter
     index_receipt_drops_blocks_total: Counter
     index_receipt_learned_blocks_total: Counter
+    index_receipt_taught_blocks_total: Counter
+    index_receipt_confirmed_blocks_total: Counter
 
 
 def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
@@ -305,6 +309,17 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
             "kvlb_index_receipt_learned_blocks_total",
             "Blocks a receipt showed cached that the index did not know, added as speculative entries,"
             " by replica.",
+            ["replica"],
+        ),
+        "index_receipt_taught_blocks_total": counter(
+            "kvlb_index_receipt_taught_blocks_total",
+            "Blocks a receipt showed cached that the index did not hold, held under the engine's own"
+            " hashes (computed by kvlb, verified against the replica's events), by replica.",
+            ["replica"],
+        ),
+        "index_receipt_confirmed_blocks_total": counter(
+            "kvlb_index_receipt_confirmed_blocks_total",
+            "Suspect blocks (held through an event gap) that a receipt showed cached, by replica.",
             ["replica"],
         ),
     }

@@ -140,6 +140,12 @@ class LimitConfig:
     once per key space; more are not added (counted). Their expiry heap lists at most twice as many."""
     speculative_ttl_s: float = 2.0
     """How long a routed request's blocks count as held before the engine's events confirm them."""
+    gap_hold_s: float = 0.5
+    """Seconds a KV cache's blocks stay suspect after an event gap that replay could not fill (a
+    TRT-LLM buffer overflow, a gap beyond SGLang's/vLLM's replay buffer), in 0..60: each is kept if
+    the engine confirms it meanwhile (an event naming it, a response's ``cached_tokens`` covering
+    it), dropped at the end of the hold otherwise, or at once when a response shows it missing. 0
+    clears the cache at the gap. Without Redis only (the Redis index clears at once)."""
     receipt_drops: bool = False
     """Whether a receipt that reports fewer cached blocks than predicted drops the replica's stale
     holdings from the index at once. Off by default: measured, the drops removed holdings that the
@@ -390,6 +396,8 @@ class Settings:
                 raise ConfigError(f"{name} must be > 0, got {value}")
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
+        if not 0.0 <= self.limits.gap_hold_s <= 60.0:
+            raise ConfigError(f"limits.gap_hold_s must be in 0..60, got {self.limits.gap_hold_s}")
         self.listen.validate()
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
@@ -163,7 +164,8 @@ class FleetRuntime:
         ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
-            limits=space.table.limits, on_table=_installer(space),
+            # the mirror follows the Redis index, which clears a rank at every gap: no gap hold
+            limits=dataclasses.replace(space.table.limits, gap_hold_s=0.0), on_table=_installer(space),
             suppressed=state.metrics.log_suppressed_total,
         )  # fmt: skip
         entry = _Space(name, space, index, writer, ingest, mirror)

@@ -143,7 +143,8 @@ class ReplicaLifecycle:
         if owner is not None:
             log.warning("discovered replica %s: id already used in pool %r: ignored", replica, owner)
             return False
-        space = pool.router.add_replica(replica, config.block_size, engine_spec(config.engine).alignment())
+        spec = engine_spec(config.engine)
+        space = pool.router.add_replica(replica, config.block_size, spec.alignment(), spec.block_hashes)
         self.discovered[replica] = model
         try:
             if self.fleet is not None:
