@@ -33,7 +33,7 @@ import struct
 from collections.abc import Callable, Collection, Mapping
 from multiprocessing import resource_tracker, shared_memory
 
-from balancer.load.tracker import LoadCounts
+from balancer.load.tracker import LoadCounts, combine
 from balancer.types import ReplicaId
 
 HEADER = struct.Struct("<qq")
@@ -147,7 +147,6 @@ class LoadShare:
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = []
         self._unshared: set[int] = set()
-        self._keys: dict[tuple[str, str], int] = {}
         self._rows: dict[int, tuple[int, dict[int, LoadCounts]]] = {}
         self._sum: dict[int, LoadCounts] = {}
         self._sum_seqs: tuple[int, ...] = ()
@@ -156,14 +155,6 @@ class LoadShare:
         """Times a replica found no free slot (its load from here was then not shared)."""
         self.torn_reads_total = 0
         """Peer rows given up on for one snapshot after :data:`READ_ATTEMPTS` reads."""
-
-    def key(self, model: str, replica: str) -> int:
-        memo = self._keys.get((model, replica))
-        if memo is None:
-            if len(self._keys) >= MAX_KEY_MEMO:
-                self._keys.clear()
-            memo = self._keys[(model, replica)] = replica_key(model, replica)
-        return memo
 
     def publisher(self, model: str) -> Callable[[ReplicaId, LoadCounts], None]:
         """The ``on_change`` hook of ``model``'s tracker: writes that replica's slot in this row."""
@@ -185,6 +176,8 @@ class LoadShare:
 
         last: list[_ReadMemo] = []
 
+        keys: dict[str, int] = {}
+
         def read(replicas: Collection[ReplicaId]) -> Mapping[ReplicaId, LoadCounts]:
             totals = self.peer_totals()
             if not totals:
@@ -194,7 +187,12 @@ class LoadShare:
                 return last[0][2]  # no peer row changed since: the same answer
             found: dict[ReplicaId, LoadCounts] = {}
             for replica in names:
-                counts = totals.get(self.key(model, replica))
+                key = keys.get(replica)
+                if key is None:
+                    if len(keys) >= MAX_KEY_MEMO:
+                        keys.clear()
+                    key = keys[replica] = replica_key(model, replica)
+                counts = totals.get(key)
                 if counts is not None:
                     found[replica] = counts
             last[:] = [(totals, names, found)]
@@ -209,6 +207,7 @@ class LoadShare:
             return
         idle = counts.prefill_reqs <= 0 and counts.decode_seqs <= 0
         slot = self._slot_of.get(key)
+        fresh = slot is None
         if slot is None:
             if idle:
                 self._unshared.discard(key)
@@ -240,7 +239,8 @@ class LoadShare:
         else:
             c = counts
             SLOT.pack_into(buf, at, key, c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
-        HEADER.pack_into(buf, self._offset, self._seq, self._used)
+        if fresh:
+            HEADER.pack_into(buf, self._offset, self._seq, self._used)
         self._seq += 1
         SEQ.pack_into(buf, self._offset, self._seq)
 
@@ -254,18 +254,16 @@ class LoadShare:
         seqs = tuple(SEQ.unpack_from(buf, peer * size)[0] for peer in self._peers)
         if seqs == self._sum_seqs:
             return self._sum
-        total: dict[int, list[int]] = {}
-        for peer in self._peers:
-            for key, c in self._read_row(buf, peer, peer * size).items():
-                acc = total.get(key)
-                if acc is None:
-                    total[key] = [c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks]
-                else:
-                    acc[0] += c.prefill_reqs
-                    acc[1] += c.prefill_tokens
-                    acc[2] += c.decode_seqs
-                    acc[3] += c.decode_blocks
-        self._sum = {key: LoadCounts(*values) for key, values in total.items()}
+        rows = [self._read_row(buf, peer, peer * size) for peer in self._peers]
+        if len(rows) == 1:
+            self._sum = rows[0]  # two workers: the other row is the sum
+        else:
+            total: dict[int, LoadCounts] = {}
+            for row in rows:
+                for key, c in row.items():
+                    acc = total.get(key)
+                    total[key] = c if acc is None else combine(acc, c)
+            self._sum = total
         self._sum_seqs = tuple(self._rows[peer][0] if peer in self._rows else -1 for peer in self._peers)
         return self._sum
 
@@ -284,11 +282,11 @@ class LoadShare:
             values = fmt.unpack_from(buf, offset + HEADER.size)
             if SEQ.unpack_from(buf, offset)[0] != seq:
                 continue
-            row: dict[int, LoadCounts] = {}
-            for i in range(0, len(values), SLOT_FIELDS):
-                key = values[i]
-                if key != 0:
-                    row[key] = LoadCounts(values[i + 1], values[i + 2], values[i + 3], values[i + 4])
+            row = {
+                values[i]: LoadCounts(values[i + 1], values[i + 2], values[i + 3], values[i + 4])
+                for i in range(0, len(values), SLOT_FIELDS)
+                if values[i] != 0
+            }
             self._rows[peer] = (seq, row)
             return row
         self.torn_reads_total += 1

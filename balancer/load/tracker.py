@@ -30,6 +30,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from balancer.errors import ConfigError
 from balancer.types import ReplicaId
@@ -141,11 +142,11 @@ class LoadSnapshot:
         return load if load is not None else ReplicaLoad(replica=replica)
 
 
-@dataclass(frozen=True, slots=True)
-class LoadCounts:
+class LoadCounts(NamedTuple):
     """One replica's router-committed load from one side: a tracker's own reservations
     (:meth:`LoadTracker.own`), or the sum of the other workers' (the ``peers`` of
-    :meth:`LoadTracker.snapshot`). Counts are ≥ 0; blocks are the pool's reference blocks."""
+    :meth:`LoadTracker.snapshot`). Counts are ≥ 0; blocks are the pool's reference blocks. A named
+    tuple: built for every slot read from the shared table, so cheap to make."""
 
     prefill_reqs: int = 0
     """Requests routed and not yet at their first token."""
@@ -359,10 +360,19 @@ class LoadTracker:
             names |= peers.keys()
         for replica in names:
             mine = self._totals.get(replica)
-            totals = IDLE if mine is None else mine.counts()
+            if mine is None:
+                prefill_reqs = prefill_tokens = decode_seqs = decode_blocks = 0
+            else:
+                prefill_reqs, prefill_tokens = mine.prefill_reqs, mine.prefill_tokens
+                decode_seqs, decode_blocks = mine.decode_seqs, mine.decode_blocks
+            peer_reqs = 0
             peer = peers.get(replica) if peers else None
-            if peer is not None:
-                totals = combine(totals, peer)
+            if peer is not None:  # as combine(), without the intermediate objects
+                peer_reqs = max(0, peer.prefill_reqs) + max(0, peer.decode_seqs)
+                prefill_reqs += max(0, peer.prefill_reqs)
+                prefill_tokens += max(0, peer.prefill_tokens)
+                decode_seqs += max(0, peer.decode_seqs)
+                decode_blocks += max(0, peer.decode_blocks)
             scrape = self._scrapes.get(replica)
             stats, age_s = EngineStats(), None
             if scrape is not None:
@@ -372,12 +382,12 @@ class LoadTracker:
             capacity = self._capacity_tokens.get(replica)
             replicas[replica] = ReplicaLoad(
                 replica=replica,
-                pending_prefill_reqs=totals.prefill_reqs,
-                pending_prefill_tokens=totals.prefill_tokens,
-                pending_prefill_blocks=totals.prefill_tokens / block_size,
-                active_decode_seqs=totals.decode_seqs,
-                active_decode_blocks=totals.decode_blocks,
-                peer_reqs=0 if peer is None else max(0, peer.prefill_reqs) + max(0, peer.decode_seqs),
+                pending_prefill_reqs=prefill_reqs,
+                pending_prefill_tokens=prefill_tokens,
+                pending_prefill_blocks=prefill_tokens / block_size,
+                active_decode_seqs=decode_seqs,
+                active_decode_blocks=decode_blocks,
+                peer_reqs=peer_reqs,
                 waiting_reqs=stats.waiting_reqs,
                 running_reqs=stats.running_reqs,
                 kv_usage=stats.kv_usage,
