@@ -110,6 +110,13 @@ class LimitConfig:
     max_inflight_per_replica: int = 256
     """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
     in the admission queue like one over ``max_inflight``."""
+    load_share_slots: int = 1024
+    """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
+    requests, pending prefill tokens, decode blocks) with the other workers, through a shared-memory
+    table of N × (16 + 40 × slots) bytes. A replica holds a slot of a worker while that worker has
+    requests in flight on it. Past the limit a replica's load from that worker is not shared (the
+    other workers see only their own on it) and ``kvlb_load_share_overflow_replicas_total`` counts
+    it. 1..1,048,576; ignored by one worker."""
     max_queued: int = 128
     """Requests waiting for admission (over ``max_inflight``, or every replica full), first come first
     served; one more → 429 with Retry-After at once. 0: no queue, excess is refused at once."""
@@ -394,6 +401,10 @@ class Settings:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
+        if not 1 <= self.limits.load_share_slots <= 1_048_576:
+            raise ConfigError(
+                f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"
+            )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
         if not 0.0 <= self.limits.gap_hold_s <= 60.0:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from balancer.errors import NoReplicasAvailable, Overloaded
@@ -43,7 +43,7 @@ from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
-from balancer.load.tracker import LoadConfig, LoadTracker
+from balancer.load.tracker import LoadConfig, LoadCounts, LoadSnapshot, LoadTracker
 from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
 from balancer.routing.receipts import ReceiptBook, Settled, read_receipt
 from balancer.types import BlockKey, Decision, EngineHash, Overlap, ReplicaId
@@ -212,6 +212,9 @@ class PoolRouter:
         self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
         self.space_of: dict[ReplicaId, KeySpace] = {}
         self.load: LoadTracker | None = None
+        self.peer_load: Callable[[Collection[ReplicaId]], Mapping[ReplicaId, LoadCounts]] | None = None
+        """The load the other workers of ``kvlb serve --workers N`` committed on the given replicas
+        (set by the shell, :mod:`balancer.load.share`; ``None``: this router's own load is all)."""
         self._speculating: OrderedDict[str, tuple[ReplicaId, tuple[BlockKey, ...], float]] = OrderedDict()
         self.max_speculating = self._limits.max_speculative_keys // 16 + 1
         """Requests whose speculative entries wait for a first token; past it the oldest keep their
@@ -298,8 +301,16 @@ class PoolRouter:
         return self.load
 
     def in_flight(self, replica: ReplicaId) -> int:
-        """Requests committed to ``replica`` and not yet released (the load tracker's reservations)."""
+        """Requests this router committed to ``replica`` and not yet released (the load tracker's
+        reservations; the other workers' are not counted: ``limits.max_inflight_per_replica`` is per
+        worker)."""
         return self.tracker().in_flight(replica)
+
+    def load_snapshot(self, now: float) -> LoadSnapshot:
+        """The load the policy reads: this router's reservations plus the other workers' (when
+        :attr:`peer_load` is set), and the scraped engine stats."""
+        peers = self.peer_load(self.space_of) if self.peer_load is not None else None
+        return self.tracker().snapshot(now, peers)
 
     def routable(self, now: float) -> list[ReplicaId]:
         """The pool's replicas that may take a request now (health), in registration order."""
@@ -402,7 +413,7 @@ class PoolRouter:
             request_id=request_id,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
-        snapshot = self.tracker().snapshot(now)
+        snapshot = self.load_snapshot(now)
         decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
