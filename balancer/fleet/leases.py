@@ -29,8 +29,8 @@ holder stopped cleanly, the new holder resyncs the replica's ranks first (the en
 
 The manager runs on the request loop with its own Redis client; the replicas' sources, queues and
 writers run on the ingest thread (:class:`~balancer.fleet.space_ingest.SpaceIngest`: each start,
-stop, drop and generation change is one hop there), so a flood's decoding and writing never delays a
-tick, and so never costs a lease.
+stop, drop and generation change is one hop there), so a flood's decoding and writing does not hold
+up a tick (the threads share only the GIL), and so does not cost a lease.
 
 Lease expiry uses the Redis server's clock (``PX``); ``now`` values here are local monotonic seconds
 (health) and wall seconds (event ages), never compared with Redis time.
