@@ -352,7 +352,7 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
             async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
                 await _wait_ready(session, url)
                 # one batch first, so the subscription is up before the phases (ZMQ joins lazily)
-                await _warm_subscription(session, url, pub, payloads[0], shape.workers)
+                await _warm_subscription(session, url, pub, payloads[0], shape.workers, shape.redis)
                 seq = 1
                 baseline = await run_phase(session, url, shape, kvlb.pid, None)
                 flooded = await run_phase(session, url, shape, kvlb.pid, flood)
@@ -402,9 +402,15 @@ async def _wait_ready(session: aiohttp.ClientSession, url: str) -> None:
 
 
 async def _warm_subscription(
-    session: aiohttp.ClientSession, url: str, pub: zmq.Socket[bytes], payload: bytes, workers: int
+    session: aiohttp.ClientSession,
+    url: str,
+    pub: zmq.Socket[bytes],
+    payload: bytes,
+    workers: int,
+    fleet: bool,
 ) -> None:
-    """Publish batch 0 until every worker shows the replica's first message (bounded)."""
+    """Publish batch 0 until every worker shows the replica's first message (bounded). In fleet mode
+    only the worker holding the replica's lease subscribes: one answer showing it is enough."""
     frames = [b"", (0).to_bytes(8, "big"), payload]
     async with asyncio.timeout(30):
         while True:
@@ -417,7 +423,7 @@ async def _warm_subscription(
                 flood = next(v for v in views if v["id"] == "flood-0")
                 sources = (flood["events"] or {}).get("sources", [])
                 seen += bool(sources and sources[0]["messages"] > 0)
-            if seen == 4 * workers:
+            if seen == 4 * workers or (fleet and seen):
                 return
 
 
