@@ -304,7 +304,7 @@ class Balancer:
             state, zmq_ctx=self._zmq, session=self._control, relay=relay
         )
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
-            self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
+            self.fleet = FleetRuntime(state, thread=replicas.thread)  # writers on the ingest thread
             await self.fleet.start()
             replicas.fleet = self.fleet
         await replicas.start_static()
