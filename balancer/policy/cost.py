@@ -24,6 +24,12 @@ For each candidate replica ``r`` (lower is better)::
 * ``inserted_r`` = ``request_blocks − overlap_r``: the blocks ``r`` would compute and add to its
   cache (all of them when ``r`` gets no credit: a replica without credit is treated as holding
   nothing).
+* With ``eviction_risk_weight`` ``w_risk`` > 0 (off by default), ``overlap_r`` in the two lines above
+  is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
+  pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
+  engines match a prompt against their cache when they admit it, and the uncached prefill queued
+  ahead writes that share of a full pool first, evicting LRU. docs/policies.md ("Eviction risk")
+  has its evaluation; it did not become a default.
 * ``pressure_r`` (:func:`cache_pressure`): 0 while ``r``'s cache is at most a quarter full, rising
   to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape; 0
   when either is unknown). The charge prices what an insertion evicts: on a replica with room a
