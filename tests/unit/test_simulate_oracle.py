@@ -94,7 +94,7 @@ def test_the_lru_replay_routes_as_planned_on_the_engines_own_lru_caches() -> Non
     requests = _requests(1)
     plan, min_replay = simulate_oracle(config, requests)
     simulation = OracleLruSimulation(config, requests, plan.assignment)
-    assert all(type(m.cache) is BlockCache for m in simulation.models.values())  # type: ignore[attr-defined]
+    assert all(type(m.cache) is BlockCache for m in simulation.models.values())
     lru = simulation.run()
     names = [f"r{i:04d}" for i in range(4)]
     assert [r.replica for r in lru.records] == [names[i] for i in plan.assignment]
