@@ -63,7 +63,8 @@ class PolicyWeights:
     pool_r)``: the share of the pool that the queued uncached prefill will write, on a cache full
     enough to evict. 0 (default) trusts the index's overlap as is; at 1 a full replica whose queued
     prefill equals its whole pool gets no credit. Needs the pool size from the metrics scrape (no
-    doubt without it). Evaluated in docs/policies.md ("Eviction risk"); not a default there."""
+    doubt without it). Evaluated in docs/policies.md ("Part 4"): it lowered capacity on ``tenants``,
+    so it is not a default."""
     decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; 0..1000. 0 ignores decode
     load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding

@@ -28,7 +28,7 @@ For each candidate replica ``r`` (lower is better)::
   is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
   pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
   engines match a prompt against their cache when they admit it, and the uncached prefill queued
-  ahead writes that share of a full pool first, evicting LRU. docs/policies.md ("Eviction risk")
+  ahead writes that share of a full pool first, evicting LRU. docs/policies.md ("Part 4")
   has its evaluation; it did not become a default.
 * ``pressure_r`` (:func:`cache_pressure`): 0 while ``r``'s cache is at most a quarter full, rising
   to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape; 0
