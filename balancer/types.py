@@ -80,6 +80,9 @@ class CostTerms:
     scaled by how full it is (each one then evicts a block that other requests may reuse)."""
     cache_pressure: float | None = None
     """0..1: how full the replica's cache is, as the duplication charge scales it (``None``: unknown)."""
+    overlap_survival: float = 1.0
+    """0..1: the share of ``overlap_blocks`` the cost policy credited, after its eviction-risk
+    discount (1 when the discount is off or the replica cannot evict before admission)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -318,6 +318,12 @@ def markdown(report: Mapping[str, Any]) -> str:
             f"{_fmt(diagnosis['kvlb_min_engines_vs_oracle'])} with the same policy on MIN engines "
             "(LRU to MIN: eviction; MIN to 1: placement).",
         ]
+        if diagnosis.get("oracle_lru_engines_vs_oracle") is not None:
+            lines.append(
+                f"The oracle's own placement on the engines' LRU caches saves "
+                f"{_fmt(diagnosis['oracle_lru_engines_vs_oracle'])} of its plan's prefill: "
+                "what LRU engines leave reachable to any router."
+            )
     lines += [
         "",
         "## Every point",

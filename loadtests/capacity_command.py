@@ -38,7 +38,14 @@ from loadtests.capacity_target import TargetDown, add_target_arguments, gate, se
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES, RouterSpec, parse_router
 from loadtests.simulate import SimConfig, SimRequest, Simulation
-from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S, BeladySimulation, plan_oracle, simulate_oracle
+from loadtests.simulate.oracle import (
+    DEFAULT_LOAD_BOUND_S,
+    BeladySimulation,
+    OracleLruSimulation,
+    OraclePlan,
+    plan_oracle,
+    simulate_oracle,
+)
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,
@@ -245,7 +252,9 @@ def diagnose(args: argparse.Namespace, stream: Stream, rate: float) -> dict[str,
     requests = stream.at(rate)
     lru = Simulation(config, requests).run().summary
     belady = BeladySimulation(config, requests).run().summary
-    planned = oracle_saved(args, stream, rate)
+    plan = oracle_plan(args, stream, rate)
+    planned = plan.hit_tokens
+    oracle_lru = OracleLruSimulation(sim_config(args, None), requests, plan.assignment).run().summary
     return {
         "rate": rate,
         "kvlb_lru_cached_tokens": lru.cached_tokens,
@@ -253,6 +262,9 @@ def diagnose(args: argparse.Namespace, stream: Stream, rate: float) -> dict[str,
         "oracle_planned_hit_tokens": planned,
         "kvlb_lru_vs_oracle": capacity._ratio(lru.cached_tokens, planned),
         "kvlb_min_engines_vs_oracle": capacity._ratio(belady.cached_tokens, planned),
+        "oracle_lru_engines_cached_tokens": oracle_lru.cached_tokens,
+        "oracle_lru_engines_vs_oracle": capacity._ratio(oracle_lru.cached_tokens, planned),
+        "oracle_lru_engines_ttft_p90_s": oracle_lru.ttft_p90_s,
         "kvlb_lru_ttft_p90_s": lru.ttft_p90_s,
         "kvlb_min_engines_ttft_p90_s": belady.ttft_p90_s,
     }
@@ -260,10 +272,15 @@ def diagnose(args: argparse.Namespace, stream: Stream, rate: float) -> dict[str,
 
 def oracle_saved(args: argparse.Namespace, stream: Stream, rate: float) -> int:
     """Tokens the oracle's plan serves from cache at ``rate``."""
+    return oracle_plan(args, stream, rate).hit_tokens
+
+
+def oracle_plan(args: argparse.Namespace, stream: Stream, rate: float) -> OraclePlan:
+    """The oracle's plan of the stream at ``rate``."""
     config = sim_config(args, None)
     profile = config.resolved_profile()
     page = profile.page_size
-    plan = plan_oracle(
+    return plan_oracle(
         stream.at(rate),
         replicas=args.replicas,
         blocks_per_replica=max(1, profile.kv_capacity_tokens // page),
@@ -271,7 +288,6 @@ def oracle_saved(args: argparse.Namespace, stream: Stream, rate: float) -> int:
         prefill_s_per_token=profile.prefill_s_per_token,
         load_bound_s=args.oracle_load_bound_s,
     )
-    return plan.hit_tokens
 
 
 # ------------------------------------------------------------------------------------------- fleet

@@ -55,6 +55,16 @@ class PolicyWeights:
     prefill (a full replica must be ``2 ×`` the prefix behind the holder before it takes a copy),
     and a new context goes to a replica with room rather than evict a reused one. Needs the pool
     size from the metrics scrape; without it the pressure is 0."""
+    eviction_risk_weight: float = 0.0
+    """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
+    ahead of this request there may evict it before the engine admits the request (engines match a
+    prompt against their cache at admission, and evict LRU); 0..4. The credited overlap is
+    ``survival_r × overlap_r`` with ``survival_r = 1 − min(1, w_risk · pressure_r · pending_r /
+    pool_r)``: the share of the pool that the queued uncached prefill will write, on a cache full
+    enough to evict. 0 (default) trusts the index's overlap as is; at 1 a full replica whose queued
+    prefill equals its whole pool gets no credit. Needs the pool size from the metrics scrape (no
+    doubt without it). Evaluated in docs/policies.md ("Part 4"): it lowered capacity on ``tenants``,
+    so it is not a default."""
     decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; 0..1000. 0 ignores decode
     load (only prefill backlog and affinity count). Default 0.1, not Dynamo's 1.0: a decoding
@@ -156,6 +166,7 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "prefill_weight": WeightRange(0.0, 1e3),
         "overlap_credit": WeightRange(0.0, 4.0),
         "duplication_weight": WeightRange(0.0, 4.0),
+        "eviction_risk_weight": WeightRange(0.0, 4.0),
         "decode_weight": WeightRange(0.0, 1e3),
         "queue_weight": WeightRange(0.0, 1e6),
         "temperature": WeightRange(0.0, 1e6),

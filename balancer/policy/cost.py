@@ -24,6 +24,12 @@ For each candidate replica ``r`` (lower is better)::
 * ``inserted_r`` = ``request_blocks − overlap_r``: the blocks ``r`` would compute and add to its
   cache (all of them when ``r`` gets no credit: a replica without credit is treated as holding
   nothing).
+* With ``eviction_risk_weight`` ``w_risk`` > 0 (off by default), ``overlap_r`` in the two lines above
+  is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
+  pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
+  engines match a prompt against their cache when they admit it, and the uncached prefill queued
+  ahead writes that share of a full pool first, evicting LRU. docs/policies.md ("Part 4")
+  has its evaluation; it did not become a default.
 * ``pressure_r`` (:func:`cache_pressure`): 0 while ``r``'s cache is at most a quarter full, rising
   to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape; 0
   when either is unknown). The charge prices what an insertion evicts: on a replica with room a
@@ -165,6 +171,19 @@ def cache_pressure(held_blocks: int | None, capacity_blocks: float | None) -> fl
     return min(1.0, max(0.0, ramp))
 
 
+def overlap_survival(
+    ahead_blocks: float, capacity_blocks: float | None, pressure: float | None, weight: float
+) -> float:
+    """The share of a replica's overlap the cost credits (0..1): ``1 − min(1, weight · pressure ·
+    ahead / capacity)``. ``ahead_blocks``: uncached prefill queued there before this request (what
+    the engine will write, and evict for, before it admits this request and matches its prompt);
+    ``pressure``: its :func:`cache_pressure` (an engine with room evicts nothing). 1 when
+    ``weight`` is 0 or the pool size or pressure is unknown."""
+    if weight <= 0 or not pressure or capacity_blocks is None or capacity_blocks <= 0:
+        return 1.0
+    return 1.0 - min(1.0, weight * pressure * max(0.0, ahead_blocks) / capacity_blocks)
+
+
 def cost_terms(
     load: ReplicaLoad,
     overlap: int,
@@ -180,10 +199,14 @@ def cost_terms(
     explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`."""
     waiting = float(load.waiting_reqs or 0)
     shared = min(load.pending_prefill_blocks, min(credit, 1.0) * speculative)
-    prefill_term = weights.prefill_weight * (
-        load.pending_prefill_blocks - shared + request_blocks - credit * overlap
+    survival = overlap_survival(
+        load.pending_prefill_blocks - shared, load.capacity_blocks, pressure, weights.eviction_risk_weight
     )
-    inserted = request_blocks - (overlap if credit > 0 else 0)
+    credited = survival * overlap
+    prefill_term = weights.prefill_weight * (
+        load.pending_prefill_blocks - shared + request_blocks - credit * credited
+    )
+    inserted = request_blocks - (credited if credit > 0 else 0)
     duplication_term = weights.prefill_weight * weights.duplication_weight * (pressure or 0.0) * inserted
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
@@ -203,6 +226,7 @@ def cost_terms(
         shared_pending_blocks=shared,
         duplication_term=duplication_term,
         cache_pressure=pressure,
+        overlap_survival=survival,
     )
 
 

@@ -250,6 +250,7 @@ def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object
             "waiting_requests": t.waiting_requests,
             "kv_usage": t.kv_usage,
             "cache_pressure": t.cache_pressure,
+            "overlap_survival": t.overlap_survival,
             "probability": t.probability,
             "excluded": t.excluded,
         }

@@ -351,6 +351,15 @@ class OracleSimulation(BeladySimulation):
         """Nobody reads the index: the events are dropped."""
 
 
+class OracleLruSimulation(OracleSimulation):
+    """The oracle's plan replayed on engines that evict LRU, as the simulated fleet's do: the
+    placement a router could at best choose, on engines whose victims it cannot choose. Its saved
+    prefill against the plan's is the share of the oracle bound that LRU engines leave reachable."""
+
+    def _model(self, name: ReplicaId, capacity_blocks: int) -> ReplicaModel:
+        return Simulation._model(self, name, capacity_blocks)
+
+
 def simulate_oracle(
     config: SimConfig, requests: Sequence[SimRequest], load_bound_s: float = DEFAULT_LOAD_BOUND_S
 ) -> tuple[OraclePlan, SimResult]:
@@ -373,6 +382,7 @@ __all__ = [
     "BeladyBlockCache",
     "BeladyCache",
     "BeladySimulation",
+    "OracleLruSimulation",
     "OraclePlan",
     "OracleSimulation",
     "plan_oracle",

@@ -9,7 +9,15 @@ import pytest
 
 from loadtests.oracle import NEVER, prefix_reuse_bound
 from loadtests.simulate import SimConfig, Simulation, workload_requests
-from loadtests.simulate.oracle import BeladyCache, BeladySimulation, _Future, plan_oracle, simulate_oracle
+from loadtests.simulate.block_cache import BlockCache
+from loadtests.simulate.oracle import (
+    BeladyCache,
+    BeladySimulation,
+    OracleLruSimulation,
+    _Future,
+    plan_oracle,
+    simulate_oracle,
+)
 
 TENANTS = {
     "prompt_format": "tokens",
@@ -77,3 +85,18 @@ def test_the_replay_routes_every_request_where_the_plan_says() -> None:
     with pytest.raises(ValueError):
         simulate_oracle(dataclasses.replace(config, replica_model="step"), requests)
     random.Random(0)  # the plan itself draws nothing
+
+
+def test_the_lru_replay_routes_as_planned_on_the_engines_own_lru_caches() -> None:
+    """The diagnosis' "oracle on LRU engines": same assignment, plain LRU ``BlockCache`` engines
+    (the pools overflow, so eviction decides), and it keeps no more than the MIN engines do."""
+    config = SimConfig(replicas=4, kv_capacity_tokens=4096)
+    requests = _requests(1)
+    plan, min_replay = simulate_oracle(config, requests)
+    simulation = OracleLruSimulation(config, requests, plan.assignment)
+    assert all(type(m.cache) is BlockCache for m in simulation.models.values())
+    lru = simulation.run()
+    names = [f"r{i:04d}" for i in range(4)]
+    assert [r.replica for r in lru.records] == [names[i] for i in plan.assignment]
+    assert lru.summary.ok == len(requests)
+    assert lru.summary.cached_tokens < min_replay.summary.cached_tokens
