@@ -121,6 +121,12 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise ApiError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}")
+    content = request.content
+    if content.is_eof() and content.exception() is None:  # all of it arrived already: take it as is
+        body = content.read_nowait()
+        if len(body) > max_bytes:
+            raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
+        return body
     buffer = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -232,14 +238,21 @@ async def _relay_stream(
     deadline: float,
 ) -> web.StreamResponse:
     outcome = request[OUTCOME]
-    response = web.StreamResponse(status=opened.stream.status, headers=headers)
+    stream = opened.stream
+    response = _SseResponse(status=stream.status, headers=headers)
     response.headers["Cache-Control"] = "no-cache"
     try:
         await response.prepare(request)
+        if stream.finished:  # the whole answer is in: headers, body and its end in one write
+            await response.write_eof(opened.first)
+            return response
         await response.write(opened.first)
         try:
             async with asyncio.timeout_at(deadline):
                 async for chunk in opened.chunks:
+                    if stream.finished:  # the last chunk goes out with the end of the stream
+                        await response.write_eof(chunk)
+                        return response
                     await response.write(chunk)
         except (UpstreamError, TimeoutError) as exc:
             message = failure_message(state, lease, exc)
@@ -253,6 +266,13 @@ async def _relay_stream(
     except (ConnectionResetError, TimeoutError):  # the client went away or stopped reading
         outcome.status = "499"
     return response
+
+
+class _SseResponse(web.StreamResponse):
+    """A streamed answer whose headers go out with its first chunk, in one write (aiohttp's
+    ``web.Response`` does the same; ``StreamResponse`` writes them alone at ``prepare``)."""
+
+    _send_headers_immediately = False
 
 
 async def _relay_whole(
