@@ -40,7 +40,7 @@ class Children:
     """Memoised ``labels(...)`` children of the collectors the request path updates.
 
     ``prometheus_client``'s ``labels()`` validates, converts and locks on every call (a few µs,
-    six times per request); this is one dict lookup. It holds only children the collector holds
+    about a dozen times per request); this is one dict lookup. It holds only children the collector holds
     anyway, so it is bounded as they are; a collector whose children are ever ``remove()``d must not
     be read through it (an update would go to the removed child)."""
 

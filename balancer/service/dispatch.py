@@ -325,20 +325,21 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     router correct the index, and count both (``kvlb_route_prediction_error_blocks`` and friends)."""
     settled = lease.settle_receipt(cached_tokens, state.monotonic())
     receipt, replica, metrics = settled.receipt, lease.replica, state.metrics
-    metrics.prediction_error_blocks.labels(replica).observe(receipt.error_blocks)
-    metrics.receipts_total.labels(replica).inc()
+    child = metrics.children.of
+    child(metrics.prediction_error_blocks, replica).observe(receipt.error_blocks)
+    child(metrics.receipts_total, replica).inc()
     if receipt.exact:
-        metrics.receipts_exact_total.labels(replica).inc()
+        child(metrics.receipts_exact_total, replica).inc()
     if receipt.within_one_block:
-        metrics.receipts_within_block_total.labels(replica).inc()
+        child(metrics.receipts_within_block_total, replica).inc()
     if receipt.stale:
-        metrics.receipt_stale_blocks_total.labels(replica).inc(len(receipt.stale))
+        child(metrics.receipt_stale_blocks_total, replica).inc(len(receipt.stale))
     if settled.dropped_blocks:
-        metrics.index_receipt_drops_blocks_total.labels(replica).inc(settled.dropped_blocks)
+        child(metrics.index_receipt_drops_blocks_total, replica).inc(settled.dropped_blocks)
     if settled.learned_blocks:
-        metrics.index_receipt_learned_blocks_total.labels(replica).inc(settled.learned_blocks)
+        child(metrics.index_receipt_learned_blocks_total, replica).inc(settled.learned_blocks)
     accuracy = lease.router_receipts.stats(replica).accuracy
-    if accuracy is not None:
+    if accuracy is not None:  # not memoised: this gauge's child is removed with its replica
         metrics.prediction_accuracy_ratio.labels(replica).set(accuracy)
     if not receipt.within_one_block:
         log.debug(
