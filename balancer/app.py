@@ -41,6 +41,7 @@ from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import HealthBook
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
+from balancer.load.share import LoadShare
 from balancer.load.tracker import LoadConfig
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
@@ -90,6 +91,9 @@ class WorkerRole:
     """The supervisor's listening HTTP socket, inherited: served instead of binding ``listen.port``."""
     run_dir: str
     """The supervisor's private directory: the ``ipc://`` endpoints of the TRT-LLM relay live here."""
+    load_table: str | None = None
+    """The supervisor's shared-memory table of per-replica load (:mod:`balancer.load.share`);
+    ``None``: each worker's load view is its own."""
 
     @property
     def drains(self) -> bool:
@@ -141,6 +145,7 @@ class Balancer:
         self._grpc: GrpcServer | None = None
         self._siblings: Siblings | None = None
         self._speculation: SpeculationShare | None = None
+        self._load_share: LoadShare | None = None
         self._speculation_task: concurrent.futures.Future[None] | None = None
         self.grpc_port: int | None = None
         """The bound gRPC port once started (``None``: gRPC disabled)."""
@@ -175,6 +180,7 @@ class Balancer:
         )
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
+        self._share_load(pools)
         for pool in pools.values():
             for replica in pool.replicas:
                 state.health.add(replica)
@@ -183,6 +189,25 @@ class Balancer:
         await self._start_replicas(state)
         await self._start_http(state)
         await self._start_grpc(state)
+
+    def _share_load(self, pools: Mapping[str, Pool]) -> None:
+        """With ``--workers N``: publish every pool's own per-replica load into this worker's row of
+        the supervisor's table, and let every router add the other workers' rows to its own view."""
+        worker = self.options.worker
+        if worker is None or worker.count < 2 or worker.load_table is None:
+            return
+        metrics = self.metrics
+        share = self._load_share = LoadShare(
+            worker.load_table,
+            worker.index,
+            worker.count,
+            self.settings.limits.load_share_slots,
+            on_overflow=metrics.load_share_overflow_replicas_total.inc,
+            on_torn=metrics.load_share_torn_reads_total.inc,
+        )
+        for pool in pools.values():
+            pool.router.tracker().on_change = share.publisher(pool.model)
+            pool.router.peer_load = share.reader(pool.model)
 
     def _series(self) -> SeriesSampler:
         """The console's bounded time series (``console.series_*``)."""
@@ -258,6 +283,7 @@ class Balancer:
             TableLimits(
                 capacity_blocks=settings.limits.index_capacity_blocks,
                 max_speculative_keys=settings.limits.max_speculative_keys,
+                gap_hold_s=settings.limits.gap_hold_s,
             ),
             LoadConfig(stale_after_s=stale_after_s),
             health=health,
@@ -265,8 +291,8 @@ class Balancer:
             rng=rng,
         )
         for replica in config.replicas:
-            alignment = engine_spec(replica.engine).alignment()
-            router.add_replica(ReplicaId(replica.id), replica.block_size, alignment)
+            spec = engine_spec(replica.engine)
+            router.add_replica(ReplicaId(replica.id), replica.block_size, spec.alignment(), spec.block_hashes)
         router.tracker()  # built once every key space exists (its block size is the pool's smallest)
         replicas = {ReplicaId(r.id): r for r in config.replicas}
         return Pool(config.model, router, tokenizer, replicas, kv_events=config.kv_events)
@@ -280,7 +306,7 @@ class Balancer:
             state, zmq_ctx=self._zmq, session=self._control, relay=relay
         )
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
-            self.fleet = FleetRuntime(state, zmq_ctx=self._zmq, session=self._control)
+            self.fleet = FleetRuntime(state, thread=replicas.thread)  # writers on the ingest thread
             await self.fleet.start()
             replicas.fleet = self.fleet
         await replicas.start_static()
@@ -368,6 +394,13 @@ class Balancer:
             runner, self._runner = self._runner, None
             servers.append(runner.cleanup())
         await asyncio.gather(*servers)
+        if self._load_share is not None:
+            share, self._load_share = self._load_share, None
+            if self.state is not None:
+                for pool in self.state.pools.values():
+                    pool.router.peer_load = None
+                    pool.router.tracker().on_change = None
+            share.close()
         if self._siblings is not None:
             siblings, self._siblings = self._siblings, None
             await siblings.aclose()

@@ -67,7 +67,9 @@ ResyncReason = Literal[
 
 @dataclass(frozen=True, slots=True)
 class Resync:
-    """What the index knows of one DP rank can no longer be trusted: clear it and let it refill.
+    """What the index knows of one DP rank can no longer be trusted: clear it and let it refill (a
+    ``"gap"``, events lost while the engine went on, only marks the rank's blocks suspect in a table
+    with a gap hold: ``TableLimits.gap_hold_s``).
 
     Raised by decoders and sources for an engine restart (TRT-LLM ``created``, a new epoch), an
     ``event_id``/seq regression, a gap that replay cannot fill, a queue overflow, or an event

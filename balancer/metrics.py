@@ -88,6 +88,8 @@ class Metrics:
     receipt_stale_blocks_total: Counter
     index_receipt_drops_blocks_total: Counter
     index_receipt_learned_blocks_total: Counter
+    index_receipt_taught_blocks_total: Counter
+    index_receipt_confirmed_blocks_total: Counter
     events_applied_total: Counter
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
@@ -105,6 +107,8 @@ class Metrics:
     replica_load: Gauge
     replica_healthy: Gauge
     scrape_errors_total: Counter
+    load_share_overflow_replicas_total: Counter
+    load_share_torn_reads_total: Counter
     process_asyncio_tasks: Gauge
     log_suppressed_total: Counter
     redis_up: Gauge
@@ -263,6 +267,8 @@ class _RouteCollectors(TypedDict):
     receipt_stale_blocks_total: Counter
     index_receipt_drops_blocks_total: Counter
     index_receipt_learned_blocks_total: Counter
+    index_receipt_taught_blocks_total: Counter
+    index_receipt_confirmed_blocks_total: Counter
 
 
 def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
@@ -332,6 +338,17 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
             "kvlb_index_receipt_learned_blocks_total",
             "Blocks a receipt showed cached that the index did not know, added as speculative entries,"
             " by replica.",
+            ["replica"],
+        ),
+        "index_receipt_taught_blocks_total": counter(
+            "kvlb_index_receipt_taught_blocks_total",
+            "Blocks a receipt showed cached that the index did not hold, held under the engine's own"
+            " hashes (computed by kvlb, verified against the replica's events), by replica.",
+            ["replica"],
+        ),
+        "index_receipt_confirmed_blocks_total": counter(
+            "kvlb_index_receipt_confirmed_blocks_total",
+            "Suspect blocks (held through an event gap) that a receipt showed cached, by replica.",
             ["replica"],
         ),
     }
@@ -449,16 +466,33 @@ class _ReplicaCollectors(TypedDict):
     replica_load: Gauge
     replica_healthy: Gauge
     scrape_errors_total: Counter
+    load_share_overflow_replicas_total: Counter
+    load_share_torn_reads_total: Counter
 
 
 def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
-    """``kvlb_replica_*`` and ``kvlb_scrape_*``: per-replica load and health, and the metric scrapes."""
+    """``kvlb_replica_*``, ``kvlb_scrape_*`` and ``kvlb_load_share_*``: per-replica load and health,
+    the metric scrapes, and the load shared between the workers of ``kvlb serve --workers N``."""
     counter, gauge, _ = _constructors(reg)
     return {
         "replica_load": gauge(
             "kvlb_replica_load",
-            "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage).",
+            "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage|"
+            "peer_inflight). inflight, pending_prefill_tokens and decode_blocks are this worker's own "
+            "(sum over workers); peer_inflight is the other workers' in-flight requests as this "
+            "worker's policy reads them (--workers N).",
             ["replica", "kind"],
+        ),
+        "load_share_overflow_replicas_total": counter(
+            "kvlb_load_share_overflow_replicas_total",
+            "Times a replica's load could not be shared with the other workers because all "
+            "limits.load_share_slots slots of this worker were taken (the others then see only "
+            "their own load on it).",
+        ),
+        "load_share_torn_reads_total": counter(
+            "kvlb_load_share_torn_reads_total",
+            "Another worker's row of the shared load table read mid-update too often in a row; its "
+            "previous read was used for that snapshot.",
         ),
         "replica_healthy": gauge(
             "kvlb_replica_healthy",

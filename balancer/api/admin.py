@@ -218,7 +218,7 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
     ingest = state.ingest_status()
     views = []
     for pool in state.pools.values():
-        snapshot = pool.router.tracker().snapshot(now)
+        snapshot = pool.router.load_snapshot(now)
         blocks: dict[ReplicaId, int] = {}
         for space in pool.router.spaces.values():
             blocks.update(space.table.stats().blocks_by_replica)

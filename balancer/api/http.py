@@ -72,12 +72,15 @@ def refresh_gauges(state: ServiceState) -> None:
                 by_replica[replica] = by_replica.get(replica, 0) + blocks
         for replica, blocks in by_replica.items():
             metrics.index_replica_blocks.labels(replica).set(blocks)
-        snapshot = pool.router.tracker().snapshot(now)
+        snapshot = pool.router.tracker().snapshot(now)  # this worker's own: summable over workers
+        shared = pool.router.load_snapshot(now) if pool.router.peer_load is not None else None
         routable = set(state.health.routable(now, pool.replicas))
         for replica in pool.replicas:
             load = snapshot.of(replica)
             gauge = metrics.replica_load
             gauge.labels(replica, "inflight").set(pool.router.in_flight(replica))
+            if shared is not None:
+                gauge.labels(replica, "peer_inflight").set(shared.of(replica).peer_reqs)
             gauge.labels(replica, "pending_prefill_tokens").set(load.pending_prefill_tokens)
             gauge.labels(replica, "decode_blocks").set(load.active_decode_blocks)
             if load.waiting_reqs is not None:

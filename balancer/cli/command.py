@@ -81,6 +81,7 @@ def _register_serve(subparsers: SubParsers) -> None:
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--load-table", default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
 
 
@@ -128,7 +129,7 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.listen_fd is None or args.run_dir is None:
             print("kvlb serve: --worker-index needs --listen-fd and --run-dir", file=sys.stderr)
             return 2
-        role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir)
+        role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir, args.load_table)
         _die_with_parent()
     elif args.workers > 1:
         supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)

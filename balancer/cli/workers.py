@@ -13,6 +13,11 @@ workers hold the same index. A TRT-LLM drain is destructive, so worker 0 alone d
 engine and republishes every drained body on ``ipc://<run dir>/trtllm-<replica>.ipc``; the other
 workers subscribe to it (:mod:`balancer.sources.trtllm_relay`).
 
+The supervisor also creates the shared-memory table in which each worker publishes its per-replica
+load for the others (:class:`balancer.load.share.LoadTable`, named to the workers with
+``--load-table``; ``limits.load_share_slots`` slots per worker), zeroes a worker's row as soon as that
+worker exits (its requests went with it) and removes the table when it stops.
+
 The supervisor prints ``{"kvlb": "serving", "url": ..., "workers": N}`` once every worker announced
 itself, restarts a worker that exits (after ``restart_backoff_s``, doubling up to
 ``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``), and on SIGTERM/SIGINT
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 
 from balancer import strict_json
 from balancer.config import Settings
+from balancer.load.share import LoadTable
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +121,15 @@ class Supervisor:
         self.run_dir = ""
         self._sock: socket.socket | None = None
         self._grpc_sock: socket.socket | None = None
+        self.load_table: LoadTable | None = None
+        """The workers' shared per-replica load (created at :meth:`start`)."""
         self._stopping = False
         self._restarters: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
         listen = self.settings.listen
         self.run_dir = tempfile.mkdtemp(prefix="kvlb-workers-")
+        self.load_table = LoadTable(self.count, self.settings.limits.load_share_slots)
         self._sock = listening_socket(listen.host, listen.port)
         host, port = self._sock.getsockname()[:2]
         scheme = "https" if listen.tls_cert_file is not None else "http"
@@ -140,6 +149,8 @@ class Supervisor:
         argv = [sys.executable, "-m", "balancer", "serve", *self.worker_argv]
         argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
         argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
+        if self.load_table is not None:
+            argv += ["--load-table", self.load_table.name]
         if self.grpc_port is not None:
             argv += ["--set", f"listen.grpc_port={self.grpc_port}"]
         return argv
@@ -164,6 +175,8 @@ class Supervisor:
                     worker.url = str(json.loads(text).get("url", ""))
                 worker.ready.set()
         code = await process.wait()
+        if self.load_table is not None:
+            self.load_table.zero_row(worker.index)  # its requests died with it
         if self._stopping:
             return
         ran_s = time.monotonic() - worker.started_at
@@ -215,6 +228,9 @@ class Supervisor:
             if sock is not None:
                 sock.close()
         self._sock = self._grpc_sock = None
+        if self.load_table is not None:
+            self.load_table.close()
+            self.load_table = None
         if self.run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 

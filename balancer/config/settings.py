@@ -110,6 +110,13 @@ class LimitConfig:
     max_inflight_per_replica: int = 256
     """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
     in the admission queue like one over ``max_inflight``."""
+    load_share_slots: int = 1024
+    """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
+    requests, pending prefill tokens, decode blocks) with the other workers, through a shared-memory
+    table of N × (16 + 40 × slots) bytes. A replica holds a slot of a worker while that worker has
+    requests in flight on it. Past the limit a replica's load from that worker is not shared (the
+    other workers see only their own on it) and ``kvlb_load_share_overflow_replicas_total`` counts
+    it. 1..1,048,576; ignored by one worker."""
     max_queued: int = 128
     """Requests waiting for admission (over ``max_inflight``, or every replica full), first come first
     served; one more → 429 with Retry-After at once. 0: no queue, excess is refused at once."""
@@ -140,6 +147,12 @@ class LimitConfig:
     once per key space; more are not added (counted). Their expiry heap lists at most twice as many."""
     speculative_ttl_s: float = 2.0
     """How long a routed request's blocks count as held before the engine's events confirm them."""
+    gap_hold_s: float = 0.5
+    """Seconds a KV cache's blocks stay suspect after an event gap that replay could not fill (a
+    TRT-LLM buffer overflow, a gap beyond SGLang's/vLLM's replay buffer), in 0..60: each is kept if
+    the engine confirms it meanwhile (an event naming it, a response's ``cached_tokens`` covering
+    it), dropped at the end of the hold otherwise, or at once when a response shows it missing. 0
+    clears the cache at the gap. Without Redis only (the Redis index clears at once)."""
     receipt_drops: bool = False
     """Whether a receipt that reports fewer cached blocks than predicted drops the replica's stale
     holdings from the index at once. Off by default: measured, the drops removed holdings that the
@@ -388,8 +401,14 @@ class Settings:
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
+        if not 1 <= self.limits.load_share_slots <= 1_048_576:
+            raise ConfigError(
+                f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"
+            )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
+        if not 0.0 <= self.limits.gap_hold_s <= 60.0:
+            raise ConfigError(f"limits.gap_hold_s must be in 0..60, got {self.limits.gap_hold_s}")
         self.listen.validate()
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")

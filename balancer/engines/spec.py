@@ -10,6 +10,7 @@ engine module defines its ``SPEC``; :mod:`balancer.engines.registry` lists them 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -17,9 +18,13 @@ from balancer.engines import DecoderFactory
 from balancer.errors import ConfigError
 from balancer.index.hashing import AlignMode
 from balancer.load.scrape import ScrapeTarget
+from balancer.types import EngineHash
 
 if TYPE_CHECKING:
     from balancer.config import EngineKind
+
+BlockHashes = Callable[[Sequence[int], int], "list[EngineHash]"]
+"""``(token_ids, tokens_per_block) -> engine hashes`` of the full blocks, chained from the root."""
 
 EventTransport = Literal["zmq", "http_drain"]
 """How an engine publishes KV events.
@@ -56,6 +61,10 @@ class EngineSpec:
     """Whether a balancer taking this replica's ingest lease over from a holder that did not stop
     cleanly must resync the replica's ranks first: true when the transport cannot replay the events
     the previous holder consumed but never applied."""
+    block_hashes: BlockHashes | None = None
+    """The engine's own hashes of the full blocks of a plain token sequence (no LoRA, no salt, text
+    only), when kvlb can reproduce them; the router uses them only for a replica whose events agreed
+    with them (receipts then teach the index blocks with their engine hashes). ``None``: cannot."""
 
     def __post_init__(self) -> None:
         if self.default_block_size <= 0:

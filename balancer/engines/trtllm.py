@@ -41,6 +41,13 @@ attention-DP rank), does no I/O and reads no clock. What it decides, and why:
   causes no false gap. ``ignored`` counts empty ``{}`` events, events of other windows or unknown types,
   dropped blocks, removed partial hashes and ignored updates, one each.
 
+**Block hashes.** :func:`v1_block_hashes` reproduces the engine's default (``v1_block_key``) block
+hash of a plain text chain (no LoRA, no ``cache_salt``, no multimodal keys, ``token_extra_id`` 0):
+``BlockKeyHasher::hash`` of ``blockKey.cpp``, transcribed in ``replicas/wire/trtllm.py``. No golden
+value from a live TRT-LLM exists in this repository, so kvlb never trusts it blindly: the router uses
+it only for a replica whose own events agreed with it (:meth:`PoolRouter.settle_receipt
+<balancer.routing.router.PoolRouter.settle_receipt>`).
+
 TRT-LLM's spec: blocks over ``prompt[:-1]``, 32 tokens per block by default, events from the HTTP
 drain (one consumer; an unclean lease takeover resyncs, as the drained events cannot be replayed), and
 load from the ``/metrics`` iteration-stats drain, else Prometheus ``/prometheus/metrics``.
@@ -72,6 +79,31 @@ from balancer.types import U64_MASK, EngineHash, to_u64
 _HEX = re.compile(r"[0-9a-fA-F]{1,128}")
 _I64_MIN = -(1 << 63)
 _U32_MAX = (1 << 32) - 1
+
+
+_MIX32_MULTIPLIER = 0x045D9F3B
+_COMBINE_CONSTANT = 0x9E3779B9
+_PARENT_MULTIPLIER = 0xBF58476D1CE4E5B9
+
+
+def v1_block_hashes(token_ids: Sequence[int], tokens_per_block: int) -> list[EngineHash]:
+    """TRT-LLM's u64 ``v1_block_key`` hashes of the full blocks of a plain text sequence, chained
+    from the root (``seed = len ^ parent * C``, then ``hash32Mix`` of each u32 token into the seed)."""
+    if tokens_per_block <= 0:
+        raise ValueError(f"tokens_per_block must be > 0, got {tokens_per_block}")
+    hashes: list[EngineHash] = []
+    parent = 0
+    for start in range(0, len(token_ids) - tokens_per_block + 1, tokens_per_block):
+        seed = (tokens_per_block ^ (parent * _PARENT_MULTIPLIER)) & U64_MASK
+        for token in token_ids[start : start + tokens_per_block]:
+            mixed = token & _U32_MAX
+            mixed = (((mixed >> 16) ^ mixed) * _MIX32_MULTIPLIER) & _U32_MAX
+            mixed = (((mixed >> 16) ^ mixed) * _MIX32_MULTIPLIER) & _U32_MAX
+            mixed = (((mixed >> 16) ^ mixed) + _COMBINE_CONSTANT) & _U32_MAX
+            seed ^= (mixed + (seed << 6) + (seed >> 2)) & U64_MASK
+        parent = seed
+        hashes.append(EngineHash(seed))
+    return hashes
 
 
 class _Malformed(Exception):
@@ -407,4 +439,5 @@ SPEC = EngineSpec(
         ScrapeTarget("/prometheus/metrics", text_parser(parse_trtllm_prometheus), prometheus=True),
     ),
     resync_on_unclean_takeover=True,
+    block_hashes=v1_block_hashes,
 )

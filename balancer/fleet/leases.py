@@ -27,6 +27,11 @@ replay buffer no longer covers the gap). A TRT-LLM drain cannot be replayed: unl
 holder stopped cleanly, the new holder resyncs the replica's ranks first (the engine's spec says so:
 ``EngineSpec.resync_on_unclean_takeover``).
 
+The manager runs on the request loop with its own Redis client; the replicas' sources, queues and
+writers run on the ingest thread (:class:`~balancer.fleet.space_ingest.SpaceIngest`: each start,
+stop, drop and generation change is one hop there), so a flood's decoding and writing does not hold
+up a tick (the threads share only the GIL), and so does not cost a lease.
+
 Lease expiry uses the Redis server's clock (``PX``); ``now`` values here are local monotonic seconds
 (health) and wall seconds (event ages), never compared with Redis time.
 """
@@ -47,15 +52,14 @@ import xxhash
 from balancer.config import ReplicaConfig
 from balancer.engines.registry import engine_spec
 from balancer.events import Resync
-from balancer.fleet.writer import FencedWriter
+from balancer.fleet.space_ingest import SpaceIngest
 from balancer.health.book import HealthBook
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient
 from balancer.index.redis.lease import IngestionLease, encode_positions
 from balancer.index.redis.schema import RedisKeys
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
-from balancer.sources.base import EventSource, IngestBatch
-from balancer.sources.pipeline import EventIngest
+from balancer.sources.base import EventSource
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -106,9 +110,10 @@ class FleetReplica:
 
     config: ReplicaConfig
     keys: RedisKeys
-    writer: FencedWriter
-    ingest: EventIngest
+    ingest: SpaceIngest
+    """Its key space's writer and ingest, on the ingest thread: every step is one hop there."""
     lease: IngestionLease
+    """Used on this (the request) loop only; the writer reads nothing of it but the owner token."""
 
 
 @dataclass(slots=True)
@@ -193,13 +198,11 @@ class LeaseManager:
             self._lost.discard(replica)
             if entry is None or self.held.pop(replica, None) is None:
                 return False
-            await entry.ingest.remove_replica(replica, drop_index=False)
+            await entry.ingest.give_up(replica)  # sources and applier stopped, holding released
             try:
-                await entry.writer.drop(replica)
-                entry.writer.release(replica)
+                await entry.ingest.drop(replica)
                 await entry.lease.release()
             except REDIS_ERRORS as exc:
-                entry.writer.release(replica)
                 self._metrics.redis_errors_total.labels("lease").inc()
                 log.warning("replica %s left, but its lease was not released: %s", replica, exc)
                 return True
@@ -243,13 +246,14 @@ class LeaseManager:
         replica meanwhile: Redis holds exactly our last positions. Else the replica is given up and
         taken anew like any other (a TRT-LLM drain then resyncs)."""
         entry = self.replicas[replica]
-        holding = entry.writer.holdings.get(replica)
+        holding = await entry.ingest.holding(replica)
         if holding is None or holding.lost:
             return False
         grant = await entry.lease.acquire()
         if not grant.acquired or grant.applied != holding.applied:
             return False
-        holding.generation = grant.generation
+        if not await entry.ingest.adopt_generation(replica, grant.generation):
+            return False  # fenced meanwhile: given up like any lost lease
         self._metrics.redis_lease_events_total.labels("retaken").inc()
         log.info("lease of %s expired and taken back (generation %d)", replica, grant.generation)
         return True
@@ -287,16 +291,16 @@ class LeaseManager:
         if grant.clean:  # from now on an unclean stop must be noticed again
             applied = encode_positions(positions, writes=grant.writes)
             await self.client.hset(entry.keys.applied_seq, replica, applied)
-        entry.writer.hold(
-            replica, entry.lease, grant.generation, positions, writes=grant.writes, applied=applied
-        )
-        sources = self._build_sources(entry.config, positions)
-        pipeline = entry.ingest.add_replica(replica, entry.config.engine, sources)
+        resyncs: tuple[Resync, ...] = ()
         needs_resync = engine_spec(entry.config.engine).resync_on_unclean_takeover
         if needs_resync and grant.applied and not grant.clean:
             ranks = await cast("Any", self.client.smembers(entry.keys.ranks(replica)))
             resyncs = tuple(Resync(int(r), "gap") for r in sorted(ranks, key=int)) or (Resync(0, "gap"),)
-            pipeline.offer(IngestBatch(resyncs))
+        sources = self._build_sources(entry.config, positions)
+        await entry.ingest.take(
+            replica, entry.config.engine, entry.lease, grant.generation, positions,
+            writes=grant.writes, applied=applied, sources=sources, resyncs=resyncs,
+        )  # fmt: skip
         self.held[replica] = _Held(time.monotonic(), self._messages(replica))
         self._metrics.redis_lease_events_total.labels("acquired").inc()
         log.info("ingesting %s (generation %d, resuming after %s)", replica, grant.generation, positions)
@@ -305,8 +309,7 @@ class LeaseManager:
         self.held.pop(replica, None)
         entry = self.replicas[replica]
         drain_s = self.timing.drain_s if graceful else 0.0
-        drained = await entry.ingest.remove_replica(replica, drop_index=False, drain_s=drain_s)
-        holding = entry.writer.release(replica)
+        drained, holding = await entry.ingest.give_up(replica, drain_s=drain_s)
         if not graceful:
             self._metrics.redis_lease_events_total.labels("lost").inc()
             return
@@ -338,7 +341,7 @@ class LeaseManager:
             failing_s = 0.0 if held.failing_since is None else now - held.failing_since
             if silent_s >= timeout_s and failing_s >= timeout_s:
                 log.warning("replica %s: no events for %.0f s and unhealthy: dropping it", replica, silent_s)
-                await self.replicas[replica].writer.drop(replica)
+                await self.replicas[replica].ingest.drop(replica)
                 held.dropped = True
                 self._metrics.redis_replicas_dropped_total.labels(replica).inc()
 

@@ -7,7 +7,10 @@ alignment, exactly as :class:`~balancer.routing.router.PoolRouter` splits them) 
   (``<model>/<block size>/<mode>``: the keys of different schemes never mix, and each has its own
   applied-event stream);
 * a :class:`~balancer.fleet.writer.FencedWriter` and an :class:`~balancer.sources.pipeline.EventIngest`
-  over it, which ingest only the replicas whose lease this balancer holds;
+  over it, which ingest only the replicas whose lease this balancer holds. These three run on the
+  loop of the balancer's :class:`~balancer.sources.ingest_thread.IngestThread` with a Redis client
+  of their own (``writer_client``), behind a :class:`~balancer.fleet.space_ingest.SpaceIngest`: a
+  flood's decoding and the writer's planning and script calls never run on the request loop;
 * a :class:`~balancer.index.redis.mirror.Mirror` that installs each table it builds into the key space the
   router reads (``KeySpace.table``). Routing reads only that table: it never waits on Redis.
 
@@ -15,6 +18,13 @@ A replica found by discovery after start gets the same (:meth:`FleetRuntime.add_
 space's Redis side is built then if new); one that leaves is forgotten by the lease manager, which
 drops its blocks fleet-wide and deletes its lease if this balancer held it
 (:meth:`FleetRuntime.remove_replica`).
+
+Two Redis clients stay on the request loop: ``text`` (leases, policy) and ``raw`` (mirrors,
+snapshots). The mirrors stay there too: a mirror applies what the writers of the whole fleet wrote,
+at most ``MirrorSettings.read_count`` entries per poll, into the table the router reads without a
+lock. What crosses between the loops: the writer's ``on_lost`` (handed to the request loop with
+``call_soon_threadsafe``), its ``on_redis`` verdicts (guarded by a lock), and the
+:class:`~balancer.fleet.space_ingest.SpaceIngest` hops.
 
 Around them: the :class:`~balancer.fleet.leases.LeaseManager`, the
 :class:`~balancer.fleet.policy_sync.PolicySync` and the
@@ -27,23 +37,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import secrets
 import socket
+import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import aiohttp
-import zmq.asyncio
 
 from balancer.config import RedisConfig, ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
+from balancer.fleet.space_ingest import SpaceIngest
 from balancer.fleet.writer import FencedWriter
 from balancer.index.redis.client import RedisClient, connect
 from balancer.index.redis.index import RedisIndex
@@ -56,6 +66,7 @@ from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
 from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
+from balancer.sources.ingest_thread import IngestThread
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -89,8 +100,8 @@ class _Space:
     name: str
     space: KeySpace
     index: RedisIndex
-    writer: FencedWriter
-    ingest: EventIngest
+    ingest: SpaceIngest
+    """The writer and ingest over ``index``, on the ingest thread."""
     mirror: Mirror
     seen_entries: int = 0
     seen_resyncs: int = 0
@@ -100,9 +111,9 @@ class _Space:
 class FleetRuntime:
     """Every Redis-backed part of one balancer; ``start`` after the pools, ``stop`` before them."""
 
-    def __init__(
-        self, state: ServiceState, *, zmq_ctx: zmq.asyncio.Context, session: aiohttp.ClientSession
-    ) -> None:
+    def __init__(self, state: ServiceState, *, thread: IngestThread) -> None:
+        """``thread``: where the writers and the ingest run (started by :meth:`start`; its owner
+        stops it after :meth:`stop`)."""
         self.state = state
         self.config = state.settings.redis
         self.instance = (
@@ -110,8 +121,13 @@ class FleetRuntime:
         )
         self.text = redis_client(self.config, decode=True)
         self.raw = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)
-        self._zmq = zmq_ctx
-        self._session = session
+        self.writer_client = redis_client(self.config, decode=True)
+        """The writers' client: used on the ingest thread's loop only (connections open on first use)."""
+        self.thread = thread
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The request loop (set by :meth:`start`): a fenced writer's news is handed over to it."""
+        self._redis_lock = threading.Lock()
+        """Guards the two times below: the writers (ingest thread) and the request loop set them."""
         self._spaces: list[_Space] = []
         self._by_space: dict[int, _Space] = {}
         """``id(KeySpace)`` → its Redis side."""
@@ -152,21 +168,26 @@ class FleetRuntime:
             )
         except ValueError as exc:
             raise ConfigError(f"pool {model!r}: {exc}") from None
-        index = RedisIndex(self.text, space.hasher, settings)
-        writer = FencedWriter(index, metrics=state.metrics, on_lost=self._lost, on_redis=self._redis_result)
+        index = RedisIndex(self.writer_client, space.hasher, settings)
+        writer = FencedWriter(
+            index, metrics=state.metrics, on_lost=self._lost_threadsafe, on_redis=self._redis_result
+        )
         limits = state.settings.limits
         ingest_settings = IngestSettings(
             queue_max_batches=limits.event_queue_size,
             queue_max_bytes=limits.event_queue_bytes,
             max_event_blocks=limits.max_event_blocks,
         )
-        ingest = EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
+        ingest = SpaceIngest(
+            self.thread, writer, EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
+        )
         mirror = Mirror(
             self.raw, space.hasher, settings, state.monotonic,
-            limits=space.table.limits, on_table=_installer(space),
+            # the mirror follows the Redis index, which clears a rank at every gap: no gap hold
+            limits=dataclasses.replace(space.table.limits, gap_hold_s=0.0), on_table=_installer(space),
             suppressed=state.metrics.log_suppressed_total,
         )  # fmt: skip
-        entry = _Space(name, space, index, writer, ingest, mirror)
+        entry = _Space(name, space, index, ingest, mirror)
         self._spaces.append(entry)
         self._by_space[id(space)] = entry
         state.ingests.append(ingest)
@@ -176,7 +197,7 @@ class FleetRuntime:
         entry = self._by_space[id(space)]
         keys = entry.index.keys
         lease = IngestionLease(self.text, keys, ReplicaId(replica.id), self.instance, self._lease_settings())
-        return FleetReplica(replica, keys, entry.writer, entry.ingest, lease)
+        return FleetReplica(replica, keys, entry.ingest, lease)
 
     async def _start_space(self, entry: _Space) -> None:
         assert self.snapshots is not None
@@ -190,10 +211,11 @@ class FleetRuntime:
     def _sources(self, replica: ReplicaConfig, resume: Mapping[int, int]) -> Sequence[EventSource]:
         if not self.state.kv_events(ReplicaId(replica.id)):
             return []  # pools[].kv_events: false: routing decisions and receipts only
-        return build_sources(
+        assert self.thread.zmq is not None and self.thread.session is not None
+        return build_sources(  # the ingest thread's ZMQ context and session: its loop runs them
             replica,
-            zmq_ctx=self._zmq,
-            session=self._session,
+            zmq_ctx=self.thread.zmq,
+            session=self.thread.session,
             metrics=self.state.metrics,
             zmq_settings=zmq_settings_for(self.state.settings.limits),
             poll_settings=poll_settings_for(self.state.settings.limits),
@@ -203,6 +225,8 @@ class FleetRuntime:
     async def start(self) -> None:
         """Build every part and start the tasks (mirrors warm up in the background)."""
         state, config = self.state, self.config
+        self._loop = asyncio.get_running_loop()
+        await self.thread.start()
         replicas = self._build()
         self.leases = LeaseManager(
             self.text,
@@ -271,11 +295,20 @@ class FleetRuntime:
         if self.leases is not None:
             self.leases.lost(replica)
 
+    def _lost_threadsafe(self, replica: ReplicaId) -> None:
+        """A writer (on the ingest thread) was fenced out of ``replica``: tell the lease manager, on
+        the request loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._lost, replica)
+
     def _redis_result(self, ok: bool) -> None:
-        if ok:
-            self._redis_ok_at = time.monotonic()
-        else:
-            self._redis_failed_at = time.monotonic()
+        """Whether a Redis call worked; called on both loops (the writers' on the ingest thread)."""
+        with self._redis_lock:
+            if ok:
+                self._redis_ok_at = time.monotonic()
+            else:
+                self._redis_failed_at = time.monotonic()
 
     async def _housekeeping(self) -> None:
         """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
@@ -319,7 +352,9 @@ class FleetRuntime:
 
     def redis_down(self) -> bool:
         mirrors_down = any(not e.mirror.connected and e.mirror.counters.redis_errors for e in self._spaces)
-        return mirrors_down or self._redis_failed_at > self._redis_ok_at
+        with self._redis_lock:
+            failed_last = self._redis_failed_at > self._redis_ok_at
+        return mirrors_down or failed_last
 
     def not_ready(self) -> list[str]:
         return [f"mirror of {e.name} not warm yet" for e in self._spaces if not e.mirror.ready.is_set()]
@@ -340,6 +375,7 @@ class FleetRuntime:
             "members": [] if self.leases is None else list(self.leases.members),
             "leases": [] if self.leases is None else sorted(self.leases.held),
             "redis_up": not self.redis_down(),
+            "writer_threads": {e.name: e.ingest.writer.thread for e in self._spaces},
             "mirrors": {
                 e.name: {
                     "ready": e.mirror.ready.is_set(),
@@ -372,8 +408,10 @@ class FleetRuntime:
                 await asyncio.wait_for(self.snapshots.release(), self.config.socket_timeout_s)
         tasks, self._tasks = self._tasks, []
         await cancel_all(tasks)
-        for entry in self._spaces:
-            await entry.ingest.aclose()
+        if self.thread.loop is not None:  # the writers' client closes on the loop that used it
+            for entry in self._spaces:
+                await entry.ingest.aclose()
+            await self.thread.call(self.writer_client.aclose)
         if self.policy is not None:
             await self.policy.aclose()
         await self.text.aclose()

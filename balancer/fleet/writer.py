@@ -13,18 +13,25 @@ positions in the same atomic call as the batch (so the next holder resumes exact
   positions that are neither (Redis restarted without our last writes) give the replica up, and the
   lease manager takes it anew from the positions Redis kept, replaying the rest from the engine.
 * **Fenced.** A :class:`~balancer.index.redis.index.StaleGenerationError` while the lease is still
-  ours means our own liveness drop bumped the generation: take the new one and write again.
+  ours means we bumped the generation ourselves (a liveness drop, or the lease taken back after it
+  expired): take the new one (if the lease manager has not set it already) and write again.
   Otherwise another balancer took the replica: the holding is marked lost, ``on_lost`` is told,
   and the error goes up (the pipeline logs it; the lease manager stops the replica's ingest).
 
 Routing never reads this class: every balancer, this one included, sees the writes through its
 mirror (:mod:`balancer.index.redis.mirror`), so all of them apply the same batches in the same order.
+
+**One loop.** A running balancer keeps each writer, its index and its Redis client on the ingest
+thread's loop (:mod:`balancer.fleet.space_ingest`): every call here, ``on_lost`` and ``on_redis``
+included, runs there. The lease a holding names is read for its owner token only; who holds it
+now is asked through the writer's own client (:meth:`FencedWriter._holder`), never the lease's.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,6 +97,9 @@ class FencedWriter:
         self._retry = retry or RetrySettings()
         self._wall_clock = wall_clock
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self.thread: str | None = None
+        """Name of the thread the last write ran on (``None`` before the first): the ingest thread
+        in a running balancer (``/admin/fleet`` shows it; tests check it)."""
 
     def hold(
         self,
@@ -117,6 +127,7 @@ class FencedWriter:
         self, replica: ReplicaId, events: Sequence[KvEvent], now: float, positions: Mapping[int, int]
     ) -> ApplyResult:
         """Write one batch fenced by the replica's generation, with its positions; waits out outages."""
+        self.thread = threading.current_thread().name
         holding = self._holding(replica)
         merged = {**holding.positions, **positions}
         text = encode_positions(merged, writes=holding.writes + 1)
@@ -178,14 +189,22 @@ class FencedWriter:
     async def _fenced(self, replica: ReplicaId, holding: Holding, exc: StaleGenerationError) -> None:
         """Adopt the new generation if the lease is still ours, else give the replica up (raises)."""
         self._metrics.redis_stale_writes_total.inc()
-        if await holding.lease.holder() == holding.lease.owner and exc.current > holding.generation:
-            log.info("replica %s: generation %d -> %d (dropped)", replica, holding.generation, exc.current)
-            holding.generation = exc.current
+        if await self._holder(replica) == holding.lease.owner and exc.current >= holding.generation:
+            # Ours: the bump was our own (a liveness drop, or the lease taken back, which may have
+            # set the new generation here already while the refused write was on its way).
+            if exc.current > holding.generation:
+                log.info("replica %s: generation %d -> %d", replica, holding.generation, exc.current)
+                holding.generation = exc.current
             return
         holding.lost = True
         log.warning("replica %s: another balancer ingests it now (%s)", replica, exc)
         self._on_lost(replica)
         raise exc
+
+    async def _holder(self, replica: ReplicaId) -> str | None:
+        """The owner token of ``replica``'s lease now, read through this writer's own client."""
+        holder = await self.index.client.get(self.index.keys.lease(replica))
+        return holder.decode() if isinstance(holder, bytes) else holder
 
     async def drop(self, replica: ReplicaId) -> int:
         """Drop ``replica`` fleet-wide (bumps its generation; a held replica goes on writing)."""

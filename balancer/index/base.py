@@ -23,7 +23,9 @@ Semantics shared by all backends:
 
 * ``apply`` takes one replica's events in order. A ``Stored`` whose parent engine hash is unknown for
   that (replica, dp_rank) is skipped whole and counted; a ``Removed`` of an unknown hash is counted and
-  ignored; ``Cleared`` and ``Resync`` clear that (replica, dp_rank).
+  ignored; ``Cleared`` and ``Resync`` clear that (replica, dp_rank). (The router's own in-memory
+  tables may instead hold a rank's blocks as suspect after ``Resync(rank, "gap")``:
+  ``TableLimits.gap_hold_s``, 0 by default, which is what the contract tests run.)
 * ``drop_blocks`` forgets one replica's real holdings of the keys given, on every rank; a later
   ``Removed`` of a dropped block is ignored, a later ``Stored`` holds it again, and its children still
   chain from it.

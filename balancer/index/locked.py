@@ -119,6 +119,36 @@ class LockedPrefixTable(PrefixTable):
         with self.lock:
             return PrefixTable.drop_blocks(self, replica, PrefixTable.speculated(self, replica, keys, now))
 
+    def settle_suspect(
+        self, replica: ReplicaId, found: Sequence[BlockKey], missing: Sequence[BlockKey], now: float
+    ) -> tuple[int, int]:
+        with self.lock:
+            return super().settle_suspect(replica, found, missing, now)
+
+    def learn_blocks(
+        self,
+        replica: ReplicaId,
+        keys: Sequence[BlockKey],
+        engine_hashes: Sequence[int],
+        routed_at: float,
+        *,
+        hold: bool,
+    ) -> tuple[int, int, int]:
+        with self.lock:
+            return super().learn_blocks(replica, keys, engine_hashes, routed_at, hold=hold)
+
+    def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        with self.lock:
+            return super().held_prefix(replica, keys)
+
+    def suspect_blocks(self, replica: ReplicaId) -> int:
+        with self.lock:
+            return super().suspect_blocks(replica)
+
+    def engine_hashes(self, replica: ReplicaId, dp_rank: int = 0) -> set[int]:
+        with self.lock:
+            return super().engine_hashes(replica, dp_rank)
+
     def held_blocks(self, replica: ReplicaId) -> int:
         with self.lock:
             return super().held_blocks(replica)

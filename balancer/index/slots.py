@@ -32,10 +32,18 @@ class TableLimits:
     """Caches ((replica, dp_rank) pairs) plus one speculative slot per replica. A ``Stored`` for a new
     cache beyond it is skipped, and so are speculative keys of a new replica; both are counted in
     ``TableCounters.slot_overflow``."""
+    gap_hold_s: float = 0.0
+    """Seconds a cache's blocks stay *suspect* after an event gap (``Resync(rank, "gap")``) instead
+    of being cleared at once: held and routed to, each one kept if the engine confirms it within this
+    long (a store or a store under it, a receipt that found it cached), dropped otherwise (and at once
+    if a receipt shows it missing). 0 clears at once (the Redis index's and fleet mirror's way).
+    Costs no memory beyond one dict entry per block of the cache (bounded by its blocks)."""
 
     def __post_init__(self) -> None:
         if self.capacity_blocks <= 0 or self.max_speculative_keys < 0 or self.max_slots <= 0:
             raise ValueError(f"invalid table limits: {self}")
+        if not 0.0 <= self.gap_hold_s < float("inf"):
+            raise ValueError(f"invalid table limits: gap_hold_s must be finite and >= 0: {self}")
 
 
 @dataclass(slots=True)
@@ -53,12 +61,30 @@ class TableCounters:
     """Speculative keys that a real store of the same replica turned into real holdings."""
     slot_overflow: int = 0
     """Caches or speculative slots refused over ``max_slots``."""
+    suspect_marked: int = 0
+    """Blocks an event gap made suspect (``TableLimits.gap_hold_s``), once per gap."""
+    suspect_confirmed: int = 0
+    """Suspect blocks the engine confirmed (a store, a store under it, a receipt)."""
+    suspect_dropped: int = 0
+    """Suspect blocks dropped: unconfirmed at the end of the hold, or shown missing by a receipt."""
 
 
 class CacheSlot:
     """One KV cache: its bit and its engine-hash map, which is also its reverse set."""
 
-    __slots__ = ("bit", "dp_rank", "dups", "held", "keys", "replica", "slot")
+    __slots__ = (
+        "bit",
+        "dp_rank",
+        "dups",
+        "gone",
+        "gone_floor",
+        "held",
+        "keys",
+        "replica",
+        "slot",
+        "suspect",
+        "suspect_until",
+    )
 
     def __init__(self, replica: ReplicaId, dp_rank: int, slot: int) -> None:
         self.replica = replica
@@ -71,6 +97,18 @@ class CacheSlot:
         """block key → extra engine hashes mapping to it (rare: the same tokens under two handles)."""
         self.held = 0
         """Keys whose mask has this bit."""
+        self.suspect: dict[int, None] = {}
+        """Held keys not confirmed since the cache's last event gap (at most ``held`` live ones;
+        an entry whose key lost this bit meanwhile is ignored)."""
+        self.suspect_until = 0.0
+        """When the unconfirmed ``suspect`` keys are dropped (monotonic seconds)."""
+        self.gone: dict[int, float] | None = None
+        """Once receipts teach this cache blocks (``PrefixTable.learn_blocks``): engine hashes the
+        engine removed lately → when (at most ``GONE_MAX`` and ``GONE_S`` back, oldest out first),
+        which a receipt of a request routed before the removal must not bring back."""
+        self.gone_floor = float("-inf")
+        """The latest removal time forgotten from ``gone``: a request routed before it is not learned
+        from (its removals may no longer be remembered)."""
 
 
 class SpecSlot:

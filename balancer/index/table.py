@@ -35,6 +35,7 @@ import xxhash
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
+from balancer.index.recovery import _NEVER, GapRecovery
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
 
@@ -44,7 +45,7 @@ _COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live
 _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
 
 
-class PrefixTable:
+class PrefixTable(GapRecovery):
     """Who holds which blocks, for one key space (one :class:`BlockHasher`). Synchronous and pure:
     the request path reads it; ingestion writes it through ``MemoryIndex`` or the fleet mirror."""
 
@@ -64,6 +65,10 @@ class PrefixTable:
         self._lookahead = hasher.lookahead_tokens
         cap = self.limits.capacity_blocks
         self._evict_target = cap - cap // _EVICT_BATCH_DIVISOR
+        self._suspects: dict[CacheSlot, None] = {}
+        """Caches holding suspect keys (after an event gap, ``TableLimits.gap_hold_s``)."""
+        self._suspect_due = _NEVER
+        """The earliest ``suspect_until`` of those caches."""
 
     # ------------------------------------------------------------------ events
 
@@ -71,14 +76,20 @@ class PrefixTable:
         """Apply one replica's events in order (semantics in :mod:`balancer.index.base`)."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
         result = ApplyResult()
         for event in events:
             if type(event) is Stored:
                 self._store(replica, event, result)
             elif type(event) is Removed:
-                self._remove(replica, event, result)
+                self._remove(replica, event, result, now)
             elif isinstance(event, Cleared | Resync):  # speculative entries stay: requests are in flight
-                if (cache := self._slots.cache(replica, event.dp_rank)) is not None:
+                if (cache := self._slots.cache(replica, event.dp_rank)) is None:
+                    pass
+                elif type(event) is Resync and event.reason == "gap" and self.limits.gap_hold_s > 0:
+                    self._suspect_all(cache, now)
+                else:
                     self._clear(cache)
                 result.cleared_caches += type(event) is Cleared
                 result.resyncs += type(event) is Resync
@@ -108,6 +119,8 @@ class PrefixTable:
             cache = self._slots.new_cache(replica, event.dp_rank)
             if cache is None:
                 return
+        if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
+            self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
         result.stored_blocks += self._store_chain(cache, seed, event)
         if len(self._holders) > self.limits.capacity_blocks:
             result.evicted_blocks += self._evict()
@@ -128,10 +141,13 @@ class PrefixTable:
         span = step + 4 * self._lookahead
         key = seed
         already = confirmed = 0
+        suspect = cache.suspect
         for engine_hash, start, stop in zip(
             event.engine_hashes, range(0, end, step), range(span, end + span, step), strict=True
         ):
             key = xxh3(tokens[start:stop], key)
+            if suspect and suspect.pop(key, 0) is None:  # stored again: the engine holds it
+                self.counters.suspect_confirmed += 1
             mask = pop(key, 0)
             if pending is not None and key in pending:  # a real store confirms a speculative one
                 del pending[key]
@@ -166,17 +182,24 @@ class PrefixTable:
         cache.keys[engine_hash] = key
         cache.dups[key] = cache.dups.get(key, 0) + 1
 
-    def _remove(self, replica: ReplicaId, event: Removed, result: ApplyResult) -> None:
+    def _remove(self, replica: ReplicaId, event: Removed, result: ApplyResult, now: float) -> None:
         cache = self._slots.cache(replica, event.dp_rank)
         if cache is None:
             result.unknown_removals += len(event.engine_hashes)
             return
         pop = cache.keys.pop
+        suspect = cache.suspect
+        gone = cache.gone
         for engine_hash in event.engine_hashes:
+            if gone is not None:
+                self._tombstone(cache, gone, engine_hash, now)
             key = pop(engine_hash, None)
             if key is None:
                 result.unknown_removals += 1
-            elif self._release(cache, key):
+                continue
+            if suspect:
+                suspect.pop(key, None)
+            if self._release(cache, key):
                 result.removed_blocks += 1
 
     def _release(self, cache: CacheSlot, key: int) -> bool:
@@ -197,6 +220,10 @@ class PrefixTable:
     def _clear(self, cache: CacheSlot) -> int:
         self._unset(cache.keys.values(), cache.bit)
         held, cache.keys, cache.dups, cache.held = cache.held, {}, {}, 0
+        cache.suspect = {}
+        if cache.gone is not None:
+            cache.gone = {}
+            cache.gone_floor = float("-inf")
         return held
 
     # ------------------------------------------------------------------ budget
@@ -260,6 +287,8 @@ class PrefixTable:
         """
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
         mask, template = self._slots.candidates(among)
         if confirmed_only:
             mask &= ~self._slots.spec_mask
@@ -283,6 +312,8 @@ class PrefixTable:
         those and its speculative slot."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
         mask, template = self._slots.candidates(among)
         spec_mask = self._slots.spec_mask
         blocks = template.copy()
@@ -470,25 +501,28 @@ class PrefixTable:
         if not ranks:
             return 0
         wanted = keys if isinstance(keys, Sequence) else list(keys)
+        return sum(self._drop_keys(cache, wanted) for cache in list(ranks.values()))
+
+    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int]) -> int:
+        """Clear ``cache``'s bit on those of ``keys`` it holds (handles kept); returns how many."""
         holders = self._holders
+        bit = cache.bit
         dropped = 0
-        for cache in ranks.values():
-            bit = cache.bit
-            for key in wanted:
-                mask = holders.get(key, 0)
-                if not mask & bit:
-                    continue
-                mask ^= bit
-                if mask:
-                    holders[key] = mask
-                else:
-                    del holders[key]
-                if cache.dups:
-                    cache.dups.pop(key, None)
-                cache.held -= 1
-                dropped += 1
-            if len(cache.keys) > 2 * cache.held + _COMPACT_SLACK:
-                self._compact(cache)
+        for key in keys:
+            mask = holders.get(key, 0)
+            if not mask & bit:
+                continue
+            mask ^= bit
+            if mask:
+                holders[key] = mask
+            else:
+                del holders[key]
+            if cache.dups:
+                cache.dups.pop(key, None)
+            cache.held -= 1
+            dropped += 1
+        if len(cache.keys) > 2 * cache.held + _COMPACT_SLACK:
+            self._compact(cache)
         return dropped
 
     def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> list[BlockKey]:

@@ -16,13 +16,21 @@ Two sources feed a :class:`LoadSnapshot`:
 ``max_replicas``, and a reservation that sees no update for ``max_age_s`` is expired (a leaked
 reservation, e.g. a lost ``release``, cannot pin load for ever). One tracker serves one pool, i.e. one
 block size.
+
+With ``kvlb serve --workers N`` each worker has its own tracker, exact for the requests it routed
+itself. The other workers' committed load comes in as *peer* counts (:class:`LoadCounts` per
+replica, read from shared memory by the shell, :mod:`balancer.load.share`) passed to
+:meth:`LoadTracker.snapshot`, which adds them to its own; the tracker hands its own per-replica totals
+out through the ``on_change`` hook after every change. Neither side does I/O here.
 """
 
 from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from balancer.errors import ConfigError
 from balancer.types import ReplicaId
@@ -103,10 +111,13 @@ class ReplicaLoad:
     capacity_blocks: float | None = None
     """KV pool size in blocks of the snapshot's block size, from the last scrape that reported it
     (``None`` when never reported). Unlike the other scraped fields it is not dropped when stale."""
+    peer_reqs: int = 0
+    """Of :attr:`in_flight_reqs`, the requests the other workers of this ``kvlb serve --workers N``
+    committed (0 with one worker). The router-tracked fields above already include them."""
 
     @property
     def in_flight_reqs(self) -> int:
-        """Requests this balancer has on the replica (prefill + decode)."""
+        """Requests this balancer (all its workers) has on the replica (prefill + decode)."""
         return self.pending_prefill_reqs + self.active_decode_seqs
 
     @property
@@ -129,6 +140,31 @@ class LoadSnapshot:
         """The load of ``replica``: an idle, unscraped one when nothing is known about it."""
         load = self.replicas.get(replica)
         return load if load is not None else ReplicaLoad(replica=replica)
+
+
+class LoadCounts(NamedTuple):
+    """One replica's router-committed load from one side: a tracker's own reservations
+    (:meth:`LoadTracker.own`), or the sum of the other workers' (the ``peers`` of
+    :meth:`LoadTracker.snapshot`). Counts are ≥ 0; blocks are the pool's reference blocks. A named
+    tuple: built for every slot read from the shared table, so cheap to make."""
+
+    prefill_reqs: int = 0
+    """Requests routed and not yet at their first token."""
+    prefill_tokens: int = 0
+    """Their uncached prompt tokens (the prefill still to do)."""
+    decode_seqs: int = 0
+    """Requests past their first token and not yet released."""
+    decode_blocks: int = 0
+    """Their KV blocks (prompt + ``max_tokens``, in the pool's reference block size)."""
+
+    @property
+    def reqs(self) -> int:
+        """Requests in flight (prefill + decode)."""
+        return self.prefill_reqs + self.decode_seqs
+
+
+IDLE = LoadCounts()
+"""No load: what :meth:`LoadTracker.own` returns for a replica with nothing in flight."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +211,9 @@ class _Totals:
     def is_zero(self) -> bool:
         return self.prefill_reqs == 0 and self.decode_seqs == 0
 
+    def counts(self) -> LoadCounts:
+        return LoadCounts(self.prefill_reqs, self.prefill_tokens, self.decode_seqs, self.decode_blocks)
+
 
 @dataclass(frozen=True, slots=True)
 class _Scrape:
@@ -201,6 +240,10 @@ class LoadTracker:
         self._capacity_tokens: dict[ReplicaId, int] = {}
         self._reserved = self._released = self._expired = self._overflow = 0
         self._duplicates = self._unknown = self._ignored_stats = 0
+        self.on_change: Callable[[ReplicaId, LoadCounts], None] | None = None
+        """Called with a replica's own new totals after each change of them (reserve, first token,
+        release, expiry, overflow, forget). The shell sets it (``kvlb serve --workers N``: this
+        worker's row of the shared load table); it must be cheap and must not call back in."""
 
     def reserve(
         self, request_id: str, replica: ReplicaId, prefill_tokens: int, decode_blocks: int, now: float
@@ -218,8 +261,11 @@ class LoadTracker:
             self._overflow += 1
         res = _Reservation(replica, max(0, prefill_tokens), max(0, decode_blocks), now)
         self._requests[request_id] = res
-        self._totals.setdefault(replica, _Totals()).add(res, +1)
+        totals = self._totals.setdefault(replica, _Totals())
+        totals.add(res, +1)
         self._reserved += 1
+        if self.on_change is not None:
+            self.on_change(replica, totals.counts())
         return True
 
     def first_token(self, request_id: str, now: float) -> bool:
@@ -235,6 +281,8 @@ class LoadTracker:
             totals.add(res, -1)
             res.decoding = True
             totals.add(res, +1)
+            if self.on_change is not None:
+                self.on_change(res.replica, totals.counts())
         res.touched_at = now
         self._requests.move_to_end(request_id)
         return True
@@ -291,16 +339,40 @@ class LoadTracker:
         gone = [rid for rid, res in self._requests.items() if res.replica == replica]
         for rid in gone:
             del self._requests[rid]
-        self._totals.pop(replica, None)
+        if self._totals.pop(replica, None) is not None and self.on_change is not None:
+            self.on_change(replica, IDLE)
         return len(gone)
 
-    def snapshot(self, now: float) -> LoadSnapshot:
-        """Per-replica load at ``now`` (expires stale reservations first)."""
+    def own(self, replica: ReplicaId) -> LoadCounts:
+        """This tracker's own reservations on ``replica`` (as of the last expiry)."""
+        totals = self._totals.get(replica)
+        return IDLE if totals is None else totals.counts()
+
+    def snapshot(self, now: float, peers: Mapping[ReplicaId, LoadCounts] | None = None) -> LoadSnapshot:
+        """Per-replica load at ``now`` (expires stale reservations first). ``peers``: the load the
+        other workers committed, per replica, added to this tracker's own (``peer_reqs`` says how
+        much of the in-flight count is theirs); negative peer counts count as 0."""
         self.expire(now)
         block_size = self.config.block_size_tokens
         replicas: dict[ReplicaId, ReplicaLoad] = {}
-        for replica in self._totals.keys() | self._scrapes.keys():
-            totals = self._totals.get(replica, _Totals())
+        names = self._totals.keys() | self._scrapes.keys()
+        if peers:
+            names |= peers.keys()
+        for replica in names:
+            mine = self._totals.get(replica)
+            if mine is None:
+                prefill_reqs = prefill_tokens = decode_seqs = decode_blocks = 0
+            else:
+                prefill_reqs, prefill_tokens = mine.prefill_reqs, mine.prefill_tokens
+                decode_seqs, decode_blocks = mine.decode_seqs, mine.decode_blocks
+            peer_reqs = 0
+            peer = peers.get(replica) if peers else None
+            if peer is not None:  # as combine(), without the intermediate objects
+                peer_reqs = max(0, peer.prefill_reqs) + max(0, peer.decode_seqs)
+                prefill_reqs += max(0, peer.prefill_reqs)
+                prefill_tokens += max(0, peer.prefill_tokens)
+                decode_seqs += max(0, peer.decode_seqs)
+                decode_blocks += max(0, peer.decode_blocks)
             scrape = self._scrapes.get(replica)
             stats, age_s = EngineStats(), None
             if scrape is not None:
@@ -310,11 +382,12 @@ class LoadTracker:
             capacity = self._capacity_tokens.get(replica)
             replicas[replica] = ReplicaLoad(
                 replica=replica,
-                pending_prefill_reqs=totals.prefill_reqs,
-                pending_prefill_tokens=totals.prefill_tokens,
-                pending_prefill_blocks=totals.prefill_tokens / block_size,
-                active_decode_seqs=totals.decode_seqs,
-                active_decode_blocks=totals.decode_blocks,
+                pending_prefill_reqs=prefill_reqs,
+                pending_prefill_tokens=prefill_tokens,
+                pending_prefill_blocks=prefill_tokens / block_size,
+                active_decode_seqs=decode_seqs,
+                active_decode_blocks=decode_blocks,
+                peer_reqs=peer_reqs,
                 waiting_reqs=stats.waiting_reqs,
                 running_reqs=stats.running_reqs,
                 kv_usage=stats.kv_usage,
@@ -343,6 +416,19 @@ class LoadTracker:
         totals.add(res, -1)
         if totals.is_zero():
             del self._totals[res.replica]
+        if self.on_change is not None:
+            self.on_change(res.replica, totals.counts())
+
+
+def combine(own: LoadCounts, peers: LoadCounts) -> LoadCounts:
+    """``own`` plus the other workers' ``peers`` (a negative peer count, from a corrupt or torn row,
+    counts as 0)."""
+    return LoadCounts(
+        own.prefill_reqs + max(0, peers.prefill_reqs),
+        own.prefill_tokens + max(0, peers.prefill_tokens),
+        own.decode_seqs + max(0, peers.decode_seqs),
+        own.decode_blocks + max(0, peers.decode_blocks),
+    )
 
 
 def _sanitise(stats: EngineStats) -> EngineStats:

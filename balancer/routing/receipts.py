@@ -91,6 +91,10 @@ class Settled:
     """Real holdings of the replica dropped (stale keys the engine has not stored again since)."""
     learned_blocks: int = 0
     """Keys the engine had and the index did not know of, added as speculative entries."""
+    confirmed_blocks: int = 0
+    """Suspect holdings of the replica (after an event gap) that the receipt confirmed."""
+    taught_blocks: int = 0
+    """Blocks the index lacked and now holds under the engine's own hashes, computed by kvlb."""
 
 
 @dataclass(frozen=True, slots=True)

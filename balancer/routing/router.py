@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import OrderedDict
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from balancer.errors import NoReplicasAvailable, Overloaded
@@ -43,10 +43,10 @@ from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
-from balancer.load.tracker import LoadConfig, LoadTracker
+from balancer.load.tracker import LoadConfig, LoadCounts, LoadSnapshot, LoadTracker
 from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
 from balancer.routing.receipts import ReceiptBook, Settled, read_receipt
-from balancer.types import BlockKey, Decision, Overlap, ReplicaId
+from balancer.types import BlockKey, Decision, EngineHash, Overlap, ReplicaId
 
 FULL_RETRY_AFTER_S = 1.0
 """``Retry-After`` of the refusal when every routable replica is at its in-flight cap (seconds)."""
@@ -80,6 +80,20 @@ class RoutePlan:
     """Tokens per block of the chosen replica (the unit of ``keys`` and of receipts)."""
     inputs: PolicyInputs | None = None
     """What the policy decided on (references, no copy): the console's decision ring keeps it."""
+    token_ids: Sequence[int] = ()
+    """The prompt's token ids (a reference, no copy) when it has no LoRA and no cache salt: a
+    receipt may then compute the engine's own hashes of its cached blocks; else empty."""
+
+
+BlockHashFn = Callable[[Sequence[int], int], "list[EngineHash]"]
+"""An engine's own block hashes of a plain token sequence (:attr:`EngineSpec.block_hashes
+<balancer.engines.spec.EngineSpec.block_hashes>`)."""
+
+HASH_TRUST_BLOCKS = 16
+"""Blocks whose computed engine hash must have matched the replica's own events (and none
+mismatched) before receipts teach the index blocks under computed hashes."""
+HASH_CHECK_RECEIPTS = 256
+"""Receipts a replica's hashes are checked on before kvlb gives up trusting them (none matched)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,13 +148,15 @@ class Lease:
     """One committed decision: the request's load is reserved on :attr:`replica` (and counted
     against its in-flight cap) until :meth:`release`, which is idempotent."""
 
-    __slots__ = ("_released", "_router", "plan", "replica", "tracking_id")
+    __slots__ = ("_released", "_router", "plan", "replica", "routed_at", "tracking_id")
 
-    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str) -> None:
+    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str, routed_at: float = 0.0) -> None:
         self._router = router
         self.plan = plan
         self.replica = plan.decision.replica
         self.tracking_id = tracking_id
+        self.routed_at = routed_at
+        """When the request was committed (monotonic seconds): receipts date their view by it."""
         self._released = False
 
     @property
@@ -196,19 +212,34 @@ class PoolRouter:
         self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
         self.space_of: dict[ReplicaId, KeySpace] = {}
         self.load: LoadTracker | None = None
+        self.peer_load: Callable[[Collection[ReplicaId]], Mapping[ReplicaId, LoadCounts]] | None = None
+        """The load the other workers of ``kvlb serve --workers N`` committed on the given replicas
+        (set by the shell, :mod:`balancer.load.share`; ``None``: this router's own load is all)."""
         self._speculating: OrderedDict[str, tuple[ReplicaId, tuple[BlockKey, ...], float]] = OrderedDict()
         self.max_speculating = self._limits.max_speculative_keys // 16 + 1
         """Requests whose speculative entries wait for a first token; past it the oldest keep their
         long TTL (they still expire, only later)."""
         self.receipts = ReceiptBook()
         """Each replica's last prediction errors (``/admin/replicas``)."""
+        self._block_hashes: dict[ReplicaId, BlockHashFn] = {}
+        self._hash_trust: dict[ReplicaId, tuple[int, int]] = {}
+        """Per replica with ``block_hashes``: (blocks matched, receipts checked); matched -1 once
+        a computed hash contradicted the engine's events (never trusted again)."""
 
     @property
     def reference_block_size(self) -> int:
         return min((bs for bs, _ in self.spaces), default=16)
 
-    def add_replica(self, replica: ReplicaId, block_size: int, mode: AlignMode) -> KeySpace:
+    def add_replica(
+        self,
+        replica: ReplicaId,
+        block_size: int,
+        mode: AlignMode,
+        block_hashes: BlockHashFn | None = None,
+    ) -> KeySpace:
         """Register a replica's caching scheme; returns the key space whose table its events feed.
+        ``block_hashes``: the engine's own block hashes, when kvlb can reproduce them (receipts use
+        them once verified: :meth:`settle_receipt`).
 
         A replica added while the pool routes (discovery) keeps the load tracker: other replicas'
         reservations and scraped stats stay, and so does the tracker object that scrapers feed. A
@@ -225,6 +256,11 @@ class PoolRouter:
                 load.config = dataclasses.replace(load.config, block_size_tokens=self.reference_block_size)
         space.replicas.add(replica)
         self.space_of[replica] = space
+        if block_hashes is not None and space.hasher.lookahead_tokens == 0:
+            self._block_hashes[replica] = block_hashes
+        else:
+            self._block_hashes.pop(replica, None)
+        self._hash_trust.pop(replica, None)
         return space
 
     def remove_replica(self, replica: ReplicaId) -> None:
@@ -235,6 +271,19 @@ class PoolRouter:
         if self.load is not None:
             self.load.forget(replica)
         self.receipts.forget(replica)
+        self._block_hashes.pop(replica, None)
+        self._hash_trust.pop(replica, None)
+
+    def hash_trust(self, replica: ReplicaId) -> bool | None:
+        """Whether receipts teach ``replica``'s blocks under computed engine hashes: ``True`` (they
+        matched its events), ``False`` (one contradicted them, or none matched in time), ``None``
+        (not checked enough yet, or the engine offers no reproducible hash)."""
+        if replica not in self._block_hashes:
+            return None
+        matched, checked = self._hash_trust.get(replica, (0, 0))
+        if matched < 0 or (matched < HASH_TRUST_BLOCKS and checked >= HASH_CHECK_RECEIPTS):
+            return False
+        return True if matched >= HASH_TRUST_BLOCKS else None
 
     def tracker(self) -> LoadTracker:
         """The pool's load tracker, in reference blocks (built on first use)."""
@@ -252,8 +301,16 @@ class PoolRouter:
         return self.load
 
     def in_flight(self, replica: ReplicaId) -> int:
-        """Requests committed to ``replica`` and not yet released (the load tracker's reservations)."""
+        """Requests this router committed to ``replica`` and not yet released (the load tracker's
+        reservations; the other workers' are not counted: ``limits.max_inflight_per_replica`` is per
+        worker)."""
         return self.tracker().in_flight(replica)
+
+    def load_snapshot(self, now: float) -> LoadSnapshot:
+        """The load the policy reads: this router's reservations plus the other workers' (when
+        :attr:`peer_load` is set), and the scraped engine stats."""
+        peers = self.peer_load(self.space_of) if self.peer_load is not None else None
+        return self.tracker().snapshot(now, peers)
 
     def routable(self, now: float) -> list[ReplicaId]:
         """The pool's replicas that may take a request now (health), in registration order."""
@@ -308,7 +365,7 @@ class PoolRouter:
         self.commit(plan, tracking_id, now, limits.speculative_ttl_s, pending_ttl_s=limits.pending_ttl_s)
         if self.health is not None:
             self.health.on_routed(plan.decision.replica, now)
-        return Lease(self, plan, tracking_id)
+        return Lease(self, plan, tracking_id, now)
 
     def plan(
         self,
@@ -356,7 +413,7 @@ class PoolRouter:
             request_id=request_id,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
-        snapshot = self.tracker().snapshot(now)
+        snapshot = self.load_snapshot(now)
         decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
         keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
@@ -375,6 +432,7 @@ class PoolRouter:
             decode_blocks=-(-decode_tokens // ref_bs),
             block_size=chosen_bs,
             inputs=PolicyInputs(route, overlap_all, snapshot),
+            token_ids=token_ids if lora_name is None and cache_salt is None else (),
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:
@@ -440,6 +498,10 @@ class PoolRouter:
           a store reported after the routing is newer than the receipt's view of the cache, which
           is the one at the request's admission. The speculative entries stay: they stand for that
           recomputation, and the engine's events confirm them or they expire.
+        * **Suspect** blocks (a rank's holdings after an event gap, ``TableLimits.gap_hold_s``): the
+          keys up to the reported point are confirmed, those from it to the predicted point dropped,
+          whatever ``receipt_drops`` says (:meth:`PrefixTable.settle_suspect
+          <balancer.index.table.PrefixTable.settle_suspect>`).
         * **More** reported: the engine held blocks the index did not know of: the request's keys up
           to the reported point are added as speculative entries for ``speculative_ttl_s`` (in
           no-events pools, the life of every holding), which the engine's events confirm if any.
@@ -449,11 +511,41 @@ class PoolRouter:
         receipt = read_receipt(replica, plan.keys, plan.block_size, plan.cached_tokens, reported_tokens)
         self.receipts.record(receipt)
         space = self.space_of.get(replica)
-        dropped = learned = 0
+        dropped = learned = confirmed = suspect_dropped = 0
+        if space is not None:  # after an event gap: confirms or drops the suspect blocks named
+            found = plan.keys[: receipt.reported_blocks]
+            confirmed, suspect_dropped = space.table.settle_suspect(replica, found, receipt.stale, now)
+        taught = 0
+        if space is not None and receipt.reported_blocks and plan.token_ids:
+            taught = self._teach(space, lease, receipt.reported_blocks, now)
         if space is not None and receipt.stale and self.route_limits.receipt_drops:
             dropped = space.table.drop_speculated(replica, receipt.stale, now)
         elif space is not None and receipt.unseen and self.route_limits.speculative_ttl_s > 0:
             prefix = plan.keys[: receipt.reported_blocks]
             space.table.add_speculative(replica, prefix, self.route_limits.speculative_ttl_s, now)
             learned = len(receipt.unseen)
-        return Settled(receipt, dropped, learned)
+        return Settled(receipt, dropped + suspect_dropped, learned, confirmed, taught)
+
+    def _teach(self, space: KeySpace, lease: Lease, reported: int, now: float) -> int:
+        """Blocks ``[0, reported)`` of the lease's request, which the engine found cached, with the
+        engine's own hashes of them (:attr:`EngineSpec.block_hashes
+        <balancer.engines.spec.EngineSpec.block_hashes>`): checked against the replica's events
+        until ``HASH_TRUST_BLOCKS`` matched, then, when the index does not really hold them all
+        (speculative entries do not count), held as real blocks (:meth:`PrefixTable.learn_blocks
+        <balancer.index.table.PrefixTable.learn_blocks>`). Costs one hash per token of those blocks,
+        and only while checking or when the index lacked some. Returns the blocks learned."""
+        replica, plan = lease.replica, lease.plan
+        block_hashes = self._block_hashes.get(replica)
+        if block_hashes is None or self.hash_trust(replica) is False or space.table.limits.gap_hold_s <= 0:
+            return 0  # gap_hold_s 0: the table follows another index (the fleet mirror) or recovery is off
+        matched, checked = self._hash_trust.get(replica, (0, 0))
+        trusted = matched >= HASH_TRUST_BLOCKS
+        found_keys = plan.keys[:reported]
+        if trusted and space.table.held_prefix(replica, found_keys) >= len(found_keys):
+            return 0
+        hashes = block_hashes(plan.token_ids[: reported * plan.block_size], plan.block_size)
+        found, wrong, learned = space.table.learn_blocks(
+            replica, found_keys, hashes, lease.routed_at, hold=trusted
+        )
+        self._hash_trust[replica] = (-1, checked + 1) if wrong else (matched + found, checked + 1)
+        return learned

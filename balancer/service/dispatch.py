@@ -338,6 +338,10 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
         child(metrics.index_receipt_drops_blocks_total, replica).inc(settled.dropped_blocks)
     if settled.learned_blocks:
         child(metrics.index_receipt_learned_blocks_total, replica).inc(settled.learned_blocks)
+    if settled.taught_blocks:
+        child(metrics.index_receipt_taught_blocks_total, replica).inc(settled.taught_blocks)
+    if settled.confirmed_blocks:
+        child(metrics.index_receipt_confirmed_blocks_total, replica).inc(settled.confirmed_blocks)
     accuracy = lease.router_receipts.stats(replica).accuracy
     if accuracy is not None:  # not memoised: this gauge's child is removed with its replica
         metrics.prediction_accuracy_ratio.labels(replica).set(accuracy)

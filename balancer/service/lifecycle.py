@@ -4,9 +4,10 @@ Built and owned by :mod:`balancer.app`. Per replica it runs a load scraper (when
 ``scrape_interval_s`` > 0) and a health prober, and feeds the replica's KV events into the index:
 without Redis through one :class:`~balancer.sources.pipeline.EventIngest` per key space (kept here),
 with Redis through the :class:`~balancer.fleet.runtime.FleetRuntime`, whose lease manager decides
-which balancer ingests it. The embedded ingests run on an
-:class:`~balancer.sources.ingest_thread.IngestThread` (its own loop, ZMQ context and HTTP session),
-so decoding and applying events never takes the request loop's time.
+which balancer ingests it. Both run on this class's
+:class:`~balancer.sources.ingest_thread.IngestThread` (its own loop, ZMQ context and HTTP session):
+the embedded ingests, or the fleet's sources, queues and Redis writers, so decoding and applying
+events never takes the request loop's time.
 
 :meth:`ReplicaLifecycle.apply` is the discovery hook (:mod:`balancer.discovery`):
 
@@ -69,7 +70,8 @@ class ReplicaLifecycle:
         self.ingests: dict[int, ThreadedIngest] = {}
         """``id(KeySpace)`` → the ingest writing its table (embedded mode only)."""
         self.thread = IngestThread()
-        """Where the embedded ingests run (started with the first one)."""
+        """Where event ingestion runs: the embedded ingests (started with the first one), or in fleet
+        mode the fleet's writers and ingests (started by the fleet runtime); stopped last."""
         self.discovered: dict[ReplicaId, str] = {}
         """Replicas added by discovery → their pool's model."""
         self.discovery: Discovery | None = None
@@ -143,7 +145,8 @@ class ReplicaLifecycle:
         if owner is not None:
             log.warning("discovered replica %s: id already used in pool %r: ignored", replica, owner)
             return False
-        space = pool.router.add_replica(replica, config.block_size, engine_spec(config.engine).alignment())
+        spec = engine_spec(config.engine)
+        space = pool.router.add_replica(replica, config.block_size, spec.alignment(), spec.block_hashes)
         self.discovered[replica] = model
         try:
             if self.fleet is not None:

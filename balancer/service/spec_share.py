@@ -12,7 +12,8 @@ runs on the ingest thread; the publishing side is one non-blocking send on the r
 queue drops the message: the entry is only a hint, and it expires anyway).
 
 The clock is ``time.monotonic`` in both processes (system-wide on Linux), so the receiver's ``now``
-serves. The load each worker committed (in-flight requests, pending prefill) is not shared.
+serves. The load each worker committed (in-flight requests, pending prefill) is shared through
+shared memory instead (:mod:`balancer.load.share`).
 """
 
 from __future__ import annotations

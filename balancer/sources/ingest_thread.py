@@ -169,9 +169,14 @@ class ThreadedIngest:
         self.thread = thread
         self.ingest = ingest
 
+    @staticmethod
+    def yielding(sources: Sequence[EventSource]) -> list[EventSource]:
+        """``sources`` whose every emitted batch is followed by a GIL yield (:func:`yield_gil`)."""
+        return [_Yielding(source) for source in sources]
+
     async def add_replica(self, replica: ReplicaId, engine: str, sources: Sequence[EventSource]) -> None:
         """Register ``replica`` and its sources on the ingest loop (started if ingest runs)."""
-        yielding = [_Yielding(source) for source in sources]
+        yielding = self.yielding(sources)
 
         async def add() -> ReplicaPipeline:
             return self.ingest.add_replica(replica, engine, yielding)

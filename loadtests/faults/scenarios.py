@@ -94,6 +94,10 @@ INTERESTING = (
     "kvlb_events_replay_polls_total",
     "kvlb_events_resyncs_total",
     "kvlb_events_queue_overflow_total",
+    "kvlb_route_receipts_total",
+    "kvlb_index_receipt_confirmed_blocks_total",
+    "kvlb_index_receipt_taught_blocks_total",
+    "kvlb_index_receipt_drops_blocks_total",
 )
 """kvlb's counters whose change over a scenario goes into its result."""
 

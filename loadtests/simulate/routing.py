@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import KvEvent
@@ -41,6 +41,7 @@ from balancer.index.slots import TableLimits
 from balancer.load.tracker import (
     EngineStats,
     LoadConfig,
+    LoadCounts,
     LoadSnapshot,
     LoadTracker,
     LoadTrackerStats,
@@ -111,12 +112,15 @@ class ShardedTracker(LoadTracker):
         shard = self._shards.pop(replica, None)
         return 0 if shard is None else shard.forget(replica)
 
-    def snapshot(self, now: float) -> LoadSnapshot:
+    def snapshot(self, now: float, peers: Mapping[ReplicaId, LoadCounts] | None = None) -> LoadSnapshot:
         replicas = self._shards.keys() if self.focus is None else self.focus
         loads: dict[ReplicaId, ReplicaLoad] = {}
         for replica in replicas:  # like LoadTracker: replicas without any data are absent
             shard = self._shards.get(replica)
-            found = None if shard is None else shard.snapshot(now).replicas.get(replica)
+            peer = None if peers is None or replica not in peers else {replica: peers[replica]}
+            if shard is None and peer is not None:
+                shard = self.shard(replica)
+            found = None if shard is None else shard.snapshot(now, peer).replicas.get(replica)
             if found is not None:
                 loads[replica] = found
         return LoadSnapshot(now=now, block_size_tokens=self.config.block_size_tokens, replicas=loads)

@@ -3,12 +3,14 @@
 Every worker holds the index of both (SGLang: its own ZMQ subscription; TRT-LLM: worker 0 drains and
 relays), an admin change made through the shared port reaches both workers, ``/metrics`` carries both
 workers' series, and a worker killed with SIGKILL under load is restarted while the requests on the
-other worker complete; the restarted worker runs the policy changed before it died.
+other worker complete; the restarted worker runs the policy changed before it died. A request in
+flight on one worker counts in the other worker's load view (the shared load table).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -20,6 +22,8 @@ import aiohttp
 import grpc
 import pytest
 import yaml
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import MODEL, Child, _spawn, start_serve, start_sim, stop
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
@@ -252,3 +256,139 @@ async def check_kill_under_load(url: str, serve: Child) -> None:
         view = await fresh_get(url + "/admin/policy")
         versions.add((view["version"], view["weights"]["decode_weight"]))
     assert versions == {(2, 0.5)}
+
+
+class HoldingEngine:
+    """A stand-in engine (a real HTTP server, not a kvlb part): answers probes and quick chats at
+    once, and holds a chat that says ``hold`` after its first SSE chunk until :attr:`let_go` is set,
+    so that the request stays in flight on the worker that took it."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/{tail:.*}", self.ok)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "x", "object": "chat.completion.chunk", "model": body["model"]}
+        chunk["choices"] = [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if "hold" in json.dumps(body["messages"]):
+            self.held.set()
+            await self.let_go.wait()
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def stop(self) -> None:
+        self.let_go.set()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+def load_by_worker(text: str, replica: str) -> dict[tuple[str, str], float]:
+    """``kvlb_replica_load`` of ``replica`` in a gathered ``/metrics``: (worker, kind) → value."""
+    found: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvlb_replica_load" and sample.labels.get("replica") == replica:
+                found[(sample.labels["worker"], sample.labels["kind"])] = sample.value
+    return found
+
+
+async def wait_for_load(url: str, replica: str, want: dict[tuple[str, str], float]) -> None:
+    seen: dict[tuple[str, str], float] = {}
+    try:
+        async with asyncio.timeout(VIEWS_TIMEOUT_S):
+            while True:
+                seen = load_by_worker(await fetch_text(url + "/metrics"), replica)
+                if all(seen.get(key) == value for key, value in want.items()):
+                    return
+                await asyncio.sleep(0.1)
+    except TimeoutError:
+        raise AssertionError(f"{replica}: wanted {want}, last seen {seen}") from None
+
+
+async def test_a_request_in_flight_on_one_worker_is_in_the_others_load_view(tmp_path: Path) -> None:
+    """``--workers 2``: a chat held open on one worker counts in the other worker's view of the
+    replica's load (``peer_inflight`` in its ``/metrics``, ``load`` in every ``/admin/replicas``
+    answer), not in its own per-worker cap count; when the holding worker is SIGKILLed, the
+    supervisor zeroes its row and the other worker no longer counts the dead request."""
+    engine = HoldingEngine()
+    await engine.start()
+    replica = "hold-0"
+    pool = {
+        "model": MODEL,
+        "kv_events": False,
+        "replicas": [{"id": replica, "url": engine.url, "engine": "sglang"}],
+    }
+    config = {"listen": {"host": "127.0.0.1", "port": 0}, "pools": [pool], "health_interval_s": 0.5}
+    path = tmp_path / "kvlb.yaml"
+    path.write_text(yaml.safe_dump(config))
+    serve: Child | None = None
+    held: asyncio.Task[int] | None = None
+    try:
+        serve = await start_serve(tmp_path, path, "--workers", "2")
+        url = serve.info["url"]
+        async with asyncio.timeout(20):
+            while True:
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(url + "/v1/chat/completions", json=chat("Hi", MODEL)) as r,
+                ):
+                    if r.status == 200:
+                        break
+                await asyncio.sleep(0.2)
+
+        async def hold() -> int:
+            body = chat("hold", MODEL, stream=True)
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/chat/completions", json=body) as r,
+            ):
+                await r.read()
+                return r.status
+
+        held = asyncio.create_task(hold())
+        async with asyncio.timeout(10):
+            await engine.held.wait()
+        seen: dict[tuple[str, str], float] = {}
+        async with asyncio.timeout(VIEWS_TIMEOUT_S):
+            while {seen.get((w, "inflight")) for w in "01"} != {0.0, 1.0}:
+                seen = load_by_worker(await fetch_text(url + "/metrics"), replica)
+                await asyncio.sleep(0.05)
+        holder = "0" if seen[("0", "inflight")] == 1.0 else "1"
+        other = "1" if holder == "0" else "0"
+        assert seen[(holder, "peer_inflight")] == 0.0 and seen[(other, "peer_inflight")] == 1.0, seen
+        for _ in range(8):  # fresh connections: either worker answers, both count the request
+            view = next(
+                v for v in (await fresh_get(url + "/admin/replicas"))["replicas"] if v["id"] == replica
+            )
+            assert view["load"]["pending_prefill_reqs"] + view["load"]["active_decode_seqs"] == 1, view
+
+        os.kill(serve.info["worker_pids"][int(holder)], signal.SIGKILL)
+        await asyncio.gather(held, return_exceptions=True)  # it died with its worker
+        await wait_for_load(url, replica, {(other, "peer_inflight"): 0.0, (other, "inflight"): 0.0})
+    finally:
+        if held is not None and not held.done():
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+        if serve is not None:
+            await stop(serve)
+        await engine.stop()

@@ -218,8 +218,9 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
             fleet_a.text, entry.keys, victim, "thief", entry.lease.settings
         ).acquire()
         assert thief.acquired
+        writer = entry.ingest.writer  # it lives on the ingest thread: write there
         with pytest.raises(StaleGenerationError):
-            await entry.writer.apply_at(ReplicaId(victim), [], 0.0, {0: 10**9})
+            await entry.ingest.thread.call(lambda: writer.apply_at(ReplicaId(victim), [], 0.0, {0: 10**9}))
         stale = await fleet_a.text.hget(entry.keys.counters, "stale_generation")
         assert int(stale) >= 1
 
@@ -269,15 +270,16 @@ async def test_an_expired_lease_nobody_took_is_taken_back_without_a_resync(
         _, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
         holder = ReplicaId(headers["x-kvlb-replica"])
         entry = leases.replicas[holder]
-        generation = entry.writer.holdings[holder].generation
+        generation = entry.ingest.writer.holdings[holder].generation
         await runtime.text.delete(entry.keys.lease(holder))  # expired while Redis was away
 
-        async def retaken() -> bool:
-            return await entry.lease.holder() == entry.lease.owner
+        async def retaken() -> bool:  # in Redis, then in the writer (on the ingest thread)
+            ours = await entry.lease.holder() == entry.lease.owner
+            return ours and entry.ingest.writer.holdings[holder].generation > generation
 
         await wait_for("the lease to be taken back", retaken, timeout_s=5)
         assert holder in leases.held
-        assert entry.writer.holdings[holder].generation == generation + 1
+        assert entry.ingest.writer.holdings[holder].generation == generation + 1
         async with f.session.get(a.url + "/metrics") as response:
             text = await response.text()
         assert metric_value(text, "kvlb_redis_lease_events_total", event="retaken") == 1

@@ -10,7 +10,7 @@ from balancer.events import Removed, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.table import PrefixTable
-from balancer.types import EngineHash, ReplicaId
+from balancer.types import BlockKey, EngineHash, ReplicaId
 
 BS = 4
 HASHER = BlockHasher("m", BS)
@@ -87,13 +87,16 @@ def test_every_public_method_of_the_table_is_overridden_under_the_lock() -> None
     The two properties read one attribute (atomic under the GIL)."""
     public = {
         name
-        for name, value in vars(PrefixTable).items()
+        for cls in PrefixTable.__mro__[:-1]  # the table and its mixins (``GapRecovery``), not object
+        for name, value in vars(cls).items()
         if not name.startswith("_") and callable(value) and not isinstance(value, (staticmethod, classmethod))
     }
+    assert "settle_suspect" in public
     assert public - set(vars(LockedPrefixTable)) == set()
 
 
 def _calls(table: LockedPrefixTable, keys: list[int]) -> dict[str, object]:
+    typed = [BlockKey(key) for key in keys]
     return {
         "apply": lambda: table.apply(A, chain(1, 2, 1), 0.0),
         "match": lambda: table.match(keys, None, 0.0),
@@ -106,6 +109,11 @@ def _calls(table: LockedPrefixTable, keys: list[int]) -> dict[str, object]:
         "speculated": lambda: table.speculated(B, keys, 0.0),
         "drop_speculated": lambda: table.drop_speculated(A, keys, 0.0),
         "held_blocks": lambda: table.held_blocks(A),
+        "settle_suspect": lambda: table.settle_suspect(A, typed, (), 0.0),
+        "suspect_blocks": lambda: table.suspect_blocks(A),
+        "engine_hashes": lambda: table.engine_hashes(A),
+        "learn_blocks": lambda: table.learn_blocks(A, typed, [1, 2], 0.0, hold=True),
+        "held_prefix": lambda: table.held_prefix(A, typed),
         "stats": lambda: table.stats,
     }
 

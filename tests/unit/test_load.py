@@ -9,7 +9,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.errors import ConfigError
-from balancer.load.tracker import EngineStats, LoadConfig, LoadTracker, ReplicaLoad
+from balancer.load.tracker import (
+    IDLE,
+    EngineStats,
+    LoadConfig,
+    LoadCounts,
+    LoadTracker,
+    ReplicaLoad,
+    combine,
+)
 from balancer.types import ReplicaId
 
 A = ReplicaId("a")
@@ -265,3 +273,51 @@ def test_totals_always_match_the_live_requests(ops: list[tuple[str, int, Replica
     for request_id in list(live):
         assert t.release(request_id, now=len(ops))
     assert t.snapshot(len(ops)).replicas == {}
+
+
+def test_peer_counts_add_to_the_own_view_and_say_their_share() -> None:
+    """``kvlb serve --workers N``: the other workers' committed load (``peers``) adds to this
+    tracker's own, per replica; a replica known only from peers appears; negative peer counts are
+    0; without peers the snapshot is this tracker's alone."""
+    t = tracker(block_size_tokens=16)
+    t.reserve("r1", A, prefill_tokens=160, decode_blocks=20, now=0.0)
+    peers = {
+        A: LoadCounts(prefill_reqs=2, prefill_tokens=320, decode_seqs=1, decode_blocks=30),
+        B: LoadCounts(decode_seqs=3, decode_blocks=90),
+    }
+    snap = t.snapshot(1.0, peers)
+    a, b = snap.of(A), snap.of(B)
+    assert (a.pending_prefill_reqs, a.pending_prefill_tokens, a.pending_prefill_blocks) == (3, 480, 30.0)
+    assert (a.active_decode_seqs, a.active_decode_blocks, a.in_flight_reqs, a.peer_reqs) == (1, 30, 4, 3)
+    assert (b.in_flight_reqs, b.active_decode_blocks, b.peer_reqs) == (3, 90, 3)
+    own = t.snapshot(1.0).of(A)
+    assert (own.in_flight_reqs, own.peer_reqs, t.in_flight(A)) == (1, 0, 1)
+    torn = t.snapshot(1.0, {A: LoadCounts(prefill_reqs=-5, prefill_tokens=-99)}).of(A)
+    assert (torn.pending_prefill_reqs, torn.pending_prefill_tokens, torn.peer_reqs) == (1, 160, 0)
+    assert combine(LoadCounts(1, 2, 3, 4), LoadCounts(10, 20, 30, 40)) == LoadCounts(11, 22, 33, 44)
+
+
+def test_on_change_hands_out_the_own_totals_after_every_change() -> None:
+    """The hook the shell publishes from sees each replica's own new totals: reserve, first token,
+    release, expiry and forget (idle = all zero)."""
+    seen: list[tuple[ReplicaId, LoadCounts]] = []
+    t = tracker(block_size_tokens=16, max_age_s=10.0)
+    t.on_change = lambda replica, counts: seen.append((replica, counts))
+    t.reserve("r1", A, prefill_tokens=40, decode_blocks=5, now=0.0)
+    t.reserve("r2", B, prefill_tokens=8, decode_blocks=1, now=0.0)
+    t.first_token("r1", now=1.0)
+    t.first_token("r1", now=1.5)  # no change: no call
+    t.release("r1", now=2.0)
+    t.snapshot(20.0)  # r2 expires
+    t.reserve("r3", A, prefill_tokens=1, decode_blocks=1, now=20.0)
+    t.forget(A)
+    assert seen == [
+        (A, LoadCounts(1, 40, 0, 0)),
+        (B, LoadCounts(1, 8, 0, 0)),
+        (A, LoadCounts(0, 0, 1, 5)),
+        (A, IDLE),
+        (B, IDLE),
+        (A, LoadCounts(1, 1, 0, 0)),
+        (A, IDLE),
+    ]
+    assert t.own(A) == IDLE and t.own(B) == IDLE

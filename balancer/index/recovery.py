@@ -1,0 +1,225 @@
+"""What the prefix table does after an event gap, and what receipts teach it (pure: no I/O, no clock).
+
+:class:`GapRecovery` is the part of :class:`~balancer.index.table.PrefixTable` that recovers a cache
+whose events were lost while its engine went on (``Resync(rank, "gap")`` with
+``TableLimits.gap_hold_s`` > 0): its blocks stay held as *suspect* until the engine confirms them
+(an event, a receipt) or the hold ends, and receipts can teach it blocks the engine found cached
+under the engine's own hashes (``learn_blocks``). The semantics: ``docs/prefix-index.md``, "Event
+gaps" and "Receipts". It works on the table's own state and helpers, declared here for the type
+checker; the table defines them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from balancer.index.slots import CacheSlot, SlotRegistry, TableCounters, TableLimits
+from balancer.types import BlockKey, ReplicaId
+
+_NEVER = float("inf")
+GONE_MAX = 4096
+"""Removed engine hashes a learning cache remembers (``CacheSlot.gone``)."""
+GONE_S = 60.0
+"""How long (seconds) a learning cache remembers a removed engine hash (``CacheSlot.gone``)."""
+
+
+class GapRecovery:
+    """Suspect blocks after an event gap, and blocks taught by receipts (mixed into ``PrefixTable``)."""
+
+    limits: TableLimits
+    counters: TableCounters
+    _holders: dict[int, int]
+    _slots: SlotRegistry
+    _spec_count: int
+    _suspects: dict[CacheSlot, None]
+    _suspect_due: float
+
+    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int]) -> int:
+        raise NotImplementedError
+
+    def _restore(self, cache: CacheSlot, engine_hash: int, key: int) -> None:
+        raise NotImplementedError
+
+    def _remap(self, cache: CacheSlot, engine_hash: int, key: int) -> None:
+        raise NotImplementedError
+
+    def _evict(self) -> int:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ event gaps
+
+    def _suspect_all(self, cache: CacheSlot, now: float) -> None:
+        """An event gap: every block the cache holds becomes suspect until ``now + gap_hold_s``.
+
+        The lost events may have removed some of them (and stored others, which the index lacks):
+        what the engine confirms within the hold stays, the rest goes then (:meth:`_expire_suspects`).
+        The engine-hash map stays whole, so later events still chain from and remove these blocks."""
+        get = self._holders.get
+        bit = cache.bit
+        held = [key for key in cache.keys.values() if get(key, 0) & bit]
+        cache.suspect.update(dict.fromkeys(held))
+        self.counters.suspect_marked += len(held)
+        cache.suspect_until = now + self.limits.gap_hold_s
+        self._suspects[cache] = None
+        self._suspect_due = min(self._suspect_due, cache.suspect_until)
+
+    def _expire_suspects(self, now: float) -> None:
+        """Drop the unconfirmed suspect blocks of every cache whose hold ended by ``now``."""
+        due = _NEVER
+        for cache in list(self._suspects):
+            if cache.suspect and cache.suspect_until > now:
+                due = min(due, cache.suspect_until)
+                continue
+            del self._suspects[cache]
+            if cache.suspect and self._slots.cache(cache.replica, cache.dp_rank) is cache:
+                self.counters.suspect_dropped += self._drop_keys(cache, cache.suspect)
+            cache.suspect = {}
+        self._suspect_due = due
+
+    def settle_suspect(
+        self, replica: ReplicaId, found: Sequence[BlockKey], missing: Sequence[BlockKey], now: float
+    ) -> tuple[int, int]:
+        """What a receipt says of ``replica``'s suspect blocks: ``found`` (the request's keys up to
+        the reported point) were cached when the engine admitted it, so they are confirmed;
+        ``missing`` (the keys from the reported point to the predicted one) were not, so those still
+        suspect are dropped at once. Returns ``(confirmed, dropped)``; costs nothing without suspects.
+
+        With several DP ranks the receipt does not say which rank served it: every rank's suspects
+        are settled (a rank that holds the same prefix is confirmed with it)."""
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
+        if not self._suspects:
+            return 0, 0
+        ranks = self._slots.caches.get(replica)
+        confirmed = dropped = 0
+        for cache in ranks.values() if ranks else ():
+            suspect = cache.suspect
+            if not suspect:
+                continue
+            for key in found:
+                if suspect.pop(key, 0) is None:
+                    confirmed += 1
+            gone = [key for key in missing if key in suspect]
+            for key in gone:
+                del suspect[key]
+            dropped += self._drop_keys(cache, gone)
+        self.counters.suspect_confirmed += confirmed
+        self.counters.suspect_dropped += dropped
+        return confirmed, dropped
+
+    # ------------------------------------------------------------------ receipts with engine hashes
+
+    def learn_blocks(
+        self,
+        replica: ReplicaId,
+        keys: Sequence[BlockKey],
+        engine_hashes: Sequence[int],
+        routed_at: float,
+        *,
+        hold: bool,
+    ) -> tuple[int, int, int]:
+        """Blocks a receipt found cached on ``replica``, with the engine hashes the router computed
+        for them: ``keys[i]`` is the request's key ``i`` and ``engine_hashes[i]`` the engine's hash of
+        the same block (chained from the root). Returns ``(matched, mismatched, learned)``.
+
+        * Check: a hash the cache maps to the same key ``matched``, to another key ``mismatched``
+          (the computed hashes are not the engine's: the caller must stop trusting them).
+        * With ``hold`` and no mismatch: the blocks become real holdings under those hashes, as a
+          ``Stored`` would make them (so the engine's later events remove them and chain from them),
+          from the root up to the first one whose removal was applied after ``routed_at`` (the
+          request's routing, before its admission): the receipt shows the cache at the admission, so
+          such a removal may be newer, and it took every block after it with it. A removal applied
+          before the routing is older than the receipt's view: the engine stored the block again.
+          Suspect ones are confirmed; ``learned`` counts new holdings.
+
+        Only for a replica with one cache (with several DP ranks a receipt does not say which)."""
+        ranks = self._slots.caches.get(replica)
+        if not ranks or len(ranks) != 1:
+            return 0, 0, 0
+        cache = next(iter(ranks.values()))
+        if cache.gone is None:
+            cache.gone = {}
+        get = cache.keys.get
+        matched = mismatched = 0
+        for key, engine_hash in zip(keys, engine_hashes, strict=False):
+            known = get(engine_hash)
+            if known is not None:
+                matched += known == key
+                mismatched += known != key
+        if not hold or mismatched or routed_at <= cache.gone_floor:
+            return matched, mismatched, 0
+        learned = 0
+        gone = cache.gone
+        for key, engine_hash in zip(keys, engine_hashes, strict=False):
+            if gone.get(engine_hash, -_NEVER) >= routed_at:
+                break
+            learned += self._hold(cache, key, engine_hash)
+        if len(self._holders) > self.limits.capacity_blocks:
+            self._evict()
+        return matched, mismatched, learned
+
+    def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        """How many leading ``keys`` one of ``replica``'s caches really holds (speculative entries
+        not counted): a receipt that found more cached has something to teach."""
+        ranks = self._slots.caches.get(replica)
+        if not ranks:
+            return 0
+        held = self._holders.get
+        best = 0
+        for cache in ranks.values():
+            bit = cache.bit
+            depth = 0
+            for key in keys:
+                if not held(key, 0) & bit:
+                    break
+                depth += 1
+            best = max(best, depth)
+        return best
+
+    def _hold(self, cache: CacheSlot, key: int, engine_hash: int) -> int:
+        """One block as a real store would hold it (LRU position refreshed); 1 if it was not held."""
+        holders = self._holders
+        mask = holders.pop(key, 0)
+        spec = self._slots.specs.get(cache.replica)
+        if spec is not None and spec.expiry.pop(key, None) is not None:
+            mask &= ~spec.bit
+            self._spec_count -= 1
+            self.counters.speculative_confirmed += 1
+        if cache.suspect and cache.suspect.pop(key, 0) is None:
+            self.counters.suspect_confirmed += 1
+        if mask & cache.bit:
+            holders[key] = mask
+            if cache.keys.get(engine_hash) != key:
+                self._restore(cache, engine_hash, key)
+            return 0
+        holders[key] = mask | cache.bit
+        if cache.keys.setdefault(engine_hash, key) != key:
+            self._remap(cache, engine_hash, key)
+        cache.held += 1
+        return 1
+
+    @staticmethod
+    def _tombstone(cache: CacheSlot, gone: dict[int, float], engine_hash: int, now: float) -> None:
+        """Remember a removal; entries older than ``GONE_S`` go first, then the oldest past ``GONE_MAX``
+        (``gone_floor`` keeps the latest time forgotten)."""
+        gone.pop(engine_hash, None)
+        gone[engine_hash] = now
+        while gone:
+            oldest = next(iter(gone))
+            if len(gone) <= GONE_MAX and now - gone[oldest] < GONE_S:
+                break
+            cache.gone_floor = max(cache.gone_floor, gone.pop(oldest))
+
+    def suspect_blocks(self, replica: ReplicaId) -> int:
+        """Suspect entries of ``replica``'s caches (a few may name blocks evicted since)."""
+        ranks = self._slots.caches.get(replica)
+        return 0 if ranks is None else sum(len(cache.suspect) for cache in ranks.values())
+
+    def engine_hashes(self, replica: ReplicaId, dp_rank: int = 0) -> set[int]:
+        """The engine hashes of the blocks one cache holds (what the engine should hold, if the
+        index is exact): for checks and debugging, O(the cache's blocks)."""
+        cache = self._slots.cache(replica, dp_rank)
+        if cache is None:
+            return set()
+        get = self._holders.get
+        return {engine_hash for engine_hash, key in cache.keys.items() if get(key, 0) & cache.bit}

@@ -1,0 +1,303 @@
+"""Per-replica load shared between the workers of ``kvlb serve --workers N`` (shell: shared memory).
+
+Each worker's :class:`~balancer.load.tracker.LoadTracker` is exact for the requests that worker
+routed. So that every worker's policy sees the whole service's load on each replica, the supervisor
+creates one fixed-size shared-memory table (:class:`LoadTable`, ``multiprocessing.shared_memory``)
+with one row per worker; each worker writes only its own row (single writer, no lock) and reads the
+others' rows.
+
+A row is a header ``[seq, used]`` and ``limits.load_share_slots`` slots ``[key, prefill_reqs,
+prefill_tokens, decode_seqs, decode_blocks]``, all little-endian int64. ``key`` names a (pool, replica)
+(:func:`replica_key`, 0 = free slot). A replica takes a slot in the worker's row while the worker has
+requests in flight on it and frees it when it has none, so the slots bound the replicas *loaded at
+once* by one worker; a replica that finds no free slot is not shared (the other workers see only
+their own load on it) and is counted (``on_overflow``, ``kvlb_load_share_overflow_replicas_total``).
+
+``seq`` is a seqlock: the writer makes it odd, writes, makes it even again; a reader retries while
+it reads an odd ``seq`` or a different one after the data (at most :data:`READ_ATTEMPTS` times, then
+it keeps that row's last good read and counts a torn read). Aligned 8-byte stores are single stores
+on the platforms kvlb runs on (x86-64, arm64), and a seqlock's reader sees whole rows on x86-64's
+ordered stores; elsewhere a torn read can at worst mix one row's fields for one snapshot (the load is
+a routing hint; the next snapshot reads again). A reader that finds every peer row's ``seq``
+unchanged reuses its last sum, so an idle service costs one header read per peer per snapshot.
+
+The supervisor zeroes a dead worker's row as soon as it exits (:meth:`LoadTable.zero_row`), so the
+requests that died with it stop counting at once; the restarted worker starts from an empty row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import struct
+from collections.abc import Callable, Collection, Mapping
+from multiprocessing import resource_tracker, shared_memory
+
+from balancer.load.tracker import LoadCounts, combine
+from balancer.types import ReplicaId
+
+HEADER = struct.Struct("<qq")
+"""A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken)."""
+SEQ = struct.Struct("<q")
+SLOT = struct.Struct("<qqqqq")
+"""A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
+SLOT_FIELDS = 5
+READ_ATTEMPTS = 8
+"""Reads of one row before a reader gives up on it for this snapshot (a writer mid-update)."""
+MAX_KEY_MEMO = 65_536
+"""(pool, replica) keys remembered by a reader/writer before its memo is cleared."""
+
+
+_ReadMemo = tuple[Mapping[int, LoadCounts], tuple[ReplicaId, ...], Mapping[ReplicaId, LoadCounts]]
+"""A reader's last answer: the peer sums it read, the replicas asked, what it answered."""
+
+
+def row_bytes(slots: int) -> int:
+    """Bytes of one worker's row with ``slots`` slots."""
+    return HEADER.size + slots * SLOT.size
+
+
+def replica_key(model: str, replica: str) -> int:
+    """A replica's name in the table: 63 bits of a BLAKE2b of its pool and id, never 0."""
+    digest = hashlib.blake2b(f"{model}\0{replica}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF) or 1
+
+
+def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
+    buf = shm.buf
+    if buf is None:  # typeshed: None once closed
+        raise ValueError(f"shared memory {shm.name!r} is closed")
+    return buf
+
+
+def _zero_row(buf: memoryview, offset: int, slots: int) -> None:
+    """Empty one row under its seqlock (odd, zeros, even), whatever state its writer left it in."""
+    seq = SEQ.unpack_from(buf, offset)[0] | 1
+    SEQ.pack_into(buf, offset, seq)
+    end = offset + row_bytes(slots)
+    buf[offset + SEQ.size : end] = bytes(end - offset - SEQ.size)
+    SEQ.pack_into(buf, offset, seq + 1)
+
+
+class LoadTable:
+    """The supervisor's side: creates the shared table, zeroes dead workers' rows, removes it."""
+
+    def __init__(self, workers: int, slots: int) -> None:
+        self.workers = workers
+        self.slots = slots
+        self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
+            create=True, size=workers * row_bytes(slots)
+        )
+        self.name = self._shm.name
+        """What the workers attach by (``--load-table``)."""
+
+    def zero_row(self, index: int) -> None:
+        """Forget worker ``index``'s load (it exited: its requests are gone with it)."""
+        if self._shm is not None and 0 <= index < self.workers:
+            _zero_row(_buffer(self._shm), index * row_bytes(self.slots), self.slots)
+
+    def close(self) -> None:
+        """Detach and remove the table (the workers are gone)."""
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            shm.close()
+            shm.unlink()
+
+
+class LoadShare:
+    """One worker's side: publishes its own row, sums the other workers' rows (see the module doc).
+
+    Both are called on the worker's request loop: the publisher from the trackers' ``on_change``,
+    the reader from :meth:`balancer.routing.router.PoolRouter.load_snapshot`."""
+
+    def __init__(
+        self,
+        name: str,
+        index: int,
+        workers: int,
+        slots: int,
+        *,
+        on_overflow: Callable[[], None] | None = None,
+        on_torn: Callable[[], None] | None = None,
+        track: bool = False,
+    ) -> None:
+        """Attach to the supervisor's table ``name`` (``workers`` rows of ``slots`` slots) and empty
+        this worker's row ``index``. ``track`` (as Python 3.13's ``SharedMemory(track=)``): leave the
+        segment registered with this process's resource tracker; only for a process that created the
+        :class:`LoadTable` itself (tests)."""
+        shm = shared_memory.SharedMemory(name=name)
+        if not track:
+            # Python < 3.13 registers an attached segment with this process's resource tracker,
+            # which would unlink it when this worker exits; the supervisor owns it.
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        if shm.size < workers * row_bytes(slots):
+            shm.close()
+            raise ValueError(f"load table {name!r} is {shm.size} bytes, smaller than {workers} rows")
+        self._shm: shared_memory.SharedMemory | None = shm
+        self.index = index
+        self.workers = workers
+        self.slots = slots
+        self._on_overflow = on_overflow
+        self._on_torn = on_torn
+        self._offset = index * row_bytes(slots)
+        self._peers = [i for i in range(workers) if i != index]
+        _zero_row(_buffer(shm), self._offset, slots)
+        self._seq = SEQ.unpack_from(_buffer(shm), self._offset)[0]
+        self._used = 0
+        self._slot_of: dict[int, int] = {}
+        self._free: list[int] = []
+        self._unshared: set[int] = set()
+        self._rows: dict[int, tuple[int, dict[int, LoadCounts]]] = {}
+        self._sum: dict[int, LoadCounts] = {}
+        self._sum_seqs: tuple[int, ...] = ()
+        self._formats: dict[int, struct.Struct] = {}
+        self.overflow_total = 0
+        """Times a replica found no free slot (its load from here was then not shared)."""
+        self.torn_reads_total = 0
+        """Peer rows given up on for one snapshot after :data:`READ_ATTEMPTS` reads."""
+
+    def publisher(self, model: str) -> Callable[[ReplicaId, LoadCounts], None]:
+        """The ``on_change`` hook of ``model``'s tracker: writes that replica's slot in this row."""
+
+        keys: dict[str, int] = {}
+
+        def publish(replica: ReplicaId, counts: LoadCounts) -> None:
+            key = keys.get(replica)
+            if key is None:
+                if len(keys) >= MAX_KEY_MEMO:
+                    keys.clear()
+                key = keys[replica] = replica_key(model, replica)
+            self.publish(key, counts)
+
+        return publish
+
+    def reader(self, model: str) -> Callable[[Collection[ReplicaId]], Mapping[ReplicaId, LoadCounts]]:
+        """The ``peer_load`` hook of ``model``'s router: the other workers' load on those replicas."""
+
+        last: list[_ReadMemo] = []
+
+        keys: dict[str, int] = {}
+
+        def read(replicas: Collection[ReplicaId]) -> Mapping[ReplicaId, LoadCounts]:
+            totals = self.peer_totals()
+            if not totals:
+                return {}
+            names = tuple(replicas)
+            if last and last[0][0] is totals and last[0][1] == names:
+                return last[0][2]  # no peer row changed since: the same answer
+            found: dict[ReplicaId, LoadCounts] = {}
+            for replica in names:
+                key = keys.get(replica)
+                if key is None:
+                    if len(keys) >= MAX_KEY_MEMO:
+                        keys.clear()
+                    key = keys[replica] = replica_key(model, replica)
+                counts = totals.get(key)
+                if counts is not None:
+                    found[replica] = counts
+            last[:] = [(totals, names, found)]
+            return found
+
+        return read
+
+    def publish(self, key: int, counts: LoadCounts) -> None:
+        """Write this worker's load on the replica ``key`` (all zero: free its slot)."""
+        shm = self._shm
+        if shm is None:
+            return
+        idle = counts.prefill_reqs <= 0 and counts.decode_seqs <= 0
+        slot = self._slot_of.get(key)
+        fresh = slot is None
+        if slot is None:
+            if idle:
+                self._unshared.discard(key)
+                return
+            if self._free:
+                slot = heapq.heappop(self._free)
+            elif self._used < self.slots:
+                slot = self._used
+                self._used += 1
+            else:
+                if key not in self._unshared:
+                    if len(self._unshared) >= MAX_KEY_MEMO:
+                        self._unshared.clear()
+                    self._unshared.add(key)
+                    self.overflow_total += 1
+                    if self._on_overflow is not None:
+                        self._on_overflow()
+                return
+            self._slot_of[key] = slot
+            self._unshared.discard(key)
+        buf = _buffer(shm)
+        at = self._offset + HEADER.size + slot * SLOT.size
+        self._seq += 1
+        SEQ.pack_into(buf, self._offset, self._seq)
+        if idle:
+            SLOT.pack_into(buf, at, 0, 0, 0, 0, 0)
+            del self._slot_of[key]
+            heapq.heappush(self._free, slot)
+        else:
+            c = counts
+            SLOT.pack_into(buf, at, key, c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
+        if fresh:
+            HEADER.pack_into(buf, self._offset, self._seq, self._used)
+        self._seq += 1
+        SEQ.pack_into(buf, self._offset, self._seq)
+
+    def peer_totals(self) -> Mapping[int, LoadCounts]:
+        """The other workers' load summed per replica key (cached while no peer row changed)."""
+        shm = self._shm
+        if shm is None or not self._peers:
+            return {}
+        buf = _buffer(shm)
+        size = row_bytes(self.slots)
+        seqs = tuple(SEQ.unpack_from(buf, peer * size)[0] for peer in self._peers)
+        if seqs == self._sum_seqs:
+            return self._sum
+        rows = [self._read_row(buf, peer, peer * size) for peer in self._peers]
+        if len(rows) == 1:
+            self._sum = rows[0]  # two workers: the other row is the sum
+        else:
+            total: dict[int, LoadCounts] = {}
+            for row in rows:
+                for key, c in row.items():
+                    acc = total.get(key)
+                    total[key] = c if acc is None else combine(acc, c)
+            self._sum = total
+        self._sum_seqs = tuple(self._rows[peer][0] if peer in self._rows else -1 for peer in self._peers)
+        return self._sum
+
+    def _read_row(self, buf: memoryview, peer: int, offset: int) -> dict[int, LoadCounts]:
+        for _ in range(READ_ATTEMPTS):
+            seq, used = HEADER.unpack_from(buf, offset)
+            if seq & 1:
+                continue
+            cached = self._rows.get(peer)
+            if cached is not None and cached[0] == seq:
+                return cached[1]
+            used = max(0, min(used, self.slots))
+            fmt = self._formats.get(used)
+            if fmt is None:
+                fmt = self._formats[used] = struct.Struct(f"<{used * SLOT_FIELDS}q")
+            values = fmt.unpack_from(buf, offset + HEADER.size)
+            if SEQ.unpack_from(buf, offset)[0] != seq:
+                continue
+            row = {
+                values[i]: LoadCounts(values[i + 1], values[i + 2], values[i + 3], values[i + 4])
+                for i in range(0, len(values), SLOT_FIELDS)
+                if values[i] != 0
+            }
+            self._rows[peer] = (seq, row)
+            return row
+        self.torn_reads_total += 1
+        if self._on_torn is not None:
+            self._on_torn()
+        cached = self._rows.get(peer)
+        return {} if cached is None else cached[1]
+
+    def close(self) -> None:
+        """Empty this worker's row (its requests are over) and detach."""
+        shm, self._shm = self._shm, None
+        if shm is not None:
+            _zero_row(_buffer(shm), self._offset, self.slots)
+            shm.close()

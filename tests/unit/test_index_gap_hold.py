@@ -1,0 +1,198 @@
+"""``PrefixTable`` after an event gap (``TableLimits.gap_hold_s``): suspect blocks, confirmed or dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from balancer.events import Cleared, Removed, Resync, Stored
+from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.index.slots import TableLimits
+from balancer.index.table import PrefixTable
+from balancer.types import EngineHash, ReplicaId
+
+BS = 2
+HASHER = BlockHasher("m", BS)
+A, B = ReplicaId("a"), ReplicaId("b")
+HOLD_S = 1.0
+
+
+def toks(blocks: int, first: int = 1) -> list[int]:
+    return list(range(first, first + blocks * BS))
+
+
+def stored(tokens: Sequence[int], engine: Sequence[int], parent: int | None = None) -> Stored:
+    return Stored(
+        0,
+        None if parent is None else EngineHash(parent),
+        tuple(EngineHash(h) for h in engine),
+        pack_tokens(tokens),
+        BS,
+    )
+
+
+def table(hold_s: float = HOLD_S) -> PrefixTable:
+    return PrefixTable(HASHER, TableLimits(gap_hold_s=hold_s))
+
+
+def gap(t: PrefixTable, now: float, replica: ReplicaId = A) -> None:
+    t.apply(replica, [Resync(0, "gap")], now)
+
+
+def test_hold_is_validated() -> None:
+    with pytest.raises(ValueError):
+        TableLimits(gap_hold_s=-1.0)
+    with pytest.raises(ValueError):
+        TableLimits(gap_hold_s=float("inf"))
+
+
+def test_without_a_hold_a_gap_clears_at_once() -> None:
+    t = table(hold_s=0.0)
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.0)
+    gap(t, 1.0)
+    assert t.held_blocks(A) == 0
+    assert t.suspect_blocks(A) == 0
+
+
+def test_a_gap_keeps_the_blocks_as_suspect_and_drops_the_unconfirmed_at_the_end_of_the_hold() -> None:
+    t = table()
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.0)
+    t.apply(A, [stored(toks(2, 100), [11, 12])], 0.0)
+    gap(t, 1.0)
+    assert t.held_blocks(A) == 5 and t.suspect_blocks(A) == 5
+    assert t.match(HASHER.request_keys(toks(3)), None, 1.5).blocks[A] == 3  # still routed to
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 1.5)  # stored again: confirmed
+    assert t.suspect_blocks(A) == 2
+    t.apply(A, [], 2.0)  # the hold ends (1.0 + 1.0): the unconfirmed two go
+    assert t.held_blocks(A) == 3
+    assert t.engine_hashes(A) == {1, 2, 3}
+    assert t.counters.suspect_marked == 5
+    assert t.counters.suspect_confirmed == 3
+    assert t.counters.suspect_dropped == 2
+
+
+def test_a_store_under_a_suspect_parent_confirms_the_parent_and_chains_from_it() -> None:
+    """The engine-hash map survives the gap: a child stored after it chains (a clear would skip it)."""
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    result = t.apply(A, [stored(toks(3)[2 * BS :], [3], parent=2)], 1.2)
+    assert result.skipped_unknown_parent == 0
+    t.apply(A, [], 2.5)
+    # block 2 was confirmed by its child; block 1 was not (no receipt, no event named it)
+    assert t.engine_hashes(A) == {2, 3}
+
+
+def test_a_removal_after_the_gap_still_resolves() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    result = t.apply(A, [Removed(0, (EngineHash(2),))], 1.1)
+    assert result.removed_blocks == 1 and result.unknown_removals == 0
+    assert t.engine_hashes(A) == {1}
+
+
+def test_receipts_confirm_the_found_keys_and_drop_the_missing_ones_at_once() -> None:
+    t = table()
+    t.apply(A, [stored(toks(4), [1, 2, 3, 4])], 0.0)
+    gap(t, 1.0)
+    keys = HASHER.request_keys(toks(4))
+    # the engine found 2 blocks cached where the index predicted 4: 3 and 4 were evicted in the gap
+    assert t.settle_suspect(A, keys[:2], keys[2:4], 1.1) == (2, 2)
+    assert t.engine_hashes(A) == {1, 2}
+    assert t.suspect_blocks(A) == 0
+    t.apply(A, [], 5.0)
+    assert t.engine_hashes(A) == {1, 2}  # confirmed: they outlive the hold
+
+
+def test_receipts_touch_only_suspect_holdings_of_that_replica() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    t.apply(B, [stored(toks(2), [1, 2])], 0.0)
+    keys = HASHER.request_keys(toks(2))
+    assert t.settle_suspect(A, (), keys, 0.5) == (0, 0)  # no gap: nothing is suspect
+    gap(t, 1.0, B)
+    assert t.settle_suspect(A, (), keys, 1.1) == (0, 0)
+    assert t.held_blocks(A) == 2
+    assert t.settle_suspect(B, (), keys, 1.1) == (0, 2)
+    assert t.held_blocks(B) == 0
+
+
+def test_another_gap_makes_confirmed_blocks_suspect_again_and_restarts_the_hold() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    t.settle_suspect(A, HASHER.request_keys(toks(2)), (), 1.2)
+    gap(t, 1.5)
+    t.apply(A, [], 2.2)  # past the first gap's hold, inside the second's
+    assert t.held_blocks(A) == 2
+    t.apply(A, [], 2.5)
+    assert t.held_blocks(A) == 0
+
+
+def test_the_hold_also_ends_on_a_read() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    assert t.match(HASHER.request_keys(toks(2)), None, 2.0).blocks.get(A, 0) == 0
+
+
+@pytest.mark.parametrize("event", [Resync(0, "restart"), Resync(0, "disconnect"), Cleared(0)])
+def test_other_resyncs_and_clears_still_clear_suspects_too(event: Resync | Cleared) -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [event], 1.1)
+    assert t.held_blocks(A) == 0 and t.suspect_blocks(A) == 0
+    t.apply(A, [stored(toks(2), [1, 2])], 1.2)
+    t.apply(A, [], 3.0)
+    assert t.engine_hashes(A) == {1, 2}  # the earlier hold no longer applies
+
+
+def test_dropping_the_replica_forgets_its_suspects() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    t.drop_replica(A)
+    t.apply(A, [stored(toks(2), [1, 2])], 1.1)
+    t.apply(A, [], 3.0)
+    assert t.engine_hashes(A) == {1, 2}
+
+
+def test_learn_blocks_checks_the_hashes_against_the_map_and_holds_them() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    keys = HASHER.request_keys(toks(4))
+    assert t.learn_blocks(A, keys, [1, 2, 3, 4], 1.0, hold=False) == (2, 0, 0)
+    assert t.learn_blocks(A, keys, [2, 1, 3, 4], 1.0, hold=True) == (0, 2, 0)  # other keys: refused
+    assert t.learn_blocks(A, keys, [1, 2, 3, 4], 1.0, hold=True) == (2, 0, 2)
+    assert t.engine_hashes(A) == {1, 2, 3, 4}
+    assert t.apply(A, [Removed(0, (EngineHash(4),))], 2.0).removed_blocks == 1  # a real handle
+    assert t.engine_hashes(A) == {1, 2, 3}
+
+
+def test_learning_stops_at_a_block_removed_after_the_request_was_routed() -> None:
+    t = table()
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.0)
+    keys = HASHER.request_keys(toks(3))
+    t.learn_blocks(A, keys, [1, 2, 3], 0.5, hold=False)  # the cache starts remembering removals
+    t.apply(A, [Removed(0, (EngineHash(2), EngineHash(3)))], 2.0)
+    # routed at 1.5, before the removal: the receipt's view may predate it; only block 1 is certain
+    assert t.learn_blocks(A, keys, [1, 2, 3], 1.5, hold=True) == (1, 0, 0)
+    assert t.engine_hashes(A) == {1}
+    # routed at 2.5, after it: the engine found them cached again (their new stores were lost)
+    assert t.learn_blocks(A, keys, [1, 2, 3], 2.5, hold=True) == (1, 0, 2)
+    assert t.engine_hashes(A) == {1, 2, 3}
+
+
+def test_learning_confirms_suspect_blocks_and_needs_a_single_rank() -> None:
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t, 1.0)
+    keys = HASHER.request_keys(toks(2))
+    t.learn_blocks(A, keys, [1, 2], 0.5, hold=True)
+    assert t.suspect_blocks(A) == 0
+    two = PrefixTable(HASHER, TableLimits(gap_hold_s=HOLD_S))
+    two.apply(A, [stored(toks(2), [1, 2]), Stored(1, None, (EngineHash(7),), pack_tokens(toks(1)), BS)], 0.0)
+    assert two.learn_blocks(A, keys, [1, 2], 0.5, hold=True) == (0, 0, 0)

@@ -1,0 +1,171 @@
+"""The per-replica load table of ``kvlb serve --workers N``: rows, slots, overflow, a dead worker's
+row, whole rows under a concurrent writer in another process, and two routers sharing one table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+
+import pytest
+
+from balancer.load.share import LoadShare, LoadTable, replica_key, row_bytes
+from balancer.load.tracker import LoadCounts
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import make_policy
+from balancer.routing.router import PoolRequest, PoolRouter
+from balancer.types import ReplicaId
+
+A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
+
+
+@pytest.fixture
+def table() -> Iterator[LoadTable]:
+    made = LoadTable(workers=3, slots=2)
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def attach(table: LoadTable, index: int, **hooks: object) -> LoadShare:
+    return LoadShare(table.name, index, table.workers, table.slots, track=True, **hooks)  # type: ignore[arg-type]
+
+
+def test_each_worker_reads_the_others_rows_summed_never_its_own(table: LoadTable) -> None:
+    w0, w1, w2 = (attach(table, i) for i in range(3))
+    w0.publisher("m")(A, LoadCounts(1, 100, 2, 20))
+    w1.publisher("m")(A, LoadCounts(0, 0, 1, 7))
+    w1.publisher("other")(A, LoadCounts(5, 5, 5, 5))  # another pool's replica "a": another key
+    assert w2.reader("m")([A, B]) == {A: LoadCounts(1, 100, 3, 27)}
+    assert w0.reader("m")([A, B]) == {A: LoadCounts(0, 0, 1, 7)}
+    assert w2.reader("other")([A]) == {A: LoadCounts(5, 5, 5, 5)}
+    w0.publisher("m")(A, LoadCounts())  # idle: the slot is freed
+    assert w2.reader("m")([A]) == {A: LoadCounts(0, 0, 1, 7)}
+    for share in (w0, w1, w2):
+        share.close()
+
+
+def test_slots_are_freed_when_idle_and_overflow_is_counted_once_per_episode(table: LoadTable) -> None:
+    overflows: list[int] = []
+    w0 = attach(table, 0, on_overflow=lambda: overflows.append(1))
+    w1 = attach(table, 1)
+    publish = w0.publisher("m")
+    publish(A, LoadCounts(1, 10, 0, 0))
+    publish(B, LoadCounts(1, 20, 0, 0))
+    publish(C, LoadCounts(1, 30, 0, 0))  # two slots: C is not shared
+    publish(C, LoadCounts(2, 60, 0, 0))
+    assert w1.reader("m")([A, B, C]) == {A: LoadCounts(1, 10, 0, 0), B: LoadCounts(1, 20, 0, 0)}
+    assert (w0.overflow_total, len(overflows)) == (1, 1)
+    publish(A, LoadCounts())  # A's slot goes free; C's next change takes it, with its full totals
+    publish(C, LoadCounts(2, 61, 0, 0))
+    assert w1.reader("m")([A, B, C]) == {B: LoadCounts(1, 20, 0, 0), C: LoadCounts(2, 61, 0, 0)}
+    w0.close()
+    w1.close()
+
+
+def test_a_dead_workers_row_is_zeroed_by_the_supervisor_and_a_new_worker_starts_empty(
+    table: LoadTable,
+) -> None:
+    w0, w1 = attach(table, 0), attach(table, 1)
+    w0.publisher("m")(A, LoadCounts(3, 300, 0, 0))
+    assert w1.reader("m")([A]) == {A: LoadCounts(3, 300, 0, 0)}
+    table.zero_row(0)  # worker 0 exited
+    assert w1.reader("m")([A]) == {}
+    w0.publisher("m")(B, LoadCounts(1, 1, 0, 0))
+    restarted = attach(table, 0)  # its restart empties the row again
+    assert w1.reader("m")([A, B]) == {}
+    restarted.close()
+    w1.close()
+
+
+def test_size_and_keys() -> None:
+    assert row_bytes(1024) == 16 + 40 * 1024
+    assert replica_key("m", "a") == replica_key("m", "a") != replica_key("n", "a")
+    assert 0 < replica_key("m", "a") < 2**63
+    with LoadTableFor(2, 4) as small, pytest.raises(ValueError, match="smaller"):
+        LoadShare(small.name, 0, 2, 8, track=True)
+
+
+class LoadTableFor:
+    def __init__(self, workers: int, slots: int) -> None:
+        self.table = LoadTable(workers, slots)
+
+    def __enter__(self) -> LoadTable:
+        return self.table
+
+    def __exit__(self, *exc: object) -> None:
+        self.table.close()
+
+
+WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from balancer.load.share import LoadShare
+    from balancer.load.tracker import LoadCounts
+    share = LoadShare(sys.argv[1], 0, 2, 4)
+    publish = share.publisher("m")
+    print("ready", flush=True)
+    n, stop = 0, time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < stop:
+        n += 1
+        publish("a", LoadCounts(n, 100 * n, n, 7 * n))
+    publish("a", LoadCounts(9, 900, 9, 63))
+    print(n, flush=True)
+    """
+)
+
+
+def test_rows_read_whole_while_another_process_writes() -> None:
+    """The seqlock: every read of a row another process rewrites as fast as it can is one whole
+    write (its four fields belong together), and the writer's last write is what stays."""
+    with LoadTableFor(2, 4) as table:
+        reader = LoadShare(table.name, 1, 2, 4, track=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", WRITER, table.name, "1.0"], stdout=subprocess.PIPE, text=True
+        )
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        reads = 0
+        while writer.poll() is None:
+            counts = reader.reader("m")([A]).get(A)
+            if counts is not None:
+                n = counts.prefill_reqs
+                assert counts == LoadCounts(n, 100 * n, n, 7 * n)
+                reads += 1
+        writes = int(writer.stdout.read().split()[0])
+        assert writer.wait() == 0 and writes > 100 and reads > 100
+        assert reader.reader("m")([A]) == {A: LoadCounts(9, 900, 9, 63)}
+        reader.close()
+
+
+def router(share: LoadShare) -> PoolRouter:
+    made = PoolRouter("m")
+    made.add_replica(A, 16, "plain")
+    made.add_replica(B, 16, "plain")
+    made.tracker().on_change = share.publisher("m")
+    made.peer_load = share.reader("m")
+    return made
+
+
+def test_a_request_routed_by_one_worker_weighs_in_the_others_policy(table: LoadTable) -> None:
+    """Two routers (two workers) on one table: the second sends a new prompt away from the replica
+    the first just loaded with a long prefill, and its snapshot says whose load that is."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = router(w0), router(w1)
+    prompt = list(range(5000, 5000 + 4096))
+    lease = first.route(PoolRequest(prompt, make_policy("cost"), PolicyWeights(), "r0"), now=1.0)
+    loaded = lease.replica
+    other = B if loaded == A else A
+    plan = second.select(
+        PoolRequest(list(range(9000, 9000 + 4096)), make_policy("cost"), PolicyWeights(), "r1"), 1.1
+    )
+    assert plan.decision.replica == other
+    assert plan.inputs is not None
+    seen = plan.inputs.load.of(loaded)
+    assert (seen.pending_prefill_reqs, seen.pending_prefill_tokens, seen.peer_reqs) == (1, 4096, 1)
+    assert second.in_flight(loaded) == 0  # the per-replica cap stays per worker
+    lease.release(now=1.2)
+    assert second.load_snapshot(1.3).of(loaded).in_flight_reqs == 0
+    w0.close()
+    w1.close()
