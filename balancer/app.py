@@ -212,13 +212,15 @@ class Balancer:
     def _series(self) -> SeriesSampler:
         """The console's bounded time series (``console.series_*``)."""
         console = self.settings.console
-        overflow = self.metrics.console_series_overflow_total
+        metrics = self.metrics
+        overflow = metrics.console_series_overflow_total
         return SeriesSampler(
             console.series_interval_s,
             console.series_intervals,
             console.series_ttft_samples,
             console.series_max_replicas,
-            on_overflow=lambda kind: overflow.labels(kind).inc(),
+            # every request past an interval's TTFT samples counts one: the memoised child
+            on_overflow=lambda kind: metrics.children.of(overflow, kind).inc(),
         )
 
     def _decision_log(self) -> DecisionLog:

@@ -7,9 +7,9 @@ global state to reset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
-from typing import Final, TypedDict, get_args
+from typing import Final, TypedDict, TypeVar, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
@@ -32,6 +32,31 @@ APPLIED_OUTCOMES: Final = (
     ("batch", "error"),
 )  # fmt: skip
 """Every ``(type, status)`` of ``kvlb_events_applied_total``."""
+
+_Collector = TypeVar("_Collector", Counter, Gauge, Histogram)
+
+
+class Children:
+    """Memoised ``labels(...)`` children of the collectors the request path updates.
+
+    ``prometheus_client``'s ``labels()`` validates, converts and locks on every call (a few µs,
+    about a dozen times per request); this is one dict lookup. It holds only children the collector holds
+    anyway, so it is bounded as they are; a collector whose children are ever ``remove()``d must not
+    be read through it (an update would go to the removed child)."""
+
+    __slots__ = ("_cache",)
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[object, ...], object] = {}
+
+    def of(self, collector: _Collector, *values: str) -> _Collector:
+        """``collector.labels(*values)``, memoised."""
+        key = (collector, *values)
+        child = self._cache.get(key)
+        if child is None:
+            child = self._cache[key] = collector.labels(*values)
+        return child  # type: ignore[return-value]
+
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ERROR_BUCKETS_BLOCKS = (-64.0, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
@@ -109,6 +134,8 @@ class Metrics:
     console_ring_evicted_total: Counter
     console_whatif_seconds: Histogram
     console_audit_dropped_total: Counter
+    children: Children = field(default_factory=Children)
+    """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
     def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
         """Give every known label set of one replica's counters (and its engine's) a sample at 0, so

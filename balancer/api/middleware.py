@@ -17,7 +17,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
-import uuid
+import os
 from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
@@ -46,7 +46,7 @@ def request_id_of(request: web.Request) -> str:
     given = request.headers.get("x-request-id", "")
     if 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isprintable():
         return given
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # 32 random hex digits, as uuid4().hex but a quarter of the cost
 
 
 def bearer_token(value: str) -> str | None:
@@ -169,7 +169,10 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
         status = str(response.status)
     finally:
         label = outcome.status or status
-        state.metrics.requests_total.labels(_endpoint(request), label, outcome.replica, outcome.policy).inc()
+        metrics = state.metrics
+        metrics.children.of(
+            metrics.requests_total, _endpoint(request), label, outcome.replica, outcome.policy
+        ).inc()
     if not response.prepared:
         response.headers.setdefault("x-request-id", request_id)
     return response

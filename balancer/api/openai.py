@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+from array import array
 from collections.abc import Sequence
 
 from aiohttp import web
@@ -29,6 +30,7 @@ from balancer.api.errors import ApiError
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
 from balancer.errors import UpstreamError
+from balancer.index.hashing import compact_ids
 from balancer.policy import PolicyWeights
 from balancer.routing.router import Lease
 from balancer.service.dispatch import (
@@ -121,6 +123,12 @@ async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> b
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise ApiError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}")
+    content = request.content
+    if content.is_eof() and content.exception() is None:  # all of it arrived already: take it as is
+        body = content.read_nowait()
+        if len(body) > max_bytes:
+            raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
+        return body
     buffer = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
@@ -154,9 +162,10 @@ def request_weights(request: web.Request, state: ServiceState) -> PolicyWeights:
     return parse_weights_header(header, base)
 
 
-async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> Sequence[int]:
-    """The prompt's token ids as the engine will compute them; 400 when it cannot be tokenized
-    or has more than ``max_prompt_tokens``. Ids the decoder already checked are taken as they are.
+async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
+    """The prompt's token ids as the engine will compute them, as an ``array('I')``
+    (:func:`~balancer.index.hashing.compact_ids`); 400 when it cannot be tokenized or has more than
+    ``max_prompt_tokens``. Ids the decoder already checked are not checked again.
 
     Where it runs: on the event loop when the request's text is short (:data:`INLINE_TOKENIZE_CHARS`),
     or when a chat's text is at most :data:`PRECHECK_CHARS` and all but that many characters of it
@@ -188,7 +197,12 @@ async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) ->
         raise ApiError(
             400, f"prompt has {len(token_ids)} tokens, over limits.max_prompt_tokens = {max_prompt_tokens}"
         )
-    return token_ids
+    # Kept compact while the request is in flight: a list of 8k ids is 8k references (and ints)
+    # that every young garbage collection walks; the router hashes the array's bytes as they are.
+    try:
+        return compact_ids(token_ids)
+    except (OverflowError, TypeError):  # pragma: no cover - every tokenizer checks its ids
+        raise ApiError(400, "prompt token ids must be integers in [0, 2**32)") from None
 
 
 async def relay(
@@ -232,14 +246,21 @@ async def _relay_stream(
     deadline: float,
 ) -> web.StreamResponse:
     outcome = request[OUTCOME]
-    response = web.StreamResponse(status=opened.stream.status, headers=headers)
+    stream = opened.stream
+    response = _SseResponse(status=stream.status, headers=headers)
     response.headers["Cache-Control"] = "no-cache"
     try:
         await response.prepare(request)
+        if stream.finished:  # the whole answer is in: headers, body and its end in one write
+            await response.write_eof(opened.first)
+            return response
         await response.write(opened.first)
         try:
             async with asyncio.timeout_at(deadline):
                 async for chunk in opened.chunks:
+                    if stream.finished:  # the last chunk goes out with the end of the stream
+                        await response.write_eof(chunk)
+                        return response
                     await response.write(chunk)
         except (UpstreamError, TimeoutError) as exc:
             message = failure_message(state, lease, exc)
@@ -253,6 +274,13 @@ async def _relay_stream(
     except (ConnectionResetError, TimeoutError):  # the client went away or stopped reading
         outcome.status = "499"
     return response
+
+
+class _SseResponse(web.StreamResponse):
+    """A streamed answer whose headers go out with its first chunk, in one write (aiohttp's
+    ``web.Response`` does the same; ``StreamResponse`` writes them alone at ``prepare``)."""
+
+    _send_headers_immediately = False
 
 
 async def _relay_whole(

@@ -31,6 +31,7 @@ from balancer.app import Balancer, ServeOptions, WorkerRole
 from balancer.cli.workers import supervise
 from balancer.config import Settings, load
 from balancer.errors import ConfigError
+from balancer.gc_tuning import settle_after_start
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
         orphan_watch = asyncio.create_task(_stop_when_orphaned(os.getppid(), stop), name="kvlb-orphan-watch")
     try:
         await balancer.start()
+        settle_after_start()
         print(strict_json.dumps({"kvlb": "serving", "url": balancer.url}), flush=True)
         await stop.wait()
         log.info("signal received: draining for up to %.1fs, then stopping", options.shutdown_grace_s)

@@ -50,8 +50,19 @@ def namespace_seed(model: str, lora_name: str | None = None, cache_salt: str | N
     return _xxh3(text.encode("utf-8"), seed=NAMESPACE_SEED)
 
 
+def compact_ids(token_ids: Sequence[int]) -> array[int]:
+    """Token ids as one ``array('I')`` (4 bytes an id, no int object each, not tracked by the
+    garbage collector); raises ``OverflowError``/``TypeError`` on bad ids. :func:`pack_tokens` of the
+    result is one copy of its bytes."""
+    if type(token_ids) is array and token_ids.typecode == "I":
+        return token_ids
+    return array("I", token_ids)
+
+
 def pack_tokens(token_ids: Sequence[int]) -> bytes:
     """Token ids as little-endian u32 bytes; raises ``OverflowError``/``TypeError`` on bad ids."""
+    if type(token_ids) is array and token_ids.typecode == "I" and _LITTLE_ENDIAN:
+        return token_ids.tobytes()  # already packed (compact_ids)
     packed = array("I", token_ids)
     if packed.itemsize != 4:  # pragma: no cover - every supported platform has 4-byte "I"
         raise RuntimeError("array('I') is not 32-bit on this platform")

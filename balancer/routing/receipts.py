@@ -118,29 +118,61 @@ class ReceiptStats:
 
 
 class ReceiptBook:
-    """The last ``window`` prediction errors of each replica (bounded per replica)."""
+    """The last ``window`` prediction errors of each replica (bounded per replica).
+
+    Each replica's window keeps running totals (receipts exact, within one block, the errors' sum)
+    updated as errors enter and leave it, so :meth:`stats` (read on every receipt for
+    ``kvlb_route_prediction_accuracy_ratio``) costs the same whatever the window."""
 
     def __init__(self, window: int = RECEIPT_WINDOW) -> None:
         if window <= 0:
             raise ValueError(f"window must be > 0, got {window}")
         self.window = window
-        self._errors: dict[ReplicaId, deque[int]] = {}
+        self._errors: dict[ReplicaId, _Window] = {}
 
     def record(self, receipt: Receipt) -> None:
         errors = self._errors.get(receipt.replica)
         if errors is None:
-            errors = self._errors[receipt.replica] = deque(maxlen=self.window)
-        errors.append(receipt.error_blocks)
+            errors = self._errors[receipt.replica] = _Window(self.window)
+        errors.add(receipt.error_blocks)
 
     def stats(self, replica: ReplicaId) -> ReceiptStats:
-        errors = self._errors.get(replica, ())
-        count = len(errors)
+        errors = self._errors.get(replica)
+        if errors is None or not errors.values:
+            return ReceiptStats(receipts=0, exact=0, within_one_block=0, mean_error_blocks=None)
+        count = len(errors.values)
         return ReceiptStats(
             receipts=count,
-            exact=sum(1 for e in errors if e == 0),
-            within_one_block=sum(1 for e in errors if -1 <= e <= 1),
-            mean_error_blocks=sum(errors) / count if count else None,
+            exact=errors.exact,
+            within_one_block=errors.within_one_block,
+            mean_error_blocks=errors.total / count,
         )
 
     def forget(self, replica: ReplicaId) -> None:
         self._errors.pop(replica, None)
+
+
+class _Window:
+    """One replica's last errors and their running totals (what :meth:`ReceiptBook.stats` reads)."""
+
+    __slots__ = ("exact", "total", "values", "within_one_block")
+
+    def __init__(self, size: int) -> None:
+        self.values: deque[int] = deque(maxlen=size)
+        self.exact = 0
+        self.within_one_block = 0
+        self.total = 0
+
+    def add(self, error: int) -> None:
+        values = self.values
+        if len(values) == values.maxlen:
+            self._count(values[0], -1)  # the oldest leaves as this one enters
+        values.append(error)
+        self._count(error, 1)
+
+    def _count(self, error: int, sign: int) -> None:
+        self.total += sign * error
+        if error == 0:
+            self.exact += sign
+        if -1 <= error <= 1:
+            self.within_one_block += sign

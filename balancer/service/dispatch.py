@@ -178,8 +178,9 @@ def commit(state: ServiceState, job: Forward, plan: RoutePlan) -> Lease:
 def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
     """Count a committed decision, and keep it in the pool's decision ring (the console)."""
     plan = lease.plan
-    state.metrics.route_decisions_total.labels(plan.decision.policy, lease.replica).inc()
-    state.metrics.predicted_cached_tokens_total.labels(lease.replica).inc(plan.cached_tokens)
+    metrics = state.metrics
+    metrics.children.of(metrics.route_decisions_total, plan.decision.policy, lease.replica).inc()
+    metrics.children.of(metrics.predicted_cached_tokens_total, lease.replica).inc(plan.cached_tokens)
     if plan.inputs is not None:
         state.decisions.record(
             job.pool.model,
@@ -211,7 +212,7 @@ def _log_decision(job: Forward, plan: RoutePlan) -> None:
 
 
 async def open_first(
-    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: dict[str, str]
+    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: Mapping[str, str]
 ) -> Opened:
     """Send the request and wait for the first body chunk; any failure so far is retryable."""
     stream = await state.upstream.open(replica.url, path, body, headers)
@@ -254,7 +255,7 @@ async def dispatch(
         try:
             replica = job.pool.replicas[lease.replica]
             try:
-                opened = await open_first(state, replica, job.path, job.body, dict(headers))
+                opened = await open_first(state, replica, job.path, job.body, headers)
             except RetryableUpstream as exc:
                 if exc.status != 429:  # a busy replica is not a broken one
                     state.health.on_failure(lease.replica, state.monotonic(), str(exc))
@@ -284,7 +285,8 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
     else:
         state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
     policy = lease.plan.decision.policy
-    state.metrics.ttft_seconds.labels(lease.replica, policy).observe(now - job.arrived)
+    metrics = state.metrics
+    metrics.children.of(metrics.ttft_seconds, lease.replica, policy).observe(now - job.arrived)
     if state.series is not None:
         state.series.on_ttft(now - job.arrived, state.wall_clock())
 
@@ -301,10 +303,11 @@ def on_relayed(
     """Bookkeeping once relaying ended: a complete answer returns its connection to the pool;
     anything else closes the connection. An upstream body read to its end reports the engine's
     cached tokens (a receipt), even when the client left before the last bytes reached it."""
+    metrics = state.metrics
     if stream.finished:
         usage = stream.usage()
         if usage.cached_tokens is not None:
-            state.metrics.reported_cached_tokens_total.labels(lease.replica).inc(usage.cached_tokens)
+            metrics.children.of(metrics.reported_cached_tokens_total, lease.replica).inc(usage.cached_tokens)
             record_receipt(state, lease, usage.cached_tokens)
             if state.series is not None:
                 prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
@@ -314,7 +317,7 @@ def on_relayed(
     else:
         stream.close()
     policy = lease.plan.decision.policy
-    state.metrics.e2e_seconds.labels(lease.replica, policy).observe(state.monotonic() - job.arrived)
+    metrics.children.of(metrics.e2e_seconds, lease.replica, policy).observe(state.monotonic() - job.arrived)
 
 
 def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Settled:
@@ -322,24 +325,25 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     router correct the index, and count both (``kvlb_route_prediction_error_blocks`` and friends)."""
     settled = lease.settle_receipt(cached_tokens, state.monotonic())
     receipt, replica, metrics = settled.receipt, lease.replica, state.metrics
-    metrics.prediction_error_blocks.labels(replica).observe(receipt.error_blocks)
-    metrics.receipts_total.labels(replica).inc()
+    child = metrics.children.of
+    child(metrics.prediction_error_blocks, replica).observe(receipt.error_blocks)
+    child(metrics.receipts_total, replica).inc()
     if receipt.exact:
-        metrics.receipts_exact_total.labels(replica).inc()
+        child(metrics.receipts_exact_total, replica).inc()
     if receipt.within_one_block:
-        metrics.receipts_within_block_total.labels(replica).inc()
+        child(metrics.receipts_within_block_total, replica).inc()
     if receipt.stale:
-        metrics.receipt_stale_blocks_total.labels(replica).inc(len(receipt.stale))
+        child(metrics.receipt_stale_blocks_total, replica).inc(len(receipt.stale))
     if settled.dropped_blocks:
-        metrics.index_receipt_drops_blocks_total.labels(replica).inc(settled.dropped_blocks)
+        child(metrics.index_receipt_drops_blocks_total, replica).inc(settled.dropped_blocks)
     if settled.learned_blocks:
-        metrics.index_receipt_learned_blocks_total.labels(replica).inc(settled.learned_blocks)
+        child(metrics.index_receipt_learned_blocks_total, replica).inc(settled.learned_blocks)
     if settled.taught_blocks:
-        metrics.index_receipt_taught_blocks_total.labels(replica).inc(settled.taught_blocks)
+        child(metrics.index_receipt_taught_blocks_total, replica).inc(settled.taught_blocks)
     if settled.confirmed_blocks:
-        metrics.index_receipt_confirmed_blocks_total.labels(replica).inc(settled.confirmed_blocks)
+        child(metrics.index_receipt_confirmed_blocks_total, replica).inc(settled.confirmed_blocks)
     accuracy = lease.router_receipts.stats(replica).accuracy
-    if accuracy is not None:
+    if accuracy is not None:  # not memoised: this gauge's child is removed with its replica
         metrics.prediction_accuracy_ratio.labels(replica).set(accuracy)
     if not receipt.within_one_block:
         log.debug(

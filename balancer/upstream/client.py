@@ -91,9 +91,13 @@ class UpstreamStream:
         """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
         content = self._response.content
         while True:
-            try:  # asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task per call
-                async with asyncio.timeout(self._idle_s):
-                    chunk = await content.readany()
+            try:
+                # What has arrived already is taken without a wait (or its timer: one per chunk
+                # otherwise); asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task
+                chunk = content.read_nowait()
+                if not chunk and not content.at_eof():
+                    async with asyncio.timeout(self._idle_s):
+                        chunk = await content.readany()
             except TimeoutError:
                 raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
             except (aiohttp.ClientError, ConnectionError) as exc:
@@ -127,6 +131,7 @@ class UpstreamClient:
         self._timeouts = timeouts
         self._session: aiohttp.ClientSession | None = None
         self._max_connections = max_connections
+        self._request_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -145,10 +150,11 @@ class UpstreamClient:
     async def open(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
         """POST ``body`` and wait for the response headers; failures before them are retryable."""
         url = base_url.rstrip("/") + path
-        timeout = aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s, sock_read=None)
         try:
             async with asyncio.timeout(self._timeouts.first_byte_s):
-                response = await self.session.post(url, data=body, headers=dict(headers), timeout=timeout)
+                response = await self.session.post(
+                    url, data=body, headers=headers, timeout=self._request_timeout
+                )
         except TimeoutError:
             raise RetryableUpstream(
                 "timeout", f"no response headers within {self._timeouts.first_byte_s}s"

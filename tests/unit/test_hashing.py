@@ -9,6 +9,7 @@ module docstring with ``xxhash.xxh3_64_intdigest`` and ``struct.pack('<I')``.
 from __future__ import annotations
 
 import struct
+from array import array
 
 import pytest
 import xxhash
@@ -21,6 +22,7 @@ from balancer.index.hashing import (
     BlockHasher,
     KeyMemo,
     chain_keys,
+    compact_ids,
     full_blocks,
     namespace_seed,
     pack_tokens,
@@ -183,6 +185,22 @@ def test_pack_tokens_is_little_endian_u32() -> None:
         pack_tokens([1 << 32])
     with pytest.raises(TypeError):
         pack_tokens([1.5])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(("tokens", "block_size", "mode", "lora", "salt", "expected"), VECTORS)
+def test_compact_ids_hash_as_the_list_does(
+    tokens: list[int], block_size: int, mode: str, lora: str | None, salt: str | None, expected: list[int]
+) -> None:
+    """The request path carries ids as ``array('I')``: same bytes, same keys (memo or not)."""
+    compact = compact_ids(tokens)
+    assert type(compact) is array and compact.typecode == "I" and compact.tolist() == tokens
+    assert compact_ids(compact) is compact  # already compact: no copy
+    assert pack_tokens(compact) == pack_tokens(tokens)
+    hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
+    assert hasher.request_keys(compact, lora, salt) == expected
+    assert hasher.request_keys(compact, lora, salt, KeyMemo()) == expected
+    with pytest.raises(OverflowError):
+        compact_ids([*tokens, -1])
 
 
 def test_invalid_ids_are_rejected_even_in_the_partial_tail() -> None:

@@ -76,8 +76,8 @@ async def test_a_large_content_part_request_is_tokenized_in_a_thread() -> None:
     pool = cast(Pool, SimpleNamespace(tokenizer=recorder))
     large = parse_request(chat_body([{"role": "user", "content": parts("word " * 20_000)}]), "chat")
     small = parse_request(chat_body([{"role": "user", "content": parts("word")}]), "chat")
-    assert await tokenize(pool, large, 100) == [1, 2, 3]
-    assert await tokenize(pool, small, 100) == [1, 2, 3]
+    assert list(await tokenize(pool, large, 100)) == [1, 2, 3]
+    assert list(await tokenize(pool, small, 100)) == [1, 2, 3]
     assert recorder.threads[0] is not threading.main_thread()
     assert recorder.threads[1] is threading.main_thread()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from balancer.events import Stored
@@ -58,6 +60,22 @@ def test_receipt_book_is_a_bounded_window_per_replica() -> None:
     assert book.stats(B).accuracy is None
     book.forget(A)
     assert book.stats(A).receipts == 0
+
+
+def test_receipt_book_running_totals_match_the_window_recounted() -> None:
+    """The totals kept as errors enter and leave equal a recount of the window, at every step."""
+    rng = random.Random(7)
+    book = ReceiptBook(window=5)
+    window: list[int] = []
+    for _ in range(200):
+        predicted, reported = rng.randrange(4), rng.randrange(4)
+        book.record(read_receipt(A, KEYS, BS, predicted * BS, reported * BS))
+        window = [*window, reported - predicted][-5:]
+        stats = book.stats(A)
+        assert stats.receipts == len(window)
+        assert stats.exact == sum(1 for e in window if e == 0)
+        assert stats.within_one_block == sum(1 for e in window if -1 <= e <= 1)
+        assert stats.mean_error_blocks == sum(window) / len(window)
 
 
 @pytest.mark.parametrize(
