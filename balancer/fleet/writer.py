@@ -57,8 +57,9 @@ class LeaseLostError(BalancerError):
 class RetrySettings:
     initial_s: float = 0.05
     """First wait after a failed write (seconds); doubles per consecutive failure."""
-    max_s: float = 2.0
-    """Longest wait between two attempts while Redis is unreachable (seconds)."""
+    max_s: float = 0.5
+    """Longest wait between two attempts while Redis is unreachable (seconds): also how late, at
+    most, the queued batches start going out once Redis is back."""
 
 
 @dataclass(slots=True)

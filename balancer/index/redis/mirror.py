@@ -61,8 +61,9 @@ class MirrorSettings:
     retry_s: float = 0.1
     """First pause after a Redis error (seconds); doubles per consecutive error up to
     ``retry_max_s``. Errors are counted, never raised."""
-    retry_max_s: float = 2.0
-    """Longest pause between two attempts while Redis is unreachable (seconds)."""
+    retry_max_s: float = 0.5
+    """Longest pause between two attempts while Redis is unreachable (seconds): also how late, at
+    most, the mirror notices that Redis is back (one reconnect attempt per pause is cheap)."""
 
     def __post_init__(self) -> None:
         if self.read_count <= 0 or self.block_ms <= 0 or self.retry_s < 0 or self.retry_max_s < self.retry_s:
