@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections import Counter
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import requests
@@ -71,15 +72,20 @@ def test_every_operation_conforms(
 ) -> None:
     # What is validated must be what is sent: a query parameter whose value is None or an empty
     # list, which requests drops from the URL, is dropped from the case too, and a one-element list,
-    # which requests sends as that one value, becomes that value (else a negative case "an extra
-    # parameter" or "an array" reaches kvlb as a valid request, and its 200 reads as accepting
-    # invalid data).
+    # which requests sends as that one value, becomes that value (else a negative case "an array"
+    # reaches kvlb as a valid request, and its 200 reads as accepting invalid data). An *undocumented*
+    # parameter (a negative case "an extra parameter") is sent with a plain value instead of being
+    # dropped, so that it stays the extra parameter the case is about.
     if case.query:
-        case.query = {
-            name: value[0] if isinstance(value, list) and len(value) == 1 else value
-            for name, value in case.query.items()
-            if value is not None and value != []  # requests sends neither
-        }
+        documented = {parameter.name for parameter in case.operation.query}
+        query: dict[str, Any] = {}
+        for name, value in case.query.items():
+            if value is None or value == []:  # requests sends neither
+                if name not in documented:
+                    query[name] = "x"
+                continue
+            query[name] = value[0] if isinstance(value, list) and len(value) == 1 else value
+        case.query = query
     response = case.call_and_validate(
         base_url=service.url,
         session=session,
