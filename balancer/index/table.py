@@ -190,6 +190,7 @@ class PrefixTable(GapRecovery):
         pop = cache.keys.pop
         suspect = cache.suspect
         gone = cache.gone
+        older: list[int] = []
         for engine_hash in event.engine_hashes:
             if gone is not None:
                 self._tombstone(cache, gone, engine_hash, now)
@@ -198,9 +199,14 @@ class PrefixTable(GapRecovery):
                 result.unknown_removals += 1
                 continue
             if suspect:
+                older += self._frontier(cache, key)
                 suspect.pop(key, None)
             if self._release(cache, key):
                 result.removed_blocks += 1
+        if older:  # after the walk: dropping may compact the engine-hash map
+            dropped = self._drop_keys(cache, older)
+            self.counters.suspect_dropped += dropped
+            self.counters.suspect_frontier_dropped += dropped
 
     def _release(self, cache: CacheSlot, key: int) -> bool:
         """One handle of ``key`` went from ``cache``; clear its bit if it was the last live one."""
@@ -221,6 +227,7 @@ class PrefixTable(GapRecovery):
         self._unset(cache.keys.values(), cache.bit)
         held, cache.keys, cache.dups, cache.held = cache.held, {}, {}, 0
         cache.suspect = {}
+        cache.suspect_frontier = False
         if cache.gone is not None:
             cache.gone = {}
             cache.gone_floor = float("-inf")
@@ -416,9 +423,17 @@ class PrefixTable(GapRecovery):
                 taken = tuple(key for key in taken if key not in refused)
             self._spec_count += len(fresh)
             bit = spec.bit
-            pop = holders.pop
             for key in fresh:
-                holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+                holders[key] = holders.get(key, 0) | bit
+        # Re-insert every key (at C speed): a routed block counts as recently used, so the table's
+        # order is the order of use (stores and routes), which an event gap's recovery reads as the
+        # engine's LRU order (``GapRecovery._suspect_all``). Last key first: a parent block is used at
+        # least as recently as its children. A repeated key's second pop gives 0; reversed, its
+        # first (real) mask is written last.
+        masks = list(map(holders.pop, taken, repeat(0)))
+        holders.update(zip(reversed(taken), reversed(masks), strict=True))
+        if self._suspects:
+            self._touch_suspects(replica, taken)
         pending.update(zip(taken, repeat(expiry_s)))
         if taken:
             self._spec_seq += 1
