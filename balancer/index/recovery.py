@@ -72,9 +72,9 @@ class GapRecovery:
         """The engine removed suspect ``key``: it evicts least recently used first, so every suspect
         used less recently (before ``key`` in ``cache.suspect``) is gone too. Pops and returns them
         (the caller drops them, after its own walk of the engine-hash map); each suspect is popped
-        once, so this is amortised O(1) per block. Only with ``gap_keep_s`` > 0."""
+        once, so this is amortised O(1) per block. Only with ``TableLimits.lru_frontier``."""
         suspect = cache.suspect
-        if self.limits.gap_keep_s <= 0 or key not in suspect:
+        if not self.limits.lru_frontier or key not in suspect:
             return []
         cache.suspect_frontier = True
         older: list[int] = []

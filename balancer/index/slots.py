@@ -44,7 +44,15 @@ class TableLimits:
     saw used less recently (the engine evicts least recently used first), and once such an eviction
     frontier was seen the suspects more recent than it stay past ``gap_hold_s``, until the frontier
     passes them, a receipt shows them missing, or this long after the gap. Without a frontier (no
-    post-gap eviction) the hold's rule applies. At most ``gap_hold_s`` has no effect."""
+    post-gap eviction) the hold's rule applies. At most ``gap_hold_s``: off (``lru_frontier``).
+    Costs, when on, a re-insert of every key a routed request names (``add_speculative``): measured
+    about 17 µs more per call with a 128-key prompt (23–33 µs without, 40–45 with, load 1.6–2.1)."""
+
+    @property
+    def lru_frontier(self) -> bool:
+        """Whether gap recovery follows the engine's LRU order (``gap_keep_s`` > ``gap_hold_s`` > 0);
+        only then does a routed request re-insert all its keys in the table's order."""
+        return 0.0 < self.gap_hold_s < self.gap_keep_s
 
     def __post_init__(self) -> None:
         if self.capacity_blocks <= 0 or self.max_speculative_keys < 0 or self.max_slots <= 0:

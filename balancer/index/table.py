@@ -15,9 +15,10 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
   Freed slots are reused, lowest first, so masks stay small.
 * Per cache, ``engine hash → block key``. It resolves parents and removals, and is the cache's
   reverse set, so clearing or dropping a cache costs O(its own blocks), never O(index).
-* The dict's insertion order is the LRU order: storing a block re-inserts its key at the end. Over
-  the budget the oldest keys go, with all their holders. A cache's map entries for evicted keys stay
-  (they still chain children correctly) and are dropped once they outnumber its live blocks.
+* The dict's insertion order is the LRU order: storing a block, or routing a request that uses it
+  (``add_speculative``), re-inserts its key at the end. Over the budget the oldest keys go, with all
+  their holders. A cache's map entries for evicted keys stay (they still chain children correctly)
+  and are dropped once they outnumber its live blocks.
 * ``match`` walks the request keys ANDing masks; a bit that drops out at depth ``i`` gives its cache
   an overlap of ``i``. Neither ``match`` nor ``apply`` creates an object per block beyond the key.
 """
@@ -423,17 +424,19 @@ class PrefixTable(GapRecovery):
                 taken = tuple(key for key in taken if key not in refused)
             self._spec_count += len(fresh)
             bit = spec.bit
+            pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
-                holders[key] = holders.get(key, 0) | bit
-        # Re-insert every key (at C speed): a routed block counts as recently used, so the table's
-        # order is the order of use (stores and routes), which an event gap's recovery reads as the
-        # engine's LRU order (``GapRecovery._suspect_all``). Last key first: a parent block is used at
-        # least as recently as its children. A repeated key's second pop gives 0; reversed, its
-        # first (real) mask is written last.
-        masks = list(map(holders.pop, taken, repeat(0)))
-        holders.update(zip(reversed(taken), reversed(masks), strict=True))
-        if self._suspects:
-            self._touch_suspects(replica, taken)
+                holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+        if self.limits.lru_frontier:
+            # Re-insert every key (at C speed), so the table's order is the order of use (stores and
+            # routes), which an event gap's recovery reads as the engine's LRU order
+            # (``GapRecovery._suspect_all``). Last key first: a parent block is used at least as
+            # recently as its children. A repeated key's second pop gives 0; reversed, its first
+            # (real) mask is written last.
+            masks = list(map(holders.pop, taken, repeat(0)))
+            holders.update(zip(reversed(taken), reversed(masks), strict=True))
+            if self._suspects:
+                self._touch_suspects(replica, taken)
         pending.update(zip(taken, repeat(expiry_s)))
         if taken:
             self._spec_seq += 1

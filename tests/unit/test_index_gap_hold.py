@@ -281,3 +281,12 @@ def test_a_routed_request_makes_its_blocks_recently_used_before_and_after_the_ga
     assert t.engine_hashes(A) == {1, 11, 12}
     t.apply(A, [Removed(0, (EngineHash(11),))], 1.5)  # a parent evicted: its child went first
     assert t.held_blocks(A) == 0
+
+
+def test_a_keep_limit_within_the_hold_turns_the_frontier_off() -> None:
+    t = PrefixTable(HASHER, TableLimits(gap_hold_s=HOLD_S, gap_keep_s=HOLD_S))
+    assert not t.limits.lru_frontier and lru_table().limits.lru_frontier
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [Removed(0, (EngineHash(12),))], 1.1)
+    assert t.engine_hashes(A) == {1, 2, 11, 21, 22}
