@@ -55,11 +55,16 @@ class GapRecovery:
         what the engine confirms within the hold stays, the rest goes then (:meth:`_expire_suspects`),
         or earlier and later by the engine's LRU order (:meth:`_frontier`, ``gap_keep_s``). The
         suspects are ordered least recently used first as kvlb saw it: the table's order (stores and
-        routed requests re-insert keys, ``PrefixTable.add_speculative``). That walks the whole table
-        once per gap (bounded by ``capacity_blocks``).
+        routed requests re-insert keys, ``PrefixTable.add_speculative``). With
+        ``TableLimits.lru_frontier`` that walks the whole table once per gap (bounded by
+        ``capacity_blocks``); without it, only the cache's own blocks.
         The engine-hash map stays whole, so later events still chain from and remove these blocks."""
         bit = cache.bit
-        held = [key for key, mask in self._holders.items() if mask & bit]
+        if self.limits.lru_frontier:
+            held = [key for key, mask in self._holders.items() if mask & bit]
+        else:  # no order needed: the cache's own keys, O(its blocks)
+            get = self._holders.get
+            held = list(dict.fromkeys(key for key in cache.keys.values() if get(key, 0) & bit))
         cache.suspect = dict.fromkeys(held)
         self.counters.suspect_marked += len(held)
         cache.suspect_until = now + self.limits.gap_hold_s
