@@ -284,6 +284,7 @@ class Balancer:
                 capacity_blocks=settings.limits.index_capacity_blocks,
                 max_speculative_keys=settings.limits.max_speculative_keys,
                 gap_hold_s=settings.limits.gap_hold_s,
+                gap_keep_s=settings.limits.gap_keep_s,
             ),
             LoadConfig(stale_after_s=stale_after_s),
             health=health,

@@ -153,6 +153,11 @@ class LimitConfig:
     the engine confirms it meanwhile (an event naming it, a response's ``cached_tokens`` covering
     it), dropped at the end of the hold otherwise, or at once when a response shows it missing. 0
     clears the cache at the gap. Without Redis only (the Redis index clears at once)."""
+    gap_keep_s: float = 2.0
+    """Seconds after an event gap, in 0..60, up to which suspect blocks may stay past ``gap_hold_s``
+    by the engine's LRU order: once the engine evicts a suspect block, every suspect kvlb saw used
+    less recently is dropped, and the more recent ones stay until the evictions pass them, a response
+    shows them missing, or this long after the gap. 0 (or at most ``gap_hold_s``): the hold alone."""
     receipt_drops: bool = False
     """Whether a receipt that reports fewer cached blocks than predicted drops the replica's stale
     holdings from the index at once. Off by default: measured, the drops removed holdings that the
@@ -409,6 +414,8 @@ class Settings:
             raise ConfigError("limits.max_retries must be >= 0")
         if not 0.0 <= self.limits.gap_hold_s <= 60.0:
             raise ConfigError(f"limits.gap_hold_s must be in 0..60, got {self.limits.gap_hold_s}")
+        if not 0.0 <= self.limits.gap_keep_s <= 60.0:
+            raise ConfigError(f"limits.gap_keep_s must be in 0..60, got {self.limits.gap_keep_s}")
         self.listen.validate()
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")

@@ -52,22 +52,65 @@ class GapRecovery:
         """An event gap: every block the cache holds becomes suspect until ``now + gap_hold_s``.
 
         The lost events may have removed some of them (and stored others, which the index lacks):
-        what the engine confirms within the hold stays, the rest goes then (:meth:`_expire_suspects`).
+        what the engine confirms within the hold stays, the rest goes then (:meth:`_expire_suspects`),
+        or earlier and later by the engine's LRU order (:meth:`_frontier`, ``gap_keep_s``). The
+        suspects are ordered least recently used first as kvlb saw it: the table's order (stores and
+        routed requests re-insert keys, ``PrefixTable.add_speculative``). With
+        ``TableLimits.lru_frontier`` that walks the whole table once per gap (bounded by
+        ``capacity_blocks``); without it, only the cache's own blocks.
         The engine-hash map stays whole, so later events still chain from and remove these blocks."""
-        get = self._holders.get
         bit = cache.bit
-        held = [key for key in cache.keys.values() if get(key, 0) & bit]
-        cache.suspect.update(dict.fromkeys(held))
+        if self.limits.lru_frontier:
+            held = [key for key, mask in self._holders.items() if mask & bit]
+        else:  # no order needed: the cache's own keys, O(its blocks)
+            get = self._holders.get
+            held = list(dict.fromkeys(key for key in cache.keys.values() if get(key, 0) & bit))
+        cache.suspect = dict.fromkeys(held)
         self.counters.suspect_marked += len(held)
         cache.suspect_until = now + self.limits.gap_hold_s
+        cache.suspect_keep_until = now + self.limits.gap_keep_s
+        cache.suspect_frontier = False
         self._suspects[cache] = None
         self._suspect_due = min(self._suspect_due, cache.suspect_until)
 
+    def _frontier(self, cache: CacheSlot, key: int) -> list[int]:
+        """The engine removed suspect ``key``: it evicts least recently used first, so every suspect
+        used less recently (before ``key`` in ``cache.suspect``) is gone too. Pops and returns them
+        (the caller drops them, after its own walk of the engine-hash map); each suspect is popped
+        once, so this is amortised O(1) per block. Only with ``TableLimits.lru_frontier``."""
+        suspect = cache.suspect
+        if not self.limits.lru_frontier or key not in suspect:
+            return []
+        cache.suspect_frontier = True
+        older: list[int] = []
+        for other in suspect:
+            if other == key:
+                break
+            older.append(other)
+        for other in older:
+            del suspect[other]
+        return older
+
+    def _touch_suspects(self, replica: ReplicaId, keys: Sequence[int]) -> None:
+        """A request routed to ``replica`` uses ``keys``: those still suspect become its most recently
+        used (last key first, as in the table), so a later eviction frontier does not pass them."""
+        ranks = self._slots.caches.get(replica)
+        for cache in ranks.values() if ranks else ():
+            suspect = cache.suspect
+            if suspect:
+                touched = [key for key in reversed(keys) if suspect.pop(key, 0) is None]
+                suspect.update(dict.fromkeys(touched))
+
     def _expire_suspects(self, now: float) -> None:
-        """Drop the unconfirmed suspect blocks of every cache whose hold ended by ``now``."""
+        """Drop the unconfirmed suspect blocks of every cache whose hold ended by ``now`` (those past
+        an eviction frontier stay up to ``suspect_keep_until``)."""
         due = _NEVER
         for cache in list(self._suspects):
             if cache.suspect and cache.suspect_until > now:
+                due = min(due, cache.suspect_until)
+                continue
+            if cache.suspect and cache.suspect_frontier and cache.suspect_keep_until > now:
+                cache.suspect_until = cache.suspect_keep_until
                 due = min(due, cache.suspect_until)
                 continue
             del self._suspects[cache]

@@ -15,9 +15,10 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
   Freed slots are reused, lowest first, so masks stay small.
 * Per cache, ``engine hash → block key``. It resolves parents and removals, and is the cache's
   reverse set, so clearing or dropping a cache costs O(its own blocks), never O(index).
-* The dict's insertion order is the LRU order: storing a block re-inserts its key at the end. Over
-  the budget the oldest keys go, with all their holders. A cache's map entries for evicted keys stay
-  (they still chain children correctly) and are dropped once they outnumber its live blocks.
+* The dict's insertion order is the LRU order: storing a block, or routing a request that uses it
+  (``add_speculative``), re-inserts its key at the end. Over the budget the oldest keys go, with all
+  their holders. A cache's map entries for evicted keys stay (they still chain children correctly)
+  and are dropped once they outnumber its live blocks.
 * ``match`` walks the request keys ANDing masks; a bit that drops out at depth ``i`` gives its cache
   an overlap of ``i``. Neither ``match`` nor ``apply`` creates an object per block beyond the key.
 """
@@ -190,6 +191,7 @@ class PrefixTable(GapRecovery):
         pop = cache.keys.pop
         suspect = cache.suspect
         gone = cache.gone
+        older: list[int] = []
         for engine_hash in event.engine_hashes:
             if gone is not None:
                 self._tombstone(cache, gone, engine_hash, now)
@@ -198,9 +200,14 @@ class PrefixTable(GapRecovery):
                 result.unknown_removals += 1
                 continue
             if suspect:
+                older += self._frontier(cache, key)
                 suspect.pop(key, None)
             if self._release(cache, key):
                 result.removed_blocks += 1
+        if older:  # after the walk: dropping may compact the engine-hash map
+            dropped = self._drop_keys(cache, older)
+            self.counters.suspect_dropped += dropped
+            self.counters.suspect_frontier_dropped += dropped
 
     def _release(self, cache: CacheSlot, key: int) -> bool:
         """One handle of ``key`` went from ``cache``; clear its bit if it was the last live one."""
@@ -221,6 +228,7 @@ class PrefixTable(GapRecovery):
         self._unset(cache.keys.values(), cache.bit)
         held, cache.keys, cache.dups, cache.held = cache.held, {}, {}, 0
         cache.suspect = {}
+        cache.suspect_frontier = False
         if cache.gone is not None:
             cache.gone = {}
             cache.gone_floor = float("-inf")
@@ -416,9 +424,19 @@ class PrefixTable(GapRecovery):
                 taken = tuple(key for key in taken if key not in refused)
             self._spec_count += len(fresh)
             bit = spec.bit
-            pop = holders.pop
+            pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+        if self.limits.lru_frontier:
+            # Re-insert every key (at C speed), so the table's order is the order of use (stores and
+            # routes), which an event gap's recovery reads as the engine's LRU order
+            # (``GapRecovery._suspect_all``). Last key first: a parent block is used at least as
+            # recently as its children. A repeated key's second pop gives 0; reversed, its first
+            # (real) mask is written last.
+            masks = list(map(holders.pop, taken, repeat(0)))
+            holders.update(zip(reversed(taken), reversed(masks), strict=True))
+            if self._suspects:
+                self._touch_suspects(replica, taken)
         pending.update(zip(taken, repeat(expiry_s)))
         if taken:
             self._spec_seq += 1

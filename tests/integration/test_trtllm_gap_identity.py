@@ -80,13 +80,14 @@ class Rig:
         lease.release(self.now)
 
 
-def rig(hold_s: float, seed: int, teach: bool = True) -> Rig:
+def rig(hold_s: float, seed: int, teach: bool = True, keep_s: float = 0.0) -> Rig:
     config = ReplicaConfig("r2", "trtllm", get_profile("cpu-test"), page_size=BS)
     faults = FaultState(FaultSettings(), random.Random(seed))
     buffer = EventBuffer(config, faults)
     buffer.start()
     cache = PrefixCache(page_size=BS, capacity_blocks=config.capacity_blocks, store_partial=True)
-    router = PoolRouter("sim-test", TableLimits(gap_hold_s=hold_s), rng=random.Random(seed))
+    limits = TableLimits(gap_hold_s=hold_s, gap_keep_s=keep_s)
+    router = PoolRouter("sim-test", limits, rng=random.Random(seed))
     router.add_replica(R, BS, TRTLLM.align_mode, TRTLLM.block_hashes if teach else None)
     rng = random.Random(seed)
     prefixes = [[rng.randrange(1000, 30000) for _ in range(3 * BS)] for _ in range(PREFIXES)]
@@ -94,11 +95,16 @@ def rig(hold_s: float, seed: int, teach: bool = True) -> Rig:
 
 
 def requests_to_identity(
-    hold_s: float, seed: int, teach: bool = True, fault_requests: int = 120, limit: int = 400
+    hold_s: float,
+    seed: int,
+    teach: bool = True,
+    fault_requests: int = 120,
+    limit: int = 400,
+    keep_s: float = 0.0,
 ) -> int | None:
     """Requests after the end of a loss of half the events until the index holds exactly the engine's
     blocks (``None``: not within ``limit``)."""
-    r = rig(hold_s, seed, teach)
+    r = rig(hold_s, seed, teach, keep_s)
     for _ in range(100):
         r.request()
     assert r.index() == r.engine()  # no loss: exact throughout
@@ -149,3 +155,34 @@ def test_receipts_teach_only_under_hashes_the_engines_events_confirmed() -> None
         bad.request()
     assert bad.router.hash_trust(R) is not True
     assert bad.index() == bad.engine()  # nothing lost, nothing taught: the events alone
+
+
+def stale_and_missing_at_the_end_of_loss(keep_s: float, seed: int) -> tuple[int, int]:
+    """``(stale, missing)`` engine blocks at the end of a loss of half the events (gaps every few
+    requests, each restarting the hold): blocks the index holds that the engine does not, and the
+    reverse."""
+    r = rig(10 * STEP_S, seed, keep_s=keep_s)
+    for _ in range(100):
+        r.request()
+    r.faults.settings = FaultSettings(drop_events=0.5)
+    for _ in range(120):
+        r.request()
+    engine, index = r.engine(), r.index()
+    return len(index - engine), len(engine - index)
+
+
+def test_the_lru_frontier_drops_the_blocks_evicted_in_the_gaps_during_the_loss() -> None:
+    """With ``gap_keep_s``, each post-gap eviction of a suspect block drops the suspects kvlb saw used
+    less recently (the emulator evicts least recently used leaves first, as TRT-LLM does): at the end
+    of the loss far fewer stale blocks remain than with the hold alone, which each new gap restarts.
+    The missing ones (stored in lost events) are the receipts' to teach, the same either way."""
+    hold = [stale_and_missing_at_the_end_of_loss(0.0, seed) for seed in range(8)]
+    lru = [stale_and_missing_at_the_end_of_loss(2.0, seed) for seed in range(8)]
+    assert sum(s for s, _ in lru) * 4 < sum(s for s, _ in hold), (lru, hold)
+    assert sum(m for _, m in lru) <= sum(m for _, m in hold), (lru, hold)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_with_the_lru_frontier_the_index_holds_the_engines_blocks_again(seed: int) -> None:
+    steps = requests_to_identity(10 * STEP_S, seed, keep_s=2.0)
+    assert steps is not None and steps <= 40, steps

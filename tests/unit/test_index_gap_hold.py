@@ -196,3 +196,97 @@ def test_learning_confirms_suspect_blocks_and_needs_a_single_rank() -> None:
     two = PrefixTable(HASHER, TableLimits(gap_hold_s=HOLD_S))
     two.apply(A, [stored(toks(2), [1, 2]), Stored(1, None, (EngineHash(7),), pack_tokens(toks(1)), BS)], 0.0)
     assert two.learn_blocks(A, keys, [1, 2], 0.5, hold=True) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ LRU frontier (gap_keep_s)
+
+KEEP_S = 5.0
+
+
+def lru_table(keep_s: float = KEEP_S) -> PrefixTable:
+    return PrefixTable(HASHER, TableLimits(gap_hold_s=HOLD_S, gap_keep_s=keep_s))
+
+
+def three_chains(t: PrefixTable) -> None:
+    """Three chains of two blocks stored in order: engine hashes 1-2 (oldest), 11-12, 21-22."""
+    t.apply(A, [stored(toks(2, 1), [1, 2])], 0.0)
+    t.apply(A, [stored(toks(2, 100), [11, 12])], 0.1)
+    t.apply(A, [stored(toks(2, 200), [21, 22])], 0.2)
+
+
+def test_keep_is_validated() -> None:
+    with pytest.raises(ValueError):
+        TableLimits(gap_keep_s=-1.0)
+    with pytest.raises(ValueError):
+        TableLimits(gap_keep_s=float("inf"))
+
+
+def test_a_post_gap_removal_of_a_suspect_drops_the_suspects_used_less_recently() -> None:
+    """The engine evicts least recently used first: removing 11 means 1 and 2 went before it (their
+    removals were lost in the gap); 12, 21 and 22 are more recent and stay suspect."""
+    t = lru_table()
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [Removed(0, (EngineHash(11),))], 1.1)
+    assert t.engine_hashes(A) == {12, 21, 22}
+    assert t.suspect_blocks(A) == 3
+    assert t.counters.suspect_frontier_dropped == 2
+    assert t.counters.suspect_dropped == 2
+
+
+def test_past_a_frontier_the_more_recent_suspects_outlive_the_hold_until_the_keep_limit() -> None:
+    t = lru_table()
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [Removed(0, (EngineHash(1),))], 1.1)  # the oldest: a frontier, nothing older
+    t.apply(A, [], 2.5)  # past the hold (1.0 + 1.0): kept, the engine's evictions have not reached them
+    assert t.engine_hashes(A) == {2, 11, 12, 21, 22}
+    t.apply(A, [Removed(0, (EngineHash(12),))], 3.0)  # the frontier moves on
+    assert t.engine_hashes(A) == {21, 22}
+    t.apply(A, [], 6.0)  # the keep limit (1.0 + 5.0): the unconfirmed rest goes
+    assert t.held_blocks(A) == 0 and t.suspect_blocks(A) == 0
+
+
+def test_without_a_frontier_the_hold_alone_applies() -> None:
+    t = lru_table()
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [stored(toks(2, 200), [21, 22])], 1.5)  # confirmed; no eviction since the gap
+    t.apply(A, [], 2.0)
+    assert t.engine_hashes(A) == {21, 22}
+
+
+def test_without_keep_a_removal_drops_only_its_own_block() -> None:
+    t = table()
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [Removed(0, (EngineHash(12),))], 1.1)
+    assert t.engine_hashes(A) == {1, 2, 11, 21, 22}
+    assert t.counters.suspect_frontier_dropped == 0
+
+
+def test_a_routed_request_makes_its_blocks_recently_used_before_and_after_the_gap() -> None:
+    """Routing refreshes the table's order (before the gap) and the suspects' (after it): the oldest
+    stored chain, routed to since, outlives a frontier at a block stored after it."""
+    t = lru_table()
+    three_chains(t)
+    t.add_speculative(A, HASHER.request_keys(toks(2, 1)), 0.5, 0.5)  # chain 1-2 used before the gap
+    gap(t, 1.0)
+    t.add_speculative(A, HASHER.request_keys(toks(2, 100)), 0.5, 1.2)  # chain 11-12 after it
+    t.apply(A, [Removed(0, (EngineHash(21),))], 1.3)  # now the least recently used of the three
+    assert t.engine_hashes(A) == {1, 2, 11, 12, 22}
+    t.apply(A, [Removed(0, (EngineHash(22), EngineHash(2)))], 1.4)
+    # 1, 2's parent, counts as used at least as recently as 2 (a routed prompt refreshes its last
+    # block first): a leaf-first engine evicts it after its child
+    assert t.engine_hashes(A) == {1, 11, 12}
+    t.apply(A, [Removed(0, (EngineHash(11),))], 1.5)  # a parent evicted: its child went first
+    assert t.held_blocks(A) == 0
+
+
+def test_a_keep_limit_within_the_hold_turns_the_frontier_off() -> None:
+    t = PrefixTable(HASHER, TableLimits(gap_hold_s=HOLD_S, gap_keep_s=HOLD_S))
+    assert not t.limits.lru_frontier and lru_table().limits.lru_frontier
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [Removed(0, (EngineHash(12),))], 1.1)
+    assert t.engine_hashes(A) == {1, 2, 11, 21, 22}
