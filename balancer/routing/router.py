@@ -150,7 +150,7 @@ class Lease:
 
     __slots__ = ("_released", "_router", "plan", "replica", "routed_at", "tracking_id")
 
-    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str, routed_at: float = 0.0) -> None:
+    def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str, routed_at: float) -> None:
         self._router = router
         self.plan = plan
         self.replica = plan.decision.replica
