@@ -133,6 +133,9 @@ async def test_malformed_messages_are_counted_and_skipped(
         await publisher.publish([bad_event, page(publisher.seq)])  # one bad event, one good
         await publisher.pages(2)
         await rig.settle(4)
+        # The connection's catch-up replay may deliver every page before the live copies queued on
+        # the SUB (the malformed ones among them) are read: wait for the live stream to be drained.
+        await eventually(lambda: rig.source.status().decode_errors >= 5)
         assert rig.index.pages() == [1, 2, 3, 4, 5]
         assert rig.index.resyncs() == []
         errors = {
