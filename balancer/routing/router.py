@@ -377,8 +377,28 @@ class PoolRouter:
         )
 
     def route(self, request: PoolRequest, now: float) -> Lease:
-        """Select and commit: the returned lease holds the request's load until released."""
-        return self.lease(self.select(request, now), request.request_id, now)
+        """Select and commit: the returned lease holds the request's load until released.
+
+        With other workers (:attr:`peer_load`), the chosen replica's in-flight count is read again
+        just before the commitment: a replica that another worker filled while this one planned is
+        not taken (the decision is made again without it; :class:`Overloaded` once every candidate
+        is full), so two workers racing for a replica's last slot overlap only in the microseconds
+        between that read and the publication of the commitment (:mod:`balancer.load.share`)."""
+        cap = self.route_limits.max_inflight_per_replica
+        full: set[ReplicaId] = set()
+        while True:
+            try:
+                plan = self.select(request, now)
+            except NoReplicasAvailable:
+                if not full:
+                    raise
+                message = f"every replica of model {self.model!r} has {cap} requests in flight"
+                raise Overloaded(message, FULL_RETRY_AFTER_S) from None
+            replica = plan.decision.replica
+            if self.peer_load is None or self.in_flight_total(replica) < cap:
+                return self.lease(plan, request.request_id, now)
+            full.add(replica)
+            request = dataclasses.replace(request, exclude=request.exclude | {replica})
 
     def lease(self, plan: RoutePlan, request_id: str, now: float) -> Lease:
         """Commit ``plan`` (load reserved, speculative entries added, the replica told it was

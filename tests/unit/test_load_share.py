@@ -8,18 +8,19 @@ import asyncio
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from random import Random
 
 import pytest
 
 from balancer.errors import Overloaded
 from balancer.load.share import LoadShare, LoadTable, replica_key, row_bytes
-from balancer.load.tracker import LoadCounts
-from balancer.policy.base import PolicyWeights
+from balancer.load.tracker import LoadCounts, LoadSnapshot
+from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.registry import make_policy
 from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
 from balancer.service.admission import Admission, AdmissionLimits, AdmissionRefused
-from balancer.types import ReplicaId
+from balancer.types import Decision, Overlap, ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 
@@ -202,6 +203,55 @@ def test_the_per_replica_cap_counts_every_workers_requests(table: LoadTable) -> 
     lease.release(now=1.4)
     assert second.has_free_slot(now=1.5)
     assert second.route(ask(3), now=1.5).replica == lease.replica
+    assert (first.in_flight_total(A), first.in_flight_total(B)) == (1, 1)
+    w0.close()
+    w1.close()
+
+
+class PrefersA:
+    """A policy (the protocol, no kvlb class replaced) that runs ``meanwhile`` once while it decides,
+    as another worker's request would run between this worker's cap check and its commitment, and
+    then chooses A when A is a candidate."""
+
+    name = "prefers_a"
+
+    def __init__(self, meanwhile: Callable[[], object]) -> None:
+        self.meanwhile: Callable[[], object] | None = meanwhile
+
+    def __call__(
+        self, request: RouteRequest, overlap: Overlap, load: LoadSnapshot, weights: PolicyWeights, rng: Random
+    ) -> Decision:
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        replica = A if A in request.candidates else request.candidates[0]
+        return Decision(replica, self.name, 0, request.request_blocks, 0, ())
+
+
+def test_a_replica_filled_by_another_worker_while_this_one_plans_is_not_taken(table: LoadTable) -> None:
+    """Cap 1: while worker 1 decides for A (A was free when it took its candidates), worker 0 routes
+    to A; worker 1 reads A's count again before committing and goes to B instead, and with B full
+    too it refuses (Overloaded), never putting a second request on A."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = router(w0, cap=1), router(w1, cap=1)
+    leases = []
+    policy = PrefersA(
+        lambda: leases.append(
+            first.route(PoolRequest([1] * 64, PrefersA(lambda: None), PolicyWeights(), "x"), 1.0)
+        )
+    )
+    lease = second.route(PoolRequest([2] * 64, policy, PolicyWeights(), "y"), now=1.0)
+    assert [held.replica for held in leases] == [A] and lease.replica == B
+    assert (second.in_flight_total(A), second.in_flight_total(B)) == (1, 1)
+    lease.release(now=1.1)
+    racing = PrefersA(
+        lambda: leases.append(
+            first.route(PoolRequest([3] * 64, PrefersA(lambda: None), PolicyWeights(), "z"), 1.2)
+        )
+    )
+    with pytest.raises(Overloaded):
+        second.route(PoolRequest([4] * 64, racing, PolicyWeights(), "w"), now=1.2)
+    assert [held.replica for held in leases] == [A, B]
     assert (first.in_flight_total(A), first.in_flight_total(B)) == (1, 1)
     w0.close()
     w1.close()
