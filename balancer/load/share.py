@@ -27,12 +27,14 @@ unchanged reuses its last sum, so an idle service costs one header read per peer
 in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`)
 and ``limits.max_inflight`` against the ``admitted`` of every row
 (:class:`balancer.service.admission.Admission`). There is no lock: a worker checks and then publishes,
-synchronously on its one request loop, so at the moment a worker admits, each other worker has at
-most one admission it checked but has not yet published. Two workers checking at once may both admit;
-the fleet can be at most ``N - 1`` over either cap (``N`` workers), and only for as long as those
-requests last. The bound does not hold for a replica that found no free slot (its load from that
-worker is not shared) nor for a snapshot that gave up on a torn row (it uses that row's last whole
-read); both are counted.
+synchronously on its one request loop (the router reads the chosen replica's count once more right
+before it commits, :meth:`~balancer.routing.router.PoolRouter.route`, so the gap is microseconds, not
+a whole plan), so at the moment a worker admits, each other worker has at most one admission it
+checked but has not yet published. Two workers checking at once may both admit: the service can be
+at most ``N - 1`` over either cap (``N`` workers), and only for as long as those requests last.
+The bound does not hold for a replica that found no free slot (its load from that worker is not
+shared) nor for a snapshot that gave up on a torn row (it uses that row's last whole read); both are
+counted.
 
 The supervisor zeroes a dead worker's row as soon as it exits (:meth:`LoadTable.zero_row`), so the
 requests that died with it stop counting at once; the restarted worker starts from an empty row.
