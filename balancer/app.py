@@ -180,7 +180,7 @@ class Balancer:
         )
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
-        self._share_load(pools)
+        self._share_load(pools, admission)
         for pool in pools.values():
             for replica in pool.replicas:
                 state.health.add(replica)
@@ -190,9 +190,10 @@ class Balancer:
         await self._start_http(state)
         await self._start_grpc(state)
 
-    def _share_load(self, pools: Mapping[str, Pool]) -> None:
-        """With ``--workers N``: publish every pool's own per-replica load into this worker's row of
-        the supervisor's table, and let every router add the other workers' rows to its own view."""
+    def _share_load(self, pools: Mapping[str, Pool], admission: Admission) -> None:
+        """With ``--workers N``: publish every pool's own per-replica load and the admitted count
+        into this worker's row of the supervisor's table, and let every router (its view and its
+        per-replica cap) and the admission (``limits.max_inflight``) add the other workers' rows."""
         worker = self.options.worker
         if worker is None or worker.count < 2 or worker.load_table is None:
             return
@@ -208,6 +209,9 @@ class Balancer:
         for pool in pools.values():
             pool.router.tracker().on_change = share.publisher(pool.model)
             pool.router.peer_load = share.reader(pool.model)
+        admission.on_change = share.publish_admitted
+        admission.peers = share.peer_admitted
+        share.publish_admitted(admission.inflight)
 
     def _series(self) -> SeriesSampler:
         """The console's bounded time series (``console.series_*``)."""
@@ -401,6 +405,8 @@ class Balancer:
                 for pool in self.state.pools.values():
                     pool.router.peer_load = None
                     pool.router.tracker().on_change = None
+                self.state.admission.peers = None
+                self.state.admission.on_change = None
             share.close()
         if self._siblings is not None:
             siblings, self._siblings = self._siblings, None

@@ -106,14 +106,19 @@ class LimitConfig:
     max_prompt_tokens: int = 262_144
     """Largest accepted prompt after tokenisation; larger → 400."""
     max_inflight: int = 1024
-    """Requests served at once by this balancer; more → 429 with Retry-After."""
+    """Requests served at once by this balancer; more wait in the queue (``max_queued``: full → 429,
+    ``queue_timeout_s`` → 503, both with Retry-After). With ``kvlb serve --workers N`` all workers
+    together (the shared load table; workers admitting at the same instant can put the service at
+    most N - 1 over). 1..; per balancer process of a Redis fleet."""
     max_inflight_per_replica: int = 256
     """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
-    in the admission queue like one over ``max_inflight``."""
+    in the admission queue like one over ``max_inflight``. With ``kvlb serve --workers N`` the
+    requests of all workers count (at most N - 1 over when workers race; a replica past
+    ``load_share_slots`` counts only each worker's own). 1..; per balancer process of a fleet."""
     load_share_slots: int = 1024
     """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
     requests, pending prefill tokens, decode blocks) with the other workers, through a shared-memory
-    table of N × (16 + 40 × slots) bytes. A replica holds a slot of a worker while that worker has
+    table of N × (24 + 40 × slots) bytes. A replica holds a slot of a worker while that worker has
     requests in flight on it. Past the limit a replica's load from that worker is not shared (the
     other workers see only their own on it) and ``kvlb_load_share_overflow_replicas_total`` counts
     it. 1..1,048,576; ignored by one worker."""

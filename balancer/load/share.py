@@ -6,8 +6,10 @@ creates one fixed-size shared-memory table (:class:`LoadTable`, ``multiprocessin
 with one row per worker; each worker writes only its own row (single writer, no lock) and reads the
 others' rows.
 
-A row is a header ``[seq, used]`` and ``limits.load_share_slots`` slots ``[key, prefill_reqs,
-prefill_tokens, decode_seqs, decode_blocks]``, all little-endian int64. ``key`` names a (pool, replica)
+A row is a header ``[seq, used, admitted]`` and ``limits.load_share_slots`` slots ``[key,
+prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]``, all little-endian int64. ``admitted`` is
+the worker's admitted requests (``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one
+aligned 8-byte store, read without the seqlock. ``key`` names a (pool, replica)
 (:func:`replica_key`, 0 = free slot). A replica takes a slot in the worker's row while the worker has
 requests in flight on it and frees it when it has none, so the slots bound the replicas *loaded at
 once* by one worker; a replica that finds no free slot is not shared (the other workers see only
@@ -20,6 +22,19 @@ on the platforms kvlb runs on (x86-64, arm64), and a seqlock's reader sees whole
 ordered stores; elsewhere a torn read can at worst mix one row's fields for one snapshot (the load is
 a routing hint; the next snapshot reads again). A reader that finds every peer row's ``seq``
 unchanged reuses its last sum, so an idle service costs one header read per peer per snapshot.
+
+**The caps read the table too.** ``limits.max_inflight_per_replica`` is checked against a replica's
+in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`)
+and ``limits.max_inflight`` against the ``admitted`` of every row
+(:class:`balancer.service.admission.Admission`). There is no lock: a worker checks and then publishes,
+synchronously on its one request loop (the router reads the chosen replica's count once more right
+before it commits, :meth:`~balancer.routing.router.PoolRouter.route`, so the gap is microseconds, not
+a whole plan), so at the moment a worker admits, each other worker has at most one admission it
+checked but has not yet published. Two workers checking at once may both admit: the service can be
+at most ``N - 1`` over either cap (``N`` workers), and only for as long as those requests last.
+The bound does not hold for a replica that found no free slot (its load from that worker is not
+shared) nor for a snapshot that gave up on a torn row (it uses that row's last whole read); both are
+counted.
 
 The supervisor zeroes a dead worker's row as soon as it exits (:meth:`LoadTable.zero_row`), so the
 requests that died with it stop counting at once; the restarted worker starts from an empty row.
@@ -36,9 +51,14 @@ from multiprocessing import resource_tracker, shared_memory
 from balancer.load.tracker import LoadCounts, combine
 from balancer.types import ReplicaId
 
-HEADER = struct.Struct("<qq")
-"""A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken)."""
+HEADER = struct.Struct("<qqq")
+"""A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken),
+``admitted`` (the worker's admitted requests, written outside the seqlock)."""
 SEQ = struct.Struct("<q")
+"""One int64 of a header: ``seq`` at offset 0, ``used`` at :data:`USED_AT`, ``admitted`` at
+:data:`ADMITTED_AT`."""
+USED_AT = 8
+ADMITTED_AT = 16
 SLOT = struct.Struct("<qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
@@ -240,9 +260,25 @@ class LoadShare:
             c = counts
             SLOT.pack_into(buf, at, key, c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
         if fresh:
-            HEADER.pack_into(buf, self._offset, self._seq, self._used)
+            SEQ.pack_into(buf, self._offset + USED_AT, self._used)
         self._seq += 1
         SEQ.pack_into(buf, self._offset, self._seq)
+
+    def publish_admitted(self, admitted: int) -> None:
+        """Write this worker's admitted requests (the ``on_change`` hook of its admission): one
+        aligned 8-byte store, outside the seqlock (the slots' readers do not read it)."""
+        shm = self._shm
+        if shm is not None:
+            SEQ.pack_into(_buffer(shm), self._offset + ADMITTED_AT, admitted)
+
+    def peer_admitted(self) -> int:
+        """The requests the other workers have admitted now (their ``admitted``, negatives as 0)."""
+        shm = self._shm
+        if shm is None:
+            return 0
+        buf = _buffer(shm)
+        size = row_bytes(self.slots)
+        return sum(max(0, SEQ.unpack_from(buf, peer * size + ADMITTED_AT)[0]) for peer in self._peers)
 
     def peer_totals(self) -> Mapping[int, LoadCounts]:
         """The other workers' load summed per replica key (cached while no peer row changed)."""
@@ -269,7 +305,7 @@ class LoadShare:
 
     def _read_row(self, buf: memoryview, peer: int, offset: int) -> dict[int, LoadCounts]:
         for _ in range(READ_ATTEMPTS):
-            seq, used = HEADER.unpack_from(buf, offset)
+            seq, used, _ = HEADER.unpack_from(buf, offset)
             if seq & 1:
                 continue
             cached = self._rows.get(peer)

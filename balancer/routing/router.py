@@ -5,7 +5,8 @@ replicas, from the shared :class:`~balancer.health.book.HealthBook`, below
 ``limits.max_inflight_per_replica``), the plan, and the commitment, returned as a :class:`Lease` that
 the caller releases when the request ends. :meth:`PoolRouter.select` is the same decision without the
 commitment (explain, gRPC ``Route`` without ``reserve``). In-flight requests are counted once, as the
-load tracker's reservations: the per-replica cap reads them, and the lease releases them.
+load tracker's reservations: the per-replica cap reads them (with ``kvlb serve --workers N``, plus the
+other workers' from the shared load table), and the lease releases them.
 
 A pool is every replica serving one model. Replicas whose engines cache differently (block size,
 TRT-LLM's ``prompt[:-1]`` alignment, EAGLE bigram pages) cannot share block keys, so the pool keeps
@@ -101,8 +102,10 @@ class RouteLimits:
     """What bounds one pool's routing (from ``limits.*`` and ``timeouts.*``)."""
 
     max_inflight_per_replica: int = 256
-    """Requests committed to one replica and not yet released; a replica at the cap is not a
-    candidate, and a pool whose routable replicas are all at it refuses with :class:`Overloaded`."""
+    """Requests committed to one replica and not yet released, by every worker sharing the load
+    table (:meth:`PoolRouter.in_flight_total`; at most ``workers - 1`` over when workers race,
+    :mod:`balancer.load.share`); a replica at the cap is not a candidate, and a pool whose routable
+    replicas are all at it refuses with :class:`Overloaded`."""
     speculative_ttl_s: float = 2.0
     """Life of a committed request's speculative index entries after its first token (seconds;
     0 disables speculation)."""
@@ -302,9 +305,24 @@ class PoolRouter:
 
     def in_flight(self, replica: ReplicaId) -> int:
         """Requests this router committed to ``replica`` and not yet released (the load tracker's
-        reservations; the other workers' are not counted: ``limits.max_inflight_per_replica`` is per
-        worker)."""
+        reservations): this worker's own part, summable over workers (``/metrics``). The in-flight
+        cap reads :meth:`in_flight_total`."""
         return self.tracker().in_flight(replica)
+
+    def in_flight_total(self, replica: ReplicaId) -> int:
+        """Requests in flight on ``replica`` from every worker: this router's own reservations plus
+        the other workers' (:attr:`peer_load`). What ``limits.max_inflight_per_replica`` caps."""
+        return self._in_flight_with(replica, self._peer_counts())
+
+    def _peer_counts(self) -> Mapping[ReplicaId, LoadCounts]:
+        """The other workers' committed load on this pool's replicas (one read of the shared table,
+        with the same argument as :meth:`load_snapshot`, so the reader's memo serves both)."""
+        return self.peer_load(self.space_of) if self.peer_load is not None else {}
+
+    def _in_flight_with(self, replica: ReplicaId, peers: Mapping[ReplicaId, LoadCounts]) -> int:
+        own = self.tracker().in_flight(replica)
+        peer = peers.get(replica)
+        return own if peer is None else own + max(0, peer.prefill_reqs) + max(0, peer.decode_seqs)
 
     def load_snapshot(self, now: float) -> LoadSnapshot:
         """The load the policy reads: this router's reservations plus the other workers' (when
@@ -319,20 +337,26 @@ class PoolRouter:
         return self.health.routable(now, self.space_of)
 
     def has_free_slot(self, now: float) -> bool:
-        """Some routable replica is below its in-flight cap, or none is routable at all (then
-        :meth:`candidates` refuses at once, so waiting for a slot would not help)."""
+        """Some routable replica is below its in-flight cap (every worker's requests counted), or
+        none is routable at all (then :meth:`candidates` refuses at once, so waiting for a slot
+        would not help)."""
         routable = self.routable(now)
+        if not routable:
+            return True
         cap = self.route_limits.max_inflight_per_replica
-        return not routable or any(self.in_flight(r) < cap for r in routable)
+        peers = self._peer_counts()
+        return any(self._in_flight_with(r, peers) < cap for r in routable)
 
     def candidates(self, now: float, exclude: Collection[ReplicaId] = ()) -> list[ReplicaId]:
-        """Routable replicas not in ``exclude`` and below their in-flight cap. Raises
-        :class:`NoReplicasAvailable` when none is routable, :class:`Overloaded` when all are full."""
+        """Routable replicas not in ``exclude`` and below their in-flight cap (every worker's
+        requests counted, :meth:`in_flight_total`). Raises :class:`NoReplicasAvailable` when none is
+        routable, :class:`Overloaded` when all are full."""
         routable = [r for r in self.routable(now) if r not in exclude]
         if not routable:
             raise NoReplicasAvailable(f"no healthy replica serves model {self.model!r}")
         cap = self.route_limits.max_inflight_per_replica
-        eligible = [r for r in routable if self.in_flight(r) < cap]
+        peers = self._peer_counts()
+        eligible = [r for r in routable if self._in_flight_with(r, peers) < cap]
         if not eligible:
             message = f"every replica of model {self.model!r} has {cap} requests in flight"
             raise Overloaded(message, FULL_RETRY_AFTER_S)
@@ -353,8 +377,28 @@ class PoolRouter:
         )
 
     def route(self, request: PoolRequest, now: float) -> Lease:
-        """Select and commit: the returned lease holds the request's load until released."""
-        return self.lease(self.select(request, now), request.request_id, now)
+        """Select and commit: the returned lease holds the request's load until released.
+
+        With other workers (:attr:`peer_load`), the chosen replica's in-flight count is read again
+        just before the commitment: a replica that another worker filled while this one planned is
+        not taken (the decision is made again without it; :class:`Overloaded` once every candidate
+        is full), so two workers racing for a replica's last slot overlap only in the microseconds
+        between that read and the publication of the commitment (:mod:`balancer.load.share`)."""
+        cap = self.route_limits.max_inflight_per_replica
+        full: set[ReplicaId] = set()
+        while True:
+            try:
+                plan = self.select(request, now)
+            except NoReplicasAvailable:
+                if not full:
+                    raise
+                message = f"every replica of model {self.model!r} has {cap} requests in flight"
+                raise Overloaded(message, FULL_RETRY_AFTER_S) from None
+            replica = plan.decision.replica
+            if self.peer_load is None or self.in_flight_total(replica) < cap:
+                return self.lease(plan, request.request_id, now)
+            full.add(replica)
+            request = dataclasses.replace(request, exclude=request.exclude | {replica})
 
     def lease(self, plan: RoutePlan, request_id: str, now: float) -> Lease:
         """Commit ``plan`` (load reserved, speculative entries added, the replica told it was

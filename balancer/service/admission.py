@@ -12,6 +12,14 @@ expiring), within the same deadline. Refusals say why:
 * the queue is full → :class:`AdmissionRefused` with status 429 (``reason="queue_full"``);
 * the wait timed out → status 503 (``reason="queue_timeout"``); both carry ``retry_after_s``.
 
+With ``kvlb serve --workers N`` the cap is the whole service's: :attr:`Admission.peers` gives the
+requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
+:attr:`Admission.on_change` publishes this worker's count. A request is admitted while this worker's
+plus the others' count is below ``max_inflight``; a slot freed on another worker is seen by this
+worker's waiters at their next check (every ``RECHECK_S``), in their order. Two workers admitting at
+the same instant may both pass: the service is at most ``N - 1`` over the cap. The queue
+(``max_queued``) and its order stay per worker.
+
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
 
@@ -54,6 +62,12 @@ class Admission:
     def __init__(self, limits: AdmissionLimits) -> None:
         self.limits = limits
         self.inflight = 0
+        """Requests this balancer (this worker) admitted and not yet left."""
+        self.peers: Callable[[], int] | None = None
+        """The requests the other workers of ``kvlb serve --workers N`` have admitted (set by the
+        shell; ``None``: this worker's count is all)."""
+        self.on_change: Callable[[int], None] | None = None
+        """Called with :attr:`inflight` after each change (the shell publishes it to the others)."""
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._replica_waiters = 0
         self._freed = asyncio.Event()
@@ -68,17 +82,34 @@ class Admission:
         """The loop time at which a request arriving now stops waiting."""
         return asyncio.get_running_loop().time() + self.limits.queue_timeout_s
 
+    def _has_room(self) -> bool:
+        """Fewer than ``max_inflight`` admitted, this worker's and the others' together."""
+        taken = self.inflight if self.peers is None else self.inflight + self.peers()
+        return taken < self.limits.max_inflight
+
+    def _set_inflight(self, inflight: int) -> None:
+        self.inflight = inflight
+        if self.on_change is not None:
+            self.on_change(inflight)
+
     async def enter(self, deadline: float) -> None:
         """Take a slot, waiting in the queue until ``deadline`` (loop time) if all are taken."""
-        if self.inflight < self.limits.max_inflight and not self._waiters:
-            self.inflight += 1
+        if not self._waiters and self._has_room():
+            self._set_inflight(self.inflight + 1)
             return
         self._check_room(f"the balancer has {self.limits.max_inflight} requests in flight")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         try:
             async with asyncio.timeout_at(deadline):
-                await waiter
+                if self.peers is None:
+                    await waiter
+                else:  # slots freed by other workers wake nobody here: look again now and then
+                    while not waiter.done():
+                        self._admit_waiters()
+                        if not waiter.done():
+                            await asyncio.wait((waiter,), timeout=RECHECK_S)
+                    waiter.result()
         except TimeoutError:
             self._give_back(waiter)
             raise self._timed_out() from None
@@ -87,15 +118,33 @@ class Admission:
             raise
 
     def leave(self) -> None:
-        """Release a slot: the oldest waiter takes it over, else the count drops."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot passes on: ``inflight`` stays
-                self._wake_replica_waiters()
-                return
-        self.inflight -= 1
+        """Release a slot: the oldest waiter takes it over, else the count drops. With other
+        workers, the slot passes on only while the whole service is below the cap again."""
+        if self.peers is None:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the slot passes on: ``inflight`` stays
+                    self._wake_replica_waiters()
+                    return
+            self._set_inflight(self.inflight - 1)
+        else:
+            self._set_inflight(self.inflight - 1)
+            self._admit_waiters()
         self._wake_replica_waiters()
+
+    def _admit_waiters(self) -> None:
+        """Admit the oldest waiters while the whole service has room (other workers' slots)."""
+        while self._waiters:
+            waiter = self._waiters[0]
+            if waiter.done():
+                self._waiters.popleft()
+                continue
+            if not self._has_room():
+                return
+            self._waiters.popleft()
+            self._set_inflight(self.inflight + 1)
+            waiter.set_result(None)
 
     async def wait_until(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
         """Wait (counted in the queue) until ``ready()`` holds, e.g. some replica has a free slot;

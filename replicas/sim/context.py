@@ -38,6 +38,11 @@ class ReplicaContext:
     vocab_size: int
     started_wall: float = field(default_factory=time.time)
     request_counter: int = 0
+    open_requests: int = 0
+    """Generation requests (``/v1/chat/completions``, ``/v1/completions``) whose handler is running:
+    what a balancer has in flight on this replica."""
+    peak_open_requests: int = 0
+    """The most :attr:`open_requests` seen at once since start (``/admin/stats``)."""
 
     @property
     def model(self) -> str:

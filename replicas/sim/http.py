@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +243,23 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await generate(request, ctx, ids, body, chat=True, received_s=received_s)
 
 
+def _counted(
+    handler: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """``handler`` counted in the replica's open and peak-open generation requests."""
+
+    async def counted(request: web.Request) -> web.StreamResponse:
+        ctx = _ctx(request)
+        ctx.open_requests += 1
+        ctx.peak_open_requests = max(ctx.peak_open_requests, ctx.open_requests)
+        try:
+            return await handler(request)
+        finally:
+            ctx.open_requests -= 1
+
+    return counted
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     ctx = _ctx(request)
     received_s = ctx.engine.clock.now()
@@ -327,8 +344,8 @@ async def health(request: web.Request) -> web.Response:
 
 def add_openai_routes(app: web.Application, ctx: ReplicaContext) -> None:
     app[CTX_KEY] = ctx
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", _counted(chat_completions))
+    app.router.add_post("/v1/completions", _counted(completions))
     app.router.add_post("/v1/chat/completions/render", chat_render)
     app.router.add_post("/v1/completions/render", completions_render)
     app.router.add_post("/tokenize", tokenize)

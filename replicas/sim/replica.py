@@ -10,7 +10,8 @@ Admin endpoints (for tests and the demo; not part of any engine's API):
   :class:`replicas.sim.faults.FaultSettings` and the one-shot actions ``stall_s``, ``refuse_s``,
   ``restart``; ``DELETE /admin/faults`` clears the standing faults.
 * ``GET /admin/requests``: modelled timings of recently finished requests (``?clear=1`` empties it).
-* ``GET /admin/stats``: per-rank cache and queue figures plus event counters.
+* ``GET /admin/stats``: per-rank cache and queue figures, event counters, and the generation requests
+  open now and at most at once (``open_requests``, ``peak_open_requests``).
 """
 
 from __future__ import annotations
@@ -209,6 +210,8 @@ class Replica:
             "ranks": [rank_stats(self.ctx, r) for r in range(self.config.dp_size)],
             "faults": self.faults.describe(),
             "requests_total": self.engine.requests_total,
+            "open_requests": self.ctx.open_requests,
+            "peak_open_requests": self.ctx.peak_open_requests,
         }
         personality = self.personality
         if isinstance(personality, SglangPersonality | VllmPersonality):

@@ -38,6 +38,7 @@ SYSTEM = " ".join(
     f"Rule {i}: answer questions about the cluster runbook briefly, citing section {i}." for i in range(12)
 )  # about 200 tokens: several blocks on either engine
 VIEWS_TIMEOUT_S = 20.0
+BURST_TIMEOUT_S = 30.0
 
 
 def chat(question: str, model: str, **extra: Any) -> dict[str, Any]:
@@ -328,7 +329,7 @@ async def wait_for_load(url: str, replica: str, want: dict[tuple[str, str], floa
 async def test_a_request_in_flight_on_one_worker_is_in_the_others_load_view(tmp_path: Path) -> None:
     """``--workers 2``: a chat held open on one worker counts in the other worker's view of the
     replica's load (``peer_inflight`` in its ``/metrics``, ``load`` in every ``/admin/replicas``
-    answer), not in its own per-worker cap count; when the holding worker is SIGKILLed, the
+    answer), not in its own part (``inflight``); when the holding worker is SIGKILLed, the
     supervisor zeroes its row and the other worker no longer counts the dead request."""
     engine = HoldingEngine()
     await engine.start()
@@ -392,3 +393,98 @@ async def test_a_request_in_flight_on_one_worker_is_in_the_others_load_view(tmp_
         if serve is not None:
             await stop(serve)
         await engine.stop()
+
+
+async def burst(url: str, count: int, max_tokens: int) -> list[tuple[int, str | None, float]]:
+    """``count`` chats at once, each on its own connection (the kernel spreads them over the
+    workers); returns each answer's (status, Retry-After, seconds from the burst's start)."""
+    started = time.monotonic()
+
+    async def one(i: int) -> tuple[int, str | None, float]:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": max_tokens}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/chat/completions", json=body) as r,
+        ):
+            await r.read()
+            return r.status, r.headers.get("Retry-After"), time.monotonic() - started
+
+    async with asyncio.timeout(BURST_TIMEOUT_S):
+        return await asyncio.gather(*(one(i) for i in range(count)))
+
+
+def check_burst(answers: list[tuple[int, str | None, float]], most: int) -> int:
+    """Every chat of the burst was answered before the first admitted one ended (else a slot freed
+    mid-burst could admit more: the test's premise), at most ``most`` with 200, the others with 429
+    and a Retry-After; returns how many got 200."""
+    done = [at for status, _, at in answers if status == 200]
+    refused = [(status, retry, at) for status, retry, at in answers if status != 200]
+    assert done and max(at for *_, at in refused) < min(done), f"the burst outlasted a chat: {answers}"
+    assert len(done) <= most, answers
+    assert all(status == 429 and retry is not None and float(retry) >= 1 for status, retry, _ in refused), (
+        refused
+    )
+    return len(done)
+
+
+async def peak_open(sim: Child) -> int:
+    return int((await fresh_get(sim.info["url"] + "/admin/stats"))["peak_open_requests"])
+
+
+async def test_the_in_flight_caps_hold_for_all_workers_together(tmp_path: Path) -> None:
+    """``--workers 2`` with ``max_inflight`` 3, ``max_inflight_per_replica`` 2 and no queue, over
+    two slow emulated replicas (each chat about 3 s, far longer than the burst): a burst of 12 chats
+    on fresh connections gets at most 3 + 1 answers (both workers' admissions count against one
+    cap; ``N - 1`` = 1 is the documented overshoot when two workers admit at the same instant), each
+    replica has at most 2 + 1 chats open at once, and the rest get 429 with Retry-After at once.
+    Then, with one replica drained, the other one's cap bounds the burst: at most 2 + 1 answers.
+    With the caps per worker (before), the first burst got 6 answers, 3 open on each replica."""
+    children: list[Child] = []
+    try:
+        sims = list(await asyncio.gather(*(start_sim(i, tmp_path, time_scale=0.02) for i in range(2))))
+        children += sims
+        replicas = [
+            {
+                "id": sim.info["name"],
+                "url": sim.info["url"],
+                "engine": "sglang",
+                "block_size": sim.info["block_size"],
+            }
+            for sim in sims
+        ]
+        config = tmp_path / "kvlb.yaml"
+        settings = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": [{"model": MODEL, "kv_events": False, "replicas": replicas}],
+            "limits": {"max_inflight": 3, "max_inflight_per_replica": 2, "max_queued": 0},
+            "health_interval_s": 0.5,
+        }
+        config.write_text(yaml.safe_dump(settings))
+        serve = await start_serve(tmp_path, config, "--workers", "2")
+        children.append(serve)
+        url = serve.info["url"]
+        async with asyncio.timeout(20):
+            while True:  # both replicas healthy on whichever worker takes the connections
+                if [status for status, *_ in await burst(url, 2, 1)] == [200, 200]:
+                    break
+                await asyncio.sleep(0.2)
+
+        ok = check_burst(await burst(url, 12, 20), most=3 + 1)
+        peaks = [await peak_open(sim) for sim in sims]
+        assert ok >= 3 and all(p <= 2 + 1 for p in peaks), (ok, peaks)
+
+        drained = sims[1].info["name"]
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + f"/admin/replicas/{drained}/drain", json={"reason": "e2e"}) as r,
+        ):
+            assert r.status == 200, await r.text()
+        for _ in range(8):  # the change reached both workers
+            listed = (await fresh_get(url + "/admin/replicas"))["replicas"]
+            assert {r["id"] for r in listed if (r.get("health") or {}).get("draining")} == {drained}
+        ok = check_burst(await burst(url, 12, 20), most=2 + 1)
+        peak = await peak_open(sims[0])
+        assert ok >= 2 and peak <= 2 + 1, (ok, peak)
+    finally:
+        for child in reversed(children):
+            await stop(child)

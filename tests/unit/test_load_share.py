@@ -1,21 +1,26 @@
 """The per-replica load table of ``kvlb serve --workers N``: rows, slots, overflow, a dead worker's
-row, whole rows under a concurrent writer in another process, and two routers sharing one table."""
+row, whole rows under a concurrent writer in another process, two routers sharing one table, and the
+in-flight caps (``limits.max_inflight_per_replica``, ``limits.max_inflight``) read from every row."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from random import Random
 
 import pytest
 
+from balancer.errors import Overloaded
 from balancer.load.share import LoadShare, LoadTable, replica_key, row_bytes
-from balancer.load.tracker import LoadCounts
-from balancer.policy.base import PolicyWeights
+from balancer.load.tracker import LoadCounts, LoadSnapshot
+from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.registry import make_policy
-from balancer.routing.router import PoolRequest, PoolRouter
-from balancer.types import ReplicaId
+from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
+from balancer.service.admission import Admission, AdmissionLimits, AdmissionRefused
+from balancer.types import Decision, Overlap, ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 
@@ -81,7 +86,7 @@ def test_a_dead_workers_row_is_zeroed_by_the_supervisor_and_a_new_worker_starts_
 
 
 def test_size_and_keys() -> None:
-    assert row_bytes(1024) == 16 + 40 * 1024
+    assert row_bytes(1024) == 24 + 40 * 1024
     assert replica_key("m", "a") == replica_key("m", "a") != replica_key("n", "a")
     assert 0 < replica_key("m", "a") < 2**63
     with LoadTableFor(2, 4) as small, pytest.raises(ValueError, match="smaller"):
@@ -139,8 +144,8 @@ def test_rows_read_whole_while_another_process_writes() -> None:
         reader.close()
 
 
-def router(share: LoadShare) -> PoolRouter:
-    made = PoolRouter("m")
+def router(share: LoadShare, cap: int = 256) -> PoolRouter:
+    made = PoolRouter("m", route_limits=RouteLimits(max_inflight_per_replica=cap))
     made.add_replica(A, 16, "plain")
     made.add_replica(B, 16, "plain")
     made.tracker().on_change = share.publisher("m")
@@ -164,8 +169,125 @@ def test_a_request_routed_by_one_worker_weighs_in_the_others_policy(table: LoadT
     assert plan.inputs is not None
     seen = plan.inputs.load.of(loaded)
     assert (seen.pending_prefill_reqs, seen.pending_prefill_tokens, seen.peer_reqs) == (1, 4096, 1)
-    assert second.in_flight(loaded) == 0  # the per-replica cap stays per worker
+    assert second.in_flight(loaded) == 0  # its own part (``/metrics``)
+    assert second.in_flight_total(loaded) == 1  # what the per-replica cap reads
     lease.release(now=1.2)
     assert second.load_snapshot(1.3).of(loaded).in_flight_reqs == 0
+    w0.close()
+    w1.close()
+
+
+def ask(index: int) -> PoolRequest:
+    return PoolRequest(
+        list(range(100 * index, 100 * index + 64)), make_policy("round_robin"), PolicyWeights(), f"r{index}"
+    )
+
+
+def test_the_per_replica_cap_counts_every_workers_requests(table: LoadTable) -> None:
+    """Cap 1, two replicas, two workers: a replica one worker loaded is no candidate of the other,
+    both full refuse with Overloaded (429 with Retry-After) on either worker, and a release on one
+    worker frees the slot for the other."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = router(w0, cap=1), router(w1, cap=1)
+    lease = first.route(ask(0), now=1.0)
+    other = B if lease.replica == A else A
+    assert second.candidates(now=1.1) == [other]
+    assert second.in_flight_total(lease.replica) == 1 and second.in_flight(lease.replica) == 0
+    taken = second.route(ask(1), now=1.2)
+    assert taken.replica == other
+    for worker in (first, second):
+        assert not worker.has_free_slot(now=1.3)
+        with pytest.raises(Overloaded) as refused:
+            worker.route(ask(2), now=1.3)
+        assert refused.value.retry_after_s >= 1
+    lease.release(now=1.4)
+    assert second.has_free_slot(now=1.5)
+    assert second.route(ask(3), now=1.5).replica == lease.replica
+    assert (first.in_flight_total(A), first.in_flight_total(B)) == (1, 1)
+    w0.close()
+    w1.close()
+
+
+class PrefersA:
+    """A policy (the protocol, no kvlb class replaced) that runs ``meanwhile`` once while it decides,
+    as another worker's request would run between this worker's cap check and its commitment, and
+    then chooses A when A is a candidate."""
+
+    name = "prefers_a"
+
+    def __init__(self, meanwhile: Callable[[], object]) -> None:
+        self.meanwhile: Callable[[], object] | None = meanwhile
+
+    def __call__(
+        self, request: RouteRequest, overlap: Overlap, load: LoadSnapshot, weights: PolicyWeights, rng: Random
+    ) -> Decision:
+        if self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        replica = A if A in request.candidates else request.candidates[0]
+        return Decision(replica, self.name, 0, request.request_blocks, 0, ())
+
+
+def test_a_replica_filled_by_another_worker_while_this_one_plans_is_not_taken(table: LoadTable) -> None:
+    """Cap 1: while worker 1 decides for A (A was free when it took its candidates), worker 0 routes
+    to A; worker 1 reads A's count again before committing and goes to B instead, and with B full
+    too it refuses (Overloaded), never putting a second request on A."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = router(w0, cap=1), router(w1, cap=1)
+    leases = []
+    policy = PrefersA(
+        lambda: leases.append(
+            first.route(PoolRequest([1] * 64, PrefersA(lambda: None), PolicyWeights(), "x"), 1.0)
+        )
+    )
+    lease = second.route(PoolRequest([2] * 64, policy, PolicyWeights(), "y"), now=1.0)
+    assert [held.replica for held in leases] == [A] and lease.replica == B
+    assert (second.in_flight_total(A), second.in_flight_total(B)) == (1, 1)
+    lease.release(now=1.1)
+    racing = PrefersA(
+        lambda: leases.append(
+            first.route(PoolRequest([3] * 64, PrefersA(lambda: None), PolicyWeights(), "z"), 1.2)
+        )
+    )
+    with pytest.raises(Overloaded):
+        second.route(PoolRequest([4] * 64, racing, PolicyWeights(), "w"), now=1.2)
+    assert [held.replica for held in leases] == [A, B]
+    assert (first.in_flight_total(A), first.in_flight_total(B)) == (1, 1)
+    w0.close()
+    w1.close()
+
+
+def gate(share: LoadShare, max_inflight: int, queued: int, timeout_s: float) -> Admission:
+    made = Admission(AdmissionLimits(max_inflight, queued, timeout_s))
+    made.on_change = share.publish_admitted
+    made.peers = share.peer_admitted
+    return made
+
+
+async def test_max_inflight_counts_every_workers_admitted_requests(table: LoadTable) -> None:
+    """``max_inflight`` 2 over two workers' admissions on one table: the second worker queues while
+    the first holds both slots, is refused at once when its queue is full (429) and after the
+    timeout (503), and takes a slot the first frees (seen by polling, no wake-up across processes)."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = gate(w0, 2, 1, 1.0), gate(w1, 2, 1, 1.0)
+    await first.enter(first.deadline())
+    await first.enter(first.deadline())
+    assert (w1.peer_admitted(), w0.peer_admitted()) == (2, 0)
+    waiting = asyncio.create_task(second.enter(second.deadline()))
+    await asyncio.sleep(0.1)
+    assert not waiting.done() and second.inflight == 0 and second.queued == 1
+    with pytest.raises(AdmissionRefused) as full:
+        await second.enter(second.deadline())
+    assert (full.value.status, full.value.reason) == (429, "queue_full")
+    first.leave()
+    async with asyncio.timeout(1.0):
+        await waiting
+    assert (second.inflight, w0.peer_admitted(), w1.peer_admitted()) == (1, 1, 1)
+    with pytest.raises(AdmissionRefused) as late:  # 1 + 1 admitted: the first worker is full too
+        await first.enter(asyncio.get_running_loop().time() + 0.1)
+    assert (late.value.status, late.value.reason) == (503, "queue_timeout")
+    second.leave()
+    first.leave()
+    assert w0.peer_admitted() == w1.peer_admitted() == 0
     w0.close()
     w1.close()
