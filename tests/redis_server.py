@@ -7,6 +7,7 @@ Tests that need it are skipped, not failed, when the ``redis-server`` binary is 
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import itertools
 import shutil
@@ -22,11 +23,14 @@ import redis
 import redis.asyncio as aioredis
 
 from balancer.events import KvEvent
+from balancer.fleet.space_mirror import SpaceMirror
 from balancer.index.base import ApplyResult, IndexStats, PrefixIndex
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror, MirrorSettings
 from balancer.index.redis.schema import RedisIndexSettings
+from balancer.index.table import PrefixTable
+from balancer.sources.ingest_thread import IngestThread, yield_gil
 from balancer.types import BlockKey, Overlap, ReplicaId
 
 _START_TIMEOUT_S = 10.0
@@ -200,6 +204,98 @@ class MirroredIndex:
     async def aclose(self) -> None:
         await self.writer.aclose()
         await self._raw.aclose()
+
+
+class ThreadedMirroredIndex:
+    """:class:`MirroredIndex` as fleet mode runs it: the mirror tails the stream on an
+    :class:`~balancer.sources.ingest_thread.IngestThread` (a :class:`SpaceMirror` with its own
+    client, used on that thread's loop only), and the reads and speculative entries go to the table
+    it installed on this loop, as routing's do. After each write this waits (bounded) until the
+    mirror applied the stream's last entry."""
+
+    def __init__(self, writer: RedisIndex, raw_client: aioredis.Redis, thread: IngestThread) -> None:
+        self.writer = writer
+        self._raw = raw_client
+        self._now = 0.0
+        self.thread = thread
+        self.table: PrefixTable | None = None
+        mirror = Mirror(
+            raw_client, writer.hasher, writer.settings, self._clock, MirrorSettings(block_ms=50),
+            between_entries=yield_gil,
+        )  # fmt: skip
+        self.handle = SpaceMirror(thread, mirror, self._install, writer.settings.pool)
+
+    def _clock(self) -> float:
+        return self._now
+
+    def _install(self, table: PrefixTable) -> None:
+        self.table = table
+
+    def _table(self) -> PrefixTable:
+        assert self.table is not None, "not warm"
+        return self.table
+
+    async def _follow(self) -> None:
+        """Wait until the mirror applied the stream's newest entry (up to 10 s)."""
+        want = (await self.writer.counters()).get("stream_entries", 0)  # the newest entry's number
+        for _ in range(10_000):
+            if self.handle.last_number >= want:
+                return
+            await asyncio.sleep(0.001)
+        raise TimeoutError(f"the mirror applied {self.handle.last_number} of {want} entries")
+
+    async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        self._now = now
+        result = await self.writer.apply(replica, events, now)
+        await self._follow()
+        return result
+
+    async def match(
+        self, keys: Sequence[BlockKey], among: Collection[ReplicaId] | None, now: float
+    ) -> Overlap:
+        return self._table().match(keys, among, now)
+
+    async def add_speculative(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], ttl_s: float, now: float
+    ) -> None:
+        self._table().add_speculative(replica, keys, ttl_s, now)
+
+    async def drop_replica(self, replica: ReplicaId) -> int:
+        dropped = await self.writer.drop_replica(replica)
+        await self._follow()
+        return dropped
+
+    async def drop_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
+        dropped = await self.writer.drop_blocks(replica, keys)
+        await self._follow()
+        return dropped
+
+    async def stats(self) -> IndexStats:
+        return self._table().stats()
+
+    async def aclose(self) -> None:
+        assert self.handle.mirror.thread in (None, self.thread.name)  # it applied on its thread only
+        await self.handle.aclose()
+        if self.thread.loop is not None:
+            await self.thread.call(self._raw.aclose)
+        await self.thread.stop()
+        await self.writer.aclose()
+
+
+async def threaded_mirror_index(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:
+    """Contract-suite factory: a ``RedisIndex`` writer and a warm ``Mirror`` of its stream that runs
+    on an ingest thread while the suite reads on its own loop (fleet mode's arrangement)."""
+    url = shared_server().url
+    thread = IngestThread("kvlb-test-mirror")
+    await thread.start()
+    index = ThreadedMirroredIndex(
+        RedisIndex.from_url(url, hasher, fresh_settings(capacity_blocks)),
+        aioredis.Redis.from_url(url, decode_responses=False),
+        thread,
+    )
+    await index.handle.start()
+    await asyncio.wait_for(index.handle.ready.wait(), 10)
+    return index
 
 
 async def mirror_index(hasher: BlockHasher, capacity_blocks: int) -> PrefixIndex:

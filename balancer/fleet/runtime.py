@@ -12,19 +12,23 @@ alignment, exactly as :class:`~balancer.routing.router.PoolRouter` splits them) 
   of their own (``writer_client``), behind a :class:`~balancer.fleet.space_ingest.SpaceIngest`: a
   flood's decoding and the writer's planning and script calls never run on the request loop;
 * a :class:`~balancer.index.redis.mirror.Mirror` that installs each table it builds into the key space the
-  router reads (``KeySpace.table``). Routing reads only that table: it never waits on Redis.
+  router reads (``KeySpace.table``). Routing reads only that table: it never waits on Redis. The
+  mirror too runs on the ingest thread's loop, with a Redis client of its own (``mirror_client``),
+  behind a :class:`~balancer.fleet.space_mirror.SpaceMirror`: reading, decoding and applying what
+  the fleet's writers wrote never run on the request loop, which only reads the table (a
+  :class:`~balancer.index.locked.LockedPrefixTable`) and adds its speculative entries to it.
 
 A replica found by discovery after start gets the same (:meth:`FleetRuntime.add_replica`; its key
 space's Redis side is built then if new); one that leaves is forgotten by the lease manager, which
 drops its blocks fleet-wide and deletes its lease if this balancer held it
 (:meth:`FleetRuntime.remove_replica`).
 
-Two Redis clients stay on the request loop: ``text`` (leases, policy) and ``raw`` (mirrors,
-snapshots). The mirrors stay there too: a mirror applies what the writers of the whole fleet wrote,
-at most ``MirrorSettings.read_count`` entries per poll, into the table the router reads without a
-lock. What crosses between the loops: the writer's ``on_lost`` (handed to the request loop with
-``call_soon_threadsafe``), its ``on_redis`` verdicts (guarded by a lock), and the
-:class:`~balancer.fleet.space_ingest.SpaceIngest` hops.
+Two Redis clients stay on the request loop: ``text`` (leases, policy) and ``raw`` (the snapshot
+leases). What crosses between the loops: the writer's ``on_lost`` (handed to the request loop with
+``call_soon_threadsafe``), its ``on_redis`` verdicts (guarded by a lock), the tables a mirror builds
+(installed on the request loop with ``call_soon_threadsafe``), the mirrors' counters (plain values,
+read) and the :class:`~balancer.fleet.space_ingest.SpaceIngest` and
+:class:`~balancer.fleet.space_mirror.SpaceMirror` hops (a snapshot is written by one).
 
 Around them: the :class:`~balancer.fleet.leases.LeaseManager`, the
 :class:`~balancer.fleet.policy_sync.PolicySync` and the
@@ -54,6 +58,7 @@ from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.space_ingest import SpaceIngest
+from balancer.fleet.space_mirror import SpaceMirror
 from balancer.fleet.writer import FencedWriter
 from balancer.index.redis.client import RedisClient, connect
 from balancer.index.redis.index import RedisIndex
@@ -66,7 +71,7 @@ from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
 from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
-from balancer.sources.ingest_thread import IngestThread
+from balancer.sources.ingest_thread import IngestThread, yield_gil
 from balancer.sources.pipeline import EventIngest, IngestSettings
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
@@ -102,7 +107,8 @@ class _Space:
     index: RedisIndex
     ingest: SpaceIngest
     """The writer and ingest over ``index``, on the ingest thread."""
-    mirror: Mirror
+    mirror: SpaceMirror
+    """The mirror of ``index``'s stream, on the ingest thread."""
     seen_entries: int = 0
     seen_resyncs: int = 0
     seen_skipped: int = 0
@@ -123,6 +129,8 @@ class FleetRuntime:
         self.raw = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)
         self.writer_client = redis_client(self.config, decode=True)
         """The writers' client: used on the ingest thread's loop only (connections open on first use)."""
+        self.mirror_client = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)
+        """The mirrors' client (stream reads, snapshots): used on the ingest thread's loop only."""
         self.thread = thread
         self._loop: asyncio.AbstractEventLoop | None = None
         """The request loop (set by :meth:`start`): a fenced writer's news is handed over to it."""
@@ -182,12 +190,12 @@ class FleetRuntime:
             self.thread, writer, EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         )
         mirror = Mirror(
-            self.raw, space.hasher, settings, state.monotonic,
+            self.mirror_client, space.hasher, settings, state.monotonic,
             # the mirror follows the Redis index, which clears a rank at every gap: no gap hold
-            limits=dataclasses.replace(space.table.limits, gap_hold_s=0.0), on_table=_installer(space),
-            suppressed=state.metrics.log_suppressed_total,
+            limits=dataclasses.replace(space.table.limits, gap_hold_s=0.0),
+            suppressed=state.metrics.log_suppressed_total, between_entries=yield_gil,
         )  # fmt: skip
-        entry = _Space(name, space, index, ingest, mirror)
+        entry = _Space(name, space, index, ingest, SpaceMirror(self.thread, mirror, _installer(space), name))
         self._spaces.append(entry)
         self._by_space[id(space)] = entry
         state.ingests.append(ingest)
@@ -203,7 +211,7 @@ class FleetRuntime:
         assert self.snapshots is not None
         self.snapshots.add(entry.mirror, entry.index.keys)
         await entry.ingest.start()
-        self._spawn(entry.mirror.run(self._stop), f"kvlb-mirror-{entry.name}")
+        await entry.mirror.start()
 
     def _lease_settings(self) -> LeaseSettings:
         return LeaseSettings(ttl_s=self.config.lease_ttl_s, renew_every_s=self.config.tick_s)
@@ -376,6 +384,7 @@ class FleetRuntime:
             "leases": [] if self.leases is None else sorted(self.leases.held),
             "redis_up": not self.redis_down(),
             "writer_threads": {e.name: e.ingest.writer.thread for e in self._spaces},
+            "mirror_threads": {e.name: e.mirror.mirror.thread for e in self._spaces},
             "mirrors": {
                 e.name: {
                     "ready": e.mirror.ready.is_set(),
@@ -408,10 +417,12 @@ class FleetRuntime:
                 await asyncio.wait_for(self.snapshots.release(), self.config.socket_timeout_s)
         tasks, self._tasks = self._tasks, []
         await cancel_all(tasks)
-        if self.thread.loop is not None:  # the writers' client closes on the loop that used it
+        if self.thread.loop is not None:  # the thread's clients close on the loop that used them
             for entry in self._spaces:
+                await entry.mirror.aclose()
                 await entry.ingest.aclose()
             await self.thread.call(self.writer_client.aclose)
+            await self.thread.call(self.mirror_client.aclose)
         if self.policy is not None:
             await self.policy.aclose()
         await self.text.aclose()

@@ -7,18 +7,21 @@ renewed each tick). It writes when its mirror moved on by ``every_entries`` entr
 snapshot (a quarter of the stream's length by default, so a snapshot is always younger than the
 oldest retained entry at ordinary rates), or ``interval_s`` after the last one if anything changed.
 
-Writing serialises the whole table on the event loop: about 0.1–0.3 s per million blocks (see
-``kvlb bench redis``), during which that balancer routes nothing. Keep ``interval_s`` large.
+Writing runs where the mirror runs (in fleet mode the ingest thread: :mod:`balancer.fleet.space_mirror`).
+Only the copy of the table is made under the table's lock, tens of milliseconds per million blocks
+(see ``kvlb bench redis``), during which that balancer's requests wait for the lock; encoding runs in
+a worker thread. Keep ``interval_s`` large.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 from balancer.index.redis.client import RedisClient
-from balancer.index.redis.mirror import Mirror
 from balancer.index.redis.schema import RedisKeys
 from balancer.metrics import Metrics
 
@@ -34,9 +37,22 @@ return 1
 """
 
 
+class SnapshotSource(Protocol):
+    """What the keeper needs of a mirror (a :class:`~balancer.index.redis.mirror.Mirror`, or the
+    request loop's handle on one that runs on the ingest thread)."""
+
+    @property
+    def last_number(self) -> int: ...
+
+    @property
+    def ready(self) -> asyncio.Event: ...
+
+    async def write_snapshot(self) -> int: ...
+
+
 @dataclass(slots=True)
 class _Space:
-    mirror: Mirror
+    mirror: SnapshotSource
     keys: RedisKeys
     written_number: int = -1
     written_at: float = 0.0
@@ -65,7 +81,7 @@ class SnapshotKeeper:
         self._spaces: list[_Space] = []
         self._hold = client.register_script(_HOLD)
 
-    def add(self, mirror: Mirror, keys: RedisKeys) -> None:
+    def add(self, mirror: SnapshotSource, keys: RedisKeys) -> None:
         self._spaces.append(_Space(mirror, keys))
 
     async def tick(self) -> None:

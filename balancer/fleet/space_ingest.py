@@ -5,8 +5,9 @@ appliers) writes through its :class:`~balancer.fleet.writer.FencedWriter` to a
 :class:`~balancer.index.redis.index.RedisIndex`. All three, and the Redis client they write with,
 live on the loop of the balancer's :class:`~balancer.sources.ingest_thread.IngestThread`: decoding a
 flood and the writer's client-side work (planning, script calls, retries) never take the request
-loop's time. The request loop keeps the lease manager, the policy sync, the mirrors and the
-snapshots, on clients of its own; no Redis client is used from both loops.
+loop's time. The mirrors run there too (:mod:`balancer.fleet.space_mirror`), on a client of their
+own. The request loop keeps the lease manager, the policy sync and the snapshot leases, on clients
+of its own; no Redis client is used from both loops.
 
 This class is the lease manager's handle (:mod:`balancer.fleet.leases`). Each method is one hop to
 the ingest loop (``IngestThread.call``) that does the whole step there, so what must happen

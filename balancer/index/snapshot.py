@@ -125,8 +125,17 @@ def encode(state: TableCapture, entry_number: int, entry_id: str, partial: bool 
     return b"".join(parts)
 
 
-def load_table(data: bytes, hasher: BlockHasher, limits: TableLimits | None = None) -> TableSnapshot:
-    """Rebuild a table from :func:`dump_table` bytes; raises :class:`SnapshotError` if unusable."""
+def load_table(
+    data: bytes,
+    hasher: BlockHasher,
+    limits: TableLimits | None = None,
+    *,
+    table_type: type[PrefixTable] = PrefixTable,
+) -> TableSnapshot:
+    """Rebuild a table from :func:`dump_table` bytes; raises :class:`SnapshotError` if unusable.
+
+    ``table_type`` is the class built (a :class:`~balancer.index.locked.LockedPrefixTable` for a
+    table two threads will share); it is filled before anyone else can see it."""
     if not data.startswith(MAGIC) or len(data) < len(MAGIC) + 4:
         raise SnapshotError("not a kvlb table snapshot")
     view = memoryview(data)
@@ -141,7 +150,7 @@ def load_table(data: bytes, hasher: BlockHasher, limits: TableLimits | None = No
     theirs = (header.get("model"), header.get("bs"), header.get("mode"))
     if theirs != (hasher.model, hasher.block_size, hasher.mode):
         raise SnapshotError(f"snapshot is of key space {theirs}, not {hasher}")
-    table = PrefixTable(hasher, limits)
+    table = table_type(hasher, limits)
     count = int(header["keys"])
     keys, at = _read(view, at, "Q", count)
     index, at = _read(view, at, "I", count)

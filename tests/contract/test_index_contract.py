@@ -4,7 +4,8 @@ A backend is added by one line in ``FACTORIES``: an async function that takes th
 ``BlockHasher`` and a block budget and returns a fresh, empty index (closed by the fixture).
 The backends: the in-memory index, the Redis index, and the fleet mirror (``MirroredIndex`` in
 ``tests/redis_server.py``: writes go through a ``RedisIndex``, then the mirror polls the stream;
-reads and speculative entries are the mirror's, as in fleet mode).
+reads and speculative entries are the mirror's), and that mirror as fleet mode runs it (``mirror-thread``:
+it tails the stream on an ingest thread, the suite reads the table it installed on the suite's loop).
 Events carry tokens and the index computes keys; requests are hashed with ``BlockHasher.request_keys``,
 so every match below also checks that both sides derive the same keys.
 """
@@ -14,7 +15,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import pytest
-from redis_server import mirror_index, redis_index  # a private redis-server per session (tests/conftest.py)
+from redis_server import (  # a private redis-server per session (tests/conftest.py)
+    mirror_index,
+    redis_index,
+    threaded_mirror_index,
+)
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, PrefixIndex
@@ -42,6 +47,7 @@ FACTORIES: dict[str, IndexFactory] = {
     "locked": _locked,
     "redis": redis_index,
     "mirror": mirror_index,
+    "mirror-thread": threaded_mirror_index,
 }
 
 BS = 4

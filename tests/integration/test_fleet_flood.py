@@ -6,8 +6,9 @@ two pools: ``flooded`` (one SGLang replica whose ZMQ events come from a PUB in t
 emulator's pool (one emulated replica, no events). The test publishes a flood from a thread while
 clients send completions to the other pool and probe ``/healthz``. Checked: the Redis writer wrote
 on the ingest thread (the thread identity it records itself, shown by ``/admin/fleet``), never on the
-thread of the loop serving requests; every request and probe answered, each within a generous
-bound; no lease was lost; the flood's blocks reached the index through Redis and the mirror.
+thread of the loop serving requests, and every mirror applied what came back through Redis on the
+ingest thread too; every request and probe answered, each within a generous bound; no lease was
+lost; the flood's blocks reached the index through Redis and the mirror.
 Timings are not compared: the machine is shared.
 """
 
@@ -163,6 +164,10 @@ async def test_a_flood_is_written_on_the_ingest_thread_and_costs_no_lease(redis_
             assert balancer.replicas is not None
             assert writers[flooded_space] == balancer.replicas.thread.name == "kvlb-ingest"
             assert writers[flooded_space] != threading.current_thread().name
+            # and the mirrors applied what the writers wrote on the ingest thread too
+            mirrors = (await fleet_view())["mirror_threads"]  # None: a mirror that applied nothing
+            assert mirrors[flooded_space] == "kvlb-ingest", mirrors
+            assert set(mirrors.values()) <= {"kvlb-ingest", None}, mirrors
             # the other pool was served throughout, each answer within the bound
             assert not failures, failures[:5]
             assert latencies and max(latencies) < BOUND_S, max(latencies)

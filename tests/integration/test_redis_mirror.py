@@ -10,21 +10,27 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from collections.abc import AsyncIterator
 
 import pytest
 from redis_cluster import RedisTarget
 from redis_server import fresh_settings
-from test_redis_index import HASHER, REPLICAS, random_event, random_path, tokens
+from test_redis_index import BS, HASHER, REPLICAS, random_event, random_path, tokens
 
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.fleet.space_mirror import SpaceMirror
+from balancer.index.hashing import pack_tokens
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.redis.client import RedisClient
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror, MirrorSettings
 from balancer.index.redis.schema import RedisIndexSettings
 from balancer.index.redis.stream import decode_batch, decode_entry, encode_batch
+from balancer.index.table import PrefixTable
+from balancer.sources.ingest_thread import IngestThread
 from balancer.types import EngineHash, ReplicaId
 
 pytestmark = pytest.mark.redis
@@ -153,3 +159,66 @@ def test_batch_codec_round_trips_every_event_kind() -> None:
         decode_batch(b"\x91\x92\x09\x00")  # an unknown event tag
     with pytest.raises(EventDecodeError):
         decode_entry(b"7-0", {b"n": b"1"})
+
+
+async def test_a_mirror_on_an_ingest_thread_hands_each_table_it_builds_to_the_readers_loop(
+    redis_target: RedisTarget, text_client: RedisClient
+) -> None:
+    """Fleet mode's arrangement (``SpaceMirror``): the mirror tails and applies on an ingest thread,
+    with a client used there only; each table it builds (the warm start, then a resync after a jump
+    in entry numbers) is installed on the reader's loop, and ``ready`` follows the first install."""
+    settings = fresh_settings(100_000)
+    writer = RedisIndex(text_client, HASHER, settings)
+    a = ReplicaId("a")
+    path = tokens((0, 1, 2, 3))  # four blocks
+    keys = HASHER.request_keys(path)
+    thread = IngestThread("kvlb-test-mirror")
+    await thread.start()
+    client = redis_target.client(decode=False)  # used on the ingest thread's loop only
+    installed: list[tuple[PrefixTable, str]] = []
+
+    def install(table: PrefixTable) -> None:
+        installed.append((table, threading.current_thread().name))
+
+    mirror = Mirror(client, HASHER, settings, time.monotonic, MirrorSettings(block_ms=50))
+    handle = SpaceMirror(thread, mirror, install, "test")
+    here = threading.current_thread().name
+
+    async def applied(number: int) -> None:
+        for _ in range(5000):  # bounded: 5 s
+            if handle.last_number >= number:
+                return
+            await asyncio.sleep(0.001)
+        raise AssertionError(f"the mirror applied {handle.last_number} of {number} entries")
+
+    try:
+        await handle.start()
+        await asyncio.wait_for(handle.ready.wait(), 5)
+        assert [name for _, name in installed] == [here]
+        first = installed[0][0]
+        assert isinstance(first, LockedPrefixTable) and first is mirror.table
+
+        hashes = tuple(EngineHash(1000 + i) for i in range(len(keys)))
+        stored = Stored(0, None, hashes, pack_tokens(path), BS)
+        await writer.apply(a, [stored], 0.0)
+        await applied(1)
+        assert first.match(keys, None, 0.0).blocks == {a: len(keys)}  # applied into the read table
+        assert mirror.thread == "kvlb-test-mirror"
+
+        # a jump in entry numbers: the mirror rebuilds, and the new table reaches this loop
+        await text_client.hincrby(writer.keys.counters, "stream_entries", 5)
+        await writer.apply(a, [Removed(0, (EngineHash(1000),))], 0.0)
+        await applied(7)
+        for _ in range(5000):
+            if len(installed) == 2:
+                break
+            await asyncio.sleep(0.001)
+        assert handle.counters.resyncs == 1
+        (second, name) = installed[1]
+        assert second is mirror.table and second is not first and name == here
+        assert second.match(keys, None, 0.0).blocks.get(a, 0) == 0  # its first block is gone
+    finally:
+        await handle.aclose()
+        await thread.call(client.aclose)
+        await thread.stop()
+    assert not any(t.name == "kvlb-test-mirror" for t in threading.enumerate())

@@ -8,6 +8,7 @@ import pytest
 
 from balancer.events import Cleared, KvEvent, Removed, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.index.snapshot import SnapshotError, dump_table, load_table
 from balancer.index.table import PrefixTable
@@ -50,15 +51,18 @@ def random_ops(rng: random.Random, table: PrefixTable, steps: int) -> list[list[
     return chains
 
 
+@pytest.mark.parametrize("table_type", [PrefixTable, LockedPrefixTable])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_reloaded_table_matches_original(seed: int) -> None:
+def test_reloaded_table_matches_original(seed: int, table_type: type[PrefixTable]) -> None:
+    """``table_type``: the fleet mirror loads into a ``LockedPrefixTable`` (two threads share it)."""
     rng = random.Random(seed)
     limits = TableLimits(capacity_blocks=300)  # small: evictions happen, stale map entries remain
     original = PrefixTable(HASHER, limits)
     chains = random_ops(rng, original, 400)
     data = dump_table(original, 77, "123-4")
-    snap = load_table(data, HASHER, limits)
+    snap = load_table(data, HASHER, limits, table_type=table_type)
     copy = snap.table
+    assert type(copy) is table_type
     assert (snap.entry_number, snap.entry_id, snap.partial) == (77, "123-4", False)
     assert copy.stats().blocks_by_replica == original.stats().blocks_by_replica
     assert copy.stats().unique_blocks == original.stats().unique_blocks

@@ -8,6 +8,12 @@ holders, evictions included (the index contract suite runs on it). Each balancer
 speculative entries stay local; they count toward the local budget, so under eviction pressure a
 mirror may evict slightly differently from Redis.
 
+The mirror's tables are :class:`~balancer.index.locked.LockedPrefixTable` s: in fleet mode the mirror
+runs on the ingest thread (:mod:`balancer.fleet.space_mirror`) while the request loop reads the table
+and adds its speculative entries to it, as the embedded mode's ingestion does. Nothing in this class
+depends on which loop runs it; ``between_entries`` (if given) is called after each applied entry (the
+fleet passes :func:`~balancer.sources.ingest_thread.yield_gil`).
+
 **Warm start** builds a fresh table off to the side, then installs it (``on_table``), so routing
 keeps reading the previous table meanwhile. It loads the latest table snapshot if there is one
 (:mod:`balancer.index.snapshot`, written by some balancer with :meth:`Mirror.write_snapshot`)
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -37,12 +44,13 @@ from prometheus_client import Counter
 from balancer.errors import EventDecodeError
 from balancer.index.base import IndexStats
 from balancer.index.hashing import BlockHasher
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.memory import MemoryIndex
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient
 from balancer.index.redis.schema import RedisIndexSettings, RedisKeys
 from balancer.index.redis.stream import StreamEntry, decode_entry, entry_number
 from balancer.index.slots import TableLimits
-from balancer.index.snapshot import SnapshotError, capture, dump_table, encode, load_table
+from balancer.index.snapshot import SnapshotError, capture, encode, load_table
 from balancer.index.table import PrefixTable
 from balancer.log_limit import LimitedWarnings
 from balancer.types import BlockKey, Overlap, ReplicaId
@@ -97,11 +105,13 @@ class Mirror:
         limits: TableLimits | None = None,
         on_table: Callable[[PrefixTable], None] | None = None,
         suppressed: Counter | None = None,
+        between_entries: Callable[[], None] | None = None,
     ) -> None:
         """``clock`` gives ``now`` for the local table (the routing clock: speculative entries are
-        local). ``on_table`` is called with each newly built table once it is complete. Repeated
-        Redis errors and undecodable entries are logged once, then once a minute with the count, which
-        ``suppressed`` (``kvlb_log_suppressed_total``) counts too."""
+        local). ``on_table`` is called with each newly built table once it is complete, on the loop
+        that runs the mirror. Repeated Redis errors and undecodable entries are logged once, then once
+        a minute with the count, which ``suppressed`` (``kvlb_log_suppressed_total``) counts too.
+        ``between_entries`` is called after each entry applied while tailing or replaying."""
         self.client = client
         self.hasher = hasher
         self.settings = settings
@@ -109,8 +119,10 @@ class Mirror:
         self.counters = MirrorCounters()
         self._warnings = LimitedWarnings(log, suppressed, clock=time.monotonic)
         self.limits = limits or TableLimits(capacity_blocks=settings.capacity_blocks)
-        self.index = MemoryIndex(hasher, self.limits)
+        self.table = self._new_table()
         """The local copy; replaced by a fresh one on a warm start (read it through this attribute)."""
+        self.index = MemoryIndex.over(self.table)
+        """``table`` behind the async ``PrefixIndex`` facade (replaced with it)."""
         self.last_id = "0-0"
         self.last_number = 0
         self.partial = False
@@ -120,12 +132,19 @@ class Mirror:
         self.ready = asyncio.Event()
         self.connected = False
         """Whether the last Redis call succeeded."""
+        self.thread: str | None = None
+        """Name of the thread the last entry was applied on (``None`` before the first)."""
         self._keys = RedisKeys(settings)
         self._stream = self._keys.stream
         self._clock = clock
-        self._on_table = on_table
+        self.on_table = on_table
+        """Told each newly built table (set it before the mirror starts)."""
+        self._between_entries = between_entries
         self._replay_last = ("0-0", 0)
         self._replay_partial = False
+
+    def _new_table(self) -> LockedPrefixTable:
+        return LockedPrefixTable(self.hasher, self.limits)
 
     # ------------------------------------------------------------------ reading
 
@@ -137,32 +156,35 @@ class Mirror:
         applied, continuous = await self._replay(fresh, last_id, number)
         if not continuous:  # the snapshot is older than the retained stream: start from scratch
             self.counters.snapshots_refused += 1
-            fresh, number, last_id, partial = MemoryIndex(self.hasher, self.limits), 0, "0-0", False
+            fresh, number, last_id, partial = self._new_table(), 0, "0-0", False
             applied, _ = await self._replay(fresh, last_id, number)
             partial = True
         else:
             partial = partial or self._replay_partial
-        self.index, self.partial = fresh, partial
+        self.table, self.index, self.partial = fresh, MemoryIndex.over(fresh), partial
         self.last_id, self.last_number = self._replay_last
-        if self._on_table is not None:
-            self._on_table(fresh.table)
+        if self.on_table is not None:
+            self.on_table(fresh)
         self.ready.set()
         return applied
 
-    async def _from_snapshot(self) -> tuple[MemoryIndex, int, str, bool]:
+    async def _from_snapshot(self) -> tuple[LockedPrefixTable, int, str, bool]:
         data = await self.client.get(self._keys.snapshot)
         if isinstance(data, bytes) and data:
             try:
-                snap = await asyncio.to_thread(load_table, data, self.hasher, self.limits)
+                snap = await asyncio.to_thread(
+                    load_table, data, self.hasher, self.limits, table_type=LockedPrefixTable
+                )
             except SnapshotError as exc:
                 self.counters.snapshots_refused += 1
                 log.warning("mirror of %s: ignoring snapshot: %s", self._stream, exc)
             else:
                 self.counters.snapshots_loaded += 1
-                return MemoryIndex.over(snap.table), snap.entry_number, snap.entry_id, snap.partial
-        return MemoryIndex(self.hasher, self.limits), 0, "0-0", False
+                assert isinstance(snap.table, LockedPrefixTable)  # table_type
+                return snap.table, snap.entry_number, snap.entry_id, snap.partial
+        return self._new_table(), 0, "0-0", False
 
-    async def _replay(self, into: MemoryIndex, after_id: str, after_number: int) -> tuple[int, bool]:
+    async def _replay(self, into: PrefixTable, after_id: str, after_number: int) -> tuple[int, bool]:
         """Apply every retained entry after ``after_id``; ``False`` if entries right after it are gone."""
         self._replay_last = (after_id, after_number)
         self._replay_partial = False
@@ -191,6 +213,8 @@ class Mirror:
                 await self._apply(entry, into)
                 self._replay_last = (entry.entry_id, entry.number)
                 applied += 1
+                if self._between_entries is not None:
+                    self._between_entries()
             start = "(" + cursor
 
     async def poll(self, block_ms: int | None = None) -> int:
@@ -217,10 +241,12 @@ class Mirror:
                 missing = (self.last_number + 1, entry.number - 1)
                 log.warning("mirror of %s: entries %d..%d missing, rebuilding", self._stream, *missing)
                 return applied + await self.warm_start()
-            await self._apply(entry, self.index)
+            await self._apply(entry, self.table)
             self.last_id, self.last_number = entry.entry_id, entry.number
             self.lag_s = time.time() - int(entry.entry_id.partition("-")[0]) / 1000
             applied += 1
+            if self._between_entries is not None:
+                self._between_entries()
         return applied
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -259,26 +285,34 @@ class Mirror:
             )
             return None
 
-    async def _apply(self, entry: StreamEntry, into: MemoryIndex) -> None:
+    async def _apply(self, entry: StreamEntry, into: PrefixTable) -> None:
         if entry.dropped:
-            await into.drop_replica(entry.replica)
+            into.drop_replica(entry.replica)
         elif entry.dropped_keys:
-            await into.drop_blocks(entry.replica, entry.dropped_keys)
+            into.drop_blocks(entry.replica, entry.dropped_keys)
         else:
-            await into.apply(entry.replica, entry.events, self._clock())
+            into.apply(entry.replica, entry.events, self._clock())
         self.counters.entries_applied += 1
+        self.thread = threading.current_thread().name
 
     # ------------------------------------------------------------------ snapshots
 
     def snapshot(self) -> bytes:
         """The current table (speculative entries left out) as of the last applied entry."""
-        return dump_table(self.index.table, self.last_number, self.last_id, self.partial)
+        table = self.table
+        with table.lock:  # the request loop may be adding speculative entries meanwhile
+            state = capture(table)
+        return encode(state, self.last_number, self.last_id, self.partial)
 
     async def write_snapshot(self) -> int:
-        """Store :meth:`snapshot` in Redis for starting mirrors; returns its size in bytes.
+        """Store :meth:`snapshot` in Redis for starting mirrors; returns its size in bytes. Call it
+        on the loop that runs the mirror (the copy is then of one entry's state).
 
-        Only the copy of the table's state runs on the event loop; encoding runs in a thread."""
-        state = capture(self.index.table)
+        Only the copy of the table's state runs on that loop, under the table's lock (readers wait
+        for it); encoding runs in a worker thread."""
+        table = self.table
+        with table.lock:
+            state = capture(table)
         data = await asyncio.to_thread(encode, state, self.last_number, self.last_id, self.partial)
         await self.client.set(self._keys.snapshot, data)
         return len(data)
