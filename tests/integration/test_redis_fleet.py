@@ -206,6 +206,9 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
         assert await f.blocks(late) == want  # ready means warm: the full index, before any new event
         (mirror,) = fleet_of(late).status()["mirrors"].values()
         assert mirror["snapshots_loaded"] == 1 and not mirror["partial"]
+        # The late balancer would race the thief below for the deleted lease: it has done its part.
+        f.balancers.remove(late)
+        await late.stop()
 
         # fencing: another owner takes a lease of a's (generation bump); a's next write is refused
         fleet_a = fleet_of(a)
