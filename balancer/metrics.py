@@ -348,7 +348,8 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
         ),
         "index_receipt_confirmed_blocks_total": counter(
             "kvlb_index_receipt_confirmed_blocks_total",
-            "Suspect blocks (held through an event gap) that a receipt showed cached, by replica.",
+            "Suspect blocks (held through an event gap) that a receipt showed cached, and suspect"
+            " blocks dropped unconfirmed that it showed still cached (held again), by replica.",
             ["replica"],
         ),
     }

@@ -20,7 +20,11 @@ _NEVER = float("inf")
 GONE_MAX = 4096
 """Removed engine hashes a learning cache remembers (``CacheSlot.gone``)."""
 GONE_S = 60.0
-"""How long (seconds) a learning cache remembers a removed engine hash (``CacheSlot.gone``)."""
+"""How long (seconds) a learning cache remembers a removed engine hash (``CacheSlot.gone``), and a
+cache a block gap recovery dropped unconfirmed (``CacheSlot.dropped``)."""
+DROPPED_MAX = 65_536
+"""Blocks dropped unconfirmed that one cache remembers (``CacheSlot.dropped``, ~100 B each); the
+oldest beyond it are forgotten (``TableCounters.dropped_forgotten``)."""
 
 
 class GapRecovery:
@@ -33,8 +37,9 @@ class GapRecovery:
     _spec_count: int
     _suspects: dict[CacheSlot, None]
     _suspect_due: float
+    _restorable: dict[CacheSlot, None]
 
-    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int]) -> int:
+    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int], dropped_at: float | None = None) -> int:
         raise NotImplementedError
 
     def _restore(self, cache: CacheSlot, engine_hash: int, key: int) -> None:
@@ -115,7 +120,7 @@ class GapRecovery:
                 continue
             del self._suspects[cache]
             if cache.suspect and self._slots.cache(cache.replica, cache.dp_rank) is cache:
-                self.counters.suspect_dropped += self._drop_keys(cache, cache.suspect)
+                self.counters.suspect_dropped += self._drop_keys(cache, cache.suspect, now)
             cache.suspect = {}
         self._suspect_due = due
 
@@ -125,17 +130,22 @@ class GapRecovery:
         """What a receipt says of ``replica``'s suspect blocks: ``found`` (the request's keys up to
         the reported point) were cached when the engine admitted it, so they are confirmed;
         ``missing`` (the keys from the reported point to the predicted one) were not, so those still
-        suspect are dropped at once. Returns ``(confirmed, dropped)``; costs nothing without suspects.
+        suspect are dropped at once. ``found`` keys that were suspect and dropped unconfirmed
+        (``CacheSlot.dropped``) are held again: the engine still caches them. Returns ``(confirmed,
+        dropped)``, ``confirmed`` counting both; costs nothing without suspects or dropped ones.
 
         With several DP ranks the receipt does not say which rank served it: every rank's suspects
-        are settled (a rank that holds the same prefix is confirmed with it)."""
+        are settled (a rank that holds the same prefix is confirmed with it), and nothing dropped is
+        held again."""
         if self._suspect_due <= now:
             self._expire_suspects(now)
-        if not self._suspects:
+        if not self._suspects and not self._restorable:
             return 0, 0
         ranks = self._slots.caches.get(replica)
-        confirmed = dropped = 0
-        for cache in ranks.values() if ranks else ():
+        confirmed = dropped = restored = 0
+        if ranks and len(ranks) == 1 and found:  # blocks dropped unconfirmed that it found cached
+            restored = self._restore_found(next(iter(ranks.values())), found, now)
+        for cache in ranks.values() if ranks and self._suspects else ():
             suspect = cache.suspect
             if not suspect:
                 continue
@@ -148,7 +158,64 @@ class GapRecovery:
             dropped += self._drop_keys(cache, gone)
         self.counters.suspect_confirmed += confirmed
         self.counters.suspect_dropped += dropped
-        return confirmed, dropped
+        return confirmed + restored, dropped
+
+    def _remember_dropped(self, cache: CacheSlot, keys: Iterable[int], now: float) -> None:
+        """``keys`` were just dropped unconfirmed (their handles kept): remember them, oldest out
+        past ``GONE_S`` or ``DROPPED_MAX``."""
+        dropped = cache.dropped
+        for key in keys:
+            dropped.pop(key, None)
+            dropped[key] = now
+        while dropped:
+            oldest = next(iter(dropped))
+            if len(dropped) <= DROPPED_MAX and now - dropped[oldest] < GONE_S:
+                break
+            if len(dropped) > DROPPED_MAX:
+                self.counters.dropped_forgotten += 1
+            del dropped[oldest]
+        if dropped:
+            self._restorable[cache] = None
+
+    def _restore_found(self, cache: CacheSlot, found: Sequence[int], now: float) -> int:
+        """Hold again those of ``found`` (keys a receipt found cached) that ``cache`` dropped
+        unconfirmed; returns how many."""
+        dropped = cache.dropped
+        while dropped and now - dropped[oldest := next(iter(dropped))] >= GONE_S:
+            del dropped[oldest]
+        if not dropped:
+            self._restorable.pop(cache, None)
+            return 0
+        if self._slots.cache(cache.replica, cache.dp_rank) is not cache:
+            self._restorable.pop(cache, None)
+            return 0
+        restored = 0
+        for key in found:
+            if key in dropped:
+                restored += self._restore_dropped(cache, key, now)
+        if len(self._holders) > self.limits.capacity_blocks:
+            self._evict()
+        return restored
+
+    def _restore_dropped(self, cache: CacheSlot, key: int, now: float) -> int:
+        """The engine showed it still holds ``key``, which ``cache`` dropped unconfirmed and whose
+        handle it kept: hold it again. Returns 1 if it was not held."""
+        dropped_at = cache.dropped.pop(key, None)
+        if dropped_at is None or now - dropped_at >= GONE_S:
+            return 0
+        holders = self._holders
+        mask = holders.pop(key, 0)
+        spec = self._slots.specs.get(cache.replica)
+        if spec is not None and spec.expiry.pop(key, None) is not None:
+            mask &= ~spec.bit
+            self._spec_count -= 1
+            self.counters.speculative_confirmed += 1
+        holders[key] = mask | cache.bit  # most recently used: the engine just used it
+        if mask & cache.bit:
+            return 0
+        cache.held += 1
+        self.counters.suspect_restored += 1
+        return 1
 
     # ------------------------------------------------------------------ receipts with engine hashes
 

@@ -87,6 +87,12 @@ class TableCounters:
     suspect_frontier_dropped: int = 0
     """Of those, suspect blocks dropped because the engine evicted a suspect block kvlb saw used more
     recently (``TableLimits.gap_keep_s``)."""
+    suspect_restored: int = 0
+    """Suspect blocks dropped unconfirmed (end of the hold, an eviction frontier) and held again once
+    the engine showed it still held them: a receipt found one cached, or it stored a block under one
+    (``CacheSlot.dropped``)."""
+    dropped_forgotten: int = 0
+    """Entries of ``CacheSlot.dropped`` forgotten over ``recovery.DROPPED_MAX`` (oldest first)."""
 
 
 class CacheSlot:
@@ -95,6 +101,7 @@ class CacheSlot:
     __slots__ = (
         "bit",
         "dp_rank",
+        "dropped",
         "dups",
         "gone",
         "gone_floor",
@@ -130,6 +137,14 @@ class CacheSlot:
         self.suspect_frontier = False
         """Whether the engine evicted a suspect block since the last gap (``suspect`` is ordered least
         recently used first: the ones before it were dropped then)."""
+        self.dropped: dict[int, float] = {}
+        """Keys gap recovery dropped unconfirmed (at the end of the hold, or past an eviction
+        frontier) whose handle the engine-hash map still keeps → when (monotonic seconds): the guess
+        may be wrong, and the engine, which never stores a block it still caches again, may go on
+        using them. A receipt that finds one cached, or a store under one, holds it again
+        (``GapRecovery._restore_dropped``). An entry goes with its handle (a removal, a remap, a
+        clear), after ``recovery.GONE_S``, or over ``recovery.DROPPED_MAX`` (oldest first); while it
+        lives, compaction keeps its handle."""
         self.gone: dict[int, float] | None = None
         """Once receipts teach this cache blocks (``PrefixTable.learn_blocks``): engine hashes the
         engine removed lately → when (at most ``GONE_MAX`` and ``GONE_S`` back, oldest out first),

@@ -70,6 +70,9 @@ class PrefixTable(GapRecovery):
         """Caches holding suspect keys (after an event gap, ``TableLimits.gap_hold_s``)."""
         self._suspect_due = _NEVER
         """The earliest ``suspect_until`` of those caches."""
+        self._restorable: dict[CacheSlot, None] = {}
+        """Caches that may remember blocks dropped unconfirmed (``CacheSlot.dropped``; an entry may
+        outlive them: it goes when a receipt finds it empty)."""
 
     # ------------------------------------------------------------------ events
 
@@ -82,7 +85,7 @@ class PrefixTable(GapRecovery):
         result = ApplyResult()
         for event in events:
             if type(event) is Stored:
-                self._store(replica, event, result)
+                self._store(replica, event, result, now)
             elif type(event) is Removed:
                 self._remove(replica, event, result, now)
             elif isinstance(event, Cleared | Resync):  # speculative entries stay: requests are in flight
@@ -96,7 +99,7 @@ class PrefixTable(GapRecovery):
                 result.resyncs += type(event) is Resync
         return result
 
-    def _store(self, replica: ReplicaId, event: Stored, result: ApplyResult) -> None:
+    def _store(self, replica: ReplicaId, event: Stored, result: ApplyResult, now: float) -> None:
         count = len(event.engine_hashes)
         if (
             event.block_size != self._block_size
@@ -123,6 +126,10 @@ class PrefixTable(GapRecovery):
         if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
             self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
         result.stored_blocks += self._store_chain(cache, seed, event)
+        if cache.dropped and event.parent is not None and seed in cache.dropped:
+            # dropped unconfirmed, but the engine holds it; after its children, as add_speculative
+            # orders them (a parent is used at least as recently as its child)
+            self._restore_dropped(cache, seed, now)
         if len(self._holders) > self.limits.capacity_blocks:
             result.evicted_blocks += self._evict()
 
@@ -205,12 +212,14 @@ class PrefixTable(GapRecovery):
             if self._release(cache, key):
                 result.removed_blocks += 1
         if older:  # after the walk: dropping may compact the engine-hash map
-            dropped = self._drop_keys(cache, older)
+            dropped = self._drop_keys(cache, older, now)
             self.counters.suspect_dropped += dropped
             self.counters.suspect_frontier_dropped += dropped
 
     def _release(self, cache: CacheSlot, key: int) -> bool:
         """One handle of ``key`` went from ``cache``; clear its bit if it was the last live one."""
+        if cache.dropped:
+            cache.dropped.pop(key, None)  # its handle goes: a removal would no longer find it
         dups = cache.dups
         if dups and key in dups:
             if dups[key] > 1:
@@ -228,6 +237,8 @@ class PrefixTable(GapRecovery):
         self._unset(cache.keys.values(), cache.bit)
         held, cache.keys, cache.dups, cache.held = cache.held, {}, {}, 0
         cache.suspect = {}
+        cache.dropped = {}
+        self._restorable.pop(cache, None)
         cache.suspect_frontier = False
         if cache.gone is not None:
             cache.gone = {}
@@ -266,16 +277,23 @@ class PrefixTable(GapRecovery):
                 owner.held -= 1
                 if owner.dups:
                     owner.dups.pop(key, None)
-                if len(owner.keys) > 2 * owner.held + _COMPACT_SLACK:
+                if self._crowded(owner):
                     self._compact(owner)
             elif isinstance(owner, SpecSlot) and owner.expiry.pop(key, None) is not None:
                 self._spec_count -= 1
 
+    @staticmethod
+    def _crowded(cache: CacheSlot) -> bool:
+        """Whether stale map entries outnumber the live ones (held, or dropped unconfirmed)."""
+        return len(cache.keys) > 2 * (cache.held + len(cache.dropped)) + _COMPACT_SLACK
+
     def _compact(self, cache: CacheSlot) -> None:
-        """Drop map entries of evicted keys (amortised O(1): runs once they outnumber live ones)."""
+        """Drop map entries of evicted keys (amortised O(1): runs once they outnumber live ones);
+        those of keys dropped unconfirmed after a gap stay (``CacheSlot.dropped``)."""
         get = self._holders.get
         bit = cache.bit
-        cache.keys = {h: k for h, k in cache.keys.items() if get(k, 0) & bit}
+        dropped = cache.dropped
+        cache.keys = {h: k for h, k in cache.keys.items() if get(k, 0) & bit or k in dropped}
 
     # ------------------------------------------------------------------ queries
 
@@ -521,11 +539,14 @@ class PrefixTable(GapRecovery):
         wanted = keys if isinstance(keys, Sequence) else list(keys)
         return sum(self._drop_keys(cache, wanted) for cache in list(ranks.values()))
 
-    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int]) -> int:
-        """Clear ``cache``'s bit on those of ``keys`` it holds (handles kept); returns how many."""
+    def _drop_keys(self, cache: CacheSlot, keys: Iterable[int], dropped_at: float | None = None) -> int:
+        """Clear ``cache``'s bit on those of ``keys`` it holds (handles kept); returns how many.
+        ``dropped_at``: gap recovery drops them unconfirmed at that time; they are remembered
+        (``CacheSlot.dropped``) in case the engine shows it still holds them."""
         holders = self._holders
         bit = cache.bit
         dropped = 0
+        remembered: list[int] | None = None if dropped_at is None else []
         for key in keys:
             mask = holders.get(key, 0)
             if not mask & bit:
@@ -539,7 +560,11 @@ class PrefixTable(GapRecovery):
                 cache.dups.pop(key, None)
             cache.held -= 1
             dropped += 1
-        if len(cache.keys) > 2 * cache.held + _COMPACT_SLACK:
+            if remembered is not None:
+                remembered.append(key)
+        if remembered and dropped_at is not None:
+            self._remember_dropped(cache, remembered, dropped_at)
+        if self._crowded(cache):
             self._compact(cache)
         return dropped
 

@@ -92,7 +92,8 @@ class Settled:
     learned_blocks: int = 0
     """Keys the engine had and the index did not know of, added as speculative entries."""
     confirmed_blocks: int = 0
-    """Suspect holdings of the replica (after an event gap) that the receipt confirmed."""
+    """Suspect holdings of the replica (after an event gap) that the receipt confirmed, and suspect
+    blocks dropped unconfirmed that it showed still cached (held again)."""
     taught_blocks: int = 0
     """Blocks the index lacked and now holds under the engine's own hashes, computed by kvlb."""
 

@@ -544,7 +544,8 @@ class PoolRouter:
           recomputation, and the engine's events confirm them or they expire.
         * **Suspect** blocks (a rank's holdings after an event gap, ``TableLimits.gap_hold_s``): the
           keys up to the reported point are confirmed, those from it to the predicted point dropped,
-          whatever ``receipt_drops`` says (:meth:`PrefixTable.settle_suspect
+          whatever ``receipt_drops`` says; keys up to the reported point that were suspect and
+          dropped unconfirmed are held again (:meth:`PrefixTable.settle_suspect
           <balancer.index.table.PrefixTable.settle_suspect>`).
         * **More** reported: the engine held blocks the index did not know of: the request's keys up
           to the reported point are added as speculative entries for ``speculative_ttl_s`` (in

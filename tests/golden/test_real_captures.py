@@ -19,7 +19,7 @@ import pytest
 from sglang_encoder import sglang_page_digests
 
 from balancer.engines import DecodedBatch
-from balancer.engines.sglang import SglangDecoder
+from balancer.engines.sglang import SglangDecoder, page_hashes
 from balancer.events import Cleared, KvEvent, Removed, Stored
 from balancer.index.hashing import BlockHasher, chain_keys
 from balancer.types import BlockKey, ReplicaId, to_u64
@@ -179,3 +179,20 @@ async def test_replaying_a_folder_into_the_index_is_consistent(folder: Path) -> 
         most_live = max(most_live, len(live.prefix_of))
     assert stored_blocks > 0 and most_live > 0
     assert skipped == live.skipped_stores
+
+
+def test_kvlbs_sglang_page_hashes_reproduce_every_captured_page_from_its_whole_prefix() -> None:
+    """``balancer.engines.sglang.page_hashes`` (what receipts teach under) over each page's whole
+    prefix, from the root, gives the hash the real engine published for it."""
+    prefixes: dict[int, list[int]] = {}
+    explained = 0
+    for event in stored_events(SGLANG_DIR):
+        prefix = [] if event.parent is None else prefixes[event.parent]
+        tokens = [token for index in range(event.block_count) for token in block_tokens(event, index)]
+        whole = prefix + tokens
+        computed = page_hashes(whole, event.block_size)
+        assert computed[len(prefix) // event.block_size :] == list(event.engine_hashes)
+        for index, engine_hash in enumerate(event.engine_hashes):
+            prefixes[engine_hash] = whole[: len(prefix) + (index + 1) * event.block_size]
+            explained += 1
+    assert explained > 100

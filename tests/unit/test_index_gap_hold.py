@@ -290,3 +290,101 @@ def test_a_keep_limit_within_the_hold_turns_the_frontier_off() -> None:
     gap(t, 1.0)
     t.apply(A, [Removed(0, (EngineHash(12),))], 1.1)
     assert t.engine_hashes(A) == {1, 2, 11, 21, 22}
+
+
+# ------------------------------------------------------------------ blocks dropped unconfirmed
+
+
+def dropped_after_the_hold(t: PrefixTable, blocks: int = 3) -> list[int]:
+    """``blocks`` stored (engine hashes 1..), a gap at 1.0, the hold over at 2.0: all dropped
+    unconfirmed. Returns the request keys of the chain."""
+    t.apply(A, [stored(toks(blocks), list(range(1, blocks + 1)))], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [], 2.0)
+    assert t.held_blocks(A) == 0 and t.counters.suspect_dropped == blocks
+    return HASHER.request_keys(toks(blocks))
+
+
+def test_a_receipt_that_finds_blocks_dropped_unconfirmed_holds_them_again() -> None:
+    """The guess was wrong: the engine still caches them, and it never stores a cached block again,
+    so without the receipt they would stay unknown while the engine goes on using them."""
+    t = table()
+    keys = dropped_after_the_hold(t)
+    assert t.settle_suspect(A, keys[:2], (), 2.5) == (2, 0)
+    assert t.engine_hashes(A) == {1, 2}
+    assert t.counters.suspect_restored == 2 and t.counters.suspect_confirmed == 0
+    assert t.match(keys, None, 2.6).blocks[A] == 2
+    result = t.apply(A, [Removed(0, (EngineHash(2),))], 3.0)  # its handle was kept: a removal resolves
+    assert result.removed_blocks == 1 and t.engine_hashes(A) == {1}
+    assert t.settle_suspect(A, keys[:2], (), 3.5) == (0, 0)  # once only
+
+
+def test_a_store_under_a_block_dropped_unconfirmed_holds_that_parent_again() -> None:
+    t = table()
+    dropped_after_the_hold(t, 2)
+    result = t.apply(A, [stored(toks(3)[2 * BS :], [3], parent=2)], 2.5)
+    assert result.stored_blocks == 1
+    assert t.engine_hashes(A) == {2, 3}  # 1 only a receipt can show
+    assert t.counters.suspect_restored == 1
+
+
+def test_a_block_removed_or_shown_missing_since_it_was_dropped_is_not_held_again() -> None:
+    t = table()
+    keys = dropped_after_the_hold(t)
+    t.apply(A, [Removed(0, (EngineHash(3),))], 2.2)  # the engine evicted it: its handle goes
+    assert t.settle_suspect(A, keys, (), 2.5) == (2, 0)
+    assert t.engine_hashes(A) == {1, 2}
+    t2 = table()
+    t2.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    gap(t2, 1.0)
+    assert t2.settle_suspect(A, keys[:1], keys[1:2], 1.5) == (1, 1)  # 2 shown missing: no guess
+    t2.apply(A, [], 2.5)
+    assert t2.settle_suspect(A, keys[:2], (), 3.0) == (0, 0)
+    assert t2.engine_hashes(A) == {1}
+
+
+def test_blocks_dropped_unconfirmed_are_forgotten_after_a_minute_a_clear_or_a_replica_drop() -> None:
+    t = table()
+    keys = dropped_after_the_hold(t)
+    assert t.settle_suspect(A, keys, (), 62.0) == (0, 0)  # 60 s after the drop at 2.0
+    for forget in (
+        lambda t: t.apply(A, [Cleared(0)], 2.2),
+        lambda t: t.apply(A, [Resync(0, "restart")], 2.2),
+        lambda t: t.drop_replica(A),
+    ):
+        t = table()
+        keys = dropped_after_the_hold(t)
+        forget(t)
+        assert t.settle_suspect(A, keys, (), 2.5) == (0, 0)
+        assert t.held_blocks(A) == 0
+
+
+def test_with_several_ranks_a_receipt_holds_nothing_dropped_again() -> None:
+    """A receipt does not say which rank served it."""
+    t = table()
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    t.apply(A, [Stored(1, None, (EngineHash(5),), pack_tokens(toks(1, 50)), BS)], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [], 2.0)
+    assert t.settle_suspect(A, HASHER.request_keys(toks(2)), (), 2.5) == (0, 0)
+    assert t.held_blocks(A) == 1  # rank 1's block was not suspect (rank 0's gap)
+
+
+def test_blocks_dropped_past_an_eviction_frontier_can_be_held_again() -> None:
+    """The frontier is a guess from kvlb's order of use, which is not the engine's (one order for the
+    whole table, routing refreshes it): a receipt that finds a block it dropped corrects it."""
+    t = lru_table()
+    three_chains(t)
+    gap(t, 1.0)
+    t.apply(A, [Removed(0, (EngineHash(11),))], 1.1)  # 1 and 2 dropped past the frontier
+    assert t.engine_hashes(A) == {12, 21, 22}
+    assert t.settle_suspect(A, HASHER.request_keys(toks(2, 1)), (), 1.2) == (2, 0)
+    assert t.engine_hashes(A) == {1, 2, 12, 21, 22}
+
+
+def test_compaction_keeps_the_handles_of_blocks_dropped_unconfirmed() -> None:
+    """Dropping a whole large cache would otherwise compact its engine-hash map at once."""
+    t = table()
+    keys = dropped_after_the_hold(t, 100)
+    assert t.settle_suspect(A, keys, (), 2.5) == (100, 0)
+    assert t.engine_hashes(A) == set(range(1, 101))
