@@ -175,7 +175,7 @@ async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) ->
     try:
         if parsed.ids_checked:
             assert isinstance(parsed.prompt, list)
-            token_ids = parsed.prompt
+            token_ids = parsed.packed if parsed.packed is not None else parsed.prompt
         elif parsed.kind == "chat":
             assert parsed.messages is not None
             chat = functools.partial(tokenizer.encode_chat, parsed.messages, **parsed.chat_kwargs)

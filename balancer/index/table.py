@@ -429,7 +429,7 @@ class PrefixTable(GapRecovery):
         expiry_s = now + ttl_s
         holders = self._holders
         pending = spec.expiry
-        taken: Sequence[int] = keys if type(keys) is tuple else tuple(keys)
+        taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
         # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
         # first add): they only get the new expiry, at C speed; the new ones are inserted one by one.
         fresh = list(dict.fromkeys(filterfalse(pending.__contains__, taken)))
@@ -450,9 +450,12 @@ class PrefixTable(GapRecovery):
             # routes), which an event gap's recovery reads as the engine's LRU order
             # (``GapRecovery._suspect_all``). Last key first: a parent block is used at least as
             # recently as its children. A repeated key's second pop gives 0; reversed, its first
-            # (real) mask is written last.
-            masks = list(map(holders.pop, taken, repeat(0)))
-            holders.update(zip(reversed(taken), reversed(masks), strict=True))
+            # (real) mask is written last. When the table already ends with exactly this chain (no
+            # other use since the same request's commit: its first token, or a repeated prompt), the
+            # re-insert would give the same order and masks: skip it (a tenth of the cost).
+            if not _ends_with_chain(holders, taken):
+                masks = list(map(holders.pop, taken, repeat(0)))
+                holders.update(zip(reversed(taken), reversed(masks), strict=True))
             if self._suspects:
                 self._touch_suspects(replica, taken)
         pending.update(zip(taken, repeat(expiry_s)))
@@ -608,3 +611,16 @@ class PrefixTable(GapRecovery):
             capacity_blocks=self.limits.capacity_blocks,
             bytes_per_block=size / held if held else None,
         )
+
+
+def _ends_with_chain(holders: dict[int, int], chain: tuple[int, ...]) -> bool:
+    """Whether ``holders``' last entries are ``chain`` in reverse (the order an LRU re-insert of
+    ``chain`` leaves), so that re-inserting it changes nothing. A chain with a repeated key never
+    matches (the re-insert then does the full work). The first-key check makes a miss cost O(1)."""
+    count = len(chain)
+    if not count or len(holders) < count:
+        return False
+    newest = reversed(holders)
+    if next(newest) != chain[0]:
+        return False
+    return tuple(islice(newest, count - 1)) == chain[1:]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from balancer.events import Removed, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.slots import TableLimits
-from balancer.index.table import PrefixTable
+from balancer.index.table import PrefixTable, _ends_with_chain
 from balancer.types import EngineHash, ReplicaId
 
 BS = 2
@@ -320,3 +320,35 @@ def test_speculative_adds_extend_refuse_and_expire() -> None:
     assert blocks(t, toks(4), now=2.0) == {A: 4}  # extended past the first expiry
     assert blocks(t, toks(4, 100), now=2.0) == {A: 2}
     assert blocks(t, toks(4), now=6.0) == {A: 0} and t.stats().speculative_entries == 0
+
+
+def _reinserted(holders: dict[int, int], chain: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The items of ``holders`` after the LRU re-insert of ``chain`` that ``add_speculative`` does."""
+    out = dict(holders)
+    masks = [out.pop(key, 0) for key in chain]
+    out.update(zip(reversed(chain), reversed(masks), strict=True))
+    return list(out.items())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.integers(0, 12), max_size=10, unique=True),
+    st.lists(st.integers(0, 12), max_size=6),
+)
+def test_ends_with_chain_only_when_the_reinsert_changes_nothing(keys: list[int], chain: list[int]) -> None:
+    holders = {key: key * 2 + 1 for key in keys}
+    if _ends_with_chain(holders, tuple(chain)):
+        assert _reinserted(holders, tuple(chain)) == list(holders.items())
+    if chain and len(set(chain)) == len(chain) and set(chain) <= set(holders):
+        settled = dict(_reinserted(holders, tuple(chain)))
+        assert _ends_with_chain(settled, tuple(chain))  # what the shortcut is for: a repeat
+
+
+def test_repeated_speculative_add_keeps_the_lru_order_of_a_full_reinsert() -> None:
+    t = PrefixTable(HASHER, TableLimits(gap_hold_s=1.0, gap_keep_s=2.0))
+    assert t.limits.lru_frontier
+    first, second = HASHER.request_keys(list(range(8))), HASHER.request_keys(list(range(100, 106)))
+    for now, keys in enumerate((first, second, first, first, second, second, first)):
+        expected = _reinserted(dict(t._holders), tuple(keys))
+        t.add_speculative(A, keys, 5.0, float(now))
+        assert [key for key, _ in expected] == list(t._holders)

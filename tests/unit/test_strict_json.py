@@ -32,6 +32,7 @@ from balancer.api.parsing import (
     weights_from,
 )
 from balancer.errors import ConfigError
+from balancer.index.hashing import compact_ids
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import PolicyWeights
 from balancer.policy.base import WEIGHT_RANGES, RouteRequest
@@ -227,6 +228,7 @@ def test_the_fast_decoders_answer_as_the_stdlib_path(value: dict[str, Any], enco
             assert isinstance(reference, ParsedRequest)
             assert dataclasses.replace(got, ids_checked=False) == reference
             assert set(map(type, got.prompt)) == {int} and min(got.prompt) >= 0 and max(got.prompt) < 2**32
+            assert got.packed is not None and got.packed.tolist() == got.prompt
         else:
             assert got == reference
 
@@ -235,6 +237,8 @@ def test_token_ids_are_checked_while_decoding() -> None:
     ids = list(range(0, 8192 * 15, 15))
     parsed = parse_request(json.dumps({"model": "m", "prompt": ids, "stream": True}).encode(), "completions")
     assert parsed.ids_checked and parsed.prompt == ids and parsed.stream
+    assert parsed.packed is not None and parsed.packed.typecode == "I" and parsed.packed.tolist() == ids
+    assert compact_ids(parsed.packed) is parsed.packed  # tokenize hands it on as it is
     for prompt in ([1, True], [1, -1], [2**32], [1.0], [[1, 2]], ["a"]):  # the stdlib path decides
         raw = json.dumps({"model": "m", "prompt": prompt}).encode()
         assert typed_completion(raw) is None
