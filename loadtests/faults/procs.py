@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from replicas.sim.ports import free_port_run
+
 START_TIMEOUT_S = 40.0
 STOP_TIMEOUT_S = 10.0
 MODEL = "sim-test"
@@ -151,7 +153,9 @@ class Sim(Child):
 
 
 def sim(name: str, engine: str, tmp: Path, *extra: str, time_scale: float = 1.0) -> Sim:
-    http_port, event_port = free_ports(1)[0], _event_pair()
+    # Ports below the kernel's ephemeral range: a port the kernel handed out and took back (bind to
+    # port 0) is the next outgoing connection's, and the emulator binds only later.
+    http_port, event_port = free_port_run("127.0.0.1", 1), free_port_run("127.0.0.1", 2)
     args = [
         "emulate", "--replicas", "1", "--engine", engine, "--profile", "cpu-test",
         "--page-size", str(BLOCK_SIZE), "--time-scale", str(time_scale), "--tokenizer", "none",
@@ -159,19 +163,6 @@ def sim(name: str, engine: str, tmp: Path, *extra: str, time_scale: float = 1.0)
         "--event-port-base", str(event_port), "--log-level", "WARNING", *extra,
     ]  # fmt: skip
     return Sim(name, args, tmp / f"{name}.stderr", engine=engine, http_port=http_port, event_port=event_port)
-
-
-def _event_pair() -> int:
-    """A port p with p + 1 free too (SGLang's PUB and replay ports)."""
-    for _ in range(50):
-        port = free_ports(1)[0]
-        try:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no pair of consecutive free ports")
 
 
 def write_config(tmp: Path, sims: list[Sim], name: str = "kvlb", **top: Any) -> Path:

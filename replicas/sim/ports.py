@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 import socket
 
-PROBE_RANGE = (20_000, 60_000)
-"""Ports probed for free runs (below the usual Linux ephemeral range start of 32768 too)."""
+PROBE_RANGE = (20_000, 32_768)
+"""Ports probed for free runs: below the usual Linux ephemeral range (32768-60999), whose ports the
+kernel hands to outgoing connections at any moment, so a probed port stays free until it is bound."""
 
 MAX_PROBES = 200
 """Attempts before giving up."""
