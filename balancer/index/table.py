@@ -409,9 +409,15 @@ class PrefixTable(GapRecovery):
         the run's last depth."""
         if not mask:
             return []
-        masks = list(map(self._masks.get, keys))
-        if None in masks:
-            del masks[masks.index(None) :]
+        # A missing key gives 0, and so does every AND after it: the runs are those of the keys up
+        # to it (cheaper than finding it: comparing ints with ``None`` is slow).
+        masks = list(map(self._masks.get, keys, repeat(0)))
+        if not masks:
+            return []
+        first = masks[0]
+        if masks.count(first) == len(masks):  # one holder set for all (small ints: compared by identity)
+            common = mask & first
+            return [(len(masks), common)] if common else []
         held = list(accumulate(masks, and_, initial=mask))
         walk: list[tuple[int, int]] = []
         values = sorted(set(held), reverse=True)

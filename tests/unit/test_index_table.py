@@ -428,3 +428,37 @@ def test_repeated_speculative_add_keeps_the_lru_order_of_a_full_reinsert() -> No
         expected = _reinserted(dict(t._holders), tuple(keys))
         t.add_speculative(A, keys, 5.0, float(now))
         assert [key for key, _ in expected] == list(t._holders)
+
+
+def _naive_walk(holders: dict[int, int], keys: Sequence[int], mask: int) -> list[tuple[int, int]]:
+    """Each slot of ``mask``'s count of leading ``keys`` it holds, grouped by count (> 0)."""
+    by_depth: dict[int, int] = {}
+    for slot in range(mask.bit_length()):
+        bit = 1 << slot
+        if not mask & bit:
+            continue
+        depth = 0
+        while depth < len(keys) and holders.get(keys[depth], 0) & bit:
+            depth += 1
+        if depth:
+            by_depth[depth] = by_depth.get(depth, 0) | bit
+    return sorted(by_depth.items())
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.dictionaries(
+        st.integers(0, 9), st.integers(1, 2**9 - 1) | st.sampled_from((1, 3, 2**70 + 1)), max_size=10
+    ),
+    st.lists(st.integers(0, 9), max_size=12),
+    st.integers(0, 2**9 - 1) | st.just(2**70 + 3),
+)
+def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[int], mask: int) -> None:
+    """``_walk`` (C-speed runs, and its shortcut when every key has the same holders) gives each
+    slot's count of leading keys held, as a scan slot by slot does; missing keys end the prefix."""
+    t = table()
+    t._holders = holders
+    assert t._walk(keys, mask) == _naive_walk(holders, keys, mask)
+    same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
+    t._holders = same
+    assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
