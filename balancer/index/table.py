@@ -491,7 +491,9 @@ class PrefixTable(GapRecovery):
                 taken = tuple(key for key in taken if key not in refused)
             self._spec_count += len(fresh)
             bit = spec.bit
-            holders = self._holders  # keys are inserted: settle the order first
+            # No need to settle the order first: a new key lands at the end, and this chain, logged
+            # below, is newer than every logged one, so the settling pass moves it anyway.
+            holders = self._masks
             pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
