@@ -16,9 +16,11 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
 * Per cache, ``engine hash → block key``. It resolves parents and removals, and is the cache's
   reverse set, so clearing or dropping a cache costs O(its own blocks), never O(index).
 * The dict's insertion order is the LRU order: storing a block, or routing a request that uses it
-  (``add_speculative``), re-inserts its key at the end. Over the budget the oldest keys go, with all
-  their holders. A cache's map entries for evicted keys stay (they still chain children correctly)
-  and are dropped once they outnumber its live blocks.
+  (``add_speculative``), re-inserts its key at the end. A routed request's re-insert is deferred:
+  its chain is logged, and the log is applied in one pass (each key moved once, to the place of its
+  last use) before anything reads the order or inserts a key (``_holders``, ``_settle_order``).
+  Over the budget the oldest keys go, with all their holders. A cache's map entries for evicted keys
+  stay (they still chain children correctly) and are dropped once they outnumber its live blocks.
 * ``match`` walks the request keys ANDing masks; a bit that drops out at depth ``i`` gives its cache
   an overlap of ``i``. Neither ``match`` nor ``apply`` creates an object per block beyond the key.
 """
@@ -28,7 +30,7 @@ from __future__ import annotations
 import heapq
 import sys
 from collections.abc import Collection, Iterable, Sequence
-from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
+from itertools import accumulate, chain, compress, filterfalse, islice, pairwise, repeat
 from operator import and_, eq
 
 import xxhash
@@ -44,6 +46,9 @@ _xxh3 = xxhash.xxh3_64_intdigest  # positional seed: the keyword form costs ~50 
 _INT_BYTES = 36  # a u64 Python int (three 30-bit digits), for the memory estimate
 _COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live count
 _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
+TOUCH_LOG_KEYS = 65_536
+"""Keys of routed chains whose LRU re-insert may wait in the log (``PrefixTable._settle_order``); past it
+the log is applied at once. About 0.5 MB of references to tuples the expiry heap holds anyway."""
 
 
 class PrefixTable(GapRecovery):
@@ -54,7 +59,13 @@ class PrefixTable(GapRecovery):
         self.hasher = hasher
         self.limits = limits or TableLimits()
         self.counters = TableCounters()
-        self._holders: dict[int, int] = {}
+        self._masks: dict[int, int] = {}
+        """Block key → holder mask. Read and written directly only where the LRU order does not
+        matter (mask lookups, changing an existing key's mask, deleting a key); everything else goes
+        through :attr:`_holders`, which applies the logged re-inserts first."""
+        self._touched: list[tuple[int, ...]] = []
+        """Chains routed since the order was last settled, oldest first (``add_speculative``)."""
+        self._touched_keys = 0
         self._slots = SlotRegistry(self.limits.max_slots, self.counters)
         self._spec_heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
         self._spec_seq = 0
@@ -73,6 +84,39 @@ class PrefixTable(GapRecovery):
         self._restorable: dict[CacheSlot, None] = {}
         """Caches that may remember blocks dropped unconfirmed (``CacheSlot.dropped``; an entry may
         outlive them: it goes when a receipt finds it empty)."""
+
+    @property
+    def _holders(self) -> dict[int, int]:
+        """The block key → holder mask dict, its order settled (the LRU order, oldest first)."""
+        if self._touched:
+            self._settle_order()
+        return self._masks
+
+    @_holders.setter
+    def _holders(self, value: dict[int, int]) -> None:
+        self._masks = value
+        self._touched = []
+        self._touched_keys = 0
+
+    def _settle_order(self) -> None:
+        """Apply the logged re-inserts: each logged key still in the table goes to the end once, in
+        the order of its last use. The same order as re-inserting each chain when it was routed (last
+        key first), since a re-insert only moves keys to the end, a later one overrides an earlier one,
+        and meanwhile keys were only deleted or had their masks changed (which keeps their place)."""
+        masks = self._masks
+        touched = self._touched
+        self._touched = []
+        self._touched_keys = 0
+        # A request's two adds (its lease and its first token) log the same tuple: only the newest
+        # listing of a tuple counts (it moves every key of the older one).
+        newest: dict[int, tuple[int, ...]] = {}
+        for keys in reversed(touched):
+            newest.setdefault(id(keys), keys)  # the log holds them: ids are not reused meanwhile
+        # newest use first: the newest chain first, each chain first key first (its last re-insert)
+        newest_first = dict.fromkeys(chain.from_iterable(newest.values()))
+        present = list(filter(masks.__contains__, newest_first))
+        values = list(map(masks.pop, present))
+        masks.update(zip(reversed(present), reversed(values), strict=True))
 
     # ------------------------------------------------------------------ events
 
@@ -227,7 +271,7 @@ class PrefixTable(GapRecovery):
             else:
                 del dups[key]
             return True
-        if not self._holders.get(key, 0) & cache.bit:
+        if not self._masks.get(key, 0) & cache.bit:
             return False  # evicted earlier: the handle was stale
         self._unset((key,), cache.bit)
         cache.held -= 1
@@ -257,7 +301,7 @@ class PrefixTable(GapRecovery):
         return len(victims)
 
     def _unset(self, keys: Iterable[int], bit: int) -> None:
-        holders = self._holders
+        holders = self._masks  # no insert: the order may wait
         for key in keys:
             mask = holders.get(key, 0)
             if mask & bit:
@@ -365,9 +409,15 @@ class PrefixTable(GapRecovery):
         the run's last depth."""
         if not mask:
             return []
-        masks = list(map(self._holders.get, keys))
-        if None in masks:
-            del masks[masks.index(None) :]
+        # A missing key gives 0, and so does every AND after it: the runs are those of the keys up
+        # to it (cheaper than finding it: comparing ints with ``None`` is slow).
+        masks = list(map(self._masks.get, keys, repeat(0)))
+        if not masks:
+            return []
+        first = masks[0]
+        if masks.count(first) == len(masks):  # one holder set for all (small ints: compared by identity)
+            common = mask & first
+            return [(len(masks), common)] if common else []
         held = list(accumulate(masks, and_, initial=mask))
         walk: list[tuple[int, int]] = []
         values = sorted(set(held), reverse=True)
@@ -396,7 +446,7 @@ class PrefixTable(GapRecovery):
             return ()
         first_block = pack_tokens(token_ids[: self._block_size + self._lookahead])
         key = _xxh3(first_block, self.hasher.root_seed(lora_name, cache_salt))
-        mask = self._holders.get(key, 0)
+        mask = self._masks.get(key, 0)
         return self._slots.group(mask)[0] if mask else ()
 
     @property
@@ -427,7 +477,6 @@ class PrefixTable(GapRecovery):
         if self._spec_refs + min(len(keys), limit) > 2 * limit:
             self._compact_spec_heap()  # then at most ``limit`` are listed: room for ``limit`` more
         expiry_s = now + ttl_s
-        holders = self._holders
         pending = spec.expiry
         taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
         # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
@@ -442,20 +491,24 @@ class PrefixTable(GapRecovery):
                 taken = tuple(key for key in taken if key not in refused)
             self._spec_count += len(fresh)
             bit = spec.bit
+            # No need to settle the order first: a new key lands at the end, and this chain, logged
+            # below, is newer than every logged one, so the settling pass moves it anyway.
+            holders = self._masks
             pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
         if self.limits.lru_frontier:
-            # Re-insert every key (at C speed), so the table's order is the order of use (stores and
+            # Every key is re-inserted, so the table's order is the order of use (stores and
             # routes), which an event gap's recovery reads as the engine's LRU order
             # (``GapRecovery._suspect_all``). Last key first: a parent block is used at least as
-            # recently as its children. A repeated key's second pop gives 0; reversed, its first
-            # (real) mask is written last. When the table already ends with exactly this chain (no
-            # other use since the same request's commit: its first token, or a repeated prompt), the
-            # re-insert would give the same order and masks: skip it (a tenth of the cost).
-            if not _ends_with_chain(holders, taken):
-                masks = list(map(holders.pop, taken, repeat(0)))
-                holders.update(zip(reversed(taken), reversed(masks), strict=True))
+            # recently as its children. The re-insert is logged and applied later in one pass
+            # (``_settle_order``): a request's first-token add and the other requests sharing its
+            # prefix re-insert the same keys, which the pass moves once.
+            if taken:
+                self._touched.append(taken)
+                self._touched_keys += len(taken)
+                if self._touched_keys > TOUCH_LOG_KEYS:
+                    self._settle_order()
             if self._suspects:
                 self._touch_suspects(replica, taken)
         pending.update(zip(taken, repeat(expiry_s)))
@@ -463,7 +516,7 @@ class PrefixTable(GapRecovery):
             self._spec_seq += 1
             self._spec_refs += len(taken)
             heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
-        if len(holders) > self.limits.capacity_blocks:
+        if len(self._masks) > self.limits.capacity_blocks:
             self._evict()
 
     def _expire(self, now: float) -> None:
@@ -477,10 +530,10 @@ class PrefixTable(GapRecovery):
             pending = spec.expiry
             # the keys neither confirmed nor extended since (C-speed filter: most were extended)
             due = list(compress(keys, map(eq, repeat(expiry_s), map(pending.get, keys))))
-            for key in due:
-                del pending[key]
-            self._spec_count -= len(due)
-            self.counters.speculative_expired += len(due)
+            pop = pending.pop
+            expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
+            self._spec_count -= expired
+            self.counters.speculative_expired += expired
             self._unset(due, spec.bit)
 
     def _compact_spec_heap(self) -> None:
@@ -546,7 +599,7 @@ class PrefixTable(GapRecovery):
         """Clear ``cache``'s bit on those of ``keys`` it holds (handles kept); returns how many.
         ``dropped_at``: gap recovery drops them unconfirmed at that time; they are remembered
         (``CacheSlot.dropped``) in case the engine shows it still holds them."""
-        holders = self._holders
+        holders = self._masks  # no insert: the order may wait
         bit = cache.bit
         dropped = 0
         remembered: list[int] | None = None if dropped_at is None else []
@@ -598,29 +651,16 @@ class PrefixTable(GapRecovery):
         """Sizes; ``bytes_per_block`` is an estimate (container sizes + 36 B per stored u64 int)."""
         by_replica = {r: sum(c.held for c in ranks.values()) for r, ranks in self._slots.caches.items()}
         held = sum(by_replica.values())
-        size = sys.getsizeof(self._holders) + _INT_BYTES * len(self._holders)
+        size = sys.getsizeof(self._masks) + _INT_BYTES * len(self._masks)
         for ranks in self._slots.caches.values():
             for cache in ranks.values():
                 size += sys.getsizeof(cache.keys) + _INT_BYTES * len(cache.keys)
                 size += sys.getsizeof(cache.dups) if cache.dups else 0
         return IndexStats(
-            unique_blocks=len(self._holders),
+            unique_blocks=len(self._masks),
             held_blocks=held,
             blocks_by_replica=by_replica,
             speculative_entries=self._spec_count,
             capacity_blocks=self.limits.capacity_blocks,
             bytes_per_block=size / held if held else None,
         )
-
-
-def _ends_with_chain(holders: dict[int, int], chain: tuple[int, ...]) -> bool:
-    """Whether ``holders``' last entries are ``chain`` in reverse (the order an LRU re-insert of
-    ``chain`` leaves), so that re-inserting it changes nothing. A chain with a repeated key never
-    matches (the re-insert then does the full work). The first-key check makes a miss cost O(1)."""
-    count = len(chain)
-    if not count or len(holders) < count:
-        return False
-    newest = reversed(holders)
-    if next(newest) != chain[0]:
-        return False
-    return tuple(islice(newest, count - 1)) == chain[1:]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from balancer.events import Removed, Stored
+from balancer.events import Removed, Resync, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.slots import TableLimits
-from balancer.index.table import PrefixTable, _ends_with_chain
+from balancer.index.table import TOUCH_LOG_KEYS, PrefixTable
 from balancer.types import EngineHash, ReplicaId
 
 BS = 2
@@ -330,18 +331,93 @@ def _reinserted(holders: dict[int, int], chain: tuple[int, ...]) -> list[tuple[i
     return list(out.items())
 
 
-@settings(max_examples=300, deadline=None)
-@given(
-    st.lists(st.integers(0, 12), max_size=10, unique=True),
-    st.lists(st.integers(0, 12), max_size=6),
+_PROMPTS = (toks(6), toks(6, 100), [*toks(3), *toks(3, 200)])
+_CHAINS = tuple(HASHER.request_keys(p) for p in _PROMPTS)
+_OPS = st.one_of(
+    st.tuples(  # a routed request: a prefix of one prompt's keys, maybe with a repeated key
+        st.just("add"),
+        st.sampled_from((A, B)),
+        st.integers(0, len(_CHAINS) - 1),
+        st.integers(0, 6),
+        st.booleans(),
+        st.sampled_from((0.5, 3.0)),
+    ),
+    st.tuples(
+        st.just("store"), st.sampled_from((A, B)), st.integers(0, len(_PROMPTS) - 1), st.integers(1, 6)
+    ),
+    st.tuples(st.just("remove"), st.sampled_from((A, B)), st.integers(0, 30)),
+    st.tuples(st.just("gap"), st.sampled_from((A, B))),
+    st.tuples(st.just("drop"), st.sampled_from((A, B))),
+    st.tuples(st.just("tick"), st.sampled_from((0.25, 1.0))),
 )
-def test_ends_with_chain_only_when_the_reinsert_changes_nothing(keys: list[int], chain: list[int]) -> None:
-    holders = {key: key * 2 + 1 for key in keys}
-    if _ends_with_chain(holders, tuple(chain)):
-        assert _reinserted(holders, tuple(chain)) == list(holders.items())
-    if chain and len(set(chain)) == len(chain) and set(chain) <= set(holders):
-        settled = dict(_reinserted(holders, tuple(chain)))
-        assert _ends_with_chain(settled, tuple(chain))  # what the shortcut is for: a repeat
+
+
+def _engine(prompt: int, i: int) -> int:
+    return prompt * 10 + i
+
+
+def _run(t: PrefixTable, op: tuple[object, ...], now: float) -> object:
+    kind = op[0]
+    if kind == "add":
+        _, replica, chain, depth, repeat_key, ttl = op
+        keys = list(_CHAINS[chain][: int(depth)])  # type: ignore[call-overload]
+        if repeat_key and keys:
+            keys.append(keys[0])
+        t.add_speculative(replica, keys, ttl, now)  # type: ignore[arg-type]
+        return None
+    if kind == "store":
+        _, replica, prompt, count = op
+        engine = [_engine(prompt, i) for i in range(count)]  # type: ignore[call-overload]
+        return t.apply(replica, [stored(_PROMPTS[prompt][: count * BS], engine)], now)  # type: ignore[arg-type, index, operator]
+    if kind == "remove":
+        return t.apply(op[1], [Removed(0, (EngineHash(op[2]),))], now)  # type: ignore[arg-type]
+    if kind == "gap":
+        return t.apply(op[1], [Resync(0, "gap")], now)  # type: ignore[arg-type]
+    if kind == "drop":
+        return t.drop_replica(op[1])  # type: ignore[arg-type]
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(_OPS, max_size=40), st.sampled_from((6, 10, 64)))
+def test_deferred_lru_reinserts_match_reinserting_at_each_add(
+    ops: list[tuple[object, ...]], capacity: int
+) -> None:
+    """The logged re-inserts of ``add_speculative`` (applied when the order is next needed) leave the
+    same table as re-inserting each routed chain at once, which the reference table does: reading
+    its ``_holders`` after every operation settles the log every time (one chain: the old re-insert,
+    ``test_repeated_speculative_add_keeps_the_lru_order_of_a_full_reinsert``). Stores, removals,
+    event gaps (suspects read the order), expiry, eviction and dropped replicas in between."""
+    limits = TableLimits(capacity_blocks=capacity, gap_hold_s=0.5, gap_keep_s=2.0, max_speculative_keys=12)
+    lazy, eager = PrefixTable(HASHER, limits), PrefixTable(HASHER, limits)
+    now = 0.0
+    for op in ops:
+        if op[0] == "tick":
+            now += float(op[1])  # type: ignore[arg-type]
+            continue
+        assert _run(lazy, op, now) == _run(eager, op, now)
+        list(eager._holders)  # settles: every chain re-inserted at its own add
+        for prompt in _PROMPTS:
+            keys = HASHER.request_keys(prompt)
+            assert lazy.match_confirmed(keys, None, now) == eager.match_confirmed(keys, None, now)
+    assert list(lazy._holders.items()) == list(eager._holders.items())
+    # the dicts' sizes may differ (their resize histories do), not their contents
+    assert replace(lazy.stats(), bytes_per_block=None) == replace(eager.stats(), bytes_per_block=None)
+    assert lazy.counters == eager.counters
+    for replica in (A, B):
+        for rank in lazy._slots.caches.get(replica, {}):
+            cache, other = lazy._slots.caches[replica][rank], eager._slots.caches[replica][rank]
+            assert list(cache.suspect) == list(other.suspect)
+
+
+def test_deferred_reinserts_are_bounded() -> None:
+    """The log of chains waiting for their re-insert is applied once it lists ``TOUCH_LOG_KEYS`` keys."""
+    t = PrefixTable(HASHER, TableLimits(gap_hold_s=0.5, gap_keep_s=2.0))
+    keys = HASHER.request_keys(toks(64))
+    for i in range(TOUCH_LOG_KEYS // len(keys) + 2):
+        t.add_speculative(A, keys, 5.0, float(i) * 1e-3)
+        assert t._touched_keys <= TOUCH_LOG_KEYS
+    assert t._touched_keys < 2 * len(keys)
 
 
 def test_repeated_speculative_add_keeps_the_lru_order_of_a_full_reinsert() -> None:
@@ -352,3 +428,37 @@ def test_repeated_speculative_add_keeps_the_lru_order_of_a_full_reinsert() -> No
         expected = _reinserted(dict(t._holders), tuple(keys))
         t.add_speculative(A, keys, 5.0, float(now))
         assert [key for key, _ in expected] == list(t._holders)
+
+
+def _naive_walk(holders: dict[int, int], keys: Sequence[int], mask: int) -> list[tuple[int, int]]:
+    """Each slot of ``mask``'s count of leading ``keys`` it holds, grouped by count (> 0)."""
+    by_depth: dict[int, int] = {}
+    for slot in range(mask.bit_length()):
+        bit = 1 << slot
+        if not mask & bit:
+            continue
+        depth = 0
+        while depth < len(keys) and holders.get(keys[depth], 0) & bit:
+            depth += 1
+        if depth:
+            by_depth[depth] = by_depth.get(depth, 0) | bit
+    return sorted(by_depth.items())
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.dictionaries(
+        st.integers(0, 9), st.integers(1, 2**9 - 1) | st.sampled_from((1, 3, 2**70 + 1)), max_size=10
+    ),
+    st.lists(st.integers(0, 9), max_size=12),
+    st.integers(0, 2**9 - 1) | st.just(2**70 + 3),
+)
+def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[int], mask: int) -> None:
+    """``_walk`` (C-speed runs, and its shortcut when every key has the same holders) gives each
+    slot's count of leading keys held, as a scan slot by slot does; missing keys end the prefix."""
+    t = table()
+    t._holders = holders
+    assert t._walk(keys, mask) == _naive_walk(holders, keys, mask)
+    same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
+    t._holders = same
+    assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
