@@ -82,6 +82,10 @@ PRESSURE_START_FILL = 0.25
 """Cache fill (held / capacity blocks) below which copying a prefix is free of the duplication charge."""
 PRESSURE_FULL_FILL = 0.75
 """Cache fill from which the duplication charge applies in full."""
+BUSY_START_SHARE = 0.75
+"""Share of eligible replicas with prefill in flight up to which the credit is ``overlap_credit``."""
+BUSY_FULL_SHARE = 1.0
+"""Share from which the credit is ``overlap_credit_loaded`` (every eligible replica prefilling)."""
 
 
 class CostPolicy:
@@ -106,6 +110,11 @@ class CostPolicy:
         )
         if no_credit:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
+        credit = weights.overlap_credit
+        if weights.overlap_credit_loaded is not None:
+            busy, share = busy_share([loads[r] for r in eligible])
+            credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
+            notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
         overlaps = {r: overlap_blocks(overlap, r, request.request_blocks) for r in candidates}
         terms = [
             cost_terms(
@@ -113,7 +122,7 @@ class CostPolicy:
                 overlaps[r],
                 request.request_blocks,
                 weights,
-                credit=0.0 if r in no_credit else weights.overlap_credit,
+                credit=0.0 if r in no_credit else credit,
                 excluded=excluded.get(r),
                 speculative=min(overlap.speculative_blocks.get(r, 0), request.request_blocks),
                 pressure=cache_pressure(overlap.held_blocks.get(r), loads[r].capacity_blocks),
@@ -133,6 +142,22 @@ def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
         + weights.decode_weight * load.active_decode_blocks
         + weights.queue_weight * (load.waiting_reqs or 0)
     )
+
+
+def busy_share(loads: Sequence[ReplicaLoad]) -> tuple[int, float]:
+    """How many of ``loads`` have prefill in flight (a request routed there and not yet at its
+    first token), and their share of ``loads`` (0 when empty): the fleet's load as
+    :func:`loaded_credit` sees it. Each replica prefills one batch at a time, so the share of
+    replicas with prefill queued estimates the fleet's prefill utilisation."""
+    busy = sum(1 for load in loads if load.pending_prefill_reqs > 0)
+    return busy, busy / len(loads) if loads else 0.0
+
+
+def loaded_credit(credit: float, loaded: float, share: float) -> float:
+    """The overlap credit at a fleet load ``share`` (:func:`busy_share`): ``credit`` up to
+    :data:`BUSY_START_SHARE`, ``loaded`` from :data:`BUSY_FULL_SHARE`, linear between."""
+    ramp = (share - BUSY_START_SHARE) / (BUSY_FULL_SHARE - BUSY_START_SHARE)
+    return credit + (loaded - credit) * min(1.0, max(0.0, ramp))
 
 
 def kv_guard(
@@ -227,6 +252,7 @@ def cost_terms(
         duplication_term=duplication_term,
         cache_pressure=pressure,
         overlap_survival=survival,
+        overlap_credit=credit,
     )
 
 

@@ -22,7 +22,8 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
   tie-breaking: among replicas of exactly equal cost the
   service draws from all of them, the pruned set from fewer (the heap orders equal loads at random).
-  Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
+  Temperature > 0 samples over every eligible replica, the credit of ``overlap_credit_loaded``
+  depends on how many of them have prefill in flight, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
   choice against the full one.
@@ -197,7 +198,7 @@ class SimRouter:
 
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
-        if policy == "cost" and weights.temperature == 0:
+        if policy == "cost" and weights.temperature == 0 and not _load_dependent_credit(weights):
             return lambda load: base_load(load, weights)
         if policy == "least_load":
             return lambda load: float(load.request_load)
@@ -351,3 +352,11 @@ class SimRouter:
             self._repressure(replica, now)
         if self._scraped_key:
             self._touch(replica, now)
+
+
+def _load_dependent_credit(weights: PolicyWeights) -> bool:
+    """Whether the cost policy's credit depends on the whole fleet's load (``overlap_credit_loaded``
+    set and different from ``overlap_credit``): it then reads every eligible replica, so the
+    candidate list cannot be pruned."""
+    loaded = weights.overlap_credit_loaded
+    return loaded is not None and loaded != weights.overlap_credit

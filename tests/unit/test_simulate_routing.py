@@ -163,7 +163,11 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
 
 
 def test_temperature_and_baselines_get_every_open_replica() -> None:
-    for policy, weights in (("cost", PolicyWeights(temperature=0.5)), ("round_robin", PolicyWeights())):
+    for policy, weights in (
+        ("cost", PolicyWeights(temperature=0.5)),
+        ("cost", PolicyWeights(overlap_credit_loaded=2.0)),  # the credit reads the whole fleet's load
+        ("round_robin", PolicyWeights()),
+    ):
         router, _ = _fleet(0, policy, weights)
         full = router._full()
         assert router.candidates([1, 2, 3, 4, 5], 1.0) == full
