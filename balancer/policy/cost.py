@@ -13,8 +13,15 @@ For each candidate replica ``r`` (lower is better)::
   already holds (clamped to ``request_blocks``), so the prefill term is never negative.
 * ``active_decode_blocks_r``: KV blocks of requests decoding on ``r`` (router-tracked).
 * ``waiting_r``: the engine's scraped queue length, 0 when unknown or stale.
-* ``credit_r`` = ``overlap_credit``, or 0 when the imbalance guard withdraws it (below). Above 1 it
-  adds a duplication penalty: a replica without the prefix pays ``credit − 1`` extra per missing block.
+* ``credit_r`` = the decision's credit, or 0 when the imbalance guard withdraws it (below). Above 1
+  it adds a duplication penalty: a replica without the prefix pays ``credit − 1`` extra per missing
+  block. The decision's credit is ``overlap_credit`` while at most three quarters of the eligible
+  replicas have prefill in flight (:func:`busy_share`), rising linearly to ``overlap_credit_loaded``
+  when all of them do (:func:`loaded_credit`; ``None`` keeps it constant). An idle fleet thus
+  spreads new contexts (a constant credit 2 gathered tool-use loops on the replicas holding their
+  shared prompt and made them slower at half load), and a busy one keeps shared contexts where
+  they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
+  estimates the fleet's prefill utilisation with no scale to configure.
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -46,9 +53,9 @@ For each candidate replica ``r`` (lower is better)::
   the ones that overflow them later (copied-blocks charge, 0.3 s of event lag: a 0.5 → 0.9 ramp
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
-Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; guards ``kv_usage_ceiling``
-and ``imbalance_threshold_blocks`` off.
+Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``overlap_credit_loaded`` = 3;
+guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
 
@@ -111,7 +118,7 @@ class CostPolicy:
         if no_credit:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
         credit = weights.overlap_credit
-        if weights.overlap_credit_loaded is not None:
+        if credit_ramps(weights) and weights.overlap_credit_loaded is not None:
             busy, share = busy_share([loads[r] for r in eligible])
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
@@ -142,6 +149,14 @@ def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
         + weights.decode_weight * load.active_decode_blocks
         + weights.queue_weight * (load.waiting_reqs or 0)
     )
+
+
+def credit_ramps(weights: PolicyWeights) -> bool:
+    """Whether the decision's credit depends on the fleet's load: ``overlap_credit_loaded`` set and
+    different from ``overlap_credit``, and ``overlap_credit`` above 0 (credit 0 is the switch that
+    turns cache affinity off, and the ramp does not turn it back on)."""
+    loaded = weights.overlap_credit_loaded
+    return loaded is not None and loaded != weights.overlap_credit and weights.overlap_credit > 0
 
 
 def busy_share(loads: Sequence[ReplicaLoad]) -> tuple[int, float]:

@@ -52,7 +52,7 @@ from balancer.load.tracker import (
     ReplicaLoad,
 )
 from balancer.policy.base import PolicyWeights
-from balancer.policy.cost import base_load, cache_pressure, loaded_credit
+from balancer.policy.cost import base_load, cache_pressure, credit_ramps, loaded_credit
 from balancer.policy.registry import make_policy
 from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
@@ -390,7 +390,6 @@ class SimRouter:
 
 
 def _load_dependent_credit(weights: PolicyWeights) -> bool:
-    """Whether the cost policy's credit depends on the whole fleet's load (``overlap_credit_loaded``
-    set and different from ``overlap_credit``): it then reads every eligible replica."""
-    loaded = weights.overlap_credit_loaded
-    return loaded is not None and loaded != weights.overlap_credit
+    """Whether the cost policy's credit depends on the whole fleet's load
+    (:func:`~balancer.policy.cost.credit_ramps`): it then reads every eligible replica."""
+    return credit_ramps(weights)

@@ -1,4 +1,4 @@
-"""The cost policy's load-dependent credit (``overlap_credit_loaded``, off by default): the overlap
+"""The cost policy's load-dependent credit (``overlap_credit_loaded``, default 3): the overlap
 credit moves from ``overlap_credit`` on a fleet with idle replicas to ``overlap_credit_loaded`` on
 one where every replica has prefill in flight."""
 
@@ -11,7 +11,7 @@ import pytest
 from balancer.errors import ConfigError
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
-from balancer.policy.cost import BUSY_FULL_SHARE, BUSY_START_SHARE, busy_share, loaded_credit
+from balancer.policy.cost import BUSY_FULL_SHARE, BUSY_START_SHARE, busy_share, credit_ramps, loaded_credit
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 A, B, C, D = ReplicaId("a"), ReplicaId("b"), ReplicaId("c"), ReplicaId("d")
@@ -62,8 +62,8 @@ def test_busy_share_counts_replicas_with_prefill_in_flight() -> None:
     assert busy_share([]) == (0, 0.0)
 
 
-def test_weight_is_off_by_default_validated_and_nullable() -> None:
-    assert PolicyWeights().overlap_credit_loaded is None
+def test_weight_defaults_to_3_is_validated_and_nullable() -> None:
+    assert PolicyWeights().overlap_credit_loaded == 3.0
     assert PolicyWeights(overlap_credit_loaded=4.0).overlap_credit_loaded == 4.0
     assert PolicyWeights().replace(overlap_credit_loaded=2).overlap_credit_loaded == 2.0
     assert PolicyWeights().replace(overlap_credit_loaded=None).overlap_credit_loaded is None
@@ -76,9 +76,11 @@ def test_weight_is_off_by_default_validated_and_nullable() -> None:
 # Credit 1: A costs 12 + 10 − 8 = 14, B costs its own queue + 10. Credit 3: A costs 12 + 10 − 24 = −2.
 
 
-def test_off_keeps_the_constant_credit_and_says_nothing() -> None:
-    decision = route({A: 8, B: 0}, [busy(A, 12.0), ReplicaLoad(B)])
-    assert decision.replica == B
+@pytest.mark.parametrize("off", [None, 1.0])  # null, or equal to overlap_credit
+def test_off_keeps_the_constant_credit_and_says_nothing(off: float | None) -> None:
+    loads = [busy(A, 12.0), busy(B, 1.0)]  # every replica prefilling: the ramp would be at its top
+    decision = route({A: 8, B: 0}, loads, overlap_credit_loaded=off)
+    assert decision.replica == B  # credit 1: A costs 14, B 11
     assert {t.overlap_credit for t in decision.terms} == {1.0}
     assert "credit" not in decision.reason
 
@@ -96,8 +98,8 @@ def test_idle_fleet_spreads_as_overlap_credit() -> None:
 def test_busy_fleet_keeps_affinity_as_overlap_credit_loaded() -> None:
     # both prefilling: share 1, credit 3; A costs −2 against B's 1 + 10
     loads = [busy(A, 12.0), busy(B, 1.0)]
-    assert route({A: 8, B: 0}, loads).replica == B  # credit 1: 14 against 11
-    decision = route({A: 8, B: 0}, loads, overlap_credit_loaded=3.0)
+    assert route({A: 8, B: 0}, loads, overlap_credit_loaded=None).replica == B  # credit 1: 14 against 11
+    decision = route({A: 8, B: 0}, loads)  # the default, 3
     assert decision.replica == A
     terms = terms_of(decision)
     assert terms[A].overlap_credit == terms[B].overlap_credit == 3.0
@@ -123,3 +125,12 @@ def test_imbalance_guard_still_withdraws_the_credit() -> None:
     assert terms[A].overlap_credit == 0.0
     assert terms[B].overlap_credit == 3.0
     assert decision.replica == B
+
+
+def test_credit_0_keeps_the_cache_ignored_at_any_load() -> None:
+    decision = route({A: 8, B: 0}, [busy(A, 12.0), busy(B, 1.0)], overlap_credit=0.0)
+    assert {t.overlap_credit for t in decision.terms} == {0.0}
+    assert "credit" not in decision.reason
+    assert not credit_ramps(PolicyWeights(overlap_credit=0.0))
+    assert not credit_ramps(PolicyWeights(overlap_credit_loaded=1.0))
+    assert credit_ramps(PolicyWeights())

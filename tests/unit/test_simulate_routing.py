@@ -134,10 +134,20 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
     ("policy", "weights"),
     [
         ("cost", PolicyWeights(kv_usage_ceiling=None)),
-        ("cost", PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0)),
+        # with the KV-usage ceiling the ramp needs every replica (no pruning), so the constant credit here
         (
             "cost",
-            PolicyWeights(overlap_credit=0.5, decode_weight=0.3, queue_weight=2.0, kv_usage_ceiling=0.9),
+            PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0, overlap_credit_loaded=None),
+        ),
+        (
+            "cost",
+            PolicyWeights(
+                overlap_credit=0.5,
+                decode_weight=0.3,
+                queue_weight=2.0,
+                kv_usage_ceiling=0.9,
+                overlap_credit_loaded=None,
+            ),
         ),
         ("cost", PolicyWeights(duplication_weight=1.0)),
         ("cost", PolicyWeights(duplication_weight=4.0, overlap_credit=0.5, imbalance_threshold_blocks=8.0)),
@@ -220,7 +230,7 @@ def _pressured_fleet(seed: int, weights: PolicyWeights) -> tuple[SimRouter, list
     [
         PolicyWeights(),
         PolicyWeights(duplication_weight=4.0, overlap_credit=0.5),
-        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9),
+        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9, overlap_credit_loaded=None),
     ],
 )
 def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: PolicyWeights) -> None:
@@ -234,7 +244,7 @@ def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: Policy
                 *(rng.randrange(9000, 9999) for _ in range(5)),
             ]
             by_full = _plan(router, tokens, router._full(), n)
-            by_pruned = _plan(router, tokens, router.candidates(tokens, 1.0), n)
+            by_pruned = _plan(router, tokens, router.candidates(tokens, 1.0), n, router.plan_weights())
             assert by_pruned.decision.replica in _best(by_full)[1], (seed, n)
             charged += any(t.duplication_term > 0 for t in by_full.decision.terms)
     assert charged > 50  # the charge was in play
@@ -255,5 +265,6 @@ def test_plan_weights_carry_the_fleet_wide_ramp() -> None:
         plan = _plan(router, [1, 2, 3], full, 0)
         assert {t.overlap_credit for t in plan.decision.terms if t.overlap_credit} <= {given.overlap_credit}
         ramped += given.overlap_credit > 1.0
-    assert PolicyWeights() == _fleet(0, "cost", PolicyWeights())[0].plan_weights()
+    constant = PolicyWeights(overlap_credit_loaded=None)
+    assert _fleet(0, "cost", constant)[0].plan_weights() is constant
     assert ramped  # some fleet was on the ramp
