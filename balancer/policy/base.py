@@ -56,7 +56,8 @@ class PolicyWeights:
     (:func:`~balancer.policy.cost.loaded_credit`). Default 3 (with ``overlap_credit`` 1): an idle
     fleet spreads new contexts as credit 1 does, and a busy one keeps shared contexts on their
     replicas more firmly than a constant credit 2 (simulator capacity +32–62% on ``chat`` and
-    ``agent``, no loss on four other workloads, no change at half load: docs/policies.md, "Part 6")."""
+    ``agent``, no loss on four other workloads, half-load ``agent`` unchanged; on the emulated fleet
+    e2e p90 +8–11% there: docs/policies.md, "Part 6")."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
