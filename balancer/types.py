@@ -83,6 +83,10 @@ class CostTerms:
     overlap_survival: float = 1.0
     """0..1: the share of ``overlap_blocks`` the cost policy credited, after its eviction-risk
     discount (1 when the discount is off or the replica cannot evict before admission)."""
+    overlap_credit: float | None = None
+    """The cost policy's overlap credit for this replica in this decision: ``overlap_credit``, or
+    between it and ``overlap_credit_loaded`` by the fleet's load, or 0 when the imbalance guard
+    withdrew it (``None`` for policies without a credit)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,15 @@ For each candidate replica ``r`` (lower is better)::
   already holds (clamped to ``request_blocks``), so the prefill term is never negative.
 * ``active_decode_blocks_r``: KV blocks of requests decoding on ``r`` (router-tracked).
 * ``waiting_r``: the engine's scraped queue length, 0 when unknown or stale.
-* ``credit_r`` = ``overlap_credit``, or 0 when the imbalance guard withdraws it (below). Above 1 it
-  adds a duplication penalty: a replica without the prefix pays ``credit − 1`` extra per missing block.
+* ``credit_r`` = the decision's credit, or 0 when the imbalance guard withdraws it (below). Above 1
+  it adds a duplication penalty: a replica without the prefix pays ``credit − 1`` extra per missing
+  block. The decision's credit is ``overlap_credit`` while at most three quarters of the eligible
+  replicas have prefill in flight (:func:`busy_share`), rising linearly to ``overlap_credit_loaded``
+  when all of them do (:func:`loaded_credit`; ``None`` keeps it constant). An idle fleet thus
+  spreads new contexts (a constant credit 2 gathered tool-use loops on the replicas holding their
+  shared prompt and made them slower at half load), and a busy one keeps shared contexts where
+  they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
+  estimates the fleet's prefill utilisation with no scale to configure.
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -46,9 +53,9 @@ For each candidate replica ``r`` (lower is better)::
   the ones that overflow them later (copied-blocks charge, 0.3 s of event lag: a 0.5 → 0.9 ramp
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
-Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; guards ``kv_usage_ceiling``
-and ``imbalance_threshold_blocks`` off.
+Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``overlap_credit_loaded`` = 3;
+guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
 
@@ -82,6 +89,10 @@ PRESSURE_START_FILL = 0.25
 """Cache fill (held / capacity blocks) below which copying a prefix is free of the duplication charge."""
 PRESSURE_FULL_FILL = 0.75
 """Cache fill from which the duplication charge applies in full."""
+BUSY_START_SHARE = 0.75
+"""Share of eligible replicas with prefill in flight up to which the credit is ``overlap_credit``."""
+BUSY_FULL_SHARE = 1.0
+"""Share from which the credit is ``overlap_credit_loaded`` (every eligible replica prefilling)."""
 
 
 class CostPolicy:
@@ -106,6 +117,11 @@ class CostPolicy:
         )
         if no_credit:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
+        credit = weights.overlap_credit
+        if credit_ramps(weights) and weights.overlap_credit_loaded is not None:
+            busy, share = busy_share([loads[r] for r in eligible])
+            credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
+            notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
         overlaps = {r: overlap_blocks(overlap, r, request.request_blocks) for r in candidates}
         terms = [
             cost_terms(
@@ -113,7 +129,7 @@ class CostPolicy:
                 overlaps[r],
                 request.request_blocks,
                 weights,
-                credit=0.0 if r in no_credit else weights.overlap_credit,
+                credit=0.0 if r in no_credit else credit,
                 excluded=excluded.get(r),
                 speculative=min(overlap.speculative_blocks.get(r, 0), request.request_blocks),
                 pressure=cache_pressure(overlap.held_blocks.get(r), loads[r].capacity_blocks),
@@ -133,6 +149,30 @@ def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
         + weights.decode_weight * load.active_decode_blocks
         + weights.queue_weight * (load.waiting_reqs or 0)
     )
+
+
+def credit_ramps(weights: PolicyWeights) -> bool:
+    """Whether the decision's credit depends on the fleet's load: ``overlap_credit_loaded`` set and
+    different from ``overlap_credit``, and ``overlap_credit`` above 0 (credit 0 is the switch that
+    turns cache affinity off, and the ramp does not turn it back on)."""
+    loaded = weights.overlap_credit_loaded
+    return loaded is not None and loaded != weights.overlap_credit and weights.overlap_credit > 0
+
+
+def busy_share(loads: Sequence[ReplicaLoad]) -> tuple[int, float]:
+    """How many of ``loads`` have prefill in flight (a request routed there and not yet at its
+    first token), and their share of ``loads`` (0 when empty): the fleet's load as
+    :func:`loaded_credit` sees it. Each replica prefills one batch at a time, so the share of
+    replicas with prefill queued estimates the fleet's prefill utilisation."""
+    busy = sum(1 for load in loads if load.pending_prefill_reqs > 0)
+    return busy, busy / len(loads) if loads else 0.0
+
+
+def loaded_credit(credit: float, loaded: float, share: float) -> float:
+    """The overlap credit at a fleet load ``share`` (:func:`busy_share`): ``credit`` up to
+    :data:`BUSY_START_SHARE`, ``loaded`` from :data:`BUSY_FULL_SHARE`, linear between."""
+    ramp = (share - BUSY_START_SHARE) / (BUSY_FULL_SHARE - BUSY_START_SHARE)
+    return credit + (loaded - credit) * min(1.0, max(0.0, ramp))
 
 
 def kv_guard(
@@ -227,6 +267,7 @@ def cost_terms(
         duplication_term=duplication_term,
         cache_pressure=pressure,
         overlap_survival=survival,
+        overlap_credit=credit,
     )
 
 

@@ -251,6 +251,7 @@ def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object
             "kv_usage": t.kv_usage,
             "cache_pressure": t.cache_pressure,
             "overlap_survival": t.overlap_survival,
+            "overlap_credit": t.overlap_credit,
             "probability": t.probability,
             "excluded": t.excluded,
         }

@@ -22,6 +22,10 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
   tie-breaking: among replicas of exactly equal cost the
   service draws from all of them, the pruned set from fewer (the heap orders equal loads at random).
+  With ``overlap_credit_loaded`` the credit depends on the share of eligible replicas with prefill
+  in flight; :class:`SimRouter` counts that share over the whole fleet and gives the policy the
+  decision's credit as a constant, which keeps the pruning exact (with the KV-usage ceiling set,
+  where eligibility needs every replica's usage, it gives the full list instead).
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
@@ -48,7 +52,7 @@ from balancer.load.tracker import (
     ReplicaLoad,
 )
 from balancer.policy.base import PolicyWeights
-from balancer.policy.cost import base_load, cache_pressure
+from balancer.policy.cost import base_load, cache_pressure, credit_ramps, loaded_credit
 from balancer.policy.registry import make_policy
 from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
@@ -192,20 +196,52 @@ class SimRouter:
         self._band: dict[ReplicaId, int] = {}
         self._pressure: dict[ReplicaId, float] = {}
         """Cache pressure of each replica as the policy computes it (absent: 0 or unknown)."""
+        self._ramp = self._key is not None and policy == "cost" and _load_dependent_credit(weights)
+        """Whether the credit ramps with the share of open replicas prefilling: counted here over
+        the whole fleet and given to the policy as a constant credit (:meth:`plan_weights`)."""
+        self._open: dict[ReplicaId, tuple[bool, bool]] = {}
+        """When ``_ramp``: per replica (open, open and prefilling), as last counted."""
+        self._open_count = self._prefilling_count = 0
+        self._ramped: dict[float, PolicyWeights] = {}
         for replica in self.replicas:
             self._touch(replica, 0.0)
 
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
-        if policy == "cost" and weights.temperature == 0:
+        ramp_reads_ceiling = _load_dependent_credit(weights) and weights.kv_usage_ceiling is not None
+        if policy == "cost" and weights.temperature == 0 and not ramp_reads_ceiling:
             return lambda load: base_load(load, weights)
         if policy == "least_load":
             return lambda load: float(load.request_load)
         return None
 
+    def plan_weights(self) -> PolicyWeights:
+        """The weights the policy is given. With the load-dependent credit and a pruned candidate
+        list the policy would count the prefilling share over the pruned list only, so the share
+        is counted here over every open replica (what the policy sees in full: the ramp prunes only
+        without the KV-usage ceiling, so eligible = open) and the policy gets that decision's credit
+        as a constant, with which the pruning is exact."""
+        weights = self.weights
+        if not self._ramp:
+            return weights
+        share = self._prefilling_count / self._open_count if self._open_count else 0.0
+        credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded or 0.0, share)
+        ramped = self._ramped.get(credit)
+        if ramped is None:
+            ramped = self._ramped[credit] = weights.replace(overlap_credit=credit, overlap_credit_loaded=None)
+        return ramped
+
     def _touch(self, replica: ReplicaId, now: float) -> None:
         if self._key is not None:
-            key = self._key(self.tracker.load_of(replica, now))
+            load = self.tracker.load_of(replica, now)
+            key = self._key(load)
+            if self._ramp:
+                is_open = self.inflight[replica] < self.cap
+                flags = (is_open, is_open and load.pending_prefill_reqs > 0)
+                was_open, was_prefilling = self._open.get(replica, (False, False))
+                self._open_count += flags[0] - was_open
+                self._prefilling_count += flags[1] - was_prefilling
+                self._open[replica] = flags
             self._order.update(replica, key)
             if self._dup:
                 self._bands[self._band.get(replica, 0)].update(replica, key)
@@ -308,7 +344,7 @@ class SimRouter:
                 token_ids,
                 candidates,
                 self.policy,
-                self.weights,
+                self.plan_weights(),
                 self.rng,
                 now,
                 session_key=session_key,
@@ -351,3 +387,9 @@ class SimRouter:
             self._repressure(replica, now)
         if self._scraped_key:
             self._touch(replica, now)
+
+
+def _load_dependent_credit(weights: PolicyWeights) -> bool:
+    """Whether the cost policy's credit depends on the whole fleet's load
+    (:func:`~balancer.policy.cost.credit_ramps`): it then reads every eligible replica."""
+    return credit_ramps(weights)

@@ -12,6 +12,7 @@ from balancer.index.hashing import pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.load.tracker import EngineStats, LoadConfig, LoadTracker
 from balancer.policy.base import PolicyWeights
+from balancer.policy.cost import loaded_credit
 from balancer.routing.router import RoutePlan
 from balancer.types import EngineHash, ReplicaId
 from loadtests.simulate.load_order import LoadOrder
@@ -108,10 +109,17 @@ def _fleet(
     return router, [list(p) for p in prefixes]  # type: ignore[misc]
 
 
-def _plan(router: SimRouter, tokens: list[int], candidates: list[ReplicaId], seed: int) -> RoutePlan:
+def _plan(
+    router: SimRouter,
+    tokens: list[int],
+    candidates: list[ReplicaId],
+    seed: int,
+    weights: PolicyWeights | None = None,
+) -> RoutePlan:
     router.tracker.focus = candidates
+    weights = router.weights if weights is None else weights
     try:
-        return router.router.plan(tokens, candidates, router.policy, router.weights, random.Random(seed), 1.0)
+        return router.router.plan(tokens, candidates, router.policy, weights, random.Random(seed), 1.0)
     finally:
         router.tracker.focus = None
 
@@ -126,13 +134,25 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
     ("policy", "weights"),
     [
         ("cost", PolicyWeights(kv_usage_ceiling=None)),
-        ("cost", PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0)),
+        # with the KV-usage ceiling the ramp needs every replica (no pruning), so the constant credit here
         (
             "cost",
-            PolicyWeights(overlap_credit=0.5, decode_weight=0.3, queue_weight=2.0, kv_usage_ceiling=0.9),
+            PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0, overlap_credit_loaded=None),
+        ),
+        (
+            "cost",
+            PolicyWeights(
+                overlap_credit=0.5,
+                decode_weight=0.3,
+                queue_weight=2.0,
+                kv_usage_ceiling=0.9,
+                overlap_credit_loaded=None,
+            ),
         ),
         ("cost", PolicyWeights(duplication_weight=1.0)),
         ("cost", PolicyWeights(duplication_weight=4.0, overlap_credit=0.5, imbalance_threshold_blocks=8.0)),
+        ("cost", PolicyWeights(overlap_credit_loaded=3.0)),
+        ("cost", PolicyWeights(overlap_credit_loaded=0.0, imbalance_threshold_blocks=8.0)),
         ("least_load", PolicyWeights()),
     ],
 )
@@ -149,7 +169,9 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
             pruned = router.candidates(tokens, 1.0)
             full = router._full()
             pruned_smaller += len(pruned) < len(full)
-            by_pruned, by_full = _plan(router, tokens, pruned, n), _plan(router, tokens, full, n)
+            # pruned: the credit counted over the fleet (plan_weights); full: the policy's own ramp
+            by_pruned = _plan(router, tokens, pruned, n, router.plan_weights())
+            by_full = _plan(router, tokens, full, n)
             full_cost, full_best = _best(by_full)
             chosen = by_pruned.decision.replica
             chosen_cost = next(t.cost for t in by_full.decision.terms if t.replica == chosen)
@@ -163,7 +185,11 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
 
 
 def test_temperature_and_baselines_get_every_open_replica() -> None:
-    for policy, weights in (("cost", PolicyWeights(temperature=0.5)), ("round_robin", PolicyWeights())):
+    for policy, weights in (
+        ("cost", PolicyWeights(temperature=0.5)),
+        ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9)),  # ramp over eligible ones
+        ("round_robin", PolicyWeights()),
+    ):
         router, _ = _fleet(0, policy, weights)
         full = router._full()
         assert router.candidates([1, 2, 3, 4, 5], 1.0) == full
@@ -204,7 +230,7 @@ def _pressured_fleet(seed: int, weights: PolicyWeights) -> tuple[SimRouter, list
     [
         PolicyWeights(),
         PolicyWeights(duplication_weight=4.0, overlap_credit=0.5),
-        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9),
+        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9, overlap_credit_loaded=None),
     ],
 )
 def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: PolicyWeights) -> None:
@@ -218,7 +244,27 @@ def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: Policy
                 *(rng.randrange(9000, 9999) for _ in range(5)),
             ]
             by_full = _plan(router, tokens, router._full(), n)
-            by_pruned = _plan(router, tokens, router.candidates(tokens, 1.0), n)
+            by_pruned = _plan(router, tokens, router.candidates(tokens, 1.0), n, router.plan_weights())
             assert by_pruned.decision.replica in _best(by_full)[1], (seed, n)
             charged += any(t.duplication_term > 0 for t in by_full.decision.terms)
     assert charged > 50  # the charge was in play
+
+
+def test_plan_weights_carry_the_fleet_wide_ramp() -> None:
+    """The credit the pruned policy gets is the one the full policy computes for itself."""
+    weights = PolicyWeights(overlap_credit_loaded=3.0)
+    ramped = 0
+    for seed in range(6):
+        router, _ = _fleet(seed, "cost", weights)
+        full = router._full()
+        loads = [router.tracker.load_of(r, 1.0) for r in full]
+        share = sum(1 for x in loads if x.pending_prefill_reqs > 0) / len(full)
+        given = router.plan_weights()
+        assert given.overlap_credit_loaded is None
+        assert given.overlap_credit == pytest.approx(loaded_credit(1.0, 3.0, share))
+        plan = _plan(router, [1, 2, 3], full, 0)
+        assert {t.overlap_credit for t in plan.decision.terms if t.overlap_credit} <= {given.overlap_credit}
+        ramped += given.overlap_credit > 1.0
+    constant = PolicyWeights(overlap_credit_loaded=None)
+    assert _fleet(0, "cost", constant)[0].plan_weights() is constant
+    assert ramped  # some fleet was on the ramp
