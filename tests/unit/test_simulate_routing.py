@@ -222,3 +222,24 @@ def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: Policy
             assert by_pruned.decision.replica in _best(by_full)[1], (seed, n)
             charged += any(t.duplication_term > 0 for t in by_full.decision.terms)
     assert charged > 50  # the charge was in play
+
+
+@pytest.mark.parametrize(("pending_ttl_s", "held_before_first_token"), [(60.0, True), (None, False)])
+def test_speculative_entries_are_held_until_the_first_token_as_the_service_does(
+    pending_ttl_s: float | None, held_before_first_token: bool
+) -> None:
+    """The service commits with ``pending_ttl_s`` (its first-byte timeout): a queued request's
+    entries outlive ``speculative_ttl_s`` until its first token, then get ``speculative_ttl_s``."""
+    names = [ReplicaId("a"), ReplicaId("b")]
+    router = SimRouter(
+        names, model="m", block_size=BLOCK, policy="cost", weights=PolicyWeights(), rng=random.Random(0),
+        limits=TableLimits(), max_inflight_per_replica=5, speculative_ttl_s=2.0, pending_ttl_s=pending_ttl_s,
+    )  # fmt: skip
+    tokens = list(range(100, 140))
+    replica = router.route("r1", tokens, 8, None, 0.0).decision.replica
+    table = router.space.table
+    assert table.prefix_holders(tokens, 1.0) == (replica,)
+    assert table.prefix_holders(tokens, 5.0) == ((replica,) if held_before_first_token else ())
+    router.first_token("r1", replica, 5.0)
+    assert table.prefix_holders(tokens, 6.9) == ((replica,) if held_before_first_token else ())
+    assert table.prefix_holders(tokens, 7.1) == ()
