@@ -115,6 +115,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--confirm-requests", type=int, default=400, help="requests per fleet run (400)")
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
+    add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
+        help="fleet: `kvlb serve --set` override for every kvlb router, e.g. limits.speculative_ttl_s=4 "
+        "(its timers run on wall time: at --time-scale s, 2 wall s are 2·s model s)")  # fmt: skip
+    add("--kvlb-workers", type=int, default=None,
+        help="fleet: `kvlb serve --workers` of every kvlb router (default: the cores)")  # fmt: skip
     add("--out", type=Path, default=None, help="output folder (default capacity-results/<workload>-<time>)")
     add("--smoke", action="store_true", help="tiny preset for CI (2 replicas, 120 short requests)")
     add("--json", action="store_true", help="print the JSON report on stdout")
@@ -320,7 +325,9 @@ async def confirm_on_fleet(
     confirmed: dict[str, list[RatePoint]] = {}
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
-    drive = DriveOptions(seed=args.seed, max_duration_s=900.0)
+    drive = DriveOptions(
+        seed=args.seed, max_duration_s=900.0, kvlb_sets=tuple(args.kvlb_set), kvlb_workers=args.kvlb_workers
+    )
     limit = min(args.confirm_requests, len(stream.specs))
     try:
         for name, found in searches.items():
@@ -517,6 +524,8 @@ def run(args: argparse.Namespace) -> int:
         "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
         "time_scale": args.time_scale,
         "processes": processes,
+        "kvlb_sets": list(args.kvlb_set),
+        "kvlb_workers": args.kvlb_workers,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "oracle_load_bound_s": args.oracle_load_bound_s,
         "searches_from": str(args.searches_from) if args.searches_from is not None else None,

@@ -164,6 +164,7 @@ class SimRouter:
         limits: TableLimits,
         max_inflight_per_replica: int,
         speculative_ttl_s: float = 2.0,
+        pending_ttl_s: float | None = None,
         prune: bool = True,
         prune_k: int = 4,
     ) -> None:
@@ -179,6 +180,7 @@ class SimRouter:
         self.rng = rng
         self.cap = max_inflight_per_replica
         self.speculative_ttl_s = speculative_ttl_s
+        self.pending_ttl_s = pending_ttl_s
         self.prune_k = max(1, prune_k)
         self.inflight = dict.fromkeys(self.replicas, 0)
         self._kv_usage: dict[ReplicaId, tuple[float, float]] = {}
@@ -357,7 +359,7 @@ class SimRouter:
         finally:
             self.tracker.focus = None
         replica = plan.decision.replica
-        self.router.commit(plan, request_id, now, self.speculative_ttl_s)
+        self.router.commit(plan, request_id, now, self.speculative_ttl_s, pending_ttl_s=self.pending_ttl_s)
         self.inflight[replica] += 1
         self._touch(replica, now)
         return plan

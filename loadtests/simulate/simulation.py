@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from balancer.config import LimitConfig
+from balancer.config import LimitConfig, TimeoutConfig
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
@@ -45,6 +45,7 @@ from replicas.sim.profiles import Profile, get_profile
 
 ReplicaKind = Literal["fast", "step"]
 _LIMITS = LimitConfig()
+_TIMEOUTS = TimeoutConfig()
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +74,12 @@ class SimConfig:
     prune_k: int = 4
     """Least-loaded replicas added to the holders of the first block when pruning (≥ 1)."""
     speculative_ttl_s: float = _LIMITS.speculative_ttl_s
-    """Speculative index entries' lifetime, seconds (the service's ``limits.speculative_ttl_s``)."""
+    """Speculative index entries' lifetime after the request's first token, seconds (the service's
+    ``limits.speculative_ttl_s``)."""
+    pending_ttl_s: float | None = _TIMEOUTS.first_byte_s
+    """Their lifetime until the first token, seconds: the service holds them for its first-byte
+    timeout (``timeouts.first_byte_s``), then for ``speculative_ttl_s``; ``None``: ``speculative_ttl_s``
+    from the routing on (what the simulator did before 2026-11-28)."""
     index_capacity_blocks: int = _LIMITS.index_capacity_blocks
     """Prefix-index block budget (the service's ``limits.index_capacity_blocks``); LRU beyond it."""
     max_inflight_per_replica: int = _LIMITS.max_inflight_per_replica
@@ -128,6 +134,7 @@ class Simulation:
             limits=TableLimits(capacity_blocks=config.index_capacity_blocks),
             max_inflight_per_replica=config.max_inflight_per_replica,
             speculative_ttl_s=config.speculative_ttl_s,
+            pending_ttl_s=config.pending_ttl_s,
             prune=config.prune,
             prune_k=config.prune_k,
         )

@@ -268,3 +268,24 @@ def test_plan_weights_carry_the_fleet_wide_ramp() -> None:
     constant = PolicyWeights(overlap_credit_loaded=None)
     assert _fleet(0, "cost", constant)[0].plan_weights() is constant
     assert ramped  # some fleet was on the ramp
+
+
+@pytest.mark.parametrize(("pending_ttl_s", "held_before_first_token"), [(60.0, True), (None, False)])
+def test_speculative_entries_are_held_until_the_first_token_as_the_service_does(
+    pending_ttl_s: float | None, held_before_first_token: bool
+) -> None:
+    """The service commits with ``pending_ttl_s`` (its first-byte timeout): a queued request's
+    entries outlive ``speculative_ttl_s`` until its first token, then get ``speculative_ttl_s``."""
+    names = [ReplicaId("a"), ReplicaId("b")]
+    router = SimRouter(
+        names, model="m", block_size=BLOCK, policy="cost", weights=PolicyWeights(), rng=random.Random(0),
+        limits=TableLimits(), max_inflight_per_replica=5, speculative_ttl_s=2.0, pending_ttl_s=pending_ttl_s,
+    )  # fmt: skip
+    tokens = list(range(100, 140))
+    replica = router.route("r1", tokens, 8, None, 0.0).decision.replica
+    table = router.space.table
+    assert table.prefix_holders(tokens, 1.0) == (replica,)
+    assert table.prefix_holders(tokens, 5.0) == ((replica,) if held_before_first_token else ())
+    router.first_token("r1", replica, 5.0)
+    assert table.prefix_holders(tokens, 6.9) == ((replica,) if held_before_first_token else ())
+    assert table.prefix_holders(tokens, 7.1) == ()
