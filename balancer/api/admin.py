@@ -273,7 +273,7 @@ def _replica_view(
         "engine": config.engine,
         "block_size": config.block_size,
         "dp_size": config.dp_size,
-        "inflight": pool.router.in_flight(replica),
+        "inflight": pool.router.in_flight_total(replica),  # every worker's, as the cap counts
         "health": health,
     }
 
