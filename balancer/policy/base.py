@@ -47,17 +47,16 @@ class PolicyWeights:
     ``credit − 1`` blocks more per block it would have to copy: a duplication penalty that keeps a
     shared context on one replica (and the fleet's caches from holding it twice) until the load gap
     exceeds ``credit ×`` its size. 4 at most, beyond which affinity ignores any realistic backlog."""
-    overlap_credit_loaded: float | None = 3.0
-    """The overlap credit when the fleet is busy; 0..4, or ``None``: off, the credit is
+    overlap_credit_loaded: float | None = None
+    """The overlap credit when the fleet is busy; 0..4, or ``None`` (default): off, the credit is
     ``overlap_credit`` at any load (as with a value equal to ``overlap_credit``, or with
     ``overlap_credit`` 0, which keeps the cache ignored at any load). The cost policy's
     credit per decision moves linearly from ``overlap_credit`` while at most three quarters of the
     eligible replicas have prefill in flight to this value when all of them do
-    (:func:`~balancer.policy.cost.loaded_credit`). Default 3 (with ``overlap_credit`` 1): an idle
-    fleet spreads new contexts as credit 1 does, and a busy one keeps shared contexts on their
-    replicas more firmly than a constant credit 2 (simulator capacity +32–62% on ``chat`` and
-    ``agent``, no loss on four other workloads, half-load ``agent`` unchanged; on the emulated fleet
-    e2e p90 +8–11% there: docs/policies.md, "Part 6")."""
+    (:func:`~balancer.policy.cost.loaded_credit`). 3 gave simulator capacity +32–62% on ``chat`` and
+    ``agent`` and no loss on four other workloads, but on the emulated fleet ``tenants`` past
+    capacity had a 1.1–2.0× TTFT p90 and ``agent`` at half load an e2e p90 +8–11%, so it is not the
+    default (docs/policies.md, "Part 6")."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it

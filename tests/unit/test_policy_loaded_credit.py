@@ -62,8 +62,8 @@ def test_busy_share_counts_replicas_with_prefill_in_flight() -> None:
     assert busy_share([]) == (0, 0.0)
 
 
-def test_weight_defaults_to_3_is_validated_and_nullable() -> None:
-    assert PolicyWeights().overlap_credit_loaded == 3.0
+def test_weight_is_off_by_default_validated_and_nullable() -> None:
+    assert PolicyWeights().overlap_credit_loaded is None  # off: the emulated fleet's tails (Part 6)
     assert PolicyWeights(overlap_credit_loaded=4.0).overlap_credit_loaded == 4.0
     assert PolicyWeights().replace(overlap_credit_loaded=2).overlap_credit_loaded == 2.0
     assert PolicyWeights().replace(overlap_credit_loaded=None).overlap_credit_loaded is None
@@ -99,7 +99,7 @@ def test_busy_fleet_keeps_affinity_as_overlap_credit_loaded() -> None:
     # both prefilling: share 1, credit 3; A costs −2 against B's 1 + 10
     loads = [busy(A, 12.0), busy(B, 1.0)]
     assert route({A: 8, B: 0}, loads, overlap_credit_loaded=None).replica == B  # credit 1: 14 against 11
-    decision = route({A: 8, B: 0}, loads)  # the default, 3
+    decision = route({A: 8, B: 0}, loads, overlap_credit_loaded=3.0)
     assert decision.replica == A
     terms = terms_of(decision)
     assert terms[A].overlap_credit == terms[B].overlap_credit == 3.0
@@ -128,9 +128,12 @@ def test_imbalance_guard_still_withdraws_the_credit() -> None:
 
 
 def test_credit_0_keeps_the_cache_ignored_at_any_load() -> None:
-    decision = route({A: 8, B: 0}, [busy(A, 12.0), busy(B, 1.0)], overlap_credit=0.0)
+    decision = route(
+        {A: 8, B: 0}, [busy(A, 12.0), busy(B, 1.0)], overlap_credit=0.0, overlap_credit_loaded=3.0
+    )
     assert {t.overlap_credit for t in decision.terms} == {0.0}
     assert "credit" not in decision.reason
-    assert not credit_ramps(PolicyWeights(overlap_credit=0.0))
+    assert not credit_ramps(PolicyWeights(overlap_credit=0.0, overlap_credit_loaded=3.0))
     assert not credit_ramps(PolicyWeights(overlap_credit_loaded=1.0))
-    assert credit_ramps(PolicyWeights())
+    assert not credit_ramps(PolicyWeights())  # off by default
+    assert credit_ramps(PolicyWeights(overlap_credit_loaded=3.0))
