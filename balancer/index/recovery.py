@@ -203,14 +203,8 @@ class GapRecovery:
         dropped_at = cache.dropped.pop(key, None)
         if dropped_at is None or now - dropped_at >= GONE_S:
             return 0
-        holders = self._holders
-        mask = holders.pop(key, 0)
-        spec = self._slots.specs.get(cache.replica)
-        if spec is not None and spec.expiry.pop(key, None) is not None:
-            mask &= ~spec.bit
-            self._spec_count -= 1
-            self.counters.speculative_confirmed += 1
-        holders[key] = mask | cache.bit  # most recently used: the engine just used it
+        mask = self._take_for_hold(cache, key)
+        self._holders[key] = mask | cache.bit  # most recently used: the engine just used it
         if mask & cache.bit:
             return 0
         cache.held += 1
@@ -286,15 +280,22 @@ class GapRecovery:
             best = max(best, depth)
         return best
 
-    def _hold(self, cache: CacheSlot, key: int, engine_hash: int) -> int:
-        """One block as a real store would hold it (LRU position refreshed); 1 if it was not held."""
-        holders = self._holders
-        mask = holders.pop(key, 0)
+    def _take_for_hold(self, cache: CacheSlot, key: int) -> int:
+        """``key``'s holder mask, popped so that re-inserting it makes it most recently used, without
+        the replica's speculative bit: a real holding on ``cache``'s replica confirms its
+        speculative entry (counted)."""
+        mask = self._holders.pop(key, 0)
         spec = self._slots.specs.get(cache.replica)
         if spec is not None and spec.expiry.pop(key, None) is not None:
             mask &= ~spec.bit
             self._spec_count -= 1
             self.counters.speculative_confirmed += 1
+        return mask
+
+    def _hold(self, cache: CacheSlot, key: int, engine_hash: int) -> int:
+        """One block as a real store would hold it (LRU position refreshed); 1 if it was not held."""
+        holders = self._holders
+        mask = self._take_for_hold(cache, key)
         if cache.suspect and cache.suspect.pop(key, 0) is None:
             self.counters.suspect_confirmed += 1
         if mask & cache.bit:

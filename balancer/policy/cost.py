@@ -54,7 +54,7 @@ For each candidate replica ``r`` (lower is better)::
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``overlap_credit_loaded`` = 3;
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; ``overlap_credit_loaded`` and the
 guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:

@@ -198,7 +198,7 @@ class SimRouter:
         self._band: dict[ReplicaId, int] = {}
         self._pressure: dict[ReplicaId, float] = {}
         """Cache pressure of each replica as the policy computes it (absent: 0 or unknown)."""
-        self._ramp = self._key is not None and policy == "cost" and _load_dependent_credit(weights)
+        self._ramp = self._key is not None and policy == "cost" and credit_ramps(weights)
         """Whether the credit ramps with the share of open replicas prefilling: counted here over
         the whole fleet and given to the policy as a constant credit (:meth:`plan_weights`)."""
         self._open: dict[ReplicaId, tuple[bool, bool]] = {}
@@ -210,7 +210,7 @@ class SimRouter:
 
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
-        ramp_reads_ceiling = _load_dependent_credit(weights) and weights.kv_usage_ceiling is not None
+        ramp_reads_ceiling = credit_ramps(weights) and weights.kv_usage_ceiling is not None
         if policy == "cost" and weights.temperature == 0 and not ramp_reads_ceiling:
             return lambda load: base_load(load, weights)
         if policy == "least_load":
@@ -389,9 +389,3 @@ class SimRouter:
             self._repressure(replica, now)
         if self._scraped_key:
             self._touch(replica, now)
-
-
-def _load_dependent_credit(weights: PolicyWeights) -> bool:
-    """Whether the cost policy's credit depends on the whole fleet's load
-    (:func:`~balancer.policy.cost.credit_ramps`): it then reads every eligible replica."""
-    return credit_ramps(weights)
