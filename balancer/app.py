@@ -306,7 +306,11 @@ class Balancer:
         """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""
         assert self._zmq is not None and self._control is not None
         worker = self.options.worker
-        relay = None if worker is None or worker.count < 2 else RelayRole(worker.run_dir, worker.drains)
+        relay = (
+            None
+            if worker is None or worker.count < 2
+            else RelayRole(worker.run_dir, worker.drains, self.settings.limits.relay_history_bytes)
+        )
         self.replicas = replicas = ReplicaLifecycle(
             state, zmq_ctx=self._zmq, session=self._control, relay=relay
         )

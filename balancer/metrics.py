@@ -99,6 +99,7 @@ class Metrics:
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
     events_shed_total: Counter
+    events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
     index_blocks: Gauge
@@ -365,6 +366,7 @@ class _EventsCollectors(TypedDict):
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
     events_shed_total: Counter
+    events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
 
@@ -390,7 +392,8 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         ),
         "events_replays_total": counter(
             "kvlb_events_replays_total",
-            "Replay requests to an engine's replay socket, by outcome (filled, partial, failed, empty).",
+            "Replay requests to an engine's replay socket, or to worker 0's TRT-LLM relay (a catch-up of "
+            "another worker of kvlb serve --workers N), by outcome (filled, partial, failed, empty).",
             ["replica", "outcome"],
         ),
         "events_replay_polls_total": counter(
@@ -418,6 +421,12 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_shed_total",
             "Event messages read and dropped undecoded because the replica's ingestion CPU budget was "
             "spent (a flood; the rank resyncs once per run of shed messages).",
+            ["replica"],
+        ),
+        "events_relay_history_trimmed_total": counter(
+            "kvlb_events_relay_history_trimmed_total",
+            "Drained TRT-LLM bodies worker 0 dropped from the relay's catch-up history at its bound "
+            "(limits.relay_history_bytes): a later catch-up of another worker no longer reaches them.",
             ["replica"],
         ),
         "events_disconnects_total": counter(

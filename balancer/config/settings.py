@@ -141,6 +141,12 @@ class LimitConfig:
     largest TRT-LLM drain body. ZMQ drops the connection of a publisher that sends a larger message:
     a disconnect (``kvlb_events_disconnects_total``), then a resync; a larger drain body is dropped
     and the next drain's ``event_id`` gap resyncs."""
+    relay_history_bytes: int = 32 * 1024 * 1024
+    """``kvlb serve --workers N``: drain bodies of one TRT-LLM replica that worker 0 keeps (bytes,
+    the bodies as drained) so that a worker that starts, restarts or reconnects later catches up on
+    them; past it the oldest are dropped (``kvlb_events_relay_history_trimmed_total``), and a
+    catch-up that no longer reaches back is ``partial`` (``kvlb_events_replays_total``). At most
+    ``RELAY_HISTORY_BODIES`` bodies either way."""
     max_event_blocks: int = 262_144
     """Most blocks one KV event may carry (engine hashes, or whole token blocks of a ``Stored``);
     a larger event is dropped and its rank resyncs (``kvlb_events_oversize_total``). The default
@@ -400,6 +406,7 @@ class Settings:
             "limits.max_event_blocks": self.limits.max_event_blocks,
             "limits.event_queue_bytes": self.limits.event_queue_bytes,
             "limits.event_message_bytes": self.limits.event_message_bytes,
+            "limits.relay_history_bytes": self.limits.relay_history_bytes,
             "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
             "limits.max_speculative_keys": self.limits.max_speculative_keys,
             "timeouts.connect_s": self.timeouts.connect_s,

@@ -33,6 +33,9 @@ class RelayRole:
     """The supervisor's directory, where the relay's ``ipc://`` endpoints live."""
     drains: bool
     """``True``: drain the engine and republish; ``False``: follow the relay."""
+    history_bytes: int = 32 * 1024 * 1024
+    """The drained bodies the drainer keeps per replica for later followers' catch-ups (bytes,
+    ``limits.relay_history_bytes``)."""
 
 
 def zmq_settings_for(limits: LimitConfig) -> ZmqSourceSettings:
@@ -84,7 +87,9 @@ def build_sources(
                     max_message_bytes=max_bytes,
                 )
                 return [follower]
-            tap = RelayPublisher(endpoint, zmq_ctx)
+            tap = RelayPublisher(
+                endpoint, zmq_ctx, replica=replica_id, metrics=metrics, history_bytes=relay.history_bytes
+            )
         poller = TrtllmPoller(
             replica_id,
             replica.url,

@@ -25,8 +25,8 @@ import errno
 import logging
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -107,6 +107,16 @@ GATE_WAIT_S = 0.05
 """Pause (seconds) between checks of a spent ingestion budget before the next drain."""
 
 
+class DrainTap(Protocol):
+    """Gets every drained body that held something (the relay to the other workers)."""
+
+    def __call__(self, body: bytes) -> None: ...
+
+    async def run(self) -> None:
+        """Its own loop (answering late subscribers), run for as long as the poller runs."""
+        ...
+
+
 class TrtllmPoller:
     """The single consumer of one replica's ``/kv_cache_events`` drain."""
 
@@ -121,7 +131,7 @@ class TrtllmPoller:
         decoder: Decoder,
         metrics: Metrics,
         settings: PollSettings | None = None,
-        tap: Callable[[bytes], None] | None = None,
+        tap: DrainTap | None = None,
     ) -> None:
         """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
         (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something, and
@@ -155,7 +165,16 @@ class TrtllmPoller:
     async def run(self, emit: Emit) -> None:
         """Poll until cancelled. While the replica's ingestion CPU budget is spent (:attr:`gate`) the
         next drain waits: the engine keeps the events (up to its ``event_buffer_max_size``; past it
-        the ``event_id`` gap resyncs), kvlb spends nothing on them."""
+        the ``event_id`` gap resyncs), kvlb spends nothing on them. The ``tap``'s own loop runs as
+        long as this one (and is cancelled with it)."""
+        if self.tap is None:
+            await self._poll_forever(emit)
+            return
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self.tap.run(), name=f"relay-{self.replica}")
+            await self._poll_forever(emit)
+
+    async def _poll_forever(self, emit: Emit) -> None:
         while True:
             while self.gate is not None and not self.gate.admits():  # noqa: ASYNC110 (a budget refills with time)
                 await asyncio.sleep(GATE_WAIT_S)

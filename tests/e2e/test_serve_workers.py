@@ -149,6 +149,8 @@ async def test_two_workers_share_index_admin_and_metrics_and_survive_a_kill(tmp_
         metrics = await fetch_text(url + "/metrics")
         assert 'worker="0"' in metrics and 'worker="1"' in metrics
         await check_kill_under_load(url, serve)
+        # the restarted worker learned the TRT-LLM blocks relayed before it existed (its catch-up)
+        await wait_every_worker_holds_blocks(url, names)
         await check_grpc_admin_reaches_both(url, write_config_port(tmp_path))
     finally:
         for child in reversed(children):

@@ -140,9 +140,8 @@ async def test_a_relay_follower_drops_the_engines_blocks_with_the_drainer(tmp_pa
                 decoder=TrtllmDecoder(tokens_per_block=TPB),
                 metrics=metrics,
                 settings=FAST,
-                tap=(relay := RelayPublisher(endpoint, zctx)),
+                tap=RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics),
             )
-            relay.bind()  # before the follower connects: no body is lost to a late join
             follower = RelaySource(
                 REPLICA,
                 endpoint,
@@ -156,7 +155,6 @@ async def test_a_relay_follower_drops_the_engines_blocks_with_the_drainer(tmp_pa
             other = EventIngest(followed, metrics=Metrics.create())  # type: ignore[arg-type]
             other.add_replica(REPLICA, "trtllm", [follower])
             await other.start()
-            await asyncio.sleep(0.3)  # the follower's SUB has connected
             await ingest.start()
             try:
                 async with emulated(port, zctx) as replica:
