@@ -18,6 +18,7 @@ from test_sources_trtllm_restart import FAST, REPLICA, TPB, complete, emulated, 
 
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.metrics import Metrics
+from balancer.sources.base import EventSource
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.trtllm_poll import TrtllmPoller
 from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
@@ -38,12 +39,25 @@ def replays(metrics: Metrics, outcome: str) -> float:
 
 
 @contextlib.asynccontextmanager
+async def ingesting(source: EventSource, metrics: Metrics) -> AsyncIterator[RecordingIndex]:
+    """``source`` feeding an index of its own until the block exits."""
+    index = RecordingIndex(REPLICA)
+    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+    ingest.add_replica(REPLICA, "trtllm", [source])
+    await ingest.start()
+    try:
+        yield index
+    finally:
+        await ingest.aclose()
+
+
+@contextlib.asynccontextmanager
 async def drainer(
     session: aiohttp.ClientSession, port: int, endpoint: str, zctx: zmq.asyncio.Context, **history: int
 ) -> AsyncIterator[tuple[RecordingIndex, RelayPublisher, Metrics]]:
     """Worker 0's side: a poller that relays every body it drains; closed (sockets and all) on exit,
     as when that worker dies."""
-    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    metrics = Metrics.create()
     relay = RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics, **history)
     poller = TrtllmPoller(
         REPLICA,
@@ -54,13 +68,8 @@ async def drainer(
         settings=FAST,
         tap=relay,
     )
-    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
-    ingest.add_replica(REPLICA, "trtllm", [poller])
-    await ingest.start()
-    try:
+    async with ingesting(poller, metrics) as index:
         yield index, relay, metrics
-    finally:
-        await ingest.aclose()
 
 
 @contextlib.asynccontextmanager
@@ -68,7 +77,7 @@ async def follower(
     endpoint: str, zctx: zmq.asyncio.Context
 ) -> AsyncIterator[tuple[RecordingIndex, RelaySource, Metrics]]:
     """Another worker's side: a relay source feeding its own index."""
-    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    metrics = Metrics.create()
     source = RelaySource(
         REPLICA,
         endpoint,
@@ -77,13 +86,8 @@ async def follower(
         metrics=metrics,
         max_message_bytes=1 << 20,
     )
-    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
-    ingest.add_replica(REPLICA, "trtllm", [source])
-    await ingest.start()
-    try:
+    async with ingesting(source, metrics) as index:
         yield index, source, metrics
-    finally:
-        await ingest.aclose()
 
 
 async def test_a_follower_that_joins_after_the_first_bodies_catches_up_on_every_one(tmp_path: Path) -> None:
