@@ -480,15 +480,22 @@ class PrefixTable(GapRecovery):
         pending = spec.expiry
         taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
         # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
-        # first add): they only get the new expiry, at C speed; the new ones are inserted one by one.
-        fresh = list(dict.fromkeys(filterfalse(pending.__contains__, taken)))
-        if fresh:
+        # first add): they only get the new expiry, at C speed, in one pass that also finds the new
+        # ones. A dict keeps its insertion order and an update keeps an existing key's place, so the
+        # keys new to ``pending`` are its last ``len(pending) - known``, in the order they were listed.
+        known = len(pending)
+        pending.update(zip(taken, repeat(expiry_s)))
+        if new := len(pending) - known:
+            fresh = list(islice(reversed(pending), new))
+            fresh.reverse()
             room = max(0, limit - self._spec_count)
-            if len(fresh) > room:
-                self.counters.speculative_overflow += len(fresh) - room
-                refused = set(fresh[room:])
+            if new > room:
+                self.counters.speculative_overflow += new - room
+                refused = fresh[room:]
+                for key in refused:  # as if never listed: the keys before them keep their order
+                    del pending[key]
                 fresh = fresh[:room]
-                taken = tuple(key for key in taken if key not in refused)
+                taken = tuple(filterfalse(set(refused).__contains__, taken))
             self._spec_count += len(fresh)
             bit = spec.bit
             # No need to settle the order first: a new key lands at the end, and this chain, logged
@@ -511,7 +518,6 @@ class PrefixTable(GapRecovery):
                     self._settle_order()
             if self._suspects:
                 self._touch_suspects(replica, taken)
-        pending.update(zip(taken, repeat(expiry_s)))
         if taken:
             self._spec_seq += 1
             self._spec_refs += len(taken)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -462,3 +463,93 @@ def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[in
     same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
     t._holders = same
     assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
+
+
+class _ScanningTable(PrefixTable):
+    """The reference for ``add_speculative``'s new keys: the scan it made before it found them from
+    ``pending``'s size (each key looked up, then the expiries written), kept as it was."""
+
+    def add_speculative(self, replica: ReplicaId, keys: Sequence[int], ttl_s: float, now: float) -> None:
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        if ttl_s <= 0 or not keys:
+            return
+        limit = self.limits.max_speculative_keys
+        spec = self._slots.specs.get(replica)
+        if spec is None and limit:
+            spec = self._slots.new_spec(replica)
+        if spec is None:
+            self.counters.speculative_overflow += len(keys)
+            return
+        if self._spec_refs + min(len(keys), limit) > 2 * limit:
+            self._compact_spec_heap()
+        expiry_s = now + ttl_s
+        pending = spec.expiry
+        taken = tuple(keys)
+        fresh = [key for key in dict.fromkeys(taken) if key not in pending]
+        if fresh:
+            room = max(0, limit - self._spec_count)
+            if len(fresh) > room:
+                self.counters.speculative_overflow += len(fresh) - room
+                refused = set(fresh[room:])
+                fresh = fresh[:room]
+                taken = tuple(key for key in taken if key not in refused)
+            self._spec_count += len(fresh)
+            take = self._masks.get if self.limits.lru_frontier else self._masks.pop
+            for key in fresh:
+                self._masks[key] = take(key, 0) | spec.bit
+        if self.limits.lru_frontier:
+            if taken:
+                self._touched.append(taken)
+                self._touched_keys += len(taken)
+                if self._touched_keys > TOUCH_LOG_KEYS:
+                    self._settle_order()
+            if self._suspects:
+                self._touch_suspects(replica, taken)
+        pending.update((key, expiry_s) for key in taken)
+        if taken:
+            self._spec_seq += 1
+            self._spec_refs += len(taken)
+            heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
+        if len(self._masks) > self.limits.capacity_blocks:
+            self._evict()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(_OPS, max_size=40),
+    st.sampled_from((6, 10, 64)),
+    st.sampled_from((0, 3, 12, 1000)),
+    st.booleans(),
+)
+def test_speculative_adds_match_scanning_for_new_keys(
+    ops: list[tuple[object, ...]], capacity: int, cap: int, frontier: bool
+) -> None:
+    """``add_speculative`` takes a chain's new keys from the end of the replica's expiry dict, and
+    refuses those past ``max_speculative_keys`` by deleting them again: the table, each replica's
+    expiries (and their order), the expiry heap and the counters end as with the scan it replaced,
+    over routed chains with repeated keys, overflow, stores that confirm, expiry, eviction, gaps and
+    dropped replicas."""
+    gap = {"gap_hold_s": 0.5, "gap_keep_s": 2.0} if frontier else {}
+    limits = TableLimits(capacity_blocks=capacity, max_speculative_keys=cap, **gap)  # type: ignore[arg-type]
+    fast, scanning = PrefixTable(HASHER, limits), _ScanningTable(HASHER, limits)
+    now = 0.0
+    for op in ops:
+        if op[0] == "tick":
+            now += float(op[1])  # type: ignore[arg-type]
+            continue
+        assert _run(fast, op, now) == _run(scanning, op, now)
+        for prompt in _PROMPTS:
+            keys = HASHER.request_keys(prompt)
+            assert fast.match_confirmed(keys, None, now) == scanning.match_confirmed(keys, None, now)
+    assert list(fast._holders.items()) == list(scanning._holders.items())
+    assert fast.counters == scanning.counters
+    assert fast.stats().speculative_entries == scanning.stats().speculative_entries
+    for replica in (A, B):
+        spec, other = fast._slots.specs.get(replica), scanning._slots.specs.get(replica)
+        assert (spec is None) == (other is None)
+        if spec is not None and other is not None:
+            assert list(spec.expiry.items()) == list(other.expiry.items())
+    assert [(e, keys) for e, _, _, keys in sorted(fast._spec_heap)] == [
+        (e, keys) for e, _, _, keys in sorted(scanning._spec_heap)
+    ]
