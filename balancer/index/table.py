@@ -418,6 +418,14 @@ class PrefixTable(GapRecovery):
         if masks.count(first) == len(masks):  # one holder set for all (small ints: compared by identity)
             common = mask & first
             return [(len(masks), common)] if common else []
+        if 0 in masks:  # the runs end at the first missing key: a new prompt's tail, typically
+            del masks[masks.index(0) :]
+            if not masks:
+                return []
+            first = masks[0]
+            if masks.count(first) == len(masks):  # e.g. a shared prefix, then a new user message
+                common = mask & first
+                return [(len(masks), common)] if common else []
         held = list(accumulate(masks, and_, initial=mask))
         walk: list[tuple[int, int]] = []
         values = sorted(set(held), reverse=True)

@@ -455,14 +455,22 @@ def _naive_walk(holders: dict[int, int], keys: Sequence[int], mask: int) -> list
     st.integers(0, 2**9 - 1) | st.just(2**70 + 3),
 )
 def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[int], mask: int) -> None:
-    """``_walk`` (C-speed runs, and its shortcut when every key has the same holders) gives each
-    slot's count of leading keys held, as a scan slot by slot does; missing keys end the prefix."""
+    """``_walk`` (C-speed runs, and its shortcut when every key up to the first missing one has the
+    same holders) gives each slot's count of leading keys held, as a scan slot by slot does; missing
+    keys end the prefix."""
     t = table()
     t._holders = holders
     assert t._walk(keys, mask) == _naive_walk(holders, keys, mask)
     same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
     t._holders = same
     assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
+    # the shortcut after the first missing key: a shared prefix, then a new prompt's tail
+    prefix = {key: same[key] for key in keys[: len(keys) // 2]}
+    tail = [key + 100 for key in keys[len(keys) // 2 :]]
+    t._holders = prefix
+    assert t._walk([*keys[: len(keys) // 2], *tail], mask) == _naive_walk(
+        prefix, [*keys[: len(keys) // 2], *tail], mask
+    )
 
 
 class _ScanningTable(PrefixTable):
