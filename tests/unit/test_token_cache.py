@@ -281,3 +281,17 @@ def test_splitter_is_leftmost_longest_per_pass(text: str) -> None:
     expected_passes = [PASS_TOKENS[0], [t for t in PASS_TOKENS[1] if t not in PASS_TOKENS[0]]]
     assert splitter.split(text) == reference_split(text, expected_passes)
     assert splitter.split(text * 8) == reference_split(text * 8, expected_passes)
+
+
+def test_a_longest_first_pass_token_is_kept_whole_in_the_second_pass() -> None:
+    """Only pieces no longer than the longest token are looked up as tokens (a longer one would be
+    hashed whole for nothing): the longest token, matched in the first pass, is still a token in the
+    second, whose own token would otherwise cut it."""
+    added = [
+        AddedToken("<abc>", 0, special=False, verbatim=True),
+        AddedToken("<ab", 1, special=False, verbatim=True, normalized=True),
+    ]
+    splitter = build_splitter(added, identity_normalizer=True)
+    assert splitter is not None and splitter.longest == len("<abc>")
+    assert splitter.split("x<abc>y<abz") == ["x", "<abc>", "y", "<ab", "z"]
+    assert splitter.split("<abc>") == ["<abc>"]
