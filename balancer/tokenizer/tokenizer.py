@@ -72,8 +72,9 @@ class TokenizeLimits:
     """Most token ids one prompt may have, tokenized or passed through. More: :class:`PromptTooLarge`."""
 
     segment_cache_tokens: int = 2_000_000
-    """Token ids kept by the segment cache (8 bytes each; repeated system prompts and earlier turns
-    are then tokenized once). 0 disables it; past the cap the least recently used segments go."""
+    """Token ids kept by the segment cache (8 bytes each, 12 for a segment a chat on the event loop
+    hit: its ``u32`` copy; repeated system prompts and earlier turns are then tokenized once). 0
+    disables it; past the cap the least recently used segments go."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0:
