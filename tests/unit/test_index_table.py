@@ -475,7 +475,22 @@ def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[in
 
 class _ScanningTable(PrefixTable):
     """The reference for ``add_speculative``'s new keys: the scan it made before it found them from
-    ``pending``'s size (each key looked up, then the expiries written), kept as it was."""
+    ``pending``'s size (each key looked up, then the expiries written), kept as it was; and for
+    ``_expire``, its filter of every entry's keys, without the count that skips most entries."""
+
+    def _expire(self, now: float) -> None:
+        heap = self._spec_heap
+        while heap and heap[0][0] <= now:
+            expiry_s, _, spec, keys = heapq.heappop(heap)
+            self._spec_refs -= len(keys)
+            if not spec.alive:
+                continue
+            pending = spec.expiry
+            due = [key for key in keys if pending.get(key) == expiry_s]
+            expired = len(due) - sum(pending.pop(key, None) is None for key in due)
+            self._spec_count -= expired
+            self.counters.speculative_expired += expired
+            self._unset(due, spec.bit)
 
     def add_speculative(self, replica: ReplicaId, keys: Sequence[int], ttl_s: float, now: float) -> None:
         if self._spec_heap and self._spec_heap[0][0] <= now:
@@ -534,10 +549,10 @@ def test_speculative_adds_match_scanning_for_new_keys(
     ops: list[tuple[object, ...]], capacity: int, cap: int, frontier: bool
 ) -> None:
     """``add_speculative`` takes a chain's new keys from the end of the replica's expiry dict, and
-    refuses those past ``max_speculative_keys`` by deleting them again: the table, each replica's
-    expiries (and their order), the expiry heap and the counters end as with the scan it replaced,
-    over routed chains with repeated keys, overflow, stores that confirm, expiry, eviction, gaps and
-    dropped replicas."""
+    refuses those past ``max_speculative_keys`` by deleting them again; ``_expire`` skips an entry
+    none of whose keys is due: the table, each replica's expiries (and their order), the expiry heap
+    and the counters end as with the scan and the filter they replaced, over routed chains with
+    repeated keys, overflow, stores that confirm, expiry, eviction, gaps and dropped replicas."""
     gap = {"gap_hold_s": 0.5, "gap_keep_s": 2.0} if frontier else {}
     limits = TableLimits(capacity_blocks=capacity, max_speculative_keys=cap, **gap)  # type: ignore[arg-type]
     fast, scanning = PrefixTable(HASHER, limits), _ScanningTable(HASHER, limits)
