@@ -418,6 +418,14 @@ class PrefixTable(GapRecovery):
         if masks.count(first) == len(masks):  # one holder set for all (small ints: compared by identity)
             common = mask & first
             return [(len(masks), common)] if common else []
+        if 0 in masks:  # the runs end at the first missing key: a new prompt's tail, typically
+            del masks[masks.index(0) :]
+            if not masks:
+                return []
+            first = masks[0]
+            if masks.count(first) == len(masks):  # e.g. a shared prefix, then a new user message
+                common = mask & first
+                return [(len(masks), common)] if common else []
         held = list(accumulate(masks, and_, initial=mask))
         walk: list[tuple[int, int]] = []
         values = sorted(set(held), reverse=True)
@@ -480,15 +488,22 @@ class PrefixTable(GapRecovery):
         pending = spec.expiry
         taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
         # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
-        # first add): they only get the new expiry, at C speed; the new ones are inserted one by one.
-        fresh = list(dict.fromkeys(filterfalse(pending.__contains__, taken)))
-        if fresh:
+        # first add): they only get the new expiry, at C speed, in one pass that also finds the new
+        # ones. A dict keeps its insertion order and an update keeps an existing key's place, so the
+        # keys new to ``pending`` are its last ``len(pending) - known``, in the order they were listed.
+        known = len(pending)
+        pending.update(zip(taken, repeat(expiry_s)))
+        if new := len(pending) - known:
+            fresh = list(islice(reversed(pending), new))
+            fresh.reverse()
             room = max(0, limit - self._spec_count)
-            if len(fresh) > room:
-                self.counters.speculative_overflow += len(fresh) - room
-                refused = set(fresh[room:])
+            if new > room:
+                self.counters.speculative_overflow += new - room
+                refused = fresh[room:]
+                for key in refused:  # as if never listed: the keys before them keep their order
+                    del pending[key]
                 fresh = fresh[:room]
-                taken = tuple(key for key in taken if key not in refused)
+                taken = tuple(filterfalse(set(refused).__contains__, taken))
             self._spec_count += len(fresh)
             bit = spec.bit
             # No need to settle the order first: a new key lands at the end, and this chain, logged
@@ -511,7 +526,6 @@ class PrefixTable(GapRecovery):
                     self._settle_order()
             if self._suspects:
                 self._touch_suspects(replica, taken)
-        pending.update(zip(taken, repeat(expiry_s)))
         if taken:
             self._spec_seq += 1
             self._spec_refs += len(taken)
@@ -528,8 +542,14 @@ class PrefixTable(GapRecovery):
             if not spec.alive:
                 continue
             pending = spec.expiry
-            # the keys neither confirmed nor extended since (C-speed filter: most were extended)
-            due = list(compress(keys, map(eq, repeat(expiry_s), map(pending.get, keys))))
+            # the keys neither confirmed nor extended since (C-speed filter: most were extended).
+            # Counting them first is cheaper than the filter (``list.count`` compares in C, and finds
+            # the keys of this very add by identity: they share its expiry's float object), and
+            # usually finds none: every key re-listed since, by the same request or another.
+            expiries = list(map(pending.get, keys))
+            if not expiries.count(expiry_s):
+                continue
+            due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))
             pop = pending.pop
             expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
             self._spec_count -= expired

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -454,11 +455,124 @@ def _naive_walk(holders: dict[int, int], keys: Sequence[int], mask: int) -> list
     st.integers(0, 2**9 - 1) | st.just(2**70 + 3),
 )
 def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[int], mask: int) -> None:
-    """``_walk`` (C-speed runs, and its shortcut when every key has the same holders) gives each
-    slot's count of leading keys held, as a scan slot by slot does; missing keys end the prefix."""
+    """``_walk`` (C-speed runs, and its shortcut when every key up to the first missing one has the
+    same holders) gives each slot's count of leading keys held, as a scan slot by slot does; missing
+    keys end the prefix."""
     t = table()
     t._holders = holders
     assert t._walk(keys, mask) == _naive_walk(holders, keys, mask)
     same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
     t._holders = same
     assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
+    # the shortcut after the first missing key: a shared prefix, then a new prompt's tail
+    prefix = {key: same[key] for key in keys[: len(keys) // 2]}
+    tail = [key + 100 for key in keys[len(keys) // 2 :]]
+    t._holders = prefix
+    assert t._walk([*keys[: len(keys) // 2], *tail], mask) == _naive_walk(
+        prefix, [*keys[: len(keys) // 2], *tail], mask
+    )
+
+
+class _ScanningTable(PrefixTable):
+    """The reference for ``add_speculative``'s new keys: the scan it made before it found them from
+    ``pending``'s size (each key looked up, then the expiries written), kept as it was; and for
+    ``_expire``, its filter of every entry's keys, without the count that skips most entries."""
+
+    def _expire(self, now: float) -> None:
+        heap = self._spec_heap
+        while heap and heap[0][0] <= now:
+            expiry_s, _, spec, keys = heapq.heappop(heap)
+            self._spec_refs -= len(keys)
+            if not spec.alive:
+                continue
+            pending = spec.expiry
+            due = [key for key in keys if pending.get(key) == expiry_s]
+            expired = len(due) - sum(pending.pop(key, None) is None for key in due)
+            self._spec_count -= expired
+            self.counters.speculative_expired += expired
+            self._unset(due, spec.bit)
+
+    def add_speculative(self, replica: ReplicaId, keys: Sequence[int], ttl_s: float, now: float) -> None:
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        if ttl_s <= 0 or not keys:
+            return
+        limit = self.limits.max_speculative_keys
+        spec = self._slots.specs.get(replica)
+        if spec is None and limit:
+            spec = self._slots.new_spec(replica)
+        if spec is None:
+            self.counters.speculative_overflow += len(keys)
+            return
+        if self._spec_refs + min(len(keys), limit) > 2 * limit:
+            self._compact_spec_heap()
+        expiry_s = now + ttl_s
+        pending = spec.expiry
+        taken = tuple(keys)
+        fresh = [key for key in dict.fromkeys(taken) if key not in pending]
+        if fresh:
+            room = max(0, limit - self._spec_count)
+            if len(fresh) > room:
+                self.counters.speculative_overflow += len(fresh) - room
+                refused = set(fresh[room:])
+                fresh = fresh[:room]
+                taken = tuple(key for key in taken if key not in refused)
+            self._spec_count += len(fresh)
+            take = self._masks.get if self.limits.lru_frontier else self._masks.pop
+            for key in fresh:
+                self._masks[key] = take(key, 0) | spec.bit
+        if self.limits.lru_frontier:
+            if taken:
+                self._touched.append(taken)
+                self._touched_keys += len(taken)
+                if self._touched_keys > TOUCH_LOG_KEYS:
+                    self._settle_order()
+            if self._suspects:
+                self._touch_suspects(replica, taken)
+        pending.update((key, expiry_s) for key in taken)
+        if taken:
+            self._spec_seq += 1
+            self._spec_refs += len(taken)
+            heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
+        if len(self._masks) > self.limits.capacity_blocks:
+            self._evict()
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(_OPS, max_size=40),
+    st.sampled_from((6, 10, 64)),
+    st.sampled_from((0, 3, 12, 1000)),
+    st.booleans(),
+)
+def test_speculative_adds_match_scanning_for_new_keys(
+    ops: list[tuple[object, ...]], capacity: int, cap: int, frontier: bool
+) -> None:
+    """``add_speculative`` takes a chain's new keys from the end of the replica's expiry dict, and
+    refuses those past ``max_speculative_keys`` by deleting them again; ``_expire`` skips an entry
+    none of whose keys is due: the table, each replica's expiries (and their order), the expiry heap
+    and the counters end as with the scan and the filter they replaced, over routed chains with
+    repeated keys, overflow, stores that confirm, expiry, eviction, gaps and dropped replicas."""
+    gap = {"gap_hold_s": 0.5, "gap_keep_s": 2.0} if frontier else {}
+    limits = TableLimits(capacity_blocks=capacity, max_speculative_keys=cap, **gap)  # type: ignore[arg-type]
+    fast, scanning = PrefixTable(HASHER, limits), _ScanningTable(HASHER, limits)
+    now = 0.0
+    for op in ops:
+        if op[0] == "tick":
+            now += float(op[1])  # type: ignore[arg-type]
+            continue
+        assert _run(fast, op, now) == _run(scanning, op, now)
+        for prompt in _PROMPTS:
+            keys = HASHER.request_keys(prompt)
+            assert fast.match_confirmed(keys, None, now) == scanning.match_confirmed(keys, None, now)
+    assert list(fast._holders.items()) == list(scanning._holders.items())
+    assert fast.counters == scanning.counters
+    assert fast.stats().speculative_entries == scanning.stats().speculative_entries
+    for replica in (A, B):
+        spec, other = fast._slots.specs.get(replica), scanning._slots.specs.get(replica)
+        assert (spec is None) == (other is None)
+        if spec is not None and other is not None:
+            assert list(spec.expiry.items()) == list(other.expiry.items())
+    assert [(e, keys) for e, _, _, keys in sorted(fast._spec_heap)] == [
+        (e, keys) for e, _, _, keys in sorted(scanning._spec_heap)
+    ]

@@ -6,6 +6,7 @@ import functools
 import random
 import threading
 import time
+from array import array
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ from tokenizers import models, normalizers, pre_tokenizers
 
 from balancer.tokenizer.chat_template import ChatTemplate
 from balancer.tokenizer.default import default_tokenizer
-from balancer.tokenizer.segments import AddedToken, SegmentCache, build_splitter, encode_segmented
+from balancer.tokenizer.segments import (
+    AddedToken,
+    SegmentCache,
+    build_splitter,
+    encode_segmented,
+    encode_segmented_packed,
+)
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits
 
 CHAT_TOKENS = [
@@ -78,6 +85,9 @@ def test_cached_chat_ids_equal_plain_encode_and_repeat_hits(tokenizer: HfTokeniz
     second = tokenizer.encode_chat(messages)
     assert second == plain(tokenizer, tokenizer.render_chat(messages))
     assert cache.hits > hits  # the long system prompt was tokenized once
+    for _ in range(2):  # the request path's form: a u32 array of the same ids
+        packed = tokenizer.encode_chat_if_cached(messages, {}, 4096)
+        assert type(packed) is array and packed.typecode == "I" and list(packed) == second
 
 
 @settings(max_examples=60, deadline=None)
@@ -95,6 +105,12 @@ def test_segmented_encoding_is_exact_for_arbitrary_text(texts: list[str], seed: 
     cache = SegmentCache(min_chars=0)
     assert encode_segmented(text, splitter, cache, tok._raw) == plain(tok, text)
     assert encode_segmented(text, splitter, cache, tok._raw) == plain(tok, text)  # from cache
+    packed = array("I", plain(tok, text))
+    for _ in range(2):  # the first packed hits make the u32 copies, the second reads them
+        assert encode_segmented_packed(text, splitter, cache, tok._raw) == packed
+    fresh = SegmentCache(min_chars=0)  # misses first, on the packed path
+    assert encode_segmented_packed(text, splitter, fresh, tok._raw) == packed
+    assert encode_segmented(text, splitter, fresh, tok._raw) == plain(tok, text)
 
 
 def test_lru_is_bounded_by_tokens() -> None:
@@ -108,6 +124,23 @@ def test_lru_is_bounded_by_tokens() -> None:
     assert cache.hits == 1
     huge = cache.ids("huge", lambda s: list(range(60)))  # > max_tokens // 4: returned, not cached
     assert len(huge) == 60 and cache.cached_tokens <= 100
+
+
+def test_packed_hits_keep_u32_copies_that_go_with_their_segments() -> None:
+    """``packed_ids`` answers a hit with a ``u32`` copy of the segment's ids, made at its first packed
+    hit and reused; ``ids`` keeps answering with the tuple; an evicted segment's copy goes with it."""
+    cache = SegmentCache(max_tokens=100, min_chars=1)
+    assert list(cache.packed_ids("first", lambda s: [1, 2, 3])) == [1, 2, 3]  # a miss: encoded
+    assert not cache._arrays
+    made = cache.packed_ids("first", lambda s: [9])
+    assert made == array("I", [1, 2, 3]) and cache._arrays["first"] is made
+    assert cache.packed_ids("first", lambda s: [9]) is made
+    assert cache.ids("first", lambda s: [9]) == (1, 2, 3)
+    assert (cache.hits, cache.misses) == (3, 1)
+    for i in range(20):  # 200 ids through a cache of 100: "first" is evicted
+        cache.ids(f"segment {i}", lambda s: list(range(10)))
+    assert "first" not in cache._entries and not cache._arrays
+    assert cache.cached_tokens <= 100
 
 
 def test_disabled_cache_and_unverbatim_specials() -> None:
@@ -281,3 +314,17 @@ def test_splitter_is_leftmost_longest_per_pass(text: str) -> None:
     expected_passes = [PASS_TOKENS[0], [t for t in PASS_TOKENS[1] if t not in PASS_TOKENS[0]]]
     assert splitter.split(text) == reference_split(text, expected_passes)
     assert splitter.split(text * 8) == reference_split(text * 8, expected_passes)
+
+
+def test_a_longest_first_pass_token_is_kept_whole_in_the_second_pass() -> None:
+    """Only pieces no longer than the longest token are looked up as tokens (a longer one would be
+    hashed whole for nothing): the longest token, matched in the first pass, is still a token in the
+    second, whose own token would otherwise cut it."""
+    added = [
+        AddedToken("<abc>", 0, special=False, verbatim=True),
+        AddedToken("<ab", 1, special=False, verbatim=True, normalized=True),
+    ]
+    splitter = build_splitter(added, identity_normalizer=True)
+    assert splitter is not None and splitter.longest == len("<abc>")
+    assert splitter.split("x<abc>y<abz") == ["x", "<abc>", "y", "<ab", "z"]
+    assert splitter.split("<abc>") == ["<abc>"]
