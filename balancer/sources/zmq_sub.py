@@ -20,9 +20,11 @@ publisher from 0. This source keeps the stream in order:
   ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
 * **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
   asked for anything after the last batch taken (the interval doubles while the answers hold nothing,
-  up to ``replay_poll_max_s``). A publisher that goes on publishing while its live messages are lost
-  (a PUB high-water mark, a stalled connection) is then read from its replay buffer: the index stays
-  exact instead of waiting for the next live message to show a gap the buffer may no longer cover.
+  up to ``replay_poll_max_s``, but only once ``replay_poll_busy_s`` has passed since the publisher's
+  last batch: a busy engine's next burst comes soon and must find the interval short). A publisher
+  that goes on publishing while its live messages are lost (a PUB high-water mark, a stalled
+  connection) is then read from its replay buffer: the index stays exact instead of waiting for the
+  next live message to show a gap the buffer may no longer cover.
   Counted in ``kvlb_events_replay_polls_total`` (a poll that finds the buffer past the wanted seq is
   also a ``partial`` replay, and a gap resync).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
@@ -57,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -159,7 +162,11 @@ class ZmqEventSource:
         whether the publisher restarted."""
         self._poll_interval_s = self.settings.replay_poll_min_s
         self._heard_at = time.monotonic()
-        """When the live stream (or a poll that found batches) last brought something."""
+        """When the live stream (or a poll that found batches) last brought something, or the last
+        poll was answered."""
+        self._batch_at = -math.inf
+        """When the live stream (or a poll that found batches) last brought something: while it is
+        within ``replay_poll_busy_s`` the poll interval does not double."""
         self._counters = SourceCounters()
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
@@ -245,14 +252,15 @@ class ZmqEventSource:
             )
             self._heard(time.monotonic())
         else:
-            self._heard_at = time.monotonic()
-            self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
+            self._heard_at = now = time.monotonic()
+            if now - self._batch_at >= self.settings.replay_poll_busy_s:
+                self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
 
     def _heard(self, now: float) -> None:
-        self._heard_at = now
+        self._heard_at = self._batch_at = now
         self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
