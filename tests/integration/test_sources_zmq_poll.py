@@ -102,6 +102,38 @@ async def test_an_idle_publisher_is_polled_less_and_less(ctx: zmq.asyncio.Contex
         await publisher.aclose()
 
 
+async def test_polls_keep_one_replay_connection_until_an_answer_is_late(ctx: zmq.asyncio.Context) -> None:
+    """Polls reuse the source's DEALER (one connection, not one per poll). A request that times out
+    closes it, so its answer, still on its way, is never read as the next request's: the next poll
+    opens a fresh connection and every batch is taken once, in order."""
+    publisher = Publisher(ctx, buffer_steps=4)
+    settings = dataclasses.replace(POLLING, replay_timeout_s=0.2)
+    try:
+        async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+            await publisher.wait_subscribed()
+            await publisher.pages(1)
+            await rig.settle(0)
+            await asyncio.sleep(0.3)
+            assert len(publisher.replay_requests) >= 4  # the catch-up, then polls
+            assert len(set(publisher.replay_peers)) == 1, publisher.replay_requests
+            publisher.replay_gate = asyncio.Event()  # the replay socket stops answering
+            await publisher.publish([page(publisher.seq)], drop=True)
+            await asyncio.sleep(0.5)  # requests time out after 0.2 s
+            await publisher.publish([page(publisher.seq)], drop=True)
+            publisher.replay_gate.set()
+            await rig.settle(2)
+            await asyncio.sleep(0.3)
+            assert rig.index.timeline() == [1, 2, 3]
+            assert (
+                rig.metric("kvlb_events_replay_polls_total", {"replica": REPLICA, "outcome": "failed"}) >= 1
+            )
+            peers = list(dict.fromkeys(publisher.replay_peers))
+            assert len(peers) >= 2  # a fresh DEALER after the timeout
+            assert publisher.replay_peers[-3:] == [peers[-1]] * 3  # and kept again since
+    finally:
+        await publisher.aclose()
+
+
 def test_poll_intervals_are_validated() -> None:
     with pytest.raises(ConfigError, match="replay_poll_min_s must be <="):
         dataclasses.replace(POLLING, replay_poll_min_s=1.0, replay_poll_max_s=0.5).validate()
