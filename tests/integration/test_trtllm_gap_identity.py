@@ -186,17 +186,3 @@ def test_the_lru_frontier_drops_the_blocks_evicted_in_the_gaps_during_the_loss()
 def test_with_the_lru_frontier_the_index_holds_the_engines_blocks_again(seed: int) -> None:
     steps = requests_to_identity(10 * STEP_S, seed, keep_s=2.0)
     assert steps is not None and steps <= 40, steps
-
-
-@pytest.mark.parametrize("seed", range(8))
-def test_receipts_teach_the_blocks_a_request_computed_so_nothing_is_missing_after_the_loss(
-    seed: int,
-) -> None:
-    """A receipt teaches every full block of the served prompt, the ones the engine found cached and
-    the ones it computed and cached for the request (this engine caches ``prompt[:-1]``, so nothing
-    else exists): at the end of the loss the index lacks none of the engine's blocks, and with the
-    LRU frontier it holds exactly the engine's within a few requests (11-19 when receipts taught only
-    the found blocks)."""
-    assert stale_and_missing_at_the_end_of_loss(2.0, seed)[1] == 0
-    steps = requests_to_identity(10 * STEP_S, seed, keep_s=2.0)
-    assert steps is not None and steps <= 5, steps
