@@ -550,10 +550,6 @@ class PoolRouter:
         * **More** reported: the engine held blocks the index did not know of: the request's keys up
           to the reported point are added as speculative entries for ``speculative_ttl_s`` (in
           no-events pools, the life of every holding), which the engine's events confirm if any.
-        * **Taught**: once the replica's block hashes are trusted, the full blocks of the prompt the
-          index does not really hold are held under the engine's hashes (:meth:`_teach`): the engine
-          found the first ones cached and computed the rest for this request, so after an event gap
-          a served request restores the pages whose stores were lost.
         """
         plan = lease.plan
         replica = lease.replica
@@ -565,8 +561,8 @@ class PoolRouter:
             found = plan.keys[: receipt.reported_blocks]
             confirmed, suspect_dropped = space.table.settle_suspect(replica, found, receipt.stale, now)
         taught = 0
-        if space is not None and plan.keys and plan.token_ids:
-            taught = self._teach(space, lease, len(plan.keys), now)
+        if space is not None and receipt.reported_blocks and plan.token_ids:
+            taught = self._teach(space, lease, receipt.reported_blocks, now)
         if space is not None and receipt.stale and self.route_limits.receipt_drops:
             dropped = space.table.drop_speculated(replica, receipt.stale, now)
         elif space is not None and receipt.unseen and self.route_limits.speculative_ttl_s > 0:
@@ -575,11 +571,9 @@ class PoolRouter:
             learned = len(receipt.unseen)
         return Settled(receipt, dropped + suspect_dropped, learned, confirmed, taught)
 
-    def _teach(self, space: KeySpace, lease: Lease, blocks: int, now: float) -> int:
-        """Blocks ``[0, blocks)`` of the lease's request (every full block of its prompt), which the
-        engine found cached or computed and cached for it (a served request's prompt blocks are in
-        its cache after the prefill, unless evicted since: a removal after the routing stops the
-        teaching there), with the engine's own hashes of them (:attr:`EngineSpec.block_hashes
+    def _teach(self, space: KeySpace, lease: Lease, reported: int, now: float) -> int:
+        """Blocks ``[0, reported)`` of the lease's request, which the engine found cached, with the
+        engine's own hashes of them (:attr:`EngineSpec.block_hashes
         <balancer.engines.spec.EngineSpec.block_hashes>`): checked against the replica's events
         until ``HASH_TRUST_BLOCKS`` matched, then, when the index does not really hold them all
         (speculative entries do not count), held as real blocks (:meth:`PrefixTable.learn_blocks
@@ -591,10 +585,10 @@ class PoolRouter:
             return 0  # gap_hold_s 0: the table follows another index (the fleet mirror) or recovery is off
         matched, checked = self._hash_trust.get(replica, (0, 0))
         trusted = matched >= HASH_TRUST_BLOCKS
-        found_keys = plan.keys[:blocks]
+        found_keys = plan.keys[:reported]
         if trusted and space.table.held_prefix(replica, found_keys) >= len(found_keys):
             return 0
-        hashes = block_hashes(plan.token_ids[: blocks * plan.block_size], plan.block_size)
+        hashes = block_hashes(plan.token_ids[: reported * plan.block_size], plan.block_size)
         found, wrong, learned = space.table.learn_blocks(
             replica, found_keys, hashes, lease.routed_at, hold=trusted
         )
