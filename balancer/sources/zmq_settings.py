@@ -46,7 +46,16 @@ class ZmqSourceSettings:
     than the last batch taken (seconds). A publisher whose live messages are lost while it goes on
     publishing (a PUB high-water mark, a stalled connection) is read from its replay buffer instead,
     as long as the buffer outlasts this interval; an answer with nothing new doubles the interval up
-    to ``replay_poll_max_s``, a live message or a poll that found batches resets it. Must be > 0."""
+    to ``replay_poll_max_s`` (once ``replay_poll_busy_s`` has passed since the last batch), a live
+    message or a poll that found batches resets it. Must be > 0."""
+    replay_poll_busy_s: float = 2.0
+    """How long after the publisher's last batch (live, or found by a poll) the interval between
+    polls of a silent stream stays at ``replay_poll_min_s`` instead of doubling (seconds). A busy
+    engine publishes in bursts (a request's prefill, its pages, its end) with quiet spells between
+    them; while its live stream is lost, an interval doubled over a quiet spell let the next burst
+    rotate a short replay buffer past the lost batches (a resync). An idle engine costs this long at
+    the minimum interval after its last batch, then backs off as before. ``0``: double at once.
+    Must be ≥ 0."""
     replay_poll_max_s: float = 2.0
     """Longest interval between such polls of a silent publisher (seconds): what an idle engine
     costs (one small request per DP rank per interval), and how late a publisher that went on
@@ -69,6 +78,9 @@ class ZmqSourceSettings:
                 raise ConfigError(f"zmq.{name} must be a finite number > 0, got {value}")
         if self.reconnect_initial_s > self.reconnect_max_s:
             raise ConfigError("zmq.reconnect_initial_s must be <= zmq.reconnect_max_s")
+        busy = self.replay_poll_busy_s
+        if not (math.isfinite(busy) and busy >= 0):
+            raise ConfigError(f"zmq.replay_poll_busy_s must be a finite number >= 0, got {busy}")
         if self.replay_poll_min_s > self.replay_poll_max_s:
             raise ConfigError("zmq.replay_poll_min_s must be <= zmq.replay_poll_max_s")
         for name in ("replay_max_batches", "rcvhwm", "max_message_bytes"):

@@ -14,15 +14,18 @@ publisher from 0. This source keeps the stream in order:
   duplicates (by seq, and by content: a live batch whose seq was replayed with another payload is a
   new incarnation of the publisher, ``Resync(rank, "restart")``). An answer with nothing at or after
   the wanted seq counts as ``empty``.
-* **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over a fresh
-  DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and count.
+* **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over the
+  source's DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and
+  count; the DEALER is kept for the next request, and replaced after one that did not end cleanly.
   Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
   ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
 * **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
   asked for anything after the last batch taken (the interval doubles while the answers hold nothing,
-  up to ``replay_poll_max_s``). A publisher that goes on publishing while its live messages are lost
-  (a PUB high-water mark, a stalled connection) is then read from its replay buffer: the index stays
-  exact instead of waiting for the next live message to show a gap the buffer may no longer cover.
+  up to ``replay_poll_max_s``, but only once ``replay_poll_busy_s`` has passed since the publisher's
+  last batch: a busy engine's next burst comes soon and must find the interval short). A publisher
+  that goes on publishing while its live messages are lost (a PUB high-water mark, a stalled
+  connection) is then read from its replay buffer: the index stays exact instead of waiting for the
+  next live message to show a gap the buffer may no longer cover.
   Counted in ``kvlb_events_replay_polls_total`` (a poll that finds the buffer past the wanted seq is
   also a ``partial`` replay, and a gap resync).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
@@ -57,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -159,7 +163,13 @@ class ZmqEventSource:
         whether the publisher restarted."""
         self._poll_interval_s = self.settings.replay_poll_min_s
         self._heard_at = time.monotonic()
-        """When the live stream (or a poll that found batches) last brought something."""
+        """When the live stream (or a poll that found batches) last brought something, or the last
+        poll was answered."""
+        self._batch_at = -math.inf
+        """When the live stream (or a poll that found batches) last brought something: while it is
+        within ``replay_poll_busy_s`` the poll interval does not double."""
+        self._dealer: zmq.asyncio.Socket | None = None
+        """The replay DEALER, kept between requests (:meth:`_replay_dealer`)."""
         self._counters = SourceCounters()
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
@@ -217,6 +227,7 @@ class ZmqEventSource:
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
+                self._close_dealer()
             await asyncio.sleep(backoff.next_delay())
 
     def _poll_timeout_ms(self) -> int | None:
@@ -245,14 +256,15 @@ class ZmqEventSource:
             )
             self._heard(time.monotonic())
         else:
-            self._heard_at = time.monotonic()
-            self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
+            self._heard_at = now = time.monotonic()
+            if now - self._batch_at >= self.settings.replay_poll_busy_s:
+                self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
 
     def _heard(self, now: float) -> None:
-        self._heard_at = now
+        self._heard_at = self._batch_at = now
         self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
@@ -600,13 +612,10 @@ class ZmqEventSource:
         assert self.replay_endpoint is not None
         if not poll:
             self._counters.replays += 1
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
-        dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
+        dealer = self._replay_dealer()
         first_seq: int | None = None
         complete = False
         try:
-            dealer.connect(self.replay_endpoint)
             async with asyncio.timeout(self.settings.replay_timeout_s):
                 # A DEALER with no peer yet holds the send: keep it inside the time budget.
                 await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
@@ -638,13 +647,37 @@ class ZmqEventSource:
                 exc,
             )
         finally:
-            dealer.close(linger=0)
+            if not complete:  # an answer may still be on its way: it must not be read as the next one
+                self._close_dealer()
         lossy = first_seq is not None and (first_seq > start_seq or not complete)
         if not poll or lossy:  # a poll that found nothing, or everything, is counted by its caller only
             if poll:
                 self._counters.replays += 1
             self._count_replay(start_seq, first_seq, complete)
         return first_seq is not None, complete
+
+    def _replay_dealer(self) -> zmq.asyncio.Socket:
+        """The DEALER of this source's replay requests, kept between them: a poll costs one request
+        and its answer, not a TCP connection and a ZMTP handshake on both sides (about half the
+        event loop's CPU per poll and a third of the process's, ``loadtests/bench/replay_poll.py``).
+        Closed after any exchange that did not end with the end marker (its answer may still come),
+        and with the SUB (a lost connection, an error, shutdown)."""
+        assert self.replay_endpoint is not None
+        if self._dealer is None:
+            dealer = self._ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
+            dealer.setsockopt(
+                zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000))
+            )
+            dealer.connect(self.replay_endpoint)
+            self._dealer = dealer
+        return self._dealer
+
+    def _close_dealer(self) -> None:
+        dealer, self._dealer = self._dealer, None
+        if dealer is not None:
+            dealer.close(linger=0)
 
     async def _on_replayed(
         self, frames: Sequence[bytes], emit: Emit, live: zmq.asyncio.Socket | None

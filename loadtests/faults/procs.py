@@ -134,10 +134,17 @@ class Sim(Child):
     engine: str = "sglang"
     http_port: int = 0
     event_port: int = 0
+    replay_via: int | None = None
+    """The port kvlb reaches the replay socket on (a proxy in front of it); ``None``: its own."""
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def replay_port(self) -> int:
+        """The replay socket of an SGLang replica (one DP rank)."""
+        return self.event_port + 1
 
     def entry(self) -> dict[str, Any]:
         entry: dict[str, Any] = {
@@ -148,7 +155,7 @@ class Sim(Child):
         }
         if self.engine == "sglang":
             entry["events"] = f"tcp://127.0.0.1:{self.event_port}"
-            entry["replay"] = f"tcp://127.0.0.1:{self.event_port + 1}"
+            entry["replay"] = f"tcp://127.0.0.1:{self.replay_via or self.replay_port}"
         return entry
 
 

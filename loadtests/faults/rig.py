@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 
 from loadtests.faults.procs import BLOCK_SIZE, Child, Sim, serve, sim, write_config
+from loadtests.faults.tcp_proxy import DelayProxy
 
 POLL_S = 0.05
 
@@ -38,6 +39,8 @@ class FaultRig:
     """The kvlb URLs whose index must converge (default: ``url``)."""
     context: dict[str, Any] = field(default_factory=dict)
     """What a scenario needs besides (the Redis server, the proxy in front of it)."""
+    replay_proxies: dict[str, DelayProxy] = field(default_factory=dict)
+    """Replica name → the proxy kvlb reaches its replay socket through (to partition it)."""
 
     def replica(self, name: str) -> Sim:
         return next(s for s in self.sims if s.name == name)
@@ -136,16 +139,24 @@ async def fault_rig(
     time_scale: float = 0.5,
     sim_args: dict[str, tuple[str, ...]] | None = None,
     kvlbs: int = 1,
+    replay_proxies: tuple[str, ...] = (),
     **top: Any,
 ) -> AsyncIterator[FaultRig]:
     """Replicas ``r0``, ``r1``... (one per engine) and ``kvlbs`` ready kvlb instances in front of them
-    (more than one only with ``redis`` settings in ``top``: each gets its own ``instance_id``)."""
+    (more than one only with ``redis`` settings in ``top``: each gets its own ``instance_id``); kvlb
+    reaches the replay socket of each SGLang replica named in ``replay_proxies`` through a proxy."""
     sims = [
         sim(f"r{i}", engine, tmp, *(sim_args or {}).get(f"r{i}", ()), time_scale=time_scale)
         for i, engine in enumerate(engines)
     ]
     children: list[Child] = []
+    proxies: dict[str, DelayProxy] = {}
     try:
+        for s in sims:
+            if s.name in replay_proxies:
+                proxies[s.name] = DelayProxy(s.replay_port)
+                await proxies[s.name].start()
+                s.replay_via = proxies[s.name].port
         await asyncio.gather(*(s.start('"replicas"') for s in sims))
         for number in range(kvlbs):
             extra = dict(top)
@@ -156,13 +167,16 @@ async def fault_rig(
         await asyncio.gather(*(child.start('"serving"') for child in children))
         async with aiohttp.ClientSession() as session:
             first = children[0]
-            running = FaultRig(sims, first, session, tmp, url=first.info["url"], others=children[1:])
+            running = FaultRig(
+                sims, first, session, tmp, url=first.info["url"], others=children[1:], replay_proxies=proxies
+            )
             for child in children:
                 await _wait_ready(running, child.info["url"])
             yield running
     finally:
         await asyncio.gather(*(child.stop() for child in children))
         await asyncio.gather(*(s.stop() for s in sims))
+        await asyncio.gather(*(proxy.stop() for proxy in proxies.values()))
 
 
 async def _wait_ready(f: FaultRig, url: str, timeout_s: float = 30.0) -> None:

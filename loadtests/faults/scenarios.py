@@ -51,6 +51,9 @@ class Scenario:
     """With ``redis``: a 3-master, 3-replica Redis Cluster instead of one server (no delay proxy)."""
     converge_limit_s: float = CONVERGE_LIMIT_S
     """The convergence target of this scenario (seconds after the recovery)."""
+    replay_proxies: tuple[str, ...] = ()
+    """Replicas whose replay socket kvlb reaches through a proxy the fault can pause
+    (:attr:`FaultRig.replay_proxies`)."""
     verify: Verify | None = None
     """Run after the convergence measurement, with the load still on; its note is appended."""
     exact: bool = True
@@ -107,7 +110,8 @@ async def run_in_fleet(
 ) -> Result:
     """Run ``scenario`` on a fresh fleet; ``top`` is added to kvlb's config, ``context`` to the fleet's."""
     engines, args, kvlbs = scenario.engines, scenario.sim_args, scenario.kvlbs
-    async with fault_rig(tmp, engines, sim_args=args, kvlbs=kvlbs, **top) as f:
+    proxies = scenario.replay_proxies
+    async with fault_rig(tmp, engines, sim_args=args, kvlbs=kvlbs, replay_proxies=proxies, **top) as f:
         f.context = context
         before = await f.metrics()
         load = Load(f.url, rate=scenario.rate, seed=hash(scenario.name) & 0xFFFF)
@@ -190,6 +194,19 @@ async def gap_beyond_buffer(f: FaultRig, hold_s: float, load: Load) -> str:
     return f"r0 lost {await _drop_events(f, 'r0', 1.0, hold_s)} batches, replay buffer 4"
 
 
+async def gap_partitioned(f: FaultRig, hold_s: float, load: Load) -> str:
+    """r0's event path partitioned for ``hold_s`` while the engine goes on: every live batch lost (its
+    PUB drops them) and its replay socket unreachable (kvlb's requests wait until the partition heals),
+    so the 4-batch buffer rotates past the lost batches whatever kvlb polls: a true gap beyond it."""
+    proxy = f.replay_proxies["r0"]
+    proxy.pause()
+    try:
+        dropped = await _drop_events(f, "r0", 1.0, hold_s)
+    finally:
+        proxy.resume()
+    return f"r0 lost {dropped} batches, replay buffer 4 unreachable meanwhile"
+
+
 async def trtllm_overflow(f: FaultRig, hold_s: float, load: Load) -> str:
     """TRT-LLM's event buffer overflows: events dropped after their ``event_id`` was taken."""
     return f"r2 lost {await _drop_events(f, 'r2', 0.5, hold_s)} event batches (event_id gaps)"
@@ -219,9 +236,17 @@ REPLICA_SCENARIOS = {
         Scenario("hwm_loss_replay", "PUB HWM event loss (seq gap) → replay", hwm_loss),
         Scenario(
             "gap_beyond_replay",
-            "gap larger than the replay buffer → resync",
+            "live stream lost, replay buffer of 4 batches → polled replay (resync if a poll is late)",
             gap_beyond_buffer,
             sim_args={"r0": ("--buffer-steps", "4")},
+            exact=False,
+        ),
+        Scenario(
+            "gap_partitioned",
+            "live stream lost, replay buffer of 4 unreachable (partition) → true gap, resync",
+            gap_partitioned,
+            sim_args={"r0": ("--buffer-steps", "4")},
+            replay_proxies=("r0",),
             exact=False,
         ),
         Scenario(

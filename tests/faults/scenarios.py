@@ -2,7 +2,8 @@
 Redis ones (fleet mode), and the runner that starts a private ``redis-server`` for those (I/O).
 
 The Redis scenarios run two ``kvlb serve`` sharing a ``redis-server`` (append-only file) reached
-through a :class:`tcp_proxy.DelayProxy`; the load goes to the first, every kvlb still running is checked.
+through a :class:`~loadtests.faults.tcp_proxy.DelayProxy`; the load goes to the first, every kvlb
+still running is checked.
 The cluster scenario runs them on a private 3-master, 3-replica Redis Cluster
 (:mod:`redis_cluster`, ``redis.cluster: true``) instead.
 """
@@ -16,7 +17,6 @@ from typing import Any
 
 from redis_cluster import RedisClusterProcs, start_cluster
 from redis_server import RedisServer, start_server
-from tcp_proxy import DelayProxy
 
 from loadtests.faults.load import Load
 from loadtests.faults.rig import FaultRig
@@ -31,6 +31,7 @@ from loadtests.faults.scenarios import (
     Verify,
     run_in_fleet,
 )
+from loadtests.faults.tcp_proxy import DelayProxy
 
 __all__ = ["CONVERGE_LIMIT_S", "MEASURE_LIMIT_S", "SCENARIOS", "Result", "Scenario", "run"]
 

@@ -3,8 +3,8 @@
 The publisher goes on publishing while every live message is lost (a PUB high-water mark, a stalled
 connection), and its replay buffer is short: waiting for the next live message to show the gap
 would find the buffer long past the lost batches (a resync). Polling the replay socket while the
-stream is silent takes every batch in order instead, and an idle publisher costs polls that back
-off."""
+stream is silent takes every batch in order instead, also when the engine publishes in bursts with
+quiet spells between them, and an idle publisher costs polls that back off."""
 
 from __future__ import annotations
 
@@ -48,24 +48,88 @@ async def test_batches_lost_live_are_read_from_a_short_replay_buffer_while_the_s
         await publisher.aclose()
 
 
-async def test_an_idle_publisher_is_polled_less_and_less(ctx: zmq.asyncio.Context) -> None:
-    publisher = Publisher(ctx)
+async def test_bursts_lost_live_after_quiet_spells_are_read_before_a_short_buffer_rotates(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A busy engine publishes in bursts (a request's prefill, its decode pages, its end) with quiet
+    spells between them. With every live message lost, a poll interval that doubled over a quiet spell
+    let the next burst rotate the 4-batch buffer past the lost batches (issue #18, measured in the
+    ``gap_beyond_replay`` fault). While batches keep coming the interval stays at its minimum, and a
+    burst spread wider than it is read whole."""
+    publisher = Publisher(ctx, buffer_steps=4)
     try:
         async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=POLLING) as rig:
             await publisher.wait_subscribed()
+            await publisher.pages(1)
+            await rig.settle(0)
+            for _ in range(8):  # quiet 0.45 s, then 6 batches 0.02 s apart (at most 3 per 0.05 s)
+                await asyncio.sleep(0.45)
+                for _ in range(6):
+                    await publisher.publish([page(publisher.seq)], drop=True)
+                    await asyncio.sleep(0.02)
+            await rig.settle(48)
+            assert rig.index.resyncs() == []
+            assert rig.index.timeline() == list(range(1, 50))  # every page, in order
+            assert rig.metric("kvlb_events_replays_total", {"replica": REPLICA, "outcome": "partial"}) == 0
+    finally:
+        await publisher.aclose()
+
+
+async def test_an_idle_publisher_is_polled_less_and_less(ctx: zmq.asyncio.Context) -> None:
+    publisher = Publisher(ctx)
+    settings = dataclasses.replace(POLLING, replay_poll_busy_s=0.3)
+    try:
+        async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+            await publisher.wait_subscribed()
             await publisher.pages(2)
             await rig.settle(1)
+            await asyncio.sleep(0.3)
+            busy = len(publisher.replay_requests) - 1  # the first request is the connection's catch-up
+            # Within replay_poll_busy_s of the last batch: every 0.05 s, about 6 polls.
+            assert 4 <= busy <= 7, publisher.replay_requests
             await asyncio.sleep(1.0)
-            polls = len(publisher.replay_requests) - 1  # the first request is the connection's catch-up
-            # 0.05 s, doubling up to 0.2 s: 0.05 + 0.1 + 0.2 × 4 ≈ 0.95 s → 6 polls (not 20)
+            polls = len(publisher.replay_requests) - 1 - busy
+            # Then 0.05 s doubling up to 0.2 s: 0.1 + 0.2 × 4 ≈ 0.9 s → 5-6 polls (not 20)
             assert 3 <= polls <= 8, publisher.replay_requests
             assert set(publisher.replay_requests[1:]) == {2}
             assert (
                 rig.metric("kvlb_events_replay_polls_total", {"replica": REPLICA, "outcome": "nothing"})
-                == polls
+                == busy + polls
             )
             assert rig.metric("kvlb_events_replays_total", {"replica": REPLICA, "outcome": "failed"}) == 0
             assert rig.index.resyncs() == []
+    finally:
+        await publisher.aclose()
+
+
+async def test_polls_keep_one_replay_connection_until_an_answer_is_late(ctx: zmq.asyncio.Context) -> None:
+    """Polls reuse the source's DEALER (one connection, not one per poll). A request that times out
+    closes it, so its answer, still on its way, is never read as the next request's: the next poll
+    opens a fresh connection and every batch is taken once, in order."""
+    publisher = Publisher(ctx, buffer_steps=4)
+    settings = dataclasses.replace(POLLING, replay_timeout_s=0.2)
+    try:
+        async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+            await publisher.wait_subscribed()
+            await publisher.pages(1)
+            await rig.settle(0)
+            await asyncio.sleep(0.3)
+            assert len(publisher.replay_requests) >= 4  # the catch-up, then polls
+            assert len(set(publisher.replay_peers)) == 1, publisher.replay_requests
+            publisher.replay_gate = asyncio.Event()  # the replay socket stops answering
+            await publisher.publish([page(publisher.seq)], drop=True)
+            await asyncio.sleep(0.5)  # requests time out after 0.2 s
+            await publisher.publish([page(publisher.seq)], drop=True)
+            publisher.replay_gate.set()
+            await rig.settle(2)
+            await asyncio.sleep(0.3)
+            assert rig.index.timeline() == [1, 2, 3]
+            assert (
+                rig.metric("kvlb_events_replay_polls_total", {"replica": REPLICA, "outcome": "failed"}) >= 1
+            )
+            peers = list(dict.fromkeys(publisher.replay_peers))
+            assert len(peers) >= 2  # a fresh DEALER after the timeout
+            assert publisher.replay_peers[-3:] == [peers[-1]] * 3  # and kept again since
     finally:
         await publisher.aclose()
 
@@ -75,3 +139,6 @@ def test_poll_intervals_are_validated() -> None:
         dataclasses.replace(POLLING, replay_poll_min_s=1.0, replay_poll_max_s=0.5).validate()
     with pytest.raises(ConfigError, match="replay_poll_min_s"):
         dataclasses.replace(POLLING, replay_poll_min_s=0.0).validate()
+    with pytest.raises(ConfigError, match="replay_poll_busy_s"):
+        dataclasses.replace(POLLING, replay_poll_busy_s=-1.0).validate()
+    dataclasses.replace(POLLING, replay_poll_busy_s=0.0).validate()

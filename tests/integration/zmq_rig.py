@@ -81,6 +81,8 @@ class Publisher:
         self.seq = 0
         self.topic = TOPIC
         self.replay_requests: list[int] = []
+        self.replay_peers: list[bytes] = []
+        """The ROUTER identity of each replay request's connection, in order."""
         self.replay_served = asyncio.Event()
         """Set once a replay request has been answered in full (END sent)."""
         self.replay_gate: asyncio.Event | None = None
@@ -126,6 +128,7 @@ class Publisher:
             assert empty == b""
             start_seq = int.from_bytes(start, "big")
             self.replay_requests.append(start_seq)
+            self.replay_peers.append(identity)
             if self.replay_gate is not None:
                 await self.replay_gate.wait()
             for seq, payload in list(self.buffer):

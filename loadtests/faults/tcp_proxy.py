@@ -1,7 +1,10 @@
-"""A loopback TCP proxy with adjustable latency, to make Redis slow (test helper, I/O).
+"""A loopback TCP proxy with adjustable latency, to make Redis slow or cut a replica's replay path
+(fault-rig helper, I/O).
 
 Every chunk read from either side is held ``delay_s`` before it is written on (each direction in
 order), so one Redis round trip costs about twice the delay. ``cut()`` closes every open connection.
+``pause()`` holds every chunk (connections are still accepted) until ``resume()``: a network partition
+whose packets get through once it heals, as TCP retransmits them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ class DelayProxy:
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._open = asyncio.Event()
+        self._open.set()
 
     async def start(self) -> None:
         self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
@@ -32,6 +37,13 @@ class DelayProxy:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._server is not None:
             await self._server.wait_closed()
+
+    def pause(self) -> None:
+        """Hold every chunk from now on until :meth:`resume`."""
+        self._open.clear()
+
+    def resume(self) -> None:
+        self._open.set()
 
     def cut(self) -> None:
         for writer in list(self._writers):
@@ -54,6 +66,7 @@ class DelayProxy:
             while chunk := await source.read(65536):
                 if self.delay_s > 0:
                     await asyncio.sleep(self.delay_s)
+                await self._open.wait()
                 sink.write(chunk)
                 await sink.drain()
         except (ConnectionError, OSError):
