@@ -26,6 +26,9 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   in flight; :class:`SimRouter` counts that share over the whole fleet and gives the policy the
   decision's credit as a constant, which keeps the pruning exact (with the KV-usage ceiling set,
   where eligibility needs every replica's usage, it gives the full list instead).
+  With ``interference_weight`` > 0 a replica without the prefix also pays
+  ``w_prefill·w_int·decoding_r·request_blocks``, which depends on its decode batch, not on its load
+  key, so the policy gets every open replica (exact, O(fleet) per request).
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
@@ -211,7 +214,8 @@ class SimRouter:
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
         ramp_reads_ceiling = credit_ramps(weights) and weights.kv_usage_ceiling is not None
-        if policy == "cost" and weights.temperature == 0 and not ramp_reads_ceiling:
+        interference = weights.interference_weight > 0  # a cold replica's cost depends on its batch
+        if policy == "cost" and weights.temperature == 0 and not ramp_reads_ceiling and not interference:
             return lambda load: base_load(load, weights)
         if policy == "least_load":
             return lambda load: float(load.request_load)
