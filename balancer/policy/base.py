@@ -65,7 +65,7 @@ class PolicyWeights:
     prefill (a full replica must be ``2 ×`` the prefix behind the holder before it takes a copy),
     and a new context goes to a replica with room rather than evict a reused one. Needs the pool
     size from the metrics scrape; without it the pressure is 0."""
-    interference_weight: float = 0.0
+    interference_weight: float = 0.04
     """``w_int``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt there), per request decoding on that replica; 0..1 (at 1 a block inserted on a
     replica with 1,000 decoding requests costs 1,000 blocks: far past any useful value). Engines
@@ -75,7 +75,8 @@ class PolicyWeights:
     that extra work is what fills the fleet. The charge makes the effective credit of a replica
     about ``1 + w_int · B`` (copies and new contexts cost more where the decode batch is large), so
     an idle fleet still spreads work as credit 1 does and a busy one keeps sessions where their
-    history is. 0 (default) turns it off (docs/policies.md, "Part 7")."""
+    history is. Default 0.04: the smallest value with which the simulated ``chat`` capacity matched
+    SGLang's ``cache_aware`` rule (docs/policies.md, "Part 7"); 0 turns it off."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
     ahead of this request there may evict it before the engine admits the request (engines match a

@@ -33,7 +33,7 @@ For each candidate replica ``r`` (lower is better)::
   cache (all of them when ``r`` gets no credit: a replica without credit is treated as holding
   nothing).
 * ``decoding_r``: requests decoding on ``r`` (router-tracked ``active_decode_seqs``). The
-  interference charge (``w_int`` = ``interference_weight``, off by default) prices what an insertion
+  interference charge (``w_int`` = ``interference_weight``, default 0.04) prices what an insertion
   costs the requests already running there: engines chunk prefill into the forward steps of the
   running batch, so each inserted block delays every decoding request on ``r`` by its prefill time.
   The prefill term counts only this request's own wait (the queue ahead plus its uncached blocks),
@@ -65,8 +65,8 @@ For each candidate replica ``r`` (lower is better)::
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; ``w_int``, ``overlap_credit_loaded``
-and the guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04;
+``overlap_credit_loaded`` and the guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
 
