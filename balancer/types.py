@@ -78,6 +78,9 @@ class CostTerms:
     duplication_term: float = 0.0
     """The cost policy's charge for the blocks this request would insert into the replica's cache,
     scaled by how full it is (each one then evicts a block that other requests may reuse)."""
+    interference_term: float = 0.0
+    """The cost policy's charge for the blocks this request would insert into the replica's cache,
+    times the requests decoding there (each prefilled block delays every one of them)."""
     cache_pressure: float | None = None
     """0..1: how full the replica's cache is, as the duplication charge scales it (``None``: unknown)."""
     overlap_survival: float = 1.0

@@ -300,7 +300,9 @@ def markdown(report: Mapping[str, Any]) -> str:
             lines.append(f"| {r['name']} | invalid: {r['invalid']} | | | | | | | |")
             continue
         fleet = ", ".join(
-            f"{p['rate']:.3g} ({'pass' if p['meets_slo'] else 'fail'}, p90 {_fmt(p['ttft_p90_s'])} s)"
+            f"{p['rate']:.3g} ({'pass' if p['meets_slo'] else 'fail'}, p90 {_fmt(p['ttft_p90_s'])} s"
+            + (f"; client behind: sent {_fmt(p.get('sent_rate'))}/s" if p.get("client_behind") else "")
+            + ")"
             for p in r.get("confirmed", ())
         )
         lines.append(

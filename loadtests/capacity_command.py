@@ -46,6 +46,7 @@ from loadtests.simulate.oracle import (
     plan_oracle,
     simulate_oracle,
 )
+from loadtests.stats import send_lag
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,
@@ -352,6 +353,7 @@ async def confirm_on_fleet(
                 sim = sim_measure(args, name, stream, lambda _: None)(rate, limit)
                 ts = args.time_scale
                 s = run.summary
+                lag = None if run.result is None else send_lag(run.result.records)
                 point = RatePoint(
                     rate=rate,
                     source="fleet",
@@ -371,6 +373,11 @@ async def confirm_on_fleet(
                             None if s.ttft_p90_s is None else s.ttft_p90_s * ts, sim.ttft_p90_s
                         ),
                         "wall_s": run.wall_s,
+                        # the client's lag in model time, and the rate it really sent (model req/s)
+                        "client_lag_p90_s": None if lag is None else lag.p90_s * ts,
+                        "client_lag_max_s": None if lag is None else lag.max_s * ts,
+                        "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
+                        "client_behind": None if lag is None else lag.behind,
                     },
                 )
                 confirmed.setdefault(name, []).append(point)

@@ -177,6 +177,45 @@ def _replica_figures(
     return dict(sorted(counts.items())), share, imbalance
 
 
+@dataclass(frozen=True, slots=True)
+class SendLag:
+    """How far an open-loop client fell behind its schedule (wall seconds): a request sent late
+    meets a fleet with less load than offered, and its TTFT (measured from the send) hides the wait."""
+
+    p90_s: float
+    """90th percentile of ``start_s − scheduled_s``."""
+    max_s: float
+    """The largest lag."""
+    sent_rate_per_s: float
+    """Requests per second actually sent: requests over the span of their send times."""
+    scheduled_rate_per_s: float
+    """Requests per second of the schedule: requests over the span of their scheduled times."""
+
+    @property
+    def behind(self) -> bool:
+        """Whether the client sent at less than 95% of the scheduled rate."""
+        return self.sent_rate_per_s < 0.95 * self.scheduled_rate_per_s
+
+
+def send_lag(records: Sequence[RequestRecord]) -> SendLag | None:
+    """The client's lag over the records that have a schedule (``None`` when fewer than two)."""
+    timed = [r for r in records if r.scheduled_s is not None]
+    if len(timed) < 2:
+        return None
+    lags = [r.start_s - (r.scheduled_s or 0.0) for r in timed]
+    starts = [r.start_s for r in timed]
+    scheduled = [r.scheduled_s or 0.0 for r in timed]
+    sent_span = max(starts) - min(starts)
+    scheduled_span = max(scheduled) - min(scheduled)
+    n = len(timed) - 1
+    return SendLag(
+        p90_s=percentile(lags, 90) or 0.0,
+        max_s=max(lags),
+        sent_rate_per_s=n / sent_span if sent_span > 0 else math.inf,
+        scheduled_rate_per_s=n / scheduled_span if scheduled_span > 0 else math.inf,
+    )
+
+
 def summarize(
     records: Sequence[RequestRecord], duration_s: float, *, replicas: Iterable[str] = ()
 ) -> Summary:

@@ -65,6 +65,18 @@ class PolicyWeights:
     prefill (a full replica must be ``2 ×`` the prefix behind the holder before it takes a copy),
     and a new context goes to a replica with room rather than evict a reused one. Needs the pool
     size from the metrics scrape; without it the pressure is 0."""
+    interference_weight: float = 0.04
+    """``w_int``, blocks charged per block this request would insert into the replica's cache (its
+    uncached prompt there), per request decoding on that replica; 0..1 (at 1 a block inserted on a
+    replica with 1,000 decoding requests costs 1,000 blocks: far past any useful value). Engines
+    chunk prefill into the same forward steps as the running batch's decode, so every prefilled
+    block delays each decoding request there by its prefill time: with ``B`` requests decoding, a
+    copy of a session's history is paid ``B`` times over in inter-token latency, and near capacity
+    that extra work is what fills the fleet. The charge makes the effective credit of a replica
+    about ``1 + w_int · B`` (copies and new contexts cost more where the decode batch is large), so
+    an idle fleet still spreads work as credit 1 does and a busy one keeps sessions where their
+    history is. Default 0.04: the smallest value with which the simulated ``chat`` capacity matched
+    SGLang's ``cache_aware`` rule (docs/policies.md, "Part 7"); 0 turns it off."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
     ahead of this request there may evict it before the engine admits the request (engines match a
@@ -178,6 +190,7 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "overlap_credit_loaded": WeightRange(0.0, 4.0),
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
+        "interference_weight": WeightRange(0.0, 1.0),
         "decode_weight": WeightRange(0.0, 1e3),
         "queue_weight": WeightRange(0.0, 1e6),
         "temperature": WeightRange(0.0, 1e6),

@@ -4,6 +4,7 @@ For each candidate replica ``r`` (lower is better)::
 
     cost_r = w_prefill · (pending_prefill_blocks_r − shared_r + request_blocks − credit_r · overlap_r)
            + w_prefill · w_dup · pressure_r · inserted_r
+           + w_prefill · w_int · decoding_r · inserted_r
            + w_decode  · active_decode_blocks_r
            + w_queue   · waiting_r
 
@@ -31,6 +32,16 @@ For each candidate replica ``r`` (lower is better)::
 * ``inserted_r`` = ``request_blocks − overlap_r``: the blocks ``r`` would compute and add to its
   cache (all of them when ``r`` gets no credit: a replica without credit is treated as holding
   nothing).
+* ``decoding_r``: requests decoding on ``r`` (router-tracked ``active_decode_seqs``). The
+  interference charge (``w_int`` = ``interference_weight``, default 0.04) prices what an insertion
+  costs the requests already running there: engines chunk prefill into the forward steps of the
+  running batch, so each inserted block delays every decoding request on ``r`` by its prefill time.
+  The prefill term counts only this request's own wait (the queue ahead plus its uncached blocks),
+  so with credit 1 a session leaves the replica holding its history whenever that replica's queued
+  prefill exceeds the history, even when the queue drains in milliseconds and the copy is paid by a
+  full decode batch (``chat`` in the simulator: a third of later turns moved at 92% of capacity,
+  docs/policies.md "Part 7"). With the charge a replica's effective credit is about ``1 + w_int ·
+  decoding_r``: an idle replica is priced as before, a busy one keeps its sessions.
 * With ``eviction_risk_weight`` ``w_risk`` > 0 (off by default), ``overlap_r`` in the two lines above
   is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
   pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
@@ -54,8 +65,8 @@ For each candidate replica ``r`` (lower is better)::
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1; ``overlap_credit_loaded`` and the
-guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04;
+``overlap_credit_loaded`` and the guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
 
@@ -248,6 +259,8 @@ def cost_terms(
     )
     inserted = request_blocks - (credited if credit > 0 else 0)
     duplication_term = weights.prefill_weight * weights.duplication_weight * (pressure or 0.0) * inserted
+    decoding = load.active_decode_seqs
+    interference_term = weights.prefill_weight * weights.interference_weight * decoding * inserted
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
     return CostTerms(
@@ -261,10 +274,11 @@ def cost_terms(
         prefill_term=prefill_term,
         decode_term=decode_term,
         queue_term=queue_term,
-        cost=prefill_term + duplication_term + decode_term + queue_term,
+        cost=prefill_term + duplication_term + interference_term + decode_term + queue_term,
         excluded=excluded,
         shared_pending_blocks=shared,
         duplication_term=duplication_term,
+        interference_term=interference_term,
         cache_pressure=pressure,
         overlap_survival=survival,
         overlap_credit=credit,

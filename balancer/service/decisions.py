@@ -242,6 +242,7 @@ def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object
             "request_blocks": t.request_blocks,
             "prefill_term": t.prefill_term,
             "duplication_term": t.duplication_term,
+            "interference_term": t.interference_term,
             "decode_term": t.decode_term,
             "queue_term": t.queue_term,
             "pending_prefill_blocks": t.pending_prefill_blocks,

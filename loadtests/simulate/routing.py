@@ -26,6 +26,11 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   in flight; :class:`SimRouter` counts that share over the whole fleet and gives the policy the
   decision's credit as a constant, which keeps the pruning exact (with the KV-usage ceiling set,
   where eligibility needs every replica's usage, it gives the full list instead).
+  With ``interference_weight`` > 0 a replica without the prefix also pays
+  ``w_prefill·w_int·decoding_r·request_blocks``, which depends on its decode batch, not on its load
+  key: the replicas are then scanned in load-key order, each costed with both charges, until the
+  next key alone reaches the lowest such cost seen (every charge is ≥ 0, so no replica further on
+  can cost less; ``SimRouter._least``).
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
@@ -191,6 +196,8 @@ class SimRouter:
         """Whether the pruning key reads scraped gauges (the waiting queue)."""
         self._order = LoadOrder(random.Random(rng.getrandbits(64)))
         self._dup = self._key is not None and policy == "cost" and weights.duplication_weight > 0
+        self._interference = self._key is not None and policy == "cost" and weights.interference_weight > 0
+        """Whether the cost has the interference charge: a cold replica's cost then reads its decode batch."""
         """Whether the cost has the duplication charge: replicas then also sit in pressure bands."""
         self._bands = [LoadOrder(None) for _ in range(PRESSURE_BANDS + 1)]
         """When ``_dup``: band ``b`` orders the replicas with pressure in ``[b/B, (b+1)/B)``, band
@@ -261,12 +268,18 @@ class SimRouter:
             self._band[replica] = band
             self._touch(replica, now)
 
-    def _least(self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool]) -> list[ReplicaId]:
+    def _least(
+        self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool], now: float
+    ) -> list[ReplicaId]:
         """The ``prune_k`` least loaded eligible replicas; with the duplication charge, every
         replica that could undercut them. A replica without the prefix costs
         ``base_load + w_prefill·request_blocks + charge·pressure`` with ``charge = w_prefill·w_dup·
         request_blocks`` the same for all of them, so each pressure band is scanned while its least
-        key plus ``charge`` × the band's lowest pressure may undercut the best seen."""
+        key plus ``charge`` × the band's lowest pressure may undercut the best seen. With the
+        interference charge the replicas are scanned in key order instead, each costed with both
+        charges (its decode batch read at ``now``), while the next key is below the lowest cost seen."""
+        if self._interference:
+            return self._least_interference(token_ids, eligible, now)
         if not self._dup:
             return self._order.least(self.prune_k, eligible)[0]
         keyed = self._order.least_keyed(self.prune_k, eligible)
@@ -295,6 +308,23 @@ class SimRouter:
             chosen.update(dict.fromkeys(found))
         return list(chosen)
 
+    def _least_interference(
+        self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool], now: float
+    ) -> list[ReplicaId]:
+        weights = self.weights
+        request_blocks = len(token_ids) // self.space.hasher.block_size
+        per_block = weights.prefill_weight * request_blocks
+        dup = per_block * weights.duplication_weight if self._dup else 0.0
+        interference = per_block * weights.interference_weight
+        pressure = self._pressure
+        load_of = self.tracker.load_of
+
+        def cost(key: float, replica: ReplicaId) -> float:  # less the w_prefill·request_blocks all share
+            decoding = load_of(replica, now).active_decode_seqs
+            return key + dup * pressure.get(replica, 0.0) + interference * decoding
+
+        return self._order.least(self.prune_k, eligible, cost)[0]
+
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
         cap = self.cap
@@ -314,7 +344,7 @@ class SimRouter:
             return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
 
         holders = self.space.table.prefix_holders(token_ids, now) if self.policy.name == "cost" else ()
-        least = self._least(token_ids, eligible)
+        least = self._least(token_ids, eligible, now)
         if not least:
             return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
         chosen = dict.fromkeys(holders)

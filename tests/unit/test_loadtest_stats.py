@@ -16,6 +16,7 @@ from loadtests.stats import (
     percentile,
     ratio,
     ratios,
+    send_lag,
     summarize,
     summarize_by,
 )
@@ -195,3 +196,22 @@ def test_replicas_per_group_counts_distinct_replicas_per_tenant_else_session() -
     ]
     assert replicas_per_group(records) == (2 + 1) / 2
     assert replicas_per_group([_ok("g", 0.1, 1.0, "r0")]) is None  # neither tag nor session
+
+
+def test_send_lag_measures_how_far_the_open_loop_client_fell_behind() -> None:
+    # Scheduled every 0.1 s; the client sent the last five 0.2-1.0 s late.
+    records = [
+        RequestRecord(f"r{i}", "ok", start_s=0.1 * i + (0.2 * (i - 4) if i > 4 else 0.0), scheduled_s=0.1 * i)
+        for i in range(10)
+    ]
+    lag = send_lag(records)
+    assert lag is not None
+    assert lag.max_s == pytest.approx(1.0)
+    assert lag.p90_s == pytest.approx(0.82)  # between the 9th (0.8) and the 10th (1.0)
+    assert lag.scheduled_rate_per_s == pytest.approx(10.0)
+    assert lag.sent_rate_per_s == pytest.approx(9 / 1.9)
+    assert lag.behind
+    schedule = [RequestRecord(f"r{i}", "ok", start_s=0.1 * i, scheduled_s=0.1 * i) for i in range(10)]
+    on_time = send_lag(schedule)
+    assert on_time is not None and not on_time.behind and on_time.max_s == 0.0
+    assert send_lag(RECORDS) is None  # closed loop: no schedule

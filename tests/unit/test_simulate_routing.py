@@ -152,6 +152,8 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
         ("cost", PolicyWeights(duplication_weight=1.0)),
         ("cost", PolicyWeights(duplication_weight=4.0, overlap_credit=0.5, imbalance_threshold_blocks=8.0)),
         ("cost", PolicyWeights(overlap_credit_loaded=3.0)),
+        ("cost", PolicyWeights(interference_weight=0.5)),  # a cold replica's cost reads its decode batch
+        ("cost", PolicyWeights(interference_weight=0.2, duplication_weight=0.0)),
         ("cost", PolicyWeights(overlap_credit_loaded=0.0, imbalance_threshold_blocks=8.0)),
         ("least_load", PolicyWeights()),
     ],
@@ -179,9 +181,9 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
             assert chosen_cost == pytest.approx(full_cost)
             if len(full_best) == 1:
                 assert chosen == by_full.decision.replica
-            charged += any(t.duplication_term > 0 for t in by_full.decision.terms)
+            charged += any(t.duplication_term > 0 or t.interference_term > 0 for t in by_full.decision.terms)
         assert pruned_smaller > 25  # the pruning did prune
-        assert (charged > 10) == (policy == "cost")  # the charge (on by default) was in play
+        assert (charged > 10) == (policy == "cost")  # a charge (duplication on by default) was in play
 
 
 def test_temperature_and_baselines_get_every_open_replica() -> None:
