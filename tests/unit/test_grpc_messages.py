@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -104,3 +105,18 @@ def test_a_decision_keeps_every_term_and_leaves_absent_values_unset() -> None:
     first, second = message.terms
     assert first.kv_usage == 0.5 and first.cost == 2.0 and first.excluded == ""
     assert not second.HasField("kv_usage") and not second.HasField("cost") and second.excluded == "kv_usage"
+    assert not second.HasField("overlap_credit")
+
+
+def test_every_cost_term_has_its_field_in_the_grpc_message() -> None:
+    """The gRPC explanation carries every term the HTTP one does (a new term needs its field)."""
+    names = [f.name for f in dataclasses.fields(CostTerms)]
+    assert set(names) <= set(pb.CostTerms.DESCRIPTOR.fields_by_name)
+    terms = CostTerms(
+        ReplicaId("a"), 3, 4, 0.5, 1.0, 2.0, 0.25, 1.5, 1.0, 0.5, 2.0, 0.75, None, 1.0, 2.5,
+        3.5, 0.5, 0.875, 1.5,
+    )  # fmt: skip
+    message = decision_message(Decision(ReplicaId("a"), "cost", 3, 4, 12, (terms,))).terms[0]
+    for name in names:
+        value = getattr(terms, name)
+        assert getattr(message, name) == ("" if value is None else value), name

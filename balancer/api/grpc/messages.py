@@ -205,6 +205,9 @@ def _terms_message(terms: CostTerms) -> pb.CostTerms:
         shared_pending_blocks=terms.shared_pending_blocks,
         duplication_term=terms.duplication_term,
         cache_pressure=terms.cache_pressure,
+        interference_term=terms.interference_term,
+        overlap_survival=terms.overlap_survival,
+        overlap_credit=terms.overlap_credit,
     )
 
 
