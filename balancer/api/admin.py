@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 _POLICY_KEYS = frozenset({"name", "weights", "reason"})
 ACTOR_HEADER = "x-kvlb-actor"
-POLICY_REASON = "kvlb.policy_reason"
+POLICY_REASON = web.RequestKey("kvlb_policy_reason", object)
 """Where ``PUT /admin/policy`` leaves the change's reason on the request (for the sibling workers of
 ``kvlb serve --workers N``, :mod:`balancer.api.siblings`)."""
 """Who makes an admin change, as the audit log names them (``admin`` when absent)."""
