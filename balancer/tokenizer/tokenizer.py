@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import json
 from array import array
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -390,24 +391,16 @@ class HfTokenizer:
         if self._splitter is None:
             return None
         text = self.render_chat(messages, **chat_kwargs)
-        try:
+        with encode_errors(text):
             ids = encode_segmented_packed(text, self._splitter, self._segments, self._raw, max_new_chars)
-        except TokenizeError:
-            raise
-        except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
-            raise TokenizeError(encode_failure(text, exc)) from None
         if ids is not None:
             self.limits.check_tokens(len(ids))
         return ids
 
     def _segmented(self, text: str, max_new_chars: int | None = None) -> list[int] | None:
         assert self._splitter is not None
-        try:
+        with encode_errors(text):
             return encode_segmented(text, self._splitter, self._segments, self._raw, max_new_chars)
-        except TokenizeError:
-            raise
-        except Exception as exc:  # the Rust binding: TypeError for lone surrogates, bare Exception else
-            raise TokenizeError(encode_failure(text, exc)) from None
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (for tests, debugging and ``/admin`` views)."""
@@ -420,10 +413,8 @@ class HfTokenizer:
             ids = self._segmented(text)
             assert ids is not None  # no character budget
         else:
-            try:
+            with encode_errors(text):
                 ids = self._ids(text, add_special_tokens)
-            except Exception as exc:  # the Rust binding: TypeError for lone surrogates, else Exception
-                raise TokenizeError(encode_failure(text, exc)) from None
         self.limits.check_tokens(len(ids))
         return ids
 
@@ -439,6 +430,18 @@ def first_surrogate(text: str) -> int | None:
     except UnicodeEncodeError as exc:
         return exc.start
     return None
+
+
+@contextmanager
+def encode_errors(text: str) -> Iterator[None]:
+    """What the Rust binding raises while encoding ``text`` (``TypeError`` for lone surrogates, a
+    bare ``Exception`` else) becomes a :class:`TokenizeError` naming it; ours pass through."""
+    try:
+        yield
+    except TokenizeError:
+        raise
+    except Exception as exc:
+        raise TokenizeError(encode_failure(text, exc)) from None
 
 
 def encode_failure(text: str, exc: BaseException) -> str:
