@@ -250,10 +250,11 @@ class LeaseManager:
         if holding is None or holding.lost:
             return False
         grant = await entry.lease.acquire()
-        if not grant.acquired or grant.applied != holding.applied:
+        if not grant.acquired:
             return False
-        if not await entry.ingest.adopt_generation(replica, grant.generation):
-            return False  # fenced meanwhile: given up like any lost lease
+        # Compared on the ingest loop, where a write may have landed since ``holding`` was read
+        if not await entry.ingest.adopt_generation(replica, grant.generation, grant.applied):
+            return False  # written by another, or fenced meanwhile: given up like any lost lease
         self._metrics.redis_lease_events_total.labels("retaken").inc()
         log.info("lease of %s expired and taken back (generation %d)", replica, grant.generation)
         return True

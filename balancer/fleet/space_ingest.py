@@ -110,14 +110,15 @@ class SpaceIngest:
 
         return await self.thread.call(read)
 
-    async def adopt_generation(self, replica: ReplicaId, generation: int) -> bool:
+    async def adopt_generation(self, replica: ReplicaId, generation: int, applied: str) -> bool:
         """Write ``replica`` with ``generation`` from now on (a lease taken back); ``False`` if the
-        writer no longer holds it."""
+        writer no longer holds it, or if ``applied`` (the positions Redis holds) is not its own last
+        write, answered or in flight (someone else wrote the replica meanwhile)."""
         writer = self.writer
 
         async def adopt() -> bool:
             holding = writer.holdings.get(replica)
-            if holding is None or holding.lost:
+            if holding is None or holding.lost or not holding.wrote_last(applied):
                 return False
             holding.generation = generation
             return True

@@ -284,13 +284,22 @@ async def test_an_expired_lease_nobody_took_is_taken_back_without_a_resync(
         await wait_for("all 4 leases held", all_held)
         _, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
         holder = ReplicaId(headers["x-kvlb-replica"])
+
+        async def known() -> bool:  # the prefix's 8 blocks, through Redis (0.02-0.41 s at load 8)
+            return (await f.blocks(a))[holder] >= 8
+
+        await wait_for("the holder's blocks in the index", known)
         entry = leases.replicas[holder]
         generation = entry.ingest.writer.holdings[holder].generation
         await runtime.text.delete(entry.keys.lease(holder))  # expired while Redis was away
 
-        async def retaken() -> bool:  # in Redis, then in the writer (on the ingest thread)
+        async def retaken() -> bool:  # in Redis, in the writer (ingest thread), then counted
             ours = await entry.lease.holder() == entry.lease.owner
-            return ours and entry.ingest.writer.holdings[holder].generation > generation
+            if not ours or entry.ingest.writer.holdings[holder].generation <= generation:
+                return False
+            async with f.session.get(a.url + "/metrics") as response:
+                text = await response.text()
+            return bool(metric_value(text, "kvlb_redis_lease_events_total", event="retaken"))
 
         await wait_for("the lease to be taken back", retaken, timeout_s=5)
         assert holder in leases.held
@@ -321,8 +330,10 @@ async def test_a_policy_change_reaches_the_fleet_or_is_refused(
         redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
         key = fleet_of(a).policy.key  # type: ignore[union-attr]
         try:
-            await redis.delete(key)
-            await redis.rpush(key, "garbage")  # type: ignore[misc]
+            async with redis.pipeline(transaction=True) as replace:  # a poll may rewrite it between
+                replace.delete(key)
+                replace.rpush(key, "garbage")
+                await replace.execute()
             caplog.clear()
 
             async def repaired() -> bool:

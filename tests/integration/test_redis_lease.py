@@ -8,14 +8,18 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
+import redis.asyncio as aioredis
 from redis_cluster import RedisTarget
-from redis_server import fresh_settings
+from redis_server import RedisServer, fresh_settings
 
 from balancer.events import Stored
+from balancer.fleet.writer import FencedWriter
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis.index import RedisIndex, StaleGenerationError
 from balancer.index.redis.lease import IngestionLease, LeaseSettings
+from balancer.metrics import Metrics
 from balancer.types import EngineHash, ReplicaId
+from loadtests.faults.tcp_proxy import DelayProxy
 
 pytestmark = pytest.mark.redis
 
@@ -83,6 +87,52 @@ async def test_an_expired_lease_is_taken_over_and_the_old_owner_learns_it(index:
     await asyncio.wait_for(old.lost.wait(), 2)  # its next renewal finds the lease gone
     await asyncio.wait_for(keeper, 2)
     assert await new.holder() == "new"
+
+
+async def test_a_lease_taken_back_while_our_write_is_answered_finds_that_write_ours(
+    redis_server: RedisServer,
+) -> None:
+    """Redis back after an outage longer than the TTL: the writer's retried write lands, and the
+    lease manager takes the lease back before the write's answer arrives. Redis then holds that
+    write's positions, not the holding's last answered ones; it is still our own write (in flight),
+    so the lease is taken back, not given up (which would resync a TRT-LLM replica). The writer's
+    Redis client goes through a proxy that, once the writer has connected and written once, holds
+    each chunk 0.4 s, so the answer is late."""
+    proxy = DelayProxy(redis_server.port)
+    await proxy.start()
+    slow = aioredis.Redis.from_url(f"redis://127.0.0.1:{proxy.port}/0", decode_responses=True)
+    direct = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        settings = fresh_settings()
+        index = RedisIndex(slow, HASHER, settings)
+        keys = RedisIndex(direct, HASHER, settings).keys
+        ours = IngestionLease(direct, keys, R, "me", LeaseSettings(ttl_s=5, renew_every_s=1))
+        grant = await ours.acquire()
+        writer = FencedWriter(index, metrics=Metrics.create(), on_lost=lambda replica: None)
+        writer.hold(R, ours, grant.generation, {}, writes=grant.writes, applied=grant.applied)
+        holding = writer.holdings[R]
+        await writer.apply_at(R, [block(1)], 0.0, {0: 6})  # connected, scripts loaded
+        proxy.delay_s = 0.4
+        write = asyncio.create_task(writer.apply_at(R, [block(2)], 0.0, {0: 7}))
+        for _ in range(100):  # landed in Redis; the answer is still in the proxy
+            if holding.writing is not None and await direct.hget(keys.applied_seq, R) == holding.writing:
+                break
+            await asyncio.sleep(0.02)
+        else:
+            raise AssertionError("the write did not land")
+        assert not write.done()
+        await direct.delete(keys.lease(R))  # expired while Redis was away
+        back = await ours.acquire()
+        assert back.acquired and back.generation == grant.generation + 1
+        assert back.applied != holding.applied  # the old check gave the lease up here
+        assert holding.wrote_last(back.applied)
+        assert not holding.wrote_last("0:7@9")  # someone else's positions are not ours
+        await write
+        assert holding.applied == back.applied and holding.writing is None
+    finally:
+        await slow.aclose()
+        await direct.aclose()
+        await proxy.stop()
 
 
 def test_settings_are_validated() -> None:
