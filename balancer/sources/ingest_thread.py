@@ -104,6 +104,7 @@ class IngestThread:
             self.loop = loop
             self._ready.set()
             loop.run_forever()
+            loop.run_until_complete(self._cancel_leftovers())
             loop.run_until_complete(self._close())
         finally:
             self._ready.set()
@@ -124,6 +125,22 @@ class IngestThread:
         while True:
             await asyncio.sleep(TRIM_INTERVAL_S)
             trim(0)  # ctypes releases the GIL during the call
+
+    async def _cancel_leftovers(self) -> None:
+        """Cancel and await every task still on this loop, bounded by ``join_timeout_s``. Their owners
+        cancel them first; but a call cancelled from the request loop (a lease hand-over that timed
+        out) returns there at once, while its cleanup here (cancelling an applier) may still run."""
+        current = asyncio.current_task()
+        left = [t for t in asyncio.all_tasks() if t is not current and t is not self._trimmer]
+        for task in left:
+            task.cancel()
+        if not left:
+            return
+        _, pending = await asyncio.wait(left, timeout=self.join_timeout_s / 2)
+        log.info("%s: %d tasks still running at stop were cancelled", self.name, len(left))
+        if pending:
+            names = sorted(task.get_name() for task in pending)
+            log.warning("%s: %d tasks did not end when cancelled: %s", self.name, len(pending), names)
 
     async def _close(self) -> None:
         if self._trimmer is not None:

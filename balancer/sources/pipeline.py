@@ -440,9 +440,11 @@ class EventIngest:
         entry = self._replicas.pop(replica, None)
         if entry is None:
             return True
-        await cancel_all(entry.tasks[1:])  # the sources
-        applied = await entry.pipeline.wait_applied(drain_s) if drain_s > 0 else False
-        await cancel_all(entry.tasks[:1])  # the applier
+        try:
+            await cancel_all(entry.tasks[1:])  # the sources
+            applied = await entry.pipeline.wait_applied(drain_s) if drain_s > 0 else False
+        finally:  # also when the drain is cancelled (a hand-over timed out): nothing else owns it now
+            await cancel_all(entry.tasks[:1])  # the applier
         if drop_index:
             await self._index.drop_replica(replica)
         return applied

@@ -1,4 +1,5 @@
-"""ReplicaPipeline and EventIngest: ordered apply, overflow → resync, failing index, task ownership."""
+"""ReplicaPipeline, EventIngest and the ingest thread: ordered apply, overflow → resync, failing index,
+task ownership."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.metrics import Metrics
 from balancer.sources.base import Emit, IngestBatch, SourceStatus
+from balancer.sources.ingest_thread import IngestThread
 from balancer.sources.pipeline import EventIngest, IngestSettings, ReplicaPipeline, batch_bytes
 from balancer.types import EngineHash, ReplicaId
 
@@ -26,8 +28,12 @@ class RecordingIndex:
         self.calls: list[tuple[ReplicaId, list[KvEvent], float]] = []
         self.fail_next = 0
         self.dropped: list[ReplicaId] = []
+        self.gate: asyncio.Event | None = None
+        """When set, each ``apply`` waits for it (a slow backend)."""
 
     async def apply(self, replica: ReplicaId, events: Sequence[KvEvent], now: float) -> ApplyResult:
+        if self.gate is not None:
+            await self.gate.wait()
         if self.fail_next:
             self.fail_next -= 1
             raise ConnectionError("backend down")
@@ -249,6 +255,45 @@ async def test_ingest_owns_and_cancels_every_task() -> None:
     assert first.cancelled
     assert all(t.done() for t in tasks_before)
     assert not {t for t in asyncio.all_tasks() if t.get_name().startswith("kvlb-") and not t.done()}
+
+
+async def test_a_drain_cancelled_midway_still_cancels_the_applier() -> None:
+    """A lease hand-over that times out cancels ``remove_replica`` while it drains. The replica has
+    left the ingest's table by then, so nothing else would ever cancel its applier."""
+    index = RecordingIndex()
+    index.gate = asyncio.Event()  # every apply waits: the drain cannot finish
+    ingest = EventIngest(index, metrics=Metrics.create())  # type: ignore[arg-type]
+    ingest.add_replica(R1, "sglang", [ScriptedSource(R1, [removed(n) for n in range(3)])])
+    await ingest.start()
+    (applier,) = [t for t in asyncio.all_tasks() if t.get_name() == f"kvlb-apply-{R1}"]
+    pipeline = ingest.pipeline(R1)
+    assert pipeline is not None
+    await eventually(lambda: pipeline.queued_batches > 0 or pipeline._busy)
+    removing = asyncio.create_task(ingest.remove_replica(R1, drain_s=30.0))
+    await asyncio.sleep(0.05)
+    assert not removing.done()  # draining
+    removing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await removing
+    assert applier.done()
+    await ingest.aclose()
+
+
+async def test_the_ingest_thread_cancels_what_is_left_on_its_loop_at_stop() -> None:
+    """A task an owner failed to end (its cancelled call returned on the caller's loop before the
+    cleanup on the ingest loop ran) is cancelled and awaited when the thread stops, not destroyed
+    pending with the loop."""
+    thread = IngestThread("kvlb-test-leftovers")
+    await thread.start()
+    left: list[asyncio.Task[None]] = []
+
+    async def leave_one() -> None:
+        left.append(asyncio.get_running_loop().create_task(asyncio.sleep(3600), name="kvlb-left"))
+
+    await thread.call(leave_one)
+    await thread.stop()
+    (task,) = left
+    assert task.done() and task.cancelled()
 
 
 def test_settings_validation() -> None:
