@@ -24,7 +24,10 @@ from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import POLICY_NAMES
 from loadtests import tune
 from loadtests.simulate import SimConfig, SimRequest, Simulation, trace_requests, workload_requests
+from loadtests.simulate.bound import pooled_ttfts
+from loadtests.simulate.oracle import BeladySimulation
 from loadtests.simulate.report import compare, compare_table, summary_of, summary_table
+from loadtests.stats import percentile
 from loadtests.workloads import WORKLOADS
 from replicas.sim.profiles import PROFILES
 
@@ -62,6 +65,18 @@ def register(subparsers: SubParsers) -> None:
         "--tolerance", type=float, default=0.10, help="relative tolerance of --compare-with (0.10)"
     )
     simulate.add_argument("--output", type=Path, help="also write the JSON report here")
+    simulate.add_argument(
+        "--engines",
+        choices=("lru", "min"),
+        default="lru",
+        help="the replicas' eviction: lru (as engines do) or min (Belady's, sees the future; fast model)",
+    )
+    simulate.add_argument(
+        "--pooled-bound",
+        action="store_true",
+        help="print the routing-independent pooled list schedule's TTFT instead (one unbounded "
+        "cache, one FCFS queue; loadtests/simulate/bound.py)",
+    )
     simulate.set_defaults(handler=run_simulate)
     tuner = subparsers.add_parser(
         "tune",
@@ -223,7 +238,7 @@ def _progress(started: float) -> Any:
 
 def run_simulate(args: argparse.Namespace) -> int:
     try:
-        inputs = build_inputs(args, materialise=False)
+        inputs = build_inputs(args, materialise=args.engines == "min" or args.pooled_bound)
         measured = None
         if args.compare_with is not None:
             loaded = json.loads(args.compare_with.read_text("utf-8"))
@@ -231,13 +246,21 @@ def run_simulate(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError, KeyError, OSError) as exc:
         print(f"kvlb simulate: {exc}", file=sys.stderr)
         return 2
-    assert inputs.stream is not None
+    if args.pooled_bound:
+        return _print_pooled_bound(inputs, args.json)
     started, cpu_started = time.perf_counter(), time.process_time()
-    result = Simulation(inputs.config, inputs.stream).run(progress=_progress(started))
+    if args.engines == "min":
+        assert inputs.requests is not None
+        simulation: Simulation = BeladySimulation(inputs.config, inputs.requests)
+    else:
+        assert inputs.stream is not None
+        simulation = Simulation(inputs.config, inputs.stream)
+    result = simulation.run(progress=_progress(started))
     wall_s, cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
     report: dict[str, Any] = {
         "kind": "kvlb-simulate",
         "config": inputs.config.to_dict(),
+        "engines": args.engines,
         "source": inputs.source,
         "summary": result.summary.to_dict(),
         "sim": {
@@ -284,6 +307,30 @@ def run_simulate(args: argparse.Namespace) -> int:
         print()
         print(compare_table(checks, args.tolerance))
     return code
+
+
+def _print_pooled_bound(inputs: Inputs, as_json: bool) -> int:
+    """``--pooled-bound``: the TTFT percentiles of :func:`pooled_ttfts` for the stream."""
+    assert inputs.requests is not None
+    config = inputs.config
+    profile = config.resolved_profile()
+    ttfts = pooled_ttfts(inputs.requests, config.replicas, profile, config.page_size or profile.page_size)
+    report = {
+        "kind": "kvlb-simulate-pooled-bound",
+        "replicas": config.replicas,
+        "profile": profile.name,
+        "source": inputs.source,
+        "requests": len(ttfts),
+        **{f"ttft_p{p}_s": percentile(ttfts, p) for p in (50, 90, 99)},
+    }
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"kvlb simulate --pooled-bound: {len(ttfts):,} requests on {config.replicas} replicas")
+    for name in ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s"):
+        value = report[name]
+        print(f"{name:<18} {value:.4g}" if isinstance(value, float) else f"{name:<18} -")
+    return 0
 
 
 def run_tune(args: argparse.Namespace) -> int:
