@@ -39,6 +39,7 @@ from balancer.service.dispatch import (
     admitted,
     dispatch,
     failure_message,
+    on_answered,
     on_first_chunk,
     on_relayed,
     relay_deadline,
@@ -227,6 +228,7 @@ async def relay(
     except asyncio.CancelledError:  # the client went away (handler cancellation)
         stream.close()
         outcome.status = "499"
+        on_answered(state, lease, stream)  # it may leave on the last event, before the body's end
         raise
     except BaseException:
         stream.close()

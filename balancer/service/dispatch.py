@@ -302,23 +302,33 @@ def on_relayed(
     state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream, complete: bool
 ) -> None:
     """Bookkeeping once relaying ended: a complete answer returns its connection to the pool;
-    anything else closes the connection. An upstream body read to its end reports the engine's
-    cached tokens (a receipt), even when the client left before the last bytes reached it."""
-    metrics = state.metrics
-    if stream.finished:
-        usage = stream.usage()
-        if usage.cached_tokens is not None:
-            metrics.children.of(metrics.reported_cached_tokens_total, lease.replica).inc(usage.cached_tokens)
-            record_receipt(state, lease, usage.cached_tokens)
-            if state.series is not None:
-                prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
-                state.series.on_usage(prompt, usage.cached_tokens, state.wall_clock())
+    anything else closes the connection. An answer that is all in reports the engine's cached
+    tokens (:func:`on_answered`), even when the client left before the last bytes reached it."""
+    on_answered(state, lease, stream)
     if complete:
         stream.release()
     else:
         stream.close()
+    metrics = state.metrics
     policy = lease.plan.decision.policy
     metrics.children.of(metrics.e2e_seconds, lease.replica, policy).observe(state.monotonic() - job.arrived)
+
+
+def on_answered(state: ServiceState, lease: Lease, stream: UpstreamStream) -> None:
+    """The engine's usage report, once its answer is all in (:attr:`UpstreamStream.answered`): the
+    reported cached tokens and a receipt. Also called when the client leaves right after the last
+    event, before the body's end was read (the handler is cancelled then, and nothing else runs)."""
+    if not stream.answered:
+        return
+    usage = stream.usage()
+    if usage.cached_tokens is None:
+        return
+    metrics = state.metrics
+    metrics.children.of(metrics.reported_cached_tokens_total, lease.replica).inc(usage.cached_tokens)
+    record_receipt(state, lease, usage.cached_tokens)
+    if state.series is not None:
+        prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
+        state.series.on_usage(prompt, usage.cached_tokens, state.wall_clock())
 
 
 def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Settled:

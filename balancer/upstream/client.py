@@ -20,6 +20,7 @@ import aiohttp
 
 from balancer.config import TimeoutConfig
 from balancer.errors import UpstreamError, UpstreamTimeout
+from balancer.upstream.sse import DONE
 
 FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "x-request-id", "traceparent", "tracestate"})
 """Client headers passed to replicas; everything else (auth, cookies, hop-by-hop) stays here."""
@@ -78,6 +79,13 @@ class UpstreamStream:
         """The whole body was read (its end reached): :meth:`usage` is the engine's last word. Also
         when the relay stopped iterating at the last chunk because the end had already arrived."""
         return self._ended or self._response.content.at_eof()
+
+    @property
+    def answered(self) -> bool:
+        """The engine's answer is all in, so :meth:`usage` is its last word: the body was read to its
+        end, or an event stream's last event (``data: [DONE]``) arrived, whose end may follow in
+        another read (a client that leaves on that event does not wait for it)."""
+        return self.finished or self._tail.rstrip().endswith(DONE)
 
     @property
     def status(self) -> int:
