@@ -137,6 +137,16 @@ class LockedPrefixTable(PrefixTable):
         with self.lock:
             return super().learn_blocks(replica, keys, engine_hashes, routed_at, hold=hold)
 
+    def routes_wanted(self, replica: ReplicaId, now: float) -> bool:
+        with self.lock:
+            return super().routes_wanted(replica, now)
+
+    def note_routes(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], engine_hashes: Sequence[int], now: float
+    ) -> None:
+        with self.lock:
+            super().note_routes(replica, keys, engine_hashes, now)
+
     def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
         with self.lock:
             return super().held_prefix(replica, keys)

@@ -22,6 +22,9 @@ GONE_MAX = 4096
 GONE_S = 60.0
 """How long (seconds) a learning cache remembers a removed engine hash (``CacheSlot.gone``), and a
 cache a block gap recovery dropped unconfirmed (``CacheSlot.dropped``)."""
+ROUTED_MAX = 65_536
+"""Routed prompt blocks one cache remembers after an event gap (``CacheSlot.routed``, ~150 B
+each); the oldest beyond it are forgotten (``TableCounters.routed_forgotten``)."""
 DROPPED_MAX = 65_536
 """Blocks dropped unconfirmed that one cache remembers (``CacheSlot.dropped``, ~100 B each); the
 oldest beyond it are forgotten (``TableCounters.dropped_forgotten``)."""
@@ -71,6 +74,7 @@ class GapRecovery:
             get = self._holders.get
             held = list(dict.fromkeys(key for key in cache.keys.values() if get(key, 0) & bit))
         cache.suspect = dict.fromkeys(held)
+        cache.gap_at = now
         self.counters.suspect_marked += len(held)
         cache.suspect_until = now + self.limits.gap_hold_s
         cache.suspect_keep_until = now + self.limits.gap_keep_s
@@ -210,6 +214,64 @@ class GapRecovery:
         cache.held += 1
         self.counters.suspect_restored += 1
         return 1
+
+    # ------------------------------------------------------------------ stores under lost blocks
+
+    def routes_wanted(self, replica: ReplicaId, now: float) -> bool:
+        """Whether requests routed to ``replica`` should be noted (:meth:`note_routes`): one of its
+        caches had an event gap within the last ``GONE_S`` seconds."""
+        ranks = self._slots.caches.get(replica)
+        return ranks is not None and any(now - cache.gap_at < GONE_S for cache in ranks.values())
+
+    def note_routes(
+        self, replica: ReplicaId, keys: Sequence[BlockKey], engine_hashes: Sequence[int], now: float
+    ) -> None:
+        """A request routed to ``replica`` names these blocks: ``keys[i]`` and the engine's own hash
+        of the same block, ``engine_hashes[i]`` (chained from the root). Remembered by every cache of
+        the replica whose last gap is within ``GONE_S`` (``CacheSlot.routed``), so that a later store
+        under one of them is not skipped as under an unknown parent (:meth:`_resolve_parent`).
+        O(blocks); nothing is held here: the request may find none of them cached."""
+        ranks = self._slots.caches.get(replica)
+        for cache in ranks.values() if ranks else ():
+            if now - cache.gap_at >= GONE_S:
+                continue
+            routed = cache.routed
+            parent: int | None = None
+            for key, engine_hash in zip(keys, engine_hashes, strict=False):
+                routed.pop(engine_hash, None)
+                routed[engine_hash] = (key, parent)
+                parent = engine_hash
+            while len(routed) > ROUTED_MAX:
+                del routed[next(iter(routed))]
+                self.counters.routed_forgotten += 1
+
+    def _resolve_parent(self, cache: CacheSlot, parent: int) -> int | None:
+        """The engine stores under ``parent``, a hash the cache does not map: if a request routed
+        since the last gap named it (``CacheSlot.routed``), the engine holds that block (it chains
+        under it now) and, as a radix tree does, every block on its path to the root: hold them
+        under those hashes and return the parent's key;
+        ``None`` if no routed request named it. O(the path's blocks)."""
+        routed = cache.routed
+        found = routed.get(parent)
+        if found is None:
+            return None
+        path: list[tuple[int, int]] = []
+        engine_hash: int | None = parent
+        while engine_hash is not None and len(path) <= len(routed):
+            entry = routed.get(engine_hash)
+            if entry is None:
+                break
+            path.append((engine_hash, entry[0]))
+            if cache.keys.get(engine_hash) == entry[0] and self._holders.get(entry[0], 0) & cache.bit:
+                break  # held under this handle: so is the rest of the path
+            engine_hash = entry[1]
+        held = 0
+        for engine_hash, key in path:  # the parent first: the root ends most recent, as in a store
+            cache.dropped.pop(key, None)
+            held += self._hold(cache, key, engine_hash)
+        self.counters.routed_resolved += 1
+        self.counters.routed_held += held
+        return found[0]
 
     # ------------------------------------------------------------------ receipts with engine hashes
 

@@ -93,6 +93,13 @@ class TableCounters:
     (``CacheSlot.dropped``)."""
     dropped_forgotten: int = 0
     """Entries of ``CacheSlot.dropped`` forgotten over ``recovery.DROPPED_MAX`` (oldest first)."""
+    routed_resolved: int = 0
+    """Stores under a parent the cache did not know, applied after all because a request routed to
+    the replica since its last event gap named the parent (``CacheSlot.routed``)."""
+    routed_held: int = 0
+    """Blocks those stores' parents and their ancestors added to the cache's holdings."""
+    routed_forgotten: int = 0
+    """Entries of ``CacheSlot.routed`` forgotten over ``recovery.ROUTED_MAX`` (oldest first)."""
 
 
 class CacheSlot:
@@ -103,11 +110,13 @@ class CacheSlot:
         "dp_rank",
         "dropped",
         "dups",
+        "gap_at",
         "gone",
         "gone_floor",
         "held",
         "keys",
         "replica",
+        "routed",
         "slot",
         "suspect",
         "suspect_frontier",
@@ -152,6 +161,17 @@ class CacheSlot:
         self.gone_floor = float("-inf")
         """The latest removal time forgotten from ``gone``: a request routed before it is not learned
         from (its removals may no longer be remembered)."""
+        self.gap_at = float("-inf")
+        """When the cache's last event gap was applied (monotonic seconds; ``-inf``: none since it
+        was created or cleared). For ``recovery.GONE_S`` after it, requests routed to the replica
+        fill ``routed``."""
+        self.routed: dict[int, tuple[int, int | None]] = {}
+        """Since the last event gap: engine hash → (block key, parent engine hash or ``None`` at the
+        root) of the prompt blocks of requests routed to the replica (the engine's own hashes,
+        computed by kvlb: ``PrefixTable.note_routes``). The lost events may have stored blocks the
+        index never learned; when the engine later stores under one of them (a request routed
+        since that reuses it), the parent is found here and the store is applied, not skipped.
+        At most ``recovery.ROUTED_MAX`` entries, oldest out first."""
 
 
 class SpecSlot:

@@ -159,6 +159,8 @@ class PrefixTable(GapRecovery):
             seed = self.hasher.root_seed(event.lora_name, event.cache_salt)
         else:
             known = None if cache is None else cache.keys.get(event.parent)
+            if known is None and cache is not None and cache.routed:  # stored in lost events?
+                known = self._resolve_parent(cache, event.parent)
             if known is None:
                 result.skipped_unknown_parent += 1
                 return
@@ -284,6 +286,7 @@ class PrefixTable(GapRecovery):
         cache.dropped = {}
         self._restorable.pop(cache, None)
         cache.suspect_frontier = False
+        cache.gap_at, cache.routed = float("-inf"), {}
         if cache.gone is not None:
             cache.gone = {}
             cache.gone_floor = float("-inf")
