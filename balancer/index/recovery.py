@@ -245,31 +245,34 @@ class GapRecovery:
                 del routed[next(iter(routed))]
                 self.counters.routed_forgotten += 1
 
-    def _resolve_parent(self, cache: CacheSlot, parent: int) -> int | None:
-        """The engine stores under ``parent``, a hash the cache does not map: if a request routed
-        since the last gap named it (``CacheSlot.routed``), the engine holds that block (it chains
-        under it now) and, as a radix tree does, every block on its path to the root: hold them
-        under those hashes and return the parent's key;
-        ``None`` if no routed request named it. O(the path's blocks)."""
+    def _resolve_parent(self, cache: CacheSlot, parent: int, known: bool) -> int | None:
+        """The engine stores under ``parent``: if a request routed since the last gap named it
+        (``CacheSlot.routed``), the engine holds that block (it chains under it now) and, as a radix
+        tree does, every block on its path to the root. Hold them under those hashes (confirming
+        suspect ones, holding again those dropped unconfirmed), from ``parent`` up to the first one
+        held, neither suspect nor dropped, and return the parent's key; ``None`` if no routed request
+        named it. ``known``: whether the cache already maps ``parent`` (then this only completes the
+        path; else the store is applied thanks to it, counted). O(the path's blocks)."""
         routed = cache.routed
         found = routed.get(parent)
         if found is None:
             return None
-        path: list[tuple[int, int]] = []
-        engine_hash: int | None = parent
-        while engine_hash is not None and len(path) <= len(routed):
-            entry = routed.get(engine_hash)
-            if entry is None:
-                break
-            path.append((engine_hash, entry[0]))
-            if cache.keys.get(engine_hash) == entry[0] and self._holders.get(entry[0], 0) & cache.bit:
-                break  # held under this handle: so is the rest of the path
-            engine_hash = entry[1]
+        get = self._holders.get
+        bit = cache.bit
         held = 0
-        for engine_hash, key in path:  # the parent first: the root ends most recent, as in a store
+        engine_hash, entry = parent, found
+        for _ in range(len(routed)):  # the parent first: the root ends most recent, as in a store
+            key, above = entry
+            settled = get(key, 0) & bit and key not in cache.suspect and key not in cache.dropped
+            if settled and cache.keys.get(engine_hash) == key:
+                break  # held under this handle, not in doubt: so is the rest of the path
             cache.dropped.pop(key, None)
             held += self._hold(cache, key, engine_hash)
-        self.counters.routed_resolved += 1
+            next_entry = None if above is None else routed.get(above)
+            if above is None or next_entry is None:
+                break
+            engine_hash, entry = above, next_entry
+        self.counters.routed_resolved += not known
         self.counters.routed_held += held
         return found[0]
 

@@ -159,8 +159,10 @@ class PrefixTable(GapRecovery):
             seed = self.hasher.root_seed(event.lora_name, event.cache_salt)
         else:
             known = None if cache is None else cache.keys.get(event.parent)
-            if known is None and cache is not None and cache.routed:  # stored in lost events?
-                known = self._resolve_parent(cache, event.parent)
+            if cache is not None and cache.routed and event.parent in cache.routed:
+                # after a gap: the parent may have been stored in the lost events, or dropped
+                resolved = self._resolve_parent(cache, event.parent, known is not None)
+                known = resolved if known is None else known
             if known is None:
                 result.skipped_unknown_parent += 1
                 return

@@ -452,3 +452,19 @@ def test_noted_blocks_are_bounded_oldest_out(monkeypatch: pytest.MonkeyPatch) ->
     assert t.counters.routed_forgotten == 1
     t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3)
     assert t.engine_hashes(A) >= {22, 23, 24} and 21 not in t.engine_hashes(A)
+
+
+def test_a_store_under_a_block_dropped_unconfirmed_holds_its_whole_path_again_when_noted() -> None:
+    """Without a routed request only the direct parent is held again (the table keeps no parent
+    links); a request routed since the gap names the path to the root."""
+    for noted in (False, True):
+        t = table()
+        tokens = toks(4, 100)
+        t.apply(A, [stored(tokens[: 3 * BS], [21, 22, 23])], 0.0)
+        gap(t, 1.0)
+        t.apply(A, [], 2.1)  # the hold ended: all three dropped unconfirmed
+        assert t.engine_hashes(A) == set()
+        if noted:
+            t.note_routes(A, HASHER.request_keys(tokens), [EngineHash(h) for h in (21, 22, 23, 24)], 2.2)
+        t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)
+        assert t.engine_hashes(A) == ({21, 22, 23, 24} if noted else {23, 24})
