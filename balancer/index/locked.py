@@ -142,10 +142,15 @@ class LockedPrefixTable(PrefixTable):
             return super().routes_wanted(replica, now)
 
     def note_routes(
-        self, replica: ReplicaId, keys: Sequence[BlockKey], engine_hashes: Sequence[int], now: float
+        self,
+        replica: ReplicaId,
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[int],
+        block_hashes: Callable[[Sequence[int], int], Sequence[int]],
+        now: float,
     ) -> None:
         with self.lock:
-            super().note_routes(replica, keys, engine_hashes, now)
+            super().note_routes(replica, keys, token_ids, block_hashes, now)
 
     def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
         with self.lock:

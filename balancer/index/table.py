@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate, chain, compress, filterfalse, islice, pairwise, repeat
 from operator import and_, eq
@@ -159,9 +160,13 @@ class PrefixTable(GapRecovery):
             seed = self.hasher.root_seed(event.lora_name, event.cache_salt)
         else:
             known = None if cache is None else cache.keys.get(event.parent)
-            if cache is not None and cache.routed and event.parent in cache.routed:
-                # after a gap: the parent may have been stored in the lost events, or dropped
-                resolved = self._resolve_parent(cache, event.parent, known is not None)
+            if (
+                cache is not None
+                and cache.route_ring
+                and (known is None or known in cache.suspect or known in cache.dropped)
+            ):  # after a gap: the parent may have been stored in the lost events, or be in doubt
+                step = 4 * self._block_size
+                resolved = self._resolve_parent(cache, event.parent, event.tokens[:step], known is not None)
                 known = resolved if known is None else known
             if known is None:
                 result.skipped_unknown_parent += 1
@@ -288,7 +293,7 @@ class PrefixTable(GapRecovery):
         cache.dropped = {}
         self._restorable.pop(cache, None)
         cache.suspect_frontier = False
-        cache.gap_at, cache.routed = float("-inf"), {}
+        cache.gap_at, cache.routed, cache.route_ring, cache.route_tokens = float("-inf"), {}, deque(), 0
         if cache.gone is not None:
             cache.gone = {}
             cache.gone_floor = float("-inf")

@@ -516,21 +516,19 @@ class PoolRouter:
         return reserved
 
     def _note_routes(self, space: KeySpace, plan: RoutePlan, now: float) -> None:
-        """After an event gap of the chosen replica (within ``recovery.GONE_S``): tell its table the
-        engine's own hashes of the request's prompt blocks (:meth:`PrefixTable.note_routes
-        <balancer.index.table.PrefixTable.note_routes>`), so that a store the engine makes under one
-        of them, which the lost events may have stored, is applied rather than skipped. Costs one
-        engine hash per prompt block, and only then; nothing without reproducible hashes (a LoRA,
-        a cache salt, vLLM) or once they were seen wrong."""
+        """After an event gap of the chosen replica (within ``recovery.GONE_S``): give its table the
+        request's keys, token ids and the engine's block hash function (:meth:`PrefixTable.note_routes
+        <balancer.index.table.PrefixTable.note_routes>`, references, O(1)), so that a store the engine
+        makes under one of its blocks, which the lost events may have stored, is applied rather than
+        skipped. Nothing without reproducible hashes (a LoRA, a cache salt, vLLM) or once they were
+        seen wrong."""
         replica = plan.decision.replica
         block_hashes = self._block_hashes.get(replica)
         if block_hashes is None or not plan.token_ids or space.table.limits.gap_hold_s <= 0:
             return
         if self.hash_trust(replica) is False or not space.table.routes_wanted(replica, now):
             return
-        blocks = len(plan.keys)
-        hashes = block_hashes(plan.token_ids[: blocks * plan.block_size], plan.block_size)
-        space.table.note_routes(replica, plan.keys[: len(hashes)], hashes, now)
+        space.table.note_routes(replica, plan.keys, plan.token_ids, block_hashes, now)
 
     def first_token(self, request_id: str, now: float) -> None:
         self.tracker().first_token(request_id, now)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -404,8 +404,13 @@ def lost_prefix_then_child(t: PrefixTable, noted_at: float) -> tuple[list[int], 
     tokens = toks(4, 100)
     keys = list(HASHER.request_keys(tokens))
     if t.routes_wanted(A, noted_at):
-        t.note_routes(A, keys, [EngineHash(h) for h in (21, 22, 23, 24)], noted_at)
+        t.note_routes(A, keys, tokens, engine_hashes(21, 22, 23, 24), noted_at)
     return tokens, keys
+
+
+def engine_hashes(*hashes: int) -> Callable[[Sequence[int], int], list[EngineHash]]:
+    """A block hash function for one prompt: its full blocks hash to ``hashes`` in order."""
+    return lambda tokens, bs: [EngineHash(h) for h in hashes[: len(tokens) // bs]]
 
 
 def test_a_store_under_a_block_the_gap_lost_is_applied_when_a_routed_request_named_it() -> None:
@@ -445,13 +450,31 @@ def test_without_a_recent_gap_nothing_is_noted_and_the_store_is_skipped() -> Non
     assert t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3).skipped_unknown_parent == 1
 
 
-def test_noted_blocks_are_bounded_oldest_out(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(recovery, "ROUTED_MAX", 3)
+def test_routed_requests_are_bounded_oldest_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recovery, "ROUTED_PROMPTS", 1)
     t = table()
-    tokens, _ = lost_prefix_then_child(t, 1.2)  # 4 noted: the root-most one (21) is forgotten
+    tokens, _ = lost_prefix_then_child(t, 1.2)
+    other = toks(2, 700)
+    t.note_routes(A, HASHER.request_keys(other), other, engine_hashes(31, 32), 1.25)  # the first goes
     assert t.counters.routed_forgotten == 1
-    t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3)
-    assert t.engine_hashes(A) >= {22, 23, 24} and 21 not in t.engine_hashes(A)
+    assert t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3).skipped_unknown_parent == 1
+    monkeypatch.setattr(recovery, "ROUTED_PROMPTS", 256)
+    monkeypatch.setattr(recovery, "ROUTED_TOKENS", 3 * BS)  # a prompt longer than the budget: not kept
+    t = table()
+    tokens, _ = lost_prefix_then_child(t, 1.2)
+    assert t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3).skipped_unknown_parent == 1
+
+
+def test_a_child_whose_tokens_follow_another_block_of_the_prompt_is_not_chained_there() -> None:
+    """The parent must be the block the engine names (its hash), not any block the child follows."""
+    t = table()
+    t.apply(A, [stored(toks(1, 900), [1])], 0.0)
+    gap(t, 1.0)
+    tokens = [*toks(1, 100), *toks(1, 200), *toks(1, 100), *toks(1, 200)]  # blocks x y x y
+    t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 1.2)
+    result = t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3)  # y under the third block
+    assert result.skipped_unknown_parent == 0
+    assert t.match(HASHER.request_keys(tokens), None, 1.3).blocks[A] == 4
 
 
 def test_a_store_under_a_block_dropped_unconfirmed_holds_its_whole_path_again_when_noted() -> None:
@@ -465,6 +488,6 @@ def test_a_store_under_a_block_dropped_unconfirmed_holds_its_whole_path_again_wh
         t.apply(A, [], 2.1)  # the hold ended: all three dropped unconfirmed
         assert t.engine_hashes(A) == set()
         if noted:
-            t.note_routes(A, HASHER.request_keys(tokens), [EngineHash(h) for h in (21, 22, 23, 24)], 2.2)
+            t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 2.2)
         t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)
         assert t.engine_hashes(A) == ({21, 22, 23, 24} if noted else {23, 24})
