@@ -160,14 +160,8 @@ class PrefixTable(GapRecovery):
             seed = self.hasher.root_seed(event.lora_name, event.cache_salt)
         else:
             known = None if cache is None else cache.keys.get(event.parent)
-            if (
-                cache is not None
-                and cache.route_ring
-                and (known is None or known in cache.suspect or known in cache.dropped)
-            ):  # after a gap: the parent may have been stored in the lost events, or be in doubt
-                step = 4 * self._block_size
-                resolved = self._resolve_parent(cache, event.parent, event.tokens[:step], known is not None)
-                known = resolved if known is None else known
+            if known is None and cache is not None and cache.route_ring:  # stored in lost events?
+                known = self._resolve_parent(cache, event.parent, event.tokens[: 4 * self._block_size])
             if known is None:
                 result.skipped_unknown_parent += 1
                 return

@@ -477,17 +477,23 @@ def test_a_child_whose_tokens_follow_another_block_of_the_prompt_is_not_chained_
     assert t.match(HASHER.request_keys(tokens), None, 1.3).blocks[A] == 4
 
 
-def test_a_store_under_a_block_dropped_unconfirmed_holds_its_whole_path_again_when_noted() -> None:
-    """Without a routed request only the direct parent is held again (the table keeps no parent
-    links); a request routed since the gap names the path to the root."""
-    for noted in (False, True):
-        t = table()
-        tokens = toks(4, 100)
-        t.apply(A, [stored(tokens[: 3 * BS], [21, 22, 23])], 0.0)
-        gap(t, 1.0)
-        t.apply(A, [], 2.1)  # the hold ended: all three dropped unconfirmed
-        assert t.engine_hashes(A) == set()
-        if noted:
-            t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 2.2)
-        t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)
-        assert t.engine_hashes(A) == ({21, 22, 23, 24} if noted else {23, 24})
+def test_a_store_under_a_lost_block_holds_again_the_ancestors_dropped_unconfirmed() -> None:
+    """The path to the root of a resolved parent: ancestors the hold dropped (the engine kept them)
+    are held again. A store under a block merely dropped (its handle kept) is not resolved: only its
+    direct parent is held again, as before routed requests were noted."""
+    t = table()
+    tokens = toks(4, 100)
+    t.apply(A, [stored(tokens[: 2 * BS], [21, 22])], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [], 2.1)  # the hold ended: both dropped unconfirmed
+    assert t.engine_hashes(A) == set()
+    t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 2.2)
+    t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)  # 23 was stored in the lost events
+    assert t.engine_hashes(A) == {21, 22, 23, 24}
+    t = table()
+    t.apply(A, [stored(tokens[: 3 * BS], [21, 22, 23])], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [], 2.1)
+    t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 2.2)
+    t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)
+    assert t.engine_hashes(A) == {23, 24}
