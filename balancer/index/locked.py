@@ -137,6 +137,21 @@ class LockedPrefixTable(PrefixTable):
         with self.lock:
             return super().learn_blocks(replica, keys, engine_hashes, routed_at, hold=hold)
 
+    def routes_wanted(self, replica: ReplicaId, now: float) -> bool:
+        with self.lock:
+            return super().routes_wanted(replica, now)
+
+    def note_routes(
+        self,
+        replica: ReplicaId,
+        keys: Sequence[BlockKey],
+        token_ids: Sequence[int],
+        block_hashes: Callable[[Sequence[int], int], Sequence[int]],
+        now: float,
+    ) -> None:
+        with self.lock:
+            super().note_routes(replica, keys, token_ids, block_hashes, now)
+
     def held_prefix(self, replica: ReplicaId, keys: Sequence[BlockKey]) -> int:
         with self.lock:
             return super().held_prefix(replica, keys)

@@ -7,7 +7,8 @@ A *slot* is one bit of the holder masks in :mod:`balancer.index.table`: a :class
 from __future__ import annotations
 
 import heapq
-from collections.abc import Collection
+from collections import deque
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from balancer.types import ReplicaId
@@ -93,6 +94,13 @@ class TableCounters:
     (``CacheSlot.dropped``)."""
     dropped_forgotten: int = 0
     """Entries of ``CacheSlot.dropped`` forgotten over ``recovery.DROPPED_MAX`` (oldest first)."""
+    routed_resolved: int = 0
+    """Stores under a parent the cache did not know, applied after all because a request routed to
+    the replica since its last event gap named the parent (``CacheSlot.routed``)."""
+    routed_held: int = 0
+    """Blocks those stores' parents and their ancestors added to the cache's holdings."""
+    routed_forgotten: int = 0
+    """Entries of ``CacheSlot.routed`` forgotten over ``recovery.ROUTED_MAX`` (oldest first)."""
 
 
 class CacheSlot:
@@ -103,11 +111,15 @@ class CacheSlot:
         "dp_rank",
         "dropped",
         "dups",
+        "gap_at",
         "gone",
         "gone_floor",
         "held",
         "keys",
         "replica",
+        "route_ring",
+        "route_tokens",
+        "routed",
         "slot",
         "suspect",
         "suspect_frontier",
@@ -152,6 +164,40 @@ class CacheSlot:
         self.gone_floor = float("-inf")
         """The latest removal time forgotten from ``gone``: a request routed before it is not learned
         from (its removals may no longer be remembered)."""
+        self.gap_at = float("-inf")
+        """When the cache's last event gap was applied (monotonic seconds; ``-inf``: none since it
+        was created or cleared). For ``recovery.GONE_S`` after it, requests routed to the replica
+        fill ``routed``."""
+        self.route_ring: deque[RoutedPrompt] = deque()
+        """Since the last event gap: the requests routed to the replica (``PrefixTable.note_routes``),
+        oldest first, at most ``recovery.ROUTED_PROMPTS`` and ``recovery.ROUTED_TOKENS`` tokens. The
+        lost events may have stored blocks the index never learned; when the engine later stores
+        under one of them (a request routed since reuses it), the parent is looked up here and the
+        store is applied, not skipped (``GapRecovery._resolve_parent``)."""
+        self.route_tokens = 0
+        """Prompt tokens of ``route_ring``'s requests (their full blocks)."""
+        self.routed: dict[int, tuple[int, int | None]] = {}
+        """Engine hash → (block key, parent engine hash or ``None`` at the root) of the blocks found
+        in ``route_ring`` (computed when a store needed them), at most ``recovery.ROUTED_MAX``,
+        oldest out first."""
+
+
+class RoutedPrompt:
+    """A request routed to a replica after its event gap: references to its block keys and token
+    ids, the engine's block hash function, and its packed tokens once searched."""
+
+    __slots__ = ("block_hashes", "keys", "packed", "token_ids")
+
+    def __init__(
+        self,
+        keys: tuple[int, ...],
+        token_ids: Sequence[int],
+        block_hashes: Callable[[Sequence[int], int], Sequence[int]],
+    ) -> None:
+        self.keys = keys
+        self.token_ids = token_ids
+        self.block_hashes = block_hashes
+        self.packed: bytes | None = None
 
 
 class SpecSlot:

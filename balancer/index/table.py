@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import heapq
 import sys
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate, chain, compress, filterfalse, islice, pairwise, repeat
 from operator import and_, eq
@@ -159,6 +160,8 @@ class PrefixTable(GapRecovery):
             seed = self.hasher.root_seed(event.lora_name, event.cache_salt)
         else:
             known = None if cache is None else cache.keys.get(event.parent)
+            if known is None and cache is not None and cache.route_ring:  # stored in lost events?
+                known = self._resolve_parent(cache, event.parent, event.tokens[: 4 * self._block_size])
             if known is None:
                 result.skipped_unknown_parent += 1
                 return
@@ -284,6 +287,7 @@ class PrefixTable(GapRecovery):
         cache.dropped = {}
         self._restorable.pop(cache, None)
         cache.suspect_frontier = False
+        cache.gap_at, cache.routed, cache.route_ring, cache.route_tokens = float("-inf"), {}, deque(), 0
         if cache.gone is not None:
             cache.gone = {}
             cache.gone_floor = float("-inf")

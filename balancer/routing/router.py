@@ -504,6 +504,8 @@ class PoolRouter:
             request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
         )
         space = self.space_of.get(replica)
+        if reserved and space is not None and plan.keys:
+            self._note_routes(space, plan, now)
         if reserved and space is not None and plan.keys and speculative_ttl_s > 0:
             long_ttl_s = max(speculative_ttl_s, pending_ttl_s or 0.0)
             space.table.add_speculative(replica, plan.keys, long_ttl_s, now)
@@ -512,6 +514,21 @@ class PoolRouter:
                 while len(self._speculating) > self.max_speculating:
                     self._speculating.popitem(last=False)
         return reserved
+
+    def _note_routes(self, space: KeySpace, plan: RoutePlan, now: float) -> None:
+        """After an event gap of the chosen replica (within ``recovery.GONE_S``): give its table the
+        request's keys, token ids and the engine's block hash function (:meth:`PrefixTable.note_routes
+        <balancer.index.table.PrefixTable.note_routes>`, references, O(1)), so that a store the engine
+        makes under one of its blocks, which the lost events may have stored, is applied rather than
+        skipped. Nothing without reproducible hashes (a LoRA, a cache salt, vLLM) or once they were
+        seen wrong."""
+        replica = plan.decision.replica
+        block_hashes = self._block_hashes.get(replica)
+        if block_hashes is None or not plan.token_ids or space.table.limits.gap_hold_s <= 0:
+            return
+        if self.hash_trust(replica) is False or not space.table.routes_wanted(replica, now):
+            return
+        space.table.note_routes(replica, plan.keys, plan.token_ids, block_hashes, now)
 
     def first_token(self, request_id: str, now: float) -> None:
         self.tracker().first_token(request_id, now)

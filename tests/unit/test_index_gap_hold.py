@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from balancer.events import Cleared, Removed, Resync, Stored
+from balancer.index import recovery
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
-from balancer.types import EngineHash, ReplicaId
+from balancer.types import BlockKey, EngineHash, ReplicaId
 
 BS = 2
 HASHER = BlockHasher("m", BS)
@@ -388,3 +389,111 @@ def test_compaction_keeps_the_handles_of_blocks_dropped_unconfirmed() -> None:
     keys = dropped_after_the_hold(t, 100)
     assert t.settle_suspect(A, keys, (), 2.5) == (100, 0)
     assert t.engine_hashes(A) == set(range(1, 101))
+
+
+# ------------------------------------------------------------------ stores under blocks the gap lost
+
+
+def lost_prefix_then_child(t: PrefixTable, noted_at: float) -> tuple[list[int], list[BlockKey]]:
+    """r0 held block 1; a gap at 1.0 lost the stores of a 3-block prefix (engine hashes 21..23); a
+    request for that prefix plus one block is routed at ``noted_at`` (its engine hashes noted); the
+    engine stores the request's last block (hash 24) under the lost hash 23. Returns the request's
+    tokens and keys."""
+    t.apply(A, [stored(toks(1, 900), [1])], 0.0)
+    gap(t, 1.0)
+    tokens = toks(4, 100)
+    keys = list(HASHER.request_keys(tokens))
+    if t.routes_wanted(A, noted_at):
+        t.note_routes(A, keys, tokens, engine_hashes(21, 22, 23, 24), noted_at)
+    return tokens, keys
+
+
+def engine_hashes(*hashes: int) -> Callable[[Sequence[int], int], list[EngineHash]]:
+    """A block hash function for one prompt: its full blocks hash to ``hashes`` in order."""
+    return lambda tokens, bs: [EngineHash(h) for h in hashes[: len(tokens) // bs]]
+
+
+def test_a_store_under_a_block_the_gap_lost_is_applied_when_a_routed_request_named_it() -> None:
+    t = table()
+    tokens, keys = lost_prefix_then_child(t, 1.2)
+    result = t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3)
+    assert result.skipped_unknown_parent == 0 and result.stored_blocks == 1
+    # the engine chains under 23: it holds 23 and its path to the root, under the engine's handles
+    assert t.engine_hashes(A) >= {21, 22, 23, 24}
+    assert t.match(keys, None, 1.3).blocks[A] == 4
+    assert t.counters.routed_resolved == 1 and t.counters.routed_held == 3
+    removed = t.apply(A, [Removed(0, (EngineHash(22),))], 1.4)
+    assert removed.removed_blocks == 1 and removed.unknown_removals == 0
+
+
+def test_a_routed_request_alone_holds_nothing() -> None:
+    """Noting a request's blocks is no evidence that the engine holds them (it may compute them all)."""
+    t = table()
+    _, keys = lost_prefix_then_child(t, 1.2)
+    assert t.held_prefix(A, keys) == 0
+    assert t.engine_hashes(A) == {1}
+
+
+def test_without_a_recent_gap_nothing_is_noted_and_the_store_is_skipped() -> None:
+    t = table()
+    assert not t.routes_wanted(A, 0.5)  # no cache yet, then no gap yet
+    t.apply(A, [stored(toks(1, 900), [1])], 0.0)
+    assert not t.routes_wanted(A, 0.5)
+    tokens, _ = lost_prefix_then_child(t, 61.0)  # a minute after the gap: no longer noted
+    result = t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 61.1)
+    assert result.skipped_unknown_parent == 1
+    assert t.engine_hashes(A) == set()  # block 1 went at the end of the hold
+    t = table()
+    tokens, _ = lost_prefix_then_child(t, 1.2)
+    t.apply(A, [Cleared(0)], 1.25)  # a clear forgets what was noted, and the gap
+    assert not t.routes_wanted(A, 1.3)
+    assert t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3).skipped_unknown_parent == 1
+
+
+def test_routed_requests_are_bounded_oldest_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(recovery, "ROUTED_PROMPTS", 1)
+    t = table()
+    tokens, _ = lost_prefix_then_child(t, 1.2)
+    other = toks(2, 700)
+    t.note_routes(A, HASHER.request_keys(other), other, engine_hashes(31, 32), 1.25)  # the first goes
+    assert t.counters.routed_forgotten == 1
+    assert t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3).skipped_unknown_parent == 1
+    monkeypatch.setattr(recovery, "ROUTED_PROMPTS", 256)
+    monkeypatch.setattr(recovery, "ROUTED_TOKENS", 3 * BS)  # a prompt longer than the budget: not kept
+    t = table()
+    tokens, _ = lost_prefix_then_child(t, 1.2)
+    assert t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3).skipped_unknown_parent == 1
+
+
+def test_a_child_whose_tokens_follow_another_block_of_the_prompt_is_not_chained_there() -> None:
+    """The parent must be the block the engine names (its hash), not any block the child follows."""
+    t = table()
+    t.apply(A, [stored(toks(1, 900), [1])], 0.0)
+    gap(t, 1.0)
+    tokens = [*toks(1, 100), *toks(1, 200), *toks(1, 100), *toks(1, 200)]  # blocks x y x y
+    t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 1.2)
+    result = t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 1.3)  # y under the third block
+    assert result.skipped_unknown_parent == 0
+    assert t.match(HASHER.request_keys(tokens), None, 1.3).blocks[A] == 4
+
+
+def test_a_store_under_a_lost_block_holds_again_the_ancestors_dropped_unconfirmed() -> None:
+    """The path to the root of a resolved parent: ancestors the hold dropped (the engine kept them)
+    are held again. A store under a block merely dropped (its handle kept) is not resolved: only its
+    direct parent is held again, as before routed requests were noted."""
+    t = table()
+    tokens = toks(4, 100)
+    t.apply(A, [stored(tokens[: 2 * BS], [21, 22])], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [], 2.1)  # the hold ended: both dropped unconfirmed
+    assert t.engine_hashes(A) == set()
+    t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 2.2)
+    t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)  # 23 was stored in the lost events
+    assert t.engine_hashes(A) == {21, 22, 23, 24}
+    t = table()
+    t.apply(A, [stored(tokens[: 3 * BS], [21, 22, 23])], 0.0)
+    gap(t, 1.0)
+    t.apply(A, [], 2.1)
+    t.note_routes(A, HASHER.request_keys(tokens), tokens, engine_hashes(21, 22, 23, 24), 2.2)
+    t.apply(A, [stored(tokens[3 * BS :], [24], parent=23)], 2.3)
+    assert t.engine_hashes(A) == {23, 24}

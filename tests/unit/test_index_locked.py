@@ -114,6 +114,8 @@ def _calls(table: LockedPrefixTable, keys: list[int]) -> dict[str, object]:
         "engine_hashes": lambda: table.engine_hashes(A),
         "learn_blocks": lambda: table.learn_blocks(A, typed, [1, 2], 0.0, hold=True),
         "held_prefix": lambda: table.held_prefix(A, typed),
+        "routes_wanted": lambda: table.routes_wanted(A, 0.0),
+        "note_routes": lambda: table.note_routes(A, typed, list(range(2 * BS)), lambda t, bs: [1, 2], 0.0),
         "stats": lambda: table.stats,
     }
 

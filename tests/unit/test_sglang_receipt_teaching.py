@@ -81,3 +81,29 @@ def test_a_replica_whose_pages_hash_otherwise_is_never_trusted() -> None:
     assert r.hash_trust(R) is not True  # nothing matched (a computed hash naming another key: False)
     table.apply(R, [Resync(0, "gap")], 1.0)
     assert serve(r, [9, 9, *range(500, 518)], 20, 1.1) == 0
+
+
+def test_a_store_under_pages_a_gap_lost_is_applied_from_a_routed_request_without_a_receipt() -> None:
+    """A stream without ``usage`` gives no receipt: the request routed after the gap still names the
+    lost pages by the engine's hashes, so the engine's store of its new page under them is applied."""
+    r = router()
+    table = r.space_of[R].table
+    now = 0.0
+    for i in range(HASH_TRUST_BLOCKS // 4 + 1):
+        prompt = [7, i, *range(100, 118)]
+        table.apply(R, [stored(prompt)], now)
+        serve(r, prompt, 20, now)
+        now += 0.1
+    lost = [9, 9, *range(500, 510)]  # 3 pages stored while the events were lost
+    table.apply(R, [Resync(0, "gap")], now)
+    prompt = [*lost, 1, 2, 3, 4, 5]  # 4 full pages, the lost 3 first
+    lease = r.route(PoolRequest(prompt, POLICY, PolicyWeights(), "q"), now + 0.1)
+    lease.release(now + 0.2)  # no receipt
+    pages = engine_pages(prompt)
+    child = Stored(0, pages[2], (pages[3],), pack_tokens(prompt[3 * PAGE : 4 * PAGE]), PAGE)
+    result = table.apply(R, [child], now + 0.2)
+    assert result.skipped_unknown_parent == 0 and result.stored_blocks == 1
+    assert table.engine_hashes(R) >= set(pages[:4])
+    before_gap = router()  # the same without a gap: nothing noted, the store is skipped
+    before_gap.route(PoolRequest(prompt, POLICY, PolicyWeights(), "q"), 0.0).release(0.1)
+    assert before_gap.space_of[R].table.apply(R, [child], 0.2).skipped_unknown_parent == 1
