@@ -180,6 +180,11 @@ class Balancer:
         )
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
+        self.metrics.index_tables.source = lambda: {  # read at scrape time: a mirror installs its own
+            f"{pool.model}/{block_size}/{mode}": space.table.counters
+            for pool in pools.values()
+            for (block_size, mode), space in pool.router.spaces.items()
+        }
         self._share_load(pools, admission)
         for pool in pools.values():
             for replica in pool.replicas:

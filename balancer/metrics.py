@@ -7,13 +7,17 @@ global state to reset.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Final, TypedDict, TypeVar, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from balancer.events import ResyncReason
+from balancer.index.slots import TableCounters
 
 DECODE_ERROR_REASONS: Final = (
     "frame", "msgpack", "json", "schema", "stream", "replay_end", "event", "internal",
@@ -135,6 +139,7 @@ class Metrics:
     console_ring_evicted_total: Counter
     console_whatif_seconds: Histogram
     console_audit_dropped_total: Counter
+    index_tables: TableCountersCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
@@ -171,8 +176,11 @@ class Metrics:
         reg = registry if registry is not None else CollectorRegistry()
         # kvlb_process_{cpu_seconds_total,resident_memory_bytes,open_fds,...}: capacity and leaks.
         ProcessCollector(namespace="kvlb", registry=reg)
+        tables = TableCountersCollector()
+        reg.register(tables)
         return cls(
             registry=reg,
+            index_tables=tables,
             **_http_collectors(reg),
             **_admission_collectors(reg),
             **_upstream_collectors(reg),
@@ -184,6 +192,33 @@ class Metrics:
             **_redis_collectors(reg),
             **_console_collectors(reg),
         )
+
+
+class TableCountersCollector(Collector):
+    """Every key space's :class:`~balancer.index.slots.TableCounters`, read at scrape time, as
+    ``kvlb_index_table_<counter>_total{space}``: the table's evictions, its overflows (speculative
+    keys, slots, the gap-recovery memories' forgotten entries) and its gap recovery. ``source`` is
+    set by the composition root once the pools exist (nothing is exported before)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, TableCounters]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = self.source()
+        for counter in fields(TableCounters):
+            family = CounterMetricFamily(
+                f"kvlb_index_table_{counter.name}",
+                f"The prefix table's {counter.name.replace('_', ' ')} count (TableCounters.{counter.name}).",
+                labels=["space"],
+            )
+            for space, values in counters.items():
+                family.add_metric([space], getattr(values, counter.name))
+            yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for counter in fields(TableCounters):
+            yield CounterMetricFamily(f"kvlb_index_table_{counter.name}", "", labels=["space"])
 
 
 def _constructors(reg: CollectorRegistry) -> tuple[partial[Counter], partial[Gauge], partial[Histogram]]:

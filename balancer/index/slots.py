@@ -73,10 +73,11 @@ class TableCounters:
     speculative_overflow: int = 0
     """Speculative keys not added: over ``max_speculative_keys`` or no free slot."""
     speculative_expired: int = 0
+    """Speculative keys dropped at their expiry."""
     speculative_confirmed: int = 0
+    """Speculative keys that a real store of the same replica turned into real holdings."""
     speculative_compactions: int = 0
     """Rebuilds of the expiry heap without its stale entries (``PrefixTable._compact_spec_heap``)."""
-    """Speculative keys that a real store of the same replica turned into real holdings."""
     slot_overflow: int = 0
     """Caches or speculative slots refused over ``max_slots``."""
     suspect_marked: int = 0

@@ -8,11 +8,16 @@ label set at 0; the sets are checked here against the reasons and outcomes the c
 from __future__ import annotations
 
 import re
+from dataclasses import fields
 from pathlib import Path
 
 from prometheus_client import generate_latest
 
 import balancer
+from balancer.events import Stored
+from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.index.slots import TableCounters, TableLimits
+from balancer.index.table import PrefixTable
 from balancer.metrics import (
     APPLIED_OUTCOMES,
     DECODE_ERROR_REASONS,
@@ -21,6 +26,7 @@ from balancer.metrics import (
     RESYNC_REASONS,
     Metrics,
 )
+from balancer.types import EngineHash, ReplicaId
 
 SOURCES = sorted(Path(balancer.__file__).resolve().parent.rglob("*.py"))
 
@@ -80,3 +86,25 @@ def test_the_known_replay_outcomes_cover_the_subscriber() -> None:
     assigned = set(re.findall(r'outcome = "([a-z_]+)"', text))
     assert polls == set(REPLAY_POLL_OUTCOMES)
     assert assigned | polls == set(REPLAY_OUTCOMES) | set(REPLAY_POLL_OUTCOMES)
+
+
+def test_every_table_counter_is_exported_per_key_space_at_scrape_time() -> None:
+    """The prefix table's counters (evictions, overflows of its bounded memories, gap recovery) are
+    read from the tables when scraped, one sample per key space; none before a source is set."""
+    metrics = Metrics.create()
+    assert "kvlb_index_table_evicted_blocks_total{" not in exported(metrics)
+    hasher = BlockHasher("m", 2)
+    table = PrefixTable(hasher, TableLimits(capacity_blocks=4, max_speculative_keys=1))
+    metrics.index_tables.source = lambda: {"m/2/plain": table.counters}
+    text = exported(metrics)
+    for counter in fields(TableCounters):
+        assert f'kvlb_index_table_{counter.name}_total{{space="m/2/plain"}} 0.0' in text
+    tokens = list(range(1, 13))  # six blocks into a table of four
+    engine = tuple(EngineHash(h) for h in range(6))
+    table.apply(ReplicaId("a"), [Stored(0, None, engine, pack_tokens(tokens), 2)], 0.0)
+    table.add_speculative(ReplicaId("b"), hasher.request_keys(list(range(50, 56))), 5.0, 0.0)
+    assert table.counters.evicted_blocks > 0 and table.counters.speculative_overflow > 0
+    text = exported(metrics)
+    evicted, overflow = table.counters.evicted_blocks, table.counters.speculative_overflow
+    assert f'kvlb_index_table_evicted_blocks_total{{space="m/2/plain"}} {float(evicted)}' in text
+    assert f'kvlb_index_table_speculative_overflow_total{{space="m/2/plain"}} {float(overflow)}' in text
