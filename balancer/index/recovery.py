@@ -43,13 +43,18 @@ class GapRecovery:
 
     limits: TableLimits
     counters: TableCounters
-    _holders: dict[int, int]
     _slots: SlotRegistry
     _spec_count: int
     _suspects: dict[CacheSlot, None]
     _suspect_due: float
     _restorable: dict[CacheSlot, None]
     _block_size: int
+
+    @property
+    def _holders(self) -> dict[int, int]:
+        """The block key → holder mask dict in LRU order (``PrefixTable._holders``, which settles the
+        order first): a property, not an attribute, as the table defines it."""
+        raise NotImplementedError
 
     def _drop_keys(self, cache: CacheSlot, keys: Iterable[int], dropped_at: float | None = None) -> int:
         raise NotImplementedError
