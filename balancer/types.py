@@ -90,6 +90,9 @@ class CostTerms:
     """The cost policy's overlap credit for this replica in this decision: ``overlap_credit``, or
     between it and ``overlap_credit_loaded`` by the fleet's load, or 0 when the imbalance guard
     withdrew it (``None`` for policies without a credit)."""
+    admission_term: float = 0.0
+    """The cost policy's charge for the KV blocks the replica would have to free before admitting
+    this request, when it holds none of its prompt (0 when the charge is off or unknown)."""
 
 
 @dataclass(frozen=True, slots=True)

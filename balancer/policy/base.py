@@ -77,6 +77,18 @@ class PolicyWeights:
     an idle fleet still spreads work as credit 1 does and a busy one keeps sessions where their
     history is. Default 0.04: the smallest value with which the simulated ``chat`` capacity matched
     SGLang's ``cache_aware`` rule (docs/policies.md, "Part 7"); 0 turns it off."""
+    admission_weight: float = 0.0
+    """``w_adm``, blocks charged per KV block a replica would have to free before it could admit
+    this request, on replicas that hold none of its prompt (a new or copied context there); 0..4.
+    The shortfall is the blocks its running requests lock (scraped ``kv_usage`` × pool size) plus
+    the uncached prefill queued there plus this request's blocks, less the pool size. A replica
+    whose in-flight requests span more contexts than its pool holds at once stalls its own queue
+    (``tenants`` in the simulator: 20 requests waiting behind a pool 95% locked while its
+    router-tracked prefill backlog was 480 blocks above the others'); a copy sent there makes it
+    worse. Followers on a replica that holds their context are not charged, so the charge does not
+    push them into copies. 0 (default) turns it off; 1 raised the simulated ``tenants`` capacity
+    on seeds 1 and 2 and left those of five other workloads unchanged (docs/policies.md, "Part
+    9"). Needs the scraped KV usage and pool size; the charge is 0 without them."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
     ahead of this request there may evict it before the engine admits the request (engines match a
@@ -191,6 +203,7 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
         "interference_weight": WeightRange(0.0, 1.0),
+        "admission_weight": WeightRange(0.0, 4.0),
         "decode_weight": WeightRange(0.0, 1e3),
         "queue_weight": WeightRange(0.0, 1e6),
         "temperature": WeightRange(0.0, 1e6),

@@ -5,6 +5,7 @@ For each candidate replica ``r`` (lower is better)::
     cost_r = w_prefill · (pending_prefill_blocks_r − shared_r + request_blocks − credit_r · overlap_r)
            + w_prefill · w_dup · pressure_r · inserted_r
            + w_prefill · w_int · decoding_r · inserted_r
+           + w_prefill · w_adm · shortfall_r
            + w_decode  · active_decode_blocks_r
            + w_queue   · waiting_r
 
@@ -42,6 +43,13 @@ For each candidate replica ``r`` (lower is better)::
   full decode batch (``chat`` in the simulator: a third of later turns moved at 92% of capacity,
   docs/policies.md "Part 7"). With the charge a replica's effective credit is about ``1 + w_int ·
   decoding_r``: an idle replica is priced as before, a busy one keeps its sessions.
+* ``shortfall_r`` (:func:`admission_shortfall_blocks`, only where ``overlap_r`` is 0, and only with
+  ``w_adm`` = ``admission_weight`` > 0, off by default): the KV blocks ``r`` would have to free
+  before admitting the request, ``kv_usage_r · pool_r + pending_prefill_blocks_r + inserted_r −
+  pool_r`` (at least 0). A replica whose in-flight requests span more contexts than its pool holds
+  at once stalls its own queue on KV admission, which its prefill backlog does not show; a new or
+  copied context sent there deepens the stall. A replica holding part of the prompt is not charged,
+  so followers are not pushed into copies (docs/policies.md, "Part 9").
 * With ``eviction_risk_weight`` ``w_risk`` > 0 (off by default), ``overlap_r`` in the two lines above
   is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
   pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
@@ -65,7 +73,7 @@ For each candidate replica ``r`` (lower is better)::
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04;
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04, ``w_adm`` = 0 (off);
 ``overlap_credit_loaded`` and the guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
@@ -235,6 +243,19 @@ def overlap_survival(
     return 1.0 - min(1.0, weight * pressure * max(0.0, ahead_blocks) / capacity_blocks)
 
 
+def admission_shortfall_blocks(load: ReplicaLoad, inserted_blocks: float | None) -> float:
+    """KV blocks ``load``'s replica would have to free before it could admit a request inserting
+    ``inserted_blocks``: ``kv_usage · capacity + pending_prefill + inserted − capacity``, at least 0.
+    ``kv_usage · capacity`` is what its running requests lock (scraped), the pending prefill what
+    the requests queued ahead will insert. 0 when ``inserted_blocks`` is ``None`` (the replica holds
+    part of the prompt: the admission charge is not applied there) or the KV usage or pool size is
+    unknown."""
+    if inserted_blocks is None or load.kv_usage is None or not load.capacity_blocks:
+        return 0.0
+    locked = load.kv_usage * load.capacity_blocks
+    return max(0.0, locked + load.pending_prefill_blocks + inserted_blocks - load.capacity_blocks)
+
+
 def cost_terms(
     load: ReplicaLoad,
     overlap: int,
@@ -261,6 +282,11 @@ def cost_terms(
     duplication_term = weights.prefill_weight * weights.duplication_weight * (pressure or 0.0) * inserted
     decoding = load.active_decode_seqs
     interference_term = weights.prefill_weight * weights.interference_weight * decoding * inserted
+    admission_term = (
+        weights.prefill_weight
+        * weights.admission_weight
+        * admission_shortfall_blocks(load, inserted if overlap == 0 else None)
+    )
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
     return CostTerms(
@@ -274,7 +300,7 @@ def cost_terms(
         prefill_term=prefill_term,
         decode_term=decode_term,
         queue_term=queue_term,
-        cost=prefill_term + duplication_term + interference_term + decode_term + queue_term,
+        cost=prefill_term + duplication_term + interference_term + admission_term + decode_term + queue_term,
         excluded=excluded,
         shared_pending_blocks=shared,
         duplication_term=duplication_term,
@@ -282,6 +308,7 @@ def cost_terms(
         cache_pressure=pressure,
         overlap_survival=survival,
         overlap_credit=credit,
+        admission_term=admission_term,
     )
 
 

@@ -243,6 +243,7 @@ def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object
             "prefill_term": t.prefill_term,
             "duplication_term": t.duplication_term,
             "interference_term": t.interference_term,
+            "admission_term": t.admission_term,
             "decode_term": t.decode_term,
             "queue_term": t.queue_term,
             "pending_prefill_blocks": t.pending_prefill_blocks,

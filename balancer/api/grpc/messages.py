@@ -206,6 +206,7 @@ def _terms_message(terms: CostTerms) -> pb.CostTerms:
         duplication_term=terms.duplication_term,
         cache_pressure=terms.cache_pressure,
         interference_term=terms.interference_term,
+        admission_term=terms.admission_term,
         overlap_survival=terms.overlap_survival,
         overlap_credit=terms.overlap_credit,
     )
