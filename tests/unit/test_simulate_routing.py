@@ -190,6 +190,7 @@ def test_temperature_and_baselines_get_every_open_replica() -> None:
     for policy, weights in (
         ("cost", PolicyWeights(temperature=0.5)),
         ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9)),  # ramp over eligible ones
+        ("cost", PolicyWeights(admission_weight=1.0)),  # reads the scraped KV usage, not the load key
         ("round_robin", PolicyWeights()),
     ):
         router, _ = _fleet(0, policy, weights)
