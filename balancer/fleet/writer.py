@@ -140,58 +140,70 @@ class FencedWriter:
         holding = self._holding(replica)
         merged = {**holding.positions, **positions}
         text = encode_positions(merged, writes=holding.writes + 1)
-        delay_s = self._retry.initial_s
-        started = time.perf_counter()
         holding.writing = text
         try:
-            while True:
-                try:
-                    # ``now`` for Redis is wall-clock seconds: shared by every balancer (it only dates
-                    # speculative entries there, which kvlb keeps local).
-                    result = await self.index.apply(
-                        replica,
-                        events,
-                        self._wall_clock(),
-                        generation=holding.generation,
-                        seq=text,
-                        expect_seq=holding.applied,
-                    )
-                except PositionMismatchError:
-                    self._on_redis(True)
-                    if await self.index.client.hget(self.index.keys.applied_seq, replica) != text:
-                        holding.lost = True
-                        log.warning("replica %s: Redis lost our last writes; taking it anew", replica)
-                        self._on_lost(replica)
-                        raise
-                    result = ApplyResult()  # our previous attempt landed; its answer was lost
-                except StaleGenerationError as exc:
-                    self._on_redis(True)
-                    await self._fenced(replica, holding, exc)
-                    continue
-                except REDIS_ERRORS as exc:
-                    self._on_redis(False)
-                    self._metrics.redis_errors_total.labels("writer").inc()
-                    self._metrics.redis_apply_retries_total.inc()
-                    if delay_s == self._retry.initial_s:  # once per batch, and batches queue up: limited
-                        self._warnings.warning(
-                            "redis_write_failed",
-                            replica,
-                            "replica %s: Redis write failed (%s); retrying with backoff",
-                            replica,
-                            exc,
-                        )
-                    await asyncio.sleep(delay_s)
-                    delay_s = min(self._retry.max_s, delay_s * 2)
-                    self._holding(replica)  # raises once the lease went away meanwhile
-                    continue
-                self._on_redis(True)
-                self._warnings.resolved("redis_write_failed", replica)
-                holding.positions, holding.applied = merged, text
-                holding.writes += 1
-                self._metrics.redis_apply_seconds.observe(time.perf_counter() - started)
-                return result
+            return await self._write(replica, holding, events, merged, text)
         finally:
             holding.writing = None
+
+    async def _write(
+        self,
+        replica: ReplicaId,
+        holding: Holding,
+        events: Sequence[KvEvent],
+        merged: dict[int, int],
+        text: str,
+    ) -> ApplyResult:
+        """:meth:`apply_at`'s attempts until one lands: fenced writes adopt our own new generation,
+        failed ones are retried with backoff (raises once the replica is lost)."""
+        delay_s = self._retry.initial_s
+        started = time.perf_counter()
+        while True:
+            try:
+                # ``now`` for Redis is wall-clock seconds: shared by every balancer (it only dates
+                # speculative entries there, which kvlb keeps local).
+                result = await self.index.apply(
+                    replica,
+                    events,
+                    self._wall_clock(),
+                    generation=holding.generation,
+                    seq=text,
+                    expect_seq=holding.applied,
+                )
+            except PositionMismatchError:
+                self._on_redis(True)
+                if await self.index.client.hget(self.index.keys.applied_seq, replica) != text:
+                    holding.lost = True
+                    log.warning("replica %s: Redis lost our last writes; taking it anew", replica)
+                    self._on_lost(replica)
+                    raise
+                result = ApplyResult()  # our previous attempt landed; its answer was lost
+            except StaleGenerationError as exc:
+                self._on_redis(True)
+                await self._fenced(replica, holding, exc)
+                continue
+            except REDIS_ERRORS as exc:
+                self._on_redis(False)
+                self._metrics.redis_errors_total.labels("writer").inc()
+                self._metrics.redis_apply_retries_total.inc()
+                if delay_s == self._retry.initial_s:  # once per batch, and batches queue up: limited
+                    self._warnings.warning(
+                        "redis_write_failed",
+                        replica,
+                        "replica %s: Redis write failed (%s); retrying with backoff",
+                        replica,
+                        exc,
+                    )
+                await asyncio.sleep(delay_s)
+                delay_s = min(self._retry.max_s, delay_s * 2)
+                self._holding(replica)  # raises once the lease went away meanwhile
+                continue
+            self._on_redis(True)
+            self._warnings.resolved("redis_write_failed", replica)
+            holding.positions, holding.applied = merged, text
+            holding.writes += 1
+            self._metrics.redis_apply_seconds.observe(time.perf_counter() - started)
+            return result
 
     def _holding(self, replica: ReplicaId) -> Holding:
         holding = self.holdings.get(replica)

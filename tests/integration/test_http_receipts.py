@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 import aiohttp
@@ -107,7 +106,8 @@ async def test_a_client_that_leaves_on_the_last_event_still_leaves_a_receipt() -
     end of the replica's body (its last chunk, which may come in a later read). The handler is then
     cancelled; the usage before ``[DONE]`` is the engine's last word all the same, so it still counts
     as a receipt. (Seen in the loadtest smoke run: 29 receipts for 30 answers, now and then.) The
-    replica here holds the end of its body for 3 s after ``[DONE]``."""
+    replica here holds the end of its body for 30 s after ``[DONE]``; kvlb closes that connection
+    when the client leaves, so without the usage read at ``[DONE]`` no receipt would ever come."""
     usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}
     event = {"id": "c1", "object": "text_completion", "choices": [], "usage": usage}
 
@@ -116,7 +116,7 @@ async def test_a_client_that_leaves_on_the_last_event_still_leaves_a_receipt() -
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
-        await asyncio.sleep(3.0)  # the end of the body comes late
+        await asyncio.sleep(30.0)  # the end of the body comes late (cancelled at cleanup)
         await response.write_eof()
         return response
 
@@ -144,7 +144,6 @@ async def test_a_client_that_leaves_on_the_last_event_still_leaves_a_receipt() -
         async with aiohttp.ClientSession() as session:
             await wait_ready(session, balancer.url)
             body = {"model": MODEL, "prompt": list(range(8)), "max_tokens": 1, "stream": True}
-            started = time.monotonic()
             async with session.post(balancer.url + "/v1/completions", json=body) as response:
                 assert response.status == 200
                 read = b""
@@ -157,8 +156,7 @@ async def test_a_client_that_leaves_on_the_last_event_still_leaves_a_receipt() -
                     text = await answer.text()
                 return metric_value(text, "kvlb_route_receipts_total", replica="r0") == 1
 
-            await wait_for("the receipt", counted, timeout_s=2.0)
-            assert time.monotonic() - started < 3.0  # before the replica's body ended
+            await wait_for("the receipt", counted, timeout_s=2.0)  # long before the body's end
             async with session.get(balancer.url + "/metrics") as answer:
                 text = await answer.text()
             assert metric_value(text, "kvlb_route_reported_cached_tokens_total", replica="r0") == 4

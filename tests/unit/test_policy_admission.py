@@ -4,35 +4,22 @@ of the prompt, ``shortfall_r`` = the KV blocks ``r`` would have to free before a
 
 from __future__ import annotations
 
-import random
+from functools import partial
 
 import pytest
+from policy_cases import route as route_cost
+from policy_cases import terms_of
 
 from balancer.errors import ConfigError
-from balancer.load.tracker import LoadSnapshot, ReplicaLoad
-from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
+from balancer.load.tracker import ReplicaLoad
+from balancer.policy import PolicyWeights
 from balancer.policy.cost import admission_shortfall_blocks
 from balancer.service.decisions import terms_by_replica
-from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+from balancer.types import ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
-BLOCK = 16
+route = partial(route_cost, request_blocks=450)
 POOL = 2048.0
-
-
-def route(
-    overlaps: dict[ReplicaId, int], loads: list[ReplicaLoad], request_blocks: int = 450, **weights: float
-) -> Decision:
-    request = RouteRequest(
-        candidates=tuple(overlaps), request_blocks=request_blocks, prompt_tokens=request_blocks * BLOCK
-    )
-    overlap = Overlap(blocks=overlaps, request_blocks=request_blocks)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
-    return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))
-
-
-def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
-    return {t.replica: t for t in decision.terms}
 
 
 def new_context() -> list[ReplicaLoad]:

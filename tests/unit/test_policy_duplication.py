@@ -3,37 +3,15 @@ per block a replica would insert into its cache, and where it is (not) applied."
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from policy_cases import route, terms_of
 
-from balancer.load.tracker import LoadSnapshot, ReplicaLoad
-from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
+from balancer.load.tracker import ReplicaLoad
 from balancer.policy.cost import PRESSURE_FULL_FILL, PRESSURE_START_FILL, cache_pressure
-from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+from balancer.types import ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
-BLOCK = 16
 POOL = 100.0  # blocks
-
-
-def route(
-    overlaps: dict[ReplicaId, int],
-    held: dict[ReplicaId, int],
-    loads: list[ReplicaLoad],
-    request_blocks: int = 10,
-    **weights: float,
-) -> Decision:
-    request = RouteRequest(
-        candidates=tuple(overlaps), request_blocks=request_blocks, prompt_tokens=request_blocks * BLOCK
-    )
-    overlap = Overlap(blocks=overlaps, request_blocks=request_blocks, held_blocks=held)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
-    return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))
-
-
-def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
-    return {t.replica: t for t in decision.terms}
 
 
 @pytest.mark.parametrize(
@@ -66,8 +44,8 @@ def test_a_full_replica_pays_for_copying_a_prefix_held_elsewhere() -> None:
         ReplicaLoad(B, capacity_blocks=POOL),
     ]
     held = {A: 95, B: 95}
-    assert route({A: 8, B: 0}, held, loads, duplication_weight=0.0).replica == B
-    decision = route({A: 8, B: 0}, held, loads)
+    assert route({A: 8, B: 0}, loads, held=held, duplication_weight=0.0).replica == B
+    decision = route({A: 8, B: 0}, loads, held=held)
     terms = terms_of(decision)
     assert decision.replica == A
     assert terms[B].duplication_term == pytest.approx(10.0)
@@ -78,7 +56,7 @@ def test_a_full_replica_pays_for_copying_a_prefix_held_elsewhere() -> None:
 
 def test_a_replica_with_room_copies_for_free() -> None:
     loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B, capacity_blocks=POOL)]
-    decision = route({A: 8, B: 0}, {A: 95, B: 20}, loads)
+    decision = route({A: 8, B: 0}, loads, held={A: 95, B: 20})
     assert decision.replica == B
     assert terms_of(decision)[B].duplication_term == 0.0
     assert terms_of(decision)[B].cache_pressure == 0.0
@@ -91,8 +69,8 @@ def test_a_new_context_goes_to_the_cache_with_room_not_to_the_slightly_less_load
         ReplicaLoad(B, pending_prefill_blocks=0.0, capacity_blocks=POOL),
         ReplicaLoad(C, pending_prefill_blocks=3.0, capacity_blocks=POOL),
     ]
-    assert route({B: 0, C: 0}, {B: 90, C: 50}, loads, duplication_weight=0.0).replica == B
-    decision = route({B: 0, C: 0}, {B: 90, C: 50}, loads)
+    assert route({B: 0, C: 0}, loads, held={B: 90, C: 50}, duplication_weight=0.0).replica == B
+    decision = route({B: 0, C: 0}, loads, held={B: 90, C: 50})
     terms = terms_of(decision)
     assert decision.replica == C
     assert terms[B].duplication_term == pytest.approx(10.0)
@@ -102,7 +80,7 @@ def test_a_new_context_goes_to_the_cache_with_room_not_to_the_slightly_less_load
 def test_charge_scales_with_pressure_weight_and_inserted_blocks() -> None:
     loads = [ReplicaLoad(r, capacity_blocks=POOL) for r in (A, B, C)]
     decision = route(
-        {A: 8, B: 3, C: 0}, {A: 40, B: 50, C: 62}, loads, duplication_weight=2.0, prefill_weight=0.5
+        {A: 8, B: 3, C: 0}, loads, held={A: 40, B: 50, C: 62}, duplication_weight=2.0, prefill_weight=0.5
     )
     terms = terms_of(decision)
     assert terms[A].duplication_term == pytest.approx(0.5 * 2.0 * 0.3 * (10 - 8))
@@ -119,15 +97,15 @@ def test_equally_full_replicas_keep_the_ranking_of_credit_two() -> None:
     ]
     held = {A: 90, B: 90, C: 90}
     overlaps = {A: 8, B: 0, C: 3}
-    charged = terms_of(route(overlaps, held, loads))
-    credit2 = terms_of(route(overlaps, held, loads, duplication_weight=0.0, overlap_credit=2.0))
+    charged = terms_of(route(overlaps, loads, held=held))
+    credit2 = terms_of(route(overlaps, loads, held=held, duplication_weight=0.0, overlap_credit=2.0))
     spread = {r: charged[r].cost - credit2[r].cost for r in (A, B, C)}
     assert spread[A] == pytest.approx(spread[B]) and spread[B] == pytest.approx(spread[C])
 
 
 def test_unknown_pool_size_or_holdings_mean_no_charge() -> None:
     loads = [ReplicaLoad(A, pending_prefill_blocks=12.0), ReplicaLoad(B)]  # B never scraped
-    decision = route({A: 8, B: 0}, {A: 95, B: 95}, loads)
+    decision = route({A: 8, B: 0}, loads, held={A: 95, B: 95})
     assert decision.replica == B
     assert terms_of(decision)[B].cache_pressure is None
     assert terms_of(decision)[B].duplication_term == 0.0
@@ -139,7 +117,7 @@ def test_a_holder_without_credit_pays_as_if_it_held_nothing() -> None:
         ReplicaLoad(A, pending_prefill_blocks=50.0, capacity_blocks=POOL),
         ReplicaLoad(B, capacity_blocks=POOL),
     ]
-    decision = route({A: 8, B: 0}, {A: 95, B: 95}, loads, imbalance_threshold_blocks=20.0)
+    decision = route({A: 8, B: 0}, loads, held={A: 95, B: 95}, imbalance_threshold_blocks=20.0)
     terms = terms_of(decision)
     assert decision.replica == B
     assert terms[A].duplication_term == pytest.approx(10.0)
@@ -148,7 +126,7 @@ def test_a_holder_without_credit_pays_as_if_it_held_nothing() -> None:
 
 def test_an_excluded_holder_still_shows_its_charge() -> None:
     loads = [ReplicaLoad(A, kv_usage=0.99, capacity_blocks=POOL), ReplicaLoad(B, capacity_blocks=POOL)]
-    decision = route({A: 8, B: 0}, {A: 95, B: 95}, loads, kv_usage_ceiling=0.95)
+    decision = route({A: 8, B: 0}, loads, held={A: 95, B: 95}, kv_usage_ceiling=0.95)
     terms = terms_of(decision)
     assert decision.replica == B
     assert terms[A].excluded is not None

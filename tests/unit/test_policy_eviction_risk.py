@@ -3,31 +3,16 @@ credited on a replica whose queued prefill may evict it before the engine admits
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from policy_cases import route, terms_of
 
-from balancer.load.tracker import LoadSnapshot, ReplicaLoad
-from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
+from balancer.load.tracker import ReplicaLoad
+from balancer.policy import PolicyWeights
 from balancer.policy.cost import overlap_survival
-from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+from balancer.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
-BLOCK = 16
 POOL = 100.0  # blocks
-
-
-def route(
-    overlaps: dict[ReplicaId, int], held: dict[ReplicaId, int], loads: list[ReplicaLoad], **weights: float
-) -> Decision:
-    request = RouteRequest(candidates=tuple(overlaps), request_blocks=10, prompt_tokens=10 * BLOCK)
-    overlap = Overlap(blocks=overlaps, request_blocks=10, held_blocks=held)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
-    return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))
-
-
-def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
-    return {t.replica: t for t in decision.terms}
 
 
 @pytest.mark.parametrize(
@@ -56,7 +41,7 @@ def test_default_is_off_and_the_terms_say_so() -> None:
         ReplicaLoad(A, pending_prefill_blocks=60.0, capacity_blocks=POOL),
         ReplicaLoad(B, capacity_blocks=POOL),
     ]
-    terms = terms_of(route({A: 10, B: 0}, {A: 95, B: 95}, loads))
+    terms = terms_of(route({A: 10, B: 0}, loads, held={A: 95, B: 95}))
     assert terms[A].overlap_survival == 1.0
     assert terms[A].prefill_term == pytest.approx(60.0 + 10 - 10)
 
@@ -70,8 +55,8 @@ def test_a_hit_behind_a_queue_that_overwrites_the_cache_is_discounted() -> None:
         ReplicaLoad(B, pending_prefill_blocks=50.0, capacity_blocks=POOL),
     ]
     held = {A: 95, B: 95}
-    assert route({A: 10, B: 0}, held, loads).replica == A  # 60 + 0 < 50 + 10 + 10
-    decision = route({A: 10, B: 0}, held, loads, eviction_risk_weight=1.0)
+    assert route({A: 10, B: 0}, loads, held=held).replica == A  # 60 + 0 < 50 + 10 + 10
+    decision = route({A: 10, B: 0}, loads, held=held, eviction_risk_weight=1.0)
     terms = terms_of(decision)
     assert terms[A].overlap_survival == pytest.approx(0.4)
     assert terms[A].prefill_term == pytest.approx(60.0 + 10 - 4)
@@ -85,7 +70,7 @@ def test_no_discount_while_the_cache_has_room() -> None:
         ReplicaLoad(A, pending_prefill_blocks=60.0, capacity_blocks=POOL),
         ReplicaLoad(B, pending_prefill_blocks=55.0, capacity_blocks=POOL),
     ]
-    decision = route({A: 10, B: 0}, {A: 20, B: 20}, loads, eviction_risk_weight=4.0)
+    decision = route({A: 10, B: 0}, loads, held={A: 20, B: 20}, eviction_risk_weight=4.0)
     assert terms_of(decision)[A].overlap_survival == 1.0
     assert decision.replica == A
 

@@ -3,33 +3,20 @@ of prefill that runs in the forward steps of a replica's decoding requests (docs
 
 from __future__ import annotations
 
-import random
+from functools import partial
 
 import pytest
+from policy_cases import route as route_cost
+from policy_cases import terms_of
 
 from balancer.errors import ConfigError
-from balancer.load.tracker import LoadSnapshot, ReplicaLoad
-from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
+from balancer.load.tracker import ReplicaLoad
+from balancer.policy import PolicyWeights
 from balancer.service.decisions import terms_by_replica
-from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+from balancer.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
-BLOCK = 16
-
-
-def route(
-    overlaps: dict[ReplicaId, int], loads: list[ReplicaLoad], request_blocks: int = 40, **weights: float
-) -> Decision:
-    request = RouteRequest(
-        candidates=tuple(overlaps), request_blocks=request_blocks, prompt_tokens=request_blocks * BLOCK
-    )
-    overlap = Overlap(blocks=overlaps, request_blocks=request_blocks)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
-    return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))
-
-
-def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
-    return {t.replica: t for t in decision.terms}
+route = partial(route_cost, request_blocks=40)
 
 
 def session_home(decoding: int) -> list[ReplicaLoad]:

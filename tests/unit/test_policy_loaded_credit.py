@@ -4,29 +4,16 @@ one where every replica has prefill in flight."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from policy_cases import route, terms_of
 
 from balancer.errors import ConfigError
-from balancer.load.tracker import LoadSnapshot, ReplicaLoad
-from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
+from balancer.load.tracker import ReplicaLoad
+from balancer.policy import PolicyWeights
 from balancer.policy.cost import BUSY_FULL_SHARE, BUSY_START_SHARE, busy_share, credit_ramps, loaded_credit
-from balancer.types import CostTerms, Decision, Overlap, ReplicaId
+from balancer.types import ReplicaId
 
 A, B, C, D = ReplicaId("a"), ReplicaId("b"), ReplicaId("c"), ReplicaId("d")
-BLOCK = 16
-
-
-def route(overlaps: dict[ReplicaId, int], loads: list[ReplicaLoad], **weights: float | None) -> Decision:
-    request = RouteRequest(candidates=tuple(overlaps), request_blocks=10, prompt_tokens=10 * BLOCK)
-    overlap = Overlap(blocks=overlaps, request_blocks=10)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
-    return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))
-
-
-def terms_of(decision: Decision) -> dict[ReplicaId, CostTerms]:
-    return {t.replica: t for t in decision.terms}
 
 
 def busy(replica: ReplicaId, blocks: float) -> ReplicaLoad:
