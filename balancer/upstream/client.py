@@ -1,4 +1,4 @@
-"""Talking to replicas (I/O): one pooled HTTP client, stage timeouts, chunk relay.
+"""Talking to replicas (I/O): kvlb's own pooled HTTP/1.1 client, stage timeouts, chunk relay.
 
 The balancer never re-parses the upstream body while relaying it: chunks go to the client as they
 arrive. It keeps only a small tail of the bytes so that, once the stream ends, it can read
@@ -7,19 +7,31 @@ arrive. It keeps only a small tail of the bytes so that, once the stream ends, i
 Retries are the caller's business; this module classifies failures: :class:`RetryableUpstream`
 (connect error, timeout before headers, 429/503) may be retried elsewhere because nothing reached the
 client yet; anything after the first byte is final.
+
+The client is kvlb's own (:mod:`~balancer.upstream.http1` parses, :mod:`~balancer.upstream.pool`
+keeps the connections): a request is one write of its head and body on a keep-alive connection,
+with no URL objects, header multidicts or per-request timers beyond the stage timeouts. What it
+sends: ``POST <path> HTTP/1.1``, ``Host``, ``Content-Length``, the headers it is given (the
+allow-list below) and the body, nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+import ssl
+from collections.abc import AsyncGenerator, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Final
+from urllib.parse import urlsplit
 
-import aiohttp
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
 
 from balancer.config import TimeoutConfig
 from balancer.errors import UpstreamError, UpstreamTimeout
+from balancer.upstream.http1 import PARSE_ERROR_REASONS, HttpParseError, ParserLimits, ResponseHead
+from balancer.upstream.pool import Connection, Pool, PoolKey
 from balancer.upstream.sse import DONE
 
 FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "x-request-id", "traceparent", "tracestate"})
@@ -64,21 +76,72 @@ def read_usage(tail: bytes) -> UsageTail:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Bounds of the connection pool to replicas."""
+
+    max_connections: int = 2048
+    """Connections open to all replicas together; a request that finds none free waits for one
+    (within ``timeouts.first_byte_s``, then it is retried elsewhere like a timeout)."""
+    max_idle_per_host: int = 256
+    """Idle keep-alive connections kept per ``(scheme, host, port)``; more are closed on release."""
+    idle_ttl_s: float = 15.0
+    """An idle connection older than this is closed instead of reused (replicas close idle
+    connections too: uvicorn after 5 s, so a stale one is retried on a fresh connection anyway)."""
+    parser: ParserLimits = field(default_factory=ParserLimits)
+    """Header bytes and counts one response may have."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Target:
+    key: PoolKey
+    host_header: str
+    prefix: str
+    """The base URL's path, without its trailing slash."""
+
+
+_HOP_HEADERS: Final = frozenset({"host", "content-length", "transfer-encoding", "connection", "upgrade"})
+_MAX_TARGETS: Final = 4096
+"""Parsed base URLs kept (one per replica URL); the memo starts over when full."""
+
+
+@dataclass(slots=True)
+class UpstreamCounters:
+    """What the client counts (exported as ``kvlb_upstream_*`` by :class:`_CountersCollector`)."""
+
+    protocol_errors: dict[str, int]
+    """Responses that could not be framed, by :data:`~balancer.upstream.http1.PARSE_ERROR_REASONS`."""
+    stale_retries: int = 0
+    """Requests resent on a fresh connection because a reused one closed before any response byte."""
+    pool_waits: int = 0
+    """Requests that found ``max_connections`` in use and waited for one."""
+
+
 class UpstreamStream:
     """An open upstream response: status and headers are known, the body is relayed chunk by chunk."""
 
-    def __init__(self, response: aiohttp.ClientResponse, idle_s: float) -> None:
-        self._response = response
+    __slots__ = (
+        "_conn", "_counters", "_done", "_ended", "_head", "_idle_s", "_pool", "_tail", "bytes_relayed",
+    )  # fmt: skip
+
+    def __init__(
+        self, conn: Connection, head: ResponseHead, pool: Pool, idle_s: float, counters: UpstreamCounters
+    ) -> None:
+        self._conn = conn
+        self._counters = counters
+        self._head = head
+        self._pool = pool
         self._idle_s = idle_s
         self._tail = bytearray()
         self.bytes_relayed = 0
         self._ended = False
+        self._done = False  # released or closed: the connection is no longer this stream's
 
     @property
     def finished(self) -> bool:
         """The whole body was read (its end reached): :meth:`usage` is the engine's last word. Also
         when the relay stopped iterating at the last chunk because the end had already arrived."""
-        return self._ended or self._response.content.at_eof()
+        return self._ended or self._conn.body_done
 
     @property
     def answered(self) -> bool:
@@ -89,32 +152,34 @@ class UpstreamStream:
 
     @property
     def status(self) -> int:
-        return self._response.status
+        return self._head.status
 
     @property
     def content_type(self) -> str:
-        return self._response.headers.get("content-type", "application/json")
+        return self._head.headers.get("content-type") or "application/json"
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
-        content = self._response.content
+        conn = self._conn
         while True:
-            try:
-                # What has arrived already is taken without a wait (or its timer: one per chunk
-                # otherwise); asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task
-                chunk = content.read_nowait()
-                if not chunk and not content.at_eof():
-                    async with asyncio.timeout(self._idle_s):
-                        chunk = await content.readany()
-            except TimeoutError:
-                raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
-            except (aiohttp.ClientError, ConnectionError) as exc:
-                raise UpstreamError(f"replica stream broke: {exc.__class__.__name__}") from None
+            # What has arrived already is taken without a wait (or its timer: one per chunk
+            # otherwise); asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task
+            chunk = conn.take()
             if not chunk:
-                if not content.is_eof():  # pragma: no cover - readany returns b"" only at EOF
-                    continue
-                self._ended = True
-                return
+                if conn.body_ended:
+                    self._ended = True
+                    return
+                if conn.error is not None or conn.lost or self._done:
+                    error = conn.error or ConnectionResetError()
+                    if isinstance(error, HttpParseError):
+                        self._counters.protocol_errors[error.reason] += 1
+                    raise UpstreamError(f"replica stream broke: {_describe(error)}")
+                try:
+                    async with asyncio.timeout(self._idle_s):
+                        await conn.wait_body()
+                except TimeoutError:
+                    raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
+                continue
             self.bytes_relayed += len(chunk)
             self._tail += chunk
             if len(self._tail) > 2 * _TAIL_BYTES:
@@ -126,57 +191,189 @@ class UpstreamStream:
 
     def close(self) -> None:
         """Drop the connection (used when the client went away, so the replica stops generating)."""
-        self._response.close()
+        if not self._done:
+            self._done = True
+            self._conn.close()
 
     def release(self) -> None:
-        self._response.release()
+        """Hand the connection back: to the pool if the body was read to its end, else closed."""
+        if not self._done:
+            self._done = True
+            self._pool.release(self._conn)
 
 
 class UpstreamClient:
-    """One pooled ``aiohttp.ClientSession`` for all replicas, owned by the app (closed on shutdown)."""
+    """kvlb's pooled HTTP/1.1 client for all replicas, owned by the app (closed on shutdown).
 
-    def __init__(self, timeouts: TimeoutConfig, max_connections: int = 2048) -> None:
+    ``registry``, when given, gets the client's counters (``kvlb_upstream_protocol_errors_total``,
+    ``kvlb_upstream_stale_retries_total``, ``kvlb_upstream_pool_waits_total``). ``ssl_context``
+    verifies ``https://`` replicas (default: the system's CAs, with host name checks)."""
+
+    def __init__(
+        self,
+        timeouts: TimeoutConfig,
+        max_connections: int = 2048,
+        *,
+        pool: PoolConfig | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self._timeouts = timeouts
-        self._session: aiohttp.ClientSession | None = None
-        self._max_connections = max_connections
-        self._request_timeout = aiohttp.ClientTimeout(total=None, connect=timeouts.connect_s, sock_read=None)
+        config = pool if pool is not None else PoolConfig(max_connections=max_connections)
+        self._config = config
+        self._ssl = ssl_context
+        self._pool: Pool | None = None
+        self._targets: dict[str, _Target] = {}
+        self.counters = UpstreamCounters({reason: 0 for reason in PARSE_ERROR_REASONS})
+        if registry is not None:
+            registry.register(_CountersCollector(self))
 
     @property
-    def session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0, ttl_dns_cache=60)
-            self._session = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None, connect=self._timeouts.connect_s),
-                auto_decompress=False,
-                # no cookie jar: a replica's Set-Cookie must not ride along on other clients'
-                # requests, and filtering an empty jar cost every request a little
-                cookie_jar=aiohttp.DummyCookieJar(),
+    def pool(self) -> Pool:
+        if self._pool is None or self._pool.closed:
+            config = self._config
+            self._pool = Pool(
+                config.max_connections, config.max_idle_per_host, config.idle_ttl_s, config.parser, self._ssl
             )
-        return self._session
+        return self._pool
 
     async def open(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
         """POST ``body`` and wait for the response headers; failures before them are retryable."""
-        url = base_url.rstrip("/") + path
+        target = self._target(base_url)
+        request_head = _request_head(target, path, len(body), headers)
+        pool = self.pool
         try:
             async with asyncio.timeout(self._timeouts.first_byte_s):
-                response = await self.session.post(
-                    url, data=body, headers=headers, timeout=self._request_timeout
-                )
+                conn, head = await self._exchange(pool, target, request_head, body, base_url)
         except TimeoutError:
             raise RetryableUpstream(
                 "timeout", f"no response headers within {self._timeouts.first_byte_s}s"
             ) from None
-        except aiohttp.ClientConnectorError as exc:
-            raise RetryableUpstream("connect", f"cannot connect to {base_url}: {exc.os_error}") from None
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            raise RetryableUpstream("connect", f"{exc.__class__.__name__} from {base_url}") from None
-        if response.status in RETRYABLE_STATUSES:
-            response.release()
-            raise RetryableUpstream("status", f"replica answered {response.status}", response.status)
-        return UpstreamStream(response, self._timeouts.idle_s)
+        if head.status in RETRYABLE_STATUSES:
+            pool.release(conn)
+            raise RetryableUpstream("status", f"replica answered {head.status}", head.status)
+        return UpstreamStream(conn, head, pool, self._timeouts.idle_s, self.counters)
+
+    async def _exchange(
+        self, pool: Pool, target: _Target, request_head: bytes, body: bytes, base_url: str
+    ) -> tuple[Connection, ResponseHead]:
+        fresh = False
+        while True:
+            conn, reused = await self._acquire(pool, target, base_url, fresh)
+            try:
+                conn.send(request_head, body)
+                return conn, await conn.wait_head()
+            except (HttpParseError, ConnectionError) as exc:
+                conn.close()
+                received = conn.parser.received if conn.parser is not None else 0
+                if reused and received == 0:  # the replica closed it while it was idle
+                    self.counters.stale_retries += 1
+                    fresh = True
+                    continue
+                if isinstance(exc, HttpParseError) and received:
+                    self.counters.protocol_errors[exc.reason] += 1
+                raise RetryableUpstream("connect", f"{_describe(exc)} from {base_url}") from None
+            except BaseException:
+                conn.close()
+                raise
+
+    async def _acquire(
+        self, pool: Pool, target: _Target, base_url: str, fresh: bool
+    ) -> tuple[Connection, bool]:
+        waits = pool.waits
+        try:
+            return await pool.acquire(target.key, self._timeouts.connect_s, fresh)
+        except TimeoutError:
+            raise RetryableUpstream(
+                "timeout", f"cannot connect to {base_url} within {self._timeouts.connect_s}s"
+            ) from None
+        except OSError as exc:
+            raise RetryableUpstream("connect", f"cannot connect to {base_url}: {exc}") from None
+        finally:
+            self.counters.pool_waits += pool.waits - waits
+
+    def _target(self, base_url: str) -> _Target:
+        target = self._targets.get(base_url)
+        if target is None:
+            parts = urlsplit(base_url)
+            scheme = parts.scheme.lower()
+            host = parts.hostname
+            if scheme not in ("http", "https") or not host:
+                raise UpstreamError(f"replica url must be http(s)://host[:port], got {base_url!r}")
+            default = 443 if scheme == "https" else 80
+            port = parts.port or default
+            shown = f"[{host}]" if ":" in host else host
+            host_header = shown if port == default else f"{shown}:{port}"
+            target = _Target((scheme, host, port), host_header, parts.path.rstrip("/"))
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            self._targets[base_url] = target
+        return target
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Close every connection, idle or in use (their replicas see them close)."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+            await asyncio.sleep(0)  # let the transports report their loss
+
+
+def _request_head(target: _Target, path: str, length: int, headers: Mapping[str, str]) -> bytes:
+    """``POST`` head: request line, Host, Content-Length and ``headers`` (none with CR or LF)."""
+    parts = [
+        f"POST {target.prefix}{path} HTTP/1.1\r\nHost: {target.host_header}\r\nContent-Length: {length}\r\n"
+    ]
+    fields: dict[str, str] = {}  # one field per name, whatever its case; the last value wins
+    for name, value in headers.items():
+        lower = name.lower()
+        if lower in _HOP_HEADERS or _unsafe(name) or _unsafe(value):
+            continue
+        fields.pop(lower, None)
+        fields[lower] = f"{name}: {value}\r\n"
+    parts += fields.values()
+    parts.append("\r\n")
+    return "".join(parts).encode("utf-8", "surrogateescape")
+
+
+def _unsafe(text: str) -> bool:
+    """Would end or split a header line (a client's header value never may)."""
+    return "\r" in text or "\n" in text or "\0" in text
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, HttpParseError):
+        return str(exc)
+    return exc.__class__.__name__
+
+
+class _CountersCollector:
+    """The client's counters as Prometheus counter families, read at scrape time."""
+
+    def __init__(self, client: UpstreamClient) -> None:
+        self._client = client
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = self._client.counters
+        errors = CounterMetricFamily(
+            "kvlb_upstream_protocol_errors_total",
+            "Replica responses that could not be framed as HTTP/1.1, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in counters.protocol_errors.items():
+            errors.add_metric([reason], count)
+        yield errors
+        yield CounterMetricFamily(
+            "kvlb_upstream_stale_retries_total",
+            "Requests resent on a fresh connection after a reused one closed before any response byte.",
+            value=counters.stale_retries,
+        )
+        yield CounterMetricFamily(
+            "kvlb_upstream_pool_waits_total",
+            "Requests that waited for a free upstream connection (max_connections in use).",
+            value=counters.pool_waits,
+        )
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("kvlb_upstream_protocol_errors_total", "", labels=["reason"])
+        yield CounterMetricFamily("kvlb_upstream_stale_retries_total", "")
+        yield CounterMetricFamily("kvlb_upstream_pool_waits_total", "")
