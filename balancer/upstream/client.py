@@ -141,7 +141,7 @@ class UpstreamStream:
     def finished(self) -> bool:
         """The whole body was read (its end reached): :meth:`usage` is the engine's last word. Also
         when the relay stopped iterating at the last chunk because the end had already arrived."""
-        return self._ended or self._conn.body_done
+        return self._ended or (not self._done and self._conn.body_done)
 
     @property
     def answered(self) -> bool:
@@ -156,7 +156,7 @@ class UpstreamStream:
 
     @property
     def content_type(self) -> str:
-        return self._head.headers.get("content-type") or "application/json"
+        return self._head.headers.get("content-type", "application/json") or ""
 
     async def chunks(self) -> AsyncGenerator[bytes, None]:
         """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
@@ -192,12 +192,14 @@ class UpstreamStream:
     def close(self) -> None:
         """Drop the connection (used when the client went away, so the replica stops generating)."""
         if not self._done:
+            self._ended = self._ended or self._conn.body_done
             self._done = True
             self._conn.close()
 
     def release(self) -> None:
         """Hand the connection back: to the pool if the body was read to its end, else closed."""
-        if not self._done:
+        if not self._done:  # the connection may serve another request now: its state is not ours
+            self._ended = self._ended or self._conn.body_done
             self._done = True
             self._pool.release(self._conn)
 

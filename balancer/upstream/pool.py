@@ -23,9 +23,8 @@ from typing import Final, cast
 from balancer.upstream.http1 import HttpParseError, ParserLimits, ResponseHead, ResponseParser
 
 HIGH_WATER_BYTES: Final = 256 * 1024
-"""Body bytes buffered for the relay before reading from the replica pauses."""
-LOW_WATER_BYTES: Final = 64 * 1024
-"""Reading resumes once the relay has taken the buffer below this."""
+"""Body bytes buffered for the relay before reading from the replica pauses (it resumes when the
+relay takes them: :meth:`Connection.take` takes all)."""
 
 PoolKey = tuple[str, str, int]
 """``(scheme, host, port)``."""
@@ -134,6 +133,11 @@ class Connection(asyncio.Protocol):
             self._paused = False
             self.transport.resume_reading()
         return chunk
+
+    @property
+    def buffered(self) -> int:
+        """Body bytes read from the replica that the relay has not taken yet."""
+        return self._buffered
 
     @property
     def body_done(self) -> bool:

@@ -17,6 +17,7 @@ from aiohttp import web
 from balancer.config.settings import TimeoutConfig
 from balancer.errors import UpstreamError
 from balancer.upstream.client import PoolConfig, RetryableUpstream, UpstreamClient
+from balancer.upstream.pool import HIGH_WATER_BYTES
 
 TIMEOUTS = TimeoutConfig(connect_s=2.0, first_byte_s=5.0, idle_s=5.0)
 
@@ -285,6 +286,32 @@ async def test_release_of_an_unfinished_answer_closes_the_connection(
         async with asyncio.timeout(5):
             await spec.disconnected.wait()
         assert client.pool.open_connections == 0
+    finally:
+        await client.aclose()
+
+
+async def test_reading_pauses_while_the_relay_does_not_take(raw_server: Start) -> None:
+    """A replica that sends 4 MB to a relay that reads nothing: kvlb holds at most the high-water
+    mark (plus one socket read), the rest waits in the kernel and the replica's send buffer."""
+    size = 4 * 1024 * 1024
+
+    async def reply(n: int, body: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + b"x" * size
+
+    url = await raw_server(RawServer(reply))
+    client = UpstreamClient(TIMEOUTS)
+    try:
+        stream = await client.open(url, "/v1/completions", b"{}", {})
+        for _ in range(20):  # let the replica write what the connection will take
+            await asyncio.sleep(0.01)
+        conn = stream._conn
+        assert 0 < conn.buffered <= HIGH_WATER_BYTES + 256 * 1024
+        total = 0
+        async for chunk in stream.chunks():
+            total += len(chunk)
+            assert conn.buffered <= HIGH_WATER_BYTES + 256 * 1024
+        assert total == size and stream.finished
+        stream.release()
     finally:
         await client.aclose()
 

@@ -56,6 +56,11 @@ RULES = (
         "balancer.routing",
         ("balancer.service", "balancer.api", "balancer.sources", "balancer.fleet", "balancer.upstream"),
     ),
+    Rule(
+        "the upstream response parser does no I/O",
+        "balancer.upstream.http1",
+        ("asyncio", "socket", "ssl", "aiohttp", "balancer.upstream.pool", "balancer.upstream.client"),
+    ),
 )
 
 NO_DYNAMIC_IMPORTS = ("balancer",)
