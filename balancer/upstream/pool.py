@@ -246,6 +246,8 @@ class Pool:
         """An idle connection to ``key`` (unless ``fresh``) or a new one once the total allows it
         (the caller's timeout bounds the wait); True when it was idle (reused)."""
         while True:
+            if self.closed:
+                raise ConnectionError("the upstream client is closed")
             conn = None if fresh else self.idle(key)
             if conn is not None:
                 return conn, True
@@ -264,8 +266,6 @@ class Pool:
                 raise
 
     async def _connect(self, key: PoolKey, connect_s: float) -> Connection:
-        if self.closed:
-            raise ConnectionError("the upstream client is closed")
         scheme, host, port = key
         context = self._context() if scheme == "https" else None
         self._connecting += 1

@@ -201,3 +201,44 @@ def test_the_parser_agrees_with_h11_over_any_chunking(
     assert parser.complete
     # h11 reports a close-delimited body's end as DONE; the connection ended with it all the same
     assert parser.reusable == (want_reusable and framing != "close")
+
+
+_pieces = st.sampled_from(
+    [
+        b"HTTP/1.1 200 OK\r\n",
+        b"HTTP/1.0 100 x\r\n",
+        b"Content-Length: 3\r\n",
+        b"Transfer-Encoding: chunked\r\n",
+        b"\r\n",
+        b"3\r\nabc\r\n",
+        b"0\r\n",
+        b"X: y\r\n",
+        b"ff;e\r\n",
+        b"\n",
+        b":",
+        b" ",
+        b"abc",
+        b"\x00\xff",
+    ]
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    st.lists(st.one_of(_pieces, st.binary(max_size=8)), max_size=16),
+    st.lists(st.integers(0, 200)),
+    st.booleans(),
+)
+def test_any_input_gives_a_response_or_a_parse_error_only(
+    pieces: list[bytes], cuts: list[int], eof: bool
+) -> None:
+    """Whatever the bytes, the parser frames them or raises HttpParseError, never anything else."""
+    raw = b"".join(pieces)
+    try:
+        parser, body = parse(raw, cuts, eof=eof)
+    except HttpParseError:
+        return
+    head = parser.head
+    if parser.complete and head is not None and "transfer-encoding" not in head.headers:
+        framed = head.headers.get("content-length") == "3" and head.status not in (204, 304)
+        assert len(body) == 3 or not framed
