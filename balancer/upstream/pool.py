@@ -6,7 +6,8 @@ A connection carries one request at a time: :meth:`Connection.send` writes its h
 into a buffer of body chunks that the relay drains (reading pauses while more than
 ``HIGH_WATER_BYTES`` wait). The pool holds at most ``max_connections`` connections in all (a request
 that finds none free waits, within the caller's timeout) and at most ``max_idle_per_host`` idle ones
-per host, each for at most ``idle_ttl_s``; a connection whose response was not read to its end is
+per host, each for at most ``idle_ttl_s`` (expired ones, of any host, are closed by the next request
+at most once per ``idle_ttl_s``); a connection whose response was not read to its end is
 closed, never reused. The protocol itself knows nothing of timeouts: the caller's ``asyncio.timeout``
 bounds every wait.
 """
@@ -220,6 +221,7 @@ class Pool:
         self._connecting = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._ssl = ssl_context
+        self._swept_at = 0.0
         self.closed = False
         self.waits = 0
         """Requests that found every connection busy and waited for one."""
@@ -248,6 +250,7 @@ class Pool:
         while True:
             if self.closed:
                 raise ConnectionError("the upstream client is closed")
+            self._sweep()
             conn = None if fresh else self.idle(key)
             if conn is not None:
                 return conn, True
@@ -267,7 +270,11 @@ class Pool:
 
     async def _connect(self, key: PoolKey, connect_s: float) -> Connection:
         scheme, host, port = key
-        context = self._context() if scheme == "https" else None
+        context = None
+        if scheme == "https":
+            if self._ssl is None:  # the system's CAs, verified, host names checked: read once, off the loop
+                self._ssl = await asyncio.to_thread(ssl.create_default_context)
+            context = self._ssl
         self._connecting += 1
         try:
             async with asyncio.timeout(connect_s):
@@ -335,7 +342,15 @@ class Pool:
                 waiter.set_result(None)
                 return
 
-    def _context(self) -> ssl.SSLContext:
-        if self._ssl is None:  # the system's CAs, verified, host names checked (read once)
-            self._ssl = ssl.create_default_context()
-        return self._ssl
+    def _sweep(self) -> None:
+        """At most once per ``idle_ttl_s``: close every idle connection past its time, whatever its
+        host (a replica that left gets no request that would find its connections stale)."""
+        now = asyncio.get_running_loop().time()
+        if now - self._swept_at < self._idle_ttl_s:
+            return
+        self._swept_at = now
+        for key, idle in list(self._idle.items()):
+            while idle and now - idle[0].idle_since > self._idle_ttl_s:
+                idle.popleft().close()
+            if not idle:
+                del self._idle[key]

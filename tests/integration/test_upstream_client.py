@@ -452,3 +452,21 @@ def test_reuse_and_streaming_under_uvloop() -> None:
         bodies, connections = runner.run(main())
     assert bodies == [b"data: a\n\ndata: [DONE]\n\n"] * 3
     assert connections == 1
+
+
+async def test_idle_connections_of_a_replica_no_longer_asked_are_closed(raw_server: Start) -> None:
+    async def reply(n: int, body: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    left, staying = RawServer(reply), RawServer(reply)
+    left_url, staying_url = await raw_server(left), await raw_server(staying)
+    client = UpstreamClient(TIMEOUTS, pool=PoolConfig(idle_ttl_s=0.2))
+    try:
+        assert await read_all(client, left_url) == (200, b"ok", True)
+        await asyncio.sleep(0.3)  # the left replica's connection is past its time, and nobody asks it
+        assert not left.disconnected.is_set()
+        assert await read_all(client, staying_url) == (200, b"ok", True)
+        await asyncio.wait_for(left.disconnected.wait(), 5)
+        assert not staying.disconnected.is_set()
+    finally:
+        await client.aclose()
