@@ -365,9 +365,9 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
         child(metrics.index_receipt_taught_blocks_total, replica).inc(settled.taught_blocks)
     if settled.confirmed_blocks:
         child(metrics.index_receipt_confirmed_blocks_total, replica).inc(settled.confirmed_blocks)
-    accuracy = lease.router_receipts.stats(replica).accuracy
-    if accuracy is not None:  # not memoised: this gauge's child is removed with its replica
-        metrics.prediction_accuracy_ratio.labels(replica).set(accuracy)
+    accuracy = lease.router_receipts.accuracy(replica)
+    if accuracy is not None:  # memoised: the replica's removal forgets the child it removes
+        child(metrics.prediction_accuracy_ratio, replica).set(accuracy)
     if not receipt.within_one_block:
         log.debug(
             "receipt %s on %s: predicted %d blocks, engine reported %d (stale %d, dropped %d, learned %d)",
