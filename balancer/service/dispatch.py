@@ -210,6 +210,8 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
 
 
 def _log_decision(job: Forward, plan: RoutePlan) -> None:
+    if not log.isEnabledFor(logging.DEBUG):  # the arguments and their holder cost more than the check
+        return
     decision = plan.decision
     log.debug(
         "route %s model=%s policy=%s -> %s (%s) cached_tokens=%d of %d; terms: %s",
