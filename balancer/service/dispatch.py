@@ -370,7 +370,7 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     accuracy = lease.router_receipts.accuracy(replica)
     if accuracy is not None:  # memoised: the replica's removal forgets the child it removes
         child(metrics.prediction_accuracy_ratio, replica).set(accuracy)
-    if not receipt.within_one_block:
+    if not receipt.within_one_block and log.isEnabledFor(logging.DEBUG):
         log.debug(
             "receipt %s on %s: predicted %d blocks, engine reported %d (stale %d, dropped %d, learned %d)",
             lease.tracking_id,
