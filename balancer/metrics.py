@@ -45,8 +45,8 @@ class Children:
 
     ``prometheus_client``'s ``labels()`` validates, converts and locks on every call (a few µs,
     about a dozen times per request); this is one dict lookup. It holds only children the collector holds
-    anyway, so it is bounded as they are; a collector whose children are ever ``remove()``d must not
-    be read through it (an update would go to the removed child)."""
+    anyway, so it is bounded as they are; a child ``remove()``d from its collector must be
+    :meth:`forget`-ten here too (else an update would go to the removed child)."""
 
     __slots__ = ("_cache",)
 
@@ -60,6 +60,10 @@ class Children:
         if child is None:
             child = self._cache[key] = collector.labels(*values)
         return child  # type: ignore[return-value]
+
+    def forget(self, collector: _Collector, *values: str) -> None:
+        """Drop the memoised child of ``collector`` for ``values`` (call it when removing that child)."""
+        self._cache.pop((collector, *values), None)
 
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -213,18 +213,19 @@ async def relay(
     outcome = request[OUTCOME]
     stream = opened.stream
     on_first_chunk(state, job, lease, stream)
+    content_type = stream.content_type
     headers = {
-        "Content-Type": stream.content_type,
+        "Content-Type": content_type,
         "x-request-id": job.request_id,
         "x-kvlb-replica": lease.replica,
         "x-kvlb-cached-tokens": str(lease.plan.cached_tokens),
     }
-    deadline = relay_deadline(state, job)
     try:
-        if stream.content_type.startswith(SSE_CONTENT_TYPE):
-            response = await _relay_stream(request, state, lease, opened, headers, deadline)
+        if content_type.startswith(SSE_CONTENT_TYPE):
+            headers["Cache-Control"] = "no-cache"
+            response = await _relay_stream(request, state, job, lease, opened, headers)
         else:
-            response = await _relay_whole(state, lease, opened, headers, deadline)
+            response = await _relay_whole(state, lease, opened, headers, relay_deadline(state, job))
     except asyncio.CancelledError:  # the client went away (handler cancellation)
         stream.close()
         outcome.status = "499"
@@ -242,15 +243,14 @@ async def relay(
 async def _relay_stream(
     request: web.Request,
     state: ServiceState,
+    job: Forward,
     lease: Lease,
     opened: Opened,
     headers: dict[str, str],
-    deadline: float,
 ) -> web.StreamResponse:
     outcome = request[OUTCOME]
     stream = opened.stream
     response = _SseResponse(status=stream.status, headers=headers)
-    response.headers["Cache-Control"] = "no-cache"
     try:
         await response.prepare(request)
         if stream.finished:  # the whole answer is in: headers, body and its end in one write
@@ -258,7 +258,7 @@ async def _relay_stream(
             return response
         await response.write(opened.first)
         try:
-            async with asyncio.timeout_at(deadline):
+            async with asyncio.timeout_at(relay_deadline(state, job)):
                 async for chunk in opened.chunks:
                     if stream.finished:  # the last chunk goes out with the end of the stream
                         await response.write_eof(chunk)

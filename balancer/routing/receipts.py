@@ -149,6 +149,13 @@ class ReceiptBook:
             mean_error_blocks=errors.total / count,
         )
 
+    def accuracy(self, replica: ReplicaId) -> float | None:
+        """``stats(replica).accuracy`` without building the stats (read on every receipt)."""
+        errors = self._errors.get(replica)
+        if errors is None or not errors.values:
+            return None
+        return errors.exact / len(errors.values)
+
     def forget(self, replica: ReplicaId) -> None:
         self._errors.pop(replica, None)
 

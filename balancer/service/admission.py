@@ -92,10 +92,16 @@ class Admission:
         if self.on_change is not None:
             self.on_change(inflight)
 
-    async def enter(self, deadline: float) -> None:
-        """Take a slot, waiting in the queue until ``deadline`` (loop time) if all are taken."""
+    def try_enter(self) -> bool:
+        """Take a slot if one is free and nobody waits for one (``False``: :meth:`enter` waits)."""
         if not self._waiters and self._has_room():
             self._set_inflight(self.inflight + 1)
+            return True
+        return False
+
+    async def enter(self, deadline: float) -> None:
+        """Take a slot, waiting in the queue until ``deadline`` (loop time) if all are taken."""
+        if self.try_enter():
             return
         self._check_room(f"the balancer has {self.limits.max_inflight} requests in flight")
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()

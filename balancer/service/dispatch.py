@@ -20,10 +20,9 @@ rest is here, once:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -76,41 +75,54 @@ class Opened:
 
 
 class Admitted:
-    """What :func:`admitted` yields: the request's queue deadline, for its wait for a replica slot."""
+    """One request's hold on an admission slot: :func:`admitted` (an ``async with``) takes it and
+    gives it back; the body gets this object, with the request's queue deadline for its wait for a
+    replica slot. A plain class rather than a generator-based context manager: it is entered once
+    per request."""
 
-    def __init__(self, state: ServiceState, deadline: float) -> None:
+    __slots__ = ("deadline", "state")
+
+    def __init__(self, state: ServiceState) -> None:
         self.state = state
-        self.deadline = deadline
+        self.deadline = 0.0
+        """The loop time at which the request stops waiting (set on entering)."""
+
+    async def __aenter__(self) -> Admitted:
+        admission = self.state.admission
+        deadline = self.deadline = admission.deadline()
+        if admission.try_enter():
+            return self
+        try:
+            await admission.enter(deadline)
+        except AdmissionRefused as exc:
+            _count_refusal(self.state, exc, "max_inflight")
+            raise
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.state.admission.leave()
 
     async def wait_for_replica(self, pool: Pool) -> None:
         """Wait in the admission queue while every routable replica of ``pool`` is full (then the
         request goes on; with no routable replica it goes on at once, to get its 503)."""
-        cap = self.state.settings.limits.max_inflight_per_replica
+        state = self.state
+        router = pool.router
+        if router.has_free_slot(state.monotonic()):
+            return
+        cap = state.settings.limits.max_inflight_per_replica
         what = f"every replica of model {pool.model!r} has {cap} requests in flight"
         try:
-            await self.state.admission.wait_until(
-                lambda: pool.router.has_free_slot(self.state.monotonic()), self.deadline, what
-            )
+            ready = lambda: router.has_free_slot(state.monotonic())  # noqa: E731
+            await state.admission.wait_until(ready, self.deadline, what)
         except AdmissionRefused as exc:
-            _count_refusal(self.state, exc, "replica_full")
+            _count_refusal(state, exc, "replica_full")
             raise
 
 
-@contextlib.asynccontextmanager
-async def admitted(state: ServiceState) -> AsyncIterator[Admitted]:
+def admitted(state: ServiceState) -> Admitted:
     """Hold one of ``limits.max_inflight`` slots (waiting in the bounded queue if need be) for the
     body of the ``async with``; refusals are :class:`AdmissionRefused` (429 queue full, 503 timeout)."""
-    admission = state.admission
-    deadline = admission.deadline()
-    try:
-        await admission.enter(deadline)
-    except AdmissionRefused as exc:
-        _count_refusal(state, exc, "max_inflight")
-        raise
-    try:
-        yield Admitted(state, deadline)
-    finally:
-        admission.leave()
+    return Admitted(state)
 
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
@@ -198,6 +210,8 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
 
 
 def _log_decision(job: Forward, plan: RoutePlan) -> None:
+    if not log.isEnabledFor(logging.DEBUG):  # the arguments and their holder cost more than the check
+        return
     decision = plan.decision
     log.debug(
         "route %s model=%s policy=%s -> %s (%s) cached_tokens=%d of %d; terms: %s",
@@ -353,10 +367,10 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
         child(metrics.index_receipt_taught_blocks_total, replica).inc(settled.taught_blocks)
     if settled.confirmed_blocks:
         child(metrics.index_receipt_confirmed_blocks_total, replica).inc(settled.confirmed_blocks)
-    accuracy = lease.router_receipts.stats(replica).accuracy
-    if accuracy is not None:  # not memoised: this gauge's child is removed with its replica
-        metrics.prediction_accuracy_ratio.labels(replica).set(accuracy)
-    if not receipt.within_one_block:
+    accuracy = lease.router_receipts.accuracy(replica)
+    if accuracy is not None:  # memoised: the replica's removal forgets the child it removes
+        child(metrics.prediction_accuracy_ratio, replica).set(accuracy)
+    if not receipt.within_one_block and log.isEnabledFor(logging.DEBUG):
         log.debug(
             "receipt %s on %s: predicted %d blocks, engine reported %d (stale %d, dropped %d, learned %d)",
             lease.tracking_id,

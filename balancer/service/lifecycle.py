@@ -196,6 +196,7 @@ class ReplicaLifecycle:
         metrics.index_replica_blocks.remove(replica)
         for kind in ("inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage"):
             metrics.replica_load.remove(replica, kind)
+        metrics.children.forget(metrics.prediction_accuracy_ratio, replica)
         with contextlib.suppress(KeyError):  # set at its first receipt only
             metrics.prediction_accuracy_ratio.remove(replica)
 

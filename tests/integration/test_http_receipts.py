@@ -59,6 +59,7 @@ async def test_a_receipt_drops_blocks_the_engine_evicted_without_saying(tokenize
         assert metric_value(text, "kvlb_index_receipt_drops_blocks_total", replica=holder) == 8
         assert metric_value(text, "kvlb_route_receipts_total", replica=holder) == 2
         assert metric_value(text, "kvlb_route_receipts_exact_total", replica=holder) == 1
+        assert metric_value(text, "kvlb_route_prediction_accuracy_ratio", replica=holder) == 0.5  # 1.0, then
         assert metric_value(text, "kvlb_route_prediction_error_blocks_bucket", replica=holder, le="-8.0") == 1
         view = await h.replica_view(holder)
         assert int(view["index"]["blocks"]) == held - 8  # the stale prefix is gone from the index

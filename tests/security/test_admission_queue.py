@@ -48,6 +48,21 @@ async def test_waiters_are_admitted_first_come_first_served_and_never_over_the_c
     assert order == [0, 1, 2] and gate.inflight == 0 and gate.queued == 0
 
 
+async def test_the_immediate_path_never_jumps_the_queue() -> None:
+    """``try_enter`` (the request path's no-wait admission) takes a free slot only while nobody
+    waits: a slot handed over by ``leave`` goes to the oldest waiter, not to a newcomer."""
+    gate = admission(inflight=1, queued=2, timeout_s=2.0)
+    assert gate.try_enter() and gate.inflight == 1
+    assert not gate.try_enter() and gate.inflight == 1  # full
+    waiter = asyncio.create_task(gate.enter(gate.deadline()))
+    await asyncio.sleep(0.01)
+    gate.leave()  # handed to the waiter: the count stays
+    assert not gate.try_enter() and gate.inflight == 1
+    await waiter
+    gate.leave()
+    assert gate.inflight == 0 and gate.try_enter() and gate.inflight == 1
+
+
 async def test_a_wait_past_the_timeout_is_refused_with_503_and_leaves_the_queue() -> None:
     gate = admission(inflight=1, queued=2, timeout_s=0.1)
     await gate.enter(gate.deadline())

@@ -108,3 +108,18 @@ def test_every_table_counter_is_exported_per_key_space_at_scrape_time() -> None:
     evicted, overflow = table.counters.evicted_blocks, table.counters.speculative_overflow
     assert f'kvlb_index_table_evicted_blocks_total{{space="m/2/plain"}} {float(evicted)}' in text
     assert f'kvlb_index_table_speculative_overflow_total{{space="m/2/plain"}} {float(overflow)}' in text
+
+
+def test_a_forgotten_child_is_made_again_after_its_removal() -> None:
+    """``Children`` memoises ``labels()``; a replica's removal drops the gauge's child and forgets it
+    there, so the next update lands in a child the registry exports again (not a detached one)."""
+    metrics = Metrics.create()
+    gauge = metrics.prediction_accuracy_ratio
+    metrics.children.of(gauge, "r1").set(0.5)
+    assert metrics.children.of(gauge, "r1") is metrics.children.of(gauge, "r1")
+    assert 'kvlb_route_prediction_accuracy_ratio{replica="r1"} 0.5' in exported(metrics)
+    metrics.children.forget(gauge, "r1")
+    gauge.remove("r1")
+    assert 'replica="r1"' not in exported(metrics).split("kvlb_route_prediction_accuracy_ratio", 1)[1]
+    metrics.children.of(gauge, "r1").set(0.25)
+    assert 'kvlb_route_prediction_accuracy_ratio{replica="r1"} 0.25' in exported(metrics)

@@ -76,6 +76,10 @@ def test_receipt_book_running_totals_match_the_window_recounted() -> None:
         assert stats.exact == sum(1 for e in window if e == 0)
         assert stats.within_one_block == sum(1 for e in window if -1 <= e <= 1)
         assert stats.mean_error_blocks == sum(window) / len(window)
+        assert book.accuracy(A) == stats.accuracy  # the shortcut dispatch reads on every receipt
+    assert book.accuracy(B) is None
+    book.forget(A)
+    assert book.accuracy(A) is None
 
 
 @pytest.mark.parametrize(
