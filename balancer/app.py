@@ -135,7 +135,7 @@ class Balancer:
         self.url = ""
         self._zmq: zmq.asyncio.Context | None = None
         self._control: aiohttp.ClientSession | None = None
-        self._upstream = UpstreamClient(settings.timeouts, registry=self.metrics.registry)
+        self._upstream = UpstreamClient(settings.timeouts, settings.upstream, registry=self.metrics.registry)
         self._discovery = discovery
         self.replicas: ReplicaLifecycle | None = None
         """Per-replica tasks and ingest, and the discovery (built at start)."""

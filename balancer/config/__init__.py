@@ -16,6 +16,7 @@ from balancer.config.settings import (
     ReplicaConfig,
     Settings,
     TimeoutConfig,
+    UpstreamConfig,
 )
 
 __all__ = [
@@ -31,6 +32,7 @@ __all__ = [
     "ReplicaConfig",
     "Settings",
     "TimeoutConfig",
+    "UpstreamConfig",
     "from_mapping",
     "load",
     "merge_overrides",

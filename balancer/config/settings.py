@@ -359,11 +359,47 @@ class ConsoleConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class UpstreamConfig:
+    """kvlb's HTTP/1.1 connections to replicas (``balancer/upstream/``)."""
+
+    max_connections: int = 2048
+    """Connections open to all replicas together (1..65536); a request that finds none free waits for
+    one, within ``timeouts.first_byte_s``, then it is retried elsewhere like a timeout (counted in
+    ``kvlb_upstream_pool_waits_total``)."""
+    max_idle_per_host: int = 256
+    """Idle keep-alive connections kept per replica address (0..65536); more are closed on release."""
+    idle_ttl_s: float = 15.0
+    """An idle connection older than this, in seconds (0.1..3600), is closed instead of reused
+    (replicas close idle connections too: uvicorn after 5 s; a stale one is resent once on a fresh
+    connection, counted in ``kvlb_upstream_stale_retries_total``)."""
+    max_header_bytes: int = 65_536
+    """Largest status line plus headers of one replica answer (and, apart, its trailers), in bytes
+    (1,024..16 MiB); more → the answer is refused as ``header_overflow``
+    (``kvlb_upstream_protocol_errors_total``)."""
+    max_headers: int = 128
+    """Most header (or trailer) fields in one replica answer (1..10,000); more → ``header_overflow``."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        bounds = {
+            "max_connections": (self.max_connections, 1, 65_536),
+            "max_idle_per_host": (self.max_idle_per_host, 0, 65_536),
+            "idle_ttl_s": (self.idle_ttl_s, 0.1, 3600.0),
+            "max_header_bytes": (self.max_header_bytes, 1024, 16 * 1024 * 1024),
+            "max_headers": (self.max_headers, 1, 10_000),
+        }
+        for name, (value, low, high) in bounds.items():
+            if not low <= value <= high:
+                raise ConfigError(f"upstream.{name} must be in [{low}, {high}], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
     pools: tuple[PoolConfig, ...] = ()
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     timeouts: TimeoutConfig = field(default_factory=TimeoutConfig)
+    upstream: UpstreamConfig = field(default_factory=UpstreamConfig)
     limits: LimitConfig = field(default_factory=LimitConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     redis: RedisConfig = field(default_factory=RedisConfig)
@@ -431,6 +467,7 @@ class Settings:
         self.listen.validate()
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
+        self.upstream.validate()
         self.redis.validate()
         self.discovery.validate()
         self.console.validate()

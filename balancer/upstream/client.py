@@ -8,7 +8,7 @@ Retries are the caller's business; this module classifies failures: :class:`Retr
 (connect error, timeout before headers, 429/503) may be retried elsewhere because nothing reached the
 client yet; anything after the first byte is final.
 
-The client is kvlb's own (:mod:`~balancer.upstream.http1` parses, :mod:`~balancer.upstream.pool`
+The client is kvlb's own (:mod:`~balancer.upstream.http1` parses, :mod:`~balancer.upstream.connections`
 keeps the connections): a request is one write of its head and body on a keep-alive connection,
 with no URL objects, header multidicts or per-request timers beyond the stage timeouts. What it
 sends: ``POST <path> HTTP/1.1``, ``Host``, ``Content-Length``, the headers it is given (the
@@ -21,17 +21,17 @@ import asyncio
 import re
 import ssl
 from collections.abc import AsyncGenerator, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily
 
-from balancer.config import TimeoutConfig
+from balancer.config import TimeoutConfig, UpstreamConfig
 from balancer.errors import UpstreamError, UpstreamTimeout
+from balancer.upstream.connections import Connection, ConnectionPool, HostKey
 from balancer.upstream.http1 import PARSE_ERROR_REASONS, HttpParseError, ParserLimits, ResponseHead
-from balancer.upstream.pool import Connection, Pool, PoolKey
 from balancer.upstream.sse import DONE
 
 FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "x-request-id", "traceparent", "tracestate"})
@@ -77,24 +77,8 @@ def read_usage(tail: bytes) -> UsageTail:
 
 
 @dataclass(frozen=True, slots=True)
-class PoolConfig:
-    """Bounds of the connection pool to replicas."""
-
-    max_connections: int = 2048
-    """Connections open to all replicas together; a request that finds none free waits for one
-    (within ``timeouts.first_byte_s``, then it is retried elsewhere like a timeout)."""
-    max_idle_per_host: int = 256
-    """Idle keep-alive connections kept per ``(scheme, host, port)``; more are closed on release."""
-    idle_ttl_s: float = 15.0
-    """An idle connection older than this is closed instead of reused (replicas close idle
-    connections too: uvicorn after 5 s, so a stale one is retried on a fresh connection anyway)."""
-    parser: ParserLimits = field(default_factory=ParserLimits)
-    """Header bytes and counts one response may have."""
-
-
-@dataclass(frozen=True, slots=True)
 class _Target:
-    key: PoolKey
+    key: HostKey
     host_header: str
     prefix: str
     """The base URL's path, without its trailing slash."""
@@ -125,7 +109,12 @@ class UpstreamStream:
     )  # fmt: skip
 
     def __init__(
-        self, conn: Connection, head: ResponseHead, pool: Pool, idle_s: float, counters: UpstreamCounters
+        self,
+        conn: Connection,
+        head: ResponseHead,
+        pool: ConnectionPool,
+        idle_s: float,
+        counters: UpstreamCounters,
     ) -> None:
         self._conn = conn
         self._counters = counters
@@ -214,28 +203,30 @@ class UpstreamClient:
     def __init__(
         self,
         timeouts: TimeoutConfig,
-        max_connections: int = 2048,
+        config: UpstreamConfig | None = None,
         *,
-        pool: PoolConfig | None = None,
         ssl_context: ssl.SSLContext | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
         self._timeouts = timeouts
-        config = pool if pool is not None else PoolConfig(max_connections=max_connections)
-        self._config = config
+        self._config = config if config is not None else UpstreamConfig()
         self._ssl = ssl_context
-        self._pool: Pool | None = None
+        self._pool: ConnectionPool | None = None
         self._targets: dict[str, _Target] = {}
         self.counters = UpstreamCounters({reason: 0 for reason in PARSE_ERROR_REASONS})
         if registry is not None:
             registry.register(_CountersCollector(self))
 
     @property
-    def pool(self) -> Pool:
+    def pool(self) -> ConnectionPool:
         if self._pool is None or self._pool.closed:
             config = self._config
-            self._pool = Pool(
-                config.max_connections, config.max_idle_per_host, config.idle_ttl_s, config.parser, self._ssl
+            self._pool = ConnectionPool(
+                config.max_connections,
+                config.max_idle_per_host,
+                config.idle_ttl_s,
+                ParserLimits(config.max_header_bytes, config.max_headers),
+                self._ssl,
             )
         return self._pool
 
@@ -257,7 +248,7 @@ class UpstreamClient:
         return UpstreamStream(conn, head, pool, self._timeouts.idle_s, self.counters)
 
     async def _exchange(
-        self, pool: Pool, target: _Target, request_head: bytes, body: bytes, base_url: str
+        self, pool: ConnectionPool, target: _Target, request_head: bytes, body: bytes, base_url: str
     ) -> tuple[Connection, ResponseHead]:
         fresh = False
         while True:
@@ -280,7 +271,7 @@ class UpstreamClient:
                 raise
 
     async def _acquire(
-        self, pool: Pool, target: _Target, base_url: str, fresh: bool
+        self, pool: ConnectionPool, target: _Target, base_url: str, fresh: bool
     ) -> tuple[Connection, bool]:
         waits = pool.waits
         try:

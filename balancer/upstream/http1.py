@@ -8,7 +8,7 @@ with a stable ``reason`` label for metrics). :attr:`ResponseParser.reusable` tel
 the connection may carry another request: keep-alive, the body read to its end, nothing after it.
 
 Lines end in CRLF (what every HTTP server sends); a bare LF is malformed. The shell in
-:mod:`~balancer.upstream.pool` feeds it what the socket delivers, in any chunking.
+:mod:`~balancer.upstream.connections` feeds it what the socket delivers, in any chunking.
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from balancer.config.settings import TimeoutConfig
+from balancer.config.settings import TimeoutConfig, UpstreamConfig
 from balancer.errors import UpstreamError
-from balancer.upstream.client import PoolConfig, RetryableUpstream, UpstreamClient
-from balancer.upstream.pool import HIGH_WATER_BYTES
+from balancer.upstream.client import RetryableUpstream, UpstreamClient
+from balancer.upstream.connections import HIGH_WATER_BYTES
 
 TIMEOUTS = TimeoutConfig(connect_s=2.0, first_byte_s=5.0, idle_s=5.0)
 
@@ -225,6 +225,25 @@ async def test_a_malformed_answer_is_retryable_and_counted(
         await client.aclose()
 
 
+async def test_the_configured_header_bound_refuses_a_longer_answer(raw_server: Start) -> None:
+    async def reply(n: int, body: bytes) -> bytes:
+        return b"HTTP/1.1 200 OK\r\nA: 1\r\nB: 2\r\nC: 3\r\nContent-Length: 0\r\n\r\n"
+
+    url = await raw_server(RawServer(reply))
+    client = UpstreamClient(TIMEOUTS, UpstreamConfig(max_headers=3))
+    try:
+        with pytest.raises(RetryableUpstream, match=r"header_overflow"):
+            await client.open(url, "/v1/completions", b"{}", {})
+        assert client.counters.protocol_errors["header_overflow"] == 1
+    finally:
+        await client.aclose()
+    roomy = UpstreamClient(TIMEOUTS, UpstreamConfig(max_headers=4))
+    try:
+        assert await read_all(roomy, url) == (200, b"", True)
+    finally:
+        await roomy.aclose()
+
+
 async def test_a_cut_body_breaks_the_stream(raw_server: Start) -> None:
     async def reply(n: int, body: bytes) -> bytes:
         return b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly this"
@@ -348,7 +367,7 @@ async def test_the_pool_bound_makes_requests_wait_within_first_byte_s(raw_server
 
     spec = RawServer(reply)
     url = await raw_server(spec)
-    client = UpstreamClient(TimeoutConfig(first_byte_s=0.3), pool=PoolConfig(max_connections=1))
+    client = UpstreamClient(TimeoutConfig(first_byte_s=0.3), UpstreamConfig(max_connections=1))
     try:
         first = asyncio.create_task(read_all(client, url))
         await streaming.wait()
@@ -460,7 +479,7 @@ async def test_idle_connections_of_a_replica_no_longer_asked_are_closed(raw_serv
 
     left, staying = RawServer(reply), RawServer(reply)
     left_url, staying_url = await raw_server(left), await raw_server(staying)
-    client = UpstreamClient(TIMEOUTS, pool=PoolConfig(idle_ttl_s=0.2))
+    client = UpstreamClient(TIMEOUTS, UpstreamConfig(idle_ttl_s=0.2))
     try:
         assert await read_all(client, left_url) == (200, b"ok", True)
         await asyncio.sleep(0.3)  # the left replica's connection is past its time, and nobody asks it

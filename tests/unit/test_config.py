@@ -69,6 +69,9 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["console.tenant_header=a b"], "console.tenant_header must be a header name"),
         (["console.audit_log_size=0"], "console.audit_log_size must be >= 1"),
         (["console.whatif_max_entries=0"], "console.whatif_max_entries must be >= 1"),
+        (["upstream.max_connections=0"], r"upstream.max_connections must be in \[1, 65536\]"),
+        (["upstream.idle_ttl_s=0"], r"upstream.idle_ttl_s must be in \[0.1, 3600.0\]"),
+        (["upstream.max_header_bytes=100"], "upstream.max_header_bytes must be in"),
         (["redis.url=http://x"], "redis.url must start with"),
         (["redis.cluster=true"], "redis.cluster needs redis.url"),
         (["redis.url=redis://h:7000/2", "redis.cluster=true"], "database must be 0"),
@@ -107,3 +110,16 @@ def test_a_pool_without_kv_events_needs_a_positive_approx_ttl() -> None:
     assert not config.Settings().limits.receipt_drops
     with pytest.raises(ConfigError, match="approx_ttl_s"):
         config.from_mapping(config.Settings, {"pools": [{**pool, "approx_ttl_s": 0}]}).validate()
+
+
+def test_upstream_connection_bounds_are_settings() -> None:
+    settings = config.load(
+        sets=["upstream.max_connections=8", "upstream.max_headers=16"],
+        env={"KVLB_UPSTREAM__IDLE_TTL_S": "2.5"},
+    )
+    assert (
+        settings.upstream.max_connections,
+        settings.upstream.max_headers,
+        settings.upstream.idle_ttl_s,
+    ) == (8, 16, 2.5)
+    assert settings.upstream.max_idle_per_host == 256

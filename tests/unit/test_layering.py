@@ -59,7 +59,7 @@ RULES = (
     Rule(
         "the upstream response parser does no I/O",
         "balancer.upstream.http1",
-        ("asyncio", "socket", "ssl", "aiohttp", "balancer.upstream.pool", "balancer.upstream.client"),
+        ("asyncio", "socket", "ssl", "aiohttp", "balancer.upstream.connections", "balancer.upstream.client"),
     ),
 )
 

@@ -27,14 +27,14 @@ HIGH_WATER_BYTES: Final = 256 * 1024
 """Body bytes buffered for the relay before reading from the replica pauses (it resumes when the
 relay takes them: :meth:`Connection.take` takes all)."""
 
-PoolKey = tuple[str, str, int]
+HostKey = tuple[str, str, int]
 """``(scheme, host, port)``."""
 
 
 class Connection(asyncio.Protocol):
     """One keep-alive connection to a replica; one request in flight at a time."""
 
-    def __init__(self, key: PoolKey, limits: ParserLimits, on_lost: Callable[[Connection], None]) -> None:
+    def __init__(self, key: HostKey, limits: ParserLimits, on_lost: Callable[[Connection], None]) -> None:
         self.key = key
         self._limits = limits
         self._on_lost = on_lost
@@ -201,7 +201,7 @@ class Connection(asyncio.Protocol):
             waiter.set_result(None)
 
 
-class Pool:
+class ConnectionPool:
     """Connections to every replica: at most ``max_connections`` open, ``max_idle_per_host`` idle."""
 
     def __init__(
@@ -216,7 +216,7 @@ class Pool:
         self._max_idle_per_host = max_idle_per_host
         self._idle_ttl_s = idle_ttl_s
         self._limits = limits
-        self._idle: dict[PoolKey, collections.deque[Connection]] = {}
+        self._idle: dict[HostKey, collections.deque[Connection]] = {}
         self._open: set[Connection] = set()
         self._connecting = 0
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
@@ -230,7 +230,7 @@ class Pool:
     def open_connections(self) -> int:
         return len(self._open) + self._connecting
 
-    def idle(self, key: PoolKey) -> Connection | None:
+    def idle(self, key: HostKey) -> Connection | None:
         """The most recently used live idle connection to ``key`` (stale ones are closed)."""
         idle = self._idle.get(key)
         if not idle:
@@ -244,7 +244,7 @@ class Pool:
             return conn
         return None
 
-    async def acquire(self, key: PoolKey, connect_s: float, fresh: bool = False) -> tuple[Connection, bool]:
+    async def acquire(self, key: HostKey, connect_s: float, fresh: bool = False) -> tuple[Connection, bool]:
         """An idle connection to ``key`` (unless ``fresh``) or a new one once the total allows it
         (the caller's timeout bounds the wait); True when it was idle (reused)."""
         while True:
@@ -268,7 +268,7 @@ class Pool:
                     self._waiters.remove(waiter)
                 raise
 
-    async def _connect(self, key: PoolKey, connect_s: float) -> Connection:
+    async def _connect(self, key: HostKey, connect_s: float) -> Connection:
         scheme, host, port = key
         context = None
         if scheme == "https":
