@@ -135,7 +135,8 @@ class Balancer:
         self.url = ""
         self._zmq: zmq.asyncio.Context | None = None
         self._control: aiohttp.ClientSession | None = None
-        self._upstream = UpstreamClient(settings.timeouts, settings.upstream, registry=self.metrics.registry)
+        self._upstream = UpstreamClient(settings.timeouts, settings.upstream)
+        self.metrics.upstream_connections.source = lambda: self._upstream.counters
         self._discovery = discovery
         self.replicas: ReplicaLifecycle | None = None
         """Per-replica tasks and ingest, and the discovery (built at start)."""

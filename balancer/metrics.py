@@ -18,6 +18,8 @@ from prometheus_client.registry import Collector
 
 from balancer.events import ResyncReason
 from balancer.index.slots import TableCounters
+from balancer.upstream.client import UpstreamCounters
+from balancer.upstream.http1 import PARSE_ERROR_REASONS
 
 DECODE_ERROR_REASONS: Final = (
     "frame", "msgpack", "json", "schema", "stream", "replay_end", "event", "internal",
@@ -144,6 +146,7 @@ class Metrics:
     console_whatif_seconds: Histogram
     console_audit_dropped_total: Counter
     index_tables: TableCountersCollector
+    upstream_connections: UpstreamCountersCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
@@ -182,9 +185,12 @@ class Metrics:
         ProcessCollector(namespace="kvlb", registry=reg)
         tables = TableCountersCollector()
         reg.register(tables)
+        connections = UpstreamCountersCollector()
+        reg.register(connections)
         return cls(
             registry=reg,
             index_tables=tables,
+            upstream_connections=connections,
             **_http_collectors(reg),
             **_admission_collectors(reg),
             **_upstream_collectors(reg),
@@ -223,6 +229,45 @@ class TableCountersCollector(Collector):
         """The families without samples (what the registry checks names against)."""
         for counter in fields(TableCounters):
             yield CounterMetricFamily(f"kvlb_index_table_{counter.name}", "", labels=["space"])
+
+
+class UpstreamCountersCollector(Collector):
+    """The upstream client's :class:`~balancer.upstream.client.UpstreamCounters`, read at scrape time:
+    ``kvlb_upstream_protocol_errors_total{reason}``, ``kvlb_upstream_stale_retries_total`` and
+    ``kvlb_upstream_pool_waits_total``. ``source`` is set by the composition root once the client
+    exists (nothing is counted before)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], UpstreamCounters] = lambda: UpstreamCounters(
+            dict.fromkeys(PARSE_ERROR_REASONS, 0)
+        )
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        counters = self.source()
+        errors = CounterMetricFamily(
+            "kvlb_upstream_protocol_errors",
+            "Replica answers that could not be framed as HTTP/1.1, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in counters.protocol_errors.items():
+            errors.add_metric([reason], count)
+        yield errors
+        yield CounterMetricFamily(
+            "kvlb_upstream_stale_retries",
+            "Requests resent on a fresh connection after a reused one closed before any answer byte.",
+            value=counters.stale_retries,
+        )
+        yield CounterMetricFamily(
+            "kvlb_upstream_pool_waits",
+            "Requests that waited for a free upstream connection (upstream.max_connections in use).",
+            value=counters.pool_waits,
+        )
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        yield CounterMetricFamily("kvlb_upstream_protocol_errors", "", labels=["reason"])
+        yield CounterMetricFamily("kvlb_upstream_stale_retries", "")
+        yield CounterMetricFamily("kvlb_upstream_pool_waits", "")
 
 
 def _constructors(reg: CollectorRegistry) -> tuple[partial[Counter], partial[Gauge], partial[Histogram]]:

@@ -20,13 +20,10 @@ from __future__ import annotations
 import asyncio
 import re
 import ssl
-from collections.abc import AsyncGenerator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass
 from typing import Final
 from urllib.parse import urlsplit
-
-from prometheus_client import CollectorRegistry
-from prometheus_client.core import CounterMetricFamily
 
 from balancer.config import TimeoutConfig, UpstreamConfig
 from balancer.errors import UpstreamError, UpstreamTimeout
@@ -91,7 +88,8 @@ _MAX_TARGETS: Final = 4096
 
 @dataclass(slots=True)
 class UpstreamCounters:
-    """What the client counts (exported as ``kvlb_upstream_*`` by :class:`_CountersCollector`)."""
+    """What the client counts (exported as ``kvlb_upstream_*`` by
+    :class:`~balancer.metrics.UpstreamCountersCollector`)."""
 
     protocol_errors: dict[str, int]
     """Responses that could not be framed, by :data:`~balancer.upstream.http1.PARSE_ERROR_REASONS`."""
@@ -206,7 +204,6 @@ class UpstreamClient:
         config: UpstreamConfig | None = None,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        registry: CollectorRegistry | None = None,
     ) -> None:
         self._timeouts = timeouts
         self._config = config if config is not None else UpstreamConfig()
@@ -214,8 +211,6 @@ class UpstreamClient:
         self._pool: ConnectionPool | None = None
         self._targets: dict[str, _Target] = {}
         self.counters = UpstreamCounters({reason: 0 for reason in PARSE_ERROR_REASONS})
-        if registry is not None:
-            registry.register(_CountersCollector(self))
 
     @property
     def pool(self) -> ConnectionPool:
@@ -337,36 +332,3 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, HttpParseError):
         return str(exc)
     return exc.__class__.__name__
-
-
-class _CountersCollector:
-    """The client's counters as Prometheus counter families, read at scrape time."""
-
-    def __init__(self, client: UpstreamClient) -> None:
-        self._client = client
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        counters = self._client.counters
-        errors = CounterMetricFamily(
-            "kvlb_upstream_protocol_errors_total",
-            "Replica responses that could not be framed as HTTP/1.1, by reason.",
-            labels=["reason"],
-        )
-        for reason, count in counters.protocol_errors.items():
-            errors.add_metric([reason], count)
-        yield errors
-        yield CounterMetricFamily(
-            "kvlb_upstream_stale_retries_total",
-            "Requests resent on a fresh connection after a reused one closed before any response byte.",
-            value=counters.stale_retries,
-        )
-        yield CounterMetricFamily(
-            "kvlb_upstream_pool_waits_total",
-            "Requests that waited for a free upstream connection (max_connections in use).",
-            value=counters.pool_waits,
-        )
-
-    def describe(self) -> Iterator[CounterMetricFamily]:
-        yield CounterMetricFamily("kvlb_upstream_protocol_errors_total", "", labels=["reason"])
-        yield CounterMetricFamily("kvlb_upstream_stale_retries_total", "")
-        yield CounterMetricFamily("kvlb_upstream_pool_waits_total", "")

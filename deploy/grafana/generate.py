@@ -57,6 +57,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("Shed requests/s (admission)", "reqps",
          [(rate("kvlb_admission_shed_total", "reason"), "{{reason}}")], ""),
         ("Retried requests/s", "reqps", [(rate("kvlb_upstream_retries_total", "reason"), "{{reason}}")], ""),
+        ("Upstream connections: refused answers, stale resends, waits (/s)", "reqps",
+         [(rate("kvlb_upstream_protocol_errors_total", "reason"), "unframeable: {{reason}}"),
+          (rate("kvlb_upstream_stale_retries_total"), "stale keep-alive resent"),
+          (rate("kvlb_upstream_pool_waits_total"), "waited for a connection")],
+         "kvlb's HTTP/1.1 client to replicas. Waits: all upstream.max_connections were in use."),
     ]),
     ("Cache affinity", [
         ("Cached prompt tokens/s: predicted vs reported", "short",
