@@ -87,8 +87,9 @@ class PolicyWeights:
     router-tracked prefill backlog was 480 blocks above the others'); a copy sent there makes it
     worse. Followers on a replica that holds their context are not charged, so the charge does not
     push them into copies. 0 (default) turns it off; 1 raised the simulated ``tenants`` capacity
-    on seeds 1 and 2 and left those of five other workloads unchanged (docs/policies.md, "Part
-    9"). Needs the scraped KV usage and pool size; the charge is 0 without them."""
+    on seed 1 only, put ``unique`` seed 2 one bracketing step below the default, and raised no
+    ``tenants`` capacity on the emulated fleet (docs/policies.md, "Part 9"). Needs the scraped KV
+    usage and pool size; the charge is 0 without them."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
     ahead of this request there may evict it before the engine admits the request (engines match a

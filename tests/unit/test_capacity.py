@@ -1,17 +1,22 @@
-"""``kvlb capacity``: the search, the report, the plot, and the invalid-run rule of the load-test report."""
+"""``kvlb capacity``: the search, the report, the plot, the invalid-run rule of the load-test report, and
+the configuration of the kvlb the fleet confirmation starts."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
+import yaml
 
+from balancer import config
 from loadtests import capacity
 from loadtests.capacity import RatePoint, Slo
 from loadtests.capacity_command import parse_seconds
 from loadtests.driver import RunResult
 from loadtests.peers import parse_router
+from loadtests.processes import EmulatorHandle, kvlb_config
 from loadtests.report import invalid_reason, router_entry
 from loadtests.runs import RouterRun
 from loadtests.stats import RequestRecord, summarize
@@ -125,3 +130,25 @@ def test_searches_round_trip_through_a_saved_report() -> None:
     report = capacity.build_report({}, Slo(), searches, [])
     again = capacity.searches_from_report(json.loads(json.dumps(report)))
     assert again == searches
+
+
+def test_a_named_kvlb_variant_reaches_the_fleets_kvlb_serve_with_its_weights(tmp_path: Path) -> None:
+    """``--confirm`` (and ``kvlb loadtest``) start ``kvlb serve`` for ``kvlb:<policy>+w=v`` with the
+    configuration of :func:`kvlb_config`; the real loader reads the variant's weight from it."""
+    spec = parse_router("kvlb:cost+admission_weight=1")
+    replica = {
+        "name": "sim-0",
+        "url": "http://127.0.0.1:9",
+        "engine": "sglang",
+        "block_size": 16,
+        "model": "m",
+        "events": ["tcp://127.0.0.1:10"],
+        "replay": ["tcp://127.0.0.1:11"],
+    }
+    settings = kvlb_config(EmulatorHandle(replicas=[replica]), spec.policy, 1, dict(spec.weights))
+    path = tmp_path / "kvlb.yaml"
+    path.write_text(yaml.safe_dump(settings))
+    loaded = config.load(path, env={})
+    assert (loaded.policy.name, dict(loaded.policy.weights)) == ("cost", {"admission_weight": 1.0})
+    plain = kvlb_config(EmulatorHandle(replicas=[replica]), "cost", 1)
+    assert plain["policy"]["weights"] == {}
