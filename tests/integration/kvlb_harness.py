@@ -16,12 +16,13 @@ from typing import Any
 
 import aiohttp
 import zmq.asyncio
+from aiohttp import web
 from multidict import CIMultiDict
 
 from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
 from balancer.tokenizer.default import default_tokenizer
-from balancer.tokenizer.tokenizer import Tokenizer
+from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -169,6 +170,59 @@ async def running(
         for replica in reversed(replicas):
             await replica.stop()
         zctx.destroy(linger=0)
+
+
+@asynccontextmanager
+async def stalling_stream_replica(first: bytes) -> AsyncIterator[str]:
+    """A replica on 127.0.0.1 (its URL yielded) whose ``/v1/completions`` answers an event stream
+    with ``first``, then sends nothing more for 30 s (the end is cut by the cleanup); its ``/health``
+    answers ok."""
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(first)
+        await asyncio.sleep(30.0)  # silent from here on (cancelled at cleanup)
+        await response.write_eof()
+        return response
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def balancer_over(url: str, **overrides: Any) -> AsyncIterator[tuple[Balancer, aiohttp.ClientSession]]:
+    """A ready balancer (token-id prompts, no scraping) with one SGLang replica ``r0`` at ``url``, and
+    a client session; ``overrides`` are top-level settings sections."""
+    tree: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [
+            {"model": MODEL, "replicas": [{"id": "r0", "url": url, "engine": "sglang", "block_size": 4}]}
+        ],
+        "health_interval_s": 0.2,
+        "scrape_interval_s": 0,
+        **overrides,
+    }
+    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+    try:
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            yield balancer, session
+    finally:
+        await balancer.stop()
 
 
 async def wait_for(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-from typing import Any
 
-import aiohttp
 import pytest
-from aiohttp import web
-from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for, wait_ready
+from kvlb_harness import (
+    MODEL,
+    Harness,
+    balancer_over,
+    metric_value,
+    running,
+    shared_deepseek,
+    stalling_stream_replica,
+    wait_for,
+)
 
-from balancer.app import Balancer
-from balancer.config import Settings, from_mapping
-from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 
 PREFIX = list(range(1000, 1032))
 """32 token ids: 8 full blocks of the emulator's 4-token pages."""
@@ -112,55 +115,22 @@ async def test_a_client_that_leaves_on_the_last_event_still_leaves_a_receipt() -
     usage = {"prompt_tokens": 8, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 4}}
     event = {"id": "c1", "object": "text_completion", "choices": [], "usage": usage}
 
-    async def complete(request: web.Request) -> web.StreamResponse:
-        await request.read()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
-        await asyncio.sleep(30.0)  # the end of the body comes late (cancelled at cleanup)
-        await response.write_eof()
-        return response
+    first = b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n"
+    async with stalling_stream_replica(first) as url, balancer_over(url) as (balancer, session):
+        body = {"model": MODEL, "prompt": list(range(8)), "max_tokens": 1, "stream": True}
+        async with session.post(balancer.url + "/v1/completions", json=body) as response:
+            assert response.status == 200
+            read = b""
+            while b"[DONE]" not in read:
+                read += await response.content.readany()
+            response.close()  # gone, without waiting for the end of the body
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    tree: dict[str, Any] = {
-        "listen": {"host": "127.0.0.1", "port": 0},
-        "pools": [
-            {"model": MODEL, "replicas": [{"id": "r0", "url": url, "engine": "sglang", "block_size": 4}]}
-        ],
-        "health_interval_s": 0.2,
-        "scrape_interval_s": 0,
-    }
-    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
-    try:
-        await balancer.start()
-        async with aiohttp.ClientSession() as session:
-            await wait_ready(session, balancer.url)
-            body = {"model": MODEL, "prompt": list(range(8)), "max_tokens": 1, "stream": True}
-            async with session.post(balancer.url + "/v1/completions", json=body) as response:
-                assert response.status == 200
-                read = b""
-                while b"[DONE]" not in read:
-                    read += await response.content.readany()
-                response.close()  # gone, without waiting for the end of the body
-
-            async def counted() -> bool:
-                async with session.get(balancer.url + "/metrics") as answer:
-                    text = await answer.text()
-                return metric_value(text, "kvlb_route_receipts_total", replica="r0") == 1
-
-            await wait_for("the receipt", counted, timeout_s=2.0)  # long before the body's end
+        async def counted() -> bool:
             async with session.get(balancer.url + "/metrics") as answer:
                 text = await answer.text()
-            assert metric_value(text, "kvlb_route_reported_cached_tokens_total", replica="r0") == 4
-    finally:
-        await balancer.stop()
-        await runner.cleanup()
+            return metric_value(text, "kvlb_route_receipts_total", replica="r0") == 1
+
+        await wait_for("the receipt", counted, timeout_s=2.0)  # long before the body's end
+        async with session.get(balancer.url + "/metrics") as answer:
+            text = await answer.text()
+        assert metric_value(text, "kvlb_route_reported_cached_tokens_total", replica="r0") == 4
