@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import shutil
+import socket
 import subprocess
 import tempfile
 import time
@@ -159,6 +160,38 @@ def _start_node(binary: str, port: int, directory: Path) -> Node:
     return Node(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _start_answering_node(binary: str, data_dir: Path, taken: set[int], attempts: int = 5) -> Node:
+    """A node on a free port whose cluster-bus port (+10000) is free too, answering PING. A port can
+    be taken between the check and the server's bind (by another test's process), and redis-server
+    then exits: that node is started again on another port, ``attempts`` times at most."""
+    for _ in range(attempts):
+        port = _free_port()
+        if port in taken or port + 10000 >= 65536 or not _bindable(port + 10000):
+            continue
+        node = _start_node(binary, port, data_dir / str(port))
+        deadline = time.monotonic() + 10.0
+        while node.alive and time.monotonic() < deadline:
+            try:
+                if node.answers():
+                    return node
+            except (redis.RedisError, OSError):
+                pass
+            time.sleep(_POLL_S)
+        if node.alive:
+            node.process.kill()
+        node.process.wait(timeout=5)
+    raise RuntimeError(f"redis cluster: no node answered PING in {attempts} attempts")
+
+
 def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -182,14 +215,9 @@ def start_cluster(data_dir: Path | None = None) -> RedisClusterProcs:
     nodes: list[Node] = []
     procs = RedisClusterProcs(nodes, data_dir, tmp)
     try:
-        ports: list[int] = []
-        while len(ports) < 6:  # distinct ports with their cluster-bus port (+10000) in range
-            port = _free_port()
-            if port not in ports and port + 10000 < 65536:
-                ports.append(port)
-        nodes += [_start_node(server, port, data_dir / str(port)) for port in ports]
-        for node in nodes:
-            _wait(f"node {node.port} to answer PING", node.answers, 10.0)
+        for _ in range(6):
+            nodes.append(_start_answering_node(server, data_dir, {node.port for node in nodes}))
+        ports = [node.port for node in nodes]
         create = [cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports)]
         create += ["--cluster-replicas", "1", "--cluster-yes"]
         done = subprocess.run(create, capture_output=True, timeout=_START_TIMEOUT_S, check=False)
