@@ -122,8 +122,8 @@ class ReceiptBook:
     """The last ``window`` prediction errors of each replica (bounded per replica).
 
     Each replica's window keeps running totals (receipts exact, within one block, the errors' sum)
-    updated as errors enter and leave it, so :meth:`stats` (read on every receipt for
-    ``kvlb_route_prediction_accuracy_ratio``) costs the same whatever the window."""
+    updated as errors enter and leave it, so :meth:`stats` and :meth:`accuracy` (read on every receipt
+    for ``kvlb_route_prediction_accuracy_ratio``) cost the same whatever the window."""
 
     def __init__(self, window: int = RECEIPT_WINDOW) -> None:
         if window <= 0:

@@ -111,8 +111,11 @@ class Admitted:
             return
         cap = state.settings.limits.max_inflight_per_replica
         what = f"every replica of model {pool.model!r} has {cap} requests in flight"
+
+        def ready() -> bool:
+            return router.has_free_slot(state.monotonic())
+
         try:
-            ready = lambda: router.has_free_slot(state.monotonic())  # noqa: E731
             await state.admission.wait_until(ready, self.deadline, what)
         except AdmissionRefused as exc:
             _count_refusal(state, exc, "replica_full")

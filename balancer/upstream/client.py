@@ -178,25 +178,29 @@ class UpstreamStream:
 
     def close(self) -> None:
         """Drop the connection (used when the client went away, so the replica stops generating)."""
-        if not self._done:
-            self._ended = self._ended or self._conn.body_done
-            self._done = True
+        if self._let_go():
             self._conn.close()
 
     def release(self) -> None:
         """Hand the connection back: to the pool if the body was read to its end, else closed."""
-        if not self._done:  # the connection may serve another request now: its state is not ours
-            self._ended = self._ended or self._conn.body_done
-            self._done = True
+        if self._let_go():
             self._pool.release(self._conn)
+
+    def _let_go(self) -> bool:
+        """Keep what the stream knows of the body's end and stop reading the connection's state,
+        which may belong to another request from now on; False if it was let go already."""
+        if self._done:
+            return False
+        self._ended = self._ended or self._conn.body_done
+        self._done = True
+        return True
 
 
 class UpstreamClient:
     """kvlb's pooled HTTP/1.1 client for all replicas, owned by the app (closed on shutdown).
 
-    ``registry``, when given, gets the client's counters (``kvlb_upstream_protocol_errors_total``,
-    ``kvlb_upstream_stale_retries_total``, ``kvlb_upstream_pool_waits_total``). ``ssl_context``
-    verifies ``https://`` replicas (default: the system's CAs, with host name checks)."""
+    :attr:`counters` are exported by :class:`~balancer.metrics.UpstreamCountersCollector`.
+    ``ssl_context`` verifies ``https://`` replicas (default: the system's CAs, with host name checks)."""
 
     def __init__(
         self,

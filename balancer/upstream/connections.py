@@ -230,12 +230,11 @@ class ConnectionPool:
     def open_connections(self) -> int:
         return len(self._open) + self._connecting
 
-    def idle(self, key: HostKey) -> Connection | None:
+    def _take_idle(self, key: HostKey, now: float) -> Connection | None:
         """The most recently used live idle connection to ``key`` (stale ones are closed)."""
         idle = self._idle.get(key)
         if not idle:
             return None
-        now = asyncio.get_running_loop().time()
         while idle:
             conn = idle.pop()
             if conn.lost or now - conn.idle_since > self._idle_ttl_s:
@@ -250,8 +249,9 @@ class ConnectionPool:
         while True:
             if self.closed:
                 raise ConnectionError("the upstream client is closed")
-            self._sweep()
-            conn = None if fresh else self.idle(key)
+            now = asyncio.get_running_loop().time()
+            self._sweep(now)
+            conn = None if fresh else self._take_idle(key, now)
             if conn is not None:
                 return conn, True
             if self.open_connections < self._max_connections or self._drop_one_idle():
@@ -342,10 +342,9 @@ class ConnectionPool:
                 waiter.set_result(None)
                 return
 
-    def _sweep(self) -> None:
+    def _sweep(self, now: float) -> None:
         """At most once per ``idle_ttl_s``: close every idle connection past its time, whatever its
         host (a replica that left gets no request that would find its connections stale)."""
-        now = asyncio.get_running_loop().time()
         if now - self._swept_at < self._idle_ttl_s:
             return
         self._swept_at = now
