@@ -31,8 +31,9 @@ import heapq
 import sys
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
-from itertools import accumulate, chain, compress, filterfalse, islice, pairwise, repeat
-from operator import and_, eq
+from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
+from operator import and_, eq, is_not, ne
+from typing import cast
 
 import xxhash
 
@@ -52,6 +53,63 @@ TOUCH_LOG_KEYS = 65_536
 the log is applied at once. About 0.5 MB of references to tuples the expiry heap holds anyway."""
 
 
+def _first_uses(chains: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+    """The keys of ``chains`` in the order of their first listing, each mapped to a chain listing
+    it: ``dict.fromkeys(chain.from_iterable(chains))`` with other values, in fewer lookups.
+
+    Routed chains share prefixes (a system prompt, earlier turns): block keys are chained, so a
+    chain that lists an earlier chain's key at the same depth lists all its keys before it too.
+    Such a leading run is found with a binary search, then proven already listed by comparing it
+    with the earlier chain (a C-speed compare, by identity for keys from the same memo) instead of
+    a lookup per key; a chain for which the proof fails has every key looked up. So the result is
+    exact for any sequences, chained or not."""
+    seen: dict[int, tuple[int, ...]] = {}
+    contains = seen.__contains__
+    for keys in chains:
+        count = len(keys)
+        if not count:
+            continue
+        lead = 0  # keys[:lead] are known to be listed already
+        if contains(keys[0]):
+            if contains(keys[-1]):
+                lead = count
+            else:  # keys[0] listed, keys[-1] not: the last listed one of the leading run
+                low, high = 0, count - 1
+                while high - low > 1:
+                    mid = (low + high) // 2
+                    if contains(keys[mid]):
+                        low = mid
+                    else:
+                        high = mid
+                lead = low + 1
+            other = seen[keys[lead - 1]]
+            if len(other) < lead or other[:lead] != keys[:lead]:
+                lead = 0
+        if lead < count:
+            seen.update(zip(keys[lead:] if lead else keys, repeat(keys)))
+    return seen
+
+
+def _by_value(expiry: dict[int, float]) -> dict[float, list[int]]:
+    """The keys of ``expiry`` grouped by their value: the groups in the order of their first key,
+    each group's keys in the dict's order. The keys of one add are mostly adjacent with one shared
+    value, so the runs of equal values are found at C speed and the loop is per run, not per key."""
+    keys = list(expiry)
+    values = list(expiry.values())
+    if not keys:
+        return {}
+    starts = [0, *compress(range(1, len(values)), map(ne, islice(values, 1, None), values))]
+    groups: dict[float, list[int]] = {}
+    for start, stop in zip(starts, [*starts[1:], len(keys)], strict=True):
+        run = keys[start:stop]
+        found = groups.get(values[start])
+        if found is None:
+            groups[values[start]] = run
+        else:
+            found.extend(run)
+    return groups
+
+
 class PrefixTable(GapRecovery):
     """Who holds which blocks, for one key space (one :class:`BlockHasher`). Synchronous and pure:
     the request path reads it; ingestion writes it through ``MemoryIndex`` or the fleet mirror."""
@@ -64,8 +122,9 @@ class PrefixTable(GapRecovery):
         """Block key → holder mask. Read and written directly only where the LRU order does not
         matter (mask lookups, changing an existing key's mask, deleting a key); everything else goes
         through :attr:`_holders`, which applies the logged re-inserts first."""
-        self._touched: list[tuple[int, ...]] = []
-        """Chains routed since the order was last settled, oldest first (``add_speculative``)."""
+        self._touched: dict[int, tuple[int, ...]] = {}
+        """Chains routed since the order was last settled, by ``id``, in the order of their last
+        listing (``add_speculative``; the log holds them, so their ids are not reused meanwhile)."""
         self._touched_keys = 0
         self._slots = SlotRegistry(self.limits.max_slots, self.counters)
         self._spec_heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
@@ -96,7 +155,7 @@ class PrefixTable(GapRecovery):
     @_holders.setter
     def _holders(self, value: dict[int, int]) -> None:
         self._masks = value
-        self._touched = []
+        self._touched = {}
         self._touched_keys = 0
 
     def _settle_order(self) -> None:
@@ -106,18 +165,30 @@ class PrefixTable(GapRecovery):
         and meanwhile keys were only deleted or had their masks changed (which keeps their place)."""
         masks = self._masks
         touched = self._touched
-        self._touched = []
+        self._touched = {}
         self._touched_keys = 0
-        # A request's two adds (its lease and its first token) log the same tuple: only the newest
-        # listing of a tuple counts (it moves every key of the older one).
-        newest: dict[int, tuple[int, ...]] = {}
-        for keys in reversed(touched):
-            newest.setdefault(id(keys), keys)  # the log holds them: ids are not reused meanwhile
         # newest use first: the newest chain first, each chain first key first (its last re-insert)
-        newest_first = dict.fromkeys(chain.from_iterable(newest.values()))
-        present = list(filter(masks.__contains__, newest_first))
-        values = list(map(masks.pop, present))
+        newest_first = _first_uses(reversed(touched.values()))
+        # one pop per key: a key no longer in the table gives None (a mask is never None)
+        popped: list[int | None] = list(map(masks.pop, newest_first, repeat(None)))
+        if None in popped:
+            kept = list(map(is_not, popped, repeat(None)))
+            present = list(compress(newest_first, kept))
+            values = cast("list[int]", list(compress(popped, kept)))
+        else:
+            present, values = list(newest_first), cast("list[int]", popped)
         masks.update(zip(reversed(present), reversed(values), strict=True))
+
+    def _log_touch(self, keys: tuple[int, ...]) -> None:
+        """Log a routed chain's re-insert (applied by :meth:`_settle_order`). A request's two adds
+        (its lease and its first token) list the same tuple: the second only moves its listing to
+        the end (the newer listing moves every key of the older one), and is not counted again."""
+        touched = self._touched
+        if touched.pop(id(keys), None) is None:
+            self._touched_keys += len(keys)
+        touched[id(keys)] = keys
+        if self._touched_keys > TOUCH_LOG_KEYS:
+            self._settle_order()
 
     # ------------------------------------------------------------------ events
 
@@ -524,10 +595,7 @@ class PrefixTable(GapRecovery):
             # (``_settle_order``): a request's first-token add and the other requests sharing its
             # prefix re-insert the same keys, which the pass moves once.
             if taken:
-                self._touched.append(taken)
-                self._touched_keys += len(taken)
-                if self._touched_keys > TOUCH_LOG_KEYS:
-                    self._settle_order()
+                self._log_touch(taken)
             if self._suspects:
                 self._touch_suspects(replica, taken)
         if taken:
@@ -569,16 +637,11 @@ class PrefixTable(GapRecovery):
         a burst those stale lists kept every request's keys alive for a minute: about 22 kB per
         2k-token request (defect 8). Runs when the listed keys would pass ``2 × max_speculative_keys``,
         so it is amortised O(1) per key and the heap lists at most that many."""
-        groups: dict[tuple[float, int], list[int]] = {}
-        specs: dict[int, SpecSlot] = {}
-        for spec in self._slots.specs.values():
-            specs[spec.slot] = spec
-            for key, expiry_s in spec.expiry.items():
-                groups.setdefault((expiry_s, spec.slot), []).append(key)
         heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
-        for (expiry_s, slot), keys in groups.items():
-            self._spec_seq += 1
-            heap.append((expiry_s, self._spec_seq, specs[slot], keys))
+        for spec in self._slots.specs.values():
+            for expiry_s, keys in _by_value(spec.expiry).items():
+                self._spec_seq += 1
+                heap.append((expiry_s, self._spec_seq, spec, keys))
         heapq.heapify(heap)
         self._spec_heap = heap
         self._spec_refs = sum(len(keys) for *_, keys in heap)

@@ -523,10 +523,7 @@ class _ScanningTable(PrefixTable):
                 self._masks[key] = take(key, 0) | spec.bit
         if self.limits.lru_frontier:
             if taken:
-                self._touched.append(taken)
-                self._touched_keys += len(taken)
-                if self._touched_keys > TOUCH_LOG_KEYS:
-                    self._settle_order()
+                self._log_touch(taken)
             if self._suspects:
                 self._touch_suspects(replica, taken)
         pending.update((key, expiry_s) for key in taken)
