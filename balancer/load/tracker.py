@@ -165,6 +165,8 @@ class LoadCounts(NamedTuple):
 
 IDLE = LoadCounts()
 """No load: what :meth:`LoadTracker.own` returns for a replica with nothing in flight."""
+UNSCRAPED = EngineStats()
+"""No engine stats (immutable): what a snapshot reads for a replica never scraped, or stale."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -374,7 +376,7 @@ class LoadTracker:
                 decode_seqs += max(0, peer.decode_seqs)
                 decode_blocks += max(0, peer.decode_blocks)
             scrape = self._scrapes.get(replica)
-            stats, age_s = EngineStats(), None
+            stats, age_s = UNSCRAPED, None
             if scrape is not None:
                 age_s = max(0.0, now - scrape.at)
                 if age_s <= self.config.stale_after_s:

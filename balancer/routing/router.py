@@ -437,7 +437,7 @@ class PoolRouter:
         for space in self._spaces_for(candidates):
             keys = space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo)
             keys_by_space[id(space)] = keys
-            among = [r for r in candidates if r in space.replicas]
+            among = tuple([r for r in candidates if r in space.replicas])  # a tuple: its mask is cached
             overlap, confirmed = space.table.match_confirmed(keys, among, now)
             bs = space.hasher.block_size
             for replica, blocks in overlap.blocks.items():
