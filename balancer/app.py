@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
+from balancer.api.token_ids import TokenIdMemo
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
@@ -178,7 +179,9 @@ class Balancer:
             series=self._series(),
             decisions=self._decision_log(),
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
+            token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
         )
+        self.metrics.token_id_memo.source = lambda: state.token_id_memo
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
         self.metrics.index_tables.source = lambda: {  # read at scrape time: a mirror installs its own

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from balancer.api.token_ids import TokenIdMemo
 from balancer.config import ReplicaConfig, Settings
 from balancer.health.book import HealthBook
 from balancer.load.scraper import MetricsScraper
@@ -88,6 +89,9 @@ class ServiceState:
     """Recent committed decisions per pool (``console.decision_ring_*``; the app builds it)."""
     audit: AuditLog = field(default_factory=lambda: AuditLog(1_000))
     """Policy changes (``console.audit_log_size``; the app builds it)."""
+    token_id_memo: TokenIdMemo = field(default_factory=lambda: TokenIdMemo(0))
+    """Runs of token-id prompts decoded before (``limits.token_id_memo_runs``; off by default here,
+    the composition root sizes it)."""
     whatif_running: int = 0
     """What-if replays running now (``balancer.api.console`` bounds them)."""
 
