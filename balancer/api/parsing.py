@@ -22,7 +22,7 @@ import msgspec
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.token_ids import TokenIdMemo, decode_token_ids
+from balancer.api.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
 from balancer.tokenizer.tokenizer import first_surrogate
@@ -205,7 +205,7 @@ def typed_completion(raw: bytes, memo: TokenIdMemo | None = None) -> ParsedReque
     stdlib path too, for its own message."""
     if not raw.isascii():
         return None
-    if memo is not None:
+    if memo is not None and worth_a_lookup(raw, memo):
         return _memoised_completion(raw, memo)
     try:
         body = _COMPLETION_DECODER.decode(raw)
@@ -235,7 +235,9 @@ def typed_completion(raw: bytes, memo: TokenIdMemo | None = None) -> ParsedReque
 
 
 def _memoised_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
-    """:func:`typed_completion` of an ASCII body with its token ids decoded through ``memo``."""
+    """:func:`typed_completion` of an ASCII body with its token ids decoded through ``memo``.
+
+    A prompt that is not an array of ids takes the stdlib path, as from the typed decoder."""
     try:
         body = _RAW_PROMPT_DECODER.decode(raw)
         span = bytes(body.prompt)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from balancer.api.errors import ApiError
 from balancer.api.parsing import ParsedRequest, parse_request
-from balancer.api.token_ids import TokenIdMemo, decode_token_ids
+from balancer.api.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
 
 
 def answer(raw: bytes, memo: TokenIdMemo | None) -> Any:
@@ -60,17 +60,28 @@ SHARED = [7, 123456, 0, 4294967295, 42, 99999, 1, 128000, 5, 31]
     texts=st.lists(prompt_texts(SHARED), min_size=1, max_size=4),
     run_bytes=st.integers(1, 24),
     max_runs=st.integers(0, 6),
-    extra=st.sampled_from(['"stream": true', '"max_tokens": 3', '"user": "u"', '"x": [1.5, "a"]']),
+    extra=st.sampled_from(
+        [
+            '"stream": true',
+            '"max_tokens": 3',
+            '"user": "u"',
+            '"x": [1.5, "a"]',
+            f'"meta": {{"prompt": {SHARED}}}',
+        ]
+    ),
+    extra_first=st.booleans(),
 )
 def test_the_memo_answers_as_the_typed_decoder(
-    texts: list[str], run_bytes: int, max_runs: int, extra: str
+    texts: list[str], run_bytes: int, max_runs: int, extra: str, extra_first: bool
 ) -> None:
     """Whatever the prompt (ids out of range, bools, floats, strings, nested arrays, odd spacing)
     and whatever the memo holds from the prompts before it: the same acceptance, ids and message as
-    without the memo, and the packed array holds the ids."""
+    without the memo, and the packed array holds the ids. Another ``"prompt"`` key before the real
+    one (``meta``) misleads :func:`worth_a_lookup`'s guess, never the answer."""
     memo = TokenIdMemo(max_runs, run_bytes=run_bytes)
     for text in texts + texts:  # each prompt twice more: its runs are then found
-        raw = f'{{"model": "m", "prompt": {text}, {extra}}}'.encode()
+        fields = [extra, '"model": "m"', f'"prompt": {text}']
+        raw = ("{" + ", ".join(fields if extra_first else fields[::-1]) + "}").encode()
         expected = answer(raw, None)
         assert answer(raw, memo) == expected, text
         if isinstance(expected, tuple) and isinstance(expected[-1], list):
@@ -142,6 +153,16 @@ def test_the_memo_is_bounded_and_counts_evictions() -> None:
         except ValueError:
             continue
         raise AssertionError("accepted a bad size")
+
+
+def test_only_a_first_run_seen_before_is_worth_a_lookup() -> None:
+    memo = TokenIdMemo(64, run_bytes=16)
+    raw = json.dumps({"model": "m", "prompt": list(range(5000, 5040))}).encode()
+    assert not worth_a_lookup(raw, memo)  # new: the typed decoder answers; noted
+    assert worth_a_lookup(raw, memo)  # seen once: decoded through the memo
+    assert not worth_a_lookup(json.dumps({"model": "m", "prompt": [1, 2]}).encode(), memo)  # one short run
+    assert not worth_a_lookup(b'{"model": "m", "prompt": "text, text, text, text"}', memo)
+    assert not worth_a_lookup(raw, TokenIdMemo(0))
 
 
 def test_the_typed_path_with_a_memo_keeps_text_prompts() -> None:
