@@ -51,7 +51,7 @@ class ParsedRequest:
     session_key: str | None
     """The OpenAI ``user`` field, used by the ``session`` policy."""
     prompt: str | Sequence[int] | None = None
-    """The text, or the token ids: a ``list`` from the stdlib path, the ``packed`` array itself
+    """The text, or the token ids: a ``list`` from the typed or stdlib decoder, the ``packed`` array itself
     from the memoised one (:func:`~balancer.api.token_ids.decode_token_ids`)."""
     messages: list[dict[str, Any]] | None = None
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
