@@ -33,7 +33,6 @@ from prometheus_client import CollectorRegistry
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
-from balancer.api.token_ids import TokenIdMemo
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
@@ -59,6 +58,7 @@ from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient

@@ -16,9 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-from balancer.api.token_ids import TokenIdMemo
 from balancer.events import ResyncReason
 from balancer.index.slots import TableCounters
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.upstream.client import UpstreamCounters
 from balancer.upstream.http1 import PARSE_ERROR_REASONS
 
@@ -237,8 +237,8 @@ class TableCountersCollector(Collector):
 
 
 class TokenIdMemoCollector(Collector):
-    """The :class:`~balancer.api.token_ids.TokenIdMemo`'s counters, read at scrape time:
-    ``kvlb_api_token_id_memo_{hits,misses,evictions}_total`` (runs of token-id prompt text found,
+    """The :class:`~balancer.tokenizer.token_ids.TokenIdMemo`'s counters, read at scrape time:
+    ``kvlb_tokenizer_token_id_memo_{hits,misses,evictions}_total`` (runs of token-id prompt text found,
     decoded, and forgotten at ``limits.token_id_memo_runs``). ``source`` is set by the composition
     root once the memo exists (zeros before)."""
 
@@ -251,7 +251,7 @@ class TokenIdMemoCollector(Collector):
         memo = self.source()
         for name in self.COUNTERS:
             yield CounterMetricFamily(
-                f"kvlb_api_token_id_memo_{name}",
+                f"kvlb_tokenizer_token_id_memo_{name}",
                 f"Runs of token-id prompt text: {name} of the decoded-ids memo.",
                 value=getattr(memo, name),
             )
@@ -259,7 +259,7 @@ class TokenIdMemoCollector(Collector):
     def describe(self) -> Iterator[CounterMetricFamily]:
         """The families without samples (what the registry checks names against)."""
         for name in self.COUNTERS:
-            yield CounterMetricFamily(f"kvlb_api_token_id_memo_{name}", "")
+            yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
 
 
 class UpstreamCountersCollector(Collector):

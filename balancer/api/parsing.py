@@ -22,9 +22,9 @@ import msgspec
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
+from balancer.tokenizer.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
 from balancer.tokenizer.tokenizer import first_surrogate
 
 RequestKind = Literal["chat", "completions"]
@@ -52,7 +52,7 @@ class ParsedRequest:
     """The OpenAI ``user`` field, used by the ``session`` policy."""
     prompt: str | Sequence[int] | None = None
     """The text, or the token ids: a ``list`` from the typed or stdlib decoder, the ``packed`` array itself
-    from the memoised one (:func:`~balancer.api.token_ids.decode_token_ids`)."""
+    from the memoised one (:func:`~balancer.tokenizer.token_ids.decode_token_ids`)."""
     messages: list[dict[str, Any]] | None = None
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
     """``tools``, ``add_generation_prompt`` and ``chat_template_kwargs`` for the chat template."""
@@ -175,7 +175,7 @@ def lone_surrogate_at(value: Any) -> str | None:
 
 def parse_request(raw: bytes, kind: RequestKind, memo: TokenIdMemo | None = None) -> ParsedRequest:
     """Validate the fields routing reads; other fields are the engine's business. With ``memo``,
-    token ids are decoded through it (:func:`~balancer.api.token_ids.decode_token_ids`)."""
+    token ids are decoded through it (:func:`~balancer.tokenizer.token_ids.decode_token_ids`)."""
     if kind == "completions" and (fast := typed_completion(raw, memo)) is not None:
         return fast
     return parse_body(decode_object(raw), kind)

@@ -14,7 +14,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from balancer.api.token_ids import TokenIdMemo
 from balancer.config import ReplicaConfig, Settings
 from balancer.health.book import HealthBook
 from balancer.load.scraper import MetricsScraper
@@ -26,6 +25,7 @@ from balancer.service.decisions import DecisionLog
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
 from balancer.sources.pipeline import IngestView, ReplicaIngestStatus
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient

@@ -100,8 +100,8 @@ async def test_token_ids_sent_again_are_found_in_the_memo_and_routed_alike(token
         assert len(cached) == 1 and 180 <= cached.pop() < 200  # the same prediction, all but a block
         async with h.session.get(h.url + "/metrics") as response:
             text = await response.text()
-        assert metric_value(text, "kvlb_api_token_id_memo_hits_total") > 0
-        assert metric_value(text, "kvlb_api_token_id_memo_misses_total") > 0
+        assert metric_value(text, "kvlb_tokenizer_token_id_memo_hits_total") > 0
+        assert metric_value(text, "kvlb_tokenizer_token_id_memo_misses_total") > 0
         tail = {**body, "prompt": prompt[:180] + [5, 6, 7] * 6}  # its first run found, the rest new
         answer = await h.post("/v1/completions", tail)
         assert answer.status == 200 and answer.headers["x-kvlb-replica"] == holder

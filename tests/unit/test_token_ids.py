@@ -1,4 +1,4 @@
-"""Token-id prompts decoded through the memo of runs (:mod:`balancer.api.token_ids`): the same
+"""Token-id prompts decoded through the memo of runs (:mod:`balancer.tokenizer.token_ids`): the same
 answer as the typed decoder for any body, ids sent again found instead of decoded, bounded."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from balancer.api.errors import ApiError
 from balancer.api.parsing import ParsedRequest, parse_request
-from balancer.api.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
+from balancer.tokenizer.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
 
 
 def answer(raw: bytes, memo: TokenIdMemo | None) -> Any:
