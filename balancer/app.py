@@ -58,6 +58,7 @@ from balancer.service.state import Pool, ServiceState
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
@@ -178,7 +179,9 @@ class Balancer:
             series=self._series(),
             decisions=self._decision_log(),
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
+            token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
         )
+        self.metrics.token_id_memo.source = lambda: state.token_id_memo
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
         self.metrics.index_tables.source = lambda: {  # read at scrape time: a mirror installs its own

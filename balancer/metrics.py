@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from balancer.events import ResyncReason
 from balancer.index.slots import TableCounters
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.upstream.client import UpstreamCounters
 from balancer.upstream.http1 import PARSE_ERROR_REASONS
 
@@ -147,6 +148,7 @@ class Metrics:
     console_audit_dropped_total: Counter
     index_tables: TableCountersCollector
     upstream_connections: UpstreamCountersCollector
+    token_id_memo: TokenIdMemoCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
@@ -187,10 +189,13 @@ class Metrics:
         reg.register(tables)
         connections = UpstreamCountersCollector()
         reg.register(connections)
+        token_id_memo = TokenIdMemoCollector()
+        reg.register(token_id_memo)
         return cls(
             registry=reg,
             index_tables=tables,
             upstream_connections=connections,
+            token_id_memo=token_id_memo,
             **_http_collectors(reg),
             **_admission_collectors(reg),
             **_upstream_collectors(reg),
@@ -229,6 +234,32 @@ class TableCountersCollector(Collector):
         """The families without samples (what the registry checks names against)."""
         for counter in fields(TableCounters):
             yield CounterMetricFamily(f"kvlb_index_table_{counter.name}", "", labels=["space"])
+
+
+class TokenIdMemoCollector(Collector):
+    """The :class:`~balancer.tokenizer.token_ids.TokenIdMemo`'s counters, read at scrape time:
+    ``kvlb_tokenizer_token_id_memo_{hits,misses,evictions}_total`` (runs of token-id prompt text found,
+    decoded, and forgotten at ``limits.token_id_memo_runs``). ``source`` is set by the composition
+    root once the memo exists (zeros before)."""
+
+    COUNTERS: Final = ("hits", "misses", "evictions")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], TokenIdMemo] = lambda: TokenIdMemo(0)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        memo = self.source()
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(
+                f"kvlb_tokenizer_token_id_memo_{name}",
+                f"Runs of token-id prompt text: {name} of the decoded-ids memo.",
+                value=getattr(memo, name),
+            )
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
 
 
 class UpstreamCountersCollector(Collector):

@@ -93,7 +93,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     limits = state.settings.limits
     async with admitted(state) as admission:
         body = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
-        parsed = parse_request(body, kind)
+        parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
         token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
@@ -175,7 +175,7 @@ async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) ->
     token_ids: Sequence[int] | None = None
     try:
         if parsed.ids_checked:
-            assert isinstance(parsed.prompt, list)
+            assert parsed.prompt is not None and not isinstance(parsed.prompt, str)
             token_ids = parsed.packed if parsed.packed is not None else parsed.prompt
         elif parsed.kind == "chat":
             assert parsed.messages is not None

@@ -14,7 +14,7 @@ and words each refusal as before; so the fast decoders change what a request cos
 from __future__ import annotations
 
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -24,6 +24,7 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
+from balancer.tokenizer.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
 from balancer.tokenizer.tokenizer import first_surrogate
 
 RequestKind = Literal["chat", "completions"]
@@ -49,7 +50,9 @@ class ParsedRequest:
     """``max_completion_tokens`` or ``max_tokens``; 0 when absent (the engine's default applies)."""
     session_key: str | None
     """The OpenAI ``user`` field, used by the ``session`` policy."""
-    prompt: str | list[int] | None = None
+    prompt: str | Sequence[int] | None = None
+    """The text, or the token ids: a ``list`` from the typed or stdlib decoder, the ``packed`` array itself
+    from the memoised one (:func:`~balancer.tokenizer.token_ids.decode_token_ids`)."""
     messages: list[dict[str, Any]] | None = None
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
     """``tools``, ``add_generation_prompt`` and ``chat_template_kwargs`` for the chat template."""
@@ -84,8 +87,21 @@ class _CompletionBody(msgspec.Struct):
     user: Any = None
 
 
+class _RawPromptBody(msgspec.Struct):
+    """:class:`_CompletionBody` with the prompt left as its JSON text (checked, not decoded)."""
+
+    prompt: msgspec.Raw = msgspec.Raw(b"")
+    model: Any = None
+    stream: Any = False
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+    user: Any = None
+
+
 _OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
 _COMPLETION_DECODER = msgspec.json.Decoder(_CompletionBody)
+_RAW_PROMPT_DECODER = msgspec.json.Decoder(_RawPromptBody)
+_TEXT_DECODER = msgspec.json.Decoder(str)
 _FAST_DECODE_ERRORS = (msgspec.DecodeError, ValueError, RecursionError)
 """What the fast decoders raise on a body they refuse (``ValidationError`` is a ``DecodeError``;
 invalid UTF-8 raises ``UnicodeDecodeError``): the body then takes the stdlib path."""
@@ -157,9 +173,10 @@ def lone_surrogate_at(value: Any) -> str | None:
     return None
 
 
-def parse_request(raw: bytes, kind: RequestKind) -> ParsedRequest:
-    """Validate the fields routing reads; other fields are the engine's business."""
-    if kind == "completions" and (fast := typed_completion(raw)) is not None:
+def parse_request(raw: bytes, kind: RequestKind, memo: TokenIdMemo | None = None) -> ParsedRequest:
+    """Validate the fields routing reads; other fields are the engine's business. With ``memo``,
+    token ids are decoded through it (:func:`~balancer.tokenizer.token_ids.decode_token_ids`)."""
+    if kind == "completions" and (fast := typed_completion(raw, memo)) is not None:
         return fast
     return parse_body(decode_object(raw), kind)
 
@@ -179,7 +196,7 @@ def parse_body(body: Mapping[str, Any], kind: RequestKind) -> ParsedRequest:
     return ParsedRequest(kind="completions", prompt=prompt, text_chars=chars, **common)
 
 
-def typed_completion(raw: bytes) -> ParsedRequest | None:
+def typed_completion(raw: bytes, memo: TokenIdMemo | None = None) -> ParsedRequest | None:
     """The typed decode of a completion body, or ``None`` when the stdlib path must answer.
 
     Only ASCII bodies: the struct decoder skips unread fields without checking their UTF-8 (an
@@ -188,6 +205,8 @@ def typed_completion(raw: bytes) -> ParsedRequest | None:
     stdlib path too, for its own message."""
     if not raw.isascii():
         return None
+    if memo is not None and worth_a_lookup(raw, memo):
+        return _memoised_completion(raw, memo)
     try:
         body = _COMPLETION_DECODER.decode(raw)
     except _FAST_DECODE_ERRORS:
@@ -213,6 +232,32 @@ def typed_completion(raw: bytes) -> ParsedRequest | None:
     if not body.prompt:
         raise ApiError(400, "'prompt' must not be empty")
     return ParsedRequest(kind="completions", prompt=body.prompt, ids_checked=True, packed=packed, **common)
+
+
+def _memoised_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
+    """:func:`typed_completion` of an ASCII body with its token ids decoded through ``memo``.
+
+    A prompt that is not an array of ids takes the stdlib path, as from the typed decoder."""
+    try:
+        body = _RAW_PROMPT_DECODER.decode(raw)
+        span = bytes(body.prompt)
+        text = _TEXT_DECODER.decode(span) if span[:1] == b'"' else None
+    except _FAST_DECODE_ERRORS:
+        return None
+    ids = decode_token_ids(span, memo) if text is None else None
+    if text is None and ids is None:  # absent, null, empty, a batch, a bad id: the stdlib path answers
+        return None
+    fields = {
+        "model": body.model,
+        "stream": body.stream,
+        "max_tokens": body.max_tokens,
+        "max_completion_tokens": body.max_completion_tokens,
+        "user": body.user,
+    }
+    common = _common(fields)
+    if text is not None:
+        return ParsedRequest(kind="completions", prompt=text, text_chars=len(text), **common)
+    return ParsedRequest(kind="completions", prompt=ids, ids_checked=True, packed=ids, **common)
 
 
 def _common(body: Mapping[str, Any]) -> dict[str, Any]:

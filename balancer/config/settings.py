@@ -105,6 +105,11 @@ class LimitConfig:
     """Largest accepted request body; larger → 413."""
     max_prompt_tokens: int = 262_144
     """Largest accepted prompt after tokenisation; larger → 400."""
+    token_id_memo_runs: int = 4096
+    """Runs of about 2 kB of a token-id prompt's JSON text whose decoded ids are remembered, so that
+    ids sent again (a shared prefix, a repeated prompt) are not decoded again (least recently used
+    out first, ``kvlb_tokenizer_token_id_memo_evictions_total``; about 1.5 kB a run of 5-digit ids, at
+    most 4 kB a run: 6 to 17 MB at the default). 0 turns it off. 0..1,048,576; per process."""
     max_inflight: int = 1024
     """Requests served at once by this balancer; more wait in the queue (``max_queued``: full → 429,
     ``queue_timeout_s`` → 503, both with Retry-After). With ``kvlb serve --workers N`` all workers
@@ -460,6 +465,10 @@ class Settings:
             )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
+        if not 0 <= self.limits.token_id_memo_runs <= 1_048_576:
+            raise ConfigError(
+                f"limits.token_id_memo_runs must be in 0..1048576, got {self.limits.token_id_memo_runs}"
+            )
         if not 0.0 <= self.limits.gap_hold_s <= 60.0:
             raise ConfigError(f"limits.gap_hold_s must be in 0..60, got {self.limits.gap_hold_s}")
         if not 0.0 <= self.limits.gap_keep_s <= 60.0:

@@ -25,6 +25,7 @@ from balancer.service.decisions import DecisionLog
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
 from balancer.sources.pipeline import IngestView, ReplicaIngestStatus
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import Tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
@@ -88,6 +89,9 @@ class ServiceState:
     """Recent committed decisions per pool (``console.decision_ring_*``; the app builds it)."""
     audit: AuditLog = field(default_factory=lambda: AuditLog(1_000))
     """Policy changes (``console.audit_log_size``; the app builds it)."""
+    token_id_memo: TokenIdMemo = field(default_factory=lambda: TokenIdMemo(0))
+    """Runs of token-id prompts decoded before (``limits.token_id_memo_runs``; off by default here,
+    the composition root sizes it)."""
     whatif_running: int = 0
     """What-if replays running now (``balancer.api.console`` bounds them)."""
 

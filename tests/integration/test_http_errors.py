@@ -34,6 +34,15 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"model": "sim-test", "prompt": [1, "a"]}', 400, "'prompt'"),
     ("/v1/completions", b'{"model": "sim-test", "prompt": [1], "max_tokens": -1}', 400, "max_tokens"),
     ("/v1/completions", b'{"model": "sim-test", "prompt": [5, -1]}', 400, "outside"),
+    # token ids the typed decoder refuses: the stdlib path answers each with its own message
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [5, 4294967296]}', 400, "outside [0, 2**32)"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [5, true]}', 400, "array of token ids"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [5, 6.0]}', 400, "array of token ids"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [5, 1e3]}', 400, "array of token ids"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [[5, 6], [7]]}', 400, "batched prompts"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": []}', 400, "must not be empty"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [5,,6]}', 400, "not valid JSON"),
+    ("/v1/completions", b'{"model": "sim-test", "prompt": [05]}', 400, "not valid JSON"),
     (
         "/v1/completions",
         b'{"model": "sim-test", "prompt": ' + str(list(range(80))).encode() + b"}",

@@ -84,3 +84,25 @@ async def test_a_replica_silent_after_its_first_chunk_ends_the_stream_at_the_tot
         async with session.get(balancer.url + "/admin/replicas") as answer:
             replicas = await answer.json()
         assert [r["inflight"] for r in replicas["replicas"] if r["id"] == "r0"] == [0]
+
+
+async def test_token_ids_sent_again_are_found_in_the_memo_and_routed_alike(tokenizer: Tokenizer) -> None:
+    """A token-id prompt sent again is decoded from the memo of runs (its hits counted), reaches the
+    replica that holds it, and a prompt sharing only its first runs is routed from the right ids."""
+    prompt = [4_000_000_000 + i * 7919 for i in range(200)]  # 2.4 kB of JSON: two runs
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+    async with running(tokenizer) as h:
+        holder = await h.warm(prompt)
+        answers = [await h.post("/v1/completions", body) for _ in range(3)]
+        assert all(a.status == 200 for a in answers), answers[0].body
+        assert [a.headers["x-kvlb-replica"] for a in answers] == [holder] * 3
+        cached = {int(a.headers["x-kvlb-cached-tokens"]) for a in answers}
+        assert len(cached) == 1 and 180 <= cached.pop() < 200  # the same prediction, all but a block
+        async with h.session.get(h.url + "/metrics") as response:
+            text = await response.text()
+        assert metric_value(text, "kvlb_tokenizer_token_id_memo_hits_total") > 0
+        assert metric_value(text, "kvlb_tokenizer_token_id_memo_misses_total") > 0
+        tail = {**body, "prompt": prompt[:180] + [5, 6, 7] * 6}  # its first run found, the rest new
+        answer = await h.post("/v1/completions", tail)
+        assert answer.status == 200 and answer.headers["x-kvlb-replica"] == holder
+        assert 160 <= int(answer.headers["x-kvlb-cached-tokens"]) <= 180  # the shared 180 ids

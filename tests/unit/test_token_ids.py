@@ -1,0 +1,173 @@
+"""Token-id prompts decoded through the memo of runs (:mod:`balancer.tokenizer.token_ids`): the same
+answer as the typed decoder for any body, ids sent again found instead of decoded, bounded."""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balancer.api.errors import ApiError
+from balancer.api.parsing import ParsedRequest, parse_request
+from balancer.tokenizer.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
+
+
+def answer(raw: bytes, memo: TokenIdMemo | None) -> Any:
+    """What ``parse_request`` makes of ``raw``: the request with its ids as a list, or the error."""
+    try:
+        parsed = parse_request(raw, "completions", memo)
+    except ApiError as exc:
+        return (exc.status, exc.message)
+    if parsed.prompt is not None and not isinstance(parsed.prompt, str):
+        assert parsed.packed is not None or not parsed.ids_checked
+        return (parsed.model, parsed.stream, parsed.max_tokens, parsed.session_key, list(parsed.prompt))
+    return parsed
+
+
+ids = st.integers(0, 2**32 - 1) | st.integers(0, 300)
+odd_elements = (
+    st.integers(-3, -1)
+    | st.integers(2**32, 2**70)
+    | st.booleans()
+    | st.none()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=3)
+    | st.lists(st.integers(0, 9), max_size=2)
+)
+separators = st.sampled_from([",", ", ", " ,", ",\n", "\t,  "])
+
+
+@st.composite
+def prompt_texts(draw: st.DrawFn, shared: list[int]) -> str:
+    """A JSON array as clients write it: often ``shared``'s ids first (so runs repeat), maybe one
+    element of another kind anywhere, any separator and space inside the brackets."""
+    values: list[Any] = shared[: draw(st.integers(0, len(shared)))] + draw(st.lists(ids, max_size=12))
+    if draw(st.booleans()) and values:
+        values.insert(draw(st.integers(0, len(values))), draw(odd_elements))
+    sep = draw(separators)
+    inside = sep.join(json.dumps(v) for v in values)
+    return "[" + draw(st.sampled_from(["", " ", "\n"])) + inside + draw(st.sampled_from(["", " "])) + "]"
+
+
+SHARED = [7, 123456, 0, 4294967295, 42, 99999, 1, 128000, 5, 31]
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    texts=st.lists(prompt_texts(SHARED), min_size=1, max_size=4),
+    run_bytes=st.integers(1, 24),
+    max_runs=st.integers(0, 6),
+    extra=st.sampled_from(
+        [
+            '"stream": true',
+            '"max_tokens": 3',
+            '"user": "u"',
+            '"x": [1.5, "a"]',
+            f'"meta": {{"prompt": {SHARED}}}',
+        ]
+    ),
+    extra_first=st.booleans(),
+)
+def test_the_memo_answers_as_the_typed_decoder(
+    texts: list[str], run_bytes: int, max_runs: int, extra: str, extra_first: bool
+) -> None:
+    """Whatever the prompt (ids out of range, bools, floats, strings, nested arrays, odd spacing)
+    and whatever the memo holds from the prompts before it: the same acceptance, ids and message as
+    without the memo, and the packed array holds the ids. Another ``"prompt"`` key before the real
+    one (``meta``) misleads :func:`worth_a_lookup`'s guess, never the answer."""
+    memo = TokenIdMemo(max_runs, run_bytes=run_bytes)
+    for text in texts + texts:  # each prompt twice more: its runs are then found
+        fields = [extra, '"model": "m"', f'"prompt": {text}']
+        raw = ("{" + ", ".join(fields if extra_first else fields[::-1]) + "}").encode()
+        expected = answer(raw, None)
+        assert answer(raw, memo) == expected, text
+        if isinstance(expected, tuple) and isinstance(expected[-1], list):
+            parsed = parse_request(raw, "completions", memo)
+            # ids out of range pass parsing on the stdlib path; tokenize refuses them later
+            assert parsed.ids_checked == all(0 <= i < 2**32 for i in expected[-1])
+            if parsed.ids_checked:
+                assert parsed.packed is not None and parsed.packed.typecode == "I"
+                assert parsed.packed.tolist() == expected[-1]
+        assert len(memo) <= max_runs
+
+
+def test_runs_sent_again_are_found_not_decoded() -> None:
+    memo = TokenIdMemo(64, run_bytes=16)
+    prefix = list(range(1000, 1100))
+    first = json.dumps([*prefix, 1, 2, 3]).encode()
+    decoded = decode_token_ids(first, memo)
+    assert decoded is not None and decoded.tolist() == [*prefix, 1, 2, 3]
+    assert memo.hits == 0 and len(memo) == 0  # seen once: noted, not kept
+    assert decode_token_ids(first, memo) is not None and len(memo) > 0 and memo.hits == 0
+    misses = memo.misses
+    again = decode_token_ids(first, memo)
+    assert again is not None and again.tolist() == [*prefix, 1, 2, 3]
+    assert memo.misses == misses and memo.hits > 0  # every run found
+    hits = memo.hits
+    other = decode_token_ids(json.dumps([*prefix, 9, 8]).encode(), memo)
+    assert other is not None and other.tolist() == [*prefix, 9, 8]
+    assert memo.hits > hits and memo.misses > misses  # the shared prefix found, the new tail decoded
+
+
+def test_a_found_run_does_not_let_a_bad_element_through() -> None:
+    memo = TokenIdMemo(64, run_bytes=4)
+    good = b"[11, 22, 33, 44, 55]"
+    for _ in range(3):
+        assert decode_token_ids(good, memo) is not None
+    bad_texts = (
+        b"[11, 22, 33, 44, 55, -1]",
+        b"[11, 22, 33, 44, 55, 1.5]",
+        b"[11, 22, 33, 44, 55, true]",
+        b'[11, 22, 33, 44, 55, "a"]',
+        b"[11, 22, 33, 44, 55, [1]]",
+        b"[11, 22, 33, 44, 55, 4294967296]",
+        b"[[11, 22, 33, 44, 55]]",
+        b"[]",
+        b"[ ]",
+        b'"11, 22"',
+    )
+    for bad in bad_texts:
+        assert decode_token_ids(bad, memo) is None, bad
+        raw = b'{"model": "m", "prompt": ' + bad + b"}"
+        assert answer(raw, memo) == answer(raw, None)
+
+
+def test_the_memo_is_bounded_and_counts_evictions() -> None:
+    memo = TokenIdMemo(5, run_bytes=64)  # 3 or 4 runs a prompt
+    for n in range(50):
+        text = json.dumps(list(range(n * 100, n * 100 + 40))).encode()
+        for _ in range(2):
+            assert decode_token_ids(text, memo) is not None
+        assert len(memo) <= 5
+        assert len(memo._seen) <= 5 and len(memo._seen_before) <= 5
+    assert memo.evictions > 0 and memo.hits == 0  # every prompt new: kept at its second sight
+    kept = json.dumps(list(range(4900, 4940))).encode()  # the last one
+    assert decode_token_ids(kept, memo) is not None and memo.hits > 0
+    assert decode_token_ids(b"[1, 2]", TokenIdMemo(0)) is not None  # off: decoded every time
+    for bad in (-1, 0):
+        try:
+            TokenIdMemo(bad if bad < 0 else 1, run_bytes=bad if bad == 0 else 1)
+        except ValueError:
+            continue
+        raise AssertionError("accepted a bad size")
+
+
+def test_only_a_first_run_seen_before_is_worth_a_lookup() -> None:
+    memo = TokenIdMemo(64, run_bytes=16)
+    raw = json.dumps({"model": "m", "prompt": list(range(5000, 5040))}).encode()
+    assert not worth_a_lookup(raw, memo)  # new: the typed decoder answers; noted
+    assert worth_a_lookup(raw, memo)  # seen once: decoded through the memo
+    assert not worth_a_lookup(json.dumps({"model": "m", "prompt": [1, 2]}).encode(), memo)  # one short run
+    assert not worth_a_lookup(b'{"model": "m", "prompt": "text, text, text, text"}', memo)
+    assert not worth_a_lookup(raw, TokenIdMemo(0))
+
+
+def test_the_typed_path_with_a_memo_keeps_text_prompts() -> None:
+    memo = TokenIdMemo(8)
+    parse = functools.partial(parse_request, kind="completions", memo=memo)
+    parsed = parse(b'{"model": "m", "prompt": "hello", "user": "u"}')
+    assert isinstance(parsed, ParsedRequest) and parsed.prompt == "hello" and parsed.text_chars == 5
+    assert parsed.session_key == "u" and not parsed.ids_checked
