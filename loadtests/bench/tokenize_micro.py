@@ -84,6 +84,13 @@ def stages(tokenizer: HfTokenizer, runs: list[list[ParsedRequest]]) -> None:
     pieces = [[splitter.split_chunks(c) or [] for c in run] for run in chunks]
     cached = [[max(p, key=len) for p in run] for run in pieces]  # the system prompt's piece
     lines.append(("look the system prompt's piece up (hash, compare)", cpu_us(cached, cache.peek_packed)))
+    copies = [[piece[:-1] + piece[-1] for piece in run] for run in cached]  # new strings: no hash yet
+    lines.append(
+        (
+            "the same, looked up as before (cached, then packed_ids)",
+            cpu_us(copies, lambda piece: (cache.cached(piece), cache.packed_ids(piece, tokenizer._raw))),
+        )
+    )
     new = [
         [[p for p in found if p not in splitter.ids and cache.peek_packed(p) is None] for found in run]
         for run in pieces
