@@ -14,6 +14,10 @@ DeepSeek-V3's, whose ``<｜User｜>`` and ``<｜Assistant｜>`` are such non-spe
 :class:`~balancer.tokenizer.tokenizer.HfTokenizer` checks the cached path against a plain encode at
 load time, on probe texts holding tokens of every pass, and turns the cache off if they ever differ.
 
+The request path does not join a rendered chat to split it: :meth:`Splitter.split_chunks` splits the
+template's output chunks (literals, message contents) one by one, exactly as the joined text would be
+split when no token can straddle two chunks (it answers ``None`` otherwise).
+
 The cache is an LRU bounded by the total number of cached token ids (``max_tokens``); segments shorter
 than ``min_chars`` are not cached (encoding them is cheap). Tokenising runs in worker threads
 (``asyncio.to_thread``), hence the lock.
