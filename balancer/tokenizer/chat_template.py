@@ -71,6 +71,25 @@ class ChatTemplate:
         template_kwargs: Mapping[str, Any],
     ) -> str:
         """The prompt text; ``tool_use`` is used when there are tools and such a template exists."""
+        return "".join(
+            self.render_chunks(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                template_kwargs=template_kwargs,
+            )
+        )
+
+    def render_chunks(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        template_kwargs: Mapping[str, Any],
+    ) -> list[str]:
+        """:meth:`render` as the template writes it, before joining (``Template.generate``): its
+        literals and each ``{{ ... }}`` output in turn, a message's content being that very string."""
         context = {**self._context, **template_kwargs}
         context.update(
             messages=messages,
@@ -78,7 +97,7 @@ class ChatTemplate:
             add_generation_prompt=add_generation_prompt,
         )
         template = self._templates.get("tool_use") if tools else None
-        return (template or self._templates["default"]).render(context)
+        return list((template or self._templates["default"]).generate(context))
 
 
 def compile_chat_template(source: str, clock: Callable[[], datetime] = datetime.now) -> jinja2.Template:

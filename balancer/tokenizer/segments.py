@@ -14,6 +14,10 @@ DeepSeek-V3's, whose ``<｜User｜>`` and ``<｜Assistant｜>`` are such non-spe
 :class:`~balancer.tokenizer.tokenizer.HfTokenizer` checks the cached path against a plain encode at
 load time, on probe texts holding tokens of every pass, and turns the cache off if they ever differ.
 
+The request path does not join a rendered chat to split it: :meth:`Splitter.split_chunks` splits the
+template's output chunks (literals, message contents) one by one, exactly as the joined text would be
+split when no token can straddle two chunks (it answers ``None`` otherwise).
+
 The cache is an LRU bounded by the total number of cached token ids (``max_tokens``); segments shorter
 than ``min_chars`` are not cached (encoding them is cheap). Tokenising runs in worker threads
 (``asyncio.to_thread``), hence the lock.
@@ -66,6 +70,13 @@ class Splitter:
     longest: int
     """Characters of the longest split token: a longer piece is not looked up in :attr:`ids`, which
     would hash all of it (the whole rendered chat, in the first pass: tens of microseconds at 8k tokens)."""
+    prefixes: frozenset[str] = frozenset()
+    """Every proper prefix of every split token: text ending in one of them may end in the middle of
+    a token that the text after it completes (see :meth:`split_chunks`)."""
+    starts: str = ""
+    """The first characters of the split tokens of every pass, each once."""
+    solid: frozenset[str] = frozenset()
+    """The split tokens that hold no other split token: such a text is that one token."""
 
     def split(self, text: str) -> list[str]:
         """``text`` as pieces; the pieces that are split tokens are keys of :attr:`ids`.
@@ -75,15 +86,69 @@ class Splitter:
         """
         pieces = [text]
         ids, longest = self.ids, self.longest
-        for pattern, initials in zip(self.passes, self.initials, strict=True):
+        for number, (pattern, initials) in enumerate(zip(self.passes, self.initials, strict=True)):
             out: list[str] = []
             for piece in pieces:
-                if len(piece) <= longest and piece in ids:
+                if number and len(piece) <= longest and piece in ids:  # matched by an earlier pass
                     out.append(piece)
                 else:
                     _split_pass(pattern, initials, piece, out)
             pieces = out
         return pieces
+
+    def split_chunks(self, chunks: Iterable[str]) -> list[str] | None:
+        """:meth:`split` of ``"".join(chunks)``, without joining them; ``None`` when a split token
+        could straddle two chunks (then split the joined text).
+
+        A chat template's output comes as such chunks (its literals, each message's content): the
+        long ones are the message texts themselves, whose split finds nothing to cut (often without
+        looking at a character: ``str.find`` of a character wider than the text's), while the joined
+        text is a new, wider string (two bytes a character once it holds ``<\uff5cUser\uff5c>``)
+        that every pass scans, slices and copies again. Splitting chunk by chunk is exact when no
+        token can start in one chunk and end in a later one: no end of the text before a boundary
+        (its last ``longest - 1`` characters) is a proper prefix of a token (:attr:`prefixes`).
+        Then every token match lies inside one chunk and the passes decide alike; the pieces between
+        tokens that meet at a boundary are joined into one piece, as the joined text has them.
+        """
+        ids, longest, keep = self.ids, self.longest, self.longest - 1
+        pieces: list[str] = []
+        text: list[str] = []  # the parts of the piece between tokens under way
+        tail = ""  # the last ``keep`` characters of the chunks so far
+        for chunk in chunks:
+            if not chunk:
+                continue
+            if keep and tail and self._may_straddle(tail):
+                return None
+            if len(chunk) <= longest and chunk in self.solid:
+                found = [chunk]  # a template literal that is one token
+            elif any(start in chunk for start in self.starts):
+                found = self.split(chunk)
+            else:
+                found = [chunk]  # no token starts in it (the usual message content)
+            for piece in found:
+                if len(piece) <= longest and piece in ids:
+                    if text:
+                        pieces.append(text[0] if len(text) == 1 else "".join(text))
+                        text = []
+                    pieces.append(piece)
+                else:
+                    text.append(piece)
+            if keep:
+                tail = chunk[-keep:] if len(chunk) >= keep else (tail + chunk)[-keep:]
+        if text:
+            pieces.append(text[0] if len(text) == 1 else "".join(text))
+        return pieces
+
+    def _may_straddle(self, tail: str) -> bool:
+        """Whether some end of ``tail`` is the start of a longer split token."""
+        prefixes = self.prefixes
+        for start in self.starts:
+            at = tail.find(start)
+            while at >= 0:
+                if tail[at:] in prefixes:
+                    return True
+                at = tail.find(start, at + 1)
+        return False
 
 
 MAX_PROBES = 32
@@ -140,7 +205,17 @@ def build_splitter(tokens: Iterable[AddedToken], *, identity_normalizer: bool = 
     passes = tuple(_alternation(group) for group in groups)
     initials = tuple(tuple(sorted({token[0] for token in group})) for group in groups)
     ids = {**normalized, **raw}
-    return Splitter(passes, ids, initials, max(map(len, ids)))
+    prefixes = frozenset(token[:end] for token in ids for end in range(1, len(token)))
+    starts = "".join(sorted({token[0] for token in ids}))
+    solid = frozenset(token for token in ids if not _holds_another(token, ids, passes))
+    return Splitter(passes, ids, initials, max(map(len, ids)), prefixes, starts, solid)
+
+
+def _holds_another(token: str, ids: dict[str, int], passes: Iterable[re.Pattern[str]]) -> bool:
+    """Whether another split token occurs in ``token``: one of its prefixes, or one starting later."""
+    if any(token[:end] in ids for end in range(1, len(token))):
+        return True
+    return any(pattern.match(token, start) for pattern in passes for start in range(1, len(token)))
 
 
 def _alternation(tokens: Iterable[str]) -> re.Pattern[str]:
@@ -214,6 +289,30 @@ class SegmentCache:
         """:meth:`ids`, a hit as a ``u32`` array (made at the segment's first such hit, then kept)."""
         return self._ids(segment, encode, packed=True)
 
+    def peek_packed(self, segment: str) -> array[int] | None:
+        """A hit's ids as a ``u32`` array (made at its first such hit, then kept), ``None`` on a miss;
+        counts nothing (:meth:`count_hits`), but a hit becomes the most recently used."""
+        if self.max_tokens <= 0 or len(segment) < self.min_chars:
+            return None
+        with self._lock:
+            found = self._entries.get(segment)
+            if found is None:
+                return None
+            self._entries.move_to_end(segment)
+            made = self._arrays.get(segment)
+        if made is not None:
+            return made
+        made = array("I", found)
+        with self._lock:
+            if self._entries.get(segment) is found:  # not evicted meanwhile
+                self._arrays[segment] = made
+        return made
+
+    def count_hits(self, count: int) -> None:
+        """Count ``count`` hits found by :meth:`peek_packed` and used."""
+        with self._lock:
+            self.hits += count
+
     def _ids(self, segment: str, encode: Callable[[str], list[int]], packed: bool) -> Sequence[int]:
         if self.max_tokens <= 0 or len(segment) < self.min_chars:
             return encode(segment)
@@ -268,7 +367,7 @@ def encode_segmented(
     With ``max_new_chars``: ``None`` (nothing encoded) when the pieces the cache does not hold have
     more characters than that (the caller then encodes elsewhere, e.g. in a thread)."""
     ids: list[int] = []
-    return ids if _encode_pieces(ids, text, splitter, cache.ids, cache, encode, max_new_chars) else None
+    return ids if _encode_pieces(ids, text, splitter, cache, encode, max_new_chars) else None
 
 
 def encode_segmented_packed(
@@ -279,22 +378,59 @@ def encode_segmented_packed(
     max_new_chars: int | None = None,
 ) -> array[int] | None:
     """:func:`encode_segmented` as one ``u32`` array (``array('I')``), cached segments copied as bytes."""
+    return encode_pieces_packed(splitter.split(text), splitter, cache, encode, max_new_chars)
+
+
+def encode_pieces_packed(
+    pieces: Sequence[str],
+    splitter: Splitter,
+    cache: SegmentCache,
+    encode: Callable[[str], list[int]],
+    max_new_chars: int | None = None,
+) -> array[int] | None:
+    """:func:`encode_segmented_packed` of the text ``pieces`` (from :meth:`Splitter.split` or
+    :meth:`Splitter.split_chunks`) make: each cached piece is looked up once (hashing and comparing
+    a long system prompt is most of a hit's cost), then copied as bytes."""
+    lookup, longest = splitter.ids, splitter.longest
+    parts: list[int | array[int] | str] = []
+    new_chars = hits = 0
+    for piece in pieces:
+        token_id = lookup.get(piece) if len(piece) <= longest else None
+        if token_id is not None:
+            parts.append(token_id)
+            continue
+        found = cache.peek_packed(piece)
+        if found is None:
+            new_chars += len(piece)
+            parts.append(piece)
+        else:
+            hits += 1
+            parts.append(found)
+    if max_new_chars is not None and new_chars > max_new_chars:
+        return None
+    if hits:
+        cache.count_hits(hits)
     ids: array[int] = array("I")
-    found = _encode_pieces(ids, text, splitter, cache.packed_ids, cache, encode, max_new_chars)
-    return ids if found else None
+    for part in parts:
+        if isinstance(part, int):
+            ids.append(part)
+        elif isinstance(part, str):
+            ids.extend(cache.packed_ids(part, encode))
+        else:
+            ids.extend(part)
+    return ids
 
 
 def _encode_pieces(
     ids: MutableSequence[int],
     text: str,
     splitter: Splitter,
-    segment_ids: Callable[[str, Callable[[str], list[int]]], Sequence[int]],
     cache: SegmentCache,
     encode: Callable[[str], list[int]],
     max_new_chars: int | None,
 ) -> bool:
-    """Append the ids of ``text`` to ``ids`` (``segment_ids``: the cache's lookup); ``False`` (nothing
-    appended) when more than ``max_new_chars`` characters miss the cache."""
+    """Append the ids of ``text`` to ``ids``; ``False`` (nothing appended) when more than
+    ``max_new_chars`` characters miss the cache."""
     lookup = splitter.ids
     pieces = splitter.split(text)
     if max_new_chars is not None:
@@ -306,5 +442,5 @@ def _encode_pieces(
         if token_id is not None:
             ids.append(token_id)
         else:
-            ids.extend(segment_ids(piece, encode))
+            ids.extend(cache.ids(piece, encode))
     return True
