@@ -13,6 +13,9 @@ timing). :func:`compare` separates them, per request:
   with more or fewer cached tokens in the second run;
 * TTFT: the median and p90 of the per-request difference (second − first, model seconds) and the
   share of requests more than ``slow_s`` slower in the second run.
+
+:func:`followers` classifies one run's requests by where they went against their group's previous
+request (a tenant's next question follows its context, or not).
 """
 
 from __future__ import annotations
@@ -137,3 +140,36 @@ def compare(
         "faster_share": sum(1 for d in diffs if d < -slow_s) / len(diffs) if diffs else None,
         "same_replica_ttft_diff_p50_s": percentile(same_place_diffs, 50),
     }
+
+
+def followers(
+    rows: Sequence[RequestRow],
+    group_of: Sequence[str | None],
+    arrival_s: Sequence[float],
+    *,
+    block_tokens: int,
+) -> dict[str, dict[str, int]]:
+    """Where each request of a group (a tenant, a session) went relative to the group's previous
+    request, and whether it hit the cache (at least one block cached). Four classes: the previous
+    request was still before its first token when this one arrived (``pending``: only the
+    router's speculative entry can send it to the same replica) or not (``served``), crossed with
+    ``same`` or ``other`` replica. ``group_of`` and ``arrival_s`` are by stream position (model s)."""
+    by_index = {r.index: r for r in rows}
+    last: dict[str, int] = {}
+    classes: dict[str, dict[str, int]] = {}
+    for index in sorted(by_index):
+        row, group = by_index[index], group_of[index]
+        if group is None:
+            continue
+        previous = by_index.get(last.get(group, -1))
+        last[group] = index
+        if previous is None or previous.ttft_s is None or row.replica is None:
+            continue
+        pending = arrival_s[index] < arrival_s[previous.index] + previous.ttft_s
+        name = (
+            f"{'pending' if pending else 'served'}_{'same' if row.replica == previous.replica else 'other'}"
+        )
+        counts = classes.setdefault(name, {"requests": 0, "hits": 0})
+        counts["requests"] += 1
+        counts["hits"] += int((row.cached_tokens or 0) >= block_tokens)
+    return dict(sorted(classes.items()))

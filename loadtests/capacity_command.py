@@ -34,7 +34,7 @@ from typing import Any
 
 from balancer.policy.base import PolicyWeights
 from loadtests import capacity
-from loadtests.agreement import RequestRow, compare, rows_of
+from loadtests.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.oracle import prefix_reuse_bound
@@ -432,6 +432,8 @@ async def _fleet_point(
     rows = rows_of(run.result.records, index_of, ts)
     block = PROFILES[args.profile].page_size
     agreement = compare(sim_rows, rows, block_tokens=block)
+    groups = [q.tag("tenant") if q.tag("tenant") is not None else q.session_id for q in specs]
+    arrivals = [(q.arrival_s or 0.0) * ts for q in specs]
     p90 = None if s.ttft_p90_s is None else s.ttft_p90_s * ts
     point = RatePoint(
         rate=rate,
@@ -451,6 +453,18 @@ async def _fleet_point(
             "sim_same_requests_hit_rate": sim.hit_rate,
             "fleet_vs_sim_ttft_p90": capacity._ratio(p90, sim.ttft_p90_s),
             "vs_sim": agreement,
+            "followers": followers(rows, groups, arrivals, block_tokens=block),
+            "sim_followers": followers(sim_rows, groups, arrivals, block_tokens=block),
+            # the emulators' loops behind their model over the run, summed over replicas (model s)
+            "emulator_timing": {
+                key: sum(d.get(key, 0) for d in run.replica_delta.values())
+                for key in (
+                    "steps_total",
+                    "step_late_model_s_total",
+                    "step_slips_total",
+                    "step_slip_model_s_total",
+                )
+            },
             "wall_s": run.wall_s,
             "utc": f"{started}-{finished}",
             "load_1m": [load_before, _loadavg()],

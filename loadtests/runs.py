@@ -156,6 +156,10 @@ def _delta(
         "cached_tokens_total",
         "generation_tokens_total",
         "evicted_blocks_total",
+        "steps_total",
+        "step_late_model_s_total",
+        "step_slips_total",
+        "step_slip_model_s_total",
     )
     return {name: {key: after[name].get(key, 0) - before[name].get(key, 0) for key in keys} for name in after}
 

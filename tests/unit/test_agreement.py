@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtests.agreement import RequestRow, best_relabelling, compare, rows_of
+from loadtests.agreement import RequestRow, best_relabelling, compare, followers, rows_of
 from loadtests.processes import EmulatorHandle
 from loadtests.runs import pinned_route
 from loadtests.stats import RequestRecord
@@ -87,3 +87,22 @@ def test_the_replay_route_sends_each_request_to_its_replica_and_refuses_gaps() -
         pinned_route(fleet, {"q0": "s1", "q1": "s0"}, specs)
     with pytest.raises(ValueError, match="not in the fleet"):
         pinned_route(fleet, {"q0": "s9", "q1": "s0", "q2": "s1"}, specs)
+
+
+def test_followers_are_classed_by_their_groups_previous_request() -> None:
+    # tenant a: 0 (r0, first token at 1.0), 1 arrives at 0.5 while 0 is pending and follows it (hit),
+    # 3 arrives at 3.0 after 1's first token (1.5) and goes elsewhere (miss); tenant b: 2, then 4
+    # arrives at 3.5 while 2 (first token at 4.0) is pending and goes elsewhere (miss)
+    rows = [
+        RequestRow(0, "r0", 1.0, 0),
+        RequestRow(1, "r0", 1.0, 320),
+        RequestRow(2, "r1", 2.0, 0),
+        RequestRow(3, "r2", 1.0, 0),
+        RequestRow(4, "r3", 1.0, 0),
+    ]
+    classes = followers(rows, ["a", "a", "b", "a", "b"], [0.0, 0.5, 2.0, 3.0, 3.5], block_tokens=16)
+    assert classes == {
+        "pending_other": {"requests": 1, "hits": 0},
+        "pending_same": {"requests": 1, "hits": 1},
+        "served_other": {"requests": 1, "hits": 0},
+    }
