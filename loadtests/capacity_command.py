@@ -537,7 +537,7 @@ def write_png(report: dict[str, Any], path: Path) -> bool:
         sim = [(p["rate"], p["ttft_p90_s"]) for p in r.get("points", ()) if p.get("ttft_p90_s")]
         if sim:
             (line,) = axes.plot(*zip(*sim, strict=True), marker="o", label=r["name"])
-            fleet = [(p["rate"], p["ttft_p90_s"]) for p in r.get("confirmed", ()) if p.get("ttft_p90_s")]
+            fleet = [(p["rate"], p["ttft_p90_s"]) for p in capacity.routed_points(r) if p.get("ttft_p90_s")]
             if fleet:
                 axes.scatter(*zip(*fleet, strict=True), s=80, facecolors="none", edgecolors=line.get_color())
     axes.axhline(report["slo"]["ttft_p90_s"], linestyle="--", color="black", label="SLO")

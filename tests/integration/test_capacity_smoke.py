@@ -117,6 +117,7 @@ def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(t
         replay = _rows(tmp_path / "requests" / f"replay-kvlb-{rate:g}-fleet-1.jsonl")
         assert [r["index"] for r in sim] == list(range(40)) == [r["index"] for r in replay]
         assert [r["replica"] for r in sim] == [r["replica"] for r in replay]
+    assert "| fleet (replay:kvlb) |" in (tmp_path / "capacity.md").read_text()
 
 
 def _rows(path: Path) -> list[dict[str, Any]]:
