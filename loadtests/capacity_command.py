@@ -454,6 +454,7 @@ async def _fleet_point(
             "fleet_vs_sim_ttft_p90": capacity._ratio(p90, sim.ttft_p90_s),
             "vs_sim": agreement,
             "followers": followers(rows, groups, arrivals, block_tokens=block),
+            "kvlb_receipts": run.prediction,
             "sim_followers": followers(sim_rows, groups, arrivals, block_tokens=block),
             # the emulators' loops behind their model over the run, summed over replicas (model s)
             "emulator_timing": {
