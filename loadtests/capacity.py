@@ -300,7 +300,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             lines.append(f"| {r['name']} | invalid: {r['invalid']} | | | | | | | |")
             continue
         fleet = ", ".join(
-            f"{p['rate']:.3g} ({'pass' if p['meets_slo'] else 'fail'}, p90 {_fmt(p['ttft_p90_s'])} s"
+            f"{(_replay_label(r, p) + ' ').lstrip()}{p['rate']:.3g} ({'pass' if p['meets_slo'] else 'fail'}, "
+            f"p90 {_fmt(p['ttft_p90_s'])} s"
             + (f"; client behind: sent {_fmt(p.get('sent_rate'))}/s" if p.get("client_behind") else "")
             + ")"
             for p in r.get("confirmed", ())
@@ -335,12 +336,25 @@ def markdown(report: Mapping[str, Any]) -> str:
     lines.append("|---|---|---|---|---|---|---|---|")
     for r in report["routers"]:
         for p in [*r.get("points", ()), *r.get("confirmed", ())]:
+            label = _replay_label(r, p)
+            source = f"{p['source']} ({label})" if label else p["source"]
             lines.append(
-                f"| {r['name']} | {p['source']} | {p['rate']:.4g} | {_fmt(p['ttft_p90_s'])} "
+                f"| {r['name']} | {source} | {p['rate']:.4g} | {_fmt(p['ttft_p90_s'])} "
                 f"| {_fmt(p['ttft_p99_s'])} | {p['errors']} | {_fmt(p['hit_rate'])} "
                 f"| {'pass' if p['meets_slo'] else 'fail'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def routed_points(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """A router's fleet points that its router routed (not the replays of its simulated assignment)."""
+    return [p for p in row.get("confirmed", ()) if p.get("fleet_router", row["name"]) == row["name"]]
+
+
+def _replay_label(row: Mapping[str, Any], point: Mapping[str, Any]) -> str:
+    """``replay:<router>`` for a replay's point (``kvlb capacity --confirm-replay``), else ``""``."""
+    routed = str(point.get("fleet_router", row["name"]))
+    return "" if routed == row["name"] else routed
 
 
 _COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#7f7f7f")
@@ -352,7 +366,7 @@ def svg_plot(report: Mapping[str, Any], width: int = 720, height: int = 440) -> 
     series = []
     for r in report["routers"]:
         sim = [(p["rate"], p["ttft_p90_s"]) for p in r.get("points", ()) if p.get("ttft_p90_s")]
-        fleet = [(p["rate"], p["ttft_p90_s"]) for p in r.get("confirmed", ()) if p.get("ttft_p90_s")]
+        fleet = [(p["rate"], p["ttft_p90_s"]) for p in routed_points(r) if p.get("ttft_p90_s")]
         if sim or fleet:
             series.append((r["name"], sim, fleet))
     slo = float(report["slo"]["ttft_p90_s"])

@@ -24,6 +24,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import os
 import random
 import sys
 import time
@@ -33,11 +34,12 @@ from typing import Any
 
 from balancer.policy.base import PolicyWeights
 from loadtests import capacity
+from loadtests.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.oracle import prefix_reuse_bound
-from loadtests.peers import PEER_NAMES, RouterSpec, parse_router
-from loadtests.simulate import SimConfig, SimRequest, Simulation
+from loadtests.peers import PEER_NAMES, RouterSpec, parse_router, replay_router
+from loadtests.simulate import SimConfig, SimRequest, SimResult, Simulation
 from loadtests.simulate.oracle import (
     DEFAULT_LOAD_BOUND_S,
     BeladySimulation,
@@ -59,6 +61,8 @@ from loadtests.workloads import (
 from replicas.sim.profiles import PROFILES
 
 DEFAULT_ROUTERS = ("kvlb", "round_robin", "least_load", "sglang_cache_aware", "oracle")
+Assignment = dict[str, str | None]
+"""Request id → the replica a simulation placed it on (``None``: refused there)."""
 SIM_POLICY = {"sglang_cache_aware": "sglang_threshold"}
 """Fleet router name → the kvlb policy that simulates it."""
 SMOKE: dict[str, Any] = {
@@ -114,6 +118,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
         "with --confirm, only confirms them")  # fmt: skip
     add("--confirm-requests", type=int, default=400, help="requests per fleet run (400)")
+    add("--confirm-repeats", type=int, default=1, help="fleet runs of each confirmed point (1)")
+    add("--confirm-replay", action="store_true",
+        help="also run each kvlb router's simulated assignment on the fleet: each request straight "
+        "to the replica the simulation chose (no router): routing apart from replica timing")  # fmt: skip
+    add("--confirm-rates", default=None, metavar="R1,R2,...",
+        help="confirm these rates (model req/s) instead of each search's bracketing rates")  # fmt: skip
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -224,8 +234,15 @@ def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
     )
 
 
-def sim_measure(args: argparse.Namespace, name: str, stream: Stream, log: Callable[[str], None]) -> Any:
-    """``rate → RatePoint`` of router ``name`` in the simulator."""
+def sim_measure(
+    args: argparse.Namespace,
+    name: str,
+    stream: Stream,
+    log: Callable[[str], None],
+    keep: list[SimResult] | None = None,
+) -> Any:
+    """``rate → RatePoint`` of router ``name`` in the simulator; ``keep`` collects each run's
+    :class:`SimResult` (not the oracle's)."""
     spec = None if name == "oracle" else parse_router(name)
     config = sim_config(args, spec)
 
@@ -243,6 +260,8 @@ def sim_measure(args: argparse.Namespace, name: str, stream: Stream, log: Callab
         else:
             result = Simulation(config, requests).run()
             point = capacity.point_of(rate, result.summary, "sim")
+            if keep is not None:
+                keep.append(result)
         log(f"  {name} @ {rate:.3g}/s: TTFT p90 {point.ttft_p90_s or float('nan'):.3f} s, "
             f"errors {point.errors}, hit rate {point.hit_rate or 0:.3f}")  # fmt: skip
         return point
@@ -306,14 +325,17 @@ async def confirm_on_fleet(
     out: Path,
     log: Callable[[str], None],
 ) -> tuple[dict[str, list[RatePoint]], dict[str, str], list[dict[str, Any]]]:
-    """Each router's bracketing rates on the emulated fleet, each next to a simulation of the same
-    requests; returns the points, the invalid routers with their reasons, and the processes."""
+    """Each router's bracketing rates (or ``--confirm-rates``) on the emulated fleet, each next to a
+    simulation of the same requests, ``--confirm-repeats`` times; with ``--confirm-replay``, each kvlb
+    router's simulated assignment also runs on the fleet without a router. Returns the points (a
+    replay's under its router, ``fleet_router`` ``replay:<name>``), the invalid routers with their
+    reasons, and the processes. Per-request rows of every run go to ``out/requests/``."""
     from loadtests.processes import EmulatorOptions, start_emulator
-    from loadtests.report import invalid_reason
-    from loadtests.runs import DriveOptions, run_all
+    from loadtests.runs import DriveOptions
 
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    (out / "requests").mkdir(parents=True, exist_ok=True)
     options = EmulatorOptions(
         replicas=args.replicas,
         profile=args.profile,
@@ -330,62 +352,165 @@ async def confirm_on_fleet(
         seed=args.seed, max_duration_s=900.0, kvlb_sets=tuple(args.kvlb_set), kvlb_workers=args.kvlb_workers
     )
     limit = min(args.confirm_requests, len(stream.specs))
+    fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]
     try:
         for name, found in searches.items():
             if name == "oracle":
                 continue
             spec = parse_router(name)
-            for rate in (found.capacity, found.first_fail):
-                if rate is None or name in invalid:
+            rates = fixed_rates or [r for r in (found.capacity, found.first_fail) if r is not None]
+            for rate in rates:
+                if name in invalid:
                     continue
+                kept: list[SimResult] = []
+                sim = sim_measure(args, name, stream, lambda _: None, keep=kept)(rate, limit)
                 specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
-                log(f"fleet: {name} @ {rate:.3g}/s (model time), {limit} requests ...")
-                runs = await run_all([spec], fleet, specs, drive, logs)
-                run = runs[0]
-                if run.process:
-                    processes.append({"name": name, "pid": run.process[0], "exit_code": run.process[1]})
-                if run.status != "ok" or run.summary is None:
-                    invalid[name] = f"{run.status}: {run.note}"
-                    continue
-                reason = invalid_reason(run)
-                if reason is not None:
-                    invalid[name] = reason
-                sim = sim_measure(args, name, stream, lambda _: None)(rate, limit)
-                ts = args.time_scale
-                s = run.summary
-                lag = None if run.result is None else send_lag(run.result.records)
-                point = RatePoint(
-                    rate=rate,
-                    source="fleet",
-                    requests=s.requests,
-                    errors=s.requests - s.ok,
-                    ttft_p50_s=None if s.ttft_p50_s is None else s.ttft_p50_s * ts,
-                    ttft_p90_s=None if s.ttft_p90_s is None else s.ttft_p90_s * ts,
-                    ttft_p99_s=None if s.ttft_p99_s is None else s.ttft_p99_s * ts,
-                    hit_rate=s.hit_rate,
-                    prompt_tokens=s.prompt_tokens,
-                    cached_tokens=s.cached_tokens,
-                    extra={
-                        "sim_same_requests_ttft_p90_s": sim.ttft_p90_s,
-                        "sim_same_requests_meets_slo": sim.meets(_slo(args)),
-                        "sim_same_requests_hit_rate": sim.hit_rate,
-                        "fleet_vs_sim_ttft_p90": capacity._ratio(
-                            None if s.ttft_p90_s is None else s.ttft_p90_s * ts, sim.ttft_p90_s
-                        ),
-                        "wall_s": run.wall_s,
-                        # the client's lag in model time, and the rate it really sent (model req/s)
-                        "client_lag_p90_s": None if lag is None else lag.p90_s * ts,
-                        "client_lag_max_s": None if lag is None else lag.max_s * ts,
-                        "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
-                        "client_behind": None if lag is None else lag.behind,
-                    },
-                )
-                confirmed.setdefault(name, []).append(point)
+                sim_rows = _sim_rows(kept[0], specs, fleet.names)
+                _write_rows(out / "requests" / f"{_slug(name)}-{rate:g}-sim.jsonl", sim_rows)
+                replay = None
+                if args.confirm_replay and spec.kind == "kvlb":
+                    assignment = {s.request_id: r.replica for s, r in zip(specs, sim_rows, strict=True)}
+                    replay = (replay_router(name), assignment)
+                # the router's run and the replay alternate, so a change in the machine's load hits both
+                runs: list[tuple[RouterSpec, Assignment | None]] = []
+                for _ in range(args.confirm_repeats):
+                    runs += [(spec, None)] if replay is None else [(spec, None), replay]
+                for repeat, (router, assigned) in enumerate(runs):
+                    point, reason, process = await _fleet_point(
+                        args, router, rate, specs, sim, sim_rows, fleet, drive, logs, assigned, log
+                    )
+                    if process is not None:
+                        processes.append({"name": router.name, "pid": process[0], "exit_code": process[1]})
+                    if reason is not None:
+                        invalid[name] = reason
+                    if point is None:
+                        break
+                    number = repeat if replay is None else repeat // 2
+                    extra = {**point.extra, "repeat": number}
+                    slug = f"{_slug(router.name)}-{rate:g}-fleet-{number}.jsonl"
+                    _write_rows(out / "requests" / slug, extra.pop("rows"))
+                    point = dataclasses.replace(point, extra=extra)
+                    confirmed.setdefault(name, []).append(point)
     finally:
         children = list(fleet.children)
         await fleet.stop()
         processes += [{"name": c.name, "pid": c.pid, "exit_code": c.process.returncode} for c in children]
     return confirmed, invalid, processes
+
+
+async def _fleet_point(
+    args: argparse.Namespace,
+    router: RouterSpec,
+    rate: float,
+    specs: list[RequestSpec],
+    sim: RatePoint,
+    sim_rows: list[RequestRow],
+    fleet: Any,
+    drive: Any,
+    logs: Path,
+    assignment: Assignment | None,
+    log: Callable[[str], None],
+) -> tuple[RatePoint | None, str | None, tuple[int, int] | None]:
+    """One fleet run of ``specs`` at ``rate`` through ``router`` (a replay with ``assignment``), as a
+    point next to the simulation ``sim`` of the same requests; ``(None, reason, …)`` when it failed."""
+    from loadtests.report import invalid_reason
+    from loadtests.runs import run_router
+
+    log(f"fleet: {router.name} @ {rate:.3g}/s (model time), {len(specs)} requests ...")
+    load_before = _loadavg()
+    started = time.strftime("%H:%M:%S", time.gmtime())
+    pinned = None if assignment is None else {k: v for k, v in assignment.items() if v is not None}
+    run = await run_router(router, fleet, specs, drive, logs, assignment=pinned)
+    finished = time.strftime("%H:%M:%S", time.gmtime())
+    if run.status != "ok" or run.summary is None or run.result is None:
+        return None, f"{run.status}: {run.note}", run.process
+    reason = invalid_reason(run)
+    ts = args.time_scale
+    s = run.summary
+    lag = send_lag(run.result.records)
+    index_of = {spec.request_id: i for i, spec in enumerate(specs)}
+    rows = rows_of(run.result.records, index_of, ts)
+    block = PROFILES[args.profile].page_size
+    agreement = compare(sim_rows, rows, block_tokens=block)
+    groups = [q.tag("tenant") if q.tag("tenant") is not None else q.session_id for q in specs]
+    arrivals = [(q.arrival_s or 0.0) * ts for q in specs]
+    p90 = None if s.ttft_p90_s is None else s.ttft_p90_s * ts
+    point = RatePoint(
+        rate=rate,
+        source="fleet",
+        requests=s.requests,
+        errors=s.requests - s.ok,
+        ttft_p50_s=None if s.ttft_p50_s is None else s.ttft_p50_s * ts,
+        ttft_p90_s=p90,
+        ttft_p99_s=None if s.ttft_p99_s is None else s.ttft_p99_s * ts,
+        hit_rate=s.hit_rate,
+        prompt_tokens=s.prompt_tokens,
+        cached_tokens=s.cached_tokens,
+        extra={
+            "fleet_router": router.name,
+            "sim_same_requests_ttft_p90_s": sim.ttft_p90_s,
+            "sim_same_requests_meets_slo": sim.meets(_slo(args)),
+            "sim_same_requests_hit_rate": sim.hit_rate,
+            "fleet_vs_sim_ttft_p90": capacity._ratio(p90, sim.ttft_p90_s),
+            "vs_sim": agreement,
+            "followers": followers(rows, groups, arrivals, block_tokens=block),
+            "kvlb_receipts": run.prediction,
+            "sim_followers": followers(sim_rows, groups, arrivals, block_tokens=block),
+            # the emulators' loops behind their model over the run, summed over replicas (model s)
+            "emulator_timing": {
+                key: sum(d.get(key, 0) for d in run.replica_delta.values())
+                for key in (
+                    "steps_total",
+                    "step_late_model_s_total",
+                    "step_slips_total",
+                    "step_slip_model_s_total",
+                )
+            },
+            "wall_s": run.wall_s,
+            "utc": f"{started}-{finished}",
+            "load_1m": [load_before, _loadavg()],
+            # the client's lag in model time, and the rate it really sent (model req/s)
+            "client_lag_p90_s": None if lag is None else lag.p90_s * ts,
+            "client_lag_max_s": None if lag is None else lag.max_s * ts,
+            "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
+            "client_behind": None if lag is None else lag.behind,
+            "rows": rows,
+        },
+    )
+    same_replica, same_cached = agreement["same_replica_share"] or 0, agreement["same_cached_share"] or 0
+    log(f"  p90 {p90 or float('nan'):.3f} s (sim {sim.ttft_p90_s or float('nan'):.3f}), hit rate "
+        f"{s.hit_rate or 0:.3f} (sim {sim.hit_rate or 0:.3f}), same replica {same_replica:.3f}, "
+        f"same cached {same_cached:.3f}")  # fmt: skip
+    return point, reason, run.process
+
+
+def _sim_rows(
+    result: SimResult, specs: Sequence[RequestSpec], fleet_names: Sequence[str]
+) -> list[RequestRow]:
+    """The simulation's records as rows of the stream's positions (records are in arrival order, the
+    stream is sorted by arrival), its replica ``i`` named as the fleet's ``i``-th replica."""
+    order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s or 0.0)
+    names = {name: fleet_names[i] for i, name in enumerate(result.records.replicas)}
+    rows = []
+    for position, record in zip(order, result.records, strict=True):
+        replica = None if record.replica is None else names[record.replica]
+        rows.append(RequestRow(position, replica, record.ttft_s, record.cached_tokens))
+    return sorted(rows, key=lambda r: r.index)
+
+
+def _write_rows(path: Path, rows: Sequence[RequestRow]) -> None:
+    path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows), "utf-8")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -413,7 +538,7 @@ def write_png(report: dict[str, Any], path: Path) -> bool:
         sim = [(p["rate"], p["ttft_p90_s"]) for p in r.get("points", ()) if p.get("ttft_p90_s")]
         if sim:
             (line,) = axes.plot(*zip(*sim, strict=True), marker="o", label=r["name"])
-            fleet = [(p["rate"], p["ttft_p90_s"]) for p in r.get("confirmed", ()) if p.get("ttft_p90_s")]
+            fleet = [(p["rate"], p["ttft_p90_s"]) for p in capacity.routed_points(r) if p.get("ttft_p90_s")]
             if fleet:
                 axes.scatter(*zip(*fleet, strict=True), s=80, facecolors="none", edgecolors=line.get_color())
     axes.axhline(report["slo"]["ttft_p90_s"], linestyle="--", color="black", label="SLO")

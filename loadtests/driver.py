@@ -45,6 +45,10 @@ ProgressFn = Callable[[RequestRecord], None]
 
 StopReason = Literal["specs", "max_requests", "max_duration"]
 
+RouteFn = Callable[[RequestSpec], str]
+"""The base URL (``http://host:port``) a spec is sent to instead of the endpoint: pins each request
+to one server, e.g. to replay a simulated router's assignment straight to the replicas."""
+
 
 @dataclass(frozen=True, slots=True)
 class RunResult:
@@ -70,6 +74,7 @@ class _Options:
     session_header: str | None
     extra_body: Mapping[str, Any] | None
     on_progress: ProgressFn | None
+    route: RouteFn | None = None
 
 
 class _Runner:
@@ -107,8 +112,9 @@ class _Runner:
         headers = {**options.headers, "x-request-id": spec.request_id}
         if options.session_header and spec.session_id is not None:
             headers[options.session_header] = spec.session_id
+        base_url = options.base_url if options.route is None else _base_url(options.route(spec))
         async with self.session.post(
-            options.base_url + spec.path,
+            base_url + spec.path,
             json=spec.body(options.model, options.extra_body),
             headers=headers,
             timeout=aiohttp.ClientTimeout(total=options.timeout_s),
@@ -216,6 +222,7 @@ def _options(
     session_header: str | None,
     extra_body: Mapping[str, Any] | None,
     on_progress: ProgressFn | None,
+    route: RouteFn | None = None,
 ) -> _Options:
     return _Options(
         base_url=_base_url(endpoint),
@@ -226,6 +233,7 @@ def _options(
         session_header=session_header,
         extra_body=extra_body,
         on_progress=on_progress,
+        route=route,
     )
 
 
@@ -243,6 +251,7 @@ async def run_open_loop(
     replica_header: str = REPLICA_HEADER,
     session_header: str | None = None,
     extra_body: Mapping[str, Any] | None = None,
+    route: RouteFn | None = None,
 ) -> RunResult:
     """Send each spec at ``arrival_s`` seconds after the start (``ValueError`` for a spec without one).
 
@@ -250,11 +259,12 @@ async def run_open_loop(
     ``concurrency_cap`` requests are in flight. ``timeout_s`` bounds each request from send to its
     last byte (past it: outcome ``timeout``). ``session_header``, when set, carries each spec's
     session id; ``extra_body`` is merged into every JSON body (e.g. ``{"ignore_eos": True}`` for
-    vLLM/SGLang to generate exactly ``max_tokens``).
+    vLLM/SGLang to generate exactly ``max_tokens``). ``route``, when set, names each spec's own base
+    URL (:data:`RouteFn`); ``endpoint`` is then only the default.
     """
     _check(max_requests, max_duration_s, timeout_s, concurrency_cap)
     options = _options(
-        endpoint, model, timeout_s, headers, replica_header, session_header, extra_body, on_progress
+        endpoint, model, timeout_s, headers, replica_header, session_header, extra_body, on_progress, route
     )
     slots = asyncio.Semaphore(concurrency_cap)
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-RouterKind = Literal["kvlb", "sglang", "vllm"]
+RouterKind = Literal["kvlb", "sglang", "vllm", "replay"]
 
 KVLB_BASELINES: tuple[str, ...] = ("round_robin", "least_load", "power_of_two")
 PEER_NAMES: tuple[str, ...] = ("sglang_cache_aware", "vllm_kv_aware")
@@ -63,15 +63,24 @@ class RouterSpec:
 
     @property
     def is_peer(self) -> bool:
-        return self.kind != "kvlb"
+        return self.kind in ("sglang", "vllm")
 
     @property
     def replica_header(self) -> str:
-        """Response header naming the replica: kvlb's own, or the emulator's (peers pass it through)."""
+        """Response header naming the replica: kvlb's own, or the emulator's (peers pass it through;
+        a replay talks to the replicas)."""
         return "x-kvlb-replica" if self.kind == "kvlb" else "x-sim-replica"
 
 
 NO_EVENTS_SUFFIX = "~no_events"
+REPLAY_PREFIX = "replay:"
+
+
+def replay_router(of: str) -> RouterSpec:
+    """No router: each request goes straight to the replica a simulation of router ``of`` chose for
+    it (:func:`loadtests.runs.run_router` with an assignment). Used by ``kvlb capacity
+    --confirm-replay`` to separate the routing from the replicas' timing."""
+    return RouterSpec(REPLAY_PREFIX + of, "replay", "replay")
 
 
 def parse_router(name: str) -> RouterSpec:

