@@ -20,7 +20,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Coroutine, MutableMapping
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeAlias
 
@@ -29,7 +29,7 @@ import yaml
 from balancer import strict_json
 from balancer.app import Balancer, ServeOptions, WorkerRole
 from balancer.cli.workers import supervise
-from balancer.config import Settings, load
+from balancer.config import Settings, load, one_thread_per_encode
 from balancer.errors import ConfigError
 from balancer.gc_tuning import settle_after_start
 
@@ -108,28 +108,13 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
-TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"
-"""The environment switch of ``tokenizers``' thread pool (rayon), ``false`` in ``kvlb serve`` unless set."""
-
-
-def one_thread_per_encode(environ: MutableMapping[str, str]) -> None:
-    """Turn ``tokenizers``' thread pool off in ``environ`` (``os.environ``), unless it is set there.
-
-    kvlb encodes one text per call (``encode_batch_fast([text])``, for its GIL release), and a batch of
-    one gains nothing from the pool: each encode is handed to a pool thread while the caller waits,
-    then back. Measured on a 64-token user message (the ``chat_shared`` kind's new text): 73 µs of
-    process CPU with the pool, 63 µs without; the GIL is released either way. Worker processes and
-    threads still encode side by side. The library reads the variable at every call."""
-    environ.setdefault(TOKENIZERS_PARALLELISM, "false")
-
-
 def run_serve(args: argparse.Namespace) -> int:
     try:
         settings = load(args.config, args.set)
     except ConfigError as exc:
         print(f"kvlb serve: {exc}", file=sys.stderr)
         return 2
-    one_thread_per_encode(os.environ)
+    one_thread_per_encode()
     level = (args.log_level or settings.log_level).upper()
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -2,7 +2,13 @@
 :mod:`~balancer.config.loader` (defaults → YAML → ``KVLB_*`` environment → ``--set``; the only reader of
 the environment). Import from here: ``from balancer.config import ReplicaConfig``."""
 
-from balancer.config.loader import from_mapping, load, merge_overrides
+from balancer.config.loader import (
+    TOKENIZERS_PARALLELISM,
+    from_mapping,
+    load,
+    merge_overrides,
+    one_thread_per_encode,
+)
 from balancer.config.settings import (
     AuthConfig,
     ConsoleConfig,
@@ -20,6 +26,7 @@ from balancer.config.settings import (
 )
 
 __all__ = [
+    "TOKENIZERS_PARALLELISM",
     "AuthConfig",
     "ConsoleConfig",
     "DiscoveryConfig",
@@ -36,4 +43,5 @@ __all__ = [
     "from_mapping",
     "load",
     "merge_overrides",
+    "one_thread_per_encode",
 ]

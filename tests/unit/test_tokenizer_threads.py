@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from balancer.cli.command import TOKENIZERS_PARALLELISM, one_thread_per_encode
+from balancer.config import TOKENIZERS_PARALLELISM, one_thread_per_encode
 
 ROOT = Path(__file__).resolve().parents[2]
 
 COUNT_THREADS = """
 import os, sys
-from balancer.cli.command import one_thread_per_encode
+from balancer.config import one_thread_per_encode
 from balancer.tokenizer.default import default_tokenizer
 if sys.argv[1] == "serve":
     one_thread_per_encode(os.environ)
