@@ -7,8 +7,9 @@ request. ``apply`` takes the lock per slice, not for the whole call, so the long
 wait for an apply in progress is one slice (not one coalesced backlog of thousands of events). A
 slice holds at most :attr:`apply_slice_blocks` *block-equivalents*: each event costs its blocks plus
 :data:`EVENT_COST_BLOCKS` for its own overhead, since a flood of one-block events (SGLang publishes
-one ``BlockStored`` per page) costs per event, not per block. The request loop blocks on the lock
-synchronously, so one slice is also the longest stall of every request and ``/healthz`` it serves.
+one ``BlockStored`` per page) costs per event, not per block. The request loop takes the lock
+synchronously: while a request of the same key space waits for a slice, every request and
+``/healthz`` on that loop waits with it.
 
 No I/O, no clock, no module state: the lock is the instance's own.
 """
