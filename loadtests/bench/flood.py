@@ -9,15 +9,21 @@ front of the fake upstream of ``kvlb bench overhead``:
 * ``other``: one replica without events, to which ``clients`` clients send token-id completions
   back to back while a prober GETs ``/healthz`` every ``health_period_s``.
 
-Two phases of the same load, one after the other in one run: ``baseline`` (no flood) and ``flood``
-(the flood published ``flood_delay_s`` into the phase; the phase lasts until kvlb took every batch off
-its queues, at least ``phase_s``, at most ``flood_timeout_s``). Reported: per phase the other pool's
-request p50/p99 and ``/healthz`` p50/p99 and the ratios flood ÷ baseline (targets ≤ 2), kvlb's RSS
-(summed over its processes: supervisor and workers) before the flood, at its peak and
+First a warm-up of the same load, until the other pool's decision ring
+(``console.decision_ring_size`` decisions, 10,000 by default) is full or ``warmup_s`` passed: the
+console keeps every committed decision up to that bound, so an empty server grows by tens of MB in
+its first seconds of load whether or not anything floods it; the RSS the flood is compared with is
+that of the server in its steady state. Then two phases of the same load, one after the other:
+``baseline`` (no flood) and ``flood`` (the flood published ``flood_delay_s`` into the phase; the
+phase lasts until kvlb took every batch off its queues, at least ``phase_s``, at most
+``flood_timeout_s``). Reported: per phase the other pool's request p50/p99 and ``/healthz`` p50/p99
+and the ratios flood ÷ baseline (targets ≤ 2), kvlb's RSS (summed over its processes: supervisor and
+workers) before the warm-up (``rss_idle_mb``), before the baseline phase, at its peak and
 ``settle_s`` after the flood, the flood's own figures (publish time, batches, events, overflows and
-resyncs from ``/metrics``), and the Redis leases lost (``kvlb_redis_lease_events_total{event="lost"}``;
-``null`` in the embedded mode it runs by default: there are no leases to lose; ``--redis`` runs kvlb
-in fleet mode with a ``redis-server`` of its own).
+resyncs from ``/metrics``), and the Redis leases lost
+(``kvlb_redis_lease_events_total{event="lost"}``; ``null`` in the embedded mode it runs by default:
+there are no leases to lose; ``--redis`` runs kvlb in fleet mode with a ``redis-server`` of its
+own).
 
 Prints the JSON report (``--json``) or a table then the JSON. ``--smoke`` is a tiny run for CI (a
 test runs it and asserts no timing).
@@ -67,6 +73,8 @@ class FloodShape:
     """Pause between two ``/healthz`` probes (seconds)."""
     phase_s: float = 10.0
     """Shortest phase (seconds)."""
+    warmup_s: float = 40.0
+    """Longest warm-up (seconds): the load runs until the other pool's decision ring is full."""
     flood_delay_s: float = 1.0
     """When, into the flood phase, the flood starts (seconds)."""
     flood_timeout_s: float = 120.0
@@ -80,7 +88,8 @@ class FloodShape:
 
 
 SMOKE = FloodShape(
-    batches=60, events_per_batch=100, distinct_payloads=2, clients=2, phase_s=1.5, flood_delay_s=0.3,
+    batches=60, events_per_batch=100, distinct_payloads=2, clients=2, phase_s=1.5, warmup_s=0.5,
+    flood_delay_s=0.3,
     flood_timeout_s=30.0, settle_s=0.5,
 )  # fmt: skip
 
@@ -354,6 +363,8 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
                 # one batch first, so the subscription is up before the phases (ZMQ joins lazily)
                 await _warm_subscription(session, url, pub, payloads[0], shape.workers, shape.redis)
                 seq = 1
+                rss_idle = await asyncio.to_thread(tree_rss_bytes, kvlb.pid)
+                warmup = await warm_up(session, url, shape)
                 baseline = await run_phase(session, url, shape, kvlb.pid, None)
                 flooded = await run_phase(session, url, shape, kvlb.pid, flood)
                 await asyncio.sleep(shape.settle_s)
@@ -370,14 +381,18 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
         "requests_p99": _ratio(flooded["requests"]["p99_ms"], baseline["requests"]["p99_ms"]),
         "healthz_p99": _ratio(flooded["healthz"]["p99_ms"], baseline["healthz"]["p99_ms"]),
         "rss_settled_vs_baseline": _ratio(rss_settled / 2**20, baseline["rss_start_mb"]),
+        "rss_settled_vs_idle": _ratio(rss_settled, rss_idle),
     }
     return {
         "shape": asdict(shape),
         "targets": TARGETS,
         "machine": {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
+        "rss_idle_mb": round(rss_idle / 2**20, 1),
+        "warmup": warmup,
         "baseline": baseline,
         "flood": flooded,
         "rss_settled_mb": round(rss_settled / 2**20, 1),
+        "decision_ring_entries": scrape(metrics, "kvlb_console_ring_entries", pool="other"),
         "ratios": ratios,
         "leases_lost": leases,
         "kvlb_events": {
@@ -389,6 +404,29 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
             "seq_gaps": scrape(metrics, "kvlb_events_seq_gaps_total"),
             "shed_messages": scrape(metrics, "kvlb_events_shed_total"),
         },
+    }
+
+
+async def warm_up(session: aiohttp.ClientSession, url: str, shape: FloodShape) -> dict[str, Any]:
+    """The phases' load until the other pool's decision ring evicted its first decision (it is full)
+    or ``warmup_s`` passed; returns its wall time, requests and whether the ring filled."""
+    load = Load(url, shape)
+    runner = asyncio.create_task(load.run(session))
+    started = time.perf_counter()
+    full = False
+    try:
+        while not full and time.perf_counter() - started < shape.warmup_s:
+            await asyncio.sleep(0.5)
+            async with session.get(url + "/metrics") as response:
+                full = scrape(await response.text(), "kvlb_console_ring_evicted_total", pool="other") > 0
+    finally:
+        load.stop()
+        await runner
+    return {
+        "wall_s": round(time.perf_counter() - started, 2),
+        "requests": len(load.requests),
+        "errors": len(load.errors),
+        "ring_full": full,
     }
 
 
@@ -451,10 +489,13 @@ def format_report(report: dict[str, Any]) -> str:
         target = f"≤ {TARGETS['p99_ratio_max']}" if ratio else ""
         lines.append(f"{label:<34}{a!s:>12}{b!s:>12}{r if r is not None else '':>8}{target:>8}")
     lines.append(f"{'errors':<34}{base['errors']:>12}{flood['errors']:>12}")
+    warmup = report["warmup"]
     lines.append(
-        f"RSS MB: before {base['rss_start_mb']}, flood peak {flood['rss_peak_mb']}, "
-        f"{shape['settle_s']:.0f} s after {report['rss_settled_mb']} "
-        f"(× {report['ratios']['rss_settled_vs_baseline']}, target ≤ {TARGETS['rss_settled_ratio_max']})"
+        f"RSS MB: idle {report['rss_idle_mb']}, after the warm-up ({warmup['requests']:,} requests in "
+        f"{warmup['wall_s']} s, decision ring full: {warmup['ring_full']}) {base['rss_start_mb']}, "
+        f"flood peak {flood['rss_peak_mb']}, {shape['settle_s']:.0f} s after {report['rss_settled_mb']} "
+        f"(× {report['ratios']['rss_settled_vs_baseline']}, target ≤ {TARGETS['rss_settled_ratio_max']}; "
+        f"× {report['ratios']['rss_settled_vs_idle']} the idle server)"
     )
     events = report["kvlb_events"]
     lines.append(

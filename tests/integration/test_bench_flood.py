@@ -29,6 +29,11 @@ async def test_smoke_run_reports_every_field(workers: int, redis: bool) -> None:
     applied_or_dropped = events["stored_blocks_applied"] + events["queue_overflows"]
     assert applied_or_dropped >= SMOKE.events_per_batch * workers
     assert report["leases_lost"] == (0 if redis else None)  # embedded: no leases
-    assert set(report["ratios"]) == {"requests_p99", "healthz_p99", "rss_settled_vs_baseline"}
+    assert set(report["ratios"]) == {
+        "requests_p99", "healthz_p99", "rss_settled_vs_baseline", "rss_settled_vs_idle"
+    }  # fmt: skip
+    warmup = report["warmup"]
+    assert warmup["requests"] > 0 and warmup["errors"] == 0 and isinstance(warmup["ring_full"], bool)
+    assert report["rss_idle_mb"] > 0 and report["decision_ring_entries"] > 0
     table = format_report(report)
     assert "request p99, ms" in table and "/healthz p99, ms" in table and "RSS MB" in table

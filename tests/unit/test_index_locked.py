@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 import time
 
-from balancer.events import Removed, Stored
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.table import PrefixTable
@@ -159,3 +162,85 @@ def test_drop_speculated_drops_only_the_keys_not_stored_again_since() -> None:
         assert table.drop_speculated(A, keys[1:], 0.0) == 1  # 1's real holding; 3 had none
         assert table.match(keys, None, 0.0).blocks == {A: 2}  # the speculative slot still leads with 0-1
         assert table.match_confirmed(keys, None, 0.0)[1] == {A: 1}
+
+
+class _CountingLock:
+    """A real lock that counts its holds (how many slices an apply took)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.holds = 0
+
+    def __enter__(self) -> bool:
+        self._lock.acquire()
+        self.holds += 1
+        return True
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_a_slice_counts_each_events_own_cost_besides_its_blocks() -> None:
+    """One-block events cost ``1 + event_cost_blocks`` each: 20 of them in slices of 12 are 10 holds
+    of the lock (2 events each), where counting blocks alone made 2 holds (12 + 8 events)."""
+    for cost, holds in ((5, 10), (0, 2)):
+        table = LockedPrefixTable(HASHER, apply_slice_blocks=12, event_cost_blocks=cost)
+        lock = _CountingLock()
+        table.lock = lock  # type: ignore[assignment]
+        result = table.apply(A, chain(1, 20, 1), 0.0)
+        assert (lock.holds, result.stored_blocks) == (holds, 20)
+    table = LockedPrefixTable(HASHER, apply_slice_blocks=12, event_cost_blocks=5)
+    table.lock = lock = _CountingLock()  # type: ignore[assignment]
+    big = Stored(0, None, tuple(EngineHash(h) for h in range(1, 31)), pack_tokens(range(1, 1 + 30 * BS)), BS)
+    table.apply(A, [big, *chain(100, 1, 10_000)], 0.0)
+    assert lock.holds == 2  # an event over the slice is one slice of its own
+
+
+_HASHES = st.integers(min_value=1, max_value=40).map(EngineHash)
+
+
+@st.composite
+def _events(draw: st.DrawFn) -> list[KvEvent]:
+    """Stores (chained under a hash stored earlier or rooted), removals, clears and resyncs of two
+    DP ranks, with 1-6 blocks per store."""
+    events: list[KvEvent] = []
+    for _ in range(draw(st.integers(min_value=0, max_value=30))):
+        rank = draw(st.integers(min_value=0, max_value=1))
+        kind = draw(st.sampled_from(["stored", "stored", "stored", "removed", "cleared", "resync"]))
+        if kind == "stored":
+            count = draw(st.integers(min_value=1, max_value=6))
+            hashes = tuple(draw(st.lists(_HASHES, min_size=count, max_size=count, unique=True)))
+            parent = draw(st.one_of(st.none(), _HASHES))
+            first = draw(st.integers(min_value=0, max_value=50))
+            events.append(Stored(rank, parent, hashes, pack_tokens(range(first, first + count * BS)), BS))
+        elif kind == "removed":
+            events.append(Removed(rank, tuple(draw(st.lists(_HASHES, min_size=1, max_size=4)))))
+        elif kind == "cleared":
+            events.append(Cleared(rank))
+        else:
+            events.append(Resync(rank, "overflow"))
+    return events
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    batches=st.lists(_events(), min_size=1, max_size=4),
+    slice_blocks=st.integers(min_value=1, max_value=40),
+    event_cost=st.integers(min_value=0, max_value=8),
+)
+def test_a_sliced_apply_leaves_exactly_the_plain_tables_contents(
+    batches: list[list[KvEvent]], slice_blocks: int, event_cost: int
+) -> None:
+    """Property: whatever the slice size and per-event cost, a ``LockedPrefixTable`` fed the same
+    batches returns the same results and holds the same blocks as an unsliced ``PrefixTable``."""
+    plain = PrefixTable(HASHER)
+    locked = LockedPrefixTable(HASHER, apply_slice_blocks=slice_blocks, event_cost_blocks=event_cost)
+    for now, events in enumerate(batches):
+        assert locked.apply(A, events, float(now)) == plain.apply(A, events, float(now))
+    assert locked.stats() == plain.stats()
+    assert locked.held_blocks(A) == plain.held_blocks(A)
+    for rank in (0, 1):
+        assert locked.engine_hashes(A, rank) == plain.engine_hashes(A, rank)
+    for first in range(0, 51):
+        keys = HASHER.request_keys(list(range(first, first + 12 * BS)))
+        assert locked.match(keys, None, 9.0).blocks == plain.match(keys, None, 9.0).blocks
