@@ -120,7 +120,7 @@ async def test_smoke_run_reports_every_field() -> None:
 
 
 def test_warmup_covers_every_distinct_prompt() -> None:
-    assert OverheadShape(prompts=32, warmup_rounds=20).warmup == 64  # twice: the memo keeps from the 2nd
+    assert OverheadShape(prompts=32, warmup_rounds=20).warmup == 96  # three sights fill the memo
     assert OverheadShape(prompts=4, warmup_rounds=20).warmup == 20
 
 

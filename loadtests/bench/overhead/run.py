@@ -27,8 +27,9 @@ Every server is its own process; the client runs here. Five prompt kinds are mea
 * ``tokens_shared``: the ``chat_shared`` prompts as token ids (a shared system prompt's ids, then a
   new user message's), as clients that tokenize for themselves send chat traffic.
 
-The warm-up sends every distinct prompt at least twice; the unique kinds never send a body twice to a
-path (each phase and round takes bodies no earlier one took). Reported per kind and phase: latency
+The warm-up sends every distinct prompt at least three times (kvlb's token-id memo holds a prompt
+whole from its third sight); the unique kinds never send a body twice to a path (each phase and
+round takes bodies no earlier one took). Reported per kind and phase: latency
 p50/p90/p99 per path, the added latency of each proxy (its percentile minus the direct path's), req/s,
 each proxy process's CPU per request from ``/proc`` (so the rate one fully busy core routes), and the
 route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram, and the runs of its

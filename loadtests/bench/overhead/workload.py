@@ -51,9 +51,9 @@ class OverheadShape:
     sequential_rounds: int = 200
     """Sequential phase: each round sends one request on every path, in a rotating order."""
     warmup_rounds: int = 20
-    """Sequential rounds sent first and not counted (connections, caches); at least twice
-    :attr:`prompts` are sent (:attr:`warmup`), so that every distinct prompt has been seen twice
-    before measuring."""
+    """Sequential rounds sent first and not counted (connections, caches); at least three times
+    :attr:`prompts` are sent (:attr:`warmup`), so that every distinct prompt has been seen three
+    times before measuring."""
     concurrency: int = 32
     """Concurrent phase: clients with one request in flight each."""
     concurrent_rounds: int = 6
@@ -87,10 +87,11 @@ class OverheadShape:
 
     @property
     def warmup(self) -> int:
-        """Warm-up rounds sent: :attr:`warmup_rounds`, but never fewer than twice the distinct
-        prompts, so that every distinct prompt (and every shared system prompt) is sent twice before
-        measuring: kvlb's token-id memo keeps a run of ids from its second sight."""
-        return max(self.warmup_rounds, 2 * self.prompts)
+        """Warm-up rounds sent: :attr:`warmup_rounds`, but never fewer than three times the distinct
+        prompts, so that every distinct prompt (and every shared system prompt) is sent three times
+        before measuring: kvlb's token-id memo notes a new prompt's first run of ids at its first
+        sight, keeps that run at its second, and the prompt's other runs at its third."""
+        return max(self.warmup_rounds, 3 * self.prompts)
 
     @property
     def concurrent_warmup_start(self) -> int:
@@ -228,7 +229,7 @@ def shared_bodies(
     shape: OverheadShape, chat: list[bytes], rng: random.Random, question_words: int
 ) -> tuple[bytes, ...]:
     """One body per request sent: the system prompt of ``chat[index % prompts]`` (so the warm-up sends
-    each twice) and a fresh user message: what chat traffic with shared system prompts looks like."""
+    each three times) and a fresh user message: what chat traffic with shared system prompts looks like."""
     out = []
     for index in range(shape.requests_per_path):
         body = json.loads(chat[index % len(chat)])
