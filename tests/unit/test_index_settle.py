@@ -1,7 +1,7 @@
 """The prefix table's deferred LRU re-inserts and expiry-heap compaction, against plain references.
 
-``_first_uses`` skips a routed chain's leading run of keys that an earlier chain already listed
-(found by a binary search, proven by comparing the run with that chain); ``_by_value`` groups a
+``first_uses`` skips a routed chain's leading run of keys that an earlier chain already listed
+(found by a binary search, proven by comparing the run with that chain); ``group_by_value`` groups a
 replica's speculative expiries run by run; ``_log_touch`` lists a tuple re-added by the same request
 once. Each must give exactly what the per-key form gives, for chains and for arbitrary sequences.
 """
@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.index.hashing import BlockHasher
+from balancer.index.settle import first_uses, group_by_value
 from balancer.index.slots import TableLimits
-from balancer.index.table import PrefixTable, _by_value, _first_uses
+from balancer.index.table import PrefixTable
 from balancer.types import ReplicaId
 
 HASHER = BlockHasher("m", 2)
@@ -50,7 +51,7 @@ def test_first_uses_lists_what_fromkeys_lists(
     ``dict.fromkeys`` of their concatenation, each mapped to a sequence that lists it."""
     sequences = [*_chains(prompts, cuts), *(tuple(seq) for seq in others)]
     rng.shuffle(sequences)
-    found = _first_uses(sequences)
+    found = first_uses(sequences)
     assert list(found) == list(dict.fromkeys(chain.from_iterable(sequences)))
     assert all(key in listed for key, listed in found.items())
 
@@ -58,9 +59,9 @@ def test_first_uses_lists_what_fromkeys_lists(
 def test_first_uses_does_not_trust_a_run_it_cannot_prove() -> None:
     """A key repeated at the end makes the leading run look listed (its first and last keys are);
     the comparison with the earlier sequence fails, so every key is looked up."""
-    assert list(_first_uses([(1,), (1, 2, 3, 1)])) == [1, 2, 3]
-    assert list(_first_uses([(5, 1), (1, 2, 3)])) == [5, 1, 2, 3]
-    assert list(_first_uses([(1, 2, 9), (1, 2, 3, 4), (1, 2, 3, 4, 5)])) == [1, 2, 9, 3, 4, 5]
+    assert list(first_uses([(1,), (1, 2, 3, 1)])) == [1, 2, 3]
+    assert list(first_uses([(5, 1), (1, 2, 3)])) == [5, 1, 2, 3]
+    assert list(first_uses([(1, 2, 9), (1, 2, 3, 4), (1, 2, 3, 4, 5)])) == [1, 2, 9, 3, 4, 5]
 
 
 @settings(max_examples=300, deadline=None)
@@ -69,7 +70,7 @@ def test_by_value_groups_like_a_loop_over_the_keys(expiry: dict[int, float]) -> 
     reference: dict[float, list[int]] = {}
     for key, value in expiry.items():
         reference.setdefault(value, []).append(key)
-    assert list(_by_value(expiry).items()) == list(reference.items())
+    assert list(group_by_value(expiry).items()) == list(reference.items())
 
 
 _ADDS = st.lists(

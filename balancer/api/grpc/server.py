@@ -132,9 +132,12 @@ class _Progress:
 async def prepare(
     state: ServiceState, request: pb.GenerateRequest, call: Call, arrived: float, *, stream: bool
 ) -> Forward:
-    """Validate ``request`` as the HTTP API validates a body, find its pool, weights and token ids."""
+    """Validate ``request`` as the HTTP API validates a body, find its pool, weights and token ids.
+    Token ids go through the HTTP face's memo of runs (``state.token_id_memo``): grpc.aio serves on
+    the same event loop, so one memo serves both faces (runs are found by their JSON text, which for
+    gRPC is compact: ``[1,2,3]``)."""
     openai = openai_call(request, stream=stream)
-    parsed = parse_request(openai.body, openai.kind)
+    parsed = parse_request(openai.body, openai.kind, state.token_id_memo)
     pool = find_pool(state, parsed.model)
     weights = call.weights()
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)

@@ -22,6 +22,9 @@ PEER_BASELINE = "sglang_cache_aware"
 """The peer whose CPU per request the issue's ratio divides by."""
 RATIO_KINDS: tuple[str, ...] = ("chat_shared", "chat")
 
+TOKEN_KINDS: tuple[str, ...] = ("tokens", "tokens_shared")
+"""The token-id kinds, whose kvlb CPU per request is set against the forward proxy's."""
+
 HEADLINE_KIND = "chat_shared"
 """The kind the targets line reports (``chat`` when it was not run): chats that share system prompts."""
 
@@ -81,20 +84,23 @@ def _ratio(a: Any, b: Any) -> float | None:
 
 
 def own_ratios(runs: Mapping[str, Mapping[str, Any]], tokenizer_cpu_ms: float | None) -> dict[str, Any]:
-    """The issue's two other CPU ratios, per phase: ``tokens``, kvlb's CPU per request ÷ the plain
-    forward proxy's; ``chat_cold``, kvlb's CPU per request ÷ the tokenizer's own CPU per new chat
-    (``tokenizer_cpu_ms``, measured in the bench process). A kind that was not run is left out."""
+    """The issue's two other CPU ratios, per phase: the token-id kinds (:data:`TOKEN_KINDS`), kvlb's
+    CPU per request ÷ the plain forward proxy's; ``chat_cold``, kvlb's CPU per request ÷ the
+    tokenizer's own CPU per new chat (``tokenizer_cpu_ms``, measured in the bench process).
+    A kind that was not run is left out."""
 
     def kvlb_cpu(kind: str, phase: str, mode: str = "kvlb") -> Any:
         return runs[kind][phase]["cpu"][mode]["cpu_ms_per_request"]
 
     out: dict[str, Any] = {}
-    if "tokens" in runs:
-        out["tokens"] = {
+    for kind in TOKEN_KINDS:
+        if kind not in runs:
+            continue
+        out[kind] = {
             phase: {
-                "kvlb_cpu_ms_per_request": kvlb_cpu("tokens", phase),
-                "forward_cpu_ms_per_request": kvlb_cpu("tokens", phase, "forward"),
-                "cpu_ratio": _ratio(kvlb_cpu("tokens", phase), kvlb_cpu("tokens", phase, "forward")),
+                "kvlb_cpu_ms_per_request": kvlb_cpu(kind, phase),
+                "forward_cpu_ms_per_request": kvlb_cpu(kind, phase, "forward"),
+                "cpu_ratio": _ratio(kvlb_cpu(kind, phase), kvlb_cpu(kind, phase, "forward")),
             }
             for phase in ("sequential", "concurrent")
         }
@@ -194,6 +200,15 @@ def parse_histogram(text: str, name: str) -> dict[str, Any]:
     return {"buckets": sorted(buckets.items()), "sum": total_sum, "count": count}
 
 
+def parse_counter(text: str, name: str) -> float:
+    """The sum of a counter's samples over every label set (0 when it is absent)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
+            total += float(line.rpartition(" ")[2])
+    return total
+
+
 def histogram_delta(after: Mapping[str, Any], before: Mapping[str, Any]) -> dict[str, Any]:
     """``after − before``, bucket by bucket."""
     old = dict(before["buckets"])
@@ -268,6 +283,12 @@ def _kind_lines(kind: str, run: Mapping[str, Any]) -> list[str]:
             f"{_num(cpu['req_per_cpu_s'], 0)} routed req/s per fully busy core "
             f"(it ran at {_num(cpu['cpu_utilisation'], 2)} cores)"
         )
+    memo = run.get("token_id_memo")
+    if memo is not None and any(memo.values()):
+        lines.append(
+            f"  kvlb token-id memo runs: {memo['hits']:,} found, {memo['misses']:,} decoded, "
+            f"{memo['evictions']:,} evicted"
+        )
     decision = run["route_decision"]
     lines.append(
         f"  kvlb route decision (kvlb_route_decision_seconds): mean {_num(decision['mean_us'], 1)} µs, "
@@ -285,11 +306,13 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"measured), {shape['prompts']} distinct, concurrency {shape['concurrency']}, "
         f"fake upstream answering at once; load average {report['machine']['loadavg']}",
     ]
-    tok, shared = report["tokenize_ms"], report.get("tokenize_shared_ms", {})
+    tok, shared = report["tokenize_ms"], report.get("tokenize_shared_inline_ms", {})
     lines.append(
         f"tokenizing one chat prompt (kvlb's tokenizer, in the bench process): from scratch p50 "
-        f"{_num(tok['p50_ms'])} ms, p99 {_num(tok['p99_ms'])} ms; chat_shared with its system prompt "
-        f"cached p50 {_num(shared.get('p50_ms'))} ms, p99 {_num(shared.get('p99_ms'))} ms"
+        f"{_num(tok['p50_ms'])} ms, p99 {_num(tok['p99_ms'])} ms; chat_shared on the request path "
+        f"(encode_chat_if_cached, system prompt cached, new user message) p50 "
+        f"{_num(shared.get('p50_ms'))} ms, p99 {_num(shared.get('p99_ms'))} ms, "
+        f"{shared.get('refused', 'n/a')} of {shared.get('samples', 'n/a')} refused inline"
     )
     threads = report.get("tokenize_threads")
     if threads is not None:
@@ -329,13 +352,16 @@ def format_report(report: Mapping[str, Any]) -> str:
             f"{_num(conc[f'{PEER_BASELINE}_added_p50_ms'])} ms (sequential / concurrent)"
         )
     own = report.get("own_ratios", {})
-    if "tokens" in own:
-        seq, conc = own["tokens"]["sequential"], own["tokens"]["concurrent"]
+    for kind in TOKEN_KINDS:
+        if kind not in own:
+            continue
+        seq, conc = own[kind]["sequential"], own[kind]["concurrent"]
         lines.append(
-            f"kvlb vs forward (tokens): CPU per request ratio concurrent {_num(conc['cpu_ratio'], 2)} "
+            f"kvlb vs forward ({kind}): CPU per request ratio concurrent {_num(conc['cpu_ratio'], 2)} "
             f"({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ "
             f"{_num(conc['forward_cpu_ms_per_request'], 3)} ms), "
-            f"sequential {_num(seq['cpu_ratio'], 2)}"
+            f"sequential {_num(seq['cpu_ratio'], 2)} ({_num(seq['kvlb_cpu_ms_per_request'], 3)} ÷ "
+            f"{_num(seq['forward_cpu_ms_per_request'], 3)} ms)"
         )
     if "chat_cold" in own:
         seq, conc = own["chat_cold"]["sequential"], own["chat_cold"]["concurrent"]

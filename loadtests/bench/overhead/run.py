@@ -14,7 +14,7 @@ request (sequential) or burst by burst (concurrent), so a noisy shared machine s
   Measured only when ``sglang-router`` is installed; the report lists the peers it skipped, and
   ``peer_ratios`` sets kvlb's CPU per request against ``sglang_cache_aware``'s.
 
-Every server is its own process; the client runs here. Four prompt kinds are measured, built in
+Every server is its own process; the client runs here. Five prompt kinds are measured, built in
 :mod:`loadtests.bench.overhead.workload`:
 
 * ``chat_shared`` (the headline): ``prompt_tokens``-token chats, one of ``prompts`` shared system
@@ -23,15 +23,20 @@ Every server is its own process; the client runs here. Four prompt kinds are mea
 * ``chat``: the ``prompts`` chats repeated whole (every segment a cache hit after the warm-up);
 * ``chat_cold``: system prompt and user message unique per request (no cache hit);
 * ``tokens``: the ``chat`` prompts as token ids to ``/v1/completions`` (kvlb's cost without the
-  tokenizer).
+  tokenizer), repeated whole: the best case of kvlb's token-id memo;
+* ``tokens_shared``: the ``chat_shared`` prompts as token ids (a shared system prompt's ids, then a
+  new user message's), as clients that tokenize for themselves send chat traffic.
 
-The warm-up sends every distinct prompt at least once; the unique kinds never send a body twice to a
-path (each phase and round takes bodies no earlier one took). Reported per kind and phase: latency
+The warm-up sends every distinct prompt at least three times (kvlb's token-id memo holds a prompt
+whole from its third sight); the unique kinds never send a body twice to a path (each phase and
+round takes bodies no earlier one took). Reported per kind and phase: latency
 p50/p90/p99 per path, the added latency of each proxy (its percentile minus the direct path's), req/s,
 each proxy process's CPU per request from ``/proc`` (so the rate one fully busy core routes), and the
-route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram. The tokenizer's time is
-measured here, on a tokenizer with its segment cache off (every sample a full encode) and for
-``chat_shared`` prompts once their system prompts are cached; so is the event loop's longest stall
+route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram, and the runs of its
+token-id memo found, decoded and evicted (``kvlb_tokenizer_token_id_memo_*_total``). The tokenizer's
+time is measured here, on a tokenizer with its segment cache off (every sample a full encode) and for
+``chat_shared`` prompts on kvlb's inline path (``encode_chat_if_cached``) once their system prompts
+are cached; so is the event loop's longest stall
 while four threads tokenize new prompts at once (``tokenize_threads``).
 """
 
@@ -63,6 +68,7 @@ from loadtests.bench.overhead.report import (
     histogram_delta,
     latency_figures,
     own_ratios,
+    parse_counter,
     parse_histogram,
     peer_ratios,
     percentile,
@@ -96,6 +102,10 @@ __all__ = [
 READY_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 30.0
 DECISION_METRIC = "kvlb_route_decision_seconds"
+MEMO_COUNTERS = tuple(
+    f"kvlb_tokenizer_token_id_memo_{name}_total" for name in ("hits", "misses", "evictions")
+)
+"""kvlb's token-id memo counters (runs of prompt text found, decoded, forgotten), reported per kind."""
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -116,9 +126,9 @@ async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
             await asyncio.sleep(0.05)
 
 
-async def scrape_decisions(session: aiohttp.ClientSession, kvlb_url: str) -> dict[str, Any]:
+async def scrape_metrics(session: aiohttp.ClientSession, kvlb_url: str) -> str:
     async with session.get(kvlb_url + "/metrics") as response:
-        return parse_histogram(await response.text(), DECISION_METRIC)
+        return await response.text()
 
 
 # ------------------------------------------------------------------------------------- measuring
@@ -238,14 +248,23 @@ async def measure_kind(
 ) -> dict[str, Any]:
     path, bodies = prompts.bodies(kind)
     kvlb_url = servers.urls["kvlb"]
-    before = await scrape_decisions(session, kvlb_url)
+    before = await scrape_metrics(session, kvlb_url)
     result: dict[str, Any] = {"description": KIND_DESCRIPTIONS[kind]}
     result["sequential"] = await sequential(session, servers, shape, path, bodies)
     result["concurrent"] = await concurrent(session, servers, shape, path, bodies)
-    after = await scrape_decisions(session, kvlb_url)
-    result["route_decision"] = decision_figures(histogram_delta(after, before))
+    after = await scrape_metrics(session, kvlb_url)
+    decisions = (parse_histogram(text, DECISION_METRIC) for text in (after, before))
+    result["route_decision"] = decision_figures(histogram_delta(*decisions))
+    memo = {name: parse_counter(after, name) - parse_counter(before, name) for name in MEMO_COUNTERS}
+    result["token_id_memo"] = {name.split("_")[-2]: round(value) for name, value in memo.items()}
     return result
 
+
+TOKENIZE_SHARED_INLINE = (
+    "wall time in the bench process to tokenize one chat_shared prompt (a new user message each "
+    "sample, the system prompts cached) as kvlb's request path does on its event loop: "
+    "encode_chat_if_cached with INLINE_TOKENIZE_CHARS; 'refused' samples also ran encode_chat"
+)
 
 LAG_THREADS = 4
 LAG_ROUNDS = 10
@@ -332,7 +351,10 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
             "p50_ms": _ms(percentile(prompts.tokenize_s, 50)),
             "p99_ms": _ms(percentile(prompts.tokenize_s, 99)),
         },
-        "tokenize_shared_ms": {
+        "tokenize_shared_inline_ms": {
+            "description": TOKENIZE_SHARED_INLINE,
+            "samples": len(prompts.tokenize_shared_s),
+            "refused": prompts.tokenize_shared_fallbacks,
             "p50_ms": _ms(percentile(prompts.tokenize_shared_s, 50)),
             "p99_ms": _ms(percentile(prompts.tokenize_shared_s, 99)),
         },

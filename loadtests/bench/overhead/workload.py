@@ -12,12 +12,14 @@ import random
 import time
 from dataclasses import dataclass
 
+from balancer.api.openai import INLINE_TOKENIZE_CHARS
+from balancer.api.parsing import parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
 from loadtests.bench.overhead.servers import MODEL
 from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
 
-KINDS: tuple[str, ...] = ("chat_shared", "chat", "chat_cold", "tokens")
-UNIQUE_KINDS = frozenset({"chat_shared", "chat_cold"})
+KINDS: tuple[str, ...] = ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared")
+UNIQUE_KINDS = frozenset({"chat_shared", "chat_cold", "tokens_shared"})
 """Kinds whose every request is a new body (no body is sent twice to a path)."""
 QUESTION_TOKENS = 64
 """The user message of each chat prompt; the system message holds the rest."""
@@ -29,7 +31,12 @@ KIND_DESCRIPTIONS = {
     "repeat whole, so after the warm-up every segment comes from kvlb's segment cache)",
     "chat_cold": "chat messages whose system prompt and user message are unique per request "
     "(tokenized from scratch)",
-    "tokens": "the same prompts as token ids to /v1/completions (no tokenizer in kvlb's path)",
+    "tokens": "the chat prompts as token ids to /v1/completions, the distinct prompts repeated whole "
+    "(no tokenizer in kvlb's path; after the warm-up every run of ids is in kvlb's token-id memo: its "
+    "best case)",
+    "tokens_shared": "the chat_shared prompts as token ids to /v1/completions: one of the shared "
+    "system prompts' ids and a user message's ids unique per request (the memo finds the system "
+    "prompt's runs, the user tail is decoded)",
 }
 
 
@@ -44,8 +51,9 @@ class OverheadShape:
     sequential_rounds: int = 200
     """Sequential phase: each round sends one request on every path, in a rotating order."""
     warmup_rounds: int = 20
-    """Sequential rounds sent first and not counted (connections, caches); at least :attr:`prompts`
-    are sent (:attr:`warmup`), so that every distinct prompt has been seen before measuring."""
+    """Sequential rounds sent first and not counted (connections, caches); at least three times
+    :attr:`prompts` are sent (:attr:`warmup`), so that every distinct prompt has been seen three
+    times before measuring."""
     concurrency: int = 32
     """Concurrent phase: clients with one request in flight each."""
     concurrent_rounds: int = 6
@@ -79,8 +87,11 @@ class OverheadShape:
 
     @property
     def warmup(self) -> int:
-        """Warm-up rounds sent: :attr:`warmup_rounds`, but never fewer than the distinct prompts."""
-        return max(self.warmup_rounds, self.prompts)
+        """Warm-up rounds sent: :attr:`warmup_rounds`, but never fewer than three times the distinct
+        prompts, so that every distinct prompt (and every shared system prompt) is sent three times
+        before measuring: kvlb's token-id memo notes a new prompt's first run of ids at its first
+        sight, keeps that run at its second, and the prompt's other runs at its third."""
+        return max(self.warmup_rounds, 3 * self.prompts)
 
     @property
     def concurrent_warmup_start(self) -> int:
@@ -130,8 +141,15 @@ class Prompts:
     """Chat bodies whose system prompt and user message are unique per request: no cache hit."""
     chat_shared: tuple[bytes, ...] = ()
     """Chat bodies with one of the ``chat`` system prompts and a user message unique per request."""
+    tokens_shared: tuple[bytes, ...] = ()
+    """The ``chat_shared`` bodies as token ids (``prompt``), one per request, none repeated."""
     tokenize_shared_s: tuple[float, ...] = ()
-    """Tokenizing one ``chat_shared`` prompt once the system prompts are cached (what kvlb spends)."""
+    """Tokenizing one ``chat_shared`` prompt (a new user message each sample) once the system prompts
+    are cached, the way kvlb's request path does on its event loop: ``encode_chat_if_cached`` with
+    the path's budget of ``INLINE_TOKENIZE_CHARS`` new characters (and ``encode_chat`` after it when
+    that returns ``None``, as the path then does in a thread)."""
+    tokenize_shared_fallbacks: int = 0
+    """Samples of :attr:`tokenize_shared_s` that ``encode_chat_if_cached`` refused (encoded whole)."""
     tokenize_cpu_s: tuple[float, ...] = ()
     """The process CPU (all threads) of each ``tokenize_s`` sample: the tokenizer's own CPU per new
     chat, which kvlb's CPU per ``chat_cold`` request is set against."""
@@ -140,6 +158,8 @@ class Prompts:
         """(path, bodies) of ``kind``."""
         if kind == "tokens":
             return "/v1/completions", self.tokens
+        if kind == "tokens_shared":
+            return "/v1/completions", self.tokens_shared
         by_kind = {"chat": self.chat, "chat_cold": self.chat_cold, "chat_shared": self.chat_shared}
         return "/v1/chat/completions", by_kind[kind]
 
@@ -150,7 +170,8 @@ def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None 
 
     ``cold`` tokenizes and is timed: give it one whose segment cache is off, so that every timed
     sample is a full encode (through a cache, repeats would time hits). ``warm`` (cache on) times the
-    ``chat_shared`` prompts once their system prompts are cached; without it they are not timed.
+    ``chat_shared`` prompts once their system prompts are cached, then tokenizes them for the
+    ``tokens_shared`` bodies (its cache keeps that quick); without it neither is built.
     """
     rng = random.Random(shape.seed)
     system_words = words_for_tokens(max(1, shape.prompt_tokens - QUESTION_TOKENS), TOKENS_PER_WORD)
@@ -172,6 +193,11 @@ def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None 
         tokens.append(json.dumps({**common, "prompt": ids}).encode())
         counts.append(len(ids))
     shared = shared_bodies(shape, chat, random.Random(shape.seed + 1), question_words)
+    timed: tuple[tuple[float, ...], int] = ((), 0)
+    tokens_shared: tuple[bytes, ...] = ()
+    if warm is not None:
+        timed = time_shared(shape, shared, warm)  # first: every timed user message is new to ``warm``
+        tokens_shared = token_id_bodies(shared, warm)
     return Prompts(
         tuple(chat),
         tuple(tokens),
@@ -179,7 +205,9 @@ def build_prompts(shape: OverheadShape, cold: Tokenizer, warm: Tokenizer | None 
         tuple(timings),
         chat_cold=cold_bodies(shape, chat),
         chat_shared=shared,
-        tokenize_shared_s=time_shared(shape, shared, warm) if warm is not None else (),
+        tokens_shared=tokens_shared,
+        tokenize_shared_s=timed[0],
+        tokenize_shared_fallbacks=timed[1],
         tokenize_cpu_s=tuple(cpu),
     )
 
@@ -201,7 +229,7 @@ def shared_bodies(
     shape: OverheadShape, chat: list[bytes], rng: random.Random, question_words: int
 ) -> tuple[bytes, ...]:
     """One body per request sent: the system prompt of ``chat[index % prompts]`` (so the warm-up sends
-    each once) and a fresh user message: what chat traffic with shared system prompts looks like."""
+    each three times) and a fresh user message: what chat traffic with shared system prompts looks like."""
     out = []
     for index in range(shape.requests_per_path):
         body = json.loads(chat[index % len(chat)])
@@ -210,14 +238,35 @@ def shared_bodies(
     return tuple(out)
 
 
-def time_shared(shape: OverheadShape, bodies: tuple[bytes, ...], warm: Tokenizer) -> tuple[float, ...]:
-    """Seconds to tokenize each of ``3 × prompts`` ``chat_shared`` prompts after the first ``prompts``
-    (which put every system prompt in ``warm``'s cache) were tokenized untimed."""
+def token_id_bodies(chat_bodies: tuple[bytes, ...], tokenizer: Tokenizer) -> tuple[bytes, ...]:
+    """Each chat body with its messages replaced by their token ids as the ``prompt``: the same
+    request as a client that tokenizes for itself sends it (a shared system prompt's ids, then the
+    user message's)."""
+    out = []
+    for raw in chat_bodies:
+        body = json.loads(raw)
+        ids = tokenizer.encode_chat(body.pop("messages"))
+        out.append(json.dumps({**body, "prompt": ids}).encode())
+    return tuple(out)
+
+
+def time_shared(
+    shape: OverheadShape, bodies: tuple[bytes, ...], warm: Tokenizer
+) -> tuple[tuple[float, ...], int]:
+    """Seconds to tokenize each of ``3 × prompts`` ``chat_shared`` prompts on kvlb's request path
+    (``encode_chat_if_cached`` with the path's ``INLINE_TOKENIZE_CHARS``, each user message new),
+    after the first ``prompts`` (which put every system prompt in ``warm``'s cache) were tokenized
+    untimed; and how many samples it refused (then timed with the whole ``encode_chat`` added)."""
     timings = []
+    fallbacks = 0
     for index in range(min(len(bodies), 4 * shape.prompts)):
-        messages = json.loads(bodies[index])["messages"]
+        parsed = parse_request(bodies[index], "chat")
+        assert parsed.messages is not None
         started = time.perf_counter()
-        warm.encode_chat(messages)
+        ids = warm.encode_chat_if_cached(parsed.messages, parsed.chat_kwargs, INLINE_TOKENIZE_CHARS)
+        if ids is None:
+            warm.encode_chat(parsed.messages, **parsed.chat_kwargs)
         if index >= shape.prompts:
             timings.append(time.perf_counter() - started)
-    return tuple(timings)
+            fallbacks += ids is None
+    return tuple(timings), fallbacks
