@@ -46,11 +46,6 @@ class Overlap:
     held_blocks: dict[ReplicaId, int] = field(default_factory=dict)
     """Blocks each replica's caches hold in all (any prompt), from its KV events: with the pool size
     this gives how full its cache is (absent when the index did not say)."""
-    prefilling_blocks: dict[ReplicaId, int] = field(default_factory=dict)
-    """Part of ``blocks`` that a request routed there and still before its first token is computing
-    (the leading blocks it shares with this request, beyond those it found cached), whether or not
-    the engine has reported them yet: the most over such requests. Filled only when the cost
-    policy's ``pending_share_weight`` is above 0 (absent: 0)."""
 
     def of(self, replica: ReplicaId) -> int:
         """Overlap of one replica in blocks (0 when unknown)."""

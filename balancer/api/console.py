@@ -200,7 +200,6 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
             "request_blocks": inputs.request.request_blocks,
             "overlap_blocks": dict(inputs.overlap.blocks),
             "speculative_blocks": dict(inputs.overlap.speculative_blocks),
-            "prefilling_blocks": dict(inputs.overlap.prefilling_blocks),
             "held_blocks": dict(inputs.overlap.held_blocks),
             "block_size_tokens": inputs.load.block_size_tokens,
             "load": {r: dataclasses.asdict(load) for r, load in inputs.load.replicas.items()},

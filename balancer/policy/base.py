@@ -90,17 +90,6 @@ class PolicyWeights:
     on seed 1 only, put ``unique`` seed 2 one bracketing step below the default, and raised no
     ``tenants`` capacity on the emulated fleet (docs/policies.md, "Part 9"). Needs the scraped KV
     usage and pool size; the charge is 0 without them."""
-    pending_share_weight: float = 0.0
-    """``w_share``, how much of the overlap that requests still prefilling on a replica are
-    computing (``Overlap.prefilling_blocks``) the cost policy treats as shared work rather than
-    backlog; 0..1. The cost already counts the overlap backed only by speculative entries as shared;
-    once the engine reports a chunk of a leader's prefill, those blocks are confirmed and stop
-    counting, while the leader's whole uncached prompt stays in the replica's router-tracked
-    prefill backlog until its first token, so a follower of the same prefix is charged for work it
-    shares. With ``w_share`` > 0 the shared part is the larger of the speculative overlap and
-    ``w_share`` × the prefilling overlap. 0 (default) turns it off; at 1 every simulated capacity
-    of ``tenants``, ``rag``, ``unique`` and the Mooncake trace (seeds 0–2) was the default's, and on
-    the emulated fleet it sent no fewer ``tenants`` followers away (docs/policies.md, "Part 10")."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
     ahead of this request there may evict it before the engine admits the request (engines match a
@@ -214,7 +203,6 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "overlap_credit_loaded": WeightRange(0.0, 4.0),
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
-        "pending_share_weight": WeightRange(0.0, 1.0),
         "interference_weight": WeightRange(0.0, 1.0),
         "admission_weight": WeightRange(0.0, 4.0),
         "decode_weight": WeightRange(0.0, 1e3),

@@ -24,13 +24,9 @@ For each candidate replica ``r`` (lower is better)::
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
   estimates the fleet's prefill utilisation with no scale to configure.
-* ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · max(speculative_r, w_share ·
-  prefilling_r))``, where ``speculative_r`` is the part of the overlap backed only by speculative
-  entries: blocks that a request routed to ``r`` moments ago is still prefilling; and
-  ``prefilling_r`` the part that requests still before their first token on ``r`` are computing,
-  reported by the engine or not (``w_share`` = ``pending_share_weight``, default 0: off; a
-  leader's reported chunks otherwise stop counting as shared while its whole prompt stays in the
-  backlog until its first token, docs/policies.md "Part 10"). That pending work produces exactly the
+* ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
+  ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
+  request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
   blocks this request will reuse, so it is shared, not competing. Without this term a burst of
   same-prefix requests arriving before the first KV event would scatter over the fleet (each
   follower sees the leader's prefill as load), which is the case speculative entries exist for.
@@ -155,7 +151,6 @@ class CostPolicy:
                 credit=0.0 if r in no_credit else credit,
                 excluded=excluded.get(r),
                 speculative=min(overlap.speculative_blocks.get(r, 0), request.request_blocks),
-                prefilling=min(overlap.prefilling_blocks.get(r, 0), request.request_blocks),
                 pressure=cache_pressure(overlap.held_blocks.get(r), loads[r].capacity_blocks),
             )
             for r in candidates
@@ -271,15 +266,11 @@ def cost_terms(
     excluded: str | None,
     speculative: int = 0,
     pressure: float | None = None,
-    prefilling: int = 0,
 ) -> CostTerms:
     """The weighted terms and their sum for one replica (computed for excluded ones too, so an
-    explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`;
-    ``speculative`` and ``prefilling``: its parts of the overlap (``Overlap.speculative_blocks``,
-    ``Overlap.prefilling_blocks``)."""
+    explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`."""
     waiting = float(load.waiting_reqs or 0)
-    covered = max(float(speculative), weights.pending_share_weight * prefilling)
-    shared = min(load.pending_prefill_blocks, min(credit, 1.0) * covered)
+    shared = min(load.pending_prefill_blocks, min(credit, 1.0) * speculative)
     survival = overlap_survival(
         load.pending_prefill_blocks - shared, load.capacity_blocks, pressure, weights.eviction_risk_weight
     )

@@ -86,19 +86,6 @@ class RoutePlan:
     receipt may then compute the engine's own hashes of its cached blocks; else empty."""
 
 
-def common_prefix_blocks(keys: Sequence[BlockKey], other: Sequence[BlockKey], limit: int) -> int:
-    """How many leading block keys ``keys`` and ``other`` share, at most ``limit``: a binary search,
-    since a block's key is chained from its parent's (equal keys at a depth: equal prefixes)."""
-    low, high = 0, min(len(keys), len(other), limit)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if keys[middle - 1] == other[middle - 1]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
-
-
 BlockHashFn = Callable[[Sequence[int], int], "list[EngineHash]"]
 """An engine's own block hashes of a plain token sequence (:attr:`EngineSpec.block_hashes
 <balancer.engines.spec.EngineSpec.block_hashes>`)."""
@@ -232,9 +219,6 @@ class PoolRouter:
         """The load the other workers of ``kvlb serve --workers N`` committed on the given replicas
         (set by the shell, :mod:`balancer.load.share`; ``None``: this router's own load is all)."""
         self._speculating: OrderedDict[str, tuple[ReplicaId, tuple[BlockKey, ...], float]] = OrderedDict()
-        self._prefilling: dict[ReplicaId, dict[str, tuple[tuple[BlockKey, ...], int]]] = {}
-        """Per replica, the requests of ``_speculating`` routed there: their keys and how many
-        leading blocks they found cached (the rest up to their first token they compute)."""
         self.max_speculating = self._limits.max_speculative_keys // 16 + 1
         """Requests whose speculative entries wait for a first token; past it the oldest keep their
         long TTL (they still expire, only later)."""
@@ -449,7 +433,6 @@ class PoolRouter:
         exact_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
-        prefilling: dict[ReplicaId, int] = {}
         keys_by_space: dict[int, list[BlockKey]] = {}
         for space in self._spaces_for(candidates):
             keys = space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo)
@@ -465,10 +448,6 @@ class PoolRouter:
                 pending = blocks - confirmed.get(replica, 0)
                 if pending > 0:
                     speculative[replica] = pending * bs // ref_bs
-                if weights.pending_share_weight > 0 and blocks > 0:
-                    computing = self.prefilling_blocks(replica, keys, blocks)
-                    if computing > 0:
-                        prefilling[replica] = computing * bs // ref_bs
         request_blocks = len(token_ids) // ref_bs
         route = RouteRequest(
             candidates=tuple(candidates),
@@ -477,7 +456,7 @@ class PoolRouter:
             session_key=session_key,
             request_id=request_id,
         )
-        overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, prefilling)
+        overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
         snapshot = self.load_snapshot(now)
         decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
@@ -532,30 +511,9 @@ class PoolRouter:
             space.table.add_speculative(replica, plan.keys, long_ttl_s, now)
             if long_ttl_s > speculative_ttl_s:
                 self._speculating[request_id] = (replica, plan.keys, speculative_ttl_s)
-                cached_blocks = plan.cached_tokens // plan.block_size
-                self._prefilling.setdefault(replica, {})[request_id] = (plan.keys, cached_blocks)
                 while len(self._speculating) > self.max_speculating:
-                    old_id, (old_replica, _, _) = self._speculating.popitem(last=False)
-                    self._forget_prefilling(old_replica, old_id)
+                    self._speculating.popitem(last=False)
         return reserved
-
-    def _forget_prefilling(self, replica: ReplicaId, request_id: str) -> None:
-        requests = self._prefilling.get(replica)
-        if requests is not None:
-            requests.pop(request_id, None)
-            if not requests:
-                del self._prefilling[replica]
-
-    def prefilling_blocks(self, replica: ReplicaId, keys: Sequence[BlockKey], overlap_blocks: int) -> int:
-        """Of the first ``overlap_blocks`` of ``keys`` (in ``replica``'s key space), how many a
-        request committed to ``replica`` and still before its first token is computing: the blocks
-        it shares with ``keys`` beyond those it found cached, the most over such requests. O(log n)
-        per such request: block keys are chained, so equal keys at a depth mean equal prefixes."""
-        best = 0
-        for other, cached in self._prefilling.get(replica, {}).values():
-            if cached < overlap_blocks:
-                best = max(best, common_prefix_blocks(keys, other, overlap_blocks) - cached)
-        return best
 
     def _note_routes(self, space: KeySpace, plan: RoutePlan, now: float) -> None:
         """After an event gap of the chosen replica (within ``recovery.GONE_S``): give its table the
@@ -585,7 +543,6 @@ class PoolRouter:
         found = self._speculating.pop(request_id, None)
         if found is not None:
             replica, keys, ttl_s = found
-            self._forget_prefilling(replica, request_id)
             space = self.space_of.get(replica)
             if space is not None:
                 space.table.add_speculative(replica, keys, ttl_s, now)
