@@ -54,12 +54,18 @@ def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def band_of(p90s: Sequence[float | None], passes: Sequence[bool]) -> dict[str, Any]:
+def band_of(
+    p90s: Sequence[float | None], passes: Sequence[bool], hit_rates: Sequence[float | None] = ()
+) -> dict[str, Any]:
     """The draws' spread: each draw's TTFT p90 (``None``: no first token), the median and range of
-    those measured, and the share of draws that meet the SLO."""
+    those measured, the share of draws that meet the SLO, and the range of their hit rates."""
     measured = sorted(p for p in p90s if p is not None)
     share = sum(passes) / len(passes) if passes else None
+    hits = sorted(h for h in hit_rates if h is not None)
     return {
+        "hit_rate": list(hit_rates),
+        "hit_rate_min": hits[0] if hits else None,
+        "hit_rate_max": hits[-1] if hits else None,
         "draws": len(p90s),
         "ttft_p90_s": list(p90s),
         "ttft_p90_median_s": _median(measured),

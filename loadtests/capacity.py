@@ -372,8 +372,8 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
         "",
         "| router | rate | draws | sim p90 median s | sim p90 range s | sim pass share | one sim p90 s "
         "| fleet p90 s per repeat | fleet median s | fleet / sim median | within 10% | inside range "
-        "| fleet pass share |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fleet pass share | sim hit rate range |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, b in rows:
         fleet = ", ".join(_fmt(p) for p in b["fleet_ttft_p90_s"]) or "-"
@@ -384,7 +384,8 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
             f"| {_fmt(b['pass_share'], 2)} | {_fmt(b['sim_single_ttft_p90_s'])} | {fleet} "
             f"| {_fmt(b['fleet_ttft_p90_median_s'])} | {_fmt(b['fleet_median_vs_sim_median'])} "
             f"| {'yes' if b['fleet_median_within_tol'] else 'no'} "
-            f"| {inside} of {len(b['fleet_inside_sim_range'])} | {_fmt(b['fleet_pass_share'], 2)} |"
+            f"| {inside} of {len(b['fleet_inside_sim_range'])} | {_fmt(b['fleet_pass_share'], 2)} "
+            f"| {_fmt(b.get('hit_rate_min'))}–{_fmt(b.get('hit_rate_max'))} |"
         )
     lines.append("")
     for r in report["routers"]:

@@ -331,12 +331,14 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
     requests = stream.at(rate, limit)
     p90s: list[float | None] = []
     passes: list[bool] = []
+    hits: list[float | None] = []
     for draw in range(args.confirm_sim_draws):
         moved = jitter_arrivals(requests, args.confirm_sim_jitter_ms / 1000.0, draw_rng(args.seed, draw))
         point = capacity.point_of(rate, Simulation(config, moved).run().summary, "sim")
         p90s.append(point.ttft_p90_s)
         passes.append(point.meets(slo))
-    return {"rate": rate, "jitter_ms": args.confirm_sim_jitter_ms, **band_of(p90s, passes)}
+        hits.append(point.hit_rate)
+    return {"rate": rate, "jitter_ms": args.confirm_sim_jitter_ms, **band_of(p90s, passes, hits)}
 
 
 # ------------------------------------------------------------------------------------------- fleet

@@ -66,6 +66,8 @@ def test_band_summarizes_the_draws_and_passes_on_half_of_them() -> None:
     assert (band["ttft_p90_min_s"], band["ttft_p90_max_s"]) == (1.0, 3.0)
     assert band["pass_share"] == pytest.approx(0.4) and band["passes"] is False
     assert band_of([1.0, 3.0], [True, False])["passes"] is True
+    hits = band_of([1.0, 2.0], [True, True], [0.75, None])
+    assert (hits["hit_rate_min"], hits["hit_rate_max"], hits["hit_rate"]) == (0.75, 0.75, [0.75, None])
 
 
 def test_verdict_checks_the_fleet_median_within_ten_percent_and_each_repeat_inside_the_range() -> None:
@@ -132,3 +134,4 @@ def test_draws_without_jitter_reproduce_the_single_simulation_and_jittered_draws
     moved = sim_band(args, "kvlb", stream, rate, 60)
     assert moved == sim_band(args, "kvlb", stream, rate, 60)
     assert moved["draws"] == 3 and moved["jitter_ms"] == 50.0
+    assert still["hit_rate"] == [single.hit_rate] * 3
