@@ -219,14 +219,7 @@ def typed_completion(raw: bytes, memo: TokenIdMemo | None = None) -> ParsedReque
             packed = array("I", body.prompt)
         except OverflowError:  # an id out of [0, 2**32): the stdlib path answers, as for any refusal
             return None
-    fields = {
-        "model": body.model,
-        "stream": body.stream,
-        "max_tokens": body.max_tokens,
-        "max_completion_tokens": body.max_completion_tokens,
-        "user": body.user,
-    }
-    common = _common(fields)
+    common = _completion_common(body)
     if isinstance(body.prompt, str):
         return ParsedRequest(kind="completions", prompt=body.prompt, text_chars=len(body.prompt), **common)
     if not body.prompt:
@@ -247,6 +240,14 @@ def _memoised_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
     ids = decode_token_ids(span, memo) if text is None else None
     if text is None and ids is None:  # absent, null, empty, a batch, a bad id: the stdlib path answers
         return None
+    common = _completion_common(body)
+    if text is not None:
+        return ParsedRequest(kind="completions", prompt=text, text_chars=len(text), **common)
+    return ParsedRequest(kind="completions", prompt=ids, ids_checked=True, packed=ids, **common)
+
+
+def _completion_common(body: _CompletionBody | _RawPromptBody) -> dict[str, Any]:
+    """:func:`_common` of a typed ``/v1/completions`` body."""
     fields = {
         "model": body.model,
         "stream": body.stream,
@@ -254,10 +255,7 @@ def _memoised_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
         "max_completion_tokens": body.max_completion_tokens,
         "user": body.user,
     }
-    common = _common(fields)
-    if text is not None:
-        return ParsedRequest(kind="completions", prompt=text, text_chars=len(text), **common)
-    return ParsedRequest(kind="completions", prompt=ids, ids_checked=True, packed=ids, **common)
+    return _common(fields)
 
 
 def _common(body: Mapping[str, Any]) -> dict[str, Any]:
