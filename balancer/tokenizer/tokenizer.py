@@ -243,12 +243,12 @@ class HfTokenizer:
         self._name = name
         self.limits = limits or TokenizeLimits()
         self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens, ints=self._shared_ints())
-        self._splitter = self._checked_splitter()
-        self._chunked = self._splitter is not None and _chunks_split_alike(self._splitter, self._added())
-
-    def _checked_splitter(self) -> Splitter | None:
-        """The added-token splitter for the segment cache, if segmenting is exact here."""
         added = self._added()
+        self._splitter = self._checked_splitter(added)
+        self._chunked = self._splitter is not None and _chunks_split_alike(self._splitter, added)
+
+    def _checked_splitter(self, added: Sequence[AddedToken]) -> Splitter | None:
+        """The added-token splitter for the segment cache, if segmenting is exact here."""
         identity = _identity_normalizer(self._tokenizer.normalizer)
         splitter = build_splitter(added, identity_normalizer=identity)
         if splitter is None or self.limits.segment_cache_tokens <= 0:
@@ -418,12 +418,8 @@ class HfTokenizer:
         pieces = splitter.split_chunks(chunks) if self._chunked else None
         if pieces is None:
             pieces = splitter.split(chunks[0] if len(chunks) == 1 else "".join(chunks))
-        try:
+        with encode_errors(chunks):
             ids = encode_pieces_packed(pieces, splitter, self._segments, self._raw, max_new_chars)
-        except TokenizeError:
-            raise
-        except Exception as exc:  # what the Rust binding raises (see encode_errors)
-            raise TokenizeError(encode_failure("".join(chunks), exc)) from None
         if ids is not None:
             self.limits.check_tokens(len(ids))
         return ids
@@ -464,15 +460,17 @@ def first_surrogate(text: str) -> int | None:
 
 
 @contextmanager
-def encode_errors(text: str) -> Iterator[None]:
+def encode_errors(text: str | Sequence[str]) -> Iterator[None]:
     """What the Rust binding raises while encoding ``text`` (``TypeError`` for lone surrogates, a
-    bare ``Exception`` else) becomes a :class:`TokenizeError` naming it; ours pass through."""
+    bare ``Exception`` else) becomes a :class:`TokenizeError` naming it; ours pass through.
+    ``text`` may be given as its chunks, joined only when a failure is reported."""
     try:
         yield
     except TokenizeError:
         raise
     except Exception as exc:
-        raise TokenizeError(encode_failure(text, exc)) from None
+        whole = text if isinstance(text, str) else "".join(text)
+        raise TokenizeError(encode_failure(whole, exc)) from None
 
 
 def encode_failure(text: str, exc: BaseException) -> str:

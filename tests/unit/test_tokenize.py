@@ -377,6 +377,8 @@ def test_a_lone_surrogate_is_a_tokenize_error_naming_it(deepseek: HfTokenizer, t
         deepseek.encode_chat([{"role": "user", "content": text}])
     with pytest.raises(TokenizeError, match=code):
         deepseek.encode_chat([{"role": "user", "content": [{"type": "text", "text": text}]}])
+    with pytest.raises(TokenizeError, match=f"lone UTF-16 surrogate {code} at character"):  # inline
+        deepseek.encode_chat_if_cached([{"role": "user", "content": text}], {}, 10_000)
     assert deepseek.encode_prompt("a\U0001f600b")  # a paired surrogate is just an emoji
 
 
