@@ -53,25 +53,30 @@ async def test_smoke_run_reports_every_field() -> None:
     assert threads["chats_per_s_p50"] > 0 and threads["max_loop_lag_ms_max"] >= threads["max_loop_lag_ms_p50"]
     for kind in ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"):
         run = report["runs"][kind]
-        seq, conc = run["sequential"], run["concurrent"]
+        seq, spaced, conc = run["sequential"], run["spaced"], run["concurrent"]
         peers = [] if kind.startswith("tokens") else installed  # sglang-router rejects token-id prompts
         paths = [*MODES, "kvlb_w2", *peers]  # kvlb: --workers 1; kvlb_w2: --workers 2
-        assert list(seq["latency"]) == list(conc["latency"]) == paths
+        assert list(seq["latency"]) == list(spaced["latency"]) == list(conc["latency"]) == paths
+        assert spaced["gap_ms"] == SMOKE.spaced_gap_ms
         for mode in paths:
             assert set(LATENCY_FIELDS) <= set(seq["latency"][mode])
             assert seq["latency"][mode]["n"] == SMOKE.sequential_rounds
+            assert spaced["latency"][mode]["n"] == SMOKE.spaced_rounds
             expected = SMOKE.concurrent_rounds * SMOKE.burst_requests
             assert conc["latency"][mode]["n"] == expected
             assert conc["req_per_s"][mode] > 0
+        # the bench's own tokenizer takes chat_cold's one-at-a-time turns beside the paths
+        local = ["tokenizer"] if kind == "chat_cold" else []
+        assert list(seq["cpu"]) == list(spaced["cpu"]) == [*PROXIES, "kvlb_w2", *peers, *local]
         for proxy in [*PROXIES, "kvlb_w2", *peers]:
             assert set(CPU_FIELDS) <= set(conc["cpu"][proxy])
-            assert set(CPU_FIELDS) <= set(seq["cpu"][proxy])
+            assert set(CPU_FIELDS) <= set(seq["cpu"][proxy]) and set(CPU_FIELDS) <= set(spaced["cpu"][proxy])
             direct_p50 = seq["latency"]["direct"]["p50_ms"]
             assert seq["added"][proxy]["p50_ms"] == pytest.approx(
                 seq["latency"][proxy]["p50_ms"] - direct_p50
             )
         # every kvlb request of this kind made exactly one routing decision
-        routed = SMOKE.warmup + SMOKE.sequential_rounds + SMOKE.concurrency
+        routed = SMOKE.warmup + SMOKE.sequential_rounds + SMOKE.spaced_rounds + SMOKE.concurrency
         routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
@@ -94,7 +99,7 @@ async def test_smoke_run_reports_every_field() -> None:
     if "sglang_cache_aware" in installed:
         assert sorted(report["peer_ratios"]) == ["chat", "chat_shared"]
         for figures in report["peer_ratios"].values():
-            assert set(figures) == {"sequential", "concurrent"}
+            assert set(figures) == {"sequential", "spaced", "concurrent"}
             assert "cpu_ratio" in figures["concurrent"] and "kvlb_added_p50_ms" in figures["concurrent"]
     else:
         assert report["peer_ratios"] == {}
@@ -130,6 +135,7 @@ def test_phases_take_bodies_no_earlier_phase_took() -> None:
     shape = OverheadShape(prompts=3, warmup_rounds=2, sequential_rounds=5, concurrency=4,
                           concurrent_rounds=3, burst_requests=7)  # fmt: skip
     taken = list(range(shape.warmup + shape.sequential_rounds))
+    taken += range(shape.spaced_start, shape.spaced_start + shape.spaced_rounds)
     taken += range(shape.concurrent_warmup_start, shape.concurrent_warmup_start + shape.concurrency)
     for round_index in range(shape.concurrent_rounds):
         start = shape.burst_start(round_index)
@@ -178,6 +184,10 @@ def test_shape_rejects_bad_sizes() -> None:
         OverheadShape(concurrency=0)
     with pytest.raises(ValueError, match="kinds"):
         OverheadShape(kinds=("images",))
+    with pytest.raises(ValueError, match="sequential_block"):
+        OverheadShape(sequential_block=0)
+    with pytest.raises(ValueError, match="spaced_gap_ms"):
+        OverheadShape(spaced_gap_ms=-1.0)
 
 
 def test_added_latency_is_the_difference_of_percentiles() -> None:
@@ -284,3 +294,10 @@ def test_own_ratios_divide_kvlb_cpu_by_forward_and_by_the_tokenizer() -> None:
     assert out["chat_cold"]["concurrent"]["cpu_ratio"] == 1.1
     assert own_ratios({"chat_cold": runs["chat_cold"]}, None)["chat_cold"]["concurrent"]["cpu_ratio"] is None
     assert own_ratios({}, 10.0) == {}
+    # a phase where the bench's tokenizer took its own turns is divided by that phase's tokenizer CPU
+    spaced = phase(30.0, 1.0)
+    spaced["cpu"]["tokenizer"] = {"cpu_ms_per_request": 25.0}  # type: ignore[index]
+    cold = own_ratios({"chat_cold": {**runs["chat_cold"], "spaced": spaced}}, 10.0)["chat_cold"]
+    assert list(cold) == ["sequential", "spaced", "concurrent"]
+    assert cold["spaced"] == {"kvlb_cpu_ms_per_request": 30.0, "tokenizer_cpu_ms": 25.0, "cpu_ratio": 1.2}
+    assert cold["sequential"]["tokenizer_cpu_ms"] == 10.0

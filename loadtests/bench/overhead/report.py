@@ -21,6 +21,11 @@ PROXIES: tuple[str, ...] = ("forward", "kvlb")
 PEER_BASELINE = "sglang_cache_aware"
 """The peer whose CPU per request the issue's ratio divides by."""
 RATIO_KINDS: tuple[str, ...] = ("chat_shared", "chat")
+PHASES: tuple[str, ...] = ("sequential", "spaced", "concurrent")
+"""Every kind's phases: one request at a time in blocks per path, one at a time after an idle gap,
+and bursts of concurrent clients."""
+LOCAL_MODE = "tokenizer"
+"""``chat_cold``'s pseudo-path in the one-at-a-time phases: the bench process's tokenizer, its CPU only."""
 
 TOKEN_KINDS: tuple[str, ...] = ("tokens", "tokens_shared")
 """The token-id kinds, whose kvlb CPU per request is set against the forward proxy's."""
@@ -86,11 +91,16 @@ def _ratio(a: Any, b: Any) -> float | None:
 def own_ratios(runs: Mapping[str, Mapping[str, Any]], tokenizer_cpu_ms: float | None) -> dict[str, Any]:
     """The issue's two other CPU ratios, per phase: the token-id kinds (:data:`TOKEN_KINDS`), kvlb's
     CPU per request ÷ the plain forward proxy's; ``chat_cold``, kvlb's CPU per request ÷ the
-    tokenizer's own CPU per new chat (``tokenizer_cpu_ms``, measured in the bench process).
-    A kind that was not run is left out."""
+    tokenizer's own CPU per new chat, measured in the bench process: in the phase's own turns when it
+    took them (:data:`LOCAL_MODE`: the same bodies after the same idle time), else
+    ``tokenizer_cpu_ms`` (back to back). A kind or phase that was not run is left out."""
 
     def kvlb_cpu(kind: str, phase: str, mode: str = "kvlb") -> Any:
         return runs[kind][phase]["cpu"][mode]["cpu_ms_per_request"]
+
+    def tokenizer_ms(phase: str) -> Any:
+        local = runs["chat_cold"][phase]["cpu"].get(LOCAL_MODE)
+        return tokenizer_cpu_ms if local is None else local["cpu_ms_per_request"]
 
     out: dict[str, Any] = {}
     for kind in TOKEN_KINDS:
@@ -102,16 +112,18 @@ def own_ratios(runs: Mapping[str, Mapping[str, Any]], tokenizer_cpu_ms: float | 
                 "forward_cpu_ms_per_request": kvlb_cpu(kind, phase, "forward"),
                 "cpu_ratio": _ratio(kvlb_cpu(kind, phase), kvlb_cpu(kind, phase, "forward")),
             }
-            for phase in ("sequential", "concurrent")
+            for phase in PHASES
+            if phase in runs[kind]
         }
     if "chat_cold" in runs:
         out["chat_cold"] = {
             phase: {
                 "kvlb_cpu_ms_per_request": kvlb_cpu("chat_cold", phase),
-                "tokenizer_cpu_ms": tokenizer_cpu_ms,
-                "cpu_ratio": _ratio(kvlb_cpu("chat_cold", phase), tokenizer_cpu_ms),
+                "tokenizer_cpu_ms": tokenizer_ms(phase),
+                "cpu_ratio": _ratio(kvlb_cpu("chat_cold", phase), tokenizer_ms(phase)),
             }
-            for phase in ("sequential", "concurrent")
+            for phase in PHASES
+            if phase in runs["chat_cold"]
         }
     return out
 
@@ -125,7 +137,7 @@ def peer_ratios(runs: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, An
         if run is None or PEER_BASELINE not in run["concurrent"]["cpu"]:
             continue
         figures: dict[str, Any] = {}
-        for phase in ("sequential", "concurrent"):
+        for phase in (phase for phase in PHASES if phase in run):
             cpu, add = run[phase]["cpu"], run[phase]["added"]
             kvlb_ms = cpu["kvlb"]["cpu_ms_per_request"]
             peer_ms = cpu[PEER_BASELINE]["cpu_ms_per_request"]
@@ -266,7 +278,7 @@ def _kind_lines(kind: str, run: Mapping[str, Any]) -> list[str]:
     lines.append(
         f"  {'phase':<12}{'path':<20}{'p50 ms':>9}{'p99 ms':>9}{'added p50':>11}{'added p99':>11}{'req/s':>9}"
     )
-    for phase in ("sequential", "concurrent"):
+    for phase in (phase for phase in PHASES if phase in run):
         data = run[phase]
         for mode in data["latency"]:
             lat = data["latency"][mode]
@@ -343,33 +355,34 @@ def format_report(report: Mapping[str, Any]) -> str:
         lines.append(f"peer path skipped: {reason}")
     for kind, figures in report.get("peer_ratios", {}).items():
         seq, conc = figures["sequential"], figures["concurrent"]
+        spaced = figures.get("spaced", {})
         lines.append(
             f"kvlb vs {PEER_BASELINE} ({kind}): CPU per request ratio (kvlb ÷ peer) concurrent "
             f"{_num(conc['cpu_ratio'], 2)} ({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ "
             f"{_num(conc[f'{PEER_BASELINE}_cpu_ms_per_request'], 3)} ms), sequential "
-            f"{_num(seq['cpu_ratio'], 2)}; added p50 kvlb {_num(seq['kvlb_added_p50_ms'])} / "
+            f"{_num(seq['cpu_ratio'], 2)}, spaced {_num(spaced.get('cpu_ratio'), 2)}; added p50 kvlb "
+            f"{_num(seq['kvlb_added_p50_ms'])} / {_num(spaced.get('kvlb_added_p50_ms'))} / "
             f"{_num(conc['kvlb_added_p50_ms'])} ms, peer {_num(seq[f'{PEER_BASELINE}_added_p50_ms'])} / "
-            f"{_num(conc[f'{PEER_BASELINE}_added_p50_ms'])} ms (sequential / concurrent)"
+            f"{_num(spaced.get(f'{PEER_BASELINE}_added_p50_ms'))} / "
+            f"{_num(conc[f'{PEER_BASELINE}_added_p50_ms'])} ms (sequential / spaced / concurrent)"
         )
     own = report.get("own_ratios", {})
     for kind in TOKEN_KINDS:
         if kind not in own:
             continue
-        seq, conc = own[kind]["sequential"], own[kind]["concurrent"]
-        lines.append(
-            f"kvlb vs forward ({kind}): CPU per request ratio concurrent {_num(conc['cpu_ratio'], 2)} "
-            f"({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ "
-            f"{_num(conc['forward_cpu_ms_per_request'], 3)} ms), "
-            f"sequential {_num(seq['cpu_ratio'], 2)} ({_num(seq['kvlb_cpu_ms_per_request'], 3)} ÷ "
-            f"{_num(seq['forward_cpu_ms_per_request'], 3)} ms)"
-        )
+        parts = [
+            f"{phase} {_num(figures['cpu_ratio'], 2)} ({_num(figures['kvlb_cpu_ms_per_request'], 3)} ÷ "
+            f"{_num(figures['forward_cpu_ms_per_request'], 3)} ms)"
+            for phase, figures in own[kind].items()
+        ]
+        lines.append(f"kvlb vs forward ({kind}): CPU per request ratio {', '.join(parts)}")
     if "chat_cold" in own:
-        seq, conc = own["chat_cold"]["sequential"], own["chat_cold"]["concurrent"]
-        lines.append(
-            f"kvlb vs the tokenizer's own CPU (chat_cold): ratio concurrent {_num(conc['cpu_ratio'], 2)} "
-            f"({_num(conc['kvlb_cpu_ms_per_request'], 3)} ÷ {_num(conc['tokenizer_cpu_ms'], 3)} ms), "
-            f"sequential {_num(seq['cpu_ratio'], 2)}"
-        )
+        parts = [
+            f"{phase} {_num(figures['cpu_ratio'], 2)} ({_num(figures['kvlb_cpu_ms_per_request'], 3)} ÷ "
+            f"{_num(figures['tokenizer_cpu_ms'], 3)} ms)"
+            for phase, figures in own["chat_cold"].items()
+        ]
+        lines.append(f"kvlb vs the tokenizer's own CPU (chat_cold): ratio {', '.join(parts)}")
     for kind, figures in report.get("workers_ratios", {}).items():
         parts = [f"{name} {_num(value, 2 if '_over_' in name else 1)}" for name, value in figures.items()]
         target = (

@@ -1,8 +1,17 @@
 """``kvlb bench overhead``: the latency kvlb adds to a request and the CPU it spends per request (I/O).
 
 Three paths (five with sglang-router) to one minimal fast fake engine
-(:mod:`loadtests.bench.overhead.servers`), measured side by side in one run and interleaved request by
-request (sequential) or burst by burst (concurrent), so a noisy shared machine slows them alike:
+(:mod:`loadtests.bench.overhead.servers`), measured side by side in one run, interleaved so that a
+noisy shared machine slows them alike, in three phases:
+
+* ``sequential``: one request at a time, each path taking a block of requests back to back, the paths
+  rotating block by block (one request per path in turn would make every path idle through the
+  slowest path's latency, and on a VM an idle process runs its next request several times slower);
+* ``spaced``: one request at a time after an idle gap (``spaced_gap_ms``), the paths rotating request by
+  request: low-rate traffic, where every process starts each request cold;
+* ``concurrent``: bursts of ``concurrency`` clients, one path at a time, the paths rotating by burst.
+
+The paths:
 
 * ``direct``: client → fake upstream;
 * ``forward``: client → a plain aiohttp forwarding proxy → upstream (the floor of any aiohttp proxy);
@@ -34,7 +43,8 @@ p50/p90/p99 per path, the added latency of each proxy (its percentile minus the 
 each proxy process's CPU per request from ``/proc`` (so the rate one fully busy core routes), and the
 route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram, and the runs of its
 token-id memo found, decoded and evicted (``kvlb_tokenizer_token_id_memo_*_total``). The tokenizer's
-time is measured here, on a tokenizer with its segment cache off (every sample a full encode) and for
+time is measured here, on a tokenizer with its segment cache off (every sample a full encode; for
+``chat_cold`` also in the ``sequential`` and ``spaced`` phases' own turns, on the same bodies) and for
 ``chat_shared`` prompts on kvlb's inline path (``encode_chat_if_cached``) once their system prompts
 are cached; so is the event loop's longest stall
 while four threads tokenize new prompts at once (``tokenize_threads``).
@@ -156,33 +166,115 @@ def kind_modes(servers: Servers, path: str) -> tuple[str, ...]:
     return servers.modes if path == "/v1/chat/completions" else (*MODES, *servers.workers)
 
 
+LOCAL_MODE = "tokenizer"
+"""The pseudo-path of ``chat_cold``'s sequential and spaced phases: the bench process tokenizes the same
+body, in the same turn and after the same idle time as the paths' requests (its CPU only)."""
+
+Local = Callable[[bytes], float]
+"""Work done here in a path's turn: given the body, the CPU seconds it took."""
+
+
+def tokenizer_cpu(tokenizer: Tokenizer) -> Local:
+    """CPU seconds ``tokenizer`` takes to tokenize a chat body's messages (decoding the body not counted)."""
+
+    def timed(body: bytes) -> float:
+        messages = json.loads(body)["messages"]
+        started = time.process_time()
+        tokenizer.encode_chat(messages)
+        return time.process_time() - started
+
+    return timed
+
+
+class _Turns:
+    """One phase's requests, one at a time: latencies per path, each proxy's CPU over the phase, and
+    the CPU of the :data:`LOCAL_MODE` pseudo-path when there is one."""
+
+    def __init__(
+        self, session: aiohttp.ClientSession, servers: Servers, path: str, local: Local | None
+    ) -> None:
+        self.session, self.servers, self.path, self.local = session, servers, path, local
+        self.modes = kind_modes(servers, path)
+        self.turns = (*self.modes, LOCAL_MODE) if local is not None else self.modes
+        self.latencies: dict[str, list[float]] = {mode: [] for mode in self.modes}
+        self.local_cpu_s = 0.0
+        self.cpu_before: dict[str, float] = {}
+        self.started = 0.0
+
+    def start(self) -> None:
+        """Start the phase's CPU and wall clocks (after its warm-up)."""
+        pids = self.servers.pids
+        self.cpu_before = {proxy: tree_cpu_seconds(pids[proxy]) for proxy in self.modes[1:]}
+        self.started = time.perf_counter()
+
+    async def take(self, mode: str, body: bytes, counted: bool = True) -> None:
+        """One turn of ``mode``: a request (its latency kept when ``counted``) or the local work."""
+        if mode == LOCAL_MODE:
+            assert self.local is not None
+            self.local_cpu_s += self.local(body)
+            return
+        latency_s = await send(self.session, self.servers.urls[mode] + self.path, body)
+        if counted:
+            self.latencies[mode].append(latency_s)
+
+    def figures(self, requests: int) -> dict[str, Any]:
+        wall_s = time.perf_counter() - self.started
+        by_mode = {mode: latency_figures(self.latencies[mode]) for mode in self.modes}
+        pids = self.servers.pids
+        cpu = {
+            proxy: cpu_figures(requests, tree_cpu_seconds(pids[proxy]) - self.cpu_before[proxy], wall_s)
+            for proxy in self.modes[1:]
+        }
+        if self.local is not None:
+            cpu[LOCAL_MODE] = cpu_figures(requests, self.local_cpu_s, wall_s)
+        return {"latency": by_mode, "added": added(by_mode), "cpu": cpu}
+
+
 async def sequential(
-    session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, path: str, bodies: Sequence[bytes]
+    session: aiohttp.ClientSession,
+    servers: Servers,
+    shape: OverheadShape,
+    path: str,
+    bodies: Sequence[bytes],
+    local: Local | None = None,
 ) -> dict[str, Any]:
-    """One request at a time, paths interleaved; latencies and each proxy's CPU per request."""
-    urls, modes = servers.urls, kind_modes(servers, path)
-    proxies = modes[1:]
-    latencies: dict[str, list[float]] = {mode: [] for mode in modes}
-    cpu_before: dict[str, float] = {}
-    started = 0.0
-    for index in range(shape.warmup + shape.sequential_rounds):
-        if index == shape.warmup:
-            cpu_before = {proxy: tree_cpu_seconds(servers.pids[proxy]) for proxy in proxies}
-            started = time.perf_counter()
-        body = bodies[index % len(bodies)]
-        for mode in _rotated(modes, index):
-            latency_s = await send(session, urls[mode] + path, body)
-            if index >= shape.warmup:
-                latencies[mode].append(latency_s)
-    wall_s = time.perf_counter() - started
-    by_mode = {mode: latency_figures(latencies[mode]) for mode in modes}
-    cpu = {
-        proxy: cpu_figures(
-            shape.sequential_rounds, tree_cpu_seconds(servers.pids[proxy]) - cpu_before[proxy], wall_s
-        )
-        for proxy in proxies
-    }
-    return {"latency": by_mode, "added": added(by_mode), "cpu": cpu}
+    """One request at a time: after a warm-up interleaved request by request, each path takes
+    :attr:`~OverheadShape.sequential_block` requests back to back, the paths rotating block by block
+    (every path sends the same bodies); latencies and each proxy's CPU per request."""
+    turns = _Turns(session, servers, path, local)
+    for index in range(shape.warmup):
+        for mode in _rotated(turns.modes, index):
+            await turns.take(mode, bodies[index % len(bodies)], counted=False)
+    turns.start()
+    first, block = shape.warmup, shape.sequential_block
+    for block_index, offset in enumerate(range(0, shape.sequential_rounds, block)):
+        taken = range(first + offset, first + min(offset + block, shape.sequential_rounds))
+        for mode in _rotated(turns.turns, block_index):
+            for index in taken:
+                await turns.take(mode, bodies[index % len(bodies)])
+    return turns.figures(shape.sequential_rounds)
+
+
+async def spaced(
+    session: aiohttp.ClientSession,
+    servers: Servers,
+    shape: OverheadShape,
+    path: str,
+    bodies: Sequence[bytes],
+    local: Local | None = None,
+) -> dict[str, Any]:
+    """One request at a time, each after :attr:`~OverheadShape.spaced_gap_ms` of idle time (low-rate
+    traffic: every process starts its request cold), the paths interleaved request by request."""
+    turns = _Turns(session, servers, path, local)
+    gap_s = shape.spaced_gap_ms / 1000
+    turns.start()
+    for round_index in range(shape.spaced_rounds):
+        body = bodies[(shape.spaced_start + round_index) % len(bodies)]
+        for mode in _rotated(turns.turns, round_index):
+            await asyncio.sleep(gap_s)
+            await turns.take(mode, body)
+    figures = turns.figures(shape.spaced_rounds)
+    return {"gap_ms": shape.spaced_gap_ms, **figures}
 
 
 async def burst(
@@ -244,13 +336,21 @@ async def concurrent(
 
 
 async def measure_kind(
-    session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, prompts: Prompts, kind: str
+    session: aiohttp.ClientSession,
+    servers: Servers,
+    shape: OverheadShape,
+    prompts: Prompts,
+    kind: str,
+    local: Local | None = None,
 ) -> dict[str, Any]:
+    """Every phase of ``kind``; ``local`` (``chat_cold``: the tokenizer) takes its turn beside the paths
+    in the one-at-a-time phases."""
     path, bodies = prompts.bodies(kind)
     kvlb_url = servers.urls["kvlb"]
     before = await scrape_metrics(session, kvlb_url)
     result: dict[str, Any] = {"description": KIND_DESCRIPTIONS[kind]}
-    result["sequential"] = await sequential(session, servers, shape, path, bodies)
+    result["sequential"] = await sequential(session, servers, shape, path, bodies, local)
+    result["spaced"] = await spaced(session, servers, shape, path, bodies, local)
     result["concurrent"] = await concurrent(session, servers, shape, path, bodies)
     after = await scrape_metrics(session, kvlb_url)
     decisions = (parse_histogram(text, DECISION_METRIC) for text in (after, before))
@@ -333,8 +433,10 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
             ) as session:
                 for path in servers.kvlb_paths:
                     await wait_ready(session, servers.urls[path])
+                local = {"chat_cold": tokenizer_cpu(cold)}
                 runs = {
-                    kind: await measure_kind(session, servers, shape, prompts, kind) for kind in shape.kinds
+                    kind: await measure_kind(session, servers, shape, prompts, kind, local.get(kind))
+                    for kind in shape.kinds
                 }
         finally:
             if servers is not None:

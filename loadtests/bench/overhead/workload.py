@@ -49,7 +49,19 @@ class OverheadShape:
     prompts: int = 32
     """Distinct prompts, sent in turn."""
     sequential_rounds: int = 200
-    """Sequential phase: each round sends one request on every path, in a rotating order."""
+    """Sequential phase: requests each path gets, one at a time, in blocks of :attr:`sequential_block`."""
+    sequential_block: int = 8
+    """Sequential phase: requests a path gets back to back before the next path's turn (the order of
+    the paths rotates block by block). Sent one request per path in turn, every path would idle
+    through every other path's latency (about 43 ms for sglang-router on ``chat_shared``), and on a
+    VM a process that idled that long runs its next request up to 3× slower: the phase would then
+    measure the slowest path's latency, not each path's cost. The spaced phase measures that regime on
+    purpose, with the same idle time for every path."""
+    spaced_rounds: int = 30
+    """Spaced phase: each round sends one request on every path, in a rotating order, each after
+    :attr:`spaced_gap_ms` of idle time: traffic at a low rate, every process starting cold."""
+    spaced_gap_ms: float = 50.0
+    """Spaced phase: idle time before each request, in milliseconds (0 to 10,000)."""
     warmup_rounds: int = 20
     """Sequential rounds sent first and not counted (connections, caches); at least three times
     :attr:`prompts` are sent (:attr:`warmup`), so that every distinct prompt has been seen three
@@ -77,6 +89,8 @@ class OverheadShape:
         for name, value in sizes.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.spaced_gap_ms <= 10_000:
+            raise ValueError(f"spaced_gap_ms must be in [0, 10000], got {self.spaced_gap_ms}")
         if self.warmup_rounds < 0:
             raise ValueError(f"warmup_rounds must be >= 0, got {self.warmup_rounds}")
         if not self.workers or min(self.workers) < 1 or len(set(self.workers)) != len(self.workers):
@@ -94,9 +108,14 @@ class OverheadShape:
         return max(self.warmup_rounds, 3 * self.prompts)
 
     @property
-    def concurrent_warmup_start(self) -> int:
-        """Index of the first body of the concurrent phase's warm-up burst (after the sequential phase)."""
+    def spaced_start(self) -> int:
+        """Index of the first body of the spaced phase (after the sequential phase)."""
         return self.warmup + self.sequential_rounds
+
+    @property
+    def concurrent_warmup_start(self) -> int:
+        """Index of the first body of the concurrent phase's warm-up burst (after the spaced phase)."""
+        return self.spaced_start + self.spaced_rounds
 
     def burst_start(self, round_index: int) -> int:
         """Index of the first body of concurrent round ``round_index``: every phase and round takes
@@ -110,8 +129,8 @@ class OverheadShape:
 
 
 _POSITIVE = (
-    "prompt_tokens", "prompts", "sequential_rounds", "concurrency", "concurrent_rounds",
-    "burst_requests", "replicas", "max_tokens",
+    "prompt_tokens", "prompts", "sequential_rounds", "sequential_block", "spaced_rounds", "concurrency",
+    "concurrent_rounds", "burst_requests", "replicas", "max_tokens",
 )  # fmt: skip
 
 
@@ -119,6 +138,9 @@ SMOKE = OverheadShape(
     prompt_tokens=512,
     prompts=2,
     sequential_rounds=4,
+    sequential_block=2,
+    spaced_rounds=2,
+    spaced_gap_ms=5.0,
     warmup_rounds=1,
     concurrency=4,
     concurrent_rounds=1,
