@@ -40,6 +40,11 @@ async def test_smoke_run_reports_every_field() -> None:
     assert report["peers"]["measured"] == installed
     assert sorted(report["peers"]["skipped"]) == sorted({s.name for s in PEER_PATHS} - set(installed))
     assert report["prompt_tokens"]["min"] > 0
+    penalty = report["machine"]["idle_penalty"]
+    assert penalty["gap_ms"] == SMOKE.spaced_gap_ms and penalty["samples"] == 40
+    assert penalty["back_to_back_us_p50"] > 0 and penalty["after_idle_us_p50"] > 0
+    ratio = penalty["after_idle_us_p50"] / penalty["back_to_back_us_p50"]
+    assert penalty["factor"] == pytest.approx(ratio, 0.02)
     assert report["tokenize_ms"]["p50_ms"] > 0
     inline = report["tokenize_shared_inline_ms"]
     assert inline["p50_ms"] > 0 and "encode_chat_if_cached" in inline["description"]
@@ -119,6 +124,7 @@ async def test_smoke_run_reports_every_field() -> None:
         "targets (chat_shared)",
         "kvlb vs forward (tokens)",
         "kvlb vs the tokenizer's own CPU (chat_cold)",
+        "ms idle: a fixed Python workload took",
         "--workers sweep (chat_cold, concurrent req/s)",
     ):
         assert text in table

@@ -318,6 +318,14 @@ def format_report(report: Mapping[str, Any]) -> str:
         f"measured), {shape['prompts']} distinct, concurrency {shape['concurrency']}, "
         f"fake upstream answering at once; load average {report['machine']['loadavg']}",
     ]
+    penalty = report["machine"].get("idle_penalty")
+    if penalty is not None:
+        idle_us, warm_us = penalty["after_idle_us_p50"], penalty["back_to_back_us_p50"]
+        lines.append(
+            f"this machine after {_num(penalty['gap_ms'], 0)} ms idle: a fixed Python workload took "
+            f"{_num(idle_us, 0)} µs CPU against {_num(warm_us, 0)} µs back to back "
+            f"({_num(penalty['factor'])}×): the spaced phase's requests carry it"
+        )
     tok, shared = report["tokenize_ms"], report.get("tokenize_shared_inline_ms", {})
     lines.append(
         f"tokenizing one chat prompt (kvlb's tokenizer, in the bench process): from scratch p50 "

@@ -68,6 +68,7 @@ import aiohttp
 
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
+from loadtests.bench.overhead.machine import idle_penalty
 from loadtests.bench.overhead.report import (
     MODES,
     TARGETS,
@@ -366,6 +367,9 @@ TOKENIZE_SHARED_INLINE = (
     "encode_chat_if_cached with INLINE_TOKENIZE_CHARS; 'refused' samples also ran encode_chat"
 )
 
+IDLE_PROBE_SAMPLES = 40
+"""Samples of the machine's idle penalty (:func:`~loadtests.bench.overhead.machine.idle_penalty`)."""
+
 LAG_THREADS = 4
 LAG_ROUNDS = 10
 LAG_TICK_S = 0.001
@@ -421,6 +425,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     cold, warm = await asyncio.to_thread(bench_tokenizers)
     prompts = await asyncio.to_thread(build_prompts, shape, cold, warm)
     threads = await tokenize_in_threads(cold, [json.loads(body)["messages"] for body in prompts.chat])
+    penalty = await asyncio.to_thread(idle_penalty, shape.spaced_gap_ms, IDLE_PROBE_SAMPLES)
     children: list[Child] = []
     servers: Servers | None = None
     with contextlib.ExitStack() as stack:
@@ -447,7 +452,11 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     return {
         "shape": {**asdict(shape), "kinds": list(shape.kinds), "workers": list(shape.workers)},
         "targets": TARGETS,
-        "machine": {"cpus": os.cpu_count(), "loadavg": [round(x, 2) for x in os.getloadavg()]},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "loadavg": [round(x, 2) for x in os.getloadavg()],
+            "idle_penalty": penalty,
+        },
         "prompt_tokens": {"mean": sum(counts) / len(counts), "min": min(counts), "max": max(counts)},
         "tokenize_ms": {
             "p50_ms": _ms(percentile(prompts.tokenize_s, 50)),
