@@ -231,18 +231,10 @@ class _Turns:
         return {"latency": by_mode, "added": added(by_mode), "cpu": cpu}
 
 
-async def sequential(
-    session: aiohttp.ClientSession,
-    servers: Servers,
-    shape: OverheadShape,
-    path: str,
-    bodies: Sequence[bytes],
-    local: Local | None = None,
-) -> dict[str, Any]:
+async def sequential(turns: _Turns, shape: OverheadShape, bodies: Sequence[bytes]) -> dict[str, Any]:
     """One request at a time: after a warm-up interleaved request by request, each path takes
     :attr:`~OverheadShape.sequential_block` requests back to back, the paths rotating block by block
     (every path sends the same bodies); latencies and each proxy's CPU per request."""
-    turns = _Turns(session, servers, path, local)
     for index in range(shape.warmup):
         for mode in _rotated(turns.modes, index):
             await turns.take(mode, bodies[index % len(bodies)], counted=False)
@@ -256,17 +248,9 @@ async def sequential(
     return turns.figures(shape.sequential_rounds)
 
 
-async def spaced(
-    session: aiohttp.ClientSession,
-    servers: Servers,
-    shape: OverheadShape,
-    path: str,
-    bodies: Sequence[bytes],
-    local: Local | None = None,
-) -> dict[str, Any]:
+async def spaced(turns: _Turns, shape: OverheadShape, bodies: Sequence[bytes]) -> dict[str, Any]:
     """One request at a time, each after :attr:`~OverheadShape.spaced_gap_ms` of idle time (low-rate
     traffic: every process starts its request cold), the paths interleaved request by request."""
-    turns = _Turns(session, servers, path, local)
     gap_s = shape.spaced_gap_ms / 1000
     turns.start()
     for round_index in range(shape.spaced_rounds):
@@ -350,8 +334,8 @@ async def measure_kind(
     kvlb_url = servers.urls["kvlb"]
     before = await scrape_metrics(session, kvlb_url)
     result: dict[str, Any] = {"description": KIND_DESCRIPTIONS[kind]}
-    result["sequential"] = await sequential(session, servers, shape, path, bodies, local)
-    result["spaced"] = await spaced(session, servers, shape, path, bodies, local)
+    result["sequential"] = await sequential(_Turns(session, servers, path, local), shape, bodies)
+    result["spaced"] = await spaced(_Turns(session, servers, path, local), shape, bodies)
     result["concurrent"] = await concurrent(session, servers, shape, path, bodies)
     after = await scrape_metrics(session, kvlb_url)
     decisions = (parse_histogram(text, DECISION_METRIC) for text in (after, before))
