@@ -22,8 +22,9 @@ PEER_BASELINE = "sglang_cache_aware"
 """The peer whose CPU per request the issue's ratio divides by."""
 RATIO_KINDS: tuple[str, ...] = ("chat_shared", "chat")
 
-TOKEN_KINDS: tuple[str, ...] = ("tokens", "tokens_shared")
-"""The token-id kinds, whose kvlb CPU per request is set against the forward proxy's."""
+TOKEN_KINDS: tuple[str, ...] = ("tokens", "tokens_shared", "grpc_tokens")
+"""The token-id kinds, whose kvlb CPU per request is set against the forward proxy's (``grpc_tokens``:
+kvlb's over gRPC against the proxy's over HTTP, for the same prompts)."""
 
 HEADLINE_KIND = "chat_shared"
 """The kind the targets line reports (``chat`` when it was not run): chats that share system prompts."""
