@@ -5,9 +5,10 @@
   That is made from the fields the body is written from, by the HTTP face's checks
   (:func:`~balancer.api.parsing.parse_body`, :func:`~balancer.api.parsing.packed_completion`), so both
   transports validate alike without kvlb decoding the JSON it has just written. Token ids are read
-  from the message once: packed as ``array('I')`` for routing (``uint32`` ids need no range check)
-  and written as JSON by ``msgspec``, the rest of the body by :func:`balancer.strict_json.dumps`, so
-  the body is the same bytes a ``strict_json.dumps`` of the whole would give (at a fifth of the cost).
+  from the message once (a slice of the repeated field, about 135 µs for 8k ids: the ints are made
+  there), packed as ``array('I')`` for routing (``uint32`` ids need no range check) and written as
+  JSON by ``msgspec`` (about 40 µs; ``json.dumps``: 480), the rest of the body by
+  :func:`balancer.strict_json.dumps`: the body is the bytes one ``strict_json.dumps`` of it all gives.
 * :func:`read_chunk`: what a ``GenerateChunk`` carries besides the raw JSON of one event payload
   (the replica's stream is split into payloads by :class:`balancer.upstream.sse.SseEvents`).
 * :func:`decision_message`, :func:`policy_message`, :func:`struct_of`: kvlb's objects as messages.
@@ -100,12 +101,12 @@ def openai_call(request: pb.GenerateRequest, *, stream: bool) -> OpenAICall:
     if ids is None:
         body.update(after)
         return OpenAICall(kind, path, _dumps(body), parse_body(body, kind))
-    raw = ids_body(body, _IDS_ENCODER.encode(ids), after)
+    raw = _ids_body(body, _IDS_ENCODER.encode(ids), after)
     body.update(after)  # the fields routing checks (the prompt is not among them)
     return OpenAICall(kind, path, raw, packed_completion(body, array("I", ids)))
 
 
-def ids_body(before: dict[str, Any], ids_json: bytes, after: dict[str, Any]) -> bytes:
+def _ids_body(before: dict[str, Any], ids_json: bytes, after: dict[str, Any]) -> bytes:
     """The compact JSON object of ``before``'s fields, ``"prompt"`` (``ids_json``: the ids' JSON
     array) and ``after``'s fields: the bytes :func:`_dumps` gives of them as one dict with the ids
     as a list (``msgspec`` writes integers as ``json`` does), at ``msgspec``'s speed for the ids.
