@@ -28,6 +28,9 @@ STREAM = (
 )
 
 
+CHAT = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
+
+
 def test_a_chat_request_becomes_a_streaming_chat_body() -> None:
     request = pb.GenerateRequest(
         model="m",
@@ -82,6 +85,17 @@ def test_token_ids_and_text_become_completions_with_engine_defaults_left_alone()
         (
             pb.GenerateRequest(model="m", prompt_text="x", extra_json='{"model": "n"}'),
             "may not set ['model']",
+        ),
+        # the chat template's fields in extra_json: the HTTP face's checks of a chat body
+        (
+            pb.GenerateRequest(model="m", chat_messages=CHAT, extra_json='{"tools": 5}'),
+            "'tools' must be an array",
+        ),
+        (
+            pb.GenerateRequest(
+                model="m", chat_messages=CHAT, extra_json='{"chat_template_kwargs": {"tools": []}}'
+            ),
+            "'chat_template_kwargs' may not set ['tools']",
         ),
     ],
 )
