@@ -29,9 +29,18 @@ def _refuse(literal: str) -> Any:
     raise NotStrictJson(f"{literal} is not a JSON value (numbers must be finite)")
 
 
-def loads(data: str | bytes) -> Any:
-    """``json.loads`` that refuses ``NaN``/``Infinity`` (:class:`NotStrictJson`, a ``ValueError``)."""
+def loads(data: str | bytes, *, overflow_to_null: bool = False) -> Any:
+    """``json.loads`` that refuses ``NaN``/``Infinity`` (:class:`NotStrictJson`, a ``ValueError``).
+    With ``overflow_to_null``, a number too large for a float (``1e400``, which ``json`` reads as
+    infinity) reads as ``None``: the value :func:`dumps` writes it back as."""
+    if overflow_to_null:
+        return json.loads(data, parse_constant=_refuse, parse_float=_finite_or_none)
     return json.loads(data, parse_constant=_refuse)
+
+
+def _finite_or_none(text: str) -> float | None:
+    value = float(text)
+    return value if math.isfinite(value) else None
 
 
 def dumps(value: Any, **kwargs: Any) -> str:

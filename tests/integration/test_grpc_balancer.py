@@ -106,27 +106,25 @@ async def test_route_names_the_holder_of_a_hot_prefix_and_reserves_only_when_ask
         assert again.code() == grpc.StatusCode.NOT_FOUND and "sidecar-1" in again.details()
 
 
-async def test_grpc_token_ids_are_decoded_through_the_http_faces_memo(tokenizer: Tokenizer) -> None:
-    """gRPC token-id prompts go through the memo of runs the HTTP face fills (one event loop, one
-    memo): runs of ids an HTTP client sent twice are found when they come over gRPC, and the prompt
-    is routed to its holder from the right ids."""
-    prompt = [4_000_000_000 + i * 7919 for i in range(200)]  # 2.2 kB as compact JSON: two runs
+async def test_grpc_token_ids_are_routed_from_the_message_without_decoding_json(tokenizer: Tokenizer) -> None:
+    """gRPC token-id prompts are packed straight from the message (no JSON decoded, so the HTTP face's
+    memo of runs of id text is not consulted) and routed to the holder of their blocks, ids up to
+    ``2**32 - 1`` included."""
+    prompt = [4_000_000_000 + i * 7919 for i in range(199)] + [2**32 - 1]
     async with grpc_running(tokenizer, limits__speculative_ttl_s=0.001) as g:
         holder = await g.http.warm(prompt)
 
-        async def memo_hits() -> float:
+        async def memo_counts() -> list[float]:
             async with g.http.session.get(g.http.url + "/metrics") as response:
-                return metric_value(await response.text(), "kvlb_tokenizer_token_id_memo_hits_total")
+                text = await response.text()
+            return [metric_value(text, f"kvlb_tokenizer_token_id_memo_{n}_total") for n in ("hits", "misses")]
 
-        # the JSON gRPC's body carries is compact: send the same text over HTTP, twice (the memo
-        # keeps a run from its second sight)
-        body = json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}, separators=(",", ":"))
-        for _ in range(2):
-            assert (await g.http.post("/v1/completions", body.encode())).status == 200
-        hits = await memo_hits()
-        routed = await g.balancer.Route(pb.RouteRequest(request=token_request(prompt)))
-        assert routed.replica_id == holder and routed.predicted_cached_tokens >= 180
-        assert await memo_hits() > hits
+        before = await memo_counts()
+        for _ in range(3):  # a prompt the memo would keep from its second sight and find at its third
+            routed = await g.balancer.Route(pb.RouteRequest(request=token_request(prompt)))
+            assert routed.replica_id == holder and routed.predicted_cached_tokens >= 180
+            assert routed.prompt_tokens == len(prompt)
+        assert await memo_counts() == before
 
 
 async def test_a_replica_crash_mid_stream_ends_the_call_unavailable_and_frees_its_load(

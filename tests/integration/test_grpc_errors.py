@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from grpc_harness import failure, grpc_running, token_request
@@ -100,6 +102,40 @@ async def test_bad_messages_and_limits_get_clear_client_errors(tokenizer: Tokeni
             and "no healthy replica" in unavailable.details()
         )
         assert dict(unavailable.trailing_metadata() or ())["retry-after"] == "1"
+
+
+async def test_token_id_prompts_are_refused_as_the_http_face_refuses_them(tokenizer: Tokenizer) -> None:
+    """Token ids come packed from the message, checked against the same limits as an HTTP body: an
+    empty prompt and one over ``limits.max_prompt_tokens`` are refused by Generate, Route and Explain
+    with the HTTP face's message (as is a lone surrogate in ``extra_json``); the limit itself passes."""
+    async with grpc_running(tokenizer, limits__max_prompt_tokens=64) as g:
+        over = list(range(100, 165))
+        surrogate = '{"stop": ["\\ud800"]}'
+        http_over = await g.http.post("/v1/completions", {"model": MODEL, "prompt": over})
+        raw = json.dumps({"model": MODEL, "prompt": PROMPT, "stop": ["\ud800"]}).encode()
+        http_surrogate = await g.http.post("/v1/completions", raw)
+        assert (http_over.status, http_surrogate.status) == (400, 400)
+        cases = [
+            (token_request([]), "'prompt_token_ids.ids' must not be empty"),
+            (token_request(over), http_over.json()["error"]["message"]),
+            (token_request(PROMPT, extra_json=surrogate), http_surrogate.json()["error"]["message"]),
+        ]
+        for request, message in cases:
+            for call in (
+                g.balancer.Generate(request).read(),
+                g.balancer.Route(route(request)),
+                g.admin.Explain(pb.ExplainRequest(request=request)),
+            ):
+                error = await failure(call)
+                assert (error.code(), error.details()) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+        assert "over limits.max_prompt_tokens = 64" in cases[1][1] and "lone UTF-16" in cases[2][1]
+        at_limit = over[:64]
+        routed = await g.balancer.Route(route(token_request(at_limit)))
+        assert routed.prompt_tokens == 64
+        chunks = [
+            chunk async for chunk in g.balancer.Generate(token_request(at_limit, extra_json='{"seed": 1}'))
+        ]
+        assert chunks[-1].done.usage.prompt_tokens == 64  # the replica got the ids as sent
 
 
 async def test_health_reflection_and_shutdown(tokenizer: Tokenizer) -> None:

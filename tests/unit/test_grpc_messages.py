@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+from array import array
+from typing import Any
 
 import pytest
 
+from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.grpc.messages import decision_message, openai_call, read_chunk
+from balancer.api.parsing import parse_request
 from balancer.types import CostTerms, Decision, ReplicaId
 from balancer.upstream.sse import SseEvents
 
@@ -21,6 +26,9 @@ STREAM = (
     b'"prompt_tokens_details":{"cached_tokens":4}}}\n\n'
     b"data: [DONE]\n\n"
 )
+
+
+CHAT = pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")])
 
 
 def test_a_chat_request_becomes_a_streaming_chat_body() -> None:
@@ -65,6 +73,12 @@ def test_token_ids_and_text_become_completions_with_engine_defaults_left_alone()
         (pb.GenerateRequest(model="m"), "one of 'chat_messages'"),
         (pb.GenerateRequest(model="m", chat_messages=pb.ChatMessages()), "'chat_messages.messages'"),
         (pb.GenerateRequest(model="m", prompt_token_ids=pb.TokenIds()), "'prompt_token_ids.ids'"),
+        (
+            pb.GenerateRequest(
+                model="m", prompt_token_ids=pb.TokenIds(ids=[1]), extra_json='{"stop": ["\\ud800"]}'
+            ),
+            "'stop[0]' holds a lone UTF-16 surrogate",
+        ),
         (pb.GenerateRequest(model="m", prompt_text="x", temperature=float("nan")), "'temperature'"),
         (pb.GenerateRequest(model="m", prompt_text="x", extra_json="{"), "not valid JSON"),
         (pb.GenerateRequest(model="m", prompt_text="x", extra_json='"s"'), "must be a JSON object"),
@@ -72,12 +86,94 @@ def test_token_ids_and_text_become_completions_with_engine_defaults_left_alone()
             pb.GenerateRequest(model="m", prompt_text="x", extra_json='{"model": "n"}'),
             "may not set ['model']",
         ),
+        # the chat template's fields in extra_json: the HTTP face's checks of a chat body
+        (
+            pb.GenerateRequest(model="m", chat_messages=CHAT, extra_json='{"tools": 5}'),
+            "'tools' must be an array",
+        ),
+        (
+            pb.GenerateRequest(
+                model="m", chat_messages=CHAT, extra_json='{"chat_template_kwargs": {"tools": []}}'
+            ),
+            "'chat_template_kwargs' may not set ['tools']",
+        ),
     ],
 )
 def test_incomplete_requests_are_refused_naming_the_field(request_: pb.GenerateRequest, message: str) -> None:
     with pytest.raises(ApiError) as info:
         openai_call(request_, stream=True)
     assert info.value.status == 400 and message in info.value.message
+
+
+INPUTS: dict[str, dict[str, Any]] = {
+    "chat": {"chat_messages": pb.ChatMessages(messages=[
+        pb.ChatMessage(role="system", content="Be brief. caf\u00e9 \u2603 \U0001f600 \"quoted\" \\ back\n"),
+        pb.ChatMessage(role="user", content="hello"),
+    ])},
+    "prompt_text": {"prompt_text": "Once upon a time, \u00e9t\u00e9 \u2603\t</script>"},
+    "prompt_token_ids": {"prompt_token_ids": pb.TokenIds(ids=[0, 1, 255, 256, 151_643, 2**31, 2**32 - 1])},
+}  # fmt: skip
+EXTRA = (
+    '{"top_p": 0.9, "stop": ["\\n", "\u00e9"], "seed": 3, "logit_bias": {"7": -1e400}, "n": 1e2,'
+    ' "tools": [{"type": "function", "function": {"name": "f", "parameters": {"maximum": 1e400}}}]}'
+)
+"""Non-ASCII text, numbers too large for a float (``null`` in the body), a chat's ``tools``."""
+
+
+def old_body(request: pb.GenerateRequest, stream: bool) -> bytes:
+    """The body as kvlb wrote it before token ids were written apart: one ``strict_json.dumps``."""
+    body: dict[str, Any] = strict_json.loads(request.extra_json) if request.extra_json else {}
+    body["model"] = request.model
+    which = request.WhichOneof("input")
+    if which == "chat_messages":
+        body["messages"] = [{"role": m.role, "content": m.content} for m in request.chat_messages.messages]
+    else:
+        body["prompt"] = (
+            list(request.prompt_token_ids.ids) if which == "prompt_token_ids" else request.prompt_text
+        )
+    if request.max_tokens:
+        body["max_tokens"] = request.max_tokens
+    if request.HasField("temperature"):
+        body["temperature"] = request.temperature
+    if request.HasField("session_key"):
+        body["user"] = request.session_key
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return strict_json.dumps(body, separators=(",", ":")).encode("utf-8")
+
+
+@pytest.mark.parametrize(
+    ("which", "extra", "temperature", "session", "max_tokens", "stream"),
+    list(itertools.product(INPUTS, ("", EXTRA), (None, 0.7), (None, "alice"), (0, 5), (False, True))),
+)
+def test_the_body_is_the_same_bytes_and_reads_as_the_http_face_reads_it(
+    which: str, extra: str, temperature: float | None, session: str | None, max_tokens: int, stream: bool
+) -> None:
+    """Every kind of input with every optional field: the body is byte for byte the one a single
+    ``strict_json.dumps`` wrote (ASCII, compact), and what routing reads of it is what the HTTP
+    face's :func:`parse_request` reads of those bytes (a token-id prompt packed as ``array('I')``)."""
+    fields: dict[str, Any] = {"model": "m", "extra_json": extra, "max_tokens": max_tokens, **INPUTS[which]}
+    if temperature is not None:
+        fields["temperature"] = temperature
+    if session is not None:
+        fields["session_key"] = session
+    request = pb.GenerateRequest.FromString(pb.GenerateRequest(**fields).SerializeToString())
+    call = openai_call(request, stream=stream)
+    assert call.body == old_body(request, stream) and call.body.isascii()
+    assert (call.kind, call.path) == (
+        ("chat", "/v1/chat/completions") if which == "chat" else ("completions", "/v1/completions")
+    )
+    reread = parse_request(call.body, call.kind)
+    parsed = call.parsed
+    if which == "prompt_token_ids":
+        assert type(parsed.prompt) is array and parsed.packed is parsed.prompt and parsed.ids_checked
+        assert parsed.prompt.typecode == "I" and list(parsed.prompt) == reread.prompt
+        assert dataclasses.replace(parsed, prompt=reread.prompt) == reread
+    else:
+        assert parsed == reread
+    if which == "chat" and extra:
+        assert parsed.chat_kwargs["tools"][0]["function"]["parameters"] == {"maximum": None}
 
 
 def test_sse_payloads_are_read_whole_with_text_finish_and_usage() -> None:

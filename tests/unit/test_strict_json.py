@@ -57,6 +57,16 @@ def test_dumps_writes_non_finite_numbers_as_null() -> None:
     assert strict_json.dumps({"a": 1.0}, separators=(",", ":")) == '{"a":1.0}'
 
 
+def test_loads_can_read_numbers_too_large_for_a_float_as_dumps_writes_them() -> None:
+    text = '{"a": 1e400, "b": [-1e400, 1.5, 1e308, 10], "c": {"d": 2.5e-400}}'
+    assert strict_json.loads(text)["a"] == math.inf  # json's own reading
+    read = strict_json.loads(text, overflow_to_null=True)
+    assert read == {"a": None, "b": [None, 1.5, 1e308, 10], "c": {"d": 0.0}}
+    assert read == json.loads(strict_json.dumps(strict_json.loads(text)))  # what the written JSON says
+    with pytest.raises(ValueError, match="not a JSON value"):
+        strict_json.loads('{"x": NaN}', overflow_to_null=True)
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.recursive(

@@ -40,7 +40,6 @@ from balancer.api.grpc.messages import (
     read_chunk,
 )
 from balancer.api.openai import SSE_CONTENT_TYPE, find_pool, tokenize
-from balancer.api.parsing import parse_request
 from balancer.errors import ConfigError, UpstreamError
 from balancer.routing.router import Lease
 from balancer.service.dispatch import (
@@ -133,11 +132,10 @@ async def prepare(
     state: ServiceState, request: pb.GenerateRequest, call: Call, arrived: float, *, stream: bool
 ) -> Forward:
     """Validate ``request`` as the HTTP API validates a body, find its pool, weights and token ids.
-    Token ids go through the HTTP face's memo of runs (``state.token_id_memo``): grpc.aio serves on
-    the same event loop, so one memo serves both faces (runs are found by their JSON text, which for
-    gRPC is compact: ``[1,2,3]``)."""
+    Token ids come packed from the message (:func:`~balancer.api.grpc.messages.openai_call`): no JSON
+    is decoded, so the HTTP face's memo of runs of id text (``state.token_id_memo``) is not used."""
     openai = openai_call(request, stream=stream)
-    parsed = parse_request(openai.body, openai.kind, state.token_id_memo)
+    parsed = openai.parsed
     pool = find_pool(state, parsed.model)
     weights = call.weights()
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)

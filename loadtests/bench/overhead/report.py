@@ -27,8 +27,9 @@ and bursts of concurrent clients."""
 LOCAL_MODE = "tokenizer"
 """``chat_cold``'s pseudo-path in the one-at-a-time phases: the bench process's tokenizer, its CPU only."""
 
-TOKEN_KINDS: tuple[str, ...] = ("tokens", "tokens_shared")
-"""The token-id kinds, whose kvlb CPU per request is set against the forward proxy's."""
+TOKEN_KINDS: tuple[str, ...] = ("tokens", "tokens_shared", "grpc_tokens")
+"""The token-id kinds, whose kvlb CPU per request is set against the forward proxy's (``grpc_tokens``:
+kvlb's over gRPC against the proxy's over HTTP, for the same prompts)."""
 
 HEADLINE_KIND = "chat_shared"
 """The kind the targets line reports (``chat`` when it was not run): chats that share system prompts."""

@@ -23,7 +23,7 @@ The paths:
   Measured only when ``sglang-router`` is installed; the report lists the peers it skipped, and
   ``peer_ratios`` sets kvlb's CPU per request against ``sglang_cache_aware``'s.
 
-Every server is its own process; the client runs here. Five prompt kinds are measured, built in
+Every server is its own process; the client runs here. Six prompt kinds are measured, built in
 :mod:`loadtests.bench.overhead.workload`:
 
 * ``chat_shared`` (the headline): ``prompt_tokens``-token chats, one of ``prompts`` shared system
@@ -35,6 +35,9 @@ Every server is its own process; the client runs here. Five prompt kinds are mea
   tokenizer), repeated whole: the best case of kvlb's token-id memo;
 * ``tokens_shared``: the ``chat_shared`` prompts as token ids (a shared system prompt's ids, then a
   new user message's), as clients that tokenize for themselves send chat traffic.
+* ``grpc_tokens``: the ``tokens`` prompts sent to the kvlb paths over gRPC (``Generate`` with
+  ``prompt_token_ids``, :mod:`loadtests.bench.overhead.clients`) and to the others as the same HTTP
+  bodies: kvlb's cost when it writes the replica's JSON body itself.
 
 The warm-up sends every distinct prompt at least three times (kvlb's token-id memo holds a prompt
 whole from its third sight); the unique kinds never send a body twice to a path (each phase and
@@ -55,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import tempfile
@@ -68,6 +72,7 @@ import aiohttp
 
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
+from loadtests.bench.overhead.clients import REQUEST_TIMEOUT_S, BenchError, GrpcClient, Send, send
 from loadtests.bench.overhead.machine import idle_penalty
 from loadtests.bench.overhead.report import (
     MODES,
@@ -87,6 +92,7 @@ from loadtests.bench.overhead.report import (
 )
 from loadtests.bench.overhead.servers import Servers, start_servers
 from loadtests.bench.overhead.workload import (
+    GRPC_KINDS,
     KIND_DESCRIPTIONS,
     KINDS,
     SMOKE,
@@ -111,17 +117,11 @@ __all__ = [
 ]
 
 READY_TIMEOUT_S = 30.0
-REQUEST_TIMEOUT_S = 30.0
 DECISION_METRIC = "kvlb_route_decision_seconds"
 MEMO_COUNTERS = tuple(
     f"kvlb_tokenizer_token_id_memo_{name}_total" for name in ("hits", "misses", "evictions")
 )
 """kvlb's token-id memo counters (runs of prompt text found, decoded, forgotten), reported per kind."""
-JSON_HEADERS = {"Content-Type": "application/json"}
-
-
-class BenchError(RuntimeError):
-    """A request of the benchmark failed (the figures would be wrong)."""
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -145,17 +145,6 @@ async def scrape_metrics(session: aiohttp.ClientSession, kvlb_url: str) -> str:
 # ------------------------------------------------------------------------------------- measuring
 
 
-async def send(session: aiohttp.ClientSession, url: str, body: bytes) -> float:
-    """One streamed request, read to its end; its latency in seconds (raises :class:`BenchError`)."""
-    started = time.perf_counter()
-    async with session.post(url, data=body, headers=JSON_HEADERS) as response:
-        data = await response.read()
-    latency_s = time.perf_counter() - started
-    if response.status != 200 or not data.endswith(b"data: [DONE]\n\n"):
-        raise BenchError(f"{url} answered {response.status}: {data[:300]!r}")
-    return latency_s
-
-
 def _rotated(items: Sequence[str], by: int) -> list[str]:
     shift = by % len(items)
     return [*items[shift:], *items[:shift]]
@@ -165,6 +154,21 @@ def kind_modes(servers: Servers, path: str) -> tuple[str, ...]:
     """The paths measured for requests to ``path``: the peers take chats only (sglang-router's
     ``/v1/completions`` rejects token-id prompts with 422)."""
     return servers.modes if path == "/v1/chat/completions" else (*MODES, *servers.workers)
+
+
+def kind_senders(
+    session: aiohttp.ClientSession, servers: Servers, kind: str, path: str, grpc: dict[str, GrpcClient]
+) -> dict[str, Send]:
+    """How each path of ``kind`` is sent to, in :func:`kind_modes` order: HTTP to ``path``, but over
+    gRPC (``grpc``, by kvlb path) to the kvlb paths of a gRPC kind."""
+    urls = servers.urls
+    senders: dict[str, Send] = {}
+    for mode in kind_modes(servers, path):
+        client = grpc.get(mode) if kind in GRPC_KINDS else None
+        senders[mode] = (
+            client.send if client is not None else functools.partial(send, session, urls[mode] + path)
+        )
+    return senders
 
 
 LOCAL_MODE = "tokenizer"
@@ -191,11 +195,9 @@ class _Turns:
     """One phase's requests, one at a time: latencies per path, each proxy's CPU over the phase, and
     the CPU of the :data:`LOCAL_MODE` pseudo-path when there is one."""
 
-    def __init__(
-        self, session: aiohttp.ClientSession, servers: Servers, path: str, local: Local | None
-    ) -> None:
-        self.session, self.servers, self.path, self.local = session, servers, path, local
-        self.modes = kind_modes(servers, path)
+    def __init__(self, senders: dict[str, Send], servers: Servers, local: Local | None) -> None:
+        self.senders, self.servers, self.local = senders, servers, local
+        self.modes = tuple(senders)
         self.turns = (*self.modes, LOCAL_MODE) if local is not None else self.modes
         self.latencies: dict[str, list[float]] = {mode: [] for mode in self.modes}
         self.local_cpu_s = 0.0
@@ -214,7 +216,7 @@ class _Turns:
             assert self.local is not None
             self.local_cpu_s += self.local(body)
             return
-        latency_s = await send(self.session, self.servers.urls[mode] + self.path, body)
+        latency_s = await self.senders[mode](body)
         if counted:
             self.latencies[mode].append(latency_s)
 
@@ -263,8 +265,7 @@ async def spaced(turns: _Turns, shape: OverheadShape, bodies: Sequence[bytes]) -
 
 
 async def burst(
-    session: aiohttp.ClientSession,
-    url: str,
+    post: Send,
     bodies: Sequence[bytes],
     start: int,
     requests: int,
@@ -280,7 +281,7 @@ async def burst(
         while taken < requests:
             body = bodies[(start + taken) % len(bodies)]
             taken += 1
-            latencies.append(await send(session, url, body))
+            latencies.append(await post(body))
 
     async with asyncio.TaskGroup() as group:
         for _ in range(concurrency):
@@ -289,13 +290,13 @@ async def burst(
 
 
 async def concurrent(
-    session: aiohttp.ClientSession, servers: Servers, shape: OverheadShape, path: str, bodies: Sequence[bytes]
+    senders: dict[str, Send], servers: Servers, shape: OverheadShape, bodies: Sequence[bytes]
 ) -> dict[str, Any]:
     """Bursts of ``concurrency`` clients, one path at a time, paths rotating between rounds."""
-    urls, pids, modes = servers.urls, servers.pids, kind_modes(servers, path)
+    pids, modes = servers.pids, tuple(senders)
     for mode in modes:  # warm-up: open ``concurrency`` connections on every hop
         start = shape.concurrent_warmup_start
-        await burst(session, urls[mode] + path, bodies, start, shape.concurrency, shape.concurrency)
+        await burst(senders[mode], bodies, start, shape.concurrency, shape.concurrency)
     latencies: dict[str, list[float]] = {mode: [] for mode in modes}
     wall_s = dict.fromkeys(modes, 0.0)
     cpu_s = dict.fromkeys(modes, 0.0)
@@ -305,7 +306,7 @@ async def concurrent(
             started = time.perf_counter()
             start = shape.burst_start(round_index)
             latencies[mode] += await burst(
-                session, urls[mode] + path, bodies, start, shape.burst_requests, shape.concurrency
+                senders[mode], bodies, start, shape.burst_requests, shape.concurrency
             )
             wall_s[mode] += time.perf_counter() - started
             cpu_s[mode] += tree_cpu_seconds(pids[mode]) - cpu_before
@@ -326,17 +327,19 @@ async def measure_kind(
     shape: OverheadShape,
     prompts: Prompts,
     kind: str,
+    grpc: dict[str, GrpcClient],
     local: Local | None = None,
 ) -> dict[str, Any]:
     """Every phase of ``kind``; ``local`` (``chat_cold``: the tokenizer) takes its turn beside the paths
     in the one-at-a-time phases."""
     path, bodies = prompts.bodies(kind)
+    senders = kind_senders(session, servers, kind, path, grpc)
     kvlb_url = servers.urls["kvlb"]
     before = await scrape_metrics(session, kvlb_url)
     result: dict[str, Any] = {"description": KIND_DESCRIPTIONS[kind]}
-    result["sequential"] = await sequential(_Turns(session, servers, path, local), shape, bodies)
-    result["spaced"] = await spaced(_Turns(session, servers, path, local), shape, bodies)
-    result["concurrent"] = await concurrent(session, servers, shape, path, bodies)
+    result["sequential"] = await sequential(_Turns(senders, servers, local), shape, bodies)
+    result["spaced"] = await spaced(_Turns(senders, servers, local), shape, bodies)
+    result["concurrent"] = await concurrent(senders, servers, shape, bodies)
     after = await scrape_metrics(session, kvlb_url)
     decisions = (parse_histogram(text, DECISION_METRIC) for text in (after, before))
     result["route_decision"] = decision_figures(histogram_delta(*decisions))
@@ -412,6 +415,7 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
     penalty = await asyncio.to_thread(idle_penalty, shape.spaced_gap_ms, IDLE_PROBE_SAMPLES)
     children: list[Child] = []
     servers: Servers | None = None
+    grpc: dict[str, GrpcClient] = {}
     with contextlib.ExitStack() as stack:
         folder = log_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-")))
         try:
@@ -422,12 +426,20 @@ async def measure(shape: OverheadShape, log_dir: Path | None = None) -> dict[str
             ) as session:
                 for path in servers.kvlb_paths:
                     await wait_ready(session, servers.urls[path])
+                if GRPC_KINDS & set(shape.kinds):
+                    grpc_bodies = [
+                        b for kind in GRPC_KINDS & set(shape.kinds) for b in prompts.bodies(kind)[1]
+                    ]
+                    for path, address in servers.grpc_addresses.items():
+                        grpc[path] = GrpcClient(address, grpc_bodies, shape.concurrency)
                 local = {"chat_cold": tokenizer_cpu(cold)}
                 runs = {
-                    kind: await measure_kind(session, servers, shape, prompts, kind, local.get(kind))
+                    kind: await measure_kind(session, servers, shape, prompts, kind, grpc, local.get(kind))
                     for kind in shape.kinds
                 }
         finally:
+            for client in grpc.values():
+                await client.close()
             if servers is not None:
                 await servers.stop_peers()
             await stop_all(children)

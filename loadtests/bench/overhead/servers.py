@@ -12,7 +12,8 @@
 free ports on 127.0.0.1 (the upstream ``N``, one process answering on each: a router that keys workers
 by URL sees ``N`` workers), prints ``{"bench_server": ..., "url": ..., "urls": [...]}`` and serves
 until SIGTERM/SIGINT. :func:`start_servers` (parent side) starts both, plus ``kvlb serve`` in front of
-the upstream's ``replicas`` URLs, and the installed peer routers (:data:`PEER_PATHS`: sglang-router's
+the upstream's ``replicas`` URLs (its gRPC server on a free port too, for the gRPC kinds), and the
+installed peer routers (:data:`PEER_PATHS`: sglang-router's
 ``cache_aware`` and ``round_robin``, started as :mod:`loadtests.peers` builds them) in front of the same
 URLs.
 """
@@ -167,6 +168,8 @@ class Servers:
     kvlb: Child
     workers: dict[str, Child] = field(default_factory=dict)
     """More ``kvlb serve`` processes, ``kvlb_w<n>`` → the one started with ``--workers n``."""
+    grpc_ports: dict[str, int] = field(default_factory=dict)
+    """Each kvlb path (``kvlb``, ``kvlb_w<n>``) → its ``listen.grpc_port``."""
     peers: dict[str, tuple[processes.Child, str]] = field(default_factory=dict)
     """Peer path name → (its process, its base URL)."""
     skipped: dict[str, str] = field(default_factory=dict)
@@ -190,6 +193,11 @@ class Servers:
             **{name: str(child.info["url"]) for name, child in self.workers.items()},
             **{name: url for name, (_, url) in self.peers.items()},
         }
+
+    @property
+    def grpc_addresses(self) -> dict[str, str]:
+        """Each kvlb path → the ``host:port`` its gRPC server listens on."""
+        return {path: f"127.0.0.1:{port}" for path, port in self.grpc_ports.items()}
 
     @property
     def pids(self) -> dict[str, int]:
@@ -247,13 +255,19 @@ async def start_servers(
     children.append(forward)
     config = log_dir / "kvlb.yaml"
     config.write_text(yaml.safe_dump(kvlb_config(upstream_urls, replicas)))
-    serve = ["serve", "--config", str(config), "--workers"]
-    kvlb = await spawn("kvlb", "balancer", [*serve, str(workers[0])], log_dir=log_dir, ready_key="kvlb")
+    ports = {"kvlb": free_port_run("127.0.0.1", 1)}
+
+    def serve(name: str, count: int) -> list[str]:
+        grpc = f"listen.grpc_port={ports[name]}"
+        return ["serve", "--config", str(config), "--workers", str(count), "--set", grpc]
+
+    kvlb = await spawn("kvlb", "balancer", serve("kvlb", workers[0]), log_dir=log_dir, ready_key="kvlb")
     children.append(kvlb)
-    servers = Servers(upstream, forward, kvlb)
+    servers = Servers(upstream, forward, kvlb, grpc_ports=ports)
     for count in workers[1:]:
         name = f"kvlb_w{count}"
-        child = await spawn(name, "balancer", [*serve, str(count)], log_dir=log_dir, ready_key="kvlb")
+        ports[name] = free_port_run("127.0.0.1", 1)
+        child = await spawn(name, "balancer", serve(name, count), log_dir=log_dir, ready_key="kvlb")
         children.append(child)
         servers.workers[name] = child
     try:

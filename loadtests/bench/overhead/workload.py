@@ -18,7 +18,9 @@ from balancer.tokenizer.tokenizer import Tokenizer
 from loadtests.bench.overhead.servers import MODEL
 from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
 
-KINDS: tuple[str, ...] = ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared")
+KINDS: tuple[str, ...] = ("chat_shared", "chat", "chat_cold", "tokens", "tokens_shared", "grpc_tokens")
+GRPC_KINDS = frozenset({"grpc_tokens"})
+"""Kinds sent to the kvlb paths over gRPC (``Generate``); the other paths get the same bodies over HTTP."""
 UNIQUE_KINDS = frozenset({"chat_shared", "chat_cold", "tokens_shared"})
 """Kinds whose every request is a new body (no body is sent twice to a path)."""
 QUESTION_TOKENS = 64
@@ -37,6 +39,9 @@ KIND_DESCRIPTIONS = {
     "tokens_shared": "the chat_shared prompts as token ids to /v1/completions: one of the shared "
     "system prompts' ids and a user message's ids unique per request (the memo finds the system "
     "prompt's runs, the user tail is decoded)",
+    "grpc_tokens": "the tokens prompts as token ids over gRPC to kvlb (kvlb.v1.Balancer/Generate with "
+    "prompt_token_ids; kvlb packs the ids from the message and writes the replica's JSON body itself), "
+    "as HTTP /v1/completions bodies to the other paths",
 }
 
 
@@ -178,7 +183,7 @@ class Prompts:
 
     def bodies(self, kind: str) -> tuple[str, tuple[bytes, ...]]:
         """(path, bodies) of ``kind``."""
-        if kind == "tokens":
+        if kind in ("tokens", "grpc_tokens"):
             return "/v1/completions", self.tokens
         if kind == "tokens_shared":
             return "/v1/completions", self.tokens_shared
