@@ -10,7 +10,9 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
+from balancer.index.settle import first_uses
 from balancer.types import ReplicaId
 
 _MAX_DERIVED = 4096
@@ -201,18 +203,88 @@ class RoutedPrompt:
         self.packed: bytes | None = None
 
 
-class SpecSlot:
-    """The speculative bit of one replica (it stands for rank 0): key → expiry, monotonic seconds."""
+LISTED_MAX = 1024
+"""Chains a speculative slot remembers as held whole (:attr:`SpecSlot.listed`); past it they are
+forgotten at once (their next add writes its expiries at once: slower, not different)."""
 
-    __slots__ = ("alive", "bit", "expiry", "replica", "slot")
+
+class SpecSlot:
+    """The speculative bit of one replica (it stands for rank 0): key → expiry, monotonic seconds.
+
+    A re-add of a chain whose keys are all pending changes no key's presence, only expiries, so
+    ``PrefixTable.add_speculative`` may log it (:meth:`defer`) instead of writing every expiry; the
+    log is applied by :attr:`expiry`, before anything else reads or changes the dict, each key
+    written once with its newest listing's expiry (:func:`~balancer.index.settle.first_uses`).
+    Such a chain must be in :attr:`listed`, which every access through :attr:`expiry` forgets (it
+    may remove keys): only ``add_speculative`` and the prefix match (which saw the slot's bit on
+    every key of a chain) use :attr:`pending` and :attr:`listed` directly."""
+
+    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "listed", "pending", "replica", "slot")
     dp_rank = 0
 
     def __init__(self, replica: ReplicaId, slot: int) -> None:
         self.replica = replica
         self.slot = slot
         self.bit = 1 << slot
-        self.expiry: dict[int, float] = {}
+        self.pending: dict[int, float] = {}
+        """key → expiry, without the logged re-adds (:attr:`deferred`): read it through :attr:`expiry`."""
+        self.deferred: list[tuple[tuple[int, ...], float]] = []
+        """Re-adds of chains held whole, oldest first: (the chain, its new expiry)."""
+        self.deferred_keys = 0
+        """Keys listed by :attr:`deferred` (a chain listed twice counts twice)."""
+        self.listed: dict[int, tuple[int, ...]] = {}
+        """Chains (by ``id``; the dict keeps them alive) every key of which is in :attr:`pending`,
+        since no key was removed from it after they were listed here (at most :data:`LISTED_MAX`)."""
         self.alive = True
+
+    @property
+    def expiry(self) -> dict[int, float]:
+        """key → expiry, the logged re-adds applied. The caller may remove keys: the chains
+        :attr:`listed` are forgotten."""
+        if self.deferred:
+            self.settle()
+        if self.listed:
+            self.listed = {}
+        return self.pending
+
+    @expiry.setter
+    def expiry(self, value: dict[int, float]) -> None:
+        self.pending = value
+        self.deferred = []
+        self.deferred_keys = 0
+        self.listed = {}
+
+    def list_whole(self, keys: tuple[int, ...]) -> None:
+        """``keys`` are all in :attr:`pending` now."""
+        listed = self.listed
+        if len(listed) >= LISTED_MAX:
+            listed.clear()
+        listed[id(keys)] = keys
+
+    def defer(self, keys: tuple[int, ...], expiry_s: float, max_keys: int) -> None:
+        """Log a re-add of ``keys`` (in :attr:`listed`) with ``expiry_s``; applied at once past
+        ``max_keys`` logged keys."""
+        self.deferred.append((keys, expiry_s))
+        self.deferred_keys += len(keys)
+        if self.deferred_keys > max_keys:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply the logged re-adds: each key they list gets its newest listing's expiry. Keys keep
+        their place (they are all present), so the dict ends as after writing each add in turn."""
+        deferred = self.deferred
+        self.deferred = []
+        self.deferred_keys = 0
+        if len(deferred) == 1:  # nothing to merge: as the add would have written it
+            keys, expiry_s = deferred[0]
+            self.pending.update(zip(keys, repeat(expiry_s)))
+            return
+        newest: dict[int, float] = {}
+        for keys, expiry_s in reversed(deferred):
+            newest.setdefault(id(keys), expiry_s)
+        # a chain's keys are claimed by its newest listing: it comes first, newest first
+        claimed = first_uses(keys for keys, _ in reversed(deferred))
+        self.pending.update(zip(claimed, map(newest.__getitem__, map(id, claimed.values())), strict=True))
 
 
 class SlotRegistry:

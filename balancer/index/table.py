@@ -49,6 +49,11 @@ _xxh3 = xxhash.xxh3_64_intdigest  # positional seed: the keyword form costs ~50 
 _INT_BYTES = 36  # a u64 Python int (three 30-bit digits), for the memory estimate
 _COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live count
 _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
+DEFERRED_EXPIRY_KEYS = 262_144
+"""Keys of a speculative slot's re-adds whose expiry writes may wait in its log
+(``SpecSlot.defer``); past it the log is applied at once. The log references the chains, which the
+expiry heap holds anyway. Applying it writes each distinct key once: a shared prefix, or a request's
+two adds (its lease and its first token), is written once per application instead of once per add."""
 TOUCH_LOG_KEYS = 262_144
 """Keys of routed chains whose LRU re-insert may wait in the log (``PrefixTable._settle_order``; a
 tuple listed again counts once); past it the log is applied at once. The log references the tuples,
@@ -414,13 +419,28 @@ class PrefixTable(GapRecovery):
         confirmed: dict[ReplicaId, int] = {}
         group = self._slots.group
         fromkeys = dict.fromkeys
-        for depth, bits in self._walk(keys, mask):  # depths increase: a later update is longer
+        walk = self._walk(keys, mask)
+        for depth, bits in walk:  # depths increase: a later update is longer
             replicas, best = group(bits)
             blocks.update(fromkeys(replicas, depth))
             ranks.update(best)
             if sure := bits & ~spec_mask:
                 confirmed.update(fromkeys(group(sure)[0], depth))
+        if walk and type(keys) is tuple and walk[-1][0] == len(keys):
+            self._list_whole(keys, walk[-1][1] & spec_mask)
         return Overlap(blocks, ranks, len(keys)), confirmed
+
+    def _list_whole(self, keys: tuple[int, ...], bits: int) -> None:
+        """The speculative slots of ``bits`` hold every key of ``keys`` (a slot's bit is on a key
+        exactly while the key is in its ``pending``): a routed request's add of ``keys`` to one of
+        them may then log its expiries (``SpecSlot.defer``) instead of writing them."""
+        owners = self._slots.owners
+        while bits:
+            low = bits & -bits
+            bits ^= low
+            owner = owners[low.bit_length() - 1]
+            if type(owner) is SpecSlot:
+                owner.list_whole(keys)
 
     def _walk(self, keys: Sequence[BlockKey], mask: int) -> list[tuple[int, int]]:
         """``(depth, bits)``, depth increasing: the slots of ``mask`` holding exactly the first
@@ -508,15 +528,26 @@ class PrefixTable(GapRecovery):
         if self._spec_refs + min(len(keys), limit) > 2 * limit:
             self._compact_spec_heap()  # then at most ``limit`` are listed: room for ``limit`` more
         expiry_s = now + ttl_s
-        pending = spec.expiry
         taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
-        # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
-        # first add): they only get the new expiry, at C speed, in one pass that also finds the new
-        # ones. A dict keeps its insertion order and an update keeps an existing key's place, so the
-        # keys new to ``pending`` are its last ``len(pending) - known``, in the order they were listed.
-        known = len(pending)
-        pending.update(zip(taken, repeat(expiry_s)))
-        if new := len(pending) - known:
+        deferred = id(taken) in spec.listed
+        if deferred:
+            # Every key is pending (the same request's first add, or the match saw the slot's bit on
+            # each): only expiries change, which the slot logs and writes once per key later.
+            spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
+            new = 0
+        else:
+            if spec.deferred:
+                spec.settle()  # older re-adds first: the newest expiry wins
+            pending = spec.pending
+            # Most keys of a routed prompt are pending already (its shared prefix, or the same
+            # request's first add): they only get the new expiry, at C speed, in one pass that also
+            # finds the new ones. A dict keeps its insertion order and an update keeps an existing
+            # key's place, so the keys new to ``pending`` are its last ``len(pending) - known``, in
+            # the order they were listed.
+            known = len(pending)
+            pending.update(zip(taken, repeat(expiry_s)))
+            new = len(pending) - known
+        if new:
             fresh = list(islice(reversed(pending), new))
             fresh.reverse()
             room = max(0, limit - self._spec_count)
@@ -535,6 +566,8 @@ class PrefixTable(GapRecovery):
             pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+        if not deferred:
+            spec.list_whole(taken)  # every key of it is pending now: its next add may be logged
         if self.limits.lru_frontier:
             # Every key is re-inserted, so the table's order is the order of use (stores and
             # routes), which an event gap's recovery reads as the engine's LRU order
@@ -561,7 +594,9 @@ class PrefixTable(GapRecovery):
             self._spec_refs -= len(keys)
             if not spec.alive:
                 continue
-            pending = spec.expiry
+            if spec.deferred:
+                spec.settle()
+            pending = spec.pending  # read only, unless some are due (then through ``expiry``)
             # the keys neither confirmed nor extended since (C-speed filter: most were extended).
             # Counting them first is cheaper than the filter (``list.count`` compares in C, and finds
             # the keys of this very add by identity: they share its expiry's float object), and
@@ -570,7 +605,7 @@ class PrefixTable(GapRecovery):
             if not expiries.count(expiry_s):
                 continue
             due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))
-            pop = pending.pop
+            pop = spec.expiry.pop
             expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
             self._spec_count -= expired
             self.counters.speculative_expired += expired

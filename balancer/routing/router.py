@@ -433,9 +433,10 @@ class PoolRouter:
         exact_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
-        keys_by_space: dict[int, list[BlockKey]] = {}
+        keys_by_space: dict[int, tuple[BlockKey, ...]] = {}
         for space in self._spaces_for(candidates):
-            keys = space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo)
+            # a tuple: the plan commits this very object, so the table can tell the match saw it
+            keys = tuple(space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo))
             keys_by_space[id(space)] = keys
             among = tuple([r for r in candidates if r in space.replicas])  # a tuple: its mask is cached
             overlap, confirmed = space.table.match_confirmed(keys, among, now)
@@ -460,7 +461,7 @@ class PoolRouter:
         snapshot = self.load_snapshot(now)
         decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
-        keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
+        keys = keys_by_space.get(id(chosen_space), ()) if chosen_space is not None else ()
         cached = exact_tokens.get(decision.replica, 0)
         chosen_bs = ref_bs
         if chosen_space is not None:
