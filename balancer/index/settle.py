@@ -54,7 +54,11 @@ def first_uses(chains: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
                         high = mid
                 lead = low + 1
             other = seen[keys[lead - 1]]
-            if len(other) < lead or other[:lead] != keys[:lead]:
+            if other is keys:  # listed whole before (a request's two adds): nothing to compare
+                pass
+            elif lead == count == len(other):  # the same keys again (a repeated prompt): no slices
+                lead = count if other == keys else 0
+            elif len(other) < lead or other[:lead] != keys[:lead]:
                 lead = 0
         if lead < count:  # a key listed already keeps its first chain (``setdefault``, at C speed)
             deque(map(seen.setdefault, keys[lead:] if lead else keys, repeat(keys)), maxlen=0)

@@ -536,8 +536,6 @@ class PrefixTable(GapRecovery):
             spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
             new = 0
         else:
-            if spec.deferred:
-                spec.settle()  # older re-adds first: the newest expiry wins
             pending = spec.pending
             # Most keys of a routed prompt are pending already (its shared prefix, or the same
             # request's first add): they only get the new expiry, at C speed, in one pass that also
@@ -568,6 +566,8 @@ class PrefixTable(GapRecovery):
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
         if not deferred:
             spec.list_whole(taken)  # every key of it is pending now: its next add may be logged
+            if spec.deferred:  # logged too, as the newest: applying the older re-adds keeps its expiries
+                spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
         if self.limits.lru_frontier:
             # Every key is re-inserted, so the table's order is the order of use (stores and
             # routes), which an event gap's recovery reads as the engine's LRU order

@@ -164,12 +164,13 @@ def test_a_first_token_add_is_logged_and_applied_with_its_newest_expiry() -> Non
     assert id(first) in spec.listed and not spec.deferred
     t.add_speculative(A, first, 2.0, 0.5)
     assert spec.deferred == [(first, 2.5)]
-    t.add_speculative(A, shared, 30.0, 0.6)  # not listed: the log is applied first, then written
-    assert not spec.deferred
+    t.add_speculative(A, shared, 30.0, 0.6)  # not listed: written, and logged as the newest
+    assert spec.deferred == [(first, 2.5), (shared, 30.6)]
+    assert [spec.pending[k] for k in shared] == [30.6] * len(shared)
     t.match_confirmed(shared, None, 0.7)
     t.add_speculative(A, shared, 2.0, 0.8)
     t.add_speculative(A, first, 2.0, 0.9)
-    assert len(spec.deferred) == 2
+    assert len(spec.deferred) == 4
     expiry = spec.expiry  # applies the log
     assert not spec.deferred and not spec.listed
     assert [expiry[k] for k in first] == [2.9] * len(first)
