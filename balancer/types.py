@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NewType
 
+from balancer.frozen import quick_init
+
 ReplicaId = NewType("ReplicaId", str)
 BlockKey = NewType("BlockKey", int)
 EngineHash = NewType("EngineHash", int)
@@ -52,6 +54,7 @@ class Overlap:
         return self.blocks.get(replica, 0)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CostTerms:
     """The per-replica terms of one routing decision, in blocks unless named otherwise.
@@ -95,6 +98,7 @@ class CostTerms:
     this request, when it holds none of its prompt (0 when the charge is off or unknown)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A routing choice and why it was made.

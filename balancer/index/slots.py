@@ -203,9 +203,10 @@ class RoutedPrompt:
         self.packed: bytes | None = None
 
 
-LISTED_MAX = 1024
-"""Chains a speculative slot remembers as held whole (:attr:`SpecSlot.listed`); past it they are
-forgotten at once (their next add writes its expiries at once: slower, not different)."""
+LISTED_MAX = 512
+"""Chains a speculative slot remembers as held whole (:attr:`SpecSlot.listed`), the oldest forgotten
+first (the next add of a forgotten chain writes its expiries: slower, not different). Each is a
+reference to a routed request's tuple of keys (most are kept by the expiry heap anyway)."""
 
 
 class SpecSlot:
@@ -258,7 +259,7 @@ class SpecSlot:
         """``keys`` are all in :attr:`pending` now."""
         listed = self.listed
         if len(listed) >= LISTED_MAX:
-            listed.clear()
+            del listed[next(iter(listed))]
         listed[id(keys)] = keys
 
     def defer(self, keys: tuple[int, ...], expiry_s: float, max_keys: int) -> None:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from balancer.errors import ConfigError
+from balancer.frozen import quick_init
 from balancer.types import ReplicaId
 
 
@@ -88,6 +89,7 @@ class EngineStats:
     capacity_tokens: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
     """The load of one replica at snapshot time.

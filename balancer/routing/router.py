@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from balancer.errors import NoReplicasAvailable, Overloaded
+from balancer.frozen import quick_init
 from balancer.health.book import HealthBook
 from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
 from balancer.index.locked import LockedPrefixTable
@@ -64,6 +65,7 @@ class KeySpace:
     """Keys of recently hashed runs of blocks (shared prefixes are hashed once)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     """A decision plus what committing it needs: the chosen replica's keys and exact cached tokens."""
@@ -119,6 +121,7 @@ class RouteLimits:
     """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PoolRequest:
     """One request as the router sees it: its tokens, and the policy and weights that decide it."""
