@@ -11,6 +11,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from itertools import repeat
+from operator import itemgetter
 
 from balancer.index.settle import first_uses
 from balancer.types import ReplicaId
@@ -229,10 +230,11 @@ class SpecSlot:
         self.bit = 1 << slot
         self.pending: dict[int, float] = {}
         """key → expiry, without the logged re-adds (:attr:`deferred`): read it through :attr:`expiry`."""
-        self.deferred: list[tuple[tuple[int, ...], float]] = []
-        """Re-adds of chains held whole, oldest first: (the chain, its new expiry)."""
+        self.deferred: dict[int, tuple[tuple[int, ...], float]] = {}
+        """Re-adds of chains held whole, by the chain's ``id``, in the order of their last listing:
+        (the chain, its newest expiry; a re-add of the same chain only moves it to the end)."""
         self.deferred_keys = 0
-        """Keys listed by :attr:`deferred` (a chain listed twice counts twice)."""
+        """Keys listed by :attr:`deferred`."""
         self.listed: dict[int, tuple[int, ...]] = {}
         """Chains (by ``id``; the dict keeps them alive) every key of which is in :attr:`pending`,
         since no key was removed from it after they were listed here (at most :data:`LISTED_MAX`)."""
@@ -251,7 +253,7 @@ class SpecSlot:
     @expiry.setter
     def expiry(self, value: dict[int, float]) -> None:
         self.pending = value
-        self.deferred = []
+        self.deferred = {}
         self.deferred_keys = 0
         self.listed = {}
 
@@ -265,8 +267,10 @@ class SpecSlot:
     def defer(self, keys: tuple[int, ...], expiry_s: float, max_keys: int) -> None:
         """Log a re-add of ``keys`` (in :attr:`listed`) with ``expiry_s``; applied at once past
         ``max_keys`` logged keys."""
-        self.deferred.append((keys, expiry_s))
-        self.deferred_keys += len(keys)
+        deferred = self.deferred
+        if deferred.pop(id(keys), None) is None:
+            self.deferred_keys += len(keys)
+        deferred[id(keys)] = (keys, expiry_s)  # its older listing's keys all get this expiry
         if self.deferred_keys > max_keys:
             self.settle()
 
@@ -274,18 +278,16 @@ class SpecSlot:
         """Apply the logged re-adds: each key they list gets its newest listing's expiry. Keys keep
         their place (they are all present), so the dict ends as after writing each add in turn."""
         deferred = self.deferred
-        self.deferred = []
+        self.deferred = {}
         self.deferred_keys = 0
         if len(deferred) == 1:  # nothing to merge: as the add would have written it
-            keys, expiry_s = deferred[0]
+            ((keys, expiry_s),) = deferred.values()
             self.pending.update(zip(keys, repeat(expiry_s)))
             return
-        newest: dict[int, float] = {}
-        for keys, expiry_s in reversed(deferred):
-            newest.setdefault(id(keys), expiry_s)
-        # a chain's keys are claimed by its newest listing: it comes first, newest first
-        claimed = first_uses(keys for keys, _ in reversed(deferred))
-        self.pending.update(zip(claimed, map(newest.__getitem__, map(id, claimed.values())), strict=True))
+        # newest listing first: each key is claimed by the newest chain listing it
+        claimed = first_uses(keys for keys, _ in reversed(deferred.values()))
+        expiries = map(deferred.__getitem__, map(id, claimed.values()))
+        self.pending.update(zip(claimed, map(itemgetter(1), expiries), strict=True))
 
 
 class SlotRegistry:

@@ -163,14 +163,14 @@ def test_a_first_token_add_is_logged_and_applied_with_its_newest_expiry() -> Non
     spec = t._slots.specs[A]
     assert id(first) in spec.listed and not spec.deferred
     t.add_speculative(A, first, 2.0, 0.5)
-    assert spec.deferred == [(first, 2.5)]
+    assert list(spec.deferred.values()) == [(first, 2.5)]
     t.add_speculative(A, shared, 30.0, 0.6)  # not listed: written, and logged as the newest
-    assert spec.deferred == [(first, 2.5), (shared, 30.6)]
+    assert list(spec.deferred.values()) == [(first, 2.5), (shared, 30.6)]
     assert [spec.pending[k] for k in shared] == [30.6] * len(shared)
     t.match_confirmed(shared, None, 0.7)
     t.add_speculative(A, shared, 2.0, 0.8)
     t.add_speculative(A, first, 2.0, 0.9)
-    assert len(spec.deferred) == 4
+    assert list(spec.deferred.values()) == [(shared, 2.8), (first, 2.9)]  # one entry a chain
     expiry = spec.expiry  # applies the log
     assert not spec.deferred and not spec.listed
     assert [expiry[k] for k in first] == [2.9] * len(first)
@@ -178,11 +178,12 @@ def test_a_first_token_add_is_logged_and_applied_with_its_newest_expiry() -> Non
 
 
 def test_the_slot_applies_its_log_past_its_bound() -> None:
+    """A chain logged again counts once; past ``max_keys`` the log is applied, newest wins."""
     slot = SpecSlot(A, 0)
-    keys = (1, 2, 3)
-    slot.pending = dict.fromkeys(keys, 1.0)
-    slot.list_whole(keys)
-    slot.defer(keys, 2.0, max_keys=5)
-    assert slot.deferred
-    slot.defer(keys, 3.0, max_keys=5)
-    assert not slot.deferred and slot.pending == dict.fromkeys(keys, 3.0)
+    first, second = (1, 2, 3), (2, 3, 4)
+    slot.pending = dict.fromkeys((1, 2, 3, 4), 1.0)
+    slot.defer(first, 2.0, max_keys=5)
+    slot.defer(first, 2.5, max_keys=5)
+    assert slot.deferred_keys == 3 and slot.pending == dict.fromkeys((1, 2, 3, 4), 1.0)
+    slot.defer(second, 3.0, max_keys=5)
+    assert not slot.deferred and slot.pending == {1: 2.5, 2: 3.0, 3: 3.0, 4: 3.0}
