@@ -8,17 +8,29 @@ parameters, same defaults, same values set) over the slotted class's own member 
 which skips that lookup: about half the time. The class stays frozen (its ``__setattr__`` still
 raises), and ``dataclasses.replace``, equality, hashing, pickling and ``asdict`` are untouched.
 
-Only for frozen slotted dataclasses whose fields are all plain ``__init__`` parameters (no
-``default_factory``, ``kw_only``, ``InitVar`` or ``__post_init__``): anything else is refused at
-import, so a field added later cannot be silently skipped.
+Only for frozen slotted dataclasses whose fields are all ``__init__`` parameters, positional or
+keyword (no ``kw_only``, ``init=False``, ``InitVar`` or ``__post_init__``): anything else is refused
+at import, so a field added later cannot be silently skipped. A ``default_factory`` is called for
+each instance that does not pass the field, as the dataclass ``__init__`` does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+
+
+class _Factory:
+    """The default of a field with a ``default_factory`` (a fresh value per instance)."""
+
+    def __repr__(self) -> str:
+        return "<factory>"
+
+
+_FACTORY = _Factory()
 
 __all__ = ["quick_init"]
 
@@ -32,23 +44,32 @@ def quick_init(cls: type[T]) -> type[T]:
         raise TypeError(f"{cls.__name__}: quick_init needs a frozen dataclass with slots")
     if hasattr(cls, "__post_init__"):
         raise TypeError(f"{cls.__name__}: quick_init does not call __post_init__")
-    names: dict[str, Any] = {}
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    if list(inspect.signature(cls.__init__).parameters)[1:] != [f.name for f in fields]:
+        raise TypeError(f"{cls.__name__}: quick_init takes no InitVar or init=False field")
+    names: dict[str, Any] = {"_FACTORY": _FACTORY}
     arguments: list[str] = []
     body: list[str] = []
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if not f.init or f.kw_only or f.default_factory is not dataclasses.MISSING:
+    for f in fields:
+        if not f.init or f.kw_only:
             raise TypeError(f"{cls.__name__}.{f.name}: quick_init takes plain init fields only")
         names[f"_set_{f.name}"] = cls.__dict__[f.name].__set__
-        if f.default is dataclasses.MISSING:
+        value = f.name
+        if f.default_factory is not dataclasses.MISSING:
+            names[f"_factory_{f.name}"] = f.default_factory
+            arguments.append(f"{f.name}=_FACTORY")
+            value = f"_factory_{f.name}() if {f.name} is _FACTORY else {f.name}"
+        elif f.default is dataclasses.MISSING:
             arguments.append(f.name)
         else:
             names[f"_default_{f.name}"] = f.default
             arguments.append(f"{f.name}=_default_{f.name}")
-        body.append(f"    _set_{f.name}(self, {f.name})")
+        body.append(f"    _set_{f.name}(self, {value})")
     source = f"def __init__(self, {', '.join(arguments)}):\n" + ("\n".join(body) or "    pass") + "\n"
     exec(source, names)
     init = names["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__module__ = cls.__module__
+    init.__annotations__ = dict(cls.__init__.__annotations__)  # the same signature, for introspection
     cls.__init__ = init  # type: ignore[method-assign]
     return cls

@@ -31,6 +31,7 @@ def to_u64(value: int) -> int:
     return value & U64_MASK
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Overlap:
     """Result of a prefix match: leading full blocks each replica already holds.

@@ -130,6 +130,7 @@ class ReplicaLoad:
         return self.in_flight_reqs + (self.waiting_reqs or 0)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """Per-replica load at one instant. Replicas without any data are absent; use :meth:`of`."""

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from balancer.frozen import quick_init
-from balancer.load.tracker import ReplicaLoad
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyInputs, RouteRequest
 from balancer.routing.router import PoolRequest, RoutePlan
-from balancer.types import CostTerms, Decision
+from balancer.types import CostTerms, Decision, Overlap
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +31,19 @@ class _Quick:
     count: int
     ratio: float | None = None
     tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _PlainFactory:
+    name: str
+    seen: dict[str, int] = field(default_factory=dict)
+
+
+@quick_init
+@dataclass(frozen=True, slots=True)
+class _QuickFactory:
+    name: str
+    seen: dict[str, int] = field(default_factory=dict)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +68,15 @@ def test_it_builds_what_the_dataclass_init_builds(
         quick.count = 5  # type: ignore[misc]
 
 
+def test_a_default_factory_gives_each_instance_its_own_value() -> None:
+    first, second = _QuickFactory("a"), _QuickFactory("b")
+    assert first.seen == {} and first.seen is not second.seen
+    given = {"x": 1}
+    assert _QuickFactory("c", given).seen is given
+    assert dataclasses.astuple(_QuickFactory("a")) == dataclasses.astuple(_PlainFactory("a"))
+    assert str(inspect.signature(_QuickFactory)) == str(inspect.signature(_PlainFactory))
+
+
 def test_it_refuses_the_calls_the_dataclass_init_refuses() -> None:
     for call in (lambda cls: cls("a"), lambda cls: cls("a", 1, other=2), lambda cls: cls("a", 1, 2.0, (), 5)):
         with pytest.raises(TypeError):
@@ -63,17 +85,31 @@ def test_it_refuses_the_calls_the_dataclass_init_refuses() -> None:
             call(_Quick)
 
 
-@pytest.mark.parametrize(
-    "cls", [CostTerms, Decision, ReplicaLoad, RouteRequest, PolicyInputs, RoutePlan, PoolRequest]
+_REQUEST_PATH = (
+    CostTerms,
+    Decision,
+    Overlap,
+    ReplicaLoad,
+    LoadSnapshot,
+    RouteRequest,
+    PolicyInputs,
+    RoutePlan,
 )
+
+
+@pytest.mark.parametrize("cls", [*_REQUEST_PATH, RoutePlan, PoolRequest])
 def test_the_request_path_classes_keep_their_parameters(cls: type) -> None:
     """Each decorated class takes exactly its fields, in order, with their defaults."""
     parameters = list(inspect.signature(cls).parameters.values())
     fields = dataclasses.fields(cls)
     assert [p.name for p in parameters] == [f.name for f in fields]
-    assert [p.default for p in parameters] == [
-        inspect.Parameter.empty if f.default is dataclasses.MISSING else f.default for f in fields
-    ]
+    for parameter, f in zip(parameters, fields, strict=True):
+        if f.default_factory is not dataclasses.MISSING:
+            assert repr(parameter.default) == "<factory>"
+        elif f.default is dataclasses.MISSING:
+            assert parameter.default is inspect.Parameter.empty
+        else:
+            assert parameter.default == f.default
 
 
 def test_it_refuses_classes_it_cannot_serve_exactly() -> None:
@@ -86,10 +122,6 @@ def test_it_refuses_classes_it_cannot_serve_exactly() -> None:
         name: str
 
     @dataclass(frozen=True, slots=True)
-    class Factory:
-        names: list[str] = field(default_factory=list)
-
-    @dataclass(frozen=True, slots=True)
     class KwOnly:
         name: str = field(kw_only=True)
 
@@ -100,6 +132,10 @@ def test_it_refuses_classes_it_cannot_serve_exactly() -> None:
         def __post_init__(self) -> None:
             pass
 
-    for cls in (Mutable, NoSlots, Factory, KwOnly, PostInit):
+    @dataclass(frozen=True, slots=True)
+    class NotInInit:
+        name: str = field(default="", init=False)
+
+    for cls in (Mutable, NoSlots, KwOnly, PostInit, NotInInit):
         with pytest.raises(TypeError):
             quick_init(cls)
