@@ -204,24 +204,25 @@ class RoutedPrompt:
         self.packed: bytes | None = None
 
 
-LISTED_MAX = 512
-"""Chains a speculative slot remembers as held whole (:attr:`SpecSlot.listed`), the oldest forgotten
-first (the next add of a forgotten chain writes its expiries: slower, not different). Each is a
+HELD_MAX = 512
+"""Chains whose held prefix a speculative slot remembers (:attr:`SpecSlot.held`), the oldest forgotten
+first (the next add of a forgotten chain writes all its expiries: slower, not different). Each is a
 reference to a routed request's tuple of keys (most are kept by the expiry heap anyway)."""
 
 
 class SpecSlot:
     """The speculative bit of one replica (it stands for rank 0): key → expiry, monotonic seconds.
 
-    A re-add of a chain whose keys are all pending changes no key's presence, only expiries, so
-    ``PrefixTable.add_speculative`` may log it (:meth:`defer`) instead of writing every expiry; the
-    log is applied by :attr:`expiry`, before anything else reads or changes the dict, each key
-    written once with its newest listing's expiry (:func:`~balancer.index.settle.first_uses`).
-    Such a chain must be in :attr:`listed`, which every access through :attr:`expiry` forgets (it
-    may remove keys): only ``add_speculative`` and the prefix match (which saw the slot's bit on
-    every key of a chain) use :attr:`pending` and :attr:`listed` directly."""
+    An add of a chain whose leading keys are pending changes no presence but the rest's, so
+    ``PrefixTable.add_speculative`` writes only the rest's expiries and logs the chain's
+    (:meth:`defer`); the log is applied by :attr:`expiry`, before anything else reads or changes the
+    dict, each key written once with its newest listing's expiry
+    (:func:`~balancer.index.settle.first_uses`). The pending prefix is known from :attr:`held`, which
+    every access through :attr:`expiry` forgets (it may remove keys): only ``add_speculative`` and
+    the prefix match (which saw how far the slot's bit runs along a chain) use :attr:`pending` and
+    :attr:`held` directly."""
 
-    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "listed", "pending", "replica", "slot")
+    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "held", "pending", "replica", "slot")
     dp_rank = 0
 
     def __init__(self, replica: ReplicaId, slot: int) -> None:
@@ -235,19 +236,20 @@ class SpecSlot:
         (the chain, its newest expiry; a re-add of the same chain only moves it to the end)."""
         self.deferred_keys = 0
         """Keys listed by :attr:`deferred`."""
-        self.listed: dict[int, tuple[int, ...]] = {}
-        """Chains (by ``id``; the dict keeps them alive) every key of which is in :attr:`pending`,
-        since no key was removed from it after they were listed here (at most :data:`LISTED_MAX`)."""
+        self.held: dict[int, tuple[tuple[int, ...], int]] = {}
+        """Chains by ``id`` (the dict keeps them alive) → (the chain, ``depth``): its first ``depth``
+        keys are in :attr:`pending`, no key having been removed from it since they were noted (at
+        most :data:`HELD_MAX`)."""
         self.alive = True
 
     @property
     def expiry(self) -> dict[int, float]:
-        """key → expiry, the logged re-adds applied. The caller may remove keys: the chains
-        :attr:`listed` are forgotten."""
+        """key → expiry, the logged adds applied. The caller may remove keys: the prefixes
+        :attr:`held` are forgotten."""
         if self.deferred:
             self.settle()
-        if self.listed:
-            self.listed = {}
+        if self.held:
+            self.held = {}
         return self.pending
 
     @expiry.setter
@@ -255,17 +257,17 @@ class SpecSlot:
         self.pending = value
         self.deferred = {}
         self.deferred_keys = 0
-        self.listed = {}
+        self.held = {}
 
-    def list_whole(self, keys: tuple[int, ...]) -> None:
-        """``keys`` are all in :attr:`pending` now."""
-        listed = self.listed
-        if len(listed) >= LISTED_MAX:
-            del listed[next(iter(listed))]
-        listed[id(keys)] = keys
+    def note_held(self, keys: tuple[int, ...], depth: int) -> None:
+        """The first ``depth`` keys of ``keys`` are in :attr:`pending` now."""
+        held = self.held
+        if len(held) >= HELD_MAX and id(keys) not in held:
+            del held[next(iter(held))]
+        held[id(keys)] = (keys, depth)
 
     def defer(self, keys: tuple[int, ...], expiry_s: float, max_keys: int) -> None:
-        """Log a re-add of ``keys`` (in :attr:`listed`) with ``expiry_s``; applied at once past
+        """Log an add of ``keys`` (all in :attr:`pending`) with ``expiry_s``; applied at once past
         ``max_keys`` logged keys."""
         deferred = self.deferred
         if deferred.pop(id(keys), None) is None:

@@ -23,6 +23,11 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
   stay (they still chain children correctly) and are dropped once they outnumber its live blocks.
 * ``match`` walks the request keys ANDing masks; a bit that drops out at depth ``i`` gives its cache
   an overlap of ``i``. Neither ``match`` nor ``apply`` creates an object per block beyond the key.
+* A speculative slot's expiries (``SpecSlot``): an add of a chain whose leading keys the slot holds
+  (a request's first-token add holds all; a lease, as far as its match saw the slot's bit:
+  ``match_confirmed`` notes it) changes no presence there, so those expiries are logged, not
+  written; the log is applied before anything reads or removes an expiry, each key once, with its
+  newest listing's expiry.
 """
 
 from __future__ import annotations
@@ -407,7 +412,9 @@ class PrefixTable(GapRecovery):
         entries left out; absent: 0), from one walk of ``keys``: what ``match`` gives with and
         without ``confirmed_only``. Each slot's overlap does not depend on the others', so the
         reported overlap is the longest of a replica's cache slots, and the overlap the longest of
-        those and its speculative slot."""
+        those and its speculative slot. For a tuple of keys, each speculative slot notes how many
+        leading keys it holds (``SpecSlot.held``): no result changes, the commitment's add of that
+        very tuple only logs those keys' expiries (``add_speculative``)."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
         if self._suspect_due <= now:
@@ -426,21 +433,24 @@ class PrefixTable(GapRecovery):
             ranks.update(best)
             if sure := bits & ~spec_mask:
                 confirmed.update(fromkeys(group(sure)[0], depth))
-        if walk and type(keys) is tuple and walk[-1][0] == len(keys):
-            self._list_whole(keys, walk[-1][1] & spec_mask)
+        if type(keys) is tuple and spec_mask:
+            self._note_held(keys, walk, spec_mask)
         return Overlap(blocks, ranks, len(keys)), confirmed
 
-    def _list_whole(self, keys: tuple[int, ...], bits: int) -> None:
-        """The speculative slots of ``bits`` hold every key of ``keys`` (a slot's bit is on a key
-        exactly while the key is in its ``pending``): a routed request's add of ``keys`` to one of
-        them may then log its expiries (``SpecSlot.defer``) instead of writing them."""
+    def _note_held(self, keys: tuple[int, ...], walk: list[tuple[int, int]], spec_mask: int) -> None:
+        """Tell each speculative slot of the walk how many leading keys of ``keys`` it holds (a
+        slot's bit is on a key exactly while the key is in its ``pending``): a routed request's add
+        of ``keys`` to it then writes only the other keys' expiries and logs the rest
+        (``SpecSlot.defer``)."""
         owners = self._slots.owners
-        while bits:
-            low = bits & -bits
-            bits ^= low
-            owner = owners[low.bit_length() - 1]
-            if type(owner) is SpecSlot:
-                owner.list_whole(keys)
+        for depth, bits in walk:
+            bits &= spec_mask
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                owner = owners[low.bit_length() - 1]
+                if type(owner) is SpecSlot:
+                    owner.note_held(keys, depth)
 
     def _walk(self, keys: Sequence[BlockKey], mask: int) -> list[tuple[int, int]]:
         """``(depth, bits)``, depth increasing: the slots of ``mask`` holding exactly the first
@@ -529,13 +539,13 @@ class PrefixTable(GapRecovery):
             self._compact_spec_heap()  # then at most ``limit`` are listed: room for ``limit`` more
         expiry_s = now + ttl_s
         taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
-        deferred = id(taken) in spec.listed
-        if deferred:
-            # Every key is pending (the same request's first add, or the match saw the slot's bit on
-            # each): only expiries change, which the slot logs and writes once per key later.
-            spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
-            new = 0
-        else:
+        # The first ``held`` keys are pending (the same request's first add, or the match saw the
+        # slot's bit on them): their presence cannot change, only their expiries, which the slot
+        # logs and writes once per key later. The rest get theirs at once.
+        noted = spec.held.get(id(taken))
+        held = 0 if noted is None else noted[1]
+        new = 0
+        if held < len(taken):
             pending = spec.pending
             # Most keys of a routed prompt are pending already (its shared prefix, or the same
             # request's first add): they only get the new expiry, at C speed, in one pass that also
@@ -543,7 +553,7 @@ class PrefixTable(GapRecovery):
             # key's place, so the keys new to ``pending`` are its last ``len(pending) - known``, in
             # the order they were listed.
             known = len(pending)
-            pending.update(zip(taken, repeat(expiry_s)))
+            pending.update(zip(taken[held:] if held else taken, repeat(expiry_s)))
             new = len(pending) - known
         if new:
             fresh = list(islice(reversed(pending), new))
@@ -564,10 +574,9 @@ class PrefixTable(GapRecovery):
             pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
-        if not deferred:
-            spec.list_whole(taken)  # every key of it is pending now: its next add may be logged
-            if spec.deferred:  # logged too, as the newest: applying the older re-adds keeps its expiries
-                spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
+        if held or spec.deferred:  # the newest listing: applying the log gives its keys this expiry
+            spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
+        spec.note_held(taken, len(taken))  # every key of it is pending now
         if self.limits.lru_frontier:
             # Every key is re-inserted, so the table's order is the order of use (stores and
             # routes), which an event gap's recovery reads as the engine's LRU order

@@ -33,16 +33,16 @@ _CHAINS = tuple(HASHER.request_keys(p) for p in _PROMPTS)
 
 
 class _EagerTable(PrefixTable):
-    """Every add writes its expiries at once: no chain is ever listed as held whole."""
+    """Every add writes its expiries at once: no slot ever notes a chain's held prefix."""
 
-    def _list_whole(self, keys: tuple[int, ...], bits: int) -> None:
+    def _note_held(self, keys: tuple[int, ...], walk: list[tuple[int, int]], spec_mask: int) -> None:
         return None
 
     def add_speculative(self, replica: ReplicaId, keys: Sequence[int], ttl_s: float, now: float) -> None:
         super().add_speculative(replica, keys, ttl_s, now)
         for spec in self._slots.specs.values():
             assert not spec.deferred
-            spec.listed.clear()
+            spec.held.clear()
 
 
 _OPS = st.one_of(
@@ -52,6 +52,13 @@ _OPS = st.one_of(
         st.integers(0, len(_CHAINS) - 1),
         st.integers(0, 6),
         st.sampled_from((0.5, 3.0, 30.0)),
+    ),
+    st.tuples(  # the router's way: the match, then the add of the same tuple
+        st.just("route"),
+        st.sampled_from((A, B)),
+        st.integers(0, len(_CHAINS) - 1),
+        st.integers(1, 6),
+        st.sampled_from((3.0, 30.0)),
     ),
     st.tuples(st.just("again"), st.integers(0, 7), st.sampled_from((0.5, 3.0))),  # a first token
     st.tuples(st.just("match"), st.integers(0, len(_CHAINS) - 1), st.integers(1, 6)),
@@ -76,12 +83,13 @@ class _Run:
 
     def op(self, op: tuple[object, ...], now: float) -> object:
         t, kind = self.t, op[0]
-        if kind == "add":
+        if kind in ("add", "route"):
             _, replica, chain, depth, ttl = op
             keys = self.chains[(int(chain), int(depth))]  # type: ignore[call-overload]
+            found = t.match_confirmed(keys, None, now) if kind == "route" else None
             t.add_speculative(replica, keys, float(ttl), now)  # type: ignore[arg-type]
             self.routed.append((replica, keys))  # type: ignore[arg-type]
-            return None
+            return found
         if kind == "again":
             if not self.routed:
                 return None
@@ -161,7 +169,7 @@ def test_a_first_token_add_is_logged_and_applied_with_its_newest_expiry() -> Non
     first, shared = tuple(_CHAINS[2]), tuple(_CHAINS[3])
     t.add_speculative(A, first, 30.0, 0.0)
     spec = t._slots.specs[A]
-    assert id(first) in spec.listed and not spec.deferred
+    assert spec.held[id(first)] == (first, len(first)) and not spec.deferred
     t.add_speculative(A, first, 2.0, 0.5)
     assert list(spec.deferred.values()) == [(first, 2.5)]
     t.add_speculative(A, shared, 30.0, 0.6)  # not listed: written, and logged as the newest
@@ -172,7 +180,7 @@ def test_a_first_token_add_is_logged_and_applied_with_its_newest_expiry() -> Non
     t.add_speculative(A, first, 2.0, 0.9)
     assert list(spec.deferred.values()) == [(shared, 2.8), (first, 2.9)]  # one entry a chain
     expiry = spec.expiry  # applies the log
-    assert not spec.deferred and not spec.listed
+    assert not spec.deferred and not spec.held
     assert [expiry[k] for k in first] == [2.9] * len(first)
     assert [expiry[k] for k in shared[3:]] == [2.8] * (len(shared) - 3)
 
@@ -187,3 +195,20 @@ def test_the_slot_applies_its_log_past_its_bound() -> None:
     assert slot.deferred_keys == 3 and slot.pending == dict.fromkeys((1, 2, 3, 4), 1.0)
     slot.defer(second, 3.0, max_keys=5)
     assert not slot.deferred and slot.pending == {1: 2.5, 2: 3.0, 3: 3.0, 4: 3.0}
+
+
+def test_a_lease_writes_only_the_keys_past_the_prefix_its_match_saw_held() -> None:
+    """A chain sharing a held prefix: its match notes how far the slot holds it; its add writes
+    the keys past that prefix at once (the new ones get the slot's bit) and logs the prefix's."""
+    t = PrefixTable(HASHER, TableLimits())
+    first, shared = tuple(_CHAINS[2]), tuple(_CHAINS[3])  # 3 leading keys in common
+    t.add_speculative(A, first, 30.0, 0.0)
+    spec = t._slots.specs[A]
+    overlap, _ = t.match_confirmed(shared, None, 0.5)
+    assert overlap.blocks[A] == 3 and spec.held[id(shared)] == (shared, 3)
+    t.add_speculative(A, shared, 30.0, 1.0)
+    assert [spec.pending[k] for k in shared] == [30.0] * 3 + [31.0] * (len(shared) - 3)
+    assert list(spec.deferred.values()) == [(shared, 31.0)]
+    assert t.match_confirmed(shared, None, 1.0)[0].blocks[A] == len(shared)
+    assert [spec.expiry[k] for k in shared] == [31.0] * len(shared)
+    assert [spec.expiry[k] for k in first[3:]] == [30.0] * (len(first) - 3)
