@@ -204,6 +204,10 @@ class RoutedPrompt:
         self.packed: bytes | None = None
 
 
+SETTLE_IN_TURN = 4
+"""Logs of at most this many chains are applied chain by chain, oldest first (each key written once
+per chain, as the adds would have): cheaper than finding each key's newest listing first when few
+chains share keys (an expiry due every few requests applies a log of a few chains each time)."""
 HELD_MAX = 512
 """Chains whose held prefix a speculative slot remembers (:attr:`SpecSlot.held`), the oldest forgotten
 first (the next add of a forgotten chain writes all its expiries: slower, not different). Each is a
@@ -276,15 +280,16 @@ class SpecSlot:
         if self.deferred_keys > max_keys:
             self.settle()
 
-    def settle(self) -> None:
+    def settle(self, in_turn: int = SETTLE_IN_TURN) -> None:
         """Apply the logged re-adds: each key they list gets its newest listing's expiry. Keys keep
         their place (they are all present), so the dict ends as after writing each add in turn."""
         deferred = self.deferred
         self.deferred = {}
         self.deferred_keys = 0
-        if len(deferred) == 1:  # nothing to merge: as the add would have written it
-            ((keys, expiry_s),) = deferred.values()
-            self.pending.update(zip(keys, repeat(expiry_s)))
+        if len(deferred) <= in_turn:  # a short log: written in turn, as the adds would have
+            update = self.pending.update
+            for keys, expiry_s in deferred.values():
+                update(zip(keys, repeat(expiry_s)))
             return
         # newest listing first: each key is claimed by the newest chain listing it
         claimed = first_uses(keys for keys, _ in reversed(deferred.values()))

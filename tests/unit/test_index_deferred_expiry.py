@@ -212,3 +212,28 @@ def test_a_lease_writes_only_the_keys_past_the_prefix_its_match_saw_held() -> No
     assert t.match_confirmed(shared, None, 1.0)[0].blocks[A] == len(shared)
     assert [spec.expiry[k] for k in shared] == [31.0] * len(shared)
     assert [spec.expiry[k] for k in first[3:]] == [30.0] * (len(first) - 3)
+
+
+_LOG = st.lists(
+    st.tuples(st.integers(0, len(_CHAINS) - 1), st.integers(1, 6), st.sampled_from((1.0, 2.0, 3.5))),
+    max_size=12,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_LOG, st.booleans())
+def test_each_key_gets_its_newest_listing_whichever_way_the_log_is_applied(
+    log: list[tuple[int, int, float]], fresh_tuples: bool
+) -> None:
+    """Chains with shared prefixes (the same tuple again, or an equal new one), logged in any order:
+    finding each key's newest listing first gives what writing the chains in turn gives."""
+    chains = {(c, d): tuple(_CHAINS[c][:d]) for c in range(len(_CHAINS)) for d in range(1, 7)}
+    merged, in_turn = SpecSlot(A, 0), SpecSlot(A, 0)
+    for slot in (merged, in_turn):
+        slot.pending = dict.fromkeys([key for chain in _CHAINS for key in chain], 0.0)
+        for c, d, expiry_s in log:
+            chain = tuple(list(chains[(c, d)])) if fresh_tuples else chains[(c, d)]
+            slot.defer(chain, expiry_s, max_keys=10**6)
+    merged.settle(in_turn=0)
+    in_turn.settle(in_turn=len(log))
+    assert list(merged.pending.items()) == list(in_turn.pending.items())
