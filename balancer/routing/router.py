@@ -216,6 +216,8 @@ class PoolRouter:
         self.rng = rng or random.Random(0)
         self._next_lease = 0
         self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
+        self._reference_block_size = 16
+        """:attr:`reference_block_size`, kept by :meth:`add_replica` (key spaces are only added)."""
         self.space_of: dict[ReplicaId, KeySpace] = {}
         self.load: LoadTracker | None = None
         self.peer_load: Callable[[Collection[ReplicaId]], Mapping[ReplicaId, LoadCounts]] | None = None
@@ -234,7 +236,8 @@ class PoolRouter:
 
     @property
     def reference_block_size(self) -> int:
-        return min((bs for bs, _ in self.spaces), default=16)
+        """The smallest block size in the pool (16 while it has none): the unit of merged overlaps."""
+        return self._reference_block_size
 
     def add_replica(
         self,
@@ -257,6 +260,7 @@ class PoolRouter:
             memo = KeyMemo(self.route_limits.key_memo_runs)
             space = KeySpace(hasher, LockedPrefixTable(hasher, self._limits), memo=memo)
             self.spaces[(block_size, mode)] = space
+            self._reference_block_size = min(bs for bs, _ in self.spaces)
             load = self.load
             if load is not None and load.config.block_size_tokens != self.reference_block_size:
                 load.config = dataclasses.replace(load.config, block_size_tokens=self.reference_block_size)
@@ -484,6 +488,9 @@ class PoolRouter:
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:
+        if len(self.spaces) == 1:  # one caching scheme (the usual pool): no dict to build
+            (only,) = self.spaces.values()
+            return [only] if any(r in only.replicas for r in candidates) else []
         seen: dict[int, KeySpace] = {}
         for replica in candidates:
             space = self.space_of.get(replica)
