@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NewType
 
+from balancer.frozen import quick_init
+
 ReplicaId = NewType("ReplicaId", str)
 BlockKey = NewType("BlockKey", int)
 EngineHash = NewType("EngineHash", int)
@@ -29,6 +31,7 @@ def to_u64(value: int) -> int:
     return value & U64_MASK
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Overlap:
     """Result of a prefix match: leading full blocks each replica already holds.
@@ -52,6 +55,7 @@ class Overlap:
         return self.blocks.get(replica, 0)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class CostTerms:
     """The per-replica terms of one routing decision, in blocks unless named otherwise.
@@ -95,6 +99,7 @@ class CostTerms:
     this request, when it holds none of its prompt (0 when the charge is off or unknown)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class Decision:
     """A routing choice and why it was made.

@@ -191,21 +191,22 @@ class KeyMemo:
         keys: list[BlockKey] = []
         key = seed
         view = memoryview(packed)
+        missed = 0
         for start in range(0, whole_runs * run_bytes, run_bytes):
             span = view[start : start + run_bytes + extra]
             ident = (key, _xxh3_128(span))
             found = runs.pop(ident, None)  # re-inserted below: the dict's order is the LRU order
             if found is None:
-                self.misses += 1
+                missed += 1
                 found = tuple(chain_keys(key, bytes(span), block_size, MEMO_CHUNK_BLOCKS, lookahead_tokens))
                 if len(runs) >= self.max_runs:
                     del runs[next(iter(runs))]
                     self.evictions += 1
-            else:
-                self.hits += 1
             runs[ident] = found
             keys.extend(found)
             key = found[-1]
+        self.misses += missed
+        self.hits += whole_runs - missed
         rest = count - whole_runs * MEMO_CHUNK_BLOCKS
         if rest:
             tail = packed[whole_runs * run_bytes :]

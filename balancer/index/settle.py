@@ -5,8 +5,9 @@ and settles it later in one pass; these functions make that pass cost about one 
 keys instead of one per key, and give exactly what the per-key form gives:
 
 * :func:`first_uses`: the distinct keys of the logged routed chains, in the order of their first
-  listing (``PrefixTable._settle_order`` re-inserts them at the end of the LRU order, newest use
-  first): ``dict.fromkeys`` over every key, minus the lookups of prefixes already listed;
+  listing, each with the first chain listing it (``PrefixTable._settle_order`` re-inserts them at
+  the end of the LRU order, newest use first; ``SpecSlot.settle`` gives each its newest listing's
+  expiry): ``dict.fromkeys`` over every key, minus the lookups of prefixes already listed;
 * :func:`group_by_value`: a replica's speculative keys grouped by expiry
   (``PrefixTable._compact_spec_heap`` rebuilds one heap entry per group).
 
@@ -15,6 +16,7 @@ Checked against those plain references in ``tests/unit/test_index_settle.py``.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 from itertools import compress, islice, repeat
 from operator import ne
@@ -23,8 +25,8 @@ __all__ = ["first_uses", "group_by_value"]
 
 
 def first_uses(chains: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
-    """The keys of ``chains`` in the order of their first listing, each mapped to a chain listing
-    it: ``dict.fromkeys(chain.from_iterable(chains))`` with other values, in fewer lookups.
+    """The keys of ``chains`` in the order of their first listing, each mapped to the first chain
+    listing it: ``dict.fromkeys(chain.from_iterable(chains))`` with other values, in fewer lookups.
 
     Routed chains share prefixes (a system prompt, earlier turns): block keys are chained, so a
     chain that lists an earlier chain's key at the same depth lists all its keys before it too.
@@ -52,10 +54,14 @@ def first_uses(chains: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
                         high = mid
                 lead = low + 1
             other = seen[keys[lead - 1]]
-            if len(other) < lead or other[:lead] != keys[:lead]:
+            if other is keys:  # listed whole before (a request's two adds): nothing to compare
+                pass
+            elif lead == count == len(other):  # the same keys again (a repeated prompt): no slices
+                lead = count if other == keys else 0
+            elif len(other) < lead or other[:lead] != keys[:lead]:
                 lead = 0
-        if lead < count:
-            seen.update(zip(keys[lead:] if lead else keys, repeat(keys)))
+        if lead < count:  # a key listed already keeps its first chain (``setdefault``, at C speed)
+            deque(map(seen.setdefault, keys[lead:] if lead else keys, repeat(keys)), maxlen=0)
     return seen
 
 

@@ -10,7 +10,10 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import itemgetter
 
+from balancer.index.settle import first_uses
 from balancer.types import ReplicaId
 
 _MAX_DERIVED = 4096
@@ -201,18 +204,97 @@ class RoutedPrompt:
         self.packed: bytes | None = None
 
 
-class SpecSlot:
-    """The speculative bit of one replica (it stands for rank 0): key → expiry, monotonic seconds."""
+SETTLE_IN_TURN = 4
+"""Logs of at most this many chains are applied chain by chain, oldest first (each key written once
+per chain, as the adds would have): cheaper than finding each key's newest listing first when few
+chains share keys (an expiry due every few requests applies a log of a few chains each time)."""
+HELD_MAX = 512
+"""Chains whose held prefix a speculative slot remembers (:attr:`SpecSlot.held`), the oldest forgotten
+first (the next add of a forgotten chain writes all its expiries: slower, not different). Each is a
+reference to a routed request's tuple of keys (most are kept by the expiry heap anyway)."""
 
-    __slots__ = ("alive", "bit", "expiry", "replica", "slot")
+
+class SpecSlot:
+    """The speculative bit of one replica (it stands for rank 0): key → expiry, monotonic seconds.
+
+    An add of a chain whose leading keys are pending changes no presence but the rest's, so
+    ``PrefixTable.add_speculative`` writes only the rest's expiries and logs the chain's
+    (:meth:`defer`); the log is applied by :attr:`expiry`, before anything else reads or changes the
+    dict, each key written once with its newest listing's expiry
+    (:func:`~balancer.index.settle.first_uses`). The pending prefix is known from :attr:`held`, which
+    every access through :attr:`expiry` forgets (it may remove keys): only ``add_speculative`` and
+    the prefix match (which saw how far the slot's bit runs along a chain) use :attr:`pending` and
+    :attr:`held` directly."""
+
+    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "held", "pending", "replica", "slot")
     dp_rank = 0
 
     def __init__(self, replica: ReplicaId, slot: int) -> None:
         self.replica = replica
         self.slot = slot
         self.bit = 1 << slot
-        self.expiry: dict[int, float] = {}
+        self.pending: dict[int, float] = {}
+        """key → expiry, without the logged re-adds (:attr:`deferred`): read it through :attr:`expiry`."""
+        self.deferred: dict[int, tuple[tuple[int, ...], float]] = {}
+        """Re-adds of chains held whole, by the chain's ``id``, in the order of their last listing:
+        (the chain, its newest expiry; a re-add of the same chain only moves it to the end)."""
+        self.deferred_keys = 0
+        """Keys listed by :attr:`deferred`."""
+        self.held: dict[int, tuple[tuple[int, ...], int]] = {}
+        """Chains by ``id`` (the dict keeps them alive) → (the chain, ``depth``): its first ``depth``
+        keys are in :attr:`pending`, no key having been removed from it since they were noted (at
+        most :data:`HELD_MAX`)."""
         self.alive = True
+
+    @property
+    def expiry(self) -> dict[int, float]:
+        """key → expiry, the logged adds applied. The caller may remove keys: the prefixes
+        :attr:`held` are forgotten."""
+        if self.deferred:
+            self.settle()
+        if self.held:
+            self.held = {}
+        return self.pending
+
+    @expiry.setter
+    def expiry(self, value: dict[int, float]) -> None:
+        self.pending = value
+        self.deferred = {}
+        self.deferred_keys = 0
+        self.held = {}
+
+    def note_held(self, keys: tuple[int, ...], depth: int) -> None:
+        """The first ``depth`` keys of ``keys`` are in :attr:`pending` now."""
+        held = self.held
+        if len(held) >= HELD_MAX and id(keys) not in held:
+            del held[next(iter(held))]
+        held[id(keys)] = (keys, depth)
+
+    def defer(self, keys: tuple[int, ...], expiry_s: float, max_keys: int) -> None:
+        """Log an add of ``keys`` (all in :attr:`pending`) with ``expiry_s``; applied at once past
+        ``max_keys`` logged keys."""
+        deferred = self.deferred
+        if deferred.pop(id(keys), None) is None:
+            self.deferred_keys += len(keys)
+        deferred[id(keys)] = (keys, expiry_s)  # its older listing's keys all get this expiry
+        if self.deferred_keys > max_keys:
+            self.settle()
+
+    def settle(self, in_turn: int = SETTLE_IN_TURN) -> None:
+        """Apply the logged re-adds: each key they list gets its newest listing's expiry. Keys keep
+        their place (they are all present), so the dict ends as after writing each add in turn."""
+        deferred = self.deferred
+        self.deferred = {}
+        self.deferred_keys = 0
+        if len(deferred) <= in_turn:  # a short log: written in turn, as the adds would have
+            update = self.pending.update
+            for keys, expiry_s in deferred.values():
+                update(zip(keys, repeat(expiry_s)))
+            return
+        # newest listing first: each key is claimed by the newest chain listing it
+        claimed = first_uses(keys for keys, _ in reversed(deferred.values()))
+        expiries = map(deferred.__getitem__, map(id, claimed.values()))
+        self.pending.update(zip(claimed, map(itemgetter(1), expiries), strict=True))
 
 
 class SlotRegistry:

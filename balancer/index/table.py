@@ -23,6 +23,11 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
   stay (they still chain children correctly) and are dropped once they outnumber its live blocks.
 * ``match`` walks the request keys ANDing masks; a bit that drops out at depth ``i`` gives its cache
   an overlap of ``i``. Neither ``match`` nor ``apply`` creates an object per block beyond the key.
+* A speculative slot's expiries (``SpecSlot``): an add of a chain whose leading keys the slot holds
+  (a request's first-token add holds all; a lease, as far as its match saw the slot's bit:
+  ``match_confirmed`` notes it) changes no presence there, so those expiries are logged, not
+  written; the log is applied before anything reads or removes an expiry, each key once, with its
+  newest listing's expiry.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ _xxh3 = xxhash.xxh3_64_intdigest  # positional seed: the keyword form costs ~50 
 _INT_BYTES = 36  # a u64 Python int (three 30-bit digits), for the memory estimate
 _COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live count
 _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
+DEFERRED_EXPIRY_KEYS = 262_144
+"""Keys of a speculative slot's re-adds whose expiry writes may wait in its log
+(``SpecSlot.defer``); past it the log is applied at once. The log references the chains, which the
+expiry heap holds anyway. Applying it writes each distinct key once: a shared prefix, or a request's
+two adds (its lease and its first token), is written once per application instead of once per add."""
 TOUCH_LOG_KEYS = 262_144
 """Keys of routed chains whose LRU re-insert may wait in the log (``PrefixTable._settle_order``; a
 tuple listed again counts once); past it the log is applied at once. The log references the tuples,
@@ -402,7 +412,9 @@ class PrefixTable(GapRecovery):
         entries left out; absent: 0), from one walk of ``keys``: what ``match`` gives with and
         without ``confirmed_only``. Each slot's overlap does not depend on the others', so the
         reported overlap is the longest of a replica's cache slots, and the overlap the longest of
-        those and its speculative slot."""
+        those and its speculative slot. For a tuple of keys, each speculative slot notes how many
+        leading keys it holds (``SpecSlot.held``): no result changes, the commitment's add of that
+        very tuple only logs those keys' expiries (``add_speculative``)."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
         if self._suspect_due <= now:
@@ -414,13 +426,31 @@ class PrefixTable(GapRecovery):
         confirmed: dict[ReplicaId, int] = {}
         group = self._slots.group
         fromkeys = dict.fromkeys
-        for depth, bits in self._walk(keys, mask):  # depths increase: a later update is longer
+        walk = self._walk(keys, mask)
+        for depth, bits in walk:  # depths increase: a later update is longer
             replicas, best = group(bits)
             blocks.update(fromkeys(replicas, depth))
             ranks.update(best)
             if sure := bits & ~spec_mask:
                 confirmed.update(fromkeys(group(sure)[0], depth))
+        if type(keys) is tuple and spec_mask:
+            self._note_held(keys, walk, spec_mask)
         return Overlap(blocks, ranks, len(keys)), confirmed
+
+    def _note_held(self, keys: tuple[int, ...], walk: list[tuple[int, int]], spec_mask: int) -> None:
+        """Tell each speculative slot of the walk how many leading keys of ``keys`` it holds (a
+        slot's bit is on a key exactly while the key is in its ``pending``): a routed request's add
+        of ``keys`` to it then writes only the other keys' expiries and logs the rest
+        (``SpecSlot.defer``)."""
+        owners = self._slots.owners
+        for depth, bits in walk:
+            bits &= spec_mask
+            while bits:
+                low = bits & -bits
+                bits ^= low
+                owner = owners[low.bit_length() - 1]
+                if type(owner) is SpecSlot:
+                    owner.note_held(keys, depth)
 
     def _walk(self, keys: Sequence[BlockKey], mask: int) -> list[tuple[int, int]]:
         """``(depth, bits)``, depth increasing: the slots of ``mask`` holding exactly the first
@@ -508,15 +538,24 @@ class PrefixTable(GapRecovery):
         if self._spec_refs + min(len(keys), limit) > 2 * limit:
             self._compact_spec_heap()  # then at most ``limit`` are listed: room for ``limit`` more
         expiry_s = now + ttl_s
-        pending = spec.expiry
         taken: tuple[int, ...] = keys if type(keys) is tuple else tuple(keys)
-        # Most keys of a routed prompt are pending already (its shared prefix, or the same request's
-        # first add): they only get the new expiry, at C speed, in one pass that also finds the new
-        # ones. A dict keeps its insertion order and an update keeps an existing key's place, so the
-        # keys new to ``pending`` are its last ``len(pending) - known``, in the order they were listed.
-        known = len(pending)
-        pending.update(zip(taken, repeat(expiry_s)))
-        if new := len(pending) - known:
+        # The first ``held`` keys are pending (the same request's first add, or the match saw the
+        # slot's bit on them): their presence cannot change, only their expiries, which the slot
+        # logs and writes once per key later. The rest get theirs at once.
+        noted = spec.held.get(id(taken))
+        held = 0 if noted is None else noted[1]
+        new = 0
+        if held < len(taken):
+            pending = spec.pending
+            # Most keys of a routed prompt are pending already (its shared prefix, or the same
+            # request's first add): they only get the new expiry, at C speed, in one pass that also
+            # finds the new ones. A dict keeps its insertion order and an update keeps an existing
+            # key's place, so the keys new to ``pending`` are its last ``len(pending) - known``, in
+            # the order they were listed.
+            known = len(pending)
+            pending.update(zip(taken[held:] if held else taken, repeat(expiry_s)))
+            new = len(pending) - known
+        if new:
             fresh = list(islice(reversed(pending), new))
             fresh.reverse()
             room = max(0, limit - self._spec_count)
@@ -535,6 +574,9 @@ class PrefixTable(GapRecovery):
             pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
             for key in fresh:
                 holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+        if held or spec.deferred:  # the newest listing: applying the log gives its keys this expiry
+            spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
+        spec.note_held(taken, len(taken))  # every key of it is pending now
         if self.limits.lru_frontier:
             # Every key is re-inserted, so the table's order is the order of use (stores and
             # routes), which an event gap's recovery reads as the engine's LRU order
@@ -561,7 +603,9 @@ class PrefixTable(GapRecovery):
             self._spec_refs -= len(keys)
             if not spec.alive:
                 continue
-            pending = spec.expiry
+            if spec.deferred:
+                spec.settle()
+            pending = spec.pending  # read only, unless some are due (then through ``expiry``)
             # the keys neither confirmed nor extended since (C-speed filter: most were extended).
             # Counting them first is cheaper than the filter (``list.count`` compares in C, and finds
             # the keys of this very add by identity: they share its expiry's float object), and
@@ -570,7 +614,7 @@ class PrefixTable(GapRecovery):
             if not expiries.count(expiry_s):
                 continue
             due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))
-            pop = pending.pop
+            pop = spec.expiry.pop
             expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
             self._spec_count -= expired
             self.counters.speculative_expired += expired

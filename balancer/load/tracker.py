@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from balancer.errors import ConfigError
+from balancer.frozen import quick_init
 from balancer.types import ReplicaId
 
 
@@ -88,6 +89,7 @@ class EngineStats:
     capacity_tokens: int | None = None
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class ReplicaLoad:
     """The load of one replica at snapshot time.
@@ -128,6 +130,7 @@ class ReplicaLoad:
         return self.in_flight_reqs + (self.waiting_reqs or 0)
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class LoadSnapshot:
     """Per-replica load at one instant. Replicas without any data are absent; use :meth:`of`."""

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any, Protocol
 
 from balancer.errors import ConfigError
+from balancer.frozen import quick_init
 from balancer.load.tracker import LoadSnapshot
 from balancer.types import Decision, Overlap, ReplicaId
 
@@ -234,6 +235,7 @@ def _as_float(value: Any) -> Any:
     return value
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """What a policy needs to know about one request.
@@ -252,6 +254,7 @@ class RouteRequest:
     """For logs only; no policy routes on it."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PolicyInputs:
     """Everything a policy call read besides the weights and the rng: kept with a committed

@@ -96,7 +96,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
@@ -128,12 +128,15 @@ class CostPolicy:
         rng: random.Random,
     ) -> Decision:
         candidates = candidates_of(request)
-        loads = {replica: load.of(replica) for replica in candidates}
+        of = load.of
+        loads = {replica: of(replica) for replica in candidates}
         excluded, notes = kv_guard(loads, weights.kv_usage_ceiling)
-        eligible = [r for r in candidates if r not in excluded]
-        no_credit = imbalance_guard(
-            {r: base_load(loads[r], weights) for r in eligible}, weights.imbalance_threshold_blocks
-        )
+        eligible = [r for r in candidates if r not in excluded] if excluded else candidates
+        no_credit: Collection[ReplicaId] = ()
+        if weights.imbalance_threshold_blocks is not None:
+            no_credit = imbalance_guard(
+                {r: base_load(loads[r], weights) for r in eligible}, weights.imbalance_threshold_blocks
+            )
         if no_credit:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
         credit = weights.overlap_credit
@@ -141,17 +144,17 @@ class CostPolicy:
             busy, share = busy_share([loads[r] for r in eligible])
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
-        overlaps = {r: overlap_blocks(overlap, r, request.request_blocks) for r in candidates}
+        blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
         terms = [
             cost_terms(
                 loads[r],
-                overlaps[r],
-                request.request_blocks,
+                overlap_blocks(overlap, r, blocks),
+                blocks,
                 weights,
-                credit=0.0 if r in no_credit else credit,
-                excluded=excluded.get(r),
-                speculative=min(overlap.speculative_blocks.get(r, 0), request.request_blocks),
-                pressure=cache_pressure(overlap.held_blocks.get(r), loads[r].capacity_blocks),
+                credit=0.0 if no_credit and r in no_credit else credit,
+                excluded=excluded.get(r) if excluded else None,
+                speculative=min(speculative.get(r, 0), blocks),
+                pressure=cache_pressure(held.get(r), loads[r].capacity_blocks),
             )
             for r in candidates
         ]
@@ -270,23 +273,23 @@ def cost_terms(
     """The weighted terms and their sum for one replica (computed for excluded ones too, so an
     explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`."""
     waiting = float(load.waiting_reqs or 0)
-    shared = min(load.pending_prefill_blocks, min(credit, 1.0) * speculative)
-    survival = overlap_survival(
-        load.pending_prefill_blocks - shared, load.capacity_blocks, pressure, weights.eviction_risk_weight
-    )
+    pending = load.pending_prefill_blocks
+    shared = min(pending, min(credit, 1.0) * speculative)
+    survival = 1.0  # what overlap_survival gives with the discount off
+    if weights.eviction_risk_weight > 0:
+        survival = overlap_survival(
+            pending - shared, load.capacity_blocks, pressure, weights.eviction_risk_weight
+        )
     credited = survival * overlap
-    prefill_term = weights.prefill_weight * (
-        load.pending_prefill_blocks - shared + request_blocks - credit * credited
-    )
+    prefill = weights.prefill_weight
+    prefill_term = prefill * (pending - shared + request_blocks - credit * credited)
     inserted = request_blocks - (credited if credit > 0 else 0)
-    duplication_term = weights.prefill_weight * weights.duplication_weight * (pressure or 0.0) * inserted
-    decoding = load.active_decode_seqs
-    interference_term = weights.prefill_weight * weights.interference_weight * decoding * inserted
-    admission_term = (
-        weights.prefill_weight
-        * weights.admission_weight
-        * admission_shortfall_blocks(load, inserted if overlap == 0 else None)
-    )
+    duplication_term = prefill * weights.duplication_weight * (pressure or 0.0) * inserted
+    interference_term = prefill * weights.interference_weight * load.active_decode_seqs * inserted
+    admission_term = 0.0  # with the charge off (a finite shortfall ≥ 0 times 0)
+    if weights.admission_weight:
+        shortfall = admission_shortfall_blocks(load, inserted if overlap == 0 else None)
+        admission_term = prefill * weights.admission_weight * shortfall
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
     return CostTerms(

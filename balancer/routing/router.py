@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from balancer.errors import NoReplicasAvailable, Overloaded
+from balancer.frozen import quick_init
 from balancer.health.book import HealthBook
 from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
 from balancer.index.locked import LockedPrefixTable
@@ -64,6 +65,7 @@ class KeySpace:
     """Keys of recently hashed runs of blocks (shared prefixes are hashed once)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class RoutePlan:
     """A decision plus what committing it needs: the chosen replica's keys and exact cached tokens."""
@@ -119,6 +121,7 @@ class RouteLimits:
     """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class PoolRequest:
     """One request as the router sees it: its tokens, and the policy and weights that decide it."""
@@ -213,6 +216,8 @@ class PoolRouter:
         self.rng = rng or random.Random(0)
         self._next_lease = 0
         self.spaces: dict[tuple[int, AlignMode], KeySpace] = {}
+        self._reference_block_size = 16
+        """:attr:`reference_block_size`, kept by :meth:`add_replica` (key spaces are only added)."""
         self.space_of: dict[ReplicaId, KeySpace] = {}
         self.load: LoadTracker | None = None
         self.peer_load: Callable[[Collection[ReplicaId]], Mapping[ReplicaId, LoadCounts]] | None = None
@@ -231,7 +236,8 @@ class PoolRouter:
 
     @property
     def reference_block_size(self) -> int:
-        return min((bs for bs, _ in self.spaces), default=16)
+        """The smallest block size in the pool (16 while it has none): the unit of merged overlaps."""
+        return self._reference_block_size
 
     def add_replica(
         self,
@@ -254,6 +260,7 @@ class PoolRouter:
             memo = KeyMemo(self.route_limits.key_memo_runs)
             space = KeySpace(hasher, LockedPrefixTable(hasher, self._limits), memo=memo)
             self.spaces[(block_size, mode)] = space
+            self._reference_block_size = min(bs for bs, _ in self.spaces)
             load = self.load
             if load is not None and load.config.block_size_tokens != self.reference_block_size:
                 load.config = dataclasses.replace(load.config, block_size_tokens=self.reference_block_size)
@@ -433,9 +440,10 @@ class PoolRouter:
         exact_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
-        keys_by_space: dict[int, list[BlockKey]] = {}
+        keys_by_space: dict[int, tuple[BlockKey, ...]] = {}
         for space in self._spaces_for(candidates):
-            keys = space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo)
+            # a tuple: the plan commits this very object, so the table can tell the match saw it
+            keys = tuple(space.hasher.request_keys(token_ids, lora_name, cache_salt, space.memo))
             keys_by_space[id(space)] = keys
             among = tuple([r for r in candidates if r in space.replicas])  # a tuple: its mask is cached
             overlap, confirmed = space.table.match_confirmed(keys, among, now)
@@ -460,7 +468,7 @@ class PoolRouter:
         snapshot = self.load_snapshot(now)
         decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)
-        keys = keys_by_space.get(id(chosen_space), []) if chosen_space is not None else []
+        keys = keys_by_space.get(id(chosen_space), ()) if chosen_space is not None else ()
         cached = exact_tokens.get(decision.replica, 0)
         chosen_bs = ref_bs
         if chosen_space is not None:
@@ -480,6 +488,9 @@ class PoolRouter:
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:
+        if len(self.spaces) == 1:  # one caching scheme (the usual pool): no dict to build
+            (only,) = self.spaces.values()
+            return [only] if any(r in only.replicas for r in candidates) else []
         seen: dict[int, KeySpace] = {}
         for replica in candidates:
             space = self.space_of.get(replica)

@@ -48,12 +48,16 @@ def test_first_uses_lists_what_fromkeys_lists(
 ) -> None:
     """Chains with shared prefixes, prefixes of chains, and sequences that are no chains (a key
     repeated, at other depths, out of order) in any mix: the same keys in the same order as
-    ``dict.fromkeys`` of their concatenation, each mapped to a sequence that lists it."""
+    ``dict.fromkeys`` of their concatenation, each mapped to the first sequence that lists it."""
     sequences = [*_chains(prompts, cuts), *(tuple(seq) for seq in others)]
     rng.shuffle(sequences)
     found = first_uses(sequences)
     assert list(found) == list(dict.fromkeys(chain.from_iterable(sequences)))
-    assert all(key in listed for key, listed in found.items())
+    first: dict[int, tuple[int, ...]] = {}
+    for seq in sequences:
+        for key in seq:
+            first.setdefault(key, seq)
+    assert all(listed is first[key] for key, listed in found.items())
 
 
 def test_first_uses_does_not_trust_a_run_it_cannot_prove() -> None:
