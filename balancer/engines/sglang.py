@@ -31,13 +31,14 @@ page hashes (:func:`page_hashes`), with which receipts teach the index pages who
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from string import hexdigits
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
 from balancer.engines import DecodedBatch
+from balancer.engines.sglang_typed import TypedEvent, TypedStored, decode_typed, fields_of
 from balancer.engines.spec import EngineSpec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
@@ -94,10 +95,17 @@ class SglangDecoder:
 
     engine: str = "sglang"
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, *, typed: bool = True, chain: bool = False) -> None:
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
+        self.typed = typed
+        self.chain = chain
+        """Merge each run of plain one-block stores that chain into one ``chained`` ``Stored``
+        (typed path only; :func:`balancer.events.split_chained` gives the events back). Off by
+        default: the decoder contract is one event per engine event."""
+        """Decode the common shape with the typed schema first (:mod:`.sglang_typed`); ``False``:
+        every message takes the generic path (the same outcome, slower: the tests compare them)."""
         self._main_group: int | None = None
 
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch:
@@ -107,20 +115,23 @@ class SglangDecoder:
             raise EventDecodeError("frame", f"sequence frame is {len(seq_frame)} bytes, expected 8")
         if seq_frame == REPLAY_END_SEQ and not payload:
             raise EventDecodeError("replay_end", "replay END marker, not a batch")
-        timestamp, raw_events, dp_rank = _envelope(_unpack(payload))
+        typed = decode_typed(payload) if self.typed else None
+        if typed is not None and typed.dp_rank is not None and typed.dp_rank < 0:
+            typed = None  # the generic checks report it
+        handle: Callable[[Any, int], tuple[KvEvent | None, int]]
+        if typed is not None:
+            timestamp, raw_events, dp_rank = typed.ts, typed.events, typed.dp_rank
+            handle = self._typed_event
+        else:  # another shape: the generic decode, whose checks raise for a bad envelope
+            timestamp, raw_events, dp_rank = _envelope(_unpack(payload))
+            handle = self._event
         rank = 0 if dp_rank is None else dp_rank
         events: list[KvEvent] = []
         errors: list[str] = []
-        ignored = 0
-        for position, raw in enumerate(raw_events):
-            try:
-                decoded, dropped = self._event(raw, rank)
-            except _Malformed as exc:
-                errors.append(f"event {position}: {exc}")
-                continue
-            ignored += dropped
-            if decoded is not None:
-                events.append(decoded)
+        if typed is not None and self.chain:
+            ignored = self._chained_events(typed.events, rank, events, errors)
+        else:
+            ignored = self._events(raw_events, handle, rank, events, errors)
         return DecodedBatch(
             events=events,
             seq=int.from_bytes(seq_frame, "big"),
@@ -130,6 +141,99 @@ class SglangDecoder:
             ignored=ignored,
             errors=tuple(errors),
         )
+
+    def _events(
+        self,
+        raw_events: Sequence[Any],
+        handle: Callable[[Any, int], tuple[KvEvent | None, int]],
+        rank: int,
+        events: list[KvEvent],
+        errors: list[str],
+        offset: int = 0,
+    ) -> int:
+        """Decode ``raw_events`` (the envelope's from ``offset`` on) one by one into ``events`` and
+        ``errors``; returns how many things they dropped on purpose."""
+        ignored = 0
+        for position, raw in enumerate(raw_events, offset):
+            try:
+                decoded, dropped = handle(raw, rank)
+            except _Malformed as exc:
+                errors.append(f"event {position}: {exc}")
+                continue
+            ignored += dropped
+            if decoded is not None:
+                events.append(decoded)
+        return ignored
+
+    def _chained_events(
+        self, raw_events: list[TypedEvent], rank: int, events: list[KvEvent], errors: list[str]
+    ) -> int:
+        """:meth:`_events` of a typed envelope, but each run of plain one-block stores, each the
+        parent of the next, becomes one ``chained`` :class:`Stored` (what :func:`split_chained`
+        turns back into the events decoded one by one). Its tokens are packed once, for the run;
+        if they do not pack, the run's events are decoded one by one (their errors are theirs)."""
+        ignored = 0
+        pool_size = self.block_size
+        start = 0  # the open run is raw_events[start:position]
+        hashes: list[int] = []
+        tokens: list[int] = []
+        run_size = 0
+        for position, event in enumerate(raw_events):
+            if type(event) is TypedStored and _plain(event) and len(event.block_hashes) == 1:
+                block_size = event.block_size
+                if len(event.token_ids) == block_size > 0 and pool_size in (None, block_size):
+                    parent = event.parent_block_hash
+                    if (
+                        hashes
+                        and parent is not None
+                        and parent & U64_MASK == hashes[-1]
+                        and block_size == run_size
+                    ):
+                        hashes.append(event.block_hashes[0] & U64_MASK)
+                        tokens += event.token_ids
+                        continue
+                    if hashes:
+                        ignored += self._close_run(
+                            raw_events, start, position, hashes, tokens, rank, events, errors
+                        )
+                    start, run_size = position, block_size
+                    hashes, tokens = [event.block_hashes[0] & U64_MASK], list(event.token_ids)
+                    continue
+            if hashes:
+                ignored += self._close_run(raw_events, start, position, hashes, tokens, rank, events, errors)
+                hashes = []
+            ignored += self._events((event,), self._typed_event, rank, events, errors, position)
+        if hashes:
+            ignored += self._close_run(
+                raw_events, start, len(raw_events), hashes, tokens, rank, events, errors
+            )
+        return ignored
+
+    def _close_run(
+        self,
+        raw_events: list[TypedEvent],
+        start: int,
+        end: int,
+        hashes: list[int],
+        tokens: list[int],
+        rank: int,
+        events: list[KvEvent],
+        errors: list[str],
+    ) -> int:
+        """The run ``raw_events[start:end]`` (its engine hashes and tokens gathered) into ``events``."""
+        if end - start > 1:
+            try:
+                packed = pack_tokens(tokens)
+            except (OverflowError, TypeError):
+                pass  # which event holds the bad token is theirs to say: one by one below
+            else:
+                first = cast(TypedStored, raw_events[start])
+                parent = first.parent_block_hash
+                root = None if parent is None else EngineHash(parent & U64_MASK)
+                chain = cast("tuple[EngineHash, ...]", tuple(hashes))
+                events.append(Stored(rank, root, chain, packed, first.block_size, 0, None, None, True))
+                return 0
+        return self._events(raw_events[start:end], self._typed_event, rank, events, errors, start)
 
     def _event(self, raw: object, rank: int) -> tuple[KvEvent | None, int]:
         """One event and how many things it dropped on purpose (unknown tag, partial page, ...)."""
@@ -154,6 +258,41 @@ class SglangDecoder:
         if tag == "AllBlocksCleared":
             return (Cleared(rank), 0) if _on_gpu(fields) else (None, 1)
         return None, 1
+
+    def _typed_event(self, event: object, rank: int) -> tuple[KvEvent | None, int]:
+        """One event of a typed envelope: a plain GPU ``BlockStored`` (no LoRA, salt, extra keys or
+        KV-cache group) here, every other through the generic checks, with the same outcome."""
+        if type(event) is TypedStored:
+            stored = self._plain_stored(event, rank)
+            if stored is not None:
+                return stored
+        return self._event(fields_of(cast(TypedEvent, event)), rank)
+
+    def _plain_stored(self, event: TypedStored, rank: int) -> tuple[Stored | None, int] | None:
+        """What :meth:`_stored` gives for a plain store, in fewer steps (its checks in its order);
+        ``None`` for any other store, or one whose tokens do not pack: ``_stored`` decides those."""
+        if not _plain(event):
+            return None
+        hashes, tokens, block_size = event.block_hashes, event.token_ids, event.block_size
+        if not (hashes and tokens and block_size > 0) or (self.block_size not in (None, block_size)):
+            return None
+        count, dropped = _full_blocks(len(tokens), block_size, len(hashes))
+        if count == 0:
+            return None, 1
+        used = count * block_size
+        try:
+            packed = pack_tokens(tokens if used == len(tokens) else tokens[:used])
+        except (OverflowError, TypeError):
+            return None
+        parent = event.parent_block_hash
+        stored = Stored(
+            rank,
+            None if parent is None else EngineHash(parent & U64_MASK),
+            tuple([EngineHash(engine_hash & U64_MASK) for engine_hash in hashes[:count]]),
+            packed,
+            block_size,
+        )
+        return stored, dropped
 
     def _stored(self, fields: Mapping[Any, Any], rank: int) -> tuple[Stored | None, int]:
         if not (_on_gpu(fields) and self._in_main_group(fields, stored=True)):
@@ -214,6 +353,20 @@ class SglangDecoder:
         if group is None:
             return True
         return group == (0 if self._main_group is None else self._main_group)
+
+
+def _plain(event: TypedStored) -> bool:
+    """A store on the GPU tier without LoRA, salt, extra keys or KV-cache group (the common one)."""
+    return (
+        event.lora_id is None
+        and event.lora_name is None
+        and event.cache_salt is None
+        and event.metadata is None
+        and event.extra_keys is None
+        and event.group_idx is None
+        and event.kv_cache_spec_kind is None
+        and (event.medium is None or event.medium == "GPU")
+    )
 
 
 def _split_frames(frames: Sequence[bytes]) -> tuple[bytes | None, bytes, bytes]:
@@ -394,9 +547,15 @@ def page_hashes(token_ids: Sequence[int], tokens_per_page: int) -> list[EngineHa
     return hashes
 
 
+def chain_decoder(block_size: int) -> SglangDecoder:
+    """The decoder of a replica's event sources: one :class:`SglangDecoder` that merges chained runs."""
+    return SglangDecoder(block_size, chain=True)
+
+
 SPEC = EngineSpec(
     name="sglang",
     decoder=SglangDecoder,
+    chain_decoder=chain_decoder,
     align_mode="plain",
     bigram_align_mode="bigram",
     default_block_size=16,
