@@ -38,7 +38,7 @@ from typing import Any, cast
 import msgpack
 
 from balancer.engines import DecodedBatch
-from balancer.engines.sglang_typed import TypedEvent, TypedStored, decode_typed, fields_of
+from balancer.engines.sglang_typed import TypedEvent, TypedStored, chain_runs, decode_typed, fields_of, plain
 from balancer.engines.spec import EngineSpec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
@@ -169,71 +169,26 @@ class SglangDecoder:
         self, raw_events: list[TypedEvent], rank: int, events: list[KvEvent], errors: list[str]
     ) -> int:
         """:meth:`_events` of a typed envelope, but each run of plain one-block stores, each the
-        parent of the next, becomes one ``chained`` :class:`Stored` (what :func:`split_chained`
-        turns back into the events decoded one by one). Its tokens are packed once, for the run;
-        if they do not pack, the run's events are decoded one by one (their errors are theirs)."""
+        parent of the next (:func:`chain_runs`), becomes one ``chained`` :class:`Stored` (what
+        :func:`split_chained` turns back into the events decoded one by one). Its tokens are packed
+        once, for the run; if they do not pack, its events are decoded one by one (their errors are
+        theirs to report)."""
         ignored = 0
-        pool_size = self.block_size
-        start = 0  # the open run is raw_events[start:position]
-        hashes: list[int] = []
-        tokens: list[int] = []
-        run_size = 0
-        for position, event in enumerate(raw_events):
-            if type(event) is TypedStored and _plain(event) and len(event.block_hashes) == 1:
-                block_size = event.block_size
-                if len(event.token_ids) == block_size > 0 and pool_size in (None, block_size):
-                    parent = event.parent_block_hash
-                    if (
-                        hashes
-                        and parent is not None
-                        and parent & U64_MASK == hashes[-1]
-                        and block_size == run_size
-                    ):
-                        hashes.append(event.block_hashes[0] & U64_MASK)
-                        tokens += event.token_ids
-                        continue
-                    if hashes:
-                        ignored += self._close_run(
-                            raw_events, start, position, hashes, tokens, rank, events, errors
-                        )
-                    start, run_size = position, block_size
-                    hashes, tokens = [event.block_hashes[0] & U64_MASK], list(event.token_ids)
+        for start, end, hashes, tokens in chain_runs(raw_events, self.block_size):
+            if end - start > 1:
+                try:
+                    packed = pack_tokens(tokens)
+                except (OverflowError, TypeError):
+                    pass
+                else:
+                    first = cast(TypedStored, raw_events[start])
+                    parent = first.parent_block_hash
+                    root = None if parent is None else EngineHash(parent & U64_MASK)
+                    chain = cast("tuple[EngineHash, ...]", tuple(hashes))
+                    events.append(Stored(rank, root, chain, packed, first.block_size, 0, None, None, True))
                     continue
-            if hashes:
-                ignored += self._close_run(raw_events, start, position, hashes, tokens, rank, events, errors)
-                hashes = []
-            ignored += self._events((event,), self._typed_event, rank, events, errors, position)
-        if hashes:
-            ignored += self._close_run(
-                raw_events, start, len(raw_events), hashes, tokens, rank, events, errors
-            )
+            ignored += self._events(raw_events[start:end], self._typed_event, rank, events, errors, start)
         return ignored
-
-    def _close_run(
-        self,
-        raw_events: list[TypedEvent],
-        start: int,
-        end: int,
-        hashes: list[int],
-        tokens: list[int],
-        rank: int,
-        events: list[KvEvent],
-        errors: list[str],
-    ) -> int:
-        """The run ``raw_events[start:end]`` (its engine hashes and tokens gathered) into ``events``."""
-        if end - start > 1:
-            try:
-                packed = pack_tokens(tokens)
-            except (OverflowError, TypeError):
-                pass  # which event holds the bad token is theirs to say: one by one below
-            else:
-                first = cast(TypedStored, raw_events[start])
-                parent = first.parent_block_hash
-                root = None if parent is None else EngineHash(parent & U64_MASK)
-                chain = cast("tuple[EngineHash, ...]", tuple(hashes))
-                events.append(Stored(rank, root, chain, packed, first.block_size, 0, None, None, True))
-                return 0
-        return self._events(raw_events[start:end], self._typed_event, rank, events, errors, start)
 
     def _event(self, raw: object, rank: int) -> tuple[KvEvent | None, int]:
         """One event and how many things it dropped on purpose (unknown tag, partial page, ...)."""
@@ -271,7 +226,7 @@ class SglangDecoder:
     def _plain_stored(self, event: TypedStored, rank: int) -> tuple[Stored | None, int] | None:
         """What :meth:`_stored` gives for a plain store, in fewer steps (its checks in its order);
         ``None`` for any other store, or one whose tokens do not pack: ``_stored`` decides those."""
-        if not _plain(event):
+        if not plain(event):
             return None
         hashes, tokens, block_size = event.block_hashes, event.token_ids, event.block_size
         if not (hashes and tokens and block_size > 0) or (self.block_size not in (None, block_size)):
@@ -353,20 +308,6 @@ class SglangDecoder:
         if group is None:
             return True
         return group == (0 if self._main_group is None else self._main_group)
-
-
-def _plain(event: TypedStored) -> bool:
-    """A store on the GPU tier without LoRA, salt, extra keys or KV-cache group (the common one)."""
-    return (
-        event.lora_id is None
-        and event.lora_name is None
-        and event.cache_salt is None
-        and event.metadata is None
-        and event.extra_keys is None
-        and event.group_idx is None
-        and event.kv_cache_spec_kind is None
-        and (event.medium is None or event.medium == "GPU")
-    )
 
 
 def _split_frames(frames: Sequence[bytes]) -> tuple[bytes | None, bytes, bytes]:

@@ -16,9 +16,12 @@ ignores it, once it has decoded it); a repeated key keeps its last value in both
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import msgspec
+
+from balancer.types import U64_MASK
 
 _STRICT: dict[str, Any] = {"frozen": True, "forbid_unknown_fields": True}
 """An unknown key (or trailing array item) is not skipped but sends the message to the generic path,
@@ -85,3 +88,57 @@ def fields_of(event: TypedEvent) -> dict[str, Any]:
     fields = msgspec.structs.asdict(event)
     fields["type"] = event.__struct_config__.tag
     return fields
+
+
+def plain(event: TypedStored) -> bool:
+    """A store on the GPU tier without LoRA, salt, extra keys or KV-cache group (the common one)."""
+    return (
+        event.lora_id is None
+        and event.lora_name is None
+        and event.cache_salt is None
+        and event.metadata is None
+        and event.extra_keys is None
+        and event.group_idx is None
+        and event.kv_cache_spec_kind is None
+        and (event.medium is None or event.medium == "GPU")
+    )
+
+
+Run = tuple[int, int, list[int], list[int]]
+"""``(start, end, engine hashes, token ids)``: the events ``[start, end)`` of an envelope."""
+
+
+def chain_runs(events: list[TypedEvent], pool_size: int | None) -> Iterator[Run]:
+    """``events`` cut into runs, in order: a run of several events is plain one-block stores of one
+    full block of one size (the pool's, if given), each the parent of the next, with their engine
+    hashes (as u64) and tokens gathered; any other event is a run of its own (hashes and tokens
+    empty). A run's tokens are not checked: they may not pack."""
+    start = 0  # the open run is events[start:position]
+    hashes: list[int] = []
+    tokens: list[int] = []
+    run_size = 0
+    for position, event in enumerate(events):
+        if type(event) is TypedStored and len(event.block_hashes) == 1 and plain(event):
+            block_size = event.block_size
+            if len(event.token_ids) == block_size > 0 and pool_size in (None, block_size):
+                parent = event.parent_block_hash
+                if (
+                    hashes
+                    and block_size == run_size
+                    and parent is not None
+                    and parent & U64_MASK == hashes[-1]
+                ):
+                    hashes.append(event.block_hashes[0] & U64_MASK)
+                    tokens += event.token_ids
+                    continue
+                if hashes:
+                    yield start, position, hashes, tokens
+                start, run_size = position, block_size
+                hashes, tokens = [event.block_hashes[0] & U64_MASK], list(event.token_ids)
+                continue
+        if hashes:
+            yield start, position, hashes, tokens
+            hashes = []
+        yield position, position + 1, [], []
+    if hashes:
+        yield start, len(events), hashes, tokens
