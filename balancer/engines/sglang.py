@@ -38,7 +38,7 @@ from typing import Any, cast
 import msgpack
 
 from balancer.engines import DecodedBatch
-from balancer.engines.sglang_typed import TypedEvent, TypedStored, chain_runs, decode_typed, fields_of, plain
+from balancer.engines.sglang_typed import TypedEvent, TypedStored, chain_runs, decode_typed, fields_of
 from balancer.engines.spec import EngineSpec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
@@ -224,14 +224,28 @@ class SglangDecoder:
         return self._event(fields_of(cast(TypedEvent, event)), rank)
 
     def _plain_stored(self, event: TypedStored, rank: int) -> tuple[Stored | None, int] | None:
-        """What :meth:`_stored` gives for a plain store, in fewer steps (its checks in its order);
-        ``None`` for any other store, or one whose tokens do not pack: ``_stored`` decides those."""
-        if not plain(event):
+        """What :meth:`_stored` gives for a store without LoRA or salt on the GPU tier (SGLang's,
+        or vLLM's of the main KV-cache group, without extra keys) in fewer steps, its checks in its
+        order; ``None`` for any other store, or one whose tokens do not pack: ``_stored`` decides
+        those (the main-group check it repeats is idempotent)."""
+        if not (
+            event.lora_id is None
+            and event.lora_name is None
+            and event.cache_salt is None
+            and event.metadata is None
+            and (event.medium is None or event.medium == "GPU")
+        ):
             return None
+        group, kind = event.group_idx, event.kv_cache_spec_kind
+        if (group is not None or kind is not None) and not self._in_main_group(group, kind, stored=True):
+            return None, 1
         hashes, tokens, block_size = event.block_hashes, event.token_ids, event.block_size
         if not (hashes and tokens and block_size > 0) or (self.block_size not in (None, block_size)):
             return None
         count, dropped = _full_blocks(len(tokens), block_size, len(hashes))
+        extra = event.extra_keys  # vLLM: None per block without extra keys
+        if extra is not None and (type(extra) is not list or any(keys is not None for keys in extra[:count])):
+            return None
         if count == 0:
             return None, 1
         used = count * block_size
@@ -250,7 +264,8 @@ class SglangDecoder:
         return stored, dropped
 
     def _stored(self, fields: Mapping[Any, Any], rank: int) -> tuple[Stored | None, int]:
-        if not (_on_gpu(fields) and self._in_main_group(fields, stored=True)):
+        group, kind = fields.get("group_idx"), fields.get("kv_cache_spec_kind")
+        if not (_on_gpu(fields) and self._in_main_group(group, kind, stored=True)):
             return None, 1
         hashes = _hashes(fields.get("block_hashes"))
         parent_raw = fields.get("parent_block_hash")
@@ -280,20 +295,20 @@ class SglangDecoder:
         return stored, dropped + (count < len(hashes) - dropped)
 
     def _removed(self, fields: Mapping[Any, Any], rank: int) -> tuple[Removed | None, int]:
-        if not (_on_gpu(fields) and self._in_main_group(fields, stored=False)):
+        group, kind = fields.get("group_idx"), fields.get("kv_cache_spec_kind")
+        if not (_on_gpu(fields) and self._in_main_group(group, kind, stored=False)):
             return None, 1
         hashes = _hashes(fields.get("block_hashes"))
         return Removed(rank, hashes), 0
 
-    def _in_main_group(self, fields: Mapping[Any, Any], *, stored: bool) -> bool:
+    def _in_main_group(self, group: object, kind: object, *, stored: bool) -> bool:
         """vLLM hybrid models publish one event per KV-cache group; keep the main full-attention one.
 
         Groups share block hashes, so keeping a sliding-window group's removals would evict blocks
         the full-attention group still holds. Only ``BlockStored`` names the kind, so the main group
-        is learned from it; before that, group 0 (or no group at all) is the main one.
+        is learned from it; before that, group 0 (or no group at all) is the main one. ``group``
+        and ``kind``: the event's ``group_idx`` and ``kv_cache_spec_kind``.
         """
-        group = fields.get("group_idx")
-        kind = fields.get("kv_cache_spec_kind")
         if group is None and kind is None:
             return True
         if group is not None and type(group) is not int:

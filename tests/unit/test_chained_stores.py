@@ -25,6 +25,7 @@ from balancer.errors import EventDecodeError
 from balancer.events import KvEvent, Resync, Stored, split_chained
 from balancer.index.hashing import BlockHasher
 from balancer.index.memory import MemoryIndex
+from balancer.index.redis.plan import split_batch
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.metrics import Metrics
@@ -247,3 +248,32 @@ async def test_an_oversize_chained_event_is_applied_in_runs_not_dropped() -> Non
             await task
     assert index.table.held_blocks(A) == 7 and index.table.engine_hashes(A) == set(range(7))
     assert pipeline.overflows == 0
+
+
+def test_vllm_groups_and_extra_keys_decode_alike_on_both_paths() -> None:
+    def store(engine_hash: int, group: int, kind: str, extra: object = None) -> dict[str, Any]:
+        return {
+            **one_block(engine_hash, None, [1, 2, 3, 4]),
+            "lora_name": None,
+            "extra_keys": extra,
+            "group_idx": group,
+            "kv_cache_spec_kind": kind,
+        }
+
+    messages = [
+        [store(1, 0, "sliding_window"), store(2, 1, "full_attention"), store(3, 0, "full_attention")],
+        [store(4, 1, "full_attention", [None]), store(5, 1, "full_attention", [["mm-hash"]])],
+        [store(6, 1, "full_attention", "bad"), {**store(7, 1, "full_attention"), "group_idx": "x"}],
+        [{"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU", "group_idx": 0}],
+    ]
+    generic, typed = SglangDecoder(BS, typed=False), SglangDecoder(BS)
+    for events in messages:
+        assert typed.decode(frames_of(events)) == generic.decode(frames_of(events))
+    assert typed._main_group == generic._main_group == 1
+
+
+def test_the_redis_plan_gets_the_events_of_a_chained_store() -> None:
+    event = Stored(
+        0, None, tuple(EngineHash(h) for h in range(5)), u32(list(range(5 * BS))), BS, chained=True
+    )
+    assert split_batch(BlockHasher("m", BS), [event], 1000) == [split_chained(event)]
