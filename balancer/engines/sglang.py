@@ -23,6 +23,11 @@ Index 7 of a positional ``BlockStored`` is vLLM's ``lora_name`` (a string) or SG
 top-level ``cache_salt`` or, in older maps, as that ``metadata`` map (which wins when both are there).
 The only state is the learned vLLM main group, so one decoder serves one replica.
 
+Messages of the common shape decode through a typed ``msgspec`` schema first
+(:mod:`balancer.engines.sglang_typed`), with the same outcome as the generic path. The sources'
+decoder (:func:`chain_decoder`) also merges each run of one-block stores, each the parent of the
+next (SGLang publishes one per page), into one ``Stored(chained=True)``.
+
 SGLang's spec: plain alignment (EAGLE: bigram pages), 16 tokens per page by default, ZMQ events per DP
 rank with replay, load from ``/v1/loads`` (else Prometheus ``/metrics``, else ``/get_load``), and its
 page hashes (:func:`page_hashes`), with which receipts teach the index pages whose events were lost.
@@ -100,12 +105,12 @@ class SglangDecoder:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
         self.typed = typed
+        """Decode the common shape with the typed schema first (:mod:`.sglang_typed`); ``False``:
+        every message takes the generic path (the same outcome, slower: the tests compare them)."""
         self.chain = chain
         """Merge each run of plain one-block stores that chain into one ``chained`` ``Stored``
         (typed path only; :func:`balancer.events.split_chained` gives the events back). Off by
         default: the decoder contract is one event per engine event."""
-        """Decode the common shape with the typed schema first (:mod:`.sglang_typed`); ``False``:
-        every message takes the generic path (the same outcome, slower: the tests compare them)."""
         self._main_group: int | None = None
 
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch:
@@ -215,8 +220,8 @@ class SglangDecoder:
         return None, 1
 
     def _typed_event(self, event: object, rank: int) -> tuple[KvEvent | None, int]:
-        """One event of a typed envelope: a plain GPU ``BlockStored`` (no LoRA, salt, extra keys or
-        KV-cache group) here, every other through the generic checks, with the same outcome."""
+        """One event of a typed envelope: a common ``BlockStored`` here (:meth:`_plain_stored`),
+        every other through the generic checks, with the same outcome."""
         if type(event) is TypedStored:
             stored = self._plain_stored(event, rank)
             if stored is not None:
