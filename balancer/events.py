@@ -29,6 +29,11 @@ class Stored:
 
     ``lora_name`` and ``cache_salt`` select the key namespace of the root block; a child inherits its
     parent's namespace through the chained key.
+
+    ``chained``: the engine published each block as an event of its own, the parent of the next (as
+    SGLang publishes one ``BlockStored`` per page), and the decoder merged the run into this one
+    event, which costs one event to queue and apply instead of one per block. The index must apply
+    it exactly as it would apply those events in order (:func:`split_chained` gives them back).
     """
 
     dp_rank: int
@@ -39,10 +44,38 @@ class Stored:
     lookahead_tokens: int = 0
     lora_name: str | None = None
     cache_salt: str | None = None
+    chained: bool = False
 
     @property
     def block_count(self) -> int:
         return len(self.engine_hashes)
+
+
+def split_chained(event: Stored, max_blocks: int = 1) -> list[Stored]:
+    """The events a ``chained`` store stands for, in order, merged back into chained runs of at most
+    ``max_blocks`` blocks (1: the one-block events themselves). Applying the pieces in order gives
+    what applying the event gives."""
+    width = 4 * event.block_size
+    hashes = event.engine_hashes
+    pieces: list[Stored] = []
+    step = max(1, max_blocks)
+    for start in range(0, len(hashes), step):
+        end = min(len(hashes), start + step)
+        parent = event.parent if start == 0 else hashes[start - 1]
+        pieces.append(
+            Stored(
+                event.dp_rank,
+                parent,
+                hashes[start:end],
+                event.tokens[start * width : end * width + 4 * event.lookahead_tokens],
+                event.block_size,
+                event.lookahead_tokens,
+                event.lora_name,
+                event.cache_salt,
+                end - start > 1,
+            )
+        )
+    return pieces
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,37 @@ young container, so the ~32 requests in flight were walked about once per five r
   CPU per request, but cyclic garbage then waits that many allocations longer, and a request's
   cycles can hold its whole body: under `make faults`' bursts of 16 MiB bodies the high-water mark
   rose by about 110 MB per burst (263 → 842 MB, against the 400 MB bound it asserts).
+* :func:`collections_paused` keeps the collector from running inside a burst of allocations that
+  all die at its end: decoding one KV-event message builds thousands of containers at once (the
+  decoded envelope), so collections ran in the middle of it, found them all alive, and promoted them
+  to the older generations, until a full collection (70–270 ms with the console's decision ring,
+  holding the GIL: every request waited) ran every few dozen messages of a flood.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 
 
 def settle_after_start() -> None:
     """Collect once, then freeze the start-up heap (the thresholds stay CPython's)."""
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """No automatic collection while the block runs (process-wide, so keep the block short: one
+    message's decode). Its allocations still count, and those that die within it uncount
+    themselves, so what outlives it is collected as usual afterwards. Nested or concurrent uses are
+    safe: only the one that found the collector on turns it back on."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()

@@ -23,6 +23,11 @@ Index 7 of a positional ``BlockStored`` is vLLM's ``lora_name`` (a string) or SG
 top-level ``cache_salt`` or, in older maps, as that ``metadata`` map (which wins when both are there).
 The only state is the learned vLLM main group, so one decoder serves one replica.
 
+Messages of the common shape decode through a typed ``msgspec`` schema first
+(:mod:`balancer.engines.sglang_typed`), with the same outcome as the generic path. The sources'
+decoder (:func:`chain_decoder`) also merges each run of one-block stores, each the parent of the
+next (SGLang publishes one per page), into one ``Stored(chained=True)``.
+
 SGLang's spec: plain alignment (EAGLE: bigram pages), 16 tokens per page by default, ZMQ events per DP
 rank with replay, load from ``/v1/loads`` (else Prometheus ``/metrics``, else ``/get_load``), and its
 page hashes (:func:`page_hashes`), with which receipts teach the index pages whose events were lost.
@@ -31,13 +36,14 @@ page hashes (:func:`page_hashes`), with which receipts teach the index pages who
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from string import hexdigits
-from typing import Any
+from typing import Any, cast
 
 import msgpack
 
 from balancer.engines import DecodedBatch
+from balancer.engines.sglang_typed import TypedEvent, TypedStored, chain_runs, decode_typed, fields_of
 from balancer.engines.spec import EngineSpec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
@@ -94,10 +100,17 @@ class SglangDecoder:
 
     engine: str = "sglang"
 
-    def __init__(self, block_size: int | None = None) -> None:
+    def __init__(self, block_size: int | None = None, *, typed: bool = True, chain: bool = False) -> None:
         if block_size is not None and block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         self.block_size = block_size
+        self.typed = typed
+        """Decode the common shape with the typed schema first (:mod:`.sglang_typed`); ``False``:
+        every message takes the generic path (the same outcome, slower: the tests compare them)."""
+        self.chain = chain
+        """Merge each run of plain one-block stores that chain into one ``chained`` ``Stored``
+        (typed path only; :func:`balancer.events.split_chained` gives the events back). Off by
+        default: the decoder contract is one event per engine event."""
         self._main_group: int | None = None
 
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch:
@@ -107,20 +120,23 @@ class SglangDecoder:
             raise EventDecodeError("frame", f"sequence frame is {len(seq_frame)} bytes, expected 8")
         if seq_frame == REPLAY_END_SEQ and not payload:
             raise EventDecodeError("replay_end", "replay END marker, not a batch")
-        timestamp, raw_events, dp_rank = _envelope(_unpack(payload))
+        typed = decode_typed(payload) if self.typed else None
+        if typed is not None and typed.dp_rank is not None and typed.dp_rank < 0:
+            typed = None  # the generic checks report it
+        handle: Callable[[Any, int], tuple[KvEvent | None, int]]
+        if typed is not None:
+            timestamp, raw_events, dp_rank = typed.ts, typed.events, typed.dp_rank
+            handle = self._typed_event
+        else:  # another shape: the generic decode, whose checks raise for a bad envelope
+            timestamp, raw_events, dp_rank = _envelope(_unpack(payload))
+            handle = self._event
         rank = 0 if dp_rank is None else dp_rank
         events: list[KvEvent] = []
         errors: list[str] = []
-        ignored = 0
-        for position, raw in enumerate(raw_events):
-            try:
-                decoded, dropped = self._event(raw, rank)
-            except _Malformed as exc:
-                errors.append(f"event {position}: {exc}")
-                continue
-            ignored += dropped
-            if decoded is not None:
-                events.append(decoded)
+        if typed is not None and self.chain:
+            ignored = self._chained_events(typed.events, rank, events, errors)
+        else:
+            ignored = self._events(raw_events, handle, rank, events, errors)
         return DecodedBatch(
             events=events,
             seq=int.from_bytes(seq_frame, "big"),
@@ -130,6 +146,54 @@ class SglangDecoder:
             ignored=ignored,
             errors=tuple(errors),
         )
+
+    def _events(
+        self,
+        raw_events: Sequence[Any],
+        handle: Callable[[Any, int], tuple[KvEvent | None, int]],
+        rank: int,
+        events: list[KvEvent],
+        errors: list[str],
+        offset: int = 0,
+    ) -> int:
+        """Decode ``raw_events`` (the envelope's from ``offset`` on) one by one into ``events`` and
+        ``errors``; returns how many things they dropped on purpose."""
+        ignored = 0
+        for position, raw in enumerate(raw_events, offset):
+            try:
+                decoded, dropped = handle(raw, rank)
+            except _Malformed as exc:
+                errors.append(f"event {position}: {exc}")
+                continue
+            ignored += dropped
+            if decoded is not None:
+                events.append(decoded)
+        return ignored
+
+    def _chained_events(
+        self, raw_events: list[TypedEvent], rank: int, events: list[KvEvent], errors: list[str]
+    ) -> int:
+        """:meth:`_events` of a typed envelope, but each run of plain one-block stores, each the
+        parent of the next (:func:`chain_runs`), becomes one ``chained`` :class:`Stored` (what
+        :func:`split_chained` turns back into the events decoded one by one). Its tokens are packed
+        once, for the run; if they do not pack, its events are decoded one by one (their errors are
+        theirs to report)."""
+        ignored = 0
+        for start, end, hashes, tokens in chain_runs(raw_events, self.block_size):
+            if end - start > 1:
+                try:
+                    packed = pack_tokens(tokens)
+                except (OverflowError, TypeError):
+                    pass
+                else:
+                    first = cast(TypedStored, raw_events[start])
+                    parent = first.parent_block_hash
+                    root = None if parent is None else EngineHash(parent & U64_MASK)
+                    chain = cast("tuple[EngineHash, ...]", tuple(hashes))
+                    events.append(Stored(rank, root, chain, packed, first.block_size, 0, None, None, True))
+                    continue
+            ignored += self._events(raw_events[start:end], self._typed_event, rank, events, errors, start)
+        return ignored
 
     def _event(self, raw: object, rank: int) -> tuple[KvEvent | None, int]:
         """One event and how many things it dropped on purpose (unknown tag, partial page, ...)."""
@@ -155,8 +219,58 @@ class SglangDecoder:
             return (Cleared(rank), 0) if _on_gpu(fields) else (None, 1)
         return None, 1
 
+    def _typed_event(self, event: object, rank: int) -> tuple[KvEvent | None, int]:
+        """One event of a typed envelope: a common ``BlockStored`` here (:meth:`_plain_stored`),
+        every other through the generic checks, with the same outcome."""
+        if type(event) is TypedStored:
+            stored = self._plain_stored(event, rank)
+            if stored is not None:
+                return stored
+        return self._event(fields_of(cast(TypedEvent, event)), rank)
+
+    def _plain_stored(self, event: TypedStored, rank: int) -> tuple[Stored | None, int] | None:
+        """What :meth:`_stored` gives for a store without LoRA or salt on the GPU tier (SGLang's,
+        or vLLM's of the main KV-cache group, without extra keys) in fewer steps, its checks in its
+        order; ``None`` for any other store, or one whose tokens do not pack: ``_stored`` decides
+        those (the main-group check it repeats is idempotent)."""
+        if not (
+            event.lora_id is None
+            and event.lora_name is None
+            and event.cache_salt is None
+            and event.metadata is None
+            and (event.medium is None or event.medium == "GPU")
+        ):
+            return None
+        group, kind = event.group_idx, event.kv_cache_spec_kind
+        if (group is not None or kind is not None) and not self._in_main_group(group, kind, stored=True):
+            return None, 1
+        hashes, tokens, block_size = event.block_hashes, event.token_ids, event.block_size
+        if not (hashes and tokens and block_size > 0) or (self.block_size not in (None, block_size)):
+            return None
+        count, dropped = _full_blocks(len(tokens), block_size, len(hashes))
+        extra = event.extra_keys  # vLLM: None per block without extra keys
+        if extra is not None and (type(extra) is not list or any(keys is not None for keys in extra[:count])):
+            return None
+        if count == 0:
+            return None, 1
+        used = count * block_size
+        try:
+            packed = pack_tokens(tokens if used == len(tokens) else tokens[:used])
+        except (OverflowError, TypeError):
+            return None
+        parent = event.parent_block_hash
+        stored = Stored(
+            rank,
+            None if parent is None else EngineHash(parent & U64_MASK),
+            tuple([EngineHash(engine_hash & U64_MASK) for engine_hash in hashes[:count]]),
+            packed,
+            block_size,
+        )
+        return stored, dropped
+
     def _stored(self, fields: Mapping[Any, Any], rank: int) -> tuple[Stored | None, int]:
-        if not (_on_gpu(fields) and self._in_main_group(fields, stored=True)):
+        group, kind = fields.get("group_idx"), fields.get("kv_cache_spec_kind")
+        if not (_on_gpu(fields) and self._in_main_group(group, kind, stored=True)):
             return None, 1
         hashes = _hashes(fields.get("block_hashes"))
         parent_raw = fields.get("parent_block_hash")
@@ -186,20 +300,20 @@ class SglangDecoder:
         return stored, dropped + (count < len(hashes) - dropped)
 
     def _removed(self, fields: Mapping[Any, Any], rank: int) -> tuple[Removed | None, int]:
-        if not (_on_gpu(fields) and self._in_main_group(fields, stored=False)):
+        group, kind = fields.get("group_idx"), fields.get("kv_cache_spec_kind")
+        if not (_on_gpu(fields) and self._in_main_group(group, kind, stored=False)):
             return None, 1
         hashes = _hashes(fields.get("block_hashes"))
         return Removed(rank, hashes), 0
 
-    def _in_main_group(self, fields: Mapping[Any, Any], *, stored: bool) -> bool:
+    def _in_main_group(self, group: object, kind: object, *, stored: bool) -> bool:
         """vLLM hybrid models publish one event per KV-cache group; keep the main full-attention one.
 
         Groups share block hashes, so keeping a sliding-window group's removals would evict blocks
         the full-attention group still holds. Only ``BlockStored`` names the kind, so the main group
-        is learned from it; before that, group 0 (or no group at all) is the main one.
+        is learned from it; before that, group 0 (or no group at all) is the main one. ``group``
+        and ``kind``: the event's ``group_idx`` and ``kv_cache_spec_kind``.
         """
-        group = fields.get("group_idx")
-        kind = fields.get("kv_cache_spec_kind")
         if group is None and kind is None:
             return True
         if group is not None and type(group) is not int:
@@ -394,9 +508,15 @@ def page_hashes(token_ids: Sequence[int], tokens_per_page: int) -> list[EngineHa
     return hashes
 
 
+def chain_decoder(block_size: int) -> SglangDecoder:
+    """The decoder of a replica's event sources: one :class:`SglangDecoder` that merges chained runs."""
+    return SglangDecoder(block_size, chain=True)
+
+
 SPEC = EngineSpec(
     name="sglang",
     decoder=SglangDecoder,
+    chain_decoder=chain_decoder,
     align_mode="plain",
     bigram_align_mode="bigram",
     default_block_size=16,

@@ -45,7 +45,8 @@ class EngineSpec:
     """The engine's name: the ``engine`` value of a replica's config and of the ``kvlb.io/engine``
     pod annotation, and the key of :data:`balancer.engines.registry.ENGINE_SPECS`."""
     decoder: DecoderFactory
-    """Builds the decoder of one event stream for the replica's tokens per block."""
+    """Builds the decoder of one event stream for the replica's tokens per block (one event per
+    engine event: the decoder contract)."""
     align_mode: AlignMode
     """How the engine aligns its cached blocks on the prompt (``trtllm``: ``prompt[:-1]``)."""
     bigram_align_mode: AlignMode
@@ -61,6 +62,10 @@ class EngineSpec:
     """Whether a balancer taking this replica's ingest lease over from a holder that did not stop
     cleanly must resync the replica's ranks first: true when the transport cannot replay the events
     the previous holder consumed but never applied."""
+    chain_decoder: DecoderFactory | None = None
+    """Builds the decoder the replica's event sources use when it differs from ``decoder``: one that
+    merges runs of one-block stores into ``chained`` events (:class:`balancer.events.Stored`), which
+    the index applies as it would the runs' events, at a fraction of the cost. ``None``: ``decoder``."""
     block_hashes: BlockHashes | None = None
     """The engine's own hashes of the full blocks of a plain token sequence (no LoRA, no salt, text
     only), when kvlb can reproduce them; the router uses them only for a replica whose events agreed

@@ -8,13 +8,14 @@ load from Prometheus ``/metrics`` only (``vllm:num_requests_running`` and friend
 
 from __future__ import annotations
 
-from balancer.engines.sglang import SglangDecoder
+from balancer.engines.sglang import SglangDecoder, chain_decoder
 from balancer.engines.spec import EngineSpec
 from balancer.load.scrape import ScrapeTarget, parse_vllm_prometheus, text_parser
 
 SPEC = EngineSpec(
     name="vllm",
     decoder=SglangDecoder,
+    chain_decoder=chain_decoder,
     align_mode="plain",
     bigram_align_mode="bigram",
     default_block_size=16,

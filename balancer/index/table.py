@@ -42,7 +42,7 @@ from typing import cast
 
 import xxhash
 
-from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored, split_chained
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.recovery import _NEVER, GapRecovery
@@ -174,6 +174,10 @@ class PrefixTable(GapRecovery):
         return result
 
     def _store(self, replica: ReplicaId, event: Stored, result: ApplyResult, now: float) -> None:
+        if event.chained and not self._chain_applies_whole(replica, event):
+            for piece in split_chained(event):
+                self._store(replica, piece, result, now)
+            return
         count = len(event.engine_hashes)
         if (
             event.block_size != self._block_size
@@ -208,6 +212,23 @@ class PrefixTable(GapRecovery):
             self._restore_dropped(cache, seed, now)
         if len(self._holders) > self.limits.capacity_blocks:
             result.evicted_blocks += self._evict()
+
+    def _chain_applies_whole(self, replica: ReplicaId, event: Stored) -> bool:
+        """Whether storing a ``chained`` event as one chain gives what storing its one-block events
+        in order gives: its blocks fit the pool, the cache exists and knows the first parent (or it
+        is a root), nothing of the cache is suspect or dropped (whose handling looks at each event's
+        parent), and the table has room for every block (no eviction between two of the events).
+        Each event's parent is then the key the one before stored, which is where the chain goes on."""
+        cache = self._slots.cache(replica, event.dp_rank)
+        return (
+            cache is not None
+            and event.block_size == self._block_size
+            and event.lookahead_tokens == self._lookahead
+            and not cache.suspect
+            and not cache.dropped
+            and (event.parent is None or event.parent in cache.keys)
+            and len(self._masks) + len(event.engine_hashes) <= self.limits.capacity_blocks
+        )
 
     def _store_chain(self, cache: CacheSlot, seed: int, event: Stored) -> int:
         """The hot loop: hash each block, set this cache's bit, map its engine hash."""

@@ -111,7 +111,7 @@ def build_sources(
             replica_id,
             endpoint_for_rank(replica.events, rank),
             ctx=zmq_ctx,
-            decoder=spec.decoder(replica.block_size),
+            decoder=(spec.chain_decoder or spec.decoder)(replica.block_size),
             metrics=metrics,
             dp_rank=rank,
             topic=replica.topic.encode("utf-8"),

@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from balancer.errors import BalancerError, ConfigError
-from balancer.events import KvEvent, Resync, Stored, event_blocks
+from balancer.events import KvEvent, Resync, Stored, event_blocks, split_chained
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -271,13 +271,17 @@ class ReplicaPipeline:
         self.queued_bytes = resync_size
 
     def _without_oversize(self, batch: IngestBatch) -> IngestBatch:
-        """``batch`` with each event over ``max_event_blocks`` replaced by a resync of its rank."""
+        """``batch`` with each event over ``max_event_blocks`` replaced by a resync of its rank (a
+        ``chained`` store, whose engine events had one block each, by runs of at most that many)."""
         cap = self.settings.max_event_blocks
         kept: list[KvEvent] = []
         for event in batch.events:
             blocks = event_blocks(event)
             if blocks <= cap:
                 kept.append(event)
+                continue
+            if type(event) is Stored and event.chained:  # one-block events, merged by the decoder
+                kept.extend(split_chained(event, cap))
                 continue
             self._metrics.events_oversize_total.labels(self.replica).inc()
             self._warnings.warning(

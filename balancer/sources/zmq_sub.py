@@ -71,6 +71,7 @@ from zmq.utils.monitor import parse_monitor_message
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
 from balancer.events import KvEvent, Resync, ResyncReason
+from balancer.gc_tuning import collections_paused
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -387,7 +388,8 @@ class ZmqEventSource:
 
     def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
         try:
-            batch = self._decoder.decode(frames)
+            with collections_paused():  # the decoded envelope dies within: no collection inside
+                batch = self._decoder.decode(frames)
         except EventDecodeError as exc:
             self._decode_failed(exc)
             return None

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from itertools import islice
 
-from balancer.events import Cleared, KvEvent, Removed, Resync, Stored, event_blocks
+from balancer.events import Cleared, KvEvent, Removed, Resync, Stored, event_blocks, split_chained
 from balancer.index.base import ApplyResult
 from balancer.index.hashing import BlockHasher, chain_keys
 from balancer.index.redis.schema import hex_u64, hex_u64s
@@ -206,6 +206,8 @@ def split_batch(hasher: BlockHasher, events: Sequence[KvEvent], max_blocks: int)
 
 
 def _pieces(hasher: BlockHasher, event: KvEvent, max_blocks: int) -> list[KvEvent]:
+    if type(event) is Stored and event.chained:  # the script stores chains: give it the events
+        return list(split_chained(event))
     if event_blocks(event) <= max_blocks:
         return [event]
     if type(event) is Removed:
