@@ -29,7 +29,8 @@ import yaml
 from balancer import strict_json
 from balancer.app import Balancer, ServeOptions, WorkerRole
 from balancer.cli.workers import supervise
-from balancer.config import Settings, load, one_thread_per_encode
+from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
+from balancer.config.loader import JEMALLOC_LIBRARY
 from balancer.errors import ConfigError
 from balancer.gc_tuning import settle_after_start
 
@@ -108,12 +109,27 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     return argv
 
 
+def jemalloc_loaded() -> bool:
+    """Whether jemalloc is this process's allocator (it exports ``mallctl``; the C library does not)."""
+    return hasattr(ctypes.CDLL(None), "mallctl")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         settings = load(args.config, args.set)
     except ConfigError as exc:
         print(f"kvlb serve: {exc}", file=sys.stderr)
         return 2
+    reexec = allocator_environ(settings)
+    if reexec is not None:  # before anything else: the process image is replaced
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
+    if settings.allocator == "jemalloc" and not jemalloc_loaded():
+        print(
+            f"kvlb serve: allocator jemalloc: {JEMALLOC_LIBRARY} not found; using the system allocator",
+            file=sys.stderr,
+        )
     one_thread_per_encode()
     level = (args.log_level or settings.log_level).upper()
     logging.basicConfig(

@@ -4,6 +4,7 @@ the environment). Import from here: ``from balancer.config import ReplicaConfig`
 
 from balancer.config.loader import (
     TOKENIZERS_PARALLELISM,
+    allocator_environ,
     from_mapping,
     load,
     merge_overrides,
@@ -40,6 +41,7 @@ __all__ = [
     "Settings",
     "TimeoutConfig",
     "UpstreamConfig",
+    "allocator_environ",
     "from_mapping",
     "load",
     "merge_overrides",

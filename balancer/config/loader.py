@@ -12,6 +12,7 @@ reads ``os.environ``.
 
 from __future__ import annotations
 
+import ctypes.util
 import dataclasses
 import os
 import types
@@ -162,6 +163,30 @@ def load(
         raise ConfigError(f"config {file}: top level must be a mapping")
     settings: Settings = from_mapping(Settings, merge_overrides(raw, environ, sets))
     return settings.validate()
+
+
+JEMALLOC_LIBRARY = "libjemalloc.so.2"
+"""The shared library ``allocator: jemalloc`` preloads (the soname: the dynamic loader finds it)."""
+PRELOAD = "LD_PRELOAD"
+
+
+def allocator_environ(
+    settings: Settings, environ: Mapping[str, str] | None = None, found: bool | None = None
+) -> dict[str, str] | None:
+    """The environment ``kvlb serve`` must re-execute itself with for ``settings.allocator``, or
+    ``None`` when it runs as it is: the system allocator, jemalloc already preloaded (the re-executed
+    process, or a worker), or jemalloc not installed (``found``: whether the loader can find it; by
+    default looked up with :func:`ctypes.util.find_library`)."""
+    current = dict(os.environ) if environ is None else dict(environ)
+    preloaded = current.get(PRELOAD, "")
+    if settings.allocator != "jemalloc" or "jemalloc" in preloaded:
+        return None
+    if found is None:
+        found = ctypes.util.find_library("jemalloc") is not None
+    if not found:
+        return None
+    current[PRELOAD] = f"{preloaded} {JEMALLOC_LIBRARY}".strip()
+    return current
 
 
 TOKENIZERS_PARALLELISM = "TOKENIZERS_PARALLELISM"

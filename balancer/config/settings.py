@@ -416,6 +416,13 @@ class Settings:
     """Health probe period per replica."""
     log_level: str = "INFO"
     """Python logging level name."""
+    allocator: Literal["system", "jemalloc"] = "system"
+    """Memory allocator of ``kvlb serve``: ``system`` (the C library's ``malloc``) or ``jemalloc``
+    (``libjemalloc.so.2`` preloaded: the process re-executes itself once at start with it in
+    ``LD_PRELOAD``, and its workers inherit it; when the library is not installed it starts on the
+    system allocator and says so). The tokenizer's allocations are most of a new prompt's cost:
+    measured, an 8k-token new chat took 14.2–15.2 ms of kvlb CPU with ``system`` and 9.6–9.9 ms with
+    ``jemalloc`` (docs/benchmarks.md)."""
 
     def validate(self) -> Settings:
         """Cross-field checks; returns ``self`` or raises :class:`ConfigError` naming the field."""

@@ -124,3 +124,23 @@ def test_upstream_connection_bounds_are_settings() -> None:
         settings.upstream.idle_ttl_s,
     ) == (8, 16, 2.5)
     assert settings.upstream.max_idle_per_host == 256
+
+
+def test_the_allocator_setting_and_the_environment_it_re_executes_with() -> None:
+    assert config.load(env={}).allocator == "system"
+    jemalloc = config.load(env={"KVLB_ALLOCATOR": "jemalloc"})
+    assert jemalloc.allocator == "jemalloc"
+    with pytest.raises(ConfigError, match="allocator"):
+        config.load(env={}, sets=["allocator=tcmalloc"])
+    # the system allocator, or jemalloc already preloaded (the re-executed process, a worker): no exec
+    assert config.allocator_environ(config.load(env={}), {"PATH": "/bin"}, found=True) is None
+    preloaded = {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}
+    assert config.allocator_environ(jemalloc, preloaded, found=True) is None
+    assert config.allocator_environ(jemalloc, {"PATH": "/bin"}, found=False) is None  # not installed
+    # otherwise the same environment with the library appended to what is already preloaded
+    assert config.allocator_environ(jemalloc, {"PATH": "/bin"}, found=True) == {
+        "PATH": "/bin",
+        "LD_PRELOAD": "libjemalloc.so.2",
+    }
+    other = config.allocator_environ(jemalloc, {"LD_PRELOAD": "libother.so"}, found=True)
+    assert other == {"LD_PRELOAD": "libother.so libjemalloc.so.2"}
