@@ -177,7 +177,14 @@ SCENARIOS = {
         s.name: s
         for s in (
             Scenario(
-                "kvlb_killed", "kvlb instance killed while holding leases", kvlb_killed, redis=True, kvlbs=2
+                "kvlb_killed",
+                "kvlb instance killed while holding leases",
+                kvlb_killed,
+                redis=True,
+                kvlbs=2,
+                # the survivor may take a lease over only once it expired: up to a TTL and a tick
+                # after the kill, then the target
+                converge_limit_s=FLEET_TIMING["lease_ttl_s"] + FLEET_TIMING["tick_s"] + CONVERGE_LIMIT_S,
             ),
             Scenario(
                 "redis_restarted",
