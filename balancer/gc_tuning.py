@@ -37,8 +37,9 @@ def settle_after_start() -> None:
 def collections_paused() -> Iterator[None]:
     """No automatic collection while the block runs (process-wide, so keep the block short: one
     message's decode). Its allocations still count, and those that die within it uncount
-    themselves, so what outlives it is collected as usual afterwards. Nested or concurrent uses are
-    safe: only the one that found the collector on turns it back on."""
+    themselves, so what outlives it is collected as usual afterwards. A nested use leaves the
+    collector as it found it; of two threads' overlapping uses, only the first turns it back on, so
+    the second's block may end with collections running again (never with them left off)."""
     if not gc.isenabled():
         yield
         return
