@@ -7,21 +7,26 @@ with one row per worker; each worker writes only its own row (single writer, no 
 others' rows.
 
 A row is a header ``[seq, used, admitted]`` and ``limits.load_share_slots`` slots ``[key,
-prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]``, all little-endian int64. ``admitted`` is
-the worker's admitted requests (``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one
-aligned 8-byte store, read without the seqlock. ``key`` names a (pool, replica)
-(:func:`replica_key`, 0 = free slot). A replica takes a slot in the worker's row while the worker has
-requests in flight on it and frees it when it has none, so the slots bound the replicas *loaded at
-once* by one worker; a replica that finds no free slot is not shared (the other workers see only
-their own load on it) and is counted (``on_overflow``, ``kvlb_load_share_overflow_replicas_total``).
+prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]``, all int64 in the host's byte order (the
+table never leaves the host). ``admitted`` is the worker's admitted requests
+(``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one aligned 8-byte store, read
+without the seqlock. ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free slot). A replica
+takes a slot in the worker's row while the worker has requests in flight on it and frees it when it
+has none, so the slots bound the replicas *loaded at once* by one worker; a replica that finds no
+free slot is not shared (the other workers see only their own load on it) and is counted
+(``on_overflow``, ``kvlb_load_share_overflow_replicas_total``).
 
 ``seq`` is a seqlock: the writer makes it odd, writes, makes it even again; a reader retries while
 it reads an odd ``seq`` or a different one after the data (at most :data:`READ_ATTEMPTS` times, then
-it keeps that row's last good read and counts a torn read). Aligned 8-byte stores are single stores
-on the platforms kvlb runs on (x86-64, arm64), and a seqlock's reader sees whole rows on x86-64's
-ordered stores; elsewhere a torn read can at worst mix one row's fields for one snapshot (the load is
-a routing hint; the next snapshot reads again). A reader that finds every peer row's ``seq``
-unchanged reuses its last sum, so an idle service costs one header read per peer per snapshot.
+it keeps that row's last good read and counts a torn read). The header words are stored and loaded
+through an int64 view of the segment (``memoryview.cast("q")``), one 8-byte ``memcpy`` each, which is
+one store on the platforms kvlb runs on (x86-64, arm64). Not through ``struct.pack_into``: it zeroes
+the field and then writes it, so ``seq`` would pass through 0, an even value, on every store, and a
+reader that read 0 before and after the data would take a half-written row as whole. A seqlock's
+reader sees whole rows on x86-64's ordered stores; elsewhere a torn read can at worst mix one row's
+fields for one snapshot (the load is a routing hint; the next snapshot reads again). A reader that
+finds every peer row's ``seq`` unchanged reuses its last sum, so an idle service costs one header
+read per peer per snapshot.
 
 **The caps read the table too.** ``limits.max_inflight_per_replica`` is checked against a replica's
 in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`)
@@ -45,21 +50,22 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
+import weakref
 from collections.abc import Callable, Collection, Mapping
 from multiprocessing import resource_tracker, shared_memory
 
 from balancer.load.tracker import LoadCounts, combine
 from balancer.types import ReplicaId
 
-HEADER = struct.Struct("<qqq")
+HEADER = struct.Struct("=qqq")
 """A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken),
-``admitted`` (the worker's admitted requests, written outside the seqlock)."""
-SEQ = struct.Struct("<q")
-"""One int64 of a header: ``seq`` at offset 0, ``used`` at :data:`USED_AT`, ``admitted`` at
-:data:`ADMITTED_AT`."""
-USED_AT = 8
-ADMITTED_AT = 16
-SLOT = struct.Struct("<qqqqq")
+``admitted`` (the worker's admitted requests, written outside the seqlock). Each is stored and
+loaded alone, as one word of the segment's int64 view (:func:`_words`): word 0 of the row, then
+:data:`USED_WORD`, :data:`ADMITTED_WORD`."""
+USED_WORD = 1
+ADMITTED_WORD = 2
+WORD_BYTES = 8
+SLOT = struct.Struct("=qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
 READ_ATTEMPTS = 8
@@ -90,13 +96,22 @@ def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
     return buf
 
 
-def _zero_row(buf: memoryview, offset: int, slots: int) -> None:
+def _words(shm: shared_memory.SharedMemory) -> memoryview:
+    """The segment as int64 words: an item store or load is one 8-byte ``memcpy`` (see the module
+    doc). Released before the segment is closed."""
+    buf = _buffer(shm)
+    return buf[: len(buf) - len(buf) % WORD_BYTES].cast("q")
+
+
+def _zero_row(shm: shared_memory.SharedMemory, offset: int, slots: int) -> None:
     """Empty one row under its seqlock (odd, zeros, even), whatever state its writer left it in."""
-    seq = SEQ.unpack_from(buf, offset)[0] | 1
-    SEQ.pack_into(buf, offset, seq)
-    end = offset + row_bytes(slots)
-    buf[offset + SEQ.size : end] = bytes(end - offset - SEQ.size)
-    SEQ.pack_into(buf, offset, seq + 1)
+    with _words(shm) as words:
+        at = offset // WORD_BYTES
+        seq = words[at] | 1
+        words[at] = seq
+        end = offset + row_bytes(slots)
+        _buffer(shm)[offset + WORD_BYTES : end] = bytes(end - offset - WORD_BYTES)
+        words[at] = seq + 1
 
 
 class LoadTable:
@@ -114,7 +129,7 @@ class LoadTable:
     def zero_row(self, index: int) -> None:
         """Forget worker ``index``'s load (it exited: its requests are gone with it)."""
         if self._shm is not None and 0 <= index < self.workers:
-            _zero_row(_buffer(self._shm), index * row_bytes(self.slots), self.slots)
+            _zero_row(self._shm, index * row_bytes(self.slots), self.slots)
 
     def close(self) -> None:
         """Detach and remove the table (the workers are gone)."""
@@ -160,9 +175,14 @@ class LoadShare:
         self._on_overflow = on_overflow
         self._on_torn = on_torn
         self._offset = index * row_bytes(slots)
+        self._row_words = row_bytes(slots) // WORD_BYTES
+        self._at = index * self._row_words
         self._peers = [i for i in range(workers) if i != index]
-        _zero_row(_buffer(shm), self._offset, slots)
-        self._seq = SEQ.unpack_from(_buffer(shm), self._offset)[0]
+        _zero_row(shm, self._offset, slots)
+        self._words = _words(shm)
+        # A share dropped without close() releases its view first, or the segment cannot close.
+        weakref.finalize(self, self._words.release)
+        self._seq: int = self._words[self._at]
         self._used = 0
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = []
@@ -248,10 +268,10 @@ class LoadShare:
                 return
             self._slot_of[key] = slot
             self._unshared.discard(key)
-        buf = _buffer(shm)
+        buf, words, row = _buffer(shm), self._words, self._at
         at = self._offset + HEADER.size + slot * SLOT.size
         self._seq += 1
-        SEQ.pack_into(buf, self._offset, self._seq)
+        words[row] = self._seq
         if idle:
             SLOT.pack_into(buf, at, 0, 0, 0, 0, 0)
             del self._slot_of[key]
@@ -260,37 +280,34 @@ class LoadShare:
             c = counts
             SLOT.pack_into(buf, at, key, c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
         if fresh:
-            SEQ.pack_into(buf, self._offset + USED_AT, self._used)
+            words[row + USED_WORD] = self._used
         self._seq += 1
-        SEQ.pack_into(buf, self._offset, self._seq)
+        words[row] = self._seq
 
     def publish_admitted(self, admitted: int) -> None:
         """Write this worker's admitted requests (the ``on_change`` hook of its admission): one
         aligned 8-byte store, outside the seqlock (the slots' readers do not read it)."""
-        shm = self._shm
-        if shm is not None:
-            SEQ.pack_into(_buffer(shm), self._offset + ADMITTED_AT, admitted)
+        if self._shm is not None:
+            self._words[self._at + ADMITTED_WORD] = admitted
 
     def peer_admitted(self) -> int:
         """The requests the other workers have admitted now (their ``admitted``, negatives as 0)."""
-        shm = self._shm
-        if shm is None:
+        if self._shm is None:
             return 0
-        buf = _buffer(shm)
-        size = row_bytes(self.slots)
-        return sum(max(0, SEQ.unpack_from(buf, peer * size + ADMITTED_AT)[0]) for peer in self._peers)
+        words, size = self._words, self._row_words
+        return sum(max(0, words[peer * size + ADMITTED_WORD]) for peer in self._peers)
 
     def peer_totals(self) -> Mapping[int, LoadCounts]:
         """The other workers' load summed per replica key (cached while no peer row changed)."""
         shm = self._shm
         if shm is None or not self._peers:
             return {}
-        buf = _buffer(shm)
-        size = row_bytes(self.slots)
-        seqs = tuple(SEQ.unpack_from(buf, peer * size)[0] for peer in self._peers)
+        words, size = self._words, self._row_words
+        seqs = tuple(words[peer * size] for peer in self._peers)
         if seqs == self._sum_seqs:
             return self._sum
-        rows = [self._read_row(buf, peer, peer * size) for peer in self._peers]
+        buf = _buffer(shm)
+        rows = [self._read_row(buf, peer) for peer in self._peers]
         if len(rows) == 1:
             self._sum = rows[0]  # two workers: the other row is the sum
         else:
@@ -303,20 +320,22 @@ class LoadShare:
         self._sum_seqs = tuple(self._rows[peer][0] if peer in self._rows else -1 for peer in self._peers)
         return self._sum
 
-    def _read_row(self, buf: memoryview, peer: int, offset: int) -> dict[int, LoadCounts]:
+    def _read_row(self, buf: memoryview, peer: int) -> dict[int, LoadCounts]:
+        words, at = self._words, peer * self._row_words
+        offset = at * WORD_BYTES
         for _ in range(READ_ATTEMPTS):
-            seq, used, _ = HEADER.unpack_from(buf, offset)
+            seq: int = words[at]
             if seq & 1:
                 continue
             cached = self._rows.get(peer)
             if cached is not None and cached[0] == seq:
                 return cached[1]
-            used = max(0, min(used, self.slots))
+            used = max(0, min(words[at + USED_WORD], self.slots))
             fmt = self._formats.get(used)
             if fmt is None:
-                fmt = self._formats[used] = struct.Struct(f"<{used * SLOT_FIELDS}q")
+                fmt = self._formats[used] = struct.Struct(f"={used * SLOT_FIELDS}q")
             values = fmt.unpack_from(buf, offset + HEADER.size)
-            if SEQ.unpack_from(buf, offset)[0] != seq:
+            if words[at] != seq:
                 continue
             row = {
                 values[i]: LoadCounts(values[i + 1], values[i + 2], values[i + 3], values[i + 4])
@@ -335,5 +354,6 @@ class LoadShare:
         """Empty this worker's row (its requests are over) and detach."""
         shm, self._shm = self._shm, None
         if shm is not None:
-            _zero_row(_buffer(shm), self._offset, self.slots)
+            self._words.release()
+            _zero_row(shm, self._offset, self.slots)
             shm.close()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Callable, Iterator
+from multiprocessing import shared_memory
 from random import Random
 
 import pytest
@@ -81,8 +82,8 @@ def test_a_dead_workers_row_is_zeroed_by_the_supervisor_and_a_new_worker_starts_
     w0.publisher("m")(B, LoadCounts(1, 1, 0, 0))
     restarted = attach(table, 0)  # its restart empties the row again
     assert w1.reader("m")([A, B]) == {}
-    restarted.close()
-    w1.close()
+    for share in (restarted, w1, w0):  # w0 last: its close empties row 0 once more
+        share.close()
 
 
 def test_size_and_keys() -> None:
@@ -141,6 +142,50 @@ def test_rows_read_whole_while_another_process_writes() -> None:
         writes = int(writer.stdout.read().split()[0])
         assert writer.wait() == 0 and writes > 100 and reads > 100
         assert reader.reader("m")([A]) == {A: LoadCounts(9, 900, 9, 63)}
+        reader.close()
+
+
+COUNTER = textwrap.dedent(
+    """
+    import sys, time
+    from balancer.load.share import LoadShare
+    from balancer.load.tracker import LoadCounts
+    share = LoadShare(sys.argv[1], 0, 2, 4)
+    publish = share.publisher("m")
+    print("ready", flush=True)
+    n, stop = 0, time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < stop:
+        n += 1
+        publish("a", LoadCounts(n, 0, 0, 0))
+        share.publish_admitted(n)
+    print(n, flush=True)
+    """
+)
+
+
+def test_the_header_words_never_pass_through_a_lower_value_while_another_process_writes() -> None:
+    """``seq`` and ``admitted`` only grow while the writer counts up: each store is one 8-byte
+    store. (``struct.pack_into`` zeroes a field before writing it, so ``seq`` read 0, an even value,
+    in about one read in five, and a seqlock reader could take a half-written row as whole.)"""
+    with LoadTableFor(2, 4) as table:
+        reader = LoadShare(table.name, 1, 2, 4, track=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", COUNTER, table.name, "0.5"], stdout=subprocess.PIPE, text=True
+        )
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        attached = shared_memory.SharedMemory(name=table.name)  # the layout: row 0's seq is word 0
+        assert attached.buf is not None
+        words = attached.buf.cast("q")
+        seq = admitted = reads = 0
+        while writer.poll() is None:
+            seq_now, admitted_now = words[0], reader.peer_admitted()
+            assert seq_now >= seq and admitted_now >= admitted
+            seq, admitted, reads = seq_now, admitted_now, reads + 1
+        writes = int(writer.stdout.read().split()[0])
+        assert writer.wait() == 0 and writes > 100 and reads > 100
+        assert words[0] % 2 == 0 and reader.peer_admitted() == writes
+        words.release()
+        attached.close()
         reader.close()
 
 
