@@ -117,6 +117,7 @@ WRITER = textwrap.dedent(
     while time.monotonic() < stop:
         n += 1
         publish("a", LoadCounts(n, 100 * n, n, 7 * n))
+        share.publish_admitted(n)
     publish("a", LoadCounts(9, 900, 9, 63))
     print(n, flush=True)
     """
@@ -145,24 +146,6 @@ def test_rows_read_whole_while_another_process_writes() -> None:
         reader.close()
 
 
-COUNTER = textwrap.dedent(
-    """
-    import sys, time
-    from balancer.load.share import LoadShare
-    from balancer.load.tracker import LoadCounts
-    share = LoadShare(sys.argv[1], 0, 2, 4)
-    publish = share.publisher("m")
-    print("ready", flush=True)
-    n, stop = 0, time.monotonic() + float(sys.argv[2])
-    while time.monotonic() < stop:
-        n += 1
-        publish("a", LoadCounts(n, 0, 0, 0))
-        share.publish_admitted(n)
-    print(n, flush=True)
-    """
-)
-
-
 def test_the_header_words_never_pass_through_a_lower_value_while_another_process_writes() -> None:
     """``seq`` and ``admitted`` only grow while the writer counts up: each store is one 8-byte
     store. (``struct.pack_into`` zeroes a field before writing it, so ``seq`` read 0, an even value,
@@ -170,7 +153,7 @@ def test_the_header_words_never_pass_through_a_lower_value_while_another_process
     with LoadTableFor(2, 4) as table:
         reader = LoadShare(table.name, 1, 2, 4, track=True)
         writer = subprocess.Popen(
-            [sys.executable, "-c", COUNTER, table.name, "0.5"], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", WRITER, table.name, "1.0"], stdout=subprocess.PIPE, text=True
         )
         assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
         attached = shared_memory.SharedMemory(name=table.name)  # the layout: row 0's seq is word 0
