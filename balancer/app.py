@@ -38,7 +38,7 @@ from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
 from balancer.fleet.runtime import FleetRuntime
-from balancer.health.book import HealthBook
+from balancer.health.book import BreakerConfig, HealthBook
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.load.share import LoadShare
@@ -162,7 +162,7 @@ class Balancer:
 
     async def _start(self) -> None:
         settings = self.settings
-        health = HealthBook()
+        health = HealthBook(BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop))
         pools = await self._build_pools(health, random.Random(settings.policy.seed))
         weights = PolicyWeights.from_dict(settings.policy.weights)
         limits = settings.limits

@@ -1,9 +1,13 @@
 """Replica health: a circuit breaker per replica and the routable set (pure; callers pass ``now``).
 
-A replica is routable when its breaker is closed (or half-open for one trial), its last health probe
-succeeded, and it is not draining. Request failures before the first byte and failed probes both
-count against the breaker; ``failure_threshold`` consecutive failures open it for ``open_s`` seconds,
-after which one trial request is let through (half-open): success closes it, failure re-opens it.
+A replica is routable when its breaker is closed (or half-open for one trial), its health probes
+say it is live, and it is not draining. A probe answered with anything but 200, or refused, takes it
+out at once; probes that *timed out* take it out only after ``probe_timeouts_to_drop`` of them in a
+row: a timeout is ambiguous (a hung engine, or a stalled host or balancer, which times out every
+replica's probe at once). A good probe puts it back. Request failures before the first byte and
+failed probes, timeouts included, all count against the breaker; ``failure_threshold`` consecutive
+failures open it for ``open_s`` seconds, after which one trial request is let through (half-open):
+success closes it, failure re-opens it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ class BreakerConfig:
     """Consecutive failures that open the breaker (≥ 1)."""
     open_s: float = 5.0
     """Seconds an open breaker refuses traffic before one trial request is allowed."""
+    probe_timeouts_to_drop: int = 2
+    """Consecutive timed-out health probes after which a live replica stops taking traffic (≥ 1;
+    ``health_timeouts_to_drop``)."""
 
 
 @dataclass(slots=True)
@@ -33,6 +40,8 @@ class ReplicaHealth:
     probe_ok: bool = False
     draining: bool = False
     consecutive_failures: int = 0
+    probe_timeouts: int = 0
+    """Health probes in a row that timed out (0 after any other result)."""
     opened_at: float | None = None
     trial_in_flight: bool = False
     last_probe_at: float | None = None
@@ -95,19 +104,32 @@ class HealthBook:
         if rec.opened_at is not None or rec.consecutive_failures >= self.config.failure_threshold:
             rec.opened_at = now
 
-    def on_probe(self, replica: ReplicaId, ok: bool, now: float, error: str | None = None) -> None:
-        """Result of a health probe: success marks it live; failure also counts against the breaker."""
+    def on_probe(
+        self,
+        replica: ReplicaId,
+        ok: bool,
+        now: float,
+        error: str | None = None,
+        *,
+        timed_out: bool = False,
+    ) -> None:
+        """Result of a health probe: success marks it live (and resets the breaker after a failed
+        probe); a failure counts against the breaker and takes the replica out, at once or, when
+        it ``timed_out``, from the ``probe_timeouts_to_drop``-th timeout in a row."""
         rec = self.replicas.get(replica)
         if rec is None:
             return
         rec.last_probe_at = now
-        was_ok = rec.probe_ok
-        rec.probe_ok = ok
+        was_ok, timeouts = rec.probe_ok, rec.probe_timeouts
+        rec.probe_timeouts = timeouts + 1 if timed_out and not ok else 0
         if ok:
-            if not was_ok:
+            rec.probe_ok = True
+            if not was_ok or timeouts:
                 self.on_success(replica)
-        else:
-            self.on_failure(replica, now, error or "health probe failed")
+            return
+        if not timed_out or rec.probe_timeouts >= self.config.probe_timeouts_to_drop:
+            rec.probe_ok = False
+        self.on_failure(replica, now, error or "health probe failed")
 
     def set_draining(self, replica: ReplicaId, draining: bool) -> bool:
         rec = self.replicas.get(replica)

@@ -2,8 +2,9 @@
 
 Each result goes to :meth:`balancer.health.book.HealthBook.on_probe` with ``time.monotonic()``: a 200 marks
 the replica live (a replica is not routable before its first good probe), anything else (status,
-timeout, refused connection) counts against its circuit breaker. Transitions are logged once, not
-every period.
+timeout, refused connection) counts against its circuit breaker and takes the replica out of
+routing, a timeout only from the book's ``probe_timeouts_to_drop``-th in a row. Transitions are
+logged once, not every period.
 """
 
 from __future__ import annotations
@@ -74,26 +75,33 @@ class HealthProber:
             await asyncio.sleep(max(0.0, self.settings.interval_s - elapsed_s))
 
     async def probe_once(self) -> bool:
-        error = await self._probe()
+        error, timed_out = await self._probe()
         ok = error is None
-        self._health.on_probe(self.replica, ok, self._monotonic(), error)
+        self._health.on_probe(self.replica, ok, self._monotonic(), error, timed_out=timed_out)
         if ok != self._last_ok:
             if ok:
                 log.info("replica %s is healthy", self.replica)
             else:
-                log.warning("replica %s failed its health probe: %s", self.replica, error)
+                record = self._health.replicas.get(self.replica)
+                kept = record is not None and record.probe_ok
+                log.warning(
+                    "replica %s failed its health probe: %s%s",
+                    self.replica,
+                    error,
+                    " (still taking traffic: one timeout)" if kept else "",
+                )
         self._last_ok = ok
         return ok
 
-    async def _probe(self) -> str | None:
-        """``None`` when healthy, else why not."""
+    async def _probe(self) -> tuple[str | None, bool]:
+        """``(None, False)`` when healthy, else why not and whether the probe timed out."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
             async with self._session.get(self.url, timeout=timeout) as response:
                 if response.status == 200:
-                    return None
-                return f"{self.settings.path} answered {response.status}"
+                    return None, False
+                return f"{self.settings.path} answered {response.status}", False
         except TimeoutError:
-            return f"{self.settings.path} timed out after {self.settings.timeout_s}s"
+            return f"{self.settings.path} timed out after {self.settings.timeout_s}s", True
         except (aiohttp.ClientError, OSError) as exc:
-            return f"{self.settings.path}: {type(exc).__name__}"
+            return f"{self.settings.path}: {type(exc).__name__}", False

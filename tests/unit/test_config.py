@@ -62,6 +62,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.max_event_blocks=0"], "limits.max_event_blocks must be > 0"),
         (["limits.event_queue_bytes=0"], "limits.event_queue_bytes must be > 0"),
         (["limits.event_message_bytes=0"], "limits.event_message_bytes must be > 0"),
+        (["health_timeouts_to_drop=0"], "health_timeouts_to_drop must be in 1..10"),
+        (["health_timeouts_to_drop=11"], "health_timeouts_to_drop must be in 1..10"),
         (["limits.gap_hold_s=-1"], "limits.gap_hold_s must be in 0..60"),
         (["limits.gap_hold_s=61"], "limits.gap_hold_s must be in 0..60"),
         (["limits.token_id_memo_runs=-1"], "limits.token_id_memo_runs must be in 0..1048576"),

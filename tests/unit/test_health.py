@@ -57,3 +57,40 @@ def test_probe_failure_and_draining() -> None:
     assert hb.routable(2.0) == [A]
     assert not hb.set_draining(ReplicaId("zzz"), True)
     assert hb.routable(2.0, among=[B, A]) == [A]
+
+
+def test_timed_out_probes_take_a_replica_out_only_from_the_threshold_on() -> None:
+    """One timeout (a stalled host times out every replica's probe at once) leaves the replica
+    routable; the second in a row takes it out; a good probe puts it back and resets the count and
+    the breaker. Every timeout still counts against the breaker."""
+    hb = HealthBook(BreakerConfig(failure_threshold=3, probe_timeouts_to_drop=2))
+    hb.add(A, probe_ok=True)
+    hb.add(B, probe_ok=True)
+    hb.on_probe(A, False, 1.0, "timed out", timed_out=True)
+    assert hb.routable(1.0) == [A, B] and hb.replicas[A].consecutive_failures == 1
+    hb.on_probe(A, True, 2.0)  # back: the count and the breaker start over
+    assert hb.replicas[A].probe_timeouts == 0 and hb.replicas[A].consecutive_failures == 0
+    hb.on_probe(A, False, 3.0, "timed out", timed_out=True)
+    hb.on_probe(A, False, 4.0, "timed out", timed_out=True)
+    assert hb.routable(4.0) == [B]
+    hb.on_probe(A, True, 5.0)
+    assert hb.routable(5.0) == [A, B]
+
+
+def test_an_answer_other_than_200_or_a_refusal_takes_a_replica_out_at_once_after_a_timeout() -> None:
+    hb = HealthBook(BreakerConfig(probe_timeouts_to_drop=3))
+    hb.add(A, probe_ok=True)
+    hb.on_probe(A, False, 1.0, "timed out", timed_out=True)
+    assert hb.routable(1.0) == [A]
+    hb.on_probe(A, False, 2.0, "ClientConnectorError")  # refused: not a timeout
+    assert hb.routable(2.0) == [] and hb.replicas[A].probe_timeouts == 0
+    hb.on_probe(A, True, 3.0)
+    hb.on_probe(A, False, 4.0, "answered 503")
+    assert hb.routable(4.0) == []
+
+
+def test_a_threshold_of_one_drops_at_the_first_timeout() -> None:
+    hb = HealthBook(BreakerConfig(probe_timeouts_to_drop=1))
+    hb.add(A, probe_ok=True)
+    hb.on_probe(A, False, 1.0, "timed out", timed_out=True)
+    assert hb.routable(1.0) == []
