@@ -269,8 +269,9 @@ class SegmentCache:
     """Bounded LRU of text segment → token ids (tuples of shared ints)."""
 
     max_tokens: int = 2_000_000
-    """Cap on cached ids, all segments together (8 bytes each, 12 for a segment with a ``u32`` copy);
-    0 disables the cache."""
+    """Cap on cached ids, all segments together (8 bytes each, 12 for a segment with a ``u32`` copy,
+    plus about 230 bytes per segment for its shape entry: less than the segment's own text, which is
+    at least :attr:`min_chars` long); 0 disables the cache."""
     min_chars: int = 256
     """Segments shorter than this are encoded every time."""
     ints: Sequence[int] = ()
