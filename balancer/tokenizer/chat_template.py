@@ -23,6 +23,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.parser import Parser
+from jinja2.runtime import new_context
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from balancer.errors import ConfigError
@@ -44,7 +45,7 @@ RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, Attribut
 class ChatTemplate:
     """One model's compiled templates (``default``, optionally ``tool_use``) and special tokens."""
 
-    __slots__ = ("_context", "_templates")
+    __slots__ = ("_context", "_globals", "_templates")
 
     def __init__(
         self,
@@ -60,6 +61,9 @@ class ChatTemplate:
         if "default" not in sources:
             raise ConfigError(f"chat templates {sorted(sources)} have no 'default'")
         self._templates = {key: compile_chat_template(text, clock) for key, text in sources.items()}
+        self._globals = {key: dict(template.globals) for key, template in self._templates.items()}
+        """Each template's globals as one plain dict (its ``ChainMap`` read once, here: nothing adds
+        globals after :func:`compile_chat_template`), for :func:`render_prepared`."""
         self._context = dict(special_tokens)
 
     def render(
@@ -90,14 +94,33 @@ class ChatTemplate:
     ) -> list[str]:
         """:meth:`render` as the template writes it, before joining (``Template.generate``): its
         literals and each ``{{ ... }}`` output in turn, a message's content being that very string."""
-        context = {**self._context, **template_kwargs}
+        name = "tool_use" if tools and "tool_use" in self._templates else "default"
+        flat = self._globals[name]
+        context = {**flat, **self._context, **template_kwargs}
         context.update(
             messages=messages,
             tools=list(tools) if tools is not None else None,
             add_generation_prompt=add_generation_prompt,
         )
-        template = self._templates.get("tool_use") if tools else None
-        return list((template or self._templates["default"]).generate(context))
+        return render_prepared(self._templates[name], flat, context)
+
+
+def render_prepared(
+    template: jinja2.Template, flat_globals: dict[str, Any], context: dict[str, Any]
+) -> list[str]:
+    """``list(template.generate(variables))``, given ``context = {**flat_globals, **variables}`` and
+    ``flat_globals = dict(template.globals)``: the same context, output and errors, without what
+    ``generate`` does per call to get there (copy the variables, then merge them over the globals'
+    ``ChainMap`` and take that ``ChainMap``'s keys, each key read through Python-level
+    ``ChainMap`` methods: about 15 of the 21 µs of rendering a two-message chat). Jinja's own
+    ``Template.render`` calls ``root_render_func`` the same way. ``context`` becomes the template
+    context's parent (not copied: pass a new dict)."""
+    environment = template.environment
+    ctx = new_context(environment, template.name, template.blocks, context, True, flat_globals)
+    try:
+        return list(template.root_render_func(ctx))
+    except Exception:
+        environment.handle_exception()  # raises it, its traceback pointing into the template source
 
 
 def compile_chat_template(source: str, clock: Callable[[], datetime] = datetime.now) -> jinja2.Template:

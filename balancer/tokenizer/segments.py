@@ -29,6 +29,13 @@ tokenizing. The request path wants the prompt as a ``u32`` array, though (``comp
 converting a list of 8k ints costs about as much again, so :func:`encode_segmented_packed` builds the
 array directly: a segment it hits also gets a ``u32`` copy, made at that first hit and kept beside its
 tuple (4 bytes more per id of such segments), which later hits copy as bytes.
+
+A request's segments are new string objects (decoded from its body), so finding one in a dict hashes
+all of it (about 10 µs for a 46,000-character system prompt) and compares it with the stored key
+once per dict operation. The cache therefore also keeps one stored key per *shape* (length, first
+and last :data:`SHAPE_CHARS` characters): a segment whose shape names a stored key equal to it (one
+compare) is looked up by that key object, whose hash is cached and which every dict finds by
+identity. Any other segment is looked up by its own hash, as before; the answers are the same.
 """
 
 from __future__ import annotations
@@ -249,13 +256,22 @@ def _trie_pattern(node: dict[str, Any]) -> str:
     return group + "?" if _END in node else group
 
 
+SHAPE_CHARS = 32
+"""Characters at each end of a segment that, with its length, make its shape (:class:`SegmentCache`)."""
+
+
+def _shape(segment: str) -> tuple[int, str, str]:
+    return len(segment), segment[:SHAPE_CHARS], segment[-SHAPE_CHARS:]
+
+
 @dataclass(slots=True)
 class SegmentCache:
     """Bounded LRU of text segment → token ids (tuples of shared ints)."""
 
     max_tokens: int = 2_000_000
-    """Cap on cached ids, all segments together (8 bytes each, 12 for a segment with a ``u32`` copy);
-    0 disables the cache."""
+    """Cap on cached ids, all segments together (8 bytes each, 12 for a segment with a ``u32`` copy,
+    plus about 230 bytes per segment for its shape entry: less than the segment's own text, which is
+    at least :attr:`min_chars` long); 0 disables the cache."""
     min_chars: int = 256
     """Segments shorter than this are encoded every time."""
     ints: Sequence[int] = ()
@@ -267,6 +283,9 @@ class SegmentCache:
     _entries: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
     _arrays: dict[str, array[int]] = field(default_factory=dict)
     """The ``u32`` copies of the entries :meth:`packed_ids` hit (a subset of ``_entries``' keys)."""
+    _shapes: dict[tuple[int, str, str], str] = field(default_factory=dict)
+    """Shape → the key of ``_entries`` (that very object) first stored with it while none was: at
+    most one per entry, dropped with it."""
     _tokens: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -279,7 +298,13 @@ class SegmentCache:
         if self.max_tokens <= 0 or len(segment) < self.min_chars:
             return False
         with self._lock:
-            return segment in self._entries
+            return self._stored(segment) in self._entries
+
+    def _stored(self, segment: str) -> str:
+        """The stored key equal to ``segment`` that its shape names (found by identity in the
+        dicts, its hash cached), else ``segment`` itself. Call with the lock held."""
+        key = self._shapes.get(_shape(segment))
+        return key if key is not None and key == segment else segment
 
     def ids(self, segment: str, encode: Callable[[str], list[int]]) -> Sequence[int]:
         """Ids of ``segment``, from the cache or from ``encode`` (whose result is then cached)."""
@@ -295,17 +320,18 @@ class SegmentCache:
         if self.max_tokens <= 0 or len(segment) < self.min_chars:
             return None
         with self._lock:
-            found = self._entries.get(segment)
+            key = self._stored(segment)
+            found = self._entries.get(key)
             if found is None:
                 return None
-            self._entries.move_to_end(segment)
-            made = self._arrays.get(segment)
+            self._entries.move_to_end(key)
+            made = self._arrays.get(key)
         if made is not None:
             return made
         made = array("I", found)
         with self._lock:
-            if self._entries.get(segment) is found:  # not evicted meanwhile
-                self._arrays[segment] = made
+            if self._entries.get(key) is found:  # not evicted meanwhile
+                self._arrays[key] = made
         return made
 
     def count_hits(self, count: int) -> None:
@@ -317,13 +343,14 @@ class SegmentCache:
         if self.max_tokens <= 0 or len(segment) < self.min_chars:
             return encode(segment)
         with self._lock:
-            found = self._entries.get(segment)
+            key = self._stored(segment)
+            found = self._entries.get(key)
             if found is not None:
-                self._entries.move_to_end(segment)
+                self._entries.move_to_end(key)
                 self.hits += 1
                 if not packed:
                     return found
-                made = self._arrays.get(segment)
+                made = self._arrays.get(key)
                 if made is not None:
                     return made
             else:
@@ -331,19 +358,23 @@ class SegmentCache:
         if found is not None:  # the first packed hit of this segment
             made = array("I", found)
             with self._lock:
-                if self._entries.get(segment) is found:  # not evicted meanwhile
-                    self._arrays[segment] = made
+                if self._entries.get(key) is found:  # not evicted meanwhile
+                    self._arrays[key] = made
             return made
         encoded = self._shared(encode(segment))
         if len(encoded) > self.max_tokens // 4:  # one huge segment would flush everything else
             return encoded
         with self._lock:
-            if segment not in self._entries:
+            if self._stored(segment) not in self._entries:
                 self._entries[segment] = encoded
+                self._shapes.setdefault(_shape(segment), segment)
                 self._tokens += len(encoded)
                 while self._tokens > self.max_tokens:
                     gone, old = self._entries.popitem(last=False)
                     self._arrays.pop(gone, None)
+                    shape = _shape(gone)
+                    if self._shapes.get(shape) is gone:
+                        del self._shapes[shape]
                     self._tokens -= len(old)
                     self.evictions += 1
         return encoded
