@@ -15,6 +15,7 @@ from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.grpc.messages import decision_message, openai_call, read_chunk
 from balancer.api.parsing import parse_request
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.types import CostTerms, Decision, ReplicaId
 from balancer.upstream.sse import SseEvents
 
@@ -174,6 +175,29 @@ def test_the_body_is_the_same_bytes_and_reads_as_the_http_face_reads_it(
         assert parsed == reread
     if which == "chat" and extra:
         assert parsed.chat_kwargs["tools"][0]["function"]["parameters"] == {"maximum": None}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_sent_again_through_the_memo_give_the_same_body(stream: bool) -> None:
+    """Through a memo (the server passes ``state.token_id_memo``), ids sent again are found as runs of
+    their packed varints: the body and what routing reads are those made without one."""
+    memo = TokenIdMemo(256, run_bytes=64)
+    prefix = [(i * 104_729) % 2**32 for i in range(500)]
+    for _ in range(4):
+        for tail in ([], [1, 2, 3], list(range(100_000, 100_400))):
+            ids = pb.TokenIds(ids=prefix + tail)
+            request = pb.GenerateRequest.FromString(
+                pb.GenerateRequest(
+                    model="m", prompt_token_ids=ids, max_tokens=9, session_key="s"
+                ).SerializeToString()
+            )
+            plain, through = (
+                openai_call(request, stream=stream),
+                openai_call(request, stream=stream, memo=memo),
+            )
+            assert through.body == plain.body == old_body(request, stream)
+            assert through.parsed == plain.parsed and through.parsed.packed is through.parsed.prompt
+    assert memo.hits > 0
 
 
 def test_sse_payloads_are_read_whole_with_text_finish_and_usage() -> None:

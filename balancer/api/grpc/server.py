@@ -133,8 +133,9 @@ async def prepare(
 ) -> Forward:
     """Validate ``request`` as the HTTP API validates a body, find its pool, weights and token ids.
     Token ids come packed from the message (:func:`~balancer.api.grpc.messages.openai_call`): no JSON
-    is decoded, so the HTTP face's memo of runs of id text (``state.token_id_memo``) is not used."""
-    openai = openai_call(request, stream=stream)
+    is decoded; runs of their packed varints are memoised in ``state.token_id_memo`` beside the HTTP
+    face's runs of id text."""
+    openai = openai_call(request, stream=stream, memo=state.token_id_memo)
     parsed = openai.parsed
     pool = find_pool(state, parsed.model)
     weights = call.weights()
