@@ -230,7 +230,7 @@ def packed_token_ids(
     if memo is None or memo.max_runs == 0 or not _seen_head(ids, memo):
         return _read_from(ids, 0, b"", 0, None)
     field = serialized()
-    start = _payload_start(field)
+    start = packed_start(field)
     if start is None:
         return _read_from(ids, 0, b"", 0, None)
     end = len(field)
@@ -272,9 +272,9 @@ def _seen_head(ids: Sequence[int], memo: TokenIdMemo) -> bool:
     return memo._seen_again((_xxh3_128(head, GUESS_SEED), len(head)))
 
 
-def _payload_start(field: bytes) -> int | None:
-    """Where the packed varints of ``field`` (field 1, length-delimited) start, if they run to its
-    end; else ``None``."""
+def packed_start(field: bytes) -> int | None:
+    """Where the packed varints of ``field``, a serialized message, start if it holds one packed field
+    1 and nothing else (its tag byte, its length, the varints to the end); else ``None``."""
     if field[:1] != b"\x0a":
         return None
     header = _VARINT_END.search(field, 1, 6)
