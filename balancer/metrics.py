@@ -238,9 +238,9 @@ class TableCountersCollector(Collector):
 
 class TokenIdMemoCollector(Collector):
     """The :class:`~balancer.tokenizer.token_ids.TokenIdMemo`'s counters, read at scrape time:
-    ``kvlb_tokenizer_token_id_memo_{hits,misses,evictions}_total`` (runs of token-id prompt text found,
-    decoded, and forgotten at ``limits.token_id_memo_runs``). ``source`` is set by the composition
-    root once the memo exists (zeros before)."""
+    ``kvlb_tokenizer_token_id_memo_{hits,misses,evictions}_total`` (runs of token-id prompt text, or
+    of a gRPC prompt's packed ids, found, decoded, and forgotten at ``limits.token_id_memo_runs``).
+    ``source`` is set by the composition root once the memo exists (zeros before)."""
 
     COUNTERS: Final = ("hits", "misses", "evictions")
 

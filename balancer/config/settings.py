@@ -109,7 +109,9 @@ class LimitConfig:
     """Runs of about 2 kB of a token-id prompt's JSON text whose decoded ids are remembered, so that
     ids sent again (a shared prefix, a repeated prompt) are not decoded again (least recently used
     out first, ``kvlb_tokenizer_token_id_memo_evictions_total``; about 1.5 kB a run of 5-digit ids, at
-    most 4 kB a run: 6 to 17 MB at the default). 0 turns it off. 0..1,048,576; per process."""
+    most 4 kB a run: 6 to 17 MB at the default). gRPC prompts' runs of 1 kB of packed ids share the
+    count, with their JSON text: about 3.8 kB a run, at most 8.2 kB (34 MB at the default if all
+    were). 0 turns it off. 0..1,048,576; per process."""
     max_inflight: int = 1024
     """Requests served at once by this balancer; more wait in the queue (``max_queued``: full → 429,
     ``queue_timeout_s`` → 503, both with Retry-After). With ``kvlb serve --workers N`` all workers

@@ -87,15 +87,17 @@ async def test_smoke_run_reports_every_field() -> None:
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
         assert set(run["token_id_memo"]) == {"hits", "misses", "evictions"}
-    # the memo: repeated id prompts are found whole after the warm-up; shared ones decode their tails
-    # gRPC token ids come packed from the message: no JSON is decoded, the memo is not consulted
-    for kind in ("chat_shared", "chat", "chat_cold", "grpc_tokens"):
+    # the memo: repeated id prompts are found whole after the warm-up; shared ones decode their tails;
+    # gRPC token ids come packed from the message, their runs of packed varints found as well
+    for kind in ("chat_shared", "chat", "chat_cold"):
         assert report["runs"][kind]["token_id_memo"] == {"hits": 0, "misses": 0, "evictions": 0}
-    repeated, shared = (
+    repeated, shared, grpc_ids = (
         report["runs"]["tokens"]["token_id_memo"],
         report["runs"]["tokens_shared"]["token_id_memo"],
+        report["runs"]["grpc_tokens"]["token_id_memo"],
     )
     assert repeated["hits"] > 0 and shared["hits"] > 0 and shared["misses"] > 0
+    assert grpc_ids["hits"] > 0 and grpc_ids["evictions"] == 0
     assert report["shape"]["workers"] == [1, 2]
     for kind in kinds:
         ratios = report["workers_ratios"][kind]

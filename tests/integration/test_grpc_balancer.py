@@ -107,9 +107,11 @@ async def test_route_names_the_holder_of_a_hot_prefix_and_reserves_only_when_ask
 
 
 async def test_grpc_token_ids_are_routed_from_the_message_without_decoding_json(tokenizer: Tokenizer) -> None:
-    """gRPC token-id prompts are packed straight from the message (no JSON decoded, so the HTTP face's
-    memo of runs of id text is not consulted) and routed to the holder of their blocks, ids up to
-    ``2**32 - 1`` included."""
+    """gRPC token-id prompts are packed straight from the message (no JSON decoded) and routed to the
+    holder of their blocks, ids up to ``2**32 - 1`` included; their packed varints go through the
+    memo the HTTP face keeps runs of id text in (its counters): the first sight notes the leading
+    ids, the second and third read the one run (1,000 bytes of 5-byte varints) and remember it, the
+    fourth finds it; over Route (the message serialized again) and Generate (the bytes received)."""
     prompt = [4_000_000_000 + i * 7919 for i in range(199)] + [2**32 - 1]
     async with grpc_running(tokenizer, limits__speculative_ttl_s=0.001) as g:
         holder = await g.http.warm(prompt)
@@ -119,12 +121,44 @@ async def test_grpc_token_ids_are_routed_from_the_message_without_decoding_json(
                 text = await response.text()
             return [metric_value(text, f"kvlb_tokenizer_token_id_memo_{n}_total") for n in ("hits", "misses")]
 
-        before = await memo_counts()
-        for _ in range(3):  # a prompt the memo would keep from its second sight and find at its third
+        hits, misses = await memo_counts()
+        for _ in range(4):
             routed = await g.balancer.Route(pb.RouteRequest(request=token_request(prompt)))
             assert routed.replica_id == holder and routed.predicted_cached_tokens >= 180
             assert routed.prompt_tokens == len(prompt)
-        assert await memo_counts() == before
+        assert await memo_counts() == [hits + 1, misses + 2]
+        # Generate looks its ids up as the bytes it received: the same counts, the same answers
+        streamed = [[c async for c in g.balancer.Generate(token_request(prompt[1:]))] for _ in range(4)]
+        assert await memo_counts() == [hits + 2, misses + 4]
+        assert {chunks[-1].done.usage.prompt_tokens for chunks in streamed} == {len(prompt) - 1}
+        assert len({"".join(c.text for c in chunks) for chunks in streamed}) == 1  # greedy: one answer
+        # the same ids as a lax encoder writes them (each varint a byte longer): as received, runs
+        # the memo never saw (misses); serialized again they would be the runs it holds (a hit)
+        lax = b"".join(_longer_varint(i) for i in prompt[1:])
+        sent = pb.GenerateRequest(model=MODEL, max_tokens=2, temperature=0.0).SerializeToString()
+        sent += b"\x1a" + _varint(len(lax) + 1 + len(_varint(len(lax)))) + b"\x0a" + _varint(len(lax)) + lax
+        generate = g.channel.unary_stream(
+            "/kvlb.v1.Balancer/Generate", response_deserializer=pb.GenerateChunk.FromString
+        )
+        chunks = [c async for c in generate(sent)]
+        assert chunks[-1].done.usage.prompt_tokens == len(prompt) - 1
+        assert "".join(c.text for c in chunks) == "".join(c.text for c in streamed[0])
+        now_hits, now_misses = await memo_counts()
+        assert now_hits == hits + 2 and now_misses > misses + 4
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    return bytes(out + bytes([value]))
+
+
+def _longer_varint(value: int) -> bytes:
+    """``value`` as a varint one byte longer than needed (a continuation, then a 0 byte)."""
+    short = _varint(value)
+    return short[:-1] + bytes([short[-1] | 0x80, 0])
 
 
 async def test_a_replica_crash_mid_stream_ends_the_call_unavailable_and_frees_its_load(

@@ -13,8 +13,9 @@ import pytest
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
-from balancer.api.grpc.messages import decision_message, openai_call, read_chunk
+from balancer.api.grpc.messages import decision_message, openai_call, read_chunk, received_ids
 from balancer.api.parsing import parse_request
+from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.types import CostTerms, Decision, ReplicaId
 from balancer.upstream.sse import SseEvents
 
@@ -174,6 +175,98 @@ def test_the_body_is_the_same_bytes_and_reads_as_the_http_face_reads_it(
         assert parsed == reread
     if which == "chat" and extra:
         assert parsed.chat_kwargs["tools"][0]["function"]["parameters"] == {"maximum": None}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_token_ids_sent_again_through_the_memo_give_the_same_body(stream: bool) -> None:
+    """Through a memo (the server passes ``state.token_id_memo``), ids sent again are found as runs of
+    their packed varints: the body and what routing reads are those made without one."""
+    memo = TokenIdMemo(256, run_bytes=64)
+    prefix = [(i * 104_729) % 2**32 for i in range(500)]
+    for _ in range(4):
+        for tail in ([], [1, 2, 3], list(range(100_000, 100_400))):
+            ids = pb.TokenIds(ids=prefix + tail)
+            request = pb.GenerateRequest.FromString(
+                pb.GenerateRequest(
+                    model="m", prompt_token_ids=ids, max_tokens=9, session_key="s"
+                ).SerializeToString()
+            )
+            plain, through = (
+                openai_call(request, stream=stream),
+                openai_call(request, stream=stream, memo=memo),
+            )
+            assert through.body == plain.body == old_body(request, stream)
+            assert through.parsed == plain.parsed and through.parsed.packed is through.parsed.prompt
+    assert memo.hits > 0
+
+
+def varint(value: int, pad: int = 0) -> bytes:
+    """``value`` as a varint, with ``pad`` more bytes than it needs (as a lax encoder may write)."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        if not value and not pad:
+            return bytes(out + bytes([byte]))
+        if not value:
+            pad -= 1
+        out.append(byte | 0x80)
+
+
+def length_delimited(number: int, value: bytes) -> bytes:
+    return varint(number << 3 | 2) + varint(len(value)) + value
+
+
+PROMPT_IDS = [(i * 104_729) % 2**32 for i in range(700)]
+MODEL_FIELD = length_delimited(1, b"m")
+PACKED = length_delimited(1, b"".join(varint(i) for i in PROMPT_IDS))
+RECEIVED = {
+    "as protobuf writes it": MODEL_FIELD + length_delimited(3, PACKED) + b"\x28\x09",
+    "fields in another order": b"\x28\x09" + length_delimited(3, PACKED) + MODEL_FIELD,
+    "text first, ids last (the oneof's last wins)": length_delimited(4, b"hi")
+    + MODEL_FIELD
+    + length_delimited(3, PACKED),
+    "longer varints than needed": MODEL_FIELD
+    + length_delimited(3, length_delimited(1, b"".join(varint(i, i % 3) for i in PROMPT_IDS))),
+    "unpacked ids": MODEL_FIELD + length_delimited(3, b"".join(b"\x08" + varint(i) for i in PROMPT_IDS)),
+    "two packed runs": MODEL_FIELD
+    + length_delimited(3, PACKED + length_delimited(1, b"".join(varint(i) for i in PROMPT_IDS[:9]))),
+    "an unknown field in TokenIds": MODEL_FIELD + length_delimited(3, PACKED + b"\x10\x05"),
+    "the field twice (merged)": MODEL_FIELD + length_delimited(3, PACKED) + length_delimited(3, PACKED),
+    "an unknown field after": MODEL_FIELD + length_delimited(3, PACKED) + length_delimited(99, b"x" * 300),
+}
+
+
+@pytest.mark.parametrize("name", list(RECEIVED))
+def test_ids_looked_up_as_received_give_the_same_body(name: str) -> None:
+    """Token ids looked up as the bytes of the request as received (``raw``) hold them, in any
+    encoding protobuf reads: the body and what routing reads are those made without a memo, sent
+    again and again (misses, runs remembered, hits)."""
+    raw = RECEIVED[name]
+    request = pb.GenerateRequest.FromString(raw)
+    assert request.WhichOneof("input") == "prompt_token_ids" and request.model == "m"
+    memo = TokenIdMemo(64, run_bytes=256)
+    for _ in range(4):
+        plain, through = (
+            openai_call(request, stream=True),
+            openai_call(request, stream=True, memo=memo, raw=raw),
+        )
+        assert through.body == plain.body and through.parsed == plain.parsed
+    # an unknown field stays in the message serialized again too: its ids are read whole every time
+    assert (memo.hits > 0) is (name != "an unknown field in TokenIds")
+
+
+def test_the_ids_bytes_are_the_ones_received_when_they_are_one_packed_field() -> None:
+    """The varints are taken as they came (not serialized again) when field 3 occurs once and holds
+    one packed field; else the message is serialized again."""
+    lax = length_delimited(1, b"".join(varint(i, 1) for i in PROMPT_IDS))
+    raw = MODEL_FIELD + length_delimited(3, lax)
+    request = pb.GenerateRequest.FromString(raw)
+    assert received_ids(raw, request.prompt_token_ids) == lax != request.prompt_token_ids.SerializeToString()
+    for other in ("the field twice (merged)", "unpacked ids", "an unknown field in TokenIds"):
+        request = pb.GenerateRequest.FromString(RECEIVED[other])
+        ids = request.prompt_token_ids
+        assert received_ids(RECEIVED[other], ids) == ids.SerializeToString()
+    assert received_ids(b"", ids) == received_ids(raw[:-1], ids) == ids.SerializeToString()
 
 
 def test_sse_payloads_are_read_whole_with_text_finish_and_usage() -> None:

@@ -1,5 +1,6 @@
 """Token-id prompts decoded through the memo of runs (:mod:`balancer.tokenizer.token_ids`): the same
-answer as the typed decoder for any body, ids sent again found instead of decoded, bounded."""
+answer as the typed decoder for any body, ids sent again found instead of decoded, bounded; a gRPC
+prompt's packed ids through the same memo: always the field's ids and their JSON text."""
 
 from __future__ import annotations
 
@@ -7,12 +8,20 @@ import functools
 import json
 from typing import Any
 
+import msgspec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.parsing import ParsedRequest, parse_request
-from balancer.tokenizer.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
+from balancer.tokenizer.token_ids import (
+    GUESS_IDS,
+    TokenIdMemo,
+    decode_token_ids,
+    packed_token_ids,
+    worth_a_lookup,
+)
 
 
 def answer(raw: bytes, memo: TokenIdMemo | None) -> Any:
@@ -171,3 +180,105 @@ def test_the_typed_path_with_a_memo_keeps_text_prompts() -> None:
     parsed = parse(b'{"model": "m", "prompt": "hello", "user": "u"}')
     assert isinstance(parsed, ParsedRequest) and parsed.prompt == "hello" and parsed.text_chars == 5
     assert parsed.session_key == "u" and not parsed.ids_checked
+
+
+# ------------------------------------------------------------------ gRPC prompts: packed varints
+
+
+class CountedIds(list[int]):
+    """A repeated field stand-in that counts the ids it hands out by slicing."""
+
+    read = 0
+
+    def __getitem__(self, index: Any) -> Any:
+        value = super().__getitem__(index)
+        if isinstance(index, slice):
+            self.read += len(value)
+        return value
+
+
+def field_of(values: list[int]) -> bytes:
+    return pb.TokenIds(ids=values).SerializeToString()
+
+
+def read_plainly(values: list[int]) -> tuple[list[int], bytes]:
+    return values, msgspec.json.encode(values)
+
+
+wire_ids = st.integers(0, 2**32 - 1) | st.integers(0, 127) | st.integers(0, 20_000)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompts=st.lists(st.tuples(st.integers(0, 40), st.lists(wire_ids, max_size=40)), min_size=1, max_size=5),
+    shared=st.lists(wire_ids, min_size=1, max_size=40),
+    run_bytes=st.integers(1, 24),
+    max_runs=st.integers(0, 6),
+    rounds=st.integers(1, 4),
+)
+def test_packed_ids_through_the_memo_are_the_ids(
+    prompts: list[tuple[int, list[int]]], shared: list[int], run_bytes: int, max_runs: int, rounds: int
+) -> None:
+    """Prompts sharing prefixes, sent again and again through small memos (hits, misses, runs
+    remembered mid-prompt, evictions): always the field's ids, packed, and their JSON text."""
+    memo = TokenIdMemo(max_runs, run_bytes=run_bytes)
+    for _ in range(rounds):
+        for keep, tail in prompts:
+            values = shared[:keep] + tail or [0]
+            packed, text = packed_token_ids(values, functools.partial(field_of, values), memo)
+            assert (packed.tolist(), text) == read_plainly(values)
+            assert packed.typecode == "I"
+
+
+def test_a_packed_prompt_sent_again_makes_no_int() -> None:
+    """The first sight notes the leading ids; the second reads the ids and notes the runs; the third
+    remembers them; the fourth finds every run and reads only the leading ids."""
+    values = [(i * 7919) % 129_000 for i in range(3_000)]
+    memo = TokenIdMemo(64)
+    for _ in range(4):
+        ids = CountedIds(values)
+        packed, text = packed_token_ids(ids, functools.partial(field_of, values), memo)
+        assert (packed.tolist(), text) == read_plainly(values)
+    assert ids.read == GUESS_IDS
+    runs = len(memo)
+    assert runs >= 8 and memo.hits == runs
+
+
+def test_a_prompt_new_to_the_memo_is_read_as_without_one() -> None:
+    values = list(range(1_000, 5_000))
+    memo = TokenIdMemo(64)
+    ids = CountedIds(values)
+    serialized: list[int] = []
+    packed, text = packed_token_ids(ids, lambda: serialized.append(1) or field_of(values), memo)
+    assert (packed.tolist(), text) == read_plainly(values)
+    assert serialized == [] and ids.read == GUESS_IDS + len(values) and len(memo) == 0
+
+
+def test_a_field_with_unknown_fields_after_it_is_read_whole() -> None:
+    """A ``TokenIds`` carrying an unknown field (a newer client's) serializes it after the ids: those
+    bytes are no ids, so nothing is looked up."""
+    values = list(range(300, 900))
+    message = pb.TokenIds.FromString(field_of(values) + b"\x10\x05")
+    assert message.SerializeToString() != field_of(values)
+    memo = TokenIdMemo(64, run_bytes=8)
+    for _ in range(4):
+        packed, text = packed_token_ids(message.ids, message.SerializeToString, memo)
+        assert (packed.tolist(), text) == read_plainly(values)
+    assert memo.hits == 0 and len(memo) == 0
+
+
+def test_packed_runs_never_meet_json_runs() -> None:
+    """The text ``12`` is also the varints 49, 50: a run of either kind is digested apart, so neither
+    face finds the other's run (``run_bytes=4``: the JSON's last run and the varints' run are both
+    these two bytes)."""
+    memo = TokenIdMemo(64, run_bytes=4)
+    values = list(b"12")
+    first, both = b'{"model": "m", "prompt": [1,2,3,7]}', b'{"model": "m", "prompt": [1,2,3,12]}'
+    for _ in range(3):  # the run "1,2,3" is remembered
+        assert answer(first, memo) == answer(first, None)
+    for _ in range(4):  # the varints' run is remembered, then found
+        packed, ids_text = packed_token_ids(values, functools.partial(field_of, values), memo)
+        assert (packed.tolist(), ids_text) == read_plainly(values)
+    hits = memo.hits
+    assert answer(both, memo) == answer(both, None)
+    assert memo.hits == hits + 1  # "1,2,3" found, "12" not

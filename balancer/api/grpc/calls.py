@@ -7,7 +7,8 @@ the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
 2. auth from the ``authorization: Bearer ...`` metadata and the same ``settings.auth`` as HTTP
    (:func:`authorize`);
 3. a message that did not parse is refused with INVALID_ARGUMENT. The deserializer never raises
-   (grpc would answer INTERNAL), it returns :class:`Malformed` instead;
+   (grpc would answer INTERNAL), it returns :class:`Malformed` instead (and, for a method made with
+   ``keep_raw``, the message with its bytes as received: ``call.raw``);
 4. errors become status codes: :class:`CallError` as it is, kvlb's own errors through the same HTTP
    mapping as the HTTP API (:data:`CODES`); anything unexpected is logged with its traceback and
    becomes INTERNAL with only the request id;
@@ -91,14 +92,26 @@ class Malformed:
     detail: str
 
 
-def lenient(message_type: type[Message]) -> Callable[[bytes], Message | Malformed]:
-    """A request deserializer that returns :class:`Malformed` instead of raising."""
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A request message with the bytes it was parsed from (a method that asked for them)."""
 
-    def parse(raw: bytes) -> Message | Malformed:
+    message: Message
+    raw: bytes
+
+
+def lenient(
+    message_type: type[Message], *, keep_raw: bool = False
+) -> Callable[[bytes], Message | Received | Malformed]:
+    """A request deserializer that returns :class:`Malformed` instead of raising; with ``keep_raw``,
+    a :class:`Received` (the handler gives the method the message, and the bytes as ``call.raw``)."""
+
+    def parse(raw: bytes) -> Message | Received | Malformed:
         try:
-            return message_type.FromString(raw)
+            message = message_type.FromString(raw)
         except DecodeError as exc:
             return Malformed(f"malformed request: {exc}")
+        return Received(message, raw) if keep_raw else message
 
     return parse
 
@@ -135,6 +148,8 @@ class Call:
     request_id: str
     id_given: bool
     outcome: Outcome = field(default_factory=Outcome)
+    raw: bytes = b""
+    """The request message's bytes as received, for a method made with ``keep_raw``; else empty."""
 
     @classmethod
     def of(cls, state: ServiceState, context: Any) -> Call:
@@ -191,12 +206,16 @@ def method_handler(
     response_type: type[Message],
     *,
     streaming: bool = False,
+    keep_raw: bool = False,
 ) -> Any:
     """A ``grpc.RpcMethodHandler`` running ``method`` with auth, errors and metrics (see the module
-    docstring). A streaming ``method`` writes with ``call.context.write`` and returns ``None``."""
+    docstring). A streaming ``method`` writes with ``call.context.write`` and returns ``None``.
+    ``keep_raw``: the method finds the request's bytes as received in ``call.raw``."""
 
     async def handle(request: Any, context: Any) -> Any:
         call = Call.of(state, context)
+        if isinstance(request, Received):
+            request, call.raw = request.message, request.raw
         status = "OK"
         try:
             authorize(state.settings.auth, access, call.token)
@@ -218,7 +237,7 @@ def method_handler(
             trailers.append(("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
         await context.abort(error.code, wire_text(error.message), trailing_metadata=tuple(trailers))
 
-    deserializer = lenient(request_type)
+    deserializer = lenient(request_type, keep_raw=keep_raw)
     serializer = response_type.SerializeToString
     if streaming:
         return grpc.unary_stream_rpc_method_handler(

@@ -129,12 +129,20 @@ class _Progress:
 
 
 async def prepare(
-    state: ServiceState, request: pb.GenerateRequest, call: Call, arrived: float, *, stream: bool
+    state: ServiceState,
+    request: pb.GenerateRequest,
+    call: Call,
+    arrived: float,
+    *,
+    stream: bool,
+    raw: bytes = b"",
 ) -> Forward:
     """Validate ``request`` as the HTTP API validates a body, find its pool, weights and token ids.
     Token ids come packed from the message (:func:`~balancer.api.grpc.messages.openai_call`): no JSON
-    is decoded, so the HTTP face's memo of runs of id text (``state.token_id_memo``) is not used."""
-    openai = openai_call(request, stream=stream)
+    is decoded; runs of their packed varints are memoised in ``state.token_id_memo`` beside the HTTP
+    face's runs of id text. ``raw``: the bytes ``request`` was parsed from, if at hand (their varints
+    are looked up as they came, not serialized again)."""
+    openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
     parsed = openai.parsed
     pool = find_pool(state, parsed.model)
     weights = call.weights()
@@ -165,7 +173,14 @@ class BalancerService:
 
         def handler(method: str, run: Any, request: Any, response: Any, streaming: bool = False) -> Any:
             return method_handler(
-                self.state, f"/{name}/{method}", "client", run, request, response, streaming=streaming
+                self.state,
+                f"/{name}/{method}",
+                "client",
+                run,
+                request,
+                response,
+                streaming=streaming,
+                keep_raw=streaming,  # Generate: its token ids are read from the bytes as received
             )
 
         return grpc.method_handlers_generic_handler(
@@ -182,7 +197,7 @@ class BalancerService:
         arrived = state.monotonic()
         call.adopt_request_id(request.request_id)
         async with admitted(state) as admission:
-            job = await prepare(state, request, call, arrived, stream=True)
+            job = await prepare(state, request, call, arrived, stream=True, raw=call.raw)
             headers = forwardable_headers(call.metadata, call.request_id)
             headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
             await admission.wait_for_replica(job.pool)

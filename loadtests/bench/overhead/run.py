@@ -37,7 +37,8 @@ Every server is its own process; the client runs here. Six prompt kinds are meas
   new user message's), as clients that tokenize for themselves send chat traffic.
 * ``grpc_tokens``: the ``tokens`` prompts sent to the kvlb paths over gRPC (``Generate`` with
   ``prompt_token_ids``, :mod:`loadtests.bench.overhead.clients`) and to the others as the same HTTP
-  bodies: kvlb's cost when it writes the replica's JSON body itself.
+  bodies: kvlb's cost when it writes the replica's JSON body itself (repeated whole: the memo finds
+  every run of their packed ids after the warm-up).
 
 The warm-up sends every distinct prompt at least three times (kvlb's token-id memo holds a prompt
 whole from its third sight); the unique kinds never send a body twice to a path (each phase and

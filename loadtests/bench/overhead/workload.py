@@ -40,7 +40,8 @@ KIND_DESCRIPTIONS = {
     "system prompts' ids and a user message's ids unique per request (the memo finds the system "
     "prompt's runs, the user tail is decoded)",
     "grpc_tokens": "the tokens prompts as token ids over gRPC to kvlb (kvlb.v1.Balancer/Generate with "
-    "prompt_token_ids; kvlb packs the ids from the message and writes the replica's JSON body itself), "
+    "prompt_token_ids; kvlb packs the ids from the message and writes the replica's JSON body itself, "
+    "repeated prompts' runs of packed ids found in its token-id memo), "
     "as HTTP /v1/completions bodies to the other paths",
 }
 
