@@ -63,6 +63,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import zmq
 import zmq.asyncio
@@ -91,8 +92,15 @@ __all__ = ["ZmqEventSource", "ZmqSourceSettings", "endpoint_for_rank"]
 
 log = logging.getLogger(__name__)
 
+ShedCause = Literal["budget", "behind"]
+"""Why a source sheds: its replica's CPU budget is spent (or its queue over half full), or it has
+read for ``max_behind_s`` without finding its socket empty."""
+
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
+SHED_STRIDE = 64
+"""Shed messages read back to back before the ingest loop gets a turn (:meth:`ZmqEventSource._drain`):
+about 1 ms of reading at the ~15 µs a shed message costs."""
 MAX_REPLAYED_DIGESTS = 4096
 """Payload digests a catch-up keeps (its newest batches), to tell a live duplicate from a batch of a
 restarted publisher at the same seq; dropped at the first live message."""
@@ -175,6 +183,8 @@ class ZmqEventSource:
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
+        self._shed_cause: ShedCause = "budget"
+        """Why the last message was shed (counted once per run, :meth:`_shed_run`)."""
         self._behind_since: float | None = None
         """When the current run of reads without an empty socket began (``None``: caught up)."""
         self.shed = 0
@@ -269,14 +279,23 @@ class ZmqEventSource:
         self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
-        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
+        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn).
+        The ingest loop gets a turn after each decoded message (its applier has a batch to apply) and
+        after every :data:`SHED_STRIDE` shed ones: a shed message adds nothing to apply, and a loop
+        turn per message (a ``select`` and the GIL released and taken back) made reading a flood's
+        backlog cost the request loop more than the reading itself."""
+        shed_run = 0
         for _ in range(limit):
             read = await self._read(sub)
             if read is None:
                 return
             await self._on_message(*read, emit)
-            if self.gate is not None:
-                await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
+            if self.gate is None:
+                continue
+            shed_run = shed_run + 1 if read[1] else SHED_STRIDE
+            if shed_run >= SHED_STRIDE:
+                shed_run = 0
+                await asyncio.sleep(0)  # the ingest loop's applier gets a turn
 
     async def _read(self, sub: zmq.asyncio.Socket) -> tuple[list[bytes], bool] | None:
         """The next message queued on ``sub`` and whether to shed it (``None``: the socket is empty).
@@ -292,11 +311,13 @@ class ZmqEventSource:
         if self._behind_since is None:
             self._behind_since = now
         gate = self.gate
-        shed = now - self._behind_since > self.settings.max_behind_s
-        shed = shed or (gate is not None and not gate.admits())
-        if shed:
-            return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
-        return [part.bytes for part in parts], False
+        if now - self._behind_since > self.settings.max_behind_s:
+            self._shed_cause = "behind"
+        elif gate is not None and not gate.admits():
+            self._shed_cause = "budget"
+        else:
+            return [part.bytes for part in parts], False
+        return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
@@ -535,6 +556,7 @@ class ZmqEventSource:
         if self._shedding:
             return
         self._shedding = True
+        self._metrics.events_shed_runs_total.labels(self.replica, self._shed_cause).inc()
         self._warnings.warning(
             "events_shed",
             self.replica,

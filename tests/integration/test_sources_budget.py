@@ -5,6 +5,8 @@ the stream in order (no replay, no gap); ``CpuBudget`` itself refills at its sha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import time
 from collections.abc import Sequence
 
@@ -31,7 +33,7 @@ from balancer.metrics import Metrics
 from balancer.sources.base import IngestBatch
 from balancer.sources.budget import CpuBudget
 from balancer.sources.pipeline import EventIngest, IngestSettings, OwnCpu
-from balancer.sources.zmq_sub import ZmqEventSource
+from balancer.sources.zmq_sub import SHED_STRIDE, ZmqEventSource
 from balancer.types import ReplicaId
 
 
@@ -238,3 +240,71 @@ async def test_own_cpu_passes_results_exceptions_and_cancellation_through() -> N
 
 async def _await(awaitable: OwnCpu[None]) -> None:
     await awaitable
+
+
+def _queue_on_the_sub(seconds: float) -> None:
+    """Block the loop (the source with it) while libzmq moves what was published onto the SUB."""
+    time.sleep(seconds)
+
+
+async def test_a_backlog_read_past_max_behind_s_is_shed_counted_as_behind_and_converges(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """A backlog the source cannot read to the end within ``max_behind_s``: the rest is shed, the
+    rank resyncs once, the run is counted with its cause; the next message after the socket was
+    found empty is decoded again, in order, without a replay."""
+    settings = dataclasses.replace(FAST, max_behind_s=0.002)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(400)
+        _queue_on_the_sub(0.3)
+        await rig.settle(399)
+        shed = rig.source.shed
+        assert 0 < shed < 400 and len(rig.index.pages()) == 400 - shed
+        assert rig.index.resyncs() == [(0, "overflow")]
+        runs = {cause: rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": cause})
+                for cause in ("behind", "budget")}  # fmt: skip
+        assert runs == {"behind": 1.0, "budget": 0.0}
+        await publisher.pages(1)
+        await rig.settle(400)
+        assert rig.index.pages()[-1] == 401 and rig.source.shed == shed  # decoded again
+        assert rig.index.resyncs() == [(0, "overflow")]
+        assert publisher.replay_requests == [0]  # the connection's catch-up only
+
+
+async def test_shed_messages_are_read_in_strides_not_one_loop_turn_each(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """While shedding, the source reads ``SHED_STRIDE`` messages between two turns of the ingest
+    loop (a turn per message made reading a flood's backlog cost more GIL hand-overs than the
+    reading itself); the budget's run is counted once, with its cause."""
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        gate = Switch()
+        rig.source.gate = gate
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(3)
+        await rig.settle(2)
+        seen: list[int] = []
+
+        async def watch() -> None:
+            while True:
+                seen.append(rig.source.shed)
+                await asyncio.sleep(0)
+
+        watcher = asyncio.create_task(watch())
+        try:
+            gate.open = False
+            await publisher.pages(300)
+            _queue_on_the_sub(0.3)
+            await rig.settle(302)
+        finally:
+            watcher.cancel()
+        assert rig.source.shed == 300
+        steps = [b - a for a, b in itertools.pairwise(seen)]
+        assert max(steps) == SHED_STRIDE, steps
+        assert rig.index.timeline() == [1, 2, 3, "overflow"]
+        causes = ("behind", "budget")
+        runs = [rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": c}) for c in causes]
+        assert runs == [0.0, 1.0]
