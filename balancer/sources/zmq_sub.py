@@ -45,12 +45,14 @@ publisher from 0. This source keeps the stream in order:
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
   :mod:`balancer.sources.budget`), or while the source has read for ``max_behind_s`` without finding
-  the socket empty: a flood then costs reading it, not decoding it, and ZMQ does not buffer it. Only
-  its seq is read, and a shed message goes through the same ordering as a decoded one (duplicates,
-  gaps, the catch-up merge, restart detection), so the seq still advances and no replay is asked; the
-  rank resyncs once per run, at the stream position of the run's first accepted shed message. Its
-  payload is unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same
-  seq: such a message resyncs the rank too.
+  the socket empty: a flood then costs reading it, not decoding it, and ZMQ does not buffer it. Of a
+  shed message only the seq is read, and it goes through the same ordering as a decoded one
+  (duplicates, gaps, the catch-up merge, restart detection), so the seq still advances and no replay
+  is asked; the rank resyncs once per run, at the stream position of the run's first accepted shed
+  message, and the run is counted by its cause (``kvlb_events_shed_runs_total``). Its payload is
+  unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same seq: such a
+  message resyncs the rank too. Shed messages are read ``SHED_STRIDE`` at a time between turns of
+  the ingest loop.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
