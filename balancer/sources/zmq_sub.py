@@ -189,9 +189,6 @@ class ZmqEventSource:
         """Why the last message was shed (counted once per run, :meth:`_shed_run`)."""
         self._behind_since: float | None = None
         """When the current run of reads without an empty socket began (``None``: caught up)."""
-        self._shed_until = -math.inf
-        """Until when a message read is shed as ``behind`` (``max_behind_s`` after the last message
-        read past ``max_behind_s`` of backlog)."""
         self.shed = 0
         """Messages dropped undecoded (the budget was spent)."""
 
@@ -305,12 +302,8 @@ class ZmqEventSource:
     async def _read(self, sub: zmq.asyncio.Socket) -> tuple[list[bytes], bool] | None:
         """The next message queued on ``sub`` and whether to shed it (``None``: the socket is empty).
         A message is shed while the replica's budget is spent (the ``gate``) or the source has read
-        for ``max_behind_s`` without finding the socket empty, and then for ``max_behind_s`` after
-        the last message it read behind: a flood that arrives in bursts (the socket found empty
-        between them) is one run of shed messages, one resync, not a new window of decoding per
-        burst; a publisher that goes on publishing is decoded again ``max_behind_s`` after the
-        backlog ended. A shed message's payload is never copied out of ZMQ (only topic and seq are
-        read)."""
+        for ``max_behind_s`` without finding the socket empty; a shed message's payload is never
+        copied out of ZMQ (only topic and seq are read)."""
         try:
             parts = await sub.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -321,9 +314,6 @@ class ZmqEventSource:
             self._behind_since = now
         gate = self.gate
         if now - self._behind_since > self.settings.max_behind_s:
-            self._shed_cause = "behind"
-            self._shed_until = now + self.settings.max_behind_s
-        elif now < self._shed_until:
             self._shed_cause = "behind"
         elif gate is not None and not gate.admits():
             self._shed_cause = "budget"
@@ -409,7 +399,6 @@ class ZmqEventSource:
         """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
         its catch-up) is missed."""
         self._behind_since = None  # a fresh socket has no backlog of ours
-        self._shed_until = -math.inf
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)

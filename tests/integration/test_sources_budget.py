@@ -21,7 +21,6 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
     Publisher,
     ctx_fixture,
     eventually,
-    page,
     publisher_fixture,
     running,
 )
@@ -309,62 +308,3 @@ async def test_shed_messages_are_read_in_strides_not_one_loop_turn_each(
         causes = ("behind", "budget")
         runs = [rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": c}) for c in causes]
         assert runs == [0.0, 1.0]
-
-
-async def test_a_flood_in_bursts_is_one_run_of_shed_messages(
-    ctx: zmq.asyncio.Context, publisher: Publisher
-) -> None:
-    """Once a source sheds for being behind, a burst arriving within ``max_behind_s`` of its last
-    shed message is shed too, though the socket was found empty between them: one resync per flood,
-    not a new window of decoding (and a resync) per burst. A message after a quiet ``max_behind_s``
-    is decoded again."""
-    settings = dataclasses.replace(FAST, max_behind_s=0.1)
-    heavy = [page(seq) for seq in range(200)]  # a message that takes a while to decode
-    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
-        rig.source.gate = Switch()  # never spent: only max_behind_s sheds here
-        await publisher.wait_subscribed()
-        await asyncio.wait_for(publisher.replay_served.wait(), 5)
-        for _ in range(900):
-            await publisher.publish(heavy)
-        _queue_on_the_sub(0.5)
-        await rig.settle(899)
-        first = rig.source.shed
-        assert first > 0  # the burst took longer than max_behind_s to read
-        for _ in range(50):  # the next burst, at once
-            await publisher.publish(heavy)
-        await rig.settle(949)
-        assert rig.source.shed == first + 50
-        assert rig.index.resyncs() == [(0, "overflow")]
-        await asyncio.sleep(0.3)
-        await publisher.pages(1)
-        await rig.settle(950)
-        assert rig.source.shed == first + 50  # decoded
-        assert rig.index.resyncs() == [(0, "overflow")]
-        runs = rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": "behind"})
-        assert runs == 1.0
-
-
-async def test_a_publisher_that_goes_on_after_a_flood_is_decoded_again(
-    ctx: zmq.asyncio.Context, publisher: Publisher
-) -> None:
-    """After a backlog shed for being behind, a publisher sending a message every 20 ms (never
-    ``max_behind_s`` quiet) is decoded again once ``max_behind_s`` has passed since the backlog."""
-    settings = dataclasses.replace(FAST, max_behind_s=0.1)
-    heavy = [page(seq) for seq in range(200)]
-    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
-        rig.source.gate = Switch()  # never spent: only max_behind_s sheds here
-        await publisher.wait_subscribed()
-        await asyncio.wait_for(publisher.replay_served.wait(), 5)
-        for _ in range(900):
-            await publisher.publish(heavy)
-        _queue_on_the_sub(0.5)
-        await rig.settle(899)
-        assert rig.source.shed > 0
-        decoded = len(rig.index.pages())
-        for _ in range(30):  # 0.6 s
-            await publisher.pages(1)
-            await asyncio.sleep(0.02)
-        await rig.settle(929)
-        assert len(rig.index.pages()) > decoded + 15  # the last 0.4 s at least
-        assert rig.index.timeline()[-1] == 930
-        assert rig.index.resyncs() == [(0, "overflow")]
