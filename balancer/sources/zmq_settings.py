@@ -26,17 +26,14 @@ class ZmqSourceSettings:
     """``ZMQ_MAXMSGSIZE`` of the SUB and replay sockets: a publisher sending a larger message is
     disconnected by ZMQ (then a resync; the source opens a fresh socket, as libzmq does not
     reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
-    max_behind_s: float = 0.25
+    max_behind_s: float = 1.0
     """Longest the source may keep reading without ever finding the socket empty (seconds): past it
     the publisher sends faster than kvlb decodes and applies, so the rest of the backlog is read and
     dropped undecoded (the rank resyncs once, ``kvlb_events_shed_total``, a run counted in
     ``kvlb_events_shed_runs_total{cause="behind"}``) until the socket is empty. Bounds what ZMQ
-    buffers in a flood and how long a flood's decoding shares the GIL with the request loop: what it
-    decodes in that time is cleared again by the run's resync, so a longer window buys nothing for
-    the index (1 s until 2026-11-28: ~100 of a flood's batches decoded for nothing, and the other
-    pool's requests slowed throughout; ``docs/benchmarks.md``, "The event flood, round 2"). A catch-up
-    after a stall of the ingest thread reads its backlog faster than the engine adds to it, so it
-    finds the socket empty well within this. Must be > 0."""
+    buffers in a flood and how stale the index gets; what a flood's first ``max_behind_s`` decodes
+    is cleared again by its run's resync (0.25 s was measured: it did not improve the other pools'
+    p99s, ``docs/benchmarks.md``, "The event flood, round 2"). Must be > 0."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
