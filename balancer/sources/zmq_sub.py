@@ -51,8 +51,7 @@ publisher from 0. This source keeps the stream in order:
   is asked; the rank resyncs once per run, at the stream position of the run's first accepted shed
   message, and the run is counted by its cause (``kvlb_events_shed_runs_total``). Its payload is
   unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same seq: such a
-  message resyncs the rank too. Shed messages are read ``SHED_STRIDE`` at a time between turns of
-  the ingest loop.
+  message resyncs the rank too.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -100,9 +99,6 @@ read for ``max_behind_s`` without finding its socket empty."""
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
-SHED_STRIDE = 64
-"""Shed messages read back to back before the ingest loop gets a turn (:meth:`ZmqEventSource._drain`):
-about 1 ms of reading at the ~15 µs a shed message costs."""
 MAX_REPLAYED_DIGESTS = 4096
 """Payload digests a catch-up keeps (its newest batches), to tell a live duplicate from a batch of a
 restarted publisher at the same seq; dropped at the first live message."""
@@ -281,23 +277,14 @@ class ZmqEventSource:
         self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
-        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn).
-        The ingest loop gets a turn after each decoded message (its applier has a batch to apply) and
-        after every :data:`SHED_STRIDE` shed ones: a shed message adds nothing to apply, and a loop
-        turn per message (a ``select`` and the GIL released and taken back) made reading a flood's
-        backlog cost the request loop more than the reading itself."""
-        shed_run = 0
+        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
         for _ in range(limit):
             read = await self._read(sub)
             if read is None:
                 return
             await self._on_message(*read, emit)
-            if self.gate is None:
-                continue
-            shed_run = shed_run + 1 if read[1] else SHED_STRIDE
-            if shed_run >= SHED_STRIDE:
-                shed_run = 0
-                await asyncio.sleep(0)  # the ingest loop's applier gets a turn
+            if self.gate is not None:
+                await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
 
     async def _read(self, sub: zmq.asyncio.Socket) -> tuple[list[bytes], bool] | None:
         """The next message queued on ``sub`` and whether to shed it (``None``: the socket is empty).
