@@ -31,6 +31,8 @@ REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 """Every ``outcome`` of ``kvlb_events_replays_total``."""
 REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
+SHED_CAUSES: Final = ("budget", "behind")
+"""Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.zmq_sub.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
 """Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
 APPLIED_OUTCOMES: Final = (
@@ -110,6 +112,7 @@ class Metrics:
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
     events_shed_total: Counter
+    events_shed_runs_total: Counter
     events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
@@ -174,6 +177,8 @@ class Metrics:
             self.events_resyncs_total.labels(replica, reason)
         if replays:  # the ZMQ transports: they also shed (kvlb_events_shed_total)
             self.events_shed_total.labels(replica)
+            for cause in SHED_CAUSES:
+                self.events_shed_runs_total.labels(replica, cause)
             for outcome in REPLAY_OUTCOMES:
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
@@ -481,6 +486,7 @@ class _EventsCollectors(TypedDict):
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
     events_shed_total: Counter
+    events_shed_runs_total: Counter
     events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
@@ -537,6 +543,13 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "Event messages read and dropped undecoded because the replica's ingestion CPU budget was "
             "spent (a flood; the rank resyncs once per run of shed messages).",
             ["replica"],
+        ),
+        "events_shed_runs_total": counter(
+            "kvlb_events_shed_runs_total",
+            "Runs of shed event messages (each resyncs the rank once), by what started the run: budget "
+            "(the replica's ingestion CPU budget spent, or its queue over half full) or behind (the "
+            "source read for zmq max_behind_s without finding its socket empty).",
+            ["replica", "cause"],
         ),
         "events_relay_history_trimmed_total": counter(
             "kvlb_events_relay_history_trimmed_total",

@@ -29,8 +29,11 @@ class ZmqSourceSettings:
     max_behind_s: float = 1.0
     """Longest the source may keep reading without ever finding the socket empty (seconds): past it
     the publisher sends faster than kvlb decodes and applies, so the rest of the backlog is read and
-    dropped undecoded (the rank resyncs once, ``kvlb_events_shed_total``) until the socket is empty.
-    Bounds what ZMQ buffers in a flood and how stale the index gets. Must be > 0."""
+    dropped undecoded (the rank resyncs once, ``kvlb_events_shed_total``, a run counted in
+    ``kvlb_events_shed_runs_total{cause="behind"}``) until the socket is empty. Bounds what ZMQ
+    buffers in a flood and how stale the index gets; what a flood's first ``max_behind_s`` decodes
+    is cleared again by its run's resync (0.25 s was measured: it did not improve the other pools'
+    p99s, ``docs/benchmarks.md``, "The event flood, round 2"). Must be > 0."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0

@@ -45,12 +45,13 @@ publisher from 0. This source keeps the stream in order:
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
   :mod:`balancer.sources.budget`), or while the source has read for ``max_behind_s`` without finding
-  the socket empty: a flood then costs reading it, not decoding it, and ZMQ does not buffer it. Only
-  its seq is read, and a shed message goes through the same ordering as a decoded one (duplicates,
-  gaps, the catch-up merge, restart detection), so the seq still advances and no replay is asked; the
-  rank resyncs once per run, at the stream position of the run's first accepted shed message. Its
-  payload is unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same
-  seq: such a message resyncs the rank too.
+  the socket empty: a flood then costs reading it, not decoding it, and ZMQ does not buffer it. Of a
+  shed message only the seq is read, and it goes through the same ordering as a decoded one
+  (duplicates, gaps, the catch-up merge, restart detection), so the seq still advances and no replay
+  is asked; the rank resyncs once per run, at the stream position of the run's first accepted shed
+  message, and the run is counted by its cause (``kvlb_events_shed_runs_total``). Its payload is
+  unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same seq: such a
+  message resyncs the rank too.
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -63,6 +64,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import Literal
 
 import zmq
 import zmq.asyncio
@@ -90,6 +92,10 @@ from balancer.types import ReplicaId
 __all__ = ["ZmqEventSource", "ZmqSourceSettings", "endpoint_for_rank"]
 
 log = logging.getLogger(__name__)
+
+ShedCause = Literal["budget", "behind"]
+"""Why a source sheds: its replica's CPU budget is spent (or its queue over half full), or it has
+read for ``max_behind_s`` without finding its socket empty."""
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
@@ -175,6 +181,8 @@ class ZmqEventSource:
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
+        self._shed_cause: ShedCause = "budget"
+        """Why the last message was shed (counted once per run, :meth:`_shed_run`)."""
         self._behind_since: float | None = None
         """When the current run of reads without an empty socket began (``None``: caught up)."""
         self.shed = 0
@@ -292,11 +300,13 @@ class ZmqEventSource:
         if self._behind_since is None:
             self._behind_since = now
         gate = self.gate
-        shed = now - self._behind_since > self.settings.max_behind_s
-        shed = shed or (gate is not None and not gate.admits())
-        if shed:
-            return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
-        return [part.bytes for part in parts], False
+        if now - self._behind_since > self.settings.max_behind_s:
+            self._shed_cause = "behind"
+        elif gate is not None and not gate.admits():
+            self._shed_cause = "budget"
+        else:
+            return [part.bytes for part in parts], False
+        return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
@@ -535,6 +545,7 @@ class ZmqEventSource:
         if self._shedding:
             return
         self._shedding = True
+        self._metrics.events_shed_runs_total.labels(self.replica, self._shed_cause).inc()
         self._warnings.warning(
             "events_shed",
             self.replica,

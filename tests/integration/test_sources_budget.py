@@ -5,6 +5,7 @@ the stream in order (no replay, no gap); ``CpuBudget`` itself refills at its sha
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -80,6 +81,12 @@ async def test_a_spent_budget_sheds_messages_undecoded_and_resyncs_once(
         assert publisher.replay_requests == [0]
         shed = metrics.registry.get_sample_value("kvlb_events_shed_total", {"replica": REPLICA})
         assert shed == source.shed
+        runs = [
+            metrics.registry.get_sample_value("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": c})
+            or 0.0
+            for c in ("budget", "behind")
+        ]
+        assert runs == [1.0, 0.0]  # one run, started by the budget
     finally:
         await ingest.aclose()
 
@@ -238,3 +245,34 @@ async def test_own_cpu_passes_results_exceptions_and_cancellation_through() -> N
 
 async def _await(awaitable: OwnCpu[None]) -> None:
     await awaitable
+
+
+def _queue_on_the_sub(seconds: float) -> None:
+    """Block the loop (the source with it) while libzmq moves what was published onto the SUB."""
+    time.sleep(seconds)
+
+
+async def test_a_backlog_read_past_max_behind_s_is_shed_counted_as_behind_and_converges(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """A backlog the source cannot read to the end within ``max_behind_s``: the rest is shed, the
+    rank resyncs once, the run is counted with its cause; the next message after the socket was
+    found empty is decoded again, in order, without a replay."""
+    settings = dataclasses.replace(FAST, max_behind_s=0.002)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(400)
+        _queue_on_the_sub(0.3)
+        await rig.settle(399)
+        shed = rig.source.shed
+        assert 0 < shed < 400 and len(rig.index.pages()) == 400 - shed
+        assert rig.index.resyncs() == [(0, "overflow")]
+        runs = {cause: rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": cause})
+                for cause in ("behind", "budget")}  # fmt: skip
+        assert runs == {"behind": 1.0, "budget": 0.0}
+        await publisher.pages(1)
+        await rig.settle(400)
+        assert rig.index.pages()[-1] == 401 and rig.source.shed == shed  # decoded again
+        assert rig.index.resyncs() == [(0, "overflow")]
+        assert publisher.replay_requests == [0]  # the connection's catch-up only
