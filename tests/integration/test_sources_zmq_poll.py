@@ -85,12 +85,13 @@ async def test_an_idle_publisher_is_polled_less_and_less(ctx: zmq.asyncio.Contex
             await rig.settle(1)
             await asyncio.sleep(0.3)
             busy = len(publisher.replay_requests) - 1  # the first request is the connection's catch-up
-            # Within replay_poll_busy_s of the last batch: every 0.05 s, about 6 polls.
-            assert 4 <= busy <= 7, publisher.replay_requests
+            # Within replay_poll_busy_s of the last batch: every 0.05 s, about 6 polls (a loaded
+            # machine delays polls, never brings them forward: the lower bounds are loose).
+            assert 2 <= busy <= 7, publisher.replay_requests
             await asyncio.sleep(1.0)
             polls = len(publisher.replay_requests) - 1 - busy
             # Then 0.05 s doubling up to 0.2 s: 0.1 + 0.2 × 4 ≈ 0.9 s → 5-6 polls (not 20)
-            assert 3 <= polls <= 8, publisher.replay_requests
+            assert 2 <= polls <= 8, publisher.replay_requests
             assert set(publisher.replay_requests[1:]) == {2}
             assert (
                 rig.metric("kvlb_events_replay_polls_total", {"replica": REPLICA, "outcome": "nothing"})
