@@ -57,14 +57,16 @@ from multiprocessing import resource_tracker, shared_memory
 from balancer.load.tracker import LoadCounts, combine
 from balancer.types import ReplicaId
 
-HEADER = struct.Struct("=qqq")
+WORD_BYTES = 8
+"""Bytes of one int64 word of the table."""
+HEADER_WORDS = 3
 """A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken),
 ``admitted`` (the worker's admitted requests, written outside the seqlock). Each is stored and
 loaded alone, as one word of the segment's int64 view (:func:`_words`): word 0 of the row, then
 :data:`USED_WORD`, :data:`ADMITTED_WORD`."""
+HEADER_BYTES = HEADER_WORDS * WORD_BYTES
 USED_WORD = 1
 ADMITTED_WORD = 2
-WORD_BYTES = 8
 SLOT = struct.Struct("=qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
@@ -80,7 +82,7 @@ _ReadMemo = tuple[Mapping[int, LoadCounts], tuple[ReplicaId, ...], Mapping[Repli
 
 def row_bytes(slots: int) -> int:
     """Bytes of one worker's row with ``slots`` slots."""
-    return HEADER.size + slots * SLOT.size
+    return HEADER_BYTES + slots * SLOT.size
 
 
 def replica_key(model: str, replica: str) -> int:
@@ -269,7 +271,7 @@ class LoadShare:
             self._slot_of[key] = slot
             self._unshared.discard(key)
         buf, words, row = _buffer(shm), self._words, self._at
-        at = self._offset + HEADER.size + slot * SLOT.size
+        at = self._offset + HEADER_BYTES + slot * SLOT.size
         self._seq += 1
         words[row] = self._seq
         if idle:
@@ -334,7 +336,7 @@ class LoadShare:
             fmt = self._formats.get(used)
             if fmt is None:
                 fmt = self._formats[used] = struct.Struct(f"={used * SLOT_FIELDS}q")
-            values = fmt.unpack_from(buf, offset + HEADER.size)
+            values = fmt.unpack_from(buf, offset + HEADER_BYTES)
             if words[at] != seq:
                 continue
             row = {
