@@ -2,10 +2,15 @@
 
 Each :class:`DecisionRecord` keeps what the policy read (:class:`~balancer.policy.base.PolicyInputs`:
 the request's candidates and size, the per-replica prefix matches, the load snapshot), the weights
-and policy that decided, and the decision with its per-replica cost terms. They are references to
-objects the router built anyway (frozen; nothing is copied), so recording at commitment costs one
-small object and a deque append. ``/admin/decisions`` lists them and ``/admin/whatif``
-(:mod:`balancer.service.whatif`) re-runs policies on them.
+and policy that decided, and the decision with its per-replica cost terms. The ring keeps
+each one packed (:class:`PackedRecord`): its fields' values in one ``marshal`` blob, plus the few a
+query filters on. Kept as the router built them (a dozen frozen objects and their dicts per record),
+10,000 records were 150,000 objects that every garbage collection of the serving process walked
+(about a seventh of its CPU on ``chat_shared``, docs/benchmarks.md); a blob is no container, so the
+collector does not see it. A record is rebuilt on read, equal field for field (the blob holds plain
+numbers, strings, tuples and dicts); a record whose values ``marshal`` cannot hold exactly is kept
+as it is. ``/admin/decisions`` lists them and ``/admin/whatif`` (:mod:`balancer.service.whatif`)
+re-runs policies on them.
 
 Bounded twice per pool: ``console.decision_ring_size`` entries and ``console.decision_ring_bytes``
 estimated bytes; the oldest entries go first, counted by the bound that evicted them. Ids are
@@ -14,12 +19,16 @@ monotonic across pools (one :class:`DecisionLog`), so a client can poll with ``s
 
 from __future__ import annotations
 
+import marshal
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
+from typing import Any, NamedTuple, overload
 
-from balancer.policy.base import PolicyInputs, PolicyWeights
-from balancer.types import CostTerms, Decision, ReplicaId
+from balancer.load.tracker import LoadSnapshot, ReplicaLoad
+from balancer.policy.base import PolicyInputs, PolicyWeights, RouteRequest
+from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 ENTRY_BASE_BYTES = 1_200
 """Estimated bytes of one record before its replicas: the record, request, overlap, snapshot and
@@ -62,6 +71,147 @@ def estimate_bytes(inputs: PolicyInputs, decision: Decision, tenant: str | None)
     return ENTRY_BASE_BYTES + REPLICA_BYTES * replicas + extra
 
 
+def _values(cls: type) -> Callable[[Any], tuple[Any, ...]]:
+    """Every field's value of an instance of the dataclass ``cls``, in field order (one C call)."""
+    getter: Callable[[Any], tuple[Any, ...]] = attrgetter(*[f.name for f in fields(cls)])
+    return getter  # (each class has several fields: attrgetter gives a tuple)
+
+
+_REQUEST_VALUES = _values(RouteRequest)
+_OVERLAP_VALUES = _values(Overlap)
+_LOAD_VALUES = _values(ReplicaLoad)
+_TERMS_VALUES = _values(CostTerms)
+_SNAPSHOT_FIELDS = [f.name for f in fields(LoadSnapshot)]
+_DECISION_FIELDS = [f.name for f in fields(Decision)]
+_SNAPSHOT_REPLICAS = _SNAPSHOT_FIELDS.index("replicas")
+_DECISION_TERMS = _DECISION_FIELDS.index("terms")
+_SNAPSHOT_OTHERS = attrgetter(*[n for n in _SNAPSHOT_FIELDS if n != "replicas"])
+_DECISION_OTHERS = attrgetter(*[n for n in _DECISION_FIELDS if n != "terms"])
+
+
+class PackedRecord(NamedTuple):
+    """One :class:`DecisionRecord` as the ring keeps it: what queries filter on, the weights (a
+    reference: one object shared by every decision made under them), and the rest packed in a
+    ``marshal`` blob (:func:`pack`), or the record itself when it could not be packed exactly."""
+
+    id: int
+    nbytes: int
+    replica: ReplicaId
+    tenant: str | None
+    weights: PolicyWeights
+    packed: bytes | DecisionRecord
+
+    def record(self) -> DecisionRecord:
+        """The record, rebuilt (equal to the one recorded, field for field)."""
+        packed = self.packed
+        return packed if isinstance(packed, DecisionRecord) else unpack(self)
+
+
+def pack(record: DecisionRecord) -> PackedRecord:
+    """``record`` as the ring keeps it. ``marshal`` takes exactly the plain ``int``, ``float``,
+    ``bool``, ``str``, ``None``, ``tuple`` and ``dict`` values the router and the policies build and
+    gives them back as they were (floats bit for bit); it refuses a subclass of those (an enum, a
+    named tuple) and any other object, and the record is then kept as it is. (It would turn a
+    ``bytearray``, ``memoryview`` or ``array`` into ``bytes``: no field of a record holds one.)"""
+    inputs, decision = record.inputs, record.decision
+    load = inputs.load
+    values = (
+        record.wall_ts,
+        record.pool,
+        record.policy,
+        record.prompt_tokens,
+        record.cached_tokens,
+        _REQUEST_VALUES(inputs.request),
+        _OVERLAP_VALUES(inputs.overlap),
+        _SNAPSHOT_OTHERS(load),
+        tuple(load.replicas),
+        tuple(map(_LOAD_VALUES, load.replicas.values())),
+        _DECISION_OTHERS(decision),
+        tuple(map(_TERMS_VALUES, decision.terms)),
+    )
+    packed: bytes | DecisionRecord
+    try:
+        packed = marshal.dumps(values)
+    except ValueError:  # a value marshal cannot hold: keep the record itself
+        packed = record
+    return PackedRecord(record.id, record.nbytes, decision.replica, record.tenant, record.weights, packed)
+
+
+def unpack(entry: PackedRecord) -> DecisionRecord:
+    """The :class:`DecisionRecord` ``entry`` packs (:func:`pack`)."""
+    assert isinstance(entry.packed, bytes)
+    (
+        wall_ts,
+        pool,
+        policy,
+        prompt_tokens,
+        cached_tokens,
+        request,
+        overlap,
+        snapshot_others,
+        replicas,
+        loads,
+        decision_others,
+        terms,
+    ) = marshal.loads(entry.packed)
+    snapshot = list(snapshot_others)
+    snapshot.insert(
+        _SNAPSHOT_REPLICAS, dict(zip(replicas, [ReplicaLoad(*values) for values in loads], strict=True))
+    )
+    decision = list(decision_others)
+    decision.insert(_DECISION_TERMS, tuple([CostTerms(*values) for values in terms]))
+    inputs = PolicyInputs(RouteRequest(*request), Overlap(*overlap), LoadSnapshot(*snapshot))
+    return DecisionRecord(
+        id=entry.id,
+        wall_ts=wall_ts,
+        pool=pool,
+        tenant=entry.tenant,
+        policy=policy,
+        weights=entry.weights,
+        inputs=inputs,
+        decision=Decision(*decision),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
+        nbytes=entry.nbytes,
+    )
+
+
+class RecordList(Sequence[DecisionRecord]):
+    """Packed records read as :class:`DecisionRecord` s, each rebuilt when it is read (so a what-if
+    replay rebuilds them in its own thread, not on the event loop). Immutable."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self, entries: Sequence[PackedRecord]) -> None:
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @overload
+    def __getitem__(self, index: int) -> DecisionRecord: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> RecordList: ...
+
+    def __getitem__(self, index: int | slice) -> DecisionRecord | RecordList:
+        if isinstance(index, slice):
+            return RecordList(self._entries[index])
+        return self._entries[index].record()
+
+    def __iter__(self) -> Iterator[DecisionRecord]:
+        for entry in self._entries:
+            yield entry.record()
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a list (or another :class:`RecordList`) of equal records in the same order."""
+        if not isinstance(other, list | RecordList):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]
+
+
 @dataclass(slots=True)
 class RingStats:
     entries: int = 0
@@ -72,19 +222,22 @@ class RingStats:
 
 @dataclass(slots=True)
 class DecisionRing:
-    """One pool's recent decisions, oldest first, bounded in count and estimated bytes."""
+    """One pool's recent decisions, oldest first, bounded in count and estimated bytes (packed:
+    :class:`PackedRecord`)."""
 
     max_entries: int
     max_bytes: int
-    entries: deque[DecisionRecord] = field(default_factory=deque)
+    entries: deque[PackedRecord] = field(default_factory=deque)
     stats: RingStats = field(default_factory=RingStats)
 
-    def append(self, record: DecisionRecord) -> tuple[int, int]:
+    def append(self, record: DecisionRecord | PackedRecord) -> tuple[int, int]:
         """Add ``record`` and evict what the bounds require; returns (evicted by count, by bytes)."""
         stats = self.stats
         if self.max_entries <= 0:
             stats.evicted_count += 1
             return 1, 0
+        if isinstance(record, DecisionRecord):
+            record = pack(record)
         self.entries.append(record)
         stats.entries += 1
         stats.bytes += record.nbytes
@@ -104,17 +257,17 @@ class DecisionRing:
         self.stats.entries -= 1
         self.stats.bytes -= old.nbytes
 
-    def snapshot(self, last: int | None = None) -> list[DecisionRecord]:
-        """A copy of the newest ``last`` entries (all when ``None``), oldest first: a list of
-        references to frozen records, safe to read from another thread."""
+    def snapshot(self, last: int | None = None) -> RecordList:
+        """A copy of the newest ``last`` entries (all when ``None``), oldest first, safe to read from
+        another thread (each record is rebuilt when read there)."""
         if last is None or last >= len(self.entries):
-            return list(self.entries)
+            return RecordList(list(self.entries))
         if last <= 0:
-            return []
+            return RecordList([])
         entries = self.entries
-        return [entries[i] for i in range(len(entries) - last, len(entries))]
+        return RecordList([entries[i] for i in range(len(entries) - last, len(entries))])
 
-    def newest_first(self) -> Iterator[DecisionRecord]:
+    def newest_first(self) -> Iterator[PackedRecord]:
         return reversed(self.entries)
 
 
@@ -179,7 +332,7 @@ class DecisionLog:
             cached_tokens=cached_tokens,
             nbytes=estimate_bytes(inputs, decision, tenant),
         )
-        by_count, by_bytes = self.ring(pool).append(record)
+        by_count, by_bytes = self.ring(pool).append(pack(record))
         if self._on_evict is not None and (by_count or by_bytes):
             if by_count:
                 self._on_evict(pool, "count", by_count)
@@ -196,7 +349,7 @@ class DecisionLog:
                 mid = (low + high) // 2
                 found = entries[mid]
                 if found.id == record_id:
-                    return found
+                    return found.record()
                 if found.id < record_id:
                     low = mid + 1
                 else:
@@ -216,20 +369,20 @@ class DecisionLog:
         rings = [self.rings[pool]] if pool is not None and pool in self.rings else []
         if pool is None:
             rings = list(self.rings.values())
-        found: list[DecisionRecord] = []
+        found: list[PackedRecord] = []
         for ring in rings:
             taken = 0
-            for record in ring.newest_first():
-                if record.id <= since_id or taken >= limit:
+            for entry in ring.newest_first():
+                if entry.id <= since_id or taken >= limit:
                     break
-                if replica is not None and record.decision.replica != replica:
+                if replica is not None and entry.replica != replica:
                     continue
-                if tenant is not None and record.tenant != tenant:
+                if tenant is not None and entry.tenant != tenant:
                     continue
-                found.append(record)
+                found.append(entry)
                 taken += 1
         found.sort(key=lambda r: r.id, reverse=True)
-        return found[:limit]
+        return [entry.record() for entry in found[:limit]]
 
 
 def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object]]:

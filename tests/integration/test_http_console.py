@@ -215,7 +215,7 @@ async def test_a_cancelled_whatif_stops_its_thread(tokenizer: Tokenizer) -> None
         state = h.balancer.state
         assert state is not None
         log = state.decisions
-        first = log.ring(MODEL).entries[0]
+        first = log.ring(MODEL).entries[0].record()
         for _ in range(many - 1):  # the same decision again: a ring full without 60,000 requests
             log.record(
                 MODEL,
