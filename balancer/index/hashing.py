@@ -13,9 +13,9 @@ Only full blocks are hashed. Three alignment modes match what the engines cache:
   ``[j*bs, j*bs + bs + 1)``, so a prompt of N tokens has ``(N - 1) // bs`` full pages.
 
 Requests share long prefixes (a system prompt, earlier turns), so the request path hashes through a
-:class:`KeyMemo`: the keys of each run of :data:`MEMO_CHUNK_BLOCKS` blocks, looked up by the key
-before the run and an XXH3-128 of the run's bytes. A key is a function of exactly those two, so a
-memoised run gives the keys hashing would give; a shared 8k-token prefix then costs 16 lookups
+:class:`KeyMemo`: the keys of each run of :data:`MEMO_CHUNK_BLOCKS` blocks, looked up by an XXH3-128
+of the run's bytes seeded with the key before the run. A key is a function of exactly those two, so
+a memoised run gives the keys hashing would give; a shared 8k-token prefix then costs 16 lookups
 instead of 512 block hashes.
 """
 
@@ -159,11 +159,12 @@ class BlockHasher:
 class KeyMemo:
     """The keys of recently hashed runs of :data:`MEMO_CHUNK_BLOCKS` blocks (pure, bounded).
 
-    An entry is looked up by (the key before the run, XXH3-128 of the run's packed tokens) and holds
-    the run's keys. The key chain makes that pair determine the keys, so a hit gives exactly what
-    hashing gives (barring a 128-bit digest collision, far rarer than the 64-bit key collisions the
-    index already accepts). At most ``max_runs`` entries, least recently used out first (about
-    1.5 kB each: 32 keys and the lookup pair); ``evictions`` counts them.
+    An entry is looked up by the XXH3-128 of the run's packed tokens seeded with the key before the
+    run (one int: no pair to build and hash on each lookup), and holds the run's keys. The key chain
+    makes that key and those tokens determine the keys, so a hit gives exactly what hashing gives
+    (barring a 128-bit digest collision, far rarer than the 64-bit key collisions the index already
+    accepts). At most ``max_runs`` entries, least recently used out first (about 1.5 kB each: 32
+    keys and the digest); ``evictions`` counts them.
     """
 
     __slots__ = ("_runs", "evictions", "hits", "max_runs", "misses")
@@ -172,7 +173,7 @@ class KeyMemo:
         if max_runs < 0:
             raise ValueError(f"max_runs must be >= 0, got {max_runs}")
         self.max_runs = max_runs
-        self._runs: dict[tuple[int, int], tuple[BlockKey, ...]] = {}
+        self._runs: dict[int, tuple[BlockKey, ...]] = {}
         self.hits = 0
         self.misses = 0
         self.evictions = 0
@@ -188,14 +189,16 @@ class KeyMemo:
         extra = 4 * lookahead_tokens
         whole_runs = count // MEMO_CHUNK_BLOCKS if self.max_runs else 0
         runs = self._runs
+        pop = runs.pop
         keys: list[BlockKey] = []
+        extend = keys.extend
         key = seed
         view = memoryview(packed)
         missed = 0
         for start in range(0, whole_runs * run_bytes, run_bytes):
             span = view[start : start + run_bytes + extra]
-            ident = (key, _xxh3_128(span))
-            found = runs.pop(ident, None)  # re-inserted below: the dict's order is the LRU order
+            ident = _xxh3_128(span, key)  # the run's digest seeded with the key before it
+            found = pop(ident, None)  # re-inserted below: the dict's order is the LRU order
             if found is None:
                 missed += 1
                 found = tuple(chain_keys(key, bytes(span), block_size, MEMO_CHUNK_BLOCKS, lookahead_tokens))
@@ -203,12 +206,12 @@ class KeyMemo:
                     del runs[next(iter(runs))]
                     self.evictions += 1
             runs[ident] = found
-            keys.extend(found)
+            extend(found)
             key = found[-1]
         self.misses += missed
         self.hits += whole_runs - missed
         rest = count - whole_runs * MEMO_CHUNK_BLOCKS
         if rest:
             tail = packed[whole_runs * run_bytes :]
-            keys.extend(chain_keys(key, tail, block_size, rest, lookahead_tokens))
+            extend(chain_keys(key, tail, block_size, rest, lookahead_tokens))
         return keys

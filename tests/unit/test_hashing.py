@@ -280,3 +280,18 @@ def test_a_shared_prefix_is_hashed_once_and_the_memo_is_bounded() -> None:
     assert len(memo) == 40 and memo.evictions == 16
     with pytest.raises(ValueError):
         KeyMemo(-1)
+
+
+def test_a_run_after_another_prefix_is_not_taken_from_the_memo() -> None:
+    """The same run of tokens after two different prefixes has different keys (the chain): the memo
+    must look a run up by its tokens and the key before it, never by its tokens alone."""
+    hasher = BlockHasher("m", 16)
+    memo = KeyMemo()
+    run = list(range(7, 7 + 16 * MEMO_CHUNK_BLOCKS))
+    for head in (
+        list(range(100, 100 + 16 * MEMO_CHUNK_BLOCKS)),
+        list(range(900, 900 + 16 * MEMO_CHUNK_BLOCKS)),
+    ):
+        assert hasher.request_keys(head + run, memo=memo) == hasher.request_keys(head + run)
+    assert hasher.request_keys(run, memo=memo) == hasher.request_keys(run)  # the run as a root too
+    assert (memo.hits, memo.misses) == (0, 5)
