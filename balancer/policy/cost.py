@@ -101,7 +101,7 @@ from dataclasses import replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyWeights, RouteRequest
-from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min
+from balancer.policy.common import candidates_of, decide, pick_min
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 PRESSURE_START_FILL = 0.25
@@ -145,10 +145,11 @@ class CostPolicy:
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
+        overlap_of = overlap.blocks.get  # overlap_blocks() inline: Overlap.of clamped to 0..blocks
         terms = [
             cost_terms(
                 loads[r],
-                overlap_blocks(overlap, r, blocks),
+                max(0, min(overlap_of(r, 0), blocks)),
                 blocks,
                 weights,
                 credit=0.0 if no_credit and r in no_credit else credit,
@@ -292,26 +293,30 @@ def cost_terms(
         admission_term = prefill * weights.admission_weight * shortfall
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
+    cost = prefill_term + duplication_term + interference_term + admission_term + decode_term + queue_term
+    # Positional, in CostTerms' field order (tests/unit/test_policy_cost_terms.py checks each field):
+    # the same call with 20 keyword arguments takes about 0.3 µs (28%) longer, once per candidate.
     return CostTerms(
-        replica=load.replica,
-        overlap_blocks=overlap,
-        request_blocks=request_blocks,
-        pending_prefill_blocks=load.pending_prefill_blocks,
-        active_decode_blocks=float(load.active_decode_blocks),
-        waiting_requests=waiting,
-        kv_usage=load.kv_usage,
-        prefill_term=prefill_term,
-        decode_term=decode_term,
-        queue_term=queue_term,
-        cost=prefill_term + duplication_term + interference_term + admission_term + decode_term + queue_term,
-        excluded=excluded,
-        shared_pending_blocks=shared,
-        duplication_term=duplication_term,
-        interference_term=interference_term,
-        cache_pressure=pressure,
-        overlap_survival=survival,
-        overlap_credit=credit,
-        admission_term=admission_term,
+        load.replica,  # replica
+        overlap,  # overlap_blocks
+        request_blocks,  # request_blocks
+        pending,  # pending_prefill_blocks
+        float(load.active_decode_blocks),  # active_decode_blocks
+        waiting,  # waiting_requests
+        load.kv_usage,  # kv_usage
+        prefill_term,  # prefill_term
+        decode_term,  # decode_term
+        queue_term,  # queue_term
+        cost,  # cost
+        None,  # probability
+        excluded,  # excluded
+        shared,  # shared_pending_blocks
+        duplication_term,  # duplication_term
+        interference_term,  # interference_term
+        pressure,  # cache_pressure
+        survival,  # overlap_survival
+        credit,  # overlap_credit
+        admission_term,  # admission_term
     )
 
 
