@@ -8,9 +8,12 @@ in turn, one simulated millisecond apart. With ``in flight`` N, a request's firs
 routes after its lease and its release N/2 after that; with 0, both come right after the lease.
 Prints the p50 and mean wall time per request (route, first token and release) of 3,000 requests
 after 300 of warm-up, and the process's CPU time per request over those 3,000 (on a machine shared
-with other work, preemption inflates the wall times, not the CPU time).
+with other work, preemption inflates the wall times, not the CPU time). With ``--decisions`` every
+committed decision is also kept in a console decision ring of 10,000 as ``kvlb serve`` keeps it
+(:class:`~balancer.service.decisions.DecisionLog`), so the garbage collector sees what a serving
+process holds; ``--requests`` times more requests (past 10,000 the ring is full and evicting).
 
-    PYTHONPATH=$PWD python loadtests/bench/route_micro.py [--shared]
+    PYTHONPATH=$PWD python loadtests/bench/route_micro.py [--shared] [--decisions] [--requests N]
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from balancer.index.slots import TableLimits
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
 from balancer.routing.router import Lease, PoolRequest, PoolRouter, RouteLimits
+from balancer.service.decisions import DecisionLog
+
+DECISION_RING = 10_000
+"""Decisions kept with ``--decisions`` (``console.decision_ring_size``'s default)."""
 
 
 def prompts(shared: bool, seed: int = 1) -> list[array[int]]:
@@ -36,7 +43,11 @@ def prompts(shared: bool, seed: int = 1) -> list[array[int]]:
 
 
 def run(
-    bodies: list[array[int]], in_flight: int, requests: int = 3000, warmup: int = 300
+    bodies: list[array[int]],
+    in_flight: int,
+    requests: int = 3000,
+    warmup: int = 300,
+    decisions: DecisionLog | None = None,
 ) -> tuple[list[float], float]:
     """The wall time of each timed request, and the CPU time per timed request (seconds)."""
     router = PoolRouter(
@@ -57,7 +68,13 @@ def run(
             cpu_started = time.process_time()
         now += 0.001
         started = time.perf_counter()
-        prefilling.append(router.route(PoolRequest(bodies[i % len(bodies)], policy, weights, f"q{i}"), now))
+        lease = router.route(PoolRequest(bodies[i % len(bodies)], policy, weights, f"q{i}"), now)
+        prefilling.append(lease)
+        plan = lease.plan
+        if decisions is not None and plan.inputs is not None:  # as the service's record_commit
+            decisions.record(
+                "m", plan.inputs, plan.decision, weights, plan.prompt_tokens, plan.cached_tokens, None, now
+            )
         if len(prefilling) > in_flight // 2:
             lease = prefilling.pop(0)
             lease.first_token(now)
@@ -72,10 +89,13 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", action="store_true", help="prompts sharing a 7,990-token prefix")
+    parser.add_argument("--decisions", action="store_true", help="keep decisions as kvlb serve does")
+    parser.add_argument("--requests", type=int, default=3000, help="requests timed (default 3000)")
     args = parser.parse_args()
     bodies = prompts(args.shared)
     for in_flight in (0, 32):
-        times, cpu = run(bodies, in_flight)
+        log = DecisionLog(DECISION_RING, 128 * 1024 * 1024) if args.decisions else None
+        times, cpu = run(bodies, in_flight, args.requests, decisions=log)
         p50, mean = statistics.median(times) * 1e6, statistics.mean(times) * 1e6
         cpu_us = cpu * 1e6
         print(f"in flight {in_flight}: p50 {p50:.1f} us, mean {mean:.1f} us, cpu {cpu_us:.1f} us per request")
