@@ -4,10 +4,11 @@ Each :class:`DecisionRecord` keeps what the policy read (:class:`~balancer.polic
 the request's candidates and size, the per-replica prefix matches, the load snapshot), the weights
 and policy that decided, and the decision with its per-replica cost terms. The ring keeps
 each one packed (:class:`PackedRecord`): its fields' values in one ``marshal`` blob, plus the few a
-query filters on. Kept as the router built them (a dozen frozen objects and their dicts per record),
-10,000 records were 150,000 objects that every garbage collection of the serving process walked
-(about a seventh of its CPU on ``chat_shared``, docs/benchmarks.md); a blob is no container, so the
-collector does not see it. A record is rebuilt on read, equal field for field (the blob holds plain
+query filters on. Kept as the router built them (about 16 objects the garbage collector tracks per
+record), 10,000 records made every full collection of a serving process walk about 160,000 more
+objects: about 80 ms with every request in flight stalled, against about 5 ms packed, and half the
+collector's CPU (docs/benchmarks.md, "round 11"); a blob is no container, so the collector does not
+see it. A record is rebuilt on read, equal field for field (the blob holds plain
 numbers, strings, tuples and dicts); a record whose values ``marshal`` cannot hold exactly is kept
 as it is. ``/admin/decisions`` lists them and ``/admin/whatif`` (:mod:`balancer.service.whatif`)
 re-runs policies on them.
