@@ -4,8 +4,11 @@ Not part of ``kvlb bench``: a probe of the request path's own routing work, with
 replicas (block size 16), the serve defaults for the table (``TableLimits(gap_hold_s=0.5,
 gap_keep_s=2.0)``), ``speculative_ttl_s`` 2 s and ``pending_ttl_s`` 30 s, the cost policy. 32 prompts
 (random ids, or with ``--shared`` a 7,990-token shared prefix and 190 distinct ids each) are routed
-in turn, one simulated millisecond apart. With ``in flight`` N, a request's first token comes N/2
-routes after its lease and its release N/2 after that; with 0, both come right after the lease.
+in turn (with ``--fresh``, one prompt per request, warm-up included, each a new 64-token tail on
+one 8,128-token prefix: ``chat_shared``'s shape, where every request lists 4 new blocks), one
+simulated millisecond apart.
+With ``in flight`` N, a request's first token comes N/2 routes after its lease and its release N/2
+after that; with 0, both come right after the lease.
 Prints the p50 and mean wall time per request (route, first token and release) of 3,000 requests
 after 300 of warm-up, and the process's CPU time per request over those 3,000 (on a machine shared
 with other work, preemption inflates the wall times, not the CPU time). With ``--decisions`` every
@@ -13,7 +16,7 @@ committed decision is also kept in a console decision ring of 10,000 as ``kvlb s
 (:class:`~balancer.service.decisions.DecisionLog`), so the garbage collector sees what a serving
 process holds; ``--requests`` times more requests (past 10,000 the ring is full and evicting).
 
-    PYTHONPATH=$PWD python loadtests/bench/route_micro.py [--shared] [--decisions] [--requests N]
+    PYTHONPATH=$PWD python loadtests/bench/route_micro.py [--shared | --fresh] [--decisions] [--requests N]
 """
 
 from __future__ import annotations
@@ -34,8 +37,11 @@ DECISION_RING = 10_000
 """Decisions kept with ``--decisions`` (``console.decision_ring_size``'s default)."""
 
 
-def prompts(shared: bool, seed: int = 1) -> list[array[int]]:
+def prompts(shared: bool, seed: int = 1, fresh: int = 0) -> list[array[int]]:
     rng = random.Random(seed)
+    if fresh:  # chat_shared's shape: one 8,128-token shared prefix, a new 64-token tail each
+        head = array("I", [rng.randrange(1, 100_000) for _ in range(8128)])
+        return [head + array("I", [rng.randrange(1, 100_000) for _ in range(64)]) for _ in range(fresh)]
     if not shared:
         return [array("I", [rng.randrange(1, 100_000) for _ in range(8192)]) for _ in range(32)]
     prefix = [rng.randrange(1, 100_000) for _ in range(7990)]
@@ -89,10 +95,13 @@ def run(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shared", action="store_true", help="prompts sharing a 7,990-token prefix")
+    parser.add_argument(
+        "--fresh", action="store_true", help="a new 64-token tail a request on a shared 8,128-token prefix"
+    )
     parser.add_argument("--decisions", action="store_true", help="keep decisions as kvlb serve does")
     parser.add_argument("--requests", type=int, default=3000, help="requests timed (default 3000)")
     args = parser.parse_args()
-    bodies = prompts(args.shared)
+    bodies = prompts(args.shared, fresh=300 + args.requests if args.fresh else 0)
     for in_flight in (0, 32):
         log = DecisionLog(DECISION_RING, 128 * 1024 * 1024) if args.decisions else None
         times, cpu = run(bodies, in_flight, args.requests, decisions=log)
