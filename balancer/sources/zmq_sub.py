@@ -285,6 +285,8 @@ class ZmqEventSource:
             await self._on_message(*read, emit)
             if self.gate is not None:
                 await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
+        if not sub.get(zmq.EVENTS) & zmq.POLLIN:
+            self._behind_since = None  # it ended at its limit with the socket empty: caught up
 
     async def _read(self, sub: zmq.asyncio.Socket) -> tuple[list[bytes], bool] | None:
         """The next message queued on ``sub`` and whether to shed it (``None``: the socket is empty).

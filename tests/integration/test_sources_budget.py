@@ -276,3 +276,25 @@ async def test_a_backlog_read_past_max_behind_s_is_shed_counted_as_behind_and_co
         assert rig.index.pages()[-1] == 401 and rig.source.shed == shed  # decoded again
         assert rig.index.resyncs() == [(0, "overflow")]
         assert publisher.replay_requests == [0]  # the connection's catch-up only
+
+
+async def test_a_drain_that_ends_at_its_limit_does_not_carry_the_behind_clock_into_the_next_burst(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """Regression: a drain that read exactly its limit (1,000 messages) returned without looking
+    at the socket again, so the source never saw it empty; the next burst, seconds later, found the
+    clock of the old one running and was shed at once (a resync for nothing)."""
+    publisher.pub.setsockopt(zmq.SNDHWM, 0)  # every page reaches the SUB (the pipe is made at connect)
+    settings = dataclasses.replace(FAST, max_behind_s=0.5)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(1000)  # one drain's limit, all queued before the source reads any
+        _queue_on_the_sub(0.3)
+        await rig.settle(999)
+        assert rig.source.shed == 0 and len(rig.index.pages()) == 1000
+        await asyncio.sleep(0.7)  # idle for longer than max_behind_s
+        await publisher.pages(1)
+        await rig.settle(1000)
+        assert rig.source.shed == 0, "a message after an idle spell was shed"
+        assert rig.index.pages()[-1] == 1001 and rig.index.resyncs() == []
