@@ -42,6 +42,12 @@ class ZmqSourceSettings:
     ``kvlb_events_shed_runs_total{cause="backlog"}``). Bounds the read-ahead's memory and the
     decoding a flood costs before it is recognised (32 MiB: about 0.2 s of decoding the flood
     bench's batches). Must be ≥ ``max_message_bytes``."""
+    flood_pause_s: float = 0.5
+    """How long the source stays unsubscribed after dropping a flood (``max_backlog_bytes`` or
+    ``max_behind_s``) with its SUB (seconds): what the publisher sends meanwhile it drops for us (the
+    rank has resynced; the next message's seq counts it as shed), instead of the rest of a flood
+    arriving on the fresh connection and being decoded until it is a backlog again. The flooding
+    engine's blocks stay out of the index this long. Must be > 0."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
@@ -82,6 +88,7 @@ class ZmqSourceSettings:
             "replay_poll_min_s",
             "replay_poll_max_s",
             "max_behind_s",
+            "flood_pause_s",
         )
         for name in timeouts:
             value = getattr(self, name)

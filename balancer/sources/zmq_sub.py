@@ -54,10 +54,12 @@ publisher from 0. This source keeps the stream in order:
   socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``). A backlog over that
   bound (cause ``backlog``), or one the source has not come to the end of within ``max_behind_s``
   (cause ``behind``), is a flood: the message at hand is shed (the run's resync), the read-ahead is
-  dropped, and the SUB is closed and reopened, so that libzmq frees the rest of the backlog and the
-  publisher the messages it still queued for us, instead of this thread reading them one GIL hand-over
-  at a time. The next live message's seq shows how many were dropped: they are counted as shed and
-  it is taken in order, without a gap or a replay (no replay poll asks for them meanwhile).
+  dropped, and the SUB is closed, so that libzmq frees the rest of the backlog and the publisher the
+  messages it still queued for us, instead of this thread reading them one GIL hand-over at a time;
+  it is reopened ``flood_pause_s`` later (what the flood sends meanwhile the publisher drops: a
+  flood's tail, sent to a fresh connection at once, was decoded again until it too was a backlog).
+  The next live message's seq shows how many were dropped: they are counted as shed and it is taken
+  in order, without a gap or a replay (no replay poll asks for them meanwhile).
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -227,6 +229,7 @@ class ZmqEventSource:
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
+            dropped = False
             try:
                 while True:
                     timeout_ms = 0 if self._ahead else self._poll_timeout_ms()
@@ -238,6 +241,8 @@ class ZmqEventSource:
                         await self._drain(sub, emit, may_drop=True)
                     elif not ready and self._poll_due():
                         await self._poll_replay(sub, emit)
+            except _DropBacklog:
+                dropped = True
             except _Reopen:
                 backoff.reset()
                 continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
@@ -260,6 +265,9 @@ class ZmqEventSource:
                 monitor.close(linger=0)
                 sub.close(linger=0)
                 self._close_dealer()
+            if dropped:  # away for a while: what the flood sends meanwhile is dropped by the publisher
+                await asyncio.sleep(self.settings.flood_pause_s)
+                continue
             await asyncio.sleep(backoff.next_delay())
 
     def _poll_timeout_ms(self) -> int | None:

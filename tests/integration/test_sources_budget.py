@@ -278,9 +278,10 @@ async def test_a_backlog_read_past_max_behind_s_is_dropped_counted_as_behind_and
 ) -> None:
     """A backlog the source cannot read to the end within ``max_behind_s``: the message at hand is
     shed and resyncs the rank (once), the rest goes with the SUB, which is reopened; the run is
-    counted with its cause; the next message taken is decoded, in order, without a replay, and its
-    seq counts what was dropped as shed."""
-    settings = dataclasses.replace(FAST, max_behind_s=0.002)
+    counted with its cause; the SUB stays away ``flood_pause_s`` (what is published meanwhile is
+    lost); the next message taken is decoded, in order, without a replay, and its seq counts what
+    was dropped as shed."""
+    settings = dataclasses.replace(FAST, max_behind_s=0.002, flood_pause_s=0.5)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
         await publisher.wait_subscribed()
         await asyncio.wait_for(publisher.replay_served.wait(), 5)
@@ -291,7 +292,9 @@ async def test_a_backlog_read_past_max_behind_s_is_dropped_counted_as_behind_and
         assert 0 < decoded < 400
         await asyncio.sleep(0.1)
         assert rig.source.status().messages == decoded + 1  # the rest was never handled: dropped
+        away_from = time.monotonic()
         seq = await _publish_until_taken(publisher, rig)
+        assert time.monotonic() - away_from >= 0.3 and seq >= 400 + 3  # pages sent in the pause: lost
         await rig.settle(seq)
         assert rig.index.pages() == [*range(1, decoded + 1), seq + 1]  # in order, then the new one
         assert rig.source.shed == seq - decoded  # every seq before it that was not decoded
@@ -310,7 +313,7 @@ async def test_a_backlog_over_max_backlog_bytes_is_dropped_at_once_and_not_polle
     with the SUB (the rank resyncs once, a ``backlog`` run), no replay poll asks for the dropped
     batches while the stream is silent (the publisher still holds them), and the next message is
     decoded in order."""
-    settings = dataclasses.replace(POLLING, max_message_bytes=4096, max_backlog_bytes=8192)
+    settings = dataclasses.replace(POLLING, max_message_bytes=4096, max_backlog_bytes=8192, flood_pause_s=0.1)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
         await publisher.wait_subscribed()
         await asyncio.wait_for(publisher.replay_served.wait(), 5)
