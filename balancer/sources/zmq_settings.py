@@ -28,10 +28,11 @@ class ZmqSourceSettings:
     reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
     max_behind_s: float = 1.0
     """Longest the source may keep reading without ever finding the socket empty (seconds): past it
-    the publisher sends faster than kvlb decodes and applies, so the rest of the backlog is read and
-    dropped undecoded (the rank resyncs once, ``kvlb_events_shed_total``, a run counted in
-    ``kvlb_events_shed_runs_total{cause="behind"}``): the SUB is reopened, so libzmq drops it. Bounds what ZMQ
-    buffers in a flood and how stale the index gets; what a flood's first ``max_behind_s`` decodes
+    the publisher sends faster than kvlb decodes and applies, so the message at hand is shed (the
+    rank resyncs once, ``kvlb_events_shed_total``, a run counted in
+    ``kvlb_events_shed_runs_total{cause="behind"}``) and the rest of the backlog is dropped with the
+    SUB (closed, reopened ``flood_pause_s`` later). Bounds what ZMQ buffers in a flood and how stale
+    the index gets; what a flood's first ``max_behind_s`` decodes
     is cleared again by its run's resync (0.25 s was measured: it did not improve the other pools'
     p99s, ``docs/benchmarks.md``, "The event flood, round 2"). Must be > 0."""
     max_backlog_bytes: int = 32 * 1024 * 1024
@@ -40,8 +41,9 @@ class ZmqSourceSettings:
     this is a flood at once, without waiting ``max_behind_s``: the message at hand and everything
     after it are dropped undecoded (the rank resyncs once, a run counted in
     ``kvlb_events_shed_runs_total{cause="backlog"}``). Bounds the read-ahead's memory and the
-    decoding a flood costs before it is recognised (32 MiB: about 0.2 s of decoding the flood
-    bench's batches). Must be ≥ ``max_message_bytes``."""
+    decoding a flood costs before it is recognised (32 MiB: about 220 of the flood bench's 150 kB
+    messages; the read-ahead reached it with 1-11 of them decoded, ``docs/benchmarks.md``, "The
+    event flood, round 3"). Must be ≥ ``max_message_bytes``."""
     flood_pause_s: float = 0.5
     """How long the source stays unsubscribed after dropping a flood (``max_backlog_bytes`` or
     ``max_behind_s``) with its SUB (seconds): what the publisher sends meanwhile it drops for us (the
