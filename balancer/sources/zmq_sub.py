@@ -604,6 +604,7 @@ class ZmqEventSource:
         self._last_digest = None
         self._replayed = {}
         self._want = 0
+        self._backlog_dropped = False  # the next batch is a fresh start, not a dropped flood's next
 
     def _resync(self, emit: Emit, reason: ResyncReason) -> None:
         self._counters.resyncs += 1
