@@ -31,7 +31,7 @@ REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 """Every ``outcome`` of ``kvlb_events_replays_total``."""
 REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
-SHED_CAUSES: Final = ("budget", "behind")
+SHED_CAUSES: Final = ("budget", "behind", "backlog")
 """Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.zmq_sub.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
 """Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
@@ -547,8 +547,9 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         "events_shed_runs_total": counter(
             "kvlb_events_shed_runs_total",
             "Runs of shed event messages (each resyncs the rank once), by what started the run: budget "
-            "(the replica's ingestion CPU budget spent, or its queue over half full) or behind (the "
-            "source read for zmq max_behind_s without finding its socket empty).",
+            "(the replica's ingestion CPU budget spent, or its queue over half full), behind (the "
+            "source read for zmq max_behind_s without finding its socket empty) or backlog (it found "
+            "more than zmq max_backlog_bytes queued).",
             ["replica", "cause"],
         ),
         "events_relay_history_trimmed_total": counter(

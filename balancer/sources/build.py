@@ -40,7 +40,8 @@ class RelayRole:
 
 def zmq_settings_for(limits: LimitConfig) -> ZmqSourceSettings:
     """The ZMQ source settings the configured limits ask for (``limits.event_message_bytes``)."""
-    return ZmqSourceSettings(max_message_bytes=limits.event_message_bytes)
+    backlog = max(ZmqSourceSettings().max_backlog_bytes, limits.event_message_bytes)
+    return ZmqSourceSettings(max_message_bytes=limits.event_message_bytes, max_backlog_bytes=backlog)
 
 
 def poll_settings_for(limits: LimitConfig) -> PollSettings:

@@ -28,12 +28,28 @@ class ZmqSourceSettings:
     reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
     max_behind_s: float = 1.0
     """Longest the source may keep reading without ever finding the socket empty (seconds): past it
-    the publisher sends faster than kvlb decodes and applies, so the rest of the backlog is read and
-    dropped undecoded (the rank resyncs once, ``kvlb_events_shed_total``, a run counted in
-    ``kvlb_events_shed_runs_total{cause="behind"}``) until the socket is empty. Bounds what ZMQ
-    buffers in a flood and how stale the index gets; what a flood's first ``max_behind_s`` decodes
+    the publisher sends faster than kvlb decodes and applies, so the message at hand is shed (the
+    rank resyncs once, ``kvlb_events_shed_total``, a run counted in
+    ``kvlb_events_shed_runs_total{cause="behind"}``) and the rest of the backlog is dropped with the
+    SUB (closed, reopened ``flood_pause_s`` later). Bounds what ZMQ buffers in a flood and how stale
+    the index gets; what a flood's first ``max_behind_s`` decodes
     is cleared again by its run's resync (0.25 s was measured: it did not improve the other pools'
     p99s, ``docs/benchmarks.md``, "The event flood, round 2"). Must be > 0."""
+    max_backlog_bytes: int = 32 * 1024 * 1024
+    """Most bytes of messages the source reads ahead of its decoding (bytes): it takes everything
+    queued on the SUB off the socket before decoding the next message, and a backlog larger than
+    this is a flood at once, without waiting ``max_behind_s``: the message at hand and everything
+    after it are dropped undecoded (the rank resyncs once, a run counted in
+    ``kvlb_events_shed_runs_total{cause="backlog"}``). Bounds the read-ahead's memory and the
+    decoding a flood costs before it is recognised (32 MiB: about 220 of the flood bench's 150 kB
+    messages; the read-ahead reached it with 1-11 of them decoded, ``docs/benchmarks.md``, "The
+    event flood, round 3"). Must be ≥ ``max_message_bytes``."""
+    flood_pause_s: float = 0.5
+    """How long the source stays unsubscribed after dropping a flood (``max_backlog_bytes`` or
+    ``max_behind_s``) with its SUB (seconds): what the publisher sends meanwhile it drops for us (the
+    rank has resynced; the next message's seq counts it as shed), instead of the rest of a flood
+    arriving on the fresh connection and being decoded until it is a backlog again. The flooding
+    engine's blocks stay out of the index this long. Must be > 0."""
     reconnect_initial_s: float = 0.1
     """First wait (seconds) before reopening a failed socket; doubles per failure. Must be > 0."""
     reconnect_max_s: float = 5.0
@@ -74,6 +90,7 @@ class ZmqSourceSettings:
             "replay_poll_min_s",
             "replay_poll_max_s",
             "max_behind_s",
+            "flood_pause_s",
         )
         for name in timeouts:
             value = getattr(self, name)
@@ -86,6 +103,8 @@ class ZmqSourceSettings:
             raise ConfigError(f"zmq.replay_poll_busy_s must be a finite number >= 0, got {busy}")
         if self.replay_poll_min_s > self.replay_poll_max_s:
             raise ConfigError("zmq.replay_poll_min_s must be <= zmq.replay_poll_max_s")
+        if self.max_backlog_bytes < self.max_message_bytes:
+            raise ConfigError("zmq.max_backlog_bytes must be >= zmq.max_message_bytes")
         for name in ("replay_max_batches", "rcvhwm", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")

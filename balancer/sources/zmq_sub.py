@@ -44,14 +44,22 @@ publisher from 0. This source keeps the stream in order:
   catches a crash and restart whose new seq happens to land above the old one.
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
-  :mod:`balancer.sources.budget`), or while the source has read for ``max_behind_s`` without finding
-  the socket empty: a flood then costs reading it, not decoding it, and ZMQ does not buffer it. Of a
-  shed message only the seq is read, and it goes through the same ordering as a decoded one
-  (duplicates, gaps, the catch-up merge, restart detection), so the seq still advances and no replay
-  is asked; the rank resyncs once per run, at the stream position of the run's first accepted shed
-  message, and the run is counted by its cause (``kvlb_events_shed_runs_total``). Its payload is
-  unknown, so it cannot tell a duplicate from a restarted publisher's batch at the same seq: such a
-  message resyncs the rank too.
+  :mod:`balancer.sources.budget`). Of a shed message only the seq is read, and it goes through the
+  same ordering as a decoded one (duplicates, gaps, the catch-up merge, restart detection), so the
+  seq still advances and no replay is asked; the rank resyncs once per run, at the stream position
+  of the run's first accepted shed message, and the run is counted by its cause
+  (``kvlb_events_shed_runs_total``). Its payload is unknown, so it cannot tell a duplicate from a
+  restarted publisher's batch at the same seq: such a message resyncs the rank too.
+* **Floods.** Before decoding a message the source takes everything queued on the SUB off the
+  socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``). A backlog over that
+  bound (cause ``backlog``), or one the source has not come to the end of within ``max_behind_s``
+  (cause ``behind``), is a flood: the message at hand is shed (the run's resync), the read-ahead is
+  dropped, and the SUB is closed, so that libzmq frees the rest of the backlog and the publisher the
+  messages it still queued for us, instead of this thread reading them one GIL hand-over at a time;
+  it is reopened ``flood_pause_s`` later (what the flood sends meanwhile the publisher drops: a
+  flood's tail, sent to a fresh connection at once, was decoded again until it too was a backlog).
+  The next live message's seq shows how many were dropped: they are counted as shed and it is taken
+  in order, without a gap or a replay (no replay poll asks for them meanwhile).
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
 """
@@ -63,6 +71,7 @@ import dataclasses
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Literal
 
@@ -93,9 +102,10 @@ __all__ = ["ZmqEventSource", "ZmqSourceSettings", "endpoint_for_rank"]
 
 log = logging.getLogger(__name__)
 
-ShedCause = Literal["budget", "behind"]
-"""Why a source sheds: its replica's CPU budget is spent (or its queue over half full), or it has
-read for ``max_behind_s`` without finding its socket empty."""
+ShedCause = Literal["budget", "behind", "backlog"]
+"""Why a source sheds: its replica's CPU budget is spent (or its queue over half full), it has
+read for ``max_behind_s`` without finding its socket empty, or it found more than
+``max_backlog_bytes`` queued."""
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
@@ -107,6 +117,10 @@ restarted publisher at the same seq; dropped at the first live message."""
 class _Reopen(Exception):
     """The SUB lost its publisher: open a fresh socket (libzmq does not reconnect a connection it
     dropped for a protocol error, such as a message over ``ZMQ_MAXMSGSIZE``)."""
+
+
+class _DropBacklog(_Reopen):
+    """A flood: close the SUB, so libzmq drops what it still holds, and open a fresh one."""
 
 
 def _is_replay_end(frames: Sequence[bytes]) -> bool:
@@ -186,7 +200,16 @@ class ZmqEventSource:
         self._behind_since: float | None = None
         """When the current run of reads without an empty socket began (``None``: caught up)."""
         self.shed = 0
-        """Messages dropped undecoded (the budget was spent)."""
+        """Messages dropped undecoded (the budget was spent, or a flood)."""
+        self._reader: zmq.Socket[bytes] | None = None
+        """A synchronous shadow of the SUB: the read-ahead's plain non-blocking reads."""
+        self._ahead: deque[tuple[list[zmq.Frame], int]] = deque()
+        """Messages read off the SUB, not yet handled (zero-copy frames, and their bytes)."""
+        self._ahead_bytes = 0
+        self._flood = False
+        """The read-ahead found more than ``max_backlog_bytes`` queued, and has not been empty since."""
+        self._backlog_dropped = False
+        """A flood was dropped with the SUB: the next live seq shows how many messages went with it."""
 
     def status(self) -> SourceStatus:
         return self._counters.status(
@@ -206,16 +229,20 @@ class ZmqEventSource:
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
+            dropped = False
             try:
                 while True:
-                    ready = dict(await poller.poll(timeout=self._poll_timeout_ms()))
+                    timeout_ms = 0 if self._ahead else self._poll_timeout_ms()
+                    ready = dict(await poller.poll(timeout=timeout_ms))
                     if monitor in ready:  # first: a new connection's catch-up merges the queued live
                         await self._on_monitor(monitor, sub, emit)
-                    if sub in ready:
+                    if sub in ready or self._ahead:
                         backoff.reset()
-                        await self._drain(sub, emit)
+                        await self._drain(sub, emit, may_drop=True)
                     elif not ready and self._poll_due():
                         await self._poll_replay(sub, emit)
+            except _DropBacklog:
+                dropped = True
             except _Reopen:
                 backoff.reset()
                 continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
@@ -233,16 +260,20 @@ class ZmqEventSource:
                     exc,
                 )
             finally:
+                self._reader = None  # a shadow: it must not outlive the SUB
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
                 self._close_dealer()
+            if dropped:  # away for a while: what the flood sends meanwhile is dropped by the publisher
+                await asyncio.sleep(self.settings.flood_pause_s)
+                continue
             await asyncio.sleep(backoff.next_delay())
 
     def _poll_timeout_ms(self) -> int | None:
         """How long to wait for a message before the next replay poll (``None``: no poll)."""
-        if self.replay_endpoint is None or self._last_seq is None:
-            return None  # nothing to poll after: the catch-up of the next connection asks from the start
+        if self.replay_endpoint is None or self._last_seq is None or self._backlog_dropped:
+            return None  # nothing to poll after (or, after a dropped flood, no position to poll from)
         left_s = self._heard_at + self._poll_interval_s - time.monotonic()
         return max(1, int(left_s * 1000) + 1)
 
@@ -250,6 +281,7 @@ class ZmqEventSource:
         return (
             self.replay_endpoint is not None
             and self._last_seq is not None
+            and not self._backlog_dropped
             and time.monotonic() - self._heard_at >= self._poll_interval_s
         )
 
@@ -276,37 +308,84 @@ class ZmqEventSource:
         self._heard_at = self._batch_at = now
         self._poll_interval_s = self.settings.replay_poll_min_s
 
-    async def _drain(self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000) -> None:
-        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn)."""
+    async def _drain(
+        self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000, *, may_drop: bool = False
+    ) -> None:
+        """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn).
+        ``may_drop``: a flood is dropped with the SUB (:meth:`_drop_backlog`); elsewhere (a catch-up,
+        the last messages of a lost connection) its messages are shed one by one."""
         for _ in range(limit):
-            read = await self._read(sub)
+            read = self._read()
             if read is None:
                 return
             await self._on_message(*read, emit)
+            if may_drop and read[1] and self._shed_cause != "budget":
+                self._drop_backlog(emit)
             if self.gate is not None:
                 await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
+        self._read_ahead()
+        if not self._ahead:
+            self._caught_up()  # it ended at its limit with the socket empty
 
-    async def _read(self, sub: zmq.asyncio.Socket) -> tuple[list[bytes], bool] | None:
-        """The next message queued on ``sub`` and whether to shed it (``None``: the socket is empty).
-        A message is shed while the replica's budget is spent (the ``gate``) or the source has read
-        for ``max_behind_s`` without finding the socket empty; a shed message's payload is never
-        copied out of ZMQ (only topic and seq are read)."""
-        try:
-            parts = await sub.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            self._behind_since = None  # caught up
+    def _read_ahead(self) -> None:
+        """Take what is queued on the SUB off the socket, undecoded, until it is empty or the
+        read-ahead holds more than ``max_backlog_bytes`` (then the backlog is a flood)."""
+        reader = self._reader
+        if reader is None:
+            return
+        limit = self.settings.max_backlog_bytes
+        ahead = self._ahead
+        while self._ahead_bytes <= limit:
+            try:
+                parts = reader.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            size = sum(len(part) for part in parts)
+            ahead.append((parts, size))
+            self._ahead_bytes += size
+        self._flood = True
+
+    def _caught_up(self) -> None:
+        self._behind_since = None
+        self._flood = False
+
+    def _read(self) -> tuple[list[bytes], bool] | None:
+        """The next message queued on the SUB and whether to shed it (``None``: the socket is empty).
+        A message is shed in a flood (the read-ahead found more than ``max_backlog_bytes``, or the
+        source has read for ``max_behind_s`` without finding the socket empty) or while the
+        replica's budget is spent (the ``gate``); a shed message's payload is never copied out of
+        ZMQ (only topic and seq are read)."""
+        self._read_ahead()
+        if not self._ahead:
+            self._caught_up()
             return None
+        parts, size = self._ahead.popleft()
+        self._ahead_bytes -= size
         now = time.monotonic()
         if self._behind_since is None:
             self._behind_since = now
         gate = self.gate
-        if now - self._behind_since > self.settings.max_behind_s:
+        if self._flood:
+            self._shed_cause = "backlog"
+        elif now - self._behind_since > self.settings.max_behind_s:
             self._shed_cause = "behind"
         elif gate is not None and not gate.admits():
             self._shed_cause = "budget"
         else:
             return [part.bytes for part in parts], False
         return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
+
+    def _drop_backlog(self, emit: Emit) -> None:
+        """A flood: its first message was shed (and resynced the rank, if it was taken in order); drop
+        the read-ahead and have the SUB reopened, so that libzmq frees the rest of the backlog (and
+        the publisher what it still queued for us) without this thread reading it. The next live
+        message's seq counts what went (:meth:`_on_live`)."""
+        self._shed_run(emit)  # a no-op when the shed message started the run
+        self._ahead.clear()
+        self._ahead_bytes = 0
+        self._caught_up()
+        self._backlog_dropped = True
+        raise _DropBacklog
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
@@ -368,7 +447,7 @@ class ZmqEventSource:
         messages queued below ``limit`` first (they are older), keep the first one at or above it
         for after the replay. These are shed as :meth:`_drain`'s would be."""
         for _ in range(self.settings.rcvhwm):
-            read = await self._read(sub)
+            read = self._read()
             if read is None:
                 return
             frames, shed = read
@@ -385,7 +464,9 @@ class ZmqEventSource:
     def _open_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
         its catch-up) is missed."""
-        self._behind_since = None  # a fresh socket has no backlog of ours
+        self._caught_up()  # a fresh socket has no backlog of ours
+        self._ahead.clear()
+        self._ahead_bytes = 0
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
@@ -394,6 +475,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
+        self._reader = zmq.Socket.shadow(sub.underlying)
         return sub, monitor
 
     def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
@@ -420,9 +502,12 @@ class ZmqEventSource:
         a run is accepted (:meth:`_accept`), at its place in the stream."""
         if len(frames) < 3 or len(frames[1]) != SEQ_BYTES:
             return None
-        self.shed += 1
-        self._metrics.events_shed_total.labels(self.replica).inc()
+        self._count_shed(1)
         return DecodedBatch([], seq=int.from_bytes(frames[1], "big"))
+
+    def _count_shed(self, messages: int) -> None:
+        self.shed += messages
+        self._metrics.events_shed_total.labels(self.replica).inc(messages)
 
     def _take(self, frames: Sequence[bytes], shed: bool) -> tuple[DecodedBatch, int | None] | None:
         """One live message decoded (its decode charged to the ``gate``) or shed, with its payload's
@@ -459,6 +544,7 @@ class ZmqEventSource:
         self._counters.messages += 1
         self._heard(time.monotonic())
         seq = batch.seq
+        dropped, self._backlog_dropped = self._backlog_dropped, False
         if batch.epoch is not None:
             if self._epoch is not None and batch.epoch != self._epoch:
                 self._restart(emit, "epoch")
@@ -473,6 +559,11 @@ class ZmqEventSource:
             self._restart(emit, "restart")
         self._live_last = seq
         expected = self._expected()
+        if dropped and seq > expected and self._last_seq is not None:
+            # The messages before it went with the dropped flood (its run resynced the rank).
+            self._count_shed(seq - expected)
+            self._last_seq = seq - 1
+            expected = seq
         if seq < expected:
             if self._last_seq is not None:
                 self._counters.duplicates += 1  # already taken from a replay
@@ -513,6 +604,7 @@ class ZmqEventSource:
         self._last_digest = None
         self._replayed = {}
         self._want = 0
+        self._backlog_dropped = False  # the next batch is a fresh start, not a dropped flood's next
 
     def _resync(self, emit: Emit, reason: ResyncReason) -> None:
         self._counters.resyncs += 1

@@ -5,6 +5,7 @@ the stream in order (no replay, no gap); ``CpuBudget`` itself refills at its sha
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -15,11 +16,14 @@ from recording_index import RecordingIndex
 from zmq_rig import (  # noqa: F401  (pytest fixtures)
     BLOCK,
     FAST,
+    POLLING,
     REPLICA,
     TOPIC,
     Publisher,
+    Rig,
     ctx_fixture,
     eventually,
+    page,
     publisher_fixture,
     running,
 )
@@ -252,27 +256,102 @@ def _queue_on_the_sub(seconds: float) -> None:
     time.sleep(seconds)
 
 
-async def test_a_backlog_read_past_max_behind_s_is_shed_counted_as_behind_and_converges(
+async def _publish_until_taken(publisher: Publisher, rig: Rig) -> int:
+    """After a flood was dropped with the SUB: publish one page at a time until the source takes one
+    (those sent before the fresh SUB subscribed are lost, as they would be to any late joiner);
+    returns the seq it took."""
+    for _ in range(100):
+        seq = await publisher.publish([page(publisher.seq)])
+        with contextlib.suppress(AssertionError):
+            await eventually(lambda s=seq: (rig.source.status().last_seq or -1) >= s, timeout_s=0.05)
+            return seq
+    raise AssertionError("no page was taken after the flood")
+
+
+def _runs(rig: Rig) -> dict[str, float]:
+    return {cause: rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": cause})
+            for cause in ("behind", "budget", "backlog")}  # fmt: skip
+
+
+async def test_a_backlog_read_past_max_behind_s_is_dropped_counted_as_behind_and_converges(
     ctx: zmq.asyncio.Context, publisher: Publisher
 ) -> None:
-    """A backlog the source cannot read to the end within ``max_behind_s``: the rest is shed, the
-    rank resyncs once, the run is counted with its cause; the next message after the socket was
-    found empty is decoded again, in order, without a replay."""
-    settings = dataclasses.replace(FAST, max_behind_s=0.002)
+    """A backlog the source cannot read to the end within ``max_behind_s``: the message at hand is
+    shed and resyncs the rank (once), the rest goes with the SUB, which is reopened; the run is
+    counted with its cause; the SUB stays away ``flood_pause_s`` (what is published meanwhile is
+    lost); the next message taken is decoded, in order, without a replay, and its seq counts what
+    was dropped as shed."""
+    settings = dataclasses.replace(FAST, max_behind_s=0.002, flood_pause_s=0.5)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
         await publisher.wait_subscribed()
         await asyncio.wait_for(publisher.replay_served.wait(), 5)
         await publisher.pages(400)
         _queue_on_the_sub(0.3)
-        await rig.settle(399)
-        shed = rig.source.shed
-        assert 0 < shed < 400 and len(rig.index.pages()) == 400 - shed
+        await eventually(lambda: rig.source.shed > 0)
+        decoded = len(rig.index.pages())
+        assert 0 < decoded < 400
+        await asyncio.sleep(0.1)
+        assert rig.source.status().messages == decoded + 1  # the rest was never handled: dropped
+        away_from = time.monotonic()
+        seq = await _publish_until_taken(publisher, rig)
+        assert time.monotonic() - away_from >= 0.3 and seq >= 400 + 3  # pages sent in the pause: lost
+        await rig.settle(seq)
+        assert rig.index.pages() == [*range(1, decoded + 1), seq + 1]  # in order, then the new one
+        assert rig.source.shed == seq - decoded  # every seq before it that was not decoded
+        shed = rig.metric("kvlb_events_shed_total", {"replica": REPLICA})
+        assert shed == rig.source.shed
         assert rig.index.resyncs() == [(0, "overflow")]
-        runs = {cause: rig.metric("kvlb_events_shed_runs_total", {"replica": REPLICA, "cause": cause})
-                for cause in ("behind", "budget")}  # fmt: skip
-        assert runs == {"behind": 1.0, "budget": 0.0}
-        await publisher.pages(1)
-        await rig.settle(400)
-        assert rig.index.pages()[-1] == 401 and rig.source.shed == shed  # decoded again
-        assert rig.index.resyncs() == [(0, "overflow")]
+        assert _runs(rig) == {"behind": 1.0, "budget": 0.0, "backlog": 0.0}
+        assert rig.source.status().gaps == 0
         assert publisher.replay_requests == [0]  # the connection's catch-up only
+
+
+async def test_a_backlog_over_max_backlog_bytes_is_dropped_at_once_and_not_polled_for(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """More than ``max_backlog_bytes`` queued: a flood before anything of it is decoded; it goes
+    with the SUB (the rank resyncs once, a ``backlog`` run), no replay poll asks for the dropped
+    batches while the stream is silent (the publisher still holds them), and the next message is
+    decoded in order."""
+    settings = dataclasses.replace(POLLING, max_message_bytes=4096, max_backlog_bytes=8192, flood_pause_s=0.1)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(3)  # before the flood: decoded as they come
+        await rig.settle(2)
+        await publisher.pages(400)  # about 40 kB
+        _queue_on_the_sub(0.3)
+        await eventually(lambda: rig.source.shed > 0)
+        await asyncio.sleep(0.5)  # silent for ten times replay_poll_min_s
+        assert publisher.replay_requests == [0], "a poll asked for the dropped flood"
+        assert rig.index.pages() == [1, 2, 3]  # nothing of the flood decoded
+        assert rig.source.status().messages == 3 + 1  # its first message shed, the rest dropped
+        seq = await _publish_until_taken(publisher, rig)
+        await rig.settle(seq)
+        assert rig.index.pages() == [1, 2, 3, seq + 1]
+        assert rig.source.shed == seq - 3
+        assert rig.index.resyncs() == [(0, "overflow")]
+        assert _runs(rig) == {"behind": 0.0, "budget": 0.0, "backlog": 1.0}
+        assert rig.source.status().gaps == 0 and publisher.replay_requests == [0]
+
+
+async def test_a_drain_that_ends_at_its_limit_does_not_carry_the_behind_clock_into_the_next_burst(
+    ctx: zmq.asyncio.Context, publisher: Publisher
+) -> None:
+    """Regression: a drain that read exactly its limit (1,000 messages) returned without looking
+    at the socket again, so the source never saw it empty; the next burst, seconds later, found the
+    clock of the old one running and was shed at once (a resync for nothing)."""
+    publisher.pub.setsockopt(zmq.SNDHWM, 0)  # every page reaches the SUB (the pipe is made at connect)
+    settings = dataclasses.replace(FAST, max_behind_s=0.5)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
+        await publisher.wait_subscribed()
+        await asyncio.wait_for(publisher.replay_served.wait(), 5)
+        await publisher.pages(1000)  # one drain's limit, all queued before the source reads any
+        _queue_on_the_sub(0.3)
+        await rig.settle(999)
+        assert rig.source.shed == 0 and len(rig.index.pages()) == 1000
+        await asyncio.sleep(0.7)  # idle for longer than max_behind_s
+        await publisher.pages(1)
+        await rig.settle(1000)
+        assert rig.source.shed == 0, "a message after an idle spell was shed"
+        assert rig.index.pages()[-1] == 1001 and rig.index.resyncs() == []

@@ -310,9 +310,10 @@ async def test_build_sources_per_engine() -> None:
     import zmq.asyncio
 
     from balancer.config import LimitConfig, ReplicaConfig
+    from balancer.errors import ConfigError
     from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
     from balancer.sources.trtllm_poll import TrtllmPoller
-    from balancer.sources.zmq_sub import ZmqEventSource
+    from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
 
     ctx = zmq.asyncio.Context()
     try:
@@ -344,5 +345,12 @@ async def test_build_sources_per_engine() -> None:
             (poller,) = build_sources(ReplicaConfig(id="t1", url="http://h:2/", engine="trtllm"), **sized)  # type: ignore[arg-type]
             assert isinstance(sub, ZmqEventSource) and sub.settings.max_message_bytes == 4096
             assert isinstance(poller, TrtllmPoller) and poller.settings.max_body_bytes == 4096
+            assert sub.settings.max_backlog_bytes == 32 * 1024 * 1024  # the default read-ahead bound
+            # a message bound above the read-ahead's default raises the read-ahead's with it
+            big = zmq_settings_for(LimitConfig(event_message_bytes=64 * 1024 * 1024))
+            assert big.max_backlog_bytes == big.max_message_bytes == 64 * 1024 * 1024
+            big.validate()
+            with pytest.raises(ConfigError, match="max_backlog_bytes"):
+                ZmqSourceSettings(max_message_bytes=4096, max_backlog_bytes=4095).validate()
     finally:
         ctx.destroy(linger=0)
