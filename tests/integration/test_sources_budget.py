@@ -355,3 +355,33 @@ async def test_a_drain_that_ends_at_its_limit_does_not_carry_the_behind_clock_in
         await rig.settle(1000)
         assert rig.source.shed == 0, "a message after an idle spell was shed"
         assert rig.index.pages()[-1] == 1001 and rig.index.resyncs() == []
+
+
+async def test_after_a_dropped_flood_a_lost_publisher_is_caught_up_and_its_silence_polled_again(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    """A dropped flood stops the replay polls until the stream shows its next message. If instead the
+    publisher's process goes (a disconnect: the rank is forgotten) and a new one starts, the new
+    stream owes nothing to the flood: after its catch-up a silent stream is polled again, so a batch
+    only the new publisher's replay buffer holds (a PUB HWM drop) is taken."""
+    settings = dataclasses.replace(POLLING, max_message_bytes=4096, max_backlog_bytes=8192, flood_pause_s=0.1)
+    old = Publisher(ctx)
+    async with running(ctx, old.endpoint, old.replay_endpoint, settings=settings) as rig:
+        await old.wait_subscribed()
+        await asyncio.wait_for(old.replay_served.wait(), 5)
+        await old.pages(400)  # about 40 kB: over max_backlog_bytes
+        _queue_on_the_sub(0.3)
+        await eventually(lambda: rig.source.shed > 0)
+        await asyncio.sleep(0.4)  # the pause, then the fresh SUB connects to the same process
+        await old.aclose()  # the process dies before it sends anything more
+        await eventually(lambda: rig.index.resyncs() == [(0, "overflow"), (0, "disconnect")])
+        new = Publisher(ctx, port=old.port, replay_port=old.replay_port)
+        try:
+            await new.pages(2)  # before kvlb reconnects: its catch-up brings them
+            await rig.settle(1)
+            await new.publish([page(new.seq)], drop=True)  # only a poll of the replay socket finds it
+            await rig.settle(2)
+            assert rig.index.pages()[-3:] == [1, 2, 3]
+            assert new.replay_requests[0] == 0 and len(new.replay_requests) >= 2  # catch-up, then polls
+        finally:
+            await new.aclose()
