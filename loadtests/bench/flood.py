@@ -19,8 +19,9 @@ phase lasts until kvlb took every batch off its queues, at least ``phase_s``, at
 ``flood_timeout_s``). Reported: per phase the other pool's request p50/p99 and ``/healthz`` p50/p99
 and the ratios flood ÷ baseline (targets ≤ 2), kvlb's RSS (summed over its processes: supervisor and
 workers) before the warm-up (``rss_idle_mb``), before the baseline phase, at its peak and
-``settle_s`` after the flood, the flood's own figures (publish time, batches, events, overflows and
-resyncs from ``/metrics``), and the Redis leases lost
+``settle_s`` after the flood, the flood's own figures (publish time, batches, events, overflows,
+resyncs and messages shed from ``/metrics``, read after the engine's next batch: a flood dropped with
+the SUB is counted as shed when that batch's seq shows how many went), and the Redis leases lost
 (``kvlb_redis_lease_events_total{event="lost"}``; ``null`` in the embedded mode it runs by default:
 there are no leases to lose; ``--redis`` runs kvlb in fleet mode with a ``redis-server`` of its
 own).
@@ -369,6 +370,11 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
                 flooded = await run_phase(session, url, shape, kvlb.pid, flood)
                 await asyncio.sleep(shape.settle_s)
                 rss_settled = await asyncio.to_thread(tree_rss_bytes, kvlb.pid)
+                # The engine's next batch after the flood: a flood dropped with the SUB is counted
+                # as shed only when the stream's next seq shows how many went.
+                after_flood = await _next_batch_taken(
+                    session, url, pub, payloads[0], seq, shape.workers, shape.redis
+                )
                 async with session.get(url + "/metrics") as response:
                     metrics = await response.text()
         finally:
@@ -395,6 +401,7 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
         "decision_ring_entries": scrape(metrics, "kvlb_console_ring_entries", pool="other"),
         "ratios": ratios,
         "leases_lost": leases,
+        "after_flood_batch_taken": after_flood,
         "kvlb_events": {
             "queue_overflows": scrape(metrics, "kvlb_events_queue_overflow_total"),
             "resyncs": scrape(metrics, "kvlb_events_resyncs_total"),
@@ -463,6 +470,33 @@ async def _warm_subscription(
                 seen += bool(sources and sources[0]["messages"] > 0)
             if seen == 4 * workers or (fleet and seen):
                 return
+
+
+async def _next_batch_taken(
+    session: aiohttp.ClientSession,
+    url: str,
+    pub: zmq.Socket[bytes],
+    payload: bytes,
+    seq: int,
+    workers: int,
+    fleet: bool,
+) -> bool:
+    """Publish batch ``seq`` (the one after the flood) and wait (bounded: 10 s) until every worker's
+    source (in fleet mode: the lease holder's) took it in order; ``False`` if none did in time."""
+    await asyncio.to_thread(pub.send_multipart, [b"", seq.to_bytes(8, "big"), payload])
+    deadline = time.perf_counter() + 10.0
+    while time.perf_counter() < deadline:
+        await asyncio.sleep(0.2)
+        taken = 0
+        for _ in range(4 * workers if workers > 1 else 1):
+            async with aiohttp.ClientSession() as fresh, fresh.get(url + "/admin/replicas") as response:
+                views = (await response.json())["replicas"]
+            flood = next(v for v in views if v["id"] == "flood-0")
+            sources = (flood["events"] or {}).get("sources", [])
+            taken += bool(sources and (sources[0]["last_seq"] or -1) >= seq)
+        if taken == (4 * workers if workers > 1 else 1) or (fleet and taken):
+            return True
+    return False
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -29,6 +29,7 @@ async def test_smoke_run_reports_every_field(workers: int, redis: bool) -> None:
     applied_or_dropped = events["stored_blocks_applied"] + events["queue_overflows"]
     assert applied_or_dropped >= SMOKE.events_per_batch * workers
     assert report["leases_lost"] == (0 if redis else None)  # embedded: no leases
+    assert report["after_flood_batch_taken"] is True  # the engine's next batch, taken in order
     assert set(report["ratios"]) == {
         "requests_p99", "healthz_p99", "rss_settled_vs_baseline", "rss_settled_vs_idle"
     }  # fmt: skip
