@@ -101,7 +101,7 @@ from dataclasses import replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyWeights, RouteRequest
-from balancer.policy.common import candidates_of, decide, pick_min
+from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 PRESSURE_START_FILL = 0.25
@@ -145,11 +145,10 @@ class CostPolicy:
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
-        overlap_of = overlap.blocks.get  # overlap_blocks() inline: Overlap.of clamped to 0..blocks
         terms = [
             cost_terms(
                 loads[r],
-                max(0, min(overlap_of(r, 0), blocks)),
+                overlap_blocks(overlap, r, blocks),
                 blocks,
                 weights,
                 credit=0.0 if no_credit and r in no_credit else credit,

@@ -231,14 +231,12 @@ class DecisionRing:
     entries: deque[PackedRecord] = field(default_factory=deque)
     stats: RingStats = field(default_factory=RingStats)
 
-    def append(self, record: DecisionRecord | PackedRecord) -> tuple[int, int]:
+    def append(self, record: PackedRecord) -> tuple[int, int]:
         """Add ``record`` and evict what the bounds require; returns (evicted by count, by bytes)."""
         stats = self.stats
         if self.max_entries <= 0:
             stats.evicted_count += 1
             return 1, 0
-        if isinstance(record, DecisionRecord):
-            record = pack(record)
         self.entries.append(record)
         stats.entries += 1
         stats.bytes += record.nbytes

@@ -323,9 +323,7 @@ class ZmqEventSource:
                 self._drop_backlog(emit)
             if self.gate is not None:
                 await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
-        self._read_ahead()
-        if not self._ahead:
-            self._caught_up()  # it ended at its limit with the socket empty
+        self._drained()  # it may have ended at its limit with the socket empty
 
     def _read_ahead(self) -> None:
         """Take what is queued on the SUB off the socket, undecoded, until it is empty or the
@@ -349,15 +347,21 @@ class ZmqEventSource:
         self._behind_since = None
         self._flood = False
 
+    def _drained(self) -> bool:
+        """Whether nothing is left to handle (the read-ahead and the socket empty); if so, caught up."""
+        self._read_ahead()
+        if self._ahead:
+            return False
+        self._caught_up()
+        return True
+
     def _read(self) -> tuple[list[bytes], bool] | None:
         """The next message queued on the SUB and whether to shed it (``None``: the socket is empty).
         A message is shed in a flood (the read-ahead found more than ``max_backlog_bytes``, or the
         source has read for ``max_behind_s`` without finding the socket empty) or while the
         replica's budget is spent (the ``gate``); a shed message's payload is never copied out of
         ZMQ (only topic and seq are read)."""
-        self._read_ahead()
-        if not self._ahead:
-            self._caught_up()
+        if self._drained():
             return None
         parts, size = self._ahead.popleft()
         self._ahead_bytes -= size

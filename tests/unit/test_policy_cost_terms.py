@@ -1,6 +1,6 @@
-"""``cost_terms`` builds its :class:`CostTerms` positionally, and the cost policy clamps overlaps
-inline: both checked against the keyword-built, helper-calling version they replaced (a model), for
-random loads, overlaps (negative and past the request too), weights and guards."""
+"""``cost_terms`` builds its :class:`CostTerms` positionally: checked against the keyword-built
+version it replaced (a model), alone and through the cost policy (whose overlaps are clamped to the
+request), for random loads, overlaps (negative and past the request too), weights and guards."""
 
 from __future__ import annotations
 
