@@ -168,7 +168,8 @@ def select(state: ServiceState, job: Forward) -> RoutePlan:
     """The decision for ``job``, committing nothing (explain, gRPC ``Route`` without ``reserve``)."""
     started = time.perf_counter()
     plan = job.pool.router.select(pool_request(state, job), state.monotonic())
-    state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
+    metrics = state.metrics
+    metrics.children.of(metrics.route_decision_seconds).observe(time.perf_counter() - started)
     _log_decision(job, plan)
     return plan
 
@@ -178,7 +179,8 @@ def route(state: ServiceState, job: Forward, exclude: Collection[ReplicaId] = ()
     :class:`NoReplicasAvailable` / :class:`Overloaded` when no replica can take it."""
     started = time.perf_counter()
     lease = job.pool.router.route(pool_request(state, job, exclude), state.monotonic())
-    state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
+    metrics = state.metrics
+    metrics.children.of(metrics.route_decision_seconds).observe(time.perf_counter() - started)
     _log_decision(job, lease.plan)
     record_commit(state, job, lease)
     return lease
