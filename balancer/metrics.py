@@ -7,16 +7,14 @@ global state to reset.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Final, TypedDict, TypeVar, get_args, overload
+from typing import Final, TypedDict, TypeVar, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
-from prometheus_client.values import MutexValue
 
 from balancer.events import ResyncReason
 from balancer.index.slots import TableCounters
@@ -47,103 +45,26 @@ APPLIED_OUTCOMES: Final = (
 _Collector = TypeVar("_Collector", Counter, Gauge, Histogram)
 
 
-class CounterHandle:
-    """A counter child's ``inc`` without ``prometheus_client``'s lock and checks (what
-    :meth:`Children.of` hands out for a ``Counter``). It adds to the child's own value, so every
-    reader of the registry (``/metrics``, gRPC, ``kvlb top``) sees the same samples as before.
-    Unlocked: update it from the event loop's thread only (every request-path update runs there)."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, child: Counter) -> None:
-        self._value: Any = child._value  # prometheus_client's MutexValue (its float is ``_value``)
-
-    def inc(self, amount: float = 1) -> None:
-        """As ``Counter.inc``: a negative ``amount`` raises ``ValueError`` and counts nothing."""
-        if amount < 0:
-            raise ValueError("Counters can only be incremented by non-negative amounts.")
-        self._value._value += amount
-
-
-class GaugeHandle:
-    """A gauge child's ``set`` (as ``Gauge.set``: the value as a float), unlocked like
-    :class:`CounterHandle`."""
-
-    __slots__ = ("_value",)
-
-    def __init__(self, child: Gauge) -> None:
-        self._value: Any = child._value
-
-    def set(self, value: float) -> None:
-        self._value._value = float(value)
-
-
-class HistogramHandle:
-    """A histogram child's ``observe``, unlocked like :class:`CounterHandle`: the sum, then the
-    first bucket whose upper bound is ≥ the value (a bisection instead of ``prometheus_client``'s
-    loop over the bounds; a NaN goes in the sum and in no bucket, as there)."""
-
-    __slots__ = ("_bounds", "_buckets", "_sum")
-
-    def __init__(self, child: Histogram) -> None:
-        self._bounds: list[float] = list(child._upper_bounds)
-        self._buckets: list[Any] = list(child._buckets)
-        self._sum: Any = child._sum
-
-    def observe(self, amount: float) -> None:
-        self._sum._value += amount
-        if amount == amount:  # not NaN
-            self._buckets[bisect_left(self._bounds, amount)]._value += 1
-
-
-def _handle(child: Counter | Gauge | Histogram) -> CounterHandle | GaugeHandle | HistogramHandle:
-    """The handle for ``child``; the child itself when its values are not ``prometheus_client``'s
-    plain in-process floats (its multiprocess mode writes each update to a file: kvlb does not use
-    it), whose updates then take the locked path."""
-    value = child._sum if isinstance(child, Histogram) else child._value
-    if type(value) is not MutexValue:
-        return child  # type: ignore[return-value]  # the same update methods, locked
-    if isinstance(child, Counter):
-        return CounterHandle(child)
-    if isinstance(child, Gauge):
-        return GaugeHandle(child)
-    return HistogramHandle(child)
-
-
 class Children:
-    """Memoised, unlocked handles on the ``labels(...)`` children of the collectors the request path
-    updates (:class:`CounterHandle`, :class:`GaugeHandle`, :class:`HistogramHandle`).
+    """Memoised ``labels(...)`` children of the collectors the request path updates.
 
     ``prometheus_client``'s ``labels()`` validates, converts and locks on every call (a few µs,
-    about a dozen times per request), and each update takes the child's lock again (a histogram's
-    twice, after a loop over its bounds); this is one dict lookup and a float addition. A handle
-    writes the child's own values, so the exported samples are the same. It holds only children the
-    collector holds anyway, so it is bounded as they are; a child ``remove()``d from its collector
-    must be :meth:`forget`-ten here too (else an update would go to the removed child). Unlocked:
-    for the event loop's thread only (other threads update through ``labels()``, locked)."""
+    about a dozen times per request); this is one dict lookup. It holds only children the collector holds
+    anyway, so it is bounded as they are; a child ``remove()``d from its collector must be
+    :meth:`forget`-ten here too (else an update would go to the removed child)."""
 
     __slots__ = ("_cache",)
 
     def __init__(self) -> None:
-        self._cache: dict[tuple[object, ...], CounterHandle | GaugeHandle | HistogramHandle] = {}
+        self._cache: dict[tuple[object, ...], object] = {}
 
-    @overload
-    def of(self, collector: Counter, *values: str) -> CounterHandle: ...
-    @overload
-    def of(self, collector: Gauge, *values: str) -> GaugeHandle: ...
-    @overload
-    def of(self, collector: Histogram, *values: str) -> HistogramHandle: ...
-    def of(
-        self, collector: Counter | Gauge | Histogram, *values: str
-    ) -> CounterHandle | GaugeHandle | HistogramHandle:
-        """A handle on ``collector.labels(*values)`` (on ``collector`` itself when it has no
-        labels), memoised."""
+    def of(self, collector: _Collector, *values: str) -> _Collector:
+        """``collector.labels(*values)``, memoised."""
         key = (collector, *values)
-        handle = self._cache.get(key)
-        if handle is None:
-            child = collector.labels(*values) if values else collector
-            handle = self._cache[key] = _handle(child)
-        return handle
+        child = self._cache.get(key)
+        if child is None:
+            child = self._cache[key] = collector.labels(*values)
+        return child  # type: ignore[return-value]
 
     def forget(self, collector: _Collector, *values: str) -> None:
         """Drop the memoised child of ``collector`` for ``values`` (call it when removing that child)."""

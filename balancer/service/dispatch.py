@@ -168,8 +168,7 @@ def select(state: ServiceState, job: Forward) -> RoutePlan:
     """The decision for ``job``, committing nothing (explain, gRPC ``Route`` without ``reserve``)."""
     started = time.perf_counter()
     plan = job.pool.router.select(pool_request(state, job), state.monotonic())
-    metrics = state.metrics
-    metrics.children.of(metrics.route_decision_seconds).observe(time.perf_counter() - started)
+    state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
     _log_decision(job, plan)
     return plan
 
@@ -179,8 +178,7 @@ def route(state: ServiceState, job: Forward, exclude: Collection[ReplicaId] = ()
     :class:`NoReplicasAvailable` / :class:`Overloaded` when no replica can take it."""
     started = time.perf_counter()
     lease = job.pool.router.route(pool_request(state, job, exclude), state.monotonic())
-    metrics = state.metrics
-    metrics.children.of(metrics.route_decision_seconds).observe(time.perf_counter() - started)
+    state.metrics.route_decision_seconds.observe(time.perf_counter() - started)
     _log_decision(job, lease.plan)
     record_commit(state, job, lease)
     return lease
