@@ -3,8 +3,11 @@
 1. Builds the request stream once (a workload, or the Mooncake trace with ``--trace``).
 2. For each router, searches the capacity in the simulator (:func:`loadtests.capacity.search`: the
    stream's arrival times rescaled to each offered rate, the real policy code routing it). ``oracle``
-   is the simulator's oracle router (:mod:`loadtests.simulate.oracle`); ``sglang_cache_aware`` is
-   simulated by kvlb's ``sglang_threshold`` policy (its switch rule on kvlb's index).
+   is the simulator's oracle router (:mod:`loadtests.simulate.oracle`); ``oracle_lru`` its plan
+   replayed on engines that evict LRU; ``<kvlb router>@min`` that router on engines that evict with
+   Belady's MIN (the three simulator only: they separate placement from eviction);
+   ``sglang_cache_aware`` is simulated by kvlb's ``sglang_threshold`` policy (its switch rule on
+   kvlb's index).
 3. With ``--confirm``, runs the bracketing rates of each router (its capacity and the first failing
    rate) on the emulated fleet with ``kvlb loadtest``'s machinery (the real peers for peer names),
    on the first ``--confirm-requests`` requests, next to a simulation of those same requests. The
@@ -68,6 +71,10 @@ Assignment = dict[str, str | None]
 """Request id → the replica a simulation placed it on (``None``: refused there)."""
 SIM_POLICY = {"sglang_cache_aware": "sglang_threshold"}
 """Fleet router name → the kvlb policy that simulates it."""
+ORACLES = ("oracle", "oracle_lru")
+"""Simulator-only oracle routers: the plan replayed on MIN engines, and on the engines' LRU caches."""
+MIN_SUFFIX = "@min"
+"""``<kvlb router>@min``: that router in the simulator on engines that evict with MIN (simulator only)."""
 SMOKE: dict[str, Any] = {
     "workload": "tenants",
     "params": {
@@ -102,7 +109,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--requests", type=int, default=None, help="requests (default: the trace's rows; workloads 600)")
     add("--routers", default=",".join(DEFAULT_ROUTERS),
         help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>[+w=v], "
-        "sglang_cache_aware (simulated as sglang_threshold), oracle (simulator only)")  # fmt: skip
+        "sglang_cache_aware (simulated as sglang_threshold); simulator only: oracle (its plan on MIN "
+        "engines), oracle_lru (its plan on LRU engines), <kvlb router>@min (on MIN engines)")  # fmt: skip
     add("--replicas", type=int, default=8, help="replicas (8)")
     add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="replica profile")
     add("--kv-capacity-tokens", type=int, default=None, help="per-replica KV pool (default: the profile's)")
@@ -225,6 +233,24 @@ def _params(pairs: Sequence[str]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------- simulator
 
 
+def sim_router(name: str) -> tuple[RouterSpec | None, bool]:
+    """A router name → its spec (``None`` for an oracle) and whether its engines evict with MIN;
+    ``ValueError`` for an unknown name or ``@min`` on a router that is not kvlb's."""
+    if name in ORACLES:
+        return None, name == "oracle"
+    if name.endswith(MIN_SUFFIX):
+        spec = parse_router(name[: -len(MIN_SUFFIX)])
+        if spec.kind != "kvlb":
+            raise ValueError(f"router {name!r}: {MIN_SUFFIX} applies to kvlb routers in the simulator only")
+        return spec, True
+    return parse_router(name), False
+
+
+def sim_only(name: str) -> bool:
+    """Whether router ``name`` exists in the simulator only (no fleet confirmation)."""
+    return name in ORACLES or name.endswith(MIN_SUFFIX)
+
+
 def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
     policy = "cost" if spec is None else SIM_POLICY.get(spec.name, spec.policy)
     weights = (
@@ -249,15 +275,17 @@ def sim_measure(
     log: Callable[[str], None],
     keep: list[SimResult] | None = None,
 ) -> Any:
-    """``rate → RatePoint`` of router ``name`` in the simulator; ``keep`` collects each run's
-    :class:`SimResult` (not the oracle's)."""
-    spec = None if name == "oracle" else parse_router(name)
+    """``rate → RatePoint`` of router ``name`` in the simulator (:func:`sim_router`); ``keep``
+    collects each run's :class:`SimResult` (not an oracle's)."""
+    spec, min_engines = sim_router(name)
     config = sim_config(args, spec)
 
     def measure(rate: float, limit: int | None = None) -> RatePoint:
         requests = stream.at(rate, limit)
-        if name == "oracle":
-            plan, result = simulate_oracle(config, requests, args.oracle_load_bound_s)
+        if spec is None:
+            plan, result = simulate_oracle(
+                config, requests, args.oracle_load_bound_s, lru_engines=not min_engines
+            )
             point = capacity.point_of(
                 rate,
                 result.summary,
@@ -266,7 +294,8 @@ def sim_measure(
                 planned_hit_rate=plan.hit_rate,
             )
         else:
-            result = Simulation(config, requests).run()
+            simulation = BeladySimulation if min_engines else Simulation
+            result = simulation(config, requests).run()
             point = capacity.point_of(rate, result.summary, "sim")
             if keep is not None:
                 keep.append(result)
@@ -384,7 +413,7 @@ async def confirm_on_fleet(
     fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]
     try:
         for name, found in searches.items():
-            if name == "oracle":
+            if sim_only(name):
                 continue
             spec = parse_router(name)
             rates = fixed_rates or [r for r in (found.capacity, found.first_fail) if r is not None]
@@ -619,8 +648,8 @@ def run(args: argparse.Namespace) -> int:
             if args.confirm or args.searches_from is not None:
                 raise ValueError("--target measures every point for real: no --confirm, --searches-from")
         for name in names:
-            if name not in ("oracle", "target"):
-                parse_router(name)
+            if name != "target":
+                sim_router(name)
             if name == "vllm_kv_aware":
                 raise ValueError("vllm_kv_aware has no simulator model; `kvlb loadtest` runs it")
         if not names:
@@ -696,9 +725,7 @@ def run(args: argparse.Namespace) -> int:
             "profile": args.profile,
             "kv_capacity_tokens": profile.kv_capacity_tokens,
         },
-        "simulated_as": {
-            n: SIM_POLICY.get(n, "oracle" if n == "oracle" else parse_router(n).policy) for n in names
-        },
+        "simulated_as": {n: _simulated_as(n) for n in names},
         "confirmed_on_fleet": bool(args.confirm),
         "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
         "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
@@ -734,6 +761,15 @@ def run(args: argparse.Namespace) -> int:
         print(capacity.markdown(report).split("## Every point")[0])
     log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
     return 0
+
+
+def _simulated_as(name: str) -> str:
+    """What the simulator runs for router ``name`` (the report's ``simulated_as``)."""
+    spec, min_engines = sim_router(name)
+    if spec is None:
+        return "oracle" if min_engines else "oracle's plan on LRU engines"
+    policy = SIM_POLICY.get(spec.name, spec.policy)
+    return f"{policy} on MIN engines" if min_engines else policy
 
 
 def _run_target(

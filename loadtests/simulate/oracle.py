@@ -361,9 +361,15 @@ class OracleLruSimulation(OracleSimulation):
 
 
 def simulate_oracle(
-    config: SimConfig, requests: Sequence[SimRequest], load_bound_s: float = DEFAULT_LOAD_BOUND_S
+    config: SimConfig,
+    requests: Sequence[SimRequest],
+    load_bound_s: float = DEFAULT_LOAD_BOUND_S,
+    *,
+    lru_engines: bool = False,
 ) -> tuple[OraclePlan, SimResult]:
-    """Plan the oracle over ``requests`` for ``config``'s fleet, then replay the plan."""
+    """Plan the oracle over ``requests`` for ``config``'s fleet, then replay the plan on MIN engines
+    (:class:`OracleSimulation`), or with ``lru_engines`` on the engines' LRU caches
+    (:class:`OracleLruSimulation`: the placement alone)."""
     profile = config.resolved_profile()
     page = config.page_size or profile.page_size
     plan = plan_oracle(
@@ -374,7 +380,8 @@ def simulate_oracle(
         prefill_s_per_token=profile.prefill_s_per_token,
         load_bound_s=load_bound_s,
     )
-    return plan, OracleSimulation(config, requests, plan.assignment).run()
+    replay = OracleLruSimulation if lru_engines else OracleSimulation
+    return plan, replay(config, requests, plan.assignment).run()
 
 
 __all__ = [

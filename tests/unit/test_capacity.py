@@ -3,6 +3,7 @@ the configuration of the kvlb the fleet confirmation starts."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -13,12 +14,14 @@ import yaml
 from balancer import config
 from loadtests import capacity
 from loadtests.capacity import RatePoint, Slo
-from loadtests.capacity_command import parse_seconds
+from loadtests.capacity_command import Stream, parse_seconds, sim_config, sim_measure, sim_only, sim_router
 from loadtests.driver import RunResult
 from loadtests.peers import parse_router
 from loadtests.processes import EmulatorHandle, kvlb_config
 from loadtests.report import invalid_reason, router_entry
 from loadtests.runs import RouterRun
+from loadtests.simulate import workload_requests
+from loadtests.simulate.oracle import BeladySimulation, simulate_oracle
 from loadtests.stats import RequestRecord, summarize
 
 
@@ -152,3 +155,49 @@ def test_a_named_kvlb_variant_reaches_the_fleets_kvlb_serve_with_its_weights(tmp
     assert (loaded.policy.name, dict(loaded.policy.weights)) == ("cost", {"admission_weight": 1.0})
     plain = kvlb_config(EmulatorHandle(replicas=[replica]), "cost", 1)
     assert plain["policy"]["weights"] == {}
+
+
+def _sim_args() -> argparse.Namespace:
+    return argparse.Namespace(
+        replicas=4, profile="h100-llama3-8b", kv_capacity_tokens=4096, seed=1, oracle_load_bound_s=2.0
+    )
+
+
+def _overflowing_stream() -> Stream:
+    """16 contexts of 1.5k tokens, 3 users each, on 4 replicas of 4k tokens: the pools overflow."""
+    params = {"prompt_format": "tokens", "tenants": 16, "users_per_tenant": 3, "context_tokens": 1536,
+              "question_tokens": 128, "max_tokens": 16}  # fmt: skip
+    requests = list(workload_requests("tenants", params, requests=240, rate_per_s=16.0, seed=1))
+    return Stream([], requests, 16.0)
+
+
+def test_sim_router_names_the_oracle_replays_and_min_engine_variants() -> None:
+    assert sim_router("oracle") == (None, True)
+    assert sim_router("oracle_lru") == (None, False)
+    spec, on_min = sim_router("kvlb:cost+overlap_credit=2@min")
+    assert (
+        spec is not None and on_min and spec.policy == "cost" and spec.weights == (("overlap_credit", 2.0),)
+    )
+    assert sim_router("kvlb") == (parse_router("kvlb"), False)
+    assert sim_router("round_robin@min") == (parse_router("round_robin"), True)  # kvlb runs it
+    assert sim_only("oracle_lru") and sim_only("kvlb@min") and not sim_only("kvlb")
+    for bad in ("sglang_cache_aware@min", "vllm_kv_aware@min", "oracle@min", "@min"):
+        with pytest.raises(ValueError):
+            sim_router(bad)
+
+
+def test_capacity_measures_the_oracle_plan_on_lru_engines_and_kvlb_on_min_engines() -> None:
+    """``oracle_lru`` is the oracle's plan on the engines' LRU caches, ``kvlb@min`` kvlb's policy on
+    MIN engines: each point is that simulation's, and differs from its LRU / MIN counterpart."""
+    args, stream = _sim_args(), _overflowing_stream()
+    requests = stream.at(24.0)
+    config = sim_config(args, parse_router("kvlb"))
+    points = {name: sim_measure(args, name, stream, lambda _: None)(24.0) for name in
+              ("kvlb", "kvlb@min", "oracle", "oracle_lru")}  # fmt: skip
+    kvlb_min = BeladySimulation(config, requests).run().summary
+    assert points["kvlb@min"].cached_tokens == kvlb_min.cached_tokens
+    assert points["kvlb@min"].cached_tokens > (points["kvlb"].cached_tokens or 0)
+    plan, lru = simulate_oracle(sim_config(args, None), requests, lru_engines=True)
+    assert points["oracle_lru"].cached_tokens == lru.summary.cached_tokens
+    assert points["oracle_lru"].extra["planned_hit_tokens"] == plan.hit_tokens
+    assert points["oracle_lru"].cached_tokens < (points["oracle"].cached_tokens or 0)

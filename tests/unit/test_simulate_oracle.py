@@ -100,3 +100,17 @@ def test_the_lru_replay_routes_as_planned_on_the_engines_own_lru_caches() -> Non
     assert [r.replica for r in lru.records] == [names[i] for i in plan.assignment]
     assert lru.summary.ok == len(requests)
     assert lru.summary.cached_tokens < min_replay.summary.cached_tokens
+
+
+def test_simulate_oracle_replays_its_plan_on_lru_engines_when_asked() -> None:
+    """``lru_engines=True`` (``kvlb capacity``'s ``oracle_lru``) replays the same plan on the engines'
+    LRU caches: the same replicas as the MIN replay, the LRU replay's own hits, fewer than MIN's."""
+    config = SimConfig(replicas=4, kv_capacity_tokens=4096)
+    requests = _requests(1)
+    plan, min_replay = simulate_oracle(config, requests)
+    lru_plan, lru_replay = simulate_oracle(config, requests, lru_engines=True)
+    assert lru_plan == plan
+    assert [r.replica for r in lru_replay.records] == [r.replica for r in min_replay.records]
+    direct = OracleLruSimulation(config, requests, plan.assignment).run()
+    assert lru_replay.summary.cached_tokens == direct.summary.cached_tokens
+    assert lru_replay.summary.cached_tokens < min_replay.summary.cached_tokens
