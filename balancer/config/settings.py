@@ -429,10 +429,13 @@ class Settings:
     """Memory allocator of ``kvlb serve``: ``auto`` (jemalloc when :attr:`jemalloc_library` is
     installed, else the system allocator), ``system`` (the C library's ``malloc``) or ``jemalloc``
     (the same as ``auto``, but a missing library is a warning). With jemalloc the process
-    re-executes itself once at start with the library in ``LD_PRELOAD`` and its workers inherit it;
-    the start log says which allocator it runs on. The tokenizer's allocations are most of a new
-    prompt's cost: measured, an 8k-token new chat took 14.2–15.2 ms of kvlb CPU with ``system``
-    and 9.6–9.9 ms with ``jemalloc`` (docs/benchmarks.md, "The allocator")."""
+    re-executes itself once at start with the library in ``LD_PRELOAD`` (and ``MALLOC_CONF``
+    ``background_thread:true`` unless set) and its workers inherit it; the start log says which
+    allocator it runs on. The tokenizer's allocations are most of a new prompt's cost: measured, an
+    8k-token new chat took 14.2–15.2 ms of kvlb CPU with ``system`` and 9.6–9.9 ms with
+    ``jemalloc``; after ``kvlb bench flood`` the RSS came back to 1.00–1.06× its level before the
+    flood with jemalloc's background thread (1.24–1.26× without it; docs/benchmarks.md, "The
+    allocator, round 2")."""
     jemalloc_library: str = "libjemalloc.so.2"
     """The jemalloc shared library: a soname the dynamic loader finds (looked up in its cache) or a
     file path; at most 4,096 characters, no whitespace or ``:`` (``LD_PRELOAD`` separators)."""
