@@ -30,7 +30,6 @@ from balancer import strict_json
 from balancer.app import Balancer, ServeOptions, WorkerRole
 from balancer.cli.workers import supervise
 from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
-from balancer.config.loader import JEMALLOC_LIBRARY
 from balancer.errors import ConfigError
 from balancer.gc_tuning import settle_after_start
 
@@ -114,6 +113,21 @@ def jemalloc_loaded() -> bool:
     return hasattr(ctypes.CDLL(None), "mallctl")
 
 
+def log_allocator(settings: Settings, on_jemalloc: bool) -> None:
+    """Say once at start which allocator ``kvlb serve`` runs on (a warning when ``allocator: jemalloc``
+    could not be had)."""
+    if on_jemalloc:
+        log.info(
+            "allocator: jemalloc (%s preloaded; allocator: %s)", settings.jemalloc_library, settings.allocator
+        )
+    elif settings.allocator == "jemalloc":
+        log.warning("allocator: system (allocator: jemalloc, but %s not found)", settings.jemalloc_library)
+    elif settings.allocator == "auto":
+        log.info("allocator: system (allocator: auto; %s not found)", settings.jemalloc_library)
+    else:
+        log.info("allocator: system (allocator: system)")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         settings = load(args.config, args.set)
@@ -125,16 +139,13 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
-    if settings.allocator == "jemalloc" and not jemalloc_loaded():
-        print(
-            f"kvlb serve: allocator jemalloc: {JEMALLOC_LIBRARY} not found; using the system allocator",
-            file=sys.stderr,
-        )
     one_thread_per_encode()
     level = (args.log_level or settings.log_level).upper()
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    if args.worker_index is None:  # once per server: its workers inherit the allocator
+        log_allocator(settings, jemalloc_loaded())
     if args.shutdown_grace_s < 0:
         print("kvlb serve: --shutdown-grace-s must be >= 0", file=sys.stderr)
         return 2

@@ -165,9 +165,27 @@ def load(
     return settings.validate()
 
 
-JEMALLOC_LIBRARY = "libjemalloc.so.2"
-"""The shared library ``allocator: jemalloc`` preloads (the soname: the dynamic loader finds it)."""
 PRELOAD = "LD_PRELOAD"
+JEMALLOC_CONF_VARIABLE = "MALLOC_CONF"
+JEMALLOC_CONF = "background_thread:true"
+"""jemalloc's options when ``MALLOC_CONF`` is not set: a background thread returns freed memory to
+the system (after ``dirty_decay_ms``, 10 s). Without it jemalloc purges an arena only while that arena
+allocates, so the memory an event flood's decoding freed stayed resident: 1.24–1.26× the RSS before the
+flood 30 s after it, against 0.90–1.06× with the thread (``kvlb bench flood``, docs/benchmarks.md)."""
+
+
+def jemalloc_found(library: str) -> bool:
+    """Whether the dynamic loader can preload ``library``: a path names an existing file; a soname
+    (``libjemalloc.so.2``) is looked up with :func:`ctypes.util.find_library` (the loader's cache)."""
+    if "/" in library:
+        return Path(library).is_file()
+    stem = library.removeprefix("lib").partition(".so")[0]
+    return bool(stem) and ctypes.util.find_library(stem) is not None
+
+
+def wants_jemalloc(settings: Settings) -> bool:
+    """Whether ``settings.allocator`` asks for jemalloc (``auto`` or ``jemalloc``)."""
+    return settings.allocator != "system"
 
 
 def allocator_environ(
@@ -175,17 +193,20 @@ def allocator_environ(
 ) -> dict[str, str] | None:
     """The environment ``kvlb serve`` must re-execute itself with for ``settings.allocator``, or
     ``None`` when it runs as it is: the system allocator, jemalloc already preloaded (the re-executed
-    process, or a worker), or jemalloc not installed (``found``: whether the loader can find it; by
-    default looked up with :func:`ctypes.util.find_library`)."""
+    process, or a worker: so it re-executes once), or the library not installed (``found``: whether
+    the loader can find ``settings.jemalloc_library``; by default :func:`jemalloc_found`). It sets
+    ``MALLOC_CONF`` to :data:`JEMALLOC_CONF` unless it is set already."""
     current = dict(os.environ) if environ is None else dict(environ)
     preloaded = current.get(PRELOAD, "")
-    if settings.allocator != "jemalloc" or "jemalloc" in preloaded:
+    library = settings.jemalloc_library
+    if not wants_jemalloc(settings) or "jemalloc" in preloaded or library in preloaded:
         return None
     if found is None:
-        found = ctypes.util.find_library("jemalloc") is not None
+        found = jemalloc_found(library)
     if not found:
         return None
-    current[PRELOAD] = f"{preloaded} {JEMALLOC_LIBRARY}".strip()
+    current[PRELOAD] = f"{preloaded} {library}".strip()
+    current.setdefault(JEMALLOC_CONF_VARIABLE, JEMALLOC_CONF)
     return current
 
 

@@ -425,13 +425,20 @@ class Settings:
     counts against the circuit breaker."""
     log_level: str = "INFO"
     """Python logging level name."""
-    allocator: Literal["system", "jemalloc"] = "system"
-    """Memory allocator of ``kvlb serve``: ``system`` (the C library's ``malloc``) or ``jemalloc``
-    (``libjemalloc.so.2`` preloaded: the process re-executes itself once at start with it in
-    ``LD_PRELOAD``, and its workers inherit it; when the library is not installed it starts on the
-    system allocator and says so). The tokenizer's allocations are most of a new prompt's cost:
-    measured, an 8k-token new chat took 14.2–15.2 ms of kvlb CPU with ``system`` and 9.6–9.9 ms with
-    ``jemalloc`` (docs/benchmarks.md)."""
+    allocator: Literal["auto", "system", "jemalloc"] = "auto"
+    """Memory allocator of ``kvlb serve``: ``auto`` (jemalloc when :attr:`jemalloc_library` is
+    installed, else the system allocator), ``system`` (the C library's ``malloc``) or ``jemalloc``
+    (the same as ``auto``, but a missing library is a warning). With jemalloc the process
+    re-executes itself once at start with the library in ``LD_PRELOAD`` (and ``MALLOC_CONF``
+    ``background_thread:true`` unless set) and its workers inherit it; the start log says which
+    allocator it runs on. The tokenizer's allocations are most of a new prompt's cost: measured, an
+    8k-token new chat took 14.2–15.2 ms of kvlb CPU with ``system`` and 9.6–9.9 ms with
+    ``jemalloc``; after ``kvlb bench flood`` the RSS came back to 0.90–1.06× its level before the
+    flood with jemalloc's background thread (1.24–1.26× without it; docs/benchmarks.md, "The
+    allocator, round 2")."""
+    jemalloc_library: str = "libjemalloc.so.2"
+    """The jemalloc shared library: a soname the dynamic loader finds (looked up in its cache) or a
+    file path; at most 4,096 characters, no whitespace or ``:`` (``LD_PRELOAD`` separators)."""
 
     def validate(self) -> Settings:
         """Cross-field checks; returns ``self`` or raises :class:`ConfigError` naming the field."""
@@ -492,6 +499,11 @@ class Settings:
         if not 0.0 <= self.limits.gap_keep_s <= 60.0:
             raise ConfigError(f"limits.gap_keep_s must be in 0..60, got {self.limits.gap_keep_s}")
         self.listen.validate()
+        library = self.jemalloc_library
+        if not library or len(library) > 4096 or any(c.isspace() or c == ":" for c in library):
+            raise ConfigError(
+                f"jemalloc_library must be a soname or path without whitespace or ':', got {library!r}"
+            )
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
         self.upstream.validate()

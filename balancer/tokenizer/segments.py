@@ -40,6 +40,7 @@ identity. Any other segment is looked up by its own hash, as before; the answers
 
 from __future__ import annotations
 
+import operator
 import re
 import threading
 from array import array
@@ -380,10 +381,17 @@ class SegmentCache:
         return encoded
 
     def _shared(self, ids: list[int]) -> tuple[int, ...]:
-        ints = self.ints
-        if ids and min(ids) >= 0 and max(ids) < len(ints):
-            return tuple(map(ints.__getitem__, ids))
-        return tuple(ids)
+        """``ids`` (a tokenizer's, so never negative) as a tuple of the :attr:`ints` objects; a plain
+        tuple of ``ids`` when one is past :attr:`ints`. One ``itemgetter`` call: for 8k ids about a
+        fifth of the CPU of the ``min``/``max`` bounds check and per-id ``map`` it replaces (about
+        0.6 ms of a new 8k-token chat's tokenizing, docs/benchmarks.md)."""
+        if len(ids) < 2:  # ``itemgetter`` of one index answers the item, not a tuple
+            return tuple(self.ints[i] if 0 <= i < len(self.ints) else i for i in ids)
+        try:
+            shared: tuple[int, ...] = operator.itemgetter(*ids)(self.ints)
+        except IndexError:
+            return tuple(ids)
+        return shared
 
 
 def encode_segmented(

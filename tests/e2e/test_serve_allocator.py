@@ -1,5 +1,6 @@
-"""``allocator: jemalloc``: ``kvlb serve`` re-executes itself with jemalloc preloaded (same PID), its
-workers inherit it, and it serves; the default keeps the C library's allocator."""
+"""``allocator``: with ``jemalloc`` or the default ``auto``, ``kvlb serve`` re-executes itself once with
+jemalloc preloaded (same PID), its workers inherit it, and it serves; ``system`` keeps the C library's
+allocator, and so does a missing library; the start log says which allocator it runs on."""
 
 from __future__ import annotations
 
@@ -57,20 +58,82 @@ async def test_jemalloc_is_preloaded_in_the_server_and_its_workers(tmp_path: Pat
         workers = workers_of(pid)
         assert len(workers) == 2 and all(maps_jemalloc(worker) for worker in workers)
         assert await one_chat(serve.info["url"]) == 200
-        assert "not found" not in serve.log_tail()
+        assert "allocator: jemalloc" in serve.log_tail() and "not found" not in serve.log_tail()
     finally:
         if serve is not None:
             assert await stop(serve) == 0
         await stop(sim)
 
 
-async def test_the_default_keeps_the_system_allocator(tmp_path: Path) -> None:
+def environ_of(pid: int) -> dict[str, str]:
+    pairs = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(pair.decode().partition("=")[::2] for pair in pairs if pair)
+
+
+def preloads(pid: int) -> list[str]:
+    """The ``LD_PRELOAD`` entries of process ``pid``'s environment."""
+    return environ_of(pid).get("LD_PRELOAD", "").split()
+
+
+def thread_names(pid: int) -> list[str]:
+    return [(task / "comm").read_text().strip() for task in Path(f"/proc/{pid}/task").iterdir()]
+
+
+@pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="libjemalloc2 is not installed")
+async def test_the_default_runs_on_jemalloc_once_when_it_is_installed(tmp_path: Path) -> None:
     sim = await start_sim(0, tmp_path)
     serve = None
     try:
         serve = await start_serve(tmp_path, write_config(tmp_path, [sim]))
+        pid = serve.process.pid
+        assert maps_jemalloc(pid)
+        assert preloads(pid).count("libjemalloc.so.2") == 1  # re-executed once
+        assert await one_chat(serve.info["url"]) == 200
+        # freed memory goes back to the system from jemalloc's background thread
+        assert environ_of(pid)["MALLOC_CONF"] == "background_thread:true"
+        assert "jemalloc_bg_thd" in thread_names(pid)
+        log = serve.log_tail()
+        assert log.count("allocator: jemalloc (libjemalloc.so.2 preloaded; allocator: auto)") == 1
+    finally:
+        if serve is not None:
+            assert await stop(serve) == 0
+        await stop(sim)
+
+
+@pytest.mark.parametrize("top", [{"allocator": "system"}, {"jemalloc_library": "MISSING"}])
+async def test_system_or_a_missing_library_keeps_the_system_allocator(
+    tmp_path: Path, top: dict[str, str]
+) -> None:
+    missing = str(tmp_path / "missing" / "libjemalloc.so.2")
+    top = {key: missing if value == "MISSING" else value for key, value in top.items()}
+    sim = await start_sim(0, tmp_path)
+    serve = None
+    try:
+        serve = await start_serve(tmp_path, write_config(tmp_path, [sim], **top))
+        assert not maps_jemalloc(serve.process.pid)
+        assert preloads(serve.process.pid) == []
+        assert await one_chat(serve.info["url"]) == 200
+        said = "(allocator: system)" if "allocator" in top else f"(allocator: auto; {missing} not found)"
+        assert f"allocator: system {said}" in serve.log_tail()
+    finally:
+        if serve is not None:
+            assert await stop(serve) == 0
+        await stop(sim)
+
+
+async def test_jemalloc_asked_for_but_missing_is_a_warning(tmp_path: Path) -> None:
+    missing = str(tmp_path / "libjemalloc.so.2")
+    sim = await start_sim(0, tmp_path)
+    serve = None
+    try:
+        config = write_config(tmp_path, [sim], allocator="jemalloc", jemalloc_library=missing)
+        serve = await start_serve(tmp_path, config)
         assert not maps_jemalloc(serve.process.pid)
         assert await one_chat(serve.info["url"]) == 200
+        assert (
+            f"WARNING balancer.cli.command: allocator: system (allocator: jemalloc, but {missing} not found)"
+            in (serve.log_tail())
+        )
     finally:
         if serve is not None:
             assert await stop(serve) == 0

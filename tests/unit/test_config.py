@@ -129,20 +129,45 @@ def test_upstream_connection_bounds_are_settings() -> None:
 
 
 def test_the_allocator_setting_and_the_environment_it_re_executes_with() -> None:
-    assert config.load(env={}).allocator == "system"
+    auto = config.load(env={})
+    assert auto.allocator == "auto" and auto.jemalloc_library == "libjemalloc.so.2"
     jemalloc = config.load(env={"KVLB_ALLOCATOR": "jemalloc"})
     assert jemalloc.allocator == "jemalloc"
+    system = config.load(env={"KVLB_ALLOCATOR": "system"})
     with pytest.raises(ConfigError, match="allocator"):
         config.load(env={}, sets=["allocator=tcmalloc"])
+    for bad in ("", "lib a.so", "a.so:b.so"):
+        with pytest.raises(ConfigError, match="jemalloc_library"):
+            config.load(env={}, sets=[f"jemalloc_library={bad}"])
     # the system allocator, or jemalloc already preloaded (the re-executed process, a worker): no exec
-    assert config.allocator_environ(config.load(env={}), {"PATH": "/bin"}, found=True) is None
+    assert config.allocator_environ(system, {"PATH": "/bin"}, found=True) is None
     preloaded = {"LD_PRELOAD": "/usr/lib/libjemalloc.so.2"}
-    assert config.allocator_environ(jemalloc, preloaded, found=True) is None
-    assert config.allocator_environ(jemalloc, {"PATH": "/bin"}, found=False) is None  # not installed
-    # otherwise the same environment with the library appended to what is already preloaded
-    assert config.allocator_environ(jemalloc, {"PATH": "/bin"}, found=True) == {
-        "PATH": "/bin",
-        "LD_PRELOAD": "libjemalloc.so.2",
-    }
-    other = config.allocator_environ(jemalloc, {"LD_PRELOAD": "libother.so"}, found=True)
-    assert other == {"LD_PRELOAD": "libother.so libjemalloc.so.2"}
+    for wanted in (auto, jemalloc):
+        assert config.allocator_environ(wanted, preloaded, found=True) is None
+        assert config.allocator_environ(wanted, {"PATH": "/bin"}, found=False) is None  # not installed
+        # otherwise the same environment with the library appended to what is already preloaded
+        # otherwise the same environment with the library appended to what is already preloaded, and
+        # jemalloc's background purging on unless MALLOC_CONF says otherwise
+        assert config.allocator_environ(wanted, {"PATH": "/bin"}, found=True) == {
+            "PATH": "/bin",
+            "LD_PRELOAD": "libjemalloc.so.2",
+            "MALLOC_CONF": "background_thread:true",
+        }
+    other = config.allocator_environ(
+        jemalloc, {"LD_PRELOAD": "libother.so", "MALLOC_CONF": "narenas:1"}, found=True
+    )
+    assert other == {"LD_PRELOAD": "libother.so libjemalloc.so.2", "MALLOC_CONF": "narenas:1"}
+    # a library named by path: preloaded once (its own name marks the re-executed process)
+    custom = config.load(env={}, sets=["jemalloc_library=/opt/je/libje.so"])
+    env = config.allocator_environ(custom, {}, found=True)
+    assert env == {"LD_PRELOAD": "/opt/je/libje.so", "MALLOC_CONF": "background_thread:true"}
+    assert config.allocator_environ(custom, env, found=True) is None
+
+
+def test_a_jemalloc_library_is_found_by_path_or_by_soname(tmp_path: Path) -> None:
+    library = tmp_path / "libjemalloc.so.2"
+    assert not config.jemalloc_found(str(library))  # a path that does not exist
+    library.write_bytes(b"")
+    assert config.jemalloc_found(str(library))
+    assert not config.jemalloc_found("libkvlb-no-such-allocator.so.9")  # not in the loader's cache
+    assert not config.jemalloc_found("lib.so")

@@ -328,3 +328,19 @@ def test_a_longest_first_pass_token_is_kept_whole_in_the_second_pass() -> None:
     assert splitter is not None and splitter.longest == len("<abc>")
     assert splitter.split("x<abc>y<abz") == ["x", "<abc>", "y", "<ab", "z"]
     assert splitter.split("<abc>") == ["<abc>"]
+
+
+def test_cached_ids_point_at_the_shared_ints() -> None:
+    """A miss stores the encoded ids as the cache's shared int objects (equal values, one object per
+    id); ids past the shared ones are kept as they are, and so are one id or none."""
+    ints = tuple(range(1000))  # past 256 each its own object, so identity is visible
+    cache = SegmentCache(max_tokens=1000, min_chars=1, ints=ints)
+    fresh = [int(text) for text in ("700", "999", "700", "0")]  # equal values, other objects
+    assert fresh[0] is not ints[700]
+    got = cache.ids("abc", lambda s: fresh)
+    assert got == (700, 999, 700, 0) and all(value is ints[value] for value in got)
+    assert cache.ids("abc", lambda s: [1]) is got  # a hit: the stored tuple
+    assert cache.ids("past", lambda s: [500, 1000, 2]) == (500, 1000, 2)  # 1000 is past ints
+    one = cache.ids("one", lambda s: [int("300")])
+    assert one == (300,) and one[0] is ints[300]
+    assert cache.ids("none", lambda s: []) == ()
