@@ -17,7 +17,12 @@ FROM python:3.11-slim-bookworm
 LABEL org.opencontainers.image.title="kvlb" \
       org.opencontainers.image.description="KV-cache-aware load balancer for LLM inference" \
       org.opencontainers.image.licenses="Apache-2.0"
-RUN groupadd --system --gid 10001 kvlb \
+# libjemalloc2: `allocator: auto` (the default) runs kvlb serve on jemalloc when it is installed
+# (docs/operations.md, "The allocator"); without it kvlb runs on the C library's malloc and says so.
+RUN apt-get update \
+    && apt-get install --yes --no-install-recommends libjemalloc2=5.3.0-1 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 kvlb \
     && useradd --system --uid 10001 --gid 10001 --no-create-home --shell /usr/sbin/nologin kvlb
 COPY --from=build /opt/kvlb /opt/kvlb
 ENV PATH=/opt/kvlb/bin:$PATH \
