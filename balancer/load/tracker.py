@@ -409,7 +409,7 @@ class LoadTracker:
         self.expire(now)
         block_size = self.config.block_size_tokens
         replicas: dict[ReplicaId, ReplicaLoad] = {}
-        names = self._totals.keys() | self._scrapes.keys() | self._demand.keys()
+        names = self._totals.keys() | self._scrapes.keys()
         if peers:
             names |= peers.keys()
         for replica in names:
