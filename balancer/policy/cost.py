@@ -24,6 +24,13 @@ For each candidate replica ``r`` (lower is better)::
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
   estimates the fleet's prefill utilisation with no scale to configure.
+* With ``hot_demand_ratio`` set (off by default), a *hot* replica's credit is at most 1
+  (:func:`hot_replicas`, :func:`replica_credit`): one whose recent uncached prefill demand
+  (``recent_prefill_tokens``, time-decayed by the load tracker) exceeds that multiple of the mean
+  over the eligible replicas. A sticky credit then keeps contexts home unless their home has taken
+  more than its share for about a half-life; the reason names the hot replicas and their ratio,
+  and each replica's ``overlap_credit`` term shows the credit it got (docs/policies.md, "Part 12":
+  in the simulator it changed no capacity beyond noise, so it is off).
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
