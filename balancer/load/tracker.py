@@ -55,21 +55,14 @@ class LoadConfig:
     """Cap on reservations held at once. At the cap the oldest reservation is dropped and counted as
     overflow. Must be ≥ 1."""
     max_replicas: int = 4_096
-    """Cap on replicas with scraped stats, and on replicas with a recent prefill demand. Stats (or
-    demand) of further replicas are ignored and counted. Must be ≥ 1."""
-    demand_half_life_s: float = 10.0
-    """Half-life (seconds) of each replica's recent uncached prefill demand
-    (:attr:`ReplicaLoad.recent_prefill_tokens`): the uncached prompt tokens routed to it, each
-    weighted ``2^(−age / half-life)``. Must be > 0. It sets what "persistently" means for the cost
-    policy's ``hot_demand_ratio``: a replica must take more than its share for about a half-life
-    before its decayed demand shows it; a small value reacts to bursts, a large one to the start of
-    the run long after it is over."""
+    """Cap on replicas with scraped stats. Stats of further replicas are ignored and counted.
+    Must be ≥ 1."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first field out of range."""
         if self.block_size_tokens < 1:
             raise ConfigError(f"load.block_size_tokens must be >= 1, got {self.block_size_tokens}")
-        for name in ("stale_after_s", "max_age_s", "demand_half_life_s"):
+        for name in ("stale_after_s", "max_age_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"load.{name} must be a finite number > 0, got {value}")
@@ -123,11 +116,6 @@ class ReplicaLoad:
     peer_reqs: int = 0
     """Of :attr:`in_flight_reqs`, the requests the other workers of this ``kvlb serve --workers N``
     committed (0 with one worker). The router-tracked fields above already include them."""
-    recent_prefill_tokens: float = 0.0
-    """The uncached prompt tokens this worker routed to the replica recently, time-decayed with
-    ``LoadConfig.demand_half_life_s`` (router-tracked, this worker's own: with ``--workers N``
-    each worker's requests are a sample of the service's, so the replica's *share* of it, which is
-    what the cost policy reads, is the same in every worker up to sampling noise)."""
 
     @property
     def in_flight_reqs(self) -> int:
@@ -199,9 +187,6 @@ class LoadTrackerStats:
     """``first_token``/``release`` of an id not tracked (already released, expired or never seen)."""
     ignored_stats_total: int
     """Scrapes ignored because ``max_replicas`` replicas already had stats."""
-    ignored_demand_total: int = 0
-    """Reservations left out of the recent demand because ``max_replicas`` replicas already had a
-    demand above one token."""
 
 
 @dataclass(slots=True)
@@ -258,10 +243,6 @@ class LoadTracker:
         self._totals: dict[ReplicaId, _Totals] = {}
         self._scrapes: dict[ReplicaId, _Scrape] = {}
         self._capacity_tokens: dict[ReplicaId, int] = {}
-        self._demand: dict[ReplicaId, tuple[float, float]] = {}
-        """Per replica: (decayed uncached prefill tokens, at when last decayed); at most
-        ``max_replicas`` entries (:meth:`_add_demand`)."""
-        self._ignored_demand = 0
         self._reserved = self._released = self._expired = self._overflow = 0
         self._duplicates = self._unknown = self._ignored_stats = 0
         self.on_change: Callable[[ReplicaId, LoadCounts], None] | None = None
@@ -288,7 +269,6 @@ class LoadTracker:
         totals = self._totals.setdefault(replica, _Totals())
         totals.add(res, +1)
         self._reserved += 1
-        self._add_demand(replica, res.prefill_tokens, now)
         if self.on_change is not None:
             self.on_change(replica, totals.counts())
         return True
@@ -323,34 +303,6 @@ class LoadTracker:
         self._drop(res)
         self._released += 1
         return True
-
-    def recent_prefill_tokens(self, replica: ReplicaId, now: float) -> float:
-        """``replica``'s recent uncached prefill demand at ``now``: every ``prefill_tokens`` it was
-        reserved, weighted ``2^(−age / demand_half_life_s)`` (0 when none)."""
-        entry = self._demand.get(replica)
-        return 0.0 if entry is None else self._decayed(entry, now)
-
-    def _decayed(self, entry: tuple[float, float], now: float) -> float:
-        value, at = entry
-        age_s = now - at
-        if age_s <= 0:  # a caller's clock never runs backwards; if it did, nothing decays
-            return value
-        return value * math.pow(0.5, age_s / self.config.demand_half_life_s)
-
-    def _add_demand(self, replica: ReplicaId, tokens: int, now: float) -> None:
-        """Add ``tokens`` to ``replica``'s decayed demand. Bounded: a replica not yet tracked
-        when ``max_replicas`` are is admitted only after dropping those decayed below one token;
-        otherwise its demand is ignored and counted."""
-        demand = self._demand
-        entry = demand.get(replica)
-        if entry is None and len(demand) >= self.config.max_replicas:
-            for name in [r for r, e in demand.items() if self._decayed(e, now) < 1.0]:
-                del demand[name]
-            if len(demand) >= self.config.max_replicas:
-                self._ignored_demand += 1
-                return
-        value = 0.0 if entry is None else self._decayed(entry, now)
-        demand[replica] = (value + tokens, max(now, entry[1]) if entry is not None else now)
 
     def expire(self, now: float) -> int:
         """Expire reservations not updated for ``max_age_s``; returns how many went."""
@@ -389,7 +341,6 @@ class LoadTracker:
         reservations went (they are neither released nor expired in the counters)."""
         self._scrapes.pop(replica, None)
         self._capacity_tokens.pop(replica, None)
-        self._demand.pop(replica, None)
         gone = [rid for rid, res in self._requests.items() if res.replica == replica]
         for rid in gone:
             del self._requests[rid]
@@ -447,7 +398,6 @@ class LoadTracker:
                 kv_usage=stats.kv_usage,
                 stats_age_s=age_s,
                 capacity_blocks=None if capacity is None else capacity / block_size,
-                recent_prefill_tokens=self.recent_prefill_tokens(replica, now),
             )
         return LoadSnapshot(now=now, block_size_tokens=block_size, replicas=replicas)
 
@@ -462,7 +412,6 @@ class LoadTracker:
             duplicate_reserves_total=self._duplicates,
             unknown_ids_total=self._unknown,
             ignored_stats_total=self._ignored_stats,
-            ignored_demand_total=self._ignored_demand,
         )
 
     def _drop(self, res: _Reservation) -> None:

@@ -58,18 +58,6 @@ class PolicyWeights:
     ``agent`` and no loss on four other workloads, but on the emulated fleet ``tenants`` past
     capacity had a 1.1–2.0× TTFT p90 and ``agent`` at half load an e2e p90 +8–11%, so it is not the
     default (docs/policies.md, "Part 6")."""
-    hot_demand_ratio: float | None = None
-    """The cost policy's hot-replica release, in multiples of the mean; in (1, 100], or ``None``
-    (default): off. A replica whose recent uncached prefill demand (uncached prompt tokens routed
-    to it, time-decayed with the load tracker's ``demand_half_life_s``, 10 s by default) exceeds
-    this many times the mean over the eligible replicas is *hot*: its overlap credit is capped at
-    1, so the cost policy copies its contexts away as the default credit does once it is that far
-    behind. Every other replica keeps the decision's credit. Meant with a sticky credit
-    (``overlap_credit_loaded`` or ``overlap_credit`` above 1), which keeps every context on its
-    replica, for a replica that stays overloaded: the popular tenants that landed together. A
-    decayed share needs about a half-life of excess to reach the ratio, so a replica behind for a
-    moment keeps its contexts. Near 1 nearly every above-mean replica is released; large values
-    release none (docs/policies.md, "Part 12")."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
@@ -214,7 +202,6 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "prefill_weight": WeightRange(0.0, 1e3),
         "overlap_credit": WeightRange(0.0, 4.0),
         "overlap_credit_loaded": WeightRange(0.0, 4.0),
-        "hot_demand_ratio": WeightRange(1.0, 100.0, low_open=True),
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
         "interference_weight": WeightRange(0.0, 1.0),
@@ -234,9 +221,7 @@ from (config file, ``/admin/policy``, gRPC admin, ``x-kvlb-weights``, the Redis-
 through :meth:`PolicyWeights.validate`. The upper bounds are far above any useful value; they keep
 every cost term finite (at most about 1e3 × the blocks of a prompt and a backlog)."""
 
-OPTIONAL_WEIGHTS = frozenset(
-    {"overlap_credit_loaded", "hot_demand_ratio", "kv_usage_ceiling", "imbalance_threshold_blocks"}
-)
+OPTIONAL_WEIGHTS = frozenset({"overlap_credit_loaded", "kv_usage_ceiling", "imbalance_threshold_blocks"})
 """The weights that may be ``None`` (their guard or ramp off)."""
 _OPTIONAL_FIELDS = OPTIONAL_WEIGHTS
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))

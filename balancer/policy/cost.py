@@ -24,13 +24,6 @@ For each candidate replica ``r`` (lower is better)::
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
   estimates the fleet's prefill utilisation with no scale to configure.
-* With ``hot_demand_ratio`` set (off by default), a *hot* replica's credit is at most 1
-  (:func:`hot_replicas`, :func:`replica_credit`): one whose recent uncached prefill demand
-  (``recent_prefill_tokens``, time-decayed by the load tracker) exceeds that multiple of the mean
-  over the eligible replicas. A sticky credit then keeps contexts home unless their home has taken
-  more than its share for about a half-life; the reason names the hot replicas and their ratio,
-  and each replica's ``overlap_credit`` term shows the credit it got (docs/policies.md, "Part 12":
-  in the simulator it changed no capacity beyond noise, so it is off).
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -103,7 +96,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
@@ -151,12 +144,6 @@ class CostPolicy:
             busy, share = busy_share([loads[r] for r in eligible])
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
-        hot: dict[ReplicaId, float] = {}
-        if weights.hot_demand_ratio is not None:
-            hot = hot_replicas([loads[r] for r in eligible], weights.hot_demand_ratio)
-            if hot:
-                shares = ",".join(f"{r} ({ratio:.2g}× mean demand)" for r, ratio in hot.items())
-                notes.append(f"hot, credit ≤ 1: {shares}")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
         terms = [
             cost_terms(
@@ -164,7 +151,7 @@ class CostPolicy:
                 overlap_blocks(overlap, r, blocks),
                 blocks,
                 weights,
-                credit=replica_credit(r, credit, no_credit, hot),
+                credit=0.0 if no_credit and r in no_credit else credit,
                 excluded=excluded.get(r) if excluded else None,
                 speculative=min(speculative.get(r, 0), blocks),
                 pressure=cache_pressure(held.get(r), loads[r].capacity_blocks),
@@ -184,34 +171,6 @@ def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
         + weights.decode_weight * load.active_decode_blocks
         + weights.queue_weight * (load.waiting_reqs or 0)
     )
-
-
-def replica_credit(
-    replica: ReplicaId, credit: float, no_credit: Collection[ReplicaId], hot: Mapping[ReplicaId, float]
-) -> float:
-    """``replica``'s credit in a decision whose credit is ``credit``: 0 where the imbalance guard
-    withdrew it (``no_credit``), at most 1 on a hot replica (:func:`hot_replicas`)."""
-    if no_credit and replica in no_credit:
-        return 0.0
-    if hot and replica in hot:
-        return min(credit, 1.0)
-    return credit
-
-
-def hot_replicas(loads: Sequence[ReplicaLoad], ratio: float) -> dict[ReplicaId, float]:
-    """The replicas of ``loads`` whose recent prefill demand (``recent_prefill_tokens``) exceeds
-    ``ratio`` × the mean over ``loads``, each with its demand over the mean. None with fewer than
-    two replicas or no demand (there is nobody to compare with, or nothing to share)."""
-    if len(loads) < 2:
-        return {}
-    mean = sum(load.recent_prefill_tokens for load in loads) / len(loads)
-    if mean <= 0:
-        return {}
-    return {
-        load.replica: load.recent_prefill_tokens / mean
-        for load in loads
-        if load.recent_prefill_tokens > ratio * mean
-    }
 
 
 def credit_ramps(weights: PolicyWeights) -> bool:

@@ -306,7 +306,6 @@ class PoolRouter:
                     max_age_s=base.max_age_s,
                     max_tracked_requests=base.max_tracked_requests,
                     max_replicas=base.max_replicas,
-                    demand_half_life_s=base.demand_half_life_s,
                 )
             )
         return self.load

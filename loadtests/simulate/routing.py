@@ -33,8 +33,7 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   can cost less; ``SimRouter._least``).
   With ``admission_weight`` > 0 a replica without the prefix also pays for the KV blocks it would
   have to free, which reads its scraped KV usage, not its load key: the cost policy then gets the
-  full candidate list. So it does with ``hot_demand_ratio`` set: which replicas are hot depends on
-  the mean demand over every eligible replica, not only the pruned ones.
+  full candidate list.
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
@@ -222,12 +221,7 @@ class SimRouter:
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
         ramp_reads_ceiling = credit_ramps(weights) and weights.kv_usage_ceiling is not None
-        exact = (
-            weights.temperature == 0
-            and not ramp_reads_ceiling
-            and weights.admission_weight == 0
-            and weights.hot_demand_ratio is None
-        )
+        exact = weights.temperature == 0 and not ramp_reads_ceiling and weights.admission_weight == 0
         if policy == "cost" and exact:
             return lambda load: base_load(load, weights)
         if policy == "least_load":
