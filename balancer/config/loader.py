@@ -183,11 +183,6 @@ def jemalloc_found(library: str) -> bool:
     return bool(stem) and ctypes.util.find_library(stem) is not None
 
 
-def wants_jemalloc(settings: Settings) -> bool:
-    """Whether ``settings.allocator`` asks for jemalloc (``auto`` or ``jemalloc``)."""
-    return settings.allocator != "system"
-
-
 def allocator_environ(
     settings: Settings, environ: Mapping[str, str] | None = None, found: bool | None = None
 ) -> dict[str, str] | None:
@@ -199,7 +194,7 @@ def allocator_environ(
     current = dict(os.environ) if environ is None else dict(environ)
     preloaded = current.get(PRELOAD, "")
     library = settings.jemalloc_library
-    if not wants_jemalloc(settings) or "jemalloc" in preloaded or library in preloaded:
+    if settings.allocator == "system" or "jemalloc" in preloaded or library in preloaded:
         return None
     if found is None:
         found = jemalloc_found(library)

@@ -372,9 +372,7 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
                 rss_settled = await asyncio.to_thread(tree_rss_bytes, kvlb.pid)
                 # The engine's next batch after the flood: a flood dropped with the SUB is counted
                 # as shed only when the stream's next seq shows how many went.
-                after_flood = await _next_batch_taken(
-                    session, url, pub, payloads[0], seq, shape.workers, shape.redis
-                )
+                after_flood = await _next_batch_taken(url, pub, payloads[0], seq, shape.workers, shape.redis)
                 async with session.get(url + "/metrics") as response:
                     metrics = await response.text()
         finally:
@@ -473,28 +471,25 @@ async def _warm_subscription(
 
 
 async def _next_batch_taken(
-    session: aiohttp.ClientSession,
-    url: str,
-    pub: zmq.Socket[bytes],
-    payload: bytes,
-    seq: int,
-    workers: int,
-    fleet: bool,
+    url: str, pub: zmq.Socket[bytes], payload: bytes, seq: int, workers: int, fleet: bool
 ) -> bool:
     """Publish batch ``seq`` (the one after the flood) and wait (bounded: 10 s) until every worker's
-    source (in fleet mode: the lease holder's) took it in order; ``False`` if none did in time."""
+    source (in fleet mode: the lease holder's) took it in order; ``False`` if none did in time. Each
+    look at ``/admin/replicas`` is a new connection, so the kernel's port sharing reaches every worker
+    (four looks per worker)."""
     await asyncio.to_thread(pub.send_multipart, [b"", seq.to_bytes(8, "big"), payload])
+    looks = 4 * workers if workers > 1 else 1
     deadline = time.perf_counter() + 10.0
     while time.perf_counter() < deadline:
         await asyncio.sleep(0.2)
         taken = 0
-        for _ in range(4 * workers if workers > 1 else 1):
+        for _ in range(looks):
             async with aiohttp.ClientSession() as fresh, fresh.get(url + "/admin/replicas") as response:
                 views = (await response.json())["replicas"]
             flood = next(v for v in views if v["id"] == "flood-0")
             sources = (flood["events"] or {}).get("sources", [])
             taken += bool(sources and (sources[0]["last_seq"] or -1) >= seq)
-        if taken == (4 * workers if workers > 1 else 1) or (fleet and taken):
+        if taken == looks or (fleet and taken):
             return True
     return False
 
