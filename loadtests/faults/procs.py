@@ -9,6 +9,7 @@ soak mode of ``kvlb loadtest`` and by ``tests/faults``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -90,8 +91,12 @@ class Child:
         raise RuntimeError(f"{self.name} did not start:\n{self.log_tail()}")
 
     def signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` unless the child is gone. asyncio's child watcher reaps an exited child on
+        its own thread and tells the event loop later, so a child can look alive here after its
+        PID is gone: that is not an error."""
         if self.alive:
-            os.kill(self.pid, sig)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
 
     async def kill(self) -> None:
         """SIGKILL: no graceful close of anything."""
