@@ -302,6 +302,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         "",
         f"Best peer: {report.get('best_peer') or '-'}. Rates in requests/s offered (model time).",
         "",
+        *_fleet_kvlb_lines(report.get("meta") or {}),
         "| router | capacity req/s | first failing | vs round robin | vs best peer | TTFT p90 s at capacity "
         "| hit rate | saved prefill / oracle's | measured on the fleet |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -356,6 +357,25 @@ def markdown(report: Mapping[str, Any]) -> str:
                 f"| {'pass' if p['meets_slo'] else 'fail'} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _fleet_kvlb_lines(meta: Mapping[str, Any]) -> list[str]:
+    """What the fleet's kvlb ran with (``--confirm``): its workers and which timers were put on model
+    time (``kvlb_model_time_sets``) or set by the user (``kvlb_sets``)."""
+    if not meta.get("confirmed_on_fleet"):
+        return []
+    workers = meta.get("kvlb_workers")
+    scale = meta.get("time_scale", 1.0)
+    text = f"The fleet's kvlb: {workers or 'its default'} worker(s) at time scale {scale:g}; "
+    scaled = meta.get("kvlb_model_time_sets") or []
+    if scaled:
+        text += "its routing timers on model time (" + ", ".join(f"`{s}`" for s in scaled) + ", wall s)"
+    else:
+        text += "its timers on wall time" + ("" if scale == 1 else f" (a wall second is {scale:g} model s)")
+    user = meta.get("kvlb_sets") or []
+    if user:
+        text += "; set by the user: " + ", ".join(f"`{s}`" for s in user)
+    return [text + ".", ""]
 
 
 def _band_lines(report: Mapping[str, Any]) -> list[str]:

