@@ -70,9 +70,9 @@ def set_name(item: str) -> str:
     return item.split("=", 1)[0].strip()
 
 
-def default_seconds(name: str, defaults: Settings | None = None) -> float:
-    """The default of the dotted setting ``name`` (seconds) in ``defaults`` (``Settings()``)."""
-    value: object = defaults if defaults is not None else Settings()
+def default_seconds(name: str) -> float:
+    """kvlb's default of the dotted setting ``name`` (seconds)."""
+    value: object = Settings()
     for part in name.split("."):
         value = getattr(value, part)
     if not isinstance(value, int | float):
