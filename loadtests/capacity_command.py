@@ -43,7 +43,7 @@ from loadtests.agreement import RequestRow, compare, followers, rows_of
 from loadtests.band import band_of, draw_rng, jitter_arrivals, verdict
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
-from loadtests.kvlb_timers import WALL_TIMERS_HELP, KvlbFleetSets, fleet_sets
+from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES, RouterSpec, parse_router, replay_router
 from loadtests.simulate import SimConfig, SimRequest, SimResult, Simulation
@@ -380,12 +380,6 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
 # ------------------------------------------------------------------------------------------- fleet
 
 
-def kvlb_fleet_sets(args: argparse.Namespace) -> KvlbFleetSets:
-    """The fleet's kvlb overrides: ``--kvlb-set`` and, unless ``--kvlb-wall-timers``, its routing
-    timers on model time at ``--time-scale`` (:mod:`loadtests.kvlb_timers`)."""
-    return fleet_sets(args.time_scale, args.kvlb_set, wall_timers=args.kvlb_wall_timers)
-
-
 def kvlb_workers(args: argparse.Namespace) -> int | None:
     """The fleet's kvlb ``--workers``: ``--kvlb-workers``, 0 meaning kvlb's own default (``None``)."""
     return args.kvlb_workers if args.kvlb_workers else None
@@ -457,7 +451,7 @@ async def confirm_on_fleet(
     drive = DriveOptions(
         seed=args.seed,
         max_duration_s=900.0,
-        kvlb_sets=kvlb_fleet_sets(args).all,
+        kvlb_sets=fleet_sets_of(args).all,
         kvlb_workers=kvlb_workers(args),
     )
     limit = min(args.confirm_requests, len(stream.specs))
@@ -790,7 +784,7 @@ def run(args: argparse.Namespace) -> int:
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),
-        "kvlb_model_time_sets": list(kvlb_fleet_sets(args).model_time) if args.confirm else [],
+        "kvlb_model_time_sets": list(fleet_sets_of(args).model_time) if args.confirm else [],
         "kvlb_workers": kvlb_workers(args) if args.confirm else None,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "oracle_load_bound_s": args.oracle_load_bound_s,

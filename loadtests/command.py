@@ -30,7 +30,7 @@ import aiohttp
 import yaml
 
 from loadtests.faults.soak import add_soak_arguments, soak_campaign
-from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets
+from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
 from loadtests.processes import (
@@ -216,7 +216,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     logs.mkdir(parents=True, exist_ok=True)
     load_average = [round(x, 2) for x in os.getloadavg()]
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    kvlb_sets = fleet_sets(args.time_scale, args.kvlb_set, wall_timers=args.kvlb_wall_timers)
+    kvlb_sets = fleet_sets_of(args)
     if args.attach:
         fleet = attach_emulator(args.attach)
     else:

@@ -32,6 +32,7 @@ tracker's ``max_age_s`` (900 s, a leak guard; the load accounting has no decay).
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -103,6 +104,12 @@ def fleet_sets(time_scale: float, user_sets: Sequence[str], *, wall_timers: bool
     timers of :func:`model_time_sets`."""
     scaled = () if wall_timers else model_time_sets(time_scale, user_sets)
     return KvlbFleetSets(user=tuple(user_sets), model_time=scaled)
+
+
+def fleet_sets_of(args: argparse.Namespace) -> KvlbFleetSets:
+    """:func:`fleet_sets` from a command's ``--time-scale``, ``--kvlb-set`` and
+    ``--kvlb-wall-timers`` (``kvlb capacity`` and ``kvlb loadtest`` take all three)."""
+    return fleet_sets(args.time_scale, args.kvlb_set, wall_timers=args.kvlb_wall_timers)
 
 
 WALL_TIMERS_HELP = (

@@ -12,8 +12,8 @@ import yaml
 from balancer import config
 from balancer.cli.main import build_parser
 from loadtests.capacity import markdown
-from loadtests.capacity_command import kvlb_fleet_sets, kvlb_workers
-from loadtests.kvlb_timers import MODEL_TIME_SETTINGS, fleet_sets, model_time_sets
+from loadtests.capacity_command import kvlb_workers
+from loadtests.kvlb_timers import MODEL_TIME_SETTINGS, fleet_sets, fleet_sets_of, model_time_sets
 
 
 def _load(tmp_path: Path, sets: tuple[str, ...]) -> config.Settings:
@@ -58,18 +58,17 @@ def test_the_users_value_wins_and_capped_timers_stay_valid(tmp_path: Path) -> No
 def test_capacity_confirm_and_loadtest_pass_the_model_time_timers_and_one_worker() -> None:
     parser = build_parser()
     args = parser.parse_args(["capacity", "--confirm", "--time-scale", "0.25"])
-    assert kvlb_fleet_sets(args).all == model_time_sets(0.25)
+    assert fleet_sets_of(args).all == model_time_sets(0.25)
     assert kvlb_workers(args) == 1  # the simulator models one router process
     given = parser.parse_args(["capacity", "--time-scale", "0.25", "--kvlb-set", "scrape_interval_s=1",
                                "--kvlb-workers", "0"])  # fmt: skip
-    assert "scrape_interval_s=1" in kvlb_fleet_sets(given).all
-    assert not any(s.startswith("scrape_interval_s=") for s in kvlb_fleet_sets(given).model_time)
+    assert "scrape_interval_s=1" in fleet_sets_of(given).all
+    assert not any(s.startswith("scrape_interval_s=") for s in fleet_sets_of(given).model_time)
     assert kvlb_workers(given) is None  # 0: kvlb's own default
     wall = parser.parse_args(["capacity", "--time-scale", "0.25", "--kvlb-wall-timers"])
-    assert kvlb_fleet_sets(wall).all == ()
+    assert fleet_sets_of(wall).all == ()
     load = parser.parse_args(["loadtest", "--time-scale", "0.5"])
-    loadtest_sets = fleet_sets(load.time_scale, load.kvlb_set, wall_timers=load.kvlb_wall_timers)
-    assert loadtest_sets.all == model_time_sets(0.5)
+    assert fleet_sets_of(load).all == model_time_sets(0.5)
     assert load.kvlb_workers is None  # kvlb loadtest measures kvlb as deployed: its own workers
 
 
