@@ -49,6 +49,10 @@ class Overlap:
     held_blocks: dict[ReplicaId, int] = field(default_factory=dict)
     """Blocks each replica's caches hold in all (any prompt), from its KV events: with the pool size
     this gives how full its cache is (absent when the index did not say)."""
+    held_roots: dict[ReplicaId, int] = field(default_factory=dict)
+    """Distinct prompt chains each replica's caches hold the root (first block) of, speculative
+    entries included (``PrefixTable.held_roots``): how many contexts it homes. Filled only when a
+    policy weight reads it; absent: unknown."""
 
     def of(self, replica: ReplicaId) -> int:
         """Overlap of one replica in blocks (0 when unknown)."""
