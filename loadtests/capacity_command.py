@@ -29,6 +29,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import os
 import random
 import sys
@@ -125,6 +126,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--oracle-load-bound-s", type=float, default=DEFAULT_LOAD_BOUND_S,
         help=f"the oracle's prefill-backlog bound, s ({DEFAULT_LOAD_BOUND_S})")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
+    add("--sim-forward-delay-ms", type=float, default=0.0,
+        help="simulator: each request reaches its replica this long after it is routed, model ms "
+        "(0; the emulated fleet at --time-scale 0.25 adds about 20 to 7,000-token chat prompts)")  # fmt: skip
     add("--confirm", action="store_true", help="run the bracketing rates on the emulated fleet")
     add("--searches-from", type=Path, metavar="CAPACITY.json",
         help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
@@ -144,6 +148,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--confirm-interleave", action="store_true",
         help="with --confirm-rates: at each rate, the routers' runs alternate A B B A A B ... instead "
         "of one router's repeats after another's: machine drift hits every router alike")  # fmt: skip
+    add("--confirm-save-decisions", action="store_true",
+        help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
+        "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl")  # fmt: skip
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -272,6 +279,7 @@ def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
         policy=policy,
         weights=weights,
         seed=args.seed,
+        forward_delay_s=args.sim_forward_delay_ms / 1000.0,
     )
 
 
@@ -500,6 +508,11 @@ async def confirm_on_fleet(
                 extra = {**point.extra, "repeat": repeat}
                 slug = f"{_slug(router.name)}-{rate:g}-fleet-{repeat}.jsonl"
                 _write_rows(out / "requests" / slug, extra.pop("rows"))
+                decision_rows = extra.pop("decision_rows", None)
+                if decision_rows is not None:
+                    (out / "decisions").mkdir(exist_ok=True)
+                    text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in decision_rows)
+                    (out / "decisions" / slug).write_text(text, "utf-8")
                 point = dataclasses.replace(point, extra=extra)
                 confirmed.setdefault(name, []).append(point)
         for (name, rate), point_of in prepared.items():
@@ -540,7 +553,10 @@ async def _fleet_point(
     load_before = _loadavg()
     started = time.strftime("%H:%M:%S", time.gmtime())
     pinned = None if assignment is None else {k: v for k, v in assignment.items() if v is not None}
-    run = await run_router(router, fleet, specs, drive, logs, assignment=pinned)
+    save = args.confirm_save_decisions and router.kind == "kvlb"
+    run = await run_router(
+        router, fleet, specs, drive, logs, assignment=pinned, after_drive=_read_decisions if save else None
+    )
     finished = time.strftime("%H:%M:%S", time.gmtime())
     if run.status != "ok" or run.summary is None or run.result is None:
         return None, f"{run.status}: {run.note}", run.process
@@ -595,6 +611,7 @@ async def _fleet_point(
             "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
             "client_behind": None if lag is None else lag.behind,
             "rows": rows,
+            **_saved_decisions(run.after_drive if save else None),
         },
     )
     same_replica, same_cached = agreement["same_replica_share"] or 0, agreement["same_cached_share"] or 0
@@ -602,6 +619,22 @@ async def _fleet_point(
         f"{s.hit_rate or 0:.3f} (sim {sim.hit_rate or 0:.3f}), same replica {same_replica:.3f}, "
         f"same cached {same_cached:.3f}")  # fmt: skip
     return point, reason, run.process
+
+
+def _saved_decisions(saved: dict[str, Any] | None) -> dict[str, Any]:
+    """A point's ``decisions`` figures and its ``decision_rows`` (written to ``decisions/``, then
+    dropped from the point) from :func:`_read_decisions`'s answer; nothing without one."""
+    if saved is None:
+        return {}
+    counts = {"saved": len(saved["decisions"]), "missing": saved["missing"], "error": saved.get("error")}
+    return {"decisions": counts, "decision_rows": saved["decisions"]}
+
+
+async def _read_decisions(session: Any, url: str) -> dict[str, Any]:
+    """The ``after_drive`` of ``--confirm-save-decisions``: the router's decision ring."""
+    from loadtests.runs import kvlb_decisions
+
+    return await kvlb_decisions(session, url)
 
 
 def _sim_rows(
@@ -705,6 +738,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--routers names no router")
         if args.confirm_interleave and args.confirm_rates is None:
             raise ValueError("--confirm-interleave needs --confirm-rates (the same rates for every router)")
+        if not math.isfinite(args.sim_forward_delay_ms) or args.sim_forward_delay_ms < 0:
+            raise ValueError(f"--sim-forward-delay-ms must be >= 0, got {args.sim_forward_delay_ms}")
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         workload, stream = build_stream(args)
     except (ValueError, KeyError, OSError) as exc:
@@ -781,6 +816,7 @@ def run(args: argparse.Namespace) -> int:
         "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
         "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
         "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
+        "sim_forward_delay_ms": args.sim_forward_delay_ms,
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),

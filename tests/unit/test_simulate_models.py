@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -11,7 +12,7 @@ from balancer.events import KvEvent
 from balancer.index.hashing import pack_tokens
 from balancer.policy.base import PolicyWeights
 from balancer.types import ReplicaId
-from loadtests.simulate import SimConfig, SimResult, simulate, workload_requests
+from loadtests.simulate import SimConfig, SimRequest, SimResult, Simulation, simulate, workload_requests
 from loadtests.simulate.block_cache import BlockCache
 from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, output_bytes, output_tokens
 from replicas.sim.cache import PrefixCache
@@ -139,3 +140,33 @@ def test_fast_model_close_under_kv_pressure_overload() -> None:
     assert step.summary.ttft_p90_s is not None and step.summary.ttft_p90_s > 1.0  # really queueing
     for name in FIELDS:
         assert getattr(fast.summary, name) == pytest.approx(getattr(step.summary, name), rel=0.15), name
+
+
+def test_forward_delay_moves_each_request_to_its_replica_after_routing() -> None:
+    profile = get_profile("h100-llama3-8b")
+    prompts = [tuple(range(1000 * k, 1000 * k + 4096)) for k in (1, 2)]
+    # the second arrives 10 ms after the first's modelled first token: without the hop the first
+    # is decoding by then, with a 20 ms hop it is still prefilling on its replica
+    ttft = isolated_ttft_s(profile, prompt_tokens=4096, cached_tokens=0)
+    requests = [SimRequest(prompts[0], 8, 0.5), SimRequest(prompts[1], 8, 0.5 + ttft + 0.01)]
+    config = SimConfig(replicas=2, profile="h100-llama3-8b")
+    plain = simulate(config, requests)
+    delayed = simulate(dataclasses.replace(config, forward_delay_s=0.02), requests)
+    assert [r.ttft_s for r in plain.records] == pytest.approx([ttft, ttft])
+    # each TTFT counts from the arrival at the router, hop included
+    assert [r.ttft_s for r in delayed.records] == pytest.approx([ttft + 0.02, ttft + 0.02])
+    assert [r.outcome for r in delayed.records] == ["ok", "ok"]
+    with pytest.raises(ValueError, match="forward_delay_s"):
+        simulate(dataclasses.replace(config, forward_delay_s=-0.001), requests)
+
+
+def test_forward_delay_releases_a_request_its_replica_refuses() -> None:
+    # cpu-test replicas refuse a prompt beyond their context (400) when it reaches them, after the hop
+    config = SimConfig(replicas=1, profile="cpu-test", forward_delay_s=0.05)
+    requests = [SimRequest(tuple(range(600)), 8, 0.0), SimRequest(tuple(range(40)), 8, 0.01)]
+    result = Simulation(config, requests)
+    done = result.run()
+    assert done.records[0].status == 400
+    assert done.records[0].outcome == "http_error" and done.records[1].outcome == "ok"
+    assert done.records[0].e2e_s == pytest.approx(0.05)  # refused when it arrived there
+    assert result.router.inflight == {ReplicaId("r0000"): 0}  # both released in the router
