@@ -49,6 +49,10 @@ class Overlap:
     held_blocks: dict[ReplicaId, int] = field(default_factory=dict)
     """Blocks each replica's caches hold in all (any prompt), from its KV events: with the pool size
     this gives how full its cache is (absent when the index did not say)."""
+    held_roots: dict[ReplicaId, int] = field(default_factory=dict)
+    """Distinct prompt roots (first blocks of prompt chains) each replica's caches hold, speculative
+    entries (requests routed there and still prefilling) included; a replica absent from the dict is
+    unknown. Filled only when the cost policy's ``root_weight`` is on (it costs O(live roots))."""
 
     def of(self, replica: ReplicaId) -> int:
         """Overlap of one replica in blocks (0 when unknown)."""
@@ -97,6 +101,13 @@ class CostTerms:
     admission_term: float = 0.0
     """The cost policy's charge for the KV blocks the replica would have to free before admitting
     this request, when it holds none of its prompt (0 when the charge is off or unknown)."""
+    root_term: float = 0.0
+    """The cost policy's held-roots charge: on a replica holding none of this request's prompt,
+    ``w_prefill · min(root_cap_prompts, root_weight · (held_roots − fewest)) · request_blocks``, the
+    fewest being the least held roots among the eligible candidates (0 when off or unknown)."""
+    held_roots: int | None = None
+    """Distinct prompt roots the replica's caches hold (speculative ones included) as the held-roots
+    charge read them; ``None`` when the charge is off or the index did not say."""
 
 
 @quick_init
