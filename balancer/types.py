@@ -50,9 +50,9 @@ class Overlap:
     """Blocks each replica's caches hold in all (any prompt), from its KV events: with the pool size
     this gives how full its cache is (absent when the index did not say)."""
     held_roots: dict[ReplicaId, int] = field(default_factory=dict)
-    """Distinct prompt roots (first blocks of prompt chains) each replica's caches hold, speculative
-    entries (requests routed there and still prefilling) included; a replica absent from the dict is
-    unknown. Filled only when the cost policy's ``root_weight`` is on (it costs O(live roots))."""
+    """Distinct prompt chains each replica's caches hold the root (first block) of, speculative
+    entries included (``PrefixTable.held_roots``): how many contexts it homes. Filled only when a
+    policy weight reads it; absent: unknown."""
 
     def of(self, replica: ReplicaId) -> int:
         """Overlap of one replica in blocks (0 when unknown)."""

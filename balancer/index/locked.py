@@ -182,6 +182,10 @@ class LockedPrefixTable(PrefixTable):
         with self.lock:
             return super().held_blocks(replica)
 
+    def held_roots(self, among: Collection[ReplicaId] | None, now: float) -> dict[ReplicaId, int]:
+        with self.lock:
+            return super().held_roots(among, now)
+
     def stats(self) -> IndexStats:
         with self.lock:
             return super().stats()

@@ -5,13 +5,15 @@ entry it reflects; a starting balancer loads it and tails the stream from that I
 replaying history the stream no longer holds (``docs/redis-fleet.md``).
 
 What is kept: every cache's engine-hash map (stale entries included: they still chain children),
-its duplicate-handle counts, and every block key with its holder caches in LRU order. Speculative
-holdings are local to each balancer and are left out (a key only they held is dropped).
+its duplicate-handle counts, every block key with its holder caches in LRU order, and which of
+those keys are prompt roots (``PrefixTable.held_roots``). Speculative holdings are local to each
+balancer and are left out (a key only they held is dropped).
 
 Layout: ``MAGIC``, a little-endian u32 header length, a msgpack header, then raw little-endian
 arrays: the block keys (u64) in LRU order, one u32 per key indexing the header's distinct holder
-sets, then per cache its engine hashes (u64) and their keys (u64). Arrays keep both directions at
-C speed: a million blocks take well under a second each way.
+sets, then per cache its engine hashes (u64) and their keys (u64), then the root keys (u64; the
+header's ``roots`` counts them, absent in snapshots from before roots were kept: none). Arrays
+keep both directions at C speed: a million blocks take well under a second each way.
 
 This module reads the table's private fields on purpose: it is the table's serialisation, kept
 apart only to keep :mod:`balancer.index.table` short. :func:`capture` copies what it needs (C-level
@@ -71,6 +73,7 @@ class TableCapture:
     holders: dict[int, int]
     caches: tuple[_Cache, ...]
     spec_mask: int
+    roots: list[int]
 
 
 def capture(table: PrefixTable) -> TableCapture:
@@ -80,7 +83,9 @@ def capture(table: PrefixTable) -> TableCapture:
         for ranks in table._slots.caches.values()
         for c in ranks.values()
     )
-    return TableCapture(table.hasher, table._holders.copy(), caches, table._slots.spec_mask)
+    return TableCapture(
+        table.hasher, table._holders.copy(), caches, table._slots.spec_mask, list(table._roots)
+    )
 
 
 def dump_table(table: PrefixTable, entry_number: int, entry_id: str, partial: bool = False) -> bytes:
@@ -103,6 +108,7 @@ def encode(state: TableCapture, entry_number: int, entry_id: str, partial: bool 
     else:
         keys = array("Q", holders.keys())
         masks = list(holders.values())
+    roots = array("Q", [k for k in state.roots if holders.get(k, 0) & real])
     distinct: dict[int, int] = {}
     index = array("I", [distinct.setdefault(m, len(distinct)) for m in masks])
     sets = [_bits_to_positions(mask, position) for mask in distinct]
@@ -116,12 +122,14 @@ def encode(state: TableCapture, entry_number: int, entry_id: str, partial: bool 
         "keys": len(keys),
         "sets": sets,
         "caches": [[c.replica, c.dp_rank, c.held, len(c.keys), list(c.dups.items())] for c in caches],
+        "roots": len(roots),
     }
     packed = cast(bytes, msgpack.packb(header, use_bin_type=True))
     parts = [MAGIC, _U32.pack(len(packed)), packed, _le(keys), _le(index)]
     for cache in caches:
         parts.append(_le(array("Q", cache.keys.keys())))
         parts.append(_le(array("Q", cache.keys.values())))
+    parts.append(_le(roots))
     return b"".join(parts)
 
 
@@ -165,10 +173,13 @@ def load_table(
         cache.dups = {int(k): int(v) for k, v in dups}
         cache.held = int(held)
         new_caches.append(cache)
+    roots, at = _read(view, at, "Q", int(header.get("roots", 0)))
     if at != len(data):
         raise SnapshotError(f"snapshot has {len(data) - at} trailing bytes")
     masks = [_positions_to_bits(positions, new_caches) for positions in header["sets"]]
     table._holders = dict(zip(keys, map(masks.__getitem__, index), strict=True))
+    table._roots = dict.fromkeys(roots)
+    table._roots_live = len(roots)
     if len(table._holders) > table.limits.capacity_blocks:
         table._evict()
     return TableSnapshot(table, int(header["n"]), str(header["id"]), bool(header["partial"]))

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
 from operator import and_, eq, is_not
@@ -102,6 +102,13 @@ class PrefixTable(GapRecovery):
         self._restorable: dict[CacheSlot, None] = {}
         """Caches that may remember blocks dropped unconfirmed (``CacheSlot.dropped``; an entry may
         outlive them: it goes when a receipt finds it empty)."""
+        self._roots: dict[int, None] = {}
+        """Keys that began a prompt chain: the first block of a ``Stored`` with no parent, or of a
+        routed prompt (``add_speculative``), for :meth:`held_roots`. Keys that left the table since
+        stay listed until :meth:`_prune_roots` (past ``2 ×`` the live ones at the last pruning, plus
+        slack), so the list is bounded by twice the table's own block budget."""
+        self._roots_live = 0
+        """Live roots found by the last :meth:`_prune_roots`."""
 
     @property
     def _holders(self) -> dict[int, int]:
@@ -206,6 +213,8 @@ class PrefixTable(GapRecovery):
         if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
             self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
         result.stored_blocks += self._store_chain(cache, seed, event)
+        if event.parent is None:
+            self._note_root(_xxh3(event.tokens[: 4 * (self._block_size + self._lookahead)], seed))
         if cache.dropped and event.parent is not None and seed in cache.dropped:
             # dropped unconfirmed, but the engine holds it; after its children, as add_speculative
             # orders them (a parent is used at least as recently as its child)
@@ -613,6 +622,8 @@ class PrefixTable(GapRecovery):
             self._spec_seq += 1
             self._spec_refs += len(taken)
             heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
+            if keys[0] not in self._roots:  # every caller passes a prompt from its root
+                self._note_root(keys[0])
         if len(self._masks) > self.limits.capacity_blocks:
             self._evict()
 
@@ -747,11 +758,55 @@ class PrefixTable(GapRecovery):
         ranks = self._slots.caches.get(replica)
         return 0 if ranks is None else sum(cache.held for cache in ranks.values())
 
+    def held_roots(self, among: Collection[ReplicaId] | None, now: float) -> dict[ReplicaId, int]:
+        """Per replica of ``among`` (all known when ``None``; the same convention as :meth:`match`),
+        how many distinct prompt chains its caches hold the root of: roots stored with no parent,
+        and the roots of requests routed there and still prefilling (speculative entries). A root
+        held by two DP ranks, or both for real and speculatively, counts once. Costs one dict
+        lookup per listed root (O(roots in the table), not O(blocks); 0.2 ms with 1,000 roots,
+        ``docs/prefix-index.md``): call it only for a policy that reads it."""
+        if self._spec_heap and self._spec_heap[0][0] <= now:
+            self._expire(now)
+        if self._suspect_due <= now:
+            self._expire_suspects(now)
+        mask, template = self._slots.candidates(among)
+        counts = template.copy()
+        if not mask or not self._roots:
+            return counts
+        by_holders = Counter(map(self._masks.get, self._roots, repeat(0)))
+        gone = by_holders.pop(0, 0)
+        group = self._slots.group
+        for bits, roots in by_holders.items():
+            if bits := bits & mask:
+                for replica in group(bits)[0]:
+                    counts[replica] += roots
+        if 2 * gone > len(self._roots) + _COMPACT_SLACK:  # as costly as this call: amortised
+            self._prune_roots()
+        return counts
+
+    @property
+    def roots_listed(self) -> int:
+        """Root keys listed for :meth:`held_roots` (gone ones included until pruned): at most
+        ``2 ×`` the live roots at the last pruning plus a slack of 64."""
+        return len(self._roots)
+
+    def _note_root(self, key: int) -> None:
+        roots = self._roots
+        if key not in roots:
+            roots[key] = None
+            if len(roots) > 2 * self._roots_live + _COMPACT_SLACK:
+                self._prune_roots()
+
+    def _prune_roots(self) -> None:
+        """Forget the listed roots no longer in the table (amortised O(1) per root listed)."""
+        self._roots = dict.fromkeys(filter(self._masks.__contains__, self._roots))
+        self._roots_live = len(self._roots)
+
     def stats(self) -> IndexStats:
         """Sizes; ``bytes_per_block`` is an estimate (container sizes + 36 B per stored u64 int)."""
         by_replica = {r: sum(c.held for c in ranks.values()) for r, ranks in self._slots.caches.items()}
         held = sum(by_replica.values())
-        size = sys.getsizeof(self._masks) + _INT_BYTES * len(self._masks)
+        size = sys.getsizeof(self._masks) + _INT_BYTES * len(self._masks) + sys.getsizeof(self._roots)
         for ranks in self._slots.caches.values():
             for cache in ranks.values():
                 size += sys.getsizeof(cache.keys) + _INT_BYTES * len(cache.keys)

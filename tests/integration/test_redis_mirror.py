@@ -222,3 +222,44 @@ async def test_a_mirror_on_an_ingest_thread_hands_each_table_it_builds_to_the_re
         await thread.call(client.aclose)
         await thread.stop()
     assert not any(t.name == "kvlb-test-mirror" for t in threading.enumerate())
+
+
+async def test_mirrors_count_the_roots_the_engines_stored(
+    text_client: RedisClient, raw_client: RedisClient
+) -> None:
+    """A mirror's table counts each replica's prompt roots (``PrefixTable.held_roots``) as a table
+    fed the same events directly does: one that tails the stream, and one that starts from the
+    other's snapshot and the entries after it."""
+    settings = fresh_settings(100_000)
+    writer = RedisIndex(text_client, HASHER, settings)
+    direct = PrefixTable(HASHER)
+    rng = random.Random(21)
+    tailing = make_mirror(raw_client, settings)
+    assert await tailing.warm_start() == 0
+
+    async def write(batches: int, start: int) -> None:
+        for step in range(start, start + batches):
+            replica = rng.choice(REPLICAS)
+            batch = [random_event(rng) for _ in range(rng.randint(1, 5))]
+            await writer.apply(replica, batch, float(step))
+            direct.apply(replica, batch, float(step))
+
+    await write(80, 0)
+    for _ in range(200):  # bounded: the tailing mirror catches up
+        await tailing.poll(block_ms=10)
+        if tailing.last_number == (await writer.counters())["stream_entries"]:
+            break
+    want = direct.held_roots(REPLICAS, 0.0)
+    assert sum(want.values()) > 0
+    assert tailing.table.held_roots(REPLICAS, 0.0) == want
+    await tailing.write_snapshot()
+    late = make_mirror(raw_client, settings)
+    await late.warm_start()
+    assert late.counters.snapshots_loaded == 1
+    assert late.table.held_roots(REPLICAS, 0.0) == want
+    await write(40, 80)
+    for _ in range(200):
+        await late.poll(block_ms=10)
+        if late.last_number == (await writer.counters())["stream_entries"]:
+            break
+    assert late.table.held_roots(REPLICAS, 0.0) == direct.held_roots(REPLICAS, 0.0)

@@ -112,6 +112,7 @@ def _calls(table: LockedPrefixTable, keys: list[int]) -> dict[str, object]:
         "speculated": lambda: table.speculated(B, keys, 0.0),
         "drop_speculated": lambda: table.drop_speculated(A, keys, 0.0),
         "held_blocks": lambda: table.held_blocks(A),
+        "held_roots": lambda: table.held_roots(None, 0.0),
         "settle_suspect": lambda: table.settle_suspect(A, typed, (), 0.0),
         "suspect_blocks": lambda: table.suspect_blocks(A),
         "engine_hashes": lambda: table.engine_hashes(A),

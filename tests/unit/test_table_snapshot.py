@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 
+import msgpack
 import pytest
 
 from balancer.events import Cleared, KvEvent, Removed, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
-from balancer.index.snapshot import SnapshotError, dump_table, load_table
+from balancer.index.snapshot import MAGIC, SnapshotError, dump_table, load_table
 from balancer.index.table import PrefixTable
 from balancer.types import EngineHash, ReplicaId
 
@@ -66,6 +67,7 @@ def test_reloaded_table_matches_original(seed: int, table_type: type[PrefixTable
     assert (snap.entry_number, snap.entry_id, snap.partial) == (77, "123-4", False)
     assert copy.stats().blocks_by_replica == original.stats().blocks_by_replica
     assert copy.stats().unique_blocks == original.stats().unique_blocks
+    assert copy.held_roots(None, 0.0) == original.held_roots(None, 0.0)
     for tokens in chains:
         keys = HASHER.request_keys(tokens)
         assert copy.match(keys, None, 0.0) == original.match(keys, None, 0.0)
@@ -76,6 +78,27 @@ def test_reloaded_table_matches_original(seed: int, table_type: type[PrefixTable
     for tokens in chains + chains2:
         keys = HASHER.request_keys(tokens)
         assert copy.match(keys, None, 0.0) == original.match(keys, None, 0.0)
+    assert copy.held_roots(None, 0.0) == original.held_roots(None, 0.0)
+
+
+def test_a_snapshot_from_before_roots_were_kept_loads_without_roots() -> None:
+    """Snapshots written before the root list (no ``roots`` in the header, no array after the
+    caches') still load: the table then counts the roots stored from then on."""
+    table = PrefixTable(HASHER)
+    first = list(range(1, 1 + 2 * BS))
+    table.apply(REPLICAS[0], [Stored(0, None, (EngineHash(1), EngineHash(2)), pack_tokens(first), BS)], 0.0)
+    data = dump_table(table, 3, "3-0")
+    size = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "little")
+    header = msgpack.unpackb(data[len(MAGIC) + 4 : len(MAGIC) + 4 + size], raw=False)
+    assert header.pop("roots") == 1
+    packed = msgpack.packb(header, use_bin_type=True)
+    old = MAGIC + len(packed).to_bytes(4, "little") + packed + data[len(MAGIC) + 4 + size : -8]
+    copy = load_table(old, HASHER).table
+    assert copy.match(HASHER.request_keys(first), None, 0.0).blocks == {REPLICAS[0]: 2}
+    assert copy.held_roots(None, 0.0) == {REPLICAS[0]: 0}
+    later = list(range(100, 100 + BS))
+    copy.apply(REPLICAS[0], [Stored(0, None, (EngineHash(9),), pack_tokens(later), BS)], 0.0)
+    assert copy.held_roots(None, 0.0) == {REPLICAS[0]: 1}
 
 
 def test_speculative_holdings_are_left_out() -> None:
