@@ -100,10 +100,11 @@ class PolicyWeights:
     replica homing one context more than its pool holds at once evicts its own tenants' contexts
     (``tenants`` in the simulator: the replica homing most contexts is the hottest in 6 of 9 runs,
     docs/policies.md "Part 15"). Roots come from the index (speculative entries included), read
-    only while this is above 0 (it costs O(live roots) per decision). 0 (default) turns it off;
-    with the ramp (``overlap_credit_loaded`` 4), w = 1 passed 58 of 66 simulated ``tenants`` grid
-    points against 48 in Part 15's scratch, and docs/policies.md "Part 16" measures it on the
-    service's code path."""
+    only while this is above 0 (it costs O(live roots) per decision). 0 (default) turns it off.
+    With the ramp (``overlap_credit_loaded`` 4), w = 1 passed 59 of 66 simulated ``tenants`` grid
+    points (the ramp alone 47) and gave ``tenants`` 1.22–1.46 × the best peer's capacity, with
+    ``rag``, the Mooncake trace and ``unique`` kept; on the default policy alone it lost ``tenants``
+    seed 0 (36.0 → 34.2 req/s), and no fleet has confirmed it (docs/policies.md "Part 16")."""
     root_cap_prompts: float = 1.0
     """The held-roots charge's cap, in prompts' worth of prefill (``× request_blocks``); 0..8.
     ``root_weight · (held_roots − fewest)`` is clamped to it, so a replica holding many more roots
