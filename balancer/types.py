@@ -101,6 +101,13 @@ class CostTerms:
     admission_term: float = 0.0
     """The cost policy's charge for the KV blocks the replica would have to free before admitting
     this request, when it holds none of its prompt (0 when the charge is off or unknown)."""
+    root_term: float = 0.0
+    """The cost policy's held-roots charge: on a replica holding none of this request's prompt,
+    ``w_prefill · min(root_cap_prompts, root_weight · (held_roots − fewest)) · request_blocks``, the
+    fewest being the least held roots among the eligible candidates (0 when off or unknown)."""
+    held_roots: int | None = None
+    """Distinct prompt roots the replica's caches hold (speculative ones included) as the held-roots
+    charge read them; ``None`` when the charge is off or the index did not say."""
 
 
 @quick_init

@@ -91,6 +91,27 @@ class PolicyWeights:
     on seed 1 only, put ``unique`` seed 2 one bracketing step below the default, and raised no
     ``tenants`` capacity on the emulated fleet (docs/policies.md, "Part 9"). Needs the scraped KV
     usage and pool size; the charge is 0 without them."""
+    root_weight: float = 0.0
+    """``w_root``, the held-roots charge: prompts' worth of prefill charged per distinct prompt root
+    (first block of a prompt chain) a replica's caches hold beyond the fewest any eligible candidate
+    holds, on replicas holding none of this request's prompt; 0..4 (capped by
+    ``root_cap_prompts``). A context that no replica holds (a first touch, or one every copy of which
+    was evicted) otherwise goes to the replica cheapest by backlog whatever it already homes, and a
+    replica homing one context more than its pool holds at once evicts its own tenants' contexts
+    (``tenants`` in the simulator: the replica homing most contexts is the hottest in 6 of 9 runs,
+    docs/policies.md "Part 15"). Roots come from the index (speculative entries included), read
+    only while this is above 0 (it costs O(live roots) per decision). 0 (default) turns it off.
+    With the ramp (``overlap_credit_loaded`` 4), w = 1 passed 59 of 66 simulated ``tenants`` grid
+    points (the ramp alone 47) and gave ``tenants`` 1.22–1.46 × the best peer's capacity, with
+    ``rag``, the Mooncake trace and ``unique`` kept; on the default policy alone it lost ``tenants``
+    seed 0 (36.0 → 34.2 req/s), and no fleet has confirmed it (docs/policies.md "Part 16")."""
+    root_cap_prompts: float = 1.0
+    """The held-roots charge's cap, in prompts' worth of prefill (``× request_blocks``); 0..8.
+    ``root_weight · (held_roots − fewest)`` is clamped to it, so a replica holding many more roots
+    pays at most this many prompts of backlog. Without the cap the charge overrides load where most
+    prompts are new roots: on the simulated Mooncake trace capacity fell from 29.5 to 2.7 req/s
+    (docs/policies.md "Part 15"); at 1 it kept the whole ``tenants`` gain and lost nothing
+    elsewhere. Only read while ``root_weight`` is above 0."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
     ahead of this request there may evict it before the engine admits the request (engines match a
@@ -206,6 +227,8 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "eviction_risk_weight": WeightRange(0.0, 4.0),
         "interference_weight": WeightRange(0.0, 1.0),
         "admission_weight": WeightRange(0.0, 4.0),
+        "root_weight": WeightRange(0.0, 4.0),
+        "root_cap_prompts": WeightRange(0.0, 8.0),
         "decode_weight": WeightRange(0.0, 1e3),
         "queue_weight": WeightRange(0.0, 1e6),
         "temperature": WeightRange(0.0, 1e6),

@@ -6,6 +6,7 @@ For each candidate replica ``r`` (lower is better)::
            + w_prefill · w_dup · pressure_r · inserted_r
            + w_prefill · w_int · decoding_r · inserted_r
            + w_prefill · w_adm · shortfall_r
+           + w_prefill · min(cap, w_root · (roots_r − fewest_roots)) · request_blocks
            + w_decode  · active_decode_blocks_r
            + w_queue   · waiting_r
 
@@ -50,6 +51,15 @@ For each candidate replica ``r`` (lower is better)::
   at once stalls its own queue on KV admission, which its prefill backlog does not show; a new or
   copied context sent there deepens the stall. A replica holding part of the prompt is not charged,
   so followers are not pushed into copies (docs/policies.md, "Part 9").
+* ``roots_r`` (only where ``overlap_r`` is 0, and only with ``w_root`` = ``root_weight`` > 0, off
+  by default; ``cap`` = ``root_cap_prompts``): the distinct prompt roots (first blocks of prompt
+  chains) ``r``'s caches hold, speculative entries included (``Overlap.held_roots``, from the
+  index); ``fewest_roots`` the least of them among the eligible candidates whose count is known. A
+  prompt that no replica holds (a first touch, or a context every copy of which was evicted) would
+  otherwise go to the replica cheapest by backlog whatever it already homes; a replica homing more
+  contexts than its pool holds at once then evicts its own tenants' contexts (docs/policies.md,
+  "Part 15"). The cap keeps the charge from overriding load where most prompts are new roots (the
+  Mooncake trace). A replica whose count is unknown is not charged.
 * With ``eviction_risk_weight`` ``w_risk`` > 0 (off by default), ``overlap_r`` in the two lines above
   is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
   pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
@@ -73,8 +83,9 @@ For each candidate replica ``r`` (lower is better)::
   gave TTFT p90 1.98 s, 0.25 → 0.75 gave 1.52 s).
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
-``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04, ``w_adm`` = 0 (off);
-``overlap_credit_loaded`` and the guards ``kv_usage_ceiling`` and ``imbalance_threshold_blocks`` off.
+``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04, ``w_adm`` = 0 (off),
+``w_root`` = 0 (off); ``overlap_credit_loaded`` and the guards ``kv_usage_ceiling`` and
+``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:
 
@@ -145,6 +156,11 @@ class CostPolicy:
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
+        roots: dict[ReplicaId, int] = {}
+        fewest_roots = None
+        if weights.root_weight > 0 and overlap.held_roots:
+            roots = overlap.held_roots
+            fewest_roots = min((roots[r] for r in eligible if r in roots), default=None)
         terms = [
             cost_terms(
                 loads[r],
@@ -155,6 +171,8 @@ class CostPolicy:
                 excluded=excluded.get(r) if excluded else None,
                 speculative=min(speculative.get(r, 0), blocks),
                 pressure=cache_pressure(held.get(r), loads[r].capacity_blocks),
+                held_roots=roots.get(r) if roots else None,
+                fewest_roots=fewest_roots,
             )
             for r in candidates
         ]
@@ -259,6 +277,15 @@ def admission_shortfall_blocks(load: ReplicaLoad, inserted_blocks: float | None)
     return max(0.0, locked + load.pending_prefill_blocks + inserted_blocks - load.capacity_blocks)
 
 
+def root_charge_prompts(weights: PolicyWeights, held_roots: int, fewest_roots: int | None) -> float:
+    """The held-roots charge in prompts' worth of prefill: ``min(root_cap_prompts, root_weight ·
+    (held_roots − fewest_roots))``, at least 0 (an excluded replica may hold fewer roots than every
+    eligible one). 0 when ``fewest_roots`` is unknown."""
+    if fewest_roots is None or weights.root_weight <= 0:
+        return 0.0
+    return min(weights.root_cap_prompts, weights.root_weight * max(0, held_roots - fewest_roots))
+
+
 def cost_terms(
     load: ReplicaLoad,
     overlap: int,
@@ -269,9 +296,13 @@ def cost_terms(
     excluded: str | None,
     speculative: int = 0,
     pressure: float | None = None,
+    held_roots: int | None = None,
+    fewest_roots: int | None = None,
 ) -> CostTerms:
     """The weighted terms and their sum for one replica (computed for excluded ones too, so an
-    explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`."""
+    explanation shows what they would have cost). ``pressure``: its :func:`cache_pressure`;
+    ``held_roots``: the prompt roots its caches hold (``None``: unknown or the charge off),
+    ``fewest_roots`` the least held by an eligible candidate (:func:`root_charge_prompts`)."""
     waiting = float(load.waiting_reqs or 0)
     pending = load.pending_prefill_blocks
     shared = min(pending, min(credit, 1.0) * speculative)
@@ -290,9 +321,14 @@ def cost_terms(
     if weights.admission_weight:
         shortfall = admission_shortfall_blocks(load, inserted if overlap == 0 else None)
         admission_term = prefill * weights.admission_weight * shortfall
+    root_term = 0.0  # with the charge off, or on a replica holding part of the prompt
+    if held_roots is not None and overlap == 0:
+        root_term = prefill * root_charge_prompts(weights, held_roots, fewest_roots) * request_blocks
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
-    cost = prefill_term + duplication_term + interference_term + admission_term + decode_term + queue_term
+    # left to right as before the held-roots charge (adding its 0.0 when off changes no bit)
+    cost = prefill_term + duplication_term + interference_term + admission_term
+    cost = cost + root_term + decode_term + queue_term
     # Positional, in CostTerms' field order (tests/unit/test_policy_cost_terms.py checks each field):
     # the same call with 20 keyword arguments takes about 0.3 µs (28%) longer, once per candidate.
     return CostTerms(
@@ -316,6 +352,8 @@ def cost_terms(
         survival,  # overlap_survival
         credit,  # overlap_credit
         admission_term,  # admission_term
+        root_term,  # root_term
+        held_roots,  # held_roots
     )
 
 

@@ -440,6 +440,8 @@ class PoolRouter:
         exact_tokens: dict[ReplicaId, int] = {}
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
+        roots: dict[ReplicaId, int] = {}
+        count_roots = weights.root_weight > 0  # O(live roots) per space: only for the charge
         keys_by_space: dict[int, tuple[BlockKey, ...]] = {}
         for space in self._spaces_for(candidates):
             # a tuple: the plan commits this very object, so the table can tell the match saw it
@@ -447,6 +449,8 @@ class PoolRouter:
             keys_by_space[id(space)] = keys
             among = tuple([r for r in candidates if r in space.replicas])  # a tuple: its mask is cached
             overlap, confirmed = space.table.match_confirmed(keys, among, now)
+            if count_roots:
+                roots.update(space.table.held_roots(among, now))
             bs = space.hasher.block_size
             for replica, blocks in overlap.blocks.items():
                 exact_tokens[replica] = blocks * bs
@@ -464,7 +468,7 @@ class PoolRouter:
             session_key=session_key,
             request_id=request_id,
         )
-        overlap_all = Overlap(merged, ranks, request_blocks, speculative, held)
+        overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, roots)
         snapshot = self.load_snapshot(now)
         decision = policy(route, overlap_all, snapshot, weights, rng)
         chosen_space = self.space_of.get(decision.replica)

@@ -396,6 +396,8 @@ def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object
             "duplication_term": t.duplication_term,
             "interference_term": t.interference_term,
             "admission_term": t.admission_term,
+            "root_term": t.root_term,
+            "held_roots": t.held_roots,
             "decode_term": t.decode_term,
             "queue_term": t.queue_term,
             "pending_prefill_blocks": t.pending_prefill_blocks,

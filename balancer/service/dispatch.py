@@ -145,6 +145,7 @@ class _TermsLog:
             f"{t.replica}: cost={t.cost} overlap={t.overlap_blocks}/{t.request_blocks} "
             f"prefill={t.prefill_term:.2f} duplication={t.duplication_term:.2f} "
             f"interference={t.interference_term:.2f} admission={t.admission_term:.2f} "
+            f"roots={t.root_term:.2f} "
             f"decode={t.decode_term:.2f} queue={t.queue_term:.2f}"
             + (f" excluded={t.excluded}" if t.excluded else "")
             for t in self._terms

@@ -34,6 +34,9 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   With ``admission_weight`` > 0 a replica without the prefix also pays for the KV blocks it would
   have to free, which reads its scraped KV usage, not its load key: the cost policy then gets the
   full candidate list.
+  With ``root_weight`` > 0 a replica without the prefix also pays for the prompt roots its cache
+  holds beyond the fewest (the router reads them from the index, ``PoolRouter.plan``), which does
+  not follow the load key either: the cost policy then gets the full candidate list too.
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
@@ -221,7 +224,12 @@ class SimRouter:
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
         ramp_reads_ceiling = credit_ramps(weights) and weights.kv_usage_ceiling is not None
-        exact = weights.temperature == 0 and not ramp_reads_ceiling and weights.admission_weight == 0
+        exact = (
+            weights.temperature == 0
+            and not ramp_reads_ceiling
+            and weights.admission_weight == 0
+            and weights.root_weight == 0  # the held-roots charge reads the index, not the load key
+        )
         if policy == "cost" and exact:
             return lambda load: base_load(load, weights)
         if policy == "least_load":

@@ -156,3 +156,28 @@ async def test_a_trtllm_replica_gets_affinity_from_its_drained_events(tokenizer:
             assert answer.headers["x-kvlb-replica"] == "r1"
             assert answer.headers["x-kvlb-cached-tokens"] == "64"
             assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+async def test_the_held_roots_charge_is_set_at_runtime_and_explained(tokenizer: Tokenizer) -> None:
+    """``root_weight`` and ``root_cap_prompts`` through ``PUT /admin/policy`` (400 out of range);
+    with the charge on, ``/admin/explain`` shows each replica's held roots and its root term."""
+    async with running(tokenizer) as h:
+        holder = await h.warm(PREFIX)
+        before = await h.admin("POST", "/admin/explain", completion([5]))
+        assert all(t["held_roots"] is None and t["root_term"] == 0.0 for t in before["decision"]["terms"])
+        policy = await h.admin("PUT", "/admin/policy", {"weights": {"root_weight": 1, "root_cap_prompts": 2}})
+        assert (policy["weights"]["root_weight"], policy["weights"]["root_cap_prompts"]) == (1.0, 2.0)
+        assert policy["changed"] == {"root_weight": [0.0, 1.0], "root_cap_prompts": [1.0, 2.0]}
+        # a prompt nobody holds: the holder of PREFIX homes one root more than the other replica
+        fresh = {"model": MODEL, "prompt": list(range(3000, 3032)), "max_tokens": 2, "temperature": 0}
+        explained = await h.admin("POST", "/admin/explain", fresh)
+        terms = {t["replica"]: t for t in explained["decision"]["terms"]}
+        other = "r1" if holder == "r0" else "r0"
+        assert terms[holder]["held_roots"] == terms[other]["held_roots"] + 1
+        assert terms[holder]["root_term"] == pytest.approx(8.0)  # min(2, 1 · 1) prompt of 8 blocks
+        assert terms[other]["root_term"] == 0.0 and explained["decision"]["replica"] == other
+        for bad in ({"root_weight": 5}, {"root_cap_prompts": 9}, {"root_weight": -1}):
+            async with h.session.put(h.url + "/admin/policy", json={"weights": bad}) as response:
+                assert response.status == 400
+                assert next(iter(bad)) in (await response.json())["error"]["message"]
+        assert (await h.admin("GET", "/admin/policy"))["weights"]["root_weight"] == 1.0

@@ -21,15 +21,19 @@ def route(
     loads: list[ReplicaLoad],
     *,
     held: dict[ReplicaId, int] | None = None,
+    roots: dict[ReplicaId, int] | None = None,
     request_blocks: int = 10,
     **weights: float | None,
 ) -> Decision:
     """The cost policy's decision for a request of ``request_blocks`` blocks among the replicas of
-    ``overlaps`` (their cached prefix), with ``loads`` and each replica's ``held`` blocks in all."""
+    ``overlaps`` (their cached prefix), with ``loads``, each replica's ``held`` blocks in all and
+    the prompt ``roots`` its caches hold."""
     request = RouteRequest(
         candidates=tuple(overlaps), request_blocks=request_blocks, prompt_tokens=request_blocks * BLOCK
     )
-    overlap = Overlap(blocks=overlaps, request_blocks=request_blocks, held_blocks=held or {})
+    overlap = Overlap(
+        blocks=overlaps, request_blocks=request_blocks, held_blocks=held or {}, held_roots=roots or {}
+    )
     snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
     return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))  # type: ignore[arg-type]
 

@@ -295,6 +295,7 @@ def test_a_decision_keeps_every_term_and_leaves_absent_values_unset() -> None:
     assert first.kv_usage == 0.5 and first.cost == 2.0 and first.excluded == ""
     assert not second.HasField("kv_usage") and not second.HasField("cost") and second.excluded == "kv_usage"
     assert not second.HasField("overlap_credit")
+    assert not second.HasField("held_roots")  # the held-roots charge off: unknown, not 0
 
 
 def test_every_cost_term_has_its_field_in_the_grpc_message() -> None:
@@ -303,7 +304,7 @@ def test_every_cost_term_has_its_field_in_the_grpc_message() -> None:
     assert set(names) <= set(pb.CostTerms.DESCRIPTOR.fields_by_name)
     terms = CostTerms(
         ReplicaId("a"), 3, 4, 0.5, 1.0, 2.0, 0.25, 1.5, 1.0, 0.5, 2.0, 0.75, None, 1.0, 2.5,
-        3.5, 0.5, 0.875, 1.5,
+        3.5, 0.5, 0.875, 1.5, 0.25, 3.0, 7,
     )  # fmt: skip
     message = decision_message(Decision(ReplicaId("a"), "cost", 3, 4, 12, (terms,))).terms[0]
     for name in names:

@@ -29,6 +29,8 @@ def reference_terms(
     excluded: str | None,
     speculative: int = 0,
     pressure: float | None = None,
+    held_roots: int | None = None,
+    fewest_roots: int | None = None,
 ) -> CostTerms:
     """``cost_terms`` as it was: every field by name."""
     waiting = float(load.waiting_reqs or 0)
@@ -49,6 +51,10 @@ def reference_terms(
     if weights.admission_weight:
         shortfall = admission_shortfall_blocks(load, inserted if overlap == 0 else None)
         admission_term = prefill * weights.admission_weight * shortfall
+    root_term = 0.0
+    if held_roots is not None and overlap == 0 and fewest_roots is not None and weights.root_weight > 0:
+        extra = weights.root_weight * max(0, held_roots - fewest_roots)
+        root_term = prefill * min(weights.root_cap_prompts, extra) * request_blocks
     decode_term = weights.decode_weight * load.active_decode_blocks
     queue_term = weights.queue_weight * waiting
     return CostTerms(
@@ -62,7 +68,13 @@ def reference_terms(
         prefill_term=prefill_term,
         decode_term=decode_term,
         queue_term=queue_term,
-        cost=prefill_term + duplication_term + interference_term + admission_term + decode_term + queue_term,
+        cost=prefill_term
+        + duplication_term
+        + interference_term
+        + admission_term
+        + root_term
+        + decode_term
+        + queue_term,
         excluded=excluded,
         shared_pending_blocks=shared,
         duplication_term=duplication_term,
@@ -71,6 +83,8 @@ def reference_terms(
         overlap_survival=survival,
         overlap_credit=credit,
         admission_term=admission_term,
+        root_term=root_term,
+        held_roots=held_roots,
     )
 
 
@@ -95,6 +109,8 @@ weights = st.builds(
     duplication_weight=st.sampled_from([0.0, 1.0]),
     interference_weight=st.sampled_from([0.0, 0.04, 0.5]),
     admission_weight=st.sampled_from([0.0, 1.0]),
+    root_weight=st.sampled_from([0.0, 0.5, 1.0]),
+    root_cap_prompts=st.sampled_from([0.0, 1.0, 8.0]),
     eviction_risk_weight=st.sampled_from([0.0, 1.0]),
     decode_weight=st.sampled_from([0.0, 0.1]),
     queue_weight=st.sampled_from([0.0, 3.0]),
@@ -114,6 +130,8 @@ weights = st.builds(
     excluded=st.none() | st.just("kv_usage>=0.9"),
     speculative=st.integers(0, 600),
     pressure=st.none() | st.floats(0, 1),
+    held_roots=st.none() | st.integers(0, 40),
+    fewest_roots=st.none() | st.integers(0, 40),
 )
 def test_cost_terms_match_the_keyword_model(
     load: ReplicaLoad,
@@ -124,9 +142,18 @@ def test_cost_terms_match_the_keyword_model(
     excluded: str | None,
     speculative: int,
     pressure: float | None,
+    held_roots: int | None,
+    fewest_roots: int | None,
 ) -> None:
     args = (load, overlap, request_blocks, w)
-    kwargs = {"credit": credit, "excluded": excluded, "speculative": speculative, "pressure": pressure}
+    kwargs = {
+        "credit": credit,
+        "excluded": excluded,
+        "speculative": speculative,
+        "pressure": pressure,
+        "held_roots": held_roots,
+        "fewest_roots": fewest_roots,
+    }
     got, want = cost_terms(*args, **kwargs), reference_terms(*args, **kwargs)  # type: ignore[arg-type]
     assert repr(got) == repr(want)  # every field, in its own type (1 and 1.0 told apart)
 
@@ -136,6 +163,7 @@ def test_cost_terms_match_the_keyword_model(
     per_replica=st.lists(loads, min_size=4, max_size=4),
     overlaps=st.lists(st.integers(-5, 700), min_size=4, max_size=4),
     held=st.lists(st.none() | st.integers(0, 6000), min_size=4, max_size=4),
+    roots=st.lists(st.none() | st.integers(0, 12), min_size=4, max_size=4),
     request_blocks=st.integers(0, 600),
     w=weights,
     seed=st.integers(0, 3),
@@ -144,6 +172,7 @@ def test_the_policy_terms_match_the_model(
     per_replica: list[ReplicaLoad],
     overlaps: list[int],
     held: list[int | None],
+    roots: list[int | None],
     request_blocks: int,
     w: PolicyWeights,
     seed: int,
@@ -157,11 +186,16 @@ def test_the_policy_terms_match_the_model(
         request_blocks,
         {REPLICAS[0]: 3},
         {r: h for r, h in zip(REPLICAS, held, strict=True) if h is not None},
+        {r: n for r, n in zip(REPLICAS, roots, strict=True) if n is not None},
     )
     request = RouteRequest(
         candidates=tuple(REPLICAS), request_blocks=request_blocks, prompt_tokens=16 * request_blocks
     )
     decision = CostPolicy()(request, overlap, snapshot, w, random.Random(seed))
+    on = w.root_weight > 0
+    eligible = [t.replica for t in decision.terms if t.excluded is None]
+    known = [overlap.held_roots[r] for r in eligible if r in overlap.held_roots]
+    fewest = min(known) if on and known else None
     for terms in decision.terms:
         r = terms.replica
         clamped = overlap_blocks(overlap, r, request_blocks)
@@ -175,6 +209,8 @@ def test_the_policy_terms_match_the_model(
             excluded=terms.excluded,
             speculative=min(overlap.speculative_blocks.get(r, 0), request_blocks),
             pressure=cache_pressure(overlap.held_blocks.get(r), replicas[r].capacity_blocks),
+            held_roots=overlap.held_roots.get(r) if on else None,
+            fewest_roots=fewest,
         )
         if terms.probability is not None:  # sampling fills it in after the terms are made
             want = dataclasses.replace(want, probability=terms.probability)

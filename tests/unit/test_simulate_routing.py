@@ -191,6 +191,8 @@ def test_temperature_and_baselines_get_every_open_replica() -> None:
         ("cost", PolicyWeights(temperature=0.5)),
         ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9)),  # ramp over eligible ones
         ("cost", PolicyWeights(admission_weight=1.0)),  # reads the scraped KV usage, not the load key
+        ("cost", PolicyWeights(root_weight=1.0)),  # reads the index's held roots, not the load key
+        ("cost", PolicyWeights(overlap_credit_loaded=4.0, root_weight=0.5)),
         ("round_robin", PolicyWeights()),
     ):
         router, _ = _fleet(0, policy, weights)

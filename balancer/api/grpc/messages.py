@@ -308,6 +308,8 @@ def _terms_message(terms: CostTerms) -> pb.CostTerms:
         cache_pressure=terms.cache_pressure,
         interference_term=terms.interference_term,
         admission_term=terms.admission_term,
+        root_term=terms.root_term,
+        held_roots=terms.held_roots,
         overlap_survival=terms.overlap_survival,
         overlap_credit=terms.overlap_credit,
     )

@@ -573,6 +573,8 @@
     ["duplication_term", "duplication"],
     ["decode_term", "decode"],
     ["queue_term", "queue"],
+    ["root_term", "held roots charge"],
+    ["held_roots", "held roots"],
     ["pending_prefill_blocks", "pending prefill blocks"],
     ["active_decode_blocks", "decode blocks"],
     ["waiting_requests", "waiting"],
@@ -580,6 +582,8 @@
     ["probability", "probability"],
     ["excluded", "excluded"],
   ];
+  // Shown only when some replica has a non-zero value (the charge of an off-by-default weight).
+  const ZERO_HIDDEN_TERMS = new Set(["root_term"]);
 
   function termsText(terms) {
     if (!terms) return DASH;
@@ -671,7 +675,7 @@
       )
     );
     const terms = termsByReplica(d);
-    const columns = TERM_COLUMNS.filter(([key]) => Object.values(terms).some((t) => t && t[key] !== undefined && t[key] !== null && t[key] !== ""));
+    const columns = TERM_COLUMNS.filter(([key]) => Object.values(terms).some((t) => t && t[key] !== undefined && t[key] !== null && t[key] !== "" && !(ZERO_HIDDEN_TERMS.has(key) && t[key] === 0)));
     if (Object.keys(terms).length) {
       const head = el("tr", {}, el("th", { text: "replica" }), ...columns.map(([, label]) => el("th", { text: label })));
       const rows = Object.entries(terms).map(([replica, t]) =>
@@ -687,7 +691,7 @@
         )
       );
       target.append(el("div", { class: "scroll" }, el("table", { id: "explanation-terms" }, el("thead", {}, head), el("tbody", {}, ...rows))));
-      target.append(el("p", { class: "muted", text: "cost = prefill + duplication + decode + queue, in blocks; the lowest cost wins (docs/policies.md)." }));
+      target.append(el("p", { class: "muted", text: "cost = prefill + duplication + interference + admission + held roots charge + decode + queue, in blocks; the lowest cost wins (docs/policies.md)." }));
     }
     if (d.weights) {
       const weights = Object.entries(d.weights).filter(([, v]) => v !== null).map(([k, v]) => k + "=" + fmtNumber(v, 4)).join(", ");
