@@ -250,6 +250,63 @@ async def flush(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> None:
         await _get_json(session, replica["url"] + "/admin/requests?clear=1")
 
 
+CAUGHT_UP_POLLS = 3
+"""Consecutive answers :func:`wait_caught_up` needs, each on a new connection (with ``--workers`` a
+different worker may answer each, and every worker keeps its own index)."""
+
+
+async def published_seqs(session: aiohttp.ClientSession, fleet: EmulatorHandle) -> dict[str, list[int]]:
+    """Per replica with ZMQ events (SGLang, vLLM), the seq of the last batch each rank published
+    (-1: none yet), from its ``GET /admin/stats``; replicas without ZMQ publishers are left out."""
+    answers = await asyncio.gather(*(_get_json(session, r["url"] + "/admin/stats") for r in fleet.replicas))
+    return {
+        str(replica["name"]): [int(seq) - 1 for seq in answer["seq"]]
+        for replica, answer in zip(fleet.replicas, answers, strict=True)
+        if isinstance(answer.get("seq"), list)
+    }
+
+
+def caught_up(views: Sequence[Mapping[str, Any]], published: Mapping[str, Sequence[int]]) -> bool:
+    """Whether kvlb's ``/admin/replicas`` ``views`` show an index that has taken every event the
+    fleet published (``published``: :func:`published_seqs`) and holds no block: every rank's
+    source is at or past its replica's last batch, no batch waits in a replica's queue, and every
+    replica's index is empty (the fleet was flushed, so its events end in a clear)."""
+    for view in views:
+        if view["index"]["blocks"]:
+            return False
+        events = view.get("events")
+        if events is None or not events["sources"]:  # a kvlb routing without KV events
+            continue
+        if events["queued_batches"]:
+            return False
+        taken = {source["dp_rank"]: source["last_seq"] for source in events["sources"]}
+        for rank, last in enumerate(published.get(str(view["id"]), ())):
+            seen = taken.get(rank)
+            if last >= 0 and (seen is None or seen < last):
+                return False
+    return True
+
+
+async def wait_caught_up(session: aiohttp.ClientSession, url: str, fleet: EmulatorHandle) -> None:
+    """After :func:`flush`: until the kvlb at ``url`` has applied the fleet's event streams to their
+    end (:func:`caught_up` on :data:`CAUGHT_UP_POLLS` answers in a row; bounded by
+    :data:`READY_TIMEOUT_S`). A kvlb started on a fleet that served an earlier run first replays
+    that run's history from each engine's replay buffer; a drive that starts meanwhile has old
+    stores confirm its new speculative entries, which the replayed flush then clears
+    (docs/loadtest.md, "Where the fleet and the simulator part", 2026-11-29)."""
+    published = await published_seqs(session, fleet)
+    in_a_row = 0
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while True:
+            connector = aiohttp.TCPConnector(force_close=True)
+            async with aiohttp.ClientSession(connector=connector) as fresh:
+                views = (await _get_json(fresh, url + "/admin/replicas"))["replicas"]
+            in_a_row = in_a_row + 1 if caught_up(views, published) else 0
+            if in_a_row >= CAUGHT_UP_POLLS:
+                return
+            await asyncio.sleep(0.05)
+
+
 # ------------------------------------------------------------------------------------------ routers
 
 

@@ -1,10 +1,12 @@
 """One load-test campaign: the same request stream through each router in turn (I/O).
 
-For each router: flush the fleet's caches (after it is idle), start the router, wait until it sees
-every replica, read the replicas' counters, drive the stream (open or closed loop) while sampling
-every replica's load every ``sample_interval_s``, wait until the fleet is idle, read the counters
-again, stop the router. The replica-side figures (hit rate, requests per replica) are the counter
-differences, so they count what the replicas did whatever the router passes back to the client.
+For each router: start the router, wait until it sees every replica, flush the fleet's caches
+(after it is idle; a kvlb then until its index has taken every event the fleet published, the
+flush's clear included: ``processes.wait_caught_up``), read the replicas' counters, drive the
+stream (open or closed loop) while sampling every replica's load every ``sample_interval_s``, wait
+until the fleet is idle, read the counters again, stop the router. The replica-side figures (hit
+rate, requests per replica) are the counter differences, so they count what the replicas did
+whatever the router passes back to the client.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.driver import RouteFn, RunResult, run_closed_loop, run_open_loop
 from loadtests.peers import RouterSpec, peer_available
-from loadtests.processes import Child, EmulatorHandle, flush, replica_stats, start_router, wait_idle
+from loadtests.processes import (
+    Child,
+    EmulatorHandle,
+    flush,
+    replica_stats,
+    start_router,
+    wait_caught_up,
+    wait_idle,
+)
 from loadtests.stats import RequestRecord, Summary
 from loadtests.workloads.base import RequestSpec
 
@@ -218,7 +228,6 @@ async def run_router(
             return RouterRun(router, "failed", str(exc))
     started = time.monotonic()
     async with aiohttp.ClientSession() as session:
-        await flush(session, fleet)
         child: Child | None = None
         url = str(fleet.replicas[0]["url"])
         if route is None:
@@ -234,6 +243,11 @@ async def run_router(
             except (RuntimeError, OSError, ValueError) as exc:
                 return RouterRun(router, "failed", f"could not start: {exc}")
         try:
+            # Flushed with the router running: a kvlb replays the engines' history (an earlier
+            # run's) before its drive, then takes the flush's clear live.
+            await flush(session, fleet)
+            if router.kind == "kvlb":
+                await wait_caught_up(session, url, fleet)
             before = await replica_stats(session, fleet)
             sampler = LoadSampler(session, fleet, options.sample_interval_s)
             sampling = asyncio.create_task(sampler.run())
