@@ -7,40 +7,16 @@ speculatively, counts it once. The count follows every way a block leaves a cach
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from test_index_table import BS, HASHER, stored, toks
 
-from balancer.events import Cleared, Removed, Resync, Stored
-from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.events import Cleared, Removed, Resync
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
 from balancer.index.snapshot import dump_table, load_table
 from balancer.index.table import PrefixTable
 from balancer.types import EngineHash, ReplicaId
 
-BS = 2
-HASHER = BlockHasher("m", BS)
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
-
-
-def toks(blocks: int, first: int = 1) -> list[int]:
-    return list(range(first, first + blocks * BS))
-
-
-def stored(
-    tokens: Sequence[int],
-    engine: Sequence[int],
-    parent: int | None = None,
-    dp_rank: int = 0,
-    lora_name: str | None = None,
-) -> Stored:
-    return Stored(
-        dp_rank,
-        None if parent is None else EngineHash(parent),
-        tuple(EngineHash(h) for h in engine),
-        pack_tokens(tokens),
-        BS,
-        lora_name=lora_name,
-    )
 
 
 def table(capacity_blocks: int = 100_000) -> PrefixTable:

@@ -26,7 +26,11 @@ def toks(blocks: int, first: int = 1) -> list[int]:
 
 
 def stored(
-    tokens: Sequence[int], engine: Sequence[int], parent: int | None = None, dp_rank: int = 0
+    tokens: Sequence[int],
+    engine: Sequence[int],
+    parent: int | None = None,
+    dp_rank: int = 0,
+    lora_name: str | None = None,
 ) -> Stored:
     return Stored(
         dp_rank,
@@ -34,6 +38,7 @@ def stored(
         tuple(EngineHash(h) for h in engine),
         pack_tokens(tokens),
         BS,
+        lora_name=lora_name,
     )
 
 
