@@ -763,7 +763,7 @@ class PrefixTable(GapRecovery):
         how many distinct prompt chains its caches hold the root of: roots stored with no parent,
         and the roots of requests routed there and still prefilling (speculative entries). A root
         held by two DP ranks, or both for real and speculatively, counts once. Costs one dict
-        lookup per listed root (O(roots in the table), not O(blocks); 0.2 ms with 1,000 roots,
+        lookup per listed root (O(roots in the table), not O(blocks); 0.13 ms with 1,000 roots,
         ``docs/prefix-index.md``): call it only for a policy that reads it."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
