@@ -213,8 +213,8 @@ class PrefixTable(GapRecovery):
         if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
             self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
         result.stored_blocks += self._store_chain(cache, seed, event)
-        if event.parent is None:
-            self._note_root(_xxh3(event.tokens[: 4 * (self._block_size + self._lookahead)], seed))
+        if event.parent is None:  # the chain's first key, as _store_chain mapped its engine hash
+            self._note_root(cache.keys[event.engine_hashes[0]])
         if cache.dropped and event.parent is not None and seed in cache.dropped:
             # dropped unconfirmed, but the engine holds it; after its children, as add_speculative
             # orders them (a parent is used at least as recently as its child)
