@@ -129,6 +129,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--sim-forward-delay-ms", type=float, default=0.0,
         help="simulator: each request reaches its replica this long after it is routed, model ms "
         "(0; the emulated fleet at --time-scale 0.25 adds about 20 to 7,000-token chat prompts)")  # fmt: skip
+    add("--sim-no-prune", action="store_true",
+        help="simulator: give the cost policy every open replica, as with root_weight or admission_weight "
+        "> 0, instead of the pruned candidate set (the same choice up to tie-breaking: separates a "
+        "charge's effect from the tie-breaks of the full list)")  # fmt: skip
     add("--confirm", action="store_true", help="run the bracketing rates on the emulated fleet")
     add("--searches-from", type=Path, metavar="CAPACITY.json",
         help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
@@ -280,6 +284,7 @@ def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
         weights=weights,
         seed=args.seed,
         forward_delay_s=args.sim_forward_delay_ms / 1000.0,
+        prune=not args.sim_no_prune,
     )
 
 
@@ -817,6 +822,7 @@ def run(args: argparse.Namespace) -> int:
         "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
         "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
         "sim_forward_delay_ms": args.sim_forward_delay_ms,
+        "sim_prune": not args.sim_no_prune,
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),

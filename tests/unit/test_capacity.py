@@ -28,7 +28,7 @@ from loadtests.peers import parse_router
 from loadtests.processes import EmulatorHandle, kvlb_config
 from loadtests.report import invalid_reason, router_entry
 from loadtests.runs import RouterRun
-from loadtests.simulate import workload_requests
+from loadtests.simulate import SimResult, workload_requests
 from loadtests.simulate.oracle import BeladySimulation, simulate_oracle
 from loadtests.stats import RequestRecord, summarize
 
@@ -173,6 +173,7 @@ def _sim_args() -> argparse.Namespace:
         seed=1,
         oracle_load_bound_s=2.0,
         sim_forward_delay_ms=0.0,
+        sim_no_prune=False,
     )
 
 
@@ -214,6 +215,25 @@ def test_capacity_measures_the_oracle_plan_on_lru_engines_and_kvlb_on_min_engine
     assert points["oracle_lru"].cached_tokens == lru.summary.cached_tokens
     assert points["oracle_lru"].extra["planned_hit_tokens"] == plan.hit_tokens
     assert points["oracle_lru"].cached_tokens < (points["oracle"].cached_tokens or 0)
+
+
+def test_sim_no_prune_gives_the_cost_policy_every_replica() -> None:
+    """``--sim-no-prune``: every decision of a kvlb router is made over the full candidate list, as
+    with ``root_weight`` > 0; without it the simulator prunes the cost policy's candidates."""
+    stream = _overflowing_stream()
+    for no_prune in (False, True):
+        args = _sim_args()
+        args.sim_no_prune, args.replicas = no_prune, 8  # more replicas than the pruned set keeps (4)
+        results: list[SimResult] = []
+        point = sim_measure(args, "kvlb:cost+overlap_credit_loaded=4", stream, lambda _: None, results)(24.0)
+        stats = results[0].stats
+        assert point.requests == 240
+        if no_prune:
+            assert (stats["routed_pruned"], stats["routed_full"]) == (0, 240)
+            assert stats["mean_candidates"] == 8
+        else:
+            assert stats["routed_pruned"] > 0
+            assert stats["mean_candidates"] < 8
 
 
 def test_confirm_order_interleaves_routers_a_b_b_a_at_each_rate() -> None:
