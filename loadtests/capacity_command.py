@@ -41,7 +41,7 @@ from typing import Any
 from balancer.policy.base import PolicyWeights
 from loadtests import capacity
 from loadtests.agreement import RequestRow, compare, followers, rows_of
-from loadtests.band import band_of, draw_rng, jitter_arrivals, verdict
+from loadtests.band import band_of, draw_rng, hop_rng, jitter_arrivals, verdict
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
@@ -129,6 +129,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--sim-forward-delay-ms", type=float, default=0.0,
         help="simulator: each request reaches its replica this long after it is routed, model ms "
         "(0; the emulated fleet at --time-scale 0.25 adds about 20 to 7,000-token chat prompts)")  # fmt: skip
+    add("--sim-forward-jitter-ms", type=float, default=0.0,
+        help="simulator: each request's hop is its own uniform draw within this of --sim-forward-delay-ms, "
+        "model ms (0: the same hop for every request; at most the delay); each --confirm-sim-draws draw "
+        "has its own hop draws")  # fmt: skip
     add("--confirm", action="store_true", help="run the bracketing rates on the emulated fleet")
     add("--searches-from", type=Path, metavar="CAPACITY.json",
         help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
@@ -280,6 +284,7 @@ def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
         weights=weights,
         seed=args.seed,
         forward_delay_s=args.sim_forward_delay_ms / 1000.0,
+        forward_jitter_s=args.sim_forward_jitter_ms / 1000.0,
     )
 
 
@@ -369,7 +374,8 @@ def oracle_plan(args: argparse.Namespace, stream: Stream, rate: float) -> Oracle
 
 def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, limit: int) -> dict[str, Any]:
     """``--confirm-sim-draws`` simulations of router ``name`` on the first ``limit`` requests at
-    ``rate``, each with the arrivals jittered by draw ``k``'s generator, as :func:`band_of`."""
+    ``rate``, each with the arrivals jittered by draw ``k``'s generator and (with
+    ``--sim-forward-jitter-ms``) its own hops from draw ``k``'s hop generator, as :func:`band_of`."""
     config = sim_config(args, parse_router(name))
     slo = _slo(args)
     requests = stream.at(rate, limit)
@@ -378,7 +384,8 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
     hits: list[float | None] = []
     for draw in range(args.confirm_sim_draws):
         moved = jitter_arrivals(requests, args.confirm_sim_jitter_ms / 1000.0, draw_rng(args.seed, draw))
-        point = capacity.point_of(rate, Simulation(config, moved).run().summary, "sim")
+        simulation = Simulation(config, moved, hop_rng(args.seed, draw))
+        point = capacity.point_of(rate, simulation.run().summary, "sim")
         p90s.append(point.ttft_p90_s)
         passes.append(point.meets(slo))
         hits.append(point.hit_rate)
@@ -740,6 +747,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--confirm-interleave needs --confirm-rates (the same rates for every router)")
         if not math.isfinite(args.sim_forward_delay_ms) or args.sim_forward_delay_ms < 0:
             raise ValueError(f"--sim-forward-delay-ms must be >= 0, got {args.sim_forward_delay_ms}")
+        jitter_ms = args.sim_forward_jitter_ms
+        if not math.isfinite(jitter_ms) or jitter_ms < 0 or jitter_ms > args.sim_forward_delay_ms:
+            raise ValueError(
+                f"--sim-forward-jitter-ms must be in [0, --sim-forward-delay-ms], got {jitter_ms}"
+            )
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         workload, stream = build_stream(args)
     except (ValueError, KeyError, OSError) as exc:
@@ -817,6 +829,7 @@ def run(args: argparse.Namespace) -> int:
         "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
         "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
         "sim_forward_delay_ms": args.sim_forward_delay_ms,
+        "sim_forward_jitter_ms": args.sim_forward_jitter_ms,
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from loadtests import capacity
-from loadtests.band import band_capacity, band_of, draw_rng, jitter_arrivals, verdict
+from loadtests.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
 from loadtests.capacity import Search, Slo
 from loadtests.capacity_command import build_stream, register, sim_band, sim_measure
 from loadtests.simulate import SimRequest
@@ -135,3 +135,17 @@ def test_draws_without_jitter_reproduce_the_single_simulation_and_jittered_draws
     assert moved == sim_band(args, "kvlb", stream, rate, 60)
     assert moved["draws"] == 3 and moved["jitter_ms"] == 50.0
     assert still["hit_rate"] == [single.hit_rate] * 3
+
+
+def test_draws_with_a_spread_hop_each_draw_their_own_hops() -> None:
+    args = _args("--confirm-sim-draws", "3", "--confirm-sim-jitter-ms", "0", "--sim-forward-delay-ms", "20")
+    _, stream = build_stream(args)
+    rate = 4.0
+    fixed = sim_band(args, "kvlb", stream, rate, 60)
+    assert len(set(fixed["ttft_p90_s"])) == 1  # no arrival jitter, one hop for all: the same draw
+    args.sim_forward_jitter_ms = 15.0
+    spread = sim_band(args, "kvlb", stream, rate, 60)
+    assert len(set(spread["ttft_p90_s"])) == 3  # each draw its own hops
+    assert spread == sim_band(args, "kvlb", stream, rate, 60)  # and the same ones every time
+    # the draws' hop generators are apart from their arrival generators
+    assert hop_rng(0, 1).random() == hop_rng(0, 1).random() != draw_rng(0, 1).random()

@@ -173,6 +173,7 @@ def _sim_args() -> argparse.Namespace:
         seed=1,
         oracle_load_bound_s=2.0,
         sim_forward_delay_ms=0.0,
+        sim_forward_jitter_ms=0.0,
     )
 
 
