@@ -154,7 +154,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "of one router's repeats after another's: machine drift hits every router alike")  # fmt: skip
     add("--confirm-save-decisions", action="store_true",
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
-        "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl")  # fmt: skip
+        "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl, and the "
+        "simulation's decisions of the same requests to decisions/<router>-<rate>-sim.jsonl")  # fmt: skip
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -294,9 +295,11 @@ def sim_measure(
     stream: Stream,
     log: Callable[[str], None],
     keep: list[SimResult] | None = None,
+    keep_decisions: bool = False,
 ) -> Any:
     """``rate → RatePoint`` of router ``name`` in the simulator (:func:`sim_router`); ``keep``
-    collects each run's :class:`SimResult` (not an oracle's)."""
+    collects each run's :class:`SimResult` (not an oracle's), with its decisions when
+    ``keep_decisions`` (LRU engines only)."""
     spec, min_engines = sim_router(name)
     config = sim_config(args, spec)
 
@@ -314,8 +317,10 @@ def sim_measure(
                 planned_hit_rate=plan.hit_rate,
             )
         else:
-            simulation = BeladySimulation if min_engines else Simulation
-            result = simulation(config, requests).run()
+            if min_engines:
+                result = BeladySimulation(config, requests).run()
+            else:
+                result = Simulation(config, requests, keep_decisions=keep_decisions).run()
             point = capacity.point_of(rate, result.summary, "sim")
             if keep is not None:
                 keep.append(result)
@@ -480,10 +485,18 @@ async def confirm_on_fleet(
             point_of = prepared.get((name, rate))
             if point_of is None:
                 kept: list[SimResult] = []
-                sim = sim_measure(args, name, stream, lambda _: None, keep=kept)(rate, limit)
+                save_sim = args.confirm_save_decisions and spec.kind == "kvlb"
+                sim = sim_measure(args, name, stream, lambda _: None, keep=kept, keep_decisions=save_sim)(
+                    rate, limit
+                )
                 specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
                 sim_rows = _sim_rows(kept[0], specs, fleet.names)
                 _write_rows(out / "requests" / f"{_slug(name)}-{rate:g}-sim.jsonl", sim_rows)
+                if save_sim:
+                    (out / "decisions").mkdir(exist_ok=True)
+                    rows = sim_decision_rows(kept[0], specs, fleet.names)
+                    text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in rows)
+                    (out / "decisions" / f"{_slug(name)}-{rate:g}-sim.jsonl").write_text(text, "utf-8")
                 band = None
                 if args.confirm_sim_draws > 0:
                     band = sim_band(args, name, stream, rate, limit)
@@ -656,6 +669,37 @@ def _sim_rows(
         replica = None if record.replica is None else names[record.replica]
         rows.append(RequestRow(position, replica, record.ttft_s, record.cached_tokens))
     return sorted(rows, key=lambda r: r.index)
+
+
+def sim_decision_rows(
+    result: SimResult, specs: Sequence[RequestSpec], fleet_names: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The simulation's kept decisions (:attr:`SimResult.decisions`) in the shape of the fleet's saved
+    ones (``decisions/<run>.jsonl``: ``request_id``, ``decision`` with ``replica``, ``reason`` and
+    per-replica ``terms``), its replica ``i`` named as the fleet's ``i``-th and each record named by
+    the stream's request id (records are in arrival order, as in :func:`_sim_rows`), plus the
+    decision's virtual time ``now_s`` (model seconds): one row per routed request, in routing order."""
+    order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s or 0.0)
+    names = {name: fleet_names[i] for i, name in enumerate(result.records.replicas)}
+    rows = []
+    for index, now, decision in result.decisions:
+        terms = [{**dataclasses.asdict(t), "replica": names[t.replica]} for t in decision.terms]
+        rows.append(
+            {
+                "request_id": specs[order[index]].request_id,
+                "now_s": now,
+                "decision": {
+                    "replica": names[decision.replica],
+                    "reason": decision.reason,
+                    "policy": decision.policy,
+                    "overlap_blocks": decision.overlap_blocks,
+                    "request_blocks": decision.request_blocks,
+                    "cached_tokens": decision.cached_tokens,
+                    "terms": terms,
+                },
+            }
+        )
+    return rows
 
 
 def _write_rows(path: Path, rows: Sequence[RequestRow]) -> None:

@@ -42,7 +42,7 @@ from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
 from balancer.policy.base import PolicyWeights
 from balancer.routing.router import RoutePlan
-from balancer.types import ReplicaId
+from balancer.types import Decision, ReplicaId
 from loadtests.simulate.block_cache import BlockCache
 from loadtests.simulate.des import EventLoop
 from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, ReplicaModel
@@ -135,6 +135,9 @@ class SimResult:
     virtual_s: float
     events: int
     stats: dict[str, Any]
+    decisions: list[tuple[int, float, Decision]] = field(default_factory=list)
+    """With ``keep_decisions``: each routed request's ``(record index, virtual time, decision)`` in
+    routing order, the per-replica cost terms included (empty otherwise)."""
 
 
 class Simulation:
@@ -145,9 +148,12 @@ class Simulation:
         config: SimConfig,
         requests: Iterable[SimRequest],
         hop_rng: random.Random | None = None,
+        keep_decisions: bool = False,
     ) -> None:
         """``hop_rng`` draws each request's hop when ``config.forward_jitter_s`` > 0 (``None``: a
-        generator seeded from ``config.seed``); it is not read otherwise."""
+        generator seeded from ``config.seed``); it is not read otherwise. ``keep_decisions``: keep
+        every routed request's decision in :attr:`SimResult.decisions` (one per request: for
+        confirmation-sized runs, beside the fleet's saved decisions)."""
         if not math.isfinite(config.forward_delay_s) or config.forward_delay_s < 0:
             raise ValueError(f"forward_delay_s must be >= 0, got {config.forward_delay_s}")
         jitter = config.forward_jitter_s
@@ -186,6 +192,7 @@ class Simulation:
         self._arrivals_left = True
         self._events_applied = 0
         self._reported = 0
+        self._decisions: list[tuple[int, float, Decision]] | None = [] if keep_decisions else None
 
     def _model(self, name: ReplicaId, capacity_blocks: int) -> ReplicaModel:
         size, waiting = self.page_size, self.config.max_waiting
@@ -208,7 +215,8 @@ class Simulation:
                 progress(len(self.records), self.loop.now_s)
         end_s = self.loop.now_s
         summary = run_summary(self.records, self.gaps, end_s)
-        return SimResult(summary, self.records, end_s, self.loop.processed, self._stats())
+        decisions = self._decisions if self._decisions is not None else []
+        return SimResult(summary, self.records, end_s, self.loop.processed, self._stats(), decisions)
 
     def _stats(self) -> dict[str, Any]:
         counters = self.router.counters
@@ -250,6 +258,8 @@ class Simulation:
             self.records.refuse(index, now, 429)
             return
         self.records.route(index, self._index_of[plan.decision.replica])
+        if self._decisions is not None:
+            self._decisions.append((index, now, plan.decision))
         self._inflight += 1
         routed = (index, request, plan)
         hop = self._hop()

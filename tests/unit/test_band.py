@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import random
+from typing import Any
 
 import pytest
 
 from loadtests import capacity
 from loadtests.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
 from loadtests.capacity import Search, Slo
-from loadtests.capacity_command import build_stream, register, sim_band, sim_measure
+from loadtests.capacity_command import (
+    _sim_rows,
+    build_stream,
+    register,
+    sim_band,
+    sim_decision_rows,
+    sim_measure,
+)
 from loadtests.simulate import SimRequest
 
 
@@ -149,3 +157,25 @@ def test_draws_with_a_spread_hop_each_draw_their_own_hops() -> None:
     assert spread == sim_band(args, "kvlb", stream, rate, 60)  # and the same ones every time
     # the draws' hop generators are apart from their arrival generators
     assert hop_rng(0, 1).random() == hop_rng(0, 1).random() != draw_rng(0, 1).random()
+
+
+def test_the_simulations_decisions_are_kept_in_the_fleets_shape() -> None:
+    args = _args()
+    _, stream = build_stream(args)
+    kept: list[Any] = []
+    sim_measure(args, "kvlb", stream, lambda _: None, keep=kept, keep_decisions=True)(4.0, 60)
+    sim_measure(args, "kvlb", stream, lambda _: None, keep=kept)(4.0, 60)
+    result, plain = kept
+    assert plain.decisions == []  # kept only when asked
+    specs = stream.specs_at(4.0, 60, 1.0)
+    fleet = ["sim-a", "sim-b"]
+    rows = sim_decision_rows(result, specs, fleet)
+    assert len(rows) == 60 and sorted(r["request_id"] for r in rows) == sorted(s.request_id for s in specs)
+    # each row's replica is the one the simulation's record went to, under the fleet's name
+    by_id = {s.request_id: i for i, s in enumerate(specs)}
+    placed = {r.index: r.replica for r in _sim_rows(result, specs, fleet)}
+    assert all(placed[by_id[r["request_id"]]] == r["decision"]["replica"] for r in rows)
+    assert {r["decision"]["replica"] for r in rows} == set(fleet)
+    first = rows[0]["decision"]
+    assert {t["replica"] for t in first["terms"]} == set(fleet) and first["reason"].startswith("argmin")
+    assert [r["now_s"] for r in rows] == sorted(r["now_s"] for r in rows)  # routing order
