@@ -394,7 +394,12 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
         p90s.append(point.ttft_p90_s)
         passes.append(point.meets(slo))
         hits.append(point.hit_rate)
-    return {"rate": rate, "jitter_ms": args.confirm_sim_jitter_ms, **band_of(p90s, passes, hits)}
+    return {
+        "rate": rate,
+        "jitter_ms": args.confirm_sim_jitter_ms,
+        "hop_jitter_ms": args.sim_forward_jitter_ms,
+        **band_of(p90s, passes, hits),
+    }
 
 
 # ------------------------------------------------------------------------------------------- fleet
@@ -500,7 +505,8 @@ async def confirm_on_fleet(
                 band = None
                 if args.confirm_sim_draws > 0:
                     band = sim_band(args, name, stream, rate, limit)
-                    log(f"  {band['draws']} draws (±{band['jitter_ms']:g} ms): TTFT p90 median "
+                    log(f"  {band['draws']} draws (±{band['jitter_ms']:g} ms, "
+                        f"hop ±{band['hop_jitter_ms']:g} ms): TTFT p90 median "
                         f"{_num(band['ttft_p90_median_s'])} s, {_num(band['ttft_p90_min_s'])}-"
                         f"{_num(band['ttft_p90_max_s'])} s, pass share {band['pass_share']:.2f}")  # fmt: skip
                 replay = None

@@ -105,7 +105,7 @@ def test_band_capacity_is_the_highest_pass_below_the_lowest_fail() -> None:
 def test_the_report_carries_the_band_and_both_capacities() -> None:
     search = Search(points=(), capacity=36.0, first_fail=36.9)
     b36 = {"rate": 36.0, "jitter_ms": 1.0, **band_of([1.5, 1.7, 3.0], [True, True, False])}
-    b37 = {"rate": 36.9, "jitter_ms": 1.0, **band_of([2.5, 2.9], [False, False])}
+    b37 = {"rate": 36.9, "jitter_ms": 1.0, "hop_jitter_ms": 15.0, **band_of([2.5, 2.9], [False, False])}
     b36["sim_single_ttft_p90_s"], b37["sim_single_ttft_p90_s"] = 1.5, 3.0
     bands = {
         "kvlb": [
@@ -121,6 +121,7 @@ def test_the_report_carries_the_band_and_both_capacities() -> None:
     text = capacity.markdown(report)
     assert "## Against the simulator's spread" in text
     assert "| kvlb | 36 | 3 (±1 ms) | 1.7 | 1.5–3 | 0.67 | 1.5 | 2.1, 2.3 | 2.2 |" in text
+    assert "| kvlb | 36.9 | 2 (±1 ms, hop ±15 ms) | 2.7 |" in text  # the hop's spread named when set
 
 
 def _args(*more: str) -> argparse.Namespace:
@@ -141,7 +142,7 @@ def test_draws_without_jitter_reproduce_the_single_simulation_and_jittered_draws
     args.confirm_sim_jitter_ms = 50.0
     moved = sim_band(args, "kvlb", stream, rate, 60)
     assert moved == sim_band(args, "kvlb", stream, rate, 60)
-    assert moved["draws"] == 3 and moved["jitter_ms"] == 50.0
+    assert moved["draws"] == 3 and moved["jitter_ms"] == 50.0 and moved["hop_jitter_ms"] == 0.0
     assert still["hit_rate"] == [single.hit_rate] * 3
 
 
