@@ -50,6 +50,12 @@ def draw_rng(seed: int, draw: int) -> random.Random:
     return random.Random(f"kvlb-band:{seed}:{draw}")
 
 
+def hop_rng(seed: int, draw: int) -> random.Random:
+    """The generator of draw ``draw``'s hops (``SimConfig.forward_jitter_s``), apart from
+    :func:`draw_rng` so that spreading the hop leaves each draw's arrivals as they were."""
+    return random.Random(f"kvlb-band-hop:{seed}:{draw}")
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 

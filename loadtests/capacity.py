@@ -398,8 +398,10 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
     for r, b in rows:
         fleet = ", ".join(_fmt(p) for p in b["fleet_ttft_p90_s"]) or "-"
         inside = sum(b["fleet_inside_sim_range"])
+        hop = b.get("hop_jitter_ms") or 0  # absent in reports saved before the hop's spread
+        spread = f"±{b['jitter_ms']:g} ms" + (f", hop ±{hop:g} ms" if hop else "")
         lines.append(
-            f"| {r['name']} | {b['rate']:.4g} | {b['draws']} (±{b['jitter_ms']:g} ms) "
+            f"| {r['name']} | {b['rate']:.4g} | {b['draws']} ({spread}) "
             f"| {_fmt(b['ttft_p90_median_s'])} | {_fmt(b['ttft_p90_min_s'])}–{_fmt(b['ttft_p90_max_s'])} "
             f"| {_fmt(b['pass_share'], 2)} | {_fmt(b['sim_single_ttft_p90_s'])} | {fleet} "
             f"| {_fmt(b['fleet_ttft_p90_median_s'])} | {_fmt(b['fleet_median_vs_sim_median'])} "

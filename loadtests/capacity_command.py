@@ -41,7 +41,7 @@ from typing import Any
 from balancer.policy.base import PolicyWeights
 from loadtests import capacity
 from loadtests.agreement import RequestRow, compare, followers, rows_of
-from loadtests.band import band_of, draw_rng, jitter_arrivals, verdict
+from loadtests.band import band_of, draw_rng, hop_rng, jitter_arrivals, verdict
 from loadtests.capacity import RatePoint, Search, Slo
 from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
@@ -133,6 +133,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="simulator: give the cost policy every open replica, as with root_weight or admission_weight "
         "> 0, instead of the pruned candidate set (the same choice up to tie-breaking: separates a "
         "charge's effect from the tie-breaks of the full list)")  # fmt: skip
+    add("--sim-forward-jitter-ms", type=float, default=0.0,
+        help="simulator: each request's hop is its own uniform draw within this of --sim-forward-delay-ms, "
+        "model ms (0: the same hop for every request; at most the delay); each --confirm-sim-draws draw "
+        "has its own hop draws")  # fmt: skip
     add("--confirm", action="store_true", help="run the bracketing rates on the emulated fleet")
     add("--searches-from", type=Path, metavar="CAPACITY.json",
         help="reuse the simulator searches of a saved report (same stream flags) instead of searching; "
@@ -154,7 +158,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "of one router's repeats after another's: machine drift hits every router alike")  # fmt: skip
     add("--confirm-save-decisions", action="store_true",
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
-        "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl")  # fmt: skip
+        "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl, and the "
+        "simulation's decisions of the same requests to decisions/<router>-<rate>-sim.jsonl")  # fmt: skip
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -285,6 +290,7 @@ def sim_config(args: argparse.Namespace, spec: RouterSpec | None) -> SimConfig:
         seed=args.seed,
         forward_delay_s=args.sim_forward_delay_ms / 1000.0,
         prune=not args.sim_no_prune,
+        forward_jitter_s=args.sim_forward_jitter_ms / 1000.0,
     )
 
 
@@ -294,9 +300,11 @@ def sim_measure(
     stream: Stream,
     log: Callable[[str], None],
     keep: list[SimResult] | None = None,
+    keep_decisions: bool = False,
 ) -> Any:
     """``rate → RatePoint`` of router ``name`` in the simulator (:func:`sim_router`); ``keep``
-    collects each run's :class:`SimResult` (not an oracle's)."""
+    collects each run's :class:`SimResult` (not an oracle's), with its decisions when
+    ``keep_decisions`` (LRU engines only)."""
     spec, min_engines = sim_router(name)
     config = sim_config(args, spec)
 
@@ -314,8 +322,10 @@ def sim_measure(
                 planned_hit_rate=plan.hit_rate,
             )
         else:
-            simulation = BeladySimulation if min_engines else Simulation
-            result = simulation(config, requests).run()
+            if min_engines:
+                result = BeladySimulation(config, requests).run()
+            else:
+                result = Simulation(config, requests, keep_decisions=keep_decisions).run()
             point = capacity.point_of(rate, result.summary, "sim")
             if keep is not None:
                 keep.append(result)
@@ -374,7 +384,8 @@ def oracle_plan(args: argparse.Namespace, stream: Stream, rate: float) -> Oracle
 
 def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, limit: int) -> dict[str, Any]:
     """``--confirm-sim-draws`` simulations of router ``name`` on the first ``limit`` requests at
-    ``rate``, each with the arrivals jittered by draw ``k``'s generator, as :func:`band_of`."""
+    ``rate``, each with the arrivals jittered by draw ``k``'s generator and (with
+    ``--sim-forward-jitter-ms``) its own hops from draw ``k``'s hop generator, as :func:`band_of`."""
     config = sim_config(args, parse_router(name))
     slo = _slo(args)
     requests = stream.at(rate, limit)
@@ -383,11 +394,17 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
     hits: list[float | None] = []
     for draw in range(args.confirm_sim_draws):
         moved = jitter_arrivals(requests, args.confirm_sim_jitter_ms / 1000.0, draw_rng(args.seed, draw))
-        point = capacity.point_of(rate, Simulation(config, moved).run().summary, "sim")
+        simulation = Simulation(config, moved, hop_rng(args.seed, draw))
+        point = capacity.point_of(rate, simulation.run().summary, "sim")
         p90s.append(point.ttft_p90_s)
         passes.append(point.meets(slo))
         hits.append(point.hit_rate)
-    return {"rate": rate, "jitter_ms": args.confirm_sim_jitter_ms, **band_of(p90s, passes, hits)}
+    return {
+        "rate": rate,
+        "jitter_ms": args.confirm_sim_jitter_ms,
+        "hop_jitter_ms": args.sim_forward_jitter_ms,
+        **band_of(p90s, passes, hits),
+    }
 
 
 # ------------------------------------------------------------------------------------------- fleet
@@ -478,14 +495,23 @@ async def confirm_on_fleet(
             point_of = prepared.get((name, rate))
             if point_of is None:
                 kept: list[SimResult] = []
-                sim = sim_measure(args, name, stream, lambda _: None, keep=kept)(rate, limit)
+                save_sim = args.confirm_save_decisions and spec.kind == "kvlb"
+                sim = sim_measure(args, name, stream, lambda _: None, keep=kept, keep_decisions=save_sim)(
+                    rate, limit
+                )
                 specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
                 sim_rows = _sim_rows(kept[0], specs, fleet.names)
                 _write_rows(out / "requests" / f"{_slug(name)}-{rate:g}-sim.jsonl", sim_rows)
+                if save_sim:
+                    (out / "decisions").mkdir(exist_ok=True)
+                    rows = sim_decision_rows(kept[0], specs, fleet.names)
+                    text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in rows)
+                    (out / "decisions" / f"{_slug(name)}-{rate:g}-sim.jsonl").write_text(text, "utf-8")
                 band = None
                 if args.confirm_sim_draws > 0:
                     band = sim_band(args, name, stream, rate, limit)
-                    log(f"  {band['draws']} draws (±{band['jitter_ms']:g} ms): TTFT p90 median "
+                    log(f"  {band['draws']} draws (±{band['jitter_ms']:g} ms, "
+                        f"hop ±{band['hop_jitter_ms']:g} ms): TTFT p90 median "
                         f"{_num(band['ttft_p90_median_s'])} s, {_num(band['ttft_p90_min_s'])}-"
                         f"{_num(band['ttft_p90_max_s'])} s, pass share {band['pass_share']:.2f}")  # fmt: skip
                 replay = None
@@ -656,6 +682,37 @@ def _sim_rows(
     return sorted(rows, key=lambda r: r.index)
 
 
+def sim_decision_rows(
+    result: SimResult, specs: Sequence[RequestSpec], fleet_names: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The simulation's kept decisions (:attr:`SimResult.decisions`) in the shape of the fleet's saved
+    ones (``decisions/<run>.jsonl``: ``request_id``, ``decision`` with ``replica``, ``reason`` and
+    per-replica ``terms``), its replica ``i`` named as the fleet's ``i``-th and each record named by
+    the stream's request id (records are in arrival order, as in :func:`_sim_rows`), plus the
+    decision's virtual time ``now_s`` (model seconds): one row per routed request, in routing order."""
+    order = sorted(range(len(specs)), key=lambda i: specs[i].arrival_s or 0.0)
+    names = {name: fleet_names[i] for i, name in enumerate(result.records.replicas)}
+    rows = []
+    for index, now, decision in result.decisions:
+        terms = [{**dataclasses.asdict(t), "replica": names[t.replica]} for t in decision.terms]
+        rows.append(
+            {
+                "request_id": specs[order[index]].request_id,
+                "now_s": now,
+                "decision": {
+                    "replica": names[decision.replica],
+                    "reason": decision.reason,
+                    "policy": decision.policy,
+                    "overlap_blocks": decision.overlap_blocks,
+                    "request_blocks": decision.request_blocks,
+                    "cached_tokens": decision.cached_tokens,
+                    "terms": terms,
+                },
+            }
+        )
+    return rows
+
+
 def _write_rows(path: Path, rows: Sequence[RequestRow]) -> None:
     path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows), "utf-8")
 
@@ -745,6 +802,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--confirm-interleave needs --confirm-rates (the same rates for every router)")
         if not math.isfinite(args.sim_forward_delay_ms) or args.sim_forward_delay_ms < 0:
             raise ValueError(f"--sim-forward-delay-ms must be >= 0, got {args.sim_forward_delay_ms}")
+        jitter_ms = args.sim_forward_jitter_ms
+        if not math.isfinite(jitter_ms) or jitter_ms < 0 or jitter_ms > args.sim_forward_delay_ms:
+            raise ValueError(
+                f"--sim-forward-jitter-ms must be in [0, --sim-forward-delay-ms], got {jitter_ms}"
+            )
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         workload, stream = build_stream(args)
     except (ValueError, KeyError, OSError) as exc:
@@ -823,6 +885,7 @@ def run(args: argparse.Namespace) -> int:
         "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
         "sim_forward_delay_ms": args.sim_forward_delay_ms,
         "sim_prune": not args.sim_no_prune,
+        "sim_forward_jitter_ms": args.sim_forward_jitter_ms,
         "time_scale": args.time_scale,
         "processes": processes,
         "kvlb_sets": list(args.kvlb_set),

@@ -16,7 +16,10 @@
 
 * **the hop** from the router to the replica: with ``forward_delay_s`` > 0 a request reaches its
   replica that long after it was routed (the fleet's HTTP forwarding, body parsing and the
-  engine's tokenizing; 0 by default), and its TTFT counts from its arrival at the router.
+  engine's tokenizing; 0 by default), and its TTFT counts from its arrival at the router. With
+  ``forward_jitter_s`` > 0 each request's hop is its own uniform draw within that much of
+  ``forward_delay_s`` (the fleet's hop is not the same for every request), from the generator the
+  simulation is given (``hop_rng``) or one seeded from ``seed``.
 
 What it leaves out: network and proxy latency beyond ``forward_delay_s`` (by default TTFT is
 replica arrival → first token), the way back (a first token reaches the router when the replica
@@ -39,7 +42,7 @@ from balancer.events import KvEvent
 from balancer.index.slots import TableLimits
 from balancer.policy.base import PolicyWeights
 from balancer.routing.router import RoutePlan
-from balancer.types import ReplicaId
+from balancer.types import Decision, ReplicaId
 from loadtests.simulate.block_cache import BlockCache
 from loadtests.simulate.des import EventLoop
 from loadtests.simulate.replica_model import FastReplica, Job, PagedCache, ReplicaModel
@@ -103,6 +106,13 @@ class SimConfig:
     prefill from its decision, the replica starts it this much later, and its TTFT includes it. The
     emulated fleet at ``--time-scale`` 0.25 adds about 0.02 s of model time per 7,000-token chat
     prompt (docs/loadtest.md, "Where the fleet and the simulator part")."""
+    forward_jitter_s: float = 0.0
+    """Half-width of the hop's spread, virtual seconds: each request's hop is drawn uniformly from
+    ``[forward_delay_s - forward_jitter_s, forward_delay_s + forward_jitter_s]``, one draw per routed
+    request in routing order; must be finite, >= 0 and at most ``forward_delay_s``. 0 (the default):
+    every request's hop is ``forward_delay_s``. The emulated fleet's hop at ``--time-scale`` 0.25 is
+    about 0.005-0.012 s of model time on idle replicas and up to about 0.035 s under load
+    (docs/policies.md, Part 19)."""
 
     def resolved_profile(self) -> Profile:
         profile = get_profile(self.profile)
@@ -125,15 +135,32 @@ class SimResult:
     virtual_s: float
     events: int
     stats: dict[str, Any]
+    decisions: list[tuple[int, float, Decision]] = field(default_factory=list)
+    """With ``keep_decisions``: each routed request's ``(record index, virtual time, decision)`` in
+    routing order, the per-replica cost terms included (empty otherwise)."""
 
 
 class Simulation:
     """One simulation run; build, then :meth:`run` once."""
 
-    def __init__(self, config: SimConfig, requests: Iterable[SimRequest]) -> None:
+    def __init__(
+        self,
+        config: SimConfig,
+        requests: Iterable[SimRequest],
+        hop_rng: random.Random | None = None,
+        keep_decisions: bool = False,
+    ) -> None:
+        """``hop_rng`` draws each request's hop when ``config.forward_jitter_s`` > 0 (``None``: a
+        generator seeded from ``config.seed``); it is not read otherwise. ``keep_decisions``: keep
+        every routed request's decision in :attr:`SimResult.decisions` (one per request: for
+        confirmation-sized runs, beside the fleet's saved decisions)."""
         if not math.isfinite(config.forward_delay_s) or config.forward_delay_s < 0:
             raise ValueError(f"forward_delay_s must be >= 0, got {config.forward_delay_s}")
+        jitter = config.forward_jitter_s
+        if not math.isfinite(jitter) or jitter < 0 or jitter > config.forward_delay_s:
+            raise ValueError(f"forward_jitter_s must be in [0, forward_delay_s], got {jitter}")
         self.config = config
+        self._hop_rng = hop_rng if hop_rng is not None else random.Random(f"kvlb-hop:{config.seed}")
         self.profile = config.resolved_profile()
         self.page_size = config.page_size or self.profile.page_size
         self.names = tuple(ReplicaId(f"r{i:04d}") for i in range(config.replicas))
@@ -165,6 +192,7 @@ class Simulation:
         self._arrivals_left = True
         self._events_applied = 0
         self._reported = 0
+        self._decisions: list[tuple[int, float, Decision]] | None = [] if keep_decisions else None
 
     def _model(self, name: ReplicaId, capacity_blocks: int) -> ReplicaModel:
         size, waiting = self.page_size, self.config.max_waiting
@@ -187,7 +215,8 @@ class Simulation:
                 progress(len(self.records), self.loop.now_s)
         end_s = self.loop.now_s
         summary = run_summary(self.records, self.gaps, end_s)
-        return SimResult(summary, self.records, end_s, self.loop.processed, self._stats())
+        decisions = self._decisions if self._decisions is not None else []
+        return SimResult(summary, self.records, end_s, self.loop.processed, self._stats(), decisions)
 
     def _stats(self) -> dict[str, Any]:
         counters = self.router.counters
@@ -229,12 +258,22 @@ class Simulation:
             self.records.refuse(index, now, 429)
             return
         self.records.route(index, self._index_of[plan.decision.replica])
+        if self._decisions is not None:
+            self._decisions.append((index, now, plan.decision))
         self._inflight += 1
         routed = (index, request, plan)
-        if self.config.forward_delay_s > 0:
-            self.loop.schedule(now + self.config.forward_delay_s, self._submit, routed)
+        hop = self._hop()
+        if hop > 0:
+            self.loop.schedule(now + hop, self._submit, routed)
         else:
             self._submit(routed, now)
+
+    def _hop(self) -> float:
+        """This request's hop to its replica, virtual seconds (one draw when the hop is spread)."""
+        delay, jitter = self.config.forward_delay_s, self.config.forward_jitter_s
+        if jitter <= 0:
+            return delay
+        return self._hop_rng.uniform(delay - jitter, delay + jitter)
 
     def _submit(self, routed: tuple[int, SimRequest, RoutePlan], now: float) -> None:
         """A routed request reaches its replica (at once, or ``forward_delay_s`` after routing)."""
@@ -299,10 +338,12 @@ class Simulation:
         self.gaps.add(gap_s, count)
 
 
-def simulate(config: SimConfig, requests: Iterable[SimRequest]) -> SimResult:
-    """Run one simulation to the end."""
+def simulate(
+    config: SimConfig, requests: Iterable[SimRequest], hop_rng: random.Random | None = None
+) -> SimResult:
+    """Run one simulation to the end (``hop_rng``: as :class:`Simulation`'s)."""
     if config.replicas < 1:
         raise ValueError(f"replicas must be >= 1, got {config.replicas}")
     if not math.isfinite(config.scrape_interval_s) or config.scrape_interval_s < 0:
         raise ValueError(f"scrape_interval_s must be >= 0, got {config.scrape_interval_s}")
-    return Simulation(config, requests).run()
+    return Simulation(config, requests, hop_rng).run()

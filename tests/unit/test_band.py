@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import argparse
 import random
+from typing import Any
 
 import pytest
 
 from loadtests import capacity
-from loadtests.band import band_capacity, band_of, draw_rng, jitter_arrivals, verdict
+from loadtests.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
 from loadtests.capacity import Search, Slo
-from loadtests.capacity_command import build_stream, register, sim_band, sim_measure
+from loadtests.capacity_command import (
+    _sim_rows,
+    build_stream,
+    register,
+    sim_band,
+    sim_decision_rows,
+    sim_measure,
+)
 from loadtests.simulate import SimRequest
 
 
@@ -97,7 +105,7 @@ def test_band_capacity_is_the_highest_pass_below_the_lowest_fail() -> None:
 def test_the_report_carries_the_band_and_both_capacities() -> None:
     search = Search(points=(), capacity=36.0, first_fail=36.9)
     b36 = {"rate": 36.0, "jitter_ms": 1.0, **band_of([1.5, 1.7, 3.0], [True, True, False])}
-    b37 = {"rate": 36.9, "jitter_ms": 1.0, **band_of([2.5, 2.9], [False, False])}
+    b37 = {"rate": 36.9, "jitter_ms": 1.0, "hop_jitter_ms": 15.0, **band_of([2.5, 2.9], [False, False])}
     b36["sim_single_ttft_p90_s"], b37["sim_single_ttft_p90_s"] = 1.5, 3.0
     bands = {
         "kvlb": [
@@ -113,6 +121,7 @@ def test_the_report_carries_the_band_and_both_capacities() -> None:
     text = capacity.markdown(report)
     assert "## Against the simulator's spread" in text
     assert "| kvlb | 36 | 3 (±1 ms) | 1.7 | 1.5–3 | 0.67 | 1.5 | 2.1, 2.3 | 2.2 |" in text
+    assert "| kvlb | 36.9 | 2 (±1 ms, hop ±15 ms) | 2.7 |" in text  # the hop's spread named when set
 
 
 def _args(*more: str) -> argparse.Namespace:
@@ -133,5 +142,41 @@ def test_draws_without_jitter_reproduce_the_single_simulation_and_jittered_draws
     args.confirm_sim_jitter_ms = 50.0
     moved = sim_band(args, "kvlb", stream, rate, 60)
     assert moved == sim_band(args, "kvlb", stream, rate, 60)
-    assert moved["draws"] == 3 and moved["jitter_ms"] == 50.0
+    assert moved["draws"] == 3 and moved["jitter_ms"] == 50.0 and moved["hop_jitter_ms"] == 0.0
     assert still["hit_rate"] == [single.hit_rate] * 3
+
+
+def test_draws_with_a_spread_hop_each_draw_their_own_hops() -> None:
+    args = _args("--confirm-sim-draws", "3", "--confirm-sim-jitter-ms", "0", "--sim-forward-delay-ms", "20")
+    _, stream = build_stream(args)
+    rate = 4.0
+    fixed = sim_band(args, "kvlb", stream, rate, 60)
+    assert len(set(fixed["ttft_p90_s"])) == 1  # no arrival jitter, one hop for all: the same draw
+    args.sim_forward_jitter_ms = 15.0
+    spread = sim_band(args, "kvlb", stream, rate, 60)
+    assert len(set(spread["ttft_p90_s"])) == 3  # each draw its own hops
+    assert spread == sim_band(args, "kvlb", stream, rate, 60)  # and the same ones every time
+    # the draws' hop generators are apart from their arrival generators
+    assert hop_rng(0, 1).random() == hop_rng(0, 1).random() != draw_rng(0, 1).random()
+
+
+def test_the_simulations_decisions_are_kept_in_the_fleets_shape() -> None:
+    args = _args()
+    _, stream = build_stream(args)
+    kept: list[Any] = []
+    sim_measure(args, "kvlb", stream, lambda _: None, keep=kept, keep_decisions=True)(4.0, 60)
+    sim_measure(args, "kvlb", stream, lambda _: None, keep=kept)(4.0, 60)
+    result, plain = kept
+    assert plain.decisions == []  # kept only when asked
+    specs = stream.specs_at(4.0, 60, 1.0)
+    fleet = ["sim-a", "sim-b"]
+    rows = sim_decision_rows(result, specs, fleet)
+    assert len(rows) == 60 and sorted(r["request_id"] for r in rows) == sorted(s.request_id for s in specs)
+    # each row's replica is the one the simulation's record went to, under the fleet's name
+    by_id = {s.request_id: i for i, s in enumerate(specs)}
+    placed = {r.index: r.replica for r in _sim_rows(result, specs, fleet)}
+    assert all(placed[by_id[r["request_id"]]] == r["decision"]["replica"] for r in rows)
+    assert {r["decision"]["replica"] for r in rows} == set(fleet)
+    first = rows[0]["decision"]
+    assert {t["replica"] for t in first["terms"]} == set(fleet) and first["reason"].startswith("argmin")
+    assert [r["now_s"] for r in rows] == sorted(r["now_s"] for r in rows)  # routing order

@@ -174,6 +174,7 @@ def _sim_args() -> argparse.Namespace:
         oracle_load_bound_s=2.0,
         sim_forward_delay_ms=0.0,
         sim_no_prune=False,
+        sim_forward_jitter_ms=0.0,
     )
 
 

@@ -170,3 +170,33 @@ def test_forward_delay_releases_a_request_its_replica_refuses() -> None:
     assert done.records[0].outcome == "http_error" and done.records[1].outcome == "ok"
     assert done.records[0].e2e_s == pytest.approx(0.05)  # refused when it arrived there
     assert result.router.inflight == {ReplicaId("r0000"): 0}  # both released in the router
+
+
+def test_forward_jitter_gives_each_request_its_own_hop_within_the_spread() -> None:
+    profile = get_profile("h100-llama3-8b")
+    # eight distinct prompts far apart in time, each alone on an idle replica: TTFT = hop + isolated
+    requests = [SimRequest(tuple(range(5000 * k, 5000 * k + 2048)), 8, 2.0 * k) for k in range(8)]
+    ttft = isolated_ttft_s(profile, prompt_tokens=2048, cached_tokens=0)
+    config = SimConfig(replicas=2, profile="h100-llama3-8b", forward_delay_s=0.02, forward_jitter_s=0.015)
+    hops = [r.ttft_s - ttft for r in simulate(config, requests, random.Random(7)).records]
+    assert all(0.005 - 1e-9 <= h <= 0.035 + 1e-9 for h in hops)
+    assert len({round(h, 9) for h in hops}) == 8  # one draw per request, not one hop for all
+    # the same generator gives the same hops; another generator other hops
+    again = [r.ttft_s - ttft for r in simulate(config, requests, random.Random(7)).records]
+    other = [r.ttft_s - ttft for r in simulate(config, requests, random.Random(8)).records]
+    assert again == pytest.approx(hops) and other != pytest.approx(hops)
+    # without a generator: one seeded from the config's seed (deterministic)
+    seeded = [r.ttft_s for r in simulate(config, requests).records]
+    assert seeded == [r.ttft_s for r in simulate(config, requests).records]
+    # no spread: every hop is the delay, and the generator is not read
+    fixed = dataclasses.replace(config, forward_jitter_s=0.0)
+    unread = random.Random(3)
+    assert [r.ttft_s for r in simulate(fixed, requests, unread).records] == pytest.approx([ttft + 0.02] * 8)
+    assert unread.random() == random.Random(3).random()
+
+
+@pytest.mark.parametrize("jitter", [-0.001, 0.021, float("nan")])
+def test_forward_jitter_must_stay_within_the_delay(jitter: float) -> None:
+    config = SimConfig(replicas=1, profile="h100-llama3-8b", forward_delay_s=0.02, forward_jitter_s=jitter)
+    with pytest.raises(ValueError, match="forward_jitter_s"):
+        Simulation(config, [])
