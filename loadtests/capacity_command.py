@@ -151,6 +151,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--confirm-save-decisions", action="store_true",
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
         "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl")  # fmt: skip
+    add(
+        "--confirm-no-catch-up", action="store_true", help=argparse.SUPPRESS
+    )  # testing: drive during kvlb's replay
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -461,6 +464,7 @@ async def confirm_on_fleet(
         max_duration_s=900.0,
         kvlb_sets=fleet_sets_of(args).all,
         kvlb_workers=kvlb_workers(args),
+        catch_up=not args.confirm_no_catch_up,
     )
     limit = min(args.confirm_requests, len(stream.specs))
     prepared: dict[tuple[str, float], dict[str, Any]] = {}

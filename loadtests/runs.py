@@ -61,6 +61,10 @@ class DriveOptions:
     """``kvlb serve --set`` overrides for every kvlb router (e.g. ``limits.speculative_ttl_s=5``)."""
     kvlb_workers: int | None = None
     """``kvlb serve --workers`` of every kvlb router (``None``: its default, the cores)."""
+    catch_up: bool = True
+    """Wait for a kvlb's catch-up (``wait_caught_up``) before driving. ``False`` (a testing flag)
+    drives while a kvlb started on a fleet that served an earlier run still replays its history, as
+    a kvlb restarted in front of live engines routes during its replay."""
 
 
 @dataclass
@@ -246,7 +250,7 @@ async def run_router(
             # Flushed with the router running: a kvlb replays the engines' history (an earlier
             # run's) before its drive, then takes the flush's clear live.
             await flush(session, fleet)
-            if router.kind == "kvlb":
+            if router.kind == "kvlb" and options.catch_up:
                 await wait_caught_up(session, url, fleet)
             before = await replica_stats(session, fleet)
             sampler = LoadSampler(session, fleet, options.sample_interval_s)
