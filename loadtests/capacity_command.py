@@ -151,9 +151,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--confirm-save-decisions", action="store_true",
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
         "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl")  # fmt: skip
-    add(
-        "--confirm-no-catch-up", action="store_true", help=argparse.SUPPRESS
-    )  # testing: drive during kvlb's replay
+    # testing: flush before the router starts and drive at once (the order before fd35bf6), so that
+    # a kvlb replays the fleet's history while it routes (DriveOptions.catch_up)
+    add("--confirm-no-catch-up", action="store_true", help=argparse.SUPPRESS)
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
