@@ -183,6 +183,21 @@ def test_a_replayed_store_then_clear_leaves_a_routed_requests_entry() -> None:
     assert not t._slots.specs[A].stored  # noted only while pending
 
 
+def test_a_gap_holds_drop_leaves_a_confirmed_speculative_entry() -> None:
+    """After an event gap the real holding is suspect and dropped unconfirmed at the hold's end; the
+    request's speculative entry, confirmed before the gap, stays to its own expiry."""
+    t = PrefixTable(HASHER, TableLimits(gap_hold_s=0.5))
+    keys = tuple(HASHER.request_keys(toks(3)))
+    t.add_speculative(A, keys, 5.0, 0.0)
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.1)
+    t.apply(A, [Resync(0, "gap")], 0.2)
+    assert t.suspect_blocks(A) == 3
+    overlap, confirmed = t.match_confirmed(keys, None, 1.0)  # the hold ended at 0.7: dropped
+    assert (overlap.blocks, confirmed, t.held_blocks(A)) == ({A: 3}, {}, 0)
+    assert t.counters.suspect_dropped == 3
+    assert blocks(t, toks(3), now=5.0) == {A: 0}
+
+
 def test_a_store_keeps_the_deferred_expiry_log_and_the_held_prefix() -> None:
     """A store confirms without removing a pending key: the slot's logged re-adds and the prefix a
     match noted stay valid (a later re-add still only logs), and every key gets its newest expiry."""
