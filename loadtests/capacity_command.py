@@ -160,6 +160,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
         "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl, and the "
         "simulation's decisions of the same requests to decisions/<router>-<rate>-sim.jsonl")  # fmt: skip
+    # testing: flush before the router starts and drive at once (the order before fd35bf6), so that
+    # a kvlb replays the fleet's history while it routes (DriveOptions.catch_up)
+    add("--confirm-no-catch-up", action="store_true", help=argparse.SUPPRESS)
     add("--time-scale", type=float, default=1.0, help="fleet: emulator model seconds per wall second")
     add("--processes", type=int, default=2, help="fleet: child processes")
     add("--kvlb-set", action="append", default=[], metavar="NAME=VALUE",
@@ -483,6 +486,7 @@ async def confirm_on_fleet(
         max_duration_s=900.0,
         kvlb_sets=fleet_sets_of(args).all,
         kvlb_workers=kvlb_workers(args),
+        catch_up=not args.confirm_no_catch_up,
     )
     limit = min(args.confirm_requests, len(stream.specs))
     prepared: dict[tuple[str, float], dict[str, Any]] = {}

@@ -31,7 +31,9 @@ Semantics shared by all backends:
   chain from it.
 * ``match`` walks the request's keys from the root and stops when no candidate still holds the next
   block. A replica's overlap is the best of its DP ranks. Speculative entries count as held until
-  they expire or a real event confirms or removes them.
+  they expire (or the replica is dropped, or evicted over the budget): a real store of the key by
+  the replica confirms it beside them, and a ``Cleared``, ``Resync`` or ``Removed`` of that real
+  copy, or ``drop_blocks``, leaves them (the request routed there is still in flight).
 * Memory is bounded by a total block budget; the least recently used blocks go first.
 """
 

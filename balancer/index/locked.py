@@ -123,15 +123,20 @@ class LockedPrefixTable(PrefixTable):
         with self.lock:
             return super().drop_blocks(replica, keys)
 
-    def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> list[BlockKey]:
+    def speculated(
+        self, replica: ReplicaId, keys: Iterable[BlockKey], now: float, since: float | None = None
+    ) -> list[BlockKey]:
         with self.lock:
-            return super().speculated(replica, keys, now)
+            return super().speculated(replica, keys, now, since)
 
-    def drop_speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> int:
+    def drop_speculated(
+        self, replica: ReplicaId, keys: Iterable[BlockKey], now: float, since: float | None = None
+    ) -> int:
         """Under one hold of the lock (an applied store cannot land between the two steps). The
         lock is not reentrant: the base method's calls are the unlocked ones."""
         with self.lock:
-            return PrefixTable.drop_blocks(self, replica, PrefixTable.speculated(self, replica, keys, now))
+            wanted = PrefixTable.speculated(self, replica, keys, now, since)
+            return PrefixTable.drop_blocks(self, replica, wanted)
 
     def settle_suspect(
         self, replica: ReplicaId, found: Sequence[BlockKey], missing: Sequence[BlockKey], now: float

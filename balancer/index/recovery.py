@@ -44,7 +44,6 @@ class GapRecovery:
     limits: TableLimits
     counters: TableCounters
     _slots: SlotRegistry
-    _spec_count: int
     _suspects: dict[CacheSlot, None]
     _suspect_due: float
     _restorable: dict[CacheSlot, None]
@@ -221,7 +220,7 @@ class GapRecovery:
         dropped_at = cache.dropped.pop(key, None)
         if dropped_at is None or now - dropped_at >= GONE_S:
             return 0
-        mask = self._take_for_hold(cache, key)
+        mask = self._take_for_hold(cache, key, now)
         self._holders[key] = mask | cache.bit  # most recently used: the engine just used it
         if mask & cache.bit:
             return 0
@@ -300,7 +299,7 @@ class GapRecovery:
             del routed[next(iter(routed))]
             self.counters.routed_forgotten += 1
 
-    def _resolve_parent(self, cache: CacheSlot, parent: int, child_tokens: bytes) -> int | None:
+    def _resolve_parent(self, cache: CacheSlot, parent: int, child_tokens: bytes, now: float) -> int | None:
         """The engine stores under ``parent``, a block the cache does not map: if a request routed
         since the last gap named it (:meth:`_find_routed`), the engine holds that block (it chains
         under it now) and, as a radix tree does, every block on its path to the root. Hold them
@@ -326,7 +325,7 @@ class GapRecovery:
             if settled and cache.keys.get(engine_hash) == key:
                 break  # held under this handle, not in doubt: so is the rest of the path
             cache.dropped.pop(key, None)
-            held += self._hold(cache, key, engine_hash)
+            held += self._hold(cache, key, engine_hash, now)
             next_entry = None if above is None else routed.get(above)
             if above is None or next_entry is None:
                 break
@@ -381,7 +380,7 @@ class GapRecovery:
         for key, engine_hash in zip(keys, engine_hashes, strict=False):
             if gone.get(engine_hash, -_NEVER) >= routed_at:
                 break
-            learned += self._hold(cache, key, engine_hash)
+            learned += self._hold(cache, key, engine_hash, routed_at)
         if len(self._holders) > self.limits.capacity_blocks:
             self._evict()
         return matched, mismatched, learned
@@ -404,22 +403,21 @@ class GapRecovery:
             best = max(best, depth)
         return best
 
-    def _take_for_hold(self, cache: CacheSlot, key: int) -> int:
-        """``key``'s holder mask, popped so that re-inserting it makes it most recently used, without
-        the replica's speculative bit: a real holding on ``cache``'s replica confirms its
-        speculative entry (counted)."""
+    def _take_for_hold(self, cache: CacheSlot, key: int, now: float) -> int:
+        """``key``'s holder mask, popped so that re-inserting it makes it most recently used: a real
+        holding on ``cache``'s replica confirms its speculative entry (counted), which stays to its
+        own expiry (``SpecSlot.stored``)."""
         mask = self._holders.pop(key, 0)
         spec = self._slots.specs.get(cache.replica)
-        if spec is not None and spec.expiry.pop(key, None) is not None:
-            mask &= ~spec.bit
-            self._spec_count -= 1
+        if spec is not None and mask & spec.bit:
+            spec.confirm([key], now)
             self.counters.speculative_confirmed += 1
         return mask
 
-    def _hold(self, cache: CacheSlot, key: int, engine_hash: int) -> int:
+    def _hold(self, cache: CacheSlot, key: int, engine_hash: int, now: float) -> int:
         """One block as a real store would hold it (LRU position refreshed); 1 if it was not held."""
         holders = self._holders
-        mask = self._take_for_hold(cache, key)
+        mask = self._take_for_hold(cache, key, now)
         if cache.suspect and cache.suspect.pop(key, 0) is None:
             self.counters.suspect_confirmed += 1
         if mask & cache.bit:

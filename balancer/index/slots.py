@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 from operator import itemgetter
@@ -78,7 +78,9 @@ class TableCounters:
     speculative_expired: int = 0
     """Speculative keys dropped at their expiry."""
     speculative_confirmed: int = 0
-    """Speculative keys that a real store of the same replica turned into real holdings."""
+    """Stores by a replica of keys it held speculatively (a key stored twice while pending counts
+    twice); the speculative entries stay until their own expiry, which ``speculative_expired``
+    counts."""
     speculative_compactions: int = 0
     """Rebuilds of the expiry heap without its stale entries (``PrefixTable._compact_spec_heap``)."""
     slot_overflow: int = 0
@@ -226,7 +228,7 @@ class SpecSlot:
     the prefix match (which saw how far the slot's bit runs along a chain) use :attr:`pending` and
     :attr:`held` directly."""
 
-    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "held", "pending", "replica", "slot")
+    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "held", "pending", "replica", "slot", "stored")
     dp_rank = 0
 
     def __init__(self, replica: ReplicaId, slot: int) -> None:
@@ -240,6 +242,13 @@ class SpecSlot:
         (the chain, its newest expiry; a re-add of the same chain only moves it to the end)."""
         self.deferred_keys = 0
         """Keys listed by :attr:`deferred`."""
+        self.stored: dict[int, float] = {}
+        """Pending keys a real store by the replica confirmed → when it last did (monotonic seconds;
+        ``PrefixTable.speculated`` leaves out those stored since a request's routing). A confirmed
+        key stays pending, and its bit set, until its own expiry: the request routed there is still
+        in flight, so a ``Cleared``/``Removed`` of the replica's older copy (a replay of its
+        history, an eviction its prefill undoes) must not take it. Its keys are a subset of
+        :attr:`pending`'s: a key leaves it when it leaves :attr:`pending`."""
         self.held: dict[int, tuple[tuple[int, ...], int]] = {}
         """Chains by ``id`` (the dict keeps them alive) → (the chain, ``depth``): its first ``depth``
         keys are in :attr:`pending`, no key having been removed from it since they were noted (at
@@ -262,6 +271,19 @@ class SpecSlot:
         self.deferred = {}
         self.deferred_keys = 0
         self.held = {}
+        self.stored = {}
+
+    def confirm(self, keys: list[int], now: float) -> None:
+        """A real store by the replica of ``keys`` (all pending) at ``now``: noted in :attr:`stored`;
+        their presence and expiries do not change."""
+        self.stored.update(zip(keys, repeat(now)))
+
+    def forget(self, keys: Iterable[int]) -> None:
+        """``keys`` left :attr:`pending`: out of :attr:`stored` too."""
+        if self.stored:
+            pop = self.stored.pop
+            for key in keys:
+                pop(key, None)
 
     def note_held(self, keys: tuple[int, ...], depth: int) -> None:
         """The first ``depth`` keys of ``keys`` are in :attr:`pending` now."""
@@ -388,7 +410,8 @@ class SlotRegistry:
         return found
 
     def group(self, bits: int) -> tuple[tuple[ReplicaId, ...], dict[ReplicaId, int]]:
-        """The replicas owning ``bits``, and a rank of each (cached: the same groups recur)."""
+        """The replicas owning ``bits``, and a rank of each (cached: the same groups recur): one of
+        its caches' ranks, or 0 (its speculative slot's) when ``bits`` has none of them."""
         found = self._groups.get(bits)
         if found is None:
             best: dict[ReplicaId, int] = {}
@@ -397,8 +420,8 @@ class SlotRegistry:
                 low = rest & -rest
                 rest ^= low
                 owner = self.owners[low.bit_length() - 1]
-                if owner is not None:
-                    best[owner.replica] = owner.dp_rank
+                if owner is not None and (type(owner) is CacheSlot or owner.replica not in best):
+                    best[owner.replica] = owner.dp_rank  # a real holding's rank over a speculative 0
             if len(self._groups) >= _MAX_DERIVED:
                 self._groups.clear()
             found = self._groups[bits] = (tuple(best), best)

@@ -28,6 +28,10 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
   ``match_confirmed`` notes it) changes no presence there, so those expiries are logged, not
   written; the log is applied before anything reads or removes an expiry, each key once, with its
   newest listing's expiry.
+* A real store of a key by a replica holding it speculatively sets the cache's bit beside the
+  speculative one and takes nothing away (``SpecSlot.stored`` notes it): the entry is the routed
+  request's, which is still in flight, and goes at its own expiry. The slot's bit is on a key
+  exactly while the key is in its ``pending``.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from balancer.types import BlockKey, Overlap, ReplicaId
 
 _xxh3 = xxhash.xxh3_64_intdigest  # positional seed: the keyword form costs ~50 ns more per block
 _INT_BYTES = 36  # a u64 Python int (three 30-bit digits), for the memory estimate
+_NEVER_STORED = float("-inf")  # SpecSlot.stored's time of a key no store confirmed
 _COMPACT_SLACK = 64  # stale engine-hash entries tolerated beyond a cache's live count
 _EVICT_BATCH_DIVISOR = 128  # evict down to capacity - capacity // 128: one scan of the dict per batch
 DEFERRED_EXPIRY_KEYS = 262_144
@@ -201,7 +206,7 @@ class PrefixTable(GapRecovery):
         else:
             known = None if cache is None else cache.keys.get(event.parent)
             if known is None and cache is not None and cache.route_ring:  # stored in lost events?
-                known = self._resolve_parent(cache, event.parent, event.tokens[: 4 * self._block_size])
+                known = self._resolve_parent(cache, event.parent, event.tokens[: 4 * self._block_size], now)
             if known is None:
                 result.skipped_unknown_parent += 1
                 return
@@ -212,7 +217,7 @@ class PrefixTable(GapRecovery):
                 return
         if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
             self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
-        result.stored_blocks += self._store_chain(cache, seed, event)
+        result.stored_blocks += self._store_chain(cache, seed, event, now)
         if event.parent is None:  # the chain's first key, as _store_chain mapped its engine hash
             self._note_root(cache.keys[event.engine_hashes[0]])
         if cache.dropped and event.parent is not None and seed in cache.dropped:
@@ -239,22 +244,22 @@ class PrefixTable(GapRecovery):
             and len(self._masks) + len(event.engine_hashes) <= self.limits.capacity_blocks
         )
 
-    def _store_chain(self, cache: CacheSlot, seed: int, event: Stored) -> int:
+    def _store_chain(self, cache: CacheSlot, seed: int, event: Stored, now: float) -> int:
         """The hot loop: hash each block, set this cache's bit, map its engine hash."""
         holders = self._holders
         pop = holders.pop
         setdefault = cache.keys.setdefault
         bit = cache.bit
         spec = self._slots.specs.get(cache.replica)
-        pending = spec.expiry if spec is not None and spec.expiry else None
-        spec_clear = ~spec.bit if spec is not None else -1
+        spec_bit = spec.bit if spec is not None else 0  # 0: no key has it
+        stored: list[int] = []
         tokens = event.tokens
         xxh3 = _xxh3
         step = 4 * self._block_size
         end = step * len(event.engine_hashes)
         span = step + 4 * self._lookahead
         key = seed
-        already = confirmed = 0
+        already = 0
         suspect = cache.suspect
         for engine_hash, start, stop in zip(
             event.engine_hashes, range(0, end, step), range(span, end + span, step), strict=True
@@ -263,10 +268,8 @@ class PrefixTable(GapRecovery):
             if suspect and suspect.pop(key, 0) is None:  # stored again: the engine holds it
                 self.counters.suspect_confirmed += 1
             mask = pop(key, 0)
-            if pending is not None and key in pending:  # a real store confirms a speculative one
-                del pending[key]
-                mask &= spec_clear
-                confirmed += 1
+            if spec_bit and mask & spec_bit:  # a real store confirms a speculative one (kept to its expiry)
+                stored.append(key)
             if mask & bit:  # already held: a re-store, or a second handle for the same tokens
                 holders[key] = mask
                 already += 1
@@ -276,9 +279,9 @@ class PrefixTable(GapRecovery):
                 if setdefault(engine_hash, key) is not key:  # a known handle: same or other tokens
                     self._remap(cache, engine_hash, key)
         cache.held += len(event.engine_hashes) - already
-        if confirmed:
-            self._spec_count -= confirmed
-            self.counters.speculative_confirmed += confirmed
+        if stored and spec is not None:
+            spec.confirm(stored, now)
+            self.counters.speculative_confirmed += len(stored)
         return len(event.engine_hashes)
 
     def _remap(self, cache: CacheSlot, engine_hash: int, key: int) -> None:
@@ -388,6 +391,8 @@ class PrefixTable(GapRecovery):
                     self._compact(owner)
             elif isinstance(owner, SpecSlot) and owner.expiry.pop(key, None) is not None:
                 self._spec_count -= 1
+                if owner.stored:
+                    owner.stored.pop(key, None)
 
     @staticmethod
     def _crowded(cache: CacheSlot) -> bool:
@@ -552,7 +557,9 @@ class PrefixTable(GapRecovery):
 
         The keys form the speculative slot's own chain, so pass the whole prompt (keys the replica
         already holds included). Re-adding a key extends its expiry; a real store of a key by the
-        replica confirms it (it stops being speculative); expiry is checked by every call given ``now``.
+        replica confirms it (``SpecSlot.stored``), and the entry stays until its own expiry, so that
+        a ``Cleared``, ``Resync`` or ``Removed`` of an older copy (a replayed history, an eviction the
+        request's own prefill undoes) does not take it; expiry is checked by every call given ``now``.
         """
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
@@ -648,6 +655,7 @@ class PrefixTable(GapRecovery):
             due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))
             pop = spec.expiry.pop
             expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
+            spec.forget(due)
             self._spec_count -= expired
             self.counters.speculative_expired += expired
             self._unset(due, spec.bit)
@@ -735,23 +743,34 @@ class PrefixTable(GapRecovery):
             self._compact(cache)
         return dropped
 
-    def speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> list[BlockKey]:
-        """Those of ``keys`` that ``replica`` holds speculatively at ``now``: routed there, and no
-        real store by the replica has confirmed them since."""
+    def speculated(
+        self, replica: ReplicaId, keys: Iterable[BlockKey], now: float, since: float | None = None
+    ) -> list[BlockKey]:
+        """Those of ``keys`` that ``replica`` holds speculatively at ``now`` and that no real store by
+        the replica has confirmed since ``since`` (a request's routing time; ``None``: since they
+        were routed there, by any request). A confirmed key stays speculative to its expiry
+        (``SpecSlot.stored`` says when a store last confirmed it)."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
         spec = self._slots.specs.get(replica)
-        if spec is None or not spec.expiry:
+        if spec is None or not spec.pending:
             return []
-        pending = spec.expiry
-        return [key for key in keys if key in pending]
+        pending, stored = spec.pending, spec.stored  # presence only: the deferred log may wait
+        if not stored:
+            return [key for key in keys if key in pending]
+        if since is None:
+            return [key for key in keys if key in pending and key not in stored]
+        return [key for key in keys if key in pending and stored.get(key, _NEVER_STORED) < since]
 
-    def drop_speculated(self, replica: ReplicaId, keys: Iterable[BlockKey], now: float) -> int:
-        """:meth:`drop_blocks` of those of ``keys`` that ``replica`` holds only speculatively at
-        ``now`` (:meth:`speculated`): a receipt's stale keys, less those the engine stored again
-        since the routing. One call, so that a table shared between threads
-        (:class:`~balancer.index.locked.LockedPrefixTable`) has no store land between the two."""
-        return self.drop_blocks(replica, self.speculated(replica, keys, now))
+    def drop_speculated(
+        self, replica: ReplicaId, keys: Iterable[BlockKey], now: float, since: float | None = None
+    ) -> int:
+        """:meth:`drop_blocks` of those of ``keys`` that ``replica`` holds speculatively at ``now``
+        and did not store since ``since`` (:meth:`speculated`): a receipt's stale keys, less those
+        the engine stored again since the request's routing. One call, so that a table shared
+        between threads (:class:`~balancer.index.locked.LockedPrefixTable`) has no store land
+        between the two."""
+        return self.drop_blocks(replica, self.speculated(replica, keys, now, since))
 
     def held_blocks(self, replica: ReplicaId) -> int:
         """Blocks ``replica``'s caches hold (over its DP ranks; speculative entries not counted)."""

@@ -596,7 +596,7 @@ class PoolRouter:
         if space is not None and receipt.reported_blocks and plan.token_ids:
             taught = self._teach(space, lease, receipt.reported_blocks, now)
         if space is not None and receipt.stale and self.route_limits.receipt_drops:
-            dropped = space.table.drop_speculated(replica, receipt.stale, now)
+            dropped = space.table.drop_speculated(replica, receipt.stale, now, since=lease.routed_at)
         elif space is not None and receipt.unseen and self.route_limits.speculative_ttl_s > 0:
             prefix = plan.keys[: receipt.reported_blocks]
             space.table.add_speculative(replica, prefix, self.route_limits.speculative_ttl_s, now)

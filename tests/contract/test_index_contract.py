@@ -338,3 +338,48 @@ async def test_drop_blocks_of_the_last_holder_frees_the_key(make_index: MakeInde
     assert (await index.stats()).unique_blocks == 0
     await apply(index, B, stored(toks(4, 100), [5, 6, 7, 8]))  # fits the budget: nothing evicted
     assert await overlap(index, toks(4, 100)) == {A: 0, B: 4}
+
+
+@pytest.mark.parametrize("loss", ["cleared", "removed", "resync"])
+async def test_a_confirmed_speculative_entry_outlives_a_loss_of_the_real_copy(
+    make_index: MakeIndex, loss: str
+) -> None:
+    """A request routed to A holds its blocks speculatively; a store of them (a replay of A's older
+    history, or the engine's own) confirms them, and a clear or removal of that real copy after it
+    (the replayed history's end, an eviction the request's prefill undoes) leaves the request's
+    entry to its own expiry."""
+    index = await make_index()
+    await index.add_speculative(A, PLAIN.request_keys(toks(3)), ttl_s=5.0, now=0.0)
+    await apply(index, A, stored(toks(3), [1, 2, 3]), now=0.5)
+    stats = await index.stats()
+    assert (stats.held_blocks, stats.speculative_entries) == (3, 3)  # real and speculative both
+    gone: KvEvent = {"cleared": Cleared(0), "removed": Removed(0, hashes(2)), "resync": Resync(0, "gap")}[
+        loss
+    ]
+    await apply(index, A, gone, now=0.6)
+    assert await overlap(index, toks(4), now=1.0) == {A: 3}
+    stats = await index.stats()
+    assert stats.speculative_entries == 3 and stats.held_blocks == (0 if loss != "removed" else 2)
+    assert await overlap(index, toks(4), now=5.0) == {A: 0 if loss != "removed" else 1}
+    assert (await index.stats()).speculative_entries == 0
+
+
+async def test_a_confirmed_speculative_entry_goes_with_its_replica(make_index: MakeIndex) -> None:
+    index = await make_index()
+    await index.add_speculative(A, PLAIN.request_keys(toks(3)), ttl_s=5.0, now=0.0)
+    await apply(index, A, stored(toks(3), [1, 2, 3]), Cleared(0), now=0.5)
+    assert await overlap(index, toks(3), now=1.0) == {A: 3}
+    await index.drop_replica(A)
+    assert await overlap(index, toks(3), among=[A], now=1.0) == {A: 0}
+    assert (await index.stats()).speculative_entries == 0
+
+
+async def test_drop_blocks_of_a_confirmed_key_keeps_its_speculative_entry(make_index: MakeIndex) -> None:
+    index = await make_index()
+    keys = PLAIN.request_keys(toks(3))
+    await index.add_speculative(A, keys, ttl_s=5.0, now=0.0)
+    await apply(index, A, stored(toks(3), [1, 2, 3]), now=0.5)
+    assert await index.drop_blocks(A, keys) == 3  # the real holdings
+    assert await overlap(index, toks(3), now=1.0) == {A: 3}  # the request's entry stays
+    assert (await index.stats()).held_blocks == 0
+    assert await overlap(index, toks(3), now=5.0) == {A: 0}

@@ -161,7 +161,8 @@ def test_drop_speculated_drops_only_the_keys_not_stored_again_since() -> None:
         table.apply(A, events[2:3], 0.0)  # block 2 stored since: confirmed
         assert table.speculated(A, keys, 0.0) == [keys[0], keys[1], keys[3]]  # 2 was stored since
         assert table.drop_speculated(A, keys[1:], 0.0) == 1  # 1's real holding; 3 had none
-        assert table.match(keys, None, 0.0).blocks == {A: 2}  # the speculative slot still leads with 0-1
+        # the speculative slot holds all four to its expiry: a store confirms a key, it does not take it
+        assert table.match(keys, None, 0.0).blocks == {A: 4}
         assert table.match_confirmed(keys, None, 0.0)[1] == {A: 1}
 
 

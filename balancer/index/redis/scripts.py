@@ -386,10 +386,8 @@ local function store(rank, parent, expected, ehs, keys)
   for i = 1, #ehl do
     local eh, key = ehl[i], keyl[i]
     local bk = P .. 'b:' .. key
-    if has_spec and call('HDEL', bk, spec_field) == 1 then
-      call('ZREM', spec_key, key)
-      confirmed = confirmed + 1
-    end
+    -- a real store confirms a speculative holding, which stays to its own expiry (EXPIRE)
+    if has_spec and call('HEXISTS', bk, spec_field) == 1 then confirmed = confirmed + 1 end
     tick = tick + 1
     zargs[2 * i - 1] = tick
     zargs[2 * i] = key
@@ -424,7 +422,6 @@ local function store(rank, parent, expected, ehs, keys)
   call_chunked('HSET', mk, mset)
   held_add(cid, added)
   count('speculative_confirmed', confirmed)
-  if confirmed > 0 and call('ZCARD', spec_key) == 0 then call('SREM', SPECSET, REPLICA) end
   res.stored = res.stored + #ehl
   res.evicted = res.evicted + evict(CAPACITY, TARGET, LIMIT)
 end
