@@ -13,6 +13,7 @@ from balancer.frozen import quick_init
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyInputs, RouteRequest
 from balancer.routing.router import PoolRequest, RoutePlan
+from balancer.service.decisions import DecisionRecord
 from balancer.types import CostTerms, Decision, Overlap
 
 
@@ -94,6 +95,7 @@ _REQUEST_PATH = (
     RouteRequest,
     PolicyInputs,
     RoutePlan,
+    DecisionRecord,
 )
 
 
