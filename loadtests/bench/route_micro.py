@@ -24,12 +24,16 @@ flight`` (``--in-flight``, default 0) and, from the first timed request on, call
 of that part over the timed requests (no start-up, no warm-up, no prompt generation). ``request``
 wraps each whole timed request (route, first token, release and, with ``--decisions``, the record);
 the other parts are the methods in :data:`PARTS`. One part a run (nested parts would be counted
-twice). Divide by ``--requests``::
+twice). ``PYTHONHASHSEED=0`` fixes the order of string sets, so a count repeats to the instruction.
+Divide by ``--requests``::
 
-    valgrind --tool=callgrind --callgrind-out-file=cg.out python loadtests/bench/route_micro.py \
-        --fresh --decisions --warmup 300 --requests 300 --callgrind request
-    callgrind_annotate --inclusive=yes cg.out | grep _operator_call
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=cg.out \
+        python loadtests/bench/route_micro.py --fresh --decisions --warmup 300 --requests 300 \
+        --callgrind request
+    callgrind_annotate --threshold=100 --inclusive=yes cg.out | grep _operator_call
 
+(``--threshold=100``: the default listing leaves out functions under 1% of the program, a small
+part among them.)
 (The whole run's ``PROGRAM TOTALS`` less a ``--requests 0`` run's, with ``--prompts`` equal in
 both so the prompts generated are the same, gives the same figure plus the probe's own loop.)
 """
