@@ -33,9 +33,9 @@ Divide by ``--requests``::
     callgrind_annotate --threshold=100 --inclusive=yes cg.out | grep _operator_call
 
 (``--threshold=100``: the default listing leaves out functions under 1% of the program, a small
-part among them.)
-(The whole run's ``PROGRAM TOTALS`` less a ``--requests 0`` run's, with ``--prompts`` equal in
-both so the prompts generated are the same, gives the same figure plus the probe's own loop.)
+part among them.) The whole run's ``PROGRAM TOTALS`` less a ``--requests 0`` run's (no
+``--callgrind``, ``--prompts`` equal in both so the same prompts are made) cross-checks it: within
+1% (docs/benchmarks.md, "round 13").
 """
 
 from __future__ import annotations
