@@ -149,10 +149,16 @@ class BlockHasher:
             return []
         # Packing the whole prompt is cheaper than slicing it first; chain_keys reads only the
         # ``count`` full blocks (plus the bigram lookahead token).
-        packed = pack_tokens(token_ids)
         seed = self.root_seed(lora_name, cache_salt)
         if memo is None:
-            return chain_keys(seed, packed, self.block_size, count, self.lookahead_tokens)
+            return chain_keys(seed, pack_tokens(token_ids), self.block_size, count, self.lookahead_tokens)
+        packed: bytes | memoryview
+        if type(token_ids) is array and token_ids.typecode == "I" and _LITTLE_ENDIAN:
+            # Already packed (compact_ids): the memo reads the array's own bytes, no 32 kB copy of
+            # an 8k-token prompt (its misses copy only the runs they hash).
+            packed = memoryview(token_ids).cast("B")
+        else:
+            packed = pack_tokens(token_ids)
         return memo.keys(seed, packed, self.block_size, count, self.lookahead_tokens)
 
 
@@ -182,9 +188,10 @@ class KeyMemo:
         return len(self._runs)
 
     def keys(
-        self, seed: int, packed: bytes, block_size: int, count: int, lookahead_tokens: int = 0
+        self, seed: int, packed: bytes | memoryview, block_size: int, count: int, lookahead_tokens: int = 0
     ) -> list[BlockKey]:
-        """:func:`chain_keys` of ``count`` blocks of ``packed`` from ``seed``, whole runs from the memo."""
+        """:func:`chain_keys` of ``count`` blocks of ``packed`` from ``seed``, whole runs from the memo
+        (``packed``: bytes, or a byte view of them that stays unchanged during the call)."""
         run_bytes = 4 * block_size * MEMO_CHUNK_BLOCKS
         extra = 4 * lookahead_tokens
         whole_runs = count // MEMO_CHUNK_BLOCKS if self.max_runs else 0

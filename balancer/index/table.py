@@ -503,9 +503,17 @@ class PrefixTable(GapRecovery):
         if not masks:
             return []
         first = masks[0]
-        if masks.count(first) == len(masks):  # one holder set for all (small ints: compared by identity)
+        if not first:  # the first key is missing: no slot holds any key
+            return []
+        same = masks.count(first)  # small ints: compared by identity
+        if same == len(masks):  # one holder set for all
             common = mask & first
-            return [(len(masks), common)] if common else []
+            return [(same, common)] if common else []
+        if not masks[same] and masks[:same].count(first) == same:
+            # a shared prefix, then a missing key (a new user message): one run, found without
+            # comparing every key's mask with 0 (an int comparison each, twice)
+            common = mask & first
+            return [(same, common)] if common else []
         if 0 in masks:  # the runs end at the first missing key: a new prompt's tail, typically
             del masks[masks.index(0) :]
             if not masks:

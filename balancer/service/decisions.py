@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, NamedTuple, overload
 
+from balancer.frozen import quick_init
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyInputs, PolicyWeights, RouteRequest
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
@@ -40,6 +41,7 @@ MAX_TENANT_CHARS = 128
 """A tenant header value is cut to this many characters."""
 
 
+@quick_init
 @dataclass(frozen=True, slots=True)
 class DecisionRecord:
     """One committed decision and what it was decided on."""

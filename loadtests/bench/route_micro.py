@@ -17,24 +17,76 @@ committed decision is also kept in a console decision ring of 10,000 as ``kvlb s
 process holds; ``--requests`` times more requests (past 10,000 the ring is full and evicting).
 
     PYTHONPATH=$PWD python loadtests/bench/route_micro.py [--shared | --fresh] [--decisions] [--requests N]
+
+Instructions (repeatable on a busy machine, unlike times): ``--callgrind PART`` runs one ``in
+flight`` (``--in-flight``, default 0) and, from the first timed request on, calls ``PART`` through
+``operator.call``, whose inclusive cost under ``valgrind --tool=callgrind`` is then the instructions
+of that part over the timed requests (no start-up, no warm-up, no prompt generation). ``request``
+wraps each whole timed request (route, first token, release and, with ``--decisions``, the record);
+the other parts are the methods in :data:`PARTS`. One part a run (nested parts would be counted
+twice). ``PYTHONHASHSEED=0`` fixes the order of string sets, so a count repeats to the instruction.
+Divide by ``--requests``::
+
+    PYTHONHASHSEED=0 valgrind --tool=callgrind --callgrind-out-file=cg.out \
+        python loadtests/bench/route_micro.py --fresh --decisions --warmup 300 --requests 300 \
+        --callgrind request
+    callgrind_annotate --threshold=100 --inclusive=yes cg.out | grep _operator_call
+
+(``--threshold=100``: the default listing leaves out functions under 1% of the program, a small
+part among them.) The whole run's ``PROGRAM TOTALS`` less a ``--requests 0`` run's (no
+``--callgrind``, ``--prompts`` equal in both so the same prompts are made) cross-checks it: within
+1% (docs/benchmarks.md, "round 13").
 """
 
 from __future__ import annotations
 
 import argparse
+import operator
 import random
 import statistics
 import time
 from array import array
 
+from balancer.index.hashing import BlockHasher
+from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
+from balancer.load.tracker import LoadTracker
 from balancer.policy.base import PolicyWeights
+from balancer.policy.cost import CostPolicy
 from balancer.policy.registry import make_policy
 from balancer.routing.router import Lease, PoolRequest, PoolRouter, RouteLimits
 from balancer.service.decisions import DecisionLog
 
 DECISION_RING = 10_000
 """Decisions kept with ``--decisions`` (``console.decision_ring_size``'s default)."""
+
+PARTS: dict[str, tuple[type, str]] = {
+    "route": (PoolRouter, "route"),
+    "plan": (PoolRouter, "plan"),
+    "candidates": (PoolRouter, "candidates"),
+    "lease": (PoolRouter, "lease"),
+    "first_token": (PoolRouter, "first_token"),
+    "release": (PoolRouter, "release"),
+    "request_keys": (BlockHasher, "request_keys"),
+    "match_confirmed": (LockedPrefixTable, "match_confirmed"),
+    "add_speculative": (LockedPrefixTable, "add_speculative"),
+    "load_snapshot": (PoolRouter, "load_snapshot"),
+    "policy": (CostPolicy, "__call__"),
+    "reserve": (LoadTracker, "reserve"),
+    "record": (DecisionLog, "record"),
+}
+"""``--callgrind`` parts: the method called through ``operator.call`` (one C function to annotate)."""
+
+
+def wrap(part: str) -> None:
+    """Route every later call of ``part``'s method through ``operator.call`` (for callgrind)."""
+    cls, name = PARTS[part]
+    inner = getattr(cls, name)
+
+    def through_call(*args: object, **kwargs: object) -> object:
+        return operator.call(inner, *args, **kwargs)
+
+    setattr(cls, name, through_call)
 
 
 def prompts(shared: bool, seed: int = 1, fresh: int = 0) -> list[array[int]]:
@@ -54,8 +106,11 @@ def run(
     requests: int = 3000,
     warmup: int = 300,
     decisions: DecisionLog | None = None,
+    callgrind: str | None = None,
 ) -> tuple[list[float], float]:
-    """The wall time of each timed request, and the CPU time per timed request (seconds)."""
+    """The wall time of each timed request, and the CPU time per timed request (seconds); from the
+    first timed request on, ``callgrind`` (a :data:`PARTS` name, or ``request``) is called through
+    ``operator.call``."""
     router = PoolRouter(
         "m",
         TableLimits(gap_hold_s=0.5, gap_keep_s=2.0),
@@ -69,11 +124,8 @@ def run(
     times: list[float] = []
     now = 1000.0
     cpu_started = 0.0
-    for i in range(warmup + requests):
-        if i == warmup:
-            cpu_started = time.process_time()
-        now += 0.001
-        started = time.perf_counter()
+
+    def step(i: int, now: float) -> None:
         lease = router.route(PoolRequest(bodies[i % len(bodies)], policy, weights, f"q{i}"), now)
         prefilling.append(lease)
         plan = lease.plan
@@ -87,6 +139,18 @@ def run(
             decoding.append(lease)
         if len(decoding) > in_flight // 2:
             decoding.pop(0).release(now)
+
+    for i in range(warmup + requests):
+        if i == warmup:
+            cpu_started = time.process_time()
+            if callgrind is not None and callgrind != "request":
+                wrap(callgrind)
+        now += 0.001
+        started = time.perf_counter()
+        if callgrind == "request" and i >= warmup:
+            operator.call(step, i, now)
+        else:
+            step(i, now)
         if i >= warmup:
             times.append(time.perf_counter() - started)
     return times, (time.process_time() - cpu_started) / requests
@@ -100,11 +164,19 @@ def main() -> None:
     )
     parser.add_argument("--decisions", action="store_true", help="keep decisions as kvlb serve does")
     parser.add_argument("--requests", type=int, default=3000, help="requests timed (default 3000)")
+    parser.add_argument("--warmup", type=int, default=300, help="requests before the timed (default 300)")
+    parser.add_argument("--in-flight", type=int, help="only this in flight (default: 0, then 32)")
+    parser.add_argument("--prompts", type=int, help="--fresh prompts made (default warm-up + requests)")
+    parser.add_argument("--callgrind", choices=["request", *PARTS], help="call it through operator.call")
     args = parser.parse_args()
-    bodies = prompts(args.shared, fresh=300 + args.requests if args.fresh else 0)
-    for in_flight in (0, 32):
+    fresh = max(args.prompts or 0, args.warmup + args.requests) if args.fresh else 0
+    bodies = prompts(args.shared, fresh=fresh)
+    in_flights = (0, 32) if args.in_flight is None and args.callgrind is None else (args.in_flight or 0,)
+    for in_flight in in_flights:
         log = DecisionLog(DECISION_RING, 128 * 1024 * 1024) if args.decisions else None
-        times, cpu = run(bodies, in_flight, args.requests, decisions=log)
+        times, cpu = run(bodies, in_flight, args.requests, args.warmup, log, args.callgrind)
+        if not times:
+            continue
         p50, mean = statistics.median(times) * 1e6, statistics.mean(times) * 1e6
         cpu_us = cpu * 1e6
         print(f"in flight {in_flight}: p50 {p50:.1f} us, mean {mean:.1f} us, cpu {cpu_us:.1f} us per request")

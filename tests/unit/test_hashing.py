@@ -260,9 +260,29 @@ def test_the_memo_gives_the_keys_hashing_gives(
                 assert hasher.request_keys(prompt, memo=memo) == ref_keys(prompt, block_size, mode)
                 salted = hasher.request_keys(prompt, cache_salt="s", memo=memo)
                 assert salted == hasher.request_keys(prompt, cache_salt="s"), round_
+                compact = compact_ids(prompt)  # read in place through the memo (no packed copy)
+                assert hasher.request_keys(compact, memo=memo) == ref_keys(prompt, block_size, mode)
+                compact.append(7)  # and no view of it outlives the call (else BufferError)
     assert len(memo) <= max_runs
     if max_runs == 0:
         assert memo.hits + memo.misses == 0  # off: nothing looked up
+
+
+@pytest.mark.parametrize("mode", ["plain", "trtllm", "bigram"])
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_a_compact_prompt_is_read_in_place_through_the_memo(block_size: int, mode: str) -> None:
+    """``array('I')`` ids reach the memo as a byte view of the array: whole runs, a partial last
+    run and a tail give the keys hashing gives, hit or miss, and the array is free afterwards."""
+    hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
+    memo = KeyMemo()
+    head = [(i * 2_654_435_761) % 2**32 for i in range(2 * MEMO_CHUNK_BLOCKS * block_size + 5)]
+    for tail in ([], [1, 2, 3], list(range(40, 40 + MEMO_CHUNK_BLOCKS * block_size + 1))):
+        prompt = head + tail
+        compact = compact_ids(prompt)
+        for _ in range(2):  # misses, then hits
+            assert hasher.request_keys(compact, memo=memo) == ref_keys(prompt, block_size, mode)
+        compact.append(7)  # no view of it outlives the call (else BufferError)
+    assert memo.hits > 0
 
 
 def test_a_shared_prefix_is_hashed_once_and_the_memo_is_bounded() -> None:
