@@ -6,13 +6,15 @@ replaying history the stream no longer holds (``docs/redis-fleet.md``).
 
 What is kept: every cache's engine-hash map (stale entries included: they still chain children),
 its duplicate-handle counts, every block key with its holder caches in LRU order, and which of
-those keys are prompt roots (``PrefixTable.held_roots``). Speculative holdings are local to each
-balancer and are left out (a key only they held is dropped).
+those keys are prompt roots, with each root's marker (``PrefixTable.held_roots``). Speculative
+holdings are local to each balancer and are left out (a key only they held is dropped).
 
 Layout: ``MAGIC``, a little-endian u32 header length, a msgpack header, then raw little-endian
 arrays: the block keys (u64) in LRU order, one u32 per key indexing the header's distinct holder
 sets, then per cache its engine hashes (u64) and their keys (u64), then the root keys (u64; the
-header's ``roots`` counts them, absent in snapshots from before roots were kept: none). Arrays
+header's ``roots`` counts them, absent in snapshots from before roots were kept: none), then each
+root's marker key (u64; the header's ``markers``, absent before markers were kept: each root is its
+own marker). Arrays
 keep both directions at C speed: a million blocks take well under a second each way.
 
 This module reads the table's private fields on purpose: it is the table's serialisation, kept
@@ -73,7 +75,7 @@ class TableCapture:
     holders: dict[int, int]
     caches: tuple[_Cache, ...]
     spec_mask: int
-    roots: list[int]
+    roots: dict[int, int]
 
 
 def capture(table: PrefixTable) -> TableCapture:
@@ -84,7 +86,7 @@ def capture(table: PrefixTable) -> TableCapture:
         for c in ranks.values()
     )
     return TableCapture(
-        table.hasher, table._holders.copy(), caches, table._slots.spec_mask, list(table._roots)
+        table.hasher, table._holders.copy(), caches, table._slots.spec_mask, table._roots.copy()
     )
 
 
@@ -108,7 +110,9 @@ def encode(state: TableCapture, entry_number: int, entry_id: str, partial: bool 
     else:
         keys = array("Q", holders.keys())
         masks = list(holders.values())
-    roots = array("Q", [k for k in state.roots if holders.get(k, 0) & real])
+    homed = [(k, m) for k, m in state.roots.items() if holders.get(m, 0) & real]
+    roots = array("Q", [k for k, _ in homed])
+    markers = array("Q", [m for _, m in homed])
     distinct: dict[int, int] = {}
     index = array("I", [distinct.setdefault(m, len(distinct)) for m in masks])
     sets = [_bits_to_positions(mask, position) for mask in distinct]
@@ -123,6 +127,7 @@ def encode(state: TableCapture, entry_number: int, entry_id: str, partial: bool 
         "sets": sets,
         "caches": [[c.replica, c.dp_rank, c.held, len(c.keys), list(c.dups.items())] for c in caches],
         "roots": len(roots),
+        "markers": len(markers),
     }
     packed = cast(bytes, msgpack.packb(header, use_bin_type=True))
     parts = [MAGIC, _U32.pack(len(packed)), packed, _le(keys), _le(index)]
@@ -130,6 +135,7 @@ def encode(state: TableCapture, entry_number: int, entry_id: str, partial: bool 
         parts.append(_le(array("Q", cache.keys.keys())))
         parts.append(_le(array("Q", cache.keys.values())))
     parts.append(_le(roots))
+    parts.append(_le(markers))
     return b"".join(parts)
 
 
@@ -174,11 +180,17 @@ def load_table(
         cache.held = int(held)
         new_caches.append(cache)
     roots, at = _read(view, at, "Q", int(header.get("roots", 0)))
+    if "markers" in header:
+        markers, at = _read(view, at, "Q", int(header["markers"]))
+        if len(markers) != len(roots):
+            raise SnapshotError(f"snapshot has {len(roots)} roots but {len(markers)} markers")
+    else:  # from before markers were kept: each root marks itself
+        markers = roots
     if at != len(data):
         raise SnapshotError(f"snapshot has {len(data) - at} trailing bytes")
     masks = [_positions_to_bits(positions, new_caches) for positions in header["sets"]]
     table._holders = dict(zip(keys, map(masks.__getitem__, index), strict=True))
-    table._roots = dict.fromkeys(roots)
+    table._roots = dict(zip(roots, markers, strict=True))
     table._roots_live = len(roots)
     if len(table._holders) > table.limits.capacity_blocks:
         table._evict()

@@ -102,11 +102,15 @@ class PrefixTable(GapRecovery):
         self._restorable: dict[CacheSlot, None] = {}
         """Caches that may remember blocks dropped unconfirmed (``CacheSlot.dropped``; an entry may
         outlive them: it goes when a receipt finds it empty)."""
-        self._roots: dict[int, None] = {}
-        """Keys that began a prompt chain: the first block of a ``Stored`` with no parent, or of a
-        routed prompt (``add_speculative``), for :meth:`held_roots`. Keys that left the table since
-        stay listed until :meth:`_prune_roots` (past ``2 ×`` the live ones at the last pruning, plus
-        slack), so the list is bounded by twice the table's own block budget."""
+        self._roots: dict[int, int] = {}
+        """Root → marker, for :meth:`held_roots`. A root is a key that began a prompt chain: the
+        first block of a ``Stored`` with no parent, or of a routed prompt (``add_speculative``). Its
+        marker is a key halfway down that chain (the middle key of the newest routed prompt, else of
+        the first parentless ``Stored`` chain): a replica homes the root while it holds the marker,
+        so a context evicted past its middle stops counting although its first blocks stay (LRU
+        takes a chain's tail first). Roots whose marker left the table stay listed until
+        :meth:`_prune_roots` (past ``2 ×`` the live ones at the last pruning, plus slack), so the
+        list is bounded by twice the table's own block budget."""
         self._roots_live = 0
         """Live roots found by the last :meth:`_prune_roots`."""
 
@@ -213,8 +217,11 @@ class PrefixTable(GapRecovery):
         if cache.suspect and event.parent is not None and cache.suspect.pop(seed, 0) is None:
             self.counters.suspect_confirmed += 1  # the engine chained under it: it holds it
         result.stored_blocks += self._store_chain(cache, seed, event)
-        if event.parent is None:  # the chain's first key, as _store_chain mapped its engine hash
-            self._note_root(cache.keys[event.engine_hashes[0]])
+        if event.parent is None:  # the chain's first and middle keys, as _store_chain mapped them
+            hashes = event.engine_hashes
+            root = cache.keys[hashes[0]]
+            if root not in self._roots:  # a routed prompt's marker (or the first store's) stays
+                self._note_root(root, cache.keys.get(hashes[len(hashes) // 2], root))
         if cache.dropped and event.parent is not None and seed in cache.dropped:
             # dropped unconfirmed, but the engine holds it; after its children, as add_speculative
             # orders them (a parent is used at least as recently as its child)
@@ -622,8 +629,8 @@ class PrefixTable(GapRecovery):
             self._spec_seq += 1
             self._spec_refs += len(taken)
             heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
-            if keys[0] not in self._roots:  # every caller passes a prompt from its root
-                self._note_root(keys[0])
+            # every caller passes a prompt from its root; the newest routed prompt sets the marker
+            self._note_root(keys[0], keys[len(keys) // 2])
         if len(self._masks) > self.limits.capacity_blocks:
             self._evict()
 
@@ -760,11 +767,13 @@ class PrefixTable(GapRecovery):
 
     def held_roots(self, among: Collection[ReplicaId] | None, now: float) -> dict[ReplicaId, int]:
         """Per replica of ``among`` (all known when ``None``; the same convention as :meth:`match`),
-        how many distinct prompt chains its caches hold the root of: roots stored with no parent,
-        and the roots of requests routed there and still prefilling (speculative entries). A root
-        held by two DP ranks, or both for real and speculatively, counts once. Costs one dict
-        lookup per listed root (O(roots in the table), not O(blocks); 0.13 ms with 1,000 roots,
-        ``docs/prefix-index.md``): call it only for a policy that reads it."""
+        how many distinct prompt contexts its caches home: roots stored with no parent, and the
+        roots of requests routed there and still prefilling (speculative entries), each counted
+        while the replica holds the root's *marker*, a key halfway down its chain (``_roots``), so
+        a context evicted past its middle no longer counts. A root held by two DP ranks, or both
+        for real and speculatively, counts once. Costs one dict lookup per listed root (O(roots in
+        the table), not O(blocks); 0.13 ms with 1,000 roots, ``docs/prefix-index.md``): call it
+        only for a policy that reads it."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
         if self._suspect_due <= now:
@@ -773,7 +782,7 @@ class PrefixTable(GapRecovery):
         counts = template.copy()
         if not mask or not self._roots:
             return counts
-        by_holders = Counter(map(self._masks.get, self._roots, repeat(0)))
+        by_holders = Counter(map(self._masks.get, self._roots.values(), repeat(0)))
         gone = by_holders.pop(0, 0)
         group = self._slots.group
         for bits, roots in by_holders.items():
@@ -790,16 +799,18 @@ class PrefixTable(GapRecovery):
         ``2 ×`` the live roots at the last pruning plus a slack of 64."""
         return len(self._roots)
 
-    def _note_root(self, key: int) -> None:
+    def _note_root(self, key: int, marker: int) -> None:
         roots = self._roots
-        if key not in roots:
-            roots[key] = None
-            if len(roots) > 2 * self._roots_live + _COMPACT_SLACK:
-                self._prune_roots()
+        new = key not in roots
+        roots[key] = marker
+        if new and len(roots) > 2 * self._roots_live + _COMPACT_SLACK:
+            self._prune_roots()
 
     def _prune_roots(self) -> None:
-        """Forget the listed roots no longer in the table (amortised O(1) per root listed)."""
-        self._roots = dict.fromkeys(filter(self._masks.__contains__, self._roots))
+        """Forget the listed roots whose marker is no longer in the table (amortised O(1) per root
+        listed)."""
+        held = self._masks.__contains__
+        self._roots = {root: marker for root, marker in self._roots.items() if held(marker)}
         self._roots_live = len(self._roots)
 
     def stats(self) -> IndexStats:

@@ -65,7 +65,7 @@ def test_roots_leave_with_removal_clear_resync_drop_and_eviction() -> None:
     t = table()
     for replica in (A, B, C):
         t.apply(replica, [stored(toks(2), [1, 2]), stored(toks(2, first=50), [3, 4])], 0.0)
-    t.apply(A, [Removed(0, (EngineHash(1),))], 0.0)  # the root goes, its child may stay
+    t.apply(A, [Removed(0, (EngineHash(2),))], 0.0)  # the context's middle goes, its root may stay
     t.apply(B, [Cleared(0)], 0.0)
     t.apply(C, [Resync(0, "gap")], 0.0)
     assert t.held_roots(None, 0.0) == {A: 1, B: 0, C: 0}
