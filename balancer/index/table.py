@@ -220,7 +220,10 @@ class PrefixTable(GapRecovery):
         if event.parent is None:  # the chain's first and middle keys, as _store_chain mapped them
             hashes = event.engine_hashes
             root = cache.keys[hashes[0]]
-            if root not in self._roots:  # a routed prompt's marker (or the first store's) stays
+            marker = self._roots.get(root)
+            # a live marker (a routed prompt's, or an earlier store's) stays; a gone one is as if
+            # unlisted, so whether it was pruned yet changes nothing (mirrors prune at other times)
+            if marker is None or marker not in self._masks:
                 self._note_root(root, cache.keys.get(hashes[len(hashes) // 2], root))
         if cache.dropped and event.parent is not None and seed in cache.dropped:
             # dropped unconfirmed, but the engine holds it; after its children, as add_speculative

@@ -90,9 +90,9 @@ def test_a_snapshot_from_before_roots_were_kept_loads_without_roots() -> None:
     data = dump_table(table, 3, "3-0")
     size = int.from_bytes(data[len(MAGIC) : len(MAGIC) + 4], "little")
     header = msgpack.unpackb(data[len(MAGIC) + 4 : len(MAGIC) + 4 + size], raw=False)
-    assert header.pop("roots") == 1
+    assert header.pop("roots") == 1 and header.pop("markers") == 1
     packed = msgpack.packb(header, use_bin_type=True)
-    old = MAGIC + len(packed).to_bytes(4, "little") + packed + data[len(MAGIC) + 4 + size : -8]
+    old = MAGIC + len(packed).to_bytes(4, "little") + packed + data[len(MAGIC) + 4 + size : -16]
     copy = load_table(old, HASHER).table
     assert copy.match(HASHER.request_keys(first), None, 0.0).blocks == {REPLICAS[0]: 2}
     assert copy.held_roots(None, 0.0) == {REPLICAS[0]: 0}
