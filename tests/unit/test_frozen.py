@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from balancer.frozen import BUILDER_MIN_FIELDS, quick_init
+from balancer.frozen import quick_init
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyInputs, RouteRequest
 from balancer.routing.router import PoolRequest, RoutePlan
@@ -138,54 +138,6 @@ def test_it_refuses_classes_it_cannot_serve_exactly() -> None:
     class NotInInit:
         name: str = field(default="", init=False)
 
-    @dataclass(frozen=True, slots=True)
-    class Derived(_Plain):
-        more: int = 0
-
-    for cls in (Mutable, NoSlots, KwOnly, PostInit, NotInInit, Derived):
+    for cls in (Mutable, NoSlots, KwOnly, PostInit, NotInInit):
         with pytest.raises(TypeError):
             quick_init(cls)
-
-
-def _refuse() -> dict[str, int]:
-    raise RuntimeError("no default today")
-
-
-@quick_init
-@dataclass(frozen=True, slots=True)
-class _QuickRaising:
-    name: str
-    seen: dict[str, int] = field(default_factory=_refuse)
-
-
-@pytest.mark.parametrize("cls", [*_REQUEST_PATH, PoolRequest, _Quick, _QuickFactory])
-def test_the_fields_are_stored_through_a_builder_of_the_same_layout(cls: type) -> None:
-    """A class whose only base is ``object`` is built through its builder (plain stores into the
-    same slots); the instance is of the class itself afterwards, and frozen."""
-    init_names = cls.__init__.__code__.co_names
-    if len(dataclasses.fields(cls)) >= BUILDER_MIN_FIELDS:
-        assert "_BUILDER" in init_names and "_SET_CLASS" in init_names
-    else:  # too few fields for the class swaps to pay
-        assert "_BUILDER" not in init_names
-    quick = _Quick("a", 1, 0.5, ("t",))
-    assert type(quick) is _Quick and dataclasses.astuple(quick) == ("a", 1, 0.5, ("t",))
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        quick.name = "b"  # type: ignore[misc]
-
-
-def test_an_instance_whose_default_factory_raises_is_left_of_its_class() -> None:
-    made: list[object] = []
-    original = _QuickRaising.__init__
-
-    def init(self: _QuickRaising, *args: object) -> None:
-        made.append(self)
-        original(self, *args)  # type: ignore[arg-type]
-
-    _QuickRaising.__init__ = init  # type: ignore[method-assign]
-    try:
-        with pytest.raises(RuntimeError):
-            _QuickRaising("a")
-    finally:
-        _QuickRaising.__init__ = original  # type: ignore[method-assign]
-    assert type(made[0]) is _QuickRaising
-    assert _QuickRaising("b", {"x": 1}).seen == {"x": 1}
