@@ -112,7 +112,7 @@ from dataclasses import replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyWeights, RouteRequest
-from balancer.policy.common import candidates_of, decide, pick_min
+from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 PRESSURE_START_FILL = 0.25
@@ -161,17 +161,16 @@ class CostPolicy:
         if weights.root_weight > 0 and overlap.held_roots:
             roots = overlap.held_roots
             fewest_roots = min((roots[r] for r in eligible if r in roots), default=None)
-        overlap_of = overlap.blocks.get  # Overlap.of and overlap_blocks inlined: two calls fewer each
         terms = [
             cost_terms(
-                (replica_load := loads[r]),
-                max(0, min(overlap_of(r, 0), blocks)),
+                loads[r],
+                overlap_blocks(overlap, r, blocks),
                 blocks,
                 weights,
                 credit=0.0 if no_credit and r in no_credit else credit,
                 excluded=excluded.get(r) if excluded else None,
                 speculative=min(speculative.get(r, 0), blocks),
-                pressure=cache_pressure(held.get(r), replica_load.capacity_blocks),
+                pressure=cache_pressure(held.get(r), loads[r].capacity_blocks),
                 held_roots=roots.get(r) if roots else None,
                 fewest_roots=fewest_roots,
             )

@@ -363,11 +363,7 @@ class PoolRouter:
             raise NoReplicasAvailable(f"no healthy replica serves model {self.model!r}")
         cap = self.route_limits.max_inflight_per_replica
         peers = self._peer_counts()
-        if peers:
-            eligible = [r for r in routable if self._in_flight_with(r, peers) < cap]
-        else:  # one worker: the tracker's own counts, one call a replica
-            in_flight = self.tracker().in_flight
-            eligible = [r for r in routable if in_flight(r) < cap]
+        eligible = [r for r in routable if self._in_flight_with(r, peers) < cap]
         if not eligible:
             message = f"every replica of model {self.model!r} has {cap} requests in flight"
             raise Overloaded(message, FULL_RETRY_AFTER_S)
