@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from balancer.index.hashing import pack_tokens
+from balancer.index.roots import RootCounts
 from balancer.index.slots import CacheSlot, RoutedPrompt, SlotRegistry, TableCounters, TableLimits
 from balancer.types import BlockKey, ReplicaId
 
@@ -48,6 +49,7 @@ class GapRecovery:
     _suspect_due: float
     _restorable: dict[CacheSlot, None]
     _block_size: int
+    _roots: RootCounts
 
     @property
     def _holders(self) -> dict[int, int]:
@@ -224,6 +226,8 @@ class GapRecovery:
         self._holders[key] = mask | cache.bit  # most recently used: the engine just used it
         if mask & cache.bit:
             return 0
+        if key in self._roots.listed:
+            self._roots.moved(mask, mask | cache.bit, self._slots)
         cache.held += 1
         self.counters.suspect_restored += 1
         return 1
@@ -426,6 +430,8 @@ class GapRecovery:
                 self._restore(cache, engine_hash, key)
             return 0
         holders[key] = mask | cache.bit
+        if key in self._roots.listed:
+            self._roots.moved(mask, mask | cache.bit, self._slots)
         if cache.keys.setdefault(engine_hash, key) != key:
             self._remap(cache, engine_hash, key)
         cache.held += 1

@@ -84,7 +84,7 @@ def capture(table: PrefixTable) -> TableCapture:
         for c in ranks.values()
     )
     return TableCapture(
-        table.hasher, table._holders.copy(), caches, table._slots.spec_mask, list(table._roots)
+        table.hasher, table._holders.copy(), caches, table._slots.spec_mask, list(table._roots.listed)
     )
 
 
@@ -178,8 +178,7 @@ def load_table(
         raise SnapshotError(f"snapshot has {len(data) - at} trailing bytes")
     masks = [_positions_to_bits(positions, new_caches) for positions in header["sets"]]
     table._holders = dict(zip(keys, map(masks.__getitem__, index), strict=True))
-    table._roots = dict.fromkeys(roots)
-    table._roots_live = len(roots)
+    table._relist_roots(roots)
     if len(table._holders) > table.limits.capacity_blocks:
         table._evict()
     return TableSnapshot(table, int(header["n"]), str(header["id"]), bool(header["partial"]))

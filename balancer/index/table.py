@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import heapq
 import sys
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
 from operator import and_, eq, is_not
@@ -50,6 +50,7 @@ from balancer.events import Cleared, KvEvent, Removed, Resync, Stored, split_cha
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.recovery import _NEVER, GapRecovery
+from balancer.index.roots import RootCounts
 from balancer.index.settle import first_uses, group_by_value
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
@@ -107,13 +108,12 @@ class PrefixTable(GapRecovery):
         self._restorable: dict[CacheSlot, None] = {}
         """Caches that may remember blocks dropped unconfirmed (``CacheSlot.dropped``; an entry may
         outlive them: it goes when a receipt finds it empty)."""
-        self._roots: dict[int, None] = {}
+        self._roots = RootCounts()
         """Keys that began a prompt chain: the first block of a ``Stored`` with no parent, or of a
-        routed prompt (``add_speculative``), for :meth:`held_roots`. Keys that left the table since
-        stay listed until :meth:`_prune_roots` (past ``2 ×`` the live ones at the last pruning, plus
-        slack), so the list is bounded by twice the table's own block budget."""
-        self._roots_live = 0
-        """Live roots found by the last :meth:`_prune_roots`."""
+        routed prompt (``add_speculative``), and per replica how many of them it holds, for
+        :meth:`held_roots`. Every change of a listed root's mask is passed on
+        (``RootCounts.moved``): each site that changes a mask tests the key's membership in
+        ``_roots.listed``."""
 
     @property
     def _holders(self) -> dict[int, int]:
@@ -253,6 +253,7 @@ class PrefixTable(GapRecovery):
         spec = self._slots.specs.get(cache.replica)
         spec_bit = spec.bit if spec is not None else 0  # 0: no key has it
         stored: list[int] = []
+        roots = self._roots.listed
         tokens = event.tokens
         xxh3 = _xxh3
         step = 4 * self._block_size
@@ -276,6 +277,8 @@ class PrefixTable(GapRecovery):
                 self._restore(cache, engine_hash, key)
             else:
                 holders[key] = mask | bit if mask else bit  # share the bit object: no int per block
+                if key in roots:
+                    self._roots.moved(mask, mask | bit, self._slots)
                 if setdefault(engine_hash, key) is not key:  # a known handle: same or other tokens
                     self._remap(cache, engine_hash, key)
         cache.held += len(event.engine_hashes) - already
@@ -361,16 +364,23 @@ class PrefixTable(GapRecovery):
         """Evict the least recently stored keys down to the low-water mark; returns how many."""
         holders = self._holders
         victims = list(islice(holders, len(holders) - self._evict_target))
+        roots = self._roots.listed
         for key in victims:
-            self._drop_holders(key, holders.pop(key))
+            mask = holders.pop(key)
+            if key in roots:
+                self._roots.moved(mask, 0, self._slots)
+            self._drop_holders(key, mask)
         self.counters.evicted_blocks += len(victims)
         return len(victims)
 
     def _unset(self, keys: Iterable[int], bit: int) -> None:
         holders = self._masks  # no insert: the order may wait
+        roots = self._roots.listed
         for key in keys:
             mask = holders.get(key, 0)
             if mask & bit:
+                if key in roots:
+                    self._roots.moved(mask, mask ^ bit, self._slots)
                 mask ^= bit
                 if mask:
                     holders[key] = mask  # an existing key keeps its LRU position
@@ -617,8 +627,16 @@ class PrefixTable(GapRecovery):
             # below, is newer than every logged one, so the settling pass moves it anyway.
             holders = self._masks
             pop = holders.get if self.limits.lru_frontier else holders.pop  # get: all moved below
-            for key in fresh:
-                holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+            roots = self._roots.listed
+            if roots.keys().isdisjoint(fresh):  # the usual case: at C speed, one lookup a key
+                for key in fresh:
+                    holders[key] = pop(key, 0) | bit  # re-insert: a speculative block counts as recently used
+            else:
+                for key in fresh:
+                    mask = pop(key, 0)
+                    holders[key] = mask | bit
+                    if key in roots and not mask & bit:
+                        self._roots.moved(mask, mask | bit, self._slots)
         if held or spec.deferred:  # the newest listing: applying the log gives its keys this expiry
             spec.defer(taken, expiry_s, DEFERRED_EXPIRY_KEYS)
         spec.note_held(taken, len(taken))  # every key of it is pending now
@@ -637,7 +655,7 @@ class PrefixTable(GapRecovery):
             self._spec_seq += 1
             self._spec_refs += len(taken)
             heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
-            if keys[0] not in self._roots:  # every caller passes a prompt from its root
+            if keys[0] not in self._roots.listed:  # every caller passes a prompt from its root
                 self._note_root(keys[0])
         if len(self._masks) > self.limits.capacity_blocks:
             self._evict()
@@ -703,6 +721,7 @@ class PrefixTable(GapRecovery):
             self._spec_count -= len(spec.expiry)
             spec.expiry = {}
             spec.alive = False
+        self._roots.forget(replica)
         return dropped
 
     def drop_blocks(self, replica: ReplicaId, keys: Iterable[BlockKey]) -> int:
@@ -730,10 +749,13 @@ class PrefixTable(GapRecovery):
         bit = cache.bit
         dropped = 0
         remembered: list[int] | None = None if dropped_at is None else []
+        roots = self._roots.listed
         for key in keys:
             mask = holders.get(key, 0)
             if not mask & bit:
                 continue
+            if key in roots:
+                self._roots.moved(mask, mask ^ bit, self._slots)
             mask ^= bit
             if mask:
                 holders[key] = mask
@@ -789,51 +811,41 @@ class PrefixTable(GapRecovery):
         """Per replica of ``among`` (all known when ``None``; the same convention as :meth:`match`),
         how many distinct prompt chains its caches hold the root of: roots stored with no parent,
         and the roots of requests routed there and still prefilling (speculative entries). A root
-        held by two DP ranks, or both for real and speculatively, counts once. Costs one dict
-        lookup per listed root (O(roots in the table), not O(blocks); 0.13 ms with 1,000 roots,
-        ``docs/prefix-index.md``): call it only for a policy that reads it."""
+        held by two DP ranks, or both for real and speculatively, counts once. The counts are kept
+        as masks change (:class:`~balancer.index.roots.RootCounts`), so a call costs O(replicas in
+        ``among``) beyond the expiries due (``docs/prefix-index.md``, "Held prompt roots")."""
         if self._spec_heap and self._spec_heap[0][0] <= now:
             self._expire(now)
         if self._suspect_due <= now:
             self._expire_suspects(now)
         mask, template = self._slots.candidates(among)
-        counts = template.copy()
-        if not mask or not self._roots:
-            return counts
-        by_holders = Counter(map(self._masks.get, self._roots, repeat(0)))
-        gone = by_holders.pop(0, 0)
-        group = self._slots.group
-        for bits, roots in by_holders.items():
-            if bits := bits & mask:
-                for replica in group(bits)[0]:
-                    counts[replica] += roots
-        if 2 * gone > len(self._roots) + _COMPACT_SLACK:  # as costly as this call: amortised
-            self._prune_roots()
+        roots = self._roots
+        if not mask or not roots.listed:
+            return template.copy()
+        counts = roots.counts(template)
+        if roots.worth_pruning():  # amortised: over the roots that left the table
+            roots.prune(self._masks)
         return counts
 
     @property
     def roots_listed(self) -> int:
         """Root keys listed for :meth:`held_roots` (gone ones included until pruned): at most
         ``2 ×`` the live roots at the last pruning plus a slack of 64."""
-        return len(self._roots)
+        return len(self._roots.listed)
 
     def _note_root(self, key: int) -> None:
-        roots = self._roots
-        if key not in roots:
-            roots[key] = None
-            if len(roots) > 2 * self._roots_live + _COMPACT_SLACK:
-                self._prune_roots()
+        self._roots.note(key, self._masks.get(key, 0), self._slots, self._masks)
 
-    def _prune_roots(self) -> None:
-        """Forget the listed roots no longer in the table (amortised O(1) per root listed)."""
-        self._roots = dict.fromkeys(filter(self._masks.__contains__, self._roots))
-        self._roots_live = len(self._roots)
+    def _relist_roots(self, keys: Iterable[int]) -> None:
+        """List exactly ``keys`` as roots and count them against the table as it is (a snapshot's
+        load, after the masks): O(keys)."""
+        self._roots.relist(keys, self._masks, self._slots)
 
     def stats(self) -> IndexStats:
         """Sizes; ``bytes_per_block`` is an estimate (container sizes + 36 B per stored u64 int)."""
         by_replica = {r: sum(c.held for c in ranks.values()) for r, ranks in self._slots.caches.items()}
         held = sum(by_replica.values())
-        size = sys.getsizeof(self._masks) + _INT_BYTES * len(self._masks) + sys.getsizeof(self._roots)
+        size = sys.getsizeof(self._masks) + _INT_BYTES * len(self._masks) + self._roots.size_bytes()
         for ranks in self._slots.caches.values():
             for cache in ranks.values():
                 size += sys.getsizeof(cache.keys) + _INT_BYTES * len(cache.keys)
