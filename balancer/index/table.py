@@ -339,9 +339,16 @@ class PrefixTable(GapRecovery):
             else:
                 del dups[key]
             return True
-        if not self._masks.get(key, 0) & cache.bit:
+        holders = self._masks  # no insert: the order may wait
+        mask = holders.get(key, 0)
+        if not mask & cache.bit:
             return False  # evicted earlier: the handle was stale
-        self._unset((key,), cache.bit)
+        if key in self._roots.listed:
+            self._roots.moved(mask, mask ^ cache.bit, self._slots)
+        if mask := mask ^ cache.bit:
+            holders[key] = mask  # an existing key keeps its LRU position
+        else:
+            del holders[key]
         cache.held -= 1
         return True
 
