@@ -18,6 +18,9 @@ process holds; ``--requests`` times more requests (past 10,000 the ring is full 
 
     PYTHONPATH=$PWD python loadtests/bench/route_micro.py [--shared | --fresh] [--decisions] [--requests N]
 
+``--weight NAME=VALUE`` (repeatable) sets a field of the policy's ``PolicyWeights`` (default: all
+defaults), e.g. ``--weight root_weight=1 --weight overlap_credit_loaded=4`` for the held-roots charge.
+
 Instructions (repeatable on a busy machine, unlike times): ``--callgrind PART`` runs one ``in
 flight`` (``--in-flight``, default 0) and, from the first timed request on, calls ``PART`` through
 ``operator.call``, whose inclusive cost under ``valgrind --tool=callgrind`` is then the instructions
@@ -46,6 +49,7 @@ import random
 import statistics
 import time
 from array import array
+from dataclasses import replace
 
 from balancer.index.hashing import BlockHasher
 from balancer.index.locked import LockedPrefixTable
@@ -107,6 +111,7 @@ def run(
     warmup: int = 300,
     decisions: DecisionLog | None = None,
     callgrind: str | None = None,
+    weights: PolicyWeights | None = None,
 ) -> tuple[list[float], float]:
     """The wall time of each timed request, and the CPU time per timed request (seconds); from the
     first timed request on, ``callgrind`` (a :data:`PARTS` name, or ``request``) is called through
@@ -118,7 +123,8 @@ def run(
     )
     for i in range(4):
         router.add_replica(f"r{i}", 16, "plain")
-    policy, weights = make_policy("cost"), PolicyWeights()
+    policy = make_policy("cost")
+    weights = weights or PolicyWeights()
     prefilling: list[Lease] = []
     decoding: list[Lease] = []
     times: list[float] = []
@@ -168,13 +174,21 @@ def main() -> None:
     parser.add_argument("--in-flight", type=int, help="only this in flight (default: 0, then 32)")
     parser.add_argument("--prompts", type=int, help="--fresh prompts made (default warm-up + requests)")
     parser.add_argument("--callgrind", choices=["request", *PARTS], help="call it through operator.call")
+    parser.add_argument(
+        "--weight",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a PolicyWeights field (repeatable)",
+    )
     args = parser.parse_args()
+    weights = replace(PolicyWeights(), **{k: float(v) for k, v in (w.split("=", 1) for w in args.weight)})
     fresh = max(args.prompts or 0, args.warmup + args.requests) if args.fresh else 0
     bodies = prompts(args.shared, fresh=fresh)
     in_flights = (0, 32) if args.in_flight is None and args.callgrind is None else (args.in_flight or 0,)
     for in_flight in in_flights:
         log = DecisionLog(DECISION_RING, 128 * 1024 * 1024) if args.decisions else None
-        times, cpu = run(bodies, in_flight, args.requests, args.warmup, log, args.callgrind)
+        times, cpu = run(bodies, in_flight, args.requests, args.warmup, log, args.callgrind, weights)
         if not times:
             continue
         p50, mean = statistics.median(times) * 1e6, statistics.mean(times) * 1e6
