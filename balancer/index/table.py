@@ -32,6 +32,10 @@ Layout (router-owned keys and the index structure: ``docs/architecture.md``, dec
   speculative one and takes nothing away (``SpecSlot.stored`` notes it): the entry is the routed
   request's, which is still in flight, and goes at its own expiry. The slot's bit is on a key
   exactly while the key is in its ``pending``.
+* Prompt roots (``held_roots``): :class:`~balancer.index.roots.RootCounts` lists them and keeps,
+  per replica, how many it holds. Every site that changes a key's mask tests the key against the
+  list and passes a listed root's old and new mask on; ``_settle_order`` moves keys without
+  changing masks and needs no test.
 """
 
 from __future__ import annotations

@@ -441,7 +441,7 @@ class PoolRouter:
         speculative: dict[ReplicaId, int] = {}
         held: dict[ReplicaId, int] = {}
         roots: dict[ReplicaId, int] = {}
-        count_roots = weights.root_weight > 0  # O(live roots) per space: only for the charge
+        count_roots = weights.root_weight > 0  # O(candidates) per space (kept counts): only for the charge
         keys_by_space: dict[int, tuple[BlockKey, ...]] = {}
         for space in self._spaces_for(candidates):
             # a tuple: the plan commits this very object, so the table can tell the match saw it
