@@ -32,8 +32,9 @@ class RootCounts:
         self.listed: dict[int, None] = {}
         """Keys that began a prompt chain. Keys that left the table since stay listed until
         :meth:`prune` (past ``2 ×`` the live ones at the last pruning, plus :data:`ROOTS_SLACK`, or
-        when more than half are gone at a query), so the list is bounded by twice the table's own
-        block budget. Pruned in place: a caller may hold a reference across calls."""
+        when more than half are gone at a query: ``PrefixTable.held_roots``), so the list is
+        bounded by twice the table's own block budget. Pruned in place: a caller may hold a
+        reference across calls."""
         self.by_replica: dict[ReplicaId, int] = {}
         """Replica → listed roots whose mask has one of its bits (absent: 0). A released replica's
         entry goes with it (:meth:`forget`)."""
@@ -87,11 +88,6 @@ class RootCounts:
         self.listed.update(kept)
         self.live_at_prune = len(kept)
 
-    def worth_pruning(self) -> bool:
-        """Whether more than half the listed roots (plus slack) are gone: a query then prunes."""
-        listed = len(self.listed)
-        return 2 * (listed - self.in_table) > listed + ROOTS_SLACK
-
     def forget(self, replica: ReplicaId) -> None:
         """``replica``'s slots were released and their bits unset."""
         self.by_replica.pop(replica, None)
@@ -108,11 +104,6 @@ class RootCounts:
         for key in self.listed:
             if mask := get(key, 0):
                 self.moved(0, mask, slots)
-
-    def counts(self, replicas: Iterable[ReplicaId]) -> dict[ReplicaId, int]:
-        """Per replica of ``replicas``, the listed roots it holds."""
-        get = self.by_replica.get
-        return {replica: get(replica, 0) for replica in replicas}
 
     def size_bytes(self) -> int:
         """The containers' sizes (the keys are the table's own ints)."""

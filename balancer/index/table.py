@@ -54,7 +54,7 @@ from balancer.events import Cleared, KvEvent, Removed, Resync, Stored, split_cha
 from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.recovery import _NEVER, GapRecovery
-from balancer.index.roots import RootCounts
+from balancer.index.roots import ROOTS_SLACK, RootCounts
 from balancer.index.settle import first_uses, group_by_value
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
@@ -831,10 +831,12 @@ class PrefixTable(GapRecovery):
             self._expire_suspects(now)
         mask, template = self._slots.candidates(among)
         roots = self._roots
-        if not mask or not roots.listed:
+        listed = len(roots.listed)
+        if not mask or not listed:
             return template.copy()
-        counts = roots.counts(template)
-        if roots.worth_pruning():  # amortised: over the roots that left the table
+        get = roots.by_replica.get
+        counts = {replica: get(replica, 0) for replica in template}
+        if 2 * (listed - roots.in_table) > listed + ROOTS_SLACK:  # amortised over the roots gone
             roots.prune(self._masks)
         return counts
 
