@@ -551,8 +551,9 @@ def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[in
 
 class _ScanningTable(PrefixTable):
     """The reference for ``add_speculative``'s new keys: the scan it made before it found them from
-    ``pending``'s size (each key looked up, then the expiries written), kept as it was; and for
-    ``_expire``, its filter of every entry's keys, without the count that skips most entries."""
+    ``pending``'s size (each key looked up, then the expiries written), kept as it was (apart from
+    passing a listed root's mask change on to the held-roots counts, as every writer of a mask must);
+    and for ``_expire``, its filter of every entry's keys, without the count that skips most entries."""
 
     def _expire(self, now: float) -> None:
         heap = self._spec_heap
@@ -596,7 +597,10 @@ class _ScanningTable(PrefixTable):
             self._spec_count += len(fresh)
             take = self._masks.get if self.limits.lru_frontier else self._masks.pop
             for key in fresh:
-                self._masks[key] = take(key, 0) | spec.bit
+                mask = take(key, 0)
+                self._masks[key] = mask | spec.bit
+                if key in self._roots.listed:  # as the table passes a listed root's change on
+                    self._roots.moved(mask, mask | spec.bit, self._slots)
         if self.limits.lru_frontier:
             if taken:
                 self._log_touch(taken)
