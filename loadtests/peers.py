@@ -5,7 +5,8 @@ A router is named on the command line:
 * ``kvlb`` is kvlb's default policy (``cost``); ``round_robin``, ``least_load``, ``power_of_two``
   are kvlb's baselines; ``kvlb:<policy>`` is any kvlb policy (e.g. ``kvlb:sglang_threshold``), and
   ``kvlb:<policy>+<weight>=<value>+…`` the same with policy weights changed (``docs/policies.md``),
-  e.g. ``kvlb:cost+decode_weight=0.1``.
+  e.g. ``kvlb:cost+decode_weight=0.1``; ``null`` unsets an optional weight, e.g.
+  ``kvlb:cost+overlap_credit_loaded=null+root_weight=0`` (the default policy before 2026-11-29).
 * ``kvlb_no_events``: kvlb's default policy on a pool with ``kv_events: false``: no KV event is read;
   the index learns only from routing decisions and receipts (``docs/prefix-index.md``). A suffix
   ``~no_events`` does the same for any kvlb router, e.g. ``kvlb:cost+decode_weight=0.1~no_events``.
@@ -56,8 +57,8 @@ class RouterSpec:
     kind: RouterKind
     policy: str
     """kvlb policy name, or the peer's ``--policy`` value."""
-    weights: tuple[tuple[str, float], ...] = ()
-    """kvlb policy weight overrides (name, value)."""
+    weights: tuple[tuple[str, float | None], ...] = ()
+    """kvlb policy weight overrides (name, value; ``None`` for ``null``, an optional weight unset)."""
     kv_events: bool = True
     """kvlb: read the replicas' KV events (``False``: the pool's ``kv_events: false``)."""
 
@@ -99,15 +100,19 @@ def parse_router(name: str) -> RouterSpec:
         return RouterSpec(text, "kvlb", text)
     if text.startswith("kvlb:") and text[5:]:
         policy, *pairs = text[5:].split("+")
-        weights = []
+        weights: list[tuple[str, float | None]] = []
         for pair in pairs:
             name, sep, value = pair.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"router {text!r}: expected <weight>=<number or null>, got {pair!r}")
+            if value.strip() == "null":
+                weights.append((name.strip(), None))
+                continue
             try:
                 weights.append((name.strip(), float(value)))
             except ValueError:
-                raise ValueError(f"router {text!r}: expected <weight>=<number>, got {pair!r}") from None
-            if not sep or not name.strip():
-                raise ValueError(f"router {text!r}: expected <weight>=<number>, got {pair!r}")
+                expected = "expected <weight>=<number or null>"
+                raise ValueError(f"router {text!r}: {expected}, got {pair!r}") from None
         return RouterSpec(text, "kvlb", policy, tuple(weights))
     if text == "sglang_cache_aware":
         return RouterSpec(text, "sglang", "cache_aware")

@@ -314,7 +314,7 @@ def kvlb_config(
     fleet: EmulatorHandle,
     policy: str,
     seed: int,
-    weights: Mapping[str, float] | None = None,
+    weights: Mapping[str, float | None] | None = None,
     *,
     kv_events: bool = True,
 ) -> dict[str, Any]:

@@ -255,8 +255,11 @@ class RedisConfig:
 class PolicyConfig:
     name: str = "cost"
     """Routing policy: ``cost`` (default) or a baseline (``round_robin``, ``least_load``, ...)."""
-    weights: Mapping[str, float] = field(default_factory=dict)
-    """Overrides of the policy weights (see docs/policies.md); validated at start-up."""
+    weights: Mapping[str, float | None] = field(default_factory=dict)
+    """Overrides of the policy weights (see docs/policies.md); validated at start-up. ``null`` unsets
+    an optional weight (``overlap_credit_loaded``, ``kv_usage_ceiling``,
+    ``imbalance_threshold_blocks``); the previous default policy is ``{overlap_credit_loaded: null,
+    root_weight: 0}``."""
     seed: int | None = None
     """Seed of the routing RNG (tie-breaks, sampling); ``None`` seeds from the OS."""
 

@@ -32,8 +32,11 @@ class PolicyWeights:
     """The runtime-tunable knobs of every policy (``/admin/policy``, Redis pub/sub).
 
     Construction validates (so an instance is always valid); :meth:`replace` returns a validated
-    copy. Cost fields are in **blocks**; defaults follow Dynamo's KV router (credit 1, decode weight
-    1, temperature 0) and SGLang Model Gateway's CLI defaults for the threshold policy.
+    copy. Cost fields are in **blocks**; defaults follow Dynamo's KV router (credit 1, temperature 0)
+    where kvlb has no measured reason to differ, kvlb's own measurements elsewhere (decode weight,
+    the charges, the load ramp of the credit), and SGLang Model Gateway's CLI defaults for the
+    threshold policy. ``overlap_credit_loaded=None, root_weight=0`` gives the defaults before
+    2026-11-29 (docs/policies.md "Part 24").
     """
 
     prefill_weight: float = 1.0
@@ -48,16 +51,23 @@ class PolicyWeights:
     ``credit − 1`` blocks more per block it would have to copy: a duplication penalty that keeps a
     shared context on one replica (and the fleet's caches from holding it twice) until the load gap
     exceeds ``credit ×`` its size. 4 at most, beyond which affinity ignores any realistic backlog."""
-    overlap_credit_loaded: float | None = None
-    """The overlap credit when the fleet is busy; 0..4, or ``None`` (default): off, the credit is
+    overlap_credit_loaded: float | None = 4.0
+    """The overlap credit when the fleet is busy; 0..4, or ``None``: off, the credit is
     ``overlap_credit`` at any load (as with a value equal to ``overlap_credit``, or with
-    ``overlap_credit`` 0, which keeps the cache ignored at any load). The cost policy's
-    credit per decision moves linearly from ``overlap_credit`` while at most three quarters of the
-    eligible replicas have prefill in flight to this value when all of them do
-    (:func:`~balancer.policy.cost.loaded_credit`). 3 gave simulator capacity +32–62% on ``chat`` and
-    ``agent`` and no loss on four other workloads, but on the emulated fleet ``tenants`` past
-    capacity had a 1.1–2.0× TTFT p90 and ``agent`` at half load an e2e p90 +8–11%, so it is not the
-    default (docs/policies.md, "Part 6")."""
+    ``overlap_credit`` 0, which keeps the cache ignored at any load). The cost policy's credit per
+    decision moves linearly from ``overlap_credit`` while at most three quarters of the eligible
+    replicas have prefill in flight to this value when all of them do
+    (:func:`~balancer.policy.cost.loaded_credit`). Default 4 (since 2026-11-29, before that
+    ``None``): an idle fleet spreads new contexts as credit 1 does, a busy one keeps shared contexts
+    on the replicas holding them instead of copying them. With ``root_weight`` 1 it is the best
+    setting measured in the simulator (20 ms hop, the fixed index): ``tenants`` 44.1 / 46.4 / 50.0
+    req/s on seeds 0–2 against the previous default's 31.7 / 32.5 / 44.1 (1.50 / 1.70 / 1.62 × the
+    best peer), ``agent`` +11–19%, ``rag`` +3%, the rest equal (docs/policies.md "Part 16", "Part
+    20", "Part 22"); on the emulated fleet ``tenants`` reached at least 0.93 of its simulated
+    capacity on each seed.
+    Known costs: before the index fix the fleet showed ``tenants`` past capacity with a TTFT p90
+    1.1–2.0× and ``agent`` at half load an e2e p90 +8–11% ("Part 6"); "Part 23" re-measures them.
+    ``None`` (with ``root_weight`` 0) restores the previous default exactly ("Part 24")."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
@@ -91,7 +101,7 @@ class PolicyWeights:
     on seed 1 only, put ``unique`` seed 2 one bracketing step below the default, and raised no
     ``tenants`` capacity on the emulated fleet (docs/policies.md, "Part 9"). Needs the scraped KV
     usage and pool size; the charge is 0 without them."""
-    root_weight: float = 0.0
+    root_weight: float = 1.0
     """``w_root``, the held-roots charge: prompts' worth of prefill charged per distinct prompt root
     (first block of a prompt chain) a replica's caches hold beyond the fewest any eligible candidate
     holds, on replicas holding none of this request's prompt; 0..4 (capped by
@@ -100,11 +110,17 @@ class PolicyWeights:
     replica homing one context more than its pool holds at once evicts its own tenants' contexts
     (``tenants`` in the simulator: the replica homing most contexts is the hottest in 6 of 9 runs,
     docs/policies.md "Part 15"). Roots come from the index (speculative entries included), read
-    only while this is above 0 (it costs O(live roots) per decision). 0 (default) turns it off.
-    With the ramp (``overlap_credit_loaded`` 4), w = 1 passed 59 of 66 simulated ``tenants`` grid
-    points (the ramp alone 47) and gave ``tenants`` 1.22–1.46 × the best peer's capacity, with
-    ``rag``, the Mooncake trace and ``unique`` kept; on the default policy alone it lost ``tenants``
-    seed 0 (36.0 → 34.2 req/s), and no fleet has confirmed it (docs/policies.md "Part 16")."""
+    only while this is above 0 (the table keeps per-replica counts as keys come and go: about
+    0.7 µs per decision at any number of roots, docs/prefix-index.md). Default 1 (since
+    2026-11-29, before that 0), meant with the ramp
+    (``overlap_credit_loaded`` 4): together they passed 59 of 66 simulated ``tenants`` grid points
+    (the ramp alone 47, the previous default 34) and gave ``tenants`` 1.50 / 1.70 / 1.62 × the best
+    peer's capacity on seeds 0–2 with the fixed index and at least 40.8 / 47.6 / 50.0 req/s on the
+    emulated fleet (0.93–1.0 of the simulated), with ``rag``, the Mooncake trace and ``unique``
+    kept ("Part 16", "Part 22"). Without the ramp it lost ``tenants`` seed 0 (36.0 → 34.2
+    req/s, "Part 16"); where every prompt starts with a block all replicas hold (a shared system or
+    tool prompt) it never applies. 0 turns it off (with ``overlap_credit_loaded`` ``None`` the
+    previous default, "Part 24")."""
     root_cap_prompts: float = 1.0
     """The held-roots charge's cap, in prompts' worth of prefill (``× request_blocks``); 0..8.
     ``root_weight · (held_roots − fewest)`` is clamped to it, so a replica holding many more roots

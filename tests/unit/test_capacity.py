@@ -220,13 +220,15 @@ def test_capacity_measures_the_oracle_plan_on_lru_engines_and_kvlb_on_min_engine
 
 def test_sim_no_prune_gives_the_cost_policy_every_replica() -> None:
     """``--sim-no-prune``: every decision of a kvlb router is made over the full candidate list, as
-    with ``root_weight`` > 0; without it the simulator prunes the cost policy's candidates."""
+    with ``root_weight`` > 0 (the default); without both the simulator prunes the cost policy's
+    candidates."""
     stream = _overflowing_stream()
     for no_prune in (False, True):
         args = _sim_args()
         args.sim_no_prune, args.replicas = no_prune, 8  # more replicas than the pruned set keeps (4)
         results: list[SimResult] = []
-        point = sim_measure(args, "kvlb:cost+overlap_credit_loaded=4", stream, lambda _: None, results)(24.0)
+        ramp = "kvlb:cost+overlap_credit_loaded=4+root_weight=0"  # the default without its held-roots charge
+        point = sim_measure(args, ramp, stream, lambda _: None, results)(24.0)
         stats = results[0].stats
         assert point.requests == 240
         if no_prune:

@@ -1,6 +1,6 @@
-"""The cost policy's load-dependent credit (``overlap_credit_loaded``, default 3): the overlap
-credit moves from ``overlap_credit`` on a fleet with idle replicas to ``overlap_credit_loaded`` on
-one where every replica has prefill in flight."""
+"""The cost policy's load-dependent credit (``overlap_credit_loaded``, default 4 since
+2026-11-29): the overlap credit moves from ``overlap_credit`` on a fleet with idle replicas to
+``overlap_credit_loaded`` on one where every replica has prefill in flight."""
 
 from __future__ import annotations
 
@@ -49,8 +49,8 @@ def test_busy_share_counts_replicas_with_prefill_in_flight() -> None:
     assert busy_share([]) == (0, 0.0)
 
 
-def test_weight_is_off_by_default_validated_and_nullable() -> None:
-    assert PolicyWeights().overlap_credit_loaded is None  # off: the emulated fleet's tails (Part 6)
+def test_weight_is_4_by_default_validated_and_nullable() -> None:
+    assert PolicyWeights().overlap_credit_loaded == 4.0  # on since 2026-11-29 (docs/policies.md "Part 24")
     assert PolicyWeights(overlap_credit_loaded=4.0).overlap_credit_loaded == 4.0
     assert PolicyWeights().replace(overlap_credit_loaded=2).overlap_credit_loaded == 2.0
     assert PolicyWeights().replace(overlap_credit_loaded=None).overlap_credit_loaded is None
@@ -122,5 +122,6 @@ def test_credit_0_keeps_the_cache_ignored_at_any_load() -> None:
     assert "credit" not in decision.reason
     assert not credit_ramps(PolicyWeights(overlap_credit=0.0, overlap_credit_loaded=3.0))
     assert not credit_ramps(PolicyWeights(overlap_credit_loaded=1.0))
-    assert not credit_ramps(PolicyWeights())  # off by default
+    assert credit_ramps(PolicyWeights())  # on by default (credit 4 when every replica prefills)
+    assert not credit_ramps(PolicyWeights(overlap_credit_loaded=None))  # the previous default
     assert credit_ramps(PolicyWeights(overlap_credit_loaded=3.0))

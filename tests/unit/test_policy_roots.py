@@ -1,5 +1,5 @@
-"""The cost policy's held-roots charge (``root_weight``, off by default): a replica holding none of
-the prompt pays ``w_prefill · min(root_cap_prompts, root_weight · (roots_r − fewest)) ·
+"""The cost policy's held-roots charge (``root_weight``, 1 by default since 2026-11-29): a replica
+holding none of the prompt pays ``w_prefill · min(root_cap_prompts, root_weight · (roots_r − fewest)) ·
 request_blocks`` for the prompt roots its caches hold beyond the fewest an eligible candidate holds
 (docs/policies.md, Parts 15 and 16)."""
 
@@ -36,11 +36,12 @@ ROOTS = {A: 5, B: 3, C: 3}
 """A homes two contexts more than B and C."""
 
 
-def test_off_by_default_leaves_decisions_and_terms_as_without_roots() -> None:
+def test_on_by_default_and_weight_0_leaves_decisions_and_terms_as_without_roots() -> None:
     weights = PolicyWeights()
-    assert (weights.root_weight, weights.root_cap_prompts) == (0.0, 1.0)
-    with_roots = route({A: 0, B: 0, C: 0}, first_touch(), roots=ROOTS)
-    without = route({A: 0, B: 0, C: 0}, first_touch())
+    assert (weights.root_weight, weights.root_cap_prompts) == (1.0, 1.0)
+    assert route({A: 0, B: 0, C: 0}, first_touch(), roots=ROOTS).replica == B  # the default charges A
+    with_roots = route({A: 0, B: 0, C: 0}, first_touch(), roots=ROOTS, root_weight=0.0)
+    without = route({A: 0, B: 0, C: 0}, first_touch(), root_weight=0.0)
     assert with_roots == without  # decision, reason and every term
     assert with_roots.replica == A
     assert all(t.root_term == 0.0 and t.held_roots is None for t in with_roots.terms)

@@ -58,7 +58,7 @@ def test_a_first_touch_goes_to_the_replica_holding_fewer_roots() -> None:
 
 def test_without_the_charge_the_shorter_backlog_wins_and_no_roots_are_read() -> None:
     for seed in range(5):
-        plan = first_touch(fleet(), PolicyWeights(), seed)
+        plan = first_touch(fleet(), PolicyWeights(root_weight=0.0), seed)
         assert plan.inputs is not None and plan.inputs.overlap.held_roots == {}
         assert all(t.root_term == 0.0 and t.held_roots is None for t in plan.decision.terms)
         assert plan.decision.replica == A

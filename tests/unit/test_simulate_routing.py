@@ -19,6 +19,9 @@ from loadtests.simulate.load_order import LoadOrder
 from loadtests.simulate.routing import ShardedTracker, SimRouter
 
 BLOCK = 4
+PREVIOUS_DEFAULT = {"overlap_credit_loaded": None, "root_weight": 0.0}
+"""The default weights before 2026-11-29, with which the simulator prunes the cost policy's
+candidates (the held-roots charge, on by default since, gives it every replica)."""
 
 
 def test_sharded_tracker_matches_one_tracker() -> None:
@@ -133,11 +136,13 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
 @pytest.mark.parametrize(
     ("policy", "weights"),
     [
-        ("cost", PolicyWeights(kv_usage_ceiling=None)),
+        # the pruned path exists only without the held-roots charge (root_weight 1 by default)
+        ("cost", PolicyWeights(**PREVIOUS_DEFAULT)),
+        ("cost", PolicyWeights(root_weight=0.0)),  # the default's ramp (credit 4 when busy)
         # with the KV-usage ceiling the ramp needs every replica (no pruning), so the constant credit here
         (
             "cost",
-            PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0, overlap_credit_loaded=None),
+            PolicyWeights(kv_usage_ceiling=0.95, imbalance_threshold_blocks=8.0, **PREVIOUS_DEFAULT),
         ),
         (
             "cost",
@@ -146,15 +151,21 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
                 decode_weight=0.3,
                 queue_weight=2.0,
                 kv_usage_ceiling=0.9,
-                overlap_credit_loaded=None,
+                **PREVIOUS_DEFAULT,
             ),
         ),
-        ("cost", PolicyWeights(duplication_weight=1.0)),
-        ("cost", PolicyWeights(duplication_weight=4.0, overlap_credit=0.5, imbalance_threshold_blocks=8.0)),
-        ("cost", PolicyWeights(overlap_credit_loaded=3.0)),
-        ("cost", PolicyWeights(interference_weight=0.5)),  # a cold replica's cost reads its decode batch
-        ("cost", PolicyWeights(interference_weight=0.2, duplication_weight=0.0)),
-        ("cost", PolicyWeights(overlap_credit_loaded=0.0, imbalance_threshold_blocks=8.0)),
+        ("cost", PolicyWeights(duplication_weight=1.0, **PREVIOUS_DEFAULT)),
+        (
+            "cost",
+            PolicyWeights(
+                duplication_weight=4.0, overlap_credit=0.5, imbalance_threshold_blocks=8.0, **PREVIOUS_DEFAULT
+            ),
+        ),
+        ("cost", PolicyWeights(overlap_credit_loaded=3.0, root_weight=0.0)),
+        # a cold replica's cost reads its decode batch
+        ("cost", PolicyWeights(interference_weight=0.5, **PREVIOUS_DEFAULT)),
+        ("cost", PolicyWeights(interference_weight=0.2, duplication_weight=0.0, **PREVIOUS_DEFAULT)),
+        ("cost", PolicyWeights(overlap_credit_loaded=0.0, imbalance_threshold_blocks=8.0, root_weight=0.0)),
         ("least_load", PolicyWeights()),
     ],
 )
@@ -189,8 +200,11 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
 def test_temperature_and_baselines_get_every_open_replica() -> None:
     for policy, weights in (
         ("cost", PolicyWeights(temperature=0.5)),
-        ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9)),  # ramp over eligible ones
-        ("cost", PolicyWeights(admission_weight=1.0)),  # reads the scraped KV usage, not the load key
+        ("cost", PolicyWeights()),  # the default: the held-roots charge
+        # the ramp over eligible ones
+        ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9, root_weight=0.0)),
+        # reads the scraped KV usage, not the load key
+        ("cost", PolicyWeights(admission_weight=1.0, root_weight=0.0)),
         ("cost", PolicyWeights(root_weight=1.0)),  # reads the index's held roots, not the load key
         ("cost", PolicyWeights(overlap_credit_loaded=4.0, root_weight=0.5)),
         ("round_robin", PolicyWeights()),
@@ -233,9 +247,10 @@ def _pressured_fleet(seed: int, weights: PolicyWeights) -> tuple[SimRouter, list
 @pytest.mark.parametrize(
     "weights",
     [
-        PolicyWeights(),
-        PolicyWeights(duplication_weight=4.0, overlap_credit=0.5),
-        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9, overlap_credit_loaded=None),
+        PolicyWeights(**PREVIOUS_DEFAULT),
+        PolicyWeights(root_weight=0.0),
+        PolicyWeights(duplication_weight=4.0, overlap_credit=0.5, **PREVIOUS_DEFAULT),
+        PolicyWeights(imbalance_threshold_blocks=8.0, kv_usage_ceiling=0.9, **PREVIOUS_DEFAULT),
     ],
 )
 def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: PolicyWeights) -> None:
@@ -257,7 +272,7 @@ def test_pruning_stays_exact_when_the_duplication_charge_decides(weights: Policy
 
 def test_plan_weights_carry_the_fleet_wide_ramp() -> None:
     """The credit the pruned policy gets is the one the full policy computes for itself."""
-    weights = PolicyWeights(overlap_credit_loaded=3.0)
+    weights = PolicyWeights(overlap_credit_loaded=3.0, root_weight=0.0)  # pruned: no held-roots charge
     ramped = 0
     for seed in range(6):
         router, _ = _fleet(seed, "cost", weights)
@@ -270,7 +285,7 @@ def test_plan_weights_carry_the_fleet_wide_ramp() -> None:
         plan = _plan(router, [1, 2, 3], full, 0)
         assert {t.overlap_credit for t in plan.decision.terms if t.overlap_credit} <= {given.overlap_credit}
         ramped += given.overlap_credit > 1.0
-    constant = PolicyWeights(overlap_credit_loaded=None)
+    constant = PolicyWeights(**PREVIOUS_DEFAULT)
     assert _fleet(0, "cost", constant)[0].plan_weights() is constant
     assert ramped  # some fleet was on the ramp
 

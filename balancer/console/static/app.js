@@ -582,7 +582,8 @@
     ["probability", "probability"],
     ["excluded", "excluded"],
   ];
-  // Shown only when some replica has a non-zero value (the charge of an off-by-default weight).
+  // Shown only when some replica has a non-zero value (the held-roots charge applies only to prompts
+  // no replica holds any of, and not at all with root_weight 0).
   const ZERO_HIDDEN_TERMS = new Set(["root_term"]);
 
   function termsText(terms) {
