@@ -34,9 +34,20 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   With ``admission_weight`` > 0 a replica without the prefix also pays for the KV blocks it would
   have to free, which reads its scraped KV usage, not its load key: the cost policy then gets the
   full candidate list.
-  With ``root_weight`` > 0 a replica without the prefix also pays for the prompt roots its cache
-  holds beyond the fewest (the router reads them from the index, ``PoolRouter.plan``), which does
-  not follow the load key either: the cost policy then gets the full candidate list too.
+  With ``root_weight`` > 0 a replica without the prefix also pays ``w_prefill·min(root_cap_prompts,
+  root_weight·(roots_r − fewest))·request_blocks`` for the prompt roots its caches hold beyond the
+  fewest any eligible candidate holds (the router reads them from the index, ``PoolRouter.plan``;
+  every candidate's count is known there, speculative entries included). Per request
+  :class:`SimRouter` reads every replica's count from the index (``PrefixTable.held_roots``, kept
+  counts: O(fleet) small ints, after expiring the speculative entries due at ``now``, as ``plan``
+  then sees them), takes the fewest over the eligible replicas (open and under the KV-usage
+  ceiling, the policy's own eligibility) and adds one eligible replica holding that few to the set,
+  so the policy's ``fewest`` over the pruned set is the fleet's. The replicas are then scanned in
+  load-key order as with the interference charge, each costed with every charge (duplication,
+  interference, held roots, all ≥ 0), starting from that replica's cost, until the next key alone
+  reaches the lowest cost seen (``SimRouter._least_scan``). Holders pay no root charge and are in
+  the set anyway. The simulator has one DP rank per replica; the index counts a root held by
+  several ranks once, so ranks would change nothing here.
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
@@ -63,7 +74,7 @@ from balancer.load.tracker import (
     ReplicaLoad,
 )
 from balancer.policy.base import PolicyWeights
-from balancer.policy.cost import base_load, cache_pressure, credit_ramps, loaded_credit
+from balancer.policy.cost import base_load, cache_pressure, credit_ramps, loaded_credit, root_charge_prompts
 from balancer.policy.registry import make_policy
 from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
@@ -202,9 +213,12 @@ class SimRouter:
         """Whether the pruning key reads scraped gauges (the waiting queue)."""
         self._order = LoadOrder(random.Random(rng.getrandbits(64)))
         self._dup = self._key is not None and policy == "cost" and weights.duplication_weight > 0
+        """Whether the cost has the duplication charge: replicas then also sit in pressure bands."""
         self._interference = self._key is not None and policy == "cost" and weights.interference_weight > 0
         """Whether the cost has the interference charge: a cold replica's cost then reads its decode batch."""
-        """Whether the cost has the duplication charge: replicas then also sit in pressure bands."""
+        self._roots = self._key is not None and policy == "cost" and weights.root_weight > 0
+        """Whether the cost has the held-roots charge: a cold replica's cost then reads the index's
+        count of the prompt roots it holds, against the fewest any eligible replica holds."""
         self._bands = [LoadOrder(None) for _ in range(PRESSURE_BANDS + 1)]
         """When ``_dup``: band ``b`` orders the replicas with pressure in ``[b/B, (b+1)/B)``, band
         ``B`` those at pressure 1 (``_order`` keeps every replica, for the least loaded overall)."""
@@ -224,12 +238,7 @@ class SimRouter:
     @staticmethod
     def _prune_key(policy: str, weights: PolicyWeights) -> Callable[[ReplicaLoad], float] | None:
         ramp_reads_ceiling = credit_ramps(weights) and weights.kv_usage_ceiling is not None
-        exact = (
-            weights.temperature == 0
-            and not ramp_reads_ceiling
-            and weights.admission_weight == 0
-            and weights.root_weight == 0  # the held-roots charge reads the index, not the load key
-        )
+        exact = weights.temperature == 0 and not ramp_reads_ceiling and weights.admission_weight == 0
         if policy == "cost" and exact:
             return lambda load: base_load(load, weights)
         if policy == "least_load":
@@ -281,17 +290,23 @@ class SimRouter:
             self._touch(replica, now)
 
     def _least(
-        self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool], now: float
+        self,
+        token_ids: Sequence[int],
+        eligible: Callable[[ReplicaId], bool],
+        now: float,
+        roots: tuple[Mapping[ReplicaId, int], int, ReplicaId] | None = None,
     ) -> list[ReplicaId]:
         """The ``prune_k`` least loaded eligible replicas; with the duplication charge, every
         replica that could undercut them. A replica without the prefix costs
         ``base_load + w_prefill·request_blocks + charge·pressure`` with ``charge = w_prefill·w_dup·
         request_blocks`` the same for all of them, so each pressure band is scanned while its least
         key plus ``charge`` × the band's lowest pressure may undercut the best seen. With the
-        interference charge the replicas are scanned in key order instead, each costed with both
-        charges (its decode batch read at ``now``), while the next key is below the lowest cost seen."""
-        if self._interference:
-            return self._least_interference(token_ids, eligible, now)
+        interference or the held-roots charge the replicas are scanned in key order instead, each
+        costed with every charge (:meth:`_least_scan`). ``roots``: the held-roots counts of every
+        replica at ``now``, the fewest an eligible replica holds, and one eligible replica holding
+        that few (:meth:`_fewest_roots`)."""
+        if self._interference or roots is not None:
+            return self._least_scan(token_ids, eligible, now, roots)
         if not self._dup:
             return self._order.least(self.prune_k, eligible)[0]
         keyed = self._order.least_keyed(self.prune_k, eligible)
@@ -320,9 +335,18 @@ class SimRouter:
             chosen.update(dict.fromkeys(found))
         return list(chosen)
 
-    def _least_interference(
-        self, token_ids: Sequence[int], eligible: Callable[[ReplicaId], bool], now: float
+    def _least_scan(
+        self,
+        token_ids: Sequence[int],
+        eligible: Callable[[ReplicaId], bool],
+        now: float,
+        roots: tuple[Mapping[ReplicaId, int], int, ReplicaId] | None,
     ) -> list[ReplicaId]:
+        """The replicas in load-key order, each costed with every charge a replica without the
+        prefix pays (duplication, interference, held roots: each ≥ 0), until the next key alone
+        reaches the lowest cost seen; no replica further on can cost less. With the held-roots
+        charge the scan starts from the cost of the eligible replica holding the fewest roots
+        (returned too, so the policy's own ``fewest`` over the pruned set is the fleet's)."""
         weights = self.weights
         request_blocks = len(token_ids) // self.space.hasher.block_size
         per_block = weights.prefill_weight * request_blocks
@@ -331,11 +355,43 @@ class SimRouter:
         pressure = self._pressure
         load_of = self.tracker.load_of
 
-        def cost(key: float, replica: ReplicaId) -> float:  # less the w_prefill·request_blocks all share
-            decoding = load_of(replica, now).active_decode_seqs
-            return key + dup * pressure.get(replica, 0.0) + interference * decoding
+        if roots is None:
 
-        return self._order.least(self.prune_k, eligible, cost)[0]
+            def cost(key: float, replica: ReplicaId) -> float:  # less the w_prefill·request_blocks all share
+                decoding = load_of(replica, now).active_decode_seqs
+                return key + dup * pressure.get(replica, 0.0) + interference * decoding
+
+            return self._order.least(self.prune_k, eligible, cost)[0]
+
+        counts, fewest, fewest_replica = roots
+
+        def cost_rooted(key: float, replica: ReplicaId) -> float:
+            charge = key + dup * pressure.get(replica, 0.0)
+            if interference:
+                charge += interference * load_of(replica, now).active_decode_seqs
+            return charge + per_block * root_charge_prompts(weights, counts.get(replica, 0), fewest)
+
+        assert self._key is not None  # pruning is on
+        seed = cost_rooted(self._key(load_of(fewest_replica, now)), fewest_replica)
+        found = self._order.least(self.prune_k, eligible, cost_rooted, seed)[0]
+        if not found:
+            return found
+        return [*found, fewest_replica] if fewest_replica not in found else found
+
+    def _fewest_roots(
+        self, counts: Mapping[ReplicaId, int], eligible: Callable[[ReplicaId], bool]
+    ) -> tuple[int, ReplicaId] | None:
+        """The fewest held roots among the eligible replicas and one replica holding that few
+        (``None``: nobody eligible). O(fleet) in small ints; usually one pass of ``min`` plus a
+        short search, as the replica holding the fewest is usually eligible."""
+        if not counts:
+            return None
+        fewest = min(counts.values())
+        for replica, count in counts.items():
+            if count == fewest and eligible(replica):
+                return fewest, replica
+        found = [(count, replica) for replica, count in counts.items() if eligible(replica)]
+        return min(found) if found else None
 
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
@@ -355,8 +411,15 @@ class SimRouter:
                 return True
             return seen[1] < stale_before or seen[0] < ceiling  # stale usage is unknown: eligible
 
+        roots = None
+        if self._roots:  # first: it expires the speculative entries due at ``now``, as ``plan`` will
+            counts = self.space.table.held_roots(self.replicas, now)
+            fewest = self._fewest_roots(counts, eligible)
+            if fewest is None:
+                return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
+            roots = (counts, fewest[0], fewest[1])
         holders = self.space.table.prefix_holders(token_ids, now) if self.policy.name == "cost" else ()
-        least = self._least(token_ids, eligible, now)
+        least = self._least(token_ids, eligible, now, roots)
         if not least:
             return self._full()  # nobody open and under the KV ceiling: let the policy's guard decide
         chosen = dict.fromkeys(holders)

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from balancer.events import Stored
+from balancer.errors import Overloaded
+from balancer.events import Removed, Stored
 from balancer.index.hashing import pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.load.tracker import EngineStats, LoadConfig, LoadTracker
@@ -20,8 +21,7 @@ from loadtests.simulate.routing import ShardedTracker, SimRouter
 
 BLOCK = 4
 PREVIOUS_DEFAULT = {"overlap_credit_loaded": None, "root_weight": 0.0}
-"""The default weights before 2026-11-29, with which the simulator prunes the cost policy's
-candidates (the held-roots charge, on by default since, gives it every replica)."""
+"""The default weights before 2026-11-29 (the held-roots charge off, the credit constant)."""
 
 
 def test_sharded_tracker_matches_one_tracker() -> None:
@@ -118,11 +118,12 @@ def _plan(
     candidates: list[ReplicaId],
     seed: int,
     weights: PolicyWeights | None = None,
+    now: float = 1.0,
 ) -> RoutePlan:
     router.tracker.focus = candidates
     weights = router.weights if weights is None else weights
     try:
-        return router.router.plan(tokens, candidates, router.policy, weights, random.Random(seed), 1.0)
+        return router.router.plan(tokens, candidates, router.policy, weights, random.Random(seed), now)
     finally:
         router.tracker.focus = None
 
@@ -136,8 +137,11 @@ def _best(plan: RoutePlan) -> tuple[float, list[ReplicaId]]:
 @pytest.mark.parametrize(
     ("policy", "weights"),
     [
-        # the pruned path exists only without the held-roots charge (root_weight 1 by default)
+        ("cost", PolicyWeights()),  # the default: the ramp, the held-roots charge
         ("cost", PolicyWeights(**PREVIOUS_DEFAULT)),
+        # the held-roots charge alone (key-order scan without the interference charge), and stronger
+        ("cost", PolicyWeights(root_weight=2.0, root_cap_prompts=3.0, imbalance_threshold_blocks=8.0)),
+        ("cost", PolicyWeights(kv_usage_ceiling=0.95, overlap_credit_loaded=None)),
         ("cost", PolicyWeights(root_weight=0.0)),  # the default's ramp (credit 4 when busy)
         # with the KV-usage ceiling the ramp needs every replica (no pruning), so the constant credit here
         (
@@ -192,7 +196,10 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
             assert chosen_cost == pytest.approx(full_cost)
             if len(full_best) == 1:
                 assert chosen == by_full.decision.replica
-            charged += any(t.duplication_term > 0 or t.interference_term > 0 for t in by_full.decision.terms)
+            charged += any(
+                t.duplication_term > 0 or t.interference_term > 0 or t.root_term > 0
+                for t in by_full.decision.terms
+            )
         assert pruned_smaller > 25  # the pruning did prune
         assert (charged > 10) == (policy == "cost")  # a charge (duplication on by default) was in play
 
@@ -200,13 +207,10 @@ def test_pruned_candidates_choose_as_the_full_set(policy: str, weights: PolicyWe
 def test_temperature_and_baselines_get_every_open_replica() -> None:
     for policy, weights in (
         ("cost", PolicyWeights(temperature=0.5)),
-        ("cost", PolicyWeights()),  # the default: the held-roots charge
         # the ramp over eligible ones
-        ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9, root_weight=0.0)),
+        ("cost", PolicyWeights(overlap_credit_loaded=2.0, kv_usage_ceiling=0.9)),
         # reads the scraped KV usage, not the load key
-        ("cost", PolicyWeights(admission_weight=1.0, root_weight=0.0)),
-        ("cost", PolicyWeights(root_weight=1.0)),  # reads the index's held roots, not the load key
-        ("cost", PolicyWeights(overlap_credit_loaded=4.0, root_weight=0.5)),
+        ("cost", PolicyWeights(admission_weight=1.0)),
         ("round_robin", PolicyWeights()),
     ):
         router, _ = _fleet(0, policy, weights)
@@ -309,3 +313,104 @@ def test_speculative_entries_are_held_until_the_first_token_as_the_service_does(
     router.first_token("r1", replica, 5.0)
     assert table.prefix_holders(tokens, 6.9) == ((replica,) if held_before_first_token else ())
     assert table.prefix_holders(tokens, 7.1) == ()
+
+
+def _tenant_fleet(seed: int, weights: PolicyWeights) -> tuple[SimRouter, list[list[int]]]:
+    """30 replicas homing 0–12 contexts each (stored roots), under random load, and 90 contexts
+    of which a third are homed nowhere: where the held-roots charge decides new contexts' homes."""
+    rng = random.Random(seed)
+    names = [ReplicaId(f"r{i:02d}") for i in range(30)]
+    router = SimRouter(
+        names, model="m", block_size=BLOCK, policy="cost", weights=weights, rng=random.Random(seed),
+        limits=TableLimits(), max_inflight_per_replica=8, prune_k=1, speculative_ttl_s=1.0,
+    )  # fmt: skip
+    contexts = [[rng.randrange(1000, 60_000) for _ in range(rng.randrange(8, 48))] for _ in range(90)]
+    for n, replica in enumerate(names):
+        for k, context in enumerate(rng.sample(contexts[:60], rng.randrange(0, 13))):
+            depth = rng.randrange(1, len(context) // BLOCK + 1)
+            hashes = tuple(EngineHash(100_000 * n + 1000 * k + i) for i in range(depth))
+            router.apply(
+                replica, [Stored(0, None, hashes, pack_tokens(context[: depth * BLOCK]), BLOCK)], 0.0
+            )
+        capacity = rng.choice([40, 80, None])
+        router.observe(
+            replica, EngineStats(1, rng.randrange(0, 3), rng.random(), capacity and capacity * BLOCK), 0.0
+        )
+    return router, contexts
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [
+        PolicyWeights(),  # the default: ramp, duplication, interference and held-roots charges
+        PolicyWeights(duplication_weight=3.0, interference_weight=0.5),
+        PolicyWeights(root_cap_prompts=4.0, root_weight=2.0, overlap_credit_loaded=None),
+        PolicyWeights(interference_weight=0.0, duplication_weight=0.0, overlap_credit_loaded=None),
+        PolicyWeights(kv_usage_ceiling=0.8, imbalance_threshold_blocks=16.0, overlap_credit_loaded=None),
+    ],
+)
+def test_pruning_stays_exact_when_the_held_roots_charge_decides(weights: PolicyWeights) -> None:
+    """Decision by decision over a routed run: requests are committed (speculative roots, expiring
+    1 s later), reach their first token and finish, replicas store and evict contexts; every
+    decision over the pruned set is a least-cost replica of the full set."""
+    decided = requests = 0
+    sizes: list[tuple[int, int]] = []
+    for seed in range(4):
+        router, contexts = _tenant_fleet(seed, weights)
+        rng = random.Random(500 + seed)
+        live: list[tuple[str, ReplicaId, float]] = []
+        now = 0.1
+        for n in range(150):
+            now += rng.uniform(0.0, 0.08)
+            for rid, replica, started in [x for x in live if x[2] + 0.3 < now]:
+                live.remove((rid, replica, started))
+                router.first_token(rid, replica, now)
+                if rng.random() < 0.7:
+                    router.release(rid, replica, now)
+            tokens = [
+                *rng.choice(contexts),
+                *(rng.randrange(60_000, 90_000) for _ in range(rng.randrange(1, 9))),
+            ]
+            pruned = router.candidates(tokens, now)
+            by_full = _plan(router, tokens, router._full(), n, now=now)
+            by_pruned = _plan(router, tokens, pruned, n, router.plan_weights(), now=now)
+            chosen = by_pruned.decision.replica
+            assert chosen in _best(by_full)[1], (seed, n, chosen)
+            sizes.append((len(pruned), len(router._full())))
+            terms = {
+                t.replica: t for t in by_full.decision.terms if t.excluded is None and t.cost is not None
+            }
+            without_roots = min(t.cost - t.root_term for t in terms.values())  # type: ignore[operator]
+            decided += terms[chosen].cost - terms[chosen].root_term > without_roots + 1e-9  # type: ignore[operator]
+            try:
+                plan = router.route(f"q{n}", tokens, rng.randrange(1, 32), None, now)
+            except Overloaded:  # every replica at its cap: the service answers 429
+                continue
+            requests += 1
+            replica = plan.decision.replica
+            live.append((f"q{n}", replica, now))
+            if rng.random() < 0.5:  # the engine stores the prompt (a new root where nobody held it)
+                blocks = len(tokens) // BLOCK
+                hashes = tuple(EngineHash(10_000_000 + 1000 * n + i) for i in range(blocks))
+                router.apply(
+                    replica, [Stored(0, None, hashes, pack_tokens(tokens[: blocks * BLOCK]), BLOCK)], now
+                )
+            if rng.random() < 0.2:  # some replica evicts one of its stored contexts
+                victim = rng.randrange(30)
+                router.apply(
+                    ReplicaId(f"r{victim:02d}"),
+                    [
+                        Removed(
+                            0,
+                            tuple(
+                                EngineHash(100_000 * victim + 1000 * rng.randrange(13) + i) for i in range(12)
+                            ),
+                        )
+                    ],
+                    now,
+                )
+        # every candidate set, the test's and route()'s, was pruned (the test's _full() counts as full)
+        assert router.counters.pruned == 2 * 150
+    assert requests > 400
+    assert decided > 20  # the held-roots charge moved the choice off the cheapest replica without it
+    assert sum(pruned < full for pruned, full in sizes) > len(sizes) // 2  # and smaller than the full set
