@@ -74,6 +74,7 @@ from balancer.load.tracker import (
     ReplicaLoad,
 )
 from balancer.policy.base import PolicyWeights
+from balancer.policy.common import TIE_TOLERANCE
 from balancer.policy.cost import base_load, cache_pressure, credit_ramps, loaded_credit, root_charge_prompts
 from balancer.policy.registry import make_policy
 from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
@@ -82,6 +83,9 @@ from loadtests.simulate.load_order import LoadOrder
 
 PRESSURE_BANDS = 8
 """Pressure bands of the duplication-charge pruning (band ``b``: pressure in ``[b/8, (b+1)/8)``)."""
+TIE_SLACK = 4 * TIE_TOLERANCE
+"""Relative cost slack within which a scanned replica is kept for the policy (``_least_scan``): four
+times the policy's own tie tolerance, so float noise between the two sums never drops a tie."""
 
 
 class ShardedTracker(LoadTracker):
@@ -346,7 +350,12 @@ class SimRouter:
         prefix pays (duplication, interference, held roots: each ≥ 0), until the next key alone
         reaches the lowest cost seen; no replica further on can cost less. With the held-roots
         charge the scan starts from the cost of the eligible replica holding the fewest roots
-        (returned too, so the policy's own ``fewest`` over the pruned set is the fleet's)."""
+        (returned too, so the policy's own ``fewest`` over the pruned set is the fleet's).
+
+        Of the scanned replicas only the ``prune_k`` least loaded (the imbalance guard's floor is
+        the first) and those within a tie's slack of the lowest cost are returned: the policy
+        prices a replica without the prefix at this cost plus ``w_prefill·request_blocks``, so the
+        others cannot be its choice, and the ties keep their order (``pick_min`` draws the same)."""
         weights = self.weights
         request_blocks = len(token_ids) // self.space.hasher.block_size
         per_block = weights.prefill_weight * request_blocks
@@ -354,29 +363,35 @@ class SimRouter:
         interference = per_block * weights.interference_weight
         pressure = self._pressure
         load_of = self.tracker.load_of
+        costs: dict[ReplicaId, float] = {}
+        counts: Mapping[ReplicaId, int] = {}
+        fewest = 0
+        root_charge = roots is not None
 
-        if roots is None:
-
-            def cost(key: float, replica: ReplicaId) -> float:  # less the w_prefill·request_blocks all share
-                decoding = load_of(replica, now).active_decode_seqs
-                return key + dup * pressure.get(replica, 0.0) + interference * decoding
-
-            return self._order.least(self.prune_k, eligible, cost)[0]
-
-        counts, fewest, fewest_replica = roots
-
-        def cost_rooted(key: float, replica: ReplicaId) -> float:
+        def cost(key: float, replica: ReplicaId) -> float:  # less the w_prefill·request_blocks all share
             charge = key + dup * pressure.get(replica, 0.0)
             if interference:
                 charge += interference * load_of(replica, now).active_decode_seqs
-            return charge + per_block * root_charge_prompts(weights, counts.get(replica, 0), fewest)
+            if root_charge:
+                charge += per_block * root_charge_prompts(weights, counts.get(replica, 0), fewest)
+            costs[replica] = charge
+            return charge
 
-        assert self._key is not None  # pruning is on
-        seed = cost_rooted(self._key(load_of(fewest_replica, now)), fewest_replica)
-        found = self._order.least(self.prune_k, eligible, cost_rooted, seed)[0]
+        best = math.inf
+        extra: list[ReplicaId] = []
+        if roots is not None:
+            assert self._key is not None  # pruning is on
+            counts, fewest, fewest_replica = roots
+            best = cost(self._key(load_of(fewest_replica, now)), fewest_replica)
+            extra.append(fewest_replica)
+        found, best = self._order.least(self.prune_k, eligible, cost, best)
         if not found:
             return found
-        return [*found, fewest_replica] if fewest_replica not in found else found
+        slack = TIE_SLACK * max(1.0, abs(best) + per_block)
+        kept = dict.fromkeys(found[: self.prune_k])
+        kept.update((r, None) for r in found[self.prune_k :] if costs[r] <= best + slack)
+        kept.update(dict.fromkeys(extra))
+        return list(kept)
 
     def _fewest_roots(
         self, counts: Mapping[ReplicaId, int], eligible: Callable[[ReplicaId], bool]
