@@ -30,7 +30,10 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   ``w_prefill·w_int·decoding_r·request_blocks``, which depends on its decode batch, not on its load
   key: the replicas are then scanned in load-key order, each costed with both charges, until the
   next key alone reaches the lowest such cost seen (every charge is ≥ 0, so no replica further on
-  can cost less; ``SimRouter._least``).
+  can cost less; ``SimRouter._least_scan``). Of the scanned replicas the policy gets only the
+  ``prune_k`` least loaded and those within a tie's slack of the lowest cost: the rest cost more
+  than that one, so they cannot be chosen (on the Mooncake trace, 100 replicas: 5–7 candidates a
+  request instead of every replica scanned, ~50).
   With ``admission_weight`` > 0 a replica without the prefix also pays for the KV blocks it would
   have to free, which reads its scraped KV usage, not its load key: the cost policy then gets the
   full candidate list.
@@ -46,12 +49,19 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   load-key order as with the interference charge, each costed with every charge (duplication,
   interference, held roots, all ≥ 0), starting from that replica's cost, until the next key alone
   reaches the lowest cost seen (``SimRouter._least_scan``). Holders pay no root charge and are in
-  the set anyway. The simulator has one DP rank per replica; the index counts a root held by
-  several ranks once, so ranks would change nothing here.
+  the set anyway. With this charge ties are exact too: the scan goes on through every key up to
+  the lowest cost plus the tie slack, so every replica of equal cost is in the set, and the set is
+  handed over in the full list's order (fleet order), so the policy's tie draw (``pick_min``: one
+  ``rng.choice`` over the tied replicas in input order) picks the same replica with the same draw
+  as over the full list. The default weights thus route exactly as the full list does, decision
+  for decision (the same results as ``--no-prune``); without the charge ties stay as above. The
+  simulator has one DP rank per replica; the index counts a root held by several ranks once, so
+  ranks would change nothing here.
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
   candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
-  choice against the full one.
+  choice against the full one, decision by decision (and, with the held-roots charge, ties drawn
+  alike).
 """
 
 from __future__ import annotations
@@ -195,6 +205,8 @@ class SimRouter:
         prune_k: int = 4,
     ) -> None:
         self.replicas = tuple(replicas)
+        self._position = {replica: n for n, replica in enumerate(self.replicas)}
+        """Each replica's place in :attr:`replicas` (the full candidate list's order)."""
         self.router = PoolRouter(model, limits)
         for replica in self.replicas:
             self.router.add_replica(replica, block_size, "plain")
@@ -369,6 +381,8 @@ class SimRouter:
         root_charge = roots is not None
 
         def cost(key: float, replica: ReplicaId) -> float:  # less the w_prefill·request_blocks all share
+            if (known := costs.get(replica)) is not None:
+                return known
             charge = key + dup * pressure.get(replica, 0.0)
             if interference:
                 charge += interference * load_of(replica, now).active_decode_seqs
@@ -388,6 +402,9 @@ class SimRouter:
         if not found:
             return found
         slack = TIE_SLACK * max(1.0, abs(best) + per_block)
+        if roots is not None:  # every tie too: replicas whose key reaches the lowest cost within the slack
+            tied, _ = self._order.least(0, eligible, cost, best, offset=-slack)
+            found = list(dict.fromkeys([*found, *tied]))
         kept = dict.fromkeys(found[: self.prune_k])
         kept.update((r, None) for r in found[self.prune_k :] if costs[r] <= best + slack)
         kept.update(dict.fromkeys(extra))
@@ -440,6 +457,9 @@ class SimRouter:
         chosen = dict.fromkeys(holders)
         chosen.update(dict.fromkeys(least))
         self.counters.pruned += 1
+        if roots is not None:  # in the full list's order: a tie is then drawn as over the full list
+            position = self._position
+            return sorted((r for r in chosen if inflight[r] < cap), key=position.__getitem__)
         return [r for r in chosen if inflight[r] < cap]
 
     def _full(self) -> list[ReplicaId]:
