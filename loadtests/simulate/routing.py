@@ -119,6 +119,15 @@ class ShardedTracker(LoadTracker):
         shard = self._shards.get(replica)
         return ReplicaLoad(replica=replica) if shard is None else shard.snapshot(now).of(replica)
 
+    def decoding(self, replica: ReplicaId, now: float) -> int:
+        """``load_of(replica, now).active_decode_seqs`` without building a snapshot: the shard's
+        own count after the same expiry (no peers here)."""
+        shard = self._shards.get(replica)
+        if shard is None:
+            return 0
+        shard.expire(now)
+        return shard.own(replica).decode_seqs
+
     def reserve(
         self,
         request_id: str,
@@ -375,6 +384,7 @@ class SimRouter:
         interference = per_block * weights.interference_weight
         pressure = self._pressure
         load_of = self.tracker.load_of
+        decoding = self.tracker.decoding
         costs: dict[ReplicaId, float] = {}
         counts: Mapping[ReplicaId, int] = {}
         fewest = 0
@@ -385,26 +395,27 @@ class SimRouter:
                 return known
             charge = key + dup * pressure.get(replica, 0.0)
             if interference:
-                charge += interference * load_of(replica, now).active_decode_seqs
+                charge += interference * decoding(replica, now)
             if root_charge:
                 charge += per_block * root_charge_prompts(weights, counts.get(replica, 0), fewest)
             costs[replica] = charge
             return charge
 
         best = math.inf
+        slack = 0.0
         extra: list[ReplicaId] = []
         if roots is not None:
             assert self._key is not None  # pruning is on
             counts, fewest, fewest_replica = roots
             best = cost(self._key(load_of(fewest_replica, now)), fewest_replica)
             extra.append(fewest_replica)
-        found, best = self._order.least(self.prune_k, eligible, cost, best)
+            # every tie too: the scan goes on while a key may still reach the lowest cost within the
+            # slack (costs are ≥ 0, so the seed's slack bounds the final one's)
+            slack = TIE_SLACK * max(1.0, best + per_block)
+        found, best = self._order.least(self.prune_k, eligible, cost, best, offset=-slack)
         if not found:
             return found
-        slack = TIE_SLACK * max(1.0, abs(best) + per_block)
-        if roots is not None:  # every tie too: replicas whose key reaches the lowest cost within the slack
-            tied, _ = self._order.least(0, eligible, cost, best, offset=-slack)
-            found = list(dict.fromkeys([*found, *tied]))
+        slack = max(slack, TIE_SLACK * max(1.0, abs(best) + per_block))
         kept = dict.fromkeys(found[: self.prune_k])
         kept.update((r, None) for r in found[self.prune_k :] if costs[r] <= best + slack)
         kept.update(dict.fromkeys(extra))

@@ -50,6 +50,8 @@ def test_sharded_tracker_matches_one_tracker() -> None:
             replica = rng.choice(names)
             assert plain.observe(replica, stats, now) == sharded.observe(replica, stats, now)
         assert plain.snapshot(now).replicas == sharded.snapshot(now).replicas
+        for replica in names:  # the interference scan's shortcut reads the same count
+            assert sharded.decoding(replica, now) == sharded.load_of(replica, now).active_decode_seqs
     sharded.focus = names[:2]
     assert set(sharded.snapshot(now).replicas) <= set(names[:2])
     assert plain.stats().released_total == sharded.stats().released_total
