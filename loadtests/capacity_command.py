@@ -130,9 +130,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="simulator: each request reaches its replica this long after it is routed, model ms "
         "(0; the emulated fleet at --time-scale 0.25 adds about 20 to 7,000-token chat prompts)")  # fmt: skip
     add("--sim-no-prune", action="store_true",
-        help="simulator: give the cost policy every open replica, as with root_weight or admission_weight "
-        "> 0, instead of the pruned candidate set (the same choice up to tie-breaking: separates a "
-        "charge's effect from the tie-breaks of the full list)")  # fmt: skip
+        help="simulator: give the cost policy every open replica, as with admission_weight > 0, instead "
+        "of the pruned candidate set (the same choice up to tie-breaking, exact with root_weight > 0: "
+        "separates a charge's effect from the tie-breaks of the full list)")  # fmt: skip
     add("--sim-forward-jitter-ms", type=float, default=0.0,
         help="simulator: each request's hop is its own uniform draw within this of --sim-forward-delay-ms, "
         "model ms (0: the same hop for every request; at most the delay); each --confirm-sim-draws draw "
