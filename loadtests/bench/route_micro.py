@@ -49,7 +49,6 @@ import random
 import statistics
 import time
 from array import array
-from dataclasses import replace
 
 from balancer.index.hashing import BlockHasher
 from balancer.index.locked import LockedPrefixTable
@@ -60,6 +59,7 @@ from balancer.policy.cost import CostPolicy
 from balancer.policy.registry import make_policy
 from balancer.routing.router import Lease, PoolRequest, PoolRouter, RouteLimits
 from balancer.service.decisions import DecisionLog
+from loadtests.simulate.command import name_values
 
 DECISION_RING = 10_000
 """Decisions kept with ``--decisions`` (``console.decision_ring_size``'s default)."""
@@ -179,10 +179,10 @@ def main() -> None:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="a PolicyWeights field (repeatable)",
+        help="a PolicyWeights field (repeatable; null unsets an optional one)",
     )
     args = parser.parse_args()
-    weights = replace(PolicyWeights(), **{k: float(v) for k, v in (w.split("=", 1) for w in args.weight)})
+    weights = PolicyWeights.from_dict(name_values(args.weight, "--weight"))
     fresh = max(args.prompts or 0, args.warmup + args.requests) if args.fresh else 0
     bodies = prompts(args.shared, fresh=fresh)
     in_flights = (0, 32) if args.in_flight is None and args.callgrind is None else (args.in_flight or 0,)

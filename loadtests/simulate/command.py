@@ -167,7 +167,9 @@ class Inputs:
     stream: Iterator[SimRequest] | None
 
 
-def _pairs(items: list[str], what: str) -> dict[str, Any]:
+def name_values(items: list[str], what: str) -> dict[str, Any]:
+    """``NAME=VALUE`` flags as a dict, each value read as YAML (``null``, numbers, strings; empty:
+    ``None``)."""
     values: dict[str, Any] = {}
     for item in items:
         name, sep, raw = item.partition("=")
@@ -179,7 +181,7 @@ def _pairs(items: list[str], what: str) -> dict[str, Any]:
 
 def build_inputs(args: argparse.Namespace, materialise: bool) -> Inputs:
     """The config and requests the flags describe (``materialise``: a list, for repeated runs)."""
-    weights = PolicyWeights.from_dict(_pairs(args.weights, "--weights"))
+    weights = PolicyWeights.from_dict(name_values(args.weights, "--weights"))
     replicas = args.replicas if args.replicas is not None else (4 if args.smoke else 8)
     config = SimConfig(
         replicas=replicas,
@@ -215,7 +217,7 @@ def build_inputs(args: argparse.Namespace, materialise: bool) -> Inputs:
         source |= {"requests": requests or shape.rows, "rate_per_s": args.rate, "max_input_tokens": cut}
     else:
         name = args.workload or "tenants"
-        params = (dict(SMOKE_PARAMS) if args.smoke and name == "tenants" else {}) | _pairs(
+        params = (dict(SMOKE_PARAMS) if args.smoke and name == "tenants" else {}) | name_values(
             args.param, "--param"
         )
         rate = args.rate if args.rate is not None else DEFAULT_RATE_PER_REPLICA * replicas

@@ -15,7 +15,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, cast
@@ -197,22 +197,19 @@ async def test_a_stored_policy_outlives_a_change_of_the_shipped_defaults(
         new = await f.add_balancer()  # the shipped defaults: 4 and 1
         await wait_ready(f.session, new.url)
 
-        def has(expected: tuple[float | None, float]) -> Callable[[Balancer], Awaitable[bool]]:
-            async def check(balancer: Balancer) -> bool:
-                weights = (await f.get(balancer, "/admin/policy"))["weights"]
-                return bool((weights["overlap_credit_loaded"], weights["root_weight"]) == expected)
-
-            return check
+        async def has(balancer: Balancer, expected: tuple[float | None, float]) -> bool:
+            weights = (await f.get(balancer, "/admin/policy"))["weights"]
+            return bool((weights["overlap_credit_loaded"], weights["root_weight"]) == expected)
 
         # the joining balancer adopts the stored policy at its first sync (within policy_poll_s)
-        await wait_for("the new balancer to adopt the stored policy", lambda: has((None, 0.0))(new))
+        await wait_for("the new balancer to adopt the stored policy", lambda: has(new, (None, 0.0)))
         stored = await f.get(old, "/admin/policy")
         assert await f.get(new, "/admin/policy") == stored
         await asyncio.sleep(1.0)  # several polls later, nobody has gone back to its own defaults
-        assert await has((None, 0.0))(old) and await has((None, 0.0))(new)
+        assert await has(old, (None, 0.0)) and await has(new, (None, 0.0))
         change = {"weights": {"overlap_credit_loaded": 4, "root_weight": 1}, "reason": "new default"}
         await f.post(new, "/admin/policy", change, method="PUT")
-        await wait_for("the new default to reach the other balancer", lambda: has((4.0, 1.0))(old))
+        await wait_for("the new default to reach the other balancer", lambda: has(old, (4.0, 1.0)))
 
 
 async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
