@@ -69,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     add_arguments(parser)
     parser.set_defaults(handler=run)
-    from loadtests import capacity_command
+    from loadtests.capacity import command as capacity_command
 
     capacity_command.register(subparsers)
 

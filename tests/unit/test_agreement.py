@@ -1,4 +1,4 @@
-"""Request-by-request agreement of two runs (``loadtests/agreement.py``) and the replay's routing."""
+"""Request-by-request agreement of two runs (``loadtests/capacity/agreement.py``) and the replay's routing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from loadtests.agreement import RequestRow, best_relabelling, compare, followers, rows_of
+from loadtests.capacity.agreement import RequestRow, best_relabelling, compare, followers, rows_of
 from loadtests.processes import EmulatorHandle
 from loadtests.runs import pinned_route
 from loadtests.stats import RequestRecord

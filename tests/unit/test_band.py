@@ -1,4 +1,5 @@
-"""The simulator's spread at a confirmed point and the fleet's verdict against it (``loadtests/band.py``)."""
+"""The simulator's spread at a confirmed point and the fleet's verdict against it
+(``loadtests/capacity/band.py``)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from typing import Any
 
 import pytest
 
-from loadtests import capacity
-from loadtests.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
-from loadtests.capacity import Search, Slo
-from loadtests.capacity_command import (
+from loadtests.capacity import search as capacity
+from loadtests.capacity.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
+from loadtests.capacity.command import (
     _sim_rows,
     build_stream,
     register,
@@ -19,6 +19,7 @@ from loadtests.capacity_command import (
     sim_decision_rows,
     sim_measure,
 )
+from loadtests.capacity.search import Search, Slo
 from loadtests.simulate import SimRequest
 
 

@@ -12,9 +12,8 @@ import pytest
 import yaml
 
 from balancer import config
-from loadtests import capacity
-from loadtests.capacity import RatePoint, Slo
-from loadtests.capacity_command import (
+from loadtests.capacity import search as capacity
+from loadtests.capacity.command import (
     Stream,
     confirm_order,
     parse_seconds,
@@ -23,6 +22,7 @@ from loadtests.capacity_command import (
     sim_only,
     sim_router,
 )
+from loadtests.capacity.search import RatePoint, Slo
 from loadtests.driver import RunResult
 from loadtests.peers import parse_router
 from loadtests.processes import EmulatorHandle, kvlb_config

@@ -1,7 +1,7 @@
 """``kvlb capacity``: each router's highest arrival rate within a TTFT SLO (I/O shell).
 
 1. Builds the request stream once (a workload, or the Mooncake trace with ``--trace``).
-2. For each router, searches the capacity in the simulator (:func:`loadtests.capacity.search`: the
+2. For each router, searches the capacity in the simulator (:func:`loadtests.capacity.search.search`: the
    stream's arrival times rescaled to each offered rate, the real policy code routing it). ``oracle``
    is the simulator's oracle router (:mod:`loadtests.simulate.oracle`); ``oracle_lru`` its plan
    replayed on engines that evict LRU; ``<kvlb router>@min`` that router on engines that evict with
@@ -14,7 +14,7 @@
    report says which rates were measured on the fleet. A fleet run with more than 1% errors marks
    the router invalid, with the reason. With ``--confirm-sim-draws N`` each confirmed point is
    also simulated ``N`` times with every arrival moved by up to ``±--confirm-sim-jitter-ms``, and the
-   fleet's repeats are judged against that spread (:mod:`loadtests.band`).
+   fleet's repeats are judged against that spread (:mod:`loadtests.capacity.band`).
 4. Writes ``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg`` (and ``.png`` with matplotlib).
 
 Rates and TTFTs are in model time (``--time-scale`` converts for the fleet). See ``docs/loadtest.md``.
@@ -39,11 +39,11 @@ from pathlib import Path
 from typing import Any
 
 from balancer.policy.base import PolicyWeights
-from loadtests import capacity
-from loadtests.agreement import RequestRow, compare, followers, rows_of
-from loadtests.band import band_of, draw_rng, hop_rng, jitter_arrivals, verdict
-from loadtests.capacity import RatePoint, Search, Slo
-from loadtests.capacity_target import TargetDown, add_target_arguments, gate, search_target
+from loadtests.capacity import search as capacity
+from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
+from loadtests.capacity.band import band_of, draw_rng, hop_rng, jitter_arrivals, verdict
+from loadtests.capacity.search import RatePoint, Search, Slo
+from loadtests.capacity.target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES, RouterSpec, parse_router, replay_router
@@ -943,7 +943,7 @@ def _run_target(
     started: str,
     log: Callable[[str], None],
 ) -> int:
-    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity_target`)."""
+    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`)."""
     try:
         found = search_target(args, lambda rate, limit: stream.specs_at(rate, limit, 1.0), slo, start, log)
     except (TargetDown, ValueError, OSError) as exc:

@@ -1,6 +1,6 @@
 """``kvlb capacity --target URL``: the capacity search run for real against a deployed endpoint (I/O).
 
-The same bracket-then-bisect search as the simulator's (:func:`loadtests.capacity.search`), but each
+The same bracket-then-bisect search as the simulator's (:func:`loadtests.capacity.search.search`), but each
 offered rate is a real run of the stream's first ``--target-requests`` requests, their arrival times
 rescaled to that rate, driven at the URL with ``kvlb loadtest --target``'s driver. Every point of the
 report is measured (source ``target``); TTFTs are wall time. A point with more than
@@ -19,8 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from loadtests import capacity
-from loadtests.capacity import RatePoint, Search, Slo
+from loadtests.capacity import search as capacity
+from loadtests.capacity.search import RatePoint, Search, Slo
 from loadtests.driver import REPLICA_HEADER, run_open_loop
 from loadtests.runs import Progress
 from loadtests.target import EXIT_SLO_MISSED, first_model, parse_headers

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loadtests.band import band_capacity
+from loadtests.capacity.band import band_capacity
 from loadtests.stats import Summary
 
 Source = Literal["sim", "fleet", "target"]
@@ -226,7 +226,7 @@ def build_report(
     ``loadtests/oracle.py``; ``oracle_saved`` the tokens the simulator's oracle plan
     (``loadtests/simulate/oracle.py``) serves from cache at each router's capacity rate; ``invalid``
     routers whose runs were invalid, with the reason; ``bands`` per router each confirmed rate's
-    simulated spread and the fleet's verdict against it (:mod:`loadtests.band`), from which the row's
+    simulated spread and the fleet's verdict against it (:mod:`loadtests.capacity.band`), from which the row's
     ``band_capacity_sim`` and ``band_capacity_fleet`` (the highest confirmed rate passing below the
     lowest failing one, by pass share ≥ 0.5 of the draws and of the fleet's repeats).
     """
