@@ -44,7 +44,7 @@ from loadtests.report import build_report, write_json, write_markdown, write_rec
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
 from loadtests.target import add_target_arguments, target_campaign
-from loadtests.whatif_check import add_whatif_arguments, whatif_campaign
+from loadtests.whatif.check import add_whatif_arguments, whatif_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
     RequestSpec,

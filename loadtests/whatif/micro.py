@@ -1,4 +1,4 @@
-"""What recording a decision and replaying the ring cost, in process (``python -m loadtests.whatif_micro``).
+"""What recording a decision and replaying the ring cost, in process (``python -m loadtests.whatif.micro``).
 
 Routes ``--decisions`` requests through a real :class:`~balancer.routing.router.PoolRouter` (4
 replicas, 4 shared prefixes of 8 blocks, random suffixes, a third of the leases released), keeps

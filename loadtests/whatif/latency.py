@@ -1,4 +1,4 @@
-"""Does a what-if replay slow routing down? (I/O; ``python -m loadtests.whatif_latency``)
+"""Does a what-if replay slow routing down? (I/O; ``python -m loadtests.whatif.latency``)
 
 Starts an emulated fleet (``cpu-test`` profile: millisecond steps) and one ``kvlb serve``, fills the
 pool's decision ring with ``--fill`` requests (shared prefixes, so the cost policy has matches to
