@@ -1,7 +1,8 @@
 """``kvlb capacity``: each router's highest arrival rate within a TTFT SLO.
 
-- :mod:`loadtests.capacity.search` (pure): the SLO, the bracket-then-bisect search, its points, and
-  the report (JSON, markdown, SVG).
+- :mod:`loadtests.capacity.search` (pure): the SLO, a router's measured points and the
+  bracket-then-bisect search.
+- :mod:`loadtests.capacity.report` (pure): the searches as the report (JSON, markdown, SVG).
 - :mod:`loadtests.capacity.command` (I/O shell): the command line and the run (simulator searches,
   fleet confirmation, report files).
 - :mod:`loadtests.capacity.target` (I/O): ``--target URL``, the search run for real at an endpoint.

@@ -39,10 +39,10 @@ from pathlib import Path
 from typing import Any
 
 from balancer.policy.base import PolicyWeights
-from loadtests.capacity import search as capacity
 from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity.band import band_of, draw_rng, hop_rng, jitter_arrivals, verdict
-from loadtests.capacity.search import RatePoint, Search, Slo
+from loadtests.capacity.report import build_report, markdown, ratio, routed_points, svg_plot
+from loadtests.capacity.search import RatePoint, Search, Slo, point_of, search, searches_from_report
 from loadtests.capacity.target import TargetDown, add_target_arguments, gate, search_target
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
@@ -317,7 +317,7 @@ def sim_measure(
             plan, result = simulate_oracle(
                 config, requests, args.oracle_load_bound_s, lru_engines=not min_engines
             )
-            point = capacity.point_of(
+            point = point_of(
                 rate,
                 result.summary,
                 "sim",
@@ -329,7 +329,7 @@ def sim_measure(
                 result = BeladySimulation(config, requests).run()
             else:
                 result = Simulation(config, requests, keep_decisions=keep_decisions).run()
-            point = capacity.point_of(rate, result.summary, "sim")
+            point = point_of(rate, result.summary, "sim")
             if keep is not None:
                 keep.append(result)
         log(f"  {name} @ {rate:.3g}/s: TTFT p90 {point.ttft_p90_s or float('nan'):.3f} s, "
@@ -355,10 +355,10 @@ def diagnose(args: argparse.Namespace, stream: Stream, rate: float) -> dict[str,
         "kvlb_lru_cached_tokens": lru.cached_tokens,
         "kvlb_min_engines_cached_tokens": belady.cached_tokens,
         "oracle_planned_hit_tokens": planned,
-        "kvlb_lru_vs_oracle": capacity._ratio(lru.cached_tokens, planned),
-        "kvlb_min_engines_vs_oracle": capacity._ratio(belady.cached_tokens, planned),
+        "kvlb_lru_vs_oracle": ratio(lru.cached_tokens, planned),
+        "kvlb_min_engines_vs_oracle": ratio(belady.cached_tokens, planned),
         "oracle_lru_engines_cached_tokens": oracle_lru.cached_tokens,
-        "oracle_lru_engines_vs_oracle": capacity._ratio(oracle_lru.cached_tokens, planned),
+        "oracle_lru_engines_vs_oracle": ratio(oracle_lru.cached_tokens, planned),
         "oracle_lru_engines_ttft_p90_s": oracle_lru.ttft_p90_s,
         "kvlb_lru_ttft_p90_s": lru.ttft_p90_s,
         "kvlb_min_engines_ttft_p90_s": belady.ttft_p90_s,
@@ -398,7 +398,7 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
     for draw in range(args.confirm_sim_draws):
         moved = jitter_arrivals(requests, args.confirm_sim_jitter_ms / 1000.0, draw_rng(args.seed, draw))
         simulation = Simulation(config, moved, hop_rng(args.seed, draw))
-        point = capacity.point_of(rate, simulation.run().summary, "sim")
+        point = point_of(rate, simulation.run().summary, "sim")
         p90s.append(point.ttft_p90_s)
         passes.append(point.meets(slo))
         hits.append(point.hit_rate)
@@ -622,7 +622,7 @@ async def _fleet_point(
             "sim_same_requests_ttft_p90_s": sim.ttft_p90_s,
             "sim_same_requests_meets_slo": sim.meets(_slo(args)),
             "sim_same_requests_hit_rate": sim.hit_rate,
-            "fleet_vs_sim_ttft_p90": capacity._ratio(p90, sim.ttft_p90_s),
+            "fleet_vs_sim_ttft_p90": ratio(p90, sim.ttft_p90_s),
             "vs_sim": agreement,
             "followers": followers(rows, groups, arrivals, block_tokens=block),
             "kvlb_receipts": run.prediction,
@@ -761,7 +761,7 @@ def write_png(report: dict[str, Any], path: Path) -> bool:
         sim = [(p["rate"], p["ttft_p90_s"]) for p in r.get("points", ()) if p.get("ttft_p90_s")]
         if sim:
             (line,) = axes.plot(*zip(*sim, strict=True), marker="o", label=r["name"])
-            fleet = [(p["rate"], p["ttft_p90_s"]) for p in capacity.routed_points(r) if p.get("ttft_p90_s")]
+            fleet = [(p["rate"], p["ttft_p90_s"]) for p in routed_points(r) if p.get("ttft_p90_s")]
             if fleet:
                 axes.scatter(*zip(*fleet, strict=True), s=80, facecolors="none", edgecolors=line.get_color())
     axes.axhline(report["slo"]["ttft_p90_s"], linestyle="--", color="black", label="SLO")
@@ -823,7 +823,7 @@ def run(args: argparse.Namespace) -> int:
     log(f"{len(stream.requests)} requests; base rate {stream.base_rate:.3g}/s; searching from {start:.3g}/s")
     searches: dict[str, Search] = {}
     saved_searches = (
-        capacity.searches_from_report(json.loads(args.searches_from.read_text("utf-8")))
+        searches_from_report(json.loads(args.searches_from.read_text("utf-8")))
         if args.searches_from is not None
         else {}
     )
@@ -835,7 +835,7 @@ def run(args: argparse.Namespace) -> int:
             log(f"{name}: search from {args.searches_from}: capacity {searches[name].capacity} req/s")
             continue
         measure = sim_measure(args, name, stream, log)
-        searches[name] = capacity.search(
+        searches[name] = search(
             functools.partial(measure, limit=None),
             slo,
             start,
@@ -900,7 +900,7 @@ def run(args: argparse.Namespace) -> int:
         "searches_from": str(args.searches_from) if args.searches_from is not None else None,
     }
     peers = [n for n in names if n in PEER_NAMES]
-    report = capacity.build_report(
+    report = build_report(
         meta,
         slo,
         searches,
@@ -913,13 +913,13 @@ def run(args: argparse.Namespace) -> int:
     )
     report["diagnosis"] = diagnosis
     (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
-    (out / "capacity.md").write_text(capacity.markdown(report), "utf-8")
-    (out / "ttft_vs_rate.svg").write_text(capacity.svg_plot(report), "utf-8")
+    (out / "capacity.md").write_text(markdown(report), "utf-8")
+    (out / "ttft_vs_rate.svg").write_text(svg_plot(report), "utf-8")
     png = write_png(report, out / "ttft_vs_rate.png")
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(capacity.markdown(report).split("## Every point")[0])
+        print(markdown(report).split("## Every point")[0])
     log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
     return 0
 
@@ -962,14 +962,14 @@ def _run_target(
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "slo_gate_rate": args.slo_gate,
     }
-    report = capacity.build_report(meta, slo, {"target": found}, [])
+    report = build_report(meta, slo, {"target": found}, [])
     (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
-    (out / "capacity.md").write_text(capacity.markdown(report), "utf-8")
-    (out / "ttft_vs_rate.svg").write_text(capacity.svg_plot(report), "utf-8")
+    (out / "capacity.md").write_text(markdown(report), "utf-8")
+    (out / "ttft_vs_rate.svg").write_text(svg_plot(report), "utf-8")
     png = write_png(report, out / "ttft_vs_rate.png")
     if args.json:
         print(json.dumps(report, indent=1))
     else:
-        print(capacity.markdown(report).split("## Every point")[0])
+        print(markdown(report).split("## Every point")[0])
     log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
     return gate(found, args, log)

@@ -19,8 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from loadtests.capacity import search as capacity
-from loadtests.capacity.search import RatePoint, Search, Slo
+from loadtests.capacity.search import RatePoint, Search, Slo, point_of, search
 from loadtests.driver import REPLICA_HEADER, run_open_loop
 from loadtests.runs import Progress
 from loadtests.target import EXIT_SLO_MISSED, first_model, parse_headers
@@ -70,7 +69,7 @@ def measure_target(
         finally:
             progress.close()
         summary = result.summary()
-        point = capacity.point_of(
+        point = point_of(
             rate, summary, "target", req_per_s=summary.req_per_s, replica_share=summary.replica_share
         )
         log(
@@ -106,7 +105,7 @@ def search_target(
     start: float,
     log: Callable[[str], None],
 ) -> Search:
-    return capacity.search(
+    return search(
         measure_target(args, specs_at, model_of(args), log),
         slo,
         start,

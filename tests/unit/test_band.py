@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-from loadtests.capacity import search as capacity
 from loadtests.capacity.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
 from loadtests.capacity.command import (
     _sim_rows,
@@ -19,6 +18,7 @@ from loadtests.capacity.command import (
     sim_decision_rows,
     sim_measure,
 )
+from loadtests.capacity.report import build_report, markdown
 from loadtests.capacity.search import Search, Slo
 from loadtests.simulate import SimRequest
 
@@ -114,12 +114,12 @@ def test_the_report_carries_the_band_and_both_capacities() -> None:
             {**b37, **verdict(b37, [2.2, 2.0], [False, True])},
         ]
     }
-    report = capacity.build_report({}, Slo(), {"kvlb": search}, [], bands=bands)
+    report = build_report({}, Slo(), {"kvlb": search}, [], bands=bands)
     (row,) = report["routers"]
     assert [b["rate"] for b in row["band"]] == [36.0, 36.9]
     assert row["band_capacity_sim"] == 36.0
     assert row["band_capacity_fleet"] is None  # fails 36.0, "passes" 36.9 in 1 of 2
-    text = capacity.markdown(report)
+    text = markdown(report)
     assert "## Against the simulator's spread" in text
     assert "| kvlb | 36 | 3 (±1 ms) | 1.7 | 1.5–3 | 0.67 | 1.5 | 2.1, 2.3 | 2.2 |" in text
     assert "| kvlb | 36.9 | 2 (±1 ms, hop ±15 ms) | 2.7 |" in text  # the hop's spread named when set

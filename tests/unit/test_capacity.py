@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from balancer import config
-from loadtests.capacity import search as capacity
 from loadtests.capacity.command import (
     Stream,
     confirm_order,
@@ -22,7 +21,8 @@ from loadtests.capacity.command import (
     sim_only,
     sim_router,
 )
-from loadtests.capacity.search import RatePoint, Slo
+from loadtests.capacity.report import build_report, markdown, svg_plot
+from loadtests.capacity.search import RatePoint, Search, Slo, search, searches_from_report
 from loadtests.driver import RunResult
 from loadtests.peers import parse_router
 from loadtests.processes import EmulatorHandle, kvlb_config
@@ -46,7 +46,7 @@ def test_search_brackets_then_bisects_to_the_knee() -> None:
         calls.append(rate)
         return _point(rate, 0.5 if rate <= 30.0 else 5.0)  # a hard knee at 30 req/s
 
-    found = capacity.search(measure, Slo(), 10.0, growth=1.5, rel_tol=0.02)
+    found = search(measure, Slo(), 10.0, growth=1.5, rel_tol=0.02)
     assert found.capacity is not None and found.first_fail is not None
     assert found.capacity <= 30.0 < found.first_fail
     assert found.first_fail / found.capacity <= 1.02
@@ -55,11 +55,11 @@ def test_search_brackets_then_bisects_to_the_knee() -> None:
 
 
 def test_search_steps_down_when_the_first_rate_fails_and_reports_none_below_everything() -> None:
-    found = capacity.search(lambda r: _point(r, 0.5 if r <= 3.0 else 9.0), Slo(), 100.0, rel_tol=0.05)
+    found = search(lambda r: _point(r, 0.5 if r <= 3.0 else 9.0), Slo(), 100.0, rel_tol=0.05)
     assert found.capacity is not None and found.capacity <= 3.0 < (found.first_fail or 0)
-    never = capacity.search(lambda r: _point(r, 9.0), Slo(), 10.0, max_points=5)
+    never = search(lambda r: _point(r, 9.0), Slo(), 10.0, max_points=5)
     assert never.capacity is None and len(never.points) == 5
-    always = capacity.search(lambda r: _point(r, 0.1), Slo(), 10.0, max_points=4)
+    always = search(lambda r: _point(r, 0.1), Slo(), 10.0, max_points=4)
     assert always.first_fail is None and always.capacity == pytest.approx(10.0 * 1.5**3)
 
 
@@ -76,8 +76,8 @@ def test_slo_checks_p90_p99_and_errors() -> None:
     assert parse_seconds("2s") == 2.0 and parse_seconds("500ms") == 0.5 and parse_seconds("3") == 3.0
 
 
-def _search(knee: float) -> capacity.Search:
-    return capacity.search(lambda r: _point(r, 0.5 if r <= knee else 5.0, cached=int(r)), Slo(), 8.0)
+def _search(knee: float) -> Search:
+    return search(lambda r: _point(r, 0.5 if r <= knee else 5.0, cached=int(r)), Slo(), 8.0)
 
 
 def test_report_ratios_to_round_robin_and_the_best_peer_and_saved_prefill() -> None:
@@ -87,7 +87,7 @@ def test_report_ratios_to_round_robin_and_the_best_peer_and_saved_prefill() -> N
         "sglang_cache_aware": _search(32.0),
     }
     saved = {name: 2 * int(s.capacity or 0) for name, s in searches.items()}
-    report = capacity.build_report({}, Slo(), searches, ["sglang_cache_aware"], oracle_saved=saved)
+    report = build_report({}, Slo(), searches, ["sglang_cache_aware"], oracle_saved=saved)
     rows = {r["name"]: r for r in report["routers"]}
     assert report["best_peer"] == "sglang_cache_aware"
     kvlb = rows["kvlb"]
@@ -100,17 +100,17 @@ def test_report_ratios_to_round_robin_and_the_best_peer_and_saved_prefill() -> N
     assert kvlb["prefill_saved_tokens"] == int(kvlb["capacity_rate"])
     assert kvlb["saved_vs_oracle"] == pytest.approx(0.5, rel=0.05)
     assert all(p["meets_slo"] == (p["ttft_p90_s"] <= 2.0) for p in kvlb["points"])
-    text = capacity.markdown(report)
+    text = markdown(report)
     assert "| kvlb |" in text and "## Every point" in text
-    svg = capacity.svg_plot(report)
+    svg = svg_plot(report)
     assert svg.startswith("<svg") and svg.count("<polyline") == 3 and "SLO 2 s" in svg
 
 
 def test_invalid_router_is_a_row_with_the_reason_not_a_figure() -> None:
-    report = capacity.build_report(
+    report = build_report(
         {}, Slo(), {"kvlb": _search(10.0)}, [], invalid={"sglang_cache_aware": "invalid run: HTTP 422 x400"}
     )
-    text = capacity.markdown(report)
+    text = markdown(report)
     assert "| sglang_cache_aware | invalid: invalid run: HTTP 422 x400 |" in text
 
 
@@ -138,8 +138,8 @@ def test_a_router_with_more_than_one_percent_errors_is_invalid_with_the_reason()
 
 def test_searches_round_trip_through_a_saved_report() -> None:
     searches = {"kvlb": _search(40.0), "round_robin": _search(20.0)}
-    report = capacity.build_report({}, Slo(), searches, [])
-    again = capacity.searches_from_report(json.loads(json.dumps(report)))
+    report = build_report({}, Slo(), searches, [])
+    again = searches_from_report(json.loads(json.dumps(report)))
     assert again == searches
 
 
