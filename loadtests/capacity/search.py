@@ -24,6 +24,16 @@ Source = Literal["sim", "fleet", "target"]
 """Where a point was measured: the simulator, the emulated fleet, or a deployed endpoint (``--target``)."""
 
 
+def parse_seconds(text: str | None) -> float | None:
+    """``2s``, ``500ms``, ``2`` → seconds."""
+    if text is None:
+        return None
+    raw = text.strip().lower()
+    if raw.endswith("ms"):
+        return float(raw[:-2]) / 1000.0
+    return float(raw.removesuffix("s"))
+
+
 @dataclass(frozen=True, slots=True)
 class Slo:
     """What a rate must meet."""

@@ -10,16 +10,10 @@ from typing import Any
 import pytest
 
 from loadtests.capacity.band import band_capacity, band_of, draw_rng, hop_rng, jitter_arrivals, verdict
-from loadtests.capacity.command import (
-    _sim_rows,
-    build_stream,
-    register,
-    sim_band,
-    sim_decision_rows,
-    sim_measure,
-)
+from loadtests.capacity.command import build_stream, register
 from loadtests.capacity.report import build_report, markdown
 from loadtests.capacity.search import Search, Slo
+from loadtests.capacity.simulated import sim_band, sim_decision_rows, sim_measure, sim_rows_of
 from loadtests.simulate import SimRequest
 
 
@@ -175,7 +169,7 @@ def test_the_simulations_decisions_are_kept_in_the_fleets_shape() -> None:
     assert len(rows) == 60 and sorted(r["request_id"] for r in rows) == sorted(s.request_id for s in specs)
     # each row's replica is the one the simulation's record went to, under the fleet's name
     by_id = {s.request_id: i for i, s in enumerate(specs)}
-    placed = {r.index: r.replica for r in _sim_rows(result, specs, fleet)}
+    placed = {r.index: r.replica for r in sim_rows_of(result, specs, fleet)}
     assert all(placed[by_id[r["request_id"]]] == r["decision"]["replica"] for r in rows)
     assert {r["decision"]["replica"] for r in rows} == set(fleet)
     first = rows[0]["decision"]

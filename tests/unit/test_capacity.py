@@ -12,17 +12,10 @@ import pytest
 import yaml
 
 from balancer import config
-from loadtests.capacity.command import (
-    Stream,
-    confirm_order,
-    parse_seconds,
-    sim_config,
-    sim_measure,
-    sim_only,
-    sim_router,
-)
+from loadtests.capacity.confirm import confirm_order
 from loadtests.capacity.report import build_report, markdown, svg_plot
-from loadtests.capacity.search import RatePoint, Search, Slo, search, searches_from_report
+from loadtests.capacity.search import RatePoint, Search, Slo, parse_seconds, search, searches_from_report
+from loadtests.capacity.simulated import Stream, sim_config, sim_measure, sim_only, sim_router
 from loadtests.driver import RunResult
 from loadtests.peers import parse_router
 from loadtests.processes import EmulatorHandle, kvlb_config

@@ -11,7 +11,7 @@ import yaml
 
 from balancer import config
 from balancer.cli.main import build_parser
-from loadtests.capacity.command import kvlb_workers
+from loadtests.capacity.confirm import kvlb_workers
 from loadtests.capacity.report import markdown
 from loadtests.kvlb_timers import MODEL_TIME_SETTINGS, fleet_sets, fleet_sets_of, model_time_sets
 

@@ -1,0 +1,320 @@
+"""``kvlb capacity --confirm``: the bracketing rates on the emulated fleet, each next to a simulation (I/O).
+
+:func:`confirm_order` (pure) orders the fleet runs. :func:`confirm_on_fleet` starts the emulated fleet
+(:mod:`loadtests.processes`), runs each router at each rate with ``kvlb loadtest``'s machinery
+(:mod:`loadtests.runs`) on the same requests as a simulation of them
+(:mod:`loadtests.capacity.simulated`), compares the two request by request
+(:mod:`loadtests.capacity.agreement`) and judges the router's repeats against the simulator's band
+(:mod:`loadtests.capacity.band`). It writes each run's per-request rows to ``requests/`` and, with
+``--confirm-save-decisions``, the decisions to ``decisions/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
+from loadtests.capacity.band import verdict
+from loadtests.capacity.report import ratio
+from loadtests.capacity.search import RatePoint, Search
+from loadtests.capacity.simulated import (
+    Assignment,
+    Stream,
+    sim_band,
+    sim_decision_rows,
+    sim_measure,
+    sim_only,
+    sim_rows_of,
+    slo_of,
+)
+from loadtests.kvlb_timers import fleet_sets_of
+from loadtests.peers import RouterSpec, parse_router, replay_router
+from loadtests.simulate import SimResult
+from loadtests.stats import send_lag
+from loadtests.workloads import RequestSpec
+from replicas.sim.profiles import PROFILES
+
+
+def kvlb_workers(args: argparse.Namespace) -> int | None:
+    """The fleet's kvlb ``--workers``: ``--kvlb-workers``, 0 meaning kvlb's own default (``None``)."""
+    return args.kvlb_workers if args.kvlb_workers else None
+
+
+def confirm_order(
+    names: Sequence[str], rates_of: dict[str, list[float]], repeats: int, *, interleave: bool
+) -> list[tuple[str, float, int]]:
+    """The fleet runs of a confirmation as ``(router, rate, repeat)`` in the order they run. By
+    default one router's points after another's, each point's repeats in a row. With ``interleave``
+    (every router confirming the same rates), rate by rate, each repeat runs the routers in turn,
+    forwards on even repeats and backwards on odd ones: two routers, three repeats give A B B A A B,
+    so a drift in the machine's load falls on every router alike."""
+    if not interleave:
+        return [(name, rate, k) for name in names for rate in rates_of[name] for k in range(repeats)]
+    rates = rates_of[names[0]] if names else []
+    if any(rates_of[name] != rates for name in names):
+        raise ValueError("--confirm-interleave needs the same rates for every router (--confirm-rates)")
+    order: list[tuple[str, float, int]] = []
+    for rate in rates:
+        for k in range(repeats):
+            turn = names if k % 2 == 0 else list(reversed(names))
+            order += [(name, rate, k) for name in turn]
+    return order
+
+
+async def confirm_on_fleet(
+    args: argparse.Namespace,
+    stream: Stream,
+    searches: dict[str, Search],
+    out: Path,
+    log: Callable[[str], None],
+) -> tuple[dict[str, list[RatePoint]], dict[str, str], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Each router's bracketing rates (or ``--confirm-rates``) on the emulated fleet, each next to a
+    simulation of the same requests, ``--confirm-repeats`` times; with ``--confirm-replay``, each kvlb
+    router's simulated assignment also runs on the fleet without a router. Returns the points (a
+    replay's under its router, ``fleet_router`` ``replay:<name>``), the invalid routers with their
+    reasons, the processes, and per router each rate's band (:func:`sim_band` with the :func:`verdict`
+    of the router's own runs; none with ``--confirm-sim-draws 0``). Per-request rows of every run go to
+    ``out/requests/``."""
+    from loadtests.processes import EmulatorOptions, start_emulator
+    from loadtests.runs import DriveOptions
+
+    fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]
+    names = [name for name in searches if not sim_only(name)]
+    rates_of = {
+        name: fixed_rates
+        or [r for r in (searches[name].capacity, searches[name].first_fail) if r is not None]
+        for name in names
+    }
+    # before the fleet starts: an order that cannot interleave stops here, with nothing to clean up
+    order = confirm_order(names, rates_of, args.confirm_repeats, interleave=args.confirm_interleave)
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (out / "requests").mkdir(parents=True, exist_ok=True)
+    options = EmulatorOptions(
+        replicas=args.replicas,
+        profile=args.profile,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        time_scale=args.time_scale,
+        processes=args.processes,
+    )
+    log(f"starting {args.replicas} emulated replicas ({args.profile}) ...")
+    fleet = await start_emulator(options, logs)
+    confirmed: dict[str, list[RatePoint]] = {}
+    invalid: dict[str, str] = {}
+    processes: list[dict[str, Any]] = []
+    bands: dict[str, list[dict[str, Any]]] = {}
+    drive = DriveOptions(
+        seed=args.seed,
+        max_duration_s=900.0,
+        kvlb_sets=fleet_sets_of(args).all,
+        kvlb_workers=kvlb_workers(args),
+        catch_up=not args.confirm_no_catch_up,
+    )
+    limit = min(args.confirm_requests, len(stream.specs))
+    prepared: dict[tuple[str, float], dict[str, Any]] = {}
+    given_up: set[tuple[str, float]] = set()
+    try:
+        for name, rate, repeat in order:
+            if name in invalid or (name, rate) in given_up:
+                continue
+            spec = parse_router(name)
+            point_of = prepared.get((name, rate))
+            if point_of is None:
+                kept: list[SimResult] = []
+                save_sim = args.confirm_save_decisions and spec.kind == "kvlb"
+                sim = sim_measure(args, name, stream, lambda _: None, keep=kept, keep_decisions=save_sim)(
+                    rate, limit
+                )
+                specs = stream.specs_at(rate, limit, 1.0 / args.time_scale)
+                sim_rows = sim_rows_of(kept[0], specs, fleet.names)
+                _write_rows(out / "requests" / f"{_slug(name)}-{rate:g}-sim.jsonl", sim_rows)
+                if save_sim:
+                    (out / "decisions").mkdir(exist_ok=True)
+                    rows = sim_decision_rows(kept[0], specs, fleet.names)
+                    text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in rows)
+                    (out / "decisions" / f"{_slug(name)}-{rate:g}-sim.jsonl").write_text(text, "utf-8")
+                band = None
+                if args.confirm_sim_draws > 0:
+                    band = sim_band(args, name, stream, rate, limit)
+                    log(f"  {band['draws']} draws (±{band['jitter_ms']:g} ms, "
+                        f"hop ±{band['hop_jitter_ms']:g} ms): TTFT p90 median "
+                        f"{_num(band['ttft_p90_median_s'])} s, {_num(band['ttft_p90_min_s'])}-"
+                        f"{_num(band['ttft_p90_max_s'])} s, pass share {band['pass_share']:.2f}")  # fmt: skip
+                replay = None
+                if args.confirm_replay and spec.kind == "kvlb":
+                    assignment = {s.request_id: r.replica for s, r in zip(specs, sim_rows, strict=True)}
+                    replay = (replay_router(name), assignment)
+                point_of = {"sim": sim, "specs": specs, "sim_rows": sim_rows, "band": band, "replay": replay}
+                prepared[(name, rate)] = point_of
+            sim, specs, sim_rows = point_of["sim"], point_of["specs"], point_of["sim_rows"]
+            # the router's run and the replay alternate, so a change in the machine's load hits both
+            runs: list[tuple[RouterSpec, Assignment | None]] = [(spec, None)]
+            if point_of["replay"] is not None:
+                runs.append(point_of["replay"])
+            for router, assigned in runs:
+                point, reason, process = await _fleet_point(
+                    args, router, rate, specs, sim, sim_rows, fleet, drive, logs, assigned, log
+                )
+                if process is not None:
+                    processes.append({"name": router.name, "pid": process[0], "exit_code": process[1]})
+                if reason is not None:
+                    invalid[name] = reason
+                if point is None:
+                    given_up.add((name, rate))
+                    break
+                extra = {**point.extra, "repeat": repeat}
+                slug = f"{_slug(router.name)}-{rate:g}-fleet-{repeat}.jsonl"
+                _write_rows(out / "requests" / slug, extra.pop("rows"))
+                decision_rows = extra.pop("decision_rows", None)
+                if decision_rows is not None:
+                    (out / "decisions").mkdir(exist_ok=True)
+                    text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in decision_rows)
+                    (out / "decisions" / slug).write_text(text, "utf-8")
+                point = dataclasses.replace(point, extra=extra)
+                confirmed.setdefault(name, []).append(point)
+        for (name, rate), point_of in prepared.items():
+            band = point_of["band"]
+            if band is not None:
+                runs_here = [p for p in confirmed.get(name, ()) if p.rate == rate]
+                own = [p for p in runs_here if p.extra["fleet_router"] == name]
+                judged = verdict(band, [p.ttft_p90_s for p in own], [p.meets(slo_of(args)) for p in own])
+                bands.setdefault(name, []).append(
+                    {**band, "sim_single_ttft_p90_s": point_of["sim"].ttft_p90_s, **judged}
+                )
+    finally:
+        children = list(fleet.children)
+        await fleet.stop()
+        processes += [{"name": c.name, "pid": c.pid, "exit_code": c.process.returncode} for c in children]
+    return confirmed, invalid, processes, bands
+
+
+async def _fleet_point(
+    args: argparse.Namespace,
+    router: RouterSpec,
+    rate: float,
+    specs: list[RequestSpec],
+    sim: RatePoint,
+    sim_rows: list[RequestRow],
+    fleet: Any,
+    drive: Any,
+    logs: Path,
+    assignment: Assignment | None,
+    log: Callable[[str], None],
+) -> tuple[RatePoint | None, str | None, tuple[int, int] | None]:
+    """One fleet run of ``specs`` at ``rate`` through ``router`` (a replay with ``assignment``), as a
+    point next to the simulation ``sim`` of the same requests; ``(None, reason, …)`` when it failed."""
+    from loadtests.report import invalid_reason
+    from loadtests.runs import run_router
+
+    log(f"fleet: {router.name} @ {rate:.3g}/s (model time), {len(specs)} requests ...")
+    load_before = _loadavg()
+    started = time.strftime("%H:%M:%S", time.gmtime())
+    pinned = None if assignment is None else {k: v for k, v in assignment.items() if v is not None}
+    save = args.confirm_save_decisions and router.kind == "kvlb"
+    run = await run_router(
+        router, fleet, specs, drive, logs, assignment=pinned, after_drive=_read_decisions if save else None
+    )
+    finished = time.strftime("%H:%M:%S", time.gmtime())
+    if run.status != "ok" or run.summary is None or run.result is None:
+        return None, f"{run.status}: {run.note}", run.process
+    reason = invalid_reason(run)
+    ts = args.time_scale
+    s = run.summary
+    lag = send_lag(run.result.records)
+    index_of = {spec.request_id: i for i, spec in enumerate(specs)}
+    rows = rows_of(run.result.records, index_of, ts)
+    block = PROFILES[args.profile].page_size
+    agreement = compare(sim_rows, rows, block_tokens=block)
+    groups = [q.tag("tenant") if q.tag("tenant") is not None else q.session_id for q in specs]
+    arrivals = [(q.arrival_s or 0.0) * ts for q in specs]
+    p90 = None if s.ttft_p90_s is None else s.ttft_p90_s * ts
+    point = RatePoint(
+        rate=rate,
+        source="fleet",
+        requests=s.requests,
+        errors=s.requests - s.ok,
+        ttft_p50_s=None if s.ttft_p50_s is None else s.ttft_p50_s * ts,
+        ttft_p90_s=p90,
+        ttft_p99_s=None if s.ttft_p99_s is None else s.ttft_p99_s * ts,
+        hit_rate=s.hit_rate,
+        prompt_tokens=s.prompt_tokens,
+        cached_tokens=s.cached_tokens,
+        extra={
+            "fleet_router": router.name,
+            "sim_same_requests_ttft_p90_s": sim.ttft_p90_s,
+            "sim_same_requests_meets_slo": sim.meets(slo_of(args)),
+            "sim_same_requests_hit_rate": sim.hit_rate,
+            "fleet_vs_sim_ttft_p90": ratio(p90, sim.ttft_p90_s),
+            "vs_sim": agreement,
+            "followers": followers(rows, groups, arrivals, block_tokens=block),
+            "kvlb_receipts": run.prediction,
+            "sim_followers": followers(sim_rows, groups, arrivals, block_tokens=block),
+            # the emulators' loops behind their model over the run, summed over replicas (model s)
+            "emulator_timing": {
+                key: sum(d.get(key, 0) for d in run.replica_delta.values())
+                for key in (
+                    "steps_total",
+                    "step_late_model_s_total",
+                    "step_slips_total",
+                    "step_slip_model_s_total",
+                )
+            },
+            "wall_s": run.wall_s,
+            "utc": f"{started}-{finished}",
+            "load_1m": [load_before, _loadavg()],
+            # the client's lag in model time, and the rate it really sent (model req/s)
+            "client_lag_p90_s": None if lag is None else lag.p90_s * ts,
+            "client_lag_max_s": None if lag is None else lag.max_s * ts,
+            "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
+            "client_behind": None if lag is None else lag.behind,
+            "rows": rows,
+            **_saved_decisions(run.after_drive if save else None),
+        },
+    )
+    same_replica, same_cached = agreement["same_replica_share"] or 0, agreement["same_cached_share"] or 0
+    log(f"  p90 {p90 or float('nan'):.3f} s (sim {sim.ttft_p90_s or float('nan'):.3f}), hit rate "
+        f"{s.hit_rate or 0:.3f} (sim {sim.hit_rate or 0:.3f}), same replica {same_replica:.3f}, "
+        f"same cached {same_cached:.3f}")  # fmt: skip
+    return point, reason, run.process
+
+
+def _saved_decisions(saved: dict[str, Any] | None) -> dict[str, Any]:
+    """A point's ``decisions`` figures and its ``decision_rows`` (written to ``decisions/``, then
+    dropped from the point) from :func:`_read_decisions`'s answer; nothing without one."""
+    if saved is None:
+        return {}
+    counts = {"saved": len(saved["decisions"]), "missing": saved["missing"], "error": saved.get("error")}
+    return {"decisions": counts, "decision_rows": saved["decisions"]}
+
+
+async def _read_decisions(session: Any, url: str) -> dict[str, Any]:
+    """The ``after_drive`` of ``--confirm-save-decisions``: the router's decision ring."""
+    from loadtests.runs import kvlb_decisions
+
+    return await kvlb_decisions(session, url)
+
+
+def _write_rows(path: Path, rows: Sequence[RequestRow]) -> None:
+    path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows), "utf-8")
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in name)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
