@@ -30,16 +30,16 @@ import aiohttp
 import yaml
 
 from loadtests.faults.soak import add_soak_arguments, soak_campaign
-from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
-from loadtests.oracle import prefix_reuse_bound
-from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
-from loadtests.processes import (
+from loadtests.fleet.processes import (
     EmulatorHandle,
     EmulatorOptions,
     attach_emulator,
     read_capacity,
     start_emulator,
 )
+from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
+from loadtests.oracle import prefix_reuse_bound
+from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
 from loadtests.report import build_report, write_json, write_markdown, write_records
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all

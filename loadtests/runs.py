@@ -25,8 +25,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.driver import RouteFn, RunResult, run_closed_loop, run_open_loop
-from loadtests.peers import RouterSpec, peer_available
-from loadtests.processes import (
+from loadtests.fleet.processes import (
     Child,
     EmulatorHandle,
     flush,
@@ -35,6 +34,7 @@ from loadtests.processes import (
     wait_caught_up,
     wait_idle,
 )
+from loadtests.peers import RouterSpec, peer_available
 from loadtests.stats import RequestRecord, Summary
 from loadtests.workloads.base import RequestSpec
 

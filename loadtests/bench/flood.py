@@ -49,7 +49,7 @@ import zmq
 
 from loadtests.bench.overhead.report import percentile
 from loadtests.bench.redis_bench import _wait_up, start_redis
-from loadtests.child_process import Child, spawn, stop_all
+from loadtests.fleet.child_process import Child, spawn, stop_all
 from replicas.wire.sglang import KvEventEncoder
 
 TARGETS = {"p99_ratio_max": 2.0, "leases_lost": 0, "rss_settled_ratio_max": 1.2}

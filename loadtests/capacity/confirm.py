@@ -1,7 +1,7 @@
 """``kvlb capacity --confirm``: the bracketing rates on the emulated fleet, each next to a simulation (I/O).
 
 :func:`confirm_order` (pure) orders the fleet runs. :func:`confirm_on_fleet` starts the emulated fleet
-(:mod:`loadtests.processes`), runs each router at each rate with ``kvlb loadtest``'s machinery
+(:mod:`loadtests.fleet.processes`), runs each router at each rate with ``kvlb loadtest``'s machinery
 (:mod:`loadtests.runs`) on the same requests as a simulation of them
 (:mod:`loadtests.capacity.simulated`), compares the two request by request
 (:mod:`loadtests.capacity.agreement`) and judges the router's repeats against the simulator's band
@@ -82,7 +82,7 @@ async def confirm_on_fleet(
     reasons, the processes, and per router each rate's band (:func:`sim_band` with the :func:`verdict`
     of the router's own runs; none with ``--confirm-sim-draws 0``). Per-request rows of every run go to
     ``out/requests/``."""
-    from loadtests.processes import EmulatorOptions, start_emulator
+    from loadtests.fleet.processes import EmulatorOptions, start_emulator
     from loadtests.runs import DriveOptions
 
     fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]

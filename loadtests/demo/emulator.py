@@ -25,8 +25,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtests.child_process import Child, spawn
 from loadtests.emulate import BALANCER_TOKENIZERS
+from loadtests.fleet.child_process import Child, spawn
 from replicas.emulator import Emulator, EmulatorSpec, template_config
 from replicas.sim.profiles import Profile, get_profile
 from replicas.sim.tokenizer import DEFAULT_TOKENIZER

@@ -34,10 +34,10 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtests.child_process import Child, spawn, stop_all
 from loadtests.demo.emulator import demo_profile, start_emulator
 from loadtests.demo.report import verdict
 from loadtests.driver import run_open_loop
+from loadtests.fleet.child_process import Child, spawn, stop_all
 from loadtests.stats import RequestRecord
 from loadtests.workloads import RequestSpec, TenantsWorkload, poisson_arrivals, with_arrivals
 

@@ -29,8 +29,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtests.fleet.processes import EmulatorOptions, read_capacity, start_emulator
 from loadtests.peers import RouterSpec, parse_router
-from loadtests.processes import EmulatorOptions, read_capacity, start_emulator
 from loadtests.runs import DriveOptions, RouterRun, run_router
 
 WHATIF_TIMEOUT_S = 120.0

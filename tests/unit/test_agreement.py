@@ -8,7 +8,7 @@ import random
 import pytest
 
 from loadtests.capacity.agreement import RequestRow, best_relabelling, compare, followers, rows_of
-from loadtests.processes import EmulatorHandle
+from loadtests.fleet.processes import EmulatorHandle
 from loadtests.runs import pinned_route
 from loadtests.stats import RequestRecord
 from loadtests.workloads import RequestSpec

@@ -17,8 +17,8 @@ from loadtests.capacity.report import build_report, markdown, svg_plot
 from loadtests.capacity.search import RatePoint, Search, Slo, parse_seconds, search, searches_from_report
 from loadtests.capacity.simulated import Stream, sim_config, sim_measure, sim_only, sim_router
 from loadtests.driver import RunResult
+from loadtests.fleet.processes import EmulatorHandle, kvlb_config
 from loadtests.peers import parse_router
-from loadtests.processes import EmulatorHandle, kvlb_config
 from loadtests.report import invalid_reason, router_entry
 from loadtests.runs import RouterRun
 from loadtests.simulate import SimResult, workload_requests

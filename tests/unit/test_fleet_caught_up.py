@@ -1,10 +1,11 @@
-"""``loadtests.processes.caught_up``: when a kvlb's index has taken every event a flushed fleet published."""
+"""``loadtests.fleet.processes.caught_up``: when a kvlb's index has taken every event a flushed fleet
+published."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loadtests.processes import caught_up
+from loadtests.fleet.processes import caught_up
 
 
 def view(name: str, blocks: int = 0, queued: int = 0, seqs: tuple[int | None, ...] = (5,)) -> dict[str, Any]:

@@ -101,7 +101,7 @@ from loadtests.bench.overhead.workload import (
     Prompts,
     build_prompts,
 )
-from loadtests.child_process import Child, stop_all, tree_cpu_seconds
+from loadtests.fleet.child_process import Child, stop_all, tree_cpu_seconds
 
 __all__ = [
     "KINDS",

@@ -35,8 +35,8 @@ import aiohttp
 import yaml
 from aiohttp import web
 
-from loadtests import processes
-from loadtests.child_process import Child, spawn
+from loadtests.fleet import processes
+from loadtests.fleet.child_process import Child, spawn
 from loadtests.peers import PEER_ENV, RouterSpec, peer_available, peer_command
 from replicas.sim.ports import free_port_run
 

@@ -4,10 +4,10 @@ Everything is a child process started here and stopped here, by its own pid: SIG
 wait, then SIGKILL. Each child prints one JSON line when it is ready (the fleet its replica listing,
 kvlb ``{"kvlb": "serving"}``); peers print nothing useful, so readiness is polled over HTTP.
 
-The fleet runs in ``processes`` children (``python -m loadtests.emulator_child``: ``kvlb emulate`` plus the
-profile overrides and event flavour ``kvlb emulate`` lacks). Or :func:`attach_emulator` uses a running
-fleet from its listing (``kvlb emulate … > fleet.jsonl``); it must be SGLang replicas (flush, events,
-``/admin/stats``).
+The fleet runs in ``processes`` children (``python -m loadtests.fleet.emulator_child``: ``kvlb emulate``
+plus the profile overrides and event flavour ``kvlb emulate`` lacks). Or :func:`attach_emulator` uses a
+running fleet from its listing (``kvlb emulate … > fleet.jsonl``); it must be SGLang replicas (flush,
+events, ``/admin/stats``).
 """
 
 from __future__ import annotations
@@ -162,7 +162,12 @@ async def start_emulator(options: EmulatorOptions, logs: Path) -> EmulatorHandle
     try:
         for index in range(processes):
             count = per_child + (1 if index < extra else 0)
-            argv = [sys.executable, "-m", "loadtests.emulator_child", *_child_args(options, offset, count)]
+            argv = [
+                sys.executable,
+                "-m",
+                "loadtests.fleet.emulator_child",
+                *_child_args(options, offset, count),
+            ]
             child = await spawn(f"fleet-{index}", argv, logs, ready_key='"replicas"', env=os.environ)
             handle.children.append(child)
             handle.replicas.extend(child.info["replicas"])

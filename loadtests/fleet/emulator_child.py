@@ -1,6 +1,6 @@
 """Child process of a load-test fleet: ``kvlb emulate`` with the overrides a load test needs (I/O).
 
-``python -m loadtests.emulator_child --replicas N --index-offset I --profile P [--engine vllm]`` runs N
+``python -m loadtests.fleet.emulator_child --replicas N --index-offset I --profile P [--engine vllm]`` runs N
 emulated SGLang (or vLLM) replicas on this process's event loop, prints the fleet listing (one JSON line,
 as ``kvlb emulate``) and runs until SIGTERM. Beyond ``kvlb emulate`` it takes ``--kv-capacity-tokens``
 (a pool small enough for a workload to overflow one replica), ``--max-context-tokens`` and
@@ -26,7 +26,7 @@ from replicas.wire.sglang import KvEventEncoder
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtests.emulator_child", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m loadtests.fleet.emulator_child", description=__doc__)
     parser.add_argument("--replicas", type=int, default=1)
     parser.add_argument("--index-offset", type=int, default=0)
     parser.add_argument("--profile", choices=sorted(PROFILES), default="h100-llama3-8b")
