@@ -337,9 +337,7 @@ def run(args: argparse.Namespace) -> int:
     if args.confirm:
         confirmed, invalid, processes, bands = asyncio.run(confirm_on_fleet(args, stream, searches, out, log))
     meta = {
-        "command": "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
-        if "capacity" in sys.argv
-        else "kvlb capacity",
+        "command": _command_line(),
         "started": started,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "workload": {"name": workload.name, **dataclasses.asdict(workload)},  # type: ignore[call-overload]
@@ -380,15 +378,7 @@ def run(args: argparse.Namespace) -> int:
         bands=bands,
     )
     report["diagnosis"] = diagnosis
-    (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
-    (out / "capacity.md").write_text(markdown(report), "utf-8")
-    (out / "ttft_vs_rate.svg").write_text(svg_plot(report), "utf-8")
-    png = write_png(report, out / "ttft_vs_rate.png")
-    if args.json:
-        print(json.dumps(report, indent=1))
-    else:
-        print(markdown(report).split("## Every point")[0])
-    log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
+    _write_report(args, report, out, log)
     return 0
 
 
@@ -409,9 +399,7 @@ def _run_target(
         print(f"kvlb capacity: {exc}", file=sys.stderr)
         return 1
     meta = {
-        "command": "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
-        if "capacity" in sys.argv
-        else "kvlb capacity",
+        "command": _command_line(),
         "started": started,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "target": args.target,
@@ -422,6 +410,25 @@ def _run_target(
         "slo_gate_rate": args.slo_gate,
     }
     report = build_report(meta, slo, {"target": found}, [])
+    _write_report(args, report, out, log)
+    return gate(found, args, log)
+
+
+def _command_line() -> str:
+    """This run's command line as the report's ``meta.command``."""
+    return (
+        "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
+        if "capacity" in sys.argv
+        else "kvlb capacity"
+    )
+
+
+def _write_report(
+    args: argparse.Namespace, report: dict[str, Any], out: Path, log: Callable[[str], None]
+) -> None:
+    """The report's files in ``out`` (``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg``, and
+    ``ttft_vs_rate.png`` with matplotlib), and on stdout the JSON (``--json``) or the markdown's
+    summary."""
     (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
     (out / "capacity.md").write_text(markdown(report), "utf-8")
     (out / "ttft_vs_rate.svg").write_text(svg_plot(report), "utf-8")
@@ -431,4 +438,3 @@ def _run_target(
     else:
         print(markdown(report).split("## Every point")[0])
     log(f"report: {out}/capacity.md, capacity.json, ttft_vs_rate.svg" + (", ttft_vs_rate.png" if png else ""))
-    return gate(found, args, log)
