@@ -25,8 +25,8 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtests.driver import RouteFn, RunResult, run_closed_loop, run_open_loop
+from loadtests.fleet.child_process import Child
 from loadtests.fleet.processes import (
-    Child,
     EmulatorHandle,
     flush,
     replica_stats,

@@ -49,7 +49,7 @@ import zmq
 
 from loadtests.bench.overhead.report import percentile
 from loadtests.bench.redis_bench import _wait_up, start_redis
-from loadtests.fleet.child_process import Child, spawn, stop_all
+from loadtests.fleet.child_process import Child, python_module, spawn, stop_all
 from replicas.wire.sglang import KvEventEncoder
 
 TARGETS = {"p99_ratio_max": 2.0, "leases_lost": 0, "rss_settled_ratio_max": 1.2}
@@ -321,7 +321,10 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
         try:
             module = "loadtests.bench.overhead.servers"
             upstream = await spawn(
-                "upstream", module, ["upstream", "--ports", "2"], log_dir=folder, ready_key="bench_server"
+                "upstream",
+                python_module(module, "upstream", "--ports", "2"),
+                folder / "upstream.stderr",
+                ready_key="bench_server",
             )
             children.append(upstream)
             config = folder / "kvlb.yaml"
@@ -333,8 +336,10 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
                 stack.callback(redis_process.kill)
                 await _wait_up(redis_url)
             config.write_text(yaml.safe_dump(kvlb_config(urls, events_port, redis_url)))
-            argv = ["serve", "--config", str(config), "--workers", str(shape.workers)]
-            kvlb = await spawn("kvlb", "balancer", argv, log_dir=folder, ready_key="kvlb")
+            argv = python_module(
+                "balancer", "serve", "--config", str(config), "--workers", str(shape.workers)
+            )
+            kvlb = await spawn("kvlb", argv, folder / "kvlb.stderr", ready_key="kvlb")
             children.append(kvlb)
             url = str(kvlb.info["url"])
             seq = 0

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtests.emulate import BALANCER_TOKENIZERS
-from loadtests.fleet.child_process import Child, spawn
+from loadtests.fleet.child_process import Child, python_module, spawn
 from replicas.emulator import Emulator, EmulatorSpec, template_config
 from replicas.sim.profiles import Profile, get_profile
 from replicas.sim.tokenizer import DEFAULT_TOKENIZER
@@ -65,10 +65,11 @@ async def start_emulator(
     offset = 0
     for index in range(processes):
         count = per_child + (1 if index < extra else 0)
-        args = ["--replicas", str(count), "--index-offset", str(offset), *common]
-        pending.append(
-            spawn(f"fleet-{index}", "loadtests.demo.emulator", args, log_dir=log_dir, ready_key="replicas")
+        argv = python_module(
+            "loadtests.demo.emulator", "--replicas", str(count), "--index-offset", str(offset), *common
         )
+        name = f"fleet-{index}"
+        pending.append(spawn(name, argv, log_dir / f"{name}.stderr", ready_key="replicas"))
         offset += count
     listings: list[dict[str, Any]] = []
     results = await asyncio.gather(*pending, return_exceptions=True)

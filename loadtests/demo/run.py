@@ -37,7 +37,7 @@ import yaml
 from loadtests.demo.emulator import demo_profile, start_emulator
 from loadtests.demo.report import verdict
 from loadtests.driver import run_open_loop
-from loadtests.fleet.child_process import Child, spawn, stop_all
+from loadtests.fleet.child_process import Child, python_module, spawn, stop_all
 from loadtests.stats import RequestRecord
 from loadtests.workloads import RequestSpec, TenantsWorkload, poisson_arrivals, with_arrivals
 
@@ -184,9 +184,8 @@ class Demo:
         config = self.log_dir / "kvlb.yaml"
         config.write_text(yaml.safe_dump(kvlb_settings(self.model, self.fleet, self.admin_token)))
         config.chmod(0o600)  # it holds the admin token
-        kvlb = await spawn(
-            "kvlb", "balancer", ["serve", "--config", str(config)], log_dir=self.log_dir, ready_key="kvlb"
-        )
+        argv = python_module("balancer", "serve", "--config", str(config))
+        kvlb = await spawn("kvlb", argv, self.log_dir / "kvlb.stderr", ready_key="kvlb")
         self.children.append(kvlb)
         self.kvlb_url = str(kvlb.info["url"])
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0))

@@ -1,30 +1,29 @@
 """Real processes for fault runs: ``kvlb emulate`` replicas and ``kvlb serve`` (I/O).
 
 Every child gets fixed ports chosen up front, so a killed replica can be started again on the same
-ports (as an orchestrator would restart it). Children are stopped by PID only (SIGTERM, then SIGKILL
-after a bounded wait); stderr goes to a file under the run's directory for post-mortems. Used by the
-soak mode of ``kvlb loadtest`` and by ``tests/faults``.
+ports (as an orchestrator would restart it). Each start is a :mod:`loadtests.fleet.child_process`
+child, stopped by PID only (SIGCONT, SIGTERM, then SIGKILL after a bounded wait); stderr goes to a
+file under the run's directory for post-mortems. Used by the soak mode of ``kvlb loadtest`` and by
+``tests/faults``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 import os
 import signal
 import socket
-import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from loadtests.fleet import child_process
 from replicas.sim.ports import free_port_run
 
 START_TIMEOUT_S = 40.0
-STOP_TIMEOUT_S = 10.0
+"""How long a replica or kvlb may take to print its JSON line."""
 MODEL = "sim-test"
 BLOCK_SIZE = 4
 
@@ -45,50 +44,41 @@ def free_ports(count: int) -> list[int]:
 
 @dataclass
 class Child:
+    """A restartable child: ``python -m balancer <args>`` with its stderr appended to ``stderr``
+    across starts. Each :meth:`start` runs a fresh :class:`loadtests.fleet.child_process.Child`
+    (``running``); on top of it the fault rig's own needs: signals, SIGKILL, RSS and fds."""
+
     name: str
     args: list[str]
     stderr: Path
-    process: asyncio.subprocess.Process | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    running: child_process.Child | None = None
+    """The process of the last start (``None``: never started)."""
+
+    @property
+    def info(self) -> dict[str, Any]:
+        """The JSON line the last start announced."""
+        return {} if self.running is None else self.running.info
 
     @property
     def pid(self) -> int:
-        if self.process is None:
+        if self.running is None:
             raise RuntimeError(f"{self.name} was never started")
-        return self.process.pid
+        return self.running.pid
 
     @property
     def alive(self) -> bool:
-        return self.process is not None and self.process.returncode is None
+        return self.running is not None and self.running.alive
 
     def log_tail(self, lines: int = 40) -> str:
-        text = self.stderr.read_text(errors="replace") if self.stderr.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
+        return child_process.log_tail(self.stderr, lines)
 
     async def start(self, ready_key: str) -> None:
+        """Start a fresh process and wait (bounded) for its JSON line holding ``"ready_key"``."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVLB_")}  # only the config file
-        with self.stderr.open("ab") as err:
-            self.process = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "balancer",
-                *self.args,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=err,
-                env=env,
-            )
-        assert self.process.stdout is not None
-        try:
-            async with asyncio.timeout(START_TIMEOUT_S):
-                while line := await self.process.stdout.readline():
-                    text = line.decode().strip()
-                    if text.startswith("{") and ready_key in text:
-                        self.info = json.loads(text)
-                        return
-        except TimeoutError:
-            pass
-        await self.stop()
-        raise RuntimeError(f"{self.name} did not start:\n{self.log_tail()}")
+        argv = child_process.python_module("balancer", *self.args)
+        self.running = await child_process.spawn(
+            self.name, argv, self.stderr, ready_key=ready_key, timeout_s=START_TIMEOUT_S, env=env, append=True
+        )
 
     def signal(self, sig: signal.Signals) -> None:
         """Send ``sig`` unless the child is gone. asyncio's child watcher reaps an exited child on
@@ -100,23 +90,16 @@ class Child:
 
     async def kill(self) -> None:
         """SIGKILL: no graceful close of anything."""
-        if self.alive:
-            assert self.process is not None
-            self.process.kill()
-            await self.process.wait()
+        if self.running is not None and self.alive:
+            self.running.process.kill()
+            await self.running.process.wait()
 
     async def stop(self) -> None:
-        if not self.alive:
+        """SIGCONT (a stopped child cannot handle SIGTERM), then the shared stop."""
+        if self.running is None or not self.alive:
             return
-        assert self.process is not None
-        self.signal(signal.SIGCONT)  # a stopped child cannot handle SIGTERM
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(STOP_TIMEOUT_S):
-                await self.process.wait()
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
+        self.signal(signal.SIGCONT)
+        await self.running.stop()
 
     def rss_bytes(self) -> int:
         """Resident set size from /proc (0 when the process is gone)."""

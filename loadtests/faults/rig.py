@@ -117,7 +117,7 @@ class FaultRig:
     async def restart_replica(self, name: str) -> None:
         """Start a killed replica again on its own ports (a fresh process: empty cache, seq 0)."""
         replica = self.replica(name)
-        await replica.start('"replicas"')
+        await replica.start("replicas")
         await self.wait_routable(name)
 
     async def wait_routable(self, name: str, timeout_s: float = 10.0, url: str | None = None) -> None:
@@ -157,14 +157,14 @@ async def fault_rig(
                 proxies[s.name] = DelayProxy(s.replay_port)
                 await proxies[s.name].start()
                 s.replay_via = proxies[s.name].port
-        await asyncio.gather(*(s.start('"replicas"') for s in sims))
+        await asyncio.gather(*(s.start("replicas") for s in sims))
         for number in range(kvlbs):
             extra = dict(top)
             if "redis" in top:
                 extra["redis"] = {**top["redis"], "instance_id": f"kvlb-{number}"}
             config = write_config(tmp, sims, name=f"kvlb-{number}", **extra)
             children.append(serve(tmp, config, f"kvlb-{number}"))
-        await asyncio.gather(*(child.start('"serving"') for child in children))
+        await asyncio.gather(*(child.start("serving") for child in children))
         async with aiohttp.ClientSession() as session:
             first = children[0]
             running = FaultRig(

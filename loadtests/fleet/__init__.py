@@ -5,8 +5,10 @@
   admin calls (flush, stats, caught up).
 - :mod:`loadtests.fleet.emulator_child`: one child of that fleet (``python -m
   loadtests.fleet.emulator_child``), ``kvlb emulate`` with the overrides a load test needs.
-- :mod:`loadtests.fleet.child_process`: the helper processes of ``kvlb demo`` and ``kvlb bench
-  overhead``.
+- :mod:`loadtests.fleet.child_process`: one child process (start with a bounded wait for its JSON
+  announcement, stop by SIGTERM then SIGKILL, stderr tail), used by all of the above, ``kvlb demo``,
+  ``kvlb bench overhead`` and the fault runs.
 
-The fault runs' processes are :mod:`loadtests.faults.procs` (fixed ports, restarts).
+The fault runs' processes are :mod:`loadtests.faults.procs` (fixed ports, restarts, signals), built on
+:mod:`loadtests.fleet.child_process`.
 """

@@ -1,10 +1,17 @@
-"""Helper processes of ``kvlb demo`` and ``kvlb bench overhead`` (I/O).
+"""The load tools' child processes (I/O): one :class:`Child`, :func:`spawn` and :meth:`Child.stop`.
 
-A :class:`Child` is a ``python -m <module> ...`` process that announces itself with one JSON line on
-stdout (``{"kvlb": "serving", "url": ...}`` for ``kvlb serve``, ``{"replicas": [...]}`` for
-``kvlb emulate``). :func:`spawn` waits a bounded time for that line; :func:`stop` always ends the process
-(SIGTERM, then SIGKILL after a bounded wait). Stderr goes to a file so a failure can show its tail.
-:func:`cpu_seconds` reads a process's user + system CPU time from ``/proc`` (Linux).
+A child is a process started from an argv (:func:`python_module` builds ``python -m <module> ...``)
+with its stderr in a file, so a failure can show its tail (:meth:`Child.log_tail`). With a
+``ready_key``, :func:`spawn` waits a bounded time for the child to announce itself with one JSON line
+on stdout holding that key (``{"kvlb": "serving", "url": ...}`` for ``kvlb serve``, ``{"replicas":
+[...]}`` for ``kvlb emulate``); a child that exits or stays silent first is stopped and
+:class:`ChildFailed` raised. :meth:`Child.stop` always ends the process, by its own pid (SIGTERM, then
+SIGKILL after a bounded wait). :func:`cpu_seconds` reads a process's user + system CPU time from
+``/proc`` (Linux).
+
+Used by ``kvlb demo``, ``kvlb bench overhead`` and ``flood``, the load test's fleet and routers
+(:mod:`loadtests.fleet.processes`) and the fault rig (:mod:`loadtests.faults.procs`, which adds
+restarts, signals and ``/proc`` readings on top).
 """
 
 from __future__ import annotations
@@ -15,25 +22,41 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 START_TIMEOUT_S = 60.0
-"""How long a child may take to print its JSON line (it may load a tokenizer first)."""
+"""How long a child may take to print its JSON line by default (it may load a tokenizer first)."""
 STOP_TIMEOUT_S = 10.0
 """How long a child may take to exit after SIGTERM before it is killed."""
+LOG_TAIL_LINES = 20
+"""How many stderr lines a failure shows by default."""
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class ChildFailed(RuntimeError):
-    """A helper process exited or stayed silent before announcing itself."""
+    """A child process exited or stayed silent before announcing itself."""
+
+
+def python_module(module: str, *args: str) -> list[str]:
+    """The argv of ``python -m module args`` with this interpreter."""
+    return [sys.executable, "-m", module, *args]
+
+
+def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    """The last ``lines`` lines of the file at ``path`` (empty when it cannot be read)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
 
 
 @dataclass
 class Child:
-    """A started helper process and what it announced."""
+    """A started child process, its stderr file and the JSON it announced (empty without one)."""
 
     name: str
     process: asyncio.subprocess.Process
@@ -44,37 +67,63 @@ class Child:
     def pid(self) -> int:
         return self.process.pid
 
-    def log_tail(self, lines: int = 20) -> str:
+    @property
+    def alive(self) -> bool:
+        """Whether the event loop has not yet seen the process exit."""
+        return self.process.returncode is None
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
         """The last ``lines`` lines of the child's stderr (empty when there is none)."""
-        try:
-            text = self.stderr_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.stderr_path, lines)
+
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code. Safe to call twice."""
+        process = self.process
+        if process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.send_signal(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await process.wait()
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        assert process.returncode is not None
+        return process.returncode
 
 
 async def spawn(
     name: str,
-    module: str,
-    args: Sequence[str],
+    argv: Sequence[str],
+    stderr_path: Path,
     *,
-    log_dir: Path,
-    ready_key: str,
+    ready_key: str | None,
     timeout_s: float = START_TIMEOUT_S,
+    env: Mapping[str, str] | None = None,
+    append: bool = False,
 ) -> Child:
-    """Start ``python -m module args`` and wait for a JSON stdout line holding ``ready_key``."""
-    stderr_path = log_dir / f"{name}.stderr"
-    with stderr_path.open("wb") as err:
+    """Start ``argv`` with stderr to ``stderr_path`` (appended to with ``append``) and environment
+    ``env`` (``None``: this process's). With ``ready_key``, wait up to ``timeout_s`` for a JSON stdout
+    line holding ``"ready_key"`` (stopping the child and raising :class:`ChildFailed` when none
+    comes); without, stdout goes to the stderr file too and nothing is awaited."""
+    with stderr_path.open("ab" if append else "wb") as err:
         process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", module, *args, stdout=asyncio.subprocess.PIPE, stderr=err
+            *argv,
+            stdout=asyncio.subprocess.PIPE if ready_key is not None else err,
+            stderr=err,
+            env=dict(env) if env is not None else None,
         )
     child = Child(name, process, stderr_path)
+    if ready_key is None:
+        return child
     try:
         child.info = await _read_announcement(process, ready_key, timeout_s)
     except BaseException as exc:
-        await stop(child)
+        await child.stop()
         if isinstance(exc, Exception):
-            raise ChildFailed(f"{name} did not start: {exc}\n{child.log_tail()}") from None
+            reason = f"{name} did not start (pid {process.pid}): {exc}"
+            raise ChildFailed(f"{reason}\n{child.log_tail()}") from None
         raise
     return child
 
@@ -83,36 +132,22 @@ async def _read_announcement(
     process: asyncio.subprocess.Process, ready_key: str, timeout_s: float
 ) -> dict[str, Any]:
     assert process.stdout is not None
-    async with asyncio.timeout(timeout_s):
-        while line := await process.stdout.readline():
-            text = line.decode(errors="replace").strip()
-            if text.startswith("{") and f'"{ready_key}"' in text:
-                info: dict[str, Any] = json.loads(text)
-                return info
+    try:
+        async with asyncio.timeout(timeout_s):
+            while line := await process.stdout.readline():
+                text = line.decode(errors="replace").strip()
+                if text.startswith("{") and f'"{ready_key}"' in text:
+                    info: dict[str, Any] = json.loads(text)
+                    return info
+    except TimeoutError:
+        raise RuntimeError(f"no announcement within {timeout_s:g} s") from None
     raise RuntimeError(f"exited with code {await process.wait()} before announcing itself")
-
-
-async def stop(child: Child, timeout_s: float = STOP_TIMEOUT_S) -> int:
-    """SIGTERM, wait up to ``timeout_s``, then SIGKILL; returns the exit code. Safe to call twice."""
-    process = child.process
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError):
-            process.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(timeout_s):
-                await process.wait()
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
-            await process.wait()
-    assert process.returncode is not None
-    return process.returncode
 
 
 async def stop_all(children: Sequence[Child]) -> None:
     """Stop every child (in reverse start order); never raises for one that is already gone."""
     for child in reversed(children):
-        await stop(child)
+        await child.stop()
 
 
 def cpu_seconds(pid: int) -> float:

@@ -1,8 +1,9 @@
 """Processes of a load test: the emulated fleet, ``kvlb serve`` and the peers (I/O).
 
-Everything is a child process started here and stopped here, by its own pid: SIGTERM, a bounded
-wait, then SIGKILL. Each child prints one JSON line when it is ready (the fleet its replica listing,
-kvlb ``{"kvlb": "serving"}``); peers print nothing useful, so readiness is polled over HTTP.
+Everything is a child process (:mod:`loadtests.fleet.child_process`) started here and stopped here,
+by its own pid: SIGTERM, a bounded wait, then SIGKILL. Each child prints one JSON line when it is
+ready (the fleet its replica listing, kvlb ``{"kvlb": "serving"}``); peers print nothing useful, so
+readiness is polled over HTTP.
 
 The fleet runs in ``processes`` children (``python -m loadtests.fleet.emulator_child``: ``kvlb emulate``
 plus the profile overrides and event flavour ``kvlb emulate`` lacks). Or :func:`attach_emulator` uses a
@@ -13,10 +14,8 @@ events, ``/admin/stats``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
-import signal
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,80 +25,17 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtests.fleet.child_process import Child, spawn, stop_all
 from loadtests.peers import PEER_ENV, RouterSpec, peer_command
 from replicas.sim.ports import free_port_run
 
 START_TIMEOUT_S = 90.0
 """How long a child may take to print its ready line (the tokenizer loads in it)."""
-STOP_TIMEOUT_S = 10.0
-"""How long a child may take to exit after SIGTERM before SIGKILL."""
 READY_TIMEOUT_S = 60.0
 """How long a router may take to see every replica (healthy, registered)."""
 IDLE_TIMEOUT_S = 120.0
 """How long the fleet may take to finish leftover requests before a flush."""
 HTTP_TIMEOUT_S = 10.0
-
-
-@dataclass
-class Child:
-    """A started child process, its stderr log and the JSON of its ready line."""
-
-    name: str
-    process: asyncio.subprocess.Process
-    log_path: Path
-    info: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    def log_tail(self, lines: int = 20) -> str:
-        text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def stop(self) -> int:
-        """SIGTERM, bounded wait, SIGKILL; returns the exit code."""
-        process = self.process
-        if process.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                process.send_signal(signal.SIGTERM)
-            try:
-                async with asyncio.timeout(STOP_TIMEOUT_S):
-                    await process.wait()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    process.kill()
-                await process.wait()
-        return int(process.returncode or 0)
-
-
-async def spawn(
-    name: str, argv: Sequence[str], logs: Path, *, ready_key: str | None, env: Mapping[str, str] | None = None
-) -> Child:
-    """Start ``argv``; with ``ready_key``, wait (bounded) for a JSON stdout line containing it."""
-    log_path = logs / f"{name}.log"
-    with log_path.open("wb") as err:
-        process = await asyncio.create_subprocess_exec(
-            *argv,
-            stdout=asyncio.subprocess.PIPE if ready_key else err,
-            stderr=err,
-            env=dict(env) if env is not None else None,
-        )
-    child = Child(name, process, log_path)
-    if ready_key is None:
-        return child
-    assert process.stdout is not None
-    try:
-        async with asyncio.timeout(START_TIMEOUT_S):
-            while line := await process.stdout.readline():
-                text = line.decode(errors="replace").strip()
-                if text.startswith("{") and ready_key in text:
-                    child.info = json.loads(text)
-                    return child
-    except TimeoutError:
-        pass
-    await child.stop()
-    raise RuntimeError(f"{name} did not start (pid {process.pid}):\n{child.log_tail()}")
 
 
 # ------------------------------------------------------------------------------------------ fleet
@@ -148,8 +84,7 @@ class EmulatorHandle:
         return int(self.replicas[0]["block_size"])
 
     async def stop(self) -> None:
-        for child in reversed(self.children):
-            await child.stop()
+        await stop_all(self.children)
         self.children.clear()
 
 
@@ -168,7 +103,15 @@ async def start_emulator(options: EmulatorOptions, logs: Path) -> EmulatorHandle
                 "loadtests.fleet.emulator_child",
                 *_child_args(options, offset, count),
             ]
-            child = await spawn(f"fleet-{index}", argv, logs, ready_key='"replicas"', env=os.environ)
+            name = f"fleet-{index}"
+            child = await spawn(
+                name,
+                argv,
+                logs / f"{name}.log",
+                ready_key="replicas",
+                timeout_s=START_TIMEOUT_S,
+                env=os.environ,
+            )
             handle.children.append(child)
             handle.replicas.extend(child.info["replicas"])
             offset += count
@@ -371,7 +314,10 @@ async def start_router(
         argv += [arg for item in kvlb_sets for arg in ("--set", item)]
         if kvlb_workers is not None:
             argv += ["--workers", str(kvlb_workers)]
-        child = await spawn(_file_name(spec.name), argv, logs, ready_key='"serving"', env=os.environ)
+        name = _file_name(spec.name)
+        child = await spawn(
+            name, argv, logs / f"{name}.log", ready_key="serving", timeout_s=START_TIMEOUT_S, env=os.environ
+        )
         url = str(child.info["url"])
     else:
         port, metrics_port = free_port_run("127.0.0.1", 1), free_port_run("127.0.0.1", 1)
@@ -379,7 +325,7 @@ async def start_router(
             spec, port=port, metrics_port=metrics_port, replicas=fleet.replicas, model=fleet.model
         )
         env = {**os.environ, **PEER_ENV}
-        child = await spawn(spec.name, argv, logs, ready_key=None, env=env)
+        child = await spawn(spec.name, argv, logs / f"{spec.name}.log", ready_key=None, env=env)
         url = f"http://127.0.0.1:{port}"
     try:
         await _wait_router_ready(spec, url, fleet, child)

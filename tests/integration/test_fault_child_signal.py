@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from loadtests.faults.procs import Child
+from loadtests.fleet import child_process
 
 
 def _reaped(pid: int) -> bool:
@@ -19,7 +20,8 @@ def _reaped(pid: int) -> bool:
 
 async def test_signal_to_a_child_reaped_behind_the_loops_back(tmp_path: Path) -> None:
     child = Child("short", [], tmp_path / "short.err")
-    child.process = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    process = await asyncio.create_subprocess_exec(sys.executable, "-c", "pass")
+    child.running = child_process.Child("short", process, child.stderr)
     # Block the loop (no await) until the watcher thread has reaped the child: the loop has not yet
     # heard of the exit, so the child still looks alive while its PID no longer exists.
     deadline = time.monotonic() + 20.0
@@ -30,4 +32,4 @@ async def test_signal_to_a_child_reaped_behind_the_loops_back(tmp_path: Path) ->
     child.signal(signal.SIGCONT)
     await child.stop()
     assert not child.alive
-    assert child.process.returncode == 0
+    assert process.returncode == 0

@@ -36,7 +36,7 @@ import yaml
 from aiohttp import web
 
 from loadtests.fleet import processes
-from loadtests.fleet.child_process import Child, spawn
+from loadtests.fleet.child_process import Child, python_module, spawn
 from loadtests.peers import PEER_ENV, RouterSpec, peer_available, peer_command
 from replicas.sim.ports import free_port_run
 
@@ -170,7 +170,7 @@ class Servers:
     """More ``kvlb serve`` processes, ``kvlb_w<n>`` → the one started with ``--workers n``."""
     grpc_ports: dict[str, int] = field(default_factory=dict)
     """Each kvlb path (``kvlb``, ``kvlb_w<n>``) → its ``listen.grpc_port``."""
-    peers: dict[str, tuple[processes.Child, str]] = field(default_factory=dict)
+    peers: dict[str, tuple[Child, str]] = field(default_factory=dict)
     """Peer path name → (its process, its base URL)."""
     skipped: dict[str, str] = field(default_factory=dict)
     """Peer path name → why it is not measured (not installed)."""
@@ -244,30 +244,39 @@ async def start_servers(
     ``peers`` (call :meth:`Servers.stop_peers`; a peer that fails to start stops the others)."""
     module = __name__
     upstream = await spawn(
-        "upstream", module, ["upstream", "--ports", str(replicas)], log_dir=log_dir, ready_key="bench_server"
+        "upstream",
+        python_module(module, "upstream", "--ports", str(replicas)),
+        log_dir / "upstream.stderr",
+        ready_key="bench_server",
     )
     children.append(upstream)
     url = str(upstream.info["url"])
     upstream_urls = [str(u) for u in upstream.info["urls"]]
     forward = await spawn(
-        "forward", module, ["forward", "--upstream", url], log_dir=log_dir, ready_key="bench_server"
+        "forward",
+        python_module(module, "forward", "--upstream", url),
+        log_dir / "forward.stderr",
+        ready_key="bench_server",
     )
     children.append(forward)
     config = log_dir / "kvlb.yaml"
     config.write_text(yaml.safe_dump(kvlb_config(upstream_urls, replicas)))
     ports = {"kvlb": free_port_run("127.0.0.1", 1)}
 
-    def serve(name: str, count: int) -> list[str]:
+    async def serve(name: str, count: int) -> Child:
         grpc = f"listen.grpc_port={ports[name]}"
-        return ["serve", "--config", str(config), "--workers", str(count), "--set", grpc]
+        argv = python_module(
+            "balancer", "serve", "--config", str(config), "--workers", str(count), "--set", grpc
+        )
+        return await spawn(name, argv, log_dir / f"{name}.stderr", ready_key="kvlb")
 
-    kvlb = await spawn("kvlb", "balancer", serve("kvlb", workers[0]), log_dir=log_dir, ready_key="kvlb")
+    kvlb = await serve("kvlb", workers[0])
     children.append(kvlb)
     servers = Servers(upstream, forward, kvlb, grpc_ports=ports)
     for count in workers[1:]:
         name = f"kvlb_w{count}"
         ports[name] = free_port_run("127.0.0.1", 1)
-        child = await spawn(name, "balancer", serve(name, count), log_dir=log_dir, ready_key="kvlb")
+        child = await serve(name, count)
         children.append(child)
         servers.workers[name] = child
     try:
@@ -285,15 +294,14 @@ async def start_servers(
 PEER_READY_TIMEOUT_S = 30.0
 
 
-async def start_peer(
-    spec: RouterSpec, upstream_urls: Sequence[str], log_dir: Path
-) -> tuple[processes.Child, str]:
+async def start_peer(spec: RouterSpec, upstream_urls: Sequence[str], log_dir: Path) -> tuple[Child, str]:
     """Start peer ``spec`` in front of ``upstream_urls`` (the hub closed: :data:`PEER_ENV`); bounded wait
     until it lists every worker."""
     port, metrics_port = free_port_run("127.0.0.1", 1), free_port_run("127.0.0.1", 1)
     listing = [{"url": u} for u in upstream_urls]
     argv = peer_command(spec, port=port, metrics_port=metrics_port, replicas=listing, model=MODEL)
-    child = await processes.spawn(spec.name, argv, log_dir, ready_key=None, env={**os.environ, **PEER_ENV})
+    env = {**os.environ, **PEER_ENV}
+    child = await spawn(spec.name, argv, log_dir / f"{spec.name}.log", ready_key=None, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session, asyncio.timeout(PEER_READY_TIMEOUT_S):
