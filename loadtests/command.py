@@ -32,8 +32,8 @@ import yaml
 from loadtests.faults.soak import add_soak_arguments, soak_campaign
 from loadtests.fleet.processes import (
     EmulatorHandle,
-    EmulatorOptions,
     attach_emulator,
+    emulator_options,
     read_capacity,
     start_emulator,
 )
@@ -220,15 +220,8 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     if args.attach:
         fleet = attach_emulator(args.attach)
     else:
-        options = EmulatorOptions(
-            replicas=args.replicas,
-            profile=args.profile,
-            kv_capacity_tokens=args.kv_capacity_tokens,
-            max_context_tokens=args.max_context_tokens,
-            time_scale=args.time_scale,
-            processes=args.processes,
-            engine=args.engine,
-            event_flavor=_event_flavor(args.event_flavor, routers),
+        options = emulator_options(
+            args, engine=args.engine, event_flavor=_event_flavor(args.event_flavor, routers)
         )
         print(f"starting {args.replicas} {args.engine} replicas ({args.profile}) ...", file=sys.stderr)
         fleet = await start_emulator(options, logs)

@@ -82,7 +82,7 @@ async def confirm_on_fleet(
     reasons, the processes, and per router each rate's band (:func:`sim_band` with the :func:`verdict`
     of the router's own runs; none with ``--confirm-sim-draws 0``). Per-request rows of every run go to
     ``out/requests/``."""
-    from loadtests.fleet.processes import EmulatorOptions, start_emulator
+    from loadtests.fleet.processes import emulator_options, start_emulator
     from loadtests.runs import DriveOptions
 
     fixed_rates = None if args.confirm_rates is None else [float(r) for r in args.confirm_rates.split(",")]
@@ -97,13 +97,7 @@ async def confirm_on_fleet(
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (out / "requests").mkdir(parents=True, exist_ok=True)
-    options = EmulatorOptions(
-        replicas=args.replicas,
-        profile=args.profile,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        time_scale=args.time_scale,
-        processes=args.processes,
-    )
+    options = emulator_options(args)
     log(f"starting {args.replicas} emulated replicas ({args.profile}) ...")
     fleet = await start_emulator(options, logs)
     confirmed: dict[str, list[RatePoint]] = {}

@@ -13,6 +13,7 @@ events, ``/admin/stats``).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -60,6 +61,24 @@ class EmulatorOptions:
     """SGLang replicas only: the KV-event field set, ``sglang`` or ``vllm`` (a stopgap that adds
     ``lora_name`` etc. to SGLang replicas' events, for vllm-router's ``kv_aware``, which rejects events
     without ``lora_name``)."""
+
+
+def emulator_options(
+    args: argparse.Namespace, *, engine: str = "sglang", event_flavor: str = "sglang"
+) -> EmulatorOptions:
+    """The fleet of a command's parsed ``--replicas``, ``--profile``, ``--kv-capacity-tokens``,
+    ``--max-context-tokens`` (the profile's where the command has no such option), ``--time-scale``
+    and ``--processes``, of ``engine`` with ``event_flavor`` events."""
+    return EmulatorOptions(
+        replicas=args.replicas,
+        profile=args.profile,
+        kv_capacity_tokens=args.kv_capacity_tokens,
+        max_context_tokens=getattr(args, "max_context_tokens", None),
+        time_scale=args.time_scale,
+        processes=args.processes,
+        engine=engine,
+        event_flavor=event_flavor,
+    )
 
 
 @dataclass

@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtests.fleet.processes import EmulatorOptions, read_capacity, start_emulator
+from loadtests.fleet.processes import emulator_options, read_capacity, start_emulator
 from loadtests.peers import RouterSpec, parse_router
 from loadtests.runs import DriveOptions, RouterRun, run_router
 
@@ -209,15 +209,7 @@ async def whatif_campaign(args: argparse.Namespace, out: Path) -> int:
     candidate = candidate_router(policy, weights)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    options = EmulatorOptions(
-        replicas=args.replicas,
-        profile=args.profile,
-        kv_capacity_tokens=args.kv_capacity_tokens,
-        max_context_tokens=args.max_context_tokens,
-        time_scale=args.time_scale,
-        processes=args.processes,
-        event_flavor="sglang",
-    )
+    options = emulator_options(args, event_flavor="sglang")
     print(f"starting {args.replicas} replicas ({args.profile}) ...", file=sys.stderr)
     fleet = await start_emulator(options, logs)
     ring = max(10_000, 2 * args.requests)
