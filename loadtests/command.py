@@ -200,6 +200,24 @@ def _oracle(specs: Sequence[RequestSpec], fleet: EmulatorHandle) -> dict[str, An
     return result.to_dict()
 
 
+def drive_options(
+    args: argparse.Namespace, *, kvlb_sets: Sequence[str], kvlb_workers: int | None
+) -> DriveOptions:
+    """How each router of a fleet campaign is driven: the parsed ``--mode``, ``--concurrency``,
+    ``--max-duration-s``, ``--timeout-s``, ``--sample-interval-s`` and ``--seed``, with these kvlb
+    ``--set`` overrides and ``--workers``."""
+    return DriveOptions(
+        mode=args.mode,
+        concurrency=args.concurrency,
+        max_duration_s=args.max_duration_s,
+        timeout_s=args.timeout_s,
+        sample_interval_s=args.sample_interval_s,
+        seed=args.seed,
+        kvlb_sets=tuple(kvlb_sets),
+        kvlb_workers=kvlb_workers,
+    )
+
+
 def _event_flavor(choice: str, routers: Sequence[RouterSpec]) -> str:
     if choice != "auto":
         return choice
@@ -234,16 +252,7 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
         if not args.no_oracle:
             print(f"oracle over {len(specs)} prompts ...", file=sys.stderr)
             oracle = await asyncio.to_thread(_oracle, specs, fleet)
-        drive = DriveOptions(
-            mode=args.mode,
-            concurrency=args.concurrency,
-            max_duration_s=args.max_duration_s,
-            timeout_s=args.timeout_s,
-            sample_interval_s=args.sample_interval_s,
-            seed=args.seed,
-            kvlb_sets=kvlb_sets.all,
-            kvlb_workers=args.kvlb_workers,
-        )
+        drive = drive_options(args, kvlb_sets=kvlb_sets.all, kvlb_workers=args.kvlb_workers)
         runs = await run_all(routers, fleet, specs, drive, logs)
     finally:
         started = list(fleet.children)

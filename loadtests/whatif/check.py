@@ -31,7 +31,7 @@ import yaml
 
 from loadtests.fleet.processes import emulator_options, read_capacity, start_emulator
 from loadtests.peers import RouterSpec, parse_router
-from loadtests.runs import DriveOptions, RouterRun, run_router
+from loadtests.runs import RouterRun, run_router
 
 WHATIF_TIMEOUT_S = 120.0
 
@@ -201,7 +201,7 @@ def write_check(check: dict[str, Any], path: Path) -> None:
 
 async def whatif_campaign(args: argparse.Namespace, out: Path) -> int:
     """The two runs and the comparison (module docstring)."""
-    from loadtests.command import build_specs, build_workload
+    from loadtests.command import build_specs, build_workload, drive_options
 
     weights = _weights(args.whatif)
     policy = args.whatif_policy or args.whatif_base
@@ -213,21 +213,9 @@ async def whatif_campaign(args: argparse.Namespace, out: Path) -> int:
     print(f"starting {args.replicas} replicas ({args.profile}) ...", file=sys.stderr)
     fleet = await start_emulator(options, logs)
     ring = max(10_000, 2 * args.requests)
-    drive = DriveOptions(
-        mode=args.mode,
-        concurrency=args.concurrency,
-        max_duration_s=args.max_duration_s,
-        timeout_s=args.timeout_s,
-        sample_interval_s=args.sample_interval_s,
-        seed=args.seed,
-        # one worker: the decision ring is each worker's own, and the replay must see every decision
-        kvlb_workers=1,
-        kvlb_sets=(
-            *args.kvlb_set,
-            f"console.decision_ring_size={ring}",
-            f"console.whatif_max_entries={ring}",
-        ),
-    )
+    ring_sets = (f"console.decision_ring_size={ring}", f"console.whatif_max_entries={ring}")
+    # one worker: the decision ring is each worker's own, and the replay must see every decision
+    drive = drive_options(args, kvlb_sets=(*args.kvlb_set, *ring_sets), kvlb_workers=1)
     proposal: dict[str, Any] = {"weights": weights, "sample": 5}
     if args.whatif_policy:
         proposal["policy"] = args.whatif_policy

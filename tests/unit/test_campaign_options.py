@@ -1,12 +1,14 @@
 """The fleet (``emulator_options``) a command's parsed arguments start, for ``kvlb loadtest``, its
-what-if check and ``kvlb capacity --confirm``, with their real parsers."""
+what-if check and ``kvlb capacity --confirm``, and how the load test and the what-if check drive each
+router (``drive_options``), with their real parsers."""
 
 from __future__ import annotations
 
 import argparse
 
-from loadtests.command import register
+from loadtests.command import drive_options, register
 from loadtests.fleet.processes import EmulatorOptions, emulator_options
+from loadtests.runs import DriveOptions
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -44,4 +46,22 @@ def test_capacity_has_no_context_limit_flag_and_gets_the_profiles() -> None:
     options = emulator_options(args)
     assert options == EmulatorOptions(
         replicas=3, profile="cpu-test", kv_capacity_tokens=4096, time_scale=0.25, processes=3
+    )
+
+
+def test_drive_options_carry_the_drive_flags_and_the_given_kvlb_settings() -> None:
+    args = _parse(
+        "loadtest", "--mode", "closed", "--concurrency", "7", "--max-duration-s", "30", "--timeout-s", "9",
+        "--sample-interval-s", "0.25", "--seed", "11",
+    )  # fmt: skip
+    drive = drive_options(args, kvlb_sets=["a=1", "b=2"], kvlb_workers=1)
+    assert drive == DriveOptions(
+        mode="closed",
+        concurrency=7,
+        max_duration_s=30.0,
+        timeout_s=9.0,
+        sample_interval_s=0.25,
+        seed=11,
+        kvlb_sets=("a=1", "b=2"),
+        kvlb_workers=1,
     )
