@@ -299,5 +299,9 @@ def test_whatif_reproduces_decisions_made_with_the_ramps_memory() -> None:
     assert prior is not None and again.ramp_share is not None
     instant = (again.ramp_share - prior) * 2.0 + prior  # the decision's own share, from α = 1/2
     assert record.decision.ramp_share == pytest.approx(prior + (instant - prior) / 10.0)
+    assert not any("ramp_memory_decisions" in note for note in result.notes)
     off = replay("m", records, make_policy("cost"), PolicyWeights(), sample=5)
     assert off.changed > 0  # the memory changed decisions that the instant share decides otherwise
+    assert any(
+        note.startswith("300 of 300 decisions were made with another ramp_memory") for note in off.notes
+    )
