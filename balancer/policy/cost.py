@@ -191,8 +191,7 @@ class CostPolicy:
         chosen, terms = choose(terms, weights.temperature, rng)
         mode = "argmin" if weights.temperature == 0 else f"softmax T={weights.temperature:g}"
         reason = "; ".join([mode, *notes])
-        decision = decide(self.name, chosen, request, overlap, load, terms, reason)
-        return decision if averaged is None else replace(decision, ramp_share=averaged)
+        return decide(self.name, chosen, request, overlap, load, terms, reason, averaged)
 
 
 def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
