@@ -128,3 +128,7 @@ class Decision:
     terms: tuple[CostTerms, ...]
     dp_rank: int = 0
     reason: str = ""
+    ramp_share: float | None = None
+    """The cost policy's averaged share of replicas prefilling that this decision's credit read
+    (``PolicyWeights.ramp_memory_decisions``): the router keeps it as its new average when it
+    commits the decision. ``None`` when the ramp has no memory (or the policy no ramp)."""

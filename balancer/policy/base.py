@@ -68,6 +68,19 @@ class PolicyWeights:
     Known costs: before the index fix the fleet showed ``tenants`` past capacity with a TTFT p90
     1.1–2.0× and ``agent`` at half load an e2e p90 +8–11% ("Part 6"); "Part 23" re-measures them.
     ``None`` (with ``root_weight`` 0) restores the previous default exactly ("Part 24")."""
+    ramp_memory_decisions: float | None = None
+    """The memory of the credit's ramp, in decisions: the cost policy's credit reads an exponential
+    average of the share of eligible replicas with prefill in flight over this router's committed
+    decisions, ``average += (share − average) / N`` at each one (the first decision starts it at
+    its own share), instead of that decision's share alone; 0..10,000 decisions, or ``None``.
+    ``None`` or 0 (default) is off: the instant share, as before; at most 1 the average is the
+    instant share (the same decisions, with the averaged share in the credit note). The average
+    is kept by the routing shell per pool and process (each worker of ``kvlb serve --workers N``
+    and each kvlb of a Redis fleet averages its own decisions); only read while the credit ramps
+    (``overlap_credit_loaded`` set). A burst of arrivals then meets a credit that remembers the
+    fleet's recent load instead of one that swings with each first token: at 10 the simulated
+    ``agent`` lost the default's e2e p50 cost at half load and every simulated capacity was kept
+    (docs/policies.md "Part 27"). Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
@@ -239,6 +252,7 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "prefill_weight": WeightRange(0.0, 1e3),
         "overlap_credit": WeightRange(0.0, 4.0),
         "overlap_credit_loaded": WeightRange(0.0, 4.0),
+        "ramp_memory_decisions": WeightRange(0.0, 1e4),
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
         "interference_weight": WeightRange(0.0, 1.0),
@@ -260,7 +274,9 @@ from (config file, ``/admin/policy``, gRPC admin, ``x-kvlb-weights``, the Redis-
 through :meth:`PolicyWeights.validate`. The upper bounds are far above any useful value; they keep
 every cost term finite (at most about 1e3 × the blocks of a prompt and a backlog)."""
 
-OPTIONAL_WEIGHTS = frozenset({"overlap_credit_loaded", "kv_usage_ceiling", "imbalance_threshold_blocks"})
+OPTIONAL_WEIGHTS = frozenset(
+    {"overlap_credit_loaded", "ramp_memory_decisions", "kv_usage_ceiling", "imbalance_threshold_blocks"}
+)
 """The weights that may be ``None`` (their guard or ramp off)."""
 _OPTIONAL_FIELDS = OPTIONAL_WEIGHTS
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))
@@ -291,6 +307,11 @@ class RouteRequest:
     """Sticky-routing key (a header or the OpenAI ``user`` field), used by ``session``."""
     request_id: str | None = None
     """For logs only; no policy routes on it."""
+    ramp_share: float | None = None
+    """The average share of replicas prefilling over the router's earlier committed decisions (the
+    credit ramp's memory, ``PolicyWeights.ramp_memory_decisions``); ``None`` before the first one.
+    An input like the others: the decision ring keeps it, so a what-if replays the average as
+    the router had it."""
 
 
 @quick_init

@@ -77,8 +77,10 @@ def decide(
     load: LoadSnapshot,
     terms: Sequence[CostTerms],
     reason: str,
+    ramp_share: float | None = None,
 ) -> Decision:
-    """The :class:`Decision` for ``chosen``: predicted cached tokens = its overlap × block size."""
+    """The :class:`Decision` for ``chosen``: predicted cached tokens = its overlap × block size.
+    ``ramp_share``: the averaged busy share the cost policy's credit read (``Decision.ramp_share``)."""
     chosen_overlap = overlap_blocks(overlap, chosen, request.request_blocks)
     return Decision(
         replica=chosen,
@@ -89,4 +91,5 @@ def decide(
         terms=tuple(terms),
         dp_rank=overlap.best_rank.get(chosen, 0),
         reason=reason,
+        ramp_share=ramp_share,
     )

@@ -24,7 +24,10 @@ For each candidate replica ``r`` (lower is better)::
   spreads new contexts (a constant credit 2 gathered tool-use loops on the replicas holding their
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
-  estimates the fleet's prefill utilisation with no scale to configure.
+  estimates the fleet's prefill utilisation with no scale to configure. With
+  ``ramp_memory_decisions`` N (off by default) the ramp reads that share averaged over the
+  router's committed decisions instead (:class:`ShareAverage`, ``α = 1/N``): the router keeps the
+  average and passes it in (``RouteRequest.ramp_share``), the decision returns the advanced one.
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -109,7 +112,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Collection, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyWeights, RouteRequest
@@ -152,10 +155,18 @@ class CostPolicy:
         if no_credit:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
         credit = weights.overlap_credit
+        averaged: float | None = None
         if credit_ramps(weights) and weights.overlap_credit_loaded is not None:
             busy, share = busy_share([loads[r] for r in eligible])
-            credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
-            notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
+            memory = weights.ramp_memory_decisions
+            if memory:
+                averaged = averaged_share(request.ramp_share, share, memory)
+                credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, averaged)
+                prefilling = f"{busy}/{len(eligible)} replicas prefilling"
+                notes.append(f"credit {credit:.3g} ({prefilling}, averaged {averaged:.2f})")
+            else:
+                credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
+                notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
         roots: dict[ReplicaId, int] = {}
         fewest_roots = None
@@ -180,7 +191,7 @@ class CostPolicy:
         chosen, terms = choose(terms, weights.temperature, rng)
         mode = "argmin" if weights.temperature == 0 else f"softmax T={weights.temperature:g}"
         reason = "; ".join([mode, *notes])
-        return decide(self.name, chosen, request, overlap, load, terms, reason)
+        return decide(self.name, chosen, request, overlap, load, terms, reason, averaged)
 
 
 def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
@@ -214,6 +225,32 @@ def loaded_credit(credit: float, loaded: float, share: float) -> float:
     :data:`BUSY_START_SHARE`, ``loaded`` from :data:`BUSY_FULL_SHARE`, linear between."""
     ramp = (share - BUSY_START_SHARE) / (BUSY_FULL_SHARE - BUSY_START_SHARE)
     return credit + (loaded - credit) * min(1.0, max(0.0, ramp))
+
+
+@dataclass(frozen=True, slots=True)
+class ShareAverage:
+    """The credit ramp's memory (``PolicyWeights.ramp_memory_decisions``): an exponential average
+    of the busy share (:func:`busy_share`) over a router's committed decisions. A value: the
+    routing shell holds one per pool, gives its :attr:`share` to the policy with each request
+    (``RouteRequest.ramp_share``) and keeps the decision's advanced value when it commits it, so
+    planning changes nothing."""
+
+    share: float | None = None
+    """The average so far (0..1); ``None`` before the first decision."""
+
+    def advanced(self, share: float, memory_decisions: float) -> ShareAverage:
+        """The average after one more decision at ``share`` (:func:`averaged_share`)."""
+        return ShareAverage(averaged_share(self.share, share, memory_decisions))
+
+
+def averaged_share(previous: float | None, share: float, memory_decisions: float) -> float:
+    """The busy share averaged over decisions: ``previous + α · (share − previous)`` with ``α = 1 /
+    memory_decisions`` (1 at most: a memory below one decision is none); ``share`` itself when
+    there is no ``previous`` (the first decision)."""
+    if previous is None:
+        return share
+    alpha = 1.0 / max(1.0, memory_decisions)
+    return previous + alpha * (share - previous)
 
 
 def kv_guard(

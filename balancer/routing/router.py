@@ -17,7 +17,8 @@ counted in the pool's *reference* block size (the smallest block size in the poo
 policy compares like with like.
 
 :meth:`PoolRouter.plan` is side-effect free (it may only expire stale speculative entries inside the
-table). :meth:`PoolRouter.commit` reserves load and adds speculative index entries afterwards, and
+table). :meth:`PoolRouter.commit` reserves load, keeps the decision's averaged busy share (the credit
+ramp's memory, :attr:`PoolRouter.ramp_average`) and adds speculative index entries afterwards, and
 :meth:`PoolRouter.release` undoes the reservation when the request ends or is cancelled.
 
 Speculative entries live in two phases. Until the request's first token the engine has not finished
@@ -47,6 +48,7 @@ from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadCounts, LoadSnapshot, LoadTracker
 from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
+from balancer.policy.cost import ShareAverage
 from balancer.routing.receipts import ReceiptBook, Settled, read_receipt
 from balancer.types import BlockKey, Decision, EngineHash, Overlap, ReplicaId
 
@@ -233,6 +235,11 @@ class PoolRouter:
         self._hash_trust: dict[ReplicaId, tuple[int, int]] = {}
         """Per replica with ``block_hashes``: (blocks matched, receipts checked); matched -1 once
         a computed hash contradicted the engine's events (never trusted again)."""
+        self.ramp_average = ShareAverage()
+        """The credit ramp's memory (``PolicyWeights.ramp_memory_decisions``): the average busy share
+        over this router's committed decisions. :meth:`plan` gives it to the policy and stores
+        nothing; :meth:`commit` keeps the committed decision's advanced average. Per process:
+        each worker and each kvlb of a fleet averages its own decisions."""
 
     @property
     def reference_block_size(self) -> int:
@@ -467,6 +474,7 @@ class PoolRouter:
             prompt_tokens=len(token_ids),
             session_key=session_key,
             request_id=request_id,
+            ramp_share=self.ramp_average.share,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, roots)
         snapshot = self.load_snapshot(now)
@@ -510,7 +518,8 @@ class PoolRouter:
         speculative_ttl_s: float,
         pending_ttl_s: float | None = None,
     ) -> bool:
-        """Reserve the request's load and add speculative entries; ``False`` if the id is taken.
+        """Reserve the request's load, keep the decision's averaged busy share as the ramp's memory
+        (:attr:`ramp_average`) and add speculative entries; ``False`` if the id is taken.
 
         The entries are held for ``pending_ttl_s`` (default: ``speculative_ttl_s``) until the first
         token, then for ``speculative_ttl_s``."""
@@ -518,6 +527,8 @@ class PoolRouter:
         reserved = self.tracker().reserve(
             request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
         )
+        if reserved and plan.decision.ramp_share is not None:
+            self.ramp_average = ShareAverage(plan.decision.ramp_share)
         space = self.space_of.get(replica)
         if reserved and space is not None and plan.keys:
             self._note_routes(space, plan, now)

@@ -18,6 +18,9 @@ would have produced. Each record's prefix matches and load are those of the traf
 actually routed; a change that moves a prefix to another replica would, from then on, find that
 replica warm and the first one colder, and its load higher. The replay scores each decision alone
 on the recorded state, so it predicts the first-order effect of a change, not the new steady state.
+The credit ramp's memory (``ramp_memory_decisions``) is one such state: each record keeps the
+average the router had before it (``RouteRequest.ramp_share``), so another memory is replayed on
+the history's averages, one decision at a time.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ def replay(
     before, after = _Side(), _Side()
     replicas: dict[ReplicaId, None] = {}
     prompt_tokens = changed = 0
-    other_config = 0
+    other_config = other_memory = 0
     changes: list[tuple[DecisionRecord, Decision]] = []
     rng = ReplayRng(len(records))
     for i, record in enumerate(records):
@@ -172,6 +175,7 @@ def replay(
         after.add(decision)
         if record.policy != policy.name or record.weights != weights:
             other_config += 1
+            other_memory += record.weights.ramp_memory_decisions != weights.ramp_memory_decisions
         if decision.replica != record.decision.replica:
             changed += 1
             changes.append((record, decision))
@@ -209,7 +213,7 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(n, other_config, policy, weights),
+        notes=_notes(n, other_config, policy, weights, other_memory),
     )
 
 
@@ -234,7 +238,7 @@ def _side_json(decision: Decision) -> dict[str, Any]:
     }
 
 
-def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights) -> list[str]:
+def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights, other_memory: int) -> list[str]:
     notes = [
         "static replay: each decision is re-scored on the prefix matches and load recorded when it was "
         "made; the cache and load that different decisions would have produced are not modelled, so "
@@ -246,6 +250,12 @@ def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights) ->
         notes.append(
             f"{other_config} of {n} decisions were made under another policy or other weights than the "
             "ones replayed (a policy change in the window, or an x-kvlb-weights override)"
+        )
+    if other_memory:
+        notes.append(
+            f"{other_memory} of {n} decisions were made with another ramp_memory_decisions: each is "
+            "replayed from the average busy share the router had recorded before it (the history's "
+            "averages), not the averages the replayed memory would have carried from decision to decision"
         )
     if policy.name == "round_robin":
         notes.append("round_robin is replayed from a fresh rotation")

@@ -85,7 +85,14 @@ from balancer.load.tracker import (
 )
 from balancer.policy.base import PolicyWeights
 from balancer.policy.common import TIE_TOLERANCE
-from balancer.policy.cost import base_load, cache_pressure, credit_ramps, loaded_credit, root_charge_prompts
+from balancer.policy.cost import (
+    ShareAverage,
+    base_load,
+    cache_pressure,
+    credit_ramps,
+    loaded_credit,
+    root_charge_prompts,
+)
 from balancer.policy.registry import make_policy
 from balancer.routing.router import KeySpace, PoolRouter, RoutePlan
 from balancer.types import ReplicaId
@@ -257,6 +264,9 @@ class SimRouter:
         """When ``_ramp``: per replica (open, open and prefilling), as last counted."""
         self._open_count = self._prefilling_count = 0
         self._ramped: dict[float, PolicyWeights] = {}
+        self.ramp_average = ShareAverage()
+        """When ``_ramp`` with ``ramp_memory_decisions``: the average busy share over the committed
+        decisions (the service's :attr:`PoolRouter.ramp_average`, counted over the whole fleet)."""
         for replica in self.replicas:
             self._touch(replica, 0.0)
 
@@ -270,16 +280,29 @@ class SimRouter:
             return lambda load: float(load.request_load)
         return None
 
-    def plan_weights(self) -> PolicyWeights:
+    def planned_average(self) -> ShareAverage | None:
+        """The ramp's average after this decision (``ramp_memory_decisions``; ``None`` when off):
+        :attr:`ramp_average` advanced by the fleet's busy share, stored only when the decision is
+        committed (:meth:`route`), as the service's router does."""
+        memory = self.weights.ramp_memory_decisions
+        if not self._ramp or not memory:
+            return None
+        share = self._prefilling_count / self._open_count if self._open_count else 0.0
+        return self.ramp_average.advanced(share, memory)
+
+    def plan_weights(self, averaged: ShareAverage | None = None) -> PolicyWeights:
         """The weights the policy is given. With the load-dependent credit and a pruned candidate
         list the policy would count the prefilling share over the pruned list only, so the share
         is counted here over every open replica (what the policy sees in full: the ramp prunes only
         without the KV-usage ceiling, so eligible = open) and the policy gets that decision's credit
-        as a constant, with which the pruning is exact."""
+        as a constant, with which the pruning is exact. ``averaged``: the ramp's memory after this
+        decision (:meth:`planned_average`), whose share replaces the instant one."""
         weights = self.weights
         if not self._ramp:
             return weights
         share = self._prefilling_count / self._open_count if self._open_count else 0.0
+        if averaged is not None and averaged.share is not None:
+            share = averaged.share
         credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded or 0.0, share)
         ramped = self._ramped.get(credit)
         if ramped is None:
@@ -492,12 +515,13 @@ class SimRouter:
             raise Overloaded(f"every replica has {self.cap} requests in flight", 1.0)
         self.counters.candidates += len(candidates)
         self.tracker.focus = candidates
+        averaged = self.planned_average()
         try:
             plan = self.router.plan(
                 token_ids,
                 candidates,
                 self.policy,
-                self.plan_weights(),
+                self.plan_weights(averaged),
                 self.rng,
                 now,
                 session_key=session_key,
@@ -510,7 +534,11 @@ class SimRouter:
         finally:
             self.tracker.focus = None
         replica = plan.decision.replica
-        self.router.commit(plan, request_id, now, self.speculative_ttl_s, pending_ttl_s=self.pending_ttl_s)
+        committed = self.router.commit(
+            plan, request_id, now, self.speculative_ttl_s, pending_ttl_s=self.pending_ttl_s
+        )
+        if committed and averaged is not None:
+            self.ramp_average = averaged
         self.inflight[replica] += 1
         self._touch(replica, now)
         return plan
