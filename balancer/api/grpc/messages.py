@@ -285,6 +285,7 @@ def decision_message(decision: Decision) -> pb.Decision:
         terms=[_terms_message(t) for t in decision.terms],
         dp_rank=decision.dp_rank,
         reason=decision.reason,
+        ramp_share=decision.ramp_share,
     )
 
 
