@@ -9,7 +9,9 @@ the first content chunk, the gaps between content chunks, usage (with
 - :func:`run_open_loop` sends each spec at its ``arrival_s`` (give specs without one a schedule with
   :func:`~loadtests.workloads.base.with_arrivals` and :func:`poisson_arrivals`). When
   ``concurrency_cap`` requests are in flight the next one waits; its record keeps the planned
-  ``scheduled_s`` beside the real ``start_s`` so the lag shows.
+  ``scheduled_s`` beside the real ``start_s`` so the lag shows, and :attr:`RunResult.slot_waits`
+  counts the launches that waited. A cap below the schedule's own in-flight peak (its rate × the
+  requests' e2e) turns the open loop partly closed: the sent rate then follows how fast requests end.
 - :func:`run_closed_loop` runs ``users`` workers that each send a request, wait for its end, and take
   the next. Requests of one ``session_id`` run in order, one at a time.
 
@@ -59,6 +61,9 @@ class RunResult:
     duration_s: float
     stop_reason: StopReason
     """``max_duration`` when the time limit ended launching or cut the drain, else why launching ended."""
+    slot_waits: int = 0
+    """Open loop: launches that found ``concurrency_cap`` requests in flight and waited for one to
+    end (their lag includes the wait; the cap's overflow count). Always 0 in the closed loop."""
 
     def summary(self, replicas: Iterable[str] = ()) -> Summary:
         return summarize(self.records, self.duration_s, replicas=replicas)
@@ -86,6 +91,7 @@ class _Runner:
         self.t0 = time.monotonic()
         self.records: list[RequestRecord] = []
         self.launched = 0
+        self.slot_waits = 0
         self.stop_reason: StopReason = "specs"
 
     def now_s(self) -> float:
@@ -210,7 +216,7 @@ async def _drive(
             raise
         duration_s = runner.now_s()
     records = tuple(sorted(runner.records, key=lambda r: (r.start_s, r.request_id)))
-    return RunResult(mode, records, duration_s, runner.stop_reason)
+    return RunResult(mode, records, duration_s, runner.stop_reason, runner.slot_waits)
 
 
 def _options(
@@ -281,6 +287,8 @@ async def run_open_loop(
             delay_s = spec.arrival_s - runner.now_s()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
+            if slots.locked():
+                runner.slot_waits += 1
             await slots.acquire()
             group.create_task(send_and_release(runner, spec, spec.arrival_s))
             runner.launched += 1

@@ -47,6 +47,15 @@ def kvlb_workers(args: argparse.Namespace) -> int | None:
     return args.kvlb_workers if args.kvlb_workers else None
 
 
+def open_loop_cap(base_cap: int, requests: int) -> int:
+    """The client's in-flight cap for a confirmation of ``requests`` requests: at least ``requests``,
+    so it never holds a launch back. The simulation beside each run has no client cap; a cap below
+    the schedule's in-flight peak (its rate × the requests' e2e, which does not change with
+    ``--time-scale``) makes launches wait for requests to end, and the fleet is offered less than the
+    simulation (docs/loadtest.md, "The client's send lag"). Bounded by ``--confirm-requests``."""
+    return max(base_cap, requests)
+
+
 def confirm_order(
     names: Sequence[str], rates_of: dict[str, list[float]], repeats: int, *, interleave: bool
 ) -> list[tuple[str, float, int]]:
@@ -104,14 +113,15 @@ async def confirm_on_fleet(
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
     bands: dict[str, list[dict[str, Any]]] = {}
+    limit = min(args.confirm_requests, len(stream.specs))
     drive = DriveOptions(
+        concurrency=open_loop_cap(DriveOptions().concurrency, limit),
         seed=args.seed,
         max_duration_s=900.0,
         kvlb_sets=fleet_sets_of(args).all,
         kvlb_workers=kvlb_workers(args),
         catch_up=not args.confirm_no_catch_up,
     )
-    limit = min(args.confirm_requests, len(stream.specs))
     prepared: dict[tuple[str, float], dict[str, Any]] = {}
     given_up: set[tuple[str, float]] = set()
     try:
@@ -268,6 +278,8 @@ async def _fleet_point(
             "client_lag_max_s": None if lag is None else lag.max_s * ts,
             "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
             "client_behind": None if lag is None else lag.behind,
+            # launches that waited for the in-flight cap (0 unless the cap binds)
+            "client_slot_waits": run.result.slot_waits,
             "rows": rows,
             **_saved_decisions(run.after_drive if save else None),
         },

@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from loadtests.capacity.confirm import open_loop_cap
 from loadtests.driver import RunResult, run_closed_loop, run_open_loop
-from loadtests.stats import RequestRecord
+from loadtests.stats import RequestRecord, send_lag
 from loadtests.workloads import ChatWorkload, RequestSpec, uniform_arrivals, with_arrivals
 
 CHUNK_GAP_S = 0.005
@@ -256,6 +257,29 @@ async def test_request_timeout_and_concurrency_cap(server: FakeServer) -> None:
     assert server.peak_in_flight == 2 and all(r.outcome == "ok" for r in capped.records)
     lags = [r.start_s - (r.scheduled_s or 0.0) for r in capped.records]
     assert max(lags) > 0.1  # the last ones waited for two earlier rounds of ~60 ms
+
+
+async def test_a_cap_below_the_in_flight_peak_holds_the_schedule_back(server: FakeServer) -> None:
+    """40 requests 20 ms apart, each in flight over 1 s (1,000 prompt tokens): the schedule's own
+    peak is every request at once. A cap of 8 makes the ninth and later launches wait for requests
+    to end, so the client sends late and slower than its schedule; the confirmation's cap keeps it."""
+
+    def schedule() -> Iterator[RequestSpec]:
+        specs = (_ids_spec(n, 1000, None, max_tokens=2) for n in range(40))
+        return with_arrivals(specs, uniform_arrivals(50.0))
+
+    capped = await _open(schedule(), server, concurrency_cap=8)
+    lag = send_lag(capped.records)
+    assert lag is not None and all(r.outcome == "ok" for r in capped.records)
+    assert capped.slot_waits >= 20 and server.peak_in_flight == 8
+    assert lag.behind and lag.max_s > 0.5 and lag.sent_rate_per_s < 0.7 * lag.scheduled_rate_per_s
+    server.peak_in_flight = 0
+    cap = open_loop_cap(8, 40)
+    free = await _open(schedule(), server, concurrency_cap=cap)
+    free_lag = send_lag(free.records)
+    assert free_lag is not None and all(r.outcome == "ok" for r in free.records)
+    assert cap == 40 and free.slot_waits == 0 and server.peak_in_flight > 30
+    assert not free_lag.behind and free_lag.max_s < 0.1
 
 
 async def test_open_loop_needs_arrival_times(server: FakeServer) -> None:
