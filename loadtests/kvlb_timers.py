@@ -22,12 +22,16 @@ The timers that change where a request goes (docs/loadtest.md, "kvlb's timers on
 - ``limits.gap_hold_s`` (0.5 s) and ``limits.gap_keep_s`` (2 s): how long a cache's blocks stay
   suspect after an event gap; they act only after a gap (the simulator has none). Both are bounded
   at 60 s by the settings' validation, so the scaled value is capped there.
+- ``limits.queue_timeout_s`` (2 s): how long a request waits for admission at
+  ``limits.max_inflight`` (or with every replica at ``limits.max_inflight_per_replica``) before a
+  503. It decides no placement, but it decides whether a request is served: a confirmation whose
+  schedule holds about ``max_inflight`` requests in flight (``agent`` near its capacity) reaches it,
+  and on wall time it would give the fleet a quarter of a real deployment's wait at 0.25.
 
 Left on wall time, because they change no decision on a healthy fleet and the simulator has none:
-``health_interval_s`` (probes; a replica leaves only when probes fail), ``limits.queue_timeout_s``
-(the admission queue, reached only at ``limits.max_inflight`` or every replica at
-``limits.max_inflight_per_replica``), the upstream connect and idle timeouts, and the load
-tracker's ``max_age_s`` (900 s, a leak guard; the load accounting has no decay).
+``health_interval_s`` (probes; a replica leaves only when probes fail), the upstream connect and
+idle timeouts, and the load tracker's ``max_age_s`` (900 s, a leak guard; the load accounting has
+no decay).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ MODEL_TIME_SETTINGS: tuple[str, ...] = (
     "scrape_interval_s",
     "limits.gap_hold_s",
     "limits.gap_keep_s",
+    "limits.queue_timeout_s",
 )
 """The ``kvlb serve`` settings (dotted ``--set`` names) that :func:`model_time_sets` scales."""
 
@@ -115,7 +120,8 @@ def fleet_sets_of(args: argparse.Namespace) -> KvlbFleetSets:
 WALL_TIMERS_HELP = (
     "fleet: leave kvlb's timers on wall time (by default, at a --time-scale other than 1, every "
     "routing timer — limits.speculative_ttl_s, timeouts.first_byte_s, scrape_interval_s, "
-    "limits.gap_hold_s, limits.gap_keep_s — is set to its default / time scale, so it lasts as "
-    "long in model time as on real engines; a name given with --kvlb-set keeps the user's value)"
+    "limits.gap_hold_s, limits.gap_keep_s, and the admission wait limits.queue_timeout_s — is set to "
+    "its default / time scale, so it lasts as long in model time as on real engines; a name given "
+    "with --kvlb-set keeps the user's value)"
 )
 """The help of ``--kvlb-wall-timers`` (``kvlb capacity`` and ``kvlb loadtest``)."""

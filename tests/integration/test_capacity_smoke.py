@@ -82,7 +82,8 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     assert report["meta"]["confirm_sim_draws"] == 2
     assert report["meta"]["kvlb_sets"] == ["limits.speculative_ttl_s=3"]
     assert report["meta"]["kvlb_model_time_sets"] == [
-        "timeouts.first_byte_s=120", "scrape_interval_s=2", "limits.gap_hold_s=1", "limits.gap_keep_s=4"
+        "timeouts.first_byte_s=120", "scrape_interval_s=2", "limits.gap_hold_s=1", "limits.gap_keep_s=4",
+        "limits.queue_timeout_s=4",
     ]  # fmt: skip
     assert report["meta"]["kvlb_workers"] == 1
     text = (tmp_path / "capacity.md").read_text()

@@ -33,8 +33,9 @@ def test_every_routing_timer_lasts_its_default_in_model_time(tmp_path: Path) -> 
     assert s.timeouts.first_byte_s == 240.0
     assert s.scrape_interval_s == 4.0
     assert (s.limits.gap_hold_s, s.limits.gap_keep_s) == (2.0, 8.0)
-    # untouched: timers that change no routing decision on a healthy fleet
-    assert (s.health_interval_s, s.limits.queue_timeout_s) == (2.0, 2.0)
+    assert s.limits.queue_timeout_s == 8.0  # the admission wait: 2 model s, as on real engines
+    # untouched: timers that change no decision on a healthy fleet
+    assert s.health_interval_s == 2.0
     # faster than real time, shorter; at 1, nothing
     fast = _load(tmp_path, model_time_sets(2.0))
     assert (fast.limits.speculative_ttl_s, fast.scrape_interval_s) == (1.0, 0.5)
