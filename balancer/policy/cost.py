@@ -158,15 +158,12 @@ class CostPolicy:
         averaged: float | None = None
         if credit_ramps(weights) and weights.overlap_credit_loaded is not None:
             busy, share = busy_share([loads[r] for r in eligible])
-            memory = weights.ramp_memory_decisions
-            if memory:
-                averaged = averaged_share(request.ramp_share, share, memory)
-                credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, averaged)
-                prefilling = f"{busy}/{len(eligible)} replicas prefilling"
-                notes.append(f"credit {credit:.3g} ({prefilling}, averaged {averaged:.2f})")
-            else:
-                credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
-                notes.append(f"credit {credit:.3g} ({busy}/{len(eligible)} replicas prefilling)")
+            why = f"{busy}/{len(eligible)} replicas prefilling"
+            if weights.ramp_memory_decisions:
+                share = averaged = averaged_share(request.ramp_share, share, weights.ramp_memory_decisions)
+                why += f", averaged {averaged:.2f}"
+            credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
+            notes.append(f"credit {credit:.3g} ({why})")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
         roots: dict[ReplicaId, int] = {}
         fewest_roots = None
