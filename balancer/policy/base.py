@@ -80,7 +80,8 @@ class PolicyWeights:
     (``overlap_credit_loaded`` set). A burst of arrivals then meets a credit that remembers the
     fleet's recent load instead of one that swings with each first token: at 10 the simulated
     ``agent`` lost the default's e2e p50 cost at half load and every simulated capacity was kept
-    (docs/policies.md "Part 27"). Opt-in, not a default."""
+    (docs/policies.md "Part 27"); at 20 or more ``tenants`` lost capacity, and on 16–32 replicas 10
+    helped little, as the memory counts decisions, not seconds ("Part 28"). Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it

@@ -287,8 +287,11 @@ class SimRouter:
         memory = self.weights.ramp_memory_decisions
         if not self._ramp or not memory:
             return None
-        share = self._prefilling_count / self._open_count if self._open_count else 0.0
-        return self.ramp_average.advanced(share, memory)
+        return self.ramp_average.advanced(self._busy_share(), memory)
+
+    def _busy_share(self) -> float:
+        """The share of open replicas with prefill in flight, over the whole fleet (when ``_ramp``)."""
+        return self._prefilling_count / self._open_count if self._open_count else 0.0
 
     def plan_weights(self, averaged: ShareAverage | None = None) -> PolicyWeights:
         """The weights the policy is given. With the load-dependent credit and a pruned candidate
@@ -300,9 +303,7 @@ class SimRouter:
         weights = self.weights
         if not self._ramp:
             return weights
-        share = self._prefilling_count / self._open_count if self._open_count else 0.0
-        if averaged is not None and averaged.share is not None:
-            share = averaged.share
+        share = averaged.share if averaged is not None and averaged.share is not None else self._busy_share()
         credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded or 0.0, share)
         ramped = self._ramped.get(credit)
         if ramped is None:
