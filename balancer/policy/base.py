@@ -36,7 +36,7 @@ class PolicyWeights:
     where kvlb has no measured reason to differ, kvlb's own measurements elsewhere (decode weight,
     the charges, the load ramp of the credit), and SGLang Model Gateway's CLI defaults for the
     threshold policy. ``overlap_credit_loaded=None, root_weight=0`` gives the defaults before
-    2026-11-29 (docs/policies.md "Part 24").
+    2026-11-29 (docs/policy-studies.md "Part 24").
     """
 
     prefill_weight: float = 1.0
@@ -62,7 +62,7 @@ class PolicyWeights:
     on the replicas holding them instead of copying them. With ``root_weight`` 1 it is the best
     setting measured in the simulator (20 ms hop, the fixed index): ``tenants`` 44.1 / 46.4 / 50.0
     req/s on seeds 0–2 against the previous default's 31.7 / 32.5 / 44.1 (1.50 / 1.70 / 1.62 × the
-    best peer), ``agent`` +11–19%, ``rag`` +3%, the rest equal (docs/policies.md "Part 16", "Part
+    best peer), ``agent`` +11–19%, ``rag`` +3%, the rest equal (docs/policy-studies.md "Part 16", "Part
     20", "Part 22"); on the emulated fleet ``tenants`` reached at least 0.93 of its simulated
     capacity on each seed.
     Known costs: before the index fix the fleet showed ``tenants`` past capacity with a TTFT p90
@@ -80,7 +80,7 @@ class PolicyWeights:
     (``overlap_credit_loaded`` set). A burst of arrivals then meets a credit that remembers the
     fleet's recent load instead of one that swings with each first token: at 10 the simulated
     ``agent`` lost the default's e2e p50 cost at half load and every simulated capacity was kept
-    (docs/policies.md "Part 27"); at 20 or more ``tenants`` lost capacity, and on 16–32 replicas 10
+    (docs/policy-studies.md "Part 27"); at 20 or more ``tenants`` lost capacity, and on 16–32 replicas 10
     helped little, as the memory counts decisions, not seconds ("Part 28"). Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
@@ -101,7 +101,7 @@ class PolicyWeights:
     about ``1 + w_int · B`` (copies and new contexts cost more where the decode batch is large), so
     an idle fleet still spreads work as credit 1 does and a busy one keeps sessions where their
     history is. Default 0.04: the smallest value with which the simulated ``chat`` capacity matched
-    SGLang's ``cache_aware`` rule (docs/policies.md, "Part 7"); 0 turns it off."""
+    SGLang's ``cache_aware`` rule (docs/policy-studies.md, "Part 7"); 0 turns it off."""
     admission_weight: float = 0.0
     """``w_adm``, blocks charged per KV block a replica would have to free before it could admit
     this request, on replicas that hold none of its prompt (a new or copied context there); 0..4.
@@ -113,7 +113,7 @@ class PolicyWeights:
     worse. Followers on a replica that holds their context are not charged, so the charge does not
     push them into copies. 0 (default) turns it off; 1 raised the simulated ``tenants`` capacity
     on seed 1 only, put ``unique`` seed 2 one bracketing step below the default, and raised no
-    ``tenants`` capacity on the emulated fleet (docs/policies.md, "Part 9"). Needs the scraped KV
+    ``tenants`` capacity on the emulated fleet (docs/policy-studies.md, "Part 9"). Needs the scraped KV
     usage and pool size; the charge is 0 without them."""
     root_weight: float = 1.0
     """``w_root``, the held-roots charge: prompts' worth of prefill charged per distinct prompt root
@@ -123,7 +123,7 @@ class PolicyWeights:
     was evicted) otherwise goes to the replica cheapest by backlog whatever it already homes, and a
     replica homing one context more than its pool holds at once evicts its own tenants' contexts
     (``tenants`` in the simulator: the replica homing most contexts is the hottest in 6 of 9 runs,
-    docs/policies.md "Part 15"). Roots come from the index (speculative entries included), read
+    docs/policy-studies.md "Part 15"). Roots come from the index (speculative entries included), read
     only while this is above 0 (the table keeps per-replica counts as keys come and go: about
     0.7 µs per decision at any number of roots, docs/prefix-index.md). Default 1 (since
     2026-11-29, before that 0), meant with the ramp
@@ -140,7 +140,7 @@ class PolicyWeights:
     ``root_weight · (held_roots − fewest)`` is clamped to it, so a replica holding many more roots
     pays at most this many prompts of backlog. Without the cap the charge overrides load where most
     prompts are new roots: on the simulated Mooncake trace capacity fell from 29.5 to 2.7 req/s
-    (docs/policies.md "Part 15"); at 1 it kept the whole ``tenants`` gain and lost nothing
+    (docs/policy-studies.md "Part 15"); at 1 it kept the whole ``tenants`` gain and lost nothing
     elsewhere. Only read while ``root_weight`` is above 0."""
     eviction_risk_weight: float = 0.0
     """``w_risk``, how much of a replica's overlap the cost policy doubts because the prompts queued
@@ -150,7 +150,7 @@ class PolicyWeights:
     pool_r)``: the share of the pool that the queued uncached prefill will write, on a cache full
     enough to evict. 0 (default) trusts the index's overlap as is; at 1 a full replica whose queued
     prefill equals its whole pool gets no credit. Needs the pool size from the metrics scrape (no
-    doubt without it). Evaluated in docs/policies.md ("Part 4"): it lowered capacity on ``tenants``,
+    doubt without it). Evaluated in docs/policy-studies.md ("Part 4"): it lowered capacity on ``tenants``,
     so it is not a default."""
     decode_weight: float = 0.1
     """``w_decode``, cost per KV block held by requests decoding on the replica; 0..1000. 0 ignores decode

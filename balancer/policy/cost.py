@@ -23,7 +23,7 @@ For each candidate replica ``r`` (lower is better)::
   when all of them do (:func:`loaded_credit`; ``None`` keeps it constant). An idle fleet thus
   spreads new contexts (a constant credit 2 gathered tool-use loops on the replicas holding their
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
-  they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
+  they are instead of copying them (docs/policy-studies.md, "Part 6"). The share of replicas prefilling
   estimates the fleet's prefill utilisation with no scale to configure. With
   ``ramp_memory_decisions`` N (off by default) the ramp reads that share averaged over the
   router's committed decisions instead (:class:`ShareAverage`, ``α = 1/N``): the router keeps the
@@ -45,7 +45,7 @@ For each candidate replica ``r`` (lower is better)::
   so with credit 1 a session leaves the replica holding its history whenever that replica's queued
   prefill exceeds the history, even when the queue drains in milliseconds and the copy is paid by a
   full decode batch (``chat`` in the simulator: a third of later turns moved at 92% of capacity,
-  docs/policies.md "Part 7"). With the charge a replica's effective credit is about ``1 + w_int ·
+  docs/policy-studies.md "Part 7"). With the charge a replica's effective credit is about ``1 + w_int ·
   decoding_r``: an idle replica is priced as before, a busy one keeps its sessions.
 * ``shortfall_r`` (:func:`admission_shortfall_blocks`, only where ``overlap_r`` is 0, and only with
   ``w_adm`` = ``admission_weight`` > 0, off by default): the KV blocks ``r`` would have to free
@@ -53,21 +53,21 @@ For each candidate replica ``r`` (lower is better)::
   pool_r`` (at least 0). A replica whose in-flight requests span more contexts than its pool holds
   at once stalls its own queue on KV admission, which its prefill backlog does not show; a new or
   copied context sent there deepens the stall. A replica holding part of the prompt is not charged,
-  so followers are not pushed into copies (docs/policies.md, "Part 9").
+  so followers are not pushed into copies (docs/policy-studies.md, "Part 9").
 * ``roots_r`` (only where ``overlap_r`` is 0, and only with ``w_root`` = ``root_weight`` > 0, 1
   by default; ``cap`` = ``root_cap_prompts``): the distinct prompt roots (first blocks of prompt
   chains) ``r``'s caches hold, speculative entries included (``Overlap.held_roots``, from the
   index); ``fewest_roots`` the least of them among the eligible candidates whose count is known. A
   prompt that no replica holds (a first touch, or a context every copy of which was evicted) would
   otherwise go to the replica cheapest by backlog whatever it already homes; a replica homing more
-  contexts than its pool holds at once then evicts its own tenants' contexts (docs/policies.md,
+  contexts than its pool holds at once then evicts its own tenants' contexts (docs/policy-studies.md,
   "Part 15"). The cap keeps the charge from overriding load where most prompts are new roots (the
   Mooncake trace). A replica whose count is unknown is not charged.
 * With ``eviction_risk_weight`` ``w_risk`` > 0 (off by default), ``overlap_r`` in the two lines above
   is the credited overlap ``survival_r × overlap_r``, ``survival_r`` = ``1 − min(1, w_risk ·
   pressure_r · (pending_prefill_blocks_r − shared_r) / pool_blocks_r)`` (:func:`overlap_survival`):
   engines match a prompt against their cache when they admit it, and the uncached prefill queued
-  ahead writes that share of a full pool first, evicting LRU. docs/policies.md ("Part 4")
+  ahead writes that share of a full pool first, evicting LRU. docs/policy-studies.md ("Part 4")
   has its evaluation; it did not become a default.
 * ``pressure_r`` (:func:`cache_pressure`): 0 while ``r``'s cache is at most a quarter full, rising
   to 1 at three quarters (held blocks from the index over the pool size from the metrics scrape; 0
@@ -88,7 +88,7 @@ For each candidate replica ``r`` (lower is better)::
 Defaults (Dynamo's KV router): ``w_prefill`` = 1, ``overlap_credit`` = 1, ``w_queue`` = 0,
 ``temperature`` = 0; kvlb's own: ``w_decode`` = 0.1, ``w_dup`` = 1, ``w_int`` = 0.04, ``w_adm`` = 0 (off),
 ``overlap_credit_loaded`` = 4 and ``w_root`` = 1 (since 2026-11-29; ``None`` and 0 before, which
-restore that policy: docs/policies.md "Part 24"); the guards ``kv_usage_ceiling`` and
+restore that policy: docs/policy-studies.md "Part 24"); the guards ``kv_usage_ceiling`` and
 ``imbalance_threshold_blocks`` off.
 
 Guards, applied before choosing:

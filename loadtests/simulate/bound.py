@@ -19,7 +19,7 @@ TTFT is then arrival → end of that prefill. Every simplification is optimistic
 first-served order, which a router cannot change either. It is a reference, not a proof of
 optimality: an order other than arrival order (shortest first) would lower a percentile, and no
 engine here schedules that way. ``kvlb simulate --pooled-bound`` prints it for a stream and rate
-(docs/policies.md, "Part 8").
+(docs/policy-studies.md, "Part 8").
 """
 
 from __future__ import annotations

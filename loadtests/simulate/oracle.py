@@ -285,7 +285,7 @@ class BeladyBlockCache(BlockCache):
 class BeladySimulation(Simulation):
     """A :class:`Simulation` whose engines evict with MIN (:class:`BeladyBlockCache`) instead of LRU,
     routed by the configured policy as usual: it separates what eviction costs a router from what
-    placement costs it (``docs/policies.md``)."""
+    placement costs it (``docs/policy-studies.md``, "Against the oracle" and "Part 4")."""
 
     def __init__(self, config: SimConfig, requests: Sequence[SimRequest]) -> None:
         if config.replica_model != "fast":

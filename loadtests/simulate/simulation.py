@@ -112,7 +112,7 @@ class SimConfig:
     request in routing order; must be finite, >= 0 and at most ``forward_delay_s``. 0 (the default):
     every request's hop is ``forward_delay_s``. The emulated fleet's hop at ``--time-scale`` 0.25 is
     about 0.005-0.012 s of model time on idle replicas and up to about 0.035 s under load
-    (docs/policies.md, Part 19)."""
+    (docs/policy-studies.md, Part 19)."""
 
     def resolved_profile(self) -> Profile:
         profile = get_profile(self.profile)

@@ -1,6 +1,6 @@
 """The cost policy's admission charge: ``w_prefill · w_adm · shortfall_r`` on replicas holding none
 of the prompt, ``shortfall_r`` = the KV blocks ``r`` would have to free before admitting the request
-(docs/policies.md, Part 9)."""
+(docs/policy-studies.md, Part 9)."""
 
 from __future__ import annotations
 

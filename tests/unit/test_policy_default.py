@@ -1,7 +1,7 @@
 """The shipped default weights (since 2026-11-29: the load ramp to credit 4 plus the held-roots
-charge, ``$RC`` of docs/policies.md Parts 16-22) and the ways back to the previous default
+charge, ``$RC`` of docs/policy-studies.md Parts 16-22) and the ways back to the previous default
 (``overlap_credit_loaded`` null, ``root_weight`` 0): a router spec, the config file and
-environment, and the decisions they give (docs/policies.md "Part 24")."""
+environment, and the decisions they give (docs/policy-studies.md "Part 24")."""
 
 from __future__ import annotations
 

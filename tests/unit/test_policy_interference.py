@@ -1,5 +1,6 @@
 """The cost policy's interference charge: ``w_prefill · w_int · decoding_r · inserted_r``, the price
-of prefill that runs in the forward steps of a replica's decoding requests (docs/policies.md, Part 7)."""
+of prefill that runs in the forward steps of a replica's decoding requests (docs/policy-studies.md,
+Part 7)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def session_home(decoding: int) -> list[ReplicaLoad]:
 
 def test_without_it_a_short_queue_at_home_sends_the_session_away() -> None:
     # A: 45 + 40 − 30 = 55; B: 0 + 40 = 40. Credit 1 moves the session for a 45-block queue.
-    assert PolicyWeights().interference_weight == 0.04  # the default (docs/policies.md, Part 7)
+    assert PolicyWeights().interference_weight == 0.04  # the default (docs/policy-studies.md, Part 7)
     decision = route({A: 30, B: 0}, session_home(decoding=100), interference_weight=0.0)
     assert decision.replica == B
     assert all(t.interference_term == 0.0 for t in decision.terms)

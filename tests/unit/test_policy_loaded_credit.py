@@ -50,7 +50,7 @@ def test_busy_share_counts_replicas_with_prefill_in_flight() -> None:
 
 
 def test_weight_is_4_by_default_validated_and_nullable() -> None:
-    assert PolicyWeights().overlap_credit_loaded == 4.0  # on since 2026-11-29 (docs/policies.md "Part 24")
+    assert PolicyWeights().overlap_credit_loaded == 4.0  # since 2026-11-29 (docs/policy-studies.md "Part 24")
     assert PolicyWeights(overlap_credit_loaded=4.0).overlap_credit_loaded == 4.0
     assert PolicyWeights().replace(overlap_credit_loaded=2).overlap_credit_loaded == 2.0
     assert PolicyWeights().replace(overlap_credit_loaded=None).overlap_credit_loaded is None

@@ -1,7 +1,7 @@
 """The cost policy's held-roots charge (``root_weight``, 1 by default since 2026-11-29): a replica
 holding none of the prompt pays ``w_prefill · min(root_cap_prompts, root_weight · (roots_r − fewest)) ·
 request_blocks`` for the prompt roots its caches hold beyond the fewest an eligible candidate holds
-(docs/policies.md, Parts 15 and 16)."""
+(docs/policy-studies.md, Parts 15 and 16)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """PoolRouter.plan with the held-roots charge: the router reads each replica's held prompt roots
 from the real ``PrefixTable`` (fed with ``Stored`` events) only while ``root_weight`` > 0, and a
-first touch then goes to the replica homing fewer contexts (docs/policies.md, Part 16)."""
+first touch then goes to the replica homing fewer contexts (docs/policy-studies.md, Part 16)."""
 
 from __future__ import annotations
 
