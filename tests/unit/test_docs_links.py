@@ -1,0 +1,191 @@
+"""The documents' links land: every relative Markdown link names a file of the checkout, and every
+``#anchor`` names a heading of its target, spelled as GitHub spells heading anchors.
+
+Also the split of the routing documents: ``docs/policies.md`` is the reference and holds no dated
+study; ``docs/policy-studies.md`` holds the studies ("### Part N: title (date)", appended at its end)
+and its table of contents lists every one of them, in order.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs"
+SKIPPED_DIRS = {"node_modules", "__pycache__", "build", "dist", "out", "loadtest-results", "_proto"}
+"""Folders of generated or third-party files, never the repository's own documents."""
+
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})(.*)$")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_LINK = re.compile(r"(?<!!)\[[^\]]*\]\((?P<target>[^)\s]+)(?:\s+\"[^\"]*\")?\)")
+_INLINE_CODE = re.compile(r"`[^`]*`")
+_PART = re.compile(r"^### Part (\d+): .+ \((\d{4}-\d{2}-\d{2})\)$", re.MULTILINE)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor of a heading's text: lower case, every character but letters, digits, ``_``,
+    ``-`` and spaces dropped (backticks, ``$``, ``:``, ``(``, ``×``, ``–`` …), spaces become ``-``."""
+    kept = "".join(c for c in heading.lower() if c.isalnum() or c in "_- ")
+    return kept.replace(" ", "-")
+
+
+def prose_lines(text: str) -> Iterator[tuple[int, str]]:
+    """``(line number, line)`` of the text outside fenced code blocks (CommonMark: a fence closes
+    only on a line of the same character, at least as long, with nothing after it)."""
+    fence = ""
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _FENCE.match(line)
+        if not fence:
+            if match:
+                fence = match.group(1)
+            else:
+                yield number, line
+        elif match and match.group(1).startswith(fence) and not match.group(2).strip():
+            fence = ""
+
+
+def anchors(text: str) -> set[str]:
+    """Every heading anchor of a document, repeated headings numbered ``-1``, ``-2`` as GitHub does."""
+    seen: dict[str, int] = {}
+    found = set()
+    for _, line in prose_lines(text):
+        match = _HEADING.match(line)
+        if not match:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        found.add(base if count == 0 else f"{base}-{count}")
+    return found
+
+
+def links(text: str) -> Iterator[tuple[int, str]]:
+    """``(line number, target)`` of each inline link outside code (fenced or inline), images too."""
+    for number, line in prose_lines(text):
+        for match in _LINK.finditer(_INLINE_CODE.sub("", line)):
+            yield number, match.group("target")
+
+
+def broken_links(relpath: str, text: str, root: Path = ROOT) -> list[str]:
+    """The links of ``relpath`` (repository-relative) whose file or anchor is missing."""
+    found = []
+    folder = (root / relpath).parent
+    for number, target in links(text):
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # http:, https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        if not path:  # a heading of this document
+            if anchor not in anchors(text):
+                found.append(f"{relpath}:{number}: {target} (no such heading)")
+            continue
+        destination = (folder / path).resolve()
+        if not destination.exists():
+            found.append(f"{relpath}:{number}: {target} (no such file)")
+            continue
+        if anchor and destination.suffix == ".md" and anchor not in anchors(destination.read_text("utf-8")):
+            found.append(f"{relpath}:{number}: {target} (no such heading)")
+    return found
+
+
+def markdown_files(root: Path = ROOT) -> list[Path]:
+    return sorted(
+        path
+        for path in root.rglob("*.md")
+        if not any(part.startswith(".") or part in SKIPPED_DIRS for part in path.relative_to(root).parts[:-1])
+    )
+
+
+def test_every_relative_link_and_anchor_of_the_documents_lands() -> None:
+    files = markdown_files()
+    assert ROOT / "docs" / "policies.md" in files
+    found = [
+        finding
+        for path in files
+        for finding in broken_links(path.relative_to(ROOT).as_posix(), path.read_text("utf-8"))
+    ]
+    assert not found, "\n".join(found)
+
+
+def swallowed_headings(text: str) -> list[int]:
+    """Lines that look like section headings (``##`` or deeper) inside a fenced code block: the mark
+    of a fence left open, which turns the sections after it into code."""
+    prose = {number for number, _ in prose_lines(text)}
+    return [
+        number
+        for number, line in enumerate(text.splitlines(), 1)
+        if number not in prose and re.match(r"^#{2,6} \S", line)
+    ]
+
+
+def test_no_document_leaves_a_code_block_open() -> None:
+    found = {
+        path.relative_to(ROOT).as_posix(): lines
+        for path in markdown_files()
+        if (lines := swallowed_headings(path.read_text("utf-8")))
+    }
+    assert not found, found
+    assert swallowed_headings("## A\n```bash\nx\n\n## B\n```\n## C\n") == [5]
+
+
+def test_slugs_follow_githubs_rule() -> None:
+    assert (
+        slug("Part 24: the default becomes `$RC` (2026-11-29)") == "part-24-the-default-becomes-rc-2026-11-29"
+    )
+    assert (
+        slug("Part 5: `overlap_credit` 2 as the default? (2026-11-28)")
+        == "part-5-overlap_credit-2-as-the-default-2026-11-28"
+    )
+    assert (
+        slug("Shared contexts bigger than one replica: the guard")
+        == "shared-contexts-bigger-than-one-replica-the-guard"
+    )
+    assert slug("`agent` × 3 – a b") == "agent--3--a-b"  # dropped characters leave their spaces
+    assert slug("What-if: replaying recent traffic") == "what-if-replaying-recent-traffic"
+
+
+def test_the_checker_finds_missing_files_and_headings(tmp_path: Path) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "b.md").write_text("# B\n\n## Part 1: x (2026-01-01)\n\n## Same\n\n## Same\n")
+    text = "\n".join(
+        [
+            "[ok](b.md) [ok](b.md#part-1-x-2026-01-01) [ok](b.md#same-1) [ok](#a) [web](https://x/y#z)",
+            "# A",
+            "[gone](c.md) [no heading](b.md#part-2) [third](b.md#same-2) [here](#b)",
+            "`[in code](c.md)`",
+            "```bash",
+            "[in a fence](c.md)",
+            "```bash",
+            "[still in the fence: an info string does not close it](c.md)",
+            "```",
+            "[after the fence](d.md)",
+        ]
+    )
+    found = broken_links("docs/a.md", text, root=tmp_path)
+    assert [f.split(": ", 1)[1] for f in found] == [
+        "c.md (no such file)",
+        "b.md#part-2 (no such heading)",
+        "b.md#same-2 (no such heading)",
+        "#b (no such heading)",
+        "d.md (no such file)",
+    ]
+    assert all(f.startswith("docs/a.md:3: ") for f in found[:-1]) and found[-1].startswith("docs/a.md:10: ")
+
+
+def test_policies_md_is_the_reference_and_the_studies_have_their_own_file() -> None:
+    """A dated study goes at the end of docs/policy-studies.md, with a line in its table of contents;
+    docs/policies.md keeps no "### Part N" section (move one there, and fix the links)."""
+    reference = (DOCS / "policies.md").read_text("utf-8")
+    assert not _PART.findall(reference), (
+        "a dated study in docs/policies.md: move it to docs/policy-studies.md"
+    )
+    studies = (DOCS / "policy-studies.md").read_text("utf-8")
+    parts = [int(n) for n, _ in _PART.findall(studies)]
+    assert parts == sorted(parts) and len(parts) == len(set(parts)), parts
+    assert parts[0] == 4 and len(parts) >= 26, parts
+    contents = studies.split("\n## ", 2)[1]  # the first "##" section: the table of contents
+    listed = [int(n) for n in re.findall(r"^\| \[Part (\d+)\]\(#part-\d+-", contents, re.MULTILINE)]
+    assert listed == parts, (listed, parts)
+    last_section = [line for _, line in prose_lines(studies) if re.match(r"#{1,3} ", line)][-1]
+    assert last_section.startswith(f"### Part {parts[-1]}: "), "new studies are appended at the end"
