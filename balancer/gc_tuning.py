@@ -1,6 +1,6 @@
 """The garbage collector's settings for a serving process (process-wide; called by ``kvlb serve``).
 
-Measured on ``kvlb bench overhead`` (``docs/benchmarks.md``, "The live HTTP path"): with CPython's
+Measured on ``kvlb bench overhead`` (``docs/benchmark-history.md``, "The live HTTP path"): with CPython's
 defaults a serving kvlb spent about a tenth of its CPU in young-generation collections. Each request
 holds lists of thousands of token ids while it is in flight, and a young collection walks every live
 young container, so the ~32 requests in flight were walked about once per five requests served

@@ -171,7 +171,7 @@ JEMALLOC_CONF = "background_thread:true"
 """jemalloc's options when ``MALLOC_CONF`` is not set: a background thread returns freed memory to
 the system (after ``dirty_decay_ms``, 10 s). Without it jemalloc purges an arena only while that arena
 allocates, so the memory an event flood's decoding freed stayed resident: 1.24–1.26× the RSS before the
-flood 30 s after it, against 0.90–1.06× with the thread (``kvlb bench flood``, docs/benchmarks.md)."""
+flood 30 s after it, against 0.90–1.06× with the thread (``kvlb bench flood``, docs/benchmark-history.md)."""
 
 
 def jemalloc_found(library: str) -> bool:

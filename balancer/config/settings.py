@@ -437,7 +437,7 @@ class Settings:
     allocator it runs on. The tokenizer's allocations are most of a new prompt's cost: measured, an
     8k-token new chat took 14.2–15.2 ms of kvlb CPU with ``system`` and 9.6–9.9 ms with
     ``jemalloc``; after ``kvlb bench flood`` the RSS came back to 0.90–1.06× its level before the
-    flood with jemalloc's background thread (1.24–1.26× without it; docs/benchmarks.md, "The
+    flood with jemalloc's background thread (1.24–1.26× without it; docs/benchmark-history.md, "The
     allocator, round 2")."""
     jemalloc_library: str = "libjemalloc.so.2"
     """The jemalloc shared library: a soname the dynamic loader finds (looked up in its cache) or a

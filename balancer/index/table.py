@@ -75,7 +75,7 @@ tuple listed again counts once); past it the log is applied at once. The log ref
 which the expiry heap mostly holds anyway: at most about 10 MB when none of their keys is shared
 (8 B a reference, 32 B an int). A settle costs about one move per distinct key logged, so a longer
 log moves a shared prefix less often: measured 20% less CPU per routed 8k-token request than at
-65,536 with repeated prompts, 7% with shared system prompts (``docs/benchmarks.md``, round 8)."""
+65,536 with repeated prompts, 7% with shared system prompts (``docs/benchmark-history.md``, round 8)."""
 
 
 class PrefixTable(GapRecovery):

@@ -7,7 +7,7 @@ each one packed (:class:`PackedRecord`): its fields' values in one ``marshal`` b
 query filters on. Kept as the router built them (about 16 objects the garbage collector tracks per
 record), 10,000 records made every full collection of a serving process walk about 160,000 more
 objects: about 80 ms with every request in flight stalled, against about 5 ms packed, and half the
-collector's CPU (docs/benchmarks.md, "round 11"); a blob is no container, so the collector does not
+collector's CPU (docs/benchmark-history.md, "round 11"); a blob is no container, so the collector does not
 see it. A record is rebuilt on read, equal field for field (the blob holds plain
 numbers, strings, tuples and dicts); a record whose values ``marshal`` cannot hold exactly is kept
 as it is. ``/admin/decisions`` lists them and ``/admin/whatif`` (:mod:`balancer.service.whatif`)

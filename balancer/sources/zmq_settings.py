@@ -34,7 +34,7 @@ class ZmqSourceSettings:
     SUB (closed, reopened ``flood_pause_s`` later). Bounds what ZMQ buffers in a flood and how stale
     the index gets; what a flood's first ``max_behind_s`` decodes
     is cleared again by its run's resync (0.25 s was measured: it did not improve the other pools'
-    p99s, ``docs/benchmarks.md``, "The event flood, round 2"). Must be > 0."""
+    p99s, ``docs/benchmark-history.md``, "The event flood, round 2"). Must be > 0."""
     max_backlog_bytes: int = 32 * 1024 * 1024
     """Most bytes of messages the source reads ahead of its decoding (bytes): it takes everything
     queued on the SUB off the socket before decoding the next message, and a backlog larger than
@@ -42,7 +42,7 @@ class ZmqSourceSettings:
     after it are dropped undecoded (the rank resyncs once, a run counted in
     ``kvlb_events_shed_runs_total{cause="backlog"}``). Bounds the read-ahead's memory and the
     decoding a flood costs before it is recognised (32 MiB: about 220 of the flood bench's 150 kB
-    messages; the read-ahead reached it with 1-11 of them decoded, ``docs/benchmarks.md``, "The
+    messages; the read-ahead reached it with 1-11 of them decoded, ``docs/benchmark-history.md``, "The
     event flood, round 3"). Must be ≥ ``max_message_bytes``."""
     flood_pause_s: float = 0.5
     """How long the source stays unsubscribed after dropping a flood (``max_backlog_bytes`` or

@@ -384,7 +384,7 @@ class SegmentCache:
         """``ids`` (a tokenizer's, so never negative) as a tuple of the :attr:`ints` objects; a plain
         tuple of ``ids`` when one is past :attr:`ints`. One ``itemgetter`` call: for 8k ids about a
         fifth of the CPU of the ``min``/``max`` bounds check and per-id ``map`` it replaces (about
-        0.6 ms of a new 8k-token chat's tokenizing, docs/benchmarks.md)."""
+        0.6 ms of a new 8k-token chat's tokenizing, docs/benchmark-history.md)."""
         if len(ids) < 2:  # ``itemgetter`` of one index answers the item, not a tuple
             return tuple(self.ints[i] if 0 <= i < len(self.ints) else i for i in ids)
         try:

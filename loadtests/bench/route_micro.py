@@ -38,7 +38,7 @@ Divide by ``--requests``::
 (``--threshold=100``: the default listing leaves out functions under 1% of the program, a small
 part among them.) The whole run's ``PROGRAM TOTALS`` less a ``--requests 0`` run's (no
 ``--callgrind``, ``--prompts`` equal in both so the same prompts are made) cross-checks it: within
-1% (docs/benchmarks.md, "round 13").
+1% (docs/benchmark-history.md, "round 13").
 """
 
 from __future__ import annotations
