@@ -1,9 +1,10 @@
 """The documents' links land: every relative Markdown link names a file of the checkout, and every
 ``#anchor`` names a heading of its target, spelled as GitHub spells heading anchors.
 
-Also the split of the routing documents: ``docs/policies.md`` is the reference and holds no dated
+Also the splits of the long documents: ``docs/policies.md`` is the reference and holds no dated
 study; ``docs/policy-studies.md`` holds the studies ("### Part N: title (date)", appended at its end)
-and its table of contents lists every one of them, in order.
+and its table of contents lists every one of them, in order. ``docs/benchmark-history.md`` holds
+issue #16's rounds (a new one right before "Older figures", its last section) and lists them all.
 """
 
 from __future__ import annotations
@@ -189,3 +190,17 @@ def test_policies_md_is_the_reference_and_the_studies_have_their_own_file() -> N
     assert listed == parts, (listed, parts)
     last_section = [line for _, line in prose_lines(studies) if re.match(r"#{1,3} ", line)][-1]
     assert last_section.startswith(f"### Part {parts[-1]}: "), "new studies are appended at the end"
+
+
+def test_the_benchmark_history_lists_every_round_and_ends_with_the_older_figures() -> None:
+    """A new round of docs/benchmark-history.md goes right before "Older figures", with a line in the
+    contents; docs/benchmarks.md keeps the commands and the latest figures."""
+    history = (DOCS / "benchmark-history.md").read_text("utf-8")
+    sections = [line[4:] for _, line in prose_lines(history) if line.startswith("### ")]
+    assert sections[-1].startswith("Older figures (2026-11-22"), sections[-1]
+    contents = history.split("\n## ", 2)[1]
+    listed = re.findall(r"^- \[(.+)\]\(#([^)]+)\)$", contents, re.MULTILINE)
+    assert [title for title, _ in listed] == sections
+    assert [anchor for _, anchor in listed] == [slug(s) for s in sections]
+    reference = (DOCS / "benchmarks.md").read_text("utf-8")
+    assert not any(line.startswith("### Cheaper requests") for _, line in prose_lines(reference))
