@@ -204,3 +204,31 @@ def test_the_benchmark_history_lists_every_round_and_ends_with_the_older_figures
     assert [anchor for _, anchor in listed] == [slug(s) for s in sections]
     reference = (DOCS / "benchmarks.md").read_text("utf-8")
     assert not any(line.startswith("### Cheaper requests") for _, line in prose_lines(reference))
+
+
+_STALE = re.compile(
+    r"(?<![\w-])(?:policies\.md\W{0,4}(?:Parts? \d|Against the oracle)|benchmarks\.md\W{0,4}[Rr]ound \d)"
+)
+"""A study named in the file it left: docs/policies.md's Parts and docs/benchmarks.md's rounds moved."""
+
+
+def stale_references(text: str) -> list[int]:
+    return [number for number, line in enumerate(text.splitlines(), 1) if _STALE.search(line)]
+
+
+def test_studies_and_rounds_are_named_where_they_are() -> None:
+    suffixes = {".py", ".md", ".js", ".proto", ".yaml", ".yml"}
+    found = {
+        path.relative_to(ROOT).as_posix(): lines
+        for path in sorted(ROOT.rglob("*"))
+        if path.suffix in suffixes
+        and path.is_file()
+        and path != Path(__file__).resolve()
+        and not any(
+            part.startswith(".") or part in SKIPPED_DIRS for part in path.relative_to(ROOT).parts[:-1]
+        )
+        and (lines := stale_references(path.read_text("utf-8", errors="replace")))
+    }
+    assert not found, f"write docs/policy-studies.md or docs/benchmark-history.md: {found}"
+    assert stale_references('see docs/policies.md "Part 24"\nround 8 (docs/benchmarks.md, round 8)') == [1, 2]
+    assert not stale_references('docs/policy-studies.md "Part 24"; docs/benchmark-history.md, round 8')
