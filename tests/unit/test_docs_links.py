@@ -199,7 +199,7 @@ def test_the_benchmark_history_lists_every_round_and_ends_with_the_older_figures
     sections = [line[4:] for _, line in prose_lines(history) if line.startswith("### ")]
     assert sections[-1].startswith("Older figures (2026-11-22"), sections[-1]
     contents = history.split("\n## ", 2)[1]
-    listed = re.findall(r"^- \[(.+)\]\(#([^)]+)\)$", contents, re.MULTILINE)
+    listed = re.findall(r"^\| \[(.+?)\]\(#([^)]+)\) \| \S.* \|$", contents, re.MULTILINE)
     assert [title for title, _ in listed] == sections
     assert [anchor for _, anchor in listed] == [slug(s) for s in sections]
     reference = (DOCS / "benchmarks.md").read_text("utf-8")
