@@ -83,7 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rate", type=float, default=None,
         help="open loop: Poisson arrivals per second (default 10; soak: steady, default 20)")  # fmt: skip
     add("--mode", choices=("open", "closed"), default="open", help="open (arrival rate) or closed (users)")
-    add("--concurrency", type=int, default=512, help="open: in-flight cap; closed: users (default 512)")
+    add("--concurrency", type=int, default=512,
+        help="open: cap on requests in flight; a cap below the schedule's own in-flight peak (rate × "
+        "e2e) holds launches back, and the report flags the run as client behind its schedule "
+        "(not a valid measurement at the rate; with --slo the command exits 4); closed: users "
+        "(default 512)")  # fmt: skip
     add("--routers", default=",".join(DEFAULT_ROUTERS),
         help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>, "
         "sglang_cache_aware, vllm_kv_aware (default: all; peers not installed are skipped)")  # fmt: skip
@@ -295,6 +299,9 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
     if note:
         print(note, file=sys.stderr)
+    for entry in report["routers"]:
+        if entry["client_behind"]:
+            print(f"kvlb loadtest: {entry['name']}: {entry['note']}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in runs) else 0
 
 
