@@ -258,7 +258,7 @@ def _error_sample(result: RunResult, limit: int = 10) -> list[dict[str, Any]]:
 def _fmt(value: Any, name: str) -> str:
     if value is None:
         return "—"
-    if name.endswith("_s") and name != "duration_s":
+    if name.endswith("_s") and not name.endswith("_per_s") and name != "duration_s":  # a time
         return f"{value * 1000:.0f} ms"
     if isinstance(value, float):
         return f"{value:.3f}"

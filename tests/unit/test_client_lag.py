@@ -134,3 +134,18 @@ def test_a_capacity_point_whose_client_fell_behind_never_passes() -> None:
     text = capacity_markdown(report)
     assert "target @ 8 req/s: client behind its schedule" in text.split("## Every point")[0]
     assert "fail (invalid: client behind)" in text
+
+
+def test_the_target_table_prints_rates_as_rates_and_times_in_ms() -> None:
+    from loadtests.target import table
+
+    summary = dict.fromkeys(
+        ("requests", "ok", "errors", "error_rate", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s"),
+    )
+    summary |= {"req_per_s": 3.244, "ttft_p90_s": 0.265, "itl_p50_s": None, "itl_p90_s": None}
+    summary |= {f"e2e_p{p}_s": None for p in (50, 90, 99)} | {"hit_rate": None, "imbalance": None}
+    summary |= {"replica_share": {}}
+    meta = {"target": "http://127.0.0.1:1", "model": "m", "workload": "tenants"}
+    text = table({"meta": meta, "summary": summary, "slo": [], "client": no_schedule()})
+    assert "req_per_s          3.244" in text and "ttft_p90_s         265 ms" in text
+    assert "client sent" not in text  # no schedule: no client line
