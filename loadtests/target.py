@@ -293,7 +293,7 @@ def table(report: Mapping[str, Any]) -> str:
 def _client_lines(report: Mapping[str, Any]) -> list[str]:
     """The client against its schedule (nothing in the closed loop), and the invalid note."""
     client = report.get("client") or {}
-    if client.get("client_sent_rate_per_s") is None and client.get("client_scheduled_rate_per_s") is None:
+    if client.get("client_behind") is None:  # no schedule
         return []
     lines = [summary_line(client)]
     if report.get("note"):
