@@ -43,7 +43,7 @@ from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
 from loadtests.report import build_report, write_json, write_markdown, write_records
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
-from loadtests.target import add_target_arguments, target_campaign
+from loadtests.target import EXIT_CLIENT_BEHIND, add_target_arguments, target_campaign
 from loadtests.whatif.check import add_whatif_arguments, whatif_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
@@ -83,7 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--rate", type=float, default=None,
         help="open loop: Poisson arrivals per second (default 10; soak: steady, default 20)")  # fmt: skip
     add("--mode", choices=("open", "closed"), default="open", help="open (arrival rate) or closed (users)")
-    add("--concurrency", type=int, default=512, help="open: in-flight cap; closed: users (default 512)")
+    add("--concurrency", type=int, default=512,
+        help="open: cap on requests in flight; a cap below the schedule's own in-flight peak (rate × "
+        "e2e) holds launches back, and the report flags the run as client behind its schedule "
+        f"(not a valid measurement at the rate; --target with met --slo exits {EXIT_CLIENT_BEHIND}); "
+        "closed: users (default 512)")  # fmt: skip
     add("--routers", default=",".join(DEFAULT_ROUTERS),
         help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>, "
         "sglang_cache_aware, vllm_kv_aware (default: all; peers not installed are skipped)")  # fmt: skip
@@ -295,6 +299,9 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
     print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
     if note:
         print(note, file=sys.stderr)
+    for entry in report["routers"]:
+        if entry["client_behind"]:
+            print(f"kvlb loadtest: {entry['name']}: {entry['note']}", file=sys.stderr)
     return 1 if any(r.status == "failed" for r in runs) else 0
 
 

@@ -12,6 +12,8 @@ the first content chunk, the gaps between content chunks, usage (with
   ``scheduled_s`` beside the real ``start_s`` so the lag shows, and :attr:`RunResult.slot_waits`
   counts the launches that waited. A cap below the schedule's own in-flight peak (its rate × the
   requests' e2e) turns the open loop partly closed: the sent rate then follows how fast requests end.
+  :meth:`RunResult.client_check` says whether the client kept its schedule
+  (:mod:`loadtests.client_lag`).
 - :func:`run_closed_loop` runs ``users`` workers that each send a request, wait for its end, and take
   the next. Requests of one ``session_id`` run in order, one at a time.
 
@@ -32,6 +34,7 @@ from typing import Any, Literal
 import aiohttp
 
 from balancer.errors import UpstreamError
+from loadtests.client_lag import ClientCheck, check_client
 from loadtests.sse import StreamState
 from loadtests.stats import RequestRecord, Summary, summarize
 from loadtests.workloads.base import RequestSpec, poisson_arrivals
@@ -64,9 +67,22 @@ class RunResult:
     slot_waits: int = 0
     """Open loop: launches that found ``concurrency_cap`` requests in flight and waited for one to
     end (their lag includes the wait; the cap's overflow count). Always 0 in the closed loop."""
+    concurrency_cap: int | None = None
+    """Open loop: the cap on requests in flight the run had; ``None`` in the closed loop."""
 
     def summary(self, replicas: Iterable[str] = ()) -> Summary:
         return summarize(self.records, self.duration_s, replicas=replicas)
+
+    def client_check(self, lag_bound_s: float | None = None) -> ClientCheck | None:
+        """The client against its schedule (:mod:`loadtests.client_lag`); ``None`` in the closed loop."""
+        if self.mode != "open" or self.concurrency_cap is None:
+            return None
+        return check_client(
+            self.records,
+            slot_waits=self.slot_waits,
+            concurrency_cap=self.concurrency_cap,
+            lag_bound_s=lag_bound_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,6 +214,7 @@ async def _drive(
     connections: int,
     max_duration_s: float,
     launch: Callable[[_Runner, asyncio.TaskGroup], Awaitable[None]],
+    concurrency_cap: int | None = None,
 ) -> RunResult:
     """Run ``launch`` and every task it starts inside one session, a task group and the time limit."""
     connector = aiohttp.TCPConnector(limit=connections)
@@ -216,7 +233,7 @@ async def _drive(
             raise
         duration_s = runner.now_s()
     records = tuple(sorted(runner.records, key=lambda r: (r.start_s, r.request_id)))
-    return RunResult(mode, records, duration_s, runner.stop_reason, runner.slot_waits)
+    return RunResult(mode, records, duration_s, runner.stop_reason, runner.slot_waits, concurrency_cap)
 
 
 def _options(
@@ -297,7 +314,12 @@ async def run_open_loop(
                 return
 
     return await _drive(
-        "open", options, connections=concurrency_cap, max_duration_s=max_duration_s, launch=launch
+        "open",
+        options,
+        connections=concurrency_cap,
+        max_duration_s=max_duration_s,
+        launch=launch,
+        concurrency_cap=concurrency_cap,
     )
 
 

@@ -13,6 +13,10 @@ Definitions (the rest are :mod:`loadtests.stats`'):
 - ``load_imbalance``: the time average, over load samples where the fleet is busy, of max / mean of
   ``running + waiting`` per replica.
 - ``oracle_fraction``: ``hit_rate`` / the oracle's bound (:mod:`loadtests.oracle`).
+- ``client_*``: the open-loop client against its schedule (:mod:`loadtests.client_lag`, wall time:
+  sent against scheduled rate, lag p50/p90/max, slot waits, ``client_behind``); a router whose client
+  fell behind is ``invalid`` at the offered rate, with the reason in ``note``. ``None`` in the closed
+  loop.
 - ``replicas_per_group``: the mean number of distinct replicas that served one prefix group (a
   ``tenant`` tag where the workload sets one, else a session); 1.0 is perfect affinity, a high value
   means copies of the same context on many replicas. ``None`` without groups or replica headers.
@@ -25,6 +29,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.client_lag import FIELDS as CLIENT_FIELDS
+from loadtests.client_lag import no_schedule
 from loadtests.runs import RouterRun
 from loadtests.stats import RequestRecord, ratio
 
@@ -37,7 +43,7 @@ ROUTER_FIELDS: tuple[str, ...] = (
     "e2e_p50_s", "e2e_p90_s", "e2e_p99_s", "output_tok_per_s", "req_per_s",
     "hit_rate", "client_hit_rate", "oracle_fraction", "replica_requests",
     "request_imbalance", "load_imbalance", "replicas_per_group", "prediction", "vs_round_robin",
-    "vs_best_peer",
+    "vs_best_peer", *CLIENT_FIELDS,
 )  # fmt: skip
 """Keys of every router entry in the JSON report (values may be ``None`` for a router that did not run)."""
 
@@ -102,10 +108,12 @@ def router_entry(run: RouterRun, oracle_hit_rate: float | None) -> dict[str, Any
     }
     summary = run.summary.to_dict() if run.summary is not None else {}
     entry.update({key: summary.get(key) for key in _SUMMARY_KEYS})
-    reason = invalid_reason(run)
-    if reason is not None:
+    client = run.result.client_check() if run.status == "ok" and run.result is not None else None
+    entry.update(no_schedule() if client is None else client.to_dict())
+    reasons = [r for r in (invalid_reason(run), client.note() if client else None) if r is not None]
+    if reasons:
         entry["status"] = "invalid"
-        entry["note"] = reason
+        entry["note"] = "; ".join(reasons)
     figures = _replica_figures(run) if run.replica_delta else {}
     entry["hit_rate"] = figures.get("hit_rate")
     entry["client_hit_rate"] = summary.get("hit_rate")
@@ -329,27 +337,48 @@ def _pct(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}%"
 
 
+def _client_cell(e: Mapping[str, Any]) -> str:
+    """The client's sent / scheduled rate, bold when it fell behind."""
+    if e.get("client_behind") is None:  # no schedule
+        return "–"
+    sent, scheduled = e.get("client_sent_rate_per_s"), e.get("client_scheduled_rate_per_s")
+    cell = f"{_num(sent)} / {_num(scheduled)}"
+    return f"**{cell} behind**" if e.get("client_behind") else cell
+
+
 def _router_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = [
         "| router | ok / sent | errors | TTFT p50 / p90 / p99 ms | ITL p50 / p90 ms | e2e p50 / p90 ms "
         "| out tok/s | req/s | hit rate (replicas) | hit rate (usage) | of oracle | req imbalance "
-        "| load imbalance | replicas per group |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| load imbalance | replicas per group | client sent / scheduled req/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in entries:
-        if e["status"] != "ok":
-            rows.append(f"| {e['name']} | {e['status']}: {e['note']} |" + " |" * 12)
+        if e["status"] != "ok" and not e.get("client_behind"):
+            rows.append(f"| {e['name']} | {e['status']}: {e['note']} |" + " |" * 13)
             continue
+        name = e["name"] if e["status"] == "ok" else f"{e['name']} (**{e['status']}**)"
         rows.append(
-            f"| {e['name']} | {e['ok']} / {e['requests']} | {e['errors']} "
+            f"| {name} | {e['ok']} / {e['requests']} | {e['errors']} "
             f"| {_ms(e['ttft_p50_s'])} / {_ms(e['ttft_p90_s'])} / {_ms(e['ttft_p99_s'])} "
             f"| {_ms(e['itl_p50_s'])} / {_ms(e['itl_p90_s'])} "
             f"| {_ms(e['e2e_p50_s'])} / {_ms(e['e2e_p90_s'])} "
             f"| {_num(e['output_tok_per_s'], 0)} | {_num(e['req_per_s'])} | {_pct(e['hit_rate'])} "
             f"| {_pct(e['client_hit_rate'])} | {_pct(e['oracle_fraction'])} | {_num(e['request_imbalance'])} "
-            f"| {_num(e['load_imbalance'])} | {_num(e.get('replicas_per_group'))} |"
+            f"| {_num(e['load_imbalance'])} | {_num(e.get('replicas_per_group'))} | {_client_cell(e)} |"
         )
     return rows
+
+
+def client_warnings(entries: Sequence[Mapping[str, Any]]) -> list[str]:
+    """One line per router whose client fell behind its schedule (its figures are no measurement
+    at the offered rate)."""
+    return [
+        f"- **{e['name']}**: {e['note']}; lag p50 / p90 / max {_ms(e['client_lag_p50_s'])} / "
+        f"{_ms(e['client_lag_p90_s'])} / {_ms(e['client_lag_max_s'])} ms"
+        for e in entries
+        if e.get("client_behind")
+    ]
 
 
 def _prediction_rows(entries: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -411,6 +440,10 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], plots_note: str | 
             f"Method: {oracle.get('method')}."
         ]
     lines += ["", "## Routers", "", *_router_rows(entries), ""]
+    warnings = client_warnings(entries)
+    if warnings:
+        section = "The client's schedule in every report"
+        lines += [f'The client fell behind its schedule (docs/loadtest.md, "{section}"):', "", *warnings, ""]
     prediction = _prediction_rows(entries)
     if prediction:
         lines += ["## Prediction (kvlb's receipts: cached_tokens against the route's prediction)", ""]

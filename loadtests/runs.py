@@ -24,6 +24,7 @@ from typing import Any, Literal, TextIO
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.client_lag import summary_line
 from loadtests.driver import RouteFn, RunResult, run_closed_loop, run_open_loop
 from loadtests.fleet.child_process import Child
 from loadtests.fleet.processes import (
@@ -414,6 +415,10 @@ async def run_all(
         run = await run_router(router, fleet, specs, options, logs, assignment=assignment)
         if run.status != "ok":
             print(f"{router.name}: {run.status}: {run.note}", file=sys.stderr)
+        client = run.result.client_check() if run.result is not None else None
+        if client is not None:
+            behind = " BEHIND its schedule" if client.behind else ""
+            print(f"{router.name}: {summary_line(client.to_dict())}{behind}", file=sys.stderr)
         runs.append(run)
     async with aiohttp.ClientSession() as session:
         await wait_idle(session, fleet)

@@ -182,6 +182,8 @@ class SendLag:
     """How far an open-loop client fell behind its schedule (wall seconds): a request sent late
     meets a fleet with less load than offered, and its TTFT (measured from the send) hides the wait."""
 
+    p50_s: float
+    """Median of ``start_s − scheduled_s``."""
     p90_s: float
     """90th percentile of ``start_s − scheduled_s``."""
     max_s: float
@@ -209,6 +211,7 @@ def send_lag(records: Sequence[RequestRecord]) -> SendLag | None:
     scheduled_span = max(scheduled) - min(scheduled)
     n = len(timed) - 1
     return SendLag(
+        p50_s=percentile(lags, 50) or 0.0,
         p90_s=percentile(lags, 90) or 0.0,
         max_s=max(lags),
         sent_rate_per_s=n / sent_span if sent_span > 0 else math.inf,

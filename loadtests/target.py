@@ -11,8 +11,11 @@ rate from ``usage.prompt_tokens_details.cached_tokens`` (``None`` when the targe
 it), and, behind kvlb, each replica's share from ``x-kvlb-replica``. ``--slo NAME=VALUE`` checks a
 figure (``ttft_p90_s=2``, ``error_rate=0.001``, ``hit_rate=0.5``; units ``ms``/``s`` accepted):
 the command exits with :data:`EXIT_SLO_MISSED` when one is missed, so a CI pipeline can gate a
-rollout on it. The figures and the SLO verdicts are pure functions of the records
-(:func:`check_slos`), tested apart from the I/O.
+rollout on it. An open-loop run whose client fell behind its schedule (:mod:`loadtests.client_lag`)
+is no measurement at the offered rate: the report marks it ``invalid`` and, with ``--slo``, the
+command exits :data:`EXIT_CLIENT_BEHIND` unless an SLO was missed anyway (missed under less load than
+offered is missed). The figures and the SLO verdicts are pure functions of the records
+(:func:`check_slos`, :func:`exit_code`), tested apart from the I/O.
 """
 
 from __future__ import annotations
@@ -31,12 +34,17 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.client_lag import LATENCY_SLO_PREFIXES, lag_bound_s, no_schedule, summary_line
 from loadtests.driver import REPLICA_HEADER, RunResult, run_closed_loop, run_open_loop
 from loadtests.runs import Progress
 from loadtests.stats import SUMMARY_FIELDS, Summary
 
 EXIT_SLO_MISSED = 3
 """Exit code when the run completed but missed an SLO (1: the run failed, 2: bad arguments)."""
+
+EXIT_CLIENT_BEHIND = 4
+"""Exit code when every SLO was met but the client fell behind its schedule: no pass at a rate the
+client never sent."""
 
 AT_LEAST: frozenset[str] = frozenset({"hit_rate", "req_per_s", "output_tok_per_s", "ok"})
 """Summary figures an SLO bounds from below; every other one is bounded from above."""
@@ -97,6 +105,22 @@ def check_slos(summary: Summary, slos: Sequence[Slo]) -> list[dict[str, Any]]:
     return [slo.check(summary) for slo in slos]
 
 
+def slo_lag_bound_s(slos: Sequence[Slo]) -> float | None:
+    """The client's lag bound from the latency objectives (TTFT, e2e) among ``slos``."""
+    return lag_bound_s(slo.bound for slo in slos if slo.name.startswith(LATENCY_SLO_PREFIXES))
+
+
+def exit_code(ok_requests: int, slo_met: bool, client_behind: bool, gated: bool) -> int:
+    """1 when no request succeeded; :data:`EXIT_SLO_MISSED` when an SLO was missed (also with the
+    client behind: missed under less load than offered is missed); :data:`EXIT_CLIENT_BEHIND` when
+    the SLOs (``gated``: there are some) were met by a client behind its schedule; else 0."""
+    if ok_requests == 0:
+        return 1
+    if not slo_met:
+        return EXIT_SLO_MISSED
+    return EXIT_CLIENT_BEHIND if gated and client_behind else 0
+
+
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--target", metavar="URL",
@@ -110,7 +134,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"--target: the response header naming the replica (default {REPLICA_HEADER})")  # fmt: skip
     add("--slo", action="append", default=[], metavar="NAME=VALUE",
         help="--target: an objective, e.g. ttft_p90_s=2s, error_rate=0.001, hit_rate=0.5 (repeatable); "
-        f"a missed one makes the command exit {EXIT_SLO_MISSED}")  # fmt: skip
+        f"a missed one makes the command exit {EXIT_SLO_MISSED}, and met ones exit "
+        f"{EXIT_CLIENT_BEHIND} when the client fell behind its schedule (no pass at a rate it never "
+        "sent)")  # fmt: skip
 
 
 def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
@@ -166,6 +192,9 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
         progress.close()
     summary = result.summary()
     verdicts = check_slos(summary, slos)
+    client = result.client_check(slo_lag_bound_s(slos))
+    note = None if client is None else client.note()
+    slo_met = all(v["met"] for v in verdicts)
     report = {
         "kvlb_loadtest_target": 1,
         "meta": {
@@ -182,17 +211,27 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
             "requests": len(specs),
             "stop_reason": result.stop_reason,
         },
+        "status": "invalid" if note else "ok",
+        "note": note,
+        "client": no_schedule() if client is None else client.to_dict(),
         "summary": summary.to_dict(),
         "slo": verdicts,
-        "slo_met": all(v["met"] for v in verdicts),
+        "slo_met": slo_met,
         "errors": _error_sample(result),
     }
     write_report(report, result, summary, out)
     print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
+    code = exit_code(summary.ok, slo_met, note is not None, bool(slos))
     if summary.ok == 0:
         print("kvlb loadtest: no request succeeded", file=sys.stderr)
-        return 1
-    return 0 if report["slo_met"] else EXIT_SLO_MISSED
+    elif code == EXIT_CLIENT_BEHIND:
+        print(
+            f"kvlb loadtest: the SLOs were met, but the client could not send the offered rate: {note}",
+            file=sys.stderr,
+        )
+    elif note:
+        print(f"kvlb loadtest: {note}", file=sys.stderr)
+    return code
 
 
 def write_report(report: Mapping[str, Any], result: RunResult, summary: Summary, out: Path) -> None:
@@ -219,7 +258,7 @@ def _error_sample(result: RunResult, limit: int = 10) -> list[dict[str, Any]]:
 def _fmt(value: Any, name: str) -> str:
     if value is None:
         return "—"
-    if name.endswith("_s") and name != "duration_s":
+    if name.endswith("_s") and not name.endswith("_per_s") and name != "duration_s":  # a time
         return f"{value * 1000:.0f} ms"
     if isinstance(value, float):
         return f"{value:.3f}"
@@ -240,6 +279,7 @@ def table(report: Mapping[str, Any]) -> str:
     lines += [f"  {name:<18} {_fmt(summary[name], name)}" for name in _TABLE_FIELDS]
     for name, share in sorted(summary["replica_share"].items()):
         lines.append(f"  share {name:<12} {share:.3f}")
+    lines += [f"  {line}" for line in _client_lines(report)]
     for verdict in report["slo"]:
         sign = "≥" if verdict["direction"] == "at_least" else "≤"
         state = "met" if verdict["met"] else "MISSED"
@@ -248,6 +288,17 @@ def table(report: Mapping[str, Any]) -> str:
             f"  SLO {verdict['name']} {sign} {_fmt(verdict['bound'], verdict['name'])}: {value} {state}"
         )
     return "\n".join(lines)
+
+
+def _client_lines(report: Mapping[str, Any]) -> list[str]:
+    """The client against its schedule (nothing in the closed loop), and the invalid note."""
+    client = report.get("client") or {}
+    if client.get("client_behind") is None:  # no schedule
+        return []
+    lines = [summary_line(client)]
+    if report.get("note"):
+        lines.append(f"INVALID: {report['note']}")
+    return lines
 
 
 def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) -> str:
@@ -264,6 +315,11 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) 
         "|---|---|",
     ]
     lines += [f"| {name} | {_fmt(summary[name], name)} |" for name in _TABLE_FIELDS]
+    client = _client_lines(report)
+    if client:
+        lines += ["", f"The {client[0]}."]
+    if len(client) > 1:
+        lines += ["", f"**Invalid at the offered rate**: {report['note']}."]
     if summary["replica_share"]:
         lines += ["", "| replica | requests | share |", "|---|---|---|"]
         for name, share in sorted(summary["replica_share"].items()):

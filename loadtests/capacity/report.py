@@ -154,6 +154,7 @@ def markdown(report: Mapping[str, Any]) -> str:
                 "what LRU engines leave reachable to any router."
             )
     lines += _band_lines(report)
+    lines += _invalid_point_lines(report)
     lines += [
         "",
         "## Every point",
@@ -168,9 +169,30 @@ def markdown(report: Mapping[str, Any]) -> str:
             lines.append(
                 f"| {r['name']} | {source} | {p['rate']:.4g} | {_fmt(p['ttft_p90_s'])} "
                 f"| {_fmt(p['ttft_p99_s'])} | {p['errors']} | {_fmt(p['hit_rate'])} "
-                f"| {'pass' if p['meets_slo'] else 'fail'} |"
+                f"| {_verdict(p)} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _verdict(point: Mapping[str, Any]) -> str:
+    if point["meets_slo"]:
+        return "pass"
+    return "fail (invalid: client behind)" if point.get("invalid") else "fail"
+
+
+def _invalid_point_lines(report: Mapping[str, Any]) -> list[str]:
+    """A warning per measured point that is no measurement at its rate (``RatePoint.invalid``)."""
+    lines = [
+        f"- {r['name']} @ {p['rate']:.4g} req/s: {p['invalid']}"
+        for r in report["routers"]
+        for p in r.get("points", ())
+        if p.get("invalid")
+    ]
+    return (
+        ["", "Points that are no measurement at their rate (counted as failing):", "", *lines]
+        if lines
+        else []
+    )
 
 
 def _fleet_kvlb_lines(meta: Mapping[str, Any]) -> list[str]:

@@ -1,7 +1,8 @@
 """Capacity at an SLO: the SLO, a router's measured points and the search of ``kvlb capacity`` (pure).
 
 A router's **capacity** is the highest offered arrival rate at which it meets the SLO: TTFT p90 (and,
-when set, p99) within the bound and an error rate of at most ``max_error_rate``. :func:`search`
+when set, p99) within the bound and an error rate of at most ``max_error_rate``, on a valid run (a
+point whose client fell behind its schedule is ``invalid`` and never meets it). :func:`search`
 finds it for one router from a ``measure(rate) → RatePoint`` function (the simulator in
 ``kvlb capacity``): it steps the rate up or down by ``growth`` until one rate passes and one fails,
 then bisects (geometrically) until the bracket is narrower than ``rel_tol``. The capacity is the
@@ -72,12 +73,17 @@ class RatePoint:
     cached_tokens: int
     """Prefill tokens saved (served from cache)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
+    invalid: str | None = None
+    """Why the run is no measurement at ``rate`` (e.g. the client fell behind its schedule,
+    :mod:`loadtests.client_lag`); such a point never meets the SLO."""
 
     @property
     def error_rate(self) -> float:
         return self.errors / self.requests if self.requests else 1.0
 
     def meets(self, slo: Slo) -> bool:
+        if self.invalid is not None:
+            return False
         if self.error_rate > slo.max_error_rate or self.ttft_p90_s is None:
             return False
         if self.ttft_p90_s > slo.ttft_p90_s:
@@ -99,6 +105,8 @@ class RatePoint:
             "cached_tokens": self.cached_tokens,
             **self.extra,
         }
+        if self.invalid is not None:
+            data["invalid"] = self.invalid
         if slo is not None:
             data["meets_slo"] = self.meets(slo)
         return data
@@ -112,8 +120,9 @@ _POINT_FIELDS = (
 
 def point_from_dict(data: Mapping[str, Any]) -> RatePoint:
     """A point of a saved report (:meth:`RatePoint.to_dict`)."""
-    extra = {k: v for k, v in data.items() if k not in _POINT_FIELDS and k not in ("error_rate", "meets_slo")}
-    return RatePoint(**{k: data[k] for k in _POINT_FIELDS}, extra=extra)
+    dropped = ("error_rate", "meets_slo", "invalid")
+    extra = {k: v for k, v in data.items() if k not in _POINT_FIELDS and k not in dropped}
+    return RatePoint(**{k: data[k] for k in _POINT_FIELDS}, extra=extra, invalid=data.get("invalid"))
 
 
 def searches_from_report(report: Mapping[str, Any]) -> dict[str, Search]:
@@ -127,7 +136,9 @@ def searches_from_report(report: Mapping[str, Any]) -> dict[str, Search]:
     return found
 
 
-def point_of(rate: float, summary: Summary, source: Source, **extra: Any) -> RatePoint:
+def point_of(
+    rate: float, summary: Summary, source: Source, invalid: str | None = None, **extra: Any
+) -> RatePoint:
     """A :class:`RatePoint` from a run's summary (simulated or measured)."""
     errors = summary.requests - summary.ok
     return RatePoint(
@@ -142,6 +153,7 @@ def point_of(rate: float, summary: Summary, source: Source, **extra: Any) -> Rat
         prompt_tokens=summary.prompt_tokens,
         cached_tokens=summary.cached_tokens,
         extra=extra,
+        invalid=invalid,
     )
 
 

@@ -5,9 +5,15 @@ offered rate is a real run of the stream's first ``--target-requests`` requests,
 rescaled to that rate, driven at the URL with ``kvlb loadtest --target``'s driver. Every point of the
 report is measured (source ``target``); TTFTs are wall time. A point with more than
 ``--max-error-rate`` failures does not meet the SLO; a target where no request of the first point
-succeeds stops the search (exit 1). With ``--slo-gate RATE`` the command exits
+succeeds stops the search (exit 1). A point whose client fell behind its schedule
+(:mod:`loadtests.client_lag`, with its lag bounded by a tenth of the TTFT SLO) is ``invalid`` and
+does not meet the SLO either: no pass at a rate the client never sent. The client's in-flight cap is
+the point's request count at least (:func:`loadtests.capacity.confirm.open_loop_cap`), so it never
+holds a launch back. With ``--slo-gate RATE`` the command exits
 :data:`loadtests.target.EXIT_SLO_MISSED` when the capacity found is below ``RATE``, so a rollout can be
-gated on "this deployment still serves N req/s within the SLO".
+gated on "this deployment still serves N req/s within the SLO"; it exits
+:data:`loadtests.target.EXIT_CLIENT_BEHIND` instead when the lowest failing rate's point was invalid
+by the client (the search's bracket was the client's, not the target's).
 """
 
 from __future__ import annotations
@@ -19,10 +25,21 @@ from typing import Any
 
 import aiohttp
 
+from loadtests.capacity.confirm import open_loop_cap
 from loadtests.capacity.search import RatePoint, Search, Slo, point_of, search
+from loadtests.client_lag import lag_bound_s, no_schedule
 from loadtests.driver import REPLICA_HEADER, run_open_loop
 from loadtests.runs import Progress
-from loadtests.target import EXIT_SLO_MISSED, first_model, parse_headers
+from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED, first_model, parse_headers
+
+CAPACITY_ADVICE = (
+    "the search counts the rate as failed; run the client on another machine (or nearer the "
+    "target) to measure it"
+)
+"""What a ``kvlb capacity --target`` user can do about a point whose client fell behind."""
+
+DEFAULT_OPEN_LOOP_CAP = 1024
+"""The client's in-flight cap below a point's request count (``open_loop_cap`` raises it to that)."""
 
 
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,9 +61,12 @@ def measure_target(
     specs_at: Callable[[float, int], list[Any]],
     model: str,
     log: Callable[[str], None],
+    slo: Slo,
 ) -> Callable[[float], RatePoint]:
-    """A point per offered rate: the first ``--target-requests`` requests at that rate, at the URL."""
+    """A point per offered rate: the first ``--target-requests`` requests at that rate, at the URL,
+    ``invalid`` when the client fell behind its schedule (lag bounded by a tenth of ``slo``'s TTFT)."""
     headers = parse_headers(args.header)
+    bound_s = lag_bound_s(b for b in (slo.ttft_p90_s, slo.ttft_p99_s) if b is not None)
 
     def measure(rate: float) -> RatePoint:
         specs = specs_at(rate, args.target_requests)
@@ -59,7 +79,7 @@ def measure_target(
                     model=model,
                     max_requests=len(specs),
                     max_duration_s=max(60.0, 4 * len(specs) / rate + args.target_timeout_s),
-                    concurrency_cap=1024,
+                    concurrency_cap=open_loop_cap(DEFAULT_OPEN_LOOP_CAP, len(specs)),
                     timeout_s=args.target_timeout_s,
                     headers=headers,
                     on_progress=progress.update,
@@ -69,12 +89,23 @@ def measure_target(
         finally:
             progress.close()
         summary = result.summary()
+        client = result.client_check(bound_s)
+        note = None if client is None else client.note(CAPACITY_ADVICE)
+        figures = no_schedule() if client is None else client.to_dict()
         point = point_of(
-            rate, summary, "target", req_per_s=summary.req_per_s, replica_share=summary.replica_share
+            rate,
+            summary,
+            "target",
+            invalid=note,
+            req_per_s=summary.req_per_s,
+            replica_share=summary.replica_share,
+            **figures,
         )
+        sent = figures["client_sent_rate_per_s"]
         log(
             f"target @ {rate:.3g}/s: TTFT p90 {point.ttft_p90_s}, errors {point.errors}/{point.requests}, "
-            f"hit rate {point.hit_rate}"
+            f"hit rate {point.hit_rate}, client sent {sent if sent is None else round(sent, 3)}/s"
+            + (f"; INVALID: {note}" if note else "")
         )
         if summary.ok == 0:
             raise TargetDown(f"no request succeeded at {rate:.3g}/s: {result.records[0].error}")
@@ -106,7 +137,7 @@ def search_target(
     log: Callable[[str], None],
 ) -> Search:
     return search(
-        measure_target(args, specs_at, model_of(args), log),
+        measure_target(args, specs_at, model_of(args), log, slo),
         slo,
         start,
         growth=args.growth,
@@ -116,9 +147,21 @@ def search_target(
 
 
 def gate(found: Search, args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    """The exit code: the SLO gate on the capacity found."""
+    """The exit code: the SLO gate on the capacity found (module docstring)."""
+    for point in found.points:
+        if point.invalid is not None:
+            log(f"target @ {point.rate:.3g}/s is no measurement: {point.invalid}")
     if args.slo_gate is None:
         return 0
     ok = found.capacity is not None and found.capacity >= args.slo_gate
     log(f"capacity {found.capacity} req/s against the gate {args.slo_gate}: {'met' if ok else 'MISSED'}")
-    return 0 if ok else EXIT_SLO_MISSED
+    if ok:
+        return 0
+    failing = found.point_at(found.first_fail)
+    if failing is not None and failing.invalid is not None:
+        log(
+            f"kvlb capacity: the client could not send {failing.rate:.3g} req/s, the lowest failing "
+            "rate: the gate's miss is the client's, not the target's"
+        )
+        return EXIT_CLIENT_BEHIND
+    return EXIT_SLO_MISSED
