@@ -149,3 +149,16 @@ def test_the_target_table_prints_rates_as_rates_and_times_in_ms() -> None:
     text = table({"meta": meta, "summary": summary, "slo": [], "client": no_schedule()})
     assert "req_per_s          3.244" in text and "ttft_p90_s         265 ms" in text
     assert "client sent" not in text  # no schedule: no client line
+
+
+def test_one_late_send_at_the_end_of_a_short_run_is_no_shortfall() -> None:
+    # 20 gaps of 0.1 s, all on time but the last, sent 0.15 s late: the rate over the span is
+    # 2.0 / 2.15 = 93%, but the lag p90 is 0 — the endpoint was offered the schedule's load
+    records = _schedule()
+    last = records[-1]
+    records[-1] = RequestRecord(
+        last.request_id, "ok", start_s=last.start_s + 0.15, scheduled_s=last.scheduled_s
+    )
+    check = check_client(records, slot_waits=0, concurrency_cap=512)
+    assert check is not None and check.sent_rate_per_s / check.scheduled_rate_per_s < MIN_SENT_SHARE
+    assert not check.behind and check.lag_max_s == pytest.approx(0.15)
