@@ -423,9 +423,9 @@ class Settings:
     """Health probes in a row that time out before a live replica stops taking traffic (1..10). A
     timeout is ambiguous: a hung engine, or a stalled host or balancer, which times out every
     replica's probe at once (measured: one such stall of a loaded test machine took all 8 replicas
-    out for one probe period and failed 38 of 400 requests with 503, docs/loadtest.md). A probe
-    answered with anything but 200, or refused, takes the replica out at once. Every failed probe
-    counts against the circuit breaker."""
+    out for one probe period and failed 38 of 400 requests with 503, docs/loadtest-history.md, "Two
+    fleet-only inputs isolated"). A probe answered with anything but 200, or refused, takes the
+    replica out at once. Every failed probe counts against the circuit breaker."""
     log_level: str = "INFO"
     """Python logging level name."""
     allocator: Literal["auto", "system", "jemalloc"] = "auto"

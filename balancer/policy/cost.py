@@ -79,7 +79,7 @@ For each candidate replica ``r`` (lower is better)::
   out of the fleet, so tenants whose contexts overflow the fleet's caches stay on their replica
   (hit rate of the llm-d-shaped ``tenants`` run 0.51 → 0.72 in the simulator). Between replicas
   of different fill it sends new contexts to the one with room, rather than to a full one where
-  they evict a context its own requests are about to reuse (the hot spots of docs/loadtest.md).
+  they evict a context its own requests are about to reuse (the hot spots of docs/loadtest-history.md).
   Workloads that fill the caches slowly (``agent``, ``chat``) still spread while the fleet is
   empty (docs/policies.md). The ramp starts early because copies made while the caches fill are
   the ones that overflow them later (copied-blocks charge, 0.3 s of event lag: a 0.5 → 0.9 ramp

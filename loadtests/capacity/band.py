@@ -1,7 +1,7 @@
 """The simulator's own spread at a confirmed point, and the fleet against it (pure: no I/O, no clock).
 
 Near a router's knee one simulation is one draw of a chaotic process: moving every arrival by a
-millisecond can double TTFT p90 (docs/loadtest.md, "Where the fleet and the simulator part"). So
+millisecond can double TTFT p90 (docs/loadtest-history.md, "Where the fleet and the simulator part"). So
 ``kvlb capacity --confirm --confirm-sim-draws N`` simulates each confirmed point ``N`` times, each
 draw the same requests with every arrival moved by a uniform ``±jitter_s`` (:func:`jitter_arrivals`,
 randomness only through the passed ``random.Random``), and compares the fleet's repeats with the

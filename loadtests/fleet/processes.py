@@ -260,7 +260,7 @@ async def wait_caught_up(session: aiohttp.ClientSession, url: str, fleet: Emulat
     :data:`READY_TIMEOUT_S`). A kvlb started on a fleet that served an earlier run first replays
     that run's history from each engine's replay buffer; a drive that starts meanwhile has old
     stores confirm its new speculative entries, which the replayed flush then clears
-    (docs/loadtest.md, "Where the fleet and the simulator part", 2026-11-29)."""
+    (docs/loadtest-history.md, "Where the fleet and the simulator part", 2026-11-29)."""
     published = await published_seqs(session, fleet)
     in_a_row = 0
     async with asyncio.timeout(READY_TIMEOUT_S):

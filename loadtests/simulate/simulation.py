@@ -105,7 +105,7 @@ class SimConfig:
     same for every request; must be finite and >= 0. The router counts the request as pending
     prefill from its decision, the replica starts it this much later, and its TTFT includes it. The
     emulated fleet at ``--time-scale`` 0.25 adds about 0.02 s of model time per 7,000-token chat
-    prompt (docs/loadtest.md, "Where the fleet and the simulator part")."""
+    prompt (docs/loadtest-history.md, "Where the fleet and the simulator part")."""
     forward_jitter_s: float = 0.0
     """Half-width of the hop's spread, virtual seconds: each request's hop is drawn uniformly from
     ``[forward_delay_s - forward_jitter_s, forward_delay_s + forward_jitter_s]``, one draw per routed

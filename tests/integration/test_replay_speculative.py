@@ -5,7 +5,7 @@ so each one's replay buffer holds ``AllBlocksCleared, BlockStored(prompt), AllBl
 balancer's catch-up replay is held back (a gate between its DEALER and each replica's ROUTER) until a
 request with that prompt has been routed and waits on its (stalled) replica: the replayed store then
 confirms the request's speculative entries and the replayed clear follows. A follower with the same
-prefix must still find them and go to the same replica (docs/loadtest.md, 2026-11-29, items 5-6:
+prefix must still find them and go to the same replica (docs/loadtest-history.md, 2026-11-29, items 5-6:
 before the fix the clear took them and the follower was sent elsewhere).
 """
 

@@ -159,7 +159,7 @@ def test_expiry_also_runs_on_apply_and_counts() -> None:
 
 
 def test_a_replayed_store_then_clear_leaves_a_routed_requests_entry() -> None:
-    """The fresh-kvlb replay (docs/loadtest.md, 2026-11-29, items 5-6): a request is routed to A
+    """The fresh-kvlb replay (docs/loadtest-history.md, 2026-11-29, items 5-6): a request is routed to A
     (speculative entries), A's replayed history then stores the same blocks and clears them. The
     follower still finds the 3 blocks until the request's entries expire; the reported overlap
     counts the confirmed keys while the real copy lasts."""
