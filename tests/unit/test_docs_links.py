@@ -5,6 +5,8 @@ Also the splits of the long documents: ``docs/policies.md`` is the reference and
 study; ``docs/policy-studies.md`` holds the studies ("### Part N: title (date)", appended at its end)
 and its table of contents lists every one of them, in order. ``docs/benchmark-history.md`` holds
 issue #16's rounds (a new one right before "Older figures", its last section) and lists them all.
+``docs/loadtest.md`` is the reference with the current headline first; ``docs/loadtest-history.md``
+holds the headlines it replaced and the dated studies, oldest first, and lists them all.
 """
 
 from __future__ import annotations
@@ -207,9 +209,13 @@ def test_the_benchmark_history_lists_every_round_and_ends_with_the_older_figures
 
 
 _STALE = re.compile(
-    r"(?<![\w-])(?:policies\.md\W{0,4}(?:Parts? \d|Against the oracle)|benchmarks\.md\W{0,4}[Rr]ound \d)"
+    r"(?<![\w-])(?:policies\.md\W{0,4}(?:Parts? \d|Against the oracle)|benchmarks\.md\W{0,4}[Rr]ound \d"
+    r"|loadtest\.md\W{0,4}(?:\d{4}-\d\d-\d\d|Headline(?!\")|Figures|Earlier figures|After the policy-input"
+    r"|The other workloads|Confirmation on the emulated|Agreement|Where the fleet|The followers|Lost entries"
+    r"|Receipts and the no-events|Two fleet-only))"
 )
-"""A study named in the file it left: docs/policies.md's Parts and docs/benchmarks.md's rounds moved."""
+"""A study named in the file it left: docs/policies.md's Parts, docs/benchmarks.md's rounds and
+docs/loadtest.md's dated sections (its superseded headlines and studies, by name or by date) moved."""
 
 
 def stale_references(text: str) -> list[int]:
@@ -229,6 +235,80 @@ def test_studies_and_rounds_are_named_where_they_are() -> None:
         )
         and (lines := stale_references(path.read_text("utf-8", errors="replace")))
     }
-    assert not found, f"write docs/policy-studies.md or docs/benchmark-history.md: {found}"
+    assert not found, (
+        f"write docs/policy-studies.md, docs/benchmark-history.md or docs/loadtest-history.md: {found}"
+    )
     assert stale_references('see docs/policies.md "Part 24"\nround 8 (docs/benchmarks.md, round 8)') == [1, 2]
     assert not stale_references('docs/policy-studies.md "Part 24"; docs/benchmark-history.md, round 8')
+    moved = [
+        '(docs/loadtest.md, "Where the fleet and the simulator part")',
+        "docs/loadtest.md, 2026-11-29, items 5-6",
+        'docs/loadtest.md "Headline: capacity at the SLO"',
+        '(`docs/loadtest.md`, "Agreement re-measured")',
+    ]
+    assert stale_references("\n".join(moved)) == [1, 2, 3, 4]
+    assert not stale_references(
+        'docs/loadtest.md "Headline"; docs/loadtest.md, "The client\'s send lag"; '
+        'docs/loadtest-history.md, "Where the fleet and the simulator part", 2026-11-29'
+    )
+
+
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def headings(text: str) -> list[tuple[int, str]]:
+    """``(level, title)`` of each ``##`` to ``######`` heading outside code."""
+    found = []
+    for _, line in prose_lines(text):
+        match = _HEADING.match(line)
+        if match and len(match.group(1)) >= 2:
+            found.append((len(match.group(1)), match.group(2)))
+    return found
+
+
+def test_loadtest_md_is_the_reference_with_the_current_headline_first() -> None:
+    """docs/loadtest.md opens, after its intro, with "## Headline" (and its fixed-rate second table,
+    issue #20); it has no other headline and no dated section: a headline a newer one replaces, and
+    any dated study, go to docs/loadtest-history.md. The headline is at least as new as every section
+    there."""
+    reference = (DOCS / "loadtest.md").read_text("utf-8")
+    found = headings(reference)
+    assert found[0] == (2, "Headline"), found[:2]
+    assert found[1] == (3, "Fixed-rate ratios (second table)"), found[:2]
+    assert [title for _, title in found if "headline" in title.lower()] == ["Headline"]
+    assert not [title for _, title in found if _DATE.search(title)], "a dated section in docs/loadtest.md"
+    headline = reference.split("\n## Headline\n", 1)[1].split("\n## ", 1)[0]
+    second_table = headline.split("\n### Fixed-rate ratios (second table)\n", 1)[1]
+    assert "\n| workload" in second_table, "the fixed-rate ratios' table"
+    assert "](loadtest-history.md#figures-of-the-current-code-" in second_table, "the link to its runs"
+    history = (DOCS / "loadtest-history.md").read_text("utf-8")
+    history_dates = [date for _, title in headings(history) for date in _DATE.findall(title)]
+    dated = _DATE.search(headline.split("\n### ", 1)[0])
+    assert dated and all(dated.group() >= date for date in history_dates), (dated, history_dates)
+    assert not {title for _, title in found} & {title for _, title in headings(history)}
+
+
+_CONTENTS_ROW = re.compile(
+    r"^\| (?P<sub>↳ )?\[(?P<title>.+?)\]\(#(?P<anchor>[^)]+)\) "
+    r"\| (?P<date>\d{4}-\d{2}-\d{2}) \| \S.* \| \S.* \|$",
+    re.MULTILINE,
+)
+
+
+def test_the_loadtest_history_lists_every_section_oldest_first() -> None:
+    """Every "##" section of docs/loadtest-history.md is dated in its heading and has a row in the
+    contents, in order, oldest first; so has every dated deeper section (a follow-up kept under its
+    section), marked "↳". Each row gives the heading's date, what it measured and what superseded it."""
+    history = (DOCS / "loadtest-history.md").read_text("utf-8")
+    found = headings(history)
+    assert found[0] == (2, "Contents"), found[0]
+    expected = [(level > 2, title) for level, title in found[1:] if level == 2 or _DATE.search(title)]
+    contents = history.split("\n## Contents\n", 1)[1].split("\n## ", 1)[0]
+    rows = list(_CONTENTS_ROW.finditer(contents))
+    assert [(bool(row["sub"]), row["title"]) for row in rows] == expected
+    assert [row["anchor"] for row in rows] == [slug(title) for _, title in expected]
+    for row in rows:
+        assert _DATE.findall(row["title"])[0] == row["date"], row["title"]
+    top = [row["date"] for row in rows if not row["sub"]]
+    assert top == sorted(top), "sections are oldest first; a new one goes at the end"
+    assert len(top) >= 10
