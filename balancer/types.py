@@ -130,5 +130,6 @@ class Decision:
     reason: str = ""
     ramp_share: float | None = None
     """The cost policy's averaged share of replicas prefilling that this decision's credit read
-    (``PolicyWeights.ramp_memory_decisions``): the router keeps it as its new average when it
-    commits the decision. ``None`` when the ramp has no memory (or the policy no ramp)."""
+    (``PolicyWeights.ramp_memory_s``), advanced to this decision's time (its load snapshot's
+    ``now``): the router keeps it, with that time, as its new average when it commits the decision.
+    ``None`` when the ramp has no memory (or the policy no ramp)."""

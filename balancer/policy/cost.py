@@ -24,10 +24,13 @@ For each candidate replica ``r`` (lower is better)::
   spreads new contexts (a constant credit 2 gathered tool-use loops on the replicas holding their
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policies.md, "Part 6"). The share of replicas prefilling
-  estimates the fleet's prefill utilisation with no scale to configure. With
-  ``ramp_memory_decisions`` N (off by default) the ramp reads that share averaged over the
-  router's committed decisions instead (:class:`ShareAverage`, ``α = 1/N``): the router keeps the
-  average and passes it in (``RouteRequest.ramp_share``), the decision returns the advanced one.
+  estimates the fleet's prefill utilisation with no scale to configure. With ``ramp_memory_s`` τ
+  (off by default) the ramp reads that share averaged in time instead (:class:`ShareAverage`, ``α
+  = 1 − exp(−Δt/τ)`` per committed decision, Δt from the previous one): the router keeps the
+  average and the time it was advanced and passes them in (``RouteRequest.ramp_share``,
+  ``ramp_at_s``; the decision's time is its load snapshot's ``now``), the decision returns the
+  advanced share (``Decision.ramp_share``), which the router stores with that time.
+  ``ramp_memory_decisions`` N averages over decisions instead (``α = 1/N``).
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -159,7 +162,12 @@ class CostPolicy:
         if credit_ramps(weights) and weights.overlap_credit_loaded is not None:
             busy, share = busy_share([loads[r] for r in eligible])
             why = f"{busy}/{len(eligible)} replicas prefilling"
-            if weights.ramp_memory_decisions:
+            if weights.ramp_memory_s:
+                share = averaged = time_averaged_share(
+                    request.ramp_share, request.ramp_at_s, share, load.now, weights.ramp_memory_s
+                )
+                why += f", averaged {averaged:.2f} over {weights.ramp_memory_s:g} s"
+            elif weights.ramp_memory_decisions:
                 share = averaged = averaged_share(request.ramp_share, share, weights.ramp_memory_decisions)
                 why += f", averaged {averaged:.2f}"
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
@@ -226,18 +234,49 @@ def loaded_credit(credit: float, loaded: float, share: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ShareAverage:
-    """The credit ramp's memory (``PolicyWeights.ramp_memory_decisions``): an exponential average
-    of the busy share (:func:`busy_share`) over a router's committed decisions. A value: the
-    routing shell holds one per pool, gives its :attr:`share` to the policy with each request
-    (``RouteRequest.ramp_share``) and keeps the decision's advanced value when it commits it, so
-    planning changes nothing."""
+    """The credit ramp's memory (``PolicyWeights.ramp_memory_s``): an exponential average of the
+    busy share (:func:`busy_share`) in time, advanced at a router's committed decisions. A value:
+    the routing shell holds one per pool, gives its :attr:`share` and :attr:`at_s` to the policy with
+    each request (``RouteRequest.ramp_share``, ``RouteRequest.ramp_at_s``) and keeps the decision's
+    advanced value when it commits it, so planning changes nothing."""
 
     share: float | None = None
     """The average so far (0..1); ``None`` before the first decision."""
+    at_s: float | None = None
+    """When :attr:`share` was last advanced: the committed decision's time (its load snapshot's
+    ``now``, the shell's monotonic seconds or the simulator's model seconds); ``None`` before."""
 
     def advanced(self, share: float, memory_decisions: float) -> ShareAverage:
         """The average after one more decision at ``share`` (:func:`averaged_share`)."""
-        return ShareAverage(averaged_share(self.share, share, memory_decisions))
+        return ShareAverage(averaged_share(self.share, share, memory_decisions), self.at_s)
+
+    def advanced_to(self, share: float, now_s: float, memory_s: float) -> ShareAverage:
+        """The average advanced to ``now_s`` by a decision seeing ``share``
+        (:func:`time_averaged_share`), stamped ``now_s``."""
+        return ShareAverage(time_averaged_share(self.share, self.at_s, share, now_s, memory_s), now_s)
+
+
+def time_averaged_share(
+    previous: float | None, previous_at_s: float | None, share: float, now_s: float, memory_s: float
+) -> float:
+    """The busy share averaged in time with time constant ``memory_s`` (τ): ``previous + α · (share
+    − previous)`` with ``α = 1 − exp(−Δt / τ)``, ``Δt = now_s − previous_at_s`` clamped at 0 (a
+    clock read out of order moves nothing); ``share`` itself when there is no ``previous`` (the
+    first decision) or ``memory_s`` is not above 0 (no memory).
+
+    The sample standing for the interval since the previous decision is ``share``, the share this
+    decision sees (the interval's end), not the previous decision's: the router observes the share
+    only at decisions, and the latest observation is the one that has seen the interval's first
+    tokens. With it a short memory tends to the instant share (``α → 1`` as ``τ → 0``: the policy
+    without memory), arrivals at the same instant move the average by nothing (``Δt = 0``) however
+    many they are, and after a pause longer than a few ``τ`` the average is the new share, whatever
+    it was before. Holding the previous share over the interval instead would lag every change by
+    one decision and, for a short ``τ``, give the previous decision's share rather than this one's."""
+    if previous is None or previous_at_s is None or memory_s <= 0:
+        return share
+    elapsed_s = max(0.0, now_s - previous_at_s)
+    alpha = -math.expm1(-elapsed_s / memory_s)
+    return previous + alpha * (share - previous)
 
 
 def averaged_share(previous: float | None, share: float, memory_decisions: float) -> float:

@@ -300,7 +300,7 @@ def test_a_decision_keeps_every_term_and_leaves_absent_values_unset() -> None:
 
 
 def test_a_decision_carries_the_ramps_averaged_share() -> None:
-    """With ``ramp_memory_decisions`` the decision's averaged busy share reaches gRPC as HTTP shows it."""
+    """With ``ramp_memory_s`` the decision's averaged busy share reaches gRPC as HTTP shows it."""
     decision = Decision(ReplicaId("a"), "cost", 3, 4, 12, (), reason="argmin", ramp_share=0.71)
     assert decision_message(decision).ramp_share == 0.71
     fields = {f.name for f in dataclasses.fields(Decision)} - {"terms"}

@@ -5,6 +5,7 @@ router decision by decision."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -16,7 +17,7 @@ from balancer.index.hashing import pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
-from balancer.policy.cost import ShareAverage, averaged_share
+from balancer.policy.cost import ShareAverage, averaged_share, loaded_credit, time_averaged_share
 from balancer.policy.registry import make_policy
 from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
 from balancer.types import Decision, EngineHash, Overlap, ReplicaId
@@ -59,12 +60,23 @@ def _busy(replica: ReplicaId, blocks: float = 4.0) -> ReplicaLoad:
     return ReplicaLoad(replica, pending_prefill_reqs=1, pending_prefill_blocks=blocks)
 
 
-def _decide(prior: float | None, loads: list[ReplicaLoad], **weights: float | None) -> Decision:
+def _decide(
+    prior: float | None,
+    loads: list[ReplicaLoad],
+    *,
+    prior_at_s: float | None = None,
+    now_s: float = 0.0,
+    **weights: float | None,
+) -> Decision:
     request = RouteRequest(
-        candidates=(A, B, C, D), request_blocks=10, prompt_tokens=10 * BLOCK, ramp_share=prior
+        candidates=(A, B, C, D),
+        request_blocks=10,
+        prompt_tokens=10 * BLOCK,
+        ramp_share=prior,
+        ramp_at_s=prior_at_s,
     )
     overlap = Overlap(blocks={A: 8}, request_blocks=10)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
+    snapshot = LoadSnapshot(now=now_s, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
     return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))  # type: ignore[arg-type]
 
 
@@ -123,7 +135,7 @@ def test_planning_stores_nothing_and_commitment_stores_the_average() -> None:
         assert plan.decision.ramp_share == again.decision.ramp_share is not None
         assert plan.inputs is not None and plan.inputs.request.ramp_share == before.share
         pool.lease(plan, f"q{k}", 1.0 + k)
-        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share)
+        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share, 1.0 + k)
     assert 0.0 < (pool.ramp_average.share or 0.0) < 1.0
 
 
@@ -168,12 +180,16 @@ def _sim(prune: bool, weights: PolicyWeights) -> SimRouter:
     return router
 
 
-def test_the_simulator_averages_as_the_service_does() -> None:
+@pytest.mark.parametrize(
+    "weights",
+    [PolicyWeights(ramp_memory_s=0.05), PolicyWeights(ramp_memory_decisions=10.0)],
+    ids=["seconds", "decisions"],
+)
+def test_the_simulator_averages_as_the_service_does(weights: PolicyWeights) -> None:
     """The simulator's pruned router counts the busy share over the fleet and advances the same
-    average (:class:`ShareAverage`) at each committed decision; unpruned, the policy ramps on its
-    own and the service's :class:`PoolRouter` keeps the average. The same stream gives the same
-    averages and the same choices."""
-    weights = PolicyWeights(ramp_memory_decisions=10.0)
+    average (:class:`ShareAverage`, in model seconds) at each committed decision; unpruned, the
+    policy ramps on its own and the service's :class:`PoolRouter` keeps the average. The same
+    stream gives the same averages and the same choices."""
     pruned, full = _sim(True, weights), _sim(False, weights)
     rng = random.Random(9)
     live: list[tuple[str, ReplicaId]] = []
@@ -202,3 +218,91 @@ def test_the_simulator_averages_as_the_service_does() -> None:
     assert full.router.ramp_average.share is not None
     assert ramped > 20  # the average was on the ramp
     assert pruned.counters.pruned > 100
+
+
+def test_the_memory_in_seconds_is_off_by_default_validated_and_nullable() -> None:
+    assert PolicyWeights().ramp_memory_s is None
+    assert PolicyWeights.from_dict({"ramp_memory_s": 0.3}).ramp_memory_s == 0.3
+    on = PolicyWeights(ramp_memory_s=0.3)
+    assert PolicyWeights.from_dict({"ramp_memory_s": None}, base=on).ramp_memory_s is None
+    assert PolicyWeights.from_dict(on.to_dict()) == on
+    for good in (0.0, 0.05, 1.0, 60.0):
+        assert PolicyWeights(ramp_memory_s=good).ramp_memory_s == good
+    for bad in (-0.1, 60.5, float("inf"), float("nan"), True, "0.3"):
+        with pytest.raises(ConfigError, match="ramp_memory_s"):
+            PolicyWeights().replace(ramp_memory_s=bad)
+
+
+def test_the_average_in_time_takes_alpha_from_the_elapsed_seconds() -> None:
+    tau = 0.3
+    assert time_averaged_share(None, None, 0.7, 5.0, tau) == 0.7  # the first decision: its own share
+    assert time_averaged_share(0.5, None, 0.7, 5.0, tau) == 0.7  # no time recorded: a fresh start
+    one_tau = time_averaged_share(0.5, 1.0, 1.0, 1.0 + tau, tau)
+    assert one_tau == pytest.approx(0.5 + (1.0 - math.exp(-1.0)) * 0.5)  # α = 1 − e^−1 after τ
+    assert time_averaged_share(0.5, 1.0, 1.0, 1.0, tau) == 0.5  # Δt = 0: a burst moves nothing
+    assert time_averaged_share(0.5, 1.0, 1.0, 0.4, tau) == 0.5  # a negative Δt counts as 0
+    assert time_averaged_share(0.5, 1.0, 1.0, 1.0 + 40 * tau, tau) == pytest.approx(1.0)  # forgotten
+    for off in (0.0, -1.0):
+        assert time_averaged_share(0.5, 1.0, 0.2, 1.1, off) == 0.2  # no memory: the instant share
+    # the same share over two steps of Δt is one step of 2·Δt (the memory is in time, not steps)
+    start = ShareAverage(0.25, 2.0)
+    twice = start.advanced_to(1.0, 2.1, tau).advanced_to(1.0, 2.2, tau)
+    once = start.advanced_to(1.0, 2.2, tau)
+    assert twice.share == pytest.approx(once.share) and twice.at_s == once.at_s == 2.2
+    assert start == ShareAverage(0.25, 2.0)  # a value: advancing returns a new one
+
+
+def test_the_credit_reads_the_average_in_time_and_the_note_names_tau() -> None:
+    every = [_busy(A, 12.0), _busy(B), _busy(C), _busy(D)]  # 4/4 prefilling: instant credit 4
+    instant = _decide(0.5, every, prior_at_s=1.0, now_s=1.3)
+    assert instant.ramp_share is None and "credit 4 (4/4 replicas prefilling)" in instant.reason
+    later = _decide(0.5, every, prior_at_s=1.0, now_s=1.3, ramp_memory_s=0.3)
+    expected = 0.5 + (1.0 - math.exp(-1.0)) * 0.5  # 0.816: on the ramp
+    assert later.ramp_share == pytest.approx(expected)
+    assert later.ramp_share is not None
+    credit = loaded_credit(1.0, 4.0, later.ramp_share)  # the credit reads the average, not 4/4
+    assert {t.overlap_credit for t in later.terms} == {credit} and 1.0 < credit < 4.0
+    assert f"credit {credit:.3g} (4/4 replicas prefilling, averaged 0.82 over 0.3 s)" in later.reason
+    burst = _decide(0.5, every, prior_at_s=1.3, now_s=1.3, ramp_memory_s=0.3)  # same instant: no move
+    assert burst.ramp_share == 0.5 and {t.overlap_credit for t in burst.terms} == {1.0}
+    first = _decide(None, every, now_s=1.3, ramp_memory_s=0.3)
+    assert first.ramp_share == 1.0 and "averaged 1.00 over 0.3 s" in first.reason
+    # the time memory takes precedence over a memory in decisions
+    both = _decide(0.5, every, prior_at_s=1.0, now_s=1.3, ramp_memory_s=0.3, ramp_memory_decisions=10.0)
+    assert both == later
+    for off in (None, 0.0):
+        assert _decide(0.5, every, prior_at_s=1.0, now_s=1.3, ramp_memory_s=off) == instant
+
+
+def test_planning_stores_nothing_and_commitment_stores_the_average_and_its_time() -> None:
+    pool = _pool(0)
+    weights = PolicyWeights(ramp_memory_s=0.3)
+    policy = make_policy("cost")
+    rng = random.Random(1)
+    for k in range(30):
+        now = 1.0 + 0.05 * k
+        before = pool.ramp_average
+        request = PoolRequest(_tokens(rng), policy, weights, f"q{k}")
+        plan = pool.select(request, now)
+        again = pool.select(request, now)
+        assert pool.ramp_average is before  # two plans, nothing stored
+        assert plan.decision.ramp_share == again.decision.ramp_share is not None
+        assert plan.inputs is not None
+        assert (plan.inputs.request.ramp_share, plan.inputs.request.ramp_at_s) == (before.share, before.at_s)
+        pool.lease(plan, f"q{k}", now)
+        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share, now)
+    assert 0.0 < (pool.ramp_average.share or 0.0) < 1.0
+
+
+def test_a_memory_in_seconds_much_shorter_than_the_gaps_decides_as_the_instant_share() -> None:
+    """On a seeded stream through the real router (a decision every 10 ms): τ ``None`` and 0 decide
+    exactly as the default, τ = 1 µs (α = 1 − e^−10⁴, the instant share) makes the same choices,
+    τ = 0.3 s changes some."""
+    for seed in range(3):
+        default = _stream(_pool(seed), PolicyWeights(), seed)
+        assert _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.0), seed) == default
+        tiny = _stream(_pool(seed), PolicyWeights(ramp_memory_s=1e-6), seed)
+        assert [d.terms for d in tiny] == [d.terms for d in default]
+        assert any(d.ramp_share is not None for d in tiny)
+        remembered = _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.3), seed)
+        assert [d.replica for d in remembered] != [d.replica for d in default]
