@@ -86,15 +86,16 @@ class PolicyWeights:
     """The memory of the credit's ramp, in seconds: the cost policy's credit reads an exponential
     average in time, with this time constant τ, of the share of eligible replicas with prefill in
     flight, instead of that decision's share alone; 0..60 s, or ``None``. At each committed decision
-    ``average += α · (share − average)`` with ``α = 1 − exp(−Δt / τ)``, ``Δt`` the seconds since
-    the previous committed decision (the first decision starts it at its own share; a negative
-    ``Δt`` counts as 0); the share sampled is the decision's own, so τ → 0 tends to the instant
-    share (:func:`~balancer.policy.cost.time_averaged_share`). ``None`` or 0 (default) is off: the
-    instant share, as before. Unlike a count of decisions, the span does not shrink as the request
-    rate or the pool grows. The average is kept by the routing shell per pool and process (each
-    worker of ``kvlb serve --workers N`` and each kvlb of a Redis fleet averages its own decisions,
-    in the same seconds); only read while the credit ramps (``overlap_credit_loaded`` set); when
-    set it takes precedence over ``ramp_memory_decisions``. Opt-in, not a default."""
+    ``average += α · (held − average)`` with ``α = 1 − exp(−Δt / τ)``, ``Δt`` the seconds since
+    the previous committed decision and ``held`` the share that decision saw, held over ``Δt``
+    (the first decision starts it at its own share; a negative ``Δt`` counts as 0;
+    :func:`~balancer.policy.cost.time_averaged_share` says why the previous share and not this
+    one's). ``None`` or 0 (default) is off: the instant share, as before. Unlike a count of
+    decisions, the span does not shrink as the request rate or the pool grows. The average is kept
+    by the routing shell per pool and process (each worker of ``kvlb serve --workers N`` and each
+    kvlb of a Redis fleet averages its own decisions, in the same seconds); only read while the
+    credit ramps (``overlap_credit_loaded`` set); when set it takes precedence over
+    ``ramp_memory_decisions``. Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
@@ -337,6 +338,9 @@ class RouteRequest:
     """When the router last advanced :attr:`ramp_share`: the time of the committed decision that
     stored it (its load snapshot's ``now``, monotonic seconds); ``None`` before the first one. The
     policy advances the average from it to this decision's ``LoadSnapshot.now``."""
+    ramp_last_share: float | None = None
+    """The busy share the decision that stored :attr:`ramp_share` saw (``Decision.busy_share``):
+    the sample the policy holds over the time since then; ``None`` before the first one."""
 
 
 @quick_init

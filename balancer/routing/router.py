@@ -477,6 +477,7 @@ class PoolRouter:
             request_id=request_id,
             ramp_share=self.ramp_average.share,
             ramp_at_s=self.ramp_average.at_s,
+            ramp_last_share=self.ramp_average.last_share,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, roots)
         snapshot = self.load_snapshot(now)
@@ -531,7 +532,8 @@ class PoolRouter:
         )
         if reserved and plan.decision.ramp_share is not None:
             decided_s = plan.inputs.load.now if plan.inputs is not None else now
-            self.ramp_average = ShareAverage(plan.decision.ramp_share, decided_s)
+            decision = plan.decision
+            self.ramp_average = ShareAverage(decision.ramp_share, decided_s, decision.busy_share)
         space = self.space_of.get(replica)
         if reserved and space is not None and plan.keys:
             self._note_routes(space, plan, now)

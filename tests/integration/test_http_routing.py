@@ -245,6 +245,7 @@ async def test_the_ramps_memory_in_seconds_is_set_at_runtime_kept_by_committed_d
         for before, after in itertools.pairwise(details):
             assert after["inputs"]["ramp_share"] == before["decision"]["ramp_share"] is not None
             assert after["inputs"]["ramp_at_s"] is not None
+            assert after["inputs"]["ramp_last_share"] == before["decision"]["busy_share"] is not None
         assert all("over 0.3 s" in d["decision"]["reason"] for d in details)
         for bad in ({"ramp_memory_s": -1}, {"ramp_memory_s": 61}, {"ramp_memory_s": "0.3"}):
             async with h.session.put(h.url + "/admin/policy", json={"weights": bad}) as response:

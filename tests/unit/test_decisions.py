@@ -309,33 +309,34 @@ def test_whatif_reproduces_decisions_made_with_the_ramps_memory() -> None:
 
 
 def test_whatif_reproduces_decisions_made_with_the_ramps_memory_in_seconds() -> None:
-    """With ``ramp_memory_s`` the ring keeps each decision's prior average and the time it was
-    advanced: the replay with the recorded weights reproduces every decision, and another τ
-    re-advances each record's recorded prior over the recorded Δt (the history's averages)."""
+    """With ``ramp_memory_s`` the ring keeps each decision's prior average, the time it was advanced
+    and the share its decision saw: the replay with the recorded weights reproduces every decision,
+    each average is its prior advanced over the recorded Δt by the held share, and another memory
+    is noted as replayed on the history's averages."""
     weights = PolicyWeights(ramp_memory_s=0.3)
     log = DecisionLog(1000, 1 << 30)
     pool = drive(log, 300, weights=weights, release_every=2)
     records = log.ring("m").snapshot()
-    priors = [(r.inputs.request.ramp_share, r.inputs.request.ramp_at_s) for r in records]
-    made = [(r.decision.ramp_share, r.inputs.load.now) for r in records]
-    assert priors[0] == (None, None) and priors[1:] == made[:-1]  # each starts from its predecessor
-    assert (pool.ramp_average.share, pool.ramp_average.at_s) == made[-1]
-    assert len({share for share, _ in made}) > 10  # the average moved
+    priors = [
+        (r.inputs.request.ramp_share, r.inputs.request.ramp_at_s, r.inputs.request.ramp_last_share)
+        for r in records
+    ]
+    made = [(r.decision.ramp_share, r.inputs.load.now, r.decision.busy_share) for r in records]
+    assert priors[0] == (None, None, None) and priors[1:] == made[:-1]  # each from its predecessor
+    average = pool.ramp_average
+    assert (average.share, average.at_s, average.last_share) == made[-1]
+    assert len({share for share, _, _ in made}) > 10  # the average moved
     result = replay("m", records, make_policy("cost"), weights, sample=5)
     assert result.changed == 0, result.sample
     assert not any("another ramp memory" in note for note in result.notes)
-    instant_weights = PolicyWeights(ramp_memory_s=1e-6)  # α ≈ 1 over a 10 ms gap: the instant share
     for record in records[1:]:
         inputs = record.inputs
         again = make_policy("cost")(inputs.request, inputs.overlap, inputs.load, weights, random.Random(0))
         assert again.ramp_share == record.decision.ramp_share and again.reason == record.decision.reason
-        instant = make_policy("cost")(
-            inputs.request, inputs.overlap, inputs.load, instant_weights, random.Random(0)
-        ).ramp_share
-        prior, prior_at_s = inputs.request.ramp_share, inputs.request.ramp_at_s
-        assert prior is not None and prior_at_s is not None and instant is not None
+        prior, prior_at_s, held = priors[records.index(record)]
+        assert prior is not None and prior_at_s is not None and held is not None
         alpha = 1.0 - math.exp(-(inputs.load.now - prior_at_s) / 0.3)
-        assert record.decision.ramp_share == pytest.approx(prior + alpha * (instant - prior))
+        assert record.decision.ramp_share == pytest.approx(prior + alpha * (held - prior))
     off = replay("m", records, make_policy("cost"), PolicyWeights(), sample=5)
     assert off.changed > 0
     other = "300 of 300 decisions were made with another ramp memory"

@@ -5,6 +5,7 @@ router decision by decision."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -65,6 +66,7 @@ def _decide(
     loads: list[ReplicaLoad],
     *,
     prior_at_s: float | None = None,
+    prior_last: float | None = None,
     now_s: float = 0.0,
     **weights: float | None,
 ) -> Decision:
@@ -74,6 +76,7 @@ def _decide(
         prompt_tokens=10 * BLOCK,
         ramp_share=prior,
         ramp_at_s=prior_at_s,
+        ramp_last_share=prior_last,
     )
     overlap = Overlap(blocks={A: 8}, request_blocks=10)
     snapshot = LoadSnapshot(now=now_s, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
@@ -233,45 +236,53 @@ def test_the_memory_in_seconds_is_off_by_default_validated_and_nullable() -> Non
             PolicyWeights().replace(ramp_memory_s=bad)
 
 
-def test_the_average_in_time_takes_alpha_from_the_elapsed_seconds() -> None:
+def test_the_average_in_time_holds_the_previous_share_over_the_elapsed_seconds() -> None:
     tau = 0.3
-    assert time_averaged_share(None, None, 0.7, 5.0, tau) == 0.7  # the first decision: its own share
-    assert time_averaged_share(0.5, None, 0.7, 5.0, tau) == 0.7  # no time recorded: a fresh start
-    one_tau = time_averaged_share(0.5, 1.0, 1.0, 1.0 + tau, tau)
-    assert one_tau == pytest.approx(0.5 + (1.0 - math.exp(-1.0)) * 0.5)  # α = 1 − e^−1 after τ
+    first = ShareAverage().advanced_to(0.7, 5.0, tau)  # the first decision: its own share
+    assert first == ShareAverage(0.7, 5.0, 0.7)
+    second = first.advanced_to(0.2, 5.3, tau)  # holds 0.7 (the first's share) over 0.3 s: no move
+    assert second.share == pytest.approx(0.7) and (second.at_s, second.last_share) == (5.3, 0.2)
+    third = second.advanced_to(1.0, 5.3 + tau, tau)  # holds 0.2 over τ: α = 1 − e^−1
+    assert third.share == pytest.approx(0.7 + (1.0 - math.exp(-1.0)) * (0.2 - 0.7))
+    assert third.last_share == 1.0
     assert time_averaged_share(0.5, 1.0, 1.0, 1.0, tau) == 0.5  # Δt = 0: a burst moves nothing
     assert time_averaged_share(0.5, 1.0, 1.0, 0.4, tau) == 0.5  # a negative Δt counts as 0
     assert time_averaged_share(0.5, 1.0, 1.0, 1.0 + 40 * tau, tau) == pytest.approx(1.0)  # forgotten
     for off in (0.0, -1.0):
-        assert time_averaged_share(0.5, 1.0, 0.2, 1.1, off) == 0.2  # no memory: the instant share
-    # the same share over two steps of Δt is one step of 2·Δt (the memory is in time, not steps)
-    start = ShareAverage(0.25, 2.0)
+        assert time_averaged_share(0.5, 1.0, 0.2, 1.1, off) == 0.2  # no memory: the held share
+    # the same held share over two steps of Δt is one step of 2·Δt (the memory is in time, not steps)
+    start = ShareAverage(0.25, 2.0, 1.0)
     twice = start.advanced_to(1.0, 2.1, tau).advanced_to(1.0, 2.2, tau)
     once = start.advanced_to(1.0, 2.2, tau)
     assert twice.share == pytest.approx(once.share) and twice.at_s == once.at_s == 2.2
-    assert start == ShareAverage(0.25, 2.0)  # a value: advancing returns a new one
+    assert start == ShareAverage(0.25, 2.0, 1.0)  # a value: advancing returns a new one
 
 
 def test_the_credit_reads_the_average_in_time_and_the_note_names_tau() -> None:
     every = [_busy(A, 12.0), _busy(B), _busy(C), _busy(D)]  # 4/4 prefilling: instant credit 4
-    instant = _decide(0.5, every, prior_at_s=1.0, now_s=1.3)
-    assert instant.ramp_share is None and "credit 4 (4/4 replicas prefilling)" in instant.reason
-    later = _decide(0.5, every, prior_at_s=1.0, now_s=1.3, ramp_memory_s=0.3)
+    instant = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3)
+    assert instant.ramp_share is instant.busy_share is None
+    assert "credit 4 (4/4 replicas prefilling)" in instant.reason
+    later = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=0.3)
     expected = 0.5 + (1.0 - math.exp(-1.0)) * 0.5  # 0.816: on the ramp
-    assert later.ramp_share == pytest.approx(expected)
+    assert later.ramp_share == pytest.approx(expected) and later.busy_share == 1.0
     assert later.ramp_share is not None
     credit = loaded_credit(1.0, 4.0, later.ramp_share)  # the credit reads the average, not 4/4
     assert {t.overlap_credit for t in later.terms} == {credit} and 1.0 < credit < 4.0
     assert f"credit {credit:.3g} (4/4 replicas prefilling, averaged 0.82 over 0.3 s)" in later.reason
-    burst = _decide(0.5, every, prior_at_s=1.3, now_s=1.3, ramp_memory_s=0.3)  # same instant: no move
-    assert burst.ramp_share == 0.5 and {t.overlap_credit for t in burst.terms} == {1.0}
+    held = _decide(0.5, every, prior_at_s=1.0, prior_last=0.5, now_s=1.3, ramp_memory_s=0.3)
+    assert held.ramp_share == 0.5  # the previous decision saw 0.5: this one's 4/4 enters next time
+    burst = _decide(0.5, every, prior_at_s=1.3, prior_last=1.0, now_s=1.3, ramp_memory_s=0.3)
+    assert burst.ramp_share == 0.5 and {t.overlap_credit for t in burst.terms} == {1.0}  # Δt = 0
     first = _decide(None, every, now_s=1.3, ramp_memory_s=0.3)
     assert first.ramp_share == 1.0 and "averaged 1.00 over 0.3 s" in first.reason
     # the time memory takes precedence over a memory in decisions
-    both = _decide(0.5, every, prior_at_s=1.0, now_s=1.3, ramp_memory_s=0.3, ramp_memory_decisions=10.0)
+    both = _decide(
+        0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=0.3, ramp_memory_decisions=10.0
+    )
     assert both == later
     for off in (None, 0.0):
-        assert _decide(0.5, every, prior_at_s=1.0, now_s=1.3, ramp_memory_s=off) == instant
+        assert _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=off) == instant
 
 
 def test_planning_stores_nothing_and_commitment_stores_the_average_and_its_time() -> None:
@@ -288,21 +299,28 @@ def test_planning_stores_nothing_and_commitment_stores_the_average_and_its_time(
         assert pool.ramp_average is before  # two plans, nothing stored
         assert plan.decision.ramp_share == again.decision.ramp_share is not None
         assert plan.inputs is not None
-        assert (plan.inputs.request.ramp_share, plan.inputs.request.ramp_at_s) == (before.share, before.at_s)
+        given = plan.inputs.request
+        assert (given.ramp_share, given.ramp_at_s, given.ramp_last_share) == (
+            before.share,
+            before.at_s,
+            before.last_share,
+        )
         pool.lease(plan, f"q{k}", now)
-        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share, now)
+        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share, now, plan.decision.busy_share)
     assert 0.0 < (pool.ramp_average.share or 0.0) < 1.0
 
 
-def test_a_memory_in_seconds_much_shorter_than_the_gaps_decides_as_the_instant_share() -> None:
+def test_a_memory_in_seconds_much_shorter_than_the_gaps_holds_the_previous_decisions_share() -> None:
     """On a seeded stream through the real router (a decision every 10 ms): τ ``None`` and 0 decide
-    exactly as the default, τ = 1 µs (α = 1 − e^−10⁴, the instant share) makes the same choices,
-    τ = 0.3 s changes some."""
+    exactly as the default; with τ = 1 µs each decision's credit reads the share the previous
+    decision saw (α = 1 − e^−10⁴); τ = 0.3 s changes some choices."""
     for seed in range(3):
         default = _stream(_pool(seed), PolicyWeights(), seed)
         assert _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.0), seed) == default
         tiny = _stream(_pool(seed), PolicyWeights(ramp_memory_s=1e-6), seed)
-        assert [d.terms for d in tiny] == [d.terms for d in default]
-        assert any(d.ramp_share is not None for d in tiny)
+        assert tiny[0].ramp_share == tiny[0].busy_share is not None
+        for before, after in itertools.pairwise(tiny):
+            assert after.ramp_share == pytest.approx(before.busy_share)
+        assert any(d.ramp_share != d.busy_share for d in tiny)  # the held share is not the instant one
         remembered = _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.3), seed)
         assert [d.replica for d in remembered] != [d.replica for d in default]
