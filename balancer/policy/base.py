@@ -68,20 +68,6 @@ class PolicyWeights:
     Known costs: before the index fix the fleet showed ``tenants`` past capacity with a TTFT p90
     1.1–2.0× and ``agent`` at half load an e2e p90 +8–11% ("Part 6"); "Part 23" re-measures them.
     ``None`` (with ``root_weight`` 0) restores the previous default exactly ("Part 24")."""
-    ramp_memory_decisions: float | None = None
-    """The memory of the credit's ramp, in decisions: the cost policy's credit reads an exponential
-    average of the share of eligible replicas with prefill in flight over this router's committed
-    decisions, ``average += (share − average) / N`` at each one (the first decision starts it at
-    its own share), instead of that decision's share alone; 0..10,000 decisions, or ``None``.
-    ``None`` or 0 (default) is off: the instant share, as before; at most 1 the average is the
-    instant share (the same decisions, with the averaged share in the credit note). The average
-    is kept by the routing shell per pool and process (each worker of ``kvlb serve --workers N``
-    and each kvlb of a Redis fleet averages its own decisions); only read while the credit ramps
-    (``overlap_credit_loaded`` set). A burst of arrivals then meets a credit that remembers the
-    fleet's recent load instead of one that swings with each first token: at 10 the simulated
-    ``agent`` lost the default's e2e p50 cost at half load and every simulated capacity was kept
-    (docs/policies.md "Part 27"); at 20 or more ``tenants`` lost capacity, and on 16–32 replicas 10
-    helped little, as the memory counts decisions, not seconds ("Part 28"). Opt-in, not a default."""
     ramp_memory_s: float | None = None
     """The memory of the credit's ramp, in seconds: the cost policy's credit reads an exponential
     average in time, with this time constant τ, of the share of eligible replicas with prefill in
@@ -94,8 +80,7 @@ class PolicyWeights:
     decisions, the span does not shrink as the request rate or the pool grows. The average is kept
     by the routing shell per pool and process (each worker of ``kvlb serve --workers N`` and each
     kvlb of a Redis fleet averages its own decisions, in the same seconds); only read while the
-    credit ramps (``overlap_credit_loaded`` set); when set it takes precedence over
-    ``ramp_memory_decisions``. Opt-in, not a default."""
+    credit ramps (``overlap_credit_loaded`` set). Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
@@ -267,7 +252,6 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "prefill_weight": WeightRange(0.0, 1e3),
         "overlap_credit": WeightRange(0.0, 4.0),
         "overlap_credit_loaded": WeightRange(0.0, 4.0),
-        "ramp_memory_decisions": WeightRange(0.0, 1e4),
         "ramp_memory_s": WeightRange(0.0, 60.0),
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
@@ -293,7 +277,6 @@ every cost term finite (at most about 1e3 × the blocks of a prompt and a backlo
 OPTIONAL_WEIGHTS = frozenset(
     {
         "overlap_credit_loaded",
-        "ramp_memory_decisions",
         "ramp_memory_s",
         "kv_usage_ceiling",
         "imbalance_threshold_blocks",

@@ -32,7 +32,6 @@ For each candidate replica ``r`` (lower is better)::
   ``ramp_last_share``; the decision's time is its load snapshot's ``now``), the decision returns
   the advanced average and its own share (``Decision.ramp_share``, ``busy_share``), which the
   router stores with that time.
-  ``ramp_memory_decisions`` N averages over decisions instead (``α = 1/N``).
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -170,9 +169,6 @@ class CostPolicy:
                 prior = ShareAverage(request.ramp_share, request.ramp_at_s, request.ramp_last_share)
                 share = averaged = averaged_in_time(prior, seen, load.now, weights.ramp_memory_s)
                 why += f", averaged {averaged:.2f} over {weights.ramp_memory_s:g} s"
-            elif weights.ramp_memory_decisions:
-                share = averaged = averaged_share(request.ramp_share, share, weights.ramp_memory_decisions)
-                why += f", averaged {averaged:.2f}"
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({why})")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
@@ -251,10 +247,6 @@ class ShareAverage:
     last_share: float | None = None
     """The busy share that decision saw: the sample held over the time to the next decision."""
 
-    def advanced(self, share: float, memory_decisions: float) -> ShareAverage:
-        """The average after one more decision at ``share`` (:func:`averaged_share`)."""
-        return ShareAverage(averaged_share(self.share, share, memory_decisions), self.at_s, share)
-
     def advanced_to(self, share: float, now_s: float, memory_s: float) -> ShareAverage:
         """The average advanced to ``now_s`` by a decision that sees ``share``
         (:func:`time_averaged_share`), stamped ``now_s`` and holding ``share`` for the next one;
@@ -293,16 +285,6 @@ def time_averaged_share(
     elapsed_s = max(0.0, now_s - previous_at_s)
     alpha = -math.expm1(-elapsed_s / memory_s)
     return previous + alpha * (held_share - previous)
-
-
-def averaged_share(previous: float | None, share: float, memory_decisions: float) -> float:
-    """The busy share averaged over decisions: ``previous + α · (share − previous)`` with ``α = 1 /
-    memory_decisions`` (1 at most: a memory below one decision is none); ``share`` itself when
-    there is no ``previous`` (the first decision)."""
-    if previous is None:
-        return share
-    alpha = 1.0 / max(1.0, memory_decisions)
-    return previous + alpha * (share - previous)
 
 
 def kv_guard(

@@ -175,7 +175,7 @@ def replay(
         after.add(decision)
         if record.policy != policy.name or record.weights != weights:
             other_config += 1
-            other_memory += _memory(record.weights) != _memory(weights)
+            other_memory += record.weights.ramp_memory_s != weights.ramp_memory_s
         if decision.replica != record.decision.replica:
             changed += 1
             changes.append((record, decision))
@@ -238,11 +238,6 @@ def _side_json(decision: Decision) -> dict[str, Any]:
     }
 
 
-def _memory(weights: PolicyWeights) -> tuple[float | None, float | None]:
-    """The credit ramp's memory settings (``ramp_memory_s``, ``ramp_memory_decisions``)."""
-    return weights.ramp_memory_s, weights.ramp_memory_decisions
-
-
 def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights, other_memory: int) -> list[str]:
     notes = [
         "static replay: each decision is re-scored on the prefix matches and load recorded when it was "
@@ -258,7 +253,7 @@ def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights, ot
         )
     if other_memory:
         notes.append(
-            f"{other_memory} of {n} decisions were made with another ramp memory (ramp_memory_s): each "
+            f"{other_memory} of {n} decisions were made with another ramp_memory_s: each "
             "is replayed from the average busy share the router had recorded before it and the time it "
             "was recorded (the history's averages), not the averages the replayed memory would have "
             "carried from decision to decision"

@@ -282,8 +282,8 @@ class SimRouter:
         return None
 
     def planned_average(self, now: float) -> ShareAverage | None:
-        """The ramp's average after a decision at ``now`` (model seconds; ``ramp_memory_s`` or
-        ``ramp_memory_decisions``, ``None`` when neither is on): :attr:`ramp_average` advanced by
+        """The ramp's average after a decision at ``now`` (model seconds; ``ramp_memory_s``,
+        ``None`` when off): :attr:`ramp_average` advanced by
         the fleet's busy share, stored only when the decision is committed (:meth:`route`), as the
         service's router does."""
         if not self._ramp:
@@ -291,8 +291,6 @@ class SimRouter:
         weights = self.weights
         if weights.ramp_memory_s:
             return self.ramp_average.advanced_to(self._busy_share(), now, weights.ramp_memory_s)
-        if weights.ramp_memory_decisions:
-            return self.ramp_average.advanced(self._busy_share(), weights.ramp_memory_decisions)
         return None
 
     def _busy_share(self) -> float:
