@@ -80,7 +80,11 @@ class PolicyWeights:
     decisions, the span does not shrink as the request rate or the pool grows. The average is kept
     by the routing shell per pool and process (each worker of ``kvlb serve --workers N`` and each
     kvlb of a Redis fleet averages its own decisions, in the same seconds); only read while the
-    credit ramps (``overlap_credit_loaded`` set). Opt-in, not a default."""
+    credit ramps (``overlap_credit_loaded`` set). In the simulator 0.2–0.3 s removed the default's
+    e2e p50 cost on ``agent`` at half load and cut its e2e p50 at 65% of capacity to 0.72–0.76 ×
+    the constant credit's on 8 replicas and 0.61–0.71 × on 16 and 32, keeping every capacity
+    measured; 0.4 s and above lost ``tenants`` capacity (seed 0: 44.1 → 31.7 req/s at 0.5 s), so
+    0.2 is half of that cliff (docs/policies.md "Part 30"). Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
