@@ -130,5 +130,10 @@ class Decision:
     reason: str = ""
     ramp_share: float | None = None
     """The cost policy's averaged share of replicas prefilling that this decision's credit read
-    (``PolicyWeights.ramp_memory_decisions``): the router keeps it as its new average when it
-    commits the decision. ``None`` when the ramp has no memory (or the policy no ramp)."""
+    (``PolicyWeights.ramp_memory_s``), advanced to this decision's time (its load snapshot's
+    ``now``): the router keeps it, with that time, as its new average when it commits the decision.
+    ``None`` when the ramp has no memory (or the policy no ramp)."""
+    busy_share: float | None = None
+    """The share of eligible replicas with prefill in flight that this decision saw, when the
+    credit's ramp has a memory in seconds (``None`` otherwise): the router keeps it with the average
+    as the sample held until the next decision (``RouteRequest.ramp_last_share``)."""

@@ -203,6 +203,8 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
             "held_blocks": dict(inputs.overlap.held_blocks),
             "held_roots": dict(inputs.overlap.held_roots),
             "ramp_share": inputs.request.ramp_share,
+            "ramp_at_s": inputs.request.ramp_at_s,
+            "ramp_last_share": inputs.request.ramp_last_share,
             "block_size_tokens": inputs.load.block_size_tokens,
             "load": {r: dataclasses.asdict(load) for r, load in inputs.load.replicas.items()},
         },

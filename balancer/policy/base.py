@@ -68,20 +68,23 @@ class PolicyWeights:
     Known costs: before the index fix the fleet showed ``tenants`` past capacity with a TTFT p90
     1.1–2.0× and ``agent`` at half load an e2e p90 +8–11% ("Part 6"); "Part 23" re-measures them.
     ``None`` (with ``root_weight`` 0) restores the previous default exactly ("Part 24")."""
-    ramp_memory_decisions: float | None = None
-    """The memory of the credit's ramp, in decisions: the cost policy's credit reads an exponential
-    average of the share of eligible replicas with prefill in flight over this router's committed
-    decisions, ``average += (share − average) / N`` at each one (the first decision starts it at
-    its own share), instead of that decision's share alone; 0..10,000 decisions, or ``None``.
-    ``None`` or 0 (default) is off: the instant share, as before; at most 1 the average is the
-    instant share (the same decisions, with the averaged share in the credit note). The average
-    is kept by the routing shell per pool and process (each worker of ``kvlb serve --workers N``
-    and each kvlb of a Redis fleet averages its own decisions); only read while the credit ramps
-    (``overlap_credit_loaded`` set). A burst of arrivals then meets a credit that remembers the
-    fleet's recent load instead of one that swings with each first token: at 10 the simulated
-    ``agent`` lost the default's e2e p50 cost at half load and every simulated capacity was kept
-    (docs/policy-studies.md "Part 27"); at 20 or more ``tenants`` lost capacity, and on 16–32 replicas 10
-    helped little, as the memory counts decisions, not seconds ("Part 28"). Opt-in, not a default."""
+    ramp_memory_s: float | None = None
+    """The memory of the credit's ramp, in seconds: the cost policy's credit reads an exponential
+    average in time, with this time constant τ, of the share of eligible replicas with prefill in
+    flight, instead of that decision's share alone; 0..60 s, or ``None``. At each committed decision
+    ``average += α · (held − average)`` with ``α = 1 − exp(−Δt / τ)``, ``Δt`` the seconds since
+    the previous committed decision and ``held`` the share that decision saw, held over ``Δt``
+    (the first decision starts it at its own share; a negative ``Δt`` counts as 0;
+    :func:`~balancer.policy.cost.time_averaged_share` says why the previous share and not this
+    one's). ``None`` or 0 (default) is off: the instant share, as before. Unlike a count of
+    decisions, the span does not shrink as the request rate or the pool grows. The average is kept
+    by the routing shell per pool and process (each worker of ``kvlb serve --workers N`` and each
+    kvlb of a Redis fleet averages its own decisions, in the same seconds); only read while the
+    credit ramps (``overlap_credit_loaded`` set). In the simulator 0.2–0.3 s removed the default's
+    e2e p50 cost on ``agent`` at half load and cut its e2e p50 at 65% of capacity to 0.72–0.76 ×
+    the constant credit's on 8 replicas and 0.61–0.71 × on 16 and 32, keeping every capacity
+    measured; 0.4 s and above lost ``tenants`` capacity (seed 0: 44.1 → 31.7 req/s at 0.5 s), so
+    0.2 is half of that cliff (docs/policy-studies.md "Part 30"). Opt-in, not a default."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
@@ -253,7 +256,7 @@ WEIGHT_RANGES: Mapping[str, WeightRange] = MappingProxyType(
         "prefill_weight": WeightRange(0.0, 1e3),
         "overlap_credit": WeightRange(0.0, 4.0),
         "overlap_credit_loaded": WeightRange(0.0, 4.0),
-        "ramp_memory_decisions": WeightRange(0.0, 1e4),
+        "ramp_memory_s": WeightRange(0.0, 60.0),
         "duplication_weight": WeightRange(0.0, 4.0),
         "eviction_risk_weight": WeightRange(0.0, 4.0),
         "interference_weight": WeightRange(0.0, 1.0),
@@ -276,7 +279,12 @@ through :meth:`PolicyWeights.validate`. The upper bounds are far above any usefu
 every cost term finite (at most about 1e3 × the blocks of a prompt and a backlog)."""
 
 OPTIONAL_WEIGHTS = frozenset(
-    {"overlap_credit_loaded", "ramp_memory_decisions", "kv_usage_ceiling", "imbalance_threshold_blocks"}
+    {
+        "overlap_credit_loaded",
+        "ramp_memory_s",
+        "kv_usage_ceiling",
+        "imbalance_threshold_blocks",
+    }
 )
 """The weights that may be ``None`` (their guard or ramp off)."""
 _OPTIONAL_FIELDS = OPTIONAL_WEIGHTS
@@ -310,9 +318,16 @@ class RouteRequest:
     """For logs only; no policy routes on it."""
     ramp_share: float | None = None
     """The average share of replicas prefilling over the router's earlier committed decisions (the
-    credit ramp's memory, ``PolicyWeights.ramp_memory_decisions``); ``None`` before the first one.
+    credit ramp's memory, ``PolicyWeights.ramp_memory_s``); ``None`` before the first one.
     An input like the others: the decision ring keeps it, so a what-if replays the average as
     the router had it."""
+    ramp_at_s: float | None = None
+    """When the router last advanced :attr:`ramp_share`: the time of the committed decision that
+    stored it (its load snapshot's ``now``, monotonic seconds); ``None`` before the first one. The
+    policy advances the average from it to this decision's ``LoadSnapshot.now``."""
+    ramp_last_share: float | None = None
+    """The busy share the decision that stored :attr:`ramp_share` saw (``Decision.busy_share``):
+    the sample the policy holds over the time since then; ``None`` before the first one."""
 
 
 @quick_init

@@ -78,9 +78,11 @@ def decide(
     terms: Sequence[CostTerms],
     reason: str,
     ramp_share: float | None = None,
+    busy_share: float | None = None,
 ) -> Decision:
     """The :class:`Decision` for ``chosen``: predicted cached tokens = its overlap × block size.
-    ``ramp_share``: the averaged busy share the cost policy's credit read (``Decision.ramp_share``)."""
+    ``ramp_share``: the averaged busy share the cost policy's credit read (``Decision.ramp_share``),
+    ``busy_share`` the share the decision saw (``Decision.busy_share``)."""
     chosen_overlap = overlap_blocks(overlap, chosen, request.request_blocks)
     return Decision(
         replica=chosen,
@@ -92,4 +94,5 @@ def decide(
         dp_rank=overlap.best_rank.get(chosen, 0),
         reason=reason,
         ramp_share=ramp_share,
+        busy_share=busy_share,
     )

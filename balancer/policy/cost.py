@@ -24,10 +24,14 @@ For each candidate replica ``r`` (lower is better)::
   spreads new contexts (a constant credit 2 gathered tool-use loops on the replicas holding their
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policy-studies.md, "Part 6"). The share of replicas prefilling
-  estimates the fleet's prefill utilisation with no scale to configure. With
-  ``ramp_memory_decisions`` N (off by default) the ramp reads that share averaged over the
-  router's committed decisions instead (:class:`ShareAverage`, ``α = 1/N``): the router keeps the
-  average and passes it in (``RouteRequest.ramp_share``), the decision returns the advanced one.
+  estimates the fleet's prefill utilisation with no scale to configure. With ``ramp_memory_s`` τ
+  (off by default) the ramp reads that share averaged in time instead (:class:`ShareAverage`, ``α
+  = 1 − exp(−Δt/τ)`` per committed decision, Δt from the previous one, holding the previous
+  decision's share over Δt): the router keeps the average, the time it was advanced and the share
+  that decision saw and passes them in (``RouteRequest.ramp_share``, ``ramp_at_s``,
+  ``ramp_last_share``; the decision's time is its load snapshot's ``now``), the decision returns
+  the advanced average and its own share (``Decision.ramp_share``, ``busy_share``), which the
+  router stores with that time.
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where
   ``speculative_r`` is the part of the overlap backed only by speculative entries: blocks that a
   request routed to ``r`` moments ago is still prefilling. That pending work produces exactly the
@@ -156,12 +160,15 @@ class CostPolicy:
             notes.append(f"no overlap credit for {','.join(no_credit)} (imbalance)")
         credit = weights.overlap_credit
         averaged: float | None = None
+        seen: float | None = None
         if credit_ramps(weights) and weights.overlap_credit_loaded is not None:
             busy, share = busy_share([loads[r] for r in eligible])
             why = f"{busy}/{len(eligible)} replicas prefilling"
-            if weights.ramp_memory_decisions:
-                share = averaged = averaged_share(request.ramp_share, share, weights.ramp_memory_decisions)
-                why += f", averaged {averaged:.2f}"
+            if weights.ramp_memory_s:
+                seen = share
+                prior = ShareAverage(request.ramp_share, request.ramp_at_s, request.ramp_last_share)
+                share = averaged = averaged_in_time(prior, seen, load.now, weights.ramp_memory_s)
+                why += f", averaged {averaged:.2f} over {weights.ramp_memory_s:g} s"
             credit = loaded_credit(weights.overlap_credit, weights.overlap_credit_loaded, share)
             notes.append(f"credit {credit:.3g} ({why})")
         blocks, held, speculative = request.request_blocks, overlap.held_blocks, overlap.speculative_blocks
@@ -188,7 +195,7 @@ class CostPolicy:
         chosen, terms = choose(terms, weights.temperature, rng)
         mode = "argmin" if weights.temperature == 0 else f"softmax T={weights.temperature:g}"
         reason = "; ".join([mode, *notes])
-        return decide(self.name, chosen, request, overlap, load, terms, reason, averaged)
+        return decide(self.name, chosen, request, overlap, load, terms, reason, averaged, seen)
 
 
 def base_load(load: ReplicaLoad, weights: PolicyWeights) -> float:
@@ -226,28 +233,58 @@ def loaded_credit(credit: float, loaded: float, share: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class ShareAverage:
-    """The credit ramp's memory (``PolicyWeights.ramp_memory_decisions``): an exponential average
-    of the busy share (:func:`busy_share`) over a router's committed decisions. A value: the
-    routing shell holds one per pool, gives its :attr:`share` to the policy with each request
-    (``RouteRequest.ramp_share``) and keeps the decision's advanced value when it commits it, so
-    planning changes nothing."""
+    """The credit ramp's memory (``PolicyWeights.ramp_memory_s``): an exponential average of the
+    busy share (:func:`busy_share`) in time, advanced at a router's committed decisions. A value:
+    the routing shell holds one per pool, gives it to the policy with each request
+    (``RouteRequest.ramp_share``, ``ramp_at_s``, ``ramp_last_share``) and keeps the decision's
+    advanced value when it commits it, so planning changes nothing."""
 
     share: float | None = None
     """The average so far (0..1); ``None`` before the first decision."""
+    at_s: float | None = None
+    """When :attr:`share` was last advanced: the committed decision's time (its load snapshot's
+    ``now``, the shell's monotonic seconds or the simulator's model seconds); ``None`` before."""
+    last_share: float | None = None
+    """The busy share that decision saw: the sample held over the time to the next decision."""
 
-    def advanced(self, share: float, memory_decisions: float) -> ShareAverage:
-        """The average after one more decision at ``share`` (:func:`averaged_share`)."""
-        return ShareAverage(averaged_share(self.share, share, memory_decisions))
+    def advanced_to(self, share: float, now_s: float, memory_s: float) -> ShareAverage:
+        """The average advanced to ``now_s`` by a decision that sees ``share``
+        (:func:`time_averaged_share`), stamped ``now_s`` and holding ``share`` for the next one;
+        the first decision starts it at ``share``."""
+        return ShareAverage(averaged_in_time(self, share, now_s, memory_s), now_s, share)
 
 
-def averaged_share(previous: float | None, share: float, memory_decisions: float) -> float:
-    """The busy share averaged over decisions: ``previous + α · (share − previous)`` with ``α = 1 /
-    memory_decisions`` (1 at most: a memory below one decision is none); ``share`` itself when
-    there is no ``previous`` (the first decision)."""
-    if previous is None:
+def averaged_in_time(prior: ShareAverage, share: float, now_s: float, memory_s: float) -> float:
+    """``prior`` advanced to ``now_s`` (:func:`time_averaged_share` of its held share), or
+    ``share``, the decision's own, when ``prior`` is empty (the first decision)."""
+    if prior.share is None or prior.at_s is None or prior.last_share is None:
         return share
-    alpha = 1.0 / max(1.0, memory_decisions)
-    return previous + alpha * (share - previous)
+    return time_averaged_share(prior.share, prior.at_s, prior.last_share, now_s, memory_s)
+
+
+def time_averaged_share(
+    previous: float, previous_at_s: float, held_share: float, now_s: float, memory_s: float
+) -> float:
+    """The busy share averaged in time with time constant ``memory_s`` (τ): ``previous + α ·
+    (held_share − previous)`` with ``α = 1 − exp(−Δt / τ)``, ``Δt = now_s − previous_at_s``
+    clamped at 0 (a clock read out of order moves nothing); ``held_share`` when ``memory_s`` is not
+    above 0 (α = 1).
+
+    ``held_share`` is the share the *previous* decision saw, held over the gap since it: the
+    router observes the share only at arrivals, and an arrival's share (seen before the gap)
+    does not depend on how long the gap after it lasts, so weighting it by that gap averages the
+    share in time without bias. The share *this* decision sees does depend on its gap (the longer
+    the gap, the more prefills finished in it), so weighting it by the gap would lean the average
+    towards an idle fleet: in the simulator that variant kept less of the memory's gain at 65% of
+    ``agent``'s capacity (docs/policy-studies.md "Part 30"). The price: this decision's own share enters
+    the average at the next decision, and a memory much shorter than the gaps gives the previous
+    decision's share, not this one's. Arrivals at the same instant move the average by nothing
+    (``Δt = 0``) however many they are; after a pause of a few τ the average is the held share."""
+    if memory_s <= 0:
+        return held_share
+    elapsed_s = max(0.0, now_s - previous_at_s)
+    alpha = -math.expm1(-elapsed_s / memory_s)
+    return previous + alpha * (held_share - previous)
 
 
 def kv_guard(

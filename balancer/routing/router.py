@@ -236,10 +236,11 @@ class PoolRouter:
         """Per replica with ``block_hashes``: (blocks matched, receipts checked); matched -1 once
         a computed hash contradicted the engine's events (never trusted again)."""
         self.ramp_average = ShareAverage()
-        """The credit ramp's memory (``PolicyWeights.ramp_memory_decisions``): the average busy share
-        over this router's committed decisions. :meth:`plan` gives it to the policy and stores
-        nothing; :meth:`commit` keeps the committed decision's advanced average. Per process:
-        each worker and each kvlb of a fleet averages its own decisions."""
+        """The credit ramp's memory (``PolicyWeights.ramp_memory_s``): the busy share averaged in
+        time over this router's committed decisions, and when it was last advanced. :meth:`plan`
+        gives both to the policy and stores nothing; :meth:`commit` keeps the committed decision's
+        advanced average, stamped with the decision's time. Per process: each worker and each kvlb
+        of a fleet averages its own decisions."""
 
     @property
     def reference_block_size(self) -> int:
@@ -475,6 +476,8 @@ class PoolRouter:
             session_key=session_key,
             request_id=request_id,
             ramp_share=self.ramp_average.share,
+            ramp_at_s=self.ramp_average.at_s,
+            ramp_last_share=self.ramp_average.last_share,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, roots)
         snapshot = self.load_snapshot(now)
@@ -528,7 +531,9 @@ class PoolRouter:
             request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
         )
         if reserved and plan.decision.ramp_share is not None:
-            self.ramp_average = ShareAverage(plan.decision.ramp_share)
+            decided_s = plan.inputs.load.now if plan.inputs is not None else now
+            decision = plan.decision
+            self.ramp_average = ShareAverage(decision.ramp_share, decided_s, decision.busy_share)
         space = self.space_of.get(replica)
         if reserved and space is not None and plan.keys:
             self._note_routes(space, plan, now)

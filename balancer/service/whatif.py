@@ -18,9 +18,9 @@ would have produced. Each record's prefix matches and load are those of the traf
 actually routed; a change that moves a prefix to another replica would, from then on, find that
 replica warm and the first one colder, and its load higher. The replay scores each decision alone
 on the recorded state, so it predicts the first-order effect of a change, not the new steady state.
-The credit ramp's memory (``ramp_memory_decisions``) is one such state: each record keeps the
-average the router had before it (``RouteRequest.ramp_share``), so another memory is replayed on
-the history's averages, one decision at a time.
+The credit ramp's memory (``ramp_memory_s``) is one such state: each record keeps the average the
+router had before it and when it was advanced (``RouteRequest.ramp_share``, ``ramp_at_s``), so
+another memory is replayed on the history's averages, one decision at a time.
 """
 
 from __future__ import annotations
@@ -175,7 +175,7 @@ def replay(
         after.add(decision)
         if record.policy != policy.name or record.weights != weights:
             other_config += 1
-            other_memory += record.weights.ramp_memory_decisions != weights.ramp_memory_decisions
+            other_memory += record.weights.ramp_memory_s != weights.ramp_memory_s
         if decision.replica != record.decision.replica:
             changed += 1
             changes.append((record, decision))
@@ -253,9 +253,10 @@ def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights, ot
         )
     if other_memory:
         notes.append(
-            f"{other_memory} of {n} decisions were made with another ramp_memory_decisions: each is "
-            "replayed from the average busy share the router had recorded before it (the history's "
-            "averages), not the averages the replayed memory would have carried from decision to decision"
+            f"{other_memory} of {n} decisions were made with another ramp_memory_s: each "
+            "is replayed from the average busy share the router had recorded before it and the time it "
+            "was recorded (the history's averages), not the averages the replayed memory would have "
+            "carried from decision to decision"
         )
     if policy.name == "round_robin":
         notes.append("round_robin is replayed from a fresh rotation")

@@ -265,8 +265,9 @@ class SimRouter:
         self._open_count = self._prefilling_count = 0
         self._ramped: dict[float, PolicyWeights] = {}
         self.ramp_average = ShareAverage()
-        """When ``_ramp`` with ``ramp_memory_decisions``: the average busy share over the committed
-        decisions (the service's :attr:`PoolRouter.ramp_average`, counted over the whole fleet)."""
+        """When ``_ramp`` with ``ramp_memory_s``: the busy share averaged in model time over the
+        committed decisions (the service's :attr:`PoolRouter.ramp_average`, counted over the whole
+        fleet)."""
         for replica in self.replicas:
             self._touch(replica, 0.0)
 
@@ -280,14 +281,17 @@ class SimRouter:
             return lambda load: float(load.request_load)
         return None
 
-    def planned_average(self) -> ShareAverage | None:
-        """The ramp's average after this decision (``ramp_memory_decisions``; ``None`` when off):
-        :attr:`ramp_average` advanced by the fleet's busy share, stored only when the decision is
-        committed (:meth:`route`), as the service's router does."""
-        memory = self.weights.ramp_memory_decisions
-        if not self._ramp or not memory:
+    def planned_average(self, now: float) -> ShareAverage | None:
+        """The ramp's average after a decision at ``now`` (model seconds; ``ramp_memory_s``,
+        ``None`` when off): :attr:`ramp_average` advanced by
+        the fleet's busy share, stored only when the decision is committed (:meth:`route`), as the
+        service's router does."""
+        if not self._ramp:
             return None
-        return self.ramp_average.advanced(self._busy_share(), memory)
+        weights = self.weights
+        if weights.ramp_memory_s:
+            return self.ramp_average.advanced_to(self._busy_share(), now, weights.ramp_memory_s)
+        return None
 
     def _busy_share(self) -> float:
         """The share of open replicas with prefill in flight, over the whole fleet (when ``_ramp``)."""
@@ -516,7 +520,7 @@ class SimRouter:
             raise Overloaded(f"every replica has {self.cap} requests in flight", 1.0)
         self.counters.candidates += len(candidates)
         self.tracker.focus = candidates
-        averaged = self.planned_average()
+        averaged = self.planned_average(now)
         try:
             plan = self.router.plan(
                 token_ids,

@@ -188,35 +188,44 @@ async def test_the_held_roots_charge_is_set_at_runtime_and_explained(tokenizer: 
         assert (await h.admin("GET", "/admin/policy"))["weights"]["root_weight"] == 1.0
 
 
-async def test_the_ramps_memory_is_set_at_runtime_kept_by_committed_decisions_and_recorded(
+async def test_the_ramps_memory_in_seconds_is_set_at_runtime_kept_by_committed_decisions_and_recorded(
     tokenizer: Tokenizer,
 ) -> None:
-    """``ramp_memory_decisions`` through ``PUT /admin/policy`` (400 out of range, null turns it
-    off); ``/admin/explain`` plans without storing the average; each routed request's recorded
-    inputs carry the average its predecessor committed, and its note names both shares."""
+    """``ramp_memory_s`` through ``PUT /admin/policy`` (400 out of range, null turns it off);
+    ``/admin/explain`` plans without storing the average; each routed request's recorded inputs
+    carry the average its predecessor committed and that decision's time, and the note names τ."""
     async with running(tokenizer) as h:
-        assert (await h.admin("GET", "/admin/policy"))["weights"]["ramp_memory_decisions"] is None
-        on = await h.admin("PUT", "/admin/policy", {"weights": {"ramp_memory_decisions": 10}})
-        assert on["changed"] == {"ramp_memory_decisions": [None, 10.0]}
+        assert (await h.admin("GET", "/admin/policy"))["weights"]["ramp_memory_s"] is None
+        on = await h.admin("PUT", "/admin/policy", {"weights": {"ramp_memory_s": 0.3}})
+        assert on["changed"] == {"ramp_memory_s": [None, 0.3]}
         first = await h.admin("POST", "/admin/explain", completion([7]))
         again = await h.admin("POST", "/admin/explain", completion([7]))
-        assert "replicas prefilling, averaged 0.00)" in first["decision"]["reason"]
+        assert "replicas prefilling, averaged 0.00 over 0.3 s)" in first["decision"]["reason"]
         assert first["decision"]["ramp_share"] == again["decision"]["ramp_share"] == 0.0
         for k in range(3):
             answer = await h.post("/v1/completions", completion([8, k]))
             assert answer.status == 200, answer.body
         listed = (await h.admin("GET", "/admin/decisions?limit=3"))["decisions"]
         details = [await h.admin("GET", f"/admin/decisions/{d['id']}") for d in reversed(listed)]
-        # explain stored nothing: the first commit starts the average
-        assert details[0]["inputs"]["ramp_share"] is None
+        assert details[0]["inputs"]["ramp_share"] is None and details[0]["inputs"]["ramp_at_s"] is None
         for before, after in itertools.pairwise(details):
             assert after["inputs"]["ramp_share"] == before["decision"]["ramp_share"] is not None
-        assert all("averaged" in d["decision"]["reason"] for d in details)
-        for bad in ({"ramp_memory_decisions": -1}, {"ramp_memory_decisions": 10_001}):
+            assert after["inputs"]["ramp_at_s"] is not None
+            assert after["inputs"]["ramp_last_share"] == before["decision"]["busy_share"] is not None
+        assert all("over 0.3 s" in d["decision"]["reason"] for d in details)
+        for bad in ({"ramp_memory_s": -1}, {"ramp_memory_s": 61}, {"ramp_memory_s": "0.3"}):
             async with h.session.put(h.url + "/admin/policy", json={"weights": bad}) as response:
                 assert response.status == 400
-                assert "ramp_memory_decisions" in (await response.json())["error"]["message"]
-        off = await h.admin("PUT", "/admin/policy", {"weights": {"ramp_memory_decisions": None}})
-        assert off["changed"] == {"ramp_memory_decisions": [10.0, None]}
+                assert "ramp_memory_s" in (await response.json())["error"]["message"]
+        async with h.session.put(  # the memory in decisions it replaced is an unknown weight
+            h.url + "/admin/policy", json={"weights": {"ramp_memory_decisions": 10}}
+        ) as response:
+            assert response.status == 400
+            assert (
+                "unknown policy weight(s): ramp_memory_decisions"
+                in (await response.json())["error"]["message"]
+            )
+        off = await h.admin("PUT", "/admin/policy", {"weights": {"ramp_memory_s": None}})
+        assert off["changed"] == {"ramp_memory_s": [0.3, None]}
         plain = await h.admin("POST", "/admin/explain", completion([9]))
         assert "averaged" not in plain["decision"]["reason"] and plain["decision"]["ramp_share"] is None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import math
 import random
 import tracemalloc
 from enum import IntEnum
@@ -269,39 +270,36 @@ def test_packed_records_read_back_exactly(policy: str) -> None:
     assert ring.entries[-1].packed is kept and log.find(kept.id) is kept
 
 
-def test_whatif_reproduces_decisions_made_with_the_ramps_memory() -> None:
-    """A decision's averaged busy share (``ramp_memory_decisions``) is an input the ring keeps: the
-    replay with the recorded weights reproduces every decision and its average, and one with another
-    memory re-averages each record's recorded prior (the history's shares, not its own)."""
-    weights = PolicyWeights(ramp_memory_decisions=10.0)
+def test_whatif_reproduces_decisions_made_with_the_ramps_memory_in_seconds() -> None:
+    """With ``ramp_memory_s`` the ring keeps each decision's prior average, the time it was advanced
+    and the share its decision saw: the replay with the recorded weights reproduces every decision,
+    each average is its prior advanced over the recorded Δt by the held share, and another memory
+    is noted as replayed on the history's averages."""
+    weights = PolicyWeights(ramp_memory_s=0.3)
     log = DecisionLog(1000, 1 << 30)
     pool = drive(log, 300, weights=weights, release_every=2)
     records = log.ring("m").snapshot()
-    priors = [r.inputs.request.ramp_share for r in records]
-    shares = [r.decision.ramp_share for r in records]
-    assert priors[0] is None and None not in priors[1:] and None not in shares
-    assert priors[1:] == shares[:-1]  # each decision starts from the one committed before it
-    assert pool.ramp_average.share == shares[-1]
-    assert len(set(shares)) > 10  # the average moved
+    priors = [
+        (r.inputs.request.ramp_share, r.inputs.request.ramp_at_s, r.inputs.request.ramp_last_share)
+        for r in records
+    ]
+    made = [(r.decision.ramp_share, r.inputs.load.now, r.decision.busy_share) for r in records]
+    assert priors[0] == (None, None, None) and priors[1:] == made[:-1]  # each from its predecessor
+    average = pool.ramp_average
+    assert (average.share, average.at_s, average.last_share) == made[-1]
+    assert len({share for share, _, _ in made}) > 10  # the average moved
     result = replay("m", records, make_policy("cost"), weights, sample=5)
     assert result.changed == 0, result.sample
-    policy = make_policy("cost")
-    for record in records:  # rebuilt from the ring's blob: the same decision, average and note
+    assert not any("another ramp_memory_s" in note for note in result.notes)
+    for record in records[1:]:
         inputs = record.inputs
-        again = policy(inputs.request, inputs.overlap, inputs.load, weights, random.Random(0))
-        assert again.ramp_share == record.decision.ramp_share
-        assert "averaged" in again.reason and again.reason == record.decision.reason
-    shorter = PolicyWeights(ramp_memory_decisions=2.0)
-    record = records[-1]
-    inputs = record.inputs
-    again = make_policy("cost")(inputs.request, inputs.overlap, inputs.load, shorter, random.Random(0))
-    prior = inputs.request.ramp_share
-    assert prior is not None and again.ramp_share is not None
-    instant = (again.ramp_share - prior) * 2.0 + prior  # the decision's own share, from α = 1/2
-    assert record.decision.ramp_share == pytest.approx(prior + (instant - prior) / 10.0)
-    assert not any("ramp_memory_decisions" in note for note in result.notes)
+        again = make_policy("cost")(inputs.request, inputs.overlap, inputs.load, weights, random.Random(0))
+        assert again.ramp_share == record.decision.ramp_share and again.reason == record.decision.reason
+        prior, prior_at_s, held = priors[records.index(record)]
+        assert prior is not None and prior_at_s is not None and held is not None
+        alpha = 1.0 - math.exp(-(inputs.load.now - prior_at_s) / 0.3)
+        assert record.decision.ramp_share == pytest.approx(prior + alpha * (held - prior))
     off = replay("m", records, make_policy("cost"), PolicyWeights(), sample=5)
-    assert off.changed > 0  # the memory changed decisions that the instant share decides otherwise
-    assert any(
-        note.startswith("300 of 300 decisions were made with another ramp_memory") for note in off.notes
-    )
+    assert off.changed > 0
+    other = "300 of 300 decisions were made with another ramp_memory_s"
+    assert any(note.startswith(other) for note in off.notes)

@@ -297,12 +297,16 @@ def test_a_decision_keeps_every_term_and_leaves_absent_values_unset() -> None:
     assert not second.HasField("overlap_credit")
     assert not second.HasField("held_roots")  # the held-roots charge off: unknown, not 0
     assert not message.HasField("ramp_share")  # the ramp without memory
+    assert not message.HasField("busy_share")
 
 
 def test_a_decision_carries_the_ramps_averaged_share() -> None:
-    """With ``ramp_memory_decisions`` the decision's averaged busy share reaches gRPC as HTTP shows it."""
-    decision = Decision(ReplicaId("a"), "cost", 3, 4, 12, (), reason="argmin", ramp_share=0.71)
-    assert decision_message(decision).ramp_share == 0.71
+    """With ``ramp_memory_s`` the decision's averaged busy share reaches gRPC as HTTP shows it."""
+    decision = Decision(
+        ReplicaId("a"), "cost", 3, 4, 12, (), reason="argmin", ramp_share=0.71, busy_share=0.875
+    )
+    message = decision_message(decision)
+    assert message.ramp_share == 0.71 and message.busy_share == 0.875
     fields = {f.name for f in dataclasses.fields(Decision)} - {"terms"}
     assert fields <= set(pb.Decision.DESCRIPTOR.fields_by_name)  # a new decision field needs its own
 

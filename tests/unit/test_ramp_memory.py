@@ -1,10 +1,12 @@
-"""The credit ramp's memory (``ramp_memory_decisions``, off by default): the weight, the pure
-average, planning that stores nothing and commitment that stores the average, the credit note, the
-default's decisions unchanged with the weight off, and the simulator agreeing with the service's
-router decision by decision."""
+"""The credit ramp's memory in seconds (``ramp_memory_s``, off by default): the weight, the pure
+average in time, the credit reading it, planning that stores nothing and commitment that stores the
+average, its time and the held share, the default's decisions unchanged with the weight off, and
+the simulator agreeing with the service's router decision by decision."""
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 
 import pytest
@@ -16,7 +18,7 @@ from balancer.index.hashing import pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy import CostPolicy, PolicyWeights, RouteRequest
-from balancer.policy.cost import ShareAverage, averaged_share
+from balancer.policy.cost import ShareAverage, loaded_credit, time_averaged_share
 from balancer.policy.registry import make_policy
 from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
 from balancer.types import Decision, EngineHash, Overlap, ReplicaId
@@ -26,63 +28,30 @@ A, B, C, D = ReplicaId("a"), ReplicaId("b"), ReplicaId("c"), ReplicaId("d")
 BLOCK = 16
 
 
-def test_weight_is_off_by_default_validated_and_nullable() -> None:
-    assert PolicyWeights().ramp_memory_decisions is None
-    assert PolicyWeights.from_dict({"ramp_memory_decisions": 10}).ramp_memory_decisions == 10.0
-    on = PolicyWeights(ramp_memory_decisions=10.0)
-    assert PolicyWeights.from_dict({"ramp_memory_decisions": None}, base=on).ramp_memory_decisions is None
-    assert on.to_dict()["ramp_memory_decisions"] == 10.0
-    assert PolicyWeights.from_dict(on.to_dict()) == on
-    for good in (0.0, 0.5, 1.0, 1e4):
-        assert PolicyWeights(ramp_memory_decisions=good).ramp_memory_decisions == good
-    for bad in (-1.0, 1e4 + 1, float("inf"), float("nan"), True, "10"):
-        with pytest.raises(ConfigError, match="ramp_memory_decisions"):
-            PolicyWeights().replace(ramp_memory_decisions=bad)
-
-
-def test_the_average_is_pure_and_starts_at_the_first_share() -> None:
-    empty = ShareAverage()
-    first = empty.advanced(0.5, 10.0)
-    assert (empty.share, first.share) == (None, 0.5)  # a value: advancing returns a new one
-    second = first.advanced(1.0, 10.0)
-    assert second.share == 0.5 + 0.1 * (1.0 - 0.5) and first.share == 0.5
-    assert averaged_share(0.5, 1.0, 10.0) == second.share
-    assert averaged_share(0.2, 1.0, 1.0) == 1.0  # one decision's memory: the instant share
-    assert averaged_share(0.2, 1.0, 0.5) == 1.0  # below one decision: none
-    average = ShareAverage()
-    for _ in range(200):  # a steady share is reached, whatever the start
-        average = average.advanced(1.0, 20.0)
-    assert average.share == pytest.approx(1.0)
-
-
 def _busy(replica: ReplicaId, blocks: float = 4.0) -> ReplicaLoad:
     return ReplicaLoad(replica, pending_prefill_reqs=1, pending_prefill_blocks=blocks)
 
 
-def _decide(prior: float | None, loads: list[ReplicaLoad], **weights: float | None) -> Decision:
+def _decide(
+    prior: float | None,
+    loads: list[ReplicaLoad],
+    *,
+    prior_at_s: float | None = None,
+    prior_last: float | None = None,
+    now_s: float = 0.0,
+    **weights: float | None,
+) -> Decision:
     request = RouteRequest(
-        candidates=(A, B, C, D), request_blocks=10, prompt_tokens=10 * BLOCK, ramp_share=prior
+        candidates=(A, B, C, D),
+        request_blocks=10,
+        prompt_tokens=10 * BLOCK,
+        ramp_share=prior,
+        ramp_at_s=prior_at_s,
+        ramp_last_share=prior_last,
     )
     overlap = Overlap(blocks={A: 8}, request_blocks=10)
-    snapshot = LoadSnapshot(now=0.0, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
+    snapshot = LoadSnapshot(now=now_s, block_size_tokens=BLOCK, replicas={x.replica: x for x in loads})
     return CostPolicy()(request, overlap, snapshot, PolicyWeights(**weights), random.Random(0))  # type: ignore[arg-type]
-
-
-def test_the_credit_reads_the_average_and_the_note_gives_both_shares() -> None:
-    every = [_busy(A, 12.0), _busy(B), _busy(C), _busy(D)]  # 4/4 prefilling: instant credit 4
-    instant = _decide(0.5, every)
-    assert instant.ramp_share is None and "credit 4 (4/4 replicas prefilling)" in instant.reason
-    assert {t.overlap_credit for t in instant.terms} == {4.0}
-    remembered = _decide(0.5, every, ramp_memory_decisions=10.0)
-    assert remembered.ramp_share == pytest.approx(0.55)  # 0.5 + (1 − 0.5) / 10: below the ramp's start
-    assert "credit 1 (4/4 replicas prefilling, averaged 0.55)" in remembered.reason
-    assert {t.overlap_credit for t in remembered.terms} == {1.0}
-    first = _decide(None, every, ramp_memory_decisions=10.0)  # no average yet: the decision's own share
-    assert first.ramp_share == 1.0 and "credit 4 (4/4 replicas prefilling, averaged 1.00)" in first.reason
-    ramp_off = _decide(0.5, every, ramp_memory_decisions=10.0, overlap_credit_loaded=None)
-    assert ramp_off.ramp_share is None and "credit" not in ramp_off.reason  # memory only feeds the ramp
-    for off in (None, 0.0):
-        assert _decide(0.5, every, ramp_memory_decisions=off) == instant
 
 
 def _pool(seed: int) -> PoolRouter:
@@ -109,24 +78,6 @@ def _tokens(rng: random.Random) -> list[int]:
     ]
 
 
-def test_planning_stores_nothing_and_commitment_stores_the_average() -> None:
-    pool = _pool(0)
-    weights = PolicyWeights(ramp_memory_decisions=10.0)
-    policy = make_policy("cost")
-    rng = random.Random(1)
-    for k in range(30):
-        before = pool.ramp_average
-        request = PoolRequest(_tokens(rng), policy, weights, f"q{k}")
-        plan = pool.select(request, 1.0 + k)
-        again = pool.select(request, 1.0 + k)
-        assert pool.ramp_average is before  # two plans, nothing stored
-        assert plan.decision.ramp_share == again.decision.ramp_share is not None
-        assert plan.inputs is not None and plan.inputs.request.ramp_share == before.share
-        pool.lease(plan, f"q{k}", 1.0 + k)
-        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share)
-    assert 0.0 < (pool.ramp_average.share or 0.0) < 1.0
-
-
 def _stream(pool: PoolRouter, weights: PolicyWeights, seed: int, n: int = 300) -> list[Decision]:
     policy, rng, leases, decisions = make_policy("cost"), random.Random(seed), [], []
     for k in range(n):
@@ -139,20 +90,6 @@ def _stream(pool: PoolRouter, weights: PolicyWeights, seed: int, n: int = 300) -
         if rng.random() < 0.5:
             leases.pop(rng.randrange(len(leases))).release(now)
     return decisions
-
-
-def test_with_the_weight_off_the_decisions_are_the_defaults() -> None:
-    """A seeded stream through the real router: memory ``None`` and 0 decide exactly as the default
-    (choices, terms, notes), memory 1 makes the same choices (its note adds the average), and
-    memory 10 changes some (the test can tell the weight from no weight)."""
-    for seed in range(3):
-        default = _stream(_pool(seed), PolicyWeights(), seed)
-        assert all(d.ramp_share is None for d in default)
-        assert _stream(_pool(seed), PolicyWeights(ramp_memory_decisions=0.0), seed) == default
-        one = _stream(_pool(seed), PolicyWeights(ramp_memory_decisions=1.0), seed)
-        assert [d.terms for d in one] == [d.terms for d in default]
-        ten = _stream(_pool(seed), PolicyWeights(ramp_memory_decisions=10.0), seed)
-        assert [d.replica for d in ten] != [d.replica for d in default]
 
 
 def _sim(prune: bool, weights: PolicyWeights) -> SimRouter:
@@ -170,10 +107,10 @@ def _sim(prune: bool, weights: PolicyWeights) -> SimRouter:
 
 def test_the_simulator_averages_as_the_service_does() -> None:
     """The simulator's pruned router counts the busy share over the fleet and advances the same
-    average (:class:`ShareAverage`) at each committed decision; unpruned, the policy ramps on its
-    own and the service's :class:`PoolRouter` keeps the average. The same stream gives the same
-    averages and the same choices."""
-    weights = PolicyWeights(ramp_memory_decisions=10.0)
+    average (:class:`ShareAverage`, in model seconds) at each committed decision; unpruned, the
+    policy ramps on its own and the service's :class:`PoolRouter` keeps the average. The same
+    stream gives the same averages and the same choices."""
+    weights = PolicyWeights(ramp_memory_s=0.05)
     pruned, full = _sim(True, weights), _sim(False, weights)
     rng = random.Random(9)
     live: list[tuple[str, ReplicaId]] = []
@@ -202,3 +139,103 @@ def test_the_simulator_averages_as_the_service_does() -> None:
     assert full.router.ramp_average.share is not None
     assert ramped > 20  # the average was on the ramp
     assert pruned.counters.pruned > 100
+
+
+def test_the_memory_in_seconds_is_off_by_default_validated_and_nullable() -> None:
+    assert PolicyWeights().ramp_memory_s is None
+    assert PolicyWeights.from_dict({"ramp_memory_s": 0.3}).ramp_memory_s == 0.3
+    on = PolicyWeights(ramp_memory_s=0.3)
+    assert PolicyWeights.from_dict({"ramp_memory_s": None}, base=on).ramp_memory_s is None
+    assert PolicyWeights.from_dict(on.to_dict()) == on
+    for good in (0.0, 0.05, 1.0, 60.0):
+        assert PolicyWeights(ramp_memory_s=good).ramp_memory_s == good
+    for bad in (-0.1, 60.5, float("inf"), float("nan"), True, "0.3"):
+        with pytest.raises(ConfigError, match="ramp_memory_s"):
+            PolicyWeights().replace(ramp_memory_s=bad)
+    with pytest.raises(ConfigError, match=r"unknown policy weight.*ramp_memory_decisions"):
+        PolicyWeights.from_dict({"ramp_memory_decisions": 10})  # the memory in decisions is gone
+
+
+def test_the_average_in_time_holds_the_previous_share_over_the_elapsed_seconds() -> None:
+    tau = 0.3
+    first = ShareAverage().advanced_to(0.7, 5.0, tau)  # the first decision: its own share
+    assert first == ShareAverage(0.7, 5.0, 0.7)
+    second = first.advanced_to(0.2, 5.3, tau)  # holds 0.7 (the first's share) over 0.3 s: no move
+    assert second.share == pytest.approx(0.7) and (second.at_s, second.last_share) == (5.3, 0.2)
+    third = second.advanced_to(1.0, 5.3 + tau, tau)  # holds 0.2 over τ: α = 1 − e^−1
+    assert third.share == pytest.approx(0.7 + (1.0 - math.exp(-1.0)) * (0.2 - 0.7))
+    assert third.last_share == 1.0
+    assert time_averaged_share(0.5, 1.0, 1.0, 1.0, tau) == 0.5  # Δt = 0: a burst moves nothing
+    assert time_averaged_share(0.5, 1.0, 1.0, 0.4, tau) == 0.5  # a negative Δt counts as 0
+    assert time_averaged_share(0.5, 1.0, 1.0, 1.0 + 40 * tau, tau) == pytest.approx(1.0)  # forgotten
+    for off in (0.0, -1.0):
+        assert time_averaged_share(0.5, 1.0, 0.2, 1.1, off) == 0.2  # no memory: the held share
+    # the same held share over two steps of Δt is one step of 2·Δt (the memory is in time, not steps)
+    start = ShareAverage(0.25, 2.0, 1.0)
+    twice = start.advanced_to(1.0, 2.1, tau).advanced_to(1.0, 2.2, tau)
+    once = start.advanced_to(1.0, 2.2, tau)
+    assert twice.share == pytest.approx(once.share) and twice.at_s == once.at_s == 2.2
+    assert start == ShareAverage(0.25, 2.0, 1.0)  # a value: advancing returns a new one
+
+
+def test_the_credit_reads_the_average_in_time_and_the_note_names_tau() -> None:
+    every = [_busy(A, 12.0), _busy(B), _busy(C), _busy(D)]  # 4/4 prefilling: instant credit 4
+    instant = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3)
+    assert instant.ramp_share is instant.busy_share is None
+    assert "credit 4 (4/4 replicas prefilling)" in instant.reason
+    later = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=0.3)
+    expected = 0.5 + (1.0 - math.exp(-1.0)) * 0.5  # 0.816: on the ramp
+    assert later.ramp_share == pytest.approx(expected) and later.busy_share == 1.0
+    assert later.ramp_share is not None
+    credit = loaded_credit(1.0, 4.0, later.ramp_share)  # the credit reads the average, not 4/4
+    assert {t.overlap_credit for t in later.terms} == {credit} and 1.0 < credit < 4.0
+    assert f"credit {credit:.3g} (4/4 replicas prefilling, averaged 0.82 over 0.3 s)" in later.reason
+    held = _decide(0.5, every, prior_at_s=1.0, prior_last=0.5, now_s=1.3, ramp_memory_s=0.3)
+    assert held.ramp_share == 0.5  # the previous decision saw 0.5: this one's 4/4 enters next time
+    burst = _decide(0.5, every, prior_at_s=1.3, prior_last=1.0, now_s=1.3, ramp_memory_s=0.3)
+    assert burst.ramp_share == 0.5 and {t.overlap_credit for t in burst.terms} == {1.0}  # Δt = 0
+    first = _decide(None, every, now_s=1.3, ramp_memory_s=0.3)
+    assert first.ramp_share == 1.0 and "averaged 1.00 over 0.3 s" in first.reason
+    for off in (None, 0.0):
+        assert _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=off) == instant
+
+
+def test_planning_stores_nothing_and_commitment_stores_the_average_and_its_time() -> None:
+    pool = _pool(0)
+    weights = PolicyWeights(ramp_memory_s=0.3)
+    policy = make_policy("cost")
+    rng = random.Random(1)
+    for k in range(30):
+        now = 1.0 + 0.05 * k
+        before = pool.ramp_average
+        request = PoolRequest(_tokens(rng), policy, weights, f"q{k}")
+        plan = pool.select(request, now)
+        again = pool.select(request, now)
+        assert pool.ramp_average is before  # two plans, nothing stored
+        assert plan.decision.ramp_share == again.decision.ramp_share is not None
+        assert plan.inputs is not None
+        given = plan.inputs.request
+        assert (given.ramp_share, given.ramp_at_s, given.ramp_last_share) == (
+            before.share,
+            before.at_s,
+            before.last_share,
+        )
+        pool.lease(plan, f"q{k}", now)
+        assert pool.ramp_average == ShareAverage(plan.decision.ramp_share, now, plan.decision.busy_share)
+    assert 0.0 < (pool.ramp_average.share or 0.0) < 1.0
+
+
+def test_a_memory_in_seconds_much_shorter_than_the_gaps_holds_the_previous_decisions_share() -> None:
+    """On a seeded stream through the real router (a decision every 10 ms): τ ``None`` and 0 decide
+    exactly as the default; with τ = 1 µs each decision's credit reads the share the previous
+    decision saw (α = 1 − e^−10⁴); τ = 0.3 s changes some choices."""
+    for seed in range(3):
+        default = _stream(_pool(seed), PolicyWeights(), seed)
+        assert _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.0), seed) == default
+        tiny = _stream(_pool(seed), PolicyWeights(ramp_memory_s=1e-6), seed)
+        assert tiny[0].ramp_share == tiny[0].busy_share is not None
+        for before, after in itertools.pairwise(tiny):
+            assert after.ramp_share == pytest.approx(before.busy_share)
+        assert any(d.ramp_share != d.busy_share for d in tiny)  # the held share is not the instant one
+        remembered = _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.3), seed)
+        assert [d.replica for d in remembered] != [d.replica for d in default]

@@ -286,6 +286,7 @@ def decision_message(decision: Decision) -> pb.Decision:
         dp_rank=decision.dp_rank,
         reason=decision.reason,
         ramp_share=decision.ramp_share,
+        busy_share=decision.busy_share,
     )
 
 
