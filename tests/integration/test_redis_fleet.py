@@ -219,10 +219,18 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
         (a,) = f.balancers
 
         async def indexed(total: int) -> None:
-            async def check() -> bool:
-                return sum((await f.blocks(a)).values()) == total
+            seen: list[dict[str, int]] = []
 
-            await wait_for(f"{total} blocks indexed", check)
+            async def check() -> bool:
+                seen[:] = [await f.blocks(a)]
+                return sum(seen[0].values()) == total
+
+            # A full suite on a loaded 2-core machine once took over 5 s to relay one prompt's
+            # events through the cluster; the wait ends as soon as the count is right.
+            try:
+                await wait_for(f"{total} blocks indexed", check, timeout_s=20)
+            except AssertionError as error:
+                raise AssertionError(f"{error}; last seen per replica: {seen}") from None
 
         for i in range(7):  # distinct prompts of 9 full blocks each
             prompt = list(range(5000 + 100 * i, 5036 + 100 * i))
