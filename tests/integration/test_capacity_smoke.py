@@ -108,8 +108,11 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             # lag bounded by a tenth of the TTFT SLO; this run kept its schedule
             assert set(CLIENT_FIELDS) <= point.keys() and "sent_rate" not in point
             assert point["client_lag_bound_s"] == pytest.approx(0.1 * lag_slo_s)
-            assert point["client_behind"] is False and point["client_behind_reasons"] == []
-            assert point["client_slot_waits"] == 0 and "invalid" not in point, point["client_behind_reasons"]
+            # (at --time-scale 0.5 the bound, 30 model ms, is 60 wall ms: a 2-core machine at load 4-5
+            # lagged 1-3 model ms on 2026-11-30; the reasons and the load say why if it fails)
+            why = (point["client_behind_reasons"], point["load_1m"])
+            assert point["client_behind"] is False and point["client_behind_reasons"] == [], why
+            assert point["client_slot_waits"] == 0 and "invalid" not in point, why
         assert row["invalid"] is None
     assert "no measurement at their rate" not in text
     assert all(p["exit_code"] is not None for p in report["meta"]["processes"])
