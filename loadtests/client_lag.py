@@ -20,8 +20,11 @@ and the run is not a valid measurement at its offered rate, when any of these ho
    :data:`MAX_LAG_SHARE_OF_SLO` (10%) of the tightest bound: the arrivals reached the endpoint
    reshaped on the time scale the verdict is about.
 
-A closed loop has no schedule and no check (``None``). Times are the records' (wall seconds: the
-callers here report on wall time; ``kvlb capacity --confirm`` converts its own to model time).
+A closed loop has no schedule and no check (``None``). Times are the records' (wall seconds) unless
+the caller gives a ``time_scale`` (model seconds per wall second): ``kvlb capacity --confirm`` runs
+the emulated fleet at ``--time-scale`` and judges its client in model time, the time of its rates
+and of its SLO (:func:`check_client`). Rules 1 and 2 do not change with the scale (rule 1 compares
+rates with rates and a lag with a span); rule 3 compares the lag with a bound in the same time.
 """
 
 from __future__ import annotations
@@ -31,11 +34,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from loadtests.stats import RequestRecord, send_lag
+from loadtests.stats import RequestRecord, SendLag, send_lag
 
 MIN_SENT_SHARE = 0.95
 """Rule 1: the client must send at least this share of the schedule's rate (the figure
-``SendLag.behind`` has used since it was written)."""
+``kvlb capacity --confirm`` used alone before it took this rule, 2026-11-30)."""
 
 MIN_SUSTAINED_LAG_SHARE = 0.02
 """Rule 1: a rate shortfall counts only when the lag p90 exceeds this share of the schedule's span
@@ -144,15 +147,30 @@ def check_client(
     slot_waits: int,
     concurrency_cap: int,
     lag_bound_s: float | None = None,
+    time_scale: float = 1.0,
 ) -> ClientCheck | None:
     """The client's figures and the module's rule over ``records`` (``None`` when fewer than two
-    have a schedule: a closed loop, or too few requests to have a rate)."""
-    lag = send_lag(records)
-    if lag is None:
+    have a schedule: a closed loop, or too few requests to have a rate).
+
+    ``time_scale`` is model seconds per wall second of the records (``--time-scale`` of the emulated
+    fleet; 1: the figures are the records' own wall time): every figure of the check is in model
+    time (a lag of ``w`` wall s is ``w × time_scale`` model s, a rate of ``r`` per wall s is
+    ``r / time_scale`` per model s), and ``lag_bound_s`` must be in model time too."""
+    if not (math.isfinite(time_scale) and time_scale > 0):
+        raise ValueError(f"time_scale must be a finite number > 0, got {time_scale}")
+    wall = send_lag(records)
+    if wall is None:
         return None
+    lag = SendLag(
+        p50_s=wall.p50_s * time_scale,
+        p90_s=wall.p90_s * time_scale,
+        max_s=wall.max_s * time_scale,
+        sent_rate_per_s=wall.sent_rate_per_s / time_scale,
+        scheduled_rate_per_s=wall.scheduled_rate_per_s / time_scale,
+    )
     reasons = []
     scheduled = [r.scheduled_s for r in records if r.scheduled_s is not None]
-    scheduled_span_s = max(scheduled) - min(scheduled)
+    scheduled_span_s = (max(scheduled) - min(scheduled)) * time_scale
     sustained = lag.p90_s > MIN_SUSTAINED_LAG_SHARE * scheduled_span_s
     if lag.sent_rate_per_s < MIN_SENT_SHARE * lag.scheduled_rate_per_s and sustained:
         share = lag.sent_rate_per_s / lag.scheduled_rate_per_s

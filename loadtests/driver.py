@@ -73,8 +73,9 @@ class RunResult:
     def summary(self, replicas: Iterable[str] = ()) -> Summary:
         return summarize(self.records, self.duration_s, replicas=replicas)
 
-    def client_check(self, lag_bound_s: float | None = None) -> ClientCheck | None:
-        """The client against its schedule (:mod:`loadtests.client_lag`); ``None`` in the closed loop."""
+    def client_check(self, lag_bound_s: float | None = None, time_scale: float = 1.0) -> ClientCheck | None:
+        """The client against its schedule (:mod:`loadtests.client_lag`; with ``time_scale``, in model
+        time, ``lag_bound_s`` too); ``None`` in the closed loop."""
         if self.mode != "open" or self.concurrency_cap is None:
             return None
         return check_client(
@@ -82,6 +83,7 @@ class RunResult:
             slot_waits=self.slot_waits,
             concurrency_cap=self.concurrency_cap,
             lag_bound_s=lag_bound_s,
+            time_scale=time_scale,
         )
 
 

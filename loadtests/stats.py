@@ -179,8 +179,10 @@ def _replica_figures(
 
 @dataclass(frozen=True, slots=True)
 class SendLag:
-    """How far an open-loop client fell behind its schedule (wall seconds): a request sent late
-    meets a fleet with less load than offered, and its TTFT (measured from the send) hides the wait."""
+    """How far an open-loop client fell behind its schedule (seconds of the records: wall time): a
+    request sent late meets a fleet with less load than offered, and its TTFT (measured from the
+    send) hides the wait. The figures only: whether the client is behind is
+    :func:`loadtests.client_lag.check_client`'s rule (which rescales them to model time on request)."""
 
     p50_s: float
     """Median of ``start_s − scheduled_s``."""
@@ -192,11 +194,6 @@ class SendLag:
     """Requests per second actually sent: requests over the span of their send times."""
     scheduled_rate_per_s: float
     """Requests per second of the schedule: requests over the span of their scheduled times."""
-
-    @property
-    def behind(self) -> bool:
-        """Whether the client sent at less than 95% of the scheduled rate."""
-        return self.sent_rate_per_s < 0.95 * self.scheduled_rate_per_s
 
 
 def send_lag(records: Sequence[RequestRecord]) -> SendLag | None:

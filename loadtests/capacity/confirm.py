@@ -5,8 +5,11 @@
 (:mod:`loadtests.runs`) on the same requests as a simulation of them
 (:mod:`loadtests.capacity.simulated`), compares the two request by request
 (:mod:`loadtests.capacity.agreement`) and judges the router's repeats against the simulator's band
-(:mod:`loadtests.capacity.band`). It writes each run's per-request rows to ``requests/`` and, with
-``--confirm-save-decisions``, the decisions to ``decisions/``.
+(:mod:`loadtests.capacity.band`). Each run's client is judged against its schedule by
+:func:`confirm_client`, the rule of ``kvlb loadtest`` and ``--target`` (:mod:`loadtests.client_lag`)
+in model time: a point whose client fell behind is ``invalid`` and never meets the SLO. It writes
+each run's per-request rows to ``requests/`` and, with ``--confirm-save-decisions``, the decisions to
+``decisions/``.
 """
 
 from __future__ import annotations
@@ -18,12 +21,12 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity.band import verdict
 from loadtests.capacity.report import ratio
-from loadtests.capacity.search import RatePoint, Search
+from loadtests.capacity.search import RatePoint, Search, Slo
 from loadtests.capacity.simulated import (
     Assignment,
     Stream,
@@ -34,12 +37,22 @@ from loadtests.capacity.simulated import (
     sim_rows_of,
     slo_of,
 )
+from loadtests.client_lag import lag_bound_s, no_schedule
 from loadtests.kvlb_timers import fleet_sets_of
 from loadtests.peers import RouterSpec, parse_router, replay_router
 from loadtests.simulate import SimResult
-from loadtests.stats import send_lag
 from loadtests.workloads import RequestSpec
 from replicas.sim.profiles import PROFILES
+
+if TYPE_CHECKING:
+    from loadtests.driver import RunResult
+
+CONFIRM_ADVICE = (
+    "the point counts as failing; run on a quieter machine, or at a lower --time-scale (the fleet "
+    "slower on the wall clock: the client's sends further apart)"
+)
+"""What a ``kvlb capacity --confirm`` user can do about a point whose client fell behind (its
+in-flight cap already holds every request of the point: :func:`open_loop_cap`)."""
 
 
 def kvlb_workers(args: argparse.Namespace) -> int | None:
@@ -54,6 +67,19 @@ def open_loop_cap(base_cap: int, requests: int) -> int:
     ``--time-scale``) makes launches wait for requests to end, and the fleet is offered less than the
     simulation (docs/loadtest.md, "The client's send lag"). Bounded by ``--confirm-requests``."""
     return max(base_cap, requests)
+
+
+def confirm_client(result: RunResult, slo: Slo, time_scale: float) -> tuple[dict[str, Any], str | None]:
+    """One fleet run's client against its schedule, by :mod:`loadtests.client_lag`'s rule (the one
+    of ``kvlb loadtest`` and ``kvlb capacity --target``) in model time: the records' wall times ×
+    ``time_scale``, the lag bounded by a tenth of the tightest TTFT bound of ``slo`` (model time).
+    Returns the figures (keys :data:`loadtests.client_lag.FIELDS`, seconds and requests per model
+    second; all ``None`` without a schedule) and the point's ``invalid`` note (``None`` when the
+    client kept its schedule)."""
+    client = result.client_check(lag_bound_s(slo.latency_bounds_s()), time_scale=time_scale)
+    if client is None:
+        return no_schedule(), None
+    return client.to_dict(), client.note(CONFIRM_ADVICE)
 
 
 def confirm_order(
@@ -231,7 +257,7 @@ async def _fleet_point(
     reason = invalid_reason(run)
     ts = args.time_scale
     s = run.summary
-    lag = send_lag(run.result.records)
+    client, note = confirm_client(run.result, slo_of(args), ts)
     index_of = {spec.request_id: i for i, spec in enumerate(specs)}
     rows = rows_of(run.result.records, index_of, ts)
     block = PROFILES[args.profile].page_size
@@ -273,21 +299,17 @@ async def _fleet_point(
             "wall_s": run.wall_s,
             "utc": f"{started}-{finished}",
             "load_1m": [load_before, _loadavg()],
-            # the client's lag in model time, and the rate it really sent (model req/s)
-            "client_lag_p90_s": None if lag is None else lag.p90_s * ts,
-            "client_lag_max_s": None if lag is None else lag.max_s * ts,
-            "sent_rate": None if lag is None else lag.sent_rate_per_s / ts,
-            "client_behind": None if lag is None else lag.behind,
-            # launches that waited for the in-flight cap (0 unless the cap binds)
-            "client_slot_waits": run.result.slot_waits,
+            # the client against its schedule, in model time (s, req/s): confirm_client
+            **client,
             "rows": rows,
             **_saved_decisions(run.after_drive if save else None),
         },
+        invalid=note,
     )
     same_replica, same_cached = agreement["same_replica_share"] or 0, agreement["same_cached_share"] or 0
     log(f"  p90 {p90 or float('nan'):.3f} s (sim {sim.ttft_p90_s or float('nan'):.3f}), hit rate "
         f"{s.hit_rate or 0:.3f} (sim {sim.hit_rate or 0:.3f}), same replica {same_replica:.3f}, "
-        f"same cached {same_cached:.3f}")  # fmt: skip
+        f"same cached {same_cached:.3f}" + (f"; INVALID: {note}" if note else ""))  # fmt: skip
     return point, reason, run.process
 
 

@@ -128,7 +128,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         fleet = ", ".join(
             f"{(_replay_label(r, p) + ' ').lstrip()}{p['rate']:.3g} ({'pass' if p['meets_slo'] else 'fail'}, "
             f"p90 {_fmt(p['ttft_p90_s'])} s"
-            + (f"; client behind: sent {_fmt(p.get('sent_rate'))}/s" if p.get("client_behind") else "")
+            + (f"; invalid: {_invalid_cell(p)}" if p.get("invalid") else "")
             + ")"
             for p in r.get("confirmed", ())
         )
@@ -174,6 +174,14 @@ def markdown(report: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _invalid_cell(point: Mapping[str, Any]) -> str:
+    """Why a fleet point is no measurement, in short (its note is in the list below the table)."""
+    if not point.get("client_behind"):
+        return "see below"
+    sent, scheduled = point.get("client_sent_rate_per_s"), point.get("client_scheduled_rate_per_s")
+    return f"client behind, sent {_fmt(sent)} of {_fmt(scheduled)}/s"
+
+
 def _verdict(point: Mapping[str, Any]) -> str:
     if point["meets_slo"]:
         return "pass"
@@ -181,11 +189,18 @@ def _verdict(point: Mapping[str, Any]) -> str:
 
 
 def _invalid_point_lines(report: Mapping[str, Any]) -> list[str]:
-    """A warning per measured point that is no measurement at its rate (``RatePoint.invalid``)."""
+    """A warning per measured point that is no measurement at its rate (``RatePoint.invalid``): the
+    ``--target`` search's points, then the fleet's (``--confirm``)."""
     lines = [
         f"- {r['name']} @ {p['rate']:.4g} req/s: {p['invalid']}"
         for r in report["routers"]
         for p in r.get("points", ())
+        if p.get("invalid")
+    ]
+    lines += [
+        f"- {r['name']} @ {p['rate']:.4g} req/s ({_fleet_label(r, p)}): {p['invalid']}"
+        for r in report["routers"]
+        for p in r.get("confirmed", ())
         if p.get("invalid")
     ]
     return (
@@ -259,6 +274,14 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
 def routed_points(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """A router's fleet points that its router routed (not the replays of its simulated assignment)."""
     return [p for p in row.get("confirmed", ()) if p.get("fleet_router", row["name"]) == row["name"]]
+
+
+def _fleet_label(row: Mapping[str, Any], point: Mapping[str, Any]) -> str:
+    """``fleet``, with its replay's name and its repeat when there are any: which fleet run a point is."""
+    parts = ["fleet", _replay_label(row, point)]
+    if point.get("repeat") is not None:
+        parts.append(f"repeat {point['repeat']}")
+    return ", ".join(p for p in parts if p)
 
 
 def _replay_label(row: Mapping[str, Any], point: Mapping[str, Any]) -> str:

@@ -49,6 +49,11 @@ class Slo:
         if not 0 <= self.max_error_rate < 1:
             raise ValueError(f"max_error_rate must be in [0, 1), got {self.max_error_rate}")
 
+    def latency_bounds_s(self) -> tuple[float, ...]:
+        """The TTFT bounds set (seconds, model time in the simulator and on the emulated fleet): what
+        bounds the client's send lag (:func:`loadtests.client_lag.lag_bound_s`)."""
+        return tuple(b for b in (self.ttft_p90_s, self.ttft_p99_s) if b is not None)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "ttft_p90_s": self.ttft_p90_s,

@@ -66,7 +66,7 @@ def measure_target(
     """A point per offered rate: the first ``--target-requests`` requests at that rate, at the URL,
     ``invalid`` when the client fell behind its schedule (lag bounded by a tenth of ``slo``'s TTFT)."""
     headers = parse_headers(args.header)
-    bound_s = lag_bound_s(b for b in (slo.ttft_p90_s, slo.ttft_p99_s) if b is not None)
+    bound_s = lag_bound_s(slo.latency_bounds_s())
 
     def measure(rate: float) -> RatePoint:
         specs = specs_at(rate, args.target_requests)

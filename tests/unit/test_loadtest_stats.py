@@ -210,8 +210,9 @@ def test_send_lag_measures_how_far_the_open_loop_client_fell_behind() -> None:
     assert lag.p90_s == pytest.approx(0.82)  # between the 9th (0.8) and the 10th (1.0)
     assert lag.scheduled_rate_per_s == pytest.approx(10.0)
     assert lag.sent_rate_per_s == pytest.approx(9 / 1.9)
-    assert lag.behind
+    # the figures only: whether that is behind is loadtests/client_lag.py's rule (test_client_lag.py)
     schedule = [RequestRecord(f"r{i}", "ok", start_s=0.1 * i, scheduled_s=0.1 * i) for i in range(10)]
     on_time = send_lag(schedule)
-    assert on_time is not None and not on_time.behind and on_time.max_s == 0.0
+    assert on_time is not None and on_time.max_s == 0.0 and on_time.p90_s == 0.0
+    assert on_time.sent_rate_per_s == pytest.approx(on_time.scheduled_rate_per_s)
     assert send_lag(RECORDS) is None  # closed loop: no schedule
