@@ -4,6 +4,7 @@ allocator, and so does a missing library; the start log says which allocator it 
 
 from __future__ import annotations
 
+import asyncio
 import ctypes.util
 from pathlib import Path
 
@@ -36,14 +37,24 @@ def workers_of(pid: int) -> list[int]:
     return out
 
 
+READY_TIMEOUT_S = 30.0
+"""How long ``kvlb serve`` may take, after it listens, to find its replica healthy (a loaded CI
+machine once answered a chat sent at once with 503: no healthy replica yet)."""
+
+
 async def one_chat(url: str) -> int:
+    """One chat's status, sent once ``/readyz`` says the pool has a routable replica."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
-    async with (
-        aiohttp.ClientSession() as session,
-        session.post(url + "/v1/chat/completions", json=body) as reply,
-    ):
-        await reply.read()
-        return reply.status
+    async with aiohttp.ClientSession() as session:
+        async with asyncio.timeout(READY_TIMEOUT_S):
+            while True:
+                async with session.get(url + "/readyz") as ready:
+                    if ready.status == 200:
+                        break
+                await asyncio.sleep(0.05)
+        async with session.post(url + "/v1/chat/completions", json=body) as reply:
+            await reply.read()
+            return reply.status
 
 
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="libjemalloc2 is not installed")

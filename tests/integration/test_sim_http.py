@@ -129,6 +129,10 @@ async def test_generation_is_deterministic_and_max_tokens_honoured() -> None:
         assert status == 400
 
 
+LATE_STEP_S = 0.02
+"""How late a loaded machine may start the emulator's step after a request arrives (wall s)."""
+
+
 async def test_cached_prefix_makes_ttft_faster_by_the_modelled_amount() -> None:
     scale = 4.0
     prompt = list(range(1000, 1400))  # 400 tokens; the warm request reuses 396 of them
@@ -140,8 +144,10 @@ async def test_cached_prefix_makes_ttft_faster_by_the_modelled_amount() -> None:
         warm, _ = await stream(session, url, {"prompt": prompt, "max_tokens": 2})
         records = await (await session.get(replica.url + "/admin/requests")).json()
     assert [r["cached_tokens"] for r in records] == [0, 396]
-    assert records[0]["modelled_ttft_s"] == pytest.approx(cold_model / scale, rel=0.05, abs=0.001)
-    assert records[1]["modelled_ttft_s"] == pytest.approx(warm_model / scale, rel=0.05, abs=0.001)
+    # The model's TTFT, in wall time, never less; a step the loaded machine started late adds
+    # to it (a CI run saw 2.9 ms for a warm 1 ms), up to LATE_STEP_S.
+    for record, model_s in zip(records, (cold_model, warm_model), strict=True):
+        assert model_s / scale * 0.95 <= record["modelled_ttft_s"] <= model_s / scale * 1.05 + LATE_STEP_S
     saved = (cold_model - warm_model) / scale  # 49.5 ms of wall time
     assert cold - warm == pytest.approx(saved, rel=0.3)
 
