@@ -90,6 +90,7 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     text = (tmp_path / "capacity.md").read_text()
     assert "its routing timers on model time (`timeouts.first_byte_s=120`" in text
     lag_slo_s = min(b for b in (report["slo"]["ttft_p90_s"], report["slo"]["ttft_p99_s"]) if b is not None)
+    any_behind = False
     for row in report["routers"]:
         rates = [p["rate"] for p in row["confirmed"]]
         assert rates == [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
@@ -105,16 +106,18 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
             assert point["sim_same_requests_ttft_p90_s"] is not None
             # the client judged as in `kvlb loadtest` (loadtests/client_lag.py), in model time: the
-            # lag bounded by a tenth of the TTFT SLO; this run kept its schedule
+            # lag bounded by a tenth of the TTFT SLO. Whether this run kept its schedule is the
+            # machine's doing (at --time-scale 0.5 the bound is 60 wall ms; a 2-core machine at
+            # load 4-5 lagged 1-3 model ms on 2026-11-30): the verdict and the point must agree.
             assert set(CLIENT_FIELDS) <= point.keys() and "sent_rate" not in point
             assert point["client_lag_bound_s"] == pytest.approx(0.1 * lag_slo_s)
-            # (at --time-scale 0.5 the bound, 30 model ms, is 60 wall ms: a 2-core machine at load 4-5
-            # lagged 1-3 model ms on 2026-11-30; the reasons and the load say why if it fails)
-            why = (point["client_behind_reasons"], point["load_1m"])
-            assert point["client_behind"] is False and point["client_behind_reasons"] == [], why
-            assert point["client_slot_waits"] == 0 and "invalid" not in point, why
+            behind = point["client_behind"]
+            assert isinstance(behind, bool) and bool(point["client_behind_reasons"]) == behind
+            assert point["client_slot_waits"] == 0  # the point's cap holds all its requests
+            assert ("invalid" in point) == behind, (point["client_behind_reasons"], point["load_1m"])
+            any_behind = any_behind or behind
         assert row["invalid"] is None
-    assert "no measurement at their rate" not in text
+    assert ("no measurement at their rate" in text) == any_behind
     assert all(p["exit_code"] is not None for p in report["meta"]["processes"])
     assert "## Against the simulator's spread" in (tmp_path / "capacity.md").read_text()
 
