@@ -91,3 +91,25 @@ def test_kvlb_serve_imports_neither_a_tool_nor_the_service_before_it_runs() -> N
         [sys.executable, "-m", "balancer", "--help"], capture_output=True, text=True, timeout=60, check=False
     )
     assert listed.returncode == 0 and "capacity" in listed.stdout
+
+
+def test_a_tools_command_loads_only_its_own_tool() -> None:
+    probe = (
+        "import sys\n"
+        "from balancer.cli.main import main\n"
+        "code = main(sys.argv[1:])\n"
+        "print(sorted(m for m in ('loadtests.command', 'loadtests.demo.command') if m in sys.modules))\n"
+        "raise SystemExit(code)\n"
+    )
+    argv = ["--replicas", "1", "--slowdown", "0", "--tokenizer", "none"]  # an invalid fault setting
+    for command, loaded in (("emulate", "[]"), ("sim", "['loadtests.command', 'loadtests.demo.command']")):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, command, *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        # `sim`, an alias no tool is named after, loads every tool and runs as `emulate`
+        assert done.returncode == 2 and "slowdown" in done.stderr, done.stderr
+        assert done.stdout.splitlines() == [loaded]
