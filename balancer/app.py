@@ -21,7 +21,6 @@ import random
 import socket
 import time
 from collections.abc import Coroutine, Mapping
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -46,6 +45,7 @@ from balancer.load.tracker import LoadConfig
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
 from balancer.routing.router import PoolRouter, RouteLimits
+from balancer.serve_options import ServeOptions
 from balancer.service.admission import Admission, AdmissionLimits
 from balancer.service.audit import AuditLog
 from balancer.service.decisions import DecisionLog, DecisionRing
@@ -67,39 +67,6 @@ log = logging.getLogger(__name__)
 
 STALE_SCRAPES = 3
 """Scraped engine stats count as fresh for this many scrape periods (at least 5 s)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ServeOptions:
-    """Process-level options of ``kvlb serve`` that are not part of the shared settings."""
-
-    shutdown_grace_s: float = 30.0
-    """After SIGTERM, in-flight requests get this long (seconds) to finish; the rest are cancelled
-    (their load released, their upstream connections closed)."""
-    worker: WorkerRole | None = None
-    """Set when this process is one of ``kvlb serve --workers N`` (:mod:`balancer.cli.workers`)."""
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerRole:
-    """This balancer's place among the workers of one ``kvlb serve --workers N``."""
-
-    index: int
-    """0 … ``count - 1``; worker 0 drains the TRT-LLM engines and republishes their events."""
-    count: int
-    """How many workers serve the port (≥ 1)."""
-    listen_fd: int
-    """The supervisor's listening HTTP socket, inherited: served instead of binding ``listen.port``."""
-    run_dir: str
-    """The supervisor's private directory: the ``ipc://`` endpoints of the TRT-LLM relay live here."""
-    load_table: str | None = None
-    """The supervisor's shared-memory table of per-replica load (:mod:`balancer.load.share`);
-    ``None``: each worker's load view is its own."""
-
-    @property
-    def drains(self) -> bool:
-        """Whether this worker drains TRT-LLM engines itself (worker 0) rather than follow the relay."""
-        return self.index == 0
 
 
 def load_pool_tokenizer(path: str | None, limits: TokenizeLimits) -> Tokenizer:

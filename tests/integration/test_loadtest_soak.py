@@ -1,4 +1,4 @@
-"""Smoke test of the soak mode: ``kvlb loadtest --duration 20s --fault-every 8s`` as a process.
+"""Smoke test of the soak mode: ``kvlb loadtest --duration 12s --fault-every 5s`` as a process.
 
 One kvlb and three emulated replicas (real processes) under 10 requests/s, two replica faults. Checks
 that the command completes and passes, that stdout and ``report.json`` carry every field of the soak
@@ -32,7 +32,7 @@ GROWTH_FIELDS = ("first_quarter", "last_quarter", "growth", "limit", "ok")
 def soak(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, object]]:
     out = tmp_path_factory.mktemp("soak")
     argv = [
-        sys.executable, "-m", "balancer", "loadtest", "--duration", "20s", "--fault-every", "8s",
+        sys.executable, "-m", "balancer", "loadtest", "--duration", "12s", "--fault-every", "5s",
         "--sample-every", "2s", "--rate", "10", "--seed", "3", "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -46,8 +46,8 @@ def soak(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, obje
 def test_report_has_every_field(soak: tuple[Path, dict[str, object]]) -> None:
     _, report = soak
     meta, requests = report["meta"], report["requests"]  # type: ignore[index]
-    assert "--duration 20s" in meta["command"]
-    assert meta["options"]["duration_s"] == 20.0 and meta["options"]["fault_every_s"] == 8.0
+    assert "--duration 12s" in meta["command"]
+    assert meta["options"]["duration_s"] == 12.0 and meta["options"]["fault_every_s"] == 5.0
     assert requests["sent"] > 50 and requests["outcomes"].get("lost", 0) == 0
     for key in ("error_rate", "p50_ok_s", "p99_ok_s", "lost_details"):
         assert key in requests, key

@@ -3,6 +3,8 @@ a broken tool is reported and left out; ``kvlb sim`` warns and runs as ``kvlb em
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from importlib.metadata import EntryPoint
 
 import pytest
@@ -66,3 +68,48 @@ def test_sim_is_a_deprecated_alias_of_emulate(capsys: pytest.CaptureFixture[str]
     same = ["--replicas", "3", "--engine", "mixed", "--profile", "cpu-test", "--tokenizer", "none"]
     as_sim, as_emulate = parser.parse_args(["sim", *same]), parser.parse_args(["emulate", *same])
     assert EMULATE.spec_from_args(as_sim) == EMULATE.spec_from_args(as_emulate)
+
+
+def test_kvlb_serve_imports_neither_a_tool_nor_the_service_before_it_runs() -> None:
+    # the first process of `kvlb serve` may re-execute itself on jemalloc: what it imported before
+    # is paid twice, so a bad setting is refused with only the config loader imported
+    probe = (
+        "import sys\n"
+        "from balancer.cli.main import main\n"
+        "code = main(['serve', '--set', 'no_such_setting=1'])\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'loadtests', 'replicas'}))\n"
+        "print(sorted(m for m in sys.modules if m in ('balancer.app', 'balancer.cli.workers')))\n"
+        "raise SystemExit(code)\n"
+    )
+    argv = [sys.executable, "-c", probe]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "no_such_setting" in done.stderr
+    assert done.stdout.splitlines() == ["[]", "[]"]
+    # a tool's command still loads the tools
+    listed = subprocess.run(
+        [sys.executable, "-m", "balancer", "--help"], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert listed.returncode == 0 and "capacity" in listed.stdout
+
+
+def test_a_tools_command_loads_only_its_own_tool() -> None:
+    probe = (
+        "import sys\n"
+        "from balancer.cli.main import main\n"
+        "code = main(sys.argv[1:])\n"
+        "print(sorted(m for m in ('loadtests.command', 'loadtests.demo.command') if m in sys.modules))\n"
+        "raise SystemExit(code)\n"
+    )
+    argv = ["--replicas", "1", "--slowdown", "0", "--tokenizer", "none"]  # an invalid fault setting
+    for command, loaded in (("emulate", "[]"), ("sim", "['loadtests.command', 'loadtests.demo.command']")):
+        done = subprocess.run(
+            [sys.executable, "-c", probe, command, *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        # `sim`, an alias no tool is named after, loads every tool and runs as `emulate`
+        assert done.returncode == 2 and "slowdown" in done.stderr, done.stderr
+        assert done.stdout.splitlines() == [loaded]
