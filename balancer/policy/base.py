@@ -87,9 +87,9 @@ class PolicyWeights:
     constant credit's on 8 replicas and 0.61–0.71 × on 16 and 32, keeping every capacity
     measured; 0.4 s and above lost ``tenants`` capacity (seed 0: 44.1 → 31.7 req/s at 0.5 s), so
     0.2 is half of that cliff ("Part 30"). On the emulated fleet it matched the instant share on
-    ``tenants`` and on ``agent`` at half load (within the noise) and gave 0.87–0.95 × its e2e p50
-    on ``agent`` at 65% of capacity. ``None`` restores the previous default decision for
-    decision."""
+    ``tenants``, was at or below it on ``agent`` at half load (e2e p50 median 0.96 ×, within the
+    noise) and gave 0.87–0.95 × its e2e p50 on ``agent`` at 65% of capacity. ``None`` restores
+    the previous default decision for decision."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it
