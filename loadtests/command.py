@@ -205,11 +205,15 @@ def _oracle(specs: Sequence[RequestSpec], fleet: EmulatorHandle) -> dict[str, An
 
 
 def drive_options(
-    args: argparse.Namespace, *, kvlb_sets: Sequence[str], kvlb_workers: int | None
+    args: argparse.Namespace,
+    *,
+    kvlb_sets: Sequence[str],
+    kvlb_workers: int | None,
+    kvlb_weight_time_scale: float = 1.0,
 ) -> DriveOptions:
     """How each router of a fleet campaign is driven: the parsed ``--mode``, ``--concurrency``,
     ``--max-duration-s``, ``--timeout-s``, ``--sample-interval-s`` and ``--seed``, with these kvlb
-    ``--set`` overrides and ``--workers``."""
+    ``--set`` overrides, ``--workers`` and time scale of the weights in seconds."""
     return DriveOptions(
         mode=args.mode,
         concurrency=args.concurrency,
@@ -218,6 +222,7 @@ def drive_options(
         sample_interval_s=args.sample_interval_s,
         seed=args.seed,
         kvlb_sets=tuple(kvlb_sets),
+        kvlb_weight_time_scale=kvlb_weight_time_scale,
         kvlb_workers=kvlb_workers,
     )
 
@@ -256,7 +261,12 @@ async def _campaign(args: argparse.Namespace, routers: list[RouterSpec], out: Pa
         if not args.no_oracle:
             print(f"oracle over {len(specs)} prompts ...", file=sys.stderr)
             oracle = await asyncio.to_thread(_oracle, specs, fleet)
-        drive = drive_options(args, kvlb_sets=kvlb_sets.all, kvlb_workers=args.kvlb_workers)
+        drive = drive_options(
+            args,
+            kvlb_sets=kvlb_sets.all,
+            kvlb_workers=args.kvlb_workers,
+            kvlb_weight_time_scale=kvlb_sets.weight_time_scale,
+        )
         runs = await run_all(routers, fleet, specs, drive, logs)
     finally:
         started = list(fleet.children)

@@ -28,6 +28,13 @@ The timers that change where a request goes (docs/loadtest.md, "kvlb's timers on
   schedule holds about ``max_inflight`` requests in flight (``agent`` near its capacity) reaches it,
   and on wall time it would give the fleet a quarter of a real deployment's wait at 0.25.
 
+One policy weight is in seconds too, ``ramp_memory_s`` (the credit ramp's memory, docs/policies.md):
+the policy advances its average by the load snapshot's ``now``, the shell's wall clock on the
+fleet. :func:`model_time_weights` divides it by ``time_scale`` in each kvlb router's own weights
+(the router string's value, else the default), so ``kvlb:cost+ramp_memory_s=0.2`` at
+``--time-scale 0.5`` averages over 0.2 model seconds, as the simulator's router does; a
+``--kvlb-set policy.weights...`` given by the user is applied after them and wins.
+
 Left on wall time, because they change no decision on a healthy fleet and the simulator has none:
 ``health_interval_s`` (probes; a replica leaves only when probes fail), the upstream connect and
 idle timeouts, and the load tracker's ``max_age_s`` (900 s, a leak guard; the load accounting has
@@ -37,10 +44,11 @@ no decay).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from balancer.config.settings import Settings
+from balancer.policy.base import PolicyWeights
 
 MODEL_TIME_SETTINGS: tuple[str, ...] = (
     "limits.speculative_ttl_s",
@@ -51,6 +59,9 @@ MODEL_TIME_SETTINGS: tuple[str, ...] = (
     "limits.queue_timeout_s",
 )
 """The ``kvlb serve`` settings (dotted ``--set`` names) that :func:`model_time_sets` scales."""
+
+MODEL_TIME_WEIGHTS: tuple[str, ...] = ("ramp_memory_s",)
+"""The policy weights in seconds that :func:`model_time_weights` scales."""
 
 SETTING_CAPS_S: dict[str, float] = {"limits.gap_hold_s": 60.0, "limits.gap_keep_s": 60.0}
 """Upper bounds the settings' validation puts on some of them (seconds)."""
@@ -64,6 +75,9 @@ class KvlbFleetSets:
     """``--kvlb-set`` as given, in order."""
     model_time: tuple[str, ...]
     """The scaled timers (``NAME=VALUE``) added for the names the user did not set."""
+    weight_time_scale: float = 1.0
+    """The time scale :func:`model_time_weights` applies to each kvlb router's weights in seconds
+    (1: as given, with ``--kvlb-wall-timers`` or at time scale 1)."""
 
     @property
     def all(self) -> tuple[str, ...]:
@@ -104,11 +118,31 @@ def model_time_sets(time_scale: float, user_sets: Sequence[str] = ()) -> tuple[s
     return tuple(sets)
 
 
+def model_time_weights(weights: Mapping[str, float | None], time_scale: float) -> dict[str, float | None]:
+    """A kvlb router's policy ``weights`` (the router string's overrides) with each weight of
+    :data:`MODEL_TIME_WEIGHTS` on model time at ``time_scale`` (> 0): its value, or the
+    :class:`~balancer.policy.base.PolicyWeights` default when ``weights`` does not name it, divided
+    by ``time_scale``; ``None`` and 0 (off) stay as they are. A copy of ``weights`` at 1."""
+    if not time_scale > 0:
+        raise ValueError(f"time_scale must be > 0, got {time_scale}")
+    scaled = dict(weights)
+    if time_scale == 1.0:
+        return scaled
+    defaults = PolicyWeights()
+    for name in MODEL_TIME_WEIGHTS:
+        value = scaled.get(name, getattr(defaults, name))
+        if value:
+            scaled[name] = value / time_scale
+    return scaled
+
+
 def fleet_sets(time_scale: float, user_sets: Sequence[str], *, wall_timers: bool = False) -> KvlbFleetSets:
     """The overrides of a fleet run's kvlb: ``user_sets`` plus, unless ``wall_timers``, the model-time
-    timers of :func:`model_time_sets`."""
-    scaled = () if wall_timers else model_time_sets(time_scale, user_sets)
-    return KvlbFleetSets(user=tuple(user_sets), model_time=scaled)
+    timers of :func:`model_time_sets` and the time scale of :func:`model_time_weights`."""
+    if wall_timers:
+        return KvlbFleetSets(user=tuple(user_sets), model_time=())
+    scaled = model_time_sets(time_scale, user_sets)
+    return KvlbFleetSets(user=tuple(user_sets), model_time=scaled, weight_time_scale=time_scale)
 
 
 def fleet_sets_of(args: argparse.Namespace) -> KvlbFleetSets:
@@ -121,7 +155,7 @@ WALL_TIMERS_HELP = (
     "fleet: leave kvlb's timers on wall time (by default, at a --time-scale other than 1, every "
     "routing timer — limits.speculative_ttl_s, timeouts.first_byte_s, scrape_interval_s, "
     "limits.gap_hold_s, limits.gap_keep_s, and the admission wait limits.queue_timeout_s — is set to "
-    "its default / time scale, so it lasts as long in model time as on real engines; a name given "
-    "with --kvlb-set keeps the user's value)"
+    "its default / time scale, and so is each kvlb router's policy weight ramp_memory_s, so it lasts "
+    "as long in model time as on real engines; a name given with --kvlb-set keeps the user's value)"
 )
 """The help of ``--kvlb-wall-timers`` (``kvlb capacity`` and ``kvlb loadtest``)."""

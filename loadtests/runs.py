@@ -60,6 +60,9 @@ class DriveOptions:
     seed: int = 0
     kvlb_sets: tuple[str, ...] = ()
     """``kvlb serve --set`` overrides for every kvlb router (e.g. ``limits.speculative_ttl_s=5``)."""
+    kvlb_weight_time_scale: float = 1.0
+    """The fleet's model seconds per wall second for each kvlb router's policy weights in seconds
+    (:func:`loadtests.kvlb_timers.model_time_weights`; 1: as given)."""
     kvlb_workers: int | None = None
     """``kvlb serve --workers`` of every kvlb router (``None``: its default, the cores)."""
     catch_up: bool = True
@@ -248,6 +251,7 @@ async def run_router(
                     seed=options.seed,
                     kvlb_sets=options.kvlb_sets,
                     kvlb_workers=options.kvlb_workers,
+                    weight_time_scale=options.kvlb_weight_time_scale,
                 )
             except (RuntimeError, OSError, ValueError) as exc:
                 return RouterRun(router, "failed", f"could not start: {exc}")

@@ -35,8 +35,9 @@ class PolicyWeights:
     copy. Cost fields are in **blocks**; defaults follow Dynamo's KV router (credit 1, temperature 0)
     where kvlb has no measured reason to differ, kvlb's own measurements elsewhere (decode weight,
     the charges, the load ramp of the credit), and SGLang Model Gateway's CLI defaults for the
-    threshold policy. ``overlap_credit_loaded=None, root_weight=0`` gives the defaults before
-    2026-11-29 (docs/policy-studies.md "Part 24").
+    threshold policy. ``ramp_memory_s=None`` gives the defaults before 2026-11-30
+    (docs/policy-studies.md "Part 33"), ``overlap_credit_loaded=None, root_weight=0`` those before
+    2026-11-29 ("Part 24"; the ramp's memory is only read while the credit ramps).
     """
 
     prefill_weight: float = 1.0
@@ -68,7 +69,7 @@ class PolicyWeights:
     Known costs: before the index fix the fleet showed ``tenants`` past capacity with a TTFT p90
     1.1–2.0× and ``agent`` at half load an e2e p90 +8–11% ("Part 6"); "Part 23" re-measures them.
     ``None`` (with ``root_weight`` 0) restores the previous default exactly ("Part 24")."""
-    ramp_memory_s: float | None = None
+    ramp_memory_s: float | None = 0.2
     """The memory of the credit's ramp, in seconds: the cost policy's credit reads an exponential
     average in time, with this time constant τ, of the share of eligible replicas with prefill in
     flight, instead of that decision's share alone; 0..60 s, or ``None``. At each committed decision
@@ -76,15 +77,19 @@ class PolicyWeights:
     the previous committed decision and ``held`` the share that decision saw, held over ``Δt``
     (the first decision starts it at its own share; a negative ``Δt`` counts as 0;
     :func:`~balancer.policy.cost.time_averaged_share` says why the previous share and not this
-    one's). ``None`` or 0 (default) is off: the instant share, as before. Unlike a count of
-    decisions, the span does not shrink as the request rate or the pool grows. The average is kept
-    by the routing shell per pool and process (each worker of ``kvlb serve --workers N`` and each
-    kvlb of a Redis fleet averages its own decisions, in the same seconds); only read while the
-    credit ramps (``overlap_credit_loaded`` set). In the simulator 0.2–0.3 s removed the default's
-    e2e p50 cost on ``agent`` at half load and cut its e2e p50 at 65% of capacity to 0.72–0.76 ×
-    the constant credit's on 8 replicas and 0.61–0.71 × on 16 and 32, keeping every capacity
+    one's). ``None`` or 0 is off: the instant share, the default before 2026-11-30. Unlike a count
+    of decisions, the span does not shrink as the request rate or the pool grows. The average is
+    kept by the routing shell per pool and process (each worker of ``kvlb serve --workers N`` and
+    each kvlb of a Redis fleet averages its own decisions, in the same seconds); only read while the
+    credit ramps (``overlap_credit_loaded`` set). Default 0.2 s (since 2026-11-30,
+    docs/policy-studies.md "Part 33"): in the simulator 0.2–0.3 s removed the ramp's e2e p50
+    cost on ``agent`` at half load and cut its e2e p50 at 65% of capacity to 0.72–0.76 × the
+    constant credit's on 8 replicas and 0.61–0.71 × on 16 and 32, keeping every capacity
     measured; 0.4 s and above lost ``tenants`` capacity (seed 0: 44.1 → 31.7 req/s at 0.5 s), so
-    0.2 is half of that cliff (docs/policy-studies.md "Part 30"). Opt-in, not a default."""
+    0.2 is half of that cliff ("Part 30"). On the emulated fleet it matched the instant share on
+    ``tenants``, was at or below it on ``agent`` at half load (e2e p50 median 0.96 ×, within the
+    noise) and gave 0.87–0.95 × its e2e p50 on ``agent`` at 65% of capacity. ``None`` restores
+    the previous default decision for decision."""
     duplication_weight: float = 1.0
     """``w_dup``, blocks charged per block this request would insert into the replica's cache (its
     uncached prompt), scaled by the replica's cache pressure (0 while its cache has room, 1 once it

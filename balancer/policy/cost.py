@@ -25,11 +25,12 @@ For each candidate replica ``r`` (lower is better)::
   shared prompt and made them slower at half load), and a busy one keeps shared contexts where
   they are instead of copying them (docs/policy-studies.md, "Part 6"). The share of replicas prefilling
   estimates the fleet's prefill utilisation with no scale to configure. With ``ramp_memory_s`` τ
-  (off by default) the ramp reads that share averaged in time instead (:class:`ShareAverage`, ``α
-  = 1 − exp(−Δt/τ)`` per committed decision, Δt from the previous one, holding the previous
-  decision's share over Δt): the router keeps the average, the time it was advanced and the share
-  that decision saw and passes them in (``RouteRequest.ramp_share``, ``ramp_at_s``,
-  ``ramp_last_share``; the decision's time is its load snapshot's ``now``), the decision returns
+  (0.2 s by default since 2026-11-30, off before) the ramp reads that share averaged in time
+  instead (:class:`ShareAverage`, ``α = 1 − exp(−Δt/τ)`` per committed decision, Δt from the
+  previous one, holding the previous decision's share over Δt): the router keeps the average, the
+  time it was advanced and the share that decision saw and passes them in
+  (``RouteRequest.ramp_share``, ``ramp_at_s``, ``ramp_last_share``; the decision's time is its
+  load snapshot's ``now``), the decision returns
   the advanced average and its own share (``Decision.ramp_share``, ``busy_share``), which the
   router stores with that time.
 * ``shared_r`` = ``min(pending_prefill_blocks_r, min(credit_r, 1) · speculative_r)``, where

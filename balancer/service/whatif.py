@@ -160,7 +160,7 @@ def replay(
     before, after = _Side(), _Side()
     replicas: dict[ReplicaId, None] = {}
     prompt_tokens = changed = 0
-    other_config = other_memory = 0
+    other_config = other_memory = fresh = 0
     changes: list[tuple[DecisionRecord, Decision]] = []
     rng = ReplayRng(len(records))
     for i, record in enumerate(records):
@@ -175,7 +175,11 @@ def replay(
         after.add(decision)
         if record.policy != policy.name or record.weights != weights:
             other_config += 1
-            other_memory += record.weights.ramp_memory_s != weights.ramp_memory_s
+            recorded = record.weights.ramp_memory_s
+            if weights.ramp_memory_s and not recorded:
+                fresh += 1  # recorded with the memory off: no average to advance
+            else:
+                other_memory += recorded != weights.ramp_memory_s
         if decision.replica != record.decision.replica:
             changed += 1
             changes.append((record, decision))
@@ -213,7 +217,7 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(n, other_config, policy, weights, other_memory),
+        notes=_notes(n, other_config, policy, weights, other_memory, fresh),
     )
 
 
@@ -238,7 +242,9 @@ def _side_json(decision: Decision) -> dict[str, Any]:
     }
 
 
-def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights, other_memory: int) -> list[str]:
+def _notes(
+    n: int, other_config: int, policy: Policy, weights: PolicyWeights, other_memory: int, fresh: int = 0
+) -> list[str]:
     notes = [
         "static replay: each decision is re-scored on the prefix matches and load recorded when it was "
         "made; the cache and load that different decisions would have produced are not modelled, so "
@@ -257,6 +263,13 @@ def _notes(n: int, other_config: int, policy: Policy, weights: PolicyWeights, ot
             "is replayed from the average busy share the router had recorded before it and the time it "
             "was recorded (the history's averages), not the averages the replayed memory would have "
             "carried from decision to decision"
+        )
+    if fresh:
+        notes.append(
+            f"{fresh} of {n} decisions were recorded with the ramp's memory off (ramp_memory_s null "
+            "or 0, the default before 2026-11-30): they carry no average, so each is replayed with "
+            "the average started at its own busy share, the instant share it was made with; what the "
+            "memory would change over the history is not shown"
         )
     if policy.name == "round_robin":
         notes.append("round_robin is replayed from a fresh rotation")

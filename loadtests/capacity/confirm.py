@@ -145,6 +145,7 @@ async def confirm_on_fleet(
         seed=args.seed,
         max_duration_s=900.0,
         kvlb_sets=fleet_sets_of(args).all,
+        kvlb_weight_time_scale=fleet_sets_of(args).weight_time_scale,
         kvlb_workers=kvlb_workers(args),
         catch_up=not args.confirm_no_catch_up,
     )

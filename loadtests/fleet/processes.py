@@ -27,6 +27,7 @@ import aiohttp
 import yaml
 
 from loadtests.fleet.child_process import Child, spawn, stop_all
+from loadtests.kvlb_timers import model_time_weights
 from loadtests.peers import PEER_ENV, RouterSpec, peer_command
 from replicas.sim.ports import free_port_run
 
@@ -323,14 +324,18 @@ async def start_router(
     seed: int,
     kvlb_sets: Sequence[str] = (),
     kvlb_workers: int | None = None,
+    weight_time_scale: float = 1.0,
 ) -> tuple[Child, str]:
     """Start the router of ``spec`` in front of ``fleet``; returns it and its base URL once ready.
 
     ``kvlb_sets`` are ``kvlb serve --set NAME=VALUE`` overrides for kvlb routers (ignored by peers);
-    ``kvlb_workers`` their ``--workers`` (``None``: kvlb's default)."""
+    ``kvlb_workers`` their ``--workers`` (``None``: kvlb's default); ``weight_time_scale`` puts a
+    kvlb router's weights in seconds on the fleet's model time
+    (:func:`loadtests.kvlb_timers.model_time_weights`; 1: as given)."""
     if spec.kind == "kvlb":
         config = logs / f"{_file_name(spec.name)}.yaml"
-        settings = kvlb_config(fleet, spec.policy, seed, dict(spec.weights), kv_events=spec.kv_events)
+        weights = model_time_weights(spec.weights, weight_time_scale)
+        settings = kvlb_config(fleet, spec.policy, seed, weights, kv_events=spec.kv_events)
         config.write_text(yaml.safe_dump(settings))
         argv = [sys.executable, "-m", "balancer", "serve", "--config", str(config)]
         argv += [arg for item in kvlb_sets for arg in ("--set", item)]

@@ -195,9 +195,9 @@ async def test_the_ramps_memory_in_seconds_is_set_at_runtime_kept_by_committed_d
     ``/admin/explain`` plans without storing the average; each routed request's recorded inputs
     carry the average its predecessor committed and that decision's time, and the note names τ."""
     async with running(tokenizer) as h:
-        assert (await h.admin("GET", "/admin/policy"))["weights"]["ramp_memory_s"] is None
+        assert (await h.admin("GET", "/admin/policy"))["weights"]["ramp_memory_s"] == 0.2  # the default
         on = await h.admin("PUT", "/admin/policy", {"weights": {"ramp_memory_s": 0.3}})
-        assert on["changed"] == {"ramp_memory_s": [None, 0.3]}
+        assert on["changed"] == {"ramp_memory_s": [0.2, 0.3]}
         first = await h.admin("POST", "/admin/explain", completion([7]))
         again = await h.admin("POST", "/admin/explain", completion([7]))
         assert "replicas prefilling, averaged 0.00 over 0.3 s)" in first["decision"]["reason"]

@@ -299,7 +299,25 @@ def test_whatif_reproduces_decisions_made_with_the_ramps_memory_in_seconds() -> 
         assert prior is not None and prior_at_s is not None and held is not None
         alpha = 1.0 - math.exp(-(inputs.load.now - prior_at_s) / 0.3)
         assert record.decision.ramp_share == pytest.approx(prior + alpha * (held - prior))
-    off = replay("m", records, make_policy("cost"), PolicyWeights(), sample=5)
+    off = replay("m", records, make_policy("cost"), PolicyWeights(ramp_memory_s=None), sample=5)
     assert off.changed > 0
     other = "300 of 300 decisions were made with another ramp_memory_s"
     assert any(note.startswith(other) for note in off.notes)
+
+
+def test_a_ring_recorded_under_the_previous_default_replays_under_both_defaults() -> None:
+    """Decisions made with the ramp's memory off (the default before 2026-11-30) carry no average:
+    the weights they were made with reproduce every one, and the new default (0.2 s) replays each
+    from its own busy share, so nothing changes and a note says why."""
+    previous = PolicyWeights(ramp_memory_s=None)
+    log = DecisionLog(1000, 1 << 30)
+    drive(log, 300, weights=previous, release_every=2)
+    records = log.ring("m").snapshot()
+    assert all(r.inputs.request.ramp_share is None and r.decision.ramp_share is None for r in records)
+    assert replay("m", records, make_policy("cost"), previous, sample=5).changed == 0
+    now = replay("m", records, make_policy("cost"), PolicyWeights(), sample=5)
+    assert now.weights.ramp_memory_s == 0.2 and now.decisions == 300
+    assert now.changed == 0, now.sample
+    fresh = "300 of 300 decisions were recorded with the ramp's memory off"
+    assert any(note.startswith(fresh) for note in now.notes)
+    assert not any("another ramp_memory_s" in note for note in now.notes)

@@ -11,15 +11,28 @@ import yaml
 
 from balancer import config
 from balancer.cli.main import build_parser
+from balancer.policy.base import PolicyWeights
 from loadtests.capacity.confirm import kvlb_workers
 from loadtests.capacity.report import markdown
-from loadtests.kvlb_timers import MODEL_TIME_SETTINGS, fleet_sets, fleet_sets_of, model_time_sets
+from loadtests.command import drive_options
+from loadtests.kvlb_timers import (
+    MODEL_TIME_SETTINGS,
+    fleet_sets,
+    fleet_sets_of,
+    model_time_sets,
+    model_time_weights,
+)
 
 
-def _load(tmp_path: Path, sets: tuple[str, ...]) -> config.Settings:
+def _load(
+    tmp_path: Path, sets: tuple[str, ...], weights: dict[str, float | None] | None = None
+) -> config.Settings:
     path = tmp_path / "kvlb.yaml"
     replica = {"id": "r0", "url": "http://127.0.0.1:9", "engine": "sglang"}
-    path.write_text(yaml.safe_dump({"pools": [{"model": "m", "replicas": [replica]}]}))
+    tree: dict[str, object] = {"pools": [{"model": "m", "replicas": [replica]}]}
+    if weights is not None:
+        tree["policy"] = {"name": "cost", "weights": weights}
+    path.write_text(yaml.safe_dump(tree))
     return config.load(path, sets=sets, env={})
 
 
@@ -83,3 +96,38 @@ def test_the_capacity_report_says_what_the_fleets_kvlb_ran_with() -> None:
     wall = markdown({**report, "meta": {**meta, "kvlb_model_time_sets": [], "kvlb_workers": None}})
     assert "its default worker(s) at time scale 0.25; its timers on wall time" in wall
     assert "The fleet's kvlb" not in markdown({**report, "meta": {"confirmed_on_fleet": False}})
+
+
+def test_the_ramps_memory_lasts_its_model_seconds_on_the_fleet(tmp_path: Path) -> None:
+    """``ramp_memory_s`` is read on the shell's wall clock: at 0.5 model s per wall s a router's 0.2
+    is 0.4 wall s in the config the fleet's kvlb loads (0.2 model s, as the simulator averages);
+    off stays off, the other weights are untouched, and a user's ``--kvlb-set`` still wins."""
+    weights = {"ramp_memory_s": 0.2, "root_weight": 1.0}
+    assert model_time_weights(weights, 0.5) == {"ramp_memory_s": 0.4, "root_weight": 1.0}
+    assert model_time_weights(weights, 1.0) == weights
+    assert model_time_weights({"ramp_memory_s": None}, 0.25) == {"ramp_memory_s": None}
+    assert model_time_weights({"ramp_memory_s": 0.0}, 0.25) == {"ramp_memory_s": 0.0}
+    default = PolicyWeights().ramp_memory_s  # a router string that does not name it: the default's
+    expected = {} if not default else {"ramp_memory_s": default / 0.25}
+    assert model_time_weights({}, 0.25) == expected
+    with pytest.raises(ValueError):
+        model_time_weights(weights, 0.0)
+    loaded = _load(tmp_path, (), model_time_weights(weights, 0.25))
+    assert loaded.policy.weights["ramp_memory_s"] == 0.8
+    user = ("policy.weights.ramp_memory_s=0.3",)
+    assert _load(tmp_path, user, model_time_weights(weights, 0.25)).policy.weights["ramp_memory_s"] == 0.3
+
+
+def test_loadtest_and_capacity_scale_the_weights_unless_the_timers_stay_on_wall_time() -> None:
+    parser = build_parser()
+    for command in ("loadtest", "capacity"):
+        args = parser.parse_args([command, "--time-scale", "0.5"])
+        assert fleet_sets_of(args).weight_time_scale == 0.5
+        wall = parser.parse_args([command, "--time-scale", "0.5", "--kvlb-wall-timers"])
+        assert fleet_sets_of(wall).weight_time_scale == 1.0
+    args = parser.parse_args(["loadtest", "--time-scale", "0.5"])
+    sets = fleet_sets_of(args)
+    drive = drive_options(
+        args, kvlb_sets=sets.all, kvlb_workers=None, kvlb_weight_time_scale=sets.weight_time_scale
+    )
+    assert drive.kvlb_weight_time_scale == 0.5

@@ -83,7 +83,8 @@ def test_the_default_keeps_a_busy_fleet_on_the_cache_and_the_previous_one_does_n
     default = route({A: 8, B: 0}, busy_fleet())
     assert default.replica == A
     assert {t.overlap_credit for t in default.terms} == {4.0}
-    assert "credit 4 (2/2 replicas prefilling)" in default.reason
+    # the ramp's memory (0.2 s since 2026-11-30): a first decision starts the average at its own share
+    assert "credit 4 (2/2 replicas prefilling, averaged 1.00 over 0.2 s)" in default.reason
     previous = route({A: 8, B: 0}, busy_fleet(), overlap_credit_loaded=None, root_weight=0.0)
     assert previous.replica == B
     assert {t.overlap_credit for t in previous.terms} == {1.0}

@@ -74,7 +74,9 @@ def test_off_keeps_the_constant_credit_and_says_nothing(off: float | None) -> No
 
 def test_idle_fleet_spreads_as_overlap_credit() -> None:
     # one of two replicas prefilling: share 0.5, below the ramp, so credit 1 and B (10 < 14)
-    decision = route({A: 8, B: 0}, [busy(A, 12.0), ReplicaLoad(B)], overlap_credit_loaded=3.0)
+    decision = route(
+        {A: 8, B: 0}, [busy(A, 12.0), ReplicaLoad(B)], overlap_credit_loaded=3.0, ramp_memory_s=None
+    )  # the instant share (the ramp's memory is test_ramp_memory.py's)
     assert decision.replica == B
     terms = terms_of(decision)
     assert terms[A].overlap_credit == 1.0
@@ -86,7 +88,7 @@ def test_busy_fleet_keeps_affinity_as_overlap_credit_loaded() -> None:
     # both prefilling: share 1, credit 3; A costs −2 against B's 1 + 10
     loads = [busy(A, 12.0), busy(B, 1.0)]
     assert route({A: 8, B: 0}, loads, overlap_credit_loaded=None).replica == B  # credit 1: 14 against 11
-    decision = route({A: 8, B: 0}, loads, overlap_credit_loaded=3.0)
+    decision = route({A: 8, B: 0}, loads, overlap_credit_loaded=3.0, ramp_memory_s=None)
     assert decision.replica == A
     terms = terms_of(decision)
     assert terms[A].overlap_credit == terms[B].overlap_credit == 3.0
@@ -99,7 +101,7 @@ def test_part_way_up_the_ramp() -> None:
     others = [busy(ReplicaId(f"r{i}"), 1.0) for i in range(5)]
     loads = [busy(A, 12.0), busy(B, 1.0), ReplicaLoad(C), *others]
     overlaps = {A: 8, B: 0, C: 0, **{x.replica: 0 for x in others}}
-    decision = route(overlaps, loads, overlap_credit_loaded=3.0)
+    decision = route(overlaps, loads, overlap_credit_loaded=3.0, ramp_memory_s=None)
     assert terms_of(decision)[A].overlap_credit == pytest.approx(2.0)
     assert "(7/8 replicas prefilling)" in decision.reason
 

@@ -1,7 +1,8 @@
-"""The credit ramp's memory in seconds (``ramp_memory_s``, off by default): the weight, the pure
-average in time, the credit reading it, planning that stores nothing and commitment that stores the
-average, its time and the held share, the default's decisions unchanged with the weight off, and
-the simulator agreeing with the service's router decision by decision."""
+"""The credit ramp's memory in seconds (``ramp_memory_s``, 0.2 s by default since 2026-11-30, off
+before): the weight, the pure average in time, the credit reading it, planning that stores nothing
+and commitment that stores the average, its time and the held share, the instant share's decisions
+with the weight off (the previous default), and the simulator agreeing with the service's router
+decision by decision."""
 
 from __future__ import annotations
 
@@ -141,8 +142,9 @@ def test_the_simulator_averages_as_the_service_does() -> None:
     assert pruned.counters.pruned > 100
 
 
-def test_the_memory_in_seconds_is_off_by_default_validated_and_nullable() -> None:
-    assert PolicyWeights().ramp_memory_s is None
+def test_the_memory_in_seconds_is_on_by_default_validated_and_nullable() -> None:
+    assert PolicyWeights().ramp_memory_s == 0.2  # docs/policy-studies.md "Part 33"
+    assert PolicyWeights.from_dict({"ramp_memory_s": None}).ramp_memory_s is None  # the previous one
     assert PolicyWeights.from_dict({"ramp_memory_s": 0.3}).ramp_memory_s == 0.3
     on = PolicyWeights(ramp_memory_s=0.3)
     assert PolicyWeights.from_dict({"ramp_memory_s": None}, base=on).ramp_memory_s is None
@@ -180,7 +182,7 @@ def test_the_average_in_time_holds_the_previous_share_over_the_elapsed_seconds()
 
 def test_the_credit_reads_the_average_in_time_and_the_note_names_tau() -> None:
     every = [_busy(A, 12.0), _busy(B), _busy(C), _busy(D)]  # 4/4 prefilling: instant credit 4
-    instant = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3)
+    instant = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=None)
     assert instant.ramp_share is instant.busy_share is None
     assert "credit 4 (4/4 replicas prefilling)" in instant.reason
     later = _decide(0.5, every, prior_at_s=1.0, prior_last=1.0, now_s=1.3, ramp_memory_s=0.3)
@@ -227,15 +229,20 @@ def test_planning_stores_nothing_and_commitment_stores_the_average_and_its_time(
 
 def test_a_memory_in_seconds_much_shorter_than_the_gaps_holds_the_previous_decisions_share() -> None:
     """On a seeded stream through the real router (a decision every 10 ms): τ ``None`` and 0 decide
-    exactly as the default; with τ = 1 µs each decision's credit reads the share the previous
-    decision saw (α = 1 − e^−10⁴); τ = 0.3 s changes some choices."""
+    exactly alike (the instant share, the default before 2026-11-30); with τ = 1 µs each decision's
+    credit reads the share the previous decision saw (α = 1 − e^−10⁴); τ = 0.3 s and the default
+    0.2 s change some choices."""
     for seed in range(3):
+        instant = _stream(_pool(seed), PolicyWeights(ramp_memory_s=None), seed)
+        assert _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.0), seed) == instant
+        assert all(d.ramp_share is d.busy_share is None for d in instant)
         default = _stream(_pool(seed), PolicyWeights(), seed)
-        assert _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.0), seed) == default
+        assert default == _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.2), seed)
+        assert [d.replica for d in default] != [d.replica for d in instant]
         tiny = _stream(_pool(seed), PolicyWeights(ramp_memory_s=1e-6), seed)
         assert tiny[0].ramp_share == tiny[0].busy_share is not None
         for before, after in itertools.pairwise(tiny):
             assert after.ramp_share == pytest.approx(before.busy_share)
         assert any(d.ramp_share != d.busy_share for d in tiny)  # the held share is not the instant one
         remembered = _stream(_pool(seed), PolicyWeights(ramp_memory_s=0.3), seed)
-        assert [d.replica for d in remembered] != [d.replica for d in default]
+        assert [d.replica for d in remembered] != [d.replica for d in instant]
