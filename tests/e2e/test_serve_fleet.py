@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from serve_harness import MODEL, Child, kill, start_serve, start_sim, stop, write_config
+from serve_harness import MODEL, Child, kill, start_serve, start_sim, stop, wait_ready, write_config
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
@@ -50,15 +50,6 @@ async def replica_view(session: aiohttp.ClientSession, url: str, name: str) -> d
 async def wait_until(session: aiohttp.ClientSession, url: str, name: str, key: str, low: int) -> None:
     async with asyncio.timeout(10):
         while (await replica_view(session, url, name))["index"][key] < low:  # noqa: ASYNC110 - remote state
-            await asyncio.sleep(0.05)
-
-
-async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
-    async with asyncio.timeout(10):
-        while True:
-            async with session.get(url + "/readyz") as response:
-                if response.status == 200:
-                    return
             await asyncio.sleep(0.05)
 
 
