@@ -1,8 +1,8 @@
 """Process-level options of one ``kvlb serve`` process (pure data, no I/O).
 
 Kept apart from :mod:`balancer.app` so that the command line (:mod:`balancer.cli.command`) can parse
-its arguments and decide whether to re-execute itself on jemalloc without importing the service:
-the first process of ``kvlb serve`` then starts in a tenth of the time (see that module's docstring).
+its arguments and decide whether to re-execute itself on jemalloc without importing the service
+(see that module's docstring).
 """
 
 from __future__ import annotations
