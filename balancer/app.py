@@ -133,8 +133,13 @@ class Balancer:
         pools = await self._build_pools(health, random.Random(settings.policy.seed))
         weights = PolicyWeights.from_dict(settings.policy.weights)
         limits = settings.limits
-        admission = Admission(AdmissionLimits(limits.max_inflight, limits.max_queued, limits.queue_timeout_s))
+        admission = Admission(
+            AdmissionLimits(
+                limits.max_inflight, limits.max_queued, limits.queue_timeout_s, limits.max_inflight_body_bytes
+            )
+        )
         self.metrics.inflight_requests.set_function(lambda: admission.inflight)
+        self.metrics.admission_body_bytes.set_function(lambda: admission.body_bytes)
         self.state = state = ServiceState(
             settings=settings,
             pools=pools,

@@ -88,6 +88,7 @@ class Metrics:
     e2e_seconds: Histogram
     inflight_requests: Gauge
     shed_total: Counter
+    admission_body_bytes: Gauge
     retries_total: Counter
     route_decision_seconds: Histogram
     route_decisions_total: Counter
@@ -345,16 +346,24 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
 
 class _AdmissionCollectors(TypedDict):
     shed_total: Counter
+    admission_body_bytes: Gauge
 
 
 def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
-    """``kvlb_admission_*``: requests refused before routing."""
-    counter, _, _ = _constructors(reg)
+    """``kvlb_admission_*``: requests refused before routing, and the bytes the admitted hold."""
+    counter, gauge, _ = _constructors(reg)
     return {
         "shed_total": counter(
             "kvlb_admission_shed_total",
-            "Requests refused by admission control (429/503), by reason.",
+            "Requests refused by admission control (429/503), by reason: max_inflight (queue full), "
+            "replica_full, queue_timeout, no_healthy, body_bytes (limits.max_inflight_body_bytes "
+            "full: queue full or waited too long).",
             ["reason"],
+        ),
+        "admission_body_bytes": gauge(
+            "kvlb_admission_body_bytes",
+            "Bytes of request bodies and token ids held by the requests in flight in this process "
+            "(limits.max_inflight_body_bytes bounds them; per worker).",
         ),
     }
 

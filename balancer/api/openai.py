@@ -1,12 +1,15 @@
 """The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-A chat request reads top-down here: admission (:func:`balancer.service.dispatch.admitted`: a slot of
-``limits.max_inflight``, full queue → 429, waited ``limits.queue_timeout_s`` → 503), a bounded body
-read (``limits.max_body_bytes`` → 413, ``timeouts.body_read_s`` → 408), parsing
-(:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
-with the pool's tokenizer (long prompts in a thread), a wait in the same queue while every replica is
-full, then :func:`balancer.service.dispatch.dispatch` (route → open → retry → release) with
-:func:`relay` as its delivery.
+A chat request reads top-down here: a declared length over ``limits.max_body_bytes`` → 413, then
+admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
+declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 429, waited
+``limits.queue_timeout_s`` → 503), a bounded body read (``limits.max_body_bytes`` → 413,
+``timeouts.body_read_s`` → 408; a body without a declared length holds its bytes chunk by chunk as
+it is read), parsing (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the
+known models), tokenizing with the pool's tokenizer (long prompts in a thread; the ids' bytes are
+then held too), a wait in the same queue while every replica is full, then
+:func:`balancer.service.dispatch.dispatch` (route → open → retry → release) with :func:`relay` as
+its delivery. The slot and every byte held are given back when the request ends, however it ends.
 
 **Relay**: the client response is not started until the replica's first body chunk arrives (so a
 replica failing before it is retried elsewhere). SSE chunks are written as they arrive, never
@@ -21,7 +24,7 @@ import asyncio
 import functools
 import logging
 from array import array
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -30,7 +33,7 @@ from balancer.api.errors import ApiError
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
 from balancer.errors import UpstreamError
-from balancer.index.hashing import compact_ids
+from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
 from balancer.policy import PolicyWeights
 from balancer.routing.router import Lease
 from balancer.service.dispatch import (
@@ -91,12 +94,18 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     state = request.app[STATE]
     arrived = state.monotonic()
     limits = state.settings.limits
-    async with admitted(state) as admission:
-        body = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
+    max_bytes = limits.max_body_bytes
+    declared = request.content_length
+    if declared is not None and declared > max_bytes:  # before it takes a slot and bytes
+        raise _too_large(declared, max_bytes)
+    async with admitted(state, declared or 0) as admission:
+        hold = admission.hold if declared is None else None
+        body = await read_body(request, max_bytes, state.settings.timeouts.body_read_s, hold)
         parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
         token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
+        admission.add(TOKEN_ID_BYTES * len(token_ids))
         request_id = request[REQUEST_ID]
         job = Forward(
             pool,
@@ -119,27 +128,43 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
 
 
-async def read_body(request: web.Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The request body, at most ``max_bytes`` (413) read within ``timeout_s`` (408)."""
+async def read_body(
+    request: web.Request,
+    max_bytes: int,
+    timeout_s: float,
+    hold: Callable[[int], Awaitable[None]] | None = None,
+) -> bytes:
+    """The request body, at most ``max_bytes`` (413) read within ``timeout_s`` (408). ``hold``: called
+    with each chunk's size before the chunk is kept (a body without a declared length holds its
+    bytes of ``limits.max_inflight_body_bytes`` as it is read; it may wait, or refuse with
+    :class:`~balancer.service.admission.AdmissionRefused`)."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:
-        raise ApiError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}")
+        raise _too_large(declared, max_bytes)
     content = request.content
     if content.is_eof() and content.exception() is None:  # all of it arrived already: take it as is
         body = content.read_nowait()
         if len(body) > max_bytes:
             raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
+        if hold is not None:
+            await hold(len(body))
         return body
     buffer = bytearray()
     try:
         async with asyncio.timeout(timeout_s):
             async for chunk in request.content.iter_chunked(BODY_READ_CHUNK_BYTES):
-                buffer += chunk
-                if len(buffer) > max_bytes:
+                if len(buffer) + len(chunk) > max_bytes:
                     raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
+                if hold is not None:
+                    await hold(len(chunk))
+                buffer += chunk
     except TimeoutError:
         raise ApiError(408, f"request body not received within {timeout_s}s") from None
     return bytes(buffer)
+
+
+def _too_large(declared: int, max_bytes: int) -> ApiError:
+    return ApiError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}")
 
 
 def find_pool(state: ServiceState, model: str) -> Pool:

@@ -99,6 +99,10 @@ class TimeoutConfig:
     or after its previous answer is closed (idle keep-alive, slowloris trickling headers)."""
 
 
+MAX_INFLIGHT_BODY_BYTES = 2**40
+"""Largest ``limits.max_inflight_body_bytes`` (1 TiB: in effect, no budget)."""
+
+
 @dataclass(frozen=True, slots=True)
 class LimitConfig:
     max_body_bytes: int = 8 * 1024 * 1024
@@ -129,6 +133,20 @@ class LimitConfig:
     requests in flight on it. Past the limit a replica's load from that worker is not shared (the
     other workers see only their own on it) and ``kvlb_load_share_overflow_replicas_total`` counts
     it. 1..1,048,576; ignored by one worker."""
+    max_inflight_body_bytes: int = 1024 * 1024 * 1024
+    """Request bodies and token ids held at once (bytes): a request reserves its body's bytes before
+    its body is read (its ``Content-Length``; a body without one reserves chunk by chunk as it is
+    read), adds 4 B per token id once tokenized (the ids are kept as an ``array('I')`` while in
+    flight; added without waiting, so the bytes held can pass the budget by the ids of requests
+    admitted just before it filled), and gives all back when it ends. A request that does not fit
+    waits in the admission queue like one over ``max_inflight`` (first come first served; full →
+    429, ``queue_timeout_s`` → 503, both with Retry-After; ``kvlb_admission_shed_total{reason=
+    "body_bytes"}``); ``kvlb_admission_body_bytes`` is the figure held. The default lets
+    ``max_inflight`` (1,024) requests of 1 MiB each in at once (a 128k-token prompt: about 0.5 MiB of
+    text and 0.5 MiB of ids), so ordinary traffic never waits, and holds bodies of ``max_body_bytes``
+    (8 MiB) to 128 at once instead of 1,024 (8 GiB). ``max_body_bytes``..2**40; per process: with
+    ``kvlb serve --workers N`` each worker has its own budget (N × this in all), since each worker is
+    its own process holding its own bodies."""
     max_queued: int = 128
     """Requests waiting for admission (over ``max_inflight``, or every replica full), first come first
     served; one more → 429 with Retry-After at once. 0: no queue, excess is refused at once."""
@@ -506,6 +524,12 @@ class Settings:
         if not library or len(library) > 4096 or any(c.isspace() or c == ":" for c in library):
             raise ConfigError(
                 f"jemalloc_library must be a soname or path without whitespace or ':', got {library!r}"
+            )
+        if not self.limits.max_body_bytes <= self.limits.max_inflight_body_bytes <= MAX_INFLIGHT_BODY_BYTES:
+            raise ConfigError(
+                "limits.max_inflight_body_bytes must be in limits.max_body_bytes "
+                f"({self.limits.max_body_bytes})..{MAX_INFLIGHT_BODY_BYTES} (2**40), "
+                f"got {self.limits.max_inflight_body_bytes}"
             )
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")

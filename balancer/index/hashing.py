@@ -50,6 +50,10 @@ def namespace_seed(model: str, lora_name: str | None = None, cache_salt: str | N
     return _xxh3(text.encode("utf-8"), seed=NAMESPACE_SEED)
 
 
+TOKEN_ID_BYTES = 4
+"""Bytes one token id takes in flight, as :func:`compact_ids` keeps it (``array('I')``)."""
+
+
 def compact_ids(token_ids: Sequence[int]) -> array[int]:
     """Token ids as one ``array('I')`` (4 bytes an id, no int object each, not tracked by the
     garbage collector); raises ``OverflowError``/``TypeError`` on bad ids. :func:`pack_tokens` of the

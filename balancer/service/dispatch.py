@@ -4,7 +4,8 @@ Both faces (HTTP :mod:`balancer.api.openai`, gRPC :mod:`balancer.api.grpc.server
 tokenize a request into a :class:`Forward`, and relay the opened answer in their own protocol; the
 rest is here, once:
 
-* **Admit** (:func:`admitted`): one of ``limits.max_inflight`` slots, waiting in the bounded queue of
+* **Admit** (:func:`admitted`): one of ``limits.max_inflight`` slots and the body's bytes of
+  ``limits.max_inflight_body_bytes``, waiting in the bounded queue of
   :mod:`balancer.service.admission` (full → 429, waited ``limits.queue_timeout_s`` → 503), and the
   same queue while every routable replica of the pool is at ``limits.max_inflight_per_replica``.
 * **Route**: :meth:`PoolRouter.route <balancer.routing.router.PoolRouter.route>` picks the replica
@@ -31,7 +32,7 @@ from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
 from balancer.routing.router import Lease, PoolRequest, RoutePlan
-from balancer.service.admission import AdmissionRefused
+from balancer.service.admission import MAX_BYTES, AdmissionRefused
 from balancer.service.state import Outcome, Pool, ServiceState
 from balancer.types import CostTerms, ReplicaId
 from balancer.upstream.client import RetryableUpstream, UpstreamStream
@@ -75,32 +76,50 @@ class Opened:
 
 
 class Admitted:
-    """One request's hold on an admission slot: :func:`admitted` (an ``async with``) takes it and
-    gives it back; the body gets this object, with the request's queue deadline for its wait for a
-    replica slot. A plain class rather than a generator-based context manager: it is entered once
-    per request."""
+    """One request's hold on an admission slot and on bytes of ``limits.max_inflight_body_bytes``:
+    :func:`admitted` (an ``async with``) takes them and gives them all back, whatever way the request
+    ends; the body gets this object, with the request's queue deadline for its wait for a replica
+    slot, and holds more bytes through it (:meth:`hold`, :meth:`add`). A plain class rather than a
+    generator-based context manager: it is entered once per request."""
 
-    __slots__ = ("deadline", "state")
+    __slots__ = ("body_bytes", "deadline", "state")
 
-    def __init__(self, state: ServiceState) -> None:
+    def __init__(self, state: ServiceState, body_bytes: int) -> None:
         self.state = state
+        self.body_bytes = body_bytes
+        """Bytes this request holds (reserved on entering, then held and added), given back on exit."""
         self.deadline = 0.0
         """The loop time at which the request stops waiting (set on entering)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
         deadline = self.deadline = admission.deadline()
-        if admission.try_enter():
+        if admission.try_enter(self.body_bytes):
             return self
         try:
-            await admission.enter(deadline)
+            await admission.enter(deadline, self.body_bytes)
         except AdmissionRefused as exc:
             _count_refusal(self.state, exc, "max_inflight")
             raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.state.admission.leave()
+        self.state.admission.leave(self.body_bytes)
+
+    async def hold(self, body_bytes: int) -> None:
+        """Hold ``body_bytes`` more (a body read without a declared length, chunk by chunk), waiting
+        before the queued newcomers while the budget is full, within the request's deadline."""
+        try:
+            await self.state.admission.hold(body_bytes, self.deadline)
+        except AdmissionRefused as exc:
+            _count_refusal(self.state, exc, "max_inflight")
+            raise
+        self.body_bytes += body_bytes
+
+    def add(self, body_bytes: int) -> None:
+        """Count ``body_bytes`` more held (the token ids), without waiting."""
+        self.state.admission.add(body_bytes)
+        self.body_bytes += body_bytes
 
     async def wait_for_replica(self, pool: Pool) -> None:
         """Wait in the admission queue while every routable replica of ``pool`` is full (then the
@@ -122,14 +141,22 @@ class Admitted:
             raise
 
 
-def admitted(state: ServiceState) -> Admitted:
-    """Hold one of ``limits.max_inflight`` slots (waiting in the bounded queue if need be) for the
-    body of the ``async with``; refusals are :class:`AdmissionRefused` (429 queue full, 503 timeout)."""
-    return Admitted(state)
+def admitted(state: ServiceState, body_bytes: int = 0) -> Admitted:
+    """Hold one of ``limits.max_inflight`` slots and ``body_bytes`` of ``limits.max_inflight_body_bytes``
+    (the body's declared length, at most ``limits.max_body_bytes``), waiting in the bounded queue if
+    need be, for the body of the ``async with``; refusals are :class:`AdmissionRefused` (429 queue
+    full, 503 timeout)."""
+    return Admitted(state, body_bytes)
 
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
-    state.metrics.shed_total.labels(full_reason if exc.reason == "queue_full" else exc.reason).inc()
+    """``kvlb_admission_shed_total``: ``body_bytes`` for every refusal for want of bytes (429 or 503),
+    else ``full_reason`` for a full queue and ``queue_timeout`` for a wait too long."""
+    if exc.limit == MAX_BYTES:
+        reason = MAX_BYTES
+    else:
+        reason = full_reason if exc.reason == "queue_full" else exc.reason
+    state.metrics.shed_total.labels(reason).inc()
 
 
 class _TermsLog:

@@ -67,6 +67,11 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.gap_hold_s=-1"], "limits.gap_hold_s must be in 0..60"),
         (["limits.gap_hold_s=61"], "limits.gap_hold_s must be in 0..60"),
         (["limits.token_id_memo_runs=-1"], "limits.token_id_memo_runs must be in 0..1048576"),
+        (
+            ["limits.max_body_bytes=4096", "limits.max_inflight_body_bytes=4095"],
+            r"limits.max_inflight_body_bytes must be in limits.max_body_bytes \(4096\)..1099511627776",
+        ),
+        (["limits.max_inflight_body_bytes=1099511627777"], "limits.max_inflight_body_bytes must be in"),
         (["console.decision_ring_size=-1"], "console.decision_ring_size must be in"),
         (["console.decision_ring_bytes=0"], "console.decision_ring_bytes must be > 0"),
         (["console.tenant_header=a b"], "console.tenant_header must be a header name"),

@@ -11,7 +11,9 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
 * Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
   message with RESOURCE_EXHAUSTED before any handler runs); admission, prompt and timeout limits are
-  the HTTP API's.
+  the HTTP API's. ``Generate`` holds bytes of ``limits.max_inflight_body_bytes`` for the message as
+  received (on admission: grpc has received it whole by then), then for the JSON body it forwards
+  and the token ids; its parsed message is not counted. ``Route`` takes no admission slot, as before.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
 """
@@ -41,6 +43,7 @@ from balancer.api.grpc.messages import (
 )
 from balancer.api.openai import SSE_CONTENT_TYPE, find_pool, tokenize
 from balancer.errors import ConfigError, UpstreamError
+from balancer.index.hashing import TOKEN_ID_BYTES
 from balancer.routing.router import Lease
 from balancer.service.dispatch import (
     Forward,
@@ -196,8 +199,9 @@ class BalancerService:
         state = self.state
         arrived = state.monotonic()
         call.adopt_request_id(request.request_id)
-        async with admitted(state) as admission:
+        async with admitted(state, len(call.raw)) as admission:  # the message as received
             job = await prepare(state, request, call, arrived, stream=True, raw=call.raw)
+            admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
             headers = forwardable_headers(call.metadata, call.request_id)
             headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
             await admission.wait_for_replica(job.pool)
