@@ -2,8 +2,9 @@
 
 ``python -m loadtests.memory_figures`` from the repository root prints, for each kind of input:
 
-* ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of five shapes:
-  the peak while parsing and what the parsed request keeps, over the body's bytes;
+* ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of eight shapes
+  (each decoder: typed, untyped, stdlib): the peak while parsing and what the parsed request keeps,
+  over the body's bytes;
 * ``ids``: the token ids of one long prompt (the default tokenizer): bytes kept per id;
 * ``events``: engine decoders on real captured frames (``tests/golden/real/``) and on synthetic
   batches: the peak while decoding one message, the memory a queue of decoded batches keeps per
@@ -85,6 +86,28 @@ def bodies() -> None:
             "270,000 one-letter chat messages",
             "chat",
             json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 270_000}).encode(),
+        ),
+        # The shapes above are decoded by msgspec into typed structs (completions in ASCII: unknown
+        # fields are skipped); a chat, a non-ASCII completion body and anything msgspec refuses are
+        # decoded whole, by msgspec into dicts or by the stdlib (a UTF-16 body, a lone surrogate).
+        (
+            "2.8 M empty objects in a chat (untyped decoder)",
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "x": ['
+            + b",".join([b"{}"] * 2_800_000)
+            + b"]}",
+        ),
+        (
+            "2.8 M empty arrays in a chat (untyped decoder)",
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "x": ['
+            + b",".join([b"[]"] * 2_800_000)
+            + b"]}",
+        ),
+        (
+            "1.4 M empty objects in UTF-16 (stdlib decoder)",
+            "completions",
+            ('{"model": "m", "prompt": "x", "x": [' + ",".join(["{}"] * 1_400_000) + "]}").encode("utf-16"),
         ),
     ]
     for name, kind, body in shapes:
