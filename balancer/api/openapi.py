@@ -26,10 +26,11 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "Unknown model (the message lists the known ones), replica, pool or decision",
         408: "Body not received within timeouts.body_read_s",
         413: "Body over limits.max_body_bytes",
-        429: "Over limits.max_inflight or every replica at limits.max_inflight_per_replica, or too many"
-        " what-if replays at once (Retry-After)",
+        429: "Over limits.max_inflight, the bodies held at limits.max_inflight_body_bytes or every replica"
+        " at limits.max_inflight_per_replica with the admission queue full, or too many what-if replays"
+        " at once (Retry-After)",
         502: "Replicas failed before answering (after retries)",
-        503: "No healthy replica (Retry-After)",
+        503: "No healthy replica, or waited limits.queue_timeout_s in the admission queue (Retry-After)",
     }
     return {str(code): _json(_ERROR, text[code]) for code in codes}
 
