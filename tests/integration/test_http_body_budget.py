@@ -154,3 +154,25 @@ async def test_a_grpc_generate_holds_its_message_and_what_it_forwards_then_gives
         first.cancel()
         await wait_for("every byte given back", lambda: is_zero(g.http), timeout_s=5.0)
         assert await shed(g.http, "body_bytes") == 1
+
+
+async def test_a_retried_request_and_one_every_replica_refuses_give_every_byte_back(
+    tokenizer: Tokenizer,
+) -> None:
+    """A replica refusing connections: requests routed to it are retried on the other one (200);
+    with both refusing, the request fails (502, or 503 once both are marked down). Either way the
+    bytes held return to 0."""
+    async with running(tokenizer, 2, health_interval_s=60.0, **LIMITS) as h:  # no probe marks r0 down
+        async with h.session.post(h.replicas[0].url + "/admin/faults", json={"refuse_s": 3.0}) as response:
+            assert response.status == 200
+        for index in range(4):
+            answer = await h.post("/v1/completions", large_body(40 + index))
+            assert answer.status == 200 and answer.headers["x-kvlb-replica"] == "r1"
+        assert await held_bytes(h) == 0
+        async with h.session.get(h.url + "/metrics") as response:  # some went to r0 first
+            assert metric_value(await response.text(), "kvlb_upstream_retries_total") >= 1
+        async with h.session.post(h.replicas[1].url + "/admin/faults", json={"refuse_s": 3.0}) as response:
+            assert response.status == 200
+        failed = await h.post("/v1/completions", large_body(50))
+        assert failed.status in (502, 503), failed.body
+        assert await held_bytes(h) == 0
