@@ -252,10 +252,10 @@ def test_the_memo_gives_the_keys_hashing_gives(
     heads: list[list[int]], tails: list[list[int]], block_size: int, mode: str, max_runs: int
 ) -> None:
     """Prompts sharing prefixes (and tiny memos that evict) hash through the memo to the same keys,
-    the third time and later as whole prompts."""
+    the fourth time and later as whole prompts."""
     hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
     memo = KeyMemo(max_runs)
-    for round_ in range(4):
+    for round_ in range(5):
         for head in heads:
             for tail in tails:
                 prompt = head + tail
@@ -266,7 +266,12 @@ def test_the_memo_gives_the_keys_hashing_gives(
                 assert hasher.request_keys(compact, memo=memo) == ref_keys(prompt, block_size, mode)
                 compact.append(7)  # and no view of it outlives the call (else BufferError)
     assert len(memo) <= max_runs
-    assert memo._prompt_keys == sum(map(len, memo._prompts.values())) <= max_runs * MEMO_CHUNK_BLOCKS
+    assert (
+        memo._prompt_keys
+        == sum(len(keys) for _, keys in memo._prompts.values())
+        <= max_runs * MEMO_CHUNK_BLOCKS
+    )
+    assert sum(memo._heads.values()) == len(memo._prompts)
     if max_runs == 0:
         assert memo.hits + memo.misses == 0  # off: nothing looked up
 
@@ -281,7 +286,7 @@ def test_a_prompt_kept_whole_gives_way_to_any_change(mode: str) -> None:
     hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
     memo = KeyMemo(64)
     prompt = [(i * 2_654_435_761) % 2**32 for i in range(2 * MEMO_CHUNK_BLOCKS * block_size + 11)]
-    for _ in range(3):  # missed, found by runs (kept whole), found whole
+    for _ in range(4):  # missed, found by runs (noted), found by runs (kept whole), found whole
         keys = hasher.request_keys(compact_ids(prompt), memo=memo)
         assert keys == ref_keys(prompt, block_size, mode)
     assert memo._prompts
@@ -294,10 +299,11 @@ def test_a_prompt_kept_whole_gives_way_to_any_change(mode: str) -> None:
         changed[at] ^= 1
         variants.append(changed)
     for variant in variants:
-        for _ in range(3):
+        for _ in range(4):
             assert hasher.request_keys(compact_ids(variant), memo=memo) == ref_keys(variant, block_size, mode)
-    salted = hasher.request_keys(prompt, cache_salt="s", memo=memo)
-    assert salted == hasher.request_keys(prompt, cache_salt="s") != ref_keys(prompt, block_size, mode)
+    for _ in range(4):
+        salted = hasher.request_keys(prompt, cache_salt="s", memo=memo)
+        assert salted == hasher.request_keys(prompt, cache_salt="s") != ref_keys(prompt, block_size, mode)
     assert hasher.request_keys(prompt, memo=memo) == ref_keys(prompt, block_size, mode)
 
 
@@ -306,9 +312,13 @@ def test_whole_prompts_are_bounded_in_keys() -> None:
     memo = KeyMemo(3)  # 3 runs, so at most 96 keys listed whole
     for n in range(20):
         prompt = list(range(n * 1000, n * 1000 + 2 * MEMO_CHUNK_BLOCKS))
-        for _ in range(3):
+        for _ in range(4):
             assert hasher.request_keys(prompt, memo=memo) == hasher.request_keys(prompt)
-        assert memo._prompt_keys == sum(map(len, memo._prompts.values())) <= 3 * MEMO_CHUNK_BLOCKS
+        assert (
+            memo._prompt_keys == sum(len(keys) for _, keys in memo._prompts.values()) <= 3 * MEMO_CHUNK_BLOCKS
+        )
+        heads = {h for h, _ in memo._prompts.values()}
+        assert sum(memo._heads.values()) == len(memo._prompts) and set(memo._heads) == heads
     assert memo.prompt_evictions > 0 and memo._prompts
 
 
