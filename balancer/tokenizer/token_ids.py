@@ -79,6 +79,7 @@ class TokenIdMemo:
     """
 
     __slots__ = (
+        "_heads",
         "_prompt_refs",
         "_prompts",
         "_runs",
@@ -108,6 +109,8 @@ class TokenIdMemo:
         self._seen_before: set[tuple[int, int]] = set()
         # Whole prompts: (digest of the array's text, its length) -> its runs' lookup pairs, in order
         self._prompts: OrderedDict[tuple[int, int], tuple[tuple[int, int], ...]] = OrderedDict()
+        self._heads: dict[tuple[int, int], int] = {}
+        """The first runs' lookup pairs of the prompts in ``_prompts`` -> how many start with each."""
         self._prompt_refs = 0
         """Runs listed by ``_prompts`` in all (at most ``max_runs``)."""
         self.hits = 0
@@ -132,10 +135,16 @@ class TokenIdMemo:
         if len(runs) > self.max_runs or ident in prompts:
             return
         prompts[ident] = runs
+        heads = self._heads
+        heads[runs[0]] = heads.get(runs[0], 0) + 1
         self._prompt_refs += len(runs)
         while self._prompt_refs > self.max_runs:
             _, dropped = prompts.popitem(last=False)
             self._prompt_refs -= len(dropped)
+            if heads[dropped[0]] == 1:
+                del heads[dropped[0]]
+            else:
+                heads[dropped[0]] -= 1
 
     def _remember(self, ident: tuple[int, int], packed: bytes) -> None:
         runs = self._runs
@@ -187,7 +196,8 @@ def known_prompt(raw: bytes, memo: TokenIdMemo) -> tuple[int, int, tuple[int, in
 
     The text is guessed as :func:`worth_a_lookup` guesses it (after the first ``"prompt"``), and ends
     at the first ``]`` after it: a noted text is an array of ids, which holds no other ``]``. One
-    digest of the text (about 1.5 µs for 8k ids), and only when its first run is kept. That it *is*
+    digest of the text (about 1.5 µs for 8k ids), and only when a noted prompt starts with its first
+    run (a prompt sharing only a prefix with those noted costs one digest of a run). That it *is*
     the body's prompt is for the caller to check: the body with :data:`PROMPT_STANDIN` in place of
     ``raw[start:end]`` must decode with the stand-in, found there only, as its prompt."""
     if memo.max_runs == 0 or not memo._prompts:
@@ -202,7 +212,7 @@ def known_prompt(raw: bytes, memo: TokenIdMemo) -> tuple[int, int, tuple[int, in
     if cut < 0:
         return None
     view = memoryview(raw)
-    if (_xxh3_128(view[start + 1 : cut]), cut - start - 1) not in memo._runs:
+    if (_xxh3_128(view[start + 1 : cut]), cut - start - 1) not in memo._heads:
         return None
     end = raw.find(b"]", cut) + 1
     if end == 0:

@@ -402,6 +402,8 @@ def test_a_known_prompt_answers_as_its_runs(
             assert old_path_answer(raw, reference) == expected, raw
             assert memo_state(memo) == memo_state(reference)
             assert memo._prompt_refs == sum(map(len, memo._prompts.values())) <= max_runs
+            assert set(memo._heads) == {runs[0] for runs in memo._prompts.values()}
+            assert sum(memo._heads.values()) == len(memo._prompts)
 
 
 def test_a_changed_id_in_a_prompt_sent_again_is_read() -> None:
@@ -475,4 +477,6 @@ def test_whole_prompts_are_bounded_by_the_runs() -> None:
         for _ in range(4):
             assert answer(raw, memo)[-1] == list(range(n * 1000, n * 1000 + 12))
         assert memo._prompt_refs == sum(map(len, memo._prompts.values())) <= 12
+        assert set(memo._heads) == {runs[0] for runs in memo._prompts.values()}
+        assert sum(memo._heads.values()) == len(memo._prompts)
     assert memo._prompts
