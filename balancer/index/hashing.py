@@ -232,7 +232,7 @@ class KeyMemo:
         read = count * 4 * block_size + extra  # every byte the keys read
         head = _xxh3_128(view[: run_bytes + extra], seed) if whole_runs else 0
         prompt = None
-        if head in self._heads:  # a prompt kept whole starts with this run
+        if whole_runs and head in self._heads:  # a prompt kept whole starts with this run
             # the same bytes from the same seed give the same keys
             prompt = (_xxh3_128(view[:read], seed), count)
             known = self._prompts.pop(prompt, None)

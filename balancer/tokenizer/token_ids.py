@@ -89,6 +89,7 @@ class TokenIdMemo:
         "hits",
         "max_runs",
         "misses",
+        "prompt_evictions",
         "run_bytes",
     )
 
@@ -116,6 +117,8 @@ class TokenIdMemo:
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.prompt_evictions = 0
+        """Whole prompts dropped to keep ``_prompts`` within its bound (not exported)."""
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -141,6 +144,7 @@ class TokenIdMemo:
         while self._prompt_refs > self.max_runs:
             _, dropped = prompts.popitem(last=False)
             self._prompt_refs -= len(dropped)
+            self.prompt_evictions += 1
             if heads[dropped[0]] == 1:
                 del heads[dropped[0]]
             else:

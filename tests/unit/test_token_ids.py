@@ -479,4 +479,4 @@ def test_whole_prompts_are_bounded_by_the_runs() -> None:
         assert memo._prompt_refs == sum(map(len, memo._prompts.values())) <= 12
         assert set(memo._heads) == {runs[0] for runs in memo._prompts.values()}
         assert sum(memo._heads.values()) == len(memo._prompts)
-    assert memo._prompts
+    assert memo._prompts and memo.prompt_evictions > 0
