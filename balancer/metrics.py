@@ -245,10 +245,12 @@ class TableCountersCollector(Collector):
 class TokenIdMemoCollector(Collector):
     """The :class:`~balancer.tokenizer.token_ids.TokenIdMemo`'s counters, read at scrape time:
     ``kvlb_tokenizer_token_id_memo_{hits,misses,evictions}_total`` (runs of token-id prompt text, or
-    of a gRPC prompt's packed ids, found, decoded, and forgotten at ``limits.token_id_memo_runs``).
+    of a gRPC prompt's packed ids, found, decoded, and forgotten at ``limits.token_id_memo_runs``) and
+    ``kvlb_tokenizer_token_id_memo_prompt_evictions_total`` (whole prompts noted, forgotten when the
+    runs they list pass the same limit).
     ``source`` is set by the composition root once the memo exists (zeros before)."""
 
-    COUNTERS: Final = ("hits", "misses", "evictions")
+    COUNTERS: Final = ("hits", "misses", "evictions", "prompt_evictions")
 
     def __init__(self) -> None:
         self.source: Callable[[], TokenIdMemo] = lambda: TokenIdMemo(0)
@@ -258,7 +260,7 @@ class TokenIdMemoCollector(Collector):
         for name in self.COUNTERS:
             yield CounterMetricFamily(
                 f"kvlb_tokenizer_token_id_memo_{name}",
-                f"Runs of token-id prompt text: {name} of the decoded-ids memo.",
+                f"Token-id prompt text: {name.replace('_', ' ')} of the decoded-ids memo.",
                 value=getattr(memo, name),
             )
 

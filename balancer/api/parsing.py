@@ -24,7 +24,14 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights
-from balancer.tokenizer.token_ids import TokenIdMemo, decode_token_ids, worth_a_lookup
+from balancer.tokenizer.token_ids import (
+    PROMPT_STANDIN,
+    TokenIdMemo,
+    decode_token_ids,
+    known_prompt,
+    take_known,
+    worth_a_lookup,
+)
 from balancer.tokenizer.tokenizer import first_surrogate
 
 RequestKind = Literal["chat", "completions"]
@@ -211,6 +218,8 @@ def typed_completion(raw: bytes, memo: TokenIdMemo | None = None) -> ParsedReque
     escaped lone surrogate is refused even there, raw CESU-8 bytes are not), and ASCII holds neither.
     A prompt the struct does not take (absent, a batch, an id out of range, a ``bool``) takes the
     stdlib path too, for its own message."""
+    if memo is not None and (known := _known_completion(raw, memo)) is not None:
+        return known
     if not raw.isascii():
         return None
     if memo is not None and worth_a_lookup(raw, memo):
@@ -251,6 +260,38 @@ def _memoised_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
     common = _completion_common(body)
     if text is not None:
         return ParsedRequest(kind="completions", prompt=text, text_chars=len(text), **common)
+    return ParsedRequest(kind="completions", prompt=ids, ids_checked=True, packed=ids, **common)
+
+
+def _known_completion(raw: bytes, memo: TokenIdMemo) -> ParsedRequest | None:
+    """:func:`_memoised_completion` of a body whose prompt ``memo`` noted whole
+    (:func:`~balancer.tokenizer.token_ids.known_prompt`), without checking and decoding its text again;
+    ``None`` when there is none, and then ``memo`` is as it was.
+
+    The rest of the body is checked as the whole body would be: decoded with
+    :data:`~balancer.tokenizer.token_ids.PROMPT_STANDIN` in place of the prompt's text, it must give
+    the stand-in as its prompt, found in that body where the text was and nowhere else (so the text
+    was the prompt's value, not part of a string or of another field). Since the text is a JSON array
+    (of ids: ASCII), putting it back gives a body that decodes the same, but for its prompt; and
+    that body is ``raw``. About 20 µs for 8k ids, against about 140 through the runs."""
+    found = known_prompt(raw, memo)
+    if found is None:
+        return None
+    start, end, ident = found
+    rest = b"".join((raw[:start], PROMPT_STANDIN, raw[end:]))
+    # the stand-in has no border: occurrences cannot overlap, so ``count`` counts every one
+    if rest.count(PROMPT_STANDIN) != 1 or not rest.isascii():
+        return None
+    try:
+        body = _RAW_PROMPT_DECODER.decode(rest)
+    except _FAST_DECODE_ERRORS:
+        return None
+    if bytes(body.prompt) != PROMPT_STANDIN:
+        return None
+    ids = take_known(ident, memo)
+    if ids is None:
+        return None
+    common = _completion_common(body)
     return ParsedRequest(kind="completions", prompt=ids, ids_checked=True, packed=ids, **common)
 
 

@@ -12,13 +12,21 @@ runs all found costs about 70 µs instead of about 245 µs, and no int is made o
 body goes this way at all is guessed first (:func:`worth_a_lookup`), so that a prompt whose first
 run is new costs what it did.
 
+A prompt whose runs were all found is noted whole, as the list of its runs' lookup pairs under a
+digest of its whole text. The same prompt sent again (:func:`known_prompt`) is then found by one
+digest: its text needs neither the runs' lookups nor ``msgspec``'s check (the caller checks the rest
+of the body with the prompt's text replaced by :data:`PROMPT_STANDIN`, then takes its ids with
+:func:`take_known`); 8k ids then cost about 20 µs instead of about 140 (in process).
+
 What is accepted stays exactly what the typed decoder accepts: the caller has checked the whole
 body as strict JSON (``msgspec``, ASCII); a run is remembered only after its text decoded as
 integers in ``[0, 2**32)`` (so it holds digits, commas and whitespace only), and every run of a
 prompt is either such a text or decoded as integers itself, so any other element (a float, a
 ``bool``, a string, a nested array, a negative id) lies in a run that is decoded, and refused. Like
 :class:`~balancer.index.hashing.KeyMemo`, a hit trusts the 128-bit digest (and the text's length);
-a collision could only change the routing keys of the request, whose own bytes go to the engine.
+a collision could only change the routing keys of the request, whose own bytes go to the engine (a
+whole prompt found trusts it for the text's JSON too: a colliding text that is not JSON would reach
+the engine, which refuses it).
 
 A gRPC prompt's ids come as a repeated ``uint32`` field, already checked by protobuf, and kvlb writes
 the JSON body itself: :func:`packed_token_ids` keeps runs of the field's packed varints in the same
@@ -34,6 +42,7 @@ import re
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import msgspec
 import xxhash
@@ -67,9 +76,28 @@ class TokenIdMemo:
     5-digit ids). ``max_runs = 0`` turns it off: the whole array is decoded every time. Runs of a
     gRPC prompt's packed varints (:func:`packed_token_ids`) share the bound; each also holds its
     ids' JSON text: about 3.8 kB a run of 3-byte varints, at most about 8.2 kB.
+
+    Whole prompts whose runs were all found (:func:`known_prompt`) are noted as their runs' lookup
+    pairs, no ids of their own: at most ``max_runs`` pairs listed in all, least recently used out
+    first (``prompt_evictions``). Each run listed holds its own lookup pair (about 140 bytes), each
+    prompt about 550 more (tracemalloc: 4.5 kB for a prompt of 8,150 ids, 29 runs): at most about
+    2.8 MB at the default.
     """
 
-    __slots__ = ("_runs", "_seen", "_seen_before", "evictions", "hits", "max_runs", "misses", "run_bytes")
+    __slots__ = (
+        "_heads",
+        "_prompt_refs",
+        "_prompts",
+        "_runs",
+        "_seen",
+        "_seen_before",
+        "evictions",
+        "hits",
+        "max_runs",
+        "misses",
+        "prompt_evictions",
+        "run_bytes",
+    )
 
     def __init__(self, max_runs: int = 4096, run_bytes: int = RUN_TEXT_BYTES) -> None:
         if max_runs < 0:
@@ -86,9 +114,17 @@ class TokenIdMemo:
         # Two generations of at most ``max_runs`` pairs each; the older is dropped when the newer fills.
         self._seen: set[tuple[int, int]] = set()
         self._seen_before: set[tuple[int, int]] = set()
+        # Whole prompts: (digest of the array's text, its length) -> its runs' lookup pairs, in order
+        self._prompts: OrderedDict[tuple[int, int], tuple[tuple[int, int], ...]] = OrderedDict()
+        self._heads: dict[tuple[int, int], int] = {}
+        """The first runs' lookup pairs of the prompts in ``_prompts`` -> how many start with each."""
+        self._prompt_refs = 0
+        """Runs listed by ``_prompts`` in all (at most ``max_runs``)."""
         self.hits = 0
         self.misses = 0
         self.evictions = 0
+        self.prompt_evictions = 0
+        """Whole prompts dropped to keep ``_prompts`` within its bound (not exported)."""
 
     def __len__(self) -> int:
         return len(self._runs)
@@ -101,6 +137,24 @@ class TokenIdMemo:
         if len(self._seen) >= self.max_runs:
             self._seen_before, self._seen = self._seen, set()
         return False
+
+    def _note_prompt(self, ident: tuple[int, int], runs: tuple[tuple[int, int], ...]) -> None:
+        """Note a prompt whose runs were all found, under ``ident`` (its text's lookup pair)."""
+        prompts = self._prompts
+        if len(runs) > self.max_runs or ident in prompts:
+            return
+        prompts[ident] = runs
+        heads = self._heads
+        heads[runs[0]] = heads.get(runs[0], 0) + 1
+        self._prompt_refs += len(runs)
+        while self._prompt_refs > self.max_runs:
+            _, dropped = prompts.popitem(last=False)
+            self._prompt_refs -= len(dropped)
+            self.prompt_evictions += 1
+            if heads[dropped[0]] == 1:
+                del heads[dropped[0]]
+            else:
+                heads[dropped[0]] -= 1
 
     def _remember(self, ident: tuple[int, int], packed: bytes) -> None:
         runs = self._runs
@@ -138,6 +192,65 @@ def worth_a_lookup(raw: bytes, memo: TokenIdMemo) -> bool:
     return ident in memo._runs or memo._seen_again(ident)
 
 
+PROMPT_STANDIN = b'["kvlb: a known prompt"]'
+"""What :func:`known_prompt`'s caller puts in place of a known prompt's text to check the rest of the
+body: a JSON value with no border (no proper prefix of it is also a suffix), so two occurrences
+cannot overlap, and one found where the prompt was and nowhere else is the only one."""
+
+
+def known_prompt(raw: bytes, memo: TokenIdMemo) -> tuple[int, int, tuple[int, int]] | None:
+    """Where a prompt noted whole in ``memo`` (its runs all found before) lies in the body ``raw``:
+    ``(start, end, ident)``, its text ``raw[start:end]`` from its ``[`` to its ``]`` and the
+    text's lookup pair for :func:`take_known`; ``None`` when there is none. Changes nothing in
+    ``memo``.
+
+    The text is guessed as :func:`worth_a_lookup` guesses it (after the first ``"prompt"``), and ends
+    at the first ``]`` after it: a noted text is an array of ids, which holds no other ``]``. One
+    digest of the text (about 1.5 µs for 8k ids), and only when a noted prompt starts with its first
+    run (else the cost is one run's digest). That it *is*
+    the body's prompt is for the caller to check: the body with :data:`PROMPT_STANDIN` in place of
+    ``raw[start:end]`` must decode with the stand-in, found there only, as its prompt."""
+    if memo.max_runs == 0 or not memo._prompts:
+        return None
+    key = raw.find(PROMPT_KEY)
+    if key < 0:
+        return None
+    start = raw.find(b"[", key + len(PROMPT_KEY), key + len(PROMPT_KEY) + 32)
+    if start < 0:
+        return None
+    cut = raw.find(b",", start + 1 + memo.run_bytes)
+    if cut < 0:
+        return None
+    view = memoryview(raw)
+    if (_xxh3_128(view[start + 1 : cut]), cut - start - 1) not in memo._heads:
+        return None
+    end = raw.find(b"]", cut) + 1
+    if end == 0:
+        return None
+    ident = (_xxh3_128(view[start:end]), end - start)
+    return (start, end, ident) if ident in memo._prompts else None
+
+
+def take_known(ident: tuple[int, int], memo: TokenIdMemo) -> array[int] | None:
+    """The ids of the prompt :func:`known_prompt` found under ``ident``, its runs counted as hits
+    and moved to the newest end as :func:`decode_token_ids` would move them (the runs end as they
+    would after decoding it); ``None``, and no change, when one of its runs was evicted since."""
+    runs = memo._prompts.get(ident)
+    if runs is None:
+        return None
+    found = list(map(memo._runs.get, runs))
+    if None in found:
+        return None
+    move = memo._runs.move_to_end
+    for run in runs:
+        move(run)
+    memo.hits += len(runs)
+    memo._prompts.move_to_end(ident)
+    ids = array("I")
+    ids.frombytes(b"".join(cast("list[bytes]", found)))
+    return ids
+
+
 def decode_token_ids(span: bytes, memo: TokenIdMemo) -> array[int] | None:
     """The ids of ``span``, the raw JSON of a prompt, as ``array('I')``; ``None`` unless ``span`` is
     a non-empty array of integers in ``[0, 2**32)``. ``span`` must already be known to be valid JSON
@@ -152,6 +265,7 @@ def decode_token_ids(span: bytes, memo: TokenIdMemo) -> array[int] | None:
     runs = memo._runs
     run_bytes = memo.run_bytes
     found: list[bytes] = []
+    idents: list[tuple[int, int]] = []
     start = 1
     while start < end:
         cut = span.find(b",", start + run_bytes, end)
@@ -164,11 +278,15 @@ def decode_token_ids(span: bytes, memo: TokenIdMemo) -> array[int] | None:
             if rest is None or not found:
                 return rest if rest else None
             found.append(rest.tobytes())
+            idents.clear()
             break
         memo.hits += 1
         runs.move_to_end(ident)  # the order is the LRU order
         found.append(packed)
+        idents.append(ident)
         start = cut + 1
+    if idents:  # every run found: the next sight of this very text is one digest (known_prompt)
+        memo._note_prompt((_xxh3_128(span), len(span)), tuple(idents))
     ids = array("I")
     ids.frombytes(b"".join(found))
     return ids if ids else None

@@ -27,6 +27,7 @@ from balancer.index.hashing import (
     namespace_seed,
     pack_tokens,
 )
+from balancer.types import BlockKey
 
 T32 = list(range(1, 33))  # 32 tokens: two full blocks of 16
 T33 = list(range(1, 34))  # 33 tokens: the 33rd makes the trtllm and bigram second block complete
@@ -250,10 +251,11 @@ def test_prefix_property_and_reference(tokens: list[int], cut: int, block_size: 
 def test_the_memo_gives_the_keys_hashing_gives(
     heads: list[list[int]], tails: list[list[int]], block_size: int, mode: str, max_runs: int
 ) -> None:
-    """Prompts sharing prefixes (and tiny memos that evict) hash through the memo to the same keys."""
+    """Prompts sharing prefixes (and tiny memos that evict) hash through the memo to the same keys,
+    the fourth time and later as whole prompts."""
     hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
     memo = KeyMemo(max_runs)
-    for round_ in range(2):
+    for round_ in range(5):
         for head in heads:
             for tail in tails:
                 prompt = head + tail
@@ -264,8 +266,60 @@ def test_the_memo_gives_the_keys_hashing_gives(
                 assert hasher.request_keys(compact, memo=memo) == ref_keys(prompt, block_size, mode)
                 compact.append(7)  # and no view of it outlives the call (else BufferError)
     assert len(memo) <= max_runs
+    assert (
+        memo._prompt_keys
+        == sum(len(keys) for _, keys in memo._prompts.values())
+        <= max_runs * MEMO_CHUNK_BLOCKS
+    )
+    assert sum(memo._heads.values()) == len(memo._prompts)
     if max_runs == 0:
         assert memo.hits + memo.misses == 0  # off: nothing looked up
+
+
+@pytest.mark.parametrize("mode", ["plain", "trtllm", "bigram"])
+def test_a_prompt_kept_whole_gives_way_to_any_change(mode: str) -> None:
+    """A prompt kept whole, then the same prompt with one id changed anywhere its keys read (a
+    whole run, the tail, the last token, the bigram's lookahead), one block more or fewer, or
+    another seed: always the keys hashing gives, never the kept ones; the same prompt again finds
+    them (and a list handed out is the caller's own)."""
+    block_size = 4
+    hasher = BlockHasher("m", block_size, mode)  # type: ignore[arg-type]
+    memo = KeyMemo(64)
+    prompt = [(i * 2_654_435_761) % 2**32 for i in range(2 * MEMO_CHUNK_BLOCKS * block_size + 11)]
+    for _ in range(4):  # missed, found by runs (noted), found by runs (kept whole), found whole
+        keys = hasher.request_keys(compact_ids(prompt), memo=memo)
+        assert keys == ref_keys(prompt, block_size, mode)
+    assert memo._prompts
+    keys.append(BlockKey(0))  # the caller's own list: the kept keys do not change
+    assert hasher.request_keys(prompt, memo=memo) == ref_keys(prompt, block_size, mode)
+    variants = [prompt[:-1], prompt[:-block_size], [*prompt, 1], [*prompt, *range(block_size)]]
+    read = full_blocks(len(prompt), block_size, mode) * block_size  # the first id past the full blocks
+    for at in (0, 5, MEMO_CHUNK_BLOCKS * block_size, read - 1, read, read + 1, len(prompt) - 1):
+        changed = list(prompt)
+        changed[at] ^= 1
+        variants.append(changed)
+    for variant in variants:
+        for _ in range(4):
+            assert hasher.request_keys(compact_ids(variant), memo=memo) == ref_keys(variant, block_size, mode)
+    for _ in range(4):
+        salted = hasher.request_keys(prompt, cache_salt="s", memo=memo)
+        assert salted == hasher.request_keys(prompt, cache_salt="s") != ref_keys(prompt, block_size, mode)
+    assert hasher.request_keys(prompt, memo=memo) == ref_keys(prompt, block_size, mode)
+
+
+def test_whole_prompts_are_bounded_in_keys() -> None:
+    hasher = BlockHasher("m", 1)
+    memo = KeyMemo(3)  # 3 runs, so at most 96 keys listed whole
+    for n in range(20):
+        prompt = list(range(n * 1000, n * 1000 + 2 * MEMO_CHUNK_BLOCKS))
+        for _ in range(4):
+            assert hasher.request_keys(prompt, memo=memo) == hasher.request_keys(prompt)
+        assert (
+            memo._prompt_keys == sum(len(keys) for _, keys in memo._prompts.values()) <= 3 * MEMO_CHUNK_BLOCKS
+        )
+        heads = {h for h, _ in memo._prompts.values()}
+        assert sum(memo._heads.values()) == len(memo._prompts) and set(memo._heads) == heads
+    assert memo.prompt_evictions > 0 and memo._prompts
 
 
 @pytest.mark.parametrize("mode", ["plain", "trtllm", "bigram"])

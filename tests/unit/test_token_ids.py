@@ -14,11 +14,21 @@ from hypothesis import strategies as st
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
-from balancer.api.parsing import ParsedRequest, parse_request
+from balancer.api.parsing import (
+    ParsedRequest,
+    _memoised_completion,
+    decode_object,
+    parse_body,
+    parse_request,
+    typed_completion,
+)
+from balancer.metrics import TokenIdMemoCollector
 from balancer.tokenizer.token_ids import (
     GUESS_IDS,
+    PROMPT_STANDIN,
     TokenIdMemo,
     decode_token_ids,
+    known_prompt,
     packed_token_ids,
     worth_a_lookup,
 )
@@ -282,3 +292,207 @@ def test_packed_runs_never_meet_json_runs() -> None:
     hits = memo.hits
     assert answer(both, memo) == answer(both, None)
     assert memo.hits == hits + 1  # "1,2,3" found, "12" not
+
+
+# ------------------------------------------------------------------ whole prompts sent again
+
+
+def old_path_answer(raw: bytes, memo: TokenIdMemo) -> Any:
+    """:func:`answer` as before whole prompts were noted: the guess, then every run looked up (or the
+    typed decoder), never :func:`known_prompt`'s shortcut."""
+    try:
+        parsed = None
+        if raw.isascii():
+            if worth_a_lookup(raw, memo):
+                parsed = _memoised_completion(raw, memo)
+            else:
+                parsed = typed_completion(raw, None)
+        if parsed is None:
+            parsed = parse_body(decode_object(raw), "completions")
+    except ApiError as exc:
+        return (exc.status, exc.message)
+    if parsed.prompt is not None and not isinstance(parsed.prompt, str):
+        return (parsed.model, parsed.stream, parsed.max_tokens, parsed.session_key, list(parsed.prompt))
+    return parsed
+
+
+def memo_state(memo: TokenIdMemo) -> tuple[Any, ...]:
+    """What the memo's metrics and later answers depend on: its counters and its runs, in LRU order."""
+    return (memo.hits, memo.misses, memo.evictions, list(memo._runs.items()), memo._seen, memo._seen_before)
+
+
+LONG = [(i * 7919 + 13) % 129_000 for i in range(60)]
+"""Ids of a prompt several runs long at the tests' small ``run_bytes``."""
+
+
+def standin_text() -> str:
+    return PROMPT_STANDIN.decode()
+
+
+@st.composite
+def known_bodies(draw: st.DrawFn) -> bytes:
+    """A body around one of a few prompts (often the same one, so it is noted whole and found), its
+    other fields drawn each time: some of them hold the prompt's text, the stand-in, a ``"prompt"``
+    key or a bad value where the shortcut must not be fooled; sometimes one id is changed."""
+    base = draw(st.sampled_from([LONG, LONG[:40], [*LONG[:30], *SHARED]]))
+    values = list(base)
+    if draw(st.integers(0, 4)) == 0:  # one id changed, in any run
+        at = draw(st.integers(0, len(values) - 1))
+        values[at] = draw(st.sampled_from([values[at] + 1, values[at] * 10 % 129_000, 0, 4294967295]))
+    sep = draw(st.sampled_from([", ", ","]))
+    text = "[" + sep.join(map(str, values)) + "]"
+    if draw(st.integers(0, 9)) == 0:  # not a prompt of ids after all
+        text = draw(
+            st.sampled_from([text[:-1] + ", -1]", text[:-1] + ", 1.5]", "[" + text + "]", json.dumps(text)])
+        )
+    before = draw(
+        st.lists(
+            st.sampled_from(
+                [
+                    '"user": "u"',
+                    '"stream": true',
+                    '"stream": 1',
+                    '"max_tokens": 7',
+                    '"max_tokens": -1',
+                    '"model": "other"',
+                    '"model": 5',
+                    f'"note": {json.dumps(text)}',
+                    f'"x": {standin_text()}',
+                    f'"x": {json.dumps(standin_text())}',
+                    f'"meta": {{"prompt": {text}}}',
+                    f'"prompt": {text}',
+                    '"prompt": "a string first"',
+                    '"u": "\\u00e9"',
+                    '"v": "\u00e9"',
+                ]
+            ),
+            max_size=3,
+        )
+    )
+    after = draw(
+        st.lists(
+            st.sampled_from(['"temperature": 0.5', f'"x": {standin_text()}', '"prompt": [1, 2]']), max_size=2
+        )
+    )
+    model = draw(st.sampled_from(['"model": "m"', '"model": "m"', '"model": ""']))
+    fields = [model, *before, f'"prompt"{draw(st.sampled_from([": ", ":", " : "]))}{text}', *after]
+    tail = draw(st.sampled_from(["}", "}", " }", "}}", "}\n"]))
+    return ("{" + ", ".join(fields) + tail).encode()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    bodies=st.lists(known_bodies(), min_size=1, max_size=6),
+    rounds=st.integers(3, 6),
+    run_bytes=st.integers(1, 40),
+    max_runs=st.integers(0, 40),
+)
+def test_a_known_prompt_answers_as_its_runs(
+    bodies: list[bytes], rounds: int, run_bytes: int, max_runs: int
+) -> None:
+    """Bodies sent again and again (so their prompts are noted whole and found by the shortcut),
+    their other fields holding the prompt's text, the stand-in, other ``"prompt"`` keys, bad values
+    or invalid JSON, some with an id changed: the same answer as without a memo, and the memo's
+    counters and runs as the run-by-run path leaves them."""
+    memo = TokenIdMemo(max_runs, run_bytes=run_bytes)
+    reference = TokenIdMemo(max_runs, run_bytes=run_bytes)
+    for _ in range(rounds):
+        for raw in bodies:
+            expected = answer(raw, None)
+            assert answer(raw, memo) == expected, raw
+            assert old_path_answer(raw, reference) == expected, raw
+            assert memo_state(memo) == memo_state(reference)
+            assert memo._prompt_refs == sum(map(len, memo._prompts.values())) <= max_runs
+            assert set(memo._heads) == {runs[0] for runs in memo._prompts.values()}
+            assert sum(memo._heads.values()) == len(memo._prompts)
+
+
+def test_a_changed_id_in_a_prompt_sent_again_is_read() -> None:
+    """A prompt noted whole, then the same body with one id changed (same length of text, in the
+    first, a middle and the last run) or one id more or fewer: the new ids, never the noted ones."""
+    memo = TokenIdMemo(256, run_bytes=32)
+    values = [100_000 + i for i in range(200)]
+
+    def body(ids: list[int]) -> bytes:
+        return json.dumps({"model": "m", "stream": True, "prompt": ids}).encode()
+
+    for _ in range(4):
+        assert answer(body(values), memo) == answer(body(values), None)
+    assert memo._prompts  # noted whole: the fourth sight took the shortcut
+    hits = memo.hits
+    assert answer(body(values), memo)[-1] == values
+    assert memo.hits > hits and known_prompt(body(values), memo) is not None
+    for at in (0, 1, 100, 198, 199):
+        changed = list(values)
+        changed[at] += 1  # same digits: the same length of text
+        assert known_prompt(body(changed), memo) is None
+        assert answer(body(changed), memo)[-1] == changed
+    for other in (values[:-1], [*values, 5], [7, *values[1:]]):
+        assert answer(body(other), memo)[-1] == other
+    assert answer(body(values), memo)[-1] == values
+
+
+def test_a_known_prompt_is_only_taken_as_the_prompt() -> None:
+    """The prompt's text in the wrong place (a string, another field before the real prompt, a field
+    holding the stand-in) is not taken for the prompt; the real prompt is read."""
+    memo = TokenIdMemo(256, run_bytes=32)
+    values = [200_000 + i for i in range(120)]
+    text = json.dumps(values)
+    plain = json.dumps({"model": "m", "prompt": values}).encode()
+    for _ in range(4):
+        answer(plain, memo)
+    assert known_prompt(plain, memo) is not None
+    tricky = [
+        f'{{"model": "m", "prompt": {json.dumps(text)}}}',  # the text as a string
+        f'{{"model": "m", "meta": {{"prompt": {text}}}, "prompt": [1, 2, 3]}}',
+        f'{{"model": "m", "prompt": {text}, "prompt": [4, 5]}}',
+        f'{{"model": "m", "prompt": {text}, "prompt": {standin_text()}}}',  # the stand-in as the later key
+        f'{{"model": "m", "prompt": {standin_text()}, "prompt": {text}}}',
+        f'{{"model": "m", "prompt": {text}, "x": {standin_text()}}}',
+        f'{{"model": "m", "x": {standin_text()}, "prompt": {text}}}',
+        f'{{"model": "m", "prompt": {text}}}}}',
+        f'{{"model": "m", "prompt": {text}, "user": 5}}',
+        f'{{"prompt": {text}}}',
+        f'{{"model": "m", "prompt": [{text}]}}',
+    ]
+    for raw in tricky:
+        assert answer(raw.encode(), memo) == answer(raw.encode(), None), raw
+    # not ASCII: a raw CESU-8 surrogate in a field routing does not read is refused, as without a memo
+    for extra in (b'"x": "\xed\xa0\x80"', '"x": "\u00e9t\u00e9"'.encode()):
+        raw = b'{"model": "m", ' + extra + b', "prompt": ' + text.encode() + b"}"
+        assert answer(raw, memo) == answer(raw, None), raw
+        assert answer(raw, memo) == answer(raw, None), raw
+    assert answer(plain, memo) == answer(plain, None)
+
+
+def test_the_standin_has_no_border() -> None:
+    """Two occurrences of the stand-in cannot overlap, so counting them finds each."""
+    assert not any(PROMPT_STANDIN[:n] == PROMPT_STANDIN[-n:] for n in range(1, len(PROMPT_STANDIN)))
+    assert msgspec.json.decode(PROMPT_STANDIN) == [PROMPT_STANDIN.decode()[2:-2]]
+
+
+def test_whole_prompts_are_bounded_by_the_runs() -> None:
+    memo = TokenIdMemo(12, run_bytes=16)
+    for n in range(30):
+        raw = json.dumps({"model": "m", "prompt": list(range(n * 1000, n * 1000 + 12))}).encode()
+        for _ in range(4):
+            assert answer(raw, memo)[-1] == list(range(n * 1000, n * 1000 + 12))
+        assert memo._prompt_refs == sum(map(len, memo._prompts.values())) <= 12
+        assert set(memo._heads) == {runs[0] for runs in memo._prompts.values()}
+        assert sum(memo._heads.values()) == len(memo._prompts)
+    assert memo._prompts and memo.prompt_evictions > 0
+
+
+def test_the_collector_exports_the_whole_prompt_evictions() -> None:
+    """``kvlb_tokenizer_token_id_memo_prompt_evictions_total`` reads the memo's count at scrape time."""
+    memo = TokenIdMemo(12, run_bytes=16)
+    for n in range(30):
+        raw = json.dumps({"model": "m", "prompt": list(range(n * 1000, n * 1000 + 12))}).encode()
+        for _ in range(4):
+            answer(raw, memo)
+    collector = TokenIdMemoCollector()
+    collector.source = lambda: memo
+    samples = {s.name: s.value for family in collector.collect() for s in family.samples}
+    assert memo.prompt_evictions > 0
+    assert samples["kvlb_tokenizer_token_id_memo_prompt_evictions_total"] == memo.prompt_evictions
+    assert samples["kvlb_tokenizer_token_id_memo_evictions_total"] == memo.evictions
