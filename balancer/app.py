@@ -161,6 +161,11 @@ class Balancer:
             for pool in pools.values()
             for (block_size, mode), space in pool.router.spaces.items()
         }
+        self.metrics.key_memos.source = lambda: {
+            f"{pool.model}/{block_size}/{mode}": space.memo
+            for pool in pools.values()
+            for (block_size, mode), space in pool.router.spaces.items()
+        }
         self._share_load(pools, admission)
         for pool in pools.values():
             for replica in pool.replicas:

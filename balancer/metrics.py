@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from balancer.events import ResyncReason
+from balancer.index.hashing import KeyMemo
 from balancer.index.slots import TableCounters
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.upstream.client import UpstreamCounters
@@ -153,6 +154,7 @@ class Metrics:
     index_tables: TableCountersCollector
     upstream_connections: UpstreamCountersCollector
     token_id_memo: TokenIdMemoCollector
+    key_memos: KeyMemoCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
@@ -197,11 +199,14 @@ class Metrics:
         reg.register(connections)
         token_id_memo = TokenIdMemoCollector()
         reg.register(token_id_memo)
+        key_memos = KeyMemoCollector()
+        reg.register(key_memos)
         return cls(
             registry=reg,
             index_tables=tables,
             upstream_connections=connections,
             token_id_memo=token_id_memo,
+            key_memos=key_memos,
             **_http_collectors(reg),
             **_admission_collectors(reg),
             **_upstream_collectors(reg),
@@ -268,6 +273,36 @@ class TokenIdMemoCollector(Collector):
         """The families without samples (what the registry checks names against)."""
         for name in self.COUNTERS:
             yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
+
+
+class KeyMemoCollector(Collector):
+    """Every key space's :class:`~balancer.index.hashing.KeyMemo` (the routing keys of prompt runs
+    already hashed), read at scrape time: ``kvlb_route_key_memo_<counter>_total{space}`` for
+    ``hits``, ``misses`` and ``evictions`` (runs found, hashed, and forgotten at
+    ``RouteLimits.key_memo_runs``) and ``prompt_evictions`` (whole prompts noted and forgotten at the
+    same limit). ``source`` is set by the composition root once the pools exist."""
+
+    COUNTERS: Final = ("hits", "misses", "evictions", "prompt_evictions")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, KeyMemo]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        memos = self.source()
+        for name in self.COUNTERS:
+            family = CounterMetricFamily(
+                f"kvlb_route_key_memo_{name}",
+                f"Routing keys of prompt runs: {name.replace('_', ' ')} of the key memo.",
+                labels=["space"],
+            )
+            for space, memo in memos.items():
+                family.add_metric([space], getattr(memo, name))
+            yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"kvlb_route_key_memo_{name}", "", labels=["space"])
 
 
 class UpstreamCountersCollector(Collector):

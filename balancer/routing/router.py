@@ -118,7 +118,7 @@ class RouteLimits:
     key_memo_runs: int = 4096
     """Runs of 32 block keys each key space memoises (:class:`~balancer.index.hashing.KeyMemo`,
     about 1.5 kB each: 6 MB at the default, 2M tokens of distinct prefixes at block size 16); least
-    recently used out first; 0 turns the memo off."""
+    recently used out first (``kvlb_route_key_memo_evictions_total{space}``); 0 turns the memo off."""
     receipt_drops: bool = False
     """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
 

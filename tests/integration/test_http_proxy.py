@@ -102,6 +102,7 @@ async def test_token_ids_sent_again_are_found_in_the_memo_and_routed_alike(token
             text = await response.text()
         assert metric_value(text, "kvlb_tokenizer_token_id_memo_hits_total") > 0
         assert metric_value(text, "kvlb_tokenizer_token_id_memo_misses_total") > 0
+        assert 'kvlb_route_key_memo_evictions_total{space="' in text  # every key space's key memo
         tail = {**body, "prompt": prompt[:180] + [5, 6, 7] * 6}  # its first run found, the rest new
         answer = await h.post("/v1/completions", tail)
         assert answer.status == 200 and answer.headers["x-kvlb-replica"] == holder

@@ -15,7 +15,7 @@ from prometheus_client import generate_latest
 
 import balancer
 from balancer.events import Stored
-from balancer.index.hashing import BlockHasher, pack_tokens
+from balancer.index.hashing import MEMO_CHUNK_BLOCKS, BlockHasher, KeyMemo, pack_tokens
 from balancer.index.slots import TableCounters, TableLimits
 from balancer.index.table import PrefixTable
 from balancer.metrics import (
@@ -108,6 +108,26 @@ def test_every_table_counter_is_exported_per_key_space_at_scrape_time() -> None:
     evicted, overflow = table.counters.evicted_blocks, table.counters.speculative_overflow
     assert f'kvlb_index_table_evicted_blocks_total{{space="m/2/plain"}} {float(evicted)}' in text
     assert f'kvlb_index_table_speculative_overflow_total{{space="m/2/plain"}} {float(overflow)}' in text
+
+
+def test_every_key_memo_counter_is_exported_per_key_space_at_scrape_time() -> None:
+    """The key memo's counters (runs found, hashed, forgotten; whole prompts forgotten) are read from
+    the memos when scraped, one sample per key space; none before a source is set."""
+    metrics = Metrics.create()
+    assert "kvlb_route_key_memo_hits_total{" not in exported(metrics)
+    hasher = BlockHasher("m", 2)
+    memo = KeyMemo(1)
+    metrics.key_memos.source = lambda: {"m/2/plain": memo}
+    text = exported(metrics)
+    for name in ("hits", "misses", "evictions", "prompt_evictions"):
+        assert f'kvlb_route_key_memo_{name}_total{{space="m/2/plain"}} 0.0' in text
+    run = 2 * MEMO_CHUNK_BLOCKS  # one whole run of blocks
+    for first in (1, 10_000, 1):  # a run, another (the first is forgotten), the first again
+        hasher.request_keys(list(range(first, first + run)), memo=memo)
+    assert memo.misses == 3 and memo.evictions == 2
+    text = exported(metrics)
+    assert f'kvlb_route_key_memo_misses_total{{space="m/2/plain"}} {float(memo.misses)}' in text
+    assert f'kvlb_route_key_memo_evictions_total{{space="m/2/plain"}} {float(memo.evictions)}' in text
 
 
 def test_a_forgotten_child_is_made_again_after_its_removal() -> None:
