@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity.band import verdict
 from loadtests.capacity.report import ratio
-from loadtests.capacity.retimed import decision_times, parse_hops_ms, run_times, verdict_of
+from loadtests.capacity.retimed import decision_times, parse_hops_ms, routing_lag_ms, run_times, verdict_of
 from loadtests.capacity.search import RatePoint, Search, Slo
 from loadtests.capacity.simulated import (
     Assignment,
@@ -342,7 +342,8 @@ def _retimed(
     request (a request the client never sent)."""
     send_times, decision_rows = times_of
     decided = decision_times(decision_rows) if decision_rows is not None else None
-    times = run_times([s.request_id for s in specs], send_times, decided)
+    ids = [s.request_id for s in specs]
+    times = run_times(ids, send_times, decided)
     if times is None:
         log("  retimed: the run has no time for every request; not simulated")
         return None
@@ -352,7 +353,14 @@ def _retimed(
     judged = verdict_of(fleet_passes, draws_pass, retimed["passes"], invalid=point.invalid is not None)
     p90s = ", ".join(f"{h:g} ms {_num(p)}" for h, p in zip(hops_ms, retimed["ttft_p90_s"], strict=True))
     log(f"  retimed at the run's {times[0]} times: TTFT p90 {p90s} s; {judged}")
-    return {**retimed, "fleet_passes": fleet_passes, "draws_pass": draws_pass, "verdict": judged}
+    lag = None if decided is None else routing_lag_ms(ids, send_times, decided, args.time_scale)
+    return {
+        **retimed,
+        "routing_lag_ms": lag,
+        "fleet_passes": fleet_passes,
+        "draws_pass": draws_pass,
+        "verdict": judged,
+    }
 
 
 def _saved_decisions(saved: dict[str, Any] | None) -> dict[str, Any]:

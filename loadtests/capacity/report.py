@@ -286,8 +286,8 @@ def _retimed_lines(report: Mapping[str, Any]) -> list[str]:
         "(model time); like the draws, they pass when at least half of them pass, and the run agrees "
         "with either when its own pass or fail is theirs.",
         "",
-        "| router | rate | repeat | fleet p90 s | fleet | draws | times (offset p10–p90 ms) "
-        "| retimed p90 s per hop | retimed | verdict |",
+        "| router | rate | repeat | fleet p90 s | fleet | draws "
+        "| times (offset from the schedule p10–p90 ms) | retimed p90 s per hop | retimed | verdict |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r, p in rows:
@@ -300,10 +300,16 @@ def _retimed_lines(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"| {r['name']} | {p['rate']:.4g} | {_fmt(p.get('repeat'))} | {_fmt(p['ttft_p90_s'])} "
             f"| {'pass' if t['fleet_passes'] else 'fail'} | {draws} "
-            f"| {t['times']} ({_fmt(off.get('p10'))}–{_fmt(off.get('p90'))}) | {per_hop} "
+            f"| {t['times']} ({_fmt(off.get('p10'))}–{_fmt(off.get('p90'))}{_lag(t)}) | {per_hop} "
             f"| {'pass' if t['passes'] else 'fail'} ({_fmt(t['pass_share'], 2)}) | {t['verdict']} |"
         )
     return lines
+
+
+def _lag(retimed: Mapping[str, Any]) -> str:
+    """The decisions' routing lag after each send, p10–p90 model ms (with saved decisions only)."""
+    lag = retimed.get("routing_lag_ms")
+    return "" if not lag else f"; routing lag {_fmt(lag.get('p10'))}–{_fmt(lag.get('p90'))}"
 
 
 def routed_points(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -119,6 +119,33 @@ def offsets_ms(scheduled_s: Sequence[float], arrivals_s: Sequence[float]) -> dic
     }
 
 
+def routing_lag_ms(
+    request_ids: Sequence[str],
+    send_times_s: Mapping[str, float],
+    decision_times_s: Mapping[str, float],
+    time_scale: float,
+) -> dict[str, float | None]:
+    """How much later than its send each request was routed, beyond the first request's lag (model
+    ms: ``((decided − first decided) − (sent − first sent)) × time_scale × 1000``; the two clocks
+    differ, so only the change from the first request is known): p10, p50, p90 and the largest in
+    absolute value, over the requests with both times. What the decision times add to the sends."""
+    both = [rid for rid in request_ids if rid in send_times_s and rid in decision_times_s]
+    if not both:
+        return {"p10": None, "p50": None, "p90": None, "max_abs": None}
+    first = min(both, key=lambda rid: send_times_s[rid])
+    sent0, decided0 = send_times_s[first], decision_times_s[first]
+    lags = [
+        ((decision_times_s[rid] - decided0) - (send_times_s[rid] - sent0)) * time_scale * 1000.0
+        for rid in both
+    ]
+    return {
+        "p10": percentile(lags, 10),
+        "p50": percentile(lags, 50),
+        "p90": percentile(lags, 90),
+        "max_abs": max(abs(x) for x in lags),
+    }
+
+
 def verdict_of(
     fleet_passes: bool, draws_pass: bool | None, retimed_pass: bool | None, *, invalid: bool = False
 ) -> str:

@@ -105,6 +105,7 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             # the run's requests simulated at its own send times, once per default hop, and its verdict
             retimed = point["retimed"]
             assert retimed["times"] == SEND_TIMES and retimed["hops_ms"] == [5.0, 10.0, 20.0]
+            assert retimed["routing_lag_ms"] is None  # no decisions saved
             assert retimed["simulations"] == 3 and len(retimed["ttft_p90_s"]) == 3
             assert retimed["passes"] == (retimed["pass_share"] >= 0.5)
             assert retimed["fleet_passes"] == point["meets_slo"] and retimed["draws_pass"] == band["passes"]
@@ -222,6 +223,7 @@ def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
         assert point["decisions"] == {"saved": 40, "missing": 0, "error": None}
         # the retimed simulations take the kvlb's own decision times; no draws, no verdict
         assert point["retimed"]["times"] == DECISION_TIMES and point["retimed"]["verdict"] == UNJUDGED
+        assert point["retimed"]["routing_lag_ms"]["p50"] is not None
         rows = _rows(tmp_path / "requests" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
         decisions = _rows(tmp_path / "decisions" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
         # a fresh router per run: its decisions 1..40, one per request, in the order they were made

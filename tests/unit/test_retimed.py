@@ -22,6 +22,7 @@ from loadtests.capacity.retimed import (
     offsets_ms,
     parse_hops_ms,
     retime,
+    routing_lag_ms,
     run_times,
     verdict_of,
 )
@@ -77,6 +78,17 @@ def test_run_times_prefer_the_kvlbs_decisions_when_they_cover_every_request() ->
     assert run_times(ids, sends, {"a": 20.0}) == (SEND_TIMES, [1.0, 1.5])
     assert run_times(ids, sends, None) == (SEND_TIMES, [1.0, 1.5])
     assert run_times(ids, {"a": 1.0}, None) is None
+
+
+def test_routing_lag_is_the_decisions_delay_beyond_the_first_requests_in_model_ms() -> None:
+    ids = ["a", "b", "c"]
+    sends = {"a": 10.0, "b": 10.1, "c": 10.2}
+    # another clock; b routed 4 wall ms later than its send relative to a, c on time
+    decided = {"a": 500.0, "b": 500.104, "c": 500.2}
+    lag = routing_lag_ms(ids, sends, decided, 0.25)
+    assert lag["max_abs"] == pytest.approx(1.0)  # 4 wall ms at time scale 0.25
+    assert lag["p50"] == pytest.approx(0.0, abs=1e-9)
+    assert routing_lag_ms(ids, sends, {}, 0.25)["p50"] is None
 
 
 def test_the_verdict_is_the_bands_pass_rule_on_each_side() -> None:
