@@ -14,7 +14,9 @@
    report says which rates were measured on the fleet. A fleet run with more than 1% errors marks
    the router invalid, with the reason. With ``--confirm-sim-draws N`` each confirmed point is
    also simulated ``N`` times with every arrival moved by up to ``±--confirm-sim-jitter-ms``, and the
-   fleet's repeats are judged against that spread (:mod:`loadtests.capacity.band`).
+   fleet's repeats are judged against that spread (:mod:`loadtests.capacity.band`). Each fleet run is
+   also simulated at its own routing times over ``--confirm-retimed-hops-ms`` and judged against the
+   draws and those (:mod:`loadtests.capacity.retimed`).
 4. Writes ``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg`` (and ``.png`` with matplotlib).
 
 Rates and TTFTs are in model time (``--time-scale`` converts for the fleet). See ``docs/loadtest.md``.
@@ -39,6 +41,7 @@ from typing import Any
 
 from loadtests.capacity.confirm import confirm_on_fleet, kvlb_workers
 from loadtests.capacity.report import build_report, markdown, routed_points, svg_plot
+from loadtests.capacity.retimed import DEFAULT_HOPS_MS, MAX_HOPS, parse_hops_ms
 from loadtests.capacity.search import RatePoint, Search, Slo, search, searches_from_report
 from loadtests.capacity.simulated import (
     Stream,
@@ -146,6 +149,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--confirm-interleave", action="store_true",
         help="with --confirm-rates: at each rate, the routers' runs alternate A B B A A B ... instead "
         "of one router's repeats after another's: machine drift hits every router alike")  # fmt: skip
+    add("--confirm-retimed-hops-ms", default=",".join(f"{h:g}" for h in DEFAULT_HOPS_MS), metavar="H1,H2,...",
+        help="after each fleet run, simulate its requests once per hop (model ms, the same for every "
+        "request) with each arriving when the run routed it (the kvlb's decision times when "
+        "--confirm-save-decisions saved them all, else the client's send times), and judge the run "
+        f"against the draws and them (default 5,10,20; at most {MAX_HOPS}; none: off)")  # fmt: skip
     add("--confirm-save-decisions", action="store_true",
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
         "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl, and the "
@@ -272,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--routers names no router")
         if args.confirm_interleave and args.confirm_rates is None:
             raise ValueError("--confirm-interleave needs --confirm-rates (the same rates for every router)")
+        parse_hops_ms(args.confirm_retimed_hops_ms)
         if not math.isfinite(args.sim_forward_delay_ms) or args.sim_forward_delay_ms < 0:
             raise ValueError(f"--sim-forward-delay-ms must be >= 0, got {args.sim_forward_delay_ms}")
         jitter_ms = args.sim_forward_jitter_ms
@@ -353,6 +362,9 @@ def run(args: argparse.Namespace) -> int:
         "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
         "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
         "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
+        "confirm_retimed_hops_ms": (
+            list(parse_hops_ms(args.confirm_retimed_hops_ms)) if args.confirm else None
+        ),
         "sim_forward_delay_ms": args.sim_forward_delay_ms,
         "sim_prune": not args.sim_no_prune,
         "sim_forward_jitter_ms": args.sim_forward_jitter_ms,

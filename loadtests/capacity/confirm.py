@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity.band import verdict
 from loadtests.capacity.report import ratio
+from loadtests.capacity.retimed import decision_times, parse_hops_ms, routing_lag_ms, run_times, verdict_of
 from loadtests.capacity.search import RatePoint, Search, Slo
 from loadtests.capacity.simulated import (
     Assignment,
@@ -34,6 +35,7 @@ from loadtests.capacity.simulated import (
     sim_decision_rows,
     sim_measure,
     sim_only,
+    sim_retimed,
     sim_rows_of,
     slo_of,
 )
@@ -149,6 +151,7 @@ async def confirm_on_fleet(
         kvlb_workers=kvlb_workers(args),
         catch_up=not args.confirm_no_catch_up,
     )
+    hops_ms = parse_hops_ms(args.confirm_retimed_hops_ms)
     prepared: dict[tuple[str, float], dict[str, Any]] = {}
     given_up: set[tuple[str, float]] = set()
     try:
@@ -204,6 +207,12 @@ async def confirm_on_fleet(
                 slug = f"{_slug(router.name)}-{rate:g}-fleet-{repeat}.jsonl"
                 _write_rows(out / "requests" / slug, extra.pop("rows"))
                 decision_rows = extra.pop("decision_rows", None)
+                send_times = extra.pop("send_times")
+                if assigned is None and hops_ms:
+                    band = point_of["band"]
+                    extra["retimed"] = _retimed(
+                        args, name, stream, point, specs, (send_times, decision_rows), band, hops_ms, log
+                    )
                 if decision_rows is not None:
                     (out / "decisions").mkdir(exist_ok=True)
                     text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in decision_rows)
@@ -303,6 +312,7 @@ async def _fleet_point(
             # the client against its schedule, in model time (s, req/s): confirm_client
             **client,
             "rows": rows,
+            "send_times": {r.request_id: r.start_s for r in run.result.records},
             **_saved_decisions(run.after_drive if save else None),
         },
         invalid=note,
@@ -312,6 +322,45 @@ async def _fleet_point(
         f"{s.hit_rate or 0:.3f} (sim {sim.hit_rate or 0:.3f}), same replica {same_replica:.3f}, "
         f"same cached {same_cached:.3f}" + (f"; INVALID: {note}" if note else ""))  # fmt: skip
     return point, reason, run.process
+
+
+def _retimed(
+    args: argparse.Namespace,
+    name: str,
+    stream: Stream,
+    point: RatePoint,
+    specs: Sequence[RequestSpec],
+    times_of: tuple[dict[str, float], Sequence[dict[str, Any]] | None],
+    band: dict[str, Any] | None,
+    hops_ms: Sequence[float],
+    log: Callable[[str], None],
+) -> dict[str, Any] | None:
+    """One fleet run's retimed simulations (:func:`sim_retimed`: its requests at the times the run
+    routed them, per hop; ``times_of``: the client's send times by request id and the saved
+    decisions, if any) and its verdict against the draws' ``band`` and them
+    (:func:`loadtests.capacity.retimed.verdict_of`); ``None`` when the run has no time for some
+    request (a request the client never sent)."""
+    send_times, decision_rows = times_of
+    decided = decision_times(decision_rows) if decision_rows is not None else None
+    ids = [s.request_id for s in specs]
+    times = run_times(ids, send_times, decided)
+    if times is None:
+        log("  retimed: the run has no time for every request; not simulated")
+        return None
+    retimed = sim_retimed(args, name, stream, point.rate, times, hops_ms)
+    fleet_passes = point.meets(slo_of(args))
+    draws_pass = None if band is None else bool(band["passes"])
+    judged = verdict_of(fleet_passes, draws_pass, retimed["passes"], invalid=point.invalid is not None)
+    p90s = ", ".join(f"{h:g} ms {_num(p)}" for h, p in zip(hops_ms, retimed["ttft_p90_s"], strict=True))
+    log(f"  retimed at the run's {times[0]} times: TTFT p90 {p90s} s; {judged}")
+    lag = None if decided is None else routing_lag_ms(ids, send_times, decided, args.time_scale)
+    return {
+        **retimed,
+        "routing_lag_ms": lag,
+        "fleet_passes": fleet_passes,
+        "draws_pass": draws_pass,
+        "verdict": judged,
+    }
 
 
 def _saved_decisions(saved: dict[str, Any] | None) -> dict[str, Any]:

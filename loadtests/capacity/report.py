@@ -154,6 +154,7 @@ def markdown(report: Mapping[str, Any]) -> str:
                 "what LRU engines leave reachable to any router."
             )
     lines += _band_lines(report)
+    lines += _retimed_lines(report)
     lines += _invalid_point_lines(report)
     lines += [
         "",
@@ -269,6 +270,46 @@ def _band_lines(report: Mapping[str, Any]) -> list[str]:
                 f"(one simulation's search: {_fmt(r['capacity_rate'])})."
             )
     return lines
+
+
+def _retimed_lines(report: Mapping[str, Any]) -> list[str]:
+    """The table of each fleet run against the draws and its retimed simulations
+    (``--confirm-retimed-hops-ms``, :mod:`loadtests.capacity.retimed`)."""
+    rows = [(r, p) for r in report["routers"] for p in r.get("confirmed", ()) if p.get("retimed")]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "## At the fleet's own times",
+        "",
+        "Each fleet run's requests simulated once per hop, each arriving when the run routed it "
+        "(model time); like the draws, they pass when at least half of them pass, and the run agrees "
+        "with either when its own pass or fail is theirs.",
+        "",
+        "| router | rate | repeat | fleet p90 s | fleet | draws "
+        "| times (offset from the schedule p10–p90 ms) | retimed p90 s per hop | retimed | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r, p in rows:
+        t = p["retimed"]
+        off = t.get("offset_ms") or {}
+        per_hop = ", ".join(
+            f"{h:g} ms: {_fmt(v)}" for h, v in zip(t["hops_ms"], t["ttft_p90_s"], strict=True)
+        )
+        draws = "-" if t.get("draws_pass") is None else ("pass" if t["draws_pass"] else "fail")
+        lines.append(
+            f"| {r['name']} | {p['rate']:.4g} | {_fmt(p.get('repeat'))} | {_fmt(p['ttft_p90_s'])} "
+            f"| {'pass' if t['fleet_passes'] else 'fail'} | {draws} "
+            f"| {t['times']} ({_fmt(off.get('p10'))}–{_fmt(off.get('p90'))}{_lag(t)}) | {per_hop} "
+            f"| {'pass' if t['passes'] else 'fail'} ({_fmt(t['pass_share'], 2)}) | {t['verdict']} |"
+        )
+    return lines
+
+
+def _lag(retimed: Mapping[str, Any]) -> str:
+    """The decisions' routing lag after each send, p10–p90 model ms (with saved decisions only)."""
+    lag = retimed.get("routing_lag_ms")
+    return "" if not lag else f"; routing lag {_fmt(lag.get('p10'))}–{_fmt(lag.get('p90'))}"
 
 
 def routed_points(row: Mapping[str, Any]) -> list[Mapping[str, Any]]:

@@ -22,6 +22,7 @@ from balancer.policy.base import PolicyWeights
 from loadtests.capacity.agreement import RequestRow
 from loadtests.capacity.band import band_of, draw_rng, hop_rng, jitter_arrivals
 from loadtests.capacity.report import ratio
+from loadtests.capacity.retimed import arrivals_of, offsets_ms, retime
 from loadtests.capacity.search import RatePoint, Slo, parse_seconds, point_of
 from loadtests.peers import RouterSpec, parse_router
 from loadtests.simulate import SimConfig, SimRequest, SimResult, Simulation
@@ -220,6 +221,42 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
         "hop_jitter_ms": args.sim_forward_jitter_ms,
         **band_of(p90s, passes, hits),
     }
+
+
+def sim_retimed(
+    args: argparse.Namespace,
+    name: str,
+    stream: Stream,
+    rate: float,
+    times: tuple[str, Sequence[float]],
+    hops_ms: Sequence[float],
+) -> dict[str, Any]:
+    """Router ``name`` on the first ``len(times[1])`` requests at ``rate``, each arriving at its time
+    in one fleet run (``times``: the source and the wall seconds by stream position, converted by
+    ``--time-scale`` and anchored at the schedule's first arrival, :mod:`loadtests.capacity.retimed`),
+    once per hop of ``hops_ms`` (model ms, each the same for every request), as :func:`band_of` of
+    those simulations (``passes``: at least half of them meet the SLO), with the hops, the source of
+    the times and the arrivals' offsets from the schedule."""
+    source, wall = times
+    requests = stream.at(rate, len(wall))
+    scheduled = [r.arrival_s for r in requests]
+    arrivals = arrivals_of(wall, args.time_scale, min(scheduled, default=0.0))
+    moved = retime(requests, arrivals)
+    config = sim_config(args, parse_router(name))
+    slo = slo_of(args)
+    p90s: list[float | None] = []
+    passes: list[bool] = []
+    hits: list[float | None] = []
+    for hop_ms in hops_ms:
+        hopped = dataclasses.replace(config, forward_delay_s=hop_ms / 1000.0, forward_jitter_s=0.0)
+        point = point_of(rate, Simulation(hopped, moved).run().summary, "sim")
+        p90s.append(point.ttft_p90_s)
+        passes.append(point.meets(slo))
+        hits.append(point.hit_rate)
+    figures = band_of(p90s, passes, hits)
+    figures["simulations"] = figures.pop("draws")
+    offsets = offsets_ms(scheduled, arrivals)
+    return {"times": source, "hops_ms": list(hops_ms), "offset_ms": offsets, **figures}
 
 
 def simulated_as(name: str) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
+from loadtests.capacity.retimed import DECISION_TIMES, SEND_TIMES, UNJUDGED, verdict_of
 from loadtests.client_lag import FIELDS as CLIENT_FIELDS
 
 
@@ -101,6 +102,16 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             assert band["fleet_ttft_p90_s"] == [point["ttft_p90_s"]]
             assert band["sim_single_ttft_p90_s"] == point["sim_same_requests_ttft_p90_s"]
             assert {"fleet_median_within_tol", "fleet_inside_sim_range", "pass_share"} <= band.keys()
+            # the run's requests simulated at its own send times, once per default hop, and its verdict
+            retimed = point["retimed"]
+            assert retimed["times"] == SEND_TIMES and retimed["hops_ms"] == [5.0, 10.0, 20.0]
+            assert retimed["routing_lag_ms"] is None  # no decisions saved
+            assert retimed["simulations"] == 3 and len(retimed["ttft_p90_s"]) == 3
+            assert retimed["passes"] == (retimed["pass_share"] >= 0.5)
+            assert retimed["fleet_passes"] == point["meets_slo"] and retimed["draws_pass"] == band["passes"]
+            invalid = "invalid" in point
+            judged = verdict_of(point["meets_slo"], band["passes"], retimed["passes"], invalid=invalid)
+            assert retimed["verdict"] == judged
         assert "band_capacity_sim" in row and "band_capacity_fleet" in row
         for point in row["confirmed"]:
             assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
@@ -120,6 +131,8 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     assert ("no measurement at their rate" in text) == any_behind
     assert all(p["exit_code"] is not None for p in report["meta"]["processes"])
     assert "## Against the simulator's spread" in (tmp_path / "capacity.md").read_text()
+    assert "## At the fleet's own times" in (tmp_path / "capacity.md").read_text()
+    assert report["meta"]["confirm_retimed_hops_ms"] == [5.0, 10.0, 20.0]
 
 
 @pytest.mark.slow
@@ -205,8 +218,12 @@ def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
     for point in row["confirmed"]:
         if point["fleet_router"] == "replay:kvlb":
             assert "decisions" not in point  # no router, no ring
+            assert "retimed" not in point  # nothing routed it
             continue
         assert point["decisions"] == {"saved": 40, "missing": 0, "error": None}
+        # the retimed simulations take the kvlb's own decision times; no draws, no verdict
+        assert point["retimed"]["times"] == DECISION_TIMES and point["retimed"]["verdict"] == UNJUDGED
+        assert point["retimed"]["routing_lag_ms"]["p50"] is not None
         rows = _rows(tmp_path / "requests" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
         decisions = _rows(tmp_path / "decisions" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
         # a fresh router per run: its decisions 1..40, one per request, in the order they were made
