@@ -215,16 +215,20 @@ class Admission:
         ``body_bytes``: at most ``max_inflight_body_bytes``."""
         if tenant is None:
             tenant = self.default_tenant
+        limits = self.limits
+        inflight = self.inflight
         if (
-            self.body_bytes + body_bytes <= self.limits.max_inflight_body_bytes
+            self.body_bytes + body_bytes <= limits.max_inflight_body_bytes
             and tenant.inflight < self._tenant_cap
             and not self._ring
             and not self._front
-            and self._has_room()
-        ):
+            and (inflight if self.peers is None else inflight + self.peers()) < limits.max_inflight
+        ):  # the fast path: calls inlined (it is every request's)
             self.body_bytes += body_bytes
             tenant.inflight += 1
-            self._set_inflight(self.inflight + 1)
+            self.inflight = inflight = inflight + 1
+            if self.on_change is not None:
+                self.on_change(inflight)
             return True
         return False
 
@@ -259,15 +263,17 @@ class Admission:
         if tenant is None:
             tenant = self.default_tenant
         self.body_bytes -= body_bytes
-        tenant.inflight -= 1
+        held = tenant.inflight = tenant.inflight - 1
         self.inflight -= 1
-        if tenant.waiters and tenant.inflight == self._tenant_cap - 1:
-            self._ring.append(tenant)  # below its cap again: its turn comes after the others'
-        if not tenant.inflight and tenant.key is not None and not tenant.queued:
+        if tenant.waiters:
+            if held == self._tenant_cap - 1:
+                self._ring.append(tenant)  # below its cap again: its turn comes after the others'
+        elif not held and tenant.key is not None and not tenant.queued:
             self._forget(tenant)
-        if not ((self._ring or self._front) and self._admit_waiters()):
-            self._set_inflight(self.inflight)
-        self._wake_replica_waiters()
+        if not ((self._ring or self._front) and self._admit_waiters()) and self.on_change is not None:
+            self.on_change(self.inflight)
+        if self._replica_waiters:
+            self._freed.set()
 
     def _forget(self, tenant: Tenant) -> None:
         """Drop ``tenant`` from the table (it has nothing in flight or waiting)."""

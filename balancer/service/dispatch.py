@@ -99,7 +99,8 @@ class Admitted:
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
         deadline = self.deadline = admission.deadline()
-        tenant = self.tenant = admission.tenant(self.tenant_name)
+        name = self.tenant_name
+        tenant = self.tenant = admission.default_tenant if name is None else admission.tenant(name)
         if tenant is admission.overflow_tenant:
             self.state.metrics.admission_tenant_overflow_total.inc()
         if admission.try_enter(self.body_bytes, tenant):
