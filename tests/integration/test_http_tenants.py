@@ -2,7 +2,8 @@
 127.0.0.1; tenant A floods it, tenant B's few requests are all admitted and served while A is held
 to its own caps (``limits.max_inflight_per_tenant``, ``limits.max_queued_per_tenant``) and gets 429
 or 503 with Retry-After, never another error. The same flood with the per-tenant caps left at the
-global ones (the default) shows what the caps prevent: B refused too."""
+global ones (the default) shows what the caps prevent: B refused too. The gRPC face reads the
+tenant from the call's metadata, and one tenant's caps count its calls and HTTP requests alike."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
+import grpc
+import pytest
 from aiohttp import web
-from kvlb_harness import MODEL, balancer_over, metric_value
+from grpc_harness import failure, grpc_running, token_request
+from kvlb_harness import MODEL, balancer_over, metric_value, shared_deepseek
+
+from balancer.tokenizer.tokenizer import Tokenizer
 
 SLOW_S = 0.2
 """How long the replica takes to answer one request (seconds)."""
@@ -119,3 +125,43 @@ async def test_without_per_tenant_caps_the_flooding_tenant_takes_every_place() -
     assert 429 in b_statuses
     assert {status for status, _ in a_answers} <= {200, 429, 503}
     assert metric_value(metrics, "kvlb_admission_shed_total", reason="tenant_queue") == 0
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+async def test_grpc_calls_carry_their_tenant_in_metadata_and_share_its_caps_with_http(
+    tokenizer: Tokenizer,
+) -> None:
+    async with grpc_running(
+        tokenizer,
+        1,
+        time_scale=0.05,
+        limits__max_inflight=4,
+        limits__max_inflight_per_tenant=1,
+        limits__max_queued_per_tenant=0,
+    ) as g:
+        a = ((HEADER, "tenant-a"),)
+        first = g.balancer.Generate(token_request([7, 8, 9, 10], max_tokens=100), metadata=a)
+        try:
+            assert (await first.read()).index == 0  # in flight: tenant A's one slot
+            second = g.balancer.Generate(token_request([11, 12, 13], max_tokens=1), metadata=a)
+            error = await failure(second.read())
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limits.max_queued_per_tenant = 0" in (error.details() or "")
+            assert ("retry-after", "1") in tuple(error.trailing_metadata() or ())
+            body = {"model": MODEL, "prompt": [11, 12, 13], "max_tokens": 1}
+            over_http = await g.http.post("/v1/completions", body, headers={HEADER: "tenant-a"})
+            assert over_http.status == 429 and over_http.headers["Retry-After"] == "1"
+            other = g.balancer.Generate(
+                token_request([21, 22, 23], max_tokens=1), metadata=((HEADER, "tenant-b"),)
+            )
+            chunks = [chunk async for chunk in other]
+            assert chunks and chunks[0].index == 0
+        finally:
+            first.cancel()
+        async with g.http.session.get(g.http.url + "/metrics") as response:
+            metrics = await response.text()
+        assert metric_value(metrics, "kvlb_admission_shed_total", reason="tenant_queue") == 2
