@@ -163,10 +163,10 @@ class LimitConfig:
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
     Unset (the default): ``max_queued``. 0..``max_queued``; per worker."""
     max_tenants: int = 1024
-    """Tenants admission tracks at once (those with a request in flight or waiting; about 300 B
+    """Tenants admission tracks at once (those with a request in flight or waiting; about 1 kB
     each); a new tenant past it shares one overflow tenant, and its caps, with the other untracked
     ones (``kvlb_admission_tenant_overflow_total`` counts its requests, ``kvlb_admission_tenants``
-    is the count tracked). 1..1,048,576; per worker."""
+    is the count tracked). 1..65,536 (64 MB at most); per worker."""
     queue_timeout_s: float = 2.0
     """Longest wait in the admission queue (seconds); at the limit → 503 with Retry-After."""
     max_retries: int = 2
@@ -568,8 +568,8 @@ class Settings:
                 f"limits.max_queued_per_tenant must be in 0..limits.max_queued ({limits.max_queued}), "
                 f"got {limits.max_queued_per_tenant}"
             )
-        if not 1 <= limits.max_tenants <= 1_048_576:
-            raise ConfigError(f"limits.max_tenants must be in 1..1048576, got {limits.max_tenants}")
+        if not 1 <= limits.max_tenants <= 65_536:
+            raise ConfigError(f"limits.max_tenants must be in 1..65536, got {limits.max_tenants}")
         if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
             raise ConfigError("tenant_header must be a header name (letters, digits, '-', '_')")
         self.upstream.validate()
