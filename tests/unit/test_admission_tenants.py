@@ -295,3 +295,26 @@ async def test_without_tenants_the_caps_at_the_global_values_change_nothing() ->
     gate.leave()
     gate.leave()
     assert (gate.inflight, gate.queued, gate.tenants) == (0, 0, 0)
+
+
+async def test_every_change_of_the_count_is_published_and_other_workers_slots_count() -> None:
+    """``kvlb serve --workers N``: each change of this worker's count reaches ``on_change`` (a slot
+    passed on to a waiter publishes the count once it is taken again), and the other workers'
+    admitted requests (``peers``) take slots from every tenant alike."""
+    gate = admission(inflight=3, per_tenant=2)
+    published: list[int] = []
+    others = [1]
+    gate.on_change = published.append
+    gate.peers = lambda: others[0]
+    a, b = gate.tenant("a"), gate.tenant("b")
+    assert gate.try_enter(0, a) and gate.try_enter(0, b)
+    assert not gate.try_enter(0, b)  # 2 here + 1 elsewhere: the service is full
+    waiting = asyncio.create_task(gate.enter(gate.deadline(), 0, b))
+    await settle()
+    others[0] = 0  # a slot freed on another worker: seen at the waiter's next check
+    await waiting
+    assert published == [1, 2, 3] and b.inflight == 2
+    gate.leave(0, a)
+    gate.leave(0, b)
+    gate.leave(0, b)
+    assert published == [1, 2, 3, 2, 1, 0] and gate.tenants == 0
