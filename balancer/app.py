@@ -135,10 +135,21 @@ class Balancer:
         limits = settings.limits
         admission = Admission(
             AdmissionLimits(
-                limits.max_inflight, limits.max_queued, limits.queue_timeout_s, limits.max_inflight_body_bytes
+                limits.max_inflight,
+                limits.max_queued,
+                limits.queue_timeout_s,
+                limits.max_inflight_body_bytes,
+                max_inflight_per_tenant=limits.max_inflight_per_tenant or limits.max_inflight,
+                max_queued_per_tenant=(
+                    limits.max_queued
+                    if limits.max_queued_per_tenant is None
+                    else limits.max_queued_per_tenant
+                ),
+                max_tenants=limits.max_tenants,
             )
         )
         self.metrics.inflight_requests.set_function(lambda: admission.inflight)
+        self.metrics.admission_tenants.set_function(lambda: admission.tenants)
         self.metrics.admission_body_bytes.set_function(lambda: admission.body_bytes)
         self.state = state = ServiceState(
             settings=settings,

@@ -90,6 +90,8 @@ class Metrics:
     inflight_requests: Gauge
     shed_total: Counter
     admission_body_bytes: Gauge
+    admission_tenants: Gauge
+    admission_tenant_overflow_total: Counter
     retries_total: Counter
     route_decision_seconds: Histogram
     route_decisions_total: Counter
@@ -384,6 +386,8 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
 class _AdmissionCollectors(TypedDict):
     shed_total: Counter
     admission_body_bytes: Gauge
+    admission_tenants: Gauge
+    admission_tenant_overflow_total: Counter
 
 
 def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
@@ -394,8 +398,20 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "kvlb_admission_shed_total",
             "Requests refused by admission control (429/503), by reason: max_inflight (queue full), "
             "replica_full, queue_timeout, no_healthy, body_bytes (limits.max_inflight_body_bytes "
-            "full: queue full or waited too long).",
+            "full: queue full or waited too long), tenant_queue (the tenant's "
+            "limits.max_queued_per_tenant full), tenant_inflight (waited too long for a slot of the "
+            "tenant's limits.max_inflight_per_tenant).",
             ["reason"],
+        ),
+        "admission_tenants": gauge(
+            "kvlb_admission_tenants",
+            "Tenants admission tracks now: with a request in flight or waiting (limits.max_tenants "
+            "bounds them; per worker; the default and overflow tenants aside).",
+        ),
+        "admission_tenant_overflow_total": counter(
+            "kvlb_admission_tenant_overflow_total",
+            "Requests of a new tenant that found limits.max_tenants tenants tracked and shared the "
+            "overflow tenant (and its caps).",
         ),
         "admission_body_bytes": gauge(
             "kvlb_admission_body_bytes",

@@ -98,7 +98,8 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # before it takes a slot and bytes
         raise _too_large(declared, max_bytes)
-    async with admitted(state, declared or 0) as admission:
+    tenant = request.headers.get(state.settings.tenant_header)
+    async with admitted(state, declared or 0, tenant) as admission:
         hold = admission.hold if declared is None else None
         body = await read_body(request, max_bytes, state.settings.timeouts.body_read_s, hold)
         parsed = parse_request(body, kind, state.token_id_memo)
@@ -117,7 +118,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             path,
             request_id,
             arrived,
-            request.headers.get(state.settings.console.tenant_header),
+            tenant,
         )
         # Parsed tiny chat messages keep 7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.

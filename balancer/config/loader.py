@@ -161,8 +161,23 @@ def load(
             raise ConfigError(f"config {file} is not valid YAML: {exc}") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config {file}: top level must be a mapping")
-    settings: Settings = from_mapping(Settings, merge_overrides(raw, environ, sets))
+    settings: Settings = from_mapping(Settings, moved_keys(merge_overrides(raw, environ, sets)))
     return settings.validate()
+
+
+def moved_keys(tree: dict[str, Any]) -> dict[str, Any]:
+    """``tree`` with the settings that moved under their new names: ``console.tenant_header`` (file,
+    ``KVLB_CONSOLE__TENANT_HEADER`` or ``--set``) is ``tenant_header``; both, different → ConfigError."""
+    console = tree.get("console")
+    if isinstance(console, dict) and "tenant_header" in console:
+        old = console.pop("tenant_header")
+        if "tenant_header" in tree and tree["tenant_header"] != old:
+            raise ConfigError(
+                f"console.tenant_header ({old!r}) is the old name of tenant_header "
+                f"({tree['tenant_header']!r}): set only tenant_header"
+            )
+        tree["tenant_header"] = old
+    return tree
 
 
 PRELOAD = "LD_PRELOAD"

@@ -148,8 +148,25 @@ class LimitConfig:
     ``kvlb serve --workers N`` each worker has its own budget (N × this in all), since each worker is
     its own process holding its own bodies."""
     max_queued: int = 128
-    """Requests waiting for admission (over ``max_inflight``, or every replica full), first come first
-    served; one more → 429 with Retry-After at once. 0: no queue, excess is refused at once."""
+    """Requests waiting for admission (over ``max_inflight``, or every replica full), admitted
+    round-robin across tenants (each tenant's in order); one more → 429 with Retry-After at once. 0:
+    no queue, excess is refused at once."""
+    max_inflight_per_tenant: int | None = None
+    """Requests of one tenant (the value of the ``tenant_header``; no header: one default tenant)
+    admitted at once; more of that tenant wait in the queue while other tenants' requests go on
+    (``queue_timeout_s`` → 503 with Retry-After, ``kvlb_admission_shed_total{reason=
+    "tenant_inflight"}``). Unset (the default): ``max_inflight``, so one tenant may take every slot
+    and nothing changes for a deployment without tenants. 1..``max_inflight``; per worker with
+    ``kvlb serve --workers N`` (N × this for the service)."""
+    max_queued_per_tenant: int | None = None
+    """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
+    tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
+    Unset (the default): ``max_queued``. 0..``max_queued``; per worker."""
+    max_tenants: int = 1024
+    """Tenants admission tracks at once (those with a request in flight or waiting; about 1 kB
+    each); a new tenant past it shares one overflow tenant, and its caps, with the other untracked
+    ones (``kvlb_admission_tenant_overflow_total`` counts its requests, ``kvlb_admission_tenants``
+    is the count tracked). 1..65,536 (64 MB at most); per worker."""
     queue_timeout_s: float = 2.0
     """Longest wait in the admission queue (seconds); at the limit → 503 with Retry-After."""
     max_retries: int = 2
@@ -344,9 +361,6 @@ class ConsoleConfig:
     """Byte budget of one pool's ring (estimated, on the high side: 1.2 kB per entry plus 0.7 kB per
     replica in its cost terms and load snapshot); past it the oldest entries are evicted
     (``kvlb_console_ring_evicted_total{reason="bytes"}``, ``kvlb_console_ring_bytes``). Must be > 0."""
-    tenant_header: str = "x-kvlb-tenant"
-    """Request header whose value is kept with each decision (filter of ``/admin/decisions``);
-    values longer than 128 characters are cut. Case-insensitive."""
     audit_log_size: int = 1_000
     """Policy changes kept in ``/admin/audit`` (the oldest are dropped; every change is also logged
     at INFO). Must be >= 1."""
@@ -373,8 +387,6 @@ class ConsoleConfig:
             raise ConfigError("console.decision_ring_size must be in 0..1000000")
         if self.decision_ring_bytes <= 0:
             raise ConfigError("console.decision_ring_bytes must be > 0")
-        if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
-            raise ConfigError("console.tenant_header must be a header name (letters, digits, '-', '_')")
         if self.audit_log_size < 1:
             raise ConfigError("console.audit_log_size must be >= 1")
         if self.whatif_max_entries < 1:
@@ -433,6 +445,12 @@ class Settings:
     redis: RedisConfig = field(default_factory=RedisConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    tenant_header: str = "x-kvlb-tenant"
+    """Request header naming the request's tenant (HTTP header; gRPC metadata key of the same name,
+    lower-case); case-insensitive; values longer than 128 characters are cut; no header: the
+    default tenant. Admission caps and takes turns by tenant (``limits.max_inflight_per_tenant``)
+    and the console keeps it with each decision (filter of ``/admin/decisions``). Formerly
+    ``console.tenant_header``, still accepted (the two may not disagree)."""
     scrape_interval_s: float = 1.0
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
@@ -533,6 +551,27 @@ class Settings:
             )
         if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
             raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
+        limits = self.limits
+        if (
+            limits.max_inflight_per_tenant is not None
+            and not 1 <= limits.max_inflight_per_tenant <= limits.max_inflight
+        ):
+            raise ConfigError(
+                f"limits.max_inflight_per_tenant must be in 1..limits.max_inflight ({limits.max_inflight}), "
+                f"got {limits.max_inflight_per_tenant}"
+            )
+        if (
+            limits.max_queued_per_tenant is not None
+            and not 0 <= limits.max_queued_per_tenant <= limits.max_queued
+        ):
+            raise ConfigError(
+                f"limits.max_queued_per_tenant must be in 0..limits.max_queued ({limits.max_queued}), "
+                f"got {limits.max_queued_per_tenant}"
+            )
+        if not 1 <= limits.max_tenants <= 65_536:
+            raise ConfigError(f"limits.max_tenants must be in 1..65536, got {limits.max_tenants}")
+        if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
+            raise ConfigError("tenant_header must be a header name (letters, digits, '-', '_')")
         self.upstream.validate()
         self.redis.validate()
         self.discovery.validate()

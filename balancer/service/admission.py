@@ -1,27 +1,44 @@
-"""Admission control with a bounded, first-come-first-served wait queue (async shell, no I/O).
+"""Admission control with a bounded wait queue, fair across tenants (async shell, no I/O).
 
 A request is admitted while fewer than ``max_inflight`` are; otherwise it waits in a queue of at most
-``max_queued`` requests, for at most ``queue_timeout_s``. A request leaving hands its slot straight
-to the oldest waiter, so the queue is fair and the in-flight count never exceeds the cap.
+``max_queued`` requests, for at most ``queue_timeout_s``. A request leaving hands its slot to the
+next waiter, so the in-flight count never exceeds the cap.
+
+**Tenants.** Every request belongs to a :class:`Tenant` (:meth:`Admission.tenant`: the value of the
+tenant header, cut to :data:`TENANT_CHARS` characters; no header: the default tenant). A tenant holds
+at most ``max_inflight_per_tenant`` slots and ``max_queued_per_tenant`` queue places; a request
+over its tenant's slots waits (then 503, ``limit`` :data:`TENANT_INFLIGHT`) while other tenants'
+requests go on, and one over its tenant's queue places is refused at once (429, ``limit``
+:data:`TENANT_QUEUE`). Waiters are admitted **round-robin across tenants**, each tenant's own in
+order: the tenants with a waiter and a free slot of their own take turns (a ring), one admission
+per turn, so a tenant with 100 waiters does not get ahead of another tenant's single one. A tenant
+at its slot cap leaves the ring and joins it again at the back when one of its requests leaves.
+The table of tenants is bounded (``max_tenants``, only tenants with a request in flight or waiting
+are kept): a new tenant past it shares the one overflow tenant (:attr:`Admission.overflow_tenant`)
+and its caps. With the per-tenant caps at the global ones (the defaults) only the order changes.
 
 The same queue bounds requests that were admitted but find every replica full
 (``limits.max_inflight_per_replica``): they wait for a replica's request to end (woken at each
 :meth:`Admission.leave`, and every ``RECHECK_S`` for slots freed elsewhere, e.g. a gRPC reservation
-expiring), within the same deadline. Refusals say why:
+expiring), within the same deadline; they count in their tenant's queue places. Refusals say why:
 
 * the queue is full → :class:`AdmissionRefused` with status 429 (``reason="queue_full"``);
 * the wait timed out → status 503 (``reason="queue_timeout"``); both carry ``retry_after_s``, and
-  ``limit`` says what was full (``"body_bytes"`` for the byte budget below).
+  ``limit`` says what was full (``"body_bytes"`` for the byte budget below, the tenant's caps).
 
 **Body bytes.** Besides its slot, a request holds bytes of ``max_inflight_body_bytes``: its body's
 size, reserved on entering (:meth:`Admission.enter` with ``body_bytes``: the declared length) or as
 it is read (:meth:`Admission.hold`, for a body without a declared length), and its token ids
 (:meth:`Admission.add`, which never waits). A request enters only while its slot and its bytes both
-fit, and waiters are admitted strictly in order, so a large body at the head of the queue holds
-back smaller ones behind it (first come first served, as for slots). More bytes for a request
-already in flight (:meth:`Admission.hold`) go before the newcomers: they wait at the front of the
-queue. :meth:`Admission.leave` gives back the slot and every byte the request held. The check on
-the way in is two comparisons and an addition.
+fit. The bytes are one budget for all tenants and nobody passes the waiter whose turn it is: when
+the next waiter in the round (the head of the ring's first tenant) does not fit, admission stops
+until enough bytes are given back, as a large body at the head of a FIFO queue held back smaller
+ones; it is never skipped (a body is at most ``max_body_bytes`` ≤ the budget, and every request in
+flight gives its bytes back when it ends, so it fits in the end: no starvation, no deadlock). More
+bytes for a request already in flight (:meth:`Admission.hold`) go before every newcomer, whatever
+its tenant: they wait in a front queue, first come first served. :meth:`Admission.leave` gives back
+the slot and every byte the request held. The check on the way in is a few comparisons and an
+addition.
 
 With ``kvlb serve --workers N`` the cap is the whole service's: :attr:`Admission.peers` gives the
 requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
@@ -29,7 +46,7 @@ requests the other workers have admitted (the shared load table, :mod:`balancer.
 plus the others' count is below ``max_inflight``; a slot freed on another worker is seen by this
 worker's waiters at their next check (every ``RECHECK_S``), in their order. Two workers admitting at
 the same instant may both pass: the service is at most ``N - 1`` over the cap. The queue
-(``max_queued``) and its order stay per worker.
+(``max_queued``), its order and every per-tenant cap and table stay per worker.
 
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
@@ -45,16 +62,23 @@ from dataclasses import dataclass
 RECHECK_S = 0.05
 """Longest sleep of a request waiting for a replica slot between two checks (seconds)."""
 
+TENANT_CHARS = 128
+"""Characters of a tenant header's value that name the tenant (the rest is cut, as the console does)."""
 
 MAX_BYTES = "body_bytes"
 """The ``limit`` of a refusal for want of bytes of ``max_inflight_body_bytes``."""
 MAX_INFLIGHT = "max_inflight"
 """The ``limit`` of a refusal for want of a slot (or of a replica slot: :meth:`Admission.wait_until`)."""
+TENANT_INFLIGHT = "tenant_inflight"
+"""The ``limit`` of a refusal for want of a slot of the request's tenant (``max_inflight_per_tenant``)."""
+TENANT_QUEUE = "tenant_queue"
+"""The ``limit`` of a refusal for want of a queue place of the tenant (``max_queued_per_tenant``)."""
 
 
 class AdmissionRefused(Exception):
     """The request is not admitted: ``status`` 429 (queue full) or 503 (waited too long); ``limit``
-    is what it waited for (:data:`MAX_INFLIGHT` or :data:`MAX_BYTES`)."""
+    is what it waited for (:data:`MAX_INFLIGHT`, :data:`MAX_BYTES`, :data:`TENANT_INFLIGHT` or
+    :data:`TENANT_QUEUE`)."""
 
     def __init__(
         self, status: int, reason: str, message: str, retry_after_s: float, limit: str = MAX_INFLIGHT
@@ -67,6 +91,10 @@ class AdmissionRefused(Exception):
         self.limit = limit
 
 
+UNBOUNDED = 2**62
+"""A per-tenant cap that never binds (the default of :class:`AdmissionLimits`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
     max_inflight: int
@@ -77,18 +105,40 @@ class AdmissionLimits:
     """Longest wait of one request, both waits together (seconds, > 0)."""
     max_inflight_body_bytes: int = 2**40
     """Bytes of bodies (and token ids) held at once, by this process (≥ the largest body)."""
+    max_inflight_per_tenant: int = UNBOUNDED
+    """Requests of one tenant admitted at once (≥ 1; at most ``max_inflight`` binds)."""
+    max_queued_per_tenant: int = UNBOUNDED
+    """Requests of one tenant waiting at once, for admission or a replica slot (≥ 0)."""
+    max_tenants: int = 1024
+    """Tenants tracked at once (≥ 1); a new one past it shares the overflow tenant."""
+
+
+class Tenant:
+    """One tenant's share of admission: its requests in flight, its places in the queue, its waiters."""
+
+    __slots__ = ("inflight", "key", "queued", "waiters")
+
+    def __init__(self, key: str | None) -> None:
+        self.key = key
+        """Its key in the table; ``None`` for the default and the overflow tenants (never dropped)."""
+        self.inflight = 0
+        """Its requests admitted and not yet left."""
+        self.queued = 0
+        """Its requests waiting, for admission (:attr:`waiters`) or for a replica slot."""
+        self.waiters: collections.deque[_Waiter] = collections.deque()
+        """Its requests waiting for admission, oldest first."""
 
 
 class _Waiter:
     """One request in the queue: what it waits for, and the future that admits it."""
 
-    __slots__ = ("body_bytes", "future", "slot")
+    __slots__ = ("body_bytes", "future", "tenant")
 
-    def __init__(self, future: asyncio.Future[None], body_bytes: int, slot: bool) -> None:
+    def __init__(self, future: asyncio.Future[None], body_bytes: int, tenant: Tenant | None) -> None:
         self.future = future
         self.body_bytes = body_bytes
-        self.slot = slot
-        """Whether it waits for a slot too (``False``: bytes for a request already in flight)."""
+        self.tenant = tenant
+        """The tenant whose slot it waits for (``None``: bytes for a request already in flight)."""
 
 
 class Admission:
@@ -105,7 +155,17 @@ class Admission:
         """Called with :attr:`inflight` after each change (the shell publishes it to the others)."""
         self.body_bytes = 0
         """Bytes of bodies and token ids the requests of this process hold now (reserved, added)."""
-        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self.default_tenant = Tenant(None)
+        """The tenant of requests without a tenant header."""
+        self.overflow_tenant = Tenant(None)
+        """The tenant shared by new tenants while ``max_tenants`` are tracked."""
+        self._tenant_cap = limits.max_inflight_per_tenant
+        self._tenants: dict[str, Tenant] = {}
+        self._front: collections.deque[_Waiter] = collections.deque()
+        """Waiters for bytes only (requests in flight), first served, in order."""
+        self._ring: collections.deque[Tenant] = collections.deque()
+        """The tenants whose turn comes: those with a waiter and below their slot cap, in turn."""
+        self._slot_waiters = 0
         self._replica_waiters = 0
         self._freed = asyncio.Event()
         self.refused_total = {"queue_full": 0, "queue_timeout": 0}
@@ -113,7 +173,27 @@ class Admission:
     @property
     def queued(self) -> int:
         """Requests waiting now (for admission or for a replica slot)."""
-        return len(self._waiters) + self._replica_waiters
+        return len(self._front) + self._slot_waiters + self._replica_waiters
+
+    @property
+    def tenants(self) -> int:
+        """Tenants tracked now (with a request in flight or waiting), the default and overflow ones aside."""
+        return len(self._tenants)
+
+    def tenant(self, name: str | None) -> Tenant:
+        """The tenant named ``name`` (a tenant header's value; ``None`` or empty: the default tenant),
+        added to the table if need be (past ``max_tenants``: the overflow tenant). Enter with it in
+        the same step (no ``await`` in between): a tenant with nothing in flight or waiting is dropped
+        from the table when one of its requests leaves."""
+        if not name:
+            return self.default_tenant
+        key = name[:TENANT_CHARS]
+        tenant = self._tenants.get(key)
+        if tenant is None:
+            if len(self._tenants) >= self.limits.max_tenants:
+                return self.overflow_tenant
+            tenant = self._tenants[key] = Tenant(key)
+        return tenant
 
     def deadline(self) -> float:
         """The loop time at which a request arriving now stops waiting."""
@@ -129,22 +209,37 @@ class Admission:
         if self.on_change is not None:
             self.on_change(inflight)
 
-    def try_enter(self, body_bytes: int = 0) -> bool:
-        """Take a slot and ``body_bytes`` if both are free and nobody waits (``False``: :meth:`enter`
-        waits). ``body_bytes``: at most ``max_inflight_body_bytes``."""
-        fits = self.body_bytes + body_bytes <= self.limits.max_inflight_body_bytes
-        if fits and not self._waiters and self._has_room():
+    def try_enter(self, body_bytes: int = 0, tenant: Tenant | None = None) -> bool:
+        """Take a slot and ``body_bytes`` if both are free, ``tenant`` (default: the default tenant)
+        is below its slot cap and nobody's turn comes first (``False``: :meth:`enter` waits).
+        ``body_bytes``: at most ``max_inflight_body_bytes``."""
+        if tenant is None:
+            tenant = self.default_tenant
+        limits = self.limits
+        inflight = self.inflight
+        if (
+            self.body_bytes + body_bytes <= limits.max_inflight_body_bytes
+            and tenant.inflight < self._tenant_cap
+            and not self._ring
+            and not self._front
+            and (inflight if self.peers is None else inflight + self.peers()) < limits.max_inflight
+        ):  # the fast path: calls inlined (it is every request's)
             self.body_bytes += body_bytes
-            self._set_inflight(self.inflight + 1)
+            tenant.inflight += 1
+            self.inflight = inflight = inflight + 1
+            if self.on_change is not None:
+                self.on_change(inflight)
             return True
         return False
 
-    async def enter(self, deadline: float, body_bytes: int = 0) -> None:
-        """Take a slot and ``body_bytes``, waiting in the queue until ``deadline`` (loop time) if
-        either is short."""
-        if self.try_enter(body_bytes):
+    async def enter(self, deadline: float, body_bytes: int = 0, tenant: Tenant | None = None) -> None:
+        """Take a slot and ``body_bytes``, waiting in ``tenant``'s queue until ``deadline`` (loop time)
+        if either is short, the tenant is at its slot cap or other tenants' turns come first."""
+        if tenant is None:
+            tenant = self.default_tenant
+        if self.try_enter(body_bytes, tenant):
             return
-        await self._wait(_Waiter(asyncio.get_running_loop().create_future(), body_bytes, True), deadline)
+        await self._wait(_Waiter(asyncio.get_running_loop().create_future(), body_bytes, tenant), deadline)
 
     async def hold(self, body_bytes: int, deadline: float) -> None:
         """Hold ``body_bytes`` more for a request already admitted (a body read without a declared
@@ -153,54 +248,66 @@ class Admission:
         if self.body_bytes + body_bytes <= self.limits.max_inflight_body_bytes:
             self.body_bytes += body_bytes
             return
-        await self._wait(_Waiter(asyncio.get_running_loop().create_future(), body_bytes, False), deadline)
+        await self._wait(_Waiter(asyncio.get_running_loop().create_future(), body_bytes, None), deadline)
 
     def add(self, body_bytes: int) -> None:
         """Count ``body_bytes`` more held by a request in flight (its token ids), without waiting:
         the bytes held may pass the budget by them, and newcomers wait until they are back under."""
         self.body_bytes += body_bytes
 
-    def leave(self, body_bytes: int = 0) -> None:
-        """Release a slot and the ``body_bytes`` the request held (all it reserved, held and added):
-        the oldest waiters that now fit are admitted. With other workers, slots pass on only while
-        the whole service is below the cap again."""
+    def leave(self, body_bytes: int = 0, tenant: Tenant | None = None) -> None:
+        """Release a slot of ``tenant`` (default: the default tenant) and the ``body_bytes`` the
+        request held (all it reserved, held and added): the waiters whose turn comes and that now
+        fit are admitted. With other workers, slots pass on only while the whole service is below
+        the cap again."""
+        if tenant is None:
+            tenant = self.default_tenant
         self.body_bytes -= body_bytes
-        if self.peers is None and self._waiters and self._waiters[0].slot:
-            head = self._waiters[0]
-            if (
-                self.body_bytes + head.body_bytes <= self.limits.max_inflight_body_bytes
-                and not head.future.done()
-            ):
-                self._waiters.popleft()
-                self.body_bytes += head.body_bytes
-                head.future.set_result(None)  # the slot passes on: ``inflight`` stays
-                self._admit_waiters()
-                self._wake_replica_waiters()
-                return
-        self._set_inflight(self.inflight - 1)
-        if self._waiters:
-            self._admit_waiters()
-        self._wake_replica_waiters()
+        held = tenant.inflight = tenant.inflight - 1
+        self.inflight -= 1
+        if tenant.waiters:
+            if held == self._tenant_cap - 1:
+                self._ring.append(tenant)  # below its cap again: its turn comes after the others'
+        elif not held and tenant.key is not None and not tenant.queued:
+            self._forget(tenant)
+        if not ((self._ring or self._front) and self._admit_waiters()) and self.on_change is not None:
+            self.on_change(self.inflight)
+        if self._replica_waiters:
+            self._freed.set()
+
+    def _forget(self, tenant: Tenant) -> None:
+        """Drop ``tenant`` from the table (it has nothing in flight or waiting)."""
+        key = tenant.key
+        if key is not None and self._tenants.get(key) is tenant:
+            del self._tenants[key]
 
     async def _wait(self, waiter: _Waiter, deadline: float) -> None:
-        """Queue ``waiter`` (at the back, or after the other byte waiters at the front if it wants
-        no slot) until it is admitted, or refuse it (queue full at once, ``deadline`` passed)."""
-        limit = MAX_INFLIGHT if waiter.slot and not self._has_room() else MAX_BYTES
-        if limit == MAX_INFLIGHT:
-            what = f"the balancer has {self.limits.max_inflight} requests in flight"
+        """Queue ``waiter`` (at the back of its tenant's waiters, or at the back of the front queue
+        if it wants no slot) until it is admitted, or refuse it (queue full at once, ``deadline``
+        passed)."""
+        tenant = waiter.tenant
+        limits = self.limits
+        if tenant is not None and not self._has_room():
+            limit = MAX_INFLIGHT
+            what = f"the balancer has {limits.max_inflight} requests in flight"
+        elif tenant is not None and tenant.inflight >= self._tenant_cap:
+            limit = TENANT_INFLIGHT
+            what = f"this tenant has {tenant.inflight} requests in flight (limits.max_inflight_per_tenant)"
         else:
+            limit = MAX_BYTES
             what = (
                 f"the balancer holds {self.body_bytes} bytes of request bodies "
-                f"(limits.max_inflight_body_bytes = {self.limits.max_inflight_body_bytes})"
+                f"(limits.max_inflight_body_bytes = {limits.max_inflight_body_bytes})"
             )
-        self._check_room(what, limit)
-        if waiter.slot:
-            self._waiters.append(waiter)
+        self._check_room(what, limit, tenant)
+        if tenant is None:
+            self._front.append(waiter)
         else:
-            front = 0
-            while front < len(self._waiters) and not self._waiters[front].slot:
-                front += 1
-            self._waiters.insert(front, waiter)
+            tenant.waiters.append(waiter)
+            tenant.queued += 1
+            self._slot_waiters += 1
+            if len(tenant.waiters) == 1 and tenant.inflight < self._tenant_cap:
+                self._ring.append(tenant)
         future = waiter.future
         try:
             async with asyncio.timeout_at(deadline):
@@ -214,36 +321,72 @@ class Admission:
                     future.result()
         except TimeoutError:
             self._give_back(waiter)
+            if tenant is not None and tenant.inflight >= self._tenant_cap and self._has_room():
+                limit = TENANT_INFLIGHT  # what holds it back now is its tenant's cap
             raise self._timed_out(limit) from None
         except BaseException:
             self._give_back(waiter)
             raise
 
-    def _admit_waiters(self) -> None:
-        """Admit the oldest waiters while they fit: bytes, and a slot of the whole service (other
-        workers' slots included) for those that want one."""
-        while self._waiters:
-            waiter = self._waiters[0]
+    def _admit_waiters(self) -> bool:
+        """Admit the waiters whose turn comes while they fit: first the front queue's (bytes), then
+        the ring's tenants in turn, one waiter each (bytes, and a slot of the whole service, other
+        workers' slots included). Stops at the first that does not fit. Publishes :attr:`inflight`
+        and says whether it admitted any for a slot."""
+        limit_bytes = self.limits.max_inflight_body_bytes
+        front = self._front
+        while front:
+            waiter = front[0]
             if waiter.future.done():
-                self._waiters.popleft()
+                front.popleft()
                 continue
-            if self.body_bytes + waiter.body_bytes > self.limits.max_inflight_body_bytes:
-                return
-            if waiter.slot:
-                if not self._has_room():
-                    return
-                self._set_inflight(self.inflight + 1)
-            self._waiters.popleft()
+            if self.body_bytes + waiter.body_bytes > limit_bytes:
+                return False
+            front.popleft()
             self.body_bytes += waiter.body_bytes
             waiter.future.set_result(None)
+        ring = self._ring
+        admitted = False
+        while ring:
+            tenant = ring[0]
+            waiter = tenant.waiters[0]
+            if waiter.future.done():  # cancelled with its task: out, before its task gives it back
+                tenant.waiters.popleft()
+                tenant.queued -= 1
+                self._slot_waiters -= 1
+                if not tenant.waiters:
+                    ring.popleft()
+                continue
+            if self.body_bytes + waiter.body_bytes > limit_bytes or not self._has_room():
+                break
+            ring.popleft()
+            tenant.waiters.popleft()
+            tenant.queued -= 1
+            self._slot_waiters -= 1
+            tenant.inflight += 1
+            self.inflight += 1
+            self.body_bytes += waiter.body_bytes
+            waiter.future.set_result(None)
+            admitted = True
+            if tenant.waiters and tenant.inflight < self._tenant_cap:
+                ring.append(tenant)
+        if admitted:
+            self._set_inflight(self.inflight)
+        return admitted
 
-    async def wait_until(self, ready: Callable[[], bool], deadline: float, what: str) -> None:
-        """Wait (counted in the queue) until ``ready()`` holds, e.g. some replica has a free slot;
-        ``what`` says what is busy. Without a queue (``max_queued`` 0) it returns at once."""
+    async def wait_until(
+        self, ready: Callable[[], bool], deadline: float, what: str, tenant: Tenant | None = None
+    ) -> None:
+        """Wait (counted in the queue, and in ``tenant``'s) until ``ready()`` holds, e.g. some replica
+        has a free slot; ``what`` says what is busy. Without a queue (``max_queued`` 0) it returns at
+        once."""
         if ready() or self.limits.max_queued == 0:
             return
-        self._check_room(what)
+        if tenant is None:
+            tenant = self.default_tenant
+        self._check_room(what, MAX_INFLIGHT, tenant)
         self._replica_waiters += 1
+        tenant.queued += 1
         try:
             async with asyncio.timeout_at(deadline):
                 while not ready():
@@ -257,23 +400,37 @@ class Admission:
             raise self._timed_out() from None
         finally:
             self._replica_waiters -= 1
+            tenant.queued -= 1
 
-    def _check_room(self, what: str, limit: str = MAX_INFLIGHT) -> None:
-        if self.queued >= self.limits.max_queued:
-            self.refused_total["queue_full"] += 1
+    def _check_room(self, what: str, limit: str, tenant: Tenant | None) -> None:
+        """Refuse (429) a request that would wait while its tenant's queue places, or the queue, are
+        all taken; a tenant refused with nothing in flight or waiting is dropped from the table."""
+        limits = self.limits
+        if self.queued >= limits.max_queued:
+            message = f"{what} and {self.queued} requests queued (limits.max_queued = {limits.max_queued})"
+        elif tenant is not None and tenant.queued >= limits.max_queued_per_tenant:
+            limit = TENANT_QUEUE
             message = (
-                f"{what} and {self.queued} requests queued (limits.max_queued = {self.limits.max_queued})"
+                f"{what} and this tenant has {tenant.queued} requests queued "
+                f"(limits.max_queued_per_tenant = {limits.max_queued_per_tenant})"
             )
-            raise AdmissionRefused(429, "queue_full", message, 1.0, limit)
+        else:
+            return
+        self.refused_total["queue_full"] += 1
+        if tenant is not None and not tenant.inflight and not tenant.queued:
+            self._forget(tenant)
+        raise AdmissionRefused(429, "queue_full", message, 1.0, limit)
 
     def _timed_out(self, limit: str = MAX_INFLIGHT) -> AdmissionRefused:
         self.refused_total["queue_timeout"] += 1
-        timeout_s = self.limits.queue_timeout_s
-        busy = (
-            f"request bodies held at limits.max_inflight_body_bytes = {self.limits.max_inflight_body_bytes}"
-            if limit == MAX_BYTES
-            else "every slot or replica busy"
-        )
+        limits = self.limits
+        timeout_s = limits.queue_timeout_s
+        if limit == MAX_BYTES:
+            busy = f"request bodies held at limits.max_inflight_body_bytes = {limits.max_inflight_body_bytes}"
+        elif limit == TENANT_INFLIGHT:
+            busy = f"the tenant at limits.max_inflight_per_tenant = {limits.max_inflight_per_tenant}"
+        else:
+            busy = "every slot or replica busy"
         return AdmissionRefused(
             503,
             "queue_timeout",
@@ -286,16 +443,27 @@ class Admission:
         """A waiter gives up: out of the queue (those behind it may fit now: it may have held them
         back by its bytes), or, if it was admitted meanwhile, it gives back what it was given."""
         future = waiter.future
+        tenant = waiter.tenant
         if future.done() and not future.cancelled():
-            if waiter.slot:
-                self.leave(waiter.body_bytes)
+            if tenant is not None:
+                self.leave(waiter.body_bytes, tenant)
             else:
                 self.body_bytes -= waiter.body_bytes
                 self._admit_waiters()
             return
         future.cancel()
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+        if tenant is None:
+            with contextlib.suppress(ValueError):
+                self._front.remove(waiter)
+        else:
+            with contextlib.suppress(ValueError):
+                tenant.waiters.remove(waiter)
+                tenant.queued -= 1
+                self._slot_waiters -= 1
+                if not tenant.waiters and tenant.inflight < self._tenant_cap:
+                    self._ring.remove(tenant)
+            if not tenant.inflight and not tenant.queued:
+                self._forget(tenant)
         self._admit_waiters()
 
     def _wake_replica_waiters(self) -> None:

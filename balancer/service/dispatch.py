@@ -32,7 +32,7 @@ from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
 from balancer.routing.router import Lease, PoolRequest, RoutePlan
-from balancer.service.admission import MAX_BYTES, AdmissionRefused
+from balancer.service.admission import MAX_BYTES, TENANT_INFLIGHT, TENANT_QUEUE, AdmissionRefused, Tenant
 from balancer.service.state import Outcome, Pool, ServiceState
 from balancer.types import CostTerms, ReplicaId
 from balancer.upstream.client import RetryableUpstream, UpstreamStream
@@ -63,7 +63,7 @@ class Forward:
     arrived: float
     """Monotonic arrival time (TTFT, end-to-end latency and the ``timeouts.total_s`` deadline)."""
     tenant: str | None = None
-    """The ``console.tenant_header`` value, kept with the decision in the console's ring."""
+    """The ``tenant_header`` value, kept with the decision in the console's ring."""
 
 
 @dataclass(slots=True)
@@ -76,35 +76,44 @@ class Opened:
 
 
 class Admitted:
-    """One request's hold on an admission slot and on bytes of ``limits.max_inflight_body_bytes``:
-    :func:`admitted` (an ``async with``) takes them and gives them all back, whatever way the request
-    ends; the body gets this object, with the request's queue deadline for its wait for a replica
-    slot, and holds more bytes through it (:meth:`hold`, :meth:`add`). A plain class rather than a
-    generator-based context manager: it is entered once per request."""
+    """One request's hold on an admission slot (of its tenant) and on bytes of
+    ``limits.max_inflight_body_bytes``: :func:`admitted` (an ``async with``) takes them and gives them
+    all back, whatever way the request ends; the body gets this object, with the request's queue
+    deadline for its wait for a replica slot, and holds more bytes through it (:meth:`hold`,
+    :meth:`add`). A plain class rather than a generator-based context manager: it is entered once
+    per request."""
 
-    __slots__ = ("body_bytes", "deadline", "state")
+    __slots__ = ("body_bytes", "deadline", "state", "tenant", "tenant_name")
 
-    def __init__(self, state: ServiceState, body_bytes: int) -> None:
+    def __init__(self, state: ServiceState, body_bytes: int, tenant_name: str | None) -> None:
         self.state = state
         self.body_bytes = body_bytes
         """Bytes this request holds (reserved on entering, then held and added), given back on exit."""
         self.deadline = 0.0
         """The loop time at which the request stops waiting (set on entering)."""
+        self.tenant_name = tenant_name
+        """The ``tenant_header`` value (``None``: the default tenant)."""
+        self.tenant: Tenant | None = None
+        """The tenant whose slot the request holds (set on entering)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
         deadline = self.deadline = admission.deadline()
-        if admission.try_enter(self.body_bytes):
+        name = self.tenant_name
+        tenant = self.tenant = admission.default_tenant if name is None else admission.tenant(name)
+        if tenant is admission.overflow_tenant:
+            self.state.metrics.admission_tenant_overflow_total.inc()
+        if admission.try_enter(self.body_bytes, tenant):
             return self
         try:
-            await admission.enter(deadline, self.body_bytes)
+            await admission.enter(deadline, self.body_bytes, tenant)
         except AdmissionRefused as exc:
             _count_refusal(self.state, exc, "max_inflight")
             raise
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.state.admission.leave(self.body_bytes)
+        self.state.admission.leave(self.body_bytes, self.tenant)
 
     async def hold(self, body_bytes: int) -> None:
         """Hold ``body_bytes`` more (a body read without a declared length, chunk by chunk), waiting
@@ -135,25 +144,27 @@ class Admitted:
             return router.has_free_slot(state.monotonic())
 
         try:
-            await state.admission.wait_until(ready, self.deadline, what)
+            await state.admission.wait_until(ready, self.deadline, what, self.tenant)
         except AdmissionRefused as exc:
             _count_refusal(state, exc, "replica_full")
             raise
 
 
-def admitted(state: ServiceState, body_bytes: int = 0) -> Admitted:
-    """Hold one of ``limits.max_inflight`` slots and ``body_bytes`` of ``limits.max_inflight_body_bytes``
+def admitted(state: ServiceState, body_bytes: int = 0, tenant: str | None = None) -> Admitted:
+    """Hold one of ``limits.max_inflight`` slots (and of ``limits.max_inflight_per_tenant`` of
+    ``tenant``, the ``tenant_header`` value) and ``body_bytes`` of ``limits.max_inflight_body_bytes``
     (the body's declared length, at most ``limits.max_body_bytes``), waiting in the bounded queue if
-    need be, for the body of the ``async with``; refusals are :class:`AdmissionRefused` (429 queue
-    full, 503 timeout)."""
-    return Admitted(state, body_bytes)
+    need be (round-robin across tenants), for the body of the ``async with``; refusals are
+    :class:`AdmissionRefused` (429 queue full, 503 timeout)."""
+    return Admitted(state, body_bytes, tenant)
 
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
     """``kvlb_admission_shed_total``: ``body_bytes`` for every refusal for want of bytes (429 or 503),
-    else ``full_reason`` for a full queue and ``queue_timeout`` for a wait too long."""
-    if exc.limit == MAX_BYTES:
-        reason = MAX_BYTES
+    ``tenant_queue`` / ``tenant_inflight`` for a tenant's own caps (429 / 503), else ``full_reason``
+    for a full queue and ``queue_timeout`` for a wait too long."""
+    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT):
+        reason = exc.limit
     else:
         reason = full_reason if exc.reason == "queue_full" else exc.reason
     state.metrics.shed_total.labels(reason).inc()

@@ -50,7 +50,7 @@ DRAIN_GRACE_S = 30.0
 """A run may take this much longer than its schedule (queued requests finish) before it is cut."""
 REQUEST_TIMEOUT_S = 60.0
 TENANT_HEADER = "x-kvlb-tenant"
-"""Carries each request's tenant-and-user id (kvlb's default ``console.tenant_header``)."""
+"""Carries each request's tenant-and-user id (kvlb's default ``tenant_header``)."""
 LINGER_RATE_PER_S = 2.0
 """Arrival rate of the trickle that keeps the console's views moving while the demo lingers."""
 

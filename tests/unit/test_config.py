@@ -74,7 +74,24 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.max_inflight_body_bytes=1099511627777"], "limits.max_inflight_body_bytes must be in"),
         (["console.decision_ring_size=-1"], "console.decision_ring_size must be in"),
         (["console.decision_ring_bytes=0"], "console.decision_ring_bytes must be > 0"),
-        (["console.tenant_header=a b"], "console.tenant_header must be a header name"),
+        (["tenant_header=a b"], "tenant_header must be a header name"),
+        (["console.tenant_header=a b"], "tenant_header must be a header name"),
+        (["tenant_header=x-a", "console.tenant_header=x-b"], "console.tenant_header .* is the old name"),
+        (
+            ["limits.max_inflight_per_tenant=0"],
+            r"limits.max_inflight_per_tenant must be in 1..limits.max_inflight",
+        ),
+        (
+            ["limits.max_inflight=8", "limits.max_inflight_per_tenant=9"],
+            r"limits.max_inflight_per_tenant must be in 1..limits.max_inflight \(8\), got 9",
+        ),
+        (["limits.max_queued_per_tenant=-1"], "limits.max_queued_per_tenant must be in 0..limits.max_queued"),
+        (
+            ["limits.max_queued=4", "limits.max_queued_per_tenant=5"],
+            r"limits.max_queued_per_tenant must be in 0..limits.max_queued \(4\), got 5",
+        ),
+        (["limits.max_tenants=0"], "limits.max_tenants must be in 1..65536"),
+        (["limits.max_tenants=65537"], "limits.max_tenants must be in 1..65536"),
         (["console.audit_log_size=0"], "console.audit_log_size must be >= 1"),
         (["console.whatif_max_entries=0"], "console.whatif_max_entries must be >= 1"),
         (["upstream.max_connections=0"], r"upstream.max_connections must be in \[1, 65536\]"),
@@ -176,3 +193,21 @@ def test_a_jemalloc_library_is_found_by_path_or_by_soname(tmp_path: Path) -> Non
     assert config.jemalloc_found(str(library))
     assert not config.jemalloc_found("libkvlb-no-such-allocator.so.9")  # not in the loader's cache
     assert not config.jemalloc_found("lib.so")
+
+
+def test_the_tenant_header_moved_out_of_console_and_its_old_name_still_works() -> None:
+    """One header names the tenant for admission and the console: ``tenant_header``; the old key
+    ``console.tenant_header`` (file, ``--set`` or environment) sets it, and the per-tenant caps are
+    unset by default (the global caps then bind: nothing changes without tenants)."""
+    default = config.load(env={})
+    assert default.tenant_header == "x-kvlb-tenant"
+    assert default.limits.max_inflight_per_tenant is None and default.limits.max_queued_per_tenant is None
+    assert default.limits.max_tenants == 1024
+    assert config.load(sets=["console.tenant_header=x-org"], env={}).tenant_header == "x-org"
+    assert config.load(env={"KVLB_CONSOLE__TENANT_HEADER": "x-team"}).tenant_header == "x-team"
+    assert (
+        config.load(sets=["tenant_header=x-org", "console.tenant_header=x-org"], env={}).tenant_header
+        == "x-org"
+    )
+    capped = config.load(sets=["limits.max_inflight_per_tenant=3", "limits.max_queued_per_tenant=0"], env={})
+    assert (capped.limits.max_inflight_per_tenant, capped.limits.max_queued_per_tenant) == (3, 0)

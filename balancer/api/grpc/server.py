@@ -160,7 +160,7 @@ async def prepare(
         openai.path,
         call.request_id,
         arrived,
-        call.metadata.get(state.settings.console.tenant_header.lower()),
+        call.metadata.get(state.settings.tenant_header.lower()),
     )
 
 
@@ -199,7 +199,8 @@ class BalancerService:
         state = self.state
         arrived = state.monotonic()
         call.adopt_request_id(request.request_id)
-        async with admitted(state, len(call.raw)) as admission:  # the message as received
+        tenant = call.metadata.get(self.state.settings.tenant_header.lower())
+        async with admitted(state, len(call.raw), tenant) as admission:  # the message as received
             job = await prepare(state, request, call, arrived, stream=True, raw=call.raw)
             admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
             headers = forwardable_headers(call.metadata, call.request_id)
