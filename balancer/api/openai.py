@@ -120,7 +120,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             arrived,
             tenant,
         )
-        # Parsed tiny chat messages keep 7 times their bytes (docs/reliability.md, "Memory"):
+        # Parsed tiny chat messages keep up to 8.7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.
         del parsed
         await admission.wait_for_replica(pool)
