@@ -187,6 +187,17 @@ async def stalling_stream_replica(first: bytes) -> AsyncIterator[str]:
         await response.write_eof()
         return response
 
+    async with completion_replica(complete) as url:
+        yield url
+
+
+@asynccontextmanager
+async def completion_replica(
+    complete: Callable[[web.Request], Awaitable[web.StreamResponse]],
+) -> AsyncIterator[str]:
+    """A fake replica on 127.0.0.1 (its URL yielded): ``complete`` answers ``/v1/completions``, and
+    ``/health`` answers ok."""
+
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="ok")
 

@@ -18,7 +18,7 @@ import grpc
 import pytest
 from aiohttp import web
 from grpc_harness import failure, grpc_running, token_request
-from kvlb_harness import MODEL, balancer_over, metric_value, shared_deepseek
+from kvlb_harness import MODEL, balancer_over, completion_replica, metric_value, shared_deepseek
 
 from balancer.tokenizer.tokenizer import Tokenizer
 
@@ -47,19 +47,8 @@ async def slow_replica() -> AsyncIterator[str]:
         }
         return web.json_response(answer)
 
-    async def health(request: web.Request) -> web.Response:
-        return web.Response(text="ok")
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with completion_replica(complete) as url:
+        yield url
 
 
 async def send(session: aiohttp.ClientSession, url: str, tenant: str, first: int) -> tuple[int, str | None]:
