@@ -450,17 +450,21 @@ async def test_key_spaces_on_two_cluster_masters(
             return out
 
         async def converged() -> bool:
-            """Both indexes equal, every replica indexed, SGLang's exactly as cached; TRT-LLM's at
-            most the engine's count (the in-process TRT-LLM emulator with max_tokens 2 reports a
-            few cached blocks more than its events name, on a single server too: not a fleet
-            effect, not investigated here)."""
+            """Both indexes equal, both key spaces indexed, every replica that caches blocks
+            indexed (routing weighs load, so a replica may get none of the 8 requests), SGLang's
+            exactly as cached; TRT-LLM's at most the engine's count (the in-process TRT-LLM emulator
+            with max_tokens 2 reports a few cached blocks more than its events name, on a single
+            server too: not a fleet effect, not investigated here)."""
             want, seen = await engines(), await f.blocks(a)
-            if seen != await f.blocks(b) or not all(seen.values()):
+            if seen != await f.blocks(b) or not (seen["r0"] + seen["r2"] and seen["r1"] + seen["r3"]):
+                return False
+            if any(bool(seen[r]) != bool(want[r]) for r in want):
                 return False
             return all(seen[r] == want[r] if r in ("r0", "r2") else seen[r] <= want[r] for r in want)
 
         try:
-            await wait_for("both balancers to index both key spaces alike", converged)
+            # 20 s: the CI machine runs this beside the rest of the suite; the bound reports the counts.
+            await wait_for("both balancers to index both key spaces alike", converged, timeout_s=20)
         except AssertionError as exc:
             seen = [await engines(), await f.blocks(a), await f.blocks(b)]
             raise AssertionError(f"{exc}: engines, a, b: {seen}") from None
