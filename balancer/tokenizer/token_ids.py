@@ -178,18 +178,26 @@ def worth_a_lookup(raw: bytes, memo: TokenIdMemo) -> bool:
     100 µs more (8k ids)."""
     if memo.max_runs == 0:
         return False
+    run = _first_run(raw, memo.run_bytes)
+    if run is None:
+        return False
+    bracket, cut = run
+    ident = (_xxh3_128(memoryview(raw)[bracket + 1 : cut]), cut - bracket - 1)
+    return ident in memo._runs or memo._seen_again(ident)
+
+
+def _first_run(raw: bytes, run_bytes: int) -> tuple[int, int] | None:
+    """Where the guessed prompt of the body ``raw`` starts and its first run ends: ``(bracket,
+    cut)``, the ``[`` after the first ``"prompt"`` (within 32 bytes of it) and the first ``,`` at
+    least ``run_bytes`` after it; ``None`` when either is missing. A few byte searches."""
     key = raw.find(PROMPT_KEY)
     if key < 0:
-        return False
+        return None
     bracket = raw.find(b"[", key + len(PROMPT_KEY), key + len(PROMPT_KEY) + 32)
     if bracket < 0:
-        return False
-    start = bracket + 1
-    cut = raw.find(b",", start + memo.run_bytes)
-    if cut < 0:
-        return False
-    ident = (_xxh3_128(memoryview(raw)[start:cut]), cut - start)
-    return ident in memo._runs or memo._seen_again(ident)
+        return None
+    cut = raw.find(b",", bracket + 1 + run_bytes)
+    return None if cut < 0 else (bracket, cut)
 
 
 PROMPT_STANDIN = b'["kvlb: a known prompt"]'
@@ -212,15 +220,10 @@ def known_prompt(raw: bytes, memo: TokenIdMemo) -> tuple[int, int, tuple[int, in
     ``raw[start:end]`` must decode with the stand-in, found there only, as its prompt."""
     if memo.max_runs == 0 or not memo._prompts:
         return None
-    key = raw.find(PROMPT_KEY)
-    if key < 0:
+    run = _first_run(raw, memo.run_bytes)
+    if run is None:
         return None
-    start = raw.find(b"[", key + len(PROMPT_KEY), key + len(PROMPT_KEY) + 32)
-    if start < 0:
-        return None
-    cut = raw.find(b",", start + 1 + memo.run_bytes)
-    if cut < 0:
-        return None
+    start, cut = run
     view = memoryview(raw)
     if (_xxh3_128(view[start + 1 : cut]), cut - start - 1) not in memo._heads:
         return None
