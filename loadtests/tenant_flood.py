@@ -15,6 +15,7 @@ with 50 ms between, for ``--seconds``. Each run is one mode:
 workers a tenant may hold N times them). Runs alternate as ``--runs`` says (default
 ``off,on,on,off,off,on``), each with a fresh ``kvlb serve``. Printed: a JSON document (every run:
 B's successes, refusals, latency p50/p99 of its successes; A's answers by status) and a table.
+Percentiles are nearest-rank (:func:`balancer.service.series.percentile`).
 Bounded: each run lasts ``--seconds`` (at most 60), each client sends at most 10,000 requests.
 """
 
@@ -25,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -36,6 +36,9 @@ from typing import Any
 import aiohttp
 import yaml
 from aiohttp import web
+
+from balancer.service.series import percentile
+from loadtests.fleet.child_process import Child, python_module, spawn
 
 MODEL = "tenant-flood"
 HEADER = "x-kvlb-tenant"
@@ -61,21 +64,19 @@ class Run:
             "b_ok": self.b_statuses.get(200, 0),
             "b_refused": sum(n for status, n in self.b_statuses.items() if status != 200),
             "b_statuses": {str(k): v for k, v in sorted(self.b_statuses.items())},
-            "b_p50_ms": round(1000 * percentile(latencies, 0.50), 1) if latencies else None,
-            "b_p99_ms": round(1000 * percentile(latencies, 0.99), 1) if latencies else None,
+            "b_p50_ms": _ms(percentile(latencies, 0.50)),
+            "b_p99_ms": _ms(percentile(latencies, 0.99)),
             "a_statuses": {str(k): v for k, v in sorted(self.a_statuses.items())},
         }
 
 
-def percentile(ordered: list[float], q: float) -> float:
-    """Nearest-rank percentile of sorted ``ordered``."""
-    rank = max(1, min(len(ordered), round(q * len(ordered) + 0.5)))
-    return ordered[rank - 1]
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(1000 * seconds, 1)
 
 
 async def serve_slow_replica(slow_s: float) -> None:
     """The child process: a replica on 127.0.0.1 that answers each completion after ``slow_s``
-    seconds; prints its URL, serves until stdin closes."""
+    seconds; prints its URL, serves until SIGTERM."""
 
     async def complete(request: web.Request) -> web.Response:
         await request.read()
@@ -100,28 +101,18 @@ async def serve_slow_replica(slow_s: float) -> None:
     await runner.setup()
     try:
         await web.TCPSite(runner, "127.0.0.1", 0).start()
+        stopping = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopping.set)
         print(json.dumps({"url": f"http://127.0.0.1:{runner.addresses[0][1]}"}), flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await stopping.wait()
     finally:
         await runner.cleanup()
 
 
-async def start_replica(slow_ms: float) -> tuple[asyncio.subprocess.Process, str]:
-    """This module as the slow replica's child process; returns it and its URL."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "loadtests.tenant_flood",
-        "--serve-replica",
-        "--slow-ms",
-        str(slow_ms),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(START_TIMEOUT_S):
-        line = await process.stdout.readline()
-    return process, str(json.loads(line)["url"])
+async def start_replica(slow_ms: float, tmp: Path) -> Child:
+    """This module as the slow replica's child process (its URL in ``info["url"]``)."""
+    argv = python_module("loadtests.tenant_flood", "--serve-replica", "--slow-ms", str(slow_ms))
+    return await spawn("replica", argv, tmp / "replica.log", ready_key="url", timeout_s=START_TIMEOUT_S)
 
 
 def config(replica_url: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -149,41 +140,6 @@ def config(replica_url: str, mode: str, args: argparse.Namespace) -> dict[str, A
     }
 
 
-async def start_serve(path: Path, workers: int) -> tuple[asyncio.subprocess.Process, str]:
-    """``kvlb serve --config path --workers workers``; returns the process and its URL once it serves."""
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "balancer",
-        "serve",
-        "--config",
-        str(path),
-        "--workers",
-        str(workers),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
-    )
-    assert process.stdout is not None
-    async with asyncio.timeout(START_TIMEOUT_S):
-        while line := await process.stdout.readline():
-            text = line.decode().strip()
-            if text.startswith("{") and '"serving"' in text:
-                info = json.loads(text)
-                return process, str(info["url"])
-    raise RuntimeError("kvlb serve did not start")
-
-
-async def stop(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            async with asyncio.timeout(10):
-                await process.wait()
-        except TimeoutError:
-            process.kill()
-            await process.wait()
-
-
 async def send(session: aiohttp.ClientSession, url: str, tenant: str, first: int) -> int:
     body = json.dumps({"model": MODEL, "prompt": [first % 50_000, 2, 3, 4], "max_tokens": 1})
     headers = {HEADER: tenant, "content-type": "application/json"}
@@ -199,7 +155,11 @@ async def one_run(mode: str, replica_url: str, args: argparse.Namespace, tmp: Pa
     path = tmp / f"kvlb-{mode}.yaml"
     path.write_text(yaml.safe_dump(config(replica_url, mode, args)))
     run = Run(mode, time.strftime("%H:%M:%S", time.gmtime()), os.getloadavg()[0])
-    process, url = await start_serve(path, args.workers)
+    argv = python_module("balancer", "serve", "--config", str(path), "--workers", str(args.workers))
+    serve = await spawn(
+        "kvlb", argv, tmp / f"kvlb-{mode}.log", ready_key="serving", timeout_s=START_TIMEOUT_S
+    )
+    url = str(serve.info["url"])
     try:
         timeout = aiohttp.ClientTimeout(total=30)
         connector = aiohttp.TCPConnector(limit=0)
@@ -242,7 +202,7 @@ async def one_run(mode: str, replica_url: str, args: argparse.Namespace, tmp: Pa
             flooding.set()
             await asyncio.gather(*flooders)
     finally:
-        await stop(process)
+        await serve.stop()
     return run
 
 
@@ -261,18 +221,16 @@ def table(runs: list[dict[str, Any]]) -> str:
 
 
 async def main(args: argparse.Namespace) -> None:
-    replica, replica_url = await start_replica(args.slow_ms)
     runs: list[dict[str, Any]] = []
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:
+        replica = await start_replica(args.slow_ms, Path(tmp))
+        try:
             for mode in args.runs.split(","):
                 if mode not in ("on", "off"):
                     raise SystemExit(f"--runs: on or off, got {mode!r}")
-                runs.append((await one_run(mode, replica_url, args, Path(tmp))).summary())
-    finally:
-        assert replica.stdin is not None
-        replica.stdin.close()
-        await stop(replica)
+                runs.append((await one_run(mode, str(replica.info["url"]), args, Path(tmp))).summary())
+        finally:
+            await replica.stop()
     settings = {k: v for k, v in vars(args).items()}
     print(json.dumps({"settings": settings, "runs": runs}, indent=1))
     print(table(runs))

@@ -47,9 +47,9 @@ import aiohttp
 import yaml
 import zmq
 
-from loadtests.bench.overhead.report import percentile
 from loadtests.bench.redis_bench import _wait_up, start_redis
 from loadtests.fleet.child_process import Child, python_module, spawn, stop_all
+from loadtests.stats import percentile
 from replicas.wire.sglang import KvEventEncoder
 
 TARGETS = {"p99_ratio_max": 2.0, "leases_lost": 0, "rss_settled_ratio_max": 1.2}

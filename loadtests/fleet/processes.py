@@ -334,7 +334,7 @@ async def start_router(
     (:func:`loadtests.kvlb_timers.model_time_weights`; 1: as given)."""
     if spec.kind == "kvlb":
         config = logs / f"{_file_name(spec.name)}.yaml"
-        weights = model_time_weights(spec.weights, weight_time_scale)
+        weights = model_time_weights(dict(spec.weights), weight_time_scale)
         settings = kvlb_config(fleet, spec.policy, seed, weights, kv_events=spec.kv_events)
         config.write_text(yaml.safe_dump(settings))
         argv = [sys.executable, "-m", "balancer", "serve", "--config", str(config)]

@@ -13,6 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from loadtests.stats import percentile
+
 MODES: tuple[str, ...] = ("direct", "forward", "kvlb")
 """``direct``: client → fake upstream; ``forward``: through a plain aiohttp proxy; ``kvlb``. The peer
 paths (``sglang_cache_aware``, ``sglang_round_robin``) follow when they ran."""
@@ -41,17 +43,6 @@ TARGETS: dict[str, float] = {
     "workers2_new_prompt_req_per_s_ratio": 1.7,
 }
 """The issue's targets for kvlb (8k-token chat prompts)."""
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """The ``p``-th percentile (0..100) by linear interpolation; ``None`` for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    position = p / 100 * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def latency_figures(latencies_s: Sequence[float]) -> dict[str, float | int | None]:

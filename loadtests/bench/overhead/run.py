@@ -88,7 +88,6 @@ from loadtests.bench.overhead.report import (
     parse_counter,
     parse_histogram,
     peer_ratios,
-    percentile,
     workers_ratios,
 )
 from loadtests.bench.overhead.servers import Servers, start_servers
@@ -102,6 +101,7 @@ from loadtests.bench.overhead.workload import (
     build_prompts,
 )
 from loadtests.fleet.child_process import Child, stop_all, tree_cpu_seconds
+from loadtests.stats import percentile
 
 __all__ = [
     "KINDS",
