@@ -48,10 +48,10 @@ browser:
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check balancer replicas tests
+	$(VENV)/bin/ruff format --check balancer replicas tests loadtests
 
 typecheck: $(STAMP) proto
-	$(VENV)/bin/mypy balancer
+	$(VENV)/bin/mypy balancer loadtests replicas
 
 test: $(STAMP) proto redis browser lint typecheck
 	$(PY) -m pytest -q -p no:cacheprovider

@@ -272,7 +272,7 @@ def targets(
                 "TTFT p90",
             )
         )
-    prediction = get(kvlb, "prediction")
+    prediction = kvlb.get("prediction") if kvlb is not None else None
     if prediction:
         result.append(
             _target(

@@ -59,6 +59,7 @@ from balancer.policy.cost import CostPolicy
 from balancer.policy.registry import make_policy
 from balancer.routing.router import Lease, PoolRequest, PoolRouter, RouteLimits
 from balancer.service.decisions import DecisionLog
+from balancer.types import ReplicaId
 from loadtests.simulate.command import name_values
 
 DECISION_RING = 10_000
@@ -122,7 +123,7 @@ def run(
         route_limits=RouteLimits(speculative_ttl_s=2.0, pending_ttl_s=30.0),
     )
     for i in range(4):
-        router.add_replica(f"r{i}", 16, "plain")
+        router.add_replica(ReplicaId(f"r{i}"), 16, "plain")
     policy = make_policy("cost")
     weights = weights or PolicyWeights()
     prefilling: list[Lease] = []

@@ -239,7 +239,8 @@ def write_png(report: dict[str, Any], path: Path) -> bool:
             (line,) = axes.plot(*zip(*sim, strict=True), marker="o", label=r["name"])
             fleet = [(p["rate"], p["ttft_p90_s"]) for p in routed_points(r) if p.get("ttft_p90_s")]
             if fleet:
-                axes.scatter(*zip(*fleet, strict=True), s=80, facecolors="none", edgecolors=line.get_color())
+                rates, ttfts = zip(*fleet, strict=True)
+                axes.scatter(rates, ttfts, s=80, facecolors="none", edgecolors=line.get_color())
     axes.axhline(report["slo"]["ttft_p90_s"], linestyle="--", color="black", label="SLO")
     axes.set_yscale("log")
     axes.set_xlabel("offered rate, req/s")
