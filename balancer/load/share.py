@@ -59,17 +59,23 @@ from balancer.types import ReplicaId
 
 WORD_BYTES = 8
 """Bytes of one int64 word of the table."""
-HEADER_WORDS = 3
-"""A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken),
-``admitted`` (the worker's admitted requests, written outside the seqlock). Each is stored and
-loaded alone, as one word of the segment's int64 view (:func:`_words`): word 0 of the row, then
-:data:`USED_WORD`, :data:`ADMITTED_WORD`."""
+HEADER_WORDS = 5
+"""A row's header: ``seq`` (the replica slots' seqlock, even when they are whole), ``used`` (replica
+slots ever taken), ``admitted`` (the worker's admitted requests, written outside either seqlock),
+``tenant_seq`` (the tenant slots' seqlock) and ``tenant_used`` (tenant slots ever taken). Each is
+stored and loaded alone, as one word of the segment's int64 view (:func:`_words`): word 0 of the
+row, then :data:`USED_WORD`, :data:`ADMITTED_WORD`, :data:`TENANT_SEQ_WORD`, :data:`TENANT_USED_WORD`."""
 HEADER_BYTES = HEADER_WORDS * WORD_BYTES
 USED_WORD = 1
 ADMITTED_WORD = 2
+TENANT_SEQ_WORD = 3
+TENANT_USED_WORD = 4
 SLOT = struct.Struct("=qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
+TENANT_SLOT_WORDS = 2
+"""A tenant slot: ``key`` (0: free; :func:`balancer.service.admission.tenant_key`) and the requests
+of that tenant the worker has admitted."""
 READ_ATTEMPTS = 8
 """Reads of one row before a reader gives up on it for this snapshot (a writer mid-update)."""
 MAX_KEY_MEMO = 65_536
@@ -80,9 +86,9 @@ _ReadMemo = tuple[Mapping[int, LoadCounts], tuple[ReplicaId, ...], Mapping[Repli
 """A reader's last answer: the peer sums it read, the replicas asked, what it answered."""
 
 
-def row_bytes(slots: int) -> int:
-    """Bytes of one worker's row with ``slots`` slots."""
-    return HEADER_BYTES + slots * SLOT.size
+def row_bytes(slots: int, tenant_slots: int = 0) -> int:
+    """Bytes of one worker's row with ``slots`` replica slots and ``tenant_slots`` tenant slots."""
+    return HEADER_BYTES + slots * SLOT.size + tenant_slots * TENANT_SLOT_WORDS * WORD_BYTES
 
 
 def replica_key(model: str, replica: str) -> int:
@@ -105,25 +111,34 @@ def _words(shm: shared_memory.SharedMemory) -> memoryview:
     return buf[: len(buf) - len(buf) % WORD_BYTES].cast("q")
 
 
-def _zero_row(shm: shared_memory.SharedMemory, offset: int, slots: int) -> None:
-    """Empty one row under its seqlock (odd, zeros, even), whatever state its writer left it in."""
+def _zero_row(shm: shared_memory.SharedMemory, offset: int, size: int) -> None:
+    """Empty one row of ``size`` bytes under its two seqlocks (odd, zeros, even), whatever state its
+    writer left it in. The seqlock words are only ever stored whole, never zeroed."""
     with _words(shm) as words:
         at = offset // WORD_BYTES
-        seq = words[at] | 1
+        seq, tenant_seq = words[at] | 1, words[at + TENANT_SEQ_WORD] | 1
         words[at] = seq
-        end = offset + row_bytes(slots)
-        _buffer(shm)[offset + WORD_BYTES : end] = bytes(end - offset - WORD_BYTES)
+        words[at + TENANT_SEQ_WORD] = tenant_seq
+        buf = _buffer(shm)
+        buf[offset + WORD_BYTES : offset + TENANT_SEQ_WORD * WORD_BYTES] = bytes(
+            (TENANT_SEQ_WORD - 1) * WORD_BYTES
+        )
+        start, end = offset + (TENANT_SEQ_WORD + 1) * WORD_BYTES, offset + size
+        buf[start:end] = bytes(end - start)
+        words[at + TENANT_SEQ_WORD] = tenant_seq + 1
         words[at] = seq + 1
 
 
 class LoadTable:
     """The supervisor's side: creates the shared table, zeroes dead workers' rows, removes it."""
 
-    def __init__(self, workers: int, slots: int) -> None:
+    def __init__(self, workers: int, slots: int, tenant_slots: int = 0) -> None:
         self.workers = workers
         self.slots = slots
+        self.tenant_slots = tenant_slots
+        self._row_bytes = row_bytes(slots, tenant_slots)
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            create=True, size=workers * row_bytes(slots)
+            create=True, size=workers * self._row_bytes
         )
         self.name = self._shm.name
         """What the workers attach by (``--load-table``)."""
@@ -131,7 +146,7 @@ class LoadTable:
     def zero_row(self, index: int) -> None:
         """Forget worker ``index``'s load (it exited: its requests are gone with it)."""
         if self._shm is not None and 0 <= index < self.workers:
-            _zero_row(self._shm, index * row_bytes(self.slots), self.slots)
+            _zero_row(self._shm, index * self._row_bytes, self._row_bytes)
 
     def close(self) -> None:
         """Detach and remove the table (the workers are gone)."""
@@ -144,8 +159,9 @@ class LoadTable:
 class LoadShare:
     """One worker's side: publishes its own row, sums the other workers' rows (see the module doc).
 
-    Both are called on the worker's request loop: the publisher from the trackers' ``on_change``,
-    the reader from :meth:`balancer.routing.router.PoolRouter.load_snapshot`."""
+    All are called on the worker's request loop: the publisher from the trackers' ``on_change``,
+    the reader from :meth:`balancer.routing.router.PoolRouter.load_snapshot`, the tenant ones from
+    the admission's hooks (:meth:`publish_tenant`, :meth:`peer_tenant_admitted`)."""
 
     def __init__(
         self,
@@ -153,38 +169,52 @@ class LoadShare:
         index: int,
         workers: int,
         slots: int,
+        tenant_slots: int = 0,
         *,
         on_overflow: Callable[[], None] | None = None,
+        on_tenant_overflow: Callable[[], None] | None = None,
         on_torn: Callable[[], None] | None = None,
         track: bool = False,
     ) -> None:
-        """Attach to the supervisor's table ``name`` (``workers`` rows of ``slots`` slots) and empty
-        this worker's row ``index``. ``track`` (as Python 3.13's ``SharedMemory(track=)``): leave the
-        segment registered with this process's resource tracker; only for a process that created the
-        :class:`LoadTable` itself (tests)."""
+        """Attach to the supervisor's table ``name`` (``workers`` rows of ``slots`` replica slots and
+        ``tenant_slots`` tenant slots) and empty this worker's row ``index``. ``track`` (as Python
+        3.13's ``SharedMemory(track=)``): leave the segment registered with this process's resource
+        tracker; only for a process that created the :class:`LoadTable` itself (tests)."""
         shm = shared_memory.SharedMemory(name=name)
         if not track:
             # Python < 3.13 registers an attached segment with this process's resource tracker,
             # which would unlink it when this worker exits; the supervisor owns it.
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if shm.size < workers * row_bytes(slots):
+        size = row_bytes(slots, tenant_slots)
+        if shm.size < workers * size:
             shm.close()
             raise ValueError(f"load table {name!r} is {shm.size} bytes, smaller than {workers} rows")
         self._shm: shared_memory.SharedMemory | None = shm
         self.index = index
         self.workers = workers
         self.slots = slots
+        self.tenant_slots = tenant_slots
         self._on_overflow = on_overflow
+        self._on_tenant_overflow = on_tenant_overflow
         self._on_torn = on_torn
-        self._offset = index * row_bytes(slots)
-        self._row_words = row_bytes(slots) // WORD_BYTES
+        self._row_bytes = size
+        self._offset = index * size
+        self._row_words = size // WORD_BYTES
         self._at = index * self._row_words
+        self._tenant_at = (HEADER_BYTES + slots * SLOT.size) // WORD_BYTES
+        """Where a row's tenant slots start (in words from the row's start)."""
         self._peers = [i for i in range(workers) if i != index]
-        _zero_row(shm, self._offset, slots)
+        _zero_row(shm, self._offset, size)
         self._words = _words(shm)
         # A share dropped without close() releases its view first, or the segment cannot close.
         weakref.finalize(self, self._words.release)
         self._seq: int = self._words[self._at]
+        self._tenant_seq: int = self._words[self._at + TENANT_SEQ_WORD]
+        self._tenant_used = 0
+        self._tenant_slot_of: dict[int, int] = {}
+        self._tenant_free: list[int] = []
+        self._tenant_unshared: set[int] = set()
+        self._tenant_rows: dict[int, tuple[int, dict[int, int]]] = {}
         self._used = 0
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = []
@@ -195,6 +225,8 @@ class LoadShare:
         self._formats: dict[int, struct.Struct] = {}
         self.overflow_total = 0
         """Times a replica found no free slot (its load from here was then not shared)."""
+        self.tenant_overflow_total = 0
+        """Times a tenant found no free tenant slot (its requests here were then not shared)."""
         self.torn_reads_total = 0
         """Peer rows given up on for one snapshot after :data:`READ_ATTEMPTS` reads."""
 
@@ -299,6 +331,88 @@ class LoadShare:
         words, size = self._words, self._row_words
         return sum(max(0, words[peer * size + ADMITTED_WORD]) for peer in self._peers)
 
+    def publish_tenant(self, key: int, admitted: int) -> None:
+        """Write this worker's admitted requests of the tenant ``key`` (the ``on_tenant_change`` hook
+        of its admission; 0: free the tenant's slot). Under the row's tenant seqlock, one aligned
+        8-byte store per word; a tenant that finds every tenant slot taken is not shared (counted
+        once until it has nothing in flight here again)."""
+        if self._shm is None:
+            return
+        slot = self._tenant_slot_of.get(key)
+        fresh = slot is None
+        if slot is None:
+            if admitted <= 0:
+                self._tenant_unshared.discard(key)
+                return
+            if self._tenant_free:
+                slot = heapq.heappop(self._tenant_free)
+            elif self._tenant_used < self.tenant_slots:
+                slot = self._tenant_used
+                self._tenant_used += 1
+            else:
+                if key not in self._tenant_unshared:
+                    if len(self._tenant_unshared) >= MAX_KEY_MEMO:
+                        self._tenant_unshared.clear()
+                    self._tenant_unshared.add(key)
+                    self.tenant_overflow_total += 1
+                    if self._on_tenant_overflow is not None:
+                        self._on_tenant_overflow()
+                return
+            self._tenant_slot_of[key] = slot
+            self._tenant_unshared.discard(key)
+        words, row = self._words, self._at
+        at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+        if admitted <= 0:
+            words[at] = 0
+            words[at + 1] = 0
+            del self._tenant_slot_of[key]
+            heapq.heappush(self._tenant_free, slot)
+        else:
+            words[at + 1] = admitted
+            if fresh:
+                words[at] = key
+                words[row + TENANT_USED_WORD] = self._tenant_used
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+
+    def peer_tenant_admitted(self, key: int) -> int:
+        """The requests of the tenant ``key`` the other workers have admitted now (the
+        ``tenant_peers`` hook of the admission): per peer row, one header word read while that row's
+        tenant slots are unchanged since the last read, else one read of its used tenant slots."""
+        if self._shm is None:
+            return 0
+        total = 0
+        for peer in self._peers:
+            total += self._tenant_row(peer).get(key, 0)
+        return total
+
+    def _tenant_row(self, peer: int) -> dict[int, int]:
+        """The peer's tenant slots as {key: admitted} (negatives as 0), read under its tenant
+        seqlock; after :data:`READ_ATTEMPTS` torn reads, its last whole read (counted)."""
+        words, row = self._words, peer * self._row_words
+        for _ in range(READ_ATTEMPTS):
+            seq: int = words[row + TENANT_SEQ_WORD]
+            if seq & 1:
+                continue
+            cached = self._tenant_rows.get(peer)
+            if cached is not None and cached[0] == seq:
+                return cached[1]
+            used = max(0, min(words[row + TENANT_USED_WORD], self.tenant_slots))
+            start = row + self._tenant_at
+            values = words[start : start + used * TENANT_SLOT_WORDS].tolist()
+            if words[row + TENANT_SEQ_WORD] != seq:
+                continue
+            counts = {key: max(0, n) for key, n in zip(values[::2], values[1::2], strict=True) if key}
+            self._tenant_rows[peer] = (seq, counts)
+            return counts
+        self.torn_reads_total += 1
+        if self._on_torn is not None:
+            self._on_torn()
+        cached = self._tenant_rows.get(peer)
+        return {} if cached is None else cached[1]
+
     def peer_totals(self) -> Mapping[int, LoadCounts]:
         """The other workers' load summed per replica key (cached while no peer row changed)."""
         shm = self._shm
@@ -357,5 +471,5 @@ class LoadShare:
         shm, self._shm = self._shm, None
         if shm is not None:
             self._words.release()
-            _zero_row(shm, self._offset, self.slots)
+            _zero_row(shm, self._offset, self._row_bytes)
             shm.close()
