@@ -133,6 +133,14 @@ class LimitConfig:
     requests in flight on it. Past the limit a replica's load from that worker is not shared (the
     other workers see only their own on it) and ``kvlb_load_share_overflow_replicas_total`` counts
     it. 1..1,048,576; ignored by one worker."""
+    load_share_tenant_slots: int = 1024
+    """With ``kvlb serve --workers N`` and ``max_inflight_per_tenant`` below ``max_inflight``:
+    tenants one worker can share its admitted requests of at once with the other workers (16 bytes
+    a slot in each worker's row of the shared-memory table), so that ``max_inflight_per_tenant``
+    holds for all workers together. A tenant (the default and the overflow tenants too) holds a slot
+    of a worker while that worker has requests of it in flight. Past the limit a tenant's requests on
+    that worker are not shared (the other workers do not count them against its cap) and
+    ``kvlb_load_share_overflow_tenants_total`` counts it. 1..65,536; ignored by one worker."""
     max_inflight_body_bytes: int = 1024 * 1024 * 1024
     """Request bodies and token ids held at once (bytes): a request reserves its body's bytes before
     its body is read (its ``Content-Length``; a body without one reserves chunk by chunk as it is
@@ -526,6 +534,11 @@ class Settings:
         if not 1 <= self.limits.load_share_slots <= 1_048_576:
             raise ConfigError(
                 f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"
+            )
+        if not 1 <= self.limits.load_share_tenant_slots <= 65_536:
+            raise ConfigError(
+                "limits.load_share_tenant_slots must be in 1..65536, "
+                f"got {self.limits.load_share_tenant_slots}"
             )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
