@@ -129,6 +129,34 @@ def _zero_row(shm: shared_memory.SharedMemory, offset: int, size: int) -> None:
         words[at] = seq + 1
 
 
+def _scan(values: list[int], key: int) -> int:
+    """``key``'s count in a row's tenant slots read as ``[key, admitted, key, admitted, ...]``
+    (0 if absent; negatives as 0): a scan of the keys in C, bounded by the slots used."""
+    keys = values[::2]
+    return max(0, values[2 * keys.index(key) + 1]) if key in keys else 0
+
+
+class _TenantRead:
+    """One whole read of a peer row's tenant slots at ``seq``. A read is scanned for the key asked
+    (a busy peer changes its row between two admissions: building a dict of its every tenant for one
+    look-up would cost more); a read asked about again at the same ``seq`` gets a dict, and is looked
+    up in it from then on."""
+
+    __slots__ = ("counts", "seq", "values")
+
+    def __init__(self, seq: int, values: list[int]) -> None:
+        self.seq = seq
+        self.values = values
+        self.counts: dict[int, int] | None = None
+
+    def count(self, key: int) -> int:
+        counts = self.counts
+        if counts is None:
+            values = self.values
+            counts = self.counts = dict(zip(values[::2], values[1::2], strict=True))
+        return max(0, counts.get(key, 0))
+
+
 class LoadTable:
     """The supervisor's side: creates the shared table, zeroes dead workers' rows, removes it."""
 
@@ -214,7 +242,7 @@ class LoadShare:
         self._tenant_slot_of: dict[int, int] = {}
         self._tenant_free: list[int] = []
         self._tenant_unshared: set[int] = set()
-        self._tenant_rows: dict[int, tuple[int, dict[int, int]]] = {}
+        self._tenant_rows: dict[int, _TenantRead] = {}
         self._used = 0
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = []
@@ -379,39 +407,39 @@ class LoadShare:
 
     def peer_tenant_admitted(self, key: int) -> int:
         """The requests of the tenant ``key`` the other workers have admitted now (the
-        ``tenant_peers`` hook of the admission): per peer row, one header word read while that row's
-        tenant slots are unchanged since the last read, else one read of its used tenant slots."""
+        ``tenant_peers`` hook of the admission; negatives as 0). Per peer row: one header word read
+        and a dict look-up while that row's tenant slots are unchanged since the last read, else one
+        read of its used tenant slots and a scan of their keys (see :class:`_TenantRead`)."""
         if self._shm is None:
             return 0
         total = 0
         for peer in self._peers:
-            total += self._tenant_row(peer).get(key, 0)
+            total += self._tenant_count(peer, key)
         return total
 
-    def _tenant_row(self, peer: int) -> dict[int, int]:
-        """The peer's tenant slots as {key: admitted} (negatives as 0), read under its tenant
-        seqlock; after :data:`READ_ATTEMPTS` torn reads, its last whole read (counted)."""
+    def _tenant_count(self, peer: int, key: int) -> int:
+        """The peer's admitted requests of ``key``, read under its tenant seqlock; after
+        :data:`READ_ATTEMPTS` torn reads, from its last whole read (counted)."""
         words, row = self._words, peer * self._row_words
         for _ in range(READ_ATTEMPTS):
             seq: int = words[row + TENANT_SEQ_WORD]
             if seq & 1:
                 continue
             cached = self._tenant_rows.get(peer)
-            if cached is not None and cached[0] == seq:
-                return cached[1]
+            if cached is not None and cached.seq == seq:
+                return cached.count(key)
             used = max(0, min(words[row + TENANT_USED_WORD], self.tenant_slots))
             start = row + self._tenant_at
             values = words[start : start + used * TENANT_SLOT_WORDS].tolist()
             if words[row + TENANT_SEQ_WORD] != seq:
                 continue
-            counts = {key: max(0, n) for key, n in zip(values[::2], values[1::2], strict=True) if key}
-            self._tenant_rows[peer] = (seq, counts)
-            return counts
+            self._tenant_rows[peer] = _TenantRead(seq, values)
+            return _scan(values, key)
         self.torn_reads_total += 1
         if self._on_torn is not None:
             self._on_torn()
         cached = self._tenant_rows.get(peer)
-        return {} if cached is None else cached[1]
+        return 0 if cached is None else cached.count(key)
 
     def peer_totals(self) -> Mapping[int, LoadCounts]:
         """The other workers' load summed per replica key (cached while no peer row changed)."""

@@ -193,6 +193,7 @@ class Admission:
         the tenant (:attr:`tenant_peers`), in the order found; back to the ring's end when a slot of
         theirs frees here, or when the other workers' count falls (seen at a recheck)."""
         self._rechecked_at = float("-inf")
+        self._shared_keys: dict[str, int] = {}
         self._slot_waiters = 0
         self._replica_waiters = 0
         self._freed = asyncio.Event()
@@ -241,7 +242,16 @@ class Admission:
         return tenant.inflight + peers(key)
 
     def _share(self, tenant: Tenant) -> int:
-        key = tenant.shared_key = tenant_key(tenant.key or "")
+        """``tenant``'s :func:`tenant_key`, remembered for its name (a tenant with nothing in flight
+        is dropped from the table and made again for its next request: its name is not hashed
+        again); the memo holds at most ``max_tenants`` names, then starts again."""
+        name = tenant.key or ""
+        key = self._shared_keys.get(name)
+        if key is None:
+            if len(self._shared_keys) >= self.limits.max_tenants:
+                self._shared_keys.clear()
+            key = self._shared_keys[name] = tenant_key(name)
+        tenant.shared_key = key
         return key
 
     def _publish_tenant(self, tenant: Tenant) -> None:
