@@ -1,45 +1,61 @@
-"""Per-replica load shared between the workers of ``kvlb serve --workers N`` (shell: shared memory).
+"""Per-replica load and per-tenant admissions shared between workers (shell: shared memory).
 
-Each worker's :class:`~balancer.load.tracker.LoadTracker` is exact for the requests that worker
-routed. So that every worker's policy sees the whole service's load on each replica, the supervisor
-creates one fixed-size shared-memory table (:class:`LoadTable`, ``multiprocessing.shared_memory``)
+With ``kvlb serve --workers N``, each worker's :class:`~balancer.load.tracker.LoadTracker` is exact
+for the requests that worker routed. So that every worker's policy sees the whole service's load on
+each replica, and every worker's admission the whole service's requests (by tenant too), the
+supervisor creates one fixed-size shared-memory table (:class:`LoadTable`, ``multiprocessing.shared_memory``)
 with one row per worker; each worker writes only its own row (single writer, no lock) and reads the
 others' rows.
 
-A row is a header ``[seq, used, admitted]`` and ``limits.load_share_slots`` slots ``[key,
-prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]``, all int64 in the host's byte order (the
-table never leaves the host). ``admitted`` is the worker's admitted requests
+A row is a header ``[seq, used, admitted, tenant_seq, tenant_used]``, ``limits.load_share_slots``
+replica slots ``[key, prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]`` and
+``limits.load_share_tenant_slots`` tenant slots ``[key, admitted]``, all int64 in the host's byte
+order (the table never leaves the host). ``admitted`` is the worker's admitted requests
 (``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one aligned 8-byte store, read
-without the seqlock. ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free slot). A replica
-takes a slot in the worker's row while the worker has requests in flight on it and frees it when it
-has none, so the slots bound the replicas *loaded at once* by one worker; a replica that finds no
-free slot is not shared (the other workers see only their own load on it) and is counted
-(``on_overflow``, ``kvlb_load_share_overflow_replicas_total``).
+without a seqlock. A replica slot's ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free
+slot). A replica takes a slot in the worker's row while the worker has requests in flight on it and
+frees it when it has none, so the slots bound the replicas *loaded at once* by one worker; a replica
+that finds no free slot is not shared (the other workers see only their own load on it) and is
+counted (``on_overflow``, ``kvlb_load_share_overflow_replicas_total``). A tenant slot's ``key`` names
+a tenant (:func:`balancer.service.admission.tenant_key` of its name; the default and the overflow
+tenants have fixed keys of their own) and ``admitted`` is the worker's requests of that tenant in
+flight (``limits.max_inflight_per_tenant``, :meth:`LoadShare.publish_tenant`); the same rules hold:
+a tenant holds a slot while the worker has requests of it in flight, so an idle tenant costs
+nothing, and one that finds no free tenant slot is not shared and is counted (``on_tenant_overflow``,
+``kvlb_load_share_overflow_tenants_total``).
 
-``seq`` is a seqlock: the writer makes it odd, writes, makes it even again; a reader retries while
-it reads an odd ``seq`` or a different one after the data (at most :data:`READ_ATTEMPTS` times, then
-it keeps that row's last good read and counts a torn read). The header words are stored and loaded
-through an int64 view of the segment (``memoryview.cast("q")``), one 8-byte ``memcpy`` each, which is
+``seq`` is a seqlock over the replica slots, ``tenant_seq`` one over the tenant slots (so that a
+change of one section does not make the other workers read the other again): the writer makes it
+odd, writes, makes it even again; a reader retries while it reads an odd value or a different one
+after the data (at most :data:`READ_ATTEMPTS` times, then it keeps that section's last good read and
+counts a torn read). The header words and the tenant slots' words are stored and loaded one by
+one through an int64 view of the segment (``memoryview.cast("q")``), one 8-byte ``memcpy`` each, which is
 one store on the platforms kvlb runs on (x86-64, arm64). Not through ``struct.pack_into``: it zeroes
 the field and then writes it, so ``seq`` would pass through 0, an even value, on every store, and a
 reader that read 0 before and after the data would take a half-written row as whole. A seqlock's
 reader sees whole rows on x86-64's ordered stores; elsewhere a torn read can at worst mix one row's
 fields for one snapshot (the load is a routing hint; the next snapshot reads again). A reader that
 finds every peer row's ``seq`` unchanged reuses its last sum, so an idle service costs one header
-read per peer per snapshot.
+read per peer per snapshot. A tenant's count on the other workers
+(:meth:`LoadShare.peer_tenant_admitted`) costs, per peer, one header read and a byte search of the
+peer's used tenant slots as last read (bounded by ``limits.load_share_tenant_slots``; a dict
+look-up once that read was asked about :data:`DICT_AFTER` times), plus a copy of their bytes when
+they changed since.
 
 **The caps read the table too.** ``limits.max_inflight_per_replica`` is checked against a replica's
-in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`)
-and ``limits.max_inflight`` against the ``admitted`` of every row
-(:class:`balancer.service.admission.Admission`). There is no lock: a worker checks and then publishes,
+in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`),
+``limits.max_inflight`` against the ``admitted`` of every row and ``limits.max_inflight_per_tenant``
+against the tenant's ``admitted`` in every row (:class:`balancer.service.admission.Admission`, which
+knows only its hooks, not this table). There is no lock: a worker checks and then publishes,
 synchronously on its one request loop (the router reads the chosen replica's count once more right
 before it commits, :meth:`~balancer.routing.router.PoolRouter.route`, so the gap is microseconds, not
 a whole plan), so at the moment a worker admits, each other worker has at most one admission it
 checked but has not yet published. Two workers checking at once may both admit: the service can be
-at most ``N - 1`` over either cap (``N`` workers), and only for as long as those requests last.
-The bound does not hold for a replica that found no free slot (its load from that worker is not
-shared) nor for a snapshot that gave up on a torn row (it uses that row's last whole read); both are
-counted.
+at most ``N - 1`` over any of these caps (``N`` workers), and only for as long as those requests
+last. The bound does not hold for a replica or a tenant that found no free slot (its load from that
+worker is not shared) nor for a read that gave up on a torn row (it uses that row's last whole
+read); all are counted. The queue caps (``limits.max_queued``, ``limits.max_queued_per_tenant``)
+and the tenant table (``limits.max_tenants``) stay per worker.
 
 The supervisor zeroes a dead worker's row as soon as it exits (:meth:`LoadTable.zero_row`), so the
 requests that died with it stop counting at once; the restarted worker starts from an empty row.
@@ -76,6 +92,11 @@ SLOT_FIELDS = 5
 TENANT_SLOT_WORDS = 2
 """A tenant slot: ``key`` (0: free; :func:`balancer.service.admission.tenant_key`) and the requests
 of that tenant the worker has admitted."""
+TENANT_SLOT_BYTES = TENANT_SLOT_WORDS * WORD_BYTES
+WORD = struct.Struct("=q")
+"""One int64 word in the host's byte order (as the segment's int64 view reads it)."""
+DICT_AFTER = 8
+"""Look-ups of one read of a peer's tenant slots after which it is made into a dict."""
 READ_ATTEMPTS = 8
 """Reads of one row before a reader gives up on it for this snapshot (a writer mid-update)."""
 MAX_KEY_MEMO = 65_536
@@ -129,30 +150,43 @@ def _zero_row(shm: shared_memory.SharedMemory, offset: int, size: int) -> None:
         words[at] = seq + 1
 
 
-def _scan(values: list[int], key: int) -> int:
-    """``key``'s count in a row's tenant slots read as ``[key, admitted, key, admitted, ...]``
-    (0 if absent; negatives as 0): a scan of the keys in C, bounded by the slots used."""
-    keys = values[::2]
-    return max(0, values[2 * keys.index(key) + 1]) if key in keys else 0
+def _find(raw: bytes, key: int) -> int:
+    """``key``'s count in a row's tenant slots as read (their bytes: ``[key, admitted]`` pairs of
+    int64), 0 if absent, negatives as 0: a byte search in C for the key's 8 bytes at a slot's start,
+    no Python int made per slot."""
+    needle = WORD.pack(key)
+    at = raw.find(needle)
+    while at >= 0:
+        if at % TENANT_SLOT_BYTES == 0:
+            return max(0, int(WORD.unpack_from(raw, at + WORD_BYTES)[0]))
+        at = raw.find(needle, at + 1)  # the bytes straddle two words: not a key
+    return 0
 
 
 class _TenantRead:
-    """One whole read of a peer row's tenant slots at ``seq``. A read is scanned for the key asked
-    (a busy peer changes its row between two admissions: building a dict of its every tenant for one
-    look-up would cost more); a read asked about again at the same ``seq`` gets a dict, and is looked
-    up in it from then on."""
+    """One whole read of a peer row's tenant slots (their bytes) at ``seq``. A busy peer changes its
+    row between two admissions here, so a fresh read is searched for the key asked (:func:`_find`)
+    rather than made into a dict, which costs more than a few searches; a read asked about
+    :data:`DICT_AFTER` times (an idle peer's row stays the same for many admissions) is made into
+    one, and looked up in it from then on (docs/operations.md, "kvlb serve --workers N", has the
+    figures)."""
 
-    __slots__ = ("counts", "seq", "values")
+    __slots__ = ("asked", "counts", "raw", "seq")
 
-    def __init__(self, seq: int, values: list[int]) -> None:
+    def __init__(self, seq: int, raw: bytes) -> None:
         self.seq = seq
-        self.values = values
+        self.raw = raw
+        self.asked = 0
         self.counts: dict[int, int] | None = None
 
     def count(self, key: int) -> int:
         counts = self.counts
         if counts is None:
-            values = self.values
+            self.asked += 1
+            if self.asked < DICT_AFTER:
+                return _find(self.raw, key)
+            with memoryview(self.raw).cast("q") as view:
+                values = view.tolist()
             counts = self.counts = dict(zip(values[::2], values[1::2], strict=True))
         return max(0, counts.get(key, 0))
 
@@ -408,18 +442,19 @@ class LoadShare:
     def peer_tenant_admitted(self, key: int) -> int:
         """The requests of the tenant ``key`` the other workers have admitted now (the
         ``tenant_peers`` hook of the admission; negatives as 0). Per peer row: one header word read
-        and a dict look-up while that row's tenant slots are unchanged since the last read, else one
-        read of its used tenant slots and a scan of their keys (see :class:`_TenantRead`)."""
+        and a byte search of its tenant slots as last read while they are unchanged, else a copy of
+        its used tenant slots' bytes first (:func:`_find`)."""
         if self._shm is None:
             return 0
         total = 0
         for peer in self._peers:
-            total += self._tenant_count(peer, key)
+            total += self._tenant_read(peer).count(key)
         return total
 
-    def _tenant_count(self, peer: int, key: int) -> int:
-        """The peer's admitted requests of ``key``, read under its tenant seqlock; after
-        :data:`READ_ATTEMPTS` torn reads, from its last whole read (counted)."""
+    def _tenant_read(self, peer: int) -> _TenantRead:
+        """The peer's used tenant slots, read whole under its tenant seqlock (kept while its
+        ``tenant_seq`` stays the same); after :data:`READ_ATTEMPTS` torn reads, its last whole read
+        (counted)."""
         words, row = self._words, peer * self._row_words
         for _ in range(READ_ATTEMPTS):
             seq: int = words[row + TENANT_SEQ_WORD]
@@ -427,19 +462,19 @@ class LoadShare:
                 continue
             cached = self._tenant_rows.get(peer)
             if cached is not None and cached.seq == seq:
-                return cached.count(key)
+                return cached
             used = max(0, min(words[row + TENANT_USED_WORD], self.tenant_slots))
             start = row + self._tenant_at
-            values = words[start : start + used * TENANT_SLOT_WORDS].tolist()
+            raw = words[start : start + used * TENANT_SLOT_WORDS].tobytes()
             if words[row + TENANT_SEQ_WORD] != seq:
                 continue
-            self._tenant_rows[peer] = _TenantRead(seq, values)
-            return _scan(values, key)
+            read = self._tenant_rows[peer] = _TenantRead(seq, raw)
+            return read
         self.torn_reads_total += 1
         if self._on_torn is not None:
             self._on_torn()
         cached = self._tenant_rows.get(peer)
-        return 0 if cached is None else cached.count(key)
+        return _TenantRead(-1, b"") if cached is None else cached
 
     def peer_totals(self) -> Mapping[int, LoadCounts]:
         """The other workers' load summed per replica key (cached while no peer row changed)."""

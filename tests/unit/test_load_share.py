@@ -17,7 +17,16 @@ from random import Random
 import pytest
 
 from balancer.errors import Overloaded
-from balancer.load.share import TENANT_SEQ_WORD, LoadShare, LoadTable, replica_key, row_bytes
+from balancer.load.share import (
+    DICT_AFTER,
+    TENANT_SEQ_WORD,
+    WORD,
+    LoadShare,
+    LoadTable,
+    _find,
+    replica_key,
+    row_bytes,
+)
 from balancer.load.tracker import LoadCounts, LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.registry import make_policy
@@ -518,5 +527,26 @@ async def test_max_inflight_per_tenant_counts_every_workers_requests_of_the_tena
     first.leave()
     first.leave()
     assert [w.peer_tenant_admitted(key) for w in (w0, w1) for key in (KA, KB, DEFAULT_TENANT_KEY)] == [0] * 6
+    w0.close()
+    w1.close()
+
+
+def test_a_key_is_found_only_at_a_slots_start_and_counts_below_zero_read_as_zero() -> None:
+    key = 0x0102_0304_0506_0708
+    packed = WORD.pack(key)
+    straddling = WORD.unpack(b"\0\0\0\0" + packed[:4])[0], WORD.unpack(packed[4:] + b"\0\0\0\0")[0]
+    raw = b"".join(WORD.pack(word) for word in (*straddling, key, 5, KB, -3))
+    assert raw.find(packed) == 4  # the key's bytes first show up across the first slot's two words
+    assert (_find(raw, key), _find(raw, KB), _find(raw, KA), _find(b"", key)) == (5, 0, 0, 0)
+
+
+def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(table: LoadTable) -> None:
+    w0, w1 = attach(table, 0), attach(table, 1)
+    w0.publish_tenant(KA, 3)
+    w0.publish_tenant(KB, 1)
+    answers = [(w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KC)) for _ in range(DICT_AFTER)]
+    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: 3, KB: 1}
+    w0.publish_tenant(KA, 2)  # a new read: searched again, no dict yet
+    assert w1.peer_tenant_admitted(KA) == 2 and w1._tenant_rows[0].counts is None
     w0.close()
     w1.close()
