@@ -40,13 +40,22 @@ its tenant: they wait in a front queue, first come first served. :meth:`Admissio
 the slot and every byte the request held. The check on the way in is a few comparisons and an
 addition.
 
-With ``kvlb serve --workers N`` the cap is the whole service's: :attr:`Admission.peers` gives the
-requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
-:attr:`Admission.on_change` publishes this worker's count. A request is admitted while this worker's
-plus the others' count is below ``max_inflight``; a slot freed on another worker is seen by this
-worker's waiters at their next check (every ``RECHECK_S``), in their order. Two workers admitting at
-the same instant may both pass: the service is at most ``N - 1`` over the cap. The queue
-(``max_queued``), its order and every per-tenant cap and table stay per worker.
+With ``kvlb serve --workers N`` the slot caps are the whole service's: :attr:`Admission.peers` gives
+the requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
+:attr:`Admission.on_change` publishes this worker's count; :attr:`Admission.tenant_peers` gives the
+other workers' requests of one tenant (by :func:`tenant_key`: the default and the overflow tenants
+have keys of their own, so each is one tenant across workers) and :attr:`Admission.on_tenant_change`
+publishes this worker's count of a tenant at each change. A request is admitted while this worker's
+plus the others' count is below ``max_inflight`` and its tenant's count here plus elsewhere is below
+``max_inflight_per_tenant``; a slot freed on another worker is seen by this worker's waiters at
+their next check (every ``RECHECK_S``), in their order, while a slot freed here passes to a waiter
+here at once. A tenant with waiters here that is at its cap only with the other workers' requests
+counted is set aside: its turns pass (it holds nobody back) until its count falls, looked at once
+per half ``RECHECK_S``. Two workers admitting at the same instant may both pass: the service is at
+most ``N - 1`` over either cap. The queue caps (``max_queued``, ``max_queued_per_tenant``), the
+queue's order and the tenant table (``max_tenants``) stay per worker. The tenant hooks cost a look-up
+of the tenant's key and one read of the other workers' counts per check; the shell leaves them unset
+when ``max_inflight_per_tenant`` is ``max_inflight`` (the tenant's cap cannot bind first).
 
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
