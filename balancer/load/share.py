@@ -109,7 +109,7 @@ _ReadMemo = tuple[Mapping[int, LoadCounts], tuple[ReplicaId, ...], Mapping[Repli
 
 def row_bytes(slots: int, tenant_slots: int = 0) -> int:
     """Bytes of one worker's row with ``slots`` replica slots and ``tenant_slots`` tenant slots."""
-    return HEADER_BYTES + slots * SLOT.size + tenant_slots * TENANT_SLOT_WORDS * WORD_BYTES
+    return HEADER_BYTES + slots * SLOT.size + tenant_slots * TENANT_SLOT_BYTES
 
 
 def replica_key(model: str, replica: str) -> int:
@@ -441,9 +441,9 @@ class LoadShare:
 
     def peer_tenant_admitted(self, key: int) -> int:
         """The requests of the tenant ``key`` the other workers have admitted now (the
-        ``tenant_peers`` hook of the admission; negatives as 0). Per peer row: one header word read
-        and a byte search of its tenant slots as last read while they are unchanged, else a copy of
-        its used tenant slots' bytes first (:func:`_find`)."""
+        ``tenant_peers`` hook of the admission; negatives as 0). Per peer row: one header word read,
+        a copy of its used tenant slots' bytes if they changed since the last read, and a look-up
+        in that read (:class:`_TenantRead`)."""
         if self._shm is None:
             return 0
         total = 0
