@@ -190,7 +190,8 @@ class Balancer:
     def _share_load(self, pools: Mapping[str, Pool], admission: Admission) -> None:
         """With ``--workers N``: publish every pool's own per-replica load and the admitted count
         into this worker's row of the supervisor's table, and let every router (its view and its
-        per-replica cap) and the admission (``limits.max_inflight``) add the other workers' rows."""
+        per-replica cap) and the admission (``limits.max_inflight``, and
+        ``limits.max_inflight_per_tenant`` when it is below it) add the other workers' rows."""
         worker = self.options.worker
         if worker is None or worker.count < 2 or worker.load_table is None:
             return
@@ -200,7 +201,9 @@ class Balancer:
             worker.index,
             worker.count,
             self.settings.limits.load_share_slots,
+            self.settings.limits.load_share_tenant_slots,
             on_overflow=metrics.load_share_overflow_replicas_total.inc,
+            on_tenant_overflow=metrics.load_share_overflow_tenants_total.inc,
             on_torn=metrics.load_share_torn_reads_total.inc,
         )
         for pool in pools.values():
@@ -209,6 +212,11 @@ class Balancer:
         admission.on_change = share.publish_admitted
         admission.peers = share.peer_admitted
         share.publish_admitted(admission.inflight)
+        if admission.limits.max_inflight_per_tenant < admission.limits.max_inflight:
+            # At the global cap (the default) the tenant's count cannot bind before the global one:
+            # nothing is shared for it.
+            admission.on_tenant_change = share.publish_tenant
+            admission.tenant_peers = share.peer_tenant_admitted
 
     def _series(self) -> SeriesSampler:
         """The console's bounded time series (``console.series_*``)."""
@@ -408,6 +416,8 @@ class Balancer:
                     pool.router.tracker().on_change = None
                 self.state.admission.peers = None
                 self.state.admission.on_change = None
+                self.state.admission.tenant_peers = None
+                self.state.admission.on_tenant_change = None
             share.close()
         if self._siblings is not None:
             siblings, self._siblings = self._siblings, None

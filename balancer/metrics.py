@@ -127,6 +127,7 @@ class Metrics:
     replica_healthy: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
+    load_share_overflow_tenants_total: Counter
     load_share_torn_reads_total: Counter
     process_asyncio_tasks: Gauge
     log_suppressed_total: Counter
@@ -668,6 +669,7 @@ class _ReplicaCollectors(TypedDict):
     replica_healthy: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
+    load_share_overflow_tenants_total: Counter
     load_share_torn_reads_total: Counter
 
 
@@ -689,6 +691,12 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "Times a replica's load could not be shared with the other workers because all "
             "limits.load_share_slots slots of this worker were taken (the others then see only "
             "their own load on it).",
+        ),
+        "load_share_overflow_tenants_total": counter(
+            "kvlb_load_share_overflow_tenants_total",
+            "Times a tenant's admitted requests could not be shared with the other workers because "
+            "all limits.load_share_tenant_slots tenant slots of this worker were taken (the others "
+            "then do not count its requests here against its limits.max_inflight_per_tenant).",
         ),
         "load_share_torn_reads_total": counter(
             "kvlb_load_share_torn_reads_total",

@@ -11,10 +11,11 @@ with 50 ms between, for ``--seconds``. Each run is one mode:
 * ``on``: ``limits.max_inflight_per_tenant`` and ``limits.max_queued_per_tenant`` at half the global
   ``max_inflight`` and ``max_queued``.
 
-``kvlb serve`` runs with ``--workers`` (default 1: the per-tenant caps are per worker, so with N
-workers a tenant may hold N times them). Runs alternate as ``--runs`` says (default
-``off,on,on,off,off,on``), each with a fresh ``kvlb serve``. Printed: a JSON document (every run:
-B's successes, refusals, latency p50/p99 of its successes; A's answers by status) and a table.
+``kvlb serve`` runs with ``--workers`` (default 1; with N workers the per-tenant slot cap holds for
+them all together, at most N - 1 over, while the queue caps are per worker). Runs alternate as
+``--runs`` says (default ``off,on,on,off,off,on``), each with a fresh ``kvlb serve``. Printed: a
+JSON document (every run: B's successes, refusals, latency p50/p99 of its successes; A's answers by
+status) and a table.
 Percentiles are nearest-rank (:func:`balancer.service.series.percentile`).
 Bounded: each run lasts ``--seconds`` (at most 60), each client sends at most 10,000 requests.
 """
@@ -247,7 +248,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-queued", type=int, default=32)
     parser.add_argument("--queue-timeout-s", type=float, default=2.0)
     parser.add_argument(
-        "--workers", type=int, default=1, help="kvlb serve --workers (the per-tenant caps are per worker)"
+        "--workers",
+        type=int,
+        default=1,
+        help="kvlb serve --workers (the per-tenant slot cap holds for all together)",
     )
     parser.add_argument("--serve-replica", action="store_true", help="(internal) be the slow replica")
     args = parser.parse_args(argv)

@@ -129,7 +129,8 @@ class Supervisor:
     async def start(self) -> None:
         listen = self.settings.listen
         self.run_dir = tempfile.mkdtemp(prefix="kvlb-workers-")
-        self.load_table = LoadTable(self.count, self.settings.limits.load_share_slots)
+        limits = self.settings.limits
+        self.load_table = LoadTable(self.count, limits.load_share_slots, limits.load_share_tenant_slots)
         self._sock = listening_socket(listen.host, listen.port)
         host, port = self._sock.getsockname()[:2]
         scheme = "https" if listen.tls_cert_file is not None else "http"

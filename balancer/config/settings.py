@@ -129,10 +129,18 @@ class LimitConfig:
     load_share_slots: int = 1024
     """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
     requests, pending prefill tokens, decode blocks) with the other workers, through a shared-memory
-    table of N × (24 + 40 × slots) bytes. A replica holds a slot of a worker while that worker has
-    requests in flight on it. Past the limit a replica's load from that worker is not shared (the
-    other workers see only their own on it) and ``kvlb_load_share_overflow_replicas_total`` counts
-    it. 1..1,048,576; ignored by one worker."""
+    table of N × (40 + 40 × slots + 16 × ``load_share_tenant_slots``) bytes. A replica holds a slot
+    of a worker while that worker has requests in flight on it. Past the limit a replica's load from
+    that worker is not shared (the other workers see only their own on it) and
+    ``kvlb_load_share_overflow_replicas_total`` counts it. 1..1,048,576; ignored by one worker."""
+    load_share_tenant_slots: int = 1024
+    """With ``kvlb serve --workers N`` and ``max_inflight_per_tenant`` below ``max_inflight``:
+    tenants one worker can share its admitted requests of at once with the other workers (16 bytes
+    a slot in each worker's row of the shared-memory table), so that ``max_inflight_per_tenant``
+    holds for all workers together. A tenant (the default and the overflow tenants too) holds a slot
+    of a worker while that worker has requests of it in flight. Past the limit a tenant's requests on
+    that worker are not shared (the other workers do not count them against its cap) and
+    ``kvlb_load_share_overflow_tenants_total`` counts it. 1..65,536; ignored by one worker."""
     max_inflight_body_bytes: int = 1024 * 1024 * 1024
     """Request bodies and token ids held at once (bytes): a request reserves its body's bytes before
     its body is read (its ``Content-Length``; a body without one reserves chunk by chunk as it is
@@ -156,12 +164,13 @@ class LimitConfig:
     admitted at once; more of that tenant wait in the queue while other tenants' requests go on
     (``queue_timeout_s`` → 503 with Retry-After, ``kvlb_admission_shed_total{reason=
     "tenant_inflight"}``). Unset (the default): ``max_inflight``, so one tenant may take every slot
-    and nothing changes for a deployment without tenants. 1..``max_inflight``; per worker with
-    ``kvlb serve --workers N`` (N × this for the service)."""
+    and nothing changes for a deployment without tenants. 1..``max_inflight``. With ``kvlb serve
+    --workers N`` all workers together (the shared load table, ``load_share_tenant_slots``; workers
+    admitting at the same instant can put a tenant at most N - 1 over), like ``max_inflight``."""
     max_queued_per_tenant: int | None = None
     """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
-    Unset (the default): ``max_queued``. 0..``max_queued``; per worker."""
+    Unset (the default): ``max_queued``. 0..``max_queued``; per worker (as ``max_queued``)."""
     max_tenants: int = 1024
     """Tenants admission tracks at once (those with a request in flight or waiting; about 1 kB
     each); a new tenant past it shares one overflow tenant, and its caps, with the other untracked
@@ -526,6 +535,11 @@ class Settings:
         if not 1 <= self.limits.load_share_slots <= 1_048_576:
             raise ConfigError(
                 f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"
+            )
+        if not 1 <= self.limits.load_share_tenant_slots <= 65_536:
+            raise ConfigError(
+                "limits.load_share_tenant_slots must be in 1..65536, "
+                f"got {self.limits.load_share_tenant_slots}"
             )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")

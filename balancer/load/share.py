@@ -1,45 +1,61 @@
-"""Per-replica load shared between the workers of ``kvlb serve --workers N`` (shell: shared memory).
+"""Per-replica load and per-tenant admissions shared between workers (shell: shared memory).
 
-Each worker's :class:`~balancer.load.tracker.LoadTracker` is exact for the requests that worker
-routed. So that every worker's policy sees the whole service's load on each replica, the supervisor
-creates one fixed-size shared-memory table (:class:`LoadTable`, ``multiprocessing.shared_memory``)
+With ``kvlb serve --workers N``, each worker's :class:`~balancer.load.tracker.LoadTracker` is exact
+for the requests that worker routed. So that every worker's policy sees the whole service's load on
+each replica, and every worker's admission the whole service's requests (by tenant too), the
+supervisor creates one fixed-size shared-memory table (:class:`LoadTable`, ``multiprocessing.shared_memory``)
 with one row per worker; each worker writes only its own row (single writer, no lock) and reads the
 others' rows.
 
-A row is a header ``[seq, used, admitted]`` and ``limits.load_share_slots`` slots ``[key,
-prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]``, all int64 in the host's byte order (the
-table never leaves the host). ``admitted`` is the worker's admitted requests
+A row is a header ``[seq, used, admitted, tenant_seq, tenant_used]``, ``limits.load_share_slots``
+replica slots ``[key, prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]`` and
+``limits.load_share_tenant_slots`` tenant slots ``[key, admitted]``, all int64 in the host's byte
+order (the table never leaves the host). ``admitted`` is the worker's admitted requests
 (``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one aligned 8-byte store, read
-without the seqlock. ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free slot). A replica
-takes a slot in the worker's row while the worker has requests in flight on it and frees it when it
-has none, so the slots bound the replicas *loaded at once* by one worker; a replica that finds no
-free slot is not shared (the other workers see only their own load on it) and is counted
-(``on_overflow``, ``kvlb_load_share_overflow_replicas_total``).
+without a seqlock. A replica slot's ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free
+slot). A replica takes a slot in the worker's row while the worker has requests in flight on it and
+frees it when it has none, so the slots bound the replicas *loaded at once* by one worker; a replica
+that finds no free slot is not shared (the other workers see only their own load on it) and is
+counted (``on_overflow``, ``kvlb_load_share_overflow_replicas_total``). A tenant slot's ``key`` names
+a tenant (:func:`balancer.service.admission.tenant_key` of its name; the default and the overflow
+tenants have fixed keys of their own) and ``admitted`` is the worker's requests of that tenant in
+flight (``limits.max_inflight_per_tenant``, :meth:`LoadShare.publish_tenant`); the same rules hold:
+a tenant holds a slot while the worker has requests of it in flight, so an idle tenant costs
+nothing, and one that finds no free tenant slot is not shared and is counted (``on_tenant_overflow``,
+``kvlb_load_share_overflow_tenants_total``).
 
-``seq`` is a seqlock: the writer makes it odd, writes, makes it even again; a reader retries while
-it reads an odd ``seq`` or a different one after the data (at most :data:`READ_ATTEMPTS` times, then
-it keeps that row's last good read and counts a torn read). The header words are stored and loaded
-through an int64 view of the segment (``memoryview.cast("q")``), one 8-byte ``memcpy`` each, which is
+``seq`` is a seqlock over the replica slots, ``tenant_seq`` one over the tenant slots (so that a
+change of one section does not make the other workers read the other again): the writer makes it
+odd, writes, makes it even again; a reader retries while it reads an odd value or a different one
+after the data (at most :data:`READ_ATTEMPTS` times, then it keeps that section's last good read and
+counts a torn read). The header words and the tenant slots' words are stored and loaded one by
+one through an int64 view of the segment (``memoryview.cast("q")``), one 8-byte ``memcpy`` each, which is
 one store on the platforms kvlb runs on (x86-64, arm64). Not through ``struct.pack_into``: it zeroes
 the field and then writes it, so ``seq`` would pass through 0, an even value, on every store, and a
 reader that read 0 before and after the data would take a half-written row as whole. A seqlock's
 reader sees whole rows on x86-64's ordered stores; elsewhere a torn read can at worst mix one row's
 fields for one snapshot (the load is a routing hint; the next snapshot reads again). A reader that
 finds every peer row's ``seq`` unchanged reuses its last sum, so an idle service costs one header
-read per peer per snapshot.
+read per peer per snapshot. A tenant's count on the other workers
+(:meth:`LoadShare.peer_tenant_admitted`) costs, per peer, one header read and a byte search of the
+peer's used tenant slots as last read (bounded by ``limits.load_share_tenant_slots``; a dict
+look-up once that read was asked about :data:`DICT_AFTER` times), plus a copy of their bytes when
+they changed since.
 
 **The caps read the table too.** ``limits.max_inflight_per_replica`` is checked against a replica's
-in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`)
-and ``limits.max_inflight`` against the ``admitted`` of every row
-(:class:`balancer.service.admission.Admission`). There is no lock: a worker checks and then publishes,
+in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`),
+``limits.max_inflight`` against the ``admitted`` of every row and ``limits.max_inflight_per_tenant``
+against the tenant's ``admitted`` in every row (:class:`balancer.service.admission.Admission`, which
+knows only its hooks, not this table). There is no lock: a worker checks and then publishes,
 synchronously on its one request loop (the router reads the chosen replica's count once more right
 before it commits, :meth:`~balancer.routing.router.PoolRouter.route`, so the gap is microseconds, not
 a whole plan), so at the moment a worker admits, each other worker has at most one admission it
 checked but has not yet published. Two workers checking at once may both admit: the service can be
-at most ``N - 1`` over either cap (``N`` workers), and only for as long as those requests last.
-The bound does not hold for a replica that found no free slot (its load from that worker is not
-shared) nor for a snapshot that gave up on a torn row (it uses that row's last whole read); both are
-counted.
+at most ``N - 1`` over any of these caps (``N`` workers), and only for as long as those requests
+last. The bound does not hold for a replica or a tenant that found no free slot (its load from that
+worker is not shared) nor for a read that gave up on a torn row (it uses that row's last whole
+read); all are counted. The queue caps (``limits.max_queued``, ``limits.max_queued_per_tenant``)
+and the tenant table (``limits.max_tenants``) stay per worker.
 
 The supervisor zeroes a dead worker's row as soon as it exits (:meth:`LoadTable.zero_row`), so the
 requests that died with it stop counting at once; the restarted worker starts from an empty row.
@@ -59,17 +75,28 @@ from balancer.types import ReplicaId
 
 WORD_BYTES = 8
 """Bytes of one int64 word of the table."""
-HEADER_WORDS = 3
-"""A row's header: ``seq`` (the seqlock, even when the row is whole), ``used`` (slots ever taken),
-``admitted`` (the worker's admitted requests, written outside the seqlock). Each is stored and
-loaded alone, as one word of the segment's int64 view (:func:`_words`): word 0 of the row, then
-:data:`USED_WORD`, :data:`ADMITTED_WORD`."""
+HEADER_WORDS = 5
+"""A row's header: ``seq`` (the replica slots' seqlock, even when they are whole), ``used`` (replica
+slots ever taken), ``admitted`` (the worker's admitted requests, written outside either seqlock),
+``tenant_seq`` (the tenant slots' seqlock) and ``tenant_used`` (tenant slots ever taken). Each is
+stored and loaded alone, as one word of the segment's int64 view (:func:`_words`): word 0 of the
+row, then :data:`USED_WORD`, :data:`ADMITTED_WORD`, :data:`TENANT_SEQ_WORD`, :data:`TENANT_USED_WORD`."""
 HEADER_BYTES = HEADER_WORDS * WORD_BYTES
 USED_WORD = 1
 ADMITTED_WORD = 2
+TENANT_SEQ_WORD = 3
+TENANT_USED_WORD = 4
 SLOT = struct.Struct("=qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
+TENANT_SLOT_WORDS = 2
+"""A tenant slot: ``key`` (0: free; :func:`balancer.service.admission.tenant_key`) and the requests
+of that tenant the worker has admitted."""
+TENANT_SLOT_BYTES = TENANT_SLOT_WORDS * WORD_BYTES
+WORD = struct.Struct("=q")
+"""One int64 word in the host's byte order (as the segment's int64 view reads it)."""
+DICT_AFTER = 8
+"""Look-ups of one read of a peer's tenant slots after which it is made into a dict."""
 READ_ATTEMPTS = 8
 """Reads of one row before a reader gives up on it for this snapshot (a writer mid-update)."""
 MAX_KEY_MEMO = 65_536
@@ -80,9 +107,9 @@ _ReadMemo = tuple[Mapping[int, LoadCounts], tuple[ReplicaId, ...], Mapping[Repli
 """A reader's last answer: the peer sums it read, the replicas asked, what it answered."""
 
 
-def row_bytes(slots: int) -> int:
-    """Bytes of one worker's row with ``slots`` slots."""
-    return HEADER_BYTES + slots * SLOT.size
+def row_bytes(slots: int, tenant_slots: int = 0) -> int:
+    """Bytes of one worker's row with ``slots`` replica slots and ``tenant_slots`` tenant slots."""
+    return HEADER_BYTES + slots * SLOT.size + tenant_slots * TENANT_SLOT_BYTES
 
 
 def replica_key(model: str, replica: str) -> int:
@@ -105,25 +132,75 @@ def _words(shm: shared_memory.SharedMemory) -> memoryview:
     return buf[: len(buf) - len(buf) % WORD_BYTES].cast("q")
 
 
-def _zero_row(shm: shared_memory.SharedMemory, offset: int, slots: int) -> None:
-    """Empty one row under its seqlock (odd, zeros, even), whatever state its writer left it in."""
+def _zero_row(shm: shared_memory.SharedMemory, offset: int, size: int) -> None:
+    """Empty one row of ``size`` bytes under its two seqlocks (odd, zeros, even), whatever state its
+    writer left it in. The seqlock words are only ever stored whole, never zeroed."""
     with _words(shm) as words:
         at = offset // WORD_BYTES
-        seq = words[at] | 1
+        seq, tenant_seq = words[at] | 1, words[at + TENANT_SEQ_WORD] | 1
         words[at] = seq
-        end = offset + row_bytes(slots)
-        _buffer(shm)[offset + WORD_BYTES : end] = bytes(end - offset - WORD_BYTES)
+        words[at + TENANT_SEQ_WORD] = tenant_seq
+        buf = _buffer(shm)
+        buf[offset + WORD_BYTES : offset + TENANT_SEQ_WORD * WORD_BYTES] = bytes(
+            (TENANT_SEQ_WORD - 1) * WORD_BYTES
+        )
+        start, end = offset + (TENANT_SEQ_WORD + 1) * WORD_BYTES, offset + size
+        buf[start:end] = bytes(end - start)
+        words[at + TENANT_SEQ_WORD] = tenant_seq + 1
         words[at] = seq + 1
+
+
+def _find(raw: bytes, key: int) -> int:
+    """``key``'s count in a row's tenant slots as read (their bytes: ``[key, admitted]`` pairs of
+    int64), 0 if absent, negatives as 0: a byte search in C for the key's 8 bytes at a slot's start,
+    no Python int made per slot."""
+    needle = WORD.pack(key)
+    at = raw.find(needle)
+    while at >= 0:
+        if at % TENANT_SLOT_BYTES == 0:
+            return max(0, int(WORD.unpack_from(raw, at + WORD_BYTES)[0]))
+        at = raw.find(needle, at + 1)  # the bytes straddle two words: not a key
+    return 0
+
+
+class _TenantRead:
+    """One whole read of a peer row's tenant slots (their bytes) at ``seq``. A busy peer changes its
+    row between two admissions here, so a fresh read is searched for the key asked (:func:`_find`)
+    rather than made into a dict, which costs more than a few searches; a read asked about
+    :data:`DICT_AFTER` times (an idle peer's row stays the same for many admissions) is made into
+    one, and looked up in it from then on (docs/operations.md, "kvlb serve --workers N", has the
+    figures)."""
+
+    __slots__ = ("asked", "counts", "raw", "seq")
+
+    def __init__(self, seq: int, raw: bytes) -> None:
+        self.seq = seq
+        self.raw = raw
+        self.asked = 0
+        self.counts: dict[int, int] | None = None
+
+    def count(self, key: int) -> int:
+        counts = self.counts
+        if counts is None:
+            self.asked += 1
+            if self.asked < DICT_AFTER:
+                return _find(self.raw, key)
+            with memoryview(self.raw).cast("q") as view:
+                values = view.tolist()
+            counts = self.counts = dict(zip(values[::2], values[1::2], strict=True))
+        return max(0, counts.get(key, 0))
 
 
 class LoadTable:
     """The supervisor's side: creates the shared table, zeroes dead workers' rows, removes it."""
 
-    def __init__(self, workers: int, slots: int) -> None:
+    def __init__(self, workers: int, slots: int, tenant_slots: int = 0) -> None:
         self.workers = workers
         self.slots = slots
+        self.tenant_slots = tenant_slots
+        self._row_bytes = row_bytes(slots, tenant_slots)
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            create=True, size=workers * row_bytes(slots)
+            create=True, size=workers * self._row_bytes
         )
         self.name = self._shm.name
         """What the workers attach by (``--load-table``)."""
@@ -131,7 +208,7 @@ class LoadTable:
     def zero_row(self, index: int) -> None:
         """Forget worker ``index``'s load (it exited: its requests are gone with it)."""
         if self._shm is not None and 0 <= index < self.workers:
-            _zero_row(self._shm, index * row_bytes(self.slots), self.slots)
+            _zero_row(self._shm, index * self._row_bytes, self._row_bytes)
 
     def close(self) -> None:
         """Detach and remove the table (the workers are gone)."""
@@ -144,8 +221,9 @@ class LoadTable:
 class LoadShare:
     """One worker's side: publishes its own row, sums the other workers' rows (see the module doc).
 
-    Both are called on the worker's request loop: the publisher from the trackers' ``on_change``,
-    the reader from :meth:`balancer.routing.router.PoolRouter.load_snapshot`."""
+    All are called on the worker's request loop: the publisher from the trackers' ``on_change``,
+    the reader from :meth:`balancer.routing.router.PoolRouter.load_snapshot`, the tenant ones from
+    the admission's hooks (:meth:`publish_tenant`, :meth:`peer_tenant_admitted`)."""
 
     def __init__(
         self,
@@ -153,38 +231,52 @@ class LoadShare:
         index: int,
         workers: int,
         slots: int,
+        tenant_slots: int = 0,
         *,
         on_overflow: Callable[[], None] | None = None,
+        on_tenant_overflow: Callable[[], None] | None = None,
         on_torn: Callable[[], None] | None = None,
         track: bool = False,
     ) -> None:
-        """Attach to the supervisor's table ``name`` (``workers`` rows of ``slots`` slots) and empty
-        this worker's row ``index``. ``track`` (as Python 3.13's ``SharedMemory(track=)``): leave the
-        segment registered with this process's resource tracker; only for a process that created the
-        :class:`LoadTable` itself (tests)."""
+        """Attach to the supervisor's table ``name`` (``workers`` rows of ``slots`` replica slots and
+        ``tenant_slots`` tenant slots) and empty this worker's row ``index``. ``track`` (as Python
+        3.13's ``SharedMemory(track=)``): leave the segment registered with this process's resource
+        tracker; only for a process that created the :class:`LoadTable` itself (tests)."""
         shm = shared_memory.SharedMemory(name=name)
         if not track:
             # Python < 3.13 registers an attached segment with this process's resource tracker,
             # which would unlink it when this worker exits; the supervisor owns it.
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        if shm.size < workers * row_bytes(slots):
+        size = row_bytes(slots, tenant_slots)
+        if shm.size < workers * size:
             shm.close()
             raise ValueError(f"load table {name!r} is {shm.size} bytes, smaller than {workers} rows")
         self._shm: shared_memory.SharedMemory | None = shm
         self.index = index
         self.workers = workers
         self.slots = slots
+        self.tenant_slots = tenant_slots
         self._on_overflow = on_overflow
+        self._on_tenant_overflow = on_tenant_overflow
         self._on_torn = on_torn
-        self._offset = index * row_bytes(slots)
-        self._row_words = row_bytes(slots) // WORD_BYTES
+        self._row_bytes = size
+        self._offset = index * size
+        self._row_words = size // WORD_BYTES
         self._at = index * self._row_words
+        self._tenant_at = (HEADER_BYTES + slots * SLOT.size) // WORD_BYTES
+        """Where a row's tenant slots start (in words from the row's start)."""
         self._peers = [i for i in range(workers) if i != index]
-        _zero_row(shm, self._offset, slots)
+        _zero_row(shm, self._offset, size)
         self._words = _words(shm)
         # A share dropped without close() releases its view first, or the segment cannot close.
         weakref.finalize(self, self._words.release)
         self._seq: int = self._words[self._at]
+        self._tenant_seq: int = self._words[self._at + TENANT_SEQ_WORD]
+        self._tenant_used = 0
+        self._tenant_slot_of: dict[int, int] = {}
+        self._tenant_free: list[int] = []
+        self._tenant_unshared: set[int] = set()
+        self._tenant_rows: dict[int, _TenantRead] = {}
         self._used = 0
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = []
@@ -195,6 +287,8 @@ class LoadShare:
         self._formats: dict[int, struct.Struct] = {}
         self.overflow_total = 0
         """Times a replica found no free slot (its load from here was then not shared)."""
+        self.tenant_overflow_total = 0
+        """Times a tenant found no free tenant slot (its requests here were then not shared)."""
         self.torn_reads_total = 0
         """Peer rows given up on for one snapshot after :data:`READ_ATTEMPTS` reads."""
 
@@ -299,6 +393,89 @@ class LoadShare:
         words, size = self._words, self._row_words
         return sum(max(0, words[peer * size + ADMITTED_WORD]) for peer in self._peers)
 
+    def publish_tenant(self, key: int, admitted: int) -> None:
+        """Write this worker's admitted requests of the tenant ``key`` (the ``on_tenant_change`` hook
+        of its admission; 0: free the tenant's slot). Under the row's tenant seqlock, one aligned
+        8-byte store per word; a tenant that finds every tenant slot taken is not shared (counted
+        once until it has nothing in flight here again)."""
+        if self._shm is None:
+            return
+        slot = self._tenant_slot_of.get(key)
+        fresh = slot is None
+        if slot is None:
+            if admitted <= 0:
+                self._tenant_unshared.discard(key)
+                return
+            if self._tenant_free:
+                slot = heapq.heappop(self._tenant_free)
+            elif self._tenant_used < self.tenant_slots:
+                slot = self._tenant_used
+                self._tenant_used += 1
+            else:
+                if key not in self._tenant_unshared:
+                    if len(self._tenant_unshared) >= MAX_KEY_MEMO:
+                        self._tenant_unshared.clear()
+                    self._tenant_unshared.add(key)
+                    self.tenant_overflow_total += 1
+                    if self._on_tenant_overflow is not None:
+                        self._on_tenant_overflow()
+                return
+            self._tenant_slot_of[key] = slot
+            self._tenant_unshared.discard(key)
+        words, row = self._words, self._at
+        at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+        if admitted <= 0:
+            words[at] = 0
+            words[at + 1] = 0
+            del self._tenant_slot_of[key]
+            heapq.heappush(self._tenant_free, slot)
+        else:
+            words[at + 1] = admitted
+            if fresh:
+                words[at] = key
+                words[row + TENANT_USED_WORD] = self._tenant_used
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+
+    def peer_tenant_admitted(self, key: int) -> int:
+        """The requests of the tenant ``key`` the other workers have admitted now (the
+        ``tenant_peers`` hook of the admission; negatives as 0). Per peer row: one header word read,
+        a copy of its used tenant slots' bytes if they changed since the last read, and a look-up
+        in that read (:class:`_TenantRead`)."""
+        if self._shm is None:
+            return 0
+        total = 0
+        for peer in self._peers:
+            total += self._tenant_read(peer).count(key)
+        return total
+
+    def _tenant_read(self, peer: int) -> _TenantRead:
+        """The peer's used tenant slots, read whole under its tenant seqlock (kept while its
+        ``tenant_seq`` stays the same); after :data:`READ_ATTEMPTS` torn reads, its last whole read
+        (counted)."""
+        words, row = self._words, peer * self._row_words
+        for _ in range(READ_ATTEMPTS):
+            seq: int = words[row + TENANT_SEQ_WORD]
+            if seq & 1:
+                continue
+            cached = self._tenant_rows.get(peer)
+            if cached is not None and cached.seq == seq:
+                return cached
+            used = max(0, min(words[row + TENANT_USED_WORD], self.tenant_slots))
+            start = row + self._tenant_at
+            raw = words[start : start + used * TENANT_SLOT_WORDS].tobytes()
+            if words[row + TENANT_SEQ_WORD] != seq:
+                continue
+            read = self._tenant_rows[peer] = _TenantRead(seq, raw)
+            return read
+        self.torn_reads_total += 1
+        if self._on_torn is not None:
+            self._on_torn()
+        cached = self._tenant_rows.get(peer)
+        return _TenantRead(-1, b"") if cached is None else cached
+
     def peer_totals(self) -> Mapping[int, LoadCounts]:
         """The other workers' load summed per replica key (cached while no peer row changed)."""
         shm = self._shm
@@ -357,5 +534,5 @@ class LoadShare:
         shm, self._shm = self._shm, None
         if shm is not None:
             self._words.release()
-            _zero_row(shm, self._offset, self.slots)
+            _zero_row(shm, self._offset, self._row_bytes)
             shm.close()

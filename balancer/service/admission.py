@@ -40,13 +40,22 @@ its tenant: they wait in a front queue, first come first served. :meth:`Admissio
 the slot and every byte the request held. The check on the way in is a few comparisons and an
 addition.
 
-With ``kvlb serve --workers N`` the cap is the whole service's: :attr:`Admission.peers` gives the
-requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
-:attr:`Admission.on_change` publishes this worker's count. A request is admitted while this worker's
-plus the others' count is below ``max_inflight``; a slot freed on another worker is seen by this
-worker's waiters at their next check (every ``RECHECK_S``), in their order. Two workers admitting at
-the same instant may both pass: the service is at most ``N - 1`` over the cap. The queue
-(``max_queued``), its order and every per-tenant cap and table stay per worker.
+With ``kvlb serve --workers N`` the slot caps are the whole service's: :attr:`Admission.peers` gives
+the requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
+:attr:`Admission.on_change` publishes this worker's count; :attr:`Admission.tenant_peers` gives the
+other workers' requests of one tenant (by :func:`tenant_key`: the default and the overflow tenants
+have keys of their own, so each is one tenant across workers) and :attr:`Admission.on_tenant_change`
+publishes this worker's count of a tenant at each change. A request is admitted while this worker's
+plus the others' count is below ``max_inflight`` and its tenant's count here plus elsewhere is below
+``max_inflight_per_tenant``; a slot freed on another worker is seen by this worker's waiters at
+their next check (every ``RECHECK_S``), in their order, while a slot freed here passes to a waiter
+here at once. A tenant with waiters here that is at its cap only with the other workers' requests
+counted is set aside: its turns pass (it holds nobody back) until its count falls, looked at once
+per half ``RECHECK_S``. Two workers admitting at the same instant may both pass: the service is at
+most ``N - 1`` over either cap. The queue caps (``max_queued``, ``max_queued_per_tenant``), the
+queue's order and the tenant table (``max_tenants``) stay per worker. The tenant hooks cost a look-up
+of the tenant's key and one read of the other workers' counts per check; the shell leaves them unset
+when ``max_inflight_per_tenant`` is ``max_inflight`` (the tenant's cap cannot bind first).
 
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
@@ -56,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -73,6 +83,21 @@ TENANT_INFLIGHT = "tenant_inflight"
 """The ``limit`` of a refusal for want of a slot of the request's tenant (``max_inflight_per_tenant``)."""
 TENANT_QUEUE = "tenant_queue"
 """The ``limit`` of a refusal for want of a queue place of the tenant (``max_queued_per_tenant``)."""
+
+
+def tenant_key(name: str) -> int:
+    """A tenant's name shared between workers (``kvlb serve --workers N``): 63 bits of a BLAKE2b of
+    its name, never 0. The default and the overflow tenants have keys of their own
+    (:data:`DEFAULT_TENANT_KEY`, :data:`OVERFLOW_TENANT_KEY`: no header value hashes to them, a
+    header value having no NUL character)."""
+    digest = hashlib.blake2b(name.encode(), digest_size=8, person=b"kvlb-tenant").digest()
+    return (int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF) or 1
+
+
+DEFAULT_TENANT_KEY = tenant_key("\0default")
+"""The default tenant's key (requests without a tenant header, on every worker alike)."""
+OVERFLOW_TENANT_KEY = tenant_key("\0overflow")
+"""The overflow tenant's key (new tenants past ``max_tenants``, on every worker alike)."""
 
 
 class AdmissionRefused(Exception):
@@ -116,11 +141,13 @@ class AdmissionLimits:
 class Tenant:
     """One tenant's share of admission: its requests in flight, its places in the queue, its waiters."""
 
-    __slots__ = ("inflight", "key", "queued", "waiters")
+    __slots__ = ("inflight", "key", "queued", "shared_key", "waiters")
 
-    def __init__(self, key: str | None) -> None:
+    def __init__(self, key: str | None, shared_key: int = 0) -> None:
         self.key = key
         """Its key in the table; ``None`` for the default and the overflow tenants (never dropped)."""
+        self.shared_key = shared_key
+        """Its name between workers (:func:`tenant_key`); 0 until first needed."""
         self.inflight = 0
         """Its requests admitted and not yet left."""
         self.queued = 0
@@ -153,11 +180,16 @@ class Admission:
         shell; ``None``: this worker's count is all)."""
         self.on_change: Callable[[int], None] | None = None
         """Called with :attr:`inflight` after each change (the shell publishes it to the others)."""
+        self.tenant_peers: Callable[[int], int] | None = None
+        """The requests of a tenant (by its :func:`tenant_key`) the other workers have admitted (set
+        by the shell; ``None``: this worker's count of the tenant is all)."""
+        self.on_tenant_change: Callable[[int, int], None] | None = None
+        """Called with a tenant's key and its :attr:`Tenant.inflight` after each change."""
         self.body_bytes = 0
         """Bytes of bodies and token ids the requests of this process hold now (reserved, added)."""
-        self.default_tenant = Tenant(None)
+        self.default_tenant = Tenant(None, DEFAULT_TENANT_KEY)
         """The tenant of requests without a tenant header."""
-        self.overflow_tenant = Tenant(None)
+        self.overflow_tenant = Tenant(None, OVERFLOW_TENANT_KEY)
         """The tenant shared by new tenants while ``max_tenants`` are tracked."""
         self._tenant_cap = limits.max_inflight_per_tenant
         self._tenants: dict[str, Tenant] = {}
@@ -165,6 +197,12 @@ class Admission:
         """Waiters for bytes only (requests in flight), first served, in order."""
         self._ring: collections.deque[Tenant] = collections.deque()
         """The tenants whose turn comes: those with a waiter and below their slot cap, in turn."""
+        self._blocked: dict[Tenant, None] = {}
+        """Tenants with a waiter, below their slot cap here but not with the other workers' slots of
+        the tenant (:attr:`tenant_peers`), in the order found; back to the ring's end when a slot of
+        theirs frees here, or when the other workers' count falls (seen at a recheck)."""
+        self._rechecked_at = float("-inf")
+        self._shared_keys: dict[str, int] = {}
         self._slot_waiters = 0
         self._replica_waiters = 0
         self._freed = asyncio.Event()
@@ -204,6 +242,31 @@ class Admission:
         taken = self.inflight if self.peers is None else self.inflight + self.peers()
         return taken < self.limits.max_inflight
 
+    def _tenant_taken(self, tenant: Tenant) -> int:
+        """``tenant``'s requests admitted, here and (with :attr:`tenant_peers`) on the other workers."""
+        peers = self.tenant_peers
+        if peers is None:
+            return tenant.inflight
+        key = tenant.shared_key or self._share(tenant)
+        return tenant.inflight + peers(key)
+
+    def _share(self, tenant: Tenant) -> int:
+        """``tenant``'s :func:`tenant_key`, remembered for its name (a tenant with nothing in flight
+        is dropped from the table and made again for its next request: its name is not hashed
+        again); the memo holds at most ``max_tenants`` names, then starts again."""
+        name = tenant.key or ""
+        key = self._shared_keys.get(name)
+        if key is None:
+            if len(self._shared_keys) >= self.limits.max_tenants:
+                self._shared_keys.clear()
+            key = self._shared_keys[name] = tenant_key(name)
+        tenant.shared_key = key
+        return key
+
+    def _publish_tenant(self, tenant: Tenant) -> None:
+        if self.on_tenant_change is not None:
+            self.on_tenant_change(tenant.shared_key or self._share(tenant), tenant.inflight)
+
     def _set_inflight(self, inflight: int) -> None:
         self.inflight = inflight
         if self.on_change is not None:
@@ -223,12 +286,18 @@ class Admission:
             and not self._ring
             and not self._front
             and (inflight if self.peers is None else inflight + self.peers()) < limits.max_inflight
+            and (
+                self.tenant_peers is None
+                or (not tenant.waiters and self._tenant_taken(tenant) < self._tenant_cap)
+            )
         ):  # the fast path: calls inlined (it is every request's)
             self.body_bytes += body_bytes
             tenant.inflight += 1
             self.inflight = inflight = inflight + 1
             if self.on_change is not None:
                 self.on_change(inflight)
+            if self.on_tenant_change is not None:
+                self._publish_tenant(tenant)
             return True
         return False
 
@@ -268,10 +337,15 @@ class Admission:
         if tenant.waiters:
             if held == self._tenant_cap - 1:
                 self._ring.append(tenant)  # below its cap again: its turn comes after the others'
+            elif tenant in self._blocked:
+                del self._blocked[tenant]  # one of its slots freed here: its turn may come
+                self._ring.append(tenant)
         elif not held and tenant.key is not None and not tenant.queued:
             self._forget(tenant)
         if not ((self._ring or self._front) and self._admit_waiters()) and self.on_change is not None:
             self.on_change(self.inflight)
+        if self.on_tenant_change is not None:
+            self._publish_tenant(tenant)  # after its own waiter, if any, took the slot again
         if self._replica_waiters:
             self._freed.set()
 
@@ -290,9 +364,9 @@ class Admission:
         if tenant is not None and not self._has_room():
             limit = MAX_INFLIGHT
             what = f"the balancer has {limits.max_inflight} requests in flight"
-        elif tenant is not None and tenant.inflight >= self._tenant_cap:
+        elif tenant is not None and (taken := self._tenant_taken(tenant)) >= self._tenant_cap:
             limit = TENANT_INFLIGHT
-            what = f"this tenant has {tenant.inflight} requests in flight (limits.max_inflight_per_tenant)"
+            what = f"this tenant has {taken} requests in flight (limits.max_inflight_per_tenant)"
         else:
             limit = MAX_BYTES
             what = (
@@ -311,28 +385,47 @@ class Admission:
         future = waiter.future
         try:
             async with asyncio.timeout_at(deadline):
-                if self.peers is None:
+                if self.peers is None and self.tenant_peers is None:
                     await future
                 else:  # slots freed by other workers wake nobody here: look again now and then
+                    self._admit_waiters()
                     while not future.done():
-                        self._admit_waiters()
+                        await asyncio.wait((future,), timeout=RECHECK_S)
                         if not future.done():
-                            await asyncio.wait((future,), timeout=RECHECK_S)
+                            self._recheck()
                     future.result()
         except TimeoutError:
             self._give_back(waiter)
-            if tenant is not None and tenant.inflight >= self._tenant_cap and self._has_room():
+            if tenant is not None and self._tenant_taken(tenant) >= self._tenant_cap and self._has_room():
                 limit = TENANT_INFLIGHT  # what holds it back now is its tenant's cap
             raise self._timed_out(limit) from None
         except BaseException:
             self._give_back(waiter)
             raise
 
+    def _recheck(self) -> None:
+        """A waiter's periodic look at the other workers' slots (with :attr:`peers` or
+        :attr:`tenant_peers`): the blocked tenants whose count fell go back to the ring, then the
+        waiters whose turn comes are admitted. The blocked tenants are looked at once per half
+        :data:`RECHECK_S` however many waiters look, so the cost per recheck does not grow with the
+        waiters times the tenants."""
+        if self._blocked:
+            now = asyncio.get_running_loop().time()
+            if now >= self._rechecked_at + RECHECK_S / 2:
+                self._rechecked_at = now
+                cap = self._tenant_cap
+                for tenant in [t for t in self._blocked if self._tenant_taken(t) < cap]:
+                    del self._blocked[tenant]
+                    self._ring.append(tenant)
+        self._admit_waiters()
+
     def _admit_waiters(self) -> bool:
         """Admit the waiters whose turn comes while they fit: first the front queue's (bytes), then
         the ring's tenants in turn, one waiter each (bytes, and a slot of the whole service, other
-        workers' slots included). Stops at the first that does not fit. Publishes :attr:`inflight`
-        and says whether it admitted any for a slot."""
+        workers' slots included). A tenant whose slots are taken with the other workers' counted
+        (:attr:`tenant_peers`) is set aside (:attr:`_blocked`) and its turn passes; otherwise it
+        stops at the first that does not fit. Publishes :attr:`inflight` and says whether it
+        admitted any for a slot."""
         limit_bytes = self.limits.max_inflight_body_bytes
         front = self._front
         while front:
@@ -357,6 +450,10 @@ class Admission:
                 if not tenant.waiters:
                     ring.popleft()
                 continue
+            if self.tenant_peers is not None and self._tenant_taken(tenant) >= self._tenant_cap:
+                ring.popleft()  # at its cap with the other workers' slots: set aside, its turn passes
+                self._blocked[tenant] = None
+                continue
             if self.body_bytes + waiter.body_bytes > limit_bytes or not self._has_room():
                 break
             ring.popleft()
@@ -368,6 +465,8 @@ class Admission:
             self.body_bytes += waiter.body_bytes
             waiter.future.set_result(None)
             admitted = True
+            if self.on_tenant_change is not None:
+                self._publish_tenant(tenant)
             if tenant.waiters and tenant.inflight < self._tenant_cap:
                 ring.append(tenant)
         if admitted:
@@ -461,7 +560,10 @@ class Admission:
                 tenant.queued -= 1
                 self._slot_waiters -= 1
                 if not tenant.waiters and tenant.inflight < self._tenant_cap:
-                    self._ring.remove(tenant)
+                    if tenant in self._blocked:
+                        del self._blocked[tenant]
+                    else:
+                        self._ring.remove(tenant)
             if not tenant.inflight and not tenant.queued:
                 self._forget(tenant)
         self._admit_waiters()

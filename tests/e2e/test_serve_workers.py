@@ -4,7 +4,8 @@ Every worker holds the index of both (SGLang: its own ZMQ subscription; TRT-LLM:
 relays), an admin change made through the shared port reaches both workers, ``/metrics`` carries both
 workers' series, and a worker killed with SIGKILL under load is restarted while the requests on the
 other worker complete; the restarted worker runs the policy changed before it died. A request in
-flight on one worker counts in the other worker's load view (the shared load table).
+flight on one worker counts in the other worker's load view (the shared load table), and the
+in-flight caps (global, per replica, per tenant) hold for both workers together.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import grpc
 import pytest
 import yaml
 from aiohttp import web
+from kvlb_harness import completion_replica
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import MODEL, Child, _spawn, start_serve, start_sim, stop
 
@@ -490,3 +492,125 @@ async def test_the_in_flight_caps_hold_for_all_workers_together(tmp_path: Path) 
     finally:
         for child in reversed(children):
             await stop(child)
+
+
+class TenantCounter:
+    """What the slow replica saw: the requests of each tenant open at once (now and at the peak),
+    told apart by their prompt's first token id (tenant A's are >= 1000)."""
+
+    def __init__(self) -> None:
+        self.open = {"a": 0, "b": 0}
+        self.peak = {"a": 0, "b": 0}
+
+    async def complete(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        tenant = "a" if body["prompt"][0] >= 1000 else "b"
+        self.open[tenant] += 1
+        self.peak[tenant] = max(self.peak[tenant], self.open[tenant])
+        try:
+            await asyncio.sleep(TENANT_SLOW_S)
+        finally:
+            self.open[tenant] -= 1
+        return web.json_response(
+            {
+                "id": "cmpl-1",
+                "object": "text_completion",
+                "model": MODEL,
+                "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5},
+            }
+        )
+
+
+TENANT_SLOW_S = 0.25
+"""How long the replica takes over one completion (seconds)."""
+FLOOD_S = 3.0
+"""How long tenant A floods (seconds)."""
+
+
+async def tenant_send(url: str, tenant: str, first: int) -> int:
+    """One completion of ``tenant`` on a fresh connection (the kernel hands it to either worker)."""
+    body = {"model": MODEL, "prompt": [first, 2, 3, 4], "max_tokens": 1}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.post(url + "/v1/completions", json=body, headers={"x-kvlb-tenant": tenant}) as r,
+    ):
+        await r.read()
+        return r.status
+
+
+async def test_the_per_tenant_cap_holds_for_all_workers_together(tmp_path: Path) -> None:
+    """``--workers 2``, ``max_inflight_per_tenant`` 2 of a ``max_inflight`` of 16, a replica taking
+    0.25 s a completion: tenant A floods with 8 clients on fresh connections (both workers take
+    them) and never has more than 2 + 1 requests open at the replica (both workers' requests of A
+    count against its one cap; ``N - 1`` = 1 is the overshoot when two workers admit at the same
+    instant), and both workers turn some of A's away after waiting (``queue_timeout_s`` 0.5 s),
+    while tenant B's requests are all served. With the cap per worker (before), A held
+    2 on each worker: 4 open at once."""
+    counter = TenantCounter()
+    serve: Child | None = None
+    async with completion_replica(counter.complete) as replica_url:
+        pool = {
+            "model": MODEL,
+            "kv_events": False,
+            "replicas": [{"id": "slow-0", "url": replica_url, "engine": "sglang", "block_size": 4}],
+        }
+        limits = {
+            "max_inflight": 16,
+            "max_queued": 32,
+            "queue_timeout_s": 0.5,
+            "max_inflight_per_tenant": 2,
+        }
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": [pool],
+            "limits": limits,
+            "health_interval_s": 0.5,
+            "scrape_interval_s": 0,
+        }
+        path = tmp_path / "kvlb.yaml"
+        path.write_text(yaml.safe_dump(config))
+        try:
+            serve = await start_serve(tmp_path, path, "--workers", "2")
+            url = serve.info["url"]
+            async with asyncio.timeout(20):
+                for _ in range(200):  # until the replica is healthy on the worker that answers
+                    if await tenant_send(url, "b", 1) == 200:
+                        break
+                    await asyncio.sleep(0.1)
+            a_statuses: list[int] = []
+            stop_at = time.monotonic() + FLOOD_S
+
+            async def flooder(index: int) -> None:
+                for sent in range(100):  # bounded in count and in time
+                    if time.monotonic() >= stop_at:
+                        return
+                    a_statuses.append(await tenant_send(url, "a", 1000 + 100 * index + sent))
+
+            async def tenant_b() -> list[int]:
+                await asyncio.sleep(0.5)  # A is flooding by now
+                statuses = []
+                for i in range(4):
+                    statuses += await asyncio.gather(
+                        *(tenant_send(url, "b", 10 + 2 * i + j) for j in range(2))
+                    )
+                return statuses
+
+            async with asyncio.timeout(FLOOD_S + 10):
+                *_, b_statuses = await asyncio.gather(*(flooder(i) for i in range(8)), tenant_b())
+            assert b_statuses == [200] * 8, b_statuses
+            assert set(a_statuses) <= {200, 429, 503} and 200 in a_statuses and 503 in a_statuses, a_statuses
+            assert 2 <= counter.peak["a"] <= 2 + 1, counter.peak
+            metrics = await fetch_text(url + "/metrics")
+            waited = [
+                sample.labels["worker"]
+                for family in text_string_to_metric_families(metrics)
+                for sample in family.samples
+                if sample.name == "kvlb_admission_shed_total"
+                and sample.labels.get("reason") == "tenant_inflight"
+                and sample.value > 0
+            ]
+            assert sorted(waited) == ["0", "1"], waited  # both workers held A back
+        finally:
+            if serve is not None:
+                await stop(serve)

@@ -1,6 +1,7 @@
 """Tenant isolation at admission: waiters admitted round-robin across tenants, each tenant's caps on
 slots and queue places, the bounded tenant table and its overflow tenant, the byte budget's order
-across tenants, and every way out giving everything back. Drives
+across tenants, every way out giving everything back, and (``kvlb serve --workers N``) the other
+workers' requests counted against each tenant's cap through plain functions. Drives
 :class:`balancer.service.admission.Admission` on the event loop (no I/O)."""
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ import asyncio
 import pytest
 
 from balancer.service.admission import (
+    DEFAULT_TENANT_KEY,
     MAX_BYTES,
+    OVERFLOW_TENANT_KEY,
+    RECHECK_S,
     TENANT_CHARS,
     TENANT_INFLIGHT,
     TENANT_QUEUE,
     Admission,
     AdmissionLimits,
     AdmissionRefused,
+    tenant_key,
 )
 
 
@@ -318,3 +323,129 @@ async def test_every_change_of_the_count_is_published_and_other_workers_slots_co
     gate.leave(0, b)
     gate.leave(0, b)
     assert published == [1, 2, 3, 2, 1, 0] and gate.tenants == 0
+
+
+class Elsewhere:
+    """The other workers' requests of each tenant key, as the shared table would report them (a
+    plain stand-in for ``LoadShare.peer_tenant_admitted``), and what this worker published."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+        self.published: list[tuple[int, int]] = []
+        self.asked = 0
+
+    def peers(self, key: int) -> int:
+        self.asked += 1
+        return self.counts.get(key, 0)
+
+    def publish(self, key: int, inflight: int) -> None:
+        self.published.append((key, inflight))
+
+
+def shared(gate: Admission) -> Elsewhere:
+    elsewhere = Elsewhere()
+    gate.tenant_peers = elsewhere.peers
+    gate.on_tenant_change = elsewhere.publish
+    return elsewhere
+
+
+async def test_the_other_workers_requests_of_a_tenant_count_against_its_cap() -> None:
+    """Per-tenant cap 2, one request of A on another worker: this worker admits one of A, then A's
+    next request waits while B's go on at once; when the other worker's request ends (its slot
+    freed), A's waiter is admitted at its next recheck, within about ``RECHECK_S``."""
+    gate = admission(inflight=8, per_tenant=2)
+    elsewhere = shared(gate)
+    ka = tenant_key("a")
+    elsewhere.counts[ka] = 1
+    a, b = gate.tenant("a"), gate.tenant("b")
+    assert gate.try_enter(0, a)
+    assert not gate.try_enter(0, a)  # 1 here + 1 elsewhere: A is at its cap
+    waiting = asyncio.create_task(gate.enter(gate.deadline(), 0, a))
+    await asyncio.sleep(3 * RECHECK_S)
+    assert not waiting.done() and gate.queued == 1 and a.inflight == 1
+    assert gate.try_enter(0, b) and gate.try_enter(0, b)  # A's waiter holds nobody back
+    assert not gate.try_enter(0, a)  # nor does a newcomer of A pass A's waiter
+    loop = asyncio.get_running_loop()
+    freed_at = loop.time()
+    elsewhere.counts[ka] = 0  # the other worker's request of A ended
+    await waiting
+    assert loop.time() - freed_at < 3 * RECHECK_S and a.inflight == 2
+    kb = tenant_key("b")
+    assert elsewhere.published == [(ka, 1), (kb, 1), (kb, 2), (ka, 2)]
+    for tenant in (a, a, b, b):
+        gate.leave(0, tenant)
+    assert elsewhere.published[-4:] == [(ka, 1), (ka, 0), (kb, 1), (kb, 0)]
+    assert (gate.inflight, gate.queued, gate.tenants) == (0, 0, 0)
+
+
+async def test_a_tenant_at_its_cap_elsewhere_times_out_with_its_limit_and_its_slot_here_frees_it() -> None:
+    """A waiter of a tenant held at its cap by the other workers gets 503 with ``limit``
+    ``tenant_inflight``; a slot of the tenant freed on this worker passes to its waiter at once."""
+    gate = admission(inflight=8, per_tenant=2)
+    elsewhere = shared(gate)
+    elsewhere.counts[tenant_key("a")] = 2
+    a = gate.tenant("a")
+    with pytest.raises(AdmissionRefused) as refused:
+        await gate.enter(asyncio.get_running_loop().time() + 2 * RECHECK_S, 0, a)
+    assert (refused.value.status, refused.value.limit) == (503, TENANT_INFLIGHT)
+    assert "limits.max_inflight_per_tenant = 2" in refused.value.message
+    assert (gate.inflight, gate.queued, gate.tenants) == (0, 0, 0)
+    elsewhere.counts[tenant_key("a")] = 1
+    a = gate.tenant("a")
+    assert gate.try_enter(0, a)
+    waiting = asyncio.create_task(gate.enter(gate.deadline(), 0, a))
+    await asyncio.sleep(2 * RECHECK_S)
+    assert not waiting.done()
+    gate.leave(0, a)  # its own slot here: handed on at once, no recheck needed
+    await asyncio.wait_for(waiting, RECHECK_S / 5)
+    gate.leave(0, a)
+    assert (gate.inflight, gate.tenants) == (0, 0)
+
+
+async def test_the_default_and_overflow_tenants_are_shared_under_their_own_keys() -> None:
+    gate = admission(inflight=8, per_tenant=1, tenants=1)
+    elsewhere = shared(gate)
+    elsewhere.counts[DEFAULT_TENANT_KEY] = 1
+    assert not gate.try_enter()  # the default tenant's one slot is taken on another worker
+    assert gate.try_enter(0, gate.tenant("a"))
+    assert gate.try_enter(0, gate.tenant("b"))  # past max_tenants: the overflow tenant
+    assert elsewhere.published[-1] == (OVERFLOW_TENANT_KEY, 1)
+    elsewhere.counts[OVERFLOW_TENANT_KEY] = 1
+    gate.leave(0, gate.overflow_tenant)
+    assert not gate.try_enter(0, gate.tenant("c"))  # the overflow tenant is one tenant across workers
+    gate.leave(0, gate.tenant("a"))
+    assert (gate.inflight, gate.tenants) == (0, 0)
+
+
+async def test_without_tenant_peers_the_other_workers_are_not_asked_and_waiters_are_not_polled() -> None:
+    """Unshared (one worker, or the per-tenant cap at the global one): the tenant check is this
+    worker's count alone."""
+    gate = admission(inflight=8, per_tenant=1)
+    elsewhere = Elsewhere()
+    gate.on_tenant_change = elsewhere.publish
+    a = gate.tenant("a")
+    assert gate.try_enter(0, a) and not gate.try_enter(0, a)
+    gate.leave(0, a)
+    assert elsewhere.asked == 0 and elsewhere.published == [(tenant_key("a"), 1), (tenant_key("a"), 0)]
+
+
+async def test_many_tenants_set_aside_by_the_other_workers_are_looked_at_once_per_recheck() -> None:
+    """Forty tenants, each at its cap with the other workers and one waiter here: the waiters'
+    rechecks ask about the set-aside tenants once per half ``RECHECK_S``, not once per waiter."""
+    gate = admission(inflight=64, queued=64, per_tenant=1)
+    elsewhere = shared(gate)
+    names = [f"t{i}" for i in range(40)]
+    for name in names:
+        elsewhere.counts[tenant_key(name)] = 1
+    waiters = [asyncio.create_task(gate.enter(gate.deadline(), 0, gate.tenant(name))) for name in names]
+    await asyncio.sleep(RECHECK_S / 2)
+    elsewhere.asked = 0
+    await asyncio.sleep(10 * RECHECK_S)
+    assert gate.queued == 40 and not any(task.done() for task in waiters)
+    assert elsewhere.asked <= 40 * 24, elsewhere.asked  # 20 half-rechecks of 40 tenants, and a margin
+    elsewhere.counts.clear()
+    await asyncio.gather(*waiters)
+    assert gate.inflight == 40
+    for name in names:
+        gate.leave(0, gate.tenant(name))
+    assert (gate.inflight, gate.queued, gate.tenants) == (0, 0, 0)

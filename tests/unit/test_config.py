@@ -92,6 +92,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         ),
         (["limits.max_tenants=0"], "limits.max_tenants must be in 1..65536"),
         (["limits.max_tenants=65537"], "limits.max_tenants must be in 1..65536"),
+        (["limits.load_share_tenant_slots=0"], "limits.load_share_tenant_slots must be in 1..65536"),
+        (["limits.load_share_tenant_slots=65537"], "limits.load_share_tenant_slots must be in 1..65536"),
         (["console.audit_log_size=0"], "console.audit_log_size must be >= 1"),
         (["console.whatif_max_entries=0"], "console.whatif_max_entries must be >= 1"),
         (["upstream.max_connections=0"], r"upstream.max_connections must be in \[1, 65536\]"),

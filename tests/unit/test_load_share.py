@@ -1,6 +1,8 @@
 """The per-replica load table of ``kvlb serve --workers N``: rows, slots, overflow, a dead worker's
 row, whole rows under a concurrent writer in another process, two routers sharing one table, and the
-in-flight caps (``limits.max_inflight_per_replica``, ``limits.max_inflight``) read from every row."""
+in-flight caps (``limits.max_inflight_per_replica``, ``limits.max_inflight``,
+``limits.max_inflight_per_tenant``) read from every row; the tenant slots (take, free, overflow, a
+dead worker's row, whole reads under a concurrent writer, a torn read given up on)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,29 @@ from random import Random
 import pytest
 
 from balancer.errors import Overloaded
-from balancer.load.share import LoadShare, LoadTable, replica_key, row_bytes
+from balancer.load.share import (
+    DICT_AFTER,
+    TENANT_SEQ_WORD,
+    WORD,
+    LoadShare,
+    LoadTable,
+    _find,
+    replica_key,
+    row_bytes,
+)
 from balancer.load.tracker import LoadCounts, LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.registry import make_policy
 from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
-from balancer.service.admission import Admission, AdmissionLimits, AdmissionRefused
+from balancer.service.admission import (
+    DEFAULT_TENANT_KEY,
+    OVERFLOW_TENANT_KEY,
+    TENANT_INFLIGHT,
+    Admission,
+    AdmissionLimits,
+    AdmissionRefused,
+    tenant_key,
+)
 from balancer.types import Decision, Overlap, ReplicaId
 
 A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
@@ -28,7 +47,7 @@ A, B, C = ReplicaId("a"), ReplicaId("b"), ReplicaId("c")
 
 @pytest.fixture
 def table() -> Iterator[LoadTable]:
-    made = LoadTable(workers=3, slots=2)
+    made = LoadTable(workers=3, slots=2, tenant_slots=2)
     try:
         yield made
     finally:
@@ -36,7 +55,7 @@ def table() -> Iterator[LoadTable]:
 
 
 def attach(table: LoadTable, index: int, **hooks: object) -> LoadShare:
-    return LoadShare(table.name, index, table.workers, table.slots, track=True, **hooks)  # type: ignore[arg-type]
+    return LoadShare(table.name, index, table.workers, table.slots, table.tenant_slots, track=True, **hooks)  # type: ignore[arg-type]
 
 
 def test_each_worker_reads_the_others_rows_summed_never_its_own(table: LoadTable) -> None:
@@ -87,16 +106,22 @@ def test_a_dead_workers_row_is_zeroed_by_the_supervisor_and_a_new_worker_starts_
 
 
 def test_size_and_keys() -> None:
-    assert row_bytes(1024) == 24 + 40 * 1024
+    assert row_bytes(1024) == 40 + 40 * 1024
+    assert row_bytes(1024, 64) == 40 + 40 * 1024 + 16 * 64
     assert replica_key("m", "a") == replica_key("m", "a") != replica_key("n", "a")
     assert 0 < replica_key("m", "a") < 2**63
     with LoadTableFor(2, 4) as small, pytest.raises(ValueError, match="smaller"):
         LoadShare(small.name, 0, 2, 8, track=True)
+    with LoadTableFor(2, 4) as small, pytest.raises(ValueError, match="smaller"):
+        LoadShare(small.name, 0, 2, 4, 1, track=True)  # no room for a tenant slot
+    keys = {tenant_key("a"), tenant_key("b"), tenant_key(""), DEFAULT_TENANT_KEY, OVERFLOW_TENANT_KEY}
+    assert len(keys) == 5 and all(0 < key < 2**63 for key in keys)
+    assert tenant_key("a") == tenant_key("a") != replica_key("", "a")
 
 
 class LoadTableFor:
-    def __init__(self, workers: int, slots: int) -> None:
-        self.table = LoadTable(workers, slots)
+    def __init__(self, workers: int, slots: int, tenant_slots: int = 0) -> None:
+        self.table = LoadTable(workers, slots, tenant_slots)
 
     def __enter__(self) -> LoadTable:
         return self.table
@@ -317,5 +342,211 @@ async def test_max_inflight_counts_every_workers_admitted_requests(table: LoadTa
     second.leave()
     first.leave()
     assert w0.peer_admitted() == w1.peer_admitted() == 0
+    w0.close()
+    w1.close()
+
+
+KA, KB, KC = tenant_key("a"), tenant_key("b"), tenant_key("c")
+
+
+def test_each_worker_reads_the_others_tenant_counts_summed_never_its_own(table: LoadTable) -> None:
+    w0, w1, w2 = (attach(table, i) for i in range(3))
+    w0.publish_tenant(KA, 3)
+    w1.publish_tenant(KA, 2)
+    w1.publish_tenant(KB, 1)
+    assert [w2.peer_tenant_admitted(key) for key in (KA, KB, KC)] == [5, 1, 0]
+    assert (w0.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KA)) == (2, 3)
+    w0.publish_tenant(KA, 4)  # a change of a tenant holding its slot
+    assert w2.peer_tenant_admitted(KA) == 6
+    w0.publish_tenant(KA, 0)  # nothing in flight: the slot is freed
+    assert w2.peer_tenant_admitted(KA) == 2
+    w1.publish_tenant(KA, 0)
+    w1.publish_tenant(KB, 0)
+    assert (w2.peer_tenant_admitted(KA), w2.peer_tenant_admitted(KB)) == (0, 0)
+    w0.publish_tenant(KC, 0)  # a tenant idle here takes no slot
+    assert w0._tenant_slot_of == {} and w1._tenant_slot_of == {}
+    for share in (w0, w1, w2):
+        share.close()
+
+
+def test_tenant_slots_are_freed_when_idle_and_overflow_is_counted_once_per_episode(
+    table: LoadTable,
+) -> None:
+    overflows: list[int] = []
+    w0 = attach(table, 0, on_tenant_overflow=lambda: overflows.append(1))
+    w1 = attach(table, 1)
+    w0.publish_tenant(KA, 1)
+    w0.publish_tenant(KB, 2)
+    w0.publish_tenant(KC, 3)  # two tenant slots: C is not shared
+    w0.publish_tenant(KC, 4)
+    assert [w1.peer_tenant_admitted(key) for key in (KA, KB, KC)] == [1, 2, 0]
+    assert (w0.tenant_overflow_total, len(overflows), w0.overflow_total) == (1, 1, 0)
+    w0.publish_tenant(KA, 0)  # A's slot goes free; C's next change takes it, with its full count
+    w0.publish_tenant(KC, 5)
+    assert [w1.peer_tenant_admitted(key) for key in (KA, KB, KC)] == [0, 2, 5]
+    w0.publish_tenant(KC, 0)
+    w0.publish_tenant(KB, 0)
+    w0.publish_tenant(KA, 1)  # after an idle spell a tenant may overflow again, counted again
+    w0.publish_tenant(KB, 1)
+    w0.publish_tenant(KC, 1)
+    assert (w0.tenant_overflow_total, len(overflows)) == (2, 2)
+    w0.close()
+    w1.close()
+
+
+def test_the_tenant_slots_leave_the_replica_slots_and_the_admitted_count_alone(table: LoadTable) -> None:
+    """The two sections of a row have their own seqlocks: a tenant change does not make the other
+    workers read the replica slots again, and the reverse."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    w0.publisher("m")(A, LoadCounts(1, 10, 0, 0))
+    w0.publish_admitted(3)
+    w0.publish_tenant(KA, 3)
+    before = w1.peer_totals()
+    w0.publish_tenant(KA, 2)
+    assert w1.peer_totals() is before and w1.peer_admitted() == 3
+    w0.publisher("m")(A, LoadCounts(2, 20, 0, 0))
+    assert w1.peer_tenant_admitted(KA) == 2 and w1.reader("m")([A]) == {A: LoadCounts(2, 20, 0, 0)}
+    w0.close()
+    w1.close()
+
+
+def test_a_dead_workers_tenant_counts_are_zeroed_and_a_new_worker_starts_empty(table: LoadTable) -> None:
+    w0, w1 = attach(table, 0), attach(table, 1)
+    w0.publish_tenant(KA, 2)
+    w0.publish_tenant(DEFAULT_TENANT_KEY, 1)
+    assert (w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(DEFAULT_TENANT_KEY)) == (2, 1)
+    table.zero_row(0)  # worker 0 exited
+    assert (w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(DEFAULT_TENANT_KEY)) == (0, 0)
+    w0.publish_tenant(KB, 1)
+    restarted = attach(table, 0)
+    assert w1.peer_tenant_admitted(KB) == 0
+    restarted.publish_tenant(KB, 1)
+    assert w1.peer_tenant_admitted(KB) == 1
+    for share in (restarted, w1, w0):
+        share.close()
+
+
+def test_a_tenant_row_caught_mid_update_is_given_up_on_and_its_last_whole_read_used(table: LoadTable) -> None:
+    """A writer that stopped between its two seqlock stores (odd ``tenant_seq``): the reader tries
+    :data:`READ_ATTEMPTS` times, counts a torn read and answers with that row's last whole read."""
+    torn: list[int] = []
+    w0, w1 = attach(table, 0), attach(table, 1, on_torn=lambda: torn.append(1))
+    w0.publish_tenant(KA, 2)
+    assert w1.peer_tenant_admitted(KA) == 2
+    attached = shared_memory.SharedMemory(name=table.name)
+    assert attached.buf is not None
+    words = attached.buf.cast("q")
+    words[TENANT_SEQ_WORD] += 1  # row 0: the writer is "mid-update"
+    words[(40 + 2 * 40) // 8 + 1] = 7  # its slot 0's count, half-written
+    assert w1.peer_tenant_admitted(KA) == 2 and (w1.torn_reads_total, len(torn)) == (1, 1)
+    words[TENANT_SEQ_WORD] += 1  # the update done
+    assert w1.peer_tenant_admitted(KA) == 7 and w1.torn_reads_total == 1
+    words.release()
+    attached.close()
+    w0.close()
+    w1.close()
+
+
+TENANT_WRITER = textwrap.dedent(
+    """
+    import sys, time
+    from balancer.load.share import LoadShare
+    share = LoadShare(sys.argv[1], 0, 2, 1, 1)
+    a, b = int(sys.argv[3]), int(sys.argv[4])
+    print("ready", flush=True)
+    n, stop = 0, time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < stop:
+        n += 1
+        share.publish_tenant(a, 2 * n + 1)  # a's counts are odd, b's even, in the same one slot
+        share.publish_tenant(a, 0)
+        share.publish_tenant(b, 2 * n)
+        share.publish_tenant(b, 0)
+    share.publish_tenant(a, 9)
+    print(n, flush=True)
+    """
+)
+
+
+def test_tenant_slots_read_whole_while_another_process_writes() -> None:
+    """The tenant seqlock: two tenants take turns in one slot of a row another process rewrites as
+    fast as it can; a read never gives one tenant the other's count (a's are odd, b's even)."""
+    with LoadTableFor(2, 1, 1) as table:
+        reader = LoadShare(table.name, 1, 2, 1, 1, track=True)
+        writer = subprocess.Popen(
+            [sys.executable, "-c", TENANT_WRITER, table.name, "1.0", str(KA), str(KB)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        reads = {KA: 0, KB: 0}
+        while writer.poll() is None:
+            for key, parity in ((KA, 1), (KB, 0)):
+                n = reader.peer_tenant_admitted(key)
+                if n:
+                    assert n % 2 == parity, (key, n)
+                    reads[key] += 1
+        writes = int(writer.stdout.read().split()[0])
+        assert writer.wait() == 0 and writes > 100 and min(reads.values()) > 10, (writes, reads)
+        assert (reader.peer_tenant_admitted(KA), reader.peer_tenant_admitted(KB)) == (9, 0)
+        reader.close()
+
+
+def tenant_gate(share: LoadShare, max_inflight: int, per_tenant: int, timeout_s: float) -> Admission:
+    made = Admission(AdmissionLimits(max_inflight, 8, timeout_s, max_inflight_per_tenant=per_tenant))
+    made.on_change = share.publish_admitted
+    made.peers = share.peer_admitted
+    made.on_tenant_change = share.publish_tenant
+    made.tenant_peers = share.peer_tenant_admitted
+    return made
+
+
+async def test_max_inflight_per_tenant_counts_every_workers_requests_of_the_tenant(table: LoadTable) -> None:
+    """Per-tenant cap 2 over two workers' admissions on one table: the second worker's request of
+    tenant A waits while the first holds A's two slots (B's goes in at once), and takes the slot
+    the first frees (seen at a recheck); the default tenant is one tenant across workers too."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = tenant_gate(w0, 8, 2, 1.0), tenant_gate(w1, 8, 2, 1.0)
+    a0, a1 = first.tenant("a"), second.tenant("a")
+    assert first.try_enter(0, a0) and first.try_enter(0, a0)
+    assert w1.peer_tenant_admitted(KA) == 2
+    waiting = asyncio.create_task(second.enter(second.deadline(), 0, a1))
+    await asyncio.sleep(0.1)
+    assert not waiting.done() and second.queued == 1
+    assert second.try_enter(0, second.tenant("b"))  # another tenant goes on meanwhile
+    first.leave(0, a0)
+    async with asyncio.timeout(1.0):
+        await waiting
+    assert (a0.inflight, a1.inflight) == (1, 1)
+    assert (w0.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KA)) == (1, 1)
+    with pytest.raises(AdmissionRefused) as late:  # 1 + 1 of A: the first worker is at A's cap too
+        await first.enter(asyncio.get_running_loop().time() + 0.1, 0, a0)
+    assert (late.value.status, late.value.limit) == (503, TENANT_INFLIGHT)
+    assert first.try_enter() and first.try_enter() and second.try_enter() is False  # default: cap 2
+    for gate, tenant in ((second, a1), (second, second.tenant("b")), (first, a0)):
+        gate.leave(0, tenant)
+    first.leave()
+    first.leave()
+    assert [w.peer_tenant_admitted(key) for w in (w0, w1) for key in (KA, KB, DEFAULT_TENANT_KEY)] == [0] * 6
+    w0.close()
+    w1.close()
+
+
+def test_a_key_is_found_only_at_a_slots_start_and_counts_below_zero_read_as_zero() -> None:
+    key = 0x0102_0304_0506_0708
+    packed = WORD.pack(key)
+    straddling = WORD.unpack(b"\0\0\0\0" + packed[:4])[0], WORD.unpack(packed[4:] + b"\0\0\0\0")[0]
+    raw = b"".join(WORD.pack(word) for word in (*straddling, key, 5, KB, -3))
+    assert raw.find(packed) == 4  # the key's bytes first show up across the first slot's two words
+    assert (_find(raw, key), _find(raw, KB), _find(raw, KA), _find(b"", key)) == (5, 0, 0, 0)
+
+
+def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(table: LoadTable) -> None:
+    w0, w1 = attach(table, 0), attach(table, 1)
+    w0.publish_tenant(KA, 3)
+    w0.publish_tenant(KB, 1)
+    answers = [(w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KC)) for _ in range(DICT_AFTER)]
+    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: 3, KB: 1}
+    w0.publish_tenant(KA, 2)  # a new read: searched again, no dict yet
+    assert w1.peer_tenant_admitted(KA) == 2 and w1._tenant_rows[0].counts is None
     w0.close()
     w1.close()
