@@ -88,6 +88,7 @@ class Metrics:
     ttft_seconds: Histogram
     e2e_seconds: Histogram
     inflight_requests: Gauge
+    body_timeouts_total: Counter
     shed_total: Counter
     admission_body_bytes: Gauge
     admission_tenants: Gauge
@@ -357,6 +358,7 @@ class _HttpCollectors(TypedDict):
     ttft_seconds: Histogram
     e2e_seconds: Histogram
     inflight_requests: Gauge
+    body_timeouts_total: Counter
 
 
 def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
@@ -381,6 +383,13 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
             buckets=_LATENCY_BUCKETS_S,
         ),
         "inflight_requests": gauge("kvlb_http_inflight_requests", "Requests being served now."),
+        "body_timeouts_total": counter(
+            "kvlb_http_body_timeouts_total",
+            "Request bodies refused with 408 while being read, by the limit missed: body_read_s (the "
+            "whole read took too long) or body_min_rate_bytes_per_s (behind the pace after "
+            "timeouts.body_rate_grace_s).",
+            ["limit"],
+        ),
     }
 
 

@@ -99,9 +99,7 @@ def policy_choices() -> dict[str, Any]:
 async def put_policy(request: web.Request) -> web.Response:
     state = request.app[STATE]
     limits = state.settings.limits
-    body = parse_json_object(
-        await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
-    )
+    body = parse_json_object(await read_body(request, limits.max_body_bytes, state.settings.timeouts))
     actor = actor_of(request.headers.get(ACTOR_HEADER))
     view, changes = await change_policy(state, body, caller(request), actor)
     request[POLICY_REASON] = body.get("reason")  # sent on to the sibling workers with the change
@@ -185,7 +183,7 @@ async def explain(request: web.Request) -> web.Response:
     """Dry-run routing of a request body: the decision and all its terms, without committing."""
     state = request.app[STATE]
     limits = state.settings.limits
-    raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
+    raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts)
     explained = await explain_raw(state, raw, request.headers.get(WEIGHTS_HEADER), request[REQUEST_ID])
     return web.json_response(explained.to_json(), dumps=strict_json.dumps)
 

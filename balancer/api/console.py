@@ -158,9 +158,7 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
 async def whatif(request: web.Request) -> web.Response:
     state = request.app[STATE]
     limits = state.settings.limits
-    body = parse_json_object(
-        await read_body(request, limits.max_body_bytes, state.settings.timeouts.body_read_s)
-    )
+    body = parse_json_object(await read_body(request, limits.max_body_bytes, state.settings.timeouts))
     return web.json_response(await run_whatif(state, body), dumps=strict_json.dumps)
 
 

@@ -4,12 +4,14 @@ A chat request reads top-down here: a declared length over ``limits.max_body_byt
 admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
 declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 429, waited
 ``limits.queue_timeout_s`` → 503), a bounded body read (``limits.max_body_bytes`` → 413,
-``timeouts.body_read_s`` → 408; a body without a declared length holds its bytes chunk by chunk as
-it is read), parsing (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the
-known models), tokenizing with the pool's tokenizer (long prompts in a thread; the ids' bytes are
-then held too), a wait in the same queue while every replica is full, then
-:func:`balancer.service.dispatch.dispatch` (route → open → retry → release) with :func:`relay` as
-its delivery. The slot and every byte held are given back when the request ends, however it ends.
+``timeouts.body_read_s`` → 408, and 408 at once for a body behind
+``timeouts.body_min_rate_bytes_per_s`` after ``timeouts.body_rate_grace_s``, :func:`body_due`; a
+body without a declared length holds its bytes chunk by chunk as it is read), parsing
+(:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
+with the pool's tokenizer (long prompts in a thread; the ids' bytes are then held too), a wait in the
+same queue while every replica is full, then :func:`balancer.service.dispatch.dispatch` (route →
+open → retry → release) with :func:`relay` as its delivery. The slot and every byte held are given
+back when the request ends, however it ends.
 
 **Relay**: the client response is not started until the replica's first body chunk arrives (so a
 replica failing before it is retried elsewhere). SSE chunks are written as they arrive, never
@@ -32,6 +34,7 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
 from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
+from balancer.config import TimeoutConfig
 from balancer.errors import UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
 from balancer.policy import PolicyWeights
@@ -101,7 +104,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     tenant = request.headers.get(state.settings.tenant_header)
     async with admitted(state, declared or 0, tenant) as admission:
         hold = admission.hold if declared is None else None
-        body = await read_body(request, max_bytes, state.settings.timeouts.body_read_s, hold)
+        body = await read_body(request, max_bytes, state.settings.timeouts, hold)
         parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
@@ -132,13 +135,14 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
 async def read_body(
     request: web.Request,
     max_bytes: int,
-    timeout_s: float,
+    timeouts: TimeoutConfig,
     hold: Callable[[int], Awaitable[None]] | None = None,
 ) -> bytes:
-    """The request body, at most ``max_bytes`` (413) read within ``timeout_s`` (408). ``hold``: called
-    with each chunk's size before the chunk is kept (a body without a declared length holds its
-    bytes of ``limits.max_inflight_body_bytes`` as it is read; it may wait, or refuse with
-    :class:`~balancer.service.admission.AdmissionRefused`)."""
+    """The request body, at most ``max_bytes`` (413) read within ``timeouts.body_read_s`` and at the
+    pace of :func:`body_due` (408, counted in ``kvlb_http_body_timeouts_total`` by the limit it
+    missed). ``hold``: called with each chunk's size before the chunk is kept (a body without a
+    declared length holds its bytes of ``limits.max_inflight_body_bytes`` as it is read; it may
+    wait, or refuse with :class:`~balancer.service.admission.AdmissionRefused`)."""
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise _too_large(declared, max_bytes)
@@ -151,17 +155,49 @@ async def read_body(
             await hold(len(body))
         return body
     buffer = bytearray()
+    clock = asyncio.get_running_loop().time
+    started = clock()
+    paced = timeouts.body_min_rate_bytes_per_s > 0
+    held_s = 0.0  # time spent waiting for bytes of the budget: the client is not late for it
     try:
-        async with asyncio.timeout(timeout_s):
+        async with asyncio.timeout_at(body_due(started, 0, held_s, timeouts)) as deadline:
             async for chunk in request.content.iter_chunked(BODY_READ_CHUNK_BYTES):
                 if len(buffer) + len(chunk) > max_bytes:
                     raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
                 if hold is not None:
+                    if paced:
+                        deadline.reschedule(started + timeouts.body_read_s)
+                    waited = clock()
                     await hold(len(chunk))
+                    held_s += clock() - waited
                 buffer += chunk
+                if paced:
+                    deadline.reschedule(body_due(started, len(buffer), held_s, timeouts))
     except TimeoutError:
-        raise ApiError(408, f"request body not received within {timeout_s}s") from None
+        total = deadline.when() == started + timeouts.body_read_s
+        request.app[STATE].metrics.body_timeouts_total.labels(
+            "body_read_s" if total else "body_min_rate_bytes_per_s"
+        ).inc()
+        if total:
+            raise ApiError(408, f"request body not received within {timeouts.body_read_s}s") from None
+        raise ApiError(
+            408,
+            f"request body arrived slower than timeouts.body_min_rate_bytes_per_s = "
+            f"{timeouts.body_min_rate_bytes_per_s} ({len(buffer)} bytes received)",
+        ) from None
     return bytes(buffer)
+
+
+def body_due(started: float, received: int, held_s: float, timeouts: TimeoutConfig) -> float:
+    """When a body whose read began at ``started`` is late, with ``received`` bytes so far and
+    ``held_s`` seconds spent waiting for budget bytes (kvlb's wait, not the client's): the earlier
+    of ``started + body_read_s`` and, with a pace set, ``started + held_s + body_rate_grace_s +
+    received / body_min_rate_bytes_per_s`` (each byte buys the time the pace allows for it)."""
+    final = started + timeouts.body_read_s
+    rate = timeouts.body_min_rate_bytes_per_s
+    if rate <= 0:
+        return final
+    return min(final, started + held_s + timeouts.body_rate_grace_s + received / rate)
 
 
 def _too_large(declared: int, max_bytes: int) -> ApiError:

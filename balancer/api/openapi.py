@@ -24,7 +24,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         401: "Missing or wrong bearer token",
         403: "x-kvlb-weights sent while auth.allow_weight_override is off",
         404: "Unknown model (the message lists the known ones), replica, pool or decision",
-        408: "Body not received within timeouts.body_read_s",
+        408: "Body not received within timeouts.body_read_s, or behind timeouts.body_min_rate_bytes_per_s",
         413: "Body over limits.max_body_bytes",
         429: "Over limits.max_inflight, the bodies held at limits.max_inflight_body_bytes or every replica"
         " at limits.max_inflight_per_replica with the admission queue full, or too many what-if replays"

@@ -94,6 +94,17 @@ class TimeoutConfig:
     """Cap on a whole request; expiry ends it with an error."""
     body_read_s: float = 10.0
     """Time allowed to read the client's request body (slow-body protection); expiry → 408."""
+    body_min_rate_bytes_per_s: int = 262_144
+    """Slowest pace, in bytes per second, at which a request body may arrive once
+    ``body_rate_grace_s`` has passed (≥ 0; 0: only ``body_read_s``). A body behind it, that is with
+    fewer than ``rate × (elapsed − grace)`` bytes received, gets 408 at once: a client cannot hold
+    its declared length of ``limits.max_inflight_body_bytes`` for ``body_read_s`` while sending
+    nothing. A body sent at an even pace within ``body_read_s`` always keeps it when it holds at
+    least ``rate × (body_read_s − grace)`` bytes (2.25 MiB with the defaults); a smaller one must send
+    at the rate."""
+    body_rate_grace_s: float = 1.0
+    """Seconds a body may take before ``body_min_rate_bytes_per_s`` applies (> 0; one at or past
+    ``body_read_s`` leaves only ``body_read_s``): a small body arrives whole within it."""
     client_idle_s: float = 15.0
     """A client connection that has not completed a request's headers this long after it opened
     or after its previous answer is closed (idle keep-alive, slowloris trickling headers)."""
@@ -526,10 +537,17 @@ class Settings:
             "timeouts.idle_s": self.timeouts.idle_s,
             "timeouts.total_s": self.timeouts.total_s,
             "timeouts.client_idle_s": self.timeouts.client_idle_s,
+            "timeouts.body_read_s": self.timeouts.body_read_s,
+            "timeouts.body_rate_grace_s": self.timeouts.body_rate_grace_s,
         }
         for name, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{name} must be > 0, got {value}")
+        if self.timeouts.body_min_rate_bytes_per_s < 0:
+            raise ConfigError(
+                "timeouts.body_min_rate_bytes_per_s must be ≥ 0, "
+                f"got {self.timeouts.body_min_rate_bytes_per_s}"
+            )
         if not 1 <= self.health_timeouts_to_drop <= 10:
             raise ConfigError(f"health_timeouts_to_drop must be in 1..10, got {self.health_timeouts_to_drop}")
         if not 1 <= self.limits.load_share_slots <= 1_048_576:

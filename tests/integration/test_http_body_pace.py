@@ -1,0 +1,137 @@
+"""The pace a request body must keep (``timeouts.body_min_rate_bytes_per_s`` after
+``timeouts.body_rate_grace_s``) over real sockets: a client that declares a large body and sends
+next to nothing holds its bytes of ``limits.max_inflight_body_bytes`` only until it falls behind,
+not for all of ``timeouts.body_read_s``; a body sent at the pace passes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+from urllib.parse import urlsplit
+
+import pytest
+from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
+
+from balancer.api.openai import body_due
+from balancer.config import TimeoutConfig
+from balancer.tokenizer.tokenizer import Tokenizer
+
+BODY_BYTES = 100_000
+LIMITS = {
+    "limits__max_body_bytes": 128 * 1024,
+    "limits__max_inflight_body_bytes": 250_000,  # two declared bodies and their ids, not three
+    "limits__queue_timeout_s": 1.0,
+    "timeouts__body_read_s": 6.0,
+}
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+def body(first: int, size: int = BODY_BYTES) -> bytes:
+    head = json.dumps({"model": MODEL, "prompt": [first, 2, 3, 4], "max_tokens": 2}).encode()
+    pad = size - len(head) - len(b', "pad": ""')
+    return head[:-1] + b', "pad": "' + b"x" * pad + b'"}'
+
+
+async def stalled_sender(url: str, declared: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A raw connection that declares ``declared`` bytes of body and sends 10 of them."""
+    parts = urlsplit(url)
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {declared}\r\n\r\n"
+    )
+    writer.write(head.encode() + b'{"model": ')
+    await writer.drain()
+    return reader, writer
+
+
+async def status_of(reader: asyncio.StreamReader) -> int:
+    line = await reader.readline()
+    return int(line.split()[1])
+
+
+async def metric(h: Harness, name: str, **labels: str) -> float:
+    async with h.session.get(h.url + "/metrics") as response:
+        return metric_value(await response.text(), name, **labels)
+
+
+async def stall_two_then_send(h: Harness) -> tuple[list[int], int, float]:
+    """Two stalled senders take the whole budget; then a whole body is sent. Returns the stalled
+    ones' statuses (408 when cut; 0 when still held as the whole body was answered), the whole
+    body's status and the seconds it took."""
+    stalled = [await stalled_sender(h.url, BODY_BYTES) for _ in range(2)]
+    try:
+
+        async def held() -> bool:
+            return await metric(h, "kvlb_admission_body_bytes") >= 2 * BODY_BYTES
+
+        await wait_for("both declared bodies held", held)
+        started = time.monotonic()
+        answer = await h.post("/v1/completions", body(30))
+        took_s = time.monotonic() - started
+        statuses = []
+        for reader, _ in stalled:
+            try:
+                async with asyncio.timeout(0.05):
+                    statuses.append(await status_of(reader))
+            except TimeoutError:
+                statuses.append(0)
+        return statuses, answer.status, took_s
+    finally:
+        for _, writer in stalled:
+            writer.close()
+
+
+async def test_stalled_bodies_are_cut_at_the_pace_and_free_the_budget(tokenizer: Tokenizer) -> None:
+    paced = {"timeouts__body_min_rate_bytes_per_s": 50_000, "timeouts__body_rate_grace_s": 0.3}
+    async with running(tokenizer, 1, **LIMITS, **paced) as h:
+        statuses, status, took_s = await stall_two_then_send(h)
+        assert statuses == [408, 408]
+        assert status == 200 and took_s < 1.0  # waited for the pace's cut, not the 6 s read limit
+        limit = "body_min_rate_bytes_per_s"
+        assert await metric(h, "kvlb_http_body_timeouts_total", limit=limit) == 2
+
+        async def released() -> bool:
+            return await metric(h, "kvlb_admission_body_bytes") == 0
+
+        await wait_for("every byte given back", released)
+
+
+async def test_without_a_pace_stalled_bodies_hold_the_budget(tokenizer: Tokenizer) -> None:
+    """The same senders with the pace off keep the budget for ``body_read_s``: the whole body waits
+    ``queue_timeout_s`` and gets 503 (what the pace fixes)."""
+    async with running(tokenizer, 1, **LIMITS, timeouts__body_min_rate_bytes_per_s=0) as h:
+        statuses, status, _ = await stall_two_then_send(h)
+        assert status == 503 and statuses == [0, 0]
+        assert await metric(h, "kvlb_http_body_timeouts_total", limit="body_min_rate_bytes_per_s") == 0
+
+
+async def test_a_body_sent_at_the_pace_passes(tokenizer: Tokenizer) -> None:
+    pace = {"timeouts__body_min_rate_bytes_per_s": 20_000, "timeouts__body_rate_grace_s": 0.2}
+    async with running(tokenizer, 1, **LIMITS, **pace) as h:
+        data = body(40, 40_000)
+
+        async def trickle() -> AsyncIterator[bytes]:  # 50 kB/s in 8 chunks: above the pace
+            for start in range(0, len(data), 5_000):
+                yield data[start : start + 5_000]
+                await asyncio.sleep(0.1)
+
+        async with h.session.post(h.url + "/v1/completions", data=trickle()) as response:
+            assert response.status == 200, await response.text()
+        assert await metric(h, "kvlb_http_body_timeouts_total", limit="body_min_rate_bytes_per_s") == 0
+
+
+def test_body_due_gives_each_byte_its_time_within_the_read_limit() -> None:
+    timeouts = TimeoutConfig(body_read_s=10.0, body_min_rate_bytes_per_s=1000, body_rate_grace_s=1.0)
+    assert body_due(100.0, 0, 0.0, timeouts) == 101.0
+    assert body_due(100.0, 500, 0.0, timeouts) == 101.5
+    assert body_due(100.0, 500, 2.0, timeouts) == 103.5  # the wait for budget bytes is not the client's
+    assert body_due(100.0, 50_000, 0.0, timeouts) == 110.0  # never past body_read_s
+    off = TimeoutConfig(body_read_s=10.0, body_min_rate_bytes_per_s=0)
+    assert body_due(100.0, 0, 0.0, off) == 110.0
