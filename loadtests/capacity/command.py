@@ -15,8 +15,9 @@
    the router invalid, with the reason. With ``--confirm-sim-draws N`` each confirmed point is
    also simulated ``N`` times with every arrival moved by up to ``±--confirm-sim-jitter-ms``, and the
    fleet's repeats are judged against that spread (:mod:`loadtests.capacity.band`). Each fleet run is
-   also simulated at its own routing times over ``--confirm-retimed-hops-ms`` and judged against the
-   draws and those (:mod:`loadtests.capacity.retimed`).
+   also simulated at its own routing times over ``--confirm-retimed-hops-ms`` and, with a spread
+   hop, ``--confirm-retimed-draws`` times per ``--confirm-retimed-hop-ranges-ms`` range, and judged
+   against the draws and those (:mod:`loadtests.capacity.retimed`).
 4. Writes ``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg`` (and ``.png`` with matplotlib).
 
 Rates and TTFTs are in model time (``--time-scale`` converts for the fleet). See ``docs/loadtest.md``.
