@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from loadtests.simulate.sources import SimRequest
@@ -80,6 +80,13 @@ def band_of(
         "pass_share": share,
         "passes": share is not None and share >= 0.5,
     }
+
+
+def passing(band: Mapping[str, Any]) -> int:
+    """How many of :func:`band_of`'s simulations met the SLO (its pass share × its draws)."""
+    share: float = band["pass_share"] or 0.0
+    draws: int = band["draws"]
+    return round(share * draws)
 
 
 def verdict(

@@ -15,8 +15,9 @@
    the router invalid, with the reason. With ``--confirm-sim-draws N`` each confirmed point is
    also simulated ``N`` times with every arrival moved by up to ``±--confirm-sim-jitter-ms``, and the
    fleet's repeats are judged against that spread (:mod:`loadtests.capacity.band`). Each fleet run is
-   also simulated at its own routing times over ``--confirm-retimed-hops-ms`` and judged against the
-   draws and those (:mod:`loadtests.capacity.retimed`).
+   also simulated at its own routing times over ``--confirm-retimed-hops-ms`` and, with a spread
+   hop, ``--confirm-retimed-draws`` times per ``--confirm-retimed-hop-ranges-ms`` range, and judged
+   against the draws and those (:mod:`loadtests.capacity.retimed`).
 4. Writes ``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg`` (and ``.png`` with matplotlib).
 
 Rates and TTFTs are in model time (``--time-scale`` converts for the fleet). See ``docs/loadtest.md``.
@@ -41,7 +42,15 @@ from typing import Any
 
 from loadtests.capacity.confirm import confirm_on_fleet, kvlb_workers
 from loadtests.capacity.report import build_report, markdown, routed_points, svg_plot
-from loadtests.capacity.retimed import DEFAULT_HOPS_MS, MAX_HOPS, parse_hops_ms
+from loadtests.capacity.retimed import (
+    DEFAULT_HOP_RANGES_MS,
+    DEFAULT_HOPS_MS,
+    DEFAULT_SPREAD_DRAWS,
+    MAX_HOPS,
+    MAX_SPREAD_SIMULATIONS,
+    parse_hop_ranges_ms,
+    parse_hops_ms,
+)
 from loadtests.capacity.search import RatePoint, Search, Slo, search, searches_from_report
 from loadtests.capacity.simulated import (
     Stream,
@@ -154,6 +163,16 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "request) with each arriving when the run routed it (the kvlb's decision times when "
         "--confirm-save-decisions saved them all, else the client's send times), and judge the run "
         f"against the draws and them (default 5,10,20; at most {MAX_HOPS}; none: off)")  # fmt: skip
+    add("--confirm-retimed-hop-ranges-ms", metavar="LO-HI,...",
+        default=",".join(f"{lo:g}-{hi:g}" for lo, hi in DEFAULT_HOP_RANGES_MS),
+        help="also simulate each fleet run's requests at its own times with a spread hop: each "
+        "request's hop its own uniform draw in [LO, HI] model ms, --confirm-retimed-draws times per "
+        "range (seeded by --seed and the draw); the run is timing when the fixed hops or any range "
+        "agree with it (default 5-15, the fleet's hop on idle replicas at --time-scale 0.25; "
+        "none: off)")  # fmt: skip
+    add("--confirm-retimed-draws", type=int, default=DEFAULT_SPREAD_DRAWS,
+        help=f"simulations per --confirm-retimed-hop-ranges-ms range, each with its own hops "
+        f"({DEFAULT_SPREAD_DRAWS}; ranges × draws at most {MAX_SPREAD_SIMULATIONS})")  # fmt: skip
     add("--confirm-save-decisions", action="store_true",
         help="fleet: save every decision of each kvlb run, with its per-replica cost terms and inputs "
         "(GET /admin/decisions/{id}, read before the router stops), to decisions/<run>.jsonl, and the "
@@ -282,6 +301,7 @@ def run(args: argparse.Namespace) -> int:
         if args.confirm_interleave and args.confirm_rates is None:
             raise ValueError("--confirm-interleave needs --confirm-rates (the same rates for every router)")
         parse_hops_ms(args.confirm_retimed_hops_ms)
+        parse_hop_ranges_ms(args.confirm_retimed_hop_ranges_ms, args.confirm_retimed_draws)
         if not math.isfinite(args.sim_forward_delay_ms) or args.sim_forward_delay_ms < 0:
             raise ValueError(f"--sim-forward-delay-ms must be >= 0, got {args.sim_forward_delay_ms}")
         jitter_ms = args.sim_forward_jitter_ms
@@ -366,6 +386,15 @@ def run(args: argparse.Namespace) -> int:
         "confirm_retimed_hops_ms": (
             list(parse_hops_ms(args.confirm_retimed_hops_ms)) if args.confirm else None
         ),
+        "confirm_retimed_hop_ranges_ms": (
+            [
+                list(r)
+                for r in parse_hop_ranges_ms(args.confirm_retimed_hop_ranges_ms, args.confirm_retimed_draws)
+            ]
+            if args.confirm
+            else None
+        ),
+        "confirm_retimed_draws": args.confirm_retimed_draws if args.confirm else None,
         "sim_forward_delay_ms": args.sim_forward_delay_ms,
         "sim_prune": not args.sim_no_prune,
         "sim_forward_jitter_ms": args.sim_forward_jitter_ms,

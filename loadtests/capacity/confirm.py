@@ -24,9 +24,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
-from loadtests.capacity.band import verdict
+from loadtests.capacity.band import passing, verdict
 from loadtests.capacity.report import ratio
-from loadtests.capacity.retimed import decision_times, parse_hops_ms, routing_lag_ms, run_times, verdict_of
+from loadtests.capacity.retimed import (
+    decision_times,
+    parse_hop_ranges_ms,
+    parse_hops_ms,
+    routing_lag_ms,
+    run_times,
+    verdict_of,
+)
 from loadtests.capacity.search import RatePoint, Search, Slo
 from loadtests.capacity.simulated import (
     Assignment,
@@ -152,6 +159,7 @@ async def confirm_on_fleet(
         catch_up=not args.confirm_no_catch_up,
     )
     hops_ms = parse_hops_ms(args.confirm_retimed_hops_ms)
+    ranges_ms = parse_hop_ranges_ms(args.confirm_retimed_hop_ranges_ms, args.confirm_retimed_draws)
     prepared: dict[tuple[str, float], dict[str, Any]] = {}
     given_up: set[tuple[str, float]] = set()
     try:
@@ -208,10 +216,11 @@ async def confirm_on_fleet(
                 _write_rows(out / "requests" / slug, extra.pop("rows"))
                 decision_rows = extra.pop("decision_rows", None)
                 send_times = extra.pop("send_times")
-                if assigned is None and hops_ms:
+                if assigned is None and (hops_ms or ranges_ms):
                     band = point_of["band"]
+                    times_of = (send_times, decision_rows)
                     extra["retimed"] = _retimed(
-                        args, name, stream, point, specs, (send_times, decision_rows), band, hops_ms, log
+                        args, name, stream, point, specs, times_of, band, (hops_ms, ranges_ms), log
                     )
                 if decision_rows is not None:
                     (out / "decisions").mkdir(exist_ok=True)
@@ -332,12 +341,13 @@ def _retimed(
     specs: Sequence[RequestSpec],
     times_of: tuple[dict[str, float], Sequence[dict[str, Any]] | None],
     band: dict[str, Any] | None,
-    hops_ms: Sequence[float],
+    hops: tuple[Sequence[float], Sequence[tuple[float, float]]],
     log: Callable[[str], None],
 ) -> dict[str, Any] | None:
     """One fleet run's retimed simulations (:func:`sim_retimed`: its requests at the times the run
-    routed them, per hop; ``times_of``: the client's send times by request id and the saved
-    decisions, if any) and its verdict against the draws' ``band`` and them
+    routed them, per fixed hop and ``--confirm-retimed-draws`` times per hop range, ``hops``;
+    ``times_of``: the client's send times by request id and the saved decisions, if any) and its
+    verdict against the draws' ``band`` and them
     (:func:`loadtests.capacity.retimed.verdict_of`); ``None`` when the run has no time for some
     request (a request the client never sent)."""
     send_times, decision_rows = times_of
@@ -347,12 +357,23 @@ def _retimed(
     if times is None:
         log("  retimed: the run has no time for every request; not simulated")
         return None
-    retimed = sim_retimed(args, name, stream, point.rate, times, hops_ms)
+    hops_ms, ranges_ms = hops
+    retimed = sim_retimed(
+        args, name, stream, point.rate, times, hops_ms, ranges_ms, args.confirm_retimed_draws
+    )
     fleet_passes = point.meets(slo_of(args))
     draws_pass = None if band is None else bool(band["passes"])
-    judged = verdict_of(fleet_passes, draws_pass, retimed["passes"], invalid=point.invalid is not None)
+    fixed_pass = retimed["passes"] if hops_ms else None
+    spread_passes = [bool(s["passes"]) for s in retimed["spread"]]
+    invalid = point.invalid is not None
+    judged = verdict_of(fleet_passes, draws_pass, fixed_pass, invalid=invalid, spread_passes=spread_passes)
     p90s = ", ".join(f"{h:g} ms {_num(p)}" for h, p in zip(hops_ms, retimed["ttft_p90_s"], strict=True))
-    log(f"  retimed at the run's {times[0]} times: TTFT p90 {p90s} s; {judged}")
+    spread = "".join(
+        f"; hop {lo:g}-{hi:g} ms: {passing(s)} of {s['draws']} pass, "
+        f"p90 median {_num(s['ttft_p90_median_s'])} s"
+        for (lo, hi), s in zip(ranges_ms, retimed["spread"], strict=True)
+    )
+    log(f"  retimed at the run's {times[0]} times: TTFT p90 {p90s} s{spread}; {judged}")
     lag = None if decided is None else routing_lag_ms(ids, send_times, decided, args.time_scale)
     return {
         **retimed,

@@ -13,18 +13,26 @@ fleet running the simulation's assignment):
 * :func:`arrivals_of` turns those wall seconds into model arrivals: ``first + (t − t_min) ×
   time_scale``, anchored at the schedule's first arrival (a shift of every arrival alike changes
   nothing on a fleet that starts idle); :func:`retime` puts them on the requests;
+* with ``--confirm-retimed-hop-ranges-ms`` the same retimed requests are also simulated with a
+  **spread hop**: each request's hop its own uniform draw in ``[lo, hi]`` (``SimConfig``'s
+  ``forward_delay_s`` and ``forward_jitter_s``, :func:`spread_config`), ``--confirm-retimed-draws``
+  times per range, draw ``k``'s hops from the band's hop generator ``hop_rng(seed, k)``
+  (:func:`parse_hop_ranges_ms`): the fleet's hop is not the same for every request (Part 37);
 * :func:`verdict_of` says whether the run agrees with the draws, with its retimed simulations
   (timing) or with neither (a modelling difference), by the band's own rule: a verdict passes when
   at least half of its simulations pass (:func:`loadtests.capacity.band.band_of`), and a run agrees
-  when its pass or fail at the SLO is the same.
+  when its pass or fail at the SLO is the same. The fixed hops are one side, each hop range
+  another; the run is timing when any of them agrees with it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from loadtests.simulate.simulation import SimConfig
 from loadtests.simulate.sources import SimRequest
 from loadtests.stats import percentile
 
@@ -34,6 +42,17 @@ DEFAULT_HOPS_MS = (5.0, 10.0, 20.0)
 
 MAX_HOPS = 8
 """At most this many hops per fleet run (``--confirm-retimed-hops-ms``): each is one simulation."""
+
+DEFAULT_HOP_RANGES_MS = ((5.0, 15.0),)
+"""The spread hops of the retimed simulations, model ms (each request's hop uniform in ``[lo, hi]``):
+the fleet's hop on idle replicas at ``--time-scale`` 0.25, measured per request as its TTFT minus the
+simulator's without a hop, is 4.5–13.3 ms from p10 to p90, median 5–12 ms (Part 19)."""
+
+DEFAULT_SPREAD_DRAWS = 5
+"""Simulations per hop range (``--confirm-retimed-draws``), each with its own hop draws."""
+
+MAX_SPREAD_SIMULATIONS = 40
+"""At most this many spread simulations per fleet run (hop ranges × draws)."""
 
 AGREES = "agrees with the draws"
 TIMING = "disagrees with the draws, agrees with its retimed simulations (timing)"
@@ -63,6 +82,45 @@ def parse_hops_ms(text: str) -> tuple[float, ...]:
     if len(hops) > MAX_HOPS:
         raise ValueError(f"--confirm-retimed-hops-ms: at most {MAX_HOPS} hops, got {len(hops)}")
     return hops
+
+
+def parse_hop_ranges_ms(text: str, draws: int) -> tuple[tuple[float, float], ...]:
+    """``--confirm-retimed-hop-ranges-ms``: comma-separated ``lo-hi`` model ms (``""`` or ``none``:
+    no spread hop), each ``0 <= lo <= hi`` and finite; with ``draws`` (``--confirm-retimed-draws``,
+    >= 1 when a range is given) at most :data:`MAX_SPREAD_SIMULATIONS` simulations in all;
+    ``ValueError`` otherwise."""
+    flag = "--confirm-retimed-hop-ranges-ms"
+    if text.strip().lower() in ("", "none"):
+        return ()
+    ranges: list[tuple[float, float]] = []
+    for part in text.split(","):
+        bounds = part.split("-")
+        try:
+            if len(bounds) != 2:
+                raise ValueError
+            lo, hi = float(bounds[0]), float(bounds[1])
+        except ValueError:
+            raise ValueError(f"{flag}: not a list of lo-hi ranges: {text!r}") from None
+        if not (math.isfinite(hi) and 0.0 <= lo <= hi):
+            raise ValueError(f"{flag}: each range needs 0 <= lo <= hi, finite, got {part!r}")
+        ranges.append((lo, hi))
+    if draws < 1:
+        raise ValueError(f"--confirm-retimed-draws must be >= 1 with {flag}, got {draws}")
+    if len(ranges) * draws > MAX_SPREAD_SIMULATIONS:
+        raise ValueError(
+            f"{flag} × --confirm-retimed-draws: at most {MAX_SPREAD_SIMULATIONS} simulations, "
+            f"got {len(ranges)} × {draws}"
+        )
+    return tuple(ranges)
+
+
+def spread_config(config: SimConfig, lo_ms: float, hi_ms: float) -> SimConfig:
+    """``config`` with each request's hop a uniform draw in ``[lo_ms, hi_ms]`` model ms: the
+    simulator's ``forward_delay_s`` at the middle and ``forward_jitter_s`` the half-width (0 when
+    ``lo_ms == hi_ms``: every hop exactly ``lo_ms``, and no generator is read)."""
+    return dataclasses.replace(
+        config, forward_delay_s=(lo_ms + hi_ms) / 2000.0, forward_jitter_s=(hi_ms - lo_ms) / 2000.0
+    )
 
 
 def run_times(
@@ -147,19 +205,26 @@ def routing_lag_ms(
 
 
 def verdict_of(
-    fleet_passes: bool, draws_pass: bool | None, retimed_pass: bool | None, *, invalid: bool = False
+    fleet_passes: bool,
+    draws_pass: bool | None,
+    retimed_pass: bool | None,
+    *,
+    invalid: bool = False,
+    spread_passes: Sequence[bool] = (),
 ) -> str:
     """One fleet run's verdict: it agrees with the draws when its pass or fail at the SLO is the
     draws' (``draws_pass``: at least half of them pass, the band's ``passes``); else it is timing
-    when it is its retimed simulations' (``retimed_pass``: at least half pass, the same rule), and a
-    modelling difference when it is neither. :data:`UNJUDGED` without draws or retimed simulations,
-    :data:`INVALID` for a run that is no measurement at its rate (``invalid``)."""
+    when it is its retimed simulations' at the fixed hops (``retimed_pass``: at least half pass, the
+    same rule) or at any hop range (``spread_passes``: one per range, the same rule over its draws),
+    and a modelling difference when it is none of them. :data:`UNJUDGED` without draws or retimed
+    simulations, :data:`INVALID` for a run that is no measurement at its rate (``invalid``)."""
     if invalid:
         return INVALID
     if draws_pass is None:
         return UNJUDGED
     if fleet_passes == draws_pass:
         return AGREES
-    if retimed_pass is None:
+    sides = ([] if retimed_pass is None else [retimed_pass]) + list(spread_passes)
+    if not sides:
         return UNJUDGED
-    return TIMING if fleet_passes == retimed_pass else MODELLING
+    return TIMING if fleet_passes in sides else MODELLING

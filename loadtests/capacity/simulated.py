@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from balancer.policy.base import PolicyWeights
 from loadtests.capacity.agreement import RequestRow
 from loadtests.capacity.band import band_of, draw_rng, hop_rng, jitter_arrivals
 from loadtests.capacity.report import ratio
-from loadtests.capacity.retimed import arrivals_of, offsets_ms, retime
+from loadtests.capacity.retimed import arrivals_of, offsets_ms, retime, spread_config
 from loadtests.capacity.search import RatePoint, Slo, parse_seconds, point_of
 from loadtests.peers import RouterSpec, parse_router
 from loadtests.simulate import SimConfig, SimRequest, SimResult, Simulation
@@ -203,24 +203,28 @@ def sim_band(args: argparse.Namespace, name: str, stream: Stream, rate: float, l
     ``rate``, each with the arrivals jittered by draw ``k``'s generator and (with
     ``--sim-forward-jitter-ms``) its own hops from draw ``k``'s hop generator, as :func:`band_of`."""
     config = sim_config(args, parse_router(name))
-    slo = slo_of(args)
     requests = stream.at(rate, limit)
-    p90s: list[float | None] = []
-    passes: list[bool] = []
-    hits: list[float | None] = []
-    for draw in range(args.confirm_sim_draws):
-        moved = jitter_arrivals(requests, args.confirm_sim_jitter_ms / 1000.0, draw_rng(args.seed, draw))
-        simulation = Simulation(config, moved, hop_rng(args.seed, draw))
-        point = point_of(rate, simulation.run().summary, "sim")
-        p90s.append(point.ttft_p90_s)
-        passes.append(point.meets(slo))
-        hits.append(point.hit_rate)
+    jitter_s = args.confirm_sim_jitter_ms / 1000.0
+    simulations = (
+        Simulation(
+            config, jitter_arrivals(requests, jitter_s, draw_rng(args.seed, draw)), hop_rng(args.seed, draw)
+        )
+        for draw in range(args.confirm_sim_draws)
+    )
     return {
         "rate": rate,
         "jitter_ms": args.confirm_sim_jitter_ms,
         "hop_jitter_ms": args.sim_forward_jitter_ms,
-        **band_of(p90s, passes, hits),
+        **_band_of_runs(rate, slo_of(args), simulations),
     }
+
+
+def _band_of_runs(rate: float, slo: Slo, simulations: Iterable[Simulation]) -> dict[str, Any]:
+    """:func:`band_of` of ``simulations`` at ``rate`` (each run in turn): TTFT p90s, SLO passes, hit rates."""
+    points = [point_of(rate, simulation.run().summary, "sim") for simulation in simulations]
+    return band_of(
+        [p.ttft_p90_s for p in points], [p.meets(slo) for p in points], [p.hit_rate for p in points]
+    )
 
 
 def sim_retimed(
@@ -230,13 +234,17 @@ def sim_retimed(
     rate: float,
     times: tuple[str, Sequence[float]],
     hops_ms: Sequence[float],
+    ranges_ms: Sequence[tuple[float, float]] = (),
+    draws: int = 0,
 ) -> dict[str, Any]:
     """Router ``name`` on the first ``len(times[1])`` requests at ``rate``, each arriving at its time
     in one fleet run (``times``: the source and the wall seconds by stream position, converted by
     ``--time-scale`` and anchored at the schedule's first arrival, :mod:`loadtests.capacity.retimed`),
     once per hop of ``hops_ms`` (model ms, each the same for every request), as :func:`band_of` of
     those simulations (``passes``: at least half of them meet the SLO), with the hops, the source of
-    the times and the arrivals' offsets from the schedule."""
+    the times and the arrivals' offsets from the schedule; and ``draws`` times per hop range of
+    ``ranges_ms`` (``spread``: each request's hop uniform in ``[lo, hi]`` model ms, draw ``k``'s hops
+    from :func:`hop_rng` ``(--seed, k)``), one :func:`band_of` per range."""
     source, wall = times
     requests = stream.at(rate, len(wall))
     scheduled = [r.arrival_s for r in requests]
@@ -244,19 +252,16 @@ def sim_retimed(
     moved = retime(requests, arrivals)
     config = sim_config(args, parse_router(name))
     slo = slo_of(args)
-    p90s: list[float | None] = []
-    passes: list[bool] = []
-    hits: list[float | None] = []
-    for hop_ms in hops_ms:
-        hopped = dataclasses.replace(config, forward_delay_s=hop_ms / 1000.0, forward_jitter_s=0.0)
-        point = point_of(rate, Simulation(hopped, moved).run().summary, "sim")
-        p90s.append(point.ttft_p90_s)
-        passes.append(point.meets(slo))
-        hits.append(point.hit_rate)
-    figures = band_of(p90s, passes, hits)
+    fixed = (spread_config(config, hop_ms, hop_ms) for hop_ms in hops_ms)
+    figures = _band_of_runs(rate, slo, (Simulation(c, moved) for c in fixed))
     figures["simulations"] = figures.pop("draws")
+    spread = []
+    for lo_ms, hi_ms in ranges_ms:
+        hopped = spread_config(config, lo_ms, hi_ms)
+        runs = (Simulation(hopped, moved, hop_rng(args.seed, draw)) for draw in range(draws))
+        spread.append({"hop_ms": [lo_ms, hi_ms], **_band_of_runs(rate, slo, runs)})
     offsets = offsets_ms(scheduled, arrivals)
-    return {"times": source, "hops_ms": list(hops_ms), "offset_ms": offsets, **figures}
+    return {"times": source, "hops_ms": list(hops_ms), "offset_ms": offsets, **figures, "spread": spread}
 
 
 def simulated_as(name: str) -> str:

@@ -109,8 +109,14 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             assert retimed["simulations"] == 3 and len(retimed["ttft_p90_s"]) == 3
             assert retimed["passes"] == (retimed["pass_share"] >= 0.5)
             assert retimed["fleet_passes"] == point["meets_slo"] and retimed["draws_pass"] == band["passes"]
+            # and with a spread hop, the default range's draws
+            [spread] = retimed["spread"]
+            assert spread["hop_ms"] == [5.0, 15.0] and spread["draws"] == 5 and len(spread["ttft_p90_s"]) == 5
             invalid = "invalid" in point
-            judged = verdict_of(point["meets_slo"], band["passes"], retimed["passes"], invalid=invalid)
+            judged = verdict_of(
+                point["meets_slo"], band["passes"], retimed["passes"], invalid=invalid,
+                spread_passes=[spread["passes"]],
+            )  # fmt: skip
             assert retimed["verdict"] == judged
         assert "band_capacity_sim" in row and "band_capacity_fleet" in row
         for point in row["confirmed"]:
@@ -133,6 +139,8 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     assert "## Against the simulator's spread" in (tmp_path / "capacity.md").read_text()
     assert "## At the fleet's own times" in (tmp_path / "capacity.md").read_text()
     assert report["meta"]["confirm_retimed_hops_ms"] == [5.0, 10.0, 20.0]
+    assert report["meta"]["confirm_retimed_hop_ranges_ms"] == [[5.0, 15.0]]
+    assert report["meta"]["confirm_retimed_draws"] == 5
 
 
 @pytest.mark.slow
