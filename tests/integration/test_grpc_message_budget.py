@@ -19,6 +19,7 @@ from kvlb_harness import metric_value, shared_deepseek, wait_for
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.tokenizer.tokenizer import Tokenizer
+from loadtests.faults.body_budget import padded_message
 
 MIB = 1024 * 1024
 MESSAGE_BYTES = 4 * MIB
@@ -39,24 +40,10 @@ def tokenizer() -> Tokenizer:
     return shared_deepseek()
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def padded(message: Any, size: int = MESSAGE_BYTES) -> bytes:
     """``message`` serialized, padded to ``size`` bytes by an unknown field (received and parsed, but
     neither forwarded nor routed on)."""
-    head = message.SerializeToString()
-    tag = varint(1000 << 3 | 2)  # field 1000, length-delimited
-    pad = size - len(head) - len(tag) - len(varint(size))
-    data = head + tag + varint(pad) + b"x" * pad
-    assert len(data) == size
-    return data
+    return padded_message(message.SerializeToString(), size)
 
 
 def generate_bytes(first: int, max_tokens: int = 8) -> bytes:

@@ -10,10 +10,14 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
 * ``Route`` is the decision only. With ``reserve`` it is committed like a forwarded request and held
   in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
 * Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
-  message with RESOURCE_EXHAUSTED before any handler runs); admission, prompt and timeout limits are
-  the HTTP API's. ``Generate`` holds bytes of ``limits.max_inflight_body_bytes`` for the message as
-  received (on admission: grpc has received it whole by then), then for the JSON body it forwards
-  and the token ids; its parsed message is not counted. ``Route`` takes no admission slot, as before.
+  message with RESOURCE_EXHAUSTED); admission, prompt and timeout limits are the HTTP API's. Every
+  method is served as a stream-request method that reads its one message itself
+  (:func:`balancer.api.grpc.calls.receive`), with the BDP probe off so that HTTP/2 flow control
+  keeps an unread message at the client (about its 64 KiB window reaches kvlb). Before the read a call
+  reserves ``limits.max_body_bytes`` of ``limits.max_inflight_body_bytes``, as an HTTP body its
+  declared length: ``Generate`` with its admission slot, the other methods bytes only (``Route``
+  still takes no slot); once the message is in, the rest is given back. ``Generate`` then holds
+  the message's bytes, the JSON body it forwards and the token ids; the parsed message is not counted.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
 """
