@@ -46,8 +46,8 @@ def padded(message: Any, size: int = MESSAGE_BYTES) -> bytes:
     return padded_message(message.SerializeToString(), size)
 
 
-def generate_bytes(first: int, max_tokens: int = 8) -> bytes:
-    return padded(token_request([first, 2, 3, 4], max_tokens=max_tokens))
+def generate_bytes(first: int, max_tokens: int = 8, size: int = MESSAGE_BYTES) -> bytes:
+    return padded(token_request([first, 2, 3, 4], max_tokens=max_tokens), size)
 
 
 async def held_bytes(g: GrpcHarness) -> float:
@@ -241,7 +241,8 @@ async def test_an_unauthenticated_call_is_refused_before_its_message_is_received
 
 
 async def test_a_call_needs_exactly_one_message(tokenizer: Tokenizer) -> None:
-    """No message, or two, → INVALID_ARGUMENT (Generate and Route); every byte comes back."""
+    """No message, or two, → INVALID_ARGUMENT (Generate and Route); one over ``max_body_bytes`` →
+    RESOURCE_EXHAUSTED (grpc's check, as the handler reads it); every byte comes back."""
     async with grpc_running(tokenizer, 1, **LIMITS) as g:
         message = token_request([50, 2, 3]).SerializeToString()
         for path in (GENERATE, ROUTE):
@@ -253,6 +254,9 @@ async def test_a_call_needs_exactly_one_message(tokenizer: Tokenizer) -> None:
                 error = await failure(call.read())
                 assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (path, count)
                 assert detail in (error.details() or ""), error.details()
+        oversized = generate_bytes(51, size=LIMITS["limits__max_body_bytes"] + 1)  # grpc's own refusal
+        error = await failure(raw_generate(g, oversized))
+        assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert await held_bytes(g) == 0
 
 
