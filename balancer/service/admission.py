@@ -35,10 +35,11 @@ the next waiter in the round (the head of the ring's first tenant) does not fit,
 until enough bytes are given back, as a large body at the head of a FIFO queue held back smaller
 ones; it is never skipped (a body is at most ``max_body_bytes`` ≤ the budget, and every request in
 flight gives its bytes back when it ends, so it fits in the end: no starvation, no deadlock). More
-bytes for a request already in flight (:meth:`Admission.hold`) go before every newcomer, whatever
-its tenant: they wait in a front queue, first come first served. :meth:`Admission.leave` gives back
-the slot and every byte the request held. The check on the way in is a few comparisons and an
-addition.
+bytes for a request already in flight (:meth:`Admission.hold`; also a gRPC call that takes no slot,
+for its message) go before every newcomer, whatever its tenant: they wait in a front queue, first
+come first served. :meth:`Admission.give_back` gives back bytes while the request goes on (a gRPC
+message's reservation of ``max_body_bytes`` once its size is known), :meth:`Admission.leave` the
+slot and every byte the request held. The check on the way in is a few comparisons and an addition.
 
 With ``kvlb serve --workers N`` the slot caps are the whole service's: :attr:`Admission.peers` gives
 the requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
@@ -324,6 +325,14 @@ class Admission:
         the bytes held may pass the budget by them, and newcomers wait until they are back under."""
         self.body_bytes += body_bytes
 
+    def give_back(self, body_bytes: int) -> None:
+        """Give back ``body_bytes`` a request holds while it goes on (the rest of a reservation larger
+        than the message received, or all of a hold without a slot): the waiters whose turn comes and
+        that now fit are admitted, as :meth:`leave` admits them."""
+        self.body_bytes -= body_bytes
+        if self._ring or self._front:
+            self._admit_waiters()
+
     def leave(self, body_bytes: int = 0, tenant: Tenant | None = None) -> None:
         """Release a slot of ``tenant`` (default: the default tenant) and the ``body_bytes`` the
         request held (all it reserved, held and added): the waiters whose turn comes and that now
@@ -547,8 +556,7 @@ class Admission:
             if tenant is not None:
                 self.leave(waiter.body_bytes, tenant)
             else:
-                self.body_bytes -= waiter.body_bytes
-                self._admit_waiters()
+                self.give_back(waiter.body_bytes)
             return
         future.cancel()
         if tenant is None:

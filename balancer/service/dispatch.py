@@ -80,12 +80,15 @@ class Admitted:
     ``limits.max_inflight_body_bytes``: :func:`admitted` (an ``async with``) takes them and gives them
     all back, whatever way the request ends; the body gets this object, with the request's queue
     deadline for its wait for a replica slot, and holds more bytes through it (:meth:`hold`,
-    :meth:`add`). A plain class rather than a generator-based context manager: it is entered once
-    per request."""
+    :meth:`add`) or gives back part of its reservation (:meth:`give_back`). :func:`held` is the same
+    hold without a slot. A plain class rather than a generator-based context manager: it is entered
+    once per request."""
 
-    __slots__ = ("body_bytes", "deadline", "state", "tenant", "tenant_name")
+    __slots__ = ("body_bytes", "deadline", "slot", "state", "tenant", "tenant_name")
 
-    def __init__(self, state: ServiceState, body_bytes: int, tenant_name: str | None) -> None:
+    def __init__(
+        self, state: ServiceState, body_bytes: int, tenant_name: str | None, slot: bool = True
+    ) -> None:
         self.state = state
         self.body_bytes = body_bytes
         """Bytes this request holds (reserved on entering, then held and added), given back on exit."""
@@ -94,11 +97,20 @@ class Admitted:
         self.tenant_name = tenant_name
         """The ``tenant_header`` value (``None``: the default tenant)."""
         self.tenant: Tenant | None = None
-        """The tenant whose slot the request holds (set on entering)."""
+        """The tenant whose slot the request holds (set on entering; ``None`` without a slot)."""
+        self.slot = slot
+        """Whether it takes an admission slot (else bytes only, before the queued newcomers)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
         deadline = self.deadline = admission.deadline()
+        if not self.slot:
+            try:
+                await admission.hold(self.body_bytes, deadline)
+            except AdmissionRefused as exc:
+                _count_refusal(self.state, exc, "max_inflight")
+                raise
+            return self
         name = self.tenant_name
         tenant = self.tenant = admission.default_tenant if name is None else admission.tenant(name)
         if tenant is admission.overflow_tenant:
@@ -113,7 +125,10 @@ class Admitted:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        self.state.admission.leave(self.body_bytes, self.tenant)
+        if self.slot:
+            self.state.admission.leave(self.body_bytes, self.tenant)
+        else:
+            self.state.admission.give_back(self.body_bytes)
 
     async def hold(self, body_bytes: int) -> None:
         """Hold ``body_bytes`` more (a body read without a declared length, chunk by chunk), waiting
@@ -129,6 +144,12 @@ class Admitted:
         """Count ``body_bytes`` more held (the token ids), without waiting."""
         self.state.admission.add(body_bytes)
         self.body_bytes += body_bytes
+
+    def give_back(self, body_bytes: int) -> None:
+        """Give back ``body_bytes`` of those held (a reservation larger than the message received),
+        admitting the waiters they make room for."""
+        self.state.admission.give_back(body_bytes)
+        self.body_bytes -= body_bytes
 
     async def wait_for_replica(self, pool: Pool) -> None:
         """Wait in the admission queue while every routable replica of ``pool`` is full (then the
@@ -157,6 +178,13 @@ def admitted(state: ServiceState, body_bytes: int = 0, tenant: str | None = None
     need be (round-robin across tenants), for the body of the ``async with``; refusals are
     :class:`AdmissionRefused` (429 queue full, 503 timeout)."""
     return Admitted(state, body_bytes, tenant)
+
+
+def held(state: ServiceState, body_bytes: int) -> Admitted:
+    """Hold ``body_bytes`` of ``limits.max_inflight_body_bytes`` without a slot (a gRPC message
+    reserved before it is read, for a method that takes no slot), waiting before the queued newcomers
+    while the budget is full, within ``limits.queue_timeout_s``; refusals as :func:`admitted`'s."""
+    return Admitted(state, body_bytes, None, slot=False)
 
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:

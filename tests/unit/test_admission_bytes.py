@@ -160,3 +160,36 @@ async def test_without_a_queue_a_body_that_does_not_fit_is_refused_at_once() -> 
         await gate.hold(600, gate.deadline())
     gate.leave(600)
     assert gate.body_bytes == 0
+
+
+async def test_giving_back_part_of_a_reservation_admits_the_waiters_it_makes_room_for_in_order() -> None:
+    """A gRPC call reserves the most its message may be, then gives back the difference once the
+    message is in: the freed bytes go to the front queue (bytes for calls without a slot) first, then
+    to the slot waiters in order, as :meth:`Admission.leave` hands them on."""
+    gate = admission()
+    await gate.enter(gate.deadline(), 800)  # a reservation; its message turns out to be 100 bytes
+    order: list[str] = []
+
+    async def enter(name: str, size: int) -> None:
+        await gate.enter(gate.deadline(), size)
+        order.append(name)
+
+    async def hold(name: str, size: int) -> None:  # a call without a slot (Route, admin)
+        await gate.hold(size, gate.deadline())
+        order.append(name)
+
+    first = asyncio.create_task(enter("first", 500))
+    await settle()
+    second = asyncio.create_task(enter("second", 200))
+    route = asyncio.create_task(hold("route", 300))
+    await settle()
+    assert order == [] and gate.queued == 3
+    gate.give_back(700)  # holds 100: the route's 300 first, then the first's 500; the second's 200 wait
+    await settle()
+    assert order == ["route", "first"] and gate.body_bytes == 900 and gate.queued == 1
+    gate.give_back(300)  # the route ends: its bytes, without a slot
+    await asyncio.gather(first, second, route)
+    assert order == ["route", "first", "second"] and gate.body_bytes == 800 and gate.inflight == 3
+    for size in (100, 500, 200):
+        gate.leave(size)
+    assert (gate.inflight, gate.body_bytes, gate.queued) == (0, 0, 0)

@@ -1,14 +1,28 @@
-"""What every kvlb gRPC method shares (I/O): metadata, auth, malformed messages, status codes, metrics.
+"""What every kvlb gRPC method shares (I/O): metadata, auth, the request message within the byte
+budget, malformed messages, status codes, metrics.
 
 :func:`method_handler` wraps a method of :mod:`balancer.api.grpc.server` or :mod:`balancer.api.grpc.admin`
 the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
 
 1. the request id: the ``x-request-id`` metadata if printable and ≤ 128 characters, else a new one;
 2. auth from the ``authorization: Bearer ...`` metadata and the same ``settings.auth`` as HTTP
-   (:func:`authorize`);
-3. a message that did not parse is refused with INVALID_ARGUMENT. The deserializer never raises
-   (grpc would answer INTERNAL), it returns :class:`Malformed` instead (and, for a method made with
-   ``keep_raw``, the message with its bytes as received: ``call.raw``);
+   (:func:`authorize`), before anything is received: an unauthenticated call never makes kvlb take
+   its message;
+3. the message, received by the handler itself (:func:`receive`). Every method is served as a
+   stream-request method (the wire is a unary call's: one message, then the half-close), so grpc
+   receives a message only when it is read, and HTTP/2 flow control holds the rest at the client
+   (``grpc.http2.bdp_probe`` off: the window stays at its 64 KiB default until a read asks for
+   more). Before the read the call reserves ``limits.max_body_bytes`` of
+   ``limits.max_inflight_body_bytes`` (the most a message may be: grpc refuses a larger one), as an
+   HTTP body reserves its declared length: with an admission slot (``slot``: ``Generate``, through
+   :func:`~balancer.service.dispatch.admitted`) or bytes only (every other method,
+   :func:`~balancer.service.dispatch.held`), waiting in the admission queue, refused with
+   RESOURCE_EXHAUSTED or UNAVAILABLE and ``retry-after``. Right after the read the difference to the
+   message's size is given back; the message's bytes are held until the call ends. No message →
+   INVALID_ARGUMENT (more than one: answered from the first, the rest never read); not received
+   within ``timeouts.body_read_s`` → DEADLINE_EXCEEDED;
+   a message that does not parse → INVALID_ARGUMENT (and, for a method made with ``keep_raw``, the
+   bytes as received are ``call.raw``);
 4. errors become status codes: :class:`CallError` as it is, kvlb's own errors through the same HTTP
    mapping as the HTTP API (:data:`CODES`); anything unexpected is logged with its traceback and
    becomes INTERNAL with only the request id;
@@ -34,6 +48,7 @@ from balancer.api.middleware import MAX_REQUEST_ID_CHARS, bearer_token, caller_o
 from balancer.api.parsing import parse_weights_header
 from balancer.config import AuthConfig
 from balancer.policy import PolicyWeights
+from balancer.service.dispatch import Admitted, admitted, held
 from balancer.service.state import Outcome, ServiceState
 
 log = logging.getLogger(__name__)
@@ -85,35 +100,29 @@ def status_of(exc: Exception, request_id: str) -> CallError:
     return CallError(code, error.message, float(retry) if retry is not None else None)
 
 
-@dataclass(frozen=True, slots=True)
-class Malformed:
-    """A request message that did not parse; the handler answers INVALID_ARGUMENT with ``detail``."""
-
-    detail: str
-
-
-@dataclass(frozen=True, slots=True)
-class Received:
-    """A request message with the bytes it was parsed from (a method that asked for them)."""
-
-    message: Message
-    raw: bytes
+def parse_message(message_type: type[Message], raw: bytes) -> Message:
+    """``raw`` as a ``message_type``; a message that does not parse → INVALID_ARGUMENT."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError as exc:
+        raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}") from None
 
 
-def lenient(
-    message_type: type[Message], *, keep_raw: bool = False
-) -> Callable[[bytes], Message | Received | Malformed]:
-    """A request deserializer that returns :class:`Malformed` instead of raising; with ``keep_raw``,
-    a :class:`Received` (the handler gives the method the message, and the bytes as ``call.raw``)."""
-
-    def parse(raw: bytes) -> Message | Received | Malformed:
-        try:
-            message = message_type.FromString(raw)
-        except DecodeError as exc:
-            return Malformed(f"malformed request: {exc}")
-        return Received(message, raw) if keep_raw else message
-
-    return parse
+async def receive(context: Any, admission: Admitted, timeout_s: float) -> bytes:
+    """The call's one request message as received, read within ``timeout_s`` while ``admission``
+    holds ``limits.max_body_bytes`` for it; then the rest of that reservation is given back. No
+    message → INVALID_ARGUMENT. Nothing after the first message is read: a client that sends more
+    is answered from the first, and the rest never leave it beyond the flow-control window (reading
+    on to check for a second message cost about 100 µs of CPU a call, in grpc's poller)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await context.read()
+            if raw is grpc.aio.EOF:
+                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "no request message: this method takes one")
+    except TimeoutError:
+        raise ApiError(408, f"request message not received within {timeout_s}s") from None
+    admission.give_back(admission.body_bytes - len(raw))
+    return bytes(raw)
 
 
 def authorize(auth: AuthConfig, access: Access, token: str | None) -> None:
@@ -150,6 +159,10 @@ class Call:
     outcome: Outcome = field(default_factory=Outcome)
     raw: bytes = b""
     """The request message's bytes as received, for a method made with ``keep_raw``; else empty."""
+    arrived: float = 0.0
+    """Monotonic time the call started (before its wait for admission)."""
+    admission: Admitted | None = None
+    """What the call holds (its slot, for a method made with ``slot``, and its message's bytes)."""
 
     @classmethod
     def of(cls, state: ServiceState, context: Any) -> Call:
@@ -158,7 +171,9 @@ class Call:
             if isinstance(value, str):
                 metadata.setdefault(key, value)
         given = _valid_request_id(metadata.get("x-request-id", ""))
-        return cls(state, context, metadata, given or uuid.uuid4().hex, given is not None)
+        return cls(
+            state, context, metadata, given or uuid.uuid4().hex, given is not None, arrived=state.monotonic()
+        )
 
     @property
     def token(self) -> str | None:
@@ -207,21 +222,32 @@ def method_handler(
     *,
     streaming: bool = False,
     keep_raw: bool = False,
+    slot: bool = False,
 ) -> Any:
-    """A ``grpc.RpcMethodHandler`` running ``method`` with auth, errors and metrics (see the module
-    docstring). A streaming ``method`` writes with ``call.context.write`` and returns ``None``.
-    ``keep_raw``: the method finds the request's bytes as received in ``call.raw``."""
+    """A ``grpc.RpcMethodHandler`` running ``method`` with auth, the message's bytes, errors and
+    metrics (see the module docstring). A streaming ``method`` writes with ``call.context.write`` and
+    returns ``None``. ``keep_raw``: the method finds the request's bytes as received in ``call.raw``.
+    ``slot``: the call takes an admission slot (of its ``tenant_header`` tenant) with its bytes, held
+    in ``call.admission`` until the method returns."""
+    settings = state.settings
+    max_body_bytes = settings.limits.max_body_bytes
+    tenant_header = settings.tenant_header.lower()
 
-    async def handle(request: Any, context: Any) -> Any:
+    async def handle(requests: Any, context: Any) -> Any:
         call = Call.of(state, context)
-        if isinstance(request, Received):
-            request, call.raw = request.message, request.raw
         status = "OK"
         try:
-            authorize(state.settings.auth, access, call.token)
-            if isinstance(request, Malformed):
-                raise CallError(grpc.StatusCode.INVALID_ARGUMENT, request.detail)
-            return await method(request, call)
+            authorize(settings.auth, access, call.token)
+            tenant = call.metadata.get(tenant_header)
+            hold = admitted(state, max_body_bytes, tenant) if slot else held(state, max_body_bytes)
+            async with hold as admission:
+                raw = await receive(context, admission, settings.timeouts.body_read_s)
+                request = parse_message(request_type, raw)
+                call.admission = admission
+                if keep_raw:
+                    call.raw = raw
+                del raw
+                return await method(request, call)
         except asyncio.CancelledError:
             status = "CANCELLED"
             raise
@@ -237,12 +263,8 @@ def method_handler(
             trailers.append(("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
         await context.abort(error.code, wire_text(error.message), trailing_metadata=tuple(trailers))
 
-    deserializer = lenient(request_type, keep_raw=keep_raw)
     serializer = response_type.SerializeToString
+    # stream-request handlers: the message is read by receive(), after the reservation
     if streaming:
-        return grpc.unary_stream_rpc_method_handler(
-            handle, request_deserializer=deserializer, response_serializer=serializer
-        )
-    return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=deserializer, response_serializer=serializer
-    )
+        return grpc.stream_stream_rpc_method_handler(handle, response_serializer=serializer)
+    return grpc.stream_unary_rpc_method_handler(handle, response_serializer=serializer)

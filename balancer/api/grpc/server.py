@@ -10,10 +10,14 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
 * ``Route`` is the decision only. With ``reserve`` it is committed like a forwarded request and held
   in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
 * Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
-  message with RESOURCE_EXHAUSTED before any handler runs); admission, prompt and timeout limits are
-  the HTTP API's. ``Generate`` holds bytes of ``limits.max_inflight_body_bytes`` for the message as
-  received (on admission: grpc has received it whole by then), then for the JSON body it forwards
-  and the token ids; its parsed message is not counted. ``Route`` takes no admission slot, as before.
+  message with RESOURCE_EXHAUSTED); admission, prompt and timeout limits are the HTTP API's. Every
+  method is served as a stream-request method that reads its one message itself
+  (:func:`balancer.api.grpc.calls.receive`), with the BDP probe off so that HTTP/2 flow control
+  keeps an unread message at the client (about its 64 KiB window reaches kvlb). Before the read a call
+  reserves ``limits.max_body_bytes`` of ``limits.max_inflight_body_bytes``, as an HTTP body its
+  declared length: ``Generate`` with its admission slot, the other methods bytes only (``Route``
+  still takes no slot); once the message is in, the rest is given back. ``Generate`` then holds
+  the message's bytes, the JSON body it forwards and the token ids; the parsed message is not counted.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
 """
@@ -48,7 +52,6 @@ from balancer.routing.router import Lease
 from balancer.service.dispatch import (
     Forward,
     Opened,
-    admitted,
     commit,
     dispatch,
     failure_message,
@@ -184,6 +187,7 @@ class BalancerService:
                 response,
                 streaming=streaming,
                 keep_raw=streaming,  # Generate: its token ids are read from the bytes as received
+                slot=streaming,  # Generate takes an admission slot; Route and Release bytes only
             )
 
         return grpc.method_handlers_generic_handler(
@@ -196,17 +200,15 @@ class BalancerService:
         )
 
     async def generate(self, request: pb.GenerateRequest, call: Call) -> None:
-        state = self.state
-        arrived = state.monotonic()
+        state, admission = self.state, call.admission
+        assert admission is not None  # made with slot=True: a slot and the message's bytes
         call.adopt_request_id(request.request_id)
-        tenant = call.metadata.get(self.state.settings.tenant_header.lower())
-        async with admitted(state, len(call.raw), tenant) as admission:  # the message as received
-            job = await prepare(state, request, call, arrived, stream=True, raw=call.raw)
-            admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
-            headers = forwardable_headers(call.metadata, call.request_id)
-            headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
-            await admission.wait_for_replica(job.pool)
-            await dispatch(state, job, headers, call.outcome, functools.partial(self._relay, call, job))
+        job = await prepare(state, request, call, call.arrived, stream=True, raw=call.raw)
+        admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
+        headers = forwardable_headers(call.metadata, call.request_id)
+        headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
+        await admission.wait_for_replica(job.pool)
+        await dispatch(state, job, headers, call.outcome, functools.partial(self._relay, call, job))
 
     async def _relay(self, call: Call, job: Forward, lease: Lease, opened: Opened) -> None:
         state, stream = self.state, opened.stream
@@ -358,6 +360,9 @@ class GrpcServer:
         """Bind ``host:port`` (0 picks a free port) and serve; returns the bound port."""
         options = [
             ("grpc.max_receive_message_length", self.state.settings.limits.max_body_bytes),
+            # no window growth beyond 64 KiB per stream: a call's message is received only as it is
+            # read, after its bytes are reserved (a read asks for the message's size at once)
+            ("grpc.http2.bdp_probe", 0),
             # a port in use is an error, not silently shared (workers share theirs on purpose)
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
