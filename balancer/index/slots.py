@@ -10,7 +10,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
-from itertools import islice, repeat
+from itertools import repeat
 from operator import itemgetter
 
 from balancer.index.settle import first_uses
@@ -210,9 +210,6 @@ SETTLE_IN_TURN = 4
 """Logs of at most this many chains are applied chain by chain, oldest first (each key written once
 per chain, as the adds would have): cheaper than finding each key's newest listing first when few
 chains share keys (an expiry due every few requests applies a log of a few chains each time)."""
-REMOVED_MAX = 2048
-"""Keys :meth:`SpecSlot.expire` removed that a slot remembers to check its :attr:`SpecSlot.held`
-chains against; past it the slot forgets its held chains (slower, not different) and the keys."""
 HELD_MAX = 512
 """Chains whose held prefix a speculative slot remembers (:attr:`SpecSlot.held`), the oldest forgotten
 first (the next add of a forgotten chain writes all its expiries: slower, not different). Each is a
@@ -229,14 +226,9 @@ class SpecSlot:
     (:func:`~balancer.index.settle.first_uses`). The pending prefix is known from :attr:`held`, which
     every access through :attr:`expiry` forgets (it may remove keys): only ``add_speculative`` and
     the prefix match (which saw how far the slot's bit runs along a chain) use :attr:`pending` and
-    :attr:`held` directly. An expiry (:meth:`expire`) removes keys without forgetting :attr:`held`:
-    it lists them (:attr:`removed`), and a chain noted before some is checked against them when it
-    is next read (:meth:`held_depth`)."""
+    :attr:`held` directly."""
 
-    __slots__ = (
-        "alive", "bit", "deferred", "deferred_keys", "held", "pending", "removed", "replica", "slot",
-        "stored",
-    )  # fmt: skip
+    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "held", "pending", "replica", "slot", "stored")
     dp_rank = 0
 
     def __init__(self, replica: ReplicaId, slot: int) -> None:
@@ -257,13 +249,10 @@ class SpecSlot:
         in flight, so a ``Cleared``/``Removed`` of the replica's older copy (a replay of its
         history, an eviction its prefill undoes) must not take it. Its keys are a subset of
         :attr:`pending`'s: a key leaves it when it leaves :attr:`pending`."""
-        self.held: dict[int, tuple[tuple[int, ...], int, int]] = {}
-        """Chains by ``id`` (the dict keeps them alive) → (the chain, ``depth``, the length of
-        :attr:`removed` when noted): its first ``depth`` keys were in :attr:`pending` when noted,
-        and still are unless :meth:`expire` removed one since (at most :data:`HELD_MAX`)."""
-        self.removed: list[int] = []
-        """Keys :meth:`expire` removed since :attr:`held` was last forgotten (at most
-        :data:`REMOVED_MAX`; some may be back in :attr:`pending`)."""
+        self.held: dict[int, tuple[tuple[int, ...], int]] = {}
+        """Chains by ``id`` (the dict keeps them alive) → (the chain, ``depth``): its first ``depth``
+        keys are in :attr:`pending`, no key having been removed from it since they were noted (at
+        most :data:`HELD_MAX`)."""
         self.alive = True
 
     @property
@@ -274,7 +263,6 @@ class SpecSlot:
             self.settle()
         if self.held:
             self.held = {}
-            self.removed = []
         return self.pending
 
     @expiry.setter
@@ -283,7 +271,6 @@ class SpecSlot:
         self.deferred = {}
         self.deferred_keys = 0
         self.held = {}
-        self.removed = []
         self.stored = {}
 
     def confirm(self, keys: list[int], now: float) -> None:
@@ -303,38 +290,7 @@ class SpecSlot:
         held = self.held
         if len(held) >= HELD_MAX and id(keys) not in held:
             del held[next(iter(held))]
-        held[id(keys)] = (keys, depth, len(self.removed))
-
-    def held_depth(self, keys: tuple[int, ...]) -> int:
-        """How many leading keys of ``keys`` are known to be in :attr:`pending` (0 when not noted).
-        A chain noted before an expiry removed keys is checked against them: its depth if none of
-        its first ``depth`` keys is among them or each such key is back, else 0."""
-        noted = self.held.get(id(keys))
-        if noted is None:
-            return 0
-        _, depth, mark = noted
-        if mark < len(self.removed):
-            lost = set(self.removed[mark:]).intersection(islice(keys, depth))
-            if lost and not self.pending.keys() >= lost:
-                return 0
-        return depth
-
-    def expire(self, keys: list[int]) -> int:
-        """Remove the expired ``keys`` from :attr:`pending` (and :attr:`stored`); returns how many were
-        in it (a key listed twice counts once). The log is applied first; :attr:`held` is kept, its
-        chains checked against :attr:`removed` when next read (:meth:`held_depth`), unless that
-        would pass :data:`REMOVED_MAX` keys (then both are forgotten)."""
-        if self.deferred:
-            self.settle()
-        pop = self.pending.pop
-        expired = len(keys) - sum(pop(key, None) is None for key in keys)
-        self.forget(keys)
-        if len(self.removed) + len(keys) > REMOVED_MAX:
-            self.held = {}
-            self.removed = []
-        elif self.held:
-            self.removed.extend(keys)
-        return expired
+        held[id(keys)] = (keys, depth)
 
     def defer(self, keys: tuple[int, ...], expiry_s: float, max_keys: int) -> None:
         """Log an add of ``keys`` (all in :attr:`pending`) with ``expiry_s``; applied at once past

@@ -608,7 +608,8 @@ class PrefixTable(GapRecovery):
         # The first ``held`` keys are pending (the same request's first add, or the match saw the
         # slot's bit on them): their presence cannot change, only their expiries, which the slot
         # logs and writes once per key later. The rest get theirs at once.
-        held = spec.held_depth(taken)
+        noted = spec.held.get(id(taken))
+        held = 0 if noted is None else noted[1]
         new = 0
         if held < len(taken):
             pending = spec.pending
@@ -689,7 +690,9 @@ class PrefixTable(GapRecovery):
             if not expiries.count(expiry_s):
                 continue
             due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))
-            expired = spec.expire(due)
+            pop = spec.expiry.pop
+            expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
+            spec.forget(due)
             self._spec_count -= expired
             self.counters.speculative_expired += expired
             self._unset(due, spec.bit)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from balancer.events import Removed, Resync, Stored
 from balancer.index.hashing import BlockHasher, pack_tokens
-from balancer.index.slots import REMOVED_MAX, SpecSlot, TableLimits
+from balancer.index.slots import SpecSlot, TableLimits
 from balancer.index.table import PrefixTable
 from balancer.types import EngineHash, ReplicaId
 
@@ -169,7 +169,7 @@ def test_a_first_token_add_is_logged_and_applied_with_its_newest_expiry() -> Non
     first, shared = tuple(_CHAINS[2]), tuple(_CHAINS[3])
     t.add_speculative(A, first, 30.0, 0.0)
     spec = t._slots.specs[A]
-    assert spec.held[id(first)] == (first, len(first), 0) and not spec.deferred
+    assert spec.held[id(first)] == (first, len(first)) and not spec.deferred
     t.add_speculative(A, first, 2.0, 0.5)
     assert list(spec.deferred.values()) == [(first, 2.5)]
     t.add_speculative(A, shared, 30.0, 0.6)  # not listed: written, and logged as the newest
@@ -205,7 +205,7 @@ def test_a_lease_writes_only_the_keys_past_the_prefix_its_match_saw_held() -> No
     t.add_speculative(A, first, 30.0, 0.0)
     spec = t._slots.specs[A]
     overlap, _ = t.match_confirmed(shared, None, 0.5)
-    assert overlap.blocks[A] == 3 and spec.held[id(shared)] == (shared, 3, 0)
+    assert overlap.blocks[A] == 3 and spec.held[id(shared)] == (shared, 3)
     t.add_speculative(A, shared, 30.0, 1.0)
     assert [spec.pending[k] for k in shared] == [30.0] * 3 + [31.0] * (len(shared) - 3)
     assert list(spec.deferred.values()) == [(shared, 31.0)]
@@ -237,44 +237,3 @@ def test_each_key_gets_its_newest_listing_whichever_way_the_log_is_applied(
     merged.settle(in_turn=0)
     in_turn.settle(in_turn=len(log))
     assert list(merged.pending.items()) == list(in_turn.pending.items())
-
-
-def test_an_expiry_keeps_the_held_chains_and_checks_them_when_read() -> None:
-    """An expiry removes keys without forgetting the noted chains: a chain none of whose held keys
-    left keeps its depth (its next add only logs), one that lost a held key reads as 0 (written
-    whole); a chain noted after the expiry is not checked."""
-    t = PrefixTable(HASHER, TableLimits())
-    # first and shared: 3 leading keys in common; other: none
-    first, other, shared = tuple(_CHAINS[2]), tuple(_CHAINS[1]), tuple(_CHAINS[3])
-    t.add_speculative(A, first, 30.0, 0.0)
-    t.add_speculative(A, other, 2.0, 0.0)
-    spec = t._slots.specs[A]
-    assert spec.held_depth(first) == len(first) and spec.held_depth(other) == len(other)
-    t.match_confirmed(shared, None, 1.0)  # notes shared's 3 held keys
-    assert spec.held_depth(shared) == 3
-    t.match_confirmed((), None, 2.5)  # other's keys expire (first's and shared's stay)
-    assert spec.removed == list(other) and not set(other) & spec.pending.keys()
-    assert spec.held_depth(first) == len(first) and spec.held_depth(shared) == 3
-    assert spec.held[id(other)][2] == 0 and spec.held_depth(other) == 0  # noted before, its keys gone
-    t.add_speculative(A, first, 2.0, 3.0)  # logged only: its keys were held
-    assert list(spec.deferred.values()) == [(first, 5.0)]
-    t.match_confirmed((), None, 5.5)  # first's keys expire: shared's 3 held keys with them
-    assert len(spec.removed) == len(other) + len(first) and not spec.pending
-    assert spec.held_depth(shared) == 0 and spec.held_depth(first) == 0
-    t.add_speculative(A, shared, 2.0, 6.0)  # written whole, each key with the slot's bit again
-    assert [spec.pending[k] for k in shared] == [8.0] * len(shared)
-    assert t.match_confirmed(shared, None, 6.0)[0].blocks[A] == len(shared)
-
-
-def test_a_slot_forgets_its_held_chains_past_its_bound_of_removed_keys() -> None:
-    """Up to ``REMOVED_MAX`` removed keys are kept to check held chains against; past it the slot
-    forgets both (the next add of a forgotten chain writes all its expiries)."""
-    slot = SpecSlot(A, 0)
-    keys = tuple(range(REMOVED_MAX + 10))
-    slot.pending = dict.fromkeys(keys, 1.0)
-    noted = keys[:3]
-    slot.note_held(noted, 3)
-    assert slot.expire(list(keys[3 : 3 + REMOVED_MAX])) == REMOVED_MAX
-    assert len(slot.removed) == REMOVED_MAX and slot.held_depth(noted) == 3
-    assert slot.expire([keys[-1]]) == 1
-    assert not slot.removed and not slot.held and slot.held_depth(noted) == 0
