@@ -135,3 +135,61 @@ def test_body_due_gives_each_byte_its_time_within_the_read_limit() -> None:
     assert body_due(100.0, 50_000, 0.0, timeouts) == 110.0  # never past body_read_s
     off = TimeoutConfig(body_read_s=10.0, body_min_rate_bytes_per_s=0)
     assert body_due(100.0, 0, 0.0, off) == 110.0
+
+
+async def test_a_wait_for_budget_bytes_is_not_counted_against_the_bodys_pace(tokenizer: Tokenizer) -> None:
+    """A body without a declared length that waits for budget bytes mid-read (its chunks held as they
+    come) longer than its pace allowed is not cut for it: the wait is kvlb's, not the client's
+    (``held_s`` in :func:`body_due`). Two declared bodies trickled above the pace hold the budget
+    until their clients go away, 1.5 s into the chunked body's read; its client sends 15 kB, then the
+    rest once they are gone. Without the wait counted as kvlb's, those 15 kB were due by 1.05 s (20
+    kB/s after 0.3 s) and the body would get 408 as its wait ends."""
+    pace = {"timeouts__body_min_rate_bytes_per_s": 20_000, "timeouts__body_rate_grace_s": 0.3}
+    limits = {**LIMITS, "limits__queue_timeout_s": 4.0}
+    async with running(tokenizer, 1, **limits, **pace) as h:
+        declared = 120_000  # two of them: 240,000 of the 250,000 bytes
+        senders = [await stalled_sender(h.url, declared) for _ in range(2)]
+
+        async def trickle(writer: asyncio.StreamWriter, first: int) -> None:
+            data = body(first, declared)[10:]  # stalled_sender sent the first 10 bytes
+            for start in range(0, len(data), 4_000):  # 40 kB/s: above the pace, never cut
+                writer.write(data[start : start + 4_000])
+                await writer.drain()
+                await asyncio.sleep(0.1)
+
+        trickles = [asyncio.create_task(trickle(w, 60 + i)) for i, (_, w) in enumerate(senders)]
+        try:
+
+            async def held() -> bool:
+                return await metric(h, "kvlb_admission_body_bytes") >= 2 * declared
+
+            await wait_for("both declared bodies held", held)
+            data = body(70, 60_000)
+            gone = asyncio.Event()
+
+            async def chunked() -> AsyncIterator[bytes]:
+                for start in range(0, len(data), 5_000):
+                    if start == 15_000:  # the third chunk waits for budget bytes: send on after
+                        await gone.wait()
+                        await asyncio.sleep(0.2)
+                    yield data[start : start + 5_000]
+                    await asyncio.sleep(0.05)
+
+            async def go_away() -> None:  # the declared bodies' clients leave: their bytes free
+                await asyncio.sleep(1.5)
+                for task in trickles:
+                    task.cancel()
+                for _, writer in senders:
+                    writer.close()
+                gone.set()
+
+            leaving = asyncio.create_task(go_away())
+            async with h.session.post(h.url + "/v1/completions", data=chunked()) as response:
+                assert response.status == 200, await response.text()
+            await leaving
+        finally:
+            for task in trickles:
+                task.cancel()
+            for _, writer in senders:
+                writer.close()
+        assert await metric(h, "kvlb_http_body_timeouts_total", limit="body_min_rate_bytes_per_s") == 0
