@@ -183,6 +183,22 @@ async def test_a_burst_of_large_messages_never_holds_more_than_the_budget(tokeni
         assert shed == 12 - codes.count(grpc.StatusCode.OK)
 
 
+async def test_a_call_whose_message_is_in_holds_its_bytes_not_the_reservation(tokenizer: Tokenizer) -> None:
+    """A small ``Generate`` reserves ``limits.max_body_bytes`` before its read; once the message is
+    in, the rest comes back: while it streams it holds its message, the JSON it forwards and its ids
+    (a few hundred bytes), not the reservation."""
+    async with grpc_running(tokenizer, 1, time_scale=0.05, **LIMITS) as g:
+        message = token_request([80, 2, 3, 4], max_tokens=60).SerializeToString()
+        call = g.channel.unary_stream(GENERATE, response_deserializer=pb.GenerateChunk.FromString)(message)
+        try:
+            assert (await call.read()).index == 0  # in flight, streaming
+            held = await held_bytes(g)
+            assert len(message) <= held <= len(message) + SLACK_BYTES, held
+        finally:
+            call.cancel()
+        await wait_for("every byte given back", lambda: is_zero(g), timeout_s=5.0)
+
+
 async def test_a_message_stays_at_the_client_while_the_budget_is_full(tokenizer: Tokenizer) -> None:
     """With the budget full, a ``Generate`` and a ``Route`` of 4 MiB wait for their reservation: their
     writes do not complete (grpc has not received the messages) and the bytes held stay within the
