@@ -426,6 +426,24 @@ def test_a_dead_workers_tenant_counts_are_zeroed_and_a_new_worker_starts_empty(t
         share.close()
 
 
+def test_a_restarted_workers_tenant_counts_are_never_taken_for_a_read_of_the_dead_ones(
+    table: LoadTable,
+) -> None:
+    """A reader keeps a peer's tenant slots as last read while that row's ``tenant_seq`` stays the
+    same, so the seqlock word must only grow, through the supervisor's zeroing and the restarted
+    worker's own: were it reset, the restarted worker's first change would bring it back to the
+    value of the dead one's first change and the reader would answer with the dead worker's counts."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    w0.publish_tenant(KA, 3)
+    assert w1.peer_tenant_admitted(KA) == 3  # the reader keeps this read
+    table.zero_row(0)  # worker 0 exited
+    restarted = attach(table, 0)
+    restarted.publish_tenant(KA, 5)  # its first change, as the dead worker's was
+    assert w1.peer_tenant_admitted(KA) == 5
+    for share in (restarted, w1, w0):
+        share.close()
+
+
 def test_a_tenant_row_caught_mid_update_is_given_up_on_and_its_last_whole_read_used(table: LoadTable) -> None:
     """A writer that stopped between its two seqlock stores (odd ``tenant_seq``): the reader tries
     :data:`READ_ATTEMPTS` times, counts a torn read and answers with that row's last whole read."""
