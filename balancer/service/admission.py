@@ -314,7 +314,10 @@ class Admission:
     async def hold(self, body_bytes: int, deadline: float) -> None:
         """Hold ``body_bytes`` more for a request already admitted (a body read without a declared
         length): at once if they fit, else waiting at the front of the queue, before the newcomers,
-        until ``deadline``. Refused like :meth:`enter`; what it held stays held until :meth:`leave`."""
+        until ``deadline``. A hold that fits goes at once even past a larger one waiting: a request
+        reading its body holds bytes the waiters may be waiting for, and making it wait behind them
+        could deadlock both until their deadline. Refused like :meth:`enter`; what it held stays
+        held until :meth:`leave`."""
         if self.body_bytes + body_bytes <= self.limits.max_inflight_body_bytes:
             self.body_bytes += body_bytes
             return

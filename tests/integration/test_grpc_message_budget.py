@@ -226,6 +226,22 @@ async def test_a_message_stays_at_the_client_while_the_budget_is_full(tokenizer:
         await wait_for("every byte given back", lambda: is_zero(g), timeout_s=5.0)
 
 
+async def test_an_admin_call_is_answered_while_the_budget_is_full(tokenizer: Tokenizer) -> None:
+    """Admin methods read their message outside the budget, as ``/admin`` over HTTP does: an SRE's
+    call is not queued behind the traffic it manages."""
+    async with (
+        grpc_running(
+            tokenizer, 1, time_scale=0.05, limits__max_queued=8, limits__queue_timeout_s=20.0, **LIMITS
+        ) as g,
+        budget_full(g),
+    ):
+        replicas = await asyncio.wait_for(g.admin.ListReplicas(pb.ListReplicasRequest()), timeout=2.0)
+        assert [r.id for r in replicas.replicas] == ["r0"]
+        policy = await asyncio.wait_for(g.admin.GetPolicy(pb.GetPolicyRequest()), timeout=2.0)
+        assert policy.version >= 1
+        assert queued(g) == 0
+
+
 async def test_an_unauthenticated_call_is_refused_before_its_message_is_received(
     tokenizer: Tokenizer,
 ) -> None:

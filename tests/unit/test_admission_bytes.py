@@ -193,3 +193,19 @@ async def test_giving_back_part_of_a_reservation_admits_the_waiters_it_makes_roo
     for size in (100, 500, 200):
         gate.leave(size)
     assert (gate.inflight, gate.body_bytes, gate.queued) == (0, 0, 0)
+
+
+async def test_a_hold_that_fits_passes_a_larger_one_waiting_so_neither_deadlocks() -> None:
+    """A request reading its body in chunks holds 600; a reservation of 500 waits for room; the
+    reader's next 100 fits and goes at once, so it can finish and give the room back (made to wait
+    behind the 500, both would wait until their deadline)."""
+    gate = admission(timeout_s=0.5)
+    await gate.enter(gate.deadline(), 0)
+    await gate.hold(600, gate.deadline())
+    waiting = asyncio.create_task(gate.hold(500, gate.deadline()))  # 1,100 > 1,000: it waits
+    await settle()
+    await asyncio.wait_for(gate.hold(100, gate.deadline()), timeout=0.1)  # 700 fits: no wait
+    assert not waiting.done()
+    gate.leave(700)  # the reader is done
+    await asyncio.wait_for(waiting, timeout=0.1)
+    assert gate.body_bytes == 500

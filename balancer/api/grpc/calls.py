@@ -15,12 +15,14 @@ the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
    more). Before the read the call reserves ``limits.max_body_bytes`` of
    ``limits.max_inflight_body_bytes`` (the most a message may be: grpc refuses a larger one), as an
    HTTP body reserves its declared length: with an admission slot (``slot``: ``Generate``, through
-   :func:`~balancer.service.dispatch.admitted`) or bytes only (every other method,
+   :func:`~balancer.service.dispatch.admitted`) or bytes only (``Route``, ``Release``,
    :func:`~balancer.service.dispatch.held`), waiting in the admission queue, refused with
-   RESOURCE_EXHAUSTED or UNAVAILABLE and ``retry-after``. Right after the read the difference to the
-   message's size is given back; the message's bytes are held until the call ends. No message →
-   INVALID_ARGUMENT (more than one: answered from the first, the rest never read); not received
-   within ``timeouts.body_read_s`` → DEADLINE_EXCEEDED;
+   RESOURCE_EXHAUSTED or UNAVAILABLE and ``retry-after``; an ``admin`` method reads its message
+   outside the budget, as ``/admin`` over HTTP does (an operator's call never queues behind the
+   traffic it manages; its message comes only after the admin token). Right after the read the
+   difference to the message's size is given back; the message's bytes are held until the call
+   ends. No message → INVALID_ARGUMENT (more than one: answered from the first, the rest never
+   read); not received within ``timeouts.body_read_s`` → DEADLINE_EXCEEDED;
    a message that does not parse → INVALID_ARGUMENT (and, for a method made with ``keep_raw``, the
    bytes as received are ``call.raw``);
 4. errors become status codes: :class:`CallError` as it is, kvlb's own errors through the same HTTP
@@ -33,6 +35,7 @@ the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import uuid
@@ -108,9 +111,10 @@ def parse_message(message_type: type[Message], raw: bytes) -> Message:
         raise CallError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed request: {exc}") from None
 
 
-async def receive(context: Any, admission: Admitted, timeout_s: float) -> bytes:
+async def receive(context: Any, admission: Admitted | None, timeout_s: float) -> bytes:
     """The call's one request message as received, read within ``timeout_s`` while ``admission``
-    holds ``limits.max_body_bytes`` for it; then the rest of that reservation is given back. No
+    holds ``limits.max_body_bytes`` for it (``None``: an admin call, outside the budget); then the
+    rest of that reservation is given back. No
     message → INVALID_ARGUMENT. Nothing after the first message is read: a client that sends more
     is answered from the first, and the rest never leave it beyond the flow-control window (reading
     on to check for a second message cost about 100 µs of CPU a call, in grpc's poller)."""
@@ -121,7 +125,8 @@ async def receive(context: Any, admission: Admitted, timeout_s: float) -> bytes:
                 raise CallError(grpc.StatusCode.INVALID_ARGUMENT, "no request message: this method takes one")
     except TimeoutError:
         raise ApiError(408, f"request message not received within {timeout_s}s") from None
-    admission.give_back(admission.body_bytes - len(raw))
+    if admission is not None:
+        admission.give_back(admission.body_bytes - len(raw))
     return bytes(raw)
 
 
@@ -239,7 +244,11 @@ def method_handler(
         try:
             authorize(settings.auth, access, call.token)
             tenant = call.metadata.get(tenant_header)
-            hold = admitted(state, max_body_bytes, tenant) if slot else held(state, max_body_bytes)
+            hold: contextlib.AbstractAsyncContextManager[Admitted | None]
+            if access == "admin":  # as /admin over HTTP: never queued behind the traffic it manages
+                hold = contextlib.nullcontext()
+            else:
+                hold = admitted(state, max_body_bytes, tenant) if slot else held(state, max_body_bytes)
             async with hold as admission:
                 raw = await receive(context, admission, settings.timeouts.body_read_s)
                 request = parse_message(request_type, raw)
