@@ -9,7 +9,6 @@ import asyncio
 import json
 import time
 from collections.abc import AsyncIterator
-from urllib.parse import urlsplit
 
 import pytest
 from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
@@ -17,6 +16,7 @@ from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek,
 from balancer.api.openai import body_due
 from balancer.config import TimeoutConfig
 from balancer.tokenizer.tokenizer import Tokenizer
+from loadtests.faults.stalled_bodies import stalled_sender
 
 BODY_BYTES = 100_000
 LIMITS = {
@@ -36,19 +36,6 @@ def body(first: int, size: int = BODY_BYTES) -> bytes:
     head = json.dumps({"model": MODEL, "prompt": [first, 2, 3, 4], "max_tokens": 2}).encode()
     pad = size - len(head) - len(b', "pad": ""')
     return head[:-1] + b', "pad": "' + b"x" * pad + b'"}'
-
-
-async def stalled_sender(url: str, declared: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A raw connection that declares ``declared`` bytes of body and sends 10 of them."""
-    parts = urlsplit(url)
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {declared}\r\n\r\n"
-    )
-    writer.write(head.encode() + b'{"model": ')
-    await writer.drain()
-    return reader, writer
 
 
 async def status_of(reader: asyncio.StreamReader) -> int:
