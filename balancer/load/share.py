@@ -191,6 +191,57 @@ class _TenantRead:
         return max(0, counts.get(key, 0))
 
 
+class _Slots:
+    """Which slot of one section of this worker's row (replica or tenant slots) each key holds: a
+    key takes a slot while it is busy and frees it when it is idle (the lowest free one is reused);
+    a key that finds every slot taken is not shared and is counted once, until it is idle again."""
+
+    __slots__ = ("capacity", "free", "on_overflow", "overflow_total", "slot_of", "unshared", "used")
+
+    def __init__(self, capacity: int, on_overflow: Callable[[], None] | None) -> None:
+        self.capacity = capacity
+        self.on_overflow = on_overflow
+        self.used = 0
+        """Slots ever taken (the readers read this many)."""
+        self.slot_of: dict[int, int] = {}
+        self.free: list[int] = []
+        self.unshared: set[int] = set()
+        self.overflow_total = 0
+        """Times a key found no free slot (its figures from here were then not shared)."""
+
+    def find(self, key: int, busy: bool) -> tuple[int, bool] | None:
+        """``key``'s slot and whether it was taken just now; ``None`` when there is nothing to write
+        (an idle key without a slot, or no free slot)."""
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            return slot, False
+        if not busy:
+            self.unshared.discard(key)
+            return None
+        if self.free:
+            slot = heapq.heappop(self.free)
+        elif self.used < self.capacity:
+            slot = self.used
+            self.used += 1
+        else:
+            if key not in self.unshared:
+                if len(self.unshared) >= MAX_KEY_MEMO:
+                    self.unshared.clear()
+                self.unshared.add(key)
+                self.overflow_total += 1
+                if self.on_overflow is not None:
+                    self.on_overflow()
+            return None
+        self.slot_of[key] = slot
+        self.unshared.discard(key)
+        return slot, True
+
+    def release(self, key: int, slot: int) -> None:
+        """``key`` is idle: its slot is free again."""
+        del self.slot_of[key]
+        heapq.heappush(self.free, slot)
+
+
 class LoadTable:
     """The supervisor's side: creates the shared table, zeroes dead workers' rows, removes it."""
 
@@ -256,8 +307,6 @@ class LoadShare:
         self.workers = workers
         self.slots = slots
         self.tenant_slots = tenant_slots
-        self._on_overflow = on_overflow
-        self._on_tenant_overflow = on_tenant_overflow
         self._on_torn = on_torn
         self._row_bytes = size
         self._offset = index * size
@@ -272,23 +321,13 @@ class LoadShare:
         weakref.finalize(self, self._words.release)
         self._seq: int = self._words[self._at]
         self._tenant_seq: int = self._words[self._at + TENANT_SEQ_WORD]
-        self._tenant_used = 0
-        self._tenant_slot_of: dict[int, int] = {}
-        self._tenant_free: list[int] = []
-        self._tenant_unshared: set[int] = set()
+        self._tenant_slots = _Slots(tenant_slots, on_tenant_overflow)
         self._tenant_rows: dict[int, _TenantRead] = {}
-        self._used = 0
-        self._slot_of: dict[int, int] = {}
-        self._free: list[int] = []
-        self._unshared: set[int] = set()
+        self._slots = _Slots(slots, on_overflow)
         self._rows: dict[int, tuple[int, dict[int, LoadCounts]]] = {}
         self._sum: dict[int, LoadCounts] = {}
         self._sum_seqs: tuple[int, ...] = ()
         self._formats: dict[int, struct.Struct] = {}
-        self.overflow_total = 0
-        """Times a replica found no free slot (its load from here was then not shared)."""
-        self.tenant_overflow_total = 0
-        """Times a tenant found no free tenant slot (its requests here were then not shared)."""
         self.torn_reads_total = 0
         """Peer rows given up on for one snapshot after :data:`READ_ATTEMPTS` reads."""
 
@@ -336,47 +375,38 @@ class LoadShare:
 
         return read
 
+    @property
+    def overflow_total(self) -> int:
+        """Times a replica found no free slot (its load from here was then not shared)."""
+        return self._slots.overflow_total
+
+    @property
+    def tenant_overflow_total(self) -> int:
+        """Times a tenant found no free tenant slot (its requests here were then not shared)."""
+        return self._tenant_slots.overflow_total
+
     def publish(self, key: int, counts: LoadCounts) -> None:
         """Write this worker's load on the replica ``key`` (all zero: free its slot)."""
         shm = self._shm
         if shm is None:
             return
         idle = counts.prefill_reqs <= 0 and counts.decode_seqs <= 0
-        slot = self._slot_of.get(key)
-        fresh = slot is None
-        if slot is None:
-            if idle:
-                self._unshared.discard(key)
-                return
-            if self._free:
-                slot = heapq.heappop(self._free)
-            elif self._used < self.slots:
-                slot = self._used
-                self._used += 1
-            else:
-                if key not in self._unshared:
-                    if len(self._unshared) >= MAX_KEY_MEMO:
-                        self._unshared.clear()
-                    self._unshared.add(key)
-                    self.overflow_total += 1
-                    if self._on_overflow is not None:
-                        self._on_overflow()
-                return
-            self._slot_of[key] = slot
-            self._unshared.discard(key)
+        found = self._slots.find(key, not idle)
+        if found is None:
+            return
+        slot, fresh = found
         buf, words, row = _buffer(shm), self._words, self._at
         at = self._offset + HEADER_BYTES + slot * SLOT.size
         self._seq += 1
         words[row] = self._seq
         if idle:
             SLOT.pack_into(buf, at, 0, 0, 0, 0, 0)
-            del self._slot_of[key]
-            heapq.heappush(self._free, slot)
+            self._slots.release(key, slot)
         else:
             c = counts
             SLOT.pack_into(buf, at, key, c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
         if fresh:
-            words[row + USED_WORD] = self._used
+            words[row + USED_WORD] = self._slots.used
         self._seq += 1
         words[row] = self._seq
 
@@ -400,28 +430,10 @@ class LoadShare:
         once until it has nothing in flight here again)."""
         if self._shm is None:
             return
-        slot = self._tenant_slot_of.get(key)
-        fresh = slot is None
-        if slot is None:
-            if admitted <= 0:
-                self._tenant_unshared.discard(key)
-                return
-            if self._tenant_free:
-                slot = heapq.heappop(self._tenant_free)
-            elif self._tenant_used < self.tenant_slots:
-                slot = self._tenant_used
-                self._tenant_used += 1
-            else:
-                if key not in self._tenant_unshared:
-                    if len(self._tenant_unshared) >= MAX_KEY_MEMO:
-                        self._tenant_unshared.clear()
-                    self._tenant_unshared.add(key)
-                    self.tenant_overflow_total += 1
-                    if self._on_tenant_overflow is not None:
-                        self._on_tenant_overflow()
-                return
-            self._tenant_slot_of[key] = slot
-            self._tenant_unshared.discard(key)
+        found = self._tenant_slots.find(key, admitted > 0)
+        if found is None:
+            return
+        slot, fresh = found
         words, row = self._words, self._at
         at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
         self._tenant_seq += 1
@@ -429,13 +441,12 @@ class LoadShare:
         if admitted <= 0:
             words[at] = 0
             words[at + 1] = 0
-            del self._tenant_slot_of[key]
-            heapq.heappush(self._tenant_free, slot)
+            self._tenant_slots.release(key, slot)
         else:
             words[at + 1] = admitted
             if fresh:
                 words[at] = key
-                words[row + TENANT_USED_WORD] = self._tenant_used
+                words[row + TENANT_USED_WORD] = self._tenant_slots.used
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
 

@@ -364,7 +364,7 @@ def test_each_worker_reads_the_others_tenant_counts_summed_never_its_own(table: 
     w1.publish_tenant(KB, 0)
     assert (w2.peer_tenant_admitted(KA), w2.peer_tenant_admitted(KB)) == (0, 0)
     w0.publish_tenant(KC, 0)  # a tenant idle here takes no slot
-    assert w0._tenant_slot_of == {} and w1._tenant_slot_of == {}
+    assert w0._tenant_slots.slot_of == {} and w1._tenant_slots.slot_of == {}
     for share in (w0, w1, w2):
         share.close()
 
