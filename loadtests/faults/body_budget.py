@@ -14,7 +14,7 @@ by an unknown field: :func:`padded_message`). ``--small-calls N`` times ``N`` sm
 calls one after the other instead (one run, no burst): the cost of a call on the gRPC face.
 ``--plumbing N`` times, in one process on 127.0.0.1, ``N`` small calls to each of two bare grpc
 handlers (no kvlb), alternated in blocks: the unary-request handler kvlb had and the stream-request
-one it has (a timeout, two reads, :meth:`~balancer.service.admission.Admission.give_back`), so
+one it has (a timeout, one read, :meth:`~balancer.service.admission.Admission.give_back`), so
 the cost of the handler's shape, which a live run cannot resolve, is seen alone.
 ``--unread N`` measures what a gRPC call that waits for admission costs kvlb before it is let in
 (one run): with ``max_inflight`` 1 held by a call to a stalled replica, ``N`` calls of ``--body-mib``
@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -43,7 +42,7 @@ import grpc
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.service.admission import Admission, AdmissionLimits
-from loadtests.faults.procs import MODEL
+from loadtests.faults.procs import MODEL, free_ports
 from loadtests.faults.rig import fault_rig
 
 MIB = 1024 * 1024
@@ -102,13 +101,6 @@ def generate_message(index: int, size: int, max_tokens: int = 8) -> bytes:
     return padded_message(head, size) if size else head
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 async def generate(channel: grpc.aio.Channel, data: bytes) -> str:
     """One ``Generate`` of ``data`` (the message's bytes), read to its end; its status code's name."""
     call = channel.unary_stream(GENERATE)(data, timeout=TIMEOUT_S)
@@ -129,7 +121,7 @@ def rig_settings(budget_bytes: int, bodies: int, face: str) -> dict[str, Any]:
     }
     top: dict[str, Any] = {"limits": limits}
     if face == "grpc":
-        top["listen"] = {"host": "127.0.0.1", "port": 0, "grpc_port": free_port()}
+        top["listen"] = {"host": "127.0.0.1", "port": 0, "grpc_port": free_ports(1)[0]}
     return top
 
 
@@ -145,11 +137,7 @@ async def one_run(budget_bytes: int, bodies: int, body_bytes: int, face: str = "
             done = asyncio.Event()
 
             async def held() -> float:
-                async with f.session.get(f.url + "/metrics") as response:
-                    for line in (await response.text()).splitlines():
-                        if line.startswith("kvlb_admission_body_bytes "):
-                            return float(line.split()[1])
-                return 0.0
+                return (await f.metrics()).get("kvlb_admission_body_bytes", 0.0)
 
             async def sample() -> None:
                 nonlocal peak_held

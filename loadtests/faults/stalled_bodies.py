@@ -26,11 +26,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-import aiohttp
-
 from balancer.service.series import percentile
 from loadtests.faults.body_budget import MAX_BODY_BYTES, padded_body
-from loadtests.faults.rig import fault_rig
+from loadtests.faults.rig import FaultRig, fault_rig
 
 RUN_TIMEOUT_S = 60.0
 DEFAULT_RATE = 262_144
@@ -66,7 +64,7 @@ async def one_run(pace: str, stalled: int, requests: int) -> dict[str, Any]:
                     cut_s.append(time.monotonic() - clock)
 
             watchers = [asyncio.create_task(watch(reader)) for reader, _ in senders]
-            held_bytes = await wait_held(f.session, f.url, stalled * MAX_BODY_BYTES)
+            held_bytes = await wait_held(f, stalled * MAX_BODY_BYTES)
             latencies_s: list[float] = []
             statuses: dict[str, int] = {}
             try:
@@ -100,16 +98,13 @@ async def one_run(pace: str, stalled: int, requests: int) -> dict[str, Any]:
     }
 
 
-async def wait_held(session: aiohttp.ClientSession, url: str, want: int, timeout_s: float = 10.0) -> int:
+async def wait_held(f: FaultRig, want: int, timeout_s: float = 10.0) -> int:
     """Wait until ``kvlb_admission_body_bytes`` reaches ``want`` (the stalled bodies all admitted),
     at most ``timeout_s``; returns the last figure read."""
     held = 0
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        async with session.get(url + "/metrics") as response:
-            for line in (await response.text()).splitlines():
-                if line.startswith("kvlb_admission_body_bytes "):
-                    held = int(float(line.split()[1]))
+        held = int((await f.metrics()).get("kvlb_admission_body_bytes", 0.0))
         if held >= want:
             break
         await asyncio.sleep(0.02)

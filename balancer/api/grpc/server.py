@@ -15,8 +15,9 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   (:func:`balancer.api.grpc.calls.receive`), with the BDP probe off so that HTTP/2 flow control
   keeps an unread message at the client (about its 64 KiB window reaches kvlb). Before the read a call
   reserves ``limits.max_body_bytes`` of ``limits.max_inflight_body_bytes``, as an HTTP body its
-  declared length: ``Generate`` with its admission slot, the other methods bytes only (``Route``
-  still takes no slot); once the message is in, the rest is given back. ``Generate`` then holds
+  declared length: ``Generate`` with its admission slot, ``Route`` and ``Release`` bytes only
+  (``Route`` still takes no slot), the admin methods not at all (as ``/admin`` over HTTP); once the
+  message is in, the rest is given back. ``Generate`` then holds
   the message's bytes, the JSON body it forwards and the token ids; the parsed message is not counted.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
