@@ -8,7 +8,8 @@ declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 42
 ``timeouts.body_min_rate_bytes_per_s`` after ``timeouts.body_rate_grace_s``, :func:`body_due`; a
 body without a declared length holds its bytes chunk by chunk as it is read), parsing
 (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
-with the pool's tokenizer (long prompts in a thread; the ids' bytes are then held too), a wait in the
+with the pool's tokenizer (long prompts in a thread, the parsed request holding its estimated bytes
+meanwhile: :func:`parsed_hold_bytes`; the ids' bytes are then held instead), a wait in the
 same queue while every replica is full, then :func:`balancer.service.dispatch.dispatch` (route →
 open → retry → release) with :func:`relay` as its delivery. The slot and every byte held are given
 back when the request ends, however it ends.
@@ -108,7 +109,13 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
+        parsed_bytes = parsed_hold_bytes(parsed)
+        if parsed_bytes and not admission.try_hold_parsed(parsed_bytes):
+            del parsed  # not kept while it waits for its bytes: parsed again once they are held
+            await admission.hold_parsed(parsed_bytes)
+            parsed = parse_request(body, kind, state.token_id_memo)
         token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
+        admission.give_back_parsed()
         admission.add(TOKEN_ID_BYTES * len(token_ids))
         request_id = request[REQUEST_ID]
         job = Forward(
@@ -223,6 +230,16 @@ def request_weights(request: web.Request, state: ServiceState) -> PolicyWeights:
     if not state.settings.auth.allow_weight_override:
         raise ApiError(403, f"{WEIGHTS_HEADER} is not allowed here (auth.allow_weight_override is off)")
     return parse_weights_header(header, base)
+
+
+def parsed_hold_bytes(parsed: ParsedRequest) -> int:
+    """What ``parsed`` holds of ``limits.max_inflight_body_bytes`` while it is tokenized: its
+    estimate (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`) when :func:`tokenize` may
+    wait for a thread, so that the parsed forms waiting for the tokenizer's threads are bounded by
+    the budget; 0 when it is tokenized on the event loop (no other request runs while it lives)."""
+    if parsed.ids_checked or parsed.text_chars <= INLINE_TOKENIZE_CHARS:
+        return 0
+    return parsed.parsed_bytes
 
 
 async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:

@@ -84,7 +84,7 @@ class Admitted:
     hold without a slot. A plain class rather than a generator-based context manager: it is entered
     once per request."""
 
-    __slots__ = ("body_bytes", "deadline", "slot", "state", "tenant", "tenant_name")
+    __slots__ = ("body_bytes", "deadline", "parsed_bytes", "slot", "state", "tenant", "tenant_name")
 
     def __init__(
         self, state: ServiceState, body_bytes: int, tenant_name: str | None, slot: bool = True
@@ -100,6 +100,8 @@ class Admitted:
         """The tenant whose slot the request holds (set on entering; ``None`` without a slot)."""
         self.slot = slot
         """Whether it takes an admission slot (else bytes only, before the queued newcomers)."""
+        self.parsed_bytes = 0
+        """The part of :attr:`body_bytes` held for its parsed form (:meth:`try_hold_parsed`)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
@@ -126,9 +128,9 @@ class Admitted:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self.slot:
-            self.state.admission.leave(self.body_bytes, self.tenant)
+            self.state.admission.leave(self.body_bytes, self.tenant, self.parsed_bytes)
         else:
-            self.state.admission.give_back(self.body_bytes)
+            self.state.admission.give_back(self.body_bytes, self.parsed_bytes)
 
     async def hold(self, body_bytes: int) -> None:
         """Hold ``body_bytes`` more (a body read without a declared length, chunk by chunk), waiting
@@ -139,6 +141,35 @@ class Admitted:
             _count_refusal(self.state, exc, "max_inflight")
             raise
         self.body_bytes += body_bytes
+
+    def try_hold_parsed(self, parsed_bytes: int) -> bool:
+        """Hold ``parsed_bytes`` (the estimate of its parsed form, which waits for the tokenizer) if
+        the budget lets it in at once; ``False``: drop the parsed form and :meth:`hold_parsed`."""
+        if not self.state.admission.try_hold_parsed(parsed_bytes):
+            return False
+        self.body_bytes += parsed_bytes
+        self.parsed_bytes += parsed_bytes
+        return True
+
+    async def hold_parsed(self, parsed_bytes: int) -> None:
+        """Hold ``parsed_bytes`` for its parsed form, waiting in the parsed requests' queue (before
+        the front queue and the newcomers) within the request's deadline; refusals as :meth:`hold`'s.
+        The caller keeps no parsed form meanwhile: it parses the body again once this returns."""
+        try:
+            await self.state.admission.hold_parsed(parsed_bytes, self.deadline)
+        except AdmissionRefused as exc:
+            _count_refusal(self.state, exc, "max_inflight")
+            raise
+        self.body_bytes += parsed_bytes
+        self.parsed_bytes += parsed_bytes
+
+    def give_back_parsed(self) -> None:
+        """Give back what it holds for its parsed form (tokenized: the form is dropped)."""
+        held = self.parsed_bytes
+        if held:
+            self.parsed_bytes = 0
+            self.body_bytes -= held
+            self.state.admission.give_back(held, held)
 
     def add(self, body_bytes: int) -> None:
         """Count ``body_bytes`` more held (the token ids), without waiting."""

@@ -18,7 +18,9 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   declared length: ``Generate`` with its admission slot, ``Route`` and ``Release`` bytes only
   (``Route`` still takes no slot), the admin methods not at all (as ``/admin`` over HTTP); once the
   message is in, the rest is given back. ``Generate`` then holds
-  the message's bytes, the JSON body it forwards and the token ids; the parsed message is not counted.
+  the message's bytes, the JSON body it forwards and the token ids, and (``Route`` too) the
+  estimate of the parsed chat or text prompt while it waits for the tokenizer's threads
+  (:func:`~balancer.api.openai.parsed_hold_bytes`); the parsed protobuf message is not counted.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
 """
@@ -46,7 +48,7 @@ from balancer.api.grpc.messages import (
     openai_call,
     read_chunk,
 )
-from balancer.api.openai import SSE_CONTENT_TYPE, find_pool, tokenize
+from balancer.api.openai import SSE_CONTENT_TYPE, find_pool, parsed_hold_bytes, tokenize
 from balancer.errors import ConfigError, UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES
 from balancer.routing.router import Lease
@@ -153,7 +155,16 @@ async def prepare(
     parsed = openai.parsed
     pool = find_pool(state, parsed.model)
     weights = call.weights()
+    admission = call.admission
+    parsed_bytes = parsed_hold_bytes(parsed) if admission is not None else 0
+    if admission is not None and parsed_bytes and not admission.try_hold_parsed(parsed_bytes):
+        del openai, parsed  # not kept while it waits for its bytes: made again once they are held
+        await admission.hold_parsed(parsed_bytes)
+        openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
+        parsed = openai.parsed
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
+    if admission is not None:
+        admission.give_back_parsed()
     return Forward(
         pool,
         token_ids,
