@@ -91,6 +91,7 @@ class Metrics:
     body_timeouts_total: Counter
     shed_total: Counter
     admission_body_bytes: Gauge
+    admission_parsed_bytes: Gauge
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
     retries_total: Counter
@@ -396,6 +397,7 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
 class _AdmissionCollectors(TypedDict):
     shed_total: Counter
     admission_body_bytes: Gauge
+    admission_parsed_bytes: Gauge
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
 
@@ -426,7 +428,13 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
         "admission_body_bytes": gauge(
             "kvlb_admission_body_bytes",
             "Bytes of request bodies and token ids held by the requests in flight in this process "
+            "and, while they wait for the tokenizer, of their parsed chats and text prompts "
             "(limits.max_inflight_body_bytes bounds them; per worker).",
+        ),
+        "admission_parsed_bytes": gauge(
+            "kvlb_admission_parsed_bytes",
+            "The part of kvlb_admission_body_bytes held for parsed chats and text prompts waiting for "
+            "the tokenizer (their estimated Python objects; per worker).",
         ),
     }
 
