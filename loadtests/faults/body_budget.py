@@ -20,8 +20,17 @@ the cost of the handler's shape, which a live run cannot resolve, is seen alone.
 (one run): with ``max_inflight`` 1 held by a call to a stalled replica, ``N`` calls of ``--body-mib``
 MiB wait in the queue; ``VmRSS`` is read before they are sent and once they all wait.
 
-The budget bounds what kvlb holds for the requests it admitted; the parse of each body (2× its
-size for one long string, one at a time on the event loop) and aiohttp's read buffers come on top.
+``--shape`` picks the bodies: ``pad`` (above), or the chats whose parsed form weighs most over
+their bytes, sent to ``/v1/chat/completions`` and tokenized in kvlb's threads: ``tiny_messages``
+(one-letter messages, about 8.7× the body parsed) and ``content_parts`` (one message of two-letter
+text parts, about 9×). Their answers are the emulated replica's (it has no tokenizer here, so what
+it says of a chat does not matter: kvlb has parsed, tokenized and routed it by then). ``--no-off``
+runs the small budget only (``--pairs`` × 2 runs), to set the same runs of two trees side by side.
+
+The budget bounds what kvlb holds for the requests it admitted, their parsed chats and text prompts
+included while they wait for the tokenizer; the parse of each body (2× its size for one long
+string, up to 12× for tiny messages, one at a time on the event loop), the tokenizer's work on the
+prompts in its threads and aiohttp's read buffers come on top.
 """
 
 from __future__ import annotations
@@ -62,6 +71,27 @@ def proc_status_mb(pid: int, field: str) -> float:
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise KeyError(field)
+
+
+SHAPES = ("pad", "tiny_messages", "content_parts")
+"""The bodies ``--shape`` may send: a padded completion, or a chat whose parsed form is large."""
+
+
+def chat_body(index: int, size: int, shape: str) -> bytes:
+    """A chat request of about ``size`` bytes (at most ``size``) of one-letter messages
+    (``tiny_messages``) or of one message of two-letter text parts (``content_parts``)."""
+    head = {"model": MODEL, "max_tokens": 1}
+    first = {"role": "user", "content": f"request {index}"}
+    if shape == "tiny_messages":
+        item = json.dumps({"role": "user", "content": "a"}).encode()
+        base = json.dumps({**head, "messages": [first]}).encode()
+        count = (size - len(base)) // (len(item) + 2)
+        return json.dumps({**head, "messages": [first] + [{"role": "user", "content": "a"}] * count}).encode()
+    part = json.dumps({"type": "text", "text": "ab"}).encode()
+    base = json.dumps({**head, "messages": [{"role": "user", "content": []}]}).encode()
+    count = (size - len(base)) // (len(part) + 2)
+    parts = [{"type": "text", "text": f"request {index}"}] + [{"type": "text", "text": "ab"}] * (count - 1)
+    return json.dumps({**head, "messages": [{"role": "user", "content": parts}]}).encode()
 
 
 def padded_body(index: int, size: int) -> bytes:
@@ -125,28 +155,38 @@ def rig_settings(budget_bytes: int, bodies: int, face: str) -> dict[str, Any]:
     return top
 
 
-async def one_run(budget_bytes: int, bodies: int, body_bytes: int, face: str = "http") -> dict[str, Any]:
+async def one_run(
+    budget_bytes: int, bodies: int, body_bytes: int, face: str = "http", shape: str = "pad"
+) -> dict[str, Any]:
     top = rig_settings(budget_bytes, bodies, face)
     started_utc = time.strftime("%H:%M:%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="kvlb-body-budget-") as tmp:
         async with fault_rig(Path(tmp), ("sglang",), time_scale=1.0, **top) as f:
             pid = f.kvlb.pid
             before = proc_status_mb(pid, "VmHWM")
-            payloads = [padded_body(i, body_bytes) for i in range(bodies)] if face == "http" else []
-            peak_held = 0.0
+            payloads: list[bytes] = []
+            if face == "http":
+                payloads = [
+                    padded_body(i, body_bytes) if shape == "pad" else chat_body(i, body_bytes, shape)
+                    for i in range(bodies)
+                ]
+            path = "/v1/completions" if shape == "pad" else "/v1/chat/completions"
+            peak_held = peak_parsed = 0.0
             done = asyncio.Event()
 
             async def held() -> float:
                 return (await f.metrics()).get("kvlb_admission_body_bytes", 0.0)
 
             async def sample() -> None:
-                nonlocal peak_held
+                nonlocal peak_held, peak_parsed
                 while not done.is_set():
-                    peak_held = max(peak_held, await held())
+                    figures = await f.metrics()
+                    peak_held = max(peak_held, figures.get("kvlb_admission_body_bytes", 0.0))
+                    peak_parsed = max(peak_parsed, figures.get("kvlb_admission_parsed_bytes", 0.0))
                     await asyncio.sleep(0.02)
 
             async def post(session: aiohttp.ClientSession, body: bytes) -> int:
-                async with session.post(f.url + "/v1/completions", data=body) as response:
+                async with session.post(f.url + path, data=body) as response:
                     await response.read()
                     return response.status
 
@@ -171,6 +211,8 @@ async def one_run(budget_bytes: int, bodies: int, body_bytes: int, face: str = "
         counts[str(status)] = counts.get(str(status), 0) + 1
     return {
         "face": face,
+        "shape": shape,
+        "body_bytes": len(payloads[0]) if payloads else body_bytes,
         "budget": "off" if budget_bytes >= OFF_BYTES else f"{budget_bytes / MIB:g} MiB",
         "started_utc": started_utc,
         "load_1m_after": round(os.getloadavg()[0], 2),
@@ -178,6 +220,7 @@ async def one_run(budget_bytes: int, bodies: int, body_bytes: int, face: str = "
         "peak_rss_after_mb": round(after, 1),
         "peak_rise_mb": round(after - before, 1),
         "peak_held_bytes_sampled": int(peak_held),
+        "peak_parsed_bytes_sampled": int(peak_parsed),
         "held_bytes_after": int(held_after),
         "burst_s": round(burst_s, 2),
         "statuses": counts,
@@ -323,35 +366,42 @@ async def main_async(args: argparse.Namespace) -> None:
     if args.plumbing:
         print(json.dumps(await plumbing(args.plumbing)))
         return
+    if args.face == "grpc" and args.shape != "pad":
+        raise SystemExit("--shape applies to --face http only")
     runs = []
+    order = (
+        (budget_bytes, budget_bytes) if args.no_off else (OFF_BYTES, budget_bytes, budget_bytes, OFF_BYTES)
+    )
     for _ in range(args.pairs):
-        for budget in (OFF_BYTES, budget_bytes, budget_bytes, OFF_BYTES):
-            runs.append(await one_run(budget, args.bodies, body_bytes, args.face))
+        for budget in order:
+            runs.append(await one_run(budget, args.bodies, body_bytes, args.face, args.shape))
             print(json.dumps(runs[-1]), flush=True)
     off = [r["peak_rise_mb"] for r in runs if r["budget"] == "off"]
     on = [r["peak_rise_mb"] for r in runs if r["budget"] != "off"]
-    summary = {
+    summary: dict[str, Any] = {
         "face": args.face,
+        "shape": args.shape,
         "bodies": args.bodies,
         "body_mib": args.body_mib,
         "budget_mib": args.budget_mib,
-        "median_peak_rise_mb_off": round(statistics.median(off), 1),
+        "median_peak_rise_mb_off": round(statistics.median(off), 1) if off else None,
         "median_peak_rise_mb_on": round(statistics.median(on), 1),
-        "ratio_on_over_off": round(statistics.median(on) / statistics.median(off), 3),
+        "ratio_on_over_off": round(statistics.median(on) / statistics.median(off), 3) if off else None,
         "runs": runs,
     }
     print(json.dumps(summary))
     print()
     print(
         "| run | budget | UTC start | load 1m | peak RSS before → after (MB) | rise (MB) "
-        "| held peak (MiB) | burst (s) | statuses |"
+        "| held peak (MiB) | parsed peak (MiB) | burst (s) | statuses |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for number, r in enumerate(runs, 1):
         print(
             f"| {number} | {r['budget']} | {r['started_utc']} | {r['load_1m_after']} | "
             f"{r['peak_rss_before_mb']} → {r['peak_rss_after_mb']} | {r['peak_rise_mb']} | "
-            f"{r['peak_held_bytes_sampled'] / MIB:.1f} | {r['burst_s']} | {r['statuses']} |"
+            f"{r['peak_held_bytes_sampled'] / MIB:.1f} | {r['peak_parsed_bytes_sampled'] / MIB:.1f} | "
+            f"{r['burst_s']} | {r['statuses']} |"
         )
     print(
         f"\nmedian rise: off {summary['median_peak_rise_mb_off']} MB, "
@@ -366,6 +416,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--budget-mib", type=float, default=16.0, help="the small budget (MiB, default 16)")
     parser.add_argument("--pairs", type=int, default=1, help="off/on/on/off rounds (default 1)")
     parser.add_argument("--face", choices=("http", "grpc"), default="http", help="the face sent to")
+    parser.add_argument("--shape", choices=SHAPES, default="pad", help="the bodies sent (default pad)")
+    parser.add_argument("--no-off", action="store_true", help="run the small budget only")
     parser.add_argument(
         "--small-calls", type=int, default=0, help="time this many small gRPC Generate calls instead"
     )

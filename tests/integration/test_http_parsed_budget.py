@@ -2,16 +2,21 @@
 balancer and an emulated replica on 127.0.0.1, chats of many one-letter messages (each keeps about
 8× its body once parsed) tokenized in the tokenizer's threads. While one is tokenized its estimate
 is held (``kvlb_admission_body_bytes``, ``kvlb_admission_parsed_bytes``), a second one waits for it
-(or gets 429 without a queue), a bad body still gets its 4xx, and every byte comes back."""
+(or gets 429 without a queue; RESOURCE_EXHAUSTED over gRPC), a bad body still gets its 4xx, and
+every byte comes back."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
+import grpc
 import pytest
+from grpc_harness import failure, grpc_running
 from kvlb_harness import MODEL, Answer, Harness, metric_value, running, shared_deepseek, wait_for
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.openai import parsed_hold_bytes
 from balancer.api.parsing import parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -122,3 +127,34 @@ async def test_without_a_queue_the_second_parsed_chat_gets_429_and_bad_bodies_th
         await wait_for("every byte given back", lambda: nothing_held(h), timeout_s=10.0)
         assert forwarded(await h.post("/v1/chat/completions", tiny_chat(7)))
         await wait_for("every byte given back", lambda: nothing_held(h), timeout_s=10.0)
+
+
+def grpc_chat(salt: int) -> pb.GenerateRequest:
+    messages = [pb.ChatMessage(role="user", content=f"s{salt}")]
+    messages += [pb.ChatMessage(role="user", content="a")] * (MESSAGES - 1)
+    return pb.GenerateRequest(model=MODEL, chat_messages=pb.ChatMessages(messages=messages), max_tokens=1)
+
+
+async def test_a_grpc_chat_holds_its_parsed_estimate_and_a_second_gets_resource_exhausted(
+    tokenizer: Tokenizer,
+) -> None:
+    async with grpc_running(tokenizer, 1, limits__max_queued=0, **LIMITS) as g:
+        h = g.http
+
+        async def generate(salt: int) -> grpc.aio.AioRpcError:
+            return await failure(_drain(g.balancer.Generate(grpc_chat(salt))))
+
+        first = asyncio.create_task(generate(1))
+        await wait_for("the first chat to be tokenized", lambda: parsing(h), timeout_s=10.0)
+        assert await metric(h, "kvlb_admission_parsed_bytes") >= PARSED // 2  # the same chat, as a dict
+        second = await generate(2)
+        assert second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, second.details()
+        assert "max_inflight_body_bytes" in (second.details() or "")
+        refused = await first  # the emulated replica's answer: kvlb routed and forwarded it
+        assert "exceeds 512" in (refused.details() or ""), refused.details()
+        await wait_for("every byte given back", lambda: nothing_held(h), timeout_s=10.0)
+
+
+async def _drain(call: Any) -> None:
+    async for _ in call:
+        pass
