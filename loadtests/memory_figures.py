@@ -2,9 +2,11 @@
 
 ``python -m loadtests.memory_figures`` from the repository root prints, for each kind of input:
 
-* ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of eight shapes
+* ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of nine shapes
   (each decoder: typed, untyped, stdlib): the peak while parsing and what the parsed request keeps,
-  over the body's bytes;
+  over the body's bytes, and the request's estimate of what it keeps
+  (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`, what it holds of the byte budget while
+  it waits for the tokenizer) over the kept figure;
 * ``ids``: the token ids of one long prompt (the default tokenizer): bytes kept per id;
 * ``events``: engine decoders on real captured frames (``tests/golden/real/``) and on synthetic
   batches: the peak while decoding one message, the memory a queue of decoded batches keeps per
@@ -87,6 +89,16 @@ def bodies() -> None:
             "chat",
             json.dumps({"model": "m", "messages": [{"role": "user", "content": "a"}] * 270_000}).encode(),
         ),
+        (
+            "one message of 290,000 two-letter content parts",
+            "chat",
+            json.dumps(
+                {
+                    "model": "m",
+                    "messages": [{"role": "user", "content": [{"type": "text", "text": "ab"}] * 290_000}],
+                }
+            ).encode(),
+        ),
         # The shapes above are decoded by msgspec into typed structs (completions in ASCII: unknown
         # fields are skipped); a chat, a non-ASCII completion body and anything msgspec refuses are
         # decoded whole, by msgspec into dicts or by the stdlib (a UTF-16 body, a lone surrogate).
@@ -111,11 +123,13 @@ def bodies() -> None:
         ),
     ]
     for name, kind, body in shapes:
-        _, kept, peak = traced(lambda body=body, kind=kind: parse_request(body, kind))  # type: ignore[misc]
+        parsed, kept, peak = traced(lambda body=body, kind=kind: parse_request(body, kind))  # type: ignore[misc]
         size = len(body)
+        estimate = parsed.parsed_bytes
+        over_kept = f" ({estimate / kept:.2f} of kept)" if kept >= MIB and estimate else ""
         print(
             f"body, {name}: {size / 1e6:.1f} MB; parse peak {peak / 1e6:.0f} MB ({peak / size:.1f}x), "
-            f"kept {kept / 1e6:.0f} MB ({kept / size:.1f}x)"
+            f"kept {kept / 1e6:.0f} MB ({kept / size:.1f}x), estimate {estimate / 1e6:.0f} MB{over_kept}"
         )
 
 
