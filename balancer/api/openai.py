@@ -164,35 +164,46 @@ async def read_body(
     buffer = bytearray()
     clock = asyncio.get_running_loop().time
     started = clock()
+    final = started + timeouts.body_read_s
     paced = timeouts.body_min_rate_bytes_per_s > 0
     held_s = 0.0  # time spent waiting for bytes of the budget: the client is not late for it
-    try:
-        async with asyncio.timeout_at(body_due(started, 0, held_s, timeouts)) as deadline:
-            async for chunk in request.content.iter_chunked(BODY_READ_CHUNK_BYTES):
-                if len(buffer) + len(chunk) > max_bytes:
-                    raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
-                if hold is not None:
+    chunks = content.iter_chunked(BODY_READ_CHUNK_BYTES)
+    due = body_due(started, 0, held_s, timeouts)
+    while True:
+        try:
+            async with asyncio.timeout_at(due) as deadline:
+                async for chunk in chunks:
+                    if len(buffer) + len(chunk) > max_bytes:
+                        raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
+                    if hold is not None:
+                        if paced:
+                            deadline.reschedule(final)
+                        waited = clock()
+                        await hold(len(chunk))
+                        held_s += clock() - waited
+                    buffer += chunk
                     if paced:
-                        deadline.reschedule(started + timeouts.body_read_s)
-                    waited = clock()
-                    await hold(len(chunk))
-                    held_s += clock() - waited
-                buffer += chunk
-                if paced:
-                    deadline.reschedule(body_due(started, len(buffer), held_s, timeouts))
-    except TimeoutError:
-        total = deadline.when() == started + timeouts.body_read_s
-        request.app[STATE].metrics.body_timeouts_total.labels(
-            "body_read_s" if total else "body_min_rate_bytes_per_s"
-        ).inc()
-        if total:
-            raise ApiError(408, f"request body not received within {timeouts.body_read_s}s") from None
-        raise ApiError(
-            408,
-            f"request body arrived slower than timeouts.body_min_rate_bytes_per_s = "
-            f"{timeouts.body_min_rate_bytes_per_s} ({len(buffer)} bytes received)",
-        ) from None
-    return bytes(buffer)
+                        deadline.reschedule(body_due(started, len(buffer), held_s, timeouts))
+            return bytes(buffer)
+        except TimeoutError:
+            when = deadline.when()
+            total = when is not None and when >= final
+            if not total and content.total_bytes > len(buffer):
+                # The client had sent bytes that kvlb had not read yet (its event loop was busy):
+                # the client is not behind. The bytes waiting count, and it gets the grace again.
+                paced_due = body_due(started, content.total_bytes, held_s, timeouts)
+                due = min(final, max(paced_due, clock() + timeouts.body_rate_grace_s))
+                continue
+            request.app[STATE].metrics.body_timeouts_total.labels(
+                "body_read_s" if total else "body_min_rate_bytes_per_s"
+            ).inc()
+            if total:
+                raise ApiError(408, f"request body not received within {timeouts.body_read_s}s") from None
+            raise ApiError(
+                408,
+                f"request body arrived slower than timeouts.body_min_rate_bytes_per_s = "
+                f"{timeouts.body_min_rate_bytes_per_s} ({len(buffer)} bytes received)",
+            ) from None
 
 
 def body_due(started: float, received: int, held_s: float, timeouts: TimeoutConfig) -> float:

@@ -180,3 +180,28 @@ async def test_a_wait_for_budget_bytes_is_not_counted_against_the_bodys_pace(tok
             for _, writer in senders:
                 writer.close()
         assert await metric(h, "kvlb_http_body_timeouts_total", limit="body_min_rate_bytes_per_s") == 0
+
+
+async def test_a_body_kvlb_was_too_busy_to_read_is_not_cut(tokenizer: Tokenizer) -> None:
+    """A client that sent its whole body while kvlb's event loop was busy (here: blocked on purpose
+    past the body's pace deadline) is not behind: the bytes waiting unread count for it
+    (``content.total_bytes``), and the body gets 200, not 408. The pace's timer and the socket's
+    bytes come due in the same loop turn; before, the timer won and the client got the blame."""
+    pace = {"timeouts__body_min_rate_bytes_per_s": 50_000, "timeouts__body_rate_grace_s": 0.3}
+    async with running(tokenizer, 1, **LIMITS, **pace) as h:
+        data = body(50)
+        reader, writer = await stalled_sender(h.url, len(data))  # the first 10 bytes, then a pause
+        try:
+
+            async def reading() -> bool:
+                return await metric(h, "kvlb_admission_body_bytes") >= len(data)
+
+            await wait_for("the body's read begun", reading)
+            writer.write(data[10:])  # the rest reaches the socket at once (loopback)...
+            time.sleep(0.8)  # noqa: ASYNC251 ...while the loop is busy past the 0.3 s pace deadline
+            await writer.drain()
+            async with asyncio.timeout(5):
+                assert await status_of(reader) == 200
+        finally:
+            writer.close()
+        assert await metric(h, "kvlb_http_body_timeouts_total", limit="body_min_rate_bytes_per_s") == 0
