@@ -253,6 +253,11 @@ class BlockCache:
             if not node.children:
                 self._push(node)
 
+    def _stamp(self, node: _Node, now: float) -> float:
+        """The eviction priority ``node`` takes when it is locked or unlocked at ``now`` (smallest
+        evicted first): here its access time (LRU); the oracle's cache overrides it."""
+        return now
+
     def _lock(self, node: _Node, now: float) -> None:
         root = self._root
         walker: _Node | None = node
@@ -260,7 +265,7 @@ class BlockCache:
             if walker.lock_ref == 0:
                 self.evictable_blocks -= len(walker.keys)
             walker.lock_ref += 1
-            walker.last_access_s = now
+            walker.last_access_s = self._stamp(walker, now)
             walker = walker.parent
 
     def _unlock(self, node: _Node, now: float) -> None:
@@ -268,7 +273,7 @@ class BlockCache:
         walker: _Node | None = node
         while walker is not None and walker is not root:
             walker.lock_ref -= 1
-            walker.last_access_s = now
+            walker.last_access_s = self._stamp(walker, now)
             if walker.lock_ref == 0:
                 self.evictable_blocks += len(walker.keys)
                 if not walker.children:

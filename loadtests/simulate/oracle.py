@@ -227,27 +227,8 @@ class BeladyBlockCache(BlockCache):
     def _priority(self, node: _Node) -> float:
         return -float(self.future.after(node.keys[0], self.position())) if node.keys else 0.0
 
-    def _lock(self, node: _Node, now: float) -> None:
-        root = self._root
-        walker: _Node | None = node
-        while walker is not None and walker is not root:
-            if walker.lock_ref == 0:
-                self.evictable_blocks -= len(walker.keys)
-            walker.lock_ref += 1
-            walker.last_access_s = self._priority(walker)
-            walker = walker.parent
-
-    def _unlock(self, node: _Node, now: float) -> None:
-        root = self._root
-        walker: _Node | None = node
-        while walker is not None and walker is not root:
-            walker.lock_ref -= 1
-            walker.last_access_s = self._priority(walker)
-            if walker.lock_ref == 0:
-                self.evictable_blocks += len(walker.keys)
-                if not walker.children:
-                    self._push(walker)
-            walker = walker.parent
+    def _stamp(self, node: _Node, now: float) -> float:
+        return self._priority(node)
 
     def _evict(self, need_blocks: int) -> int:
         position = self.position()
