@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -47,6 +46,7 @@ import aiohttp
 import yaml
 import zmq
 
+from loadtests.bench.command import print_report
 from loadtests.bench.redis_bench import _wait_up, start_redis
 from loadtests.fleet.child_process import Child, python_module, spawn, stop_all
 from loadtests.stats import percentile
@@ -561,11 +561,4 @@ def run_command(args: argparse.Namespace) -> int:
     shape = replace(SMOKE if args.smoke else FloodShape(), workers=args.workers, redis=args.redis)
     if args.settle_s is not None:
         shape = replace(shape, settle_s=args.settle_s)
-    report = asyncio.run(measure(shape))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-        print()
-        print(json.dumps(report))
-    return 0
+    return print_report(asyncio.run(measure(shape)), format_report, json_only=args.json)

@@ -73,6 +73,7 @@ import aiohttp
 
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
+from loadtests.bench.command import print_report
 from loadtests.bench.overhead.clients import REQUEST_TIMEOUT_S, BenchError, GrpcClient, Send, send
 from loadtests.bench.overhead.machine import idle_penalty
 from loadtests.bench.overhead.report import (
@@ -524,11 +525,4 @@ def shape_from_args(args: argparse.Namespace) -> OverheadShape:
 
 def run_command(args: argparse.Namespace) -> int:
     shape = shape_from_args(args)
-    report = _event_loop_runner()(measure(shape))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-        print()
-        print(json.dumps(report))
-    return 0
+    return print_report(_event_loop_runner()(measure(shape)), format_report, json_only=args.json)
