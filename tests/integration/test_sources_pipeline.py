@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
+from waiting import eventually
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
@@ -61,13 +62,6 @@ class RecordingIndex:
 
 def removed(n: int, rank: int = 0) -> IngestBatch:
     return IngestBatch((Removed(rank, (EngineHash(n),)),), engine_ts=time.time() - 0.5)
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 def sample(metrics: Metrics, name: str, labels: dict[str, str]) -> float:

@@ -5,18 +5,18 @@ disconnected, then as restarted once the new process's ``created`` burst arrives
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import zmq.asyncio
 from recording_index import RecordingIndex
+from waiting import eventually
 
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Resync, Stored
@@ -42,13 +42,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 @contextlib.asynccontextmanager

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+import waiting
 import zmq.asyncio
 from recording_index import RecordingIndex
 
@@ -45,11 +47,8 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+eventually = functools.partial(waiting.eventually, timeout_s=10.0, poll_s=0.01)
+"""The shared wait, with this file's longer deadline."""
 
 
 @contextlib.asynccontextmanager
