@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import zmq.asyncio
+from emulated_replica import started
 from recording_index import RecordingIndex
 from waiting import eventually
 
@@ -24,7 +25,6 @@ from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
@@ -54,12 +54,8 @@ async def emulated(port: int, zctx: zmq.asyncio.Context) -> AsyncIterator[Replic
         page_size=TPB,
         http_port=port,
     )
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
 
 
 async def complete(session: aiohttp.ClientSession, replica: Replica, prompt: list[int]) -> None:

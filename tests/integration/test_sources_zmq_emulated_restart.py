@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 import waiting
 import zmq.asyncio
+from emulated_replica import started
 from recording_index import RecordingIndex
 
 from balancer.engines.sglang import SglangDecoder
@@ -25,7 +26,6 @@ from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.zmq_sub import ZmqEventSource
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
@@ -64,12 +64,8 @@ async def emulated(ports: list[int], zctx: zmq.asyncio.Context) -> AsyncIterator
         event_port=events,
         replay_port=replay,
     )
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
 
 
 @contextlib.asynccontextmanager
