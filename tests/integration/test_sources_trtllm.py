@@ -13,13 +13,13 @@ import contextlib
 import dataclasses
 import json
 import logging
-import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from procs_free import free_port
 from recording_index import RecordingIndex
 from waiting import eventually
 
@@ -105,12 +105,6 @@ class FakeEngine:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from pathlib import Path
 import aiohttp
 import waiting
 import zmq.asyncio
+from procs_free import free_port
 from recording_index import RecordingIndex
-from test_sources_trtllm_restart import FAST, REPLICA, TPB, complete, emulated, free_port
+from test_sources_trtllm_restart import FAST, REPLICA, TPB, complete, emulated
 
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.metrics import Metrics

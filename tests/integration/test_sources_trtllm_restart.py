@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,6 +15,7 @@ import aiohttp
 import pytest
 import zmq.asyncio
 from emulated_replica import started
+from procs_free import free_port
 from recording_index import RecordingIndex
 from waiting import eventually
 
@@ -36,12 +36,6 @@ FAST = PollSettings(
     min_interval_s=0.005, max_interval_s=0.05, error_backoff_initial_s=0.02, error_backoff_max_s=0.1
 )
 LOGGER = "balancer.sources.trtllm_poll"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @contextlib.asynccontextmanager

@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator
 
@@ -27,6 +26,7 @@ from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.types import ReplicaId
+from loadtests.faults.procs import free_ports
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -34,17 +34,6 @@ from replicas.sim.replica import Replica
 REPLICA = ReplicaId("sgl-0")
 PAGE = 4
 LOGGER = "balancer.sources.zmq_sub"
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 eventually = functools.partial(waiting.eventually, timeout_s=10.0, poll_s=0.01)
