@@ -85,8 +85,8 @@ from loadtests.bench.overhead.report import (
     format_report,
     histogram_delta,
     latency_figures,
+    metric_value,
     own_ratios,
-    parse_counter,
     parse_histogram,
     peer_ratios,
     workers_ratios,
@@ -345,7 +345,7 @@ async def measure_kind(
     after = await scrape_metrics(session, kvlb_url)
     decisions = (parse_histogram(text, DECISION_METRIC) for text in (after, before))
     result["route_decision"] = decision_figures(histogram_delta(*decisions))
-    memo = {name: parse_counter(after, name) - parse_counter(before, name) for name in MEMO_COUNTERS}
+    memo = {name: metric_value(after, name) - metric_value(before, name) for name in MEMO_COUNTERS}
     result["token_id_memo"] = {name.split("_")[-2]: round(value) for name, value in memo.items()}
     return result
 
