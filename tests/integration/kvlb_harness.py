@@ -18,6 +18,7 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
+from settings_tree import settings_from
 
 from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
@@ -120,14 +121,7 @@ def settings_for(
         "health_interval_s": 0.2,
         "scrape_interval_s": 0.5,
     }
-    for dotted, value in overrides.items():
-        node = tree
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    settings: Settings = from_mapping(Settings, tree)
-    return settings.validate()
+    return settings_from(tree, overrides)
 
 
 @asynccontextmanager
