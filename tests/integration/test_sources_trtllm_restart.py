@@ -52,6 +52,21 @@ async def emulated(port: int, zctx: zmq.asyncio.Context) -> AsyncIterator[Replic
         yield replica
 
 
+def emulated_poller(
+    session: aiohttp.ClientSession, port: int, metrics: Metrics, tap: RelayPublisher | None = None
+) -> TrtllmPoller:
+    """The poller of the emulated engine on ``port`` (:data:`FAST` polls), relaying to ``tap``."""
+    return TrtllmPoller(
+        REPLICA,
+        f"http://127.0.0.1:{port}",
+        session=session,
+        decoder=TrtllmDecoder(tokens_per_block=TPB),
+        metrics=metrics,
+        settings=FAST,
+        tap=tap,
+    )
+
+
 async def complete(session: aiohttp.ClientSession, replica: Replica, prompt: list[int]) -> None:
     body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
     async with session.post(replica.url + "/v1/completions", json=body) as response:
@@ -67,14 +82,7 @@ async def test_a_refused_drain_drops_the_engines_blocks_at_once_then_the_restart
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     try:
         async with aiohttp.ClientSession() as session:
-            poller = TrtllmPoller(
-                REPLICA,
-                f"http://127.0.0.1:{port}",
-                session=session,
-                decoder=TrtllmDecoder(tokens_per_block=TPB),
-                metrics=metrics,
-                settings=FAST,
-            )
+            poller = emulated_poller(session, port, metrics)
             ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
             ingest.add_replica(REPLICA, "trtllm", [poller])
             await ingest.start()
@@ -116,14 +124,8 @@ async def test_a_relay_follower_drops_the_engines_blocks_with_the_drainer(tmp_pa
     endpoint = relay_endpoint(str(tmp_path), REPLICA)
     try:
         async with aiohttp.ClientSession() as session:
-            poller = TrtllmPoller(
-                REPLICA,
-                f"http://127.0.0.1:{port}",
-                session=session,
-                decoder=TrtllmDecoder(tokens_per_block=TPB),
-                metrics=metrics,
-                settings=FAST,
-                tap=RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics),
+            poller = emulated_poller(
+                session, port, metrics, tap=RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics)
             )
             follower = RelaySource(
                 REPLICA,
