@@ -2,7 +2,9 @@
 
 Names follow ``kvlb_<subsystem>_<name>_<unit>``. One :class:`Metrics` is built by the composition root
 (``app.py``) and passed down; tests build their own with a fresh ``CollectorRegistry``, so there is no
-global state to reset.
+global state to reset. Each subsystem's collectors are declared once, as the fields of a frozen
+section (``_HttpCollectors``, ...) that the builder beside it fills; :class:`Metrics` inherits every
+section.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Final, TypedDict, TypeVar, get_args
+from typing import Any, Final, TypeVar, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily
@@ -76,153 +78,6 @@ _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 _ERROR_BUCKETS_BLOCKS = (-64.0, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
 """Signed prediction errors (reported minus predicted blocks): exact = ``le="0"`` minus ``le="-1"``."""
 _DECISION_BUCKETS_S = (25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3)
-
-
-@dataclass(frozen=True, slots=True)
-class Metrics:
-    """Every collector kvlb exports, in the order of their subsystems' builders below (each builder's
-    docstring names its subsystem). Build with :meth:`create`."""
-
-    registry: CollectorRegistry
-    requests_total: Counter
-    ttft_seconds: Histogram
-    e2e_seconds: Histogram
-    inflight_requests: Gauge
-    body_timeouts_total: Counter
-    shed_total: Counter
-    admission_body_bytes: Gauge
-    admission_parsed_bytes: Gauge
-    admission_tenants: Gauge
-    admission_tenant_overflow_total: Counter
-    retries_total: Counter
-    route_decision_seconds: Histogram
-    route_decisions_total: Counter
-    predicted_cached_tokens_total: Counter
-    reported_cached_tokens_total: Counter
-    prediction_error_blocks: Histogram
-    receipts_total: Counter
-    receipts_exact_total: Counter
-    receipts_within_block_total: Counter
-    prediction_accuracy_ratio: Gauge
-    receipt_stale_blocks_total: Counter
-    index_receipt_drops_blocks_total: Counter
-    index_receipt_learned_blocks_total: Counter
-    index_receipt_taught_blocks_total: Counter
-    index_receipt_confirmed_blocks_total: Counter
-    events_applied_total: Counter
-    events_decode_errors_total: Counter
-    events_seq_gaps_total: Counter
-    events_replays_total: Counter
-    events_replay_polls_total: Counter
-    events_resyncs_total: Counter
-    events_queue_overflow_total: Counter
-    events_oversize_total: Counter
-    events_shed_total: Counter
-    events_shed_runs_total: Counter
-    events_relay_history_trimmed_total: Counter
-    events_disconnects_total: Counter
-    events_lag_seconds: Gauge
-    index_blocks: Gauge
-    index_replica_blocks: Gauge
-    index_skipped_total: Counter
-    replica_load: Gauge
-    replica_healthy: Gauge
-    scrape_errors_total: Counter
-    load_share_overflow_replicas_total: Counter
-    load_share_overflow_tenants_total: Counter
-    load_share_torn_reads_total: Counter
-    process_asyncio_tasks: Gauge
-    log_suppressed_total: Counter
-    redis_up: Gauge
-    redis_errors_total: Counter
-    redis_apply_seconds: Histogram
-    redis_apply_retries_total: Counter
-    redis_stale_writes_total: Counter
-    redis_leases_held: Gauge
-    redis_lease_events_total: Counter
-    redis_fleet_members: Gauge
-    redis_mirror_lag_seconds: Gauge
-    redis_mirror_entries_total: Counter
-    redis_mirror_resyncs_total: Counter
-    redis_mirror_skipped_entries_total: Counter
-    redis_wrongtype_keys_total: Counter
-    redis_mirror_partial: Gauge
-    redis_replicas_dropped_total: Counter
-    redis_policy_updates_total: Counter
-    redis_snapshots_total: Counter
-    console_series_overflow_total: Counter
-    console_ring_entries: Gauge
-    console_ring_bytes: Gauge
-    console_ring_evicted_total: Counter
-    console_whatif_seconds: Histogram
-    console_audit_dropped_total: Counter
-    index_tables: TableCountersCollector
-    upstream_connections: UpstreamCountersCollector
-    token_id_memo: TokenIdMemoCollector
-    key_memos: KeyMemoCollector
-    children: Children = field(default_factory=Children)
-    """The request path's ``labels()`` children, memoised (:class:`Children`)."""
-
-    def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
-        """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
-        that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
-        or discovered); ``replays``: its transport has a replay socket (ZMQ)."""
-        for reason in DECODE_ERROR_REASONS:
-            self.events_decode_errors_total.labels(engine, reason)
-        for kind, status in APPLIED_OUTCOMES:
-            self.events_applied_total.labels(engine, kind, status)
-        for counter in (
-            self.events_seq_gaps_total,
-            self.events_queue_overflow_total,
-            self.events_oversize_total,
-            self.events_disconnects_total,
-            self.scrape_errors_total,
-            self.predicted_cached_tokens_total,
-            self.reported_cached_tokens_total,
-        ):
-            counter.labels(replica)
-        for reason in RESYNC_REASONS:
-            self.events_resyncs_total.labels(replica, reason)
-        if replays:  # the ZMQ transports: they also shed (kvlb_events_shed_total)
-            self.events_shed_total.labels(replica)
-            for cause in SHED_CAUSES:
-                self.events_shed_runs_total.labels(replica, cause)
-            for outcome in REPLAY_OUTCOMES:
-                self.events_replays_total.labels(replica, outcome)
-            for outcome in REPLAY_POLL_OUTCOMES:
-                self.events_replay_polls_total.labels(replica, outcome)
-
-    @classmethod
-    def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
-        """Every collector, registered on ``registry`` (a fresh one when ``None``), built per subsystem."""
-        reg = registry if registry is not None else CollectorRegistry()
-        # kvlb_process_{cpu_seconds_total,resident_memory_bytes,open_fds,...}: capacity and leaks.
-        ProcessCollector(namespace="kvlb", registry=reg)
-        tables = TableCountersCollector()
-        reg.register(tables)
-        connections = UpstreamCountersCollector()
-        reg.register(connections)
-        token_id_memo = TokenIdMemoCollector()
-        reg.register(token_id_memo)
-        key_memos = KeyMemoCollector()
-        reg.register(key_memos)
-        return cls(
-            registry=reg,
-            index_tables=tables,
-            upstream_connections=connections,
-            token_id_memo=token_id_memo,
-            key_memos=key_memos,
-            **_http_collectors(reg),
-            **_admission_collectors(reg),
-            **_upstream_collectors(reg),
-            **_route_collectors(reg),
-            **_events_collectors(reg),
-            **_index_collectors(reg),
-            **_replica_collectors(reg),
-            **_process_collectors(reg),
-            **_redis_collectors(reg),
-            **_console_collectors(reg),
-        )
 
 
 class TableCountersCollector(Collector):
@@ -349,12 +204,18 @@ class UpstreamCountersCollector(Collector):
         yield CounterMetricFamily("kvlb_upstream_pool_waits", "")
 
 
+def _fields(section: Any) -> dict[str, Any]:
+    """A built section's collectors by field name, for :meth:`Metrics.create` (not a deep copy)."""
+    return {f.name: getattr(section, f.name) for f in fields(section)}
+
+
 def _constructors(reg: CollectorRegistry) -> tuple[partial[Counter], partial[Gauge], partial[Histogram]]:
     """``Counter``, ``Gauge`` and ``Histogram`` registering on ``reg``."""
     return partial(Counter, registry=reg), partial(Gauge, registry=reg), partial(Histogram, registry=reg)
 
 
-class _HttpCollectors(TypedDict):
+@dataclass(frozen=True)
+class _HttpCollectors:
     requests_total: Counter
     ttft_seconds: Histogram
     e2e_seconds: Histogram
@@ -365,36 +226,37 @@ class _HttpCollectors(TypedDict):
 def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
     """``kvlb_http_*``: requests answered (HTTP and gRPC endpoints) and their latencies."""
     counter, gauge, histogram = _constructors(reg)
-    return {
-        "requests_total": counter(
+    return _HttpCollectors(
+        requests_total=counter(
             "kvlb_http_requests_total",
             "Requests answered, by endpoint, status code, replica and policy.",
             ["endpoint", "status", "replica", "policy"],
         ),
-        "ttft_seconds": histogram(
+        ttft_seconds=histogram(
             "kvlb_http_ttft_seconds",
             "Time from request arrival to the first upstream byte.",
             ["replica", "policy"],
             buckets=_LATENCY_BUCKETS_S,
         ),
-        "e2e_seconds": histogram(
+        e2e_seconds=histogram(
             "kvlb_http_e2e_seconds",
             "Time from request arrival to the last byte sent to the client.",
             ["replica", "policy"],
             buckets=_LATENCY_BUCKETS_S,
         ),
-        "inflight_requests": gauge("kvlb_http_inflight_requests", "Requests being served now."),
-        "body_timeouts_total": counter(
+        inflight_requests=gauge("kvlb_http_inflight_requests", "Requests being served now."),
+        body_timeouts_total=counter(
             "kvlb_http_body_timeouts_total",
             "Request bodies refused with 408 while being read, by the limit missed: body_read_s (the "
             "whole read took too long) or body_min_rate_bytes_per_s (behind the pace after "
             "timeouts.body_rate_grace_s).",
             ["limit"],
         ),
-    }
+    )
 
 
-class _AdmissionCollectors(TypedDict):
+@dataclass(frozen=True)
+class _AdmissionCollectors:
     shed_total: Counter
     admission_body_bytes: Gauge
     admission_parsed_bytes: Gauge
@@ -405,8 +267,8 @@ class _AdmissionCollectors(TypedDict):
 def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
     """``kvlb_admission_*``: requests refused before routing, and the bytes the admitted hold."""
     counter, gauge, _ = _constructors(reg)
-    return {
-        "shed_total": counter(
+    return _AdmissionCollectors(
+        shed_total=counter(
             "kvlb_admission_shed_total",
             "Requests refused by admission control (429/503), by reason: max_inflight (queue full), "
             "replica_full, queue_timeout, no_healthy, body_bytes (limits.max_inflight_body_bytes "
@@ -415,47 +277,49 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "tenant's limits.max_inflight_per_tenant).",
             ["reason"],
         ),
-        "admission_tenants": gauge(
+        admission_tenants=gauge(
             "kvlb_admission_tenants",
             "Tenants admission tracks now: with a request in flight or waiting (limits.max_tenants "
             "bounds them; per worker; the default and overflow tenants aside).",
         ),
-        "admission_tenant_overflow_total": counter(
+        admission_tenant_overflow_total=counter(
             "kvlb_admission_tenant_overflow_total",
             "Requests of a new tenant that found limits.max_tenants tenants tracked and shared the "
             "overflow tenant (and its caps).",
         ),
-        "admission_body_bytes": gauge(
+        admission_body_bytes=gauge(
             "kvlb_admission_body_bytes",
             "Bytes of request bodies and token ids held by the requests in flight in this process "
             "and, while they wait for the tokenizer, of their parsed chats and text prompts "
             "(limits.max_inflight_body_bytes bounds them; per worker).",
         ),
-        "admission_parsed_bytes": gauge(
+        admission_parsed_bytes=gauge(
             "kvlb_admission_parsed_bytes",
             "The part of kvlb_admission_body_bytes held for parsed chats and text prompts waiting for "
             "the tokenizer (their estimated Python objects; per worker).",
         ),
-    }
+    )
 
 
-class _UpstreamCollectors(TypedDict):
+@dataclass(frozen=True)
+class _UpstreamCollectors:
     retries_total: Counter
 
 
 def _upstream_collectors(reg: CollectorRegistry) -> _UpstreamCollectors:
     """``kvlb_upstream_*``: talking to replicas."""
     counter, _, _ = _constructors(reg)
-    return {
-        "retries_total": counter(
+    return _UpstreamCollectors(
+        retries_total=counter(
             "kvlb_upstream_retries_total",
             "Requests retried on another replica before the first byte, by reason.",
             ["reason"],
         ),
-    }
+    )
 
 
-class _RouteCollectors(TypedDict):
+@dataclass(frozen=True)
+class _RouteCollectors:
     route_decision_seconds: Histogram
     route_decisions_total: Counter
     predicted_cached_tokens_total: Counter
@@ -476,87 +340,88 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
     """``kvlb_route_*``: routing decisions and how well they predicted the cache; receipts (each
     response's ``cached_tokens`` against the prediction) and the index corrections they make."""
     counter, gauge, histogram = _constructors(reg)
-    return {
-        "route_decision_seconds": histogram(
+    return _RouteCollectors(
+        route_decision_seconds=histogram(
             "kvlb_route_decision_seconds",
             "Time to choose a replica (candidates, hashing, index match, policy; with the commitment "
             "when the request is forwarded).",
             buckets=_DECISION_BUCKETS_S,
         ),
-        "route_decisions_total": counter(
+        route_decisions_total=counter(
             "kvlb_route_decisions_total",
             "Routing decisions, by policy and chosen replica.",
             ["policy", "replica"],
         ),
-        "predicted_cached_tokens_total": counter(
+        predicted_cached_tokens_total=counter(
             "kvlb_route_predicted_cached_tokens_total",
             "Prompt tokens the router predicted to be cached on the chosen replica.",
             ["replica"],
         ),
-        "reported_cached_tokens_total": counter(
+        reported_cached_tokens_total=counter(
             "kvlb_route_reported_cached_tokens_total",
             "Prompt tokens the replica reported as cached (usage.prompt_tokens_details.cached_tokens).",
             ["replica"],
         ),
-        "prediction_error_blocks": histogram(
+        prediction_error_blocks=histogram(
             "kvlb_route_prediction_error_blocks",
             "Per response with cached_tokens: reported minus predicted cached blocks on the chosen "
             "replica (signed: < 0 the index promised blocks the engine lacked, > 0 it missed some).",
             ["replica"],
             buckets=_ERROR_BUCKETS_BLOCKS,
         ),
-        "receipts_total": counter(
+        receipts_total=counter(
             "kvlb_route_receipts_total",
             "Responses that reported cached_tokens (receipts), by replica.",
             ["replica"],
         ),
-        "receipts_exact_total": counter(
+        receipts_exact_total=counter(
             "kvlb_route_receipts_exact_total",
             "Receipts whose cached blocks were exactly the predicted ones, by replica.",
             ["replica"],
         ),
-        "receipts_within_block_total": counter(
+        receipts_within_block_total=counter(
             "kvlb_route_receipts_within_block_total",
             "Receipts within one block of the prediction (either way), by replica.",
             ["replica"],
         ),
-        "prediction_accuracy_ratio": gauge(
+        prediction_accuracy_ratio=gauge(
             "kvlb_route_prediction_accuracy_ratio",
             "Share of exact predictions over the replica's last 256 receipts.",
             ["replica"],
         ),
-        "receipt_stale_blocks_total": counter(
+        receipt_stale_blocks_total=counter(
             "kvlb_route_receipt_stale_blocks_total",
             "Blocks predicted cached that the engine reported missing (the index was stale), by replica.",
             ["replica"],
         ),
-        "index_receipt_drops_blocks_total": counter(
+        index_receipt_drops_blocks_total=counter(
             "kvlb_index_receipt_drops_blocks_total",
             "Holdings dropped from the index because a receipt showed them stale, by replica.",
             ["replica"],
         ),
-        "index_receipt_learned_blocks_total": counter(
+        index_receipt_learned_blocks_total=counter(
             "kvlb_index_receipt_learned_blocks_total",
             "Blocks a receipt showed cached that the index did not know, added as speculative entries,"
             " by replica.",
             ["replica"],
         ),
-        "index_receipt_taught_blocks_total": counter(
+        index_receipt_taught_blocks_total=counter(
             "kvlb_index_receipt_taught_blocks_total",
             "Blocks a receipt showed cached that the index did not hold, held under the engine's own"
             " hashes (computed by kvlb, verified against the replica's events), by replica.",
             ["replica"],
         ),
-        "index_receipt_confirmed_blocks_total": counter(
+        index_receipt_confirmed_blocks_total=counter(
             "kvlb_index_receipt_confirmed_blocks_total",
             "Suspect blocks (held through an event gap) that a receipt showed cached, and suspect"
             " blocks dropped unconfirmed that it showed still cached (held again), by replica.",
             ["replica"],
         ),
-    }
+    )
 
 
-class _EventsCollectors(TypedDict):
+@dataclass(frozen=True)
+class _EventsCollectors:
     events_applied_total: Counter
     events_decode_errors_total: Counter
     events_seq_gaps_total: Counter
@@ -575,56 +440,56 @@ class _EventsCollectors(TypedDict):
 def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
     """``kvlb_events_*``: KV event ingestion (decoding, ordering, replay, queues)."""
     counter, gauge, _ = _constructors(reg)
-    return {
-        "events_applied_total": counter(
+    return _EventsCollectors(
+        events_applied_total=counter(
             "kvlb_events_applied_total",
             "KV events applied to the index, by engine, event type and status.",
             ["engine", "type", "status"],
         ),
-        "events_decode_errors_total": counter(
+        events_decode_errors_total=counter(
             "kvlb_events_decode_errors_total",
             "Engine messages or events that could not be decoded, by engine and reason.",
             ["engine", "reason"],
         ),
-        "events_seq_gaps_total": counter(
+        events_seq_gaps_total=counter(
             "kvlb_events_seq_gaps_total",
             "Gaps seen in a replica's event sequence (ZMQ seq or TRT-LLM event_id).",
             ["replica"],
         ),
-        "events_replays_total": counter(
+        events_replays_total=counter(
             "kvlb_events_replays_total",
             "Replay requests to an engine's replay socket, or to worker 0's TRT-LLM relay (a catch-up of "
             "another worker of kvlb serve --workers N), by outcome (filled, partial, failed, empty).",
             ["replica", "outcome"],
         ),
-        "events_replay_polls_total": counter(
+        events_replay_polls_total=counter(
             "kvlb_events_replay_polls_total",
             "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
             "held batches the live stream lost; nothing; failed).",
             ["replica", "outcome"],
         ),
-        "events_resyncs_total": counter(
+        events_resyncs_total=counter(
             "kvlb_events_resyncs_total",
             "Times a replica's index state was cleared to resynchronise, by reason.",
             ["replica", "reason"],
         ),
-        "events_queue_overflow_total": counter(
+        events_queue_overflow_total=counter(
             "kvlb_events_queue_overflow_total",
             "Event queue overflows (the replica is cleared and resynchronised).",
             ["replica"],
         ),
-        "events_oversize_total": counter(
+        events_oversize_total=counter(
             "kvlb_events_oversize_total",
             "Events dropped for carrying more than limits.max_event_blocks blocks (the rank resyncs).",
             ["replica"],
         ),
-        "events_shed_total": counter(
+        events_shed_total=counter(
             "kvlb_events_shed_total",
             "Event messages read and dropped undecoded because the replica's ingestion CPU budget was "
             "spent (a flood; the rank resyncs once per run of shed messages).",
             ["replica"],
         ),
-        "events_shed_runs_total": counter(
+        events_shed_runs_total=counter(
             "kvlb_events_shed_runs_total",
             "Runs of shed event messages (each resyncs the rank once), by what started the run: budget "
             "(the replica's ingestion CPU budget spent, or its queue over half full), behind (the "
@@ -632,27 +497,28 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "more than zmq max_backlog_bytes queued).",
             ["replica", "cause"],
         ),
-        "events_relay_history_trimmed_total": counter(
+        events_relay_history_trimmed_total=counter(
             "kvlb_events_relay_history_trimmed_total",
             "Drained TRT-LLM bodies worker 0 dropped from the relay's catch-up history at its bound "
             "(limits.relay_history_bytes): a later catch-up of another worker no longer reaches them.",
             ["replica"],
         ),
-        "events_disconnects_total": counter(
+        events_disconnects_total=counter(
             "kvlb_events_disconnects_total",
             "Dropped connections to a ZMQ event publisher: the engine went away, the network failed, or "
             "ZMQ refused a message over limits.event_message_bytes (the rank resyncs, the SUB is reopened).",
             ["replica"],
         ),
-        "events_lag_seconds": gauge(
+        events_lag_seconds=gauge(
             "kvlb_events_lag_seconds",
             "Engine timestamp of the last applied batch vs our clock (wall time, may be skewed).",
             ["replica"],
         ),
-    }
+    )
 
 
-class _IndexCollectors(TypedDict):
+@dataclass(frozen=True)
+class _IndexCollectors:
     index_blocks: Gauge
     index_replica_blocks: Gauge
     index_skipped_total: Counter
@@ -661,27 +527,28 @@ class _IndexCollectors(TypedDict):
 def _index_collectors(reg: CollectorRegistry) -> _IndexCollectors:
     """``kvlb_index_*``: the prefix index's size and the events it skipped."""
     counter, gauge, _ = _constructors(reg)
-    return {
-        "index_blocks": gauge(
+    return _IndexCollectors(
+        index_blocks=gauge(
             "kvlb_index_blocks",
             "Blocks in the prefix index (kind=unique|held|speculative).",
             ["kind"],
         ),
-        "index_replica_blocks": gauge(
+        index_replica_blocks=gauge(
             "kvlb_index_replica_blocks",
             "Blocks the index says a replica's caches hold (all ranks and key spaces), set at "
             "scrape time; compare with the engine's own cache size.",
             ["replica"],
         ),
-        "index_skipped_total": counter(
+        index_skipped_total=counter(
             "kvlb_index_skipped_total",
             "Events the index skipped, by reason (unknown_parent, unknown_removal, block_size).",
             ["reason"],
         ),
-    }
+    )
 
 
-class _ReplicaCollectors(TypedDict):
+@dataclass(frozen=True)
+class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
     scrape_errors_total: Counter
@@ -694,8 +561,8 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
     """``kvlb_replica_*``, ``kvlb_scrape_*`` and ``kvlb_load_share_*``: per-replica load and health,
     the metric scrapes, and the load shared between the workers of ``kvlb serve --workers N``."""
     counter, gauge, _ = _constructors(reg)
-    return {
-        "replica_load": gauge(
+    return _ReplicaCollectors(
+        replica_load=gauge(
             "kvlb_replica_load",
             "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage|"
             "peer_inflight). inflight, pending_prefill_tokens and decode_blocks are this worker's own "
@@ -703,37 +570,38 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "worker's policy reads them (--workers N).",
             ["replica", "kind"],
         ),
-        "load_share_overflow_replicas_total": counter(
+        load_share_overflow_replicas_total=counter(
             "kvlb_load_share_overflow_replicas_total",
             "Times a replica's load could not be shared with the other workers because all "
             "limits.load_share_slots slots of this worker were taken (the others then see only "
             "their own load on it).",
         ),
-        "load_share_overflow_tenants_total": counter(
+        load_share_overflow_tenants_total=counter(
             "kvlb_load_share_overflow_tenants_total",
             "Times a tenant's admitted requests could not be shared with the other workers because "
             "all limits.load_share_tenant_slots tenant slots of this worker were taken (the others "
             "then do not count its requests here against its limits.max_inflight_per_tenant).",
         ),
-        "load_share_torn_reads_total": counter(
+        load_share_torn_reads_total=counter(
             "kvlb_load_share_torn_reads_total",
             "Another worker's row of the shared load table read mid-update too often in a row; its "
             "previous read was used for that snapshot.",
         ),
-        "replica_healthy": gauge(
+        replica_healthy=gauge(
             "kvlb_replica_healthy",
             "1 when the replica is healthy and routable, else 0.",
             ["replica"],
         ),
-        "scrape_errors_total": counter(
+        scrape_errors_total=counter(
             "kvlb_scrape_errors_total",
             "Failed engine metric scrapes, by replica.",
             ["replica"],
         ),
-    }
+    )
 
 
-class _ProcessCollectors(TypedDict):
+@dataclass(frozen=True)
+class _ProcessCollectors:
     process_asyncio_tasks: Gauge
     log_suppressed_total: Counter
 
@@ -742,21 +610,22 @@ def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
     """``kvlb_process_*`` beside the ``ProcessCollector``'s: the event loop's tasks; and the log
     rate limiter's held-back warnings."""
     counter, gauge, _ = _constructors(reg)
-    return {
-        "process_asyncio_tasks": gauge(
+    return _ProcessCollectors(
+        process_asyncio_tasks=gauge(
             "kvlb_process_asyncio_tasks",
             "Tasks alive on kvlb's event loop, counted at scrape time (the scrape's own included); "
             "flat under steady load, growth means a leak.",
         ),
-        "log_suppressed_total": counter(
+        log_suppressed_total=counter(
             "kvlb_log_suppressed_total",
             "Repeated warnings held back by the log rate limiter (balancer/log_limit.py), by cause.",
             ["cause"],
         ),
-    }
+    )
 
 
-class _RedisCollectors(TypedDict):
+@dataclass(frozen=True)
+class _RedisCollectors:
     redis_up: Gauge
     redis_errors_total: Counter
     redis_apply_seconds: Histogram
@@ -779,85 +648,84 @@ class _RedisCollectors(TypedDict):
 def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
     """``kvlb_redis_*``: the fleet mode (:mod:`balancer.fleet`); they only move when ``redis.url`` is set."""
     counter, gauge, histogram = _constructors(reg)
-    return {
-        "redis_up": gauge("kvlb_redis_up", "1 while this balancer's last Redis calls succeeded, else 0."),
-        "redis_errors_total": counter(
+    return _RedisCollectors(
+        redis_up=gauge("kvlb_redis_up", "1 while this balancer's last Redis calls succeeded, else 0."),
+        redis_errors_total=counter(
             "kvlb_redis_errors_total",
             "Failed Redis calls, by component (writer, mirror, lease, policy, snapshot).",
             ["component"],
         ),
-        "redis_apply_seconds": histogram(
+        redis_apply_seconds=histogram(
             "kvlb_redis_apply_seconds",
             "Time of one event batch applied to the Redis index (retries included).",
             buckets=_LATENCY_BUCKETS_S,
         ),
-        "redis_apply_retries_total": counter(
+        redis_apply_retries_total=counter(
             "kvlb_redis_apply_retries_total",
             "Event batch applies retried after a Redis error (the batch waits, bounded by the queue).",
         ),
-        "redis_stale_writes_total": counter(
+        redis_stale_writes_total=counter(
             "kvlb_redis_stale_writes_total",
             "Writes refused because the replica's generation moved on (another ingester or a drop).",
         ),
-        "redis_leases_held": gauge("kvlb_redis_leases_held", "Replica ingestion leases this balancer holds."),
-        "redis_lease_events_total": counter(
+        redis_leases_held=gauge("kvlb_redis_leases_held", "Replica ingestion leases this balancer holds."),
+        redis_lease_events_total=counter(
             "kvlb_redis_lease_events_total",
             "Ingestion lease changes of this balancer (acquired, released, lost, retaken after expiring).",
             ["event"],
         ),
-        "redis_fleet_members": gauge(
-            "kvlb_redis_fleet_members", "Live balancers seen in Redis (heartbeats)."
-        ),
-        "redis_mirror_lag_seconds": gauge(
+        redis_fleet_members=gauge("kvlb_redis_fleet_members", "Live balancers seen in Redis (heartbeats)."),
+        redis_mirror_lag_seconds=gauge(
             "kvlb_redis_mirror_lag_seconds",
             "Our wall clock minus the Redis time of the last stream entry the mirror applied.",
             ["space"],
         ),
-        "redis_mirror_entries_total": counter(
+        redis_mirror_entries_total=counter(
             "kvlb_redis_mirror_entries_total",
             "Stream entries applied to the local mirror, by key space.",
             ["space"],
         ),
-        "redis_mirror_resyncs_total": counter(
+        redis_mirror_resyncs_total=counter(
             "kvlb_redis_mirror_resyncs_total",
             "Mirror rebuilds after stream entries went missing, by key space.",
             ["space"],
         ),
-        "redis_mirror_skipped_entries_total": counter(
+        redis_mirror_skipped_entries_total=counter(
             "kvlb_redis_mirror_skipped_entries_total",
             "Stream entries the mirror could not decode and skipped (one with an entry number also"
             " rebuilds the mirror), by key space.",
             ["space"],
         ),
-        "redis_wrongtype_keys_total": counter(
+        redis_wrongtype_keys_total=counter(
             "kvlb_redis_wrongtype_keys_total",
             "Keys of kvlb's namespace found holding another type (garbage written over them), deleted"
             " and rebuilt by this balancer's next write.",
         ),
-        "redis_mirror_partial": gauge(
+        redis_mirror_partial=gauge(
             "kvlb_redis_mirror_partial",
             "1 when the mirror was built from a trimmed stream (older blocks unknown), by key space.",
             ["space"],
         ),
-        "redis_replicas_dropped_total": counter(
+        redis_replicas_dropped_total=counter(
             "kvlb_redis_replicas_dropped_total",
             "Replicas dropped fleet-wide after no events and failed health beyond the timeout.",
             ["replica"],
         ),
-        "redis_policy_updates_total": counter(
+        redis_policy_updates_total=counter(
             "kvlb_redis_policy_updates_total",
             "Policy changes written to Redis (source=local) or adopted from it (source=remote).",
             ["source"],
         ),
-        "redis_snapshots_total": counter(
+        redis_snapshots_total=counter(
             "kvlb_redis_snapshots_total",
             "Mirror table snapshots written to or loaded from Redis (op=write|load).",
             ["op"],
         ),
-    }
+    )
 
 
-class _ConsoleCollectors(TypedDict):
+@dataclass(frozen=True)
+class _ConsoleCollectors:
     console_series_overflow_total: Counter
     console_ring_entries: Gauge
     console_ring_bytes: Gauge
@@ -870,34 +738,121 @@ def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
     """``kvlb_console_*``: the decision ring (``/admin/decisions``, ``/admin/whatif``), the audit log
     and the time series of the console's plots (``/admin/series``)."""
     counter, gauge, histogram = _constructors(reg)
-    return {
-        "console_series_overflow_total": counter(
+    return _ConsoleCollectors(
+        console_series_overflow_total=counter(
             "kvlb_console_series_overflow_total",
             "Items the series sampler left out of an interval at its bounds: kind=ttft_samples (a "
             "TTFT sample beyond console.series_ttft_samples, kept or not by reservoir sampling), "
             "kind=replicas (a request counted under (other) beyond console.series_max_replicas).",
             ["kind"],
         ),
-        "console_ring_entries": gauge(
+        console_ring_entries=gauge(
             "kvlb_console_ring_entries", "Decisions held in the pool's decision ring.", ["pool"]
         ),
-        "console_ring_bytes": gauge(
+        console_ring_bytes=gauge(
             "kvlb_console_ring_bytes",
             "Estimated bytes held by the pool's decision ring (console.decision_ring_bytes caps it).",
             ["pool"],
         ),
-        "console_ring_evicted_total": counter(
+        console_ring_evicted_total=counter(
             "kvlb_console_ring_evicted_total",
             "Decisions evicted from the ring, by the bound that evicted them (count or bytes).",
             ["pool", "reason"],
         ),
-        "console_whatif_seconds": histogram(
+        console_whatif_seconds=histogram(
             "kvlb_console_whatif_seconds",
             "Time of one what-if replay (worker thread).",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
         ),
-        "console_audit_dropped_total": counter(
+        console_audit_dropped_total=counter(
             "kvlb_console_audit_dropped_total",
             "Policy changes dropped from the in-memory audit log (console.audit_log_size).",
         ),
-    }
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Metrics(
+    _HttpCollectors,
+    _AdmissionCollectors,
+    _UpstreamCollectors,
+    _RouteCollectors,
+    _EventsCollectors,
+    _IndexCollectors,
+    _ReplicaCollectors,
+    _ProcessCollectors,
+    _RedisCollectors,
+    _ConsoleCollectors,
+):
+    """Every collector kvlb exports: those of the subsystem sections it inherits (each declared once,
+    in its section above, and built by the builder beside it, whose docstring names the subsystem),
+    the registry and the scrape-time collectors. Build with :meth:`create`."""
+
+    registry: CollectorRegistry
+    index_tables: TableCountersCollector
+    upstream_connections: UpstreamCountersCollector
+    token_id_memo: TokenIdMemoCollector
+    key_memos: KeyMemoCollector
+    children: Children = field(default_factory=Children)
+    """The request path's ``labels()`` children, memoised (:class:`Children`)."""
+
+    def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
+        """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
+        that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
+        or discovered); ``replays``: its transport has a replay socket (ZMQ)."""
+        for reason in DECODE_ERROR_REASONS:
+            self.events_decode_errors_total.labels(engine, reason)
+        for kind, status in APPLIED_OUTCOMES:
+            self.events_applied_total.labels(engine, kind, status)
+        for counter in (
+            self.events_seq_gaps_total,
+            self.events_queue_overflow_total,
+            self.events_oversize_total,
+            self.events_disconnects_total,
+            self.scrape_errors_total,
+            self.predicted_cached_tokens_total,
+            self.reported_cached_tokens_total,
+        ):
+            counter.labels(replica)
+        for reason in RESYNC_REASONS:
+            self.events_resyncs_total.labels(replica, reason)
+        if replays:  # the ZMQ transports: they also shed (kvlb_events_shed_total)
+            self.events_shed_total.labels(replica)
+            for cause in SHED_CAUSES:
+                self.events_shed_runs_total.labels(replica, cause)
+            for outcome in REPLAY_OUTCOMES:
+                self.events_replays_total.labels(replica, outcome)
+            for outcome in REPLAY_POLL_OUTCOMES:
+                self.events_replay_polls_total.labels(replica, outcome)
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
+        """Every collector, registered on ``registry`` (a fresh one when ``None``), built per subsystem."""
+        reg = registry if registry is not None else CollectorRegistry()
+        # kvlb_process_{cpu_seconds_total,resident_memory_bytes,open_fds,...}: capacity and leaks.
+        ProcessCollector(namespace="kvlb", registry=reg)
+        tables = TableCountersCollector()
+        reg.register(tables)
+        connections = UpstreamCountersCollector()
+        reg.register(connections)
+        token_id_memo = TokenIdMemoCollector()
+        reg.register(token_id_memo)
+        key_memos = KeyMemoCollector()
+        reg.register(key_memos)
+        return cls(
+            registry=reg,
+            index_tables=tables,
+            upstream_connections=connections,
+            token_id_memo=token_id_memo,
+            key_memos=key_memos,
+            **_fields(_http_collectors(reg)),
+            **_fields(_admission_collectors(reg)),
+            **_fields(_upstream_collectors(reg)),
+            **_fields(_route_collectors(reg)),
+            **_fields(_events_collectors(reg)),
+            **_fields(_index_collectors(reg)),
+            **_fields(_replica_collectors(reg)),
+            **_fields(_process_collectors(reg)),
+            **_fields(_redis_collectors(reg)),
+            **_fields(_console_collectors(reg)),
+        )

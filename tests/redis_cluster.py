@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 import redis
+from procs_free import free_port
 from redis.crc import key_slot
-from redis_server import _free_port
 
 from balancer.index.redis.client import RedisClient, connect
 
@@ -174,7 +174,7 @@ def _start_answering_node(binary: str, data_dir: Path, taken: set[int], attempts
     be taken between the check and the server's bind (by another test's process), and redis-server
     then exits: that node is started again on another port, ``attempts`` times at most."""
     for _ in range(attempts):
-        port = _free_port()
+        port = free_port()
         if port in taken or port + 10000 >= 65536 or not _bindable(port + 10000):
             continue
         node = _start_node(binary, port, data_dir / str(port))

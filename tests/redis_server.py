@@ -11,7 +11,6 @@ import asyncio
 import atexit
 import itertools
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Collection, Sequence
@@ -21,6 +20,7 @@ from pathlib import Path
 import pytest
 import redis
 import redis.asyncio as aioredis
+from procs_free import free_port
 
 from balancer.events import KvEvent
 from balancer.fleet.space_mirror import SpaceMirror
@@ -71,19 +71,13 @@ class RedisServer:
             client.flushall()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def start_server(port: int | None = None, data_dir: Path | None = None) -> RedisServer:
     """Start a fresh server; ``pytest.skip`` if the binary is missing. With ``data_dir`` it keeps an
     append-only file there (fsync every second), so a restart on the same port and dir keeps the data."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server binary not found (make redis)")
-    port = port or _free_port()
+    port = port or free_port()
     argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--hz", str(HZ)]
     if data_dir is None:
         argv += ["--appendonly", "no"]

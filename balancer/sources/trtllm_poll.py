@@ -44,10 +44,9 @@ from balancer.sources.base import (
     SourceStatus,
     count_decode_error,
     count_decoded,
-    resyncs_in,
 )
 from balancer.sources.http import BodyTooLarge, read_capped
-from balancer.sources.trtllm_relay import disconnect_body
+from balancer.sources.trtllm_relay import count_drained, disconnect_body
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -289,18 +288,11 @@ class TrtllmPoller:
         log.debug("replica %s: undecodable drain: %s", self.replica, exc)
 
     def _deliver(self, batch: DecodedBatch, emit: Emit) -> None:
-        self._counters.messages += 1
-        self._counters.decode_errors += len(batch.errors)
-        resyncs: list[Resync] = resyncs_in(batch.events)
-        self._counters.resyncs += len(resyncs)
+        resyncs = count_drained(batch, self.replica, self._counters, self._metrics)
         if self._down and any(resync.reason in ("restart", "regression") for resync in resyncs):
             self._down = False
             log.info("replica %s: engine restarted (a new start-up burst of events)", self.replica)
         self._ranks.update(event.dp_rank for event in batch.events)
-        gaps = sum(1 for resync in resyncs if resync.reason == "gap")
-        if gaps:
-            self._counters.gaps += gaps
-            self._metrics.events_seq_gaps_total.labels(self.replica).inc(gaps)
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
             emit(IngestBatch(tuple(batch.events)))

@@ -43,7 +43,7 @@ from collections.abc import Iterable
 import zmq
 import zmq.asyncio
 
-from balancer.engines import Decoder
+from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
 from balancer.events import Resync
 from balancer.metrics import REPLAY_OUTCOMES, Metrics
@@ -93,6 +93,22 @@ def disconnected_ranks(body: bytes) -> list[int] | None:
     if not isinstance(ranks, list) or not all(isinstance(r, int) and r >= 0 for r in ranks):
         return None
     return ranks
+
+
+def count_drained(
+    batch: DecodedBatch, replica: ReplicaId, counters: SourceCounters, metrics: Metrics
+) -> list[Resync]:
+    """Count one decoded drain body, drained here (the poller) or relayed (a follower): the body,
+    its malformed events, its resyncs and its ``event_id`` gaps. Returns its resyncs."""
+    counters.messages += 1
+    counters.decode_errors += len(batch.errors)
+    resyncs = resyncs_in(batch.events)
+    counters.resyncs += len(resyncs)
+    gaps = sum(1 for resync in resyncs if resync.reason == "gap")
+    if gaps:
+        counters.gaps += gaps
+        metrics.events_seq_gaps_total.labels(replica).inc(gaps)
+    return resyncs
 
 
 def relay_endpoint(run_dir: str, replica: ReplicaId) -> str:
@@ -383,14 +399,7 @@ class RelaySource:
             count_decode_error(self._metrics, self._engine, exc)
             return
         count_decoded(self._metrics, self._engine, self.replica, batch)
-        self._counters.messages += 1
-        self._counters.decode_errors += len(batch.errors)
-        resyncs = resyncs_in(batch.events)
-        self._counters.resyncs += len(resyncs)
-        gaps = sum(1 for resync in resyncs if resync.reason == "gap")
-        if gaps:
-            self._counters.gaps += gaps
-            self._metrics.events_seq_gaps_total.labels(self.replica).inc(gaps)
+        count_drained(batch, self.replica, self._counters, self._metrics)
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
             emit(IngestBatch(tuple(batch.events)))

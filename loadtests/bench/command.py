@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 
@@ -32,18 +33,26 @@ def _usage(parser: argparse.ArgumentParser) -> int:
     return 2
 
 
+def print_report(
+    report: dict[str, Any], format_report: Callable[[dict[str, Any]], str], *, json_only: bool
+) -> int:
+    """Every bench's output: with ``--json`` (``json_only``) the report as indented JSON; else
+    ``format_report``'s table, a blank line and the report as one line of JSON. Returns 0 (the exit
+    status)."""
+    if json_only:
+        print(json.dumps(report, indent=2))
+    else:
+        print(format_report(report))
+        print()
+        print(json.dumps(report))
+    return 0
+
+
 def _run_index(args: argparse.Namespace) -> int:
     from loadtests.bench import index_bench
 
     shape = index_bench.SMOKE if args.smoke else index_bench.BenchShape()
-    report = index_bench.run(shape)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_index_report(report))
-        print()
-        print(json.dumps(report))
-    return 0
+    return print_report(index_bench.run(shape), format_index_report, json_only=args.json)
 
 
 def _num(value: float | None, digits: int = 1) -> str:

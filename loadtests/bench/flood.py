@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import tempfile
 import time
@@ -47,6 +46,8 @@ import aiohttp
 import yaml
 import zmq
 
+from loadtests.bench.command import print_report
+from loadtests.bench.overhead.report import metric_value
 from loadtests.bench.redis_bench import _wait_up, start_redis
 from loadtests.fleet.child_process import Child, python_module, spawn, stop_all
 from loadtests.stats import percentile
@@ -157,18 +158,6 @@ def tree_rss_bytes(pid: int) -> int:
                     total += int(line.split()[1]) * 1024
         except (OSError, ValueError, IndexError):
             continue
-    return total
-
-
-def scrape(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (every worker's)."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        head, _, value = line.rpartition(" ")
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
     return total
 
 
@@ -385,7 +374,7 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
             pub.close(linger=0)
             ctx.term()
     fleet = "kvlb_redis_lease_events_total{" in metrics
-    leases = scrape(metrics, "kvlb_redis_lease_events_total", event="lost") if fleet else None
+    leases = metric_value(metrics, "kvlb_redis_lease_events_total", event="lost") if fleet else None
     ratios = {
         "requests_p99": _ratio(flooded["requests"]["p99_ms"], baseline["requests"]["p99_ms"]),
         "healthz_p99": _ratio(flooded["healthz"]["p99_ms"], baseline["healthz"]["p99_ms"]),
@@ -401,18 +390,18 @@ async def measure(shape: FloodShape, log_dir: Path | None = None) -> dict[str, A
         "baseline": baseline,
         "flood": flooded,
         "rss_settled_mb": round(rss_settled / 2**20, 1),
-        "decision_ring_entries": scrape(metrics, "kvlb_console_ring_entries", pool="other"),
+        "decision_ring_entries": metric_value(metrics, "kvlb_console_ring_entries", pool="other"),
         "ratios": ratios,
         "leases_lost": leases,
         "after_flood_batch_taken": after_flood,
         "kvlb_events": {
-            "queue_overflows": scrape(metrics, "kvlb_events_queue_overflow_total"),
-            "resyncs": scrape(metrics, "kvlb_events_resyncs_total"),
-            "stored_blocks_applied": scrape(
+            "queue_overflows": metric_value(metrics, "kvlb_events_queue_overflow_total"),
+            "resyncs": metric_value(metrics, "kvlb_events_resyncs_total"),
+            "stored_blocks_applied": metric_value(
                 metrics, "kvlb_events_applied_total", type="stored", status="applied"
             ),
-            "seq_gaps": scrape(metrics, "kvlb_events_seq_gaps_total"),
-            "shed_messages": scrape(metrics, "kvlb_events_shed_total"),
+            "seq_gaps": metric_value(metrics, "kvlb_events_seq_gaps_total"),
+            "shed_messages": metric_value(metrics, "kvlb_events_shed_total"),
         },
     }
 
@@ -428,7 +417,9 @@ async def warm_up(session: aiohttp.ClientSession, url: str, shape: FloodShape) -
         while not full and time.perf_counter() - started < shape.warmup_s:
             await asyncio.sleep(0.5)
             async with session.get(url + "/metrics") as response:
-                full = scrape(await response.text(), "kvlb_console_ring_evicted_total", pool="other") > 0
+                full = (
+                    metric_value(await response.text(), "kvlb_console_ring_evicted_total", pool="other") > 0
+                )
     finally:
         load.stop()
         await runner
@@ -561,11 +552,4 @@ def run_command(args: argparse.Namespace) -> int:
     shape = replace(SMOKE if args.smoke else FloodShape(), workers=args.workers, redis=args.redis)
     if args.settle_s is not None:
         shape = replace(shape, settle_s=args.settle_s)
-    report = asyncio.run(measure(shape))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-        print()
-        print(json.dumps(report))
-    return 0
+    return print_report(asyncio.run(measure(shape)), format_report, json_only=args.json)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import shutil
 import socket
@@ -48,6 +47,7 @@ from balancer.index.slots import TableLimits
 from balancer.index.snapshot import capture, encode
 from balancer.index.table import PrefixTable
 from balancer.types import EngineHash, ReplicaId
+from loadtests.bench.command import print_report
 
 BS = 16
 HASHER = BlockHasher("bench", BS)
@@ -335,9 +335,4 @@ def add_parser(kinds: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _main(args: argparse.Namespace) -> int:
-    report = run(SMOKE if args.smoke else Shape())
-    if not args.json:
-        print(format_report(report))
-        print()
-    print(json.dumps(report, indent=None if not args.json else 2))
-    return 0
+    return print_report(run(SMOKE if args.smoke else Shape()), format_report, json_only=args.json)

@@ -253,6 +253,11 @@ class BlockCache:
             if not node.children:
                 self._push(node)
 
+    def _stamp(self, node: _Node, now: float) -> float:
+        """The eviction priority ``node`` takes when it is locked or unlocked at ``now`` (smallest
+        evicted first): here its access time (LRU); the oracle's cache overrides it."""
+        return now
+
     def _lock(self, node: _Node, now: float) -> None:
         root = self._root
         walker: _Node | None = node
@@ -260,7 +265,7 @@ class BlockCache:
             if walker.lock_ref == 0:
                 self.evictable_blocks -= len(walker.keys)
             walker.lock_ref += 1
-            walker.last_access_s = now
+            walker.last_access_s = self._stamp(walker, now)
             walker = walker.parent
 
     def _unlock(self, node: _Node, now: float) -> None:
@@ -268,7 +273,7 @@ class BlockCache:
         walker: _Node | None = node
         while walker is not None and walker is not root:
             walker.lock_ref -= 1
-            walker.last_access_s = now
+            walker.last_access_s = self._stamp(walker, now)
             if walker.lock_ref == 0:
                 self.evictable_blocks += len(walker.keys)
                 if not walker.children:
@@ -297,19 +302,27 @@ class BlockCache:
             entry = heapq.heappop(heap)
             if not self._evictable(entry):
                 continue
-            victim = entry[2]
-            parent = victim.parent
-            assert parent is not None
-            del parent.children[victim.keys[0]]
-            victim.alive = False
-            self._live_nodes -= 1
-            pages = len(victim.keys)
+            pages, parent = self._drop_leaf(entry[2])
             freed += pages
-            self.tree_blocks -= pages
-            self.evictable_blocks -= pages
-            self.stats.evictions += 1
-            self.stats.evicted_blocks += pages
-            self._events.append(Removed(0, tuple(EngineHash(page_id) for page_id in victim.ids)))
-            if parent is not self._root and not parent.children and not parent.lock_ref:
+            if parent is not None:
                 heapq.heappush(heap, (parent.last_access_s, parent.uid, parent))
         return freed
+
+    def _drop_leaf(self, victim: _Node) -> tuple[int, _Node | None]:
+        """Evict the unlocked leaf ``victim``: unlink it, count its pages out and note their
+        ``Removed`` event. Returns its pages, and its parent when that is left an unlocked leaf (a new
+        candidate; ``None`` otherwise)."""
+        parent = victim.parent
+        assert parent is not None
+        del parent.children[victim.keys[0]]
+        victim.alive = False
+        self._live_nodes -= 1
+        pages = len(victim.keys)
+        self.tree_blocks -= pages
+        self.evictable_blocks -= pages
+        self.stats.evictions += 1
+        self.stats.evicted_blocks += pages
+        self._events.append(Removed(0, tuple(EngineHash(page_id) for page_id in victim.ids)))
+        if parent is not self._root and not parent.children and not parent.lock_ref:
+            return pages, parent
+        return pages, None

@@ -36,9 +36,9 @@ import heapq
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from balancer.events import KvEvent, Removed
+from balancer.events import KvEvent
 from balancer.index.hashing import BlockHasher, chain_keys, pack_tokens
-from balancer.types import EngineHash, ReplicaId
+from balancer.types import ReplicaId
 from loadtests.oracle import NEVER, request_blocks
 from loadtests.simulate.block_cache import BlockCache, _Node
 from loadtests.simulate.replica_model import FastReplica, Job, ReplicaModel
@@ -227,27 +227,8 @@ class BeladyBlockCache(BlockCache):
     def _priority(self, node: _Node) -> float:
         return -float(self.future.after(node.keys[0], self.position())) if node.keys else 0.0
 
-    def _lock(self, node: _Node, now: float) -> None:
-        root = self._root
-        walker: _Node | None = node
-        while walker is not None and walker is not root:
-            if walker.lock_ref == 0:
-                self.evictable_blocks -= len(walker.keys)
-            walker.lock_ref += 1
-            walker.last_access_s = self._priority(walker)
-            walker = walker.parent
-
-    def _unlock(self, node: _Node, now: float) -> None:
-        root = self._root
-        walker: _Node | None = node
-        while walker is not None and walker is not root:
-            walker.lock_ref -= 1
-            walker.last_access_s = self._priority(walker)
-            if walker.lock_ref == 0:
-                self.evictable_blocks += len(walker.keys)
-                if not walker.children:
-                    self._push(walker)
-            walker = walker.parent
+    def _stamp(self, node: _Node, now: float) -> float:
+        return self._priority(node)
 
     def _evict(self, need_blocks: int) -> int:
         position = self.position()
@@ -264,19 +245,9 @@ class BeladyBlockCache(BlockCache):
                 if -victim.last_access_s != next_use:
                     heapq.heappush(heap, (victim.last_access_s, victim.uid, victim))
                     continue
-            parent = victim.parent
-            assert parent is not None
-            del parent.children[victim.keys[0]]
-            victim.alive = False
-            self._live_nodes -= 1
-            pages = len(victim.keys)
+            pages, parent = self._drop_leaf(victim)
             freed += pages
-            self.tree_blocks -= pages
-            self.evictable_blocks -= pages
-            self.stats.evictions += 1
-            self.stats.evicted_blocks += pages
-            self._events.append(Removed(0, tuple(EngineHash(page_id) for page_id in victim.ids)))
-            if parent is not self._root and not parent.children and not parent.lock_ref:
+            if parent is not None:
                 parent.last_access_s = self._priority(parent)
                 heapq.heappush(heap, (parent.last_access_s, parent.uid, parent))
         return freed

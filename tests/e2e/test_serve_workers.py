@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import pytest
 import yaml
 from aiohttp import web
 from kvlb_harness import completion_replica
+from procs_free import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import MODEL, Child, _spawn, start_serve, start_sim, stop
 
@@ -90,12 +90,6 @@ def write_config(tmp: Path, sglang: Child, trtllm: Child) -> Path:
     path = tmp / "kvlb.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def fresh_get(url: str) -> Any:

@@ -20,13 +20,13 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from emulated_replica import started
 
 from balancer.engines.sglang import SglangDecoder
 from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.base import IngestBatch
 from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from balancer.types import ReplicaId
 from replicas.sim.config import EngineKind, ReplicaConfig
 from replicas.sim.profiles import get_profile
@@ -61,12 +61,8 @@ async def running(zctx: zmq.asyncio.Context, engine: EngineKind) -> AsyncIterato
         topic="kv-events",
         page_size=4,
     )
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
 
 
 async def ask_replay(zctx: zmq.asyncio.Context, endpoint: str, start: int) -> list[list[bytes]]:

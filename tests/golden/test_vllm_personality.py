@@ -21,12 +21,12 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from emulated_replica import started
 from wire_hashes import vllm_block_hashes
 
 from balancer.engines.registry import engine_spec
 from balancer.events import Removed, Stored
 from balancer.load.scrape import parse_vllm_prometheus
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -50,12 +50,8 @@ async def running(zctx: zmq.asyncio.Context, **profile: Any) -> AsyncIterator[Re
     base = get_profile("cpu-small-llama").with_overrides(chunk_prefill_tokens=128, **profile)
     config = ReplicaConfig(name="vllm-0", engine="vllm", profile=base, time_scale=50.0, topic="kv-events")
     assert config.block_size == 128 and config.eviction_mode == "block"  # vLLM's defaults
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
 
 
 async def subscribed(zctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:

@@ -18,11 +18,13 @@ import aiohttp
 import zmq.asyncio
 from aiohttp import web
 from multidict import CIMultiDict
+from settings_tree import settings_from
 
 from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
+from loadtests.bench.overhead.report import metric_value as metric_value  # the tests import it from here
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -119,14 +121,7 @@ def settings_for(
         "health_interval_s": 0.2,
         "scrape_interval_s": 0.5,
     }
-    for dotted, value in overrides.items():
-        node = tree
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    settings: Settings = from_mapping(Settings, tree)
-    return settings.validate()
+    return settings_from(tree, overrides)
 
 
 @asynccontextmanager
@@ -264,18 +259,6 @@ def sse_payloads(raw: bytes) -> list[Any]:
                 data = line[len("data: ") :]
                 out.append(data if data == "[DONE]" else json.loads(data))
     return out
-
-
-def metric_value(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` in Prometheus text."""
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{") and not line.startswith(name + " "):
-            continue
-        head, _, value = line.rpartition(" ")
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 @functools.cache

@@ -18,8 +18,8 @@ from loadtests.bench.overhead.report import (
     format_report,
     histogram_delta,
     histogram_quantile,
+    metric_value,
     own_ratios,
-    parse_counter,
     parse_histogram,
     peer_ratios,
     percentile,
@@ -256,8 +256,8 @@ def test_counters_add_up_their_label_sets() -> None:
         'kvlb_tokenizer_token_id_memo_hits_total{pool="b"} 3.0\n'
         "kvlb_tokenizer_token_id_memo_hits_total_extra 100.0\n"
     )
-    assert parse_counter(text, "kvlb_tokenizer_token_id_memo_hits_total") == 15.0
-    assert parse_counter(text, "kvlb_tokenizer_token_id_memo_misses_total") == 0.0
+    assert metric_value(text, "kvlb_tokenizer_token_id_memo_hits_total") == 15.0
+    assert metric_value(text, "kvlb_tokenizer_token_id_memo_misses_total") == 0.0
 
 
 def test_peer_ratios_divide_kvlb_cpu_by_sglang_cache_aware() -> None:

@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections.abc import Callable
 
 import pytest
 import redis.asyncio as aioredis
 from kvlb_harness import Harness, metric_value, running, shared_deepseek, wait_for
 from redis_server import RedisServer, fresh_settings
+from waiting import eventually
 
 from balancer.events import Removed
 from balancer.fleet.writer import FencedWriter
@@ -40,13 +39,6 @@ def lines(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord
 async def metrics_text(h: Harness) -> str:
     async with h.session.get(h.url + "/metrics") as response:
         return await response.text()
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def test_a_corrupt_shared_policy_is_repaired_or_logged_once_and_counted(

@@ -12,9 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq.asyncio
+from emulated_replica import started
 
 from balancer.tokenizer.default import deepseek_tokenizer_file, default_tokenizer
-from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
+from balancer.tokenizer.tokenizer import Tokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -40,13 +41,10 @@ async def running(
     settings: dict[str, Any] = {"profile": get_profile("cpu-test"), "time_scale": 20.0, **overrides}
     config = ReplicaConfig(name="h", engine="sglang", **settings)
     zctx = zmq.asyncio.Context()
-    replica = Replica(config, tokenizer or TokenIdTokenizer(), zctx)
-    await replica.start()
     try:
-        async with aiohttp.ClientSession() as session:
+        async with started(config, zctx, tokenizer) as replica, aiohttp.ClientSession() as session:
             yield replica, session
     finally:
-        await replica.stop()
         zctx.destroy(linger=0)
 
 

@@ -19,8 +19,8 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from emulated_replica import started
 
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -40,12 +40,8 @@ async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
 async def running(zctx: zmq.asyncio.Context, **overrides: Any) -> AsyncIterator[Replica]:
     settings: dict[str, Any] = {"time_scale": 20.0, "profile": get_profile("cpu-test"), **overrides}
     config = ReplicaConfig(name="sg", engine="sglang", **settings)
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
 
 
 async def subscribe(zctx: zmq.asyncio.Context, endpoint: str) -> zmq.asyncio.Socket:

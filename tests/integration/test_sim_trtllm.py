@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 import zmq.asyncio
+from emulated_replica import started
 
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -53,13 +53,10 @@ async def running(**overrides: Any) -> AsyncIterator[tuple[Replica, aiohttp.Clie
     settings: dict[str, Any] = {"time_scale": 20.0, "page_size": TPB, **overrides}
     config = ReplicaConfig(name="trt", engine="trtllm", profile=get_profile("cpu-test"), **settings)
     zctx = zmq.asyncio.Context()
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
     try:
-        async with aiohttp.ClientSession() as session:
+        async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
             yield replica, session
     finally:
-        await replica.stop()
         zctx.destroy(linger=0)
 
 

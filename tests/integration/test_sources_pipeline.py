@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import pytest
+from waiting import eventually
 
 from balancer.events import Cleared, KvEvent, Removed, Resync, Stored
 from balancer.index.base import ApplyResult, IndexStats
@@ -63,15 +64,18 @@ def removed(n: int, rank: int = 0) -> IngestBatch:
     return IngestBatch((Removed(rank, (EngineHash(n),)),), engine_ts=time.time() - 0.5)
 
 
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 def sample(metrics: Metrics, name: str, labels: dict[str, str]) -> float:
     return metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def run_until_applied(pipeline: ReplicaPipeline, batches: int) -> None:
+    """Run ``pipeline`` until it has applied ``batches`` batches, then stop it."""
+    task = asyncio.create_task(pipeline.run())
+    try:
+        await eventually(lambda: pipeline.applied_batches == batches)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 async def test_batches_apply_in_order_with_monotonic_now_and_metrics() -> None:
@@ -82,12 +86,7 @@ async def test_batches_apply_in_order_with_monotonic_now_and_metrics() -> None:
     pipeline.offer(IngestBatch(()))  # empty batches are not queued
     assert pipeline.queued_batches == 50
     before = time.monotonic()
-    task = asyncio.create_task(pipeline.run())
-    try:
-        await eventually(lambda: pipeline.applied_batches == 50)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await run_until_applied(pipeline, 50)
     assert [e.engine_hashes[0] for e in index.events() if isinstance(e, Removed)] == list(range(50))
     assert len(index.calls) < 50  # queued batches were coalesced into fewer apply calls
     assert all(before <= now <= time.monotonic() for _, _, now in index.calls)
@@ -108,12 +107,7 @@ async def test_overflow_drops_the_backlog_and_resyncs_each_rank() -> None:
     pipeline.offer(removed(4, rank=1))  # full: everything queued so far and this batch go
     assert pipeline.queued_batches == 1
     pipeline.offer(removed(5, rank=0))  # after the overflow, batches queue normally
-    task = asyncio.create_task(pipeline.run())
-    try:
-        await eventually(lambda: pipeline.applied_batches == 2)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await run_until_applied(pipeline, 2)
     assert index.events() == [
         Resync(0, "overflow"),
         Resync(1, "overflow"),
@@ -134,12 +128,7 @@ async def test_an_event_over_max_event_blocks_is_dropped_and_its_rank_resyncs() 
     too_long = Stored(1, None, tuple(EngineHash(h) for h in range(5)), bytes(5 * 16 * 4), 16)
     padded = Stored(2, None, (EngineHash(9),), bytes(5 * 16 * 4), 16)  # few hashes, many tokens
     pipeline.offer(IngestBatch((fits, too_long, padded, Removed(3, tuple(map(EngineHash, range(5)))))))
-    task = asyncio.create_task(pipeline.run())
-    try:
-        await eventually(lambda: pipeline.applied_batches == 1)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await run_until_applied(pipeline, 1)
     assert index.events() == [fits, Resync(1, "oversize"), Resync(2, "oversize"), Resync(3, "oversize")]
     assert sample(metrics, "kvlb_events_oversize_total", {"replica": R1}) == 3
     assert sample(metrics, "kvlb_events_resyncs_total", {"replica": R1, "reason": "oversize"}) == 3
@@ -166,12 +155,7 @@ async def test_the_queue_is_bounded_in_bytes_too() -> None:
     assert pipeline.queued_bytes == batch_bytes([Resync(0, "overflow")] * 3)
     pipeline.offer(stored(0, 200_000))  # one batch over the bound on its own: resync at once
     assert pipeline.overflows == 2 and pipeline.queued_batches == 1
-    task = asyncio.create_task(pipeline.run())
-    try:
-        await eventually(lambda: pipeline.applied_batches == 1)
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+    await run_until_applied(pipeline, 1)
     assert index.events() == [Resync(0, "overflow"), Resync(1, "overflow"), Resync(2, "overflow")]
     assert pipeline.queued_bytes == 0
 

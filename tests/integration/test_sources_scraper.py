@@ -12,6 +12,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from waiting import eventually
 
 from balancer.load.scrape import parse_sglang_prometheus, parse_vllm_prometheus
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
@@ -175,10 +176,3 @@ async def test_timeout_and_connection_refused_count_as_errors(session: aiohttp.C
         assert tracker.snapshot(time.monotonic()).of(REPLICA).running_reqs is None
     finally:
         await engine.stop()
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)

@@ -13,15 +13,15 @@ import contextlib
 import dataclasses
 import json
 import logging
-import socket
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from procs_free import free_port
 from recording_index import RecordingIndex
+from waiting import eventually
 
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Removed, Resync, Stored
@@ -105,19 +105,6 @@ class FakeEngine:
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
 
 
 @pytest.fixture

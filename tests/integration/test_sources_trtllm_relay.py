@@ -5,30 +5,26 @@ the drainer kept, in order and once; past the history's bound the catch-up is ``
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import time
-from collections.abc import AsyncIterator, Callable
+import functools
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
+import waiting
 import zmq.asyncio
+from procs_free import free_port
 from recording_index import RecordingIndex
-from test_sources_trtllm_restart import FAST, REPLICA, TPB, complete, emulated, free_port
+from test_sources_trtllm_restart import REPLICA, TPB, complete, emulated, emulated_poller
 
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
 from balancer.sources.pipeline import EventIngest
-from balancer.sources.trtllm_poll import TrtllmPoller
 from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
 
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+eventually = functools.partial(waiting.eventually, timeout_s=10.0, poll_s=0.01)
+"""The shared wait, with this file's longer deadline."""
 
 
 def replays(metrics: Metrics, outcome: str) -> float:
@@ -59,15 +55,7 @@ async def drainer(
     as when that worker dies."""
     metrics = Metrics.create()
     relay = RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics, **history)
-    poller = TrtllmPoller(
-        REPLICA,
-        f"http://127.0.0.1:{port}",
-        session=session,
-        decoder=TrtllmDecoder(tokens_per_block=TPB),
-        metrics=metrics,
-        settings=FAST,
-        tap=relay,
-    )
+    poller = emulated_poller(session, port, metrics, tap=relay)
     async with ingesting(poller, metrics) as index:
         yield index, relay, metrics
 

@@ -5,18 +5,19 @@ disconnected, then as restarted once the new process's ``created`` burst arrives
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
 import zmq.asyncio
+from emulated_replica import started
+from procs_free import free_port
 from recording_index import RecordingIndex
+from waiting import eventually
 
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Resync, Stored
@@ -24,7 +25,6 @@ from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
@@ -38,19 +38,6 @@ FAST = PollSettings(
 LOGGER = "balancer.sources.trtllm_poll"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)
-
-
 @contextlib.asynccontextmanager
 async def emulated(port: int, zctx: zmq.asyncio.Context) -> AsyncIterator[Replica]:
     config = ReplicaConfig(
@@ -61,12 +48,23 @@ async def emulated(port: int, zctx: zmq.asyncio.Context) -> AsyncIterator[Replic
         page_size=TPB,
         http_port=port,
     )
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
+
+
+def emulated_poller(
+    session: aiohttp.ClientSession, port: int, metrics: Metrics, tap: RelayPublisher | None = None
+) -> TrtllmPoller:
+    """The poller of the emulated engine on ``port`` (:data:`FAST` polls), relaying to ``tap``."""
+    return TrtllmPoller(
+        REPLICA,
+        f"http://127.0.0.1:{port}",
+        session=session,
+        decoder=TrtllmDecoder(tokens_per_block=TPB),
+        metrics=metrics,
+        settings=FAST,
+        tap=tap,
+    )
 
 
 async def complete(session: aiohttp.ClientSession, replica: Replica, prompt: list[int]) -> None:
@@ -84,14 +82,7 @@ async def test_a_refused_drain_drops_the_engines_blocks_at_once_then_the_restart
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     try:
         async with aiohttp.ClientSession() as session:
-            poller = TrtllmPoller(
-                REPLICA,
-                f"http://127.0.0.1:{port}",
-                session=session,
-                decoder=TrtllmDecoder(tokens_per_block=TPB),
-                metrics=metrics,
-                settings=FAST,
-            )
+            poller = emulated_poller(session, port, metrics)
             ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
             ingest.add_replica(REPLICA, "trtllm", [poller])
             await ingest.start()
@@ -133,14 +124,8 @@ async def test_a_relay_follower_drops_the_engines_blocks_with_the_drainer(tmp_pa
     endpoint = relay_endpoint(str(tmp_path), REPLICA)
     try:
         async with aiohttp.ClientSession() as session:
-            poller = TrtllmPoller(
-                REPLICA,
-                f"http://127.0.0.1:{port}",
-                session=session,
-                decoder=TrtllmDecoder(tokens_per_block=TPB),
-                metrics=metrics,
-                settings=FAST,
-                tap=RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics),
+            poller = emulated_poller(
+                session, port, metrics, tap=RelayPublisher(endpoint, zctx, replica=REPLICA, metrics=metrics)
             )
             follower = RelaySource(
                 REPLICA,

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
-import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+import waiting
 import zmq.asyncio
+from emulated_replica import started
 from recording_index import RecordingIndex
 
 from balancer.engines.sglang import SglangDecoder
@@ -23,8 +25,8 @@ from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.zmq_sub import ZmqEventSource
-from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from balancer.types import ReplicaId
+from loadtests.faults.procs import free_ports
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
@@ -34,22 +36,8 @@ PAGE = 4
 LOGGER = "balancer.sources.zmq_sub"
 
 
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [int(sock.getsockname()[1]) for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
+eventually = functools.partial(waiting.eventually, timeout_s=10.0, poll_s=0.01)
+"""The shared wait, with this file's longer deadline."""
 
 
 @contextlib.asynccontextmanager
@@ -65,12 +53,8 @@ async def emulated(ports: list[int], zctx: zmq.asyncio.Context) -> AsyncIterator
         event_port=events,
         replay_port=replay,
     )
-    replica = Replica(config, TokenIdTokenizer(), zctx)
-    await replica.start()
-    try:
+    async with started(config, zctx) as replica:
         yield replica
-    finally:
-        await replica.stop()
 
 
 @contextlib.asynccontextmanager

@@ -22,6 +22,7 @@ import pytest
 import zmq
 import zmq.asyncio
 from recording_index import RecordingIndex
+from waiting import eventually
 
 from balancer.engines.sglang import SglangDecoder
 from balancer.metrics import Metrics
@@ -206,10 +207,3 @@ async def running(
         yield Rig(source, index, metrics, ingest)
     finally:
         await ingest.aclose()
-
-
-async def eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.005)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import shutil
 import subprocess
 import time
@@ -21,7 +20,7 @@ import aiohttp
 import pytest
 from certs import Pem, self_signed
 from procs_free import free_port
-from test_secrets_not_logged import Capture
+from test_secrets_not_logged import Capture, captured_fixture  # noqa: F401  (pytest fixture)
 from upstream_stub import MODEL, RecordingReplica, balancer_over, stub_settings
 
 from balancer.app import Balancer
@@ -93,20 +92,6 @@ async def gets_ready(url: str, pem: Pem, within_s: float = 1.5) -> bool:
     finally:
         await balancer.stop()
         await replica.stop()
-
-
-@pytest.fixture
-def captured() -> Iterator[Capture]:
-    handler = Capture()
-    root = logging.getLogger()
-    level = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    try:
-        yield handler
-    finally:
-        root.removeHandler(handler)
-        root.setLevel(level)
 
 
 async def test_the_fleet_over_rediss_with_a_password_that_is_never_shown(

@@ -32,8 +32,9 @@ class Capture(logging.Handler):
         self.lines.append(self.format(record))
 
 
-@pytest.fixture
-def captured() -> Iterator[Capture]:
+@pytest.fixture(name="captured")
+def captured_fixture() -> Iterator[Capture]:
+    """Every log record of the test, formatted, in ``lines`` (the root logger at DEBUG meanwhile)."""
     handler = Capture()
     root = logging.getLogger()
     level = root.level

@@ -19,9 +19,10 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 from kvlb_harness import wait_ready
+from settings_tree import settings_from
 
 from balancer.app import Balancer
-from balancer.config import Settings, from_mapping
+from balancer.config import Settings
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
 MODEL = "stub-model"
@@ -117,14 +118,7 @@ def stub_settings(replicas: list[RecordingReplica], **overrides: Any) -> Setting
         "health_interval_s": 0.2,
         "scrape_interval_s": 0,
     }
-    for dotted, value in overrides.items():
-        node = tree
-        *parents, leaf = dotted.split("__")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    settings: Settings = from_mapping(Settings, tree)
-    return settings.validate()
+    return settings_from(tree, overrides)
 
 
 @dataclass

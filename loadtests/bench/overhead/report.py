@@ -204,12 +204,16 @@ def parse_histogram(text: str, name: str) -> dict[str, Any]:
     return {"buckets": sorted(buckets.items()), "sum": total_sum, "count": count}
 
 
-def parse_counter(text: str, name: str) -> float:
-    """The sum of a counter's samples over every label set (0 when it is absent)."""
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` in Prometheus text whose labels include ``labels`` (every
+    label set without them; 0 when there is none)."""
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in (" ", "{"):
-            total += float(line.rpartition(" ")[2])
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        head, _, value = line.rpartition(" ")
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
     return total
 
 

@@ -73,6 +73,7 @@ import aiohttp
 
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import HfTokenizer, TokenizeLimits, Tokenizer
+from loadtests.bench.command import print_report
 from loadtests.bench.overhead.clients import REQUEST_TIMEOUT_S, BenchError, GrpcClient, Send, send
 from loadtests.bench.overhead.machine import idle_penalty
 from loadtests.bench.overhead.report import (
@@ -84,8 +85,8 @@ from loadtests.bench.overhead.report import (
     format_report,
     histogram_delta,
     latency_figures,
+    metric_value,
     own_ratios,
-    parse_counter,
     parse_histogram,
     peer_ratios,
     workers_ratios,
@@ -344,7 +345,7 @@ async def measure_kind(
     after = await scrape_metrics(session, kvlb_url)
     decisions = (parse_histogram(text, DECISION_METRIC) for text in (after, before))
     result["route_decision"] = decision_figures(histogram_delta(*decisions))
-    memo = {name: parse_counter(after, name) - parse_counter(before, name) for name in MEMO_COUNTERS}
+    memo = {name: metric_value(after, name) - metric_value(before, name) for name in MEMO_COUNTERS}
     result["token_id_memo"] = {name.split("_")[-2]: round(value) for name, value in memo.items()}
     return result
 
@@ -524,11 +525,4 @@ def shape_from_args(args: argparse.Namespace) -> OverheadShape:
 
 def run_command(args: argparse.Namespace) -> int:
     shape = shape_from_args(args)
-    report = _event_loop_runner()(measure(shape))
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-        print()
-        print(json.dumps(report))
-    return 0
+    return print_report(_event_loop_runner()(measure(shape)), format_report, json_only=args.json)
