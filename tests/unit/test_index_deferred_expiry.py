@@ -237,3 +237,67 @@ def test_each_key_gets_its_newest_listing_whichever_way_the_log_is_applied(
     merged.settle(in_turn=0)
     in_turn.settle(in_turn=len(log))
     assert list(merged.pending.items()) == list(in_turn.pending.items())
+
+
+class _EveryEntryTable(PrefixTable):
+    """Reads every due heap entry's keys, as before superseded entries were skipped."""
+
+    def _expire(self, now: float) -> None:
+        self._superseded.clear()
+        super()._expire(now)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(_OPS, max_size=50), st.sampled_from((8, 64)), st.sampled_from((0, 4, 1000)), st.booleans())
+def test_superseded_entries_skipped_end_as_every_entry_read(
+    ops: list[tuple[object, ...]], capacity: int, cap: int, frontier: bool
+) -> None:
+    """A heap entry whose very tuple its slot listed again (a first token after its lease) is
+    skipped when it comes due: every op's answer, the table, each slot's expiries, the counters and
+    the heap end as when every due entry's keys are read, with expiries equal across listings
+    (3.0 + 0.5 after 0.5 + 3.0), overflow, stores, removals, gaps and dropped replicas."""
+    gap = {"gap_hold_s": 0.5, "gap_keep_s": 2.0} if frontier else {}
+    limits = TableLimits(capacity_blocks=capacity, max_speculative_keys=cap, **gap)  # type: ignore[arg-type]
+    skipping, reading = _Run(PrefixTable(HASHER, limits)), _Run(_EveryEntryTable(HASHER, limits))
+    now = 0.0
+    for op in ops:
+        if op[0] == "tick":
+            now += float(op[1])  # type: ignore[arg-type]
+            continue
+        assert skipping.op(op, now) == reading.op(op, now)
+        assert list(skipping.t._masks.items()) == list(reading.t._masks.items())
+        assert skipping.t.counters == reading.t.counters
+    for replica in (A, B):
+        assert _expiries(skipping.t, replica) == _expiries(reading.t, replica)
+    assert [(e, k) for e, _, _, k in sorted(skipping.t._spec_heap)] == [
+        (e, k) for e, _, _, k in sorted(reading.t._spec_heap)
+    ]
+    later = now + 100.0
+    skipping.t.match_confirmed((), None, later), reading.t.match_confirmed((), None, later)
+    assert list(skipping.t._holders.items()) == list(reading.t._holders.items())
+    assert skipping.t.counters == reading.t.counters
+    assert not skipping.t._superseded and not skipping.t._spec_heap
+
+
+def test_a_lease_entry_superseded_by_its_first_token_is_skipped() -> None:
+    """A lease's 30 s entry, its tuple listed again by the first token: marked superseded, skipped
+    when due (not read), while a first token whose expiry equals another listing's still expires
+    its keys in the same pass; the marks go with their entries."""
+    t = PrefixTable(HASHER, TableLimits())
+    lease, other, alone = tuple(_CHAINS[0][:4]), tuple(_CHAINS[1][:4]), tuple(_CHAINS[2][:6])
+    t.add_speculative(B, alone, 30.0, 0.0)  # never listed again: read when due, beside the skipped
+    t.add_speculative(A, lease, 30.0, 0.0)
+    (first_seq,) = [seq for _, seq, _, keys in t._spec_heap if keys is lease]
+    t.add_speculative(A, lease, 2.0, 1.0)  # the first token: the lease's entry is superseded
+    assert t._superseded == {first_seq}
+    t.add_speculative(A, other, 3.0, 0.0)
+    t.add_speculative(A, other, 0.5, 2.5)  # the same expiry, 3.0, as its own first listing
+    t.match_confirmed((), None, 3.5)  # both first tokens due: every key goes
+    assert t.match_confirmed(lease, None, 3.5)[0].blocks[A] == 0
+    assert t.match_confirmed(other, None, 3.5)[0].blocks[A] == 0
+    assert t.counters.speculative_expired == 8
+    assert t.match_confirmed(alone, None, 3.5)[0].blocks == {A: 0, B: 6}
+    t.match_confirmed((), None, 31.0)  # the lease's entry: skipped, its mark gone
+    assert t.match_confirmed(alone, None, 31.0)[0].blocks == {A: 0, B: 0}
+    assert t.counters.speculative_expired == 14
+    assert not t._superseded and not t._spec_heap and not t._slots.specs[A].listed
