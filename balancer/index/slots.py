@@ -228,18 +228,7 @@ class SpecSlot:
     the prefix match (which saw how far the slot's bit runs along a chain) use :attr:`pending` and
     :attr:`held` directly."""
 
-    __slots__ = (
-        "alive",
-        "bit",
-        "deferred",
-        "deferred_keys",
-        "held",
-        "listed",
-        "pending",
-        "replica",
-        "slot",
-        "stored",
-    )
+    __slots__ = ("alive", "bit", "deferred", "deferred_keys", "held", "pending", "replica", "slot", "stored")
     dp_rank = 0
 
     def __init__(self, replica: ReplicaId, slot: int) -> None:
@@ -264,11 +253,6 @@ class SpecSlot:
         """Chains by ``id`` (the dict keeps them alive) → (the chain, ``depth``): its first ``depth``
         keys are in :attr:`pending`, no key having been removed from it since they were noted (at
         most :data:`HELD_MAX`)."""
-        self.listed: dict[int, int] = {}
-        """Routed tuples by ``id`` → the sequence number of their newest entry in the table's expiry
-        heap, while it is there (the entry keeps the tuple alive, so its id is not reused): a tuple
-        listed again marks its older entry superseded (``PrefixTable._superseded``). At most one per
-        heap entry."""
         self.alive = True
 
     @property

@@ -97,11 +97,6 @@ class PrefixTable(GapRecovery):
         self._slots = SlotRegistry(self.limits.max_slots, self.counters)
         self._spec_heap: list[tuple[float, int, SpecSlot, Sequence[int]]] = []
         self._spec_seq = 0
-        self._superseded: set[int] = set()
-        """Sequence numbers of heap entries whose very tuple their slot listed again since (a first
-        token re-adds its lease's tuple): every key of theirs has a newer listing, so the entry's pop
-        finds none due (a newer listing of a key with the same expiry pops it in the same pass) and
-        is skipped, log and lookups. At most one per heap entry; cleared with the heap's rebuild."""
         self._spec_count = 0
         self._spec_refs = 0
         """Keys listed by the heap's entries, stale ones included (a key re-added with a new expiry
@@ -653,10 +648,6 @@ class PrefixTable(GapRecovery):
                 self._touch_suspects(replica, taken)
         if taken:
             self._spec_seq += 1
-            older = spec.listed.get(id(taken))
-            if older is not None:  # this very tuple listed again: its older entry has nothing due
-                self._superseded.add(older)
-            spec.listed[id(taken)] = self._spec_seq
             self._spec_refs += len(taken)
             heapq.heappush(self._spec_heap, (expiry_s, self._spec_seq, spec, taken))
             if keys[0] not in self._roots.listed:  # every caller passes a prompt from its root
@@ -667,15 +658,9 @@ class PrefixTable(GapRecovery):
     def _expire(self, now: float) -> None:
         """Pop due heap entries; a key whose expiry was not extended meanwhile loses its bit."""
         heap = self._spec_heap
-        superseded = self._superseded
         while heap and heap[0][0] <= now:
-            expiry_s, seq, spec, keys = heapq.heappop(heap)
+            expiry_s, _, spec, keys = heapq.heappop(heap)
             self._spec_refs -= len(keys)
-            if superseded and seq in superseded:
-                superseded.discard(seq)
-                continue
-            if spec.listed.get(id(keys)) == seq:  # the tuple's newest entry: its id may be reused now
-                del spec.listed[id(keys)]
             if not spec.alive:
                 continue
             if spec.deferred:
@@ -712,9 +697,6 @@ class PrefixTable(GapRecovery):
                 heap.append((expiry_s, self._spec_seq, spec, keys))
         heapq.heapify(heap)
         self._spec_heap = heap
-        self._superseded.clear()
-        for spec in self._slots.specs.values():
-            spec.listed.clear()  # the new entries list groups, no routed tuple
         self._spec_refs = sum(len(keys) for *_, keys in heap)
         self.counters.speculative_compactions += 1
 
