@@ -9,11 +9,7 @@ keys instead of one per key, and give exactly what the per-key form gives:
   the end of the LRU order, newest use first; ``SpecSlot.settle`` gives each its newest listing's
   expiry): ``dict.fromkeys`` over every key, minus the lookups of prefixes already listed;
 * :func:`group_by_value`: a replica's speculative keys grouped by expiry
-  (``PrefixTable._compact_spec_heap`` rebuilds one heap entry per group);
-* :func:`leading_values` and :func:`values_of`: a chain's values in a dict (the
-  match's holder masks, a speculative slot's expiries), its leading run of present keys read by one
-  ``operator.itemgetter`` call (about half the CPU of ``map(table.get, keys)`` per key) after a
-  binary search for the run's end, ``dict.get``'s answers for the rest.
+  (``PrefixTable._compact_spec_heap`` rebuilds one heap entry per group).
 
 Checked against those plain references in ``tests/unit/test_index_settle.py``.
 """
@@ -21,14 +17,11 @@ Checked against those plain references in ``tests/unit/test_index_settle.py``.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from itertools import compress, islice, repeat
-from operator import itemgetter, ne
-from typing import TypeVar, cast
+from operator import ne
 
-__all__ = ["first_uses", "group_by_value", "leading_values", "values_of"]
-
-V = TypeVar("V")
+__all__ = ["first_uses", "group_by_value"]
 
 
 def first_uses(chains: Iterable[tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
@@ -90,64 +83,3 @@ def group_by_value(expiry: dict[int, float]) -> dict[float, list[int]]:
         else:
             found.extend(run)
     return groups
-
-
-def _run_end(table: Mapping[int, object], keys: Sequence[int]) -> int:
-    """An index ``end`` with ``keys[end - 1]`` in ``table`` and ``keys[end]`` not (``len(keys)`` when
-    the last key is in it, 0 when the first is not), found by a binary search: the end of the leading
-    run of present keys when presence does not come back after a missing key (a chain of block keys
-    whose tail is new or gone). Nothing is proven about the keys before it: callers read them with
-    ``itemgetter``, which raises ``KeyError`` for a missing one, and fall back to ``dict.get``."""
-    count = len(keys)
-    if not count or keys[0] not in table:
-        return 0
-    if keys[-1] in table:
-        return count
-    low, high = 0, count - 1  # keys[low] present, keys[high] missing
-    while high - low > 1:
-        mid = (low + high) // 2
-        if keys[mid] in table:
-            low = mid
-        else:
-            high = mid
-    return high
-
-
-def _read_run(table: Mapping[int, V], keys: Sequence[int], end: int) -> list[V] | None:
-    """``[table[key] for key in keys[:end]]`` by one ``itemgetter`` call, or ``None`` when one of
-    them is missing (``end`` ≥ 2)."""
-    try:
-        found = itemgetter(*(keys if end == len(keys) else keys[:end]))(table)
-    except KeyError:
-        return None
-    return list(found)
-
-
-def leading_values(table: Mapping[int, V], keys: Sequence[int]) -> list[V]:
-    """``table[key]`` for the keys of ``keys`` up to the first one missing from ``table``:
-    ``list(map(table.get, keys))`` cut before its first ``None`` (the prefix match's masks, whose
-    walk ends at the first key no slot holds)."""
-    end = _run_end(table, keys)
-    if end < 2:
-        return [table[keys[0]]] if end else []
-    found = _read_run(table, keys, end)
-    if found is None:  # a key missing inside the run (rare): the first missing one is earlier
-        found = []
-        for key in keys:
-            if key not in table:
-                break
-            found.append(table[key])
-    return found
-
-
-def values_of(table: Mapping[int, V], keys: Sequence[int]) -> list[V | None]:
-    """``list(map(table.get, keys))``, the leading run of present keys read by one ``itemgetter``
-    call (a speculative slot's expiries of a due chain, whose tail may be gone)."""
-    end = _run_end(table, keys)
-    run = _read_run(table, keys, end) if end > 1 else None
-    if run is None:
-        return list(map(table.get, keys))
-    found = cast("list[V | None]", run)  # a fresh list: it may take the Nones of the rest
-    if end < len(keys):
-        found += map(table.get, islice(keys, end, None))
-    return found

@@ -55,7 +55,7 @@ from balancer.index.base import ApplyResult, IndexStats
 from balancer.index.hashing import BlockHasher, full_blocks, pack_tokens
 from balancer.index.recovery import _NEVER, GapRecovery
 from balancer.index.roots import ROOTS_SLACK, RootCounts
-from balancer.index.settle import first_uses, group_by_value, leading_values, values_of
+from balancer.index.settle import first_uses, group_by_value
 from balancer.index.slots import CacheSlot, SlotRegistry, SpecSlot, TableCounters, TableLimits
 from balancer.types import BlockKey, Overlap, ReplicaId
 
@@ -518,15 +518,31 @@ class PrefixTable(GapRecovery):
         the run's last depth."""
         if not mask:
             return []
-        # The runs end at the first missing key (every AND after it gives 0): the masks up to it.
-        masks = leading_values(self._masks, keys)
-        if not masks:  # the first key is missing: no slot holds any key
+        # A missing key gives 0, and so does every AND after it: the runs are those of the keys up
+        # to it (cheaper than finding it: comparing ints with ``None`` is slow).
+        masks = list(map(self._masks.get, keys, repeat(0)))
+        if not masks:
             return []
         first = masks[0]
+        if not first:  # the first key is missing: no slot holds any key
+            return []
         same = masks.count(first)  # small ints: compared by identity
-        if same == len(masks):  # one holder set for all, e.g. a shared prefix, then a new user message
+        if same == len(masks):  # one holder set for all
             common = mask & first
             return [(same, common)] if common else []
+        if not masks[same] and masks[:same].count(first) == same:
+            # a shared prefix, then a missing key (a new user message): one run, found without
+            # comparing every key's mask with 0 (an int comparison each, twice)
+            common = mask & first
+            return [(same, common)] if common else []
+        if 0 in masks:  # the runs end at the first missing key: a new prompt's tail, typically
+            del masks[masks.index(0) :]
+            if not masks:
+                return []
+            first = masks[0]
+            if masks.count(first) == len(masks):  # e.g. a shared prefix, then a new user message
+                common = mask & first
+                return [(len(masks), common)] if common else []
         held = list(accumulate(masks, and_, initial=mask))
         walk: list[tuple[int, int]] = []
         values = sorted(set(held), reverse=True)
@@ -535,7 +551,7 @@ class PrefixTable(GapRecovery):
             if depth:
                 walk.append((depth, value ^ after))
         last = values[-1]
-        if last:
+        if last and masks:
             walk.append((len(masks), last))
         return walk
 
@@ -670,7 +686,7 @@ class PrefixTable(GapRecovery):
             # Counting them first is cheaper than the filter (``list.count`` compares in C, and finds
             # the keys of this very add by identity: they share its expiry's float object), and
             # usually finds none: every key re-listed since, by the same request or another.
-            expiries = values_of(pending, keys)
+            expiries = list(map(pending.get, keys))
             if not expiries.count(expiry_s):
                 continue
             due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))

@@ -3,9 +3,7 @@
 ``first_uses`` skips a routed chain's leading run of keys that an earlier chain already listed
 (found by a binary search, proven by comparing the run with that chain); ``group_by_value`` groups a
 replica's speculative expiries run by run; ``_log_touch`` lists a tuple re-added by the same request
-once; ``leading_values`` and ``values_of`` read a chain's leading run of present keys with one
-``itemgetter`` call. Each must give exactly what the per-key form gives, for chains and for
-arbitrary sequences.
+once. Each must give exactly what the per-key form gives, for chains and for arbitrary sequences.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from balancer.index.hashing import BlockHasher
-from balancer.index.settle import first_uses, group_by_value, leading_values, values_of
+from balancer.index.settle import first_uses, group_by_value
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.types import ReplicaId
@@ -124,41 +122,3 @@ def test_compaction_keeps_every_live_expiry() -> None:
     )
     assert listed == live and len(live) == 7
     assert [entry[0] for entry in sorted(t._spec_heap)] == [5.0, 5.2, 9.1]
-
-
-def _leading_reference(table: dict[int, int], keys: tuple[int, ...]) -> list[int]:
-    out = []
-    for key in keys:
-        if key not in table:
-            break
-        out.append(table[key])
-    return out
-
-
-@settings(max_examples=500, deadline=None)
-@given(
-    st.lists(st.integers(0, 12), max_size=20),
-    st.dictionaries(st.integers(0, 12), st.integers(1, 4), max_size=13),
-)
-def test_chain_reads_give_what_dict_get_gives(keys: list[int], table: dict[int, int]) -> None:
-    """Any keys against any table (present runs, gaps, presence coming back after a gap, repeats):
-    ``values_of`` is ``list(map(table.get, keys))`` and ``leading_values`` its part before the
-    first ``None``, whatever the binary search for the run's end guessed."""
-    chain_keys = tuple(keys)
-    assert values_of(table, chain_keys) == list(map(table.get, chain_keys))
-    assert leading_values(table, chain_keys) == _leading_reference(table, chain_keys)
-
-
-def test_chain_reads_of_chains_with_a_new_tail_or_a_gap() -> None:
-    """The shapes of the request path: a shared prefix then new keys (one ``itemgetter`` read of the
-    run), a gap inside the run the search found (the fallback), one key, none."""
-    table = {key: key * 10 for key in range(1, 9)}
-    assert leading_values(table, (1, 2, 3, 4, 50, 51)) == [10, 20, 30, 40]
-    assert values_of(table, (1, 2, 3, 4, 50, 51)) == [10, 20, 30, 40, None, None]
-    assert leading_values(table, (1, 60, 3, 4, 5, 50)) == [10]  # the search ends at 5: 60 is a gap
-    assert values_of(table, (1, 60, 3, 4, 5, 50)) == [10, None, 30, 40, 50, None]
-    assert leading_values(table, (1, 2, 3, 70, 8)) == [10, 20, 30]  # the last key present
-    assert values_of(table, (1, 2, 3, 70, 8)) == [10, 20, 30, None, 80]
-    assert leading_values(table, (2,)) == [20] and values_of(table, (2,)) == [20]
-    assert leading_values(table, (90, 1)) == [] and values_of(table, (90, 1)) == [None, 10]
-    assert leading_values(table, ()) == [] and values_of(table, ()) == []
