@@ -5,7 +5,8 @@ replicas (block size 16), the serve defaults for the table (``TableLimits(gap_ho
 gap_keep_s=2.0)``), ``speculative_ttl_s`` 2 s and ``pending_ttl_s`` 30 s, the cost policy. 32 prompts
 (random ids, or with ``--shared`` a 7,990-token shared prefix and 190 distinct ids each) are routed
 in turn (with ``--fresh``, one prompt per request, warm-up included, each a new 64-token tail on
-one 8,128-token prefix: ``chat_shared``'s shape, where every request lists 4 new blocks), one
+one 8,128-token prefix, or with ``--heads N`` on N such prefixes in turn: ``chat_shared``'s shape,
+where every request lists 4 new blocks, the bench's 32 system prompts with ``--heads 32``), one
 simulated millisecond apart.
 With ``in flight`` N, a request's first token comes N/2 routes after its lease and its release N/2
 after that; with 0, both come right after the lease.
@@ -94,11 +95,14 @@ def wrap(part: str) -> None:
     setattr(cls, name, through_call)
 
 
-def prompts(shared: bool, seed: int = 1, fresh: int = 0) -> list[array[int]]:
+def prompts(shared: bool, seed: int = 1, fresh: int = 0, heads: int = 1) -> list[array[int]]:
     rng = random.Random(seed)
-    if fresh:  # chat_shared's shape: one 8,128-token shared prefix, a new 64-token tail each
-        head = array("I", [rng.randrange(1, 100_000) for _ in range(8128)])
-        return [head + array("I", [rng.randrange(1, 100_000) for _ in range(64)]) for _ in range(fresh)]
+    if fresh:  # chat_shared's shape: 8,128-token shared prefixes in turn, a new 64-token tail each
+        prefixes = [array("I", [rng.randrange(1, 100_000) for _ in range(8128)]) for _ in range(heads)]
+        return [
+            prefixes[i % heads] + array("I", [rng.randrange(1, 100_000) for _ in range(64)])
+            for i in range(fresh)
+        ]
     if not shared:
         return [array("I", [rng.randrange(1, 100_000) for _ in range(8192)]) for _ in range(32)]
     prefix = [rng.randrange(1, 100_000) for _ in range(7990)]
@@ -169,6 +173,12 @@ def main() -> None:
     parser.add_argument(
         "--fresh", action="store_true", help="a new 64-token tail a request on a shared 8,128-token prefix"
     )
+    parser.add_argument(
+        "--heads",
+        type=int,
+        default=1,
+        help="--fresh: shared prefixes taken in turn (default 1; 32 as the bench)",
+    )
     parser.add_argument("--decisions", action="store_true", help="keep decisions as kvlb serve does")
     parser.add_argument("--requests", type=int, default=3000, help="requests timed (default 3000)")
     parser.add_argument("--warmup", type=int, default=300, help="requests before the timed (default 300)")
@@ -185,7 +195,9 @@ def main() -> None:
     args = parser.parse_args()
     weights = PolicyWeights.from_dict(name_values(args.weight, "--weight"))
     fresh = max(args.prompts or 0, args.warmup + args.requests) if args.fresh else 0
-    bodies = prompts(args.shared, fresh=fresh)
+    if args.heads < 1:
+        parser.error("--heads must be at least 1")
+    bodies = prompts(args.shared, fresh=fresh, heads=args.heads)
     in_flights = (0, 32) if args.in_flight is None and args.callgrind is None else (args.in_flight or 0,)
     for in_flight in in_flights:
         log = DecisionLog(DECISION_RING, 128 * 1024 * 1024) if args.decisions else None
