@@ -39,6 +39,7 @@ from balancer.api.middleware import REQUEST_ID, STATE, caller
 from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
 from balancer.api.parsing import (
     RequestKind,
+    check_query,
     parse_json_object,
     parse_request,
     parse_weights_header,
@@ -311,15 +312,14 @@ def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: s
 
 
 SERIES_DEFAULT_MINUTES = 10.0
+SERIES_PARAMS = frozenset({"minutes"})
 
 
 async def series(request: web.Request) -> web.Response:
     """``GET /admin/series?minutes=``: the console's time series (:mod:`balancer.service.series`)
     over the last ``minutes`` (default 10, at most what the ring holds; 400 when not a number > 0)."""
     state = request.app[STATE]
-    unknown = sorted(set(request.query) - {"minutes"})
-    if unknown:
-        raise ApiError(400, f"unknown query parameter(s) {[k[:40] for k in unknown[:5]]}; expected 'minutes'")
+    check_query(request.query, SERIES_PARAMS)
     raw = request.query.get("minutes")
     minutes = SERIES_DEFAULT_MINUTES
     if raw is not None:

@@ -31,7 +31,7 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import STATE
 from balancer.api.openai import read_body
-from balancer.api.parsing import parse_json_object, weights_from
+from balancer.api.parsing import check_query, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
 from balancer.service.decisions import DecisionRecord, terms_by_replica
@@ -209,12 +209,6 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
     }
 
 
-def _known_params(query: Mapping[str, str], known: frozenset[str]) -> None:
-    unknown = sorted(set(query) - known)
-    if unknown:
-        raise ApiError(400, f"unknown query parameter(s) {unknown[:5]}; known: {sorted(known)}")
-
-
 DECISIONS_PARAMS = frozenset({"pool", "replica", "tenant", "since_id", "limit"})
 AUDIT_PARAMS = frozenset({"limit"})
 
@@ -240,7 +234,7 @@ def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default
 
 def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, Any]:
     """``/admin/decisions`` for the query parameters in ``query`` (400 when one is bad)."""
-    _known_params(query, DECISIONS_PARAMS)
+    check_query(query, DECISIONS_PARAMS)
     pool = _text_filter(query, "pool")
     if pool is not None and pool not in state.pools:
         raise ApiError(404, f"unknown pool {pool!r}; known: {', '.join(sorted(state.pools)) or 'none'}")
@@ -270,7 +264,7 @@ def decision_json(state: ServiceState, raw_id: str) -> dict[str, Any]:
 
 
 async def get_decision(request: web.Request) -> web.Response:
-    _known_params(request.query, frozenset())
+    check_query(request.query, frozenset())
     body = decision_json(request.app[STATE], request.match_info["id"])
     return web.json_response(body, dumps=strict_json.dumps)
 
@@ -280,7 +274,7 @@ def audit_json(state: ServiceState, limit: int) -> dict[str, Any]:
 
 
 async def audit(request: web.Request) -> web.Response:
-    _known_params(request.query, AUDIT_PARAMS)
+    check_query(request.query, AUDIT_PARAMS)
     limit = _int_param(request.query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT)
     return web.json_response(audit_json(request.app[STATE], limit), dumps=strict_json.dumps)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -460,6 +461,19 @@ def _prompt(body: Mapping[str, Any]) -> str | list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise ApiError(400, "batched prompts are not supported: send one prompt per request")
     raise ApiError(400, "'prompt' is required and must be a string or an array of token ids")
+
+
+def check_query(query: Mapping[str, str], known: frozenset[str]) -> None:
+    """400 unless every query parameter in ``query`` (a multidict: aiohttp's ``request.query``) is
+    one of ``known`` and given once: a repeated parameter is refused, not read as its first value."""
+    unknown = sorted(set(query) - known)
+    if unknown:
+        names = [name[:40] for name in unknown[:5]]
+        raise ApiError(400, f"unknown query parameter(s) {names}; known: {sorted(known)}")
+    if len(query) > len(set(query)):  # a multidict's length counts every value, its keys once each
+        counts = Counter(name for name, _ in query.items())
+        repeated = sorted(name[:40] for name, count in counts.items() if count > 1)
+        raise ApiError(400, f"query parameter(s) {repeated[:5]} given more than once; give each once")
 
 
 def parse_weights_header(value: str, base: PolicyWeights) -> PolicyWeights:

@@ -98,7 +98,7 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         async with h.session.post(h.url + "/admin/whatif", json={}, headers=AUTH) as response:
             assert response.status == 429 and response.headers["Retry-After"] == "1"
         state.whatif_running = 0
-        for query in ("limit=0", "limit=1001", "since_id=x", "limit=abc"):
+        for query in ("limit=0", "limit=1001", "since_id=x", "limit=abc", "limit=5&limit=6", "nope=1"):
             status, _ = await _call(h, "GET", f"/admin/decisions?{query}")
             assert status == 400, query
         status, _ = await _call(h, "GET", "/admin/decisions/abc")

@@ -66,6 +66,8 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
             ("GET", "/admin/audit", None, None, 200),
             ("GET", "/admin/series?minutes=15", None, None, 200),
             ("GET", "/admin/series?minutes=nan", None, None, 400),
+            ("GET", "/admin/series?minutes=0.1&minutes=false", None, None, 400),  # given twice
+            ("GET", "/admin/audit?limit=1&limit=1", None, None, 400),
             ("GET", "/v1/models", None, None, 200),
             ("POST", "/v1/completions", completion, top_header, 200),
             ("POST", "/v1/chat/completions", chat, None, 200),
