@@ -5,6 +5,8 @@ Standing faults (flags at start-up, or ``POST /admin/faults``):
 * ``drop_events``: fraction of event batches lost after their sequence number (SGLang ``seq``) or
   ``event_id`` (TRT-LLM) was assigned, as a PUB high-water mark or a full TRT-LLM queue loses them. SGLang
   keeps dropped batches in its replay buffer, so a subscriber can fill the gap by replay.
+* ``replay_dropped``: ``false`` keeps those lost batches out of the replay buffer too (lost for good,
+  as when the buffer rotated past them): only a receipt or a later gap can tell kvlb.
 * ``slowdown``: step-time multiplier (1 = nominal, 3 = three times slower).
 * ``fail_health``: ``/health`` and ``/health_generate`` answer 503.
 * ``crash_after_chunks``: streaming responses are cut (connection aborted) after this many chunks.
@@ -29,6 +31,10 @@ class FaultSettings:
 
     drop_events: float = 0.0
     """Fraction in [0, 1] of event batches silently lost (0: none, 1: every batch)."""
+
+    replay_dropped: bool = True
+    """Whether a batch ``drop_events`` lost is still kept in the SGLang/vLLM replay buffer (as after
+    a PUB high-water-mark loss); ``False``: lost for good, as when the buffer rotated past it."""
 
     slowdown: float = 1.0
     """Step-time multiplier, > 0 (1: nominal speed)."""

@@ -107,11 +107,14 @@ class ZmqRankPublisher:
             self.publish(events)
 
     def publish(self, events: list[object]) -> None:
-        """One batch: its seq is consumed and it is kept for replay even when the fault drops it."""
+        """One batch: its seq is consumed and it is kept for replay even when the fault drops it
+        (unless ``replay_dropped`` is off)."""
         payload = self._encoder.batch(time.time(), events, self.rank)
         seq, self.seq = self.seq, self.seq + 1
-        self.buffer.append((seq, payload))
-        if self._faults.drop_batch():
+        lost = self._faults.drop_batch()
+        if not lost or self._faults.settings.replay_dropped:
+            self.buffer.append((seq, payload))
+        if lost:
             return
         epoch = self.epoch if self.config.epoch_in_topic else None
         try:

@@ -205,6 +205,23 @@ async def test_replay_fills_a_gap_left_by_dropped_batches(zctx: zmq.asyncio.Cont
         sub.close()
 
 
+async def test_batches_dropped_without_replay_are_lost_for_good(zctx: zmq.asyncio.Context) -> None:
+    """``replay_dropped: false``: the dropped batch is in neither the live stream nor the replay
+    buffer (the later batches are in both)."""
+    async with running(zctx) as replica, aiohttp.ClientSession() as session:
+        publisher = replica.personality.publishers[0]  # type: ignore[union-attr]
+        sub = await subscribe(zctx, publisher.pub_endpoint)
+        await session.post(replica.url + "/admin/faults", json={"drop_events": 1.0, "replay_dropped": False})
+        await complete(session, replica, list(range(500, 520)))  # seq 1 is lost for good
+        await session.delete(replica.url + "/admin/faults")
+        await complete(session, replica, list(range(600, 620)))
+        seen = [ref_decode(frames)[0] for frames in await receive(sub)]
+        assert seen and seen[0] >= 2
+        replayed = [int.from_bytes(r[1], "big") for r in await replay(zctx, publisher.replay_endpoint, 0)]
+        assert replayed[0] == 0 and 1 not in replayed and seen[0] in replayed
+        sub.close()
+
+
 async def test_replay_from_before_the_buffer_starts_at_the_oldest_kept_batch(
     zctx: zmq.asyncio.Context,
 ) -> None:
