@@ -478,12 +478,13 @@ class Admission:
         self._admit_waiters()
 
     def _admit_waiters(self) -> bool:
-        """Admit the waiters whose turn comes while they fit: first the front queue's (bytes), then
-        the ring's tenants in turn, one waiter each (bytes, and a slot of the whole service, other
-        workers' slots included). A tenant whose slots are taken with the other workers' counted
-        (:attr:`tenant_peers`) is set aside (:attr:`_blocked`) and its turn passes; otherwise it
-        stops at the first that does not fit. Publishes :attr:`inflight` and says whether it
-        admitted any for a slot."""
+        """Admit the waiters whose turn comes while they fit: first the parsed requests' (their head
+        also when no parsed bytes are held: "Parsed requests" above), then the front queue's
+        (bytes), then the ring's tenants in turn, one waiter each (bytes, and a slot of the whole
+        service, other workers' slots included). A tenant whose slots are taken with the other
+        workers' counted (:attr:`tenant_peers`) is set aside (:attr:`_blocked`) and its turn passes;
+        otherwise it stops at the first that does not fit. Publishes :attr:`inflight` and says
+        whether it admitted any for a slot."""
         limit_bytes = self.limits.max_inflight_body_bytes
         parsed = self._parsed
         while parsed:
