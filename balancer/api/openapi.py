@@ -242,7 +242,10 @@ def _admin_paths() -> dict[str, Any]:
                     }
                 ],
                 "requestBody": _body(_POLICY_CHANGE),
-                "responses": {"200": _json(_POLICY, "Policy after the change"), **_errors(400, 401, 503)},
+                "responses": {
+                    "200": _json(_POLICY, "Policy after the change"),
+                    **_errors(400, 401, 408, 413, 503),
+                },
             },
         },
         "/admin/explain": {
@@ -250,7 +253,7 @@ def _admin_paths() -> dict[str, Any]:
                 "summary": "Dry-run routing of a request body: the decision with every cost term",
                 **admin,
                 "requestBody": _body({"oneOf": [_CHAT_BODY, _COMPLETION_BODY]}),
-                "responses": {"200": ok, **_errors(400, 401, 404, 503)},
+                "responses": {"200": ok, **_errors(400, 401, 404, 408, 413, 429, 503)},
             }
         },
         "/admin/replicas": {
@@ -308,7 +311,7 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
                 "requestBody": _body(_WHATIF),
                 "responses": {
                     "200": _json(_WHATIF_ANSWER, "The replay's figures"),
-                    **_errors(400, 401, 404, 429),
+                    **_errors(400, 401, 404, 408, 413, 429),
                 },
             }
         },
