@@ -40,6 +40,7 @@ from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
 from balancer.api.parsing import (
     RequestKind,
     check_query,
+    decimal_number,
     parse_json_object,
     parse_request,
     parse_weights_header,
@@ -317,18 +318,17 @@ SERIES_PARAMS = frozenset({"minutes"})
 
 async def series(request: web.Request) -> web.Response:
     """``GET /admin/series?minutes=``: the console's time series (:mod:`balancer.service.series`)
-    over the last ``minutes`` (default 10, at most what the ring holds; 400 when not a number > 0)."""
+    over the last ``minutes`` (default 10, at most what the ring holds; 400 unless a decimal number
+    > 0 in ASCII digits: :func:`~balancer.api.parsing.decimal_number`)."""
     state = request.app[STATE]
     check_query(request.query, SERIES_PARAMS)
     raw = request.query.get("minutes")
     minutes = SERIES_DEFAULT_MINUTES
     if raw is not None:
-        try:
-            minutes = float(raw)
-        except ValueError:
-            minutes = math.nan
-        if not math.isfinite(minutes) or minutes <= 0:
-            raise ApiError(400, f"'minutes' must be a number > 0, got {raw[:40]!r}")
+        given = decimal_number(raw)
+        if given is None or not math.isfinite(given) or given <= 0:
+            raise ApiError(400, f"'minutes' must be a decimal number > 0 (as 10 or 0.5), got {raw[:40]!r}")
+        minutes = given
     sampler = state.series
     if sampler is None:
         raise ApiError(404, "the series sampler is not running on this balancer")

@@ -31,7 +31,7 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import STATE
 from balancer.api.openai import read_body
-from balancer.api.parsing import check_query, parse_json_object, weights_from
+from balancer.api.parsing import check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
 from balancer.service.decisions import DecisionRecord, terms_by_replica
@@ -253,10 +253,9 @@ async def list_decisions(request: web.Request) -> web.Response:
 
 
 def decision_json(state: ServiceState, raw_id: str) -> dict[str, Any]:
-    try:
-        record_id = int(raw_id)
-    except ValueError:
-        raise ApiError(400, f"decision id must be an integer, got {raw_id[:40]!r}") from None
+    record_id = decimal_integer(raw_id)
+    if record_id is None:
+        raise ApiError(400, f"decision id must be an integer in decimal digits, got {raw_id[:40]!r}")
     record = state.decisions.find(record_id)
     if record is None:
         raise ApiError(404, f"decision {record_id} is not in the ring (evicted, or never made)")

@@ -280,7 +280,8 @@ def _admin_paths() -> dict[str, Any]:
                         "name": "minutes",
                         "in": "query",
                         "required": False,
-                        "description": "How far back (default 10; capped at what the ring holds)",
+                        "description": "How far back, in decimal digits as 10 or 0.5 (default 10; capped at"
+                        " what the ring holds)",
                         "schema": {"type": "number", "exclusiveMinimum": 0},
                     }
                 ],
@@ -347,7 +348,15 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
             "get": {
                 "summary": "One recorded decision: its explanation (as /admin/explain) and its inputs",
                 **admin,
-                "parameters": [{"name": "id", "in": "path", "required": True, "schema": {"type": "integer"}}],
+                "parameters": [
+                    {
+                        "name": "id",
+                        "in": "path",
+                        "required": True,
+                        "description": "In decimal digits",
+                        "schema": {"type": "integer"},
+                    }
+                ],
                 "responses": {"200": _json({"type": "object"}, "The decision"), **_errors(400, 401, 404)},
             }
         },

@@ -13,6 +13,7 @@ and words each refusal as before; so the fast decoders change what a request cos
 
 from __future__ import annotations
 
+import re
 import sys
 from array import array
 from collections import Counter
@@ -461,6 +462,32 @@ def _prompt(body: Mapping[str, Any]) -> str | list[int]:
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise ApiError(400, "batched prompts are not supported: send one prompt per request")
     raise ApiError(400, "'prompt' is required and must be a string or an array of token ids")
+
+
+_DECIMAL_NUMBER = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def decimal_number(text: str) -> float | None:
+    """``text`` (a query parameter) read as an unsigned decimal number in ASCII digits (``10``,
+    ``0.5``, ``1e-3``), else ``None``. ``float`` alone also reads ``1_0``, `` 5``, ``5\\n``, ``+5``,
+    ``inf`` and other scripts' digits (``\\u0665``, an Arabic-Indic five), none of which is a
+    number as the OpenAPI document describes it. Too large for a float: ``inf``."""
+    if _DECIMAL_NUMBER.fullmatch(text) is None:
+        return None
+    return float(text)
+
+
+def decimal_integer(text: str) -> int | None:
+    """``text`` (a path parameter) read as an integer in ASCII decimal digits with an optional
+    ``-`` (``12``, ``-3``), else ``None``; ``int`` alone also reads `` 12``, ``1_2``, ``+12`` and other
+    scripts' digits. ``None`` too past Python's 4,300-digit limit of ``int``."""
+    digits = text.removeprefix("-")
+    if not (digits.isascii() and digits.isdigit()):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # over sys.get_int_max_str_digits() digits
+        return None
 
 
 def check_query(query: Mapping[str, str], known: frozenset[str]) -> None:

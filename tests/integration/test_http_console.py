@@ -103,6 +103,18 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
             assert status == 400, query
         status, _ = await _call(h, "GET", "/admin/decisions/abc")
         assert status == 400
+        # Only ASCII decimal digits name a decision: int() alone reads each of these as an id made
+        # (10, or 5 for an Arabic-Indic five), and schemathesis counts a 200 to them as accepting
+        # invalid data.
+        for loose in ("1_0", f"%20{ids[0]}", f"{ids[0]}%20", "%D9%A5", f"%2B{ids[0]}"):
+            status, error = await _call(h, "GET", f"/admin/decisions/{loose}")
+            assert status == 400 and "decimal digits" in error["error"]["message"], loose
+        for query in ("minutes=1_0", "minutes=%205", "minutes=5%0A", "minutes=%D9%A5", "minutes=%2B5"):
+            status, error = await _call(h, "GET", f"/admin/series?{query}")
+            assert status == 400 and "decimal number" in error["error"]["message"], query
+        for query in ("minutes=5", "minutes=0.5", "minutes=1e1"):
+            status, series = await _call(h, "GET", f"/admin/series?{query}")
+            assert status == 200 and series["intervals"], query
         status, _ = await _call(h, "GET", "/admin/decisions/999999")
         assert status == 404
 
