@@ -125,7 +125,8 @@ async def test_ping_answers_within_50ms_while_a_maximal_event_applies(
 
     On a loaded machine the OS sometimes stalls the Redis process itself (a lone ``ZREM`` then
     shows 80 ms in the SLOWLOG), so the scenario gets up to 3 attempts, its best one counts, and on an
-    overloaded machine the bound is stretched by the load (:func:`ping_bound_s`); before the fix
+    overloaded machine the bound is stretched by the load (:func:`ping_bound_s`): an attempt within
+    the bound ends the test, further ones only repeat the measurement; before the fix
     every attempt took 1.7-2.1 s per script."""
     figures: list[str] = []
     best = float("inf")
@@ -147,10 +148,10 @@ async def test_ping_answers_within_50ms_while_a_maximal_event_applies(
             else:
                 assert capacity - capacity // 128 - settings_limit(index) <= unique <= capacity
         best = min(best, worst_of_attempt)
-        if best <= MAX_PING_S:
+        load = os.getloadavg()[0]
+        bound = ping_bound_s(load, os.cpu_count() or 1)
+        if best <= bound:
             break
-    load = os.getloadavg()[0]
-    bound = ping_bound_s(load, os.cpu_count() or 1)
     print("\n" + "\n".join(figures) + f"\nload average {load:.1f}: bound {bound * 1000:.0f} ms")
     assert best <= bound, (load, figures)
 
