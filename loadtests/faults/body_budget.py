@@ -182,7 +182,7 @@ async def one_run(
                 while not done.is_set():
                     figures = await f.metrics()
                     peak_held = max(peak_held, figures.get("kvlb_admission_body_bytes", 0.0))
-                    peak_parsed = max(peak_parsed, figures.get("kvlb_admission_parsed_bytes", 0.0))
+                    peak_parsed = max(peak_parsed, figures.get("kvlb_admission_tokenizing_bytes", 0.0))
                     await asyncio.sleep(0.02)
 
             async def post(session: aiohttp.ClientSession, body: bytes) -> int:
