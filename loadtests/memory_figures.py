@@ -5,8 +5,8 @@
 * ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of nine shapes
   (each decoder: typed, untyped, stdlib): the peak while parsing and what the parsed request keeps,
   over the body's bytes, and the request's estimate of what it keeps
-  (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`, what it holds of the byte budget while
-  it waits for the tokenizer) over the kept figure;
+  (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`, its parsed form's part of what it
+  holds of the byte budget while it is tokenized in a thread) over the kept figure;
 * ``ids``: the token ids of one long prompt (the default tokenizer): bytes kept per id;
 * ``events``: engine decoders on real captured frames (``tests/golden/real/``) and on synthetic
   batches: the peak while decoding one message, the memory a queue of decoded batches keeps per

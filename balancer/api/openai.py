@@ -62,9 +62,10 @@ log = logging.getLogger(__name__)
 TOKENIZER_BYTES_PER_CHAR = 512
 """Estimate of the tokenizer's working memory (its peak RSS rise) while it encodes a text in a thread,
 in bytes per character of the text: the worst of the shapes measured by ``python -m
-loadtests.memory_figures tokenizer`` (``docs/reliability.md``, "Memory": random emoji, 447–510 B a
-character; CJK 411–481, random latin-1 bytes 340, digits 181, ASCII words 110–117). It is held,
-with the parsed form, until the tokenizer returns (:func:`tokenizing_hold_bytes`)."""
+loadtests.memory_figures tokenizer`` (``docs/reliability.md``, "Memory": random emoji 439–510 B a
+character, CJK 411–481, random latin-1 bytes 331–403, digits 116–184, ASCII words 94–120, runs of
+whitespace 52–60; 0.25–6 M characters). It is held, with the parsed form, until the tokenizer
+returns (:func:`tokenizing_hold_bytes`)."""
 INLINE_TOKENIZE_CHARS = 4096
 """Requests whose text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`: the prompt, or all of
 a chat's messages, content parts, tools and a per-message allowance) is at most this many characters
