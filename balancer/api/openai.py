@@ -281,7 +281,8 @@ def tokenize_inline(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -
 
     On the event loop: token ids, a request whose text is short (:data:`INLINE_TOKENIZE_CHARS`), or
     a chat whose text is at most :data:`PRECHECK_CHARS` and all but that many characters of it are
-    in the tokenizer's segment cache (a shared system prompt)."""
+    in the tokenizer's segment cache (a shared system prompt). A text prompt over the tokenizer's
+    ``max_prompt_chars`` is refused here (400), before it would hold bytes for a thread."""
     tokenizer = pool.tokenizer
     token_ids: Sequence[int] | None = None
     try:
@@ -298,6 +299,8 @@ def tokenize_inline(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -
         else:
             assert parsed.prompt is not None
             if isinstance(parsed.prompt, str) and parsed.text_chars > INLINE_TOKENIZE_CHARS:
+                # the thread's first check, made here: a text it would refuse holds nothing
+                tokenizer.limits.check_chars(parsed.prompt)
                 return None
             token_ids = tokenizer.encode_prompt(parsed.prompt)
     except TokenizeError as exc:
