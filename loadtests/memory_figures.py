@@ -17,7 +17,7 @@
 * ``tokenizer``: the working memory of the default tokenizer's encode, as kvlb runs it in a thread
   (a text completion's :meth:`~balancer.tokenizer.tokenizer.HfTokenizer.encode_prompt`, a one-message
   chat's :meth:`~balancer.tokenizer.tokenizer.HfTokenizer.encode_chat`: the template rendered, then
-  encoded), on six shapes of text (:data:`TEXT_SHAPES`) of 0.25–6 M characters: the rise of the
+  encoded), on six shapes of text (:data:`TEXT_SHAPES`) of 4,500 to 6 M characters: the rise of the
   peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` once the text is made) per
   character, each in a fresh process (``tracemalloc`` does not see the tokenizer's Rust
   allocations). Sizes over the tokenizer's ``max_prompt_chars`` (4 M) are refused by kvlb before
@@ -273,7 +273,7 @@ TEXT_SHAPES = ("ascii_words", "cjk", "emoji", "digits", "whitespace", "latin1_by
 """The texts ``tokenizer`` encodes: words of ASCII letters and spaces, random CJK ideographs
 (U+4E00–U+9FFF, 3 UTF-8 bytes each), random emoji (U+1F600–U+1F64F, 4 bytes), random digits, a word
 in every 1,000 characters of spaces and newlines, and random bytes read as latin-1 (1–2 bytes)."""
-TOKENIZER_CHARS = (250_000, 1_000_000, 4_000_000, 6_000_000)
+TOKENIZER_CHARS = (4_500, 10_000, 50_000, 100_000, 250_000, 1_000_000, 4_000_000, 6_000_000)
 TOKENIZER_PATHS = ("text", "chat")
 
 

@@ -59,13 +59,13 @@ from balancer.upstream.client import forwardable_headers
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_BYTES_PER_CHAR = 512
+TOKENIZER_BYTES_PER_CHAR = 720
 """Estimate of the tokenizer's working memory (its peak RSS rise) while it encodes a text in a thread,
 in bytes per character of the text: the worst of the shapes measured by ``python -m
-loadtests.memory_figures tokenizer`` (``docs/reliability.md``, "Memory": random emoji 439–510 B a
-character, CJK 411–481, random latin-1 bytes 331–403, digits 116–184, ASCII words 94–120, runs of
-whitespace 52–60; 0.25–6 M characters). It is held, with the parsed form, until the tokenizer
-returns (:func:`tokenizing_hold_bytes`)."""
+loadtests.memory_figures tokenizer``, plus 10% (``docs/reliability.md``, "Memory": random emoji
+439–656 B a character, the most for the shortest texts; CJK 370–481, random latin-1 bytes 331–490,
+digits 116–202, ASCII words 90–120, runs of whitespace 52–71; 4,500 to 6 M characters). It is
+held, with the parsed form, until the tokenizer returns (:func:`tokenizing_hold_bytes`)."""
 INLINE_TOKENIZE_CHARS = 4096
 """Requests whose text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`: the prompt, or all of
 a chat's messages, content parts, tools and a per-message allowance) is at most this many characters

@@ -157,12 +157,12 @@ async def generate(channel: grpc.aio.Channel, data: bytes) -> str:
     return "OK"
 
 
-def rig_settings(budget_bytes: int, bodies: int, face: str) -> dict[str, Any]:
+def rig_settings(budget_bytes: int, bodies: int, face: str, queue_timeout_s: float = 60.0) -> dict[str, Any]:
     limits = {
         "max_body_bytes": MAX_BODY_BYTES,
         "max_inflight_body_bytes": budget_bytes,
         "max_queued": bodies,
-        "queue_timeout_s": 60.0,
+        "queue_timeout_s": queue_timeout_s,
     }
     top: dict[str, Any] = {"limits": limits}
     if face == "grpc":
@@ -171,9 +171,14 @@ def rig_settings(budget_bytes: int, bodies: int, face: str) -> dict[str, Any]:
 
 
 async def one_run(
-    budget_bytes: int, bodies: int, body_bytes: int, face: str = "http", shape: str = "pad"
+    budget_bytes: int,
+    bodies: int,
+    body_bytes: int,
+    face: str = "http",
+    shape: str = "pad",
+    queue_timeout_s: float = 60.0,
 ) -> dict[str, Any]:
-    top = rig_settings(budget_bytes, bodies, face)
+    top = rig_settings(budget_bytes, bodies, face, queue_timeout_s)
     started_utc = time.strftime("%H:%M:%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="kvlb-body-budget-") as tmp:
         async with fault_rig(Path(tmp), ("sglang",), time_scale=1.0, **top) as f:
@@ -396,7 +401,9 @@ async def main_async(args: argparse.Namespace) -> None:
     )
     for _ in range(args.pairs):
         for budget in order:
-            runs.append(await one_run(budget, args.bodies, body_bytes, args.face, args.shape))
+            runs.append(
+                await one_run(budget, args.bodies, body_bytes, args.face, args.shape, args.queue_timeout_s)
+            )
             print(json.dumps(runs[-1]), flush=True)
     off = [r["peak_rise_mb"] for r in runs if r["budget"] == "off"]
     on = [r["peak_rise_mb"] for r in runs if r["budget"] != "off"]
@@ -440,6 +447,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--face", choices=("http", "grpc"), default="http", help="the face sent to")
     parser.add_argument("--shape", choices=SHAPES, default="pad", help="the bodies sent (default pad)")
     parser.add_argument("--no-off", action="store_true", help="run the small budget only")
+    parser.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=60.0,
+        help="limits.queue_timeout_s of the burst runs (default 60: every request waits its turn)",
+    )
     parser.add_argument(
         "--small-calls", type=int, default=0, help="time this many small gRPC Generate calls instead"
     )
