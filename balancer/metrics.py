@@ -297,7 +297,7 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "kvlb_admission_tokenizing_bytes",
             "The part of kvlb_admission_body_bytes held for the chats and text prompts waiting for or "
             "in a tokenizer thread: the estimate of their parsed Python objects and of the "
-            "tokenizer's working memory (720 B a character of text; per worker).",
+            "tokenizer's working memory (340 B a character of ASCII text, 720 B of any other; per worker).",
         ),
     )
 

@@ -264,15 +264,18 @@ def _text(shape: str, chars: int) -> str:
         made = ("word" + " " * 996 + "\n" * 4) * (chars // 1000 + 1)
     elif shape == "latin1_bytes":
         made = rng.randbytes(chars).decode("latin-1")
+    elif shape == "ascii_random":
+        made = "".join(map(chr, rng.choices(range(0x20, 0x7F), k=chars)))
     else:
         raise ValueError(f"unknown shape {shape!r}")
     return made[:chars]
 
 
-TEXT_SHAPES = ("ascii_words", "cjk", "emoji", "digits", "whitespace", "latin1_bytes")
+TEXT_SHAPES = ("ascii_words", "cjk", "emoji", "digits", "whitespace", "latin1_bytes", "ascii_random")
 """The texts ``tokenizer`` encodes: words of ASCII letters and spaces, random CJK ideographs
 (U+4E00–U+9FFF, 3 UTF-8 bytes each), random emoji (U+1F600–U+1F64F, 4 bytes), random digits, a word
-in every 1,000 characters of spaces and newlines, and random bytes read as latin-1 (1–2 bytes)."""
+in every 1,000 characters of spaces and newlines, random bytes read as latin-1 (1–2 bytes), and
+random printable ASCII (U+0020–U+007E: letters, digits, punctuation)."""
 TOKENIZER_CHARS = (4_500, 10_000, 50_000, 100_000, 250_000, 1_000_000, 4_000_000, 6_000_000)
 TOKENIZER_PATHS = ("text", "chat")
 

@@ -36,7 +36,13 @@ from aiohttp import web
 from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
-from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
+from balancer.api.parsing import (
+    ParsedRequest,
+    RequestKind,
+    json_text_ascii,
+    parse_request,
+    parse_weights_header,
+)
 from balancer.config import TimeoutConfig
 from balancer.errors import UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
@@ -61,11 +67,16 @@ log = logging.getLogger(__name__)
 
 TOKENIZER_BYTES_PER_CHAR = 720
 """Estimate of the tokenizer's working memory (its peak RSS rise) while it encodes a text in a thread,
-in bytes per character of the text: the worst of the shapes measured by ``python -m
-loadtests.memory_figures tokenizer``, plus 10% (``docs/reliability.md``, "Memory": random emoji
-439–656 B a character, the most for the shortest texts; CJK 370–481, random latin-1 bytes 331–490,
-digits 116–202, ASCII words 90–120, runs of whitespace 52–71; 4,500 to 6 M characters). It is
-held, with the parsed form, until the tokenizer returns (:func:`tokenizing_hold_bytes`)."""
+in bytes per character of a text that is not all ASCII: the worst of the shapes measured by ``python
+-m loadtests.memory_figures tokenizer``, plus 10% (``docs/reliability.md``, "Memory": random emoji
+439–656 B a character, the most for the shortest texts; CJK 370–481, random latin-1 bytes 331–490;
+4,500 to 6 M characters). It is held, with the parsed form, until the tokenizer returns
+(:func:`tokenizing_hold_bytes`)."""
+TOKENIZER_BYTES_PER_ASCII_CHAR = 340
+"""The same for a text that is all ASCII (every string of the prompt or chat, keys included): the
+worst ASCII shape measured, random printable ASCII (202–307 B a character; digits 116–202, ASCII
+words 90–120, runs of whitespace 52–71), plus 10%. Most traffic is ASCII, and the estimate for any
+text (:data:`TOKENIZER_BYTES_PER_CHAR`) is 6–8 times what English text costs."""
 INLINE_TOKENIZE_CHARS = 4096
 """Requests whose text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`: the prompt, or all of
 a chat's messages, content parts, tools and a per-message allowance) is at most this many characters
@@ -259,9 +270,17 @@ def tokenizing_hold_bytes(parsed: ParsedRequest) -> int:
     thread and is tokenized in it (:func:`tokenize_in_thread`; one tokenized on the event loop holds
     nothing: no other request runs meanwhile): the estimate of its parsed form
     (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`) plus that of the tokenizer's working
-    memory, :data:`TOKENIZER_BYTES_PER_CHAR` per character of its text
-    (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`, already counted by the parse: O(1))."""
-    return parsed.parsed_bytes + TOKENIZER_BYTES_PER_CHAR * parsed.text_chars
+    memory, :data:`TOKENIZER_BYTES_PER_ASCII_CHAR` per character of its text
+    (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`, already counted by the parse) when all of
+    it is ASCII, else :data:`TOKENIZER_BYTES_PER_CHAR`. Whether it is ASCII is a flag of each ``str``
+    (:func:`~balancer.api.parsing.json_text_ascii`: one look per string, made only for a request
+    that goes to a thread)."""
+    if isinstance(parsed.prompt, str):
+        ascii_only = parsed.prompt.isascii()
+    else:
+        ascii_only = json_text_ascii(parsed.messages) and json_text_ascii(parsed.chat_kwargs)
+    per_char = TOKENIZER_BYTES_PER_ASCII_CHAR if ascii_only else TOKENIZER_BYTES_PER_CHAR
+    return parsed.parsed_bytes + per_char * parsed.text_chars
 
 
 async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:

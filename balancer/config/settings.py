@@ -161,8 +161,9 @@ class LimitConfig:
     in a thread (over 4,096 characters, a chat mostly outside the segment cache) also holds, from its
     parse until the tokenizer returns, the estimate of its parsed form (``sys.getsizeof`` of its
     strings, lists and dicts: 1.0–1.45 of their memory; tiny messages weigh up to 12× their bytes
-    parsed) and of the tokenizer's working memory (720 B a character of its text, the worst shape
-    measured plus 10%: a 1 M-character prompt holds about 0.7 GiB), waiting first in line while the budget is
+    parsed) and of the tokenizer's working memory (340 B a character of a text that is all ASCII,
+    720 B of any other, the worst shapes measured plus 10%: a 1 M-character ASCII prompt holds about
+    0.33 GiB), waiting first in line while the budget is
     full, or going alone when no other such hold is taken (``kvlb_admission_tokenizing_bytes``). A
     request that does not fit
     waits in the admission queue like one over ``max_inflight`` (first come first served; full →

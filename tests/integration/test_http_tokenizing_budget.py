@@ -19,7 +19,7 @@ from grpc_harness import failure, grpc_running
 from kvlb_harness import MODEL, Answer, Harness, metric_value, running, shared_deepseek, wait_for
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.openai import INLINE_TOKENIZE_CHARS, TOKENIZER_BYTES_PER_CHAR, tokenizing_hold_bytes
+from balancer.api.openai import INLINE_TOKENIZE_CHARS, TOKENIZER_BYTES_PER_ASCII_CHAR, tokenizing_hold_bytes
 from balancer.api.parsing import parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
 
@@ -76,7 +76,7 @@ async def nothing_held(h: Harness) -> bool:
 
 def test_the_hold_is_mostly_the_tokenizer_s_work() -> None:
     parsed = parse_request(text_body(0), "completions")
-    assert HOLD - parsed.parsed_bytes == TOKENIZER_BYTES_PER_CHAR * TEXT_CHARS
+    assert HOLD - parsed.parsed_bytes == TOKENIZER_BYTES_PER_ASCII_CHAR * TEXT_CHARS
     assert HOLD > 100 * BODY
 
 
@@ -185,7 +185,7 @@ async def test_a_grpc_text_holds_its_tokenizer_estimate_and_a_second_gets_resour
         first = asyncio.create_task(generate(1))
         await wait_for("the first prompt to be tokenized", lambda: tokenizing(h), timeout_s=10.0)
         held = await metric(h, "kvlb_admission_tokenizing_bytes")
-        assert TOKENIZER_BYTES_PER_CHAR * TEXT_CHARS < held <= HOLD + 1024
+        assert TOKENIZER_BYTES_PER_ASCII_CHAR * TEXT_CHARS < held <= HOLD + 1024
         second = await generate(2)
         assert second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, second.details()
         assert "max_inflight_body_bytes" in (second.details() or "")

@@ -15,8 +15,13 @@ from typing import Any
 
 import pytest
 
-from balancer.api.openai import TOKENIZER_BYTES_PER_CHAR, tokenizing_hold_bytes
-from balancer.api.parsing import ParsedRequest, json_text_size, parse_request
+from balancer.api.openai import (
+    INLINE_TOKENIZE_CHARS,
+    TOKENIZER_BYTES_PER_ASCII_CHAR,
+    TOKENIZER_BYTES_PER_CHAR,
+    tokenizing_hold_bytes,
+)
+from balancer.api.parsing import ParsedRequest, json_text_ascii, json_text_size, parse_request
 from balancer.service.admission import MAX_BYTES, Admission, AdmissionLimits, AdmissionRefused
 
 ESTIMATE_OVER_TRACED = (0.99, 1.6)
@@ -96,15 +101,58 @@ def test_json_text_size_counts_characters_as_json_text_chars_did() -> None:
 
 def test_a_thread_s_hold_is_the_parsed_estimate_and_the_tokenizer_s_work_per_character() -> None:
     long = parse_request(chat([{"role": "user", "content": "a"}] * 1_000), "chat")
-    work = TOKENIZER_BYTES_PER_CHAR * long.text_chars
+    work = TOKENIZER_BYTES_PER_ASCII_CHAR * long.text_chars
     assert tokenizing_hold_bytes(long) == long.parsed_bytes + work
     text = parse_request(json.dumps({"model": "m", "prompt": "a" * 10_000}).encode(), "completions")
-    assert tokenizing_hold_bytes(text) == text.parsed_bytes + TOKENIZER_BYTES_PER_CHAR * 10_000
+    assert tokenizing_hold_bytes(text) == text.parsed_bytes + TOKENIZER_BYTES_PER_ASCII_CHAR * 10_000
     assert text.parsed_bytes >= 10_000
-    # the same characters in a wider form weigh more parsed; the tokenizer's part is per character
+    # the same characters in a wider form weigh more parsed, and the tokenizer's part is the one for
+    # any text: per character, whatever their width
     emoji = parse_request(json.dumps({"model": "m", "prompt": "\U0001f600" * 10_000}).encode(), "completions")
     assert emoji.text_chars == 10_000 and emoji.parsed_bytes >= 40_000
     assert tokenizing_hold_bytes(emoji) - emoji.parsed_bytes == TOKENIZER_BYTES_PER_CHAR * 10_000
+    latin = parse_request(json.dumps({"model": "m", "prompt": "\u00e9" * 10_000}).encode(), "completions")
+    assert tokenizing_hold_bytes(latin) - latin.parsed_bytes == TOKENIZER_BYTES_PER_CHAR * 10_000
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"messages": [{"role": "user", "content": "caf\u00e9 " * 2_000}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x" * 9_000}, {"type": "text", "text": "\u4e2d"}],
+                }
+            ]
+        },
+        {"messages": [{"role": "user", "content": "x" * 9_000, "n\u00e4me": "a"}]},
+        {
+            "messages": [{"role": "user", "content": "x" * 9_000}],
+            "tools": [{"type": "function", "function": {"name": "f", "description": "\u00fc"}}],
+        },
+    ],
+    ids=["content", "a content part", "a key", "tools"],
+)
+def test_one_non_ascii_string_anywhere_in_a_chat_takes_the_estimate_for_any_text(
+    where: dict[str, object],
+) -> None:
+    parsed = parse_request(json.dumps({"model": "m", **where}).encode(), "chat")
+    assert parsed.text_chars > INLINE_TOKENIZE_CHARS
+    assert tokenizing_hold_bytes(parsed) == parsed.parsed_bytes + TOKENIZER_BYTES_PER_CHAR * parsed.text_chars
+    ascii_only = json.loads(json.dumps(where).encode().decode("unicode_escape").encode("ascii", "replace"))
+    plain = parse_request(json.dumps({"model": "m", **ascii_only}).encode(), "chat")
+    assert (
+        tokenizing_hold_bytes(plain) == plain.parsed_bytes + TOKENIZER_BYTES_PER_ASCII_CHAR * plain.text_chars
+    )
+
+
+def test_json_text_ascii_looks_at_every_string_and_key() -> None:
+    assert json_text_ascii({"ab": ["cde", {"f": "gh"}, 3, None, True]})
+    assert not json_text_ascii({"ab": ["cde", {"f": "g\u00e9"}]})
+    assert not json_text_ascii({"ab": ["cde", {"\u00e9": "gh"}]})
+    assert json_text_ascii([]) and json_text_ascii({})
 
 
 BUDGET = 1000
