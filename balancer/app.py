@@ -151,7 +151,7 @@ class Balancer:
         self.metrics.inflight_requests.set_function(lambda: admission.inflight)
         self.metrics.admission_tenants.set_function(lambda: admission.tenants)
         self.metrics.admission_body_bytes.set_function(lambda: admission.body_bytes)
-        self.metrics.admission_parsed_bytes.set_function(lambda: admission.parsed_bytes)
+        self.metrics.admission_tokenizing_bytes.set_function(lambda: admission.tokenizing_bytes)
         self.state = state = ServiceState(
             settings=settings,
             pools=pools,

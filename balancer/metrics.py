@@ -259,7 +259,7 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
 class _AdmissionCollectors:
     shed_total: Counter
     admission_body_bytes: Gauge
-    admission_parsed_bytes: Gauge
+    admission_tokenizing_bytes: Gauge
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
 
@@ -290,13 +290,14 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
         admission_body_bytes=gauge(
             "kvlb_admission_body_bytes",
             "Bytes of request bodies and token ids held by the requests in flight in this process "
-            "and, while they wait for the tokenizer, of their parsed chats and text prompts "
-            "(limits.max_inflight_body_bytes bounds them; per worker).",
+            "and, while they are tokenized in a thread, the estimate of their parsed chats and text "
+            "prompts and of the tokenizer's work (limits.max_inflight_body_bytes bounds them; per worker).",
         ),
-        admission_parsed_bytes=gauge(
-            "kvlb_admission_parsed_bytes",
-            "The part of kvlb_admission_body_bytes held for parsed chats and text prompts waiting for "
-            "the tokenizer (their estimated Python objects; per worker).",
+        admission_tokenizing_bytes=gauge(
+            "kvlb_admission_tokenizing_bytes",
+            "The part of kvlb_admission_body_bytes held for the chats and text prompts waiting for or "
+            "in a tokenizer thread: the estimate of their parsed Python objects and of the "
+            "tokenizer's working memory (340 B a character of ASCII text, 720 B of any other; per worker).",
         ),
     )
 

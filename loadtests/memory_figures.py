@@ -5,18 +5,28 @@
 * ``bodies``: :func:`balancer.api.parsing.parse_request` on bodies of 8.4–9.6 MB of nine shapes
   (each decoder: typed, untyped, stdlib): the peak while parsing and what the parsed request keeps,
   over the body's bytes, and the request's estimate of what it keeps
-  (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`, what it holds of the byte budget while
-  it waits for the tokenizer) over the kept figure;
+  (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`, its parsed form's part of what it
+  holds of the byte budget while it is tokenized in a thread) over the kept figure;
 * ``ids``: the token ids of one long prompt (the default tokenizer): bytes kept per id;
 * ``events``: engine decoders on real captured frames (``tests/golden/real/``) and on synthetic
   batches: the peak while decoding one message, the memory a queue of decoded batches keeps per
   wire byte (averaged over 50 decodes each, one-time decoder state excluded), and
   :func:`balancer.sources.pipeline.batch_bytes` (the event queue's estimate) over that memory;
 * ``index``: a :class:`~balancer.index.memory.MemoryIndex` holding 200,000 blocks in chains of
-  1,000, stored by one replica, then by a second.
+  1,000, stored by one replica, then by a second;
+* ``tokenizer``: the working memory of the default tokenizer's encode, as kvlb runs it in a thread
+  (a text completion's :meth:`~balancer.tokenizer.tokenizer.HfTokenizer.encode_prompt`, a one-message
+  chat's :meth:`~balancer.tokenizer.tokenizer.HfTokenizer.encode_chat`: the template rendered, then
+  encoded), on six shapes of text (:data:`TEXT_SHAPES`) of 4,500 to 6 M characters: the rise of the
+  peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` once the text is made) per
+  character, each in a fresh process (``tracemalloc`` does not see the tokenizer's Rust
+  allocations). Sizes over the tokenizer's ``max_prompt_chars`` (4 M) are refused by kvlb before
+  any encoding; they are measured with that cap lifted, to show the trend. Not part of the default
+  run (it takes minutes): ``python -m loadtests.memory_figures tokenizer``.
 
-``python -m loadtests.memory_figures events`` runs one part. Figures vary by a few percent between
-runs and Python versions.
+``python -m loadtests.memory_figures events`` runs one part; ``tokenizer 0.25 1`` measures those
+sizes only (millions of characters). Figures vary by a few percent between
+runs and Python versions; the tokenizer's by a few percent between runs.
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import gc
 import json
 import random
 import struct
+import subprocess
 import sys
 import time
 import tracemalloc
@@ -43,6 +54,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.sources.base import IngestBatch
 from balancer.sources.pipeline import batch_bytes
 from balancer.tokenizer.default import default_tokenizer
+from balancer.tokenizer.tokenizer import TokenizeLimits
 from balancer.types import EngineHash, ReplicaId
 from replicas.wire import trtllm as trtllm_wire
 
@@ -236,10 +248,126 @@ def index() -> None:
     )
 
 
+def _text(shape: str, chars: int) -> str:
+    """``chars`` characters of ``shape`` (one of :data:`TEXT_SHAPES`), the same for a seed."""
+    rng = random.Random(chars)
+    if shape == "ascii_words":
+        words = ["alpha", "river", "stone", "cloud", "green", "number", "seven", "quiet", "table", "light"]
+        made = " ".join(rng.choice(words) for _ in range(chars // 5 + 1))
+    elif shape == "cjk":
+        made = "".join(map(chr, rng.choices(range(0x4E00, 0xA000), k=chars)))
+    elif shape == "emoji":
+        made = "".join(map(chr, rng.choices(range(0x1F600, 0x1F650), k=chars)))
+    elif shape == "digits":
+        made = "".join(rng.choices("0123456789", k=chars))
+    elif shape == "whitespace":
+        made = ("word" + " " * 996 + "\n" * 4) * (chars // 1000 + 1)
+    elif shape == "latin1_bytes":
+        made = rng.randbytes(chars).decode("latin-1")
+    elif shape == "ascii_random":
+        made = "".join(map(chr, rng.choices(range(0x20, 0x7F), k=chars)))
+    else:
+        raise ValueError(f"unknown shape {shape!r}")
+    return made[:chars]
+
+
+TEXT_SHAPES = ("ascii_words", "cjk", "emoji", "digits", "whitespace", "latin1_bytes", "ascii_random")
+"""The texts ``tokenizer`` encodes: words of ASCII letters and spaces, random CJK ideographs
+(U+4E00–U+9FFF, 3 UTF-8 bytes each), random emoji (U+1F600–U+1F64F, 4 bytes), random digits, a word
+in every 1,000 characters of spaces and newlines, random bytes read as latin-1 (1–2 bytes), and
+random printable ASCII (U+0020–U+007E: letters, digits, punctuation)."""
+TOKENIZER_CHARS = (4_500, 10_000, 50_000, 100_000, 250_000, 1_000_000, 4_000_000, 6_000_000)
+TOKENIZER_PATHS = ("text", "chat")
+
+
+def _kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def tokenizer_one(path: str, shape: str, chars: int) -> None:
+    """One measure of ``tokenizer``, in this (fresh) process: prints one JSON line."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tokenizer = default_tokenizer(TokenizeLimits(max_prompt_chars=10**9, max_prompt_tokens=10**9))
+    text = _text(shape, chars)
+    messages = [{"role": "user", "content": text}]
+    with ThreadPoolExecutor(1) as pool:  # as asyncio.to_thread: the encode runs in another thread
+        pool.submit(tokenizer.encode_prompt, "warm up the encoder and the thread").result()
+        pool.submit(tokenizer.encode_chat, [{"role": "user", "content": "warm up the template"}]).result()
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+        before = _kib("VmRSS")
+        started = time.perf_counter()
+        if path == "text":
+            token_ids = pool.submit(tokenizer.encode_prompt, text).result()
+        else:
+            token_ids = pool.submit(tokenizer.encode_chat, messages).result()
+        took = time.perf_counter() - started
+        rise = (_kib("VmHWM") - before) * 1024
+    utf8 = len(text.encode("utf-8", "surrogatepass"))
+    print(
+        json.dumps(
+            {
+                "path": path,
+                "shape": shape,
+                "chars": chars,
+                "utf8_bytes": utf8,
+                "str_bytes": sys.getsizeof(text),
+                "tokens": len(token_ids),
+                "peak_rise_bytes": rise,
+                "per_char": round(rise / chars, 1),
+                "per_utf8_byte": round(rise / utf8, 1),
+                "encode_s": round(took, 2),
+            }
+        )
+    )
+
+
+def tokenizer(argv: Sequence[str] = ()) -> None:
+    """The ``tokenizer`` part: one fresh process per path, shape and size."""
+    sizes = [int(float(arg) * 1e6) for arg in argv] or list(TOKENIZER_CHARS)
+    print("path  shape         chars      UTF-8 B     tokens   peak rise  B/char  B/UTF-8 B  encode s")
+    for chars in sizes:
+        for shape in TEXT_SHAPES:
+            for path in TOKENIZER_PATHS:
+                run = subprocess.run(
+                    [
+                        sys.executable,
+                        "-m",
+                        "loadtests.memory_figures",
+                        "tokenizer-one",
+                        path,
+                        shape,
+                        str(chars),
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=600,
+                    check=True,
+                )
+                r = json.loads(run.stdout.strip().splitlines()[-1])
+                print(
+                    f"{path:5} {shape:13} {chars:>9,} {r['utf8_bytes']:>11,} {r['tokens']:>10,} "
+                    f"{r['peak_rise_bytes'] / 1e6:>7.0f} MB {r['per_char']:>7.1f} "
+                    f"{r['per_utf8_byte']:>10.1f} "
+                    f"{r['encode_s']:>9.2f}",
+                    flush=True,
+                )
+
+
 PARTS: dict[str, Callable[[], None]] = {"bodies": bodies, "ids": ids, "events": events, "index": index}
 
 
 def main(argv: Sequence[str]) -> None:
+    if argv[:1] == ["tokenizer"]:
+        tokenizer(argv[1:])
+        return
+    if argv[:1] == ["tokenizer-one"]:
+        tokenizer_one(argv[1], argv[2], int(argv[3]))
+        return
     for name in argv or list(PARTS):
         PARTS[name]()
 

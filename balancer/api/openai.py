@@ -8,8 +8,9 @@ declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 42
 ``timeouts.body_min_rate_bytes_per_s`` after ``timeouts.body_rate_grace_s``, :func:`body_due`; a
 body without a declared length holds its bytes chunk by chunk as it is read), parsing
 (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
-with the pool's tokenizer (long prompts in a thread, the parsed request holding its estimated bytes
-meanwhile: :func:`parsed_hold_bytes`; the ids' bytes are then held instead), a wait in the
+with the pool's tokenizer (long prompts in a thread, the request holding the estimated bytes of its
+parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`; the ids' bytes are
+then held instead), a wait in the
 same queue while every replica is full, then :func:`balancer.service.dispatch.dispatch` (route →
 open → retry → release) with :func:`relay` as its delivery. The slot and every byte held are given
 back when the request ends, however it ends.
@@ -24,6 +25,7 @@ answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from array import array
@@ -34,7 +36,13 @@ from aiohttp import web
 from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
-from balancer.api.parsing import ParsedRequest, RequestKind, parse_request, parse_weights_header
+from balancer.api.parsing import (
+    ParsedRequest,
+    RequestKind,
+    json_text_ascii,
+    parse_request,
+    parse_weights_header,
+)
 from balancer.config import TimeoutConfig
 from balancer.errors import UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
@@ -57,6 +65,18 @@ from balancer.upstream.client import forwardable_headers
 
 log = logging.getLogger(__name__)
 
+TOKENIZER_BYTES_PER_CHAR = 720
+"""Estimate of the tokenizer's working memory (its peak RSS rise) while it encodes a text in a thread,
+in bytes per character of a text that is not all ASCII: the worst of the shapes measured by ``python
+-m loadtests.memory_figures tokenizer``, plus 10% (``docs/reliability.md``, "Memory": random emoji
+439–656 B a character, the most for the shortest texts; CJK 370–481, random latin-1 bytes 331–490;
+4,500 to 6 M characters). It is held, with the parsed form, until the tokenizer returns
+(:func:`tokenizing_hold_bytes`)."""
+TOKENIZER_BYTES_PER_ASCII_CHAR = 340
+"""The same for a text that is all ASCII (every string of the prompt or chat, keys included): the
+worst ASCII shape measured, random printable ASCII (202–307 B a character; digits 116–202, ASCII
+words 90–120, runs of whitespace 52–71), plus 10%. Most traffic is ASCII, and the estimate for any
+text (:data:`TOKENIZER_BYTES_PER_CHAR`) is 6–8 times what English text costs."""
 INLINE_TOKENIZE_CHARS = 4096
 """Requests whose text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`: the prompt, or all of
 a chat's messages, content parts, tools and a per-message allowance) is at most this many characters
@@ -109,13 +129,15 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
-        parsed_bytes = parsed_hold_bytes(parsed)
-        if parsed_bytes and not admission.try_hold_parsed(parsed_bytes):
-            del parsed  # not kept while it waits for its bytes: parsed again once they are held
-            await admission.hold_parsed(parsed_bytes)
-            parsed = parse_request(body, kind, state.token_id_memo)
-        token_ids = await tokenize(pool, parsed, limits.max_prompt_tokens)
-        admission.give_back_parsed()
+        token_ids = tokenize_inline(pool, parsed, limits.max_prompt_tokens)
+        if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
+            hold_bytes = tokenizing_hold_bytes(parsed)
+            if not admission.try_hold_tokenizing(hold_bytes):
+                del parsed  # not kept while it waits for its bytes: parsed again once they are held
+                await admission.hold_tokenizing(hold_bytes)
+                parsed = parse_request(body, kind, state.token_id_memo)
+            token_ids = await tokenize_in_thread(pool, parsed, limits.max_prompt_tokens)
+            admission.give_back_tokenizing()
         admission.add(TOKEN_ID_BYTES * len(token_ids))
         request_id = request[REQUEST_ID]
         job = Forward(
@@ -243,24 +265,43 @@ def request_weights(request: web.Request, state: ServiceState) -> PolicyWeights:
     return parse_weights_header(header, base)
 
 
-def parsed_hold_bytes(parsed: ParsedRequest) -> int:
-    """What ``parsed`` holds of ``limits.max_inflight_body_bytes`` while it is tokenized: its
-    estimate (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`) when :func:`tokenize` may
-    wait for a thread, so that the parsed forms waiting for the tokenizer's threads are bounded by
-    the budget; 0 when it is tokenized on the event loop (no other request runs while it lives)."""
-    if parsed.ids_checked or parsed.text_chars <= INLINE_TOKENIZE_CHARS:
-        return 0
-    return parsed.parsed_bytes
+def tokenizing_hold_bytes(parsed: ParsedRequest) -> int:
+    """What ``parsed`` holds of ``limits.max_inflight_body_bytes`` while it waits for a tokenizer
+    thread and is tokenized in it (:func:`tokenize_in_thread`; one tokenized on the event loop holds
+    nothing: no other request runs meanwhile): the estimate of its parsed form
+    (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`) plus that of the tokenizer's working
+    memory, :data:`TOKENIZER_BYTES_PER_ASCII_CHAR` per character of its text
+    (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`, already counted by the parse) when all of
+    it is ASCII, else :data:`TOKENIZER_BYTES_PER_CHAR`. Whether it is ASCII is a flag of each ``str``
+    (:func:`~balancer.api.parsing.json_text_ascii`: one look per string, made only for a request
+    that goes to a thread)."""
+    if isinstance(parsed.prompt, str):
+        ascii_only = parsed.prompt.isascii()
+    else:
+        ascii_only = json_text_ascii(parsed.messages) and json_text_ascii(parsed.chat_kwargs)
+    per_char = TOKENIZER_BYTES_PER_ASCII_CHAR if ascii_only else TOKENIZER_BYTES_PER_CHAR
+    return parsed.parsed_bytes + per_char * parsed.text_chars
 
 
 async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
-    """The prompt's token ids as the engine will compute them, as an ``array('I')``
-    (:func:`~balancer.index.hashing.compact_ids`); 400 when it cannot be tokenized or has more than
-    ``max_prompt_tokens``. Ids the decoder already checked are not checked again.
+    """:func:`tokenize_inline`, else :func:`tokenize_in_thread` (without holding any bytes)."""
+    token_ids = tokenize_inline(pool, parsed, max_prompt_tokens)
+    if token_ids is None:
+        token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens)
+    return token_ids
 
-    Where it runs: on the event loop when the request's text is short (:data:`INLINE_TOKENIZE_CHARS`),
-    or when a chat's text is at most :data:`PRECHECK_CHARS` and all but that many characters of it
-    are in the tokenizer's segment cache (a shared system prompt); else in a thread."""
+
+def tokenize_inline(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int] | None:
+    """The prompt's token ids as the engine will compute them, as an ``array('I')``
+    (:func:`~balancer.index.hashing.compact_ids`), when they are computed on the event loop; else
+    ``None``: the caller holds :func:`tokenizing_hold_bytes` and awaits :func:`tokenize_in_thread`.
+    400 when it cannot be tokenized or has more than ``max_prompt_tokens``. Ids the decoder already
+    checked are not checked again.
+
+    On the event loop: token ids, a request whose text is short (:data:`INLINE_TOKENIZE_CHARS`), or
+    a chat whose text is at most :data:`PRECHECK_CHARS` and all but that many characters of it are
+    in the tokenizer's segment cache (a shared system prompt). A text prompt over the tokenizer's
+    ``max_prompt_chars`` is refused here (400), before it would hold bytes for a thread."""
     tokenizer = pool.tokenizer
     token_ids: Sequence[int] | None = None
     try:
@@ -269,21 +310,50 @@ async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) ->
             token_ids = parsed.packed if parsed.packed is not None else parsed.prompt
         elif parsed.kind == "chat":
             assert parsed.messages is not None
-            chat = functools.partial(tokenizer.encode_chat, parsed.messages, **parsed.chat_kwargs)
             if parsed.text_chars <= INLINE_TOKENIZE_CHARS:
-                token_ids = chat()
+                token_ids = tokenizer.encode_chat(parsed.messages, **parsed.chat_kwargs)
             elif parsed.text_chars <= PRECHECK_CHARS:
                 cached = tokenizer.encode_chat_if_cached
                 token_ids = cached(parsed.messages, parsed.chat_kwargs, INLINE_TOKENIZE_CHARS)
-            if token_ids is None:
-                token_ids = await asyncio.to_thread(chat)
         else:
             assert parsed.prompt is not None
-            prompt = functools.partial(tokenizer.encode_prompt, parsed.prompt)
-            inline = parsed.text_chars <= INLINE_TOKENIZE_CHARS
-            token_ids = prompt() if inline else await asyncio.to_thread(prompt)
+            if isinstance(parsed.prompt, str) and parsed.text_chars > INLINE_TOKENIZE_CHARS:
+                # the thread's first check, made here: a text it would refuse holds nothing
+                tokenizer.limits.check_chars(parsed.prompt)
+                return None
+            token_ids = tokenizer.encode_prompt(parsed.prompt)
     except TokenizeError as exc:
         raise ApiError(400, str(exc)) from None
+    return None if token_ids is None else _checked(token_ids, max_prompt_tokens)
+
+
+async def tokenize_in_thread(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
+    """:func:`tokenize_inline`'s ids, computed in a thread of the default executor. Cancelled, it
+    still waits for the thread to end (once; a second cancellation ends the wait), so that what the
+    request holds for the tokenizer's work is given back only once that work is over."""
+    tokenizer = pool.tokenizer
+    call: Callable[[], Sequence[int]]
+    if parsed.kind == "chat":
+        assert parsed.messages is not None
+        call = functools.partial(tokenizer.encode_chat, parsed.messages, **parsed.chat_kwargs)
+    else:
+        assert parsed.prompt is not None
+        call = functools.partial(tokenizer.encode_prompt, parsed.prompt)
+    loop = asyncio.get_running_loop()
+    work = loop.run_in_executor(None, contextvars.copy_context().run, call)  # as asyncio.to_thread
+    try:
+        token_ids = await asyncio.shield(work)
+    except asyncio.CancelledError:
+        if not work.done():  # the thread cannot be stopped: the bytes stay held until it ends
+            await asyncio.wait([work])
+        raise
+    except TokenizeError as exc:
+        raise ApiError(400, str(exc)) from None
+    return _checked(token_ids, max_prompt_tokens)
+
+
+def _checked(token_ids: Sequence[int], max_prompt_tokens: int) -> array[int]:
+    """``token_ids`` as an ``array('I')``; 400 when there are more than ``max_prompt_tokens``."""
     if len(token_ids) > max_prompt_tokens:
         raise ApiError(
             400, f"prompt has {len(token_ids)} tokens, over limits.max_prompt_tokens = {max_prompt_tokens}"

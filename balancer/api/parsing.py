@@ -390,6 +390,24 @@ def json_text_size(value: Any) -> tuple[int, int]:
     return chars, size
 
 
+def json_text_ascii(value: Any) -> bool:
+    """Whether every string in a decoded JSON value, object keys included, is ASCII: CPython keeps
+    that as a flag of each ``str``, so this is one look per string and container, not per character."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                return False
+        elif isinstance(item, dict):
+            if not all(map(str.isascii, item)):
+                return False
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return True
+
+
 def _max_tokens(body: Mapping[str, Any]) -> int:
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)

@@ -158,10 +158,14 @@ class LimitConfig:
     read), adds 4 B per token id once tokenized (the ids are kept as an ``array('I')`` while in
     flight; added without waiting, so the bytes held can pass the budget by the ids of requests
     admitted just before it filled), and gives all back when it ends. A chat or text prompt tokenized
-    in a thread holds the estimate of its parsed form too until it is tokenized (``sys.getsizeof``
-    of its strings, lists and dicts: 1.0–1.45 of their memory; tiny messages weigh up to 12× their
-    bytes parsed), waiting first in line while the budget is full, or going alone when no other
-    parsed form is held (``kvlb_admission_parsed_bytes``). A request that does not fit
+    in a thread (over 4,096 characters, a chat mostly outside the segment cache) also holds, from its
+    parse until the tokenizer returns, the estimate of its parsed form (``sys.getsizeof`` of its
+    strings, lists and dicts: 1.0–1.45 of their memory; tiny messages weigh up to 12× their bytes
+    parsed) and of the tokenizer's working memory (340 B a character of a text that is all ASCII,
+    720 B of any other, the worst shapes measured plus 10%: a 1 M-character ASCII prompt holds about
+    0.33 GiB), waiting first in line while the budget is
+    full, or going alone when no other such hold is taken (``kvlb_admission_tokenizing_bytes``). A
+    request that does not fit
     waits in the admission queue like one over ``max_inflight`` (first come first served; full →
     429, ``queue_timeout_s`` → 503, both with Retry-After; ``kvlb_admission_shed_total{reason=
     "body_bytes"}``); ``kvlb_admission_body_bytes`` is the figure held. The default lets

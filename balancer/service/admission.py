@@ -41,15 +41,16 @@ come first served. :meth:`Admission.give_back` gives back bytes while the reques
 message's reservation of ``max_body_bytes`` once its size is known), :meth:`Admission.leave` the
 slot and every byte the request held. The check on the way in is a few comparisons and an addition.
 
-**Parsed requests.** A request whose parsed form waits for the tokenizer's threads holds the
-estimate of that form's bytes too (:meth:`Admission.try_hold_parsed`, :meth:`Admission.hold_parsed`;
-:attr:`Admission.parsed_bytes` is their part of :attr:`Admission.body_bytes`), until it is tokenized.
-These holds have a queue of their own, served before the front queue and the newcomers, first come
-first served; its head goes in when its bytes fit **or no parsed bytes are held at all**. So a
-parse larger than the budget left (a parse may weigh many times its body) still goes, alone, and
-never waits for a request that waits too: the parsed forms holding bytes are being tokenized, which
-waits for nothing here. The caller drops its parsed form while it waits and parses the body again
-once let in, so what waits is the body alone.
+**Tokenizing requests.** A request tokenized in one of the tokenizer's threads holds, from its parse
+until the tokenizer returns, the estimate of its parsed form's bytes and of the tokenizer's working
+memory (:meth:`Admission.try_hold_tokenizing`, :meth:`Admission.hold_tokenizing`;
+:attr:`Admission.tokenizing_bytes` is their part of :attr:`Admission.body_bytes`). These holds have
+a queue of their own, served before the front queue and the newcomers, first come first served; its
+head goes in when its bytes fit **or no tokenizing bytes are held at all**. So a hold larger than the
+budget left (a parse may weigh many times its body, the tokenizer's work hundreds of bytes a
+character) still goes, alone, and never waits for a request that waits too: the requests holding
+such bytes are being tokenized, which waits for nothing here. The caller drops its parsed form while
+it waits and parses the body again once let in, so what waits is the body alone.
 
 With ``kvlb serve --workers N`` the slot caps are the whole service's: :attr:`Admission.peers` gives
 the requests the other workers have admitted (the shared load table, :mod:`balancer.load.share`) and
@@ -170,17 +171,18 @@ class Tenant:
 class _Waiter:
     """One request in the queue: what it waits for, and the future that admits it."""
 
-    __slots__ = ("body_bytes", "future", "parsed", "tenant")
+    __slots__ = ("body_bytes", "future", "tenant", "tokenizing")
 
     def __init__(
-        self, future: asyncio.Future[None], body_bytes: int, tenant: Tenant | None, parsed: bool = False
+        self, future: asyncio.Future[None], body_bytes: int, tenant: Tenant | None, tokenizing: bool = False
     ) -> None:
         self.future = future
         self.body_bytes = body_bytes
         self.tenant = tenant
         """The tenant whose slot it waits for (``None``: bytes for a request already in flight)."""
-        self.parsed = parsed
-        """It waits for a parsed request's bytes (:meth:`Admission.hold_parsed`; ``tenant`` is ``None``)."""
+        self.tokenizing = tokenizing
+        """It waits for a tokenizing request's bytes (:meth:`Admission.hold_tokenizing`; ``tenant`` is
+        ``None``)."""
 
 
 class Admission:
@@ -202,9 +204,11 @@ class Admission:
         """Called with a tenant's key and its :attr:`Tenant.inflight` after each change."""
         self.body_bytes = 0
         """Bytes of bodies and token ids the requests of this process hold now (reserved, added), and
-        of their parsed forms while they are tokenized (:attr:`parsed_bytes`)."""
-        self.parsed_bytes = 0
-        """The part of :attr:`body_bytes` held for parsed requests (their estimate) now."""
+        of their parsed forms and the tokenizer's work while they are tokenized in a thread
+        (:attr:`tokenizing_bytes`)."""
+        self.tokenizing_bytes = 0
+        """The part of :attr:`body_bytes` held now for the requests tokenized in a thread (the estimate
+        of each one's parsed form and of the tokenizer's working memory for its text)."""
         self.default_tenant = Tenant(None, DEFAULT_TENANT_KEY)
         """The tenant of requests without a tenant header."""
         self.overflow_tenant = Tenant(None, OVERFLOW_TENANT_KEY)
@@ -213,8 +217,9 @@ class Admission:
         self._tenants: dict[str, Tenant] = {}
         self._front: collections.deque[_Waiter] = collections.deque()
         """Waiters for bytes only (requests in flight), first served, in order."""
-        self._parsed: collections.deque[_Waiter] = collections.deque()
-        """Waiters for a parsed request's bytes (:meth:`hold_parsed`), served before the front queue."""
+        self._tokenizing: collections.deque[_Waiter] = collections.deque()
+        """Waiters for a tokenizing request's bytes (:meth:`hold_tokenizing`), served before the front
+        queue."""
         self._ring: collections.deque[Tenant] = collections.deque()
         """The tenants whose turn comes: those with a waiter and below their slot cap, in turn."""
         self._blocked: dict[Tenant, None] = {}
@@ -231,7 +236,7 @@ class Admission:
     @property
     def queued(self) -> int:
         """Requests waiting now (for admission or for a replica slot)."""
-        return len(self._front) + len(self._parsed) + self._slot_waiters + self._replica_waiters
+        return len(self._front) + len(self._tokenizing) + self._slot_waiters + self._replica_waiters
 
     @property
     def tenants(self) -> int:
@@ -305,7 +310,7 @@ class Admission:
             and tenant.inflight < self._tenant_cap
             and not self._ring
             and not self._front
-            and not self._parsed
+            and not self._tokenizing
             and (inflight if self.peers is None else inflight + self.peers()) < limits.max_inflight
             and (
                 self.tenant_peers is None
@@ -343,50 +348,50 @@ class Admission:
             return
         await self._wait(_Waiter(asyncio.get_running_loop().create_future(), body_bytes, None), deadline)
 
-    def try_hold_parsed(self, parsed_bytes: int) -> bool:
-        """Hold ``parsed_bytes`` more for a request in flight whose parsed form waits for the
-        tokenizer, if they fit or no parsed bytes are held, and no other parsed request waits
-        (``False``: :meth:`hold_parsed` waits)."""
-        if self._parsed or (
-            self.body_bytes + parsed_bytes > self.limits.max_inflight_body_bytes and self.parsed_bytes
+    def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool:
+        """Hold ``tokenizing_bytes`` more for a request in flight to be tokenized in a thread, if they
+        fit or no tokenizing bytes are held, and no other tokenizing request waits (``False``:
+        :meth:`hold_tokenizing` waits)."""
+        if self._tokenizing or (
+            self.body_bytes + tokenizing_bytes > self.limits.max_inflight_body_bytes and self.tokenizing_bytes
         ):
             return False
-        self.body_bytes += parsed_bytes
-        self.parsed_bytes += parsed_bytes
+        self.body_bytes += tokenizing_bytes
+        self.tokenizing_bytes += tokenizing_bytes
         return True
 
-    async def hold_parsed(self, parsed_bytes: int, deadline: float) -> None:
-        """:meth:`try_hold_parsed`, waiting in the parsed requests' queue until ``deadline`` (then
+    async def hold_tokenizing(self, tokenizing_bytes: int, deadline: float) -> None:
+        """:meth:`try_hold_tokenizing`, waiting in the tokenizing requests' queue until ``deadline`` (then
         503; a full queue: 429, as :meth:`enter`). The caller keeps no parsed form while it waits."""
-        if self.try_hold_parsed(parsed_bytes):
+        if self.try_hold_tokenizing(tokenizing_bytes):
             return
         future = asyncio.get_running_loop().create_future()
-        await self._wait(_Waiter(future, parsed_bytes, None, parsed=True), deadline)
+        await self._wait(_Waiter(future, tokenizing_bytes, None, tokenizing=True), deadline)
 
     def add(self, body_bytes: int) -> None:
         """Count ``body_bytes`` more held by a request in flight (its token ids), without waiting:
         the bytes held may pass the budget by them, and newcomers wait until they are back under."""
         self.body_bytes += body_bytes
 
-    def give_back(self, body_bytes: int, parsed_bytes: int = 0) -> None:
+    def give_back(self, body_bytes: int, tokenizing_bytes: int = 0) -> None:
         """Give back ``body_bytes`` a request holds while it goes on (the rest of a reservation larger
-        than the message received, all of a hold without a slot, or a parsed request's hold once it
-        is tokenized, of which ``parsed_bytes`` were held as such): the waiters whose turn comes and
+        than the message received, all of a hold without a slot, or a tokenizing request's hold once
+        it is tokenized, of which ``tokenizing_bytes`` were held as such): the waiters whose turn comes and
         that now fit are admitted, as :meth:`leave` admits them."""
         self.body_bytes -= body_bytes
-        self.parsed_bytes -= parsed_bytes
-        if self._ring or self._front or self._parsed:
+        self.tokenizing_bytes -= tokenizing_bytes
+        if self._ring or self._front or self._tokenizing:
             self._admit_waiters()
 
-    def leave(self, body_bytes: int = 0, tenant: Tenant | None = None, parsed_bytes: int = 0) -> None:
+    def leave(self, body_bytes: int = 0, tenant: Tenant | None = None, tokenizing_bytes: int = 0) -> None:
         """Release a slot of ``tenant`` (default: the default tenant) and the ``body_bytes`` the
-        request held (all it reserved, held and added; ``parsed_bytes`` of them held for its parsed
-        form): the waiters whose turn comes and that now fit are admitted. With other workers, slots
-        pass on only while the whole service is below the cap again."""
+        request held (all it reserved, held and added; ``tokenizing_bytes`` of them held while it
+        was tokenized in a thread): the waiters whose turn comes and that now fit are admitted.
+        With other workers, slots pass on only while the whole service is below the cap again."""
         if tenant is None:
             tenant = self.default_tenant
         self.body_bytes -= body_bytes
-        self.parsed_bytes -= parsed_bytes
+        self.tokenizing_bytes -= tokenizing_bytes
         held = tenant.inflight = tenant.inflight - 1
         self.inflight -= 1
         if tenant.waiters:
@@ -398,7 +403,7 @@ class Admission:
         elif not held and tenant.key is not None and not tenant.queued:
             self._forget(tenant)
         if (
-            not ((self._ring or self._front or self._parsed) and self._admit_waiters())
+            not ((self._ring or self._front or self._tokenizing) and self._admit_waiters())
             and self.on_change is not None
         ):
             self.on_change(self.inflight)
@@ -433,7 +438,7 @@ class Admission:
             )
         self._check_room(what, limit, tenant)
         if tenant is None:
-            (self._parsed if waiter.parsed else self._front).append(waiter)
+            (self._tokenizing if waiter.tokenizing else self._front).append(waiter)
         else:
             tenant.waiters.append(waiter)
             tenant.queued += 1
@@ -478,25 +483,25 @@ class Admission:
         self._admit_waiters()
 
     def _admit_waiters(self) -> bool:
-        """Admit the waiters whose turn comes while they fit: first the parsed requests' (their head
-        also when no parsed bytes are held: "Parsed requests" above), then the front queue's
+        """Admit the waiters whose turn comes while they fit: first the tokenizing requests' (their
+        head also when no tokenizing bytes are held: "Tokenizing requests" above), then the front queue's
         (bytes), then the ring's tenants in turn, one waiter each (bytes, and a slot of the whole
         service, other workers' slots included). A tenant whose slots are taken with the other
         workers' counted (:attr:`tenant_peers`) is set aside (:attr:`_blocked`) and its turn passes;
         otherwise it stops at the first that does not fit. Publishes :attr:`inflight` and says
         whether it admitted any for a slot."""
         limit_bytes = self.limits.max_inflight_body_bytes
-        parsed = self._parsed
-        while parsed:
-            waiter = parsed[0]
+        tokenizing = self._tokenizing
+        while tokenizing:
+            waiter = tokenizing[0]
             if waiter.future.done():
-                parsed.popleft()
+                tokenizing.popleft()
                 continue
-            if self.body_bytes + waiter.body_bytes > limit_bytes and self.parsed_bytes:
+            if self.body_bytes + waiter.body_bytes > limit_bytes and self.tokenizing_bytes:
                 break
-            parsed.popleft()
+            tokenizing.popleft()
             self.body_bytes += waiter.body_bytes
-            self.parsed_bytes += waiter.body_bytes
+            self.tokenizing_bytes += waiter.body_bytes
             waiter.future.set_result(None)
         front = self._front
         while front:
@@ -618,12 +623,12 @@ class Admission:
             if tenant is not None:
                 self.leave(waiter.body_bytes, tenant)
             else:
-                self.give_back(waiter.body_bytes, waiter.body_bytes if waiter.parsed else 0)
+                self.give_back(waiter.body_bytes, waiter.body_bytes if waiter.tokenizing else 0)
             return
         future.cancel()
         if tenant is None:
             with contextlib.suppress(ValueError):
-                (self._parsed if waiter.parsed else self._front).remove(waiter)
+                (self._tokenizing if waiter.tokenizing else self._front).remove(waiter)
         else:
             with contextlib.suppress(ValueError):
                 tenant.waiters.remove(waiter)

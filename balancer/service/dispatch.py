@@ -84,7 +84,7 @@ class Admitted:
     hold without a slot. A plain class rather than a generator-based context manager: it is entered
     once per request."""
 
-    __slots__ = ("body_bytes", "deadline", "parsed_bytes", "slot", "state", "tenant", "tenant_name")
+    __slots__ = ("body_bytes", "deadline", "slot", "state", "tenant", "tenant_name", "tokenizing_bytes")
 
     def __init__(
         self, state: ServiceState, body_bytes: int, tenant_name: str | None, slot: bool = True
@@ -100,8 +100,9 @@ class Admitted:
         """The tenant whose slot the request holds (set on entering; ``None`` without a slot)."""
         self.slot = slot
         """Whether it takes an admission slot (else bytes only, before the queued newcomers)."""
-        self.parsed_bytes = 0
-        """The part of :attr:`body_bytes` held for its parsed form (:meth:`try_hold_parsed`)."""
+        self.tokenizing_bytes = 0
+        """The part of :attr:`body_bytes` held while it is tokenized in a thread, for its parsed form
+        and the tokenizer's work (:meth:`try_hold_tokenizing`)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
@@ -128,9 +129,9 @@ class Admitted:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self.slot:
-            self.state.admission.leave(self.body_bytes, self.tenant, self.parsed_bytes)
+            self.state.admission.leave(self.body_bytes, self.tenant, self.tokenizing_bytes)
         else:
-            self.state.admission.give_back(self.body_bytes, self.parsed_bytes)
+            self.state.admission.give_back(self.body_bytes, self.tokenizing_bytes)
 
     async def hold(self, body_bytes: int) -> None:
         """Hold ``body_bytes`` more (a body read without a declared length, chunk by chunk), waiting
@@ -142,32 +143,35 @@ class Admitted:
             raise
         self.body_bytes += body_bytes
 
-    def try_hold_parsed(self, parsed_bytes: int) -> bool:
-        """Hold ``parsed_bytes`` (the estimate of its parsed form, which waits for the tokenizer) if
-        the budget lets it in at once; ``False``: drop the parsed form and :meth:`hold_parsed`."""
-        if not self.state.admission.try_hold_parsed(parsed_bytes):
+    def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool:
+        """Hold ``tokenizing_bytes`` (the estimate of its parsed form and of the tokenizer's work, for a
+        request to be tokenized in a thread) if the budget lets it in at once; ``False``: drop the
+        parsed form and :meth:`hold_tokenizing`."""
+        if not self.state.admission.try_hold_tokenizing(tokenizing_bytes):
             return False
-        self.body_bytes += parsed_bytes
-        self.parsed_bytes += parsed_bytes
+        self.body_bytes += tokenizing_bytes
+        self.tokenizing_bytes += tokenizing_bytes
         return True
 
-    async def hold_parsed(self, parsed_bytes: int) -> None:
-        """Hold ``parsed_bytes`` for its parsed form, waiting in the parsed requests' queue (before
-        the front queue and the newcomers) within the request's deadline; refusals as :meth:`hold`'s.
-        The caller keeps no parsed form meanwhile: it parses the body again once this returns."""
+    async def hold_tokenizing(self, tokenizing_bytes: int) -> None:
+        """Hold ``tokenizing_bytes`` as :meth:`try_hold_tokenizing`, waiting in the tokenizing
+        requests' queue (before the front queue and the newcomers) within the request's deadline;
+        refusals as :meth:`hold`'s. The caller keeps no parsed form meanwhile: it parses the body
+        again once this returns."""
         try:
-            await self.state.admission.hold_parsed(parsed_bytes, self.deadline)
+            await self.state.admission.hold_tokenizing(tokenizing_bytes, self.deadline)
         except AdmissionRefused as exc:
             _count_refusal(self.state, exc, "max_inflight")
             raise
-        self.body_bytes += parsed_bytes
-        self.parsed_bytes += parsed_bytes
+        self.body_bytes += tokenizing_bytes
+        self.tokenizing_bytes += tokenizing_bytes
 
-    def give_back_parsed(self) -> None:
-        """Give back what it holds for its parsed form (tokenized: the form is dropped)."""
-        held = self.parsed_bytes
+    def give_back_tokenizing(self) -> None:
+        """Give back what it holds for its parsed form and the tokenizer's work (tokenized: the form
+        is dropped, the tokenizer's thread done)."""
+        held = self.tokenizing_bytes
         if held:
-            self.parsed_bytes = 0
+            self.tokenizing_bytes = 0
             self.body_bytes -= held
             self.state.admission.give_back(held, held)
 

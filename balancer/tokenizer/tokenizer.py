@@ -103,6 +103,10 @@ Tools = Sequence[Mapping[str, Any]]
 class Tokenizer(Protocol):
     """What the request path needs: token ids for a completion prompt or a chat."""
 
+    limits: TokenizeLimits
+    """The size caps it checks (the request path checks ``max_prompt_chars`` of a text prompt itself
+    before it holds bytes for a thread: :func:`balancer.api.openai.tokenize_inline`)."""
+
     @property
     def name(self) -> str:
         """Label for logs and metrics (e.g. the tokenizer's directory name)."""

@@ -23,14 +23,17 @@ MiB wait in the queue; ``VmRSS`` is read before they are sent and once they all 
 ``--shape`` picks the bodies: ``pad`` (above), or the chats whose parsed form weighs most over
 their bytes, sent to ``/v1/chat/completions`` and tokenized in kvlb's threads: ``tiny_messages``
 (one-letter messages, about 8.7× the body parsed) and ``content_parts`` (one message of two-letter
-text parts, about 9×). Their answers are the emulated replica's (it has no tokenizer here, so what
-it says of a chat does not matter: kvlb has parsed, tokenized and routed it by then). ``--no-off``
+text parts, about 9×); or ``long_text``, text completions of ASCII words (about 170,000 tokens a
+MiB), each tokenized whole in a thread (the tokenizer's working memory: about 100 B a character
+for such text, ``python -m loadtests.memory_figures tokenizer``). Their answers are the emulated
+replica's (it has no tokenizer here, so what it says of a prompt does not matter: kvlb has parsed,
+tokenized and routed it by then). ``--no-off``
 runs the small budget only (``--pairs`` × 2 runs), to set the same runs of two trees side by side.
 
 The budget bounds what kvlb holds for the requests it admitted, their parsed chats and text prompts
-included while they wait for the tokenizer; the parse of each body (2× its size for one long
-string, up to 12× for tiny messages, one at a time on the event loop), the tokenizer's work on the
-prompts in its threads and aiohttp's read buffers come on top.
+and the tokenizer's work on them (an estimate) included while they wait for and run in the
+tokenizer's threads; the parse of each body (2× its size for one long string, up to 12× for tiny
+messages, one at a time on the event loop) and aiohttp's read buffers come on top.
 """
 
 from __future__ import annotations
@@ -73,8 +76,20 @@ def proc_status_mb(pid: int, field: str) -> float:
     raise KeyError(field)
 
 
-SHAPES = ("pad", "tiny_messages", "content_parts")
-"""The bodies ``--shape`` may send: a padded completion, or a chat whose parsed form is large."""
+SHAPES = ("pad", "tiny_messages", "content_parts", "long_text")
+"""The bodies ``--shape`` may send: a padded completion, a chat whose parsed form is large, or a long
+text prompt."""
+TOKENIZING_METRICS = ("kvlb_admission_tokenizing_bytes", "kvlb_admission_parsed_bytes")
+"""The gauge of what requests tokenized in a thread hold, by its name now and before it covered the
+tokenizer's work (to run this script against trees of either)."""
+TEXT_WORDS = ("alpha", "river", "stone", "cloud", "green", "seven", "quiet", "table")
+
+
+def text_body(index: int, size: int) -> bytes:
+    """A text completion request of at most ``size`` bytes of ASCII words (5 letters and a space)."""
+    head = json.dumps({"model": MODEL, "prompt": f"request {index} ", "max_tokens": 1}).encode()
+    words = " ".join(TEXT_WORDS[(i + index) % len(TEXT_WORDS)] for i in range((size - len(head)) // 6))
+    return json.dumps({"model": MODEL, "prompt": f"request {index} {words}", "max_tokens": 1}).encode()
 
 
 def chat_body(index: int, size: int, shape: str) -> bytes:
@@ -142,12 +157,12 @@ async def generate(channel: grpc.aio.Channel, data: bytes) -> str:
     return "OK"
 
 
-def rig_settings(budget_bytes: int, bodies: int, face: str) -> dict[str, Any]:
+def rig_settings(budget_bytes: int, bodies: int, face: str, queue_timeout_s: float = 60.0) -> dict[str, Any]:
     limits = {
         "max_body_bytes": MAX_BODY_BYTES,
         "max_inflight_body_bytes": budget_bytes,
         "max_queued": bodies,
-        "queue_timeout_s": 60.0,
+        "queue_timeout_s": queue_timeout_s,
     }
     top: dict[str, Any] = {"limits": limits}
     if face == "grpc":
@@ -156,9 +171,14 @@ def rig_settings(budget_bytes: int, bodies: int, face: str) -> dict[str, Any]:
 
 
 async def one_run(
-    budget_bytes: int, bodies: int, body_bytes: int, face: str = "http", shape: str = "pad"
+    budget_bytes: int,
+    bodies: int,
+    body_bytes: int,
+    face: str = "http",
+    shape: str = "pad",
+    queue_timeout_s: float = 60.0,
 ) -> dict[str, Any]:
-    top = rig_settings(budget_bytes, bodies, face)
+    top = rig_settings(budget_bytes, bodies, face, queue_timeout_s)
     started_utc = time.strftime("%H:%M:%S", time.gmtime())
     with tempfile.TemporaryDirectory(prefix="kvlb-body-budget-") as tmp:
         async with fault_rig(Path(tmp), ("sglang",), time_scale=1.0, **top) as f:
@@ -167,10 +187,16 @@ async def one_run(
             payloads: list[bytes] = []
             if face == "http":
                 payloads = [
-                    padded_body(i, body_bytes) if shape == "pad" else chat_body(i, body_bytes, shape)
+                    padded_body(i, body_bytes)
+                    if shape == "pad"
+                    else text_body(i, body_bytes)
+                    if shape == "long_text"
+                    else chat_body(i, body_bytes, shape)
                     for i in range(bodies)
                 ]
-            path = "/v1/completions" if shape == "pad" else "/v1/chat/completions"
+            path = (
+                "/v1/chat/completions" if shape in ("tiny_messages", "content_parts") else "/v1/completions"
+            )
             peak_held = peak_parsed = 0.0
             done = asyncio.Event()
 
@@ -182,7 +208,8 @@ async def one_run(
                 while not done.is_set():
                     figures = await f.metrics()
                     peak_held = max(peak_held, figures.get("kvlb_admission_body_bytes", 0.0))
-                    peak_parsed = max(peak_parsed, figures.get("kvlb_admission_parsed_bytes", 0.0))
+                    tokenizing = sum(figures.get(name, 0.0) for name in TOKENIZING_METRICS)
+                    peak_parsed = max(peak_parsed, tokenizing)
                     await asyncio.sleep(0.02)
 
             async def post(session: aiohttp.ClientSession, body: bytes) -> int:
@@ -374,7 +401,9 @@ async def main_async(args: argparse.Namespace) -> None:
     )
     for _ in range(args.pairs):
         for budget in order:
-            runs.append(await one_run(budget, args.bodies, body_bytes, args.face, args.shape))
+            runs.append(
+                await one_run(budget, args.bodies, body_bytes, args.face, args.shape, args.queue_timeout_s)
+            )
             print(json.dumps(runs[-1]), flush=True)
     off = [r["peak_rise_mb"] for r in runs if r["budget"] == "off"]
     on = [r["peak_rise_mb"] for r in runs if r["budget"] != "off"]
@@ -418,6 +447,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--face", choices=("http", "grpc"), default="http", help="the face sent to")
     parser.add_argument("--shape", choices=SHAPES, default="pad", help="the bodies sent (default pad)")
     parser.add_argument("--no-off", action="store_true", help="run the small budget only")
+    parser.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=60.0,
+        help="limits.queue_timeout_s of the burst runs (default 60: every request waits its turn)",
+    )
     parser.add_argument(
         "--small-calls", type=int, default=0, help="time this many small gRPC Generate calls instead"
     )

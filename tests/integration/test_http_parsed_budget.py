@@ -1,7 +1,7 @@
 """The parsed request in the byte budget (``limits.max_inflight_body_bytes``) over real sockets: a
 balancer and an emulated replica on 127.0.0.1, chats of many one-letter messages (each keeps about
 8× its body once parsed) tokenized in the tokenizer's threads. While one is tokenized its estimate
-is held (``kvlb_admission_body_bytes``, ``kvlb_admission_parsed_bytes``), a second one waits for it
+is held (``kvlb_admission_body_bytes``, ``kvlb_admission_tokenizing_bytes``), a second one waits for it
 (or gets 429 without a queue; RESOURCE_EXHAUSTED over gRPC), a bad body still gets its 4xx, and
 every byte comes back."""
 
@@ -17,7 +17,7 @@ from grpc_harness import failure, grpc_running
 from kvlb_harness import MODEL, Answer, Harness, metric_value, running, shared_deepseek, wait_for
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.openai import parsed_hold_bytes
+from balancer.api.openai import tokenizing_hold_bytes
 from balancer.api.parsing import parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
 
@@ -39,7 +39,7 @@ def tiny_chat(salt: int, count: int = MESSAGES, content: str = "a") -> bytes:
 
 
 BODY = len(tiny_chat(0))
-PARSED = parsed_hold_bytes(parse_request(tiny_chat(0), "chat"))
+PARSED = tokenizing_hold_bytes(parse_request(tiny_chat(0), "chat"))
 LIMITS = {
     "limits__max_body_bytes": BODY + 1024,
     # two bodies and one parsed chat, not two parsed chats
@@ -59,13 +59,13 @@ async def metric(h: Harness, name: str, **labels: str) -> float:
 
 
 async def parsing(h: Harness) -> bool:
-    return await metric(h, "kvlb_admission_parsed_bytes") > 0
+    return await metric(h, "kvlb_admission_tokenizing_bytes") > 0
 
 
 async def nothing_held(h: Harness) -> bool:
     return (
         await metric(h, "kvlb_admission_body_bytes") == 0
-        and await metric(h, "kvlb_admission_parsed_bytes") == 0
+        and await metric(h, "kvlb_admission_tokenizing_bytes") == 0
     )
 
 
@@ -83,7 +83,7 @@ async def test_the_budget_holds_the_parsed_chat_while_it_is_tokenized_and_a_seco
         async def sample() -> None:
             nonlocal peak_parsed, peak_held
             while not done.is_set():
-                peak_parsed = max(peak_parsed, await metric(h, "kvlb_admission_parsed_bytes"))
+                peak_parsed = max(peak_parsed, await metric(h, "kvlb_admission_tokenizing_bytes"))
                 peak_held = max(peak_held, await metric(h, "kvlb_admission_body_bytes"))
                 await asyncio.sleep(0.005)
 
@@ -146,7 +146,7 @@ async def test_a_grpc_chat_holds_its_parsed_estimate_and_a_second_gets_resource_
 
         first = asyncio.create_task(generate(1))
         await wait_for("the first chat to be tokenized", lambda: parsing(h), timeout_s=10.0)
-        assert await metric(h, "kvlb_admission_parsed_bytes") >= PARSED // 2  # the same chat, as a dict
+        assert await metric(h, "kvlb_admission_tokenizing_bytes") >= PARSED // 2  # the same chat, as a dict
         second = await generate(2)
         assert second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, second.details()
         assert "max_inflight_body_bytes" in (second.details() or "")

@@ -12,10 +12,12 @@ from typing import Any, cast
 
 import pytest
 
-from balancer.api.openai import INLINE_TOKENIZE_CHARS, PRECHECK_CHARS, tokenize
+from balancer.api.errors import ApiError
+from balancer.api.openai import INLINE_TOKENIZE_CHARS, PRECHECK_CHARS, tokenize, tokenize_inline
 from balancer.api.parsing import PER_MESSAGE_CHARS, ParsedRequest, json_text_chars, parse_request
 from balancer.service.state import Pool
 from balancer.tokenizer.default import deepseek_tokenizer_file, default_tokenizer
+from balancer.tokenizer.tokenizer import TokenizeLimits
 
 
 def chat_body(messages: list[dict[str, Any]], **extra: Any) -> bytes:
@@ -143,3 +145,19 @@ async def test_a_chat_whose_system_prompt_is_cached_is_tokenized_inline() -> Non
         plain = tokenizer._ids(tokenizer.render_chat(messages), add_special_tokens=False)
         assert list(ids) == plain
     assert len(third) > len(second)
+
+
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+async def test_a_text_over_max_prompt_chars_is_refused_on_the_loop_before_any_hold() -> None:
+    """Such a text would hold about 2 GiB for a thread that refuses it at once: it is refused inline
+    (400); one character fewer goes to a thread (``None``: the caller holds, then encodes)."""
+    tokenizer = await asyncio.to_thread(default_tokenizer, TokenizeLimits(max_prompt_chars=10_000))
+    pool = cast(Pool, SimpleNamespace(tokenizer=tokenizer))
+
+    def text(chars: int) -> ParsedRequest:
+        return parse_request(json.dumps({"model": "m", "prompt": "a" * chars}).encode(), "completions")
+
+    with pytest.raises(ApiError) as refused:
+        tokenize_inline(pool, text(10_001), 1_000_000)
+    assert refused.value.status == 400 and "10000" in str(refused.value)
+    assert tokenize_inline(pool, text(10_000), 1_000_000) is None

@@ -1,7 +1,8 @@
 """The parsed request's bytes: the estimate of :func:`~balancer.api.parsing.json_text_size` against
 ``tracemalloc`` on the worst shapes (tiny messages, content parts, distinct keys, tools, non-ASCII
-text), which requests hold it (:func:`~balancer.api.openai.parsed_hold_bytes`), and the queue of
-:meth:`~balancer.service.admission.Admission.hold_parsed`: in order, never two parses past the
+text), what a request tokenized in a thread holds (:func:`~balancer.api.openai.tokenizing_hold_bytes`:
+that estimate and the tokenizer's working memory), and the queue of
+:meth:`~balancer.service.admission.Admission.hold_tokenizing`: in order, never two holds past the
 budget, no deadlock, and every byte back (no I/O)."""
 
 from __future__ import annotations
@@ -14,8 +15,13 @@ from typing import Any
 
 import pytest
 
-from balancer.api.openai import INLINE_TOKENIZE_CHARS, parsed_hold_bytes
-from balancer.api.parsing import ParsedRequest, json_text_size, parse_request
+from balancer.api.openai import (
+    INLINE_TOKENIZE_CHARS,
+    TOKENIZER_BYTES_PER_ASCII_CHAR,
+    TOKENIZER_BYTES_PER_CHAR,
+    tokenizing_hold_bytes,
+)
+from balancer.api.parsing import ParsedRequest, json_text_ascii, json_text_size, parse_request
 from balancer.service.admission import MAX_BYTES, Admission, AdmissionLimits, AdmissionRefused
 
 ESTIMATE_OVER_TRACED = (0.99, 1.6)
@@ -93,15 +99,60 @@ def test_json_text_size_counts_characters_as_json_text_chars_did() -> None:
     assert json_text_size("x" * 10)[0] == 10
 
 
-def test_only_what_may_wait_for_a_thread_holds_bytes() -> None:
-    short = parse_request(chat([{"role": "user", "content": "hi"}]), "chat")
-    assert short.parsed_bytes > 0 and parsed_hold_bytes(short) == 0  # tokenized on the event loop
+def test_a_thread_s_hold_is_the_parsed_estimate_and_the_tokenizer_s_work_per_character() -> None:
     long = parse_request(chat([{"role": "user", "content": "a"}] * 1_000), "chat")
-    assert long.text_chars > INLINE_TOKENIZE_CHARS and parsed_hold_bytes(long) == long.parsed_bytes
-    ids = parse_request(json.dumps({"model": "m", "prompt": list(range(5_000))}).encode(), "completions")
-    assert parsed_hold_bytes(ids) == 0  # checked on the event loop, counted as its array once tokenized
+    work = TOKENIZER_BYTES_PER_ASCII_CHAR * long.text_chars
+    assert tokenizing_hold_bytes(long) == long.parsed_bytes + work
     text = parse_request(json.dumps({"model": "m", "prompt": "a" * 10_000}).encode(), "completions")
-    assert parsed_hold_bytes(text) == text.parsed_bytes >= 10_000
+    assert tokenizing_hold_bytes(text) == text.parsed_bytes + TOKENIZER_BYTES_PER_ASCII_CHAR * 10_000
+    assert text.parsed_bytes >= 10_000
+    # the same characters in a wider form weigh more parsed, and the tokenizer's part is the one for
+    # any text: per character, whatever their width
+    emoji = parse_request(json.dumps({"model": "m", "prompt": "\U0001f600" * 10_000}).encode(), "completions")
+    assert emoji.text_chars == 10_000 and emoji.parsed_bytes >= 40_000
+    assert tokenizing_hold_bytes(emoji) - emoji.parsed_bytes == TOKENIZER_BYTES_PER_CHAR * 10_000
+    latin = parse_request(json.dumps({"model": "m", "prompt": "\u00e9" * 10_000}).encode(), "completions")
+    assert tokenizing_hold_bytes(latin) - latin.parsed_bytes == TOKENIZER_BYTES_PER_CHAR * 10_000
+
+
+@pytest.mark.parametrize(
+    "where",
+    [
+        {"messages": [{"role": "user", "content": "caf\u00e9 " * 2_000}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "x" * 9_000}, {"type": "text", "text": "\u4e2d"}],
+                }
+            ]
+        },
+        {"messages": [{"role": "user", "content": "x" * 9_000, "n\u00e4me": "a"}]},
+        {
+            "messages": [{"role": "user", "content": "x" * 9_000}],
+            "tools": [{"type": "function", "function": {"name": "f", "description": "\u00fc"}}],
+        },
+    ],
+    ids=["content", "a content part", "a key", "tools"],
+)
+def test_one_non_ascii_string_anywhere_in_a_chat_takes_the_estimate_for_any_text(
+    where: dict[str, object],
+) -> None:
+    parsed = parse_request(json.dumps({"model": "m", **where}).encode(), "chat")
+    assert parsed.text_chars > INLINE_TOKENIZE_CHARS
+    assert tokenizing_hold_bytes(parsed) == parsed.parsed_bytes + TOKENIZER_BYTES_PER_CHAR * parsed.text_chars
+    ascii_only = json.loads(json.dumps(where).encode().decode("unicode_escape").encode("ascii", "replace"))
+    plain = parse_request(json.dumps({"model": "m", **ascii_only}).encode(), "chat")
+    assert (
+        tokenizing_hold_bytes(plain) == plain.parsed_bytes + TOKENIZER_BYTES_PER_ASCII_CHAR * plain.text_chars
+    )
+
+
+def test_json_text_ascii_looks_at_every_string_and_key() -> None:
+    assert json_text_ascii({"ab": ["cde", {"f": "gh"}, 3, None, True]})
+    assert not json_text_ascii({"ab": ["cde", {"f": "g\u00e9"}]})
+    assert not json_text_ascii({"ab": ["cde", {"\u00e9": "gh"}]})
+    assert json_text_ascii([]) and json_text_ascii({})
 
 
 BUDGET = 1000
@@ -119,41 +170,41 @@ async def settle() -> None:
 async def test_a_parse_that_fits_holds_at_once_and_one_alone_goes_even_past_the_budget() -> None:
     g = gate()
     assert g.try_enter(300)
-    assert g.try_hold_parsed(500) and (g.body_bytes, g.parsed_bytes) == (800, 500)
+    assert g.try_hold_tokenizing(500) and (g.body_bytes, g.tokenizing_bytes) == (800, 500)
     g.give_back(500, 500)
     assert g.try_enter(600)  # 900 held by bodies
-    assert g.try_hold_parsed(5_000)  # no parsed form held: it goes alone (it could never fit)
-    assert (g.body_bytes, g.parsed_bytes) == (5_900, 5_000)
-    assert not g.try_hold_parsed(1)  # another parsed form held and the budget passed: it waits
+    assert g.try_hold_tokenizing(5_000)  # no tokenizing bytes held: it goes alone (it could never fit)
+    assert (g.body_bytes, g.tokenizing_bytes) == (5_900, 5_000)
+    assert not g.try_hold_tokenizing(1)  # another tokenizing hold taken and the budget passed: it waits
     assert not g.try_enter(0)  # newcomers wait while the budget is passed
     g.give_back(5_000, 5_000)
-    assert (g.body_bytes, g.parsed_bytes) == (900, 0)
+    assert (g.body_bytes, g.tokenizing_bytes) == (900, 0)
 
 
 async def test_a_second_parse_waits_for_the_first_to_be_tokenized_then_goes() -> None:
     g = gate()
     assert g.try_enter(200) and g.try_enter(200)
-    assert g.try_hold_parsed(700)  # 1,100 held: past the budget, alone
-    second = asyncio.create_task(g.hold_parsed(700, g.deadline()))
+    assert g.try_hold_tokenizing(700)  # 1,100 held: past the budget, alone
+    second = asyncio.create_task(g.hold_tokenizing(700, g.deadline()))
     await settle()
-    assert not second.done() and g.queued == 1 and g.parsed_bytes == 700
-    assert not g.try_enter(0)  # a newcomer does not pass a parsed form waiting
+    assert not second.done() and g.queued == 1 and g.tokenizing_bytes == 700
+    assert not g.try_enter(0)  # a newcomer does not pass a tokenizing request waiting
     g.give_back(700, 700)  # the first is tokenized
     await second
-    assert (g.body_bytes, g.parsed_bytes, g.queued) == (1_100, 700, 0)
+    assert (g.body_bytes, g.tokenizing_bytes, g.queued) == (1_100, 700, 0)
     g.give_back(700, 700)
     g.leave(200)
     g.leave(200)
-    assert (g.body_bytes, g.parsed_bytes, g.inflight) == (0, 0, 0)
+    assert (g.body_bytes, g.tokenizing_bytes, g.inflight) == (0, 0, 0)
 
 
 async def test_parsed_waiters_go_in_order_before_the_front_queue_and_the_newcomers() -> None:
     g = gate()
-    assert g.try_enter(100) and g.try_hold_parsed(900)
+    assert g.try_enter(100) and g.try_hold_tokenizing(900)
     order: list[str] = []
 
     async def parsed(name: str, size: int) -> None:
-        await g.hold_parsed(size, g.deadline())
+        await g.hold_tokenizing(size, g.deadline())
         order.append(name)
 
     async def chunk(name: str, size: int) -> None:
@@ -175,39 +226,39 @@ async def test_parsed_waiters_go_in_order_before_the_front_queue_and_the_newcome
     await settle()
     assert order == ["large", "small", "chunk", "newcomer"]
     await asyncio.gather(*tasks)
-    assert (g.body_bytes, g.parsed_bytes) == (100 + 600 + 10 + 100 + 50, 610)
+    assert (g.body_bytes, g.tokenizing_bytes) == (100 + 600 + 10 + 100 + 50, 610)
 
 
 async def test_a_parsed_wait_too_long_is_503_a_full_queue_429_and_nothing_stays_held() -> None:
     g = gate(queued=1, timeout_s=0.05)
-    assert g.try_enter(100) and g.try_hold_parsed(950)
-    waiting = asyncio.create_task(g.hold_parsed(500, g.deadline()))
+    assert g.try_enter(100) and g.try_hold_tokenizing(950)
+    waiting = asyncio.create_task(g.hold_tokenizing(500, g.deadline()))
     await settle()
     with pytest.raises(AdmissionRefused) as full:
-        await g.hold_parsed(500, g.deadline())
+        await g.hold_tokenizing(500, g.deadline())
     assert (full.value.status, full.value.limit) == (429, MAX_BYTES)
     with pytest.raises(AdmissionRefused) as late:
         await waiting
     assert (late.value.status, late.value.limit) == (503, MAX_BYTES)
     assert "max_inflight_body_bytes" in late.value.message
-    assert (g.body_bytes, g.parsed_bytes, g.queued) == (1_050, 950, 0)
+    assert (g.body_bytes, g.tokenizing_bytes, g.queued) == (1_050, 950, 0)
     g.give_back(950, 950)
     g.leave(100)
-    assert (g.body_bytes, g.parsed_bytes, g.inflight) == (0, 0, 0)
+    assert (g.body_bytes, g.tokenizing_bytes, g.inflight) == (0, 0, 0)
 
 
 async def test_a_parsed_waiter_cancelled_leaves_the_queue_and_the_next_goes() -> None:
     g = gate()
-    assert g.try_enter(100) and g.try_hold_parsed(900)
-    first = asyncio.create_task(g.hold_parsed(500, g.deadline()))
-    second = asyncio.create_task(g.hold_parsed(400, g.deadline()))
+    assert g.try_enter(100) and g.try_hold_tokenizing(900)
+    first = asyncio.create_task(g.hold_tokenizing(500, g.deadline()))
+    second = asyncio.create_task(g.hold_tokenizing(400, g.deadline()))
     await settle()
     first.cancel()
     await settle()
     assert first.cancelled() and not second.done()
     g.give_back(900, 900)
     await second
-    assert (g.body_bytes, g.parsed_bytes) == (500, 400)
+    assert (g.body_bytes, g.tokenizing_bytes) == (500, 400)
 
 
 async def test_bodies_filling_the_budget_do_not_deadlock_their_parses() -> None:
@@ -219,12 +270,12 @@ async def test_bodies_filling_the_budget_do_not_deadlock_their_parses() -> None:
     done: list[int] = []
 
     async def request(number: int) -> None:
-        await g.hold_parsed(2_000, g.deadline())
-        assert g.parsed_bytes == 2_000  # one parse at a time
+        await g.hold_tokenizing(2_000, g.deadline())
+        assert g.tokenizing_bytes == 2_000  # one parse at a time
         await asyncio.sleep(0.01)  # tokenized in a thread
         g.give_back(2_000, 2_000)
         done.append(number)
 
     async with asyncio.timeout(2.0):
         await asyncio.gather(*(request(n) for n in range(4)))
-    assert done == [0, 1, 2, 3] and (g.body_bytes, g.parsed_bytes) == (1_000, 0)
+    assert done == [0, 1, 2, 3] and (g.body_bytes, g.tokenizing_bytes) == (1_000, 0)

@@ -19,8 +19,9 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   (``Route`` still takes no slot), the admin methods not at all (as ``/admin`` over HTTP); once the
   message is in, the rest is given back. ``Generate`` then holds
   the message's bytes, the JSON body it forwards and the token ids, and (``Route`` too) the
-  estimate of the parsed chat or text prompt while it waits for the tokenizer's threads
-  (:func:`~balancer.api.openai.parsed_hold_bytes`); the parsed protobuf message is not counted.
+  estimate of the parsed chat or text prompt and of the tokenizer's work while it waits for and runs
+  in the tokenizer's threads (:func:`~balancer.api.openai.tokenizing_hold_bytes`); the parsed
+  protobuf message is not counted.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
 """
@@ -48,7 +49,13 @@ from balancer.api.grpc.messages import (
     openai_call,
     read_chunk,
 )
-from balancer.api.openai import SSE_CONTENT_TYPE, find_pool, parsed_hold_bytes, tokenize
+from balancer.api.openai import (
+    SSE_CONTENT_TYPE,
+    find_pool,
+    tokenize_in_thread,
+    tokenize_inline,
+    tokenizing_hold_bytes,
+)
 from balancer.errors import ConfigError, UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES
 from balancer.routing.router import Lease
@@ -156,15 +163,19 @@ async def prepare(
     pool = find_pool(state, parsed.model)
     weights = call.weights()
     admission = call.admission
-    parsed_bytes = parsed_hold_bytes(parsed) if admission is not None else 0
-    if admission is not None and parsed_bytes and not admission.try_hold_parsed(parsed_bytes):
-        del openai, parsed  # not kept while it waits for its bytes: made again once they are held
-        await admission.hold_parsed(parsed_bytes)
-        openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
-        parsed = openai.parsed
-    token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
-    if admission is not None:
-        admission.give_back_parsed()
+    max_prompt_tokens = state.settings.limits.max_prompt_tokens
+    token_ids = tokenize_inline(pool, parsed, max_prompt_tokens)
+    if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
+        if admission is not None:
+            hold_bytes = tokenizing_hold_bytes(parsed)
+            if not admission.try_hold_tokenizing(hold_bytes):
+                del openai, parsed  # not kept while it waits for its bytes: made again once they are held
+                await admission.hold_tokenizing(hold_bytes)
+                openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
+                parsed = openai.parsed
+        token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens)
+        if admission is not None:
+            admission.give_back_tokenizing()
     return Forward(
         pool,
         token_ids,
