@@ -18,7 +18,9 @@ from typing import Any
 import aiohttp
 import yaml
 
-START_TIMEOUT_S = 30.0
+START_TIMEOUT_S = 60.0
+"""How long a child may take to announce itself. A loaded machine (CPU burners, load 9-13) took
+26 s from ``kvlb serve``'s first log line to listening, and over 30 s more than once."""
 STOP_TIMEOUT_S = 10.0
 READY_TIMEOUT_S = 30.0
 """How long ``kvlb serve`` may take, after it listens, to find a replica healthy (a loaded CI

@@ -21,7 +21,7 @@ from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_conf
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
 from loadtests.stats import Summary
-from loadtests.target import EXIT_SLO_MISSED, Slo, check_slos, parse_slo
+from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED, Slo, check_slos, parse_slo
 
 pytestmark = pytest.mark.skipif(
     deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"
@@ -109,16 +109,23 @@ async def _capacity(out: Path, url: str, *extra: str) -> tuple[int, str]:
 
 async def test_capacity_searches_a_live_kvlb_for_real(kvlb: str, tmp_path: Path) -> None:
     code, stderr = await _capacity(tmp_path / "cap", kvlb, "--slo-gate", "100000")
-    assert code == EXIT_SLO_MISSED, stderr[-3000:]  # nothing here serves 100k req/s within the SLO
     report = json.loads((tmp_path / "cap" / "capacity.json").read_text())
     (row,) = report["routers"]
     assert row["name"] == "target" and report["meta"]["target"] == kvlb
     points = row["points"]
     assert 1 <= len(points) <= 3 and all(p["source"] == "target" for p in points)
     assert all(p["requests"] == 12 for p in points)
-    # the verdicts follow the measured figures, and the capacity is the highest passing rate
+    # nothing here serves 100k req/s within the SLO: the gate is missed, and the miss is the
+    # client's when the lowest failing rate is one the client could not send (a loaded machine's
+    # doing: under CPU burners at load 7-9 it sent 13.1 of 13.5 req/s and the command exited 4)
+    failing = [p for p in points if p["rate"] == row["first_failing_rate"]]
+    behind = bool(failing) and "invalid" in failing[0]
+    assert code == (EXIT_CLIENT_BEHIND if behind else EXIT_SLO_MISSED), stderr[-3000:]
+    # the verdicts follow the measured figures (a point the client fell behind on never passes),
+    # and the capacity is the highest passing rate
     for p in points:
-        assert p["meets_slo"] == (p["errors"] == 0 and p["ttft_p90_s"] is not None and p["ttft_p90_s"] <= 5.0)
+        met = p["errors"] == 0 and p["ttft_p90_s"] is not None and p["ttft_p90_s"] <= 5.0
+        assert p["meets_slo"] == (met and "invalid" not in p)
     passing = [p["rate"] for p in points if p["meets_slo"]]
     assert row["capacity_rate"] == (max(passing) if passing else None)
     assert (tmp_path / "cap" / "ttft_vs_rate.svg").exists() and "MISSED" in stderr

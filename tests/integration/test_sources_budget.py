@@ -342,15 +342,20 @@ async def test_a_drain_that_ends_at_its_limit_does_not_carry_the_behind_clock_in
     at the socket again, so the source never saw it empty; the next burst, seconds later, found the
     clock of the old one running and was shed at once (a resync for nothing)."""
     publisher.pub.setsockopt(zmq.SNDHWM, 0)  # every page reaches the SUB (the pipe is made at connect)
-    settings = dataclasses.replace(FAST, max_behind_s=0.5)
+    # The 1,000 pages must be read within max_behind_s of wall time, or they are a flood and shed:
+    # 5 s, not 0.5 s. On a loaded machine (CPU burners, load 8-12) reading them took 1.6-3.0 s, and
+    # with 0.5 s they were shed and the rest of the flood dropped. The idle spell that follows is
+    # longer than max_behind_s, so the old burst's clock, had it carried over, would shed the page.
+    max_behind_s = 5.0
+    settings = dataclasses.replace(FAST, max_behind_s=max_behind_s)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=settings) as rig:
         await publisher.wait_subscribed()
         await asyncio.wait_for(publisher.replay_served.wait(), 5)
         await publisher.pages(1000)  # one drain's limit, all queued before the source reads any
         _queue_on_the_sub(0.3)
-        await rig.settle(999)
+        await rig.settle(999, timeout_s=max_behind_s + 2.0)
         assert rig.source.shed == 0 and len(rig.index.pages()) == 1000
-        await asyncio.sleep(0.7)  # idle for longer than max_behind_s
+        await asyncio.sleep(max_behind_s + 0.5)  # idle for longer than max_behind_s
         await publisher.pages(1)
         await rig.settle(1000)
         assert rig.source.shed == 0, "a message after an idle spell was shed"

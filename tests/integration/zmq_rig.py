@@ -169,14 +169,14 @@ class Rig:
         self.metrics = metrics
         self.ingest = ingest
 
-    async def settle(self, last_seq: int) -> None:
+    async def settle(self, last_seq: int, timeout_s: float = 5.0) -> None:
         """Wait until the source took ``last_seq`` and the applier emptied the queue."""
 
         def done() -> bool:
             queued = self.ingest.status()[REPLICA].queued_batches
             return self.source.status().last_seq == last_seq and queued == 0
 
-        await eventually(done)
+        await eventually(done, timeout_s=timeout_s)
 
     def metric(self, name: str, labels: dict[str, str]) -> float:
         return self.metrics.registry.get_sample_value(name, labels) or 0.0
