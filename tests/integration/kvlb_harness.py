@@ -241,6 +241,25 @@ async def wait_for(what: str, check: Callable[[], Awaitable[bool]], timeout_s: f
         raise AssertionError(f"timed out after {timeout_s}s waiting for {what}") from None
 
 
+async def metric(h: Harness, name: str, **labels: str) -> float:
+    """One sample of the balancer's ``/metrics`` (0 when absent)."""
+    async with h.session.get(h.url + "/metrics") as response:
+        return metric_value(await response.text(), name, **labels)
+
+
+async def tokenizing(h: Harness) -> bool:
+    """A request holds bytes for the tokenizer's threads (``kvlb_admission_tokenizing_bytes``)."""
+    return await metric(h, "kvlb_admission_tokenizing_bytes") > 0
+
+
+async def nothing_held(h: Harness) -> bool:
+    """Every byte of the budget is back: no body, ids or tokenizing hold."""
+    return (
+        await metric(h, "kvlb_admission_body_bytes") == 0
+        and await metric(h, "kvlb_admission_tokenizing_bytes") == 0
+    )
+
+
 async def wait_ready(session: aiohttp.ClientSession, url: str) -> None:
     async with asyncio.timeout(READY_TIMEOUT_S):
         while True:

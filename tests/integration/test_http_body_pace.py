@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
-from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
+from kvlb_harness import MODEL, Harness, metric, running, shared_deepseek, wait_for
 
 from balancer.api.openai import body_due
 from balancer.config import TimeoutConfig
@@ -41,11 +41,6 @@ def body(first: int, size: int = BODY_BYTES) -> bytes:
 async def status_of(reader: asyncio.StreamReader) -> int:
     line = await reader.readline()
     return int(line.split()[1])
-
-
-async def metric(h: Harness, name: str, **labels: str) -> float:
-    async with h.session.get(h.url + "/metrics") as response:
-        return metric_value(await response.text(), name, **labels)
 
 
 async def stall_two_then_send(h: Harness) -> tuple[list[int], int, float]:

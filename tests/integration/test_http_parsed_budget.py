@@ -14,7 +14,16 @@ from typing import Any
 import grpc
 import pytest
 from grpc_harness import failure, grpc_running
-from kvlb_harness import MODEL, Answer, Harness, metric_value, running, shared_deepseek, wait_for
+from kvlb_harness import (
+    MODEL,
+    Answer,
+    metric,
+    nothing_held,
+    running,
+    shared_deepseek,
+    tokenizing,
+    wait_for,
+)
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.openai import tokenizing_hold_bytes
@@ -53,22 +62,6 @@ def tokenizer() -> Tokenizer:
     return shared_deepseek()
 
 
-async def metric(h: Harness, name: str, **labels: str) -> float:
-    async with h.session.get(h.url + "/metrics") as response:
-        return metric_value(await response.text(), name, **labels)
-
-
-async def parsing(h: Harness) -> bool:
-    return await metric(h, "kvlb_admission_tokenizing_bytes") > 0
-
-
-async def nothing_held(h: Harness) -> bool:
-    return (
-        await metric(h, "kvlb_admission_body_bytes") == 0
-        and await metric(h, "kvlb_admission_tokenizing_bytes") == 0
-    )
-
-
 def test_a_tiny_message_chat_weighs_many_times_its_body_parsed() -> None:
     assert PARSED > 8 * BODY
 
@@ -89,7 +82,7 @@ async def test_the_budget_holds_the_parsed_chat_while_it_is_tokenized_and_a_seco
 
         sampler = asyncio.create_task(sample())
         first = asyncio.create_task(h.post("/v1/chat/completions", tiny_chat(1)))
-        await wait_for("the first chat to be tokenized", lambda: parsing(h), timeout_s=10.0)
+        await wait_for("the first chat to be tokenized", lambda: tokenizing(h), timeout_s=10.0)
         held = await metric(h, "kvlb_admission_body_bytes")
         assert held >= BODY + PARSED  # its body and its parsed estimate
         second = asyncio.create_task(h.post("/v1/chat/completions", tiny_chat(2)))
@@ -108,7 +101,7 @@ async def test_without_a_queue_the_second_parsed_chat_gets_429_and_bad_bodies_th
 ) -> None:
     async with running(tokenizer, 1, limits__max_queued=0, **LIMITS) as h:
         first = asyncio.create_task(h.post("/v1/chat/completions", tiny_chat(3)))
-        await wait_for("the first chat to be tokenized", lambda: parsing(h), timeout_s=10.0)
+        await wait_for("the first chat to be tokenized", lambda: tokenizing(h), timeout_s=10.0)
         second = await h.post("/v1/chat/completions", tiny_chat(4))
         assert second.status == 429 and int(second.headers["Retry-After"]) >= 1
         assert "max_inflight_body_bytes" in second.json()["error"]["message"]
@@ -145,7 +138,7 @@ async def test_a_grpc_chat_holds_its_parsed_estimate_and_a_second_gets_resource_
             return await failure(_drain(g.balancer.Generate(grpc_chat(salt))))
 
         first = asyncio.create_task(generate(1))
-        await wait_for("the first chat to be tokenized", lambda: parsing(h), timeout_s=10.0)
+        await wait_for("the first chat to be tokenized", lambda: tokenizing(h), timeout_s=10.0)
         assert await metric(h, "kvlb_admission_tokenizing_bytes") >= PARSED // 2  # the same chat, as a dict
         second = await generate(2)
         assert second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, second.details()

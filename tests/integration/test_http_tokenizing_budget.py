@@ -16,7 +16,16 @@ from typing import Any
 import grpc
 import pytest
 from grpc_harness import failure, grpc_running
-from kvlb_harness import MODEL, Answer, Harness, metric_value, running, shared_deepseek, wait_for
+from kvlb_harness import (
+    MODEL,
+    Answer,
+    metric,
+    nothing_held,
+    running,
+    shared_deepseek,
+    tokenizing,
+    wait_for,
+)
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.openai import INLINE_TOKENIZE_CHARS, TOKENIZER_BYTES_PER_ASCII_CHAR, tokenizing_hold_bytes
@@ -56,22 +65,6 @@ LIMITS = {
 @pytest.fixture
 def tokenizer() -> Tokenizer:
     return shared_deepseek()
-
-
-async def metric(h: Harness, name: str, **labels: str) -> float:
-    async with h.session.get(h.url + "/metrics") as response:
-        return metric_value(await response.text(), name, **labels)
-
-
-async def tokenizing(h: Harness) -> bool:
-    return await metric(h, "kvlb_admission_tokenizing_bytes") > 0
-
-
-async def nothing_held(h: Harness) -> bool:
-    return (
-        await metric(h, "kvlb_admission_body_bytes") == 0
-        and await metric(h, "kvlb_admission_tokenizing_bytes") == 0
-    )
 
 
 def test_the_hold_is_mostly_the_tokenizer_s_work() -> None:
