@@ -15,6 +15,7 @@ defines (vLLM's completions default; DeepSeek-V3's post-processor adds none, so 
 
 from __future__ import annotations
 
+import functools
 import json
 from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -28,6 +29,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.tokenizer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
+from balancer.tokenizer.cuts import PIECE_CHARS, cuts_apply, encode_pieces
 from balancer.tokenizer.segments import (
     AddedToken,
     SegmentCache,
@@ -48,13 +50,18 @@ class TokenizeError(BalancerError, ValueError):
 
 
 class PromptTooLarge(TokenizeError):
-    """A prompt over a configured limit; ``size`` and ``limit`` are in ``unit`` (maps to HTTP 413)."""
+    """A prompt over a configured limit; ``size`` and ``limit`` are in ``unit`` (maps to HTTP 400).
 
-    def __init__(self, size: int, limit: int, unit: str) -> None:
-        super().__init__(f"prompt has {size} {unit}, over the limit of {limit} {unit}")
+    ``at_least``: ``size`` is a lower bound (a text refused before all of it was tokenized,
+    :mod:`balancer.tokenizer.cuts`)."""
+
+    def __init__(self, size: int, limit: int, unit: str, *, at_least: bool = False) -> None:
+        has = f"at least {size} {unit} (the rest was not tokenized)" if at_least else f"{size} {unit}"
+        super().__init__(f"prompt has {has}, over the limit of {limit} {unit}")
         self.size = size
         self.limit = limit
         self.unit = unit
+        self.at_least = at_least
 
 
 class ChatTemplateError(TokenizeError):
@@ -77,8 +84,14 @@ class TokenizeLimits:
     hit: its ``u32`` copy; repeated system prompts and earlier turns are then tokenized once). 0
     disables it; past the cap the least recently used segments go."""
 
+    piece_chars: int = PIECE_CHARS
+    """Characters from which a text is encoded in pieces of at least this many, and refused once
+    they hold more than ``max_prompt_tokens`` ids (:mod:`balancer.tokenizer.cuts`; for the
+    tokenizers it covers). A piece's encode is what may be spent past the limit. 1..; the default
+    is about 60 ms and 10 MB of the tokenizer's work."""
+
     def __post_init__(self) -> None:
-        if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0:
+        if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0 or self.piece_chars <= 0:
             raise ConfigError(f"tokenize limits must be > 0, got {self}")
 
     def check_chars(self, text: str) -> None:
@@ -229,7 +242,17 @@ class TokenIdTokenizer:
 class HfTokenizer:
     """A Hugging Face fast tokenizer (``tokenizer.json``) plus its chat template."""
 
-    __slots__ = ("_chat", "_chunked", "_name", "_segments", "_splitter", "_tokenizer", "limits")
+    __slots__ = (
+        "_chat",
+        "_chunked",
+        "_cuts",
+        "_cuts_special",
+        "_name",
+        "_segments",
+        "_splitter",
+        "_tokenizer",
+        "limits",
+    )
 
     def __init__(
         self,
@@ -250,6 +273,31 @@ class HfTokenizer:
         added = self._added()
         self._splitter = self._checked_splitter(added)
         self._chunked = self._splitter is not None and _chunks_split_alike(self._splitter, added)
+        self._cuts = self._checked_cuts(added)
+        """Whether a long text is encoded in pieces (:mod:`balancer.tokenizer.cuts`)."""
+        self._cuts_special = self._cuts and _adds_no_tokens(self._tokenizer.post_processor)
+        """... also with special tokens (the post-processor adds none)."""
+
+    def _checked_cuts(self, added: Sequence[AddedToken]) -> bool:
+        """Whether :mod:`balancer.tokenizer.cuts` covers this tokenizer and, cut at every safe cut,
+        a probe text's pieces give the ids of the whole (the proof checked once more here)."""
+        rust = self._tokenizer
+        try:
+            pre_tokenizer = json.loads(rust.pre_tokenizer.__getstate__()) if rust.pre_tokenizer else None
+        except (AttributeError, TypeError, ValueError):
+            return False
+        covered = cuts_apply(
+            pre_tokenizer if isinstance(pre_tokenizer, dict) else None,
+            identity_normalizer=_identity_normalizer(rust.normalizer),
+            added=[(token.content, token.verbatim) for token in added],
+            dropout=getattr(rust.model, "dropout", None),
+        )
+        if not covered:
+            return False
+        probe = _cuts_probe(added)
+        whole = rust.encode(probe, add_special_tokens=False).ids
+        ids, _ = encode_pieces(probe, self._raw, len(whole), min_chars=1)
+        return ids == whole
 
     def _checked_splitter(self, added: Sequence[AddedToken]) -> Splitter | None:
         """The added-token splitter for the segment cache, if segmenting is exact here."""
@@ -441,13 +489,75 @@ class HfTokenizer:
         self.limits.check_chars(text)
         ids: list[int] | None
         if self._splitter is not None and not add_special_tokens:
-            ids = self._segmented(text)
+            counted = _Counted(segments=True)
+            encode = functools.partial(self._counted, add_special_tokens=False, counted=counted)
+            with encode_errors(text):
+                ids = encode_segmented(text, self._splitter, self._segments, encode)
             assert ids is not None  # no character budget
         else:
             with encode_errors(text):
-                ids = self._ids(text, add_special_tokens)
+                ids = self._counted(text, add_special_tokens, _Counted(segments=False))
         self.limits.check_tokens(len(ids))
         return ids
+
+    def _counted(self, text: str, add_special_tokens: bool, counted: _Counted) -> list[int]:
+        """Ids of ``text`` (a prompt, or a segment of one: ``counted`` holds the tokens of the
+        segments encoded before it). A text over ``limits.piece_chars`` is
+        encoded in pieces when :mod:`~balancer.tokenizer.cuts` covers this tokenizer, and refused
+        (:class:`PromptTooLarge`, a lower bound) as soon as the tokens counted pass
+        ``max_prompt_tokens``; so is a segment encoded whole that takes the count past it."""
+        limit = self.limits.max_prompt_tokens
+        piece_chars = self.limits.piece_chars
+        if len(text) > piece_chars and (self._cuts_special if add_special_tokens else self._cuts):
+            pieces, count = encode_pieces(text, self._raw, limit - counted.tokens, piece_chars)
+            if pieces is None:
+                raise PromptTooLarge(counted.tokens + count, limit, "tokens", at_least=True)
+            ids = pieces
+        else:
+            ids = self._ids(text, add_special_tokens)
+        counted.tokens += len(ids)
+        if counted.segments and counted.tokens > limit:
+            raise PromptTooLarge(counted.tokens, limit, "tokens", at_least=True)
+        return ids
+
+
+class _Counted:
+    """The tokens one :meth:`HfTokenizer._encode` has encoded so far."""
+
+    __slots__ = ("segments", "tokens")
+
+    def __init__(self, *, segments: bool) -> None:
+        self.tokens = 0
+        self.segments = segments
+        """Whether the text comes as segments (between added tokens): the count of the segments
+        encoded so far is then a lower bound of the text's, checked after each; else the one
+        count is the text's, checked by the caller."""
+
+
+def _adds_no_tokens(post_processor: Any) -> bool:
+    """Whether a post-processor adds no token to a single text: none, or ``ByteLevel`` (it only
+    trims offsets)."""
+    if post_processor is None:
+        return True
+    try:
+        state = json.loads(post_processor.__getstate__())
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return isinstance(state, dict) and state.get("type") == "ByteLevel"
+
+
+CUTS_PROBE = (
+    "Line one ends here.\nsecond line\n\n  indented\n\tTab\n\u00e9t\u00e9 \u4e2d\u6587\n1234 56\n"
+    'x y z. Words, then a space: fox jumps \n\u0301mark\n-dash (paren) "quote" end'
+)
+"""What the load-time check of :mod:`~balancer.tokenizer.cuts` encodes whole and cut at every safe
+cut (newlines before text and after spaces, letters before spaces, accents, CJK, digits)."""
+
+
+def _cuts_probe(added: Sequence[AddedToken]) -> str:
+    """:data:`CUTS_PROBE` with a few added tokens between its lines."""
+    tokens = [token.content for token in added if token.verbatim][:3]
+    return CUTS_PROBE + "\n" + "\n".join(f"a {token} b\n{token}" for token in tokens)
 
 
 def first_surrogate(text: str) -> int | None:
