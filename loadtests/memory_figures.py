@@ -24,6 +24,10 @@
   any encoding; they are measured with that cap lifted, to show the trend. Not part of the default
   run (it takes minutes): ``python -m loadtests.memory_figures tokenizer``.
 
+* ``refusal``: the same measure for 4 M characters of ASCII words and of random latin-1 bytes,
+  under ``max_prompt_tokens`` and far over it (refused): CPU seconds and peak RSS rise
+  (``python -m loadtests.memory_figures refusal``; not part of the default run either).
+
 ``python -m loadtests.memory_figures events`` runs one part; ``tokenizer 0.25 1`` measures those
 sizes only (millions of characters). Figures vary by a few percent between
 runs and Python versions; the tokenizer's by a few percent between runs.
@@ -54,7 +58,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.sources.base import IngestBatch
 from balancer.sources.pipeline import batch_bytes
 from balancer.tokenizer.default import default_tokenizer
-from balancer.tokenizer.tokenizer import TokenizeLimits
+from balancer.tokenizer.tokenizer import PromptTooLarge, TokenizeLimits
 from balancer.types import EngineHash, ReplicaId
 from replicas.wire import trtllm as trtllm_wire
 
@@ -287,13 +291,17 @@ def _kib(field: str) -> int:
     raise KeyError(field)
 
 
-def tokenizer_one(path: str, shape: str, chars: int) -> None:
-    """One measure of ``tokenizer``, in this (fresh) process: prints one JSON line."""
+def tokenizer_one(path: str, shape: str, chars: int, max_prompt_tokens: int = 10**9) -> None:
+    """One measure of ``tokenizer``, in this (fresh) process: prints one JSON line. With
+    ``max_prompt_tokens`` (``refusal``), a text over it is refused: ``tokens`` is then the count
+    the refusal gives (a lower bound when it came before the whole text was encoded)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    tokenizer = default_tokenizer(TokenizeLimits(max_prompt_chars=10**9, max_prompt_tokens=10**9))
+    limits = TokenizeLimits(max_prompt_chars=10**9, max_prompt_tokens=max_prompt_tokens)
+    tokenizer = default_tokenizer(limits)
     text = _text(shape, chars)
     messages = [{"role": "user", "content": text}]
+    refused = False
     with ThreadPoolExecutor(1) as pool:  # as asyncio.to_thread: the encode runs in another thread
         pool.submit(tokenizer.encode_prompt, "warm up the encoder and the thread").result()
         pool.submit(tokenizer.encode_chat, [{"role": "user", "content": "warm up the template"}]).result()
@@ -301,11 +309,16 @@ def tokenizer_one(path: str, shape: str, chars: int) -> None:
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
         before = _kib("VmRSS")
         started = time.perf_counter()
-        if path == "text":
-            token_ids = pool.submit(tokenizer.encode_prompt, text).result()
-        else:
-            token_ids = pool.submit(tokenizer.encode_chat, messages).result()
+        cpu = time.process_time()  # every thread's CPU
+        try:
+            if path == "text":
+                tokens = len(pool.submit(tokenizer.encode_prompt, text).result())
+            else:
+                tokens = len(pool.submit(tokenizer.encode_chat, messages).result())
+        except PromptTooLarge as exc:
+            refused, tokens = True, exc.size
         took = time.perf_counter() - started
+        cpu_s = time.process_time() - cpu
         rise = (_kib("VmHWM") - before) * 1024
     utf8 = len(text.encode("utf-8", "surrogatepass"))
     print(
@@ -316,11 +329,13 @@ def tokenizer_one(path: str, shape: str, chars: int) -> None:
                 "chars": chars,
                 "utf8_bytes": utf8,
                 "str_bytes": sys.getsizeof(text),
-                "tokens": len(token_ids),
+                "tokens": tokens,
+                "refused": refused,
                 "peak_rise_bytes": rise,
                 "per_char": round(rise / chars, 1),
                 "per_utf8_byte": round(rise / utf8, 1),
                 "encode_s": round(took, 2),
+                "cpu_s": round(cpu_s, 2),
             }
         )
     )
@@ -358,6 +373,35 @@ def tokenizer(argv: Sequence[str] = ()) -> None:
                 )
 
 
+REFUSAL_SHAPES = ("ascii_words", "latin1_bytes")
+REFUSAL_LIMITS = (262_144, 10**9)
+"""``refusal``: the default ``limits.max_prompt_tokens`` (4 M characters of either shape are far over
+it) and a limit they are under."""
+
+
+def refusal(argv: Sequence[str] = ()) -> None:
+    """The ``refusal`` part: what a text costs that is far over ``max_prompt_tokens`` and refused, and
+    the same text under the limit, for each path and shape of :data:`REFUSAL_SHAPES`, in a fresh
+    process each (``tokenizer-one``): CPU seconds (of every thread) and the peak RSS rise. Sizes in
+    millions of characters (default 4)."""
+    sizes = [int(float(arg) * 1e6) for arg in argv] or [4_000_000]
+    print("path  shape         chars        limit     tokens  refused  peak rise  CPU s  wall s")
+    for chars in sizes:
+        for shape in REFUSAL_SHAPES:
+            for limit in REFUSAL_LIMITS:
+                for path in TOKENIZER_PATHS:
+                    command = [sys.executable, "-m", "loadtests.memory_figures", "tokenizer-one"]
+                    command += [path, shape, str(chars), str(limit)]
+                    run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+                    r = json.loads(run.stdout.strip().splitlines()[-1])
+                    print(
+                        f"{path:5} {shape:13} {chars:>9,} {limit:>12,} {r['tokens']:>10,} "
+                        f"{'yes' if r['refused'] else 'no':>7} {r['peak_rise_bytes'] / 1e6:>7.0f} MB "
+                        f"{r['cpu_s']:>6.2f} {r['encode_s']:>7.2f}",
+                        flush=True,
+                    )
+
+
 PARTS: dict[str, Callable[[], None]] = {"bodies": bodies, "ids": ids, "events": events, "index": index}
 
 
@@ -366,7 +410,10 @@ def main(argv: Sequence[str]) -> None:
         tokenizer(argv[1:])
         return
     if argv[:1] == ["tokenizer-one"]:
-        tokenizer_one(argv[1], argv[2], int(argv[3]))
+        tokenizer_one(argv[1], argv[2], int(argv[3]), *map(int, argv[4:5]))
+        return
+    if argv[:1] == ["refusal"]:
+        refusal(argv[1:])
         return
     for name in argv or list(PARTS):
         PARTS[name]()
