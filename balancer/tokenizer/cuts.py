@@ -61,7 +61,8 @@ So the ids are the same when the pieces' pre-tokens, end to end, are the whole's
 
    Whitespace in that proof is ``\\s`` of Oniguruma (Unicode ``White_Space``); ``str.isspace`` is
    true for every such character (and for a few more, which only means fewer cuts), which
-   ``tests/unit/test_prompt_cuts.py`` checks for every code point.
+   ``tests/unit/test_prompt_cuts.py`` checks; it also checks both cuts on DeepSeek-V3 beside every
+   code point up to U+3100, every separator, control and format character and every 101st other.
 4. *Model.* Each pre-token on its own (BPE without dropout, which would make ids random).
 5. *Post-processor.* None or ``ByteLevel`` add no tokens. With another (a template adding BOS)
    the pieces are used only for a text encoded without special tokens (a rendered chat).
@@ -83,8 +84,9 @@ from typing import Any
 
 PIECE_CHARS = 65_536
 """Least characters of a piece (it ends at the first safe cut after that many): a text at most this
-long is encoded whole. About 60 ms of encoding and 10 MB of the tokenizer's working memory: that
-much may be encoded past the limit before the text is refused."""
+long is encoded whole. What may be encoded past the limit before a text is refused: 22–24 ms of CPU
+for ASCII words (10,740 tokens), 106–133 ms for random latin-1 bytes (71,566 tokens), on the
+default tokenizer (2026-11-30 18:54 UTC, load 4.5)."""
 
 CUT = re.compile(r"\n(?!\s)|[A-Za-z](?= )")
 """A safe cut is the end of a match: a newline before a character that is not whitespace, or an

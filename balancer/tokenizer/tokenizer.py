@@ -87,8 +87,8 @@ class TokenizeLimits:
     piece_chars: int = PIECE_CHARS
     """Characters from which a text is encoded in pieces of at least this many, and refused once
     they hold more than ``max_prompt_tokens`` ids (:mod:`balancer.tokenizer.cuts`; for the
-    tokenizers it covers). A piece's encode is what may be spent past the limit. 1..; the default
-    is about 60 ms and 10 MB of the tokenizer's work."""
+    tokenizers it covers). A piece's encode is what may be spent past the limit (at the default,
+    22–133 ms of CPU measured: :data:`~balancer.tokenizer.cuts.PIECE_CHARS`). 1.."""
 
     def __post_init__(self) -> None:
         if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0 or self.piece_chars <= 0:
