@@ -11,7 +11,8 @@ Every ``tick_s`` each balancer:
    per tick (sources stopped, queue drained, positions marked clean, lease deleted). For
    ``ttl_s + tick_s`` after a failed tick it takes none: after a Redis outage longer than the TTL
    every lease has expired, and each holder should take its own back (keeping its pipeline) before
-   anyone takes another's (which would resync a TRT-LLM replica).
+   anyone takes another's (which would resync a TRT-LLM replica: the events its holder drained
+   and still queues are gone from the engine, and the new holder sees the ``event_id`` gap).
 4. **Liveness** of the replicas it holds: one that sent no event and failed its health probes for
    ``replica_timeout_s`` is dropped from the index fleet-wide (``RedisIndex.drop_replica`` bumps its
    generation and appends a drop entry that every mirror applies). It is dropped again only after
@@ -299,11 +300,11 @@ class LeaseManager:
         needs_resync = engine_spec(entry.config.engine).resync_on_unclean_takeover
         if needs_resync and grant.applied and not grant.clean:
             # A rank whose last applied event id is stored is checked by its decoder on the first
-            # drain (a gap resyncs it then); one without (written before kvlb stored them) cannot
-            # be checked, so it is resynced now
+            # drain (a gap resyncs it then: reason "gap"); one without (written before kvlb stored
+            # them) cannot be checked, so it is resynced now (reason "lease")
             ranks = {int(r) for r in await cast("Any", self.client.smembers(entry.keys.ranks(replica)))}
             unchecked = sorted(ranks - positions.keys()) if ranks or positions else [0]
-            resyncs = tuple(Resync(rank, "gap") for rank in unchecked)
+            resyncs = tuple(Resync(rank, "lease") for rank in unchecked)
         sources = self._build_sources(entry.config, positions)
         await entry.ingest.take(
             replica, entry.config.engine, entry.lease, grant.generation, positions,
