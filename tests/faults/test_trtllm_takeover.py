@@ -27,7 +27,7 @@ from loadtests.faults.procs import MODEL
 from loadtests.faults.rig import FaultRig, fault_rig
 from loadtests.faults.scenarios import FAULT_TIMEOUTS
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 TIMING = {"lease_ttl_s": 2.0, "tick_s": 0.5, "socket_timeout_s": 1.0}
 WAIT_S = 15.0
