@@ -10,6 +10,9 @@ dead one drained. It need not throw the index away for that: Redis stores, with 
 * Events were drained and never written (the test drains them itself, as a holder that died between
   its drain and its write): the survivor sees the ``event_id`` gap and resyncs the rank
   (``kvlb_events_resyncs_total{reason="gap"}``), and its index claims nothing the engine lacks.
+* Redis holds positions without an ``event_id`` (written by a kvlb from before they were stored; the
+  test rewrites them so): nothing to check against, so the survivor resyncs the replica's ranks at
+  the takeover (``reason="lease"``), and its index claims nothing the engine lacks.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from kvlb_harness import metric_value
-from redis_server import start_server
+from redis_server import RedisServer, start_server
 
 from loadtests.faults.procs import MODEL
 from loadtests.faults.rig import FaultRig, fault_rig
@@ -61,8 +65,21 @@ async def _resyncs(f: FaultRig, url: str) -> float:
         return metric_value(await response.text(), "kvlb_events_resyncs_total", replica="r0")
 
 
-@pytest.mark.parametrize("lost_drain", [False, True], ids=["all_written", "drained_not_written"])
-async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, lost_drain: bool) -> None:
+async def _forget_event_ids(server: RedisServer) -> None:
+    """Rewrite r0's stored positions as a kvlb that stored no TRT-LLM ``event_id`` wrote them
+    (``-@<writes>``: no rank, the same write count)."""
+    client = aioredis.Redis(host="127.0.0.1", port=server.port, decode_responses=True)
+    try:
+        key = f"kvlb:{{{MODEL}/4/trtllm}}:seq"
+        text = await client.hget(key, "r0")
+        assert text is not None and text.startswith("0:"), text
+        await client.hset(key, "r0", "-@" + text.partition("@")[2])
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("case", ["all_written", "drained_not_written", "no_event_ids"])
+async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, case: str) -> None:
     data_dir = tmp_path / "redis"
     data_dir.mkdir()
     server = await asyncio.to_thread(start_server, None, data_dir)
@@ -89,7 +106,9 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, los
             assert before > 0
             resyncs = await _resyncs(f, survivor)
             await kvlbs[holder].kill()
-            if lost_drain:  # events drained by the dead holder that never reached Redis
+            if case == "no_event_ids":
+                await _forget_event_ids(server)
+            if case == "drained_not_written":  # events drained by the dead holder, never written
                 await _send(f, survivor, 100, 2)
                 async with f.session.post(f.sims[0].url + "/kv_cache_events") as response:
                     assert response.status == 200 and await response.json(), "nothing drained"
@@ -99,7 +118,7 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, los
 
             await _until("the survivor to take r0 over", taken_over)
             await _send(f, survivor, 200, 3)  # new events, drained by the survivor
-            if not lost_drain:
+            if case == "all_written":
                 await _until("the index to match the engine after the takeover", equal)
                 assert await _resyncs(f, survivor) == resyncs  # the old blocks were kept
                 assert (await f.index_blocks(survivor))["r0"] >= before
@@ -108,10 +127,12 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, los
             async def resynced() -> bool:
                 return await _resyncs(f, survivor) > resyncs
 
-            await _until("the gap to be seen", resynced)
+            await _until("the resync", resynced)
             async with f.session.get(survivor + "/metrics") as response:
                 text = await response.text()
-            assert metric_value(text, "kvlb_events_resyncs_total", replica="r0", reason="gap") >= 1
+            reason, other = ("gap", "lease") if case == "drained_not_written" else ("lease", "gap")
+            assert metric_value(text, "kvlb_events_resyncs_total", replica="r0", reason=reason) >= 1
+            assert metric_value(text, "kvlb_events_resyncs_total", replica="r0", reason=other) == 0
 
             async def within() -> bool:
                 return (await f.compare())[1]
