@@ -19,9 +19,9 @@ bad event never loses its neighbours.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from balancer.events import KvEvent
 
@@ -35,6 +35,10 @@ class DecodedBatch:
     envelope's rank when it names one. ``epoch`` is SGLang's publisher epoch from the topic metadata
     (a change means the publisher restarted). ``ignored`` counts events dropped on purpose (unknown
     tags, partial blocks, other media or windows); ``errors`` gives one reason per malformed event.
+    ``positions`` maps each DP rank the message held events of to the last per-event id of that rank
+    in it (TRT-LLM's ``event_id``, ignored and malformed events included), so that a balancer taking
+    the replica over can check that what it drains next follows on (empty when the transport numbers
+    messages instead: ``seq``).
     """
 
     events: list[KvEvent]
@@ -44,6 +48,7 @@ class DecodedBatch:
     epoch: str | None = None
     ignored: int = 0
     errors: tuple[str, ...] = field(default_factory=tuple)
+    positions: dict[int, int] = field(default_factory=dict)
 
 
 class Decoder(Protocol):
@@ -53,6 +58,17 @@ class Decoder(Protocol):
 
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch:
         """Decode one message; raises ``EventDecodeError`` when the message as a whole is unusable."""
+        ...
+
+
+@runtime_checkable
+class ResumableDecoder(Decoder, Protocol):
+    """A decoder that numbers events per rank (:attr:`DecodedBatch.positions`) and can be told where
+    a previous consumer of the stream stopped, so its first events are checked against that."""
+
+    def resume_after(self, positions: Mapping[int, int]) -> None:
+        """Each rank of ``positions`` continues after that id: the next one must be its successor
+        (else ``Resync(rank, "gap")``, or ``"regression"``/``"restart"`` as for any later event)."""
         ...
 
 

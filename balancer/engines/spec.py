@@ -60,8 +60,10 @@ class EngineSpec:
     """Load endpoints in the order they are tried; a 404 moves to the next one. Must not be empty."""
     resync_on_unclean_takeover: bool
     """Whether a balancer taking this replica's ingest lease over from a holder that did not stop
-    cleanly must resync the replica's ranks first: true when the transport cannot replay the events
-    the previous holder consumed but never applied."""
+    cleanly must resync the ranks it cannot check: true when the transport cannot replay the events
+    the previous holder consumed but never applied. A rank whose last applied event id Redis holds
+    is checked by its decoder instead (:class:`~balancer.engines.ResumableDecoder`: a gap resyncs
+    it); the others are resynced first."""
     chain_decoder: DecoderFactory | None = None
     """Builds the decoder the replica's event sources use when it differs from ``decoder``: one that
     merges runs of one-block stores into ``chained`` events (:class:`balancer.events.Stored`), which

@@ -6,7 +6,11 @@ attention-DP rank), does no I/O and reads no clock. What it decides, and why:
 
 * **Ordering.** ``event_id`` counts per rank and is shared by every window of that rank, so it is
   checked before any filtering. The first event seen on a rank sets its baseline (a balancer that
-  starts late sees ``N > 0``; that is no gap). Then ``Resync(rank, reason)`` is emitted *before* the
+  starts late sees ``N > 0``; that is no gap), unless :meth:`TrtllmDecoder.resume_after` gave the
+  rank the last ``event_id`` a previous consumer applied (a fleet lease takeover: the positions stored
+  in Redis): then the first event is checked against it like any later one. Each decoded drain gives
+  the last ``event_id`` per rank it held (``DecodedBatch.positions``), which a fleet writer stores with
+  the batch. Then ``Resync(rank, reason)`` is emitted *before* the
   event, which is applied afterwards: ``"gap"`` when ids skip ahead (the engine's buffer overflowed and
   dropped its oldest events), ``"regression"`` when an id does not increase (a restart whose
   ``created`` was lost), ``"restart"`` for a ``created`` that opens a new start-up burst. A ``created``
@@ -49,7 +53,8 @@ it only for a replica whose own events agreed with it (:meth:`PoolRouter.settle_
 <balancer.routing.router.PoolRouter.settle_receipt>`).
 
 TRT-LLM's spec: blocks over ``prompt[:-1]``, 32 tokens per block by default, events from the HTTP
-drain (one consumer; an unclean lease takeover resyncs, as the drained events cannot be replayed), and
+drain (one consumer; the drained events cannot be replayed, so a lease takeover checks the first
+``event_id`` of each rank against the stored one and resyncs the rank on a gap), and
 load from the ``/metrics`` iteration-stats drain, else Prometheus ``/prometheus/metrics``.
 """
 
@@ -58,7 +63,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,6 +129,8 @@ class _RankState:
 class _Out:
     events: list[KvEvent] = field(default_factory=list)
     ignored: int = 0
+    ranks: set[int] = field(default_factory=set)
+    """The ranks whose ``event_id`` this drain advanced."""
 
 
 @dataclass(slots=True)
@@ -235,7 +242,17 @@ class TrtllmDecoder:
                 self._decode_event(raw, out)
             except _Malformed as exc:
                 errors.append(f"event {index}: {exc}")
-        return DecodedBatch(events=out.events, ignored=out.ignored, errors=tuple(errors))
+        positions = {rank: self._ranks[rank].last_event_id for rank in out.ranks}
+        return DecodedBatch(events=out.events, ignored=out.ignored, errors=tuple(errors), positions=positions)
+
+    def resume_after(self, positions: Mapping[int, int]) -> None:
+        """Rank → the last ``event_id`` a previous consumer of this engine's drain applied: that
+        rank's next event must be the one after (a later one means events were drained and never
+        applied: ``Resync(rank, "gap")``). Call before the first :meth:`decode`; ranks absent here
+        take their first event as the baseline, as usual."""
+        for rank, event_id in positions.items():
+            if 0 <= rank < self.max_dp_ranks and event_id >= 0:
+                self._ranks[rank] = _RankState(event_id, creating=False)
 
     def _decode_event(self, raw: object, out: _Out) -> None:
         if not isinstance(raw, dict):
@@ -282,6 +299,7 @@ class TrtllmDecoder:
         return 0
 
     def _check_order(self, rank: int, event_id: int, created: bool, out: _Out) -> None:
+        out.ranks.add(rank)
         state = self._ranks.get(rank)
         if state is None:
             self._ranks[rank] = _RankState(event_id, created)

@@ -11,7 +11,8 @@ Every ``tick_s`` each balancer:
    per tick (sources stopped, queue drained, positions marked clean, lease deleted). For
    ``ttl_s + tick_s`` after a failed tick it takes none: after a Redis outage longer than the TTL
    every lease has expired, and each holder should take its own back (keeping its pipeline) before
-   anyone takes another's (which would resync a TRT-LLM replica).
+   anyone takes another's (which would resync a TRT-LLM replica: the events its holder drained
+   and still queues are gone from the engine, and the new holder sees the ``event_id`` gap).
 4. **Liveness** of the replicas it holds: one that sent no event and failed its health probes for
    ``replica_timeout_s`` is dropped from the index fleet-wide (``RedisIndex.drop_replica`` bumps its
    generation and appends a drop entry that every mirror applies). It is dropped again only after
@@ -23,9 +24,12 @@ stops the ingest, drops the replica's blocks fleet-wide and deletes the lease (n
 
 Taking a lease bumps the replica's generation (fencing the previous holder) and returns the
 positions applied so far: ZMQ sources resume right after them (engine replay, or ``Resync`` when the
-replay buffer no longer covers the gap). A TRT-LLM drain cannot be replayed: unless the previous
-holder stopped cleanly, the new holder resyncs the replica's ranks first (the engine's spec says so:
-``EngineSpec.resync_on_unclean_takeover``).
+replay buffer no longer covers the gap). A TRT-LLM drain cannot be replayed: its positions are the
+last ``event_id`` applied per rank, and the new holder's decoder checks that the first event it
+drains of each rank follows on; if not (the previous holder drained events and died before they
+reached Redis) that rank resyncs. Unless the previous holder stopped cleanly, a rank that has blocks
+in Redis but no stored ``event_id`` (written by a kvlb before 2026-11-30) is resynced first (the
+engine's spec asks for this: ``EngineSpec.resync_on_unclean_takeover``).
 
 The manager runs on the request loop with its own Redis client; the replicas' sources, queues and
 writers run on the ingest thread (:class:`~balancer.fleet.space_ingest.SpaceIngest`: each start,
@@ -295,8 +299,12 @@ class LeaseManager:
         resyncs: tuple[Resync, ...] = ()
         needs_resync = engine_spec(entry.config.engine).resync_on_unclean_takeover
         if needs_resync and grant.applied and not grant.clean:
-            ranks = await cast("Any", self.client.smembers(entry.keys.ranks(replica)))
-            resyncs = tuple(Resync(int(r), "gap") for r in sorted(ranks, key=int)) or (Resync(0, "gap"),)
+            # A rank whose last applied event id is stored is checked by its decoder on the first
+            # drain (a gap resyncs it then: reason "gap"); one without (written before kvlb stored
+            # them) cannot be checked, so it is resynced now (reason "lease")
+            ranks = {int(r) for r in await cast("Any", self.client.smembers(entry.keys.ranks(replica)))}
+            unchecked = sorted(ranks - positions.keys()) if ranks or positions else [0]
+            resyncs = tuple(Resync(rank, "lease") for rank in unchecked)
         sources = self._build_sources(entry.config, positions)
         await entry.ingest.take(
             replica, entry.config.engine, entry.lease, grant.generation, positions,

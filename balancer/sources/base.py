@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,6 +46,9 @@ class IngestBatch:
     ``None`` when the transport has none or for batches a source made up (``Resync``)."""
     dp_rank: int | None = None
     """The DP rank whose sequence ``seq`` counts (the publisher's rank)."""
+    positions: Mapping[int, int] = field(default_factory=dict)
+    """DP rank → the last per-event id of that rank among ``events`` (TRT-LLM's ``event_id``:
+    ``DecodedBatch.positions``), stored like ``seq`` so a new ingester checks that it follows on."""
 
 
 Emit = Callable[[IngestBatch], None]

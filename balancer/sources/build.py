@@ -16,6 +16,7 @@ import aiohttp
 import zmq.asyncio
 
 from balancer.config import LimitConfig, ReplicaConfig
+from balancer.engines import ResumableDecoder
 from balancer.engines.registry import engine_spec
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
@@ -65,7 +66,9 @@ def build_sources(
     last sequence number already applied (from Redis): that rank's source resumes right after it; a
     rank missing from a given ``resume`` starts at seq 0. Either way, and without ``resume`` too, it
     asks the replay socket for everything from there as soon as it connects (a fresh kvlb, an
-    ingester taking a replica over, or the fleet's first one).
+    ingester taking a replica over, or the fleet's first one). A drain (TRT-LLM) has nothing to
+    replay: its decoder checks each rank's first ``event_id`` against ``resume`` instead, and
+    resyncs the rank when events were drained that never reached the index.
 
     ``relay`` (the workers of ``kvlb serve --workers N``, embedded mode): a TRT-LLM replica is drained
     by the worker whose role ``drains`` (it republishes each body) and followed through the relay by
@@ -74,6 +77,8 @@ def build_sources(
     spec = engine_spec(replica.engine)
     if spec.transport == "http_drain":
         decoder = spec.decoder(replica.block_size)
+        if resume and isinstance(decoder, ResumableDecoder):
+            decoder.resume_after(resume)  # the drained events cannot be replayed: only checked
         tap = None
         if relay is not None:
             endpoint = relay_endpoint(relay.run_dir, replica_id)

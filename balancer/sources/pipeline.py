@@ -19,7 +19,8 @@ does not write a line (or a traceback) per queued batch.
 
 An index that also offers ``apply_at`` (:class:`PositionedIndex`, the Redis writer of
 :mod:`balancer.fleet.writer`) gets, with each apply, the last engine sequence number per DP rank
-among the applied batches, so a balancer that takes the replica over later resumes right after it.
+among the applied batches (a ZMQ ``seq``, or TRT-LLM's last ``event_id``), so a balancer that takes
+the replica over later resumes right after it, or checks that what it drains follows on.
 
 :class:`EventIngest` owns every task (sources and appliers); ``aclose`` cancels and awaits them all.
 """
@@ -329,7 +330,11 @@ class ReplicaPipeline:
             events.extend(batch.events)
         try:
             if self._apply_at is not None:
-                positions = {b.dp_rank: b.seq for b in batches if b.seq is not None and b.dp_rank is not None}
+                positions: dict[int, int] = {}
+                for batch in batches:  # in order: the last batch of a rank gives its position
+                    positions.update(batch.positions)
+                    if batch.seq is not None and batch.dp_rank is not None:
+                        positions[batch.dp_rank] = batch.seq
                 result = await self._apply_at(self.replica, events, self._monotonic(), positions)
             else:
                 result = await self._index.apply(self.replica, events, self._monotonic())

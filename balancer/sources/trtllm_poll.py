@@ -295,7 +295,7 @@ class TrtllmPoller:
         self._ranks.update(event.dp_rank for event in batch.events)
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
-            emit(IngestBatch(tuple(batch.events)))
+            emit(IngestBatch(tuple(batch.events), positions=batch.positions))
 
 
 def _refused(exc: BaseException) -> bool:

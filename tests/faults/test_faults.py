@@ -38,7 +38,7 @@ async def test_short(name: str, tmp_path: Path) -> None:
     scenario = SCENARIOS[name]
     result = await run(scenario, tmp_path, scale=1.0)
     print(f"\n{name}: {json.dumps(result.to_json())}")
-    check(result, scenario.exact, SHORT_SLACK, scenario.converge_limit_s)
+    check(result, result.exact, SHORT_SLACK, scenario.converge_limit_s)
 
 
 @pytest.mark.faults_long
@@ -48,4 +48,4 @@ async def test_long(name: str, tmp_path: Path) -> None:
     result = await run(scenario, tmp_path, scale=4.0)
     save_result(result.scenario, result.to_json())
     print(f"\n{name}: {json.dumps(result.to_json())}")
-    check(result, scenario.exact, limit_s=scenario.converge_limit_s)
+    check(result, result.exact, limit_s=scenario.converge_limit_s)

@@ -262,6 +262,47 @@ def test_first_event_sets_the_baseline_then_gaps_are_seen() -> None:
     ]
 
 
+def test_a_drain_gives_the_last_event_id_of_each_rank_it_held() -> None:
+    """Ignored and malformed events count: their ids were taken from the engine's buffer too."""
+    decoder = TrtllmDecoder(tokens_per_block=1)
+    body = [
+        event(4, removed(1), rank=0),
+        event(9, removed(2), rank=1),
+        event(5, {"type": "unknown"}, rank=0),  # ignored
+        event(10, {"type": "stored", "blocks": "x"}, rank=1),  # malformed
+    ]
+    batch = decode(decoder, body)
+    assert batch.positions == {0: 5, 1: 10}
+    assert len(batch.errors) == 1
+    assert decode(decoder, [event(6, removed(3), rank=0)]).positions == {0: 6}
+    assert decode(decoder, []).positions == {}
+
+
+def test_resumed_ranks_check_their_first_event_against_the_stored_id() -> None:
+    """A lease taker's decoder: rank 0 follows on (nothing lost), rank 1 skips ids (drained by the
+    previous holder and never applied: a gap), rank 2 restarted (``created`` from 0), rank 3 was
+    never stored (its first event is the baseline, as for any new decoder)."""
+    decoder = TrtllmDecoder(tokens_per_block=1)
+    decoder.resume_after({0: 41, 1: 17, 2: 300})
+    created = {"type": "created", "num_blocks_per_cache_level": [10, 0]}
+    body = [
+        event(42, removed(1), rank=0),
+        event(20, removed(2), rank=1),
+        event(0, created, rank=2),
+        event(8, removed(3), rank=3),
+    ]
+    assert decode(decoder, body).events == [
+        Removed(0, (1,)),
+        Resync(1, "gap"),
+        Removed(1, (2,)),
+        Resync(2, "restart"),
+        Removed(3, (3,)),
+    ]
+    regressed = TrtllmDecoder(tokens_per_block=1)
+    regressed.resume_after({0: 41})
+    assert decode(regressed, [event(41, removed(1))]).events == [Resync(0, "regression"), Removed(0, (1,))]
+
+
 def test_created_bursts() -> None:
     decoder = TrtllmDecoder()
     created = {"type": "created", "num_blocks_per_cache_level": [10, 0]}
