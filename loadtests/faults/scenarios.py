@@ -124,6 +124,8 @@ async def run_in_fleet(
             within_s, converge_s = await f.time_to_converge(recovered, MEASURE_LIMIT_S)
             if converge_s is None:
                 note += f"; not converged after {MEASURE_LIMIT_S}s: {await f.divergence()}"
+            if converge_s is None or converge_s > scenario.converge_limit_s:
+                note += "; differing readings: " + (" | ".join(f.trail) or "none")
             if scenario.verify is not None:
                 note += "; " + await scenario.verify(f)
             await asyncio.sleep(max(0.0, 1.0 * scale - (time.monotonic() - recovered)))
