@@ -359,6 +359,49 @@ async def test_an_expired_lease_nobody_took_is_taken_back_without_a_resync(
         await wait_for("the holder's next events to be written", more)
 
 
+async def test_a_late_lost_report_about_an_earlier_holding_leaves_the_new_one_running(
+    redis_target: RedisTarget, tokenizer: Tokenizer
+) -> None:
+    """A writer's "lease lost" report crosses from the ingest thread and may arrive after the
+    balancer gave the replica up and took it again: it names the generation it wrote with, and a
+    holding taken since (a newer generation) keeps running. In the ``cluster_master_killed`` fault
+    (2026-11-30) such a report stopped a holding taken 0.16 s before, which was taken once more: a
+    TRT-LLM replica resyncs at every such unclean take. A report about the current generation
+    still stops it."""
+    async with fleet(redis_target, tokenizer, balancers=1) as f:
+        (a,) = f.balancers
+        runtime = fleet_of(a)
+        assert runtime.leases is not None
+        leases = runtime.leases
+
+        async def all_held() -> bool:
+            return len(leases.held) == 4
+
+        await wait_for("all 4 leases held", all_held)
+        replica = ReplicaId("r0")
+        entry = leases.replicas[replica]
+        generation = leases.held[replica].generation
+        assert generation == entry.ingest.writer.holdings[replica].generation >= 1
+
+        async def acquired() -> float:
+            async with f.session.get(a.url + "/metrics") as response:
+                text = await response.text()
+            return metric_value(text, "kvlb_redis_lease_events_total", event="acquired") or 0.0
+
+        before = await acquired()
+        holding = entry.ingest.writer.holdings[replica]  # a new one at each take
+        leases.lost(replica, generation - 1)  # from a holding before this one
+        for _ in range(3):
+            await leases.tick()
+        assert entry.ingest.writer.holdings.get(replica) is holding  # not stopped, not taken anew
+        assert await acquired() == before
+        leases.lost(replica, generation)  # about this holding: given up, then taken again
+        await leases.tick()
+        assert entry.ingest.writer.holdings[replica] is not holding
+        assert await acquired() == before + 1
+        assert replica in leases.held
+
+
 async def test_a_policy_change_reaches_the_fleet_or_is_refused(
     redis_server: RedisServer, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
