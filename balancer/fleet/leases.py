@@ -126,6 +126,9 @@ class _Held:
     """Monotonic time the replica's sources last showed a new message (or the lease was taken)."""
     messages: int = 0
     """Messages its sources had received at ``heard_at``."""
+    generation: int = 0
+    """The generation its lease was taken (or taken back) with: a writer's report that it lost a
+    holding of an older generation is about an earlier holding, and is ignored."""
     failing_since: float | None = None
     dropped: bool = False
 
@@ -158,7 +161,8 @@ class LeaseManager:
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
         self._build_sources = build_sources
         self._on_redis = on_redis
-        self._lost: set[ReplicaId] = set()
+        self._lost: dict[ReplicaId, int] = {}
+        """Replica → the newest generation a writer reported lost (applied at the next tick)."""
         self._quiet_until = 0.0
         """Monotonic time before which no lease is newly taken: set by a failed tick, so that after a
         Redis outage every holder first gets ``ttl_s`` to take its own expired leases back."""
@@ -167,9 +171,13 @@ class LeaseManager:
         self._heartbeat = client.register_script(_HEARTBEAT)
         self._hand_over = client.register_script(_HAND_OVER)
 
-    def lost(self, replica: ReplicaId) -> None:
-        """Called by a writer fenced out of ``replica``: stop its ingest at the next tick."""
-        self._lost.add(replica)
+    def lost(self, replica: ReplicaId, generation: int) -> None:
+        """Called by a writer fenced out of ``replica`` while writing with ``generation``: stop its
+        ingest at the next tick, unless it was taken anew since (with a newer generation). The
+        report crosses from the ingest thread and may arrive after this balancer gave the replica
+        up and took it again: acting on it then stopped the new holding (seen in the
+        ``cluster_master_killed`` fault: a TRT-LLM replica would resync for nothing)."""
+        self._lost[replica] = max(generation, self._lost.get(replica, generation))
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick until ``stop`` is set; Redis errors are counted and the next tick retries."""
@@ -199,7 +207,7 @@ class LeaseManager:
         Redis errors are logged: the lease then expires on its own, as it is no longer renewed."""
         async with self._lock:
             entry = self.replicas.pop(replica, None)
-            self._lost.discard(replica)
+            self._lost.pop(replica, None)
             if entry is None or self.held.pop(replica, None) is None:
                 return False
             await entry.ingest.give_up(replica)  # sources and applier stopped, holding released
@@ -224,10 +232,20 @@ class LeaseManager:
         members = await self._heartbeat(keys=[self._members_key], args=[self.instance, ttl_ms])
         self.members = [m.decode() if isinstance(m, bytes) else str(m) for m in cast("list[Any]", members)]
         self._metrics.redis_fleet_members.set(len(self.members))
-        for replica in list(self._lost):
-            self._lost.discard(replica)
-            if replica in self.held:
-                await self._give_up(replica, graceful=False)
+        for replica, generation in list(self._lost.items()):
+            del self._lost[replica]
+            held = self.held.get(replica)
+            if held is None:
+                continue
+            if held.generation > generation:
+                log.info(
+                    "replica %s: ignoring a lost write of generation %d (held with %d since)",
+                    replica,
+                    generation,
+                    held.generation,
+                )
+                continue
+            await self._give_up(replica, graceful=False)
         await self._renew()
         await self._check_liveness()
         await self._spread()
@@ -259,6 +277,7 @@ class LeaseManager:
         # Compared on the ingest loop, where a write may have landed since ``holding`` was read
         if not await entry.ingest.adopt_generation(replica, grant.generation, grant.applied):
             return False  # written by another, or fenced meanwhile: given up like any lost lease
+        self.held[replica].generation = grant.generation
         self._metrics.redis_lease_events_total.labels("retaken").inc()
         log.info("lease of %s expired and taken back (generation %d)", replica, grant.generation)
         return True
@@ -310,7 +329,7 @@ class LeaseManager:
             replica, entry.config.engine, entry.lease, grant.generation, positions,
             writes=grant.writes, applied=applied, sources=sources, resyncs=resyncs,
         )  # fmt: skip
-        self.held[replica] = _Held(time.monotonic(), self._messages(replica))
+        self.held[replica] = _Held(time.monotonic(), self._messages(replica), generation=grant.generation)
         self._metrics.redis_lease_events_total.labels("acquired").inc()
         log.info("ingesting %s (generation %d, resuming after %s)", replica, grant.generation, positions)
 

@@ -299,16 +299,16 @@ class FleetRuntime:
 
     # ------------------------------------------------------------------ running
 
-    def _lost(self, replica: ReplicaId) -> None:
+    def _lost(self, replica: ReplicaId, generation: int) -> None:
         if self.leases is not None:
-            self.leases.lost(replica)
+            self.leases.lost(replica, generation)
 
-    def _lost_threadsafe(self, replica: ReplicaId) -> None:
-        """A writer (on the ingest thread) was fenced out of ``replica``: tell the lease manager, on
-        the request loop."""
+    def _lost_threadsafe(self, replica: ReplicaId, generation: int) -> None:
+        """A writer (on the ingest thread) was fenced out of ``replica`` while writing with
+        ``generation``: tell the lease manager, on the request loop."""
         loop = self._loop
         if loop is not None and not loop.is_closed():
-            loop.call_soon_threadsafe(self._lost, replica)
+            loop.call_soon_threadsafe(self._lost, replica, generation)
 
     def _redis_result(self, ok: bool) -> None:
         """Whether a Redis call worked; called on both loops (the writers' on the ingest thread)."""

@@ -15,8 +15,10 @@ positions in the same atomic call as the batch (so the next holder resumes exact
 * **Fenced.** A :class:`~balancer.index.redis.index.StaleGenerationError` while the lease is still
   ours means we bumped the generation ourselves (a liveness drop, or the lease taken back after it
   expired): take the new one (if the lease manager has not set it already) and write again.
-  Otherwise another balancer took the replica: the holding is marked lost, ``on_lost`` is told,
-  and the error goes up (the pipeline logs it; the lease manager stops the replica's ingest).
+  Otherwise another balancer took the replica: the holding is marked lost, ``on_lost`` is told
+  (with the generation the holding wrote with, so a report that arrives after the replica was
+  taken anew is told from one about the new holding), and the error goes up (the pipeline logs
+  it; the lease manager stops the replica's ingest).
 
 Routing never reads this class: every balancer, this one included, sees the writes through its
 mirror (:mod:`balancer.index.redis.mirror`), so all of them apply the same batches in the same order.
@@ -92,12 +94,14 @@ class FencedWriter:
         index: RedisIndex,
         *,
         metrics: Metrics,
-        on_lost: Callable[[ReplicaId], None],
+        on_lost: Callable[[ReplicaId, int], None],
         on_redis: Callable[[bool], None] = lambda ok: None,
         retry: RetrySettings | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """``on_redis(ok)`` is told whether each Redis call worked (for the degraded state)."""
+        """``on_lost(replica, generation)`` is told that the holding of ``replica`` that wrote with
+        ``generation`` is lost; ``on_redis(ok)`` whether each Redis call worked (for the degraded
+        state)."""
         self.index = index
         self.holdings: dict[ReplicaId, Holding] = {}
         self._metrics = metrics
@@ -175,7 +179,7 @@ class FencedWriter:
                 if await self.index.client.hget(self.index.keys.applied_seq, replica) != text:
                     holding.lost = True
                     log.warning("replica %s: Redis lost our last writes; taking it anew", replica)
-                    self._on_lost(replica)
+                    self._on_lost(replica, holding.generation)
                     raise
                 result = ApplyResult()  # our previous attempt landed; its answer was lost
             except StaleGenerationError as exc:
@@ -223,7 +227,7 @@ class FencedWriter:
             return
         holding.lost = True
         log.warning("replica %s: another balancer ingests it now (%s)", replica, exc)
-        self._on_lost(replica)
+        self._on_lost(replica, holding.generation)
         raise exc
 
     async def _holder(self, replica: ReplicaId) -> str | None:

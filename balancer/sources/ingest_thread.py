@@ -38,7 +38,13 @@ import aiohttp
 import zmq.asyncio
 
 from balancer.sources.base import EventSource, Gate, IngestBatch, SourceStatus
-from balancer.sources.pipeline import EventIngest, GatedSource, ReplicaIngestStatus, ReplicaPipeline
+from balancer.sources.pipeline import (
+    ConsumingSource,
+    EventIngest,
+    GatedSource,
+    ReplicaIngestStatus,
+    ReplicaPipeline,
+)
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -239,6 +245,18 @@ class _Yielding:
     def gate(self, value: Gate | None) -> None:
         if isinstance(self.source, GatedSource):
             self.source.gate = value
+
+    def finish(self) -> None:
+        if isinstance(self.source, ConsumingSource):
+            self.source.finish()
+
+    @property
+    def exchanging(self) -> bool:
+        return isinstance(self.source, ConsumingSource) and self.source.exchanging
+
+    @property
+    def settled(self) -> bool:
+        return not isinstance(self.source, ConsumingSource) or self.source.settled
 
     async def run(self, emit: Callable[[IngestBatch], None]) -> None:
         def emit_and_yield(batch: IngestBatch) -> None:

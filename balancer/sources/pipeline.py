@@ -393,6 +393,33 @@ class ReplicaPipeline:
 
 
 @runtime_checkable
+class ConsumingSource(Protocol):
+    """A source whose reads take the events out of the engine (TRT-LLM's ``/kv_cache_events``
+    drain): cancelled in the middle of one, the events the engine handed over are lost, and nothing
+    tells the next holder. A graceful stop (:meth:`EventIngest.remove_replica` with ``drain_s``)
+    asks it to :meth:`finish` and lets the exchange under way deliver first."""
+
+    def finish(self) -> None:
+        """Start no new exchange with the engine (the source is about to be cancelled)."""
+        ...
+
+    @property
+    def exchanging(self) -> bool:
+        """Whether an exchange is under way whose events are not emitted yet."""
+        ...
+
+    @property
+    def settled(self) -> bool:
+        """Whether every exchange so far delivered its events or is known to have taken none (a
+        failed one, a timeout above all, may have emptied the engine's buffer)."""
+        ...
+
+
+FINISH_POLL_S = 0.01
+"""How often a graceful stop looks whether the consuming sources' exchanges are over (seconds)."""
+
+
+@runtime_checkable
 class GatedSource(Protocol):
     """A source that sheds messages while its replica's CPU budget is spent."""
 
@@ -444,19 +471,41 @@ class EventIngest:
     ) -> bool:
         """Stop ``replica``'s tasks and, by default, forget its blocks in the index.
 
-        With ``drain_s`` > 0 the sources stop first and queued batches get that long to be applied.
-        Returns ``True`` when every batch taken from the engine was applied."""
+        With ``drain_s`` > 0 the sources stop first and queued batches get that long to be applied;
+        a :class:`ConsumingSource` first finishes the exchange under way (its events are queued
+        too), within the same ``drain_s``. Returns ``True`` when every batch taken from the engine
+        was applied."""
         entry = self._replicas.pop(replica, None)
         if entry is None:
             return True
         try:
+            settled = True
+            if drain_s > 0:
+                deadline = time.monotonic() + drain_s
+                settled = await self._finish_exchanges(entry.sources, deadline)
             await cancel_all(entry.tasks[1:])  # the sources
-            applied = await entry.pipeline.wait_applied(drain_s) if drain_s > 0 else False
+            if drain_s > 0:
+                left_s = max(0.0, deadline - time.monotonic())
+                applied = await entry.pipeline.wait_applied(left_s) and settled
+            else:
+                applied = False
         finally:  # also when the drain is cancelled (a hand-over timed out): nothing else owns it now
             await cancel_all(entry.tasks[:1])  # the applier
         if drop_index:
             await self._index.drop_replica(replica)
         return applied
+
+    @staticmethod
+    async def _finish_exchanges(sources: Sequence[EventSource], deadline: float) -> bool:
+        """Ask the consuming sources to finish, wait (until ``deadline``, monotonic) for their
+        exchanges under way to deliver; ``True`` when none took events it did not emit. Called
+        right before the sources are cancelled, with no await in between."""
+        consuming = [s for s in sources if isinstance(s, ConsumingSource)]
+        for source in consuming:
+            source.finish()
+        while any(s.exchanging for s in consuming) and time.monotonic() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(FINISH_POLL_S)
+        return all(s.settled and not s.exchanging for s in consuming)
 
     def pipeline(self, replica: ReplicaId) -> ReplicaPipeline | None:
         """The pipeline of ``replica`` while it ingests."""

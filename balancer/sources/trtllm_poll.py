@@ -157,6 +157,26 @@ class TrtllmPoller:
         self._ranks: set[int] = set()
         """DP ranks this poller delivered events of (at most the engine's attention-DP size)."""
         self._counters = SourceCounters()
+        self._finishing = False
+        self._exchanging = False
+        self._unsure = False
+        """The last drain failed in a way that may have emptied the engine's buffer (a timeout, a
+        broken connection, an oversized body): until a drain answers, a hand-over is not clean."""
+
+    def finish(self) -> None:
+        """Start no new drain: a graceful stop follows
+        (:class:`~balancer.sources.pipeline.ConsumingSource`)."""
+        self._finishing = True
+
+    @property
+    def exchanging(self) -> bool:
+        """A drain is under way: the engine may have handed over events not yet emitted."""
+        return self._exchanging
+
+    @property
+    def settled(self) -> bool:
+        """Every drain so far emitted what it took, or failed before the engine could hand anything over."""
+        return not self._unsure
 
     def status(self) -> SourceStatus:
         return self._counters.status(self.kind, self.replica, self.url, disabled=self._disabled)
@@ -181,13 +201,27 @@ class TrtllmPoller:
             await asyncio.sleep(delay_s)
 
     async def poll_once(self, emit: Emit) -> float:
-        """One drain; returns how long to wait before the next (seconds)."""
+        """One drain; returns how long to wait before the next (seconds). None once :meth:`finish`
+        was called. :attr:`exchanging` from the request until its events are emitted: a graceful
+        stop waits for that instead of cancelling a drain whose events the engine already gave up."""
+        if self._finishing:
+            return self.settings.min_interval_s
+        self._exchanging = True
+        try:
+            return await self._poll(emit)
+        finally:
+            self._exchanging = False
+
+    async def _poll(self, emit: Emit) -> float:
         try:
             body = await self._drain()
         except (aiohttp.ClientError, TimeoutError, PollError) as exc:
-            if _refused(exc) and self._ranks:
+            refused = _refused(exc)
+            self._unsure = not refused  # a refused connection never reached the engine
+            if refused and self._ranks:
                 self._engine_gone(emit)
             return self._failed(exc)
+        self._unsure = False
         if self._failing:
             log.info("replica %s: %s reachable again", self.replica, self.url)
         self._failing = False

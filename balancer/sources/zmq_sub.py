@@ -20,12 +20,14 @@ publisher from 0. This source keeps the stream in order:
   Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
   ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
 * **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
-  asked for anything after the last batch taken (the interval doubles while the answers hold nothing,
-  up to ``replay_poll_max_s``, but only once ``replay_poll_busy_s`` has passed since the publisher's
-  last batch: a busy engine's next burst comes soon and must find the interval short). A publisher
-  that goes on publishing while its live messages are lost (a PUB high-water mark, a stalled
-  connection) is then read from its replay buffer: the index stays exact instead of waiting for the
-  next live message to show a gap the buffer may no longer cover.
+  asked for anything after the last batch taken (before the first one, once connected and caught
+  up: from the wanted seq, 0 or the resume point) (the interval doubles while the answers hold
+  nothing, up to ``replay_poll_max_s``, but only once ``replay_poll_busy_s`` has passed since the
+  publisher's last batch: a busy engine's next burst comes soon and must find the interval short).
+  A publisher that goes on publishing while its live messages are lost (a PUB high-water mark, a
+  stalled connection, a subscription not yet in force right after the catch-up) is then read from
+  its replay buffer: the index stays exact instead of waiting for the next live message to show a
+  gap the buffer may no longer cover.
   Counted in ``kvlb_events_replay_polls_total`` (a poll that finds the buffer past the wanted seq is
   also a ``partial`` replay, and a gap resync).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
@@ -272,16 +274,21 @@ class ZmqEventSource:
 
     def _poll_timeout_ms(self) -> int | None:
         """How long to wait for a message before the next replay poll (``None``: no poll)."""
-        if self.replay_endpoint is None or self._last_seq is None or self._backlog_dropped:
-            return None  # nothing to poll after (or, after a dropped flood, no position to poll from)
+        if self.replay_endpoint is None or self._backlog_dropped or self._replay_on_connect:
+            return None  # after a dropped flood, no position to poll from; unconnected, no publisher
         left_s = self._heard_at + self._poll_interval_s - time.monotonic()
         return max(1, int(left_s * 1000) + 1)
 
     def _poll_due(self) -> bool:
+        """Before the first batch too (polled from the wanted seq, 0 or the resume point): a batch
+        lost live right after the catch-up (a subscription not yet in force at the publisher, a
+        high-water mark) was otherwise noticed only at the next live message, which an idle engine
+        may never send: its blocks missed from the index meanwhile, fleet-wide when this source
+        is a new lease holder's."""
         return (
             self.replay_endpoint is not None
-            and self._last_seq is not None
             and not self._backlog_dropped
+            and not self._replay_on_connect  # not connected yet (or again): its catch-up comes first
             and time.monotonic() - self._heard_at >= self._poll_interval_s
         )
 

@@ -23,6 +23,8 @@ from loadtests.faults.procs import BLOCK_SIZE, Child, Sim, serve, sim, write_con
 from loadtests.faults.tcp_proxy import DelayProxy
 
 POLL_S = 0.05
+TRAIL_MAX = 12
+"""Readings :attr:`FaultRig.trail` keeps."""
 
 
 @dataclass
@@ -41,6 +43,9 @@ class FaultRig:
     """What a scenario needs besides (the Redis server, the proxy in front of it)."""
     replay_proxies: dict[str, DelayProxy] = field(default_factory=dict)
     """Replica name → the proxy kvlb reaches its replay socket through (to partition it)."""
+    trail: list[str] = field(default_factory=list)
+    """The last :meth:`time_to_converge`'s readings that differed, as ``+t.tt s engines {...} kvlb-i
+    {...}`` lines (at most :data:`TRAIL_MAX`, the newest kept): which replica diverged, from when, how."""
 
     def replica(self, name: str) -> Sim:
         return next(s for s in self.sims if s.name == name)
@@ -74,22 +79,43 @@ class FaultRig:
     async def compare(self) -> tuple[bool, bool]:
         """``(equal, within)``: every checked kvlb's index holds exactly the engines' block counts /
         at most them."""
+        equal, within, _ = await self._compare()
+        return equal, within
+
+    async def _compare(self) -> tuple[bool, bool, str | None]:
+        """:meth:`compare`, and the reading as text when the engines stood still and it differed."""
         before = await self.engine_blocks()
-        indexes = [await self.index_blocks(url) for url in (self.checked or [self.url])]
+        urls = self.checked or [self.url]
+        indexes = [await self.index_blocks(url) for url in urls]
         after = await self.engine_blocks()
         if before is None or after is None or before != after:
-            return False, False
+            return False, False, None
         equal = all(index == before for index in indexes)
         within = all(index.get(name, 0) <= count for index in indexes for name, count in before.items())
-        return equal, within
+        if equal:
+            return True, True, None
+        pairs = zip(urls, indexes, strict=True)
+        kvlbs = " ".join(f"kvlb-{self._number(url)} {index}" for url, index in pairs)
+        return False, within, f"engines {before} {kvlbs}"
+
+    def _number(self, url: str) -> int:
+        """The kvlb's number (``kvlb-<n>``) of ``url``: 0 for the first, then :attr:`others` in order."""
+        children = [self.kvlb, *self.others]
+        return next((i for i, c in enumerate(children) if c.info.get("url") == url), -1)
 
     async def time_to_converge(self, since: float, limit_s: float) -> tuple[float | None, float | None]:
         """Seconds from ``since`` (monotonic) until the index is within the engines' caches (no block
-        the engines lack) and until it matches them exactly; ``None`` if not within ``limit_s``."""
+        the engines lack) and until it matches them exactly; ``None`` if not within ``limit_s``.
+        The differing readings on the way are kept in :attr:`trail`."""
         deadline = since + limit_s
         within_s: float | None = None
+        self.trail = []
+        last: str | None = None
         while time.monotonic() < deadline:
-            equal, within = await self.compare()
+            equal, within, reading = await self._compare()
+            if reading is not None and reading != last:
+                self.trail = [*self.trail, f"+{time.monotonic() - since:.2f}s {reading}"][-TRAIL_MAX:]
+                last = reading
             if within and within_s is None:
                 within_s = time.monotonic() - since
             if equal:

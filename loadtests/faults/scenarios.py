@@ -137,6 +137,8 @@ async def run_in_fleet(
             excuse = None if scenario.inexact is None else await scenario.inexact(f)
             if exact and excuse is not None:
                 exact, note = False, f"{note}; {excuse}"
+            if converge_s is None or converge_s > scenario.converge_limit_s:
+                note += "; differing readings: " + (" | ".join(f.trail) or "none")
             if scenario.verify is not None:
                 note += "; " + await scenario.verify(f)
             await asyncio.sleep(max(0.0, 1.0 * scale - (time.monotonic() - recovered)))

@@ -101,7 +101,9 @@ async def test_a_lost_lease_logs_one_line_and_no_traceback_not_one_per_batch(
     metrics = Metrics.create()
     lost: list[ReplicaId] = []
     index = RedisIndex(client, BlockHasher("flood", 4), fresh_settings())
-    writer = FencedWriter(index, metrics=metrics, on_lost=lost.append)  # holds no lease: refuses all
+    writer = FencedWriter(
+        index, metrics=metrics, on_lost=lambda replica, generation: lost.append(replica)
+    )  # holds no lease: refuses all
     pipeline = ReplicaPipeline(replica, "sglang", writer, metrics=metrics)
     task = asyncio.create_task(pipeline.run())
     try:

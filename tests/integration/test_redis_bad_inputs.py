@@ -96,7 +96,9 @@ async def test_a_wrong_typed_key_is_repaired_and_the_lease_kept(
     keys = index.keys
     lease = IngestionLease(text_client, keys, A, "me", LeaseSettings(ttl_s=5, renew_every_s=1))
     lost: list[ReplicaId] = []
-    writer = FencedWriter(index, metrics=Metrics.create(), on_lost=lost.append)
+    writer = FencedWriter(
+        index, metrics=Metrics.create(), on_lost=lambda replica, generation: lost.append(replica)
+    )
     grant = await lease.acquire()
     assert grant.acquired
     writer.hold(A, lease, grant.generation, {}, writes=grant.writes, applied=grant.applied)

@@ -122,6 +122,66 @@ async def fleet(
         zctx.destroy(linger=0)
 
 
+@asynccontextmanager
+async def lease_trail(f: Fleet, period_s: float = 0.05, keep: int = 40) -> AsyncIterator[list[str]]:
+    """Who holds which lease, sampled every ``period_s`` while the block runs: the changes, as
+    ``+t.tt s a [...] b [...]`` lines (the newest ``keep``), for a failure's message."""
+    trail: list[str] = []
+    started = time.monotonic()
+
+    async def sample() -> None:
+        last = None
+        while True:
+            held = " ".join(f"{'ab'[i] if i < 2 else i} {sorted(fleet_of(x).status()['leases'])}"
+                            for i, x in enumerate(f.balancers))  # fmt: skip
+            if held != last:
+                trail.append(f"+{time.monotonic() - started:.2f}s {held}")
+                del trail[:-keep]
+                last = held
+            await asyncio.sleep(period_s)
+
+    task = asyncio.create_task(sample())
+    try:
+        yield trail
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def diagnosis(f: Fleet) -> str:
+    """What each balancer ingests (queue, applies, each source's stream position, replays, resyncs),
+    the positions and lease holders Redis holds, and each SGLang publisher's next seq."""
+    lines = []
+    for i, balancer in enumerate(f.balancers):
+        views = (await f.get(balancer, "/admin/replicas"))["replicas"]
+        parts = []
+        for view in views:
+            events = view["events"]
+            if events is None:
+                continue
+            sources = [
+                {k: s[k] for k in ("last_seq", "messages", "gaps", "replays", "replay_failures", "resyncs")}
+                for s in events["sources"]
+            ]
+            parts.append(
+                f"{view['id']} queued {events['queued_batches']} applied {events['applied_batches']} "
+                f"errors {events['apply_errors']} sources {sources}"
+            )
+        lines.append(f"{'ab'[i] if i < 2 else i}: " + "; ".join(parts))
+    runtime = fleet_of(f.balancers[0])
+    assert runtime.leases is not None
+    for replica, entry in sorted(runtime.leases.replicas.items()):
+        seq = await runtime.text.hget(entry.keys.applied_seq, replica)
+        generation = await runtime.text.hget(entry.keys.generations, replica)
+        holder = await runtime.text.get(entry.keys.lease(replica))
+        lines.append(f"redis {replica}: positions {seq!r} generation {generation} lease {holder}")
+    for replica in f.replicas:
+        publishers = getattr(replica.personality, "publishers", None)
+        if publishers:
+            lines.append(f"{replica.config.name} publishes next seq {[p.seq for p in publishers]}")
+    return "\n".join(lines)
+
+
 @pytest.fixture
 def tokenizer() -> Tokenizer:
     return shared_deepseek()
@@ -257,10 +317,12 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
         victim = next(iter(fleet_a.leases.held), None)
         assert victim is not None
         entry = fleet_a.leases.replicas[victim]
-        await fleet_a.text.delete(entry.keys.lease(victim))
-        thief = await entry.lease.__class__(
-            fleet_a.text, entry.keys, victim, "thief", entry.lease.settings
-        ).acquire()
+        thief_lease = entry.lease.__class__(fleet_a.text, entry.keys, victim, "thief", entry.lease.settings)
+        for _ in range(20):  # a's tick may take the deleted lease back first (it would after an outage)
+            await fleet_a.text.delete(entry.keys.lease(victim))
+            thief = await thief_lease.acquire()
+            if thief.acquired:
+                break
         assert thief.acquired
         writer = entry.ingest.writer  # it lives on the ingest thread: write there
         with pytest.raises(StaleGenerationError):
@@ -359,6 +421,49 @@ async def test_an_expired_lease_nobody_took_is_taken_back_without_a_resync(
         await wait_for("the holder's next events to be written", more)
 
 
+async def test_a_late_lost_report_about_an_earlier_holding_leaves_the_new_one_running(
+    redis_target: RedisTarget, tokenizer: Tokenizer
+) -> None:
+    """A writer's "lease lost" report crosses from the ingest thread and may arrive after the
+    balancer gave the replica up and took it again: it names the generation it wrote with, and a
+    holding taken since (a newer generation) keeps running. In the ``cluster_master_killed`` fault
+    (2026-11-30) such a report stopped a holding taken 0.16 s before, which was taken once more: a
+    TRT-LLM replica resyncs at every such unclean take. A report about the current generation
+    still stops it."""
+    async with fleet(redis_target, tokenizer, balancers=1) as f:
+        (a,) = f.balancers
+        runtime = fleet_of(a)
+        assert runtime.leases is not None
+        leases = runtime.leases
+
+        async def all_held() -> bool:
+            return len(leases.held) == 4
+
+        await wait_for("all 4 leases held", all_held)
+        replica = ReplicaId("r0")
+        entry = leases.replicas[replica]
+        generation = leases.held[replica].generation
+        assert generation == entry.ingest.writer.holdings[replica].generation >= 1
+
+        async def acquired() -> float:
+            async with f.session.get(a.url + "/metrics") as response:
+                text = await response.text()
+            return metric_value(text, "kvlb_redis_lease_events_total", event="acquired") or 0.0
+
+        before = await acquired()
+        holding = entry.ingest.writer.holdings[replica]  # a new one at each take
+        leases.lost(replica, generation - 1)  # from a holding before this one
+        for _ in range(3):
+            await leases.tick()
+        assert entry.ingest.writer.holdings.get(replica) is holding  # not stopped, not taken anew
+        assert await acquired() == before
+        leases.lost(replica, generation)  # about this holding: given up, then taken again
+        await leases.tick()
+        assert entry.ingest.writer.holdings[replica] is not holding
+        assert await acquired() == before + 1
+        assert replica in leases.held
+
+
 async def test_a_policy_change_reaches_the_fleet_or_is_refused(
     redis_server: RedisServer, tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -435,36 +540,46 @@ async def test_key_spaces_on_two_cluster_masters(
             return len(held[0]) == len(held[1]) == 2 and not held[0] & held[1]
 
         await wait_for("leases spread 2 + 2", spread, timeout_s=10)
-        for i in range(8):
-            prompt = list(range(11000 + 100 * i, 11000 + 100 * i + 4 * (3 + i % 4)))
-            await f.post(
-                a if i % 2 else b, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
-            )
+        async with lease_trail(f) as trail:
+            await _requests_reach_both_key_spaces(f, a, b, trail)
 
-        async def engines() -> dict[str, int]:
-            out = {}
-            for replica in f.replicas:
-                async with f.session.get(replica.url + "/admin/stats") as response:
-                    stats = await response.json()
-                out[replica.config.name] = sum(r["num_cached_tokens"] for r in stats["ranks"]) // 4
-            return out
 
-        async def converged() -> bool:
-            """Both indexes equal, both key spaces indexed, every replica that caches blocks
-            indexed (routing weighs load, so a replica may get none of the 8 requests), SGLang's
-            exactly as cached; TRT-LLM's at most the engine's count (the in-process TRT-LLM emulator
-            with max_tokens 2 reports a few cached blocks more than its events name, on a single
-            server too: not a fleet effect, not investigated here)."""
-            want, seen = await engines(), await f.blocks(a)
-            if seen != await f.blocks(b) or not (seen["r0"] + seen["r2"] and seen["r1"] + seen["r3"]):
-                return False
-            if any(bool(seen[r]) != bool(want[r]) for r in want):
-                return False
-            return all(seen[r] == want[r] if r in ("r0", "r2") else seen[r] <= want[r] for r in want)
+async def _requests_reach_both_key_spaces(f: Fleet, a: Balancer, b: Balancer, trail: list[str]) -> None:
+    """8 requests through both balancers; both must index both key spaces alike within 20 s (a
+    failure shows what each ingests, what Redis holds and ``trail``, the lease holders over time)."""
+    for i in range(8):
+        prompt = list(range(11000 + 100 * i, 11000 + 100 * i + 4 * (3 + i % 4)))
+        await f.post(
+            a if i % 2 else b, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        )
 
-        try:
-            # 20 s: the CI machine runs this beside the rest of the suite; the bound reports the counts.
-            await wait_for("both balancers to index both key spaces alike", converged, timeout_s=20)
-        except AssertionError as exc:
-            seen = [await engines(), await f.blocks(a), await f.blocks(b)]
-            raise AssertionError(f"{exc}: engines, a, b: {seen}") from None
+    async def engines() -> dict[str, int]:
+        out = {}
+        for replica in f.replicas:
+            async with f.session.get(replica.url + "/admin/stats") as response:
+                stats = await response.json()
+            out[replica.config.name] = sum(r["num_cached_tokens"] for r in stats["ranks"]) // 4
+        return out
+
+    async def converged() -> bool:
+        """Both indexes equal, both key spaces indexed, every replica that caches blocks
+        indexed (routing weighs load, so a replica may get none of the 8 requests), SGLang's
+        exactly as cached; TRT-LLM's at most the engine's count (the in-process TRT-LLM emulator
+        with max_tokens 2 reports a few cached blocks more than its events name, on a single
+        server too: not a fleet effect, not investigated here)."""
+        want, seen = await engines(), await f.blocks(a)
+        if seen != await f.blocks(b) or not (seen["r0"] + seen["r2"] and seen["r1"] + seen["r3"]):
+            return False
+        if any(bool(seen[r]) != bool(want[r]) for r in want):
+            return False
+        return all(seen[r] == want[r] if r in ("r0", "r2") else seen[r] <= want[r] for r in want)
+
+    try:
+        # 20 s: the CI machine runs this beside the rest of the suite; the bound reports the counts.
+        await wait_for("both balancers to index both key spaces alike", converged, timeout_s=20)
+    except AssertionError as exc:
+        seen = [await engines(), await f.blocks(a), await f.blocks(b)]
+        leases = "\n".join(trail)
+        raise AssertionError(
+            f"{exc}: engines, a, b: {seen}\n{await diagnosis(f)}\nlease holders:\n{leases}"
+        ) from None

@@ -108,7 +108,7 @@ async def test_a_lease_taken_back_while_our_write_is_answered_finds_that_write_o
         keys = RedisIndex(direct, HASHER, settings).keys
         ours = IngestionLease(direct, keys, R, "me", LeaseSettings(ttl_s=5, renew_every_s=1))
         grant = await ours.acquire()
-        writer = FencedWriter(index, metrics=Metrics.create(), on_lost=lambda replica: None)
+        writer = FencedWriter(index, metrics=Metrics.create(), on_lost=lambda replica, generation: None)
         writer.hold(R, ours, grant.generation, {}, writes=grant.writes, applied=grant.applied)
         holding = writer.holdings[R]
         await writer.apply_at(R, [block(1)], 0.0, {0: 6})  # connected, scripts loaded

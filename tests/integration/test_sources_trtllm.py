@@ -79,6 +79,11 @@ class FakeEngine:
         self.raw_body: bytes | None = None
         self.drains = 0
         self.runner: web.AppRunner | None = None
+        self.answer_gate: asyncio.Event | None = None
+        """When set to an event, a drain that took events answers only once it is set: the events
+        are gone from the engine while the answer is on its way."""
+        self.held = asyncio.Event()
+        """Set when a drain took events and waits for ``answer_gate``."""
 
     async def kv_cache_events(self, request: web.Request) -> web.StreamResponse:
         self.drains += 1
@@ -91,6 +96,9 @@ class FakeEngine:
             body, self.raw_body = self.raw_body, None
             return web.Response(body=body, content_type="application/json")
         events, self.pending = self.pending, []
+        if events and self.answer_gate is not None:
+            self.held.set()
+            await self.answer_gate.wait()
         return web.json_response(events)
 
     async def start(self, port: int = 0) -> int:
@@ -275,3 +283,95 @@ async def test_interval_adapts_to_traffic(session: aiohttp.ClientSession, engine
     delays.append(await poller.poll_once(got.append))
     assert delays == pytest.approx([0.01, 0.02, 0.04, 0.08, 0.08, 0.08, 0.01])
     assert [type(e) for batch in got for e in batch.events] == [Resync, Stored]
+
+
+@contextlib.asynccontextmanager
+async def ingesting(session: aiohttp.ClientSession, port: int) -> AsyncIterator[tuple[EventIngest, Rig]]:
+    """A running EventIngest with one poller (the replica is removed by the test)."""
+    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    poller = TrtllmPoller(
+        REPLICA,
+        f"http://127.0.0.1:{port}/",
+        session=session,
+        decoder=TrtllmDecoder(tokens_per_block=TPB),
+        metrics=metrics,
+        settings=FAST,
+    )
+    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+    ingest.add_replica(REPLICA, "trtllm", [poller])
+    await ingest.start()
+    try:
+        yield ingest, Rig(poller, index, metrics)
+    finally:
+        await ingest.aclose()
+
+
+async def test_a_graceful_stop_applies_the_drain_under_way(
+    session: aiohttp.ClientSession, engine: FakeEngine
+) -> None:
+    """A hand-over (``remove_replica`` with ``drain_s``) that caught a drain after the engine gave its
+    events up used to cancel it: the events were lost and the hand-over still reported clean, so the
+    next holder took the replica without a resync and kept the removed block (the index held more
+    than the engine: the ``cluster_master_killed`` fault, 2026-11-30). The drain now delivers first."""
+    port = await engine.start()
+    engine.pending = [created(0), stored(1, None, block(41, 1), block(42, 5))]
+    async with ingesting(session, port) as (ingest, rig):
+        await eventually(lambda: len(rig.of(Stored)) == 1)
+        engine.answer_gate = asyncio.Event()
+        engine.pending = [removed(2, 42)]
+        await asyncio.wait_for(engine.held.wait(), 5.0)
+        stopping = asyncio.create_task(ingest.remove_replica(REPLICA, drop_index=False, drain_s=5.0))
+        await asyncio.sleep(0.1)  # the hand-over waits for the drain, which the engine answers now
+        assert not stopping.done()
+        engine.answer_gate.set()
+        assert await asyncio.wait_for(stopping, 5.0) is True
+        assert rig.of(Removed) == [Removed(0, (EngineHash(42),))]
+        drains = engine.drains
+        await asyncio.sleep(0.1)
+        assert engine.drains == drains  # no drain after the stop
+
+
+async def test_a_drain_that_outlasts_the_graceful_stop_makes_it_unclean(
+    session: aiohttp.ClientSession, engine: FakeEngine
+) -> None:
+    """A drain still unanswered when ``drain_s`` runs out is cancelled: its events are lost, so the
+    stop is not clean (the next holder resyncs the replica)."""
+    port = await engine.start()
+    engine.pending = [created(0), stored(1, None, block(51, 1))]
+    async with ingesting(session, port) as (ingest, rig):
+        await eventually(lambda: len(rig.of(Stored)) == 1)
+        engine.answer_gate = asyncio.Event()
+        engine.pending = [removed(2, 51)]
+        await asyncio.wait_for(engine.held.wait(), 5.0)
+        assert await ingest.remove_replica(REPLICA, drop_index=False, drain_s=0.2) is False
+        assert rig.of(Removed) == []
+        engine.answer_gate.set()
+
+
+async def test_a_graceful_stop_after_a_timed_out_drain_is_unclean(
+    session: aiohttp.ClientSession, engine: FakeEngine
+) -> None:
+    """A drain that timed out may have emptied the engine's buffer: until a drain answers, a stop
+    is not clean."""
+    port = await engine.start()
+    engine.pending = [created(0), stored(1, None, block(61, 1))]
+    settings = dataclasses.replace(
+        FAST, request_timeout_s=0.1, error_backoff_initial_s=5.0, error_backoff_max_s=5.0
+    )
+    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    poller = TrtllmPoller(
+        REPLICA, f"http://127.0.0.1:{port}/", session=session,
+        decoder=TrtllmDecoder(tokens_per_block=TPB), metrics=metrics, settings=settings,
+    )  # fmt: skip
+    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
+    ingest.add_replica(REPLICA, "trtllm", [poller])
+    await ingest.start()
+    try:
+        await eventually(lambda: any(isinstance(e, Stored) for e in index.events))
+        engine.answer_gate = asyncio.Event()
+        engine.pending = [removed(2, 61)]
+        await eventually(lambda: poller.status().transport_errors >= 1)  # timed out, backing off
+        assert await ingest.remove_replica(REPLICA, drop_index=False, drain_s=1.0) is False
+        engine.answer_gate.set()
+    finally:
+        await ingest.aclose()

@@ -48,6 +48,33 @@ async def test_batches_lost_live_are_read_from_a_short_replay_buffer_while_the_s
         await publisher.aclose()
 
 
+@pytest.mark.parametrize("resume_seq", [None, 3])
+async def test_a_batch_lost_live_before_the_first_one_taken_is_read_by_a_poll(
+    ctx: zmq.asyncio.Context, resume_seq: int | None
+) -> None:
+    """A source that has taken no batch yet (a fresh engine; or a new lease holder resuming after
+    the last batch applied, ``resume_seq``) whose catch-up found nothing: a batch then lost live (a
+    subscription not yet in force at the publisher, a high-water mark) was noticed only at the next
+    live message, never if the engine stayed idle (polls waited for a first batch). It is polled
+    from the wanted seq now."""
+    publisher = Publisher(ctx)
+    for _ in range(resume_seq or 0):  # applied by the previous holder: not replayed again
+        await publisher.publish([page(publisher.seq)], drop=True)
+    try:
+        async with running(
+            ctx, publisher.endpoint, publisher.replay_endpoint, settings=POLLING, resume_seq=resume_seq
+        ) as rig:
+            await publisher.wait_subscribed()
+            await asyncio.wait_for(publisher.replay_served.wait(), 5.0)  # the catch-up: nothing new
+            seq = await publisher.publish([page(publisher.seq)], drop=True)
+            await rig.settle(seq)
+            assert rig.index.timeline() == [seq + 1]  # that page alone, no resync
+            assert publisher.replay_requests[0] == (resume_seq or 0)
+            assert rig.metric("kvlb_events_replay_polls_total", {"replica": REPLICA, "outcome": "new"}) == 1
+    finally:
+        await publisher.aclose()
+
+
 async def test_bursts_lost_live_after_quiet_spells_are_read_before_a_short_buffer_rotates(
     ctx: zmq.asyncio.Context,
 ) -> None:
