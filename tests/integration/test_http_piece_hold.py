@@ -14,10 +14,14 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+from typing import Any
 
+import grpc
 import pytest
+from grpc_harness import failure, grpc_running
 from kvlb_harness import MODEL, Answer, metric, nothing_held, running, shared_deepseek, wait_for
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.openai import piece_hold_chars, tokenizing_hold_bytes
 from balancer.api.parsing import ParsedRequest, parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -110,3 +114,40 @@ async def test_a_text_without_cuts_holds_the_whole_estimate(tokenizer: Tokenizer
         await sampler
         assert peak == whole  # never both holds at once: the pieces' was given back first
         await wait_for("every byte given back", lambda: nothing_held(h), timeout_s=10.0)
+
+
+async def test_over_grpc_a_text_without_cuts_waits_its_turn_for_the_whole_estimate_and_is_served(
+    tokenizer: Tokenizer,
+) -> None:
+    """The gRPC face takes the same holds: a text with cuts holds the pieces' estimate; a text
+    without cuts sent with it stops its thread and then needs the whole estimate, which the budget
+    has room for only once the first's hold is given back (or alone): it waits for it in the queue,
+    its message dropped and made again once let in, if the first is still in its thread then.
+    Both are routed, nothing is refused for want of bytes, and every byte comes back."""
+    rng = random.Random(8)
+    digits = "".join(rng.choices("0123456789", k=600_000))
+    text = words(1, TEXT_CHARS)
+    whole = tokenizing_hold_bytes(parsed(body(digits)))
+    piece = pieces_hold(parsed(body(text)))
+    # room for the first's pieces' hold and the second's, not for the second's whole estimate
+    budget = 4 * TEXT_CHARS + piece + pieces_hold(parsed(body(digits))) + 4 * TEXT_CHARS
+    assert piece + whole > budget
+    async with grpc_running(
+        tokenizer, 1, limits__queue_timeout_s=30.0, limits__max_inflight_body_bytes=budget
+    ) as g:
+        h = g.http
+
+        async def generate(prompt: str) -> grpc.aio.AioRpcError:
+            request = pb.GenerateRequest(model=MODEL, prompt_text=prompt, max_tokens=1)
+            return await failure(_drain(g.balancer.Generate(request)))
+
+        answers = await asyncio.gather(generate(text), generate(digits))
+        for answer in answers:  # the emulated replica's answer: kvlb routed and forwarded it
+            assert "exceeds 512" in (answer.details() or ""), answer.details()
+        await wait_for("every byte given back", lambda: nothing_held(h), timeout_s=10.0)
+        assert await metric(h, "kvlb_admission_shed_total", reason="body_bytes") == 0
+
+
+async def _drain(call: Any) -> None:
+    async for _ in call:
+        pass
