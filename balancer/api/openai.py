@@ -9,8 +9,9 @@ declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 42
 body without a declared length holds its bytes chunk by chunk as it is read), parsing
 (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
 with the pool's tokenizer (long prompts in a thread, the request holding the estimated bytes of its
-parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`; the ids' bytes are
-then held instead), a wait in the
+parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`, one piece's work
+for a text the tokenizer encodes in pieces, :func:`tokenize_held`; the ids' bytes are then held
+instead), a wait in the
 same queue while every replica is full, then :func:`balancer.service.dispatch.dispatch` (route →
 open → retry → release) with :func:`relay` as its delivery. The slot and every byte held are given
 back when the request ends, however it ends.

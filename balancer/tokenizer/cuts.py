@@ -74,6 +74,13 @@ near a small limit, for every tokenizer the tests have. A tokenizer this module 
 (SentencePiece-like ones whose pre-tokenizer leaves the text whole, a normaliser, another regex) is
 encoded whole, as before. A text with no safe cut (all CJK, emoji, digits, one line of symbols) is
 encoded whole too: for those, BPE runs over runs of text that no cut can split exactly.
+
+**The pieces' memory.** A caller that held memory for pieces of at most ``max_chars`` characters
+(the request path: ``balancer.api.openai.piece_hold_chars``) passes that bound to
+:func:`encode_pieces`, which finds every piece's end first and raises :class:`LongPiece`, before
+anything is encoded, when one would be longer (a stretch with no cut); the caller then holds the
+whole encode's estimate and encodes without the bound. Cuts are looked for in windows of
+:data:`SCAN_CHARS` characters, so that a text without one does not hold the GIL for a whole scan.
 """
 
 from __future__ import annotations
