@@ -21,7 +21,11 @@
   peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` once the text is made) per
   character, each in a fresh process (``tracemalloc`` does not see the tokenizer's Rust
   allocations). Sizes over the tokenizer's ``max_prompt_chars`` (4 M) are refused by kvlb before
-  any encoding; they are measured with that cap lifted, to show the trend. Not part of the default
+  any encoding; they are measured with that cap lifted, to show the trend. Each line also gives
+  what kvlb holds for the tokenizer's work on that text (:func:`~balancer.api.openai.tokenizing_hold_bytes`
+  less the parsed form's part, which was made before the measure; ``*``: a text prompt with no safe
+  cut for two pieces' length, which holds the whole encode's estimate after the pieces' was refused,
+  as kvlb's thread does) and the rise over it, which must stay under 1. Not part of the default
   run (it takes minutes): ``python -m loadtests.memory_figures tokenizer``.
 
 * ``refusal``: the same measure for 4 M characters of ASCII words and of random latin-1 bytes,
@@ -50,13 +54,15 @@ from typing import Any
 
 import msgpack
 
+from balancer.api.openai import piece_hold_chars, tokenizing_hold_bytes
 from balancer.api.parsing import parse_request
 from balancer.engines.registry import engine_spec
 from balancer.events import Stored
-from balancer.index.hashing import BlockHasher
+from balancer.index.hashing import BlockHasher, compact_ids
 from balancer.index.memory import MemoryIndex
 from balancer.sources.base import IngestBatch
 from balancer.sources.pipeline import batch_bytes
+from balancer.tokenizer.cuts import LongPiece
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import PromptTooLarge, TokenizeLimits
 from balancer.types import EngineHash, ReplicaId
@@ -302,6 +308,29 @@ def tokenizer_one(path: str, shape: str, chars: int, max_prompt_tokens: int = 10
     text = _text(shape, chars)
     messages = [{"role": "user", "content": text}]
     refused = False
+    # what kvlb holds for it (the request's parse, made here before the measure, as kvlb's is)
+    if path == "text":
+        parsed = parse_request(json.dumps({"model": "m", "prompt": text}).encode(), "completions")
+    else:
+        parsed = parse_request(json.dumps({"model": "m", "messages": messages}).encode(), "chat")
+    max_piece = piece_hold_chars(tokenizer, parsed)
+    hold = tokenizing_hold_bytes(parsed, max_piece, max_prompt_tokens) - parsed.parsed_bytes
+    long_piece = False
+
+    def encode_text() -> int:
+        """As kvlb's thread: the pieces' hold first, the whole's after a piece too long for it."""
+        nonlocal long_piece, hold
+        try:
+            ids = tokenizer.encode_prompt(text, max_piece_chars=max_piece)
+        except LongPiece:
+            long_piece = True
+            hold = tokenizing_hold_bytes(parsed) - parsed.parsed_bytes
+            ids = tokenizer.encode_prompt(text)
+        return len(compact_ids(ids))
+
+    def encode_chat() -> int:
+        return len(compact_ids(tokenizer.encode_chat(messages)))
+
     with ThreadPoolExecutor(1) as pool:  # as asyncio.to_thread: the encode runs in another thread
         pool.submit(tokenizer.encode_prompt, "warm up the encoder and the thread").result()
         pool.submit(tokenizer.encode_chat, [{"role": "user", "content": "warm up the template"}]).result()
@@ -311,10 +340,7 @@ def tokenizer_one(path: str, shape: str, chars: int, max_prompt_tokens: int = 10
         started = time.perf_counter()
         cpu = time.process_time()  # every thread's CPU
         try:
-            if path == "text":
-                tokens = len(pool.submit(tokenizer.encode_prompt, text).result())
-            else:
-                tokens = len(pool.submit(tokenizer.encode_chat, messages).result())
+            tokens = pool.submit(encode_text if path == "text" else encode_chat).result()
         except PromptTooLarge as exc:
             refused, tokens = True, exc.size
         took = time.perf_counter() - started
@@ -332,6 +358,8 @@ def tokenizer_one(path: str, shape: str, chars: int, max_prompt_tokens: int = 10
                 "tokens": tokens,
                 "refused": refused,
                 "peak_rise_bytes": rise,
+                "hold_bytes": hold,
+                "long_piece": long_piece,
                 "per_char": round(rise / chars, 1),
                 "per_utf8_byte": round(rise / utf8, 1),
                 "encode_s": round(took, 2),
@@ -344,7 +372,10 @@ def tokenizer_one(path: str, shape: str, chars: int, max_prompt_tokens: int = 10
 def tokenizer(argv: Sequence[str] = ()) -> None:
     """The ``tokenizer`` part: one fresh process per path, shape and size."""
     sizes = [int(float(arg) * 1e6) for arg in argv] or list(TOKENIZER_CHARS)
-    print("path  shape         chars      UTF-8 B     tokens   peak rise  B/char  B/UTF-8 B  encode s")
+    print(
+        "path  shape         chars      UTF-8 B     tokens   peak rise  B/char  B/UTF-8 B  encode s"
+        "   hold (work)  rise/hold"
+    )
     for chars in sizes:
         for shape in TEXT_SHAPES:
             for path in TOKENIZER_PATHS:
@@ -368,7 +399,9 @@ def tokenizer(argv: Sequence[str] = ()) -> None:
                     f"{path:5} {shape:13} {chars:>9,} {r['utf8_bytes']:>11,} {r['tokens']:>10,} "
                     f"{r['peak_rise_bytes'] / 1e6:>7.0f} MB {r['per_char']:>7.1f} "
                     f"{r['per_utf8_byte']:>10.1f} "
-                    f"{r['encode_s']:>9.2f}",
+                    f"{r['encode_s']:>9.2f} "
+                    f"{r['hold_bytes'] / 1e6:>8.0f} MB{'*' if r['long_piece'] else ' '} "
+                    f"{r['peak_rise_bytes'] / r['hold_bytes']:>9.2f}",
                     flush=True,
                 )
 
@@ -385,7 +418,7 @@ def refusal(argv: Sequence[str] = ()) -> None:
     process each (``tokenizer-one``): CPU seconds (of every thread) and the peak RSS rise. Sizes in
     millions of characters (default 4)."""
     sizes = [int(float(arg) * 1e6) for arg in argv] or [4_000_000]
-    print("path  shape         chars        limit     tokens  refused  peak rise  CPU s  wall s")
+    print("path  shape         chars        limit     tokens  refused  peak rise  CPU s  wall s  hold (work)")
     for chars in sizes:
         for shape in REFUSAL_SHAPES:
             for limit in REFUSAL_LIMITS:
@@ -397,7 +430,7 @@ def refusal(argv: Sequence[str] = ()) -> None:
                     print(
                         f"{path:5} {shape:13} {chars:>9,} {limit:>12,} {r['tokens']:>10,} "
                         f"{'yes' if r['refused'] else 'no':>7} {r['peak_rise_bytes'] / 1e6:>7.0f} MB "
-                        f"{r['cpu_s']:>6.2f} {r['encode_s']:>7.2f}",
+                        f"{r['cpu_s']:>6.2f} {r['encode_s']:>7.2f} {r['hold_bytes'] / 1e6:>8.0f} MB",
                         flush=True,
                     )
 

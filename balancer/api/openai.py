@@ -9,8 +9,9 @@ declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 42
 body without a declared length holds its bytes chunk by chunk as it is read), parsing
 (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
 with the pool's tokenizer (long prompts in a thread, the request holding the estimated bytes of its
-parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`; the ids' bytes are
-then held instead), a wait in the
+parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`, one piece's work
+for a text the tokenizer encodes in pieces, :func:`tokenize_held`; the ids' bytes are then held
+instead), a wait in the
 same queue while every replica is full, then :func:`balancer.service.dispatch.dispatch` (route →
 open → retry → release) with :func:`relay` as its delivery. The slot and every byte held are given
 back when the request ends, however it ends.
@@ -30,6 +31,7 @@ import functools
 import logging
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from aiohttp import web
 
@@ -60,7 +62,8 @@ from balancer.service.dispatch import (
     relay_deadline,
 )
 from balancer.service.state import Pool, ServiceState
-from balancer.tokenizer.tokenizer import TokenizeError
+from balancer.tokenizer.cuts import LongPiece
+from balancer.tokenizer.tokenizer import TokenizeError, Tokenizer
 from balancer.upstream.client import forwardable_headers
 
 log = logging.getLogger(__name__)
@@ -77,6 +80,22 @@ TOKENIZER_BYTES_PER_ASCII_CHAR = 340
 worst ASCII shape measured, random printable ASCII (202–307 B a character; digits 116–202, ASCII
 words 90–120, runs of whitespace 52–71), plus 10%. Most traffic is ASCII, and the estimate for any
 text (:data:`TOKENIZER_BYTES_PER_CHAR`) is 6–8 times what English text costs."""
+PIECE_HOLD_FACTOR = 2
+"""A text the tokenizer encodes in pieces (:mod:`balancer.tokenizer.cuts`: over ``piece_chars``,
+65,536 characters by default, on a tokenizer the proof covers) holds the tokenizer's work for pieces
+of at most this many times ``piece_chars`` (:func:`piece_hold_chars`; a longer piece, a text with no
+safe cut for that long, makes the thread stop before it encodes anything, and the request holds the
+whole encode's estimate instead: :func:`tokenize_held`)."""
+TOKEN_ID_LIST_BYTES = 56
+"""Bytes per token id that a text encoded in pieces accumulates in the thread, at most: the list's
+int (32 B with the allocator's rounding; 39.8 B an id of the list in all, ``python -m
+loadtests.memory_figures ids``), its slot (8 B, up to 2.125 times while the list grows by
+``+=``: over-allocation and the old array during a ``realloc``), and the ``array('I')`` made of it
+before the list is dropped (4 B)."""
+MAX_TOKENS_PER_CHAR = 4
+"""Most tokens a character of a text that is not all ASCII may give (its UTF-8 bytes: a byte-level
+BPE's token covers at least one byte, the other models' at least one character); an ASCII character
+gives at most one."""
 INLINE_TOKENIZE_CHARS = 4096
 """Requests whose text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`: the prompt, or all of
 a chat's messages, content parts, tools and a per-message allowance) is at most this many characters
@@ -131,13 +150,10 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         weights = request_weights(request, state)
         token_ids = tokenize_inline(pool, parsed, limits.max_prompt_tokens)
         if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
-            hold_bytes = tokenizing_hold_bytes(parsed)
-            if not admission.try_hold_tokenizing(hold_bytes):
-                del parsed  # not kept while it waits for its bytes: parsed again once they are held
-                await admission.hold_tokenizing(hold_bytes)
-                parsed = parse_request(body, kind, state.token_id_memo)
-            token_ids = await tokenize_in_thread(pool, parsed, limits.max_prompt_tokens)
-            admission.give_back_tokenizing()
+            form = Reparsed(parsed, functools.partial(parse_request, body, kind, state.token_id_memo))
+            del parsed  # only ``form`` holds it: dropped while it waits for its bytes, parsed again after
+            token_ids = await tokenize_held(admission, pool, form, limits.max_prompt_tokens)
+            parsed = form.take()
         admission.add(TOKEN_ID_BYTES * len(token_ids))
         request_id = request[REQUEST_ID]
         job = Forward(
@@ -265,7 +281,89 @@ def request_weights(request: web.Request, state: ServiceState) -> PolicyWeights:
     return parse_weights_header(header, base)
 
 
-def tokenizing_hold_bytes(parsed: ParsedRequest) -> int:
+class TokenizingHold(Protocol):
+    """What holds a request's bytes while it is tokenized in a thread
+    (:class:`~balancer.service.dispatch.Admitted`)."""
+
+    def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool: ...
+
+    async def hold_tokenizing(self, tokenizing_bytes: int) -> None: ...
+
+    def give_back_tokenizing(self) -> None: ...
+
+
+class Reparsed:
+    """A request's parsed form under one reference (:attr:`parsed`), so that :func:`tokenize_held`
+    can drop it while the request waits for its bytes and make it again (:attr:`make`) once they
+    are held; :attr:`drop` is called as it is dropped (to drop what holds it besides)."""
+
+    __slots__ = ("drop", "make", "parsed")
+
+    def __init__(
+        self,
+        parsed: ParsedRequest,
+        make: Callable[[], ParsedRequest],
+        drop: Callable[[], None] | None = None,
+    ) -> None:
+        self.parsed: ParsedRequest | None = parsed
+        self.make = make
+        self.drop = drop
+
+    def take(self) -> ParsedRequest:
+        """The parsed form (made again if it was dropped)."""
+        parsed = self.parsed
+        return self.make() if parsed is None else parsed
+
+
+async def tokenize_held(
+    admission: TokenizingHold, pool: Pool, form: Reparsed, max_prompt_tokens: int
+) -> array[int]:
+    """:func:`tokenize_in_thread` of ``form``'s request, holding :func:`tokenizing_hold_bytes`
+    meanwhile (from the admission queue's tokenizing holds: at once, else waiting without its
+    parsed form, made again once the bytes are held), given back once the thread returns. A text the tokenizer
+    encodes in pieces first holds for pieces of :func:`piece_hold_chars`; if one of its pieces
+    would be longer (:class:`~balancer.tokenizer.cuts.LongPiece`, raised before the thread encoded
+    anything), it gives that back and holds the whole encode's estimate, queued again as any hold
+    (its turn comes once the holds taken before are given back: every such hold is a request in a
+    tokenizer thread, which waits for nothing here)."""
+    parsed = form.take()
+    max_piece_chars = piece_hold_chars(pool.tokenizer, parsed)
+    while True:
+        tokenizer_limits = pool.tokenizer.limits
+        hold_bytes = tokenizing_hold_bytes(parsed, max_piece_chars, tokenizer_limits.max_prompt_tokens)
+        if not admission.try_hold_tokenizing(hold_bytes):
+            del parsed  # not kept while it waits for its bytes: parsed again once they are held
+            form.parsed = None
+            if form.drop is not None:
+                form.drop()
+            await admission.hold_tokenizing(hold_bytes)
+            parsed = form.parsed = form.make()
+        try:
+            token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens, max_piece_chars)
+        except LongPiece:
+            admission.give_back_tokenizing()
+            max_piece_chars = None
+            continue
+        admission.give_back_tokenizing()
+        return token_ids
+
+
+def piece_hold_chars(tokenizer: Tokenizer, parsed: ParsedRequest) -> int | None:
+    """The longest piece a request's text may be encoded in, for what it holds
+    (:func:`tokenizing_hold_bytes`): :data:`PIECE_HOLD_FACTOR` times the tokenizer's
+    ``limits.piece_chars`` for a text prompt it encodes in pieces; ``None`` (the whole text) for
+    any other (a chat, a tokenizer :mod:`balancer.tokenizer.cuts` does not cover, a short text).
+    A few comparisons: no look at the text."""
+    if parsed.kind != "completions" or not isinstance(parsed.prompt, str):
+        return None
+    if not tokenizer.encodes_in_pieces(len(parsed.prompt)):
+        return None
+    return PIECE_HOLD_FACTOR * tokenizer.limits.piece_chars
+
+
+def tokenizing_hold_bytes(
+    parsed: ParsedRequest, max_piece_chars: int | None = None, max_prompt_tokens: int = 0
+) -> int:
     """What ``parsed`` holds of ``limits.max_inflight_body_bytes`` while it waits for a tokenizer
     thread and is tokenized in it (:func:`tokenize_in_thread`; one tokenized on the event loop holds
     nothing: no other request runs meanwhile): the estimate of its parsed form
@@ -274,13 +372,26 @@ def tokenizing_hold_bytes(parsed: ParsedRequest) -> int:
     (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`, already counted by the parse) when all of
     it is ASCII, else :data:`TOKENIZER_BYTES_PER_CHAR`. Whether it is ASCII is a flag of each ``str``
     (:func:`~balancer.api.parsing.json_text_ascii`: one look per string, made only for a request
-    that goes to a thread)."""
+    that goes to a thread).
+
+    With ``max_piece_chars`` (:func:`piece_hold_chars`: a text encoded in pieces of at most that
+    many characters, the thread stopping before a longer one), the tokenizer's work is one piece's
+    (the same rate a character, for at most ``max_piece_chars`` characters) plus the ids the
+    pieces accumulate, :data:`TOKEN_ID_LIST_BYTES` each: at most one a character of ASCII text,
+    :data:`MAX_TOKENS_PER_CHAR` of any other, and never more than ``max_prompt_tokens`` (the
+    tokenizer's own limit, past which it stops) plus one piece's."""
     if isinstance(parsed.prompt, str):
         ascii_only = parsed.prompt.isascii()
     else:
         ascii_only = json_text_ascii(parsed.messages) and json_text_ascii(parsed.chat_kwargs)
     per_char = TOKENIZER_BYTES_PER_ASCII_CHAR if ascii_only else TOKENIZER_BYTES_PER_CHAR
-    return parsed.parsed_bytes + per_char * parsed.text_chars
+    chars = parsed.text_chars
+    if max_piece_chars is None:
+        return parsed.parsed_bytes + per_char * chars
+    piece_chars = min(max_piece_chars, chars)
+    tokens_per_char = 1 if ascii_only else MAX_TOKENS_PER_CHAR
+    ids = min(tokens_per_char * chars, max_prompt_tokens + tokens_per_char * piece_chars)
+    return parsed.parsed_bytes + per_char * piece_chars + TOKEN_ID_LIST_BYTES * ids
 
 
 async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
@@ -327,10 +438,14 @@ def tokenize_inline(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -
     return None if token_ids is None else _checked(token_ids, max_prompt_tokens)
 
 
-async def tokenize_in_thread(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
+async def tokenize_in_thread(
+    pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int, max_piece_chars: int | None = None
+) -> array[int]:
     """:func:`tokenize_inline`'s ids, computed in a thread of the default executor. Cancelled, it
     still waits for the thread to end (once; a second cancellation ends the wait), so that what the
-    request holds for the tokenizer's work is given back only once that work is over."""
+    request holds for the tokenizer's work is given back only once that work is over.
+    ``max_piece_chars``: a text prompt's, as ``Tokenizer.encode_prompt`` takes it
+    (:class:`~balancer.tokenizer.cuts.LongPiece` passes through)."""
     tokenizer = pool.tokenizer
     call: Callable[[], Sequence[int]]
     if parsed.kind == "chat":
@@ -338,7 +453,7 @@ async def tokenize_in_thread(pool: Pool, parsed: ParsedRequest, max_prompt_token
         call = functools.partial(tokenizer.encode_chat, parsed.messages, **parsed.chat_kwargs)
     else:
         assert parsed.prompt is not None
-        call = functools.partial(tokenizer.encode_prompt, parsed.prompt)
+        call = functools.partial(tokenizer.encode_prompt, parsed.prompt, max_piece_chars=max_piece_chars)
     loop = asyncio.get_running_loop()
     work = loop.run_in_executor(None, contextvars.copy_context().run, call)  # as asyncio.to_thread
     try:

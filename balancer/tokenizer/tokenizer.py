@@ -29,7 +29,7 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.tokenizer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
-from balancer.tokenizer.cuts import PIECE_CHARS, cuts_apply, encode_pieces
+from balancer.tokenizer.cuts import PIECE_CHARS, LongPiece, cuts_apply, encode_pieces
 from balancer.tokenizer.segments import (
     AddedToken,
     SegmentCache,
@@ -130,8 +130,23 @@ class Tokenizer(Protocol):
         """False when only token-id prompts can be routed (no tokenizer configured)."""
         ...
 
-    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
-        """Ids of a ``/v1/completions`` prompt: text is tokenized, a list of ids is validated."""
+    def encode_prompt(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        add_special_tokens: bool = True,
+        max_piece_chars: int | None = None,
+    ) -> list[int]:
+        """Ids of a ``/v1/completions`` prompt: text is tokenized, a list of ids is validated.
+        ``max_piece_chars``: a text :meth:`encodes_in_pieces` raises
+        :class:`~balancer.tokenizer.cuts.LongPiece`, before anything is encoded, when one of its
+        pieces would be longer (the caller held memory for pieces of at most that many)."""
+        ...
+
+    def encodes_in_pieces(self, text_chars: int) -> bool:
+        """Whether :meth:`encode_prompt` encodes a text of ``text_chars`` characters in pieces of
+        ``limits.piece_chars`` or more (:mod:`balancer.tokenizer.cuts`), and so honours
+        ``max_piece_chars``. Pure, a few comparisons."""
         ...
 
     def render_chat(
@@ -206,12 +221,21 @@ class TokenIdTokenizer:
     def supports_text(self) -> bool:
         return False
 
-    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
+    def encode_prompt(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        add_special_tokens: bool = True,
+        max_piece_chars: int | None = None,
+    ) -> list[int]:
         if isinstance(prompt, str):
             raise TokenizeError(
                 "no tokenizer is configured: send the prompt as a list of token ids, or configure one"
             )
         return validate_token_ids(prompt, self.limits)
+
+    def encodes_in_pieces(self, text_chars: int) -> bool:
+        return False
 
     def render_chat(
         self,
@@ -390,11 +414,26 @@ class HfTokenizer:
         """Number of ids, added tokens included."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode_prompt(self, prompt: str | Sequence[int], *, add_special_tokens: bool = True) -> list[int]:
-        """Ids of a completion prompt. CPU-bound: run long prompts via ``asyncio.to_thread``."""
+    def encode_prompt(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        add_special_tokens: bool = True,
+        max_piece_chars: int | None = None,
+    ) -> list[int]:
+        """Ids of a completion prompt. CPU-bound: run long prompts via ``asyncio.to_thread``.
+        ``max_piece_chars``: as :meth:`Tokenizer.encode_prompt` says."""
         if not isinstance(prompt, str):
             return validate_token_ids(prompt, self.limits)
-        return self._encode(prompt, add_special_tokens)
+        return self._encode(prompt, add_special_tokens, max_piece_chars)
+
+    def encodes_in_pieces(self, text_chars: int, *, add_special_tokens: bool = True) -> bool:
+        """Whether a text of ``text_chars`` characters is encoded in pieces (``add_special_tokens``
+        as :meth:`encode_prompt`'s): over ``limits.piece_chars``, on a tokenizer
+        :mod:`~balancer.tokenizer.cuts` covers."""
+        return text_chars > self.limits.piece_chars and (
+            self._cuts_special if add_special_tokens else self._cuts
+        )
 
     def render_chat(
         self,
@@ -485,18 +524,20 @@ class HfTokenizer:
         """Text of ``token_ids`` (for tests, debugging and ``/admin`` views)."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    def _encode(self, text: str, add_special_tokens: bool, max_piece_chars: int | None = None) -> list[int]:
         self.limits.check_chars(text)
         ids: list[int] | None
         if self._splitter is not None and not add_special_tokens:
-            counted = _Counted(segments=True)
+            counted = _Counted(segments=True, max_piece_chars=max_piece_chars)
             encode = functools.partial(self._counted, add_special_tokens=False, counted=counted)
             with encode_errors(text):
                 ids = encode_segmented(text, self._splitter, self._segments, encode)
             assert ids is not None  # no character budget
         else:
             with encode_errors(text):
-                ids = self._counted(text, add_special_tokens, _Counted(segments=False))
+                ids = self._counted(
+                    text, add_special_tokens, _Counted(segments=False, max_piece_chars=max_piece_chars)
+                )
         self.limits.check_tokens(len(ids))
         return ids
 
@@ -509,7 +550,8 @@ class HfTokenizer:
         limit = self.limits.max_prompt_tokens
         piece_chars = self.limits.piece_chars
         if len(text) > piece_chars and (self._cuts_special if add_special_tokens else self._cuts):
-            pieces, count = encode_pieces(text, self._raw, limit - counted.tokens, piece_chars)
+            room = limit - counted.tokens
+            pieces, count = encode_pieces(text, self._raw, room, piece_chars, counted.max_piece_chars)
             if pieces is None:
                 raise PromptTooLarge(counted.tokens + count, limit, "tokens", at_least=True)
             ids = pieces
@@ -524,10 +566,13 @@ class HfTokenizer:
 class _Counted:
     """The tokens one :meth:`HfTokenizer._encode` has encoded so far."""
 
-    __slots__ = ("segments", "tokens")
+    __slots__ = ("max_piece_chars", "segments", "tokens")
 
-    def __init__(self, *, segments: bool) -> None:
+    def __init__(self, *, segments: bool, max_piece_chars: int | None = None) -> None:
         self.tokens = 0
+        self.max_piece_chars = max_piece_chars
+        """The longest piece the caller held memory for (:class:`~balancer.tokenizer.cuts.LongPiece`
+        past it); ``None``: any."""
         self.segments = segments
         """Whether the text comes as segments (between added tokens): the count of the segments
         encoded so far is then a lower bound of the text's, checked after each; else the one
@@ -580,7 +625,7 @@ def encode_errors(text: str | Sequence[str]) -> Iterator[None]:
     ``text`` may be given as its chunks, joined only when a failure is reported."""
     try:
         yield
-    except TokenizeError:
+    except (TokenizeError, LongPiece):
         raise
     except Exception as exc:
         whole = text if isinstance(text, str) else "".join(text)

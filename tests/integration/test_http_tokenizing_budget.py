@@ -1,7 +1,8 @@
 """The tokenizer's working memory in the byte budget (``limits.max_inflight_body_bytes``) over real
 sockets: a balancer and an emulated replica on 127.0.0.1, text prompts of a few hundred thousand
 characters tokenized in the tokenizer's threads. While one is tokenized it holds the estimate of its
-parsed form and of the tokenizer's work (:func:`~balancer.api.openai.tokenizing_hold_bytes`, in
+parsed form and of the tokenizer's work (:func:`~balancer.api.openai.tokenizing_hold_bytes`: for
+these texts, encoded in pieces, one piece's work and the ids' list; in
 ``kvlb_admission_tokenizing_bytes``); a second one waits for it (or gets 429 without a queue;
 RESOURCE_EXHAUSTED over gRPC); a chat tokenized on the event loop through the segment cache holds
 nothing; and every byte comes back after an answer, a 400 over ``limits.max_prompt_tokens`` and a
@@ -28,8 +29,15 @@ from kvlb_harness import (
 )
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.openai import INLINE_TOKENIZE_CHARS, TOKENIZER_BYTES_PER_ASCII_CHAR, tokenizing_hold_bytes
-from balancer.api.parsing import parse_request
+from balancer.api.openai import (
+    INLINE_TOKENIZE_CHARS,
+    PIECE_HOLD_FACTOR,
+    TOKEN_ID_LIST_BYTES,
+    TOKENIZER_BYTES_PER_ASCII_CHAR,
+    piece_hold_chars,
+    tokenizing_hold_bytes,
+)
+from balancer.api.parsing import ParsedRequest, parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
 
 TEXT_CHARS = 400_000
@@ -52,8 +60,17 @@ def forwarded(answer: Answer) -> bool:
     return "x-kvlb-replica" in answer.headers and b"exceeds 512" in answer.body
 
 
+def hold_of(parsed: ParsedRequest) -> int:
+    """What ``parsed`` holds while the balancer's tokenizer (the default one, with its own limits:
+    ``kvlb_harness`` hands it over as it is) encodes it in a thread: for these long texts, the
+    pieces' hold (:func:`~balancer.api.openai.piece_hold_chars`)."""
+    tokenizer = shared_deepseek()
+    pieces = piece_hold_chars(tokenizer, parsed)
+    return tokenizing_hold_bytes(parsed, pieces, tokenizer.limits.max_prompt_tokens)
+
+
 BODY = len(text_body(0))
-HOLD = tokenizing_hold_bytes(parse_request(text_body(0), "completions"))
+HOLD = hold_of(parse_request(text_body(0), "completions"))
 LIMITS = {
     "limits__max_body_bytes": 4 * BODY,
     # two bodies and one prompt's hold, not two
@@ -69,7 +86,12 @@ def tokenizer() -> Tokenizer:
 
 def test_the_hold_is_mostly_the_tokenizer_s_work() -> None:
     parsed = parse_request(text_body(0), "completions")
-    assert HOLD - parsed.parsed_bytes == TOKENIZER_BYTES_PER_ASCII_CHAR * TEXT_CHARS
+    piece = PIECE_HOLD_FACTOR * shared_deepseek().limits.piece_chars
+    # encoded in pieces: one piece's work and the ids' list (fewer ids than characters: ASCII)
+    assert (
+        HOLD - parsed.parsed_bytes
+        == TOKENIZER_BYTES_PER_ASCII_CHAR * piece + TOKEN_ID_LIST_BYTES * TEXT_CHARS
+    )
     assert HOLD > 100 * BODY
 
 
@@ -112,7 +134,7 @@ async def test_without_a_queue_a_second_text_gets_429_a_cached_chat_goes_and_eve
     long_body = text_body(3, 4 * TEXT_CHARS)  # about a second in the thread: the chats come meanwhile
     system = text(9, 3 * INLINE_TOKENIZE_CHARS)
     chat_hold = tokenizing_hold_bytes(parse_request(chat_body(system, "second question"), "chat"))
-    long_hold = tokenizing_hold_bytes(parse_request(long_body, "completions"))
+    long_hold = hold_of(parse_request(long_body, "completions"))
     limits = dict(
         LIMITS,
         limits__max_body_bytes=len(long_body),
@@ -148,7 +170,7 @@ async def test_a_client_gone_while_its_prompt_is_tokenized_holds_until_the_threa
     tokenizer: Tokenizer,
 ) -> None:
     chars = 4 * TEXT_CHARS  # about a second in the thread
-    hold = tokenizing_hold_bytes(parse_request(text_body(5, chars), "completions"))
+    hold = hold_of(parse_request(text_body(5, chars), "completions"))
     async with running(
         tokenizer, 1, **dict(LIMITS, limits__max_body_bytes=4 * len(text_body(5, chars)))
     ) as h:
@@ -178,7 +200,8 @@ async def test_a_grpc_text_holds_its_tokenizer_estimate_and_a_second_gets_resour
         first = asyncio.create_task(generate(1))
         await wait_for("the first prompt to be tokenized", lambda: tokenizing(h), timeout_s=10.0)
         held = await metric(h, "kvlb_admission_tokenizing_bytes")
-        assert TOKENIZER_BYTES_PER_ASCII_CHAR * TEXT_CHARS < held <= HOLD + 1024
+        parsed = parse_request(text_body(1), "completions")
+        assert HOLD - parsed.parsed_bytes < held <= HOLD + 1024
         second = await generate(2)
         assert second.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, second.details()
         assert "max_inflight_body_bytes" in (second.details() or "")

@@ -51,11 +51,13 @@ from balancer.api.grpc.messages import (
 )
 from balancer.api.openai import (
     SSE_CONTENT_TYPE,
+    Reparsed,
     find_pool,
+    tokenize_held,
     tokenize_in_thread,
     tokenize_inline,
-    tokenizing_hold_bytes,
 )
+from balancer.api.parsing import ParsedRequest
 from balancer.errors import ConfigError, UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES
 from balancer.routing.router import Lease
@@ -167,15 +169,19 @@ async def prepare(
     token_ids = tokenize_inline(pool, parsed, max_prompt_tokens)
     if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
         if admission is not None:
-            hold_bytes = tokenizing_hold_bytes(parsed)
-            if not admission.try_hold_tokenizing(hold_bytes):
-                del openai, parsed  # not kept while it waits for its bytes: made again once they are held
-                await admission.hold_tokenizing(hold_bytes)
-                openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
-                parsed = openai.parsed
-        token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens)
-        if admission is not None:
-            admission.give_back_tokenizing()
+            made = [openai]
+
+            def make() -> ParsedRequest:
+                made.append(openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw))
+                return made[-1].parsed
+
+            form = Reparsed(parsed, make, made.clear)
+            del openai, parsed  # only ``made`` and ``form`` hold them: dropped while it waits for its bytes
+            token_ids = await tokenize_held(admission, pool, form, max_prompt_tokens)
+            openai = made[-1]
+            parsed = openai.parsed
+        else:
+            token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens)
     return Forward(
         pool,
         token_ids,
