@@ -255,7 +255,13 @@ def _join(base: list[str], args: list[ast.expr]) -> list[str] | None:
 
 
 def python_findings(relpath: str, source: str) -> list[Finding]:
-    """Rule 5 on one module: every expression derived from ``__file__`` must stay inside the root."""
+    """Rule 5 on one module: every expression derived from ``__file__`` must stay inside the root.
+
+    A module that never names ``__file__`` derives nothing from it (:func:`_locate` starts only at
+    that name), so it has no finding and is not parsed: 39 of 504 modules name it (2026-11-30), and
+    parsing and walking the rest took most of this rule's 6-14 s."""
+    if "__file__" not in source:
+        return []
     tree = ast.parse(source, filename=relpath)
     here = list(Path(relpath).parts)
     env: dict[str, list[str]] = {}
