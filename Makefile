@@ -72,8 +72,8 @@ faults: $(STAMP) proto redis
 	rm -rf $(FAULTS_OUT)
 	KVLBTEST_RESULTS=$(FAULTS_OUT) KVLBTEST_FUZZ_PAYLOADS=100000 KVLBTEST_SCHEMATHESIS_EXAMPLES=200 \
 		KVLBTEST_GRPC_FUZZ_CALLS=3000 KVLBTEST_TEXT_FUZZ_EXAMPLES=1000 \
-		$(PY) -m pytest -q -p no:cacheprovider tests/fuzz; fuzz=$$?; \
-	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PY) -m pytest -q -p no:cacheprovider -m faults_long tests/faults; \
+		$(PYTEST) -q -p no:cacheprovider tests/fuzz; fuzz=$$?; \
+	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PYTEST) -q -p no:cacheprovider -m faults_long tests/faults; \
 	faults=$$?; $(PY) tests/faults/report.py $(FAULTS_OUT) docs/reliability.md; \
 	exit $$(( fuzz || faults ))
 
