@@ -40,6 +40,7 @@ runs and Python versions; the tokenizer's by a few percent between runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import json
 import random
@@ -438,19 +439,48 @@ def refusal(argv: Sequence[str] = ()) -> None:
 PARTS: dict[str, Callable[[], None]] = {"bodies": bodies, "ids": ids, "events": events, "index": index}
 
 
-def main(argv: Sequence[str]) -> None:
-    if argv[:1] == ["tokenizer"]:
-        tokenizer(argv[1:])
-        return
+USAGE = (
+    "usage: python -m loadtests.memory_figures [bodies|ids|events|index ...]\n"
+    "       python -m loadtests.memory_figures tokenizer|refusal [MILLIONS_OF_CHARS ...]\n"
+    "       python -m loadtests.memory_figures tokenizer-one text|chat SHAPE CHARS [MAX_PROMPT_TOKENS]"
+)
+
+
+def main(argv: Sequence[str]) -> int:
+    """Runs the parts ``argv`` names (the default parts when it names none); 2 with the usage on
+    stderr for arguments it does not take."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    try:
+        run = _parsed(argv)
+    except ValueError as exc:
+        print(f"memory_figures: {exc}\n{USAGE}", file=sys.stderr)
+        return 2
+    run()
+    return 0
+
+
+def _parsed(argv: Sequence[str]) -> Callable[[], None]:
+    """What ``argv`` asks for, checked before anything runs (ValueError: what is wrong)."""
+    if argv[:1] in (["tokenizer"], ["refusal"]):
+        for arg in argv[1:]:
+            float(arg)
+        return functools.partial(tokenizer if argv[0] == "tokenizer" else refusal, argv[1:])
     if argv[:1] == ["tokenizer-one"]:
-        tokenizer_one(argv[1], argv[2], int(argv[3]), *map(int, argv[4:5]))
-        return
-    if argv[:1] == ["refusal"]:
-        refusal(argv[1:])
-        return
-    for name in argv or list(PARTS):
+        if len(argv) not in (4, 5) or argv[1] not in TOKENIZER_PATHS or argv[2] not in TEXT_SHAPES:
+            raise ValueError(f"tokenizer-one takes a path of {TOKENIZER_PATHS} and a shape of {TEXT_SHAPES}")
+        return functools.partial(tokenizer_one, argv[1], argv[2], int(argv[3]), *map(int, argv[4:5]))
+    unknown = [name for name in argv if name not in PARTS]
+    if unknown:
+        raise ValueError(f"unknown part {unknown[0]!r}")
+    return functools.partial(_run_parts, list(argv) or list(PARTS))
+
+
+def _run_parts(names: Sequence[str]) -> None:
+    for name in names:
         PARTS[name]()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))
