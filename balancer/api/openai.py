@@ -379,19 +379,22 @@ def tokenizing_hold_bytes(
     (the same rate a character, for at most ``max_piece_chars`` characters) plus the ids the
     pieces accumulate, :data:`TOKEN_ID_LIST_BYTES` each: at most one a character of ASCII text,
     :data:`MAX_TOKENS_PER_CHAR` of any other, and never more than ``max_prompt_tokens`` (the
-    tokenizer's own limit, past which it stops) plus one piece's."""
+    tokenizer's own limit, past which it stops) plus one piece's; or the whole encode's estimate
+    when that is smaller (a text of a piece or two: the pieces' encodes make a part of what the
+    whole encode makes, the same ids list included)."""
     if isinstance(parsed.prompt, str):
         ascii_only = parsed.prompt.isascii()
     else:
         ascii_only = json_text_ascii(parsed.messages) and json_text_ascii(parsed.chat_kwargs)
     per_char = TOKENIZER_BYTES_PER_ASCII_CHAR if ascii_only else TOKENIZER_BYTES_PER_CHAR
     chars = parsed.text_chars
+    whole = parsed.parsed_bytes + per_char * chars
     if max_piece_chars is None:
-        return parsed.parsed_bytes + per_char * chars
+        return whole
     piece_chars = min(max_piece_chars, chars)
     tokens_per_char = 1 if ascii_only else MAX_TOKENS_PER_CHAR
     ids = min(tokens_per_char * chars, max_prompt_tokens + tokens_per_char * piece_chars)
-    return parsed.parsed_bytes + per_char * piece_chars + TOKEN_ID_LIST_BYTES * ids
+    return min(whole, parsed.parsed_bytes + per_char * piece_chars + TOKEN_ID_LIST_BYTES * ids)
 
 
 async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
