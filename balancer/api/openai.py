@@ -10,7 +10,7 @@ body without a declared length holds its bytes chunk by chunk as it is read), pa
 (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
 with the pool's tokenizer (long prompts in a thread, the request holding the estimated bytes of its
 parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`, one piece's work
-for a text the tokenizer encodes in pieces, :func:`tokenize_held`; the ids' bytes are then held
+for a text or chat the tokenizer encodes in pieces, :func:`tokenize_held`; the ids' bytes are then held
 instead), a wait in the
 same queue while every replica is full, then :func:`balancer.service.dispatch.dispatch` (route →
 open → retry → release) with :func:`relay` as its delivery. The slot and every byte held are given
@@ -92,6 +92,22 @@ int (32 B with the allocator's rounding; 39.8 B an id of the list in all, ``pyth
 loadtests.memory_figures ids``), its slot (8 B, up to 2.125 times while the list grows by
 ``+=``: over-allocation and the old array during a ``realloc``), and the ``array('I')`` made of it
 before the list is dropped (4 B)."""
+CHAT_TOKEN_ID_BYTES = TOKEN_ID_LIST_BYTES + 34
+"""The same for a chat encoded in pieces: its ids come segment by segment through the tokenizer's
+segment cache, which makes of a segment's list a tuple of shared ints (8 B an id) through
+``itemgetter(*ids)``, whose argument tuple is another 8 B an id while the list lives, and appends
+them to the chat's list (8 B a slot, up to 2.125 times while it grows): 56 + 8 + 8 + 17 = 89, as 90."""
+RENDER_BYTES_PER_CHAR = 16
+"""What rendering a chat costs in a thread encoding it in pieces, in bytes per character of its
+text (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`) when it is not all ASCII: the
+template's output chunks, the rendered string they are joined into and its segments between added
+tokens, about three copies of the text at its ``str`` width (4 B a character at most). Measured
+with ``tracemalloc`` on the default template (one message, and nine with two system prompts and
+content parts): 12.0 B a character for emoji, 6.0 for CJK, 6.0–7.1 for latin-1, 70,000 to 1 M
+characters; 16 is four copies at 4 B. Kept beside one piece's work: the rendered text and its
+segments live while the pieces are encoded."""
+RENDER_BYTES_PER_ASCII_CHAR = 8
+"""The same for a chat that is all ASCII (1 B a character a copy): 5.0 B a character measured."""
 MAX_TOKENS_PER_CHAR = 4
 """Most tokens a character of a text that is not all ASCII may give (its UTF-8 bytes: a byte-level
 BPE's token covers at least one byte, the other models' at least one character); an ASCII character
@@ -351,12 +367,17 @@ async def tokenize_held(
 def piece_hold_chars(tokenizer: Tokenizer, parsed: ParsedRequest) -> int | None:
     """The longest piece a request's text may be encoded in, for what it holds
     (:func:`tokenizing_hold_bytes`): :data:`PIECE_HOLD_FACTOR` times the tokenizer's
-    ``limits.piece_chars`` for a text prompt it encodes in pieces; ``None`` (the whole text) for
-    any other (a chat, a tokenizer :mod:`balancer.tokenizer.cuts` does not cover, a short text).
-    A few comparisons: no look at the text."""
-    if parsed.kind != "completions" or not isinstance(parsed.prompt, str):
-        return None
-    if not tokenizer.encodes_in_pieces(len(parsed.prompt)):
+    ``limits.piece_chars`` for a text prompt it encodes in pieces, and for a chat whose text
+    (:attr:`~balancer.api.parsing.ParsedRequest.text_chars`) is longer than that on a tokenizer that
+    encodes a rendered chat's long segments in pieces (the thread renders it and stops, before
+    encoding, at a segment's piece longer than that or a rendered chat longer than its
+    ``text_chars``: :meth:`~balancer.tokenizer.tokenizer.Tokenizer.encode_chat_in_pieces`);
+    ``None`` (the whole text) for any other (a tokenizer :mod:`balancer.tokenizer.cuts` does not
+    cover, a short text, token ids). A few comparisons: no look at the text, no rendering."""
+    if parsed.kind == "chat":
+        if not tokenizer.encodes_in_pieces(parsed.text_chars, add_special_tokens=False):
+            return None
+    elif not isinstance(parsed.prompt, str) or not tokenizer.encodes_in_pieces(len(parsed.prompt)):
         return None
     return PIECE_HOLD_FACTOR * tokenizer.limits.piece_chars
 
@@ -381,7 +402,10 @@ def tokenizing_hold_bytes(
     :data:`MAX_TOKENS_PER_CHAR` of any other, and never more than ``max_prompt_tokens`` (the
     tokenizer's own limit, past which it stops) plus one piece's; or the whole encode's estimate
     when that is smaller (a text of a piece or two: the pieces' encodes make a part of what the
-    whole encode makes, the same ids list included)."""
+    whole encode makes, the same ids list included). A chat encoded in pieces holds, besides, its
+    rendering (:data:`RENDER_BYTES_PER_ASCII_CHAR` / :data:`RENDER_BYTES_PER_CHAR` a character, the
+    rendered text being at most ``text_chars``: the thread checks) and its ids at
+    :data:`CHAT_TOKEN_ID_BYTES`."""
     if isinstance(parsed.prompt, str):
         ascii_only = parsed.prompt.isascii()
     else:
@@ -394,7 +418,12 @@ def tokenizing_hold_bytes(
     piece_chars = min(max_piece_chars, chars)
     tokens_per_char = 1 if ascii_only else MAX_TOKENS_PER_CHAR
     ids = min(tokens_per_char * chars, max_prompt_tokens + tokens_per_char * piece_chars)
-    return min(whole, parsed.parsed_bytes + per_char * piece_chars + TOKEN_ID_LIST_BYTES * ids)
+    if parsed.kind == "chat":
+        render = (RENDER_BYTES_PER_ASCII_CHAR if ascii_only else RENDER_BYTES_PER_CHAR) * chars
+        work = render + per_char * piece_chars + CHAT_TOKEN_ID_BYTES * ids
+    else:
+        work = per_char * piece_chars + TOKEN_ID_LIST_BYTES * ids
+    return min(whole, parsed.parsed_bytes + work)
 
 
 async def tokenize(pool: Pool, parsed: ParsedRequest, max_prompt_tokens: int) -> array[int]:
@@ -447,13 +476,23 @@ async def tokenize_in_thread(
     """:func:`tokenize_inline`'s ids, computed in a thread of the default executor. Cancelled, it
     still waits for the thread to end (once; a second cancellation ends the wait), so that what the
     request holds for the tokenizer's work is given back only once that work is over.
-    ``max_piece_chars``: a text prompt's, as ``Tokenizer.encode_prompt`` takes it
+    ``max_piece_chars``: as ``Tokenizer.encode_prompt`` takes it for a text prompt, as
+    ``Tokenizer.encode_chat_in_pieces`` for a chat (its rendered text at most ``text_chars``)
     (:class:`~balancer.tokenizer.cuts.LongPiece` passes through)."""
     tokenizer = pool.tokenizer
     call: Callable[[], Sequence[int]]
     if parsed.kind == "chat":
         assert parsed.messages is not None
-        call = functools.partial(tokenizer.encode_chat, parsed.messages, **parsed.chat_kwargs)
+        if max_piece_chars is None:
+            call = functools.partial(tokenizer.encode_chat, parsed.messages, **parsed.chat_kwargs)
+        else:
+            call = functools.partial(
+                tokenizer.encode_chat_in_pieces,
+                parsed.messages,
+                parsed.chat_kwargs,
+                max_piece_chars,
+                parsed.text_chars,
+            )
     else:
         assert parsed.prompt is not None
         call = functools.partial(tokenizer.encode_prompt, parsed.prompt, max_piece_chars=max_piece_chars)

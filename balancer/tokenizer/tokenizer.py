@@ -64,6 +64,18 @@ class PromptTooLarge(TokenizeError):
         self.at_least = at_least
 
 
+class LongRender(LongPiece):
+    """A rendered chat longer than the caller held memory for
+    (:meth:`HfTokenizer.encode_chat_in_pieces`), raised before it is encoded; the caller then
+    holds the whole encode's estimate, as for a :class:`~balancer.tokenizer.cuts.LongPiece`."""
+
+    def __init__(self, rendered_chars: int, max_chars: int) -> None:
+        Exception.__init__(self, f"the rendered chat has {rendered_chars} characters, over {max_chars}")
+        self.start = 0
+        self.max_chars = max_chars
+        self.rendered_chars = rendered_chars
+
+
 class ChatTemplateError(TokenizeError):
     """The chat template refused the messages (``raise_exception``) or failed on them."""
 
@@ -143,10 +155,11 @@ class Tokenizer(Protocol):
         pieces would be longer (the caller held memory for pieces of at most that many)."""
         ...
 
-    def encodes_in_pieces(self, text_chars: int) -> bool:
+    def encodes_in_pieces(self, text_chars: int, *, add_special_tokens: bool = True) -> bool:
         """Whether :meth:`encode_prompt` encodes a text of ``text_chars`` characters in pieces of
         ``limits.piece_chars`` or more (:mod:`balancer.tokenizer.cuts`), and so honours
-        ``max_piece_chars``. Pure, a few comparisons."""
+        ``max_piece_chars``; with ``add_special_tokens=False``, whether a rendered chat's segments
+        that long are (:meth:`encode_chat_in_pieces`). Pure, a few comparisons."""
         ...
 
     def render_chat(
@@ -169,6 +182,20 @@ class Tokenizer(Protocol):
         **template_kwargs: Any,
     ) -> list[int]:
         """Ids of the rendered chat, as the engine will prefill them."""
+        ...
+
+    def encode_chat_in_pieces(
+        self,
+        messages: Messages,
+        chat_kwargs: Mapping[str, Any],
+        max_piece_chars: int,
+        max_rendered_chars: int,
+    ) -> list[int]:
+        """:meth:`encode_chat` (``chat_kwargs``: its keyword arguments) for a caller that held memory
+        for pieces of at most ``max_piece_chars`` characters and a rendered chat of at most
+        ``max_rendered_chars``: :class:`~balancer.tokenizer.cuts.LongPiece` before anything is
+        encoded when the rendered chat is longer, or when one of a segment's pieces would be (a
+        segment encoded whole is at most ``limits.piece_chars``)."""
         ...
 
     def encode_chat_if_cached(
@@ -234,7 +261,7 @@ class TokenIdTokenizer:
             )
         return validate_token_ids(prompt, self.limits)
 
-    def encodes_in_pieces(self, text_chars: int) -> bool:
+    def encodes_in_pieces(self, text_chars: int, *, add_special_tokens: bool = True) -> bool:
         return False
 
     def render_chat(
@@ -254,6 +281,15 @@ class TokenIdTokenizer:
         add_generation_prompt: bool = True,
         tools: Tools | None = None,
         **template_kwargs: Any,
+    ) -> list[int]:
+        raise TokenizeError(_NO_CHAT)
+
+    def encode_chat_in_pieces(
+        self,
+        messages: Messages,
+        chat_kwargs: Mapping[str, Any],
+        max_piece_chars: int,
+        max_rendered_chars: int,
     ) -> list[int]:
         raise TokenizeError(_NO_CHAT)
 
@@ -489,6 +525,24 @@ class HfTokenizer:
             messages, add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs
         )
         return self._encode(text, add_special_tokens=False)
+
+    def encode_chat_in_pieces(
+        self,
+        messages: Messages,
+        chat_kwargs: Mapping[str, Any],
+        max_piece_chars: int,
+        max_rendered_chars: int,
+    ) -> list[int]:
+        """:meth:`Tokenizer.encode_chat_in_pieces`: the chat rendered, then, when it is at most
+        ``max_rendered_chars`` long (else :class:`LongRender`), encoded as :meth:`encode_chat` does
+        (by segment between added tokens, a segment over ``limits.piece_chars`` in pieces when
+        :mod:`~balancer.tokenizer.cuts` covers this tokenizer) with ``max_piece_chars``: a segment
+        whose pieces would be longer raises :class:`~balancer.tokenizer.cuts.LongPiece` before it
+        is encoded (the segments before it were, within the caller's hold)."""
+        text = self.render_chat(messages, **chat_kwargs)
+        if len(text) > max_rendered_chars:
+            raise LongRender(len(text), max_rendered_chars)
+        return self._encode(text, add_special_tokens=False, max_piece_chars=max_piece_chars)
 
     def encode_chat_if_cached(
         self, messages: Messages, chat_kwargs: Mapping[str, Any], max_new_chars: int
