@@ -17,15 +17,16 @@
 * ``tokenizer``: the working memory of the default tokenizer's encode, as kvlb runs it in a thread
   (a text completion's :meth:`~balancer.tokenizer.tokenizer.HfTokenizer.encode_prompt`, a one-message
   chat's :meth:`~balancer.tokenizer.tokenizer.HfTokenizer.encode_chat_in_pieces` when kvlb gives
-  it the pieces' hold, else ``encode_chat``: the template rendered, then encoded), on six shapes of text (:data:`TEXT_SHAPES`) of 4,500 to 6 M characters: the rise of the
-  peak RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` once the text is made) per
+  it the pieces' hold, else ``encode_chat``: the template rendered, then encoded), on six shapes
+  of text (:data:`TEXT_SHAPES`) of 4,500 to 6 M characters: the rise of the peak RSS (``VmHWM``,
+  reset through ``/proc/self/clear_refs`` once the text is made) per
   character, each in a fresh process (``tracemalloc`` does not see the tokenizer's Rust
   allocations). Sizes over the tokenizer's ``max_prompt_chars`` (4 M) are refused by kvlb before
   any encoding; they are measured with that cap lifted, to show the trend. Each line also gives
   what kvlb holds for the tokenizer's work on that text (:func:`~balancer.api.openai.tokenizing_hold_bytes`
-  less the parsed form's part, which was made before the measure; ``*``: a text prompt with no safe
-  cut for two pieces' length, text or chat, which holds the whole encode's estimate after the pieces' was refused,
-  as kvlb's thread does) and the rise over it, which must stay under 1. Not part of the default
+  less the parsed form's part, which was made before the measure; ``*``: a text prompt or chat with
+  no safe cut for two pieces' length, which holds the whole encode's estimate after the pieces'
+  was refused, as kvlb's thread does) and the rise over it, which must stay under 1. Not part of the default
   run (it takes minutes): ``python -m loadtests.memory_figures tokenizer``.
 
 * ``refusal``: the same measure for 4 M characters of ASCII words and of random latin-1 bytes,

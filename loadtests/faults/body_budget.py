@@ -25,7 +25,9 @@ their bytes, sent to ``/v1/chat/completions`` and tokenized in kvlb's threads: `
 (one-letter messages, about 8.7× the body parsed) and ``content_parts`` (one message of two-letter
 text parts, about 9×); or ``long_text``, text completions of ASCII words (about 170,000 tokens a
 MiB), each tokenized whole in a thread (the tokenizer's working memory: about 100 B a character
-for such text, ``python -m loadtests.memory_figures tokenizer``). Their answers are the emulated
+for such text, ``python -m loadtests.memory_figures tokenizer``); or ``long_chat``, chats of a
+short system message and a user message of as many such words (a RAG context, in lines of 60
+words). Their answers are the emulated
 replica's (it has no tokenizer here, so what it says of a prompt does not matter: kvlb has parsed,
 tokenized and routed it by then). ``--no-off``
 runs the small budget only (``--pairs`` × 2 runs), to set the same runs of two trees side by side.
@@ -76,9 +78,11 @@ def proc_status_mb(pid: int, field: str) -> float:
     raise KeyError(field)
 
 
-SHAPES = ("pad", "tiny_messages", "content_parts", "long_text")
-"""The bodies ``--shape`` may send: a padded completion, a chat whose parsed form is large, or a long
-text prompt."""
+SHAPES = ("pad", "tiny_messages", "content_parts", "long_text", "long_chat")
+"""The bodies ``--shape`` may send: a padded completion, a chat whose parsed form is large, a long
+text prompt, or a long chat (a RAG context)."""
+CHAT_SHAPES = ("tiny_messages", "content_parts", "long_chat")
+"""Those sent to ``/v1/chat/completions``."""
 TOKENIZING_METRICS = ("kvlb_admission_tokenizing_bytes", "kvlb_admission_parsed_bytes")
 """The gauge of what requests tokenized in a thread hold, by its name now and before it covered the
 tokenizer's work (to run this script against trees of either)."""
@@ -90,6 +94,27 @@ def text_body(index: int, size: int) -> bytes:
     head = json.dumps({"model": MODEL, "prompt": f"request {index} ", "max_tokens": 1}).encode()
     words = " ".join(TEXT_WORDS[(i + index) % len(TEXT_WORDS)] for i in range((size - len(head)) // 6))
     return json.dumps({"model": MODEL, "prompt": f"request {index} {words}", "max_tokens": 1}).encode()
+
+
+def long_chat_body(index: int, size: int) -> bytes:
+    """A chat request of at most ``size`` bytes: a short system message and a user message holding
+    a context of ASCII words (as :func:`text_body`'s, a line of them every 60 words) and a
+    question."""
+    head = {"model": MODEL, "max_tokens": 1}
+    system = {"role": "system", "content": "Answer from the context the user gives."}
+
+    def made(context: str) -> bytes:
+        user = {
+            "role": "user",
+            "content": f"request {index}. Context:\n{context}\nQuestion: which word is first?",
+        }
+        return json.dumps({**head, "messages": [system, user]}).encode()
+
+    room = size - len(made(""))
+    # 60 words of 5 letters: 359 characters and a newline, 361 bytes as JSON ("\\n")
+    words = [TEXT_WORDS[(i + index) % len(TEXT_WORDS)] for i in range(room * 60 // 361)]
+    lines = [" ".join(words[at : at + 60]) for at in range(0, len(words), 60)]
+    return made("\n".join(lines))
 
 
 def chat_body(index: int, size: int, shape: str) -> bytes:
@@ -191,12 +216,12 @@ async def one_run(
                     if shape == "pad"
                     else text_body(i, body_bytes)
                     if shape == "long_text"
+                    else long_chat_body(i, body_bytes)
+                    if shape == "long_chat"
                     else chat_body(i, body_bytes, shape)
                     for i in range(bodies)
                 ]
-            path = (
-                "/v1/chat/completions" if shape in ("tiny_messages", "content_parts") else "/v1/completions"
-            )
+            path = "/v1/chat/completions" if shape in CHAT_SHAPES else "/v1/completions"
             peak_held = peak_parsed = 0.0
             done = asyncio.Event()
 
