@@ -26,7 +26,7 @@ from kvlb_harness import (
 )
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.openai import tokenizing_hold_bytes
+from balancer.api.openai import piece_hold_chars, tokenizing_hold_bytes
 from balancer.api.parsing import parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
 
@@ -48,7 +48,12 @@ def tiny_chat(salt: int, count: int = MESSAGES, content: str = "a") -> bytes:
 
 
 BODY = len(tiny_chat(0))
-PARSED = tokenizing_hold_bytes(parse_request(tiny_chat(0), "chat"))
+_TINY = parse_request(tiny_chat(0), "chat")
+PARSED = tokenizing_hold_bytes(
+    _TINY, piece_hold_chars(shared_deepseek(), _TINY), shared_deepseek().limits.max_prompt_tokens
+)
+"""What such a chat holds while it waits for and runs in a thread: its parsed estimate and the
+tokenizer's work, the pieces' estimate since h-chathold (its text is over ``piece_chars``)."""
 LIMITS = {
     "limits__max_body_bytes": BODY + 1024,
     # two bodies and one parsed chat, not two parsed chats
