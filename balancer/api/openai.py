@@ -336,10 +336,11 @@ async def tokenize_held(
 ) -> array[int]:
     """:func:`tokenize_in_thread` of ``form``'s request, holding :func:`tokenizing_hold_bytes`
     meanwhile (from the admission queue's tokenizing holds: at once, else waiting without its
-    parsed form, made again once the bytes are held), given back once the thread returns. A text the tokenizer
-    encodes in pieces first holds for pieces of :func:`piece_hold_chars`; if one of its pieces
-    would be longer (:class:`~balancer.tokenizer.cuts.LongPiece`, raised before the thread encoded
-    anything), it gives that back and holds the whole encode's estimate, queued again as any hold
+    parsed form, made again once the bytes are held), given back once the thread returns. A text
+    or chat the tokenizer encodes in pieces first holds for pieces of :func:`piece_hold_chars`; if
+    one of its pieces would be longer (:class:`~balancer.tokenizer.cuts.LongPiece`, raised before
+    the thread encoded that text or segment; for a chat also a rendered text longer than its
+    ``text_chars``), it gives that back and holds the whole encode's estimate, queued again as any hold
     (its turn comes once the holds taken before are given back: every such hold is a request in a
     tokenizer thread, which waits for nothing here)."""
     parsed = form.take()

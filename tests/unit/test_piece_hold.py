@@ -205,7 +205,7 @@ def test_the_pieces_hold_is_one_piece_s_work_and_the_ids_list() -> None:
     assert tokenizing_hold_bytes(short, piece, 10**9) == tokenizing_hold_bytes(short) < pieces
 
 
-def test_only_a_long_text_prompt_on_a_tokenizer_the_proof_covers_gets_the_pieces_hold() -> None:
+def test_only_a_long_text_prompt_or_chat_on_a_tokenizer_the_proof_covers_gets_the_pieces_hold() -> None:
     tok = deepseek()
     tok.limits = TokenizeLimits()
     long_text = "alpha river " * 10_000
