@@ -7,7 +7,9 @@ pieces' estimate (:func:`~balancer.api.openai.tokenizing_hold_bytes` with
 that the whole encode's hold let through one at a time (the rest waited, here without a queue: 429)
 is now held all at once and served, and every byte comes back. A text with no safe cut for two
 pieces' length stops its thread before anything is encoded and then holds the whole encode's
-estimate, as before."""
+estimate, as before. Long chats (a RAG context) alike: a chat holds the pieces' estimate with its
+rendering, and one with a message without a safe cut for two pieces' length stops its thread before
+that message is encoded."""
 
 from __future__ import annotations
 
@@ -27,9 +29,11 @@ from balancer.api.parsing import ParsedRequest, parse_request
 from balancer.tokenizer.tokenizer import Tokenizer
 
 WORDS = ("alpha", "river", "stone", "cloud", "green", "seven", "quiet", "table")
-BURST = 6
 TEXT_CHARS = 1_000_000
-"""Characters of each prompt of the burst (about 164,000 tokens, 0.3-0.5 s of a thread each)."""
+"""Characters of each prompt or chat context of a burst (about 164,000 tokens, 0.3-0.5 s of a thread
+each)."""
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+BURSTS = {"completions": 6, "chat": 4}
 
 
 def words(salt: int, chars: int) -> str:
@@ -38,8 +42,29 @@ def words(salt: int, chars: int) -> str:
     )
 
 
+def context(salt: int, chars: int) -> str:
+    """ASCII words, a line of them every 60 words (a chat's RAG context)."""
+    made = [WORDS[(i * 7 + salt) % len(WORDS)] for i in range(chars // 6 + 1)]
+    return "\n".join(" ".join(made[at : at + 60]) for at in range(0, len(made), 60))[:chars]
+
+
 def body(prompt: str) -> bytes:
     return json.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 1}).encode()
+
+
+def chat_body(text: str, salt: int = 0) -> bytes:
+    messages = [
+        {"role": "system", "content": f"Answer from the context ({salt})."},
+        {"role": "user", "content": f"Context:\n{text}\nQuestion: which word comes first?"},
+    ]
+    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 1}).encode()
+
+
+def long_body(kind: str, salt: int) -> bytes:
+    """A burst's body: a text prompt of ASCII words, or a chat with a context of lines of them."""
+    if kind == "chat":
+        return chat_body(context(salt, TEXT_CHARS), salt)
+    return body(words(salt, TEXT_CHARS))
 
 
 def forwarded(answer: Answer) -> bool:
@@ -48,8 +73,8 @@ def forwarded(answer: Answer) -> bool:
     return "x-kvlb-replica" in answer.headers and b"exceeds 512" in answer.body
 
 
-def parsed(data: bytes) -> ParsedRequest:
-    return parse_request(data, "completions")
+def parsed(data: bytes, kind: str = "completions") -> ParsedRequest:
+    return parse_request(data, "chat" if kind == "chat" else "completions")
 
 
 def pieces_hold(request: ParsedRequest) -> int:
@@ -64,13 +89,16 @@ def tokenizer() -> Tokenizer:
     return shared_deepseek()
 
 
-async def test_a_burst_of_long_ascii_prompts_is_held_at_once_and_served(tokenizer: Tokenizer) -> None:
-    bodies = [body(words(salt, TEXT_CHARS)) for salt in range(BURST)]
+@pytest.mark.parametrize("kind", sorted(PATHS))
+async def test_a_burst_of_long_ascii_prompts_or_chats_is_held_at_once_and_served(
+    kind: str, tokenizer: Tokenizer
+) -> None:
+    bodies = [long_body(kind, salt) for salt in range(BURSTS[kind])]
     largest = max(map(len, bodies))
-    piece = max(pieces_hold(parsed(b)) for b in bodies)
-    whole = max(tokenizing_hold_bytes(parsed(b)) for b in bodies)
+    piece = max(pieces_hold(parsed(b, kind)) for b in bodies)
+    whole = max(tokenizing_hold_bytes(parsed(b, kind)) for b in bodies)
     # every body, its pieces' hold and its ids (4 B each, at most one a character)
-    budget = BURST * (largest + piece + 4 * TEXT_CHARS)
+    budget = BURSTS[kind] * (largest + piece + 4 * TEXT_CHARS)
     # the whole encode's hold let no two of them be tokenized at once in that budget
     assert 2 * (largest + whole) > budget
     async with running(
@@ -80,17 +108,19 @@ async def test_a_burst_of_long_ascii_prompts_is_held_at_once_and_served(tokenize
         limits__max_body_bytes=largest,
         limits__max_inflight_body_bytes=budget,
     ) as h:
-        answers = await asyncio.gather(*(h.post("/v1/completions", b) for b in bodies))
+        answers = await asyncio.gather(*(h.post(PATHS[kind], b) for b in bodies))
         assert all(map(forwarded, answers)), [(a.status, a.body[:200]) for a in answers]
         assert await metric(h, "kvlb_admission_shed_total", reason="body_bytes") == 0
         await wait_for("every byte given back", lambda: nothing_held(h), timeout_s=10.0)
 
 
-async def test_a_text_without_cuts_holds_the_whole_estimate(tokenizer: Tokenizer) -> None:
+@pytest.mark.parametrize("kind", sorted(PATHS))
+async def test_a_text_or_chat_without_cuts_holds_the_whole_estimate(kind: str, tokenizer: Tokenizer) -> None:
     rng = random.Random(7)
-    digits = body("".join(rng.choices("0123456789", k=600_000)))  # no safe cut at all
-    whole = tokenizing_hold_bytes(parsed(digits))
-    assert pieces_hold(parsed(digits)) < whole  # what it holds first: its thread stops at once
+    text = "".join(rng.choices("0123456789", k=600_000))  # no safe cut at all
+    digits = chat_body(text) if kind == "chat" else body(text)
+    whole = tokenizing_hold_bytes(parsed(digits, kind))
+    assert pieces_hold(parsed(digits, kind)) < whole  # what it holds first: its thread stops at once
     async with running(tokenizer, 1, limits__max_body_bytes=len(digits)) as h:
         peak = 0.0
         done = asyncio.Event()
@@ -102,7 +132,7 @@ async def test_a_text_without_cuts_holds_the_whole_estimate(tokenizer: Tokenizer
                 await asyncio.sleep(0.005)
 
         sampler = asyncio.create_task(sample())
-        answer = asyncio.create_task(h.post("/v1/completions", digits))
+        answer = asyncio.create_task(h.post(PATHS[kind], digits))
 
         async def holds_whole() -> bool:
             return await metric(h, "kvlb_admission_tokenizing_bytes") == whole
