@@ -29,6 +29,7 @@ from redis_cluster import RedisClusterProcs, RedisTarget
 from redis_server import RedisServer
 
 from balancer.app import Balancer
+from balancer.fleet.leases import LeaseManager
 from balancer.fleet.runtime import FleetRuntime
 from balancer.index.redis.index import StaleGenerationError
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -75,6 +76,20 @@ class Fleet:
 def fleet_of(balancer: Balancer) -> FleetRuntime:
     assert balancer.fleet is not None
     return balancer.fleet
+
+
+async def holding_all(balancer: Balancer) -> tuple[FleetRuntime, LeaseManager]:
+    """The fleet runtime of a fleet's only balancer and its lease manager, once it holds the
+    leases of all 4 replicas."""
+    runtime = fleet_of(balancer)
+    assert runtime.leases is not None
+    leases = runtime.leases
+
+    async def all_held() -> bool:
+        return len(leases.held) == 4
+
+    await wait_for("all 4 leases held", all_held)
+    return runtime, leases
 
 
 def completion(suffix: list[int]) -> dict[str, Any]:
@@ -377,14 +392,7 @@ async def test_an_expired_lease_nobody_took_is_taken_back_without_a_resync(
     takes it back and keeps its pipeline (no lost lease, no resync); its writes go on."""
     async with fleet(redis_target, tokenizer, balancers=1) as f:
         (a,) = f.balancers
-        runtime = fleet_of(a)
-        assert runtime.leases is not None
-        leases = runtime.leases
-
-        async def all_held() -> bool:
-            return len(leases.held) == 4
-
-        await wait_for("all 4 leases held", all_held)
+        runtime, leases = await holding_all(a)
         _, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
         holder = ReplicaId(headers["x-kvlb-replica"])
 
@@ -432,14 +440,7 @@ async def test_a_late_lost_report_about_an_earlier_holding_leaves_the_new_one_ru
     still stops it."""
     async with fleet(redis_target, tokenizer, balancers=1) as f:
         (a,) = f.balancers
-        runtime = fleet_of(a)
-        assert runtime.leases is not None
-        leases = runtime.leases
-
-        async def all_held() -> bool:
-            return len(leases.held) == 4
-
-        await wait_for("all 4 leases held", all_held)
+        _, leases = await holding_all(a)
         replica = ReplicaId("r0")
         entry = leases.replicas[replica]
         generation = leases.held[replica].generation

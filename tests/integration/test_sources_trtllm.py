@@ -140,22 +140,8 @@ class Rig:
 async def polling(
     session: aiohttp.ClientSession, port: int, settings: PollSettings = FAST
 ) -> AsyncIterator[Rig]:
-    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
-    poller = TrtllmPoller(
-        REPLICA,
-        f"http://127.0.0.1:{port}/",
-        session=session,
-        decoder=TrtllmDecoder(tokens_per_block=TPB),
-        metrics=metrics,
-        settings=settings,
-    )
-    ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
-    ingest.add_replica(REPLICA, "trtllm", [poller])
-    await ingest.start()
-    try:
-        yield Rig(poller, index, metrics)
-    finally:
-        await ingest.aclose()
+    async with ingesting(session, port, settings) as (_, rig):
+        yield rig
 
 
 async def test_drains_events_once_in_order(session: aiohttp.ClientSession, engine: FakeEngine) -> None:
@@ -286,8 +272,10 @@ async def test_interval_adapts_to_traffic(session: aiohttp.ClientSession, engine
 
 
 @contextlib.asynccontextmanager
-async def ingesting(session: aiohttp.ClientSession, port: int) -> AsyncIterator[tuple[EventIngest, Rig]]:
-    """A running EventIngest with one poller (the replica is removed by the test)."""
+async def ingesting(
+    session: aiohttp.ClientSession, port: int, settings: PollSettings = FAST
+) -> AsyncIterator[tuple[EventIngest, Rig]]:
+    """A running EventIngest with one poller."""
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     poller = TrtllmPoller(
         REPLICA,
@@ -295,7 +283,7 @@ async def ingesting(session: aiohttp.ClientSession, port: int) -> AsyncIterator[
         session=session,
         decoder=TrtllmDecoder(tokens_per_block=TPB),
         metrics=metrics,
-        settings=FAST,
+        settings=settings,
     )
     ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
     ingest.add_replica(REPLICA, "trtllm", [poller])
