@@ -157,7 +157,8 @@ def _start_node(binary: str, port: int, directory: Path) -> Node:
         "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--cluster-replica-validity-factor", "0",
         "--repl-diskless-sync-delay", "0", "--repl-ping-replica-period", "1",
     ]  # fmt: skip
-    return Node(subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+    with open(directory / "redis.log", "wb") as log:  # the child keeps its own descriptor
+        return Node(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), port)
 
 
 def _bindable(port: int) -> bool:
@@ -172,12 +173,18 @@ def _bindable(port: int) -> bool:
 def _start_answering_node(binary: str, data_dir: Path, taken: set[int], attempts: int = 5) -> Node:
     """A node on a free port whose cluster-bus port (+10000) is free too, answering PING. A port can
     be taken between the check and the server's bind (by another test's process), and redis-server
-    then exits: that node is started again on another port, ``attempts`` times at most."""
-    for _ in range(attempts):
+    then exits: that node is started again on another port, ``attempts`` times at most (a drawn
+    port whose bus port is out of range or taken is drawn again, 100 draws at most, and is no
+    attempt). The error quotes the last node's own log."""
+    started: list[Path] = []
+    for _ in range(100):
+        if len(started) == attempts:
+            break
         port = free_port()
         if port in taken or port + 10000 >= 65536 or not _bindable(port + 10000):
             continue
-        node = _start_node(binary, port, data_dir / str(port))
+        started.append(data_dir / str(port))
+        node = _start_node(binary, port, started[-1])
         deadline = time.monotonic() + 10.0
         while node.alive and time.monotonic() < deadline:
             try:
@@ -189,7 +196,8 @@ def _start_answering_node(binary: str, data_dir: Path, taken: set[int], attempts
         if node.alive:
             node.process.kill()
         node.process.wait(timeout=5)
-    raise RuntimeError(f"redis cluster: no node answered PING in {attempts} attempts")
+    log = (started[-1] / "redis.log").read_text(errors="replace")[-2000:] if started else "no port drawn"
+    raise RuntimeError(f"redis cluster: no node answered PING in {len(started)} attempts; last log: {log}")
 
 
 def _wait(what: str, check: Callable[[], bool], timeout_s: float) -> None:
