@@ -51,10 +51,10 @@ async def cancel_all(tasks: Sequence[asyncio.Task[None]]) -> None:
     all; one still running then is logged as an error and left."""
     pending = list(tasks)
     for _round in range(CANCEL_ROUNDS):
-        for task in reversed(pending):
-            task.cancel()
         if not pending:
             break
+        for task in reversed(pending):
+            task.cancel()
         _, still = await asyncio.wait(pending, timeout=CANCEL_WAIT_S)
         pending = [task for task in pending if task in still]
     if pending:

@@ -345,9 +345,9 @@ async def tokenize_held(
     tokenizer thread, which waits for nothing here)."""
     parsed = form.take()
     max_piece_chars = piece_hold_chars(pool.tokenizer, parsed)
+    tokenizer_max_tokens = pool.tokenizer.limits.max_prompt_tokens
     while True:
-        tokenizer_limits = pool.tokenizer.limits
-        hold_bytes = tokenizing_hold_bytes(parsed, max_piece_chars, tokenizer_limits.max_prompt_tokens)
+        hold_bytes = tokenizing_hold_bytes(parsed, max_piece_chars, tokenizer_max_tokens)
         if not admission.try_hold_tokenizing(hold_bytes):
             del parsed  # not kept while it waits for its bytes: parsed again once they are held
             form.parsed = None

@@ -201,9 +201,10 @@ class TrtllmPoller:
             await asyncio.sleep(delay_s)
 
     async def poll_once(self, emit: Emit) -> float:
-        """One drain; returns how long to wait before the next (seconds). None once :meth:`finish`
-        was called. :attr:`exchanging` from the request until its events are emitted: a graceful
-        stop waits for that instead of cancelling a drain whose events the engine already gave up."""
+        """One drain; returns how long to wait before the next (seconds). No drain once
+        :meth:`finish` was called. :attr:`exchanging` from the request until its events are
+        emitted: a graceful stop waits for that instead of cancelling a drain whose events the
+        engine already gave up."""
         if self._finishing:
             return self.settings.min_interval_s
         self._exchanging = True

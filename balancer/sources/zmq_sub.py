@@ -20,10 +20,10 @@ publisher from 0. This source keeps the stream in order:
   Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
   ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
 * **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
-  asked for anything after the last batch taken (before the first one, once connected and caught
-  up: from the wanted seq, 0 or the resume point) (the interval doubles while the answers hold
+  asked for anything after the last batch taken, or, before the first one, once connected and
+  caught up, from the wanted seq (0 or the resume point). The interval doubles while the answers hold
   nothing, up to ``replay_poll_max_s``, but only once ``replay_poll_busy_s`` has passed since the
-  publisher's last batch: a busy engine's next burst comes soon and must find the interval short).
+  publisher's last batch: a busy engine's next burst comes soon and must find the interval short.
   A publisher that goes on publishing while its live messages are lost (a PUB high-water mark, a
   stalled connection, a subscription not yet in force right after the catch-up) is then read from
   its replay buffer: the index stays exact instead of waiting for the next live message to show a

@@ -602,9 +602,8 @@ class HfTokenizer:
         (:class:`PromptTooLarge`, a lower bound) as soon as the tokens counted pass
         ``max_prompt_tokens``; so is a segment encoded whole that takes the count past it."""
         limit = self.limits.max_prompt_tokens
-        piece_chars = self.limits.piece_chars
-        if len(text) > piece_chars and (self._cuts_special if add_special_tokens else self._cuts):
-            room = limit - counted.tokens
+        if self.encodes_in_pieces(len(text), add_special_tokens=add_special_tokens):
+            room, piece_chars = limit - counted.tokens, self.limits.piece_chars
             pieces, count = encode_pieces(text, self._raw, room, piece_chars, counted.max_piece_chars)
             if pieces is None:
                 raise PromptTooLarge(counted.tokens + count, limit, "tokens", at_least=True)
