@@ -29,15 +29,14 @@ from tokenizers import Tokenizer as _RustTokenizer
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.tokenizer.chat_template import RENDER_ERRORS, ChatTemplate, flatten_messages, special_tokens
-from balancer.tokenizer.cuts import PIECE_CHARS, LongPiece, cuts_apply, encode_pieces
+from balancer.tokenizer.cuts import PIECE_CHARS, LongPiece, encode_pieces
 from balancer.tokenizer.segments import (
     AddedToken,
     SegmentCache,
-    Splitter,
-    build_splitter,
     encode_pieces_packed,
     encode_segmented,
 )
+from balancer.tokenizer.self_checks import adds_no_tokens, checked_cuts, checked_splitter, chunks_split_alike
 
 MAX_REASON_CHARS = 200
 """Longest tokenizer error text passed on to a client."""
@@ -331,44 +330,12 @@ class HfTokenizer:
         self.limits = limits or TokenizeLimits()
         self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens, ints=self._shared_ints())
         added = self._added()
-        self._splitter = self._checked_splitter(added)
-        self._chunked = self._splitter is not None and _chunks_split_alike(self._splitter, added)
-        self._cuts = self._checked_cuts(added)
+        self._splitter = checked_splitter(tokenizer, self._raw, added, self.limits.segment_cache_tokens)
+        self._chunked = self._splitter is not None and chunks_split_alike(self._splitter, added)
+        self._cuts = checked_cuts(tokenizer, self._raw, added)
         """Whether a long text is encoded in pieces (:mod:`balancer.tokenizer.cuts`)."""
-        self._cuts_special = self._cuts and _adds_no_tokens(self._tokenizer.post_processor)
+        self._cuts_special = self._cuts and adds_no_tokens(self._tokenizer.post_processor)
         """... also with special tokens (the post-processor adds none)."""
-
-    def _checked_cuts(self, added: Sequence[AddedToken]) -> bool:
-        """Whether :mod:`balancer.tokenizer.cuts` covers this tokenizer and, cut at every safe cut,
-        a probe text's pieces give the ids of the whole (the proof checked once more here)."""
-        rust = self._tokenizer
-        try:
-            pre_tokenizer = json.loads(rust.pre_tokenizer.__getstate__()) if rust.pre_tokenizer else None
-        except (AttributeError, TypeError, ValueError):
-            return False
-        covered = cuts_apply(
-            pre_tokenizer if isinstance(pre_tokenizer, dict) else None,
-            identity_normalizer=_identity_normalizer(rust.normalizer),
-            added=[(token.content, token.verbatim) for token in added],
-            dropout=getattr(rust.model, "dropout", None),
-        )
-        if not covered:
-            return False
-        probe = _cuts_probe(added)
-        whole = rust.encode(probe, add_special_tokens=False).ids
-        ids, _ = encode_pieces(probe, self._raw, len(whole), min_chars=1)
-        return ids == whole
-
-    def _checked_splitter(self, added: Sequence[AddedToken]) -> Splitter | None:
-        """The added-token splitter for the segment cache, if segmenting is exact here."""
-        identity = _identity_normalizer(self._tokenizer.normalizer)
-        splitter = build_splitter(added, identity_normalizer=identity)
-        if splitter is None or self.limits.segment_cache_tokens <= 0:
-            return None
-        probe = _probe_text(_probe_tokens(added, splitter))
-        plain = self._tokenizer.encode(probe, add_special_tokens=False).ids
-        cached = encode_segmented(probe, splitter, SegmentCache(min_chars=0), self._raw)
-        return splitter if cached == plain else None
 
     def _added(self) -> list[AddedToken]:
         return [
@@ -554,8 +521,8 @@ class HfTokenizer:
         The rendered chat is split chunk by chunk (:meth:`Splitter.split_chunks`), not joined: the
         joined text would be a new two-byte-a-character string to scan, slice and copy (about 30 µs
         of the 40 µs this took for an 8k-token chat). That needs the load-time self-check
-        (``_chunks_split_alike``) to have passed and no token to straddle two chunks; otherwise
-        the joined text is split."""
+        (:func:`~balancer.tokenizer.self_checks.chunks_split_alike`) to have passed and no token to
+        straddle two chunks; otherwise the joined text is split."""
         splitter = self._splitter
         if splitter is None:
             return None
@@ -632,32 +599,6 @@ class _Counted:
         count is the text's, checked by the caller."""
 
 
-def _adds_no_tokens(post_processor: Any) -> bool:
-    """Whether a post-processor adds no token to a single text: none, or ``ByteLevel`` (it only
-    trims offsets)."""
-    if post_processor is None:
-        return True
-    try:
-        state = json.loads(post_processor.__getstate__())
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return isinstance(state, dict) and state.get("type") == "ByteLevel"
-
-
-CUTS_PROBE = (
-    "Line one ends here.\nsecond line\n\n  indented\n\tTab\n\u00e9t\u00e9 \u4e2d\u6587\n1234 56\n"
-    'x y z. Words, then a space: fox jumps \n\u0301mark\n-dash (paren) "quote" end'
-)
-"""What the load-time check of :mod:`~balancer.tokenizer.cuts` encodes whole and cut at every safe
-cut (newlines before text and after spaces, letters before spaces, accents, CJK, digits)."""
-
-
-def _cuts_probe(added: Sequence[AddedToken]) -> str:
-    """:data:`CUTS_PROBE` with a few added tokens between its lines."""
-    tokens = [token.content for token in added if token.verbatim][:3]
-    return CUTS_PROBE + "\n" + "\n".join(f"a {token} b\n{token}" for token in tokens)
-
-
 def first_surrogate(text: str) -> int | None:
     """Position of the first lone UTF-16 surrogate in ``text`` (``None`` when there is none): the
     only code points UTF-8 cannot encode. ASCII text is answered at once; other text costs one
@@ -710,76 +651,6 @@ def load_tokenizer(
     if path is None:
         return TokenIdTokenizer(limits)
     return HfTokenizer.load(path, chat_template=chat_template, limits=limits)
-
-
-def _identity_normalizer(normalizer: Any) -> bool:
-    """Whether ``normalizer`` (a ``tokenizers`` normaliser or ``None``) leaves every text as it is:
-    none at all, or a ``Sequence`` of such (DeepSeek-V3 has an empty one)."""
-    if normalizer is None:
-        return True
-    try:
-        state = json.loads(normalizer.__getstate__())
-    except (AttributeError, TypeError, ValueError):
-        return False
-    return _identity_state(state)
-
-
-def _identity_state(state: Any) -> bool:
-    if state is None:
-        return True
-    if isinstance(state, dict) and state.get("type") == "Sequence":
-        return all(_identity_state(part) for part in state.get("normalizers", ()))
-    return False
-
-
-PROBE_PIECES = (
-    "A segment",
-    " another one ",
-    "\u00e9t\u00e9 \u4e2d\u6587 1234",
-    "\n\n  tabs\tand  spaces ",
-    "x y",
-)
-"""Texts the self-check puts between and around split tokens (spaces, newlines, accents, CJK, digits)."""
-
-
-def _probe_tokens(added: Sequence[AddedToken], splitter: Splitter) -> list[str]:
-    """Up to three split tokens of each kind (special or not, normalised or not), for the self-check."""
-    kinds: dict[tuple[bool, bool], list[str]] = {}
-    for token in added:
-        if token.content in splitter.ids:
-            found = kinds.setdefault((token.special, token.normalized), [])
-            if len(found) < 3:
-                found.append(token.content)
-    return [token for found in kinds.values() for token in found]
-
-
-def _probe_text(tokens: Sequence[str]) -> str:
-    """A text holding ``tokens`` at the start, the end, side by side and between
-    :data:`PROBE_PIECES`: what the self-check encodes both ways."""
-    parts: list[str] = [tokens[0]]
-    for index, piece in enumerate(PROBE_PIECES * 2):
-        parts += [piece, tokens[index % len(tokens)]]
-        if index % 3 == 0:
-            parts.append(tokens[(index + 1) % len(tokens)])
-    parts.append(tokens[-1])
-    return "".join(parts)
-
-
-def _chunks_split_alike(splitter: Splitter, added: Sequence[AddedToken]) -> bool:
-    """The self-check of :meth:`Splitter.split_chunks`: the probe text cut in two at every position,
-    and cut at every piece's ends and inside every text piece, split chunk by chunk gives the
-    pieces of the whole text whenever it answers."""
-    text = _probe_text(_probe_tokens(added, splitter))
-    expected = splitter.split(text)
-    cuts = [[text[:at], text[at:]] for at in range(len(text) + 1)]
-    chunks: list[str] = []
-    for piece in expected:
-        middle = 0 if piece in splitter.ids else len(piece) // 2
-        chunks += [piece[:middle], piece[middle:]]
-    for pieces in map(splitter.split_chunks, [*cuts, chunks]):
-        if pieces is not None and pieces != expected:
-            return False
-    return True
 
 
 def _find_template(folder: Path, config: Mapping[str, Any]) -> Any:
