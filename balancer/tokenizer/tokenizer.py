@@ -136,11 +136,6 @@ class Tokenizer(Protocol):
         """Label for logs and metrics (e.g. the tokenizer's directory name)."""
         ...
 
-    @property
-    def supports_text(self) -> bool:
-        """False when only token-id prompts can be routed (no tokenizer configured)."""
-        ...
-
     def encode_prompt(
         self,
         prompt: str | Sequence[int],
@@ -242,10 +237,6 @@ class TokenIdTokenizer:
     @property
     def name(self) -> str:
         return "token-ids"
-
-    @property
-    def supports_text(self) -> bool:
-        return False
 
     def encode_prompt(
         self,
@@ -409,10 +400,6 @@ class HfTokenizer:
         return self._name
 
     @property
-    def supports_text(self) -> bool:
-        return True
-
-    @property
     def vocab_size(self) -> int:
         """Number of ids, added tokens included."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
@@ -535,11 +522,6 @@ class HfTokenizer:
         if ids is not None:
             self.limits.check_tokens(len(ids))
         return ids
-
-    def _segmented(self, text: str, max_new_chars: int | None = None) -> list[int] | None:
-        assert self._splitter is not None
-        with encode_errors(text):
-            return encode_segmented(text, self._splitter, self._segments, self._raw, max_new_chars)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``token_ids`` (for tests, debugging and ``/admin`` views)."""

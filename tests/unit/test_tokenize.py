@@ -290,7 +290,6 @@ def test_bos_added_once_for_prompts_and_never_twice_for_chats(tmp_path: Path) ->
 def test_token_id_passthrough() -> None:
     passthrough = load_tokenizer(None)
     assert isinstance(passthrough, TokenIdTokenizer)
-    assert not passthrough.supports_text
     ids = [0, 1, 2**32 - 1]
     out = passthrough.encode_prompt(ids)
     assert out == ids and out is not ids
