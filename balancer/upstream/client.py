@@ -89,7 +89,7 @@ _MAX_TARGETS: Final = 4096
 @dataclass(slots=True)
 class UpstreamCounters:
     """What the client counts (exported as ``kvlb_upstream_*`` by
-    :class:`~balancer.metrics.UpstreamCountersCollector`)."""
+    :class:`~balancer.counter_collectors.UpstreamCountersCollector`)."""
 
     protocol_errors: dict[str, int]
     """Responses that could not be framed, by :data:`~balancer.upstream.http1.PARSE_ERROR_REASONS`."""
@@ -199,7 +199,7 @@ class UpstreamStream:
 class UpstreamClient:
     """kvlb's pooled HTTP/1.1 client for all replicas, owned by the app (closed on shutdown).
 
-    :attr:`counters` are exported by :class:`~balancer.metrics.UpstreamCountersCollector`.
+    :attr:`counters` are exported by :class:`~balancer.counter_collectors.UpstreamCountersCollector`.
     ``ssl_context`` verifies ``https://`` replicas (default: the system's CAs, with host name checks)."""
 
     def __init__(

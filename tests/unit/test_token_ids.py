@@ -22,7 +22,7 @@ from balancer.api.parsing import (
     parse_request,
     typed_completion,
 )
-from balancer.metrics import TokenIdMemoCollector
+from balancer.counter_collectors import TokenIdMemoCollector
 from balancer.tokenizer.token_ids import (
     GUESS_IDS,
     PROMPT_STANDIN,
