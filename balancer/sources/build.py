@@ -22,7 +22,8 @@ from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
-from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings, endpoint_for_rank
+from balancer.sources.zmq_settings import ZmqSourceSettings, endpoint_for_rank
+from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.types import ReplicaId
 
 

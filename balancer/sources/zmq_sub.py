@@ -97,10 +97,8 @@ from balancer.sources.base import (
     count_decode_error,
     count_decoded,
 )
-from balancer.sources.zmq_settings import ZmqSourceSettings, endpoint_for_rank
+from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
-
-__all__ = ["ZmqEventSource", "ZmqSourceSettings", "endpoint_for_rank"]
 
 log = logging.getLogger(__name__)
 

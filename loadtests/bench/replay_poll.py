@@ -25,7 +25,8 @@ import zmq.asyncio
 
 from balancer.engines.sglang import SglangDecoder
 from balancer.metrics import Metrics
-from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
+from balancer.sources.zmq_settings import ZmqSourceSettings
+from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.types import ReplicaId
 
 END = [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]

@@ -26,7 +26,8 @@ from balancer.engines.sglang import SglangDecoder
 from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.base import IngestBatch
-from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
+from balancer.sources.zmq_settings import ZmqSourceSettings
+from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.types import ReplicaId
 from replicas.sim.config import EngineKind, ReplicaConfig
 from replicas.sim.profiles import get_profile

@@ -20,7 +20,8 @@ from balancer.engines.sglang import SglangDecoder
 from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
 from balancer.sources.base import IngestBatch
-from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
+from balancer.sources.zmq_settings import ZmqSourceSettings
+from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.types import ReplicaId
 
 CAPTURES = Path(__file__).resolve().parents[1] / "golden" / "real" / "vllm-0.32.0-cpu"

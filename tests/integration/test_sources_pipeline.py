@@ -297,7 +297,8 @@ async def test_build_sources_per_engine() -> None:
     from balancer.errors import ConfigError
     from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
     from balancer.sources.trtllm_poll import TrtllmPoller
-    from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
+    from balancer.sources.zmq_settings import ZmqSourceSettings
+    from balancer.sources.zmq_sub import ZmqEventSource
 
     ctx = zmq.asyncio.Context()
     try:

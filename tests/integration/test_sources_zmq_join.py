@@ -32,7 +32,8 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 from balancer.engines.sglang import SglangDecoder
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
-from balancer.sources.zmq_sub import ZmqEventSource, endpoint_for_rank
+from balancer.sources.zmq_settings import endpoint_for_rank
+from balancer.sources.zmq_sub import ZmqEventSource
 
 
 async def test_late_join_replays_from_zero(ctx: zmq.asyncio.Context, publisher: Publisher) -> None:

@@ -27,7 +27,8 @@ from waiting import eventually
 from balancer.engines.sglang import SglangDecoder
 from balancer.metrics import Metrics
 from balancer.sources.pipeline import EventIngest
-from balancer.sources.zmq_sub import ZmqEventSource, ZmqSourceSettings
+from balancer.sources.zmq_settings import ZmqSourceSettings
+from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.types import ReplicaId
 
 REPLICA = ReplicaId("sgl-0")
