@@ -33,7 +33,7 @@ REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
 SHED_CAUSES: Final = ("budget", "behind", "backlog")
-"""Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.zmq_sub.ShedCause``)."""
+"""Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.read_ahead.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
 """Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
 APPLIED_OUTCOMES: Final = (

@@ -53,11 +53,12 @@ publisher from 0. This source keeps the stream in order:
   (``kvlb_events_shed_runs_total``). Its payload is unknown, so it cannot tell a duplicate from a
   restarted publisher's batch at the same seq: such a message resyncs the rank too.
 * **Floods.** Before decoding a message the source takes everything queued on the SUB off the
-  socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``). A backlog over that
-  bound (cause ``backlog``), or one the source has not come to the end of within ``max_behind_s``
-  (cause ``behind``), is a flood: the message at hand is shed (the run's resync), the read-ahead is
-  dropped, and the SUB is closed, so that libzmq frees the rest of the backlog and the publisher the
-  messages it still queued for us, instead of this thread reading them one GIL hand-over at a time;
+  socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``:
+  :mod:`balancer.sources.read_ahead`). A backlog over that bound (cause ``backlog``), or one the
+  source has not come to the end of within ``max_behind_s`` (cause ``behind``), is a flood: the
+  message at hand is shed (the run's resync), the read-ahead is dropped, and the SUB is closed, so
+  that libzmq frees the rest of the backlog and the publisher the messages it still queued for us,
+  instead of this thread reading them one GIL hand-over at a time;
   it is reopened ``flood_pause_s`` later (what the flood sends meanwhile the publisher drops: a
   flood's tail, sent to a fresh connection at once, was decoded again until it too was a backlog).
   The next live message's seq shows how many were dropped: they are counted as shed and it is taken
@@ -73,9 +74,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections import deque
 from collections.abc import Sequence
-from typing import Literal
 
 import zmq
 import zmq.asyncio
@@ -97,15 +96,11 @@ from balancer.sources.base import (
     count_decode_error,
     count_decoded,
 )
+from balancer.sources.read_ahead import ReadAhead
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
-
-ShedCause = Literal["budget", "behind", "backlog"]
-"""Why a source sheds: its replica's CPU budget is spent (or its queue over half full), it has
-read for ``max_behind_s`` without finding its socket empty, or it found more than
-``max_backlog_bytes`` queued."""
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
@@ -195,19 +190,10 @@ class ZmqEventSource:
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
-        self._shed_cause: ShedCause = "budget"
-        """Why the last message was shed (counted once per run, :meth:`_shed_run`)."""
-        self._behind_since: float | None = None
-        """When the current run of reads without an empty socket began (``None``: caught up)."""
         self.shed = 0
         """Messages dropped undecoded (the budget was spent, or a flood)."""
-        self._reader: zmq.Socket[bytes] | None = None
-        """A synchronous shadow of the SUB: the read-ahead's plain non-blocking reads."""
-        self._ahead: deque[tuple[list[zmq.Frame], int]] = deque()
-        """Messages read off the SUB, not yet handled (zero-copy frames, and their bytes)."""
-        self._ahead_bytes = 0
-        self._flood = False
-        """The read-ahead found more than ``max_backlog_bytes`` queued, and has not been empty since."""
+        self._ahead = ReadAhead(self.settings)
+        """What was read off the SUB and not yet handled, and why the last message was shed."""
         self._backlog_dropped = False
         """A flood was dropped with the SUB: the next live seq shows how many messages went with it."""
 
@@ -232,11 +218,11 @@ class ZmqEventSource:
             dropped = False
             try:
                 while True:
-                    timeout_ms = 0 if self._ahead else self._poll_timeout_ms()
+                    timeout_ms = 0 if self._ahead.pending else self._poll_timeout_ms()
                     ready = dict(await poller.poll(timeout=timeout_ms))
                     if monitor in ready:  # first: a new connection's catch-up merges the queued live
                         await self._on_monitor(monitor, sub, emit)
-                    if sub in ready or self._ahead:
+                    if sub in ready or self._ahead.pending:
                         backoff.reset()
                         await self._drain(sub, emit, may_drop=True)
                     elif not ready and self._poll_due():
@@ -260,7 +246,7 @@ class ZmqEventSource:
                     exc,
                 )
             finally:
-                self._reader = None  # a shadow: it must not outlive the SUB
+                self._ahead.reader = None  # a shadow: it must not outlive the SUB
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
@@ -320,69 +306,15 @@ class ZmqEventSource:
         ``may_drop``: a flood is dropped with the SUB (:meth:`_drop_backlog`); elsewhere (a catch-up,
         the last messages of a lost connection) its messages are shed one by one."""
         for _ in range(limit):
-            read = self._read()
+            read = self._ahead.read(self.gate)
             if read is None:
                 return
             await self._on_message(*read, emit)
-            if may_drop and read[1] and self._shed_cause != "budget":
+            if may_drop and read[1] and self._ahead.shed_cause != "budget":
                 self._drop_backlog(emit)
             if self.gate is not None:
                 await asyncio.sleep(0)  # the ingest loop's applier gets a turn between messages
-        self._drained()  # it may have ended at its limit with the socket empty
-
-    def _read_ahead(self) -> None:
-        """Take what is queued on the SUB off the socket, undecoded, until it is empty or the
-        read-ahead holds more than ``max_backlog_bytes`` (then the backlog is a flood)."""
-        reader = self._reader
-        if reader is None:
-            return
-        limit = self.settings.max_backlog_bytes
-        ahead = self._ahead
-        while self._ahead_bytes <= limit:
-            try:
-                parts = reader.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            size = sum(len(part) for part in parts)
-            ahead.append((parts, size))
-            self._ahead_bytes += size
-        self._flood = True
-
-    def _caught_up(self) -> None:
-        self._behind_since = None
-        self._flood = False
-
-    def _drained(self) -> bool:
-        """Whether nothing is left to handle (the read-ahead and the socket empty); if so, caught up."""
-        self._read_ahead()
-        if self._ahead:
-            return False
-        self._caught_up()
-        return True
-
-    def _read(self) -> tuple[list[bytes], bool] | None:
-        """The next message queued on the SUB and whether to shed it (``None``: the socket is empty).
-        A message is shed in a flood (the read-ahead found more than ``max_backlog_bytes``, or the
-        source has read for ``max_behind_s`` without finding the socket empty) or while the
-        replica's budget is spent (the ``gate``); a shed message's payload is never copied out of
-        ZMQ (only topic and seq are read)."""
-        if self._drained():
-            return None
-        parts, size = self._ahead.popleft()
-        self._ahead_bytes -= size
-        now = time.monotonic()
-        if self._behind_since is None:
-            self._behind_since = now
-        gate = self.gate
-        if self._flood:
-            self._shed_cause = "backlog"
-        elif now - self._behind_since > self.settings.max_behind_s:
-            self._shed_cause = "behind"
-        elif gate is not None and not gate.admits():
-            self._shed_cause = "budget"
-        else:
-            return [part.bytes for part in parts], False
-        return [part.bytes if i < 2 else b"" for i, part in enumerate(parts)], True
+        self._ahead.drained()  # it may have ended at its limit with the socket empty
 
     def _drop_backlog(self, emit: Emit) -> None:
         """A flood: its first message was shed (and resynced the rank, if it was taken in order); drop
@@ -391,8 +323,6 @@ class ZmqEventSource:
         message's seq counts what went (:meth:`_on_live`)."""
         self._shed_run(emit)  # a no-op when the shed message started the run
         self._ahead.clear()
-        self._ahead_bytes = 0
-        self._caught_up()
         self._backlog_dropped = True
         raise _DropBacklog
 
@@ -456,7 +386,7 @@ class ZmqEventSource:
         messages queued below ``limit`` first (they are older), keep the first one at or above it
         for after the replay. These are shed as :meth:`_drain`'s would be."""
         for _ in range(self.settings.rcvhwm):
-            read = self._read()
+            read = self._ahead.read(self.gate)
             if read is None:
                 return
             frames, shed = read
@@ -473,9 +403,7 @@ class ZmqEventSource:
     def _open_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
         its catch-up) is missed."""
-        self._caught_up()  # a fresh socket has no backlog of ours
-        self._ahead.clear()
-        self._ahead_bytes = 0
+        self._ahead.clear()  # a fresh socket has no backlog of ours
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
@@ -484,7 +412,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.endpoint)
-        self._reader = zmq.Socket.shadow(sub.underlying)
+        self._ahead.reader = zmq.Socket.shadow(sub.underlying)
         return sub, monitor
 
     def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
@@ -646,7 +574,7 @@ class ZmqEventSource:
         if self._shedding:
             return
         self._shedding = True
-        self._metrics.events_shed_runs_total.labels(self.replica, self._shed_cause).inc()
+        self._metrics.events_shed_runs_total.labels(self.replica, self._ahead.shed_cause).inc()
         self._warnings.warning(
             "events_shed",
             self.replica,
@@ -718,7 +646,7 @@ class ZmqEventSource:
         try:
             return await self._replay_from(start_seq, emit, live, poll=poll)
         finally:
-            self._behind_since = None  # time spent replaying is not a backlog of the live stream
+            self._ahead.not_behind()  # time spent replaying is not a backlog of the live stream
 
     async def _replay_from(
         self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None, *, poll: bool
