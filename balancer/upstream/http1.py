@@ -281,6 +281,8 @@ class ResponseParser:
             raise HttpParseError("malformed", f"bad status line {lines[0][:80]!r}")
         minor, code, reason = match.groups()
         status = int(code)
+        if not 100 <= status <= 599:  # RFC 9110, 15: invalid, to be taken as a server error
+            raise HttpParseError("malformed", f"status {status} outside 100..599")
         fields = self._fields(lines[1:])
         if status < 200:
             if status == 101:

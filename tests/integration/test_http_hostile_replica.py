@@ -1,10 +1,14 @@
-"""A replica whose answer's headers hold control characters (the adversarial run of 2026-11-30,
-branch h-adversary), over real sockets: a raw TCP replica on 127.0.0.1 behind a real balancer.
+"""Replica answers kvlb must not relay as they are (the adversarial run of 2026-11-30, branch
+h-adversary), over real sockets: a raw TCP replica on 127.0.0.1 behind a real balancer.
 
-kvlb relays the replica's ``Content-Type``; aiohttp refuses to write a header value holding a
-control character other than HTAB, so such an answer was a 500 and a traceback for the client.
-kvlb's parser now refuses the answer as malformed (RFC 9110, 5.5), before any byte reached the
-client: it is retried elsewhere, or the client gets the 502 of a replica that failed to answer.
+* Header values holding control characters: kvlb relays the replica's ``Content-Type``, and aiohttp
+  refuses to write a header value holding a control character other than HTAB, so such an answer
+  was a 500 and a traceback for the client.
+* A status outside 100..599 (``HTTP/1.1 999``) was relayed as is; RFC 9110 (15) has a client take
+  it as a server error.
+
+kvlb's parser now refuses both as malformed, before any byte reached the client: the request is
+retried elsewhere, or the client gets the 502 of a replica that failed to answer.
 """
 
 from __future__ import annotations
@@ -21,9 +25,18 @@ from kvlb_harness import MODEL, balancer_over, metric_value
 BODY = b'{"id": "c1", "object": "text_completion", "choices": [{"index": 0, "text": "a"}]}'
 
 
+def answer_with(content_type: bytes, status: bytes = b"200 OK") -> bytes:
+    return b"HTTP/1.1 %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s" % (
+        status,
+        content_type,
+        len(BODY),
+        BODY,
+    )
+
+
 @asynccontextmanager
-async def replica_answering(content_type: bytes) -> AsyncIterator[str]:
-    """A raw replica (its URL yielded): ``GET`` answers ok, ``POST`` a 200 with ``content_type``."""
+async def replica_answering(answer: bytes) -> AsyncIterator[str]:
+    """A raw replica (its URL yielded): ``GET`` answers ok, ``POST`` answers ``answer``."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -37,10 +50,7 @@ async def replica_answering(content_type: bytes) -> AsyncIterator[str]:
                 if head.startswith(b"GET "):
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
                 else:
-                    writer.write(
-                        b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-                        % (content_type, len(BODY), BODY)
-                    )
+                    writer.write(answer)
                 await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
@@ -64,7 +74,7 @@ async def test_an_answer_whose_headers_hold_control_characters_is_a_502_not_a_50
     content_type: bytes, stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING)
-    async with replica_answering(content_type) as url, balancer_over(url) as (balancer, session):
+    async with replica_answering(answer_with(content_type)) as url, balancer_over(url) as (balancer, session):
         body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 1, "stream": stream}
         async with session.post(balancer.url + "/v1/completions", json=body) as response:
             answer = await response.read()
@@ -80,7 +90,7 @@ async def test_an_answer_whose_headers_hold_control_characters_is_a_502_not_a_50
 
 async def test_a_tab_in_a_header_value_is_still_relayed() -> None:
     async with (
-        replica_answering(b"application/json;\tcharset=utf-8") as url,
+        replica_answering(answer_with(b"application/json;\tcharset=utf-8")) as url,
         balancer_over(url) as (b, session),
     ):
         body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 1}
@@ -88,3 +98,16 @@ async def test_a_tab_in_a_header_value_is_still_relayed() -> None:
             assert response.status == 200
             assert response.headers["Content-Type"] == "application/json;\tcharset=utf-8"
             assert await response.read() == BODY
+
+
+@pytest.mark.parametrize("status", [b"999 Weird", b"600 X", b"099 X"])
+async def test_a_status_outside_100_to_599_is_a_502(status: bytes) -> None:
+    async with (
+        replica_answering(answer_with(b"application/json", status)) as url,
+        balancer_over(url) as (b, session),
+    ):
+        body = {"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 1}
+        async with session.post(b.url + "/v1/completions", json=body) as response:
+            answer = await response.read()
+        assert response.status == 502, answer
+        assert "outside 100..599" in json.loads(answer)["error"]["message"]
