@@ -21,7 +21,9 @@ back when the request ends, however it ends.
 replica failing before it is retried elsewhere). SSE chunks are written as they arrive, never
 re-parsed; a replica failing mid-stream ends the stream with one ``data: {"error": ...}`` event; a
 client going away closes the upstream response, so the replica stops generating. A non-streaming
-answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502).
+answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502) and written to the client while the
+request holds its slot. A client that has not read its answer by the request's deadline
+(``timeouts.total_s``) loses its connection (:func:`drop_connection`, counted as 499).
 """
 
 from __future__ import annotations
@@ -581,7 +583,7 @@ async def relay(
             headers["Cache-Control"] = "no-cache"
             response = await _relay_stream(request, state, job, lease, opened, headers)
         else:
-            response = await _relay_whole(state, lease, opened, headers, relay_deadline(state, job))
+            response = await _relay_whole(request, state, lease, opened, headers, relay_deadline(state, job))
     except asyncio.CancelledError:  # the client went away (handler cancellation)
         stream.close()
         outcome.status = "499"
@@ -642,8 +644,17 @@ class _SseResponse(web.StreamResponse):
 
 
 async def _relay_whole(
-    state: ServiceState, lease: Lease, opened: Opened, headers: dict[str, str], deadline: float
+    request: web.Request,
+    state: ServiceState,
+    lease: Lease,
+    opened: Opened,
+    headers: dict[str, str],
+    deadline: float,
 ) -> web.Response:
+    """The whole answer, read (at most :data:`MAX_RESPONSE_BYTES`) and written to the client by
+    ``deadline``: the request keeps its slot until the client has it, and a client that does not
+    read it by then loses its connection (499). Returned to aiohttp written, it pinned the answer's
+    bytes, and the connection, for as long as the client kept the connection open without reading."""
     parts = [opened.first]
     size = len(opened.first)
     try:
@@ -656,7 +667,28 @@ async def _relay_whole(
     except (UpstreamError, TimeoutError) as exc:
         message = failure_message(state, lease, exc)
         raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
-    return web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
+    response = web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
+    del parts
+    try:
+        async with asyncio.timeout_at(deadline):
+            await response.prepare(request)
+            await response.write_eof()
+    except ConnectionResetError:  # the client went away
+        request[OUTCOME].status = "499"
+    except TimeoutError:  # the client stopped reading
+        request[OUTCOME].status = "499"
+        drop_connection(request)
+    return response
+
+
+def drop_connection(request: web.Request) -> None:
+    """Close the client's connection at once, dropping what is buffered for it: a client that
+    stopped reading an answer by its deadline. Left open, the connection kept the unsent bytes (in
+    kvlb and in the kernel, megabytes) and its aiohttp task, waiting to finish the answer, for as
+    long as the client kept it open."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
 
 
 def sse_error_event(message: str, status: int = 502) -> bytes:
