@@ -6,7 +6,8 @@ declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 42
 ``limits.queue_timeout_s`` → 503), a bounded body read (``limits.max_body_bytes`` → 413,
 ``timeouts.body_read_s`` → 408, and 408 at once for a body behind
 ``timeouts.body_min_rate_bytes_per_s`` after ``timeouts.body_rate_grace_s``, :func:`body_due`; a
-body without a declared length holds its bytes chunk by chunk as it is read), parsing
+body without a declared length, or with a ``Content-Encoding``, holds its bytes chunk by chunk as
+it is read, :func:`held_length`; one aiohttp cannot decode → 400), parsing
 (:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
 with the pool's tokenizer (long prompts in a thread, the request holding the estimated bytes of its
 parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`, one piece's work
@@ -20,7 +21,9 @@ back when the request ends, however it ends.
 replica failing before it is retried elsewhere). SSE chunks are written as they arrive, never
 re-parsed; a replica failing mid-stream ends the stream with one ``data: {"error": ...}`` event; a
 client going away closes the upstream response, so the replica stops generating. A non-streaming
-answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502).
+answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502) and written to the client while the
+request holds its slot. A client that has not read its answer by the request's deadline
+(``timeouts.total_s``) loses its connection (:func:`drop_connection`, counted as 499).
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ a thread's hand-offs (measured: 0.25 against 0.37 ms per 8k-token chat with a ca
 A chat mostly new is rendered again in the thread: that much more on top of a full encode."""
 BODY_READ_CHUNK_BYTES = 64 * 1024
 WEIGHTS_HEADER = "x-kvlb-weights"
+CONTENT_ENCODING = "Content-Encoding"
 SSE_CONTENT_TYPE = "text/event-stream"
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 """Largest non-streaming replica answer buffered before relaying; larger → 502."""
@@ -158,8 +162,9 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     if declared is not None and declared > max_bytes:  # before it takes a slot and bytes
         raise _too_large(declared, max_bytes)
     tenant = request.headers.get(state.settings.tenant_header)
-    async with admitted(state, declared or 0, tenant) as admission:
-        hold = admission.hold if declared is None else None
+    held = held_length(request)
+    async with admitted(state, held or 0, tenant) as admission:
+        hold = admission.hold if held is None else None
         body = await read_body(request, max_bytes, state.settings.timeouts, hold)
         parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
@@ -193,6 +198,17 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
 
 
+def held_length(request: web.Request) -> int | None:
+    """The bytes a body holds of ``limits.max_inflight_body_bytes`` from its admission: its declared
+    ``Content-Length``, or ``None`` (its bytes are held as they are read) when it declares none or
+    when it has a ``Content-Encoding``: aiohttp decodes gzip, deflate, br and zstd bodies, and the
+    decoded body, what kvlb keeps, may be up to ``limits.max_body_bytes`` whatever the length
+    declared (a 1 kB gzip body of a megabyte of spaces)."""
+    if CONTENT_ENCODING in request.headers:
+        return None
+    return request.content_length
+
+
 async def read_body(
     request: web.Request,
     max_bytes: int,
@@ -203,7 +219,31 @@ async def read_body(
     pace of :func:`body_due` (408, counted in ``kvlb_http_body_timeouts_total`` by the limit it
     missed). ``hold``: called with each chunk's size before the chunk is kept (a body without a
     declared length holds its bytes of ``limits.max_inflight_body_bytes`` as it is read; it may
-    wait, or refuse with :class:`~balancer.service.admission.AdmissionRefused`)."""
+    wait, or refuse with :class:`~balancer.service.admission.AdmissionRefused`). A body aiohttp
+    cannot decode (a ``Content-Encoding`` whose bytes are not that coding, a chunk it cannot frame)
+    is a 400 naming what is wrong, with ``Connection: close``: aiohttp closes the connection after
+    it (what is left of the body cannot be read), so the client must not send another request on it."""
+    try:
+        return await _read_body(request, max_bytes, timeouts, hold)
+    except web.RequestPayloadError as exc:
+        message = f"the request body is malformed: {payload_error_text(exc)}"
+        raise ApiError(400, message, headers={"Connection": "close"}) from None
+
+
+def payload_error_text(exc: web.RequestPayloadError) -> str:
+    """What aiohttp found wrong with a body: the message of the error it wrapped ("Can not decode
+    content-encoding: gzip"), without the wrapper's status prefix."""
+    cause = exc.__cause__
+    message = getattr(cause, "message", None)
+    return message if isinstance(message, str) and message else str(cause or exc)
+
+
+async def _read_body(
+    request: web.Request,
+    max_bytes: int,
+    timeouts: TimeoutConfig,
+    hold: Callable[[int], Awaitable[None]] | None,
+) -> bytes:
     declared = request.content_length
     if declared is not None and declared > max_bytes:
         raise _too_large(declared, max_bytes)
@@ -543,7 +583,7 @@ async def relay(
             headers["Cache-Control"] = "no-cache"
             response = await _relay_stream(request, state, job, lease, opened, headers)
         else:
-            response = await _relay_whole(state, lease, opened, headers, relay_deadline(state, job))
+            response = await _relay_whole(request, state, lease, opened, headers, relay_deadline(state, job))
     except asyncio.CancelledError:  # the client went away (handler cancellation)
         stream.close()
         outcome.status = "499"
@@ -604,8 +644,17 @@ class _SseResponse(web.StreamResponse):
 
 
 async def _relay_whole(
-    state: ServiceState, lease: Lease, opened: Opened, headers: dict[str, str], deadline: float
+    request: web.Request,
+    state: ServiceState,
+    lease: Lease,
+    opened: Opened,
+    headers: dict[str, str],
+    deadline: float,
 ) -> web.Response:
+    """The whole answer, read (at most :data:`MAX_RESPONSE_BYTES`) and written to the client by
+    ``deadline``: the request keeps its slot until the client has it, and a client that does not
+    read it by then loses its connection (499). Returned to aiohttp written, it pinned the answer's
+    bytes, and the connection, for as long as the client kept the connection open without reading."""
     parts = [opened.first]
     size = len(opened.first)
     try:
@@ -618,7 +667,28 @@ async def _relay_whole(
     except (UpstreamError, TimeoutError) as exc:
         message = failure_message(state, lease, exc)
         raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
-    return web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
+    response = web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
+    del parts
+    try:
+        async with asyncio.timeout_at(deadline):
+            await response.prepare(request)
+            await response.write_eof()
+    except ConnectionResetError:  # the client went away
+        request[OUTCOME].status = "499"
+    except TimeoutError:  # the client stopped reading
+        request[OUTCOME].status = "499"
+        drop_connection(request)
+    return response
+
+
+def drop_connection(request: web.Request) -> None:
+    """Close the client's connection at once, dropping what is buffered for it: a client that
+    stopped reading an answer by its deadline. Left open, the connection kept the unsent bytes (in
+    kvlb and in the kernel, megabytes) and its aiohttp task, waiting to finish the answer, for as
+    long as the client kept it open."""
+    transport = request.transport
+    if transport is not None:
+        transport.abort()
 
 
 def sse_error_event(message: str, status: int = 502) -> bytes:

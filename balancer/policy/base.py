@@ -221,7 +221,7 @@ class PolicyWeights:
         unknown = sorted(set(changes) - _FIELD_NAMES)
         if unknown:
             raise ConfigError(f"unknown policy weight(s): {', '.join(unknown)}")
-        coerced = {name: _as_float(value) for name, value in changes.items()}
+        coerced = {name: _as_float(name, value) for name, value in changes.items()}
         return dataclasses.replace(self, **coerced)
 
     def to_dict(self) -> dict[str, float | None]:
@@ -296,11 +296,19 @@ _OPTIONAL_FIELDS = OPTIONAL_WEIGHTS
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(PolicyWeights))
 
 
-def _as_float(value: Any) -> Any:
+def _as_float(name: str, value: Any) -> Any:
     """Integers become floats so weights compare and serialise alike; anything else is left for
-    :meth:`PolicyWeights.validate` to judge."""
+    :meth:`PolicyWeights.validate` to judge. An integer too large for a float (JSON's ``1`` and 400
+    zeros) is out of every weight's range: :class:`ConfigError` naming the field and its range
+    (``float()`` and ``math.isfinite`` raise ``OverflowError`` on it, and ``str()`` a ``ValueError``
+    past 4,300 digits, so it is described by its size in bits)."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise ConfigError(
+                f"policy.{name} must be in {WEIGHT_RANGES[name]}, got an integer of {value.bit_length()} bits"
+            ) from None
     return value
 
 

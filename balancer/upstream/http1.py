@@ -26,6 +26,9 @@ PARSE_ERROR_REASONS: Final[tuple[ParseErrorReason, ...]] = ("header_overflow", "
 _STATUS_RE: Final = re.compile(rb"HTTP/1\.([01]) ([0-9]{3})(?: ([^\r\n]*))?")
 _TOKEN_RE: Final = re.compile(rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 _HEX_RE: Final = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_CTL_RE: Final = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+"""Control characters a field value may not hold (RFC 9110, 5.5: all but HTAB). aiohttp refuses to
+write them, so a relayed ``Content-Type`` holding one failed the client's answer with a 500."""
 _CHUNK_LINE_BYTES: Final = 4096
 """Longest chunk-size line (size and extensions)."""
 _CRLF: Final = b"\r\n"
@@ -278,6 +281,8 @@ class ResponseParser:
             raise HttpParseError("malformed", f"bad status line {lines[0][:80]!r}")
         minor, code, reason = match.groups()
         status = int(code)
+        if not 100 <= status <= 599:  # RFC 9110, 15: invalid, to be taken as a server error
+            raise HttpParseError("malformed", f"status {status} outside 100..599")
         fields = self._fields(lines[1:])
         if status < 200:
             if status == 101:
@@ -323,7 +328,7 @@ class ResponseParser:
             name, sep, value = line.partition(b":")
             if not sep or not _TOKEN_RE.fullmatch(name):
                 raise HttpParseError("malformed", f"bad header line {line[:80]!r}")
-            if b"\r" in value or b"\n" in value or b"\0" in value:
+            if _CTL_RE.search(value) is not None:
                 raise HttpParseError("malformed", f"bad header value in {line[:80]!r}")
             key = name.decode("ascii").lower()
             text = value.strip(b" \t").decode("latin-1")

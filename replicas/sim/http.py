@@ -46,13 +46,23 @@ def _ctx(request: web.Request) -> ReplicaContext:
 
 
 async def _json(request: web.Request) -> dict[str, Any]:
+    """The body as a JSON object, read as the engines read it (FastAPI's ``json.loads`` of the raw
+    bytes: the ``Content-Type`` charset is not consulted, a BOM or UTF-16 is detected); anything it
+    refuses (not JSON, an integer over 4,300 digits, nesting past the recursion limit) is a 400 in
+    the engines' error shape, never a 500."""
+    raw = await request.read()
     try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise web.HTTPBadRequest(text=f"invalid JSON: {exc}") from exc
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+        raise _bad_request(f"invalid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="the body must be a JSON object")
+        raise _bad_request("the body must be a JSON object")
     return body
+
+
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    payload = {"object": "error", "error": {"message": message, "type": "BadRequestError", "code": 400}}
+    return web.HTTPBadRequest(text=json.dumps(payload), content_type="application/json")
 
 
 def parse_sampling(body: Mapping[str, Any], default_max_tokens: int) -> Sampling:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import grpc
 import pytest
@@ -174,3 +175,36 @@ async def test_health_reflection_and_shutdown(tokenizer: Tokenizer) -> None:
         assert all(router.in_flight(r) == 0 for r in router.space_of)  # released at shutdown
         gone = await failure(g.balancer.Route(pb.RouteRequest(request=token_request(PROMPT))))
         assert gone.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_undecodable_health_and_reflection_messages_are_invalid_argument(
+    tokenizer: Tokenizer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """grpcio's own services decode a message before their code runs: bytes that are no message
+    were UNKNOWN and a traceback logged at ERROR on every call (the adversarial run of 2026-11-30,
+    branch h-adversary). Now INVALID_ARGUMENT, nothing logged, and the services still answer."""
+    caplog.set_level(logging.INFO)
+    garbage = b"\xff\xff\xff"
+    async with grpc_running(tokenizer) as g:
+        calls = [
+            g.channel.unary_unary("/grpc.health.v1.Health/Check")(garbage),
+            g.channel.unary_unary("/grpc.health.v1.Health/List")(garbage),
+        ]
+        for call in calls:
+            refused = await failure(call)
+            assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert refused.details() == "malformed request: the message cannot be decoded"
+        watch = g.channel.unary_stream("/grpc.health.v1.Health/Watch")(garbage)
+        refused = await failure(watch.read())
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        info = g.channel.stream_stream("/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo")
+        refused = await failure(info(iter([garbage])).read())
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info] == []
+        health = health_pb2_grpc.HealthStub(g.channel)
+        answer = await health.Check(health_pb2.HealthCheckRequest(service=""))
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(g.channel)
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        answers = [a async for a in reflection.ServerReflectionInfo(iter([ask]))]
+        assert answers and answers[0].list_services_response.service

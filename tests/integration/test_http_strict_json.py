@@ -75,6 +75,14 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
             # errors are JSON too
             ("PUT", "/admin/policy", {"weights": {"prefill_weight": 1e308}}, None, 400),
             ("PUT", "/admin/policy", b'{"weights": {"temperature": Infinity}}', None, 400),
+            ("PUT", "/admin/policy", b'{"weights": {"prefill_weight": 1%s}}' % (b"0" * 400), None, 400),
+            (
+                "POST",
+                "/admin/explain",
+                completion,
+                {"x-kvlb-weights": '{"queue_weight": 1%s}' % ("0" * 400)},
+                400,
+            ),
             (
                 "POST",
                 "/v1/completions",

@@ -211,3 +211,40 @@ async def test_refused_connections_come_back() -> None:
         await asyncio.sleep(0.6)
         async with aiohttp.ClientSession() as fresh, fresh.get(replica.url + "/health") as response:
             assert response.status == 200
+
+
+BAD_BODIES = [
+    # (what, Content-Type, body): each was a 500 "Server got itself in trouble" (the adversarial run
+    # of 2026-11-30, branch h-adversary); an engine answers 400, and kvlb relays what the replica says
+    ("a charset Python does not know", "application/json; charset=bogus-9", b'{"prompt": "hi"}'),
+    ("an integer of 50,000 digits", "application/json", b'{"prompt": "hi", "x": ' + b"9" * 50_000 + b"}"),
+    (
+        "nesting past the recursion limit",
+        "application/json",
+        b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    ),
+    ("not JSON", "application/json", b"{nope"),
+    ("not an object", "application/json", b"[1, 2]"),
+]
+
+
+@pytest.mark.parametrize(("what", "content_type", "body"), BAD_BODIES, ids=[b[0] for b in BAD_BODIES])
+async def test_a_body_the_engine_cannot_read_is_a_400_in_its_error_shape(
+    what: str, content_type: str, body: bytes
+) -> None:
+    async with running() as (replica, session):
+        url = replica.url + "/v1/completions"
+        async with session.post(url, data=body, headers={"Content-Type": content_type}) as response:
+            assert response.status == 400, (what, await response.text())
+            error = (await response.json())["error"]
+            assert error["code"] == 400 and error["type"] == "BadRequestError"
+
+
+async def test_a_bom_or_utf16_body_is_read_as_the_engines_read_it() -> None:
+    """FastAPI's ``json.loads`` of the raw bytes detects a UTF-8 BOM and UTF-16; the emulator too
+    (was a 400 "Unexpected UTF-8 BOM", while kvlb had accepted the body)."""
+    body = {"model": "sim-test", "prompt": [1, 2, 3, 4], "max_tokens": 1}
+    async with running() as (replica, session):
+        for data in (b"\xef\xbb\xbf" + json.dumps(body).encode(), json.dumps(body).encode("utf-16")):
+            async with session.post(replica.url + "/v1/completions", data=data) as response:
+                assert response.status == 200, await response.text()

@@ -71,9 +71,17 @@ def test_connection_close_http_1_0_and_trailing_bytes_forbid_reuse() -> None:
     ("raw", "reason"),
     [
         (b"HTTP/1.1 2000 OK\r\n\r\n", "malformed"),
+        (b"HTTP/1.1 999 Weird\r\nContent-Length: 2\r\n\r\nok", "malformed"),  # RFC 9110, 15
+        (b"HTTP/1.1 600 X\r\n\r\n", "malformed"),
+        (b"HTTP/1.1 099 X\r\n\r\nHTTP/1.1 200 OK\r\n\r\n", "malformed"),  # not an interim 1xx
         (b"SPDY/3 200 OK\r\n", "malformed"),
         (b"HTTP/1.1 200 OK\r\nBad Header: x\r\n\r\n", "malformed"),
         (b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n", "malformed"),
+        # control characters in a value (RFC 9110, 5.5): aiohttp will not write them to the client
+        (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; x=\x0bq\r\n\r\n", "malformed"),
+        (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\x7f\r\n\r\n", "malformed"),
+        (b"HTTP/1.1 200 OK\r\nX: a\x1bb\r\n\r\n", "malformed"),
+        (b"HTTP/1.1 200 OK\r\nX: a\x00b\r\n\r\n", "malformed"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "malformed"),
         (b"HTTP/1.1 200 OK\r\nContent-Length: 1, 2\r\n\r\n", "malformed"),
         (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", "malformed"),

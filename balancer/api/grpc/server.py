@@ -24,6 +24,9 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   protobuf message is not counted.
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
+* The health and reflection services are grpcio's own, which decode their messages before their
+  code runs: :class:`UndecodableRequests` makes a message they cannot decode an INVALID_ARGUMENT
+  (grpcio answered UNKNOWN and logged a traceback at ERROR, for any client, every call).
 """
 
 from __future__ import annotations
@@ -370,6 +373,83 @@ class BalancerService:
         return pb.ReleaseResponse(request_id=request.request_id, replica_id=lease.replica)
 
 
+class _Undecodable:
+    """What a guarded deserializer returns for bytes its message type cannot decode."""
+
+
+UNDECODABLE = _Undecodable()
+MALFORMED = "malformed request: the message cannot be decoded"
+
+
+class UndecodableRequests(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Makes a message a method cannot decode an INVALID_ARGUMENT, not an UNKNOWN and a traceback
+    logged at ERROR: for the methods that decode their messages before their code runs (grpcio's
+    health and reflection services; kvlb's own read raw bytes and parse them themselves,
+    :func:`~balancer.api.grpc.calls.parse_message`, and pass through untouched)."""
+
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return guarded(handler)
+
+
+def guarded(handler: Any) -> Any:
+    """``handler`` (a ``grpc.RpcMethodHandler``) whose deserializer returns :data:`UNDECODABLE`
+    instead of raising, and whose behaviour aborts with INVALID_ARGUMENT on it."""
+    decode = handler.request_deserializer
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return decode(raw)
+        except Exception:  # protobuf's DecodeError, or anything a deserializer raises on bad bytes
+            return UNDECODABLE
+
+    async def refuse(context: Any) -> NoReturn:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, MALFORMED)
+        raise AssertionError("abort returned")  # pragma: no cover - abort always raises
+
+    async def checked(requests: Any, context: Any) -> Any:
+        async for request in requests:
+            if request is UNDECODABLE:
+                await refuse(context)
+            yield request
+
+    if handler.unary_unary is not None:
+        inner_uu = handler.unary_unary
+
+        async def unary_unary(request: Any, context: Any) -> Any:
+            if request is UNDECODABLE:
+                await refuse(context)
+            return await inner_uu(request, context)
+
+        return handler._replace(request_deserializer=deserialize, unary_unary=unary_unary)
+    if handler.unary_stream is not None:
+        inner_us = handler.unary_stream
+
+        async def unary_stream(request: Any, context: Any) -> Any:
+            if request is UNDECODABLE:
+                await refuse(context)
+            async for response in inner_us(request, context):
+                yield response
+
+        return handler._replace(request_deserializer=deserialize, unary_stream=unary_stream)
+    if handler.stream_unary is not None:
+        inner_su = handler.stream_unary
+
+        async def stream_unary(requests: Any, context: Any) -> Any:
+            return await inner_su(checked(requests, context), context)
+
+        return handler._replace(request_deserializer=deserialize, stream_unary=stream_unary)
+    inner_ss = handler.stream_stream
+
+    async def stream_stream(requests: Any, context: Any) -> Any:
+        async for response in inner_ss(checked(requests, context), context):
+            yield response
+
+    return handler._replace(request_deserializer=deserialize, stream_stream=stream_stream)
+
+
 class GrpcServer:
     """The server and what it owns: the reservations and the maintenance task."""
 
@@ -395,7 +475,7 @@ class GrpcServer:
             # a port in use is an error, not silently shared (workers share theirs on purpose)
             ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
-        server = self._server = grpc.aio.server(options=options)
+        server = self._server = grpc.aio.server(options=options, interceptors=[UndecodableRequests()])
         server.add_generic_rpc_handlers(
             (BalancerService(self.state, self.reservations).handlers(), admin_handlers(self.state))
         )
