@@ -153,7 +153,7 @@ class FaultRig:
         """One check: the engines, every checked kvlb, the engines again."""
         before = await self.engine_listing()
         urls = self.checked or [self.url]
-        indexes = [await self.index_listing(url) for url in urls]
+        indexes = await asyncio.gather(*(self.index_listing(url) for url in urls))
         after = await self.engine_listing()
         if before is None or after is None or before != after:
             return UNSTEADY

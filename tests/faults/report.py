@@ -114,11 +114,14 @@ def render(results: dict[str, dict[str, Any]]) -> str:
 
 
 def replace_rows(text: str, results: dict[str, dict[str, Any]]) -> str:
-    """``text`` with the fault-table row of each scenario in ``results`` replaced by its new row."""
+    """``text`` with the fault-table row of each scenario in ``results`` replaced by its new row (and
+    the table's header by this revision's)."""
     head, _, rest = text.partition(BEGIN)
     section, _, tail = rest.partition(END)
     lines = section.split("\n")
-    rows = faults_table(results)[2:]
+    header, rows = faults_table(results)[:2], faults_table(results)[2:]
+    at = next(i for i, line in enumerate(lines) if line.startswith("| scenario |"))
+    lines[at : at + 2] = header  # the columns as this revision writes them
     titles = [r["title"] for r in results.values() if "scenario" in r]
     for title, row in zip(titles, rows, strict=True):
         found = [i for i, line in enumerate(lines) if line.startswith(f"| {title} |")]
