@@ -71,6 +71,10 @@ class Convergence:
     """The index holds no more blocks than an engine (counts)."""
     equal_count_s: float | None
     """The index holds as many blocks as each engine (counts)."""
+    checks: int = 0
+    """Checks made until the blocks matched (or the limit)."""
+    steady: int = 0
+    """Of those, the ones that counted (the two engine readings agreed and kvlb answered)."""
 
 
 @dataclass
@@ -199,8 +203,11 @@ class FaultRig:
         times: dict[str, float] = {}
         self.trail = []
         last: str | None = None
+        checks = steady = 0
         while time.monotonic() < deadline:
             reading = await self.read()
+            checks += 1
+            steady += reading is not UNSTEADY
             elapsed_s = time.monotonic() - since
             if reading.text is not None and reading.text != last:
                 self.trail = [*self.trail, f"+{elapsed_s:.2f}s {reading.text}"][-TRAIL_MAX:]
@@ -216,6 +223,8 @@ class FaultRig:
             equal_s=times.get("blocks_equal"),
             within_count_s=times.get("counts_within"),
             equal_count_s=times.get("counts_equal"),
+            checks=checks,
+            steady=steady,
         )
 
     async def divergence(self) -> str:

@@ -156,6 +156,7 @@ async def run_in_fleet(
             if exact and excuse is not None:
                 exact, note = False, f"{note}; {excuse}"
             if converge_s is None or converge_s > scenario.converge_limit_s:
+                note += f"; {times.steady} of {times.checks} checks steady"
                 note += "; differing readings: " + (" | ".join(f.trail) or "none")
             if scenario.verify is not None:
                 note += "; " + await scenario.verify(f)
