@@ -24,7 +24,7 @@ from procs_free import free_port
 
 from balancer.events import KvEvent
 from balancer.fleet.space_mirror import SpaceMirror
-from balancer.index.base import ApplyResult, IndexStats, PrefixIndex
+from balancer.index.base import ApplyResult, HeldKeys, IndexStats, PrefixIndex
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror, MirrorSettings
@@ -199,6 +199,9 @@ class MirroredIndex:
     async def stats(self) -> IndexStats:
         return await self.mirror.stats()
 
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        return await self.mirror.held_keys(replica, limit)
+
     async def aclose(self) -> None:
         await self.writer.aclose()
         await self._raw.aclose()
@@ -270,6 +273,9 @@ class ThreadedMirroredIndex:
 
     async def stats(self) -> IndexStats:
         return self._table().stats()
+
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        return self._table().held_keys(replica, limit)
 
     async def aclose(self) -> None:
         assert self.handle.mirror.thread in (None, self.thread.name)  # it applied on its thread only

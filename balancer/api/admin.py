@@ -12,6 +12,11 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, prediction accuracy (the
   last receipts), event status (lag, last resync) and scrape status.
+* ``GET /admin/replicas/{id}/blocks?limit=``: the block keys the index routing reads holds for one
+  replica, per DP rank (confirmed blocks only, no speculative entry; at most ``limit`` a rank,
+  default :data:`DEFAULT_BLOCKS_LIMIT`, at most :data:`MAX_BLOCKS_LIMIT`), as 16 hex digits: what
+  kvlb thinks the replica caches, key for key (the fault rig compares them with the engine's own
+  listing).
 * ``POST /admin/replicas/{id}/drain`` and ``/undrain``.
 * ``GET /admin/series?minutes=``: the console's time series per interval (requests per replica,
   predicted and reported hit rate, TTFT p50/p90), from :mod:`balancer.service.series`.
@@ -237,6 +242,52 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
     return views
 
 
+BLOCKS_PARAMS = frozenset({"limit"})
+DEFAULT_BLOCKS_LIMIT = 1_000
+"""Keys ``GET /admin/replicas/{id}/blocks`` lists per DP rank when ``limit`` is not given."""
+MAX_BLOCKS_LIMIT = 10_000
+"""Most keys it lists per DP rank (about 190 kB of JSON); a rank holding more says ``truncated``."""
+
+
+async def replica_blocks(request: web.Request) -> web.Response:
+    check_query(request.query, BLOCKS_PARAMS)
+    raw = request.query.get("limit")
+    limit = DEFAULT_BLOCKS_LIMIT
+    if raw is not None:
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 6) or not 0 <= int(raw) <= MAX_BLOCKS_LIMIT:
+            raise ApiError(400, f"'limit' must be an integer in 0..{MAX_BLOCKS_LIMIT}, got {raw[:40]!r}")
+        limit = int(raw)
+    view = held_keys_view(request.app[STATE], ReplicaId(request.match_info["replica"]), limit)
+    return web.json_response(view, dumps=strict_json.dumps)
+
+
+def held_keys_view(state: ServiceState, replica: ReplicaId, limit: int) -> dict[str, Any]:
+    """The keys ``replica``'s caches hold in the table routing reads (the embedded index's, or the
+    fleet mirror's), at most ``limit`` per DP rank (404 naming the known replicas when unknown).
+    O(the keys listed), plus the stale engine-hash entries walked past (at most ``2 × held + 64``)."""
+    for pool in state.pools.values():
+        if replica not in pool.replicas:
+            continue
+        space = pool.router.space_of.get(replica)
+        listed = [] if space is None else space.table.held_keys(replica, limit)
+        return {
+            "replica": replica,
+            "model": pool.model,
+            "limit": limit,
+            "ranks": [
+                {
+                    "dp_rank": held.dp_rank,
+                    "blocks": held.held_blocks,
+                    "truncated": held.truncated,
+                    "keys": [f"{key:016x}" for key in held.keys],
+                }
+                for held in listed
+            ],
+        }
+    known = ", ".join(sorted(r for pool in state.pools.values() for r in pool.replicas))
+    raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
+
+
 def prediction_view(pool: Pool, replica: ReplicaId) -> dict[str, Any]:
     """The replica's last receipts: how often the router predicted its cached blocks exactly."""
     stats = pool.router.receipts.stats(replica)
@@ -348,5 +399,6 @@ def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/fleet", fleet_view)
     app.router.add_get("/admin/series", series)
+    app.router.add_get("/admin/replicas/{replica}/blocks", replica_blocks)
     app.router.add_post("/admin/replicas/{replica}/drain", drain)
     app.router.add_post("/admin/replicas/{replica}/undrain", undrain)

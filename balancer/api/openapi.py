@@ -288,6 +288,24 @@ def _admin_paths() -> dict[str, Any]:
                 "responses": {"200": ok, **_errors(400, 401)},
             }
         },
+        "/admin/replicas/{replica}/blocks": {
+            "get": {
+                "summary": "The block keys the index holds for one replica, per DP rank (confirmed blocks"
+                " only), as 16 hex digits; a rank holding more than limit says truncated",
+                **admin,
+                "parameters": [
+                    {"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "required": False,
+                        "description": "Most keys per rank, 0..10000 (default 1000)",
+                        "schema": {"type": "string", "pattern": "^[0-9]{1,5}$"},
+                    },
+                ],
+                "responses": {"200": ok, **_errors(400, 401, 404)},
+            }
+        },
         "/admin/replicas/{replica}/drain": {
             "post": {"summary": "Stop routing new requests to a replica", **admin, **_REPLICA}
         },

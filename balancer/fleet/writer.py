@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 from balancer.errors import BalancerError
 from balancer.events import KvEvent
-from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.base import ApplyResult, HeldKeys, IndexStats
 from balancer.index.redis.client import REDIS_ERRORS
 from balancer.index.redis.index import PositionMismatchError, RedisIndex, StaleGenerationError
 from balancer.index.redis.lease import IngestionLease, encode_positions
@@ -263,6 +263,9 @@ class FencedWriter:
 
     async def stats(self) -> IndexStats:
         return await self.index.stats()
+
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        return await self.index.held_keys(replica, limit)
 
     async def aclose(self) -> None:
         """The index belongs to the fleet runtime, which closes it."""

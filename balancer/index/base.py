@@ -86,6 +86,23 @@ class IndexStats:
     """Measured or estimated memory per held block; ``None`` when the backend cannot tell."""
 
 
+@dataclass(frozen=True, slots=True)
+class HeldKeys:
+    """The block keys one cache (replica, DP rank) really holds, as far as a listing's cap allows
+    (speculative entries are not listed)."""
+
+    dp_rank: int
+    held_blocks: int
+    """Blocks the cache holds in all (what ``IndexStats.blocks_by_replica`` sums over ranks)."""
+    keys: tuple[BlockKey, ...]
+    """At most the listing's ``limit`` of them, in no particular order."""
+
+    @property
+    def truncated(self) -> bool:
+        """Whether the cap left some out."""
+        return len(self.keys) < self.held_blocks
+
+
 class PrefixIndex(Protocol):
     """Who holds which blocks, as event ingestion writes it. All methods are coroutines so that
     remote backends fit. Ingestion calls only ``apply`` and ``drop_replica``; ``match``,
@@ -120,6 +137,15 @@ class PrefixIndex(Protocol):
 
     async def stats(self) -> IndexStats:
         """Current size and per-replica block counts."""
+        ...
+
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        """The keys each DP rank of ``replica`` really holds (no speculative entry), at most
+        ``limit`` per rank, ranks in ascending order (a rank a clear emptied is listed with 0
+        blocks until ``drop_replica``; none for a replica never stored): what ``GET
+        /admin/replicas/{id}/blocks`` lists, and how a check compares the index with an engine's
+        own listing block for block. O(the listed blocks) plus the cache's stale map entries
+        walked past (at most ``2 × held + 64``)."""
         ...
 
     async def aclose(self) -> None:

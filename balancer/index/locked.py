@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Collection, Iterable, Sequence
 
 from balancer.events import KvEvent, event_blocks
-from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.base import ApplyResult, HeldKeys, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
@@ -182,6 +182,10 @@ class LockedPrefixTable(PrefixTable):
     def engine_hashes(self, replica: ReplicaId, dp_rank: int = 0) -> set[int]:
         with self.lock:
             return super().engine_hashes(replica, dp_rank)
+
+    def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        with self.lock:
+            return super().held_keys(replica, limit)
 
     def held_blocks(self, replica: ReplicaId) -> int:
         with self.lock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from balancer.events import KvEvent
-from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.base import ApplyResult, HeldKeys, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
@@ -56,6 +56,9 @@ class MemoryIndex:
 
     async def stats(self) -> IndexStats:
         return self.table.stats()
+
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        return self.table.held_keys(replica, limit)
 
     async def aclose(self) -> None:
         """Nothing to release: the table is plain memory."""

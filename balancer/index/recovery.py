@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+from balancer.index.base import HeldKeys
 from balancer.index.hashing import pack_tokens
 from balancer.index.roots import RootCounts
 from balancer.index.slots import CacheSlot, RoutedPrompt, SlotRegistry, TableCounters, TableLimits
@@ -462,3 +463,25 @@ class GapRecovery:
             return set()
         get = self._holders.get
         return {engine_hash for engine_hash, key in cache.keys.items() if get(key, 0) & cache.bit}
+
+    def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        """The keys each cache of ``replica`` holds (speculative entries not listed), at most
+        ``limit`` per DP rank, ranks ascending (``PrefixIndex.held_keys``): O(the cache's map),
+        which holds at most ``2 × held + 64`` entries beyond the dropped ones."""
+        ranks = self._slots.caches.get(replica)
+        if not ranks:
+            return []
+        get = self._holders.get
+        out: list[HeldKeys] = []
+        for dp_rank in sorted(ranks):
+            cache = ranks[dp_rank]
+            bit = cache.bit
+            keys: dict[int, None] = {}
+            if limit > 0:
+                for key in cache.keys.values():
+                    if get(key, 0) & bit:
+                        keys[key] = None
+                        if len(keys) >= limit:
+                            break
+            out.append(HeldKeys(dp_rank, cache.held, tuple(BlockKey(k) for k in keys)))
+        return out

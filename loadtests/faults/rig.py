@@ -2,15 +2,19 @@
 observes of them: the index against the engines' true caches, kvlb's counters, its memory (I/O).
 
 **Convergence** means: for every replica, the blocks kvlb's index holds for it (``GET
-/admin/replicas``, confirmed blocks only) equal the full blocks the engine really caches (``GET
-/admin/stats`` of the emulator, summed over DP ranks). Under load both move, so one check reads the
-engines, then kvlb, then the engines again, and counts only when the two engine readings agree.
+/admin/replicas/{id}/blocks``, confirmed blocks only, as kvlb's block keys) are the blocks the
+engine really caches (``GET /admin/blocks`` of the emulator: its pages, keyed the way kvlb keys
+them, :mod:`loadtests.faults.blocks`), rank for rank. The block counts are compared too (the
+criterion until 2026-11-30: near a full cache a stale index often has the engine's count), and both
+times are reported. Under load both sides move, so one check reads the engines, then kvlb, then the
+engines again, and counts only when the two engine readings agree (the same blocks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -19,12 +23,58 @@ from typing import Any
 
 import aiohttp
 
-from loadtests.faults.procs import BLOCK_SIZE, Child, Sim, serve, sim, write_config
+from loadtests.faults.blocks import (
+    Listed,
+    blocks_within,
+    difference,
+    engine_keys,
+    index_keys,
+    same_blocks,
+)
+from loadtests.faults.procs import BLOCK_SIZE, MODEL, Child, Sim, serve, sim, write_config
 from loadtests.faults.tcp_proxy import DelayProxy
 
 POLL_S = 0.05
 TRAIL_MAX = 12
 """Readings :attr:`FaultRig.trail` keeps."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One check of every checked kvlb's index against the engines (:meth:`FaultRig.read`)."""
+
+    blocks_equal: bool
+    """Every index holds exactly the engines' blocks (the same keys, rank for rank)."""
+    blocks_within: bool
+    """No index holds a block its engine lacks."""
+    counts_equal: bool
+    """Every index holds as many blocks as its engine."""
+    counts_within: bool
+    """No index holds more blocks than its engine."""
+    text: str | None
+    """The reading, when the engines stood still and it differed."""
+
+
+UNSTEADY = Reading(False, False, False, False, None)
+"""A check whose two engine readings differed (or an engine did not answer): it counts for nothing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Convergence:
+    """Seconds from the recovery until each criterion first held (``None``: not within the limit)."""
+
+    within_s: float | None
+    """The index holds no block an engine lacks (block keys)."""
+    equal_s: float | None
+    """The index holds exactly the engines' blocks (block keys)."""
+    within_count_s: float | None
+    """The index holds no more blocks than an engine (counts)."""
+    equal_count_s: float | None
+    """The index holds as many blocks as each engine (counts)."""
+    checks: int = 0
+    """Checks made until the blocks matched (or the limit)."""
+    steady: int = 0
+    """Of those, the ones that counted (the two engine readings agreed and kvlb answered)."""
 
 
 @dataclass
@@ -76,55 +126,114 @@ class FaultRig:
             views = (await response.json())["replicas"]
         return {view["id"]: int(view["index"]["blocks"]) for view in views}
 
-    async def compare(self) -> tuple[bool, bool]:
-        """``(equal, within)``: every checked kvlb's index holds exactly the engines' block counts /
-        at most them."""
-        equal, within, _ = await self._compare()
-        return equal, within
+    async def engine_listing(self) -> dict[str, Listed] | None:
+        """Every engine's cached blocks (``GET /admin/blocks``, read at once); ``None`` when one did
+        not answer."""
+        try:
+            listings = await asyncio.gather(*(self._get(s.url + "/admin/blocks") for s in self.sims))
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        return {s.name: engine_keys(listing, MODEL) for s, listing in zip(self.sims, listings, strict=True)}
 
-    async def _compare(self) -> tuple[bool, bool, str | None]:
-        """:meth:`compare`, and the reading as text when the engines stood still and it differed."""
-        before = await self.engine_blocks()
+    async def index_listing(self, url: str | None = None) -> dict[str, Listed]:
+        """The blocks one kvlb's index holds for every replica (``GET /admin/replicas/{id}/blocks``)."""
+        base = (url or self.url) + "/admin/replicas/"
+        views = await asyncio.gather(*(self._get(f"{base}{s.name}/blocks?limit=10000") for s in self.sims))
+        return {s.name: index_keys(view) for s, view in zip(self.sims, views, strict=True)}
+
+    async def _get(self, url: str) -> Any:
+        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=1)) as response:
+            if response.status != 200:
+                raise aiohttp.ClientError(f"GET {url}: {response.status} {await response.text()}")
+            return await response.json()
+
+    async def compare(self) -> tuple[bool, bool]:
+        """``(equal, within)``: every checked kvlb's index holds exactly the engines' blocks / no
+        block they lack (block keys, not counts)."""
+        reading = await self.read()
+        return reading.blocks_equal, reading.blocks_within
+
+    async def read(self) -> Reading:
+        """One check: the engines, every checked kvlb, the engines again."""
+        before = await self.engine_listing()
         urls = self.checked or [self.url]
-        indexes = [await self.index_blocks(url) for url in urls]
-        after = await self.engine_blocks()
+        indexes = await asyncio.gather(*(self.index_listing(url) for url in urls))
+        after = await self.engine_listing()
         if before is None or after is None or before != after:
-            return False, False, None
-        equal = all(index == before for index in indexes)
-        within = all(index.get(name, 0) <= count for index in indexes for name, count in before.items())
-        if equal:
-            return True, True, None
-        pairs = zip(urls, indexes, strict=True)
-        kvlbs = " ".join(f"kvlb-{self._number(url)} {index}" for url, index in pairs)
-        return False, within, f"engines {before} {kvlbs}"
+            return UNSTEADY
+        pairs = [(index[name], engine) for index in indexes for name, engine in before.items()]
+        reading = Reading(
+            blocks_equal=all(same_blocks(i, e) for i, e in pairs),
+            blocks_within=all(blocks_within(i, e) for i, e in pairs),
+            counts_equal=all(i.count == e.count for i, e in pairs),
+            counts_within=all(i.count <= e.count for i, e in pairs),
+            text=None,
+        )
+        if reading.blocks_equal:
+            return reading
+        engines = {name: listed.count for name, listed in before.items()}
+        kvlbs = " ".join(
+            f"kvlb-{self._number(url)} {self._described(index, before)}"
+            for url, index in zip(urls, indexes, strict=True)
+        )
+        return dataclasses.replace(reading, text=f"engines {engines} {kvlbs}")
+
+    @staticmethod
+    def _described(index: dict[str, Listed], engines: dict[str, Listed]) -> str:
+        """Counts per replica, and for each replica whose blocks differ ``-lacked/+extra``."""
+        counts = {name: listed.count for name, listed in index.items()}
+        differ = {
+            name: difference(listed, engines[name])
+            for name, listed in index.items()
+            if not same_blocks(listed, engines[name])
+        }
+        return f"{counts} blocks {differ}"
 
     def _number(self, url: str) -> int:
         """The kvlb's number (``kvlb-<n>``) of ``url``: 0 for the first, then :attr:`others` in order."""
         children = [self.kvlb, *self.others]
         return next((i for i, c in enumerate(children) if c.info.get("url") == url), -1)
 
-    async def time_to_converge(self, since: float, limit_s: float) -> tuple[float | None, float | None]:
-        """Seconds from ``since`` (monotonic) until the index is within the engines' caches (no block
-        the engines lack) and until it matches them exactly; ``None`` if not within ``limit_s``.
-        The differing readings on the way are kept in :attr:`trail`."""
+    async def time_to_converge(self, since: float, limit_s: float) -> Convergence:
+        """Seconds from ``since`` (monotonic) until the index is within the engines' caches and until
+        it matches them, by block keys and by counts (:class:`Convergence`); ``None`` if not within
+        ``limit_s``. Stops at the blocks' match (the counts match then too). The differing readings
+        on the way are kept in :attr:`trail`."""
         deadline = since + limit_s
-        within_s: float | None = None
+        times: dict[str, float] = {}
         self.trail = []
         last: str | None = None
+        checks = steady = 0
         while time.monotonic() < deadline:
-            equal, within, reading = await self._compare()
-            if reading is not None and reading != last:
-                self.trail = [*self.trail, f"+{time.monotonic() - since:.2f}s {reading}"][-TRAIL_MAX:]
-                last = reading
-            if within and within_s is None:
-                within_s = time.monotonic() - since
-            if equal:
-                return within_s, time.monotonic() - since
+            reading = await self.read()
+            checks += 1
+            steady += reading is not UNSTEADY
+            elapsed_s = time.monotonic() - since
+            if reading.text is not None and reading.text != last:
+                self.trail = [*self.trail, f"+{elapsed_s:.2f}s {reading.text}"][-TRAIL_MAX:]
+                last = reading.text
+            for name in ("blocks_within", "blocks_equal", "counts_within", "counts_equal"):
+                if getattr(reading, name):
+                    times.setdefault(name, elapsed_s)
+            if reading.blocks_equal:
+                break
             await asyncio.sleep(POLL_S)
-        return within_s, None
+        return Convergence(
+            within_s=times.get("blocks_within"),
+            equal_s=times.get("blocks_equal"),
+            within_count_s=times.get("counts_within"),
+            equal_count_s=times.get("counts_equal"),
+            checks=checks,
+            steady=steady,
+        )
 
     async def divergence(self) -> str:
-        return f"engines {await self.engine_blocks()} index {await self.index_blocks()}"
+        engines = await self.engine_listing()
+        if engines is None:
+            return "an engine did not answer"
+        index = await self.index_listing()
+        counts = {name: listed.count for name, listed in engines.items()}
+        return f"engines {counts} index {self._described(index, engines)}"
 
     async def metrics(self) -> dict[str, float]:
         """Sums of kvlb's counters by family (labels added up)."""

@@ -211,7 +211,9 @@ async def _inject_in_turn(
         try:
             entry["note"] = await REPLICA_SCENARIOS[name].inject(f, HOLD_S, load)
             recovered = time.monotonic()
-            entry["within_s"], entry["equal_s"] = await f.time_to_converge(recovered, CONVERGE_WAIT_S)
+            times = await f.time_to_converge(recovered, CONVERGE_WAIT_S)
+            entry["within_s"], entry["equal_s"] = times.within_s, times.equal_s
+            entry["equal_count_s"] = times.equal_count_s
         except (RuntimeError, TimeoutError, OSError, aiohttp.ClientError) as exc:
             entry["error"] = f"{exc.__class__.__name__}: {exc}"[:300]
         finally:

@@ -146,6 +146,23 @@ class PrefixCache:
         _, matched = self._walk(self.pages_of(tokens), split=False)
         return matched * self.page_size
 
+    def listing(self, limit: int) -> tuple[list[tuple[int, PageTokens]], bool]:
+        """The cached pages, each parent before its children: ``(parent, tokens)`` with ``parent``
+        the position of its parent page in the list (-1: a root page), at most ``limit`` of them
+        (changes nothing); and whether the cap left some out. What ``GET /admin/blocks`` lists, so
+        that a check can compare the blocks themselves, not their count, with a router's index."""
+        out: list[tuple[int, PageTokens]] = []
+        stack: list[tuple[_Node, int]] = [(child, -1) for child in reversed(self._root.children.values())]
+        while stack:
+            node, parent = stack.pop()
+            for page in node.pages:
+                if len(out) >= limit:
+                    return out, True
+                out.append((parent, page.tokens))
+                parent = len(out) - 1
+            stack.extend((child, parent) for child in reversed(node.children.values()))
+        return out, False
+
     # ----------------------------------------------------------------------------------- requests
 
     def acquire(self, match_tokens: Sequence[int], reserve_tokens: int, now: float) -> Lease | None:

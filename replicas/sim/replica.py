@@ -12,6 +12,9 @@ Admin endpoints (for tests and the demo; not part of any engine's API):
 * ``GET /admin/requests``: modelled timings of recently finished requests (``?clear=1`` empties it).
 * ``GET /admin/stats``: per-rank cache and queue figures, event counters, and the generation requests
   open now and at most at once (``open_requests``, ``peak_open_requests``).
+* ``GET /admin/blocks?limit=``: per rank, the pages the cache holds (``PrefixCache.listing``: each
+  page's parent position and tokens, parents first), at most ``limit`` a rank (default and most
+  :data:`MAX_LISTED_BLOCKS`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,10 @@ SHUTDOWN_TIMEOUT_S = 1.0
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 """Largest request body accepted."""
+
+
+MAX_LISTED_BLOCKS = 65_536
+"""Most pages ``GET /admin/blocks`` lists per rank (its ``limit``, and the default)."""
 
 
 BIND_ATTEMPTS = 5
@@ -169,6 +176,7 @@ class Replica:
         router.add_delete("/admin/faults", self._clear_faults)
         router.add_get("/admin/requests", self._requests)
         router.add_get("/admin/stats", self._stats)
+        router.add_get("/admin/blocks", self._blocks)
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(self.faults.describe())
@@ -203,6 +211,26 @@ class Replica:
         if request.query.get("clear") in ("1", "true"):
             self.engine.finished_log.clear()
         return web.json_response(records)
+
+    async def _blocks(self, request: web.Request) -> web.Response:
+        raw = request.query.get("limit", str(MAX_LISTED_BLOCKS))
+        if not (raw.isascii() and raw.isdigit() and len(raw) <= 6) or int(raw) > MAX_LISTED_BLOCKS:
+            return json_error(400, f"'limit' must be an integer in 0..{MAX_LISTED_BLOCKS}")
+        ranks = []
+        for rank, engine_rank in enumerate(self.engine.ranks):
+            cache = engine_rank.scheduler.cache
+            pages, truncated = cache.listing(int(raw))
+            ranks.append(
+                {
+                    "dp_rank": rank,
+                    "blocks": cache.tree_blocks,
+                    "truncated": truncated,
+                    "pages": [[parent, list(tokens)] for parent, tokens in pages],
+                }
+            )
+        return web.json_response(
+            {"name": self.config.name, "block_size": self.config.block_size, "ranks": ranks}
+        )
 
     async def _stats(self, request: web.Request) -> web.Response:
         stats: dict[str, Any] = {

@@ -383,3 +383,36 @@ async def test_drop_blocks_of_a_confirmed_key_keeps_its_speculative_entry(make_i
     assert await overlap(index, toks(3), now=1.0) == {A: 3}  # the request's entry stays
     assert (await index.stats()).held_blocks == 0
     assert await overlap(index, toks(3), now=5.0) == {A: 0}
+
+
+async def test_held_keys_list_each_ranks_real_blocks_only(make_index: MakeIndex) -> None:
+    index = await make_index()
+    keys = PLAIN.request_keys(toks(4))
+    other = PLAIN.request_keys(toks(2, 100))
+    await apply(index, A, stored(toks(4), [11, 12, 13, 14]), stored(toks(2, 100), [21, 22], dp_rank=1))
+    await apply(index, A, Removed(0, hashes(14)))
+    await index.add_speculative(A, PLAIN.request_keys(toks(3, 500)), ttl_s=10.0, now=0.0)  # not listed
+    await apply(index, B, stored(toks(4), [31, 32, 33, 34]))  # another replica's: not listed
+    listed = await index.held_keys(A, 100)
+    assert [(h.dp_rank, h.held_blocks, sorted(h.keys), h.truncated) for h in listed] == [
+        (0, 3, sorted(keys[:3]), False),
+        (1, 2, sorted(other), False),
+    ]
+    capped = await index.held_keys(A, 2)
+    assert [(h.held_blocks, len(h.keys), h.truncated) for h in capped] == [(3, 2, True), (2, 2, False)]
+    assert set(capped[0].keys) <= set(keys[:3])
+    assert await index.held_keys(C, 100) == []
+
+
+async def test_held_keys_follow_clears_drops_and_duplicate_handles(make_index: MakeIndex) -> None:
+    index = await make_index()
+    keys = PLAIN.request_keys(toks(3))
+    await apply(index, A, stored(toks(3), [1, 2, 3]), stored(toks(1), [9]))  # handle 9: the same tokens as 1
+    assert [sorted(h.keys) for h in await index.held_keys(A, 100)] == [sorted(keys)]
+    await index.drop_blocks(A, keys[2:])
+    assert [sorted(h.keys) for h in await index.held_keys(A, 100)] == [sorted(keys[:2])]
+    await apply(index, A, Cleared(0))
+    assert [(h.held_blocks, h.keys) for h in await index.held_keys(A, 100)] == [(0, ())]  # the rank stays
+    await apply(index, A, stored(toks(1), [5]))
+    await index.drop_replica(A)
+    assert await index.held_keys(A, 100) == []

@@ -36,12 +36,17 @@ def _seconds(value: float | None) -> str:
     return "not converged" if value is None else f"{value:.2f} s"
 
 
+def _asserted(result: dict[str, Any]) -> str:
+    """A mark on a scenario whose checks assert on the counts, not the blocks."""
+    return " (counts asserted)" if result.get("criterion") == "counts" else ""
+
+
 def faults_table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "| scenario | sent | ok | retried | stream error events | upstream errors | refused | lost "
-        "| index within engines after | matches engines after | kvlb RSS "
+        "| index within engines after | same block count after | same blocks after | kvlb RSS "
         "| p99 (ok): all / during the fault | counters | what happened |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for result in results.values():
         if "scenario" not in result:
@@ -56,7 +61,8 @@ def faults_table(results: dict[str, dict[str, Any]]) -> list[str]:
             f"| {result['title']} | {result['sent']} | {result['ok']} | {result['retried']} "
             f"| {result['stream_errors']} | {result['upstream_errors']} | {result['refused']} "
             f"| {result['lost']} "
-            f"| {_seconds(result['within_s'])} | {_seconds(result['converge_s'])} "
+            f"| {_seconds(result['within_s'])} | {_seconds(result.get('converge_count_s'))} "
+            f"| {_seconds(result['converge_s'])}{_asserted(result)} "
             f"| {result['rss_mb']} MB | {result['p99_s']} / {result['p99_fault_s']} s "
             f"| {shown or '—'} | {result['note']} |"
         )
@@ -108,11 +114,14 @@ def render(results: dict[str, dict[str, Any]]) -> str:
 
 
 def replace_rows(text: str, results: dict[str, dict[str, Any]]) -> str:
-    """``text`` with the fault-table row of each scenario in ``results`` replaced by its new row."""
+    """``text`` with the fault-table row of each scenario in ``results`` replaced by its new row (and
+    the table's header by this revision's)."""
     head, _, rest = text.partition(BEGIN)
     section, _, tail = rest.partition(END)
     lines = section.split("\n")
-    rows = faults_table(results)[2:]
+    header, rows = faults_table(results)[:2], faults_table(results)[2:]
+    at = next(i for i, line in enumerate(lines) if line.startswith("| scenario |"))
+    lines[at : at + 2] = header  # the columns as this revision writes them
     titles = [r["title"] for r in results.values() if "scenario" in r]
     for title, row in zip(titles, rows, strict=True):
         found = [i for i, line in enumerate(lines) if line.startswith(f"| {title} |")]

@@ -34,7 +34,7 @@ TRACE_S = 10.0
 TRACE: list[dict[str, Any]] = []
 
 
-async def _traced(self: rig.FaultRig, since: float, limit_s: float) -> tuple[float | None, float | None]:
+async def _traced(self: rig.FaultRig, since: float, limit_s: float) -> rig.Convergence:
     within_s = converge_s = None
     while time.monotonic() < since + TRACE_S:
         before = await self.engine_blocks()
@@ -52,7 +52,7 @@ async def _traced(self: rig.FaultRig, since: float, limit_s: float) -> tuple[flo
             if converge_s is None and index == before:
                 converge_s = t
         await asyncio.sleep(rig.POLL_S)
-    return within_s, converge_s
+    return rig.Convergence(None, None, within_s, converge_s)  # counts only (the trace's criterion)
 
 
 def _analyse(held: list[str]) -> dict[str, Any]:
@@ -77,8 +77,8 @@ async def main() -> dict[str, Any]:
     result = (await scenarios.run(scenarios.SCENARIOS["kvlb_killed"], tmp, scale=4.0)).to_json()
     held = result["note"].split(": ", 1)[1].split(";")[0].split(", ")
     summary = {
-        "converge_s": result["converge_s"],
-        "within_s": result["within_s"],
+        "converge_s": result["converge_count_s"],
+        "within_s": result["within_count_s"],
         "resyncs": result["counters"]["kvlb_events_resyncs_total"],
         "note": result["note"],
         **_analyse(held),

@@ -116,6 +116,7 @@ def _calls(table: LockedPrefixTable, keys: list[int]) -> dict[str, object]:
         "settle_suspect": lambda: table.settle_suspect(A, typed, (), 0.0),
         "suspect_blocks": lambda: table.suspect_blocks(A),
         "engine_hashes": lambda: table.engine_hashes(A),
+        "held_keys": lambda: table.held_keys(A, 10),
         "learn_blocks": lambda: table.learn_blocks(A, typed, [1, 2], 0.0, hold=True),
         "held_prefix": lambda: table.held_prefix(A, typed),
         "routes_wanted": lambda: table.routes_wanted(A, 0.0),

@@ -170,3 +170,33 @@ def test_reset_invalidates_old_leases() -> None:
 def test_rejects_bad_sizes() -> None:
     with pytest.raises(ValueError):
         PrefixCache(page_size=0, capacity_blocks=4)
+
+
+def chains(listed: list[tuple[int, tuple[int, ...]]]) -> set[tuple[tuple[int, ...], ...]]:
+    """Each listed page as the chain of pages from its root (checks every parent comes first)."""
+    paths: list[tuple[tuple[int, ...], ...]] = []
+    for parent, page in listed:
+        assert parent < len(paths)
+        paths.append((*paths[parent], page) if parent >= 0 else (page,))
+    return set(paths)
+
+
+def test_listing_names_every_cached_page_under_its_parent_and_follows_evictions() -> None:
+    cache = PrefixCache(page_size=2, capacity_blocks=7)
+    cached_run(cache, [1, 2, 3, 4, 5, 6], now=1.0)
+    cached_run(cache, [1, 2, 3, 4, 9, 9, 8, 8], now=2.0)  # splits the first node after (3, 4)
+    cached_run(cache, [7, 7], now=3.0)
+    listed, truncated = cache.listing(100)
+    assert not truncated and len(listed) == cache.tree_blocks == 6
+    a, b, c = (1, 2), (3, 4), (7, 7)
+    assert chains(listed) == {(a,), (a, b), (a, b, (5, 6)), (a, b, (9, 9)), (a, b, (9, 9), (8, 8)), (c,)}
+    cached_run(cache, [6, 6, 5, 5], now=4.0)  # evicts the least recently used leaf, (5, 6)
+    listed, _ = cache.listing(100)
+    assert (a, b, (5, 6)) not in chains(listed) and (a, b, (9, 9), (8, 8)) in chains(listed)
+    assert len(listed) == cache.tree_blocks
+    capped, truncated = cache.listing(3)
+    assert truncated and len(capped) == 3
+    assert chains(capped) <= chains(listed)  # a prefix of the listing: parents still come first
+    assert cache.listing(0) == ([], True)
+    cache.reset()
+    assert cache.listing(100) == ([], False)

@@ -29,7 +29,7 @@ import redis.asyncio as aioredis
 
 from balancer.errors import BalancerError
 from balancer.events import Cleared, KvEvent, Resync
-from balancer.index.base import ApplyResult, IndexStats
+from balancer.index.base import ApplyResult, HeldKeys, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis import scripts
 from balancer.index.redis.client import RedisClient
@@ -558,6 +558,41 @@ class RedisIndex:
             speculative_entries=int(speculative),
             capacity_blocks=self.settings.capacity_blocks,
         )
+
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        """The keys each rank of ``replica`` holds, at most ``limit`` per rank: its caches are the
+        ranks with a ``held`` field; each one's ``m:`` map is walked with ``HSCAN`` (``COUNT``
+        ``max_script_blocks``) and a key counts when its ``b:`` hash has the cache's field (one
+        pipelined ``HEXISTS`` per step). Read in steps, not atomically: an apply between two steps
+        may show in one and not in the other (a check compares several readings)."""
+        ranks = cast("set[str]", await cast("Any", self.client.smembers(self.keys.ranks(replica))))
+        out: list[HeldKeys] = []
+        step = self.settings.max_script_blocks
+        for rank in sorted(int(r) for r in ranks):
+            cid = cache_id(replica, rank)
+            held = await cast("Any", self.client.hget(self.keys.held, cid))
+            if held is None:
+                continue  # no cache now (dropped, or never stored)
+            keys: dict[str, None] = {}
+            cursor = 0
+            while len(keys) < limit:
+                cursor, page = cast(
+                    "tuple[int, dict[str, str]]",
+                    await cast("Any", self.client.hscan(self.keys.engine_map(cid), cursor, count=step)),
+                )
+                fresh = [key for key in dict.fromkeys(page.values()) if key not in keys]
+                if fresh:
+                    pipe = self.client.pipeline(transaction=False)
+                    for key in fresh:
+                        pipe.hexists(self.keys.block(key), cid)
+                    present = await pipe.execute()
+                    for key, there in zip(fresh, present, strict=True):
+                        if there and len(keys) < limit:
+                            keys[key] = None
+                if not int(cursor):
+                    break
+            out.append(HeldKeys(rank, int(held), tuple(BlockKey(int(key, 16)) for key in keys)))
+        return out
 
     async def aclose(self) -> None:
         """Close the connection pool if this index created it."""

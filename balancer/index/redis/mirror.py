@@ -42,7 +42,7 @@ from typing import Any, cast
 from prometheus_client import Counter
 
 from balancer.errors import EventDecodeError
-from balancer.index.base import IndexStats
+from balancer.index.base import HeldKeys, IndexStats
 from balancer.index.hashing import BlockHasher
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.memory import MemoryIndex
@@ -333,3 +333,6 @@ class Mirror:
 
     async def stats(self) -> IndexStats:
         return await self.index.stats()
+
+    async def held_keys(self, replica: ReplicaId, limit: int) -> list[HeldKeys]:
+        return await self.index.held_keys(replica, limit)
