@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog="Peers: `pip install -e '.[peers]'` installs both peer routers (sglang-router for "
         "sglang_cache_aware, vllm-router for vllm_kv_aware); a peer that is not installed is skipped. "
         "sglang-router takes text only: give the Mooncake trace --param prompt_format=text. A router "
-        "with more than 1%% failed requests is reported invalid, with the reason, instead of a row.",
+        "with more than 1% failed requests is reported invalid, with the reason, instead of a row.",
     )
     add_arguments(parser)
     parser.set_defaults(handler=run)
