@@ -35,7 +35,7 @@ from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_midd
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
-from balancer.errors import ConfigError
+from balancer.errors import ConfigError, bind_error
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import BreakerConfig, HealthBook
 from balancer.index.locked import LockedPrefixTable
@@ -377,7 +377,10 @@ class Balancer:
             site = web.TCPSite(
                 self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
             )
-        await site.start()
+        try:
+            await site.start()
+        except (OSError, OverflowError) as exc:  # a port in use, a host that resolves to nothing
+            raise bind_error("listen.port", listen.host, listen.port, exc) from None
         host, port = self._runner.addresses[0][:2]
         if self._siblings is not None:  # the private port the other workers reach this one on
             private = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=ssl_context)
