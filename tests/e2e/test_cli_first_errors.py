@@ -164,3 +164,35 @@ async def test_output_to_a_reader_that_left_is_no_traceback(tmp_path: Path) -> N
         assert "Traceback" not in done.stderr and "BrokenPipeError" not in done.stderr, done.stderr
     finally:
         assert await stop(server) in (0, -signal.SIGTERM)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("simulate", "--smoke", "--param", "bogus=1"),
+            "kvlb simulate: workload 'tenants': TenantsWorkload.__init__() got an unexpected keyword "
+            "argument 'bogus'",
+        ),
+        (
+            ("tune", "--smoke", "--param", "bogus=1"),
+            "kvlb tune: workload 'tenants': TenantsWorkload.__init__() got an unexpected keyword "
+            "argument 'bogus'",
+        ),
+        (
+            ("bench", "overhead", "--smoke", "--kinds", "nope"),
+            "kvlb bench overhead: kinds must be among chat_shared, chat, chat_cold, tokens, tokens_shared, "
+            "grpc_tokens, got nope",
+        ),
+        (
+            ("bench", "overhead", "--smoke", "--workers", "x"),
+            "kvlb bench overhead: invalid literal for int() with base 10: 'x'",
+        ),
+    ],
+)
+def test_a_tools_bad_value_is_one_line(argv: tuple[str, ...], message: str) -> None:
+    # before: a traceback out of the running simulation (the workload is built at its first request)
+    # and out of the benchmark's shape
+    done = kvlb(*argv)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [message]
