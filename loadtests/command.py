@@ -165,6 +165,19 @@ def build_workload(args: argparse.Namespace, capacity_tokens: int | None, replic
     return workload
 
 
+def check_workload(args: argparse.Namespace) -> None:
+    """Build the workload and draw its first request before any replica starts, so that an unknown
+    workload, a bad ``--param`` or a missing ``--trace`` is a ``ValueError`` at once (it was found
+    after the fleet of ``--replicas`` had started, about 5 s later, exit 1)."""
+    workload = build_workload(args, None, args.replicas)
+    try:
+        next(iter(workload.generate(random.Random(args.seed))), None)
+    except OSError as exc:
+        raise ValueError(f"--trace {args.trace}: {exc.strerror or exc}") from None
+    except TypeError as exc:  # a --param of the wrong type
+        raise ValueError(f"workload {args.workload!r}: {exc}") from None
+
+
 def build_specs(workload: Workload, args: argparse.Namespace) -> list[RequestSpec]:
     """The stream every router gets: ``--requests`` specs, with Poisson arrivals when they have none."""
     specs = list(itertools.islice(workload.generate(random.Random(args.seed)), args.requests))
@@ -383,6 +396,7 @@ def run(args: argparse.Namespace) -> int:
             routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]
             if not routers or args.requests <= 0 or args.rate <= 0:
                 raise ValueError("need at least one router, --requests > 0 and --rate > 0")
+            check_workload(args)
             out = args.out or Path("loadtest-results") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
             campaign = _campaign(args, routers, out)
     except ValueError as exc:

@@ -185,6 +185,14 @@ async def test_output_to_a_reader_that_left_is_no_traceback(tmp_path: Path) -> N
             "grpc_tokens, got nope",
         ),
         (
+            ("loadtest", "--workload", "nope"),
+            "kvlb loadtest: unknown workload 'nope'; known: agent, chat, mooncake, rag, tenants, unique",
+        ),
+        (
+            ("loadtest", "--workload", "mooncake", "--trace", "no-such-trace.jsonl"),
+            "kvlb loadtest: --trace no-such-trace.jsonl: No such file or directory",
+        ),
+        (
             ("bench", "overhead", "--smoke", "--workers", "x"),
             "kvlb bench overhead: invalid literal for int() with base 10: 'x'",
         ),
@@ -192,7 +200,7 @@ async def test_output_to_a_reader_that_left_is_no_traceback(tmp_path: Path) -> N
 )
 def test_a_tools_bad_value_is_one_line(argv: tuple[str, ...], message: str) -> None:
     # before: a traceback out of the running simulation (the workload is built at its first request)
-    # and out of the benchmark's shape
+    # and out of the benchmark's shape; kvlb loadtest started its fleet of 8 replicas first, exit 1
     done = kvlb(*argv)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [message]
