@@ -409,7 +409,14 @@ def run_admin(args: argparse.Namespace) -> int:
         headers["Authorization"] = f"Bearer {token}"
     if getattr(args, "actor", None):
         headers["x-kvlb-actor"] = args.actor
-    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
+    url = args.url.rstrip("/")
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https") or args.timeout_s <= 0:
+        print(
+            f"kvlb admin: need an http(s):// --url and --timeout-s > 0, got {url!r} and {args.timeout_s:g}",
+            file=sys.stderr,
+        )
+        return 2
+    request = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout_s) as response:
             answer = json.loads(response.read())

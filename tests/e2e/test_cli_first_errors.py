@@ -204,3 +204,22 @@ def test_a_tools_bad_value_is_one_line(argv: tuple[str, ...], message: str) -> N
     done = kvlb(*argv)
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [message]
+
+
+@pytest.mark.parametrize("option", ["--base-port", "--event-port-base"])
+def test_an_emulator_port_in_use_is_one_line(held_port: int, option: str) -> None:
+    # before: an OSError (HTTP) or ZMQError (events) traceback, exit 1
+    done = kvlb("emulate", "--replicas", "1", "--tokenizer", "none", option, str(held_port))
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("kvlb emulate:")]
+    assert line.startswith("kvlb emulate: cannot start the replicas: ")
+    assert "already in use" in line.lower() and str(held_port) in line
+
+
+def test_an_admin_url_without_a_scheme_is_one_line() -> None:
+    done = kvlb("admin", "--url", "127.0.0.1:8000", "replicas")  # before: a ValueError traceback
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "kvlb admin: need an http(s):// --url and --timeout-s > 0, got '127.0.0.1:8000' and 10"
+    ]
