@@ -106,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="emulator profile")
     add("--kv-capacity-tokens", type=int, default=None, help="per-replica KV pool (default: the profile's)")
     add("--max-context-tokens", type=int, default=None, help="per-request context (default: the profile's)")
-    add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second")
-    add("--processes", type=int, default=2, help="child processes the fleet is split over")
+    add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second (1)")
+    add("--processes", type=int, default=2, help="child processes the fleet is split over (2)")
     add("--engine", choices=("sglang", "vllm"), default="sglang",
         help="engine the replicas emulate: SGLang 0.5.23 (block 16) or vLLM 0.32 (block 128, its "
         "events, /reset_prefix_cache and vllm: metrics)")  # fmt: skip
@@ -117,9 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb emulate` prints")
     add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
-    add("--max-duration-s", type=float, default=600.0, help="per router: cancel what is left after this")
-    add("--timeout-s", type=float, default=300.0, help="per request")
-    add("--sample-interval-s", type=float, default=0.5, help="per-replica load sampling period")
+    add(
+        "--max-duration-s",
+        type=float,
+        default=600.0,
+        help="per router: cancel what is left after this many wall seconds (600)",
+    )
+    add("--timeout-s", type=float, default=300.0, help="per request, wall seconds (300)")
+    add(
+        "--sample-interval-s", type=float, default=0.5, help="per-replica load sampling period, seconds (0.5)"
+    )
     add("--no-oracle", action="store_true", help="skip the oracle bound (it tokenizes every prompt)")
     add("--no-plots", action="store_true", help="write no PNG plots")
     add("--netns", action="store_true",

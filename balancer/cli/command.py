@@ -289,7 +289,9 @@ def _register_admin(subparsers: SubParsers) -> None:
     token = parser.add_mutually_exclusive_group()
     token.add_argument("--token", help="admin bearer token (auth.admin_token)")
     token.add_argument("--token-file", type=Path, help="file holding the admin token (keeps it out of ps)")
-    parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default %(default)s)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=10.0, help="HTTP timeout, seconds (default %(default)s)"
+    )
     actions = parser.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
     policy = actions.add_parser("policy", help="show or change the routing policy")
     policy_actions = policy.add_subparsers(dest="policy_command", metavar="get|set", required=True)
