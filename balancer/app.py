@@ -390,6 +390,11 @@ class Balancer:
             self._siblings.register(f"{scheme}://{private_host}:{private_port}")
         self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
         log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
+        if not state.pools:  # `kvlb serve` with no --config: it listens, and knows no model
+            log.warning(
+                "no pools configured: every /v1 request will be refused (unknown model); give the "
+                "replicas with --config FILE or $KVLB_CONFIG (examples/kvlb.yaml is a start)"
+            )
 
     async def _start_grpc(self, state: ServiceState) -> None:
         port = self.settings.listen.grpc_port

@@ -223,3 +223,12 @@ def test_an_admin_url_without_a_scheme_is_one_line() -> None:
     assert done.stderr.splitlines() == [
         "kvlb admin: need an http(s):// --url and --timeout-s > 0, got '127.0.0.1:8000' and 10"
     ]
+
+
+async def test_serving_no_pool_says_so(tmp_path: Path) -> None:
+    # `kvlb serve` with no --config listens and knows no model: before, only 'kvlb serving 0 pool(s)'
+    config = tmp_path / "empty.yaml"
+    config.write_text("pools: []\n")
+    server: Child = await start_serve(tmp_path, config, "--workers", "1", "--set", "listen.port=0")
+    assert await stop(server) in (0, -signal.SIGTERM)  # the warning comes before the announcement
+    assert "no pools configured: every /v1 request will be refused" in server.stderr.read_text()
