@@ -35,7 +35,7 @@ from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_midd
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
-from balancer.errors import ConfigError
+from balancer.errors import ConfigError, bind_error
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import BreakerConfig, HealthBook
 from balancer.index.locked import LockedPrefixTable
@@ -377,7 +377,10 @@ class Balancer:
             site = web.TCPSite(
                 self._runner, listen.host, listen.port, reuse_address=True, ssl_context=ssl_context
             )
-        await site.start()
+        try:
+            await site.start()
+        except (OSError, OverflowError) as exc:  # a port in use, a host that resolves to nothing
+            raise bind_error("listen.port", listen.host, listen.port, exc) from None
         host, port = self._runner.addresses[0][:2]
         if self._siblings is not None:  # the private port the other workers reach this one on
             private = web.TCPSite(self._runner, "127.0.0.1", 0, ssl_context=ssl_context)
@@ -387,6 +390,11 @@ class Balancer:
             self._siblings.register(f"{scheme}://{private_host}:{private_port}")
         self.url = f"{'https' if ssl_context else 'http'}://{host}:{port}"
         log.info("kvlb serving %d pool(s) on %s", len(state.pools), self.url)
+        if not state.pools:  # `kvlb serve` with no --config: it listens, and knows no model
+            log.warning(
+                "no pools configured: every /v1 request will be refused (unknown model); give the "
+                "replicas with --config FILE or $KVLB_CONFIG (examples/kvlb.yaml is a start)"
+            )
 
     async def _start_grpc(self, state: ServiceState) -> None:
         port = self.settings.listen.grpc_port

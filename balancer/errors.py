@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 class BalancerError(Exception):
     """Base of every error kvlb raises on purpose."""
@@ -53,3 +55,16 @@ class UpstreamError(BalancerError):
 
 class UpstreamTimeout(UpstreamError):
     """The replica did not answer within a stage timeout."""
+
+
+def bind_error(setting: str, host: str, port: int, exc: OSError | OverflowError) -> ConfigError:
+    """The one-line error for a listener that could not bind (a port in use, a host that resolves to
+    nothing, a port out of range), naming the setting: ``listen.port: cannot bind 127.0.0.1:8000:
+    Address already in use``."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno > 0:
+        reason = os.strerror(exc.errno)  # uvloop's own message repeats the address
+    elif isinstance(exc, OSError) and exc.strerror:
+        reason = exc.strerror  # getaddrinfo's (negative errno)
+    else:
+        reason = str(exc).rstrip(".")
+    return ConfigError(f"{setting}: cannot bind {host}:{port}: {reason}")

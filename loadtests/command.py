@@ -65,7 +65,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         epilog="Peers: `pip install -e '.[peers]'` installs both peer routers (sglang-router for "
         "sglang_cache_aware, vllm-router for vllm_kv_aware); a peer that is not installed is skipped. "
         "sglang-router takes text only: give the Mooncake trace --param prompt_format=text. A router "
-        "with more than 1%% failed requests is reported invalid, with the reason, instead of a row.",
+        "with more than 1% failed requests is reported invalid, with the reason, instead of a row.",
     )
     add_arguments(parser)
     parser.set_defaults(handler=run)
@@ -106,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="emulator profile")
     add("--kv-capacity-tokens", type=int, default=None, help="per-replica KV pool (default: the profile's)")
     add("--max-context-tokens", type=int, default=None, help="per-request context (default: the profile's)")
-    add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second")
-    add("--processes", type=int, default=2, help="child processes the fleet is split over")
+    add("--time-scale", type=float, default=1.0, help="emulator model seconds per wall second (1)")
+    add("--processes", type=int, default=2, help="child processes the fleet is split over (2)")
     add("--engine", choices=("sglang", "vllm"), default="sglang",
         help="engine the replicas emulate: SGLang 0.5.23 (block 16) or vLLM 0.32 (block 128, its "
         "events, /reset_prefix_cache and vllm: metrics)")  # fmt: skip
@@ -117,9 +117,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb emulate` prints")
     add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
-    add("--max-duration-s", type=float, default=600.0, help="per router: cancel what is left after this")
-    add("--timeout-s", type=float, default=300.0, help="per request")
-    add("--sample-interval-s", type=float, default=0.5, help="per-replica load sampling period")
+    add(
+        "--max-duration-s",
+        type=float,
+        default=600.0,
+        help="per router: cancel what is left after this many wall seconds (600)",
+    )
+    add("--timeout-s", type=float, default=300.0, help="per request, wall seconds (300)")
+    add(
+        "--sample-interval-s", type=float, default=0.5, help="per-replica load sampling period, seconds (0.5)"
+    )
     add("--no-oracle", action="store_true", help="skip the oracle bound (it tokenizes every prompt)")
     add("--no-plots", action="store_true", help="write no PNG plots")
     add("--netns", action="store_true",
@@ -163,6 +170,19 @@ def build_workload(args: argparse.Namespace, capacity_tokens: int | None, replic
     if isinstance(workload, TenantsWorkload) and "tenants" not in params and capacity_tokens is not None:
         workload = workload.for_capacity(capacity_tokens, replicas=replicas)
     return workload
+
+
+def check_workload(args: argparse.Namespace) -> None:
+    """Build the workload and draw its first request before any replica starts, so that an unknown
+    workload, a bad ``--param`` or a missing ``--trace`` is a ``ValueError`` at once (it was found
+    after the fleet of ``--replicas`` had started, about 5 s later, exit 1)."""
+    workload = build_workload(args, None, args.replicas)
+    try:
+        next(iter(workload.generate(random.Random(args.seed))), None)
+    except OSError as exc:
+        raise ValueError(f"--trace {args.trace}: {exc.strerror or exc}") from None
+    except TypeError as exc:  # a --param of the wrong type
+        raise ValueError(f"workload {args.workload!r}: {exc}") from None
 
 
 def build_specs(workload: Workload, args: argparse.Namespace) -> list[RequestSpec]:
@@ -383,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
             routers = [parse_router(name) for name in args.routers.split(",") if name.strip()]
             if not routers or args.requests <= 0 or args.rate <= 0:
                 raise ValueError("need at least one router, --requests > 0 and --rate > 0")
+            check_workload(args)
             out = args.out or Path("loadtest-results") / f"{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
             campaign = _campaign(args, routers, out)
     except ValueError as exc:

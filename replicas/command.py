@@ -197,8 +197,14 @@ class EmulateCommand:
         except (KeyError, ValueError) as exc:
             print(f"kvlb {name}: {exc}", file=sys.stderr)
             return 2
+        import zmq  # the replicas import it anyway; `kvlb emulate --help` need not
+
         serve = self._serve_processes(spec, args.processes) if args.processes > 1 else self._serve(spec)
-        runner(not args.no_uvloop)(serve)
+        try:
+            runner(not args.no_uvloop)(serve)
+        except (OSError, zmq.ZMQError, RuntimeError) as exc:  # a port in use; a child that could not start
+            print(f"kvlb {name}: cannot start the replicas: {exc}", file=sys.stderr)
+            return 2
         return 0
 
     def run_deprecated_alias(self, args: argparse.Namespace) -> int:

@@ -173,7 +173,8 @@ class ProcessEmulator:
                 if text.startswith("{"):
                     listing: list[dict[str, Any]] = json.loads(text)["replicas"]
                     return listing
-        raise RuntimeError(f"child {child.pid} exited with {child.returncode} before listing its replicas")
+            code = await child.wait()  # its stdout closed: it is exiting (its error is on stderr)
+        raise RuntimeError(f"child {child.pid} exited with {code} before listing its replicas")
 
     async def stop(self) -> None:
         for child in self.children:

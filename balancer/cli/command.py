@@ -70,7 +70,11 @@ def _register_serve(subparsers: SubParsers) -> None:
         default=ServeOptions().shutdown_grace_s,
         help="after SIGTERM, seconds in-flight requests get to finish (default %(default)s)",
     )
-    parser.add_argument("--log-level", default=None, help="logging level (default: the log_level setting)")
+    parser.add_argument(
+        "--log-level",
+        default=None,
+        help="logging level: debug, info, warning, error or critical (default: the log_level setting)",
+    )
     parser.add_argument("--no-uvloop", action="store_true", help="use the default asyncio event loop")
     parser.add_argument(
         "--workers",
@@ -130,6 +134,28 @@ def log_allocator(settings: Settings, on_jemalloc: bool) -> None:
         log.info("allocator: system (allocator: system)")
 
 
+PORT_MAX = 65_535
+"""The highest TCP port (``listen.port`` and ``listen.grpc_port`` beyond it would wrap around)."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The values ``--log-level`` and the ``log_level`` setting take (any case)."""
+
+
+def preflight(settings: Settings) -> None:
+    """Refuse, before any worker starts, the settings mistakes that the service would only find once
+    built: the ports' range (a bound port beyond 65,535 wraps around to another one), the policy's
+    name and its weights (:mod:`balancer.policy`, pure). Without it each of ``--workers N`` workers
+    printed the error after loading its tokenizer (about 5 s) and the supervisor restarted them.
+    Raises :class:`ConfigError`."""
+    from balancer.policy import PolicyWeights, make_policy
+
+    listen = settings.listen
+    for name, port in (("listen.port", listen.port), ("listen.grpc_port", listen.grpc_port)):
+        if port is not None and not 0 <= port <= PORT_MAX:
+            raise ConfigError(f"{name} must be in [0, {PORT_MAX}], got {port}")
+    make_policy(settings.policy.name)
+    PolicyWeights.from_dict(settings.policy.weights)
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
         settings = load(args.config, args.set)
@@ -141,8 +167,15 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
-    one_thread_per_encode()
     level = (args.log_level or settings.log_level).upper()
+    try:
+        preflight(settings)
+        if level not in LOG_LEVELS:
+            raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level.lower()!r}")
+    except ConfigError as exc:
+        print(f"kvlb serve: {exc}", file=sys.stderr)
+        return 2
+    one_thread_per_encode()
     logging.basicConfig(
         level=level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -162,7 +195,7 @@ def run_serve(args: argparse.Namespace) -> int:
         role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir, args.load_table)
         _die_with_parent()
     elif args.workers > 1:
-        from balancer.cli.workers import supervise
+        from balancer.cli.workers import WorkerStartError, supervise
 
         supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)
         try:
@@ -170,6 +203,9 @@ def run_serve(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"kvlb serve: {exc}", file=sys.stderr)
             return 2
+        except WorkerStartError as exc:
+            print(f"kvlb serve: {exc}; the other workers were stopped", file=sys.stderr)
+            return exc.exit_status
         return 0
     options = ServeOptions(shutdown_grace_s=args.shutdown_grace_s, worker=role)
     try:
@@ -253,7 +289,9 @@ def _register_admin(subparsers: SubParsers) -> None:
     token = parser.add_mutually_exclusive_group()
     token.add_argument("--token", help="admin bearer token (auth.admin_token)")
     token.add_argument("--token-file", type=Path, help="file holding the admin token (keeps it out of ps)")
-    parser.add_argument("--timeout-s", type=float, default=10.0, help="HTTP timeout (default %(default)s)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=10.0, help="HTTP timeout, seconds (default %(default)s)"
+    )
     actions = parser.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
     policy = actions.add_parser("policy", help="show or change the routing policy")
     policy_actions = policy.add_subparsers(dest="policy_command", metavar="get|set", required=True)
@@ -373,7 +411,14 @@ def run_admin(args: argparse.Namespace) -> int:
         headers["Authorization"] = f"Bearer {token}"
     if getattr(args, "actor", None):
         headers["x-kvlb-actor"] = args.actor
-    request = urllib.request.Request(args.url.rstrip("/") + path, data=data, method=method, headers=headers)
+    url = args.url.rstrip("/")
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https") or args.timeout_s <= 0:
+        print(
+            f"kvlb admin: need an http(s):// --url and --timeout-s > 0, got {url!r} and {args.timeout_s:g}",
+            file=sys.stderr,
+        )
+        return 2
+    request = urllib.request.Request(url + path, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=args.timeout_s) as response:
             answer = json.loads(response.read())

@@ -15,6 +15,7 @@ tool (``kvlb emulate …``, ``kvlb loadtest …``) loads only that one (:func:`t
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from importlib.metadata import EntryPoint, entry_points
@@ -78,12 +79,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(tools)
     if tools and command not in _commands_of(parser):  # the tool did not register its namesake
         parser = build_parser()
-    args = parser.parse_args(given)
+    args, unknown = parser.parse_known_args(given)
+    if unknown:  # said by the (sub)command that was given them, with its usage: `kvlb serve: error: ...`
+        chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(unknown)}")
     handler: Callable[[argparse.Namespace], int] | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help(sys.stderr)
         return 2
-    return handler(args)
+    try:
+        return handler(args)
+    except BrokenPipeError:  # `kvlb admin replicas | head`: the reader left before the output ended
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
+
+
+def chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The innermost (sub)parser ``args`` went through: ``kvlb admin policy set``'s for those words."""
+    while True:
+        actions = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, actions[0].dest, None) if actions else None
+        choices = actions[0].choices if actions else None
+        if not isinstance(choices, dict) or name not in choices:
+            return parser
+        parser = choices[name]
 
 
 def _commands_of(parser: argparse.ArgumentParser) -> list[str]:

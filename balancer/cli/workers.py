@@ -19,7 +19,9 @@ load for the others (:class:`balancer.load.share.LoadTable`, named to the worker
 worker exits (its requests went with it) and removes the table when it stops.
 
 The supervisor prints ``{"kvlb": "serving", "url": ..., "workers": N}`` once every worker announced
-itself, restarts a worker that exits (after ``restart_backoff_s``, doubling up to
+itself (a worker that exits before it announced itself fails the start: :class:`WorkerStartError`, as
+a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, would fail every
+restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
 ``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``), and on SIGTERM/SIGINT
 forwards the signal to every worker and waits for them (each drains its in-flight requests within
 ``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
@@ -43,9 +45,21 @@ from dataclasses import dataclass, field
 
 from balancer import strict_json
 from balancer.config import Settings
+from balancer.errors import BalancerError, bind_error
 from balancer.load.share import LoadTable
 
 log = logging.getLogger(__name__)
+
+
+class WorkerStartError(BalancerError):
+    """The workers did not all start: one exited before it announced itself, or they took longer than
+    ``start_timeout_s``. ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this
+    message."""
+
+    def __init__(self, message: str, exit_status: int = 1) -> None:
+        super().__init__(message)
+        self.exit_status = exit_status
+        """2 when the worker refused its settings (it exited 2, as ``kvlb serve`` does), else 1."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,12 +91,17 @@ class _Worker:
 
 
 def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket:
-    """A TCP socket bound to ``host:port`` and listening, inheritable by the workers."""
+    """A TCP socket bound to ``host:port`` and listening, inheritable by the workers; a
+    :class:`~balancer.errors.ConfigError` naming ``listen.port`` when it cannot bind."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(backlog)
+    try:
+        sock.bind((host, port))
+        sock.listen(backlog)
+    except (OSError, OverflowError) as exc:  # a port in use, a host that resolves to nothing
+        sock.close()
+        raise bind_error("listen.port", host, port, exc) from None
     sock.set_inheritable(True)
     return sock
 
@@ -125,6 +144,12 @@ class Supervisor:
         """The workers' shared per-replica load (created at :meth:`start`)."""
         self._stopping = False
         self._restarters: set[asyncio.Task[None]] = set()
+        self._serving = False
+        """Every worker announced itself once: from then on a worker that exits is restarted."""
+        self._start_failed = asyncio.Event()
+        self.start_failure = ""
+        """Why :meth:`start` failed: the first worker that exited before it announced itself."""
+        self._start_failure_status = 1
 
     async def start(self) -> None:
         listen = self.settings.listen
@@ -142,8 +167,23 @@ class Supervisor:
             else:
                 self.grpc_port = listen.grpc_port
         await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
-        async with asyncio.timeout(self.config.start_timeout_s):
-            await asyncio.gather(*(worker.ready.wait() for worker in self.workers))
+        ready = asyncio.ensure_future(asyncio.gather(*(worker.ready.wait() for worker in self.workers)))
+        failed = asyncio.ensure_future(self._start_failed.wait())
+        try:
+            done, _ = await asyncio.wait(
+                (ready, failed), timeout=self.config.start_timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            for waiter in (ready, failed):
+                waiter.cancel()
+            await asyncio.gather(ready, failed, return_exceptions=True)
+        if ready not in done:
+            raise WorkerStartError(
+                self.start_failure
+                or f"the workers did not announce themselves within {self.config.start_timeout_s:g} s",
+                self._start_failure_status,
+            )
+        self._serving = True
 
     def _argv(self, worker: _Worker) -> list[str]:
         assert self._sock is not None
@@ -181,6 +221,15 @@ class Supervisor:
         if self._stopping:
             return
         ran_s = time.monotonic() - worker.started_at
+        if not self._serving:  # a worker that cannot start (its error is on stderr) would again
+            if not self.start_failure:
+                self._start_failure_status = 2 if code == 2 else 1
+                self.start_failure = (
+                    f"worker {worker.index} exited with {code} after {ran_s:.1f}s, while the workers started"
+                    + (" (its settings error is above)" if code == 2 else "")
+                )
+            self._start_failed.set()
+            return
         if ran_s >= self.config.stable_after_s or worker.backoff_s == 0:
             worker.backoff_s = self.config.restart_backoff_s
         else:
@@ -239,14 +288,28 @@ class Supervisor:
 async def supervise(
     settings: Settings, count: int, worker_argv: Sequence[str], shutdown_grace_s: float
 ) -> None:
-    """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up."""
+    """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up. A signal
+    while they start stops them; a failed start raises :class:`WorkerStartError` (or
+    :class:`~balancer.errors.ConfigError` for a port it cannot bind) once they are stopped."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     supervisor = Supervisor(settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s)
     try:
-        await supervisor.start()
+        starting = asyncio.create_task(supervisor.start(), name="kvlb-workers-start")
+        signalled = asyncio.create_task(stop.wait(), name="kvlb-workers-start-signal")
+        try:
+            await asyncio.wait((starting, signalled), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (starting, signalled):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(starting, signalled, return_exceptions=True)
+        if stop.is_set():  # the workers got the signal too: their exits are no failed start
+            log.info("signal received while the workers started: stopping them")
+            return
+        starting.result()  # raises why the start failed
         announcement = {
             "kvlb": "serving",
             "url": supervisor.url,

@@ -86,9 +86,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=None,
         help="the fleet: mixed (SGLang and TRT-LLM, the default), sglang, vllm or trtllm",
     )
-    parser.add_argument("--requests", type=int, help="requests per run (default 240)")
-    parser.add_argument("--rate", type=float, help="Poisson arrivals per second (default 10)")
-    parser.add_argument("--seed", type=int, help="seed of prompts and arrival times (default 1)")
+    defaults = DemoShape()  # the help's defaults are the demo's own
+    parser.add_argument("--requests", type=int, help=f"requests per run (default {defaults.requests})")
+    parser.add_argument(
+        "--rate", type=float, help=f"Poisson arrivals per second (default {defaults.rate_per_s:g})"
+    )
+    parser.add_argument(
+        "--seed", type=int, help=f"seed of prompts and arrival times (default {defaults.seed})"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--linger-on-terminal",

@@ -9,6 +9,7 @@ only the JSON report on stdout. See ``docs/simulate.md``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -222,6 +223,10 @@ def build_inputs(args: argparse.Namespace, materialise: bool) -> Inputs:
         )
         rate = args.rate if args.rate is not None else DEFAULT_RATE_PER_REPLICA * replicas
         stream = workload_requests(name, params, requests=requests, rate_per_s=rate, seed=args.seed)
+        # the workload is built when its first request is drawn: a bad --param fails here, as a
+        # one-line error of the command, not as a traceback out of the running simulation
+        first = next(stream, None)
+        stream = itertools.chain(() if first is None else (first,), stream)
         source = {"workload": name, "params": params, "requests": requests, "rate_per_s": rate}
     listed = list(stream) if materialise else None
     return Inputs(config, source, listed, None if materialise else stream)

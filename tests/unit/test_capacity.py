@@ -262,3 +262,34 @@ def test_confirm_interleave_without_fixed_rates_is_refused_before_anything_runs(
     assert args.handler(args) == 2
     assert "--confirm-interleave needs --confirm-rates" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _capacity_args(*argv: str) -> argparse.Namespace:
+    from loadtests.capacity.command import register
+
+    parser = argparse.ArgumentParser(prog="kvlb")
+    register(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["capacity", *argv])
+
+
+def test_smoke_tightens_the_slo_for_its_short_workload_but_not_for_a_trace() -> None:
+    from loadtests.capacity.command import apply_presets
+
+    workload = _capacity_args("--smoke")
+    apply_presets(workload)
+    assert (workload.slo_ttft_p90, workload.replicas, workload.requests) == ("0.3s", 2, 120)
+    # the README's `kvlb capacity --trace ... --smoke`: 0.3 s was missed at every rate by every router
+    trace = _capacity_args("--trace", "loadtests/traces/mooncake_synthetic_trace.jsonl", "--smoke")
+    apply_presets(trace)
+    assert (trace.slo_ttft_p90, trace.replicas, trace.requests) == ("2s", 2, 120)
+    chosen = _capacity_args("--smoke", "--slo-ttft-p90", "1s")
+    apply_presets(chosen)
+    assert chosen.slo_ttft_p90 == "1s"
+
+
+def test_a_search_that_met_the_slo_at_no_rate_says_so() -> None:
+    from loadtests.capacity.command import capacity_line
+
+    assert capacity_line(None, 0.001828989483310471) == "no rate tried met the SLO (down to 0.00183 req/s)"
+    assert capacity_line(4.0, 4.5937) == "capacity 4 req/s (first failing 4.59)"
+    assert capacity_line(8.0, None) == "capacity 8 req/s (first failing none)"

@@ -62,6 +62,7 @@ import contextlib
 import functools
 import json
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine, Sequence
@@ -524,5 +525,9 @@ def shape_from_args(args: argparse.Namespace) -> OverheadShape:
 
 
 def run_command(args: argparse.Namespace) -> int:
-    shape = shape_from_args(args)
+    try:
+        shape = shape_from_args(args)
+    except ValueError as exc:  # an unknown --kinds name, a --workers that is no count or below 1
+        print(f"kvlb bench overhead: {exc}", file=sys.stderr)
+        return 2
     return print_report(_event_loop_runner()(measure(shape)), format_report, json_only=args.json)
