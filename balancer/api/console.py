@@ -137,7 +137,16 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
 
     def work() -> WhatIfResult:
         try:
-            return replay(pool, records, policy, weights, sample=sample, pause=pause, pause_every=1)
+            return replay(
+                pool,
+                records,
+                policy,
+                weights,
+                sample=sample,
+                pause=pause,
+                pause_every=1,
+                live=(view.name, view.weights),
+            )
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
                 loop.call_soon_threadsafe(finished)

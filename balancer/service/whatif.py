@@ -152,17 +152,22 @@ def replay(
     sample: int = 10,
     pause: Callable[[], None] | None = None,
     pause_every: int = 8,
+    live: tuple[str, PolicyWeights] | None = None,
 ) -> WhatIfResult:
     """Re-run ``policy`` with ``weights`` on ``records`` (oldest first) and compare with what was
     decided. ``sample``: most changed decisions described (the newest ones). ``pause`` is called
     every ``pause_every`` records (the shell passes a short sleep, so that a replay in a worker
-    thread lets the event loop's thread take the GIL)."""
+    thread lets the event loop's thread take the GIL). ``live``: the policy's name and the weights in
+    force now (the console passes the live ones); a note counts the records made under others (a
+    policy change in the window, an ``x-kvlb-weights`` override), whose "before" is not what the
+    live policy decides. ``None``: the replayed ones stand for the live ones."""
     before, after = _Side(), _Side()
     replicas: dict[ReplicaId, None] = {}
     prompt_tokens = changed = 0
     other_config = other_memory = fresh = 0
     changes: list[tuple[DecisionRecord, Decision]] = []
     rng = ReplayRng(len(records))
+    live_policy, live_weights = live if live is not None else (policy.name, weights)
     for i, record in enumerate(records):
         if pause is not None and i and i % pause_every == 0:
             pause()
@@ -173,13 +178,14 @@ def replay(
         prompt_tokens += inputs.request.prompt_tokens
         before.add(record.decision)
         after.add(decision)
-        if record.policy != policy.name or record.weights != weights:
+        if record.policy != live_policy or record.weights != live_weights:
             other_config += 1
-            recorded = record.weights.ramp_memory_s
+        recorded = record.weights.ramp_memory_s
+        if recorded != weights.ramp_memory_s:
             if weights.ramp_memory_s and not recorded:
                 fresh += 1  # recorded with the memory off: no average to advance
             else:
-                other_memory += recorded != weights.ramp_memory_s
+                other_memory += 1
         if decision.replica != record.decision.replica:
             changed += 1
             changes.append((record, decision))
@@ -255,7 +261,8 @@ def _notes(
     if other_config:
         notes.append(
             f"{other_config} of {n} decisions were made under another policy or other weights than the "
-            "ones replayed (a policy change in the window, or an x-kvlb-weights override)"
+            "live ones (a policy change in the window, or an x-kvlb-weights override): their 'before' is "
+            "not what the live policy decides"
         )
     if other_memory:
         notes.append(

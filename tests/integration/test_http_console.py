@@ -76,6 +76,8 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         assert {r["replica"] for r in cold["replicas"]} == {"r0", "r1"}
         assert abs(sum(r["delta_share"] for r in cold["replicas"])) < 1e-9
         assert len(cold["sample"]) == min(3, cold["changed"])
+        # Every decision was made under the live weights: proposing others is no "other config".
+        assert not any("another policy or other weights" in note for note in cold["notes"]), cold["notes"]
         status, rr = await _call(h, "POST", "/admin/whatif", {"policy": "round_robin", "last": 4})
         assert status == 200 and rr["decisions"] == 4 and rr["policy"] == "round_robin"
 

@@ -201,6 +201,27 @@ def test_changed_weights_change_decisions_and_report_both_sides() -> None:
     assert any("another policy" in note for note in least.notes)
 
 
+def test_the_other_config_note_counts_records_made_under_other_than_the_live_config() -> None:
+    """Proposed weights are what a what-if is for: decisions made under the live weights are not
+    "made under other weights"; only those made before a policy change in the window are."""
+    log = DecisionLog(1000, 1 << 30)
+    drive(log, 120, weights=PolicyWeights(overlap_credit=0.5))
+    drive(log, 80)
+    records = log.ring("m").snapshot()
+    proposed = PolicyWeights(overlap_credit=0.0)
+    live = ("cost", PolicyWeights())
+    result = replay("m", records, make_policy("cost"), proposed, live=live)
+    assert result.changed > 0
+    other = [note for note in result.notes if "another policy or other weights" in note]
+    assert other == [
+        "120 of 200 decisions were made under another policy or other weights than the live ones (a "
+        "policy change in the window, or an x-kvlb-weights override): their 'before' is not what the "
+        "live policy decides"
+    ]
+    unchanged = replay("m", records[120:], make_policy("cost"), proposed, live=live)
+    assert not any("another policy or other weights" in note for note in unchanged.notes)
+
+
 def test_replay_commits_nothing() -> None:
     log = DecisionLog(1000, 1 << 30)
     pool = drive(log, 50, release_every=1)
