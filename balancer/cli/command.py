@@ -32,6 +32,7 @@ import yaml
 
 from balancer import strict_json
 from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
+from balancer.config.settings import LOG_LEVELS
 from balancer.errors import ConfigError
 from balancer.serve_options import ServeOptions, WorkerRole
 
@@ -134,28 +135,6 @@ def log_allocator(settings: Settings, on_jemalloc: bool) -> None:
         log.info("allocator: system (allocator: system)")
 
 
-PORT_MAX = 65_535
-"""The highest TCP port (``listen.port`` and ``listen.grpc_port`` beyond it would wrap around)."""
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-"""The values ``--log-level`` and the ``log_level`` setting take (any case)."""
-
-
-def preflight(settings: Settings) -> None:
-    """Refuse, before any worker starts, the settings mistakes that the service would only find once
-    built: the ports' range (a bound port beyond 65,535 wraps around to another one), the policy's
-    name and its weights (:mod:`balancer.policy`, pure). Without it each of ``--workers N`` workers
-    printed the error after loading its tokenizer (about 5 s) and the supervisor restarted them.
-    Raises :class:`ConfigError`."""
-    from balancer.policy import PolicyWeights, make_policy
-
-    listen = settings.listen
-    for name, port in (("listen.port", listen.port), ("listen.grpc_port", listen.grpc_port)):
-        if port is not None and not 0 <= port <= PORT_MAX:
-            raise ConfigError(f"{name} must be in [0, {PORT_MAX}], got {port}")
-    make_policy(settings.policy.name)
-    PolicyWeights.from_dict(settings.policy.weights)
-
-
 def run_serve(args: argparse.Namespace) -> int:
     try:
         settings = load(args.config, args.set)
@@ -168,12 +147,9 @@ def run_serve(args: argparse.Namespace) -> int:
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
     level = (args.log_level or settings.log_level).upper()
-    try:
-        preflight(settings)
-        if level not in LOG_LEVELS:
-            raise ConfigError(f"log level must be one of {', '.join(LOG_LEVELS)}, got {level.lower()!r}")
-    except ConfigError as exc:
-        print(f"kvlb serve: {exc}", file=sys.stderr)
+    if level not in LOG_LEVELS:
+        choices = ", ".join(LOG_LEVELS)
+        print(f"kvlb serve: --log-level must be one of {choices}, got {level.lower()!r}", file=sys.stderr)
         return 2
     one_thread_per_encode()
     logging.basicConfig(

@@ -14,6 +14,12 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from balancer.errors import ConfigError
+from balancer.policy import PolicyWeights, make_policy
+
+PORT_MAX = 65_535
+"""Highest TCP port (a bound port beyond it would wrap around to another one)."""
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The logging level names :attr:`Settings.log_level` takes (any case)."""
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 
@@ -80,6 +86,9 @@ class ListenConfig:
         """Raise :class:`ConfigError` naming the first bad field."""
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
+        for name, port in (("listen.port", self.port), ("listen.grpc_port", self.grpc_port)):
+            if port is not None and not 0 <= port <= PORT_MAX:
+                raise ConfigError(f"{name} must be in [0, {PORT_MAX}], got {port}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -325,6 +334,12 @@ class PolicyConfig:
     root_weight: 0}``."""
     seed: int | None = None
     """Seed of the routing RNG (tie-breaks, sampling); ``None`` seeds from the OS."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` for an unknown policy or a weight out of its range (the
+        policies are pure: checking them builds nothing)."""
+        make_policy(self.name)
+        PolicyWeights.from_dict(self.weights)
 
 
 @dataclass(frozen=True, slots=True)
@@ -578,6 +593,9 @@ class Settings:
         if not 0.0 <= self.limits.gap_keep_s <= 60.0:
             raise ConfigError(f"limits.gap_keep_s must be in 0..60, got {self.limits.gap_keep_s}")
         self.listen.validate()
+        self.policy.validate()
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
         library = self.jemalloc_library
         if not library or len(library) > 4096 or any(c.isspace() or c == ":" for c in library):
             raise ConfigError(

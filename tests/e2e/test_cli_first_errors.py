@@ -112,7 +112,12 @@ def test_an_unknown_log_level_is_one_line() -> None:
     done = kvlb("serve", "--workers", "1", "--set", "listen.port=0", "--log-level", "loud")
     assert done.returncode == 2, done.stderr
     assert done.stderr.splitlines() == [
-        "kvlb serve: log level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"
+        "kvlb serve: --log-level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"
+    ]
+    setting = kvlb("serve", "--workers", "1", "--set", "listen.port=0", "--set", "log_level=loud")
+    assert setting.returncode == 2, setting.stderr
+    assert setting.stderr.splitlines() == [
+        "kvlb serve: log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"
     ]
 
 

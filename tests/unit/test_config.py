@@ -16,7 +16,7 @@ pools:
     replicas:
       - {id: a, url: "http://127.0.0.1:1", engine: sglang, block_size: 16, events: "tcp://127.0.0.1:5557"}
       - {id: b, url: "http://127.0.0.1:2", engine: trtllm, block_size: 32}
-policy: {name: cost, weights: {credit: 0.5}}
+policy: {name: cost, weights: {overlap_credit: 0.5}}
 """
 
 
@@ -37,7 +37,7 @@ def test_yaml_env_and_set_precedence(tmp_path: Path) -> None:
     assert settings.limits.max_retries == 0
     assert [r.id for r in settings.pools[0].replicas] == ["a", "b"]
     assert settings.pools[0].replicas[1].engine == "trtllm"
-    assert settings.policy.weights == {"credit": 0.5}
+    assert settings.policy.weights == {"overlap_credit": 0.5}
 
 
 def test_redis_cluster_setting() -> None:
@@ -109,6 +109,11 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             "appears twice",
         ),
         (["nonsense"], "name=value"),
+        (["listen.port=65536"], r"listen.port must be in \[0, 65535\], got 65536"),
+        (["listen.grpc_port=-1"], r"listen.grpc_port must be in \[0, 65535\], got -1"),
+        (["policy.name=nope"], "unknown policy 'nope'; known: cost, "),
+        (["policy.weights={overlap_credit: 9}"], r"policy.overlap_credit must be in \[0, 4\], got 9.0"),
+        (["log_level=loud"], "log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"),
     ],
 )
 def test_bad_settings_name_the_field(sets: list[str], message: str) -> None:
