@@ -261,23 +261,24 @@ def _register_admin(subparsers: SubParsers) -> None:
         help="inspect and tune a running balancer",
         description="Call a running balancer's admin API and print its JSON answer.",
     )
-    parser.add_argument("--url", default="http://127.0.0.1:8000", help="balancer URL (default %(default)s)")
-    token = parser.add_mutually_exclusive_group()
-    token.add_argument("--token", help="admin bearer token (auth.admin_token)")
-    token.add_argument("--token-file", type=Path, help="file holding the admin token (keeps it out of ps)")
-    parser.add_argument(
-        "--timeout-s", type=float, default=10.0, help="HTTP timeout, seconds (default %(default)s)"
-    )
+    _connection_options(parser)
+    # the same options after the action too (``kvlb admin decisions --url ...``): no defaults there,
+    # so that one given before the action is kept
+    connection = argparse.ArgumentParser(add_help=False, argument_default=argparse.SUPPRESS)
+    _connection_options(connection, defaults=False)
     actions = parser.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
-    policy = actions.add_parser("policy", help="show or change the routing policy")
+    policy = actions.add_parser("policy", help="show or change the routing policy", parents=[connection])
     policy_actions = policy.add_subparsers(dest="policy_command", metavar="get|set", required=True)
-    policy_actions.add_parser("get", help="print the policy in force")
-    setter = policy_actions.add_parser("set", help="change it: name=cost overlap_credit=0.5 ...")
+    policy_actions.add_parser("get", help="print the policy in force", parents=[connection])
+    setter = policy_actions.add_parser(
+        "set", help="change it: name=cost overlap_credit=0.5 ...", parents=[connection]
+    )
     setter.add_argument("pairs", nargs="+", metavar="NAME=VALUE", help="'name' or a weight (null clears)")
     setter.add_argument("--reason", help="why, for the audit log (at most 500 characters)")
     setter.add_argument("--actor", help="who, for the audit log (x-kvlb-actor; default: admin)")
     whatif = actions.add_parser(
         "whatif",
+        parents=[connection],
         help="replay recent decisions with other weights or another policy (commits nothing)",
         description="Re-run the policy on the pool's recorded decisions with proposed weights and print "
         "what would change: share of changed decisions, predicted hit rate, load spread, replicas.",
@@ -295,7 +296,9 @@ def _register_admin(subparsers: SubParsers) -> None:
     whatif.add_argument("--last", type=int, help="replay only the newest N decisions")
     whatif.add_argument("--sample", type=int, help="changed decisions to describe (0..100, default 10)")
     whatif.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
-    decisions = actions.add_parser("decisions", help="recent routing decisions, newest first")
+    decisions = actions.add_parser(
+        "decisions", help="recent routing decisions, newest first", parents=[connection]
+    )
     decisions.add_argument("--pool", help="only this pool (model name)")
     decisions.add_argument("--replica", help="only decisions for this replica")
     decisions.add_argument("--tenant", help="only this tenant header value")
@@ -303,12 +306,16 @@ def _register_admin(subparsers: SubParsers) -> None:
     decisions.add_argument("--limit", type=int, help="at most N (1..1000, default 100)")
     decisions.add_argument("--id", type=int, help="one decision with its full explanation")
     decisions.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
-    audit = actions.add_parser("audit", help="policy changes: who, when, what, why (newest first)")
+    audit = actions.add_parser(
+        "audit", help="policy changes: who, when, what, why (newest first)", parents=[connection]
+    )
     audit.add_argument("--limit", type=int, help="at most N (1..1000, default 100)")
     audit.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
-    explain = actions.add_parser("explain", help="dry-run routing of a request body")
+    explain = actions.add_parser("explain", help="dry-run routing of a request body", parents=[connection])
     explain.add_argument("file", help="JSON request body file ('-' for stdin)")
-    replicas = actions.add_parser("replicas", help="health, load, index, prediction and events per replica")
+    replicas = actions.add_parser(
+        "replicas", help="health, load, index, prediction and events per replica", parents=[connection]
+    )
     replicas.add_argument(
         "--table",
         action="store_true",
@@ -316,9 +323,22 @@ def _register_admin(subparsers: SubParsers) -> None:
         "last resync) instead of the JSON",
     )
     for name in ("drain", "undrain"):
-        action = actions.add_parser(name, help=f"{name} a replica")
+        action = actions.add_parser(name, help=f"{name} a replica", parents=[connection])
         action.add_argument("replica", help="replica id")
     parser.set_defaults(handler=run_admin)
+
+
+def _connection_options(parser: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """``kvlb admin``'s options of the call itself. ``defaults=False``: none set when not given (the
+    copies after the action, which must keep one given before it)."""
+    url, timeout_s = ("http://127.0.0.1:8000", 10.0) if defaults else (argparse.SUPPRESS, argparse.SUPPRESS)
+    parser.add_argument("--url", default=url, help="balancer URL (default http://127.0.0.1:8000)")
+    token = parser.add_mutually_exclusive_group()
+    token.add_argument("--token", help="admin bearer token (auth.admin_token)")
+    token.add_argument("--token-file", type=Path, help="file holding the admin token (keeps it out of ps)")
+    parser.add_argument(
+        "--timeout-s", type=float, default=timeout_s, help="HTTP timeout, seconds (default 10)"
+    )
 
 
 def admin_request(args: argparse.Namespace) -> tuple[str, str, Any]:
@@ -376,6 +396,8 @@ def admin_request(args: argparse.Namespace) -> tuple[str, str, Any]:
 
 def run_admin(args: argparse.Namespace) -> int:
     try:
+        if args.token is not None and args.token_file is not None:
+            raise ValueError("give --token or --token-file, not both")
         method, path, body = admin_request(args)
         token = args.token_file.read_text("utf-8").strip() if args.token_file else args.token
         data = None if body is None else json.dumps(body, allow_nan=False).encode("utf-8")  # strict JSON

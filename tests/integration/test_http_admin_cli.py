@@ -58,3 +58,19 @@ async def test_kvlb_admin_commands(
         assert code == 1 and "HTTP 401" in err
         code, out, err = await cli("drain", "nope")
         assert code == 1 and "HTTP 404" in err
+
+        # The call's options may follow the action too, and one given before it is kept.
+        after = await asyncio.to_thread(main, ["admin", "replicas", "--url", h.url, "--token", "root"])
+        assert after == 0 and [r["id"] for r in json.loads(capsys.readouterr().out)["replicas"]] == [
+            "r0",
+            "r1",
+        ]
+        code = await asyncio.to_thread(
+            main,
+            ["admin", "--url", h.url, "policy", "get", "--token-file", str(token_file), "--timeout-s", "5"],
+        )
+        assert code == 0 and json.loads(capsys.readouterr().out)["name"] == "least_load"
+        code = await asyncio.to_thread(
+            main, ["admin", "--url", h.url, "--token", "root", "audit", "--token-file", "x"]
+        )
+        assert code == 2 and capsys.readouterr().err == "kvlb admin: give --token or --token-file, not both\n"
