@@ -40,7 +40,7 @@ from aiohttp import web
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
+from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
 from balancer.api.parsing import (
     ParsedRequest,
     RequestKind,
@@ -697,6 +697,6 @@ def sse_error_event(message: str, status: int = 502) -> bytes:
 
 
 def add_openai_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", models)
