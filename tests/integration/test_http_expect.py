@@ -119,3 +119,16 @@ async def test_a_body_within_the_limit_gets_100_then_its_answer(tokenizer: Token
             assert json.loads(body)["choices"]
         finally:
             writer.close()
+
+
+async def test_an_admin_write_from_another_origin_is_a_403_instead_of_100(tokenizer: Tokenizer) -> None:
+    async with running(tokenizer, 1, auth__admin_token="root") as h:
+        reader, writer = await send_head(
+            h.url, "PUT", "/admin/policy", 10, "Authorization: Bearer root\r\nOrigin: http://evil.example\r\n"
+        )
+        try:
+            status, headers, body = await read_answer(reader)
+            assert status == 403 and "another origin" in json.loads(body)["error"]["message"]
+            assert headers["x-request-id"]
+        finally:
+            writer.close()
