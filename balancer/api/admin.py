@@ -40,7 +40,7 @@ from aiohttp import web
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.middleware import REQUEST_ID, STATE, caller
+from balancer.api.middleware import REQUEST_ID, STATE, caller, expect_continue
 from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
 from balancer.api.parsing import (
     RequestKind,
@@ -394,11 +394,11 @@ async def fleet_view(request: web.Request) -> web.Response:
 
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/policy", get_policy)
-    app.router.add_put("/admin/policy", put_policy)
-    app.router.add_post("/admin/explain", explain)
+    app.router.add_put("/admin/policy", put_policy, expect_handler=expect_continue)
+    app.router.add_post("/admin/explain", explain, expect_handler=expect_continue)
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/fleet", fleet_view)
     app.router.add_get("/admin/series", series)
     app.router.add_get("/admin/replicas/{replica}/blocks", replica_blocks)
-    app.router.add_post("/admin/replicas/{replica}/drain", drain)
-    app.router.add_post("/admin/replicas/{replica}/undrain", undrain)
+    app.router.add_post("/admin/replicas/{replica}/drain", drain, expect_handler=expect_continue)
+    app.router.add_post("/admin/replicas/{replica}/undrain", undrain, expect_handler=expect_continue)

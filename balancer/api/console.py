@@ -29,7 +29,7 @@ from aiohttp import web
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.middleware import STATE
+from balancer.api.middleware import STATE, expect_continue
 from balancer.api.openai import read_body
 from balancer.api.parsing import check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
@@ -288,7 +288,7 @@ async def audit(request: web.Request) -> web.Response:
 
 
 def add_console_routes(app: web.Application) -> None:
-    app.router.add_post("/admin/whatif", whatif)
+    app.router.add_post("/admin/whatif", whatif, expect_handler=expect_continue)
     app.router.add_get("/admin/decisions", list_decisions)
     app.router.add_get("/admin/decisions/{id}", get_decision)
     app.router.add_get("/admin/audit", audit)

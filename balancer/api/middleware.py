@@ -9,6 +9,10 @@
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
   OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
+* ``Expect: 100-continue`` on a route that takes a body (:func:`expect_continue`, which aiohttp runs
+  before any middleware): what the headers alone refuse (a ``Content-Length`` over
+  ``limits.max_body_bytes``, a missing key or token, a foreign ``Origin``) is answered at once in
+  the JSON shape *instead of* ``100 Continue``, so the client never sends the body.
 """
 
 from __future__ import annotations
@@ -138,6 +142,38 @@ def _explain(request: web.Request, exc: web.HTTPException) -> str:
 def _endpoint(request: web.Request) -> str:
     resource = request.match_info.route.resource
     return resource.canonical if resource is not None else "unmatched"
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """aiohttp's ``expect_handler`` for the routes that take a body: ``None`` after writing
+    ``100 Continue`` (the handler then reads the body), or the refusal the headers alone decide, as
+    the middleware would answer it after the body (413 over ``limits.max_body_bytes``, 401, 403;
+    417 for an ``Expect`` other than ``100-continue``) with ``Connection: close``: the client may
+    send the body anyway, which kvlb will not read. HTTP/1.0 ignores ``Expect`` (RFC 9110, 10.1.1)."""
+    if request.version < (1, 1):
+        return None
+    state: ServiceState = request.app[STATE]
+    expect = request.headers.get("Expect", "")
+    try:
+        if expect.lower() != "100-continue":
+            raise ApiError(417, f"unsupported Expect {expect[:100]!r}; only 100-continue is understood")
+        check_auth(request, state.settings.auth)
+        check_origin(request)
+        declared = request.content_length
+        max_bytes = state.settings.limits.max_body_bytes
+        if declared is not None and declared > max_bytes:
+            raise ApiError(
+                413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}"
+            )
+    except ApiError as error:
+        response = error_response(error, request_id_of(request))
+        response.force_close()
+        metrics = state.metrics
+        metrics.children.of(metrics.requests_total, _endpoint(request), str(error.status), "", "").inc()
+        return response
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the interim answer is not the response: an error may follow
+    return None
 
 
 @web.middleware

@@ -37,10 +37,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
 from aiohttp import web
+from aiohttp.http import HttpProcessingError
+from aiohttp.http_exceptions import TransferEncodingError
 
 from balancer import strict_json
 from balancer.api.errors import ApiError
-from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE
+from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
 from balancer.api.parsing import (
     ParsedRequest,
     RequestKind,
@@ -225,17 +227,25 @@ async def read_body(
     it (what is left of the body cannot be read), so the client must not send another request on it."""
     try:
         return await _read_body(request, max_bytes, timeouts, hold)
-    except web.RequestPayloadError as exc:
+    except (web.RequestPayloadError, HttpProcessingError) as exc:
+        # aiohttp's compiled parser wraps a body's framing or coding error in RequestPayloadError;
+        # its pure-Python one (AIOHTTP_NO_EXTENSIONS=1) hands over the parser's own error (a
+        # TransferEncodingError for a bad chunk), which was a 500 here.
         message = f"the request body is malformed: {payload_error_text(exc)}"
         raise ApiError(400, message, headers={"Connection": "close"}) from None
 
 
-def payload_error_text(exc: web.RequestPayloadError) -> str:
+def payload_error_text(exc: web.RequestPayloadError | HttpProcessingError) -> str:
     """What aiohttp found wrong with a body: the message of the error it wrapped ("Can not decode
-    content-encoding: gzip"), without the wrapper's status prefix."""
-    cause = exc.__cause__
-    message = getattr(cause, "message", None)
-    return message if isinstance(message, str) and message else str(cause or exc)
+    content-encoding: gzip"), without the wrapper's status prefix; for a chunk it cannot frame, the
+    error's kind and the bytes it stopped at."""
+    inner = exc.__cause__ if isinstance(exc, web.RequestPayloadError) and exc.__cause__ else exc
+    message = getattr(inner, "message", None)
+    if not isinstance(message, str) or not message:
+        return str(inner)
+    if isinstance(inner, TransferEncodingError):
+        return f"bad chunked framing at {message[:80]!r}"
+    return message
 
 
 async def _read_body(
@@ -697,6 +707,6 @@ def sse_error_event(message: str, status: int = 502) -> bytes:
 
 
 def add_openai_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", models)

@@ -25,7 +25,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         403: "x-kvlb-weights sent while auth.allow_weight_override is off",
         404: "Unknown model (the message lists the known ones), replica, pool or decision",
         408: "Body not received within timeouts.body_read_s, or behind timeouts.body_min_rate_bytes_per_s",
-        413: "Body over limits.max_body_bytes",
+        413: "Body over limits.max_body_bytes (with Expect: 100-continue, instead of the 100)",
+        417: "An Expect other than 100-continue",
         429: "Over limits.max_inflight, the bodies held at limits.max_inflight_body_bytes or every replica"
         " at limits.max_inflight_per_replica with the admission queue full, or too many what-if replays"
         " at once (Retry-After)",
@@ -64,7 +65,7 @@ _GENERATE = {
             'replica failing mid-stream ends the SSE stream with a `data: {"error": ...}` event.',
             "headers": _ROUTED_HEADERS,
         },
-        **_errors(400, 401, 403, 404, 408, 413, 429, 502, 503),
+        **_errors(400, 401, 403, 404, 408, 413, 417, 429, 502, 503),
     },
 }
 
@@ -244,7 +245,7 @@ def _admin_paths() -> dict[str, Any]:
                 "requestBody": _body(_POLICY_CHANGE),
                 "responses": {
                     "200": _json(_POLICY, "Policy after the change"),
-                    **_errors(400, 401, 408, 413, 503),
+                    **_errors(400, 401, 408, 413, 417, 503),
                 },
             },
         },
@@ -253,7 +254,7 @@ def _admin_paths() -> dict[str, Any]:
                 "summary": "Dry-run routing of a request body: the decision with every cost term",
                 **admin,
                 "requestBody": _body({"oneOf": [_CHAT_BODY, _COMPLETION_BODY]}),
-                "responses": {"200": ok, **_errors(400, 401, 404, 408, 413, 429, 503)},
+                "responses": {"200": ok, **_errors(400, 401, 404, 408, 413, 417, 429, 503)},
             }
         },
         "/admin/replicas": {
@@ -330,7 +331,7 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
                 "requestBody": _body(_WHATIF),
                 "responses": {
                     "200": _json(_WHATIF_ANSWER, "The replay's figures"),
-                    **_errors(400, 401, 404, 408, 413, 429),
+                    **_errors(400, 401, 404, 408, 413, 417, 429),
                 },
             }
         },

@@ -2,7 +2,8 @@
 
 Frames what a replica answers to one request: the status line and headers (1xx interim responses
 skipped), then the body by ``Transfer-Encoding: chunked`` (trailers read and dropped),
-``Content-Length`` or, without either, up to the connection's end. Header bytes and counts are
+``Content-Length`` or, without either, up to the connection's end (with both, the former frames it
+and the connection is not reused, RFC 9112 6.3). Header bytes and counts are
 bounded; anything malformed or over a bound raises :class:`HttpParseError` (an ``UpstreamError``
 with a stable ``reason`` label for metrics). :attr:`ResponseParser.reusable` tells the shell whether
 the connection may carry another request: keep-alive, the body read to its end, nothing after it.
@@ -305,6 +306,10 @@ class ResponseParser:
         elif coding is not None:
             if coding.strip().lower() != "chunked":
                 raise HttpParseError("malformed", f"unsupported Transfer-Encoding {coding[:40]!r}")
+            if length is not None:
+                # RFC 9112, 6.3: Transfer-Encoding frames the body, and the connection must be
+                # closed after it: a peer that sends both may be smuggling a second answer.
+                self._keep_alive = False
             self._framing = _CHUNKED
             self._state = _CHUNK_SIZE
         elif length is not None:

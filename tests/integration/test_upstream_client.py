@@ -143,6 +143,29 @@ async def test_every_framing_from_a_real_server(raw_server: Start, answer: bytes
         await client.aclose()
 
 
+async def test_an_answer_with_both_lengths_is_framed_by_chunks_and_its_connection_closed(
+    raw_server: Start,
+) -> None:
+    """RFC 9112, 6.3: a replica answering with ``Transfer-Encoding`` and ``Content-Length`` (which
+    keeps the connection open, as a smuggler would) gets its next request on a new connection."""
+
+    async def reply(n: int, body: bytes) -> bytes:
+        return (
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"
+        )
+
+    spec = RawServer(reply)
+    url = await raw_server(spec)
+    client = UpstreamClient(TIMEOUTS)
+    try:
+        for _ in range(2):
+            assert await read_all(client, url) == (200, b"hello world", True)
+        assert spec.accepted == 2
+    finally:
+        await client.aclose()
+
+
 async def test_an_idle_connection_the_replica_closed_is_not_a_client_error(
     raw_server: Start,
 ) -> None:

@@ -67,6 +67,14 @@ def test_connection_close_http_1_0_and_trailing_bytes_forbid_reuse() -> None:
     assert parse(b"HTTP/1.1 204 No Content\r\n\r\n")[0].reusable
 
 
+def test_an_answer_with_both_transfer_encoding_and_content_length_is_not_reused() -> None:
+    """RFC 9112, 6.3: the body is framed by ``Transfer-Encoding`` and the connection is closed
+    after it (the ``Content-Length`` may be a smuggling attempt)."""
+    raw = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    parser, body = parse(raw)
+    assert body == b"hello" and parser.complete and not parser.reusable
+
+
 @pytest.mark.parametrize(
     ("raw", "reason"),
     [
