@@ -265,3 +265,24 @@ async def test_a_replica_failing_after_the_answer_is_relayed_cuts_the_client_con
         text = await metrics_text(balancer, session)
         assert metric_value(text, "kvlb_admission_answer_overflow_total") == 1
         assert metric_value(text, "kvlb_http_requests_total", status="stream_error") == 1
+
+
+async def test_a_relayed_answer_the_client_stops_reading_gives_every_byte_back_at_the_deadline() -> None:
+    replica = PausingReplica(parts=48)  # 24 MiB: more than the kernel buffers of both ends take
+    replica.go.set()
+    limits = {"max_inflight_body_bytes": 1024 * 1024, "max_body_bytes": 512 * 1024}
+    async with (
+        completion_replica(replica.complete) as url,
+        balancer_over(url, limits=limits, timeouts={"total_s": 1.0}) as (balancer, session),
+        aiohttp.ClientSession() as reader,
+        reader.post(balancer.url + "/v1/completions", json=BODY) as response,
+    ):
+        assert response.status == 200
+        await asyncio.sleep(0.5)  # not reading: the relay waits on the client
+        text = await metrics_text(balancer, session)
+        assert metric_value(text, "kvlb_http_inflight_requests") == 1
+        await nothing_held(balancer, session)  # the deadline passed: the connection dropped
+        text = await metrics_text(balancer, session)
+        assert metric_value(text, "kvlb_admission_answer_overflow_total") == 1
+        assert metric_value(text, "kvlb_http_requests_total", status="499", endpoint="/v1/completions") == 1
+        response.release()
