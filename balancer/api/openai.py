@@ -47,11 +47,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import contextvars
 import functools
 import logging
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from aiohttp import web
@@ -687,8 +688,8 @@ async def _relay_whole(
     response: web.StreamResponse | None = None  # once set, relayed as it arrives
     writing = False
     try:
-        async with asyncio.timeout_at(deadline):
-            async for chunk in _answer_chunks(opened):
+        async with contextlib.aclosing(_answer_chunks(opened)) as chunks, asyncio.timeout_at(deadline):
+            async for chunk in chunks:
                 size += len(chunk)
                 if size > MAX_RESPONSE_BYTES:
                     raise UpstreamError(f"answer larger than {MAX_RESPONSE_BYTES} bytes")
@@ -751,7 +752,7 @@ async def _relay_whole(
     return response
 
 
-async def _answer_chunks(opened: Opened) -> AsyncIterator[bytes]:
+async def _answer_chunks(opened: Opened) -> AsyncGenerator[bytes, None]:
     """The answer's first chunk (read before the relay started), then the rest as they arrive."""
     yield opened.first
     async for chunk in opened.chunks:
