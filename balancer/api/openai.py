@@ -630,7 +630,7 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     outcome = request[OUTCOME]
     stream = opened.stream
-    response = _SseResponse(status=stream.status, headers=headers)
+    response = _DeferredHeadResponse(status=stream.status, headers=headers)
     try:
         await response.prepare(request)
         if stream.finished:  # the whole answer is in: headers, body and its end in one write
@@ -658,9 +658,10 @@ async def _relay_stream(
     return response
 
 
-class _SseResponse(web.StreamResponse):
-    """A streamed answer whose headers go out with its first chunk, in one write (aiohttp's
-    ``web.Response`` does the same; ``StreamResponse`` writes them alone at ``prepare``)."""
+class _DeferredHeadResponse(web.StreamResponse):
+    """An answer written in parts whose headers go out with its first part, in one write (aiohttp's
+    ``web.Response`` does the same; ``StreamResponse`` writes them alone at ``prepare``): an event
+    stream, or a non-streaming answer written from its buffered parts or relayed as it arrives."""
 
     _send_headers_immediately = False
 
@@ -699,7 +700,7 @@ async def _relay_whole(
                         parts.append(chunk)
                         continue
                     state.metrics.admission_answer_overflow_total.inc()
-                    response = _SseResponse(status=opened.stream.status, headers=headers)
+                    response = _DeferredHeadResponse(status=opened.stream.status, headers=headers)
                     writing = True
                     await response.prepare(request)
                     while parts:  # what was buffered goes first, given back as it is written
@@ -718,7 +719,7 @@ async def _relay_whole(
             if response is not None:
                 await response.write_eof()
                 return response
-            response = _SseResponse(status=opened.stream.status, headers=headers)
+            response = _DeferredHeadResponse(status=opened.stream.status, headers=headers)
             response.content_length = size
             await response.prepare(request)
             last = parts.pop() if parts else b""
