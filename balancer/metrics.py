@@ -136,6 +136,7 @@ class _AdmissionCollectors:
     admission_tokenizing_bytes: Gauge
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
+    admission_answer_overflow_total: Counter
 
 
 def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
@@ -161,11 +162,18 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "Requests of a new tenant that found limits.max_tenants tenants tracked and shared the "
             "overflow tenant (and its caps).",
         ),
+        admission_answer_overflow_total=counter(
+            "kvlb_admission_answer_overflow_total",
+            "Non-streaming answers that found limits.max_inflight_body_bytes full while they were "
+            "buffered and were relayed to the client as they arrived instead (each holds one chunk "
+            "of the replica's at a time from then on, counted even over the budget).",
+        ),
         admission_body_bytes=gauge(
             "kvlb_admission_body_bytes",
-            "Bytes of request bodies and token ids held by the requests in flight in this process "
-            "and, while they are tokenized in a thread, the estimate of their parsed chats and text "
-            "prompts and of the tokenizer's work (limits.max_inflight_body_bytes bounds them; per worker).",
+            "Bytes of request bodies, token ids and buffered non-streaming answers held by the "
+            "requests in flight in this process and, while they are tokenized in a thread, the "
+            "estimate of their parsed chats and text prompts and of the tokenizer's work "
+            "(limits.max_inflight_body_bytes bounds them; per worker).",
         ),
         admission_tokenizing_bytes=gauge(
             "kvlb_admission_tokenizing_bytes",

@@ -21,19 +21,38 @@ back when the request ends, however it ends.
 replica failing before it is retried elsewhere). SSE chunks are written as they arrive, never
 re-parsed; a replica failing mid-stream ends the stream with one ``data: {"error": ...}`` event; a
 client going away closes the upstream response, so the replica stops generating. A non-streaming
-answer is buffered up to ``MAX_RESPONSE_BYTES`` (larger → 502) and written to the client while the
+answer is at most ``MAX_RESPONSE_BYTES`` (larger → 502) and is written to the client while the
 request holds its slot. A client that has not read its answer by the request's deadline
 (``timeouts.total_s``) loses its connection (:func:`drop_connection`, counted as 499).
+
+**Non-streaming answers** hold their bytes of ``limits.max_inflight_body_bytes`` while kvlb holds
+them (:func:`_relay_whole`): each chunk read from the replica is held if the budget has room for it
+now (:meth:`~balancer.service.dispatch.Admitted.try_hold`, which never waits), and given back once
+it is written to the client (or however the request ends). An answer buffered whole is written
+with its ``Content-Length``, and a replica failing before its end is a clean 502, as before. The
+first chunk that does not fit switches the answer to being relayed as it arrives (counted in
+``kvlb_admission_answer_overflow_total``): the status and headers go out, then what was buffered,
+then each chunk as it comes, one at a time (counted while it is written, even over the budget: at
+most one chunk of the replica's, about 256 kB, per answer over it). Why not wait for room, or fail:
+the answer already cost GPU time, and answers holding part of the budget while each waits for more
+could wait for each other until their deadline, all thrown away; a 502 throws away finished work
+too. Nothing here needs the whole body: the usage and ``cached_tokens`` a receipt reads come from
+the stream's bounded tail (:meth:`~balancer.upstream.client.UpstreamStream.usage`, 4 kB), and the
+replica's status is known from its head. What a relayed answer loses is the clean error: a replica
+failing after the switch (or the answer passing ``MAX_RESPONSE_BYTES``) cuts the client's
+connection mid-body (an incomplete chunked body, counted as ``stream_error``) instead of a 502.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import contextvars
 import functools
 import logging
 from array import array
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from typing import Protocol
 
 from aiohttp import web
@@ -56,6 +75,7 @@ from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
 from balancer.policy import PolicyWeights
 from balancer.routing.router import Lease
 from balancer.service.dispatch import (
+    Admitted,
     Forward,
     Opened,
     admitted,
@@ -196,7 +216,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         del parsed
         await admission.wait_for_replica(pool)
         headers = forwardable_headers(request.headers, request_id)
-        deliver = functools.partial(relay, request, state, job)
+        deliver = functools.partial(relay, request, state, job, admission)
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
 
 
@@ -575,9 +595,10 @@ def _checked(token_ids: Sequence[int], max_prompt_tokens: int) -> array[int]:
 
 
 async def relay(
-    request: web.Request, state: ServiceState, job: Forward, lease: Lease, opened: Opened
+    request: web.Request, state: ServiceState, job: Forward, admission: Admitted, lease: Lease, opened: Opened
 ) -> web.StreamResponse:
-    """Send the replica's answer to the client; closes the upstream if the client goes away."""
+    """Send the replica's answer to the client; closes the upstream if the client goes away. A
+    non-streaming answer holds its bytes of ``admission``'s budget while kvlb holds them."""
     outcome = request[OUTCOME]
     stream = opened.stream
     on_first_chunk(state, job, lease, stream)
@@ -593,7 +614,8 @@ async def relay(
             headers["Cache-Control"] = "no-cache"
             response = await _relay_stream(request, state, job, lease, opened, headers)
         else:
-            response = await _relay_whole(request, state, lease, opened, headers, relay_deadline(state, job))
+            deadline = relay_deadline(state, job)
+            response = await _relay_whole(request, state, admission, lease, opened, headers, deadline)
     except asyncio.CancelledError:  # the client went away (handler cancellation)
         stream.close()
         outcome.status = "499"
@@ -618,7 +640,7 @@ async def _relay_stream(
 ) -> web.StreamResponse:
     outcome = request[OUTCOME]
     stream = opened.stream
-    response = _SseResponse(status=stream.status, headers=headers)
+    response = _DeferredHeadResponse(status=stream.status, headers=headers)
     try:
         await response.prepare(request)
         if stream.finished:  # the whole answer is in: headers, body and its end in one write
@@ -646,9 +668,10 @@ async def _relay_stream(
     return response
 
 
-class _SseResponse(web.StreamResponse):
-    """A streamed answer whose headers go out with its first chunk, in one write (aiohttp's
-    ``web.Response`` does the same; ``StreamResponse`` writes them alone at ``prepare``)."""
+class _DeferredHeadResponse(web.StreamResponse):
+    """An answer written in parts whose headers go out with its first part, in one write (aiohttp's
+    ``web.Response`` does the same; ``StreamResponse`` writes them alone at ``prepare``): an event
+    stream, or a non-streaming answer written from its buffered parts or relayed as it arrives."""
 
     _send_headers_immediately = False
 
@@ -656,39 +679,95 @@ class _SseResponse(web.StreamResponse):
 async def _relay_whole(
     request: web.Request,
     state: ServiceState,
+    admission: Admitted,
     lease: Lease,
     opened: Opened,
     headers: dict[str, str],
     deadline: float,
-) -> web.Response:
-    """The whole answer, read (at most :data:`MAX_RESPONSE_BYTES`) and written to the client by
-    ``deadline``: the request keeps its slot until the client has it, and a client that does not
-    read it by then loses its connection (499). Returned to aiohttp written, it pinned the answer's
-    bytes, and the connection, for as long as the client kept the connection open without reading."""
-    parts = [opened.first]
-    size = len(opened.first)
+) -> web.StreamResponse:
+    """A non-streaming answer, read (at most :data:`MAX_RESPONSE_BYTES`) and written to the client
+    by ``deadline``, its bytes held of ``limits.max_inflight_body_bytes`` while kvlb holds them
+    ("Non-streaming answers" in the module docstring). Buffered whole while the budget has room,
+    then written with its ``Content-Length``; relayed as it arrives from the chunk that does not
+    fit. The request keeps its slot until the client has it, and a client that does not read it by
+    then loses its connection (499). Every byte held is given back as it is written, and the rest
+    however the relay ends."""
+    outcome = request[OUTCOME]
+    parts: collections.deque[bytes] = collections.deque()
+    held = 0
+    size = 0
+    response: web.StreamResponse | None = None  # once set, relayed as it arrives
+    writing = False
     try:
-        async with asyncio.timeout_at(deadline):
-            async for chunk in opened.chunks:
+        async with contextlib.aclosing(_answer_chunks(opened)) as chunks, asyncio.timeout_at(deadline):
+            async for chunk in chunks:
                 size += len(chunk)
                 if size > MAX_RESPONSE_BYTES:
                     raise UpstreamError(f"answer larger than {MAX_RESPONSE_BYTES} bytes")
-                parts.append(chunk)
-    except (UpstreamError, TimeoutError) as exc:
-        message = failure_message(state, lease, exc)
-        raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
-    response = web.Response(status=opened.stream.status, body=b"".join(parts), headers=headers)
-    del parts
-    try:
-        async with asyncio.timeout_at(deadline):
+                if response is None:
+                    if admission.try_hold(len(chunk)):
+                        held += len(chunk)
+                        parts.append(chunk)
+                        continue
+                    state.metrics.admission_answer_overflow_total.inc()
+                    response = _DeferredHeadResponse(status=opened.stream.status, headers=headers)
+                    writing = True
+                    await response.prepare(request)
+                    while parts:  # what was buffered goes first, given back as it is written
+                        part = parts.popleft()
+                        await response.write(part)
+                        held -= len(part)
+                        admission.give_back(len(part))
+                admission.add(len(chunk))  # one chunk at a time, even over the budget
+                held += len(chunk)
+                writing = True
+                await response.write(chunk)
+                writing = False
+                held -= len(chunk)
+                admission.give_back(len(chunk))
+            writing = True
+            if response is not None:
+                await response.write_eof()
+                return response
+            response = _DeferredHeadResponse(status=opened.stream.status, headers=headers)
+            response.content_length = size
             await response.prepare(request)
-            await response.write_eof()
+            last = parts.pop() if parts else b""
+            while parts:
+                part = parts.popleft()
+                await response.write(part)
+                held -= len(part)
+                admission.give_back(len(part))
+            await response.write_eof(last)  # a one-chunk answer: headers and body in one write
+    except (UpstreamError, TimeoutError) as exc:
+        if writing and isinstance(exc, TimeoutError):  # the client stopped reading
+            outcome.status = "499"
+            drop_connection(request)
+        elif response is None or not response.prepared:
+            message = failure_message(state, lease, exc)
+            raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
+        else:  # relayed in part already: the client sees its connection cut, not a whole answer
+            message = failure_message(state, lease, exc)
+            log.warning(
+                "request %s: replica %s broke mid-answer: %s", headers["x-request-id"], lease.replica, message
+            )
+            outcome.status = "stream_error"
+            drop_connection(request)
     except ConnectionResetError:  # the client went away
-        request[OUTCOME].status = "499"
-    except TimeoutError:  # the client stopped reading
-        request[OUTCOME].status = "499"
-        drop_connection(request)
+        outcome.status = "499"
+    finally:
+        parts.clear()
+        if held:
+            admission.give_back(held)
+    assert response is not None
     return response
+
+
+async def _answer_chunks(opened: Opened) -> AsyncGenerator[bytes, None]:
+    """The answer's first chunk (read before the relay started), then the rest as they arrive."""
+    yield opened.first
+    async for chunk in opened.chunks:
+        yield chunk
 
 
 def drop_connection(request: web.Request) -> None:

@@ -162,27 +162,28 @@ class LimitConfig:
     that worker are not shared (the other workers do not count them against its cap) and
     ``kvlb_load_share_overflow_tenants_total`` counts it. 1..65,536; ignored by one worker."""
     max_inflight_body_bytes: int = 1024 * 1024 * 1024
-    """Request bodies and token ids held at once (bytes): a request reserves its body's bytes before
-    its body is read (its ``Content-Length``; a body without one reserves chunk by chunk as it is
-    read), adds 4 B per token id once tokenized (the ids are kept as an ``array('I')`` while in
-    flight; added without waiting, so the bytes held can pass the budget by the ids of requests
-    admitted just before it filled), and gives all back when it ends. A chat or text prompt tokenized
-    in a thread (over 4,096 characters, a chat mostly outside the segment cache) also holds, from its
-    parse until the tokenizer returns, the estimate of its parsed form (``sys.getsizeof`` of its
-    strings, lists and dicts: 1.0–1.45 of their memory; tiny messages weigh up to 12× their bytes
-    parsed) and of the tokenizer's working memory (340 B a character of a text that is all ASCII,
-    720 B of any other, the worst shapes measured plus 10%: a 1 M-character ASCII prompt holds about
-    0.33 GiB), waiting first in line while the budget is
-    full, or going alone when no other such hold is taken (``kvlb_admission_tokenizing_bytes``). A
-    request that does not fit
-    waits in the admission queue like one over ``max_inflight`` (first come first served; full →
-    429, ``queue_timeout_s`` → 503, both with Retry-After; ``kvlb_admission_shed_total{reason=
-    "body_bytes"}``); ``kvlb_admission_body_bytes`` is the figure held. The default lets
-    ``max_inflight`` (1,024) requests of 1 MiB each in at once (a 128k-token prompt: about 0.5 MiB of
-    text and 0.5 MiB of ids), so ordinary traffic never waits, and holds bodies of ``max_body_bytes``
-    (8 MiB) to 128 at once instead of 1,024 (8 GiB). ``max_body_bytes``..2**40; per process: with
-    ``kvlb serve --workers N`` each worker has its own budget (N × this in all), since each worker is
-    its own process holding its own bodies."""
+    """Request bodies and token ids held at once (bytes): a request reserves its body's bytes before its
+    body is read (its ``Content-Length``; a body without one reserves chunk by chunk as it is read),
+    adds 4 B per token id once tokenized (the ids are kept as an ``array('I')`` while in flight; added
+    without waiting, so the bytes held can pass the budget by the ids of requests admitted just before
+    it filled), and gives all back when it ends. A chat or text prompt tokenized in a thread (over 4,096
+    characters, a chat mostly outside the segment cache) also holds, from its parse until the tokenizer
+    returns, the estimate of its parsed form (``sys.getsizeof`` of its strings, lists and dicts:
+    1.0–1.45 of their memory; tiny messages weigh up to 12× their bytes parsed) and of the tokenizer's
+    working memory (340 B a character of a text that is all ASCII, 720 B of any other, the worst shapes
+    measured plus 10%: a 1 M-character ASCII prompt holds about 0.33 GiB), waiting first in line while
+    the budget is full, or going alone when no other such hold is taken
+    (``kvlb_admission_tokenizing_bytes``). A request that does not fit waits in the admission queue like
+    one over ``max_inflight`` (first come first served; full → 429, ``queue_timeout_s`` → 503, both with
+    Retry-After; ``kvlb_admission_shed_total{reason="body_bytes"}``). A non-streaming answer holds its
+    bytes as they are read from the replica, while the budget has room for them, until they are written
+    to the client; from the chunk that does not fit, it is relayed as it arrives, one chunk at a time
+    (``kvlb_admission_answer_overflow_total``). ``kvlb_admission_body_bytes`` is the figure held. The
+    default lets ``max_inflight`` (1,024) requests of 1 MiB each in at once (a 128k-token prompt: about
+    0.5 MiB of text and 0.5 MiB of ids), so ordinary traffic never waits, and holds bodies of
+    ``max_body_bytes`` (8 MiB) to 128 at once instead of 1,024 (8 GiB). ``max_body_bytes``..2**40; per
+    process: with ``kvlb serve --workers N`` each worker has its own budget (N × this in all), since
+    each worker is its own process holding its own bodies."""
     max_queued: int = 128
     """Requests waiting for admission (over ``max_inflight``, or every replica full), admitted
     round-robin across tenants (each tenant's in order); one more → 429 with Retry-After at once. 0:

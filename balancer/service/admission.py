@@ -29,17 +29,20 @@ expiring), within the same deadline; they count in their tenant's queue places. 
 **Body bytes.** Besides its slot, a request holds bytes of ``max_inflight_body_bytes``: its body's
 size, reserved on entering (:meth:`Admission.enter` with ``body_bytes``: the declared length) or as
 it is read (:meth:`Admission.hold`, for a body without a declared length), and its token ids
-(:meth:`Admission.add`, which never waits). A request enters only while its slot and its bytes both
-fit. The bytes are one budget for all tenants and nobody passes the waiter whose turn it is: when
-the next waiter in the round (the head of the ring's first tenant) does not fit, admission stops
-until enough bytes are given back, as a large body at the head of a FIFO queue held back smaller
-ones; it is never skipped (a body is at most ``max_body_bytes`` ≤ the budget, and every request in
-flight gives its bytes back when it ends, so it fits in the end: no starvation, no deadlock). More
-bytes for a request already in flight (:meth:`Admission.hold`; also a gRPC call that takes no slot,
-for its message) go before every newcomer, whatever its tenant: they wait in a front queue, first
-come first served. :meth:`Admission.give_back` gives back bytes while the request goes on (a gRPC
-message's reservation of ``max_body_bytes`` once its size is known), :meth:`Admission.leave` the
-slot and every byte the request held. The check on the way in is a few comparisons and an addition.
+(:meth:`Admission.add`, which never waits), and a non-streaming answer's chunks while they are
+buffered (:meth:`Admission.try_hold`, which never waits either: an answer that does not fit is
+relayed as it arrives instead, :mod:`balancer.api.openai`). A request enters only while its slot and
+its bytes both fit. The bytes are one budget for all tenants and nobody passes the waiter whose turn
+it is: when the next waiter in the round (the head of the ring's first tenant) does not fit,
+admission stops until enough bytes are given back, as a large body at the head of a FIFO queue held
+back smaller ones; it is never skipped (a body is at most ``max_body_bytes`` ≤ the budget, and every
+request in flight gives its bytes back when it ends, so it fits in the end: no starvation, no
+deadlock). More bytes for a request already in flight (:meth:`Admission.hold`; also a gRPC call that
+takes no slot, for its message) go before every newcomer, whatever its tenant: they wait in a front
+queue, first come first served. :meth:`Admission.give_back` gives back bytes while the request goes
+on (a gRPC message's reservation of ``max_body_bytes`` once its size is known),
+:meth:`Admission.leave` the slot and every byte the request held. The check on the way in is a few
+comparisons and an addition.
 
 **Tokenizing requests.** A request tokenized in one of the tokenizer's threads holds, from its parse
 until the tokenizer returns, the estimate of its parsed form's bytes and of the tokenizer's working
@@ -347,6 +350,15 @@ class Admission:
             self.body_bytes += body_bytes
             return
         await self._wait(_Waiter(asyncio.get_running_loop().create_future(), body_bytes, None), deadline)
+
+    def try_hold(self, body_bytes: int) -> bool:
+        """Hold ``body_bytes`` more for a request in flight if they fit now and no request in flight
+        waits for bytes before it (the front queue); never waits (``False``: nothing held). A
+        non-streaming answer's bytes, buffered as they are read from the replica."""
+        if self._front or self.body_bytes + body_bytes > self.limits.max_inflight_body_bytes:
+            return False
+        self.body_bytes += body_bytes
+        return True
 
     def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool:
         """Hold ``tokenizing_bytes`` more for a request in flight to be tokenized in a thread, if they

@@ -143,6 +143,14 @@ class Admitted:
             raise
         self.body_bytes += body_bytes
 
+    def try_hold(self, body_bytes: int) -> bool:
+        """Hold ``body_bytes`` more if the budget has room for them now, without waiting (a
+        non-streaming answer's chunk, buffered); ``False``: nothing held."""
+        if not self.state.admission.try_hold(body_bytes):
+            return False
+        self.body_bytes += body_bytes
+        return True
+
     def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool:
         """Hold ``tokenizing_bytes`` (the estimate of its parsed form and of the tokenizer's work, for a
         request to be tokenized in a thread) if the budget lets it in at once; ``False``: drop the
