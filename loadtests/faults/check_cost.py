@@ -2,11 +2,12 @@
 
 ``PYTHONPATH=$PWD python -m loadtests.faults.check_cost`` starts the rig's fleet (two SGLang and one
 TRT-LLM emulator, one ``kvlb serve``) under the scenarios' load (20 requests/s), and after a warm-up
-times, in turn, 100 block checks (:meth:`~loadtests.faults.rig.FaultRig.read`: the engines' page
-listings, kvlb's key listings, the engines again) and 100 count checks as the rig made them until
-2026-11-30 (``/admin/stats`` of each engine, ``/admin/replicas``, the engines again), 0.05 s apart
-(the rig's poll). It prints the median and 90th percentile of each, and how many readings were
-steady (the two engine readings agreed, so the check counted).
+times, in turn, 100 block checks (:meth:`~loadtests.faults.rig.FaultRig.read`: for every replica at
+once, its engine's page listing, kvlb's key listing of it, its engine again) and 100 count checks as
+the rig made them until 2026-11-30 (``/admin/stats`` of each engine, ``/admin/replicas``, the
+engines again), 0.05 s apart (the rig's poll). It prints the median and 90th percentile of each,
+and how many readings were steady (the two engine readings agreed, every replica's for a block
+check, so the check counted).
 """
 
 from __future__ import annotations

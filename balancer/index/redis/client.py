@@ -28,6 +28,17 @@ transport is closed), not with a Redis error, and a loop catching Redis errors w
 with the mirror in the failover test). :class:`FailoverSafeCluster` turns exactly those two, raised
 from inside a cluster call, a pipeline or a pub/sub call, into ``redis.ConnectionError``; the
 connection reconnects on its next use.
+
+**Pooled connections that outlive a server restart.** With redis-py 8.1 a pooled connection left
+idle while the server was killed and restarted is not noticed as closed when it is taken from the
+pool: its first command after the restart fails with ``ConnectionError``, one call per such
+connection (measured: after a SIGKILL and restart of ``redis-server``, two of three concurrent
+calls on a client that had three connections failed, and a ``health_check_interval`` did not
+prevent it). Each kvlb caller then waits out its Redis backoff again: a fleet writer up to 0.5 s
+with its batch of a replica's events, the lease manager a whole tick, marked degraded meanwhile.
+:class:`RestartSafeRedis` (the single-server client) closes every idle connection of its pool at
+the first ``ConnectionError``, so once the server answers again every call opens a fresh
+connection. The cluster client rebuilds its node connections on such errors already.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ from __future__ import annotations
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
+from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
@@ -97,6 +109,32 @@ class FailoverSafeCluster(RedisCluster):
         return _SafePubSub(self, node=node, host=host, port=port, **kwargs)
 
 
+class _RestartSafePipeline(Pipeline):
+    async def execute(self, raise_on_error: bool = True) -> list[Any]:
+        try:
+            return await super().execute(raise_on_error)
+        except RedisConnectionError:
+            await self.connection_pool.disconnect(inuse_connections=False)
+            raise
+
+
+class RestartSafeRedis(aioredis.Redis):
+    """A single-server client that closes its pool's idle connections at a ``ConnectionError``:
+    they may be connections to a server that is gone (see the module doc), which would each fail
+    one more call once it is back. Connections in use by other calls are left to fail (and be
+    reconnected) on their own."""
+
+    async def execute_command(self, *args: Any, **options: Any) -> Any:
+        try:
+            return await super().execute_command(*args, **options)  # type: ignore[no-untyped-call]
+        except RedisConnectionError:
+            await self.connection_pool.disconnect(inuse_connections=False)
+            raise
+
+    def pipeline(self, transaction: bool = True, shard_hint: Any | None = None) -> Pipeline:
+        return _RestartSafePipeline(self.connection_pool, self.response_callbacks, transaction, shard_hint)
+
+
 RedisClient: TypeAlias = aioredis.Redis | RedisCluster
 """A single-server or a cluster client; kvlb uses only what both offer."""
 
@@ -129,7 +167,7 @@ def connect(
     if cluster:
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), CLUSTER_RETRIES)
         return FailoverSafeCluster.from_url(url, retry=retry, **kwargs)
-    return aioredis.Redis.from_url(url, **kwargs)
+    return RestartSafeRedis.from_url(url, **kwargs)
 
 
 async def initialized(client: RedisClient) -> None:
