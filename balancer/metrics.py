@@ -95,6 +95,7 @@ class _HttpCollectors:
     e2e_seconds: Histogram
     inflight_requests: Gauge
     body_timeouts_total: Counter
+    body_chunk_overflow_total: Counter
 
 
 def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
@@ -125,6 +126,11 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
             "whole read took too long) or body_min_rate_bytes_per_s (behind the pace after "
             "timeouts.body_rate_grace_s).",
             ["limit"],
+        ),
+        body_chunk_overflow_total=counter(
+            "kvlb_http_body_chunk_overflow_total",
+            "Request bodies refused with 400 for arriving in more than limits.max_body_chunks HTTP "
+            "chunks (each chunk costs aiohttp a Python call on the event loop).",
         ),
     )
 

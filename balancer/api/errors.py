@@ -37,13 +37,23 @@ class ApiError(Exception):
     """An error answer: status, client-facing message and extra headers (e.g. ``Retry-After``)."""
 
     def __init__(
-        self, status: int, message: str, *, headers: Mapping[str, str] | None = None, kind: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        headers: Mapping[str, str] | None = None,
+        kind: str | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = dict(headers or {})
         self.kind = kind or _TYPES.get(status, "error")
+        self.close = close
+        """Close the connection once the answer is written, reading nothing more of the request
+        (a body kvlb stopped reading part way, which aiohttp would otherwise read and parse to its
+        end, or for up to 10 s, before closing)."""
 
 
 def retry_after(seconds: float) -> dict[str, str]:
@@ -60,12 +70,15 @@ def error_response(error: ApiError, request_id: str | None = None) -> web.Respon
     headers = dict(error.headers)
     if request_id is not None:
         headers["x-request-id"] = request_id
-    return web.Response(
+    response = web.Response(
         status=error.status,
         body=error_body(error.status, error.message, error.kind),
         content_type="application/json",
         headers=headers,
     )
+    if error.close:
+        response.force_close()  # Connection: close, and no keep-alive after it
+    return response
 
 
 def from_balancer_error(exc: Exception) -> ApiError | None:

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -176,6 +177,40 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     return None
 
 
+class _Discarding(asyncio.Protocol):
+    """What a connection kvlb stopped reading gets instead of aiohttp's parser: bytes dropped as
+    they come, one call a read of the socket (not one a chunk of the body). Its end is passed on to
+    aiohttp's protocol, which then stops waiting for the rest of the request."""
+
+    def __init__(self, parser: asyncio.BaseProtocol) -> None:
+        self._parser = parser
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._parser.connection_lost(exc)
+
+
+async def answer_and_close(request: web.Request, response: web.Response) -> None:
+    """Write ``response`` and end the connection without parsing more of the request: what the
+    client still sends is dropped unparsed, and kvlb's side is shut down once the answer is out, so
+    the client reads the answer, then the end of the stream (closing with unread bytes would reset
+    the connection and lose the answer). It closes when the client closes it, or after aiohttp's
+    lingering time (10 s)."""
+    with contextlib.suppress(ConnectionError):
+        await response.prepare(request)
+        await response.write_eof()
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        return
+    transport.set_protocol(_Discarding(transport.get_protocol()))
+    if transport.can_write_eof():
+        transport.write_eof()
+    else:  # TLS: no half-close
+        transport.close()
+
+
 @web.middleware
 async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state: ServiceState = request.app[STATE]
@@ -202,6 +237,8 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
                 log.exception("request %s: unexpected error on %s", request_id, request.path)
                 error = ApiError(500, "internal error; see the balancer log for request " + request_id)
             response = error_response(error, request_id)
+            if error.close:
+                await answer_and_close(request, response)
         status = str(response.status)
     finally:
         label = outcome.status or status

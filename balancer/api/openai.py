@@ -147,7 +147,10 @@ misses the segment cache (about 0.1 ms per 8k tokens, 1 ms at this size): at mos
 :data:`INLINE_TOKENIZE_CHARS` new characters are then tokenized there too, which costs less CPU than
 a thread's hand-offs (measured: 0.25 against 0.37 ms per 8k-token chat with a cached system prompt).
 A chat mostly new is rendered again in the thread: that much more on top of a full encode."""
-BODY_READ_CHUNK_BYTES = 64 * 1024
+YIELD_EVERY_CHUNKS = 256
+"""A body's read lets other requests run after this many HTTP chunks: chunks already received are
+read without a wait, so a body of small ones would hold the event loop for all of them (about 20 µs
+each, up to ``limits.max_body_chunks``)."""
 WEIGHTS_HEADER = "x-kvlb-weights"
 CONTENT_ENCODING = "Content-Encoding"
 SSE_CONTENT_TYPE = "text/event-stream"
@@ -291,12 +294,25 @@ async def _read_body(
     final = started + timeouts.body_read_s
     paced = timeouts.body_min_rate_bytes_per_s > 0
     held_s = 0.0  # time spent waiting for bytes of the budget: the client is not late for it
-    chunks = content.iter_chunked(BODY_READ_CHUNK_BYTES)
+    chunks = content.iter_chunks()
+    state = request.app[STATE]
+    max_chunks, chunk_ends = state.settings.limits.max_body_chunks, 0
     due = body_due(started, 0, held_s, timeouts)
     while True:
         try:
             async with asyncio.timeout_at(due) as deadline:
-                async for chunk in chunks:
+                async for chunk, chunk_end in chunks:
+                    chunk_ends += chunk_end
+                    if chunk_end and chunk_ends % YIELD_EVERY_CHUNKS == 0:
+                        await asyncio.sleep(0)  # small chunks already here come without a wait
+                    if chunk_ends > max_chunks:
+                        state.metrics.body_chunk_overflow_total.inc()
+                        raise ApiError(
+                            400,
+                            f"request body arrived in more than limits.max_body_chunks = {max_chunks} "
+                            "chunks; send it in fewer, larger chunks",
+                            close=True,
+                        )
                     if len(buffer) + len(chunk) > max_bytes:
                         raise ApiError(413, f"request body exceeds limits.max_body_bytes = {max_bytes}")
                     if hold is not None:
@@ -318,7 +334,7 @@ async def _read_body(
                 paced_due = body_due(started, content.total_bytes, held_s, timeouts)
                 due = min(final, max(paced_due, clock() + timeouts.body_rate_grace_s))
                 continue
-            request.app[STATE].metrics.body_timeouts_total.labels(
+            state.metrics.body_timeouts_total.labels(
                 "body_read_s" if total else "body_min_rate_bytes_per_s"
             ).inc()
             if total:

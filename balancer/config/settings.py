@@ -127,6 +127,15 @@ MAX_INFLIGHT_BODY_BYTES = 2**40
 class LimitConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     """Largest accepted request body; larger → 413."""
+    max_body_chunks: int = 4_096
+    """Most HTTP chunks (``Transfer-Encoding: chunked``) one request body may arrive in, counted as
+    kvlb reads it; more → 400, and nothing more of the body is read (the rest of the connection is
+    dropped unparsed, ``kvlb_http_body_chunk_overflow_total``). aiohttp parses each chunk with a
+    Python call on the event loop, so a 1 MB body in one-byte chunks held the loop for 1.3–2.4 s
+    (``python -m loadtests.chunk_flood``, 2026-11-30); counting costs about 20 µs a small chunk, so
+    at the default such a body is refused after 0.07–0.11 s (the loop let go every 256 chunks). An
+    8 MiB body needs chunks of 2 KiB or more. A body that arrived whole before its handler ran is
+    not counted (its parse is spent). > 0."""
     max_prompt_tokens: int = 262_144
     """Largest accepted prompt after tokenisation; larger → 400."""
     token_id_memo_runs: int = 4096
@@ -547,6 +556,7 @@ class Settings:
                     raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
         positive = {
             "limits.max_body_bytes": self.limits.max_body_bytes,
+            "limits.max_body_chunks": self.limits.max_body_chunks,
             "limits.max_inflight": self.limits.max_inflight,
             "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
             "limits.event_queue_size": self.limits.event_queue_size,

@@ -60,6 +60,7 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["listen.port=abc"], "expected an integer"),
         (["limits.max_inflight=0"], "limits.max_inflight must be > 0"),
         (["limits.max_event_blocks=0"], "limits.max_event_blocks must be > 0"),
+        (["limits.max_body_chunks=0"], "limits.max_body_chunks must be > 0"),
         (["limits.event_queue_bytes=0"], "limits.event_queue_bytes must be > 0"),
         (["limits.event_message_bytes=0"], "limits.event_message_bytes must be > 0"),
         (["health_timeouts_to_drop=0"], "health_timeouts_to_drop must be in 1..10"),
