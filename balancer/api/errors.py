@@ -56,6 +56,11 @@ class ApiError(Exception):
         end, or for up to 10 s, before closing)."""
 
 
+def too_large(declared: int, max_bytes: int) -> ApiError:
+    """413 for a body that declares more than ``limits.max_body_bytes``."""
+    return ApiError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}")
+
+
 def retry_after(seconds: float) -> dict[str, str]:
     """A ``Retry-After`` header in whole seconds (at least 1)."""
     return {"Retry-After": str(max(1, math.ceil(seconds)))}

@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from balancer.api.errors import ApiError, error_response, from_balancer_error
+from balancer.api.errors import ApiError, error_response, from_balancer_error, too_large
 from balancer.config import AuthConfig
 from balancer.service.state import Outcome, ServiceState
 
@@ -163,9 +163,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         declared = request.content_length
         max_bytes = state.settings.limits.max_body_bytes
         if declared is not None and declared > max_bytes:
-            raise ApiError(
-                413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}"
-            )
+            raise too_large(declared, max_bytes)
     except ApiError as error:
         response = error_response(error, request_id_of(request))
         response.force_close()

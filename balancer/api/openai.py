@@ -60,7 +60,7 @@ from aiohttp.http import HttpProcessingError
 from aiohttp.http_exceptions import TransferEncodingError
 
 from balancer import strict_json
-from balancer.api.errors import ApiError
+from balancer.api.errors import ApiError, too_large
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
 from balancer.api.parsing import (
     ParsedRequest,
@@ -185,7 +185,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     max_bytes = limits.max_body_bytes
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # before it takes a slot and bytes
-        raise _too_large(declared, max_bytes)
+        raise too_large(declared, max_bytes)
     tenant = request.headers.get(state.settings.tenant_header)
     held = held_length(request)
     async with admitted(state, held or 0, tenant) as admission:
@@ -279,7 +279,7 @@ async def _read_body(
 ) -> bytes:
     declared = request.content_length
     if declared is not None and declared > max_bytes:
-        raise _too_large(declared, max_bytes)
+        raise too_large(declared, max_bytes)
     content = request.content
     if content.is_eof() and content.exception() is None:  # all of it arrived already: take it as is
         body = content.read_nowait()
@@ -356,10 +356,6 @@ def body_due(started: float, received: int, held_s: float, timeouts: TimeoutConf
     if rate <= 0:
         return final
     return min(final, started + held_s + timeouts.body_rate_grace_s + received / rate)
-
-
-def _too_large(declared: int, max_bytes: int) -> ApiError:
-    return ApiError(413, f"request body of {declared} bytes exceeds limits.max_body_bytes = {max_bytes}")
 
 
 def find_pool(state: ServiceState, model: str) -> Pool:

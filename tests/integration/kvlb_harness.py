@@ -231,6 +231,24 @@ async def balancer_over(url: str, **overrides: Any) -> AsyncIterator[tuple[Balan
         await balancer.stop()
 
 
+async def read_answer(
+    reader: asyncio.StreamReader, timeout_s: float = 5.0
+) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP answer read off a raw socket: its status, headers (lower-case names) and
+    ``Content-Length`` body."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout_s)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    length = int(headers.get("content-length", "0"))
+    body = await asyncio.wait_for(reader.readexactly(length), timeout_s) if length else b""
+    return status, headers, body
+
+
 async def wait_for(what: str, check: Callable[[], Awaitable[bool]], timeout_s: float = 5.0) -> None:
     """Poll ``check`` every 20 ms until it is true; fail naming ``what`` after ``timeout_s``."""
     try:

@@ -11,7 +11,7 @@ import json
 from urllib.parse import urlsplit
 
 import pytest
-from kvlb_harness import MODEL, metric_value, running, shared_deepseek
+from kvlb_harness import MODEL, metric_value, read_answer, running, shared_deepseek
 
 from balancer.tokenizer.tokenizer import Tokenizer
 
@@ -22,21 +22,6 @@ KEY = "sk-expect-test"
 @pytest.fixture
 def tokenizer() -> Tokenizer:
     return shared_deepseek()
-
-
-async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
-    """One answer's status, headers (lower-case names) and ``Content-Length`` body."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split(" ")[1])
-    headers = {}
-    for line in lines[1:]:
-        if line:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-    length = int(headers.get("content-length", "0"))
-    body = await asyncio.wait_for(reader.readexactly(length), 5) if length else b""
-    return status, headers, body
 
 
 async def send_head(
