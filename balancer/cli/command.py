@@ -187,7 +187,10 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         _runner(not args.no_uvloop)(serve(settings, options))
     except ConfigError as exc:
-        print(f"kvlb serve: {exc}", file=sys.stderr)
+        from balancer.cli.workers import first_to_report
+
+        if role is None or first_to_report(role.run_dir):  # once, not once per worker
+            print(f"kvlb serve: {exc}", file=sys.stderr)
         return 2
     return 0
 

@@ -3,8 +3,9 @@
 The supervisor binds the HTTP listening socket itself (``listen.host``/``listen.port``; port 0 picks
 one) and hands it to every worker (a pre-forked listener: the kernel queues connections on the one
 socket and each worker accepts from it, so a worker that dies loses no queued connection). For gRPC
-(``listen.grpc_port``) every worker binds the same port with ``SO_REUSEPORT``; with port 0 the
-supervisor reserves a free port first (a bound socket that never listens) and names it to the workers.
+(``listen.grpc_port``) every worker binds the same port with ``SO_REUSEPORT``; the supervisor reserves
+it first (a bound socket that never listens; with port 0 a free one, named to the workers), so a port
+another program holds fails the start once, before any worker runs.
 
 Each worker is ``python -m balancer serve`` with the same settings and a :class:`WorkerRole`
 (``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options): a whole balancer with its
@@ -106,14 +107,40 @@ def listening_socket(host: str, port: int, backlog: int = 4096) -> socket.socket
     return sock
 
 
-def reserved_port(host: str) -> socket.socket:
-    """A bound, never-listening ``SO_REUSEPORT`` socket on a free port: keeps the port while the
-    workers bind it with ``SO_REUSEPORT`` too."""
+def reserved_port(host: str, port: int = 0) -> socket.socket:
+    """A bound, never-listening ``SO_REUSEPORT`` socket on ``port`` (0: a free one): keeps the port
+    while the workers bind it with ``SO_REUSEPORT`` too. A port another program holds is a
+    :class:`~balancer.errors.ConfigError` naming ``listen.grpc_port``, found here once rather than by
+    every worker."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, 0))
+    try:
+        sock.bind((host, port))
+    except (OSError, OverflowError) as exc:
+        sock.close()
+        raise bind_error("listen.grpc_port", host, port, exc) from None
     return sock
+
+
+SETTINGS_ERROR_MARK = "settings-error"
+"""A file in the run dir: the first worker to fail on a settings error creates it and prints the
+error; the others, which load the same settings and fail the same way, exit without printing it."""
+
+
+def first_to_report(run_dir: str) -> bool:
+    """Whether this worker is the first among those started together to report a settings error (it
+    then creates :data:`SETTINGS_ERROR_MARK`); ``True`` as well when the mark cannot be made, so that
+    an error is never lost."""
+    try:
+        os.close(
+            os.open(os.path.join(run_dir, SETTINGS_ERROR_MARK), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        )
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 class Supervisor:
@@ -161,11 +188,8 @@ class Supervisor:
         scheme = "https" if listen.tls_cert_file is not None else "http"
         self.url = f"{scheme}://{host}:{port}"
         if listen.grpc_port is not None:
-            if listen.grpc_port == 0:
-                self._grpc_sock = reserved_port(listen.host)
-                self.grpc_port = int(self._grpc_sock.getsockname()[1])
-            else:
-                self.grpc_port = listen.grpc_port
+            self._grpc_sock = reserved_port(listen.host, listen.grpc_port)
+            self.grpc_port = int(self._grpc_sock.getsockname()[1])
         await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
         ready = asyncio.ensure_future(asyncio.gather(*(worker.ready.wait() for worker in self.workers)))
         failed = asyncio.ensure_future(self._start_failed.wait())
@@ -246,6 +270,8 @@ class Supervisor:
         )
         await asyncio.sleep(worker.backoff_s)
         if not self._stopping:
+            with contextlib.suppress(OSError):  # a restart that fails reports its own error
+                os.remove(os.path.join(self.run_dir, SETTINGS_ERROR_MARK))
             await self._spawn(worker)
 
     def pids(self) -> list[int]:

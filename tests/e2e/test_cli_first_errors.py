@@ -1,9 +1,10 @@
 """The first mistakes a new user makes with ``kvlb``, through the real command in a subprocess.
 
 Each one must end with a clear message on stderr, naming what is wrong, a non-zero exit status and no
-traceback: a port in use (one worker or the supervisor of two), a port beyond 65,535, a policy or
-weight that does not exist, a worker that cannot start (before: the supervisor restarted it for
-120 s and then printed a ``TimeoutError`` traceback), an unknown log level, an unknown option (said
+traceback: a port in use (one worker or the supervisor of two; for gRPC without the gRPC core's own
+log line), a port beyond 65,535, a policy or weight that does not exist, a worker that cannot start
+(before: the supervisor restarted it for 120 s and then printed a ``TimeoutError`` traceback; then
+each worker printed its error), an unknown log level, an unknown option (said
 by the subcommand that got it, with its usage) and a reader that closed the output early.
 """
 
@@ -93,15 +94,41 @@ def test_a_bad_policy_is_one_line_before_any_worker_starts(setting: str, message
     assert time.monotonic() - started < 10.0  # no worker loaded a tokenizer first
 
 
-def test_a_worker_that_cannot_start_fails_the_start_instead_of_restarting(held_port: int) -> None:
-    # the gRPC port is bound by each worker itself: only a worker finds it in use
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_grpc_port_in_use_is_one_line_without_the_grpc_core_s_own(held_port: int, workers: int) -> None:
+    # before: the gRPC core logged "E... add_port.cc:83] Failed to add port ..." first, and with two
+    # workers each of them did, each followed by kvlb's line
+    done = kvlb(
+        "serve", "--workers", str(workers), "--set", "listen.port=0", "--set", f"listen.grpc_port={held_port}"
+    )
+    assert done.returncode == 2, done.stderr
+    assert "add_port" not in done.stderr, done.stderr
+    assert said(done.stderr) == [
+        f"kvlb serve: listen.grpc_port: cannot bind 127.0.0.1:{held_port}: Address already in use"
+    ]
+
+
+def test_a_worker_that_cannot_start_fails_the_start_once_instead_of_restarting(tmp_path: Path) -> None:
+    # TLS material is loaded by each worker: only a worker finds it missing
+    missing = tmp_path / "missing"
     started = time.monotonic()
-    done = kvlb("serve", "--workers", "2", "--set", "listen.port=0", "--set", f"listen.grpc_port={held_port}")
+    done = kvlb(
+        "serve",
+        "--workers",
+        "2",
+        "--set",
+        "listen.port=0",
+        "--set",
+        f"listen.tls_cert_file={missing}.pem",
+        "--set",
+        f"listen.tls_key_file={missing}.key",
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     lines = said(done.stderr)
-    assert f"kvlb serve: listen.grpc_port: cannot bind 127.0.0.1:{held_port}" in lines[0]
-    assert lines[-1].endswith(
+    assert len(lines) == 2, done.stderr  # the error once (before: once per worker), then the supervisor's
+    assert lines[0].startswith("kvlb serve: listen.tls_cert_file / listen.tls_key_file: cannot load"), lines
+    assert lines[1].endswith(
         "while the workers started (its settings error is above); the other workers were stopped"
     ), done.stderr
     assert "restarting" not in done.stderr

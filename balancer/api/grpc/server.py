@@ -35,6 +35,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import socket
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -61,7 +62,7 @@ from balancer.api.openai import (
     tokenize_inline,
 )
 from balancer.api.parsing import ParsedRequest
-from balancer.errors import ConfigError, UpstreamError
+from balancer.errors import ConfigError, UpstreamError, bind_error
 from balancer.index.hashing import TOKEN_ID_BYTES
 from balancer.routing.router import Lease
 from balancer.service.dispatch import (
@@ -450,6 +451,22 @@ def guarded(handler: Any) -> Any:
     return handler._replace(request_deserializer=deserialize, stream_stream=stream_stream)
 
 
+def refuse_port_in_use(host: str, port: int, *, reuse_port: bool) -> None:
+    """A :class:`ConfigError` naming ``listen.grpc_port`` when ``host:port`` cannot be bound the way
+    the gRPC core will bind it: found by a socket of kvlb's own, bound and closed at once, so that the
+    core's own log line for a port in use (``add_port.cc ... Failed to add port``) is not printed
+    before kvlb's one-line error. A port taken in between still fails in the core, as before."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            probe.bind((host, port))
+        except (OSError, OverflowError) as exc:
+            raise bind_error("listen.grpc_port", host, port, exc) from None
+
+
 class GrpcServer:
     """The server and what it owns: the reservations and the maintenance task."""
 
@@ -484,6 +501,8 @@ class GrpcServer:
         reflection.enable_server_reflection(services, server)
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         key_pair = grpc_key_pair(self.state.settings.listen)
+        if port != 0:
+            refuse_port_in_use(host, port, reuse_port=self.reuse_port)
         try:
             if key_pair is None:
                 self.port = server.add_insecure_port(address)
