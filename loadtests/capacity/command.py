@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,12 +63,19 @@ from loadtests.capacity.simulated import (
     simulated_as,
     slo_of,
 )
-from loadtests.capacity.target import TargetDown, add_target_arguments, gate, search_target
+from loadtests.capacity.target import (
+    TargetDown,
+    add_target_arguments,
+    check_target_args,
+    gate,
+    search_target,
+)
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES
 from loadtests.simulate import SimRequest
 from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S
+from loadtests.target import EXIT_INTERRUPTED, redact_argv, redact_url
 from loadtests.workloads import (
     MooncakeWorkload,
     TenantsWorkload,
@@ -309,6 +317,7 @@ def run(args: argparse.Namespace) -> int:
             names = ["target"]
             if args.confirm or args.searches_from is not None:
                 raise ValueError("--target measures every point for real: no --confirm, --searches-from")
+            check_target_args(args)
         for name in names:
             if name != "target":
                 sim_router(name)
@@ -344,7 +353,11 @@ def run(args: argparse.Namespace) -> int:
         else {}
     )
     if args.target:
-        return _run_target(args, workload, stream, slo, out, start, started, log)
+        try:
+            return _run_target(args, workload, stream, slo, out, start, started, log)
+        except KeyboardInterrupt:  # SIGINT between or in a point's run: its figures are lost
+            print("kvlb capacity: stopped by SIGINT", file=sys.stderr)
+            return EXIT_INTERRUPTED + signal.SIGINT.value
     for name in names:
         if name in saved_searches:
             searches[name] = saved_searches[name]
@@ -462,7 +475,7 @@ def _run_target(
         "command": _command_line(),
         "started": started,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "target": args.target,
+        "target": redact_url(args.target),
         "workload": {"name": workload.name, **dataclasses.asdict(workload)},  # type: ignore[call-overload]
         "requests_per_point": min(args.target_requests, len(stream.specs)),
         "base_rate_per_s": stream.base_rate,
@@ -477,7 +490,7 @@ def _run_target(
 def _command_line() -> str:
     """This run's command line as the report's ``meta.command``."""
     return (
-        "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
+        "kvlb capacity " + " ".join(redact_argv(sys.argv[sys.argv.index("capacity") + 1 :]))
         if "capacity" in sys.argv
         else "kvlb capacity"
     )
