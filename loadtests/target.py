@@ -58,6 +58,10 @@ EXIT_CLIENT_BEHIND = 4
 """Exit code when every SLO was met but the client fell behind its schedule: no pass at a rate the
 client never sent."""
 
+EXIT_CUT_SHORT = 5
+"""Exit code when every SLO was met but ``--max-duration-s`` cut requests in flight: the slowest
+requests are missing from every figure, so the pass is no pass."""
+
 EXIT_INTERRUPTED = 128
 """A run stopped by a signal exits this + the signal's number (SIGINT 130, SIGTERM 143), after
 writing the partial report."""
@@ -129,14 +133,19 @@ def slo_lag_bound_s(slos: Sequence[Slo]) -> float | None:
     return lag_bound_s(slo.bound for slo in slos if slo.name.startswith(LATENCY_SLO_PREFIXES))
 
 
-def exit_code(ok_requests: int, slo_met: bool, client_behind: bool, gated: bool) -> int:
+def exit_code(
+    ok_requests: int, slo_met: bool, client_behind: bool, gated: bool, cut_short: bool = False
+) -> int:
     """1 when no request succeeded; :data:`EXIT_SLO_MISSED` when an SLO was missed (also with the
-    client behind: missed under less load than offered is missed); :data:`EXIT_CLIENT_BEHIND` when
-    the SLOs (``gated``: there are some) were met by a client behind its schedule; else 0."""
+    client behind: missed under less load than offered is missed); when the SLOs (``gated``: there
+    are some) were met, :data:`EXIT_CUT_SHORT` if the time limit cancelled requests in flight (the
+    slowest left out) and :data:`EXIT_CLIENT_BEHIND` if the client fell behind its schedule; else 0."""
     if ok_requests == 0:
         return 1
     if not slo_met:
         return EXIT_SLO_MISSED
+    if gated and cut_short:
+        return EXIT_CUT_SHORT
     return EXIT_CLIENT_BEHIND if gated and client_behind else 0
 
 
@@ -157,7 +166,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     add("--slo", action="append", default=[], metavar="NAME=VALUE",
         help="--target: an objective, e.g. ttft_p90_s=2s, error_rate=0.001, hit_rate=0.5 (repeatable); "
         f"exit 0 when all are met, {EXIT_SLO_MISSED} when one is missed, {EXIT_CLIENT_BEHIND} when "
-        "they are met but the client fell behind its schedule (no pass at a rate it never sent), 1 when "
+        "they are met but the client fell behind its schedule (no pass at a rate it never sent), "
+        f"{EXIT_CUT_SHORT} when they are met but --max-duration-s cancelled requests in flight, 1 when "
         f"no request succeeded, 2 for bad arguments, {EXIT_INTERRUPTED} + the signal (130, 143) after "
         "SIGINT or SIGTERM (the partial report is written)")  # fmt: skip
 
@@ -364,6 +374,14 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
         else None
     )
     slo_met = all(v["met"] for v in verdicts)
+    cut = summary.cancelled if result.stop_reason == "max_duration" else 0
+    cut_note = (
+        f"--max-duration-s {args.max_duration_s:g} cut the run: {cut} requests in flight cancelled (the "
+        f"slowest, missing from every figure), {len(specs) - summary.requests} never sent"
+        if cut
+        else None
+    )
+    invalid = "; ".join(text for text in (cut_note, note) if text) or None
     report = {
         "kvlb_loadtest_target": 1,
         "meta": {
@@ -381,8 +399,8 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
             "headers": sorted(headers),
             "stop_reason": result.stop_reason,
         },
-        "status": "interrupted" if interrupted else "invalid" if note else "ok",
-        "note": interrupted or note,
+        "status": "interrupted" if interrupted else "invalid" if invalid else "ok",
+        "note": interrupted or invalid,
         "client": no_schedule() if client is None else client.to_dict(),
         "summary": summary.to_dict(),
         "errors_by_kind": errors_by_kind(result.records),
@@ -396,16 +414,18 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     if received:
         print(f"kvlb loadtest: {interrupted}", file=sys.stderr)
         return EXIT_INTERRUPTED + received[0].value
-    code = exit_code(summary.ok, slo_met, note is not None, bool(slos))
+    code = exit_code(summary.ok, slo_met, note is not None, bool(slos), cut_short=cut_note is not None)
     if summary.ok == 0:
         print("kvlb loadtest: no request succeeded", file=sys.stderr)
+    elif code == EXIT_CUT_SHORT:
+        print(f"kvlb loadtest: the SLOs were met, but not over every request: {cut_note}", file=sys.stderr)
     elif code == EXIT_CLIENT_BEHIND:
         print(
             f"kvlb loadtest: the SLOs were met, but the client could not send the offered rate: {note}",
             file=sys.stderr,
         )
-    elif note:
-        print(f"kvlb loadtest: {note}", file=sys.stderr)
+    elif invalid:
+        print(f"kvlb loadtest: {invalid}", file=sys.stderr)
     return code
 
 
@@ -472,9 +492,7 @@ def table(report: Mapping[str, Any]) -> str:
 def _client_lines(report: Mapping[str, Any]) -> list[str]:
     """The client against its schedule (nothing in the closed loop), and the invalid note."""
     client = report.get("client") or {}
-    if client.get("client_behind") is None:  # no schedule
-        return []
-    lines = [summary_line(client)]
+    lines = [] if client.get("client_behind") is None else [summary_line(client)]  # none: no schedule
     if report.get("status") == "invalid" and report.get("note"):
         lines.append(f"INVALID: {report['note']}")
     return lines
@@ -511,10 +529,10 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) 
         "|---|---|",
     ]
     lines += [f"| {name} | {_fmt(summary[name], name)} |" for name in _TABLE_FIELDS]
-    client = _client_lines(report)
-    if client:
-        lines += ["", f"The {client[0]}."]
-    if len(client) > 1:
+    client = report.get("client") or {}
+    if client.get("client_behind") is not None:
+        lines += ["", f"The {summary_line(client)}."]
+    if report.get("status") == "invalid":
         lines += ["", f"**Invalid at the offered rate**: {report['note']}."]
     if report.get("status") == "interrupted":
         lines += ["", f"**Interrupted**: {report['note']}."]

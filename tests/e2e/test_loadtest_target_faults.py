@@ -26,7 +26,7 @@ import pytest
 from aiohttp import web
 
 from loadtests.stats import RequestRecord
-from loadtests.target import error_kind, redact_argv, redact_url
+from loadtests.target import EXIT_CUT_SHORT, error_kind, redact_argv, redact_url
 
 PREFIX = "/team-a/v1"
 USER, PASSWORD = "ci", "pw-s3cret"
@@ -55,8 +55,9 @@ class Target:
     url: str
     authorizations: list[str] = field(default_factory=list)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
-    hang: bool = False
-    """Every chat request waits 30 s before its first byte (cut at cleanup)."""
+    hang: str = "none"
+    """``all``: every chat request waits 30 s before its first byte (cut at cleanup); ``odd``: those of
+    odd index; ``none``: as :data:`MODES` says."""
 
 
 def _chunk(content: str | None = None, usage: dict[str, object] | None = None) -> bytes:
@@ -70,7 +71,7 @@ def _chunk(content: str | None = None, usage: dict[str, object] | None = None) -
 
 
 @asynccontextmanager
-async def misbehaving_target(*, auth: str, hang: bool = False) -> AsyncIterator[Target]:
+async def misbehaving_target(*, auth: str, hang: str = "none") -> AsyncIterator[Target]:
     """The server on 127.0.0.1; every route under :data:`PREFIX` and answered only with ``auth`` as
     ``Authorization`` (401 otherwise)."""
     target = Target(url="", hang=hang)
@@ -91,8 +92,8 @@ async def misbehaving_target(*, auth: str, hang: bool = False) -> AsyncIterator[
         if len(target.authorizations) >= 4:
             target.arrived.set()
         index = int(request.headers.get("x-request-id", "x-0").rsplit("-", 1)[1])
-        mode = MODES[index % len(MODES)]
-        if target.hang or mode == "slow":
+        mode = "ok" if target.hang == "odd" else MODES[index % len(MODES)]
+        if target.hang == "all" or (target.hang == "odd" and index % 2) or mode == "slow":
             await asyncio.sleep(30)
         if mode in ("e500", "e429", "e404"):
             status = int(mode[1:])
@@ -203,7 +204,7 @@ async def test_failures_by_kind_implausible_cache_prefix_and_no_secret_in_output
 
 
 async def test_sigint_mid_run_writes_the_partial_report_and_exits_130(tmp_path: Path) -> None:
-    async with misbehaving_target(auth=f"Bearer {API_KEY}", hang=True) as target:
+    async with misbehaving_target(auth=f"Bearer {API_KEY}", hang="all") as target:
         out = tmp_path / "report"
         code, stdout, stderr = await _kvlb(
             "loadtest", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "40", "--rate", "20",
@@ -226,6 +227,25 @@ async def test_sigint_mid_run_writes_the_partial_report_and_exits_130(tmp_path: 
     assert not list(out.glob("*.png"))  # --no-plots
     assert set(target.authorizations) == {f"Bearer {API_KEY}"}
     assert API_KEY not in _outputs(out, stdout, stderr)
+
+
+async def test_a_run_cut_by_max_duration_is_no_pass(tmp_path: Path) -> None:
+    """Half the requests hang past --max-duration-s: they are cancelled, so before the fix the other
+    half met every SLO and the job exited 0 without the slowest requests in any figure."""
+    async with misbehaving_target(auth="Bearer k", hang="odd") as target:
+        out = tmp_path / "report"
+        code, stdout, stderr = await _kvlb(
+            "loadtest", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "10", "--rate", "50",
+            "--timeout-s", "30", "--max-duration-s", "1.5", "--header", "Authorization: Bearer k",
+            "--slo", "ttft_p90_s=5s", "--slo", "error_rate=0", "--no-plots", "--out", str(out),
+        )  # fmt: skip
+    assert code == EXIT_CUT_SHORT, stderr[-3000:]
+    assert stdout == ""
+    report = json.loads((out / "report.json").read_text())
+    assert report["slo_met"] is True and report["meta"]["stop_reason"] == "max_duration"
+    assert (report["summary"]["ok"], report["summary"]["cancelled"]) == (5, 5)
+    assert report["status"] == "invalid" and "--max-duration-s 1.5 cut the run" in report["note"]
+    assert "INVALID: --max-duration-s" in stderr and "**Invalid" in (out / "report.md").read_text()
 
 
 BAD_ARGUMENTS: Sequence[tuple[str, ...]] = (
