@@ -230,6 +230,11 @@ def check_target_url(url: str) -> None:
         )
     if parts.query or parts.fragment:
         raise ValueError(f"--target {redact_url(url)!r}: no query or fragment (requests append a path)")
+    if parts.path.rstrip("/").endswith(("/completions", "/models")):
+        raise ValueError(
+            f"--target {redact_url(url)!r} names an endpoint; give the base URL (http://HOST:PORT or "
+            "http://HOST:PORT/prefix/v1): the workload appends /v1/chat/completions or /v1/completions"
+        )
     del port
 
 
@@ -557,13 +562,19 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) 
     if report["errors"]:
         lines += ["", "First failures:", ""]
         lines += [
-            f"- `{e['request_id']}`: {e['outcome']} {e['status']} {' '.join(str(e['error']).split())}"
+            f"- `{e['request_id']}`: {e['outcome']} {e['status']} {_one_line(e['error'])}"
             for e in report["errors"]
         ]
     lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
     if note:
         lines += ["", note]
     return "\n".join(lines) + "\n"
+
+
+def _one_line(text: Any) -> str:
+    """An error text as one markdown line: whitespace folded, ``<`` escaped (an HTML error page
+    would otherwise render as markup, or as nothing)."""
+    return " ".join(str(text).split()).replace("<", "&lt;")
 
 
 def write_target_plots(result: RunResult, summary: Summary, out: Path) -> tuple[list[str], str | None]:

@@ -193,8 +193,9 @@ async def test_failures_by_kind_implausible_cache_prefix_and_no_secret_in_output
     markdown = (out / "report.md").read_text()
     assert "| error kind | requests |" in markdown and "| http_429 | 1 |" in markdown
     assert "left out of the hit rate" in markdown
-    for line in markdown.splitlines():  # each failure on one line of the list
-        assert not line.startswith("- `") or line.count("`") == 2
+    for line in markdown.splitlines():  # each failure on one line of the list, HTML shown as text
+        assert not line.startswith("- `") or (line.count("`") == 2 and "<" not in line)
+    assert "HTTP 500: &lt;html>500 &lt;/html>" in markdown
     assert (out / "ttft_cdf.png").stat().st_size > 0 and (out / "replica_share.png").exists()
     assert len((out / "requests.jsonl").read_text().splitlines()) == 12
     outputs = _outputs(out, stdout, stderr)
@@ -250,6 +251,7 @@ async def test_a_run_cut_by_max_duration_is_no_pass(tmp_path: Path) -> None:
 
 BAD_ARGUMENTS: Sequence[tuple[str, ...]] = (
     ("loadtest", "--target", "127.0.0.1:9/v1"),  # no scheme
+    ("loadtest", "--target", "http://127.0.0.1:9/v1/chat/completions"),  # an endpoint, not the base
     ("loadtest", "--target", "http://127.0.0.1:9", "--slo", "ttft_p90_s=fast"),
     ("loadtest", "--target", "http://127.0.0.1:9", "--header", f"no-colon-{HEADER_SECRET}"),
     ("loadtest", "--target", "http://127.0.0.1:9", "--timeout-s", "0"),
