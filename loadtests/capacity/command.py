@@ -64,6 +64,7 @@ from loadtests.capacity.simulated import (
     slo_of,
 )
 from loadtests.capacity.target import (
+    SearchInterrupted,
     TargetDown,
     add_target_arguments,
     check_target_args,
@@ -355,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
     if args.target:
         try:
             return _run_target(args, workload, stream, slo, out, start, started, log)
-        except KeyboardInterrupt:  # SIGINT between or in a point's run: its figures are lost
+        except KeyboardInterrupt:  # SIGINT before the search started
             print("kvlb capacity: stopped by SIGINT", file=sys.stderr)
             return EXIT_INTERRUPTED + signal.SIGINT.value
     for name in names:
@@ -465,9 +466,13 @@ def _run_target(
     started: str,
     log: Callable[[str], None],
 ) -> int:
-    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`)."""
+    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`); after
+    SIGINT the report of the points measured so far, exit 130."""
+    interrupted = None
     try:
         found = search_target(args, lambda rate, limit: stream.specs_at(rate, limit, 1.0), slo, start, log)
+    except SearchInterrupted as stop:
+        found, interrupted = stop.search, str(stop)
     except (TargetDown, ValueError, OSError) as exc:
         print(f"kvlb capacity: {exc}", file=sys.stderr)
         return 1
@@ -481,9 +486,13 @@ def _run_target(
         "base_rate_per_s": stream.base_rate,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "slo_gate_rate": args.slo_gate,
+        "interrupted": interrupted,
     }
     report = build_report(meta, slo, {"target": found}, [])
     _write_report(args, report, out, log)
+    if interrupted:
+        log(f"kvlb capacity: {interrupted}: the report holds those (partial results)")
+        return EXIT_INTERRUPTED + signal.SIGINT.value
     return gate(found, args, log)
 
 

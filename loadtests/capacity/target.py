@@ -13,14 +13,16 @@ holds a launch back. With ``--slo-gate RATE`` the command exits
 :data:`loadtests.target.EXIT_SLO_MISSED` when the capacity found is below ``RATE``, so a rollout can be
 gated on "this deployment still serves N req/s within the SLO"; it exits
 :data:`loadtests.target.EXIT_CLIENT_BEHIND` instead when the lowest failing rate's point was invalid
-by the client (the search's bracket was the client's, not the target's).
+by the client (the search's bracket was the client's, not the target's). SIGINT stops the search:
+the report holds the points measured before it (the one in flight is lost), ``meta.interrupted``
+says so, and the command exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -147,14 +149,36 @@ def search_target(
     start: float,
     log: Callable[[str], None],
 ) -> Search:
-    return search(
-        measure_target(args, specs_at, model_of(args), log, slo),
-        slo,
-        start,
-        growth=args.growth,
-        rel_tol=args.rel_tol,
-        max_points=args.max_points,
-    )
+    """The search at the URL; on SIGINT (``KeyboardInterrupt``) :class:`SearchInterrupted` with the
+    points measured so far (the point in flight is lost)."""
+    measure = measure_target(args, specs_at, model_of(args), log, slo)
+    measured: list[RatePoint] = []
+
+    def keep(rate: float) -> RatePoint:
+        point = measure(rate)
+        measured.append(point)
+        return point
+
+    try:
+        return search(keep, slo, start, growth=args.growth, rel_tol=args.rel_tol, max_points=args.max_points)
+    except KeyboardInterrupt:
+        raise SearchInterrupted(partial_search(measured, slo)) from None
+
+
+class SearchInterrupted(Exception):
+    """SIGINT stopped the search: ``search`` holds the points measured before it."""
+
+    def __init__(self, search: Search) -> None:
+        super().__init__(f"stopped by SIGINT after {len(search.points)} points")
+        self.search = search
+
+
+def partial_search(points: Sequence[RatePoint], slo: Slo) -> Search:
+    """The bracket the ``points`` give: the lowest failing rate, and the highest passing one below it."""
+    fails = [p.rate for p in points if not p.meets(slo)]
+    first_fail = min(fails) if fails else None
+    passes = [p.rate for p in points if p.meets(slo) and (first_fail is None or p.rate < first_fail)]
+    return Search(tuple(sorted(points, key=lambda p: p.rate)), max(passes) if passes else None, first_fail)
 
 
 def check_target_args(args: argparse.Namespace) -> None:
