@@ -389,6 +389,13 @@ async def _cancel_on_sigterm(campaign: Coroutine[Any, Any, int]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target and (args.netns or args.attach or args.whatif):
+        # --netns would cut the run off from the target (only a fresh loopback inside), and --attach
+        # and --whatif drive an emulated fleet the target run never touches
+        given = ", ".join(o for o, v in (("--netns", args.netns), ("--attach", args.attach),
+                                          ("--whatif", args.whatif)) if v)  # fmt: skip
+        print(f"kvlb loadtest: --target does not go with {given}", file=sys.stderr)
+        return 2
     if args.netns and not args.in_netns:
         return _reexec_in_netns()
     try:

@@ -282,6 +282,7 @@ BAD_ARGUMENTS: Sequence[tuple[str, ...]] = (
     ("loadtest", "--target", "http://127.0.0.1:9", "--workload", "mooncake", "--trace", "/nonexistent"),
     ("loadtest", "--target", "http://127.0.0.1:9", "--api-key-env", "KVLB_TEST_UNSET_VARIABLE"),
     ("loadtest", "--target", "http://u:p@127.0.0.1:9", "--header", "Authorization: Bearer x"),
+    ("loadtest", "--target", "http://127.0.0.1:9", "--netns"),  # its loopback is not the target's
     ("capacity", "--target", "127.0.0.1:9", "--workload", "tenants"),
     ("capacity", "--target", "http://127.0.0.1:9", "--header", "bad", "--workload", "tenants"),
 )
