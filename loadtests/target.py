@@ -18,38 +18,43 @@ offered is missed). The figures and the SLO verdicts are pure functions of the r
 (:func:`check_slos`, :func:`exit_code`), tested apart from the I/O.
 
 Every argument is checked before a request goes out (:func:`check_target_args`: a bad one is exit 2
-with one line). Secrets stay out of the outputs: ``--header`` values and a password in the URL are
-written as ``***`` in the report, the table and the messages (:func:`redact_argv`,
-:func:`redact_url`), and ``--api-key-env VAR`` sends ``Authorization: Bearer`` with the key read from
-the environment, so that it is not on the command line either. SIGINT or SIGTERM mid-run stops
-launching, cancels what is in flight (recorded ``cancelled``), writes the partial report (status
-``interrupted``) and exits :data:`EXIT_INTERRUPTED` + the signal's number (130, 143).
+with one line). The URL and the credentials are :mod:`loadtests.target_access`'s (``--header`` values
+and a password in the URL written as ``***`` in every output; ``--api-key-env VAR`` for a bearer key
+on no command line); the files and the table are :mod:`loadtests.target_report`'s. SIGINT or
+SIGTERM mid-run stops launching, cancels what is in flight (recorded ``cancelled``), writes the
+partial report (status ``interrupted``) and exits :data:`EXIT_INTERRUPTED` + the signal's number
+(130, 143).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
-import json
 import os
 import shlex
 import signal
 import sys
 import time
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
 
 import aiohttp
 
-from loadtests.client_lag import LATENCY_SLO_PREFIXES, lag_bound_s, no_schedule, summary_line
-from loadtests.driver import REPLICA_HEADER, RunResult, run_closed_loop, run_open_loop
+from loadtests.client_lag import LATENCY_SLO_PREFIXES, lag_bound_s, no_schedule
+from loadtests.driver import REPLICA_HEADER, run_closed_loop, run_open_loop
 from loadtests.runs import Progress
-from loadtests.stats import SUMMARY_FIELDS, RequestRecord, Summary, implausible_cached
+from loadtests.stats import SUMMARY_FIELDS, Summary, implausible_cached
+from loadtests.target_access import (
+    SECRET_MASK,
+    check_target_url,
+    first_model,
+    redact_argv,
+    redact_url,
+    target_headers,
+)
+from loadtests.target_report import error_sample, errors_by_kind, write_report
 
 EXIT_SLO_MISSED = 3
 """Exit code when the run completed but missed an SLO (1: the run failed, 2: bad arguments)."""
@@ -65,9 +70,6 @@ requests are missing from every figure, so the pass is no pass."""
 EXIT_INTERRUPTED = 128
 """A run stopped by a signal exits this + the signal's number (SIGINT 130, SIGTERM 143), after
 writing the partial report."""
-
-SECRET_MASK = "***"
-"""What a header value or a URL's password is written as in the outputs."""
 
 AT_LEAST: frozenset[str] = frozenset({"hit_rate", "req_per_s", "output_tok_per_s", "ok"})
 """Summary figures an SLO bounds from below; every other one is bounded from above."""
@@ -172,91 +174,6 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "SIGINT or SIGTERM (the partial report is written)")  # fmt: skip
 
 
-def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition(":")
-        if not sep or not name.strip():
-            raise ValueError(f"--header expects NAME:VALUE, got {redact_header(pair)!r}")
-        headers[name.strip()] = value.strip()
-    return headers
-
-
-def redact_header(pair: str) -> str:
-    """``NAME:VALUE`` as ``NAME:***`` (the whole text masked when it has no colon)."""
-    name, sep, _ = pair.partition(":")
-    return f"{name}:{SECRET_MASK}" if sep else SECRET_MASK
-
-
-def redact_url(url: str) -> str:
-    """``url`` with the password of its user info written as ``***`` (the rest unchanged)."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return url
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:{SECRET_MASK}@{netloc}"))
-
-
-def redact_argv(argv: Iterable[str]) -> list[str]:
-    """The command line with ``--header`` values and URL passwords masked: fit for a report."""
-    redacted: list[str] = []
-    after_header = False
-    for arg in argv:
-        if after_header:
-            redacted.append(redact_header(arg))
-        elif arg.startswith("--header="):
-            redacted.append("--header=" + redact_header(arg.removeprefix("--header=")))
-        else:
-            redacted.append(redact_url(arg))
-        after_header = arg == "--header"
-    return redacted
-
-
-def check_target_url(url: str) -> None:
-    """``ValueError`` unless ``url`` is ``http(s)://host[:port][/prefix]`` (no query or fragment)."""
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:
-        raise ValueError(f"--target {redact_url(url)!r}: {exc}") from None
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(
-            f"--target expects http://HOST:PORT or https://HOST:PORT, with an optional path prefix "
-            f"such as /v1; got {redact_url(url)!r}"
-        )
-    if parts.query or parts.fragment:
-        raise ValueError(f"--target {redact_url(url)!r}: no query or fragment (requests append a path)")
-    if parts.path.rstrip("/").endswith(("/completions", "/models")):
-        raise ValueError(
-            f"--target {redact_url(url)!r} names an endpoint; give the base URL (http://HOST:PORT or "
-            "http://HOST:PORT/prefix/v1): the workload appends /v1/chat/completions or /v1/completions"
-        )
-    del port
-
-
-def target_headers(args: argparse.Namespace) -> dict[str, str]:
-    """Every request's headers: ``--header`` and, with ``--api-key-env VAR``, the bearer key of
-    ``$VAR``. ``ValueError`` for a malformed header, an unset or empty ``VAR``, or two sources of
-    credentials (the URL's user info, ``--api-key-env``, an ``Authorization`` header)."""
-    headers = parse_headers(args.header)
-    sources = [name for name in headers if name.lower() == "authorization"]
-    if getattr(args, "api_key_env", None):
-        key = os.environ.get(args.api_key_env, "").strip()
-        if not key:
-            raise ValueError(f"--api-key-env {args.api_key_env}: the variable is not set or empty")
-        sources.append(f"--api-key-env {args.api_key_env}")
-        headers["Authorization"] = f"Bearer {key}"
-    if args.target and urlsplit(args.target).username is not None:
-        sources.append("the URL's user info")
-    if len(sources) > 1:
-        raise ValueError(f"credentials given twice ({', '.join(sources)}): keep one")
-    return headers
-
-
 def check_target_args(args: argparse.Namespace) -> None:
     """``ValueError`` for any bad ``--target`` argument, before a request goes out (exit 2)."""
     check_target_url(args.target)
@@ -272,55 +189,6 @@ def check_target_args(args: argparse.Namespace) -> None:
     ):
         if not value > 0 or value != value or value == float("inf"):
             raise ValueError(f"{name} must be a finite number > 0, got {value}")
-
-
-async def first_model(session: aiohttp.ClientSession, base: str, headers: Mapping[str, str]) -> str:
-    """The first model of ``GET /v1/models``; ``ValueError`` (saying to pass ``--model``) when the
-    target does not answer that with a JSON list of models."""
-    url = base.rstrip("/").removesuffix("/v1") + "/v1/models"
-    shown = redact_url(url)
-    try:
-        async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as response:
-            if response.status != 200:
-                raise ValueError(f"GET {shown}: HTTP {response.status}; pass --model")
-            data = json.loads(await response.content.read(MODELS_BODY_BYTES))
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        raise ValueError(f"GET {shown}: {type(exc).__name__}: {exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ValueError(f"GET {shown}: the answer is not JSON; pass --model") from None
-    listed = data.get("data") if isinstance(data, dict) else None
-    models = [m.get("id") for m in listed if isinstance(m, dict)] if isinstance(listed, list) else []
-    if not models or not isinstance(models[0], str):
-        raise ValueError(f"GET {shown} lists no model; pass --model")
-    return models[0]
-
-
-MODELS_BODY_BYTES = 1 << 20
-"""Of ``GET /v1/models``' answer, at most this many bytes are read."""
-
-
-def error_kind(record: RequestRecord) -> str:
-    """A failed request's kind: ``http_<status>``, ``timeout``, ``no_done`` (a stream without
-    ``data: [DONE]``), ``error_event`` (the server's error in the stream), or the exception's type
-    (``ClientPayloadError``: a stream cut; ``JSONDecodeError``: a body that is not JSON;
-    ``ClientConnectorError``: no connection)."""
-    if record.outcome == "http_error":
-        return f"http_{record.status}"
-    if record.outcome != "error":
-        return record.outcome
-    text = record.error or ""
-    if text.startswith("stream ended without"):
-        return "no_done"
-    if text.startswith("server error"):
-        return "error_event"
-    name, sep, _ = text.partition(":")
-    return name if sep and name.isidentifier() else "error"
-
-
-def errors_by_kind(records: Iterable[RequestRecord]) -> dict[str, int]:
-    """Failed requests (``cancelled`` ones apart) counted by :func:`error_kind`, most frequent first."""
-    counts = Counter(error_kind(r) for r in records if not r.ok and r.outcome != "cancelled")
-    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Path) -> int:
@@ -412,7 +280,7 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
         "cached_tokens_implausible": implausible_cached(result.records),
         "slo": verdicts,
         "slo_met": slo_met,
-        "errors": _error_sample(result),
+        "errors": error_sample(result),
     }
     write_report(report, result, summary, out, plots=not args.no_plots)
     print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
@@ -432,183 +300,3 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     elif invalid:
         print(f"kvlb loadtest: {invalid}", file=sys.stderr)
     return code
-
-
-def write_report(
-    report: Mapping[str, Any], result: RunResult, summary: Summary, out: Path, *, plots: bool = True
-) -> None:
-    """``report.json``, ``requests.jsonl``, the plots (unless not ``plots``) and ``report.md`` in
-    ``out``; the table on stderr."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    with (out / "requests.jsonl").open("w", encoding="utf-8") as sink:
-        for record in result.records:
-            sink.write(json.dumps(record.to_dict()) + "\n")
-    drawn, note = write_target_plots(result, summary, out) if plots else ([], "Plots skipped (--no-plots).")
-    (out / "report.md").write_text(markdown(report, drawn, note), encoding="utf-8")
-    print(table(report), file=sys.stderr)
-
-
-def _error_sample(result: RunResult, limit: int = 10) -> list[dict[str, Any]]:
-    """The first ``limit`` failures (outcome, status, reason), so a report says why."""
-    failed = [r for r in result.records if not r.ok]
-    return [
-        {"request_id": r.request_id, "outcome": r.outcome, "status": r.status, "error": r.error}
-        for r in failed[:limit]
-    ]
-
-
-def _fmt(value: Any, name: str) -> str:
-    if value is None:
-        return "—"
-    if name.endswith("_s") and not name.endswith("_per_s") and name != "duration_s":  # a time
-        return f"{value * 1000:.0f} ms"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
-
-_TABLE_FIELDS = (
-    "requests", "ok", "errors", "error_rate", "req_per_s", "output_tok_per_s",
-    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "e2e_p50_s", "e2e_p90_s", "e2e_p99_s",
-    "hit_rate", "imbalance",
-)  # fmt: skip
-
-
-def table(report: Mapping[str, Any]) -> str:
-    """The figures and SLO verdicts as a plain-text table (what the command prints)."""
-    summary = report["summary"]
-    lines = [f"target {report['meta']['target']} ({report['meta']['model']}), {report['meta']['workload']}"]
-    lines += [f"  {name:<18} {_fmt(summary[name], name)}" for name in _TABLE_FIELDS]
-    for name, share in sorted(summary["replica_share"].items()):
-        lines.append(f"  share {name:<12} {share:.3f}")
-    lines += [f"  {line}" for line in _client_lines(report)]
-    lines += [f"  {line}" for line in _extra_lines(report)]
-    for verdict in report["slo"]:
-        sign = "≥" if verdict["direction"] == "at_least" else "≤"
-        state = "met" if verdict["met"] else "MISSED"
-        value = _fmt(verdict["value"], verdict["name"])
-        lines.append(
-            f"  SLO {verdict['name']} {sign} {_fmt(verdict['bound'], verdict['name'])}: {value} {state}"
-        )
-    return "\n".join(lines)
-
-
-def _client_lines(report: Mapping[str, Any]) -> list[str]:
-    """The client against its schedule (nothing in the closed loop), and the invalid note."""
-    client = report.get("client") or {}
-    lines = [] if client.get("client_behind") is None else [summary_line(client)]  # none: no schedule
-    if report.get("status") == "invalid" and report.get("note"):
-        lines.append(f"INVALID: {report['note']}")
-    return lines
-
-
-def _extra_lines(report: Mapping[str, Any]) -> list[str]:
-    """The failures by kind, implausible ``cached_tokens`` and an interruption, in words."""
-    lines = []
-    kinds = report.get("errors_by_kind") or {}
-    if kinds:
-        lines.append("errors by kind: " + ", ".join(f"{kind} {count}" for kind, count in kinds.items()))
-    implausible = report.get("cached_tokens_implausible") or 0
-    if implausible:
-        lines.append(
-            f"{implausible} answers reported more cached_tokens than prompt_tokens (or a negative "
-            "count): left out of the hit rate"
-        )
-    if report.get("status") == "interrupted":
-        lines.append(f"INTERRUPTED: {report['note']}")
-    return lines
-
-
-def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) -> str:
-    meta, summary = report["meta"], report["summary"]
-    lines = [
-        f"# Load test of {meta['target']}",
-        "",
-        f"`{meta['command']}`",
-        "",
-        f"Model `{meta['model']}`, workload `{meta['workload']}`, {meta['mode']} loop, {meta['requests']} "
-        f"requests; started {meta['started']}, load average {meta['load_average']}.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-    ]
-    lines += [f"| {name} | {_fmt(summary[name], name)} |" for name in _TABLE_FIELDS]
-    client = report.get("client") or {}
-    if client.get("client_behind") is not None:
-        lines += ["", f"The {summary_line(client)}."]
-    if report.get("status") == "invalid":
-        lines += ["", f"**Invalid at the offered rate**: {report['note']}."]
-    if report.get("status") == "interrupted":
-        lines += ["", f"**Interrupted**: {report['note']}."]
-    kinds = report.get("errors_by_kind") or {}
-    if kinds:
-        lines += ["", "| error kind | requests |", "|---|---|"]
-        lines += [f"| {kind} | {count} |" for kind, count in kinds.items()]
-    for line in _extra_lines(report)[1 if kinds else 0 :]:
-        if not line.startswith("INTERRUPTED"):
-            lines += ["", f"{line}."]
-    if summary["replica_share"]:
-        lines += ["", "| replica | requests | share |", "|---|---|---|"]
-        for name, share in sorted(summary["replica_share"].items()):
-            lines.append(f"| {name} | {summary['replica_requests'].get(name, 0)} | {share:.3f} |")
-    if report["slo"]:
-        lines += ["", "| SLO | bound | value | verdict |", "|---|---|---|---|"]
-        for v in report["slo"]:
-            sign = "≥" if v["direction"] == "at_least" else "≤"
-            verdict = "met" if v["met"] else "**missed**"
-            bound, value = _fmt(v["bound"], v["name"]), _fmt(v["value"], v["name"])
-            lines.append(f"| {v['name']} | {sign} {bound} | {value} | {verdict} |")
-    if report["errors"]:
-        lines += ["", "First failures:", ""]
-        lines += [
-            f"- `{e['request_id']}`: {e['outcome']} {e['status']} {_one_line(e['error'])}"
-            for e in report["errors"]
-        ]
-    lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    if note:
-        lines += ["", note]
-    return "\n".join(lines) + "\n"
-
-
-def _one_line(text: Any) -> str:
-    """An error text as one markdown line: whitespace folded, ``<`` escaped (an HTML error page
-    would otherwise render as markup, or as nothing)."""
-    return " ".join(str(text).split()).replace("<", "&lt;")
-
-
-def write_target_plots(result: RunResult, summary: Summary, out: Path) -> tuple[list[str], str | None]:
-    """``ttft_cdf.png`` and ``replica_share.png`` (matplotlib, when installed)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return [], "Plots skipped: matplotlib is not installed (pip install 'kvlb[report]')."
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths: list[str] = []
-    ttfts = sorted(r.ttft_s for r in result.records if r.ok and r.ttft_s is not None)
-    if ttfts:
-        figure, axes = plt.subplots(figsize=(7, 4))
-        axes.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post")
-        axes.set_xscale("log")
-        axes.set_xlabel("TTFT (s, log scale)")
-        axes.set_ylabel("fraction of requests")
-        axes.set_title("TTFT CDF")
-        axes.grid(True, which="both", alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(out / "ttft_cdf.png", dpi=100)
-        plt.close(figure)
-        paths.append(str(out / "ttft_cdf.png"))
-    if summary.replica_share:
-        names = sorted(summary.replica_share)
-        figure, axes = plt.subplots(figsize=(7, 4))
-        axes.bar(names, [summary.replica_share[n] for n in names])
-        axes.set_ylabel("share of requests")
-        axes.set_title("Requests per replica (x-kvlb-replica)")
-        axes.tick_params(axis="x", rotation=45)
-        figure.tight_layout()
-        figure.savefig(out / "replica_share.png", dpi=100)
-        plt.close(figure)
-        paths.append(str(out / "replica_share.png"))
-    return paths, None if paths else "Plots skipped: no request succeeded."

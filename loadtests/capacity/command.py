@@ -76,7 +76,8 @@ from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES
 from loadtests.simulate import SimRequest
 from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S
-from loadtests.target import EXIT_INTERRUPTED, redact_argv, redact_url
+from loadtests.target import EXIT_INTERRUPTED
+from loadtests.target_access import redact_argv, redact_url
 from loadtests.workloads import (
     MooncakeWorkload,
     TenantsWorkload,

@@ -32,14 +32,8 @@ from loadtests.capacity.search import RatePoint, Search, Slo, point_of, search
 from loadtests.client_lag import lag_bound_s, no_schedule
 from loadtests.driver import REPLICA_HEADER, run_open_loop
 from loadtests.runs import Progress
-from loadtests.target import (
-    EXIT_CLIENT_BEHIND,
-    EXIT_SLO_MISSED,
-    SECRET_MASK,
-    check_target_url,
-    first_model,
-    target_headers,
-)
+from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED
+from loadtests.target_access import SECRET_MASK, check_target_url, first_model, target_headers
 
 CAPACITY_ADVICE = (
     "the search counts the rate as failed; run the client on another machine (or nearer the "

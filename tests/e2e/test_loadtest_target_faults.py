@@ -27,7 +27,9 @@ from aiohttp import web
 
 from balancer.cli.main import main
 from loadtests.stats import RequestRecord
-from loadtests.target import EXIT_CUT_SHORT, error_kind, redact_argv, redact_url
+from loadtests.target import EXIT_CUT_SHORT
+from loadtests.target_access import redact_argv, redact_url
+from loadtests.target_report import error_kind
 
 PREFIX = "/team-a/v1"
 USER, PASSWORD = "ci", "pw-s3cret"

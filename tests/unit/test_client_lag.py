@@ -148,7 +148,7 @@ def test_a_capacity_point_whose_client_fell_behind_never_passes() -> None:
 
 
 def test_the_target_table_prints_rates_as_rates_and_times_in_ms() -> None:
-    from loadtests.target import table
+    from loadtests.target_report import table
 
     summary = dict.fromkeys(
         ("requests", "ok", "errors", "error_rate", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s"),
