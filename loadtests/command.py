@@ -4,8 +4,11 @@ Starts (or attaches to) an emulated SGLang fleet, builds the request stream once
 oracle bound, runs every router in turn (flushing the caches between runs), and writes
 ``report.json``, ``report.md`` and PNG plots to ``--out``. See ``docs/loadtest.md``.
 
-With ``--duration`` it is a soak instead (:mod:`loadtests.faults.soak`): one kvlb under steady load
-with replica faults every ``--fault-every``, and kvlb's resources over time (``docs/reliability.md``).
+With ``--target URL`` it starts nothing and drives the workload at that OpenAI-compatible endpoint (a
+deployed kvlb, a peer router, a bare engine), with ``--slo`` gating the exit code
+(:mod:`loadtests.target`). With ``--duration`` it is a soak instead (:mod:`loadtests.faults.soak`):
+one kvlb under steady load with replica faults every ``--fault-every``, and kvlb's resources over time
+(``docs/reliability.md``).
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ from loadtests.peers import DEFAULT_ROUTERS, RouterSpec, parse_router
 from loadtests.report import build_report, write_json, write_markdown, write_records
 from loadtests.report_plots import write_plots
 from loadtests.runs import DriveOptions, run_all
-from loadtests.target import EXIT_CLIENT_BEHIND, add_target_arguments, target_campaign
+from loadtests.target import (
+    EXIT_CLIENT_BEHIND,
+    EXIT_INTERRUPTED,
+    add_target_arguments,
+    check_target_args,
+    target_campaign,
+)
 from loadtests.whatif.check import add_whatif_arguments, whatif_campaign
 from loadtests.workloads import (
     MooncakeWorkload,
@@ -79,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--workload", default="tenants", help="tenants, unique, mooncake, chat, rag, agent (default tenants)")
     add("--param", action="append", default=[], metavar="NAME=VALUE",
         help="a workload field, e.g. --param context_tokens=2000 (repeatable)")  # fmt: skip
-    add("--requests", type=int, default=400, help="requests per router (default 400)")
+    add("--requests", type=int, default=400, help="requests per router (--target: in all; default 400)")
     add("--rate", type=float, default=None,
         help="open loop: Poisson arrivals per second (default 10; soak: steady, default 20)")  # fmt: skip
     add("--mode", choices=("open", "closed"), default="open", help="open (arrival rate) or closed (users)")
@@ -115,13 +124,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SGLang replicas: KV-event fields they publish; auto: vllm when vllm_kv_aware runs (it needs "
         "lora_name), else sglang")  # fmt: skip
     add("--attach", type=Path, help="use a running fleet: a file with the JSON listing `kvlb emulate` prints")
-    add("--out", type=Path, default=None, help="output folder (default loadtest-results/<workload>-<time>)")
+    add("--out", type=Path, default=None,
+        help="output folder (default loadtest-results/<workload>-<time>; --target: "
+        "loadtest-results/target-<workload>-<time>)")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
     add(
         "--max-duration-s",
         type=float,
         default=600.0,
-        help="per router: cancel what is left after this many wall seconds (600)",
+        help="per router (--target: the whole run): cancel what is left after this many wall seconds (600)",
     )
     add("--timeout-s", type=float, default=300.0, help="per request, wall seconds (300)")
     add(
@@ -378,6 +389,13 @@ async def _cancel_on_sigterm(campaign: Coroutine[Any, Any, int]) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target and (args.netns or args.attach or args.whatif):
+        # --netns would cut the run off from the target (only a fresh loopback inside), and --attach
+        # and --whatif drive an emulated fleet the target run never touches
+        given = ", ".join(o for o, v in (("--netns", args.netns), ("--attach", args.attach),
+                                          ("--whatif", args.whatif)) if v)  # fmt: skip
+        print(f"kvlb loadtest: --target does not go with {given}", file=sys.stderr)
+        return 2
     if args.netns and not args.in_netns:
         return _reexec_in_netns()
     try:
@@ -385,8 +403,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--target and --duration (soak) do not go together")
         if args.target:
             args.rate = 10.0 if args.rate is None else args.rate
-            if args.requests <= 0 or args.rate <= 0:
-                raise ValueError("need --requests > 0 and --rate > 0")
+            check_target_args(args)
+            check_workload(args)
             out = (
                 args.out
                 or Path("loadtest-results") / f"target-{args.workload}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -414,3 +432,6 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kvlb loadtest: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # SIGINT outside a run that handles it (asyncio.run cancelled the campaign)
+        print("kvlb loadtest: stopped by SIGINT", file=sys.stderr)
+        return EXIT_INTERRUPTED + signal.SIGINT.value

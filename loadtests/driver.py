@@ -18,8 +18,9 @@ the first content chunk, the gaps between content chunks, usage (with
   the next. Requests of one ``session_id`` run in order, one at a time.
 
 Both stop launching at ``max_requests`` or when the specs run out, and stop everything at
-``max_duration_s``: requests still in flight are cancelled and recorded as ``cancelled``. No task
-outlives the call.
+``max_duration_s`` or when the ``stop`` event is set (a signal: stop reason ``interrupted``):
+requests still in flight are cancelled and recorded as ``cancelled``, and the run returns what it
+has. No task outlives the call.
 """
 
 from __future__ import annotations
@@ -45,10 +46,14 @@ REPLICA_HEADER = "x-kvlb-replica"
 PREDICTED_HEADER = "x-kvlb-cached-tokens"
 """kvlb's predicted cached tokens for the request, kept in each record next to the reported ones."""
 
+ERROR_BODY_BYTES = 4096
+"""Of a non-200 answer's body, at most this many bytes are read (the record keeps the first 300
+characters): a huge error page costs the client nothing."""
+
 ProgressFn = Callable[[RequestRecord], None]
 """Called with each record as its request ends (on the event loop: keep it quick; must not raise)."""
 
-StopReason = Literal["specs", "max_requests", "max_duration"]
+StopReason = Literal["specs", "max_requests", "max_duration", "interrupted"]
 
 RouteFn = Callable[[RequestSpec], str]
 """The base URL (``http://host:port``) a spec is sent to instead of the endpoint: pins each request
@@ -63,7 +68,8 @@ class RunResult:
     records: tuple[RequestRecord, ...]
     duration_s: float
     stop_reason: StopReason
-    """``max_duration`` when the time limit ended launching or cut the drain, else why launching ended."""
+    """``max_duration`` when the time limit ended launching or cut the drain, ``interrupted`` when the
+    ``stop`` event did, else why launching ended."""
     slot_waits: int = 0
     """Open loop: launches that found ``concurrency_cap`` requests in flight and waited for one to
     end (their lag includes the wait; the cap's overflow count). Always 0 in the closed loop."""
@@ -148,7 +154,8 @@ class _Runner:
             predicted = response.headers.get(PREDICTED_HEADER, "")
             state.predicted_cached_tokens = int(predicted) if predicted.isdigit() else None
             if response.status != 200:
-                state.fail("http_error", f"HTTP {response.status}: {await response.text(errors='replace')}")
+                body = await response.content.read(ERROR_BODY_BYTES)  # what the record keeps, at most
+                state.fail("http_error", f"HTTP {response.status}: {body.decode(errors='replace')}")
                 return
             if "text/event-stream" in response.headers.get("content-type", ""):
                 async for chunk in response.content.iter_any():
@@ -217,25 +224,43 @@ async def _drive(
     max_duration_s: float,
     launch: Callable[[_Runner, asyncio.TaskGroup], Awaitable[None]],
     concurrency_cap: int | None = None,
+    stop: asyncio.Event | None = None,
 ) -> RunResult:
-    """Run ``launch`` and every task it starts inside one session, a task group and the time limit."""
+    """Run ``launch`` and every task it starts inside one session, a task group and the time limit
+    (brought forward to now when ``stop`` is set)."""
     connector = aiohttp.TCPConnector(limit=connections)
     async with aiohttp.ClientSession(connector=connector) as session:
         runner = _Runner(session, options)
+        watcher: asyncio.Task[None] | None = None
         try:
-            async with asyncio.timeout(max_duration_s):
+            async with asyncio.timeout(max_duration_s) as limit:
+                if stop is not None:
+                    watcher = asyncio.create_task(_stop_when_set(stop, limit, runner))
                 async with asyncio.TaskGroup() as group:
                     await launch(runner, group)
         except TimeoutError:
-            runner.stop_reason = "max_duration"
+            if runner.stop_reason != "interrupted":
+                runner.stop_reason = "max_duration"
         except BaseExceptionGroup as group_error:
             # A bad spec or a raising on_progress: surface the lone error, not the group.
             if len(group_error.exceptions) == 1:
                 raise group_error.exceptions[0] from None
             raise
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+                await asyncio.gather(watcher, return_exceptions=True)
         duration_s = runner.now_s()
     records = tuple(sorted(runner.records, key=lambda r: (r.start_s, r.request_id)))
     return RunResult(mode, records, duration_s, runner.stop_reason, runner.slot_waits, concurrency_cap)
+
+
+async def _stop_when_set(stop: asyncio.Event, limit: asyncio.Timeout, runner: _Runner) -> None:
+    """Bring the run's time limit forward to now once ``stop`` is set (in-flight requests are then
+    cancelled and recorded, as at ``max_duration_s``)."""
+    await stop.wait()
+    runner.stop_reason = "interrupted"
+    limit.reschedule(asyncio.get_running_loop().time())
 
 
 def _options(
@@ -277,6 +302,7 @@ async def run_open_loop(
     session_header: str | None = None,
     extra_body: Mapping[str, Any] | None = None,
     route: RouteFn | None = None,
+    stop: asyncio.Event | None = None,
 ) -> RunResult:
     """Send each spec at ``arrival_s`` seconds after the start (``ValueError`` for a spec without one).
 
@@ -285,7 +311,8 @@ async def run_open_loop(
     last byte (past it: outcome ``timeout``). ``session_header``, when set, carries each spec's
     session id; ``extra_body`` is merged into every JSON body (e.g. ``{"ignore_eos": True}`` for
     vLLM/SGLang to generate exactly ``max_tokens``). ``route``, when set, names each spec's own base
-    URL (:data:`RouteFn`); ``endpoint`` is then only the default.
+    URL (:data:`RouteFn`); ``endpoint`` is then only the default. Setting ``stop`` ends the run as
+    ``max_duration_s`` would, with stop reason ``interrupted``.
     """
     _check(max_requests, max_duration_s, timeout_s, concurrency_cap)
     options = _options(
@@ -322,6 +349,7 @@ async def run_open_loop(
         max_duration_s=max_duration_s,
         launch=launch,
         concurrency_cap=concurrency_cap,
+        stop=stop,
     )
 
 
@@ -340,6 +368,7 @@ async def run_closed_loop(
     session_header: str | None = None,
     extra_body: Mapping[str, Any] | None = None,
     think_time_s: float = 0.0,
+    stop: asyncio.Event | None = None,
 ) -> RunResult:
     """``users`` workers, each sending its next spec when its last one ended (``arrival_s`` is ignored).
 
@@ -370,4 +399,6 @@ async def run_closed_loop(
         for _ in range(users):
             group.create_task(user(runner))
 
-    return await _drive("closed", options, connections=users, max_duration_s=max_duration_s, launch=launch)
+    return await _drive(
+        "closed", options, connections=users, max_duration_s=max_duration_s, launch=launch, stop=stop
+    )

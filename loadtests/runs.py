@@ -106,13 +106,16 @@ class Progress:
         self.tty = self.stream.isatty()
         self.done = 0
         self.errors = 0
+        self.cancelled = 0
         self.t0 = time.monotonic()
         self._last_draw = 0.0
         self._last_decile = -1
 
     def update(self, record: RequestRecord) -> None:
         self.done += 1
-        if record.outcome != "ok":
+        if record.outcome == "cancelled":  # cut by the time limit or a signal: no error of the target
+            self.cancelled += 1
+        elif record.outcome != "ok":
             self.errors += 1
         now = time.monotonic()
         decile = 10 * self.done // self.total
@@ -129,8 +132,10 @@ class Progress:
         filled = min(width, width * self.done // self.total)
         bar = "#" * filled + "." * (width - filled)
         elapsed = time.monotonic() - self.t0
+        cancelled = f" cancelled {self.cancelled}" if self.cancelled else ""
         self.stream.write(
-            f"{prefix}{self.label:<20} [{bar}] {self.done}/{self.total} errors {self.errors} {elapsed:6.1f} s"
+            f"{prefix}{self.label:<20} [{bar}] {self.done}/{self.total} errors {self.errors}{cancelled} "
+            f"{elapsed:6.1f} s"
         )
         self.stream.flush()
 

@@ -8,9 +8,13 @@ and the run's duration into a :class:`Summary`. Conventions:
 - ITL is the gap between consecutive content chunks of a stream, pooled over requests. A server
   that packs several tokens into a chunk gives fewer, longer gaps.
 - Throughputs divide by the run's wall duration: ``req_per_s`` counts ``ok`` requests,
-  ``output_tok_per_s`` their completion tokens.
-- ``hit_rate`` is Σ cached_tokens / Σ prompt_tokens over ``ok`` requests that reported usage; it is
-  ``None`` when no request reported ``cached_tokens`` (the server does not expose it).
+  ``output_tok_per_s`` their completion tokens (``None`` when ``ok`` requests came but none reported
+  ``usage.completion_tokens``: a target that does not report it has no figure, not 0 tok/s).
+- ``hit_rate`` is Σ cached_tokens / Σ prompt_tokens over ``ok`` requests that reported a plausible
+  ``cached_tokens`` (an integer in [0, prompt_tokens]); it is ``None`` when none did (the server does
+  not expose it, or sends ``null``). A request without ``cached_tokens`` is left out of both sums
+  rather than counted as a miss, and an implausible one (:func:`implausible_cached`, e.g. more cached
+  than prompt tokens) is left out too, so a broken server cannot report a hit rate above 1.
 - ``errors`` counts ``http_error``, ``error`` and ``timeout`` outcomes; ``cancelled`` (in flight when
   the run's time limit hit) is counted apart and in neither rate.
 - ``imbalance`` is max / mean of per-replica request counts over every request that named a replica,
@@ -228,9 +232,11 @@ def summarize(
     itl = [gap for r in ok for gap in r.itl_s]
     with_usage = [r for r in ok if r.prompt_tokens is not None]
     prompt_tokens = sum(r.prompt_tokens or 0 for r in with_usage)
-    cached_tokens = sum(r.cached_tokens or 0 for r in with_usage)
+    with_cache = [r for r in with_usage if _plausible_cached(r)]
+    cached_tokens = sum(r.cached_tokens or 0 for r in with_cache)
+    cache_prompt_tokens = sum(r.prompt_tokens or 0 for r in with_cache)
     completion_tokens = sum(r.completion_tokens or 0 for r in ok)
-    any_cached = any(r.cached_tokens is not None for r in with_usage)
+    reported_completion = not ok or any(r.completion_tokens is not None for r in ok)
     replica_requests, replica_share, imbalance = _replica_figures(records, replicas)
     counted = len(records) - cancelled
     return Summary(
@@ -242,7 +248,7 @@ def summarize(
         error_rate=ratio(errors, counted),
         duration_s=duration_s,
         req_per_s=ratio(len(ok), duration_s),
-        output_tok_per_s=ratio(completion_tokens, duration_s),
+        output_tok_per_s=ratio(completion_tokens, duration_s) if reported_completion else None,
         ttft_mean_s=mean(ttft),
         ttft_p50_s=percentile(ttft, 50),
         ttft_p90_s=percentile(ttft, 90),
@@ -256,11 +262,22 @@ def summarize(
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         completion_tokens=completion_tokens,
-        hit_rate=ratio(cached_tokens, prompt_tokens) if any_cached else None,
+        hit_rate=ratio(cached_tokens, cache_prompt_tokens) if with_cache else None,
         replica_requests=replica_requests,
         replica_share=replica_share,
         imbalance=imbalance,
     )
+
+
+def _plausible_cached(record: RequestRecord) -> bool:
+    cached, prompt = record.cached_tokens, record.prompt_tokens
+    return cached is not None and prompt is not None and 0 <= cached <= prompt
+
+
+def implausible_cached(records: Iterable[RequestRecord]) -> int:
+    """``ok`` requests whose reported ``cached_tokens`` is negative or above their ``prompt_tokens``
+    (or came without ``prompt_tokens``): left out of the hit rate."""
+    return sum(1 for r in records if r.ok and r.cached_tokens is not None and not _plausible_cached(r))
 
 
 def summarize_by(

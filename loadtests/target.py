@@ -16,28 +16,45 @@ is no measurement at the offered rate: the report marks it ``invalid`` and, with
 command exits :data:`EXIT_CLIENT_BEHIND` unless an SLO was missed anyway (missed under less load than
 offered is missed). The figures and the SLO verdicts are pure functions of the records
 (:func:`check_slos`, :func:`exit_code`), tested apart from the I/O.
+
+Every argument is checked before a request goes out (:func:`check_target_args`: a bad one is exit 2
+with one line). The URL and the credentials are :mod:`loadtests.target_access`'s (``--header`` values
+and a password in the URL written as ``***`` in every output; ``--api-key-env VAR`` for a bearer key
+on no command line); the files and the table are :mod:`loadtests.target_report`'s. SIGINT or
+SIGTERM mid-run stops launching, cancels what is in flight (recorded ``cancelled``), writes the
+partial report (status ``interrupted``) and exits :data:`EXIT_INTERRUPTED` + the signal's number
+(130, 143).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import json
+import asyncio
 import os
 import shlex
+import signal
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from loadtests.client_lag import LATENCY_SLO_PREFIXES, lag_bound_s, no_schedule, summary_line
-from loadtests.driver import REPLICA_HEADER, RunResult, run_closed_loop, run_open_loop
+from loadtests.client_lag import LATENCY_SLO_PREFIXES, lag_bound_s, no_schedule
+from loadtests.driver import REPLICA_HEADER, run_closed_loop, run_open_loop
 from loadtests.runs import Progress
-from loadtests.stats import SUMMARY_FIELDS, Summary
+from loadtests.stats import SUMMARY_FIELDS, Summary, implausible_cached
+from loadtests.target_access import (
+    SECRET_MASK,
+    check_target_url,
+    first_model,
+    redact_argv,
+    redact_url,
+    target_headers,
+)
+from loadtests.target_report import error_sample, errors_by_kind, write_report
 
 EXIT_SLO_MISSED = 3
 """Exit code when the run completed but missed an SLO (1: the run failed, 2: bad arguments)."""
@@ -45,6 +62,14 @@ EXIT_SLO_MISSED = 3
 EXIT_CLIENT_BEHIND = 4
 """Exit code when every SLO was met but the client fell behind its schedule: no pass at a rate the
 client never sent."""
+
+EXIT_CUT_SHORT = 5
+"""Exit code when every SLO was met but ``--max-duration-s`` cut requests in flight: the slowest
+requests are missing from every figure, so the pass is no pass."""
+
+EXIT_INTERRUPTED = 128
+"""A run stopped by a signal exits this + the signal's number (SIGINT 130, SIGTERM 143), after
+writing the partial report."""
 
 AT_LEAST: frozenset[str] = frozenset({"hit_rate", "req_per_s", "output_tok_per_s", "ok"})
 """Summary figures an SLO bounds from below; every other one is bounded from above."""
@@ -110,14 +135,19 @@ def slo_lag_bound_s(slos: Sequence[Slo]) -> float | None:
     return lag_bound_s(slo.bound for slo in slos if slo.name.startswith(LATENCY_SLO_PREFIXES))
 
 
-def exit_code(ok_requests: int, slo_met: bool, client_behind: bool, gated: bool) -> int:
+def exit_code(
+    ok_requests: int, slo_met: bool, client_behind: bool, gated: bool, cut_short: bool = False
+) -> int:
     """1 when no request succeeded; :data:`EXIT_SLO_MISSED` when an SLO was missed (also with the
-    client behind: missed under less load than offered is missed); :data:`EXIT_CLIENT_BEHIND` when
-    the SLOs (``gated``: there are some) were met by a client behind its schedule; else 0."""
+    client behind: missed under less load than offered is missed); when the SLOs (``gated``: there
+    are some) were met, :data:`EXIT_CUT_SHORT` if the time limit cancelled requests in flight (the
+    slowest left out) and :data:`EXIT_CLIENT_BEHIND` if the client fell behind its schedule; else 0."""
     if ok_requests == 0:
         return 1
     if not slo_met:
         return EXIT_SLO_MISSED
+    if gated and cut_short:
+        return EXIT_CUT_SHORT
     return EXIT_CLIENT_BEHIND if gated and client_behind else 0
 
 
@@ -128,45 +158,47 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "instead of an emulated fleet: nothing is started or flushed")  # fmt: skip
     add("--model", help="--target: the model name to send (default: the first of GET /v1/models)")
     add("--header", action="append", default=[], metavar="NAME:VALUE",
-        help="--target: a header on every request, e.g. 'authorization: Bearer $TOKEN' "
-        "(repeatable)")  # fmt: skip
+        help="--target: a header on every request, e.g. 'x-tenant: ci' (repeatable; the values are "
+        f"written as {SECRET_MASK} in the report)")  # fmt: skip
+    add("--api-key-env", metavar="VAR",
+        help="--target: send 'Authorization: Bearer <key>' with the key read from the environment "
+        "variable VAR (e.g. OPENAI_API_KEY), so that it is on no command line")  # fmt: skip
     add("--replica-header", default=REPLICA_HEADER,
         help=f"--target: the response header naming the replica (default {REPLICA_HEADER})")  # fmt: skip
     add("--slo", action="append", default=[], metavar="NAME=VALUE",
         help="--target: an objective, e.g. ttft_p90_s=2s, error_rate=0.001, hit_rate=0.5 (repeatable); "
-        f"a missed one makes the command exit {EXIT_SLO_MISSED}, and met ones exit "
-        f"{EXIT_CLIENT_BEHIND} when the client fell behind its schedule (no pass at a rate it never "
-        "sent)")  # fmt: skip
+        f"exit 0 when all are met, {EXIT_SLO_MISSED} when one is missed, {EXIT_CLIENT_BEHIND} when "
+        "they are met but the client fell behind its schedule (no pass at a rate it never sent), "
+        f"{EXIT_CUT_SHORT} when they are met but --max-duration-s cancelled requests in flight, 1 when "
+        f"no request succeeded, 2 for bad arguments, {EXIT_INTERRUPTED} + the signal (130, 143) after "
+        "SIGINT or SIGTERM (the partial report is written)")  # fmt: skip
 
 
-def parse_headers(pairs: Sequence[str]) -> dict[str, str]:
-    headers: dict[str, str] = {}
-    for pair in pairs:
-        name, sep, value = pair.partition(":")
-        if not sep or not name.strip():
-            raise ValueError(f"--header expects NAME:VALUE, got {pair!r}")
-        headers[name.strip()] = value.strip()
-    return headers
-
-
-async def first_model(session: aiohttp.ClientSession, base: str, headers: Mapping[str, str]) -> str:
-    url = base.rstrip("/").removesuffix("/v1") + "/v1/models"
-    async with session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=30)) as response:
-        if response.status != 200:
-            raise ValueError(f"GET {url}: HTTP {response.status}; pass --model")
-        data = await response.json()
-    models = [m.get("id") for m in data.get("data", []) if isinstance(m, dict)]
-    if not models or not isinstance(models[0], str):
-        raise ValueError(f"GET {url} lists no model; pass --model")
-    return models[0]
+def check_target_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for any bad ``--target`` argument, before a request goes out (exit 2)."""
+    check_target_url(args.target)
+    target_headers(args)
+    for text in args.slo:
+        parse_slo(text)
+    for name, value in (
+        ("--requests", args.requests),
+        ("--rate", args.rate),
+        ("--concurrency", args.concurrency),
+        ("--timeout-s", args.timeout_s),
+        ("--max-duration-s", args.max_duration_s),
+    ):
+        if not value > 0 or value != value or value == float("inf"):
+            raise ValueError(f"{name} must be a finite number > 0, got {value}")
 
 
 async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Path) -> int:
-    """Drive ``args.workload`` at ``args.target`` and write the report to ``out``."""
+    """Drive ``args.workload`` at ``args.target`` and write the report to ``out`` (also after SIGINT
+    or SIGTERM: the partial one, exit :data:`EXIT_INTERRUPTED` + the signal)."""
     from loadtests.command import build_specs, build_workload  # the shared workload options
 
     slos = [parse_slo(text) for text in args.slo]
-    headers = parse_headers(args.header)
+    headers = target_headers(args)
+    target = redact_url(args.target)
     load_average = [round(x, 2) for x in os.getloadavg()]
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     async with aiohttp.ClientSession() as session:
@@ -174,6 +206,16 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     workload = build_workload(args, args.kv_capacity_tokens, args.replicas)
     specs = build_specs(workload, args)
     progress = Progress(f"{args.workload} → target", len(specs))
+    stop = asyncio.Event()
+    received: list[signal.Signals] = []
+
+    def on_signal(signum: signal.Signals) -> None:
+        received.append(signum)
+        stop.set()
+
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
     common: dict[str, Any] = {
         "model": model,
         "max_requests": len(specs),
@@ -182,6 +224,7 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
         "headers": headers,
         "on_progress": progress.update,
         "replica_header": args.replica_header,
+        "stop": stop,
     }
     try:
         if args.mode == "open":
@@ -190,190 +233,70 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
             result = await run_closed_loop(specs, args.target, users=args.concurrency, **common)
     finally:
         progress.close()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
     summary = result.summary()
     verdicts = check_slos(summary, slos)
     client = result.client_check(slo_lag_bound_s(slos))
     note = None if client is None else client.note()
+    ended = summary.requests - summary.cancelled
+    interrupted = (
+        f"stopped by {received[0].name}: {ended} of {len(specs)} requests ended, {summary.cancelled} "
+        f"in flight cancelled, {len(specs) - summary.requests} never sent: partial results"
+        if received
+        else None
+    )
     slo_met = all(v["met"] for v in verdicts)
+    cut = summary.cancelled if result.stop_reason == "max_duration" else 0
+    cut_note = (
+        f"--max-duration-s {args.max_duration_s:g} cut the run: {cut} requests in flight cancelled (the "
+        f"slowest, missing from every figure), {len(specs) - summary.requests} never sent"
+        if cut
+        else None
+    )
+    invalid = "; ".join(text for text in (cut_note, note) if text) or None
     report = {
         "kvlb_loadtest_target": 1,
         "meta": {
-            "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in argv),
+            "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in redact_argv(argv)),
             "started": started_at,
             "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "load_average": load_average,
-            "target": args.target,
+            "target": target,
             "model": model,
             "workload": workload.name,
             "mode": args.mode,
             "rate_per_s": args.rate,
             "concurrency": args.concurrency,
             "requests": len(specs),
+            "headers": sorted(headers),
             "stop_reason": result.stop_reason,
         },
-        "status": "invalid" if note else "ok",
-        "note": note,
+        "status": "interrupted" if interrupted else "invalid" if invalid else "ok",
+        "note": interrupted or invalid,
         "client": no_schedule() if client is None else client.to_dict(),
         "summary": summary.to_dict(),
+        "errors_by_kind": errors_by_kind(result.records),
+        "cached_tokens_implausible": implausible_cached(result.records),
         "slo": verdicts,
         "slo_met": slo_met,
-        "errors": _error_sample(result),
+        "errors": error_sample(result),
     }
-    write_report(report, result, summary, out)
+    write_report(report, result, summary, out, plots=not args.no_plots)
     print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
-    code = exit_code(summary.ok, slo_met, note is not None, bool(slos))
+    if received:
+        print(f"kvlb loadtest: {interrupted}", file=sys.stderr)
+        return EXIT_INTERRUPTED + received[0].value
+    code = exit_code(summary.ok, slo_met, note is not None, bool(slos), cut_short=cut_note is not None)
     if summary.ok == 0:
         print("kvlb loadtest: no request succeeded", file=sys.stderr)
+    elif code == EXIT_CUT_SHORT:
+        print(f"kvlb loadtest: the SLOs were met, but not over every request: {cut_note}", file=sys.stderr)
     elif code == EXIT_CLIENT_BEHIND:
         print(
             f"kvlb loadtest: the SLOs were met, but the client could not send the offered rate: {note}",
             file=sys.stderr,
         )
-    elif note:
-        print(f"kvlb loadtest: {note}", file=sys.stderr)
+    elif invalid:
+        print(f"kvlb loadtest: {invalid}", file=sys.stderr)
     return code
-
-
-def write_report(report: Mapping[str, Any], result: RunResult, summary: Summary, out: Path) -> None:
-    """``report.json``, ``requests.jsonl``, the plots and ``report.md`` in ``out``; the table on stderr."""
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    with (out / "requests.jsonl").open("w", encoding="utf-8") as sink:
-        for record in result.records:
-            sink.write(json.dumps(record.to_dict()) + "\n")
-    plots, note = write_target_plots(result, summary, out)
-    (out / "report.md").write_text(markdown(report, plots, note), encoding="utf-8")
-    print(table(report), file=sys.stderr)
-
-
-def _error_sample(result: RunResult, limit: int = 10) -> list[dict[str, Any]]:
-    """The first ``limit`` failures (outcome, status, reason), so a report says why."""
-    failed = [r for r in result.records if not r.ok]
-    return [
-        {"request_id": r.request_id, "outcome": r.outcome, "status": r.status, "error": r.error}
-        for r in failed[:limit]
-    ]
-
-
-def _fmt(value: Any, name: str) -> str:
-    if value is None:
-        return "—"
-    if name.endswith("_s") and not name.endswith("_per_s") and name != "duration_s":  # a time
-        return f"{value * 1000:.0f} ms"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
-
-
-_TABLE_FIELDS = (
-    "requests", "ok", "errors", "error_rate", "req_per_s", "output_tok_per_s",
-    "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "e2e_p50_s", "e2e_p90_s", "e2e_p99_s",
-    "hit_rate", "imbalance",
-)  # fmt: skip
-
-
-def table(report: Mapping[str, Any]) -> str:
-    """The figures and SLO verdicts as a plain-text table (what the command prints)."""
-    summary = report["summary"]
-    lines = [f"target {report['meta']['target']} ({report['meta']['model']}), {report['meta']['workload']}"]
-    lines += [f"  {name:<18} {_fmt(summary[name], name)}" for name in _TABLE_FIELDS]
-    for name, share in sorted(summary["replica_share"].items()):
-        lines.append(f"  share {name:<12} {share:.3f}")
-    lines += [f"  {line}" for line in _client_lines(report)]
-    for verdict in report["slo"]:
-        sign = "≥" if verdict["direction"] == "at_least" else "≤"
-        state = "met" if verdict["met"] else "MISSED"
-        value = _fmt(verdict["value"], verdict["name"])
-        lines.append(
-            f"  SLO {verdict['name']} {sign} {_fmt(verdict['bound'], verdict['name'])}: {value} {state}"
-        )
-    return "\n".join(lines)
-
-
-def _client_lines(report: Mapping[str, Any]) -> list[str]:
-    """The client against its schedule (nothing in the closed loop), and the invalid note."""
-    client = report.get("client") or {}
-    if client.get("client_behind") is None:  # no schedule
-        return []
-    lines = [summary_line(client)]
-    if report.get("note"):
-        lines.append(f"INVALID: {report['note']}")
-    return lines
-
-
-def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) -> str:
-    meta, summary = report["meta"], report["summary"]
-    lines = [
-        f"# Load test of {meta['target']}",
-        "",
-        f"`{meta['command']}`",
-        "",
-        f"Model `{meta['model']}`, workload `{meta['workload']}`, {meta['mode']} loop, {meta['requests']} "
-        f"requests; started {meta['started']}, load average {meta['load_average']}.",
-        "",
-        "| figure | value |",
-        "|---|---|",
-    ]
-    lines += [f"| {name} | {_fmt(summary[name], name)} |" for name in _TABLE_FIELDS]
-    client = _client_lines(report)
-    if client:
-        lines += ["", f"The {client[0]}."]
-    if len(client) > 1:
-        lines += ["", f"**Invalid at the offered rate**: {report['note']}."]
-    if summary["replica_share"]:
-        lines += ["", "| replica | requests | share |", "|---|---|---|"]
-        for name, share in sorted(summary["replica_share"].items()):
-            lines.append(f"| {name} | {summary['replica_requests'].get(name, 0)} | {share:.3f} |")
-    if report["slo"]:
-        lines += ["", "| SLO | bound | value | verdict |", "|---|---|---|---|"]
-        for v in report["slo"]:
-            sign = "≥" if v["direction"] == "at_least" else "≤"
-            verdict = "met" if v["met"] else "**missed**"
-            bound, value = _fmt(v["bound"], v["name"]), _fmt(v["value"], v["name"])
-            lines.append(f"| {v['name']} | {sign} {bound} | {value} | {verdict} |")
-    if report["errors"]:
-        lines += ["", "First failures:", ""]
-        lines += [
-            f"- `{e['request_id']}`: {e['outcome']} {e['status']} {e['error']}" for e in report["errors"]
-        ]
-    lines += [""] + [f"![{Path(p).stem}]({Path(p).name})" for p in plots]
-    if note:
-        lines += ["", note]
-    return "\n".join(lines) + "\n"
-
-
-def write_target_plots(result: RunResult, summary: Summary, out: Path) -> tuple[list[str], str | None]:
-    """``ttft_cdf.png`` and ``replica_share.png`` (matplotlib, when installed)."""
-    if importlib.util.find_spec("matplotlib") is None:
-        return [], "Plots skipped: matplotlib is not installed (pip install 'kvlb[report]')."
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths: list[str] = []
-    ttfts = sorted(r.ttft_s for r in result.records if r.ok and r.ttft_s is not None)
-    if ttfts:
-        figure, axes = plt.subplots(figsize=(7, 4))
-        axes.step(ttfts, [(i + 1) / len(ttfts) for i in range(len(ttfts))], where="post")
-        axes.set_xscale("log")
-        axes.set_xlabel("TTFT (s, log scale)")
-        axes.set_ylabel("fraction of requests")
-        axes.set_title("TTFT CDF")
-        axes.grid(True, which="both", alpha=0.3)
-        figure.tight_layout()
-        figure.savefig(out / "ttft_cdf.png", dpi=100)
-        plt.close(figure)
-        paths.append(str(out / "ttft_cdf.png"))
-    if summary.replica_share:
-        names = sorted(summary.replica_share)
-        figure, axes = plt.subplots(figsize=(7, 4))
-        axes.bar(names, [summary.replica_share[n] for n in names])
-        axes.set_ylabel("share of requests")
-        axes.set_title("Requests per replica (x-kvlb-replica)")
-        axes.tick_params(axis="x", rotation=45)
-        figure.tight_layout()
-        figure.savefig(out / "replica_share.png", dpi=100)
-        plt.close(figure)
-        paths.append(str(out / "replica_share.png"))
-    return paths, None if paths else "Plots skipped: no request succeeded."

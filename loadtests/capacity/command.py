@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import random
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -62,12 +63,21 @@ from loadtests.capacity.simulated import (
     simulated_as,
     slo_of,
 )
-from loadtests.capacity.target import TargetDown, add_target_arguments, gate, search_target
+from loadtests.capacity.target import (
+    SearchInterrupted,
+    TargetDown,
+    add_target_arguments,
+    check_target_args,
+    gate,
+    search_target,
+)
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES
 from loadtests.simulate import SimRequest
 from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S
+from loadtests.target import EXIT_INTERRUPTED
+from loadtests.target_access import redact_argv, redact_url
 from loadtests.workloads import (
     MooncakeWorkload,
     TenantsWorkload,
@@ -309,6 +319,7 @@ def run(args: argparse.Namespace) -> int:
             names = ["target"]
             if args.confirm or args.searches_from is not None:
                 raise ValueError("--target measures every point for real: no --confirm, --searches-from")
+            check_target_args(args)
         for name in names:
             if name != "target":
                 sim_router(name)
@@ -344,7 +355,11 @@ def run(args: argparse.Namespace) -> int:
         else {}
     )
     if args.target:
-        return _run_target(args, workload, stream, slo, out, start, started, log)
+        try:
+            return _run_target(args, workload, stream, slo, out, start, started, log)
+        except KeyboardInterrupt:  # SIGINT before the search started
+            print("kvlb capacity: stopped by SIGINT", file=sys.stderr)
+            return EXIT_INTERRUPTED + signal.SIGINT.value
     for name in names:
         if name in saved_searches:
             searches[name] = saved_searches[name]
@@ -452,9 +467,13 @@ def _run_target(
     started: str,
     log: Callable[[str], None],
 ) -> int:
-    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`)."""
+    """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`); after
+    SIGINT the report of the points measured so far, exit 130."""
+    interrupted = None
     try:
         found = search_target(args, lambda rate, limit: stream.specs_at(rate, limit, 1.0), slo, start, log)
+    except SearchInterrupted as stop:
+        found, interrupted = stop.search, str(stop)
     except (TargetDown, ValueError, OSError) as exc:
         print(f"kvlb capacity: {exc}", file=sys.stderr)
         return 1
@@ -462,22 +481,26 @@ def _run_target(
         "command": _command_line(),
         "started": started,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "target": args.target,
+        "target": redact_url(args.target),
         "workload": {"name": workload.name, **dataclasses.asdict(workload)},  # type: ignore[call-overload]
         "requests_per_point": min(args.target_requests, len(stream.specs)),
         "base_rate_per_s": stream.base_rate,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "slo_gate_rate": args.slo_gate,
+        "interrupted": interrupted,
     }
     report = build_report(meta, slo, {"target": found}, [])
     _write_report(args, report, out, log)
+    if interrupted:
+        log(f"kvlb capacity: {interrupted}: the report holds those (partial results)")
+        return EXIT_INTERRUPTED + signal.SIGINT.value
     return gate(found, args, log)
 
 
 def _command_line() -> str:
     """This run's command line as the report's ``meta.command``."""
     return (
-        "kvlb capacity " + " ".join(sys.argv[sys.argv.index("capacity") + 1 :])
+        "kvlb capacity " + " ".join(redact_argv(sys.argv[sys.argv.index("capacity") + 1 :]))
         if "capacity" in sys.argv
         else "kvlb capacity"
     )

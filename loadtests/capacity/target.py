@@ -13,14 +13,16 @@ holds a launch back. With ``--slo-gate RATE`` the command exits
 :data:`loadtests.target.EXIT_SLO_MISSED` when the capacity found is below ``RATE``, so a rollout can be
 gated on "this deployment still serves N req/s within the SLO"; it exits
 :data:`loadtests.target.EXIT_CLIENT_BEHIND` instead when the lowest failing rate's point was invalid
-by the client (the search's bracket was the client's, not the target's).
+by the client (the search's bracket was the client's, not the target's). SIGINT stops the search:
+the report holds the points measured before it (the one in flight is lost), ``meta.interrupted``
+says so, and the command exits 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import aiohttp
@@ -30,7 +32,8 @@ from loadtests.capacity.search import RatePoint, Search, Slo, point_of, search
 from loadtests.client_lag import lag_bound_s, no_schedule
 from loadtests.driver import REPLICA_HEADER, run_open_loop
 from loadtests.runs import Progress
-from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED, first_model, parse_headers
+from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED
+from loadtests.target_access import SECRET_MASK, check_target_url, first_model, target_headers
 
 CAPACITY_ADVICE = (
     "the search counts the rate as failed; run the client on another machine (or nearer the "
@@ -49,7 +52,11 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         "router, an engine) instead of the simulator; every point is a run at the URL")  # fmt: skip
     add("--model", help="--target: the model name (default: the first of GET /v1/models)")
     add("--header", action="append", default=[], metavar="NAME:VALUE",
-        help="--target: a header on every request (repeatable)")  # fmt: skip
+        help=f"--target: a header on every request (repeatable; the values are written as {SECRET_MASK} "
+        "in the report)")  # fmt: skip
+    add("--api-key-env", metavar="VAR",
+        help="--target: send 'Authorization: Bearer <key>' with the key read from the environment "
+        "variable VAR (e.g. OPENAI_API_KEY), so that it is on no command line")  # fmt: skip
     add("--target-requests", type=int, default=200, help="--target: requests per offered rate (200)")
     add("--target-timeout-s", type=float, default=120.0, help="--target: per request (120)")
     add("--slo-gate", type=float, default=None, metavar="RATE",
@@ -65,7 +72,7 @@ def measure_target(
 ) -> Callable[[float], RatePoint]:
     """A point per offered rate: the first ``--target-requests`` requests at that rate, at the URL,
     ``invalid`` when the client fell behind its schedule (lag bounded by a tenth of ``slo``'s TTFT)."""
-    headers = parse_headers(args.header)
+    headers = target_headers(args)
     bound_s = lag_bound_s(slo.latency_bounds_s())
 
     def measure(rate: float) -> RatePoint:
@@ -124,7 +131,7 @@ def model_of(args: argparse.Namespace) -> str:
 
     async def ask() -> str:
         async with aiohttp.ClientSession() as session:
-            return await first_model(session, args.target, parse_headers(args.header))
+            return await first_model(session, args.target, target_headers(args))
 
     return asyncio.run(ask())
 
@@ -136,14 +143,47 @@ def search_target(
     start: float,
     log: Callable[[str], None],
 ) -> Search:
-    return search(
-        measure_target(args, specs_at, model_of(args), log, slo),
-        slo,
-        start,
-        growth=args.growth,
-        rel_tol=args.rel_tol,
-        max_points=args.max_points,
-    )
+    """The search at the URL; on SIGINT (``KeyboardInterrupt``) :class:`SearchInterrupted` with the
+    points measured so far (the point in flight is lost)."""
+    measure = measure_target(args, specs_at, model_of(args), log, slo)
+    measured: list[RatePoint] = []
+
+    def keep(rate: float) -> RatePoint:
+        point = measure(rate)
+        measured.append(point)
+        return point
+
+    try:
+        return search(keep, slo, start, growth=args.growth, rel_tol=args.rel_tol, max_points=args.max_points)
+    except KeyboardInterrupt:
+        raise SearchInterrupted(partial_search(measured, slo)) from None
+
+
+class SearchInterrupted(Exception):
+    """SIGINT stopped the search: ``search`` holds the points measured before it."""
+
+    def __init__(self, search: Search) -> None:
+        super().__init__(f"stopped by SIGINT after {len(search.points)} points")
+        self.search = search
+
+
+def partial_search(points: Sequence[RatePoint], slo: Slo) -> Search:
+    """The bracket the ``points`` give: the lowest failing rate, and the highest passing one below it."""
+    fails = [p.rate for p in points if not p.meets(slo)]
+    first_fail = min(fails) if fails else None
+    passes = [p.rate for p in points if p.meets(slo) and (first_fail is None or p.rate < first_fail)]
+    return Search(tuple(sorted(points, key=lambda p: p.rate)), max(passes) if passes else None, first_fail)
+
+
+def check_target_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for a bad ``--target`` argument, before a request goes out (exit 2)."""
+    check_target_url(args.target)
+    target_headers(args)
+    if not args.target_requests > 0:
+        raise ValueError(f"--target-requests must be > 0, got {args.target_requests}")
+    timeout_s = args.target_timeout_s
+    if not 0 < timeout_s < float("inf"):
+        raise ValueError(f"--target-timeout-s must be a finite number > 0, got {timeout_s}")
 
 
 def gate(found: Search, args: argparse.Namespace, log: Callable[[str], None]) -> int:

@@ -13,7 +13,14 @@ from loadtests.peers import parse_router
 from loadtests.report import ROUTER_FIELDS, markdown, router_entry
 from loadtests.runs import RouterRun
 from loadtests.stats import RequestRecord, summarize
-from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED, exit_code, parse_slo, slo_lag_bound_s
+from loadtests.target import (
+    EXIT_CLIENT_BEHIND,
+    EXIT_CUT_SHORT,
+    EXIT_SLO_MISSED,
+    exit_code,
+    parse_slo,
+    slo_lag_bound_s,
+)
 
 
 def _schedule(n: int = 21, gap_s: float = 0.1, late_s: float = 0.0) -> list[RequestRecord]:
@@ -85,6 +92,10 @@ def test_exit_codes_give_no_pass_at_a_rate_the_client_never_sent() -> None:
     # missed with less load than offered is missed
     assert exit_code(10, slo_met=False, client_behind=True, gated=True) == EXIT_SLO_MISSED
     assert exit_code(0, slo_met=False, client_behind=True, gated=True) == 1
+    # the time limit cancelled requests in flight: the slowest are in no figure
+    assert exit_code(10, slo_met=True, client_behind=True, gated=True, cut_short=True) == EXIT_CUT_SHORT
+    assert exit_code(10, slo_met=False, client_behind=False, gated=True, cut_short=True) == EXIT_SLO_MISSED
+    assert exit_code(10, slo_met=True, client_behind=False, gated=False, cut_short=True) == 0
 
 
 def _run(records: list[RequestRecord], mode: str = "open", slot_waits: int = 0) -> RouterRun:
@@ -137,7 +148,7 @@ def test_a_capacity_point_whose_client_fell_behind_never_passes() -> None:
 
 
 def test_the_target_table_prints_rates_as_rates_and_times_in_ms() -> None:
-    from loadtests.target import table
+    from loadtests.target_report import table
 
     summary = dict.fromkeys(
         ("requests", "ok", "errors", "error_rate", "output_tok_per_s", "ttft_p50_s", "ttft_p99_s"),

@@ -13,6 +13,7 @@ from loadtests.stats import (
     RequestRecord,
     Summary,
     by_tag,
+    implausible_cached,
     percentile,
     ratio,
     ratios,
@@ -86,6 +87,26 @@ def test_summary_of_hand_made_records() -> None:
     assert summary.replica_requests == {"r0": 3, "r1": 2}
     assert summary.replica_share == {"r0": pytest.approx(0.6), "r1": pytest.approx(0.4)}
     assert summary.imbalance == pytest.approx(3 / 2.5)
+
+
+def test_the_hit_rate_counts_only_plausible_reported_cached_tokens() -> None:
+    records = [
+        _ok("a", 0.1, 1.0, "r0", cached_tokens=40),
+        _ok("b", 0.1, 1.0, "r0", cached_tokens=None),  # not reported: no miss either
+        _ok("c", 0.1, 1.0, "r0", cached_tokens=500),  # more than the prompt's 100
+        _ok("d", 0.1, 1.0, "r0", cached_tokens=-1),
+    ]
+    summary = summarize(records, 1.0)
+    assert summary.hit_rate == pytest.approx(0.4) and summary.cached_tokens == 40
+    assert summary.prompt_tokens == 400  # every prompt reported
+    assert implausible_cached(records) == 2
+    assert summarize(records[2:], 1.0).hit_rate is None
+
+
+def test_no_completion_tokens_reported_is_no_throughput_figure() -> None:
+    silent = summarize([_ok("a", 0.1, 1.0, "r0", completion_tokens=None)], 1.0)
+    assert silent.output_tok_per_s is None and silent.req_per_s == 1.0
+    assert summarize([], 1.0).output_tok_per_s == 0.0  # no answer at all: nothing was produced
 
 
 def test_unseen_replicas_count_as_idle_in_the_imbalance() -> None:
