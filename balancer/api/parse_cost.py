@@ -65,6 +65,12 @@ walk that sizes it (``tracemalloc`` peak of 4 M empty messages: 243 B each; plus
 counted by :data:`JSON_BYTE_PARSE_BYTES` per byte of the message."""
 
 
+CONVERT_TOKEN_ID_BYTES = 20
+"""Bytes one token id of a gRPC ``GenerateRequest`` may cost while it is made into the OpenAI body:
+its ``array('I')`` (4 B), the list read from the message and the JSON text written of them (the
+resident-set rise of ``openai_call`` of 8 M one-byte ids: 15.2 B an id; plus 30%)."""
+
+
 def json_values_bound(raw: bytes | str) -> int:
     """An upper bound on the number of values and keys in the JSON document ``raw``, from three
     counts at C speed, nothing decoded: every value but the outermost follows a ``[``, ``,`` or
@@ -179,15 +185,17 @@ def parsed_message_bytes(message_bytes: int, chat_messages: int, token_ids: int)
     return message_bytes + PARSED_CHAT_MESSAGE_BYTES * chat_messages + PARSED_TOKEN_ID_BYTES * token_ids
 
 
-def chat_convert_bytes(message_bytes: int, chat_messages: int, extra_json: str) -> int:
+def chat_convert_bytes(message_bytes: int, chat_messages: int, extra_json: str, token_ids: int = 0) -> int:
     """The estimate of what making a parsed ``GenerateRequest`` into its OpenAI body costs at its
-    peak (``openai_call``): :data:`CHAT_MESSAGE_CONVERT_BYTES` a chat message, the texts' bytes at
+    peak (``openai_call``): :data:`CHAT_MESSAGE_CONVERT_BYTES` a chat message,
+    :data:`CONVERT_TOKEN_ID_BYTES` a token id, the texts' bytes at
     :data:`JSON_BYTE_PARSE_BYTES`, and the parse of ``extra_json`` (:func:`json_parse_bytes`); 0 for a
     message under :data:`PARSE_HOLD_MIN_BYTES`."""
     if message_bytes < PARSE_HOLD_MIN_BYTES:
         return 0
     return (
         CHAT_MESSAGE_CONVERT_BYTES * chat_messages
+        + CONVERT_TOKEN_ID_BYTES * token_ids
         + JSON_BYTE_PARSE_BYTES * message_bytes
         + json_parse_bytes(extra_json)
     )

@@ -172,7 +172,8 @@ async def prepare(
     admission = call.admission
     convert_bytes = 0
     if admission is not None:
-        convert_bytes = chat_convert_bytes(call.message_bytes, chat_messages(request), request.extra_json)
+        chats, ids = generate_parts(request)
+        convert_bytes = chat_convert_bytes(call.message_bytes, chats, request.extra_json, ids)
     if convert_bytes:
         assert admission is not None
         await hold_parse(admission, convert_bytes, state, "grpc")
