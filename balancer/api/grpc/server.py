@@ -63,7 +63,7 @@ from balancer.api.openai import (
     tokenize_in_thread,
     tokenize_inline,
 )
-from balancer.api.parse_cost import chat_convert_bytes
+from balancer.api.parse_cost import PARSE_HOLD_MIN_BYTES, chat_convert_bytes
 from balancer.api.parsing import ParsedRequest
 from balancer.errors import ConfigError, UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES
@@ -171,7 +171,7 @@ async def prepare(
     it is made (:func:`~balancer.api.openai.hold_parse`)."""
     admission = call.admission
     convert_bytes = 0
-    if admission is not None:
+    if admission is not None and call.message_bytes >= PARSE_HOLD_MIN_BYTES:
         chats, ids = generate_parts(request)
         convert_bytes = chat_convert_bytes(call.message_bytes, chats, request.extra_json, ids)
     if convert_bytes:
