@@ -67,6 +67,8 @@ def test_the_values_bound_is_never_below_the_values_and_keys(
 def test_commas_and_colons_in_text_are_counted_so_the_bound_stays_above() -> None:
     raw = json.dumps({"model": "m", "prompt": ", : [ " * 10}).encode()
     assert json_values_bound(raw) == 1 + 10 + 10 + 1 + 2 * (10 + 2)
+    # 5 "[", 3 "[]" (one in a string), 2 ",", 1 ":": the 7 values and keys exactly
+    assert json_values_bound(b'[[], [[]], {"a": "[]"}]') == 1 + 5 - 3 + 2 + 2 * 1 == 7
 
 
 def test_a_small_body_costs_nothing_to_estimate() -> None:
