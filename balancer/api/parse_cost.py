@@ -23,9 +23,10 @@ four byte counts of :func:`json_values_bound` are not run (about 0.2 ms for 256 
 
 JSON_VALUE_PARSE_BYTES = 96
 """Bytes a JSON value or key may cost while its body is parsed, per unit of :func:`json_values_bound`:
-the worst measured is 81 (empty objects ``[{},{},...]``, 2.8 M of them on ``msgspec``'s untyped
-decoder with a lone surrogate elsewhere, so the walk that looks for it runs too), then 65 (empty
-arrays), 51 (one-letter chat messages), 35 (distinct keys); plus 18% for shapes not measured."""
+the worst measured is 81 (empty objects ``[{},{},...]`` in a UTF-16 body, on the stdlib decoder
+and the walk that looks for lone surrogates), then 76 (the same in UTF-8 with a lone surrogate
+elsewhere), 73 (on ``msgspec``'s untyped decoder), 65 (empty arrays), 51 (one-letter chat
+messages), 35 (distinct keys); plus 18% for shapes not measured."""
 
 JSON_BYTE_PARSE_BYTES = 3
 """Bytes a JSON body's parse may cost per byte of it, besides its values: the characters of its

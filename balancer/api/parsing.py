@@ -204,7 +204,9 @@ def lone_surrogate_at(value: Any) -> str | None:
 
 def holds_lone_surrogate(value: Any) -> bool:
     """Whether a string or key of the decoded JSON ``value`` holds a lone UTF-16 surrogate (no
-    recursion; an ASCII string, a flag CPython keeps, is not scanned)."""
+    recursion; an ASCII string, a flag CPython keeps, is not scanned). In document order, as the
+    second walk of :func:`lone_surrogate_at`, so a surrogate early in the body is found before a
+    long array after it is listed."""
     pending = [value]
     while pending:
         item = pending.pop()
@@ -214,9 +216,9 @@ def holds_lone_surrogate(value: Any) -> bool:
         elif isinstance(item, dict):
             if not all(map(str.isascii, item)) and any(first_surrogate(key) is not None for key in item):
                 return True
-            pending.extend(item.values())
+            pending.extend(reversed(item.values()))
         elif isinstance(item, list):
-            pending.extend(item)
+            pending.extend(reversed(item))
     return False
 
 

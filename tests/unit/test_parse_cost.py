@@ -29,7 +29,7 @@ from balancer.api.parse_cost import (
     parsed_message_bytes,
     protobuf_parse_bytes,
 )
-from balancer.api.parsing import lone_surrogate_at, parse_request
+from balancer.api.parsing import holds_lone_surrogate, lone_surrogate_at, parse_request
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
@@ -143,6 +143,23 @@ def test_the_look_for_lone_surrogates_builds_no_path_per_item() -> None:
     assert lone_surrogate_at({"a": [{}, {"b": ["ok", "\ud800"]}]}) == "'a[1].b[1]'"
     assert lone_surrogate_at({"a": [{}, {"\udfff": 1}]}) == "a key of 'a[1]'"
     assert lone_surrogate_at({"a": [{}, {"b": ["ok", "\u4e00"]}]}) is None
+
+
+class Untouchable(list[Any]):
+    """A decoded array that must not be looked into."""
+
+    def __iter__(self) -> Any:
+        raise AssertionError("walked past the lone surrogate")
+
+    def __reversed__(self) -> Any:
+        raise AssertionError("walked past the lone surrogate")
+
+
+def test_the_look_for_lone_surrogates_goes_in_document_order() -> None:
+    """It stops at the first one, before listing what comes after it (a body of a chat with one,
+    then 2.8 M empty objects, listed them all first: 974 ms where the path walk alone took 246)."""
+    assert holds_lone_surrogate({"messages": [{"content": "\ud800"}], "x": Untouchable([{}])})
+    assert not holds_lone_surrogate({"messages": [{"content": "ok"}], "x": [[], {"\u4e00": "\u4e00"}]})
 
 
 def _generate(**fields: Any) -> bytes:
