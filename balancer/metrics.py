@@ -143,6 +143,7 @@ class _AdmissionCollectors:
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
     admission_answer_overflow_total: Counter
+    admission_parse_holds_total: Counter
 
 
 def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
@@ -174,18 +175,29 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "buffered and were relayed to the client as they arrived instead (each holds one chunk "
             "of the replica's at a time from then on, counted even over the budget).",
         ),
+        admission_parse_holds_total=counter(
+            "kvlb_admission_parse_holds_total",
+            "Request bodies (face=http) and gRPC messages (face=grpc: the protobuf parse, then the "
+            "OpenAI body made of it) of 256 KiB or more that held the estimate of their parse in "
+            "limits.max_inflight_body_bytes while parsed (balancer/api/parse_cost.py), by whether "
+            "they had to wait for it (waited=yes: the budget was full; a wait too long is a 503 "
+            'counted in kvlb_admission_shed_total{reason="body_bytes"}).',
+            ["face", "waited"],
+        ),
         admission_body_bytes=gauge(
             "kvlb_admission_body_bytes",
             "Bytes of request bodies, token ids and buffered non-streaming answers held by the "
-            "requests in flight in this process and, while they are tokenized in a thread, the "
-            "estimate of their parsed chats and text prompts and of the tokenizer's work "
-            "(limits.max_inflight_body_bytes bounds them; per worker).",
+            "requests in flight in this process, the estimate of a parse of a large body or message "
+            "while it runs (and of a parsed gRPC message while its call lasts) and, while they are "
+            "tokenized in a thread, the estimate of their parsed chats and text prompts and of the "
+            "tokenizer's work (limits.max_inflight_body_bytes bounds them; per worker).",
         ),
         admission_tokenizing_bytes=gauge(
             "kvlb_admission_tokenizing_bytes",
             "The part of kvlb_admission_body_bytes held for the chats and text prompts waiting for or "
-            "in a tokenizer thread: the estimate of their parsed Python objects and of the "
-            "tokenizer's working memory (340 B a character of ASCII text, 720 B of any other; per worker).",
+            "in a tokenizer thread, and for a large body's parse while it runs: the estimate of their "
+            "parsed Python objects and of the tokenizer's working memory (340 B a character of ASCII "
+            "text, 720 B of any other; per worker).",
         ),
     )
 

@@ -6,7 +6,12 @@
   (each decoder: typed, untyped, stdlib): the peak while parsing and what the parsed request keeps,
   over the body's bytes, and the request's estimate of what it keeps
   (:attr:`~balancer.api.parsing.ParsedRequest.parsed_bytes`, its parsed form's part of what it
-  holds of the byte budget while it is tokenized in a thread) over the kept figure;
+  holds of the byte budget while it is tokenized in a thread) over the kept figure, and what the body
+  holds while it is parsed (:func:`~balancer.api.parse_cost.json_parse_bytes`) over the peak;
+* ``grpc``: a ``GenerateRequest`` of about 8 MB of four shapes (empty chat messages, one-letter ones,
+  one-byte packed token ids, an unknown field), each in a fresh process: the peak RSS rise of its
+  protobuf parse and of its conversion to the OpenAI body, and what kvlb holds for each
+  (:mod:`balancer.api.parse_cost`);
 * ``ids``: the token ids of one long prompt (the default tokenizer): bytes kept per id;
 * ``events``: engine decoders on real captured frames (``tests/golden/real/``) and on synthetic
   batches: the peak while decoding one message, the memory a queue of decoded batches keeps per
@@ -56,8 +61,17 @@ from typing import Any
 
 import msgpack
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.api.errors import ApiError
+from balancer.api.grpc.messages import openai_call
 from balancer.api.openai import piece_hold_chars, tokenizing_hold_bytes
-from balancer.api.parsing import parse_request
+from balancer.api.parse_cost import (
+    chat_convert_bytes,
+    json_parse_bytes,
+    parsed_message_bytes,
+    protobuf_parse_bytes,
+)
+from balancer.api.parsing import ParsedRequest, parse_request
 from balancer.engines.registry import engine_spec
 from balancer.events import Stored
 from balancer.index.hashing import BlockHasher, compact_ids
@@ -68,6 +82,7 @@ from balancer.tokenizer.cuts import LongPiece
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import PromptTooLarge, TokenizeLimits
 from balancer.types import EngineHash, ReplicaId
+from loadtests.faults.body_budget import padded_message
 from replicas.wire import trtllm as trtllm_wire
 
 MIB = 1024 * 1024
@@ -145,15 +160,123 @@ def bodies() -> None:
             "completions",
             ('{"model": "m", "prompt": "x", "x": [' + ",".join(["{}"] * 1_400_000) + "]}").encode("utf-16"),
         ),
+        # Two more for the estimate of the parse (balancer/api/parse_cost.py): the stdlib decoder on
+        # UTF-8 (a lone surrogate sends the body there, then the walk looks for it) and distinct keys.
+        (
+            "2.8 M empty objects and a lone surrogate (stdlib decoder)",
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": "\\ud800"}], "x": ['
+            + b",".join([b"{}"] * 2_800_000)
+            + b"]}",
+        ),
+        (
+            "800,000 distinct keys in a chat (untyped decoder)",
+            "chat",
+            b'{"model": "m", "messages": [{"role": "user", "content": "x"}], "x": {'
+            + b",".join(b'"%d":0' % i for i in range(800_000))
+            + b"}}",
+        ),
     ]
     for name, kind, body in shapes:
-        parsed, kept, peak = traced(lambda body=body, kind=kind: parse_request(body, kind))  # type: ignore[misc]
+        parsed, kept, peak = traced(lambda body=body, kind=kind: _parse_or_refusal(body, kind))  # type: ignore[misc]
         size = len(body)
-        estimate = parsed.parsed_bytes
+        estimate = parsed.parsed_bytes if parsed is not None else 0
         over_kept = f" ({estimate / kept:.2f} of kept)" if kept >= MIB and estimate else ""
+        hold = json_parse_bytes(body)
         print(
             f"body, {name}: {size / 1e6:.1f} MB; parse peak {peak / 1e6:.0f} MB ({peak / size:.1f}x), "
-            f"kept {kept / 1e6:.0f} MB ({kept / size:.1f}x), estimate {estimate / 1e6:.0f} MB{over_kept}"
+            f"kept {kept / 1e6:.0f} MB ({kept / size:.1f}x), estimate {estimate / 1e6:.0f} MB{over_kept}; "
+            f"held while parsed {hold / 1e6:.0f} MB ({hold / max(peak, 1):.2f} of the peak)"
+            + ("" if parsed is not None else " (refused: 400)")
+        )
+
+
+def _parse_or_refusal(body: bytes, kind: str) -> ParsedRequest | None:
+    """:func:`parse_request` of ``body``, ``None`` when it is refused (a 400)."""
+    try:
+        return parse_request(body, kind)  # type: ignore[arg-type]
+    except ApiError:
+        return None
+
+
+GRPC_SHAPES = ("empty_chat_messages", "one_letter_chat_messages", "packed_one_byte_ids", "unknown_field")
+
+
+def _grpc_message(shape: str) -> bytes:
+    """A ``GenerateRequest`` of about 8 MB of ``shape`` (built from its wire bytes: fast)."""
+    if shape == "unknown_field":
+        return padded_message(pb.GenerateRequest(model="m", prompt_text="x").SerializeToString(), 8 * 10**6)
+    if shape == "packed_one_byte_ids":
+        ids = b"\x01" * 8 * 10**6
+        inner = b"\x0a" + _varint(len(ids)) + ids
+        return b"\x0a\x01m\x1a" + _varint(len(inner)) + inner
+    one = b"\x0a\x00" if shape == "empty_chat_messages" else b"\x0a\x06\x0a\x01u\x12\x01a"
+    inner = one * (8 * 10**6 // len(one))
+    return b"\x0a\x01m\x12" + _varint(len(inner)) + inner
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _hwm_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM")
+
+
+def grpc_one(shape: str) -> None:
+    """One gRPC shape in this process: the peak RSS rise of its protobuf parse, then of its conversion
+    to the OpenAI body (``openai_call``), and what kvlb holds for each (JSON on the last line)."""
+    raw = _grpc_message(shape)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _hwm_bytes()
+    request = pb.GenerateRequest.FromString(raw)
+    parse_rise = _hwm_bytes() - before
+    chats = len(request.chat_messages.messages)
+    ids = len(request.prompt_token_ids.ids)
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _hwm_bytes()
+    try:
+        openai_call(request, stream=True)
+        refused = ""
+    except ApiError as exc:
+        refused = exc.message[:60]
+    convert_rise = _hwm_bytes() - before
+    result = {
+        "bytes": len(raw),
+        "parse_rise": parse_rise,
+        "parse_hold": protobuf_parse_bytes(raw, "generate"),
+        "kept_hold": parsed_message_bytes(len(raw), chats, ids),
+        "convert_rise": convert_rise,
+        "convert_hold": chat_convert_bytes(len(raw), chats, request.extra_json, ids),
+        "refused": refused,
+    }
+    print(json.dumps(result))
+
+
+def grpc() -> None:
+    """:func:`grpc_one` of each of :data:`GRPC_SHAPES`, each in a fresh process (upb's memory is not
+    Python's: ``tracemalloc`` does not see it)."""
+    for shape in GRPC_SHAPES:
+        command = [sys.executable, "-m", "loadtests.memory_figures", "grpc-one", shape]
+        run = subprocess.run(command, capture_output=True, text=True, timeout=600, check=True)
+        r = json.loads(run.stdout.strip().splitlines()[-1])
+        size = r["bytes"]
+        print(
+            f"grpc, {shape}: {size / 1e6:.1f} MB; parse: peak RSS rise {r['parse_rise'] / 1e6:.0f} MB "
+            f"({r['parse_rise'] / size:.1f}x), held while parsed {r['parse_hold'] / 1e6:.0f} MB, then "
+            f"{r['kept_hold'] / 1e6:.0f} MB for the call; conversion: rise {r['convert_rise'] / 1e6:.0f} MB "
+            f"({r['convert_rise'] / size:.1f}x), held {r['convert_hold'] / 1e6:.0f} MB"
+            + (f" (refused: {r['refused']})" if r["refused"] else ""),
+            flush=True,
         )
 
 
@@ -447,11 +570,17 @@ def refusal(argv: Sequence[str] = ()) -> None:
                     )
 
 
-PARTS: dict[str, Callable[[], None]] = {"bodies": bodies, "ids": ids, "events": events, "index": index}
+PARTS: dict[str, Callable[[], None]] = {
+    "bodies": bodies,
+    "grpc": grpc,
+    "ids": ids,
+    "events": events,
+    "index": index,
+}
 
 
 USAGE = (
-    "usage: python -m loadtests.memory_figures [bodies|ids|events|index ...]\n"
+    "usage: python -m loadtests.memory_figures [bodies|grpc|ids|events|index ...]\n"
     "       python -m loadtests.memory_figures tokenizer|refusal [MILLIONS_OF_CHARS ...]\n"
     "       python -m loadtests.memory_figures tokenizer-one text|chat SHAPE CHARS [MAX_PROMPT_TOKENS]"
 )
@@ -482,6 +611,10 @@ def _parsed(argv: Sequence[str]) -> Callable[[], None]:
         if len(argv) not in (4, 5) or argv[1] not in TOKENIZER_PATHS or argv[2] not in TEXT_SHAPES:
             raise ValueError(f"tokenizer-one takes a path of {TOKENIZER_PATHS} and a shape of {TEXT_SHAPES}")
         return functools.partial(tokenizer_one, argv[1], argv[2], int(argv[3]), *map(int, argv[4:5]))
+    if argv[:1] == ["grpc-one"]:
+        if len(argv) != 2 or argv[1] not in GRPC_SHAPES:
+            raise ValueError(f"grpc-one takes a shape of {GRPC_SHAPES}")
+        return functools.partial(grpc_one, argv[1])
     unknown = [name for name in argv if name not in PARTS]
     if unknown:
         raise ValueError(f"unknown part {unknown[0]!r}")

@@ -8,7 +8,8 @@ declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 42
 ``timeouts.body_min_rate_bytes_per_s`` after ``timeouts.body_rate_grace_s``, :func:`body_due`; a
 body without a declared length, or with a ``Content-Encoding``, holds its bytes chunk by chunk as
 it is read, :func:`held_length`; one aiohttp cannot decode → 400), parsing
-(:mod:`balancer.api.parsing`, 400), the pool by ``model`` (404 listing the known models), tokenizing
+(:mod:`balancer.api.parsing`, 400; a body of 256 KiB or more holds the estimate of its parse's memory
+meanwhile, :func:`hold_parse`), the pool by ``model`` (404 listing the known models), tokenizing
 with the pool's tokenizer (long prompts in a thread, the request holding the estimated bytes of its
 parsed form and of the tokenizer's work meanwhile: :func:`tokenizing_hold_bytes`, one piece's work
 for a text or chat the tokenizer encodes in pieces, :func:`tokenize_held`; the ids' bytes are then held
@@ -62,6 +63,7 @@ from aiohttp.http_exceptions import TransferEncodingError
 from balancer import strict_json
 from balancer.api.errors import ApiError, too_large
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
+from balancer.api.parse_cost import json_parse_bytes
 from balancer.api.parsing import (
     ParsedRequest,
     RequestKind,
@@ -191,7 +193,15 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     async with admitted(state, held or 0, tenant) as admission:
         hold = admission.hold if held is None else None
         body = await read_body(request, max_bytes, state.settings.timeouts, hold)
-        parsed = parse_request(body, kind, state.token_id_memo)
+        parse_bytes = json_parse_bytes(body)  # 0 under 256 KiB: nothing counted, nothing held
+        if parse_bytes:
+            await hold_parse(admission, parse_bytes, state, "http")
+            try:
+                parsed = parse_request(body, kind, state.token_id_memo)
+            finally:
+                admission.give_back_tokenizing()
+        else:
+            parsed = parse_request(body, kind, state.token_id_memo)
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
         token_ids = tokenize_inline(pool, parsed, limits.max_prompt_tokens)
@@ -445,6 +455,21 @@ async def tokenize_held(
             continue
         admission.give_back_tokenizing()
         return token_ids
+
+
+async def hold_parse(admission: TokenizingHold, parse_bytes: int, state: ServiceState, face: str) -> None:
+    """Hold ``parse_bytes`` (:mod:`balancer.api.parse_cost`'s estimate of a parse about to run on the
+    event loop) in the queue of tokenizing holds, as a request to be tokenized in a thread holds its
+    work: at once if the budget lets it in, else waiting (served first, in order; alone when no other
+    such hold is taken, so a parse estimated over what is left still runs once nothing else is in a
+    thread), refused as any wait for bytes (503 past the request's deadline). The caller parses, then
+    gives it back (``give_back_tokenizing``) whatever the parse raised; nothing awaits in between.
+    Counted in ``kvlb_admission_parse_holds_total{face, waited}``."""
+    waited = "no"
+    if not admission.try_hold_tokenizing(parse_bytes):
+        waited = "yes"
+        await admission.hold_tokenizing(parse_bytes)
+    state.metrics.admission_parse_holds_total.labels(face, waited).inc()
 
 
 def piece_hold_chars(tokenizer: Tokenizer, parsed: ParsedRequest) -> int | None:

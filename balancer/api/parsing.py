@@ -177,7 +177,13 @@ def may_hold_surrogate(raw: bytes) -> bool:
 
 def lone_surrogate_at(value: Any) -> str | None:
     """Where the first string or key of ``value`` holding a lone UTF-16 surrogate is (e.g.
-    ``'messages[0].content'``), or ``None``. Iterative, so any nesting ``json.loads`` accepts is fine."""
+    ``'messages[0].content'``), or ``None``. Iterative, so any nesting ``json.loads`` accepts is fine.
+
+    A first walk only looks (:func:`holds_lone_surrogate`: 8 B of stack an item); only when it finds
+    one does a second walk name where, with a path string for every item it lists (a path and a tuple
+    each, about 110 B: for a body of 1.4 M empty objects that walk was 160 MB, the most of its parse)."""
+    if not holds_lone_surrogate(value):
+        return None
     stack: list[tuple[str, Any]] = [("", value)]
     while stack:
         path, item = stack.pop()
@@ -194,6 +200,26 @@ def lone_surrogate_at(value: Any) -> str | None:
         elif isinstance(item, list):
             stack.extend((f"{path}[{i}]", item[i]) for i in range(len(item) - 1, -1, -1))
     return None
+
+
+def holds_lone_surrogate(value: Any) -> bool:
+    """Whether a string or key of the decoded JSON ``value`` holds a lone UTF-16 surrogate (no
+    recursion; an ASCII string, a flag CPython keeps, is not scanned). In document order, as the
+    second walk of :func:`lone_surrogate_at`, so a surrogate early in the body is found before a
+    long array after it is listed."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if first_surrogate(item) is not None:
+                return True
+        elif isinstance(item, dict):
+            if not all(map(str.isascii, item)) and any(first_surrogate(key) is not None for key in item):
+                return True
+            pending.extend(reversed(item.values()))
+        elif isinstance(item, list):
+            pending.extend(reversed(item))
+    return False
 
 
 def parse_request(raw: bytes, kind: RequestKind, memo: TokenIdMemo | None = None) -> ParsedRequest:

@@ -24,7 +24,18 @@ the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
    ends. No message → INVALID_ARGUMENT (more than one: answered from the first, the rest never
    read); not received within ``timeouts.body_read_s`` → DEADLINE_EXCEEDED;
    a message that does not parse → INVALID_ARGUMENT (and, for a method made with ``keep_raw``, the
-   bytes as received are ``call.raw``);
+   bytes as received are ``call.raw``). The parse holds its estimate meanwhile when the message is
+   256 KiB or more (:func:`~balancer.api.parse_cost.protobuf_parse_bytes`, from its top-level
+   fields: an empty chat message is 2 bytes on the wire and 56 B parsed), in the queue of tokenizing holds
+   (:func:`~balancer.api.openai.hold_parse`); then the parsed message is held until the call ends
+   (:func:`~balancer.api.parse_cost.parsed_message_bytes`: its bytes again, for its strings and
+   unknown fields, 64 B a chat message and 8 B a token id, counted by the method's ``parts``), and
+   its bytes as received are given back unless the method keeps them (``keep_raw``). Why the reservation
+   before the read stays ``limits.max_body_bytes``: grpc's Python API shows a message only whole
+   (``context.read()``, or a ``request_deserializer``, which is given the bytes grpc already holds),
+   and once a read is asked for, grpc's HTTP/2 transport opens the stream's window to the rest of the
+   message its 5-byte prefix announces (up to ``grpc.max_receive_message_length``) and buffers it
+   all, however slowly it comes; only the reservation bounds what 128 such reads buffer;
 4. errors become status codes: :class:`CallError` as it is, kvlb's own errors through the same HTTP
    mapping as the HTTP API (:data:`CODES`); anything unexpected is logged with its traceback and
    becomes INTERNAL with only the request id;
@@ -48,6 +59,8 @@ from google.protobuf.message import DecodeError, Message
 
 from balancer.api.errors import ApiError, from_balancer_error
 from balancer.api.middleware import MAX_REQUEST_ID_CHARS, bearer_token, caller_of, token_matches
+from balancer.api.openai import hold_parse
+from balancer.api.parse_cost import parsed_message_bytes, protobuf_parse_bytes
 from balancer.api.parsing import parse_weights_header
 from balancer.config import AuthConfig
 from balancer.policy import PolicyWeights
@@ -130,6 +143,37 @@ async def receive(context: Any, admission: Admitted | None, timeout_s: float) ->
     return bytes(raw)
 
 
+async def parse_held(
+    state: ServiceState,
+    admission: Admitted,
+    message_type: type[Message],
+    raw: bytes,
+    shape: str,
+    parts: Callable[[Any], tuple[int, int]],
+) -> Message:
+    """:func:`parse_message` of ``raw`` holding :func:`~balancer.api.parse_cost.protobuf_parse_bytes`
+    (of ``shape``) while it parses, from 256 KiB, then
+    :func:`~balancer.api.parse_cost.parsed_message_bytes` of the message (``parts``: its chat
+    messages and token ids) until the call ends. The second is at most the first, so moving from one
+    to the other passes nothing over the budget; a message under 256 KiB adds at most 8 times its
+    bytes without waiting."""
+    parse_bytes = protobuf_parse_bytes(raw, shape)
+    if parse_bytes:
+        await hold_parse(admission, parse_bytes, state, "grpc")
+    try:
+        request = parse_message(message_type, raw)
+    finally:
+        if parse_bytes:
+            admission.give_back_tokenizing()
+    admission.add(parsed_message_bytes(len(raw), *parts(request)))
+    return request
+
+
+def no_parts(_request: Any) -> tuple[int, int]:
+    """``parts`` of a method whose message holds no chat messages and no token ids."""
+    return 0, 0
+
+
 def authorize(auth: AuthConfig, access: Access, token: str | None) -> None:
     """Client calls need a key of ``auth.api_keys`` (when any); admin calls need ``auth.admin_token``
     (when set). No or an unknown token → UNAUTHENTICATED; a client key on an admin call →
@@ -168,6 +212,8 @@ class Call:
     """Monotonic time the call started (before its wait for admission)."""
     admission: Admitted | None = None
     """What the call holds (its slot, for a method made with ``slot``, and its message's bytes)."""
+    message_bytes: int = 0
+    """Size of the request message as received, in bytes."""
 
     @classmethod
     def of(cls, state: ServiceState, context: Any) -> Call:
@@ -228,12 +274,15 @@ def method_handler(
     streaming: bool = False,
     keep_raw: bool = False,
     slot: bool = False,
+    shape: str = "plain",
+    parts: Callable[[Any], tuple[int, int]] = no_parts,
 ) -> Any:
     """A ``grpc.RpcMethodHandler`` running ``method`` with auth, the message's bytes, errors and
     metrics (see the module docstring). A streaming ``method`` writes with ``call.context.write`` and
     returns ``None``. ``keep_raw``: the method finds the request's bytes as received in ``call.raw``.
     ``slot``: the call takes an admission slot (of its ``tenant_header`` tenant) with its bytes, held
-    in ``call.admission`` until the method returns."""
+    in ``call.admission`` until the method returns. ``shape`` and ``parts``: how the message's parse is
+    estimated and counted (:func:`parse_held`)."""
     settings = state.settings
     max_body_bytes = settings.limits.max_body_bytes
     tenant_header = settings.tenant_header.lower()
@@ -251,7 +300,13 @@ def method_handler(
                 hold = admitted(state, max_body_bytes, tenant) if slot else held(state, max_body_bytes)
             async with hold as admission:
                 raw = await receive(context, admission, settings.timeouts.body_read_s)
-                request = parse_message(request_type, raw)
+                call.message_bytes = len(raw)
+                if admission is None:
+                    request = parse_message(request_type, raw)
+                else:
+                    request = await parse_held(state, admission, request_type, raw, shape, parts)
+                    if not keep_raw:  # the bytes go now: the parsed message stays, held
+                        admission.give_back(len(raw))
                 call.admission = admission
                 if keep_raw:
                     call.raw = raw

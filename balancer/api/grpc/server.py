@@ -21,7 +21,9 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   the message's bytes, the JSON body it forwards and the token ids, and (``Route`` too) the
   estimate of the parsed chat or text prompt and of the tokenizer's work while it waits for and runs
   in the tokenizer's threads (:func:`~balancer.api.openai.tokenizing_hold_bytes`); the parsed
-  protobuf message is not counted.
+  protobuf message is held until the call ends (:func:`~balancer.api.grpc.calls.parse_held`), and a
+  message of 256 KiB or more holds the estimate of its parse and of its conversion to the OpenAI
+  body while they run (:mod:`balancer.api.parse_cost`).
 * Health: ``""`` and ``kvlb.v1.Admin`` are SERVING while the server runs; ``kvlb.v1.Balancer``
   follows readiness (``/readyz``); all go NOT_SERVING when shutdown starts.
 * The health and reflection services are grpcio's own, which decode their messages before their
@@ -46,7 +48,7 @@ from grpc_reflection.v1alpha import reflection
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.grpc.admin import ADMIN_SERVICE, admin_handlers
-from balancer.api.grpc.calls import Call, CallError, method_handler
+from balancer.api.grpc.calls import Call, CallError, method_handler, no_parts
 from balancer.api.grpc.messages import (
     decision_message,
     error_body_text,
@@ -57,10 +59,12 @@ from balancer.api.openai import (
     SSE_CONTENT_TYPE,
     Reparsed,
     find_pool,
+    hold_parse,
     tokenize_held,
     tokenize_in_thread,
     tokenize_inline,
 )
+from balancer.api.parse_cost import PARSE_HOLD_MIN_BYTES, chat_convert_bytes
 from balancer.api.parsing import ParsedRequest
 from balancer.errors import ConfigError, UpstreamError, bind_error
 from balancer.index.hashing import TOKEN_ID_BYTES
@@ -163,12 +167,26 @@ async def prepare(
     Token ids come packed from the message (:func:`~balancer.api.grpc.messages.openai_call`): no JSON
     is decoded; runs of their packed varints are memoised in ``state.token_id_memo`` beside the HTTP
     face's runs of id text. ``raw``: the bytes ``request`` was parsed from, if at hand (their varints
-    are looked up as they came, not serialized again)."""
-    openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
+    are looked up as they came, not serialized again). A message of 256 KiB or more holds the estimate
+    of its conversion to the OpenAI body (:func:`~balancer.api.parse_cost.chat_convert_bytes`) while
+    it is made (:func:`~balancer.api.openai.hold_parse`)."""
+    admission = call.admission
+    convert_bytes = 0
+    if admission is not None and call.message_bytes >= PARSE_HOLD_MIN_BYTES:
+        chats, ids = generate_parts(request)
+        convert_bytes = chat_convert_bytes(call.message_bytes, chats, request.extra_json, ids)
+    if convert_bytes:
+        assert admission is not None
+        await hold_parse(admission, convert_bytes, state, "grpc")
+        try:
+            openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
+        finally:
+            admission.give_back_tokenizing()
+    else:
+        openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
     parsed = openai.parsed
     pool = find_pool(state, parsed.model)
     weights = call.weights()
-    admission = call.admission
     max_prompt_tokens = state.settings.limits.max_prompt_tokens
     token_ids = tokenize_inline(pool, parsed, max_prompt_tokens)
     if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
@@ -200,6 +218,23 @@ async def prepare(
     )
 
 
+def chat_messages(request: pb.GenerateRequest) -> int:
+    """How many chat messages ``request`` holds (0 for a prompt)."""
+    return len(request.chat_messages.messages) if request.HasField("chat_messages") else 0
+
+
+def generate_parts(request: pb.GenerateRequest) -> tuple[int, int]:
+    """The chat messages and token ids of ``request`` (``parts`` of
+    :func:`~balancer.api.grpc.calls.method_handler`)."""
+    ids = len(request.prompt_token_ids.ids) if request.HasField("prompt_token_ids") else 0
+    return chat_messages(request), ids
+
+
+def route_parts(request: pb.RouteRequest) -> tuple[int, int]:
+    """:func:`generate_parts` of a ``RouteRequest``'s request."""
+    return generate_parts(request.request) if request.HasField("request") else (0, 0)
+
+
 class BalancerService:
     """``kvlb.v1.Balancer``: Generate, Route, Release."""
 
@@ -210,7 +245,15 @@ class BalancerService:
     def handlers(self) -> Any:
         name = BALANCER_SERVICE
 
-        def handler(method: str, run: Any, request: Any, response: Any, streaming: bool = False) -> Any:
+        def handler(
+            method: str,
+            run: Any,
+            request: Any,
+            response: Any,
+            streaming: bool = False,
+            shape: str = "plain",
+            parts: Any = no_parts,
+        ) -> Any:
             return method_handler(
                 self.state,
                 f"/{name}/{method}",
@@ -221,13 +264,25 @@ class BalancerService:
                 streaming=streaming,
                 keep_raw=streaming,  # Generate: its token ids are read from the bytes as received
                 slot=streaming,  # Generate takes an admission slot; Route and Release bytes only
+                shape=shape,
+                parts=parts,
             )
 
         return grpc.method_handlers_generic_handler(
             name,
             {
-                "Generate": handler("Generate", self.generate, pb.GenerateRequest, pb.GenerateChunk, True),
-                "Route": handler("Route", self.route, pb.RouteRequest, pb.RouteResponse),
+                "Generate": handler(
+                    "Generate",
+                    self.generate,
+                    pb.GenerateRequest,
+                    pb.GenerateChunk,
+                    True,
+                    "generate",
+                    generate_parts,
+                ),
+                "Route": handler(
+                    "Route", self.route, pb.RouteRequest, pb.RouteResponse, False, "route", route_parts
+                ),
                 "Release": handler("Release", self.release, pb.ReleaseRequest, pb.ReleaseResponse),
             },
         )
@@ -237,6 +292,8 @@ class BalancerService:
         assert admission is not None  # made with slot=True: a slot and the message's bytes
         call.adopt_request_id(request.request_id)
         job = await prepare(state, request, call, call.arrived, stream=True, raw=call.raw)
+        admission.give_back(len(call.raw))  # its ids are read: the bytes go, the parsed message stays held
+        call.raw = b""
         admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
         headers = forwardable_headers(call.metadata, call.request_id)
         headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
