@@ -52,7 +52,7 @@ from balancer.api.parsing import (
     weights_from,
 )
 from balancer.config import ReplicaConfig
-from balancer.errors import ConfigError
+from balancer.errors import ConfigError, DrainCommitError
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
@@ -342,24 +342,32 @@ def _ages(record: dict[str, Any], wall: float) -> dict[str, Any]:
 
 
 async def drain(request: web.Request) -> web.Response:
-    return _set_draining(request, True)
+    return await _set_draining(request, True)
 
 
 async def undrain(request: web.Request) -> web.Response:
-    return _set_draining(request, False)
+    return await _set_draining(request, False)
 
 
-def _set_draining(request: web.Request, draining: bool) -> web.Response:
+async def _set_draining(request: web.Request, draining: bool) -> web.Response:
     replica = ReplicaId(request.match_info["replica"])
-    set_draining(request.app[STATE], replica, draining, caller(request))
+    await set_draining(request.app[STATE], replica, draining, caller(request))
     return web.json_response({"replica": replica, "draining": draining}, dumps=strict_json.dumps)
 
 
-def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
-    """Drain or undrain ``replica`` (404 naming the known replicas when it is unknown)."""
-    if not state.health.set_draining(replica, draining):
+async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
+    """Drain or undrain ``replica`` (404 naming the known replicas when it is unknown). In fleet
+    mode it is stored in Redis first, for every balancer; when that fails it is applied nowhere
+    (503 with the reason)."""
+    if replica not in state.health.replicas:
         known = ", ".join(sorted(str(r) for r in state.health.replicas))
         raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
+    if state.drain_committer is not None:
+        try:
+            await state.drain_committer(replica, draining, who)
+        except DrainCommitError as exc:
+            raise ApiError(503, str(exc)) from None
+    state.health.set_draining(replica, draining)
     log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
 
 

@@ -79,6 +79,10 @@ class ServiceState:
     """``(method, path, body, actor)``: sends an admin change made through gRPC to the sibling
     workers of ``kvlb serve --workers N`` (embedded mode; HTTP changes go through the siblings
     middleware). ``None``: one process, or the fleet shares the change."""
+    drain_committer: Callable[[ReplicaId, bool, str], Awaitable[None]] | None = None
+    """``(replica, draining, who)``: set by the fleet (Redis), stores a drain or undrain for every
+    balancer before it is applied here; raises when it could not (then it is applied nowhere).
+    ``None``: embedded, the drain is this process's (and its sibling workers', fanned out)."""
     readiness_checks: list[Callable[[], list[str]]] = field(default_factory=list)
     """More reasons not to be ready (the fleet: mirrors not warm yet)."""
     degraded_checks: list[Callable[[], list[str]]] = field(default_factory=list)

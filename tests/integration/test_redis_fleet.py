@@ -584,3 +584,78 @@ async def _requests_reach_both_key_spaces(f: Fleet, a: Balancer, b: Balancer, tr
         raise AssertionError(
             f"{exc}: engines, a, b: {seen}\n{await diagnosis(f)}\nlease holders:\n{leases}"
         ) from None
+
+
+async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """The SRE walk of 2026-12-01: a drain made through one balancer held on that balancer only
+    (and, with ``kvlb serve --workers N`` on Redis, on that worker only), so the others kept
+    sending new requests to the drained replica. Now it is stored in Redis and every balancer
+    follows within ``redis.policy_poll_s``; a Redis that lost its data gets the drains back; a
+    drain Redis refuses is a 503, applied nowhere."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer) as f:
+        a, b = f.balancers
+        redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+        async def draining(balancer: Balancer) -> dict[str, bool]:
+            views = (await f.get(balancer, "/admin/replicas"))["replicas"]
+            return {v["id"]: v["health"]["draining"] for v in views}
+
+        async def candidates(balancer: Balancer) -> set[str]:
+            explained, _ = await f.post(balancer, "/admin/explain", completion([7]))
+            return {t["replica"] for t in explained["decision"]["terms"]}
+
+        try:
+            await f.post(a, "/admin/replicas/r0/drain", None)
+            started = time.monotonic()
+
+            async def b_drains_r0() -> bool:
+                return (await draining(b))["r0"]
+
+            await wait_for("the drain to reach the other balancer", b_drains_r0, timeout_s=3)
+            assert time.monotonic() - started < 1.0
+            assert "r0" not in await candidates(b)
+            for _ in range(4):  # new requests through either balancer avoid it
+                for balancer in (a, b):
+                    _, headers = await f.post(balancer, "/v1/completions", completion([5]))
+                    assert headers["x-kvlb-replica"] != "r0"
+
+            # undrained through the other one: both route to it again
+            await f.post(b, "/admin/replicas/r0/undrain", None)
+
+            async def both_undrained() -> bool:
+                return not (await draining(a))["r0"] and not (await draining(b))["r0"]
+
+            await wait_for("the undrain to reach both balancers", both_undrained, timeout_s=3)
+            assert "r0" in await candidates(a)
+
+            # Redis loses its data: the drains come back from the balancers, nobody undrains
+            await f.post(a, "/admin/replicas/r1/drain", None)
+
+            async def b_drains_r1() -> bool:
+                return (await draining(b))["r1"]
+
+            await wait_for("r1's drain to reach the other balancer", b_drains_r1, timeout_s=3)
+            await redis.flushall()
+
+            async def seeded() -> bool:
+                return "r1" in await redis.hgetall(f"{fleet_of(a).config.key_prefix}:drained")
+
+            await wait_for("the drains to be written back", seeded, timeout_s=3)
+            await asyncio.sleep(0.6)  # two polls of each balancer
+            for balancer in (a, b):
+                assert (await draining(balancer)) == {"r0": False, "r1": True, "r2": False, "r3": False}
+
+            # Redis refuses writes: the drain is refused too, and applied nowhere
+            await redis.config_set("min-replicas-to-write", 1)
+            try:
+                async with f.session.post(a.url + "/admin/replicas/r2/drain") as response:
+                    assert response.status == 503
+                    assert "Redis" in (await response.json())["error"]["message"]
+            finally:
+                await redis.config_set("min-replicas-to-write", 0)
+            await asyncio.sleep(0.6)
+            assert not (await draining(a))["r2"] and not (await draining(b))["r2"]
+        finally:
+            await redis.aclose()
