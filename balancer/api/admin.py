@@ -136,7 +136,7 @@ async def change_policy(
         raise ApiError(400, "'weights' must be an object of weight names to numbers")
     weights = weights_from(changes_in, state.policy.view.weights, "weights")
     try:
-        changes = await state.policy.change(name, weights, who, state.wall_clock())
+        changes = await state.policy.change(name, weights, who, state.wall_clock(), actor, reason)
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from None
     except PolicyCommitError as exc:

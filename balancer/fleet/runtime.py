@@ -259,6 +259,7 @@ class FleetRuntime:
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
             on_redis=self._redis_result,
+            audit=state.audit,
         )
         self.drains = DrainSync(
             self.text,

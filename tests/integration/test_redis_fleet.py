@@ -659,3 +659,33 @@ async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
             assert not (await draining(a))["r2"] and not (await draining(b))["r2"]
         finally:
             await redis.aclose()
+
+
+async def test_a_policy_change_is_in_every_balancers_audit_log(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """The SRE walk of 2026-12-01: a change made through one balancer reached the other as a new
+    version only, with an empty audit log there, so whoever looked at the other one (the console
+    behind a Service reaches any pod) could not see who changed the policy or why. Now the actor and
+    reason travel with the policy in Redis, and each balancer that adopts it audits it, once."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer) as f:
+        a, b = f.balancers
+        headers = {"x-kvlb-actor": "alice"}
+        body = {"weights": {"decode_weight": 0.3}, "reason": "long answers"}
+        async with f.session.put(a.url + "/admin/policy", json=body, headers=headers) as response:
+            assert response.status == 200, await response.text()
+            version = (await response.json())["version"]
+
+        async def b_audited() -> bool:
+            return bool((await f.get(b, "/admin/audit"))["entries"])
+
+        await wait_for("the change in the other balancer's audit log", b_audited, timeout_s=3)
+        await asyncio.sleep(0.6)  # more polls: still one entry on each
+        (on_a,) = (await f.get(a, "/admin/audit"))["entries"]
+        (on_b,) = (await f.get(b, "/admin/audit"))["entries"]
+        for entry in (on_a, on_b):
+            assert entry["actor"] == "alice"
+            assert entry["reason"] == "long answers"
+            assert entry["version"] == version
+            assert entry["change"] == {"before": {"decode_weight": 0.1}, "after": {"decode_weight": 0.3}}
+        assert on_b["caller"] == on_a["caller"] + " (through Redis)"
