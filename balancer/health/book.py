@@ -80,6 +80,23 @@ class HealthBook:
             out.append(name)
         return out
 
+    def unroutable_reason(self, replica: ReplicaId, now: float) -> str | None:
+        """Why :meth:`routable` leaves ``replica`` out now (``None``: it does not): ``unknown``,
+        ``draining``, ``failing health probes``, ``breaker open`` or ``breaker trial in flight``."""
+        rec = self.replicas.get(replica)
+        if rec is None:
+            return "unknown"
+        if rec.draining:
+            return "draining"
+        if not rec.probe_ok:
+            return "failing health probes"
+        state = rec.state(now, self.config)
+        if state == "open":
+            return "breaker open"
+        if state == "half_open" and rec.trial_in_flight:
+            return "breaker trial in flight"
+        return None
+
     def on_routed(self, replica: ReplicaId, now: float) -> None:
         """A request was sent; in half-open state it is the one trial."""
         rec = self.replicas.get(replica)

@@ -79,6 +79,8 @@ async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer
             }
         answer = await h.post("/v1/completions", body)
         assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+        # the answer says why (the SRE walk of 2026-12-01: it said "no healthy replica" only)
+        assert answer.json()["error"]["message"] == f"no healthy replica serves model '{MODEL}' (2 draining)"
         async with h.session.get(h.url + "/readyz") as response:
             assert response.status == 503
             assert (await response.json())["reasons"] == [f"pool '{MODEL}' has no healthy replica"]
@@ -88,6 +90,31 @@ async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer
             assert answer.status == 200 and answer.headers["x-kvlb-replica"] == "r1"
         async with h.session.post(h.url + "/admin/replicas/r9/drain") as response:
             assert response.status == 404
+
+
+async def test_the_503_of_a_pool_with_no_routable_replica_counts_why(tokenizer: Tokenizer) -> None:
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    async with running(tokenizer, 3) as h:
+        await h.admin("POST", "/admin/replicas/r0/drain")
+        await h.kill("r1")
+        await h.kill("r2")
+
+        async def refused() -> bool:
+            return (await h.post("/v1/completions", body)).status == 503
+
+        await wait_for("the pool to have no routable replica", refused)
+        answer = await h.post("/v1/completions", body)
+        assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+        message = answer.json()["error"]["message"]
+        prefix = f"no healthy replica serves model '{MODEL}' ("
+        assert message.startswith(prefix) and message.endswith(")"), message
+        counts: dict[str, int] = {}
+        for part in message[len(prefix) : -1].split(", "):
+            count, reason = part.split(" ", 1)
+            counts[reason] = int(count)
+        # the killed ones: refused by their probes, or by the requests that opened their breakers
+        assert counts.pop("draining") == 1, message
+        assert set(counts) <= {"failing health probes", "breaker open"} and sum(counts.values()) == 2, message
 
 
 async def test_a_client_going_away_stops_the_replica_and_frees_the_load(tokenizer: Tokenizer) -> None:
