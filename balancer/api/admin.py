@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,6 +174,10 @@ class Explained:
     kind: RequestKind
     weights: PolicyWeights
     plan: RoutePlan
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The pool's replicas that were not candidates, and why (``draining``, ``failing health
+    probes``, ``breaker open``, ``breaker trial in flight``, or ``full``: at
+    ``limits.max_inflight_per_replica``): they have no row in the terms."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -183,6 +187,7 @@ class Explained:
             "cached_tokens": self.plan.cached_tokens,
             "weights": self.weights.to_dict(),
             "decision": dataclasses.asdict(self.plan.decision),
+            "left_out": self.left_out,
         }
 
 
@@ -209,7 +214,21 @@ async def explain_raw(
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
     job = Forward(pool, token_ids, weights, parsed.session_key, parsed.max_tokens, raw, "", request_id, 0.0)
     plan = select(state, job)
-    return Explained(pool.model, kind, weights, plan)
+    return Explained(pool.model, kind, weights, plan, left_out(state, pool.replicas, plan))
+
+
+def left_out(state: ServiceState, replicas: Iterable[str], plan: RoutePlan) -> dict[str, str]:
+    """The replicas of a pool that ``plan``'s policy did not score, and why."""
+    if plan.inputs is not None:
+        scored = set(plan.inputs.request.candidates)
+    else:
+        scored = {terms.replica for terms in plan.decision.terms}
+    now = state.monotonic()
+    out: dict[str, str] = {}
+    for replica in replicas:
+        if replica not in scored:
+            out[replica] = state.health.unroutable_reason(ReplicaId(replica), now) or "full"
+    return out
 
 
 async def list_replicas(request: web.Request) -> web.Response:

@@ -92,11 +92,25 @@ async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer
             assert response.status == 404
 
 
-async def test_the_503_of_a_pool_with_no_routable_replica_counts_why(tokenizer: Tokenizer) -> None:
+async def test_explain_and_the_503_say_why_replicas_are_left_out(tokenizer: Tokenizer) -> None:
+    """The SRE walk of 2026-12-01: an explanation had no row for a drained or dead replica and did
+    not say it left one out, and the 503 of a pool with none left said "no healthy replica" only."""
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    down = {"failing health probes", "breaker open"}
     async with running(tokenizer, 3) as h:
         await h.admin("POST", "/admin/replicas/r0/drain")
         await h.kill("r1")
+
+        async def r1_left_out() -> bool:
+            await h.post("/v1/completions", body)  # requests, or the probes, take r1 out
+            return "r1" in (await h.admin("POST", "/admin/explain", body))["left_out"]
+
+        await wait_for("the dead replica to be left out", r1_left_out)
+        explained = await h.admin("POST", "/admin/explain", body)
+        assert [t["replica"] for t in explained["decision"]["terms"]] == ["r2"]
+        assert explained["left_out"]["r0"] == "draining" and explained["left_out"]["r1"] in down
+        assert set(explained["left_out"]) == {"r0", "r1"}
+
         await h.kill("r2")
 
         async def refused() -> bool:
@@ -114,7 +128,7 @@ async def test_the_503_of_a_pool_with_no_routable_replica_counts_why(tokenizer: 
             counts[reason] = int(count)
         # the killed ones: refused by their probes, or by the requests that opened their breakers
         assert counts.pop("draining") == 1, message
-        assert set(counts) <= {"failing health probes", "breaker open"} and sum(counts.values()) == 2, message
+        assert set(counts) <= down and sum(counts.values()) == 2, message
 
 
 async def test_a_client_going_away_stops_the_replica_and_frees_the_load(tokenizer: Tokenizer) -> None:
