@@ -127,12 +127,24 @@ class ServiceState:
         if not self.pools:
             problems.append("no pools configured")
         for model, pool in self.pools.items():
-            if not self.health.routable(now, pool.replicas):
+            if not self.health.routable(now, pool.replicas) and not self.health.drained_only(
+                now, pool.replicas
+            ):
                 problems.append(f"pool {model!r} has no healthy replica")
         for check in self.readiness_checks:
             problems.extend(check())
         return problems
 
-    def degraded(self) -> list[str]:
-        """Why the service runs degraded while still ready (empty: not degraded)."""
-        return [reason for check in self.degraded_checks for reason in check()]
+    def degraded(self, now: float | None = None) -> list[str]:
+        """Why the service runs degraded while still ready (empty: not degraded). With ``now``: also
+        each pool whose healthy replicas are all drained (an operator's choice, the same on every
+        balancer: its requests get 503 with Retry-After, and the balancer stays ready for the
+        other pools)."""
+        reasons = [reason for check in self.degraded_checks for reason in check()]
+        if now is not None:
+            for model, pool in self.pools.items():
+                if not self.health.routable(now, pool.replicas) and self.health.drained_only(
+                    now, pool.replicas
+                ):
+                    reasons.append(f"pool {model!r} has every healthy replica drained")
+        return reasons

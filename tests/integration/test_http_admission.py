@@ -69,7 +69,11 @@ async def test_with_every_replica_full_the_balancer_answers_429(tokenizer: Token
             await close_streams(streams)
 
 
-async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer) -> None:
+async def test_draining_every_replica_gives_503_and_stays_ready(tokenizer: Tokenizer) -> None:
+    """Drained by an operator, a pool's requests get 503 with Retry-After; the balancer stays ready
+    (``degraded`` says why). The SRE walk of 2026-12-01: it turned unready, and since a drain is the
+    same on every balancer, Kubernetes took every pod out of the Service and every model's clients
+    lost their connections instead of the pool's clients getting the 503."""
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
     async with running(tokenizer, 2) as h:
         for name in ("r0", "r1"):
@@ -82,8 +86,11 @@ async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer
         # the answer says why (the SRE walk of 2026-12-01: it said "no healthy replica" only)
         assert answer.json()["error"]["message"] == f"no healthy replica serves model '{MODEL}' (2 draining)"
         async with h.session.get(h.url + "/readyz") as response:
-            assert response.status == 503
-            assert (await response.json())["reasons"] == [f"pool '{MODEL}' has no healthy replica"]
+            assert response.status == 200
+            assert await response.json() == {
+                "ready": True,
+                "degraded": [f"pool '{MODEL}' has every healthy replica drained"],
+            }
         await h.admin("POST", "/admin/replicas/r1/undrain")
         for _ in range(3):
             answer = await h.post("/v1/completions", body)
@@ -129,6 +136,8 @@ async def test_explain_and_the_503_say_why_replicas_are_left_out(tokenizer: Toke
         # the killed ones: refused by their probes, or by the requests that opened their breakers
         assert counts.pop("draining") == 1, message
         assert set(counts) <= down and sum(counts.values()) == 2, message
+        async with h.session.get(h.url + "/readyz") as response:  # r0 is healthy, only drained
+            assert response.status == 200 and (await response.json())["degraded"]
 
 
 async def test_a_client_going_away_stops_the_replica_and_frees_the_load(tokenizer: Tokenizer) -> None:
