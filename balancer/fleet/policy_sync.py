@@ -101,9 +101,17 @@ class PolicySync:
         self.audit = audit
         self._write = client.register_script(_WRITE)
         self._writing = 0
+        self._synced = False
+        """Whether a policy was read from Redis yet: what the first read adopts replaces the
+        configured one, and may span several versions."""
         self._lock = asyncio.Lock()
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
         control.committer = self.commit
+
+    @property
+    def synced(self) -> bool:
+        """Whether this balancer has read (or seeded) the fleet's policy in Redis yet."""
+        return self._synced
 
     # ------------------------------------------------------------------ local → Redis
 
@@ -149,6 +157,7 @@ class PolicySync:
         self._warnings.resolved("policy_redis_error", "")
         if not raw.get("version") or not raw["version"].isdigit():
             if await self._store(self.control.view, seed=True) >= 0:
+                self._synced = True  # ours is the fleet's: later adoptions are changes
                 log.info("policy v%d seeded into Redis", self.control.view.version)
             return
         if self._writing:
@@ -163,7 +172,8 @@ class PolicySync:
                 actor=raw.get("actor") or None,
                 reason=raw.get("reason") or None,
             )
-            before = self.control.view
+            before, first = self.control.view, not self._synced
+            self._synced = True
             adopted = self.control.adopt(view)
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             self._invalid(f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc))
@@ -172,7 +182,7 @@ class PolicySync:
         if adopted:
             self._metrics.redis_policy_updates_total.labels("remote").inc()
             log.info("policy v%d adopted from Redis (set by %s)", view.version, view.updated_by)
-            self._audit_adopted(before, view)
+            self._audit_adopted(before, view, first)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Listen for change messages and check every ``poll_s`` until ``stop`` is set."""
@@ -198,17 +208,20 @@ class PolicySync:
                     with contextlib.suppress(*REDIS_ERRORS):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
 
-    def _audit_adopted(self, before: PolicyView, view: PolicyView) -> None:
+    def _audit_adopted(self, before: PolicyView, view: PolicyView, first: bool) -> None:
         """Keep a change another balancer made in this one's audit log too, with its actor, reason
         and caller (as stored in Redis) and what changed here (over every version missed)."""
         changes = differences(before.name, before.weights, view.name, view.weights)
         if self.audit is None or not changes:
             return
+        skipped = ""
+        if first or view.version != before.version + 1:  # one entry for several versions
+            skipped = f", v{before.version} to v{view.version} at once: actor and reason of v{view.version}"
         self.audit.add(
             AuditEntry(
                 wall_ts=view.updated_at_wall,
                 actor=view.actor or DEFAULT_ACTOR,
-                caller=f"{view.updated_by} (through Redis)",
+                caller=f"{view.updated_by} (through Redis{skipped})",
                 reason=view.reason,
                 version=view.version,
                 before={k: old for k, (old, _) in changes.items()},

@@ -670,6 +670,11 @@ async def test_a_policy_change_is_in_every_balancers_audit_log(
     reason travel with the policy in Redis, and each balancer that adopts it audits it, once."""
     async with fleet(RedisTarget("server", redis_server.url), tokenizer) as f:
         a, b = f.balancers
+
+        async def synced() -> bool:  # a change before a balancer's first read is its start's
+            return all(fleet_of(x).policy.synced for x in (a, b))  # type: ignore[union-attr]
+
+        await wait_for("both balancers to read the fleet's policy", synced)
         headers = {"x-kvlb-actor": "alice"}
         body = {"weights": {"decode_weight": 0.3}, "reason": "long answers"}
         async with f.session.put(a.url + "/admin/policy", json=body, headers=headers) as response:
@@ -681,11 +686,29 @@ async def test_a_policy_change_is_in_every_balancers_audit_log(
 
         await wait_for("the change in the other balancer's audit log", b_audited, timeout_s=3)
         await asyncio.sleep(0.6)  # more polls: still one entry on each
-        (on_a,) = (await f.get(a, "/admin/audit"))["entries"]
-        (on_b,) = (await f.get(b, "/admin/audit"))["entries"]
+        audits = [(await f.get(x, "/admin/audit"))["entries"] for x in (a, b)]
+        assert [len(entries) for entries in audits] == [1, 1], audits
+        (on_a,), (on_b,) = audits
         for entry in (on_a, on_b):
             assert entry["actor"] == "alice"
             assert entry["reason"] == "long answers"
             assert entry["version"] == version
             assert entry["change"] == {"before": {"decode_weight": 0.1}, "after": {"decode_weight": 0.3}}
         assert on_b["caller"] == on_a["caller"] + " (through Redis)"
+
+        # a balancer started later replaces its configured policy with the stored one: one entry,
+        # which says it may span several versions (the actor and reason are the newest one's)
+        late = await f.add_balancer()
+        await wait_ready(f.session, late.url)
+
+        async def late_audited() -> bool:
+            return bool((await f.get(late, "/admin/audit"))["entries"])
+
+        await wait_for("the stored policy in the late balancer's audit log", late_audited, timeout_s=3)
+        entries = (await f.get(late, "/admin/audit"))["entries"]
+        assert len(entries) == 1, entries
+        (on_late,) = entries
+        assert on_late["version"] == version and on_late["actor"] == "alice"
+        assert on_late["caller"] == (
+            f"{on_a['caller']} (through Redis, v1 to v{version} at once: actor and reason of v{version})"
+        )
