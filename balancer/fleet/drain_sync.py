@@ -5,9 +5,10 @@ Redis holds the replicas drained by hand in one HASH (``<prefix>:drained``: repl
 drain or undrain made through any balancer's admin API (HTTP or gRPC) is written there first and
 applied locally only once Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through
 ``ServiceState.drain_committer``): when Redis refuses it, the call is refused (503) and applied
-nowhere, as a policy change is. Every balancer, and every worker of ``kvlb serve --workers N``,
-reads the hash every ``poll_s`` (``redis.policy_poll_s``) and drains or undrains its replicas to
-match, so a drain reaches the whole fleet within ``poll_s``.
+nowhere, as a policy change is. The script publishes the change on ``<prefix>:drained:changed``;
+every balancer, and every worker of ``kvlb serve --workers N``, reads the hash at each message and
+every ``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its
+replicas to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
 
 An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
 so a Redis restart without persistence leaves drained replicas drained. A key of another type
@@ -41,8 +42,9 @@ MARKER = ""
 """The hash's marker field (no replica id is empty): present once a balancer wrote the hash."""
 
 _WRITE = """
--- KEYS[1]: drained HASH; ARGV[1]: replica, ARGV[2]: its entry (JSON), '' to undrain it.
--- A key of another type (garbage) is replaced. -> 1 if it was repaired
+-- KEYS[1]: drained HASH; ARGV[1]: replica, ARGV[2]: its entry (JSON), '' to undrain it;
+-- ARGV[3]: the channel told of the change. A key of another type (garbage) is replaced.
+-- -> 1 if it was repaired
 local repaired = 0
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t ~= 'hash' and t ~= 'none' then
@@ -55,6 +57,7 @@ if ARGV[2] ~= '' then
 else
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
+redis.call('PUBLISH', ARGV[3], ARGV[1])
 return repaired
 """
 
@@ -94,6 +97,7 @@ class DrainSync:
         self.client = client
         self.health = health
         self.key = f"{key_prefix}:drained"
+        self.channel = f"{key_prefix}:drained:changed"
         self.poll_s = poll_s
         self._metrics = metrics
         self._wall_clock = wall_clock
@@ -116,7 +120,7 @@ class DrainSync:
         try:
             entry = strict_json.dumps({"by": who, "at": self._wall_clock()}) if draining else ""
             async with self._lock:
-                repaired = await self._write(keys=[self.key], args=[replica, entry])
+                repaired = await self._write(keys=[self.key], args=[replica, entry, self.channel])
         except REDIS_ERRORS as exc:
             self._failed(exc)
             raise DrainCommitError(f"replica not changed: Redis did not store it ({exc})") from exc
@@ -161,18 +165,29 @@ class DrainSync:
                 log.info("replica %s %s (from Redis)", replica, "draining" if draining else "undrained")
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Read the drained replicas every ``poll_s`` until ``stop`` is set."""
+        """Read the drained replicas at each change message and every ``poll_s`` (a message may be
+        lost: pub/sub is fire-and-forget) until ``stop`` is set."""
         delay_s = self.poll_s
         while not stop.is_set():
+            pubsub = None
             try:
                 await initialized(self.client)
+                pubsub = self.client.pubsub()
+                await pubsub.subscribe(self.channel)
                 await self.sync()
                 delay_s = self.poll_s
+                while not stop.is_set():
+                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
+                    await self.sync()  # a message or the periodic check: compare and follow
             except REDIS_ERRORS as exc:
                 self._failed(exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay_s)
                 delay_s = min(5.0, delay_s * 2)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay_s)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     def _failed(self, exc: BaseException) -> None:
         self._on_redis(False)
