@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from balancer import strict_json
 from balancer.errors import DrainCommitError
@@ -78,6 +79,18 @@ return repaired
 """
 
 
+def not_stored(what: str, exc: BaseException) -> str:
+    """The 503's message for a change Redis did not confirm. A refusal (an error answer, a refused
+    connection) means it was stored nowhere; a timeout does not: Redis may run the write once it
+    answers again (a stalled server runs what its socket holds), and every balancer then follows it."""
+    if isinstance(exc, (RedisTimeoutError, TimeoutError)):
+        return (
+            f"{what} not confirmed: Redis did not answer in time ({exc}); it may still be stored and "
+            "reach every balancer once Redis answers, so read it back before trying again"
+        )
+    return f"{what} not changed: Redis did not store it ({exc})"
+
+
 class DrainSync:
     """Keeps one balancer's drained replicas (:class:`HealthBook`) and the fleet's in Redis equal."""
 
@@ -123,7 +136,7 @@ class DrainSync:
                 repaired = await self._write(keys=[self.key], args=[replica, entry, self.channel])
         except REDIS_ERRORS as exc:
             self._failed(exc)
-            raise DrainCommitError(f"replica not changed: Redis did not store it ({exc})") from exc
+            raise DrainCommitError(not_stored("replica", exc)) from exc
         finally:
             self._writing -= 1
         self._on_redis(True)

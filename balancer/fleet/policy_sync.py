@@ -29,6 +29,7 @@ from redis.exceptions import ResponseError
 
 from balancer import strict_json
 from balancer.errors import ConfigError
+from balancer.fleet.drain_sync import not_stored
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -125,7 +126,7 @@ class PolicySync:
                 version = await self._store(view, seed=False)
         except REDIS_ERRORS as exc:
             self._failed(exc)
-            raise PolicyCommitError(f"policy not changed: Redis did not store it ({exc})") from exc
+            raise PolicyCommitError(not_stored("policy", exc)) from exc
         finally:
             self._writing -= 1
         self._on_redis(True)

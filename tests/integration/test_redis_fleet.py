@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -107,6 +109,7 @@ async def fleet(
     balancers: int = 2,
     engines: tuple[str, ...] = ("sglang",) * 4,
     page_size: int | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Fleet]:
     zctx = zmq.asyncio.Context()
     replicas: list[Replica] = []
@@ -121,7 +124,9 @@ async def fleet(
             await replica.start()
             replicas.append(replica)
         # no speculative entries: only the engines' events (through Redis) explain affinity
-        settings = settings_for(replicas, limits__speculative_ttl_s=0.001, **target.overrides(), **FAST)
+        settings = settings_for(
+            replicas, limits__speculative_ttl_s=0.001, **target.overrides(), **{**FAST, **overrides}
+        )
         async with aiohttp.ClientSession() as session:
             group = Fleet(replicas, started, session, settings)
             for _ in range(balancers):
@@ -712,3 +717,33 @@ async def test_a_policy_change_is_in_every_balancers_audit_log(
         assert on_late["caller"] == (
             f"{on_a['caller']} (through Redis, v1 to v{version} at once: actor and reason of v{version})"
         )
+
+
+async def test_a_change_redis_did_not_confirm_says_it_may_still_apply(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """The SRE walk of 2026-12-01: with Redis stalled (SIGSTOP), a drain timed out and was answered
+    503 "Redis did not store it ... applied nowhere", then Redis ran the write when it woke and every
+    balancer drained the replica. A timeout now says the change may still be stored; whatever Redis
+    did with it, the balancers end up agreeing."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer, redis__socket_timeout_s=0.3) as f:
+        a, b = f.balancers
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            async with f.session.post(a.url + "/admin/replicas/r0/drain") as response:
+                drain = response.status, (await response.json())["error"]["message"]
+            body = {"weights": {"prefill_weight": 2.5}}
+            async with f.session.put(a.url + "/admin/policy", json=body) as response:
+                policy = response.status, (await response.json())["error"]["message"]
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+        for status, message in (drain, policy):
+            assert status == 503 and "may still be stored" in message, message
+
+        async def agreeing() -> bool:
+            views = [(await f.get(x, "/admin/replicas"))["replicas"] for x in (a, b)]
+            drained = [{v["id"] for v in view if v["health"]["draining"]} for view in views]
+            policies = [(await f.get(x, "/admin/policy"))["weights"] for x in (a, b)]
+            return drained[0] == drained[1] and policies[0] == policies[1]
+
+        await wait_for("both balancers to agree again", agreeing, timeout_s=5)
