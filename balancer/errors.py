@@ -4,6 +4,7 @@
 
     BalancerError
     ├── ConfigError               bad settings, found at start-up or on a policy update
+    ├── DrainCommitError          a drain the fleet's Redis did not store (applied nowhere: 503)
     ├── EventDecodeError          a malformed engine event or frame (carries a machine-readable reason)
     ├── NoReplicasAvailable       nothing healthy to route to
     ├── Overloaded                admission limits reached (maps to 429/503 with Retry-After)
@@ -22,6 +23,10 @@ class BalancerError(Exception):
 
 class ConfigError(BalancerError, ValueError):
     """Settings that cannot work together; the message names the field and the limit."""
+
+
+class DrainCommitError(BalancerError):
+    """A drain or undrain could not reach the fleet (Redis), so it was not applied anywhere (503)."""
 
 
 class EventDecodeError(BalancerError):

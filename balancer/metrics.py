@@ -553,7 +553,7 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
         redis_up=gauge("kvlb_redis_up", "1 while this balancer's last Redis calls succeeded, else 0."),
         redis_errors_total=counter(
             "kvlb_redis_errors_total",
-            "Failed Redis calls, by component (writer, mirror, lease, policy, snapshot).",
+            "Failed Redis calls, by component (writer, mirror, lease, policy, drain, snapshot).",
             ["component"],
         ),
         redis_apply_seconds=histogram(

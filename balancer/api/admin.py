@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +52,7 @@ from balancer.api.parsing import (
     weights_from,
 )
 from balancer.config import ReplicaConfig
-from balancer.errors import ConfigError
+from balancer.errors import ConfigError, DrainCommitError
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
@@ -136,7 +136,7 @@ async def change_policy(
         raise ApiError(400, "'weights' must be an object of weight names to numbers")
     weights = weights_from(changes_in, state.policy.view.weights, "weights")
     try:
-        changes = await state.policy.change(name, weights, who, state.wall_clock())
+        changes = await state.policy.change(name, weights, who, state.wall_clock(), actor, reason)
     except ConfigError as exc:
         raise ApiError(400, str(exc)) from None
     except PolicyCommitError as exc:
@@ -174,6 +174,10 @@ class Explained:
     kind: RequestKind
     weights: PolicyWeights
     plan: RoutePlan
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The pool's replicas that were not candidates, and why (``draining``, ``failing health
+    probes``, ``breaker open``, ``breaker trial in flight``, or ``full``: at
+    ``limits.max_inflight_per_replica``): they have no row in the terms."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -183,6 +187,7 @@ class Explained:
             "cached_tokens": self.plan.cached_tokens,
             "weights": self.weights.to_dict(),
             "decision": dataclasses.asdict(self.plan.decision),
+            "left_out": self.left_out,
         }
 
 
@@ -209,7 +214,21 @@ async def explain_raw(
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
     job = Forward(pool, token_ids, weights, parsed.session_key, parsed.max_tokens, raw, "", request_id, 0.0)
     plan = select(state, job)
-    return Explained(pool.model, kind, weights, plan)
+    return Explained(pool.model, kind, weights, plan, left_out(state, pool.replicas, plan))
+
+
+def left_out(state: ServiceState, replicas: Iterable[str], plan: RoutePlan) -> dict[str, str]:
+    """The replicas of a pool that ``plan``'s policy did not score, and why."""
+    if plan.inputs is not None:
+        scored = set(plan.inputs.request.candidates)
+    else:
+        scored = {terms.replica for terms in plan.decision.terms}
+    now = state.monotonic()
+    out: dict[str, str] = {}
+    for replica in replicas:
+        if replica not in scored:
+            out[replica] = state.health.unroutable_reason(ReplicaId(replica), now) or "full"
+    return out
 
 
 async def list_replicas(request: web.Request) -> web.Response:
@@ -342,24 +361,32 @@ def _ages(record: dict[str, Any], wall: float) -> dict[str, Any]:
 
 
 async def drain(request: web.Request) -> web.Response:
-    return _set_draining(request, True)
+    return await _set_draining(request, True)
 
 
 async def undrain(request: web.Request) -> web.Response:
-    return _set_draining(request, False)
+    return await _set_draining(request, False)
 
 
-def _set_draining(request: web.Request, draining: bool) -> web.Response:
+async def _set_draining(request: web.Request, draining: bool) -> web.Response:
     replica = ReplicaId(request.match_info["replica"])
-    set_draining(request.app[STATE], replica, draining, caller(request))
+    await set_draining(request.app[STATE], replica, draining, caller(request))
     return web.json_response({"replica": replica, "draining": draining}, dumps=strict_json.dumps)
 
 
-def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
-    """Drain or undrain ``replica`` (404 naming the known replicas when it is unknown)."""
-    if not state.health.set_draining(replica, draining):
+async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
+    """Drain or undrain ``replica`` (404 naming the known replicas when it is unknown). In fleet
+    mode it is stored in Redis first, for every balancer; when that fails it is applied nowhere
+    (503 with the reason)."""
+    if replica not in state.health.replicas:
         known = ", ".join(sorted(str(r) for r in state.health.replicas))
         raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
+    if state.drain_committer is not None:
+        try:
+            await state.drain_committer(replica, draining, who)
+        except DrainCommitError as exc:
+            raise ApiError(503, str(exc)) from None
+    state.health.set_draining(replica, draining)
     log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
 
 

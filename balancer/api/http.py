@@ -33,8 +33,9 @@ async def healthz(request: web.Request) -> web.Response:
 
 async def readyz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    problems = state.readiness(state.monotonic())
-    degraded = state.degraded()
+    now = state.monotonic()
+    problems = state.readiness(now)
+    degraded = state.degraded(now)
     extra = {"degraded": degraded} if degraded else {}
     if problems:
         return web.json_response(

@@ -452,5 +452,6 @@ _POLICY_CHANGE = {
 }
 _REPLICA = {
     "parameters": [{"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}}],
-    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(401, 404)},
+    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(401, 404, 503)},
 }
+"""A drain or undrain: 503 when the fleet's Redis did not store it."""

@@ -454,8 +454,9 @@ REPLICAS_COLUMNS = (
 
 
 def replicas_table(views: list[dict[str, Any]]) -> str:
-    """``/admin/replicas`` as one line per replica: the prediction accuracy over its last receipts
-    (exact share, share within one block), its event lag and the age of its last resync."""
+    """``/admin/replicas`` as one line per replica: whether it takes traffic (and why not), the
+    prediction accuracy over its last receipts (exact share, share within one block), its event lag
+    and the age of its last resync."""
 
     def cell(value: Any) -> str:
         if value is None:
@@ -475,7 +476,7 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
                 cell(v)
                 for v in (
                     view.get("id"),
-                    view.get("routable"),
+                    routable_cell(view),
                     view.get("inflight"),
                     (view.get("index") or {}).get("blocks"),
                     prediction.get("receipts"),
@@ -488,6 +489,24 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def routable_cell(view: dict[str, Any]) -> str:
+    """``yes``, or ``no`` with why when the view's health says: ``no:draining``,
+    ``no:probe-failing``, ``no:breaker-open``, ``no:breaker-trial`` (one word, for ``awk``)."""
+    if view.get("routable"):
+        return "yes"
+    health = view.get("health") or {}
+    if health.get("draining"):
+        return "no:draining"
+    if health.get("probe_ok") is False:
+        return "no:probe-failing"
+    breaker = health.get("breaker")
+    if breaker == "open":
+        return "no:breaker-open"
+    if breaker == "half_open":
+        return "no:breaker-trial"
+    return "no"
 
 
 def _number(value: Any, digits: int = 3) -> str:

@@ -1,11 +1,13 @@
 """``PolicySync``: the routing policy and its weights, shared by the fleet through Redis (I/O).
 
 Redis holds the policy in force in one HASH (``<prefix>:policy``: ``name``, ``weights`` as JSON,
-``version``, ``updated_by``, ``updated_at``). A change made through any balancer's admin API (HTTP
-or gRPC) is written there by one script that increments ``version`` and publishes it on
-``<prefix>:policy:changed``. Every balancer adopts it when the message arrives, and also checks the
-version every ``poll_s`` in case a message was missed (pub/sub is fire-and-forget). So a change
-reaches every balancer within ``poll_s`` at worst, usually within milliseconds.
+``version``, ``updated_by``, ``updated_at``, and the change's ``actor`` and ``reason``, so every
+balancer that adopts it adds it to its own audit log with them). A change made through any
+balancer's admin API (HTTP or gRPC) is written there by one script that increments ``version``
+and publishes it on ``<prefix>:policy:changed``. Every balancer adopts it when the message
+arrives, and also checks the version every ``poll_s`` in case a message was missed (pub/sub is
+fire-and-forget). So a change reaches every balancer within ``poll_s`` at worst, usually within
+milliseconds.
 
 At start-up an empty Redis gets this balancer's configured policy (version 1); otherwise the stored
 one wins. After Redis lost its data, the first balancer to notice writes its view back with its
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -26,17 +29,19 @@ from redis.exceptions import ResponseError
 
 from balancer import strict_json
 from balancer.errors import ConfigError
+from balancer.fleet.drain_sync import not_stored
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
-from balancer.service.policy_control import PolicyCommitError, PolicyControl, PolicyView
+from balancer.service.audit import DEFAULT_ACTOR, AuditEntry, AuditLog
+from balancer.service.policy_control import PolicyCommitError, PolicyControl, PolicyView, differences
 
 log = logging.getLogger(__name__)
 
 _WRITE = """
 -- KEYS[1]: policy HASH; ARGV: name, weights json, updated_by, updated_at, channel, version or '',
---          floor (the writer's version)
+--          floor (the writer's version), actor, reason ('' for none)
 -- version '' = a change: increment; else seed with that version, only if the hash is absent.
 -- A key of another type, or a version that is not an integer (garbage written over it), is
 -- repaired: the key is rewritten whole, numbered from `floor`, so versions never go back.
@@ -60,7 +65,8 @@ if ARGV[6] ~= '' then
   redis.call('HSET', KEYS[1], 'version', ARGV[6])
 end
 local v = ARGV[6] ~= '' and tonumber(ARGV[6]) or redis.call('HINCRBY', KEYS[1], 'version', 1)
-redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4])
+redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4],
+  'actor', ARGV[8], 'reason', ARGV[9])
 redis.call('PUBLISH', ARGV[5], v)
 return {v, repaired}
 """
@@ -79,11 +85,13 @@ class PolicySync:
         metrics: Metrics,
         on_redis: Callable[[bool], None] = lambda ok: None,
         monotonic: Callable[[], float] = time.monotonic,
+        audit: AuditLog | None = None,
     ) -> None:
-        """``client`` must decode responses. A policy in Redis that cannot be read (a corrupt hash,
-        another type at its key, out-of-range weights) is ignored and logged once, then once a minute
-        with the count (``kvlb_log_suppressed_total{cause="policy_invalid"}``), however often it is
-        polled; Redis errors likewise (``cause="policy_redis_error"``)."""
+        """``client`` must decode responses. A change adopted from Redis is added to ``audit``. A
+        policy in Redis that cannot be read (a corrupt hash, another type at its key, out-of-range
+        weights) is ignored and logged once, then once a minute with the count
+        (``kvlb_log_suppressed_total{cause="policy_invalid"}``), however often it is polled; Redis
+        errors likewise (``cause="policy_redis_error"``)."""
         self.client = client
         self.control = control
         self.key = f"{key_prefix}:policy"
@@ -91,11 +99,20 @@ class PolicySync:
         self.poll_s = poll_s
         self._metrics = metrics
         self._on_redis = on_redis
+        self.audit = audit
         self._write = client.register_script(_WRITE)
         self._writing = 0
+        self._synced = False
+        """Whether a policy was read from Redis yet: what the first read adopts replaces the
+        configured one, and may span several versions."""
         self._lock = asyncio.Lock()
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
         control.committer = self.commit
+
+    @property
+    def synced(self) -> bool:
+        """Whether this balancer has read (or seeded) the fleet's policy in Redis yet."""
+        return self._synced
 
     # ------------------------------------------------------------------ local → Redis
 
@@ -109,7 +126,7 @@ class PolicySync:
                 version = await self._store(view, seed=False)
         except REDIS_ERRORS as exc:
             self._failed(exc)
-            raise PolicyCommitError(f"policy not changed: Redis did not store it ({exc})") from exc
+            raise PolicyCommitError(not_stored("policy", exc)) from exc
         finally:
             self._writing -= 1
         self._on_redis(True)
@@ -120,6 +137,7 @@ class PolicySync:
     async def _store(self, view: PolicyView, *, seed: bool) -> int:
         args: list[Any] = [view.name, strict_json.dumps(view.weights.to_dict()), view.updated_by]
         args += [repr(view.updated_at_wall), self.channel, view.version if seed else "", view.version]
+        args += [view.actor or "", view.reason or ""]
         version, repaired = cast("list[int]", await self._write(keys=[self.key], args=args))
         if repaired:
             self._metrics.redis_wrongtype_keys_total.inc()
@@ -140,6 +158,7 @@ class PolicySync:
         self._warnings.resolved("policy_redis_error", "")
         if not raw.get("version") or not raw["version"].isdigit():
             if await self._store(self.control.view, seed=True) >= 0:
+                self._synced = True  # ours is the fleet's: later adoptions are changes
                 log.info("policy v%d seeded into Redis", self.control.view.version)
             return
         if self._writing:
@@ -151,7 +170,11 @@ class PolicySync:
                 version=int(raw["version"]),
                 updated_by=raw.get("updated_by", "?"),
                 updated_at_wall=float(raw.get("updated_at", "0")),
+                actor=raw.get("actor") or None,
+                reason=raw.get("reason") or None,
             )
+            before, first = self.control.view, not self._synced
+            self._synced = True
             adopted = self.control.adopt(view)
         except (KeyError, TypeError, ValueError, ConfigError) as exc:
             self._invalid(f"{type(exc).__name__}: {exc}" if isinstance(exc, KeyError) else str(exc))
@@ -160,6 +183,7 @@ class PolicySync:
         if adopted:
             self._metrics.redis_policy_updates_total.labels("remote").inc()
             log.info("policy v%d adopted from Redis (set by %s)", view.version, view.updated_by)
+            self._audit_adopted(before, view, first)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Listen for change messages and check every ``poll_s`` until ``stop`` is set."""
@@ -185,6 +209,27 @@ class PolicySync:
                     with contextlib.suppress(*REDIS_ERRORS):
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
 
+    def _audit_adopted(self, before: PolicyView, view: PolicyView, first: bool) -> None:
+        """Keep a change another balancer made in this one's audit log too, with its actor, reason
+        and caller (as stored in Redis) and what changed here (over every version missed)."""
+        changes = differences(before.name, before.weights, view.name, view.weights)
+        if self.audit is None or not changes:
+            return
+        skipped = ""
+        if first or view.version != before.version + 1:  # one entry for several versions
+            skipped = f", v{before.version} to v{view.version} at once: actor and reason of v{view.version}"
+        self.audit.add(
+            AuditEntry(
+                wall_ts=view.updated_at_wall,
+                actor=view.actor or DEFAULT_ACTOR,
+                caller=f"{view.updated_by} (through Redis{skipped})",
+                reason=view.reason,
+                version=view.version,
+                before={k: old for k, (old, _) in changes.items()},
+                after={k: new for k, (_, new) in changes.items()},
+            )
+        )
+
     def _invalid(self, reason: str) -> None:
         self._warnings.warning("policy_invalid", "", "ignoring the policy stored in Redis: %s", reason)
 
@@ -199,4 +244,4 @@ class PolicySync:
 
 
 def _with_version(view: PolicyView, version: int) -> PolicyView:
-    return PolicyView(view.name, view.weights, version, view.updated_by, view.updated_at_wall)
+    return dataclasses.replace(view, version=version)

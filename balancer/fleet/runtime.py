@@ -23,7 +23,7 @@ space's Redis side is built then if new); one that leaves is forgotten by the le
 drops its blocks fleet-wide and deletes its lease if this balancer held it
 (:meth:`FleetRuntime.remove_replica`).
 
-Two Redis clients stay on the request loop: ``text`` (leases, policy) and ``raw`` (the snapshot
+Two Redis clients stay on the request loop: ``text`` (leases, policy, drains) and ``raw`` (the snapshot
 leases). What crosses between the loops: the writer's ``on_lost`` (handed to the request loop with
 ``call_soon_threadsafe``), its ``on_redis`` verdicts (guarded by a lock), the tables a mirror builds
 (installed on the request loop with ``call_soon_threadsafe``), the mirrors' counters (plain values,
@@ -31,7 +31,8 @@ read) and the :class:`~balancer.fleet.space_ingest.SpaceIngest` and
 :class:`~balancer.fleet.space_mirror.SpaceMirror` hops (a snapshot is written by one).
 
 Around them: the :class:`~balancer.fleet.leases.LeaseManager`, the
-:class:`~balancer.fleet.policy_sync.PolicySync` and the
+:class:`~balancer.fleet.policy_sync.PolicySync`, the
+:class:`~balancer.fleet.drain_sync.DrainSync` (replicas drained by hand) and the
 :class:`~balancer.fleet.snapshots.SnapshotKeeper`. ``/readyz`` stays 503 until every mirror has
 warmed up; while Redis is unreachable the balancer stays ready on its mirrors and ``/readyz`` and
 ``kvlb_redis_up`` show it degraded.
@@ -54,6 +55,7 @@ from typing import Any
 
 from balancer.config import RedisConfig, ReplicaConfig
 from balancer.errors import ConfigError
+from balancer.fleet.drain_sync import DrainSync
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
@@ -146,6 +148,7 @@ class FleetRuntime:
         self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
+        self.drains: DrainSync | None = None
         self.snapshots: SnapshotKeeper | None = None
         self._seen_repairs = 0
 
@@ -256,7 +259,18 @@ class FleetRuntime:
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
             on_redis=self._redis_result,
+            audit=state.audit,
         )
+        self.drains = DrainSync(
+            self.text,
+            state.health,
+            key_prefix=config.key_prefix,
+            poll_s=config.policy_poll_s,
+            metrics=state.metrics,
+            wall_clock=state.wall_clock,
+            on_redis=self._redis_result,
+        )
+        state.drain_committer = self.drains.commit
         self.snapshots = SnapshotKeeper(
             self.raw,
             owner=self.instance,
@@ -269,6 +283,7 @@ class FleetRuntime:
             await self._start_space(entry)
         self._spawn(self.leases.run(self._stop), "kvlb-leases")
         self._spawn(self.policy.run(self._stop), "kvlb-policy-sync")
+        self._spawn(self.drains.run(self._stop), "kvlb-drain-sync")
         self._spawn(self._housekeeping(), "kvlb-fleet-housekeeping")
         state.readiness_checks.append(self.not_ready)
         state.degraded_checks.append(self.degraded)
@@ -425,6 +440,8 @@ class FleetRuntime:
             await self.thread.call(self.mirror_client.aclose)
         if self.policy is not None:
             await self.policy.aclose()
+        if self.drains is not None and self.state.drain_committer == self.drains.commit:
+            self.state.drain_committer = None
         await self.text.aclose()
         await self.raw.aclose()
 

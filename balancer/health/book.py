@@ -80,6 +80,34 @@ class HealthBook:
             out.append(name)
         return out
 
+    def drained_only(self, now: float, among: Iterable[ReplicaId]) -> bool:
+        """Whether some replica of ``among`` is out of routing only because it is drained (it would
+        be routable undrained)."""
+        for name in among:
+            rec = self.replicas.get(name)
+            if rec is not None and rec.draining and rec.probe_ok:
+                state = rec.state(now, self.config)
+                if state == "closed" or (state == "half_open" and not rec.trial_in_flight):
+                    return True
+        return False
+
+    def unroutable_reason(self, replica: ReplicaId, now: float) -> str | None:
+        """Why :meth:`routable` leaves ``replica`` out now (``None``: it does not): ``unknown``,
+        ``draining``, ``failing health probes``, ``breaker open`` or ``breaker trial in flight``."""
+        rec = self.replicas.get(replica)
+        if rec is None:
+            return "unknown"
+        if rec.draining:
+            return "draining"
+        if not rec.probe_ok:
+            return "failing health probes"
+        state = rec.state(now, self.config)
+        if state == "open":
+            return "breaker open"
+        if state == "half_open" and rec.trial_in_flight:
+            return "breaker trial in flight"
+        return None
+
     def on_routed(self, replica: ReplicaId, now: float) -> None:
         """A request was sent; in half-open state it is the one trial."""
         rec = self.replicas.get(replica)

@@ -18,7 +18,7 @@ import xxhash
 
 from balancer.load.tracker import LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
-from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min, plain_terms
+from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min, plain_terms, tie_note
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 
@@ -104,7 +104,7 @@ def least_load(
     cost = {r: float(load.of(r).request_load) for r in candidates}
     chosen = pick_min(list(cost.items()), rng)
     terms = _terms(request, overlap, load, candidates, cost=cost)
-    return decide(policy, chosen, request, overlap, load, terms, reason)
+    return decide(policy, chosen, request, overlap, load, terms, reason + tie_note(list(cost.items())))
 
 
 class LeastLoad:

@@ -63,6 +63,14 @@ def minimal(scored: Sequence[tuple[ReplicaId, float]]) -> list[ReplicaId]:
     return [replica for replica, score in scored if score <= best + slack]
 
 
+def tie_note(scored: Sequence[tuple[ReplicaId, float]]) -> str:
+    """For a decision's reason: `` (a tie of N: drawn at random)`` when :func:`pick_min` drew among
+    several, else ``""``. A dry run (``/admin/explain``) draws too, so with a tie the request itself
+    may go to another of the tied replicas."""
+    tied = minimal(scored) if scored else []
+    return f" (a tie of {len(tied)}: drawn at random)" if len(tied) > 1 else ""
+
+
 def pick_min(scored: Sequence[tuple[ReplicaId, float]], rng: random.Random) -> ReplicaId:
     """The lowest-scoring replica; ties broken uniformly with ``rng`` (no draw without a tie)."""
     tied = minimal(scored)

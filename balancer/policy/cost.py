@@ -121,7 +121,7 @@ from dataclasses import dataclass, replace
 
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyWeights, RouteRequest
-from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min
+from balancer.policy.common import candidates_of, decide, overlap_blocks, pick_min, tie_note
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 PRESSURE_START_FILL = 0.25
@@ -195,6 +195,8 @@ class CostPolicy:
         ]
         chosen, terms = choose(terms, weights.temperature, rng)
         mode = "argmin" if weights.temperature == 0 else f"softmax T={weights.temperature:g}"
+        if weights.temperature == 0:
+            mode += tie_note([(t.replica, _cost(t)) for t in terms if t.excluded is None])
         reason = "; ".join([mode, *notes])
         return decide(self.name, chosen, request, overlap, load, terms, reason, averaged, seen)
 

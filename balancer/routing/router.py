@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -368,7 +368,8 @@ class PoolRouter:
         routable, :class:`Overloaded` when all are full."""
         routable = [r for r in self.routable(now) if r not in exclude]
         if not routable:
-            raise NoReplicasAvailable(f"no healthy replica serves model {self.model!r}")
+            why = self._why_none(now, exclude)
+            raise NoReplicasAvailable(f"no healthy replica serves model {self.model!r}{why}")
         cap = self.route_limits.max_inflight_per_replica
         peers = self._peer_counts()
         eligible = [r for r in routable if self._in_flight_with(r, peers) < cap]
@@ -376,6 +377,20 @@ class PoolRouter:
             message = f"every replica of model {self.model!r} has {cap} requests in flight"
             raise Overloaded(message, FULL_RETRY_AFTER_S)
         return eligible
+
+    def _why_none(self, now: float, exclude: Collection[ReplicaId]) -> str:
+        """Why no replica is routable, as counts (bounded at any pool size, and no replica id reaches
+        the client): `` (2 draining, 1 failing health probes)``; ``""`` without a health book."""
+        if self.health is None:
+            return ""
+        reasons: Counter[str] = Counter()
+        for replica in self.space_of:
+            reason = self.health.unroutable_reason(replica, now)
+            reasons[reason or ("already tried" if replica in exclude else "routable")] += 1
+        if not reasons:
+            return " (the pool has no replicas)"
+        counted = sorted(reasons.items(), key=lambda item: (-item[1], item[0]))
+        return " (" + ", ".join(f"{count} {reason}" for reason, count in counted) + ")"
 
     def select(self, request: PoolRequest, now: float) -> RoutePlan:
         """The decision for ``request`` among :meth:`candidates`, committing nothing."""

@@ -2,8 +2,8 @@
 
 Bounded by ``console.audit_log_size`` entries (the oldest are dropped and counted); every change is
 also logged once at INFO by the admin API. In memory, per balancer: in fleet mode each balancer keeps
-the changes it was asked to make (a change adopted from another balancer through Redis is in that
-balancer's log, and in every balancer's INFO log line of the one that made it).
+the changes it was asked to make and those it adopted from Redis (their actor and reason are stored
+with the policy there; ``balancer.fleet.policy_sync``).
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ class PolicyView:
     """Starts at 1 and increments on every change."""
     updated_by: str
     updated_at_wall: float
+    actor: str | None = None
+    """Who said they made the change (``x-kvlb-actor``); ``None`` for the configured policy. Kept
+    with the policy in Redis, so the balancers that adopt it audit it with the same actor."""
+    reason: str | None = None
+    """Why (the change's ``reason``), kept likewise; ``None`` when none was given."""
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -55,32 +60,40 @@ class PolicyControl:
         return policy
 
     async def change(
-        self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
+        self,
+        name: str | None,
+        weights: PolicyWeights,
+        who: str,
+        wall_now: float,
+        actor: str | None = None,
+        reason: str | None = None,
     ) -> dict[str, tuple[object, object]]:
         """Apply a validated change; returns ``{field: (old, new)}`` (empty: nothing changed, and the
         version stays). With a :attr:`committer` (the fleet) it is applied here only once the
         committer stored it: :class:`PolicyCommitError` when it could not, and nothing changed.
         Raises :class:`ConfigError` for an unknown policy name."""
-        view, changes = self._proposal(name, weights, who, wall_now)
+        view, changes = self._proposal(name, weights, who, wall_now, actor, reason)
         if view is not None:
             self._install(view if self.committer is None else await self.committer(view))
         return changes
 
     def _proposal(
-        self, name: str | None, weights: PolicyWeights, who: str, wall_now: float
+        self,
+        name: str | None,
+        weights: PolicyWeights,
+        who: str,
+        wall_now: float,
+        actor: str | None,
+        reason: str | None,
     ) -> tuple[PolicyView | None, dict[str, tuple[object, object]]]:
         old = self.view
         new_name = old.name if name is None else name
         if new_name != old.name:
             make_policy(new_name)
-        changes: dict[str, tuple[object, object]] = {}
-        if new_name != old.name:
-            changes["name"] = (old.name, new_name)
-        before, after = old.weights.to_dict(), weights.to_dict()
-        changes.update({k: (before[k], after[k]) for k in after if before[k] != after[k]})
+        changes = differences(old.name, old.weights, new_name, weights)
         if not changes:
             return None, changes
-        return PolicyView(new_name, weights, old.version + 1, who, wall_now), changes
+        return PolicyView(new_name, weights, old.version + 1, who, wall_now, actor, reason), changes
 
     def _install(self, view: PolicyView) -> None:
         if view.name != self.view.name:
@@ -96,3 +109,15 @@ class PolicyControl:
             return False
         self._install(view)
         return True
+
+
+def differences(
+    old_name: str, old: PolicyWeights, new_name: str, new: PolicyWeights
+) -> dict[str, tuple[object, object]]:
+    """``{field: (old, new)}`` of every field that differs (``name`` and each weight)."""
+    changes: dict[str, tuple[object, object]] = {}
+    if new_name != old_name:
+        changes["name"] = (old_name, new_name)
+    before, after = old.to_dict(), new.to_dict()
+    changes.update({k: (before[k], after[k]) for k in after if before[k] != after[k]})
+    return changes

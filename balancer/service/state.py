@@ -79,6 +79,10 @@ class ServiceState:
     """``(method, path, body, actor)``: sends an admin change made through gRPC to the sibling
     workers of ``kvlb serve --workers N`` (embedded mode; HTTP changes go through the siblings
     middleware). ``None``: one process, or the fleet shares the change."""
+    drain_committer: Callable[[ReplicaId, bool, str], Awaitable[None]] | None = None
+    """``(replica, draining, who)``: set by the fleet (Redis), stores a drain or undrain for every
+    balancer before it is applied here; raises when it could not (then it is applied nowhere).
+    ``None``: embedded, the drain is this process's (and its sibling workers', fanned out)."""
     readiness_checks: list[Callable[[], list[str]]] = field(default_factory=list)
     """More reasons not to be ready (the fleet: mirrors not warm yet)."""
     degraded_checks: list[Callable[[], list[str]]] = field(default_factory=list)
@@ -123,12 +127,24 @@ class ServiceState:
         if not self.pools:
             problems.append("no pools configured")
         for model, pool in self.pools.items():
-            if not self.health.routable(now, pool.replicas):
+            if not self.health.routable(now, pool.replicas) and not self.health.drained_only(
+                now, pool.replicas
+            ):
                 problems.append(f"pool {model!r} has no healthy replica")
         for check in self.readiness_checks:
             problems.extend(check())
         return problems
 
-    def degraded(self) -> list[str]:
-        """Why the service runs degraded while still ready (empty: not degraded)."""
-        return [reason for check in self.degraded_checks for reason in check()]
+    def degraded(self, now: float | None = None) -> list[str]:
+        """Why the service runs degraded while still ready (empty: not degraded). With ``now``: also
+        each pool whose healthy replicas are all drained (an operator's choice, the same on every
+        balancer: its requests get 503 with Retry-After, and the balancer stays ready for the
+        other pools)."""
+        reasons = [reason for check in self.degraded_checks for reason in check()]
+        if now is not None:
+            for model, pool in self.pools.items():
+                if not self.health.routable(now, pool.replicas) and self.health.drained_only(
+                    now, pool.replicas
+                ):
+                    reasons.append(f"pool {model!r} has every healthy replica drained")
+        return reasons

@@ -36,7 +36,8 @@ class IngestBatch:
     """Events of one replica, in order, ready for ``PrefixIndex.apply``.
 
     ``engine_ts`` is the engine's wall-clock timestamp of the batch (ZMQ envelope ``ts``), used only
-    for the lag gauge; ``None`` when the transport has none (TRT-LLM).
+    for the lag gauge; ``None`` when the transport has none (TRT-LLM) and for a replayed batch
+    published before the source connected (its age is the time the engine sat idle, not lag).
     """
 
     events: tuple[KvEvent, ...]

@@ -167,6 +167,9 @@ class ZmqEventSource:
         self._replay_on_connect = replay_endpoint is not None
         """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
         start (whatever the resume point) and after every lost connection."""
+        self._connected_wall_s: float | None = None
+        """Our wall clock when the SUB last connected (and caught up): a replayed batch published
+        before it is history, and stays out of the lag gauge."""
         self._catching_up = False
         self._replayed: dict[int, int] = {}
         """seq → payload digest of the current catch-up's batches (at most ``MAX_REPLAYED_DIGESTS``)."""
@@ -360,6 +363,7 @@ class ZmqEventSource:
                 self._replay_on_connect = self.replay_endpoint is not None
                 raise _Reopen  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif event["event"] == zmq.EVENT_CONNECTED and self._replay_on_connect:
+                self._connected_wall_s = time.time()
                 self._replay_on_connect = False
                 await self._catch_up(sub, emit)
 
@@ -566,7 +570,13 @@ class ZmqEventSource:
         count_decoded(self._metrics, self._engine, self.replica, batch)
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
-            emit(IngestBatch(tuple(self._ranked(batch)), batch.timestamp, batch.seq, self.dp_rank))
+            # a replayed batch published before this connection is history (its age is the time
+            # the engine sat idle before kvlb came), not lag: the lag gauge (``engine_ts``) reads it
+            # from live batches and those replayed from this connection on (a catch-up, a gap)
+            connected = self._connected_wall_s
+            history = not live and (connected is None or (batch.timestamp or 0.0) < connected)
+            engine_ts = None if history else batch.timestamp
+            emit(IngestBatch(tuple(self._ranked(batch)), engine_ts, batch.seq, self.dp_rank))
 
     def _shed_run(self, emit: Emit) -> None:
         """A shed message taken in order: the first of a run resyncs the rank (its lost removals

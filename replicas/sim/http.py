@@ -182,12 +182,19 @@ async def generate(
     except ValueError as exc:
         return json_error(400, str(exc))
     total = len(ids) + sampling.max_new_tokens
-    if total > ctx.config.profile.max_context_tokens or not ctx.engine.fits(
-        len(ids), sampling.max_new_tokens
-    ):
-        limit = ctx.config.profile.max_context_tokens
+    limit = ctx.config.profile.max_context_tokens
+    if total > limit:
         return json_error(
             400, f"prompt ({len(ids)}) + max_tokens ({sampling.max_new_tokens}) exceeds {limit}"
+        )
+    if not ids:
+        return json_error(400, "the prompt is empty")
+    if not ctx.engine.fits(len(ids), sampling.max_new_tokens):
+        pool = ctx.engine.ranks[0].scheduler.cache
+        return json_error(
+            400,
+            f"prompt ({len(ids)}) + max_tokens ({sampling.max_new_tokens}) does not fit in the KV "
+            f"cache ({pool.capacity_blocks} pages of {pool.page_size} tokens)",
         )
     rid = ctx.next_request_id("chatcmpl" if chat else "cmpl")
     salt = sampling_salt(sampling.temperature, sampling.seed, ctx.request_counter)

@@ -269,6 +269,22 @@ def put_policy(url: str, body: dict[str, Any], actor: str) -> None:
         assert response.status == 200
 
 
+def get_admin(url: str, path: str) -> Any:
+    """``GET`` an admin view from outside the browser (blocking: called from its thread)."""
+    request = urllib.request.Request(url + path, headers={"Authorization": f"Bearer {TOKEN}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.load(response)
+
+
+def post_admin(url: str, path: str) -> None:
+    """``POST`` an admin action from outside the browser (blocking: called from its thread)."""
+    request = urllib.request.Request(
+        url + path, data=b"", method="POST", headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.status == 200
+
+
 def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     """Everything the SRE does, in one browser session; returns what the test checks afterwards."""
     seen: dict[str, Any] = {}
@@ -334,6 +350,20 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     wait_for(driver, "the explanation", lambda d: by_css(d, "#explanation h3"))
     wait_for(driver, "the explanation's terms", lambda d: len(by_css(d, "#explanation-terms tbody tr")) >= 1)
     seen["explanation"] = one(driver, "#explanation").text
+
+    # a decision made while a replica was drained names it as left out (the SRE walk of 2026-12-01:
+    # its explanation had no row for it and no word)
+    drained = replica_ids[0]
+    post_admin(url, f"/admin/replicas/{drained}/drain")
+    newest = get_admin(url, "/admin/decisions?limit=1")["decisions"][0]["id"]  # the feed lags up to 2 s
+
+    def after_the_drain(d: Any) -> Any:
+        rows = [r for r in by_css(d, "#decisions-table tbody tr") if int(r.get_attribute("data-id")) > newest]
+        return rows[0] if rows else False
+
+    wait_for(driver, "a decision made after the drain", after_the_drain).click()
+    seen["left_out"] = wait_for(driver, "the left-out line", lambda d: one(d, "#explanation-left-out").text)
+    post_admin(url, f"/admin/replicas/{drained}/undrain")
     shoot(driver, "decisions", "#decisions")
     one(driver, "#decisions-pause").click()  # the feed stops redrawing under the screenshots below
 
@@ -439,6 +469,7 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert set(seen["share_legend"]) >= set(replica_ids[:1]) and set(seen["share_legend"]) <= set(replica_ids)
     assert set(seen["tenants_after_filter"]) == {TENANTS[1]}
     assert "Decision" in seen["explanation"] and "request " in seen["explanation"]
+    assert seen["left_out"].startswith("Not candidates") and seen["left_out"].endswith(f": {replica_ids[0]}.")
     assert "[0, 1000]" in seen["decode_range"]
     assert "hit rate" in seen["whatif_hit"] and "%" in seen["whatif_hit"]
     assert "decisions that change" in seen["whatif"]

@@ -105,6 +105,23 @@ async def test_bad_messages_and_limits_get_clear_client_errors(tokenizer: Tokeni
         assert dict(unavailable.trailing_metadata() or ())["retry-after"] == "1"
 
 
+async def test_a_long_name_echoed_in_a_detail_keeps_the_status_code(tokenizer: Tokenizer) -> None:
+    """The SRE walk of 2026-12-01: an unknown model, pool or replica named with 20 000 characters
+    came back as RESOURCE_EXHAUSTED "received metadata size exceeds hard limit" (the detail echoing
+    the name, percent-encoded in a trailer, passed the client's 16 KiB) instead of NOT_FOUND."""
+    async with grpc_running(tokenizer) as g:
+        long_ascii, long_utf8 = "x" * 20_000, "é" * 10_000  # é: 2 bytes, 6 once percent-encoded
+        for call in (
+            g.balancer.Generate(pb.GenerateRequest(model=long_ascii, prompt_text="hi")).read(),
+            g.balancer.Route(route(pb.GenerateRequest(model=long_utf8, prompt_text="hi"))),
+            g.admin.WhatIf(pb.WhatIfRequest(pool=long_ascii)),
+            g.admin.DrainReplica(pb.DrainReplicaRequest(replica_id=long_utf8)),
+        ):
+            error = await failure(call)
+            assert error.code() == grpc.StatusCode.NOT_FOUND, error.details()
+            assert "bytes more)" in error.details() and len(error.details().encode()) <= 2_048
+
+
 async def test_token_id_prompts_are_refused_as_the_http_face_refuses_them(tokenizer: Tokenizer) -> None:
     """Token ids come packed from the message, checked against the same limits as an HTTP body: an
     empty prompt and one over ``limits.max_prompt_tokens`` are refused by Generate, Route and Explain

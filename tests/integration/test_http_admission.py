@@ -69,7 +69,11 @@ async def test_with_every_replica_full_the_balancer_answers_429(tokenizer: Token
             await close_streams(streams)
 
 
-async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer) -> None:
+async def test_draining_every_replica_gives_503_and_stays_ready(tokenizer: Tokenizer) -> None:
+    """Drained by an operator, a pool's requests get 503 with Retry-After; the balancer stays ready
+    (``degraded`` says why). The SRE walk of 2026-12-01: it turned unready, and since a drain is the
+    same on every balancer, Kubernetes took every pod out of the Service and every model's clients
+    lost their connections instead of the pool's clients getting the 503."""
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
     async with running(tokenizer, 2) as h:
         for name in ("r0", "r1"):
@@ -79,15 +83,61 @@ async def test_draining_every_replica_gives_503_and_unready(tokenizer: Tokenizer
             }
         answer = await h.post("/v1/completions", body)
         assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+        # the answer says why (the SRE walk of 2026-12-01: it said "no healthy replica" only)
+        assert answer.json()["error"]["message"] == f"no healthy replica serves model '{MODEL}' (2 draining)"
         async with h.session.get(h.url + "/readyz") as response:
-            assert response.status == 503
-            assert (await response.json())["reasons"] == [f"pool '{MODEL}' has no healthy replica"]
+            assert response.status == 200
+            assert await response.json() == {
+                "ready": True,
+                "degraded": [f"pool '{MODEL}' has every healthy replica drained"],
+            }
         await h.admin("POST", "/admin/replicas/r1/undrain")
         for _ in range(3):
             answer = await h.post("/v1/completions", body)
             assert answer.status == 200 and answer.headers["x-kvlb-replica"] == "r1"
         async with h.session.post(h.url + "/admin/replicas/r9/drain") as response:
             assert response.status == 404
+
+
+async def test_explain_and_the_503_say_why_replicas_are_left_out(tokenizer: Tokenizer) -> None:
+    """The SRE walk of 2026-12-01: an explanation had no row for a drained or dead replica and did
+    not say it left one out, and the 503 of a pool with none left said "no healthy replica" only."""
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    down = {"failing health probes", "breaker open"}
+    async with running(tokenizer, 3) as h:
+        await h.admin("POST", "/admin/replicas/r0/drain")
+        await h.kill("r1")
+
+        async def r1_left_out() -> bool:
+            await h.post("/v1/completions", body)  # requests, or the probes, take r1 out
+            return "r1" in (await h.admin("POST", "/admin/explain", body))["left_out"]
+
+        await wait_for("the dead replica to be left out", r1_left_out)
+        explained = await h.admin("POST", "/admin/explain", body)
+        assert [t["replica"] for t in explained["decision"]["terms"]] == ["r2"]
+        assert explained["left_out"]["r0"] == "draining" and explained["left_out"]["r1"] in down
+        assert set(explained["left_out"]) == {"r0", "r1"}
+
+        await h.kill("r2")
+
+        async def refused() -> bool:
+            return (await h.post("/v1/completions", body)).status == 503
+
+        await wait_for("the pool to have no routable replica", refused)
+        answer = await h.post("/v1/completions", body)
+        assert answer.status == 503 and answer.headers["Retry-After"] == "1"
+        message = answer.json()["error"]["message"]
+        prefix = f"no healthy replica serves model '{MODEL}' ("
+        assert message.startswith(prefix) and message.endswith(")"), message
+        counts: dict[str, int] = {}
+        for part in message[len(prefix) : -1].split(", "):
+            count, reason = part.split(" ", 1)
+            counts[reason] = int(count)
+        # the killed ones: refused by their probes, or by the requests that opened their breakers
+        assert counts.pop("draining") == 1, message
+        assert set(counts) <= down and sum(counts.values()) == 2, message
+        async with h.session.get(h.url + "/readyz") as response:  # r0 is healthy, only drained
+            assert response.status == 200 and (await response.json())["degraded"]
 
 
 async def test_a_client_going_away_stops_the_replica_and_frees_the_load(tokenizer: Tokenizer) -> None:

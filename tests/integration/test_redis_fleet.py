@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -107,6 +109,7 @@ async def fleet(
     balancers: int = 2,
     engines: tuple[str, ...] = ("sglang",) * 4,
     page_size: int | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[Fleet]:
     zctx = zmq.asyncio.Context()
     replicas: list[Replica] = []
@@ -121,7 +124,9 @@ async def fleet(
             await replica.start()
             replicas.append(replica)
         # no speculative entries: only the engines' events (through Redis) explain affinity
-        settings = settings_for(replicas, limits__speculative_ttl_s=0.001, **target.overrides(), **FAST)
+        settings = settings_for(
+            replicas, limits__speculative_ttl_s=0.001, **target.overrides(), **{**FAST, **overrides}
+        )
         async with aiohttp.ClientSession() as session:
             group = Fleet(replicas, started, session, settings)
             for _ in range(balancers):
@@ -584,3 +589,161 @@ async def _requests_reach_both_key_spaces(f: Fleet, a: Balancer, b: Balancer, tr
         raise AssertionError(
             f"{exc}: engines, a, b: {seen}\n{await diagnosis(f)}\nlease holders:\n{leases}"
         ) from None
+
+
+async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """The SRE walk of 2026-12-01: a drain made through one balancer held on that balancer only
+    (and, with ``kvlb serve --workers N`` on Redis, on that worker only), so the others kept
+    sending new requests to the drained replica. Now it is stored in Redis and every balancer
+    follows within ``redis.policy_poll_s``; a Redis that lost its data gets the drains back; a
+    drain Redis refuses is a 503, applied nowhere."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer) as f:
+        a, b = f.balancers
+        redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+        async def draining(balancer: Balancer) -> dict[str, bool]:
+            views = (await f.get(balancer, "/admin/replicas"))["replicas"]
+            return {v["id"]: v["health"]["draining"] for v in views}
+
+        async def candidates(balancer: Balancer) -> set[str]:
+            explained, _ = await f.post(balancer, "/admin/explain", completion([7]))
+            return {t["replica"] for t in explained["decision"]["terms"]}
+
+        try:
+            await f.post(a, "/admin/replicas/r0/drain", None)
+            started = time.monotonic()
+
+            async def b_drains_r0() -> bool:
+                return (await draining(b))["r0"]
+
+            await wait_for("the drain to reach the other balancer", b_drains_r0, timeout_s=3)
+            assert time.monotonic() - started < 1.0
+            assert "r0" not in await candidates(b)
+            for _ in range(4):  # new requests through either balancer avoid it
+                for balancer in (a, b):
+                    _, headers = await f.post(balancer, "/v1/completions", completion([5]))
+                    assert headers["x-kvlb-replica"] != "r0"
+
+            # undrained through the other one: both route to it again
+            await f.post(b, "/admin/replicas/r0/undrain", None)
+
+            async def both_undrained() -> bool:
+                return not (await draining(a))["r0"] and not (await draining(b))["r0"]
+
+            await wait_for("the undrain to reach both balancers", both_undrained, timeout_s=3)
+            assert "r0" in await candidates(a)
+
+            # Redis loses its data: the drains come back from the balancers, nobody undrains
+            await f.post(a, "/admin/replicas/r1/drain", None)
+
+            async def b_drains_r1() -> bool:
+                return (await draining(b))["r1"]
+
+            await wait_for("r1's drain to reach the other balancer", b_drains_r1, timeout_s=3)
+            await redis.flushall()
+
+            async def seeded() -> bool:
+                return "r1" in await redis.hgetall(f"{fleet_of(a).config.key_prefix}:drained")
+
+            await wait_for("the drains to be written back", seeded, timeout_s=3)
+            await asyncio.sleep(0.6)  # two polls of each balancer
+            for balancer in (a, b):
+                assert (await draining(balancer)) == {"r0": False, "r1": True, "r2": False, "r3": False}
+
+            # Redis refuses writes: the drain is refused too, and applied nowhere
+            await redis.config_set("min-replicas-to-write", 1)
+            try:
+                async with f.session.post(a.url + "/admin/replicas/r2/drain") as response:
+                    assert response.status == 503
+                    assert "Redis" in (await response.json())["error"]["message"]
+            finally:
+                await redis.config_set("min-replicas-to-write", 0)
+            await asyncio.sleep(0.6)
+            assert not (await draining(a))["r2"] and not (await draining(b))["r2"]
+        finally:
+            await redis.aclose()
+
+
+async def test_a_policy_change_is_in_every_balancers_audit_log(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """The SRE walk of 2026-12-01: a change made through one balancer reached the other as a new
+    version only, with an empty audit log there, so whoever looked at the other one (the console
+    behind a Service reaches any pod) could not see who changed the policy or why. Now the actor and
+    reason travel with the policy in Redis, and each balancer that adopts it audits it, once."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer) as f:
+        a, b = f.balancers
+
+        async def synced() -> bool:  # a change before a balancer's first read is its start's
+            return all(fleet_of(x).policy.synced for x in (a, b))  # type: ignore[union-attr]
+
+        await wait_for("both balancers to read the fleet's policy", synced)
+        headers = {"x-kvlb-actor": "alice"}
+        body = {"weights": {"decode_weight": 0.3}, "reason": "long answers"}
+        async with f.session.put(a.url + "/admin/policy", json=body, headers=headers) as response:
+            assert response.status == 200, await response.text()
+            version = (await response.json())["version"]
+
+        async def b_audited() -> bool:
+            return bool((await f.get(b, "/admin/audit"))["entries"])
+
+        await wait_for("the change in the other balancer's audit log", b_audited, timeout_s=3)
+        await asyncio.sleep(0.6)  # more polls: still one entry on each
+        audits = [(await f.get(x, "/admin/audit"))["entries"] for x in (a, b)]
+        assert [len(entries) for entries in audits] == [1, 1], audits
+        (on_a,), (on_b,) = audits
+        for entry in (on_a, on_b):
+            assert entry["actor"] == "alice"
+            assert entry["reason"] == "long answers"
+            assert entry["version"] == version
+            assert entry["change"] == {"before": {"decode_weight": 0.1}, "after": {"decode_weight": 0.3}}
+        assert on_b["caller"] == on_a["caller"] + " (through Redis)"
+
+        # a balancer started later replaces its configured policy with the stored one: one entry,
+        # which says it may span several versions (the actor and reason are the newest one's)
+        late = await f.add_balancer()
+        await wait_ready(f.session, late.url)
+
+        async def late_audited() -> bool:
+            return bool((await f.get(late, "/admin/audit"))["entries"])
+
+        await wait_for("the stored policy in the late balancer's audit log", late_audited, timeout_s=3)
+        entries = (await f.get(late, "/admin/audit"))["entries"]
+        assert len(entries) == 1, entries
+        (on_late,) = entries
+        assert on_late["version"] == version and on_late["actor"] == "alice"
+        assert on_late["caller"] == (
+            f"{on_a['caller']} (through Redis, v1 to v{version} at once: actor and reason of v{version})"
+        )
+
+
+async def test_a_change_redis_did_not_confirm_says_it_may_still_apply(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """The SRE walk of 2026-12-01: with Redis stalled (SIGSTOP), a drain timed out and was answered
+    503 "Redis did not store it ... applied nowhere", then Redis ran the write when it woke and every
+    balancer drained the replica. A timeout now says the change may still be stored; whatever Redis
+    did with it, the balancers end up agreeing."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer, redis__socket_timeout_s=0.3) as f:
+        a, b = f.balancers
+        os.kill(redis_server.process.pid, signal.SIGSTOP)
+        try:
+            async with f.session.post(a.url + "/admin/replicas/r0/drain") as response:
+                drain = response.status, (await response.json())["error"]["message"]
+            body = {"weights": {"prefill_weight": 2.5}}
+            async with f.session.put(a.url + "/admin/policy", json=body) as response:
+                policy = response.status, (await response.json())["error"]["message"]
+        finally:
+            os.kill(redis_server.process.pid, signal.SIGCONT)
+        for status, message in (drain, policy):
+            assert status == 503 and "may still be stored" in message, message
+
+        async def agreeing() -> bool:
+            views = [(await f.get(x, "/admin/replicas"))["replicas"] for x in (a, b)]
+            drained = [{v["id"] for v in view if v["health"]["draining"]} for view in views]
+            policies = [(await f.get(x, "/admin/policy"))["weights"] for x in (a, b)]
+            return drained[0] == drained[1] and policies[0] == policies[1]
+
+        await wait_for("both balancers to agree again", agreeing, timeout_s=5)

@@ -121,6 +121,14 @@ async def test_generation_is_deterministic_and_max_tokens_honoured() -> None:
         assert len(text[0][0].split()) == 7
         status, error = await post(session, url, {"prompt": list(range(600)), "max_tokens": 1})
         assert status == 400 and "exceeds" in error["error"]["message"]
+        # within the 512-token context but not the 256-token cache: said so (it said "exceeds 512")
+        status, error = await post(session, url, {"prompt": [1, 2], "max_tokens": 300})
+        assert status == 400
+        assert error["error"]["message"] == (
+            "prompt (2) + max_tokens (300) does not fit in the KV cache (64 pages of 4 tokens)"
+        )
+        status, error = await post(session, url, {"prompt": [], "max_tokens": 1})
+        assert status == 400 and error["error"]["message"] == "the prompt is empty"
         status, _ = await post(session, url, {"prompt": [1, 2], "max_tokens": 0})
         assert status == 400
         status, _ = await post(session, url, {"prompt": "text needs a tokenizer"})

@@ -58,7 +58,10 @@ async def emulated(ports: list[int], zctx: zmq.asyncio.Context) -> AsyncIterator
 
 
 @contextlib.asynccontextmanager
-async def ingesting(ports: list[int], ctx: zmq.asyncio.Context) -> AsyncIterator[RecordingIndex]:
+async def ingesting(
+    ports: list[int], ctx: zmq.asyncio.Context, started: list[EventIngest] | None = None
+) -> AsyncIterator[RecordingIndex]:
+    """The real source and pipeline over a recording index (the pipeline appended to ``started``)."""
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     source = ZmqEventSource(
         REPLICA,
@@ -70,6 +73,8 @@ async def ingesting(ports: list[int], ctx: zmq.asyncio.Context) -> AsyncIterator
     )
     ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]
     ingest.add_replica(REPLICA, "sglang", [source])
+    if started is not None:
+        started.append(ingest)
     await ingest.start()
     try:
         yield index
@@ -126,6 +131,33 @@ async def test_a_source_started_after_an_idle_engine_learns_its_cache_from_repla
             async with ingesting(ports, ctx) as index:
                 await eventually(lambda: stored_pages(index.events) >= 8)
                 assert stored_pages(index.events) == 8  # 2 × 4 full pages, no new batch needed
+    finally:
+        ctx.destroy(linger=0)
+        zctx.destroy(linger=0)
+
+
+async def test_replayed_batches_leave_the_lag_gauge_to_live_ones() -> None:
+    """The SRE walk of 2026-12-01: a kvlb started after an engine went idle learned its cache from
+    the replay socket, and the replayed batch's age (how long the engine had been idle) stayed as
+    the replica's event lag (``kvlb_events_lag_seconds``, ``events.last_lag_s``) until its next live
+    batch: 9.9 s on every idle replica of a fresh ``kvlb serve``, which ``KvlbIndexLagging``
+    (> 5 s for 5 min) would have paged on. The lag is now measured on live batches only."""
+    ports = free_ports(3)
+    zctx, ctx = zmq.asyncio.Context(), zmq.asyncio.Context()
+    pipelines: list[EventIngest] = []
+    try:
+        async with aiohttp.ClientSession() as session, emulated(ports, zctx) as replica:
+            await complete(session, replica, list(range(300, 317)))
+            await asyncio.sleep(1.0)  # the engine is idle from here on
+            async with ingesting(ports, ctx, pipelines) as index:
+                await eventually(lambda: stored_pages(index.events) >= 4)
+                await asyncio.sleep(0.1)
+                assert pipelines[0].status()[REPLICA].last_lag_s is None  # replayed: no live batch yet
+                await complete(session, replica, list(range(500, 517)))
+                await eventually(lambda: stored_pages(index.events) >= 8)
+                await asyncio.sleep(0.1)
+                lag_s = pipelines[0].status()[REPLICA].last_lag_s
+                assert lag_s is not None and lag_s < 0.5
     finally:
         ctx.destroy(linger=0)
         zctx.destroy(linger=0)

@@ -94,3 +94,28 @@ def test_a_threshold_of_one_drops_at_the_first_timeout() -> None:
     hb.add(A, probe_ok=True)
     hb.on_probe(A, False, 1.0, "timed out", timed_out=True)
     assert hb.routable(1.0) == []
+
+
+def test_why_a_replica_is_unroutable_and_whether_only_drains_keep_it_out() -> None:
+    hb = book()
+    assert hb.unroutable_reason(A, 0.0) is None
+    assert hb.unroutable_reason(ReplicaId("zzz"), 0.0) == "unknown"
+    hb.set_draining(A, True)
+    assert hb.unroutable_reason(A, 0.0) == "draining"
+    assert hb.drained_only(0.0, [A, B])  # A would take traffic undrained
+    hb.on_probe(B, False, 0.0, "refused")
+    assert hb.unroutable_reason(B, 0.0) == "failing health probes"
+    assert not hb.drained_only(0.0, [B])
+    hb.on_probe(A, False, 1.0, "refused")  # a drained replica that is also down
+    assert hb.unroutable_reason(A, 1.0) == "draining" and not hb.drained_only(1.0, [A, B])
+    hb.on_probe(A, True, 2.0)
+    hb.on_probe(B, True, 2.0)
+    hb.on_failure(B, 2.0, "connect")
+    hb.on_failure(B, 2.0, "connect")
+    assert hb.unroutable_reason(B, 2.0) == "breaker open"
+    hb.set_draining(B, True)
+    assert not hb.drained_only(2.0, [B])  # its breaker keeps it out too
+    assert hb.drained_only(7.0, [B])  # half-open, no trial yet: only the drain
+    hb.set_draining(B, False)
+    hb.on_routed(B, 7.0)
+    assert hb.unroutable_reason(B, 7.1) == "breaker trial in flight"

@@ -101,6 +101,9 @@ def test_least_load_breaks_ties_at_random() -> None:
     loads = [busy(A, 1), busy(B, 1), busy(C, 5)]
     picks = {call(LeastLoad(), (A, B, C), loads, rng=random.Random(s)).replica for s in range(30)}
     assert picks == {A, B}
+    # the reason says so: an explanation of the same request may name the other one (SRE walk)
+    assert call(LeastLoad(), (A, B, C), loads).reason == "fewest requests (a tie of 2: drawn at random)"
+    assert call(LeastLoad(), (A, C), loads).reason == "fewest requests"
 
 
 def test_power_of_two_picks_the_lighter_of_its_sample() -> None:

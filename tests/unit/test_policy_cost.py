@@ -50,6 +50,15 @@ def terms_of(decision: Decision) -> dict[ReplicaId, Any]:
     return {t.replica: t for t in decision.terms}
 
 
+def test_a_tie_says_it_was_drawn_at_random() -> None:
+    """The SRE walk of 2026-12-01: ``explain`` named one of two replicas of equal cost and the
+    request went to the other; the reason said "argmin" only."""
+    plain = {"overlap_credit_loaded": None, "root_weight": 0.0}  # no ramp note in the reason
+    assert route({A: 0, B: 0, C: 8}, **plain).reason == "argmin"  # C holds the prefix: no tie
+    assert route({A: 0, B: 0}, **plain).reason == "argmin (a tie of 2: drawn at random)"
+    assert {route({A: 0, B: 0}, seed=s).replica for s in range(30)} == {A, B}
+
+
 def test_cache_affinity_wins_between_equal_loads() -> None:
     decision = route({A: 0, B: 8, C: 2})
     assert decision.replica == B

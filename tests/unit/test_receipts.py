@@ -199,6 +199,21 @@ def test_admin_replicas_table_shows_accuracy_lag_and_last_resync() -> None:
             "prediction": {},
             "events": None,
         },
+        {
+            "id": "sim-2",
+            "routable": False,
+            "health": {"probe_ok": True, "draining": True, "breaker": "closed"},
+        },
+        {
+            "id": "sim-3",
+            "routable": False,
+            "health": {"probe_ok": False, "draining": False, "breaker": "open"},
+        },
+        {
+            "id": "sim-4",
+            "routable": False,
+            "health": {"probe_ok": True, "draining": False, "breaker": "open"},
+        },
     ]
     lines = replicas_table(views).splitlines()
     assert lines[0].split() == [
@@ -206,3 +221,5 @@ def test_admin_replicas_table_shows_accuracy_lag_and_last_resync() -> None:
     ]  # fmt: skip
     assert lines[1].split() == ["sim-0", "yes", "2", "120", "256", "0.988", "1.000", "0.004", "-"]
     assert lines[2].split() == ["sim-1", "no", "0", "0", "-", "-", "-", "-", "-"]
+    # why not (the SRE walk of 2026-12-01: a drained replica showed "no" like a dead one)
+    assert [line.split()[1] for line in lines[3:]] == ["no:draining", "no:probe-failing", "no:breaker-open"]

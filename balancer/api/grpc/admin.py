@@ -102,7 +102,7 @@ class AdminService:
         if not request.replica_id:
             raise ApiError(400, "'replica_id' is required")
         draining = not request.undrain
-        set_draining(self.state, ReplicaId(request.replica_id), draining, call.caller())
+        await set_draining(self.state, ReplicaId(request.replica_id), draining, call.caller())
         if self.state.admin_fan_out is not None:  # the other workers of kvlb serve --workers N
             action = "drain" if draining else "undrain"
             path = f"/admin/replicas/{quote(request.replica_id, safe='')}/{action}"

@@ -252,11 +252,23 @@ class Call:
         return parse_weights_header(value, base)
 
 
+MAX_DETAIL_BYTES = 2_048
+"""Most UTF-8 bytes of a status detail. gRPC sends it percent-encoded in the ``grpc-message``
+trailer (up to 3 bytes per byte), and a client refuses trailers over its metadata limit (16 KiB by
+default) with RESOURCE_EXHAUSTED: a detail echoing a long input (an unknown model or replica named
+with 20 000 characters) replaced the answer's own code with that."""
+
+
 def wire_text(message: str) -> str:
     """``message`` as a status detail can carry it: gRPC sends details as UTF-8, and a lone
     surrogate echoed from the client's JSON (say, an unknown weight name) would make the server fail
-    to send the status at all, leaving the call to hang until its deadline. It becomes ``\\udXXX``."""
-    return message.encode("utf-8", "backslashreplace").decode("utf-8")
+    to send the status at all, leaving the call to hang until its deadline. It becomes ``\\udXXX``.
+    Cut at :data:`MAX_DETAIL_BYTES` (saying how much was left out)."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MAX_DETAIL_BYTES:
+        return data.decode("utf-8")
+    kept = data[: MAX_DETAIL_BYTES - 64].decode("utf-8", "ignore")
+    return f"{kept}... ({len(data) - len(kept.encode('utf-8'))} bytes more)"
 
 
 def _valid_request_id(given: str) -> str | None:

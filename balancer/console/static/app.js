@@ -23,6 +23,7 @@
     policy: null,
     pools: [],
     replicas: [],
+    replicaPools: {},
     selectedDecision: null,
     whatifTimer: null,
     whatifSeq: 0,
@@ -220,6 +221,7 @@
     const [replicas, fleet] = await Promise.all([api("GET", "/admin/replicas"), api("GET", "/admin/fleet")]);
     const views = replicas.replicas || [];
     state.replicas = views.map((v) => v.id);
+    state.replicaPools = Object.fromEntries(views.map((v) => [v.id, v.model]));
     const pools = [...new Set(views.map((v) => v.model))];
     state.pools = pools;
     fillSelect($("filter-pool"), pools, true);
@@ -693,6 +695,18 @@
       );
       target.append(el("div", { class: "scroll" }, el("table", { id: "explanation-terms" }, el("thead", {}, head), el("tbody", {}, ...rows))));
       target.append(el("p", { class: "muted", text: "cost = prefill + duplication + interference + admission + held roots charge + decode + queue, in blocks; the lowest cost wins (docs/policies.md)." }));
+    }
+    // the pool's replicas the policy did not score: drained, down or full when it decided (or added since)
+    const candidates = d.inputs && Array.isArray(d.inputs.candidates) ? new Set(d.inputs.candidates) : null;
+    if (candidates) {
+      const leftOut = Object.entries(state.replicaPools)
+        .filter(([replica, pool]) => pool === d.pool && !candidates.has(replica))
+        .map(([replica]) => replica);
+      if (leftOut.length) {
+        target.append(
+          el("p", { id: "explanation-left-out", text: "Not candidates (drained, down or full when it was decided, or added since): " + leftOut.join(", ") + "." })
+        );
+      }
     }
     if (d.weights) {
       const weights = Object.entries(d.weights).filter(([, v]) => v !== null).map(([k, v]) => k + "=" + fmtNumber(v, 4)).join(", ");

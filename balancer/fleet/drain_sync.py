@@ -1,0 +1,208 @@
+"""``DrainSync``: the drained replicas, shared by the fleet through Redis (I/O).
+
+Redis holds the replicas drained by hand in one HASH (``<prefix>:drained``: replica id → JSON
+``{"by", "at"}``, plus the marker field ``""`` that says the hash was written by a balancer). A
+drain or undrain made through any balancer's admin API (HTTP or gRPC) is written there first and
+applied locally only once Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through
+``ServiceState.drain_committer``): when Redis refuses it, the call is refused (503) and applied
+nowhere, as a policy change is. The script publishes the change on ``<prefix>:drained:changed``;
+every balancer, and every worker of ``kvlb serve --workers N``, reads the hash at each message and
+every ``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its
+replicas to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
+
+An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
+so a Redis restart without persistence leaves drained replicas drained. A key of another type
+(garbage) is replaced the same way. Entries naming replicas this balancer does not know are ignored
+(another balancer's discovery may know them); there is at most one entry per replica drained and
+not undrained, so the hash is bounded by the fleet's replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from balancer import strict_json
+from balancer.errors import DrainCommitError
+from balancer.health.book import HealthBook
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
+from balancer.log_limit import LimitedWarnings
+from balancer.metrics import Metrics
+from balancer.types import ReplicaId
+
+log = logging.getLogger(__name__)
+
+MARKER = ""
+"""The hash's marker field (no replica id is empty): present once a balancer wrote the hash."""
+
+_WRITE = """
+-- KEYS[1]: drained HASH; ARGV[1]: replica, ARGV[2]: its entry (JSON), '' to undrain it;
+-- ARGV[3]: the channel told of the change. A key of another type (garbage) is replaced.
+-- -> 1 if it was repaired
+local repaired = 0
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'hash' and t ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  repaired = 1
+end
+redis.call('HSET', KEYS[1], '', '1')
+if ARGV[2] ~= '' then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+else
+  redis.call('HDEL', KEYS[1], ARGV[1])
+end
+redis.call('PUBLISH', ARGV[3], ARGV[1])
+return repaired
+"""
+
+_SEED = """
+-- KEYS[1]: drained HASH; ARGV: replica ids this balancer has drained. Adds them (keeping entries
+-- already there) and the marker; a key of another type is replaced. -> 1 if it was repaired
+local repaired = 0
+local t = redis.call('TYPE', KEYS[1])['ok']
+if t ~= 'hash' and t ~= 'none' then
+  redis.call('DEL', KEYS[1])
+  repaired = 1
+end
+for i = 1, #ARGV do
+  redis.call('HSETNX', KEYS[1], ARGV[i], '{}')
+end
+redis.call('HSET', KEYS[1], '', '1')
+return repaired
+"""
+
+
+def not_stored(what: str, exc: BaseException) -> str:
+    """The 503's message for a change Redis did not confirm. A refusal (an error answer, a refused
+    connection) means it was stored nowhere; a timeout does not: Redis may run the write once it
+    answers again (a stalled server runs what its socket holds), and every balancer then follows it."""
+    if isinstance(exc, (RedisTimeoutError, TimeoutError)):
+        return (
+            f"{what} not confirmed: Redis did not answer in time ({exc}); it may still be stored and "
+            "reach every balancer once Redis answers, so read it back before trying again"
+        )
+    return f"{what} not changed: Redis did not store it ({exc})"
+
+
+class DrainSync:
+    """Keeps one balancer's drained replicas (:class:`HealthBook`) and the fleet's in Redis equal."""
+
+    def __init__(
+        self,
+        client: RedisClient,
+        health: HealthBook,
+        *,
+        key_prefix: str,
+        poll_s: float,
+        metrics: Metrics,
+        wall_clock: Callable[[], float] = time.time,
+        on_redis: Callable[[bool], None] = lambda ok: None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``client`` must decode responses."""
+        self.client = client
+        self.health = health
+        self.key = f"{key_prefix}:drained"
+        self.channel = f"{key_prefix}:drained:changed"
+        self.poll_s = poll_s
+        self._metrics = metrics
+        self._wall_clock = wall_clock
+        self._on_redis = on_redis
+        self._writes = 0
+        """Local commits started: a read taken before one is not applied (it may predate it)."""
+        self._writing = 0
+        self._lock = asyncio.Lock()
+        self._write = client.register_script(_WRITE)
+        self._seed_script = client.register_script(_SEED)
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+
+    # ------------------------------------------------------------------ local → Redis
+
+    async def commit(self, replica: ReplicaId, draining: bool, who: str) -> None:
+        """Store a drain (or undrain) for the whole fleet before it is applied here. Raises
+        :class:`DrainCommitError` when Redis did not take it."""
+        self._writes += 1
+        self._writing += 1
+        try:
+            entry = strict_json.dumps({"by": who, "at": self._wall_clock()}) if draining else ""
+            async with self._lock:
+                repaired = await self._write(keys=[self.key], args=[replica, entry, self.channel])
+        except REDIS_ERRORS as exc:
+            self._failed(exc)
+            raise DrainCommitError(not_stored("replica", exc)) from exc
+        finally:
+            self._writing -= 1
+        self._on_redis(True)
+        self._repaired(repaired)
+
+    async def _seed(self) -> None:
+        """Write this balancer's drains over an absent (or garbage) hash."""
+        drained = sorted(str(r) for r, rec in self.health.replicas.items() if rec.draining)
+        self._repaired(await self._seed_script(keys=[self.key], args=drained))
+        log.info("drained replicas seeded into Redis: %s", ", ".join(drained) or "none")
+
+    def _repaired(self, repaired: object) -> None:
+        if repaired:
+            self._metrics.redis_wrongtype_keys_total.inc()
+            log.warning("drained-replicas key %s held garbage: rewritten", self.key)
+
+    # ------------------------------------------------------------------ Redis → local
+
+    async def sync(self) -> None:
+        """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing)."""
+        writes = self._writes
+        try:
+            raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
+        except ResponseError as exc:
+            if "WRONGTYPE" not in str(exc):
+                raise
+            raw = {}  # garbage over the key: the seed below replaces it with our drains
+        self._on_redis(True)
+        self._warnings.resolved("drain_redis_error", "")
+        if MARKER not in raw:
+            await self._seed()
+            return
+        if self._writing or writes != self._writes:
+            return  # a local change is on its way: the next poll reads it back
+        for replica, record in self.health.replicas.items():
+            draining = replica in raw
+            if record.draining != draining:
+                self.health.set_draining(replica, draining)
+                log.info("replica %s %s (from Redis)", replica, "draining" if draining else "undrained")
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Read the drained replicas at each change message and every ``poll_s`` (a message may be
+        lost: pub/sub is fire-and-forget) until ``stop`` is set."""
+        delay_s = self.poll_s
+        while not stop.is_set():
+            pubsub = None
+            try:
+                await initialized(self.client)
+                pubsub = self.client.pubsub()
+                await pubsub.subscribe(self.channel)
+                await self.sync()
+                delay_s = self.poll_s
+                while not stop.is_set():
+                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
+                    await self.sync()  # a message or the periodic check: compare and follow
+            except REDIS_ERRORS as exc:
+                self._failed(exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), delay_s)
+                delay_s = min(5.0, delay_s * 2)
+            finally:
+                if pubsub is not None:
+                    with contextlib.suppress(*REDIS_ERRORS):
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def _failed(self, exc: BaseException) -> None:
+        self._on_redis(False)
+        self._metrics.redis_errors_total.labels("drain").inc()
+        self._warnings.warning("drain_redis_error", "", "drain sync: redis error: %s", exc)
