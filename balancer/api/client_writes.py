@@ -32,6 +32,7 @@ import fcntl
 import socket
 import struct
 import termios
+from collections.abc import Awaitable
 from types import TracebackType
 from typing import Any
 
@@ -143,20 +144,23 @@ class HttpWrites(ClientWrites):
         transport = self._transport
         return transport is not None and transport.get_write_buffer_size() + size > self._low
 
-    async def write(self, response: web.StreamResponse, chunk: bytes) -> None:
-        if not self._may_wait(len(chunk)):
-            await response.write(chunk)
-            return
-        self.begin()
-        await response.write(chunk)
-        self.end()
+    def write(self, response: web.StreamResponse, chunk: bytes) -> Awaitable[None]:
+        """``response.write(chunk)``, marked as a write that may wait when it may: a plain function
+        handing back aiohttp's own coroutine otherwise, so the usual write costs one check and no
+        coroutine of its own."""
+        if self._may_wait(len(chunk)):
+            return self._marked(response.write(chunk))
+        return response.write(chunk)
 
-    async def write_eof(self, response: web.StreamResponse, chunk: bytes = b"") -> None:
-        if not self._may_wait(len(chunk)):
-            await response.write_eof(chunk)
-            return
+    def write_eof(self, response: web.StreamResponse, chunk: bytes = b"") -> Awaitable[None]:
+        """``response.write_eof(chunk)``, marked as :meth:`write` marks a write."""
+        if self._may_wait(len(chunk)):
+            return self._marked(response.write_eof(chunk))
+        return response.write_eof(chunk)
+
+    async def _marked(self, write: Awaitable[None]) -> None:
         self.begin()
-        await response.write_eof(chunk)
+        await write
         self.end()
 
     def held(self) -> int | None:

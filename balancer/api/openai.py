@@ -22,8 +22,12 @@ replica failing before it is retried elsewhere). SSE chunks are written as they 
 re-parsed; a replica failing mid-stream ends the stream with one ``data: {"error": ...}`` event; a
 client going away closes the upstream response, so the replica stops generating. A non-streaming
 answer is at most ``MAX_RESPONSE_BYTES`` (larger → 502) and is written to the client while the
-request holds its slot. A client that has not read its answer by the request's deadline
-(``timeouts.total_s``) loses its connection (:func:`drop_connection`, counted as 499).
+request holds its slot. A client that stops reading its answer (a stream or not) loses its
+connection once it has taken no byte for ``timeouts.client_write_stall_s``, or when the request's
+deadline (``timeouts.total_s``) finds a write to it still waiting (:class:`HttpWrites`,
+:func:`client_stalled`: the connection reset, counted as 499 and in
+``kvlb_http_client_write_stalls_total``); the request then gives back its slot, bytes and load and
+closes the replica's stream like any other that ends.
 
 **Non-streaming answers** hold their bytes of ``limits.max_inflight_body_bytes`` while kvlb holds
 them (:func:`_relay_whole`): each chunk read from the replica is held if the budget has room for it

@@ -7,6 +7,10 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   delta), and a last chunk carries the replica, the predicted and reported cached tokens and the usage.
   A replica failing mid-stream ends the call with UNAVAILABLE after the chunks already sent; a client
   going away (or its deadline passing) closes the upstream response so the replica stops generating.
+  A client that takes no message for ``timeouts.client_write_stall_s`` (grpc's write waits while
+  HTTP/2 flow control keeps its window shut), or has one still waiting at ``timeouts.total_s``, ends
+  the call with CANCELLED (:func:`client_stalled`), its slot, bytes, load and replica stream given
+  back at once.
 * ``Route`` is the decision only. With ``reserve`` it is committed like a forwarded request and held
   in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
 * Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
