@@ -11,8 +11,9 @@ after that: many of them took every slot (a slow-loris on the answer side).
 ``asyncio.timeout_at`` the relays had) plus a watchdog on the writes that may wait. A write is
 marked with :meth:`~ClientWrites.begin` and :meth:`~ClientWrites.end`; while one is in progress a
 timer checks, every quarter of the bound, whether the client took any byte since the last check
-(``held``: the bytes kvlb still holds for it, e.g. the transport's buffer and the kernel's send
-queue; without it, the write's completion is the only progress). When it has taken nothing for
+(:meth:`~ClientWrites.taken`: on HTTP the bytes the client's TCP has acknowledged, Linux's
+``tcpi_bytes_acked``, which counts through every buffer, TLS's included; without it, the write's
+completion is the only progress). When it has taken nothing for
 ``client_write_stall_s`` the deadline is brought forward to now: the relay ends with
 ``TimeoutError`` and :attr:`~ClientWrites.stalled` says why, so the face drops the client (the
 HTTP face aborts the connection, which also drops the kernel's queue) and gives everything back.
@@ -28,37 +29,37 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import socket
 import struct
-import termios
 from collections.abc import Awaitable
 from types import TracebackType
-from typing import Any
 
 from aiohttp import web
 
 CHECKS_PER_BOUND = 4
 """How often, per ``client_write_stall_s``, a write in progress is checked for progress."""
-_OUTQ = getattr(termios, "TIOCOUTQ", None)
-"""``ioctl`` asking a socket for the bytes of its send queue not yet acknowledged (Linux's
-``SIOCOUTQ``); ``None`` where the platform has no such request (the transport's buffer alone)."""
+_TCP_INFO = getattr(socket, "TCP_INFO", None)
+"""``getsockopt`` option of Linux's ``struct tcp_info`` (``None`` elsewhere)."""
+_BYTES_ACKED = struct.Struct("=Q")
+_BYTES_ACKED_OFFSET = 120
+"""Offset of ``tcpi_bytes_acked`` (u64, Linux 4.1 on) in ``struct tcp_info``: the bytes of the
+connection the peer has acknowledged, so far."""
 
 
 class ClientWrites:
     """One relay's deadline (``timeouts.total_s``) and write-stall bound, as an ``async with`` that
-    raises ``TimeoutError`` when either passes. ``held``: the bytes kvlb still holds for the
-    client, measured at each check (any decrease is progress); ``None`` when only a write's end
-    tells (the gRPC face)."""
+    raises ``TimeoutError`` when either passes. :meth:`taken` says how much the client has taken,
+    read at each check (any rise is progress); here ``None``: only a write's end tells (the gRPC
+    face)."""
 
     __slots__ = (
         "_handle",
-        "_held",
         "_loop",
         "_period_s",
         "_progress_at",
         "_since",
         "_stall_s",
+        "_taken",
         "_timeout",
         "stalled",
         "writing",
@@ -71,7 +72,7 @@ class ClientWrites:
         self._period_s = stall_s / CHECKS_PER_BOUND
         self._handle: asyncio.TimerHandle | None = None
         self._since: float | None = None
-        self._held: int | None = None
+        self._taken: int | None = None
         self._progress_at = 0.0
         self.stalled = False
         """The stall bound ended the relay (the client took no byte for ``client_write_stall_s``)."""
@@ -95,7 +96,7 @@ class ClientWrites:
     def begin(self) -> None:
         """A write that may wait starts."""
         self._since = self._progress_at = self._loop.time()
-        self._held = None
+        self._taken = None
         if self._handle is None:
             self._handle = self._loop.call_at(self._since + self._period_s, self._check)
 
@@ -103,8 +104,9 @@ class ClientWrites:
         """The write started by :meth:`begin` is done: the client took its bytes."""
         self._since = None
 
-    def held(self) -> int | None:
-        """The bytes kvlb still holds for the client, or ``None`` when not known."""
+    def taken(self) -> int | None:
+        """A count that rises whenever the client takes bytes of the answer (its value means
+        nothing else), or ``None`` when not known."""
         return None
 
     def _check(self) -> None:
@@ -112,11 +114,11 @@ class ClientWrites:
         if self._since is None or self._timeout.expired():
             return  # no write waits: the next one arms the timer again
         now = self._loop.time()
-        held = self.held()
-        if held is not None and (self._held is None or held < self._held):
-            # bytes left since the last check (or the first check of this write: counted as
-            # progress, since bytes may have left before it)
-            self._held = held
+        taken = self.taken()
+        if taken is not None and (self._taken is None or taken > self._taken):
+            # bytes taken since the last check (or the first check of this write: counted as
+            # progress, since bytes may have been taken before it)
+            self._taken = taken
             self._progress_at = now
         if now - self._progress_at >= self._stall_s:
             self.stalled = True
@@ -128,17 +130,18 @@ class ClientWrites:
 class HttpWrites(ClientWrites):
     """:class:`ClientWrites` for an aiohttp response: its writes, marked only when the transport
     holds more than its low-water mark (aiohttp's writer waits, in ``drain``, only while the
-    transport is paused, which it is only above it), and the bytes held measured as the transport's
-    buffer plus the socket's unacknowledged send queue."""
+    transport is paused, which it is only above it), and what the client took read from its TCP
+    connection's acknowledged bytes (where the platform tells them; else from the transport's buffer
+    going down, which moves only when the kernel's send queue has room)."""
 
-    __slots__ = ("_fd", "_low", "_transport")
+    __slots__ = ("_low", "_socket", "_transport")
 
     def __init__(self, request: web.Request, deadline: float, stall_s: float) -> None:
         super().__init__(deadline, stall_s)
         transport = request.transport
         self._transport = transport
         self._low = transport.get_write_buffer_limits()[0] if transport is not None else 0
-        self._fd: int | None = None
+        self._socket: object = None  # looked up at the first check
 
     def _may_wait(self, size: int) -> bool:
         transport = self._transport
@@ -163,26 +166,31 @@ class HttpWrites(ClientWrites):
         await write
         self.end()
 
-    def held(self) -> int | None:
+    def taken(self) -> int | None:
         transport = self._transport
         if transport is None or transport.is_closing():
             return None
-        return transport.get_write_buffer_size() + self._send_queue(transport)
+        acked = self._bytes_acked(transport)
+        return acked if acked is not None else -transport.get_write_buffer_size()
 
-    def _send_queue(self, transport: Any) -> int:
-        if _OUTQ is None:
-            return 0
-        if self._fd is None:
-            sock = transport.get_extra_info("socket")
-            self._fd = sock.fileno() if sock is not None else -1
-        if self._fd < 0:
-            return 0
+    def _bytes_acked(self, transport: asyncio.BaseTransport) -> int | None:
+        if _TCP_INFO is None or self._socket is False:
+            return None
+        sock = self._socket
+        if sock is None:
+            sock = self._socket = transport.get_extra_info("socket") or False
+            if sock is False:
+                return None
+        end = _BYTES_ACKED_OFFSET + _BYTES_ACKED.size
         try:
-            queued: int = struct.unpack("i", fcntl.ioctl(self._fd, _OUTQ, b"\0\0\0\0"))[0]
+            info = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, end)  # type: ignore[attr-defined]
         except OSError:
-            self._fd = -1
-            return 0
-        return queued
+            info = b""
+        if len(info) < end:  # not TCP, or a kernel without the field
+            self._socket = False
+            return None
+        acked: int = _BYTES_ACKED.unpack_from(info, _BYTES_ACKED_OFFSET)[0]
+        return acked
 
 
 def drop_connection(request: web.Request) -> None:

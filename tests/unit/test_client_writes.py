@@ -1,5 +1,5 @@
 """``ClientWrites``: the relay's deadline and the write-stall bound, on a real event loop (a write
-is a future the test completes or not; the bytes held are what the test says)."""
+is a future the test completes or not; what the client took is what the test says)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from balancer.api.client_writes import ClientWrites
 STALL_S = 0.2
 
 
-class Held(ClientWrites):
-    """A bound whose ``held`` is set by the test (bytes kvlb still holds for the client)."""
+class Taken(ClientWrites):
+    """A bound whose ``taken`` is set by the test (bytes the client acknowledged so far)."""
 
     def __init__(self, deadline: float, stall_s: float) -> None:
         super().__init__(deadline, stall_s)
-        self.bytes: int | None = None
+        self.bytes = 0
 
-    def held(self) -> int | None:
+    def taken(self) -> int | None:
         return self.bytes
 
 
@@ -37,7 +37,7 @@ async def test_a_write_that_never_ends_is_stalled_within_the_bound() -> None:
             await loop.create_future()  # a write the client never takes
     took = loop.time() - began
     assert writes.stalled and writes.writing
-    assert STALL_S <= took < STALL_S * 1.25 + 0.1
+    assert STALL_S <= took < STALL_S * 1.25 + 0.5
 
 
 async def test_writes_that_end_are_never_stalled() -> None:
@@ -50,20 +50,18 @@ async def test_writes_that_end_are_never_stalled() -> None:
     assert not writes.stalled and not writes.writing
 
 
-async def test_bytes_leaving_while_a_write_waits_keep_it_alive() -> None:
-    """A write that waits for four bounds is not stalled while its held bytes go down (a client
-    that reads slowly), and is stalled a bound after they stop going down."""
+async def test_bytes_taken_while_a_write_waits_keep_it_alive() -> None:
+    """A write that waits for four bounds is not stalled while the client takes bytes (it reads
+    slowly), and is stalled a bound after it stops."""
     loop = asyncio.get_running_loop()
-    writes = Held(far(), STALL_S)
-    writes.bytes = 1_000_000
+    writes = Taken(far(), STALL_S)
     stopped_at = 0.0
 
     async def reader() -> None:
         nonlocal stopped_at
         for _ in range(40):  # four bounds, taking bytes every tenth of it
             await asyncio.sleep(STALL_S / 10)
-            assert writes.bytes is not None
-            writes.bytes -= 1000
+            writes.bytes += 1000
         stopped_at = loop.time()
 
     task = asyncio.create_task(reader())
@@ -73,7 +71,7 @@ async def test_bytes_leaving_while_a_write_waits_keep_it_alive() -> None:
             await loop.create_future()
     await task
     assert writes.stalled
-    assert STALL_S <= loop.time() - stopped_at < STALL_S * 1.25 + 0.1
+    assert STALL_S <= loop.time() - stopped_at < STALL_S * 1.25 + 0.5
 
 
 async def test_the_deadline_while_a_write_waits_is_the_clients_fault() -> None:
