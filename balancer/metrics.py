@@ -96,6 +96,7 @@ class _HttpCollectors:
     inflight_requests: Gauge
     body_timeouts_total: Counter
     body_chunk_overflow_total: Counter
+    client_write_stalls_total: Counter
 
 
 def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
@@ -131,6 +132,13 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
             "kvlb_http_body_chunk_overflow_total",
             "Request bodies refused with 400 for arriving in more than limits.max_body_chunks HTTP "
             "chunks (each chunk costs aiohttp a Python call on the event loop).",
+        ),
+        client_write_stalls_total=counter(
+            "kvlb_http_client_write_stalls_total",
+            "Answers given up (499, the connection aborted) because the client stopped reading them, by "
+            "face (http, grpc) and limit: client_write_stall_s (it took no byte for that long) or "
+            "total_s (a write still waiting at the request's deadline).",
+            ["face", "limit"],
         ),
     )
 

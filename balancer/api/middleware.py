@@ -12,7 +12,8 @@
 * ``Expect: 100-continue`` on a route that takes a body (:func:`expect_continue`, which aiohttp runs
   before any middleware): what the headers alone refuse (a ``Content-Length`` over
   ``limits.max_body_bytes``, a missing key or token, a foreign ``Origin``) is answered at once in
-  the JSON shape *instead of* ``100 Continue``, so the client never sends the body.
+  the JSON shape *instead of* ``100 Continue``, so the client never sends the body; one sent
+  anyway is dropped unparsed and kvlb's side is shut down after the answer (:func:`answer_and_close`).
 """
 
 from __future__ import annotations
@@ -150,7 +151,9 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
     ``100 Continue`` (the handler then reads the body), or the refusal the headers alone decide, as
     the middleware would answer it after the body (413 over ``limits.max_body_bytes``, 401, 403;
     417 for an ``Expect`` other than ``100-continue``) with ``Connection: close``: the client may
-    send the body anyway, which kvlb will not read. HTTP/1.0 ignores ``Expect`` (RFC 9110, 10.1.1)."""
+    send the body anyway, which kvlb drops unparsed, its side of the connection shut down once the
+    answer is out (:func:`answer_and_close`; aiohttp read and parsed it for its 10 s lingering time,
+    the connection open meanwhile). HTTP/1.0 ignores ``Expect`` (RFC 9110, 10.1.1)."""
     if request.version < (1, 1):
         return None
     state: ServiceState = request.app[STATE]
@@ -169,6 +172,7 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         response.force_close()
         metrics = state.metrics
         metrics.children.of(metrics.requests_total, _endpoint(request), str(error.status), "", "").inc()
+        await answer_and_close(request, response)  # a body sent anyway is dropped unparsed
         return response
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # the interim answer is not the response: an error may follow

@@ -23,8 +23,12 @@ replica failing before it is retried elsewhere). SSE chunks are written as they 
 re-parsed; a replica failing mid-stream ends the stream with one ``data: {"error": ...}`` event; a
 client going away closes the upstream response, so the replica stops generating. A non-streaming
 answer is at most ``MAX_RESPONSE_BYTES`` (larger → 502) and is written to the client while the
-request holds its slot. A client that has not read its answer by the request's deadline
-(``timeouts.total_s``) loses its connection (:func:`drop_connection`, counted as 499).
+request holds its slot. A client that stops reading its answer (a stream or not) loses its
+connection once it has taken no byte for ``timeouts.client_write_stall_s``, or when the request's
+deadline (``timeouts.total_s``) finds a write to it still waiting (:class:`HttpWrites`,
+:func:`client_stalled`: the connection reset, counted as 499 and in
+``kvlb_http_client_write_stalls_total``); the request then gives back its slot, bytes and load and
+closes the replica's stream like any other that ends.
 
 **Non-streaming answers** hold their bytes of ``limits.max_inflight_body_bytes`` while kvlb holds
 them (:func:`_relay_whole`): each chunk read from the replica is held if the budget has room for it
@@ -61,6 +65,7 @@ from aiohttp.http import HttpProcessingError
 from aiohttp.http_exceptions import TransferEncodingError
 
 from balancer import strict_json
+from balancer.api.client_writes import ClientWrites, HttpWrites, drop_connection
 from balancer.api.errors import ApiError, too_large
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
 from balancer.api.parse_cost import json_parse_bytes
@@ -678,20 +683,26 @@ async def _relay_stream(
     outcome = request[OUTCOME]
     stream = opened.stream
     response = _DeferredHeadResponse(status=stream.status, headers=headers)
+    writes = HttpWrites(request, relay_deadline(state, job), state.settings.timeouts.client_write_stall_s)
     try:
         await response.prepare(request)
-        if stream.finished:  # the whole answer is in: headers, body and its end in one write
-            await response.write_eof(opened.first)
-            return response
-        await response.write(opened.first)
         try:
-            async with asyncio.timeout_at(relay_deadline(state, job)):
+            async with writes:
+                if stream.finished:  # the whole answer is in: headers, body and its end in one write
+                    await writes.write_eof(response, opened.first)
+                    return response
+                await writes.write(response, opened.first)
                 async for chunk in opened.chunks:
                     if stream.finished:  # the last chunk goes out with the end of the stream
-                        await response.write_eof(chunk)
+                        await writes.write_eof(response, chunk)
                         return response
-                    await response.write(chunk)
+                    await writes.write(response, chunk)
+                await writes.write_eof(response)
+                return response
         except (UpstreamError, TimeoutError) as exc:
+            if writes.writing:  # the client stopped reading: nothing more can reach it
+                client_stalled(request, state, writes)
+                return response
             message = failure_message(state, lease, exc)
             log.warning(
                 "request %s: replica %s broke mid-stream: %s", headers["x-request-id"], lease.replica, message
@@ -699,10 +710,24 @@ async def _relay_stream(
             outcome.status = "stream_error"
             async with asyncio.timeout(ERROR_EVENT_TIMEOUT_S):
                 await response.write(sse_error_event(f"replica {lease.replica} failed mid-stream: {message}"))
-        await response.write_eof()
-    except (ConnectionResetError, TimeoutError):  # the client went away or stopped reading
+                await response.write_eof()
+    except ConnectionResetError:  # the client went away
         outcome.status = "499"
+    except TimeoutError:  # the error event or the end not taken within ERROR_EVENT_TIMEOUT_S
+        outcome.status = "499"
+        drop_connection(request)
     return response
+
+
+def client_stalled(request: web.Request, state: ServiceState, writes: ClientWrites) -> None:
+    """Give up on a client that stopped reading its answer (:attr:`ClientWrites.writing`): its
+    connection is aborted, the request counted as 499 and, in
+    ``kvlb_http_client_write_stalls_total``, by the limit that ended it."""
+    request[OUTCOME].status = "499"
+    limit = "client_write_stall_s" if writes.stalled else "total_s"
+    metrics = state.metrics
+    metrics.children.of(metrics.client_write_stalls_total, "http", limit).inc()
+    drop_connection(request)
 
 
 class _DeferredHeadResponse(web.StreamResponse):
@@ -734,9 +759,9 @@ async def _relay_whole(
     held = 0
     size = 0
     response: web.StreamResponse | None = None  # once set, relayed as it arrives
-    writing = False
+    writes = HttpWrites(request, deadline, state.settings.timeouts.client_write_stall_s)
     try:
-        async with contextlib.aclosing(_answer_chunks(opened)) as chunks, asyncio.timeout_at(deadline):
+        async with contextlib.aclosing(_answer_chunks(opened)) as chunks, writes:
             async for chunk in chunks:
                 size += len(chunk)
                 if size > MAX_RESPONSE_BYTES:
@@ -748,23 +773,19 @@ async def _relay_whole(
                         continue
                     state.metrics.admission_answer_overflow_total.inc()
                     response = _DeferredHeadResponse(status=opened.stream.status, headers=headers)
-                    writing = True
                     await response.prepare(request)
                     while parts:  # what was buffered goes first, given back as it is written
                         part = parts.popleft()
-                        await response.write(part)
+                        await writes.write(response, part)
                         held -= len(part)
                         admission.give_back(len(part))
                 admission.add(len(chunk))  # one chunk at a time, even over the budget
                 held += len(chunk)
-                writing = True
-                await response.write(chunk)
-                writing = False
+                await writes.write(response, chunk)
                 held -= len(chunk)
                 admission.give_back(len(chunk))
-            writing = True
             if response is not None:
-                await response.write_eof()
+                await writes.write_eof(response)
                 return response
             response = _DeferredHeadResponse(status=opened.stream.status, headers=headers)
             response.content_length = size
@@ -772,14 +793,13 @@ async def _relay_whole(
             last = parts.pop() if parts else b""
             while parts:
                 part = parts.popleft()
-                await response.write(part)
+                await writes.write(response, part)
                 held -= len(part)
                 admission.give_back(len(part))
-            await response.write_eof(last)  # a one-chunk answer: headers and body in one write
+            await writes.write_eof(response, last)  # a one-chunk answer: headers and body in one write
     except (UpstreamError, TimeoutError) as exc:
-        if writing and isinstance(exc, TimeoutError):  # the client stopped reading
-            outcome.status = "499"
-            drop_connection(request)
+        if writes.writing:  # the client stopped reading
+            client_stalled(request, state, writes)
         elif response is None or not response.prepared:
             message = failure_message(state, lease, exc)
             raise ApiError(502, f"replica {lease.replica} failed while answering: {message}") from None
@@ -805,16 +825,6 @@ async def _answer_chunks(opened: Opened) -> AsyncGenerator[bytes, None]:
     yield opened.first
     async for chunk in opened.chunks:
         yield chunk
-
-
-def drop_connection(request: web.Request) -> None:
-    """Close the client's connection at once, dropping what is buffered for it: a client that
-    stopped reading an answer by its deadline. Left open, the connection kept the unsent bytes (in
-    kvlb and in the kernel, megabytes) and its aiohttp task, waiting to finish the answer, for as
-    long as the client kept it open."""
-    transport = request.transport
-    if transport is not None:
-        transport.abort()
 
 
 def sse_error_event(message: str, status: int = 502) -> bytes:

@@ -117,6 +117,17 @@ class TimeoutConfig:
     client_idle_s: float = 15.0
     """A client connection that has not completed a request's headers this long after it opened
     or after its previous answer is closed (idle keep-alive, slowloris trickling headers)."""
+    client_write_stall_s: float = 30.0
+    """Seconds an answer's client may take none of its bytes while kvlb has more to give it (its
+    connection holds more than its buffer's limit: the transport's and the kernel's send queue stay
+    full); then kvlb gives up on it: the connection is aborted (the kernel's queue dropped too), the
+    request ends as 499, its admission slot, bytes and replica load are given back and its replica's
+    stream closed (``kvlb_http_client_write_stalls_total``; gRPC ``Generate``: one message not taken
+    for this long). Checked four times per bound: a client that takes no byte for it is dropped
+    within 1.25 times it, one that takes bytes at least every three quarters of it never is, however
+    slowly it reads. 30 s: far above a reading client's pauses (a phone that sleeps its app drops
+    its connections anyway), and 20 times less than ``total_s`` a stalled client could hold a slot
+    before. > 0."""
 
 
 MAX_INFLIGHT_BODY_BYTES = 2**40
@@ -571,6 +582,7 @@ class Settings:
             "timeouts.idle_s": self.timeouts.idle_s,
             "timeouts.total_s": self.timeouts.total_s,
             "timeouts.client_idle_s": self.timeouts.client_idle_s,
+            "timeouts.client_write_stall_s": self.timeouts.client_write_stall_s,
             "timeouts.body_read_s": self.timeouts.body_read_s,
             "timeouts.body_rate_grace_s": self.timeouts.body_rate_grace_s,
         }

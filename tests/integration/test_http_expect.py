@@ -54,7 +54,7 @@ async def test_a_declared_length_over_the_limit_is_a_413_instead_of_100(
                 f"request body of {MAX_BODY_BYTES + 1} bytes exceeds limits.max_body_bytes = {MAX_BODY_BYTES}"
             )
             assert headers["content-type"].startswith("application/json")
-            # aiohttp keeps reading (and dropping) a body sent anyway for its lingering time, then closes
+            # a body sent anyway is dropped unparsed, kvlb's side shut down after the answer
             assert headers["x-request-id"] and headers["connection"] == "close"
         finally:
             writer.close()
@@ -115,5 +115,25 @@ async def test_an_admin_write_from_another_origin_is_a_403_instead_of_100(tokeni
             status, headers, body = await read_answer(reader)
             assert status == 403 and "another origin" in json.loads(body)["error"]["message"]
             assert headers["x-request-id"]
+        finally:
+            writer.close()
+
+
+async def test_a_body_sent_anyway_after_a_refusal_ends_the_connection_at_once(tokenizer: Tokenizer) -> None:
+    """A client that sends part of its body after the 413 and keeps its side open sees kvlb's end
+    of the connection right after the answer (aiohttp's lingering close read the body for up to
+    10 s first), and kvlb stays responsive while the client goes on sending."""
+    async with running(tokenizer, 1, limits__max_body_bytes=MAX_BODY_BYTES) as h:
+        reader, writer = await send_head(h.url, "POST", "/v1/completions", 10 * MAX_BODY_BYTES)
+        try:
+            status, _, _ = await read_answer(reader)
+            assert status == 413
+            writer.write(b"x" * MAX_BODY_BYTES)  # part of the body, anyway; the rest never comes
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(), 2.0) == b""  # kvlb's end, not 10 s later
+            writer.write(b"y" * MAX_BODY_BYTES)  # more: dropped unparsed, nothing answered
+            await writer.drain()
+            async with h.session.get(h.url + "/healthz") as response:
+                assert response.status == 200
         finally:
             writer.close()

@@ -7,6 +7,10 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   delta), and a last chunk carries the replica, the predicted and reported cached tokens and the usage.
   A replica failing mid-stream ends the call with UNAVAILABLE after the chunks already sent; a client
   going away (or its deadline passing) closes the upstream response so the replica stops generating.
+  A client that takes no message for ``timeouts.client_write_stall_s`` (grpc's write waits while
+  HTTP/2 flow control keeps its window shut), or has one still waiting at ``timeouts.total_s``, ends
+  the call with CANCELLED (:func:`client_stalled`), its slot, bytes, load and replica stream given
+  back at once.
 * ``Route`` is the decision only. With ``reserve`` it is committed like a forwarded request and held
   in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
 * Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
@@ -46,6 +50,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer.api.client_writes import ClientWrites
 from balancer.api.errors import ApiError
 from balancer.api.grpc.admin import ADMIN_SERVICE, admin_handlers
 from balancer.api.grpc.calls import Call, CallError, method_handler, no_parts
@@ -235,6 +240,26 @@ def route_parts(request: pb.RouteRequest) -> tuple[int, int]:
     return generate_parts(request.request) if request.HasField("request") else (0, 0)
 
 
+def client_stalled(state: ServiceState, writes: ClientWrites) -> CallError:
+    """The end of a ``Generate`` call whose client stopped reading (:attr:`ClientWrites.writing`),
+    counted in ``kvlb_http_client_write_stalls_total`` by the limit that ended it. The call ends
+    with CANCELLED, and its slot, bytes, replica stream and load are given back at once; the status
+    reaches the client after the messages grpc already queued for it, if it reads again (grpcio has
+    no public way for a server to reset one stream, and the connection may carry other calls)."""
+    metrics = state.metrics
+    if writes.stalled:
+        limit = "client_write_stall_s"
+        stall_s = state.settings.timeouts.client_write_stall_s
+        message = f"the client took no message for timeouts.client_write_stall_s = {stall_s}s"
+    else:
+        limit = "total_s"
+        message = (
+            f"the client did not read its answer by timeouts.total_s = {state.settings.timeouts.total_s}s"
+        )
+    metrics.children.of(metrics.client_write_stalls_total, "grpc", limit).inc()
+    return CallError(grpc.StatusCode.CANCELLED, message)
+
+
 class BalancerService:
     """``kvlb.v1.Balancer``: Generate, Route, Release."""
 
@@ -333,20 +358,30 @@ class BalancerService:
             finish_reason=progress.finish_reason,
             usage=progress.usage,
         )
-        await call.context.write(pb.GenerateChunk(index=progress.index, done=done))
+        writes = ClientWrites(relay_deadline(state, job), state.settings.timeouts.client_write_stall_s)
+        try:
+            async with writes:
+                writes.begin()
+                await call.context.write(pb.GenerateChunk(index=progress.index, done=done))
+                writes.end()
+        except TimeoutError:  # the last message not taken either
+            raise client_stalled(state, writes) from None
 
     async def _pump(
         self, call: Call, lease: Lease, opened: Opened, deadline: float, progress: _Progress
     ) -> CallError | None:
         """Relay every event; a replica failure (or ``timeouts.total_s``) is returned, not raised."""
         events = SseEvents()
+        writes = ClientWrites(deadline, self.state.settings.timeouts.client_write_stall_s)
         try:
-            async with asyncio.timeout_at(deadline):
-                await self._emit(call, events.feed(opened.first), progress)
+            async with writes:
+                await self._emit(call, writes, events.feed(opened.first), progress)
                 async for chunk in opened.chunks:
-                    await self._emit(call, events.feed(chunk), progress)
-                await self._emit(call, events.close(), progress)
+                    await self._emit(call, writes, events.feed(chunk), progress)
+                await self._emit(call, writes, events.close(), progress)
         except (UpstreamError, TimeoutError) as exc:
+            if writes.writing:  # the client stopped reading: nothing more can reach it
+                return client_stalled(self.state, writes)
             message = failure_message(self.state, lease, exc)
             log.warning(
                 "request %s: replica %s broke mid-stream: %s", call.request_id, lease.replica, message
@@ -357,7 +392,9 @@ class BalancerService:
             return CallError(code, f"replica {lease.replica} failed mid-stream: {message}")
         return None
 
-    async def _emit(self, call: Call, payloads: list[bytes], progress: _Progress) -> None:
+    async def _emit(
+        self, call: Call, writes: ClientWrites, payloads: list[bytes], progress: _Progress
+    ) -> None:
         for data in payloads:
             if data == b"[DONE]":
                 continue
@@ -365,7 +402,9 @@ class BalancerService:
             progress.finish_reason = info.finish_reason or progress.finish_reason
             progress.usage = info.usage or progress.usage
             progress.error = progress.error or info.error
+            writes.begin()  # grpc's write waits while HTTP/2 flow control holds the client's window shut
             await call.context.write(pb.GenerateChunk(raw_json=data, text=info.text, index=progress.index))
+            writes.end()
             progress.index += 1
 
     async def _refused(self, job: Forward, lease: Lease, opened: Opened) -> NoReturn:
