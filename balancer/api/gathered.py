@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -64,25 +65,50 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     local = strict_json.loads(bytes(response.body))  # type: ignore[arg-type]
     headers = _forwarded(request)
     if request.path == "/admin/whatif":
-        answers, missing = await _ask(
-            siblings, "POST", request.path_qs, request.get(WHATIF_BODY, b""), headers, WHATIF_TIMEOUT_S
-        )
-    else:
-        answers, missing = await _ask(siblings, "GET", request.path_qs, b"", headers, None)
+        merged = await whatif_everywhere(siblings, request.get(WHATIF_BODY, b"{}"), headers, local)
+        return web.json_response(merged, dumps=strict_json.dumps)
+    answers, missing = await _ask(siblings, "GET", request.path_qs, b"", headers, None)
     answers[siblings.index] = local
     order = sorted(answers)
     if request.path == "/admin/decisions":
         merged = _merge_decisions(answers, request.query.get("limit"))
-    elif request.path == "/admin/series":
-        merged = merge_series([answers[i] for i in order])
     else:
-        sample = strict_json.loads(request.get(WHATIF_BODY, b"{}")).get("sample")  # checked: an int or null
-        asked = DEFAULT_SAMPLE if sample is None else int(sample)
-        merged = merge_answers([{**answers[i], "worker": i} for i in order], asked)
-        merged["elapsed_s"] = max(float(answers[i].get("elapsed_s", 0.0)) for i in order)
+        merged = merge_series([answers[i] for i in order])
     merged["workers"] = order
     merged["workers_missing"] = missing
     return web.json_response(merged, dumps=strict_json.dumps)
+
+
+async def whatif_everywhere(
+    siblings: Siblings, raw: bytes, headers: dict[str, str], local: dict[str, Any]
+) -> dict[str, Any]:
+    """This worker's what-if answer ``local`` to the body ``raw`` with the siblings' to the same body,
+    merged (:func:`~balancer.service.whatif.merge_answers`)."""
+    answers, missing = await _ask(siblings, "POST", "/admin/whatif", raw, headers, WHATIF_TIMEOUT_S)
+    answers[siblings.index] = local
+    order = sorted(answers)
+    sample = strict_json.loads(raw).get("sample")  # checked by this worker: an int or null
+    asked = DEFAULT_SAMPLE if sample is None else int(sample)
+    merged = merge_answers([{**answers[i], "worker": i} for i in order], asked)
+    merged["elapsed_s"] = max(float(answers[i].get("elapsed_s", 0.0)) for i in order)
+    merged["workers"] = order
+    merged["workers_missing"] = missing
+    return merged
+
+
+def grpc_whatif(
+    siblings: Siblings, admin_token: str | None
+) -> Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """What :attr:`ServiceState.whatif_gather` calls for ``Admin.WhatIf`` (gRPC has no HTTP
+    middleware): the siblings' replays of the same body, authorised with the admin token."""
+
+    async def gather_whatif(raw: bytes, local: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
+        return await whatif_everywhere(siblings, raw, headers, local)
+
+    return gather_whatif
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:

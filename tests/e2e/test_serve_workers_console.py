@@ -16,10 +16,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+from procs_free import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_config
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
 from balancer.api.siblings import SIBLING_TIMEOUT_S
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
@@ -88,7 +92,9 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
     try:
         sims = list(await asyncio.gather(*(start_sim(i, tmp_path, time_scale=0.02) for i in range(2))))
         children += sims
-        serve = await start_serve(tmp_path, write_config(tmp_path, sims), "--workers", "2")
+        grpc_port = free_port()
+        listen = {"host": "127.0.0.1", "port": 0, "grpc_port": grpc_port}
+        serve = await start_serve(tmp_path, write_config(tmp_path, sims, listen=listen), "--workers", "2")
         children.append(serve)
         url = serve.info["url"]
         sent: list[str] = []
@@ -144,6 +150,14 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
             shares = sum(r["before_share"] for r in whatif["replicas"])
             assert abs(shares - 1.0) < 1e-9
             assert sum(r["before_decisions"] for r in whatif["replicas"]) == len(sent)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+            admin = pb_grpc.AdminStub(channel)
+            for _ in range(READS // 2):  # a new channel's connection reaches either worker
+                request = pb.WhatIfRequest()
+                request.weights.update({"decode_weight": 0.0})
+                answer = await admin.WhatIf(request, timeout=FRESH_TIMEOUT_S)
+                assert answer.decisions == len(sent), answer
+                assert list(answer.details["workers"]) == [0, 1]
 
         await check_a_stopped_worker_is_left_out(serve, set(sent))
     finally:
