@@ -9,13 +9,14 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
 * ``GET /admin/decisions/{id}``: ids are the worker's index + 1 modulo N (:class:`DecisionLog`), so
   the decision is looked up on the worker that made it.
 * ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`).
+* ``GET /admin/audit``: one entry per policy version (:func:`_merge_audit`): a worker restarted
+  after a change adopted the policy from a sibling but not its audit log.
 * ``POST /admin/whatif``: every worker replays its own decisions with the same body; the answers
   are summed (:func:`~balancer.service.whatif.merge_answers`), so ``last`` counts per worker.
 
 Each answer lists the ``workers`` in it and the ``workers_missing``: a sibling that does not answer
 200 within :data:`~balancer.api.siblings.SIBLING_TIMEOUT_S` (a what-if: :data:`WHATIF_TIMEOUT_S`)
-is left out and logged, never a 5xx. ``GET /admin/audit`` is not gathered: every worker applies every
-policy change (the fan-out) and logs it in its own audit log.
+is left out and logged, never a 5xx.
 """
 
 from __future__ import annotations
@@ -42,15 +43,14 @@ log = logging.getLogger(__name__)
 WHATIF_TIMEOUT_S = 30.0
 """Budget (seconds) of a sibling's what-if replay (at most ``console.whatif_max_entries``
 decisions at 0.04 to 0.4 ms each, in its worker thread)."""
+_GATHERED_GETS = frozenset({"/admin/decisions", "/admin/series", "/admin/audit"})
 _ONE_DECISION = re.compile(r"^/admin/decisions/([^/]+)$")
 
 
 def gathered_view(request: web.Request) -> bool:
     """Whether ``request`` is a console read answered for every worker."""
     if request.method == "GET":
-        return request.path in ("/admin/decisions", "/admin/series") or bool(
-            _ONE_DECISION.match(request.path)
-        )
+        return request.path in _GATHERED_GETS or bool(_ONE_DECISION.match(request.path))
     return request.method == "POST" and request.path == "/admin/whatif"
 
 
@@ -72,6 +72,8 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     order = sorted(answers)
     if request.path == "/admin/decisions":
         merged = _merge_decisions(answers, request.query.get("limit"))
+    elif request.path == "/admin/audit":
+        merged = _merge_audit(answers, request.query.get("limit"))
     else:
         merged = merge_series([answers[i] for i in order])
     merged["workers"] = order
@@ -150,6 +152,22 @@ def _merge_decisions(answers: dict[int, Any], raw_limit: str | None) -> dict[str
     listed = [{**d, "worker": index} for index, answer in answers.items() for d in answer["decisions"]]
     listed.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
     return {"decisions": listed[:limit]}
+
+
+def _merge_audit(answers: dict[int, Any], raw_limit: str | None) -> dict[str, Any]:
+    """Every worker logs every policy change under the same version (the fan-out, or the fleet's
+    policy in Redis), but a worker restarted after a change does not have it, and the siblings see
+    the receiving worker as the caller: one entry per version, the earliest (the receiving
+    worker's, with the client's address), newest first."""
+    limit = DEFAULT_LIMIT if raw_limit is None else int(raw_limit)  # the local handler checked it
+    by_version: dict[Any, dict[str, Any]] = {}
+    for answer in answers.values():
+        for entry in answer["entries"]:
+            kept = by_version.get(entry["version"])
+            if kept is None or entry["ts"] < kept["ts"]:
+                by_version[entry["version"]] = entry
+    listed = sorted(by_version.values(), key=lambda e: (e["ts"], e["version"]), reverse=True)
+    return {"entries": listed[:limit]}
 
 
 async def _one_decision(

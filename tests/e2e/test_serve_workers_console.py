@@ -159,6 +159,13 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
                 assert answer.decisions == len(sent), answer
                 assert list(answer.details["workers"]) == [0, 1]
 
+        change = {"weights": {"decode_weight": 0.5}, "reason": "e2e: console"}
+        async with aiohttp.ClientSession() as session, session.put(url + "/admin/policy", json=change) as r:
+            assert r.status == 200, await r.text()
+        for _ in range(READS // 2):  # logged by both workers: listed once
+            audit = await fresh("GET", url + "/admin/audit")
+            assert audit["workers"] == [0, 1] and [e["version"] for e in audit["entries"]] == [2], audit
+
         await check_a_stopped_worker_is_left_out(serve, set(sent))
     finally:
         for child in reversed(children):

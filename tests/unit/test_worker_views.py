@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from test_decisions import drive
 
+from balancer.api.gathered import _merge_audit
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
 from balancer.service.decisions import DecisionLog
@@ -106,3 +107,30 @@ def test_two_workers_series_merged_add_counts_and_recompute_rates() -> None:
             assert min(p[name] for p in parts) <= want[name] <= got[name]
     assert sum(r["requests"] for r in merged["intervals"]) == 110
     assert "upper bound" in merged["ttft_percentiles"] and merged["now"] == answers[1]["now"]
+
+
+def test_the_audit_log_is_one_entry_per_version_the_receiving_workers() -> None:
+    """Worker 1 was restarted after version 2 (it adopted the policy, not the log): version 2 is
+    still listed, and version 3, logged by both, once, as the worker that took the change saw it."""
+
+    def entry(version: int, ts: float, caller: str) -> dict[str, Any]:
+        change = {"before": {"decode_weight": 1.0}, "after": {"decode_weight": 0.5}}
+        return {
+            "ts": ts,
+            "actor": "sre",
+            "caller": caller,
+            "reason": "r",
+            "version": version,
+            "change": change,
+        }
+
+    answers = {
+        0: {"entries": [entry(3, 20.002, "token:ab@127.0.0.1"), entry(2, 10.0, "token:ab@10.0.0.7")]},
+        1: {"entries": [entry(3, 20.0, "token:ab@10.0.0.7")]},
+    }
+    merged = _merge_audit(answers, None)
+    assert [(e["version"], e["caller"]) for e in merged["entries"]] == [
+        (3, "token:ab@10.0.0.7"),
+        (2, "token:ab@10.0.0.7"),
+    ]
+    assert [e["version"] for e in _merge_audit(answers, "1")["entries"]] == [3]
