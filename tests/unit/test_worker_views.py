@@ -128,6 +128,8 @@ def test_the_audit_log_is_one_entry_per_version_the_receiving_workers() -> None:
         0: {"entries": [entry(3, 20.002, "token:ab@127.0.0.1"), entry(2, 10.0, "token:ab@10.0.0.7")]},
         1: {"entries": [entry(3, 20.0, "token:ab@10.0.0.7")]},
     }
+    reversed_order = dict(reversed(answers.items()))  # the answering worker's own comes last
+    assert _merge_audit(reversed_order, None) == _merge_audit(answers, None)
     merged = _merge_audit(answers, None)
     assert [(e["version"], e["caller"]) for e in merged["entries"]] == [
         (3, "token:ab@10.0.0.7"),
