@@ -150,12 +150,11 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
             shares = sum(r["before_share"] for r in whatif["replicas"])
             assert abs(shares - 1.0) < 1e-9
             assert sum(r["before_decisions"] for r in whatif["replicas"]) == len(sent)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-            admin = pb_grpc.AdminStub(channel)
-            for _ in range(READS // 2):  # a new channel's connection reaches either worker
+        for _ in range(READS // 2):  # a new channel each time: its connection reaches either worker
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
                 request = pb.WhatIfRequest()
                 request.weights.update({"decode_weight": 0.0})
-                answer = await admin.WhatIf(request, timeout=FRESH_TIMEOUT_S)
+                answer = await pb_grpc.AdminStub(channel).WhatIf(request, timeout=FRESH_TIMEOUT_S)
                 assert answer.decisions == len(sent), answer
                 assert list(answer.details["workers"]) == [0, 1]
 
