@@ -29,6 +29,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
+from balancer.api.gathered import grpc_whatif
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
@@ -355,6 +356,7 @@ class Balancer:
             app.middlewares.append(sibling_middleware(self._siblings, fan_out_admin=fan_out))
             if fan_out:
                 state.admin_fan_out = grpc_fan_out(self._siblings, self.settings.auth.admin_token)
+            state.whatif_gather = grpc_whatif(self._siblings, self.settings.auth.admin_token)
         listen = self.settings.listen
         ssl_context = server_ssl_context(listen)
         self._runner = web.AppRunner(

@@ -55,6 +55,10 @@ interval."""
 PAUSE_S = 50e-6
 
 
+WHATIF_BODY = web.RequestKey("kvlb_whatif_body", bytes)
+"""The what-if body as read (the other workers of ``kvlb serve --workers N`` replay it too)."""
+
+
 class Abandoned(Exception):
     """Raised in the replay's thread when its request was cancelled."""
 
@@ -167,8 +171,9 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
 async def whatif(request: web.Request) -> web.Response:
     state = request.app[STATE]
     limits = state.settings.limits
-    body = parse_json_object(await read_body(request, limits.max_body_bytes, state.settings.timeouts))
-    return web.json_response(await run_whatif(state, body), dumps=strict_json.dumps)
+    raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts)
+    request[WHATIF_BODY] = raw
+    return web.json_response(await run_whatif(state, parse_json_object(raw)), dumps=strict_json.dumps)
 
 
 def record_summary(record: DecisionRecord) -> dict[str, Any]:

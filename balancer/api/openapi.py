@@ -274,7 +274,7 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/series": {
             "get": {
                 "summary": "The console's time series per interval: requests per replica, predicted and "
-                "reported hit rate, TTFT p50/p90",
+                "reported hit rate, TTFT p50/p90 (kvlb serve --workers N: every worker's, summed)",
                 **admin,
                 "parameters": [
                     {
@@ -326,7 +326,8 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
         "/admin/whatif": {
             "post": {
                 "summary": "Replay the pool's recent decisions with proposed weights or another policy "
-                "(commits nothing): changed share, predicted hit rate and load spread before and after",
+                "(commits nothing): changed share, predicted hit rate and load spread before and after "
+                "(kvlb serve --workers N: every worker's replay, summed)",
                 **admin,
                 "requestBody": _body(_WHATIF),
                 "responses": {
@@ -337,7 +338,8 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
         },
         "/admin/decisions": {
             "get": {
-                "summary": "Recent committed decisions with their cost terms, newest first",
+                "summary": "Recent committed decisions with their cost terms, newest first "
+                "(kvlb serve --workers N: every worker's, each with its worker)",
                 **admin,
                 "parameters": [
                     {"name": "pool", "in": "query", "required": False, "schema": {"type": "string"}},
@@ -381,7 +383,8 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
         },
         "/admin/audit": {
             "get": {
-                "summary": "Policy changes, newest first: when, who (x-kvlb-actor), what, why",
+                "summary": "Policy changes, newest first: when, who (x-kvlb-actor), what, why "
+                "(kvlb serve --workers N: every worker's, each version once)",
                 **admin,
                 "parameters": [{"name": "limit", "in": "query", "required": False, "schema": query_int}],
                 "responses": {

@@ -13,6 +13,8 @@ A request on the shared port reaches one worker. Two things must still read as o
   sibling for the policy in force and the drained replicas (:meth:`Siblings.catch_up`) before it
   serves. A change made through gRPC (``Admin.SetPolicy``, ``Admin.DrainReplica``) is sent the
   same way (:func:`grpc_fan_out`, ``ServiceState.admin_fan_out``).
+* **The console's reads** (``/admin/decisions``, ``/admin/series``, ``/admin/whatif``): answered
+  for every worker by :mod:`balancer.api.gathered`.
 * **``GET /metrics``**: the receiving worker answers with every worker's series, each sample labelled
   ``worker="<index>"`` (a sum over workers is a PromQL ``sum without (worker)``). A worker that does
   not answer in time is left out of that scrape (logged).
@@ -37,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from balancer import strict_json
 from balancer.api.admin import ACTOR_HEADER, POLICY_REASON
+from balancer.api.gathered import gather, gathered_view
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyView
 from balancer.service.state import ServiceState
@@ -60,6 +63,7 @@ class Siblings:
         self.index = index
         self.count = count
         self.session: aiohttp.ClientSession | None = None
+        self.session_timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
 
     def register(self, url: str) -> None:
         """Publish this worker's private URL (atomically: write, then rename)."""
@@ -82,7 +86,7 @@ class Siblings:
 
     async def open(self) -> None:
         self.session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S),
+            timeout=self.session_timeout,
             connector=aiohttp.TCPConnector(ssl=False),  # loopback to our own sibling
         )
 
@@ -92,19 +96,32 @@ class Siblings:
             await session.close()
 
     async def call(
-        self, method: str, path: str, *, body: bytes = b"", headers: dict[str, str] | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        body: bytes = b"",
+        headers: dict[str, str] | None = None,
+        timeout_s: float | None = None,
+        only: int | None = None,
     ) -> dict[int, tuple[int, bytes] | BaseException]:
-        """The same request to every sibling at once: index → (status, body) or the error."""
+        """The same request to every sibling at once (or to sibling ``only``): index → (status,
+        body) or the error. ``timeout_s``: the budget when not :data:`SIBLING_TIMEOUT_S`."""
         session = self.session
         if session is None:
             return {}
         sent = {**(headers or {}), SIBLING_HEADER: "1"}
+        timeout = self.session_timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
 
         async def one(url: str) -> tuple[int, bytes]:
-            async with session.request(method, url + path, data=body, headers=sent) as response:
+            async with session.request(
+                method, url + path, data=body, headers=sent, timeout=timeout
+            ) as response:
                 return response.status, await response.read()
 
         others = self.others()
+        if only is not None:
+            others = {index: url for index, url in others.items() if index == only}
         results = await asyncio.gather(*(one(url) for url in others.values()), return_exceptions=True)
         return dict(zip(others, results, strict=True))
 
@@ -157,6 +174,8 @@ def sibling_middleware(
             return await handler(request)
         if request.method == "GET" and request.path == "/metrics":
             return await _gathered_metrics(request, handler, siblings)
+        if gathered_view(request):
+            return await gather(request, handler, siblings)
         if fan_out_admin and request.method in ("PUT", "POST") and _FANNED_OUT.match(request.path):
             response = await handler(request)
             if response.status < 300:

@@ -183,3 +183,52 @@ def _row(interval: _Interval) -> dict[str, Any]:
         "ttft_count": interval.ttft_seen,
         "replicas": dict(sorted(interval.by_replica.items())),
     }
+
+
+TTFT_MERGED = (
+    "ttft_p50_s and ttft_p90_s are the highest of the workers' own percentiles: a percentile of the "
+    "service's samples lies between the lowest and the highest of its parts', so this is an upper "
+    "bound, exact with one worker"
+)
+"""What :func:`merge_series` says it did with the TTFT percentiles (they cannot be added)."""
+
+
+def merge_series(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several workers' :meth:`SeriesSampler.series` answers as the service's, per interval
+    (intervals start at multiples of the same length on every worker): counts and tokens add
+    (``requests``, ``prompt_tokens``, ``predicted_cached_tokens``, ``reported_*_tokens``,
+    ``ttft_count`` and each replica's requests), the hit rates are recomputed from the summed
+    tokens, and the TTFT percentiles are the highest of the workers' (:data:`TTFT_MERGED`). The
+    first answer gives the interval length and the number of intervals listed (the newest ones)."""
+    first = answers[0]
+    rows: dict[float, dict[str, Any]] = {}
+    for answer in answers:
+        for row in answer["intervals"]:
+            merged = rows.get(row["ts"])
+            if merged is None:
+                rows[row["ts"]] = {**row, "replicas": dict(row["replicas"])}
+                continue
+            for name in _ADDED:
+                merged[name] += row[name]
+            for replica, count in row["replicas"].items():
+                merged["replicas"][replica] = merged["replicas"].get(replica, 0) + count
+            for name in ("ttft_p50_s", "ttft_p90_s"):
+                if row[name] is not None and (merged[name] is None or row[name] > merged[name]):
+                    merged[name] = row[name]
+    listed = sorted(rows.values(), key=lambda r: r["ts"])[-len(first["intervals"]) :]
+    for row in listed:
+        row["predicted_hit_rate"] = _ratio(row["predicted_cached_tokens"], row["prompt_tokens"])
+        row["reported_hit_rate"] = _ratio(row["reported_cached_tokens"], row["reported_prompt_tokens"])
+        row["replicas"] = dict(sorted(row["replicas"].items()))
+    now = max(answer["now"] for answer in answers)
+    return {**first, "now": now, "intervals": listed, "ttft_percentiles": TTFT_MERGED}
+
+
+_ADDED = (
+    "requests",
+    "prompt_tokens",
+    "predicted_cached_tokens",
+    "reported_prompt_tokens",
+    "reported_cached_tokens",
+    "ttft_count",
+)

@@ -79,6 +79,10 @@ class ServiceState:
     """``(method, path, body, actor)``: sends an admin change made through gRPC to the sibling
     workers of ``kvlb serve --workers N`` (embedded mode; HTTP changes go through the siblings
     middleware). ``None``: one process, or the fleet shares the change."""
+    whatif_gather: Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
+    """``(body, answer)``: this worker's ``Admin.WhatIf`` answer to the JSON ``body`` merged with the
+    sibling workers' replays of it (``kvlb serve --workers N``; HTTP goes through the siblings
+    middleware). ``None``: one process."""
     drain_committer: Callable[[ReplicaId, bool, str], Awaitable[None]] | None = None
     """``(replica, draining, who)``: set by the fleet (Redis), stores a drain or undrain for every
     balancer before it is applied here; raises when it could not (then it is applied nowhere).

@@ -109,6 +109,7 @@ class _Side:
             "hit_rate": self.cached_tokens / prompt_tokens if prompt_tokens else 0.0,
             "load_spread": max(blocks) / mean if mean > 0 else 1.0,
             "prefill_blocks": sum(blocks),
+            "prompt_tokens": prompt_tokens,
         }
 
 
@@ -126,6 +127,9 @@ class WhatIfResult:
     replicas: list[dict[str, Any]]
     sample: list[dict[str, Any]]
     notes: list[str]
+    tallies: dict[str, int] = field(default_factory=dict)
+    """The counts the notes give (``other_config``, ``other_memory``, ``fresh``), so that
+    :func:`merge_answers` can say them for several workers' replays."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -140,6 +144,7 @@ class WhatIfResult:
             "replicas": self.replicas,
             "sample": self.sample,
             "notes": self.notes,
+            "tallies": self.tallies,
         }
 
 
@@ -203,6 +208,8 @@ def replay(
                 "before_share": b,
                 "after_share": a,
                 "delta_share": a - b,
+                "before_decisions": before.decisions.get(replica, 0),
+                "after_decisions": after.decisions.get(replica, 0),
                 "before_prefill_blocks": before.prefill_blocks.get(replica, 0),
                 "after_prefill_blocks": after.prefill_blocks.get(replica, 0),
             }
@@ -223,7 +230,8 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(n, other_config, policy, weights, other_memory, fresh),
+        notes=_notes(n, other_config, policy.name, weights, other_memory, fresh),
+        tallies={"other_config": other_config, "other_memory": other_memory, "fresh": fresh},
     )
 
 
@@ -249,7 +257,7 @@ def _side_json(decision: Decision) -> dict[str, Any]:
 
 
 def _notes(
-    n: int, other_config: int, policy: Policy, weights: PolicyWeights, other_memory: int, fresh: int = 0
+    n: int, other_config: int, policy: str, weights: PolicyWeights, other_memory: int, fresh: int = 0
 ) -> list[str]:
     notes = [
         "static replay: each decision is re-scored on the prefix matches and load recorded when it was "
@@ -278,8 +286,70 @@ def _notes(
             "the average started at its own busy share, the instant share it was made with; what the "
             "memory would change over the history is not shown"
         )
-    if policy.name == "round_robin":
+    if policy == "round_robin":
         notes.append("round_robin is replayed from a fresh rotation")
-    if policy.name in ("random", "power_of_two") or weights.temperature > 0:
+    if policy in ("random", "power_of_two") or weights.temperature > 0:
         notes.append("a sampling policy: random draws are coupled to the recorded ones, not reproduced")
     return notes
+
+
+def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
+    """Several workers' replays (:meth:`WhatIfResult.to_json`, each marked with its ``worker``, of
+    the same pool, policy and weights) as one: decisions, changes, cached and prompt tokens and each
+    replica's decisions and prefill blocks add; shares, hit rates and the load spread are
+    recomputed from those sums; the sample is the newest ``sample`` changed decisions of all, each
+    marked with its worker; the notes are said again for the summed counts."""
+    first = answers[0]
+    n = sum(int(a["decisions"]) for a in answers)
+    changed = sum(int(a["changed"]) for a in answers)
+    replicas: dict[str, dict[str, int]] = {}
+    for answer in answers:
+        for row in answer["replicas"]:
+            into = replicas.setdefault(row["replica"], dict.fromkeys(_REPLICA_COUNTS, 0))
+            for name in _REPLICA_COUNTS:
+                into[name] += int(row[name])
+    shares: list[dict[str, Any]] = []
+    for replica, counts in replicas.items():
+        b = counts["before_decisions"] / n if n else 0.0
+        a = counts["after_decisions"] / n if n else 0.0
+        shares.append(
+            {"replica": replica, "before_share": b, "after_share": a, "delta_share": a - b, **counts}
+        )
+    shares.sort(key=lambda s: (-s["delta_share"], s["replica"]))
+    sides = {}
+    for side in ("before", "after"):
+        cached = sum(int(a[side]["predicted_cached_tokens"]) for a in answers)
+        prompt = sum(int(a[side]["prompt_tokens"]) for a in answers)
+        blocks = [counts[f"{side}_prefill_blocks"] for counts in replicas.values()]
+        mean = sum(blocks) / len(blocks) if blocks else 0.0
+        sides[side] = {
+            "predicted_cached_tokens": cached,
+            "hit_rate": cached / prompt if prompt else 0.0,
+            "load_spread": max(blocks) / mean if mean > 0 else 1.0,
+            "prefill_blocks": sum(blocks),
+            "prompt_tokens": prompt,
+        }
+    described = [
+        {**described, "worker": answer["worker"]} for answer in answers for described in answer["sample"]
+    ]
+    described.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
+    tallies = {name: sum(int(a["tallies"][name]) for a in answers) for name in first["tallies"]}
+    weights = PolicyWeights.from_dict(first["weights"])
+    notes = _notes(
+        n, tallies["other_config"], first["policy"], weights, tallies["other_memory"], tallies["fresh"]
+    )
+    return {
+        **first,
+        "decisions": n,
+        "changed": changed,
+        "changed_share": changed / n if n else 0.0,
+        "before": sides["before"],
+        "after": sides["after"],
+        "replicas": shares,
+        "sample": described[:sample],
+        "notes": notes,
+        "tallies": tallies,
+    }
+
+
+_REPLICA_COUNTS = ("before_decisions", "after_decisions", "before_prefill_blocks", "after_prefill_blocks")

@@ -117,6 +117,8 @@ class AdminService:
         if request.HasField("weights"):
             body["weights"] = dict_of(request.weights, "weights")
         answer = await run_whatif(self.state, body)
+        if self.state.whatif_gather is not None:  # the other workers of kvlb serve --workers N
+            answer = await self.state.whatif_gather(strict_json.dumps(body).encode("utf-8"), answer)
 
         def side(data: dict[str, Any]) -> pb.WhatIfSide:
             return pb.WhatIfSide(

@@ -641,7 +641,10 @@
       row.addEventListener("click", () => explain(String(d.id)));
       body.append(row);
     }
-    setText("decisions-updated", (result.decisions || []).length + " shown, updated " + new Date().toLocaleTimeString("en-GB", { hour12: false }));
+    // kvlb serve --workers N: the answer is every worker's; name those that did not answer in time
+    const missing = result.workers_missing || [];
+    const workers = result.workers ? " from " + result.workers.length + " workers" + (missing.length ? " (worker " + missing.join(", ") + " did not answer)" : "") : "";
+    setText("decisions-updated", (result.decisions || []).length + " shown" + workers + ", updated " + new Date().toLocaleTimeString("en-GB", { hour12: false }));
   }
 
   async function explain(id) {

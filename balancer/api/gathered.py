@@ -1,0 +1,186 @@
+"""The console's views of ``kvlb serve --workers N`` as one service's (I/O: HTTP to the siblings).
+
+A request on the shared port reaches one worker, and each worker records its own decisions, series
+and replays. The worker that takes a console read (:func:`gathered_view`) answers for all of them,
+as ``/metrics`` does (:mod:`balancer.api.siblings`):
+
+* ``GET /admin/decisions``: every worker's answer to the same query, merged newest first (by time,
+  then id), at most ``limit``; each decision says its ``worker``.
+* ``GET /admin/decisions/{id}``: ids are the worker's index + 1 modulo N (:class:`DecisionLog`), so
+  the decision is looked up on the worker that made it.
+* ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`).
+* ``GET /admin/audit``: one entry per policy version (:func:`_merge_audit`): a worker restarted
+  after a change adopted the policy from a sibling but not its audit log.
+* ``POST /admin/whatif``: every worker replays its own decisions with the same body; the answers
+  are summed (:func:`~balancer.service.whatif.merge_answers`), so ``last`` counts per worker.
+
+Each answer lists the ``workers`` in it and the ``workers_missing``: a sibling that does not answer
+200 within :data:`~balancer.api.siblings.SIBLING_TIMEOUT_S` (a what-if: :data:`WHATIF_TIMEOUT_S`)
+is left out and logged, never a 5xx.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from balancer import strict_json
+from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY
+from balancer.api.errors import ApiError
+from balancer.api.parsing import decimal_integer
+from balancer.service.series import merge_series
+from balancer.service.whatif import merge_answers
+
+if TYPE_CHECKING:
+    from balancer.api.siblings import Handler, Siblings
+
+log = logging.getLogger(__name__)
+
+WHATIF_TIMEOUT_S = 30.0
+"""Budget (seconds) of a sibling's what-if replay (at most ``console.whatif_max_entries``
+decisions at 0.04 to 0.4 ms each, in its worker thread)."""
+_GATHERED_GETS = frozenset({"/admin/decisions", "/admin/series", "/admin/audit"})
+_ONE_DECISION = re.compile(r"^/admin/decisions/([^/]+)$")
+
+
+def gathered_view(request: web.Request) -> bool:
+    """Whether ``request`` is a console read answered for every worker."""
+    if request.method == "GET":
+        return request.path in _GATHERED_GETS or bool(_ONE_DECISION.match(request.path))
+    return request.method == "POST" and request.path == "/admin/whatif"
+
+
+async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> web.StreamResponse:
+    """The answer of this worker to ``request`` with the others' (see the module docstring)."""
+    matched = _ONE_DECISION.match(request.path)
+    if matched is not None:
+        return await _one_decision(request, handler, siblings, matched.group(1))
+    response = await handler(request)  # validates the query or body: a 4xx is this worker's alone
+    if response.status != 200 or not isinstance(response, web.Response) or response.body is None:
+        return response
+    local = strict_json.loads(bytes(response.body))  # type: ignore[arg-type]
+    headers = _forwarded(request)
+    if request.path == "/admin/whatif":
+        merged = await whatif_everywhere(siblings, request.get(WHATIF_BODY, b"{}"), headers, local)
+        return web.json_response(merged, dumps=strict_json.dumps)
+    answers, missing = await _ask(siblings, "GET", request.path_qs, b"", headers, None)
+    answers[siblings.index] = local
+    order = sorted(answers)
+    if request.path == "/admin/decisions":
+        merged = _merge_decisions(answers, request.query.get("limit"))
+    elif request.path == "/admin/audit":
+        merged = _merge_audit(answers, request.query.get("limit"))
+    else:
+        merged = merge_series([answers[i] for i in order])
+    merged["workers"] = order
+    merged["workers_missing"] = missing
+    return web.json_response(merged, dumps=strict_json.dumps)
+
+
+async def whatif_everywhere(
+    siblings: Siblings, raw: bytes, headers: dict[str, str], local: dict[str, Any]
+) -> dict[str, Any]:
+    """This worker's what-if answer ``local`` to the body ``raw`` with the siblings' to the same body,
+    merged (:func:`~balancer.service.whatif.merge_answers`)."""
+    answers, missing = await _ask(siblings, "POST", "/admin/whatif", raw, headers, WHATIF_TIMEOUT_S)
+    answers[siblings.index] = local
+    order = sorted(answers)
+    sample = strict_json.loads(raw).get("sample")  # checked by this worker: an int or null
+    asked = DEFAULT_SAMPLE if sample is None else int(sample)
+    merged = merge_answers([{**answers[i], "worker": i} for i in order], asked)
+    merged["elapsed_s"] = max(float(answers[i].get("elapsed_s", 0.0)) for i in order)
+    merged["workers"] = order
+    merged["workers_missing"] = missing
+    return merged
+
+
+def grpc_whatif(
+    siblings: Siblings, admin_token: str | None
+) -> Callable[[bytes, dict[str, Any]], Awaitable[dict[str, Any]]]:
+    """What :attr:`ServiceState.whatif_gather` calls for ``Admin.WhatIf`` (gRPC has no HTTP
+    middleware): the siblings' replays of the same body, authorised with the admin token."""
+
+    async def gather_whatif(raw: bytes, local: dict[str, Any]) -> dict[str, Any]:
+        headers = {"Content-Type": "application/json"}
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
+        return await whatif_everywhere(siblings, raw, headers, local)
+
+    return gather_whatif
+
+
+def _forwarded(request: web.Request) -> dict[str, str]:
+    headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+    if (auth := request.headers.get("Authorization")) is not None:
+        headers["Authorization"] = auth
+    return headers
+
+
+async def _ask(
+    siblings: Siblings,
+    method: str,
+    path: str,
+    body: bytes,
+    headers: dict[str, str],
+    timeout_s: float | None,
+    only: int | None = None,
+) -> tuple[dict[int, Any], list[int]]:
+    """Each sibling's JSON answer (200 only) by index, and the indexes of those that gave none."""
+    answers: dict[int, Any] = {}
+    missing = [i for i in range(siblings.count) if i != siblings.index and (only is None or i == only)]
+    results = await siblings.call(method, path, body=body, headers=headers, timeout_s=timeout_s, only=only)
+    for index, result in results.items():
+        if isinstance(result, BaseException) or result[0] != 200:
+            shown = result if isinstance(result, BaseException) else f"status {result[0]}"
+            log.warning("worker %d: %s %s not gathered (%r)", index, method, path, shown)
+            continue
+        try:
+            answers[index] = strict_json.loads(result[1])
+        except ValueError as exc:
+            log.warning("worker %d: %s %s answered bad JSON (%s)", index, method, path, exc)
+            continue
+        missing.remove(index)
+    return answers, missing
+
+
+def _merge_decisions(answers: dict[int, Any], raw_limit: str | None) -> dict[str, Any]:
+    limit = DEFAULT_LIMIT if raw_limit is None else int(raw_limit)  # the local handler checked it
+    listed = [{**d, "worker": index} for index, answer in answers.items() for d in answer["decisions"]]
+    listed.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
+    return {"decisions": listed[:limit]}
+
+
+def _merge_audit(answers: dict[int, Any], raw_limit: str | None) -> dict[str, Any]:
+    """Every worker logs every policy change under the same version (the fan-out, or the fleet's
+    policy in Redis), but a worker restarted after a change does not have it, and the siblings see
+    the receiving worker as the caller: one entry per version, the earliest (the receiving
+    worker's, with the client's address), newest first."""
+    limit = DEFAULT_LIMIT if raw_limit is None else int(raw_limit)  # the local handler checked it
+    by_version: dict[Any, dict[str, Any]] = {}
+    for answer in answers.values():
+        for entry in answer["entries"]:
+            kept = by_version.get(entry["version"])
+            if kept is None or entry["ts"] < kept["ts"]:
+                by_version[entry["version"]] = entry
+    listed = sorted(by_version.values(), key=lambda e: (e["ts"], e["version"]), reverse=True)
+    return {"entries": listed[:limit]}
+
+
+async def _one_decision(
+    request: web.Request, handler: Handler, siblings: Siblings, raw_id: str
+) -> web.StreamResponse:
+    """The decision from the worker whose ids it has (this one's own, or a sibling's answer)."""
+    record_id = decimal_integer(raw_id)
+    if record_id is None or record_id < 1 or (record_id - 1) % siblings.count == siblings.index:
+        return await handler(request)
+    worker = (record_id - 1) % siblings.count
+    results = await siblings.call("GET", request.path_qs, headers=_forwarded(request), only=worker)
+    result = results.get(worker)
+    if result is None or isinstance(result, BaseException):
+        log.warning("worker %d: %s not gathered (%r)", worker, request.path, result)
+        raise ApiError(404, f"decision {record_id} was made by worker {worker}, which did not answer")
+    return web.Response(body=result[1], status=result[0], content_type="application/json")

@@ -1,0 +1,138 @@
+"""The merges behind the console's reads of ``kvlb serve --workers N`` (:mod:`balancer.api.gathered`):
+two workers' what-if replays and series, merged, say what one worker with all the traffic says."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from test_decisions import drive
+
+from balancer.api.gathered import _merge_audit
+from balancer.policy.base import PolicyWeights
+from balancer.policy.registry import make_policy
+from balancer.service.decisions import DecisionLog
+from balancer.service.series import SeriesSampler, merge_series
+from balancer.service.whatif import merge_answers, replay
+
+
+def close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        return abs(float(a) - float(b)) < 1e-9
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(close(a[k], b[k]) for k in a)
+    return bool(a == b)
+
+
+@pytest.mark.parametrize("split", [0, 70, 200])
+def test_two_workers_replays_merged_are_one_replay_of_all_their_decisions(split: int) -> None:
+    log = DecisionLog(1000, 1 << 30)
+    drive(log, 120, weights=PolicyWeights(overlap_credit=0.5))
+    drive(log, 80)
+    records = log.ring("m").snapshot()
+    proposed = PolicyWeights(overlap_credit=0.0, ramp_memory_s=None)  # a replay carrying no state
+    live = ("cost", PolicyWeights())
+
+    def run(part: Any) -> dict[str, Any]:
+        return replay("m", part, make_policy("cost"), proposed, sample=6, live=live).to_json()
+
+    whole = run(records)
+    parts = [run(records[:split]), run(records[split:])]
+    merged = merge_answers([{**part, "worker": i} for i, part in enumerate(parts)], 6)
+    assert whole["changed"] > 0
+    # what was decided, and the notes' counts, do not depend on the replay's random tie-breaks
+    for name in ("decisions", "before", "notes", "tallies", "policy", "weights"):
+        assert close(merged[name], whole[name]), name
+    by_replica = {r["replica"]: r for r in whole["replicas"]}
+    assert {r["replica"] for r in merged["replicas"]} == set(by_replica)
+    for row in merged["replicas"]:
+        for name in ("before_share", "before_decisions", "before_prefill_blocks"):
+            assert close(row[name], by_replica[row["replica"]][name]), name
+    # what the replay decided adds up over the workers (each worker breaks its ties on its own)
+    assert merged["changed"] == sum(p["changed"] for p in parts)
+    assert merged["changed_share"] == merged["changed"] / 200
+    after = merged["after"]
+    assert after["predicted_cached_tokens"] == sum(p["after"]["predicted_cached_tokens"] for p in parts)
+    assert after["prefill_blocks"] == sum(p["after"]["prefill_blocks"] for p in parts)
+    assert close(after["hit_rate"], after["predicted_cached_tokens"] / whole["before"]["prompt_tokens"])
+    assert sum(r["after_decisions"] for r in merged["replicas"]) == 200
+    assert abs(sum(r["delta_share"] for r in merged["replicas"])) < 1e-9
+    if split in (0, 200):  # one worker made them all: the same answer as one replay
+        assert merged["changed"] == whole["changed"] and close(merged["after"], whole["after"])
+        assert [s["id"] for s in merged["sample"]] == [s["id"] for s in whole["sample"]]
+    ids = [(s["ts"], s["id"]) for s in merged["sample"]]
+    assert ids == sorted(ids, reverse=True) and len(ids) == 6
+    for described in merged["sample"]:
+        assert described["worker"] == (0 if described["id"] <= split else 1)
+
+
+def events(seed: int, n: int) -> list[tuple[float, str, int, float, int]]:
+    """``n`` requests' (wall time, replica, predicted cached tokens, TTFT, reported cached tokens)."""
+    rng = random.Random(seed)
+    made = [
+        (1000.0 + rng.uniform(0, 19.9), rng.choice(["r0", "r1", "r2"]), rng.choice([0, 50, 100]),
+         rng.uniform(0.01, 1.0), rng.choice([0, 40]))
+        for _ in range(n)
+    ]  # fmt: skip
+    return sorted(made)
+
+
+def feed(sampler: SeriesSampler, made: list[tuple[float, str, int, float, int]]) -> None:
+    for wall, replica, predicted, ttft_s, reported in made:
+        sampler.on_commit(replica, 100, predicted, wall)
+        sampler.on_ttft(ttft_s, wall)
+        sampler.on_usage(100, reported, wall)
+
+
+def test_two_workers_series_merged_add_counts_and_recompute_rates() -> None:
+    made = [events(0, 40), events(1, 70)]
+    workers = [SeriesSampler(5.0, 8, 1000, 8), SeriesSampler(5.0, 8, 1000, 8)]
+    whole = SeriesSampler(5.0, 8, 1000, 8)
+    for sampler, part in zip(workers, made, strict=True):
+        feed(sampler, part)
+    feed(whole, sorted(made[0] + made[1]))
+    answers = [sampler.series(20 / 60, 1019.9 + 0.05 * i) for i, sampler in enumerate(workers)]
+    merged = merge_series(answers)
+    expected = whole.series(20 / 60, 1019.95)
+    assert len(merged["intervals"]) == len(expected["intervals"]) == 4
+    for got, want in zip(merged["intervals"], expected["intervals"], strict=True):
+        for name in ("ts", "requests", "prompt_tokens", "predicted_cached_tokens", "predicted_hit_rate",
+                     "reported_prompt_tokens", "reported_cached_tokens", "reported_hit_rate", "ttft_count",
+                     "replicas"):  # fmt: skip
+            assert got[name] == want[name], name
+        parts = [a["intervals"][[r["ts"] for r in a["intervals"]].index(got["ts"])] for a in answers]
+        for name in ("ttft_p50_s", "ttft_p90_s"):  # an upper bound: the highest worker's
+            assert got[name] == max(p[name] for p in parts)
+            assert min(p[name] for p in parts) <= want[name] <= got[name]
+    assert sum(r["requests"] for r in merged["intervals"]) == 110
+    assert "upper bound" in merged["ttft_percentiles"] and merged["now"] == answers[1]["now"]
+
+
+def test_the_audit_log_is_one_entry_per_version_the_receiving_workers() -> None:
+    """Worker 1 was restarted after version 2 (it adopted the policy, not the log): version 2 is
+    still listed, and version 3, logged by both, once, as the worker that took the change saw it."""
+
+    def entry(version: int, ts: float, caller: str) -> dict[str, Any]:
+        change = {"before": {"decode_weight": 1.0}, "after": {"decode_weight": 0.5}}
+        return {
+            "ts": ts,
+            "actor": "sre",
+            "caller": caller,
+            "reason": "r",
+            "version": version,
+            "change": change,
+        }
+
+    answers = {
+        0: {"entries": [entry(3, 20.002, "token:ab@127.0.0.1"), entry(2, 10.0, "token:ab@10.0.0.7")]},
+        1: {"entries": [entry(3, 20.0, "token:ab@10.0.0.7")]},
+    }
+    reversed_order = dict(reversed(answers.items()))  # the answering worker's own comes last
+    assert _merge_audit(reversed_order, None) == _merge_audit(answers, None)
+    merged = _merge_audit(answers, None)
+    assert [(e["version"], e["caller"]) for e in merged["entries"]] == [
+        (3, "token:ab@10.0.0.7"),
+        (2, "token:ab@10.0.0.7"),
+    ]
+    assert [e["version"] for e in _merge_audit(answers, "1")["entries"]] == [3]
