@@ -20,7 +20,6 @@ not undrained, so the hash is bounded by the fleet's replicas.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from balancer import strict_json
 from balancer.errors import DrainCommitError
 from balancer.health.book import HealthBook
-from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.types import ReplicaId
@@ -180,27 +179,7 @@ class DrainSync:
     async def run(self, stop: asyncio.Event) -> None:
         """Read the drained replicas at each change message and every ``poll_s`` (a message may be
         lost: pub/sub is fire-and-forget) until ``stop`` is set."""
-        delay_s = self.poll_s
-        while not stop.is_set():
-            pubsub = None
-            try:
-                await initialized(self.client)
-                pubsub = self.client.pubsub()
-                await pubsub.subscribe(self.channel)
-                await self.sync()
-                delay_s = self.poll_s
-                while not stop.is_set():
-                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
-                    await self.sync()  # a message or the periodic check: compare and follow
-            except REDIS_ERRORS as exc:
-                self._failed(exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay_s)
-                delay_s = min(5.0, delay_s * 2)
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(*REDIS_ERRORS):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await follow_channel(self.client, self.channel, self.poll_s, self.sync, self._failed, stop)
 
     def _failed(self, exc: BaseException) -> None:
         self._on_redis(False)

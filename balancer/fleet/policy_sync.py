@@ -18,7 +18,6 @@ views are not adopted (no flicker back to the previous one).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -30,7 +29,7 @@ from redis.exceptions import ResponseError
 from balancer import strict_json
 from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import not_stored
-from balancer.index.redis.client import REDIS_ERRORS, RedisClient, initialized
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
@@ -187,27 +186,7 @@ class PolicySync:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Listen for change messages and check every ``poll_s`` until ``stop`` is set."""
-        delay_s = self.poll_s
-        while not stop.is_set():
-            pubsub = None
-            try:
-                await initialized(self.client)
-                pubsub = self.client.pubsub()
-                await pubsub.subscribe(self.channel)
-                await self.sync()
-                delay_s = self.poll_s
-                while not stop.is_set():
-                    await pubsub.get_message(ignore_subscribe_messages=True, timeout=self.poll_s)
-                    await self.sync()  # a message or the periodic check: compare and adopt
-            except REDIS_ERRORS as exc:
-                self._failed(exc)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), delay_s)
-                delay_s = min(5.0, delay_s * 2)
-            finally:
-                if pubsub is not None:
-                    with contextlib.suppress(*REDIS_ERRORS):
-                        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await follow_channel(self.client, self.channel, self.poll_s, self.sync, self._failed, stop)
 
     def _audit_adopted(self, before: PolicyView, view: PolicyView, first: bool) -> None:
         """Keep a change another balancer made in this one's audit log too, with its actor, reason

@@ -1,4 +1,5 @@
-"""The Redis clients kvlb talks through, and the errors that mean "Redis did not do it" (I/O setup).
+"""The Redis clients kvlb talks through, the errors that mean "Redis did not do it", and the loop that
+follows a change channel (:func:`follow_channel`, for the fleet's policy and drains) (I/O).
 
 Two topologies (``docs/redis-fleet.md``, "Topologies"):
 
@@ -43,6 +44,9 @@ connection. The cluster client rebuilds its node connections on such errors alre
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
 import redis.asyncio as aioredis
@@ -176,3 +180,37 @@ async def initialized(client: RedisClient) -> None:
     this before ``client.pubsub()``."""
     if isinstance(client, RedisCluster):
         await client.initialize()
+
+
+async def follow_channel(
+    client: RedisClient,
+    channel: str,
+    poll_s: float,
+    sync: Callable[[], Awaitable[None]],
+    failed: Callable[[BaseException], None],
+    stop: asyncio.Event,
+) -> None:
+    """Run ``sync`` at each message on ``channel`` and every ``poll_s`` (a message may be lost:
+    pub/sub is fire-and-forget) until ``stop`` is set. A Redis error goes to ``failed``, then the
+    subscription is made again after a backoff (``poll_s`` doubling up to 5 s)."""
+    delay_s = poll_s
+    while not stop.is_set():
+        pubsub = None
+        try:
+            await initialized(client)
+            pubsub = client.pubsub()
+            await pubsub.subscribe(channel)
+            await sync()
+            delay_s = poll_s
+            while not stop.is_set():
+                await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
+                await sync()  # a message or the periodic check
+        except REDIS_ERRORS as exc:
+            failed(exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay_s)
+            delay_s = min(5.0, delay_s * 2)
+        finally:
+            if pubsub is not None:
+                with contextlib.suppress(*REDIS_ERRORS):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
