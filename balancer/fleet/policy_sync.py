@@ -100,6 +100,8 @@ class PolicySync:
         self._on_redis = on_redis
         self.audit = audit
         self._write = client.register_script(_WRITE)
+        self._writes = 0
+        """Local commits started: a read taken before one is not adopted (it may predate it)."""
         self._writing = 0
         self._synced = False
         """Whether a policy was read from Redis yet: what the first read adopts replaces the
@@ -119,6 +121,7 @@ class PolicySync:
         """Store a change made through this balancer's admin API for the whole fleet, before it is
         applied here (``PolicyControl.committer``); returns it with the fleet's version. Raises
         :class:`PolicyCommitError` when Redis did not take it: then it is applied nowhere."""
+        self._writes += 1
         self._writing += 1
         try:
             async with self._lock:  # one write at a time: the fleet sees the changes in order
@@ -147,6 +150,7 @@ class PolicySync:
 
     async def sync(self) -> None:
         """Adopt the stored policy, or seed Redis with ours when it has none."""
+        writes = self._writes
         try:
             raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
         except ResponseError as exc:
@@ -160,8 +164,8 @@ class PolicySync:
                 self._synced = True  # ours is the fleet's: later adoptions are changes
                 log.info("policy v%d seeded into Redis", self.control.view.version)
             return
-        if self._writing:
-            return
+        if self._writing or writes != self._writes:
+            return  # a local change is on its way or was made meanwhile: the next poll reads it back
         try:
             view = PolicyView(
                 name=raw["name"],

@@ -747,3 +747,30 @@ async def test_a_change_redis_did_not_confirm_says_it_may_still_apply(
             return drained[0] == drained[1] and policies[0] == policies[1]
 
         await wait_for("both balancers to agree again", agreeing, timeout_s=5)
+
+
+async def test_a_read_older_than_a_local_change_never_reverts_it(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """A policy read from Redis just before this balancer's own change was stored, but applied after
+    the change was installed here, put the older policy back (and audited it as a change 'through
+    Redis') until the next poll. Polled every 2 ms while 40 changes are made through the balancer,
+    its audit log must hold exactly those 40, none adopted from Redis."""
+    async with fleet(
+        RedisTarget("server", redis_server.url), tokenizer, balancers=1, redis__policy_poll_s=0.002
+    ) as f:
+        (a,) = f.balancers
+
+        async def synced() -> bool:
+            return fleet_of(a).policy.synced  # type: ignore[union-attr]
+
+        await wait_for("the balancer to read the fleet's policy", synced)
+        for step in range(40):
+            body = {"weights": {"decode_weight": 0.2 + 0.01 * (step % 2)}, "reason": f"step {step}"}
+            async with f.session.put(a.url + "/admin/policy", json=body) as response:
+                assert response.status == 200, await response.text()
+        await asyncio.sleep(0.2)  # more polls
+        entries = (await f.get(a, "/admin/audit"))["entries"]
+        adopted = [e for e in entries if "(through Redis)" in e["caller"]]
+        assert not adopted, adopted
+        assert len(entries) == 40, [e["reason"] for e in entries]
