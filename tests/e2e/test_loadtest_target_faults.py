@@ -146,10 +146,13 @@ async def misbehaving_target(*, auth: str, hang: str = "none") -> AsyncIterator[
 
 
 async def _kvlb(
-    *argv: str, env: dict[str, str] | None = None, interrupt_when: asyncio.Event | None = None
+    *argv: str,
+    env: dict[str, str] | None = None,
+    interrupt_when: asyncio.Event | None = None,
+    signum: signal.Signals = signal.SIGINT,
 ) -> tuple[int, str, str]:
-    """``python -m balancer ARGV``: exit code, stdout, stderr. With ``interrupt_when``, SIGINT once
-    it is set."""
+    """``python -m balancer ARGV``: exit code, stdout, stderr. With ``interrupt_when``, ``signum``
+    (SIGINT) once it is set."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "balancer", *argv,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
@@ -158,7 +161,7 @@ async def _kvlb(
         if interrupt_when is not None:
             async with asyncio.timeout(20):
                 await interrupt_when.wait()
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
         async with asyncio.timeout(60):
             stdout, stderr = await process.communicate()
     finally:
@@ -255,21 +258,25 @@ async def test_a_run_cut_by_max_duration_is_no_pass(tmp_path: Path) -> None:
     assert "INVALID: --max-duration-s" in stderr and "**Invalid" in (out / "report.md").read_text()
 
 
-async def test_capacity_target_on_sigint_writes_the_points_measured(tmp_path: Path) -> None:
-    """The first point (10 requests) passes, the second hangs: SIGINT then. Before the fix: exit 1
-    with a traceback and no capacity.json."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+async def test_capacity_target_on_a_signal_writes_the_points_measured(
+    signum: signal.Signals, tmp_path: Path
+) -> None:
+    """The first point (10 requests) passes, the second hangs: SIGINT or SIGTERM then. Before the
+    fix: exit 1 with a traceback and no capacity.json on SIGINT; on SIGTERM (until 2026-12-01) the
+    default action, no capacity.json and exit -15."""
     async with misbehaving_target(auth="Bearer k", hang="after10") as target:
         out = tmp_path / "capacity"
         code, _, stderr = await _kvlb(
             "capacity", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "20",
             "--target-requests", "10", "--slo-ttft-p90", "5", "--target-timeout-s", "30",
             "--api-key-env", "LOADTEST_KEY", "--out", str(out),
-            env={"LOADTEST_KEY": "k"}, interrupt_when=target.arrived,
+            env={"LOADTEST_KEY": "k"}, interrupt_when=target.arrived, signum=signum,
         )  # fmt: skip
-    assert code == 130, stderr[-3000:]
+    assert code == 128 + signum.value, stderr[-3000:]
     assert "Traceback" not in stderr
     report = json.loads((out / "capacity.json").read_text())
-    assert report["meta"]["interrupted"] == "stopped by SIGINT after 1 points"
+    assert report["meta"]["interrupted"] == f"stopped by {signum.name} after 1 points"
     [row] = report["routers"]
     assert len(row["points"]) == 1 and row["capacity_rate"] == row["points"][0]["rate"]
     assert row["first_failing_rate"] is None
