@@ -219,7 +219,8 @@ async def test_cli_whatif_decisions_and_audit(
         assert code == 0 and len(json.loads(out)["decisions"]) == 4
         code, out, _ = await cli("decisions", "--limit", "2")
         assert code == 0 and out.splitlines()[0].split()[:4] == ["id", "utc", "pool", "replica"]
-        assert len(out.splitlines()) == 3
+        assert len(out.splitlines()) == 4  # the two decisions, then the cursor of the next poll
+        assert out.splitlines()[3] == f"next: --since-id {out.splitlines()[1].split()[0]}"
         code, out, _ = await cli("decisions", "--id", "1")
         assert code == 0 and json.loads(out)["id"] == 1
         code, out, _ = await cli(
