@@ -23,7 +23,8 @@ and a password in the URL written as ``***`` in every output; ``--api-key-env VA
 on no command line); the files and the table are :mod:`loadtests.target_report`'s. SIGINT or
 SIGTERM mid-run stops launching, cancels what is in flight (recorded ``cancelled``), writes the
 partial report (status ``interrupted``) and exits :data:`EXIT_INTERRUPTED` + the signal's number
-(130, 143).
+(130, 143). A target whose ``GET /v1/models`` names no model (``--model`` skips that request) gets
+no request, but a report all the same: status ``invalid``, the reason in ``note``, exit 1.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from typing import Any
 import aiohttp
 
 from loadtests.client_lag import LATENCY_SLO_PREFIXES, lag_bound_s, no_schedule
-from loadtests.driver import REPLICA_HEADER, run_closed_loop, run_open_loop
+from loadtests.driver import REPLICA_HEADER, RunResult, run_closed_loop, run_open_loop
 from loadtests.runs import Progress
 from loadtests.stats import SUMMARY_FIELDS, Summary, implausible_cached
 from loadtests.target_access import (
@@ -170,7 +171,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
         f"exit 0 when all are met, {EXIT_SLO_MISSED} when one is missed, {EXIT_CLIENT_BEHIND} when "
         "they are met but the client fell behind its schedule (no pass at a rate it never sent), "
         f"{EXIT_CUT_SHORT} when they are met but --max-duration-s cancelled requests in flight, 1 when "
-        f"no request succeeded, 2 for bad arguments, {EXIT_INTERRUPTED} + the signal (130, 143) after "
+        "no request succeeded (also when GET /v1/models names no model: no request is sent, the report "
+        f"is invalid and says why; pass --model), 2 for bad arguments, {EXIT_INTERRUPTED} + the signal "
+        "(130, 143) after "
         "SIGINT or SIGTERM (the partial report is written)")  # fmt: skip
 
 
@@ -201,10 +204,13 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     target = redact_url(args.target)
     load_average = [round(x, 2) for x in os.getloadavg()]
     started_at = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-    async with aiohttp.ClientSession() as session:
-        model = args.model or await first_model(session, args.target, headers)
     workload = build_workload(args, args.kv_capacity_tokens, args.replicas)
     specs = build_specs(workload, args)
+    try:
+        async with aiohttp.ClientSession() as session:
+            model = args.model or await first_model(session, args.target, headers)
+    except ValueError as exc:  # no model to send: no run, but the report says why
+        return _no_run(args, argv, out, str(exc), workload.name, len(specs), slos, started_at, load_average)
     progress = Progress(f"{args.workload} → target", len(specs))
     stop = asyncio.Event()
     received: list[signal.Signals] = []
@@ -300,3 +306,52 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     elif invalid:
         print(f"kvlb loadtest: {invalid}", file=sys.stderr)
     return code
+
+
+def _no_run(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    out: Path,
+    reason: str,
+    workload: str,
+    requests: int,
+    slos: Sequence[Slo],
+    started_at: str,
+    load_average: list[float],
+) -> int:
+    """The report of a run that could not start (``GET /v1/models`` named no model): status
+    ``invalid``, ``note`` the reason, no request, every SLO missed (no data is no pass); exit 1."""
+    result = RunResult(args.mode, (), 0.0, "specs")
+    summary = result.summary()
+    verdicts = check_slos(summary, slos)
+    report = {
+        "kvlb_loadtest_target": 1,
+        "meta": {
+            "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in redact_argv(argv)),
+            "started": started_at,
+            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "load_average": load_average,
+            "target": redact_url(args.target),
+            "model": None,
+            "workload": workload,
+            "mode": args.mode,
+            "rate_per_s": args.rate,
+            "concurrency": args.concurrency,
+            "requests": requests,
+            "headers": sorted(target_headers(args)),
+            "stop_reason": "no_model",
+        },
+        "status": "invalid",
+        "note": f"no request sent: {reason}",
+        "client": no_schedule(),
+        "summary": summary.to_dict(),
+        "errors_by_kind": {},
+        "cached_tokens_implausible": 0,
+        "slo": verdicts,
+        "slo_met": all(v["met"] for v in verdicts),
+        "errors": [],
+    }
+    write_report(report, result, summary, out, plots=False)
+    print(f"report: {out / 'report.md'} and {out / 'report.json'}", file=sys.stderr)
+    print(f"kvlb loadtest: {reason}", file=sys.stderr)
+    return 1

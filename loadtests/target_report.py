@@ -86,7 +86,8 @@ _TABLE_FIELDS = (
 def table(report: Mapping[str, Any]) -> str:
     """The figures and SLO verdicts as a plain-text table (what the command prints)."""
     summary = report["summary"]
-    lines = [f"target {report['meta']['target']} ({report['meta']['model']}), {report['meta']['workload']}"]
+    meta = report["meta"]
+    lines = [f"target {meta['target']} ({meta['model'] or 'no model'}), {meta['workload']}"]
     lines += [f"  {name:<18} {_fmt(summary[name], name)}" for name in _TABLE_FIELDS]
     for name, share in sorted(summary["replica_share"].items()):
         lines.append(f"  share {name:<12} {share:.3f}")
@@ -135,8 +136,8 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], note: str | None) 
         "",
         f"`{meta['command']}`",
         "",
-        f"Model `{meta['model']}`, workload `{meta['workload']}`, {meta['mode']} loop, {meta['requests']} "
-        f"requests; started {meta['started']}, load average {meta['load_average']}.",
+        f"Model `{meta['model'] or 'none'}`, workload `{meta['workload']}`, {meta['mode']} loop, "
+        f"{meta['requests']} requests; started {meta['started']}, load average {meta['load_average']}.",
         "",
         "| figure | value |",
         "|---|---|",

@@ -7,7 +7,8 @@ Behind ``auth.admin_token`` like every ``/admin`` path (the middleware).
   worker thread over a copy of the ring; commits nothing. At most :data:`MAX_CONCURRENT_WHATIF` run
   at once (more → 429), counted until their thread ends; a cancelled request (client gone, shutdown)
   stops its thread at its next pause.
-* ``GET /admin/decisions?pool=&replica=&tenant=&since_id=&limit=``: recent decisions, newest first.
+* ``GET /admin/decisions?pool=&replica=&tenant=&since_id=&limit=``: recent decisions, newest first,
+  and ``next_since_id``, the ``since_id`` of the next poll (:func:`since_ids`).
 * ``GET /admin/decisions/{id}``: one decision with its full explanation and inputs.
 * ``GET /admin/audit?limit=``: policy changes, newest first.
 
@@ -34,7 +35,7 @@ from balancer.api.openai import read_body
 from balancer.api.parsing import check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
-from balancer.service.decisions import DecisionRecord, terms_by_replica
+from balancer.service.decisions import DecisionRecord, next_since, own_since, terms_by_replica
 from balancer.service.state import ServiceState
 from balancer.service.whatif import WhatIfResult, replay
 
@@ -48,6 +49,9 @@ WHATIF_RETRY_AFTER_S = 1.0
 MAX_LIMIT = 1000
 DEFAULT_LIMIT = 100
 MAX_FILTER_CHARS = 256
+MAX_SINCE_ENTRIES = 1024
+"""At most this many comma-separated ids in ``since_id`` (one per worker of ``kvlb serve --workers``)."""
+MAX_ID = 2**62
 WORK_SLICE_S = 200e-6
 """A replay lets go of the GIL (for :data:`PAUSE_S`) after every this much CPU time, so that the
 event loop's thread waits about that long at most for it, rather than the interpreter's 5 ms switch
@@ -246,20 +250,41 @@ def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default
     return int(raw)
 
 
+def since_ids(query: Mapping[str, str]) -> tuple[int, ...]:
+    """``since_id``: one id (every worker lists its ids above it: one process's form), or one id per
+    worker, comma-separated, entry ``i`` worker ``i``'s (an answer's ``next_since_id``); 400 when bad."""
+    raw = query.get("since_id")
+    if raw is None:
+        return (0,)
+    parts = raw.split(",")
+    if len(parts) > MAX_SINCE_ENTRIES or not all(
+        p.isascii() and p.isdigit() and len(p) <= 18 and int(p) <= MAX_ID for p in parts
+    ):
+        raise ApiError(
+            400,
+            f"'since_id' must be an integer in 0..{MAX_ID}, or at most {MAX_SINCE_ENTRIES} of them "
+            "comma-separated (an answer's next_since_id)",
+        )
+    return tuple(int(p) for p in parts)
+
+
 def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, Any]:
     """``/admin/decisions`` for the query parameters in ``query`` (400 when one is bad)."""
     check_query(query, DECISIONS_PARAMS)
     pool = _text_filter(query, "pool")
     if pool is not None and pool not in state.pools:
         raise ApiError(404, f"unknown pool {pool!r}; known: {', '.join(sorted(state.pools)) or 'none'}")
+    since_id = own_since(since_ids(query), state.decisions.worker_index)
     found = state.decisions.query(
         pool=pool,
         replica=_text_filter(query, "replica"),
         tenant=_text_filter(query, "tenant"),
-        since_id=_int_param(query, "since_id", 0, 2**62, 0),
+        since_id=since_id,
         limit=_int_param(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT),
     )
-    return {"decisions": [record_summary(r) for r in found]}
+    # this process's own cursor; a gathered answer's holds every worker's (balancer.api.gathered)
+    cursor = next_since((since_id,), 1, ((0, r.id) for r in found))
+    return {"decisions": [record_summary(r) for r in found], "next_since_id": cursor}
 
 
 async def list_decisions(request: web.Request) -> web.Response:

@@ -5,7 +5,10 @@ and replays. The worker that takes a console read (:func:`gathered_view`) answer
 as ``/metrics`` does (:mod:`balancer.api.siblings`):
 
 * ``GET /admin/decisions``: every worker's answer to the same query, merged newest first (by time,
-  then id), at most ``limit``; each decision says its ``worker``.
+  then id), at most ``limit``; each decision says its ``worker``. Each worker's ids grow at its own
+  pace, so ``since_id`` is one id per worker, comma-separated (a single id: every worker's, as
+  before), and ``next_since_id`` is the cursor of the next poll: per worker, the highest id listed
+  of it, or its entry as given when none is (a missing worker keeps its entry).
 * ``GET /admin/decisions/{id}``: ids are the worker's index + 1 modulo N (:class:`DecisionLog`), so
   the decision is looked up on the worker that made it.
 * ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`).
@@ -29,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from balancer import strict_json
-from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY
+from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY, since_ids
 from balancer.api.errors import ApiError
 from balancer.api.parsing import decimal_integer
+from balancer.service.decisions import next_since
 from balancer.service.series import merge_series
 from balancer.service.whatif import merge_answers
 
@@ -71,7 +75,8 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     answers[siblings.index] = local
     order = sorted(answers)
     if request.path == "/admin/decisions":
-        merged = _merge_decisions(answers, request.query.get("limit"))
+        since = since_ids(request.query)  # checked by the local handler
+        merged = _merge_decisions(answers, request.query.get("limit"), since, siblings.count)
     elif request.path == "/admin/audit":
         merged = _merge_audit(answers, request.query.get("limit"))
     else:
@@ -147,11 +152,17 @@ async def _ask(
     return answers, missing
 
 
-def _merge_decisions(answers: dict[int, Any], raw_limit: str | None) -> dict[str, Any]:
+def _merge_decisions(
+    answers: dict[int, Any], raw_limit: str | None, since: tuple[int, ...], workers: int
+) -> dict[str, Any]:
+    """The workers' ``answers`` (by index) to one query with the cursor ``since``: newest first, at
+    most ``limit``, and the cursor after them (:func:`~balancer.service.decisions.next_since`)."""
     limit = DEFAULT_LIMIT if raw_limit is None else int(raw_limit)  # the local handler checked it
     listed = [{**d, "worker": index} for index, answer in answers.items() for d in answer["decisions"]]
     listed.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
-    return {"decisions": listed[:limit]}
+    kept = listed[:limit]
+    cursor = next_since(since, workers, ((d["worker"], d["id"]) for d in kept))
+    return {"decisions": kept, "next_since_id": cursor}
 
 
 def _merge_audit(answers: dict[int, Any], raw_limit: str | None) -> dict[str, Any]:

@@ -349,7 +349,9 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
                         "name": "since_id",
                         "in": "query",
                         "required": False,
-                        "schema": {"type": "string", "pattern": "^[0-9]{1,18}$"},
+                        "description": "decisions after this id; or one id per worker, comma-separated "
+                        "(the answer's next_since_id, to poll with)",
+                        "schema": {"type": "string", "pattern": "^[0-9]{1,18}(,[0-9]{1,18}){0,1023}$"},
                     },
                     {"name": "limit", "in": "query", "required": False, "schema": query_int},
                 ],
@@ -357,7 +359,10 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
                     "200": _json(
                         {
                             "type": "object",
-                            "properties": {"decisions": {"type": "array", "items": {"type": "object"}}},
+                            "properties": {
+                                "decisions": {"type": "array", "items": {"type": "object"}},
+                                "next_since_id": {"type": "string"},
+                            },
                         },
                         "Decisions",
                     ),

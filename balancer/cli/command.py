@@ -305,7 +305,9 @@ def _register_admin(subparsers: SubParsers) -> None:
     decisions.add_argument("--pool", help="only this pool (model name)")
     decisions.add_argument("--replica", help="only decisions for this replica")
     decisions.add_argument("--tenant", help="only this tenant header value")
-    decisions.add_argument("--since-id", type=int, help="only decisions with a larger id")
+    decisions.add_argument("--since-id", metavar="CURSOR",
+        help="only decisions after this id; with `kvlb serve --workers N`, pass the cursor printed "
+        "after the table (one id per worker, comma-separated) so that no worker's are skipped")  # fmt: skip
     decisions.add_argument("--limit", type=int, help="at most N (1..1000, default 100)")
     decisions.add_argument("--id", type=int, help="one decision with its full explanation")
     decisions.add_argument("--json", action="store_true", help="print the JSON answer, not a table")
@@ -572,7 +574,9 @@ def decisions_table(answer: dict[str, Any]) -> str:
                 _number(cost, 2),
             ]
         )
-    return _rows(["id", "utc", "pool", "replica", "tenant", "prefill", "cached", "cost"], rows)
+    table = _rows(["id", "utc", "pool", "replica", "tenant", "prefill", "cached", "cost"], rows)
+    cursor = answer.get("next_since_id")  # absent from a kvlb before 2026-12-01
+    return table if cursor is None else f"{table}\nnext: --since-id {cursor}"
 
 
 def audit_table(answer: dict[str, Any]) -> str:

