@@ -82,7 +82,7 @@ from balancer.tokenizer.cuts import LongPiece
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.tokenizer import PromptTooLarge, TokenizeLimits
 from balancer.types import EngineHash, ReplicaId
-from loadtests.faults.body_budget import padded_message
+from loadtests.faults.body_budget import padded_message, varint
 from replicas.wire import trtllm as trtllm_wire
 
 MIB = 1024 * 1024
@@ -208,20 +208,11 @@ def _grpc_message(shape: str) -> bytes:
         return padded_message(pb.GenerateRequest(model="m", prompt_text="x").SerializeToString(), 8 * 10**6)
     if shape == "packed_one_byte_ids":
         ids = b"\x01" * 8 * 10**6
-        inner = b"\x0a" + _varint(len(ids)) + ids
-        return b"\x0a\x01m\x1a" + _varint(len(inner)) + inner
+        inner = b"\x0a" + varint(len(ids)) + ids
+        return b"\x0a\x01m\x1a" + varint(len(inner)) + inner
     one = b"\x0a\x00" if shape == "empty_chat_messages" else b"\x0a\x06\x0a\x01u\x12\x01a"
     inner = one * (8 * 10**6 // len(one))
-    return b"\x0a\x01m\x12" + _varint(len(inner)) + inner
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value >= 0x80:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
+    return b"\x0a\x01m\x12" + varint(len(inner)) + inner
 
 
 def _hwm_bytes() -> int:

@@ -263,21 +263,8 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     invalid = "; ".join(text for text in (cut_note, note) if text) or None
     report = {
         "kvlb_loadtest_target": 1,
-        "meta": {
-            "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in redact_argv(argv)),
-            "started": started_at,
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "load_average": load_average,
-            "target": target,
-            "model": model,
-            "workload": workload.name,
-            "mode": args.mode,
-            "rate_per_s": args.rate,
-            "concurrency": args.concurrency,
-            "requests": len(specs),
-            "headers": sorted(headers),
-            "stop_reason": result.stop_reason,
-        },
+        "meta": _meta(args, argv, started_at, load_average, workload.name, len(specs))
+        | {"target": target, "model": model, "headers": sorted(headers), "stop_reason": result.stop_reason},
         "status": "interrupted" if interrupted else "invalid" if invalid else "ok",
         "note": interrupted or invalid,
         "client": no_schedule() if client is None else client.to_dict(),
@@ -308,6 +295,29 @@ async def target_campaign(args: argparse.Namespace, argv: Sequence[str], out: Pa
     return code
 
 
+def _meta(
+    args: argparse.Namespace,
+    argv: Sequence[str],
+    started_at: str,
+    load_average: list[float],
+    workload: str,
+    requests: int,
+) -> dict[str, Any]:
+    """The part of a report's ``meta`` every run has (the caller adds the target, model, headers and
+    stop reason); the command line with its secrets masked."""
+    return {
+        "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in redact_argv(argv)),
+        "started": started_at,
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "load_average": load_average,
+        "workload": workload,
+        "mode": args.mode,
+        "rate_per_s": args.rate,
+        "concurrency": args.concurrency,
+        "requests": requests,
+    }
+
+
 def _no_run(
     args: argparse.Namespace,
     argv: Sequence[str],
@@ -326,21 +336,9 @@ def _no_run(
     verdicts = check_slos(summary, slos)
     report = {
         "kvlb_loadtest_target": 1,
-        "meta": {
-            "command": "kvlb loadtest " + " ".join(shlex.quote(a) for a in redact_argv(argv)),
-            "started": started_at,
-            "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "load_average": load_average,
-            "target": redact_url(args.target),
-            "model": None,
-            "workload": workload,
-            "mode": args.mode,
-            "rate_per_s": args.rate,
-            "concurrency": args.concurrency,
-            "requests": requests,
-            "headers": sorted(target_headers(args)),
-            "stop_reason": "no_model",
-        },
+        "meta": _meta(args, argv, started_at, load_average, workload, requests)
+        | {"target": redact_url(args.target), "model": None, "headers": sorted(target_headers(args))}
+        | {"stop_reason": "no_model"},
         "status": "invalid",
         "note": f"no request sent: {reason}",
         "client": no_schedule(),

@@ -318,8 +318,8 @@ class RedisConfig:
     """A replica with no events and failed health probes this long is dropped from the index of the
     whole fleet (seconds)."""
     policy_poll_s: float = 0.5
-    """Periodic check of the shared policy version, besides pub/sub (seconds): the worst-case delay of
-    a policy change reaching every balancer."""
+    """Periodic check of the shared policy version and of the replicas drained by hand, besides
+    pub/sub (seconds): the worst-case delay of a policy change or a drain reaching every balancer."""
     socket_timeout_s: float = 2.0
     """Timeout of one Redis call or connect (seconds); at the limit the call counts as an error."""
 

@@ -23,15 +23,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, cast
 
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from balancer import strict_json
 from balancer.errors import DrainCommitError
 from balancer.health.book import HealthBook
-from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel, read_hash
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.types import ReplicaId
@@ -41,16 +39,21 @@ log = logging.getLogger(__name__)
 MARKER = ""
 """The hash's marker field (no replica id is empty): present once a balancer wrote the hash."""
 
-_WRITE = """
--- KEYS[1]: drained HASH; ARGV[1]: replica, ARGV[2]: its entry (JSON), '' to undrain it;
--- ARGV[3]: the channel told of the change. A key of another type (garbage) is replaced.
--- -> 1 if it was repaired
+_REPLACE_GARBAGE = """
+-- KEYS[1]: drained HASH. A key of another type (garbage written over it) is deleted: `repaired`
 local repaired = 0
 local t = redis.call('TYPE', KEYS[1])['ok']
 if t ~= 'hash' and t ~= 'none' then
   redis.call('DEL', KEYS[1])
   repaired = 1
 end
+"""
+
+_WRITE = (
+    _REPLACE_GARBAGE
+    + """
+-- ARGV[1]: replica, ARGV[2]: its entry (JSON), '' to undrain it; ARGV[3]: the channel told of the
+-- change. -> 1 if the key was repaired
 redis.call('HSET', KEYS[1], '', '1')
 if ARGV[2] ~= '' then
   redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
@@ -60,22 +63,20 @@ end
 redis.call('PUBLISH', ARGV[3], ARGV[1])
 return repaired
 """
+)
 
-_SEED = """
--- KEYS[1]: drained HASH; ARGV: replica ids this balancer has drained. Adds them (keeping entries
--- already there) and the marker; a key of another type is replaced. -> 1 if it was repaired
-local repaired = 0
-local t = redis.call('TYPE', KEYS[1])['ok']
-if t ~= 'hash' and t ~= 'none' then
-  redis.call('DEL', KEYS[1])
-  repaired = 1
-end
+_SEED = (
+    _REPLACE_GARBAGE
+    + """
+-- ARGV: replica ids this balancer has drained. Adds them (keeping entries already there) and the
+-- marker. -> 1 if the key was repaired
 for i = 1, #ARGV do
   redis.call('HSETNX', KEYS[1], ARGV[i], '{}')
 end
 redis.call('HSET', KEYS[1], '', '1')
 return repaired
 """
+)
 
 
 def not_stored(what: str, exc: BaseException) -> str:
@@ -157,12 +158,7 @@ class DrainSync:
     async def sync(self) -> None:
         """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing)."""
         writes = self._writes
-        try:
-            raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
-        except ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
-                raise
-            raw = {}  # garbage over the key: the seed below replaces it with our drains
+        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed replaces it with ours
         self._on_redis(True)
         self._warnings.resolved("drain_redis_error", "")
         if MARKER not in raw:

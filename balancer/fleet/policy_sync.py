@@ -24,12 +24,10 @@ import time
 from collections.abc import Callable
 from typing import Any, cast
 
-from redis.exceptions import ResponseError
-
 from balancer import strict_json
 from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import not_stored
-from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel, read_hash
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.policy import PolicyWeights
@@ -151,12 +149,7 @@ class PolicySync:
     async def sync(self) -> None:
         """Adopt the stored policy, or seed Redis with ours when it has none."""
         writes = self._writes
-        try:
-            raw = cast("dict[str, str]", await cast("Any", self.client.hgetall(self.key)))
-        except ResponseError as exc:
-            if "WRONGTYPE" not in str(exc):
-                raise
-            raw = {}  # garbage over the key: the seed below repairs it with our policy
+        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed repairs it with ours
         self._on_redis(True)
         self._warnings.resolved("policy_redis_error", "")
         if not raw.get("version") or not raw["version"].isdigit():

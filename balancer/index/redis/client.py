@@ -1,5 +1,6 @@
-"""The Redis clients kvlb talks through, the errors that mean "Redis did not do it", and the loop that
-follows a change channel (:func:`follow_channel`, for the fleet's policy and drains) (I/O).
+"""The Redis clients kvlb talks through, the errors that mean "Redis did not do it", and what the fleet's
+policy and drains share: the read of their HASH (:func:`read_hash`) and the loop that follows their
+change channel (:func:`follow_channel`) (I/O).
 
 Two topologies (``docs/redis-fleet.md``, "Topologies"):
 
@@ -47,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.client import Pipeline
@@ -55,7 +56,7 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, R
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 
 _RACES = (AttributeError, RuntimeError)
 """What redis-py raises for a connection closed under a running call (see the module doc)."""
@@ -180,6 +181,17 @@ async def initialized(client: RedisClient) -> None:
     this before ``client.pubsub()``."""
     if isinstance(client, RedisCluster):
         await client.initialize()
+
+
+async def read_hash(client: RedisClient, key: str) -> dict[str, str]:
+    """The HASH at ``key`` (a decoding client), or ``{}`` when it is absent or another type was
+    written over it (``WRONGTYPE``: the caller's next write replaces it)."""
+    try:
+        return cast("dict[str, str]", await cast("Any", client.hgetall(key)))
+    except ResponseError as exc:
+        if "WRONGTYPE" not in str(exc):
+            raise
+        return {}
 
 
 async def follow_channel(
