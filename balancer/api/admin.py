@@ -53,6 +53,7 @@ from balancer.api.parsing import (
 )
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError, DrainCommitError
+from balancer.health.book import DrainNote
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
@@ -65,7 +66,12 @@ from balancer.types import ReplicaId
 log = logging.getLogger(__name__)
 
 _POLICY_KEYS = frozenset({"name", "weights", "reason"})
+_DRAIN_KEYS = frozenset({"reason"})
+_SIBLING_DRAIN_KEYS = frozenset({"caller", "at_wall_ts"})
 ACTOR_HEADER = "x-kvlb-actor"
+SIBLING_HEADER = "x-kvlb-sibling"
+"""Marks an admin change one worker of ``kvlb serve --workers N`` sends on to the others
+(:mod:`balancer.api.siblings`): applied there, not sent on again."""
 POLICY_REASON = web.RequestKey("kvlb_policy_reason", object)
 """Where ``PUT /admin/policy`` leaves the change's reason on the request (for the sibling workers of
 ``kvlb serve --workers N``, :mod:`balancer.api.siblings`)."""
@@ -329,6 +335,7 @@ def _replica_view(
         health = {
             "probe_ok": record.probe_ok,
             "draining": record.draining,
+            "drain": None if record.drain is None else _ages(record.drain.to_json(), wall),
             "breaker": record.state(now, state.health.config),
             "consecutive_failures": record.consecutive_failures,
             "last_error": record.last_error,
@@ -369,25 +376,55 @@ async def undrain(request: web.Request) -> web.Response:
 
 
 async def _set_draining(request: web.Request, draining: bool) -> web.Response:
+    state = request.app[STATE]
     replica = ReplicaId(request.match_info["replica"])
-    await set_draining(request.app[STATE], replica, draining, caller(request))
-    return web.json_response({"replica": replica, "draining": draining}, dumps=strict_json.dumps)
+    raw = await read_body(request, state.settings.limits.max_body_bytes, state.settings.timeouts)
+    body = parse_json_object(raw) if raw.strip() else {}
+    actor = actor_of(request.headers.get(ACTOR_HEADER))
+    note = drain_note(state, body, caller(request), actor, sibling=bool(request.headers.get(SIBLING_HEADER)))
+    await set_draining(state, replica, draining, note)
+    view: dict[str, Any] = {"replica": replica, "draining": draining}
+    if draining:
+        view["drain"] = _ages(note.to_json(), state.wall_clock())
+    return web.json_response(view, dumps=strict_json.dumps)
 
 
-async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, who: str) -> None:
-    """Drain or undrain ``replica`` (404 naming the known replicas when it is unknown). In fleet
-    mode it is stored in Redis first, for every balancer; when that fails it is applied nowhere
-    (503 with the reason)."""
+def drain_note(
+    state: ServiceState, body: Mapping[str, Any], who: str, actor: str, *, sibling: bool = False
+) -> DrainNote:
+    """A drain's note from its body ``{"reason"?}`` (400 when invalid). A sibling worker's replay
+    (``sibling``) also carries the ``caller`` and ``at_wall_ts`` of the worker that took the call,
+    so that every worker shows the same note."""
+    allowed = _DRAIN_KEYS | (_SIBLING_DRAIN_KEYS if sibling else frozenset())
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown key(s) {unknown}; expected 'reason'")
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} characters")
+    replayed = DrainNote.from_json({"by": actor, "caller": who, "at_wall_ts": state.wall_clock(), **body})
+    if replayed is None:
+        raise ApiError(400, "'caller' must be a string and 'at_wall_ts' a number")
+    return replayed
+
+
+async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, note: DrainNote) -> None:
+    """Drain or undrain ``replica``, by whom, when and why (``note``: kept with a drain, logged with
+    an undrain); 404 naming the known replicas when it is unknown. In fleet mode it is stored in
+    Redis first, for every balancer; when that fails it is applied nowhere (503 with the reason)."""
     if replica not in state.health.replicas:
         known = ", ".join(sorted(str(r) for r in state.health.replicas))
         raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
     if state.drain_committer is not None:
         try:
-            await state.drain_committer(replica, draining, who)
+            await state.drain_committer(replica, note if draining else None)
         except DrainCommitError as exc:
             raise ApiError(503, str(exc)) from None
-    state.health.set_draining(replica, draining)
-    log.info("replica %s %s by %s", replica, "draining" if draining else "undrained", who)
+    state.health.set_draining(replica, draining, note)
+    action = "draining" if draining else "undrained"
+    log.info(
+        "replica %s %s by %s (%s); reason: %s", replica, action, note.by, note.caller, note.reason or "-"
+    )
 
 
 SERIES_DEFAULT_MINUTES = 10.0

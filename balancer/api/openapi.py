@@ -460,6 +460,24 @@ _POLICY_CHANGE = {
 }
 _REPLICA = {
     "parameters": [{"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}}],
-    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(401, 404, 503)},
+    "requestBody": {
+        "required": False,
+        "content": {
+            "application/json": {
+                "schema": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "properties": {
+                        "reason": {
+                            "type": ["string", "null"],
+                            "maxLength": 500,
+                            "description": "Why, kept with the drain (GET /admin/replicas: health.drain)",
+                        }
+                    },
+                }
+            }
+        },
+    },
+    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(400, 401, 404, 408, 413, 503)},
 }
-"""A drain or undrain: 503 when the fleet's Redis did not store it."""
+"""A drain or undrain (optional body: its reason): 503 when the fleet's Redis did not store it."""

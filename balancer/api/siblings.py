@@ -5,7 +5,8 @@ A request on the shared port reaches one worker. Two things must still read as o
 * **Admin changes** (``PUT /admin/policy``, ``POST /admin/replicas/{id}/drain|undrain``): after the
   receiving worker applied one (status < 300), :func:`sibling_middleware` sends it, with the
   caller's ``Authorization`` header, to every other worker's private address, marked
-  ``x-kvlb-sibling: 1`` so it is applied there and not sent on again: a drain as it came, a policy
+  ``x-kvlb-sibling: 1`` so it is applied there and not sent on again: a drain with its note (who,
+  when, why: the receiving worker's, so every worker shows the same one), a policy
   change as the whole policy the receiving worker now runs (its answer's name and weights) with the
   change's reason and ``x-kvlb-actor``, so every worker's audit log has it.
   Embedded mode only: with Redis the policy already travels through the fleet. A sibling that
@@ -38,8 +39,9 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from balancer import strict_json
-from balancer.api.admin import ACTOR_HEADER, POLICY_REASON
+from balancer.api.admin import ACTOR_HEADER, POLICY_REASON, SIBLING_HEADER
 from balancer.api.gathered import gather, gathered_view
+from balancer.health.book import DrainNote
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyView
 from balancer.service.state import ServiceState
@@ -47,7 +49,6 @@ from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-SIBLING_HEADER = "x-kvlb-sibling"
 SIBLING_TIMEOUT_S = 2.0
 """Budget (seconds) of one call to a sibling worker."""
 _FANNED_OUT = re.compile(r"^/admin/(policy|replicas/[^/]+/(drain|undrain))$")
@@ -152,7 +153,8 @@ async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
         for replica in strict_json.loads(listed[1])["replicas"]:
             health = replica.get("health") or {}
             if health.get("draining"):
-                state.health.set_draining(ReplicaId(replica["id"]), True)
+                note = DrainNote.from_json(health.get("drain"))
+                state.health.set_draining(ReplicaId(replica["id"]), True, note)
         log.info(
             "worker %d: policy version %s and drains taken from worker %d",
             siblings.index,
@@ -188,11 +190,16 @@ def sibling_middleware(
 
 def _replayed_body(request: web.Request, response: web.StreamResponse) -> bytes:
     """What the siblings get: for the policy, the whole policy now in force (name and weights, from
-    the answer), so every worker ends on the same one; for a drain, nothing."""
-    if request.path != "/admin/policy" or not isinstance(response, web.Response):
+    the answer), so every worker ends on the same one; for a drain, its note (reason, caller and
+    time, from the answer); for an undrain, nothing."""
+    if not isinstance(response, web.Response):
         return b""
     view = strict_json.loads(bytes(response.body or b"{}"))  # type: ignore[arg-type]
-    replayed: dict[str, object] = {"name": view["name"], "weights": view["weights"]}
+    replayed: dict[str, object]
+    if request.path != "/admin/policy":
+        note = DrainNote.from_json(view.get("drain"))
+        return b"" if note is None else strict_json.dumps(note.replayed()).encode("utf-8")
+    replayed = {"name": view["name"], "weights": view["weights"]}
     reason = request.get(POLICY_REASON)
     if isinstance(reason, str):
         replayed["reason"] = reason

@@ -330,6 +330,8 @@ def _register_admin(subparsers: SubParsers) -> None:
     for name in ("drain", "undrain"):
         action = actions.add_parser(name, help=f"{name} a replica", parents=[connection])
         action.add_argument("replica", help="replica id")
+        action.add_argument("--reason", help="why, shown with the drain (at most 500 characters)")
+        action.add_argument("--actor", help="who, shown with the drain (x-kvlb-actor; default: admin)")
     parser.set_defaults(handler=run_admin)
 
 
@@ -396,7 +398,12 @@ def admin_request(args: argparse.Namespace) -> tuple[str, str, Any]:
         return "POST", "/admin/explain", json.loads(text)
     if command == "replicas":
         return "GET", "/admin/replicas", None
-    return "POST", f"/admin/replicas/{args.replica}/{command}", None
+    reason = getattr(args, "reason", None)
+    return (
+        "POST",
+        f"/admin/replicas/{urllib.parse.quote(args.replica, safe='')}/{command}",
+        None if reason is None else {"reason": reason},
+    )
 
 
 def run_admin(args: argparse.Namespace) -> int:
@@ -490,7 +497,19 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    return "\n".join(
+        lines + [_drained_line(view) for view in views if (view.get("health") or {}).get("drain")]
+    )
+
+
+def _drained_line(view: dict[str, Any]) -> str:
+    """``<replica>: drained by <actor> (<caller>) <age> s ago: <reason>`` under the table."""
+    note = view["health"]["drain"]
+    age = note.get("at_age_s")
+    when = "" if age is None else f" {age:.0f} s ago"
+    reason = note.get("reason") or "-"
+    return f"{view.get('id')}: drained by {note.get('by')} ({note.get('caller')}){when}: {reason}"
 
 
 def routable_cell(view: dict[str, Any]) -> str:

@@ -1,20 +1,21 @@
 """``DrainSync``: the drained replicas, shared by the fleet through Redis (I/O).
 
-Redis holds the replicas drained by hand in one HASH (``<prefix>:drained``: replica id → JSON
-``{"by", "at"}``, plus the marker field ``""`` that says the hash was written by a balancer). A
-drain or undrain made through any balancer's admin API (HTTP or gRPC) is written there first and
-applied locally only once Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through
-``ServiceState.drain_committer``): when Redis refuses it, the call is refused (503) and applied
-nowhere, as a policy change is. The script publishes the change on ``<prefix>:drained:changed``;
-every balancer, and every worker of ``kvlb serve --workers N``, reads the hash at each message and
-every ``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its
-replicas to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
+Redis holds the replicas drained by hand in one HASH (``<prefix>:drained``: replica id → its
+:class:`~balancer.health.book.DrainNote` as JSON ``{"by", "caller", "at_wall_ts", "reason"}``, plus
+the marker field ``""`` that says the hash was written by a balancer). A drain or undrain made
+through any balancer's admin API (HTTP or gRPC) is written there first and applied locally only once
+Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through ``ServiceState.drain_committer``):
+when Redis refuses it, the call is refused (503) and applied nowhere, as a policy change is. The
+script publishes the change on ``<prefix>:drained:changed``; every balancer, and every worker of
+``kvlb serve --workers N``, reads the hash at each message and every ``poll_s``
+(``redis.policy_poll_s``, in case a message was lost) and drains or undrains its replicas to match,
+so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
 
 An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
-so a Redis restart without persistence leaves drained replicas drained. A key of another type
-(garbage) is replaced the same way. Entries naming replicas this balancer does not know are ignored
-(another balancer's discovery may know them); there is at most one entry per replica drained and
-not undrained, so the hash is bounded by the fleet's replicas.
+so a Redis restart without persistence leaves drained replicas drained, with their notes. A key of
+another type (garbage) is replaced the same way. Entries naming replicas this balancer does not know
+are ignored (another balancer's discovery may know them); there is at most one entry per replica
+drained and not undrained, so the hash is bounded by the fleet's replicas.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from balancer import strict_json
 from balancer.errors import DrainCommitError
-from balancer.health.book import HealthBook
+from balancer.health.book import DrainNote, HealthBook
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel, read_hash
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -68,10 +69,10 @@ return repaired
 _SEED = (
     _REPLACE_GARBAGE
     + """
--- ARGV: replica ids this balancer has drained. Adds them (keeping entries already there) and the
--- marker. -> 1 if the key was repaired
-for i = 1, #ARGV do
-  redis.call('HSETNX', KEYS[1], ARGV[i], '{}')
+-- ARGV: pairs of a replica id this balancer has drained and its note (JSON). Adds them (keeping
+-- entries already there) and the marker. -> 1 if the key was repaired
+for i = 1, #ARGV, 2 do
+  redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
 end
 redis.call('HSET', KEYS[1], '', '1')
 return repaired
@@ -91,6 +92,14 @@ def not_stored(what: str, exc: BaseException) -> str:
     return f"{what} not changed: Redis did not store it ({exc})"
 
 
+def _note(entry: str) -> DrainNote | None:
+    """The note of a hash entry (``None`` for one seeded without a note, or damaged)."""
+    try:
+        return DrainNote.from_json(strict_json.loads(entry))
+    except (ValueError, RecursionError):
+        return None
+
+
 class DrainSync:
     """Keeps one balancer's drained replicas (:class:`HealthBook`) and the fleet's in Redis equal."""
 
@@ -102,7 +111,6 @@ class DrainSync:
         key_prefix: str,
         poll_s: float,
         metrics: Metrics,
-        wall_clock: Callable[[], float] = time.time,
         on_redis: Callable[[bool], None] = lambda ok: None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -113,7 +121,6 @@ class DrainSync:
         self.channel = f"{key_prefix}:drained:changed"
         self.poll_s = poll_s
         self._metrics = metrics
-        self._wall_clock = wall_clock
         self._on_redis = on_redis
         self._writes = 0
         """Local commits started: a read taken before one is not applied (it may predate it)."""
@@ -125,13 +132,13 @@ class DrainSync:
 
     # ------------------------------------------------------------------ local → Redis
 
-    async def commit(self, replica: ReplicaId, draining: bool, who: str) -> None:
-        """Store a drain (or undrain) for the whole fleet before it is applied here. Raises
-        :class:`DrainCommitError` when Redis did not take it."""
+    async def commit(self, replica: ReplicaId, note: DrainNote | None) -> None:
+        """Store a drain (its ``note``) or, ``None``, an undrain for the whole fleet before it is
+        applied here. Raises :class:`DrainCommitError` when Redis did not take it."""
         self._writes += 1
         self._writing += 1
         try:
-            entry = strict_json.dumps({"by": who, "at": self._wall_clock()}) if draining else ""
+            entry = "" if note is None else strict_json.dumps(note.to_json())
             async with self._lock:
                 repaired = await self._write(keys=[self.key], args=[replica, entry, self.channel])
         except REDIS_ERRORS as exc:
@@ -144,9 +151,14 @@ class DrainSync:
 
     async def _seed(self) -> None:
         """Write this balancer's drains over an absent (or garbage) hash."""
-        drained = sorted(str(r) for r, rec in self.health.replicas.items() if rec.draining)
-        self._repaired(await self._seed_script(keys=[self.key], args=drained))
-        log.info("drained replicas seeded into Redis: %s", ", ".join(drained) or "none")
+        drained = sorted((str(r), rec.drain) for r, rec in self.health.replicas.items() if rec.draining)
+        args = [
+            item
+            for replica, note in drained
+            for item in (replica, strict_json.dumps({} if note is None else note.to_json()))
+        ]
+        self._repaired(await self._seed_script(keys=[self.key], args=args))
+        log.info("drained replicas seeded into Redis: %s", ", ".join(r for r, _ in drained) or "none")
 
     def _repaired(self, repaired: object) -> None:
         if repaired:
@@ -168,8 +180,12 @@ class DrainSync:
             return  # a local change is on its way: the next poll reads it back
         for replica, record in self.health.replicas.items():
             draining = replica in raw
-            if record.draining != draining:
-                self.health.set_draining(replica, draining)
+            note = _note(raw[replica]) if draining else None
+            if record.draining == draining and record.drain == note:
+                continue
+            changed = record.draining != draining
+            self.health.set_draining(replica, draining, note)
+            if changed:
                 log.info("replica %s %s (from Redis)", replica, "draining" if draining else "undrained")
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -267,7 +267,6 @@ class FleetRuntime:
             key_prefix=config.key_prefix,
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
-            wall_clock=state.wall_clock,
             on_redis=self._redis_result,
         )
         state.drain_committer = self.drains.commit

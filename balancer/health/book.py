@@ -12,9 +12,9 @@ success closes it, failure re-opens it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from balancer.types import ReplicaId
 
@@ -32,6 +32,41 @@ class BreakerConfig:
     ``health_timeouts_to_drop``)."""
 
 
+@dataclass(frozen=True, slots=True)
+class DrainNote:
+    """Who drained a replica, when and why: shown by ``GET /admin/replicas`` and, in fleet mode,
+    stored with the drain in Redis so that every balancer shows the same one."""
+
+    by: str
+    """The actor (``x-kvlb-actor``, ``admin`` when not given)."""
+    caller: str
+    """Who made the call: a token fingerprint and address (never the token)."""
+    at_wall_ts: float
+    """When, in Unix seconds."""
+    reason: str | None = None
+    """Why, as given (at most 500 characters), or ``None``."""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"by": self.by, "caller": self.caller, "at_wall_ts": self.at_wall_ts, "reason": self.reason}
+
+    def replayed(self) -> dict[str, Any]:
+        """What a sibling worker is sent with the drain (the actor travels in ``x-kvlb-actor``)."""
+        return {"reason": self.reason, "caller": self.caller, "at_wall_ts": self.at_wall_ts}
+
+    @classmethod
+    def from_json(cls, raw: object) -> DrainNote | None:
+        """The note of :meth:`to_json`; ``None`` for anything else (an entry written before notes, or
+        damaged)."""
+        if not isinstance(raw, Mapping):
+            return None
+        by, caller, at, reason = (raw.get(k) for k in ("by", "caller", "at_wall_ts", "reason"))
+        if not isinstance(by, str) or not isinstance(caller, str) or not isinstance(reason, str | None):
+            return None
+        if isinstance(at, bool) or not isinstance(at, int | float):
+            return None
+        return cls(by, caller, float(at), reason)
+
+
 @dataclass(slots=True)
 class ReplicaHealth:
     """Mutable health record of one replica."""
@@ -39,6 +74,8 @@ class ReplicaHealth:
     replica: ReplicaId
     probe_ok: bool = False
     draining: bool = False
+    drain: DrainNote | None = None
+    """Who drained it, when and why, while ``draining`` (``None`` when not known)."""
     consecutive_failures: int = 0
     probe_timeouts: int = 0
     """Health probes in a row that timed out (0 after any other result)."""
@@ -159,9 +196,11 @@ class HealthBook:
             rec.probe_ok = False
         self.on_failure(replica, now, error or "health probe failed")
 
-    def set_draining(self, replica: ReplicaId, draining: bool) -> bool:
+    def set_draining(self, replica: ReplicaId, draining: bool, note: DrainNote | None = None) -> bool:
+        """Drain (with who, when and why: ``note``) or undrain ``replica``; ``False`` when unknown."""
         rec = self.replicas.get(replica)
         if rec is None:
             return False
         rec.draining = draining
+        rec.drain = note if draining else None
         return True

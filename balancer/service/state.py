@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from balancer.config import ReplicaConfig, Settings
-from balancer.health.book import HealthBook
+from balancer.health.book import DrainNote, HealthBook
 from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.routing.router import PoolRouter
@@ -83,10 +83,11 @@ class ServiceState:
     """``(body, answer)``: this worker's ``Admin.WhatIf`` answer to the JSON ``body`` merged with the
     sibling workers' replays of it (``kvlb serve --workers N``; HTTP goes through the siblings
     middleware). ``None``: one process."""
-    drain_committer: Callable[[ReplicaId, bool, str], Awaitable[None]] | None = None
-    """``(replica, draining, who)``: set by the fleet (Redis), stores a drain or undrain for every
-    balancer before it is applied here; raises when it could not (then it is applied nowhere).
-    ``None``: embedded, the drain is this process's (and its sibling workers', fanned out)."""
+    drain_committer: Callable[[ReplicaId, DrainNote | None], Awaitable[None]] | None = None
+    """``(replica, note)``: a drain (with who, when and why) or, ``None``, an undrain. Set by the
+    fleet (Redis), stores a drain or undrain for every balancer before it is applied here; raises
+    when it could not (then it is applied nowhere). ``None``: embedded, the drain is this process's
+    (and its sibling workers', fanned out)."""
     readiness_checks: list[Callable[[], list[str]]] = field(default_factory=list)
     """More reasons not to be ready (the fleet: mirrors not warm yet)."""
     degraded_checks: list[Callable[[], list[str]]] = field(default_factory=list)

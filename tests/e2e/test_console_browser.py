@@ -287,11 +287,13 @@ def get_admin(url: str, path: str) -> Any:
         return json.load(response)
 
 
-def post_admin(url: str, path: str) -> None:
+def post_admin(url: str, path: str, body: dict[str, Any] | None = None, actor: str | None = None) -> None:
     """``POST`` an admin action from outside the browser (blocking: called from its thread)."""
-    request = urllib.request.Request(
-        url + path, data=b"", method="POST", headers={"Authorization": f"Bearer {TOKEN}"}
-    )
+    headers = {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}
+    if actor is not None:
+        headers["x-kvlb-actor"] = actor
+    data = b"" if body is None else json.dumps(body).encode("utf-8")
+    request = urllib.request.Request(url + path, data=data, method="POST", headers=headers)
     with urllib.request.urlopen(request, timeout=10) as response:
         assert response.status == 200
 
@@ -365,7 +367,14 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
     # a decision made while a replica was drained names it as left out (the SRE walk of 2026-12-01:
     # its explanation had no row for it and no word)
     drained = replica_ids[0]
-    post_admin(url, f"/admin/replicas/{drained}/drain")
+    post_admin(url, f"/admin/replicas/{drained}/drain", {"reason": "node maintenance"}, actor="sre-on-call")
+    health_cell = f'#fleet-table tr[data-replica="{drained}"] td:nth-child(4)'
+
+    def drained_shown(d: Any) -> Any:  # the fleet view says who drained it; its tooltip, why
+        cell = by_css(d, health_cell)
+        return cell and cell[0].text == "draining (sre-on-call)" and cell[0].get_attribute("title")
+
+    seen["drain_title"] = wait_for(driver, "who drained the replica", drained_shown)
     newest = get_admin(url, "/admin/decisions?limit=1")["decisions"][0]["id"]  # the feed lags up to 2 s
 
     def after_the_drain(d: Any) -> Any:
@@ -486,6 +495,8 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert set(seen["share_legend"]) >= set(replica_ids[:1]) and set(seen["share_legend"]) <= set(replica_ids)
     assert set(seen["tenants_after_filter"]) == {TENANTS[1]}
     assert "Decision" in seen["explanation"] and "request " in seen["explanation"]
+    assert seen["drain_title"].startswith("drained by sre-on-call (token:")
+    assert seen["drain_title"].endswith("UTC: node maintenance") and TOKEN not in seen["drain_title"]
     assert seen["left_out"].startswith("Not candidates") and seen["left_out"].endswith(f": {replica_ids[0]}.")
     assert "[0, 1000]" in seen["decode_range"]
     assert "hit rate" in seen["whatif_hit"] and "%" in seen["whatif_hit"]

@@ -192,17 +192,28 @@ async def check_grpc_admin_reaches_both(url: str, grpc_port: int) -> None:
         request.weights.update({"decode_weight": 0.25})
         await admin.SetPolicy(request, metadata=(("x-kvlb-actor", "sre-2"),))
         replica = (await fresh_get(url + "/admin/replicas"))["replicas"][0]["id"]
-        await admin.DrainReplica(pb.DrainReplicaRequest(replica_id=replica))
+        drain = pb.DrainReplicaRequest(replica_id=replica, reason="e2e: node")
+        await admin.DrainReplica(drain, metadata=(("x-kvlb-actor", "sre-3"),))
     seen = set()
     for _ in range(16):
         view = await fresh_get(url + "/admin/policy")
         newest = (await fresh_get(url + "/admin/audit?limit=1"))["entries"][0]
         listed = (await fresh_get(url + "/admin/replicas"))["replicas"]
-        draining = {r["id"] for r in listed if (r.get("health") or {}).get("draining")}
-        seen.add(
-            (view["weights"]["decode_weight"], newest["actor"], newest["reason"], tuple(sorted(draining)))
+        drains = {r["id"]: r["health"]["drain"] for r in listed if (r.get("health") or {}).get("draining")}
+        notes = tuple(
+            (k, n["by"], n["reason"], n["caller"], n["at_wall_ts"]) for k, n in sorted(drains.items())
         )
-    assert seen == {(0.25, "sre-2", "e2e: grpc", (replica,))}
+        seen.add((view["weights"]["decode_weight"], newest["actor"], newest["reason"], notes))
+    assert len(seen) == 1, seen  # both workers show the same drain: who, why, the caller and when
+    ((weight, actor, reason, ((drained, by, why, _, _),)),) = seen
+    assert (weight, actor, reason, drained, by, why) == (
+        0.25,
+        "sre-2",
+        "e2e: grpc",
+        replica,
+        "sre-3",
+        "e2e: node",
+    )
 
 
 async def check_kill_under_load(url: str, serve: Child) -> None:

@@ -86,8 +86,17 @@ async def test_list_and_drain_replicas(tokenizer: Tokenizer) -> None:
         assert listed.replicas[0].details["url"] == http_views[0]["url"] == listed.replicas[0].url
         assert listed.replicas[0].details["health"]["breaker"] == http_views[0]["health"]["breaker"]
 
-        drained = await g.admin.DrainReplica(pb.DrainReplicaRequest(replica_id="r0"), metadata=ADMIN)
-        assert drained.draining and (await g.http.replica_view("r0"))["health"]["draining"] is True
+        drain = pb.DrainReplicaRequest(replica_id="r0", reason="node maintenance")
+        drained = await g.admin.DrainReplica(drain, metadata=(*ADMIN, ("x-kvlb-actor", "alice")))
+        health = (await g.http.replica_view("r0"))["health"]
+        assert drained.draining and health["draining"] is True
+        assert (health["drain"]["by"], health["drain"]["reason"]) == ("alice", "node maintenance")
+        listed = await g.admin.ListReplicas(pb.ListReplicasRequest(), metadata=ADMIN)
+        assert listed.replicas[0].details["health"]["drain"]["reason"] == "node maintenance"
+        too_long = pb.DrainReplicaRequest(replica_id="r1", reason="x" * 501)
+        refused = await failure(g.admin.DrainReplica(too_long, metadata=ADMIN))
+        assert refused.code() == grpc.StatusCode.INVALID_ARGUMENT and "'reason'" in refused.details()
+        assert (await g.http.replica_view("r1"))["health"]["draining"] is False
         for i in range(3):
             routed = await g.balancer.Route(pb.RouteRequest(request=token_request([*PREFIX, i])))
             assert routed.replica_id == "r1"

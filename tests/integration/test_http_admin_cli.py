@@ -41,9 +41,16 @@ async def test_kvlb_admin_commands(
             decision["policy"] == "cost"
             and decision["request_blocks"] == json.loads(out)["prompt_tokens"] // 4
         )
-        code, out, _ = await cli("drain", "r0", token=("--token-file", str(token_file)))
-        assert code == 0 and json.loads(out) == {"replica": "r0", "draining": True}
-        assert (await h.replica_view("r0"))["health"]["draining"] is True
+        drain = ("drain", "r0", "--reason", "node maintenance", "--actor", "alice")
+        code, out, _ = await cli(*drain, token=("--token-file", str(token_file)))
+        answer = json.loads(out)
+        assert code == 0 and (answer["replica"], answer["draining"]) == ("r0", True)
+        health = (await h.replica_view("r0"))["health"]
+        assert health["draining"] is True
+        assert (health["drain"]["by"], health["drain"]["reason"]) == ("alice", "node maintenance")
+        assert health["drain"]["caller"].startswith("token:") and "root" not in health["drain"]["caller"]
+        code, out, _ = await cli("replicas", "--table")  # who drained it, under the table
+        assert code == 0 and "r0: drained by alice (token:" in out and out.endswith(": node maintenance\n")
         code, out, _ = await cli("undrain", "r0")
         assert code == 0 and json.loads(out)["draining"] is False
         code, out, _ = await cli(

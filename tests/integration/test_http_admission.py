@@ -77,10 +77,8 @@ async def test_draining_every_replica_gives_503_and_stays_ready(tokenizer: Token
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
     async with running(tokenizer, 2) as h:
         for name in ("r0", "r1"):
-            assert await h.admin("POST", f"/admin/replicas/{name}/drain") == {
-                "replica": name,
-                "draining": True,
-            }
+            answer = await h.admin("POST", f"/admin/replicas/{name}/drain")
+            assert (answer["replica"], answer["draining"], answer["drain"]["by"]) == (name, True, "admin")
         answer = await h.post("/v1/completions", body)
         assert answer.status == 503 and answer.headers["Retry-After"] == "1"
         # the answer says why (the SRE walk of 2026-12-01: it said "no healthy replica" only)
@@ -97,6 +95,12 @@ async def test_draining_every_replica_gives_503_and_stays_ready(tokenizer: Token
             assert answer.status == 200 and answer.headers["x-kvlb-replica"] == "r1"
         async with h.session.post(h.url + "/admin/replicas/r9/drain") as response:
             assert response.status == 404
+        # A drain's body is its reason: anything else is a clear 400, and nothing is drained.
+        for bad in (b"[1]", b"{", b'{"reason": 5}', b'{"caller": "x"}', b'{"reason": "' + b"x" * 501 + b'"}'):
+            async with h.session.post(h.url + "/admin/replicas/r1/drain", data=bad) as response:
+                assert response.status == 400, (bad, await response.text())
+                assert "error" in await response.json()
+        assert (await h.replica_view("r1"))["health"]["draining"] is False
 
 
 async def test_explain_and_the_503_say_why_replicas_are_left_out(tokenizer: Tokenizer) -> None:

@@ -35,6 +35,8 @@ BODIES: dict[tuple[str, str], dict[str, Any]] = {
     ("PUT", "/admin/policy"): {"reason": "documented statuses"},
     ("POST", "/admin/explain"): {"model": MODEL, "prompt": "hi"},
     ("POST", "/admin/whatif"): {},
+    ("POST", "/admin/replicas/{replica}/drain"): {"reason": "documented statuses"},
+    ("POST", "/admin/replicas/{replica}/undrain"): {"reason": "documented statuses"},
 }
 """A valid body for every operation of the document that takes one."""
 
@@ -77,8 +79,9 @@ async def test_every_body_operation_documents_its_408_and_413(tokenizer: Tokeniz
     assert taking_a_body == set(BODIES)
     limits = {"limits__max_body_bytes": MAX_BODY_BYTES, "timeouts__body_rate_grace_s": GRACE_S}
     async with running(tokenizer, 2, auth__api_keys=[TOKEN], auth__admin_token=TOKEN, **limits) as h:
-        for (method, path), body in BODIES.items():
-            statuses = documented(method, path)
+        for (method, template), body in BODIES.items():
+            statuses = documented(method, template)
+            path = template.replace("{replica}", "r0")
             data = json.dumps(body).encode()
             async with h.session.request(method, h.url + path, data=data, headers=AUTH) as response:
                 assert response.status == 200, (method, path, await response.text())

@@ -611,8 +611,15 @@ async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
             explained, _ = await f.post(balancer, "/admin/explain", completion([7]))
             return {t["replica"] for t in explained["decision"]["terms"]}
 
+        async def notes(balancer: Balancer) -> dict[str, Any]:
+            views = (await f.get(balancer, "/admin/replicas"))["replicas"]
+            return {v["id"]: v["health"]["drain"] for v in views if v["health"]["drain"]}
+
         try:
-            await f.post(a, "/admin/replicas/r0/drain", None)
+            headers = {"x-kvlb-actor": "alice"}
+            body = {"reason": "node maintenance"}
+            async with f.session.post(a.url + "/admin/replicas/r0/drain", json=body, headers=headers) as sent:
+                assert sent.status == 200, await sent.text()
             started = time.monotonic()
 
             async def b_drains_r0() -> bool:
@@ -620,6 +627,12 @@ async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
 
             await wait_for("the drain to reach the other balancer", b_drains_r0, timeout_s=3)
             assert time.monotonic() - started < 1.0
+            # who drained it, when and why: the same on both (the SRE walk's open point)
+            (note_a,), (note_b,) = [list((await notes(x)).values()) for x in (a, b)]
+            assert (note_b["by"], note_b["reason"]) == ("alice", "node maintenance")
+            assert {k: note_b[k] for k in ("by", "caller", "at_wall_ts", "reason")} == {
+                k: note_a[k] for k in ("by", "caller", "at_wall_ts", "reason")
+            }
             assert "r0" not in await candidates(b)
             for _ in range(4):  # new requests through either balancer avoid it
                 for balancer in (a, b):
@@ -651,6 +664,7 @@ async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
             await asyncio.sleep(0.6)  # two polls of each balancer
             for balancer in (a, b):
                 assert (await draining(balancer)) == {"r0": False, "r1": True, "r2": False, "r3": False}
+                assert (await notes(balancer))["r1"]["by"] == "admin"  # written back with its note
 
             # Redis refuses writes: the drain is refused too, and applied nowhere
             await redis.config_set("min-replicas-to-write", 1)

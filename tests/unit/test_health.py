@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from balancer.health.book import BreakerConfig, HealthBook
+from balancer.health.book import BreakerConfig, DrainNote, HealthBook
 from balancer.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -119,3 +119,20 @@ def test_why_a_replica_is_unroutable_and_whether_only_drains_keep_it_out() -> No
     hb.set_draining(B, False)
     hb.on_routed(B, 7.0)
     assert hb.unroutable_reason(B, 7.1) == "breaker trial in flight"
+
+
+def test_a_drain_keeps_who_when_and_why_until_undrained() -> None:
+    hb = book()
+    note = DrainNote("alice", "token:1234abcd@10.0.0.1", 1_700_000_000.5, "node maintenance")
+    hb.set_draining(A, True, note)
+    assert hb.replicas[A].drain == note
+    assert DrainNote.from_json(note.to_json()) == note
+    hb.set_draining(A, False, note)  # an undrain's note is for the log only
+    assert hb.replicas[A].drain is None and not hb.replicas[A].draining
+
+
+def test_a_drain_note_from_json_refuses_what_is_not_one() -> None:
+    good = {"by": "a", "caller": "c", "at_wall_ts": 1, "reason": None}
+    assert DrainNote.from_json(good) == DrainNote("a", "c", 1.0, None)
+    for bad in ({}, [], "x", {**good, "at_wall_ts": True}, {**good, "by": 1}, {**good, "reason": 2}):
+        assert DrainNote.from_json(bad) is None, bad

@@ -13,7 +13,15 @@ import grpc
 
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.admin import ACTOR_HEADER, actor_of, change_policy, explain_raw, replica_views, set_draining
+from balancer.api.admin import (
+    ACTOR_HEADER,
+    actor_of,
+    change_policy,
+    drain_note,
+    explain_raw,
+    replica_views,
+    set_draining,
+)
 from balancer.api.console import run_whatif
 from balancer.api.errors import ApiError
 from balancer.api.grpc.calls import WEIGHTS_METADATA, Call, method_handler
@@ -102,11 +110,14 @@ class AdminService:
         if not request.replica_id:
             raise ApiError(400, "'replica_id' is required")
         draining = not request.undrain
-        await set_draining(self.state, ReplicaId(request.replica_id), draining, call.caller())
+        body = {"reason": request.reason} if request.HasField("reason") else {}
+        note = drain_note(self.state, body, call.caller(), actor_of(call.metadata.get(ACTOR_HEADER)))
+        await set_draining(self.state, ReplicaId(request.replica_id), draining, note)
         if self.state.admin_fan_out is not None:  # the other workers of kvlb serve --workers N
             action = "drain" if draining else "undrain"
             path = f"/admin/replicas/{quote(request.replica_id, safe='')}/{action}"
-            await self.state.admin_fan_out("POST", path, b"", None)
+            data = strict_json.dumps(note.replayed()).encode("utf-8") if draining else b""
+            await self.state.admin_fan_out("POST", path, data, call.metadata.get(ACTOR_HEADER))
         return pb.DrainReplicaResponse(replica_id=request.replica_id, draining=draining)
 
     async def what_if(self, request: pb.WhatIfRequest, call: Call) -> pb.WhatIfResponse:

@@ -198,11 +198,22 @@
 
   function healthOf(view) {
     const health = view.health || {};
-    if (health.draining) return ["draining", "warn"];
+    if (health.draining) return [health.drain ? "draining (" + health.drain.by + ")" : "draining", "warn"];
     if (view.routable) return ["healthy", "ok"];
     if (health.breaker && health.breaker !== "closed") return ["breaker " + health.breaker, "bad"];
     if (health.probe_ok === false) return ["probe failing", "bad"];
     return ["not routable", "bad"];
+  }
+
+  // The health cell's tooltip: who drained the replica, when and why; else the last error.
+  function healthTitle(health) {
+    if (!health) return "";
+    const drain = health.drain;
+    if (health.draining && drain) {
+      const when = typeof drain.at_wall_ts === "number" ? " at " + fmtDateTime(drain.at_wall_ts) : "";
+      return "drained by " + drain.by + " (" + drain.caller + ")" + when + ": " + (drain.reason || "no reason given");
+    }
+    return health.last_error || "";
   }
 
   // Prediction accuracy, when kvlb reports it: /admin/replicas' "prediction" (the engines' receipts
@@ -243,7 +254,7 @@
           el("td", { text: view.model }),
           el("td", { text: view.id, title: view.url }),
           el("td", { text: view.engine }),
-          el("td", { class: healthClass, text: healthText, title: view.health && view.health.last_error ? view.health.last_error : "" }),
+          el("td", { class: healthClass, text: healthText, title: healthTitle(view.health) }),
           el("td", { class: "num", text: fmtNumber(view.inflight) }),
           el("td", { class: "num", text: fmtNumber(load.pending_prefill_tokens) }),
           el("td", { class: "num", text: fmtNumber(load.active_decode_blocks) }),
