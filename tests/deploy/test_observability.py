@@ -19,6 +19,7 @@ import pytest
 import yaml
 from manifests import DEPLOY, K8S
 from prometheus_client import generate_latest
+from promeval import run_rule_tests
 from promql import exposed_series, metric_names
 
 from balancer.metrics import Metrics
@@ -133,6 +134,15 @@ def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> Non
             process.wait()
     missing = queried_names() - exposed_series(exposition)
     assert not missing, f"queried but not on a running kvlb's /metrics: {sorted(missing)}"
+
+
+def test_alert_rule_tests_pass_on_the_python_evaluator() -> None:
+    """The promtool rule tests, evaluated by ``promeval`` (CI has no promtool): labels and ``for``."""
+    tests = sorted((DEPLOY / "prometheus").glob("*.test.yaml"))
+    assert len(tests) == 2
+    for path in tests:
+        failures = run_rule_tests(yaml.safe_load(path.read_text()), alert_rules())
+        assert not failures, f"{path.name}: {failures}"
 
 
 promtool = shutil.which("promtool")
