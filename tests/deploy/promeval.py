@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -298,11 +298,10 @@ class Evaluator:
         for labels, value in inner.items():
             kept = [i for i in _without_name(labels) if (i[0] in names) == (how == "by")]
             groups.setdefault(tuple(kept), []).append(value)
-        reduce = {"sum": sum, "max": max, "min": min, "count": len}
-        return {
-            key: float(reduce[node.name](vs)) if node.name in reduce else sum(vs) / len(vs)
-            for key, vs in groups.items()
-        }
+        reduce: dict[str, Callable[[list[float]], float]] = {
+            "sum": sum, "max": max, "min": min, "count": len, "avg": lambda vs: sum(vs) / len(vs)
+        }  # fmt: skip
+        return {key: float(reduce[node.name](vs)) for key, vs in groups.items()}
 
     def _binary(self, node: _Binary, t: float) -> Value:
         left, right, op = self._eval(node.left, t), self._eval(node.right, t), node.op
@@ -330,8 +329,8 @@ class Evaluator:
             for labels, value in left.items():
                 match = by_key.get(_key(labels, node.matching))
                 if match is not None:
-                    kept = _key(labels, node.matching) if node.matching else labels
-                    pairs.append((kept, value, match[1], value))
+                    result = _key(labels, node.matching) if node.matching else labels
+                    pairs.append((result, value, match[1], value))
         elif isinstance(left, dict):
             pairs = [(labels, value, float(right), value) for labels, value in left.items()]  # type: ignore[arg-type]
         else:
@@ -342,8 +341,8 @@ class Evaluator:
                 if _compare(op, a, b):
                     out[labels] = kept_value
             else:
-                result = float(_compare(op, a, b)) if comparison else _arith(op, a, b)
-                out[_without_name(labels)] = result
+                computed = float(_compare(op, a, b)) if comparison else _arith(op, a, b)
+                out[_without_name(labels)] = computed
         return out
 
 
@@ -353,7 +352,8 @@ def firing(
     """The alerts ``rule`` fires at each of ``times`` (ascending, one per evaluation): the labels of
     each result active for the rule's ``for`` at least, with the rule's own labels."""
     hold_s = duration_s(rule["for"]) if "for" in rule else 0.0
-    tree, since, out = parse(rule["expr"]), {}, {}
+    tree, out = parse(rule["expr"]), {}
+    since: dict[Labels, float] = {}
     for t in times:
         value = evaluator.instant(tree, t)
         active = value if isinstance(value, dict) else {}
