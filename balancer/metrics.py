@@ -71,6 +71,11 @@ class Children:
         """Drop the memoised child of ``collector`` for ``values`` (call it when removing that child)."""
         self._cache.pop((collector, *values), None)
 
+    def forget_value(self, collector: object, position: int, value: str) -> None:
+        """Drop every memoised child of ``collector`` whose label at ``position`` is ``value``."""
+        for key in [k for k in self._cache if k[0] is collector and k[1 + position] == value]:
+            del self._cache[key]
+
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ERROR_BUCKETS_BLOCKS = (-64.0, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
@@ -733,6 +738,27 @@ class Metrics(
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
                 self.events_replay_polls_total.labels(replica, outcome)
+
+    def forget_replica(self, replica: str) -> None:
+        """Remove every series labelled ``replica="<replica>"`` (it left its pool): replica ids come
+        and go with discovery (a pod's name is new at each rollout), so each one's counters, gauges
+        and histograms would otherwise stay in ``/metrics`` for the life of the process, frozen
+        (a stale ``kvlb_events_lag_seconds`` keeps an alert on it going). A replica added again starts
+        at 0, a counter reset that ``rate()`` handles. ``kvlb_redis_replicas_dropped_total`` stays: it
+        counts the drops themselves."""
+        for item in fields(self):
+            collector = getattr(self, item.name)
+            if not isinstance(collector, Counter | Gauge | Histogram):
+                continue
+            names: tuple[str, ...] = collector._labelnames
+            if "replica" not in names or collector is self.redis_replicas_dropped_total:
+                continue
+            position = names.index("replica")
+            with collector._lock:
+                keys = [key for key in collector._metrics if key[position] == replica]
+            for key in keys:
+                collector.remove(*key)
+            self.children.forget_value(collector, position, replica)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
