@@ -465,6 +465,7 @@ def _index_collectors(reg: CollectorRegistry) -> _IndexCollectors:
 class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
+    pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
     load_share_overflow_tenants_total: Counter
@@ -505,6 +506,12 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "kvlb_replica_healthy",
             "1 when the replica is healthy and routable, else 0.",
             ["replica"],
+        ),
+        pool_routable_replicas=gauge(
+            "kvlb_pool_routable_replicas",
+            "Replicas kvlb may route a new request of the pool (its model) to: probed healthy, breaker "
+            "not open, not draining. 0: the pool answers 503, including when it has no replica at all.",
+            ["pool"],
         ),
         scrape_errors_total=counter(
             "kvlb_scrape_errors_total",
