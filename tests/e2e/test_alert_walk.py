@@ -6,7 +6,8 @@ minute of rule time (so ``for: 5m`` is five steps). A healthy fleet with ``--wor
 nothing, through a restart of kvlb too (its counters reset); a pool drained of every replica raises
 ``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once it is undrained;
 a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a Redis
-outage raises ``KvlbIndexBackendErrors``, which clears once Redis is back.
+outage raises ``KvlbIndexBackendErrors``, which clears once Redis is back; engine restarts, which
+every worker counts, raise ``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer.
 """
 
 from __future__ import annotations
@@ -171,3 +172,47 @@ async def test_engines_not_up_yet_and_a_redis_outage(tmp_path: Path) -> None:
             await stop(serve)
         await stop(sims)
         redis.stop()
+
+
+async def test_engine_restarts_counted_once_with_two_workers(tmp_path: Path) -> None:
+    """Each worker reads the engine's events and counts its resyncs: 6 restarts in 24 minutes (2.5 in
+    10) are not a storm, however many workers count them; one a minute is."""
+    sims = await _spawn(
+        "sims",
+        ["emulate", "--replicas", "1", "--engine", "sglang", "--profile", "cpu-test", "--time-scale", "0.2"],
+        tmp_path,
+        '"replicas"',
+    )
+    sim = Child("sim-0", sims.process, sims.stderr, sims.info["replicas"][0])
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, write_config(tmp_path, [sim]), "--workers", "2")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+
+            async def restart() -> None:
+                url = str(sim.info["url"]) + "/admin/faults"
+                async with session.post(url, json={"restart": True}) as response:
+                    assert response.status == 200
+
+            for i in range(24):
+                if i % 4 == 3:
+                    await restart()
+                await walk.step(min_s=0.3)
+                assert "KvlbEventResyncStorm" not in walk.alerts(), i
+            counted = [
+                v[-1][1]
+                for k, v in walk.store.series.items()
+                if dict(k)["__name__"] == "kvlb_events_resyncs_total"
+            ]
+            assert sum(v or 0 for v in counted) == 12  # 6 restarts, counted by each of the 2 workers
+            for _ in range(12):
+                await restart()
+                await walk.step(min_s=0.3)
+            assert walk.alerts().get("KvlbEventResyncStorm") == [{"replica": "sim-0", "severity": "warning"}]
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
