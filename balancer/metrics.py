@@ -349,6 +349,7 @@ class _EventsCollectors:
     events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
+    events_applied_batches_total: Counter
 
 
 def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
@@ -426,6 +427,13 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         events_lag_seconds=gauge(
             "kvlb_events_lag_seconds",
             "Engine timestamp of the last applied batch vs our clock (wall time, may be skewed).",
+            ["replica"],
+        ),
+        events_applied_batches_total=counter(
+            "kvlb_events_applied_batches_total",
+            "Event batches applied to the index, by replica (each ingester counts its own: every worker "
+            "without Redis, the lease holder with it); at 0 from the replica's registration when its "
+            "pool has KV events, so a replica whose events never arrive shows 0.",
             ["replica"],
         ),
     )
@@ -717,10 +725,13 @@ class Metrics(
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
-    def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
+    def init_replica(self, replica: str, engine: str, *, replays: bool, events: bool = True) -> None:
         """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
         that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
-        or discovered); ``replays``: its transport has a replay socket (ZMQ)."""
+        or discovered); ``replays``: its transport has a replay socket (ZMQ); ``events``: its pool has
+        KV events (``kvlb_events_applied_batches_total`` starts at 0 only then)."""
+        if events:
+            self.events_applied_batches_total.labels(replica)
         for reason in DECODE_ERROR_REASONS:
             self.events_decode_errors_total.labels(engine, reason)
         for kind, status in APPLIED_OUTCOMES:

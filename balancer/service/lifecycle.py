@@ -226,7 +226,7 @@ class ReplicaLifecycle:
         replica = ReplicaId(config.id)
         tasks = self._tasks.setdefault(replica, [])
         replays = engine_spec(config.engine).transport == "zmq"
-        self.state.metrics.init_replica(replica, config.engine, replays=replays)
+        self.state.metrics.init_replica(replica, config.engine, replays=replays, events=pool.kv_events)
         if self._scrape is not None:
             scraper = MetricsScraper(
                 replica,

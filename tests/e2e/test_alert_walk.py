@@ -5,7 +5,8 @@ scrape; the scrapes are evaluated by ``tests/deploy/promeval.py`` with one step 
 minute of rule time (so ``for: 5m`` is five steps). A healthy fleet with ``--workers 2`` raises
 nothing, through a restart of kvlb too (its counters reset); a pool drained of every replica raises
 ``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once it is undrained;
-a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a Redis
+a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a
+replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``; a Redis
 outage raises ``KvlbIndexBackendErrors``, which clears once Redis is back; engine restarts, which
 every worker counts, raise ``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer.
 """
@@ -146,6 +147,21 @@ async def test_engines_not_up_yet_and_a_redis_outage(tmp_path: Path) -> None:
             for _ in range(7):
                 await walk.step(requests=0)  # the probes only: no client request yet
             assert walk.alerts() == {"KvlbNoHealthyReplica": [{"pool": MODEL, "severity": "critical"}]}
+            await stop(serves[-1])
+
+            walk.store, walk.times = Store(), []
+            deaf = dict(
+                info, events=[f"tcp://127.0.0.1:{free_port()}"], replay=[f"tcp://127.0.0.1:{free_port()}"]
+            )
+            config = write_config(tmp_path, [Child("deaf", sims.process, sims.stderr, deaf)])
+            serves.append(await start_serve(tmp_path, config, "--workers", "1"))
+            walk.url = str(serves[-1].info["url"])
+            await wait_ready(session, walk.url)
+            for _ in range(16):
+                assert set(await walk.step()) == {200}
+            assert walk.alerts() == {
+                "KvlbReplicaEventsStopped": [{"replica": "sim-0", "severity": "warning"}]
+            }
             await stop(serves[-1])
 
             walk.store, walk.times = Store(), []
