@@ -6,7 +6,8 @@ minute of rule time (so ``for: 5m`` is five steps). A healthy fleet with ``--wor
 nothing, through a restart of kvlb too (its counters reset); a pool drained of every replica raises
 ``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once it is undrained;
 a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a
-replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``; a Redis
+replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``, one that only gets
+full cache hits (no event to publish) does not; a Redis
 outage raises ``KvlbIndexBackendErrors``, which clears once Redis is back; engine restarts, which
 every worker counts, raise ``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer.
 """
@@ -50,12 +51,15 @@ class Walk:
     def __init__(self, session: aiohttp.ClientSession) -> None:
         self.session, self.store, self.times, self.url = session, Store(), [], ""
 
-    async def step(self, requests: int = 3, min_s: float = 0.0) -> list[int]:
-        """``requests`` chats (new blocks each), the probes, one scrape; at least ``min_s`` of real time."""
+    async def step(self, requests: int = 3, min_s: float = 0.0, same: bool = False) -> list[int]:
+        """``requests`` chats (new blocks each; ``same``: one prompt, a full cache hit after its first
+        time), the probes, one scrape; at least ``min_s`` of real time."""
         deadline, statuses = time.monotonic() + min_s, []
         for i in range(requests):
-            text = f"Step {len(self.times)}, question {i}: " + "which runbook covers an index that lags? " * 4
+            text = "The canary's question. " * 8 if same else f"Step {len(self.times)}, question {i}: "
+            text += "which runbook covers an index that lags? " * 4
             body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
+            body["temperature"] = 0
             async with self.session.post(self.url + "/v1/chat/completions", json=body) as response:
                 await response.read()
                 statuses.append(response.status)
@@ -213,6 +217,9 @@ async def test_engine_restarts_counted_once_with_two_workers(tmp_path: Path) -> 
                 async with session.post(url, json={"restart": True}) as response:
                     assert response.status == 200
 
+            for i in range(16):  # a canary's one prompt: no new block, no event, the publisher alive
+                await walk.step(min_s=0.5, same=True)
+                assert walk.alerts() == {}, i
             for i in range(24):
                 if i % 4 == 3:
                     await restart()
