@@ -762,14 +762,15 @@ class Metrics(
         and go with discovery (a pod's name is new at each rollout), so each one's counters, gauges
         and histograms would otherwise stay in ``/metrics`` for the life of the process, frozen
         (a stale ``kvlb_events_lag_seconds`` keeps an alert on it going). A replica added again starts
-        at 0, a counter reset that ``rate()`` handles. ``kvlb_redis_replicas_dropped_total`` stays: it
-        counts the drops themselves."""
+        at 0, a counter reset that ``rate()`` handles. ``kvlb_redis_replicas_dropped_total`` goes too: a
+        pod that died is dropped (no events, failed probes), then removed by discovery, so keeping it
+        would keep one series per dead pod."""
         for item in fields(self):
             collector = getattr(self, item.name)
             if not isinstance(collector, Counter | Gauge | Histogram):
                 continue
             names: tuple[str, ...] = collector._labelnames
-            if "replica" not in names or collector is self.redis_replicas_dropped_total:
+            if "replica" not in names:
                 continue
             position = names.index("replica")
             with collector._lock:
