@@ -7,9 +7,9 @@ nothing, through a restart of kvlb too (its counters reset); a pool drained of e
 ``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once it is undrained;
 a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a
 replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``, one that only gets
-full cache hits (no event to publish) does not; a Redis
-outage raises ``KvlbIndexBackendErrors``, which clears once Redis is back; engine restarts, which
-every worker counts, raise ``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer.
+full cache hits (no event to publish) does not; a Redis outage raises ``KvlbIndexBackendErrors``,
+which clears once Redis is back; engine restarts, which every worker counts, raise
+``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer.
 """
 
 from __future__ import annotations
@@ -59,8 +59,8 @@ class Walk:
         for i in range(requests):
             text = "The canary's question. " * 8 if same else f"Step {len(self.times)}, question {i}: "
             text += "which runbook covers an index that lags? " * 4
-            body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 2}
-            body["temperature"] = 0
+            messages = [{"role": "user", "content": text}]
+            body = {"model": MODEL, "messages": messages, "max_tokens": 2, "temperature": 0}
             async with self.session.post(self.url + "/v1/chat/completions", json=body) as response:
                 await response.read()
                 statuses.append(response.status)
