@@ -145,6 +145,20 @@ def test_alert_rule_tests_pass_on_the_python_evaluator() -> None:
         assert not failures, f"{path.name}: {failures}"
 
 
+def test_the_python_evaluator_fails_a_wrong_rule() -> None:
+    """The same tests against rules that cannot fire, or fire without a cause: each is caught."""
+    cases = yaml.safe_load((DEPLOY / "prometheus" / "kvlb-alerts.test.yaml").read_text())
+    for name, right, wrong in (
+        ("KvlbIndexLagging", "> 5", "> 500"),
+        ("KvlbNoHealthyReplica", "== 0", ">= 0"),
+    ):
+        rules = [
+            {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule
+            for rule in alert_rules()
+        ]
+        assert any(name in failure for failure in run_rule_tests(cases, rules)), name
+
+
 promtool = shutil.which("promtool")
 
 
