@@ -9,12 +9,14 @@ a kvlb whose engines are not up yet raises the first, not the second (only probe
 replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``, one that only gets
 full cache hits (no event to publish) does not; a Redis outage raises ``KvlbIndexBackendErrors``,
 which clears once Redis is back; engine restarts, which every worker counts, raise
-``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer.
+``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer; a batch applied late,
+then idle, leaves no ``KvlbIndexLagging`` firing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from pathlib import Path
@@ -236,6 +238,48 @@ async def test_engine_restarts_counted_once_with_two_workers(tmp_path: Path) -> 
                 await restart()
                 await walk.step(min_s=0.3)
             assert walk.alerts().get("KvlbEventResyncStorm") == [{"replica": "sim-0", "severity": "warning"}]
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
+
+
+async def test_a_late_batch_then_idle_is_no_lag(tmp_path: Path) -> None:
+    """kvlb paused 8 s (SIGSTOP) while its engine published a batch: it applies it late (about 7 s of
+    lag), then the replica idles. Caught up, nothing lags: no ``KvlbIndexLagging``."""
+    sims = await _spawn(
+        "sims",
+        ["emulate", "--replicas", "1", "--engine", "sglang", "--profile", "cpu-test", "--time-scale", "0.2"],
+        tmp_path,
+        '"replicas"',
+    )
+    sim = Child("sim-0", sims.process, sims.stderr, sims.info["replicas"][0])
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, write_config(tmp_path, [sim]), "--workers", "1")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+            for _ in range(3):
+                await walk.step()
+            serve.process.send_signal(signal.SIGSTOP)
+            try:
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "to the engine " * 20}]}
+                async with session.post(str(sim.info["url"]) + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200
+                await asyncio.sleep(7)
+            finally:
+                serve.process.send_signal(signal.SIGCONT)
+            for _ in range(10):  # idle
+                await walk.step(requests=0)
+            lags = [
+                v[-1][1]
+                for k, v in walk.store.series.items()
+                if dict(k)["__name__"] == "kvlb_events_lag_seconds"
+            ]
+            assert lags and min(v or 0 for v in lags) > 5  # the late batch's lag, kept by the gauge
+            assert walk.alerts() == {}
     finally:
         if serve is not None:
             await stop(serve)
