@@ -3,8 +3,9 @@
 Each step sends a little traffic, the probes a kubelet sends (``/healthz``, ``/readyz``) and one
 scrape; the scrapes are evaluated by ``tests/deploy/promeval.py`` with one step standing for one
 minute of rule time (so ``for: 5m`` is five steps). A healthy fleet with ``--workers 2`` raises
-nothing, through a restart of kvlb too (its counters reset); a pool drained of every replica raises
-``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once it is undrained;
+nothing, through a restart of kvlb too (its counters reset) and at idle; a pool drained of every
+replica raises ``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once
+it is undrained;
 a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a
 replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``, one that only gets
 full cache hits (no event to publish) does not; a Redis outage raises ``KvlbIndexBackendErrors``,
@@ -127,6 +128,9 @@ async def test_healthy_fleet_restart_and_a_drained_pool(tmp_path: Path) -> None:
             for _ in range(7):
                 await walk.step()
             assert walk.alerts() == {}
+            for i in range(18):  # then idle: probes and scrapes only
+                await walk.step(requests=0)
+                assert walk.alerts() == {}, i
     finally:
         if serve is not None:
             await stop(serve)
