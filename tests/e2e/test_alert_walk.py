@@ -5,13 +5,12 @@ scrape; the scrapes are evaluated by ``tests/deploy/promeval.py`` with one step 
 minute of rule time (so ``for: 5m`` is five steps). A healthy fleet with ``--workers 2`` raises
 nothing, through a restart of kvlb too (its counters reset) and at idle; a pool drained of every
 replica raises ``KvlbNoHealthyReplica`` naming the pool and ``KvlbHighErrorRate``, which clear once
-it is undrained;
-a kvlb whose engines are not up yet raises the first, not the second (only probes failed); a
-replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``, one that only gets
-full cache hits (no event to publish) does not; a Redis outage raises ``KvlbIndexBackendErrors``,
-which clears once Redis is back; engine restarts, which every worker counts, raise
-``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer; a batch applied late,
-then idle, leaves no ``KvlbIndexLagging`` firing.
+it is undrained; a kvlb whose engines are not up yet raises the first, not the second (only probes
+failed); a replica whose events go to a wrong port raises ``KvlbReplicaEventsStopped``, one that
+only gets full cache hits (no event to publish) does not; a Redis outage raises
+``KvlbIndexBackendErrors``, which clears once Redis is back; engine restarts, which every worker
+counts, raise ``KvlbEventResyncStorm`` at more than 3 in 10 minutes, not at N times fewer; a batch
+applied late, then idle, leaves no ``KvlbIndexLagging`` firing.
 """
 
 from __future__ import annotations
