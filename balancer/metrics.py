@@ -71,6 +71,11 @@ class Children:
         """Drop the memoised child of ``collector`` for ``values`` (call it when removing that child)."""
         self._cache.pop((collector, *values), None)
 
+    def forget_value(self, collector: object, position: int, value: str) -> None:
+        """Drop every memoised child of ``collector`` whose label at ``position`` is ``value``."""
+        for key in [k for k in self._cache if k[0] is collector and k[1 + position] == value]:
+            del self._cache[key]
+
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _ERROR_BUCKETS_BLOCKS = (-64.0, -16.0, -8.0, -4.0, -2.0, -1.0, 0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 64.0)
@@ -344,6 +349,7 @@ class _EventsCollectors:
     events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
     events_lag_seconds: Gauge
+    events_applied_batches_total: Counter
 
 
 def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
@@ -423,6 +429,13 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "Engine timestamp of the last applied batch vs our clock (wall time, may be skewed).",
             ["replica"],
         ),
+        events_applied_batches_total=counter(
+            "kvlb_events_applied_batches_total",
+            "Event batches applied to the index, by replica (each ingester counts its own: every worker "
+            "without Redis, the lease holder with it); at 0 from the replica's registration when its "
+            "pool has KV events, so a replica whose events never arrive shows 0.",
+            ["replica"],
+        ),
     )
 
 
@@ -460,6 +473,7 @@ def _index_collectors(reg: CollectorRegistry) -> _IndexCollectors:
 class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
+    pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
     load_share_overflow_tenants_total: Counter
@@ -500,6 +514,12 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "kvlb_replica_healthy",
             "1 when the replica is healthy and routable, else 0.",
             ["replica"],
+        ),
+        pool_routable_replicas=gauge(
+            "kvlb_pool_routable_replicas",
+            "Replicas kvlb may route a new request of the pool (its model) to: probed healthy, breaker "
+            "not open, not draining. 0: the pool answers 503, including when it has no replica at all.",
+            ["pool"],
         ),
         scrape_errors_total=counter(
             "kvlb_scrape_errors_total",
@@ -705,10 +725,13 @@ class Metrics(
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
 
-    def init_replica(self, replica: str, engine: str, *, replays: bool) -> None:
+    def init_replica(self, replica: str, engine: str, *, replays: bool, events: bool = True) -> None:
         """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
         that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
-        or discovered); ``replays``: its transport has a replay socket (ZMQ)."""
+        or discovered); ``replays``: its transport has a replay socket (ZMQ); ``events``: its pool has
+        KV events (``kvlb_events_applied_batches_total`` starts at 0 only then)."""
+        if events:
+            self.events_applied_batches_total.labels(replica)
         for reason in DECODE_ERROR_REASONS:
             self.events_decode_errors_total.labels(engine, reason)
         for kind, status in APPLIED_OUTCOMES:
@@ -733,6 +756,28 @@ class Metrics(
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
                 self.events_replay_polls_total.labels(replica, outcome)
+
+    def forget_replica(self, replica: str) -> None:
+        """Remove every series labelled ``replica="<replica>"`` (it left its pool): replica ids come
+        and go with discovery (a pod's name is new at each rollout), so each one's counters, gauges
+        and histograms would otherwise stay in ``/metrics`` for the life of the process, frozen
+        (a stale ``kvlb_events_lag_seconds`` keeps an alert on it going). A replica added again starts
+        at 0, a counter reset that ``rate()`` handles. ``kvlb_redis_replicas_dropped_total`` goes too: a
+        pod that died is dropped (no events, failed probes), then removed by discovery, so keeping it
+        would keep one series per dead pod."""
+        for item in fields(self):
+            collector = getattr(self, item.name)
+            if not isinstance(collector, Counter | Gauge | Histogram):
+                continue
+            names: tuple[str, ...] = collector._labelnames
+            if "replica" not in names:
+                continue
+            position = names.index("replica")
+            with collector._lock:
+                keys = [key for key in collector._metrics if key[position] == replica]
+            for key in keys:
+                collector.remove(*key)
+            self.children.forget_value(collector, position, replica)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:

@@ -12,6 +12,10 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
 * ``GET /admin/decisions/{id}``: ids are the worker's index + 1 modulo N (:class:`DecisionLog`), so
   the decision is looked up on the worker that made it.
 * ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`).
+* ``GET /admin/replicas``: this worker's view of each replica (health, drains, the shared load and
+  in-flight count, its index and event status, as every worker's are alike) with the ``prediction``
+  of every worker's receipts (:func:`merge_predictions`): each worker keeps the receipts of the
+  requests it routed.
 * ``GET /admin/audit``: one entry per policy version (:func:`_merge_audit`): a worker restarted
   after a change adopted the policy from a sibling but not its audit log.
 * ``POST /admin/whatif``: every worker replays its own decisions with the same body; the answers
@@ -47,7 +51,7 @@ log = logging.getLogger(__name__)
 WHATIF_TIMEOUT_S = 30.0
 """Budget (seconds) of a sibling's what-if replay (at most ``console.whatif_max_entries``
 decisions at 0.04 to 0.4 ms each, in its worker thread)."""
-_GATHERED_GETS = frozenset({"/admin/decisions", "/admin/series", "/admin/audit"})
+_GATHERED_GETS = frozenset({"/admin/decisions", "/admin/series", "/admin/audit", "/admin/replicas"})
 _ONE_DECISION = re.compile(r"^/admin/decisions/([^/]+)$")
 
 
@@ -79,6 +83,8 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
         merged = _merge_decisions(answers, request.query.get("limit"), since, siblings.count)
     elif request.path == "/admin/audit":
         merged = _merge_audit(answers, request.query.get("limit"))
+    elif request.path == "/admin/replicas":
+        merged = _merge_replicas(local, [answers[i] for i in order])
     else:
         merged = merge_series([answers[i] for i in order])
     merged["workers"] = order
@@ -179,6 +185,38 @@ def _merge_audit(answers: dict[int, Any], raw_limit: str | None) -> dict[str, An
                 by_version[entry["version"]] = entry
     listed = sorted(by_version.values(), key=lambda e: (e["ts"], e["version"]), reverse=True)
     return {"entries": listed[:limit]}
+
+
+def _merge_replicas(local: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``local``'s replica views, each with the ``prediction`` of every worker's receipts."""
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    for answer in answers:
+        for view in answer["replicas"]:
+            if view.get("prediction") is not None:
+                by_id.setdefault(view["id"], []).append(view["prediction"])
+    views = [
+        {**view, "prediction": merge_predictions(by_id.get(view["id"], []))} for view in local["replicas"]
+    ]
+    return {"replicas": views}
+
+
+def merge_predictions(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Workers' ``prediction`` views of one replica as one: the receipts add, the shares and the
+    mean error are weighted by each worker's receipts (``None`` when there are none)."""
+    receipts = sum(int(part["receipts"]) for part in parts)
+
+    def weighted(key: str, digits: int | None = None) -> float | None:
+        if receipts == 0:
+            return None
+        total = sum(float(part[key]) * int(part["receipts"]) for part in parts if part[key] is not None)
+        return total / receipts if digits is None else round(total / receipts, digits)
+
+    return {
+        "receipts": receipts,
+        "accuracy": weighted("accuracy"),
+        "within_one_block": weighted("within_one_block"),
+        "mean_error_blocks": weighted("mean_error_blocks", 3),
+    }
 
 
 async def _one_decision(

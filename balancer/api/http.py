@@ -76,6 +76,7 @@ def refresh_gauges(state: ServiceState) -> None:
         snapshot = pool.router.tracker().snapshot(now)  # this worker's own: summable over workers
         shared = pool.router.load_snapshot(now) if pool.router.peer_load is not None else None
         routable = set(state.health.routable(now, pool.replicas))
+        metrics.pool_routable_replicas.labels(pool.model).set(len(routable))
         for replica in pool.replicas:
             load = snapshot.of(replica)
             gauge = metrics.replica_load

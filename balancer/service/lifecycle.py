@@ -26,7 +26,6 @@ Discovery only removes the replicas it added. Every event is applied in full bef
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 import aiohttp
@@ -191,14 +190,7 @@ class ReplicaLifecycle:
             await ingest.remove_replica(replica)  # its blocks leave the table
         pool.router.remove_replica(replica)
         pool.replicas.pop(replica, None)
-        metrics = state.metrics
-        metrics.replica_healthy.remove(replica)
-        metrics.index_replica_blocks.remove(replica)
-        for kind in ("inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage"):
-            metrics.replica_load.remove(replica, kind)
-        metrics.children.forget(metrics.prediction_accuracy_ratio, replica)
-        with contextlib.suppress(KeyError):  # set at its first receipt only
-            metrics.prediction_accuracy_ratio.remove(replica)
+        state.metrics.forget_replica(replica)  # its series leave /metrics (bounded with churn)
 
     # ------------------------------------------------------------------ per replica
 
@@ -234,7 +226,7 @@ class ReplicaLifecycle:
         replica = ReplicaId(config.id)
         tasks = self._tasks.setdefault(replica, [])
         replays = engine_spec(config.engine).transport == "zmq"
-        self.state.metrics.init_replica(replica, config.engine, replays=replays)
+        self.state.metrics.init_replica(replica, config.engine, replays=replays, events=pool.kv_events)
         if self._scrape is not None:
             scraper = MetricsScraper(
                 replica,

@@ -357,6 +357,7 @@ class ReplicaPipeline:
         self._unsure_ranks.clear()
         self._warnings.resolved("index_apply_failed", self.replica)
         self.applied_batches += len(batches)
+        self._metrics.events_applied_batches_total.labels(self.replica).inc(len(batches))
         self.last_applied_wall_ts = self._wall_clock()
         self._record(result, events)
         engine_ts = batches[-1].engine_ts

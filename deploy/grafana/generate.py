@@ -26,6 +26,13 @@ def rate(metric: str, by: str = "", sel: str = SEL) -> str:
     return f"sum{group} (rate({metric}{{{sel}}}[{R}]))"
 
 
+def ingested(metric: str, by: str) -> str:
+    """``max by (...) (rate(metric[...]))``: an event counter of one replica, as its ingester counts it.
+    Every worker of ``--workers N`` (and every balancer without Redis) reads the same events and
+    counts them again, so a sum would show N times each gap, replay or resync."""
+    return f"max by ({by}) (rate({metric}{{{REP}}}[{R}]))"
+
+
 def load(kind: str, how: str = "sum") -> str:
     return f'{how} by (replica) (kvlb_replica_load{{{REP}, kind="{kind}"}})'
 
@@ -46,6 +53,7 @@ RECEIPTS = rate("kvlb_route_receipts_total", "replica", REP)
 EXACT = rate("kvlb_route_receipts_exact_total", "replica", REP)
 WITHIN = rate("kvlb_route_receipts_within_block_total", "replica", REP)
 FAILED_APPLY = rate("kvlb_events_applied_total", sel=f'{SEL}, type="batch", status="error"')
+REDIS_WRITES_FAILING = rate("kvlb_redis_errors_total", sel=f'{SEL}, component=~"writer|lease"')
 
 ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
     ("Traffic", [
@@ -97,7 +105,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
          [(load("waiting", "max"), "{{replica}} waiting"), (load("kv_usage", "max"), "{{replica}} kv usage")],
          "Scraped from the engines."),
         ("Healthy replicas", "short",
-         [(f"min by (replica) (kvlb_replica_healthy{{{REP}}})", "{{replica}}")], ""),
+         [(f"min by (replica) (kvlb_replica_healthy{{{REP}}})", "{{replica}}"),
+          (f"max by (pool) (kvlb_pool_routable_replicas{{{SEL}}})", "routable in pool {{pool}}")],
+         "Alert KvlbNoHealthyReplica when a pool's routable count is 0."),
         ("TTFT p90 per replica", "s", [(TTFT_P90, "{{replica}}")], ""),
         ("Scrape errors/s", "short", [(rate("kvlb_scrape_errors_total", "replica", REP), "{{replica}}")], ""),
     ]),
@@ -110,21 +120,24 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("Events applied/s", "short",
          [(rate("kvlb_events_applied_total", "engine, type, status"), "{{engine}} {{type}} {{status}}")], ""),
         ("Sequence gaps and replays", "short", [
-            (rate("kvlb_events_seq_gaps_total", "replica", REP), "{{replica}} gaps"),
-            (rate("kvlb_events_replays_total", "replica, outcome", REP), "{{replica}} replay {{outcome}}"),
-        ], ""),
+            (ingested("kvlb_events_seq_gaps_total", "replica"), "{{replica}} gaps"),
+            (ingested("kvlb_events_replays_total", "replica, outcome"), "{{replica}} replay {{outcome}}"),
+        ], "As one ingester counts them (the highest of the workers and balancers that read them)."),
         ("Resyncs and queue overflows", "short", [
-            (rate("kvlb_events_resyncs_total", "replica, reason", REP), "{{replica}} resync {{reason}}"),
-            (rate("kvlb_events_queue_overflow_total", "replica", REP), "{{replica}} overflow"),
-        ], ""),
+            (ingested("kvlb_events_resyncs_total", "replica, reason"), "{{replica}} resync {{reason}}"),
+            (ingested("kvlb_events_queue_overflow_total", "replica"), "{{replica}} overflow"),
+        ], "As one ingester counts them. Alert KvlbEventResyncStorm over 3 in 10 minutes."),
         ("Decode errors and skipped events", "short", [
             (rate("kvlb_events_decode_errors_total", "engine, reason"), "{{engine}} decode {{reason}}"),
             (rate("kvlb_index_skipped_total", "reason"), "skipped {{reason}}"),
         ], "skipped block_size: a replica's block size differs from its events'."),
     ]),
     ("Redis", [
-        ("Index writes failing (Redis health)", "short", [(FAILED_APPLY, "failed applies/s")],
-         "With Redis configured, index.apply fails while Redis is down, full or too slow."),
+        ("Index writes failing (Redis health)", "short", [
+            (FAILED_APPLY, "failed applies/s"),
+            (REDIS_WRITES_FAILING, "writer and lease errors/s"),
+        ], "Alert KvlbIndexBackendErrors. A Redis outage shows as writer and lease errors: the writer "
+           "retries and a balancer without its lease applies nothing, so few applies fail."),
         ("Redis up per balancer", "short", [(f"min by (instance) (kvlb_redis_up{{{SEL}}})", "{{instance}}")],
          "1 while the balancer's last Redis calls succeeded."),
         ("Redis errors/s", "short", [(rate("kvlb_redis_errors_total", "component"), "{{component}}")], ""),

@@ -12,13 +12,15 @@ import signal
 import subprocess
 import sys
 import urllib.request
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from manifests import DEPLOY, K8S
-from prometheus_client import generate_latest
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
+from promeval import run_rule_tests
 from promql import exposed_series, metric_names
 
 from balancer.metrics import Metrics
@@ -105,6 +107,30 @@ def test_every_queried_metric_is_in_the_registry() -> None:
     assert not missing, f"queried but not exported by balancer/metrics.py: {sorted(missing)}"
 
 
+def test_every_queried_label_and_rate_fits_the_metric() -> None:
+    """A matcher names a label the metric has (or one Prometheus or ``--workers`` adds), and
+    ``rate``/``increase`` read counters (or histogram parts), never a gauge."""
+    metrics = Metrics.create()
+    families: dict[str, tuple[str, set[str]]] = {}
+    for item in fields(metrics):
+        collector = getattr(metrics, item.name)
+        if isinstance(collector, Counter | Gauge | Histogram):
+            suffixes = ("_total",) if collector._type == "counter" else ("", "_bucket", "_count", "_sum")
+            for suffix in suffixes:
+                families[collector._name + suffix] = (collector._type, set(collector._labelnames))
+    added = {"job", "instance", "worker", "le"}
+    for query in dashboard_queries() + [rule["expr"] for rule in alert_rules()]:
+        for selector in re.finditer(r"([a-z_:][\w:]*)\{([^{}]*)\}", query):
+            name, matchers = selector.groups()
+            if name in families:
+                used = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
+                assert used <= families[name][1] | added, (name, used, query)
+        for read in re.finditer(r"\b(rate|increase)\(([a-z_:][\w:]*)", query):
+            name = read.group(2)
+            kind = families[name][0] if name in families else "counter"  # the process collector's
+            assert kind == "counter" or name.endswith(("_bucket", "_count", "_sum")), (name, query)
+
+
 def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> None:
     pytest.importorskip("balancer.app", reason="kvlb serve is not available")
     config = tmp_path / "kvlb.yaml"
@@ -133,6 +159,29 @@ def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> Non
             process.wait()
     missing = queried_names() - exposed_series(exposition)
     assert not missing, f"queried but not on a running kvlb's /metrics: {sorted(missing)}"
+
+
+def test_alert_rule_tests_pass_on_the_python_evaluator() -> None:
+    """The promtool rule tests, evaluated by ``promeval`` (CI has no promtool): labels and ``for``."""
+    tests = sorted((DEPLOY / "prometheus").glob("*.test.yaml"))
+    assert len(tests) == 2
+    for path in tests:
+        failures = run_rule_tests(yaml.safe_load(path.read_text()), alert_rules())
+        assert not failures, f"{path.name}: {failures}"
+
+
+def test_the_python_evaluator_fails_a_wrong_rule() -> None:
+    """The same tests against rules that cannot fire, or fire without a cause: each is caught."""
+    cases = yaml.safe_load((DEPLOY / "prometheus" / "kvlb-alerts.test.yaml").read_text())
+    for name, right, wrong in (
+        ("KvlbIndexLagging", "> 5", "> 500"),
+        ("KvlbNoHealthyReplica", "== 0", ">= 0"),
+    ):
+        rules = [
+            {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule
+            for rule in alert_rules()
+        ]
+        assert any(name in failure for failure in run_rule_tests(cases, rules)), name
 
 
 promtool = shutil.which("promtool")

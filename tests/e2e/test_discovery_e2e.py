@@ -78,6 +78,11 @@ class Client:
         assert lines, "no kvlb_index_blocks held sample"
         return [float(line.rsplit(" ", 1)[1]) for line in lines]
 
+    async def series_naming(self, replica: str) -> list[str]:
+        async with self.session.get(self.url + "/metrics") as response:
+            text = await response.text()
+        return [line for line in text.splitlines() if f'replica="{replica}"' in line]
+
     async def chat(self, question: str) -> str:
         async with self.session.post(self.url + "/v1/chat/completions", json=chat(question)) as response:
             body = await response.read()
@@ -146,6 +151,7 @@ async def test_file_discovery_adds_and_removes_a_replica(tmp_path: Path) -> None
                 return min(await kvlb.held_blocks()) > 0
 
             await eventually("held blocks in every worker", held_everywhere)
+            assert len(await kvlb.series_naming(name)) > 50  # counters, gauges, histograms, lag
 
             # the file no longer lists it: it leaves routing and the index
             write_atomically(replica_file, {"pools": []})
@@ -154,6 +160,11 @@ async def test_file_discovery_adds_and_removes_a_replica(tmp_path: Path) -> None
                 return name not in await kvlb.views()
 
             await eventually(f"{name} removed", gone)
+
+            async def no_series() -> bool:  # a discovered id (a pod's name) must not stay in /metrics
+                return await kvlb.series_naming(name) == []
+
+            await eventually(f"no series naming {name}", no_series)
 
             async def none_held() -> bool:  # sim-0 was drained: every held block was sim-1's
                 return max(await kvlb.held_blocks()) == 0

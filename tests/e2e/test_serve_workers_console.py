@@ -3,7 +3,8 @@
 Chats on fresh connections (the kernel hands each to either worker) until both workers have routed
 some; then every read of ``/admin/decisions`` (on a fresh connection, so either worker answers)
 lists every routed request with the worker that made it, ``/admin/decisions/{id}`` finds each
-worker's decisions, ``/admin/series`` counts every request and ``/admin/whatif`` replays them all.
+worker's decisions, ``/admin/series`` counts every request, ``/admin/whatif`` replays them all and
+``/admin/replicas`` counts every request's receipt.
 """
 
 from __future__ import annotations
@@ -189,6 +190,11 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
                 answer = await pb_grpc.AdminStub(channel).WhatIf(request, timeout=FRESH_TIMEOUT_S)
                 assert answer.decisions == len(sent), answer
                 assert list(answer.details["workers"]) == [0, 1]
+
+        for _ in range(READS // 2):  # every worker's receipts (the runbook's accuracy table)
+            views = await fresh("GET", url + "/admin/replicas")
+            assert views["workers"] == [0, 1], views
+            assert sum(v["prediction"]["receipts"] for v in views["replicas"]) == len(sent), views
 
         change = {"weights": {"decode_weight": 0.5}, "reason": "e2e: console"}
         async with aiohttp.ClientSession() as session, session.put(url + "/admin/policy", json=change) as r:
