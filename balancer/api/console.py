@@ -32,7 +32,7 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import STATE, expect_continue
 from balancer.api.openai import read_body
-from balancer.api.parsing import check_query, decimal_integer, parse_json_object, weights_from
+from balancer.api.parsing import NO_QUERY, check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
 from balancer.service.decisions import DecisionRecord, next_since, own_since, terms_by_replica
@@ -173,6 +173,7 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
 
 
 async def whatif(request: web.Request) -> web.Response:
+    check_query(request.query, NO_QUERY)
     state = request.app[STATE]
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts)
@@ -302,7 +303,7 @@ def decision_json(state: ServiceState, raw_id: str) -> dict[str, Any]:
 
 
 async def get_decision(request: web.Request) -> web.Response:
-    check_query(request.query, frozenset())
+    check_query(request.query, NO_QUERY)
     body = decision_json(request.app[STATE], request.match_info["id"])
     return web.json_response(body, dumps=strict_json.dumps)
 
