@@ -35,7 +35,13 @@ from balancer.api.openai import read_body
 from balancer.api.parsing import NO_QUERY, check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
-from balancer.service.decisions import DecisionRecord, next_since, own_since, terms_by_replica
+from balancer.service.decisions import (
+    MAX_TENANT_CHARS,
+    DecisionRecord,
+    next_since,
+    own_since,
+    terms_by_replica,
+)
 from balancer.service.state import ServiceState
 from balancer.service.whatif import WhatIfResult, replay
 
@@ -241,6 +247,13 @@ def _text_filter(query: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+def _tenant_filter(query: Mapping[str, str]) -> str | None:
+    """``tenant``, cut as a decision's tenant is kept (:data:`MAX_TENANT_CHARS`): the value of a
+    longer tenant header finds the requests sent with it."""
+    tenant = _text_filter(query, "tenant")
+    return None if tenant is None else tenant[:MAX_TENANT_CHARS]
+
+
 def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:
     """A query parameter of decimal digits only (no sign, no spaces, not empty) in ``low..high``."""
     raw = query.get(name)
@@ -279,7 +292,7 @@ def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, A
     found = state.decisions.query(
         pool=pool,
         replica=_text_filter(query, "replica"),
-        tenant=_text_filter(query, "tenant"),
+        tenant=_tenant_filter(query),
         since_id=since_id,
         limit=_int_param(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT),
     )
