@@ -391,8 +391,13 @@ async def _set_draining(request: web.Request, draining: bool) -> web.Response:
     await set_draining(state, replica, draining, note)
     view: dict[str, Any] = {"replica": replica, "draining": draining}
     if draining:
-        view["drain"] = _ages(note.to_json(), state.wall_clock())
+        view["drain"] = drain_view(note, state.wall_clock())
     return web.json_response(view, dumps=strict_json.dumps)
+
+
+def drain_view(note: DrainNote, wall: float) -> dict[str, Any]:
+    """A drain's note as the drain's answer and ``health.drain`` show it (with ``at_age_s``)."""
+    return _ages(note.to_json(), wall)
 
 
 def drain_note(

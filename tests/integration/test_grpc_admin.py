@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 from grpc_harness import bearer, failure, grpc_running, token_request
-from kvlb_harness import shared_deepseek
+from kvlb_harness import MODEL, shared_deepseek
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -100,8 +100,18 @@ async def test_list_and_drain_replicas(tokenizer: Tokenizer) -> None:
         for i in range(3):
             routed = await g.balancer.Route(pb.RouteRequest(request=token_request([*PREFIX, i])))
             assert routed.replica_id == "r1"
+        # The HTTP twins' answers: the drain's note, and explain's left_out saying why r0 has no terms.
+        assert (drained.drain["by"], drained.drain["reason"]) == ("alice", "node maintenance")
+        assert drained.drain["caller"] == health["drain"]["caller"]
+        explained = await g.admin.Explain(pb.ExplainRequest(request=token_request(PREFIX)), metadata=ADMIN)
+        explained_http = await g.http.admin("POST", "/admin/explain", {"model": MODEL, "prompt": PREFIX})
+        assert [t.replica for t in explained.decision.terms] == ["r1"]
+        assert dict(explained.left_out) == explained_http["left_out"] == {"r0": "draining"}
         undrain = pb.DrainReplicaRequest(replica_id="r0", undrain=True)
-        assert not (await g.admin.DrainReplica(undrain, metadata=ADMIN)).draining
+        undrained = await g.admin.DrainReplica(undrain, metadata=ADMIN)
+        assert not undrained.draining and not undrained.HasField("drain")
+        explained = await g.admin.Explain(pb.ExplainRequest(request=token_request(PREFIX)), metadata=ADMIN)
+        assert len(explained.decision.terms) == 2 and not explained.left_out
         missing = await failure(g.admin.DrainReplica(pb.DrainReplicaRequest(replica_id="r9"), metadata=ADMIN))
         assert missing.code() == grpc.StatusCode.NOT_FOUND and "r0, r1" in missing.details()
 
