@@ -101,6 +101,18 @@ _COMPLETION_BODY: dict[str, Any] = {
             "oneOf": [
                 {"type": "string"},
                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {
+                    "type": "array",
+                    "description": "A batch of one prompt (a longer batch is a 400)",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "oneOf": [
+                            {"type": "string"},
+                            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                        ]
+                    },
+                },
             ]
         },
     },
@@ -119,6 +131,16 @@ _CHAT_BODY: dict[str, Any] = {
                 "required": ["role"],
                 "properties": {"role": {"type": "string"}, "content": {"type": ["string", "array", "null"]}},
             },
+        },
+        "tools": {
+            "type": "array",
+            "items": {"type": "object"},
+            "description": "Rendered by the chat template",
+        },
+        "add_generation_prompt": {"type": "boolean"},
+        "chat_template_kwargs": {
+            "type": "object",
+            "description": "More variables of the chat template (not messages, tools, add_generation_prompt)",
         },
     },
 }
