@@ -36,9 +36,14 @@ async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_versi
     async with grpc_running(tokenizer, auth__admin_token="root") as g:
         holder = await g.http.warm(PREFIX)
 
-        async def routed(count: int) -> list[str]:
-            requests = [pb.RouteRequest(request=token_request([*PREFIX, i])) for i in range(count)]
-            return [(await g.balancer.Route(r)).replica_id for r in requests]
+        async def routed(count: int, reserve: bool = False) -> list[str]:
+            requests = [
+                pb.RouteRequest(request=token_request([*PREFIX, i]), reserve=reserve) for i in range(count)
+            ]
+            answers = [await g.balancer.Route(r) for r in requests]
+            for answer in answers if reserve else ():
+                await g.balancer.Release(pb.ReleaseRequest(request_id=answer.request_id))
+            return [answer.replica_id for answer in answers]
 
         assert await routed(3) == [holder] * 3
         answer = await g.admin.SetPolicy(pb.SetPolicyRequest(name="round_robin"), metadata=ADMIN)
@@ -48,7 +53,8 @@ async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_versi
         ]
         audit = [r.getMessage() for r in caplog.records if r.name == "balancer.api.admin"]
         assert len(audit) == 1 and audit[0].startswith("policy v2 set by token:")
-        assert sorted(set(await routed(4))) == ["r0", "r1"]
+        assert len(set(await routed(4))) == 1  # a Route without reserve commits nothing: no rotation
+        assert sorted(set(await routed(4, reserve=True))) == ["r0", "r1"]  # committed: it rotates
         http_view = await g.http.admin("GET", "/admin/policy")
         assert http_view["version"] == 2 and http_view["name"] == "round_robin"
         assert http_view["updated_by"] == answer.policy.updated_by
