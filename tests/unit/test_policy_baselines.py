@@ -73,6 +73,17 @@ def test_every_policy_explains_every_candidate(name: str) -> None:
         call(make_policy(name), ())
 
 
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_decides_alike_when_asked_again(name: str) -> None:
+    """Asking is side-effect free (a dry run moves nothing): the same inputs and an rng in the same
+    state give the same decision, however often the policy was asked before."""
+    policy = make_policy(name)
+    first = [
+        call(policy, (A, B, C), overlaps={B: 4}, session_key="k", rng=random.Random(3)) for _ in range(4)
+    ]
+    assert all(decision == first[0] for decision in first)
+
+
 def test_round_robin_takes_the_routers_rotation_and_keeps_no_state() -> None:
     policy = RoundRobin()
     assert [call(policy, (A, B, C), rotation=k).replica for k in range(4)] == [A, B, C, A]
