@@ -268,7 +268,7 @@ def _admin_paths() -> dict[str, Any]:
                 "parameters": [_ACTOR],
                 "requestBody": _body(_POLICY_CHANGE),
                 "responses": {
-                    "200": _json(_POLICY, "Policy after the change"),
+                    "200": _json(_POLICY_CHANGED, "Policy after the change, and what changed"),
                     **_errors(400, 401, 403, 408, 413, 417, 503),
                 },
             },
@@ -468,18 +468,41 @@ _WHATIF_ANSWER: dict[str, Any] = {
     "type": "object",
     "properties": {
         "pool": {"type": "string"},
+        "policy": {"type": "string", "description": "The policy replayed"},
+        "weights": {
+            "type": "object",
+            "description": "The weights replayed (the proposed ones over those in force)",
+        },
         "decisions": {"type": "integer"},
+        "changed": {"type": "integer", "description": "Decisions that would go to another replica"},
         "changed_share": {"type": "number"},
         "before": _WHATIF_SIDE,
         "after": _WHATIF_SIDE,
         "replicas": {"type": "array", "items": {"type": "object"}},
         "sample": {"type": "array", "items": {"type": "object"}},
         "notes": {"type": "array", "items": {"type": "string"}},
+        "tallies": {"type": "object", "description": "The counts the notes give"},
+        "elapsed_s": {"type": "number"},
     },
 }
 
 
 _POLICY = {"$ref": "#/components/schemas/Policy"}
+_POLICY_CHANGED = {
+    "allOf": [
+        _POLICY,
+        {
+            "type": "object",
+            "properties": {
+                "changed": {
+                    "type": "object",
+                    "description": "Each field changed, as [old, new]",
+                    "additionalProperties": {"type": "array", "minItems": 2, "maxItems": 2},
+                }
+            },
+        },
+    ]
+}
 _POLICY_CHANGE = {
     "type": "object",
     "additionalProperties": False,

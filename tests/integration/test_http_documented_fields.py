@@ -1,4 +1,5 @@
-"""docs/http-api.md against a real balancer: every field its admin table names is in a real answer,
+"""docs/http-api.md against a real balancer: every field its admin table names is in a real answer
+(and every top-level field of an answer is in ``/openapi.json`` where that describes the answer),
 and every ``kvlb_*`` metric it names is exported at ``/metrics``.
 
 The admin table's rows name their answers' fields as ``"name"`` or `` `name` ``; each row's names,
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 from kvlb_harness import MODEL, Harness, running, shared_deepseek
 
+from balancer.api.openapi import openapi_document
 from balancer.tokenizer.tokenizer import Tokenizer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
@@ -65,6 +67,21 @@ def keys_in(value: Any, out: set[str]) -> set[str]:
     return out
 
 
+def schema_properties(method: str, template: str) -> set[str] | None:
+    """The top-level properties the OpenAPI document gives the 200 answer (``None``: it lists none)."""
+    document = openapi_document()
+    path = template.replace("{id}", "{replica}") if "replicas" in template else template
+    answer = document["paths"][path][method.lower()]["responses"]["200"]
+    schema = answer.get("content", {}).get("application/json", {}).get("schema", {})
+    parts = schema.get("allOf", [schema])
+    names: set[str] = set()
+    for part in parts:
+        if "$ref" in part:
+            part = document["components"]["schemas"][part["$ref"].rsplit("/", 1)[1]]
+        names |= set(part.get("properties", {}))
+    return names or None
+
+
 async def answers(h: Harness, holder: str) -> dict[tuple[str, str], Any]:
     """One real answer per admin row, from a balancer that has routed, changed policy and drained."""
     explain = {"model": MODEL, "prompt": PROMPT}
@@ -106,6 +123,13 @@ async def test_every_field_the_admin_table_names_is_in_a_real_answer(tokenizer: 
         for row, text in rows.items()
     }
     assert {row: names for row, names in missing.items() if names} == {}
+    # and where /openapi.json describes the answer's fields, it describes every one of them
+    undescribed = {}
+    for (method, template), answer in got.items():
+        described = schema_properties(method, template)
+        if described is not None and set(answer) - described:
+            undescribed[method, template] = sorted(set(answer) - described)
+    assert undescribed == {}
 
 
 async def test_every_metric_the_doc_names_is_exported(tokenizer: Tokenizer) -> None:
