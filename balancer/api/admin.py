@@ -43,6 +43,7 @@ from balancer.api.errors import ApiError
 from balancer.api.middleware import REQUEST_ID, STATE, caller, expect_continue
 from balancer.api.openai import WEIGHTS_HEADER, find_pool, read_body, tokenize
 from balancer.api.parsing import (
+    NO_QUERY,
     RequestKind,
     check_query,
     decimal_number,
@@ -89,6 +90,7 @@ def actor_of(value: str | None) -> str:
 
 
 async def get_policy(request: web.Request) -> web.Response:
+    check_query(request.query, NO_QUERY)
     body = {**request.app[STATE].policy.view.to_json(), **policy_choices()}
     return web.json_response(body, dumps=strict_json.dumps)
 
@@ -110,6 +112,7 @@ def policy_choices() -> dict[str, Any]:
 
 
 async def put_policy(request: web.Request) -> web.Response:
+    check_query(request.query, NO_QUERY)
     state = request.app[STATE]
     limits = state.settings.limits
     body = parse_json_object(await read_body(request, limits.max_body_bytes, state.settings.timeouts))
@@ -199,6 +202,7 @@ class Explained:
 
 async def explain(request: web.Request) -> web.Response:
     """Dry-run routing of a request body: the decision and all its terms, without committing."""
+    check_query(request.query, NO_QUERY)
     state = request.app[STATE]
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts)
@@ -238,6 +242,7 @@ def left_out(state: ServiceState, replicas: Iterable[str], plan: RoutePlan) -> d
 
 
 async def list_replicas(request: web.Request) -> web.Response:
+    check_query(request.query, NO_QUERY)
     state = request.app[STATE]
     return web.json_response({"replicas": replica_views(state)}, dumps=strict_json.dumps)
 
@@ -376,6 +381,7 @@ async def undrain(request: web.Request) -> web.Response:
 
 
 async def _set_draining(request: web.Request, draining: bool) -> web.Response:
+    check_query(request.query, NO_QUERY)
     state = request.app[STATE]
     replica = ReplicaId(request.match_info["replica"])
     raw = await read_body(request, state.settings.limits.max_body_bytes, state.settings.timeouts)
@@ -385,8 +391,13 @@ async def _set_draining(request: web.Request, draining: bool) -> web.Response:
     await set_draining(state, replica, draining, note)
     view: dict[str, Any] = {"replica": replica, "draining": draining}
     if draining:
-        view["drain"] = _ages(note.to_json(), state.wall_clock())
+        view["drain"] = drain_view(note, state.wall_clock())
     return web.json_response(view, dumps=strict_json.dumps)
+
+
+def drain_view(note: DrainNote, wall: float) -> dict[str, Any]:
+    """A drain's note as the drain's answer and ``health.drain`` show it (with ``at_age_s``)."""
+    return _ages(note.to_json(), wall)
 
 
 def drain_note(
@@ -452,6 +463,7 @@ async def series(request: web.Request) -> web.Response:
 
 
 async def fleet_view(request: web.Request) -> web.Response:
+    check_query(request.query, NO_QUERY)
     status = request.app[STATE].fleet_status
     return web.json_response({"fleet": None if status is None else status()}, dumps=strict_json.dumps)
 

@@ -32,10 +32,16 @@ from balancer import strict_json
 from balancer.api.errors import ApiError
 from balancer.api.middleware import STATE, expect_continue
 from balancer.api.openai import read_body
-from balancer.api.parsing import check_query, decimal_integer, parse_json_object, weights_from
+from balancer.api.parsing import NO_QUERY, check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
-from balancer.service.decisions import DecisionRecord, next_since, own_since, terms_by_replica
+from balancer.service.decisions import (
+    MAX_TENANT_CHARS,
+    DecisionRecord,
+    next_since,
+    own_since,
+    terms_by_replica,
+)
 from balancer.service.state import ServiceState
 from balancer.service.whatif import WhatIfResult, replay
 
@@ -173,6 +179,7 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
 
 
 async def whatif(request: web.Request) -> web.Response:
+    check_query(request.query, NO_QUERY)
     state = request.app[STATE]
     limits = state.settings.limits
     raw = await read_body(request, limits.max_body_bytes, state.settings.timeouts)
@@ -240,6 +247,13 @@ def _text_filter(query: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+def _tenant_filter(query: Mapping[str, str]) -> str | None:
+    """``tenant``, cut as a decision's tenant is kept (:data:`MAX_TENANT_CHARS`): the value of a
+    longer tenant header finds the requests sent with it."""
+    tenant = _text_filter(query, "tenant")
+    return None if tenant is None else tenant[:MAX_TENANT_CHARS]
+
+
 def _int_param(query: Mapping[str, str], name: str, low: int, high: int, default: int) -> int:
     """A query parameter of decimal digits only (no sign, no spaces, not empty) in ``low..high``."""
     raw = query.get(name)
@@ -278,7 +292,7 @@ def decisions_json(state: ServiceState, query: Mapping[str, str]) -> dict[str, A
     found = state.decisions.query(
         pool=pool,
         replica=_text_filter(query, "replica"),
-        tenant=_text_filter(query, "tenant"),
+        tenant=_tenant_filter(query),
         since_id=since_id,
         limit=_int_param(query, "limit", 1, MAX_LIMIT, DEFAULT_LIMIT),
     )
@@ -302,7 +316,7 @@ def decision_json(state: ServiceState, raw_id: str) -> dict[str, Any]:
 
 
 async def get_decision(request: web.Request) -> web.Response:
-    check_query(request.query, frozenset())
+    check_query(request.query, NO_QUERY)
     body = decision_json(request.app[STATE], request.match_info["id"])
     return web.json_response(body, dumps=strict_json.dumps)
 

@@ -20,9 +20,11 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 def _errors(*codes: int) -> dict[str, Any]:
     text = {
-        400: "Malformed body or headers (the message names the field)",
+        400: "Malformed body or headers, or a query parameter the endpoint does not take or given twice"
+        " (the message names it)",
         401: "Missing or wrong bearer token",
-        403: "x-kvlb-weights sent while auth.allow_weight_override is off",
+        403: "x-kvlb-weights sent while auth.allow_weight_override is off (/v1/*), or an admin write"
+        " whose Origin names another origin than the server's Host",
         404: "Unknown model (the message lists the known ones), replica, pool or decision",
         408: "Body not received within timeouts.body_read_s, or behind timeouts.body_min_rate_bytes_per_s",
         413: "Body over limits.max_body_bytes (with Expect: 100-continue, instead of the 100)",
@@ -58,6 +60,14 @@ _GENERATE = {
             "description": "JSON object of policy weight overrides (needs auth.allow_weight_override)",
             "schema": {"type": "string"},
         },
+        {
+            "name": "x-kvlb-tenant",
+            "in": "header",
+            "required": False,
+            "description": "The request's tenant for admission's turns and per-tenant limits (first 128"
+            " characters; the header's name is the setting tenant_header)",
+            "schema": {"type": "string"},
+        },
     ],
     "responses": {
         "200": {
@@ -91,6 +101,18 @@ _COMPLETION_BODY: dict[str, Any] = {
             "oneOf": [
                 {"type": "string"},
                 {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                {
+                    "type": "array",
+                    "description": "A batch of one prompt (a longer batch is a 400)",
+                    "minItems": 1,
+                    "maxItems": 1,
+                    "items": {
+                        "oneOf": [
+                            {"type": "string"},
+                            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+                        ]
+                    },
+                },
             ]
         },
     },
@@ -109,6 +131,16 @@ _CHAT_BODY: dict[str, Any] = {
                 "required": ["role"],
                 "properties": {"role": {"type": "string"}, "content": {"type": ["string", "array", "null"]}},
             },
+        },
+        "tools": {
+            "type": "array",
+            "items": {"type": "object"},
+            "description": "Rendered by the chat template",
+        },
+        "add_generation_prompt": {"type": "boolean"},
+        "chat_template_kwargs": {
+            "type": "object",
+            "description": "More variables of the chat template (not messages, tools, add_generation_prompt)",
         },
     },
 }
@@ -227,25 +259,17 @@ def _admin_paths() -> dict[str, Any]:
             "get": {
                 "summary": "Policy in force",
                 **admin,
-                "responses": {"200": _json(_POLICY, "Policy"), **_errors(401)},
+                "responses": {"200": _json(_POLICY, "Policy"), **_errors(400, 401)},
             },
             "put": {
                 "summary": "Change policy name and/or weights (applied at once, version + 1; with Redis,"
                 " 503 when the fleet could not store it, and then applied nowhere)",
                 **admin,
-                "parameters": [
-                    {
-                        "name": "x-kvlb-actor",
-                        "in": "header",
-                        "required": False,
-                        "description": "Who makes the change, for the audit log (default admin)",
-                        "schema": {"type": "string", "maxLength": 64},
-                    }
-                ],
+                "parameters": [_ACTOR],
                 "requestBody": _body(_POLICY_CHANGE),
                 "responses": {
-                    "200": _json(_POLICY, "Policy after the change"),
-                    **_errors(400, 401, 408, 413, 417, 503),
+                    "200": _json(_POLICY_CHANGED, "Policy after the change, and what changed"),
+                    **_errors(400, 401, 403, 408, 413, 417, 503),
                 },
             },
         },
@@ -253,22 +277,32 @@ def _admin_paths() -> dict[str, Any]:
             "post": {
                 "summary": "Dry-run routing of a request body: the decision with every cost term",
                 **admin,
+                "parameters": [
+                    {
+                        "name": "x-kvlb-weights",
+                        "in": "header",
+                        "required": False,
+                        "description": "JSON object of policy weights to try (whatever"
+                        " auth.allow_weight_override says)",
+                        "schema": {"type": "string"},
+                    }
+                ],
                 "requestBody": _body({"oneOf": [_CHAT_BODY, _COMPLETION_BODY]}),
-                "responses": {"200": ok, **_errors(400, 401, 404, 408, 413, 417, 429, 503)},
+                "responses": {"200": ok, **_errors(400, 401, 403, 404, 408, 413, 417, 429, 503)},
             }
         },
         "/admin/replicas": {
             "get": {
                 "summary": "Health, load, index and event status per replica",
                 **admin,
-                "responses": {"200": ok, **_errors(401)},
+                "responses": {"200": ok, **_errors(400, 401)},
             }
         },
         "/admin/fleet": {
             "get": {
                 "summary": "With Redis: fleet members, this balancer's leases and mirrors (else null)",
                 **admin,
-                "responses": {"200": ok, **_errors(401)},
+                "responses": {"200": ok, **_errors(400, 401)},
             }
         },
         "/admin/series": {
@@ -332,7 +366,7 @@ def _console_paths(admin: dict[str, Any]) -> dict[str, Any]:
                 "requestBody": _body(_WHATIF),
                 "responses": {
                     "200": _json(_WHATIF_ANSWER, "The replay's figures"),
-                    **_errors(400, 401, 404, 408, 413, 417, 429),
+                    **_errors(400, 401, 403, 404, 408, 413, 417, 429),
                 },
             }
         },
@@ -434,18 +468,41 @@ _WHATIF_ANSWER: dict[str, Any] = {
     "type": "object",
     "properties": {
         "pool": {"type": "string"},
+        "policy": {"type": "string", "description": "The policy replayed"},
+        "weights": {
+            "type": "object",
+            "description": "The weights replayed (the proposed ones over those in force)",
+        },
         "decisions": {"type": "integer"},
+        "changed": {"type": "integer", "description": "Decisions that would go to another replica"},
         "changed_share": {"type": "number"},
         "before": _WHATIF_SIDE,
         "after": _WHATIF_SIDE,
         "replicas": {"type": "array", "items": {"type": "object"}},
         "sample": {"type": "array", "items": {"type": "object"}},
         "notes": {"type": "array", "items": {"type": "string"}},
+        "tallies": {"type": "object", "description": "The counts the notes give"},
+        "elapsed_s": {"type": "number"},
     },
 }
 
 
 _POLICY = {"$ref": "#/components/schemas/Policy"}
+_POLICY_CHANGED = {
+    "allOf": [
+        _POLICY,
+        {
+            "type": "object",
+            "properties": {
+                "changed": {
+                    "type": "object",
+                    "description": "Each field changed, as [old, new]",
+                    "additionalProperties": {"type": "array", "minItems": 2, "maxItems": 2},
+                }
+            },
+        },
+    ]
+}
 _POLICY_CHANGE = {
     "type": "object",
     "additionalProperties": False,
@@ -458,8 +515,16 @@ _POLICY_CHANGE = {
         "reason": {"type": ["string", "null"], "maxLength": 500, "description": "Why, for the audit log"},
     },
 }
+_ACTOR = {
+    "name": "x-kvlb-actor",
+    "in": "header",
+    "required": False,
+    "description": "Who makes the change, for the audit log (printable, at most 64 characters; default"
+    " admin)",
+    "schema": {"type": "string", "maxLength": 64},
+}
 _REPLICA = {
-    "parameters": [{"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}}],
+    "parameters": [{"name": "replica", "in": "path", "required": True, "schema": {"type": "string"}}, _ACTOR],
     "requestBody": {
         "required": False,
         "content": {
@@ -478,6 +543,6 @@ _REPLICA = {
             }
         },
     },
-    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(400, 401, 404, 408, 413, 503)},
+    "responses": {"200": _json({"type": "object"}, "OK"), **_errors(400, 401, 403, 404, 408, 413, 417, 503)},
 }
 """A drain or undrain (optional body: its reason): 503 when the fleet's Redis did not store it."""

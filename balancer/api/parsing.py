@@ -534,6 +534,10 @@ def decimal_integer(text: str) -> int | None:
         return None
 
 
+NO_QUERY: frozenset[str] = frozenset()
+"""The query parameters of an endpoint that takes none: any is a 400 (:func:`check_query`)."""
+
+
 def check_query(query: Mapping[str, str], known: frozenset[str]) -> None:
     """400 unless every query parameter in ``query`` (a multidict: aiohttp's ``request.query``) is
     one of ``known`` and given once: a repeated parameter is refused, not read as its first value."""

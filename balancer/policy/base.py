@@ -5,9 +5,11 @@ A policy is a pure function of ``(request, overlap, load, weights, rng)`` that r
 ``random.Random`` it is given, and never reserves load or touches the index: the router commits a
 decision (``LoadTracker.reserve``, speculative index entries) after the policy returns.
 
-State: every policy is stateless except ``round_robin``, whose rotation counter is the policy
-instance's own attribute. The registry (:mod:`balancer.policy.registry`) therefore maps a name to a
-*factory*: each router builds its own instance, and nothing is shared at module level. This module
+State: every policy is stateless. What a decision depends on beyond the request, the index and
+the load (the credit ramp's average, ``round_robin``'s rotation) the router keeps and passes in
+:class:`RouteRequest`, advancing it when it commits a decision, so a dry run changes nothing. The
+registry (:mod:`balancer.policy.registry`) maps a name to a *factory* all the same: each router
+builds its own instance, and nothing is shared at module level. This module
 imports no implementation; the implementations import it.
 """
 
@@ -341,6 +343,10 @@ class RouteRequest:
     ramp_last_share: float | None = None
     """The busy share the decision that stored :attr:`ramp_share` saw (``Decision.busy_share``):
     the sample the policy holds over the time since then; ``None`` before the first one."""
+    rotation: int = 0
+    """The router's committed decisions so far: ``round_robin`` takes ``candidates[rotation mod
+    n]``. The router counts it at commitment, so a dry run (``POST /admin/explain``, gRPC ``Route``
+    without ``reserve``) shows the choice the next request gets and moves nothing."""
 
 
 @quick_init
@@ -355,7 +361,8 @@ class PolicyInputs:
 
 
 class Policy(Protocol):
-    """A routing policy: pure, side-effect free (``round_robin`` advances only its own counter).
+    """A routing policy: pure and side-effect free (calling it twice on the same inputs decides the
+    same, but for draws from ``rng``).
 
     Raises :class:`~balancer.errors.NoReplicasAvailable` when ``request.candidates`` is empty.
     """

@@ -7,7 +7,8 @@ baseline fills :class:`~balancer.types.CostTerms` with the load fields; ``cost``
 compares (``None`` when it does not score) and the three cost terms are 0. Ties are broken
 uniformly with the given ``rng``.
 
-Only :class:`RoundRobin` has state: a rotation counter owned by the instance (one per router).
+None has state: :class:`RoundRobin`'s rotation is the router's count of committed decisions
+(``RouteRequest.rotation``).
 """
 
 from __future__ import annotations
@@ -45,17 +46,12 @@ def _terms(
 
 
 class RoundRobin:
-    """``chosen = candidates[k mod n]``, then ``k ← (k mod n) + 1``.
-
-    The counter ``k`` is this instance's own state, the only mutable state of any policy: build one
-    instance per router (``POLICIES["round_robin"]()``). It wraps with the candidate count, so it
-    stays small, and it ignores load and cache entirely.
+    """``chosen = candidates[k mod n]``, ``k`` the router's committed decisions so far
+    (``RouteRequest.rotation``, advanced by the router at commitment, not here: a dry run moves
+    nothing). It ignores load and cache entirely.
     """
 
     name = "round_robin"
-
-    def __init__(self) -> None:
-        self._next = 0
 
     def __call__(
         self,
@@ -66,8 +62,7 @@ class RoundRobin:
         rng: random.Random,
     ) -> Decision:
         candidates = candidates_of(request)
-        index = self._next % len(candidates)
-        self._next = index + 1
+        index = request.rotation % len(candidates)
         terms = _terms(request, overlap, load, candidates)
         return decide(self.name, candidates[index], request, overlap, load, terms, "rotation")
 

@@ -13,7 +13,8 @@ For each candidate replica ``r`` (lower is better)::
 * ``pending_prefill_blocks_r``: uncached prompt tokens of requests this balancer routed to ``r``
   that have not produced a first token yet, divided by the block size (router-tracked).
 * ``request_blocks``: full blocks of this request's prompt; ``overlap_r`` the leading ones ``r``
-  already holds (clamped to ``request_blocks``), so the prefill term is never negative.
+  already holds (clamped to ``request_blocks``), so with a credit of at most 1 the prefill term is
+  never negative (above 1 a holder's can be: only differences between replicas count).
 * ``active_decode_blocks_r``: KV blocks of requests decoding on ``r`` (router-tracked).
 * ``waiting_r``: the engine's scraped queue length, 0 when unknown or stale.
 * ``credit_r`` = the decision's credit, or 0 when the imbalance guard withdraws it (below). Above 1

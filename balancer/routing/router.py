@@ -235,6 +235,9 @@ class PoolRouter:
         self._hash_trust: dict[ReplicaId, tuple[int, int]] = {}
         """Per replica with ``block_hashes``: (blocks matched, receipts checked); matched -1 once
         a computed hash contradicted the engine's events (never trusted again)."""
+        self.rotation = 0
+        """Decisions committed so far (``RouteRequest.rotation``, ``round_robin``'s turn): advanced
+        by :meth:`commit` only, so :meth:`select` without a commitment moves nothing."""
         self.ramp_average = ShareAverage()
         """The credit ramp's memory (``PolicyWeights.ramp_memory_s``): the busy share averaged in
         time over this router's committed decisions, and when it was last advanced. :meth:`plan`
@@ -493,6 +496,7 @@ class PoolRouter:
             ramp_share=self.ramp_average.share,
             ramp_at_s=self.ramp_average.at_s,
             ramp_last_share=self.ramp_average.last_share,
+            rotation=self.rotation,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, roots)
         snapshot = self.load_snapshot(now)
@@ -545,6 +549,8 @@ class PoolRouter:
         reserved = self.tracker().reserve(
             request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
         )
+        if reserved:
+            self.rotation += 1
         if reserved and plan.decision.ramp_share is not None:
             decided_s = plan.inputs.load.now if plan.inputs is not None else now
             decision = plan.decision

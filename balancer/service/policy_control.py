@@ -42,7 +42,8 @@ class PolicyView:
 
 class PolicyControl:
     """The runtime-tunable policy: its name, weights and version, and one instance per pool
-    (``round_robin`` keeps its rotation per instance, so pools never share one)."""
+    (policies are stateless: ``round_robin``'s rotation is each pool's router's, :class:`RouteRequest
+    <balancer.policy.base.RouteRequest>`)."""
 
     def __init__(self, name: str, weights: PolicyWeights, wall_now: float) -> None:
         make_policy(name)  # validates the name

@@ -286,8 +286,6 @@ def _notes(
             "the average started at its own busy share, the instant share it was made with; what the "
             "memory would change over the history is not shown"
         )
-    if policy == "round_robin":
-        notes.append("round_robin is replayed from a fresh rotation")
     if policy in ("random", "power_of_two") or weights.temperature > 0:
         notes.append("a sampling policy: random draws are coupled to the recorded ones, not reproduced")
     return notes

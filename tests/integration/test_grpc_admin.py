@@ -8,7 +8,7 @@ import grpc
 import pytest
 from google.protobuf import struct_pb2
 from grpc_harness import bearer, failure, grpc_running, token_request
-from kvlb_harness import shared_deepseek
+from kvlb_harness import MODEL, shared_deepseek
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -36,9 +36,14 @@ async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_versi
     async with grpc_running(tokenizer, auth__admin_token="root") as g:
         holder = await g.http.warm(PREFIX)
 
-        async def routed(count: int) -> list[str]:
-            requests = [pb.RouteRequest(request=token_request([*PREFIX, i])) for i in range(count)]
-            return [(await g.balancer.Route(r)).replica_id for r in requests]
+        async def routed(count: int, reserve: bool = False) -> list[str]:
+            requests = [
+                pb.RouteRequest(request=token_request([*PREFIX, i]), reserve=reserve) for i in range(count)
+            ]
+            answers = [await g.balancer.Route(r) for r in requests]
+            for answer in answers if reserve else ():
+                await g.balancer.Release(pb.ReleaseRequest(request_id=answer.request_id))
+            return [answer.replica_id for answer in answers]
 
         assert await routed(3) == [holder] * 3
         answer = await g.admin.SetPolicy(pb.SetPolicyRequest(name="round_robin"), metadata=ADMIN)
@@ -48,7 +53,8 @@ async def test_set_policy_changes_decisions_at_once_and_http_sees_the_same_versi
         ]
         audit = [r.getMessage() for r in caplog.records if r.name == "balancer.api.admin"]
         assert len(audit) == 1 and audit[0].startswith("policy v2 set by token:")
-        assert sorted(set(await routed(4))) == ["r0", "r1"]
+        assert len(set(await routed(4))) == 1  # a Route without reserve commits nothing: no rotation
+        assert sorted(set(await routed(4, reserve=True))) == ["r0", "r1"]  # committed: it rotates
         http_view = await g.http.admin("GET", "/admin/policy")
         assert http_view["version"] == 2 and http_view["name"] == "round_robin"
         assert http_view["updated_by"] == answer.policy.updated_by
@@ -100,8 +106,18 @@ async def test_list_and_drain_replicas(tokenizer: Tokenizer) -> None:
         for i in range(3):
             routed = await g.balancer.Route(pb.RouteRequest(request=token_request([*PREFIX, i])))
             assert routed.replica_id == "r1"
+        # The HTTP twins' answers: the drain's note, and explain's left_out saying why r0 has no terms.
+        assert (drained.drain["by"], drained.drain["reason"]) == ("alice", "node maintenance")
+        assert drained.drain["caller"] == health["drain"]["caller"]
+        explained = await g.admin.Explain(pb.ExplainRequest(request=token_request(PREFIX)), metadata=ADMIN)
+        explained_http = await g.http.admin("POST", "/admin/explain", {"model": MODEL, "prompt": PREFIX})
+        assert [t.replica for t in explained.decision.terms] == ["r1"]
+        assert dict(explained.left_out) == explained_http["left_out"] == {"r0": "draining"}
         undrain = pb.DrainReplicaRequest(replica_id="r0", undrain=True)
-        assert not (await g.admin.DrainReplica(undrain, metadata=ADMIN)).draining
+        undrained = await g.admin.DrainReplica(undrain, metadata=ADMIN)
+        assert not undrained.draining and not undrained.HasField("drain")
+        explained = await g.admin.Explain(pb.ExplainRequest(request=token_request(PREFIX)), metadata=ADMIN)
+        assert len(explained.decision.terms) == 2 and not explained.left_out
         missing = await failure(g.admin.DrainReplica(pb.DrainReplicaRequest(replica_id="r9"), metadata=ADMIN))
         assert missing.code() == grpc.StatusCode.NOT_FOUND and "r0, r1" in missing.details()
 

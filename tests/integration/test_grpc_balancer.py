@@ -206,3 +206,31 @@ async def test_a_client_going_away_stops_the_replica_and_releases_the_load(token
 
 def _other(replica: str) -> str:
     return "r1" if replica == "r0" else "r0"
+
+
+async def test_dry_runs_leave_round_robins_rotation_where_it_is(tokenizer: Tokenizer) -> None:
+    """``POST /admin/explain`` "answers the decision it would get now" and gRPC ``Route`` without
+    ``reserve`` "commits nothing" (docs/http-api.md): under ``round_robin`` the replica either names
+    is where the next request goes, however many dry runs came first, and a reserved ``Route``
+    (a commitment) moves the rotation as a forwarded request does."""
+    async with grpc_running(tokenizer, 3, policy__name="round_robin") as g:
+        prompt = [5, 6, 7, 8, 9]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+        went = []
+        for turn in range(4):
+            explained = [
+                (await g.http.admin("POST", "/admin/explain", body))["decision"]["replica"] for _ in range(3)
+            ]
+            routed = [
+                (await g.balancer.Route(pb.RouteRequest(request=token_request(prompt)))).replica_id
+                for _ in range(3)
+            ]
+            assert len({*explained, *routed}) == 1, (turn, explained, routed)
+            answer = await g.http.post("/v1/completions", body)
+            assert answer.status == 200 and answer.headers["x-kvlb-replica"] == explained[0], turn
+            went.append(explained[0])
+        assert went[:3] == sorted(went[:3]) and went[3] == went[0]  # the rotation, one step a request
+        reserved = await g.balancer.Route(pb.RouteRequest(request=token_request(prompt), reserve=True))
+        assert reserved.replica_id == went[1]
+        assert (await g.http.admin("POST", "/admin/explain", body))["decision"]["replica"] == went[2]
+        await g.balancer.Release(pb.ReleaseRequest(request_id=reserved.request_id))

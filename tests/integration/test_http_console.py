@@ -265,3 +265,20 @@ async def test_a_cancelled_whatif_stops_its_thread(tokenizer: Tokenizer) -> None
             return state.whatif_running == 0
 
         await wait_for("the replay's thread to stop", freed, timeout_s=3.0)
+
+
+async def test_a_long_tenant_header_value_finds_its_decisions(tokenizer: Tokenizer) -> None:
+    """A decision keeps the first 128 characters of its tenant; ``?tenant=`` with the header's whole
+    value (docs/http-api.md: "kept with the request's decision for GET /admin/decisions?tenant=")
+    finds it, as the cut value does, and no other tenant's."""
+    long_tenant = "tenant-" + "x" * 193  # 200 characters
+    async with running(tokenizer, 2, auth__admin_token=TOKEN) as h:
+        await _send(h, [1, 2, 3, 4], long_tenant)
+        await _send(h, [5, 6, 7, 8], long_tenant[:128] + "-other")  # the same first 128 characters
+        await _send(h, [9, 10, 11, 12], "short")
+        for asked in (long_tenant, long_tenant[:128]):
+            status, found = await _call(h, "GET", f"/admin/decisions?tenant={asked}")
+            assert status == 200, found
+            assert [d["tenant"] for d in found["decisions"]] == [long_tenant[:128]] * 2
+        status, short = await _call(h, "GET", "/admin/decisions?tenant=short")
+        assert status == 200 and len(short["decisions"]) == 1

@@ -6,6 +6,8 @@ Every operation that reads a body answers 408 to a body that has not arrived
 ``POST /admin/whatif``) as well as ``/v1/*``. A client whose body write lags its header write gets
 that 408 (``requests`` sends the two in separate writes, so a stalled schemathesis run can meet it).
 ``POST /admin/explain`` answers 429 while every replica holds ``limits.max_inflight_per_replica``.
+Every admin operation answers 400 to a query parameter it does not take (or one given twice), and
+every admin write 403 to another ``Origin`` and 417 to an ``Expect`` other than ``100-continue``.
 """
 
 from __future__ import annotations
@@ -110,3 +112,56 @@ async def test_explain_documents_its_429_while_every_replica_is_full(tokenizer: 
         finally:
             response.close()
         assert 429 in documented("POST", "/admin/explain")
+
+
+def admin_operations() -> list[tuple[str, str]]:
+    """Every ``/admin`` operation of the OpenAPI document, as (method, path template)."""
+    return [
+        (method.upper(), path)
+        for path, ops in openapi_document()["paths"].items()
+        if path.startswith("/admin")
+        for method in ops
+    ]
+
+
+def concrete(template: str) -> str:
+    return template.replace("{replica}", "r0").replace("{id}", "1")
+
+
+async def test_every_admin_operation_refuses_a_query_parameter_it_does_not_take(tokenizer: Tokenizer) -> None:
+    """docs/http-api.md: "A query parameter the endpoint does not take, or one given more than once,
+    is a 400", on every admin endpoint, before it reads the body: the write is not made."""
+    async with running(tokenizer, 2, auth__admin_token=TOKEN) as h:
+        answer = await h.post("/v1/completions", BODIES["POST", "/v1/completions"])  # decision 1
+        assert answer.status == 200, answer.body
+        version = (await h.admin("GET", "/admin/policy"))["version"]
+        for method, template in admin_operations():
+            body = BODIES.get((method, template))
+            data = None if body is None else json.dumps(body).encode()
+            for query in ("?bogus=1", "?bogus=1&bogus=2"):
+                path = concrete(template) + query
+                async with h.session.request(method, h.url + path, data=data, headers=AUTH) as response:
+                    answer_json = await response.json()
+                    assert response.status == 400, (method, path, response.status, answer_json)
+                assert "unknown query parameter(s) ['bogus']" in answer_json["error"]["message"], answer_json
+            assert 400 in documented(method, template), (method, template)
+        assert (await h.admin("GET", "/admin/policy"))["version"] == version  # no change was applied
+        assert not (await h.replica_view("r0"))["health"]["draining"]
+
+
+async def test_every_admin_write_documents_its_403_and_417(tokenizer: Tokenizer) -> None:
+    """An admin write from another ``Origin`` is a 403 and an ``Expect`` other than ``100-continue``
+    a 417 (docs/http-api.md), and the OpenAPI document lists both for each of them."""
+    async with running(tokenizer, 2, auth__admin_token=TOKEN) as h:
+        writes = [(m, t) for m, t in admin_operations() if m != "GET"]
+        assert writes and all((m, t) in BODIES for m, t in writes)
+        for method, template in writes:
+            data = json.dumps(BODIES[method, template]).encode()
+            url = h.url + concrete(template)
+            foreign = {**AUTH, "Origin": "http://elsewhere.example"}
+            async with h.session.request(method, url, data=data, headers=foreign) as response:
+                assert response.status == 403, (method, template, response.status)
+                assert "another origin" in (await response.json())["error"]["message"]
+            async with h.session.request(method, url, data=data, headers={**AUTH, "Expect": "x"}) as response:
+                assert response.status == 417, (method, template, response.status)
+            assert {403, 417} <= documented(method, template), (method, template)

@@ -38,6 +38,7 @@ def call(
     request_blocks: int = 10,
     session_key: str | None = None,
     rng: random.Random | None = None,
+    rotation: int = 0,
     **weights: Any,
 ) -> Decision:
     request = RouteRequest(
@@ -45,6 +46,7 @@ def call(
         request_blocks=request_blocks,
         prompt_tokens=request_blocks * BLOCK,
         session_key=session_key,
+        rotation=rotation,
     )
     return policy(
         request,
@@ -71,12 +73,23 @@ def test_every_policy_explains_every_candidate(name: str) -> None:
         call(make_policy(name), ())
 
 
-def test_round_robin_rotates_and_each_instance_has_its_own_counter() -> None:
-    first, second = RoundRobin(), RoundRobin()
-    assert [call(first, (A, B, C)).replica for _ in range(4)] == [A, B, C, A]
-    assert call(second, (A, B, C)).replica == A
-    assert call(first, (A, B)).replica == B  # counter 2 wraps over the smaller set
-    assert all(t.cost is None for t in call(first, (A, B)).terms)
+@pytest.mark.parametrize("name", POLICY_NAMES)
+def test_every_policy_decides_alike_when_asked_again(name: str) -> None:
+    """Asking is side-effect free (a dry run moves nothing): the same inputs and an rng in the same
+    state give the same decision, however often the policy was asked before."""
+    policy = make_policy(name)
+    first = [
+        call(policy, (A, B, C), overlaps={B: 4}, session_key="k", rng=random.Random(3)) for _ in range(4)
+    ]
+    assert all(decision == first[0] for decision in first)
+
+
+def test_round_robin_takes_the_routers_rotation_and_keeps_no_state() -> None:
+    policy = RoundRobin()
+    assert [call(policy, (A, B, C), rotation=k).replica for k in range(4)] == [A, B, C, A]
+    assert [call(policy, (A, B, C)).replica for _ in range(3)] == [A, A, A]  # asking moves nothing
+    assert call(policy, (A, B), rotation=5).replica == B  # wraps over the smaller set
+    assert all(t.cost is None for t in call(policy, (A, B)).terms)
 
 
 def test_random_is_seeded_uniform() -> None:

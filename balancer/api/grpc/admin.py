@@ -18,6 +18,7 @@ from balancer.api.admin import (
     actor_of,
     change_policy,
     drain_note,
+    drain_view,
     explain_raw,
     replica_views,
     set_draining,
@@ -84,6 +85,7 @@ class AdminService:
             cached_tokens=plan.cached_tokens,
             weights=struct_of(explained.weights.to_dict()),
             decision=decision_message(plan.decision),
+            left_out=explained.left_out,
         )
 
     async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> pb.ListReplicasResponse:
@@ -118,7 +120,10 @@ class AdminService:
             path = f"/admin/replicas/{quote(request.replica_id, safe='')}/{action}"
             data = strict_json.dumps(note.replayed()).encode("utf-8") if draining else b""
             await self.state.admin_fan_out("POST", path, data, call.metadata.get(ACTOR_HEADER))
-        return pb.DrainReplicaResponse(replica_id=request.replica_id, draining=draining)
+        answer = pb.DrainReplicaResponse(replica_id=request.replica_id, draining=draining)
+        if draining:
+            answer.drain.CopyFrom(struct_of(drain_view(note, self.state.wall_clock())))
+        return answer
 
     async def what_if(self, request: pb.WhatIfRequest, call: Call) -> pb.WhatIfResponse:
         body: dict[str, Any] = {}
