@@ -302,7 +302,8 @@ class RedisConfig:
     tls_ca_file: str | None = None
     """``rediss://`` only: CA bundle that signed the server's certificate (``None``: system CAs)."""
     instance_id: str | None = None
-    """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique."""
+    """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique
+    per ``kvlb serve``: each worker of ``--workers N`` appends ``-w<index>`` to it."""
     lease_ttl_s: float = 5.0
     """Ingestion lease lifetime without renewal (seconds): a dead balancer's replicas are taken over
     this long (plus up to ``tick_s``) after its last renewal."""

@@ -88,6 +88,20 @@ def space_name(model: str, block_size: int, mode: str) -> str:
     return f"{model}/{block_size}/{mode}"
 
 
+def instance_name(configured: str | None, worker: int | None, default: Callable[[], str]) -> str:
+    """This balancer's name among the fleet's members and as the holder of its leases: the configured
+    ``redis.instance_id`` (``default()`` when unset), with ``-w<index>`` appended for a worker of
+    ``kvlb serve --workers N`` (``worker``; ``None`` for a single process). Every worker is a member
+    of its own: they ingest their own leases. Until 2026-12-01 a configured id was taken as it was by
+    every worker, which then held the same leases together (both ingesting) and counted as one."""
+    name = configured or default()
+    return name if worker is None else f"{name}-w{worker}"
+
+
+def _default_instance() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
+
+
 def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> RedisClient:
     """A pooled client for ``config.url``: one server, or a Redis Cluster with ``config.cluster``
     (TLS and AUTH come from the URL; the CA from the config)."""
@@ -119,14 +133,13 @@ class _Space:
 class FleetRuntime:
     """Every Redis-backed part of one balancer; ``start`` after the pools, ``stop`` before them."""
 
-    def __init__(self, state: ServiceState, *, thread: IngestThread) -> None:
+    def __init__(self, state: ServiceState, *, thread: IngestThread, worker: int | None = None) -> None:
         """``thread``: where the writers and the ingest run (started by :meth:`start`; its owner
-        stops it after :meth:`stop`)."""
+        stops it after :meth:`stop`). ``worker``: this process's index among the workers of
+        ``kvlb serve --workers N`` (N > 1), else ``None`` (:func:`instance_name`)."""
         self.state = state
         self.config = state.settings.redis
-        self.instance = (
-            self.config.instance_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-        )
+        self.instance = instance_name(self.config.instance_id, worker, _default_instance)
         self.text = redis_client(self.config, decode=True)
         self.raw = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)
         self.writer_client = redis_client(self.config, decode=True)
