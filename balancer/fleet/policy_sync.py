@@ -64,7 +64,7 @@ end
 local v = ARGV[6] ~= '' and tonumber(ARGV[6]) or redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4],
   'actor', ARGV[8], 'reason', ARGV[9])
-redis.call('PUBLISH', ARGV[5], v)
+redis.pcall('PUBLISH', ARGV[5], v) -- refused (an ACL user without the channel): the polls follow it
 return {v, repaired}
 """
 
