@@ -328,6 +328,8 @@ class RedisConfig:
         """Raise :class:`ConfigError` naming the first bad field."""
         if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError("redis.url must start with redis:// or rediss://")
+        if self.url is not None:
+            _check_redis_url(self.url)
         if self.cluster and self.url is None:
             raise ConfigError("redis.cluster needs redis.url (a seed node of the cluster)")
         if self.cluster and self.url is not None and urlsplit(self.url).path.strip("/") not in ("", "0"):
@@ -343,6 +345,25 @@ class RedisConfig:
             raise ConfigError("redis.tick_s must be at most half of redis.lease_ttl_s")
         if self.stream_maxlen < 100:
             raise ConfigError("redis.stream_maxlen must be >= 100")
+
+
+_ESCAPE_HINT = "(a password with '/', '?', '#' or '@' goes percent-encoded: '/' as %2F, '@' as %40)"
+
+
+def _check_redis_url(url: str) -> None:
+    """A ``redis://`` URL's host, port and database, checked without naming its password. Until
+    2026-12-01 a port that is not a number (often a password with an unencoded ``/``) stopped
+    ``kvlb serve`` with redis-py's traceback, and a database that is not one was taken as 0."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        raise ConfigError(f"redis.url: the port is not a number in 0..65535 {_ESCAPE_HINT}") from None
+    if not parts.hostname:
+        raise ConfigError(f"redis.url names no host {_ESCAPE_HINT}")
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        raise ConfigError(f"redis.url: the database (after the port) must be a number {_ESCAPE_HINT}")
 
 
 @dataclass(frozen=True, slots=True)
