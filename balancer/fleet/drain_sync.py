@@ -156,11 +156,16 @@ class DrainSync:
     # ------------------------------------------------------------------ Redis → local
 
     async def sync(self) -> None:
-        """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing)."""
-        writes = self._writes
-        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed replaces it with ours
+        """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing).
+        Redis counts as working again only once the whole sync did, the seed's write included (as
+        :meth:`PolicySync.sync <balancer.fleet.policy_sync.PolicySync.sync>`)."""
+        await self._sync()
         self._on_redis(True)
         self._warnings.resolved("drain_redis_error", "")
+
+    async def _sync(self) -> None:
+        writes = self._writes
+        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed replaces it with ours
         if MARKER not in raw:
             await self._seed()
             return

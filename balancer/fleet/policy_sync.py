@@ -147,11 +147,18 @@ class PolicySync:
     # ------------------------------------------------------------------ Redis → local
 
     async def sync(self) -> None:
-        """Adopt the stored policy, or seed Redis with ours when it has none."""
-        writes = self._writes
-        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed repairs it with ours
+        """Adopt the stored policy, or seed Redis with ours when it has none. Redis counts as working
+        again only once the whole sync did, the seed's write included: a server that answers reads
+        and refuses writes (a read-only replica given as the URL, ``maxmemory`` with
+        ``noeviction``) logged its refusal at every retry until 2026-12-01, its read having
+        "resolved" it in between."""
+        await self._sync()
         self._on_redis(True)
         self._warnings.resolved("policy_redis_error", "")
+
+    async def _sync(self) -> None:
+        writes = self._writes
+        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed repairs it with ours
         if not raw.get("version") or not raw["version"].isdigit():
             if await self._store(self.control.view, seed=True) >= 0:
                 self._synced = True  # ours is the fleet's: later adoptions are changes

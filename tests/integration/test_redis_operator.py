@@ -74,3 +74,29 @@ async def test_an_acl_user_without_channels_changes_policy_and_drains(
         assert all("following it by polling" in line for line in refusals), refusals
     finally:
         server.stop()
+
+
+async def test_a_read_only_replica_as_the_url_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A replica of the fleet's Redis given as ``redis.url`` by mistake answers reads and refuses
+    every write (``READONLY``): the balancer stays ready on its mirrors, shows Redis failing, and each
+    component logs the refusal once while it lasts (retrying with backoff). Before 2026-12-01 the
+    policy and drain syncs' read "resolved" their warning before their seed's write failed again:
+    a line at every retry (4 each in these 2.5 s)."""
+    caplog.set_level(logging.WARNING)
+    primary, replica = start_server(), start_server()
+    try:
+        with redis.Redis(host="127.0.0.1", port=replica.port) as client:
+            client.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))
+        async with (
+            completion_replica(_unused) as replica_url,
+            balancer_over(replica_url, redis={"url": replica.url, **FAST}) as (balancer, _),
+        ):
+            await asyncio.sleep(2.5)
+            assert balancer.fleet is not None and balancer.fleet.redis_down()
+        for sync in ("policy sync", "drain sync"):
+            lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(sync)]
+            assert len(lines) == 1, lines
+            assert "read only replica" in lines[0]
+    finally:
+        replica.stop()
+        primary.stop()
