@@ -103,7 +103,7 @@ class DrainSync:
         poll_s: float,
         metrics: Metrics,
         wall_clock: Callable[[], float] = time.time,
-        on_redis: Callable[[bool], None] = lambda ok: None,
+        on_redis: Callable[[BaseException | None], None] = lambda error: None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``client`` must decode responses."""
@@ -139,7 +139,7 @@ class DrainSync:
             raise DrainCommitError(not_stored("replica", exc)) from exc
         finally:
             self._writing -= 1
-        self._on_redis(True)
+        self._on_redis(None)
         self._repaired(repaired)
 
     async def _seed(self) -> None:
@@ -160,7 +160,7 @@ class DrainSync:
         Redis counts as working again only once the whole sync did, the seed's write included (as
         :meth:`PolicySync.sync <balancer.fleet.policy_sync.PolicySync.sync>`)."""
         await self._sync()
-        self._on_redis(True)
+        self._on_redis(None)
         self._warnings.resolved("drain_redis_error", "")
 
     async def _sync(self) -> None:
@@ -183,6 +183,6 @@ class DrainSync:
         await follow_channel(self.client, self.channel, self.poll_s, self.sync, self._failed, stop)
 
     def _failed(self, exc: BaseException) -> None:
-        self._on_redis(False)
+        self._on_redis(exc)
         self._metrics.redis_errors_total.labels("drain").inc()
         self._warnings.warning("drain_redis_error", "", "drain sync: redis error: %s", exc)

@@ -80,7 +80,7 @@ class PolicySync:
         key_prefix: str,
         poll_s: float,
         metrics: Metrics,
-        on_redis: Callable[[bool], None] = lambda ok: None,
+        on_redis: Callable[[BaseException | None], None] = lambda error: None,
         monotonic: Callable[[], float] = time.monotonic,
         audit: AuditLog | None = None,
     ) -> None:
@@ -129,7 +129,7 @@ class PolicySync:
             raise PolicyCommitError(not_stored("policy", exc)) from exc
         finally:
             self._writing -= 1
-        self._on_redis(True)
+        self._on_redis(None)
         self._metrics.redis_policy_updates_total.labels("local").inc()
         log.info("policy v%d written to Redis", version)
         return _with_version(view, version)
@@ -153,7 +153,7 @@ class PolicySync:
         ``noeviction``) logged its refusal at every retry until 2026-12-01, its read having
         "resolved" it in between."""
         await self._sync()
-        self._on_redis(True)
+        self._on_redis(None)
         self._warnings.resolved("policy_redis_error", "")
 
     async def _sync(self) -> None:
@@ -217,7 +217,7 @@ class PolicySync:
         self._warnings.warning("policy_invalid", "", "ignoring the policy stored in Redis: %s", reason)
 
     def _failed(self, exc: BaseException) -> None:
-        self._on_redis(False)
+        self._on_redis(exc)
         self._metrics.redis_errors_total.labels("policy").inc()
         self._warnings.warning("policy_redis_error", "", "policy sync: redis error: %s", exc)
 

@@ -53,6 +53,10 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import AuthenticationError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
 from balancer.config import RedisConfig, ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import DrainSync
@@ -158,6 +162,8 @@ class FleetRuntime:
         self._tasks: list[asyncio.Task[None]] = []
         self._redis_ok_at = 0.0
         self._redis_failed_at = 0.0
+        self._redis_error: BaseException | None = None
+        """The last failure of a Redis call (guarded by ``_redis_lock``): what ``degraded`` names."""
         self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
@@ -338,13 +344,15 @@ class FleetRuntime:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._lost, replica, generation)
 
-    def _redis_result(self, ok: bool) -> None:
-        """Whether a Redis call worked; called on both loops (the writers' on the ingest thread)."""
+    def _redis_result(self, error: BaseException | None) -> None:
+        """How a Redis call went (``None``: it worked); called on both loops (the writers' on the
+        ingest thread)."""
         with self._redis_lock:
-            if ok:
+            if error is None:
                 self._redis_ok_at = time.monotonic()
             else:
                 self._redis_failed_at = time.monotonic()
+                self._redis_error = error
 
     async def _housekeeping(self) -> None:
         """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
@@ -398,7 +406,9 @@ class FleetRuntime:
     def degraded(self) -> list[str]:
         reasons = []
         if self.redis_down():
-            reasons.append("redis unreachable: routing on the local mirrors, ingesters buffering")
+            with self._redis_lock:
+                error = self._redis_error
+            reasons.append(f"{redis_trouble(error)}: routing on the local mirrors, ingesters buffering")
         reasons += [
             f"mirror of {e.name} is partial (stream trimmed)" for e in self._spaces if e.mirror.partial
         ]
@@ -457,6 +467,25 @@ class FleetRuntime:
             self.state.drain_committer = None
         await self.text.aclose()
         await self.raw.aclose()
+
+
+_REFUSAL_CHARS = 160
+"""The longest part of a Redis refusal ``/readyz`` quotes (its text comes from the server)."""
+
+
+def redis_trouble(error: BaseException | None) -> str:
+    """What ``/readyz`` says of a failing Redis: ``redis unreachable`` when it cannot be reached or
+    does not answer in time, ``redis refuses kvlb's calls (<its answer>)`` when it answers with an
+    error (a wrong password, an ACL without a command, out of memory with ``noeviction``, a
+    read-only replica given as the URL), which no waiting heals. Until 2026-12-01 all of them read
+    ``redis unreachable``. A server's answer names no password."""
+    unreachable = (RedisConnectionError, RedisTimeoutError, OSError)
+    if error is None or (isinstance(error, unreachable) and not isinstance(error, AuthenticationError)):
+        return "redis unreachable"
+    text = " ".join(str(error).split())
+    if len(text) > _REFUSAL_CHARS:
+        text = text[: _REFUSAL_CHARS - 1] + "…"
+    return f"redis refuses kvlb's calls ({text})"
 
 
 def _installer(space: KeySpace) -> Callable[[PrefixTable], None]:

@@ -78,7 +78,8 @@ async def test_an_acl_user_without_channels_changes_policy_and_drains(
 
 async def test_a_read_only_replica_as_the_url_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     """A replica of the fleet's Redis given as ``redis.url`` by mistake answers reads and refuses
-    every write (``READONLY``): the balancer stays ready on its mirrors, shows Redis failing, and each
+    every write (``READONLY``): the balancer stays ready on its mirrors, ``/readyz`` quotes the
+    refusal (until 2026-12-01 it said "redis unreachable", as for any failure), and each
     component logs the refusal once while it lasts (retrying with backoff). Before 2026-12-01 the
     policy and drain syncs' read "resolved" their warning before their seed's write failed again:
     a line at every retry (4 each in these 2.5 s)."""
@@ -89,10 +90,13 @@ async def test_a_read_only_replica_as_the_url_is_logged_once(caplog: pytest.LogC
             client.execute_command("REPLICAOF", "127.0.0.1", str(primary.port))
         async with (
             completion_replica(_unused) as replica_url,
-            balancer_over(replica_url, redis={"url": replica.url, **FAST}) as (balancer, _),
+            balancer_over(replica_url, redis={"url": replica.url, **FAST}) as (balancer, session),
         ):
             await asyncio.sleep(2.5)
             assert balancer.fleet is not None and balancer.fleet.redis_down()
+            ready = await _json(session, balancer, "/readyz")  # 200: ready on its mirrors
+            refusal = "redis refuses kvlb's calls (You can't write against a read only replica"
+            assert [r for r in ready["degraded"] if r.startswith(refusal)], ready  # not "unreachable"
         for sync in ("policy sync", "drain sync"):
             lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith(sync)]
             assert len(lines) == 1, lines
