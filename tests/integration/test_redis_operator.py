@@ -1,7 +1,8 @@
 """What a Redis operator does to the Redis a fleet shares, on a real private ``redis-server``: ACL users
-(docs/redis-fleet.md, "Redis users and ACLs").
+(docs/redis-fleet.md, "Redis users and ACLs"), a replica given as the URL, a ``FLUSHALL``.
 
-Each test starts its own server (its ACL users stay there) and stops it by PID; the balancers are real
+The ACL and replica tests start their own servers (their users and roles stay there) and stop them by
+PID; the others use the session's server. The balancers are real
 :class:`~balancer.app.Balancer` s in front of a fake replica that only answers ``/health``.
 """
 
@@ -9,15 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import aiohttp
 import pytest
 import redis
+import redis.asyncio as aioredis
 from kvlb_harness import balancer_over, completion_replica, wait_for
-from redis_server import start_server
+from redis_server import RedisServer, fresh_settings, start_server
 
 from balancer.app import Balancer
+from balancer.events import Removed
+from balancer.index.hashing import BlockHasher
+from balancer.index.redis.index import RedisIndex
+from balancer.index.redis.mirror import Mirror, MirrorSettings
+from balancer.types import EngineHash, ReplicaId
 
 pytestmark = pytest.mark.redis
 
@@ -104,3 +112,33 @@ async def test_a_read_only_replica_as_the_url_is_logged_once(caplog: pytest.LogC
     finally:
         replica.stop()
         primary.stop()
+
+
+async def test_a_flushed_stream_is_named_as_lost_not_as_negative_missing_entries(
+    redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's ``FLUSHALL`` (or a restart without persistence) restarts a key space's entry
+    numbers at 1: the mirror rebuilds from what Redis holds and says so. Before 2026-12-01 it logged
+    ``entries 4..0 missing``."""
+    caplog.set_level(logging.WARNING, logger="balancer.index.redis.mirror")
+    text = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        settings = fresh_settings()
+        hasher = BlockHasher("flush-test", 4)
+        writer = RedisIndex(text, hasher, settings)
+        mirror = Mirror(raw, hasher, settings, time.monotonic, MirrorSettings(block_ms=50))
+        await mirror.warm_start()
+        replica = ReplicaId("a")
+        for i in range(3):
+            await writer.apply(replica, [Removed(0, (EngineHash(i),))], 0.0)
+        assert await mirror.poll(block_ms=10) == 3
+        await text.flushall()
+        await writer.apply(replica, [Removed(0, (EngineHash(9),))], 0.0)
+        await mirror.poll(block_ms=10)
+        assert (mirror.counters.resyncs, mirror.last_number, mirror.partial) == (1, 1, False)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "entry numbers went back (1 after 3): Redis lost the stream" in lines[0]
+    finally:
+        await text.aclose()
+        await raw.aclose()
