@@ -300,7 +300,8 @@ class RedisConfig:
     key_prefix: str = "kvlb"
     """First part of every key name, so several fleets can share one Redis (no braces)."""
     tls_ca_file: str | None = None
-    """``rediss://`` only: CA bundle that signed the server's certificate (``None``: system CAs)."""
+    """``rediss://`` only (refused with ``redis://``): CA bundle that signed the server's certificate
+    (``None``: system CAs); one that cannot be loaded stops the start."""
     instance_id: str | None = None
     """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique
     per ``kvlb serve``: each worker of ``--workers N`` appends ``-w<index>`` to it."""
@@ -330,6 +331,9 @@ class RedisConfig:
             raise ConfigError("redis.url must start with redis:// or rediss://")
         if self.url is not None:
             _check_redis_url(self.url)
+        if self.tls_ca_file is not None and not (self.url or "").startswith("rediss://"):
+            # until 2026-12-01 ignored: a redis:// URL then sent the password in the clear
+            raise ConfigError("redis.tls_ca_file needs a rediss:// redis.url (redis:// is not encrypted)")
         if self.cluster and self.url is None:
             raise ConfigError("redis.cluster needs redis.url (a seed node of the cluster)")
         if self.cluster and self.url is not None and urlsplit(self.url).path.strip("/") not in ("", "0"):

@@ -47,6 +47,7 @@ import logging
 import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -106,6 +107,21 @@ def _default_instance() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
+def check_tls_ca_file(config: RedisConfig) -> None:
+    """Raise :class:`ConfigError` when ``redis.tls_ca_file`` cannot be loaded as a CA bundle (absent,
+    unreadable, no certificate in it). Until 2026-12-01 this was found only at the first connection,
+    as ``Error 2 connecting to host:port. No such file or directory.``: a Redis that looked
+    unreachable, and a balancer never ready."""
+    if config.tls_ca_file is None:
+        return
+    try:
+        ssl.create_default_context(cafile=config.tls_ca_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(
+            f"redis.tls_ca_file {config.tls_ca_file!r} is not a usable CA bundle: {exc}"
+        ) from None
+
+
 def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> RedisClient:
     """A pooled client for ``config.url``: one server, or a Redis Cluster with ``config.cluster``
     (TLS and AUTH come from the URL; the CA from the config)."""
@@ -143,6 +159,7 @@ class FleetRuntime:
         ``kvlb serve --workers N`` (N > 1), else ``None`` (:func:`instance_name`)."""
         self.state = state
         self.config = state.settings.redis
+        check_tls_ca_file(self.config)
         self.instance = instance_name(self.config.instance_id, worker, _default_instance)
         self.text = redis_client(self.config, decode=True)
         self.raw = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)

@@ -1,5 +1,6 @@
 """What a Redis operator does to the Redis a fleet shares, on a real private ``redis-server``: ACL users
-(docs/redis-fleet.md, "Redis users and ACLs"), a replica given as the URL, a ``FLUSHALL``.
+(docs/redis-fleet.md, "Redis users and ACLs"), a replica given as the URL, a ``FLUSHALL``, a TLS CA
+file that cannot be used.
 
 The ACL and replica tests start their own servers (their users and roles stay there) and stop them by
 PID; the others use the session's server. The balancers are real
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -21,6 +23,7 @@ from kvlb_harness import balancer_over, completion_replica, wait_for
 from redis_server import RedisServer, fresh_settings, start_server
 
 from balancer.app import Balancer
+from balancer.errors import ConfigError
 from balancer.events import Removed
 from balancer.index.hashing import BlockHasher
 from balancer.index.redis.index import RedisIndex
@@ -142,3 +145,17 @@ async def test_a_flushed_stream_is_named_as_lost_not_as_negative_missing_entries
     finally:
         await text.aclose()
         await raw.aclose()
+
+
+@pytest.mark.parametrize("ca", ["absent.crt", "not-a-cert.crt"])
+async def test_an_unusable_tls_ca_file_stops_the_start(tmp_path: Path, ca: str) -> None:
+    """``redis.tls_ca_file`` absent or holding no certificate: the start stops with a configuration
+    error naming the setting (``kvlb serve`` exits 2 with that line). Before 2026-12-01 the balancer
+    started, logged ``Error 2 connecting to host:port. No such file or directory.`` (a Redis that
+    looked unreachable) and was never ready."""
+    (tmp_path / "not-a-cert.crt").write_text("not a certificate\n")
+    redis_settings = {"url": "rediss://:pw@127.0.0.1:1/0", "tls_ca_file": str(tmp_path / ca)}
+    with pytest.raises(ConfigError, match=r"redis.tls_ca_file '.*' is not a usable CA bundle"):
+        async with asyncio.timeout(10):
+            async with completion_replica(_unused) as url, balancer_over(url, redis=redis_settings):
+                pass

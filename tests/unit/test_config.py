@@ -108,6 +108,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["redis.url=redis://h:99999/0"], "redis.url: the port is not a number"),
         (["redis.url=redis://h:6379/kvlb"], "the database .* must be a number"),
         (["redis.url=redis://:secret@/0"], "redis.url names no host"),
+        (["redis.url=redis://h:6379/0", "redis.tls_ca_file=/ca.crt"], "tls_ca_file needs a rediss://"),
+        (["redis.tls_ca_file=/ca.crt"], "tls_ca_file needs a rediss://"),
         (["pools=[{model: m, replicas: [{id: a, url: 'ftp://x'}]}]"], "url must be http"),
         (["pools=[{model: m, replicas: [{id: a, url: 'http://x', engine: foo}]}]"], "must be one of"),
         (
