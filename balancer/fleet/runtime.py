@@ -61,13 +61,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from balancer.config import RedisConfig, ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import DrainSync
+from balancer.fleet.eviction import eviction_risk, read_policies
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.space_ingest import SpaceIngest
 from balancer.fleet.space_mirror import SpaceMirror
 from balancer.fleet.writer import FencedWriter
-from balancer.index.redis.client import RedisClient, connect
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, connect
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.index.redis.mirror import Mirror
@@ -86,6 +87,8 @@ from balancer.types import ReplicaId
 log = logging.getLogger(__name__)
 
 _XREAD_BLOCK_S = 1.0
+_EVICTION_CHECK_S = 60.0
+"""How often Redis's ``maxmemory-policy`` is read (one ``INFO memory``)."""
 
 
 def space_name(model: str, block_size: int, mode: str) -> str:
@@ -180,6 +183,9 @@ class FleetRuntime:
         self._redis_ok_at = 0.0
         self._redis_failed_at = 0.0
         self._redis_error: BaseException | None = None
+        self._eviction_risk: str | None = None
+        """Why Redis may evict kvlb's keys (its ``maxmemory-policy``), or ``None``."""
+        self._eviction_checked_at = 0.0
         """The last failure of a Redis call (guarded by ``_redis_lock``): what ``degraded`` names."""
         self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
         self.leases: LeaseManager | None = None
@@ -371,11 +377,30 @@ class FleetRuntime:
                 self._redis_failed_at = time.monotonic()
                 self._redis_error = error
 
+    async def _check_eviction(self) -> None:
+        """Read Redis's ``maxmemory-policy`` (every ``_EVICTION_CHECK_S``); log a change of verdict."""
+        now = time.monotonic()
+        if now < self._eviction_checked_at + _EVICTION_CHECK_S and self._eviction_checked_at:
+            return
+        self._eviction_checked_at = now
+        try:
+            risk = eviction_risk(await read_policies(self.text))
+        except REDIS_ERRORS:  # unreachable (said elsewhere), or INFO not granted: keep the last verdict
+            return
+        if risk != self._eviction_risk:
+            if risk is not None:
+                log.warning('%s (docs/operations.md, "Redis down")', risk)
+            else:
+                log.info("redis maxmemory-policy is noeviction again")
+        self._eviction_risk = risk
+
     async def _housekeeping(self) -> None:
-        """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
+        """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges; every minute, check
+        that Redis does not evict keys (:mod:`balancer.fleet.eviction`)."""
         assert self.snapshots is not None
         while not self._stop.is_set():
             self.refresh_metrics()  # before the snapshot, which may take a while: set at start
+            await self._check_eviction()
             try:
                 await self.snapshots.tick()
             except Exception as exc:  # a failed snapshot must not end the loop
@@ -426,6 +451,8 @@ class FleetRuntime:
             with self._redis_lock:
                 error = self._redis_error
             reasons.append(f"{redis_trouble(error)}: routing on the local mirrors, ingesters buffering")
+        if self._eviction_risk is not None:
+            reasons.append(self._eviction_risk)
         reasons += [
             f"mirror of {e.name} is partial (stream trimmed)" for e in self._spaces if e.mirror.partial
         ]

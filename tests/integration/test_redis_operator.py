@@ -159,3 +159,42 @@ async def test_an_unusable_tls_ca_file_stops_the_start(tmp_path: Path, ca: str) 
         async with asyncio.timeout(10):
             async with completion_replica(_unused) as url, balancer_over(url, redis=redis_settings):
                 pass
+
+
+@pytest.mark.parametrize("policy", ["allkeys-lru", "volatile-ttl"])
+async def test_a_redis_that_evicts_is_named_in_readyz_and_logged_once(
+    caplog: pytest.LogCaptureFixture, policy: str
+) -> None:
+    """A Redis whose ``maxmemory-policy`` evicts (``allkeys-*`` anything, ``volatile-*`` the leases):
+    ``/readyz`` says so under ``degraded`` (ready: routing is unaffected until keys go) and the log
+    says it once. Before 2026-12-01 nothing did until keys were gone: generations read 0, entry
+    numbers went back, leases were lost."""
+    caplog.set_level(logging.WARNING, logger="balancer.fleet.runtime")
+    server = start_server()
+    try:
+        with redis.Redis(host="127.0.0.1", port=server.port) as admin:
+            admin.config_set("maxmemory-policy", policy)
+        async with (
+            completion_replica(_unused) as replica_url,
+            balancer_over(replica_url, redis={"url": server.url, **FAST}) as (balancer, session),
+        ):
+
+            async def named() -> bool:
+                ready = await _json(session, balancer, "/readyz")
+                return any(f"redis maxmemory-policy {policy}" in r for r in ready.get("degraded", []))
+
+            await wait_for("the eviction policy in /readyz", named)
+            await asyncio.sleep(1.0)  # 4 ticks more
+        lines = [r.getMessage() for r in caplog.records if "maxmemory-policy" in r.getMessage()]
+        assert len(lines) == 1 and "set noeviction" in lines[0], lines
+    finally:
+        server.stop()
+
+
+async def test_a_redis_that_does_not_evict_is_not_named(redis_server: RedisServer) -> None:
+    async with (
+        completion_replica(_unused) as replica_url,
+        balancer_over(replica_url, redis={"url": redis_server.url, **FAST}) as (balancer, session),
+    ):
+        await asyncio.sleep(0.5)
+        assert "degraded" not in await _json(session, balancer, "/readyz")
