@@ -54,7 +54,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, RedisClusterException
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -519,11 +519,12 @@ _REFUSAL_CHARS = 160
 
 def redis_trouble(error: BaseException | None) -> str:
     """What ``/readyz`` says of a failing Redis: ``redis unreachable`` when it cannot be reached or
-    does not answer in time, ``redis refuses kvlb's calls (<its answer>)`` when it answers with an
-    error (a wrong password, an ACL without a command, out of memory with ``noeviction``, a
-    read-only replica given as the URL), which no waiting heals. Until 2026-12-01 all of them read
-    ``redis unreachable``. A server's answer names no password."""
-    unreachable = (RedisConnectionError, RedisTimeoutError, OSError)
+    does not answer in time (a cluster client with no node answering included), ``redis refuses
+    kvlb's calls (<its answer>)`` when it answers with an error (a wrong password, an ACL without a
+    command, out of memory with ``noeviction``, a read-only replica given as the URL), which no
+    waiting heals. Until 2026-12-01 all of them read ``redis unreachable``. A server's answer names
+    no password."""
+    unreachable = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)  # no node answers
     if error is None or (isinstance(error, unreachable) and not isinstance(error, AuthenticationError)):
         return "redis unreachable"
     text = " ".join(str(error).split())

@@ -4,7 +4,13 @@
 
 from __future__ import annotations
 
-from redis.exceptions import AuthenticationError, ConnectionError, ResponseError, TimeoutError
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    RedisClusterException,
+    ResponseError,
+    TimeoutError,
+)
 
 from balancer.fleet.runtime import instance_name, redis_trouble
 
@@ -26,6 +32,10 @@ def test_readyz_tells_a_refusing_redis_from_an_unreachable_one() -> None:
     """Until 2026-12-01 ``/readyz`` said ``redis unreachable`` for a wrong password or an OOM too."""
     assert redis_trouble(ConnectionError("Error 111 connecting to 127.0.0.1:6390")) == "redis unreachable"
     assert redis_trouble(TimeoutError("Timeout reading")) == "redis unreachable"
+    no_node = RedisClusterException(
+        "Redis Cluster cannot be connected. Please provide at least one reachable node"
+    )
+    assert redis_trouble(no_node) == "redis unreachable"
     assert redis_trouble(None) == "redis unreachable"  # only the mirrors failed: nothing to quote
     wrong = redis_trouble(AuthenticationError("invalid username-password pair or user is disabled."))
     assert wrong == "redis refuses kvlb's calls (invalid username-password pair or user is disabled.)"
