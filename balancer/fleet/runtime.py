@@ -47,23 +47,18 @@ import logging
 import os
 import secrets
 import socket
-import ssl
 import threading
 import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import AuthenticationError, RedisClusterException
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from balancer.config import RedisConfig, ReplicaConfig
 from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import DrainSync
-from balancer.fleet.eviction import eviction_risk, read_policies
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
+from balancer.fleet.redis_checks import check_tls_ca_file, eviction_risk, read_policies, redis_trouble
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.space_ingest import SpaceIngest
 from balancer.fleet.space_mirror import SpaceMirror
@@ -108,21 +103,6 @@ def instance_name(configured: str | None, worker: int | None, default: Callable[
 
 def _default_instance() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-
-
-def check_tls_ca_file(config: RedisConfig) -> None:
-    """Raise :class:`ConfigError` when ``redis.tls_ca_file`` cannot be loaded as a CA bundle (absent,
-    unreadable, no certificate in it). Until 2026-12-01 this was found only at the first connection,
-    as ``Error 2 connecting to host:port. No such file or directory.``: a Redis that looked
-    unreachable, and a balancer never ready."""
-    if config.tls_ca_file is None:
-        return
-    try:
-        ssl.create_default_context(cafile=config.tls_ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(
-            f"redis.tls_ca_file {config.tls_ca_file!r} is not a usable CA bundle: {exc}"
-        ) from None
 
 
 def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> RedisClient:
@@ -396,7 +376,7 @@ class FleetRuntime:
 
     async def _housekeeping(self) -> None:
         """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges; every minute, check
-        that Redis does not evict keys (:mod:`balancer.fleet.eviction`)."""
+        that Redis does not evict keys (:mod:`balancer.fleet.redis_checks`)."""
         assert self.snapshots is not None
         while not self._stop.is_set():
             self.refresh_metrics()  # before the snapshot, which may take a while: set at start
@@ -511,26 +491,6 @@ class FleetRuntime:
             self.state.drain_committer = None
         await self.text.aclose()
         await self.raw.aclose()
-
-
-_REFUSAL_CHARS = 160
-"""The longest part of a Redis refusal ``/readyz`` quotes (its text comes from the server)."""
-
-
-def redis_trouble(error: BaseException | None) -> str:
-    """What ``/readyz`` says of a failing Redis: ``redis unreachable`` when it cannot be reached or
-    does not answer in time (a cluster client with no node answering included), ``redis refuses
-    kvlb's calls (<its answer>)`` when it answers with an error (a wrong password, an ACL without a
-    command, out of memory with ``noeviction``, a read-only replica given as the URL), which no
-    waiting heals. Until 2026-12-01 all of them read ``redis unreachable``. A server's answer names
-    no password."""
-    unreachable = (RedisConnectionError, RedisTimeoutError, OSError, RedisClusterException)  # no node answers
-    if error is None or (isinstance(error, unreachable) and not isinstance(error, AuthenticationError)):
-        return "redis unreachable"
-    text = " ".join(str(error).split())
-    if len(text) > _REFUSAL_CHARS:
-        text = text[: _REFUSAL_CHARS - 1] + "…"
-    return f"redis refuses kvlb's calls ({text})"
 
 
 def _installer(space: KeySpace) -> Callable[[PrefixTable], None]:

@@ -1,6 +1,6 @@
 """The fleet name of a balancer and of each worker of ``kvlb serve --workers N``
 (:func:`balancer.fleet.runtime.instance_name`), and what ``/readyz`` says of a failing Redis
-(:func:`balancer.fleet.runtime.redis_trouble`)."""
+(:func:`balancer.fleet.redis_checks.redis_trouble`)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from balancer.fleet.runtime import instance_name, redis_trouble
+from balancer.fleet.redis_checks import redis_trouble
+from balancer.fleet.runtime import instance_name
 
 
 def test_each_worker_of_a_configured_instance_is_a_member_of_its_own() -> None:
