@@ -83,6 +83,9 @@ log = logging.getLogger(__name__)
 
 _XREAD_BLOCK_S = 1.0
 _EVICTION_CHECK_S = 60.0
+_FAILURE_HORIZON_S = 10.0
+"""How long a component's failed Redis call counts if it makes no other (twice the longest backoff,
+5 s): every component retries a failure within it while the trouble lasts."""
 """How often Redis's ``maxmemory-policy`` is read (one ``INFO memory``)."""
 
 
@@ -154,19 +157,18 @@ class FleetRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         """The request loop (set by :meth:`start`): a fenced writer's news is handed over to it."""
         self._redis_lock = threading.Lock()
-        """Guards the two times below: the writers (ingest thread) and the request loop set them."""
+        """Guards ``_redis_results``: the writers (ingest thread) and the request loop set them."""
         self._spaces: list[_Space] = []
         self._by_space: dict[int, _Space] = {}
         """``id(KeySpace)`` → its Redis side."""
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._redis_ok_at = 0.0
-        self._redis_failed_at = 0.0
-        self._redis_error: BaseException | None = None
+        self._redis_results: dict[str, tuple[float, BaseException | None]] = {}
+        """Component (``lease``, ``policy``, ``drain``, ``writer <space>``) → when its last Redis call
+        ended and its error (``None``: it worked); what ``redis_down`` and ``degraded`` read."""
         self._eviction_risk: str | None = None
         """Why Redis may evict kvlb's keys (its ``maxmemory-policy``), or ``None``."""
         self._eviction_checked_at = 0.0
-        """The last failure of a Redis call (guarded by ``_redis_lock``): what ``degraded`` names."""
         self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
@@ -203,7 +205,10 @@ class FleetRuntime:
             raise ConfigError(f"pool {model!r}: {exc}") from None
         index = RedisIndex(self.writer_client, space.hasher, settings)
         writer = FencedWriter(
-            index, metrics=state.metrics, on_lost=self._lost_threadsafe, on_redis=self._redis_result
+            index,
+            metrics=state.metrics,
+            on_lost=self._lost_threadsafe,
+            on_redis=self._redis_reporter(f"writer {name}"),
         )
         limits = state.settings.limits
         ingest_settings = IngestSettings(
@@ -272,7 +277,7 @@ class FleetRuntime:
             health=state.health,
             metrics=state.metrics,
             build_sources=self._sources,
-            on_redis=self._redis_result,
+            on_redis=self._redis_reporter("lease"),
         )
         self.policy = PolicySync(
             self.text,
@@ -280,7 +285,7 @@ class FleetRuntime:
             key_prefix=config.key_prefix,
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
-            on_redis=self._redis_result,
+            on_redis=self._redis_reporter("policy"),
             audit=state.audit,
         )
         self.drains = DrainSync(
@@ -290,7 +295,7 @@ class FleetRuntime:
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
             wall_clock=state.wall_clock,
-            on_redis=self._redis_result,
+            on_redis=self._redis_reporter("drain"),
         )
         state.drain_committer = self.drains.commit
         self.snapshots = SnapshotKeeper(
@@ -347,15 +352,30 @@ class FleetRuntime:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._lost, replica, generation)
 
-    def _redis_result(self, error: BaseException | None) -> None:
-        """How a Redis call went (``None``: it worked); called on both loops (the writers' on the
-        ingest thread)."""
+    def _redis_reporter(self, component: str) -> Callable[[BaseException | None], None]:
+        """The ``on_redis`` of one component: how each of its Redis calls went (``None``: it worked);
+        called on both loops (the writers' on the ingest thread). Each component keeps its own last
+        result: until 2026-12-01 one shared "last call wins" verdict let the reads that worked (a
+        Redis out of memory or read-only refuses writes only) clear the failures of the writes, so
+        ``/readyz`` and ``kvlb_redis_up`` showed the trouble a quarter of the time."""
+
+        def report(error: BaseException | None) -> None:
+            with self._redis_lock:
+                self._redis_results[component] = (time.monotonic(), error)
+
+        return report
+
+    def _redis_failure(self) -> BaseException | None:
+        """The latest failure among the components whose last call failed within
+        ``_FAILURE_HORIZON_S`` (a writer that stopped writing, its lease gone, does not stay failed)."""
+        now = time.monotonic()
         with self._redis_lock:
-            if error is None:
-                self._redis_ok_at = time.monotonic()
-            else:
-                self._redis_failed_at = time.monotonic()
-                self._redis_error = error
+            failing = [
+                (at, error)
+                for at, error in self._redis_results.values()
+                if error is not None and now - at < _FAILURE_HORIZON_S
+            ]
+        return max(failing, key=lambda result: result[0])[1] if failing else None
 
     async def _check_eviction(self) -> None:
         """Read Redis's ``maxmemory-policy`` (every ``_EVICTION_CHECK_S``); log a change of verdict."""
@@ -418,9 +438,7 @@ class FleetRuntime:
 
     def redis_down(self) -> bool:
         mirrors_down = any(not e.mirror.connected and e.mirror.counters.redis_errors for e in self._spaces)
-        with self._redis_lock:
-            failed_last = self._redis_failed_at > self._redis_ok_at
-        return mirrors_down or failed_last
+        return mirrors_down or self._redis_failure() is not None
 
     def not_ready(self) -> list[str]:
         return [f"mirror of {e.name} not warm yet" for e in self._spaces if not e.mirror.ready.is_set()]
@@ -428,8 +446,7 @@ class FleetRuntime:
     def degraded(self) -> list[str]:
         reasons = []
         if self.redis_down():
-            with self._redis_lock:
-                error = self._redis_error
+            error = self._redis_failure()
             reasons.append(f"{redis_trouble(error)}: routing on the local mirrors, ingesters buffering")
         if self._eviction_risk is not None:
             reasons.append(self._eviction_risk)

@@ -198,3 +198,38 @@ async def test_a_redis_that_does_not_evict_is_not_named(redis_server: RedisServe
     ):
         await asyncio.sleep(0.5)
         assert "degraded" not in await _json(session, balancer, "/readyz")
+
+
+async def test_a_redis_out_of_memory_stays_degraded_while_reads_work() -> None:
+    """``maxmemory`` reached with ``noeviction``: Redis refuses every write (the lease manager's
+    heartbeat) and answers every read (the policy and drain syncs' polls). ``/readyz`` lists the
+    refusal at every look, and the balancer stays ready. Before 2026-12-01 one "last call wins"
+    verdict let each read that worked clear it: degraded in 5 of 20 looks on the walk's fleet."""
+    server = start_server()
+    try:
+        async with (
+            completion_replica(_unused) as replica_url,
+            balancer_over(replica_url, redis={"url": server.url, **FAST}) as (balancer, session),
+        ):
+            fleet = balancer.fleet
+            assert fleet is not None and fleet.policy is not None and fleet.drains is not None
+
+            async def seeded() -> bool:  # the policy and the drains are in Redis: the syncs only read
+                with redis.Redis(host="127.0.0.1", port=server.port) as client:
+                    return bool(
+                        fleet.policy is not None and fleet.policy.synced and client.exists("kvlb:drained")
+                    )
+
+            await wait_for("the policy and drains seeded", seeded)
+            await asyncio.sleep(0.5)
+            with redis.Redis(host="127.0.0.1", port=server.port) as admin:
+                admin.config_set("maxmemory", 1)  # below what it uses: every write is refused
+            await asyncio.sleep(0.5)  # two ticks of the lease manager
+            looks = []
+            for _ in range(25):
+                ready = await _json(session, balancer, "/readyz")
+                looks.append(any("maxmemory" in reason for reason in ready.get("degraded", [])))
+                await asyncio.sleep(0.08)
+            assert all(looks), f"degraded in {sum(looks)} of {len(looks)} looks"
+    finally:
+        server.stop()
