@@ -83,10 +83,10 @@ log = logging.getLogger(__name__)
 
 _XREAD_BLOCK_S = 1.0
 _EVICTION_CHECK_S = 60.0
+"""How often Redis's ``maxmemory-policy`` is read (one ``INFO memory``)."""
 _FAILURE_HORIZON_S = 10.0
 """How long a component's failed Redis call counts if it makes no other (twice the longest backoff,
 5 s): every component retries a failure within it while the trouble lasts."""
-"""How often Redis's ``maxmemory-policy`` is read (one ``INFO memory``)."""
 
 
 def space_name(model: str, block_size: int, mode: str) -> str:
