@@ -322,7 +322,9 @@ class Balancer:
             state, zmq_ctx=self._zmq, session=self._control, relay=relay
         )
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
-            self.fleet = FleetRuntime(state, thread=replicas.thread)  # writers on the ingest thread
+            index = None if worker is None or worker.count < 2 else worker.index
+            # the writers run on the ingest thread
+            self.fleet = FleetRuntime(state, thread=replicas.thread, worker=index)
             await self.fleet.start()
             replicas.fleet = self.fleet
         await replicas.start_static()

@@ -300,9 +300,11 @@ class RedisConfig:
     key_prefix: str = "kvlb"
     """First part of every key name, so several fleets can share one Redis (no braces)."""
     tls_ca_file: str | None = None
-    """``rediss://`` only: CA bundle that signed the server's certificate (``None``: system CAs)."""
+    """``rediss://`` only (refused with ``redis://``): CA bundle that signed the server's certificate
+    (``None``: system CAs); one that cannot be loaded stops the start."""
     instance_id: str | None = None
-    """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique."""
+    """This balancer's name in the fleet; ``None``: ``<hostname>-<pid>-<random>``. Must be unique
+    per ``kvlb serve``: each worker of ``--workers N`` appends ``-w<index>`` to it."""
     lease_ttl_s: float = 5.0
     """Ingestion lease lifetime without renewal (seconds): a dead balancer's replicas are taken over
     this long (plus up to ``tick_s``) after its last renewal."""
@@ -327,6 +329,11 @@ class RedisConfig:
         """Raise :class:`ConfigError` naming the first bad field."""
         if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError("redis.url must start with redis:// or rediss://")
+        if self.url is not None:
+            _check_redis_url(self.url)
+        if self.tls_ca_file is not None and not (self.url or "").startswith("rediss://"):
+            # until 2026-12-01 ignored: a redis:// URL then sent the password in the clear
+            raise ConfigError("redis.tls_ca_file needs a rediss:// redis.url (redis:// is not encrypted)")
         if self.cluster and self.url is None:
             raise ConfigError("redis.cluster needs redis.url (a seed node of the cluster)")
         if self.cluster and self.url is not None and urlsplit(self.url).path.strip("/") not in ("", "0"):
@@ -342,6 +349,25 @@ class RedisConfig:
             raise ConfigError("redis.tick_s must be at most half of redis.lease_ttl_s")
         if self.stream_maxlen < 100:
             raise ConfigError("redis.stream_maxlen must be >= 100")
+
+
+_ESCAPE_HINT = "(a password with '/', '?', '#' or '@' goes percent-encoded: '/' as %2F, '@' as %40)"
+
+
+def _check_redis_url(url: str) -> None:
+    """A ``redis://`` URL's host, port and database, checked without naming its password. Until
+    2026-12-01 a port that is not a number (often a password with an unencoded ``/``) stopped
+    ``kvlb serve`` with redis-py's traceback, and a database that is not one was taken as 0."""
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - parsing it is the check
+    except ValueError:
+        raise ConfigError(f"redis.url: the port is not a number in 0..65535 {_ESCAPE_HINT}") from None
+    if not parts.hostname:
+        raise ConfigError(f"redis.url names no host {_ESCAPE_HINT}")
+    database = parts.path.strip("/")
+    if database and not database.isdigit():
+        raise ConfigError(f"redis.url: the database (after the port) must be a number {_ESCAPE_HINT}")
 
 
 @dataclass(frozen=True, slots=True)

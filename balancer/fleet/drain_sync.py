@@ -61,7 +61,7 @@ if ARGV[2] ~= '' then
 else
   redis.call('HDEL', KEYS[1], ARGV[1])
 end
-redis.call('PUBLISH', ARGV[3], ARGV[1])
+redis.pcall('PUBLISH', ARGV[3], ARGV[1]) -- refused (an ACL user without the channel): the polls follow it
 return repaired
 """
 )
@@ -111,7 +111,7 @@ class DrainSync:
         key_prefix: str,
         poll_s: float,
         metrics: Metrics,
-        on_redis: Callable[[bool], None] = lambda ok: None,
+        on_redis: Callable[[BaseException | None], None] = lambda error: None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``client`` must decode responses."""
@@ -146,7 +146,7 @@ class DrainSync:
             raise DrainCommitError(not_stored("replica", exc)) from exc
         finally:
             self._writing -= 1
-        self._on_redis(True)
+        self._on_redis(None)
         self._repaired(repaired)
 
     async def _seed(self) -> None:
@@ -168,11 +168,16 @@ class DrainSync:
     # ------------------------------------------------------------------ Redis → local
 
     async def sync(self) -> None:
-        """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing)."""
+        """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing).
+        Redis counts as working again only once the whole sync did, the seed's write included (as
+        :meth:`PolicySync.sync <balancer.fleet.policy_sync.PolicySync.sync>`)."""
+        await self._sync()
+        self._on_redis(None)
+        self._warnings.resolved("drain_redis_error", "")
+
+    async def _sync(self) -> None:
         writes = self._writes
         raw = await read_hash(self.client, self.key)  # {} for garbage: the seed replaces it with ours
-        self._on_redis(True)
-        self._warnings.resolved("drain_redis_error", "")
         if MARKER not in raw:
             await self._seed()
             return
@@ -194,6 +199,6 @@ class DrainSync:
         await follow_channel(self.client, self.channel, self.poll_s, self.sync, self._failed, stop)
 
     def _failed(self, exc: BaseException) -> None:
-        self._on_redis(False)
+        self._on_redis(exc)
         self._metrics.redis_errors_total.labels("drain").inc()
         self._warnings.warning("drain_redis_error", "", "drain sync: redis error: %s", exc)

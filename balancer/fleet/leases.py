@@ -147,7 +147,7 @@ class LeaseManager:
         health: HealthBook,
         metrics: Metrics,
         build_sources: BuildSources,
-        on_redis: Callable[[bool], None] = lambda ok: None,
+        on_redis: Callable[[BaseException | None], None] = lambda error: None,
     ) -> None:
         self.client = client
         self.replicas = {ReplicaId(r.config.id): r for r in replicas}
@@ -185,10 +185,10 @@ class LeaseManager:
             started = time.monotonic()
             try:
                 await self.tick()
-                self._on_redis(True)
+                self._on_redis(None)
                 self._warnings.resolved("lease_redis_error", "")
             except REDIS_ERRORS as exc:
-                self._on_redis(False)
+                self._on_redis(exc)
                 self._quiet_until = time.monotonic() + self.timing.ttl_s + self.timing.tick_s
                 self._metrics.redis_errors_total.labels("lease").inc()
                 self._warnings.warning("lease_redis_error", "", "lease manager: redis error: %s", exc)

@@ -64,7 +64,7 @@ end
 local v = ARGV[6] ~= '' and tonumber(ARGV[6]) or redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4],
   'actor', ARGV[8], 'reason', ARGV[9])
-redis.call('PUBLISH', ARGV[5], v)
+redis.pcall('PUBLISH', ARGV[5], v) -- refused (an ACL user without the channel): the polls follow it
 return {v, repaired}
 """
 
@@ -80,7 +80,7 @@ class PolicySync:
         key_prefix: str,
         poll_s: float,
         metrics: Metrics,
-        on_redis: Callable[[bool], None] = lambda ok: None,
+        on_redis: Callable[[BaseException | None], None] = lambda error: None,
         monotonic: Callable[[], float] = time.monotonic,
         audit: AuditLog | None = None,
     ) -> None:
@@ -129,7 +129,7 @@ class PolicySync:
             raise PolicyCommitError(not_stored("policy", exc)) from exc
         finally:
             self._writing -= 1
-        self._on_redis(True)
+        self._on_redis(None)
         self._metrics.redis_policy_updates_total.labels("local").inc()
         log.info("policy v%d written to Redis", version)
         return _with_version(view, version)
@@ -147,11 +147,18 @@ class PolicySync:
     # ------------------------------------------------------------------ Redis → local
 
     async def sync(self) -> None:
-        """Adopt the stored policy, or seed Redis with ours when it has none."""
+        """Adopt the stored policy, or seed Redis with ours when it has none. Redis counts as working
+        again only once the whole sync did, the seed's write included: a server that answers reads
+        and refuses writes (a read-only replica given as the URL, ``maxmemory`` with
+        ``noeviction``) logged its refusal at every retry until 2026-12-01, its read having
+        "resolved" it in between."""
+        await self._sync()
+        self._on_redis(None)
+        self._warnings.resolved("policy_redis_error", "")
+
+    async def _sync(self) -> None:
         writes = self._writes
         raw = await read_hash(self.client, self.key)  # {} for garbage: the seed repairs it with ours
-        self._on_redis(True)
-        self._warnings.resolved("policy_redis_error", "")
         if not raw.get("version") or not raw["version"].isdigit():
             if await self._store(self.control.view, seed=True) >= 0:
                 self._synced = True  # ours is the fleet's: later adoptions are changes
@@ -210,7 +217,7 @@ class PolicySync:
         self._warnings.warning("policy_invalid", "", "ignoring the policy stored in Redis: %s", reason)
 
     def _failed(self, exc: BaseException) -> None:
-        self._on_redis(False)
+        self._on_redis(exc)
         self._metrics.redis_errors_total.labels("policy").inc()
         self._warnings.warning("policy_redis_error", "", "policy sync: redis error: %s", exc)
 

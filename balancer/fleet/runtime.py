@@ -58,11 +58,12 @@ from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import DrainSync
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
+from balancer.fleet.redis_checks import check_tls_ca_file, eviction_risk, read_policies, redis_trouble
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.space_ingest import SpaceIngest
 from balancer.fleet.space_mirror import SpaceMirror
 from balancer.fleet.writer import FencedWriter
-from balancer.index.redis.client import RedisClient, connect
+from balancer.index.redis.client import REDIS_ERRORS, RedisClient, connect
 from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.lease import IngestionLease, LeaseSettings
 from balancer.index.redis.mirror import Mirror
@@ -81,11 +82,30 @@ from balancer.types import ReplicaId
 log = logging.getLogger(__name__)
 
 _XREAD_BLOCK_S = 1.0
+_EVICTION_CHECK_S = 60.0
+"""How often Redis's ``maxmemory-policy`` is read (one ``INFO memory``)."""
+_FAILURE_HORIZON_S = 10.0
+"""How long a component's failed Redis call counts if it makes no other (twice the longest backoff,
+5 s): every component retries a failure within it while the trouble lasts."""
 
 
 def space_name(model: str, block_size: int, mode: str) -> str:
     """The Redis pool name of a key space (the hash tag of all its keys)."""
     return f"{model}/{block_size}/{mode}"
+
+
+def instance_name(configured: str | None, worker: int | None, default: Callable[[], str]) -> str:
+    """This balancer's name among the fleet's members and as the holder of its leases: the configured
+    ``redis.instance_id`` (``default()`` when unset), with ``-w<index>`` appended for a worker of
+    ``kvlb serve --workers N`` (``worker``; ``None`` for a single process). Every worker is a member
+    of its own: they ingest their own leases. Until 2026-12-01 a configured id was taken as it was by
+    every worker, which then held the same leases together (both ingesting) and counted as one."""
+    name = configured or default()
+    return name if worker is None else f"{name}-w{worker}"
+
+
+def _default_instance() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
 
 
 def redis_client(config: RedisConfig, *, decode: bool, extra_timeout_s: float = 0.0) -> RedisClient:
@@ -119,14 +139,14 @@ class _Space:
 class FleetRuntime:
     """Every Redis-backed part of one balancer; ``start`` after the pools, ``stop`` before them."""
 
-    def __init__(self, state: ServiceState, *, thread: IngestThread) -> None:
+    def __init__(self, state: ServiceState, *, thread: IngestThread, worker: int | None = None) -> None:
         """``thread``: where the writers and the ingest run (started by :meth:`start`; its owner
-        stops it after :meth:`stop`)."""
+        stops it after :meth:`stop`). ``worker``: this process's index among the workers of
+        ``kvlb serve --workers N`` (N > 1), else ``None`` (:func:`instance_name`)."""
         self.state = state
         self.config = state.settings.redis
-        self.instance = (
-            self.config.instance_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(2)}"
-        )
+        check_tls_ca_file(self.config)
+        self.instance = instance_name(self.config.instance_id, worker, _default_instance)
         self.text = redis_client(self.config, decode=True)
         self.raw = redis_client(self.config, decode=False, extra_timeout_s=_XREAD_BLOCK_S)
         self.writer_client = redis_client(self.config, decode=True)
@@ -137,14 +157,18 @@ class FleetRuntime:
         self._loop: asyncio.AbstractEventLoop | None = None
         """The request loop (set by :meth:`start`): a fenced writer's news is handed over to it."""
         self._redis_lock = threading.Lock()
-        """Guards the two times below: the writers (ingest thread) and the request loop set them."""
+        """Guards ``_redis_results``: the writers (ingest thread) and the request loop set them."""
         self._spaces: list[_Space] = []
         self._by_space: dict[int, _Space] = {}
         """``id(KeySpace)`` → its Redis side."""
         self._stop = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
-        self._redis_ok_at = 0.0
-        self._redis_failed_at = 0.0
+        self._redis_results: dict[str, tuple[float, BaseException | None]] = {}
+        """Component (``lease``, ``policy``, ``drain``, ``writer <space>``) → when its last Redis call
+        ended and its error (``None``: it worked); what ``redis_down`` and ``degraded`` read."""
+        self._eviction_risk: str | None = None
+        """Why Redis may evict kvlb's keys (its ``maxmemory-policy``), or ``None``."""
+        self._eviction_checked_at = 0.0
         self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
@@ -181,7 +205,10 @@ class FleetRuntime:
             raise ConfigError(f"pool {model!r}: {exc}") from None
         index = RedisIndex(self.writer_client, space.hasher, settings)
         writer = FencedWriter(
-            index, metrics=state.metrics, on_lost=self._lost_threadsafe, on_redis=self._redis_result
+            index,
+            metrics=state.metrics,
+            on_lost=self._lost_threadsafe,
+            on_redis=self._redis_reporter(f"writer {name}"),
         )
         limits = state.settings.limits
         ingest_settings = IngestSettings(
@@ -250,7 +277,7 @@ class FleetRuntime:
             health=state.health,
             metrics=state.metrics,
             build_sources=self._sources,
-            on_redis=self._redis_result,
+            on_redis=self._redis_reporter("lease"),
         )
         self.policy = PolicySync(
             self.text,
@@ -258,7 +285,7 @@ class FleetRuntime:
             key_prefix=config.key_prefix,
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
-            on_redis=self._redis_result,
+            on_redis=self._redis_reporter("policy"),
             audit=state.audit,
         )
         self.drains = DrainSync(
@@ -267,7 +294,7 @@ class FleetRuntime:
             key_prefix=config.key_prefix,
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
-            on_redis=self._redis_result,
+            on_redis=self._redis_reporter("drain"),
         )
         state.drain_committer = self.drains.commit
         self.snapshots = SnapshotKeeper(
@@ -324,19 +351,55 @@ class FleetRuntime:
         if loop is not None and not loop.is_closed():
             loop.call_soon_threadsafe(self._lost, replica, generation)
 
-    def _redis_result(self, ok: bool) -> None:
-        """Whether a Redis call worked; called on both loops (the writers' on the ingest thread)."""
+    def _redis_reporter(self, component: str) -> Callable[[BaseException | None], None]:
+        """The ``on_redis`` of one component: how each of its Redis calls went (``None``: it worked);
+        called on both loops (the writers' on the ingest thread). Each component keeps its own last
+        result: until 2026-12-01 one shared "last call wins" verdict let the reads that worked (a
+        Redis out of memory or read-only refuses writes only) clear the failures of the writes, so
+        ``/readyz`` and ``kvlb_redis_up`` showed the trouble a quarter of the time."""
+
+        def report(error: BaseException | None) -> None:
+            with self._redis_lock:
+                self._redis_results[component] = (time.monotonic(), error)
+
+        return report
+
+    def _redis_failure(self) -> BaseException | None:
+        """The latest failure among the components whose last call failed within
+        ``_FAILURE_HORIZON_S`` (a writer that stopped writing, its lease gone, does not stay failed)."""
+        now = time.monotonic()
         with self._redis_lock:
-            if ok:
-                self._redis_ok_at = time.monotonic()
+            failing = [
+                (at, error)
+                for at, error in self._redis_results.values()
+                if error is not None and now - at < _FAILURE_HORIZON_S
+            ]
+        return max(failing, key=lambda result: result[0])[1] if failing else None
+
+    async def _check_eviction(self) -> None:
+        """Read Redis's ``maxmemory-policy`` (every ``_EVICTION_CHECK_S``); log a change of verdict."""
+        now = time.monotonic()
+        if now < self._eviction_checked_at + _EVICTION_CHECK_S and self._eviction_checked_at:
+            return
+        self._eviction_checked_at = now
+        try:
+            risk = eviction_risk(await read_policies(self.text))
+        except REDIS_ERRORS:  # unreachable (said elsewhere), or INFO not granted: keep the last verdict
+            return
+        if risk != self._eviction_risk:
+            if risk is not None:
+                log.warning('%s (docs/operations.md, "Redis down")', risk)
             else:
-                self._redis_failed_at = time.monotonic()
+                log.info("redis maxmemory-policy is noeviction again")
+        self._eviction_risk = risk
 
     async def _housekeeping(self) -> None:
-        """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges."""
+        """Every tick: write due snapshots and refresh the ``kvlb_redis_*`` gauges; every minute, check
+        that Redis does not evict keys (:mod:`balancer.fleet.redis_checks`)."""
         assert self.snapshots is not None
         while not self._stop.is_set():
             self.refresh_metrics()  # before the snapshot, which may take a while: set at start
+            await self._check_eviction()
             try:
                 await self.snapshots.tick()
             except Exception as exc:  # a failed snapshot must not end the loop
@@ -374,9 +437,7 @@ class FleetRuntime:
 
     def redis_down(self) -> bool:
         mirrors_down = any(not e.mirror.connected and e.mirror.counters.redis_errors for e in self._spaces)
-        with self._redis_lock:
-            failed_last = self._redis_failed_at > self._redis_ok_at
-        return mirrors_down or failed_last
+        return mirrors_down or self._redis_failure() is not None
 
     def not_ready(self) -> list[str]:
         return [f"mirror of {e.name} not warm yet" for e in self._spaces if not e.mirror.ready.is_set()]
@@ -384,7 +445,10 @@ class FleetRuntime:
     def degraded(self) -> list[str]:
         reasons = []
         if self.redis_down():
-            reasons.append("redis unreachable: routing on the local mirrors, ingesters buffering")
+            error = self._redis_failure()
+            reasons.append(f"{redis_trouble(error)}: routing on the local mirrors, ingesters buffering")
+        if self._eviction_risk is not None:
+            reasons.append(self._eviction_risk)
         reasons += [
             f"mirror of {e.name} is partial (stream trimmed)" for e in self._spaces if e.mirror.partial
         ]

@@ -95,13 +95,13 @@ class FencedWriter:
         *,
         metrics: Metrics,
         on_lost: Callable[[ReplicaId, int], None],
-        on_redis: Callable[[bool], None] = lambda ok: None,
+        on_redis: Callable[[BaseException | None], None] = lambda error: None,
         retry: RetrySettings | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``on_lost(replica, generation)`` is told that the holding of ``replica`` that wrote with
-        ``generation`` is lost; ``on_redis(ok)`` whether each Redis call worked (for the degraded
-        state)."""
+        ``generation`` is lost; ``on_redis(error)`` how each Redis call went (``None``: it worked), for
+        the degraded state."""
         self.index = index
         self.holdings: dict[ReplicaId, Holding] = {}
         self._metrics = metrics
@@ -175,7 +175,7 @@ class FencedWriter:
                     expect_seq=holding.applied,
                 )
             except PositionMismatchError:
-                self._on_redis(True)
+                self._on_redis(None)
                 if await self.index.client.hget(self.index.keys.applied_seq, replica) != text:
                     holding.lost = True
                     log.warning("replica %s: Redis lost our last writes; taking it anew", replica)
@@ -183,11 +183,11 @@ class FencedWriter:
                     raise
                 result = ApplyResult()  # our previous attempt landed; its answer was lost
             except StaleGenerationError as exc:
-                self._on_redis(True)
+                self._on_redis(None)
                 await self._fenced(replica, holding, exc)
                 continue
             except REDIS_ERRORS as exc:
-                self._on_redis(False)
+                self._on_redis(exc)
                 self._metrics.redis_errors_total.labels("writer").inc()
                 self._metrics.redis_apply_retries_total.inc()
                 if delay_s == self._retry.initial_s:  # once per batch, and batches queue up: limited
@@ -202,7 +202,7 @@ class FencedWriter:
                 delay_s = min(self._retry.max_s, delay_s * 2)
                 self._holding(replica)  # raises once the lease went away meanwhile
                 continue
-            self._on_redis(True)
+            self._on_redis(None)
             self._warnings.resolved("redis_write_failed", replica)
             holding.positions, holding.applied = merged, text
             holding.writes += 1

@@ -103,6 +103,13 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["redis.url=http://x"], "redis.url must start with"),
         (["redis.cluster=true"], "redis.cluster needs redis.url"),
         (["redis.url=redis://h:7000/2", "redis.cluster=true"], "database must be 0"),
+        (["redis.url=redis://:pa/ss@h:6379/0"], r"redis.url: the port is not a number .*%2F"),
+        (["redis.url=redis://:pa#ss@h:6379/0"], "redis.url: the port is not a number"),
+        (["redis.url=redis://h:99999/0"], "redis.url: the port is not a number"),
+        (["redis.url=redis://h:6379/kvlb"], "the database .* must be a number"),
+        (["redis.url=redis://:secret@/0"], "redis.url names no host"),
+        (["redis.url=redis://h:6379/0", "redis.tls_ca_file=/ca.crt"], "tls_ca_file needs a rediss://"),
+        (["redis.tls_ca_file=/ca.crt"], "tls_ca_file needs a rediss://"),
         (["pools=[{model: m, replicas: [{id: a, url: 'ftp://x'}]}]"], "url must be http"),
         (["pools=[{model: m, replicas: [{id: a, url: 'http://x', engine: foo}]}]"], "must be one of"),
         (
@@ -120,6 +127,17 @@ def test_config_file_from_env(tmp_path: Path) -> None:
 def test_bad_settings_name_the_field(sets: list[str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         config.load(sets=sets, env={})
+
+
+def test_a_bad_redis_url_is_refused_without_its_password() -> None:
+    """Before 2026-12-01 a port that was no number stopped ``kvlb serve`` with a traceback from
+    redis-py, and a database that was no number was taken as 0."""
+    for url in ("redis://:pa/ss@h:6379/0", "redis://:s3cret@h:6379/kvlb"):
+        with pytest.raises(ConfigError) as raised:
+            config.load(sets=[f"redis.url={url}"], env={})
+        assert "pa/ss" not in str(raised.value) and "s3cret" not in str(raised.value)
+    for url in ("redis://h", "redis://u:p%2F@h:6379/", "rediss://h:6380/3"):
+        assert config.load(sets=[f"redis.url={url}"], env={}).redis.url == url
 
 
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:

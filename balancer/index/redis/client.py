@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias, cast
 
@@ -56,7 +57,9 @@ from redis.asyncio.cluster import ClusterNode, ClusterPipeline, ClusterPubSub, R
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
+
+log = logging.getLogger(__name__)
 
 _RACES = (AttributeError, RuntimeError)
 """What redis-py raises for a connection closed under a running call (see the module doc)."""
@@ -194,6 +197,17 @@ async def read_hash(client: RedisClient, key: str) -> dict[str, str]:
         return {}
 
 
+class _ChannelRefused(Exception):
+    """The server refused this client the channel (``NOPERM``: an ACL user without it)."""
+
+
+async def _on_channel(call: Awaitable[Any]) -> Any:
+    try:
+        return await call
+    except NoPermissionError as exc:
+        raise _ChannelRefused(str(exc)) from exc
+
+
 async def follow_channel(
     client: RedisClient,
     channel: str,
@@ -204,19 +218,36 @@ async def follow_channel(
 ) -> None:
     """Run ``sync`` at each message on ``channel`` and every ``poll_s`` (a message may be lost:
     pub/sub is fire-and-forget) until ``stop`` is set. A Redis error goes to ``failed``, then the
-    subscription is made again after a backoff (``poll_s`` doubling up to 5 s)."""
+    subscription is made again after a backoff (``poll_s`` doubling up to 5 s). A server that refuses
+    the channel (an ACL user without ``&<channel>``; Redis 7 grants no channel by default) is no
+    Redis failure: it is logged once and ``sync`` runs every ``poll_s`` without a subscription from
+    then on. Until 2026-12-01 the refusal came between two ``sync`` calls that worked, so the loop
+    logged it and reconnected every ``poll_s``, and showed Redis as failing."""
     delay_s = poll_s
+    subscribe = True
     while not stop.is_set():
         pubsub = None
         try:
-            await initialized(client)
-            pubsub = client.pubsub()
-            await pubsub.subscribe(channel)
+            if subscribe:
+                await initialized(client)
+                pubsub = client.pubsub()
+                await _on_channel(pubsub.subscribe(channel))
             await sync()
             delay_s = poll_s
             while not stop.is_set():
-                await pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)
+                if pubsub is None:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), poll_s)
+                else:
+                    await _on_channel(pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s))
                 await sync()  # a message or the periodic check
+        except _ChannelRefused as exc:
+            subscribe = False
+            log.warning(
+                "redis refuses channel %s (%s): following it by polling every %g s instead of at once; "
+                "grant the channel to kvlb's user (ACL &%s) and restart to follow it at once",
+                channel, exc, poll_s, channel,
+            )  # fmt: skip
         except REDIS_ERRORS as exc:
             failed(exc)
             with contextlib.suppress(TimeoutError):

@@ -238,8 +238,15 @@ class Mirror:
                 return applied + await self.warm_start()
             if entry.number != self.last_number + 1:
                 self.counters.resyncs += 1
-                missing = (self.last_number + 1, entry.number - 1)
-                log.warning("mirror of %s: entries %d..%d missing, rebuilding", self._stream, *missing)
+                if entry.number <= self.last_number:  # until 2026-12-01 logged as "entries 56..0 missing"
+                    log.warning(
+                        "mirror of %s: entry numbers went back (%d after %d): Redis lost the stream (a "
+                        "FLUSHALL, a restart without persistence, an eviction); rebuilding",
+                        self._stream, entry.number, self.last_number,
+                    )  # fmt: skip
+                else:
+                    missing = (self.last_number + 1, entry.number - 1)
+                    log.warning("mirror of %s: entries %d..%d missing, rebuilding", self._stream, *missing)
                 return applied + await self.warm_start()
             await self._apply(entry, self.table)
             self.last_id, self.last_number = entry.entry_id, entry.number
