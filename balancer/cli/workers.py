@@ -24,7 +24,9 @@ itself (a worker that exits before it announced itself fails the start: :class:`
 a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, would fail every
 restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
 ``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``), and on SIGTERM/SIGINT
-forwards the signal to every worker and waits for them (each drains its in-flight requests within
+forwards the signal to every worker, closes its own copy of the listening socket (so that, once the
+workers have closed theirs, a new connection is refused instead of waiting in the kernel's queue for
+a worker that will never accept it) and waits for them (each drains its in-flight requests within
 ``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
 """
 
@@ -288,6 +290,9 @@ class Supervisor:
         for process in live:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
+        if self._sock is not None:  # the workers close their copies as they drain: once all are
+            self._sock.close()  # closed a new connection is refused, rather than queued unanswered
+            self._sock = None
         for process in live:
             try:
                 async with asyncio.timeout(self.shutdown_grace_s + self.config.kill_after_s):

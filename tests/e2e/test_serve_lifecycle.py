@@ -1,0 +1,131 @@
+"""``kvlb serve``'s own life on real processes: SIGTERM with a stream in flight, with ``--workers 1``
+and ``--workers 2``.
+
+On SIGTERM the port must stop taking connections at once (a connection made meanwhile is refused,
+so that a client or a proxy tries another balancer), while the stream already in flight runs to its
+end, and the server then exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from serve_harness import MODEL, Child, HoldingEngine, start_serve, stop
+
+REFUSED_WITHIN_S = 3.0
+"""How long after SIGTERM a new connection may still be taken (the signal's delivery and the
+workers' reaction; they closed their sockets within 10 ms when measured)."""
+
+
+def chat(question: str, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": question}], "max_tokens": 4, **extra}
+
+
+def holding_config(tmp: Path, engine: HoldingEngine) -> Path:
+    pool = {
+        "model": MODEL,
+        "kv_events": False,
+        "replicas": [{"id": "hold-0", "url": engine.url, "engine": "sglang"}],
+    }
+    config = {"listen": {"host": "127.0.0.1", "port": 0}, "pools": [pool], "health_interval_s": 0.5}
+    path = tmp / "kvlb.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def wait_answering(url: str) -> None:
+    async with asyncio.timeout(20):
+        while True:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/chat/completions", json=chat("Hi")) as response,
+            ):
+                if response.status == 200:
+                    return
+            await asyncio.sleep(0.2)
+
+
+async def connect_outcome(port: int) -> str:
+    """``refused``, or what a fresh connection asking ``/readyz`` got (within 1 s)."""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+    except ConnectionRefusedError:
+        return "refused"
+    try:
+        writer.write(b"GET /readyz HTTP/1.1\r\nHost: kvlb\r\nConnection: close\r\n\r\n")
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(64), 1.0)
+        return head.split(b"\r\n", 1)[0].decode(errors="replace") or "closed without an answer"
+    except TimeoutError:
+        return "connected, no answer"
+    except ConnectionError as exc:
+        return f"connected, then {type(exc).__name__}"
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_sigterm_refuses_new_connections_lets_the_stream_finish_and_exits_0(
+    tmp_path: Path, workers: str
+) -> None:
+    """A stream held open by the engine when SIGTERM arrives still ends with ``[DONE]`` once the
+    engine lets it go; meanwhile a new connection is refused within :data:`REFUSED_WITHIN_S`, and the
+    server exits 0. Before 2026-12-01 the supervisor of ``--workers 2`` kept its copy of the listening
+    socket open until the last worker exited: the kernel took new connections that no process would
+    ever accept, and they hung for the whole drain (up to ``--shutdown-grace-s``), then were reset."""
+    engine = HoldingEngine()
+    await engine.start()
+    serve: Child | None = None
+    held: asyncio.Task[bytes] | None = None
+    try:
+        serve = await start_serve(
+            tmp_path, holding_config(tmp_path, engine), "--workers", workers, "--shutdown-grace-s", "20"
+        )
+        url = serve.info["url"]
+        port = int(url.rsplit(":", 1)[1])
+        await wait_answering(url)
+
+        async def hold() -> bytes:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/chat/completions", json=chat("hold", stream=True)) as response,
+            ):
+                assert response.status == 200
+                return await response.read()
+
+        held = asyncio.create_task(hold())
+        async with asyncio.timeout(10):
+            await engine.held.wait()
+        serve.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        outcomes: list[str] = []
+        while time.monotonic() - signalled < REFUSED_WITHIN_S:
+            outcomes.append(await connect_outcome(port))
+            if outcomes[-1] == "refused":
+                break
+            await asyncio.sleep(0.1)
+        assert outcomes[-1] == "refused", outcomes
+        assert not held.done() and serve.process.returncode is None  # the stream is still draining
+
+        engine.let_go.set()
+        async with asyncio.timeout(10):
+            body = await held
+            code = await serve.process.wait()
+        assert body.rstrip().endswith(b"data: [DONE]"), body
+        assert json.loads(body.split(b"data: ", 2)[1])["choices"][0]["delta"]["content"] == "a"
+        assert code == 0, serve.log_tail()
+    finally:
+        if held is not None and not held.done():
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+        if serve is not None:
+            await stop(serve)
+        await engine.stop()
