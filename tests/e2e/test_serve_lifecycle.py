@@ -129,3 +129,59 @@ async def test_sigterm_refuses_new_connections_lets_the_stream_finish_and_exits_
         if serve is not None:
             await stop(serve)
         await engine.stop()
+
+
+GRACE_S = 2.0
+STOP_MARGIN_S = 1.0
+"""What the stop may take past the grace (the rest of the shutdown: 0.03 to 0.14 s measured)."""
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_stream_that_outlives_the_grace_is_cut_at_the_grace(tmp_path: Path, workers: str) -> None:
+    """A stream the engine never ends is cut once ``--shutdown-grace-s`` is over and the server exits 0
+    within :data:`STOP_MARGIN_S` of it. Before 2026-12-01 aiohttp's runner waited its
+    ``shutdown_timeout`` (the grace) for the handler, then cancelled only the request's body and
+    waited the grace again: the stop took twice the grace (6.0 s for 3 s, 13.3 s for 6 s)."""
+    engine = HoldingEngine()
+    await engine.start()
+    serve: Child | None = None
+    held: asyncio.Task[bytes] | None = None
+    try:
+        serve = await start_serve(
+            tmp_path,
+            holding_config(tmp_path, engine),
+            "--workers",
+            workers,
+            "--shutdown-grace-s",
+            str(GRACE_S),
+        )
+        url = serve.info["url"]
+        await wait_answering(url)
+
+        async def hold() -> bytes:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/chat/completions", json=chat("hold", stream=True)) as response,
+            ):
+                return await response.read()
+
+        held = asyncio.create_task(hold())
+        async with asyncio.timeout(10):
+            await engine.held.wait()
+        serve.process.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        async with asyncio.timeout(GRACE_S * 2 + 10):
+            code = await serve.process.wait()
+        took_s = time.monotonic() - signalled
+        assert code == 0, serve.log_tail()
+        assert GRACE_S <= took_s < GRACE_S + STOP_MARGIN_S, (took_s, serve.log_tail())
+        results = await asyncio.gather(held, return_exceptions=True)
+        assert isinstance(results[0], aiohttp.ClientError), results  # cut, not finished
+        assert "cancelling 1 request(s) still in flight" in serve.stderr.read_text(errors="replace")
+    finally:
+        if held is not None and not held.done():
+            held.cancel()
+            await asyncio.gather(held, return_exceptions=True)
+        if serve is not None:
+            await stop(serve)
+        await engine.stop()
