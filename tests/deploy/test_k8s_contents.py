@@ -60,6 +60,12 @@ def container_env(resources: list[dict[str, Any]], item: dict[str, Any]) -> dict
     return env
 
 
+def cpu_cores(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (``1``, ``"2"``, ``"500m"``) in cores."""
+    text = str(quantity)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_balancer_deployment_is_ha_probed_and_drained(overlay: str) -> None:
     resources = rendered(overlay)
@@ -74,6 +80,10 @@ def test_balancer_deployment_is_ha_probed_and_drained(overlay: str) -> None:
     pre_stop_s = int(kvlb["lifecycle"]["preStop"]["exec"]["command"][-1])
     grace_s = float(arg_after(kvlb["args"], "--shutdown-grace-s"))
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > pre_stop_s + grace_s
+    # without --workers kvlb runs one worker per core it may use: in a pod with no CPU limit, every
+    # core of the node, each with its own index, far past the memory limit sized for one
+    workers = int(arg_after(kvlb["args"], "--workers"))
+    assert 1 <= workers <= max(1, cpu_cores(kvlb["resources"]["requests"]["cpu"]))
     for resource in all_of(resources, "Deployment") + all_of(resources, "StatefulSet"):
         for item in resource["spec"]["template"]["spec"]["containers"]:
             assert {"cpu", "memory"} <= set(item["resources"]["requests"]), item["name"]
