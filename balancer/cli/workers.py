@@ -113,9 +113,12 @@ def reserved_port(host: str, port: int = 0) -> socket.socket:
     """A bound, never-listening ``SO_REUSEPORT`` socket on ``port`` (0: a free one): keeps the port
     while the workers bind it with ``SO_REUSEPORT`` too. A port another program holds is a
     :class:`~balancer.errors.ConfigError` naming ``listen.grpc_port``, found here once rather than by
-    every worker."""
+    every worker. ``SO_REUSEADDR`` as well, as gRPC's own sockets and the HTTP listener have: the
+    connections a stopped kvlb closed linger in TIME_WAIT on the port for a minute, and without it
+    a restart in the same network namespace (a container restarted in its pod) could not bind."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,54 @@ async def test_a_stream_that_outlives_the_grace_is_cut_at_the_grace(tmp_path: Pa
         if held is not None and not held.done():
             held.cancel()
             await asyncio.gather(held, return_exceptions=True)
+        if serve is not None:
+            await stop(serve)
+        await engine.stop()
+
+
+def time_wait_on_a_port() -> int:
+    """A free port with a connection in TIME_WAIT on its server side, as a stopped kvlb leaves on its
+    gRPC port (the server closes first): accepted, closed by the listener's side, listener closed."""
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = int(listener.getsockname()[1])
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    accepted.close()  # the server's side closes first: it is the one left in TIME_WAIT
+    client.recv(1)  # the FIN
+    client.close()
+    listener.close()
+    probe = socket.socket()
+    try:
+        probe.bind(("127.0.0.1", port))  # no SO_REUSEADDR: refused while the TIME_WAIT lasts
+    except OSError:
+        return port
+    finally:
+        probe.close()
+    pytest.skip("the kernel left no TIME_WAIT to bind against")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+async def test_a_restart_binds_the_grpc_port_its_last_run_left_in_time_wait(
+    tmp_path: Path, workers: str
+) -> None:
+    """The gRPC connections a stopped kvlb closed linger a minute in TIME_WAIT on its port. A kvlb
+    started again at once (a container restarted in its pod keeps the network namespace) must bind
+    it: before 2026-12-01 ``--workers 2`` exited 2 (``listen.grpc_port: cannot bind ...: Address
+    already in use``) for that minute, since the supervisor reserved the port without
+    ``SO_REUSEADDR``; ``--workers 1`` (gRPC's own socket) always could."""
+    engine = HoldingEngine()
+    await engine.start()
+    serve: Child | None = None
+    try:
+        port = time_wait_on_a_port()
+        config = holding_config(tmp_path, engine)
+        serve = await start_serve(tmp_path, config, "--workers", workers, "--set", f"listen.grpc_port={port}")
+        await wait_answering(serve.info["url"])
+        assert await stop(serve) == 0, serve.log_tail()
+    finally:
         if serve is not None:
             await stop(serve)
         await engine.stop()
