@@ -105,6 +105,8 @@ class Balancer:
         self.settings = settings
         self.options = options or ServeOptions()
         self.metrics = Metrics.create(registry)
+        if self.options.worker is not None:  # the supervisor's count of this worker's restarts
+            self.metrics.process_restarts_total.inc(self.options.worker.restarts)
         self._given_tokenizers = dict(tokenizers or {})
         self.state: ServiceState | None = None
         self.url = ""

@@ -90,6 +90,7 @@ def _register_serve(subparsers: SubParsers) -> None:
     parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load-table", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-restarts", type=int, default=0, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
 
 
@@ -199,7 +200,14 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.listen_fd is None or args.run_dir is None:
             print("kvlb serve: --worker-index needs --listen-fd and --run-dir", file=sys.stderr)
             return 2
-        role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir, args.load_table)
+        role = WorkerRole(
+            args.worker_index,
+            args.workers,
+            args.listen_fd,
+            args.run_dir,
+            args.load_table,
+            restarts=max(0, args.worker_restarts),
+        )
         _die_with_parent()
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise

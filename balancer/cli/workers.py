@@ -23,11 +23,12 @@ The supervisor prints ``{"kvlb": "serving", "url": ..., "workers": N}`` once eve
 itself (a worker that exits before it announced itself fails the start: :class:`WorkerStartError`, as
 a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, would fail every
 restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
-``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``), and on SIGTERM/SIGINT
-forwards the signal to every worker, closes its own copy of the listening socket (so that, once the
-workers have closed theirs, a new connection is refused instead of waiting in the kernel's queue for
-a worker that will never accept it) and waits for them (each drains its in-flight requests within
-``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
+``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``; each restart is logged, and
+the worker's count is passed to the new process, which exports it as ``kvlb_process_restarts_total``),
+and on SIGTERM/SIGINT forwards the signal to every worker, closes its own copy of the listening
+socket (so that, once the workers have closed theirs, a new connection is refused instead of waiting
+in the kernel's queue for a worker that will never accept it) and waits for them (each drains its
+in-flight requests within ``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
 """
 
 from __future__ import annotations
@@ -219,6 +220,7 @@ class Supervisor:
         argv = [sys.executable, "-m", "balancer", "serve", *self.worker_argv]
         argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
         argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
+        argv += ["--worker-restarts", str(worker.restarts)]
         if self.load_table is not None:
             argv += ["--load-table", self.load_table.name]
         if self.grpc_port is not None:

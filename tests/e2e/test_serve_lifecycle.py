@@ -9,7 +9,9 @@ end, and the server then exits 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
 import socket
 import time
@@ -19,6 +21,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import MODEL, Child, HoldingEngine, start_serve, stop
 
 REFUSED_WITHIN_S = 3.0
@@ -230,6 +233,45 @@ async def test_a_restart_binds_the_grpc_port_its_last_run_left_in_time_wait(
         serve = await start_serve(tmp_path, config, "--workers", workers, "--set", f"listen.grpc_port={port}")
         await wait_answering(serve.info["url"])
         assert await stop(serve) == 0, serve.log_tail()
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await engine.stop()
+
+
+def restarts_by_worker(text: str) -> dict[str, float]:
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvlb_process_restarts_total":
+                found[sample.labels.get("worker", "")] = sample.value
+    return found
+
+
+async def test_a_restarted_worker_counts_its_restarts(tmp_path: Path) -> None:
+    """``--workers 2``: a worker SIGKILLed (as the OOM killer does) is restarted, and the new process
+    exports the supervisor's count, ``kvlb_process_restarts_total{worker="1"} 1`` (the other worker
+    0), which ``KvlbWorkerCrashLoop`` watches. Before 2026-12-01 a crash loop showed in the
+    supervisor's log only."""
+    engine = HoldingEngine()
+    await engine.start()
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, holding_config(tmp_path, engine), "--workers", "2")
+        url = serve.info["url"]
+        await wait_answering(url)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(url + "/metrics") as response:
+                assert restarts_by_worker(await response.text()) == {"0": 0.0, "1": 0.0}
+            os.kill(serve.info["worker_pids"][1], signal.SIGKILL)
+            seen: dict[str, float] = {}
+            async with asyncio.timeout(30):
+                while seen != {"0": 0.0, "1": 1.0}:
+                    await asyncio.sleep(0.2)
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(url + "/metrics", headers={"Connection": "close"}) as response:
+                            seen = restarts_by_worker(await response.text())
+        assert "exited with -9" in serve.stderr.read_text(errors="replace"), serve.log_tail()
     finally:
         if serve is not None:
             await stop(serve)
