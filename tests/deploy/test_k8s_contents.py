@@ -89,6 +89,8 @@ def test_balancer_deployment_is_ha_probed_and_drained(overlay: str) -> None:
     assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > stop_s
     # without --workers kvlb runs one worker per core it may use: in a pod with no CPU limit, every
     # core of the node, each with its own index, far past the memory limit sized for one
+    # the kubelet's KVLB_PORT=tcp://..., KVLB_SERVICE_HOST... of the Services kvlb and kvlb-redis
+    assert deployment["spec"]["template"]["spec"]["enableServiceLinks"] is False
     workers = int(arg_after(kvlb["args"], "--workers"))
     assert 1 <= workers <= max(1, cpu_cores(kvlb["resources"]["requests"]["cpu"]))
     for resource in all_of(resources, "Deployment") + all_of(resources, "StatefulSet"):

@@ -276,3 +276,34 @@ async def test_a_restarted_worker_counts_its_restarts(tmp_path: Path) -> None:
         if serve is not None:
             await stop(serve)
         await engine.stop()
+
+
+async def test_serve_starts_among_the_kubernetes_service_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pod of a namespace with the Services ``kvlb`` and ``kvlb-redis`` (the manifests' own) gets
+    ``KVLB_PORT=tcp://...``, ``KVLB_SERVICE_HOST`` and the like from the kubelet (unless
+    ``enableServiceLinks: false``). ``kvlb serve`` starts among them and still applies a real
+    ``KVLB_*`` setting; before 2026-12-01 it exited 2 at once: ``config: unknown key(s) ['port', ...]``."""
+    for name, value in {
+        "KVLB_SERVICE_HOST": "10.96.0.10",
+        "KVLB_SERVICE_PORT": "8000",
+        "KVLB_SERVICE_PORT_GRPC": "50051",
+        "KVLB_PORT": "tcp://10.96.0.10:8000",
+        "KVLB_PORT_8000_TCP_ADDR": "10.96.0.10",
+        "KVLB_REDIS_PORT": "tcp://10.96.0.11:6379",
+        "KVLB_REDIS_SERVICE_HOST": "10.96.0.11",
+        "KVLB_HEALTH_INTERVAL_S": "0.25",  # a real setting beside them
+    }.items():
+        monkeypatch.setenv(name, value)  # the child kvlb serve inherits them
+    engine = HoldingEngine()
+    await engine.start()
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, holding_config(tmp_path, engine), "--workers", "1")
+        await wait_answering(serve.info["url"])
+        assert await stop(serve) == 0, serve.log_tail()
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await engine.stop()
