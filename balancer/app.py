@@ -7,9 +7,9 @@ probers → discovery (``discovery.kind`` file or kubernetes) → HTTP server �
 ``listen.grpc_port`` is set). Everything per replica, and the discovery that adds and removes
 replicas at run time, lives in :mod:`balancer.service.lifecycle`. ``stop`` undoes it in reverse:
 stop accepting (HTTP and gRPC together) and let in-flight requests finish within
-``shutdown_grace_s`` (then cancel them), cancel discovery, probers and scrapers, stop the fleet,
-close event ingest, close HTTP sessions and the ZMQ context. Nothing here is global: a test builds
-as many :class:`Balancer` s as it likes.
+``shutdown_grace_s`` (then cancel them: HTTP through :mod:`balancer.api.inflight`), cancel
+discovery, probers and scrapers, stop the fleet, close event ingest, close HTTP sessions and the ZMQ
+context. Nothing here is global: a test builds as many :class:`Balancer` s as it likes.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry
 from balancer.api.gathered import grpc_whatif
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
+from balancer.api.inflight import InflightRequests
 from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
 from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, build_discovery
@@ -82,6 +83,11 @@ def load_pool_tokenizer(path: str | None, limits: TokenizeLimits) -> Tokenizer:
         return TokenIdTokenizer(limits)
 
 
+HTTP_STOP_BACKSTOP_S = 2.0
+"""Seconds past ``shutdown_grace_s`` before aiohttp's own shutdown wait would end (it never should:
+the requests left are cancelled at the grace and end at once)."""
+
+
 class Balancer:
     """The whole service: ``async with Balancer(settings) as b:`` serves on ``b.url``."""
 
@@ -99,6 +105,8 @@ class Balancer:
         self.settings = settings
         self.options = options or ServeOptions()
         self.metrics = Metrics.create(registry)
+        if self.options.worker is not None:  # the supervisor's count of this worker's restarts
+            self.metrics.process_restarts_total.inc(self.options.worker.restarts)
         self._given_tokenizers = dict(tokenizers or {})
         self.state: ServiceState | None = None
         self.url = ""
@@ -112,6 +120,8 @@ class Balancer:
         self.fleet: FleetRuntime | None = None
         """The Redis side (leases, mirrors, shared policy) when ``redis.url`` is set."""
         self._runner: web.AppRunner | None = None
+        self._inflight = InflightRequests()
+        """The HTTP requests being handled: the ones left at the end of the grace are cancelled."""
         self._grpc: GrpcServer | None = None
         self._siblings: Siblings | None = None
         self._speculation: SpeculationShare | None = None
@@ -350,6 +360,7 @@ class Balancer:
 
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)
+        app.middlewares.insert(0, self._inflight.middleware)
         worker = self.options.worker
         if worker is not None and worker.count > 1:
             self._siblings = Siblings(worker.run_dir, worker.index, worker.count)
@@ -365,7 +376,9 @@ class Balancer:
             app,
             access_log=None,
             handler_cancellation=True,
-            shutdown_timeout=self.options.shutdown_grace_s,
+            # a backstop only: _stop_http cancels what is left at the grace, before aiohttp's wait ends
+            # (the two at once made aiohttp set a result on its cancelled waiter: InvalidStateError)
+            shutdown_timeout=self.options.shutdown_grace_s + HTTP_STOP_BACKSTOP_S,
             keepalive_timeout=self.settings.timeouts.client_idle_s,
             logger=server_logger(),
         )
@@ -419,7 +432,7 @@ class Balancer:
             servers.append(grpc_server.stop(self.options.shutdown_grace_s))
         if self._runner is not None:
             runner, self._runner = self._runner, None
-            servers.append(runner.cleanup())
+            servers.append(self._stop_http(runner))
         await asyncio.gather(*servers)
         if self._load_share is not None:
             share, self._load_share = self._load_share, None
@@ -455,6 +468,17 @@ class Balancer:
         if self._zmq is not None:
             context, self._zmq = self._zmq, None
             context.destroy(linger=0)
+
+    async def _stop_http(self, runner: web.AppRunner) -> None:
+        """Stop listening and let the requests in flight finish for ``shutdown_grace_s``, then cancel
+        the rest: aiohttp alone would wait up to twice its ``shutdown_timeout`` (api/inflight.py)."""
+        cleanup = asyncio.ensure_future(runner.cleanup())
+        done, _ = await asyncio.wait((cleanup,), timeout=self.options.shutdown_grace_s)
+        if not done:
+            log.warning(
+                "shutdown grace over: cancelling %d request(s) still in flight", self._inflight.cancel_all()
+            )
+        await cleanup
 
     async def __aenter__(self) -> Balancer:
         await self.start()

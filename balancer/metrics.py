@@ -532,18 +532,24 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
 @dataclass(frozen=True)
 class _ProcessCollectors:
     process_asyncio_tasks: Gauge
+    process_restarts_total: Counter
     log_suppressed_total: Counter
 
 
 def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
-    """``kvlb_process_*`` beside the ``ProcessCollector``'s: the event loop's tasks; and the log
-    rate limiter's held-back warnings."""
+    """``kvlb_process_*`` beside the ``ProcessCollector``'s: the event loop's tasks, the restarts of
+    this worker; and the log rate limiter's held-back warnings."""
     counter, gauge, _ = _constructors(reg)
     return _ProcessCollectors(
         process_asyncio_tasks=gauge(
             "kvlb_process_asyncio_tasks",
             "Tasks alive on kvlb's event loop, counted at scrape time (the scrape's own included); "
             "flat under steady load, growth means a leak.",
+        ),
+        process_restarts_total=counter(
+            "kvlb_process_restarts_total",
+            "Times the supervisor of kvlb serve --workers N restarted this worker after it exited (its "
+            "count when this process started; 0 for --workers 1); rising means a worker crash loop.",
         ),
         log_suppressed_total=counter(
             "kvlb_log_suppressed_total",

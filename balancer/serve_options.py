@@ -36,6 +36,8 @@ class WorkerRole:
     load_table: str | None = None
     """The supervisor's shared-memory table of per-replica load (:mod:`balancer.load.share`);
     ``None``: each worker's load view is its own."""
+    restarts: int = 0
+    """Times the supervisor restarted this worker before this process (``kvlb_process_restarts_total``)."""
 
     @property
     def drains(self) -> bool:

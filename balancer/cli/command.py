@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -81,23 +82,54 @@ def _register_serve(subparsers: SubParsers) -> None:
         "--workers",
         type=int,
         default=default_workers(),
-        help="worker processes serving the port (default: the number of cores, %(default)s); 1 serves "
-        "in this process",
+        help="worker processes serving the port (default: the cores this process may use, capped by its "
+        "cgroup's CPU limit: %(default)s); 1 serves in this process",
     )
     # Set by the supervisor of --workers N for each worker it starts (docs/architecture.md).
     parser.add_argument("--worker-index", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load-table", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-restarts", type=int, default=0, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
 
 
-def default_workers() -> int:
-    """``--workers`` by default: the cores this process may run on."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def default_workers(cgroup_root: Path = CGROUP_ROOT) -> int:
+    """``--workers`` by default: the cores this process may run on, capped by its cgroup's CPU limit
+    rounded up (a container's ``--cpus`` or ``limits.cpu``, which the affinity mask does not show: a
+    pod limited to 2 CPUs on a 64-core node would otherwise start 64 workers)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
+        cores = os.cpu_count() or 1
+    limit = cgroup_cpu_limit(cgroup_root)
+    if limit is not None:
+        cores = min(cores, math.ceil(limit))
+    return max(1, cores)
+
+
+def cgroup_cpu_limit(root: Path) -> float | None:
+    """The CPU limit in cores of the cgroup mounted at ``root`` (v2 ``cpu.max``, else v1
+    ``cpu/cpu.cfs_quota_us`` over ``cpu.cfs_period_us``); ``None`` when there is none or it cannot be
+    read."""
+    try:
+        quota, _, period = (root / "cpu.max").read_text().partition(" ")
+    except OSError:
+        try:
+            quota = (root / "cpu" / "cpu.cfs_quota_us").read_text()
+            period = (root / "cpu" / "cpu.cfs_period_us").read_text()
+        except OSError:
+            return None
+    try:
+        quota_us, period_us = float(quota), float(period)
+    except ValueError:  # "max": no limit
+        return None
+    if quota_us <= 0 or period_us <= 0:  # v1 says -1 for no limit
+        return None
+    return quota_us / period_us
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -168,7 +200,14 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.listen_fd is None or args.run_dir is None:
             print("kvlb serve: --worker-index needs --listen-fd and --run-dir", file=sys.stderr)
             return 2
-        role = WorkerRole(args.worker_index, args.workers, args.listen_fd, args.run_dir, args.load_table)
+        role = WorkerRole(
+            args.worker_index,
+            args.workers,
+            args.listen_fd,
+            args.run_dir,
+            args.load_table,
+            restarts=max(0, args.worker_restarts),
+        )
         _die_with_parent()
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise

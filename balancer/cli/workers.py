@@ -23,9 +23,12 @@ The supervisor prints ``{"kvlb": "serving", "url": ..., "workers": N}`` once eve
 itself (a worker that exits before it announced itself fails the start: :class:`WorkerStartError`, as
 a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, would fail every
 restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
-``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``), and on SIGTERM/SIGINT
-forwards the signal to every worker and waits for them (each drains its in-flight requests within
-``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
+``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``; each restart is logged, and
+the worker's count is passed to the new process, which exports it as ``kvlb_process_restarts_total``),
+and on SIGTERM/SIGINT forwards the signal to every worker, closes its own copy of the listening
+socket (so that, once the workers have closed theirs, a new connection is refused instead of waiting
+in the kernel's queue for a worker that will never accept it) and waits for them (each drains its
+in-flight requests within ``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
 """
 
 from __future__ import annotations
@@ -111,9 +114,12 @@ def reserved_port(host: str, port: int = 0) -> socket.socket:
     """A bound, never-listening ``SO_REUSEPORT`` socket on ``port`` (0: a free one): keeps the port
     while the workers bind it with ``SO_REUSEPORT`` too. A port another program holds is a
     :class:`~balancer.errors.ConfigError` naming ``listen.grpc_port``, found here once rather than by
-    every worker."""
+    every worker. ``SO_REUSEADDR`` as well, as gRPC's own sockets and the HTTP listener have: the
+    connections a stopped kvlb closed linger in TIME_WAIT on the port for a minute, and without it
+    a restart in the same network namespace (a container restarted in its pod) could not bind."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
@@ -214,6 +220,7 @@ class Supervisor:
         argv = [sys.executable, "-m", "balancer", "serve", *self.worker_argv]
         argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
         argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
+        argv += ["--worker-restarts", str(worker.restarts)]
         if self.load_table is not None:
             argv += ["--load-table", self.load_table.name]
         if self.grpc_port is not None:
@@ -288,6 +295,9 @@ class Supervisor:
         for process in live:
             with contextlib.suppress(ProcessLookupError):
                 process.send_signal(signal.SIGTERM)
+        if self._sock is not None:  # the workers close their copies as they drain: once all are
+            self._sock.close()  # closed a new connection is refused, rather than queued unanswered
+            self._sock = None
         for process in live:
             try:
                 async with asyncio.timeout(self.shutdown_grace_s + self.config.kill_after_s):

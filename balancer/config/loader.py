@@ -6,6 +6,11 @@ Nested fields use ``__`` in environment names and ``.`` on the command line::
     KVLB_LISTEN__PORT=9000           kvlb serve --set listen.port=9000
     KVLB_REDIS__URL=redis://r:6379   kvlb serve --set redis.url=redis://r:6379
 
+The environment variables Kubernetes sets for every Service of the namespace (``enableServiceLinks``,
+on by default) share the prefix when a Service's name starts with ``kvlb``: ``KVLB_SERVICE_HOST``,
+``KVLB_PORT=tcp://10.0.0.1:8000``, ``KVLB_REDIS_PORT_6379_TCP_ADDR``... They are not settings and are
+skipped (:data:`SERVICE_LINK`); a name with ``__`` never has their shape, so no setting is lost.
+
 The dataclasses it builds live in :mod:`balancer.config.settings`. This module is the only place that
 reads ``os.environ``.
 """
@@ -15,6 +20,7 @@ from __future__ import annotations
 import ctypes.util
 import dataclasses
 import os
+import re
 import types
 import typing
 from collections.abc import Mapping, MutableMapping, Sequence
@@ -125,11 +131,21 @@ def _parse_value(text: str) -> Any:
         raise ConfigError(f"cannot parse value {text!r}: {exc}") from None
 
 
+SERVICE_LINK = re.compile(
+    r"KVLB_(?!.*__)(?:[A-Z0-9_]*_)?"
+    r"(?:SERVICE_HOST|SERVICE_PORT(?:_[A-Z0-9_]+)?|PORT(?:_\d+_(?:TCP|UDP|SCTP)(?:_(?:PROTO|PORT|ADDR))?)?)"
+)
+"""The names of the variables Kubernetes sets for a Service whose name starts with ``kvlb``
+(``<NAME>_SERVICE_HOST``, ``<NAME>_SERVICE_PORT[_<port name>]``,
+``<NAME>_PORT[_<n>_<proto>[_PROTO|_PORT|_ADDR]]``): not settings. None has ``__``, which every
+nested setting has, and no top-level setting ends so."""
+
+
 def merge_overrides(base: Mapping[str, Any], env: Mapping[str, str], sets: Sequence[str]) -> dict[str, Any]:
     """Apply ``KVLB_A__B=v`` environment entries, then ``a.b=v`` strings, onto a copy of ``base``."""
     tree: dict[str, Any] = _deep_copy(base)
     for key, raw in sorted(env.items()):
-        if key.startswith("KVLB_") and key != "KVLB_CONFIG":
+        if key.startswith("KVLB_") and key != "KVLB_CONFIG" and not SERVICE_LINK.fullmatch(key):
             _set_path(tree, key[5:].lower().replace("__", "."), _parse_value(raw))
     for item in sets:
         name, sep, raw = item.partition("=")

@@ -10,8 +10,10 @@ The file has the shape of the settings' ``pools`` section, replicas only::
 Every ``reload_interval_s`` the file's (mtime, size, inode) is compared with the last one read; a
 change reads and validates it, then emits the difference. The inode matters for a Kubernetes
 ConfigMap volume, which swaps a symlink rather than rewriting the file. A file that cannot be read
-or does not validate keeps the last good set (and is logged once per change); an empty ``pools``
-list removes every replica the file had added.
+or does not validate keeps the last good set (and is logged once per change); so does a file with
+nothing in it (no bytes, or only blanks and comments), which is what a reader sees between the
+truncation and the write of ``cat > file``; an explicit empty ``pools: []`` list removes every
+replica the file had added.
 """
 
 from __future__ import annotations
@@ -43,8 +45,10 @@ def parse_replica_file(text: str, where: str = "replica file") -> dict[ReplicaId
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{where} is not valid YAML: {exc}") from None
-    if raw is None:
-        raw = {"pools": []}
+    if raw is None:  # no bytes, blanks or comments: a file being written (truncated first), not a set
+        raise ConfigError(
+            f"{where} is empty (a write in progress?); to remove every replica write: pools: []"
+        )
     if not isinstance(raw, Mapping) or set(raw) != {"pools"}:
         raise ConfigError(f"{where}: top level must be a mapping with one key, pools")
     pools_raw = raw["pools"] or []

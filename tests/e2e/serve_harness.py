@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from aiohttp import web
 
 START_TIMEOUT_S = 60.0
 """How long a child may take to announce itself. A loaded machine (CPU burners, load 9-13) took
@@ -132,3 +133,47 @@ async def kill(child: Child) -> None:
     if child.process.returncode is None:
         child.process.kill()
         await child.process.wait()
+
+
+class HoldingEngine:
+    """A stand-in engine (a real HTTP server, not a kvlb part): answers probes and quick chats at
+    once, and holds a chat that says ``hold`` after its first SSE chunk until :attr:`let_go` is set,
+    so that the request stays in flight on the worker that took it."""
+
+    def __init__(self) -> None:
+        self.held = asyncio.Event()
+        self.let_go = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_get("/{tail:.*}", self.ok)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self.runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+
+    async def ok(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        chunk = {"id": "x", "object": "chat.completion.chunk", "model": body["model"]}
+        chunk["choices"] = [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]
+        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        if "hold" in json.dumps(body["messages"]):
+            self.held.set()
+            await self.let_go.wait()
+        await response.write(b"data: [DONE]\n\n")
+        return response
+
+    async def stop(self) -> None:
+        self.let_go.set()
+        if self.runner is not None:
+            await self.runner.cleanup()

@@ -1,10 +1,11 @@
 """``kvlb serve`` with ``discovery.kind: file``, as a process, in front of two ``kvlb emulate`` replicas.
 
 sim-0 is static (in ``pools``); sim-1 appears when the replica file lists it and leaves when the
-file no longer does. Over real processes and sockets: once listed, sim-1 is routable, serves a chat
-request (``x-kvlb-replica``) and its ZMQ events fill the index; once unlisted, it is gone from
-``/admin/replicas``, its blocks are gone from the index (``kvlb_index_blocks``), and requests keep
-succeeding on sim-0. SIGTERM then stops the balancer cleanly (discovery included).
+file no longer does (a file emptied by a writer, truncated and not yet written, keeps it). Over real
+processes and sockets: once listed, sim-1 is routable, serves a chat request (``x-kvlb-replica``)
+and its ZMQ events fill the index; once unlisted, it is gone from ``/admin/replicas``, its blocks
+are gone from the index (``kvlb_index_blocks``), and requests keep succeeding on sim-0. SIGTERM then
+stops the balancer cleanly (discovery included).
 """
 
 from __future__ import annotations
@@ -152,6 +153,13 @@ async def test_file_discovery_adds_and_removes_a_replica(tmp_path: Path) -> None
 
             await eventually("held blocks in every worker", held_everywhere)
             assert len(await kvlb.series_naming(name)) > 50  # counters, gauges, histograms, lag
+
+            # truncated by a writer (``cat > file``) and read before the new text is in: the last
+            # good set is kept (until 2026-12-01 an empty file removed every replica it had added)
+            replica_file.write_text("")
+            await asyncio.sleep(1.0)  # five polls
+            assert (await kvlb.views())[name]["routable"]
+            assert "is empty" in serve.stderr.read_text(errors="replace"), serve.log_tail()
 
             # the file no longer lists it: it leaves routing and the index
             write_atomically(replica_file, {"pools": []})

@@ -11,7 +11,6 @@ in-flight caps (global, per replica, per tenant) hold for both workers together.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import time
@@ -26,7 +25,7 @@ from aiohttp import web
 from kvlb_harness import completion_replica
 from procs_free import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import MODEL, Child, _spawn, start_serve, start_sim, stop
+from serve_harness import MODEL, Child, HoldingEngine, _spawn, start_serve, start_sim, stop
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
@@ -266,50 +265,6 @@ async def check_kill_under_load(url: str, serve: Child) -> None:
         view = await fresh_get(url + "/admin/policy")
         versions.add((view["version"], view["weights"]["decode_weight"]))
     assert versions == {(2, 0.5)}
-
-
-class HoldingEngine:
-    """A stand-in engine (a real HTTP server, not a kvlb part): answers probes and quick chats at
-    once, and holds a chat that says ``hold`` after its first SSE chunk until :attr:`let_go` is set,
-    so that the request stays in flight on the worker that took it."""
-
-    def __init__(self) -> None:
-        self.held = asyncio.Event()
-        self.let_go = asyncio.Event()
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self.chat)
-        app.router.add_get("/{tail:.*}", self.ok)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        host, port = self.runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
-
-    async def ok(self, request: web.Request) -> web.Response:
-        return web.json_response({})
-
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        chunk = {"id": "x", "object": "chat.completion.chunk", "model": body["model"]}
-        chunk["choices"] = [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}]
-        await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        if "hold" in json.dumps(body["messages"]):
-            self.held.set()
-            await self.let_go.wait()
-        await response.write(b"data: [DONE]\n\n")
-        return response
-
-    async def stop(self) -> None:
-        self.let_go.set()
-        if self.runner is not None:
-            await self.runner.cleanup()
 
 
 def load_by_worker(text: str, replica: str) -> dict[tuple[str, str], float]:

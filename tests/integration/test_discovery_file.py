@@ -74,6 +74,8 @@ async def test_reload_emits_adds_changes_and_removals(tmp_path: Path) -> None:
     ("text", "message"),
     [
         ("pools: [unclosed\n", "not valid YAML"),
+        ("", "is empty"),  # truncated by a writer that has not written yet: not "no replicas"
+        ("# replicas follow\n\n", "is empty"),
         ("replicas: []\n", "one key, pools"),
         ("pools: [{model: m1, replicas: [{id: a, url: 'ftp://x'}]}]\n", "url must be http"),
         ("pools: [{model: m1, replicas: [{id: a, url: 'http://x', dp_size: 0}]}]\n", "dp_size"),

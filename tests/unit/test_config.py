@@ -40,6 +40,37 @@ def test_yaml_env_and_set_precedence(tmp_path: Path) -> None:
     assert settings.policy.weights == {"overlap_credit": 0.5}
 
 
+SERVICE_LINKS = {  # what the kubelet sets in every pod of the namespace of Services kvlb and kvlb-redis
+    "KVLB_SERVICE_HOST": "10.96.0.10",
+    "KVLB_SERVICE_PORT": "8000",
+    "KVLB_SERVICE_PORT_HTTP": "8000",
+    "KVLB_SERVICE_PORT_GRPC": "50051",
+    "KVLB_PORT": "tcp://10.96.0.10:8000",
+    "KVLB_PORT_8000_TCP": "tcp://10.96.0.10:8000",
+    "KVLB_PORT_8000_TCP_PROTO": "tcp",
+    "KVLB_PORT_8000_TCP_PORT": "8000",
+    "KVLB_PORT_8000_TCP_ADDR": "10.96.0.10",
+    "KVLB_PORT_50051_TCP": "tcp://10.96.0.10:50051",
+    "KVLB_REDIS_SERVICE_HOST": "10.96.0.11",
+    "KVLB_REDIS_SERVICE_PORT": "6379",
+    "KVLB_REDIS_SERVICE_PORT_REDIS": "6379",
+    "KVLB_REDIS_PORT": "tcp://10.96.0.11:6379",
+    "KVLB_REDIS_PORT_6379_TCP_ADDR": "10.96.0.11",
+}
+
+
+def test_kubernetes_service_links_are_not_settings() -> None:
+    """Kubernetes sets ``KVLB_PORT=tcp://...`` and the like in every pod of a namespace with a Service
+    named ``kvlb`` (the manifests' own): they are skipped, the real settings beside them still apply,
+    and a typo'd setting is still refused. Before 2026-12-01 they were read as settings and ``kvlb
+    serve`` exited 2 (``config: unknown key(s) ['port', 'port_8000_tcp', ...]``)."""
+    env = {**SERVICE_LINKS, "KVLB_LISTEN__PORT": "9200", "KVLB_LOG_LEVEL": "debug"}
+    settings = config.load(env=env)
+    assert settings.listen.port == 9200 and settings.log_level == "debug"
+    with pytest.raises(ConfigError, match="unknown key"):
+        config.load(env={**SERVICE_LINKS, "KVLB_LISTN__PORT": "1"})
+
+
 def test_redis_cluster_setting() -> None:
     settings = config.load(sets=["redis.url=redis://h:7000/0", "redis.cluster=true"], env={})
     assert settings.redis.cluster
