@@ -341,6 +341,7 @@ class Balancer:
         if relay is not None and self.fleet is None:  # embedded workers: share speculative entries
             self._share_speculation(state, replicas, relay.run_dir)
         state.sources_started = True
+        state.sources_started_at = state.monotonic()
         discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
         if discovery is not None:
             replicas.start_discovery(discovery)

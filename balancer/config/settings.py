@@ -545,6 +545,13 @@ class Settings:
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
     """Health probe period per replica."""
+    health_ready_wait_s: float = 60.0
+    """Seconds from start (0..3600) during which ``/readyz`` (and gRPC health) waits for every pool
+    to have a healthy replica, so that a new pod takes traffic once its replicas were probed. Once
+    ready, or after this wait, a pool with none is listed under ``degraded`` instead (its requests
+    get 503 with ``Retry-After``; ``KvlbNoHealthyReplica`` pages) and the balancer stays ready: the
+    same outage makes every balancer unready together, which would take every pod out of the
+    Kubernetes Service and every other model's clients with them."""
     health_timeouts_to_drop: int = 2
     """Health probes in a row that time out before a live replica stops taking traffic (1..10). A
     timeout is ambiguous: a hung engine, or a stalled host or balancer, which times out every
@@ -620,6 +627,8 @@ class Settings:
                 "timeouts.body_min_rate_bytes_per_s must be ≥ 0, "
                 f"got {self.timeouts.body_min_rate_bytes_per_s}"
             )
+        if not 0 <= self.health_ready_wait_s <= 3600:
+            raise ConfigError(f"health_ready_wait_s must be in [0, 3600], got {self.health_ready_wait_s}")
         if not 1 <= self.health_timeouts_to_drop <= 10:
             raise ConfigError(f"health_timeouts_to_drop must be in 1..10, got {self.health_timeouts_to_drop}")
         if not 1 <= self.limits.load_share_slots <= 1_048_576:

@@ -74,6 +74,11 @@ class ServiceState:
     ingests: list[IngestView] = field(default_factory=list)
     scrapers: dict[ReplicaId, MetricsScraper] = field(default_factory=dict)
     sources_started: bool = False
+    sources_started_at: float | None = None
+    """When the event sources started (``monotonic``): ``health_ready_wait_s`` counts from here."""
+    ready_once: bool = False
+    """Whether :meth:`readiness` found nothing wrong once: from then on a pool without a healthy
+    replica is degraded, not a reason to be unready."""
     shutting_down: bool = False
     admin_fan_out: Callable[[str, str, bytes, str | None], Awaitable[None]] | None = None
     """``(method, path, body, actor)``: sends an admin change made through gRPC to the sibling
@@ -123,7 +128,9 @@ class ServiceState:
         return out
 
     def readiness(self, now: float) -> list[str]:
-        """Why the service is not ready (empty: ready)."""
+        """Why the service is not ready (empty: ready). A pool with no healthy replica counts only
+        until the service was first ready or ``health_ready_wait_s`` after its sources started
+        (:meth:`pools_gate`); later it is :meth:`degraded`."""
         problems = []
         if self.shutting_down:
             problems.append("shutting down")
@@ -131,14 +138,32 @@ class ServiceState:
             problems.append("event sources not started")
         if not self.pools:
             problems.append("no pools configured")
-        for model, pool in self.pools.items():
-            if not self.health.routable(now, pool.replicas) and not self.health.drained_only(
-                now, pool.replicas
-            ):
-                problems.append(f"pool {model!r} has no healthy replica")
+        if self.pools_gate(now):
+            problems.extend(f"pool {model!r} has no healthy replica" for model in self._pools_down(now))
         for check in self.readiness_checks:
             problems.extend(check())
+        if not problems:
+            self.ready_once = True
         return problems
+
+    def pools_gate(self, now: float) -> bool:
+        """Whether a pool without a healthy replica still keeps the service unready: only while it
+        starts (never ready yet, within ``health_ready_wait_s`` of its sources' start)."""
+        if self.ready_once:
+            return False
+        return (
+            self.sources_started_at is None
+            or now < self.sources_started_at + self.settings.health_ready_wait_s
+        )
+
+    def _pools_down(self, now: float) -> list[str]:
+        """Pools with no routable replica that are not merely drained."""
+        return [
+            model
+            for model, pool in self.pools.items()
+            if not self.health.routable(now, pool.replicas)
+            and not self.health.drained_only(now, pool.replicas)
+        ]
 
     def degraded(self, now: float | None = None) -> list[str]:
         """Why the service runs degraded while still ready (empty: not degraded). With ``now``: also
@@ -147,6 +172,8 @@ class ServiceState:
         other pools)."""
         reasons = [reason for check in self.degraded_checks for reason in check()]
         if now is not None:
+            if not self.pools_gate(now):
+                reasons.extend(f"pool {model!r} has no healthy replica" for model in self._pools_down(now))
             for model, pool in self.pools.items():
                 if not self.health.routable(now, pool.replicas) and self.health.drained_only(
                     now, pool.replicas

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import pytest
-from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for
+from kvlb_harness import MODEL, Harness, metric_value, running, shared_deepseek, wait_for, wait_ready
+from procs_free import free_port
 
-from balancer.tokenizer.tokenizer import Tokenizer
+from balancer.app import Balancer
+from balancer.config import Settings, from_mapping
+from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
 
 
 @pytest.fixture
@@ -206,3 +210,56 @@ async def test_an_oversized_chunked_body_is_refused_while_reading(tokenizer: Tok
     ):
         assert response.status == 413
         assert "max_body_bytes" in (await response.json())["error"]["message"]
+
+
+async def test_a_pool_that_goes_down_after_start_is_degraded_not_unready(tokenizer: Tokenizer) -> None:
+    """The SRE walk of 2026-12-01 left it open: a pool whose replicas all went down made every
+    balancer unready at once (the same outage is seen by all), so Kubernetes took every pod out of
+    the Service and every other model's clients lost the balancer too. Once ready, the balancer
+    stays ready: the pool is listed under ``degraded`` and its requests get 503 with Retry-After."""
+    body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+    async with running(tokenizer, 2, health_interval_s=0.1) as h:
+        for name in ("r0", "r1"):
+            await h.kill(name)
+
+        async def down() -> bool:
+            answer = await h.post("/v1/completions", body)
+            return answer.status == 503
+
+        await wait_for("the pool to have no healthy replica", down)
+        answer = await h.post("/v1/completions", body)
+        assert answer.headers["Retry-After"] == "1"
+        async with h.session.get(h.url + "/readyz") as response:
+            assert response.status == 200
+            assert await response.json() == {
+                "ready": True,
+                "degraded": [f"pool '{MODEL}' has no healthy replica"],
+            }
+
+
+async def test_at_start_a_pool_with_no_healthy_replica_waits_at_most_health_ready_wait_s() -> None:
+    """A new pod is not ready until every pool has a healthy replica (its replicas probed), but a
+    pool that stays down does not hold it unready for ever (a rolling update would stall): after
+    ``health_ready_wait_s`` it is ready, with the pool under ``degraded``."""
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    tree = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [{"model": MODEL, "replicas": [{"id": "r0", "url": dead, "engine": "sglang"}]}],
+        "health_interval_s": 0.1,
+        "health_ready_wait_s": 1.0,
+        "scrape_interval_s": 0,
+    }
+    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+    await balancer.start()
+    try:
+        async with aiohttp.ClientSession() as session:
+            async with session.get(balancer.url + "/readyz") as response:
+                assert response.status == 503
+                assert f"pool '{MODEL}' has no healthy replica" in (await response.json())["reasons"]
+            started = time.monotonic()
+            await wait_ready(session, balancer.url)
+            assert 0.5 < time.monotonic() - started < 3.0
+            async with session.get(balancer.url + "/readyz") as response:
+                assert (await response.json())["degraded"] == [f"pool '{MODEL}' has no healthy replica"]
+    finally:
+        await balancer.stop()
