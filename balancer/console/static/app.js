@@ -217,6 +217,35 @@
     return [fmtPercent(p.accuracy), details.join(", ")];
   }
 
+  // The replica's KV event streams (/admin/replicas' "events".sources): "ok", or what is wrong with
+  // the newest problem in the title (a block size other than the engine's, an endpoint nothing or no
+  // publisher answers on: each source's last_error names the fix). A problem older than
+  // EVENT_PROBLEM_S shows as "ok" again, with the old problem still in the title.
+  const EVENT_PROBLEM_S = 300;
+  function eventsOf(view) {
+    const events = view.events;
+    if (!events || !Array.isArray(events.sources) || events.sources.length === 0) return [DASH, "", "no event source"];
+    const notes = [];
+    let word = "ok";
+    let cls = "ok";
+    for (const source of events.sources) {
+      const where = source.endpoint + (typeof source.dp_rank === "number" ? " (rank " + source.dp_rank + ")" : "");
+      if (source.last_error) {
+        const age = typeof source.last_error_age_s === "number" ? source.last_error_age_s : null;
+        notes.push(where + ": " + source.last_error + (age === null ? "" : " (" + fmtSeconds(age) + " ago)"));
+        if (age !== null && age < EVENT_PROBLEM_S && word === "ok") {
+          word = "error";
+          cls = "bad";
+        }
+      }
+      if (source.connected === false) {
+        word = "not connected";
+        cls = "bad";
+      }
+    }
+    return [word, cls, notes.length ? notes.join("\n") : "every stream connected, no problem seen"];
+  }
+
   async function refreshFleet() {
     const [replicas, fleet] = await Promise.all([api("GET", "/admin/replicas"), api("GET", "/admin/fleet")]);
     const views = replicas.replicas || [];
@@ -252,7 +281,8 @@
           el("td", { class: "num", text: fmtNumber(view.index ? view.index.blocks : null) }),
           el("td", { class: "num", text: lag, title: lastEvent }),
           el("td", { class: "num", text: events ? fmtNumber(events.queued_batches) : DASH }),
-          el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] })
+          el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] }),
+          el("td", { class: eventsOf(view)[1], text: eventsOf(view)[0], title: eventsOf(view)[2] })
         )
       );
     }

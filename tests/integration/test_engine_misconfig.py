@@ -1,0 +1,251 @@
+"""An engine configured differently from its replica entry, on real sockets: the emulated engines
+(``replicas.sim``) and the test publisher (:mod:`zmq_rig`) in front of the real sources. Each mistake
+an operator makes on the engine side must be said once in the log (then once a minute at most), and
+in the source's ``last_error`` (``/admin/replicas``) with the fix, not only counted.
+
+* the engine's page size differs from the replica's ``block_size`` (SGLang larger, TRT-LLM smaller:
+  until 2026-12-01 a TRT-LLM engine with smaller blocks had every block taken as a partial one and
+  dropped without a word);
+* the events endpoint is the engine's replay ROUTER (the two endpoints swapped);
+* nothing listens on the events endpoint (a wrong port, events off), then the engine comes;
+* and ``GET /admin/replicas`` of a real balancer names the block size fix on the one replica whose
+  entry is wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+import pytest
+import waiting
+import zmq.asyncio
+from emulated_replica import started
+from kvlb_harness import MODEL, replica_entry, wait_ready
+from procs_free import free_port
+from recording_index import RecordingIndex
+from settings_tree import settings_from
+from zmq_rig import (  # noqa: F401  (pytest fixtures)
+    REPLICA,
+    Publisher,
+    ctx_fixture,
+    publisher_fixture,
+    running,
+)
+
+from balancer.app import Balancer
+from balancer.engines.sglang import SglangDecoder
+from balancer.engines.trtllm import TrtllmDecoder
+from balancer.events import Stored
+from balancer.metrics import Metrics
+from balancer.sources.base import EventSource
+from balancer.sources.pipeline import EventIngest
+from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
+from balancer.sources.zmq_sub import ZmqEventSource
+from balancer.tokenizer.tokenizer import TokenIdTokenizer
+from replicas.sim.config import ReplicaConfig
+from replicas.sim.profiles import get_profile
+from replicas.sim.replica import Replica
+
+LOGGER = "balancer.sources"
+eventually = functools.partial(waiting.eventually, timeout_s=10.0, poll_s=0.01)
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name.startswith(LOGGER) and r.levelno == logging.WARNING and text in r.getMessage()
+    ]
+
+
+@contextlib.asynccontextmanager
+async def ingesting(source: EventSource, engine: str) -> AsyncIterator[RecordingIndex]:
+    index = RecordingIndex(REPLICA)
+    ingest = EventIngest(index, metrics=Metrics.create())  # type: ignore[arg-type]
+    ingest.add_replica(REPLICA, engine, [source])
+    await ingest.start()
+    try:
+        yield index
+    finally:
+        await ingest.aclose()
+
+
+async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> None:
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0}
+    async with session.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+async def test_an_sglang_page_size_other_than_the_replicas_block_size_is_said_with_the_fix(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    http, events, replay = free_port(), free_port(), free_port()
+    zctx = zmq.asyncio.Context()
+    config = ReplicaConfig(
+        name="sgl",
+        engine="sglang",
+        profile=get_profile("cpu-test"),
+        time_scale=20.0,
+        page_size=8,  # the engine's page size; the replica entry below says 4
+        http_port=http,
+        event_port=events,
+        replay_port=replay,
+    )
+    source = ZmqEventSource(
+        REPLICA,
+        f"tcp://127.0.0.1:{events}",
+        ctx=zctx,
+        decoder=SglangDecoder(block_size=4),
+        metrics=Metrics.create(),
+        replay_endpoint=f"tcp://127.0.0.1:{replay}",
+    )
+    try:
+        async with started(config, zctx) as replica, ingesting(source, "sglang") as index:
+            async with aiohttp.ClientSession() as session:
+                for start in (100, 300, 500):
+                    await complete(session, replica.url, list(range(start, start + 33)))
+                await eventually(lambda: source.status().decode_errors >= 3)
+            status = source.status()
+            assert status.connected is True
+            assert status.last_error is not None
+            assert "block_size 8 != this replica's block_size 4" in status.last_error, status.last_error
+            assert "set the replica's block_size to 8" in status.last_error
+            assert not any(isinstance(event, Stored) for event in index.events)
+            said = warnings_of(caplog, "set the replica's block_size to 8")
+            assert len(said) == 1, said  # once, then once a minute at most
+            assert "replica sgl-0" in said[0]
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def test_a_trtllm_engine_with_smaller_blocks_is_not_silently_all_partial(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    port = free_port()
+    zctx = zmq.asyncio.Context()
+    config = ReplicaConfig(
+        name="trt",
+        engine="trtllm",
+        profile=get_profile("cpu-test"),
+        time_scale=20.0,
+        page_size=8,  # the engine's tokens_per_block; the replica entry below says 16
+        http_port=port,
+    )
+    settings = PollSettings(min_interval_s=0.005, max_interval_s=0.05)
+    try:
+        async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
+            source = TrtllmPoller(
+                REPLICA,
+                replica.url,
+                session=session,
+                decoder=TrtllmDecoder(tokens_per_block=16),
+                metrics=Metrics.create(),
+                settings=settings,
+            )
+            async with ingesting(source, "trtllm") as index:
+                await complete(session, replica.url, list(range(100, 133)))
+                await eventually(lambda: source.status().decode_errors >= 1, seen=source.status)
+                status = source.status()
+                assert status.last_error is not None
+                assert "tokens_per_block 16" in status.last_error, status.last_error
+                assert "set the replica's block_size to the engine's" in status.last_error
+                assert not any(isinstance(event, Stored) for event in index.events)
+                assert len(warnings_of(caplog, "tokens_per_block 16")) == 1
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def test_events_and_replay_swapped_is_said_and_retried_with_backoff(
+    ctx: zmq.asyncio.Context, publisher: Publisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    async with running(ctx, publisher.replay_endpoint, publisher.endpoint) as rig:
+        await eventually(lambda: rig.source.status().last_error is not None)
+        await asyncio.sleep(0.5)
+        status = rig.source.status()
+        assert status.connected is False
+        assert status.last_error is not None and "refused the ZMQ handshake" in status.last_error
+        assert "swapped" in status.last_error
+        # the rig's backoff is 0.01 s doubling to 0.1 s: a few attempts, not a hot loop
+        assert 1 <= status.transport_errors <= 20, status.transport_errors
+        assert status.replays == 0  # no catch-up asked of a peer that is no publisher
+        assert len(warnings_of(caplog, "refused the ZMQ handshake")) == 1
+        assert not warnings_of(caplog, "disconnected")
+
+
+async def test_nothing_on_the_events_port_is_said_once_then_the_engine_comes(
+    ctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    port, replay_port = free_port(), free_port()
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+    async with running(ctx, endpoint, replay) as rig:
+        await eventually(lambda: rig.source.status().last_error is not None)
+        await asyncio.sleep(0.5)  # ZMQ retries every 0.1 s meanwhile
+        status = rig.source.status()
+        assert status.connected is False
+        assert status.last_error is not None
+        assert f"nothing accepts connections at {endpoint}" in status.last_error
+        said = warnings_of(caplog, "nothing accepts connections")
+        assert len(said) == 1, said
+        publisher = Publisher(ctx, port=port, replay_port=replay_port)  # the engine starts
+        try:
+            await publisher.wait_subscribed()
+            await eventually(lambda: rig.source.status().connected is True)
+            await publisher.pages(3)
+            await rig.settle(2)
+            assert rig.index.pages() == [1, 2, 3]
+            assert any("connected to the publisher" in r.getMessage() for r in caplog.records)
+        finally:
+            await publisher.aclose()
+
+
+async def test_admin_replicas_names_the_block_size_fix_of_the_one_replica_misconfigured() -> None:
+    """Two emulated SGLang engines with pages of 8 behind a real balancer; the operator wrote
+    ``block_size: 4`` for one of them: ``GET /admin/replicas`` says so on that replica only."""
+    zctx = zmq.asyncio.Context()
+    replicas: list[Replica] = []
+    balancer: Balancer | None = None
+    try:
+        for name in ("r0", "r1"):
+            config = ReplicaConfig(name=name, engine="sglang", profile=get_profile("cpu-test"), page_size=8)
+            replica = Replica(config, TokenIdTokenizer(), zctx)
+            await replica.start()
+            replicas.append(replica)
+        entries = [replica_entry(r) for r in replicas]
+        entries[0]["block_size"] = 4
+        tree = {"listen": {"host": "127.0.0.1", "port": 0}, "pools": [{"model": MODEL, "replicas": entries}]}
+        balancer = Balancer(settings_from(tree, {}), tokenizers={MODEL: TokenIdTokenizer()})
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            for replica in replicas:  # straight to each engine: both caches get the same prompt
+                await complete(session, replica.url, list(range(100, 133)))
+
+            async def views() -> dict[str, dict[str, object]]:
+                async with session.get(balancer.url + "/admin/replicas") as response:
+                    assert response.status == 200
+                    return {v["id"]: v["events"]["sources"][0] for v in (await response.json())["replicas"]}
+
+            seen: dict[str, dict[str, object]] = {}
+            for _ in range(500):
+                seen = await views()
+                if seen["r0"]["last_error"] and seen["r1"]["last_event_wall_ts"]:
+                    break
+                await asyncio.sleep(0.02)
+            assert "set the replica's block_size to 8" in str(seen["r0"]["last_error"]), seen
+            assert isinstance(seen["r0"]["last_error_age_s"], float)
+            assert seen["r1"]["last_error"] is None and seen["r1"]["connected"] is True
+    finally:
+        if balancer is not None:
+            await balancer.stop()
+        for replica in reversed(replicas):
+            await replica.stop()
+        zctx.destroy(linger=0)
