@@ -8,8 +8,9 @@ in the source's ``last_error`` (``/admin/replicas``) with the fix, not only coun
   dropped without a word);
 * the events endpoint is the engine's replay ROUTER (the two endpoints swapped);
 * nothing listens on the events endpoint (a wrong port, events off), then the engine comes;
-* and ``GET /admin/replicas`` of a real balancer names the block size fix on the one replica whose
-  entry is wrong.
+* ``GET /admin/replicas`` of a real balancer names the block size fix on the one replica whose
+  entry is wrong;
+* two replicas given one engine's events endpoint: ``kvlb serve`` refuses the config.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import asyncio
 import contextlib
 import functools
 import logging
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -249,3 +254,33 @@ async def test_admin_replicas_names_the_block_size_fix_of_the_one_replica_miscon
         for replica in reversed(replicas):
             await replica.stop()
         zctx.destroy(linger=0)
+
+
+def test_kvlb_serve_refuses_two_replicas_on_one_engines_events(tmp_path: Path) -> None:
+    """A copied replica entry that kept the first one's events endpoint: before 2026-12-01 both
+    replicas subscribed to the one engine and each was credited its blocks (the second then chosen
+    for hits its engine never had). ``kvlb serve`` now refuses the config in one line, exit 2."""
+    path = tmp_path / "kvlb.yaml"
+    path.write_text(
+        "listen: {host: 127.0.0.1, port: 0}\n"
+        "pools:\n"
+        "  - model: m\n"
+        "    replicas:\n"
+        "      - {id: sgl-0, url: 'http://127.0.0.1:9', events: 'tcp://127.0.0.1:5557'}\n"
+        "      - {id: sgl-1, url: 'http://127.0.0.1:9', events: 'tcp://127.0.0.1:5557'}\n"
+    )
+    env = {name: value for name, value in os.environ.items() if not name.startswith("KVLB_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "balancer", "serve", "--workers", "1", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "kvlb serve: replica sgl-1 rank 0 events endpoint tcp://127.0.0.1:5557 is also replica sgl-0 "
+        "rank 0 events's: each engine rank publishes on its own ports (rank r on port + r), so one "
+        "engine's events would be credited to two replicas; check the replicas' events, replay and dp_size"
+    ]
