@@ -231,13 +231,15 @@ class TrtllmPoller:
         if body is None:
             self._counters.note_error(
                 f"{self.url} answers 404: KV events are off on the engine "
-                "(set kv_cache_config.event_buffer_max_size > 0)",
+                "(set kv_cache_config.event_buffer_max_size > 0), or it is not a TRT-LLM server "
+                "(check the replica's engine)",
                 time.time(),
             )
             if not self._disabled:
                 log.warning(
                     "replica %s: %s answers 404; KV events are off on the engine "
-                    "(set kv_cache_config.event_buffer_max_size > 0); retrying every %.0f s",
+                    "(set kv_cache_config.event_buffer_max_size > 0), or it is not a TRT-LLM server "
+                    "(check the replica's engine); retrying every %.0f s",
                     self.replica,
                     self.url,
                     self.settings.disabled_retry_s,

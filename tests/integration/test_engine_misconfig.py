@@ -46,6 +46,7 @@ from balancer.app import Balancer
 from balancer.engines.sglang import SglangDecoder
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Stored
+from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
 from balancer.sources.pipeline import EventIngest
@@ -284,3 +285,40 @@ def test_kvlb_serve_refuses_two_replicas_on_one_engines_events(tmp_path: Path) -
         "rank 0 events's: each engine rank publishes on its own ports (rank r on port + r), so one "
         "engine's events would be credited to two replicas; check the replicas' events, replay and dp_size"
     ]
+
+
+async def test_an_engine_of_another_kind_than_configured_is_named_as_the_suspect() -> None:
+    """An SGLang engine entered as ``engine: trtllm`` and a TRT-LLM one as ``engine: sglang``: the
+    drain's 404 said only *KV events are off on the engine* and the load scrape *body is not JSON*
+    or *no sglang:num_running_reqs*; both now say the replica's engine may be the wrong kind."""
+    zctx = zmq.asyncio.Context()
+    sglang = ReplicaConfig(name="sgl", engine="sglang", profile=get_profile("cpu-test"), page_size=16)
+    trtllm = ReplicaConfig(name="trt", engine="trtllm", profile=get_profile("cpu-test"), page_size=16)
+    try:
+        async with (
+            started(sglang, zctx) as sgl,
+            started(trtllm, zctx) as trt,
+            aiohttp.ClientSession() as session,
+        ):
+            poller = TrtllmPoller(
+                REPLICA, sgl.url, session=session, decoder=TrtllmDecoder(16), metrics=Metrics.create()
+            )
+            await poller.poll_once(lambda batch: None)
+            assert poller.status().disabled
+            assert "or it is not a TRT-LLM server (check the replica's engine)" in str(
+                poller.status().last_error
+            )
+            for engine, replica in (("trtllm", sgl), ("sglang", trt)):
+                scraper = MetricsScraper(
+                    REPLICA,
+                    replica.url,
+                    engine,
+                    session=session,
+                    observe=lambda *args: None,
+                    metrics=Metrics.create(),
+                )
+                assert await scraper.scrape_and_observe() is None
+                error = str(scraper.status().last_error)
+                assert f"is the replica's engine {engine}?" in error, error
+    finally:
+        zctx.destroy(linger=0)
