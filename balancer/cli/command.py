@@ -503,8 +503,9 @@ EVENT_PROBLEM_S = 300.0
 
 
 def events_cell(view: dict[str, Any]) -> str:
-    """``ok``, ``not-connected`` (a ZMQ source without a publisher: nothing listens, or no PUB) or
-    ``error`` (a problem seen within :data:`EVENT_PROBLEM_S`); ``-`` without event sources."""
+    """``ok``, ``not-connected`` (a ZMQ source without a publisher: nothing listens, or no PUB),
+    ``error`` (a problem seen within :data:`EVENT_PROBLEM_S`) or ``silent`` (the engine answered
+    requests but published nothing: ``events.hint``); ``-`` without event sources."""
     sources = (view.get("events") or {}).get("sources") or []
     if not sources:
         return "-"
@@ -514,14 +515,17 @@ def events_cell(view: dict[str, Any]) -> str:
         age = source.get("last_error_age_s")
         if source.get("last_error") and isinstance(age, int | float) and age < EVENT_PROBLEM_S:
             return "error"
-    return "ok"
+    return "silent" if (view.get("events") or {}).get("hint") else "ok"
 
 
 def event_problems(views: list[dict[str, Any]]) -> list[str]:
-    """One line per event source with a ``last_error``: the replica, the endpoint, the problem (which
-    names its fix) and how long ago it was last seen."""
+    """One line per replica with an ``events.hint`` and per event source with a ``last_error``: the
+    replica, the endpoint, the problem (which names its fix) and how long ago it was last seen."""
     lines: list[str] = []
     for view in views:
+        hint = (view.get("events") or {}).get("hint")
+        if hint:
+            lines.append(f"{view.get('id')} events: {hint}")
         for source in (view.get("events") or {}).get("sources") or []:
             problem = source.get("last_error")
             if not problem:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -243,6 +243,31 @@ def report_malformed(
         return
     counters.note_error(text, wall_ts)
     warnings.warning(MALFORMED_CAUSE, replica, "replica %s: %s", replica, text)
+
+
+SILENT_AFTER_ANSWERS = 8
+"""Receipts (answers whose usage the engine reported) of a replica whose event sources never
+brought a batch after which :func:`silent_stream_hint` speaks."""
+
+
+def silent_stream_hint(sources: Sequence[SourceStatus], answered: int) -> str | None:
+    """Why a replica that answered ``answered`` requests (its receipts) has had no KV event batch
+    since kvlb connected, when nothing else explains it: every source connected (or a drain), none
+    ever brought a batch with events, none saw an error. Then the engine is publishing nothing: its
+    prefix cache is off, or it publishes on another topic than the replica's (a SUB drops those
+    without a word). ``None`` while that is not the case, or before :data:`SILENT_AFTER_ANSWERS`."""
+    if answered < SILENT_AFTER_ANSWERS or not sources:
+        return None
+    if any(
+        s.last_event_wall_ts is not None or s.last_error is not None or s.connected is False or s.disabled
+        for s in sources
+    ):
+        return None
+    return (
+        f"no KV event batch from the engine since kvlb connected, while it answered {answered} "
+        "requests: its prefix cache is off (vLLM: --enable-prefix-caching; SGLang: without "
+        "--disable-radix-cache) or it publishes on another topic than this replica's topic"
+    )
 
 
 def resyncs_in(events: tuple[KvEvent, ...] | list[KvEvent]) -> list[Resync]:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -321,4 +322,60 @@ async def test_an_engine_of_another_kind_than_configured_is_named_as_the_suspect
                 error = str(scraper.status().last_error)
                 assert f"is the replica's engine {engine}?" in error, error
     finally:
+        zctx.destroy(linger=0)
+
+
+async def test_an_engine_that_publishes_nothing_while_it_serves_gets_a_hint() -> None:
+    """An engine publishing on another topic than the replica's (a SUB drops those silently; no
+    replay socket to poll): connected, no error, no batch. Before 2026-12-01 ``/admin/replicas``
+    showed ``messages: 0`` and nothing else; once the replica has answered 8 requests it now says
+    the engine publishes nothing, and why that happens (prefix cache off, another topic). The same
+    engine behind a replica with the right topic (another pool) gets no hint."""
+    zctx = zmq.asyncio.Context()
+    replicas: list[Replica] = []
+    balancer: Balancer | None = None
+    try:
+        for name in ("r0", "r1"):
+            config = ReplicaConfig(
+                name=name, engine="sglang", profile=get_profile("cpu-test"), page_size=8, topic="kv-events"
+            )
+            replica = Replica(config, TokenIdTokenizer(), zctx)
+            await replica.start()
+            replicas.append(replica)
+        entries = [replica_entry(r) for r in replicas]
+        for entry in entries:
+            del entry["replay"]  # nothing to poll: the live stream is all there is
+        entries[0]["topic"] = "kv_events"  # the operator's typo
+        entries[1]["topic"] = "kv-events"
+        pools = [{"model": "typo", "replicas": [entries[0]]}, {"model": "right", "replicas": [entries[1]]}]
+        tree = {"listen": {"host": "127.0.0.1", "port": 0}, "pools": pools}
+        tokenizers = {"typo": TokenIdTokenizer(), "right": TokenIdTokenizer()}
+        balancer = Balancer(settings_from(tree, {}), tokenizers=tokenizers)
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            for model in ("typo", "right"):
+                for start in range(0, 8 * 40, 40):
+                    body = {"model": model, "prompt": list(range(start, start + 33)), "max_tokens": 1}
+                    async with session.post(balancer.url + "/v1/completions", json=body) as response:
+                        assert response.status == 200, await response.text()
+            views: dict[str, dict[str, Any]] = {}
+            for _ in range(250):  # the right one's batches may still be on their way
+                async with session.get(balancer.url + "/admin/replicas") as response:
+                    views = {v["id"]: v for v in (await response.json())["replicas"]}
+                if views["r1"]["events"]["sources"][0]["last_event_wall_ts"] is not None:
+                    break
+                await asyncio.sleep(0.02)
+            silent = views["r0"]["events"]
+            assert views["r0"]["prediction"]["receipts"] == 8
+            assert silent["sources"][0]["connected"] is True and silent["sources"][0]["last_error"] is None
+            assert "no KV event batch from the engine since kvlb connected" in str(silent["hint"]), silent
+            assert "another topic" in str(silent["hint"])
+            assert views["r1"]["prediction"]["receipts"] == 8
+            assert views["r1"]["events"]["hint"] is None, views["r1"]["events"]
+    finally:
+        if balancer is not None:
+            await balancer.stop()
+        for replica in reversed(replicas):
+            await replica.stop()
         zctx.destroy(linger=0)

@@ -246,11 +246,17 @@ def test_admin_replicas_table_says_what_is_wrong_with_the_event_streams() -> Non
         {"id": "sim-1", "routable": True, "events": {"sources": [source(True, size, 3.0)]}},
         {"id": "sim-2", "routable": True, "events": {"sources": [source(False, "nothing accepts", 0.1)]}},
         {"id": "sim-3", "routable": True, "events": {"sources": [source(True, "old trouble", 900.0)]}},
+        {
+            "id": "sim-4",
+            "routable": True,
+            "events": {"sources": [source(True, None, None)], "hint": "no batch"},
+        },
     ]
     lines = replicas_table(views).splitlines()
-    assert [line.split()[-1] for line in lines[1:5]] == ["ok", "error", "not-connected", "ok"]
-    assert lines[5:] == [
+    assert [line.split()[-1] for line in lines[1:6]] == ["ok", "error", "not-connected", "ok", "silent"]
+    assert lines[6:] == [
         f"sim-1 tcp://127.0.0.1:5557: {size} (3 s ago)",
         "sim-2 tcp://127.0.0.1:5557: nothing accepts (0 s ago)",
         "sim-3 tcp://127.0.0.1:5557: old trouble (900 s ago)",
+        "sim-4 events: no batch",
     ]

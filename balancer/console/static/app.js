@@ -219,7 +219,8 @@
 
   // The replica's KV event streams (/admin/replicas' "events".sources): "ok", or what is wrong with
   // the newest problem in the title (a block size other than the engine's, an endpoint nothing or no
-  // publisher answers on: each source's last_error names the fix). A problem older than
+  // publisher answers on: each source's last_error names the fix), or "silent" with events.hint (the
+  // engine answered requests but published nothing: prefix cache off, another topic). A problem older than
   // EVENT_PROBLEM_S shows as "ok" again, with the old problem still in the title.
   const EVENT_PROBLEM_S = 300;
   function eventsOf(view) {
@@ -242,6 +243,11 @@
         word = "not connected";
         cls = "bad";
       }
+    }
+    if (events.hint && word === "ok") {
+      word = "silent";
+      cls = "warn";
+      notes.push(events.hint);
     }
     return [word, cls, notes.length ? notes.join("\n") : "every stream connected, no problem seen"];
   }
