@@ -735,15 +735,16 @@ class ZmqEventSource:
             if self.dp_rank == 0:
                 return batch.events
             return [dataclasses.replace(event, dp_rank=self.dp_rank) for event in batch.events]
-        if batch.dp_rank != self.dp_rank and not self._rank_warned:
-            self._rank_warned = True
-            log.warning(
-                "replica %s: publisher %s says dp_rank %d, configured %d (check dp_size/ports)",
-                self.replica,
-                self.endpoint,
-                batch.dp_rank,
-                self.dp_rank,
+        if batch.dp_rank != self.dp_rank:
+            text = (
+                f"the publisher at {self.endpoint} says data_parallel_rank {batch.dp_rank}, this source "
+                f"is rank {self.dp_rank} (port + rank): its events go to rank {batch.dp_rank}; check "
+                "the replica's events port and dp_size against the engine's"
             )
+            self._counters.note_error(text, time.time())
+            if not self._rank_warned:
+                self._rank_warned = True
+                log.warning("replica %s: %s", self.replica, text)
         return batch.events
 
     async def _replay(

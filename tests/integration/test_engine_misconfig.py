@@ -379,3 +379,20 @@ async def test_an_engine_that_publishes_nothing_while_it_serves_gets_a_hint() ->
         for replica in reversed(replicas):
             await replica.stop()
         zctx.destroy(linger=0)
+
+
+async def test_a_publisher_of_another_dp_rank_than_its_port_says_is_in_last_error(
+    ctx: zmq.asyncio.Context, publisher: Publisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The source of rank 1 (port + 1) hears a publisher whose envelope says rank 0 (the replica's
+    ``events`` port one too low, or ``dp_size`` unlike the engine's): its events go to rank 0. It
+    was one warning per source's life; ``last_error`` now keeps it for ``/admin/replicas``."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, dp_rank=1) as rig:
+        await publisher.wait_subscribed()
+        await publisher.pages(3)
+        await rig.settle(2)
+        status = rig.source.status()
+        assert status.last_error is not None
+        assert "says data_parallel_rank 0, this source is rank 1" in status.last_error, status.last_error
+        assert len(warnings_of(caplog, "says data_parallel_rank 0")) == 1
