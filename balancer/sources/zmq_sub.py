@@ -194,8 +194,11 @@ class ZmqEventSource:
         """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
         start (whatever the resume point) and after every lost connection."""
         self._connected_wall_s: float | None = None
-        """Our wall clock when the SUB last connected (and caught up): a replayed batch published
-        before it is history, and stays out of the lag gauge."""
+        """Our wall clock when the SUB that is to catch up was opened (:meth:`_open_sub`): a replayed
+        batch published before it is history, and stays out of the lag gauge. Taken at the open, not
+        at the connection's monitor event, which a busy loop reads late: the catch-up starts once the
+        handshake is done, when the engine may already be publishing to us, and those batches, read
+        back from the replay socket, are no history."""
         self._catching_up = False
         self._replayed: dict[int, int] = {}
         """seq → payload digest of the current catch-up's batches (at most ``MAX_REPLAYED_DIGESTS``)."""
@@ -383,8 +386,6 @@ class ZmqEventSource:
                 self._refused_connect()
             elif kind == zmq.EVENT_CONNECTED:
                 self._tcp_connected = True
-                if self._replay_on_connect:  # what the engine published before this is history
-                    self._connected_wall_s = time.time()
             elif kind == zmq.EVENT_DISCONNECTED and not self._handshaken:
                 self._refused_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
@@ -503,6 +504,8 @@ class ZmqEventSource:
         """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
         its catch-up) is missed."""
         self._ahead.clear()  # a fresh socket has no backlog of ours
+        if self._replay_on_connect:  # what the engine published before this is history
+            self._connected_wall_s = time.time()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
