@@ -22,11 +22,13 @@ import logging
 import os
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgpack
 import pytest
 import waiting
 import zmq.asyncio
@@ -39,6 +41,7 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
     REPLICA,
     Publisher,
     ctx_fixture,
+    page,
     publisher_fixture,
     running,
 )
@@ -396,3 +399,24 @@ async def test_a_publisher_of_another_dp_rank_than_its_port_says_is_in_last_erro
         assert status.last_error is not None
         assert "says data_parallel_rank 0, this source is rank 1" in status.last_error, status.last_error
         assert len(warnings_of(caplog, "says data_parallel_rank 0")) == 1
+
+
+async def test_an_engine_clock_ahead_of_kvlbs_is_said_once(
+    ctx: zmq.asyncio.Context, publisher: Publisher, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Batches stamped 30 s in kvlb's future (the engine's clock ahead): the lag gauge goes negative
+    and would hide up to 30 s of real lag from ``KvlbIndexLagging``; the console showed 0. It is now
+    a warning (once, then once a minute) naming the skew."""
+    caplog.set_level(logging.DEBUG, logger=LOGGER)
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint) as rig:
+        await publisher.wait_subscribed()
+        for seq in range(3):
+            payload = msgpack.packb([time.time() + 30.0, [page(seq)], 0])
+            publisher.buffer.append((seq, payload))
+            await publisher.pub.send_multipart([publisher.topic, seq.to_bytes(8, "big"), payload])
+        await rig.settle(2)
+        lag = rig.ingest.status()[REPLICA].last_lag_s
+        assert lag is not None and -31.0 < lag < -29.0, lag
+        said = warnings_of(caplog, "in kvlb's future")
+        assert len(said) == 1, said
+        assert "the engine's clock is ahead of kvlb's" in said[0], said

@@ -223,6 +223,7 @@
   // engine answered requests but published nothing: prefix cache off, another topic). A problem older than
   // EVENT_PROBLEM_S shows as "ok" again, with the old problem still in the title.
   const EVENT_PROBLEM_S = 300;
+  const CLOCK_AHEAD_S = 1.0; // balancer/sources/pipeline.py CLOCK_AHEAD_S
   function eventsOf(view) {
     const events = view.events;
     if (!events || !Array.isArray(events.sources) || events.sources.length === 0) return [DASH, "", "no event source"];
@@ -270,7 +271,10 @@
       const load = view.load || {};
       const events = view.events;
       const lag = events && typeof events.last_lag_s === "number" ? fmtSeconds(Math.max(0, events.last_lag_s)) : DASH;
-      const lastEvent = events && typeof events.last_applied_age_s === "number" ? "last event applied " + fmtSeconds(events.last_applied_age_s) + " ago" : "no event applied yet";
+      let lastEvent = events && typeof events.last_applied_age_s === "number" ? "last event applied " + fmtSeconds(events.last_applied_age_s) + " ago" : "no event applied yet";
+      // a batch stamped in kvlb's future: the engine's clock is ahead, and the lag reads low by as much
+      const ahead = events && typeof events.last_lag_s === "number" && events.last_lag_s < -CLOCK_AHEAD_S;
+      if (ahead) lastEvent += "; the engine's clock is " + fmtSeconds(-events.last_lag_s) + " ahead of kvlb's: the lag reads low by as much (sync the clocks)";
       body.append(
         el(
           "tr",
@@ -285,7 +289,7 @@
           el("td", { class: "num", text: fmtNumber(load.waiting_reqs) }),
           el("td", { class: "num", text: typeof load.kv_usage === "number" ? fmtPercent(load.kv_usage) : DASH }),
           el("td", { class: "num", text: fmtNumber(view.index ? view.index.blocks : null) }),
-          el("td", { class: "num", text: lag, title: lastEvent }),
+          el("td", { class: ahead ? "num warn" : "num", text: ahead ? "clock ahead" : lag, title: lastEvent }),
           el("td", { class: "num", text: events ? fmtNumber(events.queued_batches) : DASH }),
           el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] }),
           el("td", { class: eventsOf(view)[1], text: eventsOf(view)[0], title: eventsOf(view)[2] })
