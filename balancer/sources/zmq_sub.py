@@ -65,6 +65,13 @@ publisher from 0. This source keeps the stream in order:
   in order, without a gap or a replay (no replay poll asks for them meanwhile).
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
+* **A wrong endpoint.** A connection counts once its ZMQ handshake with a PUB succeeded
+  (``EVENT_HANDSHAKE_SUCCEEDED``; :attr:`SourceStatus.connected`), and the catch-up waits for it.
+  A peer that takes the TCP connection but drops it before the handshake is no PUB (the replay
+  ROUTER given as ``events``, the two swapped): said, and retried after the reconnect backoff. A
+  refused connect (nothing listens) is said too; both, and malformed events, a silent replay socket
+  and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
+  a warning, the first at once, then once a minute.
 """
 
 from __future__ import annotations
