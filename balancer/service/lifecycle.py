@@ -249,7 +249,12 @@ class ReplicaLifecycle:
             self.state.scrapers[replica] = scraper
             tasks.append(spawn(scraper.run(), f"kvlb-scrape-{replica}"))
         prober = HealthProber(
-            replica, config.url, session=self._session, health=self.state.health, settings=self._probe
+            replica,
+            config.url,
+            session=self._session,
+            health=self.state.health,
+            settings=self._probe,
+            model=pool.model,
         )
         tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
 

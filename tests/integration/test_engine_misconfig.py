@@ -50,6 +50,8 @@ from balancer.app import Balancer
 from balancer.engines.sglang import SglangDecoder
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Stored
+from balancer.health.book import HealthBook
+from balancer.health.prober import HealthProber
 from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
@@ -420,3 +422,33 @@ async def test_an_engine_clock_ahead_of_kvlbs_is_said_once(
         said = warnings_of(caplog, "in kvlb's future")
         assert len(said) == 1, said
         assert "the engine's clock is ahead of kvlb's" in said[0], said
+
+
+async def test_an_engine_serving_another_model_name_than_its_pool_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The engine lists ``sim-test`` on ``GET /v1/models``; the replica sits in a pool named
+    ``llama-3``: its probes pass, and an engine that checks the name (vLLM) would answer every
+    request 404. Until 2026-12-01 nothing read the engine's list; the prober now warns when the
+    replica turns healthy. The right name (the same engine, another prober) gives no warning."""
+    caplog.set_level(logging.INFO, logger="balancer.health")
+    zctx = zmq.asyncio.Context()
+    config = ReplicaConfig(name="sgl", engine="sglang", profile=get_profile("cpu-test"), page_size=16)
+    try:
+        async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
+            for model in ("llama-3", MODEL):
+                prober = HealthProber(REPLICA, replica.url, session=session, health=HealthBook(), model=model)
+                assert await prober.probe_once()
+                assert prober.served_models == (MODEL,)
+            said = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.WARNING and "serves" in r.getMessage()
+            ]
+            assert said == [
+                f"replica {REPLICA} serves ['{MODEL}'] (GET /v1/models), its pool's model is 'llama-3': "
+                "an engine that checks the name (vLLM, TRT-LLM) answers every request 404; set the "
+                "pool's model, or the engine's --served-model-name"
+            ]
+    finally:
+        zctx.destroy(linger=0)
