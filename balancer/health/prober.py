@@ -6,10 +6,11 @@ timeout, refused connection) counts against its circuit breaker and takes the re
 routing, a timeout only from the book's ``probe_timeouts_to_drop``-th in a row. Transitions are
 logged once, not every period.
 
-When a replica turns healthy and its pool's model is known, ``GET <url>/v1/models`` is read once
-(bounded in time and bytes): a model list that does not name the pool's model is a warning, since an
-engine that checks the name (vLLM, TRT-LLM) answers every routed request 404 while its probes pass.
-Nothing else follows from it: SGLang serves any name, and a list kvlb cannot read says nothing.
+When a replica turns healthy and it is given the pool's model (an engine whose spec
+``checks_model_name``: vLLM; SGLang serves any name), ``GET <url>/v1/models`` is read once (bounded
+in time and bytes): a model list that does not name the pool's model is a warning, since such an
+engine answers every routed request 404 while its probes pass. Nothing else follows from it, and a
+list kvlb cannot read says nothing.
 """
 
 from __future__ import annotations
@@ -142,9 +143,9 @@ class HealthProber:
         self.served_models = served
         if served and model not in served:
             log.warning(
-                "replica %s serves %s (GET %s), its pool's model is %r: an engine that checks the "
-                "name (vLLM, TRT-LLM) answers every request 404; set the pool's model, or the "
-                "engine's --served-model-name",
+                "replica %s serves %s (GET %s), its pool's model is %r: the engine answers every "
+                "request for another name 404; set the pool's model, or the engine's "
+                "--served-model-name",
                 self.replica,
                 list(served[:8]),
                 MODELS_PATH,

@@ -254,7 +254,7 @@ class ReplicaLifecycle:
             session=self._session,
             health=self.state.health,
             settings=self._probe,
-            model=pool.model,
+            model=pool.model if engine_spec(config.engine).checks_model_name else None,
         )
         tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
 

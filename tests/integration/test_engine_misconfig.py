@@ -427,13 +427,14 @@ async def test_an_engine_clock_ahead_of_kvlbs_is_said_once(
 async def test_an_engine_serving_another_model_name_than_its_pool_is_said(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """The engine lists ``sim-test`` on ``GET /v1/models``; the replica sits in a pool named
-    ``llama-3``: its probes pass, and an engine that checks the name (vLLM) would answer every
-    request 404. Until 2026-12-01 nothing read the engine's list; the prober now warns when the
-    replica turns healthy. The right name (the same engine, another prober) gives no warning."""
+    """An emulated vLLM engine lists ``sim-test`` on ``GET /v1/models``; the replica sits in a pool
+    named ``llama-3``: its probes pass, and vLLM answers every request for another name 404 (the
+    emulator does not). Until 2026-12-01 nothing read the engine's list; the prober now warns when
+    the replica turns healthy. The right name (the same engine, another prober) gives no warning.
+    (The lifecycle asks it of vLLM replicas only: SGLang serves any name.)"""
     caplog.set_level(logging.INFO, logger="balancer.health")
     zctx = zmq.asyncio.Context()
-    config = ReplicaConfig(name="sgl", engine="sglang", profile=get_profile("cpu-test"), page_size=16)
+    config = ReplicaConfig(name="vllm", engine="vllm", profile=get_profile("cpu-test"), page_size=16)
     try:
         async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
             for model in ("llama-3", MODEL):
@@ -447,8 +448,8 @@ async def test_an_engine_serving_another_model_name_than_its_pool_is_said(
             ]
             assert said == [
                 f"replica {REPLICA} serves ['{MODEL}'] (GET /v1/models), its pool's model is 'llama-3': "
-                "an engine that checks the name (vLLM, TRT-LLM) answers every request 404; set the "
-                "pool's model, or the engine's --served-model-name"
+                "the engine answers every request for another name 404; set the pool's model, or the "
+                "engine's --served-model-name"
             ]
     finally:
         zctx.destroy(linger=0)
