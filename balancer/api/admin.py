@@ -62,6 +62,7 @@ from balancer.service.audit import DEFAULT_ACTOR, MAX_ACTOR_CHARS, MAX_REASON_CH
 from balancer.service.dispatch import Forward, select
 from balancer.service.policy_control import PolicyCommitError, PolicyView
 from balancer.service.state import Pool, ServiceState
+from balancer.sources.base import silent_stream_hint
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -266,6 +267,9 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
             view["prediction"] = prediction_view(pool, replica_id)
             status = ingest.get(replica_id)
             view["events"] = None if status is None else _ages(dataclasses.asdict(status), wall)
+            if status is not None:
+                answered = pool.router.receipts.stats(replica_id).receipts
+                view["events"]["hint"] = silent_stream_hint(status.sources, answered)
             scraper = state.scrapers.get(replica_id)
             view["scrape"] = None if scraper is None else _ages(dataclasses.asdict(scraper.status()), wall)
             views.append(view)

@@ -497,14 +497,16 @@ REPLICAS_COLUMNS = (
     "within_1",
     "lag_s",
     "resync_age_s",
+    "events",
 )
 """The columns of ``kvlb admin replicas --table``."""
 
 
 def replicas_table(views: list[dict[str, Any]]) -> str:
     """``/admin/replicas`` as one line per replica: whether it takes traffic (and why not), the
-    prediction accuracy over its last receipts (exact share, share within one block), its event lag
-    and the age of its last resync."""
+    prediction accuracy over its last receipts (exact share, share within one block), its event lag,
+    the age of its last resync and the state of its event streams (:func:`events_cell`); then one
+    line per event source with a problem (:func:`event_problems`)."""
 
     def cell(value: Any) -> str:
         if value is None:
@@ -532,14 +534,14 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
                     prediction.get("within_one_block"),
                     events.get("last_lag_s"),
                     events.get("last_resync_age_s"),
+                    events_cell(view),
                 )
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-    return "\n".join(
-        lines + [_drained_line(view) for view in views if (view.get("health") or {}).get("drain")]
-    )
+    table = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+    drained = [_drained_line(view) for view in views if (view.get("health") or {}).get("drain")]
+    return "\n".join(table + drained + event_problems(views))
 
 
 def _drained_line(view: dict[str, Any]) -> str:
@@ -549,6 +551,45 @@ def _drained_line(view: dict[str, Any]) -> str:
     when = "" if age is None else f" {age:.0f} s ago"
     reason = note.get("reason") or "-"
     return f"{view.get('id')}: drained by {note.get('by')} ({note.get('caller')}){when}: {reason}"
+
+
+EVENT_PROBLEM_S = 300.0
+"""How long after a source's ``last_error`` was last seen the ``events`` column still says ``error``
+(seconds); the line under the table keeps it with its age."""
+
+
+def events_cell(view: dict[str, Any]) -> str:
+    """``ok``, ``not-connected`` (a ZMQ source without a publisher: nothing listens, or no PUB),
+    ``error`` (a problem seen within :data:`EVENT_PROBLEM_S`) or ``silent`` (the engine answered
+    requests but published nothing: ``events.hint``); ``-`` without event sources."""
+    sources = (view.get("events") or {}).get("sources") or []
+    if not sources:
+        return "-"
+    if any(source.get("connected") is False for source in sources):
+        return "not-connected"
+    for source in sources:
+        age = source.get("last_error_age_s")
+        if source.get("last_error") and isinstance(age, int | float) and age < EVENT_PROBLEM_S:
+            return "error"
+    return "silent" if (view.get("events") or {}).get("hint") else "ok"
+
+
+def event_problems(views: list[dict[str, Any]]) -> list[str]:
+    """One line per replica with an ``events.hint`` and per event source with a ``last_error``: the
+    replica, the endpoint, the problem (which names its fix) and how long ago it was last seen."""
+    lines: list[str] = []
+    for view in views:
+        hint = (view.get("events") or {}).get("hint")
+        if hint:
+            lines.append(f"{view.get('id')} events: {hint}")
+        for source in (view.get("events") or {}).get("sources") or []:
+            problem = source.get("last_error")
+            if not problem:
+                continue
+            age = source.get("last_error_age_s")
+            when = f" ({age:.0f} s ago)" if isinstance(age, int | float) else ""
+            lines.append(f"{view.get('id')} {source.get('endpoint')}: {problem}{when}")
+    return lines
 
 
 def routable_cell(view: dict[str, Any]) -> str:

@@ -25,6 +25,7 @@ from balancer.config.settings import (
     Settings,
     TimeoutConfig,
     UpstreamConfig,
+    endpoint_for_rank,
 )
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "TimeoutConfig",
     "UpstreamConfig",
     "allocator_environ",
+    "endpoint_for_rank",
     "from_mapping",
     "jemalloc_found",
     "load",

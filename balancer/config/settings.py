@@ -16,6 +16,20 @@ from urllib.parse import urlsplit
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights, make_policy
 
+
+def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
+    """The endpoint of DP rank ``dp_rank``: TCP port + rank; ``ipc://`` paths get ``_dp{rank}``."""
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        parts = urlsplit(endpoint)
+        if parts.port is None:
+            raise ConfigError(f"endpoint {endpoint!r} has no port")
+        host = endpoint[len("tcp://") : endpoint.rindex(":")]
+        return f"tcp://{host}:{parts.port + dp_rank}"
+    return f"{endpoint}_dp{dp_rank}"
+
+
 PORT_MAX = 65_535
 """Highest TCP port (a bound port beyond it would wrap around to another one)."""
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -523,6 +537,29 @@ class UpstreamConfig:
                 raise ConfigError(f"upstream.{name} must be in [{low}, {high}], got {value}")
 
 
+def _claim_event_endpoints(replica: ReplicaConfig, claimed: dict[str, tuple[str, str]]) -> None:
+    """Record the ZMQ endpoints ``replica``'s event sources connect to (events and replay, every DP
+    rank) in ``claimed`` (endpoint → replica id, which claim); raises :class:`ConfigError` when
+    another replica claimed one already: one engine's events would be credited to both. Endpoints
+    are compared as written (``localhost`` and ``127.0.0.1`` differ). Ranks of one replica that run
+    into each other (events rank 1 on the replay port) are left to the sources, which say so at
+    run time (a peer that refuses the handshake): refusing them here would drop a Kubernetes pod
+    whose rank 0 works."""
+    for kind, endpoint in (("events", replica.events), ("replay", replica.replay)):
+        if endpoint is None:
+            continue
+        for rank in range(replica.dp_size):
+            address = endpoint_for_rank(endpoint, rank).lower()
+            who = f"replica {replica.id} rank {rank} {kind}"
+            owner, other = claimed.setdefault(address, (replica.id, who))
+            if owner != replica.id:
+                raise ConfigError(
+                    f"{who} endpoint {address} is also {other}'s: each engine rank publishes on its "
+                    "own ports (rank r on port + r), so one engine's events would be credited to "
+                    "two replicas; check the replicas' events, replay and dp_size"
+                )
+
+
 @dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
@@ -580,6 +617,7 @@ class Settings:
         """Cross-field checks; returns ``self`` or raises :class:`ConfigError` naming the field."""
         seen: set[str] = set()
         models: set[str] = set()
+        claimed: dict[str, tuple[str, str]] = {}
         for pool in self.pools:
             if pool.model in models:
                 raise ConfigError(f"pools: model {pool.model!r} appears twice")
@@ -598,6 +636,8 @@ class Settings:
                     raise ConfigError(f"replica {rep.id}: dp_size must be in 1..64")
                 if rep.events is not None and not rep.events.startswith(("tcp://", "ipc://")):
                     raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
+                if pool.kv_events:
+                    _claim_event_endpoints(rep, claimed)
         positive = {
             "limits.max_body_bytes": self.limits.max_body_bytes,
             "limits.max_body_chunks": self.limits.max_body_chunks,

@@ -283,7 +283,11 @@ class SglangDecoder:
         if self.block_size is not None and block_size != self.block_size:
             if len(hashes) == 1 and block_size < self.block_size:
                 return None, 1
-            raise _Malformed(f"block_size {block_size} != pool block size {self.block_size}")
+            raise _Malformed(
+                f"block_size {block_size} != this replica's block_size {self.block_size}: set the "
+                f"replica's block_size to {block_size}, the engine's page size (SGLang --page-size, "
+                "vLLM --block-size)"
+            )
         lora_name, cache_salt = _namespace(fields)
         if fields.get("lora_id") is not None and lora_name is None:
             return None, 1  # a LoRA the router cannot name: its keys would alias the base model

@@ -68,6 +68,10 @@ class EngineSpec:
     """Builds the decoder the replica's event sources use when it differs from ``decoder``: one that
     merges runs of one-block stores into ``chained`` events (:class:`balancer.events.Stored`), which
     the index applies as it would the runs' events, at a fraction of the cost. ``None``: ``decoder``."""
+    checks_model_name: bool = False
+    """Whether the engine refuses a request naming another model than it serves (vLLM: 404), so
+    that a pool's model missing from its ``GET /v1/models`` is worth a warning
+    (:class:`balancer.health.prober.HealthProber`); SGLang serves any name."""
     block_hashes: BlockHashes | None = None
     """The engine's own hashes of the full blocks of a plain token sequence (no LoRA, no salt, text
     only), when kvlb can reproduce them; the router uses them only for a replica whose events agreed

@@ -29,7 +29,9 @@ attention-DP rank), does no I/O and reads no clock. What it decides, and why:
   removal is dropped too), a block not on the GPU (``cache_level`` ≠ 0), or a multimodal block (a hex
   ``token_id`` from KV manager V2, or non-empty ``mm_keys``: token ids alone would alias different
   images). The text blocks before it are kept. A block with more tokens than ``tokens_per_block``
-  makes the whole event malformed. A non-zero ``lora_id`` drops the event (no LoRA name to key it).
+  makes the whole event malformed, and so does a block with fewer that is not the event's last
+  (only a sequence's last block can be partial): both mean the engine's block size differs from the
+  replica's, and the reason says so. A non-zero ``lora_id`` drops the event (no LoRA name to key it).
   ``cache_salt`` of the first block names the namespace.
 * **Removed / updated.** Hashes of remembered partial blocks are forgotten, the rest become
   ``Removed``. ``updated`` with ``cache_level`` 0 → non-zero means the block left the GPU: ``Removed``.
@@ -200,6 +202,14 @@ def _parse_body(frames: Sequence[bytes]) -> list[Any]:
     if not isinstance(body, list):
         raise EventDecodeError("schema", f"body must be a JSON list of events, got {type(body).__name__}")
     return body
+
+
+def _block_size_hint(engine_tokens: int, configured: int) -> str:
+    """What a block of another size than the replica's means, and the fix (for ``errors``)."""
+    return (
+        f": the engine's tokens_per_block looks {engine_tokens}, this replica's block_size is {configured}; "
+        "set the replica's block_size to the engine's kv_cache_config tokens_per_block"
+    )
 
 
 class TrtllmDecoder:
@@ -389,7 +399,17 @@ class TrtllmDecoder:
             ids, digest = _token_ids(block.get("tokens"), what)
             count = len(block["tokens"])
             if count > self.tokens_per_block:
-                raise _Malformed(f"{what} has {count} tokens > tokens_per_block {self.tokens_per_block}")
+                raise _Malformed(
+                    f"{what} has {count} tokens > tokens_per_block {self.tokens_per_block}"
+                    + _block_size_hint(count, self.tokens_per_block)
+                )
+            if count < self.tokens_per_block and index + 1 < len(blocks):
+                # Only a sequence's last block may be partial: a short block with a child means
+                # the engine's blocks are smaller than this replica's (silently all partial before).
+                raise _Malformed(
+                    f"{what} has {count} tokens < tokens_per_block {self.tokens_per_block} and is "
+                    f"not the last block" + _block_size_hint(count, self.tokens_per_block)
+                )
             if count < self.tokens_per_block or level != 0 or digest or block.get("mm_keys"):
                 chain.partial = engine_hash if count < self.tokens_per_block else None
                 chain.dropped_blocks = len(blocks) - index

@@ -3,7 +3,8 @@ its decoder is :class:`balancer.engines.sglang.SglangDecoder` (which knows vLLM'
 ``bytes`` hashes, ``lora_name``, ``extra_keys``, KV-cache groups).
 
 vLLM's spec: plain alignment, 16 tokens per block by default, ZMQ events per DP rank with replay, and
-load from Prometheus ``/metrics`` only (``vllm:num_requests_running`` and friends).
+load from Prometheus ``/metrics`` only (``vllm:num_requests_running`` and friends); it answers a
+request for a model it does not serve with 404, so its model list is checked.
 """
 
 from __future__ import annotations
@@ -22,4 +23,5 @@ SPEC = EngineSpec(
     transport="zmq",
     scrape_targets=(ScrapeTarget("/metrics", text_parser(parse_vllm_prometheus), prometheus=True),),
     resync_on_unclean_takeover=False,
+    checks_model_name=True,
 )

@@ -5,6 +5,12 @@ the replica live (a replica is not routable before its first good probe), anythi
 timeout, refused connection) counts against its circuit breaker and takes the replica out of
 routing, a timeout only from the book's ``probe_timeouts_to_drop``-th in a row. Transitions are
 logged once, not every period.
+
+When a replica turns healthy and it is given the pool's model (an engine whose spec
+``checks_model_name``: vLLM; SGLang serves any name), ``GET <url>/v1/models`` is read once (bounded
+in time and bytes): a model list that does not name the pool's model is a warning, since such an
+engine answers every routed request 404 while its probes pass. Nothing else follows from it, and a
+list kvlb cannot read says nothing.
 """
 
 from __future__ import annotations
@@ -18,11 +24,18 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from balancer import strict_json
 from balancer.errors import ConfigError
 from balancer.health.book import HealthBook
+from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
+
+MODELS_PATH = "/v1/models"
+MAX_MODELS_BYTES = 256 * 1024
+"""The largest ``/v1/models`` answer read for the served-model check (bytes); a longer one is not
+checked."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,9 +68,16 @@ class HealthProber:
         session: aiohttp.ClientSession,
         health: HealthBook,
         settings: ProbeSettings | None = None,
+        model: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
+        replica turns healthy (``None``: not checked)."""
         self.replica = replica
+        self.model = model
+        self._models_url = base_url.rstrip("/") + MODELS_PATH
+        self.served_models: tuple[str, ...] | None = None
+        """The model ids the engine listed at its last check (``None``: not read)."""
         self.settings = settings or ProbeSettings()
         self.url = base_url.rstrip("/") + self.settings.path
         self.settings.validate()
@@ -81,6 +101,8 @@ class HealthProber:
         if ok != self._last_ok:
             if ok:
                 log.info("replica %s is healthy", self.replica)
+                if self.model is not None:
+                    await self._check_models(self.model)
             else:
                 record = self._health.replicas.get(self.replica)
                 kept = record is not None and record.probe_ok
@@ -105,3 +127,27 @@ class HealthProber:
             return f"{self.settings.path} timed out after {self.settings.timeout_s}s", True
         except (aiohttp.ClientError, OSError) as exc:
             return f"{self.settings.path}: {type(exc).__name__}", False
+
+    async def _check_models(self, model: str) -> None:
+        """Read the engine's model list once; warn when it does not name ``model``."""
+        timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        try:
+            async with self._session.get(self._models_url, timeout=timeout) as response:
+                if response.status != 200:
+                    return  # an engine without the endpoint says nothing about its names
+                body = await read_capped(response, MAX_MODELS_BYTES)
+            listed = strict_json.loads(body)["data"]
+            served = tuple(str(entry["id"]) for entry in listed)
+        except (TimeoutError, aiohttp.ClientError, OSError, BodyTooLarge, ValueError, KeyError, TypeError):
+            return
+        self.served_models = served
+        if served and model not in served:
+            log.warning(
+                "replica %s serves %s (GET %s), its pool's model is %r: the engine answers every "
+                "request for another name 404; set the pool's model, or the engine's "
+                "--served-model-name",
+                self.replica,
+                list(served[:8]),
+                MODELS_PATH,
+                model,
+            )

@@ -56,6 +56,11 @@ class ScrapeSettings:
             raise ConfigError("scrape.max_body_bytes must be >= 1")
 
 
+HTTP_STATUS_ERROR = "HTTP "
+"""How a :class:`ScrapeError` for an answer other than 200 (and 404) begins: an engine that is busy
+or failing, not one of another kind (whose load report fails to parse, or has no endpoint)."""
+
+
 @dataclass(frozen=True, slots=True)
 class ScraperStatus:
     """A scraper's state for ``/admin/replicas``."""
@@ -93,6 +98,7 @@ class MetricsScraper:
         self.base_url = base_url.rstrip("/")
         self.settings = settings or ScrapeSettings()
         self.settings.validate()
+        self.engine = engine
         self._targets = with_metrics_path(engine_spec(engine).scrape_targets, metrics_path)
         self._target = 0
         self._session = session
@@ -133,6 +139,9 @@ class MetricsScraper:
             self._errors += 1
             self._metrics.scrape_errors_total.labels(self.replica).inc()
             message = f"{type(exc).__name__}: {exc}"
+            if isinstance(exc, ScrapeError) and not str(exc).startswith(HTTP_STATUS_ERROR):
+                # the engine answered 200 (or 404 everywhere), but not as this engine kind does
+                message += f" (read as {self.engine}'s load report: is the replica's engine {self.engine}?)"
             if message != self._last_error:
                 log.warning("replica %s: load scrape failed: %s", self.replica, message)
             self._last_error = message
@@ -155,7 +164,7 @@ class MetricsScraper:
                 log.info("replica %s: %s is 404, trying %s", self.replica, target.path, self.status().url)
                 continue
             if status != 200:
-                raise ScrapeError(f"HTTP {status} from {target.path}")
+                raise ScrapeError(f"{HTTP_STATUS_ERROR}{status} from {target.path}")
             load = target.parse(body)
             return load if load is not None else ScrapedLoad(running_reqs=0, waiting_reqs=0)
         raise ScrapeError("every load endpoint answered 404")

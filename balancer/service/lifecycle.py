@@ -241,7 +241,12 @@ class ReplicaLifecycle:
             self.state.scrapers[replica] = scraper
             tasks.append(spawn(scraper.run(), f"kvlb-scrape-{replica}"))
         prober = HealthProber(
-            replica, config.url, session=self._session, health=self.state.health, settings=self._probe
+            replica,
+            config.url,
+            session=self._session,
+            health=self.state.health,
+            settings=self._probe,
+            model=pool.model if engine_spec(config.engine).checks_model_name else None,
         )
         tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
 

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from balancer.engines import DecodedBatch
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import KvEvent, Resync
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.types import ReplicaId
 
@@ -29,6 +30,10 @@ PER_EVENT_ERROR = "event"
 """``reason`` label for one malformed event inside a good message (the detail is only logged)."""
 INTERNAL_ERROR = "internal"
 """``reason`` label for a decoder that failed with something other than ``EventDecodeError``."""
+MAX_ERROR_CHARS = 400
+"""The longest :attr:`SourceStatus.last_error` kept (characters)."""
+MALFORMED_CAUSE = "events_malformed"
+"""The warning cause of events a source could not use (:func:`report_malformed`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,15 @@ class SourceStatus:
     epoch: str | None = None
     disabled: bool = False
     """TRT-LLM answered 404: the engine runs without ``event_buffer_max_size``."""
+    connected: bool | None = None
+    """Whether the ZMQ SUB holds a connection to a PUB that completed the ZMQ handshake;
+    ``None`` for a transport without a standing connection (the TRT-LLM drain)."""
+    last_error: str | None = None
+    """The newest problem with what the engine sends or where, in words that name the fix (a block
+    size that differs from the engine's, a port nothing listens on, a peer that is not a PUB, an
+    undecodable message); ``None``: none so far. Kept after the problem ends: see its age."""
+    last_error_wall_ts: float | None = None
+    """Our wall clock (``time.time()``) when :attr:`last_error` was last seen."""
 
 
 @dataclass(slots=True)
@@ -105,6 +119,14 @@ class SourceCounters:
     decode_errors: int = 0
     transport_errors: int = 0
     last_event_wall_ts: float | None = None
+    last_error: str | None = None
+    last_error_wall_ts: float | None = None
+
+    def note_error(self, text: str, wall_ts: float) -> None:
+        """``text`` is the stream's newest problem (:attr:`SourceStatus.last_error`), seen at
+        ``wall_ts`` (our wall clock); bounded to :data:`MAX_ERROR_CHARS` characters."""
+        self.last_error = text[:MAX_ERROR_CHARS]
+        self.last_error_wall_ts = wall_ts
 
     def status(
         self,
@@ -116,6 +138,7 @@ class SourceCounters:
         last_seq: int | None = None,
         epoch: str | None = None,
         disabled: bool = False,
+        connected: bool | None = None,
     ) -> SourceStatus:
         """The counters as they are now, with the source's identity."""
         return SourceStatus(
@@ -135,6 +158,9 @@ class SourceCounters:
             transport_errors=self.transport_errors,
             epoch=epoch,
             disabled=disabled,
+            connected=connected,
+            last_error=self.last_error,
+            last_error_wall_ts=self.last_error_wall_ts,
         )
 
 
@@ -189,6 +215,59 @@ def count_decoded(metrics: Metrics, engine: str, replica: ReplicaId, batch: Deco
         log.debug("replica %s: %d malformed events, first: %s", replica, len(batch.errors), batch.errors[0])
     if batch.ignored:
         metrics.events_applied_total.labels(engine, "other", "ignored").inc(batch.ignored)
+
+
+def report_malformed(
+    counters: SourceCounters,
+    warnings: LimitedWarnings,
+    replica: ReplicaId,
+    batch: DecodedBatch | None,
+    wall_ts: float,
+    *,
+    undecodable: Exception | None = None,
+) -> None:
+    """Tell the operator about events that could not be used: a good message's malformed events
+    (``batch``) or a whole message that did not decode (``undecodable``). The first reason becomes
+    the source's :attr:`~SourceCounters.last_error` (``/admin/replicas``) and a warning, the first at
+    once, then one a minute per replica with the count (:class:`LimitedWarnings`). A steady stream
+    of them is a misconfiguration, not noise: the engine's block size differs from the replica's, or
+    another engine kind publishes on the endpoint; the decoders' reasons name the fix."""
+    if undecodable is not None:
+        reason = str(undecodable) if isinstance(undecodable, EventDecodeError) else repr(undecodable)
+        text = f"a message could not be decoded ({reason})"
+    elif batch is not None and batch.errors:
+        count = len(batch.errors)
+        events = "event" if count == 1 else "events"
+        text = f"{count} malformed {events} skipped in one message, first: {batch.errors[0]}"
+    else:
+        return
+    counters.note_error(text, wall_ts)
+    warnings.warning(MALFORMED_CAUSE, replica, "replica %s: %s", replica, text)
+
+
+SILENT_AFTER_ANSWERS = 8
+"""Receipts (answers whose usage the engine reported) of a replica whose event sources never
+brought a batch after which :func:`silent_stream_hint` speaks."""
+
+
+def silent_stream_hint(sources: Sequence[SourceStatus], answered: int) -> str | None:
+    """Why a replica that answered ``answered`` requests (its receipts) has had no KV event batch
+    since kvlb connected, when nothing else explains it: every source connected (or a drain), none
+    ever brought a batch with events, none saw an error. Then the engine is publishing nothing: its
+    prefix cache is off, or it publishes on another topic than the replica's (a SUB drops those
+    without a word). ``None`` while that is not the case, or before :data:`SILENT_AFTER_ANSWERS`."""
+    if answered < SILENT_AFTER_ANSWERS or not sources:
+        return None
+    if any(
+        s.last_event_wall_ts is not None or s.last_error is not None or s.connected is False or s.disabled
+        for s in sources
+    ):
+        return None
+    return (
+        f"no KV event batch from the engine since kvlb connected, while it answered {answered} "
+        "requests: its prefix cache is off (vLLM: --enable-prefix-caching; SGLang: without "
+        "--disable-radix-cache) or it publishes on another topic than this replica's topic"
+    )
 
 
 def resyncs_in(events: tuple[KvEvent, ...] | list[KvEvent]) -> list[Resync]:

@@ -123,6 +123,9 @@ class OwnCpu(Generic[T]):
                 sent, thrown = None, exc
 
 
+CLOCK_AHEAD_S = 1.0
+"""A batch stamped more than this in kvlb's future (seconds; a negative event lag) means the engine's
+clock runs ahead of kvlb's: warned, since the lag figures and their alert then read low."""
 EVENT_OVERHEAD_BYTES = 100
 """Estimated memory of one decoded event besides its tokens and hashes (object, tuple, fields)."""
 HASH_BYTES = 40
@@ -365,6 +368,17 @@ class ReplicaPipeline:
             lag_s = self.last_applied_wall_ts - engine_ts
             self.last_lag_s = lag_s
             self._metrics.events_lag_seconds.labels(self.replica).set(lag_s)
+            if lag_s < -CLOCK_AHEAD_S:
+                self._warnings.warning(
+                    "engine_clock_ahead",
+                    self.replica,
+                    "replica %s: a KV event batch is stamped %.1f s in kvlb's future: the engine's "
+                    "clock is ahead of kvlb's by at least that, and its event lag "
+                    "(kvlb_events_lag_seconds, KvlbIndexLagging) reads low by as much; synchronise the "
+                    "clocks (NTP)",
+                    self.replica,
+                    -lag_s,
+                )
         if result.resyncs:
             self.last_resync_wall_ts = self.last_applied_wall_ts
 

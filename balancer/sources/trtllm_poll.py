@@ -44,6 +44,7 @@ from balancer.sources.base import (
     SourceStatus,
     count_decode_error,
     count_decoded,
+    report_malformed,
 )
 from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.sources.trtllm_relay import count_drained, disconnect_body
@@ -228,10 +229,17 @@ class TrtllmPoller:
         self._failing = False
         self._backoff.reset()
         if body is None:
+            self._counters.note_error(
+                f"{self.url} answers 404: KV events are off on the engine "
+                "(set kv_cache_config.event_buffer_max_size > 0), or it is not a TRT-LLM server "
+                "(check the replica's engine)",
+                time.time(),
+            )
             if not self._disabled:
                 log.warning(
                     "replica %s: %s answers 404; KV events are off on the engine "
-                    "(set kv_cache_config.event_buffer_max_size > 0); retrying every %.0f s",
+                    "(set kv_cache_config.event_buffer_max_size > 0), or it is not a TRT-LLM server "
+                    "(check the replica's engine); retrying every %.0f s",
                     self.replica,
                     self.url,
                     self.settings.disabled_retry_s,
@@ -284,6 +292,7 @@ class TrtllmPoller:
 
     def _failed(self, exc: BaseException) -> float:
         self._counters.transport_errors += 1
+        self._counters.note_error(f"drain {self.url} failed: {exc}", time.time())
         delay_s = self._backoff.next_delay()
         if not self._failing:
             log.warning(
@@ -315,12 +324,14 @@ class TrtllmPoller:
             self._decode_failed(exc)
             return None
         count_decoded(self._metrics, self._engine, self.replica, batch)
+        if batch.errors:
+            report_malformed(self._counters, self._warnings, self.replica, batch, time.time())
         return batch
 
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
         count_decode_error(self._metrics, self._engine, exc)
-        log.debug("replica %s: undecodable drain: %s", self.replica, exc)
+        report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
 
     def _deliver(self, batch: DecodedBatch, emit: Emit) -> None:
         resyncs = count_drained(batch, self.replica, self._counters, self._metrics)

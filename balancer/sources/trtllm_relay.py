@@ -46,6 +46,7 @@ import zmq.asyncio
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
 from balancer.events import Resync
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import REPLAY_OUTCOMES, Metrics
 from balancer.sources.base import (
     Backoff,
@@ -55,6 +56,7 @@ from balancer.sources.base import (
     SourceStatus,
     count_decode_error,
     count_decoded,
+    report_malformed,
     resyncs_in,
 )
 from balancer.types import ReplicaId
@@ -267,6 +269,7 @@ class RelaySource:
         self._decoder = decoder
         self._metrics = metrics
         self._engine = decoder.engine
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
         self._max_message_bytes = max_message_bytes
         self._catch_up_timeout_s = catch_up_timeout_s
         self._counters = SourceCounters()
@@ -397,8 +400,11 @@ class RelaySource:
         except EventDecodeError as exc:
             self._counters.decode_errors += 1
             count_decode_error(self._metrics, self._engine, exc)
+            report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
             return
         count_decoded(self._metrics, self._engine, self.replica, batch)
+        if batch.errors:
+            report_malformed(self._counters, self._warnings, self.replica, batch, time.time())
         count_drained(batch, self.replica, self._counters, self._metrics)
         if batch.events:
             self._counters.last_event_wall_ts = time.time()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from urllib.parse import urlsplit
 
+from balancer.config import endpoint_for_rank as endpoint_for_rank  # its home; imported from here too
 from balancer.errors import ConfigError
 
 
@@ -108,16 +108,3 @@ class ZmqSourceSettings:
         for name in ("replay_max_batches", "rcvhwm", "max_message_bytes"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"zmq.{name} must be >= 1, got {getattr(self, name)}")
-
-
-def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
-    """The endpoint of DP rank ``dp_rank``: TCP port + rank; ``ipc://`` paths get ``_dp{rank}``."""
-    if dp_rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        parts = urlsplit(endpoint)
-        if parts.port is None:
-            raise ConfigError(f"endpoint {endpoint!r} has no port")
-        host = endpoint[len("tcp://") : endpoint.rindex(":")]
-        return f"tcp://{host}:{parts.port + dp_rank}"
-    return f"{endpoint}_dp{dp_rank}"

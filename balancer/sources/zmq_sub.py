@@ -65,6 +65,13 @@ publisher from 0. This source keeps the stream in order:
   in order, without a gap or a replay (no replay poll asks for them meanwhile).
 * Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
   the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
+* **A wrong endpoint.** A connection counts once its ZMQ handshake with a PUB succeeded
+  (``EVENT_HANDSHAKE_SUCCEEDED``; :attr:`SourceStatus.connected`), and the catch-up waits for it.
+  A peer that takes the TCP connection but drops it before the handshake is no PUB (the replay
+  ROUTER given as ``events``, the two swapped): said, and retried after the reconnect backoff. A
+  refused connect (nothing listens) is said too; both, and malformed events, a silent replay socket
+  and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
+  a warning, the first at once, then once a minute.
 """
 
 from __future__ import annotations
@@ -75,6 +82,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import zmq
 import zmq.asyncio
@@ -95,6 +103,7 @@ from balancer.sources.base import (
     SourceStatus,
     count_decode_error,
     count_decoded,
+    report_malformed,
 )
 from balancer.sources.read_ahead import ReadAhead
 from balancer.sources.zmq_settings import ZmqSourceSettings
@@ -116,6 +125,30 @@ class _Reopen(Exception):
 
 class _DropBacklog(_Reopen):
     """A flood: close the SUB, so libzmq drops what it still holds, and open a fresh one."""
+
+
+class _Refused(Exception):
+    """The peer took the TCP connection but not the ZMQ handshake (it is no PUB): open a fresh
+    SUB after the reconnect backoff (libzmq does not retry after that protocol error)."""
+
+
+HANDSHAKE_REFUSED = (
+    "{endpoint} accepted the TCP connection but refused the ZMQ handshake: it is not a PUB socket "
+    "(is it the replay endpoint, or the two swapped? the events endpoint is the engine's PUB, the "
+    "replay endpoint its ROUTER), or not ZMQ at all"
+)
+"""The ``last_error`` of a source whose events endpoint answers, but not as a publisher."""
+CONNECT_REFUSED = (
+    "nothing accepts connections at {endpoint} (retrying): check that the engine publishes KV "
+    "events (SGLang --kv-events-config / vLLM --kv-events-config with publisher zmq) on this "
+    "host and port, and that the port is this replica's events (+ its DP rank)"
+)
+"""The ``last_error`` of a source whose events endpoint refuses connections (or an engine down)."""
+REPLAY_SILENT = (
+    "the replay endpoint {endpoint} did not answer within {timeout_s:g} s (nothing listens there, "
+    "or it is not the engine's replay ROUTER): lost batches resync the rank instead"
+)
+"""The ``last_error`` of a source whose replay request went unanswered."""
 
 
 def _is_replay_end(frames: Sequence[bytes]) -> bool:
@@ -168,8 +201,11 @@ class ZmqEventSource:
         """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
         start (whatever the resume point) and after every lost connection."""
         self._connected_wall_s: float | None = None
-        """Our wall clock when the SUB last connected (and caught up): a replayed batch published
-        before it is history, and stays out of the lag gauge."""
+        """Our wall clock when the SUB that is to catch up was opened (:meth:`_open_sub`): a replayed
+        batch published before it is history, and stays out of the lag gauge. Taken at the open, not
+        at the connection's monitor event, which a busy loop reads late: the catch-up starts once the
+        handshake is done, when the engine may already be publishing to us, and those batches, read
+        back from the replay socket, are no history."""
         self._catching_up = False
         self._replayed: dict[int, int] = {}
         """seq → payload digest of the current catch-up's batches (at most ``MAX_REPLAYED_DIGESTS``)."""
@@ -190,6 +226,11 @@ class ZmqEventSource:
         self._dealer: zmq.asyncio.Socket | None = None
         """The replay DEALER, kept between requests (:meth:`_replay_dealer`)."""
         self._counters = SourceCounters()
+        self._tcp_connected = False
+        """The SUB's TCP connection is up (``EVENT_CONNECTED``)."""
+        self._handshaken = False
+        """... and its ZMQ handshake with a PUB succeeded (``EVENT_HANDSHAKE_SUCCEEDED``): the
+        connection this source counts as connected (``SourceStatus.connected``)."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
@@ -208,6 +249,7 @@ class ZmqEventSource:
             dp_rank=self.dp_rank,
             last_seq=self._last_seq,
             epoch=self._epoch,
+            connected=self._handshaken,
         )
 
     async def run(self, emit: Emit) -> None:
@@ -232,6 +274,8 @@ class ZmqEventSource:
                         await self._poll_replay(sub, emit)
             except _DropBacklog:
                 dropped = True
+            except _Refused:
+                pass  # the backoff below: a fresh SUB at once would be refused at once, in a loop
             except _Reopen:
                 backoff.reset()
                 continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
@@ -250,6 +294,7 @@ class ZmqEventSource:
                 )
             finally:
                 self._ahead.reader = None  # a shadow: it must not outlive the SUB
+                self._tcp_connected = self._handshaken = False
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
@@ -343,7 +388,15 @@ class ZmqEventSource:
                 event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if event["event"] == zmq.EVENT_DISCONNECTED:
+            kind = event["event"]
+            if kind == zmq.EVENT_CONNECT_RETRIED:
+                self._refused_connect()
+            elif kind == zmq.EVENT_CONNECTED:
+                self._tcp_connected = True
+            elif kind == zmq.EVENT_DISCONNECTED and not self._handshaken:
+                self._refused_handshake()
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._handshaken = self._tcp_connected = False
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
                 self._metrics.events_disconnects_total.labels(self.replica).inc()
                 self._warnings.warning(
@@ -362,10 +415,60 @@ class ZmqEventSource:
                     self._forget(emit, "disconnect")
                 self._replay_on_connect = self.replay_endpoint is not None
                 raise _Reopen  # ZMQ would not reconnect after a protocol error (an oversized message)
-            elif event["event"] == zmq.EVENT_CONNECTED and self._replay_on_connect:
-                self._connected_wall_s = time.time()
-                self._replay_on_connect = False
-                await self._catch_up(sub, emit)
+            elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshaken = True
+                self._connection_problems_over()
+                if self._replay_on_connect:  # a new connection: catch up (once it is a PUB's)
+                    self._replay_on_connect = False
+                    await self._catch_up(sub, emit)
+
+    def _refused_connect(self) -> None:
+        """ZMQ's connect was refused (it retries by itself): nothing listens at the events
+        endpoint, a wrong port or an engine without KV events (or one down or still starting)."""
+        text = CONNECT_REFUSED.format(endpoint=self.endpoint)
+        self._counters.note_error(text, time.time())
+        self._warnings.warning(
+            "zmq_connect_refused",
+            f"{self.replica}/{self.dp_rank}",
+            "replica %s rank %d: %s",
+            self.replica,
+            self.dp_rank,
+            text,
+        )
+
+    def _refused_handshake(self) -> NoReturn:
+        """The TCP connection dropped before a ZMQ handshake with a PUB: the peer is another
+        socket type (a ROUTER: the replay endpoint; a SUB) or no ZMQ; nothing was received, so
+        there is no stream state to drop. The SUB is reopened after the backoff."""
+        self._tcp_connected = False
+        text = HANDSHAKE_REFUSED.format(endpoint=self.endpoint)
+        self._counters.transport_errors += 1
+        self._counters.note_error(text, time.time())
+        self._warnings.warning(
+            "zmq_handshake_refused",
+            f"{self.replica}/{self.dp_rank}",
+            "replica %s rank %d: %s",
+            self.replica,
+            self.dp_rank,
+            text,
+        )
+        raise _Refused
+
+    def _connection_problems_over(self) -> None:
+        """A handshake succeeded: the next refusal warns at once again."""
+        subject = f"{self.replica}/{self.dp_rank}"
+        for cause in ("zmq_connect_refused", "zmq_handshake_refused"):
+            self._warnings.resolved(cause, subject)
+        if self._counters.last_error in (
+            CONNECT_REFUSED.format(endpoint=self.endpoint),
+            HANDSHAKE_REFUSED.format(endpoint=self.endpoint),
+        ):
+            log.info(
+                "replica %s rank %d: connected to the publisher at %s",
+                self.replica,
+                self.dp_rank,
+                self.endpoint,
+            )
 
     async def _catch_up(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Replay everything the publisher still holds from the wanted seq, merged with the live
@@ -408,13 +511,20 @@ class ZmqEventSource:
         """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
         its catch-up) is missed."""
         self._ahead.clear()  # a fresh socket has no backlog of ours
+        if self._replay_on_connect:  # what the engine published before this is history
+            self._connected_wall_s = time.time()
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
         sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED
+            | zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_CONNECT_RETRIED
+        )
         sub.connect(self.endpoint)
         self._ahead.reader = zmq.Socket.shadow(sub.underlying)
         return sub, monitor
@@ -469,7 +579,7 @@ class ZmqEventSource:
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
         count_decode_error(self._metrics, self._engine, exc)
-        log.debug("replica %s rank %d: undecodable message: %s", self.replica, self.dp_rank, exc)
+        report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
 
     async def _on_message(self, frames: Sequence[bytes], shed: bool, emit: Emit) -> None:
         taken = self._take(frames, shed)
@@ -568,6 +678,8 @@ class ZmqEventSource:
         self._last_digest = digest
         self._counters.decode_errors += len(batch.errors)
         count_decoded(self._metrics, self._engine, self.replica, batch)
+        if batch.errors:
+            report_malformed(self._counters, self._warnings, self.replica, batch, time.time())
         if batch.events:
             self._counters.last_event_wall_ts = time.time()
             # a replayed batch published before this connection is history (its age is the time
@@ -633,15 +745,16 @@ class ZmqEventSource:
             if self.dp_rank == 0:
                 return batch.events
             return [dataclasses.replace(event, dp_rank=self.dp_rank) for event in batch.events]
-        if batch.dp_rank != self.dp_rank and not self._rank_warned:
-            self._rank_warned = True
-            log.warning(
-                "replica %s: publisher %s says dp_rank %d, configured %d (check dp_size/ports)",
-                self.replica,
-                self.endpoint,
-                batch.dp_rank,
-                self.dp_rank,
+        if batch.dp_rank != self.dp_rank:
+            text = (
+                f"the publisher at {self.endpoint} says data_parallel_rank {batch.dp_rank}, this source "
+                f"is rank {self.dp_rank} (port + rank): its events go to rank {batch.dp_rank}; check "
+                "the replica's events port and dp_size against the engine's"
             )
+            self._counters.note_error(text, time.time())
+            if not self._rank_warned:
+                self._rank_warned = True
+                log.warning("replica %s: %s", self.replica, text)
         return batch.events
 
     async def _replay(
@@ -675,17 +788,23 @@ class ZmqEventSource:
                     frames = await dealer.recv_multipart()
                     if _is_replay_end(frames):
                         complete = True
+                        self._warnings.resolved("replay_timeout", f"{self.replica}/{self.dp_rank}")
                         break
                     seq = await self._on_replayed(frames, emit, live if first_seq is None else None)
                     if first_seq is None:
                         first_seq = seq
         except TimeoutError:
-            log.log(
-                logging.DEBUG if poll else logging.INFO,
-                "replica %s rank %d: replay from %d timed out",
+            timeout_s = self.settings.replay_timeout_s
+            text = REPLAY_SILENT.format(endpoint=self.replay_endpoint, timeout_s=timeout_s)
+            self._counters.note_error(text, time.time())
+            self._warnings.warning(
+                "replay_timeout",
+                f"{self.replica}/{self.dp_rank}",
+                "replica %s rank %d: replay from %d: %s",
                 self.replica,
                 self.dp_rank,
                 start_seq,
+                text,
             )
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:

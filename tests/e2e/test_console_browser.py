@@ -337,6 +337,12 @@ def browse(driver: Any, url: str, replica_ids: list[str]) -> dict[str, Any]:
         "index blocks in the fleet view",
         lambda d: any(text not in ("0", "—") for text in cells(d, "#fleet-table tbody tr", 9)),
     )
+    # the events column (h-enginewalk): every replica's stream connected, no problem seen
+    wait_for(
+        driver,
+        "events ok in the fleet view",
+        lambda d: cells(d, "#fleet-table tbody tr", 13) == ["ok"] * len(replica_ids),
+    )
 
     # plots: lines and bars drawn from /admin/series
     wait_for(driver, "the hit-rate line", lambda d: by_css(d, "#plot-hit path.line"))

@@ -268,3 +268,44 @@ def test_the_tenant_header_moved_out_of_console_and_its_old_name_still_works() -
     )
     capped = config.load(sets=["limits.max_inflight_per_tenant=3", "limits.max_queued_per_tenant=0"], env={})
     assert (capped.limits.max_inflight_per_tenant, capped.limits.max_queued_per_tenant) == (3, 0)
+
+
+@pytest.mark.parametrize(
+    ("replicas", "message"),
+    [
+        (  # two replicas given one engine's events (a copied entry): its blocks credited to both
+            "[{id: a, url: 'http://x', events: 'tcp://h:5557'}, {id: b, url: 'http://y', events: 'tcp://h:5557'}]",
+            "replica b rank 0 events endpoint tcp://h:5557 is also replica a rank 0 events's",
+        ),
+        (  # rank 1 of a (port + 1) is b's rank 0
+            "[{id: a, url: 'http://x', events: 'tcp://h:5557', dp_size: 2},"
+            " {id: b, url: 'http://y', events: 'tcp://h:5558'}]",
+            "replica b rank 0 events endpoint tcp://h:5558 is also replica a rank 1 events's",
+        ),
+        (  # b's replay is a's events: b would take a's engine for its replay socket
+            "[{id: a, url: 'http://x', events: 'ipc:///run/kv'},"
+            " {id: b, url: 'http://y', events: 'ipc:///run/kv2', replay: 'ipc:///run/kv'}]",
+            "replica b rank 0 replay endpoint ipc:///run/kv is also replica a rank 0 events's",
+        ),
+    ],
+)
+def test_an_event_endpoint_claimed_twice_is_refused(replicas: str, message: str) -> None:
+    """The engine walk of 2026-12-01 (h-enginewalk): two replicas given the same events endpoint
+    both subscribed to one engine, and its blocks were credited to both (routing to the second
+    predicted hits its engine never had), with no word."""
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        config.load(sets=[f"pools=[{{model: m, replicas: {replicas}}}]"], env={})
+
+
+def test_distinct_event_endpoints_and_a_pool_without_events_pass() -> None:
+    config.load(
+        sets=[
+            "pools=[{model: m, replicas: [{id: a, url: 'http://x', events: 'tcp://h:5557', replay: 'tcp://h:5559',"
+            " dp_size: 2}, {id: b, url: 'http://y', events: 'tcp://g:5557', replay: 'tcp://g:5558'}]},"
+            " {model: n, kv_events: false, replicas: [{id: c, url: 'http://z', events: 'tcp://h:5557'}]},"
+            # one replica's own ranks running into each other: said by its sources at run time
+            " {model: o, replicas: [{id: d, url: 'http://w', events: 'tcp://k:5557', replay: 'tcp://k:5558',"
+            " dp_size: 2}]}]"
+        ],
+        env={},
+    )

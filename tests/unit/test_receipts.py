@@ -217,9 +217,46 @@ def test_admin_replicas_table_shows_accuracy_lag_and_last_resync() -> None:
     ]
     lines = replicas_table(views).splitlines()
     assert lines[0].split() == [
-        "replica", "routable", "inflight", "blocks", "receipts", "exact", "within_1", "lag_s", "resync_age_s"
+        "replica", "routable", "inflight", "blocks", "receipts", "exact", "within_1", "lag_s", "resync_age_s",
+        "events",
     ]  # fmt: skip
-    assert lines[1].split() == ["sim-0", "yes", "2", "120", "256", "0.988", "1.000", "0.004", "-"]
-    assert lines[2].split() == ["sim-1", "no", "0", "0", "-", "-", "-", "-", "-"]
+    assert lines[1].split() == ["sim-0", "yes", "2", "120", "256", "0.988", "1.000", "0.004", "-", "-"]
+    assert lines[2].split() == ["sim-1", "no", "0", "0", "-", "-", "-", "-", "-", "-"]
     # why not (the SRE walk of 2026-12-01: a drained replica showed "no" like a dead one)
     assert [line.split()[1] for line in lines[3:]] == ["no:draining", "no:probe-failing", "no:breaker-open"]
+
+
+def test_admin_replicas_table_says_what_is_wrong_with_the_event_streams() -> None:
+    """The engine walk of 2026-12-01 (h-enginewalk): a block size other than the engine's, or an
+    events endpoint with no publisher, showed nowhere in the table; the sources' ``last_error``
+    now makes the ``events`` column and one line per source under the table, with its fix."""
+    from balancer.cli.command import replicas_table
+
+    def source(connected: bool | None, error: str | None, age_s: float | None) -> dict[str, object]:
+        return {
+            "endpoint": "tcp://127.0.0.1:5557",
+            "connected": connected,
+            "last_error": error,
+            "last_error_age_s": age_s,
+        }
+
+    size = "1 malformed event skipped in one message, first: event 0: block_size 32 != 16"
+    views = [
+        {"id": "sim-0", "routable": True, "events": {"sources": [source(True, None, None)]}},
+        {"id": "sim-1", "routable": True, "events": {"sources": [source(True, size, 3.0)]}},
+        {"id": "sim-2", "routable": True, "events": {"sources": [source(False, "nothing accepts", 0.1)]}},
+        {"id": "sim-3", "routable": True, "events": {"sources": [source(True, "old trouble", 900.0)]}},
+        {
+            "id": "sim-4",
+            "routable": True,
+            "events": {"sources": [source(True, None, None)], "hint": "no batch"},
+        },
+    ]
+    lines = replicas_table(views).splitlines()
+    assert [line.split()[-1] for line in lines[1:6]] == ["ok", "error", "not-connected", "ok", "silent"]
+    assert lines[6:] == [
+        f"sim-1 tcp://127.0.0.1:5557: {size} (3 s ago)",
+        "sim-2 tcp://127.0.0.1:5557: nothing accepts (0 s ago)",
+        "sim-3 tcp://127.0.0.1:5557: old trouble (900 s ago)",
+        "sim-4 events: no batch",
+    ]

@@ -228,6 +228,42 @@
     return [fmtPercent(p.accuracy), details.join(", ")];
   }
 
+  // The replica's KV event streams (/admin/replicas' "events".sources): "ok", or what is wrong with
+  // the newest problem in the title (a block size other than the engine's, an endpoint nothing or no
+  // publisher answers on: each source's last_error names the fix), or "silent" with events.hint (the
+  // engine answered requests but published nothing: prefix cache off, another topic). A problem older than
+  // EVENT_PROBLEM_S shows as "ok" again, with the old problem still in the title.
+  const EVENT_PROBLEM_S = 300;
+  const CLOCK_AHEAD_S = 1.0; // balancer/sources/pipeline.py CLOCK_AHEAD_S
+  function eventsOf(view) {
+    const events = view.events;
+    if (!events || !Array.isArray(events.sources) || events.sources.length === 0) return [DASH, "", "no event source"];
+    const notes = [];
+    let word = "ok";
+    let cls = "ok";
+    for (const source of events.sources) {
+      const where = source.endpoint + (typeof source.dp_rank === "number" ? " (rank " + source.dp_rank + ")" : "");
+      if (source.last_error) {
+        const age = typeof source.last_error_age_s === "number" ? source.last_error_age_s : null;
+        notes.push(where + ": " + source.last_error + (age === null ? "" : " (" + fmtSeconds(age) + " ago)"));
+        if (age !== null && age < EVENT_PROBLEM_S && word === "ok") {
+          word = "error";
+          cls = "bad";
+        }
+      }
+      if (source.connected === false) {
+        word = "not connected";
+        cls = "bad";
+      }
+    }
+    if (events.hint && word === "ok") {
+      word = "silent";
+      cls = "warn";
+      notes.push(events.hint);
+    }
+    return [word, cls, notes.length ? notes.join("\n") : "every stream connected, no problem seen"];
+  }
+
   async function refreshFleet() {
     const [replicas, fleet] = await Promise.all([api("GET", "/admin/replicas"), api("GET", "/admin/fleet")]);
     const views = replicas.replicas || [];
@@ -246,7 +282,10 @@
       const load = view.load || {};
       const events = view.events;
       const lag = events && typeof events.last_lag_s === "number" ? fmtSeconds(Math.max(0, events.last_lag_s)) : DASH;
-      const lastEvent = events && typeof events.last_applied_age_s === "number" ? "last event applied " + fmtSeconds(events.last_applied_age_s) + " ago" : "no event applied yet";
+      let lastEvent = events && typeof events.last_applied_age_s === "number" ? "last event applied " + fmtSeconds(events.last_applied_age_s) + " ago" : "no event applied yet";
+      // a batch stamped in kvlb's future: the engine's clock is ahead, and the lag reads low by as much
+      const ahead = events && typeof events.last_lag_s === "number" && events.last_lag_s < -CLOCK_AHEAD_S;
+      if (ahead) lastEvent += "; the engine's clock is " + fmtSeconds(-events.last_lag_s) + " ahead of kvlb's: the lag reads low by as much (sync the clocks)";
       body.append(
         el(
           "tr",
@@ -261,9 +300,10 @@
           el("td", { class: "num", text: fmtNumber(load.waiting_reqs) }),
           el("td", { class: "num", text: typeof load.kv_usage === "number" ? fmtPercent(load.kv_usage) : DASH }),
           el("td", { class: "num", text: fmtNumber(view.index ? view.index.blocks : null) }),
-          el("td", { class: "num", text: lag, title: lastEvent }),
+          el("td", { class: ahead ? "num warn" : "num", text: ahead ? "clock ahead" : lag, title: lastEvent }),
           el("td", { class: "num", text: events ? fmtNumber(events.queued_batches) : DASH }),
-          el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] })
+          el("td", { class: "num", text: accuracyOf(view)[0], title: accuracyOf(view)[1] }),
+          el("td", { class: eventsOf(view)[1], text: eventsOf(view)[0], title: eventsOf(view)[2] })
         )
       );
     }
