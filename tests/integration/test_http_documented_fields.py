@@ -27,7 +27,7 @@ WORKERS_ONLY = {"worker", "workers", "workers_missing", "ttft_percentiles"}
 NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("PUT", "/admin/policy"): {"admin", "reason"},  # the actor's default; a body field
     ("POST", "/admin/explain"): {"draining", "full"},  # left_out's values (others: no such replica here)
-    ("GET", "/admin/replicas"): {"null"} | WORKERS_ONLY,
+    ("GET", "/admin/replicas"): {"null", "ok", "error", "silent"} | WORKERS_ONLY,  # + the table cells
     ("POST", "/admin/replicas/{id}/drain"): {"null"},
     ("POST", "/admin/whatif"): {"last"} | WORKERS_ONLY,  # a body field
     ("GET", "/admin/decisions"): {"i", "since_id"} | WORKERS_ONLY,  # query words
