@@ -132,12 +132,7 @@ async def change_policy(
     policy now in force and ``{field: (old, new)}``, logs who changed what and why once, and adds
     the change to the audit log. In fleet mode the change is stored in Redis first; when that fails
     it is applied nowhere (503 with the reason)."""
-    unknown = sorted(set(body) - _POLICY_KEYS)
-    if unknown:
-        raise ApiError(400, f"unknown key(s) {unknown}; expected 'name', 'weights' and/or 'reason'")
-    reason = body.get("reason")
-    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
-        raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} characters")
+    reason = _checked_reason(body, _POLICY_KEYS, "'name', 'weights' and/or 'reason'")
     name = body.get("name")
     if name is not None and not isinstance(name, str):
         raise ApiError(400, "'name' must be a string")
@@ -404,19 +399,25 @@ def drain_view(note: DrainNote, wall: float) -> dict[str, Any]:
     return _ages(note.to_json(), wall)
 
 
+def _checked_reason(body: Mapping[str, Any], allowed: frozenset[str], expected: str) -> str | None:
+    """``body``'s ``reason`` (``None`` when absent); 400 for a key outside ``allowed`` (the message
+    lists the ``expected`` ones) or a reason that is not a string of at most 500 characters."""
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown key(s) {unknown}; expected {expected}")
+    reason = body.get("reason")
+    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
+        raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} characters")
+    return reason
+
+
 def drain_note(
     state: ServiceState, body: Mapping[str, Any], who: str, actor: str, *, sibling: bool = False
 ) -> DrainNote:
     """A drain's note from its body ``{"reason"?}`` (400 when invalid). A sibling worker's replay
     (``sibling``) also carries the ``caller`` and ``at_wall_ts`` of the worker that took the call,
     so that every worker shows the same note."""
-    allowed = _DRAIN_KEYS | (_SIBLING_DRAIN_KEYS if sibling else frozenset())
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise ApiError(400, f"unknown key(s) {unknown}; expected 'reason'")
-    reason = body.get("reason")
-    if reason is not None and (not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS):
-        raise ApiError(400, f"'reason' must be a string of at most {MAX_REASON_CHARS} characters")
+    _checked_reason(body, _DRAIN_KEYS | (_SIBLING_DRAIN_KEYS if sibling else frozenset()), "'reason'")
     replayed = DrainNote.from_json({"by": actor, "caller": who, "at_wall_ts": state.wall_clock(), **body})
     if replayed is None:
         raise ApiError(400, "'caller' must be a string and 'at_wall_ts' a number")
