@@ -83,3 +83,69 @@ async def test_a_drain_written_by_the_previous_release_keeps_its_note(
             await wait_for("the old release's undrain to apply", r1_undrained, timeout_s=3)
         finally:
             await redis.aclose()
+
+
+async def test_a_policy_change_by_a_release_without_actors_is_not_audited_under_the_previous_one(
+    redis_server: RedisServer, tokenizer: Tokenizer
+) -> None:
+    """A release before 2026-12-01's ``a3b028d`` writes a policy change without ``actor`` and
+    ``reason``; Redis kept the previous change's, and this release's balancers audited the old
+    balancer's change under them (h-upgrade walk: a change through the old one was logged as
+    ``alice``'s "long answers"). Now it is audited with no actor (``admin``) and no reason, while a
+    change by a release that writes them keeps its own."""
+    async with fleet(RedisTarget("server", redis_server.url), tokenizer, balancers=1) as f:
+        (a,) = f.balancers
+        prefix = fleet_of(a).config.key_prefix
+        key = f"{prefix}:policy"
+        redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+        async def synced() -> bool:
+            return fleet_of(a).policy.synced  # type: ignore[union-attr]
+
+        async def old_write(decode_weight: float, **attribution: str) -> int:
+            """A change as a previous release's policy script writes it (HINCRBY, then HSET)."""
+            stored = strict_json.loads(await redis.hget(key, "weights") or "{}")
+            version = int(await redis.hincrby(key, "version", 1))
+            fields = {
+                "name": "cost",
+                "weights": strict_json.dumps({**stored, "decode_weight": decode_weight}),
+            }
+            fields |= {"updated_by": "anonymous@10.0.0.9", "updated_at": "1796000000.0", **attribution}
+            await redis.hset(key, mapping=fields)
+            await redis.publish(f"{prefix}:policy:changed", str(version))
+            return version
+
+        async def audited(version: int) -> dict[str, Any]:
+            async def there() -> bool:
+                entries = (await f.get(a, "/admin/audit"))["entries"]
+                return any(e["version"] == version for e in entries)
+
+            await wait_for(f"v{version} in the audit log", there, timeout_s=3)
+            entries = (await f.get(a, "/admin/audit"))["entries"]
+            return next(e for e in entries if e["version"] == version)
+
+        try:
+            await wait_for("the balancer to read the fleet's policy", synced)
+            headers = {"x-kvlb-actor": "alice"}
+            body = {"weights": {"decode_weight": 0.3}, "reason": "long answers"}
+            async with f.session.put(a.url + "/admin/policy", json=body, headers=headers) as response:
+                assert response.status == 200, await response.text()
+
+            # a735704's script: no actor, no reason (Redis keeps alice's)
+            entry = await audited(await old_write(0.4))
+            assert (entry["actor"], entry["reason"]) == ("admin", None), entry
+            assert entry["change"] == {"before": {"decode_weight": 0.3}, "after": {"decode_weight": 0.4}}
+
+            # 9963daf's script: its own actor and reason
+            entry = await audited(await old_write(0.5, actor="carol", reason="rollback test"))
+            assert (entry["actor"], entry["reason"]) == ("carol", "rollback test"), entry
+
+            # and this release's own change after both: its own
+            body = {"weights": {"decode_weight": 0.6}, "reason": "back"}
+            async with f.session.put(a.url + "/admin/policy", json=body, headers=headers) as response:
+                assert response.status == 200, await response.text()
+                version = (await response.json())["version"]
+            assert (await redis.hget(key, "actor"), await redis.hget(key, "reason")) == ("alice", "back")
+            assert strict_json.loads(await redis.hget(key, "noted") or "null") == [version, "alice", "back"]
+        finally:
+            await redis.aclose()
