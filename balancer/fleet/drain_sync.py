@@ -2,15 +2,15 @@
 
 Redis holds the replicas drained by hand in one HASH (``<prefix>:drained``: replica id → its
 :class:`~balancer.health.book.DrainNote` as JSON ``{"by", "caller", "at_wall_ts", "reason"}``, plus
-the marker field ``""`` that says the hash was written by a balancer; a release before 2026-12-01
-wrote ``{"by": <caller>, "at": <Unix s>}``, read as that call's note). A drain or undrain made
-through any balancer's admin API (HTTP or gRPC) is written there first and applied locally only once
-Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through ``ServiceState.drain_committer``):
-when Redis refuses it, the call is refused (503) and applied nowhere, as a policy change is. The
-script publishes the change on ``<prefix>:drained:changed``; every balancer, and every worker of
-``kvlb serve --workers N``, reads the hash at each message and every ``poll_s``
-(``redis.policy_poll_s``, in case a message was lost) and drains or undrains its replicas to match,
-so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
+the marker field ``""`` that says the hash was written by a balancer; a release before ``732957c``
+(``9963daf`` and older) wrote ``{"by": <caller>, "at": <Unix s>}``, read as that call's note). A
+drain or undrain made through any balancer's admin API (HTTP or gRPC) is written there first and
+applied locally only once Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through
+``ServiceState.drain_committer``): when Redis refuses it, the call is refused (503) and applied
+nowhere, as a policy change is. The script publishes the change on ``<prefix>:drained:changed``;
+every balancer, and every worker of ``kvlb serve --workers N``, reads the hash at each message and
+every ``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its
+replicas to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
 
 An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
 so a Redis restart without persistence leaves drained replicas drained, with their notes. A key of
@@ -96,7 +96,7 @@ def not_stored(what: str, exc: BaseException) -> str:
 
 def _note(entry: str) -> DrainNote | None:
     """The note of a hash entry (``None`` for one seeded without a note, or damaged). An entry of a
-    release before 2026-12-01 (``{"by": <caller>, "at": <Unix s>}``, which a balancer of that release
+    release before ``732957c`` (``{"by": <caller>, "at": <Unix s>}``, which a balancer of that release
     still writes in a mixed fleet during a rolling upgrade or a rollback) reads as the note this
     release writes for the same call: the caller it names, no actor given (``admin``), no reason.
     Until 2026-12-01 (h-upgrade) such a drain showed no note at all on the new balancers."""

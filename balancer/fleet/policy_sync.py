@@ -72,12 +72,12 @@ return {v, repaired}
 
 
 def _attribution(raw: dict[str, str]) -> dict[str, str | None]:
-    """The ``actor`` and ``reason`` of the stored version. A release before 2026-12-01 (before the
+    """The ``actor`` and ``reason`` of the stored version. A release before ``a3b028d`` (before the
     actor and reason travelled in Redis) writes a change without them, which left the previous
     change's in place: in a mixed fleet its change was audited by this release's balancers under
     the previous change's actor and reason (h-upgrade). This release also writes ``noted``
     (``[version, actor, reason]``): fields still equal to a ``noted`` of an older version were left
-    by such a writer, and count as not given. (A writer of 2026-12-01 before ``noted`` rewrites
+    by such a writer, and count as not given. (A writer from ``a3b028d`` to before ``noted`` rewrites
     them: when it repeats the previous actor and reason exactly, they are dropped too.)"""
     actor, reason = raw.get("actor") or None, raw.get("reason") or None
     try:

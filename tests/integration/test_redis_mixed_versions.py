@@ -29,11 +29,12 @@ def tokenizer() -> Tokenizer:
 async def test_a_drain_written_by_the_previous_release_keeps_its_note(
     redis_server: RedisServer, tokenizer: Tokenizer
 ) -> None:
-    """Until 2026-12-01 a drain entry is ``{"by": <caller>, "at": <Unix s>}``; today's is
-    ``{"by", "caller", "at_wall_ts", "reason"}``. In a mixed fleet (h-upgrade walk) the new
-    balancers drained a replica drained through an old one but showed no note at all: who drained
-    it and when were lost. They now read it as the note they write for the same call (no actor:
-    ``admin``). The old release reads an entry's presence only, so today's entries drain there."""
+    """Before ``732957c`` (e.g. ``9963daf``) a drain entry is ``{"by": <caller>, "at": <Unix s>}``;
+    today's is ``{"by", "caller", "at_wall_ts", "reason"}``. In a mixed fleet (h-upgrade walk) the
+    new balancers drained a replica drained through an old one but showed no note at all: who
+    drained it and when were lost. They now read it as the note they write for the same call (no
+    actor: ``admin``). The old release reads an entry's presence only, so today's entries drain
+    there."""
     async with fleet(RedisTarget("server", redis_server.url), tokenizer, balancers=1) as f:
         (a,) = f.balancers
         prefix = fleet_of(a).config.key_prefix
@@ -88,7 +89,7 @@ async def test_a_drain_written_by_the_previous_release_keeps_its_note(
 async def test_a_policy_change_by_a_release_without_actors_is_not_audited_under_the_previous_one(
     redis_server: RedisServer, tokenizer: Tokenizer
 ) -> None:
-    """A release before 2026-12-01's ``a3b028d`` writes a policy change without ``actor`` and
+    """A release before ``a3b028d`` (e.g. ``a735704``) writes a policy change without ``actor`` and
     ``reason``; Redis kept the previous change's, and this release's balancers audited the old
     balancer's change under them (h-upgrade walk: a change through the old one was logged as
     ``alice``'s "long answers"). Now it is audited with no actor (``admin``) and no reason, while a
