@@ -2,14 +2,15 @@
 
 Redis holds the replicas drained by hand in one HASH (``<prefix>:drained``: replica id → its
 :class:`~balancer.health.book.DrainNote` as JSON ``{"by", "caller", "at_wall_ts", "reason"}``, plus
-the marker field ``""`` that says the hash was written by a balancer). A drain or undrain made
-through any balancer's admin API (HTTP or gRPC) is written there first and applied locally only once
-Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through ``ServiceState.drain_committer``):
-when Redis refuses it, the call is refused (503) and applied nowhere, as a policy change is. The
-script publishes the change on ``<prefix>:drained:changed``; every balancer, and every worker of
-``kvlb serve --workers N``, reads the hash at each message and every ``poll_s``
-(``redis.policy_poll_s``, in case a message was lost) and drains or undrains its replicas to match,
-so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
+the marker field ``""`` that says the hash was written by a balancer; a release before ``732957c``
+(``9963daf`` and older) wrote ``{"by": <caller>, "at": <Unix s>}``, read as that call's note). A
+drain or undrain made through any balancer's admin API (HTTP or gRPC) is written there first and
+applied locally only once Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through
+``ServiceState.drain_committer``): when Redis refuses it, the call is refused (503) and applied
+nowhere, as a policy change is. The script publishes the change on ``<prefix>:drained:changed``;
+every balancer, and every worker of ``kvlb serve --workers N``, reads the hash at each message and
+every ``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its
+replicas to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
 
 An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
 so a Redis restart without persistence leaves drained replicas drained, with their notes. A key of
@@ -33,6 +34,7 @@ from balancer.health.book import DrainNote, HealthBook
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel, read_hash
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
+from balancer.service.audit import DEFAULT_ACTOR
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -93,11 +95,26 @@ def not_stored(what: str, exc: BaseException) -> str:
 
 
 def _note(entry: str) -> DrainNote | None:
-    """The note of a hash entry (``None`` for one seeded without a note, or damaged)."""
+    """The note of a hash entry (``None`` for one seeded without a note, or damaged). An entry of a
+    release before ``732957c`` (``{"by": <caller>, "at": <Unix s>}``, which a balancer of that release
+    still writes in a mixed fleet during a rolling upgrade or a rollback) reads as the note this
+    release writes for the same call: the caller it names, no actor given (``admin``), no reason.
+    Until 2026-12-01 (h-upgrade) such a drain showed no note at all on the new balancers."""
     try:
-        return DrainNote.from_json(strict_json.loads(entry))
+        raw = strict_json.loads(entry)
     except (ValueError, RecursionError):
         return None
+    return DrainNote.from_json(raw) or _previous_note(raw)
+
+
+def _previous_note(raw: object) -> DrainNote | None:
+    """The note of a previous release's entry ``{"by": <caller>, "at": <Unix s>}``, else ``None``."""
+    if not isinstance(raw, dict) or set(raw) != {"by", "at"}:
+        return None
+    caller, at = raw["by"], raw["at"]
+    if not isinstance(caller, str) or isinstance(at, bool) or not isinstance(at, int | float):
+        return None
+    return DrainNote(DEFAULT_ACTOR, caller, float(at), None)
 
 
 class DrainSync:

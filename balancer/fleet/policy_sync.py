@@ -2,7 +2,8 @@
 
 Redis holds the policy in force in one HASH (``<prefix>:policy``: ``name``, ``weights`` as JSON,
 ``version``, ``updated_by``, ``updated_at``, and the change's ``actor`` and ``reason``, so every
-balancer that adopts it adds it to its own audit log with them). A change made through any
+balancer that adopts it adds it to its own audit log with them, and ``noted``, which tells them
+from the ones a previous release left in place: :func:`_attribution`). A change made through any
 balancer's admin API (HTTP or gRPC) is written there by one script that increments ``version``
 and publishes it on ``<prefix>:policy:changed``. Every balancer adopts it when the message
 arrives, and also checks the version every ``poll_s`` in case a message was missed (pub/sub is
@@ -42,6 +43,7 @@ _WRITE = """
 -- version '' = a change: increment; else seed with that version, only if the hash is absent.
 -- A key of another type, or a version that is not an integer (garbage written over it), is
 -- repaired: the key is rewritten whole, numbered from `floor`, so versions never go back.
+-- `noted` = [version, actor, reason] as this script wrote them (see `_attribution`).
 -- -> {version, 1 if repaired} ({-1, 0}: a seed found a policy)
 local repaired = 0
 local t = redis.call('TYPE', KEYS[1])['ok']
@@ -63,10 +65,28 @@ if ARGV[6] ~= '' then
 end
 local v = ARGV[6] ~= '' and tonumber(ARGV[6]) or redis.call('HINCRBY', KEYS[1], 'version', 1)
 redis.call('HSET', KEYS[1], 'name', ARGV[1], 'weights', ARGV[2], 'updated_by', ARGV[3], 'updated_at', ARGV[4],
-  'actor', ARGV[8], 'reason', ARGV[9])
+  'actor', ARGV[8], 'reason', ARGV[9], 'noted', cjson.encode({v, ARGV[8], ARGV[9]}))
 redis.pcall('PUBLISH', ARGV[5], v) -- refused (an ACL user without the channel): the polls follow it
 return {v, repaired}
 """
+
+
+def _attribution(raw: dict[str, str]) -> dict[str, str | None]:
+    """The ``actor`` and ``reason`` of the stored version. A release before ``a3b028d`` (before the
+    actor and reason travelled in Redis) writes a change without them, which left the previous
+    change's in place: in a mixed fleet its change was audited by this release's balancers under
+    the previous change's actor and reason (h-upgrade). This release also writes ``noted``
+    (``[version, actor, reason]``): fields still equal to a ``noted`` of an older version were left
+    by such a writer, and count as not given. (A writer from ``a3b028d`` to before ``noted`` rewrites
+    them: when it repeats the previous actor and reason exactly, they are dropped too.)"""
+    actor, reason = raw.get("actor") or None, raw.get("reason") or None
+    try:
+        version, noted_actor, noted_reason = strict_json.loads(raw["noted"])
+    except (KeyError, TypeError, ValueError, RecursionError):
+        return {"actor": actor, "reason": reason}  # never written by this release: as stored
+    unchanged = (noted_actor or None, noted_reason or None) == (actor, reason)
+    left = str(version) != raw.get("version") and unchanged
+    return {"actor": None, "reason": None} if left else {"actor": actor, "reason": reason}
 
 
 class PolicySync:
@@ -173,8 +193,7 @@ class PolicySync:
                 version=int(raw["version"]),
                 updated_by=raw.get("updated_by", "?"),
                 updated_at_wall=float(raw.get("updated_at", "0")),
-                actor=raw.get("actor") or None,
-                reason=raw.get("reason") or None,
+                **_attribution(raw),
             )
             before, first = self.control.view, not self._synced
             self._synced = True
