@@ -48,11 +48,17 @@ comparisons and an addition.
 until the tokenizer returns, the estimate of its parsed form's bytes and of the tokenizer's working
 memory (:meth:`Admission.try_hold_tokenizing`, :meth:`Admission.hold_tokenizing`;
 :attr:`Admission.tokenizing_bytes` is their part of :attr:`Admission.body_bytes`). These holds have
-a queue of their own, served before the front queue and the newcomers, first come first served; its
-head goes in when its bytes fit **or no tokenizing bytes are held at all**. So a hold larger than the
-budget left (a parse may weigh many times its body, the tokenizer's work hundreds of bytes a
+a queue of their own, served before the front queue and the ring's waiters, first come first served;
+its head goes in when its bytes fit **or no tokenizing bytes are held at all**. So a hold larger than
+the budget left (a parse may weigh many times its body, the tokenizer's work hundreds of bytes a
 character) still goes, alone, and never waits for a request that waits too: the requests holding
-such bytes are being tokenized, which waits for nothing here. The caller drops its parsed form while
+such bytes are being tokenized, which waits for nothing here. A newcomer whose slot and bytes fit
+does not wait for them (:meth:`try_enter`, as the ring's waiters are admitted past them by
+:meth:`_admit_waiters`): what a tokenizing hold waits for is the end of the tokenizations before it
+(it goes alone once none is held), which no newcomer's bytes delay, and one tenant's huge prompts
+queued for the tokenizer would otherwise hold back every other tenant's small requests until one of
+them is tokenized (hundreds of ms each, up to ``queue_timeout_s``; docs/reliability.md, "Tenant
+isolation"). The caller drops its parsed form while
 it waits and parses the body again once let in, so what waits is the body alone.
 
 With ``kvlb serve --workers N`` the slot caps are the whole service's: :attr:`Admission.peers` gives
@@ -302,7 +308,9 @@ class Admission:
 
     def try_enter(self, body_bytes: int = 0, tenant: Tenant | None = None) -> bool:
         """Take a slot and ``body_bytes`` if both are free, ``tenant`` (default: the default tenant)
-        is below its slot cap and nobody's turn comes first (``False``: :meth:`enter` waits).
+        is below its slot cap and nobody's turn comes first: no tenant's waiter in the ring, no
+        request in flight waiting for bytes (the front queue); a tokenizing hold waiting does not
+        hold it back ("Tokenizing requests" above) (``False``: :meth:`enter` waits).
         ``body_bytes``: at most ``max_inflight_body_bytes``."""
         if tenant is None:
             tenant = self.default_tenant
@@ -313,7 +321,6 @@ class Admission:
             and tenant.inflight < self._tenant_cap
             and not self._ring
             and not self._front
-            and not self._tokenizing
             and (inflight if self.peers is None else inflight + self.peers()) < limits.max_inflight
             and (
                 self.tenant_peers is None

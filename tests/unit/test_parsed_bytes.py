@@ -188,7 +188,7 @@ async def test_a_second_parse_waits_for_the_first_to_be_tokenized_then_goes() ->
     second = asyncio.create_task(g.hold_tokenizing(700, g.deadline()))
     await settle()
     assert not second.done() and g.queued == 1 and g.tokenizing_bytes == 700
-    assert not g.try_enter(0)  # a newcomer does not pass a tokenizing request waiting
+    assert not g.try_enter(0)  # the budget is passed: newcomers wait
     g.give_back(700, 700)  # the first is tokenized
     await second
     assert (g.body_bytes, g.tokenizing_bytes, g.queued) == (1_100, 700, 0)
@@ -196,6 +196,23 @@ async def test_a_second_parse_waits_for_the_first_to_be_tokenized_then_goes() ->
     g.leave(200)
     g.leave(200)
     assert (g.body_bytes, g.tokenizing_bytes, g.inflight) == (0, 0, 0)
+
+
+async def test_a_newcomer_that_fits_does_not_wait_for_a_tokenizing_hold_waiting() -> None:
+    """A tokenizing hold waits for the tokenizations before it to end, not for room newcomers take:
+    a small request of another tenant goes in at once (before 2026-12-01 it waited until the first
+    hold was given back), and the hold still goes, alone, when the first is given back."""
+    g = gate()
+    assert g.try_enter(100) and g.try_hold_tokenizing(700)  # 800 held
+    second = asyncio.create_task(g.hold_tokenizing(700, g.deadline()))
+    await settle()
+    assert not second.done() and g.queued == 1
+    other = g.tenant("other")
+    assert g.try_enter(50, other)  # 850: it fits, and waits for nobody
+    assert not g.try_enter(200, other)  # 1,050 would not fit
+    g.give_back(700, 700)  # the first is tokenized: the second goes (alone, past the budget if need be)
+    await second
+    assert (g.body_bytes, g.tokenizing_bytes, g.inflight) == (850, 700, 2)
 
 
 async def test_parsed_waiters_go_in_order_before_the_front_queue_and_the_newcomers() -> None:
