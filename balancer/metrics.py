@@ -9,6 +9,7 @@ section, and registers the scrape-time collectors of :mod:`balancer.counter_coll
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, Final, TypeVar, get_args
@@ -584,7 +585,13 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
     """``kvlb_redis_*``: the fleet mode (:mod:`balancer.fleet`); they only move when ``redis.url`` is set."""
     counter, gauge, histogram = _constructors(reg)
     return _RedisCollectors(
-        redis_up=gauge("kvlb_redis_up", "1 while this balancer's last Redis calls succeeded, else 0."),
+        # Not registered here: only a balancer with redis.url exports it (Metrics.set_redis_up), so a
+        # balancer without Redis has no series rather than a 0 that reads as an outage.
+        redis_up=Gauge(
+            "kvlb_redis_up",
+            "1 while this balancer's last Redis calls succeeded, else 0 (only with redis.url set).",
+            registry=None,
+        ),
         redis_errors_total=counter(
             "kvlb_redis_errors_total",
             "Failed Redis calls, by component (writer, mirror, lease, policy, drain, snapshot).",
@@ -784,6 +791,13 @@ class Metrics(
             for key in keys:
                 collector.remove(*key)
             self.children.forget_value(collector, position, replica)
+
+    def set_redis_up(self, up: bool) -> None:
+        """Set ``kvlb_redis_up``, exporting it from the first call on (the fleet mode's refresh): a
+        balancer without Redis never calls this and has no such series."""
+        with contextlib.suppress(ValueError):  # "Duplicated timeseries": registered by an earlier call
+            self.registry.register(self.redis_up)
+        self.redis_up.set(1 if up else 0)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:

@@ -143,3 +143,14 @@ def test_a_forgotten_child_is_made_again_after_its_removal() -> None:
     assert 'replica="r1"' not in exported(metrics).split("kvlb_route_prediction_accuracy_ratio", 1)[1]
     metrics.children.of(gauge, "r1").set(0.25)
     assert 'kvlb_route_prediction_accuracy_ratio{replica="r1"} 0.25' in exported(metrics)
+
+
+def test_redis_up_exists_only_once_the_fleet_sets_it() -> None:
+    """A balancer without Redis has no ``kvlb_redis_up`` (until 2026-12-01 it read 0, an outage)."""
+    metrics = Metrics.create()
+    assert "kvlb_redis_up" not in exported(metrics)
+    metrics.set_redis_up(False)
+    assert "kvlb_redis_up 0.0" in exported(metrics)
+    metrics.set_redis_up(True)
+    metrics.set_redis_up(True)
+    assert "kvlb_redis_up 1.0" in exported(metrics)
