@@ -364,8 +364,9 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         ),
         events_decode_errors_total=counter(
             "kvlb_events_decode_errors_total",
-            "Engine messages or events that could not be decoded, by engine and reason.",
-            ["engine", "reason"],
+            "Engine messages or events that could not be decoded, by replica (the one that sent them; "
+            "removed with it), engine and reason.",
+            ["replica", "engine", "reason"],
         ),
         events_seq_gaps_total=counter(
             "kvlb_events_seq_gaps_total",
@@ -746,7 +747,7 @@ class Metrics(
         if events:
             self.events_applied_batches_total.labels(replica)
         for reason in DECODE_ERROR_REASONS:
-            self.events_decode_errors_total.labels(engine, reason)
+            self.events_decode_errors_total.labels(replica, engine, reason)
         for kind, status in APPLIED_OUTCOMES:
             self.events_applied_total.labels(engine, kind, status)
         for counter in (

@@ -330,7 +330,7 @@ class TrtllmPoller:
 
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
-        count_decode_error(self._metrics, self._engine, exc)
+        count_decode_error(self._metrics, self._engine, self.replica, exc)
         report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
 
     def _deliver(self, batch: DecodedBatch, emit: Emit) -> None:

@@ -128,7 +128,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
             (ingested("kvlb_events_queue_overflow_total", "replica"), "{{replica}} overflow"),
         ], "As one ingester counts them. Alert KvlbEventResyncStorm over 3 in 10 minutes."),
         ("Decode errors and skipped events", "short", [
-            (rate("kvlb_events_decode_errors_total", "engine, reason"), "{{engine}} decode {{reason}}"),
+            (ingested("kvlb_events_decode_errors_total", "replica, reason"), "{{replica}} decode {{reason}}"),
             (rate("kvlb_index_skipped_total", "reason"), "skipped {{reason}}"),
         ], "skipped block_size: a replica's block size differs from its events'."),
     ]),
@@ -139,7 +139,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ], "Alert KvlbIndexBackendErrors. A Redis outage shows as writer and lease errors: the writer "
            "retries and a balancer without its lease applies nothing, so few applies fail."),
         ("Redis up per balancer", "short", [(f"min by (instance) (kvlb_redis_up{{{SEL}}})", "{{instance}}")],
-         "1 while the balancer's last Redis calls succeeded."),
+         "1 while the balancer's last Redis calls succeeded, 0 while they fail; no series on a "
+         "balancer without Redis."),
         ("Redis errors/s", "short", [(rate("kvlb_redis_errors_total", "component"), "{{component}}")], ""),
         ("Redis apply time", "s", quantiles("kvlb_redis_apply_seconds"), "One batch, retries included."),
         ("Ingestion leases", "short", [
