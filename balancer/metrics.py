@@ -33,6 +33,8 @@ REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 """Every ``outcome`` of ``kvlb_events_replays_total``."""
 REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
+DRAIN_OUTCOMES: Final = ("events", "empty", "failed", "disabled")
+"""Every ``outcome`` of ``kvlb_events_drains_total`` (the TRT-LLM drain)."""
 SHED_CAUSES: Final = ("budget", "behind", "backlog")
 """Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.read_ahead.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
@@ -342,6 +344,7 @@ class _EventsCollectors:
     events_seq_gaps_total: Counter
     events_replays_total: Counter
     events_replay_polls_total: Counter
+    events_drains_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -383,6 +386,13 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_replay_polls_total",
             "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
             "held batches the live stream lost; nothing; failed).",
+            ["replica", "outcome"],
+        ),
+        events_drains_total=counter(
+            "kvlb_events_drains_total",
+            "TRT-LLM drains (POST /kv_cache_events) of a replica, by outcome: events (it held some), "
+            "empty (the engine answered with nothing new: alive, its traffic stored no new block), "
+            "failed, disabled (404).",
             ["replica", "outcome"],
         ),
         events_resyncs_total=counter(
@@ -475,6 +485,7 @@ def _index_collectors(reg: CollectorRegistry) -> _IndexCollectors:
 class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
+    replica_breaker_open: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
@@ -515,6 +526,13 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
         replica_healthy=gauge(
             "kvlb_replica_healthy",
             "1 when the replica is healthy and routable, else 0.",
+            ["replica"],
+        ),
+        replica_breaker_open=gauge(
+            "kvlb_replica_breaker_open",
+            "1 while the replica's circuit breaker is not closed: open (refusing requests after "
+            "breaker failures in a row, or failing probes) or half-open (waiting for a trial request to "
+            "succeed); 0 once closed.",
             ["replica"],
         ),
         pool_routable_replicas=gauge(
@@ -770,6 +788,9 @@ class Metrics(
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
                 self.events_replay_polls_total.labels(replica, outcome)
+        elif events:  # the TRT-LLM drain
+            for outcome in DRAIN_OUTCOMES:
+                self.events_drains_total.labels(replica, outcome)
 
     def forget_replica(self, replica: str) -> None:
         """Remove every series labelled ``replica="<replica>"`` (it left its pool): replica ids come

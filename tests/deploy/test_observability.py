@@ -184,6 +184,9 @@ def test_the_python_evaluator_fails_a_wrong_rule() -> None:
     for name, right, wrong in (
         ("KvlbIndexLagging", "> 5", "> 500"),
         ("KvlbNoHealthyReplica", "== 0", ">= 0"),
+        ("KvlbReplicaSlow", "4 * min", "40 * min"),
+        ("KvlbTtftSloMissed", ">= 50", ">= 0"),
+        ("KvlbLeasesLost", ">= 3", ">= 30"),
     ):
         rules = [
             {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule
