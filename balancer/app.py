@@ -29,7 +29,7 @@ import zmq.asyncio
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from balancer.api.gathered import grpc_whatif
+from balancer.api.gathered import grpc_replicas, grpc_whatif
 from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.api.inflight import InflightRequests
@@ -371,6 +371,7 @@ class Balancer:
             if fan_out:
                 state.admin_fan_out = grpc_fan_out(self._siblings, self.settings.auth.admin_token)
             state.whatif_gather = grpc_whatif(self._siblings, self.settings.auth.admin_token)
+            state.replicas_gather = grpc_replicas(self._siblings, self.settings.auth.admin_token)
         listen = self.settings.listen
         ssl_context = server_ssl_context(listen)
         self._runner = web.AppRunner(

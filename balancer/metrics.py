@@ -9,6 +9,7 @@ section, and registers the scrape-time collectors of :mod:`balancer.counter_coll
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, Final, TypeVar, get_args
@@ -32,6 +33,8 @@ REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 """Every ``outcome`` of ``kvlb_events_replays_total``."""
 REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
+DRAIN_OUTCOMES: Final = ("events", "empty", "failed", "disabled")
+"""Every ``outcome`` of ``kvlb_events_drains_total`` (the TRT-LLM drain)."""
 SHED_CAUSES: Final = ("budget", "behind", "backlog")
 """Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.read_ahead.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
@@ -341,6 +344,7 @@ class _EventsCollectors:
     events_seq_gaps_total: Counter
     events_replays_total: Counter
     events_replay_polls_total: Counter
+    events_drains_total: Counter
     events_resyncs_total: Counter
     events_queue_overflow_total: Counter
     events_oversize_total: Counter
@@ -363,8 +367,9 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         ),
         events_decode_errors_total=counter(
             "kvlb_events_decode_errors_total",
-            "Engine messages or events that could not be decoded, by engine and reason.",
-            ["engine", "reason"],
+            "Engine messages or events that could not be decoded, by replica (the one that sent them; "
+            "removed with it), engine and reason.",
+            ["replica", "engine", "reason"],
         ),
         events_seq_gaps_total=counter(
             "kvlb_events_seq_gaps_total",
@@ -381,6 +386,13 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_replay_polls_total",
             "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
             "held batches the live stream lost; nothing; failed).",
+            ["replica", "outcome"],
+        ),
+        events_drains_total=counter(
+            "kvlb_events_drains_total",
+            "TRT-LLM drains (POST /kv_cache_events) of a replica, by outcome: events (it held some), "
+            "empty (the engine answered with nothing new: alive, its traffic stored no new block), "
+            "failed, disabled (404).",
             ["replica", "outcome"],
         ),
         events_resyncs_total=counter(
@@ -473,6 +485,7 @@ def _index_collectors(reg: CollectorRegistry) -> _IndexCollectors:
 class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
+    replica_breaker_open: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
@@ -513,6 +526,13 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
         replica_healthy=gauge(
             "kvlb_replica_healthy",
             "1 when the replica is healthy and routable, else 0.",
+            ["replica"],
+        ),
+        replica_breaker_open=gauge(
+            "kvlb_replica_breaker_open",
+            "1 while the replica's circuit breaker is not closed: open (refusing requests after "
+            "breaker failures in a row, or failing probes) or half-open (waiting for a trial request to "
+            "succeed); 0 once closed.",
             ["replica"],
         ),
         pool_routable_replicas=gauge(
@@ -584,7 +604,13 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
     """``kvlb_redis_*``: the fleet mode (:mod:`balancer.fleet`); they only move when ``redis.url`` is set."""
     counter, gauge, histogram = _constructors(reg)
     return _RedisCollectors(
-        redis_up=gauge("kvlb_redis_up", "1 while this balancer's last Redis calls succeeded, else 0."),
+        # Not registered here: only a balancer with redis.url exports it (Metrics.set_redis_up), so a
+        # balancer without Redis has no series rather than a 0 that reads as an outage.
+        redis_up=Gauge(
+            "kvlb_redis_up",
+            "1 while this balancer's last Redis calls succeeded, else 0 (only with redis.url set).",
+            registry=None,
+        ),
         redis_errors_total=counter(
             "kvlb_redis_errors_total",
             "Failed Redis calls, by component (writer, mirror, lease, policy, drain, snapshot).",
@@ -739,7 +765,7 @@ class Metrics(
         if events:
             self.events_applied_batches_total.labels(replica)
         for reason in DECODE_ERROR_REASONS:
-            self.events_decode_errors_total.labels(engine, reason)
+            self.events_decode_errors_total.labels(replica, engine, reason)
         for kind, status in APPLIED_OUTCOMES:
             self.events_applied_total.labels(engine, kind, status)
         for counter in (
@@ -762,6 +788,9 @@ class Metrics(
                 self.events_replays_total.labels(replica, outcome)
             for outcome in REPLAY_POLL_OUTCOMES:
                 self.events_replay_polls_total.labels(replica, outcome)
+        elif events:  # the TRT-LLM drain
+            for outcome in DRAIN_OUTCOMES:
+                self.events_drains_total.labels(replica, outcome)
 
     def forget_replica(self, replica: str) -> None:
         """Remove every series labelled ``replica="<replica>"`` (it left its pool): replica ids come
@@ -784,6 +813,13 @@ class Metrics(
             for key in keys:
                 collector.remove(*key)
             self.children.forget_value(collector, position, replica)
+
+    def set_redis_up(self, up: bool) -> None:
+        """Set ``kvlb_redis_up``, exporting it from the first call on (the fleet mode's refresh): a
+        balancer without Redis never calls this and has no such series."""
+        with contextlib.suppress(ValueError):  # "Duplicated timeseries": registered by an earlier call
+            self.registry.register(self.redis_up)
+        self.redis_up.set(1 if up else 0)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> Metrics:

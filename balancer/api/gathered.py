@@ -15,7 +15,7 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
 * ``GET /admin/replicas``: this worker's view of each replica (health, drains, the shared load and
   in-flight count, its index and event status, as every worker's are alike) with the ``prediction``
   of every worker's receipts (:func:`merge_predictions`): each worker keeps the receipts of the
-  requests it routed.
+  requests it routed. gRPC ``Admin.ListReplicas`` answers the same (:func:`grpc_replicas`).
 * ``GET /admin/audit``: one entry per policy version (:func:`_merge_audit`): a worker restarted
   after a change adopted the policy from a sibling but not its audit log.
 * ``POST /admin/whatif``: every worker replays its own decisions with the same body; the answers
@@ -122,6 +122,26 @@ def grpc_whatif(
         return await whatif_everywhere(siblings, raw, headers, local)
 
     return gather_whatif
+
+
+def grpc_replicas(
+    siblings: Siblings, admin_token: str | None
+) -> Callable[[list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]]:
+    """What :attr:`ServiceState.replicas_gather` calls for ``Admin.ListReplicas`` (gRPC has no HTTP
+    middleware): this worker's views with every worker's receipts, as ``GET /admin/replicas``."""
+
+    async def gather_replicas(local: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        headers = {"Content-Type": "application/json"}
+        if admin_token is not None:
+            headers["Authorization"] = f"Bearer {admin_token}"
+        answers, _ = await _ask(siblings, "GET", "/admin/replicas", b"", headers, None)
+        answers[siblings.index] = {"replicas": local}
+        merged: list[dict[str, Any]] = _merge_replicas(
+            answers[siblings.index], [answers[i] for i in sorted(answers)]
+        )["replicas"]
+        return merged
+
+    return gather_replicas
 
 
 def _forwarded(request: web.Request) -> dict[str, str]:

@@ -90,6 +90,8 @@ def refresh_gauges(state: ServiceState) -> None:
             if load.kv_usage is not None:
                 gauge.labels(replica, "kv_usage").set(load.kv_usage)
             metrics.replica_healthy.labels(replica).set(1 if replica in routable else 0)
+            breaker = state.health.breaker_state(replica, now)
+            metrics.replica_breaker_open.labels(replica).set(0 if breaker in (None, "closed") else 1)
     metrics.index_blocks.labels("unique").set(unique)
     metrics.index_blocks.labels("held").set(held)
     metrics.index_blocks.labels("speculative").set(speculative)

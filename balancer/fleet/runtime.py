@@ -412,7 +412,7 @@ class FleetRuntime:
 
     def refresh_metrics(self) -> None:
         metrics = self.state.metrics
-        metrics.redis_up.set(0 if self.redis_down() else 1)
+        metrics.set_redis_up(not self.redis_down())
         repairs = sum(e.index.repaired_keys for e in self._spaces)
         if self.leases is not None:
             repairs += sum(r.lease.repaired_keys for r in self.leases.replicas.values())

@@ -145,6 +145,11 @@ class HealthBook:
             return "breaker trial in flight"
         return None
 
+    def breaker_state(self, replica: ReplicaId, now: float) -> BreakerState | None:
+        """The breaker of ``replica`` now (``None``: unknown replica)."""
+        rec = self.replicas.get(replica)
+        return None if rec is None else rec.state(now, self.config)
+
     def on_routed(self, replica: ReplicaId, now: float) -> None:
         """A request was sent; in half-open state it is the one trial."""
         rec = self.replicas.get(replica)

@@ -202,16 +202,17 @@ class Backoff:
         self._next_s = self.initial_s
 
 
-def count_decode_error(metrics: Metrics, engine: str, exc: Exception) -> None:
-    """Count a message that could not be decoded at all (``EventDecodeError`` or a decoder bug)."""
+def count_decode_error(metrics: Metrics, engine: str, replica: ReplicaId, exc: Exception) -> None:
+    """Count a message of ``replica`` that could not be decoded at all (``EventDecodeError`` or a
+    decoder bug)."""
     reason = exc.reason if isinstance(exc, EventDecodeError) else INTERNAL_ERROR
-    metrics.events_decode_errors_total.labels(engine, reason).inc()
+    metrics.events_decode_errors_total.labels(replica, engine, reason).inc()
 
 
 def count_decoded(metrics: Metrics, engine: str, replica: ReplicaId, batch: DecodedBatch) -> None:
     """Count what a good message still lost: malformed events and events ignored on purpose."""
     if batch.errors:
-        metrics.events_decode_errors_total.labels(engine, PER_EVENT_ERROR).inc(len(batch.errors))
+        metrics.events_decode_errors_total.labels(replica, engine, PER_EVENT_ERROR).inc(len(batch.errors))
         log.debug("replica %s: %d malformed events, first: %s", replica, len(batch.errors), batch.errors[0])
     if batch.ignored:
         metrics.events_applied_total.labels(engine, "other", "ignored").inc(batch.ignored)

@@ -218,6 +218,7 @@ class TrtllmPoller:
         try:
             body = await self._drain()
         except (aiohttp.ClientError, TimeoutError, PollError) as exc:
+            self._metrics.events_drains_total.labels(self.replica, "failed").inc()
             refused = _refused(exc)
             self._unsure = not refused  # a refused connection never reached the engine
             if refused and self._ranks:
@@ -229,6 +230,7 @@ class TrtllmPoller:
         self._failing = False
         self._backoff.reset()
         if body is None:
+            self._metrics.events_drains_total.labels(self.replica, "disabled").inc()
             self._counters.note_error(
                 f"{self.url} answers 404: KV events are off on the engine "
                 "(set kv_cache_config.event_buffer_max_size > 0), or it is not a TRT-LLM server "
@@ -249,6 +251,7 @@ class TrtllmPoller:
         self._disabled = False
         batch = self._decode(body)
         busy = batch is None or bool(batch.events or batch.ignored or batch.errors)
+        self._metrics.events_drains_total.labels(self.replica, "events" if busy else "empty").inc()
         if batch is not None:
             self._deliver(batch, emit)
         if busy and self.tap is not None:
@@ -330,7 +333,7 @@ class TrtllmPoller:
 
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
-        count_decode_error(self._metrics, self._engine, exc)
+        count_decode_error(self._metrics, self._engine, self.replica, exc)
         report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
 
     def _deliver(self, batch: DecodedBatch, emit: Emit) -> None:

@@ -319,7 +319,9 @@ class RelaySource:
     async def _on_live(self, frames: list[bytes], emit: Emit) -> None:
         if len(frames) != 3 or len(frames[0]) != SEQ_BYTES or len(frames[1]) != SEQ_BYTES:
             self._counters.decode_errors += 1
-            count_decode_error(self._metrics, self._engine, EventDecodeError("frame", "not a relay message"))
+            count_decode_error(
+                self._metrics, self._engine, self.replica, EventDecodeError("frame", "not a relay message")
+            )
             return
         incarnation, seq = frames[0], int.from_bytes(frames[1], "big")
         if incarnation != self._incarnation or seq > self._next_seq:
@@ -399,7 +401,7 @@ class RelaySource:
             batch = self._decoder.decode([body])
         except EventDecodeError as exc:
             self._counters.decode_errors += 1
-            count_decode_error(self._metrics, self._engine, exc)
+            count_decode_error(self._metrics, self._engine, self.replica, exc)
             report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
             return
         count_decoded(self._metrics, self._engine, self.replica, batch)

@@ -578,7 +578,7 @@ class ZmqEventSource:
 
     def _decode_failed(self, exc: Exception) -> None:
         self._counters.decode_errors += 1
-        count_decode_error(self._metrics, self._engine, exc)
+        count_decode_error(self._metrics, self._engine, self.replica, exc)
         report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
 
     async def _on_message(self, frames: Sequence[bytes], shed: bool, emit: Emit) -> None:

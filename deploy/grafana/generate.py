@@ -106,9 +106,13 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
          "Scraped from the engines."),
         ("Healthy replicas", "short",
          [(f"min by (replica) (kvlb_replica_healthy{{{REP}}})", "{{replica}}"),
-          (f"max by (pool) (kvlb_pool_routable_replicas{{{SEL}}})", "routable in pool {{pool}}")],
-         "Alert KvlbNoHealthyReplica when a pool's routable count is 0."),
-        ("TTFT p90 per replica", "s", [(TTFT_P90, "{{replica}}")], ""),
+          (f"max by (pool) (kvlb_pool_routable_replicas{{{SEL}}})", "routable in pool {{pool}}"),
+          (f"max by (replica) (kvlb_replica_breaker_open{{{REP}}})", "{{replica}} breaker open")],
+         "Alert KvlbNoHealthyReplica when a pool's routable count is 0, KvlbReplicaBreakerOpen when a "
+         "replica's breaker stays open 15 minutes."),
+        ("TTFT p90 per replica", "s", [(TTFT_P90, "{{replica}}")],
+         "Alert KvlbReplicaSlow at a mean over 4 times the fastest replica's, KvlbTtftSloMissed when "
+         "over 10% of first tokens take over 2.5 s."),
         ("Scrape errors/s", "short", [(rate("kvlb_scrape_errors_total", "replica", REP), "{{replica}}")], ""),
     ]),
     ("Index and events", [
@@ -122,13 +126,14 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("Sequence gaps and replays", "short", [
             (ingested("kvlb_events_seq_gaps_total", "replica"), "{{replica}} gaps"),
             (ingested("kvlb_events_replays_total", "replica, outcome"), "{{replica}} replay {{outcome}}"),
+            (ingested("kvlb_events_drains_total", "replica, outcome"), "{{replica}} drain {{outcome}}"),
         ], "As one ingester counts them (the highest of the workers and balancers that read them)."),
         ("Resyncs and queue overflows", "short", [
             (ingested("kvlb_events_resyncs_total", "replica, reason"), "{{replica}} resync {{reason}}"),
             (ingested("kvlb_events_queue_overflow_total", "replica"), "{{replica}} overflow"),
         ], "As one ingester counts them. Alert KvlbEventResyncStorm over 3 in 10 minutes."),
         ("Decode errors and skipped events", "short", [
-            (rate("kvlb_events_decode_errors_total", "engine, reason"), "{{engine}} decode {{reason}}"),
+            (ingested("kvlb_events_decode_errors_total", "replica, reason"), "{{replica}} decode {{reason}}"),
             (rate("kvlb_index_skipped_total", "reason"), "skipped {{reason}}"),
         ], "skipped block_size: a replica's block size differs from its events'."),
     ]),
@@ -139,7 +144,8 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ], "Alert KvlbIndexBackendErrors. A Redis outage shows as writer and lease errors: the writer "
            "retries and a balancer without its lease applies nothing, so few applies fail."),
         ("Redis up per balancer", "short", [(f"min by (instance) (kvlb_redis_up{{{SEL}}})", "{{instance}}")],
-         "1 while the balancer's last Redis calls succeeded."),
+         "1 while the balancer's last Redis calls succeeded, 0 while they fail; no series on a "
+         "balancer without Redis."),
         ("Redis errors/s", "short", [(rate("kvlb_redis_errors_total", "component"), "{{component}}")], ""),
         ("Redis apply time", "s", quantiles("kvlb_redis_apply_seconds"), "One batch, retries included."),
         ("Ingestion leases", "short", [

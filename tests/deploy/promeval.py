@@ -5,7 +5,8 @@ installed, and against samples scraped from a real ``kvlb serve``.
 It covers the grammar ``deploy/prometheus/kvlb-alerts.yaml`` uses: selectors with matchers, ranges
 and ``offset``; ``rate``, ``increase`` and ``changes``; ``sum``, ``max``, ``min``, ``count`` and
 ``avg`` by or without labels; ``+ - * /``, comparisons (with ``bool``) and ``and``/``or``/``unless``,
-one-to-one with ``on`` or ``ignoring``. Anything else raises ``ValueError``. ``rate`` is the counter's
+one-to-one with ``on`` or ``ignoring``, or many-to-one with ``group_left`` (no extra labels).
+Anything else raises ``ValueError``. ``rate`` is the counter's
 increase between the range's first and last samples (resets counted as Prometheus does) over their
 distance in time; Prometheus extrapolates to the range's edges, so figures right at a threshold may
 differ. A series missing from a scrape is stale from then on, as Prometheus marks it.
@@ -90,6 +91,8 @@ class _Binary:
     right: Any
     matching: tuple[str, tuple[str, ...]] | None
     bool_: bool
+    group_left: bool = False
+    """Many-to-one: several left elements may match one right element; each keeps its own labels."""
 
 
 class _Parser:
@@ -135,9 +138,12 @@ class _Parser:
             matching = None
             if self.peek() in ("on", "ignoring"):
                 matching = (self.take(), self.labels())
-            if self.peek() in ("group_left", "group_right"):
-                raise ValueError("group_left/group_right are not supported")
-            left = _Binary(op, left, self.expr(level + 1), matching, bool_)
+            group_left = matching is not None and self.peek() == "group_left" and bool(self.take())
+            if self.peek() in ("group_left", "group_right", "(") and group_left:
+                raise ValueError("group_right, and group_left with labels, are not supported")
+            if self.peek() == "group_right":
+                raise ValueError("group_right is not supported")
+            left = _Binary(op, left, self.expr(level + 1), matching, bool_, group_left)
         return left
 
     def primary(self) -> Any:
@@ -326,10 +332,15 @@ class Evaluator:
                 if _key(labels, node.matching) in by_key:
                     raise ValueError("many-to-many matching")
                 by_key[_key(labels, node.matching)] = (labels, value)
+            matched: set[Labels] = set()
             for labels, value in left.items():
                 match = by_key.get(_key(labels, node.matching))
                 if match is not None:
-                    result = _key(labels, node.matching) if node.matching else labels
+                    if not node.group_left and _key(labels, node.matching) in matched:
+                        raise ValueError("many-to-one matching needs group_left")
+                    matched.add(_key(labels, node.matching))
+                    many = node.group_left or not node.matching
+                    result = labels if many else _key(labels, node.matching)
                     pairs.append((result, value, match[1], value))
         elif isinstance(left, dict):
             pairs = [(labels, value, float(right), value) for labels, value in left.items()]  # type: ignore[arg-type]

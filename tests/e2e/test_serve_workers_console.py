@@ -195,6 +195,13 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
             views = await fresh("GET", url + "/admin/replicas")
             assert views["workers"] == [0, 1], views
             assert sum(v["prediction"]["receipts"] for v in views["replicas"]) == len(sent), views
+        for _ in range(READS // 2):  # the same over gRPC: Admin.ListReplicas gathers them too
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                listed_replicas = await pb_grpc.AdminStub(channel).ListReplicas(
+                    pb.ListReplicasRequest(), timeout=FRESH_TIMEOUT_S
+                )
+                receipts = [r.details["prediction"]["receipts"] for r in listed_replicas.replicas]
+                assert sum(receipts) == len(sent), listed_replicas
 
         change = {"weights": {"decode_weight": 0.5}, "reason": "e2e: console"}
         async with aiohttp.ClientSession() as session, session.put(url + "/admin/policy", json=change) as r:

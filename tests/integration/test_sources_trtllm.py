@@ -226,7 +226,7 @@ async def test_bad_body_is_counted_and_polling_goes_on(
     engine.pending = [created(0), stored(1, None, block(61, 0))]
     async with polling(session, port) as rig:
         await eventually(lambda: len(rig.of(Stored)) == 1)
-        labels = {"engine": "trtllm", "reason": "json"}
+        labels = {"replica": REPLICA, "engine": "trtllm", "reason": "json"}
         assert rig.metrics.registry.get_sample_value("kvlb_events_decode_errors_total", labels) == 1
         assert rig.poller.status().decode_errors == 1
 

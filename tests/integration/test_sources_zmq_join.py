@@ -140,7 +140,9 @@ async def test_malformed_messages_are_counted_and_skipped(
         assert rig.index.pages() == [1, 2, 3, 4, 5]
         assert rig.index.resyncs() == []
         errors = {
-            reason: rig.metric("kvlb_events_decode_errors_total", {"engine": "sglang", "reason": reason})
+            reason: rig.metric(
+                "kvlb_events_decode_errors_total", {"replica": REPLICA, "engine": "sglang", "reason": reason}
+            )
             for reason in ("msgpack", "frame", "schema", "event")
         }
         assert errors == {"msgpack": 1, "frame": 2, "schema": 1, "event": 1}

@@ -53,7 +53,12 @@ async def test_an_oversize_message_is_refused_counted_resynced_and_the_next_one_
         assert rig.index.timeline() == [1, 2, 3, "disconnect", 1, 2, 3, 4, 5]
         assert rig.metric("kvlb_events_disconnects_total", {"replica": REPLICA}) == 1
         assert rig.metric("kvlb_events_resyncs_total", {"replica": REPLICA, "reason": "disconnect"}) == 1
-        assert rig.metric("kvlb_events_decode_errors_total", {"engine": "sglang", "reason": "frame"}) == 0
+        assert (
+            rig.metric(
+                "kvlb_events_decode_errors_total", {"replica": REPLICA, "engine": "sglang", "reason": "frame"}
+            )
+            == 0
+        )
         assert publisher.replay_requests == [0, 0]  # the catch-up of each connection
 
 

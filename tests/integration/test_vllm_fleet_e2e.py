@@ -52,7 +52,9 @@ async def test_prefix_hits_on_the_vllm_replica_that_holds_the_prefix(tokenizer: 
             PREFIX
         )
         # Counters have a sample from registration on: "0 errors" reads 0, not "no data".
-        assert 'kvlb_events_decode_errors_total{engine="vllm",reason="frame"} 0.0' in text
+        assert (
+            f'kvlb_events_decode_errors_total{{engine="vllm",reason="frame",replica="{holder}"}} 0.0' in text
+        )
         assert metric_value(text, "kvlb_events_decode_errors_total") == 0
 
         # A reset (vLLM's POST /reset_prefix_cache) publishes AllBlocksCleared: the index forgets.

@@ -42,8 +42,10 @@ def test_a_registered_replica_has_every_counter_at_zero() -> None:
     metrics.init_replica("t0", "trtllm", replays=False)
     text = exported(metrics)
     for reason in DECODE_ERROR_REASONS:
-        assert f'kvlb_events_decode_errors_total{{engine="vllm",reason="{reason}"}} 0.0' in text
-        assert f'kvlb_events_decode_errors_total{{engine="trtllm",reason="{reason}"}} 0.0' in text
+        assert f'kvlb_events_decode_errors_total{{engine="vllm",reason="{reason}",replica="r0"}} 0.0' in text
+        assert (
+            f'kvlb_events_decode_errors_total{{engine="trtllm",reason="{reason}",replica="t0"}} 0.0' in text
+        )
     for kind, status in APPLIED_OUTCOMES:
         assert f'kvlb_events_applied_total{{engine="vllm",status="{status}",type="{kind}"}} 0.0' in text
     for name in (
@@ -64,9 +66,11 @@ def test_a_registered_replica_has_every_counter_at_zero() -> None:
 
 def test_init_keeps_counts_already_made() -> None:
     metrics = Metrics.create()
-    metrics.events_decode_errors_total.labels("sglang", "frame").inc(3)
+    metrics.events_decode_errors_total.labels("r0", "sglang", "frame").inc(3)
     metrics.init_replica("r0", "sglang", replays=True)
-    assert 'kvlb_events_decode_errors_total{engine="sglang",reason="frame"} 3.0' in exported(metrics)
+    assert 'kvlb_events_decode_errors_total{engine="sglang",reason="frame",replica="r0"} 3.0' in exported(
+        metrics
+    )
 
 
 def test_the_known_decode_error_reasons_cover_every_reason_in_the_code() -> None:
@@ -143,3 +147,14 @@ def test_a_forgotten_child_is_made_again_after_its_removal() -> None:
     assert 'replica="r1"' not in exported(metrics).split("kvlb_route_prediction_accuracy_ratio", 1)[1]
     metrics.children.of(gauge, "r1").set(0.25)
     assert 'kvlb_route_prediction_accuracy_ratio{replica="r1"} 0.25' in exported(metrics)
+
+
+def test_redis_up_exists_only_once_the_fleet_sets_it() -> None:
+    """A balancer without Redis has no ``kvlb_redis_up`` (until 2026-12-01 it read 0, an outage)."""
+    metrics = Metrics.create()
+    assert "kvlb_redis_up" not in exported(metrics)
+    metrics.set_redis_up(False)
+    assert "kvlb_redis_up 0.0" in exported(metrics)
+    metrics.set_redis_up(True)
+    metrics.set_redis_up(True)
+    assert "kvlb_redis_up 1.0" in exported(metrics)

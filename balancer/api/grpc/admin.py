@@ -89,8 +89,11 @@ class AdminService:
         )
 
     async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> pb.ListReplicasResponse:
+        views = replica_views(self.state)
+        if self.state.replicas_gather is not None:  # every worker's receipts, as GET /admin/replicas
+            views = await self.state.replicas_gather(views)
         replicas = []
-        for view in replica_views(self.state):
+        for view in views:
             health = view.get("health") or {}
             replicas.append(
                 pb.Replica(
