@@ -10,6 +10,7 @@ section, and registers the scrape-time collectors of :mod:`balancer.counter_coll
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 from dataclasses import dataclass, field, fields
 from functools import partial
 from typing import Any, Final, TypeVar, get_args
@@ -78,6 +79,43 @@ class Children:
         """Drop every memoised child of ``collector`` whose label at ``position`` is ``value``."""
         for key in [k for k in self._cache if k[0] is collector and k[1 + position] == value]:
             del self._cache[key]
+
+
+REMOVED_REPLICA_LABEL: Final = "(removed)"
+"""The ``replica`` label of what a request that ends after its replica left its pool counts (its
+``kvlb_http_requests_total``, TTFT, end-to-end time, cached tokens and receipts): one label value for
+every such replica, so those series do not come back once :meth:`Metrics.forget_replica` removed them."""
+REMOVED_REPLICAS_REMEMBERED: Final = 4096
+"""How many of the replica ids removed last :class:`RemovedReplicas` keeps (about 100 B each): a
+request's life is bounded (``timeouts.total_s``), so only ids removed during one are needed."""
+
+
+class RemovedReplicas:
+    """The replica ids removed from their pools lately (at most :data:`REMOVED_REPLICAS_REMEMBERED`,
+    the oldest out first): a request routed to one of them, still in flight when it was removed, is
+    counted under :data:`REMOVED_REPLICA_LABEL` when it ends (:meth:`label`). An id added again
+    leaves the list."""
+
+    __slots__ = ("_ids",)
+
+    def __init__(self) -> None:
+        self._ids: OrderedDict[str, None] = OrderedDict()
+
+    def add(self, replica: str) -> None:
+        self._ids[replica] = None
+        self._ids.move_to_end(replica)
+        while len(self._ids) > REMOVED_REPLICAS_REMEMBERED:
+            self._ids.popitem(last=False)
+
+    def discard(self, replica: str) -> None:
+        self._ids.pop(replica, None)
+
+    def label(self, replica: str) -> str:
+        """``replica``, or :data:`REMOVED_REPLICA_LABEL` when it was removed (and not added again)."""
+        return REMOVED_REPLICA_LABEL if replica in self._ids else replica
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 _LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -756,12 +794,21 @@ class Metrics(
     key_memos: KeyMemoCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
+    removed: RemovedReplicas = field(default_factory=RemovedReplicas)
+    """The replicas removed lately, whose late requests count under :data:`REMOVED_REPLICA_LABEL`."""
+
+    def replica_label(self, replica: str) -> str:
+        """The ``replica`` label of a request's series: its replica, or :data:`REMOVED_REPLICA_LABEL`
+        once that replica left its pool (a request in flight at the removal would otherwise bring
+        back the series :meth:`forget_replica` removed, one set per removed replica id)."""
+        return self.removed.label(replica)
 
     def init_replica(self, replica: str, engine: str, *, replays: bool, events: bool = True) -> None:
         """Give every known label set of one replica's counters (and its engine's) a sample at 0, so
         that "no errors yet" reads 0 rather than no data. Called when the replica is registered (static
         or discovered); ``replays``: its transport has a replay socket (ZMQ); ``events``: its pool has
         KV events (``kvlb_events_applied_batches_total`` starts at 0 only then)."""
+        self.removed.discard(replica)
         if events:
             self.events_applied_batches_total.labels(replica)
         for reason in DECODE_ERROR_REASONS:
@@ -799,7 +846,9 @@ class Metrics(
         (a stale ``kvlb_events_lag_seconds`` keeps an alert on it going). A replica added again starts
         at 0, a counter reset that ``rate()`` handles. ``kvlb_redis_replicas_dropped_total`` goes too: a
         pod that died is dropped (no events, failed probes), then removed by discovery, so keeping it
-        would keep one series per dead pod."""
+        would keep one series per dead pod. A request still in flight on it counts under
+        :data:`REMOVED_REPLICA_LABEL` when it ends (:meth:`replica_label`)."""
+        self.removed.add(replica)
         for item in fields(self):
             collector = getattr(self, item.name)
             if not isinstance(collector, Counter | Gauge | Histogram):

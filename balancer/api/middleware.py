@@ -246,7 +246,11 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
         label = outcome.status or status
         metrics = state.metrics
         metrics.children.of(
-            metrics.requests_total, _endpoint(request), label, outcome.replica, outcome.policy
+            metrics.requests_total,
+            _endpoint(request),
+            label,
+            metrics.replica_label(outcome.replica),
+            outcome.policy,
         ).inc()
     if not response.prepared:
         response.headers.setdefault("x-request-id", request_id)

@@ -16,7 +16,9 @@ An absent hash (a fresh Redis, or one that lost its data) is seeded with this ba
 so a Redis restart without persistence leaves drained replicas drained, with their notes. A key of
 another type (garbage) is replaced the same way. Entries naming replicas this balancer does not know
 are ignored (another balancer's discovery may know them); there is at most one entry per replica
-drained and not undrained, so the hash is bounded by the fleet's replicas.
+drained and not undrained. A replica drained and then removed by discovery keeps its entry (nothing
+undrains it), so with pods renamed at each rollout the hash grows by one entry per such scale-down
+(docs/reliability.md, "Open points").
 """
 
 from __future__ import annotations

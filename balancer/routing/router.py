@@ -619,12 +619,16 @@ class PoolRouter:
         * **More** reported: the engine held blocks the index did not know of: the request's keys up
           to the reported point are added as speculative entries for ``speculative_ttl_s`` (in
           no-events pools, the life of every holding), which the engine's events confirm if any.
+
+        A replica removed from the pool while the request ran is read but neither recorded in
+        :attr:`receipts` (that would keep a window per removed replica id) nor taught to any table.
         """
         plan = lease.plan
         replica = lease.replica
         receipt = read_receipt(replica, plan.keys, plan.block_size, plan.cached_tokens, reported_tokens)
-        self.receipts.record(receipt)
         space = self.space_of.get(replica)
+        if space is not None:  # a replica removed while the request ran keeps no receipt window
+            self.receipts.record(receipt)
         dropped = learned = confirmed = suspect_dropped = 0
         if space is not None:  # after an event gap: confirms or drops the suspect blocks named
             found = plan.keys[: receipt.reported_blocks]

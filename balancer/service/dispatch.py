@@ -305,8 +305,9 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
     """Count a committed decision, and keep it in the pool's decision ring (the console)."""
     plan = lease.plan
     metrics = state.metrics
-    metrics.children.of(metrics.route_decisions_total, plan.decision.policy, lease.replica).inc()
-    metrics.children.of(metrics.predicted_cached_tokens_total, lease.replica).inc(plan.cached_tokens)
+    replica = metrics.replica_label(lease.replica)
+    metrics.children.of(metrics.route_decisions_total, plan.decision.policy, replica).inc()
+    metrics.children.of(metrics.predicted_cached_tokens_total, replica).inc(plan.cached_tokens)
     if plan.inputs is not None:
         state.decisions.record(
             job.pool.model,
@@ -414,7 +415,8 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
         state.health.on_failure(lease.replica, now, f"replica answered {stream.status}")
     policy = lease.plan.decision.policy
     metrics = state.metrics
-    metrics.children.of(metrics.ttft_seconds, lease.replica, policy).observe(now - job.arrived)
+    replica = metrics.replica_label(lease.replica)
+    metrics.children.of(metrics.ttft_seconds, replica, policy).observe(now - job.arrived)
     if state.series is not None:
         state.series.on_ttft(now - job.arrived, state.wall_clock())
 
@@ -438,7 +440,8 @@ def on_relayed(
         stream.close()
     metrics = state.metrics
     policy = lease.plan.decision.policy
-    metrics.children.of(metrics.e2e_seconds, lease.replica, policy).observe(state.monotonic() - job.arrived)
+    replica = metrics.replica_label(lease.replica)
+    metrics.children.of(metrics.e2e_seconds, replica, policy).observe(state.monotonic() - job.arrived)
 
 
 def on_answered(state: ServiceState, lease: Lease, stream: UpstreamStream) -> None:
@@ -451,7 +454,8 @@ def on_answered(state: ServiceState, lease: Lease, stream: UpstreamStream) -> No
     if usage.cached_tokens is None:
         return
     metrics = state.metrics
-    metrics.children.of(metrics.reported_cached_tokens_total, lease.replica).inc(usage.cached_tokens)
+    replica = metrics.replica_label(lease.replica)
+    metrics.children.of(metrics.reported_cached_tokens_total, replica).inc(usage.cached_tokens)
     record_receipt(state, lease, usage.cached_tokens)
     if state.series is not None:
         prompt = usage.prompt_tokens if usage.prompt_tokens is not None else lease.plan.prompt_tokens
@@ -462,7 +466,8 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     """The engine's ``cached_tokens`` for a routed request: compare it with the prediction, let the
     router correct the index, and count both (``kvlb_route_prediction_error_blocks`` and friends)."""
     settled = lease.settle_receipt(cached_tokens, state.monotonic())
-    receipt, replica, metrics = settled.receipt, lease.replica, state.metrics
+    receipt, metrics = settled.receipt, state.metrics
+    replica = metrics.replica_label(lease.replica)  # its series, or the removed replicas' one
     child = metrics.children.of
     child(metrics.prediction_error_blocks, replica).observe(receipt.error_blocks)
     child(metrics.receipts_total, replica).inc()
@@ -480,14 +485,14 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
         child(metrics.index_receipt_taught_blocks_total, replica).inc(settled.taught_blocks)
     if settled.confirmed_blocks:
         child(metrics.index_receipt_confirmed_blocks_total, replica).inc(settled.confirmed_blocks)
-    accuracy = lease.router_receipts.accuracy(replica)
+    accuracy = lease.router_receipts.accuracy(lease.replica)  # None once it left: nothing recorded
     if accuracy is not None:  # memoised: the replica's removal forgets the child it removes
         child(metrics.prediction_accuracy_ratio, replica).set(accuracy)
     if not receipt.within_one_block and log.isEnabledFor(logging.DEBUG):
         log.debug(
             "receipt %s on %s: predicted %d blocks, engine reported %d (stale %d, dropped %d, learned %d)",
             lease.tracking_id,
-            replica,
+            lease.replica,
             receipt.predicted_blocks,
             receipt.reported_blocks,
             len(receipt.stale),

@@ -5,12 +5,16 @@ discovery (a real ``redis-server``). The replicas are the real emulator on real 
 Checked: a discovered replica becomes routable, serves a request and its KV events reach the index;
 once it leaves, it is out of ``/admin/replicas``, its blocks are gone from the index, its per-replica
 tasks are stopped, and requests keep succeeding on the static replica. With Redis, the balancer that
-held the discovered replica's ingestion lease releases it.
+held the discovered replica's ingestion lease releases it. A request still in flight on a replica when
+it leaves brings none of its series back into ``/metrics`` (nor its receipt window into the router)
+when it ends: with pods renamed at each rollout, that was one set of series per removed replica.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -206,6 +210,58 @@ async def test_kubernetes_discovery_adds_then_removes_a_replica() -> None:
             assert setup.balancer.replicas is not None
             assert setup.balancer.replicas.discovery is not None
             assert setup.balancer.replicas.discovery.status()["removed"] == 1
+
+
+async def test_a_request_ending_after_its_replica_left_brings_back_no_series(tmp_path: Path) -> None:
+    """r1 is removed by file discovery while a request routed to it waits in its stalled engine; the
+    request then ends (200, with its usage): its counters go under ``replica="(removed)"`` and no
+    series names r1 again (before the fix: 61 came back per replica so removed, in the churn soak)."""
+    replica_file = tmp_path / "replicas.yaml"
+    discovery = {
+        "discovery__kind": "file",
+        "discovery__file": str(replica_file),
+        "discovery__reload_interval_s": 0.1,
+    }
+    async with (
+        two_replicas(**discovery) as (static, extra, settings),
+        balancer_over(static, extra, settings) as setup,
+    ):
+        replica_file.write_text(
+            yaml.safe_dump({"pools": [{"model": MODEL, "replicas": [replica_entry(extra)]}]})
+        )
+        await serve_on_discovered(setup)
+        async with setup.session.post(extra.url + "/admin/faults", json={"stall_s": 4.0}) as response:
+            assert response.status == 200, await response.text()
+        request = asyncio.create_task(setup.complete([7, 8, 9]))
+
+        async def in_flight() -> bool:
+            return await _open_requests(setup, extra) > 0
+
+        await wait_for("a request waiting on r1", in_flight)
+        replica_file.write_text("pools: []\n")
+        router = setup.balancer.state.pools[MODEL].router if setup.balancer.state else None
+        assert router is not None
+
+        async def removed() -> bool:
+            return ReplicaId("r1") not in router.space_of and not re.search(
+                r'replica="r1"', await setup.get("/metrics")
+            )
+
+        await wait_for("r1 removed, its series gone", removed, timeout_s=10)
+        assert not request.done()  # still waiting in the stalled engine
+        assert await request == "r1"
+        text = await setup.get("/metrics")
+        assert not re.search(r'replica="r1"', text), [
+            line for line in text.splitlines() if 'replica="r1"' in line
+        ]
+        assert metric_value(text, "kvlb_http_requests_total", replica="(removed)", status="200") == 1
+        assert router.receipts.stats(ReplicaId("r1")).receipts == 0
+        await check_removed(setup)
+
+
+async def _open_requests(setup: Setup, replica: Replica) -> int:
+    async with setup.session.get(replica.url + "/admin/stats") as response:
+        return int((await response.json())["open_requests"])
 
 
 # ------------------------------------------------------------------------------------- Redis fleet

@@ -21,6 +21,8 @@ from balancer.index.table import PrefixTable
 from balancer.metrics import (
     APPLIED_OUTCOMES,
     DECODE_ERROR_REASONS,
+    REMOVED_REPLICA_LABEL,
+    REMOVED_REPLICAS_REMEMBERED,
     REPLAY_OUTCOMES,
     REPLAY_POLL_OUTCOMES,
     RESYNC_REASONS,
@@ -158,3 +160,25 @@ def test_redis_up_exists_only_once_the_fleet_sets_it() -> None:
     metrics.set_redis_up(True)
     metrics.set_redis_up(True)
     assert "kvlb_redis_up 1.0" in exported(metrics)
+
+
+def test_a_removed_replica_labels_late_requests_as_removed_within_a_bound() -> None:
+    """After ``forget_replica`` a late request's series take ``(removed)``, not the id (which would
+    bring the series back); an id added again is its own label again; the list keeps the last
+    ``REMOVED_REPLICAS_REMEMBERED`` ids only."""
+    metrics = Metrics.create()
+    metrics.init_replica("pod-a", "sglang", replays=True)
+    assert metrics.replica_label("pod-a") == "pod-a"
+    metrics.forget_replica("pod-a")
+    label = metrics.replica_label("pod-a")
+    assert label == REMOVED_REPLICA_LABEL
+    metrics.children.of(metrics.requests_total, "/v1/completions", "200", label, "cost").inc()
+    text = generate_latest(metrics.registry).decode()
+    assert 'replica="pod-a"' not in text and 'replica="(removed)"' in text
+    metrics.init_replica("pod-a", "sglang", replays=True)  # the same id added again
+    assert metrics.replica_label("pod-a") == "pod-a"
+    for i in range(REMOVED_REPLICAS_REMEMBERED + 1):
+        metrics.forget_replica(f"pod-{i}")
+    assert len(metrics.removed) == REMOVED_REPLICAS_REMEMBERED
+    assert metrics.replica_label("pod-0") == "pod-0"  # the oldest went
+    assert metrics.replica_label(f"pod-{REMOVED_REPLICAS_REMEMBERED}") == REMOVED_REPLICA_LABEL

@@ -333,7 +333,9 @@ def method_handler(
         finally:
             label = call.outcome.status or status
             outcome = call.outcome
-            state.metrics.requests_total.labels(endpoint, label, outcome.replica, outcome.policy).inc()
+            metrics = state.metrics
+            replica = metrics.replica_label(outcome.replica)
+            metrics.children.of(metrics.requests_total, endpoint, label, replica, outcome.policy).inc()
         trailers: list[tuple[str, str]] = [("x-request-id", call.request_id)]
         if error.retry_after_s is not None:
             trailers.append(("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
