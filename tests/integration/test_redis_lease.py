@@ -138,3 +138,24 @@ async def test_a_lease_taken_back_while_our_write_is_answered_finds_that_write_o
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError):
         LeaseSettings(ttl_s=1.0, renew_every_s=1.0)
+
+
+async def test_retire_deletes_the_position_only_for_the_holder_and_tolerates_garbage(
+    index: RedisIndex,
+) -> None:
+    holder, late = lease(index, "holder"), lease(index, "late")
+    grant = await holder.acquire()
+    await index.apply(R, [block(1)], 0.0, generation=grant.generation, seq=7)
+    assert not await late.retire()  # not its lease (its discovery dropped the replica late): no effect
+    assert await index.client.hget(index.keys.applied_seq, R) == "7"
+    assert await holder.retire()
+    assert await holder.holder() is None
+    assert await index.client.hget(index.keys.applied_seq, R) is None
+    assert await index.generation(R) == grant.generation  # the fence stays
+    again = await late.acquire()  # the same id found again: a new replica, without positions
+    assert again.acquired and again.applied == "" and again.generation == grant.generation + 1
+    await index.client.delete(index.keys.applied_seq)
+    await index.client.set(index.keys.applied_seq, "garbage")
+    assert await late.retire()  # garbage over `seq` is deleted and counted, the lease still goes
+    assert await late.holder() is None
+    assert await index.client.hget(index.keys.counters, "wrongtype_seq") == "1"

@@ -15,7 +15,9 @@ index's event order. The lease is a Redis string ``lease:<replica>`` = owner tok
   writes so far (each write's text is unique, so a writer can tell whether its own write landed).
   A trailing ``!`` says the last holder stopped cleanly, with every event it took applied
   (:func:`encode_positions`).
-* ``renew`` extends only the caller's own lease; ``release`` deletes only the caller's own lease.
+* ``renew`` extends only the caller's own lease; ``release`` deletes only the caller's own lease;
+  ``retire`` (a replica that left) also deletes the replica's positions, so ``seq`` does not keep a
+  field per replica id ever seen.
 * ``keep`` renews every ``renew_every_s`` until stopped; it sets ``lost`` and returns when the
   lease is gone (expired and taken, or deleted).
 """
@@ -107,6 +109,24 @@ return 0
 )
 
 
+_RETIRE = (
+    _REPAIR
+    + """
+-- KEYS: counters, lease, seq; ARGV: owner, replica -> 1 if it was ours
+-- A replica that left: its lease goes, and so does its position, which nobody may resume from
+-- (the caller dropped its blocks first). Only the holder does this, so a writer that still holds
+-- the replica never loses the position it writes with.
+repair(KEYS[2], 'string', 'lease')
+repair(KEYS[3], 'hash', 'seq')
+if redis.call('GET', KEYS[2]) == ARGV[1] then
+  redis.call('HDEL', KEYS[3], ARGV[2])
+  return redis.call('DEL', KEYS[2])
+end
+return 0
+"""
+)
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseSettings:
     ttl_s: float = 10.0
@@ -185,6 +205,7 @@ class IngestionLease:
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._retire = client.register_script(_RETIRE)
 
     async def acquire(self) -> LeaseGrant:
         """Take the lease if it is free or already ours (a new holder bumps the generation)."""
@@ -207,6 +228,13 @@ class IngestionLease:
     async def release(self) -> bool:
         """Give the lease up if it is still ours (another ingester can take it at once)."""
         return bool(await self._release(keys=[*self._anchor, self._key], args=[self.owner]))
+
+    async def retire(self) -> bool:
+        """Give the lease up for good, if it is still ours, deleting the replica's stored positions
+        in the same script: for a replica that left discovery, once its blocks were dropped (they
+        would resume nothing). The next holder of the same id starts without positions."""
+        keys = [*self._anchor, self._key, self.keys.applied_seq]
+        return bool(await self._retire(keys=keys, args=[self.owner, self.replica]))
 
     async def holder(self) -> str | None:
         return cast("str | None", await cast("Any", self.client.get(self._key)))
