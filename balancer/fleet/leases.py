@@ -206,7 +206,8 @@ class LeaseManager:
     async def remove(self, replica: ReplicaId) -> bool:
         """A replica that left (discovery): forget it, and if this balancer holds its lease, stop its
         ingest, drop its blocks fleet-wide and delete the lease and its positions (``seq``). ``True``
-        when the lease was ours. Redis errors are logged: the lease then expires on its own, as it is no longer renewed."""
+        when the lease was ours. Redis errors are logged: the lease then expires on its own, as it is
+        no longer renewed."""
         async with self._lock:
             entry = self.replicas.pop(replica, None)
             self._lost.pop(replica, None)
@@ -222,7 +223,7 @@ class LeaseManager:
                 return True
             self._metrics.redis_lease_events_total.labels("released").inc()
             self._metrics.redis_leases_held.set(len(self.held))
-            log.info("replica %s left: ingest stopped, blocks dropped, lease released", replica)
+            log.info("replica %s left: ingest stopped, blocks dropped, lease and position deleted", replica)
             return True
 
     async def tick(self) -> None:
