@@ -401,6 +401,27 @@ async def test_a_replica_that_left_takes_its_position_along_and_comes_back_as_ne
             await wait_for(f"{holder}'s new blocks in the index", indexed_again)
 
 
+async def test_a_replica_that_left_after_its_lease_expired_takes_its_position_along(
+    redis_target: RedisTarget,
+) -> None:
+    """The lease of a replica expired (Redis out of reach longer than the TTL: simulated by deleting
+    it between two ticks) and nobody took it; discovery then removes the replica: its blocks are
+    dropped and its position goes too, though the lease is no longer this balancer's."""
+    slow = {**FAST, "redis__tick_s": 2.5, "redis__lease_ttl_s": 5.0}
+    async with running(
+        shared_deepseek(), **redis_target.overrides(), limits__speculative_ttl_s=0.001, **slow
+    ) as h:
+        runtime = fleet_of(h.balancer)
+        assert runtime.leases is not None
+        holder = ReplicaId(await h.warm(list(range(7500, 7532))))
+        keys = runtime.leases.replicas[holder].keys
+        assert await runtime.text.hget(keys.applied_seq, holder)
+        assert await runtime.text.delete(keys.lease(holder)) == 1
+        assert await runtime.remove_replica(holder)  # it still counted the lease as held
+        assert int((await h.replica_view(holder))["index"]["blocks"]) == 0
+        assert await runtime.text.hget(keys.applied_seq, holder) is None
+
+
 async def test_a_silent_unhealthy_replica_is_dropped_fleet_wide(redis_target: RedisTarget) -> None:
     async with running(
         shared_deepseek(), **redis_target.overrides(), redis__replica_timeout_s=0.6,

@@ -140,7 +140,7 @@ def test_settings_are_validated() -> None:
         LeaseSettings(ttl_s=1.0, renew_every_s=1.0)
 
 
-async def test_retire_deletes_the_position_only_for_the_holder_and_tolerates_garbage(
+async def test_retire_deletes_the_position_unless_another_holds_the_lease_and_tolerates_garbage(
     index: RedisIndex,
 ) -> None:
     holder, late = lease(index, "holder"), lease(index, "late")
@@ -159,3 +159,6 @@ async def test_retire_deletes_the_position_only_for_the_holder_and_tolerates_gar
     assert await late.retire()  # garbage over `seq` is deleted and counted, the lease still goes
     assert await late.holder() is None
     assert await index.client.hget(index.keys.counters, "wrongtype_seq") == "1"
+    await index.client.hset(index.keys.applied_seq, R, "9")  # a position whose lease expired unseen:
+    assert not await holder.retire()  # nobody holds the lease, so the position goes all the same
+    assert await index.client.hget(index.keys.applied_seq, R) is None

@@ -112,16 +112,17 @@ return 0
 _RETIRE = (
     _REPAIR
     + """
--- KEYS: counters, lease, seq; ARGV: owner, replica -> 1 if it was ours
+-- KEYS: counters, lease, seq; ARGV: owner, replica -> 1 if the lease was ours
 -- A replica that left: its lease goes, and so does its position, which nobody may resume from
--- (the caller dropped its blocks first). Only the holder does this, so a writer that still holds
--- the replica never loses the position it writes with.
+-- (the caller dropped its blocks first). Only while the lease is ours, or nobody's (it expired
+-- while Redis was out of reach, and nobody took it since): a writer that holds the replica never
+-- loses the position it writes with.
 repair(KEYS[2], 'string', 'lease')
 repair(KEYS[3], 'hash', 'seq')
-if redis.call('GET', KEYS[2]) == ARGV[1] then
-  redis.call('HDEL', KEYS[3], ARGV[2])
-  return redis.call('DEL', KEYS[2])
-end
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[2])
+if holder then return redis.call('DEL', KEYS[2]) end
 return 0
 """
 )
@@ -231,8 +232,9 @@ class IngestionLease:
 
     async def retire(self) -> bool:
         """Give the lease up for good, if it is still ours, deleting the replica's stored positions
-        in the same script: for a replica that left discovery, once its blocks were dropped (they
-        would resume nothing). The next holder of the same id starts without positions."""
+        in the same script (also when nobody holds the lease: it expired): for a replica that left
+        discovery, once its blocks were dropped (they would resume nothing). The next holder of the
+        same id starts without positions. ``True`` when the lease was ours."""
         keys = [*self._anchor, self._key, self.keys.applied_seq]
         return bool(await self._retire(keys=keys, args=[self.owner, self.replica]))
 
