@@ -16,8 +16,9 @@ index's event order. The lease is a Redis string ``lease:<replica>`` = owner tok
   A trailing ``!`` says the last holder stopped cleanly, with every event it took applied
   (:func:`encode_positions`).
 * ``renew`` extends only the caller's own lease; ``release`` deletes only the caller's own lease;
-  ``retire`` (a replica that left) also deletes the replica's positions, so ``seq`` does not keep a
-  field per replica id ever seen.
+  ``retire`` (a replica that left) also deletes the replica's positions and generation (after
+  raising the pool's generation floor to it), so ``seq`` and ``gen`` do not keep a field per
+  replica id ever seen.
 * ``keep`` renews every ``renew_every_s`` until stopped; it sets ``lost`` and returns when the
   lease is gone (expired and taken, or deleted).
 """
