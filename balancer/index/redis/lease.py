@@ -55,7 +55,7 @@ repair(KEYS[1], 'hash', 'ctr')
 -- retired), than the pool's floor, which is at least every generation a retirement deleted.
 local function next_generation(gen_key, replica)
   local current = redis.call('HGET', gen_key, replica) or redis.call('HGET', KEYS[1], 'gen_floor') or '0'
-  local gen = tonumber(current) + 1
+  local gen = (tonumber(current) or 0) + 1
   redis.call('HSET', gen_key, replica, gen)
   return gen
 end
@@ -134,8 +134,8 @@ repair(KEYS[4], 'hash', 'gen')
 local holder = redis.call('GET', KEYS[2])
 if holder and holder ~= ARGV[1] then return 0 end
 redis.call('HDEL', KEYS[3], ARGV[2])
-local gen = tonumber(redis.call('HGET', KEYS[4], ARGV[2]) or '0')
-if gen > tonumber(redis.call('HGET', KEYS[1], 'gen_floor') or '0') then
+local gen = tonumber(redis.call('HGET', KEYS[4], ARGV[2])) or 0
+if gen > (tonumber(redis.call('HGET', KEYS[1], 'gen_floor')) or 0) then
   redis.call('HSET', KEYS[1], 'gen_floor', gen)
 end
 redis.call('HDEL', KEYS[4], ARGV[2])

@@ -218,7 +218,7 @@ local function fence(replica, want)
   local current = call('HGET', P .. 'gen', replica)
   -- (not for a generation at or below the floor: its field may have been retired, not lost)
   if not current and call('HEXISTS', CTR, 'wrongtype_gen') == 1
-      and (tonumber(want) or 0) > tonumber(call('HGET', CTR, 'gen_floor') or '0') then
+      and (tonumber(want) or 0) > (tonumber(call('HGET', CTR, 'gen_floor')) or 0) then
     call('HSET', P .. 'gen', replica, want)
     current = want
   end
@@ -547,7 +547,7 @@ call('DEL', sk)
 call('SREM', SPECSET, REPLICA)
 call('SREM', REPLICAS, REPLICA)
 -- one more than its own generation or, without a field (retired), than the pool's floor
-local gen = tonumber(call('HGET', P .. 'gen', REPLICA) or call('HGET', CTR, 'gen_floor') or '0') + 1
+local gen = (tonumber(call('HGET', P .. 'gen', REPLICA) or call('HGET', CTR, 'gen_floor')) or 0) + 1
 call('HSET', P .. 'gen', REPLICA, gen)
 finish()
 publish(tonumber(ARGV[3]), REPLICA, {'d', 1})
