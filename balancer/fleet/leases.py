@@ -20,7 +20,9 @@ Every ``tick_s`` each balancer:
 
 Replicas found by discovery join with :meth:`LeaseManager.add` and count in the fair share from the
 next tick. :meth:`LeaseManager.remove` forgets one that left; if this balancer holds its lease, it
-stops the ingest, drops the replica's blocks fleet-wide and deletes the lease (never mid-tick).
+stops the ingest, drops the replica's blocks fleet-wide and deletes the lease and the replica's
+stored positions and generation (never mid-tick): a balancer whose discovery still lists it takes
+the lease next and starts it without positions, as a new replica.
 
 Taking a lease bumps the replica's generation (fencing the previous holder) and returns the
 positions applied so far: ZMQ sources resume right after them (engine replay, or ``Resync`` when the
@@ -203,8 +205,9 @@ class LeaseManager:
 
     async def remove(self, replica: ReplicaId) -> bool:
         """A replica that left (discovery): forget it, and if this balancer holds its lease, stop its
-        ingest, drop its blocks fleet-wide and delete the lease. ``True`` when the lease was ours.
-        Redis errors are logged: the lease then expires on its own, as it is no longer renewed."""
+        ingest, drop its blocks fleet-wide and delete the lease, its positions and generation. ``True``
+        when the lease was ours. Redis errors are logged: the lease then expires on its own, as it is
+        no longer renewed."""
         async with self._lock:
             entry = self.replicas.pop(replica, None)
             self._lost.pop(replica, None)
@@ -213,14 +216,14 @@ class LeaseManager:
             await entry.ingest.give_up(replica)  # sources and applier stopped, holding released
             try:
                 await entry.ingest.drop(replica)
-                await entry.lease.release()
+                await entry.lease.retire()  # positions and generation too: nothing resumes after the drop
             except REDIS_ERRORS as exc:
                 self._metrics.redis_errors_total.labels("lease").inc()
                 log.warning("replica %s left, but its lease was not released: %s", replica, exc)
                 return True
             self._metrics.redis_lease_events_total.labels("released").inc()
             self._metrics.redis_leases_held.set(len(self.held))
-            log.info("replica %s left: ingest stopped, blocks dropped, lease released", replica)
+            log.info("replica %s left: ingest stopped, blocks dropped, lease retired", replica)
             return True
 
     async def tick(self) -> None:

@@ -334,7 +334,7 @@ class FleetRuntime:
 
     async def remove_replica(self, replica: ReplicaId) -> bool:
         """A replica that left: if this balancer ingests it, its ingest stops, its blocks are dropped
-        fleet-wide and its lease is released. ``True`` when it held the lease."""
+        fleet-wide, its lease, position and generation deleted. ``True`` when it held the lease."""
         assert self.leases is not None
         return await self.leases.remove(replica)
 

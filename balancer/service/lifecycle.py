@@ -18,7 +18,8 @@ events never takes the request loop's time.
 * :class:`~balancer.discovery.ReplicaRemoved`: it leaves ``pool.replicas`` and the health book at
   once (no new request goes there; requests in flight finish), then its tasks are cancelled, its
   sources stop and its blocks leave the index (fleet mode: if this balancer holds its lease, the
-  blocks are dropped fleet-wide and the lease is released), and the router forgets it and its load.
+  blocks are dropped fleet-wide, its lease, position and generation deleted), and the router forgets it
+  and its load.
 
 Discovery only removes the replicas it added. Every event is applied in full before the next.
 """

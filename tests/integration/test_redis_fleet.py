@@ -356,6 +356,76 @@ async def test_a_fenced_writer_is_refused_and_a_late_balancer_warms_from_redis(
         await wait_for("the fenced balancer to stop ingesting the replica", gave_up)
 
 
+async def test_a_replica_that_left_takes_its_position_along_and_comes_back_as_new(
+    redis_target: RedisTarget,
+) -> None:
+    """Discovery removes the replicas this balancer ingests, round after round: each removal drops
+    the replica's blocks, deletes its lease, its stored position (``seq``) and its generation (after
+    raising the pool's floor to it), so neither hash keeps a field per replica id that left. The
+    same id found again is taken without positions, above the floor, as a new replica, and its new
+    blocks are indexed."""
+    async with running(
+        shared_deepseek(), **redis_target.overrides(), limits__speculative_ttl_s=0.001, **FAST
+    ) as h:
+        runtime = fleet_of(h.balancer)
+        leases = runtime.leases
+        assert leases is not None
+        for round_ in range(3):
+            holder = ReplicaId(await h.warm(list(range(7000 + 100 * round_, 7032 + 100 * round_))))
+            entry = leases.replicas[holder]
+            keys, config = entry.keys, entry.config
+            assert await runtime.text.hget(keys.applied_seq, holder), "the write stored a position"
+            generation = int(await runtime.text.hget(keys.generations, holder) or 0)
+            assert await runtime.remove_replica(holder)
+            assert await runtime.text.hget(keys.applied_seq, holder) is None
+            assert await runtime.text.get(keys.lease(holder)) is None
+            assert await runtime.text.hget(keys.generations, holder) is None  # retired, the floor above it:
+            floor = int(await runtime.text.hget(keys.counters, "gen_floor"))
+            assert floor >= generation + 1  # the drop's bump
+            assert int((await h.replica_view(holder))["index"]["blocks"]) == 0
+            others = {ReplicaId(r.config.name) for r in h.replicas} - {holder}
+            assert set(await runtime.text.hkeys(keys.applied_seq)) <= others  # bounded by who is there
+            assert set(await runtime.text.hkeys(keys.generations)) <= others
+            await runtime.add_replica(MODEL, config)
+
+            async def taken_again(replica: ReplicaId = holder) -> bool:
+                return replica in leases.held
+
+            await wait_for(f"{holder} to be taken again", taken_again)
+            assert leases.held[holder].generation == floor + 1
+
+            prompt = list(range(7050 + 100 * round_, 7082 + 100 * round_))
+            body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
+            async with h.session.post(h.replica(holder).url + "/v1/completions", json=body) as answer:
+                assert answer.status == 200  # straight to the engine: its events name it
+
+            async def indexed_again(replica: ReplicaId = holder) -> bool:
+                return int((await h.replica_view(replica))["index"]["blocks"]) > 0
+
+            await wait_for(f"{holder}'s new blocks in the index", indexed_again)
+
+
+async def test_a_replica_that_left_after_its_lease_expired_takes_its_position_along(
+    redis_target: RedisTarget,
+) -> None:
+    """The lease of a replica expired (Redis out of reach longer than the TTL: simulated by deleting
+    it between two ticks) and nobody took it; discovery then removes the replica: its blocks are
+    dropped and its position goes too, though the lease is no longer this balancer's."""
+    slow = {**FAST, "redis__tick_s": 2.5, "redis__lease_ttl_s": 5.0}
+    async with running(
+        shared_deepseek(), **redis_target.overrides(), limits__speculative_ttl_s=0.001, **slow
+    ) as h:
+        runtime = fleet_of(h.balancer)
+        assert runtime.leases is not None
+        holder = ReplicaId(await h.warm(list(range(7500, 7532))))
+        keys = runtime.leases.replicas[holder].keys
+        assert await runtime.text.hget(keys.applied_seq, holder)
+        assert await runtime.text.delete(keys.lease(holder)) == 1
+        assert await runtime.remove_replica(holder)  # it still counted the lease as held
+        assert int((await h.replica_view(holder))["index"]["blocks"]) == 0
+        assert await runtime.text.hget(keys.applied_seq, holder) is None
+
+
 async def test_a_silent_unhealthy_replica_is_dropped_fleet_wide(redis_target: RedisTarget) -> None:
     async with running(
         shared_deepseek(), **redis_target.overrides(), redis__replica_timeout_s=0.6,

@@ -138,3 +138,65 @@ async def test_a_lease_taken_back_while_our_write_is_answered_finds_that_write_o
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError):
         LeaseSettings(ttl_s=1.0, renew_every_s=1.0)
+
+
+async def test_retire_deletes_the_position_unless_another_holds_the_lease_and_tolerates_garbage(
+    index: RedisIndex,
+) -> None:
+    holder, late = lease(index, "holder"), lease(index, "late")
+    grant = await holder.acquire()
+    await index.apply(R, [block(1)], 0.0, generation=grant.generation, seq=7)
+    assert not await late.retire()  # not its lease (its discovery dropped the replica late): no effect
+    assert await index.client.hget(index.keys.applied_seq, R) == "7"
+    assert await holder.retire()
+    assert await holder.holder() is None
+    assert await index.client.hget(index.keys.applied_seq, R) is None
+    assert await index.client.hget(index.keys.generations, R) is None  # gone, the pool's floor kept it:
+    assert await index.client.hget(index.keys.counters, "gen_floor") == str(grant.generation)
+    with pytest.raises(StaleGenerationError):  # so the old generation stays fenced
+        await index.apply(R, [block(2)], 0.0, generation=grant.generation, seq=8)
+    again = await late.acquire()  # the same id found again: a new replica, without positions
+    assert again.acquired and again.applied == "" and again.generation == grant.generation + 1
+    with pytest.raises(StaleGenerationError):
+        await index.apply(R, [block(2)], 0.0, generation=grant.generation, seq=8)
+    await index.client.delete(index.keys.applied_seq)
+    await index.client.set(index.keys.applied_seq, "garbage")
+    assert await late.retire()  # garbage over `seq` is deleted and counted, the lease still goes
+    assert await late.holder() is None
+    assert await index.client.hget(index.keys.counters, "wrongtype_seq") == "1"
+    await index.client.hset(index.keys.applied_seq, R, "9")  # a position whose lease expired unseen:
+    assert not await holder.retire()  # nobody holds the lease, so the position goes all the same
+    assert await index.client.hget(index.keys.applied_seq, R) is None
+
+
+async def test_churned_replica_ids_leave_no_generation_or_position_and_stay_fenced(index: RedisIndex) -> None:
+    """Pods renamed at every rollout: each id is leased, written, dropped and retired. ``gen`` and
+    ``seq`` end empty (one pool-wide floor in the counters instead), an id found again starts above
+    every generation it had, and each old life's generation is refused."""
+    old: list[tuple[ReplicaId, int]] = []
+    for step in range(30):
+        replica = ReplicaId(f"pod-{step % 10}-{step}" if step < 20 else f"pod-{step % 10}")
+        holder = IngestionLease(index.client, index.keys, replica, f"b{step % 2}", LeaseSettings())
+        grant = await holder.acquire()
+        assert grant.acquired and grant.applied == ""
+        await index.apply(replica, [block(step + 1)], 0.0, generation=grant.generation, seq=step)
+        await index.drop_replica(replica)  # as the lease manager does before retiring
+        assert await holder.retire()
+        old.append((replica, grant.generation))
+        assert await index.client.hlen(index.keys.generations) == 0
+        assert await index.client.hlen(index.keys.applied_seq) == 0
+    floor = int(await index.client.hget(index.keys.counters, "gen_floor"))
+    assert floor == max(generation for _, generation in old) + 1  # the drop's bump, the largest
+    for replica, generation in old:
+        with pytest.raises(StaleGenerationError):
+            await index.apply(replica, [block(99)], 0.0, generation=generation, seq=99)
+    # Also after garbage over `gen` was once repaired (a missing field is then taken as the writer's
+    # own, unless its generation is at or below the floor: a retired one)
+    await index.client.set(index.keys.generations, "garbage")
+    fresh = IngestionLease(index.client, index.keys, ReplicaId("pod-new"), "b0", LeaseSettings())
+    assert (await fresh.acquire()).generation == floor + 1  # (the acquire repaired `gen`)
+    assert await index.client.hget(index.keys.counters, "wrongtype_gen") == "1"
+    for replica, generation in old:
+        with pytest.raises(StaleGenerationError):
+            await index.apply(replica, [block(99)], 0.0, generation=generation, seq=99)
+    assert await index.client.hkeys(index.keys.generations) == ["pod-new"]  # nothing written back

@@ -15,7 +15,10 @@ index's event order. The lease is a Redis string ``lease:<replica>`` = owner tok
   writes so far (each write's text is unique, so a writer can tell whether its own write landed).
   A trailing ``!`` says the last holder stopped cleanly, with every event it took applied
   (:func:`encode_positions`).
-* ``renew`` extends only the caller's own lease; ``release`` deletes only the caller's own lease.
+* ``renew`` extends only the caller's own lease; ``release`` deletes only the caller's own lease;
+  ``retire`` (a replica that left) also deletes the replica's positions and generation (after
+  raising the pool's generation floor to it), so ``seq`` and ``gen`` do not keep a field per
+  replica id ever seen.
 * ``keep`` renews every ``renew_every_s`` until stopped; it sets ``lost`` and returns when the
   lease is gone (expired and taken, or deleted).
 """
@@ -48,6 +51,14 @@ local function repair(key, want, name)
   return true
 end
 repair(KEYS[1], 'hash', 'ctr')
+-- The next generation of a replica: one more than its own, or, without a field (never leased, or
+-- retired), than the pool's floor, which is at least every generation a retirement deleted.
+local function next_generation(gen_key, replica)
+  local current = redis.call('HGET', gen_key, replica) or redis.call('HGET', KEYS[1], 'gen_floor') or '0'
+  local gen = (tonumber(current) or 0) + 1
+  redis.call('HSET', gen_key, replica, gen)
+  return gen
+end
 """
 
 _ACQUIRE = (
@@ -71,7 +82,7 @@ elseif holder then
   return {0, 0, '', fixed}
 else
   redis.call('SET', lk, OWNER, 'PX', TTL)
-  gen = redis.call('HINCRBY', GEN, R, 1)
+  gen = next_generation(GEN, R)
 end
 return {1, gen, redis.call('HGET', SEQ, R) or '', fixed}
 """
@@ -102,6 +113,33 @@ repair(KEYS[2], 'string', 'lease')
 if redis.call('GET', KEYS[2]) == ARGV[1] then
   return redis.call('DEL', KEYS[2])
 end
+return 0
+"""
+)
+
+
+_RETIRE = (
+    _REPAIR
+    + """
+-- KEYS: counters, lease, seq, gen; ARGV: owner, replica -> 1 if the lease was ours
+-- A replica that left: its lease goes, and so do its position, which nobody may resume from (the
+-- caller dropped its blocks first), and its generation, which first raises the pool's floor
+-- (`gen_floor` in the counters): the id's next generation is above every one it had, so a paused
+-- writer of its earlier life stays fenced. Only while the lease is ours, or nobody's (it expired
+-- while Redis was out of reach, and nobody took it since): a writer that holds the replica never
+-- loses the position or generation it writes with.
+repair(KEYS[2], 'string', 'lease')
+repair(KEYS[3], 'hash', 'seq')
+repair(KEYS[4], 'hash', 'gen')
+local holder = redis.call('GET', KEYS[2])
+if holder and holder ~= ARGV[1] then return 0 end
+redis.call('HDEL', KEYS[3], ARGV[2])
+local gen = tonumber(redis.call('HGET', KEYS[4], ARGV[2])) or 0
+if gen > (tonumber(redis.call('HGET', KEYS[1], 'gen_floor')) or 0) then
+  redis.call('HSET', KEYS[1], 'gen_floor', gen)
+end
+redis.call('HDEL', KEYS[4], ARGV[2])
+if holder then return redis.call('DEL', KEYS[2]) end
 return 0
 """
 )
@@ -185,6 +223,7 @@ class IngestionLease:
         self._acquire = client.register_script(_ACQUIRE)
         self._renew = client.register_script(_RENEW)
         self._release = client.register_script(_RELEASE)
+        self._retire = client.register_script(_RETIRE)
 
     async def acquire(self) -> LeaseGrant:
         """Take the lease if it is free or already ours (a new holder bumps the generation)."""
@@ -207,6 +246,15 @@ class IngestionLease:
     async def release(self) -> bool:
         """Give the lease up if it is still ours (another ingester can take it at once)."""
         return bool(await self._release(keys=[*self._anchor, self._key], args=[self.owner]))
+
+    async def retire(self) -> bool:
+        """Give the lease up for good, if it is still ours, deleting the replica's stored positions
+        and generation in the same script (also when nobody holds the lease: it expired): for a
+        replica that left discovery, once its blocks were dropped (they would resume nothing). The
+        next holder of the same id starts without positions, with a generation above the pool's
+        floor (above every deleted one). ``True`` when the lease was ours."""
+        keys = [*self._anchor, self._key, self.keys.applied_seq, self.keys.generations]
+        return bool(await self._retire(keys=keys, args=[self.owner, self.replica]))
 
     async def holder(self) -> str | None:
         return cast("str | None", await cast("Any", self.client.get(self._key)))

@@ -216,7 +216,9 @@ local function fence(replica, want)
   local bar = string.find(want, '|', 1, true)
   if bar then want, want_seq = string.sub(want, 1, bar - 1), string.sub(want, bar + 1) end
   local current = call('HGET', P .. 'gen', replica)
-  if not current and call('HEXISTS', CTR, 'wrongtype_gen') == 1 then
+  -- (not for a generation at or below the floor: its field may have been retired, not lost)
+  if not current and call('HEXISTS', CTR, 'wrongtype_gen') == 1
+      and (tonumber(want) or 0) > (tonumber(call('HGET', CTR, 'gen_floor')) or 0) then
     call('HSET', P .. 'gen', replica, want)
     current = want
   end
@@ -544,7 +546,9 @@ end
 call('DEL', sk)
 call('SREM', SPECSET, REPLICA)
 call('SREM', REPLICAS, REPLICA)
-local gen = call('HINCRBY', P .. 'gen', REPLICA, 1)
+-- one more than its own generation or, without a field (retired), than the pool's floor
+local gen = (tonumber(call('HGET', P .. 'gen', REPLICA) or call('HGET', CTR, 'gen_floor')) or 0) + 1
+call('HSET', P .. 'gen', REPLICA, gen)
 finish()
 publish(tonumber(ARGV[3]), REPLICA, {'d', 1})
 return {0, dropped, gen, repaired}
