@@ -680,23 +680,25 @@ class Admission:
                 self._forget(tenant)
         self._admit_waiters()
 
-    async def take_prompt_tokens(self, tenant: Tenant, prompt_tokens: int, deadline: float) -> None:
+    async def take_prompt_tokens(self, tenant: Tenant, prompt_tokens: int, deadline: float) -> bool:
         """Count ``prompt_tokens`` against ``tenant``'s ``max_inflight_prompt_tokens_per_tenant``
         (set: the caller checks), waiting behind the tenant's earlier waiters until they fit
         (:func:`prompt_tokens_fit`) or ``deadline``: then 429 with Retry-After, ``limit``
-        :data:`TENANT_PROMPT_TOKENS`. Given back by :meth:`give_back_prompt_tokens`."""
+        :data:`TENANT_PROMPT_TOKENS`. Given back by :meth:`give_back_prompt_tokens`. Says whether it
+        waited."""
         cap = self.limits.max_inflight_prompt_tokens_per_tenant
         assert cap is not None
         waiters = tenant.token_waiters
         if not waiters and prompt_tokens_fit(tenant.prompt_tokens, prompt_tokens, cap):
             tenant.prompt_tokens += prompt_tokens
-            return
+            return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (prompt_tokens, future)
         waiters.append(entry)
         try:
             async with asyncio.timeout_at(deadline):
                 await future
+            return True
         except BaseException as exc:
             if future.done() and not future.cancelled():
                 self.give_back_prompt_tokens(tenant, prompt_tokens)  # let in as it gave up

@@ -222,9 +222,12 @@ class Admitted:
         admission = self.state.admission
         if admission.limits.max_inflight_prompt_tokens_per_tenant is None or self.tenant is None:
             return
+        waits = self.state.metrics.admission_prompt_token_waits_total
         try:
-            await admission.take_prompt_tokens(self.tenant, prompt_tokens, self.deadline)
+            if await admission.take_prompt_tokens(self.tenant, prompt_tokens, self.deadline):
+                waits.inc()
         except AdmissionRefused as exc:
+            waits.inc()
             _count_refusal(self.state, exc, "max_inflight")
             raise
         self.prompt_tokens = prompt_tokens
