@@ -78,6 +78,16 @@ queue's order and the tenant table (``max_tenants``) stay per worker. The tenant
 of the tenant's key and one read of the other workers' counts per check; the shell leaves them unset
 when ``max_inflight_per_tenant`` is ``max_inflight`` (the tenant's cap cannot bind first).
 
+**Prompt tokens.** With ``max_inflight_prompt_tokens_per_tenant`` set, an admitted request, once
+tokenized, holds its prompt tokens of its tenant's allowance until it ends
+(:meth:`Admission.take_prompt_tokens`, :meth:`Admission.give_back_prompt_tokens`): one that does
+not fit (:func:`prompt_tokens_fit`; a prompt over the cap fits when the tenant holds none) waits,
+keeping its slot, behind the tenant's earlier waiters, until ``deadline`` (then 429,
+:data:`TENANT_PROMPT_TOKENS`), while other tenants' requests go on. So one tenant cannot put more
+than its allowance of prefill in front of the others' at the engines, which run requests first come
+first served. Per worker: the shared load table carries no token counts. Unset, the shell skips it
+(one ``None`` check a request).
+
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
 
