@@ -4,7 +4,8 @@ engines run it) behind a real balancer on 127.0.0.1. The noisy tenant's loops se
 token ids (they miss every cache); the quiet tenant sends one short prompt at a time. With
 ``limits.max_inflight_prompt_tokens_per_tenant`` at one noisy prompt, at most one of them is at the
 engine at a time, so a quiet request waits behind one prefill at most; without it (the default) it
-waits behind all of them (docs/reliability.md, "Tenant isolation")."""
+waits behind all of them (docs/reliability.md, "Tenant isolation"). The gRPC face counts a call's
+prompt tokens against the same cap."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ import time
 from dataclasses import replace
 
 import aiohttp
+import grpc
 import zmq.asyncio
-from kvlb_harness import MODEL, metric_value, settings_for, wait_ready
+from grpc_harness import failure, grpc_running, token_request
+from kvlb_harness import MODEL, metric_value, settings_for, shared_deepseek, wait_ready
 
 from balancer.app import Balancer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
@@ -116,3 +119,37 @@ async def test_without_the_cap_the_quiet_tenant_waits_behind_every_noisy_prefill
     latencies, _, metrics = await quiet_latencies(None)
     assert max(latencies) > BOUND_S, latencies
     assert metric_value(metrics, "kvlb_admission_prompt_token_waits_total") == 0
+
+
+async def test_grpc_calls_count_their_prompt_tokens_against_their_tenants_cap() -> None:
+    """Over gRPC: tenant A's call in flight holds its 4 prompt tokens of the cap (6); A's next call
+    of 3 waits and gets RESOURCE_EXHAUSTED with retry-after after ``queue_timeout_s``, while tenant
+    B's call of the same size is answered."""
+    async with grpc_running(
+        shared_deepseek(),
+        1,
+        time_scale=0.05,
+        limits__max_inflight=8,
+        limits__queue_timeout_s=0.5,
+        limits__max_inflight_prompt_tokens_per_tenant=6,
+    ) as g:
+        a = ((HEADER, "tenant-a"),)
+        first = g.balancer.Generate(token_request([7, 8, 9, 10], max_tokens=200), metadata=a)
+        try:
+            assert (await first.read()).index == 0  # in flight: 4 of A's 6 tokens held
+            other = g.balancer.Generate(
+                token_request([21, 22, 23], max_tokens=1), metadata=((HEADER, "tenant-b"),)
+            )
+            chunks = [chunk async for chunk in other]
+            assert chunks and chunks[0].index == 0
+            second = g.balancer.Generate(token_request([11, 12, 13], max_tokens=1), metadata=a)
+            error = await failure(second.read())
+            assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limits.max_inflight_prompt_tokens_per_tenant = 6" in (error.details() or "")
+            assert ("retry-after", "1") in tuple(error.trailing_metadata() or ())
+        finally:
+            first.cancel()
+        async with g.http.session.get(g.http.url + "/metrics") as response:
+            metrics = await response.text()
+        assert metric_value(metrics, "kvlb_admission_shed_total", reason="tenant_prompt_tokens") == 1
+        assert metric_value(metrics, "kvlb_admission_prompt_token_waits_total") == 1
