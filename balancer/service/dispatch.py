@@ -218,7 +218,8 @@ class Admitted:
     async def take_prompt_tokens(self, prompt_tokens: int) -> None:
         """Hold ``prompt_tokens`` of the tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
         until the request ends, waiting behind the tenant's earlier requests that do not fit yet,
-        within the request's deadline (then 429 with Retry-After). Unset cap: nothing (one check)."""
+        within the request's deadline (then 429 with Retry-After). Unset cap: nothing (the callers
+        check the cap first, so that a request without it awaits nothing more)."""
         admission = self.state.admission
         if admission.limits.max_inflight_prompt_tokens_per_tenant is None or self.tenant is None:
             return

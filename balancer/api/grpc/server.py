@@ -322,7 +322,8 @@ class BalancerService:
         admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
         headers = forwardable_headers(call.metadata, call.request_id)
         headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
-        await admission.take_prompt_tokens(len(job.token_ids))
+        if state.admission.limits.max_inflight_prompt_tokens_per_tenant is not None:  # off: no await
+            await admission.take_prompt_tokens(len(job.token_ids))
         await admission.wait_for_replica(job.pool)
         await dispatch(state, job, headers, call.outcome, functools.partial(self._relay, call, job))
 
