@@ -646,6 +646,8 @@ async def relay(
     outcome = request[OUTCOME]
     stream = opened.stream
     on_first_chunk(state, job, lease, stream)
+    if admission.prompt_tokens:  # its prefill is done: the tenant's allowance passes on
+        admission.give_back_prompt_tokens()
     content_type = stream.content_type
     headers = {
         "Content-Type": content_type,

@@ -232,7 +232,8 @@ class LimitConfig:
     admitting at the same instant can put a tenant at most N - 1 over), like ``max_inflight``."""
     max_inflight_prompt_tokens_per_tenant: int | None = None
     """Prompt tokens (after tokenization) of one tenant's requests in flight at once, counted from
-    tokenization to the request's end; a request over its tenant's allowance waits behind the
+    tokenization to the replica's first answer chunk (a stream's first token: its prefill is done)
+    or the request's end; a request over its tenant's allowance waits behind the
     tenant's earlier ones (its slot held) while other tenants' requests go on, until
     ``queue_timeout_s`` → 429 with Retry-After (``kvlb_admission_shed_total{reason=
     "tenant_prompt_tokens"}``). A prompt larger than the cap runs alone. Unset or 0 (the default):

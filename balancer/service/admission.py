@@ -79,8 +79,9 @@ of the tenant's key and one read of the other workers' counts per check; the she
 when ``max_inflight_per_tenant`` is ``max_inflight`` (the tenant's cap cannot bind first).
 
 **Prompt tokens.** With ``max_inflight_prompt_tokens_per_tenant`` set, an admitted request, once
-tokenized, holds its prompt tokens of its tenant's allowance until it ends
-(:meth:`Admission.take_prompt_tokens`, :meth:`Admission.give_back_prompt_tokens`): one that does
+tokenized, holds its prompt tokens of its tenant's allowance until the replica's first answer chunk
+(its prefill done) or its end (:meth:`Admission.take_prompt_tokens`,
+:meth:`Admission.give_back_prompt_tokens`): one that does
 not fit (:func:`prompt_tokens_fit`; a prompt over the cap fits when the tenant holds none) waits,
 keeping its slot, behind the tenant's earlier waiters, until ``deadline`` (then 429,
 :data:`TENANT_PROMPT_TOKENS`), while other tenants' requests go on. So one tenant cannot put more
@@ -732,7 +733,7 @@ class Admission:
             ) from None
 
     def give_back_prompt_tokens(self, tenant: Tenant, prompt_tokens: int) -> None:
-        """Give back ``prompt_tokens`` of ``tenant``'s (the request ended): its waiters at the token
+        """Give back ``prompt_tokens`` of ``tenant``'s (the request's prefill is done, or it ended): its waiters at the token
         gate that now fit go, in order."""
         tenant.prompt_tokens -= prompt_tokens
         cap = self.limits.max_inflight_prompt_tokens_per_tenant

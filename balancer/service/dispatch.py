@@ -118,7 +118,7 @@ class Admitted:
         """Whether it takes an admission slot (else bytes only, before the queued newcomers)."""
         self.prompt_tokens = 0
         """Prompt tokens it holds of its tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
-        (:meth:`take_prompt_tokens`), given back on exit."""
+        (:meth:`take_prompt_tokens`), given back at the replica's first chunk or on exit."""
         self.tokenizing_bytes = 0
         """The part of :attr:`body_bytes` held while it is tokenized in a thread, for its parsed form
         and the tokenizer's work (:meth:`try_hold_tokenizing`)."""
@@ -217,8 +217,9 @@ class Admitted:
 
     async def take_prompt_tokens(self, prompt_tokens: int) -> None:
         """Hold ``prompt_tokens`` of the tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
-        until the request ends, waiting behind the tenant's earlier requests that do not fit yet,
-        within the request's deadline (then 429 with Retry-After). Unset cap: nothing (the callers
+        until the replica's first chunk (:meth:`give_back_prompt_tokens`) or the request's end,
+        waiting behind the tenant's earlier requests that do not fit yet, within the request's
+        deadline (then 429 with Retry-After). Unset cap: nothing (the callers
         check the cap first, so that a request without it awaits nothing more)."""
         admission = self.state.admission
         if admission.limits.max_inflight_prompt_tokens_per_tenant is None or self.tenant is None:
@@ -232,6 +233,13 @@ class Admitted:
             _count_refusal(self.state, exc, "max_inflight")
             raise
         self.prompt_tokens = prompt_tokens
+
+    def give_back_prompt_tokens(self) -> None:
+        """Give back the prompt tokens it holds of its tenant's allowance (the replica's first chunk is
+        in: its prefill is done), letting the tenant's waiters at the token gate in."""
+        if self.prompt_tokens and self.tenant is not None:
+            self.state.admission.give_back_prompt_tokens(self.tenant, self.prompt_tokens)
+        self.prompt_tokens = 0
 
     async def wait_for_replica(self, pool: Pool) -> None:
         """Wait in the admission queue while every routable replica of ``pool`` is full (then the

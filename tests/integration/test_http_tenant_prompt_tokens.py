@@ -121,32 +121,36 @@ async def test_without_the_cap_the_quiet_tenant_waits_behind_every_noisy_prefill
     assert metric_value(metrics, "kvlb_admission_prompt_token_waits_total") == 0
 
 
-async def test_grpc_calls_count_their_prompt_tokens_against_their_tenants_cap() -> None:
-    """Over gRPC: tenant A's call in flight holds its 4 prompt tokens of the cap (6); A's next call
-    of 3 waits and gets RESOURCE_EXHAUSTED with retry-after after ``queue_timeout_s``, while tenant
-    B's call of the same size is answered."""
+async def test_grpc_calls_count_their_prompt_tokens_until_their_first_token() -> None:
+    """Over gRPC: tenant A's call of 200 prompt tokens, in prefill (slowed: ``time_scale``), holds
+    the cap (200); A's next call of 3 waits and gets RESOURCE_EXHAUSTED with retry-after after
+    ``queue_timeout_s``, while tenant B's call is answered. Once A's first call has its first token
+    its tokens pass on: A's next call is answered."""
     async with grpc_running(
         shared_deepseek(),
         1,
-        time_scale=0.05,
+        time_scale=0.02,
         limits__max_inflight=8,
-        limits__queue_timeout_s=0.5,
-        limits__max_inflight_prompt_tokens_per_tenant=6,
+        limits__queue_timeout_s=0.3,
+        limits__max_inflight_prompt_tokens_per_tenant=200,
     ) as g:
         a = ((HEADER, "tenant-a"),)
-        first = g.balancer.Generate(token_request([7, 8, 9, 10], max_tokens=200), metadata=a)
+        first = g.balancer.Generate(token_request(list(range(1, 201)), max_tokens=40), metadata=a)
         try:
-            assert (await first.read()).index == 0  # in flight: 4 of A's 6 tokens held
-            other = g.balancer.Generate(
-                token_request([21, 22, 23], max_tokens=1), metadata=((HEADER, "tenant-b"),)
-            )
-            chunks = [chunk async for chunk in other]
-            assert chunks and chunks[0].index == 0
+            await asyncio.sleep(0.1)  # tokenized, its 200 tokens held; its prefill takes ~1.3 s
             second = g.balancer.Generate(token_request([11, 12, 13], max_tokens=1), metadata=a)
             error = await failure(second.read())
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "limits.max_inflight_prompt_tokens_per_tenant = 6" in (error.details() or "")
+            assert "limits.max_inflight_prompt_tokens_per_tenant = 200" in (error.details() or "")
             assert ("retry-after", "1") in tuple(error.trailing_metadata() or ())
+            other = g.balancer.Generate(
+                token_request([21, 22, 23], max_tokens=1), metadata=((HEADER, "tenant-b"),)
+            )
+            assert [chunk async for chunk in other]
+            assert (await first.read()).index == 0  # its first token: its tokens given back
+            third = g.balancer.Generate(token_request([31, 32, 33], max_tokens=1), metadata=a)
+            assert [chunk async for chunk in third]  # while the first still decodes
+            assert not first.done()
         finally:
             first.cancel()
         async with g.http.session.get(g.http.url + "/metrics") as response:

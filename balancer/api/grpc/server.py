@@ -330,6 +330,9 @@ class BalancerService:
     async def _relay(self, call: Call, job: Forward, lease: Lease, opened: Opened) -> None:
         state, stream = self.state, opened.stream
         on_first_chunk(state, job, lease, stream)
+        admission = call.admission
+        if admission is not None and admission.prompt_tokens:  # prefill done: the allowance passes on
+            admission.give_back_prompt_tokens()
         if stream.status != 200 or not stream.content_type.startswith(SSE_CONTENT_TYPE):
             await self._refused(job, lease, opened)
         await call.context.send_initial_metadata(
