@@ -733,8 +733,8 @@ class Admission:
             ) from None
 
     def give_back_prompt_tokens(self, tenant: Tenant, prompt_tokens: int) -> None:
-        """Give back ``prompt_tokens`` of ``tenant``'s (the request's prefill is done, or it ended): its waiters at the token
-        gate that now fit go, in order."""
+        """Give back ``prompt_tokens`` of ``tenant``'s (the request's prefill is done, or it ended):
+        its waiters at the token gate that now fit go, in order."""
         tenant.prompt_tokens -= prompt_tokens
         cap = self.limits.max_inflight_prompt_tokens_per_tenant
         if tenant.token_waiters and cap is not None:
