@@ -157,6 +157,7 @@ class Balancer:
                     else limits.max_queued_per_tenant
                 ),
                 max_tenants=limits.max_tenants,
+                max_inflight_prompt_tokens_per_tenant=limits.max_inflight_prompt_tokens_per_tenant or None,
             )
         )
         self.metrics.inflight_requests.set_function(lambda: admission.inflight)

@@ -196,6 +196,7 @@ class _AdmissionCollectors:
     admission_tokenizing_bytes: Gauge
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
+    admission_prompt_token_waits_total: Counter
     admission_answer_overflow_total: Counter
     admission_parse_holds_total: Counter
 
@@ -210,8 +211,14 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "replica_full, queue_timeout, no_healthy, body_bytes (limits.max_inflight_body_bytes "
             "full: queue full or waited too long), tenant_queue (the tenant's "
             "limits.max_queued_per_tenant full), tenant_inflight (waited too long for a slot of the "
-            "tenant's limits.max_inflight_per_tenant).",
+            "tenant's limits.max_inflight_per_tenant), tenant_prompt_tokens (waited too long, then "
+            "429, for room in the tenant's limits.max_inflight_prompt_tokens_per_tenant).",
             ["reason"],
+        ),
+        admission_prompt_token_waits_total=counter(
+            "kvlb_admission_prompt_token_waits_total",
+            "Requests that found their tenant's limits.max_inflight_prompt_tokens_per_tenant taken "
+            "and waited for room (let in later or refused: shed_total reason tenant_prompt_tokens).",
         ),
         admission_tenants=gauge(
             "kvlb_admission_tenants",

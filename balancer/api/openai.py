@@ -232,6 +232,8 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         # Parsed tiny chat messages keep up to 8.7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.
         del parsed
+        if state.admission.limits.max_inflight_prompt_tokens_per_tenant is not None:  # off: no await
+            await admission.take_prompt_tokens(len(token_ids))
         await admission.wait_for_replica(pool)
         headers = forwardable_headers(request.headers, request_id)
         deliver = functools.partial(relay, request, state, job, admission)
@@ -644,6 +646,8 @@ async def relay(
     outcome = request[OUTCOME]
     stream = opened.stream
     on_first_chunk(state, job, lease, stream)
+    if admission.prompt_tokens:  # its prefill is done: the tenant's allowance passes on
+        admission.give_back_prompt_tokens()
     content_type = stream.content_type
     headers = {
         "Content-Type": content_type,

@@ -230,6 +230,15 @@ class LimitConfig:
     and nothing changes for a deployment without tenants. 1..``max_inflight``. With ``kvlb serve
     --workers N`` all workers together (the shared load table, ``load_share_tenant_slots``; workers
     admitting at the same instant can put a tenant at most N - 1 over), like ``max_inflight``."""
+    max_inflight_prompt_tokens_per_tenant: int | None = None
+    """Prompt tokens (after tokenization) of one tenant's requests in flight at once, counted from
+    tokenization to the replica's first answer chunk (a stream's first token: its prefill is done)
+    or the request's end; a request over its tenant's allowance waits behind the
+    tenant's earlier ones (its slot held) while other tenants' requests go on, until
+    ``queue_timeout_s`` → 429 with Retry-After (``kvlb_admission_shed_total{reason=
+    "tenant_prompt_tokens"}``). A prompt larger than the cap runs alone. Unset or 0 (the default):
+    off. ≥ 0 (any value ≥ 1 works: a longer prompt goes alone). Per worker: with ``kvlb serve --workers N``
+    a tenant may hold N times it (not shared between workers)."""
     max_queued_per_tenant: int | None = None
     """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
@@ -715,6 +724,13 @@ class Settings:
             raise ConfigError(
                 f"limits.max_inflight_per_tenant must be in 1..limits.max_inflight ({limits.max_inflight}), "
                 f"got {limits.max_inflight_per_tenant}"
+            )
+        if limits.max_inflight_prompt_tokens_per_tenant is not None and (
+            limits.max_inflight_prompt_tokens_per_tenant < 0
+        ):
+            raise ConfigError(
+                "limits.max_inflight_prompt_tokens_per_tenant must be >= 0 (0: off), "
+                f"got {limits.max_inflight_prompt_tokens_per_tenant}"
             )
         if (
             limits.max_queued_per_tenant is not None

@@ -78,6 +78,17 @@ queue's order and the tenant table (``max_tenants``) stay per worker. The tenant
 of the tenant's key and one read of the other workers' counts per check; the shell leaves them unset
 when ``max_inflight_per_tenant`` is ``max_inflight`` (the tenant's cap cannot bind first).
 
+**Prompt tokens.** With ``max_inflight_prompt_tokens_per_tenant`` set, an admitted request, once
+tokenized, holds its prompt tokens of its tenant's allowance until the replica's first answer chunk
+(its prefill done) or its end (:meth:`Admission.take_prompt_tokens`,
+:meth:`Admission.give_back_prompt_tokens`): one that does
+not fit (:func:`prompt_tokens_fit`; a prompt over the cap fits when the tenant holds none) waits,
+keeping its slot, behind the tenant's earlier waiters, until ``deadline`` (then 429,
+:data:`TENANT_PROMPT_TOKENS`), while other tenants' requests go on. So one tenant cannot put more
+than its allowance of prefill in front of the others' at the engines, which run requests first come
+first served. Per worker: the shared load table carries no token counts. Unset, the shell skips it
+(one ``None`` check a request).
+
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
 
@@ -104,6 +115,16 @@ TENANT_INFLIGHT = "tenant_inflight"
 """The ``limit`` of a refusal for want of a slot of the request's tenant (``max_inflight_per_tenant``)."""
 TENANT_QUEUE = "tenant_queue"
 """The ``limit`` of a refusal for want of a queue place of the tenant (``max_queued_per_tenant``)."""
+TENANT_PROMPT_TOKENS = "tenant_prompt_tokens"
+"""The ``limit`` of a refusal for want of prompt tokens of the tenant's
+``max_inflight_prompt_tokens_per_tenant``."""
+
+
+def prompt_tokens_fit(held: int, prompt_tokens: int, cap: int) -> bool:
+    """Whether a request of ``prompt_tokens`` may go while its tenant's requests past the gate hold
+    ``held`` prompt tokens under a cap of ``cap``: it fits, or the tenant holds none (so a prompt
+    larger than the cap still runs, alone)."""
+    return not held or held + prompt_tokens <= cap
 
 
 def tenant_key(name: str) -> int:
@@ -157,12 +178,15 @@ class AdmissionLimits:
     """Requests of one tenant waiting at once, for admission or a replica slot (≥ 0)."""
     max_tenants: int = 1024
     """Tenants tracked at once (≥ 1); a new one past it shares the overflow tenant."""
+    max_inflight_prompt_tokens_per_tenant: int | None = None
+    """Prompt tokens of one tenant's requests past the token gate at once (≥ 1; ``None``: no gate).
+    A prompt larger than it goes alone (:func:`prompt_tokens_fit`)."""
 
 
 class Tenant:
     """One tenant's share of admission: its requests in flight, its places in the queue, its waiters."""
 
-    __slots__ = ("inflight", "key", "queued", "shared_key", "waiters")
+    __slots__ = ("inflight", "key", "prompt_tokens", "queued", "shared_key", "token_waiters", "waiters")
 
     def __init__(self, key: str | None, shared_key: int = 0) -> None:
         self.key = key
@@ -175,6 +199,11 @@ class Tenant:
         """Its requests waiting, for admission (:attr:`waiters`) or for a replica slot."""
         self.waiters: collections.deque[_Waiter] = collections.deque()
         """Its requests waiting for admission, oldest first."""
+        self.prompt_tokens = 0
+        """Prompt tokens of its requests past the token gate and not yet left
+        (:meth:`Admission.take_prompt_tokens`)."""
+        self.token_waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        """Its requests waiting at the token gate (prompt tokens, future), oldest first."""
 
 
 class _Waiter:
@@ -661,6 +690,69 @@ class Admission:
             if not tenant.inflight and not tenant.queued:
                 self._forget(tenant)
         self._admit_waiters()
+
+    async def take_prompt_tokens(self, tenant: Tenant, prompt_tokens: int, deadline: float) -> bool:
+        """Count ``prompt_tokens`` against ``tenant``'s ``max_inflight_prompt_tokens_per_tenant``
+        (set: the caller checks), waiting behind the tenant's earlier waiters until they fit
+        (:func:`prompt_tokens_fit`) or ``deadline``: then 429 with Retry-After, ``limit``
+        :data:`TENANT_PROMPT_TOKENS`. Given back by :meth:`give_back_prompt_tokens`. Says whether it
+        waited."""
+        cap = self.limits.max_inflight_prompt_tokens_per_tenant
+        assert cap is not None
+        waiters = tenant.token_waiters
+        if not waiters and prompt_tokens_fit(tenant.prompt_tokens, prompt_tokens, cap):
+            tenant.prompt_tokens += prompt_tokens
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (prompt_tokens, future)
+        waiters.append(entry)
+        try:
+            async with asyncio.timeout_at(deadline):
+                await future
+            return True
+        except BaseException as exc:
+            if future.done() and not future.cancelled():
+                self.give_back_prompt_tokens(tenant, prompt_tokens)  # let in as it gave up
+            else:
+                future.cancel()
+                with contextlib.suppress(ValueError):
+                    waiters.remove(entry)
+                self._admit_token_waiters(tenant, cap)  # it may have held smaller ones back
+            if not isinstance(exc, TimeoutError):
+                raise
+            self.refused_total["queue_timeout"] += 1
+            timeout_s = self.limits.queue_timeout_s
+            raise AdmissionRefused(
+                429,
+                "queue_timeout",
+                f"this tenant has {tenant.prompt_tokens} prompt tokens in flight "
+                f"(limits.max_inflight_prompt_tokens_per_tenant = {cap}) and this request's "
+                f"{prompt_tokens} did not fit within limits.queue_timeout_s = {timeout_s}s",
+                max(1.0, timeout_s),
+                TENANT_PROMPT_TOKENS,
+            ) from None
+
+    def give_back_prompt_tokens(self, tenant: Tenant, prompt_tokens: int) -> None:
+        """Give back ``prompt_tokens`` of ``tenant``'s (the request's prefill is done, or it ended):
+        its waiters at the token gate that now fit go, in order."""
+        tenant.prompt_tokens -= prompt_tokens
+        cap = self.limits.max_inflight_prompt_tokens_per_tenant
+        if tenant.token_waiters and cap is not None:
+            self._admit_token_waiters(tenant, cap)
+
+    @staticmethod
+    def _admit_token_waiters(tenant: Tenant, cap: int) -> None:
+        waiters = tenant.token_waiters
+        while waiters:
+            prompt_tokens, future = waiters[0]
+            if future.done():
+                waiters.popleft()
+                continue
+            if not prompt_tokens_fit(tenant.prompt_tokens, prompt_tokens, cap):
+                break
+            waiters.popleft()
+            tenant.prompt_tokens += prompt_tokens
+            future.set_result(None)
 
     def _wake_replica_waiters(self) -> None:
         if self._replica_waiters:

@@ -32,7 +32,14 @@ from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
 from balancer.routing.router import Lease, PoolRequest, RoutePlan
-from balancer.service.admission import MAX_BYTES, TENANT_INFLIGHT, TENANT_QUEUE, AdmissionRefused, Tenant
+from balancer.service.admission import (
+    MAX_BYTES,
+    TENANT_INFLIGHT,
+    TENANT_PROMPT_TOKENS,
+    TENANT_QUEUE,
+    AdmissionRefused,
+    Tenant,
+)
 from balancer.service.state import Outcome, Pool, ServiceState
 from balancer.types import CostTerms, ReplicaId
 from balancer.upstream.client import RetryableUpstream, UpstreamStream
@@ -84,7 +91,16 @@ class Admitted:
     hold without a slot. A plain class rather than a generator-based context manager: it is entered
     once per request."""
 
-    __slots__ = ("body_bytes", "deadline", "slot", "state", "tenant", "tenant_name", "tokenizing_bytes")
+    __slots__ = (
+        "body_bytes",
+        "deadline",
+        "prompt_tokens",
+        "slot",
+        "state",
+        "tenant",
+        "tenant_name",
+        "tokenizing_bytes",
+    )
 
     def __init__(
         self, state: ServiceState, body_bytes: int, tenant_name: str | None, slot: bool = True
@@ -100,6 +116,9 @@ class Admitted:
         """The tenant whose slot the request holds (set on entering; ``None`` without a slot)."""
         self.slot = slot
         """Whether it takes an admission slot (else bytes only, before the queued newcomers)."""
+        self.prompt_tokens = 0
+        """Prompt tokens it holds of its tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
+        (:meth:`take_prompt_tokens`), given back at the replica's first chunk or on exit."""
         self.tokenizing_bytes = 0
         """The part of :attr:`body_bytes` held while it is tokenized in a thread, for its parsed form
         and the tokenizer's work (:meth:`try_hold_tokenizing`)."""
@@ -129,6 +148,8 @@ class Admitted:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self.slot:
+            if self.prompt_tokens and self.tenant is not None:
+                self.state.admission.give_back_prompt_tokens(self.tenant, self.prompt_tokens)
             self.state.admission.leave(self.body_bytes, self.tenant, self.tokenizing_bytes)
         else:
             self.state.admission.give_back(self.body_bytes, self.tokenizing_bytes)
@@ -194,6 +215,32 @@ class Admitted:
         self.state.admission.give_back(body_bytes)
         self.body_bytes -= body_bytes
 
+    async def take_prompt_tokens(self, prompt_tokens: int) -> None:
+        """Hold ``prompt_tokens`` of the tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
+        until the replica's first chunk (:meth:`give_back_prompt_tokens`) or the request's end,
+        waiting behind the tenant's earlier requests that do not fit yet, within the request's
+        deadline (then 429 with Retry-After). Unset cap: nothing (the callers
+        check the cap first, so that a request without it awaits nothing more)."""
+        admission = self.state.admission
+        if admission.limits.max_inflight_prompt_tokens_per_tenant is None or self.tenant is None:
+            return
+        waits = self.state.metrics.admission_prompt_token_waits_total
+        try:
+            if await admission.take_prompt_tokens(self.tenant, prompt_tokens, self.deadline):
+                waits.inc()
+        except AdmissionRefused as exc:
+            waits.inc()
+            _count_refusal(self.state, exc, "max_inflight")
+            raise
+        self.prompt_tokens = prompt_tokens
+
+    def give_back_prompt_tokens(self) -> None:
+        """Give back the prompt tokens it holds of its tenant's allowance (the replica's first chunk is
+        in: its prefill is done), letting the tenant's waiters at the token gate in."""
+        if self.prompt_tokens and self.tenant is not None:
+            self.state.admission.give_back_prompt_tokens(self.tenant, self.prompt_tokens)
+        self.prompt_tokens = 0
+
     async def wait_for_replica(self, pool: Pool) -> None:
         """Wait in the admission queue while every routable replica of ``pool`` is full (then the
         request goes on; with no routable replica it goes on at once, to get its 503)."""
@@ -232,9 +279,10 @@ def held(state: ServiceState, body_bytes: int) -> Admitted:
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
     """``kvlb_admission_shed_total``: ``body_bytes`` for every refusal for want of bytes (429 or 503),
-    ``tenant_queue`` / ``tenant_inflight`` for a tenant's own caps (429 / 503), else ``full_reason``
+    ``tenant_queue`` / ``tenant_inflight`` / ``tenant_prompt_tokens`` for a tenant's own caps
+    (429 / 503 / 429), else ``full_reason``
     for a full queue and ``queue_timeout`` for a wait too long."""
-    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT):
+    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT, TENANT_PROMPT_TOKENS):
         reason = exc.limit
     else:
         reason = full_reason if exc.reason == "queue_full" else exc.reason

@@ -122,6 +122,10 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             ["limits.max_queued=4", "limits.max_queued_per_tenant=5"],
             r"limits.max_queued_per_tenant must be in 0..limits.max_queued \(4\), got 5",
         ),
+        (
+            ["limits.max_inflight_prompt_tokens_per_tenant=-1"],
+            r"limits.max_inflight_prompt_tokens_per_tenant must be >= 0 \(0: off\), got -1",
+        ),
         (["limits.max_tenants=0"], "limits.max_tenants must be in 1..65536"),
         (["limits.max_tenants=65537"], "limits.max_tenants must be in 1..65536"),
         (["limits.load_share_tenant_slots=0"], "limits.load_share_tenant_slots must be in 1..65536"),
@@ -268,6 +272,9 @@ def test_the_tenant_header_moved_out_of_console_and_its_old_name_still_works() -
     )
     capped = config.load(sets=["limits.max_inflight_per_tenant=3", "limits.max_queued_per_tenant=0"], env={})
     assert (capped.limits.max_inflight_per_tenant, capped.limits.max_queued_per_tenant) == (3, 0)
+    assert default.limits.max_inflight_prompt_tokens_per_tenant is None
+    tokens = config.load(sets=["limits.max_inflight_prompt_tokens_per_tenant=16000"], env={})
+    assert tokens.limits.max_inflight_prompt_tokens_per_tenant == 16000
 
 
 @pytest.mark.parametrize(

@@ -322,12 +322,17 @@ class BalancerService:
         admission.add(len(job.body) + TOKEN_ID_BYTES * len(job.token_ids))  # what is forwarded
         headers = forwardable_headers(call.metadata, call.request_id)
         headers.update({"content-type": "application/json", "accept": SSE_CONTENT_TYPE})
+        if state.admission.limits.max_inflight_prompt_tokens_per_tenant is not None:  # off: no await
+            await admission.take_prompt_tokens(len(job.token_ids))
         await admission.wait_for_replica(job.pool)
         await dispatch(state, job, headers, call.outcome, functools.partial(self._relay, call, job))
 
     async def _relay(self, call: Call, job: Forward, lease: Lease, opened: Opened) -> None:
         state, stream = self.state, opened.stream
         on_first_chunk(state, job, lease, stream)
+        admission = call.admission
+        if admission is not None and admission.prompt_tokens:  # prefill done: the allowance passes on
+            admission.give_back_prompt_tokens()
         if stream.status != 200 or not stream.content_type.startswith(SSE_CONTENT_TYPE):
             await self._refused(job, lease, opened)
         await call.context.send_initial_metadata(
