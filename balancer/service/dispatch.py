@@ -148,8 +148,7 @@ class Admitted:
 
     async def __aexit__(self, *exc_info: object) -> None:
         if self.slot:
-            if self.prompt_tokens and self.tenant is not None:
-                self.state.admission.give_back_prompt_tokens(self.tenant, self.prompt_tokens)
+            self.give_back_prompt_tokens()
             self.state.admission.leave(self.body_bytes, self.tenant, self.tokenizing_bytes)
         else:
             self.state.admission.give_back(self.body_bytes, self.tokenizing_bytes)

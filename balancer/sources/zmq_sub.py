@@ -226,11 +226,9 @@ class ZmqEventSource:
         self._dealer: zmq.asyncio.Socket | None = None
         """The replay DEALER, kept between requests (:meth:`_replay_dealer`)."""
         self._counters = SourceCounters()
-        self._tcp_connected = False
-        """The SUB's TCP connection is up (``EVENT_CONNECTED``)."""
         self._handshaken = False
-        """... and its ZMQ handshake with a PUB succeeded (``EVENT_HANDSHAKE_SUCCEEDED``): the
-        connection this source counts as connected (``SourceStatus.connected``)."""
+        """The SUB's connection completed its ZMQ handshake with a PUB (``EVENT_HANDSHAKE_SUCCEEDED``):
+        the connection this source counts as connected (``SourceStatus.connected``)."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
@@ -294,7 +292,7 @@ class ZmqEventSource:
                 )
             finally:
                 self._ahead.reader = None  # a shadow: it must not outlive the SUB
-                self._tcp_connected = self._handshaken = False
+                self._handshaken = False
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
@@ -390,13 +388,11 @@ class ZmqEventSource:
                 return
             kind = event["event"]
             if kind == zmq.EVENT_CONNECT_RETRIED:
-                self._refused_connect()
-            elif kind == zmq.EVENT_CONNECTED:
-                self._tcp_connected = True
+                self._connection_problem("zmq_connect_refused", CONNECT_REFUSED)
             elif kind == zmq.EVENT_DISCONNECTED and not self._handshaken:
                 self._refused_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._handshaken = self._tcp_connected = False
+                self._handshaken = False
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
                 self._metrics.events_disconnects_total.labels(self.replica).inc()
                 self._warnings.warning(
@@ -422,36 +418,22 @@ class ZmqEventSource:
                     self._replay_on_connect = False
                     await self._catch_up(sub, emit)
 
-    def _refused_connect(self) -> None:
-        """ZMQ's connect was refused (it retries by itself): nothing listens at the events
-        endpoint, a wrong port or an engine without KV events (or one down or still starting)."""
-        text = CONNECT_REFUSED.format(endpoint=self.endpoint)
+    def _connection_problem(self, cause: str, template: str) -> None:
+        """A problem with the events endpoint itself: ``template`` (naming the endpoint) becomes the
+        source's ``last_error`` and a warning under ``cause`` (once, then once a minute). A refused
+        connect (``zmq_connect_refused``, ZMQ retries by itself) means nothing listens there: a wrong
+        port, an engine without KV events, or one down or still starting."""
+        text = template.format(endpoint=self.endpoint)
         self._counters.note_error(text, time.time())
-        self._warnings.warning(
-            "zmq_connect_refused",
-            f"{self.replica}/{self.dp_rank}",
-            "replica %s rank %d: %s",
-            self.replica,
-            self.dp_rank,
-            text,
-        )
+        subject = f"{self.replica}/{self.dp_rank}"
+        self._warnings.warning(cause, subject, "replica %s rank %d: %s", self.replica, self.dp_rank, text)
 
     def _refused_handshake(self) -> NoReturn:
         """The TCP connection dropped before a ZMQ handshake with a PUB: the peer is another
         socket type (a ROUTER: the replay endpoint; a SUB) or no ZMQ; nothing was received, so
         there is no stream state to drop. The SUB is reopened after the backoff."""
-        self._tcp_connected = False
-        text = HANDSHAKE_REFUSED.format(endpoint=self.endpoint)
         self._counters.transport_errors += 1
-        self._counters.note_error(text, time.time())
-        self._warnings.warning(
-            "zmq_handshake_refused",
-            f"{self.replica}/{self.dp_rank}",
-            "replica %s rank %d: %s",
-            self.replica,
-            self.dp_rank,
-            text,
-        )
+        self._connection_problem("zmq_handshake_refused", HANDSHAKE_REFUSED)
         raise _Refused
 
     def _connection_problems_over(self) -> None:
@@ -520,10 +502,7 @@ class ZmqEventSource:
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
         sub.setsockopt(zmq.SUBSCRIBE, self.topic)
         monitor = sub.get_monitor_socket(
-            zmq.EVENT_CONNECTED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | zmq.EVENT_DISCONNECTED
-            | zmq.EVENT_CONNECT_RETRIED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
         )
         sub.connect(self.endpoint)
         self._ahead.reader = zmq.Socket.shadow(sub.underlying)
