@@ -239,9 +239,8 @@ class Balancer:
         return SeriesSampler(
             console.series_interval_s,
             console.series_intervals,
-            console.series_ttft_samples,
             console.series_max_replicas,
-            # every request past an interval's TTFT samples counts one: the memoised child
+            # every request past an interval's replica names counts one: the memoised child
             on_overflow=lambda kind: metrics.children.of(overflow, kind).inc(),
         )
 

@@ -747,9 +747,8 @@ def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
     return _ConsoleCollectors(
         console_series_overflow_total=counter(
             "kvlb_console_series_overflow_total",
-            "Items the series sampler left out of an interval at its bounds: kind=ttft_samples (a "
-            "TTFT sample beyond console.series_ttft_samples, kept or not by reservoir sampling), "
-            "kind=replicas (a request counted under (other) beyond console.series_max_replicas).",
+            "Items the series sampler left out of an interval at its bounds: kind=replicas (a "
+            "request counted under (other) beyond console.series_max_replicas).",
             ["kind"],
         ),
         console_ring_entries=gauge(

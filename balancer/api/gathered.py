@@ -11,7 +11,9 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
   of it, or its entry as given when none is (a missing worker keeps its entry).
 * ``GET /admin/decisions/{id}``: ids are the worker's index + 1 modulo N (:class:`DecisionLog`), so
   the decision is looked up on the worker that made it.
-* ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`).
+* ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`);
+  each worker is asked for its TTFT histograms (``ttft_histograms=1``), which add, so the TTFT
+  percentiles are the service's.
 * ``GET /admin/replicas``: this worker's view of each replica (health, drains, the shared load and
   in-flight count, its index and event status, as every worker's are alike) with the ``prediction``
   of every worker's receipts (:func:`merge_predictions`): each worker keeps the receipts of the
@@ -36,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from balancer import strict_json
+from balancer.api.admin import SERIES_HISTOGRAMS, series_histograms
 from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY, since_ids
 from balancer.api.errors import ApiError
 from balancer.api.parsing import decimal_integer
@@ -67,6 +70,10 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     matched = _ONE_DECISION.match(request.path)
     if matched is not None:
         return await _one_decision(request, handler, siblings, matched.group(1))
+    asked = request.path_qs
+    if request.path == "/admin/series":
+        request[SERIES_HISTOGRAMS] = True  # this worker's rows with their TTFT histograms, to add
+        asked = str(request.rel_url.update_query(ttft_histograms="1"))
     response = await handler(request)  # validates the query or body: a 4xx is this worker's alone
     if response.status != 200 or not isinstance(response, web.Response) or response.body is None:
         return response
@@ -75,7 +82,7 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     if request.path == "/admin/whatif":
         merged = await whatif_everywhere(siblings, request.get(WHATIF_BODY, b"{}"), headers, local)
         return web.json_response(merged, dumps=strict_json.dumps)
-    answers, missing = await _ask(siblings, "GET", request.path_qs, b"", headers, None)
+    answers, missing = await _ask(siblings, "GET", asked, b"", headers, None)
     answers[siblings.index] = local
     order = sorted(answers)
     if request.path == "/admin/decisions":
@@ -86,7 +93,7 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     elif request.path == "/admin/replicas":
         merged = _merge_replicas(local, [answers[i] for i in order])
     else:
-        merged = merge_series([answers[i] for i in order])
+        merged = merge_series([answers[i] for i in order], ttft_histograms=series_histograms(request.query))
     merged["workers"] = order
     merged["workers_missing"] = missing
     return web.json_response(merged, dumps=strict_json.dumps)

@@ -308,7 +308,8 @@ def _admin_paths() -> dict[str, Any]:
         "/admin/series": {
             "get": {
                 "summary": "The console's time series per interval: requests per replica, predicted and "
-                "reported hit rate, TTFT p50/p90 (kvlb serve --workers N: every worker's, summed)",
+                "reported hit rate, TTFT p50/p90 from a log-bucket histogram, within 4.8% (kvlb serve"
+                " --workers N: every worker's, summed, the histograms too)",
                 **admin,
                 "parameters": [
                     {
@@ -318,7 +319,15 @@ def _admin_paths() -> dict[str, Any]:
                         "description": "How far back, in decimal digits as 10 or 0.5 (default 10; capped at"
                         " what the ring holds)",
                         "schema": {"type": "number", "exclusiveMinimum": 0},
-                    }
+                    },
+                    {
+                        "name": "ttft_histograms",
+                        "in": "query",
+                        "required": False,
+                        "description": "1: each interval also lists its ttft_histogram (the counts its TTFT"
+                        " percentiles come from, which add across workers); 0 (default): without",
+                        "schema": {"type": "integer", "enum": [0, 1]},
+                    },
                 ],
                 "responses": {"200": ok, **_errors(400, 401)},
             }

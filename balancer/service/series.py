@@ -11,23 +11,25 @@ Dispatch reports three things as requests go (:mod:`balancer.service.dispatch`):
 
 ``GET /admin/series?minutes=`` reads :meth:`SeriesSampler.series`: per interval, the request count
 per replica, the predicted and reported hit rates (cached ÷ prompt tokens) and TTFT p50/p90.
+The TTFTs of an interval are counted in a :class:`~balancer.service.log_histogram.LogHistogram`
+(every one of them; the percentiles within 4.76 % of the exact ones), listed with the row as
+``ttft_histogram`` when asked (``ttft_histograms=1``; a gathering worker asks its siblings so), so
+the workers of ``kvlb serve --workers N`` add up to the service's (:func:`merge_series`).
 
-Bounded: at most ``series_intervals`` intervals (older ones fall off the ring), at most
-``series_ttft_samples`` TTFT samples per interval (a uniform reservoir sample beyond that, the
-samples left out counted), and at most ``series_max_replicas`` replica names per interval (the
-rest counted under ``"(other)"``). Every overflow is counted in
-``kvlb_console_series_overflow_total{kind}``.
+Bounded: at most ``series_intervals`` intervals (older ones fall off the ring), at most 194
+histogram buckets per interval, and at most ``series_max_replicas`` replica names per interval
+(the rest counted under ``"(other)"``, counted in ``kvlb_console_series_overflow_total{kind}``).
 """
 
 from __future__ import annotations
 
 import math
-import random
-from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from balancer.service.log_histogram import BUCKETS, MIN_S, RATIO, RELATIVE_ERROR, LogHistogram
 
 OTHER_REPLICAS = "(other)"
 """The replica name intervals count requests under once ``series_max_replicas`` names are used."""
@@ -42,12 +44,13 @@ class _Interval:
     predicted_cached_tokens: int = 0
     reported_prompt_tokens: int = 0
     reported_cached_tokens: int = 0
-    ttft_s: array[float] = field(default_factory=lambda: array("d"))
-    ttft_seen: int = 0
+    ttft: LogHistogram = field(default_factory=LogHistogram)
     by_replica: dict[str, int] = field(default_factory=dict)
     row: dict[str, Any] | None = None
     """The interval as :meth:`SeriesSampler.series` lists it, kept once a newer interval exists
     (samples only ever land in the newest one, so an older row never changes)."""
+    wire: list[int] = field(default_factory=list)
+    """The TTFT histogram's wire form, kept with :attr:`row`."""
 
 
 def percentile(ordered: list[float], q: float) -> float | None:
@@ -69,19 +72,15 @@ class SeriesSampler:
         self,
         interval_s: float,
         intervals: int,
-        ttft_samples: int,
         max_replicas: int,
         *,
-        rng: random.Random | None = None,
         on_overflow: Callable[[str], None] | None = None,
     ) -> None:
-        if interval_s <= 0 or intervals < 1 or ttft_samples < 1 or max_replicas < 1:
-            raise ValueError("series: interval_s > 0 and intervals, ttft_samples, max_replicas >= 1")
+        if interval_s <= 0 or intervals < 1 or max_replicas < 1:
+            raise ValueError("series: interval_s > 0 and intervals, max_replicas >= 1")
         self.interval_s = interval_s
-        self.ttft_samples = ttft_samples
         self.max_replicas = max_replicas
         self._ring: deque[_Interval] = deque(maxlen=intervals)
-        self._rng = rng if rng is not None else random.Random(0)
         self._on_overflow = on_overflow
 
     @property
@@ -126,16 +125,7 @@ class SeriesSampler:
         """The first upstream body chunk came ``seconds`` after the request arrived."""
         if not math.isfinite(seconds) or seconds < 0:
             return
-        interval = self._at(wall)
-        interval.ttft_seen += 1
-        samples = interval.ttft_s
-        if len(samples) < self.ttft_samples:
-            samples.append(seconds)
-            return
-        self._overflow("ttft_samples")
-        slot = self._rng.randrange(interval.ttft_seen)  # reservoir: every sample equally likely kept
-        if slot < self.ttft_samples:
-            samples[slot] = seconds
+        self._at(wall).ttft.add(seconds)
 
     def on_usage(self, prompt_tokens: int, cached_tokens: int, wall: float) -> None:
         """A replica reported ``cached_tokens`` of ``prompt_tokens`` as cached at the end of an answer."""
@@ -143,9 +133,11 @@ class SeriesSampler:
         interval.reported_prompt_tokens += max(0, prompt_tokens)
         interval.reported_cached_tokens += max(0, cached_tokens)
 
-    def series(self, minutes: float, wall: float) -> dict[str, Any]:
+    def series(self, minutes: float, wall: float, *, ttft_histograms: bool = False) -> dict[str, Any]:
         """Every interval of the last ``minutes`` up to ``wall``, oldest first; intervals without
-        traffic are listed with zero counts and ``null`` rates, so plots have a point per interval."""
+        traffic are listed with zero counts and ``null`` rates, so plots have a point per interval.
+        With ``ttft_histograms``, each row also has its ``ttft_histogram`` (the wire form of
+        :class:`~balancer.service.log_histogram.LogHistogram`, what :func:`merge_series` adds)."""
         newest = math.floor(wall / self.interval_s) * self.interval_s
         count = max(1, min(self.capacity, math.ceil(minutes * 60.0 / self.interval_s)))
         oldest = newest - (count - 1) * self.interval_s
@@ -156,19 +148,25 @@ class SeriesSampler:
             start = oldest + step * self.interval_s
             interval = held.get(start)
             if interval is None:
-                rows.append(_row(_Interval(start)))
+                row = _row(_Interval(start))
+                wire: list[int] = []
             elif interval is newest_held:
-                rows.append(_row(interval))
+                row, wire = _row(interval), interval.ttft.to_json()
             else:
                 if interval.row is None:
-                    interval.row = _row(interval)
-                rows.append(interval.row)
-        return {"interval_s": self.interval_s, "span_s": self.span_s, "now": wall, "intervals": rows}
+                    interval.row, interval.wire = _row(interval), interval.ttft.to_json()
+                row, wire = interval.row, interval.wire
+            rows.append({**row, "ttft_histogram": wire} if ttft_histograms else row)
+        return {
+            "interval_s": self.interval_s,
+            "span_s": self.span_s,
+            "now": wall,
+            "ttft_buckets": TTFT_BUCKETS,
+            "intervals": rows,
+        }
 
 
 def _row(interval: _Interval) -> dict[str, Any]:
-    ordered = sorted(interval.ttft_s)
-    p50, p90 = percentile(ordered, 0.5), percentile(ordered, 0.9)
     return {
         "ts": interval.start,
         "requests": interval.requests,
@@ -178,50 +176,76 @@ def _row(interval: _Interval) -> dict[str, Any]:
         "reported_prompt_tokens": interval.reported_prompt_tokens,
         "reported_cached_tokens": interval.reported_cached_tokens,
         "reported_hit_rate": _ratio(interval.reported_cached_tokens, interval.reported_prompt_tokens),
-        "ttft_p50_s": None if p50 is None else round(p50, 6),
-        "ttft_p90_s": None if p90 is None else round(p90, 6),
-        "ttft_count": interval.ttft_seen,
+        **_ttft_fields(interval.ttft),
         "replicas": dict(sorted(interval.by_replica.items())),
     }
 
 
-TTFT_MERGED = (
-    "ttft_p50_s and ttft_p90_s are the highest of the workers' own percentiles: a percentile of the "
-    "service's samples lies between the lowest and the highest of its parts', so this is an upper "
-    "bound, exact with one worker"
-)
-"""What :func:`merge_series` says it did with the TTFT percentiles (they cannot be added)."""
+def _ttft_fields(ttft: LogHistogram) -> dict[str, Any]:
+    """A row's TTFT figures: p50 and p90 (6 significant digits) and the count."""
+    p50, p90 = ttft.quantiles((0.5, 0.9))
+    return {
+        "ttft_p50_s": None if p50 is None else float(f"{p50:.6g}"),
+        "ttft_p90_s": None if p90 is None else float(f"{p90:.6g}"),
+        "ttft_count": ttft.total,
+    }
 
 
-def merge_series(answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """Several workers' :meth:`SeriesSampler.series` answers as the service's, per interval
-    (intervals start at multiples of the same length on every worker): counts and tokens add
-    (``requests``, ``prompt_tokens``, ``predicted_cached_tokens``, ``reported_*_tokens``,
-    ``ttft_count`` and each replica's requests), the hit rates are recomputed from the summed
-    tokens, and the TTFT percentiles are the highest of the workers' (:data:`TTFT_MERGED`). The
-    first answer gives the interval length and the number of intervals listed (the newest ones)."""
+TTFT_BUCKETS = {
+    "min_s": MIN_S,
+    "ratio": RATIO,
+    "buckets": BUCKETS,
+    "relative_error": round(RELATIVE_ERROR, 4),
+}
+"""How a row's ``ttft_histogram`` is bucketed (:mod:`balancer.service.log_histogram`) and how far
+its percentiles may be from the exact ones, as every series answer says under ``ttft_buckets``."""
+
+
+def merge_series(answers: list[dict[str, Any]], *, ttft_histograms: bool = False) -> dict[str, Any]:
+    """Several workers' :meth:`SeriesSampler.series` answers (each asked ``ttft_histograms``) as
+    the service's, per interval (intervals start at multiples of the same length on every worker):
+    counts and tokens add (``requests``, ``prompt_tokens``, ``predicted_cached_tokens``,
+    ``reported_*_tokens`` and each replica's requests), the hit rates are recomputed from the
+    summed tokens, and the TTFT histograms add, ``ttft_count`` and the percentiles taken from the
+    sum: the figures one worker with all the traffic would give, at the same error. The first
+    answer gives the interval length and the number of intervals listed (the newest ones). The rows
+    keep their ``ttft_histogram`` only with ``ttft_histograms``. ``ValueError`` for a row whose
+    ``ttft_histogram`` is not one."""
     first = answers[0]
-    rows: dict[float, dict[str, Any]] = {}
+    parts: dict[float, list[dict[str, Any]]] = {}
     for answer in answers:
         for row in answer["intervals"]:
-            merged = rows.get(row["ts"])
-            if merged is None:
-                rows[row["ts"]] = {**row, "replicas": dict(row["replicas"])}
-                continue
-            for name in _ADDED:
-                merged[name] += row[name]
-            for replica, count in row["replicas"].items():
-                merged["replicas"][replica] = merged["replicas"].get(replica, 0) + count
-            for name in ("ttft_p50_s", "ttft_p90_s"):
-                if row[name] is not None and (merged[name] is None or row[name] > merged[name]):
-                    merged[name] = row[name]
-    listed = sorted(rows.values(), key=lambda r: r["ts"])[-len(first["intervals"]) :]
-    for row in listed:
-        row["predicted_hit_rate"] = _ratio(row["predicted_cached_tokens"], row["prompt_tokens"])
-        row["reported_hit_rate"] = _ratio(row["reported_cached_tokens"], row["reported_prompt_tokens"])
-        row["replicas"] = dict(sorted(row["replicas"].items()))
+            parts.setdefault(row["ts"], []).append(row)
+    listed = [_merged_row(parts[ts], ttft_histograms) for ts in sorted(parts)[-len(first["intervals"]) :]]
     now = max(answer["now"] for answer in answers)
-    return {**first, "now": now, "intervals": listed, "ttft_percentiles": TTFT_MERGED}
+    return {**first, "now": now, "intervals": listed}
+
+
+def _merged_row(rows: list[dict[str, Any]], ttft_histograms: bool) -> dict[str, Any]:
+    """One interval's rows of several workers as one (see :func:`merge_series`)."""
+    if len(rows) == 1:  # one worker's alone: its figures are the service's
+        merged = dict(rows[0])
+        LogHistogram.from_json(merged["ttft_histogram"])  # checked as any other
+        if not ttft_histograms:
+            del merged["ttft_histogram"]
+        return merged
+    merged = {**rows[0], "replicas": dict(rows[0]["replicas"])}
+    ttft = LogHistogram.from_json(rows[0]["ttft_histogram"])
+    for row in rows[1:]:
+        for name in _ADDED:
+            merged[name] += row[name]
+        for replica, count in row["replicas"].items():
+            merged["replicas"][replica] = merged["replicas"].get(replica, 0) + count
+        ttft.merge(LogHistogram.from_json(row["ttft_histogram"]))
+    merged["predicted_hit_rate"] = _ratio(merged["predicted_cached_tokens"], merged["prompt_tokens"])
+    merged["reported_hit_rate"] = _ratio(merged["reported_cached_tokens"], merged["reported_prompt_tokens"])
+    merged["replicas"] = dict(sorted(merged["replicas"].items()))
+    merged.update(_ttft_fields(ttft))
+    if ttft_histograms:
+        merged["ttft_histogram"] = ttft.to_json()
+    else:
+        del merged["ttft_histogram"]
+    return merged
 
 
 _ADDED = (
@@ -230,5 +254,4 @@ _ADDED = (
     "predicted_cached_tokens",
     "reported_prompt_tokens",
     "reported_cached_tokens",
-    "ttft_count",
 )

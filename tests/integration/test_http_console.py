@@ -129,6 +129,17 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         for query in ("minutes=5", "minutes=0.5", "minutes=1e1"):
             status, series = await _call(h, "GET", f"/admin/series?{query}")
             assert status == 200 and series["intervals"], query
+        for query in (
+            "ttft_histograms=2",
+            "ttft_histograms=true",
+            "ttft_histograms=",
+            "ttft_histograms=1&ttft_histograms=1",
+        ):
+            status, error = await _call(h, "GET", f"/admin/series?{query}")
+            assert status == 400 and "ttft_histograms" in error["error"]["message"], query
+        for flag, listed in (("0", False), ("1", True)):
+            status, series = await _call(h, "GET", f"/admin/series?minutes=1&ttft_histograms={flag}")
+            assert status == 200 and all(("ttft_histogram" in r) is listed for r in series["intervals"])
         status, _ = await _call(h, "GET", "/admin/decisions/999999")
         assert status == 404
 

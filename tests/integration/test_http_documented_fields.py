@@ -22,7 +22,7 @@ from balancer.tokenizer.tokenizer import Tokenizer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 TOKEN = "doc-token"
-WORKERS_ONLY = {"worker", "workers", "workers_missing", "ttft_percentiles"}
+WORKERS_ONLY = {"worker", "workers", "workers_missing"}
 """Fields of a ``kvlb serve --workers N`` answer only (tests/e2e/test_serve_workers*.py)."""
 NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("PUT", "/admin/policy"): {"admin", "reason"},  # the actor's default; a body field
@@ -32,7 +32,7 @@ NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("POST", "/admin/whatif"): {"last"} | WORKERS_ONLY,  # a body field
     ("GET", "/admin/decisions"): {"i", "since_id"} | WORKERS_ONLY,  # query words
     ("GET", "/admin/audit"): WORKERS_ONLY,
-    ("GET", "/admin/series"): {"minutes", "null"} | WORKERS_ONLY,
+    ("GET", "/admin/series"): {"minutes", "ttft_histograms", "null"} | WORKERS_ONLY,  # query words
 }
 PROMPT = list(range(100, 164))
 
@@ -102,7 +102,7 @@ async def answers(h: Harness, holder: str) -> dict[tuple[str, str], Any]:
     newest = out["GET", "/admin/decisions"]["decisions"][0]["id"]
     out["GET", "/admin/decisions/{id}"] = await h.admin("GET", f"/admin/decisions/{newest}")
     out["GET", "/admin/audit"] = await h.admin("GET", "/admin/audit")
-    out["GET", "/admin/series"] = await h.admin("GET", "/admin/series?minutes=1")
+    out["GET", "/admin/series"] = await h.admin("GET", "/admin/series?minutes=1&ttft_histograms=1")
     return out
 
 

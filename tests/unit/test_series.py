@@ -8,15 +8,21 @@ import pytest
 
 from balancer.config import ConsoleConfig
 from balancer.errors import ConfigError
+from balancer.service.log_histogram import BUCKETS, RELATIVE_ERROR
 from balancer.service.series import OTHER_REPLICAS, SeriesSampler, percentile
 
 
 def sampler(**kw: object) -> tuple[SeriesSampler, list[str]]:
     overflows: list[str] = []
-    args: dict[str, object] = {"interval_s": 5.0, "intervals": 4, "ttft_samples": 8, "max_replicas": 8}
+    args: dict[str, object] = {"interval_s": 5.0, "intervals": 4, "max_replicas": 8}
     args.update(kw)
-    s = SeriesSampler(**args, rng=random.Random(1), on_overflow=overflows.append)  # type: ignore[arg-type]
+    s = SeriesSampler(**args, on_overflow=overflows.append)  # type: ignore[arg-type]
     return s, overflows
+
+
+def near(got: float | None, want: float) -> bool:
+    """``got`` within the histogram's stated relative error of ``want`` (and its 6-digit rounding)."""
+    return got is not None and abs(got - want) <= (RELATIVE_ERROR + 1e-6) * want
 
 
 def test_one_interval_counts_rates_and_percentiles() -> None:
@@ -34,8 +40,9 @@ def test_one_interval_counts_rates_and_percentiles() -> None:
     assert row["prompt_tokens"] == 1000 and row["predicted_cached_tokens"] == 350
     assert row["predicted_hit_rate"] == 0.35
     assert row["reported_hit_rate"] == 0.4
-    assert row["ttft_p50_s"] == 0.5 and row["ttft_p90_s"] == 0.9 and row["ttft_count"] == 10
-    assert overflows == ["ttft_samples", "ttft_samples"]  # 10 samples, 8 kept
+    assert near(row["ttft_p50_s"], 0.5) and near(row["ttft_p90_s"], 0.9) and row["ttft_count"] == 10
+    assert "ttft_histogram" not in row  # only when asked
+    assert overflows == []
 
 
 def test_empty_intervals_are_listed_with_null_rates() -> None:
@@ -67,14 +74,33 @@ def test_replica_names_are_bounded() -> None:
     assert overflows == ["replicas", "replicas"]
 
 
-def test_ttft_reservoir_keeps_at_most_the_cap_and_stays_representative() -> None:
-    s, overflows = sampler(ttft_samples=64)
-    for i in range(10_000):
-        s.on_ttft(i / 10_000, 1000.0)
-    [row] = s.series(minutes=5 / 60, wall=1000.0)["intervals"]
-    assert len(s._ring[-1].ttft_s) == 64 and row["ttft_count"] == 10_000
-    assert 0.3 < row["ttft_p50_s"] < 0.7 and row["ttft_p90_s"] > 0.7
-    assert len(overflows) == 10_000 - 64
+def test_every_ttft_is_counted_in_at_most_the_buckets() -> None:
+    s, overflows = sampler()
+    rng = random.Random(3)
+    values = [rng.lognormvariate(-1.6, 2.0) for _ in range(10_000)] + [0.0, 1e-7, 1e9]
+    for value in values:
+        s.on_ttft(value, 1000.0)
+    [row] = s.series(minutes=5 / 60, wall=1000.0, ttft_histograms=True)["intervals"]
+    values.sort()
+    assert row["ttft_count"] == len(values) and sum(row["ttft_histogram"][1:]) == len(values)
+    assert len(row["ttft_histogram"]) <= BUCKETS + 1 and overflows == []
+    assert near(row["ttft_p50_s"], percentile(values, 0.5) or 0.0)
+    assert near(row["ttft_p90_s"], percentile(values, 0.9) or 0.0)
+
+
+def test_histograms_are_listed_when_asked_and_closed_rows_kept_without_them() -> None:
+    s, _ = sampler()
+    s.on_ttft(0.2, 1000.0)
+    s.on_ttft(0.3, 1006.0)
+    plain = s.series(minutes=10 / 60, wall=1006.0)
+    full = s.series(minutes=10 / 60, wall=1006.0, ttft_histograms=True)
+    assert plain["ttft_buckets"]["relative_error"] == round(RELATIVE_ERROR, 4)
+    assert [sum(r["ttft_histogram"][1:]) for r in full["intervals"]] == [1, 1]
+    assert all("ttft_histogram" not in r for r in plain["intervals"])
+    assert all("ttft_histogram" not in r for r in s.series(minutes=10 / 60, wall=1006.0)["intervals"])
+    assert (
+        s.series(minutes=15 / 60, wall=1011.0, ttft_histograms=True)["intervals"][2]["ttft_histogram"] == []
+    )
 
 
 def test_a_clock_stepping_back_lands_in_the_newest_interval() -> None:
@@ -100,9 +126,9 @@ def test_percentile_nearest_rank() -> None:
 
 def test_invalid_sizes_are_refused() -> None:
     with pytest.raises(ValueError):
-        SeriesSampler(0.0, 1, 1, 1)
+        SeriesSampler(0.0, 1, 1)
     with pytest.raises(ValueError):
-        SeriesSampler(5.0, 0, 1, 1)
+        SeriesSampler(5.0, 0, 1)
 
 
 def test_older_rows_are_computed_once_and_the_newest_stays_live() -> None:

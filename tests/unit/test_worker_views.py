@@ -3,6 +3,7 @@ two workers' what-if replays and series, merged, say what one worker with all th
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -14,7 +15,8 @@ from balancer.api.gathered import _merge_audit, _merge_decisions
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
 from balancer.service.decisions import DecisionLog, next_since, own_since
-from balancer.service.series import SeriesSampler, merge_series
+from balancer.service.log_histogram import RELATIVE_ERROR
+from balancer.service.series import SeriesSampler, merge_series, percentile
 from balancer.service.whatif import merge_answers, replay
 
 
@@ -88,26 +90,52 @@ def feed(sampler: SeriesSampler, made: list[tuple[float, str, int, float, int]])
 
 def test_two_workers_series_merged_add_counts_and_recompute_rates() -> None:
     made = [events(0, 40), events(1, 70)]
-    workers = [SeriesSampler(5.0, 8, 1000, 8), SeriesSampler(5.0, 8, 1000, 8)]
-    whole = SeriesSampler(5.0, 8, 1000, 8)
+    workers = [SeriesSampler(5.0, 8, 8), SeriesSampler(5.0, 8, 8)]
+    whole = SeriesSampler(5.0, 8, 8)
     for sampler, part in zip(workers, made, strict=True):
         feed(sampler, part)
     feed(whole, sorted(made[0] + made[1]))
-    answers = [sampler.series(20 / 60, 1019.9 + 0.05 * i) for i, sampler in enumerate(workers)]
+    answers = [
+        sampler.series(20 / 60, 1019.9 + 0.05 * i, ttft_histograms=True) for i, sampler in enumerate(workers)
+    ]
     merged = merge_series(answers)
     expected = whole.series(20 / 60, 1019.95)
     assert len(merged["intervals"]) == len(expected["intervals"]) == 4
     for got, want in zip(merged["intervals"], expected["intervals"], strict=True):
-        for name in ("ts", "requests", "prompt_tokens", "predicted_cached_tokens", "predicted_hit_rate",
-                     "reported_prompt_tokens", "reported_cached_tokens", "reported_hit_rate", "ttft_count",
-                     "replicas"):  # fmt: skip
-            assert got[name] == want[name], name
-        parts = [a["intervals"][[r["ts"] for r in a["intervals"]].index(got["ts"])] for a in answers]
-        for name in ("ttft_p50_s", "ttft_p90_s"):  # an upper bound: the highest worker's
-            assert got[name] == max(p[name] for p in parts)
-            assert min(p[name] for p in parts) <= want[name] <= got[name]
+        # the TTFT percentiles too: the histograms add, so they are what one worker with all the
+        # requests gives (not the highest worker's)
+        assert got == want
     assert sum(r["requests"] for r in merged["intervals"]) == 110
-    assert "upper bound" in merged["ttft_percentiles"] and merged["now"] == answers[1]["now"]
+    assert merged["now"] == answers[1]["now"] and merged["ttft_buckets"] == expected["ttft_buckets"]
+    with_histograms = merge_series(answers, ttft_histograms=True)["intervals"]
+    whole_rows = whole.series(20 / 60, 1019.95, ttft_histograms=True)["intervals"]
+    assert [r["ttft_histogram"] for r in with_histograms] == [r["ttft_histogram"] for r in whole_rows]
+
+
+def test_merged_ttft_percentiles_are_the_service_s_within_the_stated_error() -> None:
+    """Two workers with different TTFTs in the same intervals (one fast, one slow): the merged p50
+    and p90 are within the histogram's error of the exact ones of all the requests, where the
+    highest worker's would be far off."""
+    rng = random.Random(5)
+    workers = [SeriesSampler(5.0, 8, 8), SeriesSampler(5.0, 8, 8)]
+    ttfts: dict[float, list[float]] = {}
+    for k in range(4):
+        for i, (sampler, median_s) in enumerate(zip(workers, (0.05, 0.8), strict=True)):
+            for _ in range(300 if i == 0 else 60):
+                wall = 1000.0 + 5 * k + rng.uniform(0, 4.9)
+                ttft_s = rng.lognormvariate(math.log(median_s), 0.5)
+                sampler.on_ttft(ttft_s, wall)
+                ttfts.setdefault(math.floor(wall / 5) * 5.0, []).append(ttft_s)
+    answers = [sampler.series(20 / 60, 1019.9, ttft_histograms=True) for sampler in workers]
+    merged = merge_series(answers)
+    for row in merged["intervals"]:
+        exact = sorted(ttfts[row["ts"]])
+        assert row["ttft_count"] == len(exact) == 360
+        for name, q in (("ttft_p50_s", 0.5), ("ttft_p90_s", 0.9)):
+            want = percentile(exact, q)
+            assert want is not None and abs(row[name] - want) <= (RELATIVE_ERROR + 1e-6) * want, name
+        assert row["ttft_p50_s"] < 0.2  # the slow worker's own p50 is about 0.8 s
+        assert "ttft_histogram" not in row
 
 
 def test_the_audit_log_is_one_entry_per_version_the_receiving_workers() -> None:
