@@ -85,8 +85,9 @@ pytestmark = [
 # ------------------------------------------------------------------------------------ processes
 
 
-async def start_fleet(tmp: Path) -> tuple[list[Child], str]:
-    """``kvlb emulate`` with 3 SGLang replicas and ``kvlb serve`` in front, with an admin token."""
+async def start_fleet(tmp: Path, workers: int = 1) -> tuple[list[Child], str]:
+    """``kvlb emulate`` with 3 SGLang replicas and ``kvlb serve --workers workers`` in front, with an
+    admin token."""
     args = ["emulate", "--replicas", str(REPLICAS), "--engine", "sglang", "--profile", "cpu-test",
             "--time-scale", "0.5"]  # fmt: skip
     sims = await _spawn("sims", args, tmp, '"replicas"')
@@ -115,10 +116,10 @@ async def start_fleet(tmp: Path) -> tuple[list[Child], str]:
     path = tmp / "kvlb.yaml"
     path.write_text(yaml.safe_dump(config))
     try:
-        # One worker: the console's memory (decisions, series, audit) is each worker's own, and a
-        # browser's connections and this test's traffic may each reach a different worker of
-        # `--workers N` (docs/operations.md, "kvlb serve --workers N").
-        serve = await start_serve(tmp, path, "--workers", "1")
+        # One worker for the walk (written when each worker's console memory was its own; with
+        # `--workers N` a what-if's `last` still counts per worker: docs/operations.md, "kvlb serve
+        # --workers N"); tests/e2e/test_console_browser_workers.py looks at the plots with two.
+        serve = await start_serve(tmp, path, "--workers", str(workers))
     except BaseException:
         await stop(sims)
         raise

@@ -809,7 +809,8 @@
       if (d) svg.append(svgEl("path", { class: "line s" + i, d }));
       for (const row of rows) {
         const v = row[line.key];
-        if (typeof v === "number") svg.append(svgEl("circle", { class: "s" + i, cx: x(row.ts + interval / 2).toFixed(1), cy: y(Math.min(v, maxY)).toFixed(1), r: 1.6 }));
+        // data-ts and data-value: the interval and the figure as the answer gave them (a hover tool or a test reads them)
+        if (typeof v === "number") svg.append(svgEl("circle", { class: "s" + i, cx: x(row.ts + interval / 2).toFixed(1), cy: y(Math.min(v, maxY)).toFixed(1), r: 1.6, "data-ts": row.ts, "data-value": v }));
       }
       legend.append(el("span", { class: "s" + i, text: line.label }));
     });
@@ -862,7 +863,10 @@
     for (const row of rows) for (const replica of Object.keys(row.replicas)) seen.add(replica);
     drawShare($("plot-share"), $("legend-share"), rows, [...seen].sort(), interval);
     const total = rows.reduce((n, r) => n + r.requests, 0);
-    setText("plots-updated", total + " requests, " + interval + " s intervals");
+    // kvlb serve --workers N: the series is every worker's (summed; the TTFT histograms too)
+    const missing = series.workers_missing || [];
+    const workers = series.workers ? " from " + series.workers.length + " workers" + (missing.length ? " (worker " + missing.join(", ") + " did not answer)" : "") : "";
+    setText("plots-updated", total + " requests, " + interval + " s intervals" + workers);
   }
 
   // ------------------------------------------------------------------ wiring
