@@ -13,7 +13,8 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
   the decision is looked up on the worker that made it.
 * ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`);
   each worker is asked for its TTFT histograms (``ttft_histograms=1``), which add, so the TTFT
-  percentiles are the service's.
+  percentiles are the service's. Answers that cannot be merged leave this worker's own
+  (:func:`_merge_series`).
 * ``GET /admin/replicas``: this worker's view of each replica (health, drains, the shared load and
   in-flight count, its index and event status, as every worker's are alike) with the ``prediction``
   of every worker's receipts (:func:`merge_predictions`): each worker keeps the receipts of the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
@@ -93,7 +94,7 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     elif request.path == "/admin/replicas":
         merged = _merge_replicas(local, [answers[i] for i in order])
     else:
-        merged = merge_series([answers[i] for i in order], ttft_histograms=series_histograms(request.query))
+        merged, order, missing = _merge_series(answers, order, missing, siblings.index, request.query)
     merged["workers"] = order
     merged["workers_missing"] = missing
     return web.json_response(merged, dumps=strict_json.dumps)
@@ -183,6 +184,22 @@ async def _ask(
             continue
         missing.remove(index)
     return answers, missing
+
+
+def _merge_series(
+    answers: dict[int, Any], order: list[int], missing: list[int], own: int, query: Mapping[str, str]
+) -> tuple[dict[str, Any], list[int], list[int]]:
+    """The workers' series merged, with the workers in it and those missing; when a sibling's answer
+    cannot be merged (a worker of another kvlb version, restarted by the supervisor after an
+    upgrade: rows without a ``ttft_histogram``), this worker's own answer alone, the others named
+    missing (logged), never a 5xx."""
+    histograms = series_histograms(query)
+    try:
+        return merge_series([answers[i] for i in order], ttft_histograms=histograms), order, missing
+    except (KeyError, TypeError, ValueError) as exc:
+        log.warning("workers %s: series not merged (%r); this worker's alone", order, exc)
+        others = [i for i in order if i != own]
+        return merge_series([answers[own]], ttft_histograms=histograms), [own], sorted(missing + others)
 
 
 def _merge_decisions(
