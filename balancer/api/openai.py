@@ -1,6 +1,8 @@
 """The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-A chat request reads top-down here: a declared length over ``limits.max_body_bytes`` → 413, then
+A chat request reads top-down here: its tenant's request rate (``limits.tenant_rate_per_s``, from
+the tenant header alone: 429 with Retry-After, :func:`balancer.service.dispatch.check_tenant_rate`),
+a declared length over ``limits.max_body_bytes`` → 413, then
 admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
 declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 429, waited
 ``limits.queue_timeout_s`` → 503), a bounded body read (``limits.max_body_bytes`` → 413,
@@ -66,7 +68,7 @@ from aiohttp.http_exceptions import TransferEncodingError
 
 from balancer import strict_json
 from balancer.api.client_writes import ClientWrites, HttpWrites, drop_connection
-from balancer.api.errors import ApiError, too_large
+from balancer.api.errors import ApiError, refusal_response, too_large
 from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
 from balancer.api.parse_cost import json_parse_bytes
 from balancer.api.parsing import (
@@ -92,6 +94,7 @@ from balancer.service.dispatch import (
     on_first_chunk,
     on_relayed,
     relay_deadline,
+    tenant_rate_refusal,
 )
 from balancer.service.state import Pool, ServiceState
 from balancer.tokenizer.cuts import LongPiece
@@ -188,12 +191,16 @@ async def models(request: web.Request) -> web.Response:
 async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.StreamResponse:
     state = request.app[STATE]
     arrived = state.monotonic()
+    tenant = request.headers.get(state.settings.tenant_header)
+    if state.tenant_rates is not None:  # first: a refusal reads nothing more (off: one check)
+        refused = tenant_rate_refusal(state, tenant, arrived)
+        if refused is not None:
+            return refusal_response(refused, request[REQUEST_ID])
     limits = state.settings.limits
     max_bytes = limits.max_body_bytes
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # before it takes a slot and bytes
         raise too_large(declared, max_bytes)
-    tenant = request.headers.get(state.settings.tenant_header)
     held = held_length(request)
     async with admitted(state, held or 0, tenant) as admission:
         hold = admission.hold if held is None else None
