@@ -10,7 +10,9 @@ this process, each sending one small completion after another (10 token ids, ``m
 20 ms pause). The noisy tenant is ``--loops`` loops in a separate process (so the quiet client's own
 loop is not the one delayed), each sending one small completion after another without a pause,
 refused or not, as ``noisy`` (``--noise flood``) or as a new made-up tenant on every request
-(``--noise made-up``). Each run is one mode:
+(``--noise made-up``); ``--noisy-nice 19`` runs it under ``nice``, so that the flooding client's
+own CPU (a core of the 2 this was measured on) yields to the others and what is left of the quiet
+tenant's rise is the part kvlb's refusals and serving cost. Each run is one mode:
 
 * ``caps``: the per-tenant caps only (what the walk measured);
 * ``rate``: the caps and ``limits.tenant_rate_per_s: --rate-per-s`` (``tenant_burst``: the same).
@@ -185,6 +187,8 @@ async def one_run(
                 "loadtests.tenant_rate", "--noisy", url, "--loops", str(args.loops),
                 "--seconds", str(seconds), "--noise", args.noise,
             )  # fmt: skip
+            if args.noisy_nice:  # the flooding client's own CPU out of the others' way
+                noise_argv = ["nice", "-n", str(args.noisy_nice), *noise_argv]
             noise = await spawn("noisy", noise_argv, tmp / f"noisy-{mode}.log", ready_key="noisy")
             try:
                 await asyncio.sleep(NOISE_LEAD_S)
@@ -301,12 +305,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rate-per-s", type=float, default=50.0, help="limits.tenant_rate_per_s (rate runs)")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument(
+        "--noisy-nice",
+        type=int,
+        default=0,
+        help="run the noisy client under nice -n N (0..19): what is left is kvlb's share",
+    )
+    parser.add_argument(
         "--refusals", action="store_true", help="measure kvlb's CPU per refused request instead"
     )
     parser.add_argument("--noisy", metavar="URL", help="(internal) be the noisy tenant against URL")
     args = parser.parse_args(argv)
     if not 0 < args.seconds <= 60 or not 1 <= args.loops <= 1000 or not 1 <= args.quiet_clients <= 64:
         parser.error("--seconds in (0, 60], --loops in 1..1000, --quiet-clients in 1..64")
+    if not 0 <= args.noisy_nice <= 19:
+        parser.error("--noisy-nice in 0..19")
     return args
 
 
