@@ -68,8 +68,8 @@ from aiohttp.http_exceptions import TransferEncodingError
 
 from balancer import strict_json
 from balancer.api.client_writes import ClientWrites, HttpWrites, drop_connection
-from balancer.api.errors import ApiError, refusal_response, too_large
-from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
+from balancer.api.errors import ApiError, refusal_response, retry_after, too_large
+from balancer.api.middleware import OUTCOME, RATE_TAKEN, REQUEST_ID, STATE, expect_continue
 from balancer.api.parse_cost import json_parse_bytes
 from balancer.api.parsing import (
     ParsedRequest,
@@ -192,7 +192,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     state = request.app[STATE]
     arrived = state.monotonic()
     tenant = request.headers.get(state.settings.tenant_header)
-    if state.tenant_rates is not None:  # first: a refusal reads nothing more (off: one check)
+    if state.tenant_rates is not None and RATE_TAKEN not in request:  # first (off: one check)
         refused = tenant_rate_refusal(state, tenant, arrived)
         if refused is not None:
             return refusal_response(refused, request[REQUEST_ID])
@@ -245,6 +245,20 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         headers = forwardable_headers(request.headers, request_id)
         deliver = functools.partial(relay, request, state, job, admission)
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
+
+
+def rate_before_body(request: web.Request) -> None:
+    """With ``Expect: 100-continue``: take the request's token of its tenant's
+    ``limits.tenant_rate_per_s`` before ``100 Continue`` is sent, so that a tenant over it is
+    answered 429 instead and never sends its body (:func:`~balancer.api.middleware.expect_continue`;
+    the handler then takes no second token)."""
+    state = request.app[STATE]
+    if state.tenant_rates is None:
+        return
+    request[RATE_TAKEN] = True
+    refused = tenant_rate_refusal(state, request.headers.get(state.settings.tenant_header), state.monotonic())
+    if refused is not None:
+        raise ApiError(refused.status, refused.message, headers=retry_after(refused.retry_after_s))
 
 
 def held_length(request: web.Request) -> int | None:
@@ -844,6 +858,7 @@ def sse_error_event(message: str, status: int = 502) -> bytes:
 
 
 def add_openai_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
-    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    expect = functools.partial(expect_continue, admit=rate_before_body)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)

@@ -68,3 +68,47 @@ async def test_a_grpc_generate_over_its_tenants_rate_is_resource_exhausted(token
         assert dict(error.trailing_metadata() or ())["retry-after"] == "2"
         async for _ in g.balancer.Generate(request, metadata=((HEADER, "b"),)):
             pass
+
+
+async def test_with_expect_100_continue_the_rate_is_checked_before_the_body_is_asked_for(
+    tokenizer: Tokenizer,
+) -> None:
+    """A tenant over its rate that asks ``Expect: 100-continue`` is answered 429 (``Connection:
+    close``) instead of ``100 Continue``, so it never sends its body; one within its rate gets the
+    100, sends its body and is served, and its request takes one token, not two (a burst of 2: the
+    next request still goes)."""
+    limits = {**LIMITS, "limits__tenant_burst": 2}
+    async with running(tokenizer, 1, **limits) as h:
+        parts = urlsplit(h.url)
+        assert parts.port is not None
+        body = json.dumps({"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}).encode()
+
+        async def ask(tenant: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", parts.port)
+            writer.write(
+                f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n{HEADER}: {tenant}\r\n\r\n".encode()
+            )
+            await writer.drain()
+            return reader, writer
+
+        reader, writer = await ask("c")
+        try:
+            interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert interim.startswith(b"HTTP/1.1 100 Continue"), interim
+            writer.write(body)
+            await writer.drain()
+            status, _, raw = await read_answer(reader)
+            assert status == 200, raw
+        finally:
+            writer.close()
+        second = await h.post("/v1/completions", json.loads(body), headers={HEADER: "c"})
+        assert second.status == 200, second.body  # the Expect request took one token of 2
+        reader, writer = await ask("c")  # none left now
+        try:
+            status, headers, raw = await read_answer(reader)
+        finally:
+            writer.close()
+        assert status == 429, raw
+        assert headers["connection"] == "close" and headers["retry-after"] == "2", headers
+        assert "limits.tenant_rate_per_s" in json.loads(raw)["error"]["message"]
