@@ -1,7 +1,8 @@
 """The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 A chat request reads top-down here: its tenant's request rate (``limits.tenant_rate_per_s``, from
-the tenant header alone: 429 with Retry-After, :func:`balancer.service.dispatch.check_tenant_rate`),
+the tenant header alone: 429 with Retry-After, :func:`balancer.service.dispatch.tenant_rate_refusal`;
+with ``Expect: 100-continue`` before the 100, :func:`rate_before_body`),
 a declared length over ``limits.max_body_bytes`` → 413, then
 admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
 declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 429, waited
