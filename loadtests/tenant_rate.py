@@ -9,10 +9,11 @@ each run), all on 127.0.0.1, with the tenant isolation walk's limits (``max_infl
 this process, each sending one small completion after another (10 token ids, ``max_tokens: 8``,
 20 ms pause). The noisy tenant is ``--loops`` loops in a separate process (so the quiet client's own
 loop is not the one delayed), each sending one small completion after another without a pause,
-refused or not, as ``noisy`` (``--noise flood``) or as a new made-up tenant on every request
-(``--noise made-up``); ``--noisy-nice 19`` runs it under ``nice``, so that the flooding client's
-own CPU (a core of the 2 this was measured on) yields to the others and what is left of the quiet
-tenant's rise is the part kvlb's refusals and serving cost. Each run is one mode:
+refused or not, as ``noisy`` (``--noise flood``), as a new made-up tenant on every request
+(``--noise made-up``) or without a tenant header (``--noise default``: the default tenant);
+``--noisy-nice 19`` runs it under ``nice``, so that the flooding client's own CPU (a core of the 2
+this was measured on) yields to the others and what is left of the quiet tenant's rise is the part
+kvlb's refusals and serving cost. Each run is one mode:
 
 * ``caps``: the per-tenant caps only (what the walk measured);
 * ``rate``: the caps and ``limits.tenant_rate_per_s: --rate-per-s`` (``tenant_burst``: the same).
@@ -77,8 +78,11 @@ async def noisy(url: str, loops: int, seconds: float, noise: str) -> None:
             for sent in range(MAX_REQUESTS_PER_LOOP):
                 if time.monotonic() >= deadline:
                     return
-                tenant = "noisy" if noise == "flood" else f"made-up-{index}-{sent}"
-                headers = {HEADER: tenant, "content-type": "application/json"}
+                headers = {"content-type": "application/json"}
+                if noise == "flood":
+                    headers[HEADER] = "noisy"
+                elif noise == "made-up":
+                    headers[HEADER] = f"made-up-{index}-{sent}"
                 try:
                     async with session.post(
                         url + "/v1/completions", data=body(index * 7 + sent), headers=headers
@@ -300,7 +304,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runs", default="caps,rate,rate,caps")
     parser.add_argument("--seconds", type=float, default=3.0, help="each window (≤ 60)")
     parser.add_argument("--loops", type=int, default=200, help="the noisy tenant's loops")
-    parser.add_argument("--noise", choices=("flood", "made-up"), default="flood")
+    parser.add_argument("--noise", choices=("flood", "made-up", "default"), default="flood")
     parser.add_argument("--quiet-clients", type=int, default=2)
     parser.add_argument("--rate-per-s", type=float, default=50.0, help="limits.tenant_rate_per_s (rate runs)")
     parser.add_argument("--workers", type=int, default=1)
