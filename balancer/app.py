@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import random
 import socket
 import time
@@ -57,6 +58,7 @@ from balancer.service.series import SeriesSampler
 from balancer.service.server_log import server_logger
 from balancer.service.spec_share import SpeculationShare
 from balancer.service.state import Pool, ServiceState
+from balancer.service.tenant_rate import TenantRates, burst_per_worker, per_worker
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
@@ -138,6 +140,27 @@ class Balancer:
             await self.stop()
             raise
 
+    def _tenant_rates(self) -> TenantRates | None:
+        """The buckets of ``limits.tenant_rate_per_s`` (``None``: off); with ``--workers N`` this
+        worker's 1/N of the rates and bursts."""
+        limits = self.settings.limits
+        if not limits.tenant_rate_per_s:
+            return None
+        worker = self.options.worker
+        workers = 1 if worker is None else worker.count
+        burst = limits.tenant_burst or max(1, math.ceil(limits.tenant_rate_per_s))
+        new_rate = limits.tenant_rate_new_per_s or limits.tenant_rate_per_s
+        rates = TenantRates(
+            per_worker(limits.tenant_rate_per_s, workers),
+            burst_per_worker(burst, workers),
+            limits.tenant_rate_tenants,
+            per_worker(new_rate, workers),
+            on_evict=self.metrics.admission_tenant_rate_evictions_total.inc,
+            new_burst=burst_per_worker(max(burst, math.ceil(new_rate)), workers),
+        )
+        self.metrics.admission_tenant_rate_buckets.set_function(lambda: rates.tenants)
+        return rates
+
     async def _start(self) -> None:
         settings = self.settings
         health = HealthBook(BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop))
@@ -178,6 +201,7 @@ class Balancer:
             token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
         )
         self.metrics.token_id_memo.source = lambda: state.token_id_memo
+        state.tenant_rates = self._tenant_rates()
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
         self.metrics.index_tables.source = lambda: {  # read at scrape time: a mirror installs its own

@@ -196,6 +196,9 @@ class _AdmissionCollectors:
     admission_tokenizing_bytes: Gauge
     admission_tenants: Gauge
     admission_tenant_overflow_total: Counter
+    admission_tenant_rate_limited_total: Counter
+    admission_tenant_rate_evictions_total: Counter
+    admission_tenant_rate_buckets: Gauge
     admission_prompt_token_waits_total: Counter
     admission_answer_overflow_total: Counter
     admission_parse_holds_total: Counter
@@ -212,7 +215,8 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "full: queue full or waited too long), tenant_queue (the tenant's "
             "limits.max_queued_per_tenant full), tenant_inflight (waited too long for a slot of the "
             "tenant's limits.max_inflight_per_tenant), tenant_prompt_tokens (waited too long, then "
-            "429, for room in the tenant's limits.max_inflight_prompt_tokens_per_tenant).",
+            "429, for room in the tenant's limits.max_inflight_prompt_tokens_per_tenant), tenant_rate "
+            "(the tenant's limits.tenant_rate_per_s bucket empty, 429 before the body is read).",
             ["reason"],
         ),
         admission_prompt_token_waits_total=counter(
@@ -229,6 +233,23 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "kvlb_admission_tenant_overflow_total",
             "Requests of a new tenant that found limits.max_tenants tenants tracked and shared the "
             "overflow tenant (and its caps).",
+        ),
+        admission_tenant_rate_limited_total=counter(
+            "kvlb_admission_tenant_rate_limited_total",
+            "Requests refused (429) by limits.tenant_rate_per_s, by bucket: tenant (the tenant's own "
+            "bucket empty) or new (a tenant without a bucket, and the newcomers' shared bucket of "
+            'limits.tenant_rate_new_per_s empty). Also in kvlb_admission_shed_total{reason="tenant_rate"}.',
+            ["bucket"],
+        ),
+        admission_tenant_rate_evictions_total=counter(
+            "kvlb_admission_tenant_rate_evictions_total",
+            "Tenant buckets of limits.tenant_rate_per_s dropped, least recently seen first, to make "
+            "room for a newcomer's (limits.tenant_rate_tenants full); per worker.",
+        ),
+        admission_tenant_rate_buckets=gauge(
+            "kvlb_admission_tenant_rate_buckets",
+            "Tenant buckets limits.tenant_rate_per_s keeps now (at most limits.tenant_rate_tenants, "
+            "784 B each at most; the default tenant's and the newcomers' aside; per worker).",
         ),
         admission_answer_overflow_total=counter(
             "kvlb_admission_answer_overflow_total",

@@ -11,7 +11,8 @@
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
 * ``Expect: 100-continue`` on a route that takes a body (:func:`expect_continue`, which aiohttp runs
   before any middleware): what the headers alone refuse (a ``Content-Length`` over
-  ``limits.max_body_bytes``, a missing key or token, a foreign ``Origin``) is answered at once in
+  ``limits.max_body_bytes``, a missing key or token, a foreign ``Origin``, a serving request's tenant
+  over ``limits.tenant_rate_per_s``) is answered at once in
   the JSON shape *instead of* ``100 Continue``, so the client never sends the body; one sent
   anyway is dropped unparsed and kvlb's side is shut down after the answer (:func:`answer_and_close`).
 """
@@ -41,6 +42,9 @@ STATE = web.AppKey("kvlb_state", ServiceState)
 """The service state the app serves (set by :func:`balancer.api.http.build_web_app`)."""
 REQUEST_ID = web.RequestKey("kvlb_request_id", str)
 OUTCOME = web.RequestKey("kvlb_outcome", Outcome)
+RATE_TAKEN = web.RequestKey("kvlb_rate_taken", bool)
+"""Set when the request's token of its tenant's ``limits.tenant_rate_per_s`` was taken before its
+``100 Continue`` (:func:`balancer.api.openai.rate_before_body`): the handler takes no second one."""
 
 MAX_REQUEST_ID_CHARS = 128
 UNAUTHENTICATED = {"WWW-Authenticate": "Bearer"}
@@ -146,14 +150,18 @@ def _endpoint(request: web.Request) -> str:
     return resource.canonical if resource is not None else "unmatched"
 
 
-async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+async def expect_continue(
+    request: web.Request, admit: Callable[[web.Request], None] | None = None
+) -> web.StreamResponse | None:
     """aiohttp's ``expect_handler`` for the routes that take a body: ``None`` after writing
     ``100 Continue`` (the handler then reads the body), or the refusal the headers alone decide, as
     the middleware would answer it after the body (413 over ``limits.max_body_bytes``, 401, 403;
     417 for an ``Expect`` other than ``100-continue``) with ``Connection: close``: the client may
     send the body anyway, which kvlb drops unparsed, its side of the connection shut down once the
     answer is out (:func:`answer_and_close`; aiohttp read and parsed it for its 10 s lingering time,
-    the connection open meanwhile). HTTP/1.0 ignores ``Expect`` (RFC 9110, 10.1.1)."""
+    the connection open meanwhile). HTTP/1.0 ignores ``Expect`` (RFC 9110, 10.1.1). ``admit``: the
+    route's own check on the headers alone, after those (it raises :class:`ApiError`; the serving
+    routes' is their tenant's request rate, :func:`balancer.api.openai.rate_before_body`)."""
     if request.version < (1, 1):
         return None
     state: ServiceState = request.app[STATE]
@@ -167,6 +175,8 @@ async def expect_continue(request: web.Request) -> web.StreamResponse | None:
         max_bytes = state.settings.limits.max_body_bytes
         if declared is not None and declared > max_bytes:
             raise too_large(declared, max_bytes)
+        if admit is not None:
+            admit(request)
     except ApiError as error:
         response = error_response(error, request_id_of(request))
         response.force_close()

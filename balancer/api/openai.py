@@ -1,6 +1,9 @@
 """The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
-A chat request reads top-down here: a declared length over ``limits.max_body_bytes`` → 413, then
+A chat request reads top-down here: its tenant's request rate (``limits.tenant_rate_per_s``, from
+the tenant header alone: 429 with Retry-After, :func:`balancer.service.dispatch.tenant_rate_refusal`;
+with ``Expect: 100-continue`` before the 100, :func:`rate_before_body`),
+a declared length over ``limits.max_body_bytes`` → 413, then
 admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
 declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 429, waited
 ``limits.queue_timeout_s`` → 503), a bounded body read (``limits.max_body_bytes`` → 413,
@@ -66,8 +69,8 @@ from aiohttp.http_exceptions import TransferEncodingError
 
 from balancer import strict_json
 from balancer.api.client_writes import ClientWrites, HttpWrites, drop_connection
-from balancer.api.errors import ApiError, too_large
-from balancer.api.middleware import OUTCOME, REQUEST_ID, STATE, expect_continue
+from balancer.api.errors import ApiError, refusal_response, retry_after, too_large
+from balancer.api.middleware import OUTCOME, RATE_TAKEN, REQUEST_ID, STATE, expect_continue
 from balancer.api.parse_cost import json_parse_bytes
 from balancer.api.parsing import (
     ParsedRequest,
@@ -92,6 +95,7 @@ from balancer.service.dispatch import (
     on_first_chunk,
     on_relayed,
     relay_deadline,
+    tenant_rate_refusal,
 )
 from balancer.service.state import Pool, ServiceState
 from balancer.tokenizer.cuts import LongPiece
@@ -188,12 +192,16 @@ async def models(request: web.Request) -> web.Response:
 async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.StreamResponse:
     state = request.app[STATE]
     arrived = state.monotonic()
+    tenant = request.headers.get(state.settings.tenant_header)
+    if state.tenant_rates is not None and RATE_TAKEN not in request:  # first (off: one check)
+        refused = tenant_rate_refusal(state, tenant, arrived)
+        if refused is not None:
+            return refusal_response(refused, request[REQUEST_ID])
     limits = state.settings.limits
     max_bytes = limits.max_body_bytes
     declared = request.content_length
     if declared is not None and declared > max_bytes:  # before it takes a slot and bytes
         raise too_large(declared, max_bytes)
-    tenant = request.headers.get(state.settings.tenant_header)
     held = held_length(request)
     async with admitted(state, held or 0, tenant) as admission:
         hold = admission.hold if held is None else None
@@ -238,6 +246,20 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         headers = forwardable_headers(request.headers, request_id)
         deliver = functools.partial(relay, request, state, job, admission)
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
+
+
+def rate_before_body(request: web.Request) -> None:
+    """With ``Expect: 100-continue``: take the request's token of its tenant's
+    ``limits.tenant_rate_per_s`` before ``100 Continue`` is sent, so that a tenant over it is
+    answered 429 instead and never sends its body (:func:`~balancer.api.middleware.expect_continue`;
+    the handler then takes no second token)."""
+    state = request.app[STATE]
+    if state.tenant_rates is None:
+        return
+    request[RATE_TAKEN] = True
+    refused = tenant_rate_refusal(state, request.headers.get(state.settings.tenant_header), state.monotonic())
+    if refused is not None:
+        raise ApiError(refused.status, refused.message, headers=retry_after(refused.retry_after_s))
 
 
 def held_length(request: web.Request) -> int | None:
@@ -837,6 +859,7 @@ def sse_error_event(message: str, status: int = 502) -> bytes:
 
 
 def add_openai_routes(app: web.Application) -> None:
-    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
-    app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
+    expect = functools.partial(expect_continue, admit=rate_before_body)
+    app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
+    app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)

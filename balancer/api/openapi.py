@@ -30,8 +30,9 @@ def _errors(*codes: int) -> dict[str, Any]:
         413: "Body over limits.max_body_bytes (with Expect: 100-continue, instead of the 100)",
         417: "An Expect other than 100-continue",
         429: "Over limits.max_inflight, the bodies held at limits.max_inflight_body_bytes or every replica"
-        " at limits.max_inflight_per_replica with the admission queue full, or too many what-if replays"
-        " at once (Retry-After)",
+        " at limits.max_inflight_per_replica with the admission queue full, the tenant's caps, the"
+        " tenant over limits.tenant_rate_per_s (answered before the body is read), or too many what-if"
+        " replays at once (Retry-After)",
         502: "Replicas failed before answering (after retries)",
         503: "No healthy replica, or waited limits.queue_timeout_s in the admission queue (Retry-After)",
     }

@@ -115,6 +115,9 @@ TENANT_INFLIGHT = "tenant_inflight"
 """The ``limit`` of a refusal for want of a slot of the request's tenant (``max_inflight_per_tenant``)."""
 TENANT_QUEUE = "tenant_queue"
 """The ``limit`` of a refusal for want of a queue place of the tenant (``max_queued_per_tenant``)."""
+TENANT_RATE = "tenant_rate"
+"""The ``limit`` of a refusal by the tenant's request rate (``limits.tenant_rate_per_s``, checked
+before admission: :func:`balancer.service.dispatch.tenant_rate_refusal`)."""
 TENANT_PROMPT_TOKENS = "tenant_prompt_tokens"
 """The ``limit`` of a refusal for want of prompt tokens of the tenant's
 ``max_inflight_prompt_tokens_per_tenant``."""
@@ -143,9 +146,10 @@ OVERFLOW_TENANT_KEY = tenant_key("\0overflow")
 
 
 class AdmissionRefused(Exception):
-    """The request is not admitted: ``status`` 429 (queue full) or 503 (waited too long); ``limit``
-    is what it waited for (:data:`MAX_INFLIGHT`, :data:`MAX_BYTES`, :data:`TENANT_INFLIGHT` or
-    :data:`TENANT_QUEUE`)."""
+    """The request is not admitted: ``status`` 429 (queue full, or its tenant over its request rate,
+    :data:`TENANT_RATE`, before admission) or 503 (waited too long); ``limit`` is what it waited for
+    (:data:`MAX_INFLIGHT`, :data:`MAX_BYTES`, :data:`TENANT_INFLIGHT`, :data:`TENANT_QUEUE`,
+    :data:`TENANT_PROMPT_TOKENS` or :data:`TENANT_RATE`)."""
 
     def __init__(
         self, status: int, reason: str, message: str, retry_after_s: float, limit: str = MAX_INFLIGHT

@@ -37,6 +37,7 @@ from balancer.service.admission import (
     TENANT_INFLIGHT,
     TENANT_PROMPT_TOKENS,
     TENANT_QUEUE,
+    TENANT_RATE,
     AdmissionRefused,
     Tenant,
 )
@@ -267,6 +268,46 @@ def admitted(state: ServiceState, body_bytes: int = 0, tenant: str | None = None
     need be (round-robin across tenants), for the body of the ``async with``; refusals are
     :class:`AdmissionRefused` (429 queue full, 503 timeout)."""
     return Admitted(state, body_bytes, tenant)
+
+
+def tenant_rate_refusal(state: ServiceState, tenant: str | None, now: float) -> AdmissionRefused | None:
+    """Take a token of ``tenant``'s bucket of ``limits.tenant_rate_per_s`` (the ``tenant_header``
+    value; ``None``: the default tenant) at ``now``, before anything else is done for the request:
+    ``None`` (go on), or the refusal to answer (429, ``retry_after_s`` the wait for a token), counted
+    in ``kvlb_admission_shed_total{reason="tenant_rate"}`` and
+    ``kvlb_admission_tenant_rate_limited_total{bucket}``. Returned, not raised: the HTTP face writes
+    it at once (a flood of refusals costs the least CPU that way). Off (``state.tenant_rates`` is
+    ``None``): ``None``."""
+    rates = state.tenant_rates
+    if rates is None:
+        return None
+    wait_s = rates.check(tenant, now)
+    if not wait_s:
+        return None
+    metrics = state.metrics
+    own = rates.known(tenant)
+    metrics.children.of(metrics.shed_total, TENANT_RATE).inc()
+    metrics.children.of(metrics.admission_tenant_rate_limited_total, "tenant" if own else "new").inc()
+    limits = state.settings.limits
+    if own:
+        message = (
+            f"this tenant is over limits.tenant_rate_per_s = {limits.tenant_rate_per_s:g} requests/s; "
+            f"next request in {wait_s:.3f}s"
+        )
+    else:
+        new_rate = limits.tenant_rate_new_per_s or limits.tenant_rate_per_s
+        message = (
+            f"tenants new to kvlb are over limits.tenant_rate_new_per_s = {new_rate:g} requests/s "
+            f"together (this tenant has no bucket yet); next request in {wait_s:.3f}s"
+        )
+    return AdmissionRefused(429, "rate_limited", message, wait_s, TENANT_RATE)
+
+
+def check_tenant_rate(state: ServiceState, tenant: str | None, now: float) -> None:
+    """:func:`tenant_rate_refusal`, raised (the gRPC face)."""
+    refused = tenant_rate_refusal(state, tenant, now)
+    if refused is not None:
+        raise refused
 
 
 def held(state: ServiceState, body_bytes: int) -> Admitted:

@@ -127,6 +127,11 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             r"limits.max_inflight_prompt_tokens_per_tenant must be >= 0 \(0: off\), got -1",
         ),
         (["limits.max_tenants=0"], "limits.max_tenants must be in 1..65536"),
+        (["limits.tenant_rate_per_s=-1"], r"limits.tenant_rate_per_s must be a finite number >= 0"),
+        (["limits.tenant_rate_per_s=inf"], r"limits.tenant_rate_per_s must be a finite number >= 0"),
+        (["limits.tenant_burst=0"], r"limits.tenant_burst must be in 1..1000000, got 0"),
+        (["limits.tenant_rate_tenants=0"], r"limits.tenant_rate_tenants must be in 1..1048576"),
+        (["limits.tenant_rate_new_per_s=0"], r"limits.tenant_rate_new_per_s must be a finite number > 0"),
         (["limits.max_tenants=65537"], "limits.max_tenants must be in 1..65536"),
         (["limits.load_share_tenant_slots=0"], "limits.load_share_tenant_slots must be in 1..65536"),
         (["limits.load_share_tenant_slots=65537"], "limits.load_share_tenant_slots must be in 1..65536"),
@@ -275,6 +280,10 @@ def test_the_tenant_header_moved_out_of_console_and_its_old_name_still_works() -
     assert default.limits.max_inflight_prompt_tokens_per_tenant is None
     tokens = config.load(sets=["limits.max_inflight_prompt_tokens_per_tenant=16000"], env={})
     assert tokens.limits.max_inflight_prompt_tokens_per_tenant == 16000
+    assert default.limits.tenant_rate_per_s == 0.0 and default.limits.tenant_burst is None  # off
+    assert default.limits.tenant_rate_tenants == 4096 and default.limits.tenant_rate_new_per_s is None
+    rated = config.load(env={"KVLB_LIMITS__TENANT_RATE_PER_S": "2.5", "KVLB_LIMITS__TENANT_BURST": "5"})
+    assert (rated.limits.tenant_rate_per_s, rated.limits.tenant_burst) == (2.5, 5)
 
 
 @pytest.mark.parametrize(

@@ -64,7 +64,7 @@ from balancer.api.parse_cost import parsed_message_bytes, protobuf_parse_bytes
 from balancer.api.parsing import parse_weights_header
 from balancer.config import AuthConfig
 from balancer.policy import PolicyWeights
-from balancer.service.dispatch import Admitted, admitted, held
+from balancer.service.dispatch import Admitted, admitted, check_tenant_rate, held
 from balancer.service.state import Outcome, ServiceState
 
 log = logging.getLogger(__name__)
@@ -305,6 +305,8 @@ def method_handler(
         try:
             authorize(settings.auth, access, call.token)
             tenant = call.metadata.get(tenant_header)
+            if slot and state.tenant_rates is not None:  # before the message is read
+                check_tenant_rate(state, tenant, state.monotonic())
             hold: contextlib.AbstractAsyncContextManager[Admitted | None]
             if access == "admin":  # as /admin over HTTP: never queued behind the traffic it manages
                 hold = contextlib.nullcontext()

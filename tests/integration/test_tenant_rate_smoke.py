@@ -1,0 +1,37 @@
+"""``python -m loadtests.tenant_rate`` end to end at a smoke size: emulated replicas, a real ``kvlb
+serve`` and the noisy client as child processes; with ``tenant_rate_per_s`` on, the flooding tenant
+is refused with 429 while the quiet tenant is served, and the refusal mode prints a CPU cost per
+refusal. Asserts no timings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+
+def run(*args: str) -> dict[str, Any]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "loadtests.tenant_rate", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=True,
+    )
+    document: dict[str, Any] = json.loads(completed.stdout)
+    return document
+
+
+def test_tenant_rate_smoke_refuses_the_flood_and_serves_the_quiet_tenant() -> None:
+    (run_,) = run("--runs", "rate", "--seconds", "1", "--loops", "16", "--rate-per-s", "20")["runs"]
+    assert run_["mode"] == "rate"
+    assert run_["with"]["statuses"].get("200", 0) > 0 and set(run_["with"]["statuses"]) == {"200"}, run_
+    assert run_["noisy_statuses"].get("429", 0) > 0, run_
+    assert run_["with"]["p50_ms"] is not None
+
+
+def test_tenant_rate_smoke_measures_a_refusal() -> None:
+    (run_,) = run("--refusals", "--runs", "rate", "--seconds", "1", "--loops", "8")["runs"]
+    assert run_["noisy_statuses"].get("429", 0) > 0, run_
+    assert run_["cpu_us_per_refusal"] is not None and run_["cpu_us_per_refusal"] > 0, run_
