@@ -219,7 +219,8 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"kvlb serve: {exc}", file=sys.stderr)
             return 2
         except WorkerStartError as exc:
-            print(f"kvlb serve: {exc}; the other workers were stopped", file=sys.stderr)
+            stopped = "; the other workers were stopped" if exc.others_stopped else ""
+            print(f"kvlb serve: {exc}{stopped}", file=sys.stderr)
             return exc.exit_status
         return 0
     options = ServeOptions(shutdown_grace_s=args.shutdown_grace_s, worker=role)

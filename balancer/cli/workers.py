@@ -25,10 +25,16 @@ a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, w
 restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
 ``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``; each restart is logged, and
 the worker's count is passed to the new process, which exports it as ``kvlb_process_restarts_total``),
-and on SIGTERM/SIGINT forwards the signal to every worker, closes its own copy of the listening
-socket (so that, once the workers have closed theirs, a new connection is refused instead of waiting
-in the kernel's queue for a worker that will never accept it) and waits for them (each drains its
-in-flight requests within ``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
+and keeps each worker's restarts and failed starts (exits before it announced itself) in its record
+(:mod:`balancer.worker_record`), which the workers that serve read for ``/metrics`` and ``/readyz``.
+A worker that failed ``give_up_after_failed_starts`` times in a row is in a crash loop: logged as an
+error at each restart while the others serve; once every worker is, the supervisor gives up and
+``kvlb serve`` exits non-zero (:class:`WorkerStartError`), so the orchestrator restarts the pod and
+shows the loop (Kubernetes' CrashLoopBackOff). On SIGTERM/SIGINT it forwards the signal to every
+worker, closes its own copy of the listening socket (so that, once the workers have closed theirs,
+a new connection is refused instead of waiting in the kernel's queue for a worker that will never
+accept it) and waits for them (each drains its in-flight requests within ``--shutdown-grace-s``;
+one still alive ``kill_after_s`` later is killed).
 """
 
 from __future__ import annotations
@@ -51,19 +57,22 @@ from balancer import strict_json
 from balancer.config import Settings
 from balancer.errors import BalancerError, bind_error
 from balancer.load.share import LoadTable
+from balancer.worker_record import WorkerRecord, write_record
 
 log = logging.getLogger(__name__)
 
 
 class WorkerStartError(BalancerError):
     """The workers did not all start: one exited before it announced itself, or they took longer than
-    ``start_timeout_s``. ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this
-    message."""
+    ``start_timeout_s``; or, later, every worker failed ``give_up_after_failed_starts`` starts in a
+    row. ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this message."""
 
-    def __init__(self, message: str, exit_status: int = 1) -> None:
+    def __init__(self, message: str, exit_status: int = 1, *, others_stopped: bool = True) -> None:
         super().__init__(message)
         self.exit_status = exit_status
         """2 when the worker refused its settings (it exited 2, as ``kvlb serve`` does), else 1."""
+        self.others_stopped = others_stopped
+        """Whether other workers were running, and were stopped (not so once every worker gave up)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +89,10 @@ class SupervisorSettings:
     """A worker that ran this long (seconds) before exiting is restarted after the initial delay."""
     kill_after_s: float = 10.0
     """Seconds past the shutdown grace before a worker still alive is killed (SIGKILL)."""
+    give_up_after_failed_starts: int = 5
+    """Exits in a row before announcing itself (≥ 1) from which a worker is in a crash loop; once
+    every worker is, the supervisor stops and exits non-zero. With the default backoff, 5 failed
+    starts take about 16 s of delays plus 5 starts (docs/reliability.md, "Fixed since")."""
 
 
 @dataclass(slots=True)
@@ -88,6 +101,9 @@ class _Worker:
     process: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     restarts: int = 0
+    failed_starts: int = 0
+    """Exits in a row before it announced itself (0 once it serves)."""
+    last_exit: int = 0
     backoff_s: float = 0.0
     url: str = ""
     reader: asyncio.Task[None] | None = None
@@ -183,6 +199,27 @@ class Supervisor:
         self.start_failure = ""
         """Why :meth:`start` failed: the first worker that exited before it announced itself."""
         self._start_failure_status = 1
+        self.gave_up = asyncio.Event()
+        """Set when every worker is in a crash loop: :attr:`give_up_reason` says why."""
+        self.give_up_reason = ""
+
+    def _record(self) -> None:
+        """Rewrite the workers' record (restarts, failed starts) in the run dir."""
+        record = WorkerRecord(
+            tuple(w.restarts for w in self.workers),
+            tuple(w.failed_starts for w in self.workers),
+            self.config.give_up_after_failed_starts,
+        )
+        try:
+            write_record(self.run_dir, record)
+        except OSError as exc:  # the run dir is ours: only a full disk gets here
+            log.warning("the workers' record was not written (%s)", exc)
+
+    def give_up_error(self) -> WorkerStartError:
+        """What ``kvlb serve`` exits with once :attr:`gave_up` is set: 2 when every worker's last exit
+        was a settings error (exit 2), else 1."""
+        status = 2 if all(w.last_exit == 2 for w in self.workers) else 1
+        return WorkerStartError(self.give_up_reason, status, others_stopped=False)
 
     async def start(self) -> None:
         listen = self.settings.listen
@@ -196,6 +233,7 @@ class Supervisor:
         if listen.grpc_port is not None:
             self._grpc_sock = reserved_port(listen.host, listen.grpc_port)
             self.grpc_port = int(self._grpc_sock.getsockname()[1])
+        self._record()
         await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
         ready = asyncio.ensure_future(asyncio.gather(*(worker.ready.wait() for worker in self.workers)))
         failed = asyncio.ensure_future(self._start_failed.wait())
@@ -246,12 +284,16 @@ class Supervisor:
                 with contextlib.suppress(ValueError):
                     worker.url = str(json.loads(text).get("url", ""))
                 worker.ready.set()
+                if worker.failed_starts:
+                    worker.failed_starts = 0
+                    self._record()
         code = await process.wait()
         if self.load_table is not None:
             self.load_table.zero_row(worker.index)  # its requests died with it
         if self._stopping:
             return
         ran_s = time.monotonic() - worker.started_at
+        worker.last_exit = code
         if not self._serving:  # a worker that cannot start (its error is on stderr) would again
             if not self.start_failure:
                 self._start_failure_status = 2 if code == 2 else 1
@@ -266,12 +308,28 @@ class Supervisor:
         else:
             worker.backoff_s = min(self.config.max_restart_backoff_s, worker.backoff_s * 2)
         worker.restarts += 1
-        log.warning(
-            "worker %d (pid %d) exited with %d after %.1fs; restarting in %.1fs (restart %d)",
+        if not worker.ready.is_set():
+            worker.failed_starts += 1
+        self._record()
+        limit = self.config.give_up_after_failed_starts
+        if all(w.failed_starts >= limit for w in self.workers):
+            self.give_up_reason = (
+                f"every worker exited {limit} times in a row before serving (worker {worker.index} "
+                f"last exited with {code} after {ran_s:.1f}s; its error is above): giving up"
+            )
+            log.error("%s", self.give_up_reason)
+            self.gave_up.set()
+            return
+        log.log(
+            logging.ERROR if worker.failed_starts >= limit else logging.WARNING,
+            "worker %d (pid %d) exited with %d after %.1fs%s; restarting in %.1fs (restart %d)",
             worker.index,
             process.pid,
             code,
             ran_s,
+            f", {worker.failed_starts} times in a row before serving: a crash loop"
+            if worker.failed_starts >= limit
+            else "",
             worker.backoff_s,
             worker.restarts,
         )
@@ -354,7 +412,16 @@ async def supervise(
             "worker_pids": supervisor.pids(),
         }
         print(strict_json.dumps(announcement), flush=True)
-        await stop.wait()
+        signalled = asyncio.create_task(stop.wait(), name="kvlb-workers-signal")
+        gave_up = asyncio.create_task(supervisor.gave_up.wait(), name="kvlb-workers-gave-up")
+        try:
+            await asyncio.wait((signalled, gave_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (signalled, gave_up):
+                task.cancel()
+            await asyncio.gather(signalled, gave_up, return_exceptions=True)
+        if not stop.is_set() and supervisor.gave_up.is_set():
+            raise supervisor.give_up_error()
         log.info("signal received: stopping %d workers", count)
     finally:
         await supervisor.stop()
