@@ -32,6 +32,7 @@ from typing import Any, TypeAlias
 import yaml
 
 from balancer import strict_json
+from balancer.cli.early_signals import exec_keeping_signals
 from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
 from balancer.config.settings import LOG_LEVELS
 from balancer.errors import ConfigError
@@ -176,8 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
     reexec = allocator_environ(settings)
     if reexec is not None:  # before anything else: the process image is replaced
         sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
+        sys.stderr.flush()  # SIGTERM and SIGINT stay blocked until the new image handles them
+        exec_keeping_signals(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
     level = (args.log_level or settings.log_level).upper()
     if level not in LOG_LEVELS:
         choices = ", ".join(LOG_LEVELS)
@@ -238,13 +239,13 @@ def run_serve(args: argparse.Namespace) -> int:
 async def serve(settings: Settings, options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, then stop in order (a second signal is ignored: shutdown is bounded
     by ``shutdown_grace_s``)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the service's imports (a second or so)
+        loop.add_signal_handler(sig, stop.set)
     from balancer.app import Balancer
     from balancer.gc_tuning import settle_after_start
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     balancer = Balancer(settings, options=options)
     orphan_watch = None
     if options.worker is not None:  # a worker ends with its supervisor, even one killed with -9
