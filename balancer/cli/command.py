@@ -92,6 +92,7 @@ def _register_serve(subparsers: SubParsers) -> None:
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load-table", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-restarts", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--supervisor-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
 
 
@@ -208,8 +209,13 @@ def run_serve(args: argparse.Namespace) -> int:
             args.run_dir,
             args.load_table,
             restarts=max(0, args.worker_restarts),
+            supervisor_pid=args.supervisor_pid,
         )
         _die_with_parent()
+        if args.supervisor_pid is not None and os.getppid() != args.supervisor_pid:
+            # the supervisor died before the kernel was asked to kill this worker with it
+            print(f"kvlb serve: the supervisor (pid {args.supervisor_pid}) is gone; exiting", file=sys.stderr)
+            return 1
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise
 
@@ -249,7 +255,8 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
     balancer = Balancer(settings, options=options)
     orphan_watch = None
     if options.worker is not None:  # a worker ends with its supervisor, even one killed with -9
-        orphan_watch = asyncio.create_task(_stop_when_orphaned(os.getppid(), stop), name="kvlb-orphan-watch")
+        parent = options.worker.supervisor_pid or os.getppid()
+        orphan_watch = asyncio.create_task(_stop_when_orphaned(parent, stop), name="kvlb-orphan-watch")
     try:
         await balancer.start()
         settle_after_start()
@@ -270,7 +277,9 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """Linux: the kernel sends this worker SIGKILL when its supervisor dies (even by SIGKILL), so no
-    orphan keeps the listener; elsewhere :func:`_stop_when_orphaned` notices within a second."""
+    orphan keeps the listener; elsewhere :func:`_stop_when_orphaned` notices within a second. A
+    supervisor that died before this call is found right after it: the worker's parent is no longer
+    the ``--supervisor-pid`` it was given, and it exits 1 before it serves."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

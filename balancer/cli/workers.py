@@ -259,6 +259,7 @@ class Supervisor:
         argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
         argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
         argv += ["--worker-restarts", str(worker.restarts)]
+        argv += ["--supervisor-pid", str(os.getpid())]
         if self.load_table is not None:
             argv += ["--load-table", self.load_table.name]
         if self.grpc_port is not None:

@@ -1,5 +1,6 @@
 """A worker of ``kvlb serve --workers N`` that cannot start again (real worker processes; the
-supervisor in this process, with short delays so that the loop takes seconds).
+supervisor in this process, with short delays so that the loop takes seconds); and a worker whose
+supervisor died before the worker asked the kernel to die with it.
 
 The config file is broken while the workers serve (a settings error only a restarted worker finds),
 then a worker is killed: it exits 2 at every restart. The supervisor counts it, the worker that
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -89,4 +91,59 @@ async def test_a_worker_that_cannot_start_is_counted_and_all_of_them_make_the_su
         assert "every worker exited 2 times in a row before serving" in str(error)
     finally:
         await supervisor.stop()
+        await engine.stop()
+
+
+ORPHANING_SUPERVISOR = """
+import os, socket, subprocess, sys
+config, run_dir, out = sys.argv[1:4]
+sock = socket.create_server(("127.0.0.1", 0))
+sock.set_inheritable(True)
+argv = [sys.executable, "-m", "balancer", "serve", "--config", config, "--workers", "2",
+        "--worker-index", "1", "--listen-fd", str(sock.fileno()), "--run-dir", run_dir,
+        "--supervisor-pid", str(os.getpid())]
+with open(out, "wb") as stdout:
+    worker = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.STDOUT, pass_fds=(sock.fileno(),))
+print(worker.pid, flush=True)
+os._exit(0)  # dies at once: long before the worker asks the kernel to die with it
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
+
+
+async def test_a_worker_whose_supervisor_died_before_it_asked_to_die_with_it_does_not_serve(
+    tmp_path: Path,
+) -> None:
+    """A supervisor that dies between spawning a worker and the worker's ``prctl(PR_SET_PDEATHSIG)``
+    (made to here): the worker exits before serving. Before 2026-12-01 it served on as an orphan
+    (its output a file here; on the supervisor's pipe it died as it announced itself)."""
+    engine = HoldingEngine()
+    await engine.start()
+    pool = {"model": "sim-test", "kv_events": False, "replicas": [{"id": "h-0", "url": engine.url}]}
+    config = tmp_path / "kvlb.yaml"
+    config.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, "pools": [pool]}))
+    run_dir, out = tmp_path / "run", tmp_path / "worker.out"
+    run_dir.mkdir()
+    supervisor = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", ORPHANING_SUPERVISOR, str(config), str(run_dir), str(out),
+        stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out_text, _ = await supervisor.communicate()
+    worker_pid = int(out_text)
+    try:
+        async with asyncio.timeout(20):
+            while alive(worker_pid):  # noqa: ASYNC110 (not our child: no wait() for it)
+                await asyncio.sleep(0.05)
+        said = out.read_text(errors="replace")
+        assert "the supervisor (pid" in said and "is gone" in said, said
+        assert "serving" not in said and not (run_dir / "worker-1.url").exists(), said
+    finally:
+        if alive(worker_pid):
+            os.kill(worker_pid, signal.SIGKILL)
         await engine.stop()
