@@ -33,7 +33,7 @@ import yaml
 
 from balancer import strict_json
 from balancer.cli.early_signals import exec_keeping_signals
-from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
+from balancer.config import Settings, allocator_environ, config_file, load, one_thread_per_encode
 from balancer.config.settings import LOG_LEVELS
 from balancer.errors import ConfigError
 from balancer.serve_options import ServeOptions, WorkerRole
@@ -135,10 +135,9 @@ def cgroup_cpu_limit(root: Path) -> float | None:
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The ``kvlb serve`` options a worker gets from its supervisor (all but the worker ones)."""
+    """The ``kvlb serve`` options a worker gets from its supervisor (all but the worker ones and the
+    settings file: the supervisor gives its copy)."""
     argv: list[str] = []
-    if args.config:
-        argv += ["--config", str(args.config)]
     for item in args.set:
         argv += ["--set", item]
     argv += ["--shutdown-grace-s", str(args.shutdown_grace_s)]
@@ -219,7 +218,9 @@ def run_serve(args: argparse.Namespace) -> int:
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise
 
-        supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)
+        supervise_run = supervise(
+            settings, args.workers, worker_argv(args), args.shutdown_grace_s, config_file(args.config)
+        )
         try:
             _runner(not args.no_uvloop)(supervise_run)
         except ConfigError as exc:

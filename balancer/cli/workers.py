@@ -8,7 +8,11 @@ it first (a bound socket that never listens; with port 0 a free one, named to th
 another program holds fails the start once, before any worker runs.
 
 Each worker is ``python -m balancer serve`` with the same settings and a :class:`WorkerRole`
-(``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options): a whole balancer with its
+(``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options). The same settings: the
+supervisor copies the settings file into its run dir at start and every worker, a restarted one too,
+reads that copy, so an edit of the file (a ConfigMap updated under a running pod) takes effect at
+the next start of ``kvlb serve``, for all the workers at once, never for one restarted worker
+alone. Each worker is a whole balancer with its
 own index, fed by its own subscriptions to every ZMQ engine (a PUB fans out to every SUB), so all
 workers hold the same index. A TRT-LLM drain is destructive, so worker 0 alone drains each TRT-LLM
 engine and republishes every drained body on ``ipc://<run dir>/trtllm-<replica>.ipc``; the other
@@ -55,7 +59,7 @@ from dataclasses import dataclass, field
 
 from balancer import strict_json
 from balancer.config import Settings
-from balancer.errors import BalancerError, bind_error
+from balancer.errors import BalancerError, ConfigError, bind_error
 from balancer.load.share import LoadTable
 from balancer.worker_record import WorkerRecord, write_record
 
@@ -145,6 +149,10 @@ def reserved_port(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+SETTINGS_COPY = "settings.yaml"
+"""The run dir's copy of the settings file the supervisor started with: what every worker reads."""
+
+
 SETTINGS_ERROR_MARK = "settings-error"
 """A file in the run dir: the first worker to fail on a settings error creates it and prints the
 error; the others, which load the same settings and fail the same way, exit without printing it."""
@@ -176,9 +184,14 @@ class Supervisor:
         *,
         supervisor: SupervisorSettings | None = None,
         shutdown_grace_s: float = 30.0,
+        config_file: str | None = None,
     ) -> None:
-        """``worker_argv`` is ``kvlb serve``'s own options (config, ``--set``, log level, grace)."""
+        """``worker_argv`` is ``kvlb serve``'s own options but the settings file (``--set``, log
+        level, grace); ``config_file`` the settings file ``settings`` were read from, if any."""
         self.settings = settings
+        self.config_file = config_file
+        self._config_copy: str | None = None
+        """The run dir's copy of :attr:`config_file`, which the workers read."""
         self.count = count
         self.worker_argv = list(worker_argv)
         self.config = supervisor or SupervisorSettings()
@@ -224,6 +237,13 @@ class Supervisor:
     async def start(self) -> None:
         listen = self.settings.listen
         self.run_dir = tempfile.mkdtemp(prefix="kvlb-workers-")
+        if self.config_file is not None:  # every worker, a restarted one too, reads the start's settings
+            copy = os.path.join(self.run_dir, SETTINGS_COPY)
+            try:
+                shutil.copyfile(self.config_file, copy)
+            except OSError as exc:
+                raise ConfigError(f"cannot read config {self.config_file}: {exc.strerror}") from None
+            self._config_copy = copy
         limits = self.settings.limits
         self.load_table = LoadTable(self.count, limits.load_share_slots, limits.load_share_tenant_slots)
         self._sock = listening_socket(listen.host, listen.port)
@@ -256,6 +276,8 @@ class Supervisor:
     def _argv(self, worker: _Worker) -> list[str]:
         assert self._sock is not None
         argv = [sys.executable, "-m", "balancer", "serve", *self.worker_argv]
+        if self._config_copy is not None:
+            argv += ["--config", self._config_copy]
         argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
         argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
         argv += ["--worker-restarts", str(worker.restarts)]
@@ -314,9 +336,10 @@ class Supervisor:
         self._record()
         limit = self.config.give_up_after_failed_starts
         if all(w.failed_starts >= limit for w in self.workers):
+            times = f"{limit} time{'s' if limit > 1 else ''}"
             self.give_up_reason = (
-                f"every worker exited {limit} times in a row before serving (worker {worker.index} "
-                f"last exited with {code} after {ran_s:.1f}s; its error is above): giving up"
+                f"every worker exited {times} in a row before serving (worker {worker.index} last "
+                f"exited with {code} after {ran_s:.1f}s; its error is above): giving up"
             )
             log.error("%s", self.give_up_reason)
             self.gave_up.set()
@@ -381,7 +404,11 @@ class Supervisor:
 
 
 async def supervise(
-    settings: Settings, count: int, worker_argv: Sequence[str], shutdown_grace_s: float
+    settings: Settings,
+    count: int,
+    worker_argv: Sequence[str],
+    shutdown_grace_s: float,
+    config_file: str | None = None,
 ) -> None:
     """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up. A signal
     while they start stops them; a failed start raises :class:`WorkerStartError` (or
@@ -390,7 +417,9 @@ async def supervise(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s)
+    supervisor = Supervisor(
+        settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s, config_file=config_file
+    )
     try:
         starting = asyncio.create_task(supervisor.start(), name="kvlb-workers-start")
         signalled = asyncio.create_task(stop.wait(), name="kvlb-workers-start-signal")

@@ -2,8 +2,8 @@
 supervisor in this process, with short delays so that the loop takes seconds); and a worker whose
 supervisor died before the worker asked the kernel to die with it.
 
-The config file is broken while the workers serve (a settings error only a restarted worker finds),
-then a worker is killed: it exits 2 at every restart. The supervisor counts it, the worker that
+The pool's tokenizer file is removed while the workers serve (an error only a restarted worker
+finds), then a worker is killed: it exits 2 at every restart. The supervisor counts it, the worker that
 serves says so (``/metrics``, ``/readyz``), and once every worker is in that loop the supervisor gives
 up (``kvlb serve`` then exits 2: the orchestrator sees the pod crash-loop).
 """
@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import tokenizers
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import HoldingEngine
@@ -27,8 +28,17 @@ from balancer.cli.workers import Supervisor, SupervisorSettings
 from balancer.config import load
 
 FAST = SupervisorSettings(
-    restart_backoff_s=0.05, max_restart_backoff_s=0.2, give_up_after_failed_starts=2, kill_after_s=2.0
+    restart_backoff_s=0.05, max_restart_backoff_s=0.2, give_up_after_failed_starts=1, kill_after_s=2.0
 )
+"""Short delays, and a crash loop from the first failed start (each takes a worker's imports)."""
+
+
+def holding_config(tmp: Path, engine: HoldingEngine, **pool: Any) -> Path:
+    replicas = [{"id": "h-0", "url": engine.url}]
+    pools = [{"model": "sim-test", "kv_events": False, "replicas": replicas, **pool}]
+    config = tmp / "kvlb.yaml"
+    config.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, "pools": pools}))
+    return config
 
 
 def samples(text: str, name: str) -> dict[str, float]:
@@ -57,15 +67,17 @@ async def test_a_worker_that_cannot_start_is_counted_and_all_of_them_make_the_su
     nothing of it, and the supervisor restarted every worker for ever."""
     engine = HoldingEngine()
     await engine.start()
-    pool = {"model": "sim-test", "kv_events": False, "replicas": [{"id": "h-0", "url": engine.url}]}
-    config = tmp_path / "kvlb.yaml"
-    config.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, "pools": [pool]}))
-    supervisor = Supervisor(load(str(config), []), 2, ["--config", str(config)], supervisor=FAST)
+    tokenizer = tmp_path / "tokenizer.json"  # a small one: the workers load it at every start
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.save(str(tokenizer))
+    config = holding_config(tmp_path, engine, tokenizer=str(tokenizer))
+    supervisor = Supervisor(load(str(config), []), 2, [], supervisor=FAST, config_file=str(config))
     try:
         async with asyncio.timeout(60):
             await supervisor.start()
         url = supervisor.url
-        config.write_text("listen: {port: not-a-port}\n")  # what a restarted worker reads
+        tokenizer.unlink()  # what a restarted worker loads
         os.kill(supervisor.pids()[1], signal.SIGKILL)
         async with aiohttp.ClientSession(headers={"Connection": "close"}) as session:
 
@@ -88,7 +100,7 @@ async def test_a_worker_that_cannot_start_is_counted_and_all_of_them_make_the_su
             await supervisor.gave_up.wait()
         error = supervisor.give_up_error()
         assert error.exit_status == 2, error  # settings errors, as `kvlb serve` exits on its own
-        assert "every worker exited 2 times in a row before serving" in str(error)
+        assert "every worker exited 1 time in a row before serving" in str(error)
     finally:
         await supervisor.stop()
         await engine.stop()
@@ -125,9 +137,7 @@ async def test_a_worker_whose_supervisor_died_before_it_asked_to_die_with_it_doe
     (its output a file here; on the supervisor's pipe it died as it announced itself)."""
     engine = HoldingEngine()
     await engine.start()
-    pool = {"model": "sim-test", "kv_events": False, "replicas": [{"id": "h-0", "url": engine.url}]}
-    config = tmp_path / "kvlb.yaml"
-    config.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, "pools": [pool]}))
+    config = holding_config(tmp_path, engine)
     run_dir, out = tmp_path / "run", tmp_path / "worker.out"
     run_dir.mkdir()
     supervisor = await asyncio.create_subprocess_exec(
@@ -146,4 +156,38 @@ async def test_a_worker_whose_supervisor_died_before_it_asked_to_die_with_it_doe
     finally:
         if alive(worker_pid):
             os.kill(worker_pid, signal.SIGKILL)
+        await engine.stop()
+
+
+async def test_a_restarted_worker_reads_the_settings_its_supervisor_started_with(tmp_path: Path) -> None:
+    """The settings file is edited in place while the workers serve (a ConfigMap updated under a
+    running pod: here a pool added), then worker 1 is killed. Its new process must serve what worker
+    0 serves. Before 2026-12-01 it read the edited file: the two workers served different pools, and
+    a chat for the new model got 200 or 404 by the worker that took the connection."""
+    engine = HoldingEngine()
+    await engine.start()
+    config = holding_config(tmp_path, engine)
+    supervisor = Supervisor(load(str(config), []), 2, [], supervisor=FAST, config_file=str(config))
+    try:
+        async with asyncio.timeout(60):
+            await supervisor.start()
+        edited = yaml.safe_load(config.read_text())
+        added = [{**edited["pools"][0]["replicas"][0], "id": "h-1"}]
+        edited["pools"].append({**edited["pools"][0], "model": "added-later", "replicas": added})
+        config.write_text(yaml.safe_dump(edited))
+        killed = supervisor.pids()[1]
+        os.kill(killed, signal.SIGKILL)
+        async with asyncio.timeout(60):
+            while supervisor.pids()[1] in (0, killed):  # noqa: ASYNC110 (no event for a respawn)
+                await asyncio.sleep(0.05)
+            await supervisor.workers[1].ready.wait()  # the new process's
+        models: dict[int, list[str]] = {}
+        async with aiohttp.ClientSession() as session:
+            for index in (0, 1):
+                private = (Path(supervisor.run_dir) / f"worker-{index}.url").read_text()
+                async with session.get(private + "/v1/models", headers={"x-kvlb-sibling": "1"}) as response:
+                    models[index] = sorted(m["id"] for m in (await response.json())["data"])
+        assert models == {0: ["sim-test"], 1: ["sim-test"]}
+    finally:
+        await supervisor.stop()
         await engine.stop()
