@@ -32,7 +32,7 @@ from typing import Any, TypeAlias
 import yaml
 
 from balancer import strict_json
-from balancer.cli.early_signals import exec_keeping_signals
+from balancer.cli.early_signals import NO_RELOAD, exec_keeping_signals
 from balancer.config import Settings, allocator_environ, config_file, load, one_thread_per_encode
 from balancer.config.settings import LOG_LEVELS
 from balancer.errors import ConfigError
@@ -250,6 +250,7 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the service's imports (a second or so)
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, NO_RELOAD)
     from balancer.app import Balancer
     from balancer.gc_tuning import settle_after_start
 
@@ -268,7 +269,7 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
         if orphan_watch is not None:
             orphan_watch.cancel()
         await balancer.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     log.info("stopped")
 

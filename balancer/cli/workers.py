@@ -58,6 +58,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from balancer import strict_json
+from balancer.cli.early_signals import NO_RELOAD
 from balancer.config import Settings
 from balancer.errors import BalancerError, ConfigError, bind_error
 from balancer.load.share import LoadTable
@@ -417,6 +418,7 @@ async def supervise(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, NO_RELOAD)  # the workers ignore theirs too
     supervisor = Supervisor(
         settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s, config_file=config_file
     )
@@ -455,5 +457,5 @@ async def supervise(
         log.info("signal received: stopping %d workers", count)
     finally:
         await supervisor.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
