@@ -533,6 +533,7 @@ class _ReplicaCollectors:
     replica_breaker_open: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
+    replica_pending_drains_dropped_total: Counter
     load_share_overflow_replicas_total: Counter
     load_share_overflow_tenants_total: Counter
     load_share_torn_reads_total: Counter
@@ -590,6 +591,11 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "kvlb_scrape_errors_total",
             "Failed engine metric scrapes, by replica.",
             ["replica"],
+        ),
+        replica_pending_drains_dropped_total=counter(
+            "kvlb_replica_pending_drains_dropped_total",
+            "Drains a sibling worker sent for replicas this worker had not discovered yet, dropped for "
+            "newer ones (at most 64 kept, each for 30 s until the replica comes).",
         ),
     )
 

@@ -158,7 +158,8 @@ async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
             health = replica.get("health") or {}
             if health.get("draining"):
                 note = DrainNote.from_json(health.get("drain"))
-                state.health.set_draining(ReplicaId(replica["id"]), True, note)
+                if not state.health.set_draining(ReplicaId(replica["id"]), True, note):  # not found yet
+                    state.health.keep_drain(ReplicaId(replica["id"]), True, note, state.monotonic())
         log.info(
             "worker %d: policy version %s and drains taken from worker %d",
             siblings.index,
