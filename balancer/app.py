@@ -66,6 +66,7 @@ from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
+from balancer.worker_record import crash_loop_reasons, read_record
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class Balancer:
             for (block_size, mode), space in pool.router.spaces.items()
         }
         self._share_load(pools, admission)
+        self._report_crash_loops(state)
         for pool in pools.values():
             for replica in pool.replicas:
                 state.health.add(replica)
@@ -382,6 +384,21 @@ class Balancer:
         share = self._speculation = SpeculationShare(run_dir, worker.index, worker.count, tables)
         share.start_publishing()
         self._speculation_task = asyncio.run_coroutine_threadsafe(share.receive(thread.zmq), thread.loop)
+
+    def _report_crash_loops(self, state: ServiceState) -> None:
+        """With ``--workers N``: ``/readyz`` (degraded) and ``kvlb_process_workers_crash_looping`` read
+        the supervisor's record of the workers that cannot start (:mod:`balancer.worker_record`)."""
+        worker = self.options.worker
+        if worker is None or worker.count < 2:
+            return
+        run_dir = worker.run_dir
+        state.degraded_checks.append(lambda: crash_loop_reasons(read_record(run_dir)))
+
+        def crash_looping() -> int:
+            record = read_record(run_dir)
+            return 0 if record is None else len(record.crash_looping())
+
+        self.metrics.process_workers_crash_looping.set_function(crash_looping)
 
     async def _start_http(self, state: ServiceState) -> None:
         app = build_web_app(state)

@@ -554,6 +554,7 @@ class _ReplicaCollectors:
     replica_breaker_open: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
+    replica_pending_drains_dropped_total: Counter
     load_share_overflow_replicas_total: Counter
     load_share_overflow_tenants_total: Counter
     load_share_torn_reads_total: Counter
@@ -612,13 +613,27 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "Failed engine metric scrapes, by replica.",
             ["replica"],
         ),
+        replica_pending_drains_dropped_total=counter(
+            "kvlb_replica_pending_drains_dropped_total",
+            "Drains a sibling worker sent for replicas this worker had not discovered yet, dropped for "
+            "newer ones (at most 64 kept, each for 30 s until the replica comes).",
+        ),
     )
+
+
+PROCESS_RESTARTS_HELP: Final = (
+    "Times the supervisor of kvlb serve --workers N restarted this worker after it exited (by the "
+    "supervisor's count; 0 for --workers 1); rising means a worker crash loop."
+)
+"""``kvlb_process_restarts_total``'s help, also written for a worker that is down
+(:func:`balancer.api.siblings.absent_worker_metrics`)."""
 
 
 @dataclass(frozen=True)
 class _ProcessCollectors:
     process_asyncio_tasks: Gauge
     process_restarts_total: Counter
+    process_workers_crash_looping: Gauge
     log_suppressed_total: Counter
 
 
@@ -634,8 +649,12 @@ def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
         ),
         process_restarts_total=counter(
             "kvlb_process_restarts_total",
-            "Times the supervisor of kvlb serve --workers N restarted this worker after it exited (its "
-            "count when this process started; 0 for --workers 1); rising means a worker crash loop.",
+            PROCESS_RESTARTS_HELP,
+        ),
+        process_workers_crash_looping=gauge(
+            "kvlb_process_workers_crash_looping",
+            "Workers of kvlb serve --workers N that exited give_up_after_failed_starts times in a row "
+            "before serving, by the supervisor's record, read at scrape time (0 for --workers 1).",
         ),
         log_suppressed_total=counter(
             "kvlb_log_suppressed_total",

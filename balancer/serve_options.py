@@ -38,6 +38,9 @@ class WorkerRole:
     ``None``: each worker's load view is its own."""
     restarts: int = 0
     """Times the supervisor restarted this worker before this process (``kvlb_process_restarts_total``)."""
+    supervisor_pid: int | None = None
+    """The supervisor's process id: a worker whose parent is another process (its supervisor died)
+    stops. ``None``: the parent found when the worker starts serving."""
 
     @property
     def drains(self) -> bool:

@@ -387,7 +387,11 @@ async def _set_draining(request: web.Request, draining: bool) -> web.Response:
     body = parse_json_object(raw) if raw.strip() else {}
     actor = actor_of(request.headers.get(ACTOR_HEADER))
     note = drain_note(state, body, caller(request), actor, sibling=bool(request.headers.get(SIBLING_HEADER)))
-    await set_draining(state, replica, draining, note)
+    sibling = bool(request.headers.get(SIBLING_HEADER))
+    if sibling and state.drain_committer is None and replica not in state.health.replicas:
+        keep_drain(state, replica, draining, note)  # this worker has not discovered it yet
+    else:
+        await set_draining(state, replica, draining, note)
     view: dict[str, Any] = {"replica": replica, "draining": draining}
     if draining:
         view["drain"] = drain_view(note, state.wall_clock())
@@ -422,6 +426,22 @@ def drain_note(
     if replayed is None:
         raise ApiError(400, "'caller' must be a string and 'at_wall_ts' a number")
     return replayed
+
+
+def keep_drain(state: ServiceState, replica: ReplicaId, draining: bool, note: DrainNote) -> None:
+    """A sibling worker's drain (or undrain) of a replica this worker has not discovered yet (each
+    worker discovers on its own): kept, and applied if the replica comes within
+    :data:`~balancer.health.book.PENDING_DRAIN_S` (an undrain forgets it)."""
+    health = state.health
+    dropped = health.pending_drains_dropped
+    health.keep_drain(replica, draining, note if draining else None, state.monotonic())
+    state.metrics.replica_pending_drains_dropped_total.inc(health.pending_drains_dropped - dropped)
+    log.info(
+        "replica %s not discovered here yet: its %s by %s is kept for it",
+        replica,
+        "drain" if draining else "undrain",
+        note.by,
+    )
 
 
 async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, note: DrainNote) -> None:

@@ -18,7 +18,9 @@ A request on the shared port reaches one worker. Two things must still read as o
   for every worker by :mod:`balancer.api.gathered`.
 * **``GET /metrics``**: the receiving worker answers with every worker's series, each sample labelled
   ``worker="<index>"`` (a sum over workers is a PromQL ``sum without (worker)``). A worker that does
-  not answer in time is left out of that scrape (logged).
+  not answer in time is left out of that scrape (logged), but for its ``kvlb_process_restarts_total``,
+  taken from the supervisor's record (:mod:`balancer.worker_record`): a worker that dies before it
+  serves is counted too.
 
 Each worker also serves the app on a private port (127.0.0.1, ephemeral) and writes its URL to
 ``<run dir>/worker-<index>.url``; the siblings read those files at each fan-out, so a restarted
@@ -42,10 +44,12 @@ from balancer import strict_json
 from balancer.api.admin import ACTOR_HEADER, POLICY_REASON, SIBLING_HEADER
 from balancer.api.gathered import gather, gathered_view
 from balancer.health.book import DrainNote
+from balancer.metrics import PROCESS_RESTARTS_HELP
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyView
 from balancer.service.state import ServiceState
 from balancer.types import ReplicaId
+from balancer.worker_record import read_record
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +158,8 @@ async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
             health = replica.get("health") or {}
             if health.get("draining"):
                 note = DrainNote.from_json(health.get("drain"))
-                state.health.set_draining(ReplicaId(replica["id"]), True, note)
+                if not state.health.set_draining(ReplicaId(replica["id"]), True, note):  # not found yet
+                    state.health.keep_drain(ReplicaId(replica["id"]), True, note, state.monotonic())
         log.info(
             "worker %d: policy version %s and drains taken from worker %d",
             siblings.index,
@@ -252,11 +257,25 @@ async def _gathered_metrics(request: web.Request, handler: Handler, siblings: Si
             log.warning("worker %d: /metrics not gathered (%s)", index, result)
             continue
         texts[index] = result[1].decode("utf-8", errors="replace")
+    record = read_record(str(siblings.run_dir))
+    if record is not None:  # the supervisor's count of a worker that is down (or did not answer)
+        for index, restarts in enumerate(record.restarts):
+            if index not in texts and index < siblings.count:
+                texts[index] = absent_worker_metrics(restarts)
     return web.Response(
         text=merge_metrics(texts),
         content_type="text/plain",
         charset="utf-8",
         headers={"X-Kvlb-Workers": str(len(texts))},
+    )
+
+
+def absent_worker_metrics(restarts: int) -> str:
+    """The exposition a worker that is down (or did not answer) stands for: its restart count."""
+    return (
+        f"# HELP kvlb_process_restarts_total {PROCESS_RESTARTS_HELP}\n"
+        "# TYPE kvlb_process_restarts_total counter\n"
+        f"kvlb_process_restarts_total {float(restarts)!r}\n"
     )
 
 

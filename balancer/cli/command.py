@@ -32,7 +32,8 @@ from typing import Any, TypeAlias
 import yaml
 
 from balancer import strict_json
-from balancer.config import Settings, allocator_environ, load, one_thread_per_encode
+from balancer.cli.early_signals import NO_RELOAD, exec_keeping_signals
+from balancer.config import Settings, allocator_environ, config_file, load, one_thread_per_encode
 from balancer.config.settings import LOG_LEVELS
 from balancer.errors import ConfigError
 from balancer.serve_options import ServeOptions, WorkerRole
@@ -91,6 +92,7 @@ def _register_serve(subparsers: SubParsers) -> None:
     parser.add_argument("--run-dir", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--load-table", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-restarts", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--supervisor-pid", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
 
 
@@ -133,10 +135,9 @@ def cgroup_cpu_limit(root: Path) -> float | None:
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """The ``kvlb serve`` options a worker gets from its supervisor (all but the worker ones)."""
+    """The ``kvlb serve`` options a worker gets from its supervisor (all but the worker ones and the
+    settings file: the supervisor gives its copy)."""
     argv: list[str] = []
-    if args.config:
-        argv += ["--config", str(args.config)]
     for item in args.set:
         argv += ["--set", item]
     argv += ["--shutdown-grace-s", str(args.shutdown_grace_s)]
@@ -176,8 +177,8 @@ def run_serve(args: argparse.Namespace) -> int:
     reexec = allocator_environ(settings)
     if reexec is not None:  # before anything else: the process image is replaced
         sys.stdout.flush()
-        sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
+        sys.stderr.flush()  # SIGTERM and SIGINT stay blocked until the new image handles them
+        exec_keeping_signals(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
     level = (args.log_level or settings.log_level).upper()
     if level not in LOG_LEVELS:
         choices = ", ".join(LOG_LEVELS)
@@ -207,19 +208,27 @@ def run_serve(args: argparse.Namespace) -> int:
             args.run_dir,
             args.load_table,
             restarts=max(0, args.worker_restarts),
+            supervisor_pid=args.supervisor_pid,
         )
         _die_with_parent()
+        if args.supervisor_pid is not None and os.getppid() != args.supervisor_pid:
+            # the supervisor died before the kernel was asked to kill this worker with it
+            print(f"kvlb serve: the supervisor (pid {args.supervisor_pid}) is gone; exiting", file=sys.stderr)
+            return 1
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise
 
-        supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s)
+        supervise_run = supervise(
+            settings, args.workers, worker_argv(args), args.shutdown_grace_s, config_file(args.config)
+        )
         try:
             _runner(not args.no_uvloop)(supervise_run)
         except ConfigError as exc:
             print(f"kvlb serve: {exc}", file=sys.stderr)
             return 2
         except WorkerStartError as exc:
-            print(f"kvlb serve: {exc}; the other workers were stopped", file=sys.stderr)
+            stopped = "; the other workers were stopped" if exc.others_stopped else ""
+            print(f"kvlb serve: {exc}{stopped}", file=sys.stderr)
             return exc.exit_status
         return 0
     options = ServeOptions(shutdown_grace_s=args.shutdown_grace_s, worker=role)
@@ -237,17 +246,19 @@ def run_serve(args: argparse.Namespace) -> int:
 async def serve(settings: Settings, options: ServeOptions) -> None:
     """Run until SIGTERM/SIGINT, then stop in order (a second signal is ignored: shutdown is bounded
     by ``shutdown_grace_s``)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # before the service's imports (a second or so)
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, NO_RELOAD)
     from balancer.app import Balancer
     from balancer.gc_tuning import settle_after_start
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     balancer = Balancer(settings, options=options)
     orphan_watch = None
     if options.worker is not None:  # a worker ends with its supervisor, even one killed with -9
-        orphan_watch = asyncio.create_task(_stop_when_orphaned(os.getppid(), stop), name="kvlb-orphan-watch")
+        parent = options.worker.supervisor_pid or os.getppid()
+        orphan_watch = asyncio.create_task(_stop_when_orphaned(parent, stop), name="kvlb-orphan-watch")
     try:
         await balancer.start()
         settle_after_start()
@@ -258,7 +269,7 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
         if orphan_watch is not None:
             orphan_watch.cancel()
         await balancer.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)
     log.info("stopped")
 
@@ -268,7 +279,9 @@ PR_SET_PDEATHSIG = 1
 
 def _die_with_parent() -> None:
     """Linux: the kernel sends this worker SIGKILL when its supervisor dies (even by SIGKILL), so no
-    orphan keeps the listener; elsewhere :func:`_stop_when_orphaned` notices within a second."""
+    orphan keeps the listener; elsewhere :func:`_stop_when_orphaned` notices within a second. A
+    supervisor that died before this call is found right after it: the worker's parent is no longer
+    the ``--supervisor-pid`` it was given, and it exits 1 before it serves."""
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)

@@ -9,7 +9,9 @@ out, so a broken tool never breaks ``kvlb serve``. A service command (``kvlb ser
 …``) loads no tool at all: importing them (the load-test machinery) slowed every ``kvlb serve``
 start, twice with the jemalloc re-execution (time to "serving", ``--workers 1``: 3.5–5.0 s before,
 1.4–3.8 s after, 2026-11-30, load 3–4). A tool's command line whose command names its
-tool (``kvlb emulate …``, ``kvlb loadtest …``) loads only that one (:func:`tools_for`).
+tool (``kvlb emulate …``, ``kvlb loadtest …``) loads only that one (:func:`tools_for`). This module
+imports little at its top, so that ``kvlb serve`` takes SIGTERM and SIGINT
+(:mod:`balancer.cli.early_signals`) before the rest is imported.
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import argparse
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from importlib.metadata import EntryPoint, entry_points
-from typing import TypeAlias
+from typing import TYPE_CHECKING, TypeAlias
 
-from balancer.cli import command
+from balancer.cli import early_signals
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 COMMAND_GROUP = "kvlb.commands"
 """The entry-point group of the tools' commands."""
@@ -33,12 +37,16 @@ Register: TypeAlias = Callable[[SubParsers], None]
 
 def installed_tools() -> list[EntryPoint]:
     """The ``kvlb.commands`` entry points of the installed distributions."""
+    from importlib.metadata import entry_points
+
     return list(entry_points(group=COMMAND_GROUP))
 
 
 def build_parser(tools: Iterable[EntryPoint] | None = None) -> argparse.ArgumentParser:
     """The ``kvlb`` parser: ``serve`` and ``admin``, then ``tools`` (default: :func:`installed_tools`)
     by name. A tool that fails to load or to register is reported on stderr and left out."""
+    from balancer.cli import command
+
     parser = argparse.ArgumentParser(
         prog="kvlb",
         description="kvlb: a KV-cache-aware load balancer for LLM inference.",
@@ -75,6 +83,8 @@ def tools_for(command: str | None) -> list[EntryPoint] | None:
 def main(argv: Sequence[str] | None = None) -> int:
     given = list(sys.argv[1:] if argv is None else argv)
     command = given[0] if given else None
+    if command == "serve" and argv is None:  # the process is kvlb serve: before the imports
+        early_signals.install()
     tools = tools_for(command)
     parser = build_parser(tools)
     if tools and command not in _commands_of(parser):  # the tool did not register its namesake

@@ -8,7 +8,11 @@ it first (a bound socket that never listens; with port 0 a free one, named to th
 another program holds fails the start once, before any worker runs.
 
 Each worker is ``python -m balancer serve`` with the same settings and a :class:`WorkerRole`
-(``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options): a whole balancer with its
+(``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options). The same settings: the
+supervisor copies the settings file into its run dir at start and every worker, a restarted one too,
+reads that copy, so an edit of the file (a ConfigMap updated under a running pod) takes effect at
+the next start of ``kvlb serve``, for all the workers at once, never for one restarted worker
+alone. Each worker is a whole balancer with its
 own index, fed by its own subscriptions to every ZMQ engine (a PUB fans out to every SUB), so all
 workers hold the same index. A TRT-LLM drain is destructive, so worker 0 alone drains each TRT-LLM
 engine and republishes every drained body on ``ipc://<run dir>/trtllm-<replica>.ipc``; the other
@@ -25,10 +29,16 @@ a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, w
 restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
 ``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``; each restart is logged, and
 the worker's count is passed to the new process, which exports it as ``kvlb_process_restarts_total``),
-and on SIGTERM/SIGINT forwards the signal to every worker, closes its own copy of the listening
-socket (so that, once the workers have closed theirs, a new connection is refused instead of waiting
-in the kernel's queue for a worker that will never accept it) and waits for them (each drains its
-in-flight requests within ``--shutdown-grace-s``; one still alive ``kill_after_s`` later is killed).
+and keeps each worker's restarts and failed starts (exits before it announced itself) in its record
+(:mod:`balancer.worker_record`), which the workers that serve read for ``/metrics`` and ``/readyz``.
+A worker that failed ``give_up_after_failed_starts`` times in a row is in a crash loop: logged as an
+error at each restart while the others serve; once every worker is, the supervisor gives up and
+``kvlb serve`` exits non-zero (:class:`WorkerStartError`), so the orchestrator restarts the pod and
+shows the loop (Kubernetes' CrashLoopBackOff). On SIGTERM/SIGINT it forwards the signal to every
+worker, closes its own copy of the listening socket (so that, once the workers have closed theirs,
+a new connection is refused instead of waiting in the kernel's queue for a worker that will never
+accept it) and waits for them (each drains its in-flight requests within ``--shutdown-grace-s``;
+one still alive ``kill_after_s`` later is killed).
 """
 
 from __future__ import annotations
@@ -48,22 +58,26 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from balancer import strict_json
+from balancer.cli.early_signals import NO_RELOAD
 from balancer.config import Settings
-from balancer.errors import BalancerError, bind_error
+from balancer.errors import BalancerError, ConfigError, bind_error
 from balancer.load.share import LoadTable
+from balancer.worker_record import WorkerRecord, write_record
 
 log = logging.getLogger(__name__)
 
 
 class WorkerStartError(BalancerError):
     """The workers did not all start: one exited before it announced itself, or they took longer than
-    ``start_timeout_s``. ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this
-    message."""
+    ``start_timeout_s``; or, later, every worker failed ``give_up_after_failed_starts`` starts in a
+    row. ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this message."""
 
-    def __init__(self, message: str, exit_status: int = 1) -> None:
+    def __init__(self, message: str, exit_status: int = 1, *, others_stopped: bool = True) -> None:
         super().__init__(message)
         self.exit_status = exit_status
         """2 when the worker refused its settings (it exited 2, as ``kvlb serve`` does), else 1."""
+        self.others_stopped = others_stopped
+        """Whether other workers were running, and were stopped (not so once every worker gave up)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +94,10 @@ class SupervisorSettings:
     """A worker that ran this long (seconds) before exiting is restarted after the initial delay."""
     kill_after_s: float = 10.0
     """Seconds past the shutdown grace before a worker still alive is killed (SIGKILL)."""
+    give_up_after_failed_starts: int = 5
+    """Exits in a row before announcing itself (≥ 1) from which a worker is in a crash loop; once
+    every worker is, the supervisor stops and exits non-zero. With the default backoff, 5 failed
+    starts take about 16 s of delays plus 5 starts (docs/reliability.md, "Fixed since")."""
 
 
 @dataclass(slots=True)
@@ -88,6 +106,9 @@ class _Worker:
     process: asyncio.subprocess.Process | None = None
     started_at: float = 0.0
     restarts: int = 0
+    failed_starts: int = 0
+    """Exits in a row before it announced itself (0 once it serves)."""
+    last_exit: int = 0
     backoff_s: float = 0.0
     url: str = ""
     reader: asyncio.Task[None] | None = None
@@ -129,6 +150,10 @@ def reserved_port(host: str, port: int = 0) -> socket.socket:
     return sock
 
 
+SETTINGS_COPY = "settings.yaml"
+"""The run dir's copy of the settings file the supervisor started with: what every worker reads."""
+
+
 SETTINGS_ERROR_MARK = "settings-error"
 """A file in the run dir: the first worker to fail on a settings error creates it and prints the
 error; the others, which load the same settings and fail the same way, exit without printing it."""
@@ -160,9 +185,14 @@ class Supervisor:
         *,
         supervisor: SupervisorSettings | None = None,
         shutdown_grace_s: float = 30.0,
+        config_file: str | None = None,
     ) -> None:
-        """``worker_argv`` is ``kvlb serve``'s own options (config, ``--set``, log level, grace)."""
+        """``worker_argv`` is ``kvlb serve``'s own options but the settings file (``--set``, log
+        level, grace); ``config_file`` the settings file ``settings`` were read from, if any."""
         self.settings = settings
+        self.config_file = config_file
+        self._config_copy: str | None = None
+        """The run dir's copy of :attr:`config_file`, which the workers read."""
         self.count = count
         self.worker_argv = list(worker_argv)
         self.config = supervisor or SupervisorSettings()
@@ -183,10 +213,38 @@ class Supervisor:
         self.start_failure = ""
         """Why :meth:`start` failed: the first worker that exited before it announced itself."""
         self._start_failure_status = 1
+        self.gave_up = asyncio.Event()
+        """Set when every worker is in a crash loop: :attr:`give_up_reason` says why."""
+        self.give_up_reason = ""
+
+    def _record(self) -> None:
+        """Rewrite the workers' record (restarts, failed starts) in the run dir."""
+        record = WorkerRecord(
+            tuple(w.restarts for w in self.workers),
+            tuple(w.failed_starts for w in self.workers),
+            self.config.give_up_after_failed_starts,
+        )
+        try:
+            write_record(self.run_dir, record)
+        except OSError as exc:  # the run dir is ours: only a full disk gets here
+            log.warning("the workers' record was not written (%s)", exc)
+
+    def give_up_error(self) -> WorkerStartError:
+        """What ``kvlb serve`` exits with once :attr:`gave_up` is set: 2 when every worker's last exit
+        was a settings error (exit 2), else 1."""
+        status = 2 if all(w.last_exit == 2 for w in self.workers) else 1
+        return WorkerStartError(self.give_up_reason, status, others_stopped=False)
 
     async def start(self) -> None:
         listen = self.settings.listen
         self.run_dir = tempfile.mkdtemp(prefix="kvlb-workers-")
+        if self.config_file is not None:  # every worker, a restarted one too, reads the start's settings
+            copy = os.path.join(self.run_dir, SETTINGS_COPY)
+            try:
+                shutil.copyfile(self.config_file, copy)
+            except OSError as exc:
+                raise ConfigError(f"cannot read config {self.config_file}: {exc.strerror}") from None
+            self._config_copy = copy
         limits = self.settings.limits
         self.load_table = LoadTable(self.count, limits.load_share_slots, limits.load_share_tenant_slots)
         self._sock = listening_socket(listen.host, listen.port)
@@ -196,6 +254,7 @@ class Supervisor:
         if listen.grpc_port is not None:
             self._grpc_sock = reserved_port(listen.host, listen.grpc_port)
             self.grpc_port = int(self._grpc_sock.getsockname()[1])
+        self._record()
         await asyncio.gather(*(self._spawn(worker) for worker in self.workers))
         ready = asyncio.ensure_future(asyncio.gather(*(worker.ready.wait() for worker in self.workers)))
         failed = asyncio.ensure_future(self._start_failed.wait())
@@ -218,9 +277,12 @@ class Supervisor:
     def _argv(self, worker: _Worker) -> list[str]:
         assert self._sock is not None
         argv = [sys.executable, "-m", "balancer", "serve", *self.worker_argv]
+        if self._config_copy is not None:
+            argv += ["--config", self._config_copy]
         argv += ["--workers", str(self.count), "--worker-index", str(worker.index)]
         argv += ["--listen-fd", str(self._sock.fileno()), "--run-dir", self.run_dir]
         argv += ["--worker-restarts", str(worker.restarts)]
+        argv += ["--supervisor-pid", str(os.getpid())]
         if self.load_table is not None:
             argv += ["--load-table", self.load_table.name]
         if self.grpc_port is not None:
@@ -246,12 +308,16 @@ class Supervisor:
                 with contextlib.suppress(ValueError):
                     worker.url = str(json.loads(text).get("url", ""))
                 worker.ready.set()
+                if worker.failed_starts:
+                    worker.failed_starts = 0
+                    self._record()
         code = await process.wait()
         if self.load_table is not None:
             self.load_table.zero_row(worker.index)  # its requests died with it
         if self._stopping:
             return
         ran_s = time.monotonic() - worker.started_at
+        worker.last_exit = code
         if not self._serving:  # a worker that cannot start (its error is on stderr) would again
             if not self.start_failure:
                 self._start_failure_status = 2 if code == 2 else 1
@@ -266,12 +332,29 @@ class Supervisor:
         else:
             worker.backoff_s = min(self.config.max_restart_backoff_s, worker.backoff_s * 2)
         worker.restarts += 1
-        log.warning(
-            "worker %d (pid %d) exited with %d after %.1fs; restarting in %.1fs (restart %d)",
+        if not worker.ready.is_set():
+            worker.failed_starts += 1
+        self._record()
+        limit = self.config.give_up_after_failed_starts
+        if all(w.failed_starts >= limit for w in self.workers):
+            times = f"{limit} time{'s' if limit > 1 else ''}"
+            self.give_up_reason = (
+                f"every worker exited {times} in a row before serving (worker {worker.index} last "
+                f"exited with {code} after {ran_s:.1f}s; its error is above): giving up"
+            )
+            log.error("%s", self.give_up_reason)
+            self.gave_up.set()
+            return
+        log.log(
+            logging.ERROR if worker.failed_starts >= limit else logging.WARNING,
+            "worker %d (pid %d) exited with %d after %.1fs%s; restarting in %.1fs (restart %d)",
             worker.index,
             process.pid,
             code,
             ran_s,
+            f", {worker.failed_starts} times in a row before serving: a crash loop"
+            if worker.failed_starts >= limit
+            else "",
             worker.backoff_s,
             worker.restarts,
         )
@@ -322,7 +405,11 @@ class Supervisor:
 
 
 async def supervise(
-    settings: Settings, count: int, worker_argv: Sequence[str], shutdown_grace_s: float
+    settings: Settings,
+    count: int,
+    worker_argv: Sequence[str],
+    shutdown_grace_s: float,
+    config_file: str | None = None,
 ) -> None:
     """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up. A signal
     while they start stops them; a failed start raises :class:`WorkerStartError` (or
@@ -331,7 +418,10 @@ async def supervise(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    supervisor = Supervisor(settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s)
+    loop.add_signal_handler(signal.SIGHUP, log.warning, NO_RELOAD)  # the workers ignore theirs too
+    supervisor = Supervisor(
+        settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s, config_file=config_file
+    )
     try:
         starting = asyncio.create_task(supervisor.start(), name="kvlb-workers-start")
         signalled = asyncio.create_task(stop.wait(), name="kvlb-workers-start-signal")
@@ -354,9 +444,18 @@ async def supervise(
             "worker_pids": supervisor.pids(),
         }
         print(strict_json.dumps(announcement), flush=True)
-        await stop.wait()
+        signalled = asyncio.create_task(stop.wait(), name="kvlb-workers-signal")
+        gave_up = asyncio.create_task(supervisor.gave_up.wait(), name="kvlb-workers-gave-up")
+        try:
+            await asyncio.wait((signalled, gave_up), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (signalled, gave_up):
+                task.cancel()
+            await asyncio.gather(signalled, gave_up, return_exceptions=True)
+        if not stop.is_set() and supervisor.gave_up.is_set():
+            raise supervisor.give_up_error()
         log.info("signal received: stopping %d workers", count)
     finally:
         await supervisor.stop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             loop.remove_signal_handler(sig)

@@ -5,6 +5,7 @@ the environment). Import from here: ``from balancer.config import ReplicaConfig`
 from balancer.config.loader import (
     TOKENIZERS_PARALLELISM,
     allocator_environ,
+    config_file,
     from_mapping,
     jemalloc_found,
     load,
@@ -44,6 +45,7 @@ __all__ = [
     "TimeoutConfig",
     "UpstreamConfig",
     "allocator_environ",
+    "config_file",
     "endpoint_for_rank",
     "from_mapping",
     "jemalloc_found",

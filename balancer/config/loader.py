@@ -159,6 +159,13 @@ def _deep_copy(data: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deep_copy(v) if isinstance(v, Mapping) else v for k, v in data.items()}
 
 
+def config_file(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> str | None:
+    """The settings file :func:`load` reads: ``path``, else ``$KVLB_CONFIG``; ``None``: none."""
+    if path is not None:
+        return str(path)
+    return (os.environ if env is None else env).get("KVLB_CONFIG")
+
+
 def load(
     path: str | Path | None = None,
     sets: Sequence[str] = (),
@@ -166,7 +173,7 @@ def load(
 ) -> Settings:
     """Read the YAML file (or ``$KVLB_CONFIG``), apply env and ``--set`` overrides, validate."""
     environ = dict(os.environ) if env is None else dict(env)
-    file = path if path is not None else environ.get("KVLB_CONFIG")
+    file = config_file(path, environ)
     raw: Any = {}
     if file is not None:
         try:

@@ -8,6 +8,10 @@ replica's probe at once). A good probe puts it back. Request failures before the
 failed probes, timeouts included, all count against the breaker; ``failure_threshold`` consecutive
 failures open it for ``open_s`` seconds, after which one trial request is let through (half-open):
 success closes it, failure re-opens it.
+
+With ``kvlb serve --workers N`` each worker discovers replicas on its own, so a drain replayed by a
+sibling can name a replica this worker has not discovered yet: it is kept (:meth:`HealthBook.keep_drain`,
+at most :data:`MAX_PENDING_DRAINS`, for :data:`PENDING_DRAIN_S`) and applied when the replica is added.
 """
 
 from __future__ import annotations
@@ -19,6 +23,13 @@ from typing import Any, Literal
 from balancer.types import ReplicaId
 
 BreakerState = Literal["closed", "open", "half_open"]
+
+PENDING_DRAIN_S = 30.0
+"""How long (seconds) a drain of a replica not discovered here yet waits for it (discovery polls
+every 2 s by default; a Kubernetes watch is quicker)."""
+MAX_PENDING_DRAINS = 64
+"""Most drains kept for replicas not discovered yet; the oldest goes first
+(``kvlb_replica_pending_drains_dropped_total``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,9 +107,32 @@ class HealthBook:
 
     config: BreakerConfig = field(default_factory=BreakerConfig)
     replicas: dict[ReplicaId, ReplicaHealth] = field(default_factory=dict)
+    pending_drains: dict[ReplicaId, tuple[DrainNote | None, float]] = field(default_factory=dict)
+    """Drains of replicas not known yet (:meth:`keep_drain`): the note, and when it came."""
+    pending_drains_dropped: int = 0
+    """Kept drains dropped for newer ones at :data:`MAX_PENDING_DRAINS`."""
 
-    def add(self, replica: ReplicaId, probe_ok: bool = False) -> None:
-        self.replicas.setdefault(replica, ReplicaHealth(replica, probe_ok=probe_ok))
+    def add(self, replica: ReplicaId, probe_ok: bool = False, now: float | None = None) -> None:
+        """Know ``replica``; drained at once when a drain of it was kept within :data:`PENDING_DRAIN_S`
+        of ``now``."""
+        rec = self.replicas.setdefault(replica, ReplicaHealth(replica, probe_ok=probe_ok))
+        kept = self.pending_drains.pop(replica, None)
+        if kept is not None and now is not None and now - kept[1] <= PENDING_DRAIN_S:
+            rec.draining, rec.drain = True, kept[0]
+
+    def keep_drain(self, replica: ReplicaId, draining: bool, note: DrainNote | None, now: float) -> None:
+        """A sibling's drain (or undrain) of ``replica``, not known here yet: a drain is applied if
+        :meth:`add` comes within :data:`PENDING_DRAIN_S`; an undrain forgets a kept drain."""
+        self.pending_drains.pop(replica, None)
+        for name, (_, at) in list(self.pending_drains.items()):
+            if now - at > PENDING_DRAIN_S:
+                del self.pending_drains[name]
+        if not draining:
+            return
+        if len(self.pending_drains) >= MAX_PENDING_DRAINS:
+            del self.pending_drains[next(iter(self.pending_drains))]
+            self.pending_drains_dropped += 1
+        self.pending_drains[replica] = (note, now)
 
     def remove(self, replica: ReplicaId) -> None:
         self.replicas.pop(replica, None)

@@ -155,7 +155,7 @@ class ReplicaLifecycle:
                 ingest = await self._add_sources(config, space)
                 if self._ingest_running:
                     await ingest.start()  # a new key space's ingest; idempotent otherwise
-            state.health.add(replica)
+            state.health.add(replica, now=state.monotonic())  # a drain a sibling sent first applies
             self._start_tasks(pool, config)
             pool.replicas[replica] = config
         except Exception:

@@ -304,3 +304,38 @@ async def test_fleet_releases_the_lease_of_a_removed_replica(
             assert await client.get(keys.lease("r1")) is None
             assert await client.get(keys.lease("r0")) == fleet.instance  # the static one is untouched
     await client.aclose()
+
+
+# ------------------------------------------------------------------------------------------- File
+
+
+async def test_a_siblings_drain_of_a_replica_not_discovered_yet_applies_when_it_comes(tmp_path: Path) -> None:
+    """With ``--workers N`` each worker discovers replicas on its own: a drain taken by a worker that
+    already knows a new replica is replayed (``x-kvlb-sibling``) to one that does not yet. Before
+    2026-12-01 that worker answered 404 and then added the replica undrained, and kept routing to it
+    (seen in the runtime walk). Now it keeps the drain and the replica arrives drained."""
+    listed = tmp_path / "replicas.yaml"
+    listed.write_text("pools: []\n")
+    overrides = {
+        "discovery__kind": "file",
+        "discovery__file": str(listed),
+        "discovery__reload_interval_s": 0.1,
+    }
+    async with (
+        two_replicas(**overrides) as (static, extra, settings),
+        balancer_over(static, extra, settings) as setup,
+    ):
+        url = f"{setup.balancer.url}/admin/replicas/r1/drain"
+        async with setup.session.post(url, headers={"x-kvlb-sibling": "1"}) as response:
+            assert response.status == 200, await response.text()
+        fresh = tmp_path / "replicas.yaml.new"
+        fresh.write_text(yaml.safe_dump({"pools": [{"model": MODEL, "replicas": [replica_entry(extra)]}]}))
+        fresh.replace(listed)
+
+        async def listed_r1() -> bool:
+            return "r1" in await setup.views()
+
+        await wait_for("r1 discovered", listed_r1, timeout_s=10)
+        r1 = (await setup.views())["r1"]
+        assert r1["health"]["draining"] and not r1["routable"], r1
+        assert r1["health"]["drain"]["by"] == "admin", r1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from balancer.health.book import BreakerConfig, DrainNote, HealthBook
+from balancer.health.book import MAX_PENDING_DRAINS, PENDING_DRAIN_S, BreakerConfig, DrainNote, HealthBook
 from balancer.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -136,3 +136,23 @@ def test_a_drain_note_from_json_refuses_what_is_not_one() -> None:
     assert DrainNote.from_json(good) == DrainNote("a", "c", 1.0, None)
     for bad in ({}, [], "x", {**good, "at_wall_ts": True}, {**good, "by": 1}, {**good, "reason": 2}):
         assert DrainNote.from_json(bad) is None, bad
+
+
+def test_a_kept_drain_applies_to_its_replica_when_it_comes_within_its_time_and_is_bounded() -> None:
+    book = HealthBook()
+    note = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1.0, reason="rollout")
+    book.keep_drain(ReplicaId("late"), True, note, now=100.0)
+    book.keep_drain(ReplicaId("stale"), True, note, now=100.0)
+    book.keep_drain(ReplicaId("undone"), True, note, now=100.0)
+    book.keep_drain(ReplicaId("undone"), False, None, now=101.0)  # an undrain forgets it
+    book.add(ReplicaId("late"), probe_ok=True, now=100.0 + PENDING_DRAIN_S)
+    book.add(ReplicaId("stale"), probe_ok=True, now=100.1 + PENDING_DRAIN_S)  # too late
+    book.add(ReplicaId("undone"), probe_ok=True, now=102.0)
+    assert book.replicas[ReplicaId("late")].draining and book.replicas[ReplicaId("late")].drain == note
+    assert not book.replicas[ReplicaId("stale")].draining
+    assert not book.replicas[ReplicaId("undone")].draining
+    assert book.routable(200.0) == [ReplicaId("stale"), ReplicaId("undone")]
+    for index in range(MAX_PENDING_DRAINS + 3):
+        book.keep_drain(ReplicaId(f"r{index}"), True, None, now=300.0)
+    assert len(book.pending_drains) == MAX_PENDING_DRAINS and book.pending_drains_dropped == 3
+    assert ReplicaId("r0") not in book.pending_drains  # the oldest went first
