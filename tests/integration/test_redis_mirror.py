@@ -29,6 +29,7 @@ from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror, MirrorSettings
 from balancer.index.redis.schema import RedisIndexSettings
 from balancer.index.redis.stream import decode_batch, decode_entry, encode_batch
+from balancer.index.snapshot import load_table
 from balancer.index.table import PrefixTable
 from balancer.sources.ingest_thread import IngestThread
 from balancer.types import EngineHash, ReplicaId
@@ -263,3 +264,65 @@ async def test_mirrors_count_the_roots_the_engines_stored(
         if late.last_number == (await writer.counters())["stream_entries"]:
             break
     assert late.table.held_roots(REPLICAS, 0.0) == direct.held_roots(REPLICAS, 0.0)
+
+
+@pytest.mark.parametrize("how", ["stored_again", "dropped"])
+async def test_a_partial_mirror_is_partial_until_it_holds_what_redis_holds(
+    text_client: RedisClient, raw_client: RedisClient, how: str
+) -> None:
+    """The first store trimmed away before a mirror started: it stays partial (Redis holds a block it
+    lacks) until the engine stores that block again, or the replica is dropped fleet-wide; then the
+    count check clears the mark, also when it read Redis ahead of the mirror."""
+    settings = fresh_settings(100_000, stream_maxlen=10)
+    writer = RedisIndex(text_client, HASHER, settings)
+    a, b = ReplicaId("a"), ReplicaId("b")
+    first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(a, [first], 0.0)
+    for i in range(400):  # MAXLEN ~ trims whole stream nodes (100 entries each)
+        await writer.apply(a, [Removed(0, (EngineHash(1000 + i),))], 0.0)
+    mirror = make_mirror(raw_client, settings)
+    await mirror.warm_start()
+    assert mirror.partial and mirror.table.held_blocks(a) == 0
+    assert await mirror.check_partial()  # Redis holds a's block, the mirror does not
+    other = Stored(0, None, (EngineHash(2),), bytes([1] * 4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(b, [other], 0.0)  # the check reads Redis one entry ahead of the mirror
+    if how == "stored_again":
+        await writer.apply(a, [first], 0.0)
+    else:
+        await writer.drop_replica(a)
+    assert await mirror.check_partial()  # read two entries ahead of the mirror: decided later
+    assert await mirror.poll(block_ms=10) == 2
+    assert not mirror.partial and mirror.counters.partial_cleared == 1
+    assert mirror.table.held_blocks(a) == (1 if how == "stored_again" else 0)
+    assert not load_table(mirror.snapshot(), HASHER, mirror.limits).partial  # snapshots lose the mark
+
+
+async def test_a_tailing_partial_mirror_checks_itself_against_redis(
+    text_client: RedisClient, raw_client: RedisClient
+) -> None:
+    """The same through :meth:`Mirror.run`: the tailing mirror checks every ``partial_check_s``."""
+    settings = fresh_settings(100_000, stream_maxlen=10)
+    writer = RedisIndex(text_client, HASHER, settings)
+    a = ReplicaId("a")
+    first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(a, [first], 0.0)
+    for i in range(400):
+        await writer.apply(a, [Removed(0, (EngineHash(1000 + i),))], 0.0)
+    mirror = Mirror(
+        raw_client, HASHER, settings, time.monotonic, MirrorSettings(block_ms=50, partial_check_s=0.05)
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(mirror.run(stop))
+    try:
+        await asyncio.wait_for(mirror.ready.wait(), 5)
+        await asyncio.sleep(0.3)  # several checks: Redis still holds a block the mirror lacks
+        assert mirror.partial
+        await writer.apply(a, [first], 0.0)
+        for _ in range(100):  # bounded: 5 s
+            if not mirror.partial:
+                break
+            await asyncio.sleep(0.05)
+        assert not mirror.partial and mirror.table.held_blocks(a) == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
