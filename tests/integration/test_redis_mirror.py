@@ -326,3 +326,36 @@ async def test_a_tailing_partial_mirror_checks_itself_against_redis(
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+
+
+async def test_a_stream_restarted_within_the_millisecond_of_the_last_read_rebuilds_the_mirror(
+    text_client: RedisClient, raw_client: RedisClient
+) -> None:
+    """Redis loses the key space (its keys deleted, as a ``FLUSHALL`` does) and its stream restarts at
+    the same IDs: ``XREAD`` skips the new entries up to the last ID read, and the first one after it
+    carries the number after the last one read. Only the stream's epoch (``g``) tells the two lives
+    apart: the mirror rebuilds from the new stream and holds what Redis holds. The same millisecond
+    is made sure of by a first entry (no ``n``: not a batch) with an ID in the future."""
+    settings = fresh_settings(100_000)
+    writer = RedisIndex(text_client, HASHER, settings)
+    mirror = make_mirror(raw_client, settings)
+    assert await mirror.warm_start() == 0
+    future_ms = int(time.time() * 1000) + 3_600_000
+    a, b = ReplicaId("a"), ReplicaId("b")
+
+    def block(byte: int) -> Stored:
+        return Stored(0, None, (EngineHash(byte),), bytes([byte] * 4 * HASHER.block_size), HASHER.block_size)
+
+    await text_client.xadd(writer.keys.stream, {"r": "-"}, id=f"{future_ms}-0")
+    for byte in (1, 2):  # the first life: entries 1 and 2 at IDs future-1 and future-2
+        await writer.apply(a, [block(byte)], 0.0)
+    assert await mirror.poll(block_ms=10) == 2 and mirror.last_number == 2
+    async for key in text_client.scan_iter(match=writer.keys.prefix + "*"):
+        await text_client.delete(key)
+    await text_client.xadd(writer.keys.stream, {"r": "-"}, id=f"{future_ms}-0")
+    for byte in (3, 4, 5):  # the second life: entries 1, 2 (skipped by XREAD) and 3, at future-1..3
+        await writer.apply(b, [block(byte)], 0.0)
+    await mirror.poll(block_ms=10)
+    assert mirror.counters.resyncs == 1
+    assert (mirror.table.held_blocks(a), mirror.table.held_blocks(b)) == (0, 3)
+    assert mirror.last_number == 3 and not mirror.partial

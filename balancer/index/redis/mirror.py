@@ -22,13 +22,16 @@ and replays only the entries after it; with no usable snapshot it replays every 
 
 Entries are numbered consecutively (field ``n``). A mirror that finds entries missing (trimmed by
 ``MAXLEN ~`` before it read them, or a Redis that lost its data) warm-starts again and counts a
-resync. A stream trimmed before any snapshot covered it yields a *partial* mirror: blocks stored
-before the oldest retained entry stay unknown until an engine stores them again. A partial mirror
-compares itself with the Redis index every ``MirrorSettings.partial_check_s``: once its table holds,
-for every replica, at least as many blocks as Redis's ``held`` counts say, at the same stream entry,
-it has learned back or seen removed what it lacked and is partial no more (by counts, not key by
-key). ``ready`` is set after the first warm start. Redis errors are counted and retried with
-exponential backoff; the table keeps serving meanwhile.
+resync; so does one that reads another stream epoch (field ``g``): a stream restarted within the
+millisecond of the last entry read reuses IDs ``XREAD`` then skips, and its numbering may land right
+after the last number read. A stream trimmed before any snapshot covered it yields a *partial*
+mirror: blocks stored before the oldest retained entry stay unknown until an engine stores them
+again. A partial mirror compares itself with the Redis index every
+``MirrorSettings.partial_check_s``: once its table holds, for every replica, at least as many blocks
+as Redis's ``held`` counts say, at the same stream entry, it has learned back or seen removed what it
+lacked and is partial no more (by counts, not key by key). ``ready`` is set after the first warm
+start. Redis errors are counted and retried with exponential backoff; the table keeps serving
+meanwhile.
 """
 
 from __future__ import annotations
@@ -135,6 +138,8 @@ class Mirror:
         """``table`` behind the async ``PrefixIndex`` facade (replaced with it)."""
         self.last_id = "0-0"
         self.last_number = 0
+        self.epoch: bytes | None = None
+        """The stream epoch of the last entry applied (``None``: none seen, or an older writer's)."""
         self.partial = False
         """True when the history before the oldest retained entry was trimmed before we read it."""
         self.lag_s: float | None = None
@@ -152,6 +157,7 @@ class Mirror:
         self._between_entries = between_entries
         self._replay_last = ("0-0", 0)
         self._replay_partial = False
+        self._replay_epoch: bytes | None = None
         self._counts_at: tuple[int, dict[str, int]] | None = None
         """Redis's blocks per replica as of stream entry ``[0]``, read while the mirror was behind
         it: compared once the mirror has applied that entry (:meth:`check_partial`)."""
@@ -166,6 +172,8 @@ class Mirror:
         """Build a table from the snapshot (if usable) and the entries after it, then install it.
 
         Returns how many stream entries were applied."""
+        epoch = await self.client.hget(self._keys.counters, "stream_epoch")  # for a snapshot alone
+        self._replay_epoch = epoch if isinstance(epoch, bytes) else None
         fresh, number, last_id, partial = await self._from_snapshot()
         applied, continuous = await self._replay(fresh, last_id, number)
         if not continuous:  # the snapshot is older than the retained stream: start from scratch
@@ -177,6 +185,7 @@ class Mirror:
             partial = partial or self._replay_partial
         self.table, self.index, self.partial = fresh, MemoryIndex.over(fresh), partial
         self.last_id, self.last_number = self._replay_last
+        self.epoch = self._replay_epoch
         self._counts_at = None
         if self.on_table is not None:
             self.on_table(fresh)
@@ -227,6 +236,7 @@ class Mirror:
                     self._replay_partial = self._replay_partial or entry.number > 1
                 await self._apply(entry, into)
                 self._replay_last = (entry.entry_id, entry.number)
+                self._replay_epoch = entry.epoch or self._replay_epoch
                 applied += 1
                 if self._between_entries is not None:
                     self._between_entries()
@@ -251,6 +261,15 @@ class Mirror:
                 self.counters.resyncs += 1
                 log.warning("mirror of %s: entry %s unreadable, rebuilding", self._stream, self.last_id)
                 return applied + await self.warm_start()
+            if entry.epoch is not None and self.epoch is not None and entry.epoch != self.epoch:
+                self.counters.resyncs += 1
+                log.warning(
+                    "mirror of %s: entry %d is of another stream epoch (%s after %s): Redis lost the "
+                    "stream (a FLUSHALL, a restart without persistence); rebuilding",
+                    self._stream, entry.number, entry.epoch.decode(errors="replace"),
+                    self.epoch.decode(errors="replace"),
+                )  # fmt: skip
+                return applied + await self.warm_start()
             if entry.number != self.last_number + 1:
                 self.counters.resyncs += 1
                 if entry.number <= self.last_number:  # until 2026-12-01 logged as "entries 56..0 missing"
@@ -265,6 +284,7 @@ class Mirror:
                 return applied + await self.warm_start()
             await self._apply(entry, self.table)
             self.last_id, self.last_number = entry.entry_id, entry.number
+            self.epoch = entry.epoch or self.epoch
             self.lag_s = time.time() - int(entry.entry_id.partition("-")[0]) / 1000
             if self._counts_at is not None and self._counts_at[0] <= entry.number:
                 self._compare_counts(*self._counts_at)
