@@ -261,13 +261,15 @@ class Mirror:
                 self.counters.resyncs += 1
                 log.warning("mirror of %s: entry %s unreadable, rebuilding", self._stream, self.last_id)
                 return applied + await self.warm_start()
-            if entry.epoch is not None and self.epoch is not None and entry.epoch != self.epoch:
+            epoch, known = entry.epoch, self.epoch
+            # another epoch, numbered on (numbers that went back are said below): a restarted stream
+            if epoch is not None and known is not None and epoch != known and entry.number > self.last_number:
                 self.counters.resyncs += 1
                 log.warning(
                     "mirror of %s: entry %d is of another stream epoch (%s after %s): Redis lost the "
                     "stream (a FLUSHALL, a restart without persistence); rebuilding",
-                    self._stream, entry.number, entry.epoch.decode(errors="replace"),
-                    self.epoch.decode(errors="replace"),
+                    self._stream, entry.number, epoch.decode(errors="replace"),
+                    known.decode(errors="replace"),
                 )  # fmt: skip
                 return applied + await self.warm_start()
             if entry.number != self.last_number + 1:
