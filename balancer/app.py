@@ -324,6 +324,8 @@ class Balancer:
             speculative_ttl_s=settings.limits.speculative_ttl_s if config.kv_events else config.approx_ttl_s,
             pending_ttl_s=settings.timeouts.first_byte_s,
             receipt_drops=settings.limits.receipt_drops,
+            # also with Redis, whose mirrors clear at every gap: their tables learn from receipts
+            receipts_teach=settings.limits.gap_hold_s > 0,
         )
         router = PoolRouter(
             config.model,

@@ -717,7 +717,9 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
         redis_leases_held=gauge("kvlb_redis_leases_held", "Replica ingestion leases this balancer holds."),
         redis_lease_events_total=counter(
             "kvlb_redis_lease_events_total",
-            "Ingestion lease changes of this balancer (acquired, released, lost, retaken after expiring).",
+            "Ingestion lease changes of this balancer (acquired, released, lost, retaken after expiring; "
+            "orphan_retired: a replica that left without its holder retiring it; orphan_overflow: such "
+            "replicas forgotten over the bound).",
             ["event"],
         ),
         redis_fleet_members=gauge("kvlb_redis_fleet_members", "Live balancers seen in Redis (heartbeats)."),

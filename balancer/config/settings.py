@@ -312,7 +312,9 @@ class LimitConfig:
     TRT-LLM buffer overflow, a gap beyond SGLang's/vLLM's replay buffer), in 0..60: each is kept if
     the engine confirms it meanwhile (an event naming it, a response's ``cached_tokens`` covering
     it), dropped at the end of the hold otherwise, or at once when a response shows it missing. 0
-    clears the cache at the gap. Without Redis only (the Redis index clears at once)."""
+    clears the cache at the gap. The hold is without Redis only (the Redis index clears at once);
+    with or without it, > 0 also lets receipts teach the index the blocks the engine found cached
+    (``docs/redis-fleet.md``, "Receipts after a gap"), and 0 turns that off."""
     gap_keep_s: float = 2.0
     """Seconds after an event gap, in 0..60, up to which suspect blocks may stay past ``gap_hold_s``
     by the engine's LRU order: once the engine evicts a suspect block, every suspect kvlb saw used

@@ -22,7 +22,10 @@ Replicas found by discovery join with :meth:`LeaseManager.add` and count in the 
 next tick. :meth:`LeaseManager.remove` forgets one that left; if this balancer holds its lease, it
 stops the ingest, drops the replica's blocks fleet-wide and deletes the lease and the replica's
 stored positions and generation (never mid-tick): a balancer whose discovery still lists it takes
-the lease next and starts it without positions, as a new replica.
+the lease next and starts it without positions, as a new replica. One it did not hold (or whose
+retirement failed) it remembers (:mod:`balancer.fleet.orphans`): ``ttl_s + tick_s`` later, if Redis
+still keeps its position or generation and nobody holds its lease, it takes the lease and does the
+same (another holder, alive, retires it when its own discovery removes it).
 
 Taking a lease bumps the replica's generation (fencing the previous holder) and returns the
 positions applied so far: ZMQ sources resume right after them (engine replay, or ``Resync`` when the
@@ -58,6 +61,7 @@ import xxhash
 from balancer.config import ReplicaConfig
 from balancer.engines.registry import engine_spec
 from balancer.events import Resync
+from balancer.fleet.orphans import Orphans
 from balancer.fleet.space_ingest import SpaceIngest
 from balancer.health.book import HealthBook
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient
@@ -93,6 +97,10 @@ if seq_type ~= 'hash' and seq_type ~= 'none' then redis.call('DEL', KEYS[3]) end
 if ARGV[3] ~= '' then redis.call('HSET', KEYS[3], ARGV[2], ARGV[3]) end
 return redis.call('DEL', KEYS[2])
 """
+
+ORPHAN_ATTEMPTS = 3
+"""Times a replica that left without being retired is looked at while another balancer holds its
+lease, ``ttl_s + tick_s`` apart (:meth:`LeaseManager._retire_orphans`)."""
 
 BuildSources = Callable[[ReplicaConfig, Mapping[int, int]], Sequence[EventSource]]
 
@@ -168,6 +176,8 @@ class LeaseManager:
         self._quiet_until = 0.0
         """Monotonic time before which no lease is newly taken: set by a failed tick, so that after a
         Redis outage every holder first gets ``ttl_s`` to take its own expired leases back."""
+        self._orphans: Orphans[tuple[FleetReplica, int]] = Orphans()
+        """Replicas that left without being retired here (not held, or the retirement failed)."""
         self._lock = asyncio.Lock()
         """Held by a tick and by :meth:`remove`, so a replica never leaves in the middle of a tick."""
         self._heartbeat = client.register_script(_HEARTBEAT)
@@ -201,17 +211,21 @@ class LeaseManager:
     def add(self, replica: FleetReplica) -> None:
         """A replica found by discovery: from the next tick its lease counts in the fair share and
         may be taken. An id already known keeps its entry."""
+        self._orphans.cancel(ReplicaId(replica.config.id))
         self.replicas.setdefault(ReplicaId(replica.config.id), replica)
 
     async def remove(self, replica: ReplicaId) -> bool:
         """A replica that left (discovery): forget it, and if this balancer holds its lease, stop its
         ingest, drop its blocks fleet-wide and delete the lease, its positions and generation. ``True``
         when the lease was ours. Redis errors are logged: the lease then expires on its own, as it is
-        no longer renewed."""
+        no longer renewed; the replica is retired later, as one this balancer did not hold."""
         async with self._lock:
             entry = self.replicas.pop(replica, None)
             self._lost.pop(replica, None)
-            if entry is None or self.held.pop(replica, None) is None:
+            if entry is None:
+                return False
+            if self.held.pop(replica, None) is None:
+                self._orphan(replica, entry)
                 return False
             await entry.ingest.give_up(replica)  # sources and applier stopped, holding released
             try:
@@ -219,7 +233,10 @@ class LeaseManager:
                 await entry.lease.retire()  # positions and generation too: nothing resumes after the drop
             except REDIS_ERRORS as exc:
                 self._metrics.redis_errors_total.labels("lease").inc()
-                log.warning("replica %s left, but its lease was not released: %s", replica, exc)
+                log.warning(
+                    "replica %s left, but its lease was not released (retried later): %s", replica, exc
+                )
+                self._orphan(replica, entry)
                 return True
             self._metrics.redis_lease_events_total.labels("released").inc()
             self._metrics.redis_leases_held.set(len(self.held))
@@ -252,7 +269,43 @@ class LeaseManager:
         await self._renew()
         await self._check_liveness()
         await self._spread()
+        await self._retire_orphans()
         self._metrics.redis_leases_held.set(len(self.held))
+
+    def _orphan(self, replica: ReplicaId, entry: FleetReplica, attempt: int = 1) -> None:
+        """Retire ``replica`` later: once a dead holder's lease has expired (``ttl_s + tick_s``)."""
+        due = time.monotonic() + self.timing.ttl_s + self.timing.tick_s
+        forgotten = self._orphans.add(replica, (entry, attempt), due)
+        if forgotten:
+            self._metrics.redis_lease_events_total.labels("orphan_overflow").inc(forgotten)
+
+    async def _retire_orphans(self) -> None:
+        """Retire the replicas due that Redis still keeps a position or generation of, whose lease is
+        free: take the lease (the generation bump fences any earlier writer), drop the blocks, retire
+        (the pool's generation floor is raised first). A held lease is left to its holder, and looked
+        at again ``ORPHAN_ATTEMPTS`` times in all (its holder may die before its discovery removes the
+        replica too)."""
+        if time.monotonic() < self._quiet_until:  # after an outage the holders take theirs back first
+            return
+        for replica, (entry, attempt) in self._orphans.take_due(time.monotonic()):
+            keys = entry.keys
+            pipe = self.client.pipeline(transaction=False)
+            pipe.hexists(keys.applied_seq, replica)
+            pipe.hexists(keys.generations, replica)
+            if not any(await pipe.execute()):
+                continue  # retired already (by its holder), or never leased nor dropped
+            try:
+                if not (await entry.lease.acquire()).acquired:
+                    if attempt < ORPHAN_ATTEMPTS:  # its holder lives: its own discovery retires it
+                        self._orphan(replica, entry, attempt + 1)
+                    continue
+                await entry.ingest.drop(replica)
+                await entry.lease.retire()
+            except REDIS_ERRORS:
+                self._orphan(replica, entry, attempt)  # the tick fails and counts the error
+                raise
+            self._metrics.redis_lease_events_total.labels("orphan_retired").inc()
+            log.info("replica %s left while nobody retired it: blocks dropped, lease retired", replica)
 
     async def _renew(self) -> None:
         """Renew every held lease at once (one round trip of time however many are held, which

@@ -121,6 +121,12 @@ class RouteLimits:
     recently used out first (``kvlb_route_key_memo_evictions_total{space}``); 0 turns the memo off."""
     receipt_drops: bool = False
     """Whether :meth:`PoolRouter.settle_receipt` drops stale holdings (off: it measures and learns)."""
+    receipts_teach: bool | None = None
+    """Whether a receipt teaches the index the blocks the engine found cached, under the engine's own
+    hashes (:meth:`PoolRouter._teach`). ``None`` follows the table: on when its ``gap_hold_s`` > 0 (the
+    embedded default). The fleet's mirrors clear a cache at every gap (their ``gap_hold_s`` is 0) and
+    still learn: without it, blocks that a TRT-LLM engine reuses and so never announces again stayed
+    unknown after a gap for good (``docs/redis-fleet.md``, "Receipts after a gap")."""
 
 
 @quick_init
@@ -654,8 +660,11 @@ class PoolRouter:
         and only while checking or when the index lacked some. Returns the blocks learned."""
         replica, plan = lease.replica, lease.plan
         block_hashes = self._block_hashes.get(replica)
-        if block_hashes is None or self.hash_trust(replica) is False or space.table.limits.gap_hold_s <= 0:
-            return 0  # gap_hold_s 0: the table follows another index (the fleet mirror) or recovery is off
+        teach = self.route_limits.receipts_teach
+        if teach is None:
+            teach = space.table.limits.gap_hold_s > 0  # 0: gap recovery is off
+        if block_hashes is None or self.hash_trust(replica) is False or not teach:
+            return 0
         matched, checked = self._hash_trust.get(replica, (0, 0))
         trusted = matched >= HASH_TRUST_BLOCKS
         found_keys = plan.keys[:reported]

@@ -10,6 +10,10 @@ dead one drained. It need not throw the index away for that: Redis stores, with 
 * Events were drained and never written (the test drains them itself, as a holder that died between
   its drain and its write): the survivor sees the ``event_id`` gap and resyncs the rank
   (``kvlb_events_resyncs_total{reason="gap"}``), and its index claims nothing the engine lacks.
+* The same gap, then the requests of before the kill again: the engine reuses their blocks and, as
+  TRT-LLM does, stores nothing new for them, so no event ever names them again. The survivor's
+  receipts (``cached_tokens``) teach them back to its mirror's table (without it the replica stayed
+  at the few blocks stored after the gap for good, ``docs/reliability.md``, h-fleetfollow).
 * Redis holds positions without an ``event_id`` (written by a kvlb from before they were stored; the
   test rewrites them so): nothing to check against, so the survivor resyncs the replica's ranks at
   the takeover (``reason="lease"``), and its index claims nothing the engine lacks.
@@ -78,7 +82,7 @@ async def _forget_event_ids(server: RedisServer) -> None:
         await client.aclose()
 
 
-@pytest.mark.parametrize("case", ["all_written", "drained_not_written", "no_event_ids"])
+@pytest.mark.parametrize("case", ["all_written", "drained_not_written", "reused_after_gap", "no_event_ids"])
 async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, case: str) -> None:
     data_dir = tmp_path / "redis"
     data_dir.mkdir()
@@ -97,6 +101,8 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, cas
             survivor = urls[1 - holder]
             f.checked = [survivor]
             await _send(f, survivor, 0, 6)  # 30 blocks: the engine keeps all 64 of its pool
+            if case == "reused_after_gap":  # cache hits whose receipts check kvlb's block hashes
+                await _send(f, survivor, 0, 6)
 
             async def equal() -> bool:
                 return (await f.compare())[0]
@@ -108,7 +114,7 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, cas
             await kvlbs[holder].kill()
             if case == "no_event_ids":
                 await _forget_event_ids(server)
-            if case == "drained_not_written":  # events drained by the dead holder, never written
+            if case in ("drained_not_written", "reused_after_gap"):  # drained by the dead holder, not written
                 await _send(f, survivor, 100, 2)
                 async with f.session.post(f.sims[0].url + "/kv_cache_events") as response:
                     assert response.status == 200 and await response.json(), "nothing drained"
@@ -130,7 +136,7 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, cas
             await _until("the resync", resynced)
             async with f.session.get(survivor + "/metrics") as response:
                 text = await response.text()
-            reason, other = ("gap", "lease") if case == "drained_not_written" else ("lease", "gap")
+            reason, other = ("lease", "gap") if case == "no_event_ids" else ("gap", "lease")
             assert metric_value(text, "kvlb_events_resyncs_total", replica="r0", reason=reason) >= 1
             assert metric_value(text, "kvlb_events_resyncs_total", replica="r0", reason=other) == 0
 
@@ -138,5 +144,14 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, cas
                 return (await f.compare())[1]
 
             await _until("the index to claim nothing the engine lacks", within)
+            if case == "reused_after_gap":  # blocks the engine holds and announces no more
+                await _send(f, survivor, 0, 6)
+                await _send(f, survivor, 100, 2)
+
+                async def taught() -> bool:
+                    return (await f.index_blocks(survivor))["r0"] >= before
+
+                await _until("the receipts to teach the reused blocks back", taught)
+                await _until("the index to claim nothing the engine lacks, taught", within)
     finally:
         await asyncio.to_thread(server.stop)

@@ -426,6 +426,45 @@ async def test_a_replica_that_left_after_its_lease_expired_takes_its_position_al
         assert await runtime.text.hget(keys.applied_seq, holder) is None
 
 
+async def test_a_replica_that_left_while_a_dead_balancer_held_its_lease_is_retired_after_it(
+    redis_target: RedisTarget,
+) -> None:
+    """Another balancer (``ghost``) holds the replica's lease and dies (its lease is left to expire);
+    discovery then removes the replica here, where its lease is not held: once that lease has
+    expired, this balancer takes it, drops the replica's blocks and retires it (its ``seq`` and ``gen``
+    fields go, the pool's floor above its generation). Before 2026-12-01 both fields and the blocks
+    stayed for good."""
+    async with running(
+        shared_deepseek(), **redis_target.overrides(), limits__speculative_ttl_s=0.001, **FAST
+    ) as h:
+        runtime = fleet_of(h.balancer)
+        leases = runtime.leases
+        assert leases is not None
+        holder = ReplicaId(await h.warm(list(range(7600, 7632))))
+        keys = leases.replicas[holder].keys
+        assert await runtime.text.hget(keys.applied_seq, holder)
+        # the dead balancer's, for 3 s: longer than a lease (1.5 s) renewed just before the removal, so
+        # the first look finds it held, and the next one retires the replica
+        await runtime.text.set(keys.lease(holder), "ghost", px=3000)
+
+        async def given_up() -> bool:
+            return holder not in leases.held
+
+        await wait_for(f"the lease of {holder} to be lost here", given_up)
+        generation = int(await runtime.text.hget(keys.generations, holder) or 0)
+        assert not await runtime.remove_replica(holder)  # not held here: not retired at once
+        assert await runtime.text.hget(keys.applied_seq, holder)
+
+        async def retired() -> bool:
+            fields = [await runtime.text.hget(k, holder) for k in (keys.applied_seq, keys.generations)]
+            return fields == [None, None]
+
+        await wait_for(f"{holder} to be retired once the ghost's lease expired", retired, timeout_s=10)
+        assert int(await runtime.text.hget(keys.counters, "gen_floor")) >= generation + 1
+        assert await runtime.text.get(keys.lease(holder)) is None
+        assert int((await h.replica_view(holder))["index"]["blocks"]) == 0
+
+
 async def test_a_silent_unhealthy_replica_is_dropped_fleet_wide(redis_target: RedisTarget) -> None:
     async with running(
         shared_deepseek(), **redis_target.overrides(), redis__replica_timeout_s=0.6,

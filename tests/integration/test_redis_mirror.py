@@ -29,6 +29,7 @@ from balancer.index.redis.index import RedisIndex
 from balancer.index.redis.mirror import Mirror, MirrorSettings
 from balancer.index.redis.schema import RedisIndexSettings
 from balancer.index.redis.stream import decode_batch, decode_entry, encode_batch
+from balancer.index.snapshot import load_table
 from balancer.index.table import PrefixTable
 from balancer.sources.ingest_thread import IngestThread
 from balancer.types import EngineHash, ReplicaId
@@ -263,3 +264,98 @@ async def test_mirrors_count_the_roots_the_engines_stored(
         if late.last_number == (await writer.counters())["stream_entries"]:
             break
     assert late.table.held_roots(REPLICAS, 0.0) == direct.held_roots(REPLICAS, 0.0)
+
+
+@pytest.mark.parametrize("how", ["stored_again", "dropped"])
+async def test_a_partial_mirror_is_partial_until_it_holds_what_redis_holds(
+    text_client: RedisClient, raw_client: RedisClient, how: str
+) -> None:
+    """The first store trimmed away before a mirror started: it stays partial (Redis holds a block it
+    lacks) until the engine stores that block again, or the replica is dropped fleet-wide; then the
+    count check clears the mark, also when it read Redis ahead of the mirror."""
+    settings = fresh_settings(100_000, stream_maxlen=10)
+    writer = RedisIndex(text_client, HASHER, settings)
+    a, b = ReplicaId("a"), ReplicaId("b")
+    first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(a, [first], 0.0)
+    for i in range(400):  # MAXLEN ~ trims whole stream nodes (100 entries each)
+        await writer.apply(a, [Removed(0, (EngineHash(1000 + i),))], 0.0)
+    mirror = make_mirror(raw_client, settings)
+    await mirror.warm_start()
+    assert mirror.partial and mirror.table.held_blocks(a) == 0
+    assert await mirror.check_partial()  # Redis holds a's block, the mirror does not
+    other = Stored(0, None, (EngineHash(2),), bytes([1] * 4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(b, [other], 0.0)  # the check reads Redis one entry ahead of the mirror
+    if how == "stored_again":
+        await writer.apply(a, [first], 0.0)
+    else:
+        await writer.drop_replica(a)
+    assert await mirror.check_partial()  # read two entries ahead of the mirror: decided later
+    assert await mirror.poll(block_ms=10) == 2
+    assert not mirror.partial and mirror.counters.partial_cleared == 1
+    assert mirror.table.held_blocks(a) == (1 if how == "stored_again" else 0)
+    assert not load_table(mirror.snapshot(), HASHER, mirror.limits).partial  # snapshots lose the mark
+
+
+async def test_a_tailing_partial_mirror_checks_itself_against_redis(
+    text_client: RedisClient, raw_client: RedisClient
+) -> None:
+    """The same through :meth:`Mirror.run`: the tailing mirror checks every ``partial_check_s``."""
+    settings = fresh_settings(100_000, stream_maxlen=10)
+    writer = RedisIndex(text_client, HASHER, settings)
+    a = ReplicaId("a")
+    first = Stored(0, None, (EngineHash(1),), bytes(4 * HASHER.block_size), HASHER.block_size)
+    await writer.apply(a, [first], 0.0)
+    for i in range(400):
+        await writer.apply(a, [Removed(0, (EngineHash(1000 + i),))], 0.0)
+    mirror = Mirror(
+        raw_client, HASHER, settings, time.monotonic, MirrorSettings(block_ms=50, partial_check_s=0.05)
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(mirror.run(stop))
+    try:
+        await asyncio.wait_for(mirror.ready.wait(), 5)
+        await asyncio.sleep(0.3)  # several checks: Redis still holds a block the mirror lacks
+        assert mirror.partial
+        await writer.apply(a, [first], 0.0)
+        for _ in range(100):  # bounded: 5 s
+            if not mirror.partial:
+                break
+            await asyncio.sleep(0.05)
+        assert not mirror.partial and mirror.table.held_blocks(a) == 1
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_a_stream_restarted_within_the_millisecond_of_the_last_read_rebuilds_the_mirror(
+    text_client: RedisClient, raw_client: RedisClient
+) -> None:
+    """Redis loses the key space (its keys deleted, as a ``FLUSHALL`` does) and its stream restarts at
+    the same IDs: ``XREAD`` skips the new entries up to the last ID read, and the first one after it
+    carries the number after the last one read. Only the stream's epoch (``g``) tells the two lives
+    apart: the mirror rebuilds from the new stream and holds what Redis holds. The same millisecond
+    is made sure of by a first entry (no ``n``: not a batch) with an ID in the future."""
+    settings = fresh_settings(100_000)
+    writer = RedisIndex(text_client, HASHER, settings)
+    mirror = make_mirror(raw_client, settings)
+    assert await mirror.warm_start() == 0
+    future_ms = int(time.time() * 1000) + 3_600_000
+    a, b = ReplicaId("a"), ReplicaId("b")
+
+    def block(byte: int) -> Stored:
+        return Stored(0, None, (EngineHash(byte),), bytes([byte] * 4 * HASHER.block_size), HASHER.block_size)
+
+    await text_client.xadd(writer.keys.stream, {"r": "-"}, id=f"{future_ms}-0")
+    for byte in (1, 2):  # the first life: entries 1 and 2 at IDs future-1 and future-2
+        await writer.apply(a, [block(byte)], 0.0)
+    assert await mirror.poll(block_ms=10) == 2 and mirror.last_number == 2
+    async for key in text_client.scan_iter(match=writer.keys.prefix + "*"):
+        await text_client.delete(key)
+    await text_client.xadd(writer.keys.stream, {"r": "-"}, id=f"{future_ms}-0")
+    for byte in (3, 4, 5):  # the second life: entries 1, 2 (skipped by XREAD) and 3, at future-1..3
+        await writer.apply(b, [block(byte)], 0.0)
+    await mirror.poll(block_ms=10)
+    assert mirror.counters.resyncs == 1
+    assert (mirror.table.held_blocks(a), mirror.table.held_blocks(b)) == (0, 3)
+    assert mirror.last_number == 3 and not mirror.partial

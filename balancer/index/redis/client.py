@@ -31,16 +31,18 @@ with the mirror in the failover test). :class:`FailoverSafeCluster` turns exactl
 from inside a cluster call, a pipeline or a pub/sub call, into ``redis.ConnectionError``; the
 connection reconnects on its next use.
 
-**Pooled connections that outlive a server restart.** With redis-py 8.1 a pooled connection left
-idle while the server was killed and restarted is not noticed as closed when it is taken from the
-pool: its first command after the restart fails with ``ConnectionError``, one call per such
-connection (measured: after a SIGKILL and restart of ``redis-server``, two of three concurrent
-calls on a client that had three connections failed, and a ``health_check_interval`` did not
-prevent it). Each kvlb caller then waits out its Redis backoff again: a fleet writer up to 0.5 s
-with its batch of a replica's events, the lease manager a whole tick, marked degraded meanwhile.
-:class:`RestartSafeRedis` (the single-server client) closes every idle connection of its pool at
-the first ``ConnectionError``, so once the server answers again every call opens a fresh
-connection. The cluster client rebuilds its node connections on such errors already.
+**Pooled connections that outlive a server restart or its idle ``timeout``.** redis-py's pool checks a
+pooled connection when it hands it out (buffered data, or the server's close already seen) and
+reconnects it, but not while ``maint_notifications_config`` is its default ``"auto"`` (truthy in
+redis-py 8.1), so the first command on a connection the server had closed failed with
+``ConnectionError``: after a SIGKILL and restart of ``redis-server`` two of three concurrent calls
+failed (a ``health_check_interval`` did not prevent it), and after the server's idle ``timeout``
+(managed services set 300 s) a fleet writer's next batch failed once, with a warning, and waited out
+its backoff. :func:`connect` turns the notifications off (they need RESP3, which kvlb does not
+speak), and the check works again (2026-12-01). :class:`RestartSafeRedis` (the single-server client)
+also closes every idle connection of its pool at the first ``ConnectionError``, for connections whose
+close the event loop has not seen yet when they are handed out. The cluster client rebuilds its node
+connections on such errors already (and retries the call, ``CLUSTER_RETRIES``).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoPermissionError, RedisClusterException, RedisError, ResponseError
+from redis.maint_notifications import MaintNotificationsConfig
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +178,12 @@ def connect(
     if cluster:
         retry = Retry(ExponentialWithJitterBackoff(base=0.01, cap=0.5), CLUSTER_RETRIES)
         return FailoverSafeCluster.from_url(url, retry=retry, **kwargs)
-    return RestartSafeRedis.from_url(url, **kwargs)
+    # "auto" (redis-py 8.1's default) is truthy, and with it the pool skips its check of a pooled
+    # connection at checkout, so one the server closed failed its next call (see the module doc);
+    # the notifications need RESP3, which kvlb does not speak
+    return RestartSafeRedis.from_url(
+        url, maint_notifications_config=MaintNotificationsConfig(enabled=False), **kwargs
+    )
 
 
 async def initialized(client: RedisClient) -> None:

@@ -22,10 +22,16 @@ and replays only the entries after it; with no usable snapshot it replays every 
 
 Entries are numbered consecutively (field ``n``). A mirror that finds entries missing (trimmed by
 ``MAXLEN ~`` before it read them, or a Redis that lost its data) warm-starts again and counts a
-resync. A stream trimmed before any snapshot covered it yields a *partial* mirror: blocks stored
-before the oldest retained entry stay unknown until an engine stores them again. ``ready`` is set
-after the first warm start. Redis errors are counted and retried with exponential backoff; the
-table keeps serving meanwhile.
+resync; so does one that reads another stream epoch (field ``g``): a stream restarted within the
+millisecond of the last entry read reuses IDs ``XREAD`` then skips, and its numbering may land right
+after the last number read. A stream trimmed before any snapshot covered it yields a *partial*
+mirror: blocks stored before the oldest retained entry stay unknown until an engine stores them
+again. A partial mirror compares itself with the Redis index every
+``MirrorSettings.partial_check_s``: once its table holds, for every replica, at least as many blocks
+as Redis's ``held`` counts say, at the same stream entry, it has learned back or seen removed what it
+lacked and is partial no more (by counts, not key by key). ``ready`` is set after the first warm
+start. Redis errors are counted and retried with exponential backoff; the table keeps serving
+meanwhile.
 """
 
 from __future__ import annotations
@@ -72,10 +78,15 @@ class MirrorSettings:
     retry_max_s: float = 0.5
     """Longest pause between two attempts while Redis is unreachable (seconds): also how late, at
     most, the mirror notices that Redis is back (one reconnect attempt per pause is cheap)."""
+    partial_check_s: float = 5.0
+    """Seconds between two checks of a partial mirror against the Redis index's block counts (one
+    ``HGETALL`` of ``held``, a field per cache, and one ``HGET``); > 0."""
 
     def __post_init__(self) -> None:
         if self.read_count <= 0 or self.block_ms <= 0 or self.retry_s < 0 or self.retry_max_s < self.retry_s:
             raise ValueError(f"invalid mirror settings: {self}")
+        if not 0 < self.partial_check_s < float("inf"):
+            raise ValueError(f"invalid mirror settings: partial_check_s must be > 0: {self}")
 
 
 @dataclass(slots=True)
@@ -89,6 +100,8 @@ class MirrorCounters:
     snapshots_loaded: int = 0
     snapshots_refused: int = 0
     """Snapshots present but unusable (other key space, corrupt, or older than the stream)."""
+    partial_cleared: int = 0
+    """Times a partial mirror found it held every replica's blocks again (by Redis's counts)."""
 
 
 class Mirror:
@@ -125,6 +138,8 @@ class Mirror:
         """``table`` behind the async ``PrefixIndex`` facade (replaced with it)."""
         self.last_id = "0-0"
         self.last_number = 0
+        self.epoch: bytes | None = None
+        """The stream epoch of the last entry applied (``None``: none seen, or an older writer's)."""
         self.partial = False
         """True when the history before the oldest retained entry was trimmed before we read it."""
         self.lag_s: float | None = None
@@ -142,6 +157,11 @@ class Mirror:
         self._between_entries = between_entries
         self._replay_last = ("0-0", 0)
         self._replay_partial = False
+        self._replay_epoch: bytes | None = None
+        self._counts_at: tuple[int, dict[str, int]] | None = None
+        """Redis's blocks per replica as of stream entry ``[0]``, read while the mirror was behind
+        it: compared once the mirror has applied that entry (:meth:`check_partial`)."""
+        self._next_check = 0.0
 
     def _new_table(self) -> LockedPrefixTable:
         return LockedPrefixTable(self.hasher, self.limits)
@@ -152,6 +172,8 @@ class Mirror:
         """Build a table from the snapshot (if usable) and the entries after it, then install it.
 
         Returns how many stream entries were applied."""
+        epoch = await self.client.hget(self._keys.counters, "stream_epoch")  # for a snapshot alone
+        self._replay_epoch = epoch if isinstance(epoch, bytes) else None
         fresh, number, last_id, partial = await self._from_snapshot()
         applied, continuous = await self._replay(fresh, last_id, number)
         if not continuous:  # the snapshot is older than the retained stream: start from scratch
@@ -163,6 +185,8 @@ class Mirror:
             partial = partial or self._replay_partial
         self.table, self.index, self.partial = fresh, MemoryIndex.over(fresh), partial
         self.last_id, self.last_number = self._replay_last
+        self.epoch = self._replay_epoch
+        self._counts_at = None
         if self.on_table is not None:
             self.on_table(fresh)
         self.ready.set()
@@ -212,6 +236,7 @@ class Mirror:
                     self._replay_partial = self._replay_partial or entry.number > 1
                 await self._apply(entry, into)
                 self._replay_last = (entry.entry_id, entry.number)
+                self._replay_epoch = entry.epoch or self._replay_epoch
                 applied += 1
                 if self._between_entries is not None:
                     self._between_entries()
@@ -236,6 +261,17 @@ class Mirror:
                 self.counters.resyncs += 1
                 log.warning("mirror of %s: entry %s unreadable, rebuilding", self._stream, self.last_id)
                 return applied + await self.warm_start()
+            epoch, known = entry.epoch, self.epoch
+            # another epoch, numbered on (numbers that went back are said below): a restarted stream
+            if epoch is not None and known is not None and epoch != known and entry.number > self.last_number:
+                self.counters.resyncs += 1
+                log.warning(
+                    "mirror of %s: entry %d is of another stream epoch (%s after %s): Redis lost the "
+                    "stream (a FLUSHALL, a restart without persistence); rebuilding",
+                    self._stream, entry.number, epoch.decode(errors="replace"),
+                    known.decode(errors="replace"),
+                )  # fmt: skip
+                return applied + await self.warm_start()
             if entry.number != self.last_number + 1:
                 self.counters.resyncs += 1
                 if entry.number <= self.last_number:  # until 2026-12-01 logged as "entries 56..0 missing"
@@ -250,7 +286,10 @@ class Mirror:
                 return applied + await self.warm_start()
             await self._apply(entry, self.table)
             self.last_id, self.last_number = entry.entry_id, entry.number
+            self.epoch = entry.epoch or self.epoch
             self.lag_s = time.time() - int(entry.entry_id.partition("-")[0]) / 1000
+            if self._counts_at is not None and self._counts_at[0] <= entry.number:
+                self._compare_counts(*self._counts_at)
             applied += 1
             if self._between_entries is not None:
                 self._between_entries()
@@ -264,6 +303,9 @@ class Mirror:
                 if not self.ready.is_set():
                     await self.warm_start()
                 await self.poll()
+                if self.partial and time.monotonic() >= self._next_check:
+                    self._next_check = time.monotonic() + self.mirror.partial_check_s
+                    await self.check_partial()
                 self.connected = True
                 self._warnings.resolved("mirror_redis_error", self._stream)
                 delay_s = self.mirror.retry_s
@@ -276,6 +318,41 @@ class Mirror:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), delay_s)
                 delay_s = min(self.mirror.retry_max_s, max(delay_s * 2, 0.01))
+
+    async def check_partial(self) -> bool:
+        """Read the Redis index's blocks per replica (``held``) and the number of its last stream entry
+        in one transaction, and clear :attr:`partial` if the table holds at least as many for every
+        replica at that entry: now, or once :meth:`poll` has applied it. Returns :attr:`partial`."""
+        if not self.partial:
+            return False
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(self._keys.held)
+        pipe.hget(self._keys.counters, "stream_entries")
+        held, number = await pipe.execute()
+        counts: dict[str, int] = {}
+        for cache_id, count in cast("dict[bytes, bytes]", held).items():
+            replica = cache_id.decode(errors="replace").rpartition("#")[0]
+            with contextlib.suppress(ValueError):
+                counts[replica] = counts.get(replica, 0) + int(count)
+        entry = int(number) if number is not None and bytes(number).isdigit() else 0
+        if entry <= self.last_number:  # (below: Redis lost entries; the next poll rebuilds)
+            self._compare_counts(entry, counts)
+        else:
+            self._counts_at = (entry, counts)
+        return self.partial
+
+    def _compare_counts(self, entry: int, counts: dict[str, int]) -> None:
+        self._counts_at = None
+        if entry != self.last_number or not self.partial:
+            return
+        table = self.table
+        if all(table.held_blocks(ReplicaId(replica)) >= count for replica, count in counts.items()):
+            self.partial = False
+            self.counters.partial_cleared += 1
+            log.info(
+                "mirror of %s: holds as many blocks per replica as Redis at entry %d: no longer partial",
+                self._stream, entry,
+            )  # fmt: skip
 
     def _decode(self, entry_id: Any, fields: Any) -> StreamEntry | None:
         try:

@@ -197,11 +197,19 @@ local function map_declared(mk, fields, missing)
   return ok
 end
 
--- append to the pool's event stream (maxlen 0: no stream); fields r, n (consecutive), then `extra`
+-- append to the pool's event stream (maxlen 0: no stream); fields r, n (consecutive), g (the
+-- stream's epoch: the server's TIME in microseconds when its numbering started, so a mirror tells
+-- a stream restarted within the millisecond of its last read from the one it read), then `extra`
 local function publish(maxlen, replica, extra)
   if maxlen <= 0 then return end
   local n = call('HINCRBY', CTR, 'stream_entries', 1)
-  call('XADD', P .. 'events', 'MAXLEN', '~', maxlen, '*', 'r', replica, 'n', n, unpack(extra))
+  local epoch = n ~= 1 and call('HGET', CTR, 'stream_epoch')
+  if not epoch then  -- a new numbering, or one started by a release that kept no epoch
+    local now = redis.call('TIME')  -- no key: the declared-key check has nothing to check
+    epoch = now[1] .. string.format('%06d', tonumber(now[2]))
+    call('HSET', CTR, 'stream_epoch', epoch)
+  end
+  call('XADD', P .. 'events', 'MAXLEN', '~', maxlen, '*', 'r', replica, 'n', n, 'g', epoch, unpack(extra))
 end
 
 -- the writer's fence: '' = unfenced; 'g' = generation g; 'g|text' also requires seq[replica] == text.

@@ -10,6 +10,10 @@ Stream entry fields (bytes):
 * ``r``: the replica.
 * ``n``: the entry's number, consecutive across the pool (1, 2, ...). A jump means entries were
   trimmed (``MAXLEN ~``) before the reader saw them.
+* ``g``: the stream's epoch, the Redis server's ``TIME`` in microseconds (digits) when its numbering
+  started (``ctr.stream_epoch``). Another value means the stream restarted (a ``FLUSHALL``, a restart
+  without data) even where its IDs and numbers look like a continuation. Absent in entries written
+  by a release before 2026-12-01.
 * ``e``: the normalised event batch as the writer passed it, in msgpack. Keys are not included:
   the reader hashes the tokens itself.
 * ``d``: present, value ``1``, instead of ``e`` when the replica was dropped.
@@ -102,6 +106,8 @@ class StreamEntry:
     dropped: bool
     dropped_keys: tuple[BlockKey, ...] = ()
     """Keys whose real holdings ``replica`` lost (``x``); empty otherwise."""
+    epoch: bytes | None = None
+    """The stream's epoch (``g``), ``None`` in an entry of an older release."""
 
 
 def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> StreamEntry:
@@ -112,11 +118,12 @@ def decode_entry(entry_id: bytes | str, fields: Mapping[bytes, bytes]) -> Stream
     except (KeyError, ValueError, UnicodeDecodeError) as exc:
         raise EventDecodeError("stream", f"bad stream entry {entry_id!r}: {exc}") from exc
     text_id = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+    epoch = fields.get(b"g")
     if b"d" in fields:
-        return StreamEntry(text_id, number, replica, [], True)
+        return StreamEntry(text_id, number, replica, [], True, epoch=epoch)
     if b"x" in fields:
-        return StreamEntry(text_id, number, replica, [], False, _decode_keys(entry_id, fields[b"x"]))
-    return StreamEntry(text_id, number, replica, decode_batch(fields.get(b"e", b"\x90")), False)
+        return StreamEntry(text_id, number, replica, [], False, _decode_keys(entry_id, fields[b"x"]), epoch)
+    return StreamEntry(text_id, number, replica, decode_batch(fields.get(b"e", b"\x90")), False, epoch=epoch)
 
 
 def _decode_keys(entry_id: bytes | str, joined: bytes) -> tuple[BlockKey, ...]:
