@@ -1,4 +1,5 @@
-"""The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+"""The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
+``/v1/models/{model}``.
 
 A chat request reads top-down here: a declared length over ``limits.max_body_bytes`` → 413, then
 admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
@@ -178,11 +179,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     """Every pool's model (the balancer's configuration, not a query of the replicas)."""
     state = request.app[STATE]
-    data = [
-        {"id": model, "object": "model", "created": 0, "owned_by": "kvlb", "replicas": len(pool.replicas)}
-        for model, pool in state.pools.items()
-    ]
+    data = [model_card(model, pool) for model, pool in state.pools.items()]
     return web.json_response({"object": "list", "data": data}, dumps=strict_json.dumps)
+
+
+async def model(request: web.Request) -> web.Response:
+    """One pool's model, as OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``); the
+    name may hold ``/`` (``meta-llama/Llama-3.1-8B``). An unknown one: 404 listing the known ones."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    return web.json_response(model_card(name, find_pool(state, name)), dumps=strict_json.dumps)
+
+
+def model_card(model: str, pool: Pool) -> dict[str, object]:
+    """A model's entry in ``GET /v1/models``, and the answer of ``GET /v1/models/{model}``."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "kvlb", "replicas": len(pool.replicas)}
 
 
 async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.StreamResponse:
@@ -832,7 +843,7 @@ async def _answer_chunks(opened: Opened) -> AsyncGenerator[bytes, None]:
 
 
 def sse_error_event(message: str, status: int = 502) -> bytes:
-    payload = {"error": {"message": message, "type": "upstream_error", "code": status}}
+    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
     return b"data: " + strict_json.dumps(payload).encode("utf-8") + b"\n\n"
 
 
@@ -840,3 +851,4 @@ def add_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect_continue)
     app.router.add_post("/v1/completions", completions, expect_handler=expect_continue)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)

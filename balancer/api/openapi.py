@@ -86,10 +86,10 @@ def _body(schema: dict[str, Any]) -> dict[str, Any]:
 
 _COMMON_FIELDS: dict[str, Any] = {
     "model": {"type": "string", "minLength": 1, "description": "A pool's model (404 lists the known ones)"},
-    "stream": {"type": "boolean"},
-    "max_tokens": {"type": "integer", "minimum": 0},
-    "max_completion_tokens": {"type": "integer", "minimum": 0},
-    "user": {"type": "string", "description": "Session key of the session policy"},
+    "stream": {"type": ["boolean", "null"], "description": "null: false"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "user": {"type": ["string", "null"], "description": "Session key of the session policy"},
 }
 _COMPLETION_BODY: dict[str, Any] = {
     "type": "object",
@@ -173,6 +173,7 @@ _COMPONENTS: dict[str, Any] = {
                     "properties": {
                         "message": {"type": "string"},
                         "type": {"type": "string"},
+                        "param": {"type": "null"},
                         "code": {"type": "integer"},
                     },
                 }
@@ -230,6 +231,16 @@ def _public_paths() -> dict[str, Any]:
             "get": {
                 "summary": "Models served (one per pool)",
                 "responses": {"200": ok, **_errors(401)},
+                **bearer,
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One pool's model (its name may hold '/'); 404 lists the known ones",
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {"200": ok, **_errors(401, 404)},
                 **bearer,
             }
         },

@@ -1,0 +1,144 @@
+"""kvlb as an OpenAI client sees it (the client walk of 2026-12-01, branch h-clientwalk): the requests
+the official ``openai`` Python SDK sends, written out as raw HTTP (the SDK is not a dependency), to
+a real balancer in front of emulated replicas.
+
+What the SDK sends, recorded from ``openai`` 3.57 against ``kvlb serve``: ``POST /v1/chat/completions``
+with ``Content-Type: application/json``, ``Accept: application/json`` (for a stream too),
+``Accept-Encoding: gzip, deflate``, ``Connection: keep-alive``, ``Authorization: Bearer <key>``,
+``User-Agent: OpenAI/Python 3.57.0`` and the ``x-stainless-*`` headers (``lang``,
+``package-version``, ``os``, ``arch``, ``runtime``, ``runtime-version``, ``async``, ``retry-count``
+0, 1, 2 on its retries, ``read-timeout`` 600); no ``Idempotency-Key``. The body holds only the
+arguments given (``"stream": true``, ``"stream_options": {"include_usage": true}``), but an argument
+given as ``None`` is sent as ``null``. ``models.retrieve(name)`` is ``GET /v1/models/{name}`` with
+the name percent-encoded, ``/`` as ``%2F``. It retries 408, 409, 429 and 5xx after ``Retry-After``
+(at most 60 s) and raises with ``error.message`` of the JSON body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+from kvlb_harness import MODEL, running, shared_deepseek
+from waiting import eventually
+
+from balancer.tokenizer.tokenizer import Tokenizer
+
+SDK_HEADERS = {
+    "Content-Type": "application/json",
+    "Accept": "application/json",
+    "User-Agent": "OpenAI/Python 3.57.0",
+    "x-stainless-lang": "python",
+    "x-stainless-package-version": "3.57.0",
+    "x-stainless-async": "false",
+    "x-stainless-retry-count": "0",
+    "x-stainless-read-timeout": "600",
+}
+"""What the SDK adds to every request (no API key: the harness sets none)."""
+ERROR_KEYS = {"message", "type", "param", "code"}
+"""OpenAI's error object (vLLM and SGLang send the same keys, ``code`` the HTTP status)."""
+
+
+@pytest.fixture
+def tokenizer() -> Tokenizer:
+    return shared_deepseek()
+
+
+async def test_retrieve_a_model_by_name(tokenizer: Tokenizer) -> None:
+    """``client.models.retrieve(...)``: was a 404 "no such endpoint" for every name, so a client
+    checking its model before use could not start."""
+    async with running(tokenizer, 1) as h:
+        async with h.session.get(h.url + "/v1/models", headers=SDK_HEADERS) as response:
+            listed = (await response.json())["data"]
+        async with h.session.get(h.url + f"/v1/models/{MODEL}", headers=SDK_HEADERS) as response:
+            assert response.status == 200, await response.text()
+            assert [await response.json()] == listed
+            assert "x-request-id" in response.headers
+        # A name with "/" as the SDK sends it (percent-encoded) and as curl does: the route takes
+        # both and answers the pool's 404, naming the model and the ones known.
+        for path in ("/v1/models/meta-llama%2FLlama-3.1-8B", "/v1/models/meta-llama/Llama-3.1-8B"):
+            async with h.session.get(h.url + path, headers=SDK_HEADERS) as response:
+                assert response.status == 404
+                error = (await response.json())["error"]
+                assert error["type"] == "model_not_found"
+                assert "'meta-llama/Llama-3.1-8B' is not served here" in error["message"]
+                assert f"known models: {MODEL}" in error["message"]
+
+
+async def test_stream_null_is_a_whole_answer(tokenizer: Tokenizer) -> None:
+    """``"stream": null`` (an SDK call with ``stream=None``; OpenAI's schema and vLLM's take it as
+    false) was a 400 "'stream' must be a boolean" from kvlb, for a request the engines serve."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    completion = {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    async with running(tokenizer, 1) as h:
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+            answer = await h.post(path, {**body, "stream": None}, headers=SDK_HEADERS)
+            assert answer.status == 200, answer.body
+            assert answer.headers["Content-Type"].startswith("application/json")
+            assert answer.json()["usage"]["completion_tokens"] == 2
+        # A stream that is neither a boolean nor null is still refused, by kvlb, with the field.
+        answer = await h.post("/v1/completions", {**completion, "stream": "yes"}, headers=SDK_HEADERS)
+        assert answer.status == 400 and "'stream' must be a boolean" in answer.json()["error"]["message"]
+
+
+async def test_every_error_kvlb_makes_has_openai_shape(tokenizer: Tokenizer) -> None:
+    """Each 4xx kvlb writes itself is ``{"error": {"message", "type", "param", "code"}}``: ``param``
+    was missing, where OpenAI's, vLLM's and SGLang's errors all have it."""
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with running(tokenizer, 1, auth__api_keys=["sk-one"]) as h:
+        key = {**SDK_HEADERS, "Authorization": "Bearer sk-one"}
+        cases: list[tuple[str, str, Any, dict[str, str], int]] = [
+            ("POST", "/v1/chat/completions", chat, SDK_HEADERS, 401),
+            ("POST", "/v1/chat/completions", b"{not json", key, 400),
+            ("POST", "/v1/chat/completions", {**chat, "messages": []}, key, 400),
+            ("POST", "/v1/chat/completions", {**chat, "model": "gpt-9"}, key, 404),
+            ("GET", "/v1/models/gpt-9", None, key, 404),
+            ("GET", "/v1/chat/completions", None, key, 405),
+            ("POST", "/v1/embeddings", chat, key, 404),
+            ("POST", "/v1/chat/completions", chat, {**key, "x-kvlb-weights": "{}"}, 403),
+        ]
+        for method, path, body, headers, status in cases:
+            data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+            async with h.session.request(method, h.url + path, data=data, headers=headers) as response:
+                assert response.status == status, (method, path, await response.text())
+                error = (await response.json())["error"]
+                assert set(error) == ERROR_KEYS, (method, path, error)
+                assert error["param"] is None and error["code"] == status
+                assert isinstance(error["message"], str) and isinstance(error["type"], str)
+
+
+async def test_a_client_leaving_a_whole_answer_stops_the_engine(tokenizer: Tokenizer) -> None:
+    """A non-streaming request whose client goes away: kvlb closes the replica's connection, and the
+    engine must then stop generating, as vLLM and SGLang do. The emulator ran such a request to its
+    ``max_tokens`` (it noticed a gone client only when writing, and a whole answer writes once, at
+    the end), so the emulated fleet could not show kvlb's close had any effect."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "a long answer"}], "max_tokens": 200}
+    data = json.dumps(body).encode()
+    # time_scale 0.05: 200 tokens take about 10 s of wall time.
+    async with running(tokenizer, 1, time_scale=0.05) as h:
+        replica = h.replicas[0]
+        port = urlsplit(h.url).port
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        head = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: {len(data)}\r\n"
+            + "".join(f"{name}: {value}\r\n" for name, value in SDK_HEADERS.items())
+            + "\r\n"
+        )
+        writer.write(head.encode() + data)
+        await writer.drain()
+        await eventually(lambda: replica.ctx.open_requests == 1, timeout_s=5.0)
+        await asyncio.sleep(0.3)  # generating
+        assert replica.ctx.open_requests == 1
+        writer.close()
+        await writer.wait_closed()
+        del reader
+        # Within a second, not the ~10 s the answer would take.
+        open_requests = lambda: replica.ctx.open_requests  # noqa: E731
+        await eventually(lambda: open_requests() == 0, timeout_s=1.5, seen=open_requests)
+        scheduler = replica.engine.ranks[0].scheduler
+        await eventually(lambda: not scheduler.busy, timeout_s=1.0)
+        view = await h.replica_view("r0")
+        assert view["inflight"] == 0
