@@ -239,6 +239,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             request_id,
             arrived,
             tenant,
+            whole_answer=not parsed.stream,
         )
         # Parsed tiny chat messages keep up to 8.7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.

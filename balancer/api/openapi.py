@@ -34,6 +34,7 @@ def _errors(*codes: int) -> dict[str, Any]:
         " at once (Retry-After)",
         502: "Replicas failed before answering (after retries)",
         503: "No healthy replica, or waited limits.queue_timeout_s in the admission queue (Retry-After)",
+        504: "A non-streaming answer not received within timeouts.total_s",
     }
     return {str(code): _json(_ERROR, text[code]) for code in codes}
 
@@ -75,7 +76,7 @@ _GENERATE = {
             'replica failing mid-stream ends the SSE stream with a `data: {"error": ...}` event.',
             "headers": _ROUTED_HEADERS,
         },
-        **_errors(400, 401, 403, 404, 408, 413, 417, 429, 502, 503),
+        **_errors(400, 401, 403, 404, 408, 413, 417, 429, 502, 503, 504),
     },
 }
 

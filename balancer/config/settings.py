@@ -110,7 +110,9 @@ class TimeoutConfig:
     connect_s: float = 2.0
     """Upstream TCP connect timeout; on expiry the request is retried on another replica."""
     first_byte_s: float = 60.0
-    """Time allowed until the upstream's response headers; expiry retries (nothing was sent yet)."""
+    """Time allowed until the upstream's response headers of a stream; expiry retries (nothing was
+    sent yet). A non-streaming request's headers come with its whole answer, after its last token:
+    they are waited for until ``total_s`` runs out (then 504, not retried)."""
     idle_s: float = 60.0
     """Longest silence between two upstream chunks; expiry ends the stream with an error event."""
     total_s: float = 600.0

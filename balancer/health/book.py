@@ -21,6 +21,10 @@ from balancer.types import ReplicaId
 BreakerState = Literal["closed", "open", "half_open"]
 
 
+PROBES_FAILING = "failing health probes"
+""":meth:`HealthBook.unroutable_reason` of a replica whose probes fail (its engine does not answer)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
     failure_threshold: int = 3
@@ -137,7 +141,7 @@ class HealthBook:
         if rec.draining:
             return "draining"
         if not rec.probe_ok:
-            return "failing health probes"
+            return PROBES_FAILING
         state = rec.state(now, self.config)
         if state == "open":
             return "breaker open"

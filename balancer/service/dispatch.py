@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from balancer.config import ReplicaConfig
 from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
+from balancer.health.book import PROBES_FAILING
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
 from balancer.routing.router import Lease, PoolRequest, RoutePlan
@@ -46,6 +47,8 @@ from balancer.upstream.client import RetryableUpstream, UpstreamStream
 
 log = logging.getLogger(__name__)
 
+WHOLE_ANSWER_MIN_CHECK_S = 0.05
+"""Shortest period at which :func:`open_whole` looks at the replica's probes (seconds)."""
 BUSY_RETRY_AFTER_S = 1.0
 """``Retry-After`` when every replica tried answered 429 (seconds)."""
 
@@ -71,6 +74,11 @@ class Forward:
     """Monotonic arrival time (TTFT, end-to-end latency and the ``timeouts.total_s`` deadline)."""
     tenant: str | None = None
     """The ``tenant_header`` value, kept with the decision in the console's ring."""
+    whole_answer: bool = False
+    """A non-streaming request: the engine sends its headers only with the whole answer, after its
+    last token, so they are waited for until ``timeouts.total_s`` runs out, not
+    ``timeouts.first_byte_s``, and that wait's end is not retried on another replica
+    (:func:`open_first`)."""
 
 
 @dataclass(slots=True)
@@ -388,10 +396,15 @@ def _log_decision(job: Forward, plan: RoutePlan) -> None:
 
 
 async def open_first(
-    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: Mapping[str, str]
+    state: ServiceState, replica: ReplicaConfig, job: Forward, headers: Mapping[str, str]
 ) -> Opened:
-    """Send the request and wait for the first body chunk; any failure so far is retryable."""
-    stream = await state.upstream.open(replica.url, path, body, headers)
+    """Send the request and wait for the first body chunk; any failure so far is retryable, but
+    for a whole answer's wait for its headers past ``timeouts.total_s`` (:attr:`Forward.whole_answer`:
+    504, the engine was generating it)."""
+    if job.whole_answer:
+        stream = await open_whole(state, replica, job, headers)
+    else:
+        stream = await state.upstream.open(replica.url, job.path, job.body, headers)
     chunks = stream.chunks()
     try:
         first = await anext(chunks, b"")
@@ -431,7 +444,7 @@ async def dispatch(
         try:
             replica = job.pool.replicas[lease.replica]
             try:
-                opened = await open_first(state, replica, job.path, job.body, headers)
+                opened = await open_first(state, replica, job, headers)
             except RetryableUpstream as exc:
                 if exc.status != 429:  # a busy replica is not a broken one
                     state.health.on_failure(lease.replica, state.monotonic(), str(exc))
@@ -450,6 +463,40 @@ async def dispatch(
     if last_error is not None and last_error.status == 429:
         raise Overloaded(f"replica(s) {failed} are busy (429)", BUSY_RETRY_AFTER_S)
     raise UpstreamError(f"replica(s) {failed} failed before answering and no other could: {last_error}")
+
+
+async def open_whole(
+    state: ServiceState, replica: ReplicaConfig, job: Forward, headers: Mapping[str, str]
+) -> UpstreamStream:
+    """Open a non-streaming request (:attr:`Forward.whole_answer`). Its headers come with the whole
+    answer, after the engine's last token: a long answer takes longer than ``timeouts.first_byte_s``
+    while the engine works, and retrying it then started it over on the next replica (and failed
+    it with 502 once every one had timed out). So the wait lasts until ``timeouts.total_s`` runs
+    out (then :class:`~balancer.errors.UpstreamTimeout`, 504), but for a replica that stops
+    answering its health probes meanwhile (a hung engine still accepts connections): the request
+    is then retried elsewhere, as before. Checked every ``health_interval_s``, how often the
+    probes can change their verdict. The open is cancelled whenever this ends without it."""
+    remaining_s = max(0.0, state.settings.timeouts.total_s - (state.monotonic() - job.arrived))
+    check_s = max(WHOLE_ANSWER_MIN_CHECK_S, state.settings.health_interval_s)
+    opening = asyncio.ensure_future(
+        state.upstream.open(replica.url, job.path, job.body, headers, whole_answer_s=remaining_s)
+    )
+    taken = False
+    try:
+        while True:
+            done, _ = await asyncio.wait((opening,), timeout=check_s)
+            if done:
+                taken = True
+                return opening.result()
+            reason = state.health.unroutable_reason(ReplicaId(replica.id), state.monotonic())
+            if reason == PROBES_FAILING:
+                raise RetryableUpstream("timeout", f"no answer, and its health probes fail ({reason})")
+    finally:
+        if not opening.done():
+            opening.cancel()
+            await asyncio.wait((opening,))
+        if not taken and not opening.cancelled() and opening.exception() is None:
+            opening.result().close()  # it came as this request was cancelled: nobody reads it
 
 
 def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream) -> None:

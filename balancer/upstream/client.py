@@ -229,15 +229,34 @@ class UpstreamClient:
             )
         return self._pool
 
-    async def open(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
-        """POST ``body`` and wait for the response headers; failures before them are retryable."""
+    async def open(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        whole_answer_s: float | None = None,
+    ) -> UpstreamStream:
+        """POST ``body`` and wait for the response headers; failures before them are retryable.
+
+        ``whole_answer_s``: the request asks for a whole (non-streaming) answer, whose headers an
+        engine sends only with it, once it has generated every token: they are waited for this
+        long (what is left of ``timeouts.total_s``) instead of ``timeouts.first_byte_s``, and
+        running out is :class:`UpstreamTimeout`, not retryable (the engine was generating; another
+        replica would start over)."""
         target = self._target(base_url)
         request_head = _request_head(target, path, len(body), headers)
         pool = self.pool
+        wait_s = self._timeouts.first_byte_s if whole_answer_s is None else whole_answer_s
         try:
-            async with asyncio.timeout(self._timeouts.first_byte_s):
+            async with asyncio.timeout(wait_s):
                 conn, head = await self._exchange(pool, target, request_head, body, base_url)
         except TimeoutError:
+            if whole_answer_s is not None:
+                raise UpstreamTimeout(
+                    f"no answer within timeouts.total_s = {self._timeouts.total_s}s"
+                ) from None
             raise RetryableUpstream(
                 "timeout", f"no response headers within {self._timeouts.first_byte_s}s"
             ) from None

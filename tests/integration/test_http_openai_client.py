@@ -21,11 +21,15 @@ import json
 from typing import Any
 from urllib.parse import urlsplit
 
+import aiohttp
 import pytest
-from kvlb_harness import MODEL, running, shared_deepseek
+from aiohttp import web
+from kvlb_harness import MODEL, running, shared_deepseek, wait_ready
 from waiting import eventually
 
-from balancer.tokenizer.tokenizer import Tokenizer
+from balancer.app import Balancer
+from balancer.config import Settings, from_mapping
+from balancer.tokenizer.tokenizer import TokenIdTokenizer, Tokenizer
 
 SDK_HEADERS = {
     "Content-Type": "application/json",
@@ -142,3 +146,100 @@ async def test_a_client_leaving_a_whole_answer_stops_the_engine(tokenizer: Token
         await eventually(lambda: not scheduler.busy, timeout_s=1.0)
         view = await h.replica_view("r0")
         assert view["inflight"] == 0
+
+
+async def test_a_whole_answer_longer_than_first_byte_s_is_not_retried(tokenizer: Tokenizer) -> None:
+    """A non-streaming request: the engine sends its headers with the whole answer, after its last
+    token. kvlb waited ``timeouts.first_byte_s`` for them (60 s by default) and then took the
+    engine for failed: it started the request over on the next replica, and the next, and answered
+    502 "failed before answering" once every one had timed out (each timeout counting against its
+    breaker). So any answer generated for longer than ``first_byte_s`` failed, after costing the
+    GPU time of ``max_retries + 1`` answers. The SDK's default is such a request."""
+    body = {"model": MODEL, "prompt": "a long answer, not streamed", "max_tokens": 30}
+    # time_scale 0.05: 30 tokens take about 1.5 s of wall time, three times first_byte_s.
+    async with running(tokenizer, 2, time_scale=0.05, timeouts__first_byte_s=0.5) as h:
+        answer = await h.post("/v1/completions", body, headers=SDK_HEADERS)
+        assert answer.status == 200, answer.body
+        assert answer.json()["usage"]["completion_tokens"] == 30
+        served = answer.headers["x-kvlb-replica"]
+        # One generation: the other replica never saw the request.
+        assert {r.config.name: r.ctx.peak_open_requests for r in h.replicas} == {
+            r.config.name: int(r.config.name == served) for r in h.replicas
+        }
+        view = await h.replica_view(served)
+        assert view["inflight"] == 0
+        assert view["health"]["consecutive_failures"] == 0
+        # A stream still has first_byte_s for its headers (an engine sends them at once).
+        answer = await h.post("/v1/completions", {**body, "stream": True}, headers=SDK_HEADERS)
+        assert answer.status == 200 and answer.body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_a_whole_answer_on_a_hung_engine_is_retried_once_its_probes_fail() -> None:
+    """What ``first_byte_s`` still did for a whole answer: a replica that accepts connections and
+    never answers (a stopped process) had its requests retried elsewhere. Now that a whole answer
+    waits until ``timeouts.total_s``, it is retried once the replica fails its health probes."""
+    hung_ok = asyncio.Event()
+    hung_ok.set()
+    asked: list[str] = []
+
+    def replica_app(name: str) -> web.Application:
+        async def health(request: web.Request) -> web.Response:
+            ok = hung_ok.is_set() if name == "hung" else not hung_ok.is_set()
+            return web.Response(status=200 if ok else 503)
+
+        async def complete(request: web.Request) -> web.Response:
+            asked.append(name)
+            if name == "hung":
+                await asyncio.sleep(30)  # never answers (cancelled when kvlb closes)
+            return web.json_response({"choices": [{"index": 0, "text": "ok"}], "usage": {}})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        app.router.add_get("/health", health)
+        return app
+
+    runners = [web.AppRunner(replica_app(name), shutdown_timeout=0.1) for name in ("hung", "spare")]
+    urls = []
+    for runner in runners:
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        urls.append(f"http://127.0.0.1:{runner.addresses[0][1]}")
+    tree = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [
+            {
+                "model": MODEL,
+                "replicas": [
+                    {"id": name, "url": url, "engine": "sglang", "block_size": 4}
+                    for name, url in zip(("hung", "spare"), urls, strict=True)
+                ],
+            }
+        ],
+        "health_interval_s": 0.1,
+        "scrape_interval_s": 0,
+        "timeouts": {"connect_s": 0.2, "first_byte_s": 0.3},
+    }
+    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+    try:
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 4}
+            posting = asyncio.ensure_future(session.post(balancer.url + "/v1/completions", json=body))
+            await eventually(lambda: asked == ["hung"], timeout_s=5.0)
+            await asyncio.sleep(0.6)  # twice first_byte_s: a whole answer is still waited for
+            assert not posting.done()
+            hung_ok.clear()  # "hung" stops answering its probes (and "spare" starts)
+            started = asyncio.get_running_loop().time()
+            async with asyncio.timeout(5.0):
+                response = await posting
+            async with response:
+                assert response.status == 200, await response.text()
+                assert response.headers["x-kvlb-replica"] == "spare"
+            assert asked == ["hung", "spare"]
+            # Within a few probe periods (the probe's own timeout is at least 1 s).
+            assert asyncio.get_running_loop().time() - started < 3.0
+    finally:
+        await balancer.stop()
+        for runner in runners:
+            await runner.cleanup()
