@@ -34,6 +34,12 @@ from balancer.upstream.sse import DONE
 FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "x-request-id", "traceparent", "tracestate"})
 """Client headers passed to replicas; everything else (auth, cookies, hop-by-hop) stays here."""
 RETRYABLE_STATUSES = frozenset({429, 503})
+REFUSED_CALLER_STATUSES = frozenset({401, 403, 407})
+"""A replica's answers that refuse its caller, kvlb, not the client: kvlb never forwards the client's
+credentials, so an engine started with an API key (vLLM's ``--api-key``, SGLang's ``--api-key``)
+or a proxy before it that wants some refuses every request. Relayed, they told the client its
+own key was wrong (the SDK raises ``AuthenticationError`` and does not retry); they are a
+replica failure instead: retried elsewhere, counted against the breaker, then 502 naming the cause."""
 _TAIL_BYTES = 4096
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -263,6 +269,14 @@ class UpstreamClient:
         if head.status in RETRYABLE_STATUSES:
             pool.release(conn)
             raise RetryableUpstream("status", f"replica answered {head.status}", head.status)
+        if head.status in REFUSED_CALLER_STATUSES:
+            pool.release(conn)
+            raise RetryableUpstream(
+                "status",
+                f"replica answered {head.status}, refusing kvlb, not the client (kvlb sends replicas no"
+                " credentials: does the engine, or a proxy before it, require an API key?)",
+                head.status,
+            )
         return UpstreamStream(conn, head, pool, self._timeouts.idle_s, self.counters)
 
     async def _exchange(

@@ -243,3 +243,85 @@ async def test_a_whole_answer_on_a_hung_engine_is_retried_once_its_probes_fail()
         await balancer.stop()
         for runner in runners:
             await runner.cleanup()
+
+
+async def test_an_engine_refusing_kvlb_is_not_the_clients_key() -> None:
+    """An engine started with ``--api-key`` (vLLM answers ``401 {"error": "Unauthorized"}``; its
+    ``/health`` needs no key, so the replica looks healthy) refuses every request kvlb sends, since
+    kvlb never forwards the client's credentials. kvlb relayed that 401, and the client was told
+    its own key was wrong (the SDK raises ``AuthenticationError``, and does not retry). It is a
+    replica failure: retried on another replica, and a 502 naming the cause when none is left."""
+    asked: list[str] = []
+
+    def replica_app(name: str) -> web.Application:
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=200)
+
+        async def complete(request: web.Request) -> web.Response:
+            asked.append(name)
+            if name == "keyed":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return web.json_response({"choices": [{"index": 0, "text": "ok"}], "usage": {}})
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        app.router.add_get("/health", health)
+        return app
+
+    async def balancer_over(names: tuple[str, ...], urls: dict[str, str]) -> Balancer:
+        tree = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": [
+                {
+                    "model": MODEL,
+                    "replicas": [
+                        {"id": name, "url": urls[name], "engine": "sglang", "block_size": 4} for name in names
+                    ],
+                }
+            ],
+            "health_interval_s": 0.1,
+            "scrape_interval_s": 0,
+            "auth": {"api_keys": ["sk-client"]},
+            "policy": {"name": "round_robin"},  # each replica chosen first in turn
+        }
+        balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+        await balancer.start()
+        return balancer
+
+    runners = {name: web.AppRunner(replica_app(name), shutdown_timeout=0.1) for name in ("keyed", "open")}
+    urls = {}
+    for name, runner in runners.items():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 4}
+    headers = {**SDK_HEADERS, "Authorization": "Bearer sk-client"}
+    try:
+        async with aiohttp.ClientSession() as session:
+            balancer = await balancer_over(("keyed",), urls)
+            try:
+                await wait_ready(session, balancer.url)
+                url = balancer.url + "/v1/completions"
+                async with session.post(url, json=body, headers=headers) as response:
+                    assert response.status == 502, await response.text()
+                    error = (await response.json())["error"]
+                assert "replica answered 401, refusing kvlb, not the client" in error["message"]
+                assert "require an API key" in error["message"]
+            finally:
+                await balancer.stop()
+            asked.clear()
+            balancer = await balancer_over(("keyed", "open"), urls)
+            try:
+                await wait_ready(session, balancer.url)
+                for _ in range(4):  # whichever replica is chosen first, the answer is the open one's
+                    async with session.post(
+                        balancer.url + "/v1/completions", json=body, headers=headers
+                    ) as response:
+                        assert response.status == 200, await response.text()
+                        assert response.headers["x-kvlb-replica"] == "open"
+                assert "keyed" in asked  # chosen first, and retried elsewhere
+            finally:
+                await balancer.stop()
+    finally:
+        for runner in runners.values():
+            await runner.cleanup()
