@@ -33,7 +33,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         " at limits.max_inflight_per_replica with the admission queue full, or too many what-if replays"
         " at once (Retry-After)",
         502: "Replicas failed before answering (after retries)",
-        503: "No healthy replica, or waited limits.queue_timeout_s in the admission queue (Retry-After)",
+        503: "No healthy replica, every replica tried answered 503, or waited limits.queue_timeout_s in the"
+        " admission queue (Retry-After)",
         504: "A non-streaming answer not received within timeouts.total_s",
     }
     return {str(code): _json(_ERROR, text[code]) for code in codes}

@@ -425,11 +425,15 @@ async def dispatch(
     deliver: Callable[[Lease, Opened], Awaitable[T]],
 ) -> T:
     """Route → open (retried on another replica until the first byte) → ``deliver`` → release; the
-    load is released whatever happens. Raises :class:`Overloaded` (every replica tried answered 429)
-    or :class:`UpstreamError` (every attempt failed), and :class:`NoReplicasAvailable` /
+    load is released whatever happens. Raises :class:`Overloaded` (every replica tried answered 429),
+    :class:`NoReplicasAvailable` (every one answered 503: a 503 with ``Retry-After`` for the client,
+    as the engines answered, not a 502) or :class:`UpstreamError` (every attempt failed), and
+    :class:`NoReplicasAvailable` /
     :class:`Overloaded` when none could start."""
     exclude: set[ReplicaId] = set()
     last_error: RetryableUpstream | None = None
+    statuses: set[int | None] = set()
+    """The answer of each failed attempt (``None``: no answer: refused, reset, timed out)."""
     max_retries = state.settings.limits.max_retries
     for attempt in range(max_retries + 1):
         try:
@@ -453,6 +457,7 @@ async def dispatch(
                 )
                 exclude.add(lease.replica)
                 last_error = exc
+                statuses.add(exc.status)
                 if attempt < max_retries:
                     state.metrics.retries_total.labels(exc.reason).inc()
                 continue
@@ -462,6 +467,8 @@ async def dispatch(
     failed = ", ".join(sorted(exclude))
     if last_error is not None and last_error.status == 429:
         raise Overloaded(f"replica(s) {failed} are busy (429)", BUSY_RETRY_AFTER_S)
+    if statuses == {503}:  # every replica tried said "unavailable, try later", as a 503 (Retry-After)
+        raise NoReplicasAvailable(f"replica(s) {failed} answered 503 (unavailable): try again later")
     raise UpstreamError(f"replica(s) {failed} failed before answering and no other could: {last_error}")
 
 

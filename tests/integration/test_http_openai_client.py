@@ -325,3 +325,58 @@ async def test_an_engine_refusing_kvlb_is_not_the_clients_key() -> None:
     finally:
         for runner in runners.values():
             await runner.cleanup()
+
+
+async def test_replicas_answering_503_give_the_client_a_503_with_retry_after() -> None:
+    """Every replica tried answered 503 (an engine whose waiting queue is full says "unavailable,
+    try later"): kvlb answered 502 "failed before answering", without ``Retry-After``, where a
+    client of the engines would have had their 503. It is now a 503 with ``Retry-After`` (as a
+    replica's 429s give a 429), so the SDK backs off as the server asks; a mix with replicas that
+    did not answer at all stays a 502."""
+    asked: list[str] = []
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def complete(request: web.Request) -> web.Response:
+        asked.append(request.host)
+        error = {"message": "the waiting queue is full", "type": "ServiceUnavailableError", "code": 503}
+        return web.json_response({"object": "error", "error": error}, status=503)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    tree = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [
+            {
+                "model": MODEL,
+                "replicas": [
+                    {"id": f"r{i}", "url": url, "engine": "sglang", "block_size": 4} for i in range(2)
+                ],
+            }
+        ],
+        "health_interval_s": 0.1,
+        "scrape_interval_s": 0,
+    }
+    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+    try:
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 4}
+            async with session.post(
+                balancer.url + "/v1/completions", json=body, headers=SDK_HEADERS
+            ) as response:
+                assert response.status == 503, await response.text()
+                assert response.headers["Retry-After"] == "1"
+                error = (await response.json())["error"]
+            assert error["message"] == "replica(s) r0, r1 answered 503 (unavailable): try again later"
+            assert len(asked) == 2  # both tried
+    finally:
+        await balancer.stop()
+        await runner.cleanup()
