@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from balancer.config import ReplicaConfig
-from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
+from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError, UpstreamTimeout
 from balancer.health.book import PROBES_FAILING
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
@@ -47,8 +47,8 @@ from balancer.upstream.client import RetryableUpstream, UpstreamStream
 
 log = logging.getLogger(__name__)
 
-WHOLE_ANSWER_MIN_CHECK_S = 0.05
-"""Shortest period at which :func:`open_whole` looks at the replica's probes (seconds)."""
+PROBE_CHECK_MIN_S = 0.05
+"""Shortest period at which :func:`while_probes_pass` looks at the replica's probes (seconds)."""
 BUSY_RETRY_AFTER_S = 1.0
 """``Retry-After`` when every replica tried answered 429 (seconds)."""
 
@@ -77,8 +77,7 @@ class Forward:
     whole_answer: bool = False
     """A non-streaming request: the engine sends its headers only with the whole answer, after its
     last token, so they are waited for until ``timeouts.total_s`` runs out, not
-    ``timeouts.first_byte_s``, and that wait's end is not retried on another replica
-    (:func:`open_first`)."""
+    ``timeouts.first_byte_s`` (:func:`open_first`)."""
 
 
 @dataclass(slots=True)
@@ -398,16 +397,36 @@ def _log_decision(job: Forward, plan: RoutePlan) -> None:
 async def open_first(
     state: ServiceState, replica: ReplicaConfig, job: Forward, headers: Mapping[str, str]
 ) -> Opened:
-    """Send the request and wait for the first body chunk; any failure so far is retryable, but
-    for a whole answer's wait for its headers past ``timeouts.total_s`` (:attr:`Forward.whole_answer`:
-    504, the engine was generating it)."""
+    """Send the request and wait for the first body chunk; any failure so far is retryable, but for
+    the end of ``timeouts.total_s`` while the engine works on it (504, :func:`while_probes_pass`).
+
+    What the engine does before its first byte is work, not silence: a whole answer's
+    (:attr:`Forward.whole_answer`) headers come after its last token, and a stream's first chunk
+    after its queueing and prefill (its headers come at once). Those two waits last until
+    ``timeouts.total_s`` runs out, as long as the replica passes its health probes; a stream's
+    headers still have ``timeouts.first_byte_s``, and a whole answer's body (sent right after its
+    headers) ``timeouts.idle_s``."""
+    remaining_s = max(0.0, state.settings.timeouts.total_s - (state.monotonic() - job.arrived))
     if job.whole_answer:
-        stream = await open_whole(state, replica, job, headers)
+        stream = await while_probes_pass(
+            state,
+            replica,
+            state.upstream.open(replica.url, job.path, job.body, headers, whole_answer_s=remaining_s),
+            "answer",
+            UpstreamStream.close,
+        )
+        chunks = stream.chunks()
     else:
         stream = await state.upstream.open(replica.url, job.path, job.body, headers)
-    chunks = stream.chunks()
+        chunks = stream.chunks(first_wait_s=remaining_s)
     try:
-        first = await anext(chunks, b"")
+        if job.whole_answer:
+            first = await anext(chunks, b"")
+        else:
+            first = await while_probes_pass(state, replica, anext(chunks, b""), "first token")
+    except UpstreamTimeout:  # timeouts.total_s passed while the engine worked: 504, not retried
+        stream.close()
+        raise
     except UpstreamError as exc:
         stream.close()
         raise RetryableUpstream("first_byte", str(exc)) from None
@@ -472,38 +491,40 @@ async def dispatch(
     raise UpstreamError(f"replica(s) {failed} failed before answering and no other could: {last_error}")
 
 
-async def open_whole(
-    state: ServiceState, replica: ReplicaConfig, job: Forward, headers: Mapping[str, str]
-) -> UpstreamStream:
-    """Open a non-streaming request (:attr:`Forward.whole_answer`). Its headers come with the whole
-    answer, after the engine's last token: a long answer takes longer than ``timeouts.first_byte_s``
-    while the engine works, and retrying it then started it over on the next replica (and failed
-    it with 502 once every one had timed out). So the wait lasts until ``timeouts.total_s`` runs
-    out (then :class:`~balancer.errors.UpstreamTimeout`, 504), but for a replica that stops
-    answering its health probes meanwhile (a hung engine still accepts connections): the request
-    is then retried elsewhere, as before. Checked every ``health_interval_s``, how often the
-    probes can change their verdict. The open is cancelled whenever this ends without it."""
-    remaining_s = max(0.0, state.settings.timeouts.total_s - (state.monotonic() - job.arrived))
-    check_s = max(WHOLE_ANSWER_MIN_CHECK_S, state.settings.health_interval_s)
-    opening = asyncio.ensure_future(
-        state.upstream.open(replica.url, job.path, job.body, headers, whole_answer_s=remaining_s)
-    )
+async def while_probes_pass(
+    state: ServiceState,
+    replica: ReplicaConfig,
+    waited: Awaitable[T],
+    what: str,
+    orphan: Callable[[T], None] | None = None,
+) -> T:
+    """``waited``'s result, however long it takes, while ``replica`` passes its health probes: an
+    engine working on a request (a long answer, a deep queue, a long prefill) sends nothing
+    meanwhile, and a bound on that silence took long work for a failure (a whole answer longer
+    than ``timeouts.first_byte_s`` was started over on every replica, then failed with 502). A hung
+    engine still accepts connections and stays silent too, but it fails its probes: the request is
+    then given up (:class:`RetryableUpstream`, retried elsewhere). Checked every
+    ``health_interval_s``, how often the probes can change their verdict; ``waited`` is cancelled
+    whenever this ends without its result (``orphan`` given a result that came as it was
+    cancelled, to close it)."""
+    check_s = max(PROBE_CHECK_MIN_S, state.settings.health_interval_s)
+    waiting = asyncio.ensure_future(waited)
     taken = False
     try:
         while True:
-            done, _ = await asyncio.wait((opening,), timeout=check_s)
+            done, _ = await asyncio.wait((waiting,), timeout=check_s)
             if done:
                 taken = True
-                return opening.result()
+                return waiting.result()
             reason = state.health.unroutable_reason(ReplicaId(replica.id), state.monotonic())
             if reason == PROBES_FAILING:
-                raise RetryableUpstream("timeout", f"no answer, and its health probes fail ({reason})")
+                raise RetryableUpstream("timeout", f"no {what}, and its health probes fail ({reason})")
     finally:
-        if not opening.done():
-            opening.cancel()
-            await asyncio.wait((opening,))
-        if not taken and not opening.cancelled() and opening.exception() is None:
-            opening.result().close()  # it came as this request was cancelled: nobody reads it
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.wait((waiting,))
+        if not taken and not waiting.cancelled() and waiting.exception() is None and orphan is not None:
+            orphan(waiting.result())  # it came as this request was cancelled: nobody reads it
 
 
 def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream) -> None:

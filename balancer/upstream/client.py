@@ -151,9 +151,13 @@ class UpstreamStream:
     def content_type(self) -> str:
         return self._head.headers.get("content-type", "application/json") or ""
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
+    async def chunks(self, first_wait_s: float | None = None) -> AsyncGenerator[bytes, None]:
+        """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout.
+        ``first_wait_s``: the bound of the wait for the first chunk instead (a stream's first token
+        comes after the engine's queueing and prefill; its caller passes what is left of
+        ``timeouts.total_s``)."""
         conn = self._conn
+        wait_s = self._idle_s if first_wait_s is None else first_wait_s
         while True:
             # What has arrived already is taken without a wait (or its timer: one per chunk
             # otherwise); asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task
@@ -168,12 +172,17 @@ class UpstreamStream:
                         self._counters.protocol_errors[error.reason] += 1
                     raise UpstreamError(f"replica stream broke: {_describe(error)}")
                 try:
-                    async with asyncio.timeout(self._idle_s):
+                    async with asyncio.timeout(wait_s):
                         await conn.wait_body()
                 except TimeoutError:
+                    if first_wait_s is not None and not self.bytes_relayed:
+                        raise UpstreamTimeout(
+                            f"no first token within what was left of timeouts.total_s ({first_wait_s:.1f}s)"
+                        ) from None
                     raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
                 continue
             self.bytes_relayed += len(chunk)
+            wait_s = self._idle_s
             self._tail += chunk
             if len(self._tail) > 2 * _TAIL_BYTES:
                 del self._tail[:-_TAIL_BYTES]

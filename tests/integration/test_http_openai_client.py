@@ -380,3 +380,91 @@ async def test_replicas_answering_503_give_the_client_a_503_with_retry_after() -
     finally:
         await balancer.stop()
         await runner.cleanup()
+
+
+async def test_a_stream_whose_first_token_comes_after_idle_s_is_not_retried() -> None:
+    """An engine sends a stream's headers at once and its first chunk after the request's queueing
+    and prefill. kvlb waited ``timeouts.idle_s`` (60 s) for that chunk, then closed the stream and
+    started the request over on another replica, at the back of its queue (and 502 once every
+    replica had been tried): under a deep queue or for a long prompt, a stream never got its first
+    token. It now waits until ``timeouts.total_s`` while the replica passes its probes; a replica
+    that stops answering them is still left for another."""
+    asked: list[str] = []
+    healthy = {"slow": True, "spare": True}
+
+    def replica_app(name: str) -> web.Application:
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=200 if healthy[name] else 503)
+
+        async def complete(request: web.Request) -> web.StreamResponse:
+            asked.append(name)
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)  # headers at once, as the engines send them
+            await asyncio.sleep(1.0 if name == "slow" else 0.0)  # queueing and prefill
+            if not healthy[name]:
+                await asyncio.sleep(30)  # hung
+            event = {"choices": [{"index": 0, "text": name, "finish_reason": "length"}]}
+            await response.write(b"data: " + json.dumps(event).encode() + b"\n\ndata: [DONE]\n\n")
+            await response.write_eof()
+            return response
+
+        app = web.Application()
+        app.router.add_post("/v1/completions", complete)
+        app.router.add_get("/health", health)
+        return app
+
+    runners = {name: web.AppRunner(replica_app(name), shutdown_timeout=0.1) for name in ("slow", "spare")}
+    urls = {}
+    for name, runner in runners.items():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        urls[name] = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    tree = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [
+            {
+                "model": MODEL,
+                "replicas": [
+                    {"id": name, "url": urls[name], "engine": "sglang", "block_size": 4} for name in urls
+                ],
+            }
+        ],
+        "health_interval_s": 0.1,
+        "scrape_interval_s": 0,
+        "timeouts": {"connect_s": 0.2, "first_byte_s": 0.3, "idle_s": 0.3},
+        "policy": {"name": "round_robin"},
+    }
+    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+    body = {"model": MODEL, "prompt": [1, 2, 3, 4, 5], "max_tokens": 4, "stream": True}
+    try:
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            url = balancer.url + "/v1/completions"
+            for _ in range(2):  # round robin: each replica is chosen first once
+                asked.clear()
+                async with session.post(url, json=body, headers=SDK_HEADERS) as response:
+                    assert response.status == 200, await response.text()
+                    replica = response.headers["x-kvlb-replica"]
+                    raw = await response.read()
+                assert asked == [replica], asked  # served where it was sent, once
+                assert f'"text": "{replica}"'.encode() in raw and raw.endswith(b"data: [DONE]\n\n")
+            # A replica that stops answering its probes while its stream is silent: retried.
+            asked.clear()
+            healthy["slow"] = False
+            healthy["spare"] = True
+            async with asyncio.timeout(5.0):
+                while True:  # send until "slow" is chosen first (its probes not failed yet)
+                    async with session.post(url, json=body, headers=SDK_HEADERS) as response:
+                        assert response.status == 200, await response.text()
+                        assert response.headers["x-kvlb-replica"] == "spare"
+                        await response.read()
+                    if "slow" in asked:
+                        break
+                    healthy["slow"] = True
+                    await asyncio.sleep(0.3)
+                    healthy["slow"] = False
+    finally:
+        await balancer.stop()
+        for runner in runners.values():
+            await runner.cleanup()
