@@ -48,7 +48,7 @@ from balancer.upstream.client import RetryableUpstream, UpstreamStream
 log = logging.getLogger(__name__)
 
 PROBE_CHECK_MIN_S = 0.05
-"""Shortest period at which :func:`while_probes_pass` looks at the replica's probes (seconds)."""
+"""Shortest period at which :class:`ProbeWatch` looks at the replica's probes (seconds)."""
 BUSY_RETRY_AFTER_S = 1.0
 """``Retry-After`` when every replica tried answered 429 (seconds)."""
 
@@ -398,7 +398,7 @@ async def open_first(
     state: ServiceState, replica: ReplicaConfig, job: Forward, headers: Mapping[str, str]
 ) -> Opened:
     """Send the request and wait for the first body chunk; any failure so far is retryable, but for
-    the end of ``timeouts.total_s`` while the engine works on it (504, :func:`while_probes_pass`).
+    the end of ``timeouts.total_s`` while the engine works on it (504, :class:`ProbeWatch`).
 
     What the engine does before its first byte is work, not silence: a whole answer's
     (:attr:`Forward.whole_answer`) headers come after its last token, and a stream's first chunk
@@ -408,13 +408,10 @@ async def open_first(
     headers) ``timeouts.idle_s``."""
     remaining_s = max(0.0, state.settings.timeouts.total_s - (state.monotonic() - job.arrived))
     if job.whole_answer:
-        stream = await while_probes_pass(
-            state,
-            replica,
-            state.upstream.open(replica.url, job.path, job.body, headers, whole_answer_s=remaining_s),
-            "answer",
-            UpstreamStream.close,
-        )
+        async with ProbeWatch(state, replica):
+            stream = await state.upstream.open(
+                replica.url, job.path, job.body, headers, whole_answer_s=remaining_s
+            )
         chunks = stream.chunks()
     else:
         stream = await state.upstream.open(replica.url, job.path, job.body, headers)
@@ -423,7 +420,8 @@ async def open_first(
         if job.whole_answer:
             first = await anext(chunks, b"")
         else:
-            first = await while_probes_pass(state, replica, anext(chunks, b""), "first token")
+            async with ProbeWatch(state, replica):
+                first = await anext(chunks, b"")
     except UpstreamTimeout:  # timeouts.total_s passed while the engine worked: 504, not retried
         stream.close()
         raise
@@ -491,40 +489,51 @@ async def dispatch(
     raise UpstreamError(f"replica(s) {failed} failed before answering and no other could: {last_error}")
 
 
-async def while_probes_pass(
-    state: ServiceState,
-    replica: ReplicaConfig,
-    waited: Awaitable[T],
-    what: str,
-    orphan: Callable[[T], None] | None = None,
-) -> T:
-    """``waited``'s result, however long it takes, while ``replica`` passes its health probes: an
-    engine working on a request (a long answer, a deep queue, a long prefill) sends nothing
-    meanwhile, and a bound on that silence took long work for a failure (a whole answer longer
-    than ``timeouts.first_byte_s`` was started over on every replica, then failed with 502). A hung
-    engine still accepts connections and stays silent too, but it fails its probes: the request is
-    then given up (:class:`RetryableUpstream`, retried elsewhere). Checked every
-    ``health_interval_s``, how often the probes can change their verdict; ``waited`` is cancelled
-    whenever this ends without its result (``orphan`` given a result that came as it was
-    cancelled, to close it)."""
-    check_s = max(PROBE_CHECK_MIN_S, state.settings.health_interval_s)
-    waiting = asyncio.ensure_future(waited)
-    taken = False
-    try:
-        while True:
-            done, _ = await asyncio.wait((waiting,), timeout=check_s)
-            if done:
-                taken = True
-                return waiting.result()
-            reason = state.health.unroutable_reason(ReplicaId(replica.id), state.monotonic())
-            if reason == PROBES_FAILING:
-                raise RetryableUpstream("timeout", f"no {what}, and its health probes fail ({reason})")
-    finally:
-        if not waiting.done():
-            waiting.cancel()
-            await asyncio.wait((waiting,))
-        if not taken and not waiting.cancelled() and waiting.exception() is None and orphan is not None:
-            orphan(waiting.result())  # it came as this request was cancelled: nobody reads it
+class ProbeWatch:
+    """``async with ProbeWatch(state, replica):`` a wait on ``replica`` that may last as long as the
+    engine works (a whole answer's headers, a stream's first token), given up as
+    :class:`RetryableUpstream` once the replica fails its health probes: a hung engine still
+    accepts connections and stays silent, but fails them. An engine working on a request (a long
+    answer, a deep queue, a long prefill) sends nothing meanwhile and passes its probes, and a bound
+    on that silence took long work for a failure (a whole answer longer than
+    ``timeouts.first_byte_s`` was started over on every replica, then failed with 502). Checked
+    every ``health_interval_s``, how often the probes can change their verdict, by one timer
+    callback that cancels the waiting task as ``asyncio.timeout`` does (no task of its own: a
+    stream's first token is waited for under it)."""
+
+    __slots__ = ("_cancelling", "_check_s", "_handle", "_replica", "_state", "_task", "failed")
+
+    def __init__(self, state: ServiceState, replica: ReplicaConfig) -> None:
+        self._state = state
+        self._replica = ReplicaId(replica.id)
+        self._check_s = max(PROBE_CHECK_MIN_S, state.settings.health_interval_s)
+        self._task: asyncio.Task[object] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+        self.failed = False
+
+    async def __aenter__(self) -> ProbeWatch:
+        self._task = asyncio.current_task()
+        assert self._task is not None
+        self._cancelling = self._task.cancelling()
+        self._handle = asyncio.get_running_loop().call_later(self._check_s, self._check)
+        return self
+
+    def _check(self) -> None:
+        state = self._state
+        if state.health.unroutable_reason(self._replica, state.monotonic()) == PROBES_FAILING:
+            self.failed = True
+            assert self._task is not None
+            self._task.cancel()
+        else:
+            self._handle = asyncio.get_running_loop().call_later(self._check_s, self._check)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        assert self._task is not None
+        if self.failed and exc_type is asyncio.CancelledError and self._task.uncancel() <= self._cancelling:
+            raise RetryableUpstream("timeout", f"{self._replica} sent nothing yet and fails its probes")
 
 
 def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream) -> None:
