@@ -1,8 +1,9 @@
 """HTTP error responses in OpenAI's shape, and the mapping from kvlb's errors to them (pure).
 
-Every error a client sees is ``{"error": {"message", "type", "code"}}`` with the HTTP status in
-``code``. Messages are written for the client; internal exception text never reaches it (unexpected
-errors become a generic 500 and are logged with their traceback).
+Every error a client sees is ``{"error": {"message", "type", "param", "code"}}``, OpenAI's shape, with
+the HTTP status in ``code`` (an integer, as vLLM and SGLang send it) and ``param`` null. Messages are
+written for the client; internal exception text never reaches it (unexpected errors become a
+generic 500 and are logged with their traceback).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def retry_after(seconds: float) -> dict[str, str]:
 
 
 def error_body(status: int, message: str, kind: str | None = None) -> bytes:
-    payload = {"error": {"message": message, "type": kind or _TYPES.get(status, "error"), "code": status}}
+    kind = kind or _TYPES.get(status, "error")
+    payload = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return strict_json.dumps(payload).encode("utf-8")
 
 

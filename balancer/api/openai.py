@@ -1,4 +1,5 @@
-"""The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+"""The HTTP face (I/O): ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models`` and
+``/v1/models/{model}``.
 
 A chat request reads top-down here: its tenant's request rate (``limits.tenant_rate_per_s``, from
 the tenant header alone: 429 with Retry-After, :func:`balancer.service.dispatch.tenant_rate_refusal`;
@@ -182,11 +183,21 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def models(request: web.Request) -> web.Response:
     """Every pool's model (the balancer's configuration, not a query of the replicas)."""
     state = request.app[STATE]
-    data = [
-        {"id": model, "object": "model", "created": 0, "owned_by": "kvlb", "replicas": len(pool.replicas)}
-        for model, pool in state.pools.items()
-    ]
+    data = [model_card(model, pool) for model, pool in state.pools.items()]
     return web.json_response({"object": "list", "data": data}, dumps=strict_json.dumps)
+
+
+async def model(request: web.Request) -> web.Response:
+    """One pool's model, as OpenAI's ``GET /v1/models/{model}`` (the SDK's ``models.retrieve``); the
+    name may hold ``/`` (``meta-llama/Llama-3.1-8B``). An unknown one: 404 listing the known ones."""
+    state = request.app[STATE]
+    name = request.match_info["model"]
+    return web.json_response(model_card(name, find_pool(state, name)), dumps=strict_json.dumps)
+
+
+def model_card(model: str, pool: Pool) -> dict[str, object]:
+    """A model's entry in ``GET /v1/models``, and the answer of ``GET /v1/models/{model}``."""
+    return {"id": model, "object": "model", "created": 0, "owned_by": "kvlb", "replicas": len(pool.replicas)}
 
 
 async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.StreamResponse:
@@ -236,6 +247,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             request_id,
             arrived,
             tenant,
+            whole_answer=not parsed.stream,
         )
         # Parsed tiny chat messages keep up to 8.7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.
@@ -854,7 +866,7 @@ async def _answer_chunks(opened: Opened) -> AsyncGenerator[bytes, None]:
 
 
 def sse_error_event(message: str, status: int = 502) -> bytes:
-    payload = {"error": {"message": message, "type": "upstream_error", "code": status}}
+    payload = {"error": {"message": message, "type": "upstream_error", "param": None, "code": status}}
     return b"data: " + strict_json.dumps(payload).encode("utf-8") + b"\n\n"
 
 
@@ -863,3 +875,4 @@ def add_openai_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", chat_completions, expect_handler=expect)
     app.router.add_post("/v1/completions", completions, expect_handler=expect)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)

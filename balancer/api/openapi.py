@@ -34,7 +34,9 @@ def _errors(*codes: int) -> dict[str, Any]:
         " tenant over limits.tenant_rate_per_s (answered before the body is read), or too many what-if"
         " replays at once (Retry-After)",
         502: "Replicas failed before answering (after retries)",
-        503: "No healthy replica, or waited limits.queue_timeout_s in the admission queue (Retry-After)",
+        503: "No healthy replica, every replica tried answered 503, or waited limits.queue_timeout_s in the"
+        " admission queue (Retry-After)",
+        504: "A non-streaming answer not received within timeouts.total_s",
     }
     return {str(code): _json(_ERROR, text[code]) for code in codes}
 
@@ -76,7 +78,7 @@ _GENERATE = {
             'replica failing mid-stream ends the SSE stream with a `data: {"error": ...}` event.',
             "headers": _ROUTED_HEADERS,
         },
-        **_errors(400, 401, 403, 404, 408, 413, 417, 429, 502, 503),
+        **_errors(400, 401, 403, 404, 408, 413, 417, 429, 502, 503, 504),
     },
 }
 
@@ -87,10 +89,10 @@ def _body(schema: dict[str, Any]) -> dict[str, Any]:
 
 _COMMON_FIELDS: dict[str, Any] = {
     "model": {"type": "string", "minLength": 1, "description": "A pool's model (404 lists the known ones)"},
-    "stream": {"type": "boolean"},
-    "max_tokens": {"type": "integer", "minimum": 0},
-    "max_completion_tokens": {"type": "integer", "minimum": 0},
-    "user": {"type": "string", "description": "Session key of the session policy"},
+    "stream": {"type": ["boolean", "null"], "description": "null: false"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 0},
+    "user": {"type": ["string", "null"], "description": "Session key of the session policy"},
 }
 _COMPLETION_BODY: dict[str, Any] = {
     "type": "object",
@@ -174,6 +176,7 @@ _COMPONENTS: dict[str, Any] = {
                     "properties": {
                         "message": {"type": "string"},
                         "type": {"type": "string"},
+                        "param": {"type": "null"},
                         "code": {"type": "integer"},
                     },
                 }
@@ -231,6 +234,16 @@ def _public_paths() -> dict[str, Any]:
             "get": {
                 "summary": "Models served (one per pool)",
                 "responses": {"200": ok, **_errors(401)},
+                **bearer,
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "summary": "One pool's model (its name may hold '/'); 404 lists the known ones",
+                "parameters": [
+                    {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}
+                ],
+                "responses": {"200": ok, **_errors(401, 404)},
                 **bearer,
             }
         },

@@ -372,8 +372,10 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "'model' is required and must be a non-empty string")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is None:  # absent or null: OpenAI's and the engines' default, a whole answer
+        stream = False
+    elif not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean")
     return {
         "model": model,

@@ -111,9 +111,15 @@ class TimeoutConfig:
     connect_s: float = 2.0
     """Upstream TCP connect timeout; on expiry the request is retried on another replica."""
     first_byte_s: float = 60.0
-    """Time allowed until the upstream's response headers; expiry retries (nothing was sent yet)."""
+    """Time allowed until the upstream's response headers of a stream; expiry retries (nothing was
+    sent yet). A non-streaming request's headers come with its whole answer, after its last token:
+    they are waited for until ``total_s`` runs out (then 504), while the replica passes its health
+    probes (one that fails them meanwhile: retried elsewhere)."""
     idle_s: float = 60.0
-    """Longest silence between two upstream chunks; expiry ends the stream with an error event."""
+    """Longest silence between two upstream chunks; expiry ends the stream with an error event. Not
+    before a stream's first chunk, which comes after the engine's queueing and prefill: that wait
+    lasts until ``total_s`` runs out (then 504) while the replica passes its health probes (one
+    that fails them meanwhile: retried elsewhere)."""
     total_s: float = 600.0
     """Cap on a whole request; expiry ends it with an error."""
     body_read_s: float = 10.0

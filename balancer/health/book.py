@@ -32,6 +32,10 @@ MAX_PENDING_DRAINS = 64
 (``kvlb_replica_pending_drains_dropped_total``)."""
 
 
+PROBES_FAILING = "failing health probes"
+""":meth:`HealthBook.unroutable_reason` of a replica whose probes fail (its engine does not answer)."""
+
+
 @dataclass(frozen=True, slots=True)
 class BreakerConfig:
     failure_threshold: int = 3
@@ -171,7 +175,7 @@ class HealthBook:
         if rec.draining:
             return "draining"
         if not rec.probe_ok:
-            return "failing health probes"
+            return PROBES_FAILING
         state = rec.state(now, self.config)
         if state == "open":
             return "breaker open"

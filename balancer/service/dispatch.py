@@ -28,7 +28,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from balancer.config import ReplicaConfig
-from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
+from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError, UpstreamTimeout
+from balancer.health.book import PROBES_FAILING
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
 from balancer.routing.router import Lease, PoolRequest, RoutePlan
@@ -47,6 +48,8 @@ from balancer.upstream.client import RetryableUpstream, UpstreamStream
 
 log = logging.getLogger(__name__)
 
+PROBE_CHECK_MIN_S = 0.05
+"""Shortest period at which :class:`ProbeWatch` looks at the replica's probes (seconds)."""
 BUSY_RETRY_AFTER_S = 1.0
 """``Retry-After`` when every replica tried answered 429 (seconds)."""
 
@@ -72,6 +75,10 @@ class Forward:
     """Monotonic arrival time (TTFT, end-to-end latency and the ``timeouts.total_s`` deadline)."""
     tenant: str | None = None
     """The ``tenant_header`` value, kept with the decision in the console's ring."""
+    whole_answer: bool = False
+    """A non-streaming request: the engine sends its headers only with the whole answer, after its
+    last token, so they are waited for until ``timeouts.total_s`` runs out, not
+    ``timeouts.first_byte_s`` (:func:`open_first`)."""
 
 
 @dataclass(slots=True)
@@ -429,13 +436,36 @@ def _log_decision(job: Forward, plan: RoutePlan) -> None:
 
 
 async def open_first(
-    state: ServiceState, replica: ReplicaConfig, path: str, body: bytes, headers: Mapping[str, str]
+    state: ServiceState, replica: ReplicaConfig, job: Forward, headers: Mapping[str, str]
 ) -> Opened:
-    """Send the request and wait for the first body chunk; any failure so far is retryable."""
-    stream = await state.upstream.open(replica.url, path, body, headers)
-    chunks = stream.chunks()
+    """Send the request and wait for the first body chunk; any failure so far is retryable, but for
+    the end of ``timeouts.total_s`` while the engine works on it (504, :class:`ProbeWatch`).
+
+    What the engine does before its first byte is work, not silence: a whole answer's
+    (:attr:`Forward.whole_answer`) headers come after its last token, and a stream's first chunk
+    after its queueing and prefill (its headers come at once). Those two waits last until
+    ``timeouts.total_s`` runs out, as long as the replica passes its health probes; a stream's
+    headers still have ``timeouts.first_byte_s``, and a whole answer's body (sent right after its
+    headers) ``timeouts.idle_s``."""
+    remaining_s = max(0.0, state.settings.timeouts.total_s - (state.monotonic() - job.arrived))
+    if job.whole_answer:
+        async with ProbeWatch(state, replica):
+            stream = await state.upstream.open(
+                replica.url, job.path, job.body, headers, whole_answer_s=remaining_s
+            )
+        chunks = stream.chunks()
+    else:
+        stream = await state.upstream.open(replica.url, job.path, job.body, headers)
+        chunks = stream.chunks(first_wait_s=remaining_s)
     try:
-        first = await anext(chunks, b"")
+        if job.whole_answer:
+            first = await anext(chunks, b"")
+        else:
+            async with ProbeWatch(state, replica):
+                first = await anext(chunks, b"")
+    except UpstreamTimeout:  # timeouts.total_s passed while the engine worked: 504, not retried
+        stream.close()
+        raise
     except UpstreamError as exc:
         stream.close()
         raise RetryableUpstream("first_byte", str(exc)) from None
@@ -453,11 +483,15 @@ async def dispatch(
     deliver: Callable[[Lease, Opened], Awaitable[T]],
 ) -> T:
     """Route → open (retried on another replica until the first byte) → ``deliver`` → release; the
-    load is released whatever happens. Raises :class:`Overloaded` (every replica tried answered 429)
-    or :class:`UpstreamError` (every attempt failed), and :class:`NoReplicasAvailable` /
+    load is released whatever happens. Raises :class:`Overloaded` (every replica tried answered 429),
+    :class:`NoReplicasAvailable` (every one answered 503: a 503 with ``Retry-After`` for the client,
+    as the engines answered, not a 502) or :class:`UpstreamError` (every attempt failed), and
+    :class:`NoReplicasAvailable` /
     :class:`Overloaded` when none could start."""
     exclude: set[ReplicaId] = set()
     last_error: RetryableUpstream | None = None
+    statuses: set[int | None] = set()
+    """The answer of each failed attempt (``None``: no answer: refused, reset, timed out)."""
     max_retries = state.settings.limits.max_retries
     for attempt in range(max_retries + 1):
         try:
@@ -472,7 +506,7 @@ async def dispatch(
         try:
             replica = job.pool.replicas[lease.replica]
             try:
-                opened = await open_first(state, replica, job.path, job.body, headers)
+                opened = await open_first(state, replica, job, headers)
             except RetryableUpstream as exc:
                 if exc.status != 429:  # a busy replica is not a broken one
                     state.health.on_failure(lease.replica, state.monotonic(), str(exc))
@@ -481,6 +515,7 @@ async def dispatch(
                 )
                 exclude.add(lease.replica)
                 last_error = exc
+                statuses.add(exc.status)
                 if attempt < max_retries:
                     state.metrics.retries_total.labels(exc.reason).inc()
                 continue
@@ -490,7 +525,56 @@ async def dispatch(
     failed = ", ".join(sorted(exclude))
     if last_error is not None and last_error.status == 429:
         raise Overloaded(f"replica(s) {failed} are busy (429)", BUSY_RETRY_AFTER_S)
+    if statuses == {503}:  # every replica tried said "unavailable, try later", as a 503 (Retry-After)
+        raise NoReplicasAvailable(f"replica(s) {failed} answered 503 (unavailable): try again later")
     raise UpstreamError(f"replica(s) {failed} failed before answering and no other could: {last_error}")
+
+
+class ProbeWatch:
+    """``async with ProbeWatch(state, replica):`` a wait on ``replica`` that may last as long as the
+    engine works (a whole answer's headers, a stream's first token), given up as
+    :class:`RetryableUpstream` once the replica fails its health probes: a hung engine still
+    accepts connections and stays silent, but fails them. An engine working on a request (a long
+    answer, a deep queue, a long prefill) sends nothing meanwhile and passes its probes, and a bound
+    on that silence took long work for a failure (a whole answer longer than
+    ``timeouts.first_byte_s`` was started over on every replica, then failed with 502). Checked
+    every ``health_interval_s``, how often the probes can change their verdict, by one timer
+    callback that cancels the waiting task as ``asyncio.timeout`` does (no task of its own: a
+    stream's first token is waited for under it)."""
+
+    __slots__ = ("_cancelling", "_check_s", "_handle", "_replica", "_state", "_task", "failed")
+
+    def __init__(self, state: ServiceState, replica: ReplicaConfig) -> None:
+        self._state = state
+        self._replica = ReplicaId(replica.id)
+        self._check_s = max(PROBE_CHECK_MIN_S, state.settings.health_interval_s)
+        self._task: asyncio.Task[object] | None = None
+        self._handle: asyncio.TimerHandle | None = None
+        self._cancelling = 0
+        self.failed = False
+
+    async def __aenter__(self) -> ProbeWatch:
+        self._task = asyncio.current_task()
+        assert self._task is not None
+        self._cancelling = self._task.cancelling()
+        self._handle = asyncio.get_running_loop().call_later(self._check_s, self._check)
+        return self
+
+    def _check(self) -> None:
+        state = self._state
+        if state.health.unroutable_reason(self._replica, state.monotonic()) == PROBES_FAILING:
+            self.failed = True
+            assert self._task is not None
+            self._task.cancel()
+        else:
+            self._handle = asyncio.get_running_loop().call_later(self._check_s, self._check)
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        assert self._task is not None
+        if self.failed and exc_type is asyncio.CancelledError and self._task.uncancel() <= self._cancelling:
+            raise RetryableUpstream("timeout", f"{self._replica} sent nothing yet and fails its probes")
 
 
 def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: UpstreamStream) -> None:

@@ -34,6 +34,12 @@ from balancer.upstream.sse import DONE
 FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "x-request-id", "traceparent", "tracestate"})
 """Client headers passed to replicas; everything else (auth, cookies, hop-by-hop) stays here."""
 RETRYABLE_STATUSES = frozenset({429, 503})
+REFUSED_CALLER_STATUSES = frozenset({401, 403, 407})
+"""A replica's answers that refuse its caller, kvlb, not the client: kvlb never forwards the client's
+credentials, so an engine started with an API key (vLLM's ``--api-key``, SGLang's ``--api-key``)
+or a proxy before it that wants some refuses every request. Relayed, they told the client its
+own key was wrong (the SDK raises ``AuthenticationError`` and does not retry); they are a
+replica failure instead: retried elsewhere, counted against the breaker, then 502 naming the cause."""
 _TAIL_BYTES = 4096
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -145,9 +151,13 @@ class UpstreamStream:
     def content_type(self) -> str:
         return self._head.headers.get("content-type", "application/json") or ""
 
-    async def chunks(self) -> AsyncGenerator[bytes, None]:
-        """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout."""
+    async def chunks(self, first_wait_s: float | None = None) -> AsyncGenerator[bytes, None]:
+        """Yield body chunks as they arrive; an idle gap over ``idle_s`` raises UpstreamTimeout.
+        ``first_wait_s``: the bound of the wait for the first chunk instead (a stream's first token
+        comes after the engine's queueing and prefill; its caller passes what is left of
+        ``timeouts.total_s``)."""
         conn = self._conn
+        wait_s = self._idle_s if first_wait_s is None else first_wait_s
         while True:
             # What has arrived already is taken without a wait (or its timer: one per chunk
             # otherwise); asyncio.timeout, not wait_for: on Python 3.11 wait_for makes a task
@@ -162,12 +172,17 @@ class UpstreamStream:
                         self._counters.protocol_errors[error.reason] += 1
                     raise UpstreamError(f"replica stream broke: {_describe(error)}")
                 try:
-                    async with asyncio.timeout(self._idle_s):
+                    async with asyncio.timeout(wait_s):
                         await conn.wait_body()
                 except TimeoutError:
+                    if first_wait_s is not None and not self.bytes_relayed:
+                        raise UpstreamTimeout(
+                            f"no first token within what was left of timeouts.total_s ({first_wait_s:.1f}s)"
+                        ) from None
                     raise UpstreamTimeout(f"no data from replica for {self._idle_s:.1f}s") from None
                 continue
             self.bytes_relayed += len(chunk)
+            wait_s = self._idle_s
             self._tail += chunk
             if len(self._tail) > 2 * _TAIL_BYTES:
                 del self._tail[:-_TAIL_BYTES]
@@ -229,21 +244,48 @@ class UpstreamClient:
             )
         return self._pool
 
-    async def open(self, base_url: str, path: str, body: bytes, headers: Mapping[str, str]) -> UpstreamStream:
-        """POST ``body`` and wait for the response headers; failures before them are retryable."""
+    async def open(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        whole_answer_s: float | None = None,
+    ) -> UpstreamStream:
+        """POST ``body`` and wait for the response headers; failures before them are retryable.
+
+        ``whole_answer_s``: the request asks for a whole (non-streaming) answer, whose headers an
+        engine sends only with it, once it has generated every token: they are waited for this
+        long (what is left of ``timeouts.total_s``) instead of ``timeouts.first_byte_s``, and
+        running out is :class:`UpstreamTimeout`, not retryable (the engine was generating; another
+        replica would start over)."""
         target = self._target(base_url)
         request_head = _request_head(target, path, len(body), headers)
         pool = self.pool
+        wait_s = self._timeouts.first_byte_s if whole_answer_s is None else whole_answer_s
         try:
-            async with asyncio.timeout(self._timeouts.first_byte_s):
+            async with asyncio.timeout(wait_s):
                 conn, head = await self._exchange(pool, target, request_head, body, base_url)
         except TimeoutError:
+            if whole_answer_s is not None:
+                raise UpstreamTimeout(
+                    f"no answer within timeouts.total_s = {self._timeouts.total_s}s"
+                ) from None
             raise RetryableUpstream(
                 "timeout", f"no response headers within {self._timeouts.first_byte_s}s"
             ) from None
         if head.status in RETRYABLE_STATUSES:
             pool.release(conn)
             raise RetryableUpstream("status", f"replica answered {head.status}", head.status)
+        if head.status in REFUSED_CALLER_STATUSES:
+            pool.release(conn)
+            raise RetryableUpstream(
+                "status",
+                f"replica answered {head.status}, refusing kvlb, not the client (kvlb sends replicas no"
+                " credentials: does the engine, or a proxy before it, require an API key?)",
+                head.status,
+            )
         return UpstreamStream(conn, head, pool, self._timeouts.idle_s, self.counters)
 
     async def _exchange(

@@ -208,6 +208,8 @@ async def generate(
             return await _stream(request, ctx, handle, shape, sampling.include_usage)
         pieces = []
         while (out := await handle.next()) is not None:
+            if _client_gone(request):  # the engines abort it (vLLM at once, SGLang within 4 s)
+                return web.Response(status=499)  # never read: ``finally`` aborts the request
             pieces.append(token_text(out.token))
         if sim.finish_reason == "abort":
             return json_error(503, "the engine restarted", "ServiceUnavailableError")
@@ -215,6 +217,14 @@ async def generate(
     finally:
         if sim.finish_reason is None:
             ctx.engine.abort(handle)
+
+
+def _client_gone(request: web.Request) -> bool:
+    """Whether the client closed its connection. A whole answer writes nothing until its end, so
+    without this a request whose client left ran to ``max_tokens``, where vLLM (``with_cancellation``)
+    and SGLang (``is_disconnected`` while it waits) abort it; a stream finds out when it writes."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 def _headers(ctx: ReplicaContext, handle: RequestHandle) -> dict[str, str]:

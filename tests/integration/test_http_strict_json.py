@@ -72,6 +72,8 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
             ("GET", "/admin/series?minutes=0.1&minutes=false", None, None, 400),  # given twice
             ("GET", "/admin/audit?limit=1&limit=1", None, None, 400),
             ("GET", "/v1/models", None, None, 200),
+            ("GET", f"/v1/models/{MODEL}", None, None, 200),
+            ("GET", "/v1/models/nope", None, None, 404),
             ("POST", "/v1/completions", completion, top_header, 200),
             ("POST", "/v1/chat/completions", chat, None, 200),
             ("POST", "/v1/completions", {**completion, "stream": True}, None, 200),
@@ -115,6 +117,8 @@ async def test_every_json_answer_is_strict_json_with_every_weight_at_its_bound()
                     assert document["error"]["code"] == status, where
             template = path.replace("/r0/", "/{replica}/").replace("/nope/", "/{replica}/")
             template = template.split("?")[0].replace("/decisions/1", "/decisions/{id}")
+            for name in (MODEL, "nope"):
+                template = template.replace(f"/v1/models/{name}", "/v1/models/{model}")
             seen.add((method, template))
         documented = {(m.upper(), p) for p, ops in openapi_document()["paths"].items() for m in ops}
         assert documented <= seen, f"endpoints not checked: {sorted(documented - seen)}"

@@ -9,8 +9,8 @@ every refusal reads. A real balancer in front of recording replicas (:mod:`upstr
   forwarding headers never do.
 * Replica URLs come only from the configuration: no header, body field or path trick makes the
   balancer connect anywhere else (a trap listener counts connections: it must see none).
-* Every rejection is a JSON ``{"error": {"message", "type", "code"}}`` with the status in ``code``, an
-  ``x-request-id``, and ``Retry-After`` when retrying may help.
+* Every rejection is a JSON ``{"error": {"message", "type", "param", "code"}}`` with the status in
+  ``code``, an ``x-request-id``, and ``Retry-After`` when retrying may help.
 """
 
 from __future__ import annotations
