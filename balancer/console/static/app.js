@@ -141,7 +141,8 @@
       await api("GET", "/admin/policy");
     } catch (err) {
       state.token = null;
-      if (err.status !== 401) $("login-error").textContent = "Could not reach the admin API: " + err.message;
+      if (err.status === 403) $("login-error").textContent = "That key is not the admin token: " + err.message;
+      else if (err.status !== 401) $("login-error").textContent = "Could not reach the admin API: " + err.message;
       return;
     }
     sessionStorage.setItem(TOKEN_KEY, token);
