@@ -531,6 +531,7 @@ class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
     replica_breaker_open: Gauge
+    replica_model_mismatch: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     load_share_overflow_replicas_total: Counter
@@ -578,6 +579,13 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "1 while the replica's circuit breaker is not closed: open (refusing requests after "
             "breaker failures in a row, or failing probes) or half-open (waiting for a trial request to "
             "succeed); 0 once closed.",
+            ["replica"],
+        ),
+        replica_model_mismatch=gauge(
+            "kvlb_replica_model_mismatch",
+            "1 while the replica's engine lists other models than its pool's on GET /v1/models and "
+            "refuses other names (vLLM): the replica is out of routing until it serves the pool's "
+            "model; 0 otherwise (also when the list is not read: SGLang, TRT-LLM).",
             ["replica"],
         ),
         pool_routable_replicas=gauge(
