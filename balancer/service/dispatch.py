@@ -463,7 +463,7 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
     policy = lease.plan.decision.policy
     metrics = state.metrics
     replica = metrics.replica_label(lease.replica)
-    metrics.children.of(metrics.ttft_seconds, replica, policy).observe(now - job.arrived)
+    metrics.children.of(metrics.ttft_seconds, job.pool.model, replica, policy).observe(now - job.arrived)
     if state.series is not None:
         state.series.on_ttft(now - job.arrived, state.wall_clock())
 

@@ -222,7 +222,8 @@ async def test_a_slow_replica_and_first_tokens_over_the_slo(tmp_path: Path) -> N
                 if step < 9:
                     assert walk.alerts() == {}, step
             alerts = walk.alerts()
-            assert alerts.pop("KvlbReplicaSlow") == [{"replica": names[1], "severity": "warning"}]
+            slow = [{"pool": MODEL, "replica": names[1], "severity": "warning"}]
+            assert alerts.pop("KvlbReplicaSlow") == slow
             assert alerts.pop("KvlbTtftSloMissed") == [{"severity": "critical"}]
             assert alerts == {}
     finally:
