@@ -321,6 +321,7 @@ class _RouteCollectors:
     route_decisions_total: Counter
     predicted_cached_tokens_total: Counter
     reported_cached_tokens_total: Counter
+    computed_prompt_blocks_total: Counter
     prediction_error_blocks: Histogram
     receipts_total: Counter
     receipts_exact_total: Counter
@@ -365,6 +366,14 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
             "replica (signed: < 0 the index promised blocks the engine lacked, > 0 it missed some).",
             ["replica"],
             buckets=_ERROR_BUCKETS_BLOCKS,
+        ),
+        computed_prompt_blocks_total=counter(
+            "kvlb_route_computed_prompt_blocks_total",
+            "Full prompt blocks the replica computed rather than found cached, by replica: per receipt, "
+            "the request's blocks (in the replica's alignment) minus the cached ones it reported. An "
+            "engine with prefix caching stores them and publishes them as KV events "
+            "(KvlbReplicaEventsStopped).",
+            ["replica"],
         ),
         receipts_total=counter(
             "kvlb_route_receipts_total",
@@ -873,6 +882,7 @@ class Metrics(
             self.scrape_errors_total,
             self.predicted_cached_tokens_total,
             self.reported_cached_tokens_total,
+            self.computed_prompt_blocks_total,
         ):
             counter.labels(replica)
         for reason in RESYNC_REASONS:

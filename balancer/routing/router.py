@@ -152,6 +152,15 @@ def reusable_blocks(prompt_tokens: int, block_size: int, mode: AlignMode) -> int
     return max(0, prompt_tokens - 1) // block_size
 
 
+def computed_blocks(plan: RoutePlan, reported_blocks: int) -> int:
+    """Full blocks of ``plan``'s prompt the engine computed and could cache anew, given the cached
+    blocks it reported: those it could have reused (never the block of the last prompt token, which
+    it always computes and may have held already) minus the reported ones; 0 at least. An engine
+    with prefix caching stores them, so it publishes a KV event for each."""
+    reusable = min(len(plan.keys), max(0, plan.prompt_tokens - 1) // plan.block_size)
+    return max(0, reusable - reported_blocks)
+
+
 class Lease:
     """One committed decision: the request's load is reserved on :attr:`replica` (and counted
     against its in-flight cap) until :meth:`release`, which is idempotent."""

@@ -31,7 +31,7 @@ from balancer.config import ReplicaConfig
 from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
-from balancer.routing.router import Lease, PoolRequest, RoutePlan
+from balancer.routing.router import Lease, PoolRequest, RoutePlan, computed_blocks
 from balancer.service.admission import (
     MAX_BYTES,
     TENANT_INFLIGHT,
@@ -518,6 +518,9 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     child = metrics.children.of
     child(metrics.prediction_error_blocks, replica).observe(receipt.error_blocks)
     child(metrics.receipts_total, replica).inc()
+    computed = computed_blocks(lease.plan, receipt.reported_blocks)
+    if computed > 0:
+        child(metrics.computed_prompt_blocks_total, replica).inc(computed)
     if receipt.exact:
         child(metrics.receipts_exact_total, replica).inc()
     if receipt.within_one_block:

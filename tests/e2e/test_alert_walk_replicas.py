@@ -3,7 +3,9 @@
 
 A TRT-LLM replica (``--workers 2``) that only gets a canary's one prompt (full cache hits: no event)
 raises no ``KvlbReplicaEventsStopped``: its drains answer empty (before, it fired); nor does one
-whose batches wait out a Redis outage (before, it fired at its 14th step). An engine whose
+whose batches wait out a Redis outage (before, it fired at its 14th step). An SGLang engine whose
+batches are lost for good while it serves new prompts does raise it (before 2026-12-01 its replay
+socket's "nothing new" held it back). An engine whose
 health probes fail raises ``KvlbReplicaBreakerOpen`` naming it, which clears once it answers again.
 An engine that takes 2.6 s to start every request it gets, beside a fast one, raises
 ``KvlbReplicaSlow`` naming it and ``KvlbTtftSloMissed`` (half of the first tokens over 2.5 s).
@@ -140,6 +142,47 @@ async def test_a_trtllm_replica_waiting_for_redis_is_no_stopped_publisher(tmp_pa
             await stop(serve)
         await stop(sims)
         redis.stop()
+
+
+async def test_a_publisher_that_stops_for_good_while_its_engine_serves_is_a_stopped_publisher(
+    tmp_path: Path,
+) -> None:
+    """sim-1 keeps serving and storing new prompts but its batches are lost for good (``drop_events``
+    1, not kept for replay): its replay socket answers every poll with nothing new. Before
+    2026-12-01 that answer held ``KvlbReplicaEventsStopped`` back for ever (26 steps of the SRE
+    walk, nothing fired); the engine's receipts now show it computed new blocks, so the alert
+    fires 15 steps after the loss, naming sim-1 only."""
+    sims, sims_list = await emulate(tmp_path, "sglang", 2)
+    config = write_config(tmp_path, sims_list, health_interval_s=0.2)
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, config, "--workers", "2")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+            for _ in range(2):
+                assert set(await walk.step(requests=4)) == {200}
+            await fault(session, sims_list[1], {"drop_events": 1.0, "replay_dropped": False})
+            for i in range(16):
+                assert set(await walk.step(requests=4, min_s=0.5)) == {200}
+                if i < 12:
+                    assert walk.alerts() == {}, i
+            nothing = [
+                v[-1][1]
+                for k, v in walk.store.series.items()
+                if dict(k)["__name__"] == "kvlb_events_replay_polls_total"
+                and dict(k)["outcome"] == "nothing"
+                and dict(k)["replica"] == "sim-1"
+            ]
+            assert max(v or 0 for v in nothing) > 0  # what held the alert back before
+            assert walk.alerts() == {
+                "KvlbReplicaEventsStopped": [{"replica": "sim-1", "severity": "warning"}]
+            }
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
 
 
 async def test_a_replica_whose_probes_fail_opens_its_breaker_for_long(tmp_path: Path) -> None:
