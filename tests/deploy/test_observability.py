@@ -188,6 +188,7 @@ def test_the_python_evaluator_fails_a_wrong_rule() -> None:
         ("KvlbTtftSloMissed", ">= 50", ">= 0"),
         ("KvlbLeasesLost", ">= 3", ">= 30"),
         ("KvlbReplicaServesAnotherModel", "== 1", "== 2"),
+        ("KvlbHighErrorRate", "queue_timeout|tenant_inflight", "no_such_reason"),
     ):
         rules = [
             {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule

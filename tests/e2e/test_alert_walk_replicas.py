@@ -185,6 +185,42 @@ async def test_a_publisher_that_stops_for_good_while_its_engine_serves_is_a_stop
         await stop(sims)
 
 
+async def test_an_overload_that_times_out_in_the_queue_is_shedding_not_errors(tmp_path: Path) -> None:
+    """Two slowed engines, ``limits.max_inflight`` 2 and a queue of 100 that times out after 0.2 s:
+    each step's burst of 16 chats is mostly refused with 503 from the queue. Before 2026-12-01 those
+    503s made ``KvlbHighErrorRate`` page (from the 6th step of the SRE walk, before
+    ``KvlbShedding``'s ticket); it is now ``KvlbShedding`` alone."""
+    sims, sims_list = await emulate(tmp_path, "sglang", 2)
+    limits = {"max_inflight": 2, "max_queued": 100, "queue_timeout_s": 0.2}
+    config = write_config(tmp_path, sims_list, health_interval_s=0.2, limits=limits)
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, config, "--workers", "1")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+
+            async def chat(step: int, i: int) -> int:
+                text = f"Burst {step}, chat {i}: " + "how long is the queue? " * 8
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+                async with session.post(walk.url + "/v1/chat/completions", json=body) as response:
+                    await response.read()
+                    return response.status
+
+            seen: set[int] = set()
+            for step in range(12):
+                seen |= set(await asyncio.gather(*(chat(step, i) for i in range(16))))
+                await walk.step(requests=0)
+                assert "KvlbHighErrorRate" not in walk.alerts(), step
+            assert 503 in seen and 200 in seen, seen
+            assert walk.alerts() == {"KvlbShedding": [{"severity": "warning"}]}
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
+
+
 async def test_a_replica_whose_probes_fail_opens_its_breaker_for_long(tmp_path: Path) -> None:
     sims, sims_list = await emulate(tmp_path, "sglang", 2)
     config = write_config(tmp_path, sims_list, health_interval_s=0.2)
