@@ -390,6 +390,11 @@ class PoolRouter:
             raise Overloaded(message, FULL_RETRY_AFTER_S)
         return eligible
 
+    def why_unroutable(self, now: float) -> str:
+        """Why the pool's replicas are not routable, as counts: `` (2 failing health probes, 1
+        serves another model)`` (``""`` without a health book); for ``/readyz``'s ``degraded``."""
+        return self._why_none(now, ())
+
     def _why_none(self, now: float, exclude: Collection[ReplicaId]) -> str:
         """Why no replica is routable, as counts (bounded at any pool size, and no replica id reaches
         the client): `` (2 draining, 1 failing health probes)``; ``""`` without a health book."""

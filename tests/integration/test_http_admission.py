@@ -233,7 +233,7 @@ async def test_a_pool_that_goes_down_after_start_is_degraded_not_unready(tokeniz
             assert response.status == 200
             assert await response.json() == {
                 "ready": True,
-                "degraded": [f"pool '{MODEL}' has no healthy replica"],
+                "degraded": [f"pool '{MODEL}' has no healthy replica (2 failing health probes)"],
             }
 
 
@@ -255,11 +255,13 @@ async def test_at_start_a_pool_with_no_healthy_replica_waits_at_most_health_read
         async with aiohttp.ClientSession() as session:
             async with session.get(balancer.url + "/readyz") as response:
                 assert response.status == 503
-                assert f"pool '{MODEL}' has no healthy replica" in (await response.json())["reasons"]
+                reasons = (await response.json())["reasons"]
+                assert f"pool '{MODEL}' has no healthy replica (1 failing health probes)" in reasons
             started = time.monotonic()
             await wait_ready(session, balancer.url)
             assert 0.5 < time.monotonic() - started < 3.0
             async with session.get(balancer.url + "/readyz") as response:
-                assert (await response.json())["degraded"] == [f"pool '{MODEL}' has no healthy replica"]
+                degraded = (await response.json())["degraded"]
+                assert degraded == [f"pool '{MODEL}' has no healthy replica (1 failing health probes)"]
     finally:
         await balancer.stop()
