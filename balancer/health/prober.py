@@ -39,6 +39,8 @@ MODELS_PATH = "/v1/models"
 MAX_MODELS_BYTES = 256 * 1024
 """The largest ``/v1/models`` answer read for the served-model check (bytes); a longer one is not
 checked."""
+MAX_NAME_CHARS = 128
+"""Characters of each served model name kept in the mismatch's text (at most 8 names are named)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +155,9 @@ class HealthProber:
         was = self._mismatched()
         mismatch = None
         if served and model not in served:
+            named = [name[:MAX_NAME_CHARS] for name in served[:8]]
             mismatch = (
-                f"the engine serves {list(served[:8])} (GET {MODELS_PATH}), not the pool's model "
+                f"the engine serves {named} (GET {MODELS_PATH}), not the pool's model "
                 f"{model!r}: it answers every request for {model!r} 404; set the pool's model, or "
                 "the engine's --served-model-name"
             )
