@@ -9,8 +9,9 @@ logged once, not every period.
 When it is given the pool's model (an engine whose spec ``checks_model_name``: vLLM, which answers
 every request for another name 404; SGLang and TRT-LLM serve any name), a good probe of a replica
 that was not healthy reads ``GET <url>/v1/models`` (bounded in time and bytes) *before* the replica
-counts as live, and so does every good probe while the engine lists other models: a list that does
-not name the pool's model takes the replica out of routing
+counts as live, and so does every good probe while the engine lists other models, and one every
+``models_recheck_s`` (30 s) while it serves the pool's model (an engine renamed without failing a
+probe): a list that does not name the pool's model takes the replica out of routing
 (:meth:`~balancer.health.book.HealthBook.set_model_mismatch`, a warning once), and it comes back at
 the first probe whose list names it. An engine without the endpoint, or a list that does not parse,
 is not judged (routable as before); a read that fails (timeout, refused) keeps the last verdict.
@@ -54,9 +55,13 @@ class ProbeSettings:
     """Whole-probe timeout (seconds), > 0; at the limit the probe counts as failed."""
     path: str = "/health"
     """Probed path; SGLang, vLLM and trtllm-serve all answer 200 on ``/health`` when up."""
+    models_recheck_s: float = 30.0
+    """Seconds (> 0) after which a good probe of a replica serving its pool's model reads the
+    engine's ``/v1/models`` again: an engine renamed without failing a probe leaves routing within
+    about this long (one small GET per period per replica whose engine checks names)."""
 
     def validate(self) -> None:
-        for name in ("interval_s", "timeout_s"):
+        for name in ("interval_s", "timeout_s", "models_recheck_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"probe.{name} must be a finite number > 0, got {value}")
@@ -77,8 +82,8 @@ class HealthProber:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
-        replica turns healthy and at every probe while the engine lists other models (``None``: not
-        checked)."""
+        replica turns healthy, at every probe while the engine lists other models, and every
+        ``settings.models_recheck_s`` (``None``: not checked)."""
         self.replica = replica
         self.model = model
         self._models_url = base_url.rstrip("/") + MODELS_PATH
@@ -91,6 +96,8 @@ class HealthProber:
         self._health = health
         self._monotonic = monotonic
         self._last_ok: bool | None = None
+        self._models_read_at: float | None = None
+        """When the engine's model list was last asked for (monotonic seconds; ``None``: never)."""
 
     async def run(self) -> None:
         """Probe at once, then every ``interval_s``; never raises but for cancellation."""
@@ -103,7 +110,11 @@ class HealthProber:
     async def probe_once(self) -> bool:
         error, timed_out = await self._probe()
         ok = error is None
-        if ok and self.model is not None and (ok != self._last_ok or self._mismatched()):
+        if (
+            ok
+            and self.model is not None
+            and (ok != self._last_ok or self._mismatched() or self._recheck_due())
+        ):
             await self._check_models(self.model)  # before the replica counts as live
         self._health.on_probe(self.replica, ok, self._monotonic(), error, timed_out=timed_out)
         if ok != self._last_ok:
@@ -120,6 +131,11 @@ class HealthProber:
                 )
         self._last_ok = ok
         return ok
+
+    def _recheck_due(self) -> bool:
+        return self._models_read_at is None or (
+            self._monotonic() - self._models_read_at >= self.settings.models_recheck_s
+        )
 
     def _mismatched(self) -> bool:
         record = self._health.replicas.get(self.replica)
@@ -142,6 +158,7 @@ class HealthProber:
         """Read the engine's model list; take the replica out of routing while it does not name
         ``model``, back in once it does (each said once)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        self._models_read_at = self._monotonic()
         try:
             async with self._session.get(self._models_url, timeout=timeout) as response:
                 if response.status != 200:

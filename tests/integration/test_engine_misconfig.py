@@ -52,6 +52,8 @@ from balancer.cli.command import replicas_table
 from balancer.engines.sglang import SglangDecoder
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Stored
+from balancer.health.book import HealthBook
+from balancer.health.prober import HealthProber, ProbeSettings
 from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
@@ -508,6 +510,46 @@ async def test_an_engine_serving_another_model_name_than_its_pool_leaves_routing
             await balancer.stop()
         for replica in reversed(replicas):
             await replica.stop()
+        zctx.destroy(linger=0)
+
+
+async def test_an_engine_renamed_without_failing_a_probe_leaves_routing_at_the_next_recheck() -> None:
+    """The engine's list is read again every ``models_recheck_s`` while it serves the pool's model:
+    renamed between two probes (no failed probe, no turn to healthy), it leaves routing at the first
+    good probe past that period, and comes back at the first one after it serves the name again."""
+    zctx = zmq.asyncio.Context()
+    config = ReplicaConfig(name="vllm", engine="vllm", profile=get_profile("cpu-test"), page_size=16)
+    clock = [100.0]
+    try:
+        async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
+            book = HealthBook()
+            book.add(REPLICA)
+            prober = HealthProber(
+                REPLICA,
+                replica.url,
+                session=session,
+                health=book,
+                settings=ProbeSettings(models_recheck_s=30.0),
+                model=MODEL,
+                monotonic=lambda: clock[0],
+            )
+            assert await prober.probe_once() and book.routable(clock[0]) == [REPLICA]
+
+            async def rename(name: str | None) -> None:
+                async with session.post(replica.url + "/admin/faults", json={"served_model": name}) as r:
+                    assert r.status == 200
+
+            await rename("llama-3")
+            clock[0] += 20.0  # not due yet: still routable (its requests would get 404)
+            assert await prober.probe_once() and book.routable(clock[0]) == [REPLICA]
+            clock[0] += 15.0  # 35 s since the last read
+            assert await prober.probe_once()
+            assert book.routable(clock[0]) == []
+            assert book.unroutable_reason(REPLICA, clock[0]) == "serves another model"
+            await rename(None)
+            clock[0] += 2.0  # read at every probe while it serves another model
+            assert await prober.probe_once() and book.routable(clock[0]) == [REPLICA]
+    finally:
         zctx.destroy(linger=0)
 
 
