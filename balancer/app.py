@@ -107,7 +107,9 @@ class Balancer:
         ``discovery`` replaces the one ``settings.discovery`` describes."""
         self.settings = settings
         self.options = options or ServeOptions()
-        self.metrics = Metrics.create(registry)
+        self.metrics = Metrics.create(
+            registry, ttft_slo_s=settings.slo.ttft_s, ttft_target_ratio=settings.slo.ttft_target_ratio
+        )
         if self.options.worker is not None:  # the supervisor's count of this worker's restarts
             self.metrics.process_restarts_total.inc(self.options.worker.restarts)
         self._given_tokenizers = dict(tokenizers or {})

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Final, TypeVar, get_args
+from typing import Any, Final, TypeVar, cast, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.utils import floatToGoString
 
 from balancer.counter_collectors import (
     KeyMemoCollector,
@@ -134,10 +136,30 @@ def _constructors(reg: CollectorRegistry) -> tuple[partial[Counter], partial[Gau
     return partial(Counter, registry=reg), partial(Gauge, registry=reg), partial(Histogram, registry=reg)
 
 
+DEFAULT_TTFT_SLO_S: Final = 2.5
+"""``slo.ttft_s``'s default (seconds): a bound of :data:`_LATENCY_BUCKETS_S`."""
+DEFAULT_TTFT_TARGET_RATIO: Final = 0.9
+"""``slo.ttft_target_ratio``'s default."""
+
+
+def bucket_label(bound_s: float) -> str:
+    """The ``le`` label prometheus_client writes for the bucket bound ``bound_s`` (``2.5``, ``1.0``)."""
+    to_go: Callable[[float], str] = cast(Callable[[float], str], floatToGoString)
+    return to_go(float(bound_s))
+
+
+def ttft_buckets(ttft_slo_s: float) -> tuple[float, ...]:
+    """The bucket bounds of ``kvlb_http_ttft_seconds``: the latency buckets and the SLO's bound (so
+    that ``KvlbTtftSloMissed`` reads the share over it from one bucket)."""
+    return tuple(sorted({*_LATENCY_BUCKETS_S, float(ttft_slo_s)}))
+
+
 @dataclass(frozen=True)
 class _HttpCollectors:
     requests_total: Counter
     ttft_seconds: Histogram
+    slo_ttft_seconds: Gauge
+    slo_ttft_target_ratio: Gauge
     e2e_seconds: Histogram
     inflight_requests: Gauge
     body_timeouts_total: Counter
@@ -145,8 +167,9 @@ class _HttpCollectors:
     client_write_stalls_total: Counter
 
 
-def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
-    """``kvlb_http_*``: requests answered (HTTP and gRPC endpoints) and their latencies."""
+def _http_collectors(reg: CollectorRegistry, ttft_slo_s: float) -> _HttpCollectors:
+    """``kvlb_http_*``: requests answered (HTTP and gRPC endpoints) and their latencies; and
+    ``kvlb_slo_*``, the time to first token they are held to (``slo``)."""
     counter, gauge, histogram = _constructors(reg)
     return _HttpCollectors(
         requests_total=counter(
@@ -156,9 +179,21 @@ def _http_collectors(reg: CollectorRegistry) -> _HttpCollectors:
         ),
         ttft_seconds=histogram(
             "kvlb_http_ttft_seconds",
-            "Time from request arrival to the first upstream byte.",
-            ["replica", "policy"],
-            buckets=_LATENCY_BUCKETS_S,
+            "Time from request arrival to the first upstream byte, by pool (its model), replica and "
+            "policy; slo.ttft_s is one of the bucket bounds.",
+            ["pool", "replica", "policy"],
+            buckets=ttft_buckets(ttft_slo_s),
+        ),
+        slo_ttft_seconds=gauge(
+            "kvlb_slo_ttft_seconds",
+            "The time to first token a request should get (slo.ttft_s), in seconds; its le label is "
+            "the kvlb_http_ttft_seconds bucket bound of the same value, which KvlbTtftSloMissed reads.",
+            ["le"],
+        ),
+        slo_ttft_target_ratio=gauge(
+            "kvlb_slo_ttft_target_ratio",
+            "Share of requests whose first token should come within kvlb_slo_ttft_seconds "
+            "(slo.ttft_target_ratio).",
         ),
         e2e_seconds=histogram(
             "kvlb_http_e2e_seconds",
@@ -307,6 +342,7 @@ class _RouteCollectors:
     route_decisions_total: Counter
     predicted_cached_tokens_total: Counter
     reported_cached_tokens_total: Counter
+    computed_prompt_blocks_total: Counter
     prediction_error_blocks: Histogram
     receipts_total: Counter
     receipts_exact_total: Counter
@@ -351,6 +387,14 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
             "replica (signed: < 0 the index promised blocks the engine lacked, > 0 it missed some).",
             ["replica"],
             buckets=_ERROR_BUCKETS_BLOCKS,
+        ),
+        computed_prompt_blocks_total=counter(
+            "kvlb_route_computed_prompt_blocks_total",
+            "Full prompt blocks the replica computed rather than found cached, by replica: per receipt, "
+            "the request's blocks (in the replica's alignment) minus the cached ones it reported. An "
+            "engine with prefix caching stores them and publishes them as KV events "
+            "(KvlbReplicaEventsStopped).",
+            ["replica"],
         ),
         receipts_total=counter(
             "kvlb_route_receipts_total",
@@ -552,6 +596,7 @@ class _ReplicaCollectors:
     replica_load: Gauge
     replica_healthy: Gauge
     replica_breaker_open: Gauge
+    replica_model_mismatch: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     replica_pending_drains_dropped_total: Counter
@@ -600,6 +645,13 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "1 while the replica's circuit breaker is not closed: open (refusing requests after "
             "breaker failures in a row, or failing probes) or half-open (waiting for a trial request to "
             "succeed); 0 once closed.",
+            ["replica"],
+        ),
+        replica_model_mismatch=gauge(
+            "kvlb_replica_model_mismatch",
+            "1 while the replica's engine lists other models than its pool's on GET /v1/models and "
+            "refuses other names (vLLM): the replica is out of routing until it serves the pool's "
+            "model; 0 otherwise (also when the list is not read: SGLang, TRT-LLM).",
             ["replica"],
         ),
         pool_routable_replicas=gauge(
@@ -871,6 +923,7 @@ class Metrics(
             self.scrape_errors_total,
             self.predicted_cached_tokens_total,
             self.reported_cached_tokens_total,
+            self.computed_prompt_blocks_total,
         ):
             counter.labels(replica)
         for reason in RESYNC_REASONS:
@@ -919,8 +972,15 @@ class Metrics(
         self.redis_up.set(1 if up else 0)
 
     @classmethod
-    def create(cls, registry: CollectorRegistry | None = None) -> Metrics:
-        """Every collector, registered on ``registry`` (a fresh one when ``None``), built per subsystem."""
+    def create(
+        cls,
+        registry: CollectorRegistry | None = None,
+        *,
+        ttft_slo_s: float = DEFAULT_TTFT_SLO_S,
+        ttft_target_ratio: float = DEFAULT_TTFT_TARGET_RATIO,
+    ) -> Metrics:
+        """Every collector, registered on ``registry`` (a fresh one when ``None``), built per
+        subsystem; ``ttft_slo_s`` and ``ttft_target_ratio``: the ``slo`` settings, exported."""
         reg = registry if registry is not None else CollectorRegistry()
         # kvlb_process_{cpu_seconds_total,resident_memory_bytes,open_fds,...}: capacity and leaks.
         ProcessCollector(namespace="kvlb", registry=reg)
@@ -932,13 +992,13 @@ class Metrics(
         reg.register(token_id_memo)
         key_memos = KeyMemoCollector()
         reg.register(key_memos)
-        return cls(
+        metrics = cls(
             registry=reg,
             index_tables=tables,
             upstream_connections=connections,
             token_id_memo=token_id_memo,
             key_memos=key_memos,
-            **_fields(_http_collectors(reg)),
+            **_fields(_http_collectors(reg, ttft_slo_s)),
             **_fields(_admission_collectors(reg)),
             **_fields(_upstream_collectors(reg)),
             **_fields(_route_collectors(reg)),
@@ -949,3 +1009,6 @@ class Metrics(
             **_fields(_redis_collectors(reg)),
             **_fields(_console_collectors(reg)),
         )
+        metrics.slo_ttft_seconds.labels(bucket_label(ttft_slo_s)).set(ttft_slo_s)
+        metrics.slo_ttft_target_ratio.set(ttft_target_ratio)
+        return metrics

@@ -257,6 +257,9 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
         for replica_id, config in pool.replicas.items():
             view = _replica_view(state, pool, config, now, wall)
             view["routable"] = replica_id in routable
+            view["unroutable"] = (
+                None if replica_id in routable else state.health.unroutable_reason(replica_id, now)
+            )
             view["load"] = dataclasses.asdict(snapshot.of(replica_id))
             view["index"] = {"blocks": blocks.get(replica_id, 0)}
             view["prediction"] = prediction_view(pool, replica_id)
@@ -343,6 +346,7 @@ def _replica_view(
             "breaker": record.state(now, state.health.config),
             "consecutive_failures": record.consecutive_failures,
             "last_error": record.last_error,
+            "model_mismatch": record.model_mismatch,
             "last_probe_age_s": None
             if record.last_probe_at is None
             else round(now - record.last_probe_at, 3),

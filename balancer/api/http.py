@@ -92,6 +92,9 @@ def refresh_gauges(state: ServiceState) -> None:
             metrics.replica_healthy.labels(replica).set(1 if replica in routable else 0)
             breaker = state.health.breaker_state(replica, now)
             metrics.replica_breaker_open.labels(replica).set(0 if breaker in (None, "closed") else 1)
+            record = state.health.replicas.get(replica)
+            mismatch = record is not None and record.model_mismatch is not None
+            metrics.replica_model_mismatch.labels(replica).set(1 if mismatch else 0)
     metrics.index_blocks.labels("unique").set(unique)
     metrics.index_blocks.labels("held").set(held)
     metrics.index_blocks.labels("speculative").set(speculative)

@@ -3,7 +3,9 @@
 * ``x-request-id``: the client's (if printable and ≤ 128 characters) or a new one; echoed on every
   answer and forwarded to the replica.
 * Auth: ``/v1/*`` needs ``Authorization: Bearer <key>`` with a key from ``auth.api_keys`` (when any
-  is set); ``/admin/*`` needs ``auth.admin_token`` (when set). Failures are 401 with a JSON message.
+  is set); ``/admin/*`` needs ``auth.admin_token`` (when set). A missing or unknown token is a 401
+  with ``WWW-Authenticate: Bearer``; a valid client key on ``/admin`` a 403 (authenticated, not
+  allowed), as gRPC's PERMISSION_DENIED. Both with a JSON message.
   An admin write (not GET/HEAD/OPTIONS) whose ``Origin`` header names another origin is a 403
   (:func:`check_origin`): the console's writes are CSRF-safe.
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
@@ -84,14 +86,18 @@ def check_auth(request: web.Request, auth: AuthConfig) -> None:
             401, "a valid API key is required: Authorization: Bearer <key>", headers=UNAUTHENTICATED
         )
     admin_token = auth.admin_token
-    if (
-        path.startswith("/admin")
-        and admin_token is not None
-        and not token_matches(_bearer(request), (admin_token,))
-    ):
+    if not path.startswith("/admin") or admin_token is None:
+        return
+    token = _bearer(request)
+    if token_matches(token, (admin_token,)):
+        return
+    if token_matches(token, auth.api_keys):
         raise ApiError(
-            401, "the admin token is required: Authorization: Bearer <token>", headers=UNAUTHENTICATED
+            403,
+            "this API key may call /v1 only: /admin needs the admin token (Authorization: Bearer "
+            "<admin token>)",
         )
+    raise ApiError(401, "the admin token is required: Authorization: Bearer <token>", headers=UNAUTHENTICATED)
 
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -23,8 +23,9 @@ def _errors(*codes: int) -> dict[str, Any]:
         400: "Malformed body or headers, or a query parameter the endpoint does not take or given twice"
         " (the message names it)",
         401: "Missing or wrong bearer token",
-        403: "x-kvlb-weights sent while auth.allow_weight_override is off (/v1/*), or an admin write"
-        " whose Origin names another origin than the server's Host",
+        403: "x-kvlb-weights sent while auth.allow_weight_override is off (/v1/*); on /admin/*, a client"
+        " API key (authenticated, not the admin token), or a write whose Origin names another origin"
+        " than the server's Host",
         404: "Unknown model (the message lists the known ones), replica, pool or decision",
         408: "Body not received within timeouts.body_read_s, or behind timeouts.body_min_rate_bytes_per_s",
         413: "Body over limits.max_body_bytes (with Expect: 100-continue, instead of the 100)",
@@ -160,7 +161,7 @@ def openapi_document() -> dict[str, Any]:
                 "description": "KV-cache-aware LLM load balancer",
             },
             "components": _COMPONENTS,
-            "paths": {**_public_paths(), **_admin_paths()},
+            "paths": {**_public_paths(), **_with_admin_403(_admin_paths())},
         }
     )
 
@@ -263,6 +264,14 @@ def _public_paths() -> dict[str, Any]:
             }
         },
     }
+
+
+def _with_admin_403(paths: dict[str, Any]) -> dict[str, Any]:
+    """Every admin operation may answer 403: a client API key is authenticated but not allowed there."""
+    for operations in paths.values():
+        for operation in operations.values():
+            operation["responses"].setdefault("403", _errors(403)["403"])
+    return paths
 
 
 def _admin_paths() -> dict[str, Any]:

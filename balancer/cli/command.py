@@ -519,7 +519,8 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
     """``/admin/replicas`` as one line per replica: whether it takes traffic (and why not), the
     prediction accuracy over its last receipts (exact share, share within one block), its event lag,
     the age of its last resync and the state of its event streams (:func:`events_cell`); then one
-    line per event source with a problem (:func:`event_problems`)."""
+    line per drained replica, per replica whose engine serves another model (with the fix) and per
+    event source with a problem (:func:`event_problems`)."""
 
     def cell(value: Any) -> str:
         if value is None:
@@ -554,7 +555,12 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(REPLICAS_COLUMNS))]
     table = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
     drained = [_drained_line(view) for view in views if (view.get("health") or {}).get("drain")]
-    return "\n".join(table + drained + event_problems(views))
+    wrong_model = [
+        f"{view.get('id')}: {view['health']['model_mismatch']}"
+        for view in views
+        if (view.get("health") or {}).get("model_mismatch")
+    ]
+    return "\n".join(table + drained + wrong_model + event_problems(views))
 
 
 def _drained_line(view: dict[str, Any]) -> str:
@@ -607,7 +613,8 @@ def event_problems(views: list[dict[str, Any]]) -> list[str]:
 
 def routable_cell(view: dict[str, Any]) -> str:
     """``yes``, or ``no`` with why when the view's health says: ``no:draining``,
-    ``no:probe-failing``, ``no:breaker-open``, ``no:breaker-trial`` (one word, for ``awk``)."""
+    ``no:probe-failing``, ``no:wrong-model``, ``no:breaker-open``, ``no:breaker-trial`` (one word,
+    for ``awk``)."""
     if view.get("routable"):
         return "yes"
     health = view.get("health") or {}
@@ -615,6 +622,8 @@ def routable_cell(view: dict[str, Any]) -> str:
         return "no:draining"
     if health.get("probe_ok") is False:
         return "no:probe-failing"
+    if health.get("model_mismatch"):
+        return "no:wrong-model"
     breaker = health.get("breaker")
     if breaker == "open":
         return "no:breaker-open"

@@ -547,6 +547,31 @@ class ConsoleConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class SloConfig:
+    """The service level kvlb's time to first token is held to: exported as gauges
+    (``kvlb_slo_ttft_seconds``, ``kvlb_slo_ttft_target_ratio``) that ``KvlbTtftSloMissed`` compares
+    ``kvlb_http_ttft_seconds`` with, so the rule needs no edit when the SLO changes. Give every
+    balancer of a fleet the same values (the rule sums the buckets of every ``le`` exported)."""
+
+    ttft_s: float = 2.5
+    """Time to first token a request should get, in seconds (0.001..3600), measured by kvlb from the
+    request's arrival to the replica's first byte. It is a bucket bound of
+    ``kvlb_http_ttft_seconds`` (added when it is not one: at most one more bucket per series) and
+    the ``le`` label of ``kvlb_slo_ttft_seconds``."""
+    ttft_target_ratio: float = 0.9
+    """Share of requests whose first token should come within :attr:`ttft_s`, in (0, 1);
+    ``KvlbTtftSloMissed`` pages when more than ``1 - ttft_target_ratio`` of them took longer over
+    10 minutes (50 requests or more)."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field."""
+        if not 0.001 <= self.ttft_s <= 3600:
+            raise ConfigError(f"slo.ttft_s must be in [0.001, 3600], got {self.ttft_s}")
+        if not 0 < self.ttft_target_ratio < 1:
+            raise ConfigError(f"slo.ttft_target_ratio must be in (0, 1), got {self.ttft_target_ratio}")
+
+
+@dataclass(frozen=True, slots=True)
 class UpstreamConfig:
     """kvlb's HTTP/1.1 connections to replicas (``balancer/upstream/``)."""
 
@@ -616,6 +641,7 @@ class Settings:
     redis: RedisConfig = field(default_factory=RedisConfig)
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
+    slo: SloConfig = field(default_factory=SloConfig)
     tenant_header: str = "x-kvlb-tenant"
     """Request header naming the request's tenant (HTTP header; gRPC metadata key of the same name,
     lower-case); case-insensitive; values longer than 128 characters are cut; no header: the
@@ -801,4 +827,5 @@ class Settings:
         self.redis.validate()
         self.discovery.validate()
         self.console.validate()
+        self.slo.validate()
         return self

@@ -70,8 +70,11 @@ class EngineSpec:
     the index applies as it would the runs' events, at a fraction of the cost. ``None``: ``decoder``."""
     checks_model_name: bool = False
     """Whether the engine refuses a request naming another model than it serves (vLLM: 404), so
-    that a pool's model missing from its ``GET /v1/models`` is worth a warning
-    (:class:`balancer.health.prober.HealthProber`); SGLang serves any name."""
+    that a pool's model missing from its ``GET /v1/models`` takes the replica out of routing until
+    the engine lists it (:class:`balancer.health.prober.HealthProber`). SGLang and trtllm-serve
+    answer any name (their chat and completion handlers do not read the request's ``model``), and
+    list their model under a name the pool need not use (SGLang: the model path unless
+    ``--served-model-name``): a mismatch there says nothing."""
     block_hashes: BlockHashes | None = None
     """The engine's own hashes of the full blocks of a plain token sequence (no LoRA, no salt, text
     only), when kvlb can reproduce them; the router uses them only for a replica whose events agreed

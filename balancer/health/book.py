@@ -1,13 +1,14 @@
 """Replica health: a circuit breaker per replica and the routable set (pure; callers pass ``now``).
 
-A replica is routable when its breaker is closed (or half-open for one trial), its health probes
-say it is live, and it is not draining. A probe answered with anything but 200, or refused, takes it
-out at once; probes that *timed out* take it out only after ``probe_timeouts_to_drop`` of them in a
-row: a timeout is ambiguous (a hung engine, or a stalled host or balancer, which times out every
-replica's probe at once). A good probe puts it back. Request failures before the first byte and
-failed probes, timeouts included, all count against the breaker; ``failure_threshold`` consecutive
-failures open it for ``open_s`` seconds, after which one trial request is let through (half-open):
-success closes it, failure re-opens it.
+A replica is routable when its breaker is closed (or half-open for one trial), its health probes say
+it is live, its engine serves its pool's model (when the engine's list was read and it refuses other
+names: :attr:`ReplicaHealth.model_mismatch`), and it is not draining. A probe answered with anything
+but 200, or refused, takes it out at once; probes that *timed out* take it out only after
+``probe_timeouts_to_drop`` of them in a row: a timeout is ambiguous (a hung engine, or a stalled
+host or balancer, which times out every replica's probe at once). A good probe puts it back. Request
+failures before the first byte and failed probes, timeouts included, all count against the breaker;
+``failure_threshold`` consecutive failures open it for ``open_s`` seconds, after which one trial
+request is let through (half-open): success closes it, failure re-opens it.
 
 With ``kvlb serve --workers N`` each worker discovers replicas on its own, so a drain replayed by a
 sibling can name a replica this worker has not discovered yet: it is kept (:meth:`HealthBook.keep_drain`,
@@ -98,6 +99,10 @@ class ReplicaHealth:
     trial_in_flight: bool = False
     last_probe_at: float | None = None
     last_error: str | None = None
+    model_mismatch: str | None = None
+    """Why the engine answers every request for the pool's model 404 (it lists other models), as
+    the prober last read it; ``None``: it serves the pool's model, or that is not known. Such a
+    replica is out of routing until the engine serves the pool's model."""
 
     def state(self, now: float, config: BreakerConfig) -> BreakerState:
         if self.opened_at is None:
@@ -147,7 +152,7 @@ class HealthBook:
         out = []
         for name in names:
             rec = self.replicas.get(name)
-            if rec is None or rec.draining or not rec.probe_ok:
+            if rec is None or rec.draining or not rec.probe_ok or rec.model_mismatch is not None:
                 continue
             state = rec.state(now, self.config)
             if state == "open" or (state == "half_open" and rec.trial_in_flight):
@@ -160,7 +165,7 @@ class HealthBook:
         be routable undrained)."""
         for name in among:
             rec = self.replicas.get(name)
-            if rec is not None and rec.draining and rec.probe_ok:
+            if rec is not None and rec.draining and rec.probe_ok and rec.model_mismatch is None:
                 state = rec.state(now, self.config)
                 if state == "closed" or (state == "half_open" and not rec.trial_in_flight):
                     return True
@@ -168,7 +173,8 @@ class HealthBook:
 
     def unroutable_reason(self, replica: ReplicaId, now: float) -> str | None:
         """Why :meth:`routable` leaves ``replica`` out now (``None``: it does not): ``unknown``,
-        ``draining``, ``failing health probes``, ``breaker open`` or ``breaker trial in flight``."""
+        ``draining``, ``failing health probes``, ``serves another model``, ``breaker open`` or
+        ``breaker trial in flight``."""
         rec = self.replicas.get(replica)
         if rec is None:
             return "unknown"
@@ -176,6 +182,8 @@ class HealthBook:
             return "draining"
         if not rec.probe_ok:
             return PROBES_FAILING
+        if rec.model_mismatch is not None:
+            return "serves another model"
         state = rec.state(now, self.config)
         if state == "open":
             return "breaker open"
@@ -238,6 +246,16 @@ class HealthBook:
         if not timed_out or rec.probe_timeouts >= self.config.probe_timeouts_to_drop:
             rec.probe_ok = False
         self.on_failure(replica, now, error or "health probe failed")
+
+    def set_model_mismatch(self, replica: ReplicaId, mismatch: str | None) -> bool:
+        """Record what the replica's engine serves instead of its pool's model (``None``: it serves
+        that model, or it is not known): the replica leaves routing while it is set. Returns whether
+        that changed."""
+        rec = self.replicas.get(replica)
+        if rec is None or rec.model_mismatch == mismatch:
+            return False
+        rec.model_mismatch = mismatch
+        return True
 
     def set_draining(self, replica: ReplicaId, draining: bool, note: DrainNote | None = None) -> bool:
         """Drain (with who, when and why: ``note``) or undrain ``replica``; ``False`` when unknown."""

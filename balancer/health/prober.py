@@ -6,11 +6,15 @@ timeout, refused connection) counts against its circuit breaker and takes the re
 routing, a timeout only from the book's ``probe_timeouts_to_drop``-th in a row. Transitions are
 logged once, not every period.
 
-When a replica turns healthy and it is given the pool's model (an engine whose spec
-``checks_model_name``: vLLM; SGLang serves any name), ``GET <url>/v1/models`` is read once (bounded
-in time and bytes): a model list that does not name the pool's model is a warning, since such an
-engine answers every routed request 404 while its probes pass. Nothing else follows from it, and a
-list kvlb cannot read says nothing.
+When it is given the pool's model (an engine whose spec ``checks_model_name``: vLLM, which answers
+every request for another name 404; SGLang and TRT-LLM serve any name), a good probe of a replica
+that was not healthy reads ``GET <url>/v1/models`` (bounded in time and bytes) *before* the replica
+counts as live, and so does every good probe while the engine lists other models, and one every
+``models_recheck_s`` (30 s) while it serves the pool's model (an engine renamed without failing a
+probe): a list that does not name the pool's model takes the replica out of routing
+(:meth:`~balancer.health.book.HealthBook.set_model_mismatch`, a warning once), and it comes back at
+the first probe whose list names it. An engine without the endpoint, or a list that does not parse,
+is not judged (routable as before); a read that fails (timeout, refused) keeps the last verdict.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ MODELS_PATH = "/v1/models"
 MAX_MODELS_BYTES = 256 * 1024
 """The largest ``/v1/models`` answer read for the served-model check (bytes); a longer one is not
 checked."""
+MAX_NAME_CHARS = 128
+"""Characters of each served model name kept in the mismatch's text (at most 8 names are named)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +55,13 @@ class ProbeSettings:
     """Whole-probe timeout (seconds), > 0; at the limit the probe counts as failed."""
     path: str = "/health"
     """Probed path; SGLang, vLLM and trtllm-serve all answer 200 on ``/health`` when up."""
+    models_recheck_s: float = 30.0
+    """Seconds (> 0) after which a good probe of a replica serving its pool's model reads the
+    engine's ``/v1/models`` again: an engine renamed without failing a probe leaves routing within
+    about this long (one small GET per period per replica whose engine checks names)."""
 
     def validate(self) -> None:
-        for name in ("interval_s", "timeout_s"):
+        for name in ("interval_s", "timeout_s", "models_recheck_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"probe.{name} must be a finite number > 0, got {value}")
@@ -72,7 +82,8 @@ class HealthProber:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
-        replica turns healthy (``None``: not checked)."""
+        replica turns healthy, at every probe while the engine lists other models, and every
+        ``settings.models_recheck_s`` (``None``: not checked)."""
         self.replica = replica
         self.model = model
         self._models_url = base_url.rstrip("/") + MODELS_PATH
@@ -85,6 +96,8 @@ class HealthProber:
         self._health = health
         self._monotonic = monotonic
         self._last_ok: bool | None = None
+        self._models_read_at: float | None = None
+        """When the engine's model list was last asked for (monotonic seconds; ``None``: never)."""
 
     async def run(self) -> None:
         """Probe at once, then every ``interval_s``; never raises but for cancellation."""
@@ -97,12 +110,16 @@ class HealthProber:
     async def probe_once(self) -> bool:
         error, timed_out = await self._probe()
         ok = error is None
+        if (
+            ok
+            and self.model is not None
+            and (ok != self._last_ok or self._mismatched() or self._recheck_due())
+        ):
+            await self._check_models(self.model)  # before the replica counts as live
         self._health.on_probe(self.replica, ok, self._monotonic(), error, timed_out=timed_out)
         if ok != self._last_ok:
             if ok:
                 log.info("replica %s is healthy", self.replica)
-                if self.model is not None:
-                    await self._check_models(self.model)
             else:
                 record = self._health.replicas.get(self.replica)
                 kept = record is not None and record.probe_ok
@@ -114,6 +131,15 @@ class HealthProber:
                 )
         self._last_ok = ok
         return ok
+
+    def _recheck_due(self) -> bool:
+        return self._models_read_at is None or (
+            self._monotonic() - self._models_read_at >= self.settings.models_recheck_s
+        )
+
+    def _mismatched(self) -> bool:
+        record = self._health.replicas.get(self.replica)
+        return record is not None and record.model_mismatch is not None
 
     async def _probe(self) -> tuple[str | None, bool]:
         """``(None, False)`` when healthy, else why not and whether the probe timed out."""
@@ -129,25 +155,40 @@ class HealthProber:
             return f"{self.settings.path}: {type(exc).__name__}", False
 
     async def _check_models(self, model: str) -> None:
-        """Read the engine's model list once; warn when it does not name ``model``."""
+        """Read the engine's model list; take the replica out of routing while it does not name
+        ``model``, back in once it does (each said once)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
+        self._models_read_at = self._monotonic()
         try:
             async with self._session.get(self._models_url, timeout=timeout) as response:
                 if response.status != 200:
-                    return  # an engine without the endpoint says nothing about its names
-                body = await read_capped(response, MAX_MODELS_BYTES)
-            listed = strict_json.loads(body)["data"]
-            served = tuple(str(entry["id"]) for entry in listed)
-        except (TimeoutError, aiohttp.ClientError, OSError, BodyTooLarge, ValueError, KeyError, TypeError):
-            return
+                    served = None  # an engine without the endpoint says nothing about its names
+                else:
+                    body = await read_capped(response, MAX_MODELS_BYTES)
+                    served = _listed_ids(body)
+        except (TimeoutError, aiohttp.ClientError, OSError, BodyTooLarge):
+            return  # not read this time: the last verdict stands
         self.served_models = served
+        was = self._mismatched()
+        mismatch = None
         if served and model not in served:
-            log.warning(
-                "replica %s serves %s (GET %s), its pool's model is %r: the engine answers every "
-                "request for another name 404; set the pool's model, or the engine's "
-                "--served-model-name",
-                self.replica,
-                list(served[:8]),
-                MODELS_PATH,
-                model,
+            named = [name[:MAX_NAME_CHARS] for name in served[:8]]
+            mismatch = (
+                f"the engine serves {named} (GET {MODELS_PATH}), not the pool's model "
+                f"{model!r}: it answers every request for {model!r} 404; set the pool's model, or "
+                "the engine's --served-model-name"
             )
+        self._health.set_model_mismatch(self.replica, mismatch)
+        if mismatch is not None and not was:
+            log.warning("replica %s is out of routing: %s", self.replica, mismatch)
+        elif mismatch is None and was:
+            log.info("replica %s serves its pool's model %r again: back in routing", self.replica, model)
+
+
+def _listed_ids(body: bytes) -> tuple[str, ...] | None:
+    """The ``id`` of every entry of an OpenAI model list; ``None`` when it does not parse as one."""
+    try:
+        listed = strict_json.loads(body)["data"]
+        return tuple(str(entry["id"]) for entry in listed)
+    except (ValueError, KeyError, TypeError):
+        return None

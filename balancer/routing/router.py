@@ -158,6 +158,15 @@ def reusable_blocks(prompt_tokens: int, block_size: int, mode: AlignMode) -> int
     return max(0, prompt_tokens - 1) // block_size
 
 
+def computed_blocks(plan: RoutePlan, reported_blocks: int) -> int:
+    """Full blocks of ``plan``'s prompt the engine computed and could cache anew, given the cached
+    blocks it reported: those it could have reused (never the block of the last prompt token, which
+    it always computes and may have held already) minus the reported ones; 0 at least. An engine
+    with prefix caching stores them, so it publishes a KV event for each."""
+    reusable = min(len(plan.keys), max(0, plan.prompt_tokens - 1) // plan.block_size)
+    return max(0, reusable - reported_blocks)
+
+
 class Lease:
     """One committed decision: the request's load is reserved on :attr:`replica` (and counted
     against its in-flight cap) until :meth:`release`, which is idempotent."""
@@ -386,6 +395,11 @@ class PoolRouter:
             message = f"every replica of model {self.model!r} has {cap} requests in flight"
             raise Overloaded(message, FULL_RETRY_AFTER_S)
         return eligible
+
+    def why_unroutable(self, now: float) -> str:
+        """Why the pool's replicas are not routable, as counts: `` (2 failing health probes, 1
+        serves another model)`` (``""`` without a health book); for ``/readyz``'s ``degraded``."""
+        return self._why_none(now, ())
 
     def _why_none(self, now: float, exclude: Collection[ReplicaId]) -> str:
         """Why no replica is routable, as counts (bounded at any pool size, and no replica id reaches

@@ -32,7 +32,7 @@ from balancer.errors import NoReplicasAvailable, Overloaded, UpstreamError, Upst
 from balancer.health.book import PROBES_FAILING
 from balancer.policy import PolicyWeights
 from balancer.routing.receipts import Settled
-from balancer.routing.router import Lease, PoolRequest, RoutePlan
+from balancer.routing.router import Lease, PoolRequest, RoutePlan, computed_blocks
 from balancer.service.admission import (
     MAX_BYTES,
     TENANT_INFLIGHT,
@@ -588,7 +588,7 @@ def on_first_chunk(state: ServiceState, job: Forward, lease: Lease, stream: Upst
     policy = lease.plan.decision.policy
     metrics = state.metrics
     replica = metrics.replica_label(lease.replica)
-    metrics.children.of(metrics.ttft_seconds, replica, policy).observe(now - job.arrived)
+    metrics.children.of(metrics.ttft_seconds, job.pool.model, replica, policy).observe(now - job.arrived)
     if state.series is not None:
         state.series.on_ttft(now - job.arrived, state.wall_clock())
 
@@ -643,6 +643,9 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     child = metrics.children.of
     child(metrics.prediction_error_blocks, replica).observe(receipt.error_blocks)
     child(metrics.receipts_total, replica).inc()
+    computed = computed_blocks(lease.plan, receipt.reported_blocks)
+    if computed > 0:
+        child(metrics.computed_prompt_blocks_total, replica).inc(computed)
     if receipt.exact:
         child(metrics.receipts_exact_total, replica).inc()
     if receipt.within_one_block:

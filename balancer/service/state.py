@@ -146,7 +146,7 @@ class ServiceState:
         if not self.pools:
             problems.append("no pools configured")
         if self.pools_gate(now):
-            problems.extend(f"pool {model!r} has no healthy replica" for model in self._pools_down(now))
+            problems.extend(self._no_healthy(model, now) for model in self._pools_down(now))
         for check in self.readiness_checks:
             problems.extend(check())
         if not problems:
@@ -162,6 +162,10 @@ class ServiceState:
             self.sources_started_at is None
             or now < self.sources_started_at + self.settings.health_ready_wait_s
         )
+
+    def _no_healthy(self, model: str, now: float) -> str:
+        """``pool 'm' has no healthy replica (2 failing health probes)``: the pool and why."""
+        return f"pool {model!r} has no healthy replica{self.pools[model].router.why_unroutable(now)}"
 
     def _pools_down(self, now: float) -> list[str]:
         """Pools with no routable replica that are not merely drained."""
@@ -180,7 +184,7 @@ class ServiceState:
         reasons = [reason for check in self.degraded_checks for reason in check()]
         if now is not None:
             if not self.pools_gate(now):
-                reasons.extend(f"pool {model!r} has no healthy replica" for model in self._pools_down(now))
+                reasons.extend(self._no_healthy(model, now) for model in self._pools_down(now))
             for model, pool in self.pools.items():
                 if not self.health.routable(now, pool.replicas) and self.health.drained_only(
                     now, pool.replicas

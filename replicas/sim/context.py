@@ -43,10 +43,22 @@ class ReplicaContext:
     what a balancer has in flight on this replica."""
     peak_open_requests: int = 0
     """The most :attr:`open_requests` seen at once since start (``/admin/stats``)."""
+    refuses_other_models: bool = False
+    """Whether a generation request naming another model than :attr:`model` is answered 404, as
+    vLLM does (SGLang and trtllm-serve do not read the request's ``model``)."""
 
     @property
     def model(self) -> str:
-        return self.config.profile.model
+        """The served model name: the ``served_model`` fault's, else the profile's."""
+        return self.faults.settings.served_model or self.config.profile.model
+
+    def unserved_model(self, body: Mapping[str, Any]) -> web.Response | None:
+        """vLLM's 404 for a request naming a model this replica does not serve (``None``: served, or
+        an engine that serves any name). A request without ``model`` is served, as vLLM does."""
+        asked = body.get("model")
+        if not self.refuses_other_models or asked is None or asked == self.model:
+            return None
+        return json_error(404, f"The model `{asked}` does not exist.", "NotFoundError")
 
     def next_request_id(self, prefix: str) -> str:
         self.request_counter += 1

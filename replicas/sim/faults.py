@@ -10,6 +10,8 @@ Standing faults (flags at start-up, or ``POST /admin/faults``):
 * ``slowdown``: step-time multiplier (1 = nominal, 3 = three times slower).
 * ``fail_health``: ``/health`` and ``/health_generate`` answer 503.
 * ``crash_after_chunks``: streaming responses are cut (connection aborted) after this many chunks.
+* ``served_model``: the engine serves under another model name (a vLLM replica then refuses the
+  profile's name, 404, as vLLM refuses every name it does not serve).
 
 One-shot actions (admin endpoint only): ``stall_s`` (the engine computes nothing for that long; requests
 queue), ``refuse_s`` (the HTTP listener is closed for that long) and ``restart`` (in-flight requests are
@@ -45,6 +47,11 @@ class FaultSettings:
     crash_after_chunks: int | None = None
     """Abort every streaming response after this many SSE chunks (``None``: never)."""
 
+    served_model: str | None = None
+    """Serve under this model name instead of the profile's (``None``: the profile's), as an engine
+    started with another ``--served-model-name``: ``GET /v1/models`` and the answers name it, and a
+    vLLM replica answers a request for any other name 404 (SGLang and TRT-LLM serve any name)."""
+
     def __post_init__(self) -> None:
         if not 0.0 <= self.drop_events <= 1.0:
             raise ValueError(f"drop_events must be in [0, 1], got {self.drop_events}")
@@ -52,6 +59,8 @@ class FaultSettings:
             raise ValueError(f"slowdown must be a finite number > 0, got {self.slowdown}")
         if self.crash_after_chunks is not None and self.crash_after_chunks < 0:
             raise ValueError(f"crash_after_chunks must be >= 0, got {self.crash_after_chunks}")
+        if self.served_model is not None and not (isinstance(self.served_model, str) and self.served_model):
+            raise ValueError(f"served_model must be a non-empty string or null, got {self.served_model!r}")
 
 
 @dataclass(frozen=True, slots=True)

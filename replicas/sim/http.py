@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API every emulated replica serves (I/O shell, aiohttp).
 
 ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE streaming, ``usage`` with
-``prompt_tokens_details.cached_tokens``), ``/v1/models``, ``/health``, and what vLLM-style routers
+``prompt_tokens_details.cached_tokens``; a vLLM replica answers a request for a model it does not
+serve 404, as vLLM does), ``/v1/models``, ``/health``, and what vLLM-style routers
 call on workers: ``/v1/chat/completions/render``, ``/v1/completions/render`` and ``/tokenize``.
 Prompts are tokenized by the tokenizer the replica was given (:mod:`replicas.sim.tokenizer`; ``kvlb
 emulate`` gives it the balancer's, so replica and balancer see the same ids); a prompt may also be given
@@ -263,6 +264,8 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     ctx = _ctx(request)
     received_s = ctx.engine.clock.now()
     body = await _json(request)
+    if (refused := ctx.unserved_model(body)) is not None:
+        return refused
     try:
         ids = await tokenize_chat(ctx, body.get("messages"))
     except ValueError as exc:
@@ -291,6 +294,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     ctx = _ctx(request)
     received_s = ctx.engine.clock.now()
     body = await _json(request)
+    if (refused := ctx.unserved_model(body)) is not None:
+        return refused
     try:
         ids = await tokenize_prompt(ctx, body.get("prompt"))
     except ValueError as exc:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from aiohttp import web
 
@@ -126,6 +126,9 @@ class EventBuffer:
 
 class TrtllmPersonality:
     """Step observer and HTTP routes of a TRT-LLM replica."""
+
+    REFUSES_OTHER_MODELS: ClassVar[bool] = False
+    """trtllm-serve's chat and completion handlers do not read the request's ``model``."""
 
     def __init__(self, config: ReplicaConfig, faults: FaultState) -> None:
         self.config = config

@@ -89,6 +89,7 @@ class VllmPersonality(ZmqPersonality):
     """Step observer and HTTP routes of a vLLM replica."""
 
     flush_path = FLUSH_PATH
+    REFUSES_OTHER_MODELS = True  # vLLM's _check_model: "The model `x` does not exist." (404)
 
     def publisher(
         self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState

@@ -85,6 +85,7 @@ class Replica:
         vocab = int(getattr(tokenizer, "vocab_size", config.profile.vocab_size))
         self.engine = Engine(config, self.faults, self.personality, vocab)
         self.ctx = ReplicaContext(config, self.engine, self.faults, tokenizer, vocab)
+        self.ctx.refuses_other_models = self.personality.REFUSES_OTHER_MODELS
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         add_openai_routes(self.app, self.ctx)
         self.personality.add_routes(self.app, self.ctx)

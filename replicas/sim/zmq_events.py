@@ -143,6 +143,9 @@ class ZmqPersonality:
     builds its publishers (:meth:`publisher`), names its flush endpoint and adds its HTTP routes."""
 
     flush_path: ClassVar[str]
+    REFUSES_OTHER_MODELS: ClassVar[bool] = False
+    """Whether the engine answers a request for a model it does not serve 404 (vLLM); SGLang serves
+    any name."""
 
     def __init__(self, zctx: zmq.asyncio.Context, config: ReplicaConfig, faults: FaultState) -> None:
         self.config = config

@@ -187,6 +187,8 @@ def test_the_python_evaluator_fails_a_wrong_rule() -> None:
         ("KvlbReplicaSlow", "4 * min", "40 * min"),
         ("KvlbTtftSloMissed", ">= 50", ">= 0"),
         ("KvlbLeasesLost", ">= 3", ">= 30"),
+        ("KvlbReplicaServesAnotherModel", "== 1", "== 2"),
+        ("KvlbHighErrorRate", "queue_timeout|tenant_inflight", "no_such_reason"),
     ):
         rules = [
             {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule

@@ -3,7 +3,9 @@
 
 A TRT-LLM replica (``--workers 2``) that only gets a canary's one prompt (full cache hits: no event)
 raises no ``KvlbReplicaEventsStopped``: its drains answer empty (before, it fired); nor does one
-whose batches wait out a Redis outage (before, it fired at its 14th step). An engine whose
+whose batches wait out a Redis outage (before, it fired at its 14th step). An SGLang engine whose
+batches are lost for good while it serves new prompts does raise it (before 2026-12-01 its replay
+socket's "nothing new" held it back). An engine whose
 health probes fail raises ``KvlbReplicaBreakerOpen`` naming it, which clears once it answers again.
 An engine that takes 2.6 s to start every request it gets, beside a fast one, raises
 ``KvlbReplicaSlow`` naming it and ``KvlbTtftSloMissed`` (half of the first tokens over 2.5 s).
@@ -142,6 +144,83 @@ async def test_a_trtllm_replica_waiting_for_redis_is_no_stopped_publisher(tmp_pa
         redis.stop()
 
 
+async def test_a_publisher_that_stops_for_good_while_its_engine_serves_is_a_stopped_publisher(
+    tmp_path: Path,
+) -> None:
+    """sim-1 keeps serving and storing new prompts but its batches are lost for good (``drop_events``
+    1, not kept for replay): its replay socket answers every poll with nothing new. Before
+    2026-12-01 that answer held ``KvlbReplicaEventsStopped`` back for ever (26 steps of the SRE
+    walk, nothing fired); the engine's receipts now show it computed new blocks, so the alert
+    fires 15 steps after the loss, naming sim-1 only."""
+    sims, sims_list = await emulate(tmp_path, "sglang", 2)
+    config = write_config(tmp_path, sims_list, health_interval_s=0.2)
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, config, "--workers", "2")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+            for _ in range(2):
+                assert set(await walk.step(requests=4)) == {200}
+            await fault(session, sims_list[1], {"drop_events": 1.0, "replay_dropped": False})
+            for i in range(16):
+                assert set(await walk.step(requests=4, min_s=0.5)) == {200}
+                if i < 12:
+                    assert walk.alerts() == {}, i
+            nothing = [
+                v[-1][1]
+                for k, v in walk.store.series.items()
+                if dict(k)["__name__"] == "kvlb_events_replay_polls_total"
+                and dict(k)["outcome"] == "nothing"
+                and dict(k)["replica"] == "sim-1"
+            ]
+            assert max(v or 0 for v in nothing) > 0  # what held the alert back before
+            assert walk.alerts() == {
+                "KvlbReplicaEventsStopped": [{"replica": "sim-1", "severity": "warning"}]
+            }
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
+
+
+async def test_an_overload_that_times_out_in_the_queue_is_shedding_not_errors(tmp_path: Path) -> None:
+    """Two slowed engines, ``limits.max_inflight`` 2 and a queue of 100 that times out after 0.2 s:
+    each step's burst of 16 chats is mostly refused with 503 from the queue. Before 2026-12-01 those
+    503s made ``KvlbHighErrorRate`` page (from the 6th step of the SRE walk, before
+    ``KvlbShedding``'s ticket); it is now ``KvlbShedding`` alone."""
+    sims, sims_list = await emulate(tmp_path, "sglang", 2)
+    limits = {"max_inflight": 2, "max_queued": 100, "queue_timeout_s": 0.2}
+    config = write_config(tmp_path, sims_list, health_interval_s=0.2, limits=limits)
+    serve: Child | None = None
+    try:
+        serve = await start_serve(tmp_path, config, "--workers", "1")
+        async with aiohttp.ClientSession() as session:
+            walk = Walk(session)
+            walk.url = str(serve.info["url"])
+            await wait_ready(session, walk.url)
+
+            async def chat(step: int, i: int) -> int:
+                text = f"Burst {step}, chat {i}: " + "how long is the queue? " * 8
+                body = {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 8}
+                async with session.post(walk.url + "/v1/chat/completions", json=body) as response:
+                    await response.read()
+                    return response.status
+
+            seen: set[int] = set()
+            for step in range(12):
+                seen |= set(await asyncio.gather(*(chat(step, i) for i in range(16))))
+                await walk.step(requests=0)
+                assert "KvlbHighErrorRate" not in walk.alerts(), step
+            assert 503 in seen and 200 in seen, seen
+            assert walk.alerts() == {"KvlbShedding": [{"severity": "warning"}]}
+    finally:
+        if serve is not None:
+            await stop(serve)
+        await stop(sims)
+
+
 async def test_a_replica_whose_probes_fail_opens_its_breaker_for_long(tmp_path: Path) -> None:
     sims, sims_list = await emulate(tmp_path, "sglang", 2)
     config = write_config(tmp_path, sims_list, health_interval_s=0.2)
@@ -222,7 +301,8 @@ async def test_a_slow_replica_and_first_tokens_over_the_slo(tmp_path: Path) -> N
                 if step < 9:
                     assert walk.alerts() == {}, step
             alerts = walk.alerts()
-            assert alerts.pop("KvlbReplicaSlow") == [{"replica": names[1], "severity": "warning"}]
+            slow = [{"pool": MODEL, "replica": names[1], "severity": "warning"}]
+            assert alerts.pop("KvlbReplicaSlow") == slow
             assert alerts.pop("KvlbTtftSloMissed") == [{"severity": "critical"}]
             assert alerts == {}
     finally:

@@ -10,7 +10,8 @@ in the source's ``last_error`` (``/admin/replicas``) with the fix, not only coun
 * nothing listens on the events endpoint (a wrong port, events off), then the engine comes;
 * ``GET /admin/replicas`` of a real balancer names the block size fix on the one replica whose
   entry is wrong;
-* two replicas given one engine's events endpoint: ``kvlb serve`` refuses the config.
+* two replicas given one engine's events endpoint: ``kvlb serve`` refuses the config;
+* a vLLM engine serving another model name than its pool's leaves routing, and comes back.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import pytest
 import waiting
 import zmq.asyncio
 from emulated_replica import started
-from kvlb_harness import MODEL, replica_entry, wait_ready
+from kvlb_harness import MODEL, metric_value, replica_entry, wait_ready
 from procs_free import free_port
 from recording_index import RecordingIndex
 from settings_tree import settings_from
@@ -47,11 +48,12 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 )
 
 from balancer.app import Balancer
+from balancer.cli.command import replicas_table
 from balancer.engines.sglang import SglangDecoder
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Stored
 from balancer.health.book import HealthBook
-from balancer.health.prober import HealthProber
+from balancer.health.prober import HealthProber, ProbeSettings
 from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
@@ -60,6 +62,7 @@ from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.sources.zmq_sub import ZmqEventSource
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from replicas.sim.config import ReplicaConfig
+from replicas.sim.faults import FaultSettings
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
 
@@ -424,32 +427,149 @@ async def test_an_engine_clock_ahead_of_kvlbs_is_said_once(
         assert "the engine's clock is ahead of kvlb's" in said[0], said
 
 
-async def test_an_engine_serving_another_model_name_than_its_pool_is_said(
+async def test_an_engine_serving_another_model_name_than_its_pool_leaves_routing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """An emulated vLLM engine lists ``sim-test`` on ``GET /v1/models``; the replica sits in a pool
-    named ``llama-3``: its probes pass, and vLLM answers every request for another name 404 (the
-    emulator does not). Until 2026-12-01 nothing read the engine's list; the prober now warns when
-    the replica turns healthy. The right name (the same engine, another prober) gives no warning.
-    (The lifecycle asks it of vLLM replicas only: SGLang serves any name.)"""
+    """Two emulated vLLM engines behind a real balancer, pool ``sim-test``; r0 serves ``llama-3``
+    (its ``--served-model-name``): vLLM answers every request for ``sim-test`` 404 while its probes
+    pass. Until 2026-12-01 it was a warning and r0 stayed routable (its share of the requests got
+    404). It is now out of routing with its reason in ``/admin/replicas``, ``POST /admin/explain``'s
+    ``left_out`` and ``kvlb admin replicas --table``; every request is served by r1; once the engine
+    serves the pool's model (the fault cleared, no failed probe in between) it comes back."""
     caplog.set_level(logging.INFO, logger="balancer.health")
     zctx = zmq.asyncio.Context()
+    replicas: list[Replica] = []
+    balancer: Balancer | None = None
+    try:
+        for name, faults in (("r0", FaultSettings(served_model="llama-3")), ("r1", FaultSettings())):
+            config = ReplicaConfig(
+                name=name, engine="vllm", profile=get_profile("cpu-test"), page_size=16, faults=faults
+            )
+            replica = Replica(config, TokenIdTokenizer(), zctx)
+            await replica.start()
+            replicas.append(replica)
+        tree = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": [{"model": MODEL, "replicas": [replica_entry(r) for r in replicas]}],
+            "health_interval_s": 0.2,
+        }
+        balancer = Balancer(settings_from(tree, {}), tokenizers={MODEL: TokenIdTokenizer()})
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+            body = {"model": MODEL, "prompt": list(range(1, 40)), "max_tokens": 1}
+            async with session.post(replicas[0].url + "/v1/completions", json=body) as response:
+                assert response.status == 404  # the engine itself refuses the pool's name
+
+            async def views() -> dict[str, dict[str, Any]]:
+                async with session.get(balancer.url + "/admin/replicas") as response:
+                    assert response.status == 200
+                    return {v["id"]: v for v in (await response.json())["replicas"]}
+
+            seen = await views()
+            assert seen["r0"]["routable"] is False and seen["r0"]["unroutable"] == "serves another model"
+            mismatch = str(seen["r0"]["health"]["model_mismatch"])
+            assert "['llama-3']" in mismatch and "--served-model-name" in mismatch, mismatch
+            assert seen["r1"]["routable"] is True and seen["r1"]["unroutable"] is None
+            table = replicas_table(list(seen.values()))
+            assert "no:wrong-model" in table and f"r0: {mismatch}" in table, table
+            async with session.post(balancer.url + "/admin/explain", json=body) as response:
+                assert response.status == 200
+                assert (await response.json())["left_out"] == {"r0": "serves another model"}
+            async with session.get(balancer.url + "/metrics") as response:
+                text = await response.text()
+            assert metric_value(text, "kvlb_replica_model_mismatch", replica="r0") == 1
+            assert metric_value(text, "kvlb_replica_model_mismatch", replica="r1") == 0
+            assert metric_value(text, "kvlb_replica_healthy", replica="r0") == 0
+            for start in range(0, 400, 40):
+                body = {"model": MODEL, "prompt": list(range(start, start + 39)), "max_tokens": 1}
+                async with session.post(balancer.url + "/v1/completions", json=body) as response:
+                    assert response.status == 200, await response.text()
+            said = [r.getMessage() for r in caplog.records if "out of routing" in r.getMessage()]
+            assert len(said) == 1, said
+            assert said[0].startswith("replica r0 is out of routing: the engine serves"), said
+
+            async with session.post(
+                replicas[0].url + "/admin/faults", json={"served_model": None}
+            ) as response:
+                assert response.status == 200
+            for _ in range(100):  # a probe period is 0.2 s
+                seen = await views()
+                if seen["r0"]["routable"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert seen["r0"]["routable"] is True, seen["r0"]
+            assert seen["r0"]["health"]["model_mismatch"] is None, seen["r0"]
+            assert any("back in routing" in r.getMessage() for r in caplog.records)
+            async with session.post(balancer.url + "/admin/explain", json=body) as response:
+                assert (await response.json())["left_out"] == {}
+            async with session.get(balancer.url + "/metrics") as response:
+                assert metric_value(await response.text(), "kvlb_replica_model_mismatch", replica="r0") == 0
+    finally:
+        if balancer is not None:
+            await balancer.stop()
+        for replica in reversed(replicas):
+            await replica.stop()
+        zctx.destroy(linger=0)
+
+
+async def test_an_engine_renamed_without_failing_a_probe_leaves_routing_at_the_next_recheck() -> None:
+    """The engine's list is read again every ``models_recheck_s`` while it serves the pool's model:
+    renamed between two probes (no failed probe, no turn to healthy), it leaves routing at the first
+    good probe past that period, and comes back at the first one after it serves the name again."""
+    zctx = zmq.asyncio.Context()
     config = ReplicaConfig(name="vllm", engine="vllm", profile=get_profile("cpu-test"), page_size=16)
+    clock = [100.0]
     try:
         async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
-            for model in ("llama-3", MODEL):
-                prober = HealthProber(REPLICA, replica.url, session=session, health=HealthBook(), model=model)
-                assert await prober.probe_once()
-                assert prober.served_models == (MODEL,)
-            said = [
-                r.getMessage()
-                for r in caplog.records
-                if r.levelno == logging.WARNING and "serves" in r.getMessage()
-            ]
-            assert said == [
-                f"replica {REPLICA} serves ['{MODEL}'] (GET /v1/models), its pool's model is 'llama-3': "
-                "the engine answers every request for another name 404; set the pool's model, or the "
-                "engine's --served-model-name"
-            ]
+            book = HealthBook()
+            book.add(REPLICA)
+            prober = HealthProber(
+                REPLICA,
+                replica.url,
+                session=session,
+                health=book,
+                settings=ProbeSettings(models_recheck_s=30.0),
+                model=MODEL,
+                monotonic=lambda: clock[0],
+            )
+            assert await prober.probe_once() and book.routable(clock[0]) == [REPLICA]
+
+            async def rename(name: str | None) -> None:
+                async with session.post(replica.url + "/admin/faults", json={"served_model": name}) as r:
+                    assert r.status == 200
+
+            await rename("llama-3")
+            clock[0] += 20.0  # not due yet: still routable (its requests would get 404)
+            assert await prober.probe_once() and book.routable(clock[0]) == [REPLICA]
+            clock[0] += 15.0  # 35 s since the last read
+            assert await prober.probe_once()
+            assert book.routable(clock[0]) == []
+            assert book.unroutable_reason(REPLICA, clock[0]) == "serves another model"
+            await rename(None)
+            clock[0] += 2.0  # read at every probe while it serves another model
+            assert await prober.probe_once() and book.routable(clock[0]) == [REPLICA]
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def test_only_the_vllm_emulator_refuses_a_model_it_does_not_serve() -> None:
+    """The emulator models each engine's name check: vLLM answers a request for another model than
+    it serves 404 (``The model `x` does not exist.``), SGLang and trtllm-serve answer any name."""
+    zctx = zmq.asyncio.Context()
+    try:
+        for engine, refused in (("vllm", True), ("sglang", False), ("trtllm", False)):
+            faults = FaultSettings(served_model="llama-3")
+            config = ReplicaConfig(name=engine, engine=engine, profile=get_profile("cpu-test"), faults=faults)
+            async with started(config, zctx) as replica, aiohttp.ClientSession() as session:
+                async with session.get(replica.url + "/v1/models") as response:
+                    assert [m["id"] for m in (await response.json())["data"]] == ["llama-3"]
+                for model, status in ((MODEL, 404 if refused else 200), ("llama-3", 200)):
+                    body = {"model": model, "prompt": [1, 2, 3, 4], "max_tokens": 1}
+                    async with session.post(replica.url + "/v1/completions", json=body) as response:
+                        answer = await response.json()
+                        assert response.status == status, (engine, model, answer)
+                    if status == 404:
+                        assert answer["error"]["message"] == f"The model `{MODEL}` does not exist."
     finally:
         zctx.destroy(linger=0)

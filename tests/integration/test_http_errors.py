@@ -79,7 +79,12 @@ async def test_api_keys_and_the_admin_token_are_enforced(tokenizer: Tokenizer) -
             assert answer.headers["WWW-Authenticate"] == "Bearer"
         assert (await h.post("/v1/completions", body, headers={"Authorization": "Bearer k2"})).status == 200
         async with h.session.get(h.url + "/admin/policy", headers={"Authorization": "Bearer k1"}) as response:
+            # a client key is known, only not allowed there: 403 (was a 401 until 2026-12-01)
+            assert response.status == 403 and "needs the admin token" in message_of(await response.read())
+            assert "WWW-Authenticate" not in response.headers
+        async with h.session.get(h.url + "/admin/policy", headers={"Authorization": "Bearer k3"}) as response:
             assert response.status == 401 and "admin token" in message_of(await response.read())
+            assert response.headers["WWW-Authenticate"] == "Bearer"
         assert (await h.admin("GET", "/admin/policy", token="root"))["name"] == "cost"
         async with h.session.get(h.url + "/healthz") as response:
             assert response.status == 200

@@ -73,6 +73,20 @@ async def test_a_missing_key_is_a_401_instead_of_100(tokenizer: Tokenizer) -> No
             writer.close()
 
 
+async def test_a_client_key_on_an_admin_write_is_a_403_instead_of_100(tokenizer: Tokenizer) -> None:
+    """A valid client key is authenticated but not allowed on ``/admin``: 403, no ``WWW-Authenticate``."""
+    async with running(tokenizer, 1, auth__api_keys=[KEY], auth__admin_token="admin-expect") as h:
+        reader, writer = await send_head(
+            h.url, "PUT", "/admin/policy", 100, extra=f"Authorization: Bearer {KEY}\r\n"
+        )
+        try:
+            status, headers, body = await read_answer(reader)
+            assert status == 403 and json.loads(body)["error"]["code"] == 403, body
+            assert "www-authenticate" not in headers and headers["connection"] == "close"
+        finally:
+            writer.close()
+
+
 async def test_an_unknown_expectation_is_a_417_in_the_json_shape(tokenizer: Tokenizer) -> None:
     async with running(tokenizer, 1) as h:
         parts = urlsplit(h.url)

@@ -3,7 +3,8 @@ every refusal reads. A real balancer in front of recording replicas (:mod:`upstr
 
 * Auth matrix: every operation of the OpenAPI document × {no token, a client key, the admin token,
   a wrong token}: ``/v1/*`` needs a client key, ``/admin/*`` the admin token, the operational
-  endpoints need nothing; every 401 is JSON with ``WWW-Authenticate: Bearer``.
+  endpoints need nothing; every 401 is JSON with ``WWW-Authenticate: Bearer``; a valid client key
+  on ``/admin`` is a 403 (authenticated, not allowed), without it.
 * Header allow-list: of the client's headers only ``content-type``, ``accept``, ``x-request-id``,
   ``traceparent`` and ``tracestate`` reach the replica; credentials, cookies, hop-by-hop and
   forwarding headers never do.
@@ -80,8 +81,13 @@ async def test_auth_matrix_over_every_documented_operation() -> None:
                     allowed = needs is None or who == needs
                     where = f"{method.upper()} {path} as {who}"
                     if allowed:
-                        assert status != 401, where
+                        assert status not in (401, 403), where
                         assert status < 500, (where, status, raw)
+                    elif who == "client" and needs == "admin":  # authenticated, not allowed
+                        error = check_error(status, headers, raw, 403)
+                        assert "www-authenticate" not in headers, where
+                        assert error["type"] == "permission_error", where
+                        assert "needs the admin token" in error["message"], where
                     else:
                         check_error(status, headers, raw, 401)
                         assert headers["www-authenticate"] == "Bearer", where

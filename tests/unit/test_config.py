@@ -162,6 +162,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["policy.name=nope"], "unknown policy 'nope'; known: cost, "),
         (["policy.weights={overlap_credit: 9}"], r"policy.overlap_credit must be in \[0, 4\], got 9.0"),
         (["log_level=loud"], "log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'loud'"),
+        (["slo.ttft_s=0"], r"slo.ttft_s must be in \[0.001, 3600\], got 0.0"),
+        (["slo.ttft_target_ratio=1"], r"slo.ttft_target_ratio must be in \(0, 1\), got 1.0"),
     ],
 )
 def test_bad_settings_name_the_field(sets: list[str], message: str) -> None:

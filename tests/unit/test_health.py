@@ -138,6 +138,20 @@ def test_a_drain_note_from_json_refuses_what_is_not_one() -> None:
         assert DrainNote.from_json(bad) is None, bad
 
 
+def test_an_engine_serving_another_model_is_out_of_routing_until_it_serves_the_pools() -> None:
+    hb = book()
+    assert hb.set_model_mismatch(A, "the engine serves ['other']")
+    assert not hb.set_model_mismatch(A, "the engine serves ['other']")  # no change
+    assert hb.routable(0.0) == [B]
+    assert hb.unroutable_reason(A, 0.0) == "serves another model"
+    hb.on_probe(A, True, 1.0)  # its probes pass: it stays out
+    assert hb.routable(1.0) == [B]
+    hb.set_draining(A, True)
+    hb.set_draining(B, True)
+    assert hb.drained_only(1.0, [B]) and not hb.drained_only(1.0, [A])  # A is out for its model too
+    hb.set_draining(A, False)
+    assert hb.set_model_mismatch(A, None)
+    assert hb.routable(2.0) == [A] and hb.unroutable_reason(A, 2.0) is None
 def test_a_kept_drain_applies_to_its_replica_when_it_comes_within_its_time_and_is_bounded() -> None:
     book = HealthBook()
     note = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1.0, reason="rollout")

@@ -11,8 +11,15 @@ from balancer.index.hashing import pack_tokens
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
 from balancer.routing.receipts import ReceiptBook, read_receipt
-from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits, reusable_blocks
-from balancer.types import BlockKey, EngineHash, ReplicaId
+from balancer.routing.router import (
+    PoolRequest,
+    PoolRouter,
+    RouteLimits,
+    RoutePlan,
+    computed_blocks,
+    reusable_blocks,
+)
+from balancer.types import BlockKey, Decision, EngineHash, ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
 BS = 16
@@ -260,3 +267,19 @@ def test_admin_replicas_table_says_what_is_wrong_with_the_event_streams() -> Non
         "sim-3 tcp://127.0.0.1:5557: old trouble (900 s ago)",
         "sim-4 events: no batch",
     ]
+
+
+def test_computed_blocks_count_what_the_engine_stored_anew_never_the_last_tokens_block() -> None:
+    """``kvlb_route_computed_prompt_blocks_total``'s figure (``KvlbReplicaEventsStopped`` expects
+    events for it): a canary's block-aligned prompt found whole computes nothing new, though its
+    last block is recomputed; a new prompt computes its reusable blocks less the cached ones."""
+
+    def plan(prompt_tokens: int, keys: int) -> RoutePlan:
+        decision = Decision(ReplicaId("r0"), "cost", 0, keys, 0, ())
+        return RoutePlan(decision, prompt_tokens, 0, tuple(BlockKey(k) for k in range(keys)), 1, 16)
+
+    assert computed_blocks(plan(64, 4), 3) == 0  # aligned canary: 3 reusable, 3 reported
+    assert computed_blocks(plan(64, 4), 0) == 3  # new: the last token's block is not counted
+    assert computed_blocks(plan(70, 4), 1) == 3
+    assert computed_blocks(plan(70, 4), 4) == 0  # more reported than reusable: none
+    assert computed_blocks(plan(10, 0), 0) == 0

@@ -141,7 +141,8 @@
       await api("GET", "/admin/policy");
     } catch (err) {
       state.token = null;
-      if (err.status !== 401) $("login-error").textContent = "Could not reach the admin API: " + err.message;
+      if (err.status === 403) $("login-error").textContent = "That key is not the admin token: " + err.message;
+      else if (err.status !== 401) $("login-error").textContent = "Could not reach the admin API: " + err.message;
       return;
     }
     sessionStorage.setItem(TOKEN_KEY, token);
@@ -202,6 +203,7 @@
     if (view.routable) return ["healthy", "ok"];
     if (health.breaker && health.breaker !== "closed") return ["breaker " + health.breaker, "bad"];
     if (health.probe_ok === false) return ["probe failing", "bad"];
+    if (health.model_mismatch) return ["wrong model", "bad"];
     return ["not routable", "bad"];
   }
 
@@ -213,7 +215,7 @@
       const when = typeof drain.at_wall_ts === "number" ? " at " + fmtDateTime(drain.at_wall_ts) : "";
       return "drained by " + drain.by + " (" + drain.caller + ")" + when + ": " + (drain.reason || "no reason given");
     }
-    return health.last_error || "";
+    return health.model_mismatch || health.last_error || "";
   }
 
   // Prediction accuracy, when kvlb reports it: /admin/replicas' "prediction" (the engines' receipts
