@@ -152,6 +152,8 @@ def test_an_engine_serving_another_model_is_out_of_routing_until_it_serves_the_p
     hb.set_draining(A, False)
     assert hb.set_model_mismatch(A, None)
     assert hb.routable(2.0) == [A] and hb.unroutable_reason(A, 2.0) is None
+
+
 def test_a_kept_drain_applies_to_its_replica_when_it_comes_within_its_time_and_is_bounded() -> None:
     book = HealthBook()
     note = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1.0, reason="rollout")
