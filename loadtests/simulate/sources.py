@@ -29,7 +29,7 @@ from typing import Any
 
 from loadtests.workloads import WORKLOADS, make_workload, poisson_arrivals, read_trace
 from loadtests.workloads.base import RequestSpec
-from loadtests.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
+from loadtests.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceError, TraceRow
 
 ChatEncoder = Callable[[Sequence[Mapping[str, str]]], list[int]]
 
@@ -137,20 +137,48 @@ def trace_requests(
 ) -> tuple[TraceShape, Iterator[SimRequest]]:
     """The trace's shape and ``requests`` requests replaying it (all rows once when ``None``).
 
-    ``rate_per_s`` rescales time so the mean arrival rate is that (``None``: the trace's own rate).
+    ``rate_per_s`` rescales time so the mean arrival rate is that (``None``: the trace's own rate);
+    it must be finite and > 0, and needs a trace whose timestamps span more than 0. Timestamps must
+    not go back (a row earlier than the one before it is refused, with its line). Hash ids are
+    renumbered densely in order of first use (only their equality matters), so ids of any size tile.
     """
-    rows = list(read_trace(path))
+    if requests is not None and requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    if rate_per_s is not None and not (math.isfinite(rate_per_s) and rate_per_s > 0):
+        raise ValueError(f"rate must be a finite number > 0, got {rate_per_s}")
+    for name, value in (("max_input_tokens", max_input_tokens), ("max_tokens_cap", max_tokens_cap)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    rows: list[TraceRow] = []
+    dense: dict[int, int] = {}
+    for row in read_trace(path):
+        if rows and row.timestamp_ms < rows[-1].timestamp_ms:
+            raise TraceError(
+                f"{path}: row {len(rows) + 1} (timestamp {row.timestamp_ms} ms) is earlier than the row "
+                f"before it ({rows[-1].timestamp_ms} ms); a trace must be in arrival order "
+                "(sort it by timestamp)"
+            )
+        ids = tuple(dense.setdefault(h, len(dense)) for h in row.hash_ids)
+        rows.append(TraceRow(row.timestamp_ms, row.input_length, row.output_length, ids))
     if not rows:
         raise ValueError(f"{path}: empty trace")
     first_ms = rows[0].timestamp_ms
     shape = TraceShape(len(rows), (rows[-1].timestamp_ms - first_ms) / 1000.0)
-    scale = 1.0 if rate_per_s is None or shape.span_s <= 0 else shape.rate_per_s / rate_per_s
-    hash_span = 1 + max((h for row in rows for h in row.hash_ids), default=0)
+    if rate_per_s is not None and shape.span_s <= 0:
+        raise ValueError(
+            f"{path}: every row has the same timestamp, so --rate cannot rescale it "
+            "(its arrivals are all at 0)"
+        )
+    scale = 1.0 if rate_per_s is None else shape.rate_per_s / rate_per_s
+    hash_span = max(1, len(dense))
     rng = random.Random(seed)
     filler = array("I", [rng.randrange(1000, 100_000) for _ in range(MOONCAKE_BLOCK_TOKENS - 1)])
     total = len(rows) if requests is None else requests
     if _MARKER_BASE + (total // len(rows) + 1) * hash_span >= _TAIL_BASE or total >= _TAIL_BASE:
-        raise ValueError(f"too many requests ({total}) for a tiled trace of {len(rows)} rows")
+        raise ValueError(
+            f"too many requests ({total}) for a tiled trace of {len(rows)} rows and {hash_span} distinct "
+            "hash ids: the tiles' block tokens would not fit below 2^31"
+        )
 
     def generate() -> Iterator[SimRequest]:
         for n in range(total):
