@@ -5,8 +5,10 @@ refused with one line naming the file and line (``read_trace``, ``parse_trace_li
 from __future__ import annotations
 
 import gzip
+import itertools
 import json
 import re
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +118,10 @@ def test_unsorted_timestamps_are_refused_by_the_simulator_and_the_replay(tmp_pat
 
 def test_huge_hash_ids_tile_like_small_ones(tmp_path: Path) -> None:
     # before: one id of 2^32 made any run "too many requests (3) for a tiled trace of 3 rows"
-    small = _requests(_write(tmp_path, ROWS, "small.jsonl"), requests=9)
-    huge_rows = [dict(r, hash_ids=[h + 2**64 for h in r["hash_ids"]]) for r in ROWS]
+    # ids numbered densely in order of first use replay as they are; huge ids are renumbered so
+    dense_rows = [dict(r, hash_ids=ids) for r, ids in zip(ROWS, ([0, 1, 2], [0, 1, 3], [4]), strict=True)]
+    small = _requests(_write(tmp_path, dense_rows, "small.jsonl"), requests=9)
+    huge_rows = [dict(r, hash_ids=[h * 2**40 + 2**64 for h in r["hash_ids"]]) for r in dense_rows]
     huge = _requests(_write(tmp_path, huge_rows, "huge.jsonl"), requests=9)
     assert [(list(r.token_ids), r.arrival_s) for r in huge] == [
         (list(r.token_ids), r.arrival_s) for r in small
@@ -146,3 +150,22 @@ def test_a_rate_for_a_trace_without_a_span_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="same timestamp"):
         _requests(path, rate_per_s=5.0)
     assert len(_requests(path)) == 2  # without --rate it replays as it is
+
+
+def test_a_long_trace_is_streamed_not_held(tmp_path: Path) -> None:
+    # before: every row was parsed into a list first: a 1M-line trace held 1.49 GB to simulate 2,000
+    # requests. Here: 60k rows, 10 requests drawn; the rows alone would be ~15 MB of TraceRows
+    path = tmp_path / "long.jsonl"
+    row = '{"timestamp": %d, "input_length": 700, "output_length": 3, "hash_ids": [%d, %d]}\n'
+    path.write_text("".join(row % (10 * n, n % 50, 10_000 + n) for n in range(60_000)), "utf-8")
+    tracemalloc.start()
+    try:
+        shape, stream = trace_requests(
+            path, requests=None, rate_per_s=20.0, seed=0, max_input_tokens=None, max_tokens_cap=None
+        )
+        drawn = list(itertools.islice(stream, 10))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert shape.rows == 60_000 and len(drawn) == 10
+    assert peak < 3_000_000, peak
