@@ -218,7 +218,9 @@ class Simulation:
                 self._reported = len(self.records) // every
                 progress(len(self.records), self.loop.now_s)
         end_s = self.loop.now_s
-        summary = run_summary(self.records, self.gaps, end_s)
+        # throughputs over first arrival → last end, as the load test's first send → last byte (not
+        # to the last scrape, up to one scrape interval later)
+        summary = run_summary(self.records, self.gaps, self.records.span_s())
         decisions = self._decisions if self._decisions is not None else []
         return SimResult(summary, self.records, end_s, self.loop.processed, self._stats(), decisions)
 

@@ -1,5 +1,6 @@
 """Scrapes over an idle fleet: virtual time jumps a quiet gap instead of scraping through it, with the
-same results (docs/simulate.md, "Time is virtual")."""
+same results (docs/simulate.md, "Time is virtual"); and the summary's duration, which the last scrape
+no longer stretches."""
 
 from __future__ import annotations
 
@@ -40,3 +41,14 @@ def test_a_rate_near_zero_finishes() -> None:
     config = SimConfig(replicas=2, scrape_interval_s=1.0)
     result = Simulation(config, [SimRequest(array("I", range(1000, 1300)), 4, t) for t in (0.0, 1e300)]).run()
     assert result.summary.ok == 2 and result.events < 100
+
+
+def test_throughput_runs_from_the_first_arrival_to_the_last_end_not_to_the_last_scrape() -> None:
+    # before: duration_s was the loop's last event, the scrape after the last end: one request of
+    # 0.08 s reported duration_s 1.0 (req_per_s 1.0), and duration moved with --scrape-interval-s
+    requests = [SimRequest(array("I", range(1000, 1600)), 16, t) for t in (0.25, 0.5)]
+    for interval in (1.0, 0.3, 0.0):
+        result = Simulation(SimConfig(replicas=2, scrape_interval_s=interval), requests).run()
+        last_end = max(s + e for s, e in zip(result.records.start_s, result.records.e2e_s, strict=True))
+        assert result.summary.duration_s == pytest.approx(last_end - 0.25)
+        assert result.summary.req_per_s == pytest.approx(2 / (last_end - 0.25))
