@@ -234,6 +234,6 @@ def write_plot(points: Sequence[Point], best: Point | None, path: Path) -> bool:
     ax.set_title("kvlb tune: policy weights (x = misses the SLO)")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")  # the path as given (without a suffix matplotlib adds .png)
     plt.close(fig)
     return True

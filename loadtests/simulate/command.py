@@ -433,6 +433,15 @@ def _tune(args: argparse.Namespace) -> int:
             if args.grid
             else dict(tune.SMOKE_GRID if args.smoke else tune.DEFAULT_GRID)
         )
+        if not (math.isfinite(args.max_imbalance) and args.max_imbalance >= 1):
+            raise ValueError(
+                "--max-imbalance must be a finite number >= 1 (max/mean replica requests), "
+                f"got {args.max_imbalance}"
+            )
+        if not 0 <= args.min_hit_rate <= 1:
+            raise ValueError(f"--min-hit-rate must be in [0, 1], got {args.min_hit_rate}")
+        if not args.no_plot:
+            check_writable(args.plot, "--plot")
         slo = tune.Slo(args.max_imbalance, args.min_hit_rate, args.objective)
         for values in tune.grid_points(grid):  # validate every point before running any
             inputs.config.weights.replace(**values)

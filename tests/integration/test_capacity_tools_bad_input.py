@@ -3,6 +3,7 @@ line naming the flag, exit 2, before any simulation runs; SIGINT is one line and
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import signal
 import subprocess
@@ -57,6 +58,14 @@ def trace(tmp_path: Path) -> Path:
             "kvlb capacity: --start-rate must be a finite number > 0 (req/s), got 0.0",
         ),
         (("capacity", "--slo-ttft-p90", "0"), "kvlb capacity: SLO TTFT bounds must be > 0"),
+        (
+            ("tune", "--no-plot", "--max-imbalance", "-1"),
+            "kvlb tune: --max-imbalance must be a finite number >= 1 (max/mean replica requests), got -1.0",
+        ),
+        (
+            ("tune", "--no-plot", "--min-hit-rate", "2"),
+            "kvlb tune: --min-hit-rate must be in [0, 1], got 2.0",
+        ),
     ],
 )
 def test_an_unusable_number_is_one_line(
@@ -65,7 +74,8 @@ def test_an_unusable_number_is_one_line(
     # before: --rate 0 on a trace was a ZeroDivisionError traceback, -1 replayed every row at t=0,
     # --replicas 0 an IndexError, --requests 0 an empty report with exit 0, --page-size -16 a traceback,
     # --max-tokens-cap 0 requests of 0 tokens, nan scrapes silently off, --start-rate 0 and
-    # --slo-ttft-p90 0 silently the defaults (2 per replica, 2 s)
+    # --slo-ttft-p90 0 silently the defaults (2 per replica, 2 s); tune's unmeetable SLOs ran every
+    # grid point and then said "no point meets" with exit 1
     code = main([*argv, "--trace", str(trace)])
     assert code == 2
     assert capsys.readouterr().err.splitlines() == [message]
@@ -128,3 +138,23 @@ def test_sigint_mid_run_is_one_line_and_exit_130(command: str) -> None:
     assert "Traceback" not in err and out == ""
     expected = "stopped by SIGINT (no report)" if command == "simulate" else "stopped by SIGINT"
     assert err.splitlines()[-1].startswith(f"kvlb {command}: {expected}")
+
+
+def test_tune_plot_path_is_checked_first_and_written_as_given(
+    capsys: pytest.CaptureFixture[str], trace: Path, tmp_path: Path
+) -> None:
+    # before: a --plot in a missing folder was a FileNotFoundError traceback after the whole sweep, and
+    # a path without a suffix was written as <path>.png while the report said <path>
+    missing = tmp_path / "no" / "f.png"
+    assert main(["tune", "--trace", str(trace), "--grid", "overlap_credit=1", "--plot", str(missing)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvlb tune: --plot {missing}: the folder {missing.parent} does not exist"
+    ]
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed: no plot to write")
+    plot = tmp_path / "frontier"
+    grid = ("--grid", "overlap_credit=1", "--max-imbalance", "3")
+    code = main(["tune", "--trace", str(trace), *grid, "--plot", str(plot), "--json"])
+    assert code == 0
+    assert json.loads(capsys.readouterr().out)["plot"] == str(plot)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not plot.with_suffix(".png").exists()
