@@ -33,6 +33,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import random
 import signal
 import sys
@@ -310,6 +311,16 @@ def capacity_line(capacity: float | None, first_fail: float | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``kvlb capacity``; SIGINT outside ``--target``'s own handling is one line, exit 128 + 2 (no
+    report; a ``--confirm`` fleet is stopped as ``asyncio.run`` cancels its campaign)."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        print("kvlb capacity: stopped by SIGINT (no report)", file=sys.stderr)
+        return EXIT_INTERRUPTED + signal.SIGINT.value
+
+
+def _run(args: argparse.Namespace) -> int:
     def log(message: str) -> None:
         print(message, file=sys.stderr)
 
@@ -340,14 +351,58 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(
                 f"--sim-forward-jitter-ms must be in [0, --sim-forward-delay-ms], got {jitter_ms}"
             )
+        check_numbers(args)
         started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         workload, stream = build_stream(args)
+        label = "mooncake" if args.trace is not None else args.workload
+        out = args.out or Path("capacity-results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ValueError(f"--out {out}: {exc.strerror or exc}") from None
+        if not os.access(out, os.W_OK):
+            raise ValueError(f"--out {out}: not writable")
     except (ValueError, KeyError, OSError) as exc:
         print(f"kvlb capacity: {exc}", file=sys.stderr)
         return 2
-    label = "mooncake" if args.trace is not None else args.workload
-    out = args.out or Path("capacity-results") / f"{label}-{time.strftime('%Y%m%d-%H%M%S')}"
-    out.mkdir(parents=True, exist_ok=True)
+    return _search_and_report(args, names, slo, workload, stream, out, started, log)
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, with one line naming the flag, numbers no search can use (``ValueError``)."""
+    at_least_one = {
+        "--replicas": args.replicas,
+        "--requests": args.requests,
+        "--max-points": args.max_points,
+        "--max-input-tokens": args.max_input_tokens,
+        "--max-tokens-cap": args.max_tokens_cap,
+        "--kv-capacity-tokens": args.kv_capacity_tokens,
+        "--confirm-requests": args.confirm_requests,
+        "--confirm-repeats": args.confirm_repeats,
+    }
+    for flag, value in at_least_one.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.trace_offset < 0:
+        raise ValueError(f"--trace-offset must be >= 0, got {args.trace_offset}")
+    if args.start_rate is not None and not (math.isfinite(args.start_rate) and args.start_rate > 0):
+        raise ValueError(f"--start-rate must be a finite number > 0 (req/s), got {args.start_rate}")
+    if not (math.isfinite(args.growth) and args.growth > 1):
+        raise ValueError(f"--growth must be a finite number > 1, got {args.growth}")
+    if not (math.isfinite(args.rel_tol) and args.rel_tol > 0):
+        raise ValueError(f"--rel-tol must be a finite number > 0, got {args.rel_tol}")
+
+
+def _search_and_report(
+    args: argparse.Namespace,
+    names: list[str],
+    slo: Slo,
+    workload: Workload,
+    stream: Stream,
+    out: Path,
+    started: str,
+    log: Callable[[str], None],
+) -> int:
     start = args.start_rate or 2.0 * args.replicas
     log(f"{len(stream.requests)} requests; base rate {stream.base_rate:.3g}/s; searching from {start:.3g}/s")
     searches: dict[str, Search] = {}

@@ -48,7 +48,9 @@ def build_report(
     invalid = invalid or {}
     capacities = {name: s.capacity for name, s in searches.items()}
     rr = capacities.get("round_robin")
-    peer_caps = {p: capacities[p] for p in peers if capacities.get(p) is not None}
+    # a peer whose fleet runs were invalid (e.g. sglang-router given token ids: HTTP 422) is no
+    # measured peer: its simulated search stays in its row, but it is not the best peer
+    peer_caps = {p: capacities[p] for p in peers if capacities.get(p) is not None and p not in invalid}
     best_peer = max(peer_caps, key=lambda p: peer_caps[p] or 0.0) if peer_caps else None
     oracle_saved = oracle_saved or {}
     bands = bands or {}
@@ -132,6 +134,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             + ")"
             for p in r.get("confirmed", ())
         )
+        if r.get("invalid"):
+            fleet = f"invalid on the fleet: {r['invalid']}" + (f" ({fleet})" if fleet else "")
         lines.append(
             f"| {r['name']} | {_fmt(r['capacity_rate'])} | {_fmt(r['first_failing_rate'])} "
             f"| {_fmt(r['vs_round_robin'])} | {_fmt(r['vs_best_peer'])} "

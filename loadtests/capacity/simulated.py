@@ -66,7 +66,7 @@ class Stream:
 def slo_of(args: argparse.Namespace) -> Slo:
     """The SLO of ``--slo-ttft-p90`` (default 2 s), ``--slo-ttft-p99`` and ``--max-error-rate``."""
     return Slo(
-        ttft_p90_s=parse_seconds(args.slo_ttft_p90) or 2.0,
+        ttft_p90_s=2.0 if (p90 := parse_seconds(args.slo_ttft_p90)) is None else p90,
         ttft_p99_s=parse_seconds(args.slo_ttft_p99),
         max_error_rate=args.max_error_rate,
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -42,6 +44,8 @@ SMOKE_PARAMS: dict[str, Any] = {
     "question_tokens": 128,
     "max_tokens": 32,
 }
+EXIT_SIGINT = 128 + 2
+"""Exit code of a run stopped by SIGINT (as ``kvlb loadtest``'s)."""
 DEFAULT_RATE_PER_REPLICA = 2.0
 """Default arrival rate of workloads without a schedule, requests/s per replica."""
 
@@ -180,8 +184,53 @@ def name_values(items: list[str], what: str) -> dict[str, Any]:
     return values
 
 
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, with one line naming the flag, the numeric flags no run can use (``ValueError``)."""
+    positive = {
+        "--replicas": args.replicas,
+        "--requests": args.requests,
+        "--page-size": args.page_size,
+        "--kv-capacity-tokens": args.kv_capacity_tokens,
+        "--max-input-tokens": args.max_input_tokens,
+        "--max-tokens-cap": args.max_tokens_cap,
+    }
+    for flag, value in positive.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
+        raise ValueError(f"--rate must be a finite number > 0 (requests/s), got {args.rate}")
+    for flag, seconds in (
+        ("--scrape-interval-s", args.scrape_interval_s),
+        ("--event-delay-s", args.event_delay_s),
+    ):
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"{flag} must be a finite number >= 0 (virtual s), got {seconds}")
+    tolerance = getattr(args, "tolerance", 0.0)
+    if not (math.isfinite(tolerance) and tolerance >= 0):
+        raise ValueError(f"--tolerance must be a finite number >= 0, got {tolerance}")
+
+
+def check_writable(path: Path | None, flag: str) -> None:
+    """Refuse an output ``path`` that cannot be written before any work is done (``ValueError``)."""
+    if path is None:
+        return
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: is a directory (give a file name)")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: the folder {parent} does not exist")
+    if not os.access(path if path.exists() else parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: not writable")
+
+
+def finite_or_none(value: float) -> float | None:
+    """``value``, or ``None`` when it is not finite (JSON has no infinity)."""
+    return value if math.isfinite(value) else None
+
+
 def build_inputs(args: argparse.Namespace, materialise: bool) -> Inputs:
     """The config and requests the flags describe (``materialise``: a list, for repeated runs)."""
+    check_numbers(args)
     weights = PolicyWeights.from_dict(name_values(args.weights, "--weights"))
     replicas = args.replicas if args.replicas is not None else (4 if args.smoke else 8)
     config = SimConfig(
@@ -213,7 +262,7 @@ def build_inputs(args: argparse.Namespace, materialise: bool) -> Inputs:
         source: dict[str, Any] = {
             "trace": str(args.trace),
             "rows": shape.rows,
-            "trace_rate_per_s": shape.rate_per_s,
+            "trace_rate_per_s": finite_or_none(shape.rate_per_s),
         }
         source |= {"requests": requests or shape.rows, "rate_per_s": args.rate, "max_input_tokens": cut}
     else:
@@ -244,12 +293,21 @@ def _progress(started: float) -> Any:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
+    """``kvlb simulate``; SIGINT at any point is one line and exit :data:`EXIT_SIGINT` (no report)."""
     try:
+        return _simulate(args)
+    except KeyboardInterrupt:
+        print("kvlb simulate: stopped by SIGINT (no report)", file=sys.stderr)
+        return EXIT_SIGINT
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    try:
+        check_writable(args.output, "--output")
         inputs = build_inputs(args, materialise=args.engines == "min" or args.pooled_bound)
         measured = None
         if args.compare_with is not None:
-            loaded = json.loads(args.compare_with.read_text("utf-8"))
-            measured = summary_of(loaded, args.compare_router, inputs.config.policy)
+            measured = _measured(args.compare_with, args.compare_router, inputs.config.policy)
     except (ConfigError, ValueError, KeyError, OSError) as exc:
         print(f"kvlb simulate: {exc}", file=sys.stderr)
         return 2
@@ -299,7 +357,11 @@ def run_simulate(args: argparse.Namespace) -> int:
         code = 0 if report["comparison"]["ok"] else 1
     text = json.dumps(report, indent=2)
     if args.output is not None:
-        args.output.write_text(text + "\n", "utf-8")
+        try:
+            args.output.write_text(text + "\n", "utf-8")
+        except OSError as exc:
+            print(f"kvlb simulate: --output {args.output}: {exc.strerror or exc}", file=sys.stderr)
+            code = 2
     if args.json:
         print(text)
         return code
@@ -314,6 +376,20 @@ def run_simulate(args: argparse.Namespace) -> int:
         print()
         print(compare_table(checks, args.tolerance))
     return code
+
+
+def _measured(path: Path, router: str | None, policy: str) -> Any:
+    """The summary of ``--compare-with``'s report; errors name the file."""
+    try:
+        loaded = json.loads(path.read_text("utf-8"))
+    except OSError as exc:
+        raise ValueError(f"--compare-with {path}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"--compare-with {path}: not a JSON report ({exc})") from None
+    try:
+        return summary_of(loaded, router, policy)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"--compare-with {path}: no loadtest summary in it ({exc})") from None
 
 
 def _print_pooled_bound(inputs: Inputs, as_json: bool) -> int:
@@ -341,6 +417,15 @@ def _print_pooled_bound(inputs: Inputs, as_json: bool) -> int:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    """``kvlb tune``; SIGINT at any point is one line and exit :data:`EXIT_SIGINT` (no recommendation)."""
+    try:
+        return _tune(args)
+    except KeyboardInterrupt:
+        print("kvlb tune: stopped by SIGINT (no recommendation)", file=sys.stderr)
+        return EXIT_SIGINT
+
+
+def _tune(args: argparse.Namespace) -> int:
     try:
         inputs = build_inputs(args, materialise=True)
         grid = (
@@ -348,6 +433,15 @@ def run_tune(args: argparse.Namespace) -> int:
             if args.grid
             else dict(tune.SMOKE_GRID if args.smoke else tune.DEFAULT_GRID)
         )
+        if not (math.isfinite(args.max_imbalance) and args.max_imbalance >= 1):
+            raise ValueError(
+                "--max-imbalance must be a finite number >= 1 (max/mean replica requests), "
+                f"got {args.max_imbalance}"
+            )
+        if not 0 <= args.min_hit_rate <= 1:
+            raise ValueError(f"--min-hit-rate must be in [0, 1], got {args.min_hit_rate}")
+        if not args.no_plot:
+            check_writable(args.plot, "--plot")
         slo = tune.Slo(args.max_imbalance, args.min_hit_rate, args.objective)
         for values in tune.grid_points(grid):  # validate every point before running any
             inputs.config.weights.replace(**values)

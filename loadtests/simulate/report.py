@@ -78,6 +78,15 @@ class RecordColumns(Sequence[RequestRecord]):
     def __len__(self) -> int:
         return len(self.start_s)
 
+    def span_s(self) -> float:
+        """From the first arrival to the last request's end (finished or refused), seconds: the load
+        test's "first send to last byte". 0 without records."""
+        if not self.start_s:
+            return 0.0
+        pairs = zip(self.start_s, self.e2e_s, strict=True)
+        ends = [start + e2e for start, e2e in pairs if not math.isnan(e2e)]
+        return max(0.0, max(ends, default=self.start_s[-1]) - min(self.start_s))
+
     @overload
     def __getitem__(self, index: int) -> RequestRecord: ...
 

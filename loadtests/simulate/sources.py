@@ -1,5 +1,5 @@
 """Request streams for the simulator: workloads by name, and Mooncake traces tiled to any length (pure,
-but :func:`trace_requests` reads its file once).
+but :func:`trace_requests` streams its file: one pass, then one per tile).
 
 A :class:`SimRequest` is a prompt as token ids (an ``array('I')``: the router and the replicas pack
 it into bytes for hashing, which is a copy for an array and a conversion per token for a tuple),
@@ -29,7 +29,7 @@ from typing import Any
 
 from loadtests.workloads import WORKLOADS, make_workload, poisson_arrivals, read_trace
 from loadtests.workloads.base import RequestSpec
-from loadtests.workloads.mooncake import MOONCAKE_BLOCK_TOKENS
+from loadtests.workloads.mooncake import MOONCAKE_BLOCK_TOKENS, TraceError
 
 ChatEncoder = Callable[[Sequence[Mapping[str, str]]], list[int]]
 
@@ -126,6 +126,31 @@ class TraceShape:
         return self.span_s + (self.span_s / self.rows if self.rows else 0.0)
 
 
+def _scan(path: str | Path) -> tuple[int, int, int, int]:
+    """One streaming pass over a trace: its rows, first and last timestamps (ms) and largest hash id.
+
+    Every record is parsed (a bad one raises :class:`TraceError` naming its line) and timestamps must
+    not go back; nothing is kept, so a trace of any length costs O(1) memory here.
+    """
+    rows = 0
+    first_ms = last_ms = max_id = 0
+    for row in read_trace(path):
+        if rows and row.timestamp_ms < last_ms:
+            raise TraceError(
+                f"{path}: row {rows + 1} (timestamp {row.timestamp_ms} ms) is earlier than the row "
+                f"before it ({last_ms} ms); a trace must be in arrival order "
+                "(sort it by timestamp)"
+            )
+        if not rows:
+            first_ms = row.timestamp_ms
+        last_ms = row.timestamp_ms
+        max_id = max(max_id, *row.hash_ids) if row.hash_ids else max_id
+        rows += 1
+    if not rows:
+        raise ValueError(f"{path}: empty trace")
+    return rows, first_ms, last_ms, max_id
+
+
 def trace_requests(
     path: str | Path,
     *,
@@ -137,41 +162,68 @@ def trace_requests(
 ) -> tuple[TraceShape, Iterator[SimRequest]]:
     """The trace's shape and ``requests`` requests replaying it (all rows once when ``None``).
 
-    ``rate_per_s`` rescales time so the mean arrival rate is that (``None``: the trace's own rate).
+    ``rate_per_s`` rescales time so the mean arrival rate is that (``None``: the trace's own rate);
+    it must be finite and > 0, and needs a trace whose timestamps span more than 0. Timestamps must
+    not go back (a row earlier than the one before it is refused, with its line). Hash ids are
+    renumbered densely in order of first use (only their equality matters), so ids of any size tile.
     """
-    rows = list(read_trace(path))
-    if not rows:
-        raise ValueError(f"{path}: empty trace")
-    first_ms = rows[0].timestamp_ms
-    shape = TraceShape(len(rows), (rows[-1].timestamp_ms - first_ms) / 1000.0)
-    scale = 1.0 if rate_per_s is None or shape.span_s <= 0 else shape.rate_per_s / rate_per_s
-    hash_span = 1 + max((h for row in rows for h in row.hash_ids), default=0)
+    if requests is not None and requests < 1:
+        raise ValueError(f"requests must be >= 1, got {requests}")
+    if rate_per_s is not None and not (math.isfinite(rate_per_s) and rate_per_s > 0):
+        raise ValueError(f"rate must be a finite number > 0, got {rate_per_s}")
+    for name, value in (("max_input_tokens", max_input_tokens), ("max_tokens_cap", max_tokens_cap)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    rows, first_ms, last_ms, max_id = _scan(path)
+    shape = TraceShape(rows, (last_ms - first_ms) / 1000.0)
+    if rate_per_s is not None and shape.span_s <= 0:
+        raise ValueError(
+            f"{path}: every row has the same timestamp, so --rate cannot rescale it "
+            "(its arrivals are all at 0)"
+        )
+    scale = 1.0 if rate_per_s is None else shape.rate_per_s / rate_per_s
+    total = rows if requests is None else requests
+    tiles = total // rows + 1
+    dense: dict[int, int] | None = None
+    hash_span = max_id + 1
+    if _MARKER_BASE + tiles * hash_span >= _TAIL_BASE:  # sparse or huge ids: number them densely
+        dense = {}
+        for row in read_trace(path):
+            for hash_id in row.hash_ids:
+                dense.setdefault(hash_id, len(dense))
+        hash_span = max(1, len(dense))
+    if _MARKER_BASE + tiles * hash_span >= _TAIL_BASE or total >= _TAIL_BASE:
+        raise ValueError(
+            f"too many requests ({total}) for a tiled trace of {rows} rows and {hash_span} distinct "
+            "hash ids: the tiles' block tokens would not fit below 2^31"
+        )
     rng = random.Random(seed)
     filler = array("I", [rng.randrange(1000, 100_000) for _ in range(MOONCAKE_BLOCK_TOKENS - 1)])
-    total = len(rows) if requests is None else requests
-    if _MARKER_BASE + (total // len(rows) + 1) * hash_span >= _TAIL_BASE or total >= _TAIL_BASE:
-        raise ValueError(f"too many requests ({total}) for a tiled trace of {len(rows)} rows")
 
     def generate() -> Iterator[SimRequest]:
-        for n in range(total):
-            tile, index = divmod(n, len(rows))
-            row = rows[index]
-            length = row.input_length if max_input_tokens is None else min(row.input_length, max_input_tokens)
-            prompt = array("I")
-            for hash_id in row.hash_ids:
-                if len(prompt) >= length:
-                    break
-                prompt.append(_MARKER_BASE + tile * hash_span + hash_id)
-                prompt.extend(filler)
-            if len(prompt) < length:
-                prompt.append(_TAIL_BASE + n)
-                while len(prompt) < length:
+        n = 0
+        for tile in range(tiles):
+            for row in read_trace(path, limit=min(rows, total - n)):
+                ids = row.hash_ids if dense is None else [dense[h] for h in row.hash_ids]
+                length = (
+                    row.input_length if max_input_tokens is None else min(row.input_length, max_input_tokens)
+                )
+                prompt = array("I")
+                for hash_id in ids:
+                    if len(prompt) >= length:
+                        break
+                    prompt.append(_MARKER_BASE + tile * hash_span + hash_id)
                     prompt.extend(filler)
-            del prompt[max(1, length) :]
-            max_tokens = max(1, row.output_length)
-            if max_tokens_cap is not None:
-                max_tokens = min(max_tokens, max_tokens_cap)
-            arrival_s = (tile * shape.period_s + (row.timestamp_ms - first_ms) / 1000.0) * scale
-            yield SimRequest(prompt, max_tokens, arrival_s)
+                if len(prompt) < length:
+                    prompt.append(_TAIL_BASE + n)
+                    while len(prompt) < length:
+                        prompt.extend(filler)
+                del prompt[max(1, length) :]
+                max_tokens = max(1, row.output_length)
+                if max_tokens_cap is not None:
+                    max_tokens = min(max_tokens, max_tokens_cap)
+                arrival_s = (tile * shape.period_s + (row.timestamp_ms - first_ms) / 1000.0) * scale
+                yield SimRequest(prompt, max_tokens, arrival_s)
+                n += 1
 
     return shape, generate()

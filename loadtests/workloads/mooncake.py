@@ -22,14 +22,17 @@ on them; prompt lengths are approximate in the same way.
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
 import random
 import struct
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import IO, Any, ClassVar
 
 from loadtests.workloads.base import ChatMessage, RequestSpec, check_positive, make_tags
 from loadtests.workloads.text import TOKENS_PER_WORD, random_text, words_for_tokens
@@ -52,39 +55,90 @@ class TraceRow:
     hash_ids: tuple[int, ...]
 
 
+_GZIP_MAGIC = b"\x1f\x8b"
+_TRACE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+def _whole(raw: dict[str, Any], name: str) -> int:
+    """Field ``name`` as an int: a JSON integer, or a finite number (truncated), never a bool."""
+    value = raw[name]
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TraceError(f"{name} must be a finite number, got {value!r}")
+    return int(value)
+
+
 def parse_trace_line(line: str) -> TraceRow:
-    """One JSON line → :class:`TraceRow`; raises :class:`TraceError` when a field is missing or wrong."""
+    """One JSON line → :class:`TraceRow`; raises :class:`TraceError` when a field is missing or wrong.
+
+    A record is a JSON object with the four fields; ``input_length`` must be at least 1 (an engine
+    refuses an empty prompt: one such row would count as an error at every rate),
+    ``output_length`` and the hash ids at least 0 (an ``output_length`` of 0 asks for one token).
+    """
     try:
         raw = json.loads(line)
-        row = TraceRow(
-            timestamp_ms=int(raw["timestamp"]),
-            input_length=int(raw["input_length"]),
-            output_length=int(raw["output_length"]),
-            hash_ids=tuple(int(h) for h in raw["hash_ids"]),
-        )
-    except (ValueError, KeyError, TypeError) as exc:
-        raise TraceError(f"bad trace line {line[:80]!r}: {exc}") from exc
-    if row.input_length < 0 or row.output_length < 0 or any(h < 0 for h in row.hash_ids):
-        raise TraceError(f"negative length or hash id in trace line {line[:80]!r}")
+    except ValueError as exc:
+        raise TraceError(f"not JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise TraceError(f"not a Mooncake record (a JSON object with {', '.join(_TRACE_FIELDS)})")
+    missing = [name for name in _TRACE_FIELDS if name not in raw]
+    if missing:
+        raise TraceError(f"missing field(s) {', '.join(missing)}")
+    hash_ids = raw["hash_ids"]
+    if not isinstance(hash_ids, list) or not all(
+        isinstance(h, int) and not isinstance(h, bool) for h in hash_ids
+    ):
+        raise TraceError("hash_ids must be a list of integers")
+    row = TraceRow(
+        timestamp_ms=_whole(raw, "timestamp"),
+        input_length=_whole(raw, "input_length"),
+        output_length=_whole(raw, "output_length"),
+        hash_ids=tuple(hash_ids),
+    )
+    if row.input_length < 1:
+        raise TraceError(f"input_length must be >= 1, got {row.input_length}")
+    if row.output_length < 0 or any(h < 0 for h in row.hash_ids):
+        raise TraceError("negative output_length or hash id")
     return row
 
 
+def _text(path: str | Path, compressed: bool) -> IO[str]:
+    """The trace's lines as text (a UTF-8 byte-order mark dropped), gunzipped when ``compressed``."""
+    if compressed:
+        return gzip.open(path, "rt", encoding="utf-8-sig")
+    return open(path, encoding="utf-8-sig")
+
+
 def read_trace(path: str | Path, *, offset: int = 0, limit: int | None = None) -> Iterator[TraceRow]:
-    """Rows ``offset .. offset + limit`` of a trace file, read lazily (blank lines skipped). I/O."""
+    """Rows ``offset .. offset + limit`` of a trace file, read lazily (blank lines skipped). I/O.
+
+    The file may be gzip-compressed (told by its first bytes, not its name), may start with a UTF-8
+    byte-order mark and may end lines with CRLF. A bad line raises :class:`TraceError` naming the
+    file and the line number.
+    """
     if offset < 0 or (limit is not None and limit < 0):
         raise ValueError(f"offset and limit must be >= 0, got {offset}, {limit}")
+    with open(path, "rb") as probe:
+        compressed = probe.read(2) == _GZIP_MAGIC
     taken = 0
     index = 0
-    with open(path, encoding="utf-8") as lines:
-        for line in lines:
-            if limit is not None and taken >= limit:
-                return
-            if not line.strip():
-                continue
-            if index >= offset:
-                yield parse_trace_line(line)
-                taken += 1
-            index += 1
+    number = 0
+    try:
+        with _text(path, compressed) as lines:
+            for number, line in enumerate(lines, start=1):
+                if limit is not None and taken >= limit:
+                    return
+                if not line.strip():
+                    continue
+                if index >= offset:
+                    try:
+                        yield parse_trace_line(line)
+                    except TraceError as exc:
+                        raise TraceError(f"{path} line {number}: {exc}: {line.strip()[:80]!r}") from None
+                    taken += 1
+                index += 1
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        what = "gzip data" if compressed else "text"
+        raise TraceError(f"{path} line {number + 1}: not UTF-8 JSON lines {what} ({exc})") from None
 
 
 class BlockTokens:
@@ -198,6 +252,7 @@ def replay(
     ``max_tokens`` is ``output_length`` (at least 1), cut at ``max_tokens_cap``; prompts are cut at
     ``max_input_tokens`` (a prefix, so sharing is kept). A row whose ``input_length`` is longer than its
     blocks is padded with fresh ids from ``rng`` (an unshared tail). Request ids count from ``first_index``.
+    A row whose timestamp is earlier than the one before it raises :class:`TraceError`.
     """
     check_positive("replay", time_scale=time_scale)
     if prompt_format not in ("tokens", "text"):
@@ -206,8 +261,15 @@ def replay(
     blocks = BlockTokens(salt)
     texts = BlockText(salt)
     start_ms: int | None = None
+    previous_ms: int | None = None
     for n, row in enumerate(rows, start=first_index):
         start_ms = row.timestamp_ms if start_ms is None else start_ms
+        if previous_ms is not None and row.timestamp_ms < previous_ms:
+            raise TraceError(
+                f"trace row {n + 1}: timestamp {row.timestamp_ms} ms is earlier than the row before it "
+                f"({previous_ms} ms); a trace must be in arrival order (sort it by timestamp)"
+            )
+        previous_ms = row.timestamp_ms
         length = row.input_length if max_input_tokens is None else min(row.input_length, max_input_tokens)
         max_tokens = max(1, row.output_length)
         if max_tokens_cap is not None:

@@ -82,6 +82,6 @@ def test_tune_smoke_recommends_usable_weights(capsys: pytest.CaptureFixture[str]
     assert command.startswith("kvlb admin policy set name=cost ")
     if report["plot"] is not None:  # matplotlib is optional
         assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    tiny = ("--requests", "40", "--grid", "overlap_credit=1", "--no-plot", "--max-imbalance", "0.5")
+    tiny = ("--requests", "40", "--grid", "overlap_credit=1", "--no-plot", "--min-hit-rate", "1")
     code, text = _run(capsys, "tune", "--smoke", *tiny)
     assert code == 1 and "no point meets" in text

@@ -293,3 +293,22 @@ def test_a_search_that_met_the_slo_at_no_rate_says_so() -> None:
     assert capacity_line(None, 0.001828989483310471) == "no rate tried met the SLO (down to 0.00183 req/s)"
     assert capacity_line(4.0, 4.5937) == "capacity 4 req/s (first failing 4.59)"
     assert capacity_line(8.0, None) == "capacity 8 req/s (first failing none)"
+
+
+def test_a_peer_invalid_on_the_fleet_is_said_so_and_is_not_the_best_peer() -> None:
+    # before (kvlb capacity --smoke --confirm, 2026-12-01): sglang-router answered 422 to all 120
+    # token-id requests; capacity.json said "invalid", but capacity.md named it the best peer, gave
+    # kvlb's ratio to it, and its row showed the simulated capacity with no word of the invalid runs
+    searches = {"kvlb": _search(40.0), "round_robin": _search(20.0), "sglang_cache_aware": _search(32.0)}
+    reason = "invalid run: 120 of 120 requests failed (> 1%): HTTP 422 x120"
+    report = build_report(
+        {}, Slo(), searches, ["round_robin", "sglang_cache_aware"], invalid={"sglang_cache_aware": reason}
+    )
+    rows = {r["name"]: r for r in report["routers"]}
+    assert report["best_peer"] == "round_robin"
+    assert rows["kvlb"]["vs_best_peer"] == pytest.approx(
+        rows["kvlb"]["capacity_rate"] / rows["round_robin"]["capacity_rate"]
+    )
+    assert rows["sglang_cache_aware"]["invalid"] == reason
+    row = next(line for line in markdown(report).splitlines() if line.startswith("| sglang_cache_aware |"))
+    assert f"invalid on the fleet: {reason}" in row
