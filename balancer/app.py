@@ -229,8 +229,10 @@ class Balancer:
     def _share_load(self, pools: Mapping[str, Pool], admission: Admission) -> None:
         """With ``--workers N``: publish every pool's own per-replica load and the admitted count
         into this worker's row of the supervisor's table, and let every router (its view and its
-        per-replica cap) and the admission (``limits.max_inflight``, and
-        ``limits.max_inflight_per_tenant`` when it is below it) add the other workers' rows."""
+        per-replica cap) and the admission (``limits.max_inflight``,
+        ``limits.max_inflight_per_tenant`` when it is below it, and
+        ``limits.max_inflight_prompt_tokens_per_tenant`` when it is set) add the other workers'
+        rows."""
         worker = self.options.worker
         if worker is None or worker.count < 2 or worker.load_table is None:
             return
@@ -256,6 +258,9 @@ class Balancer:
             # nothing is shared for it.
             admission.on_tenant_change = share.publish_tenant
             admission.tenant_peers = share.peer_tenant_admitted
+        if admission.limits.max_inflight_prompt_tokens_per_tenant is not None:
+            admission.on_tenant_tokens = share.publish_tenant_tokens
+            admission.tenant_token_peers = share.peer_tenant_prompt_tokens
 
     def _series(self) -> SeriesSampler:
         """The console's bounded time series (``console.series_*``)."""
@@ -489,6 +494,8 @@ class Balancer:
                 self.state.admission.on_change = None
                 self.state.admission.tenant_peers = None
                 self.state.admission.on_tenant_change = None
+                self.state.admission.tenant_token_peers = None
+                self.state.admission.on_tenant_tokens = None
             share.close()
         if self._siblings is not None:
             siblings, self._siblings = self._siblings, None
