@@ -9,8 +9,8 @@ others' rows.
 
 A row is a header ``[seq, used, admitted, tenant_seq, tenant_used]``, ``limits.load_share_slots``
 replica slots ``[key, prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]`` and
-``limits.load_share_tenant_slots`` tenant slots ``[key, admitted, prompt_tokens]``, all int64 in
-the host's byte order (the table never leaves the host). After the rows, the table ends with its
+``limits.load_share_tenant_slots`` tenant slots ``[key, admitted, prompt_tokens, rate_tat_ns]``,
+all int64 in the host's byte order (the table never leaves the host). After the rows, the table ends with its
 layout (:data:`LAYOUT_WORDS`: :data:`LAYOUT`, the replica slots and the tenant slots a row has),
 written by the supervisor and checked by each worker as it maps the table: a worker of another
 layout (another kvlb release restarted under an older supervisor, or other settings) refuses to
@@ -26,11 +26,16 @@ a tenant (:func:`balancer.service.admission.tenant_key` of its name; the default
 tenants have fixed keys of their own) and ``admitted`` is the worker's requests of that tenant in
 flight (``limits.max_inflight_per_tenant``, :meth:`LoadShare.publish_tenant`), ``prompt_tokens``
 the prompt tokens its requests hold here of the tenant's
-``limits.max_inflight_prompt_tokens_per_tenant`` (:meth:`LoadShare.publish_tenant_tokens`); the same
-rules hold: a tenant holds a slot while the worker has requests of it in flight or prompt tokens
-held, so an idle tenant costs nothing, and one that finds no free tenant slot is not shared and
-is counted (``on_tenant_overflow``,
-``kvlb_load_share_overflow_tenants_total``).
+``limits.max_inflight_prompt_tokens_per_tenant`` (:meth:`LoadShare.publish_tenant_tokens`),
+``rate_tat_ns`` the theoretical arrival time of the tenant's bucket of ``limits.tenant_rate_per_s``
+as this worker last set it (:mod:`balancer.service.tenant_rate`: nanoseconds of the host's monotonic
+clock, which every process shares; 0: none; :meth:`LoadShare.publish_tenant_tat`), of which a
+worker takes the latest of all rows (:meth:`LoadShare.peer_tenant_tat`). The same rules hold: a
+tenant holds a slot while the worker has requests of it in flight, prompt tokens held or a bucket
+time published, so an idle tenant costs nothing; the slots whose bucket time has passed (the bucket
+is full again) and that hold nothing else are freed when a tenant finds no free slot (a sweep of
+this worker's slots, at most once per :data:`SWEEP_S`); one that still finds no free tenant slot is
+not shared and is counted (``on_tenant_overflow``, ``kvlb_load_share_overflow_tenants_total``).
 
 ``seq`` is a seqlock over the replica slots, ``tenant_seq`` one over the tenant slots (so that a
 change of one section does not make the other workers read the other again): the writer makes it
@@ -75,6 +80,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
+import time
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from multiprocessing import resource_tracker, shared_memory
@@ -98,12 +104,15 @@ TENANT_USED_WORD = 4
 SLOT = struct.Struct("=qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
-TENANT_SLOT_WORDS = 3
+TENANT_SLOT_WORDS = 4
 """A tenant slot: ``key`` (0: free; :func:`balancer.service.admission.tenant_key`), the requests
-of that tenant the worker has admitted (:data:`ADMITTED_FIELD`) and the prompt tokens they hold
-(:data:`PROMPT_TOKENS_FIELD`)."""
+of that tenant the worker has admitted (:data:`ADMITTED_FIELD`), the prompt tokens they hold
+(:data:`PROMPT_TOKENS_FIELD`) and its rate bucket's time (:data:`RATE_TAT_FIELD`, ns)."""
 ADMITTED_FIELD = 1
 PROMPT_TOKENS_FIELD = 2
+RATE_TAT_FIELD = 3
+SWEEP_S = 1.0
+"""Least seconds between two sweeps of this worker's tenant slots for expired bucket times."""
 TENANT_SLOT_BYTES = TENANT_SLOT_WORDS * WORD_BYTES
 WORD = struct.Struct("=q")
 """One int64 word in the host's byte order (as the segment's int64 view reads it)."""
@@ -112,7 +121,7 @@ DICT_AFTER = 8
 READ_ATTEMPTS = 8
 """Reads of one row before a reader gives up on it for this snapshot (a writer mid-update)."""
 LAYOUT = 0x6B76_6C62_0000_0002
-"""The table's layout version ("kvlb" and 2: tenant slots of three words), its first layout word;
+"""The table's layout version ("kvlb" and 2: tenant slots of four words), its first layout word;
 version 1 (tenant slots of two words) wrote no layout."""
 LAYOUT_WORDS = 3
 """The words that end the table: :data:`LAYOUT`, replica slots a row, tenant slots a row."""
@@ -173,8 +182,8 @@ def _zero_row(shm: shared_memory.SharedMemory, offset: int, size: int) -> None:
 
 
 def _find(raw: bytes, key: int, field: int = ADMITTED_FIELD) -> int:
-    """``key``'s ``field`` (:data:`ADMITTED_FIELD`, :data:`PROMPT_TOKENS_FIELD`) in a row's tenant
-    slots as read (their bytes: ``[key, admitted, prompt_tokens]`` triples of int64), 0 if absent,
+    """``key``'s ``field`` (:data:`ADMITTED_FIELD`, :data:`PROMPT_TOKENS_FIELD`, :data:`RATE_TAT_FIELD`)
+    in a row's tenant slots as read (their bytes: :data:`TENANT_SLOT_WORDS` int64 each), 0 if absent,
     negatives as 0: a byte search in C for the key's 8 bytes at a slot's start, no Python int made
     per slot."""
     needle = WORD.pack(key)
@@ -200,7 +209,7 @@ class _TenantRead:
         self.seq = seq
         self.raw = raw
         self.asked = 0
-        self.counts: dict[int, tuple[int, int]] | None = None
+        self.counts: dict[int, tuple[int, ...]] | None = None
 
     def count(self, key: int, field: int = ADMITTED_FIELD) -> int:
         """``key``'s ``field`` in this read (0 if absent, negatives as 0)."""
@@ -211,9 +220,10 @@ class _TenantRead:
                 return _find(self.raw, key, field)
             with memoryview(self.raw).cast("q") as view:
                 values = view.tolist()
-            counts = self.counts = dict(
-                zip(values[::3], zip(values[1::3], values[2::3], strict=True), strict=True)
-            )
+            step = TENANT_SLOT_WORDS
+            counts = self.counts = {
+                values[i]: tuple(values[i + 1 : i + step]) for i in range(0, len(values), step)
+            }
         found = counts.get(key)
         return 0 if found is None else max(0, found[field - 1])
 
@@ -369,6 +379,7 @@ class LoadShare:
         self._tenant_seq: int = self._words[self._at + TENANT_SEQ_WORD]
         self._tenant_slots = _Slots(tenant_slots, on_tenant_overflow)
         self._tenant_rows: dict[int, _TenantRead] = {}
+        self._swept_at = float("-inf")
         self._slots = _Slots(slots, on_overflow)
         self._rows: dict[int, tuple[int, dict[int, LoadCounts]]] = {}
         self._sum: dict[int, LoadCounts] = {}
@@ -491,28 +502,83 @@ class LoadShare:
         """Write ``field`` of the tenant ``key``'s slot (taken if need be), under the tenant seqlock;
         the slot is freed when that field and the other are both 0 (or less)."""
         words, row = self._words, self._at
-        slot_of = self._tenant_slots.slot_of.get(key)
-        other = 0
+        slots = self._tenant_slots
+        slot_of = slots.slot_of.get(key)
+        other = False
         if slot_of is not None:
-            other = words[row + self._tenant_at + slot_of * TENANT_SLOT_WORDS + (3 - field)]
-        found = self._tenant_slots.find(key, value > 0 or other > 0)
+            at = row + self._tenant_at + slot_of * TENANT_SLOT_WORDS
+            other = any(
+                words[at + f] > 0 for f in (ADMITTED_FIELD, PROMPT_TOKENS_FIELD, RATE_TAT_FIELD) if f != field
+            )
+        elif value > 0 and not slots.free and slots.used >= slots.capacity:
+            self._sweep_tenants()
+        found = slots.find(key, value > 0 or other)
         if found is None:
             return
         slot, fresh = found
         at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
-        if value <= 0 and other <= 0:
-            words[at] = 0
-            words[at + ADMITTED_FIELD] = 0
-            words[at + PROMPT_TOKENS_FIELD] = 0
-            self._tenant_slots.release(key, slot)
+        if value <= 0 and not other:
+            for f in range(TENANT_SLOT_WORDS):
+                words[at + f] = 0
+            slots.release(key, slot)
         else:
-            words[at + field] = value
             if fresh:
-                words[at + (3 - field)] = 0
+                for f in range(1, TENANT_SLOT_WORDS):
+                    words[at + f] = 0
                 words[at] = key
-                words[row + TENANT_USED_WORD] = self._tenant_slots.used
+                words[row + TENANT_USED_WORD] = slots.used
+            words[at + field] = value
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+
+    def publish_tenant_tat(self, key: int, tat_ns: int) -> None:
+        """Write the time of the tenant ``key``'s bucket of ``limits.tenant_rate_per_s`` as this
+        worker just set it (ns of the monotonic clock; the ``publish`` hook of
+        :class:`balancer.service.tenant_rate.SharedRates`). The slot stays taken after the time has
+        passed, until a sweep (:meth:`_sweep_tenants`) frees it."""
+        if self._shm is None:
+            return
+        self._publish_tenant_field(key, RATE_TAT_FIELD, tat_ns)
+
+    def peer_tenant_tat(self, key: int) -> int:
+        """The latest time of the tenant ``key``'s rate bucket the other workers published (ns of
+        the monotonic clock; 0: none)."""
+        if self._shm is None:
+            return 0
+        latest = 0
+        for peer in self._peers:
+            latest = max(latest, self._tenant_read(peer).count(key, RATE_TAT_FIELD))
+        return latest
+
+    def _sweep_tenants(self) -> None:
+        """Free this worker's tenant slots that hold nothing but a bucket time now past (at most once
+        per :data:`SWEEP_S`; called when a tenant finds every slot taken)."""
+        now = time.monotonic()
+        if now < self._swept_at + SWEEP_S:
+            return
+        self._swept_at = now
+        now_ns = int(now * 1e9)
+        words, row = self._words, self._at
+        idle: list[tuple[int, int]] = []
+        for key, slot in self._tenant_slots.slot_of.items():
+            at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+            if (
+                words[at + ADMITTED_FIELD] <= 0
+                and words[at + PROMPT_TOKENS_FIELD] <= 0
+                and words[at + RATE_TAT_FIELD] <= now_ns
+            ):
+                idle.append((key, slot))
+        if not idle:
+            return
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+        for key, slot in idle:
+            at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+            for f in range(TENANT_SLOT_WORDS):
+                words[at + f] = 0
+            self._tenant_slots.release(key, slot)
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
 

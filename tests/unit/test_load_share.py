@@ -112,7 +112,7 @@ def test_a_dead_workers_row_is_zeroed_by_the_supervisor_and_a_new_worker_starts_
 
 def test_size_and_keys() -> None:
     assert row_bytes(1024) == 40 + 40 * 1024
-    assert row_bytes(1024, 64) == 40 + 40 * 1024 + 24 * 64
+    assert row_bytes(1024, 64) == 40 + 40 * 1024 + 32 * 64
     assert table_bytes(3, 1024, 64) == 3 * row_bytes(1024, 64) + 24
     assert replica_key("m", "a") == replica_key("m", "a") != replica_key("n", "a")
     assert 0 < replica_key("m", "a") < 2**63
@@ -559,11 +559,11 @@ def test_a_key_is_found_only_at_a_slots_start_and_counts_below_zero_read_as_zero
     key = 0x0102_0304_0506_0708
     packed = WORD.pack(key)
     straddling = WORD.unpack(b"\0\0\0\0" + packed[:4])[0], WORD.unpack(packed[4:] + b"\0\0\0\0")[0]
-    raw = b"".join(WORD.pack(word) for word in (*straddling, 0, key, 5, 7, KB, -3, -4))
+    raw = b"".join(WORD.pack(word) for word in (*straddling, 0, 0, key, 5, 7, 9, KB, -3, -4, -5))
     assert raw.find(packed) == 4  # the key's bytes first show up across the first slot's two words
     assert (_find(raw, key), _find(raw, KB), _find(raw, KA), _find(b"", key)) == (5, 0, 0, 0)
-    tokens = (_find(raw, key, PROMPT_TOKENS_FIELD), _find(raw, KB, PROMPT_TOKENS_FIELD))
-    assert tokens == (7, 0)
+    tokens = (_find(raw, key, PROMPT_TOKENS_FIELD), _find(raw, KB, PROMPT_TOKENS_FIELD), _find(raw, key, 3))
+    assert tokens == (7, 0, 9)
 
 
 def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(table: LoadTable) -> None:
@@ -571,7 +571,7 @@ def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(t
     w0.publish_tenant(KA, 3)
     w0.publish_tenant(KB, 1)
     answers = [(w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KC)) for _ in range(DICT_AFTER)]
-    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: (3, 0), KB: (1, 0)}
+    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: (3, 0, 0), KB: (1, 0, 0)}
     w0.publish_tenant(KA, 2)  # a new read: searched again, no dict yet
     assert w1.peer_tenant_admitted(KA) == 2 and w1._tenant_rows[0].counts is None
     w0.close()
@@ -582,10 +582,10 @@ def test_a_worker_of_another_layout_refuses_to_map_the_table_and_says_why() -> N
     """The table ends with its layout: a worker expecting another one (same size, other split of
     replica and tenant slots; or a table of a release that wrote no layout: zeros) refuses it with
     both layouts named, instead of reading the rows wrongly."""
-    with LoadTableFor(2, 3, 5) as made:  # 40 + 3 x 40 + 5 x 24 = 280 bytes a row
-        with pytest.raises(ValueError, match="has layout 0x6b766c6200000002 with 3 replica slots and 5"):
-            LoadShare(made.name, 0, 2, 6, 0, track=True)  # 40 + 6 x 40 = 280 bytes a row too
-        LoadShare(made.name, 0, 2, 3, 5, track=True).close()  # its own layout maps
+    with LoadTableFor(2, 4, 5) as made:  # 40 + 4 x 40 + 5 x 32 = 360 bytes a row
+        with pytest.raises(ValueError, match="has layout 0x6b766c6200000002 with 4 replica slots and 5"):
+            LoadShare(made.name, 0, 2, 8, 0, track=True)  # 40 + 8 x 40 = 360 bytes a row too
+        LoadShare(made.name, 0, 2, 4, 5, track=True).close()  # its own layout maps
     old = shared_memory.SharedMemory(create=True, size=table_bytes(2, 3, 5))  # all zeros
     try:
         with pytest.raises(ValueError, match=r"has layout 0x0 .* restart the whole service"):
