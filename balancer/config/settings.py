@@ -266,8 +266,10 @@ class LimitConfig:
     (``kvlb_admission_shed_total{reason="tenant_rate"}``,
     ``kvlb_admission_tenant_rate_limited_total{bucket}``). A refused request costs about 80 µs of
     CPU and takes no slot, byte or queue place. 0 (the default): off. With ``kvlb serve --workers N``
-    each worker lets in 1/N of it (and of the bursts): the service's limit holds while a tenant's
-    connections spread over the workers; a tenant on one connection gets 1/N of it."""
+    the service's, all workers together: each worker's bucket of a tenant starts from the latest
+    time any worker set for it (the shared load table's tenant slots, ``load_share_tenant_slots``),
+    so a tenant gets its whole rate on one connection or on many, and workers letting the same
+    tenant in at the same instant can let at most one request per other worker too many in."""
     tenant_burst: int | None = None
     """Requests a tenant may start at once after being idle (the bucket's depth, ≥ 1). Unset: one
     second's worth, ``ceil(tenant_rate_per_s)``. Per worker as ``tenant_rate_per_s`` (rounded up)."""
