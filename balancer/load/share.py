@@ -500,36 +500,46 @@ class LoadShare:
 
     def _publish_tenant_field(self, key: int, field: int, value: int) -> None:
         """Write ``field`` of the tenant ``key``'s slot (taken if need be), under the tenant seqlock;
-        the slot is freed when that field and the other are both 0 (or less)."""
+        the slot is freed when every field is 0 (or less). Written out word by word: it runs at each
+        change of a tenant's count (docs/operations.md has the figures)."""
         words, row = self._words, self._at
         slots = self._tenant_slots
-        slot_of = slots.slot_of.get(key)
-        other = False
-        if slot_of is not None:
-            at = row + self._tenant_at + slot_of * TENANT_SLOT_WORDS
-            other = any(
-                words[at + f] > 0 for f in (ADMITTED_FIELD, PROMPT_TOKENS_FIELD, RATE_TAT_FIELD) if f != field
+        slot = slots.slot_of.get(key)
+        if slot is not None:
+            at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+            busy = value > 0 or (
+                (field != ADMITTED_FIELD and words[at + ADMITTED_FIELD] > 0)
+                or (field != PROMPT_TOKENS_FIELD and words[at + PROMPT_TOKENS_FIELD] > 0)
+                or (field != RATE_TAT_FIELD and words[at + RATE_TAT_FIELD] > 0)
             )
-        elif value > 0 and not slots.free and slots.used >= slots.capacity:
+            self._tenant_seq += 1
+            words[row + TENANT_SEQ_WORD] = self._tenant_seq
+            if busy:
+                words[at + field] = value
+            else:
+                words[at] = 0
+                words[at + ADMITTED_FIELD] = 0
+                words[at + PROMPT_TOKENS_FIELD] = 0
+                words[at + RATE_TAT_FIELD] = 0
+                slots.release(key, slot)
+            self._tenant_seq += 1
+            words[row + TENANT_SEQ_WORD] = self._tenant_seq
+            return
+        if value > 0 and not slots.free and slots.used >= slots.capacity:
             self._sweep_tenants()
-        found = slots.find(key, value > 0 or other)
+        found = slots.find(key, value > 0)
         if found is None:
             return
-        slot, fresh = found
+        slot = found[0]
         at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
-        if value <= 0 and not other:
-            for f in range(TENANT_SLOT_WORDS):
-                words[at + f] = 0
-            slots.release(key, slot)
-        else:
-            if fresh:
-                for f in range(1, TENANT_SLOT_WORDS):
-                    words[at + f] = 0
-                words[at] = key
-                words[row + TENANT_USED_WORD] = slots.used
-            words[at + field] = value
+        words[at + ADMITTED_FIELD] = 0
+        words[at + PROMPT_TOKENS_FIELD] = 0
+        words[at + RATE_TAT_FIELD] = 0
+        words[at + field] = value
+        words[at] = key
+        words[row + TENANT_USED_WORD] = slots.used
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
 
