@@ -14,7 +14,8 @@ all int64 in the host's byte order (the table never leaves the host). After the 
 layout (:data:`LAYOUT_WORDS`: :data:`LAYOUT`, the replica slots and the tenant slots a row has),
 written by the supervisor and checked by each worker as it maps the table: a worker of another
 layout (another kvlb release restarted under an older supervisor, or other settings) refuses to
-map it, with a message saying which layout it found, instead of reading the rows wrongly.
+map it (:class:`~balancer.errors.ConfigError`: the worker prints it and exits 2), with a message
+saying which layout it found, instead of reading the rows wrongly.
 ``admitted`` is the worker's admitted requests
 (``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one aligned 8-byte store, read
 without a seqlock. A replica slot's ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free
@@ -85,6 +86,7 @@ import weakref
 from collections.abc import Callable, Collection, Mapping
 from multiprocessing import resource_tracker, shared_memory
 
+from balancer.errors import ConfigError
 from balancer.load.tracker import LoadCounts, combine
 from balancer.types import ReplicaId
 
@@ -342,7 +344,7 @@ class LoadShare:
         size = row_bytes(slots, tenant_slots)
         if shm.size < table_bytes(workers, slots, tenant_slots):
             shm.close()
-            raise ValueError(
+            raise ConfigError(
                 f"load table {name!r} is {shm.size} bytes, smaller than {workers} rows of layout "
                 f"{LAYOUT:#x} ({slots} replica slots, {tenant_slots} tenant slots): made by another "
                 "kvlb release or other settings; restart the whole service"
@@ -352,7 +354,7 @@ class LoadShare:
             found = tuple(view[at : at + LAYOUT_WORDS].tolist())
         if found != (LAYOUT, slots, tenant_slots):
             shm.close()
-            raise ValueError(
+            raise ConfigError(
                 f"load table {name!r} has layout {found[0]:#x} with {found[1]} replica slots and "
                 f"{found[2]} tenant slots; this worker maps layout {LAYOUT:#x} with {slots} and "
                 f"{tenant_slots}: made by another kvlb release or other settings; restart the whole "

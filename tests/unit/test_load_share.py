@@ -16,7 +16,7 @@ from random import Random
 
 import pytest
 
-from balancer.errors import Overloaded
+from balancer.errors import ConfigError, Overloaded
 from balancer.load.share import (
     DICT_AFTER,
     LAYOUT,
@@ -583,12 +583,12 @@ def test_a_worker_of_another_layout_refuses_to_map_the_table_and_says_why() -> N
     replica and tenant slots; or a table of a release that wrote no layout: zeros) refuses it with
     both layouts named, instead of reading the rows wrongly."""
     with LoadTableFor(2, 4, 5) as made:  # 40 + 4 x 40 + 5 x 32 = 360 bytes a row
-        with pytest.raises(ValueError, match="has layout 0x6b766c6200000002 with 4 replica slots and 5"):
+        with pytest.raises(ConfigError, match="has layout 0x6b766c6200000002 with 4 replica slots and 5"):
             LoadShare(made.name, 0, 2, 8, 0, track=True)  # 40 + 8 x 40 = 360 bytes a row too
         LoadShare(made.name, 0, 2, 4, 5, track=True).close()  # its own layout maps
     old = shared_memory.SharedMemory(create=True, size=table_bytes(2, 3, 5))  # all zeros
     try:
-        with pytest.raises(ValueError, match=r"has layout 0x0 .* restart the whole service"):
+        with pytest.raises(ConfigError, match=r"has layout 0x0 .* restart the whole service"):
             LoadShare(old.name, 0, 2, 3, 5, track=True)
     finally:
         old.close()
