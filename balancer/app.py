@@ -58,7 +58,7 @@ from balancer.service.series import SeriesSampler
 from balancer.service.server_log import server_logger
 from balancer.service.spec_share import SpeculationShare
 from balancer.service.state import Pool, ServiceState
-from balancer.service.tenant_rate import TenantRates, burst_per_worker, per_worker
+from balancer.service.tenant_rate import SharedRates, TenantRates, burst_per_worker, per_worker
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
@@ -144,13 +144,14 @@ class Balancer:
             raise
 
     def _tenant_rates(self) -> TenantRates | None:
-        """The buckets of ``limits.tenant_rate_per_s`` (``None``: off); with ``--workers N`` this
-        worker's 1/N of the rates and bursts."""
+        """The buckets of ``limits.tenant_rate_per_s`` (``None``: off); with ``--workers N`` the
+        whole rates and bursts, the buckets' times shared through the load table
+        (:meth:`_share_load`), or, without the table, this worker's 1/N of them."""
         limits = self.settings.limits
         if not limits.tenant_rate_per_s:
             return None
         worker = self.options.worker
-        workers = 1 if worker is None else worker.count
+        workers = 1 if worker is None or worker.load_table is not None else worker.count
         burst = limits.tenant_burst or max(1, math.ceil(limits.tenant_rate_per_s))
         new_rate = limits.tenant_rate_new_per_s or limits.tenant_rate_per_s
         rates = TenantRates(
@@ -217,7 +218,7 @@ class Balancer:
             for pool in pools.values()
             for (block_size, mode), space in pool.router.spaces.items()
         }
-        self._share_load(pools, admission)
+        self._share_load(pools, state)
         self._report_crash_loops(state)
         for pool in pools.values():
             for replica in pool.replicas:
@@ -228,15 +229,19 @@ class Balancer:
         await self._start_http(state)
         await self._start_grpc(state)
 
-    def _share_load(self, pools: Mapping[str, Pool], admission: Admission) -> None:
+    def _share_load(self, pools: Mapping[str, Pool], state: ServiceState) -> None:
         """With ``--workers N``: publish every pool's own per-replica load and the admitted count
         into this worker's row of the supervisor's table, and let every router (its view and its
-        per-replica cap) and the admission (``limits.max_inflight``, and
-        ``limits.max_inflight_per_tenant`` when it is below it) add the other workers' rows."""
+        per-replica cap) and the admission (``limits.max_inflight``,
+        ``limits.max_inflight_per_tenant`` when it is below it, and
+        ``limits.max_inflight_prompt_tokens_per_tenant`` when it is set) add the other workers'
+        rows; the buckets of ``limits.tenant_rate_per_s`` (when set) start from the other workers'
+        times."""
         worker = self.options.worker
         if worker is None or worker.count < 2 or worker.load_table is None:
             return
         metrics = self.metrics
+        admission = state.admission
         share = self._load_share = LoadShare(
             worker.load_table,
             worker.index,
@@ -258,6 +263,11 @@ class Balancer:
             # nothing is shared for it.
             admission.on_tenant_change = share.publish_tenant
             admission.tenant_peers = share.peer_tenant_admitted
+        if admission.limits.max_inflight_prompt_tokens_per_tenant is not None:
+            admission.on_tenant_tokens = share.publish_tenant_tokens
+            admission.tenant_token_peers = share.peer_tenant_prompt_tokens
+        if state.tenant_rates is not None:
+            state.tenant_rate_share = SharedRates(share.peer_tenant_tat, share.publish_tenant_tat)
 
     def _series(self) -> SeriesSampler:
         """The console's bounded time series (``console.series_*``)."""
@@ -491,6 +501,9 @@ class Balancer:
                 self.state.admission.on_change = None
                 self.state.admission.tenant_peers = None
                 self.state.admission.on_tenant_change = None
+                self.state.admission.tenant_token_peers = None
+                self.state.tenant_rate_share = None
+                self.state.admission.on_tenant_tokens = None
             share.close()
         if self._siblings is not None:
             siblings, self._siblings = self._siblings, None

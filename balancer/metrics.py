@@ -626,9 +626,11 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
         ),
         load_share_overflow_tenants_total=counter(
             "kvlb_load_share_overflow_tenants_total",
-            "Times a tenant's admitted requests could not be shared with the other workers because "
-            "all limits.load_share_tenant_slots tenant slots of this worker were taken (the others "
-            "then do not count its requests here against its limits.max_inflight_per_tenant).",
+            "Times a tenant's admitted requests, prompt tokens or rate bucket time could not be "
+            "shared with the other workers because all limits.load_share_tenant_slots tenant slots "
+            "of this worker were taken (the others then do not count its requests and tokens here "
+            "against limits.max_inflight_per_tenant and max_inflight_prompt_tokens_per_tenant, nor "
+            "its requests let in here against limits.tenant_rate_per_s).",
         ),
         load_share_torn_reads_total=counter(
             "kvlb_load_share_torn_reads_total",

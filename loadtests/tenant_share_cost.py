@@ -20,7 +20,13 @@ an :class:`~balancer.service.admission.Admission` is wired to this worker's row 
   of that change (``peer_publish``);
 * ``peer_read_unchanged`` and ``peer_read_changed``: the other worker's count of one tenant
   (``LoadShare.peer_tenant_admitted``) with its slots unchanged since the last read, and changed
-  (less ``peer_publish``).
+  (less ``peer_publish``);
+* ``rate_one_worker``: one request's check of ``limits.tenant_rate_per_s``
+  (:meth:`~balancer.service.tenant_rate.TenantRates.check`, a rate that never refuses) without
+  workers; ``rate_shared``: the same through
+  :class:`~balancer.service.tenant_rate.SharedRates` (the other workers' bucket time read, this
+  worker's published), and ``rate_shared_peer_busy`` when the other worker changed its tenant slots
+  since the last check (less ``peer_publish``). Only on a tree whose buckets are shared.
 
 On a tree without tenant slots (an exported older commit, for an A/B run with this file run by
 path) only the first two cases are timed. Bounded: ``--number`` at most 1,000,000, ``--repeat`` at
@@ -39,7 +45,7 @@ from collections.abc import Callable
 from typing import Any
 
 from balancer.load import share
-from balancer.service import admission
+from balancer.service import admission, tenant_rate
 from balancer.service.admission import Admission, AdmissionLimits
 
 
@@ -115,6 +121,22 @@ def measure(tenants: int, number: int, repeat: int) -> dict[str, Any]:
             out["request_tenant_shared"] = best_us(one, number, repeat)
             out["request_tenant_shared_new"] = best_us(request(gate(True, True), "x"), number, repeat)
             out["request_tenant_shared_peer_busy"] = best_us(busy, number, repeat) - publish
+            if hasattr(tenant_rate, "SharedRates"):
+                now = time.monotonic()
+
+                def rates() -> tenant_rate.TenantRates:
+                    return tenant_rate.TenantRates(1e9, 10**9, 1024)
+
+                plain, local = rates(), rates()
+                shared = tenant_rate.SharedRates(here.peer_tenant_tat, here.publish_tenant_tat)
+                out["rate_one_worker"] = best_us(lambda: plain.check("y", now), number, repeat)
+                out["rate_shared"] = best_us(lambda: shared.check(local, "y", now), number, repeat)
+
+                def rate_busy() -> None:
+                    peer_publish()
+                    shared.check(local, "y", now)
+
+                out["rate_shared_peer_busy"] = best_us(rate_busy, number, repeat) - publish
     finally:
         here.close()
         other.close()

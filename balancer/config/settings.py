@@ -190,17 +190,18 @@ class LimitConfig:
     load_share_slots: int = 1024
     """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
     requests, pending prefill tokens, decode blocks) with the other workers, through a shared-memory
-    table of N × (40 + 40 × slots + 16 × ``load_share_tenant_slots``) bytes. A replica holds a slot
+    table of N × (40 + 40 × slots + 24 × ``load_share_tenant_slots``) + 24 bytes. A replica holds a slot
     of a worker while that worker has requests in flight on it. Past the limit a replica's load from
     that worker is not shared (the other workers see only their own on it) and
     ``kvlb_load_share_overflow_replicas_total`` counts it. 1..1,048,576; ignored by one worker."""
     load_share_tenant_slots: int = 1024
-    """With ``kvlb serve --workers N`` and ``max_inflight_per_tenant`` below ``max_inflight``:
-    tenants one worker can share its admitted requests of at once with the other workers (16 bytes
-    a slot in each worker's row of the shared-memory table), so that ``max_inflight_per_tenant``
-    holds for all workers together. A tenant (the default and the overflow tenants too) holds a slot
-    of a worker while that worker has requests of it in flight. Past the limit a tenant's requests on
-    that worker are not shared (the other workers do not count them against its cap) and
+    """With ``kvlb serve --workers N`` and ``max_inflight_per_tenant`` below ``max_inflight`` or
+    ``max_inflight_prompt_tokens_per_tenant`` set: tenants one worker can share its admitted requests
+    and their prompt tokens of at once with the other workers (24 bytes a slot in each worker's row
+    of the shared-memory table), so that those caps hold for all workers together. A tenant (the
+    default and the overflow tenants too) holds a slot of a worker while that worker has requests of
+    it in flight. Past the limit a tenant's requests on that worker are not shared (the other workers
+    do not count them against its caps) and
     ``kvlb_load_share_overflow_tenants_total`` counts it. 1..65,536; ignored by one worker."""
     max_inflight_body_bytes: int = 1024 * 1024 * 1024
     """Request bodies and token ids held at once (bytes): a request reserves its body's bytes before its
@@ -244,8 +245,10 @@ class LimitConfig:
     tenant's earlier ones (its slot held) while other tenants' requests go on, until
     ``queue_timeout_s`` → 429 with Retry-After (``kvlb_admission_shed_total{reason=
     "tenant_prompt_tokens"}``). A prompt larger than the cap runs alone. Unset or 0 (the default):
-    off. ≥ 0 (any value ≥ 1 works: a longer prompt goes alone). Per worker: with ``kvlb serve --workers N``
-    a tenant may hold N times it (not shared between workers)."""
+    off. ≥ 0 (any value ≥ 1 works: a longer prompt goes alone). With ``kvlb serve --workers N`` all
+    workers together (the shared load table, ``load_share_tenant_slots``; a waiter sees tokens given
+    back on another worker within 50 ms, and workers letting prompts of one tenant in at the same
+    instant can put it at most one prompt per other worker over)."""
     max_queued_per_tenant: int | None = None
     """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
@@ -263,8 +266,10 @@ class LimitConfig:
     (``kvlb_admission_shed_total{reason="tenant_rate"}``,
     ``kvlb_admission_tenant_rate_limited_total{bucket}``). A refused request costs about 80 µs of
     CPU and takes no slot, byte or queue place. 0 (the default): off. With ``kvlb serve --workers N``
-    each worker lets in 1/N of it (and of the bursts): the service's limit holds while a tenant's
-    connections spread over the workers; a tenant on one connection gets 1/N of it."""
+    the service's, all workers together: each worker's bucket of a tenant starts from the latest
+    time any worker set for it (the shared load table's tenant slots, ``load_share_tenant_slots``),
+    so a tenant gets its whole rate on one connection or on many, and workers letting the same
+    tenant in at the same instant can let at most one request per other worker too many in."""
     tenant_burst: int | None = None
     """Requests a tenant may start at once after being idle (the bucket's depth, ≥ 1). Unset: one
     second's worth, ``ceil(tenant_rate_per_s)``. Per worker as ``tenant_rate_per_s`` (rounded up)."""

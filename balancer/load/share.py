@@ -9,8 +9,14 @@ others' rows.
 
 A row is a header ``[seq, used, admitted, tenant_seq, tenant_used]``, ``limits.load_share_slots``
 replica slots ``[key, prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]`` and
-``limits.load_share_tenant_slots`` tenant slots ``[key, admitted]``, all int64 in the host's byte
-order (the table never leaves the host). ``admitted`` is the worker's admitted requests
+``limits.load_share_tenant_slots`` tenant slots ``[key, admitted, prompt_tokens, rate_tat_ns]``,
+all int64 in the host's byte order (the table never leaves the host). After the rows, the table ends with its
+layout (:data:`LAYOUT_WORDS`: :data:`LAYOUT`, the replica slots and the tenant slots a row has),
+written by the supervisor and checked by each worker as it maps the table: a worker of another
+layout (another kvlb release restarted under an older supervisor, or other settings) refuses to
+map it (:class:`~balancer.errors.ConfigError`: the worker prints it and exits 2), with a message
+saying which layout it found, instead of reading the rows wrongly.
+``admitted`` is the worker's admitted requests
 (``limits.max_inflight``, :meth:`LoadShare.publish_admitted`): one aligned 8-byte store, read
 without a seqlock. A replica slot's ``key`` names a (pool, replica) (:func:`replica_key`, 0 = free
 slot). A replica takes a slot in the worker's row while the worker has requests in flight on it and
@@ -19,10 +25,18 @@ that finds no free slot is not shared (the other workers see only their own load
 counted (``on_overflow``, ``kvlb_load_share_overflow_replicas_total``). A tenant slot's ``key`` names
 a tenant (:func:`balancer.service.admission.tenant_key` of its name; the default and the overflow
 tenants have fixed keys of their own) and ``admitted`` is the worker's requests of that tenant in
-flight (``limits.max_inflight_per_tenant``, :meth:`LoadShare.publish_tenant`); the same rules hold:
-a tenant holds a slot while the worker has requests of it in flight, so an idle tenant costs
-nothing, and one that finds no free tenant slot is not shared and is counted (``on_tenant_overflow``,
-``kvlb_load_share_overflow_tenants_total``).
+flight (``limits.max_inflight_per_tenant``, :meth:`LoadShare.publish_tenant`), ``prompt_tokens``
+the prompt tokens its requests hold here of the tenant's
+``limits.max_inflight_prompt_tokens_per_tenant`` (:meth:`LoadShare.publish_tenant_tokens`),
+``rate_tat_ns`` the theoretical arrival time of the tenant's bucket of ``limits.tenant_rate_per_s``
+as this worker last set it (:mod:`balancer.service.tenant_rate`: nanoseconds of the host's monotonic
+clock, which every process shares; 0: none; :meth:`LoadShare.publish_tenant_tat`), of which a
+worker takes the latest of all rows (:meth:`LoadShare.peer_tenant_tat`). The same rules hold: a
+tenant holds a slot while the worker has requests of it in flight, prompt tokens held or a bucket
+time published, so an idle tenant costs nothing; the slots whose bucket time has passed (the bucket
+is full again) and that hold nothing else are freed when a tenant finds no free slot (a sweep of
+this worker's slots, at most once per :data:`SWEEP_S`); one that still finds no free tenant slot is
+not shared and is counted (``on_tenant_overflow``, ``kvlb_load_share_overflow_tenants_total``).
 
 ``seq`` is a seqlock over the replica slots, ``tenant_seq`` one over the tenant slots (so that a
 change of one section does not make the other workers read the other again): the writer makes it
@@ -45,8 +59,9 @@ they changed since.
 **The caps read the table too.** ``limits.max_inflight_per_replica`` is checked against a replica's
 in-flight requests summed over every row (:meth:`balancer.routing.router.PoolRouter.in_flight_total`),
 ``limits.max_inflight`` against the ``admitted`` of every row and ``limits.max_inflight_per_tenant``
-against the tenant's ``admitted`` in every row (:class:`balancer.service.admission.Admission`, which
-knows only its hooks, not this table). There is no lock: a worker checks and then publishes,
+against the tenant's ``admitted`` in every row, ``limits.max_inflight_prompt_tokens_per_tenant``
+against the tenant's ``prompt_tokens`` in every row (:class:`balancer.service.admission.Admission`,
+which knows only its hooks, not this table). There is no lock: a worker checks and then publishes,
 synchronously on its one request loop (the router reads the chosen replica's count once more right
 before it commits, :meth:`~balancer.routing.router.PoolRouter.route`, so the gap is microseconds, not
 a whole plan), so at the moment a worker admits, each other worker has at most one admission it
@@ -66,10 +81,12 @@ from __future__ import annotations
 import hashlib
 import heapq
 import struct
+import time
 import weakref
 from collections.abc import Callable, Collection, Mapping
 from multiprocessing import resource_tracker, shared_memory
 
+from balancer.errors import ConfigError
 from balancer.load.tracker import LoadCounts, combine
 from balancer.types import ReplicaId
 
@@ -89,9 +106,15 @@ TENANT_USED_WORD = 4
 SLOT = struct.Struct("=qqqqq")
 """A slot: ``key`` (0: free), prefill requests, prefill tokens, decode sequences, decode blocks."""
 SLOT_FIELDS = 5
-TENANT_SLOT_WORDS = 2
-"""A tenant slot: ``key`` (0: free; :func:`balancer.service.admission.tenant_key`) and the requests
-of that tenant the worker has admitted."""
+TENANT_SLOT_WORDS = 4
+"""A tenant slot: ``key`` (0: free; :func:`balancer.service.admission.tenant_key`), the requests
+of that tenant the worker has admitted (:data:`ADMITTED_FIELD`), the prompt tokens they hold
+(:data:`PROMPT_TOKENS_FIELD`) and its rate bucket's time (:data:`RATE_TAT_FIELD`, ns)."""
+ADMITTED_FIELD = 1
+PROMPT_TOKENS_FIELD = 2
+RATE_TAT_FIELD = 3
+SWEEP_S = 1.0
+"""Least seconds between two sweeps of this worker's tenant slots for expired bucket times."""
 TENANT_SLOT_BYTES = TENANT_SLOT_WORDS * WORD_BYTES
 WORD = struct.Struct("=q")
 """One int64 word in the host's byte order (as the segment's int64 view reads it)."""
@@ -99,6 +122,11 @@ DICT_AFTER = 8
 """Look-ups of one read of a peer's tenant slots after which it is made into a dict."""
 READ_ATTEMPTS = 8
 """Reads of one row before a reader gives up on it for this snapshot (a writer mid-update)."""
+LAYOUT = 0x6B76_6C62_0000_0002
+"""The table's layout version ("kvlb" and 2: tenant slots of four words), its first layout word;
+version 1 (tenant slots of two words) wrote no layout."""
+LAYOUT_WORDS = 3
+"""The words that end the table: :data:`LAYOUT`, replica slots a row, tenant slots a row."""
 MAX_KEY_MEMO = 65_536
 """(pool, replica) keys remembered by a reader/writer before its memo is cleared."""
 
@@ -110,6 +138,11 @@ _ReadMemo = tuple[Mapping[int, LoadCounts], tuple[ReplicaId, ...], Mapping[Repli
 def row_bytes(slots: int, tenant_slots: int = 0) -> int:
     """Bytes of one worker's row with ``slots`` replica slots and ``tenant_slots`` tenant slots."""
     return HEADER_BYTES + slots * SLOT.size + tenant_slots * TENANT_SLOT_BYTES
+
+
+def table_bytes(workers: int, slots: int, tenant_slots: int = 0) -> int:
+    """Bytes of the whole table: ``workers`` rows (:func:`row_bytes`) and the layout words."""
+    return workers * row_bytes(slots, tenant_slots) + LAYOUT_WORDS * WORD_BYTES
 
 
 def replica_key(model: str, replica: str) -> int:
@@ -150,15 +183,16 @@ def _zero_row(shm: shared_memory.SharedMemory, offset: int, size: int) -> None:
         words[at] = seq + 1
 
 
-def _find(raw: bytes, key: int) -> int:
-    """``key``'s count in a row's tenant slots as read (their bytes: ``[key, admitted]`` pairs of
-    int64), 0 if absent, negatives as 0: a byte search in C for the key's 8 bytes at a slot's start,
-    no Python int made per slot."""
+def _find(raw: bytes, key: int, field: int = ADMITTED_FIELD) -> int:
+    """``key``'s ``field`` (:data:`ADMITTED_FIELD`, :data:`PROMPT_TOKENS_FIELD`, :data:`RATE_TAT_FIELD`)
+    in a row's tenant slots as read (their bytes: :data:`TENANT_SLOT_WORDS` int64 each), 0 if absent,
+    negatives as 0: a byte search in C for the key's 8 bytes at a slot's start, no Python int made
+    per slot."""
     needle = WORD.pack(key)
     at = raw.find(needle)
     while at >= 0:
         if at % TENANT_SLOT_BYTES == 0:
-            return max(0, int(WORD.unpack_from(raw, at + WORD_BYTES)[0]))
+            return max(0, int(WORD.unpack_from(raw, at + field * WORD_BYTES)[0]))
         at = raw.find(needle, at + 1)  # the bytes straddle two words: not a key
     return 0
 
@@ -177,18 +211,23 @@ class _TenantRead:
         self.seq = seq
         self.raw = raw
         self.asked = 0
-        self.counts: dict[int, int] | None = None
+        self.counts: dict[int, tuple[int, ...]] | None = None
 
-    def count(self, key: int) -> int:
+    def count(self, key: int, field: int = ADMITTED_FIELD) -> int:
+        """``key``'s ``field`` in this read (0 if absent, negatives as 0)."""
         counts = self.counts
         if counts is None:
             self.asked += 1
             if self.asked < DICT_AFTER:
-                return _find(self.raw, key)
+                return _find(self.raw, key, field)
             with memoryview(self.raw).cast("q") as view:
                 values = view.tolist()
-            counts = self.counts = dict(zip(values[::2], values[1::2], strict=True))
-        return max(0, counts.get(key, 0))
+            step = TENANT_SLOT_WORDS
+            counts = self.counts = {
+                values[i]: tuple(values[i + 1 : i + step]) for i in range(0, len(values), step)
+            }
+        found = counts.get(key)
+        return 0 if found is None else max(0, found[field - 1])
 
 
 class _Slots:
@@ -251,8 +290,12 @@ class LoadTable:
         self.tenant_slots = tenant_slots
         self._row_bytes = row_bytes(slots, tenant_slots)
         self._shm: shared_memory.SharedMemory | None = shared_memory.SharedMemory(
-            create=True, size=workers * self._row_bytes
+            create=True, size=table_bytes(workers, slots, tenant_slots)
         )
+        with _words(self._shm) as words:
+            at = workers * self._row_bytes // WORD_BYTES
+            for offset, word in enumerate((LAYOUT, slots, tenant_slots)):
+                words[at + offset] = word
         self.name = self._shm.name
         """What the workers attach by (``--load-table``)."""
 
@@ -299,9 +342,24 @@ class LoadShare:
             # which would unlink it when this worker exits; the supervisor owns it.
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
         size = row_bytes(slots, tenant_slots)
-        if shm.size < workers * size:
+        if shm.size < table_bytes(workers, slots, tenant_slots):
             shm.close()
-            raise ValueError(f"load table {name!r} is {shm.size} bytes, smaller than {workers} rows")
+            raise ConfigError(
+                f"load table {name!r} is {shm.size} bytes, smaller than {workers} rows of layout "
+                f"{LAYOUT:#x} ({slots} replica slots, {tenant_slots} tenant slots): made by another "
+                "kvlb release or other settings; restart the whole service"
+            )
+        with _words(shm) as view:
+            at = workers * size // WORD_BYTES
+            found = tuple(view[at : at + LAYOUT_WORDS].tolist())
+        if found != (LAYOUT, slots, tenant_slots):
+            shm.close()
+            raise ConfigError(
+                f"load table {name!r} has layout {found[0]:#x} with {found[1]} replica slots and "
+                f"{found[2]} tenant slots; this worker maps layout {LAYOUT:#x} with {slots} and "
+                f"{tenant_slots}: made by another kvlb release or other settings; restart the whole "
+                "service"
+            )
         self._shm: shared_memory.SharedMemory | None = shm
         self.index = index
         self.workers = workers
@@ -323,6 +381,7 @@ class LoadShare:
         self._tenant_seq: int = self._words[self._at + TENANT_SEQ_WORD]
         self._tenant_slots = _Slots(tenant_slots, on_tenant_overflow)
         self._tenant_rows: dict[int, _TenantRead] = {}
+        self._swept_at = float("-inf")
         self._slots = _Slots(slots, on_overflow)
         self._rows: dict[int, tuple[int, dict[int, LoadCounts]]] = {}
         self._sum: dict[int, LoadCounts] = {}
@@ -430,23 +489,108 @@ class LoadShare:
         once until it has nothing in flight here again)."""
         if self._shm is None:
             return
-        found = self._tenant_slots.find(key, admitted > 0)
+        self._publish_tenant_field(key, ADMITTED_FIELD, admitted)
+
+    def publish_tenant_tokens(self, key: int, prompt_tokens: int) -> None:
+        """Write the prompt tokens this worker's requests of the tenant ``key`` hold of its
+        ``limits.max_inflight_prompt_tokens_per_tenant`` (the ``on_tenant_tokens`` hook of its
+        admission), as :meth:`publish_tenant` writes its requests: the tenant's slot is freed once
+        both are 0."""
+        if self._shm is None:
+            return
+        self._publish_tenant_field(key, PROMPT_TOKENS_FIELD, prompt_tokens)
+
+    def _publish_tenant_field(self, key: int, field: int, value: int) -> None:
+        """Write ``field`` of the tenant ``key``'s slot (taken if need be), under the tenant seqlock;
+        the slot is freed when every field is 0 (or less). Written out word by word: it runs at each
+        change of a tenant's count (docs/operations.md has the figures)."""
+        words, row = self._words, self._at
+        slots = self._tenant_slots
+        slot = slots.slot_of.get(key)
+        if slot is not None:
+            at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+            busy = value > 0 or (
+                (field != ADMITTED_FIELD and words[at + ADMITTED_FIELD] > 0)
+                or (field != PROMPT_TOKENS_FIELD and words[at + PROMPT_TOKENS_FIELD] > 0)
+                or (field != RATE_TAT_FIELD and words[at + RATE_TAT_FIELD] > 0)
+            )
+            self._tenant_seq += 1
+            words[row + TENANT_SEQ_WORD] = self._tenant_seq
+            if busy:
+                words[at + field] = value
+            else:
+                words[at] = 0
+                words[at + ADMITTED_FIELD] = 0
+                words[at + PROMPT_TOKENS_FIELD] = 0
+                words[at + RATE_TAT_FIELD] = 0
+                slots.release(key, slot)
+            self._tenant_seq += 1
+            words[row + TENANT_SEQ_WORD] = self._tenant_seq
+            return
+        if value > 0 and not slots.free and slots.used >= slots.capacity:
+            self._sweep_tenants()
+        found = slots.find(key, value > 0)
         if found is None:
             return
-        slot, fresh = found
-        words, row = self._words, self._at
+        slot = found[0]
         at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
-        if admitted <= 0:
-            words[at] = 0
-            words[at + 1] = 0
+        words[at + ADMITTED_FIELD] = 0
+        words[at + PROMPT_TOKENS_FIELD] = 0
+        words[at + RATE_TAT_FIELD] = 0
+        words[at + field] = value
+        words[at] = key
+        words[row + TENANT_USED_WORD] = slots.used
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+
+    def publish_tenant_tat(self, key: int, tat_ns: int) -> None:
+        """Write the time of the tenant ``key``'s bucket of ``limits.tenant_rate_per_s`` as this
+        worker just set it (ns of the monotonic clock; the ``publish`` hook of
+        :class:`balancer.service.tenant_rate.SharedRates`). The slot stays taken after the time has
+        passed, until a sweep (:meth:`_sweep_tenants`) frees it."""
+        if self._shm is None:
+            return
+        self._publish_tenant_field(key, RATE_TAT_FIELD, tat_ns)
+
+    def peer_tenant_tat(self, key: int) -> int:
+        """The latest time of the tenant ``key``'s rate bucket the other workers published (ns of
+        the monotonic clock; 0: none)."""
+        if self._shm is None:
+            return 0
+        latest = 0
+        for peer in self._peers:
+            latest = max(latest, self._tenant_read(peer).count(key, RATE_TAT_FIELD))
+        return latest
+
+    def _sweep_tenants(self) -> None:
+        """Free this worker's tenant slots that hold nothing but a bucket time now past (at most once
+        per :data:`SWEEP_S`; called when a tenant finds every slot taken)."""
+        now = time.monotonic()
+        if now < self._swept_at + SWEEP_S:
+            return
+        self._swept_at = now
+        now_ns = int(now * 1e9)
+        words, row = self._words, self._at
+        idle: list[tuple[int, int]] = []
+        for key, slot in self._tenant_slots.slot_of.items():
+            at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+            if (
+                words[at + ADMITTED_FIELD] <= 0
+                and words[at + PROMPT_TOKENS_FIELD] <= 0
+                and words[at + RATE_TAT_FIELD] <= now_ns
+            ):
+                idle.append((key, slot))
+        if not idle:
+            return
+        self._tenant_seq += 1
+        words[row + TENANT_SEQ_WORD] = self._tenant_seq
+        for key, slot in idle:
+            at = row + self._tenant_at + slot * TENANT_SLOT_WORDS
+            for f in range(TENANT_SLOT_WORDS):
+                words[at + f] = 0
             self._tenant_slots.release(key, slot)
-        else:
-            words[at + 1] = admitted
-            if fresh:
-                words[at] = key
-                words[row + TENANT_USED_WORD] = self._tenant_slots.used
         self._tenant_seq += 1
         words[row + TENANT_SEQ_WORD] = self._tenant_seq
 
@@ -460,6 +604,17 @@ class LoadShare:
         total = 0
         for peer in self._peers:
             total += self._tenant_read(peer).count(key)
+        return total
+
+    def peer_tenant_prompt_tokens(self, key: int) -> int:
+        """The prompt tokens the other workers' requests of the tenant ``key`` hold now (the
+        ``tenant_token_peers`` hook of the admission; negatives as 0), read as
+        :meth:`peer_tenant_admitted` reads their requests."""
+        if self._shm is None:
+            return 0
+        total = 0
+        for peer in self._peers:
+            total += self._tenant_read(peer).count(key, PROMPT_TOKENS_FIELD)
         return total
 
     def _tenant_read(self, peer: int) -> _TenantRead:

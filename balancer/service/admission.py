@@ -86,8 +86,13 @@ not fit (:func:`prompt_tokens_fit`; a prompt over the cap fits when the tenant h
 keeping its slot, behind the tenant's earlier waiters, until ``deadline`` (then 429,
 :data:`TENANT_PROMPT_TOKENS`), while other tenants' requests go on. So one tenant cannot put more
 than its allowance of prefill in front of the others' at the engines, which run requests first come
-first served. Per worker: the shared load table carries no token counts. Unset, the shell skips it
-(one ``None`` check a request).
+first served. With ``kvlb serve --workers N`` the allowance is the whole service's:
+:attr:`Admission.tenant_token_peers` gives the prompt tokens the other workers' requests of the
+tenant hold (the shared load table's tenant slots) and :attr:`Admission.on_tenant_tokens` publishes
+this worker's at each change; a waiter here looks again every :data:`RECHECK_S` for tokens given
+back elsewhere. Two workers letting requests of one tenant past the gate at the same instant may both
+pass: the tenant is then over its allowance by at most one prompt per other worker. Unset, the shell
+skips it (one ``None`` check a request).
 
 Time comes from the running loop (``loop.time()``); nothing here is global.
 """
@@ -244,6 +249,12 @@ class Admission:
         by the shell; ``None``: this worker's count of the tenant is all)."""
         self.on_tenant_change: Callable[[int, int], None] | None = None
         """Called with a tenant's key and its :attr:`Tenant.inflight` after each change."""
+        self.tenant_token_peers: Callable[[int], int] | None = None
+        """The prompt tokens the other workers' requests of a tenant (by its :func:`tenant_key`) hold
+        of its ``max_inflight_prompt_tokens_per_tenant`` (set by the shell; ``None``: this worker's
+        count of the tenant is all)."""
+        self.on_tenant_tokens: Callable[[int, int], None] | None = None
+        """Called with a tenant's key and its :attr:`Tenant.prompt_tokens` after each change."""
         self.body_bytes = 0
         """Bytes of bodies and token ids the requests of this process hold now (reserved, added), and
         of their parsed forms and the tokenizer's work while they are tokenized in a thread
@@ -704,15 +715,24 @@ class Admission:
         cap = self.limits.max_inflight_prompt_tokens_per_tenant
         assert cap is not None
         waiters = tenant.token_waiters
-        if not waiters and prompt_tokens_fit(tenant.prompt_tokens, prompt_tokens, cap):
+        if not waiters and prompt_tokens_fit(self._tokens_held(tenant), prompt_tokens, cap):
             tenant.prompt_tokens += prompt_tokens
+            if self.on_tenant_tokens is not None:
+                self.on_tenant_tokens(tenant.shared_key or self._share(tenant), tenant.prompt_tokens)
             return False
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         entry = (prompt_tokens, future)
         waiters.append(entry)
         try:
             async with asyncio.timeout_at(deadline):
-                await future
+                if self.tenant_token_peers is None:
+                    await future
+                else:  # tokens given back by other workers wake nobody here: look again now and then
+                    while not future.done():
+                        await asyncio.wait((future,), timeout=RECHECK_S)
+                        if not future.done():
+                            self._admit_token_waiters(tenant, cap)
+                    future.result()
             return True
         except BaseException as exc:
             if future.done() and not future.cancelled():
@@ -729,7 +749,7 @@ class Admission:
             raise AdmissionRefused(
                 429,
                 "queue_timeout",
-                f"this tenant has {tenant.prompt_tokens} prompt tokens in flight "
+                f"this tenant has {self._tokens_held(tenant)} prompt tokens in flight "
                 f"(limits.max_inflight_prompt_tokens_per_tenant = {cap}) and this request's "
                 f"{prompt_tokens} did not fit within limits.queue_timeout_s = {timeout_s}s",
                 max(1.0, timeout_s),
@@ -743,20 +763,36 @@ class Admission:
         cap = self.limits.max_inflight_prompt_tokens_per_tenant
         if tenant.token_waiters and cap is not None:
             self._admit_token_waiters(tenant, cap)
+        if self.on_tenant_tokens is not None:
+            self.on_tenant_tokens(tenant.shared_key or self._share(tenant), tenant.prompt_tokens)
 
-    @staticmethod
-    def _admit_token_waiters(tenant: Tenant, cap: int) -> None:
+    def _tokens_held(self, tenant: Tenant) -> int:
+        """``tenant``'s prompt tokens past the gate, here and (with :attr:`tenant_token_peers`) on the
+        other workers."""
+        peers = self.tenant_token_peers
+        if peers is None:
+            return tenant.prompt_tokens
+        return tenant.prompt_tokens + peers(tenant.shared_key or self._share(tenant))
+
+    def _admit_token_waiters(self, tenant: Tenant, cap: int) -> None:
+        """Let ``tenant``'s waiters at the token gate in, in order, while they fit (the other workers'
+        tokens of the tenant read once); publishes the tenant's tokens if any went in."""
         waiters = tenant.token_waiters
+        elsewhere = self._tokens_held(tenant) - tenant.prompt_tokens
+        admitted = False
         while waiters:
             prompt_tokens, future = waiters[0]
             if future.done():
                 waiters.popleft()
                 continue
-            if not prompt_tokens_fit(tenant.prompt_tokens, prompt_tokens, cap):
+            if not prompt_tokens_fit(tenant.prompt_tokens + elsewhere, prompt_tokens, cap):
                 break
             waiters.popleft()
             tenant.prompt_tokens += prompt_tokens
             future.set_result(None)
+            admitted = True
+        if admitted and self.on_tenant_tokens is not None:
+            self.on_tenant_tokens(tenant.shared_key or self._share(tenant), tenant.prompt_tokens)
 
     def _wake_replica_waiters(self) -> None:
         if self._replica_waiters:

@@ -288,11 +288,12 @@ def tenant_rate_refusal(state: ServiceState, tenant: str | None, now: float) -> 
     rates = state.tenant_rates
     if rates is None:
         return None
-    wait_s = rates.check(tenant, now)
+    shared = state.tenant_rate_share
+    wait_s = rates.check(tenant, now) if shared is None else shared.check(rates, tenant, now)
     if not wait_s:
         return None
     metrics = state.metrics
-    own = rates.known(tenant)
+    own = rates.known(tenant) or (shared is not None and shared.peer_tat(shared.key(tenant)) > 0)
     metrics.children.of(metrics.shed_total, TENANT_RATE).inc()
     metrics.children.of(metrics.admission_tenant_rate_limited_total, "tenant" if own else "new").inc()
     limits = state.settings.limits

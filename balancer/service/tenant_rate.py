@@ -22,8 +22,17 @@ newcomers' bucket is refused until its turn there (its wait says when), and a se
 active tenants than the table holds sends the ones pushed out through the newcomers' bucket again.
 The default tenant's bucket is its own and never dropped.
 
-Time is the caller's (``now``, seconds of a monotonic clock). With ``kvlb serve --workers N`` the
-shell gives each worker ``1/N`` of the rates and the bursts (:func:`per_worker`).
+Time is the caller's (``now``, seconds of a monotonic clock).
+
+**With ``kvlb serve --workers N``** the buckets are the service's: each worker keeps its own table,
+but :meth:`TenantRates.check` is given the latest time the other workers set for the tenant's bucket
+(and for the newcomers' bucket), ``peer_tat``, and starts from the later of its own and that one; a
+tenant with a bucket time elsewhere is no newcomer here. The times are those of the host's monotonic
+clock, which every process of the host shares, so the buckets' arithmetic stays that of one bucket.
+:class:`SharedRates` carries them between the workers (through the shared load table,
+:mod:`balancer.load.share`, by hooks: nothing here does I/O). Two workers letting a request of one
+tenant in at the same instant both start from the same time: the service lets at most one request
+per other worker too many in per such race.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import collections
 import math
 from collections.abc import Callable
 
-from balancer.service.admission import TENANT_CHARS
+from balancer.service.admission import DEFAULT_TENANT_KEY, TENANT_CHARS, tenant_key
 
 BUCKET_BYTES = 784
 """Most bytes one tenant's bucket holds in the table: its key (a ``str`` of at most
@@ -63,6 +72,8 @@ class TenantRates:
         "new_rate_per_s",
         "on_evict",
         "rate_per_s",
+        "taken_new_tat",
+        "taken_tat",
         "tolerance_s",
     )
 
@@ -101,46 +112,67 @@ class TenantRates:
         """Tenant → theoretical arrival time, least recently seen first."""
         self._default_tat = -math.inf
         self._new_tat = -math.inf
+        self.taken_tat = -math.inf
+        """The tenant's bucket time set by the last request let in (to publish to the other workers)."""
+        self.taken_new_tat = -math.inf
+        """The newcomers' bucket time set by the last request let in, if it was a newcomer's; else
+        ``-inf``."""
 
     @property
     def tenants(self) -> int:
         """Buckets in the table now (the default tenant's and the newcomers' aside)."""
         return len(self._buckets)
 
-    def check(self, name: str | None, now: float) -> float:
-        """Take one token of ``name``'s bucket at ``now``: ``0.0`` (let in), or the seconds until its
-        bucket (a newcomer's: the newcomers' bucket) has a token again (refused: nothing changed but
-        the tenant's place as the most recently seen)."""
+    def check(
+        self, name: str | None, now: float, peer_tat: float = -math.inf, peer_new_tat: float = -math.inf
+    ) -> float:
+        """Take one token of ``name``'s bucket at ``now``: ``0.0`` (let in; :attr:`taken_tat` and
+        :attr:`taken_new_tat` say what it set), or the seconds until its bucket (a newcomer's: the
+        newcomers' bucket) has a token again (refused: nothing changed but the tenant's place as the
+        most recently seen). ``peer_tat``, ``peer_new_tat``: the latest times the other workers set
+        for the tenant's bucket and the newcomers' (``-inf``: none); a tenant with one is no
+        newcomer."""
         interval = self.interval_s
         if not name:
-            tat = max(self._default_tat, now) + interval
+            tat = max(self._default_tat, peer_tat, now) + interval
             wait = tat - now - self.tolerance_s
             if wait > SLACK_S:
                 return wait
-            self._default_tat = tat
+            self._default_tat = self.taken_tat = tat
+            self.taken_new_tat = -math.inf
             return 0.0
         key = name if len(name) <= TENANT_CHARS else name[:TENANT_CHARS]
         buckets = self._buckets
         held = buckets.get(key)
-        if held is not None:
-            buckets.move_to_end(key)
-            tat = max(held, now) + interval
+        if held is not None or peer_tat > -math.inf:
+            if held is not None:
+                buckets.move_to_end(key)
+                tat = max(held, peer_tat, now) + interval
+            else:
+                tat = max(peer_tat, now) + interval
             wait = tat - now - self.tolerance_s
             if wait > SLACK_S:
                 return wait
-            buckets[key] = tat
+            if held is None:
+                self._make_room()
+            buckets[key] = self.taken_tat = tat
+            self.taken_new_tat = -math.inf
             return 0.0
-        new_tat = max(self._new_tat, now) + self._new_interval_s
+        new_tat = max(self._new_tat, peer_new_tat, now) + self._new_interval_s
         wait = new_tat - now - self._new_tolerance_s
         if wait > SLACK_S:
             return wait
-        self._new_tat = new_tat
-        if len(buckets) >= self.max_tenants:
-            buckets.popitem(last=False)
+        self._new_tat = self.taken_new_tat = new_tat
+        self._make_room()
+        buckets[key] = self.taken_tat = now + interval
+        return 0.0
+
+    def _make_room(self) -> None:
+        """Drop the least recently seen bucket if the table is full (for a new one)."""
+        if len(self._buckets) >= self.max_tenants:
+            self._buckets.popitem(last=False)
             if self.on_evict is not None:
                 self.on_evict()
-        buckets[key] = now + interval
-        return 0.0
 
     def known(self, name: str | None) -> bool:
         """Whether ``name`` has a bucket of its own (the default tenant always does): a refusal of one
@@ -149,7 +181,8 @@ class TenantRates:
 
 
 def per_worker(value: float, workers: int) -> float:
-    """``value`` (a rate) divided among ``workers`` processes that each count their own requests."""
+    """``value`` (a rate) divided among ``workers`` processes that each count their own requests (the
+    buckets not shared: ``kvlb serve --workers N`` without its load table)."""
     return value / max(1, workers)
 
 
@@ -157,3 +190,52 @@ def burst_per_worker(burst: int, workers: int) -> int:
     """A bucket's depth divided among ``workers`` (rounded up: at least 1, so that every worker lets a
     request in)."""
     return max(1, math.ceil(burst / max(1, workers)))
+
+
+NEW_TENANTS_KEY = tenant_key("\0new")
+"""The newcomers' shared bucket's key between workers (no header value hashes to it)."""
+
+MAX_KEY_MEMO = 65_536
+"""Tenant names :class:`SharedRates` remembers the key of before it starts again."""
+
+
+class SharedRates:
+    """Carries the buckets' times between the workers of ``kvlb serve --workers N`` (see the module
+    doc) through two hooks keyed by :func:`~balancer.service.admission.tenant_key`: ``peer_tat``
+    (the latest time the other workers published, ns of the monotonic clock; 0: none) and
+    ``publish`` (this worker's time, ns). No I/O of its own."""
+
+    __slots__ = ("_keys", "peer_tat", "publish")
+
+    def __init__(self, peer_tat: Callable[[int], int], publish: Callable[[int, int], None]) -> None:
+        self.peer_tat = peer_tat
+        self.publish = publish
+        self._keys: dict[str, int] = {}
+
+    def key(self, name: str | None) -> int:
+        """``name``'s key (the default tenant's for none), remembered for at most
+        :data:`MAX_KEY_MEMO` names."""
+        if not name:
+            return DEFAULT_TENANT_KEY
+        name = name[:TENANT_CHARS]
+        key = self._keys.get(name)
+        if key is None:
+            if len(self._keys) >= MAX_KEY_MEMO:
+                self._keys.clear()
+            key = self._keys[name] = tenant_key(name)
+        return key
+
+    def check(self, rates: TenantRates, name: str | None, now: float) -> float:
+        """:meth:`TenantRates.check` from the later of this worker's and the others' bucket times,
+        publishing what it set when the request is let in."""
+        key = self.key(name)
+        peer_ns = self.peer_tat(key)
+        new_ns = self.peer_tat(NEW_TENANTS_KEY) if name and not peer_ns and not rates.known(name) else 0
+        wait = rates.check(
+            name, now, peer_ns / 1e9 if peer_ns else -math.inf, new_ns / 1e9 if new_ns else -math.inf
+        )
+        if not wait:
+            self.publish(key, math.floor(rates.taken_tat * 1e9))
+            if rates.taken_new_tat > -math.inf:
+                self.publish(NEW_TENANTS_KEY, math.floor(rates.taken_new_tat * 1e9))
+        return wait

@@ -218,3 +218,39 @@ async def test_made_up_tenant_values_share_the_newcomers_bucket(tmp_path: Path) 
         finally:
             if serve is not None:
                 await stop(serve)
+
+
+async def test_a_tenant_on_one_keep_alive_connection_gets_its_whole_rate_with_two_workers(
+    tmp_path: Path,
+) -> None:
+    """One client of tenant ``solo`` sending flat out for 2 s on one keep-alive connection (so to
+    one worker of two): it is let in at its whole rate and burst, 10 + 10 × 2 (with each worker
+    holding 1/N of the rate, before the buckets were shared, it got half: 5 + 5 × 2)."""
+    serve: Child | None = None
+    async with completion_replica(complete) as replica_url:
+        path = write_config(
+            tmp_path, replica_url, max_inflight=64, tenant_rate_per_s=RATE_PER_S, tenant_burst=BURST
+        )
+        try:
+            serve = await start_serve(tmp_path, path, "--workers", "2")
+            url = serve.info["url"]
+            await wait_served(url)
+            statuses: list[int] = []
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+                started = time.monotonic()
+                stop_at = started + FLOOD_S
+                async with asyncio.timeout(FLOOD_S + 20):
+                    for _ in range(5000):  # bounded in count and in time
+                        if time.monotonic() >= stop_at:
+                            break
+                        statuses.append((await send(session, url, "solo"))[0])
+                elapsed_s = time.monotonic() - started
+            let_in = statuses.count(200)
+            assert set(statuses) == {200, 429} and len(statuses) > 100, len(statuses)
+            assert BURST + RATE_PER_S * FLOOD_S - 2 <= let_in <= BURST + RATE_PER_S * elapsed_s + 1, (
+                let_in,
+                elapsed_s,
+            )
+        finally:
+            if serve is not None:
+                await stop(serve)

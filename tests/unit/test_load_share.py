@@ -16,9 +16,11 @@ from random import Random
 
 import pytest
 
-from balancer.errors import Overloaded
+from balancer.errors import ConfigError, Overloaded
 from balancer.load.share import (
     DICT_AFTER,
+    LAYOUT,
+    PROMPT_TOKENS_FIELD,
     TENANT_SEQ_WORD,
     WORD,
     LoadShare,
@@ -26,6 +28,7 @@ from balancer.load.share import (
     _find,
     replica_key,
     row_bytes,
+    table_bytes,
 )
 from balancer.load.tracker import LoadCounts, LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
@@ -34,7 +37,9 @@ from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
 from balancer.service.admission import (
     DEFAULT_TENANT_KEY,
     OVERFLOW_TENANT_KEY,
+    RECHECK_S,
     TENANT_INFLIGHT,
+    TENANT_PROMPT_TOKENS,
     Admission,
     AdmissionLimits,
     AdmissionRefused,
@@ -107,7 +112,8 @@ def test_a_dead_workers_row_is_zeroed_by_the_supervisor_and_a_new_worker_starts_
 
 def test_size_and_keys() -> None:
     assert row_bytes(1024) == 40 + 40 * 1024
-    assert row_bytes(1024, 64) == 40 + 40 * 1024 + 16 * 64
+    assert row_bytes(1024, 64) == 40 + 40 * 1024 + 32 * 64
+    assert table_bytes(3, 1024, 64) == 3 * row_bytes(1024, 64) + 24
     assert replica_key("m", "a") == replica_key("m", "a") != replica_key("n", "a")
     assert 0 < replica_key("m", "a") < 2**63
     with LoadTableFor(2, 4) as small, pytest.raises(ValueError, match="smaller"):
@@ -553,9 +559,11 @@ def test_a_key_is_found_only_at_a_slots_start_and_counts_below_zero_read_as_zero
     key = 0x0102_0304_0506_0708
     packed = WORD.pack(key)
     straddling = WORD.unpack(b"\0\0\0\0" + packed[:4])[0], WORD.unpack(packed[4:] + b"\0\0\0\0")[0]
-    raw = b"".join(WORD.pack(word) for word in (*straddling, key, 5, KB, -3))
+    raw = b"".join(WORD.pack(word) for word in (*straddling, 0, 0, key, 5, 7, 9, KB, -3, -4, -5))
     assert raw.find(packed) == 4  # the key's bytes first show up across the first slot's two words
     assert (_find(raw, key), _find(raw, KB), _find(raw, KA), _find(b"", key)) == (5, 0, 0, 0)
+    tokens = (_find(raw, key, PROMPT_TOKENS_FIELD), _find(raw, KB, PROMPT_TOKENS_FIELD), _find(raw, key, 3))
+    assert tokens == (7, 0, 9)
 
 
 def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(table: LoadTable) -> None:
@@ -563,8 +571,94 @@ def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(t
     w0.publish_tenant(KA, 3)
     w0.publish_tenant(KB, 1)
     answers = [(w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KC)) for _ in range(DICT_AFTER)]
-    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: 3, KB: 1}
+    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: (3, 0, 0), KB: (1, 0, 0)}
     w0.publish_tenant(KA, 2)  # a new read: searched again, no dict yet
     assert w1.peer_tenant_admitted(KA) == 2 and w1._tenant_rows[0].counts is None
+    w0.close()
+    w1.close()
+
+
+def test_a_worker_of_another_layout_refuses_to_map_the_table_and_says_why() -> None:
+    """The table ends with its layout: a worker expecting another one (same size, other split of
+    replica and tenant slots; or a table of a release that wrote no layout: zeros) refuses it with
+    both layouts named, instead of reading the rows wrongly."""
+    with LoadTableFor(2, 4, 5) as made:  # 40 + 4 x 40 + 5 x 32 = 360 bytes a row
+        with pytest.raises(ConfigError, match="has layout 0x6b766c6200000002 with 4 replica slots and 5"):
+            LoadShare(made.name, 0, 2, 8, 0, track=True)  # 40 + 8 x 40 = 360 bytes a row too
+        LoadShare(made.name, 0, 2, 4, 5, track=True).close()  # its own layout maps
+    old = shared_memory.SharedMemory(create=True, size=table_bytes(2, 3, 5))  # all zeros
+    try:
+        with pytest.raises(ConfigError, match=r"has layout 0x0 .* restart the whole service"):
+            LoadShare(old.name, 0, 2, 3, 5, track=True)
+    finally:
+        old.close()
+        old.unlink()
+    assert int.from_bytes(b"kvlb", "big") == LAYOUT >> 32
+
+
+def test_the_prompt_tokens_of_a_tenant_are_shared_and_keep_its_slot_until_both_counts_are_zero(
+    table: LoadTable,
+) -> None:
+    w0, w1, w2 = (attach(table, i) for i in range(3))
+    w0.publish_tenant(KA, 1)
+    w0.publish_tenant_tokens(KA, 500)
+    w1.publish_tenant_tokens(KA, 300)  # a slot taken by tokens alone
+    assert (w2.peer_tenant_prompt_tokens(KA), w2.peer_tenant_admitted(KA)) == (800, 1)
+    assert (w0.peer_tenant_prompt_tokens(KA), w1.peer_tenant_prompt_tokens(KA)) == (300, 500)
+    w0.publish_tenant(KA, 0)  # no request of A here, but its tokens still held: the slot stays
+    assert (w2.peer_tenant_prompt_tokens(KA), w2.peer_tenant_admitted(KA)) == (800, 0)
+    w0.publish_tenant_tokens(KA, 0)  # both zero: freed, and B takes the freed slot with zeroed tokens
+    w0.publish_tenant(KB, 2)
+    assert (w2.peer_tenant_prompt_tokens(KA), w2.peer_tenant_prompt_tokens(KB)) == (300, 0)
+    assert w2.peer_tenant_admitted(KB) == 2
+    for _ in range(DICT_AFTER):  # the same answers from the read made into a dict
+        assert (w2.peer_tenant_prompt_tokens(KA), w2.peer_tenant_admitted(KB)) == (300, 2)
+    w1.publish_tenant_tokens(KA, 0)
+    w0.publish_tenant(KB, 0)
+    assert [w2.peer_tenant_prompt_tokens(key) for key in (KA, KB)] == [0, 0]
+    assert w0.tenant_overflow_total == w1.tenant_overflow_total == 0
+    for share in (w0, w1, w2):
+        share.close()
+
+
+def token_gate(share: LoadShare, cap: int, timeout_s: float) -> Admission:
+    made = Admission(AdmissionLimits(64, 8, timeout_s, max_inflight_prompt_tokens_per_tenant=cap))
+    made.on_tenant_tokens = share.publish_tenant_tokens
+    made.tenant_token_peers = share.peer_tenant_prompt_tokens
+    return made
+
+
+async def test_max_inflight_prompt_tokens_per_tenant_counts_every_workers_prompts_of_the_tenant(
+    table: LoadTable,
+) -> None:
+    """Allowance 1,000 prompt tokens over two workers' admissions on one table: with 800 of tenant A
+    held on the first worker, the second worker's 300 of A wait (B's go at once) until the first
+    gives its tokens back (seen at a recheck, within a few ``RECHECK_S``); one that cannot fit before
+    its deadline is a 429 naming the tenant's tokens on both workers."""
+    w0, w1 = attach(table, 0), attach(table, 1)
+    first, second = token_gate(w0, 1000, 1.0), token_gate(w1, 1000, 1.0)
+    loop = asyncio.get_running_loop()
+    a0, a1 = first.tenant("a"), second.tenant("a")
+    assert not await first.take_prompt_tokens(a0, 800, loop.time() + 1)
+    assert w1.peer_tenant_prompt_tokens(KA) == 800
+    waiting = asyncio.create_task(second.take_prompt_tokens(a1, 300, loop.time() + 1))
+    await asyncio.sleep(0.15)
+    assert not waiting.done() and a1.prompt_tokens == 0
+    assert not await second.take_prompt_tokens(second.tenant("b"), 900, loop.time() + 1)  # B goes on
+    freed_at = loop.time()
+    first.give_back_prompt_tokens(a0, 800)
+    async with asyncio.timeout(1.0):
+        assert await waiting  # it waited
+    assert loop.time() - freed_at < 3 * RECHECK_S
+    assert (w0.peer_tenant_prompt_tokens(KA), w1.peer_tenant_prompt_tokens(KA)) == (300, 0)
+    with pytest.raises(AdmissionRefused) as late:  # 300 of A on the second worker: 800 more do not fit
+        await first.take_prompt_tokens(a0, 800, loop.time() + 0.15)
+    assert (late.value.status, late.value.limit) == (429, TENANT_PROMPT_TOKENS)
+    assert "this tenant has 300 prompt tokens in flight" in late.value.message
+    assert not await first.take_prompt_tokens(a0, 700, loop.time() + 1)  # 700 + 300 fit exactly
+    first.give_back_prompt_tokens(a0, 700)
+    second.give_back_prompt_tokens(a1, 300)
+    second.give_back_prompt_tokens(second.tenant("b"), 900)
+    assert [w.peer_tenant_prompt_tokens(key) for w in (w0, w1) for key in (KA, KB)] == [0] * 4
     w0.close()
     w1.close()

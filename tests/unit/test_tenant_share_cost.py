@@ -23,6 +23,7 @@ def test_every_case_is_timed_on_a_tree_with_tenant_slots(capsys: pytest.CaptureF
     assert result["tenant_slots"] is True
     assert all(result[case] > 0 for case in cases), result
     assert "peer_read_changed" in result and "request_tenant_shared_peer_busy" in result
+    assert result["rate_one_worker"] > 0 and result["rate_shared"] > 0 and "rate_shared_peer_busy" in result
 
 
 def test_its_bounds_are_enforced() -> None:
