@@ -243,15 +243,21 @@ class DrainSync:
             self._failed(exc)
 
     async def _seed(self) -> None:
-        """Write this balancer's drains over an absent (or garbage) hash."""
-        drained = sorted((str(r), rec.drain) for r, rec in self.health.replicas.items() if rec.draining)
-        args = [
-            item
-            for replica, note in drained
-            for item in (replica, strict_json.dumps({} if note is None else note.to_json()))
-        ]
+        """Write this balancer's drains over an absent (or garbage) hash: its replicas' and those it
+        keeps from before their removal (with their removal time)."""
+        entries: dict[str, dict[str, object]] = {
+            str(replica): {} if kept.note is None else kept.note.to_json()
+            for replica, kept in self.health.kept_drains.items()
+        }
+        for replica, kept in self.health.kept_drains.items():
+            entries[str(replica)][REMOVED_AT] = kept.removed_at_wall_ts
+        for replica, rec in self.health.replicas.items():
+            if rec.draining:
+                entries[str(replica)] = {} if rec.drain is None else rec.drain.to_json()
+        drained = sorted(entries)
+        args = [item for replica in drained for item in (replica, strict_json.dumps(entries[replica]))]
         self._repaired(await self._seed_script(keys=[self.key], args=args))
-        log.info("drained replicas seeded into Redis: %s", ", ".join(r for r, _ in drained) or "none")
+        log.info("drained replicas seeded into Redis: %s", ", ".join(drained) or "none")
 
     def _repaired(self, repaired: object) -> None:
         if repaired:

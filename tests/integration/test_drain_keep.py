@@ -205,3 +205,25 @@ async def test_without_redis_a_drain_outlives_the_removal_and_an_unlisted_id_can
         await wait_for("r1 discovered a third time", r1_listed, timeout_s=10)
         r1 = (await setup.views())["r1"]
         assert not r1["health"]["draining"] and r1["health"]["drain_kept"] is None, r1
+
+
+@pytest.mark.redis
+async def test_a_redis_that_lost_its_data_gets_the_kept_drains_back(redis_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    clock = Clock()
+    await client.delete(KEY)
+    try:
+        a = balancer(client, clock, 3600.0, R1)
+        await a.sync()
+        await a.commit(R1, NOTE)
+        await a.sync()
+        assert a.health.replicas[R1].draining
+        remove(a, R1, 1_796_000_050.0)
+        await a.mark_removed(R1, 1_796_000_050.0)
+        await client.delete(KEY)  # a restart without persistence
+        await a.sync()  # the seed
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": 1_796_000_050.0}
+        assert R1 in a.health.kept_drains
+    finally:
+        await client.delete(KEY)
+        await client.aclose()
