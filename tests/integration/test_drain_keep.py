@@ -227,3 +227,70 @@ async def test_a_redis_that_lost_its_data_gets_the_kept_drains_back(redis_server
     finally:
         await client.delete(KEY)
         await client.aclose()
+
+
+@pytest.mark.redis
+async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relisting_clears_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The service's wiring: its discovery's removal marks the entry, its re-listing clears it and
+    the replica comes back drained, and an undrain of the id no pool lists deletes the entry."""
+    listed = tmp_path / "replicas.yaml"
+    listed.write_text("pools: []\n")
+    overrides = {
+        "discovery__kind": "file",
+        "discovery__file": str(listed),
+        "discovery__reload_interval_s": 0.1,
+        "redis__url": redis_server.url,
+        "redis__key_prefix": "dkb",
+        "redis__policy_poll_s": 0.1,
+    }
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+    def write(replicas: list[Replica]) -> None:
+        fresh = tmp_path / "replicas.yaml.new"
+        entries = [replica_entry(r) for r in replicas]
+        fresh.write_text(yaml.safe_dump({"pools": [{"model": MODEL, "replicas": entries}]}))
+        fresh.replace(listed)
+
+    try:
+        async with (
+            two_replicas(**overrides) as (static, extra, settings),
+            balancer_over(static, extra, settings) as setup,
+        ):
+
+            async def r1_listed() -> bool:
+                return "r1" in await setup.views()
+
+            async def r1_gone() -> bool:
+                return "r1" not in await setup.views()
+
+            write([extra])
+            await wait_for("r1 discovered", r1_listed, timeout_s=10)
+            url = f"{setup.balancer.url}/admin/replicas/r1"
+            async with setup.session.post(f"{url}/drain", json={"reason": "node repair"}) as response:
+                assert response.status == 200, await response.text()
+            write([])
+            await wait_for("r1 removed", r1_gone, timeout_s=10)
+            stored = strict_json.loads(await client.hget("dkb:drained", "r1"))
+            assert stored["reason"] == "node repair" and isinstance(stored["removed_at_wall_ts"], float)
+
+            write([extra])
+            await wait_for("r1 discovered again", r1_listed, timeout_s=10)
+
+            async def cleared() -> bool:
+                raw = await client.hget("dkb:drained", "r1")
+                return raw is not None and "removed_at_wall_ts" not in strict_json.loads(raw)
+
+            await wait_for("the re-listing to clear the removal time", cleared, timeout_s=5)
+            r1 = (await setup.views())["r1"]
+            assert r1["health"]["draining"] and r1["health"]["drain_kept"].endswith("by admin: node repair)")
+
+            write([])
+            await wait_for("r1 removed again", r1_gone, timeout_s=10)
+            async with setup.session.post(f"{url}/undrain") as response:  # listed nowhere: was 404
+                assert response.status == 200, await response.text()
+            assert await client.hget("dkb:drained", "r1") is None
+    finally:
+        await client.delete("dkb:drained")
+        await client.aclose()
