@@ -439,12 +439,14 @@ def keep_drain(state: ServiceState, replica: ReplicaId, draining: bool, note: Dr
     dropped = health.pending_drains_dropped
     health.keep_drain(replica, draining, note if draining else None, state.monotonic())
     state.metrics.replica_pending_drains_dropped_total.inc(health.pending_drains_dropped - dropped)
-    log.info(
-        "replica %s not discovered here yet: its %s by %s is kept for it",
-        replica,
-        "drain" if draining else "undrain",
-        note.by,
-    )
+    if draining:
+        log.info("replica %s not discovered here yet: its drain by %s is kept for it", replica, note.by)
+    else:
+        log.info(
+            "replica %s not listed here: undrained by %s (a drain kept for it, if any, is forgotten)",
+            replica,
+            note.by,
+        )
 
 
 async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, note: DrainNote) -> None:
@@ -455,7 +457,8 @@ async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, 
         if not draining and await _undrain_kept(state, replica, note):
             return
         known = ", ".join(sorted(str(r) for r in state.health.replicas))
-        raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
+        kept = "" if draining else " (listed in no pool here, and no drain is kept for it)"
+        raise ApiError(404, f"unknown replica {replica!r}{kept}; known: {known}")
     if state.drain_committer is not None:
         try:
             await state.drain_committer(replica, note if draining else None)
