@@ -22,7 +22,8 @@ A drain belongs to the replica id and outlives its removal by ``health_drain_kee
 :class:`~balancer.health.book.HealthBook`): the balancer whose discovery removes a drained replica
 adds ``"removed_at_wall_ts"`` (Unix s) to its entry (:meth:`DrainSync.mark_removed`); a balancer that
 still lists the replica keeps it drained and clears that time at its next sync (a ConfigMap reaches
-pods up to a minute apart); an entry whose removal time is more than ``health_drain_keep_s`` old is
+pods up to a minute apart), leaving ``"kept_from_removal_wall_ts"`` (the same time) in its place;
+an entry whose removal time is more than ``health_drain_keep_s`` old is
 deleted by the next sync of any balancer that does not list the replica, at most
 :data:`MAX_PRUNES_PER_SYNC` per sync. Each of these writes is a compare-and-set on the entry as read,
 so a drain, undrain or clearing meanwhile wins. Entries without the time (written before this
@@ -55,6 +56,10 @@ MARKER = ""
 """The hash's marker field (no replica id is empty): present once a balancer wrote the hash."""
 REMOVED_AT = "removed_at_wall_ts"
 """The key of an entry's removal time (Unix s), written by the balancer whose discovery removed it."""
+KEPT_FROM = "kept_from_removal_wall_ts"
+"""The key that replaces :data:`REMOVED_AT` when a balancer lists the replica again: the drain was
+kept from before that removal (``health.drain_kept`` on every balancer and worker, whichever of them
+cleared the removal time first)."""
 MAX_PRUNES_PER_SYNC = 32
 """Most expired entries one sync deletes (the rest go at the next syncs): bounds a sync's writes."""
 MAX_PRUNE_SCAN = 512
@@ -152,15 +157,16 @@ def _previous_note(raw: object) -> DrainNote | None:
     return DrainNote(DEFAULT_ACTOR, caller, float(at), None)
 
 
-def _removal(entry: str) -> tuple[dict[str, object], float] | None:
-    """An entry with its removal time: its JSON object and that time; ``None`` for any other."""
-    if REMOVED_AT not in entry:  # most entries: no parse
+def _removal(entry: str, key: str = REMOVED_AT) -> tuple[dict[str, object], float] | None:
+    """An entry with its removal time (``key``: :data:`REMOVED_AT`, or :data:`KEPT_FROM`): its JSON
+    object and that time; ``None`` for any other."""
+    if key not in entry:  # most entries: no parse
         return None
     try:
         raw = strict_json.loads(entry)
     except (ValueError, RecursionError):
         return None
-    at = raw.get(REMOVED_AT) if isinstance(raw, dict) else None
+    at = raw.get(key) if isinstance(raw, dict) else None
     if isinstance(at, bool) or not isinstance(at, int | float):
         return None
     return raw, float(at)
@@ -295,7 +301,10 @@ class DrainSync:
             if removal is not None:  # listed here: not removed any more (it stays drained)
                 record.kept_from_removal_wall_ts = removal[1]  # the fleet's latest removal
                 relisted = {k: v for k, v in removal[0].items() if k != REMOVED_AT}
+                relisted[KEPT_FROM] = removal[1]
                 await self._swap(keys=[self.key], args=[replica, raw[replica], strict_json.dumps(relisted)])
+            elif draining and (kept := _removal(raw[replica], KEPT_FROM)) is not None:
+                record.kept_from_removal_wall_ts = kept[1]  # another balancer or worker cleared it
         for replica in [r for r in self.health.kept_drains if r not in raw]:
             self.health.forget_kept(replica)  # undrained through another balancer, or pruned
         await self._prune(raw)

@@ -86,7 +86,8 @@ async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_prune
         await a.sync()
         await b.sync()  # every poll_s (0.5 s by default)
         assert b.health.replicas[R1].draining
-        assert (await entry(client, R1)) == NOTE.to_json()  # re-listed: the removal time is cleared
+        # re-listed: the removal time is cleared (kept as where the drain was kept from)
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": clock.now}
         clock.now += 7200.0  # past the keep time since A's removal
         await a.sync()
         assert await entry(client, R1) is not None  # B lists it: A does not prune it
@@ -102,7 +103,12 @@ async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_prune
         await a.sync()
         record = a.health.replicas[R1]
         assert record.draining and record.drain == NOTE and record.kept_from_removal_wall_ts == removed_at
-        assert (await entry(client, R1)) == NOTE.to_json()  # listed again: cleared
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": removed_at}
+        c = balancer(client, clock, 3600.0, R1)  # another worker, whose sync comes after A's clearing
+        await c.sync()
+        assert (
+            c.health.replicas[R1].draining and c.health.replicas[R1].kept_from_removal_wall_ts == removed_at
+        )
 
         # removed everywhere, and kept longer than health_drain_keep_s: pruned by a sync
         remove(a, R1, clock.now)
@@ -280,7 +286,7 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
 
             async def cleared() -> bool:
                 raw = await client.hget("dkb:drained", "r1")
-                return raw is not None and "removed_at_wall_ts" not in strict_json.loads(raw)
+                return raw is not None and "kept_from_removal_wall_ts" in strict_json.loads(raw)
 
             await wait_for("the re-listing to clear the removal time", cleared, timeout_s=5)
             r1 = (await setup.views())["r1"]
