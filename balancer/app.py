@@ -167,7 +167,10 @@ class Balancer:
 
     async def _start(self) -> None:
         settings = self.settings
-        health = HealthBook(BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop))
+        health = HealthBook(
+            BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop),
+            drain_keep_s=settings.health_drain_keep_s,
+        )
         pools = await self._build_pools(health, random.Random(settings.policy.seed))
         weights = PolicyWeights.from_dict(settings.policy.weights)
         limits = settings.limits

@@ -600,6 +600,7 @@ class _ReplicaCollectors:
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     replica_pending_drains_dropped_total: Counter
+    replica_kept_drains_dropped_total: Counter
     load_share_overflow_replicas_total: Counter
     load_share_overflow_tenants_total: Counter
     load_share_torn_reads_total: Counter
@@ -671,6 +672,11 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "kvlb_replica_pending_drains_dropped_total",
             "Drains a sibling worker sent for replicas this worker had not discovered yet, dropped for "
             "newer ones (at most 64 kept, each for 30 s until the replica comes).",
+        ),
+        replica_kept_drains_dropped_total=counter(
+            "kvlb_replica_kept_drains_dropped_total",
+            "Drains of replicas discovery removed, kept for their id (health_drain_keep_s), dropped "
+            "before their time for newer ones (at most 4,096 kept and 4 MiB).",
         ),
     )
 

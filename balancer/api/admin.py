@@ -54,7 +54,7 @@ from balancer.api.parsing import (
 )
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError, DrainCommitError
-from balancer.health.book import DrainNote
+from balancer.health.book import DrainNote, kept_text
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
@@ -343,6 +343,9 @@ def _replica_view(
             "probe_ok": record.probe_ok,
             "draining": record.draining,
             "drain": None if record.drain is None else _ages(record.drain.to_json(), wall),
+            "drain_kept": None
+            if record.kept_from_removal_wall_ts is None or not record.draining
+            else kept_text(record.drain, record.kept_from_removal_wall_ts),
             "breaker": record.state(now, state.health.config),
             "consecutive_failures": record.consecutive_failures,
             "last_error": record.last_error,
@@ -440,12 +443,14 @@ def keep_drain(state: ServiceState, replica: ReplicaId, draining: bool, note: Dr
     dropped = health.pending_drains_dropped
     health.keep_drain(replica, draining, note if draining else None, state.monotonic())
     state.metrics.replica_pending_drains_dropped_total.inc(health.pending_drains_dropped - dropped)
-    log.info(
-        "replica %s not discovered here yet: its %s by %s is kept for it",
-        replica,
-        "drain" if draining else "undrain",
-        note.by,
-    )
+    if draining:
+        log.info("replica %s not discovered here yet: its drain by %s is kept for it", replica, note.by)
+    else:
+        log.info(
+            "replica %s not listed here: undrained by %s (a drain kept for it, if any, is forgotten)",
+            replica,
+            note.by,
+        )
 
 
 async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, note: DrainNote) -> None:
@@ -453,8 +458,11 @@ async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, 
     an undrain); 404 naming the known replicas when it is unknown. In fleet mode it is stored in
     Redis first, for every balancer; when that fails it is applied nowhere (503 with the reason)."""
     if replica not in state.health.replicas:
+        if not draining and await _undrain_kept(state, replica, note):
+            return
         known = ", ".join(sorted(str(r) for r in state.health.replicas))
-        raise ApiError(404, f"unknown replica {replica!r}; known: {known}")
+        kept = "" if draining else " (listed in no pool here, and no drain is kept for it)"
+        raise ApiError(404, f"unknown replica {replica!r}{kept}; known: {known}")
     if state.drain_committer is not None:
         try:
             await state.drain_committer(replica, note if draining else None)
@@ -465,6 +473,27 @@ async def set_draining(state: ServiceState, replica: ReplicaId, draining: bool, 
     log.info(
         "replica %s %s by %s (%s); reason: %s", replica, action, note.by, note.caller, note.reason or "-"
     )
+
+
+async def _undrain_kept(state: ServiceState, replica: ReplicaId, note: DrainNote) -> bool:
+    """Undrain a replica no pool lists here whose drain was kept at its removal (here, or in fleet
+    mode in Redis by any balancer); ``False`` when there was none (then 404)."""
+    kept = state.health.forget_kept(replica) is not None
+    if state.drain_committer is not None:
+        try:
+            kept = await state.drain_committer(replica, None) or kept
+        except DrainCommitError as exc:
+            raise ApiError(503, str(exc)) from None
+    if kept:
+        log.info(
+            "replica %s (not listed) undrained by %s (%s): its drain kept from before its removal is "
+            "forgotten; reason: %s",
+            replica,
+            note.by,
+            note.caller,
+            note.reason or "-",
+        )
+    return kept
 
 
 SERIES_DEFAULT_MINUTES = 10.0

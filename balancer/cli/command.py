@@ -564,12 +564,15 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
 
 
 def _drained_line(view: dict[str, Any]) -> str:
-    """``<replica>: drained by <actor> (<caller>) <age> s ago: <reason>`` under the table."""
+    """``<replica>: drained by <actor> (<caller>) <age> s ago: <reason>`` under the table (and the
+    ``drain_kept`` text of a drain kept from before the replica's removal)."""
     note = view["health"]["drain"]
     age = note.get("at_age_s")
     when = "" if age is None else f" {age:.0f} s ago"
     reason = note.get("reason") or "-"
-    return f"{view.get('id')}: drained by {note.get('by')} ({note.get('caller')}){when}: {reason}"
+    kept = view["health"].get("drain_kept")
+    line = f"{view.get('id')}: drained by {note.get('by')} ({note.get('caller')}){when}: {reason}"
+    return line if not kept else f"{line}; {kept}"
 
 
 EVENT_PROBLEM_S = 300.0

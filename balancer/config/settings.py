@@ -671,6 +671,12 @@ class Settings:
     out for one probe period and failed 38 of 400 requests with 503, docs/loadtest-history.md, "Two
     fleet-only inputs isolated"). A probe answered with anything but 200, or refused, takes the
     replica out at once. Every failed probe counts against the circuit breaker."""
+    health_drain_keep_s: float = 86_400.0
+    """Seconds (0..2,592,000, 30 days) a drain outlives its replica's removal by discovery: a replica
+    added again under the same id within this time comes back drained (a StatefulSet pod recreated
+    under its name), the same with and without Redis; after it the drain is forgotten (in Redis, the
+    ``<prefix>:drained`` entry is pruned unless a balancer listed the replica again meanwhile). 0:
+    forgotten at the removal. Default 1 day."""
     log_level: str = "INFO"
     """Python logging level name."""
     allocator: Literal["auto", "system", "jemalloc"] = "auto"
@@ -746,6 +752,8 @@ class Settings:
             raise ConfigError(f"health_ready_wait_s must be in [0, 3600], got {self.health_ready_wait_s}")
         if not 1 <= self.health_timeouts_to_drop <= 10:
             raise ConfigError(f"health_timeouts_to_drop must be in 1..10, got {self.health_timeouts_to_drop}")
+        if not 0 <= self.health_drain_keep_s <= 2_592_000:
+            raise ConfigError(f"health_drain_keep_s must be in [0, 2592000], got {self.health_drain_keep_s}")
         if not 1 <= self.limits.load_share_slots <= 1_048_576:
             raise ConfigError(
                 f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"

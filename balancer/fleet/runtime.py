@@ -295,6 +295,7 @@ class FleetRuntime:
             poll_s=config.policy_poll_s,
             metrics=state.metrics,
             on_redis=self._redis_reporter("drain"),
+            wall_clock=state.wall_clock,
         )
         state.drain_committer = self.drains.commit
         self.snapshots = SnapshotKeeper(

@@ -13,10 +13,18 @@ request is let through (half-open): success closes it, failure re-opens it.
 With ``kvlb serve --workers N`` each worker discovers replicas on its own, so a drain replayed by a
 sibling can name a replica this worker has not discovered yet: it is kept (:meth:`HealthBook.keep_drain`,
 at most :data:`MAX_PENDING_DRAINS`, for :data:`PENDING_DRAIN_S`) and applied when the replica is added.
+
+A drain belongs to the replica id: when discovery removes a drained replica, its drain is kept
+(:meth:`HealthBook.remove`, "drained, removed at T") for ``drain_keep_s`` (``health_drain_keep_s``),
+and the replica added again under that id within that time comes back drained
+(:attr:`ReplicaHealth.kept_from_removal_wall_ts` says so). At most :data:`MAX_KEPT_DRAINS` such
+records and :data:`MAX_KEPT_DRAIN_BYTES` bytes are kept, the oldest removal dropped first
+(``kvlb_replica_kept_drains_dropped_total``); :meth:`HealthBook.forget_kept` (an undrain) ends one.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,6 +39,15 @@ every 2 s by default; a Kubernetes watch is quicker)."""
 MAX_PENDING_DRAINS = 64
 """Most drains kept for replicas not discovered yet; the oldest goes first
 (``kvlb_replica_pending_drains_dropped_total``)."""
+
+
+MAX_KEPT_DRAINS = 4096
+"""Most drains kept for replicas discovery removed (:meth:`HealthBook.remove`); the oldest removal
+goes first (``kvlb_replica_kept_drains_dropped_total``)."""
+MAX_KEPT_DRAIN_BYTES = 4 * 1024 * 1024
+"""Most bytes (:func:`kept_drain_bytes`) of such kept drains; the oldest removal goes first."""
+_KEPT_OVERHEAD_BYTES = 400
+"""What one kept drain costs besides its strings (the record, the table's slot), measured roughly."""
 
 
 PROBES_FAILING = "failing health probes"
@@ -83,6 +100,35 @@ class DrainNote:
         return cls(by, caller, float(at), reason)
 
 
+@dataclass(frozen=True, slots=True)
+class KeptDrain:
+    """The drain of a replica that discovery removed: "drained, removed at ``removed_at_wall_ts``"."""
+
+    note: DrainNote | None
+    """Who drained it, when and why (``None`` when not known)."""
+    removed_at_wall_ts: float
+    """When discovery removed it, in Unix seconds (shown)."""
+    removed_at: float
+    """The same on the caller's monotonic clock, seconds (the keep time counts from it)."""
+    size_bytes: int
+    """What it costs, estimated (:func:`kept_drain_bytes`)."""
+
+
+def kept_drain_bytes(replica: ReplicaId, note: DrainNote | None) -> int:
+    """The estimated bytes of one kept drain: its strings (UTF-8 as an upper bound of Python's
+    compact strings plus a fixed overhead)."""
+    strings = (replica,) if note is None else (replica, note.by, note.caller, note.reason or "")
+    return _KEPT_OVERHEAD_BYTES + sum(len(text.encode("utf-8", "surrogatepass")) for text in strings)
+
+
+def kept_text(note: DrainNote | None, removed_at_wall_ts: float) -> str:
+    """``drained (kept from before its removal at <UTC time> by <actor>: <reason>)``."""
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(removed_at_wall_ts))
+    if note is None:
+        return f"drained (kept from before its removal at {when})"
+    return f"drained (kept from before its removal at {when} by {note.by}: {note.reason or '-'})"
+
+
 @dataclass(slots=True)
 class ReplicaHealth:
     """Mutable health record of one replica."""
@@ -92,6 +138,9 @@ class ReplicaHealth:
     draining: bool = False
     drain: DrainNote | None = None
     """Who drained it, when and why, while ``draining`` (``None`` when not known)."""
+    kept_from_removal_wall_ts: float | None = None
+    """While ``draining``: the Unix time of this id's removal by discovery whose drain it kept
+    (``None``: drained while listed)."""
     consecutive_failures: int = 0
     probe_timeouts: int = 0
     """Health probes in a row that timed out (0 after any other result)."""
@@ -120,19 +169,61 @@ class HealthBook:
     """Drains of replicas not known yet (:meth:`keep_drain`): the note, and when it came."""
     pending_drains_dropped: int = 0
     """Kept drains dropped for newer ones at :data:`MAX_PENDING_DRAINS`."""
+    drain_keep_s: float = 0.0
+    """How long (seconds) the drain of a replica discovery removed is kept for its id; 0: forgotten
+    at the removal (``health_drain_keep_s``)."""
+    kept_drains: dict[ReplicaId, KeptDrain] = field(default_factory=dict)
+    """Drains of replicas discovery removed, oldest removal first (:meth:`remove`)."""
+    kept_drains_bytes: int = 0
+    """The sum of ``kept_drains``' ``size_bytes``."""
+    kept_drains_dropped: int = 0
+    """Kept drains dropped before their time at :data:`MAX_KEPT_DRAINS` or :data:`MAX_KEPT_DRAIN_BYTES`."""
 
-    def add(self, replica: ReplicaId, probe_ok: bool = False, now: float | None = None) -> None:
-        """Know ``replica``; drained at once when a drain of it was kept within :data:`PENDING_DRAIN_S`
-        of ``now``."""
+    def add(self, replica: ReplicaId, probe_ok: bool = False, now: float | None = None) -> KeptDrain | None:
+        """Know ``replica``; drained at once when its drain was kept at its removal within
+        ``drain_keep_s`` of ``now`` (returned), or a sibling's drain of it was kept within
+        :data:`PENDING_DRAIN_S` of ``now``."""
         rec = self.replicas.setdefault(replica, ReplicaHealth(replica, probe_ok=probe_ok))
+        removed = self._take_kept(replica, now)
+        if removed is not None:
+            rec.draining, rec.drain = True, removed.note
+            rec.kept_from_removal_wall_ts = removed.removed_at_wall_ts
         kept = self.pending_drains.pop(replica, None)
         if kept is not None and now is not None and now - kept[1] <= PENDING_DRAIN_S:
-            rec.draining, rec.drain = True, kept[0]
+            rec.draining, rec.drain, rec.kept_from_removal_wall_ts = True, kept[0], None
+        return removed
+
+    def _take_kept(self, replica: ReplicaId, now: float | None) -> KeptDrain | None:
+        if now is not None:
+            self.expire_kept(now)
+        kept = self.kept_drains.pop(replica, None)
+        if kept is None:
+            return None
+        self.kept_drains_bytes -= kept.size_bytes
+        return kept if now is not None else None
+
+    def expire_kept(self, now: float) -> None:
+        """Forget the kept drains removed more than ``drain_keep_s`` before ``now``."""
+        while self.kept_drains:
+            replica, kept = next(iter(self.kept_drains.items()))
+            if now - kept.removed_at <= self.drain_keep_s:
+                return
+            del self.kept_drains[replica]
+            self.kept_drains_bytes -= kept.size_bytes
+
+    def forget_kept(self, replica: ReplicaId) -> KeptDrain | None:
+        """End the kept drain of ``replica`` (an undrain of a replica not listed); ``None`` if none."""
+        kept = self.kept_drains.pop(replica, None)
+        if kept is not None:
+            self.kept_drains_bytes -= kept.size_bytes
+        return kept
 
     def keep_drain(self, replica: ReplicaId, draining: bool, note: DrainNote | None, now: float) -> None:
         """A sibling's drain (or undrain) of ``replica``, not known here yet: a drain is applied if
         :meth:`add` comes within :data:`PENDING_DRAIN_S`; an undrain forgets a kept drain."""
         self.pending_drains.pop(replica, None)
+        if not draining:
+            self.forget_kept(replica)
         for name, (_, at) in list(self.pending_drains.items()):
             if now - at > PENDING_DRAIN_S:
                 del self.pending_drains[name]
@@ -143,8 +234,29 @@ class HealthBook:
             self.pending_drains_dropped += 1
         self.pending_drains[replica] = (note, now)
 
-    def remove(self, replica: ReplicaId) -> None:
-        self.replicas.pop(replica, None)
+    def remove(
+        self, replica: ReplicaId, now: float | None = None, wall: float | None = None
+    ) -> KeptDrain | None:
+        """Forget ``replica``. When discovery removed it (``now`` monotonic and ``wall`` Unix seconds
+        given) while it was drained, its drain is kept for ``drain_keep_s`` (returned; ``None`` when
+        not kept), the oldest kept drains dropped past the count and byte bounds."""
+        rec = self.replicas.pop(replica, None)
+        if rec is None or not rec.draining or now is None or wall is None:
+            return None
+        self.expire_kept(now)
+        self.forget_kept(replica)
+        if self.drain_keep_s <= 0:
+            return None
+        kept = KeptDrain(rec.drain, wall, now, kept_drain_bytes(replica, rec.drain))
+        while self.kept_drains and (
+            len(self.kept_drains) >= MAX_KEPT_DRAINS
+            or self.kept_drains_bytes + kept.size_bytes > MAX_KEPT_DRAIN_BYTES
+        ):
+            self.forget_kept(next(iter(self.kept_drains)))
+            self.kept_drains_dropped += 1
+        self.kept_drains[replica] = kept
+        self.kept_drains_bytes += kept.size_bytes
+        return kept
 
     def routable(self, now: float, among: Iterable[ReplicaId] | None = None) -> list[ReplicaId]:
         """Replicas that may take a new request now (order preserved)."""
@@ -264,4 +376,5 @@ class HealthBook:
             return False
         rec.draining = draining
         rec.drain = note if draining else None
+        rec.kept_from_removal_wall_ts = None
         return True

@@ -36,6 +36,7 @@ from balancer.config import ReplicaConfig
 from balancer.discovery import Discovery, DiscoveryEvent, ReplicaAdded
 from balancer.engines.registry import engine_spec
 from balancer.fleet.runtime import FleetRuntime
+from balancer.health.book import kept_text
 from balancer.health.prober import HealthProber, ProbeSettings
 from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
@@ -155,7 +156,9 @@ class ReplicaLifecycle:
                 ingest = await self._add_sources(config, space)
                 if self._ingest_running:
                     await ingest.start()  # a new key space's ingest; idempotent otherwise
-            state.health.add(replica, now=state.monotonic())  # a drain a sibling sent first applies
+            kept = state.health.add(replica, now=state.monotonic())  # a kept drain applies
+            if kept is not None:
+                log.info("replica %s added again: %s", replica, kept_text(kept.note, kept.removed_at_wall_ts))
             self._start_tasks(pool, config)
             pool.replicas[replica] = config
         except Exception:
@@ -171,8 +174,21 @@ class ReplicaLifecycle:
         if model is None:
             return False
         pool = self.state.pools[model]
+        state = self.state
+        drained = (rec := state.health.replicas.get(replica)) is not None and rec.draining
+        dropped = state.health.kept_drains_dropped
+        kept = state.health.remove(replica, state.monotonic(), state.wall_clock())
+        state.metrics.replica_kept_drains_dropped_total.inc(state.health.kept_drains_dropped - dropped)
         await self._tear_down(pool, replica)
         log.info("replica %s removed from pool %r", replica, model)
+        if kept is not None:
+            log.info(
+                "replica %s removed while drained: its drain is kept for %.0f s",
+                replica,
+                state.health.drain_keep_s,
+            )
+        if drained and self.fleet is not None and self.fleet.drains is not None:
+            await self.fleet.drains.mark_removed(replica, state.wall_clock())
         return True
 
     async def _tear_down(self, pool: Pool, replica: ReplicaId) -> None:

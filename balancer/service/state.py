@@ -98,7 +98,7 @@ class ServiceState:
     """``(views)``: this worker's ``Admin.ListReplicas`` replica views with the ``prediction`` of every
     sibling worker's receipts, as ``GET /admin/replicas`` answers (``kvlb serve --workers N``; HTTP goes
     through the siblings middleware). ``None``: one process."""
-    drain_committer: Callable[[ReplicaId, DrainNote | None], Awaitable[None]] | None = None
+    drain_committer: Callable[[ReplicaId, DrainNote | None], Awaitable[bool]] | None = None
     """``(replica, note)``: a drain (with who, when and why) or, ``None``, an undrain. Set by the
     fleet (Redis), stores a drain or undrain for every balancer before it is applied here; raises
     when it could not (then it is applied nowhere). ``None``: embedded, the drain is this process's

@@ -28,7 +28,7 @@ NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("PUT", "/admin/policy"): {"admin", "reason"},  # the actor's default; a body field
     ("POST", "/admin/explain"): {"draining", "full"},  # left_out's values (others: no such replica here)
     ("GET", "/admin/replicas"): {"null", "ok", "error", "silent"} | WORKERS_ONLY,  # + the table cells
-    ("POST", "/admin/replicas/{id}/drain"): {"null"},
+    ("POST", "/admin/replicas/{id}/drain"): {"null", "health_drain_keep_s"},  # + a setting
     ("POST", "/admin/whatif"): {"last"} | WORKERS_ONLY,  # a body field
     ("GET", "/admin/decisions"): {"i", "since_id"} | WORKERS_ONLY,  # query words
     ("GET", "/admin/audit"): WORKERS_ONLY,

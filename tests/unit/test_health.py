@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from balancer.health.book import MAX_PENDING_DRAINS, PENDING_DRAIN_S, BreakerConfig, DrainNote, HealthBook
+from balancer.health.book import (
+    MAX_KEPT_DRAIN_BYTES,
+    MAX_KEPT_DRAINS,
+    MAX_PENDING_DRAINS,
+    PENDING_DRAIN_S,
+    BreakerConfig,
+    DrainNote,
+    HealthBook,
+    kept_text,
+)
 from balancer.types import ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -172,3 +181,51 @@ def test_a_kept_drain_applies_to_its_replica_when_it_comes_within_its_time_and_i
         book.keep_drain(ReplicaId(f"r{index}"), True, None, now=300.0)
     assert len(book.pending_drains) == MAX_PENDING_DRAINS and book.pending_drains_dropped == 3
     assert ReplicaId("r0") not in book.pending_drains  # the oldest went first
+
+
+def test_a_drain_outlives_its_replicas_removal_for_drain_keep_s_and_the_table_is_bounded() -> None:
+    book = HealthBook(drain_keep_s=100.0)
+    note = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1.0, reason="node repair")
+    for name in ("web-0", "web-1", "web-2", "web-3"):
+        book.add(ReplicaId(name), probe_ok=True, now=0.0)
+        book.set_draining(ReplicaId(name), True, note)
+    book.add(ReplicaId("plain"), probe_ok=True, now=0.0)
+    for name in ("web-0", "web-1", "web-2", "web-3", "plain"):
+        book.remove(ReplicaId(name), now=10.0, wall=1_764_000_000.0)
+    assert set(book.kept_drains) == {"web-0", "web-1", "web-2", "web-3"}  # only the drained ones
+    assert book.forget_kept(ReplicaId("web-3")) is not None  # an undrain of a replica not listed
+    kept = book.add(ReplicaId("web-0"), probe_ok=True, now=110.0)  # within its time: drained
+    assert kept is not None and kept.note == note
+    record = book.replicas[ReplicaId("web-0")]
+    assert record.draining and record.drain == note and record.kept_from_removal_wall_ts == 1_764_000_000.0
+    assert kept_text(record.drain, 1_764_000_000.0) == (
+        "drained (kept from before its removal at 2025-11-24T16:00:00Z by ops: node repair)"
+    )
+    assert book.add(ReplicaId("web-1"), probe_ok=True, now=110.1) is None  # too late: forgotten
+    book.add(ReplicaId("web-3"), probe_ok=True, now=20.0)
+    book.add(ReplicaId("plain"), probe_ok=True, now=20.0)
+    assert book.routable(200.0) == [ReplicaId("web-1"), ReplicaId("web-3"), ReplicaId("plain")]
+    assert book.kept_drains == {} and book.kept_drains_bytes == 0
+    book.set_draining(ReplicaId("web-0"), False)
+    assert book.replicas[ReplicaId("web-0")].kept_from_removal_wall_ts is None
+
+    for index in range(MAX_KEPT_DRAINS + 3):  # the count bound: the oldest removal goes first
+        book.add(ReplicaId(f"r{index}"), now=300.0)
+        book.set_draining(ReplicaId(f"r{index}"), True, note)
+        book.remove(ReplicaId(f"r{index}"), now=300.0, wall=2.0)
+    assert len(book.kept_drains) == MAX_KEPT_DRAINS and book.kept_drains_dropped == 3
+    assert ReplicaId("r0") not in book.kept_drains and ReplicaId("r3") in book.kept_drains
+    big = DrainNote(by="ops", caller="c", at_wall_ts=1.0, reason="x" * 500)
+    for index in range(MAX_KEPT_DRAINS):  # the byte bound
+        book.add(ReplicaId(f"big-{index:04d}-" + "y" * 200), now=301.0)
+        book.set_draining(ReplicaId(f"big-{index:04d}-" + "y" * 200), True, big)
+        book.remove(ReplicaId(f"big-{index:04d}-" + "y" * 200), now=301.0, wall=2.0)
+    assert book.kept_drains_bytes <= MAX_KEPT_DRAIN_BYTES < book.kept_drains_bytes + 1200
+    assert book.kept_drains_bytes == sum(k.size_bytes for k in book.kept_drains.values())
+
+    forgetful = HealthBook(drain_keep_s=0.0)  # 0: forgotten at the removal
+    forgetful.add(ReplicaId("web-0"), probe_ok=True, now=0.0)
+    forgetful.set_draining(ReplicaId("web-0"), True, note)
+    assert forgetful.remove(ReplicaId("web-0"), now=1.0, wall=1.0) is None
+    forgetful.add(ReplicaId("web-0"), probe_ok=True, now=1.0)
+    assert forgetful.routable(2.0) == [ReplicaId("web-0")]

@@ -1,0 +1,302 @@
+"""A drain belongs to the replica id and outlives the replica's removal by discovery for
+``health_drain_keep_s``, the same with and without Redis (2026-12-01, h-drainkeep).
+
+With Redis: real :class:`~balancer.fleet.drain_sync.DrainSync` objects (one per balancer) on a
+private ``redis-server``, each over its own :class:`~balancer.health.book.HealthBook` (what its
+discovery lists). Without: a real :class:`~balancer.app.Balancer` with file discovery over the
+emulator. Before this change, a drain stayed in ``<prefix>:drained`` for ever once the replica was
+removed, and in memory it ended with the removal.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+import yaml
+from kvlb_harness import MODEL, replica_entry, wait_for
+from prometheus_client import CollectorRegistry
+from redis_server import RedisServer
+from test_discovery_app import balancer_over, two_replicas
+
+from balancer import strict_json
+from balancer.fleet.drain_sync import MAX_PRUNES_PER_SYNC, DrainSync
+from balancer.health.book import DrainNote, HealthBook
+from balancer.metrics import Metrics
+from balancer.types import ReplicaId
+from replicas.sim.replica import Replica
+
+PREFIX = "dk"
+KEY = f"{PREFIX}:drained"
+NOTE = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1_796_000_000.0, reason="node repair")
+R1 = ReplicaId("web-1")
+
+
+class Clock:
+    """A wall clock the test moves (the balancers' ``wall_clock``)."""
+
+    def __init__(self) -> None:
+        self.now = 1_796_000_100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def balancer(client: Any, clock: Clock, keep_s: float, *listed: ReplicaId) -> DrainSync:
+    book = HealthBook(drain_keep_s=keep_s)
+    for replica in listed:
+        book.add(replica, probe_ok=True, now=0.0)
+    metrics = Metrics.create(CollectorRegistry())
+    return DrainSync(client, book, key_prefix=PREFIX, poll_s=0.1, metrics=metrics, wall_clock=clock)
+
+
+async def entry(client: Any, replica: str) -> dict[str, Any] | None:
+    raw = await client.hget(KEY, replica)
+    return None if raw is None else strict_json.loads(raw)
+
+
+def remove(sync: DrainSync, replica: ReplicaId, wall: float) -> None:
+    """What the service's discovery does to the book when it removes ``replica``."""
+    sync.health.remove(replica, now=1.0, wall=wall)
+
+
+@pytest.mark.redis
+async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_pruned(
+    redis_server: RedisServer,
+) -> None:
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    clock = Clock()
+    await client.delete(KEY)
+    try:
+        a = balancer(client, clock, 3600.0, R1)
+        b = balancer(client, clock, 3600.0, R1)
+        await a.sync()  # seeds the hash
+        assert await a.commit(R1, NOTE)
+        await a.sync()
+        await b.sync()
+        assert a.health.replicas[R1].draining and b.health.replicas[R1].draining
+
+        # A's discovery removes it: its entry gains the removal time; B still lists it, so it stays
+        # drained there and B's next sync clears the time
+        remove(a, R1, clock.now)
+        await a.mark_removed(R1, clock.now)
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": clock.now}
+        await a.sync()
+        await b.sync()  # every poll_s (0.5 s by default)
+        assert b.health.replicas[R1].draining
+        # re-listed: the removal time is cleared (kept as where the drain was kept from)
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": clock.now}
+        clock.now += 7200.0  # past the keep time since A's removal
+        await a.sync()
+        assert await entry(client, R1) is not None  # B lists it: A does not prune it
+
+        # B's discovery removes it too; re-added on A within the keep time: drained, and says so
+        remove(b, R1, clock.now)
+        await b.mark_removed(R1, clock.now)
+        removed_at = clock.now
+        clock.now += 600.0
+        await a.sync()
+        await b.sync()
+        a.health.add(R1, probe_ok=True, now=2.0)
+        await a.sync()
+        record = a.health.replicas[R1]
+        assert record.draining and record.drain == NOTE and record.kept_from_removal_wall_ts == removed_at
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": removed_at}
+        c = balancer(client, clock, 3600.0, R1)  # another worker, whose sync comes after A's clearing
+        await c.sync()
+        assert (
+            c.health.replicas[R1].draining and c.health.replicas[R1].kept_from_removal_wall_ts == removed_at
+        )
+
+        # removed everywhere, and kept longer than health_drain_keep_s: pruned by a sync
+        remove(a, R1, clock.now)
+        await a.mark_removed(R1, clock.now)
+        clock.now += 3600.5
+        await b.sync()
+        assert await entry(client, R1) is None
+        a.health.add(R1, probe_ok=True, now=2.0)
+        await a.sync()
+        assert not a.health.replicas[R1].draining
+    finally:
+        await client.delete(KEY)
+        await client.aclose()
+
+
+@pytest.mark.redis
+async def test_older_entries_stay_a_prune_is_bounded_and_an_unlisted_id_can_be_undrained(
+    redis_server: RedisServer,
+) -> None:
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    clock = Clock()
+    await client.delete(KEY)
+    try:
+        a = balancer(client, clock, 60.0)
+        await a.sync()
+        old = strict_json.dumps({"by": "token:1a2b3c4d@10.0.0.7", "at": 1_795_000_000.5})
+        await client.hset(KEY, "old-release", old)  # a release before 732957c wrote it
+        await a.mark_removed(ReplicaId("old-release"), clock.now)
+        assert await client.hget(KEY, "old-release") == old  # left as it was: kept until undrained
+        expired = {**NOTE.to_json(), "removed_at_wall_ts": clock.now - 61.0}
+        await client.hset(
+            KEY, mapping={f"gone-{i}": strict_json.dumps(expired) for i in range(MAX_PRUNES_PER_SYNC + 5)}
+        )
+        await a.sync()
+        assert await client.hlen(KEY) == 1 + 1 + 5  # the marker, the old entry, 5 for the next sync
+        await a.sync()
+        assert set(await client.hkeys(KEY)) == {"", "old-release"}
+
+        # `kvlb admin undrain` of an id no pool lists: the commit says whether there was an entry
+        assert await a.commit(ReplicaId("old-release"), None)
+        assert not await a.commit(ReplicaId("never-drained"), None)
+        assert set(await client.hkeys(KEY)) == {""}
+    finally:
+        await client.delete(KEY)
+        await client.aclose()
+
+
+async def test_without_redis_a_drain_outlives_the_removal_and_an_unlisted_id_can_be_undrained(
+    tmp_path: Path,
+) -> None:
+    """Before h-drainkeep, without Redis, a drained replica that discovery removed and added again
+    came back undrained (the h-lifecycle2 walk), and ``kvlb admin undrain`` of it answered 404."""
+    listed = tmp_path / "replicas.yaml"
+    listed.write_text("pools: []\n")
+    overrides = {
+        "discovery__kind": "file",
+        "discovery__file": str(listed),
+        "discovery__reload_interval_s": 0.1,
+    }
+
+    def write(replicas: list[Replica]) -> None:
+        fresh = tmp_path / "replicas.yaml.new"
+        entries = [replica_entry(r) for r in replicas]
+        fresh.write_text(yaml.safe_dump({"pools": [{"model": MODEL, "replicas": entries}]}))
+        fresh.replace(listed)
+
+    async with (
+        two_replicas(**overrides) as (static, extra, settings),
+        balancer_over(static, extra, settings) as setup,
+    ):
+
+        async def r1_listed() -> bool:
+            return "r1" in await setup.views()
+
+        async def r1_gone() -> bool:
+            return "r1" not in await setup.views()
+
+        write([extra])
+        await wait_for("r1 discovered", r1_listed, timeout_s=10)
+        url = f"{setup.balancer.url}/admin/replicas/r1"
+        async with setup.session.post(f"{url}/drain", json={"reason": "node repair"}) as response:
+            assert response.status == 200, await response.text()
+        write([])
+        await wait_for("r1 removed", r1_gone, timeout_s=10)
+        write([extra])
+        await wait_for("r1 discovered again", r1_listed, timeout_s=10)
+        r1 = (await setup.views())["r1"]
+        assert r1["health"]["draining"] and not r1["routable"], r1
+        assert r1["health"]["drain"]["reason"] == "node repair", r1
+        assert r1["health"]["drain_kept"].startswith("drained (kept from before its removal at "), r1
+        assert r1["health"]["drain_kept"].endswith(" by admin: node repair)"), r1
+
+        write([])
+        await wait_for("r1 removed again", r1_gone, timeout_s=10)
+        async with setup.session.post(f"{url}/undrain") as response:  # listed nowhere: was 404
+            assert response.status == 200, await response.text()
+        async with setup.session.post(f"{url}/undrain") as response:  # nothing kept any more
+            assert response.status == 404, await response.text()
+        write([extra])
+        await wait_for("r1 discovered a third time", r1_listed, timeout_s=10)
+        r1 = (await setup.views())["r1"]
+        assert not r1["health"]["draining"] and r1["health"]["drain_kept"] is None, r1
+
+
+@pytest.mark.redis
+async def test_a_redis_that_lost_its_data_gets_the_kept_drains_back(redis_server: RedisServer) -> None:
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    clock = Clock()
+    await client.delete(KEY)
+    try:
+        a = balancer(client, clock, 3600.0, R1)
+        await a.sync()
+        await a.commit(R1, NOTE)
+        await a.sync()
+        assert a.health.replicas[R1].draining
+        remove(a, R1, 1_796_000_050.0)
+        await a.mark_removed(R1, 1_796_000_050.0)
+        await client.delete(KEY)  # a restart without persistence
+        await a.sync()  # the seed
+        assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": 1_796_000_050.0}
+        assert R1 in a.health.kept_drains
+    finally:
+        await client.delete(KEY)
+        await client.aclose()
+
+
+@pytest.mark.redis
+async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relisting_clears_it(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The service's wiring: its discovery's removal marks the entry, its re-listing clears it and
+    the replica comes back drained, and an undrain of the id no pool lists deletes the entry."""
+    listed = tmp_path / "replicas.yaml"
+    listed.write_text("pools: []\n")
+    overrides = {
+        "discovery__kind": "file",
+        "discovery__file": str(listed),
+        "discovery__reload_interval_s": 0.1,
+        "redis__url": redis_server.url,
+        "redis__key_prefix": "dkb",
+        "redis__policy_poll_s": 0.1,
+    }
+    client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+    def write(replicas: list[Replica]) -> None:
+        fresh = tmp_path / "replicas.yaml.new"
+        entries = [replica_entry(r) for r in replicas]
+        fresh.write_text(yaml.safe_dump({"pools": [{"model": MODEL, "replicas": entries}]}))
+        fresh.replace(listed)
+
+    try:
+        async with (
+            two_replicas(**overrides) as (static, extra, settings),
+            balancer_over(static, extra, settings) as setup,
+        ):
+
+            async def r1_listed() -> bool:
+                return "r1" in await setup.views()
+
+            async def r1_gone() -> bool:
+                return "r1" not in await setup.views()
+
+            write([extra])
+            await wait_for("r1 discovered", r1_listed, timeout_s=10)
+            url = f"{setup.balancer.url}/admin/replicas/r1"
+            async with setup.session.post(f"{url}/drain", json={"reason": "node repair"}) as response:
+                assert response.status == 200, await response.text()
+            write([])
+            await wait_for("r1 removed", r1_gone, timeout_s=10)
+            stored = strict_json.loads(await client.hget("dkb:drained", "r1"))
+            assert stored["reason"] == "node repair" and isinstance(stored["removed_at_wall_ts"], float)
+
+            write([extra])
+            await wait_for("r1 discovered again", r1_listed, timeout_s=10)
+
+            async def cleared() -> bool:
+                raw = await client.hget("dkb:drained", "r1")
+                return raw is not None and "kept_from_removal_wall_ts" in strict_json.loads(raw)
+
+            await wait_for("the re-listing to clear the removal time", cleared, timeout_s=5)
+            r1 = (await setup.views())["r1"]
+            assert r1["health"]["draining"] and r1["health"]["drain_kept"].endswith("by admin: node repair)")
+
+            write([])
+            await wait_for("r1 removed again", r1_gone, timeout_s=10)
+            async with setup.session.post(f"{url}/undrain") as response:  # listed nowhere: was 404
+                assert response.status == 200, await response.text()
+            assert await client.hget("dkb:drained", "r1") is None
+    finally:
+        await client.delete("dkb:drained")
+        await client.aclose()
