@@ -354,6 +354,7 @@ def _replica_view(
         "engine": config.engine,
         "block_size": config.block_size,
         "dp_size": config.dp_size,
+        "api_key": None if config.api_key is None else config.api_key.source,  # where from, never the key
         "inflight": pool.router.in_flight_total(replica),  # every worker's, as the cap counts
         "health": health,
     }

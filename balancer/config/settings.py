@@ -38,6 +38,33 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 
+API_KEY_MAX_BYTES = 4096
+"""Longest engine API key :func:`balancer.config.loader.load` reads (bytes, after stripping)."""
+
+
+class Secret:
+    """A credential the config loader read (an engine's API key): its ``repr`` and ``str`` name where it
+    came from, never the value, so no log line, error message or dump shows it."""
+
+    __slots__ = ("source", "value")
+
+    def __init__(self, value: str, source: str) -> None:
+        self.value = value
+        """The credential itself; read it only to send it."""
+        self.source = source
+        """Where it was read, e.g. ``api_key_file /run/keys/r1`` (safe to show)."""
+
+    def __repr__(self) -> str:
+        return f"<secret from {self.source}>"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and (self.value, self.source) == (other.value, other.source)
+
+    def __hash__(self) -> int:
+        return hash((self.value, self.source))
+
 
 @dataclass(frozen=True, slots=True)
 class ReplicaConfig:
@@ -61,6 +88,18 @@ class ReplicaConfig:
     """Data-parallel ranks, each with its own KV cache and event publisher (1..64)."""
     metrics_path: str | None = None
     """Override of the scraped metrics path; default per engine (``/metrics`` or ``/prometheus/metrics``)."""
+    api_key_file: str | None = None
+    """File holding the engine's API key (vLLM/SGLang ``--api-key``): sent as ``Authorization: Bearer``
+    on every call kvlb makes to the engine (requests, health and ``/v1/models`` probes, load/metrics
+    scrapes, TRT-LLM's ``/kv_cache_events`` drain). Read once at start-up (restart kvlb to rotate
+    it); surrounding whitespace stripped; at most 4096 bytes, printable ASCII. ``None`` (and no
+    ``api_key_env``): the pool's ``api_key_file``/``api_key_env``, else no key."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the engine's API key (instead of ``api_key_file``;
+    the same rules). Only the name is in the config, never the key."""
+    api_key: Secret | None = field(default=None, repr=False)
+    """The key, filled in by the config loader from ``api_key_file``/``api_key_env`` (or the pool's);
+    it cannot be written in the config."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +120,13 @@ class PoolConfig:
     """With ``kv_events: false``: how long a routed request's blocks count as held on its replica
     (seconds, > 0); each request that uses them again extends it. Bounded in count by
     ``limits.max_speculative_keys`` per key space (overflow counted)."""
+    api_key_file: str | None = None
+    """Default of ``replicas[].api_key_file`` for the pool's replicas, listed or discovered (file or
+    Kubernetes discovery), that set neither ``api_key_file`` nor ``api_key_env``."""
+    api_key_env: str | None = None
+    """Default of ``replicas[].api_key_env`` for the pool's replicas (as ``api_key_file``)."""
+    api_key: Secret | None = field(default=None, repr=False)
+    """The pool's default key, filled in by the config loader; it cannot be written in the config."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -451,11 +451,16 @@ async def open_first(
     if job.whole_answer:
         async with ProbeWatch(state, replica):
             stream = await state.upstream.open(
-                replica.url, job.path, job.body, headers, whole_answer_s=remaining_s
+                replica.url,
+                job.path,
+                job.body,
+                headers,
+                whole_answer_s=remaining_s,
+                api_key=replica.api_key,
             )
         chunks = stream.chunks()
     else:
-        stream = await state.upstream.open(replica.url, job.path, job.body, headers)
+        stream = await state.upstream.open(replica.url, job.path, job.body, headers, api_key=replica.api_key)
         chunks = stream.chunks(first_wait_s=remaining_s)
     try:
         if job.whole_answer:

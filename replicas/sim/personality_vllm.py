@@ -90,6 +90,12 @@ class VllmPersonality(ZmqPersonality):
 
     flush_path = FLUSH_PATH
 
+    @staticmethod
+    def guards_path(path: str) -> bool:
+        """vLLM's ``--api-key`` guards only the ``/v1`` paths (its ``AuthenticationMiddleware``):
+        ``/health``, ``/metrics``, ``/load`` and ``/reset_prefix_cache`` stay open."""
+        return path.startswith("/v1")
+
     def publisher(
         self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState
     ) -> VllmRankPublisher:
