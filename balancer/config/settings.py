@@ -37,6 +37,10 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """The logging level names :attr:`Settings.log_level` takes (any case)."""
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
+CORS_MAX_ORIGINS = 64
+"""Most entries of ``listen.cors_allow_origins``."""
+CORS_MAX_ORIGIN_CHARS = 256
+"""Longest entry of ``listen.cors_allow_origins`` (characters)."""
 
 API_KEY_MAX_BYTES = 4096
 """Longest engine API key :func:`balancer.config.loader.load` reads (bytes, after stripping)."""
@@ -142,11 +146,41 @@ class ListenConfig:
     (``https://``); ``None`` serves plain text (keep it behind a TLS-terminating proxy)."""
     tls_key_file: str | None = None
     """PEM private key of ``tls_cert_file`` (both or neither; unreadable files fail at start-up)."""
+    cors_allow_origins: tuple[str, ...] = ()
+    """Origins (``https://app.example.com``, exactly as a browser sends ``Origin``: scheme, host, port
+    if not the default, no path) whose pages may call ``/v1/*`` from a browser: kvlb answers their
+    ``OPTIONS`` preflight and marks its answers readable by them. ``*``: any origin (not with
+    ``cors_allow_credentials``). Empty (the default): no CORS answer at all, as before. Never for
+    ``/admin``, the console or the other paths. At most 64 origins, each ≤ 256 characters."""
+    cors_allow_credentials: bool = False
+    """Answer ``Access-Control-Allow-Credentials: true`` (a page's ``fetch`` with ``credentials:
+    "include"``); kvlb's keys travel in ``Authorization``, which needs no credentials mode."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
+        if len(self.cors_allow_origins) > CORS_MAX_ORIGINS:
+            raise ConfigError(f"listen.cors_allow_origins: at most {CORS_MAX_ORIGINS} origins")
+        for origin in self.cors_allow_origins:
+            if origin == "*":
+                if self.cors_allow_credentials:
+                    raise ConfigError(
+                        "listen.cors_allow_origins: '*' is not allowed with cors_allow_credentials"
+                        " (browsers refuse it): list the origins"
+                    )
+                continue
+            parts = urlsplit(origin) if len(origin) <= CORS_MAX_ORIGIN_CHARS else None
+            if (
+                parts is None
+                or parts.scheme not in ("http", "https")
+                or not parts.netloc
+                or f"{parts.scheme}://{parts.netloc}" != origin
+            ):
+                raise ConfigError(
+                    f"listen.cors_allow_origins: {origin[:300]!r} is not an origin: scheme://host[:port],"
+                    " no path or trailing slash (or '*')"
+                )
         for name, port in (("listen.port", self.port), ("listen.grpc_port", self.grpc_port)):
             if port is not None and not 0 <= port <= PORT_MAX:
                 raise ConfigError(f"{name} must be in [0, {PORT_MAX}], got {port}")
