@@ -360,7 +360,9 @@ class Balancer:
             router.add_replica(ReplicaId(replica.id), replica.block_size, spec.alignment(), spec.block_hashes)
         router.tracker()  # built once every key space exists (its block size is the pool's smallest)
         replicas = {ReplicaId(r.id): r for r in config.replicas}
-        return Pool(config.model, router, tokenizer, replicas, kv_events=config.kv_events)
+        return Pool(
+            config.model, router, tokenizer, replicas, kv_events=config.kv_events, api_key=config.api_key
+        )
 
     async def _start_replicas(self, state: ServiceState) -> None:
         """Event ingest (or the fleet), scrapers and probers of the static replicas, then discovery."""

@@ -44,7 +44,7 @@ _PASSTHROUGH = {
     "host_cache_blocks": "--host-cache-blocks", "metrics_prefix": "--metrics-prefix",
     "default_max_tokens": "--default-max-tokens", "drop_events": "--drop-events", "slowdown": "--slowdown",
     "crash_after_chunks": "--crash-after-chunks", "seed": "--seed", "log_level": "--log-level",
-    "eviction": "--eviction",
+    "eviction": "--eviction", "api_key": "--api-key",
 }  # fmt: skip
 _PASSTHROUGH_FLAGS = {
     "fail_health": "--fail-health",
@@ -85,6 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--fail-health", action="store_true", help="fault: health endpoints answer 503")
     add("--crash-after-chunks", type=int, default=None, help="fault: cut streams after N chunks")
     add("--seed", type=int, default=0, help="seed of fault randomness")
+    add("--api-key", default=None, help="refuse calls without 'Authorization: Bearer <key>' (401) on the "
+        "paths the engine guards, as vLLM's and SGLang's --api-key do")  # fmt: skip
     add("--processes", type=int, default=1, help="split the replicas over this many child processes")
     add("--index-offset", type=int, default=0, help=argparse.SUPPRESS)
     add("--no-uvloop", action="store_true", help="use the default asyncio event loop")
@@ -171,6 +173,7 @@ class EmulateCommand:
             default_max_tokens=args.default_max_tokens,
             seed=args.seed,
             eviction=args.eviction,
+            api_key=args.api_key,
             model_path=self.tokenizers.model_path(args.tokenizer),
         )
         passthrough: list[str] = []

@@ -190,6 +190,8 @@ class Explained:
             "kind": self.kind,
             "prompt_tokens": self.plan.prompt_tokens,
             "cached_tokens": self.plan.cached_tokens,
+            "sequences": self.plan.sequences,
+            "decode_blocks": self.plan.decode_blocks,
             "weights": self.weights.to_dict(),
             "decision": dataclasses.asdict(self.plan.decision),
             "left_out": self.left_out,
@@ -218,7 +220,18 @@ async def explain_raw(
     if weights_header is not None:
         weights = parse_weights_header(weights_header, weights)
     token_ids = await tokenize(pool, parsed, state.settings.limits.max_prompt_tokens)
-    job = Forward(pool, token_ids, weights, parsed.session_key, parsed.max_tokens, raw, "", request_id, 0.0)
+    job = Forward(
+        pool,
+        token_ids,
+        weights,
+        parsed.session_key,
+        parsed.max_tokens,
+        raw,
+        "",
+        request_id,
+        0.0,
+        sequences=parsed.sequences,
+    )
     plan = select(state, job)
     return Explained(pool.model, kind, weights, plan, left_out(state, pool.replicas, plan))
 
@@ -361,6 +374,7 @@ def _replica_view(
         "engine": config.engine,
         "block_size": config.block_size,
         "dp_size": config.dp_size,
+        "api_key": None if config.api_key is None else config.api_key.source,  # where from, never the key
         "inflight": pool.router.in_flight_total(replica),  # every worker's, as the cap counts
         "health": health,
     }

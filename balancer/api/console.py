@@ -216,6 +216,8 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
         "request_id": record.inputs.request.request_id,
         "prompt_tokens": record.prompt_tokens,
         "cached_tokens": record.cached_tokens,
+        "sequences": record.sequences,
+        "decode_blocks": record.decode_blocks,
         "weights": record.weights.to_dict(),
         "decision": dataclasses.asdict(record.decision),
         "inputs": {

@@ -20,7 +20,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from balancer import strict_json
 from balancer.api.admin import add_admin_routes
 from balancer.api.console import add_console_routes
-from balancer.api.middleware import STATE, kvlb_middleware
+from balancer.api.cors import CorsPolicy
+from balancer.api.middleware import CORS, STATE, add_cors_headers, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
 from balancer.api.webui import add_ui_routes
@@ -104,6 +105,10 @@ def build_web_app(state: ServiceState) -> web.Application:
     """The web application for ``state``; lifecycle (tasks, sessions) belongs to the caller."""
     app = web.Application(middlewares=[kvlb_middleware], client_max_size=state.settings.limits.max_body_bytes)
     app[STATE] = state
+    cors = CorsPolicy.of(state.settings.listen, state.settings.tenant_header)
+    if cors is not None:
+        app[CORS] = cors
+        app.on_response_prepare.append(add_cors_headers)
     add_openai_routes(app)
     add_admin_routes(app)
     add_console_routes(app)

@@ -8,6 +8,10 @@
   allowed), as gRPC's PERMISSION_DENIED. Both with a JSON message.
   An admin write (not GET/HEAD/OPTIONS) whose ``Origin`` header names another origin is a 403
   (:func:`check_origin`): the console's writes are CSRF-safe.
+* CORS (``listen.cors_allow_origins``, :mod:`balancer.api.cors`): a browser's preflight of a
+  ``/v1/*`` path is answered here, before auth (a preflight carries no credentials); every answer on
+  ``/v1/*`` to a listed origin gets its CORS headers (:func:`add_cors_headers`, run as aiohttp
+  prepares it, so streams and errors get them too).
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
   OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
@@ -32,6 +36,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from balancer.api.cors import PATH_PREFIX, CorsPolicy, is_preflight
 from balancer.api.errors import ApiError, error_response, from_balancer_error, too_large
 from balancer.config import AuthConfig
 from balancer.service.state import Outcome, ServiceState
@@ -42,6 +47,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 STATE = web.AppKey("kvlb_state", ServiceState)
 """The service state the app serves (set by :func:`balancer.api.http.build_web_app`)."""
+CORS = web.AppKey("kvlb_cors", CorsPolicy)
+"""The app's CORS policy; absent when ``listen.cors_allow_origins`` is empty."""
 REQUEST_ID = web.RequestKey("kvlb_request_id", str)
 OUTCOME = web.RequestKey("kvlb_outcome", Outcome)
 RATE_TAKEN = web.RequestKey("kvlb_rate_taken", bool)
@@ -229,6 +236,26 @@ async def answer_and_close(request: web.Request, response: web.Response) -> None
         transport.close()
 
 
+def preflight(cors: CorsPolicy, request: web.Request) -> web.StreamResponse:
+    """The answer to a browser's preflight of a ``/v1/*`` path: 204 with the CORS headers for a
+    listed origin, else 403 (:class:`ApiError`) without them, which the browser reports as a CORS
+    failure."""
+    origin = request.headers["Origin"]
+    if not cors.allowed(origin):
+        raise ApiError(403, f"CORS: origin {origin[:200]!r} is not in listen.cors_allow_origins")
+    return web.Response(status=204, headers=cors.preflight_headers(origin, request.headers))
+
+
+async def add_cors_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the CORS headers of an answer on ``/v1/*`` to a listed origin."""
+    cors = request.app.get(CORS)
+    origin = request.headers.get("Origin")
+    if cors is None or origin is None or "Access-Control-Allow-Origin" in response.headers:
+        return
+    if cors.applies(request.path, origin):
+        response.headers.update(cors.answer_headers(origin))
+
+
 @web.middleware
 async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     state: ServiceState = request.app[STATE]
@@ -238,9 +265,17 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
     status = "500"
     try:
         try:
-            check_auth(request, state.settings.auth)
-            check_origin(request)
-            response = await handler(request)
+            cors = request.app.get(CORS)
+            if (
+                cors is not None
+                and request.path.startswith(PATH_PREFIX)
+                and is_preflight(request.method, request.headers)
+            ):
+                response = preflight(cors, request)
+            else:
+                check_auth(request, state.settings.auth)
+                check_origin(request)
+                response = await handler(request)
         except asyncio.CancelledError:
             status = "499"
             raise

@@ -248,6 +248,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             arrived,
             tenant,
             whole_answer=not parsed.stream,
+            sequences=parsed.sequences,
         )
         # Parsed tiny chat messages keep up to 8.7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.

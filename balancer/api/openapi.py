@@ -94,6 +94,11 @@ _COMMON_FIELDS: dict[str, Any] = {
     "max_tokens": {"type": ["integer", "null"], "minimum": 0},
     "max_completion_tokens": {"type": ["integer", "null"], "minimum": 0},
     "user": {"type": ["string", "null"], "description": "Session key of the session policy"},
+    "n": {
+        "type": ["integer", "null"],
+        "minimum": 1,
+        "description": "Sequences to generate (null: 1); the decode load counts n × max_tokens",
+    },
 }
 _COMPLETION_BODY: dict[str, Any] = {
     "type": "object",

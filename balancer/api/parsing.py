@@ -60,6 +60,8 @@ class ParsedRequest:
     """``max_completion_tokens`` or ``max_tokens``; 0 when absent (the engine's default applies)."""
     session_key: str | None
     """The OpenAI ``user`` field, used by the ``session`` policy."""
+    sequences: int = 1
+    """OpenAI's ``n``: sequences generated for the prompt, each up to ``max_tokens`` (decode load)."""
     prompt: str | Sequence[int] | None = None
     """The text, or the token ids: a ``list`` from the typed or stdlib decoder, the ``packed`` array itself
     from the memoised one (:func:`~balancer.tokenizer.token_ids.decode_token_ids`) and from gRPC
@@ -102,6 +104,7 @@ class _CompletionBody(msgspec.Struct):
     max_tokens: Any = None
     max_completion_tokens: Any = None
     user: Any = None
+    n: Any = None
 
 
 class _RawPromptBody(msgspec.Struct):
@@ -113,6 +116,7 @@ class _RawPromptBody(msgspec.Struct):
     max_tokens: Any = None
     max_completion_tokens: Any = None
     user: Any = None
+    n: Any = None
 
 
 _OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
@@ -363,6 +367,7 @@ def _completion_common(body: _CompletionBody | _RawPromptBody) -> dict[str, Any]
         "max_tokens": body.max_tokens,
         "max_completion_tokens": body.max_completion_tokens,
         "user": body.user,
+        "n": body.n,
     }
     return _common(fields)
 
@@ -382,6 +387,7 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         "stream": stream,
         "max_tokens": _max_tokens(body),
         "session_key": _optional_str(body, "user"),
+        "sequences": _sequences(body),
     }
 
 
@@ -445,6 +451,20 @@ def _max_tokens(body: Mapping[str, Any]) -> int:
             raise ApiError(400, f"'{name}' must be a non-negative integer")
         return value
     return 0
+
+
+def _sequences(body: Mapping[str, Any]) -> int:
+    """OpenAI's ``n``: sequences generated for the prompt (1 when absent or null), each decoding up
+    to ``max_tokens``; forwarded untouched, counted in the decode load. A whole float (``2.0``)
+    counts as its integer, as vLLM and SGLang (pydantic) read it."""
+    value = body.get("n")
+    if value is None:
+        return 1
+    if isinstance(value, float) and value.is_integer():  # 2.0: the engines' (pydantic's) lax int
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ApiError(400, "'n' must be a positive integer")
+    return value
 
 
 def _optional_str(body: Mapping[str, Any], name: str) -> str | None:

@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import yaml
 
-from balancer.config.settings import Settings
+from balancer.config.settings import API_KEY_MAX_BYTES, PoolConfig, ReplicaConfig, Secret, Settings
 from balancer.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------------
@@ -77,6 +77,11 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping")
         return {str(k): _convert(args[1], v, f"{where}.{k}") for k, v in value.items()}
+    if tp is Secret:
+        raise ConfigError(
+            f"{where}: an API key is never written in the config: name a file (api_key_file) or an"
+            " environment variable (api_key_env) that holds it"
+        )
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
         return from_mapping(tp, value, where)
     return _scalar(tp, value, where)
@@ -185,7 +190,52 @@ def load(
     if not isinstance(raw, Mapping):
         raise ConfigError(f"config {file}: top level must be a mapping")
     settings: Settings = from_mapping(Settings, moved_keys(merge_overrides(raw, environ, sets)))
-    return settings.validate()
+    return with_api_keys(settings.validate(), environ)
+
+
+def with_api_keys(settings: Settings, environ: Mapping[str, str]) -> Settings:
+    """``settings`` with every pool's and replica's ``api_key`` read from its ``api_key_file`` or
+    ``api_key_env`` (a replica naming neither takes its pool's). ConfigError names the setting, the
+    file or the variable, never the key."""
+    pools = []
+    for pool in settings.pools:
+        default = _api_key(pool, f"pools[{pool.model}]", environ)
+        replicas = tuple(
+            dataclasses.replace(
+                rep, api_key=_api_key(rep, f"pools[{pool.model}].replicas[{rep.id}]", environ) or default
+            )
+            for rep in pool.replicas
+        )
+        pools.append(dataclasses.replace(pool, api_key=default, replicas=replicas))
+    return dataclasses.replace(settings, pools=tuple(pools))
+
+
+def _api_key(config: PoolConfig | ReplicaConfig, where: str, environ: Mapping[str, str]) -> Secret | None:
+    if config.api_key_file is not None and config.api_key_env is not None:
+        raise ConfigError(f"{where}: set api_key_file or api_key_env, not both")
+    if config.api_key_file is not None:
+        source = f"api_key_file {config.api_key_file}"
+        try:
+            with open(config.api_key_file, "rb") as file:
+                raw = file.read(API_KEY_MAX_BYTES + 1024)
+        except OSError as exc:
+            raise ConfigError(f"{where}: cannot read {source}: {exc.strerror}") from None
+        text = raw.decode("utf-8", "replace")
+    elif config.api_key_env is not None:
+        source = f"api_key_env {config.api_key_env}"
+        if config.api_key_env not in environ:
+            raise ConfigError(f"{where}: {source}: the environment variable is not set")
+        text = environ[config.api_key_env]
+    else:
+        return None
+    key = text.strip()
+    if not key:
+        raise ConfigError(f"{where}: {source} is empty")
+    if len(key.encode("utf-8")) > API_KEY_MAX_BYTES:
+        raise ConfigError(f"{where}: {source} holds more than {API_KEY_MAX_BYTES} bytes")
+    if not all(" " < char <= "~" for char in key):
+        raise ConfigError(f"{where}: {source} holds a character other than printable ASCII")
+    return Secret(key, source)
 
 
 def moved_keys(tree: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,37 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 """The logging level names :attr:`Settings.log_level` takes (any case)."""
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
+CORS_MAX_ORIGINS = 64
+"""Most entries of ``listen.cors_allow_origins``."""
+CORS_MAX_ORIGIN_CHARS = 256
+"""Longest entry of ``listen.cors_allow_origins`` (characters)."""
+
+API_KEY_MAX_BYTES = 4096
+"""Longest engine API key :func:`balancer.config.loader.load` reads (bytes, after stripping)."""
+
+
+class Secret:
+    """A credential the config loader read (an engine's API key): its ``repr`` and ``str`` name where it
+    came from, never the value, so no log line, error message or dump shows it."""
+
+    __slots__ = ("source", "value")
+
+    def __init__(self, value: str, source: str) -> None:
+        self.value = value
+        """The credential itself; read it only to send it."""
+        self.source = source
+        """Where it was read, e.g. ``api_key_file /run/keys/r1`` (safe to show)."""
+
+    def __repr__(self) -> str:
+        return f"<secret from {self.source}>"
+
+    __str__ = __repr__
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Secret) and (self.value, self.source) == (other.value, other.source)
+
+    def __hash__(self) -> int:
+        return hash((self.value, self.source))
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +92,18 @@ class ReplicaConfig:
     """Data-parallel ranks, each with its own KV cache and event publisher (1..64)."""
     metrics_path: str | None = None
     """Override of the scraped metrics path; default per engine (``/metrics`` or ``/prometheus/metrics``)."""
+    api_key_file: str | None = None
+    """File holding the engine's API key (vLLM/SGLang ``--api-key``): sent as ``Authorization: Bearer``
+    on every call kvlb makes to the engine (requests, health and ``/v1/models`` probes, load/metrics
+    scrapes, TRT-LLM's ``/kv_cache_events`` drain). Read once at start-up (restart kvlb to rotate
+    it); surrounding whitespace stripped; at most 4096 bytes, printable ASCII. ``None`` (and no
+    ``api_key_env``): the pool's ``api_key_file``/``api_key_env``, else no key."""
+    api_key_env: str | None = None
+    """Name of the environment variable holding the engine's API key (instead of ``api_key_file``;
+    the same rules). Only the name is in the config, never the key."""
+    api_key: Secret | None = field(default=None, repr=False)
+    """The key, filled in by the config loader from ``api_key_file``/``api_key_env`` (or the pool's);
+    it cannot be written in the config."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +124,13 @@ class PoolConfig:
     """With ``kv_events: false``: how long a routed request's blocks count as held on its replica
     (seconds, > 0); each request that uses them again extends it. Bounded in count by
     ``limits.max_speculative_keys`` per key space (overflow counted)."""
+    api_key_file: str | None = None
+    """Default of ``replicas[].api_key_file`` for the pool's replicas, listed or discovered (file or
+    Kubernetes discovery), that set neither ``api_key_file`` nor ``api_key_env``."""
+    api_key_env: str | None = None
+    """Default of ``replicas[].api_key_env`` for the pool's replicas (as ``api_key_file``)."""
+    api_key: Secret | None = field(default=None, repr=False)
+    """The pool's default key, filled in by the config loader; it cannot be written in the config."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +146,41 @@ class ListenConfig:
     (``https://``); ``None`` serves plain text (keep it behind a TLS-terminating proxy)."""
     tls_key_file: str | None = None
     """PEM private key of ``tls_cert_file`` (both or neither; unreadable files fail at start-up)."""
+    cors_allow_origins: tuple[str, ...] = ()
+    """Origins (``https://app.example.com``, exactly as a browser sends ``Origin``: scheme, host, port
+    if not the default, no path) whose pages may call ``/v1/*`` from a browser: kvlb answers their
+    ``OPTIONS`` preflight and marks its answers readable by them. ``*``: any origin (not with
+    ``cors_allow_credentials``). Empty (the default): no CORS answer at all, as before. Never for
+    ``/admin``, the console or the other paths. At most 64 origins, each ≤ 256 characters."""
+    cors_allow_credentials: bool = False
+    """Answer ``Access-Control-Allow-Credentials: true`` (a page's ``fetch`` with ``credentials:
+    "include"``); kvlb's keys travel in ``Authorization``, which needs no credentials mode."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
+        if len(self.cors_allow_origins) > CORS_MAX_ORIGINS:
+            raise ConfigError(f"listen.cors_allow_origins: at most {CORS_MAX_ORIGINS} origins")
+        for origin in self.cors_allow_origins:
+            if origin == "*":
+                if self.cors_allow_credentials:
+                    raise ConfigError(
+                        "listen.cors_allow_origins: '*' is not allowed with cors_allow_credentials"
+                        " (browsers refuse it): list the origins"
+                    )
+                continue
+            parts = urlsplit(origin) if len(origin) <= CORS_MAX_ORIGIN_CHARS else None
+            if (
+                parts is None
+                or parts.scheme not in ("http", "https")
+                or not parts.netloc
+                or f"{parts.scheme}://{parts.netloc}" != origin
+            ):
+                raise ConfigError(
+                    f"listen.cors_allow_origins: {origin[:300]!r} is not an origin: scheme://host[:port],"
+                    " no path or trailing slash (or '*')"
+                )
         for name, port in (("listen.port", self.port), ("listen.grpc_port", self.grpc_port)):
             if port is not None and not 0 <= port <= PORT_MAX:
                 raise ConfigError(f"{name} must be in [0, {PORT_MAX}], got {port}")

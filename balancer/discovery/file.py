@@ -69,7 +69,14 @@ def parse_replica_file(text: str, where: str = "replica file") -> dict[ReplicaId
 def _replicas(items: Any, where: str) -> tuple[ReplicaConfig, ...]:
     if not isinstance(items, list):
         raise ConfigError(f"{where} must be a list")
-    return tuple(from_mapping(ReplicaConfig, item, f"{where}[{i}]") for i, item in enumerate(items))
+    replicas = tuple(from_mapping(ReplicaConfig, item, f"{where}[{i}]") for i, item in enumerate(items))
+    for i, replica in enumerate(replicas):
+        if replica.api_key_file is not None or replica.api_key_env is not None:
+            raise ConfigError(
+                f"{where}[{i}]: a replica file names no API key (it would go unread): set the pool's"
+                " api_key_file or api_key_env in kvlb's config"
+            )
+    return replicas
 
 
 def file_signature(path: Path) -> FileSignature | None:

@@ -29,10 +29,12 @@ from dataclasses import dataclass
 import aiohttp
 
 from balancer import strict_json
+from balancer.config.settings import Secret
 from balancer.errors import ConfigError
 from balancer.health.book import HealthBook
 from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.types import ReplicaId
+from balancer.upstream.auth import REFUSED_CALLER_STATUSES, engine_auth_headers, refused_caller
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +82,13 @@ class HealthProber:
         settings: ProbeSettings | None = None,
         model: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        api_key: Secret | None = None,
     ) -> None:
         """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
+        replica turns healthy (``None``: not checked). ``api_key``: the replica's own key, sent
+        with every probe."""
+        self._api_key = api_key
+        self._headers = engine_auth_headers(api_key)
         replica turns healthy, at every probe while the engine lists other models, and every
         ``settings.models_recheck_s`` (``None``: not checked)."""
         self.replica = replica
@@ -145,9 +152,11 @@ class HealthProber:
         """``(None, False)`` when healthy, else why not and whether the probe timed out."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
-            async with self._session.get(self.url, timeout=timeout) as response:
+            async with self._session.get(self.url, timeout=timeout, headers=self._headers) as response:
                 if response.status == 200:
                     return None, False
+                if response.status in REFUSED_CALLER_STATUSES:
+                    return f"{self.settings.path}: {refused_caller(response.status, self._api_key)}", False
                 return f"{self.settings.path} answered {response.status}", False
         except TimeoutError:
             return f"{self.settings.path} timed out after {self.settings.timeout_s}s", True
@@ -160,7 +169,17 @@ class HealthProber:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         self._models_read_at = self._monotonic()
         try:
-            async with self._session.get(self._models_url, timeout=timeout) as response:
+            async with self._session.get(
+                self._models_url, timeout=timeout, headers=self._headers
+            ) as response:
+                if response.status in REFUSED_CALLER_STATUSES:
+                    log.warning(
+                        "replica %s: GET %s: %s",
+                        self.replica,
+                        MODELS_PATH,
+                        refused_caller(response.status, self._api_key),
+                    )
+                    return
                 if response.status != 200:
                     served = None  # an engine without the endpoint says nothing about its names
                 else:

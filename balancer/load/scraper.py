@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from balancer.config.settings import Secret
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
 from balancer.load.scrape import ScrapedLoad, ScrapeError, with_metrics_path
@@ -27,6 +28,7 @@ from balancer.load.tracker import EngineStats
 from balancer.metrics import Metrics
 from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.types import ReplicaId
+from balancer.upstream.auth import REFUSED_CALLER_STATUSES, engine_auth_headers, refused_caller
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +81,8 @@ class MetricsScraper:
     """Scrapes one replica every ``interval_s`` and reports to ``observe``.
 
     ``engine`` names the spec whose scrape targets are tried (an unknown one raises ``ConfigError``);
-    ``metrics_path``, when set, replaces the path of its Prometheus targets."""
+    ``metrics_path``, when set, replaces the path of its Prometheus targets; ``api_key``, the replica's
+    own key, is sent with every scrape."""
 
     def __init__(
         self,
@@ -93,8 +96,11 @@ class MetricsScraper:
         settings: ScrapeSettings | None = None,
         metrics_path: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
+        api_key: Secret | None = None,
     ) -> None:
         self.replica = replica
+        self._api_key = api_key
+        self._headers = engine_auth_headers(api_key)
         self.base_url = base_url.rstrip("/")
         self.settings = settings or ScrapeSettings()
         self.settings.validate()
@@ -163,6 +169,10 @@ class MetricsScraper:
                 self._target = (self._target + 1) % len(self._targets)
                 log.info("replica %s: %s is 404, trying %s", self.replica, target.path, self.status().url)
                 continue
+            if status in REFUSED_CALLER_STATUSES:
+                raise ScrapeError(
+                    f"{HTTP_STATUS_ERROR}{status} from {target.path}: {refused_caller(status, self._api_key)}"
+                )
             if status != 200:
                 raise ScrapeError(f"{HTTP_STATUS_ERROR}{status} from {target.path}")
             load = target.parse(body)
@@ -171,7 +181,7 @@ class MetricsScraper:
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
-        async with self._session.get(self.base_url + path, timeout=timeout) as resp:
+        async with self._session.get(self.base_url + path, timeout=timeout, headers=self._headers) as resp:
             if resp.status != 200:
                 await resp.release()
                 return resp.status, b""

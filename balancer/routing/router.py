@@ -81,6 +81,9 @@ class RoutePlan:
     keys: tuple[BlockKey, ...]
     """The request's block keys in the chosen replica's key space (for speculative entries)."""
     decode_blocks: int
+    """KV blocks (the pool's reference size) the request holds while decoding: its uncached prompt
+    plus ``sequences × max_tokens`` (at most :data:`MAX_DECODE_TOKENS` of them), committed as the
+    chosen replica's ``active_decode_blocks``."""
     block_size: int = 16
     """Tokens per block of the chosen replica (the unit of ``keys`` and of receipts)."""
     inputs: PolicyInputs | None = None
@@ -88,12 +91,18 @@ class RoutePlan:
     token_ids: Sequence[int] = ()
     """The prompt's token ids (a reference, no copy) when it has no LoRA and no cache salt: a
     receipt may then compute the engine's own hashes of its cached blocks; else empty."""
+    sequences: int = 1
+    """OpenAI's ``n`` of the request (its ``decode_blocks`` count them)."""
 
 
 BlockHashFn = Callable[[Sequence[int], int], "list[EngineHash]"]
 """An engine's own block hashes of a plain token sequence (:attr:`EngineSpec.block_hashes
 <balancer.engines.spec.EngineSpec.block_hashes>`)."""
 
+MAX_DECODE_TOKENS = 1 << 32
+"""Most generated tokens (``n × max_tokens``) one request counts in the decode load: beyond any
+engine's context, and small enough that the load counts (64-bit in the shared load table of
+``--workers N``) cannot overflow."""
 HASH_TRUST_BLOCKS = 16
 """Blocks whose computed engine hash must have matched the replica's own events (and none
 mismatched) before receipts teach the index blocks under computed hashes."""
@@ -142,6 +151,8 @@ class PoolRequest:
     session_key: str | None = None
     max_tokens: int = 0
     """Completion tokens asked for (decode load); 0 when unknown."""
+    sequences: int = 1
+    """OpenAI's ``n``: sequences generated, each up to ``max_tokens`` (decode load)."""
     exclude: frozenset[ReplicaId] = frozenset()
     """Replicas not to choose (they already failed this request)."""
 
@@ -427,6 +438,7 @@ class PoolRouter:
             session_key=request.session_key,
             request_id=request.request_id,
             max_tokens=request.max_tokens,
+            sequences=request.sequences,
         )
 
     def route(self, request: PoolRequest, now: float) -> Lease:
@@ -476,6 +488,7 @@ class PoolRouter:
         session_key: str | None = None,
         request_id: str | None = None,
         max_tokens: int = 0,
+        sequences: int = 1,
         lora_name: str | None = None,
         cache_salt: str | None = None,
     ) -> RoutePlan:
@@ -529,7 +542,8 @@ class PoolRouter:
             chosen_bs = chosen_space.hasher.block_size
             reusable = reusable_blocks(len(token_ids), chosen_bs, chosen_space.hasher.mode)
             cached = min(cached, reusable * chosen_bs)
-        decode_tokens = len(token_ids) - cached + max(0, max_tokens)
+        generated = min(max(1, sequences) * max(0, max_tokens), MAX_DECODE_TOKENS)
+        decode_tokens = len(token_ids) - cached + generated
         return RoutePlan(
             decision=decision,
             prompt_tokens=len(token_ids),
@@ -539,6 +553,7 @@ class PoolRouter:
             block_size=chosen_bs,
             inputs=PolicyInputs(route, overlap_all, snapshot),
             token_ids=token_ids if lora_name is None and cache_salt is None else (),
+            sequences=max(1, sequences),
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:

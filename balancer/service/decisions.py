@@ -62,6 +62,11 @@ class DecisionRecord:
     cached_tokens: int
     """Prompt tokens predicted cached on the chosen replica (its own block size)."""
     nbytes: int
+    decode_blocks: int = 0
+    """KV blocks the request committed to the replica's decode load (uncached prompt plus
+    ``sequences × max_tokens``, the pool's reference blocks)."""
+    sequences: int = 1
+    """OpenAI's ``n`` of the request."""
 
     @property
     def replica(self) -> ReplicaId:
@@ -126,6 +131,8 @@ def pack(record: DecisionRecord) -> PackedRecord:
         record.policy,
         record.prompt_tokens,
         record.cached_tokens,
+        record.decode_blocks,
+        record.sequences,
         _REQUEST_VALUES(inputs.request),
         _OVERLAP_VALUES(inputs.overlap),
         _SNAPSHOT_OTHERS(load),
@@ -151,6 +158,8 @@ def unpack(entry: PackedRecord) -> DecisionRecord:
         policy,
         prompt_tokens,
         cached_tokens,
+        decode_blocks,
+        sequences,
         request,
         overlap,
         snapshot_others,
@@ -178,6 +187,8 @@ def unpack(entry: PackedRecord) -> DecisionRecord:
         prompt_tokens=prompt_tokens,
         cached_tokens=cached_tokens,
         nbytes=entry.nbytes,
+        decode_blocks=decode_blocks,
+        sequences=sequences,
     )
 
 
@@ -319,6 +330,8 @@ class DecisionLog:
         cached_tokens: int,
         tenant: str | None,
         wall_ts: float,
+        decode_blocks: int = 0,
+        sequences: int = 1,
     ) -> DecisionRecord:
         """Append one committed decision to ``pool``'s ring; returns the record (with its id)."""
         self._next_id += self._id_step
@@ -336,6 +349,8 @@ class DecisionLog:
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
             nbytes=estimate_bytes(inputs, decision, tenant),
+            decode_blocks=decode_blocks,
+            sequences=sequences,
         )
         by_count, by_bytes = self.ring(pool).append(pack(record))
         if self._on_evict is not None and (by_count or by_bytes):

@@ -79,6 +79,8 @@ class Forward:
     """A non-streaming request: the engine sends its headers only with the whole answer, after its
     last token, so they are waited for until ``timeouts.total_s`` runs out, not
     ``timeouts.first_byte_s`` (:func:`open_first`)."""
+    sequences: int = 1
+    """OpenAI's ``n``: sequences the engine generates, each up to ``max_tokens`` (decode load)."""
 
 
 @dataclass(slots=True)
@@ -366,6 +368,7 @@ def pool_request(state: ServiceState, job: Forward, exclude: Collection[ReplicaI
         request_id=job.request_id,
         session_key=job.session_key,
         max_tokens=job.max_tokens,
+        sequences=job.sequences,
         exclude=frozenset(exclude),
     )
 
@@ -414,6 +417,8 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
             plan.cached_tokens,
             job.tenant,
             state.wall_clock(),
+            decode_blocks=plan.decode_blocks,
+            sequences=plan.sequences,
         )
     if state.series is not None:
         state.series.on_commit(lease.replica, plan.prompt_tokens, plan.cached_tokens, state.wall_clock())
@@ -452,11 +457,16 @@ async def open_first(
     if job.whole_answer:
         async with ProbeWatch(state, replica):
             stream = await state.upstream.open(
-                replica.url, job.path, job.body, headers, whole_answer_s=remaining_s
+                replica.url,
+                job.path,
+                job.body,
+                headers,
+                whole_answer_s=remaining_s,
+                api_key=replica.api_key,
             )
         chunks = stream.chunks()
     else:
-        stream = await state.upstream.open(replica.url, job.path, job.body, headers)
+        stream = await state.upstream.open(replica.url, job.path, job.body, headers, api_key=replica.api_key)
         chunks = stream.chunks(first_wait_s=remaining_s)
     try:
         if job.whole_answer:

@@ -27,6 +27,7 @@ Discovery only removes the replicas it added. Every event is applied in full bef
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import aiohttp
@@ -146,6 +147,8 @@ class ReplicaLifecycle:
         if owner is not None:
             log.warning("discovered replica %s: id already used in pool %r: ignored", replica, owner)
             return False
+        if config.api_key is None and pool.api_key is not None:  # the pool's default key
+            config = dataclasses.replace(config, api_key=pool.api_key)
         spec = engine_spec(config.engine)
         space = pool.router.add_replica(replica, config.block_size, spec.alignment(), spec.block_hashes)
         self.discovered[replica] = model
@@ -254,6 +257,7 @@ class ReplicaLifecycle:
                 metrics=self.state.metrics,
                 settings=self._scrape,
                 metrics_path=config.metrics_path,
+                api_key=config.api_key,
             )
             self.state.scrapers[replica] = scraper
             tasks.append(spawn(scraper.run(), f"kvlb-scrape-{replica}"))
@@ -264,6 +268,7 @@ class ReplicaLifecycle:
             health=self.state.health,
             settings=self._probe,
             model=pool.model if engine_spec(config.engine).checks_model_name else None,
+            api_key=config.api_key,
         )
         tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
 

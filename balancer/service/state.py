@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from balancer.config import ReplicaConfig, Settings
+from balancer.config.settings import Secret
 from balancer.health.book import DrainNote, HealthBook
 from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
@@ -54,6 +55,9 @@ class Pool:
     kv_events: bool = True
     """Whether the pool's engines publish KV events (``pools[].kv_events``); without, no event source
     runs and the index learns from routing decisions and receipts only."""
+    api_key: Secret | None = None
+    """The pool's default engine API key (``pools[].api_key_file``/``api_key_env``), given to the
+    discovered replicas that have none of their own."""
 
 
 @dataclass(slots=True)

@@ -105,6 +105,7 @@ def build_sources(
             metrics=metrics,
             settings=poll_settings,
             tap=tap,
+            api_key=replica.api_key,
         )
         return [poller]
     if spec.transport != "zmq":

@@ -30,6 +30,7 @@ from typing import Protocol
 
 import aiohttp
 
+from balancer.config.settings import Secret
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import Resync
@@ -49,6 +50,7 @@ from balancer.sources.base import (
 from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.sources.trtllm_relay import count_drained, disconnect_body
 from balancer.types import ReplicaId
+from balancer.upstream.auth import REFUSED_CALLER_STATUSES, engine_auth_headers, refused_caller
 
 log = logging.getLogger(__name__)
 
@@ -132,11 +134,15 @@ class TrtllmPoller:
         metrics: Metrics,
         settings: PollSettings | None = None,
         tap: DrainTap | None = None,
+        api_key: Secret | None = None,
     ) -> None:
         """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
         (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something, and
         a disconnect marker when a refused drain drops the ranks (the relay to the other workers,
-        :mod:`balancer.sources.trtllm_relay`)."""
+        :mod:`balancer.sources.trtllm_relay`); ``api_key``, the replica's own key, is sent with every
+        drain."""
+        self._api_key = api_key
+        self._headers = engine_auth_headers(api_key)
         self.tap = tap
         self.gate: Gate | None = None
         """The replica's ingestion CPU budget (set by the ingest); while spent, drains wait."""
@@ -265,10 +271,12 @@ class TrtllmPoller:
     async def _drain(self) -> bytes | None:
         """POST the drain; the body, or ``None`` for 404. Raises on errors."""
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
-        async with self._session.post(self.url, timeout=timeout) as resp:
+        async with self._session.post(self.url, timeout=timeout, headers=self._headers) as resp:
             if resp.status == 404:
                 await resp.release()
                 return None
+            if resp.status in REFUSED_CALLER_STATUSES:
+                raise PollError(refused_caller(resp.status, self._api_key))
             if resp.status != 200:
                 raise PollError(f"HTTP {resp.status}")
             try:

@@ -12,7 +12,8 @@ The client is kvlb's own (:mod:`~balancer.upstream.http1` parses, :mod:`~balance
 keeps the connections): a request is one write of its head and body on a keep-alive connection,
 with no URL objects, header multidicts or per-request timers beyond the stage timeouts. What it
 sends: ``POST <path> HTTP/1.1``, ``Host``, ``Content-Length``, the headers it is given (the
-allow-list below) and the body, nothing else.
+allow-list below), ``Authorization: Bearer`` with the replica's own API key when it has one
+(``replicas[].api_key_file``/``api_key_env``; never the client's) and the body, nothing else.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from typing import Final
 from urllib.parse import urlsplit
 
 from balancer.config import TimeoutConfig, UpstreamConfig
+from balancer.config.settings import Secret
 from balancer.errors import UpstreamError, UpstreamTimeout
+from balancer.upstream.auth import REFUSED_CALLER_STATUSES, engine_auth_headers, refused_caller
 from balancer.upstream.connections import Connection, ConnectionPool, HostKey
 from balancer.upstream.http1 import PARSE_ERROR_REASONS, HttpParseError, ParserLimits, ResponseHead
 from balancer.upstream.sse import DONE
@@ -34,12 +37,6 @@ from balancer.upstream.sse import DONE
 FORWARDED_REQUEST_HEADERS = frozenset({"content-type", "accept", "x-request-id", "traceparent", "tracestate"})
 """Client headers passed to replicas; everything else (auth, cookies, hop-by-hop) stays here."""
 RETRYABLE_STATUSES = frozenset({429, 503})
-REFUSED_CALLER_STATUSES = frozenset({401, 403, 407})
-"""A replica's answers that refuse its caller, kvlb, not the client: kvlb never forwards the client's
-credentials, so an engine started with an API key (vLLM's ``--api-key``, SGLang's ``--api-key``)
-or a proxy before it that wants some refuses every request. Relayed, they told the client its
-own key was wrong (the SDK raises ``AuthenticationError`` and does not retry); they are a
-replica failure instead: retried elsewhere, counted against the breaker, then 502 naming the cause."""
 _TAIL_BYTES = 4096
 _CACHED_RE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _PROMPT_RE = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
@@ -252,6 +249,7 @@ class UpstreamClient:
         headers: Mapping[str, str],
         *,
         whole_answer_s: float | None = None,
+        api_key: Secret | None = None,
     ) -> UpstreamStream:
         """POST ``body`` and wait for the response headers; failures before them are retryable.
 
@@ -259,8 +257,13 @@ class UpstreamClient:
         engine sends only with it, once it has generated every token: they are waited for this
         long (what is left of ``timeouts.total_s``) instead of ``timeouts.first_byte_s``, and
         running out is :class:`UpstreamTimeout`, not retryable (the engine was generating; another
-        replica would start over)."""
+        replica would start over).
+
+        ``api_key``: the replica's own key, sent as ``Authorization: Bearer`` (the client's
+        ``Authorization`` is never in ``headers``)."""
         target = self._target(base_url)
+        if api_key is not None:
+            headers = {**headers, **engine_auth_headers(api_key)}
         request_head = _request_head(target, path, len(body), headers)
         pool = self.pool
         wait_s = self._timeouts.first_byte_s if whole_answer_s is None else whole_answer_s
@@ -280,12 +283,7 @@ class UpstreamClient:
             raise RetryableUpstream("status", f"replica answered {head.status}", head.status)
         if head.status in REFUSED_CALLER_STATUSES:
             pool.release(conn)
-            raise RetryableUpstream(
-                "status",
-                f"replica answered {head.status}, refusing kvlb, not the client (kvlb sends replicas no"
-                " credentials: does the engine, or a proxy before it, require an API key?)",
-                head.status,
-            )
+            raise RetryableUpstream("status", refused_caller(head.status, api_key), head.status)
         return UpstreamStream(conn, head, pool, self._timeouts.idle_s, self.counters)
 
     async def _exchange(

@@ -107,6 +107,10 @@ class ReplicaConfig:
     faults: FaultSettings = field(default_factory=FaultSettings)
     """Faults active from start-up."""
 
+    api_key: str | None = None
+    """``--api-key``: calls without ``Authorization: Bearer <key>`` get 401 ``{"error": "Unauthorized"}``
+    on the paths the engine guards (:meth:`guards_path` of its personality); ``None``: none are."""
+
     eviction: Eviction | None = None
     """What a short KV pool evicts: ``node``, whole least-recently-used radix leaves (SGLang), or
     ``block``, only the pages needed, tail first (vLLM; keeps the head of a long prefix cached).

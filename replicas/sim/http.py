@@ -28,6 +28,8 @@ from replicas.sim.tokenizer import PromptError
 
 CTX_KEY = web.AppKey("sim_ctx", ReplicaContext)
 
+MAX_SEQUENCES = 128
+"""Largest ``n`` the emulator takes (OpenAI's own bound; vLLM and SGLang take more)."""
 _INLINE_TOKENIZE_CHARS = 2048
 """Shorter texts are tokenized inline; longer ones in a thread (tokenizing is CPU work)."""
 
@@ -40,6 +42,8 @@ class Sampling:
     stream: bool
     include_usage: bool
     dp_rank: int | None
+    n: int = 1
+    """Sequences to generate for the prompt (OpenAI's ``n``, 1..:data:`MAX_SEQUENCES`)."""
 
 
 def _ctx(request: web.Request) -> ReplicaContext:
@@ -78,8 +82,11 @@ def parse_sampling(body: Mapping[str, Any], default_max_tokens: int) -> Sampling
         raise ValueError("temperature must be a number >= 0")
     if seed is not None and not isinstance(seed, int):
         raise ValueError("seed must be an integer")
-    if body.get("n", 1) != 1:
-        raise ValueError("only n = 1 is supported")
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_SEQUENCES:
+        raise ValueError(f"n must be an integer in 1..{MAX_SEQUENCES}")
     options = body.get("stream_options") or {}
     dp_rank = body.get("data_parallel_rank")
     return Sampling(
@@ -89,6 +96,7 @@ def parse_sampling(body: Mapping[str, Any], default_max_tokens: int) -> Sampling
         stream=bool(body.get("stream", False)),
         include_usage=bool(isinstance(options, dict) and options.get("include_usage")),
         dp_rank=dp_rank if isinstance(dp_rank, int) else None,
+        n=n,
     )
 
 
@@ -111,13 +119,14 @@ async def tokenize_prompt(ctx: ReplicaContext, prompt: Any) -> list[int]:
     return ctx.tokenizer.encode_prompt(prompt)
 
 
-def _usage(request: SimRequest) -> dict[str, Any]:
-    prompt, completion = len(request.prompt), len(request.output)
+def _usage(requests: Sequence[SimRequest]) -> dict[str, Any]:
+    """One answer's usage: the prompt once, the completions of its ``n`` sequences added."""
+    prompt, completion = len(requests[0].prompt), sum(len(r.output) for r in requests)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": request.cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": requests[0].cached_tokens},
     }
 
 
@@ -138,31 +147,34 @@ class _Shape:
             "model": model,
         }
 
-    def chunk(self, text: str | None, first: bool, finish: str | None) -> dict[str, Any]:
+    def chunk(self, text: str | None, first: bool, finish: str | None, index: int = 0) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {} if text is None else {"content": text}
             if first:
                 delta["role"] = "assistant"
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        return {**self.head, "choices": [choice]}
-
-    def whole(self, text: str, request: SimRequest) -> dict[str, Any]:
-        finish = request.finish_reason
-        if self.chat:
-            message = {"role": "assistant", "content": text}
             choice: dict[str, Any] = {
-                "index": 0,
-                "message": message,
+                "index": index,
+                "delta": delta,
                 "logprobs": None,
                 "finish_reason": finish,
             }
-            obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-            obj = "text_completion"
-        return {**self.head, "object": obj, "choices": [choice], "usage": _usage(request)}
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return {**self.head, "choices": [choice]}
+
+    def whole(self, texts: Sequence[str], requests: Sequence[SimRequest]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        for index, (text, request) in enumerate(zip(texts, requests, strict=True)):
+            finish = request.finish_reason
+            if self.chat:
+                message = {"role": "assistant", "content": text}
+                choices.append(
+                    {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+                )
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self.head, "object": obj, "choices": choices, "usage": _usage(requests)}
 
 
 async def generate(
@@ -190,34 +202,61 @@ async def generate(
         )
     if not ids:
         return json_error(400, "the prompt is empty")
-    if not ctx.engine.fits(len(ids), sampling.max_new_tokens):
+    n = sampling.n
+    if not ctx.engine.fits(len(ids), sampling.max_new_tokens * n):
         pool = ctx.engine.ranks[0].scheduler.cache
         return json_error(
             400,
-            f"prompt ({len(ids)}) + max_tokens ({sampling.max_new_tokens}) does not fit in the KV "
+            f"prompt ({len(ids)}) + max_tokens ({sampling.max_new_tokens})"
+            f"{f' x n ({n})' if n > 1 else ''} does not fit in the KV "
             f"cache ({pool.capacity_blocks} pages of {pool.page_size} tokens)",
         )
     rid = ctx.next_request_id("chatcmpl" if chat else "cmpl")
     salt = sampling_salt(sampling.temperature, sampling.seed, ctx.request_counter)
-    sim = SimRequest(rid, ids, sampling.max_new_tokens, arrival_s=0.0, salt=salt)
-    handle = ctx.engine.submit(sim, sampling.dp_rank, received_s)
-    if handle is None:
-        return json_error(503, "the waiting queue is full", "ServiceUnavailableError")
-    shape = _Shape(chat, rid, ctx.model)
+    # n sequences: n requests on one rank sharing the prompt (its prefix cached after the first), as
+    # vLLM fans a request out into child requests and SGLang into n scheduler requests
+    sims: list[SimRequest] = []
+    handles: list[RequestHandle] = []
     try:
+        for index in range(n):
+            own_salt = salt if index == 0 or salt == 0 else salt | (index << 72)
+            sim = SimRequest(
+                rid if index == 0 else f"{rid}-{index}",
+                ids,
+                sampling.max_new_tokens,
+                arrival_s=0.0,
+                salt=own_salt,
+            )
+            rank = sampling.dp_rank if not handles else handles[0].rank
+            handle = ctx.engine.submit(sim, rank, received_s)
+            if handle is None:
+                return json_error(503, "the waiting queue is full", "ServiceUnavailableError")
+            sims.append(sim)
+            handles.append(handle)
+        shape = _Shape(chat, rid, ctx.model)
         if sampling.stream:
-            return await _stream(request, ctx, handle, shape, sampling.include_usage)
-        pieces = []
-        while (out := await handle.next()) is not None:
-            if _client_gone(request):  # the engines abort it (vLLM at once, SGLang within 4 s)
-                return web.Response(status=499)  # never read: ``finally`` aborts the request
-            pieces.append(token_text(out.token))
-        if sim.finish_reason == "abort":
+            return await _stream(request, ctx, handles, shape, sampling.include_usage)
+        texts = await asyncio.gather(*(_whole_text(request, handle) for handle in handles))
+        if any(text is None for text in texts):
+            return web.Response(status=499)  # never read: ``finally`` aborts the requests
+        if any(sim.finish_reason == "abort" for sim in sims):
             return json_error(503, "the engine restarted", "ServiceUnavailableError")
-        return web.json_response(shape.whole("".join(pieces), sim), headers=_headers(ctx, handle))
+        whole = shape.whole([text or "" for text in texts], sims)
+        return web.json_response(whole, headers=_headers(ctx, handles[0]))
     finally:
-        if sim.finish_reason is None:
-            ctx.engine.abort(handle)
+        for handle in handles:
+            if handle.request.finish_reason is None:
+                ctx.engine.abort(handle)
+
+
+async def _whole_text(request: web.Request, handle: RequestHandle) -> str | None:
+    """One sequence's text, or ``None`` when the client left meanwhile."""
+    pieces = []
+    while (out := await handle.next()) is not None:
+        if _client_gone(request):  # the engines abort it (vLLM at once, SGLang within 4 s)
+            return None
+        pieces.append(token_text(out.token))
+    return "".join(pieces)
 
 
 def _client_gone(request: web.Request) -> bool:
@@ -233,28 +272,57 @@ def _headers(ctx: ReplicaContext, handle: RequestHandle) -> dict[str, str]:
 
 
 async def _stream(
-    request: web.Request, ctx: ReplicaContext, handle: RequestHandle, shape: _Shape, include_usage: bool
+    request: web.Request,
+    ctx: ReplicaContext,
+    handles: Sequence[RequestHandle],
+    shape: _Shape,
+    include_usage: bool,
 ) -> web.StreamResponse:
+    """Stream the ``n`` sequences of ``handles`` as they come, each chunk naming its choice ``index``."""
     response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **_headers(ctx, handle)}
+        headers={
+            "Content-Type": "text/event-stream",
+            "Cache-Control": "no-cache",
+            **_headers(ctx, handles[0]),
+        }
     )
     await response.prepare(request)
     crash_after = ctx.faults.settings.crash_after_chunks
-    sent = 0
-    while (out := await handle.next()) is not None:
-        await response.write(_sse(shape.chunk(token_text(out.token), out.index == 0, None)))
-        sent += 1
-        if crash_after is not None and sent >= crash_after:
-            if request.transport is not None:
-                request.transport.abort()  # the "engine crashed mid-stream" fault
-            return response
-    if handle.request.finish_reason == "abort":
-        if request.transport is not None:
-            request.transport.abort()
-        return response
-    await response.write(_sse(shape.chunk(None, sent == 0, handle.request.finish_reason)))
+    sent = [0] * len(handles)
+    outs: asyncio.Queue[tuple[int, str | None]] = asyncio.Queue()
+
+    async def pump(index: int, handle: RequestHandle) -> None:
+        while (out := await handle.next()) is not None:
+            outs.put_nowait((index, token_text(out.token)))
+        outs.put_nowait((index, None))
+
+    pumps = [asyncio.create_task(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        running = len(handles)
+        while running:
+            index, text = await outs.get()
+            if text is None:
+                running -= 1
+                if handles[index].request.finish_reason == "abort":
+                    if request.transport is not None:
+                        request.transport.abort()
+                    return response
+                finish = handles[index].request.finish_reason
+                await response.write(_sse(shape.chunk(None, sent[index] == 0, finish, index)))
+                continue
+            await response.write(_sse(shape.chunk(text, sent[index] == 0, None, index)))
+            sent[index] += 1
+            if crash_after is not None and sum(sent) >= crash_after:
+                if request.transport is not None:
+                    request.transport.abort()  # the "engine crashed mid-stream" fault
+                return response
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
     if include_usage:
-        await response.write(_sse({**shape.head, "choices": [], "usage": _usage(handle.request)}))
+        usage = _usage([handle.request for handle in handles])
+        await response.write(_sse({**shape.head, "choices": [], "usage": usage}))
     await response.write(_sse("[DONE]"))
     await response.write_eof()
     return response

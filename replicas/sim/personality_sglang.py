@@ -93,6 +93,12 @@ class SglangPersonality(ZmqPersonality):
     ) -> RankPublisher:
         return RankPublisher(zctx, config, rank, faults)
 
+    @staticmethod
+    def guards_path(path: str) -> bool:
+        """SGLang's ``--api-key`` guards every path but ``/health*`` and ``/metrics*``
+        (``add_api_key_middleware``): ``/v1/*``, ``/get_load``, ``/v1/loads``, ``/flush_cache``..."""
+        return not path.startswith(("/health", "/metrics"))
+
     def add_routes(self, app: web.Application, ctx: ReplicaContext) -> None:
         routes = _SglangRoutes(ctx, self)
         for path in ("/server_info", "/get_server_info"):

@@ -155,6 +155,12 @@ class TrtllmPersonality:
     def describe(self) -> dict[str, Any]:
         return {"events": ["POST /kv_cache_events"], "tokens_per_block": self.config.block_size}
 
+    @staticmethod
+    def guards_path(path: str) -> bool:
+        """Emulated as the strictest engine: every path but ``/health`` (``/kv_cache_events`` and
+        ``/prometheus/metrics`` included), as a key-checking proxy before ``trtllm-serve`` does."""
+        return path != "/health"
+
     def add_routes(self, app: web.Application, ctx: ReplicaContext) -> None:
         self._ctx = ctx
         app.router.add_post("/kv_cache_events", self._kv_cache_events)

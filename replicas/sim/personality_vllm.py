@@ -91,6 +91,12 @@ class VllmPersonality(ZmqPersonality):
     flush_path = FLUSH_PATH
     REFUSES_OTHER_MODELS = True  # vLLM's _check_model: "The model `x` does not exist." (404)
 
+    @staticmethod
+    def guards_path(path: str) -> bool:
+        """vLLM's ``--api-key`` guards only the ``/v1`` paths (its ``AuthenticationMiddleware``):
+        ``/health``, ``/metrics``, ``/load`` and ``/reset_prefix_cache`` stay open."""
+        return path.startswith("/v1")
+
     def publisher(
         self, zctx: zmq.asyncio.Context, config: ReplicaConfig, rank: int, faults: FaultState
     ) -> VllmRankPublisher:

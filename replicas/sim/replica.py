@@ -23,11 +23,13 @@ import asyncio
 import errno
 import logging
 import random
+from collections.abc import Callable
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, cast
 
 import zmq.asyncio
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from replicas.sim.config import ZMQ_ENGINES, ReplicaConfig
 from replicas.sim.context import ReplicaContext, json_error, rank_stats
@@ -85,6 +87,10 @@ class Replica:
         vocab = int(getattr(tokenizer, "vocab_size", config.profile.vocab_size))
         self.engine = Engine(config, self.faults, self.personality, vocab)
         self.ctx = ReplicaContext(config, self.engine, self.faults, tokenizer, vocab)
+        middlewares = (
+            [] if config.api_key is None else [_api_key_middleware(config.api_key, self.personality)]
+        )
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.ctx.refuses_other_models = self.personality.REFUSES_OTHER_MODELS
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         add_openai_routes(self.app, self.ctx)
@@ -251,3 +257,24 @@ class Replica:
             stats["events_overflow_dropped"] = personality.buffer.overflow_dropped
             stats["events_fault_dropped"] = personality.buffer.fault_dropped
         return web.json_response(stats)
+
+
+def _api_key_middleware(
+    api_key: str, personality: SglangPersonality | VllmPersonality | TrtllmPersonality
+) -> Middleware:
+    """The engine's ``--api-key``: a guarded path (:meth:`guards_path`) without ``Authorization: Bearer
+    <key>`` gets 401 ``{"error": "Unauthorized"}``, as vLLM and SGLang answer; ``OPTIONS`` and the
+    emulator's own ``/admin`` paths pass."""
+    expected = f"Bearer {api_key}"
+    guards = cast(Callable[[str], bool], personality.guards_path)
+
+    @web.middleware
+    async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if request.method == "OPTIONS" or path.startswith("/admin") or not guards(path):
+            return await handler(request)
+        if request.headers.get("Authorization") != expected:
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
+
+    return check_key

@@ -80,6 +80,7 @@ async def test_reload_emits_adds_changes_and_removals(tmp_path: Path) -> None:
         ("pools: [{model: m1, replicas: [{id: a, url: 'ftp://x'}]}]\n", "url must be http"),
         ("pools: [{model: m1, replicas: [{id: a, url: 'http://x', dp_size: 0}]}]\n", "dp_size"),
         ("pools: [{model: m1, tokenizer: t, replicas: []}]\n", "model and replicas only"),
+        ("pools: [{model: m1, replicas: [{id: a, url: 'http://x', api_key_env: K}]}]\n", "names no API key"),
     ],
 )
 async def test_a_bad_file_keeps_the_last_good_set(tmp_path: Path, text: str, message: str) -> None:

@@ -11,7 +11,7 @@ from balancer.index.hashing import pack_tokens
 from balancer.load.tracker import EngineStats
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
-from balancer.routing.router import PoolRouter
+from balancer.routing.router import MAX_DECODE_TOKENS, PoolRouter
 from balancer.types import EngineHash, ReplicaId
 
 A, B, T = ReplicaId("a"), ReplicaId("b"), ReplicaId("t")
@@ -159,3 +159,33 @@ def test_decode_load_counts_private_blocks_only() -> None:
     )
     assert plan.cached_tokens == 128
     assert plan.decode_blocks == -(-(len(PROMPT) - 128 + 30) // 16)  # uncached prompt + output only
+
+
+def test_decode_load_counts_each_of_n_sequences_and_steers_the_next_request() -> None:
+    policy, weights = make_policy("cost"), PolicyWeights()
+    router = pool()
+    one = router.plan(PROMPT, [A], policy, weights, random.Random(0), 0.0, max_tokens=64)
+    eight = router.plan(PROMPT, [A], policy, weights, random.Random(0), 0.0, max_tokens=64, sequences=8)
+    assert one.decode_blocks == -(-(len(PROMPT) + 64) // 16) and one.sequences == 1
+    assert eight.decode_blocks == -(-(len(PROMPT) + 8 * 64) // 16) and eight.sequences == 8
+    huge = router.plan(PROMPT, [A], policy, weights, random.Random(0), 0.0, max_tokens=2**62, sequences=2**20)
+    assert huge.decode_blocks == -(-(len(PROMPT) + MAX_DECODE_TOKENS) // 16)  # bounded
+
+    def next_choice(sequences_on_a: int) -> tuple[ReplicaId, int]:
+        """Where a new prompt goes while A decodes a request of ``n = sequences_on_a`` (64 tokens
+        each) and B one of n = 1 with 256 tokens: 13 blocks against 25 for n = 1, 41 for n = 8."""
+        router = pool()
+        on_a = router.plan(
+            PROMPT, [A], policy, weights, random.Random(0), 0.0, max_tokens=64, sequences=sequences_on_a
+        )
+        on_b = router.plan(PROMPT, [B], policy, weights, random.Random(0), 0.0, max_tokens=256)
+        for request_id, plan in (("on-a", on_a), ("on-b", on_b)):
+            router.commit(plan, request_id, now=0.0, speculative_ttl_s=2.0, pending_ttl_s=30.0)
+            router.first_token(request_id, now=0.1)
+        other = list(range(5000, 5000 + 130))  # cached nowhere
+        plan = router.plan(other, [A, B], policy, weights, random.Random(0), 0.2, max_tokens=64)
+        terms = {t.replica: t for t in plan.decision.terms}
+        return plan.decision.replica, int(terms[A].active_decode_blocks)  # the decision says why
+
+    assert next_choice(1) == (A, one.decode_blocks)
+    assert next_choice(8) == (B, eight.decode_blocks)
