@@ -85,12 +85,11 @@ class HealthProber:
         api_key: Secret | None = None,
     ) -> None:
         """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
-        replica turns healthy (``None``: not checked). ``api_key``: the replica's own key, sent
-        with every probe."""
+        replica turns healthy, at every probe while the engine lists other models, and every
+        ``settings.models_recheck_s`` (``None``: not checked). ``api_key``: the replica's own key,
+        sent with every probe and model check."""
         self._api_key = api_key
         self._headers = engine_auth_headers(api_key)
-        replica turns healthy, at every probe while the engine lists other models, and every
-        ``settings.models_recheck_s`` (``None``: not checked)."""
         self.replica = replica
         self.model = model
         self._models_url = base_url.rstrip("/") + MODELS_PATH

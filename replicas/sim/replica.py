@@ -92,7 +92,6 @@ class Replica:
         )
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
         self.ctx.refuses_other_models = self.personality.REFUSES_OTHER_MODELS
-        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         add_openai_routes(self.app, self.ctx)
         self.personality.add_routes(self.app, self.ctx)
         self._add_admin_routes()
