@@ -134,19 +134,21 @@ def grpc_whatif(
 
 def grpc_replicas(
     siblings: Siblings, admin_token: str | None
-) -> Callable[[list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]]:
+) -> Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]:
     """What :attr:`ServiceState.replicas_gather` calls for ``Admin.ListReplicas`` (gRPC has no HTTP
-    middleware): this worker's views with every worker's receipts, as ``GET /admin/replicas``."""
+    middleware): this worker's views with every worker's receipts, with the ``workers`` and
+    ``workers_missing``, as ``GET /admin/replicas`` answers."""
 
-    async def gather_replicas(local: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    async def gather_replicas(local: list[dict[str, Any]]) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
         if admin_token is not None:
             headers["Authorization"] = f"Bearer {admin_token}"
-        answers, _ = await _ask(siblings, "GET", "/admin/replicas", b"", headers, None)
+        answers, missing = await _ask(siblings, "GET", "/admin/replicas", b"", headers, None)
         answers[siblings.index] = {"replicas": local}
-        merged: list[dict[str, Any]] = _merge_replicas(
-            answers[siblings.index], [answers[i] for i in sorted(answers)]
-        )["replicas"]
+        order = sorted(answers)
+        merged = _merge_replicas(answers[siblings.index], [answers[i] for i in order])
+        merged["workers"] = order
+        merged["workers_missing"] = missing
         return merged
 
     return gather_replicas

@@ -98,10 +98,11 @@ class ServiceState:
     """``(body, answer)``: this worker's ``Admin.WhatIf`` answer to the JSON ``body`` merged with the
     sibling workers' replays of it (``kvlb serve --workers N``; HTTP goes through the siblings
     middleware). ``None``: one process."""
-    replicas_gather: Callable[[list[dict[str, Any]]], Awaitable[list[dict[str, Any]]]] | None = None
-    """``(views)``: this worker's ``Admin.ListReplicas`` replica views with the ``prediction`` of every
-    sibling worker's receipts, as ``GET /admin/replicas`` answers (``kvlb serve --workers N``; HTTP goes
-    through the siblings middleware). ``None``: one process."""
+    replicas_gather: Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]] | None = None
+    """``(views)``: ``{"replicas", "workers", "workers_missing"}``, this worker's ``Admin.ListReplicas``
+    replica views with the ``prediction`` of every sibling worker's receipts, as ``GET /admin/replicas``
+    answers (``kvlb serve --workers N``; HTTP goes through the siblings middleware). ``None``: one
+    process."""
     drain_committer: Callable[[ReplicaId, DrainNote | None], Awaitable[bool]] | None = None
     """``(replica, note)``: a drain (with who, when and why) or, ``None``, an undrain. Set by the
     fleet (Redis), stores a drain or undrain for every balancer before it is applied here; raises

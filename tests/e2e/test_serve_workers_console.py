@@ -242,6 +242,7 @@ async def test_console_reads_answer_for_every_worker(tmp_path: Path) -> None:
                 )
                 receipts = [r.details["prediction"]["receipts"] for r in listed_replicas.replicas]
                 assert sum(receipts) == len(sent), listed_replicas
+                assert list(listed_replicas.workers) == [0, 1] and not listed_replicas.workers_missing
 
         change = {"weights": {"decode_weight": 0.5}, "reason": "e2e: console"}
         async with aiohttp.ClientSession() as session, session.put(url + "/admin/policy", json=change) as r:

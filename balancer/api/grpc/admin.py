@@ -20,6 +20,7 @@ from balancer.api.admin import (
     drain_note,
     drain_view,
     explain_raw,
+    policy_choices,
     replica_views,
     set_draining,
 )
@@ -31,6 +32,7 @@ from balancer.api.grpc.messages import (
     dict_of,
     openai_call,
     policy_message,
+    replica_message,
     struct_of,
     value_of,
 )
@@ -47,7 +49,7 @@ class AdminService:
         self.state = state
 
     async def get_policy(self, request: pb.GetPolicyRequest, call: Call) -> pb.Policy:
-        return policy_message(self.state.policy.view)
+        return policy_message(self.state.policy.view, policy_choices())
 
     async def set_policy(self, request: pb.SetPolicyRequest, call: Call) -> pb.SetPolicyResponse:
         body: dict[str, Any] = {}
@@ -86,30 +88,19 @@ class AdminService:
             weights=struct_of(explained.weights.to_dict()),
             decision=decision_message(plan.decision),
             left_out=explained.left_out,
+            sequences=plan.sequences,
+            decode_blocks=plan.decode_blocks,
         )
 
     async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> pb.ListReplicasResponse:
-        views = replica_views(self.state)
+        answer: dict[str, Any] = {"replicas": replica_views(self.state)}
         if self.state.replicas_gather is not None:  # every worker's receipts, as GET /admin/replicas
-            views = await self.state.replicas_gather(views)
-        replicas = []
-        for view in views:
-            health = view.get("health") or {}
-            replicas.append(
-                pb.Replica(
-                    id=view["id"],
-                    model=view["model"],
-                    url=view["url"],
-                    engine=view["engine"],
-                    block_size=view["block_size"],
-                    routable=view["routable"],
-                    draining=bool(health.get("draining", False)),
-                    inflight=view["inflight"],
-                    index_blocks=view["index"]["blocks"],
-                    details=struct_of(view),
-                )
-            )
-        return pb.ListReplicasResponse(replicas=replicas)
+            answer = await self.state.replicas_gather(answer["replicas"])
+        return pb.ListReplicasResponse(
+            replicas=[replica_message(view) for view in answer["replicas"]],
+            workers=answer.get("workers", ()),
+            workers_missing=answer.get("workers_missing", ()),
+        )
 
     async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:
         if not request.replica_id:
