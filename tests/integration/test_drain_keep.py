@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import redis.asyncio as aioredis
 import yaml
@@ -22,6 +23,8 @@ from redis_server import RedisServer
 from test_discovery_app import balancer_over, two_replicas
 
 from balancer import strict_json
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
 from balancer.fleet.drain_sync import MAX_PRUNES_PER_SYNC, DrainSync
 from balancer.health.book import DrainNote, HealthBook
 from balancer.metrics import Metrics
@@ -167,6 +170,7 @@ async def test_without_redis_a_drain_outlives_the_removal_and_an_unlisted_id_can
         "discovery__kind": "file",
         "discovery__file": str(listed),
         "discovery__reload_interval_s": 0.1,
+        "listen__grpc_port": 0,
     }
 
     def write(replicas: list[Replica]) -> None:
@@ -200,6 +204,10 @@ async def test_without_redis_a_drain_outlives_the_removal_and_an_unlisted_id_can
         assert r1["health"]["drain"]["reason"] == "node repair", r1
         assert r1["health"]["drain_kept"].startswith("drained (kept from before its removal at "), r1
         assert r1["health"]["drain_kept"].endswith(" by admin: node repair)"), r1
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.balancer.grpc_port}") as channel:
+            listed_grpc = await pb_grpc.AdminStub(channel).ListReplicas(pb.ListReplicasRequest())
+        r1_grpc = {r.id: r for r in listed_grpc.replicas}["r1"]  # the same fact over gRPC (h-grpcparity)
+        assert r1_grpc.drain_kept == r1["health"]["drain_kept"] and r1_grpc.unroutable == "draining"
 
         write([])
         await wait_for("r1 removed again", r1_gone, timeout_s=10)
