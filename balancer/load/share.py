@@ -1,4 +1,6 @@
-"""Per-replica load and per-tenant admissions shared between workers (shell: shared memory).
+"""Per-replica load and per-tenant admissions shared between workers (shell: shared memory): the
+table's layout, the supervisor's side and each worker's, with its replica slots and admitted count
+(its tenant slots: :mod:`balancer.load.tenant_share`).
 
 With ``kvlb serve --workers N``, each worker's :class:`~balancer.load.tracker.LoadTracker` is exact
 for the requests that worker routed. So that every worker's policy sees the whole service's load on
