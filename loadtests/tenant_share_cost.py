@@ -64,7 +64,7 @@ def request(gate: Admission, name: str) -> Callable[[], None]:
 
 
 def measure(tenants: int, number: int, repeat: int) -> dict[str, Any]:
-    tenant_slots = hasattr(share, "TENANT_SEQ_WORD")
+    tenant_slots = hasattr(share.LoadShare, "publish_tenant")
     sizes: tuple[int, ...] = (1024, tenants) if tenant_slots else (1024,)
     table = share.LoadTable(2, *sizes)
     here = share.LoadShare(table.name, 0, 2, *sizes, track=True)

@@ -77,7 +77,7 @@ def error_body(status: int, message: str, kind: str | None = None) -> bytes:
 def refusal_response(refused: AdmissionRefused, request_id: str) -> web.Response:
     """The answer to ``refused`` as :func:`error_response` writes it (the same JSON shape, with
     ``Retry-After`` and ``x-request-id``), made directly: a flood of refusals (the tenant's request
-    rate, :func:`balancer.service.dispatch.tenant_rate_refusal`) costs no exception's way through
+    rate, :func:`balancer.service.admitted.tenant_rate_refusal`) costs no exception's way through
     the middleware and no dict encoded (its message is kvlb's own ASCII text)."""
     status = refused.status
     kind = _TYPES.get(status, "error")

@@ -2,10 +2,10 @@
 ``/v1/models/{model}``.
 
 A chat request reads top-down here: its tenant's request rate (``limits.tenant_rate_per_s``, from
-the tenant header alone: 429 with Retry-After, :func:`balancer.service.dispatch.tenant_rate_refusal`;
+the tenant header alone: 429 with Retry-After, :func:`balancer.service.admitted.tenant_rate_refusal`;
 with ``Expect: 100-continue`` before the 100, :func:`rate_before_body`),
 a declared length over ``limits.max_body_bytes`` → 413, then
-admission (:func:`balancer.service.dispatch.admitted`: a slot of ``limits.max_inflight`` and the
+admission (:func:`balancer.service.admitted.admitted`: a slot of ``limits.max_inflight`` and the
 declared length's bytes of ``limits.max_inflight_body_bytes``, full queue → 429, waited
 ``limits.queue_timeout_s`` → 503), a bounded body read (``limits.max_body_bytes`` → 413,
 ``timeouts.body_read_s`` → 408, and 408 at once for a body behind
@@ -36,7 +36,7 @@ closes the replica's stream like any other that ends.
 
 **Non-streaming answers** hold their bytes of ``limits.max_inflight_body_bytes`` while kvlb holds
 them (:func:`_relay_whole`): each chunk read from the replica is held if the budget has room for it
-now (:meth:`~balancer.service.dispatch.Admitted.try_hold`, which never waits), and given back once
+now (:meth:`~balancer.service.admitted.Admitted.try_hold`, which never waits), and given back once
 it is written to the client (or however the request ends). An answer buffered whole is written
 with its ``Content-Length``, and a replica failing before its end is a clean 502, as before. The
 first chunk that does not fit switches the answer to being relayed as it arrives (counted in
@@ -85,18 +85,16 @@ from balancer.errors import UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
 from balancer.policy import PolicyWeights
 from balancer.routing.router import Lease
+from balancer.service.admitted import Admitted, admitted, tenant_rate_refusal
 from balancer.service.dispatch import (
-    Admitted,
     Forward,
     Opened,
-    admitted,
     dispatch,
     failure_message,
     on_answered,
     on_first_chunk,
     on_relayed,
     relay_deadline,
-    tenant_rate_refusal,
 )
 from balancer.service.state import Pool, ServiceState
 from balancer.tokenizer.cuts import LongPiece
@@ -433,7 +431,7 @@ def request_weights(request: web.Request, state: ServiceState) -> PolicyWeights:
 
 class TokenizingHold(Protocol):
     """What holds a request's bytes while it is tokenized in a thread
-    (:class:`~balancer.service.dispatch.Admitted`)."""
+    (:class:`~balancer.service.admitted.Admitted`)."""
 
     def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool: ...
 

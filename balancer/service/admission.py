@@ -122,7 +122,7 @@ TENANT_QUEUE = "tenant_queue"
 """The ``limit`` of a refusal for want of a queue place of the tenant (``max_queued_per_tenant``)."""
 TENANT_RATE = "tenant_rate"
 """The ``limit`` of a refusal by the tenant's request rate (``limits.tenant_rate_per_s``, checked
-before admission: :func:`balancer.service.dispatch.tenant_rate_refusal`)."""
+before admission: :func:`balancer.service.admitted.tenant_rate_refusal`)."""
 TENANT_PROMPT_TOKENS = "tenant_prompt_tokens"
 """The ``limit`` of a refusal for want of prompt tokens of the tenant's
 ``max_inflight_prompt_tokens_per_tenant``."""

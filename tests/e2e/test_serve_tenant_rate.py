@@ -247,10 +247,10 @@ async def test_a_tenant_on_one_keep_alive_connection_gets_its_whole_rate_with_tw
                 elapsed_s = time.monotonic() - started
             let_in = statuses.count(200)
             assert set(statuses) == {200, 429} and len(statuses) > 100, len(statuses)
-            assert BURST + RATE_PER_S * FLOOD_S - 2 <= let_in <= BURST + RATE_PER_S * elapsed_s + 1, (
-                let_in,
-                elapsed_s,
-            )
+            # the count bound may end the flood before FLOOD_S (5,000 fast refusals): the lower bound
+            # is of the time it lasted
+            floor = BURST + RATE_PER_S * min(FLOOD_S, elapsed_s) - 2
+            assert floor <= let_in <= BURST + RATE_PER_S * elapsed_s + 1, (let_in, elapsed_s, len(statuses))
         finally:
             if serve is not None:
                 await stop(serve)

@@ -18,18 +18,15 @@ import pytest
 
 from balancer.errors import ConfigError, Overloaded
 from balancer.load.share import (
-    DICT_AFTER,
     LAYOUT,
-    PROMPT_TOKENS_FIELD,
-    TENANT_SEQ_WORD,
-    WORD,
     LoadShare,
     LoadTable,
-    _find,
     replica_key,
     row_bytes,
     table_bytes,
 )
+from balancer.load.share_row import TENANT_SEQ_WORD, WORD
+from balancer.load.tenant_share import DICT_AFTER, PROMPT_TOKENS_FIELD, _find
 from balancer.load.tracker import LoadCounts, LoadSnapshot
 from balancer.policy.base import PolicyWeights, RouteRequest
 from balancer.policy.registry import make_policy
@@ -370,7 +367,7 @@ def test_each_worker_reads_the_others_tenant_counts_summed_never_its_own(table: 
     w1.publish_tenant(KB, 0)
     assert (w2.peer_tenant_admitted(KA), w2.peer_tenant_admitted(KB)) == (0, 0)
     w0.publish_tenant(KC, 0)  # a tenant idle here takes no slot
-    assert w0._tenant_slots.slot_of == {} and w1._tenant_slots.slot_of == {}
+    assert w0._tenants.slots.slot_of == {} and w1._tenants.slots.slot_of == {}
     for share in (w0, w1, w2):
         share.close()
 
@@ -571,9 +568,9 @@ def test_a_read_asked_about_often_is_looked_up_in_a_dict_with_the_same_answers(t
     w0.publish_tenant(KA, 3)
     w0.publish_tenant(KB, 1)
     answers = [(w1.peer_tenant_admitted(KA), w1.peer_tenant_admitted(KC)) for _ in range(DICT_AFTER)]
-    assert set(answers) == {(3, 0)} and w1._tenant_rows[0].counts == {KA: (3, 0, 0), KB: (1, 0, 0)}
+    assert set(answers) == {(3, 0)} and w1._tenants.reads[0].counts == {KA: (3, 0, 0), KB: (1, 0, 0)}
     w0.publish_tenant(KA, 2)  # a new read: searched again, no dict yet
-    assert w1.peer_tenant_admitted(KA) == 2 and w1._tenant_rows[0].counts is None
+    assert w1.peer_tenant_admitted(KA) == 2 and w1._tenants.reads[0].counts is None
     w0.close()
     w1.close()
 

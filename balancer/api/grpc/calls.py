@@ -15,8 +15,8 @@ the way :mod:`balancer.api.middleware` wraps an HTTP handler, in this order:
    more). Before the read the call reserves ``limits.max_body_bytes`` of
    ``limits.max_inflight_body_bytes`` (the most a message may be: grpc refuses a larger one), as an
    HTTP body reserves its declared length: with an admission slot (``slot``: ``Generate``, through
-   :func:`~balancer.service.dispatch.admitted`) or bytes only (``Route``, ``Release``,
-   :func:`~balancer.service.dispatch.held`), waiting in the admission queue, refused with
+   :func:`~balancer.service.admitted.admitted`) or bytes only (``Route``, ``Release``,
+   :func:`~balancer.service.admitted.held`), waiting in the admission queue, refused with
    RESOURCE_EXHAUSTED or UNAVAILABLE and ``retry-after``; an ``admin`` method reads its message
    outside the budget, as ``/admin`` over HTTP does (an operator's call never queues behind the
    traffic it manages; its message comes only after the admin token). Right after the read the
@@ -64,7 +64,7 @@ from balancer.api.parse_cost import parsed_message_bytes, protobuf_parse_bytes
 from balancer.api.parsing import parse_weights_header
 from balancer.config import AuthConfig
 from balancer.policy import PolicyWeights
-from balancer.service.dispatch import Admitted, admitted, check_tenant_rate, held
+from balancer.service.admitted import Admitted, admitted, check_tenant_rate, held
 from balancer.service.state import Outcome, ServiceState
 
 log = logging.getLogger(__name__)
