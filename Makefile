@@ -65,15 +65,17 @@ test: $(STAMP) proto redis browser lint typecheck
 test-fast: $(STAMP) proto
 	$(PYTEST) -q -p no:cacheprovider -x -m "not slow"
 
-# The reliability suite at full size (about 15 minutes): fault scenarios under load, 5x overload,
-# fuzzing; rewrites the figures of docs/reliability.md. `make test` runs a short version of it.
+# The reliability suite at full size (about 12 minutes): fault scenarios under load, 5x overload,
+# fuzzing, the alert walks; rewrites the figures of docs/reliability.md. `make test` runs a short
+# version of it (not the alert walks: the rules' own tests, tests/deploy, run there).
 FAULTS_OUT := build/faults-results
 faults: $(STAMP) proto redis
 	rm -rf $(FAULTS_OUT)
 	KVLBTEST_RESULTS=$(FAULTS_OUT) KVLBTEST_FUZZ_PAYLOADS=100000 KVLBTEST_SCHEMATHESIS_EXAMPLES=200 \
 		KVLBTEST_GRPC_FUZZ_CALLS=3000 KVLBTEST_TEXT_FUZZ_EXAMPLES=1000 \
 		$(PYTEST) -q -p no:cacheprovider tests/fuzz; fuzz=$$?; \
-	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PYTEST) -q -p no:cacheprovider -m faults_long tests/faults; \
+	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PYTEST) -q -p no:cacheprovider -m faults_long tests/faults tests/e2e/test_alert_walk.py \
+		tests/e2e/test_alert_walk_replicas.py; \
 	faults=$$?; $(PY) tests/faults/report.py $(FAULTS_OUT) docs/reliability.md; \
 	exit $$(( fuzz || faults ))
 

@@ -11,6 +11,26 @@ import pytest
 from redis_cluster import RedisClusterProcs, RedisTarget, shared_cluster, started_cluster, stop_shared_cluster
 from redis_server import RedisServer, shared_server, started_server, stop_shared_server
 
+# ------------------------------------------------------------------------------ make faults only
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "faults_long: long runs of `make faults` (fault scenarios, the alert walks); skipped otherwise",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``faults_long`` run only when ``-m`` names the mark (``make faults``)."""
+    if "faults_long" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="long run: make faults (pytest -m faults_long)")
+    for item in items:
+        if "faults_long" in item.keywords:
+            item.add_marker(skip)
+
+
 # ---------------------------------------------------------------------------------------- Redis
 
 

