@@ -32,6 +32,12 @@ from dataclasses import dataclass, field
 
 from balancer.types import Overlap, ReplicaId
 
+MAX_MARKS_HELD = 1_000_000
+"""Marks the model holds at most, over every replica's sets (about 45 B each: a set slot, and an
+int shared by the sets of one record; so about 45 MB at most). Reached (a replay of 100,000
+decisions of long, distinct prompts), the records after it are scored on their recorded matches,
+counted in :attr:`ReplayCache.unmodelled`."""
+
 
 @dataclass(slots=True)
 class _Replica:
@@ -50,6 +56,10 @@ class ReplayCache:
     """Marks held in all the sets (the model's size)."""
     moved_blocks: int = 0
     """Blocks of match the model changed, summed over records and replicas (both ways)."""
+    max_marks: int = MAX_MARKS_HELD
+    """The bound on :attr:`marks_held`."""
+    unmodelled: int = 0
+    """Records with marks scored on their recorded matches, the model being full."""
 
     def _of(self, replica: ReplicaId) -> _Replica:
         state = self.replicas.get(replica)
@@ -63,6 +73,9 @@ class ReplayCache:
         """The matches ``candidates`` would have shown had the replayed decisions been made: the
         recorded ones where no mark says otherwise (and all of them when ``marks`` is empty)."""
         if not marks:
+            return recorded
+        if self.marks_held >= self.max_marks:
+            self.unmodelled += 1
             return recorded
         blocks = dict(recorded.blocks)
         speculative = dict(recorded.speculative_blocks)
@@ -103,7 +116,7 @@ class ReplayCache:
 
     def place(self, routed: ReplicaId, replayed: ReplicaId, marks: Sequence[tuple[int, int]]) -> None:
         """The request's prefix is now held where it was routed, and where the replay put it."""
-        if not marks:
+        if not marks or self.marks_held >= self.max_marks:
             return
         into_routed, into_replayed = self._of(routed).routed, self._of(replayed).replayed
         for _, key in marks:

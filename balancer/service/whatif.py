@@ -240,12 +240,15 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(n, other_config, policy.name, weights, other_memory, fresh, unmarked),
+        notes=_notes(
+            n, other_config, policy.name, weights, other_memory, fresh, unmarked + cache.unmodelled
+        ),
         tallies={
             "other_config": other_config,
             "other_memory": other_memory,
             "fresh": fresh,
             "unmarked": unmarked,
+            "unmodelled": cache.unmodelled,
         },
     )
 
@@ -290,8 +293,9 @@ def _notes(
     if unmarked:
         notes.append(
             f"{unmarked} of {n} decisions carry no prefix marks (recorded before 2026-12-01, or with no "
-            "key space among their candidates): they are re-scored on the prefix matches recorded, the "
-            "cache the actual decisions built, which counts a moved request of a shared prefix as a miss"
+            "key space among their candidates) or came after the cache model was full (1,000,000 "
+            "marks): they are re-scored on the prefix matches recorded, the cache the actual decisions "
+            "built, which counts a moved request of a shared prefix as a miss"
         )
     if n == 0:
         notes.append("no decisions recorded for this pool yet (console.decision_ring_size)")
@@ -369,7 +373,7 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
         weights,
         tallies["other_memory"],
         tallies["fresh"],
-        tallies.get("unmarked", 0),
+        tallies.get("unmarked", 0) + tallies.get("unmodelled", 0),
     )
     return {
         **first,

@@ -117,3 +117,19 @@ def test_the_whatif_of_a_change_that_moves_prefixes_predicts_the_run_made_with_i
     measured = replay("m", truth, cost, proposed).before["hit_rate"]
     assert replay("m", truth, cost, proposed).changed == 0
     assert abs(predicted - measured) < 0.03, (predicted, measured)
+
+
+def test_the_model_is_bounded_and_says_what_it_left_to_the_recorded_matches() -> None:
+    cache = ReplayCache(max_marks=20)
+    first, second = prefix_marks(keys(1, 8), 16, 16), prefix_marks(keys(100, 8), 16, 16)
+    empty = Overlap({R0: 0, R1: 0}, request_blocks=8)
+    cache.overlap([R0, R1], empty, first)
+    cache.place(R0, R1, first)
+    assert cache.marks_held == 16
+    cache.overlap([R0, R1], empty, second)
+    cache.place(R0, R1, second)
+    assert cache.marks_held == 32 and cache.unmodelled == 0
+    full = Overlap({R0: 8, R1: 0}, request_blocks=8)
+    assert cache.overlap([R0, R1], full, first) is full
+    cache.place(R0, R1, first)
+    assert cache.marks_held == 32 and cache.unmodelled == 1
