@@ -240,9 +240,7 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(
-            n, other_config, policy.name, weights, other_memory, fresh, unmarked + cache.unmodelled
-        ),
+        notes=_notes(n, other_config, policy.name, weights, other_memory, fresh, unmarked + cache.unmodelled),
         tallies={
             "other_config": other_config,
             "other_memory": other_memory,
