@@ -54,8 +54,6 @@ class ReplayCache:
     replicas: dict[ReplicaId, _Replica] = field(default_factory=dict)
     marks_held: int = 0
     """Marks held in all the sets (the model's size)."""
-    moved_blocks: int = 0
-    """Blocks of match the model changed, summed over records and replicas (both ways)."""
     max_marks: int = MAX_MARKS_HELD
     """The bound on :attr:`marks_held`."""
     unmodelled: int = 0
@@ -101,7 +99,6 @@ class ReplayCache:
                         short = length <= held
             replayed = matched if short else max(held, matched)
             if replayed != held:
-                self.moved_blocks += abs(replayed - held)
                 blocks[replica] = replayed
                 if replica in speculative:
                     speculative[replica] = min(speculative[replica], replayed)
