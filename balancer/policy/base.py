@@ -347,6 +347,11 @@ class RouteRequest:
     """The router's committed decisions so far: ``round_robin`` takes ``candidates[rotation mod
     n]``. The router counts it at commitment, so a dry run (``POST /admin/explain``, gRPC ``Route``
     without ``reserve``) shows the choice the next request gets and moves nothing."""
+    prefix_marks: tuple[tuple[int, int], ...] = ()
+    """For the what-if only (no policy routes on it): ``(reference blocks, block key)`` pairs of the
+    prompt's chained block keys at a bounded set of prefix lengths
+    (:func:`balancer.index.marks.prefix_marks`), so that a replay can follow the cache its
+    own decisions would have built. Empty when unknown (no key space among the candidates)."""
 
 
 @quick_init

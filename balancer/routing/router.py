@@ -44,6 +44,7 @@ from balancer.frozen import quick_init
 from balancer.health.book import HealthBook
 from balancer.index.hashing import AlignMode, BlockHasher, KeyMemo, full_blocks
 from balancer.index.locked import LockedPrefixTable
+from balancer.index.marks import prefix_marks
 from balancer.index.slots import TableLimits
 from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadCounts, LoadSnapshot, LoadTracker
@@ -520,6 +521,12 @@ class PoolRouter:
                 if pending > 0:
                     speculative[replica] = pending * bs // ref_bs
         request_blocks = len(token_ids) // ref_bs
+        marks: tuple[tuple[int, int], ...] = ()
+        for space in self.spaces.values():  # one key space for all records: the pool's first asked
+            space_keys = keys_by_space.get(id(space))
+            if space_keys is not None:
+                marks = prefix_marks(space_keys, space.hasher.block_size, ref_bs)
+                break
         route = RouteRequest(
             candidates=tuple(candidates),
             request_blocks=request_blocks,
@@ -530,6 +537,7 @@ class PoolRouter:
             ramp_at_s=self.ramp_average.at_s,
             ramp_last_share=self.ramp_average.last_share,
             rotation=self.rotation,
+            prefix_marks=marks,
         )
         overlap_all = Overlap(merged, ranks, request_blocks, speculative, held, roots)
         snapshot = self.load_snapshot(now)

@@ -39,6 +39,9 @@ ENTRY_BASE_BYTES = 1_200
 decision objects and their empty dicts (measured with tracemalloc, tests/unit/test_decisions.py)."""
 REPLICA_BYTES = 700
 """Estimated bytes per replica in one record: its cost terms, its load and its dict entries."""
+MARK_BYTES = 100
+"""Estimated bytes per prefix mark of a record (``RouteRequest.prefix_marks``: a tuple of two ints
+and its slot, about 90 B as the router builds it; 10 to 18 B packed)."""
 MAX_TENANT_CHARS = 128
 """A tenant header value is cut to this many characters."""
 
@@ -75,9 +78,10 @@ class DecisionRecord:
 
 def estimate_bytes(inputs: PolicyInputs, decision: Decision, tenant: str | None) -> int:
     """A record's estimated size: :data:`ENTRY_BASE_BYTES` + :data:`REPLICA_BYTES` per replica named
-    by its terms or its load snapshot, plus its strings."""
+    by its terms or its load snapshot + :data:`MARK_BYTES` per prefix mark, plus its strings."""
     replicas = len(decision.terms) + len(inputs.load.replicas)
     extra = len(tenant or "") + len(inputs.request.session_key or "") + len(inputs.request.request_id or "")
+    extra += MARK_BYTES * len(inputs.request.prefix_marks)
     return ENTRY_BASE_BYTES + REPLICA_BYTES * replicas + extra
 
 

@@ -13,11 +13,13 @@ a tie-break or a uniform choice offers it, re-draws the recorded sample of ``pow
 softmax sampling returns the middle of the recorded replica's probability interval (a common random
 number: with other weights the same draw lands where the new probabilities put it).
 
-What it cannot know (docs/operations.md, "What-if"): the cache and load that *different* decisions
-would have produced. Each record's prefix matches and load are those of the traffic as it was
-actually routed; a change that moves a prefix to another replica would, from then on, find that
-replica warm and the first one colder, and its load higher. The replay scores each decision alone
-on the recorded state, so it predicts the first-order effect of a change, not the new steady state.
+The cache: each record's prefix matches are those of the traffic as it was actually routed; a
+change that moves a prefix to another replica would, from then on, find that replica warm and the
+first one colder. :class:`~balancer.service.replay_cache.ReplayCache` follows the cache the replayed
+decisions would have built from the records' prefix marks, and each decision is scored on those
+matches. What it cannot know (docs/operations.md, "What-if"): the load that different decisions
+would have produced (each decision reads the recorded load snapshot, so a replica that gains traffic
+does not look busier to the next request), and the evictions a different placement would cause.
 The credit ramp's memory (``ramp_memory_s``) is one such state: each record keeps the average the
 router had before it and when it was advanced (``RouteRequest.ramp_share``, ``ramp_at_s``), so
 another memory is replayed on the history's averages, one decision at a time.
@@ -32,6 +34,7 @@ from typing import Any
 
 from balancer.policy.base import Policy, PolicyWeights
 from balancer.service.decisions import DecisionRecord, terms_by_replica
+from balancer.service.replay_cache import ReplayCache
 from balancer.types import Decision, ReplicaId
 
 NOT_SAMPLED = "not sampled"
@@ -172,6 +175,8 @@ def replay(
     other_config = other_memory = fresh = 0
     changes: list[tuple[DecisionRecord, Decision]] = []
     rng = ReplayRng(len(records))
+    cache = ReplayCache()
+    unmarked = 0
     live_policy, live_weights = live if live is not None else (policy.name, weights)
     for i, record in enumerate(records):
         if pause is not None and i and i % pause_every == 0:
@@ -179,7 +184,12 @@ def replay(
         inputs = record.inputs
         replicas.update(dict.fromkeys(inputs.request.candidates))
         rng.prefer(record.decision)
-        decision = policy(inputs.request, inputs.overlap, inputs.load, weights, rng)
+        marks = inputs.request.prefix_marks
+        if not marks:
+            unmarked += 1
+        overlap = cache.overlap(inputs.request.candidates, inputs.overlap, marks)
+        decision = policy(inputs.request, overlap, inputs.load, weights, rng)
+        cache.place(record.decision.replica, decision.replica, marks)
         prompt_tokens += inputs.request.prompt_tokens
         before.add(record.decision)
         after.add(decision)
@@ -230,8 +240,14 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(n, other_config, policy.name, weights, other_memory, fresh),
-        tallies={"other_config": other_config, "other_memory": other_memory, "fresh": fresh},
+        notes=_notes(n, other_config, policy.name, weights, other_memory, fresh, unmarked + cache.unmodelled),
+        tallies={
+            "other_config": other_config,
+            "other_memory": other_memory,
+            "fresh": fresh,
+            "unmarked": unmarked,
+            "unmodelled": cache.unmodelled,
+        },
     )
 
 
@@ -257,13 +273,28 @@ def _side_json(decision: Decision) -> dict[str, Any]:
 
 
 def _notes(
-    n: int, other_config: int, policy: str, weights: PolicyWeights, other_memory: int, fresh: int = 0
+    n: int,
+    other_config: int,
+    policy: str,
+    weights: PolicyWeights,
+    other_memory: int,
+    fresh: int = 0,
+    unmarked: int = 0,
 ) -> list[str]:
     notes = [
-        "static replay: each decision is re-scored on the prefix matches and load recorded when it was "
-        "made; the cache and load that different decisions would have produced are not modelled, so "
-        "'after' is the first-order effect, not the new steady state"
+        "the prefix matches follow the cache the replayed decisions would have built (a moved prefix "
+        "warms its new replica and leaves the old one), with the evictions the real run saw; not "
+        "modelled: the evictions a different placement would cause, and the load: each decision reads "
+        "the load recorded when it was made, so 'after' misses the load the changed decisions would "
+        "have added (its load spread and replica shares err that way)"
     ]
+    if unmarked:
+        notes.append(
+            f"{unmarked} of {n} decisions carry no prefix marks (recorded before 2026-12-01, or with no "
+            "key space among their candidates) or came after the cache model was full (1,000,000 "
+            "marks): they are re-scored on the prefix matches recorded, the cache the actual decisions "
+            "built, which counts a moved request of a shared prefix as a miss"
+        )
     if n == 0:
         notes.append("no decisions recorded for this pool yet (console.decision_ring_size)")
     if other_config:
@@ -334,7 +365,13 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
     tallies = {name: sum(int(a["tallies"][name]) for a in answers) for name in first["tallies"]}
     weights = PolicyWeights.from_dict(first["weights"])
     notes = _notes(
-        n, tallies["other_config"], first["policy"], weights, tallies["other_memory"], tallies["fresh"]
+        n,
+        tallies["other_config"],
+        first["policy"],
+        weights,
+        tallies["other_memory"],
+        tallies["fresh"],
+        tallies.get("unmarked", 0) + tallies.get("unmodelled", 0),
     )
     return {
         **first,

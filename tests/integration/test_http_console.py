@@ -219,7 +219,7 @@ async def test_cli_whatif_decisions_and_audit(
 
         code, out, _ = await cli("whatif", "--weight", "overlap_credit=0", "--sample", "2")
         assert code == 0 and "decisions 5" in out and "hit rate" in out and "load spread" in out
-        assert "r0" in out and "r1" in out and "note: static replay" in out
+        assert "r0" in out and "r1" in out and "note: the prefix matches follow the cache" in out
         code, out, _ = await cli("whatif", "--json", "-w", "decode_weight=0.1")
         assert code == 0 and json.loads(out)["changed_share"] == 0.0
         code, out, err = await cli("whatif", "-w", "overlap_credit=9")

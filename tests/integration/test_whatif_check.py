@@ -50,4 +50,4 @@ def test_whatif_check_compares_prediction_and_measurement(tmp_path: Path) -> Non
         hit["whatif_predicted_after"] - hit["baseline_predicted_by_kvlb"]
     )
     assert len(check["replica_shares"]) == 2
-    assert any("static replay" in note for note in check["notes"])
+    assert any("the prefix matches follow the cache" in note for note in check["notes"])

@@ -197,7 +197,7 @@ def test_changed_weights_change_decisions_and_report_both_sides() -> None:
         assert set(change["before"]["terms"]) == set(REPLICAS) == set(change["after"]["terms"])
     least = replay("m", records, make_policy("least_load"), PolicyWeights())
     assert least.policy == "least_load" and least.changed > 0
-    assert any("static replay" in note for note in least.notes)
+    assert any("the prefix matches follow the cache" in note for note in least.notes)
     assert any("another policy" in note for note in least.notes)
 
 

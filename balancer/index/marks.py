@@ -1,0 +1,50 @@
+"""Prefix marks (pure): a prompt's chained block keys at a bounded set of prefix lengths.
+
+The router keeps them with each decision (``RouteRequest.prefix_marks``) so that a what-if replay
+(:mod:`balancer.service.replay_cache`) can tell which earlier requests shared a prefix with this one
+without keeping every block key: each key of a chained hash stands for its whole prefix, and every
+prompt is marked at the same lengths, so two prompts sharing a prefix share its marks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from balancer.types import BlockKey
+
+EXACT_MARKS = 16
+"""Prefix lengths (reference blocks) 1..16 each get a mark."""
+MARKS_PER_DOUBLING = 8
+"""Past :data:`EXACT_MARKS`, marks per doubling of the prefix length (so a replayed match is at most
+1/8 short of the true one); with the full prompt's mark, at most 16 + 8·log2(blocks/16) + 1 marks
+(89 for 128k tokens in 16-token blocks)."""
+
+
+def mark_positions(blocks: int) -> list[int]:
+    """The prefix lengths (1-based block counts) marked for a prompt of ``blocks`` full blocks: the
+    same lengths for every prompt (so two prompts sharing a prefix share its marks), plus the last."""
+    positions: list[int] = []
+    i = 1
+    while i <= blocks:
+        positions.append(i)
+        if i < EXACT_MARKS:
+            i += 1
+        else:
+            step = max(1, (1 << (i.bit_length() - 1)) // MARKS_PER_DOUBLING)
+            i = (i // step + 1) * step
+    if blocks > 0 and (not positions or positions[-1] != blocks):
+        positions.append(blocks)
+    return positions
+
+
+def prefix_marks(
+    keys: Sequence[BlockKey], key_block_tokens: int, reference_block_tokens: int
+) -> tuple[tuple[int, int], ...]:
+    """``(reference blocks, key)`` pairs of a request's chained block ``keys`` (each stands for its
+    whole prefix), at :func:`mark_positions` of the prompt in the keys' own blocks; the length is
+    given in reference blocks (the unit of ``Overlap.blocks``)."""
+    if not keys or key_block_tokens <= 0 or reference_block_tokens <= 0:
+        return ()
+    return tuple(
+        (p * key_block_tokens // reference_block_tokens, int(keys[p - 1])) for p in mark_positions(len(keys))
+    )
