@@ -839,6 +839,7 @@ class _ConsoleCollectors:
     console_ring_bytes: Gauge
     console_ring_evicted_total: Counter
     console_whatif_seconds: Histogram
+    console_whatif_unmodelled_decisions_total: Counter
     console_audit_dropped_total: Counter
 
 
@@ -870,6 +871,12 @@ def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
             "kvlb_console_whatif_seconds",
             "Time of one what-if replay (worker thread).",
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        ),
+        console_whatif_unmodelled_decisions_total=counter(
+            "kvlb_console_whatif_unmodelled_decisions_total",
+            "What-if decisions scored on their recorded prefix matches because the replay's cache "
+            "model was full (console.whatif_max_cache_marks); the answer's tallies.unmodelled.",
+            ["pool"],
         ),
         console_audit_dropped_total=counter(
             "kvlb_console_audit_dropped_total",

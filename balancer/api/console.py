@@ -160,6 +160,7 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
                 pause=pause,
                 pause_every=1,
                 live=(view.name, view.weights),
+                max_cache_marks=state.settings.console.whatif_max_cache_marks,
             )
         finally:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody counts any more
@@ -173,6 +174,8 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
         cancelled.set()  # the client went away or kvlb stops: the thread ends at its next pause
         raise
     state.metrics.console_whatif_seconds.observe(time.perf_counter() - started)
+    if result.tallies["unmodelled"]:
+        state.metrics.console_whatif_unmodelled_decisions_total.labels(pool).inc(result.tallies["unmodelled"])
     answer = result.to_json()
     answer["elapsed_s"] = round(time.perf_counter() - started, 6)
     return answer

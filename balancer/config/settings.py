@@ -599,6 +599,12 @@ class ConsoleConfig:
     whatif_max_entries: int = 100_000
     """Most decisions one ``/admin/whatif`` replays (its ``last``); bounds its CPU time (0.04 to
     0.4 ms per decision of 4 replicas, in a worker thread). Must be >= 1."""
+    whatif_max_cache_marks: int = 1_000_000
+    """Prefix marks the what-if's cache model holds at most, over every replica, per replay (about
+    52 bytes each traced: 52 MB at the default, for distinct 63-bit keys of 72-block prompts). Past
+    it, the rest of the replay's decisions are scored on their recorded prefix matches, counted in
+    the answer's ``tallies.unmodelled`` and ``kvlb_console_whatif_unmodelled_decisions_total``.
+    1..10,000,000."""
 
     ui_enabled: bool = True
     """Serve the console's static page at ``/ui`` (it shows nothing until the admin token is
@@ -624,6 +630,8 @@ class ConsoleConfig:
             raise ConfigError("console.audit_log_size must be >= 1")
         if self.whatif_max_entries < 1:
             raise ConfigError("console.whatif_max_entries must be >= 1")
+        if not 1 <= self.whatif_max_cache_marks <= 10_000_000:
+            raise ConfigError("console.whatif_max_cache_marks must be in 1..10000000")
         if not 0.5 <= self.series_interval_s <= 3600:
             raise ConfigError("console.series_interval_s must be in [0.5, 3600]")
         for name in ("series_intervals", "series_ttft_samples", "series_max_replicas"):

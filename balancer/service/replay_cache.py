@@ -36,7 +36,8 @@ MAX_MARKS_HELD = 1_000_000
 """Marks the model holds at most, over every replica's sets (a set slot, and an int shared by the
 sets of one record: 52 MB traced at the bound, for distinct 63-bit keys of 72-block prompts).
 Reached (a replay of 100,000 decisions of long, distinct prompts), the records after it are scored
-on their recorded matches, counted in :attr:`ReplayCache.unmodelled`."""
+on their recorded matches, counted in :attr:`ReplayCache.unmodelled`. The default of the setting
+``console.whatif_max_cache_marks``, which the console passes (:func:`balancer.service.whatif.replay`)."""
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ from typing import Any
 
 from balancer.policy.base import Policy, PolicyWeights
 from balancer.service.decisions import DecisionRecord, terms_by_replica
-from balancer.service.replay_cache import ReplayCache
+from balancer.service.replay_cache import MAX_MARKS_HELD, ReplayCache
 from balancer.types import Decision, ReplicaId
 
 NOT_SAMPLED = "not sampled"
@@ -161,6 +161,7 @@ def replay(
     pause: Callable[[], None] | None = None,
     pause_every: int = 8,
     live: tuple[str, PolicyWeights] | None = None,
+    max_cache_marks: int = MAX_MARKS_HELD,
 ) -> WhatIfResult:
     """Re-run ``policy`` with ``weights`` on ``records`` (oldest first) and compare with what was
     decided. ``sample``: most changed decisions described (the newest ones). ``pause`` is called
@@ -175,7 +176,7 @@ def replay(
     other_config = other_memory = fresh = 0
     changes: list[tuple[DecisionRecord, Decision]] = []
     rng = ReplayRng(len(records))
-    cache = ReplayCache()
+    cache = ReplayCache(max_marks=max_cache_marks)
     unmarked = 0
     live_policy, live_weights = live if live is not None else (policy.name, weights)
     for i, record in enumerate(records):

@@ -244,6 +244,25 @@ async def test_cli_whatif_decisions_and_audit(
         assert code == 0 and json.loads(out)["entries"][0]["actor"] == "carol"
 
 
+async def test_a_whatif_past_its_cache_bound_counts_the_decisions_it_left(tokenizer: Tokenizer) -> None:
+    """``console.whatif_max_cache_marks`` bounds the replay's cache model; the decisions past it are
+    in the answer's ``tallies.unmodelled`` and in ``kvlb_console_whatif_unmodelled_decisions_total``
+    (rule 5: each limit with its overflow metric)."""
+    async with running(tokenizer, 2, auth__admin_token=TOKEN, console__whatif_max_cache_marks=8) as h:
+        for i in range(6):  # distinct prompts of 64 tokens: more marks than the bound
+            await _send(h, list(range(5000 + 100 * i, 5064 + 100 * i)))
+        status, answer = await _call(h, "POST", "/admin/whatif", {"weights": {"overlap_credit": 0.0}})
+        assert status == 200, answer
+        unmodelled = answer["tallies"]["unmodelled"]
+        assert 0 < unmodelled < answer["decisions"]
+        status, again = await _call(h, "POST", "/admin/whatif", {})
+        assert status == 200 and again["tallies"]["unmodelled"] == unmodelled
+        async with h.session.get(h.url + "/metrics") as response:
+            text = await response.text()
+        counted = metric_value(text, "kvlb_console_whatif_unmodelled_decisions_total", pool=MODEL)
+        assert counted == 2 * unmodelled
+
+
 async def test_a_cancelled_whatif_stops_its_thread(tokenizer: Tokenizer) -> None:
     """A client that goes away cancels the handler; the replay's thread stops at its next pause and
     frees its slot, long before the whole ring would have been replayed."""

@@ -137,6 +137,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.load_share_tenant_slots=65537"], "limits.load_share_tenant_slots must be in 1..65536"),
         (["console.audit_log_size=0"], "console.audit_log_size must be >= 1"),
         (["console.whatif_max_entries=0"], "console.whatif_max_entries must be >= 1"),
+        (["console.whatif_max_cache_marks=0"], r"console.whatif_max_cache_marks must be in 1\.\.10000000"),
+        (["console.whatif_max_cache_marks=10000001"], "console.whatif_max_cache_marks must be in"),
         (["upstream.max_connections=0"], r"upstream.max_connections must be in \[1, 65536\]"),
         (["upstream.idle_ttl_s=0"], r"upstream.idle_ttl_s must be in \[0.1, 3600.0\]"),
         (["upstream.max_header_bytes=100"], "upstream.max_header_bytes must be in"),

@@ -133,3 +133,16 @@ def test_the_model_is_bounded_and_says_what_it_left_to_the_recorded_matches() ->
     assert cache.overlap([R0, R1], full, first) is full
     cache.place(R0, R1, first)
     assert cache.marks_held == 32 and cache.unmodelled == 1
+
+
+def test_a_replay_past_its_bound_counts_the_decisions_left_to_their_recorded_matches() -> None:
+    """``replay``'s ``max_cache_marks`` (``console.whatif_max_cache_marks``) bounds its model: a
+    small bound leaves the later decisions on their recorded matches, in ``tallies.unmodelled``."""
+    records = run(PolicyWeights()).ring("m").snapshot()
+    cost = make_policy("cost")
+    free = replay("m", records, cost, PolicyWeights())
+    assert free.tallies["unmodelled"] == 0
+    bounded = replay("m", records, cost, PolicyWeights(), max_cache_marks=20)
+    marked = len(records) - bounded.tallies["unmarked"]
+    assert 0 < bounded.tallies["unmodelled"] < marked
+    assert bounded.changed == 0  # the recorded matches reproduce the recorded decisions
