@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from balancer.types import BlockKey
 
 EXACT_MARKS = 16
-"""Prefix lengths (reference blocks) 1..16 each get a mark."""
+"""Prefix lengths (reference blocks) 1..16 each get a mark (a power of two: the doublings start at it)."""
 MARKS_PER_DOUBLING = 8
 """Past :data:`EXACT_MARKS`, marks per doubling of the prefix length (so a replayed match is at most
 1/8 short of the true one); with the full prompt's mark, at most 16 + 8·log2(blocks/16) + 1 marks
@@ -22,17 +22,14 @@ MARKS_PER_DOUBLING = 8
 
 def mark_positions(blocks: int) -> list[int]:
     """The prefix lengths (1-based block counts) marked for a prompt of ``blocks`` full blocks: the
-    same lengths for every prompt (so two prompts sharing a prefix share its marks), plus the last."""
-    positions: list[int] = []
-    i = 1
-    while i <= blocks:
-        positions.append(i)
-        if i < EXACT_MARKS:
-            i += 1
-        else:
-            step = max(1, (1 << (i.bit_length() - 1)) // MARKS_PER_DOUBLING)
-            i = (i // step + 1) * step
-    if blocks > 0 and (not positions or positions[-1] != blocks):
+    same lengths for every prompt (so two prompts sharing a prefix share its marks), plus the last.
+    Built from ranges, not a step at a time: the router marks every request it routes."""
+    positions = list(range(1, min(blocks, EXACT_MARKS - 1) + 1))
+    start = EXACT_MARKS
+    while start <= blocks:  # [start, 2·start) in MARKS_PER_DOUBLING steps
+        positions.extend(range(start, min(2 * start, blocks + 1), max(1, start // MARKS_PER_DOUBLING)))
+        start *= 2
+    if blocks > 0 and positions[-1] != blocks:
         positions.append(blocks)
     return positions
 
@@ -45,6 +42,9 @@ def prefix_marks(
     given in reference blocks (the unit of ``Overlap.blocks``)."""
     if not keys or key_block_tokens <= 0 or reference_block_tokens <= 0:
         return ()
-    return tuple(
-        (p * key_block_tokens // reference_block_tokens, int(keys[p - 1])) for p in mark_positions(len(keys))
-    )
+    positions = mark_positions(len(keys))
+    marked = [keys[p - 1] for p in positions]
+    if key_block_tokens == reference_block_tokens:
+        return tuple(zip(positions, marked, strict=True))
+    lengths = [p * key_block_tokens // reference_block_tokens for p in positions]
+    return tuple(zip(lengths, marked, strict=True))
