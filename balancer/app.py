@@ -63,7 +63,13 @@ from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.token_ids import TokenIdMemo
-from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
+from balancer.tokenizer.tokenizer import (
+    HfTokenizer,
+    TokenIdTokenizer,
+    TokenizeLimits,
+    Tokenizer,
+    load_tokenizer,
+)
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
 from balancer.worker_record import crash_loop_reasons, read_record
@@ -221,6 +227,11 @@ class Balancer:
             for pool in pools.values()
             for (block_size, mode), space in pool.router.spaces.items()
         }
+        self.metrics.segment_caches.source = lambda: {
+            pool.tokenizer.name: cache
+            for pool in pools.values()
+            if isinstance(pool.tokenizer, HfTokenizer) and (cache := pool.tokenizer.segment_cache) is not None
+        }
         self._share_load(pools, state)
         self._report_crash_loops(state)
         for pool in pools.values():
@@ -314,7 +325,10 @@ class Balancer:
     async def _build_pools(self, health: HealthBook, rng: random.Random) -> dict[str, Pool]:
         """One pool per configured model; every pool's router reads the shared ``health`` book and
         breaks ties with the one ``rng`` (``policy.seed``)."""
-        limits = TokenizeLimits(max_prompt_tokens=self.settings.limits.max_prompt_tokens)
+        limits = TokenizeLimits(
+            max_prompt_tokens=self.settings.limits.max_prompt_tokens,
+            segment_cache_bytes=self.settings.limits.segment_cache_bytes,
+        )
         loaded: dict[str | None, Tokenizer] = {}
         pools: dict[str, Pool] = {}
         for config in self.settings.pools:

@@ -1,10 +1,11 @@
 """Scrape-time collectors: counters that pure code keeps, read when Prometheus scrapes (pure).
 
-The prefix table, the key and token-id memos and the upstream client count in plain ``int`` fields
-(no ``prometheus_client`` call on their hot paths). Each collector here turns one kind of those
-counters into ``kvlb_<subsystem>_<name>_total`` families at scrape time, from a ``source`` the
-composition root (``app.py``) sets once the counted objects exist; before that it exports zeros or
-nothing. :meth:`balancer.metrics.Metrics.create` registers one of each.
+The prefix table, the key and token-id memos, the tokenizers' segment caches and the upstream client
+count in plain ``int`` fields (no ``prometheus_client`` call on their hot paths). Each collector here
+turns one kind of those counters into ``kvlb_<subsystem>_<name>_total`` families (and a few gauges
+of what is held) at scrape time, from a ``source`` the composition root (``app.py``) sets once the
+counted objects exist; before that it exports zeros or nothing.
+:meth:`balancer.metrics.Metrics.create` registers one of each.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
 from typing import Final
 
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from balancer.index.hashing import KeyMemo
 from balancer.index.slots import TableCounters
+from balancer.tokenizer.segments import SegmentCache
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.upstream.client import UpstreamCounters
 from balancer.upstream.http1 import PARSE_ERROR_REASONS
@@ -76,6 +78,63 @@ class TokenIdMemoCollector(Collector):
         """The families without samples (what the registry checks names against)."""
         for name in self.COUNTERS:
             yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
+
+
+class SegmentCacheCollector(Collector):
+    """Every tokenizer's :class:`~balancer.tokenizer.segments.SegmentCache`, read at scrape time,
+    labelled ``tokenizer`` (its name; pools sharing a tokenizer share its cache):
+    ``kvlb_tokenizer_segment_cache_evictions_total{tokenizer,bound}`` (segments dropped for the ids
+    cap, ``bound="tokens"``, or for ``limits.segment_cache_bytes``, ``bound="bytes"``),
+    ``kvlb_tokenizer_segment_cache_refused_total{tokenizer}`` (segments over a quarter of either
+    cap, encoded every time), ``kvlb_tokenizer_segment_cache_{hits,misses}_total{tokenizer}`` and the
+    gauges ``kvlb_tokenizer_segment_cache_bytes`` and ``kvlb_tokenizer_segment_cache_tokens``.
+    ``source`` is set by the composition root once the pools exist (nothing is exported before)."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, SegmentCache]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        caches = self.source()
+        evictions = CounterMetricFamily(
+            "kvlb_tokenizer_segment_cache_evictions",
+            "Segments dropped from the segment cache, by the bound that dropped them.",
+            labels=["tokenizer", "bound"],
+        )
+        counters = {
+            name: CounterMetricFamily(
+                f"kvlb_tokenizer_segment_cache_{name}",
+                f"Segments of chat messages and prompts: {name} of the segment cache.",
+                labels=["tokenizer"],
+            )
+            for name in ("refused", "hits", "misses")
+        }
+        held_bytes = GaugeMetricFamily(
+            "kvlb_tokenizer_segment_cache_bytes",
+            "Bytes the segment cache counts (limits.segment_cache_bytes bounds them).",
+            labels=["tokenizer"],
+        )
+        held_tokens = GaugeMetricFamily(
+            "kvlb_tokenizer_segment_cache_tokens", "Token ids the segment cache holds.", labels=["tokenizer"]
+        )
+        for name, cache in caches.items():
+            evictions.add_metric([name, "tokens"], cache.evictions)
+            evictions.add_metric([name, "bytes"], cache.byte_evictions)
+            for counter, family in counters.items():
+                family.add_metric([name], getattr(cache, counter))
+            held_bytes.add_metric([name], cache.cached_bytes)
+            held_tokens.add_metric([name], cache.cached_tokens)
+        yield evictions
+        yield from counters.values()
+        yield held_bytes
+        yield held_tokens
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        yield CounterMetricFamily("kvlb_tokenizer_segment_cache_evictions", "", labels=["tokenizer", "bound"])
+        for name in ("refused", "hits", "misses"):
+            yield CounterMetricFamily(f"kvlb_tokenizer_segment_cache_{name}", "", labels=["tokenizer"])
+        yield GaugeMetricFamily("kvlb_tokenizer_segment_cache_bytes", "", labels=["tokenizer"])
+        yield GaugeMetricFamily("kvlb_tokenizer_segment_cache_tokens", "", labels=["tokenizer"])
 
 
 class KeyMemoCollector(Collector):

@@ -21,6 +21,7 @@ from prometheus_client.utils import floatToGoString
 
 from balancer.counter_collectors import (
     KeyMemoCollector,
+    SegmentCacheCollector,
     TableCountersCollector,
     TokenIdMemoCollector,
     UpstreamCountersCollector,
@@ -907,6 +908,7 @@ class Metrics(
     upstream_connections: UpstreamCountersCollector
     token_id_memo: TokenIdMemoCollector
     key_memos: KeyMemoCollector
+    segment_caches: SegmentCacheCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
     removed: RemovedReplicas = field(default_factory=RemovedReplicas)
@@ -1007,12 +1009,15 @@ class Metrics(
         reg.register(token_id_memo)
         key_memos = KeyMemoCollector()
         reg.register(key_memos)
+        segment_caches = SegmentCacheCollector()
+        reg.register(segment_caches)
         metrics = cls(
             registry=reg,
             index_tables=tables,
             upstream_connections=connections,
             token_id_memo=token_id_memo,
             key_memos=key_memos,
+            segment_caches=segment_caches,
             **_fields(_http_collectors(reg, ttft_slo_s)),
             **_fields(_admission_collectors(reg)),
             **_fields(_upstream_collectors(reg)),

@@ -233,6 +233,8 @@ class TimeoutConfig:
 
 MAX_INFLIGHT_BODY_BYTES = 2**40
 """Largest ``limits.max_inflight_body_bytes`` (1 TiB: in effect, no budget)."""
+MAX_SEGMENT_CACHE_BYTES = 16 * 1024**3
+"""Largest ``limits.segment_cache_bytes`` (16 GiB)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +259,17 @@ class LimitConfig:
     most 4 kB a run: 6 to 17 MB at the default). gRPC prompts' runs of 1 kB of packed ids share the
     count, with their JSON text: about 3.8 kB a run, at most 8.2 kB (34 MB at the default if all
     were). 0 turns it off. 0..1,048,576; per process."""
+    segment_cache_bytes: int = 128 * 1024 * 1024
+    """Bytes each tokenizer's segment cache holds at most (the ids of long chat messages, system
+    prompts and earlier turns, kept so they are tokenized once; 2,000,000 ids at most): each segment's
+    text (1, 2 or 4 bytes a character), 8 bytes an id, its ``u32`` copy once a chat hit it (4 bytes
+    an id) and about 600 bytes of entry. Ordinary text is 14–26 bytes a cached id, so the id cap
+    binds first (30–50 MB); the bytes bound texts of few ids (a run of spaces is
+    128 characters an id with DeepSeek-V3: before this bound 2,000,000 such ids held 256 MB, and
+    1 GiB in a string with one emoji). Past it the least recently used segments go
+    (``kvlb_tokenizer_segment_cache_evictions_total{bound="bytes"}``); a segment over a quarter of it
+    is encoded every time (``kvlb_tokenizer_segment_cache_refused_total``). 0 turns the cache off.
+    0..16 GiB; per tokenizer and process (``--workers N``: N copies)."""
     max_inflight: int = 1024
     """Requests served at once by this balancer; more wait in the queue (``max_queued``: full → 429,
     ``queue_timeout_s`` → 503, both with Retry-After). With ``kvlb serve --workers N`` all workers
@@ -856,6 +869,11 @@ class Settings:
         if not 0 <= self.limits.token_id_memo_runs <= 1_048_576:
             raise ConfigError(
                 f"limits.token_id_memo_runs must be in 0..1048576, got {self.limits.token_id_memo_runs}"
+            )
+        if not 0 <= self.limits.segment_cache_bytes <= MAX_SEGMENT_CACHE_BYTES:
+            raise ConfigError(
+                f"limits.segment_cache_bytes must be in 0..{MAX_SEGMENT_CACHE_BYTES}, "
+                f"got {self.limits.segment_cache_bytes}"
             )
         if not 0.0 <= self.limits.gap_hold_s <= 60.0:
             raise ConfigError(f"limits.gap_hold_s must be in 0..60, got {self.limits.gap_hold_s}")

@@ -18,9 +18,10 @@ The request path does not join a rendered chat to split it: :meth:`Splitter.spli
 template's output chunks (literals, message contents) one by one, exactly as the joined text would be
 split when no token can straddle two chunks (it answers ``None`` otherwise).
 
-The cache is an LRU bounded by the total number of cached token ids (``max_tokens``); segments shorter
-than ``min_chars`` are not cached (encoding them is cheap). Tokenising runs in worker threads
-(``asyncio.to_thread``), hence the lock.
+The cache is an LRU bounded by the total number of cached token ids (``max_tokens``) and by the bytes
+it holds (``max_bytes``: each segment's text, ids and entry, :func:`segment_bytes`, and its ``u32``
+copy); segments shorter than ``min_chars`` are not cached (encoding them is cheap). Tokenising runs in
+worker threads (``asyncio.to_thread``), hence the lock.
 
 A segment's ids are kept as a tuple of shared int objects (one per vocabulary id, ``SegmentCache.ints``):
 8 bytes per cached id, and a hit extends the prompt's list by copying pointers. Kept as a ``u32`` array
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import operator
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -265,14 +267,34 @@ def _shape(segment: str) -> tuple[int, str, str]:
     return len(segment), segment[:SHAPE_CHARS], segment[-SHAPE_CHARS:]
 
 
+SEGMENT_ENTRY_BYTES = 600
+"""What a cached segment costs besides its text (``sys.getsizeof``), its ids' pointers (8 bytes each)
+and its ``u32`` copy (``sys.getsizeof`` of the array, once made): the ids' tuple header, the dict
+slots and the shape entry with its two strings of :data:`SHAPE_CHARS` characters (``tracemalloc``:
+341–389 bytes for ASCII and latin-1 segments, 427–455 for CJK, 559–587 for emoji;
+``python -m loadtests.container_figures segments``)."""
+
+
+def segment_bytes(segment: str, ids: int) -> int:
+    """What :class:`SegmentCache` counts for ``segment`` cached with ``ids`` ids, before any ``u32``
+    copy: ``sys.getsizeof`` of the text (1, 2 or 4 bytes a character, by its widest), 8 bytes an id
+    and :data:`SEGMENT_ENTRY_BYTES` (pure, O(1))."""
+    return sys.getsizeof(segment) + 8 * ids + SEGMENT_ENTRY_BYTES
+
+
 @dataclass(slots=True)
 class SegmentCache:
-    """Bounded LRU of text segment → token ids (tuples of shared ints)."""
+    """Bounded LRU of text segment → token ids (tuples of shared ints), in ids and in bytes."""
 
     max_tokens: int = 2_000_000
     """Cap on cached ids, all segments together (8 bytes each, 12 for a segment with a ``u32`` copy,
-    plus about 230 bytes per segment for its shape entry: less than the segment's own text, which is
-    at least :attr:`min_chars` long); 0 disables the cache."""
+    plus about 230 bytes per segment for its shape entry); 0 disables the cache."""
+    max_bytes: int = 128 * 1024 * 1024
+    """Cap on the bytes the cache holds (:func:`segment_bytes` of each segment plus its ``u32`` copy):
+    the segments' text is not bounded by their ids (a run of spaces is 128 characters a token with
+    DeepSeek-V3, 512 bytes a token in a string with one emoji), so :attr:`max_tokens` alone let the
+    cache hold about 1 GiB. Past it the least recently used segments go (:attr:`byte_evictions`); a
+    segment over a quarter of it is not cached (:attr:`refused`). 0 disables the cache."""
     min_chars: int = 256
     """Segments shorter than this are encoded every time."""
     ints: Sequence[int] = ()
@@ -281,6 +303,11 @@ class SegmentCache:
     hits: int = 0
     misses: int = 0
     evictions: int = 0
+    """Segments dropped for :attr:`max_tokens`."""
+    byte_evictions: int = 0
+    """Segments dropped for :attr:`max_bytes`."""
+    refused: int = 0
+    """Segments encoded but not cached: over a quarter of :attr:`max_tokens` or of :attr:`max_bytes`."""
     _entries: OrderedDict[str, tuple[int, ...]] = field(default_factory=OrderedDict)
     _arrays: dict[str, array[int]] = field(default_factory=dict)
     """The ``u32`` copies of the entries :meth:`packed_ids` hit (a subset of ``_entries``' keys)."""
@@ -288,15 +315,21 @@ class SegmentCache:
     """Shape → the key of ``_entries`` (that very object) first stored with it while none was: at
     most one per entry, dropped with it."""
     _tokens: int = 0
+    _bytes: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def cached_tokens(self) -> int:
         return self._tokens
 
+    @property
+    def cached_bytes(self) -> int:
+        """The bytes counted against :attr:`max_bytes` (:func:`segment_bytes` and the ``u32`` copies)."""
+        return self._bytes
+
     def cached(self, segment: str) -> bool:
         """Whether :meth:`ids` would answer ``segment`` without encoding it (now)."""
-        if self.max_tokens <= 0 or len(segment) < self.min_chars:
+        if self.max_tokens <= 0 or self.max_bytes <= 0 or len(segment) < self.min_chars:
             return False
         with self._lock:
             return self._stored(segment) in self._entries
@@ -318,7 +351,7 @@ class SegmentCache:
     def peek_packed(self, segment: str) -> array[int] | None:
         """A hit's ids as a ``u32`` array (made at its first such hit, then kept), ``None`` on a miss;
         counts nothing (:meth:`count_hits`), but a hit becomes the most recently used."""
-        if self.max_tokens <= 0 or len(segment) < self.min_chars:
+        if self.max_tokens <= 0 or self.max_bytes <= 0 or len(segment) < self.min_chars:
             return None
         with self._lock:
             key = self._stored(segment)
@@ -331,8 +364,8 @@ class SegmentCache:
             return made
         made = array("I", found)
         with self._lock:
-            if self._entries.get(key) is found:  # not evicted meanwhile
-                self._arrays[key] = made
+            if self._entries.get(key) is found and key not in self._arrays:  # not evicted meanwhile
+                self._keep_array(key, made)
         return made
 
     def count_hits(self, count: int) -> None:
@@ -341,7 +374,7 @@ class SegmentCache:
             self.hits += count
 
     def _ids(self, segment: str, encode: Callable[[str], list[int]], packed: bool) -> Sequence[int]:
-        if self.max_tokens <= 0 or len(segment) < self.min_chars:
+        if self.max_tokens <= 0 or self.max_bytes <= 0 or len(segment) < self.min_chars:
             return encode(segment)
         with self._lock:
             key = self._stored(segment)
@@ -359,26 +392,47 @@ class SegmentCache:
         if found is not None:  # the first packed hit of this segment
             made = array("I", found)
             with self._lock:
-                if self._entries.get(key) is found:  # not evicted meanwhile
-                    self._arrays[key] = made
+                if self._entries.get(key) is found and key not in self._arrays:  # not evicted meanwhile
+                    self._keep_array(key, made)
             return made
         encoded = self._shared(encode(segment))
-        if len(encoded) > self.max_tokens // 4:  # one huge segment would flush everything else
+        size = segment_bytes(segment, len(encoded))
+        # One huge segment would flush everything else.
+        if len(encoded) > self.max_tokens // 4 or size > self.max_bytes // 4:
+            with self._lock:
+                self.refused += 1
             return encoded
         with self._lock:
             if self._stored(segment) not in self._entries:
                 self._entries[segment] = encoded
                 self._shapes.setdefault(_shape(segment), segment)
                 self._tokens += len(encoded)
-                while self._tokens > self.max_tokens:
-                    gone, old = self._entries.popitem(last=False)
-                    self._arrays.pop(gone, None)
-                    shape = _shape(gone)
-                    if self._shapes.get(shape) is gone:
-                        del self._shapes[shape]
-                    self._tokens -= len(old)
-                    self.evictions += 1
+                self._bytes += size
+                self._evict()
         return encoded
+
+    def _keep_array(self, key: str, made: array[int]) -> None:
+        """Keep ``made``, the ``u32`` copy of the entry ``key``, and evict past the bytes it adds
+        (call with the lock held; ``key`` was just used, so the least recently used go first)."""
+        self._arrays[key] = made
+        self._bytes += sys.getsizeof(made)
+        self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used entries until both bounds hold (call with the lock held)."""
+        while self._tokens > self.max_tokens or self._bytes > self.max_bytes:
+            by_tokens = self._tokens > self.max_tokens
+            gone, old = self._entries.popitem(last=False)
+            made = self._arrays.pop(gone, None)
+            shape = _shape(gone)
+            if self._shapes.get(shape) is gone:
+                del self._shapes[shape]
+            self._tokens -= len(old)
+            self._bytes -= segment_bytes(gone, len(old)) + (0 if made is None else sys.getsizeof(made))
+            if by_tokens:
+                self.evictions += 1
+            else:
+                self.byte_evictions += 1
 
     def _shared(self, ids: list[int]) -> tuple[int, ...]:
         """``ids`` (a tokenizer's, so never negative) as a tuple of the :attr:`ints` objects; a plain

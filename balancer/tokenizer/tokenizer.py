@@ -95,6 +95,15 @@ class TokenizeLimits:
     hit: its ``u32`` copy; repeated system prompts and earlier turns are then tokenized once). 0
     disables it; past the cap the least recently used segments go."""
 
+    segment_cache_bytes: int = 128 * 1024 * 1024
+    """Bytes the segment cache holds at most: each segment's text (1, 2 or 4 bytes a character), its
+    ids and about 600 bytes of entry, and its ``u32`` copy
+    (:func:`~balancer.tokenizer.segments.segment_bytes`). Ordinary text is 14–26 bytes a cached id,
+    so ``segment_cache_tokens`` binds first (30–50 MB); this bounds the texts of few ids (a run of
+    spaces is 128 characters an id), which could make the cache about 1 GiB. 0 disables the cache;
+    past the cap the least recently used segments go, and a segment over a quarter of it is not
+    cached."""
+
     piece_chars: int = PIECE_CHARS
     """Characters from which a text is encoded in pieces of at least this many, and refused once
     they hold more than ``max_prompt_tokens`` ids (:mod:`balancer.tokenizer.cuts`; for the
@@ -104,6 +113,8 @@ class TokenizeLimits:
     def __post_init__(self) -> None:
         if self.max_prompt_chars <= 0 or self.max_prompt_tokens <= 0 or self.piece_chars <= 0:
             raise ConfigError(f"tokenize limits must be > 0, got {self}")
+        if self.segment_cache_tokens < 0 or self.segment_cache_bytes < 0:
+            raise ConfigError(f"the segment cache's limits must be >= 0, got {self}")
 
     def check_chars(self, text: str) -> None:
         if len(text) > self.max_prompt_chars:
@@ -319,7 +330,11 @@ class HfTokenizer:
         self._chat = chat
         self._name = name
         self.limits = limits or TokenizeLimits()
-        self._segments = SegmentCache(max_tokens=self.limits.segment_cache_tokens, ints=self._shared_ints())
+        self._segments = SegmentCache(
+            max_tokens=self.limits.segment_cache_tokens,
+            max_bytes=self.limits.segment_cache_bytes,
+            ints=self._shared_ints(),
+        )
         added = self._added()
         self._splitter = checked_splitter(tokenizer, self._raw, added, self.limits.segment_cache_tokens)
         self._chunked = self._splitter is not None and chunks_split_alike(self._splitter, added)
@@ -342,7 +357,7 @@ class HfTokenizer:
 
     def _shared_ints(self) -> tuple[int, ...]:
         """One int object per vocabulary id, for the segment cache (none when the cache is off)."""
-        if self.limits.segment_cache_tokens <= 0:
+        if self.limits.segment_cache_tokens <= 0 or self.limits.segment_cache_bytes <= 0:
             return ()
         return tuple(range(self._tokenizer.get_vocab_size(with_added_tokens=True)))
 

@@ -99,6 +99,8 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.gap_hold_s=-1"], "limits.gap_hold_s must be in 0..60"),
         (["limits.gap_hold_s=61"], "limits.gap_hold_s must be in 0..60"),
         (["limits.token_id_memo_runs=-1"], "limits.token_id_memo_runs must be in 0..1048576"),
+        (["limits.segment_cache_bytes=-1"], "limits.segment_cache_bytes must be in 0..17179869184"),
+        (["limits.segment_cache_bytes=17179869185"], "limits.segment_cache_bytes must be in 0.."),
         (
             ["limits.max_body_bytes=4096", "limits.max_inflight_body_bytes=4095"],
             r"limits.max_inflight_body_bytes must be in limits.max_body_bytes \(4096\)..1099511627776",
