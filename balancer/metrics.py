@@ -354,6 +354,8 @@ class _RouteCollectors:
     index_receipt_learned_blocks_total: Counter
     index_receipt_taught_blocks_total: Counter
     index_receipt_confirmed_blocks_total: Counter
+    grpc_reservations_refused_total: Counter
+    grpc_reservations_bytes: Gauge
 
 
 def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
@@ -444,6 +446,18 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
             "Suspect blocks (held through an event gap) that a receipt showed cached, and suspect"
             " blocks dropped unconfirmed that it showed still cached (held again), by replica.",
             ["replica"],
+        ),
+        grpc_reservations_refused_total=counter(
+            "kvlb_grpc_reservations_refused_total",
+            "gRPC Route(reserve=true) calls refused with RESOURCE_EXHAUSTED because the reservations"
+            " held were at their cap: bound=count (limits.max_inflight of them) or bound=bytes"
+            " (limits.max_reserved_bytes of token ids and block keys); per worker.",
+            ["bound"],
+        ),
+        grpc_reservations_bytes=gauge(
+            "kvlb_grpc_reservations_bytes",
+            "Bytes the gRPC reservations hold (their token ids and block keys, counted against"
+            " limits.max_reserved_bytes; per worker).",
         ),
     )
 

@@ -263,13 +263,23 @@ class LimitConfig:
     """Bytes each tokenizer's segment cache holds at most (the ids of long chat messages, system
     prompts and earlier turns, kept so they are tokenized once; 2,000,000 ids at most): each segment's
     text (1, 2 or 4 bytes a character), 8 bytes an id, its ``u32`` copy once a chat hit it (4 bytes
-    an id) and about 600 bytes of entry. Ordinary text is 14–26 bytes a cached id, so the id cap
+    an id) and about 700 bytes of entry. Ordinary text is 14–26 bytes a cached id, so the id cap
     binds first (30–50 MB); the bytes bound texts of few ids (a run of spaces is
     128 characters an id with DeepSeek-V3: before this bound 2,000,000 such ids held 256 MB, and
     1 GiB in a string with one emoji). Past it the least recently used segments go
     (``kvlb_tokenizer_segment_cache_evictions_total{bound="bytes"}``); a segment over a quarter of it
     is encoded every time (``kvlb_tokenizer_segment_cache_refused_total``). 0 turns the cache off.
     0..16 GiB; per tokenizer and process (``--workers N``: N copies)."""
+    max_reserved_bytes: int = 256 * 1024 * 1024
+    """Bytes the decisions reserved by gRPC ``Route(reserve=true)`` may hold at once (per process):
+    each holds, until its ``Release`` or ``timeouts.total_s``, its prompt's token ids (4 bytes each)
+    and block keys (44 bytes each, a pointer and the key's int) besides about 1 KiB of decision
+    (:func:`~balancer.api.grpc.server.reservation_bytes`), outside ``max_inflight_body_bytes`` once
+    its call returned. Counted alone, ``max_inflight`` reservations of ``max_prompt_tokens`` ids could
+    hold about 1.7 GiB for up to ``timeouts.total_s``; a reservation of an 8k-token prompt counts
+    about 55 KiB (16-token blocks), so at the default the count binds first up to prompts of about
+    38,000 tokens. Past it ``Route`` with ``reserve`` fails with RESOURCE_EXHAUSTED (retry after 1 s)
+    and ``kvlb_grpc_reservations_refused_total{bound="bytes"}`` counts it. 1..1 TiB."""
     max_inflight: int = 1024
     """Requests served at once by this balancer; more wait in the queue (``max_queued``: full → 429,
     ``queue_timeout_s`` → 503, both with Retry-After). With ``kvlb serve --workers N`` all workers
@@ -869,6 +879,11 @@ class Settings:
         if not 0 <= self.limits.token_id_memo_runs <= 1_048_576:
             raise ConfigError(
                 f"limits.token_id_memo_runs must be in 0..1048576, got {self.limits.token_id_memo_runs}"
+            )
+        if not 1 <= self.limits.max_reserved_bytes <= MAX_INFLIGHT_BODY_BYTES:
+            raise ConfigError(
+                f"limits.max_reserved_bytes must be in 1..{MAX_INFLIGHT_BODY_BYTES}, "
+                f"got {self.limits.max_reserved_bytes}"
             )
         if not 0 <= self.limits.segment_cache_bytes <= MAX_SEGMENT_CACHE_BYTES:
             raise ConfigError(

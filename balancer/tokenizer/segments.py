@@ -267,12 +267,13 @@ def _shape(segment: str) -> tuple[int, str, str]:
     return len(segment), segment[:SHAPE_CHARS], segment[-SHAPE_CHARS:]
 
 
-SEGMENT_ENTRY_BYTES = 600
+SEGMENT_ENTRY_BYTES = 700
 """What a cached segment costs besides its text (``sys.getsizeof``), its ids' pointers (8 bytes each)
 and its ``u32`` copy (``sys.getsizeof`` of the array, once made): the ids' tuple header, the dict
 slots and the shape entry with its two strings of :data:`SHAPE_CHARS` characters (``tracemalloc``:
-341–389 bytes for ASCII and latin-1 segments, 427–455 for CJK, 559–587 for emoji;
-``python -m loadtests.container_figures segments``)."""
+405–453 bytes for ASCII and latin-1 segments, 519 for CJK, 651 for emoji, with about 115 bytes more
+for a ``u32`` copy than the 64 of its ``sys.getsizeof``; ``python -m loadtests.container_figures
+segments``)."""
 
 
 def segment_bytes(segment: str, ids: int) -> int:

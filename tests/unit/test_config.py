@@ -101,6 +101,7 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["limits.token_id_memo_runs=-1"], "limits.token_id_memo_runs must be in 0..1048576"),
         (["limits.segment_cache_bytes=-1"], "limits.segment_cache_bytes must be in 0..17179869184"),
         (["limits.segment_cache_bytes=17179869185"], "limits.segment_cache_bytes must be in 0.."),
+        (["limits.max_reserved_bytes=0"], "limits.max_reserved_bytes must be in 1..1099511627776"),
         (
             ["limits.max_body_bytes=4096", "limits.max_inflight_body_bytes=4095"],
             r"limits.max_inflight_body_bytes must be in limits.max_body_bytes \(4096\)..1099511627776",

@@ -12,7 +12,8 @@ the standard health and reflection services. The contract is ``proto/kvlb/v1/bal
   the call with CANCELLED (:func:`client_stalled`), its slot, bytes, load and replica stream given
   back at once.
 * ``Route`` is the decision only. With ``reserve`` it is committed like a forwarded request and held
-  in :class:`Reservations` until ``Release`` or ``timeouts.total_s``.
+  in :class:`Reservations` until ``Release`` or ``timeouts.total_s``: at most ``limits.max_inflight``
+  of them and ``limits.max_reserved_bytes`` of their token ids and keys (:func:`reservation_bytes`).
 * Limits: ``grpc.max_receive_message_length`` is ``limits.max_body_bytes`` (grpc refuses a larger
   message with RESOURCE_EXHAUSTED); admission, prompt and timeout limits are the HTTP API's. Every
   method is served as a stream-request method that reads its one message itself
@@ -42,6 +43,7 @@ import contextlib
 import functools
 import logging
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
@@ -73,7 +75,7 @@ from balancer.api.parse_cost import PARSE_HOLD_MIN_BYTES, chat_convert_bytes
 from balancer.api.parsing import ParsedRequest
 from balancer.errors import ConfigError, UpstreamError, bind_error
 from balancer.index.hashing import TOKEN_ID_BYTES
-from balancer.routing.router import Lease
+from balancer.routing.router import Lease, RoutePlan
 from balancer.service.dispatch import (
     Forward,
     Opened,
@@ -99,45 +101,96 @@ MAINTENANCE_INTERVAL_S = 1.0
 """Longest period of the reservation expiry and health refresh (shorter with ``health_interval_s``)."""
 
 
-class Reservations:
-    """Decisions reserved by ``Route(reserve=true)``: at most ``capacity`` at once, each held until
-    released or for ``ttl_s`` (then released by :meth:`expire`, so a lost ``Release`` cannot pin load)."""
+RESERVATION_BYTES = 1024
+"""What a reservation holds besides its token ids and keys (:func:`reservation_bytes`): its lease,
+plan and decision and the dict slots (the decision's per-replica terms are shared with the console's
+decision ring, which bounds them itself)."""
+RESERVED_KEY_BYTES = 44
+"""A reserved plan's block key: a pointer in its tuple and the key's int (36 bytes traced; shared
+with the prefix table and the key memo while they hold it, so an upper bound). ``tracemalloc`` of 40
+reservations of 8,192 ids over gRPC (2,048 keys each): their ids 32 KiB, their keys' tuple 16 KiB
+and the keys' ints 72 KiB each, where this counts 121 KiB; the rest of what the process grew by is
+held by the structures with bounds of their own (the speculative entries, the key and token-id
+memos, the console's decision ring)."""
 
-    def __init__(self, capacity: int, ttl_s: float) -> None:
+
+def reservation_bytes(plan: RoutePlan) -> int:
+    """What a reservation of ``plan`` counts against ``limits.max_reserved_bytes`` (pure, O(1)):
+    its token ids (4 bytes each, as the request path keeps them), its keys
+    (:data:`RESERVED_KEY_BYTES` each) and :data:`RESERVATION_BYTES`."""
+    return RESERVATION_BYTES + TOKEN_ID_BYTES * len(plan.token_ids) + RESERVED_KEY_BYTES * len(plan.keys)
+
+
+class Reservations:
+    """Decisions reserved by ``Route(reserve=true)``: at most ``capacity`` at once and ``max_bytes``
+    of them (:func:`reservation_bytes`), each held until released or for ``ttl_s`` (then released by
+    :meth:`expire`, so a lost ``Release`` cannot pin load). ``on_refused`` is told the bound
+    (``count``, ``bytes``) of each reservation refused at its cap (metric)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        ttl_s: float,
+        max_bytes: int = 256 * 1024 * 1024,
+        on_refused: Callable[[str], None] | None = None,
+    ) -> None:
         self.capacity = capacity
         self.ttl_s = ttl_s
-        self._held: dict[str, tuple[Lease, float]] = {}
+        self.max_bytes = max_bytes
+        self._on_refused = on_refused
+        self._held: dict[str, tuple[Lease, float, int]] = {}
+        self.held_bytes = 0
+        """The bytes counted for the reservations held (at most :attr:`max_bytes`)."""
         self.expired_total = 0
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def check(self, request_id: str, now: float) -> None:
-        """Raise unless a reservation for ``request_id`` can be held now (call before committing)."""
+    def check(self, request_id: str, now: float, size: int = 0) -> None:
+        """Raise unless a reservation for ``request_id`` of ``size`` bytes can be held now (call
+        before committing)."""
         self.expire(now)
         if request_id in self._held:
             raise CallError(grpc.StatusCode.ALREADY_EXISTS, f"a reservation for {request_id!r} is held")
         if len(self._held) >= self.capacity:
+            self._refused("count")
             raise CallError(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.capacity} reservations are held (the cap)", 1.0
             )
+        if self.held_bytes + size > self.max_bytes:
+            self._refused("bytes")
+            raise CallError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the reservations held count {self.held_bytes} bytes; this one's {size} would pass "
+                f"limits.max_reserved_bytes ({self.max_bytes})",
+                1.0,
+            )
 
-    def hold(self, request_id: str, lease: Lease, now: float) -> None:
-        self._held[request_id] = (lease, now + self.ttl_s)
+    def _refused(self, bound: str) -> None:
+        if self._on_refused is not None:
+            self._on_refused(bound)
+
+    def hold(self, request_id: str, lease: Lease, now: float, size: int = 0) -> None:
+        self._held[request_id] = (lease, now + self.ttl_s, size)
+        self.held_bytes += size
 
     def pop(self, request_id: str, now: float) -> Lease | None:
         self.expire(now)
         held = self._held.pop(request_id, None)
-        return None if held is None else held[0]
+        if held is None:
+            return None
+        self.held_bytes -= held[2]
+        return held[0]
 
     def expire(self, now: float) -> int:
         """Release reservations past their TTL; returns how many. Insertion order is expiry order."""
         count = 0
         while self._held:
-            request_id, (lease, expires_at) = next(iter(self._held.items()))
+            request_id, (lease, expires_at, size) = next(iter(self._held.items()))
             if expires_at > now:
                 break
             del self._held[request_id]
+            self.held_bytes -= size
             lease.release(now)
             count += 1
         self.expired_total += count
@@ -145,7 +198,8 @@ class Reservations:
 
     def release_all(self, now: float) -> None:
         held, self._held = self._held, {}
-        for lease, _ in held.values():
+        self.held_bytes = 0
+        for lease, _, _ in held.values():
             lease.release(now)
 
 
@@ -447,9 +501,10 @@ class BalancerService:
         call.outcome.replica, call.outcome.policy = decision.replica, decision.policy
         if request.reserve:
             now = state.monotonic()
-            self.reservations.check(call.request_id, now)
+            size = reservation_bytes(plan)
+            self.reservations.check(call.request_id, now, size)
             lease = commit(state, job, plan)
-            self.reservations.hold(call.request_id, lease, now)
+            self.reservations.hold(call.request_id, lease, now, size)
         return pb.RouteResponse(
             request_id=call.request_id,
             replica_id=decision.replica,
@@ -576,7 +631,16 @@ class GrpcServer:
         self.reuse_port = reuse_port
         self.state = state
         limits, timeouts = state.settings.limits, state.settings.timeouts
-        self.reservations = Reservations(limits.max_inflight, timeouts.total_s)
+        metrics = state.metrics
+        self.reservations = Reservations(
+            limits.max_inflight,
+            timeouts.total_s,
+            limits.max_reserved_bytes,
+            lambda bound: metrics.children.of(metrics.grpc_reservations_refused_total, bound).inc(),
+        )
+        metrics.grpc_reservations_bytes.set_function(lambda: self.reservations.held_bytes)
+        for bound in ("count", "bytes"):
+            metrics.grpc_reservations_refused_total.labels(bound)
         self.health = health.aio.HealthServicer()
         self.port = 0
         self._server: Any = None
