@@ -227,6 +227,9 @@ class Balancer:
             for pool in pools.values()
             for (block_size, mode), space in pool.router.spaces.items()
         }
+        self.metrics.load_trackers.source = lambda: {
+            pool.model: pool.router.tracker().stats() for pool in pools.values()
+        }
         self.metrics.segment_caches.source = lambda: {
             pool.tokenizer.name: cache
             for pool in pools.values()

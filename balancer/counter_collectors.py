@@ -19,6 +19,7 @@ from prometheus_client.registry import Collector
 
 from balancer.index.hashing import KeyMemo
 from balancer.index.slots import TableCounters
+from balancer.load.tracker import LoadTrackerStats
 from balancer.tokenizer.segments import SegmentCache
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.upstream.client import UpstreamCounters
@@ -78,6 +79,44 @@ class TokenIdMemoCollector(Collector):
         """The families without samples (what the registry checks names against)."""
         for name in self.COUNTERS:
             yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
+
+
+class LoadTrackerCollector(Collector):
+    """Every pool's :class:`~balancer.load.tracker.LoadTracker` counters, read at scrape time:
+    ``kvlb_load_tracker_overflow_total{pool}`` (reservations dropped, oldest first, for a new one
+    past ``LoadConfig.max_tracked_requests``: their load stops counting before their release) and
+    ``kvlb_load_tracker_expired_total{pool}`` (dropped at ``LoadConfig.max_age_s`` without a
+    release), with the gauge ``kvlb_load_tracker_requests{pool}`` (tracked now). ``source`` is set
+    by the composition root once the pools exist (nothing is exported before)."""
+
+    COUNTERS: Final = {"overflow": "overflow_total", "expired": "expired_total"}
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, LoadTrackerStats]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        stats = self.source()
+        for name, attribute in self.COUNTERS.items():
+            family = CounterMetricFamily(
+                f"kvlb_load_tracker_{name}",
+                f"Reservations of the pool's load tracker dropped without a release: {name}.",
+                labels=["pool"],
+            )
+            for pool, values in stats.items():
+                family.add_metric([pool], getattr(values, attribute))
+            yield family
+        tracked = GaugeMetricFamily(
+            "kvlb_load_tracker_requests", "Requests the pool's load tracker counts now.", labels=["pool"]
+        )
+        for pool, values in stats.items():
+            tracked.add_metric([pool], values.tracked_requests)
+        yield tracked
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"kvlb_load_tracker_{name}", "", labels=["pool"])
+        yield GaugeMetricFamily("kvlb_load_tracker_requests", "", labels=["pool"])
 
 
 class SegmentCacheCollector(Collector):

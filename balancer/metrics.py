@@ -21,6 +21,7 @@ from prometheus_client.utils import floatToGoString
 
 from balancer.counter_collectors import (
     KeyMemoCollector,
+    LoadTrackerCollector,
     SegmentCacheCollector,
     TableCountersCollector,
     TokenIdMemoCollector,
@@ -923,6 +924,7 @@ class Metrics(
     token_id_memo: TokenIdMemoCollector
     key_memos: KeyMemoCollector
     segment_caches: SegmentCacheCollector
+    load_trackers: LoadTrackerCollector
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
     removed: RemovedReplicas = field(default_factory=RemovedReplicas)
@@ -1025,6 +1027,8 @@ class Metrics(
         reg.register(key_memos)
         segment_caches = SegmentCacheCollector()
         reg.register(segment_caches)
+        load_trackers = LoadTrackerCollector()
+        reg.register(load_trackers)
         metrics = cls(
             registry=reg,
             index_tables=tables,
@@ -1032,6 +1036,7 @@ class Metrics(
             token_id_memo=token_id_memo,
             key_memos=key_memos,
             segment_caches=segment_caches,
+            load_trackers=load_trackers,
             **_fields(_http_collectors(reg, ttft_slo_s)),
             **_fields(_admission_collectors(reg)),
             **_fields(_upstream_collectors(reg)),

@@ -20,6 +20,8 @@ every part; naming parts runs only those:
 * ``hints``: :class:`~balancer.index.redis.plan.ParentHints`, one engine hash → key;
 * ``series``: :class:`~balancer.service.series.SeriesSampler`, one interval with
   ``series_max_replicas`` replicas of 128-character ids;
+* ``trtllm``: :class:`~balancer.engines.trtllm.TrtllmDecoder`'s partial-block hashes, one 64-bit
+  hash of a rank;
 * ``audit``: :class:`~balancer.service.audit.AuditLog`, a change of every weight with the longest
   reason and actor.
 
@@ -36,6 +38,7 @@ from array import array
 from collections.abc import Callable, Sequence
 
 from balancer.api.middleware import MAX_REQUEST_ID_CHARS
+from balancer.engines.trtllm import TrtllmDecoder
 from balancer.index.hashing import MEMO_CHUNK_BLOCKS, KeyMemo
 from balancer.index.redis.plan import BatchPlan, ParentHints
 from balancer.load.tracker import LoadTracker
@@ -46,7 +49,7 @@ from balancer.routing.receipts import RECEIPT_WINDOW, Receipt, ReceiptBook
 from balancer.service.audit import MAX_ACTOR_CHARS, MAX_REASON_CHARS, AuditEntry, AuditLog
 from balancer.service.series import SeriesSampler
 from balancer.tokenizer.segments import SegmentCache, segment_bytes
-from balancer.types import ReplicaId
+from balancer.types import EngineHash, ReplicaId
 
 
 def per_entry(fill: Callable[[], object], entries: int) -> float:
@@ -222,6 +225,18 @@ def series() -> None:
     )
 
 
+def trtllm() -> None:
+    count = 65_536
+    decoder = TrtllmDecoder(max_partial_hashes=count)
+
+    def fill() -> object:
+        for number in range(count):
+            decoder._remember_partial(number % 8, EngineHash((number * 0x9E3779B97F4A7C15) % 2**64))
+        return decoder
+
+    print(f"trtllm: {count} partial-block hashes: {per_entry(fill, count):.0f} B a hash")
+
+
 def audit() -> None:
     count = 1000
     log = AuditLog(count)
@@ -252,6 +267,7 @@ PARTS: dict[str, Callable[[], None]] = {
     "key_memo": key_memo,
     "hints": hints,
     "series": series,
+    "trtllm": trtllm,
     "audit": audit,
 }
 

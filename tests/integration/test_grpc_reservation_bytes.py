@@ -12,7 +12,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_harness import failure, grpc_running, token_request
-from kvlb_harness import metric, shared_deepseek
+from kvlb_harness import MODEL, metric, shared_deepseek
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.grpc.server import RESERVATION_BYTES, RESERVED_KEY_BYTES
@@ -53,6 +53,7 @@ async def test_reservations_past_the_byte_cap_are_refused_and_counted(tokenizer:
         assert state is not None
         (router,) = [pool.router for pool in state.pools.values()]
         assert sum(router.in_flight(r) for r in router.space_of) == 2  # the refused one committed nothing
+        assert await metric(h, "kvlb_load_tracker_requests", pool=MODEL) == 2
         unreserved = await g.balancer.Route(pb.RouteRequest(request=token_request(_prompt(3))))
         assert not unreserved.reserved  # a decision without a reservation holds nothing: not refused
         await g.balancer.Release(pb.ReleaseRequest(request_id="big-1"))
