@@ -263,8 +263,9 @@ class LimitConfig:
     """Bytes each tokenizer's segment cache holds at most (the ids of long chat messages, system
     prompts and earlier turns, kept so they are tokenized once; 2,000,000 ids at most): each segment's
     text (1, 2 or 4 bytes a character), 8 bytes an id, its ``u32`` copy once a chat hit it (4 bytes
-    an id) and about 700 bytes of entry. Ordinary text is 14–26 bytes a cached id, so the id cap
-    binds first (30–50 MB); the bytes bound texts of few ids (a run of spaces is
+    an id) and about 700 bytes of entry. Ordinary text is 11–32 bytes a cached id, so the id cap
+    binds first (21–61 MiB: CJK, ASCII prose, prose or code with an emoji, which makes a string 4 bytes
+    a character); the bytes bound texts of few ids (a run of spaces is
     128 characters an id with DeepSeek-V3: before this bound 2,000,000 such ids held 256 MB, and
     1 GiB in a string with one emoji). Past it the least recently used segments go
     (``kvlb_tokenizer_segment_cache_evictions_total{bound="bytes"}``); a segment over a quarter of it

@@ -98,8 +98,8 @@ class TokenizeLimits:
     segment_cache_bytes: int = 128 * 1024 * 1024
     """Bytes the segment cache holds at most: each segment's text (1, 2 or 4 bytes a character), its
     ids and about 700 bytes of entry, and its ``u32`` copy
-    (:func:`~balancer.tokenizer.segments.segment_bytes`). Ordinary text is 14–26 bytes a cached id,
-    so ``segment_cache_tokens`` binds first (30–50 MB); this bounds the texts of few ids (a run of
+    (:func:`~balancer.tokenizer.segments.segment_bytes`). Ordinary text is 11–32 bytes a cached id,
+    so ``segment_cache_tokens`` binds first (21–61 MiB); this bounds the texts of few ids (a run of
     spaces is 128 characters an id), which could make the cache about 1 GiB. 0 disables the cache;
     past the cap the least recently used segments go, and a segment over a quarter of it is not
     cached."""
