@@ -441,7 +441,12 @@ class Balancer:
         app.middlewares.insert(0, self._inflight.middleware)
         worker = self.options.worker
         if worker is not None and worker.count > 1:
-            self._siblings = Siblings(worker.run_dir, worker.index, worker.count)
+            self._siblings = Siblings(
+                worker.run_dir,
+                worker.index,
+                worker.count,
+                on_oversize=self.metrics.siblings_answers_oversize_total.inc,
+            )
             await self._siblings.open()
             fan_out = self.settings.redis.url is None  # with Redis the fleet shares the policy itself
             app.middlewares.append(sibling_middleware(self._siblings, fan_out_admin=fan_out))

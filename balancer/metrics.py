@@ -355,8 +355,6 @@ class _RouteCollectors:
     index_receipt_learned_blocks_total: Counter
     index_receipt_taught_blocks_total: Counter
     index_receipt_confirmed_blocks_total: Counter
-    grpc_reservations_refused_total: Counter
-    grpc_reservations_bytes: Gauge
 
 
 def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
@@ -447,18 +445,6 @@ def _route_collectors(reg: CollectorRegistry) -> _RouteCollectors:
             "Suspect blocks (held through an event gap) that a receipt showed cached, and suspect"
             " blocks dropped unconfirmed that it showed still cached (held again), by replica.",
             ["replica"],
-        ),
-        grpc_reservations_refused_total=counter(
-            "kvlb_grpc_reservations_refused_total",
-            "gRPC Route(reserve=true) calls refused with RESOURCE_EXHAUSTED because the reservations"
-            " held were at their cap: bound=count (limits.max_inflight of them) or bound=bytes"
-            " (limits.max_reserved_bytes of token ids and block keys); per worker.",
-            ["bound"],
-        ),
-        grpc_reservations_bytes=gauge(
-            "kvlb_grpc_reservations_bytes",
-            "Bytes the gRPC reservations hold (their token ids and block keys, counted against"
-            " limits.max_reserved_bytes; per worker).",
         ),
     )
 
@@ -849,6 +835,39 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
 
 
 @dataclass(frozen=True)
+class _FrontCollectors:
+    grpc_reservations_refused_total: Counter
+    grpc_reservations_bytes: Gauge
+    siblings_answers_oversize_total: Counter
+
+
+def _front_collectors(reg: CollectorRegistry) -> _FrontCollectors:
+    """``kvlb_grpc_*`` and ``kvlb_siblings_*``: what the gRPC face keeps between calls (its
+    reservations) and what a worker of ``kvlb serve --workers N`` reads of its siblings."""
+    counter, gauge, _ = _constructors(reg)
+    return _FrontCollectors(
+        grpc_reservations_refused_total=counter(
+            "kvlb_grpc_reservations_refused_total",
+            "gRPC Route(reserve=true) calls refused with RESOURCE_EXHAUSTED because the reservations"
+            " held were at their cap: bound=count (limits.max_inflight of them) or bound=bytes"
+            " (limits.max_reserved_bytes of token ids and block keys); per worker.",
+            ["bound"],
+        ),
+        grpc_reservations_bytes=gauge(
+            "kvlb_grpc_reservations_bytes",
+            "Bytes the gRPC reservations hold (their token ids and block keys, counted against"
+            " limits.max_reserved_bytes; per worker).",
+        ),
+        siblings_answers_oversize_total=counter(
+            "kvlb_siblings_answers_oversize_total",
+            "Answers of sibling workers (kvlb serve --workers N: a console read, /metrics, a fan-out)"
+            " refused for declaring or sending more than 64 MiB; that sibling is left out of the"
+            " gathered answer, as one that did not answer.",
+        ),
+    )
+
+
+@dataclass(frozen=True)
 class _ConsoleCollectors:
     console_series_overflow_total: Counter
     console_ring_entries: Gauge
@@ -913,6 +932,7 @@ class Metrics(
     _ProcessCollectors,
     _RedisCollectors,
     _ConsoleCollectors,
+    _FrontCollectors,
 ):
     """Every collector kvlb exports: those of the subsystem sections it inherits (each declared once,
     in its section above, and built by the builder beside it, whose docstring names the subsystem),
@@ -1047,6 +1067,7 @@ class Metrics(
             **_fields(_process_collectors(reg)),
             **_fields(_redis_collectors(reg)),
             **_fields(_console_collectors(reg)),
+            **_fields(_front_collectors(reg)),
         )
         metrics.slo_ttft_seconds.labels(bucket_label(ttft_slo_s)).set(ttft_slo_s)
         metrics.slo_ttft_target_ratio.set(ttft_target_ratio)

@@ -55,6 +55,18 @@ log = logging.getLogger(__name__)
 
 SIBLING_TIMEOUT_S = 2.0
 """Budget (seconds) of one call to a sibling worker."""
+SIBLING_ANSWER_MAX_BYTES = 64 * 1024 * 1024
+"""Most bytes of one sibling's answer read (a declared or read length over it is an error: that
+sibling is left out, as one that does not answer). What siblings answer is bounded by what they
+make (at most 1,000 decision summaries, a what-if of at most 100 sampled decisions, their own
+``/metrics``), far under it; this keeps a gathered read's memory bounded whatever a sibling sends:
+at most ``(workers - 1)`` × this, for one read."""
+
+
+class SiblingAnswerTooLarge(Exception):
+    """A sibling's answer declared or sent more than :attr:`Siblings.max_answer_bytes`."""
+
+
 _FANNED_OUT = re.compile(r"^/admin/(policy|replicas/[^/]+/(drain|undrain))$")
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -63,10 +75,21 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 class Siblings:
     """This worker's index, and where the other workers of its supervisor listen privately."""
 
-    def __init__(self, run_dir: str, index: int, count: int) -> None:
+    def __init__(
+        self,
+        run_dir: str,
+        index: int,
+        count: int,
+        *,
+        max_answer_bytes: int = SIBLING_ANSWER_MAX_BYTES,
+        on_oversize: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_oversize`` is told of each answer refused for :attr:`max_answer_bytes` (metric)."""
         self.run_dir = Path(run_dir)
         self.index = index
         self.count = count
+        self.max_answer_bytes = max_answer_bytes
+        self._on_oversize = on_oversize
         self.session: aiohttp.ClientSession | None = None
         self.session_timeout = aiohttp.ClientTimeout(total=SIBLING_TIMEOUT_S)
 
@@ -122,13 +145,32 @@ class Siblings:
             async with session.request(
                 method, url + path, data=body, headers=sent, timeout=timeout
             ) as response:
-                return response.status, await response.read()
+                return response.status, await self._read(response)
 
         others = self.others()
         if only is not None:
             others = {index: url for index, url in others.items() if index == only}
         results = await asyncio.gather(*(one(url) for url in others.values()), return_exceptions=True)
         return dict(zip(others, results, strict=True))
+
+    async def _read(self, response: aiohttp.ClientResponse) -> bytes:
+        """The answer's body, at most :attr:`max_answer_bytes` of it (else
+        :class:`SiblingAnswerTooLarge`, counted, with nothing more read)."""
+        limit = self.max_answer_bytes
+        declared = response.content_length
+        if declared is None or declared <= limit:
+            parts: list[bytes] = []
+            read = 0
+            async for chunk in response.content.iter_chunked(256 * 1024):
+                read += len(chunk)
+                if read > limit:
+                    break
+                parts.append(chunk)
+            else:
+                return b"".join(parts)
+        if self._on_oversize is not None:
+            self._on_oversize()
+        raise SiblingAnswerTooLarge(f"a sibling's answer is over {limit} bytes (Content-Length {declared})")
 
 
 async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
