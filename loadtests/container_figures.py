@@ -22,6 +22,10 @@ every part; naming parts runs only those:
   ``series_max_replicas`` replicas of 128-character ids;
 * ``trtllm``: :class:`~balancer.engines.trtllm.TrtllmDecoder`'s partial-block hashes, one 64-bit
   hash of a rank;
+* ``discovery``: what Kubernetes discovery keeps of a pod and an EndpointSlice (the fixtures of
+  ``tests/fixtures/k8s/``, trimmed real objects), whole and as
+  :func:`~balancer.discovery.k8s_objects.kept_pod` and
+  :func:`~balancer.discovery.k8s_objects.kept_slice` keep them (each parsed, kept, the rest freed);
 * ``audit``: :class:`~balancer.service.audit.AuditLog`, a change of every weight with the longest
   reason and actor.
 
@@ -32,12 +36,16 @@ from __future__ import annotations
 
 import functools
 import gc
+import json
 import sys
 import tracemalloc
 from array import array
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from balancer.api.middleware import MAX_REQUEST_ID_CHARS
+from balancer.discovery.k8s_objects import kept_pod, kept_slice
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.index.hashing import MEMO_CHUNK_BLOCKS, KeyMemo
 from balancer.index.redis.plan import BatchPlan, ParentHints
@@ -237,6 +245,34 @@ def trtllm() -> None:
     print(f"trtllm: {count} partial-block hashes: {per_entry(fill, count):.0f} B a hash")
 
 
+K8S_FIXTURES = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "k8s"
+
+
+def _kept_pod(pod: dict[str, Any]) -> object:
+    return kept_pod(pod, "kvlb.io/")
+
+
+def _parsed(text: str, count: int) -> object:
+    return [json.loads(text) for _ in range(count)]
+
+
+def _kept(text: str, count: int, keep: Callable[[dict[str, Any]], object]) -> object:
+    return [keep(json.loads(text)) for _ in range(count)]
+
+
+def discovery() -> None:
+    count = 4096
+    keeps: dict[str, Callable[[dict[str, Any]], object]] = {
+        "pod-sglang-0.json": _kept_pod,
+        "endpointslice-sglang.json": kept_slice,
+    }
+    for name, keep in keeps.items():
+        text = (K8S_FIXTURES / name).read_text()
+        whole = per_entry(functools.partial(_parsed, text, count), count)
+        kept = per_entry(functools.partial(_kept, text, count, keep), count)
+        print(f"discovery {name}: {len(text)} B of JSON: whole {whole:.0f} B an object, kept {kept:.0f} B")
+
+
 def audit() -> None:
     count = 1000
     log = AuditLog(count)
@@ -268,6 +304,7 @@ PARTS: dict[str, Callable[[], None]] = {
     "hints": hints,
     "series": series,
     "trtllm": trtllm,
+    "discovery": discovery,
     "audit": audit,
 }
 

@@ -105,9 +105,84 @@ def endpoint_from_pod(pod: Mapping[str, Any]) -> Endpoint | None:
     )
 
 
-def pod_annotations(pod: Mapping[str, Any]) -> dict[str, str]:
+def pod_annotations(pod: Mapping[str, Any], prefix: str = "") -> dict[str, str]:
+    """The pod's annotations whose names start with ``prefix`` (all of them by default)."""
     annotations = _meta(pod).get("annotations") or {}
-    return {str(k): str(v) for k, v in annotations.items()} if isinstance(annotations, Mapping) else {}
+    if not isinstance(annotations, Mapping):
+        return {}
+    return {str(k): str(v) for k, v in annotations.items() if str(k).startswith(prefix)}
+
+
+def _subset(value: Any, keys: Iterable[str]) -> Any:
+    """``value``'s ``keys`` (those present) when it is a mapping, else ``value`` as it is (so a
+    malformed object fails where it did)."""
+    return {k: value[k] for k in keys if k in value} if isinstance(value, Mapping) else value
+
+
+def _http_port_entry(ports: Any, key: str) -> list[dict[str, Any]] | Any:
+    """``ports`` as the one entry :func:`_http_port` picks of them (none when it picks none), or as
+    they are when they cannot be read."""
+    try:
+        port = _http_port(ports, key)
+    except (TypeError, AttributeError):
+        return ports
+    return [] if port is None else [{"name": "http", key: port}]
+
+
+def kept_slice(slice_obj: Mapping[str, Any]) -> dict[str, Any]:
+    """What discovery reads of an EndpointSlice, and nothing else (pure): its name, UID, version,
+    address type, the port :func:`endpoints_from_slice` picks and, per endpoint, its terminating
+    condition, pod reference and first address; :func:`endpoints_from_slice` answers the same of it
+    as of ``slice_obj``. A malformed part is kept as it is (so it fails where it did)."""
+    endpoints = slice_obj.get("endpoints")
+    if isinstance(endpoints, list):
+        endpoints = [_kept_endpoint(item) for item in endpoints if isinstance(item, Mapping)]
+    return {
+        "metadata": _subset(_meta(slice_obj), ("name", "uid", "resourceVersion")),
+        "addressType": slice_obj.get("addressType"),
+        "ports": _http_port_entry(slice_obj.get("ports") or [], "port"),
+        "endpoints": endpoints,
+    }
+
+
+def kept_pod(pod: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    """What discovery reads of a pod, and nothing else (pure): its name, UID, version and deletion
+    mark, its ``prefix`` annotations, phase and IP, and the port :func:`endpoint_from_pod` picks;
+    :func:`endpoint_from_pod` and :func:`pod_annotations` with ``prefix`` answer the same of it as
+    of ``pod``. A whole pod is mostly what kvlb does not read (managed fields, containers' images,
+    environment and mounts, volumes, statuses): a few kB of JSON, several times that parsed. A
+    malformed part is kept as it is (so it fails where it did)."""
+    meta = _meta(pod)
+    kept_meta = _subset(meta, ("name", "uid", "resourceVersion", "deletionTimestamp"))
+    annotations = meta.get("annotations")
+    if isinstance(annotations, Mapping):
+        kept_meta["annotations"] = {k: v for k, v in annotations.items() if str(k).startswith(prefix)}
+    elif annotations is not None:
+        kept_meta["annotations"] = annotations
+    spec = pod.get("spec") or {}
+    try:
+        ports = [port for c in spec.get("containers") or [] for port in c.get("ports") or []]
+    except (TypeError, AttributeError):
+        kept_spec = spec
+    else:
+        kept_spec = {"containers": [{"ports": _http_port_entry(ports, "containerPort")}]}
+    return {
+        "metadata": kept_meta,
+        "status": _subset(pod.get("status") or {}, ("phase", "podIP")),
+        "spec": kept_spec,
+    }
+
+
+def _kept_endpoint(item: Mapping[str, Any]) -> dict[str, Any]:
+    kept: dict[str, Any] = {}
+    if "conditions" in item:
+        kept["conditions"] = _subset(item["conditions"], ("terminating",))
+    if "targetRef" in item:
+        kept["targetRef"] = _subset(item["targetRef"], ("kind", "name", "uid"))
+    if "addresses" in item:
+        addresses = item["addresses"]
+        kept["addresses"] = addresses[:1] if isinstance(addresses, list) else addresses
+    return kept
 
 
 def _int(annotations: Mapping[str, str], name: str, default: int | None) -> int | None:

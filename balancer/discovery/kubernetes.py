@@ -34,6 +34,8 @@ from balancer.discovery.k8s_objects import (
     build_replicas,
     endpoint_from_pod,
     endpoints_from_slices,
+    kept_pod,
+    kept_slice,
     pod_annotations,
 )
 from balancer.discovery.kube_api import ApiError, KubeApi, ResourceExpired, ssl_context
@@ -149,7 +151,7 @@ class KubernetesDiscovery:
         if len(items) > self._max_objects:
             self.counters["over_cap"] += len(items) - self._max_objects
             log.warning("kubernetes discovery: %d objects match; keeping %d", len(items), self._max_objects)
-        self._objects = {_name(obj): obj for obj in items[: self._max_objects]}
+        self._objects = {_name(obj): self._kept(obj) for obj in items[: self._max_objects]}
         self._resource_version = result.resource_version
         self.counters["lists"] += 1
         self._dirty.set()
@@ -178,12 +180,19 @@ class KubernetesDiscovery:
             if name not in self._objects and len(self._objects) >= self._max_objects:
                 self.counters["over_cap"] += 1
                 return
-            self._objects[name] = obj
+            self._objects[name] = self._kept(obj)
         elif kind == "DELETED":
             self._objects.pop(name, None)
         else:  # BOOKMARK (only moves the version) or a type we do not know
             return
         self._dirty.set()
+
+    def _kept(self, obj: Mapping[str, Any]) -> dict[str, Any]:
+        """What reconciling reads of ``obj`` (:func:`kept_pod`, :func:`kept_slice`): the objects
+        kept are small whatever the API server sends."""
+        if self.config.resource == "pods":
+            return kept_pod(obj, self.config.annotation_prefix)
+        return kept_slice(obj)
 
     def _fail(self, exc: BaseException) -> None:
         self.counters["errors"] += 1
@@ -207,7 +216,8 @@ class KubernetesDiscovery:
         failed: set[str] = set()
         if self.config.resource == "pods":
             endpoints = [e for e in map(endpoint_from_pod, self._objects.values()) if e is not None]
-            annotations = {_name(pod): pod_annotations(pod) for pod in self._objects.values()}
+            prefix = self.config.annotation_prefix
+            annotations = {_name(pod): pod_annotations(pod, prefix) for pod in self._objects.values()}
         else:
             endpoints = endpoints_from_slices(self._objects.values())
             annotations, failed = await self._pod_annotations(api, endpoints)
@@ -254,6 +264,9 @@ class KubernetesDiscovery:
             elif isinstance(result, BaseException):
                 raise result
             elif result is not None:  # None: the pod is gone and the slice will follow
-                self._annotations[name] = (wanted[name], pod_annotations(result))
+                self._annotations[name] = (
+                    wanted[name],
+                    pod_annotations(result, self.config.annotation_prefix),
+                )
         known = {name: entry[1] for name, entry in self._annotations.items() if name in wanted}
         return known, failed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import random
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -14,6 +15,7 @@ from fake_kube_api import NAMESPACE, PODS, SLICES, TOKEN, FakeKubeApi, fixture, 
 
 from balancer.config import DiscoveryConfig
 from balancer.discovery import DiscoveryEvent, KubernetesDiscovery, ReplicaAdded, ReplicaRemoved
+from balancer.types import ReplicaId
 
 SLICE = "sglang-engines-x7k2p"
 MODEL = "meta-llama/Meta-Llama-3-8B-Instruct"
@@ -327,5 +329,49 @@ async def test_wrong_namespace_is_an_error_not_an_empty_set(kube: FakeKubeApi, t
         await until("errors", lambda: discovery.status()["errors"] >= 2)  # type: ignore[operator]
         assert "403" in str(discovery.status()["last_error"])
         assert recorder.events == []
+    finally:
+        await stop(task)
+
+
+def _padded(pod: dict[str, Any], pad_bytes: int) -> dict[str, Any]:
+    """``pod`` with what a real pod carries and kvlb does not read: managed fields, environment,
+    other annotations, container statuses (``pad_bytes`` of strings in all)."""
+    pod = copy.deepcopy(pod)
+    each = pad_bytes // 4
+    pod["metadata"]["managedFields"] = [{"manager": "kubelet", "fieldsV1": {"f:status": "x" * each}}]
+    pod["metadata"]["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] = "y" * each
+    pod["spec"]["containers"][0]["env"] = [
+        {"name": f"VAR_{n}", "value": "z" * (each // 64)} for n in range(64)
+    ]
+    pod["status"]["containerStatuses"] = [{"name": "sglang", "message": "w" * each}]
+    return pod
+
+
+async def test_discovery_keeps_only_what_it_reads_of_each_object(kube: FakeKubeApi, token_file: Path) -> None:
+    """The objects discovery keeps (up to 4 × ``max_replicas``) were whole: a pod's managed fields,
+    environment, statuses and other annotations, several times their JSON once parsed. Now only the
+    fields it reads are kept (2026-12-01, branch h-membytes), with the same replicas found."""
+    pad = 256 * 1024
+    for number in range(4):
+        pod = make_pod(f"sglang-{number}", f"uid-{number}", f"10.244.1.{number + 1}")
+        kube.put(PODS, _padded(pod, pad))
+    recorder = Recorder()
+    discovery, task = start(kube, token_file, recorder, resource="pods")
+    try:
+        await recorder.count(4)
+        assert sorted(discovery.current()) == [f"sglang-{n}" for n in range(4)]
+        added = {e.replica.id: e.replica for e in recorder.events if isinstance(e, ReplicaAdded)}
+        assert added["sglang-2"].url == "http://10.244.1.3:30000" and added["sglang-2"].replay is not None
+        kept = discovery._objects["sglang-1"]
+        assert len(json.dumps(kept)) < 2048, kept  # of a pod of over 256 KiB
+        assert set(kept["metadata"]["annotations"]) == {
+            k for k in make_pod("x", "u", "10.0.0.1")["metadata"]["annotations"] if k.startswith("kvlb.io/")
+        }
+        padded = make_pod("sglang-1", "uid-1b", "10.244.9.9")
+        kube.put(PODS, _padded(padded, pad))  # a watch event: kept small too
+        await recorder.wait(
+            "sglang-1 replaced", lambda: discovery.current()[ReplicaId("sglang-1")].instance == "uid-1b"
+        )
+        assert len(json.dumps(discovery._objects["sglang-1"])) < 2048
     finally:
         await stop(task)
