@@ -61,11 +61,13 @@ from balancer.service.state import Pool, ServiceState
 from balancer.service.tenant_rate import SharedRates, TenantRates, burst_per_worker, per_worker
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
+from balancer.tasks import cancel_all, spawn
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import TokenIdTokenizer, TokenizeLimits, Tokenizer, load_tokenizer
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
+from balancer.upstream.keys import KeyWatcher
 from balancer.worker_record import crash_loop_reasons, read_record
 
 log = logging.getLogger(__name__)
@@ -134,6 +136,9 @@ class Balancer:
         self._speculation_task: concurrent.futures.Future[None] | None = None
         self.grpc_port: int | None = None
         """The bound gRPC port once started (``None``: gRPC disabled)."""
+        self.key_watcher = KeyWatcher.for_settings(settings, self.metrics)
+        """Re-reads rotated engine key files (``None``: no ``api_key_file`` in the config)."""
+        self._key_watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Build and start everything; on failure, undo what was started and re-raise."""
@@ -171,6 +176,8 @@ class Balancer:
             BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop),
             drain_keep_s=settings.health_drain_keep_s,
         )
+        if self.key_watcher is not None:  # before any call to an engine: a key changed since the load
+            self._key_watch = spawn(self.key_watcher.run(), "kvlb-key-watch")
         pools = await self._build_pools(health, random.Random(settings.policy.seed))
         weights = PolicyWeights.from_dict(settings.policy.weights)
         limits = settings.limits
@@ -526,6 +533,9 @@ class Balancer:
             self._speculation = None
         if self.replicas is not None:
             await self.replicas.close_ingest()
+        if self._key_watch is not None:
+            watch, self._key_watch = self._key_watch, None
+            await cancel_all([watch])
         await self._upstream.aclose()
         if self._control is not None:
             control, self._control = self._control, None
