@@ -279,6 +279,11 @@ class LimitConfig:
     not counted (its parse is spent). > 0."""
     max_prompt_tokens: int = 262_144
     """Largest accepted prompt after tokenisation; larger → 400."""
+    max_n: int = 128
+    """Largest OpenAI ``n`` (sequences generated for one prompt) a request may ask for (1..65,536;
+    OpenAI's own API allows 128); more → 400 naming ``n``. Each sequence counts in
+    ``max_inflight_per_replica`` and the decode load (``n × max_tokens`` tokens, counted up to
+    2^32)."""
     token_id_memo_runs: int = 4096
     """Runs of about 2 kB of a token-id prompt's JSON text whose decoded ids are remembered, so that
     ids sent again (a shared prefix, a repeated prompt) are not decoded again (least recently used
@@ -292,9 +297,13 @@ class LimitConfig:
     together (the shared load table; workers admitting at the same instant can put the service at
     most N - 1 over). 1..; per balancer process of a Redis fleet."""
     max_inflight_per_replica: int = 256
-    """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
-    in the admission queue like one over ``max_inflight``. With ``kvlb serve --workers N`` the
-    requests of all workers count (at most N - 1 over when workers race; a replica past
+    """Sequences in flight to one replica: a request counts its OpenAI ``n`` (1 without), as the
+    engine runs that many in its batch and counts them in its ``running_reqs``; a replica at the cap
+    is not chosen (one under it may take a request of any ``n``, so it can go ``n - 1`` over); all
+    full → the request waits in the admission queue like one over ``max_inflight``. The caps that
+    protect kvlb itself (``max_inflight``, ``max_queued``, the tenants') count requests: kvlb's
+    own cost (a connection, a task, one body, one tokenization) is per request. With ``kvlb serve
+    --workers N`` the sequences of all workers count (at most N - 1 over when workers race; a replica past
     ``load_share_slots`` counts only each worker's own). 1..; per balancer process of a fleet."""
     load_share_slots: int = 1024
     """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
@@ -891,6 +900,8 @@ class Settings:
             )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
+        if not 1 <= self.limits.max_n <= 65_536:
+            raise ConfigError(f"limits.max_n must be in 1..65536, got {self.limits.max_n}")
         if not 0 <= self.limits.token_id_memo_runs <= 1_048_576:
             raise ConfigError(
                 f"limits.token_id_memo_runs must be in 0..1048576, got {self.limits.token_id_memo_runs}"
