@@ -140,6 +140,20 @@ class Balancer:
         """Re-reads rotated engine key files (``None``: no ``api_key_file`` in the config)."""
         self._key_watch: asyncio.Task[None] | None = None
 
+    def _key_rotated(self, path: str) -> None:
+        """A new engine key from ``path`` is in use: the replicas reading it whose breaker is open
+        (the old key's refusals, most likely) get their trial at once instead of after
+        ``open_s``; one that still fails opens it again."""
+        state = self.state
+        if state is None:
+            return
+        now = state.monotonic()
+        for pool in state.pools.values():
+            for replica, config in pool.replicas.items():
+                reads_it = config.api_key is not None and config.api_key.file == path
+                if reads_it and state.health.trial_now(replica, now):
+                    log.info("replica %s: its breaker tries again at once (new engine key)", replica)
+
     async def start(self) -> None:
         """Build and start everything; on failure, undo what was started and re-raise."""
         try:
@@ -214,6 +228,8 @@ class Balancer:
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
             token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
         )
+        if self.key_watcher is not None:
+            self.key_watcher.on_rotated = self._key_rotated
         self.metrics.token_id_memo.source = lambda: state.token_id_memo
         state.tenant_rates = self._tenant_rates()
         for model in pools:

@@ -12,9 +12,11 @@ refused, logged once (until the file changes or the words of the refusal do) and
 ``kvlb_upstream_api_key_rejected_total``, and the old key is kept.
 
 An engine that refuses the key (401, 403, 407) calls :meth:`Secret.refused`, which wakes the watcher
-to re-read that file at once instead of at the next poll: the first such re-read a second after the
-last, then the gap doubles up to a minute while re-reads find no new key (an engine whose key
-differs from every file is not re-read more than that), and is reset by a rotation.
+to check that file at once instead of at the next poll (at most once a second): a changed stamp is
+read as at a poll; an unchanged one is read anyway (the file may have been rewritten within the
+stamp's resolution), first a second after the last such read, then with the gap doubling up to a
+minute while those reads find no new key (an engine whose key differs from every file costs no
+more than that), the gap reset by a rotation.
 
 Keys from ``api_key_env`` are not watched: a process's environment cannot change. The key itself is
 never logged: log lines name the file."""
@@ -26,7 +28,7 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from balancer.config.loader import api_key_text, read_api_key_file
@@ -36,8 +38,10 @@ from balancer.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+REFUSED_CHECK_GAP_S = 1.0
+"""Least time between two checks (a ``stat``) of one key file that engines' refusals ask for (seconds)."""
 REFUSED_REREAD_FIRST_GAP_S = 1.0
-"""Least time between two re-reads of one key file that engines' refusals asked for (seconds)."""
+"""Least time between two reads of an unchanged key file that refusals asked for (seconds)."""
 REFUSED_REREAD_MAX_GAP_S = 60.0
 """Longest gap the refusals' re-reads back off to while they find no new key (seconds)."""
 
@@ -79,10 +83,12 @@ class _KeyFile:
     refusal: str | None = None
     """The words of the last refusal logged (``None``: the last read was good)."""
     refused_wanted: bool = False
-    """An engine refused the key since the last check: re-read even if the stamp is the same."""
-    next_refused_at: float = 0.0
-    """Loop time before which a refusal does not ask for another re-read."""
-    refused_gap_s: float = REFUSED_REREAD_FIRST_GAP_S
+    """An engine refused the key since the last check: check it now."""
+    next_check_at: float = 0.0
+    """Loop time before which a refusal does not ask for another check."""
+    next_reread_at: float = 0.0
+    """Loop time before which an unchanged file is not read again for a refusal."""
+    reread_gap_s: float = REFUSED_REREAD_FIRST_GAP_S
 
     @property
     def source(self) -> str:
@@ -106,6 +112,9 @@ class KeyWatcher:
                 entry.secrets.append(secret)
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_rotated: Callable[[str], None] | None = None
+        """Called on the watcher's loop with a file's path once its new key is in use (the
+        balancer lets the breakers that the old key's refusals opened try at once)."""
 
     @classmethod
     def for_settings(cls, settings: Settings, metrics: Metrics | None = None) -> KeyWatcher | None:
@@ -161,10 +170,9 @@ class KeyWatcher:
         if entry is None or self._loop is None:
             return
         now = self._loop.time()
-        if now < entry.next_refused_at:
+        if now < entry.next_check_at:
             return
-        entry.next_refused_at = now + entry.refused_gap_s
-        entry.refused_gap_s = min(entry.refused_gap_s * 2, REFUSED_REREAD_MAX_GAP_S)
+        entry.next_check_at = now + REFUSED_CHECK_GAP_S
         entry.refused_wanted = True
         self._wake.set()
 
@@ -173,11 +181,17 @@ class KeyWatcher:
         entries = list(self._files.values())
         stamps = await asyncio.to_thread(lambda: [_look(entry.path) for entry in entries])
         to_read: list[tuple[_KeyFile, FileStamp]] = []
+        now = asyncio.get_running_loop().time()
         for entry, looked in zip(entries, stamps, strict=True):
             forced, entry.refused_wanted = entry.refused_wanted, False
             if isinstance(looked, OSError):
                 self._reject(entry, None, "unreadable", f"cannot read {entry.source}: {looked.strerror}")
                 continue
+            if forced and looked == entry.stamp:  # nothing seen changed: read it, backing off
+                if now < entry.next_reread_at:
+                    continue
+                entry.next_reread_at = now + entry.reread_gap_s
+                entry.reread_gap_s = min(entry.reread_gap_s * 2, REFUSED_REREAD_MAX_GAP_S)
             if looked != entry.stamp or forced:
                 trigger = "refused" if forced else "changed"
                 if entry.stamp is not None and self._metrics is not None:
@@ -202,11 +216,13 @@ class KeyWatcher:
             if key != entry.secrets[0].value:
                 for secret in entry.secrets:
                     secret.rotate(key)
-                entry.refused_gap_s = REFUSED_REREAD_FIRST_GAP_S
-                entry.next_refused_at = 0.0
+                entry.reread_gap_s = REFUSED_REREAD_FIRST_GAP_S
+                entry.next_reread_at = 0.0
                 if self._metrics is not None:
                     self._metrics.upstream_api_key_rotations_total.inc()
                 log.info("engine key from %s changed: every later call sends the new key", entry.source)
+                if self.on_rotated is not None:
+                    self.on_rotated(entry.path)
 
     def _reject(self, entry: _KeyFile, stamp: FileStamp | None, reason: str, words: str) -> None:
         """Keep the old key; log and count once per stamp and words (a poll of an unchanged bad

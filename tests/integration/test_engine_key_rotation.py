@@ -4,7 +4,8 @@ emulated engine restarted with a new ``--api-key``, a real balancer in front of 
 * the file rotated as Kubernetes does it (the ``..data`` symlink swapped) or by a rename, then the
   engine restarted with the new key: requests succeed again within the poll period, and the scrape
   and probes use the new key too;
-* with polling off, an engine's 401 alone makes kvlb re-read the file at once;
+* with polling off, an engine's 401 alone makes kvlb re-read the file at once, also when the file
+  is updated after the engine (the reads of an unchanged file back off, the checks do not);
 * a bad new key (empty) is refused, counted once, and the old key is kept;
 * the key is in no log line.
 """
@@ -174,6 +175,41 @@ async def test_an_engines_401_rereads_the_key_at_once_without_polling(tmp_path: 
                 text = await metrics_text(session, balancer.url)
                 assert metric_value(text, "kvlb_upstream_api_key_rereads_total", trigger="refused") >= 1
                 assert metric_value(text, "kvlb_upstream_api_key_rotations_total") == 1
+            finally:
+                await balancer.stop()
+                if replica is not first:
+                    await replica.stop()
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def test_a_file_updated_after_the_engine_is_seen_at_the_next_refusal(tmp_path: Path) -> None:
+    """The engine restarted with the new key first: refusals for 4 s find the file unchanged (its
+    reads back off: the next one 4 s after the third), then the file is updated: the next refusal's
+    check (a second at most) sees the new stamp and reads it, whatever the back-off of the reads,
+    and the replica's breaker, opened by the refusals, lets a trial through at once. About 8 s: the
+    back-off has to grow past the bound for the test to tell the two apart."""
+    keys = KeyDir(tmp_path, OLD)
+    zctx = zmq.asyncio.Context()
+    try:
+        async with started(engine("sglang", OLD), zctx) as first, aiohttp.ClientSession() as session:
+            entry = {**replica_entry(first), "api_key_file": str(keys.path)}
+            balancer = await balancer_for(tmp_path, entry, poll_s=0)  # no poll: only refusals check
+            replica = first
+            try:
+                await wait_ready(session, balancer.url)
+                replica = await restarted(first, NEW, zctx)
+                await asyncio.sleep(4.0)  # 4 s of refusals (the scrapes' every 0.1 s): reads 1, 2, 4 s apart
+                for _ in range(3):  # refused: 502, and the replica's breaker opens (for 5 s)
+                    assert await post_status(session, balancer.url) == 502
+                assert await post_status(session, balancer.url) == 503
+                keys.swap(NEW)
+                start = time.monotonic()
+                await until_metric(session, balancer.url, "kvlb_upstream_api_key_rotations_total", 1)
+                took = time.monotonic() - start
+                assert took < 2.0, took  # a check at most a second after the swap, not the reads' 2 s+
+                # the breaker the old key's refusals opened tries at once, not 5 s after it opened
+                assert await seconds_until_ok(session, balancer.url) < 0.5
             finally:
                 await balancer.stop()
                 if replica is not first:
