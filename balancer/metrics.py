@@ -635,7 +635,7 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage|"
             "peer_inflight). inflight, pending_prefill_tokens and decode_blocks are this worker's own "
             "(sum over workers); peer_inflight is the other workers' in-flight requests as this "
-            "worker's policy reads them (--workers N).",
+            "worker's policy reads them (--workers N). inflight counts sequences: a request its n.",
             ["replica", "kind"],
         ),
         load_share_overflow_replicas_total=counter(
