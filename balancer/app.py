@@ -61,6 +61,7 @@ from balancer.service.state import Pool, ServiceState
 from balancer.service.tenant_rate import SharedRates, TenantRates, burst_per_worker, per_worker
 from balancer.service.tls import server_ssl_context
 from balancer.sources.build import RelayRole
+from balancer.tasks import cancel_all, spawn
 from balancer.tokenizer.default import default_tokenizer
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import (
@@ -72,6 +73,7 @@ from balancer.tokenizer.tokenizer import (
 )
 from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
+from balancer.upstream.keys import KeyWatcher
 from balancer.worker_record import crash_loop_reasons, read_record
 
 log = logging.getLogger(__name__)
@@ -140,6 +142,23 @@ class Balancer:
         self._speculation_task: concurrent.futures.Future[None] | None = None
         self.grpc_port: int | None = None
         """The bound gRPC port once started (``None``: gRPC disabled)."""
+        self.key_watcher = KeyWatcher.for_settings(settings, self.metrics)
+        """Re-reads rotated engine key files (``None``: no ``api_key_file`` in the config)."""
+        self._key_watch: asyncio.Task[None] | None = None
+
+    def _key_rotated(self, path: str) -> None:
+        """A new engine key from ``path`` is in use: the replicas reading it whose breaker is open
+        (the old key's refusals, most likely) get their trial at once instead of after
+        ``open_s``; one that still fails opens it again."""
+        state = self.state
+        if state is None:
+            return
+        now = state.monotonic()
+        for pool in state.pools.values():
+            for replica, config in pool.replicas.items():
+                reads_it = config.api_key is not None and config.api_key.file == path
+                if reads_it and state.health.trial_now(replica, now):
+                    log.info("replica %s: its breaker tries again at once (new engine key)", replica)
 
     async def start(self) -> None:
         """Build and start everything; on failure, undo what was started and re-raise."""
@@ -177,6 +196,8 @@ class Balancer:
             BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop),
             drain_keep_s=settings.health_drain_keep_s,
         )
+        if self.key_watcher is not None:  # before any call to an engine: a key changed since the load
+            self._key_watch = spawn(self.key_watcher.run(), "kvlb-key-watch")
         pools = await self._build_pools(health, random.Random(settings.policy.seed))
         weights = PolicyWeights.from_dict(settings.policy.weights)
         limits = settings.limits
@@ -213,6 +234,8 @@ class Balancer:
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
             token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
         )
+        if self.key_watcher is not None:
+            self.key_watcher.on_rotated = self._key_rotated
         self.metrics.token_id_memo.source = lambda: state.token_id_memo
         state.tenant_rates = self._tenant_rates()
         for model in pools:
@@ -548,6 +571,9 @@ class Balancer:
             self._speculation = None
         if self.replicas is not None:
             await self.replicas.close_ingest()
+        if self._key_watch is not None:
+            watch, self._key_watch = self._key_watch, None
+            await cancel_all([watch])
         await self._upstream.aclose()
         if self._control is not None:
             control, self._control = self._control, None

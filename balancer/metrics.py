@@ -324,6 +324,9 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
 @dataclass(frozen=True)
 class _UpstreamCollectors:
     retries_total: Counter
+    upstream_api_key_rotations_total: Counter
+    upstream_api_key_rejected_total: Counter
+    upstream_api_key_rereads_total: Counter
 
 
 def _upstream_collectors(reg: CollectorRegistry) -> _UpstreamCollectors:
@@ -334,6 +337,22 @@ def _upstream_collectors(reg: CollectorRegistry) -> _UpstreamCollectors:
             "kvlb_upstream_retries_total",
             "Requests retried on another replica before the first byte, by reason.",
             ["reason"],
+        ),
+        upstream_api_key_rotations_total=counter(
+            "kvlb_upstream_api_key_rotations_total",
+            "Engine API key files (api_key_file) whose new key was taken into use without a restart.",
+        ),
+        upstream_api_key_rejected_total=counter(
+            "kvlb_upstream_api_key_rejected_total",
+            "Reads of a changed engine API key file refused (the old key kept), by reason: unreadable "
+            "(missing, no permission) or invalid (empty, too long, not printable ASCII).",
+            ["reason"],
+        ),
+        upstream_api_key_rereads_total=counter(
+            "kvlb_upstream_api_key_rereads_total",
+            "Reads of engine API key files after start-up, by trigger: changed (the poll saw a new "
+            "stat or symlink target) or refused (an engine answered 401, 403 or 407 to the key).",
+            ["trigger"],
         ),
     )
 
@@ -618,7 +637,7 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage|"
             "peer_inflight). inflight, pending_prefill_tokens and decode_blocks are this worker's own "
             "(sum over workers); peer_inflight is the other workers' in-flight requests as this "
-            "worker's policy reads them (--workers N).",
+            "worker's policy reads them (--workers N). inflight counts sequences: a request its n.",
             ["replica", "kind"],
         ),
         load_share_overflow_replicas_total=counter(

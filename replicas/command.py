@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--crash-after-chunks", type=int, default=None, help="fault: cut streams after N chunks")
     add("--seed", type=int, default=0, help="seed of fault randomness")
     add("--api-key", default=None, help="refuse calls without 'Authorization: Bearer <key>' (401) on the "
-        "paths the engine guards, as vLLM's and SGLang's --api-key do")  # fmt: skip
+        "paths the engine guards, as vLLM's and SGLang's --api-key do; with --engine trtllm (trtllm-serve "
+        "has no such option) as a key-checking proxy before it: every path but /health")  # fmt: skip
     add("--processes", type=int, default=1, help="split the replicas over this many child processes")
     add("--index-offset", type=int, default=0, help=argparse.SUPPRESS)
     add("--no-uvloop", action="store_true", help="use the default asyncio event loop")

@@ -1,7 +1,9 @@
-"""CORS for ``/v1/*`` (pure): what kvlb answers a browser's preflight and which headers mark an
-answer readable by a page of another origin (``listen.cors_allow_origins``). The middleware
-(:mod:`balancer.api.middleware`) applies it; ``/admin``, the console and the other paths never get
-it (the console is same-origin, and its writes refuse a foreign ``Origin``).
+"""CORS for ``/v1/*`` and ``/openapi.json`` (pure): what kvlb answers a browser's preflight and which
+headers mark an answer readable by a page of another origin (``listen.cors_allow_origins``). The
+middleware (:mod:`balancer.api.middleware`) applies it; ``/admin``, the console and the other paths
+never get it (the console is same-origin, and its writes refuse a foreign ``Origin``). The API
+description is public (no key needed) and a page of a listed origin (an API explorer, a generated
+client) may read it, as it may call ``/v1/*``.
 
 Like vLLM's and SGLang's servers (Starlette's ``CORSMiddleware``), but with exact origins: a
 preflight from a listed origin gets 204 with the methods and the request headers it asked for that
@@ -18,7 +20,9 @@ from dataclasses import dataclass
 from balancer.config import ListenConfig
 
 PATH_PREFIX = "/v1/"
-"""The only paths CORS applies to."""
+"""The paths CORS applies to, with :data:`OPENAPI_PATH`."""
+OPENAPI_PATH = "/openapi.json"
+"""The API description, readable cross-origin by a listed origin too."""
 ALLOW_METHODS = "GET, POST, OPTIONS"
 ALLOWED_HEADERS = frozenset(
     {
@@ -65,7 +69,7 @@ class CorsPolicy:
 
     def applies(self, path: str, origin: str | None) -> bool:
         """Whether an answer on ``path`` to a page of ``origin`` is CORS-readable."""
-        return origin is not None and path.startswith(PATH_PREFIX) and self.allowed(origin)
+        return origin is not None and cors_path(path) and self.allowed(origin)
 
     def allowed(self, origin: str) -> bool:
         return origin in self.origins or self.any_origin
@@ -104,6 +108,11 @@ class CorsPolicy:
         return (
             name in ALLOWED_HEADERS or name == self.tenant_header or name.startswith(ALLOWED_HEADER_PREFIXES)
         )
+
+
+def cors_path(path: str) -> bool:
+    """Whether CORS applies to ``path``: ``/v1/*`` and ``/openapi.json``."""
+    return path.startswith(PATH_PREFIX) or path == OPENAPI_PATH
 
 
 def is_preflight(method: str, headers: Mapping[str, str]) -> bool:

@@ -9,9 +9,9 @@
   An admin write (not GET/HEAD/OPTIONS) whose ``Origin`` header names another origin is a 403
   (:func:`check_origin`): the console's writes are CSRF-safe.
 * CORS (``listen.cors_allow_origins``, :mod:`balancer.api.cors`): a browser's preflight of a
-  ``/v1/*`` path is answered here, before auth (a preflight carries no credentials); every answer on
-  ``/v1/*`` to a listed origin gets its CORS headers (:func:`add_cors_headers`, run as aiohttp
-  prepares it, so streams and errors get them too).
+  ``/v1/*`` path or ``/openapi.json`` is answered here, before auth (a preflight carries no
+  credentials); every answer on those paths to a listed origin gets its CORS headers
+  (:func:`add_cors_headers`, run as aiohttp prepares it, so streams and errors get them too).
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
   OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
@@ -36,7 +36,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from balancer.api.cors import PATH_PREFIX, CorsPolicy, is_preflight
+from balancer.api.cors import CorsPolicy, cors_path, is_preflight
 from balancer.api.errors import ApiError, error_response, from_balancer_error, too_large
 from balancer.config import AuthConfig
 from balancer.service.state import Outcome, ServiceState
@@ -237,9 +237,9 @@ async def answer_and_close(request: web.Request, response: web.Response) -> None
 
 
 def preflight(cors: CorsPolicy, request: web.Request) -> web.StreamResponse:
-    """The answer to a browser's preflight of a ``/v1/*`` path: 204 with the CORS headers for a
-    listed origin, else 403 (:class:`ApiError`) without them, which the browser reports as a CORS
-    failure."""
+    """The answer to a browser's preflight of a ``/v1/*`` path or ``/openapi.json``: 204 with the
+    CORS headers for a listed origin, else 403 (:class:`ApiError`) without them, which the browser
+    reports as a CORS failure."""
     origin = request.headers["Origin"]
     if not cors.allowed(origin):
         raise ApiError(403, f"CORS: origin {origin[:200]!r} is not in listen.cors_allow_origins")
@@ -266,11 +266,7 @@ async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamR
     try:
         try:
             cors = request.app.get(CORS)
-            if (
-                cors is not None
-                and request.path.startswith(PATH_PREFIX)
-                and is_preflight(request.method, request.headers)
-            ):
+            if cors is not None and cors_path(request.path) and is_preflight(request.method, request.headers):
                 response = preflight(cors, request)
             else:
                 check_auth(request, state.settings.auth)

@@ -198,6 +198,13 @@ def model_card(model: str, pool: Pool) -> dict[str, object]:
     return {"id": model, "object": "model", "created": 0, "owned_by": "kvlb", "replicas": len(pool.replicas)}
 
 
+def check_sequences(parsed: ParsedRequest, max_n: int) -> None:
+    """400 naming ``n`` when the request asks for more sequences than ``limits.max_n`` (HTTP and
+    gRPC: its ``extra_json``)."""
+    if parsed.sequences > max_n:
+        raise ApiError(400, f"'n' must be at most {max_n} (limits.max_n), got {parsed.sequences}")
+
+
 async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.StreamResponse:
     state = request.app[STATE]
     arrived = state.monotonic()
@@ -224,6 +231,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
                 admission.give_back_tokenizing()
         else:
             parsed = parse_request(body, kind, state.token_id_memo)
+        check_sequences(parsed, limits.max_n)  # before the tokenizer's work
         pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
         token_ids = tokenize_inline(pool, parsed, limits.max_prompt_tokens)

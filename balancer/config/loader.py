@@ -216,18 +216,29 @@ def _api_key(config: PoolConfig | ReplicaConfig, where: str, environ: Mapping[st
     if config.api_key_file is not None:
         source = f"api_key_file {config.api_key_file}"
         try:
-            with open(config.api_key_file, "rb") as file:
-                raw = file.read(API_KEY_MAX_BYTES + 1024)
+            raw = read_api_key_file(config.api_key_file)
         except OSError as exc:
             raise ConfigError(f"{where}: cannot read {source}: {exc.strerror}") from None
-        text = raw.decode("utf-8", "replace")
-    elif config.api_key_env is not None:
+        key = api_key_text(raw.decode("utf-8", "replace"), where, source)
+        return Secret(key, source, config.api_key_file)
+    if config.api_key_env is not None:
         source = f"api_key_env {config.api_key_env}"
         if config.api_key_env not in environ:
             raise ConfigError(f"{where}: {source}: the environment variable is not set")
-        text = environ[config.api_key_env]
-    else:
-        return None
+        return Secret(api_key_text(environ[config.api_key_env], where, source), source)
+    return None
+
+
+def read_api_key_file(path: str) -> bytes:
+    """The first bytes of an API key file (blocking; enough to tell one too long); OSError as raised."""
+    with open(path, "rb") as file:
+        return file.read(API_KEY_MAX_BYTES + 1024)
+
+
+def api_key_text(text: str, where: str, source: str) -> str:
+    """The key in ``text`` (surrounding whitespace stripped), or ConfigError naming ``where`` and
+    ``source`` (never the key): empty, over :data:`API_KEY_MAX_BYTES`, or not printable ASCII. The
+    key watcher checks a rotated key with it too."""
     key = text.strip()
     if not key:
         raise ConfigError(f"{where}: {source} is empty")
@@ -235,7 +246,7 @@ def _api_key(config: PoolConfig | ReplicaConfig, where: str, environ: Mapping[st
         raise ConfigError(f"{where}: {source} holds more than {API_KEY_MAX_BYTES} bytes")
     if not all(" " < char <= "~" for char in key):
         raise ConfigError(f"{where}: {source} holds a character other than printable ASCII")
-    return Secret(key, source)
+    return key
 
 
 def moved_keys(tree: dict[str, Any]) -> dict[str, Any]:

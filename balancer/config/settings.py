@@ -9,7 +9,7 @@ loader, and the only reader of ``os.environ``, is :func:`balancer.config.loader.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
@@ -48,15 +48,42 @@ API_KEY_MAX_BYTES = 4096
 
 class Secret:
     """A credential the config loader read (an engine's API key): its ``repr`` and ``str`` name where it
-    came from, never the value, so no log line, error message or dump shows it."""
+    came from, never the value, so no log line, error message or dump shows it.
 
-    __slots__ = ("source", "value")
+    A key read from a file (``file`` set) is rotated in place: the key watcher
+    (:mod:`balancer.upstream.keys`) calls :meth:`rotate` when the file changes, and every holder of
+    this object (requests, probes, scrapes, TRT-LLM's drain, on any thread) sends the new value at
+    its next call. Two secrets are equal when they were read from the same place."""
 
-    def __init__(self, value: str, source: str) -> None:
-        self.value = value
-        """The credential itself; read it only to send it."""
+    __slots__ = ("_on_refused", "_value", "file", "source")
+
+    def __init__(self, value: str, source: str, file: str | None = None) -> None:
+        self._value = value
         self.source = source
         """Where it was read, e.g. ``api_key_file /run/keys/r1`` (safe to show)."""
+        self.file = file
+        """The file it was read from (``None``: an environment variable, which cannot change)."""
+        self._on_refused: Callable[[], None] | None = None
+
+    @property
+    def value(self) -> str:
+        """The credential itself, as last read; read it only to send it."""
+        return self._value
+
+    def rotate(self, value: str) -> None:
+        """Replace the value (the key watcher, with a new key it validated as the loader does)."""
+        self._value = value
+
+    def on_refused(self, callback: Callable[[], None] | None) -> None:
+        """Set what :meth:`refused` calls (the key watcher's wake-up; thread-safe on its side)."""
+        self._on_refused = callback
+
+    def refused(self) -> None:
+        """An engine refused this key (401, 403, 407): let the key watcher re-read its file now
+        rather than at its next poll (no-op without a watcher). Any thread may call it."""
+        callback = self._on_refused
+        if callback is not None:
+            callback()
 
     def __repr__(self) -> str:
         return f"<secret from {self.source}>"
@@ -64,10 +91,10 @@ class Secret:
     __str__ = __repr__
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Secret) and (self.value, self.source) == (other.value, other.source)
+        return isinstance(other, Secret) and (self.source, self.file) == (other.source, other.file)
 
     def __hash__(self) -> int:
-        return hash((self.value, self.source))
+        return hash((self.source, self.file))
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +122,14 @@ class ReplicaConfig:
     api_key_file: str | None = None
     """File holding the engine's API key (vLLM/SGLang ``--api-key``): sent as ``Authorization: Bearer``
     on every call kvlb makes to the engine (requests, health and ``/v1/models`` probes, load/metrics
-    scrapes, TRT-LLM's ``/kv_cache_events`` drain). Read once at start-up (restart kvlb to rotate
-    it); surrounding whitespace stripped; at most 4096 bytes, printable ASCII. ``None`` (and no
+    scrapes, TRT-LLM's ``/kv_cache_events`` drain). Read at start-up, then again whenever the file
+    changes (``upstream.api_key_poll_s``), so a rotated key needs no restart; surrounding whitespace
+    stripped; at most 4096 bytes, printable ASCII. ``None`` (and no
     ``api_key_env``): the pool's ``api_key_file``/``api_key_env``, else no key."""
     api_key_env: str | None = None
     """Name of the environment variable holding the engine's API key (instead of ``api_key_file``;
-    the same rules). Only the name is in the config, never the key."""
+    the same rules). Only the name is in the config, never the key. Read once: a process's
+    environment cannot change, so rotating it needs a restart (use ``api_key_file`` to rotate)."""
     api_key: Secret | None = field(default=None, repr=False)
     """The key, filled in by the config loader from ``api_key_file``/``api_key_env`` (or the pool's);
     it cannot be written in the config."""
@@ -252,6 +281,11 @@ class LimitConfig:
     not counted (its parse is spent). > 0."""
     max_prompt_tokens: int = 262_144
     """Largest accepted prompt after tokenisation; larger → 400."""
+    max_n: int = 128
+    """Largest OpenAI ``n`` (sequences generated for one prompt) a request may ask for (1..65,536;
+    OpenAI's own API allows 128); more → 400 naming ``n``. Each sequence counts in
+    ``max_inflight_per_replica`` and the decode load (``n × max_tokens`` tokens, counted up to
+    2^32)."""
     token_id_memo_runs: int = 4096
     """Runs of about 2 kB of a token-id prompt's JSON text whose decoded ids are remembered, so that
     ids sent again (a shared prefix, a repeated prompt) are not decoded again (least recently used
@@ -287,9 +321,13 @@ class LimitConfig:
     together (the shared load table; workers admitting at the same instant can put the service at
     most N - 1 over). 1..; per balancer process of a Redis fleet."""
     max_inflight_per_replica: int = 256
-    """Requests in flight to one replica; a full replica is not chosen; all full → the request waits
-    in the admission queue like one over ``max_inflight``. With ``kvlb serve --workers N`` the
-    requests of all workers count (at most N - 1 over when workers race; a replica past
+    """Sequences in flight to one replica: a request counts its OpenAI ``n`` (1 without), as the
+    engine runs that many in its batch and counts them in its ``running_reqs``; a replica at the cap
+    is not chosen (one under it may take a request of any ``n``, so it can go ``n - 1`` over); all
+    full → the request waits in the admission queue like one over ``max_inflight``. The caps that
+    protect kvlb itself (``max_inflight``, ``max_queued``, the tenants') count requests: kvlb's
+    own cost (a connection, a task, one body, one tokenization) is per request. With ``kvlb serve
+    --workers N`` the sequences of all workers count (at most N - 1 over when workers race; a replica past
     ``load_share_slots`` counts only each worker's own). 1..; per balancer process of a fleet."""
     load_share_slots: int = 1024
     """With ``kvlb serve --workers N``: replicas one worker can share its load on at once (in-flight
@@ -708,10 +746,19 @@ class UpstreamConfig:
     (``kvlb_upstream_protocol_errors_total``)."""
     max_headers: int = 128
     """Most header (or trailer) fields in one replica answer (1..10,000); more → ``header_overflow``."""
+    api_key_poll_s: float = 5.0
+    """How often each engine key file (``api_key_file`` of pools and replicas) is checked for a
+    change, in seconds (0..3600; 0: never polled): its ``stat`` (modification time, size, inode) and
+    the target its symlinks resolve to (Kubernetes swaps a mounted Secret's ``..data`` symlink). A
+    changed file is read and checked as at start-up; a good new key is used for every later call, a
+    bad one is refused (``kvlb_upstream_api_key_rejected_total``) and the old key kept. An engine
+    refusing the key (401, 403, 407) has its file re-read at once, at most once a second. Keys from
+    ``api_key_env`` never change in a running process."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
         bounds = {
+            "api_key_poll_s": (self.api_key_poll_s, 0.0, 3600.0),
             "max_connections": (self.max_connections, 1, 65_536),
             "max_idle_per_host": (self.max_idle_per_host, 0, 65_536),
             "idle_ttl_s": (self.idle_ttl_s, 0.1, 3600.0),
@@ -877,6 +924,8 @@ class Settings:
             )
         if self.limits.max_retries < 0:
             raise ConfigError("limits.max_retries must be >= 0")
+        if not 1 <= self.limits.max_n <= 65_536:
+            raise ConfigError(f"limits.max_n must be in 1..65536, got {self.limits.max_n}")
         if not 0 <= self.limits.token_id_memo_runs <= 1_048_576:
             raise ConfigError(
                 f"limits.token_id_memo_runs must be in 0..1048576, got {self.limits.token_id_memo_runs}"

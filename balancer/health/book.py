@@ -322,6 +322,16 @@ class HealthBook:
             rec.trial_in_flight = False
             rec.last_error = None
 
+    def trial_now(self, replica: ReplicaId, now: float) -> bool:
+        """Let the next request to ``replica`` be its breaker's trial at once, rather than after
+        ``open_s``: what opened it is gone (its engine key was refused, and a new key was read).
+        ``False`` (and nothing changed) unless its breaker is open."""
+        rec = self.replicas.get(replica)
+        if rec is None or rec.state(now, self.config) != "open":
+            return False
+        rec.opened_at = now - self.config.open_s
+        return True
+
     def on_failure(self, replica: ReplicaId, now: float, error: str) -> None:
         rec = self.replicas.get(replica)
         if rec is None:

@@ -89,7 +89,6 @@ class HealthProber:
         ``settings.models_recheck_s`` (``None``: not checked). ``api_key``: the replica's own key,
         sent with every probe and model check."""
         self._api_key = api_key
-        self._headers = engine_auth_headers(api_key)
         self.replica = replica
         self.model = model
         self._models_url = base_url.rstrip("/") + MODELS_PATH
@@ -151,10 +150,13 @@ class HealthProber:
         """``(None, False)`` when healthy, else why not and whether the probe timed out."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
-            async with self._session.get(self.url, timeout=timeout, headers=self._headers) as response:
+            headers = engine_auth_headers(self._api_key)  # per call: the key may rotate
+            async with self._session.get(self.url, timeout=timeout, headers=headers) as response:
                 if response.status == 200:
                     return None, False
                 if response.status in REFUSED_CALLER_STATUSES:
+                    if self._api_key is not None:
+                        self._api_key.refused()  # re-read a rotated key now
                     return f"{self.settings.path}: {refused_caller(response.status, self._api_key)}", False
                 return f"{self.settings.path} answered {response.status}", False
         except TimeoutError:
@@ -169,9 +171,11 @@ class HealthProber:
         self._models_read_at = self._monotonic()
         try:
             async with self._session.get(
-                self._models_url, timeout=timeout, headers=self._headers
+                self._models_url, timeout=timeout, headers=engine_auth_headers(self._api_key)
             ) as response:
                 if response.status in REFUSED_CALLER_STATUSES:
+                    if self._api_key is not None:
+                        self._api_key.refused()
                     log.warning(
                         "replica %s: GET %s: %s",
                         self.replica,

@@ -100,7 +100,6 @@ class MetricsScraper:
     ) -> None:
         self.replica = replica
         self._api_key = api_key
-        self._headers = engine_auth_headers(api_key)
         self.base_url = base_url.rstrip("/")
         self.settings = settings or ScrapeSettings()
         self.settings.validate()
@@ -170,6 +169,8 @@ class MetricsScraper:
                 log.info("replica %s: %s is 404, trying %s", self.replica, target.path, self.status().url)
                 continue
             if status in REFUSED_CALLER_STATUSES:
+                if self._api_key is not None:
+                    self._api_key.refused()  # re-read a rotated key now
                 raise ScrapeError(
                     f"{HTTP_STATUS_ERROR}{status} from {target.path}: {refused_caller(status, self._api_key)}"
                 )
@@ -181,7 +182,8 @@ class MetricsScraper:
 
     async def _get(self, path: str) -> tuple[int, bytes]:
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
-        async with self._session.get(self.base_url + path, timeout=timeout, headers=self._headers) as resp:
+        headers = engine_auth_headers(self._api_key)  # per call: the key may rotate
+        async with self._session.get(self.base_url + path, timeout=timeout, headers=headers) as resp:
             if resp.status != 200:
                 await resp.release()
                 return resp.status, b""

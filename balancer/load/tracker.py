@@ -101,10 +101,12 @@ class ReplicaLoad:
 
     replica: ReplicaId
     pending_prefill_reqs: int = 0
+    """Sequences routed and not at their first token (a request counts its OpenAI ``n``)."""
     pending_prefill_tokens: int = 0
     pending_prefill_blocks: float = 0.0
     """``pending_prefill_tokens / block_size_tokens`` (fractional, as the cost is in blocks)."""
     active_decode_seqs: int = 0
+    """Sequences decoding (a request counts its ``n``), as the engines' ``running_reqs`` do."""
     active_decode_blocks: int = 0
     waiting_reqs: int | None = None
     running_reqs: int | None = None
@@ -119,14 +121,17 @@ class ReplicaLoad:
 
     @property
     def in_flight_reqs(self) -> int:
-        """Requests this balancer (all its workers) has on the replica (prefill + decode)."""
+        """Sequences this balancer (all its workers) has on the replica (prefill + decode): each
+        request counts its OpenAI ``n``, as the engines count it in ``running_reqs`` and
+        ``waiting_reqs`` (an ``n = 8`` request is 8 in the engine's batch)."""
         return self.pending_prefill_reqs + self.active_decode_seqs
 
     @property
     def request_load(self) -> int:
         """``in_flight_reqs + waiting_reqs`` (waiting counts 0 when unknown): the request-count
-        load the baseline policies compare. A request this balancer sent that is still queued in
-        the engine counts twice, which deliberately penalises queueing."""
+        load the baseline policies compare, in sequences on both sides. A request this balancer
+        sent that is still queued in the engine counts twice, which deliberately penalises
+        queueing."""
         return self.in_flight_reqs + (self.waiting_reqs or 0)
 
 
@@ -152,17 +157,18 @@ class LoadCounts(NamedTuple):
     tuple: built for every slot read from the shared table, so cheap to make."""
 
     prefill_reqs: int = 0
-    """Requests routed and not yet at their first token."""
+    """Sequences of the requests routed and not yet at their first token: a request counts its
+    OpenAI ``n`` (the engine schedules that many), 1 without."""
     prefill_tokens: int = 0
-    """Their uncached prompt tokens (the prefill still to do)."""
+    """Their uncached prompt tokens (the prefill still to do; the prompt once per request)."""
     decode_seqs: int = 0
-    """Requests past their first token and not yet released."""
+    """Sequences of the requests past their first token and not yet released (each its ``n``)."""
     decode_blocks: int = 0
     """Their KV blocks (prompt + ``max_tokens``, in the pool's reference block size)."""
 
     @property
     def reqs(self) -> int:
-        """Requests in flight (prefill + decode)."""
+        """Sequences in flight (prefill + decode): requests, each counted ``n`` times."""
         return self.prefill_reqs + self.decode_seqs
 
 
@@ -196,6 +202,7 @@ class _Reservation:
     decode_blocks: int
     touched_at: float
     decoding: bool = False
+    sequences: int = 1
 
 
 @dataclass(slots=True)
@@ -207,10 +214,10 @@ class _Totals:
 
     def add(self, res: _Reservation, sign: int) -> None:
         if res.decoding:
-            self.decode_seqs += sign
+            self.decode_seqs += sign * res.sequences
             self.decode_blocks += sign * res.decode_blocks
         else:
-            self.prefill_reqs += sign
+            self.prefill_reqs += sign * res.sequences
             self.prefill_tokens += sign * res.prefill_tokens
 
     def is_zero(self) -> bool:
@@ -251,11 +258,18 @@ class LoadTracker:
         worker's row of the shared load table); it must be cheap and must not call back in."""
 
     def reserve(
-        self, request_id: str, replica: ReplicaId, prefill_tokens: int, decode_blocks: int, now: float
+        self,
+        request_id: str,
+        replica: ReplicaId,
+        prefill_tokens: int,
+        decode_blocks: int,
+        now: float,
+        sequences: int = 1,
     ) -> bool:
         """Count a routed request on ``replica``: ``prefill_tokens`` uncached prompt tokens to
-        prefill, then ``decode_blocks`` KV blocks held while decoding. Returns ``False`` (and
-        changes nothing) when ``request_id`` is already tracked. Negative sizes count as 0."""
+        prefill, then ``decode_blocks`` KV blocks held while decoding, as ``sequences`` (OpenAI's
+        ``n``, at least 1) in the in-flight counts. Returns ``False`` (and changes nothing) when
+        ``request_id`` is already tracked. Negative sizes count as 0."""
         self.expire(now)
         if request_id in self._requests:
             self._duplicates += 1
@@ -264,7 +278,9 @@ class LoadTracker:
             _, oldest = self._requests.popitem(last=False)
             self._drop(oldest)
             self._overflow += 1
-        res = _Reservation(replica, max(0, prefill_tokens), max(0, decode_blocks), now)
+        res = _Reservation(
+            replica, max(0, prefill_tokens), max(0, decode_blocks), now, sequences=max(1, sequences)
+        )
         self._requests[request_id] = res
         totals = self._totals.setdefault(replica, _Totals())
         totals.add(res, +1)
@@ -319,7 +335,8 @@ class LoadTracker:
         return count
 
     def in_flight(self, replica: ReplicaId) -> int:
-        """Reservations held on ``replica`` now, in prefill or decode (as of the last expiry)."""
+        """Sequences held on ``replica`` now, in prefill or decode (as of the last expiry): each
+        reservation counts its ``sequences``."""
         totals = self._totals.get(replica)
         return 0 if totals is None else totals.prefill_reqs + totals.decode_seqs
 

@@ -96,6 +96,14 @@ class RoutePlan:
     """OpenAI's ``n`` of the request (its ``decode_blocks`` count them)."""
 
 
+def every_replica_full(model: str, cap: int) -> str:
+    """Why a pool takes no request now: each routable replica is at ``max_inflight_per_replica``."""
+    return (
+        f"every replica of model {model!r} has {cap} sequences in flight"
+        " (limits.max_inflight_per_replica; a request counts its n)"
+    )
+
+
 BlockHashFn = Callable[[Sequence[int], int], "list[EngineHash]"]
 """An engine's own block hashes of a plain token sequence (:attr:`EngineSpec.block_hashes
 <balancer.engines.spec.EngineSpec.block_hashes>`)."""
@@ -404,7 +412,7 @@ class PoolRouter:
         peers = self._peer_counts()
         eligible = [r for r in routable if self._in_flight_with(r, peers) < cap]
         if not eligible:
-            message = f"every replica of model {self.model!r} has {cap} requests in flight"
+            message = every_replica_full(self.model, cap)
             raise Overloaded(message, FULL_RETRY_AFTER_S)
         return eligible
 
@@ -458,7 +466,7 @@ class PoolRouter:
             except NoReplicasAvailable:
                 if not full:
                     raise
-                message = f"every replica of model {self.model!r} has {cap} requests in flight"
+                message = every_replica_full(self.model, cap)
                 raise Overloaded(message, FULL_RETRY_AFTER_S) from None
             replica = plan.decision.replica
             if self.peer_load is None or self.in_flight_total(replica) < cap:
@@ -590,7 +598,12 @@ class PoolRouter:
         token, then for ``speculative_ttl_s``."""
         replica = plan.decision.replica
         reserved = self.tracker().reserve(
-            request_id, replica, plan.prompt_tokens - plan.cached_tokens, plan.decode_blocks, now
+            request_id,
+            replica,
+            plan.prompt_tokens - plan.cached_tokens,
+            plan.decode_blocks,
+            now,
+            sequences=plan.sequences,
         )
         if reserved:
             self.rotation += 1

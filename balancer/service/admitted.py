@@ -11,6 +11,7 @@ request's side of it. Split from :mod:`balancer.service.dispatch` on 2026-12-01.
 
 from __future__ import annotations
 
+from balancer.routing.router import every_replica_full
 from balancer.service.admission import (
     MAX_BYTES,
     TENANT_INFLIGHT,
@@ -189,7 +190,7 @@ class Admitted:
         if router.has_free_slot(state.monotonic()):
             return
         cap = state.settings.limits.max_inflight_per_replica
-        what = f"every replica of model {pool.model!r} has {cap} requests in flight"
+        what = every_replica_full(pool.model, cap)
 
         def ready() -> bool:
             return router.has_free_slot(state.monotonic())

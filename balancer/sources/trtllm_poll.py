@@ -142,7 +142,6 @@ class TrtllmPoller:
         :mod:`balancer.sources.trtllm_relay`); ``api_key``, the replica's own key, is sent with every
         drain."""
         self._api_key = api_key
-        self._headers = engine_auth_headers(api_key)
         self.tap = tap
         self.gate: Gate | None = None
         """The replica's ingestion CPU budget (set by the ingest); while spent, drains wait."""
@@ -271,11 +270,14 @@ class TrtllmPoller:
     async def _drain(self) -> bytes | None:
         """POST the drain; the body, or ``None`` for 404. Raises on errors."""
         timeout = aiohttp.ClientTimeout(total=self.settings.request_timeout_s)
-        async with self._session.post(self.url, timeout=timeout, headers=self._headers) as resp:
+        headers = engine_auth_headers(self._api_key)  # per call: the key may rotate
+        async with self._session.post(self.url, timeout=timeout, headers=headers) as resp:
             if resp.status == 404:
                 await resp.release()
                 return None
             if resp.status in REFUSED_CALLER_STATUSES:
+                if self._api_key is not None:
+                    self._api_key.refused()  # re-read a rotated key now (any thread may call it)
                 raise PollError(refused_caller(resp.status, self._api_key))
             if resp.status != 200:
                 raise PollError(f"HTTP {resp.status}")

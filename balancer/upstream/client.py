@@ -283,6 +283,8 @@ class UpstreamClient:
             raise RetryableUpstream("status", f"replica answered {head.status}", head.status)
         if head.status in REFUSED_CALLER_STATUSES:
             pool.release(conn)
+            if api_key is not None:
+                api_key.refused()  # re-read a rotated key now
             raise RetryableUpstream("status", refused_caller(head.status, api_key), head.status)
         return UpstreamStream(conn, head, pool, self._timeouts.idle_s, self.counters)
 

@@ -142,10 +142,12 @@ class ShardedTracker(LoadTracker):
         prefill_tokens: int,
         decode_blocks: int,
         now: float,
+        sequences: int = 1,
     ) -> bool:
         if request_id in self._owner:
             return False
-        if not self.shard(replica).reserve(request_id, replica, prefill_tokens, decode_blocks, now):
+        shard = self.shard(replica)
+        if not shard.reserve(request_id, replica, prefill_tokens, decode_blocks, now, sequences):
             return False
         self._owner[request_id] = replica
         return True

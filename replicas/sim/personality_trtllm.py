@@ -157,8 +157,16 @@ class TrtllmPersonality:
 
     @staticmethod
     def guards_path(path: str) -> bool:
-        """Emulated as the strictest engine: every path but ``/health`` (``/kv_cache_events`` and
-        ``/prometheus/metrics`` included), as a key-checking proxy before ``trtllm-serve`` does."""
+        """What ``--api-key`` guards in TRT-LLM mode: every path but ``/health`` (``/kv_cache_events``,
+        ``/metrics``, ``/prometheus/metrics``, ``/v1/models`` included), as a key-checking proxy
+        before ``trtllm-serve`` would. ``trtllm-serve`` itself checks no client key: it has no
+        ``--api-key`` option (``tensorrt_llm/commands/serve.py`` at 00209af1), its FastAPI app adds
+        no auth middleware to any route (``tensorrt_llm/serve/openai_server.py`` at e7f7345e), and
+        NVIDIA/TensorRT-LLM#9950 (asking for one) was closed without it; its later HMAC checks
+        (``TRTLLM_RUNTIME_CONTROL_API_KEY`` for the sleep-mode routes, ``x-trtllm-disagg-auth`` for
+        disaggregated parameters) cover none of the paths kvlb calls. So a keyed TRT-LLM replica is
+        one behind a proxy, and which paths that proxy guards is the proxy's choice: the strictest
+        one that still lets an orchestrator's liveness probe through is emulated."""
         return path != "/health"
 
     def add_routes(self, app: web.Application, ctx: ReplicaContext) -> None:

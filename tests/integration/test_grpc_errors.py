@@ -72,6 +72,11 @@ async def test_bad_messages_and_limits_get_clear_client_errors(tokenizer: Tokeni
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "over limits.max_prompt_tokens = 64",
             ),
+            (
+                g.balancer.Route(route(token_request(PROMPT, extra_json='{"n": 129}'))),
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "'n' must be at most 128 (limits.max_n), got 129",
+            ),
             (g.balancer.Release(pb.ReleaseRequest()), grpc.StatusCode.INVALID_ARGUMENT, "'request_id'"),
         ]
         for call, code, detail in cases:

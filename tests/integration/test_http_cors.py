@@ -8,6 +8,7 @@ engine, asked as a browser asks (``OPTIONS`` preflight with ``Origin`` and
 * its calls' answers (a whole answer, a stream, a 401) carry ``Access-Control-Allow-Origin`` and
   expose kvlb's headers;
 * another origin gets 403 to its preflight and no CORS header on its calls;
+* ``/openapi.json`` (public, no key) is readable by a listed origin as ``/v1/*`` is, not by another;
 * ``/admin``, the console and ``/metrics`` never get CORS headers; with no origin listed (the
   default) nothing changes; ``*`` answers ``*``; the loader refuses ``*`` with credentials and a
   malformed origin.
@@ -110,6 +111,14 @@ async def test_a_listed_origin_preflights_and_reads_every_answer() -> None:
             assert response.status == 403
             assert "Access-Control-Allow-Origin" not in response.headers
             assert "not in listen.cors_allow_origins" in (await response.json())["error"]["message"]
+        async with session.options(url + "/openapi.json", headers=preflight_headers(PAGE, "GET")) as response:
+            assert response.status == 204
+            assert response.headers["Access-Control-Allow-Origin"] == PAGE
+        for origin, readable in ((PAGE, True), (OTHER, False)):
+            async with session.get(url + "/openapi.json", headers={"Origin": origin}) as response:
+                assert response.status == 200  # public: no key
+                assert ("openapi" in await response.json()) is True
+                assert (response.headers.get("Access-Control-Allow-Origin") == PAGE) is readable
         for path in ("/admin/replicas", "/admin/policy", "/ui/", "/metrics", "/healthz"):
             async with session.options(url + path, headers=preflight_headers(PAGE, "GET")) as response:
                 assert response.status in (401, 404, 405), (path, response.status)

@@ -6,7 +6,7 @@ sequence, ``index`` 0..n-1, streamed chunks naming theirs, usage adding their co
 * the decision counts the decode load of every sequence: ``/admin/explain`` and the decision ring
   (``/admin/decisions/{id}``) say ``sequences`` and ``decode_blocks`` (uncached prompt +
   ``n × max_tokens``);
-* a bad ``n`` is a 400 naming it.
+* a bad ``n`` is a 400 naming it, and so is one over ``limits.max_n``.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ BLOCK = 4
 
 
 @asynccontextmanager
-async def balancer() -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+async def balancer(**limits: int) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
     zctx = zmq.asyncio.Context()
     config = ReplicaConfig(
         name="r0", engine="sglang", profile=get_profile("cpu-test"), time_scale=20.0, page_size=BLOCK
@@ -43,6 +43,7 @@ async def balancer() -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
                 "listen": {"host": "127.0.0.1", "port": 0},
                 "pools": [{"model": MODEL, "replicas": [replica_entry(replica)]}],
                 "health_interval_s": 0.1,
+                "limits": limits,
             }
             service = Balancer(settings_from(tree, {}), tokenizers={MODEL: TokenIdTokenizer()})
             await service.start()
@@ -105,3 +106,19 @@ async def test_a_bad_n_is_a_400_naming_it() -> None:
             session, url + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n": None}
         )
         assert status == 200, raw
+
+
+async def test_an_n_over_limits_max_n_is_a_400_naming_it() -> None:
+    async with balancer(max_n=4) as (session, url):
+        chat = [{"role": "user", "content": "x"}]
+        for path, body in (
+            ("/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 5}),
+            ("/v1/chat/completions", {"model": MODEL, "messages": chat, "n": 5}),
+        ):
+            status, raw = await post(session, url + path, body)
+            assert status == 400, raw
+            assert json.loads(raw)["error"]["message"] == "'n' must be at most 4 (limits.max_n), got 5"
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "n": 4}
+        status, raw = await post(session, url + "/v1/completions", body)
+        assert status == 200, raw
+        assert len(json.loads(raw)["choices"]) == 4

@@ -229,3 +229,20 @@ def test_a_drain_outlives_its_replicas_removal_for_drain_keep_s_and_the_table_is
     assert forgetful.remove(ReplicaId("web-0"), now=1.0, wall=1.0) is None
     forgetful.add(ReplicaId("web-0"), probe_ok=True, now=1.0)
     assert forgetful.routable(2.0) == [ReplicaId("web-0")]
+
+
+def test_trial_now_lets_an_open_breaker_try_at_once_and_only_an_open_one() -> None:
+    book = HealthBook(BreakerConfig(failure_threshold=3, open_s=5.0))
+    r = ReplicaId("r")
+    book.add(r, probe_ok=True)
+    assert not book.trial_now(r, now=0.0)  # closed: nothing to do
+    for _ in range(3):
+        book.on_failure(r, now=1.0, error="replica answered 401")
+    assert book.breaker_state(r, 1.5) == "open" and r not in book.routable(1.5)
+    assert book.trial_now(r, now=1.5)
+    assert book.breaker_state(r, 1.5) == "half_open" and book.routable(1.5) == [r]
+    book.on_routed(r, now=1.5)  # the one trial
+    assert not book.trial_now(r, now=1.6) and book.routable(1.6) == []
+    book.on_failure(r, now=1.7, error="replica answered 401")  # the trial failed: open for open_s again
+    assert book.breaker_state(r, 6.6) == "open" and book.breaker_state(r, 6.7) == "half_open"
+    assert not book.trial_now(ReplicaId("unknown"), now=2.0)

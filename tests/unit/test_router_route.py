@@ -134,3 +134,27 @@ def test_without_a_health_book_every_registered_replica_is_routable() -> None:
     assert router.routable(now=0.0) == [A, B]
     router.remove_replica(B)
     assert router.candidates(now=0.0) == [A]
+
+
+def test_an_n_request_counts_its_sequences_in_the_cap_and_the_baselines_load() -> None:
+    """An ``n = 8`` request is 8 sequences in the engine's batch: with a cap of 8 it fills a replica
+    (the next request goes elsewhere, then waits), and ``least_load`` sees 8 there, not 1."""
+    router = pool(cap=8)
+    eight = PoolRequest(PROMPT, make_policy("cost"), PolicyWeights(), "eight", sequences=8)
+    lease = router.route(eight, now=1.0)
+    full = lease.replica
+    other = B if full == A else A
+    assert router.in_flight(full) == 8 and router.in_flight_total(full) == 8
+    assert router.tracker().snapshot(1.0).of(full).pending_prefill_reqs == 8
+    assert router.candidates(1.0) == [other]
+    lease.first_token(now=1.1)
+    assert router.tracker().snapshot(1.1).of(full).active_decode_seqs == 8
+    ones = [PoolRequest(PROMPT, make_policy("least_load"), PolicyWeights(), f"one-{i}") for i in range(7)]
+    assert {router.route(one, now=1.2).replica for one in ones} == {other}  # 7 of 8 taken on the other
+    assert router.tracker().snapshot(1.2).of(other).request_load == 7
+    last = PoolRequest(PROMPT, make_policy("least_load"), PolicyWeights(), "one-7", sequences=2)
+    assert router.route(last, now=1.3).replica == other  # under the cap: it may go n - 1 over
+    with pytest.raises(Overloaded, match="sequences in flight"):
+        router.route(PoolRequest(PROMPT, make_policy("least_load"), PolicyWeights(), "more"), now=1.4)
+    assert lease.release(now=1.5)
+    assert router.in_flight(full) == 0 and router.candidates(1.5) == [full]

@@ -65,6 +65,7 @@ from balancer.api.grpc.messages import (
 from balancer.api.openai import (
     SSE_CONTENT_TYPE,
     Reparsed,
+    check_sequences,
     find_pool,
     hold_parse,
     tokenize_held,
@@ -244,6 +245,7 @@ async def prepare(
     else:
         openai = openai_call(request, stream=stream, memo=state.token_id_memo, raw=raw)
     parsed = openai.parsed
+    check_sequences(parsed, state.settings.limits.max_n)
     pool = find_pool(state, parsed.model)
     weights = call.weights()
     max_prompt_tokens = state.settings.limits.max_prompt_tokens
