@@ -323,9 +323,9 @@ def test_replica_restart_clears_its_blocks_and_routing_recovers(fleet: Fleet, re
     survivor = next(r.name for r in fleet.replicas if r is not victim)
     stopped = time.monotonic()
     victim.stop()
-    # While it is down: a request for a prefix only the dead engine held is answered by the survivor
-    # (routed to the dead one before a probe fails, it is retried there), then the probe takes the
-    # dead engine out of routing.
+    # While it is down: a request for a prefix only the stopped engine held is answered by the
+    # survivor. (vLLM's shutdown takes seconds, so by the time stop() returns the probe has taken
+    # the engine out of routing and the dropped publisher connection its blocks out of the index.)
     other = groups[-1] if len(groups) > 1 else GROUPS + 1
     down_request = shared_prefix_workload(1, max(GROUPS, other + 1), ROUNDS + 2, PREFIX_WORDS)
     while_down = _send(fleet, next(r for r in down_request if r.group == other and r.round == ROUNDS + 1))
