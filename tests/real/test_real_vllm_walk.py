@@ -14,9 +14,9 @@ One ``kvlb serve`` routes the pool ``tiny-llama`` over both. The tests check, on
 paths ``--api-key`` guards and that kvlb's requests, probes, model check and load scrapes get
 through with the key (and what a wrong key looks like); that the renamed engine leaves routing as
 "serves another model"; ``n > 1`` and ``stream_options.include_usage`` with their receipts; that a
-client leaving mid-stream makes the engine abort the request once kvlb closes upstream; and that
-kvlb's index holds, key for key, what each engine holds under either hash algorithm, evictions
-included.
+client leaving mid-stream, or before a whole answer, makes the engine abort the request once kvlb
+closes upstream; and that kvlb's index holds, key for key, what each engine holds under either hash
+algorithm, evictions included.
 """
 
 from __future__ import annotations
@@ -420,6 +420,47 @@ def test_a_client_leaving_mid_stream_aborts_the_engines_request(walk: Walk, repo
     report["client_disconnect"] = {
         "chunks_read": chunks,
         "read_s": round(read_s, 2),
+        "running_when_client_left": running_at_leave,
+        "running_after": running,
+        "engine_dropped_it_after_s": round(aborted_s, 2),
+        "tokens_generated": generated,
+        "max_tokens": LONG_ANSWER_TOKENS,
+        "kvlb_inflight_after": walk.kvlb.replicas()["vllm-key"]["inflight"],
+    }
+    assert running_at_leave >= 1
+    assert running == 0, f"the engine still runs the request {ABORT_TIMEOUT_S} s after the client left"
+    assert generated < LONG_ANSWER_TOKENS, generated
+
+
+def test_a_client_leaving_a_whole_answer_aborts_the_engines_request(
+    walk: Walk, report: dict[str, Any]
+) -> None:
+    """(d) The same for a non-streaming request: the client closes its connection while the engine
+    decodes; kvlb's handler is cancelled, it closes upstream, and the engine drops the request."""
+    generated_before = _engine_metric(walk.key, "vllm:generation_tokens_total")
+    request = shared_prefix_workload(36, 1, 1, 30)[0]
+    body = {**request.body(MODEL_NAME, LONG_ANSWER_TOKENS), "ignore_eos": True}
+    target = urllib.parse.urlsplit(walk.kvlb.url)
+    conn = http.client.HTTPConnection(target.hostname or "127.0.0.1", target.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + ABORT_TIMEOUT_S
+    running = 0.0
+    while running < 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        running = _engine_metric(walk.key, "vllm:num_requests_running")
+    running_at_leave = running
+    assert conn.sock is not None
+    conn.sock.close()  # the client leaves before the answer
+    conn.close()
+    left = time.monotonic()
+    deadline = left + ABORT_TIMEOUT_S
+    while running > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        running = _engine_metric(walk.key, "vllm:num_requests_running")
+    aborted_s = time.monotonic() - left
+    time.sleep(1.0)
+    generated = _engine_metric(walk.key, "vllm:generation_tokens_total") - generated_before
+    report["client_disconnect_whole"] = {
         "running_when_client_left": running_at_leave,
         "running_after": running,
         "engine_dropped_it_after_s": round(aborted_s, 2),
