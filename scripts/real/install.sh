@@ -40,6 +40,9 @@ if [[ ! -f "$STAMP" ]]; then
     touch "$STAMP"
 fi
 
+# xxhash: optional in vLLM, needed by --prefix-caching-hash-algo xxhash (tests/real/test_real_vllm_walk.py);
+# checked apart from the stamp so that a venv installed before it gets it too.
+"$PY" -c 'import xxhash' 2>/dev/null || "$PY" -m pip install -q xxhash
 VLLM_TARGET_DEVICE=cpu "$VENV/bin/vllm" --version
 "$PY" "$ROOT/scripts/real/build_tiny_model.py" --out "$REAL_DIR/models/tiny-llama"
 echo "install: done in $(( $(date +%s) - start_s )) s; venv $(du -sh "$VENV" | cut -f1)"

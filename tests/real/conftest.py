@@ -1,6 +1,7 @@
 """Opt-in real-engine tests: skipped unless ``KVLB_REAL=1`` (``make test-real`` sets it).
 
-They need the vLLM CPU venv and the tiny model under ``.real/`` (``scripts/real/install.sh``), take
+They need the vLLM CPU venv and the tiny model under ``.real/``, or under ``$KVLB_REAL_DIR`` when set
+(``scripts/real/install.sh`` reads the same variable), take
 minutes, and start real engines of 2–4 GB each, so plain ``make test`` / ``pytest`` never runs them.
 Measured figures are gathered in one report, printed at the end of the run as compact tables (the
 figures, then kvlb's predicted vs the engine's reported cached tokens per request) and written whole

@@ -51,18 +51,30 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-def http_json(method: str, url: str, body: Any = None, timeout_s: float = HTTP_TIMEOUT_S) -> Any:
+def http_json(
+    method: str,
+    url: str,
+    body: Any = None,
+    timeout_s: float = HTTP_TIMEOUT_S,
+    headers: dict[str, str] | None = None,
+) -> Any:
     """One JSON request; returns the decoded answer (raises on HTTP errors)."""
-    answer, _headers = http_json_headers(method, url, body, timeout_s)
+    answer, _headers = http_json_headers(method, url, body, timeout_s, headers)
     return answer
 
 
 def http_json_headers(
-    method: str, url: str, body: Any = None, timeout_s: float = HTTP_TIMEOUT_S
+    method: str,
+    url: str,
+    body: Any = None,
+    timeout_s: float = HTTP_TIMEOUT_S,
+    headers: dict[str, str] | None = None,
 ) -> tuple[Any, dict[str, str]]:
     data = None if body is None else json.dumps(body).encode("utf-8")
     request = urllib.request.Request(url, data=data, method=method)
     request.add_header("Content-Type", "application/json")
+    for name, value in (headers or {}).items():
+        request.add_header(name, value)
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             raw = response.read()
@@ -72,10 +84,20 @@ def http_json_headers(
     return (json.loads(raw) if raw else None), headers
 
 
-def status_of(url: str, timeout_s: float = 2.0) -> int | None:
-    """HTTP status of ``GET url``; ``None`` when nothing answers."""
+def status_of(
+    url: str,
+    timeout_s: float = 2.0,
+    method: str = "GET",
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+) -> int | None:
+    """HTTP status of ``method url`` (a JSON ``body`` if given); ``None`` when nothing answers."""
+    data = None if body is None else json.dumps(body).encode("utf-8")
+    request = urllib.request.Request(url, data=data, method=method, headers=headers or {})
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return int(response.status)
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -133,8 +155,9 @@ def stop_pid(
         process.wait(timeout=10)
 
 
-def engine_env(core: int) -> dict[str, str]:
-    """Environment of one vLLM CPU engine: CPU platform, caches under .real/, no hub, one core."""
+def engine_env(core: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment of one vLLM CPU engine: CPU platform, caches under the real dir, no hub, one
+    core; ``extra`` (e.g. ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``) last."""
     cache = REAL_DIR / "cache"
     tmp = REAL_DIR / "tmp"
     tmp.mkdir(parents=True, exist_ok=True)
@@ -156,6 +179,7 @@ def engine_env(core: int) -> dict[str, str]:
         OMP_NUM_THREADS="1",
         VLLM_HOST_IP="127.0.0.1",
     )
+    env.update(extra or {})
     return env
 
 
@@ -171,6 +195,14 @@ class VllmReplica:
     """``--num-gpu-blocks-override``: a tiny KV cache to force evictions; ``None``: 1 GiB."""
     max_model_len: int = 2048
     """``--max-model-len``; must fit in the KV cache (vLLM refuses to start otherwise)."""
+    served_model_name: str = MODEL_NAME
+    """``--served-model-name``: the name the engine answers to and lists on ``/v1/models``."""
+    api_key_file: Path | None = None
+    """A file holding the engine's ``--api-key`` (also kvlb's ``api_key_file`` for this replica)."""
+    extra_args: tuple[str, ...] = ()
+    """More ``vllm serve`` flags, e.g. ``("--prefix-caching-hash-algo", "sha256_cbor")``."""
+    extra_env: dict[str, str] = field(default_factory=dict)
+    """More environment for the engine, set after :func:`engine_env`'s."""
     ports: list[int] = field(default_factory=lambda: free_ports(3))
     process: subprocess.Popen[bytes] | None = None
     pid: int | None = None
@@ -204,14 +236,22 @@ class VllmReplica:
         }
         cmd = [
             str(VLLM_BIN), "serve", str(MODEL_DIR), "--host", "127.0.0.1", "--port", str(self.ports[0]),
-            "--served-model-name", MODEL_NAME, "--max-model-len", str(self.max_model_len),
+            "--served-model-name", self.served_model_name, "--max-model-len", str(self.max_model_len),
             "--block-size", str(self.block_size),
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-events-config", json.dumps(kv_events),
         ]  # fmt: skip
         if self.num_blocks is not None:
             cmd += ["--num-gpu-blocks-override", str(self.num_blocks)]
-        return cmd
+        if self.api_key_file is not None:
+            cmd += ["--api-key", self.api_key_file.read_text().strip()]
+        return [*cmd, *self.extra_args]
+
+    def auth(self) -> dict[str, str]:
+        """The header carrying the engine's API key (``{}`` without one)."""
+        if self.api_key_file is None:
+            return {}
+        return {"Authorization": f"Bearer {self.api_key_file.read_text().strip()}"}
 
     def start(self) -> None:
         """Launch (non-blocking); :meth:`wait_ready` waits for ``/health``."""
@@ -225,7 +265,7 @@ class VllmReplica:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=engine_env(self.core),
+                env=engine_env(self.core, self.extra_env),
                 cwd=REAL_DIR,
                 start_new_session=True,
             )
@@ -259,7 +299,7 @@ class VllmReplica:
 
     def kvlb_config(self) -> dict[str, Any]:
         """This replica as a kvlb ``pools[].replicas`` entry (vLLM speaks SGLang's event format)."""
-        return {
+        entry: dict[str, Any] = {
             "id": self.name,
             "url": self.url,
             "engine": "vllm",
@@ -268,6 +308,9 @@ class VllmReplica:
             "replay": self.replay,
             "topic": TOPIC,
         }
+        if self.api_key_file is not None:
+            entry["api_key_file"] = str(self.api_key_file)
+        return entry
 
 
 @dataclass
@@ -279,9 +322,14 @@ class KvlbServe:
     process: subprocess.Popen[bytes] | None = None
     url: str = ""
     starts: int = 0
+    name: str = "kvlb"
 
     @classmethod
-    def configure(cls, tmp: Path, replicas: list[VllmReplica], policy: str = "cost") -> KvlbServe:
+    def configure(
+        cls, tmp: Path, replicas: list[VllmReplica], policy: str = "cost", name: str = "kvlb"
+    ) -> KvlbServe:
+        """A config of one pool (the model :data:`MODEL_NAME`) over ``replicas``, written to
+        ``tmp/<name>.yaml``; logs go to ``tmp/<name>-<start>.log``."""
         config = {
             "listen": {"host": "127.0.0.1", "port": 0},
             "pools": [
@@ -295,13 +343,13 @@ class KvlbServe:
             "scrape_interval_s": 1.0,
             "health_interval_s": 1.0,
         }
-        path = tmp / "kvlb.yaml"
+        path = tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config))
-        return cls(path, tmp)
+        return cls(path, tmp, name=name)
 
     def start(self, timeout_s: float = 60.0) -> float:
         self.starts += 1
-        log = (self.log_dir / f"kvlb-{self.starts}.log").open("wb")
+        log = (self.log_dir / f"{self.name}-{self.starts}.log").open("wb")
         started = time.monotonic()
         self.process = subprocess.Popen(
             # one worker: the checks read one process's index, metrics and receipts
@@ -337,7 +385,7 @@ class KvlbServe:
                 self.process.stdout.close()
 
     def log_tail(self, lines: int = 40) -> str:
-        path = self.log_dir / f"kvlb-{self.starts}.log"
+        path = self.log_dir / f"{self.name}-{self.starts}.log"
         text = path.read_text(errors="replace") if path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
 

@@ -133,6 +133,16 @@ def _wait_routable(kvlb: KvlbServe, names: list[str], timeout_s: float = 30.0) -
     raise AssertionError(f"replicas not routable in kvlb: {kvlb.replicas()}")
 
 
+def _wait_unroutable(kvlb: KvlbServe, name: str, timeout_s: float = 30.0) -> float:
+    """Seconds until kvlb takes replica ``name`` out of routing (bounded)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        if not kvlb.replicas()[name]["routable"]:
+            return time.monotonic() - started
+        time.sleep(0.2)
+    raise AssertionError(f"{name} still routable {timeout_s} s after its engine stopped")
+
+
 def _match_tokens(token_ids: list[int], held: set[str]) -> int:
     """Prompt tokens an engine holding ``held`` can serve from cache (vLLM computes at least the
     last prompt token, so a fully cached prompt still recomputes its last block)."""
@@ -310,9 +320,17 @@ def test_replica_restart_clears_its_blocks_and_routing_recovers(fleet: Fleet, re
     groups = sorted({r["group"] for r in cost_records if r["round"] == 0 and r["replica"] == victim.name})
     resyncs_before = _source_status(fleet, victim.name)["resyncs"]
 
+    survivor = next(r.name for r in fleet.replicas if r is not victim)
     stopped = time.monotonic()
     victim.stop()
-    victim.start()
+    # While it is down: a request for a prefix only the stopped engine held is answered by the
+    # survivor. (vLLM's shutdown takes seconds, so by the time stop() returns the probe has taken
+    # the engine out of routing and the dropped publisher connection its blocks out of the index.)
+    other = groups[-1] if len(groups) > 1 else GROUPS + 1
+    down_request = shared_prefix_workload(1, max(GROUPS, other + 1), ROUNDS + 2, PREFIX_WORDS)
+    while_down = _send(fleet, next(r for r in down_request if r.group == other and r.round == ROUNDS + 1))
+    out_after_s = _wait_unroutable(fleet.kvlb, victim.name)
+    victim.start()  # on the same ports
     restart_s = victim.wait_ready()
     down_s = time.monotonic() - stopped
     _wait_routable(fleet.kvlb, [victim.name], timeout_s=30.0)
@@ -336,12 +354,15 @@ def test_replica_restart_clears_its_blocks_and_routing_recovers(fleet: Fleet, re
         "down_s": round(down_s, 1),
         "engine_ready_s": round(restart_s, 1),
         "kvlb_blocks_after_restart_before_traffic": stale_blocks,
+        "request_while_down": {k: while_down[k] for k in ("replica", "predicted", "cached")},
+        "unroutable_after_stop_s": round(out_after_s, 1),
         "first_request": {k: first[k] for k in ("replica", "predicted", "cached")},
         "kvlb_resyncs": view["resyncs"] - resyncs_before,
         "blocks_after_first_batch": after[victim.name],
         "second_request": {k: second[k] for k in ("replica", "predicted", "cached")},
     }
     assert stale_blocks == 0, stale_blocks
+    assert while_down["replica"] == survivor, while_down
     if first["replica"] == victim.name:
         assert first["predicted"] == 0, first  # no block of the dead process was predicted
     assert view["resyncs"] > resyncs_before, view
