@@ -296,25 +296,46 @@ class DecisionRing:
         stats.evicted_bytes += by_bytes
         return by_count, by_bytes
 
-    def amend(self, record_id: int, prefill_s: float | None, held_s: float | None) -> bool:
+    def amend(self, record_id: int, prefill_s: float | None, held_s: float | None, id_step: int = 1) -> bool:
         """Set the spans of the entry with ``record_id`` (a ``None`` keeps the one it has); ``False``
-        when it is no longer in the ring. A binary search on the ids, which grow along the ring."""
+        when it is no longer in the ring. Where the ids of this ring follow each other by
+        ``id_step`` (one pool per log) the entry is found at once, counted from the newest end,
+        where the requests that end are; else by a binary search on the ids, which grow along it."""
+        entries = self.entries
+        if not entries:
+            return False
+        index = len(entries) - 1 - (entries[-1].id - record_id) // max(1, id_step)
+        if not (0 <= index < len(entries) and entries[index].id == record_id):
+            index = self._index(record_id)
+            if index < 0:
+                return False
+        found = entries[index]
+        entries[index] = PackedRecord(
+            found.id,
+            found.nbytes,
+            found.replica,
+            found.tenant,
+            found.weights,
+            found.packed,
+            found.prefill_s if prefill_s is None else prefill_s,
+            found.held_s if held_s is None else held_s,
+        )
+        return True
+
+    def _index(self, record_id: int) -> int:
+        """The position of the entry with ``record_id`` (-1: none)."""
         entries = self.entries
         low, high = 0, len(entries) - 1
         while low <= high:
             mid = (low + high) // 2
-            found = entries[mid]
-            if found.id == record_id:
-                entries[mid] = found._replace(
-                    prefill_s=found.prefill_s if prefill_s is None else prefill_s,
-                    held_s=found.held_s if held_s is None else held_s,
-                )
-                return True
-            if found.id < record_id:
+            found = entries[mid].id
+            if found == record_id:
+                return mid
+            if found < record_id:
                 low = mid + 1
             else:
                 high = mid - 1
-        return False
+        return -1
 
     def _pop(self) -> None:
         old = self.entries.popleft()
@@ -420,9 +441,9 @@ class DecisionLog:
             return
         span_s = max(0.0, now - decided_s)
         if released:
-            ring.amend(record_id, None, span_s)
+            ring.amend(record_id, None, span_s, self._id_step)
         else:
-            ring.amend(record_id, span_s, None)
+            ring.amend(record_id, span_s, None, self._id_step)
 
     def find(self, record_id: int) -> DecisionRecord | None:
         """The record with ``record_id`` (a binary search per ring: ids grow along each ring)."""

@@ -177,3 +177,27 @@ def test_a_replay_that_places_as_recorded_evicts_nothing_of_its_own() -> None:
     assert cache.evicted == 0
     warm = Overlap({R0: 40, R1: 0}, request_blocks=40)
     assert all(cache.overlap([R0, R1], warm, marks) == warm for marks in prompts)
+
+
+def test_the_spans_find_their_record_in_any_ring_and_skip_an_evicted_one() -> None:
+    """Ids are shared by every pool's ring (and step by the workers' count): a ring's ids need not
+    follow each other, and the span still lands on its own record, never a neighbour's."""
+    log = DecisionLog(3, 1 << 30, id_offset=1, id_step=2)  # worker 1 of 2: ids 2, 4, 6, ...
+    pool = router()
+    policy, weights = make_policy("cost"), PolicyWeights()
+    ids: dict[str, list[int]] = {"a": [], "b": []}
+    for k in range(7):
+        name = "a" if k % 3 else "b"
+        plan = pool.route(PoolRequest(list(range(k * 100, k * 100 + 64)), policy, weights, f"q{k}"), k).plan
+        assert plan.inputs is not None
+        record = log.record(name, plan.inputs, plan.decision, weights, 64, 0, None, float(k))
+        ids[name].append(record.id)
+    assert ids == {"a": [4, 6, 10, 12], "b": [2, 8, 14]}
+    log.on_phase("a", 6, 1.0, 1.25, False)  # ring a holds 6, 10, 12 (4 evicted): not consecutive
+    log.on_phase("a", 12, 5.0, 5.5, True)
+    log.on_phase("a", 4, 0.0, 9.0, True)  # evicted: nothing happens
+    log.on_phase("c", 4, 0.0, 9.0, True)  # no such pool
+    spans = {r.id: (r.prefill_s, r.held_s) for r in log.ring("a").snapshot()}
+    assert spans == {6: (0.25, None), 10: (None, None), 12: (None, 0.5)}
+    log.on_phase("b", 14, 6.0, 6.5, True)
+    assert [(r.id, r.held_s) for r in log.ring("b").snapshot()] == [(2, None), (8, None), (14, 0.5)]
