@@ -20,9 +20,17 @@ are ``found``); ``routed`` or ``found`` marks past it were evicted (or expired) 
 are taken as evicted in the replayed one too. The replayed match is the longest run of leading marks
 ``replayed`` or ``found``; when it covers every mark within the recorded match it is the recorded
 match (exact) or more. So a replay whose decisions are the recorded ones sees the recorded matches
-exactly. What it does not model: the evictions a different placement would cause (a replica given
-more prefixes fills sooner), which speculative entries would still be prefilling (the replayed part
-is counted confirmed), and the load: each decision still reads the recorded load snapshot.
+exactly.
+
+Evictions a different placement would cause: a replica given more prefixes fills sooner. Where the
+replayed replica's KV pool size is known (the record's load snapshot), each mark counts the blocks
+since the mark before it, and the replay's placements there hold more than the real run's by more
+than the room the real run left (pool less the index's held blocks), :meth:`ReplayCache.place`
+evicts the marks the replay placed least recently (a prompt's longest part first, as a radix cache
+evicts leaves first). A replay whose placements are the recorded ones holds what the real run held
+and evicts nothing of its own. What it does not model: evictions where the pool size is unknown,
+and which speculative entries would still be prefilling (the replayed part is counted confirmed).
+The load is :mod:`balancer.service.replay_load`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +43,9 @@ from balancer.types import Overlap, ReplicaId
 
 MAX_MARKS_HELD = 1_000_000
 """Marks the model holds at most, over every replica's sets (a set slot, and an int shared by the
-sets of one record: 52 MB traced at the bound, for distinct 63-bit keys of 72-block prompts).
+sets of one record: 52 MB traced at the bound, for distinct 63-bit keys of 72-block prompts; a mark
+the replay placed is kept in LRU order, and with half the marks placed by the replay the traced
+size per mark grew 1.85 times, 33.6 to 62.1 B, so about 96 MB at the bound).
 Reached (a replay of 100,000 decisions of long, distinct prompts), the records after it are scored
 on their recorded matches, counted in :attr:`ReplayCache.unmodelled`. The default of the setting
 ``console.whatif_max_cache_marks``, which the console passes (:func:`balancer.service.whatif.replay`)."""

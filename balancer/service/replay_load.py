@@ -36,7 +36,7 @@ from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.types import Decision, ReplicaId
 
 MAX_LOAD_MOVES = 65_536
-"""Moves held at once at most (each about 0.4 kB with its two events: 26 MB at the bound). A move is
+"""Moves held at once at most (432 B a move traced with its two events: 28 MB at the bound). A move is
 held while its request's load was (its ``held_s``), so this bounds the requests in flight at once
 whose placement the replay changed; the default of the tracker's ``max_tracked_requests``."""
 

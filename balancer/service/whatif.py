@@ -137,6 +137,11 @@ class WhatIfResult:
     tallies: dict[str, int] = field(default_factory=dict)
     """The counts the notes give (``other_config``, ``other_memory``, ``fresh``), so that
     :func:`merge_answers` can say them for several workers' replays."""
+    model: dict[str, int] = field(default_factory=dict)
+    """What the replay's models did (``load_moved``: decisions whose load moved to their replayed
+    replica or changed size there; ``evicted_marks``: prefix marks evicted where the replay filled a
+    replica's pool beyond the real run): they depend on the replay's own decisions, so several
+    workers' replays add theirs up."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -152,6 +157,7 @@ class WhatIfResult:
             "sample": self.sample,
             "notes": self.notes,
             "tallies": self.tallies,
+            "model": self.model,
         }
 
 
@@ -284,11 +290,10 @@ def replay(
             "fresh": fresh,
             "unmarked": unmarked,
             "unmodelled": cache.unmodelled,
-            "load_moved": load.moved,
             "load_unmodelled": load.unmodelled,
             "in_flight": in_flight,
-            "evicted_marks": cache.evicted,
         },
+        model={"load_moved": load.moved, "evicted_marks": cache.evicted},
     )
 
 
@@ -380,9 +385,10 @@ def _notes(
 def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
     """Several workers' replays (:meth:`WhatIfResult.to_json`, each marked with its ``worker``, of
     the same pool, policy and weights) as one: decisions, changes, cached and prompt tokens and each
-    replica's decisions and prefill blocks add; shares, hit rates and the load spread are
-    recomputed from those sums; the sample is the newest ``sample`` changed decisions of all, each
-    marked with its worker; the notes are said again for the summed counts."""
+    replica's decisions and prefill blocks add, and so do the models' counts (``model``); shares,
+    hit rates and the load spread are recomputed from those sums; the sample is the newest
+    ``sample`` changed decisions of all, each marked with its worker; the notes are said again for
+    the summed counts."""
     first = answers[0]
     n = sum(int(a["decisions"]) for a in answers)
     changed = sum(int(a["changed"]) for a in answers)
@@ -418,6 +424,9 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
     ]
     described.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
     tallies = {name: sum(int(a["tallies"][name]) for a in answers) for name in first["tallies"]}
+    model = {
+        name: sum(int(a.get("model", {}).get(name, 0)) for a in answers) for name in first.get("model", {})
+    }
     weights = PolicyWeights.from_dict(first["weights"])
     notes = _notes(
         n,
@@ -441,6 +450,7 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
         "sample": described[:sample],
         "notes": notes,
         "tallies": tallies,
+        "model": model,
     }
 
 

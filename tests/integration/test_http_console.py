@@ -72,7 +72,7 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         assert status == 200, same
         assert same["decisions"] == 13 and same["changed_share"] == 0.0
         assert same["before"] == same["after"] and same["sample"] == []
-        assert same["tallies"]["in_flight"] == 0 and same["tallies"]["load_moved"] == 0
+        assert same["tallies"]["in_flight"] == 0 and same["model"]["load_moved"] == 0
         # No credit for the cache: affinity goes, the hit rate predicted falls.
         status, cold = await _call(
             h, "POST", "/admin/whatif", {"weights": {"overlap_credit": 0.0}, "sample": 3}

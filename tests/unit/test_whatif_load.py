@@ -132,7 +132,7 @@ def test_a_moved_request_makes_its_new_replica_busier_for_the_next_decision() ->
     result = replay("m", records, policy, proposed, sample=10)
     moved = {entry["id"]: entry["after"]["replica"] for entry in result.sample}
     assert moved == {records[2].id: other, records[3].id: home}
-    assert result.tallies["load_moved"] == 2 and result.tallies["in_flight"] == 2
+    assert result.model["load_moved"] == 2 and result.tallies["in_flight"] == 2
     # had A ended before B arrived, B would have read home's load as recorded: still moved (A's
     # prefill left home), but with A's load gone from the other replica too
     a_done = log.ring("m").snapshot()
