@@ -894,6 +894,7 @@ class _ConsoleCollectors:
     console_ring_evicted_total: Counter
     console_whatif_seconds: Histogram
     console_whatif_unmodelled_decisions_total: Counter
+    console_whatif_unmoved_load_decisions_total: Counter
     console_audit_dropped_total: Counter
 
 
@@ -930,6 +931,13 @@ def _console_collectors(reg: CollectorRegistry) -> _ConsoleCollectors:
             "kvlb_console_whatif_unmodelled_decisions_total",
             "What-if decisions scored on their recorded prefix matches because the replay's cache "
             "model was full (console.whatif_max_cache_marks); the answer's tallies.unmodelled.",
+            ["pool"],
+        ),
+        console_whatif_unmoved_load_decisions_total=counter(
+            "kvlb_console_whatif_unmoved_load_decisions_total",
+            "What-if decisions whose load the replay did not move (they read the load as recorded) "
+            "because its load model held its bound of moved requests in flight at once "
+            "(balancer.service.replay_load.MAX_LOAD_MOVES); the answer's tallies.load_unmodelled.",
             ["pool"],
         ),
         console_audit_dropped_total=counter(

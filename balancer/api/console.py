@@ -176,6 +176,9 @@ async def run_whatif(state: ServiceState, body: Mapping[str, Any]) -> dict[str, 
     state.metrics.console_whatif_seconds.observe(time.perf_counter() - started)
     if result.tallies["unmodelled"]:
         state.metrics.console_whatif_unmodelled_decisions_total.labels(pool).inc(result.tallies["unmodelled"])
+    if result.tallies["load_unmodelled"]:
+        unmoved = state.metrics.console_whatif_unmoved_load_decisions_total
+        unmoved.labels(pool).inc(result.tallies["load_unmodelled"])
     answer = result.to_json()
     answer["elapsed_s"] = round(time.perf_counter() - started, 6)
     return answer
@@ -221,6 +224,8 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
         "cached_tokens": record.cached_tokens,
         "sequences": record.sequences,
         "decode_blocks": record.decode_blocks,
+        "prefill_s": record.prefill_s,
+        "held_s": record.held_s,
         "weights": record.weights.to_dict(),
         "decision": dataclasses.asdict(record.decision),
         "inputs": {

@@ -519,6 +519,11 @@ _WHATIF_ANSWER: dict[str, Any] = {
         "sample": {"type": "array", "items": {"type": "object"}},
         "notes": {"type": "array", "items": {"type": "string"}},
         "tallies": {"type": "object", "description": "The counts the notes give"},
+        "model": {
+            "type": "object",
+            "description": "What the replay's models did: load_moved (decisions whose load moved), "
+            "evicted_marks (prefix marks evicted where the replay overfilled a replica's pool)",
+        },
         "elapsed_s": {"type": "number"},
     },
 }

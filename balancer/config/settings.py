@@ -663,7 +663,8 @@ class ConsoleConfig:
     0.4 ms per decision of 4 replicas, in a worker thread). Must be >= 1."""
     whatif_max_cache_marks: int = 1_000_000
     """Prefix marks the what-if's cache model holds at most, over every replica, per replay (about
-    52 bytes each traced: 52 MB at the default, for distinct 63-bit keys of 72-block prompts). Past
+    96 bytes each traced: 96 MB at the default, for distinct 63-bit keys of 72-block prompts, half
+    of them placed by the replay, which keeps those in LRU order for its evictions). Past
     it, the rest of the replay's decisions are scored on their recorded prefix matches, counted in
     the answer's ``tallies.unmodelled`` and ``kvlb_console_whatif_unmodelled_decisions_total``.
     1..10,000,000."""

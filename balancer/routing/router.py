@@ -191,7 +191,16 @@ class Lease:
     """One committed decision: the request's load is reserved on :attr:`replica` (and counted
     against its in-flight cap) until :meth:`release`, which is idempotent."""
 
-    __slots__ = ("_released", "_router", "plan", "replica", "routed_at", "tracking_id")
+    __slots__ = (
+        "_decoding",
+        "_released",
+        "_router",
+        "on_phase",
+        "plan",
+        "replica",
+        "routed_at",
+        "tracking_id",
+    )
 
     def __init__(self, router: PoolRouter, plan: RoutePlan, tracking_id: str, routed_at: float) -> None:
         self._router = router
@@ -201,6 +210,10 @@ class Lease:
         self.routed_at = routed_at
         """When the request was committed (monotonic seconds): receipts date their view by it."""
         self._released = False
+        self._decoding = False
+        self.on_phase: Callable[[float, bool], None] | None = None
+        """Told ``(now, released)`` at the first token (``False``) and at the release (``True``),
+        once each: the service keeps the spans in the decision's record (the what-if's load)."""
 
     @property
     def released(self) -> bool:
@@ -215,6 +228,10 @@ class Lease:
         """The replica produced its first token: the request moves from prefill to decode."""
         if not self._released:
             self._router.first_token(self.tracking_id, now)
+            if not self._decoding:
+                self._decoding = True
+                if self.on_phase is not None:
+                    self.on_phase(now, False)
 
     def settle_receipt(self, reported_tokens: int, now: float) -> Settled:
         """The engine reported ``reported_tokens`` cached: check the prediction, correct the index
@@ -227,6 +244,8 @@ class Lease:
             return False
         self._released = True
         self._router.release(self.tracking_id, now)
+        if self.on_phase is not None:
+            self.on_phase(now, True)
         return True
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import marshal
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from operator import attrgetter
 from typing import Any, NamedTuple, overload
 
@@ -70,6 +70,13 @@ class DecisionRecord:
     ``sequences × max_tokens``, the pool's reference blocks)."""
     sequences: int = 1
     """OpenAI's ``n`` of the request."""
+    prefill_s: float | None = None
+    """Seconds from the decision (its load snapshot's ``now``) to the request's first token, when its
+    prefill load became decode load on the replica (:meth:`DecisionLog.on_phase`); ``None`` before it
+    (or when the request ended without one). The what-if moves that load for this span."""
+    held_s: float | None = None
+    """Seconds from the decision to the release of its load (the request's end, or its failure);
+    ``None`` while it is in flight."""
 
     @property
     def replica(self) -> ReplicaId:
@@ -114,11 +121,19 @@ class PackedRecord(NamedTuple):
     tenant: str | None
     weights: PolicyWeights
     packed: bytes | DecisionRecord
+    prefill_s: float | None = None
+    """:attr:`DecisionRecord.prefill_s`, set after the record was packed (:meth:`DecisionRing.amend`)."""
+    held_s: float | None = None
+    """:attr:`DecisionRecord.held_s`, likewise."""
 
     def record(self) -> DecisionRecord:
         """The record, rebuilt (equal to the one recorded, field for field)."""
         packed = self.packed
-        return packed if isinstance(packed, DecisionRecord) else unpack(self)
+        if not isinstance(packed, DecisionRecord):
+            return unpack(self)
+        if packed.prefill_s == self.prefill_s and packed.held_s == self.held_s:
+            return packed
+        return replace(packed, prefill_s=self.prefill_s, held_s=self.held_s)
 
 
 def pack(record: DecisionRecord) -> PackedRecord:
@@ -150,7 +165,16 @@ def pack(record: DecisionRecord) -> PackedRecord:
         packed = marshal.dumps(values)
     except ValueError:  # a value marshal cannot hold: keep the record itself
         packed = record
-    return PackedRecord(record.id, record.nbytes, decision.replica, record.tenant, record.weights, packed)
+    return PackedRecord(
+        record.id,
+        record.nbytes,
+        decision.replica,
+        record.tenant,
+        record.weights,
+        packed,
+        record.prefill_s,
+        record.held_s,
+    )
 
 
 def unpack(entry: PackedRecord) -> DecisionRecord:
@@ -193,6 +217,8 @@ def unpack(entry: PackedRecord) -> DecisionRecord:
         nbytes=entry.nbytes,
         decode_blocks=decode_blocks,
         sequences=sequences,
+        prefill_s=entry.prefill_s,
+        held_s=entry.held_s,
     )
 
 
@@ -269,6 +295,47 @@ class DecisionRing:
         stats.evicted_count += by_count
         stats.evicted_bytes += by_bytes
         return by_count, by_bytes
+
+    def amend(self, record_id: int, prefill_s: float | None, held_s: float | None, id_step: int = 1) -> bool:
+        """Set the spans of the entry with ``record_id`` (a ``None`` keeps the one it has); ``False``
+        when it is no longer in the ring. Where the ids of this ring follow each other by
+        ``id_step`` (one pool per log) the entry is found at once, counted from the newest end,
+        where the requests that end are; else by a binary search on the ids, which grow along it."""
+        entries = self.entries
+        if not entries:
+            return False
+        index = len(entries) - 1 - (entries[-1].id - record_id) // max(1, id_step)
+        if not (0 <= index < len(entries) and entries[index].id == record_id):
+            index = self._index(record_id)
+            if index < 0:
+                return False
+        found = entries[index]
+        entries[index] = PackedRecord(
+            found.id,
+            found.nbytes,
+            found.replica,
+            found.tenant,
+            found.weights,
+            found.packed,
+            found.prefill_s if prefill_s is None else prefill_s,
+            found.held_s if held_s is None else held_s,
+        )
+        return True
+
+    def _index(self, record_id: int) -> int:
+        """The position of the entry with ``record_id`` (-1: none)."""
+        entries = self.entries
+        low, high = 0, len(entries) - 1
+        while low <= high:
+            mid = (low + high) // 2
+            found = entries[mid].id
+            if found == record_id:
+                return mid
+            if found < record_id:
+                low = mid + 1
+            else:
+                high = mid - 1
+        return -1
 
     def _pop(self) -> None:
         old = self.entries.popleft()
@@ -363,6 +430,20 @@ class DecisionLog:
             if by_bytes:
                 self._on_evict(pool, "bytes", by_bytes)
         return record
+
+    def on_phase(self, pool: str, record_id: int, decided_s: float, now: float, released: bool) -> None:
+        """The request of record ``record_id`` of ``pool``, decided at ``decided_s`` (its load
+        snapshot's ``now``), reached its first token (``released`` false) or its end at ``now`` (the
+        same clock): keep the span in the record (:attr:`DecisionRecord.prefill_s`, ``held_s``), if
+        it is still in the ring."""
+        ring = self.rings.get(pool)
+        if ring is None:
+            return
+        span_s = max(0.0, now - decided_s)
+        if released:
+            ring.amend(record_id, None, span_s, self._id_step)
+        else:
+            ring.amend(record_id, span_s, None, self._id_step)
 
     def find(self, record_id: int) -> DecisionRecord | None:
         """The record with ``record_id`` (a binary search per ring: ids grow along each ring)."""

@@ -26,6 +26,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from balancer.config import ReplicaConfig
@@ -153,7 +154,7 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
     metrics.children.of(metrics.route_decisions_total, plan.decision.policy, replica).inc()
     metrics.children.of(metrics.predicted_cached_tokens_total, replica).inc(plan.cached_tokens)
     if plan.inputs is not None:
-        state.decisions.record(
+        record = state.decisions.record(
             job.pool.model,
             plan.inputs,
             plan.decision,
@@ -165,6 +166,8 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
             decode_blocks=plan.decode_blocks,
             sequences=plan.sequences,
         )
+        # the spans of its load (the what-if moves it for them): a partial, no closure cell kept
+        lease.on_phase = partial(state.decisions.on_phase, job.pool.model, record.id, plan.inputs.load.now)
     if state.series is not None:
         state.series.on_commit(lease.replica, plan.prompt_tokens, plan.cached_tokens, state.wall_clock())
 

@@ -20,13 +20,22 @@ are ``found``); ``routed`` or ``found`` marks past it were evicted (or expired) 
 are taken as evicted in the replayed one too. The replayed match is the longest run of leading marks
 ``replayed`` or ``found``; when it covers every mark within the recorded match it is the recorded
 match (exact) or more. So a replay whose decisions are the recorded ones sees the recorded matches
-exactly. What it does not model: the evictions a different placement would cause (a replica given
-more prefixes fills sooner), which speculative entries would still be prefilling (the replayed part
-is counted confirmed), and the load: each decision still reads the recorded load snapshot.
+exactly.
+
+Evictions a different placement would cause: a replica given more prefixes fills sooner. Where the
+replayed replica's KV pool size is known (the record's load snapshot), each mark counts the blocks
+since the mark before it, and the replay's placements there hold more than the real run's by more
+than the room the real run left (pool less the index's held blocks), :meth:`ReplayCache.place`
+evicts the marks the replay placed least recently (a prompt's longest part first, as a radix cache
+evicts leaves first). A replay whose placements are the recorded ones holds what the real run held
+and evicts nothing of its own. What it does not model: evictions where the pool size is unknown,
+and which speculative entries would still be prefilling (the replayed part is counted confirmed).
+The load is :mod:`balancer.service.replay_load`'s.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -34,7 +43,9 @@ from balancer.types import Overlap, ReplicaId
 
 MAX_MARKS_HELD = 1_000_000
 """Marks the model holds at most, over every replica's sets (a set slot, and an int shared by the
-sets of one record: 52 MB traced at the bound, for distinct 63-bit keys of 72-block prompts).
+sets of one record: 52 MB traced at the bound, for distinct 63-bit keys of 72-block prompts; a mark
+the replay placed is kept in LRU order, and with half the marks placed by the replay the traced
+size per mark grew 1.85 times, 33.6 to 62.1 B, so about 96 MB at the bound).
 Reached (a replay of 100,000 decisions of long, distinct prompts), the records after it are scored
 on their recorded matches, counted in :attr:`ReplayCache.unmodelled`. The default of the setting
 ``console.whatif_max_cache_marks``, which the console passes (:func:`balancer.service.whatif.replay`)."""
@@ -43,8 +54,14 @@ on their recorded matches, counted in :attr:`ReplayCache.unmodelled`. The defaul
 @dataclass(slots=True)
 class _Replica:
     routed: set[int] = field(default_factory=set)
-    replayed: set[int] = field(default_factory=set)
+    replayed: OrderedDict[int, int] = field(default_factory=OrderedDict)
+    """The marks the replayed decisions put here, each with the blocks it adds to the mark before it
+    in its prompt, least recently placed first (the replay's LRU order)."""
     found: set[int] = field(default_factory=set)
+    real_blocks: int = 0
+    """Blocks of the marks ``routed`` or ``found`` here (what the real run held of the window)."""
+    replay_blocks: int = 0
+    """Blocks of the marks ``replayed`` or ``found`` here (what the replay holds of it)."""
 
 
 @dataclass(slots=True)
@@ -59,6 +76,8 @@ class ReplayCache:
     """The bound on :attr:`marks_held`."""
     unmodelled: int = 0
     """Records with marks scored on their recorded matches, the model being full."""
+    evicted: int = 0
+    """Marks the replay evicted, a replica's cache being fuller than in the real run (:meth:`place`)."""
 
     def _of(self, replica: ReplicaId) -> _Replica:
         state = self.replicas.get(replica)
@@ -80,20 +99,29 @@ class ReplayCache:
         speculative = dict(recorded.speculative_blocks)
         for replica in dict.fromkeys(candidates):
             state = self._of(replica)
+            routed, found, placed = state.routed, state.found, state.replayed
             held = recorded.blocks.get(replica, 0)
-            matched = 0
+            matched = previous = 0
             covered = True
             short = False  # a mark within the recorded match is missing from the replayed cache
             for length, key in marks:
+                segment, previous = length - previous, length
                 if length <= held:
-                    if key not in state.routed and key not in state.found:
-                        state.found.add(key)
+                    if key not in routed and key not in found:
+                        found.add(key)
                         self.marks_held += 1
-                elif key in state.routed or key in state.found:  # evicted in the real run
-                    self.marks_held -= _discard(state.routed, key) + _discard(state.found, key)
-                    self.marks_held -= _discard(state.replayed, key)
+                        state.real_blocks += segment
+                        if key not in placed:
+                            state.replay_blocks += segment
+                elif key in routed or key in found:  # evicted in the real run
+                    state.real_blocks -= segment
+                    if key in placed or key in found:
+                        state.replay_blocks -= segment
+                    self.marks_held -= _discard(routed, key) + _discard(found, key)
+                    if placed.pop(key, None) is not None:
+                        self.marks_held -= 1
                 if covered:
-                    if key in state.replayed or key in state.found:
+                    if key in placed or key in found:
                         matched = length
                     else:
                         covered = False
@@ -112,18 +140,59 @@ class ReplayCache:
             recorded.held_roots,
         )
 
-    def place(self, routed: ReplicaId, replayed: ReplicaId, marks: Sequence[tuple[int, int]]) -> None:
-        """The request's prefix is now held where it was routed, and where the replay put it."""
+    def place(
+        self,
+        routed: ReplicaId,
+        replayed: ReplicaId,
+        marks: Sequence[tuple[int, int]],
+        *,
+        capacity_blocks: float | None = None,
+        held_blocks: int | None = None,
+    ) -> None:
+        """The request's prefix is now held where it was routed, and where the replay put it (its
+        marks there most recently used, the shortest prefix last, as a radix cache evicts leaves
+        first). ``capacity_blocks``: the replayed replica's KV pool and ``held_blocks`` what its
+        cache held in the real run (the record's :attr:`Overlap.held_blocks`), when known: if the
+        replay's placements hold more blocks there than the real run's, by more than the room the
+        real run left (``capacity − held``), its least recently placed marks are evicted until
+        they fit (:attr:`evicted`). A replay that places as recorded evicts nothing of its own."""
         if not marks or self.marks_held >= self.max_marks:
             return
-        into_routed, into_replayed = self._of(routed).routed, self._of(replayed).replayed
-        for _, key in marks:
+        into = self._of(routed)
+        into_routed = into.routed
+        previous = 0
+        for length, key in marks:
             if key not in into_routed:
                 into_routed.add(key)
                 self.marks_held += 1
-            if key not in into_replayed:
-                into_replayed.add(key)
-                self.marks_held += 1
+                if key not in into.found:
+                    into.real_blocks += length - previous
+            previous = length
+        state = self._of(replayed)
+        into_replayed, found = state.replayed, state.found
+        for index in range(len(marks) - 1, -1, -1):
+            length, key = marks[index]
+            segment = length - (marks[index - 1][0] if index else 0)
+            if key in into_replayed:
+                into_replayed.move_to_end(key)
+                continue
+            into_replayed[key] = segment
+            self.marks_held += 1
+            if key not in found:
+                state.replay_blocks += segment
+        if capacity_blocks is not None and held_blocks is not None:
+            self._evict(state, max(0.0, capacity_blocks - held_blocks))
+
+    def _evict(self, state: _Replica, room_blocks: float) -> None:
+        """Evict ``state``'s least recently placed marks while the replay holds more than the real
+        run there by more than ``room_blocks``."""
+        replayed, found = state.replayed, state.found
+        while state.replay_blocks - state.real_blocks > room_blocks and replayed:
+            key, segment = replayed.popitem(last=False)
+            self.marks_held -= 1
+            self.evicted += 1
+            if key not in found:
+                state.replay_blocks -= segment
 
 
 def _discard(keys: set[int], key: int) -> int:

@@ -17,9 +17,12 @@ The cache: each record's prefix matches are those of the traffic as it was actua
 change that moves a prefix to another replica would, from then on, find that replica warm and the
 first one colder. :class:`~balancer.service.replay_cache.ReplayCache` follows the cache the replayed
 decisions would have built from the records' prefix marks, and each decision is scored on those
-matches. What it cannot know (docs/operations.md, "What-if"): the load that different decisions
-would have produced (each decision reads the recorded load snapshot, so a replica that gains traffic
-does not look busier to the next request), and the evictions a different placement would cause.
+matches; where a replica's KV pool size is known, a placement that holds more there than the real
+run did evicts its least recently placed prefixes. The load: :class:`~balancer.service.replay_load.ReplayLoad`
+moves each changed decision's load from the recorded replica to the replayed one for the span the
+real request held it (:attr:`DecisionRecord.prefill_s`, ``held_s``), so a replica that gains
+traffic looks busier to the next decisions. What it cannot know (docs/operations.md, "What-if"):
+how long a moved request would have taken on its new replica, and the engines' scraped gauges.
 The credit ramp's memory (``ramp_memory_s``) is one such state: each record keeps the average the
 router had before it and when it was advanced (``RouteRequest.ramp_share``, ``ramp_at_s``), so
 another memory is replayed on the history's averages, one decision at a time.
@@ -35,6 +38,7 @@ from typing import Any
 from balancer.policy.base import Policy, PolicyWeights
 from balancer.service.decisions import DecisionRecord, terms_by_replica
 from balancer.service.replay_cache import MAX_MARKS_HELD, ReplayCache
+from balancer.service.replay_load import MAX_LOAD_MOVES, ReplayLoad
 from balancer.types import Decision, ReplicaId
 
 NOT_SAMPLED = "not sampled"
@@ -133,6 +137,11 @@ class WhatIfResult:
     tallies: dict[str, int] = field(default_factory=dict)
     """The counts the notes give (``other_config``, ``other_memory``, ``fresh``), so that
     :func:`merge_answers` can say them for several workers' replays."""
+    model: dict[str, int] = field(default_factory=dict)
+    """What the replay's models did (``load_moved``: decisions whose load moved to their replayed
+    replica or changed size there; ``evicted_marks``: prefix marks evicted where the replay filled a
+    replica's pool beyond the real run): they depend on the replay's own decisions, so several
+    workers' replays add theirs up."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -148,6 +157,7 @@ class WhatIfResult:
             "sample": self.sample,
             "notes": self.notes,
             "tallies": self.tallies,
+            "model": self.model,
         }
 
 
@@ -162,6 +172,7 @@ def replay(
     pause_every: int = 8,
     live: tuple[str, PolicyWeights] | None = None,
     max_cache_marks: int = MAX_MARKS_HELD,
+    max_load_moves: int = MAX_LOAD_MOVES,
 ) -> WhatIfResult:
     """Re-run ``policy`` with ``weights`` on ``records`` (oldest first) and compare with what was
     decided. ``sample``: most changed decisions described (the newest ones). ``pause`` is called
@@ -177,7 +188,8 @@ def replay(
     changes: list[tuple[DecisionRecord, Decision]] = []
     rng = ReplayRng(len(records))
     cache = ReplayCache(max_marks=max_cache_marks)
-    unmarked = 0
+    load = ReplayLoad(max_moves=max_load_moves)
+    unmarked = in_flight = 0
     live_policy, live_weights = live if live is not None else (policy.name, weights)
     for i, record in enumerate(records):
         if pause is not None and i and i % pause_every == 0:
@@ -189,8 +201,28 @@ def replay(
         if not marks:
             unmarked += 1
         overlap = cache.overlap(inputs.request.candidates, inputs.overlap, marks)
-        decision = policy(inputs.request, overlap, inputs.load, weights, rng)
-        cache.place(record.decision.replica, decision.replica, marks)
+        snapshot = load.load(inputs.load)
+        decision = policy(inputs.request, overlap, snapshot, weights, rng)
+        chosen = snapshot.replicas.get(decision.replica)
+        cache.place(
+            record.decision.replica,
+            decision.replica,
+            marks,
+            capacity_blocks=None if chosen is None else chosen.capacity_blocks,
+            held_blocks=inputs.overlap.held_blocks.get(decision.replica),
+        )
+        load.move(
+            inputs.load.now,
+            record.decision,
+            decision,
+            prefill_tokens=record.prompt_tokens - record.cached_tokens,
+            decode_blocks=record.decode_blocks,
+            block_size=inputs.load.block_size_tokens,
+            prefill_s=record.prefill_s,
+            held_s=record.held_s,
+        )
+        if record.held_s is None:
+            in_flight += 1
         prompt_tokens += inputs.request.prompt_tokens
         before.add(record.decision)
         after.add(decision)
@@ -241,14 +273,27 @@ def replay(
         after=after.summary(prompt_tokens, order),
         replicas=shares,
         sample=described,
-        notes=_notes(n, other_config, policy.name, weights, other_memory, fresh, unmarked + cache.unmodelled),
+        notes=_notes(
+            n,
+            other_config,
+            policy.name,
+            weights,
+            other_memory,
+            fresh,
+            unmarked + cache.unmodelled,
+            in_flight,
+            load.unmodelled,
+        ),
         tallies={
             "other_config": other_config,
             "other_memory": other_memory,
             "fresh": fresh,
             "unmarked": unmarked,
             "unmodelled": cache.unmodelled,
+            "load_unmodelled": load.unmodelled,
+            "in_flight": in_flight,
         },
+        model={"load_moved": load.moved, "evicted_marks": cache.evicted},
     )
 
 
@@ -281,14 +326,28 @@ def _notes(
     other_memory: int,
     fresh: int = 0,
     unmarked: int = 0,
+    in_flight: int = 0,
+    load_unmodelled: int = 0,
 ) -> list[str]:
     notes = [
         "the prefix matches follow the cache the replayed decisions would have built (a moved prefix "
-        "warms its new replica and leaves the old one), with the evictions the real run saw; not "
-        "modelled: the evictions a different placement would cause, and the load: each decision reads "
-        "the load recorded when it was made, so 'after' misses the load the changed decisions would "
-        "have added (its load spread and replica shares err that way)"
+        "warms its new replica and leaves the old one), with the evictions the real run saw and, where "
+        "a replica's KV pool size is known, those it would have made had the replay put more there "
+        "(least recently placed first); the load follows the replayed decisions: a moved request's "
+        "load leaves its recorded replica for its new one for as long as the real request held it "
+        "(the recorded spans: how long it would have taken there is not modelled), while the engines' "
+        "scraped gauges (queue length, KV usage) stay as recorded"
     ]
+    if in_flight:
+        notes.append(
+            f"{in_flight} of {n} decisions were still in flight when the replay was asked (or were "
+            "recorded without the spans of their load): a moved one holds its load to the end"
+        )
+    if load_unmodelled:
+        notes.append(
+            f"{load_unmodelled} of {n} decisions were not moved in the load model, {MAX_LOAD_MOVES:,} "
+            "moved requests being in flight at once: they read the load as recorded"
+        )
     if unmarked:
         notes.append(
             f"{unmarked} of {n} decisions carry no prefix marks (recorded before 2026-12-01, or with no "
@@ -326,9 +385,10 @@ def _notes(
 def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
     """Several workers' replays (:meth:`WhatIfResult.to_json`, each marked with its ``worker``, of
     the same pool, policy and weights) as one: decisions, changes, cached and prompt tokens and each
-    replica's decisions and prefill blocks add; shares, hit rates and the load spread are
-    recomputed from those sums; the sample is the newest ``sample`` changed decisions of all, each
-    marked with its worker; the notes are said again for the summed counts."""
+    replica's decisions and prefill blocks add, and so do the models' counts (``model``); shares,
+    hit rates and the load spread are recomputed from those sums; the sample is the newest
+    ``sample`` changed decisions of all, each marked with its worker; the notes are said again for
+    the summed counts."""
     first = answers[0]
     n = sum(int(a["decisions"]) for a in answers)
     changed = sum(int(a["changed"]) for a in answers)
@@ -364,6 +424,9 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
     ]
     described.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
     tallies = {name: sum(int(a["tallies"][name]) for a in answers) for name in first["tallies"]}
+    model = {
+        name: sum(int(a.get("model", {}).get(name, 0)) for a in answers) for name in first.get("model", {})
+    }
     weights = PolicyWeights.from_dict(first["weights"])
     notes = _notes(
         n,
@@ -373,6 +436,8 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
         tallies["other_memory"],
         tallies["fresh"],
         tallies.get("unmarked", 0) + tallies.get("unmodelled", 0),
+        tallies.get("in_flight", 0),
+        tallies.get("load_unmodelled", 0),
     )
     return {
         **first,
@@ -385,6 +450,7 @@ def merge_answers(answers: list[dict[str, Any]], sample: int) -> dict[str, Any]:
         "sample": described[:sample],
         "notes": notes,
         "tallies": tallies,
+        "model": model,
     }
 
 

@@ -3,8 +3,9 @@
 Routes ``--decisions`` requests through a real :class:`~balancer.routing.router.PoolRouter` (4
 replicas, 4 shared prefixes of 8 blocks, random suffixes, a third of the leases released), keeps
 every decision in a :class:`~balancer.service.decisions.DecisionLog` with the app's metric
-callbacks, then times: ``PoolRouter.route`` (select and commit, for scale), ``DecisionLog.record``
-(the cost added at commitment), and
+callbacks and the spans of the released ones' load (:meth:`DecisionLog.on_phase`, as the service
+keeps them), then times: ``PoolRouter.route`` (select and commit, for scale), ``DecisionLog.record``
+(the cost added at commitment), keeping the two spans (``spans_us_mean``, per released request), and
 :func:`~balancer.service.whatif.replay` of the whole ring with the weights in force and with
 ``overlap_credit`` 0.5, without pauses (the worker thread's pure CPU time); and the event loop's lag
 (how late a 0.5 ms ``asyncio.sleep`` wakes) while nothing else runs, while replays run back to back
@@ -21,6 +22,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from balancer.api.console import ReplayPacer
@@ -63,7 +65,8 @@ def measure(decisions: int, seed: int) -> dict[str, Any]:
     policy, weights = make_policy("cost"), PolicyWeights()
     rng = random.Random(seed)
     leases = []
-    recording = routing = 0.0
+    recording = routing = spans = 0.0
+    spanned = 0
     for k in range(decisions):
         now = 1.0 + k * 0.01
         tokens = _prefix(rng.randrange(4))[: rng.choice([64, 128])] + [
@@ -75,13 +78,23 @@ def measure(decisions: int, seed: int) -> dict[str, Any]:
         plan = lease.plan
         assert plan.inputs is not None
         started = time.perf_counter()
-        log.record(
+        record = log.record(
             "m", plan.inputs, plan.decision, weights, plan.prompt_tokens, plan.cached_tokens, None, now
         )
+        lease.on_phase = partial(log.on_phase, "m", record.id, plan.inputs.load.now)
         recording += time.perf_counter() - started
         leases.append(lease)
         if k % 3 == 0:
-            leases.pop(0).release(now)
+            done = leases.pop(0)
+            hook, done.on_phase = done.on_phase, None
+            assert hook is not None
+            started = time.perf_counter()  # what keeping the two spans adds to a request
+            hook(now, False)
+            hook(now, True)
+            spans += time.perf_counter() - started
+            spanned += 1
+            done.first_token(now)
+            done.release(now)
     records = log.ring("m").snapshot()
     replays: dict[str, Any] = {}
     for label, proposed in (
@@ -115,6 +128,7 @@ def measure(decisions: int, seed: int) -> dict[str, Any]:
         "replicas": len(REPLICAS),
         "route_us_mean": round(1e6 * routing / decisions, 2),
         "record_us_mean": round(1e6 * recording / decisions, 2),
+        "spans_us_mean": round(1e6 * spans / max(1, spanned), 2),
         "ring_bytes_estimate": log.ring("m").stats.bytes,
         "replay": replays,
     }

@@ -64,12 +64,15 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         assert status == 200 and one["decision"]["replica"] == chosen[-1]
         assert {t["replica"] for t in one["decision"]["terms"]} == {"r0", "r1"}
         assert one["inputs"]["candidates"] == ["r0", "r1"]
+        # the spans of its load, kept at its first token and its release (the what-if moves it for them)
+        assert 0.0 <= one["prefill_s"] <= one["held_s"] < 60.0, one
 
         # Unchanged weights: the replay reproduces every recorded decision.
         status, same = await _call(h, "POST", "/admin/whatif", {})
         assert status == 200, same
         assert same["decisions"] == 13 and same["changed_share"] == 0.0
         assert same["before"] == same["after"] and same["sample"] == []
+        assert same["tallies"]["in_flight"] == 0 and same["model"]["load_moved"] == 0
         # No credit for the cache: affinity goes, the hit rate predicted falls.
         status, cold = await _call(
             h, "POST", "/admin/whatif", {"weights": {"overlap_credit": 0.0}, "sample": 3}
