@@ -329,6 +329,16 @@ class LimitConfig:
     workers together (the shared load table, ``load_share_tenant_slots``; a waiter sees tokens given
     back on another worker within 50 ms, and workers letting prompts of one tenant in at the same
     instant can put it at most one prompt per other worker over)."""
+    max_tokenizing_per_tenant: int | None = None
+    """Requests of one tenant tokenized in the tokenizer's threads at once, per worker (a long text or
+    chat, over 4,096 characters, is tokenized in one of the worker's threads: as many as its cores
+    plus 4, which run without the GIL and take the cores from the event loop that serves every
+    tenant). One more of that tenant waits, its slot held and its parsed form dropped, behind the
+    tenant's earlier ones, while other tenants' requests go on, until ``queue_timeout_s`` → 503 with
+    Retry-After (``kvlb_admission_tokenizing_waits_total``,
+    ``kvlb_admission_shed_total{reason="tenant_tokenizing"}``); the waiters are at most the tenant's
+    slots (``max_inflight_per_tenant``). The default tenant (no header) is one tenant here too. Unset
+    (the default): off. 1..``max_inflight``; per worker (the threads are each worker's own)."""
     max_queued_per_tenant: int | None = None
     """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
@@ -893,6 +903,13 @@ class Settings:
             raise ConfigError(
                 "limits.max_inflight_prompt_tokens_per_tenant must be >= 0 (0: off), "
                 f"got {limits.max_inflight_prompt_tokens_per_tenant}"
+            )
+        if limits.max_tokenizing_per_tenant is not None and not (
+            1 <= limits.max_tokenizing_per_tenant <= limits.max_inflight
+        ):
+            raise ConfigError(
+                "limits.max_tokenizing_per_tenant must be in 1..limits.max_inflight "
+                f"({limits.max_inflight}), got {limits.max_tokenizing_per_tenant}"
             )
         if (
             limits.max_queued_per_tenant is not None

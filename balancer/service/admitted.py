@@ -21,6 +21,7 @@ from balancer.service.admission import (
     Tenant,
 )
 from balancer.service.state import Pool, ServiceState
+from balancer.service.tokenizer_gate import TENANT_TOKENIZING
 
 
 class Admitted:
@@ -40,6 +41,7 @@ class Admitted:
         "state",
         "tenant",
         "tenant_name",
+        "tokenizer_turn",
         "tokenizing_bytes",
     )
 
@@ -63,6 +65,9 @@ class Admitted:
         self.tokenizing_bytes = 0
         """The part of :attr:`body_bytes` held while it is tokenized in a thread, for its parsed form
         and the tokenizer's work (:meth:`try_hold_tokenizing`)."""
+        self.tokenizer_turn = False
+        """Whether it holds a turn of its tenant's ``limits.max_tokenizing_per_tenant``
+        (:meth:`try_enter_tokenizer`)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
@@ -88,6 +93,8 @@ class Admitted:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self.tokenizer_turn:
+            self.leave_tokenizer()
         if self.slot:
             self.give_back_prompt_tokens()
             self.state.admission.leave(self.body_bytes, self.tenant, self.tokenizing_bytes)
@@ -134,6 +141,40 @@ class Admitted:
             raise
         self.body_bytes += tokenizing_bytes
         self.tokenizing_bytes += tokenizing_bytes
+
+    def try_enter_tokenizer(self) -> bool:
+        """Take a turn of its tenant in the tokenizer's threads (``limits.max_tokenizing_per_tenant``)
+        if one is free, or if there is no such bound (off, or no slot); ``False``: drop the parsed
+        form and :meth:`enter_tokenizer`."""
+        gate = self.state.tokenizer_gate
+        if gate is None or self.tenant is None:
+            return True
+        if not gate.try_enter(self.tenant):
+            return False
+        self.tokenizer_turn = True
+        return True
+
+    async def enter_tokenizer(self) -> None:
+        """Take a turn as :meth:`try_enter_tokenizer`, waiting behind the tenant's earlier waiters
+        within the request's deadline (then 503 with Retry-After,
+        ``kvlb_admission_shed_total{reason="tenant_tokenizing"}``)."""
+        gate = self.state.tokenizer_gate
+        if gate is None or self.tenant is None:
+            return
+        self.state.metrics.admission_tokenizing_waits_total.inc()
+        try:
+            await gate.enter(self.tenant, self.deadline)
+        except AdmissionRefused as exc:
+            _count_refusal(self.state, exc, "max_inflight")
+            raise
+        self.tokenizer_turn = True
+
+    def leave_tokenizer(self) -> None:
+        """Give back its turn in the tokenizer's threads (the thread returned)."""
+        gate = self.state.tokenizer_gate
+        if self.tokenizer_turn and gate is not None and self.tenant is not None:
+            gate.leave(self.tenant)
+        self.tokenizer_turn = False
 
     def give_back_tokenizing(self) -> None:
         """Give back what it holds for its parsed form and the tokenizer's work (tokenized: the form
@@ -260,10 +301,10 @@ def held(state: ServiceState, body_bytes: int) -> Admitted:
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
     """``kvlb_admission_shed_total``: ``body_bytes`` for every refusal for want of bytes (429 or 503),
-    ``tenant_queue`` / ``tenant_inflight`` / ``tenant_prompt_tokens`` for a tenant's own caps
-    (429 / 503 / 429), else ``full_reason``
+    ``tenant_queue`` / ``tenant_inflight`` / ``tenant_prompt_tokens`` / ``tenant_tokenizing`` for a
+    tenant's own caps (429 / 503 / 429 / 503), else ``full_reason``
     for a full queue and ``queue_timeout`` for a wait too long."""
-    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT, TENANT_PROMPT_TOKENS):
+    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT, TENANT_PROMPT_TOKENS, TENANT_TOKENIZING):
         reason = exc.limit
     else:
         reason = full_reason if exc.reason == "queue_full" else exc.reason

@@ -126,6 +126,11 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             ["limits.max_inflight_prompt_tokens_per_tenant=-1"],
             r"limits.max_inflight_prompt_tokens_per_tenant must be >= 0 \(0: off\), got -1",
         ),
+        (["limits.max_tokenizing_per_tenant=0"], "limits.max_tokenizing_per_tenant must be in 1..limits"),
+        (
+            ["limits.max_inflight=4", "limits.max_tokenizing_per_tenant=5"],
+            r"limits.max_tokenizing_per_tenant must be in 1..limits.max_inflight \(4\), got 5",
+        ),
         (["limits.max_tenants=0"], "limits.max_tenants must be in 1..65536"),
         (["limits.tenant_rate_per_s=-1"], r"limits.tenant_rate_per_s must be a finite number >= 0"),
         (["limits.tenant_rate_per_s=inf"], r"limits.tenant_rate_per_s must be a finite number >= 0"),
