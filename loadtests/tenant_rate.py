@@ -108,6 +108,7 @@ def kvlb_config(replicas: list[dict[str, Any]], mode: str, args: argparse.Namesp
     if mode == "rate":
         limits["tenant_rate_per_s"] = args.rate_per_s
         limits["tenant_burst"] = max(1, round(args.rate_per_s))
+        limits["tenant_rate_default_tenant"] = True  # the default tenant's flood is held too
     entries = []
     for info in replicas:
         entry = {"id": info["name"], "url": info["url"], "engine": "sglang", "block_size": info["block_size"]}

@@ -351,7 +351,8 @@ class LimitConfig:
     tenant_rate_per_s: float = 0.0
     """Requests a second one tenant may start, checked first, before its body is read (a token
     bucket of ``tenant_burst`` requests refilled at this rate; the tenant is the ``tenant_header``
-    value, no header: the default tenant, which has a bucket too); one more → 429 with Retry-After,
+    value; no header: the default tenant, exempt unless ``tenant_rate_default_tenant``); one more → 429
+    with Retry-After,
     the seconds until its bucket has a token again, rounded up
     (``kvlb_admission_shed_total{reason="tenant_rate"}``,
     ``kvlb_admission_tenant_rate_limited_total{bucket}``). A refused request costs about 80 µs of
@@ -360,6 +361,12 @@ class LimitConfig:
     time any worker set for it (the shared load table's tenant slots, ``load_share_tenant_slots``),
     so a tenant gets its whole rate on one connection or on many, and workers letting the same
     tenant in at the same instant can let at most one request per other worker too many in."""
+    tenant_rate_default_tenant: bool = False
+    """Whether ``tenant_rate_per_s`` holds the default tenant too (requests without a tenant header,
+    all in one bucket of ``tenant_rate_per_s``, shared by all workers). Off (the default): they are
+    not rate-limited, so that a service whose clients send no header is not held, as a whole, to one
+    tenant's rate (before 2026-12-01 they were). On: a flood without a header is held like any
+    tenant's (``kvlb_admission_shed_total{reason="tenant_rate"}``)."""
     tenant_burst: int | None = None
     """Requests a tenant may start at once after being idle (the bucket's depth, ≥ 1). Unset: one
     second's worth, ``ceil(tenant_rate_per_s)``. Per worker as ``tenant_rate_per_s`` (rounded up)."""

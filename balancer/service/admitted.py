@@ -253,14 +253,15 @@ def admitted(state: ServiceState, body_bytes: int = 0, tenant: str | None = None
 
 def tenant_rate_refusal(state: ServiceState, tenant: str | None, now: float) -> AdmissionRefused | None:
     """Take a token of ``tenant``'s bucket of ``limits.tenant_rate_per_s`` (the ``tenant_header``
-    value; ``None``: the default tenant) at ``now``, before anything else is done for the request:
+    value; ``None`` or empty: the default tenant, exempt unless ``limits.tenant_rate_default_tenant``)
+    at ``now``, before anything else is done for the request:
     ``None`` (go on), or the refusal to answer (429, ``retry_after_s`` the wait for a token), counted
     in ``kvlb_admission_shed_total{reason="tenant_rate"}`` and
     ``kvlb_admission_tenant_rate_limited_total{bucket}``. Returned, not raised: the HTTP face writes
     it at once (a flood of refusals costs the least CPU that way). Off (``state.tenant_rates`` is
     ``None``): ``None``."""
     rates = state.tenant_rates
-    if rates is None:
+    if rates is None or (not tenant and not state.settings.limits.tenant_rate_default_tenant):
         return None
     shared = state.tenant_rate_share
     wait_s = rates.check(tenant, now) if shared is None else shared.check(rates, tenant, now)

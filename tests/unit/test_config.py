@@ -287,6 +287,10 @@ def test_the_tenant_header_moved_out_of_console_and_its_old_name_still_works() -
     capped = config.load(sets=["limits.max_inflight_per_tenant=3", "limits.max_queued_per_tenant=0"], env={})
     assert (capped.limits.max_inflight_per_tenant, capped.limits.max_queued_per_tenant) == (3, 0)
     assert default.limits.max_inflight_prompt_tokens_per_tenant is None
+    assert default.limits.max_tokenizing_per_tenant is None
+    assert default.limits.tenant_rate_default_tenant is False  # the default tenant: no rate unless opted in
+    opted = config.load(sets=["limits.tenant_rate_default_tenant=true"], env={})
+    assert opted.limits.tenant_rate_default_tenant is True
     tokens = config.load(sets=["limits.max_inflight_prompt_tokens_per_tenant=16000"], env={})
     assert tokens.limits.max_inflight_prompt_tokens_per_tenant == 16000
     assert default.limits.tenant_rate_per_s == 0.0 and default.limits.tenant_burst is None  # off
