@@ -254,9 +254,22 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         if state.admission.limits.max_inflight_prompt_tokens_per_tenant is not None:  # off: no await
             await admission.take_prompt_tokens(len(token_ids))
         await admission.wait_for_replica(pool)
+        if admission.prompt_tokens and job.whole_answer:
+            release_after_prefill(state, admission)
         headers = forwardable_headers(request.headers, request_id)
         deliver = functools.partial(relay, request, state, job, admission)
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
+
+
+def release_after_prefill(state: ServiceState, admission: Admitted) -> None:
+    """A request whose answer comes whole (no first token is seen before its end) gives back its
+    prompt tokens of its tenant's ``limits.max_inflight_prompt_tokens_per_tenant`` at the estimated
+    end of its prefill: ``prompt tokens / limits.prefill_tokens_per_s`` seconds from now, as it is
+    sent to a replica (unset: at its end). An estimate: a replica with a queue ahead of it prefills
+    it later, and the tenant's next prompt may then go before this one is prefilled."""
+    rate = state.settings.limits.prefill_tokens_per_s
+    if rate:
+        admission.give_back_prompt_tokens_after(admission.prompt_tokens / rate)
 
 
 def rate_before_body(request: web.Request) -> None:

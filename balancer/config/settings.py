@@ -320,9 +320,11 @@ class LimitConfig:
     admitting at the same instant can put a tenant at most N - 1 over), like ``max_inflight``."""
     max_inflight_prompt_tokens_per_tenant: int | None = None
     """Prompt tokens (after tokenization) of one tenant's requests in flight at once, counted from
-    tokenization to the replica's first answer chunk (a stream's first token: its prefill is done)
-    or the request's end; a request over its tenant's allowance waits behind the
-    tenant's earlier ones (its slot held) while other tenants' requests go on, until
+    tokenization to the replica's first answer chunk (a stream's first token: its prefill is done),
+    for a non-streaming request (its answer comes whole, at its end) the estimated end of its
+    prefill when ``prefill_tokens_per_s`` is set, or the request's end; a request over its tenant's
+    allowance waits behind the tenant's earlier ones (its slot held) while other tenants' requests go
+    on, until
     ``queue_timeout_s`` → 429 with Retry-After (``kvlb_admission_shed_total{reason=
     "tenant_prompt_tokens"}``). A prompt larger than the cap runs alone. Unset or 0 (the default):
     off. ≥ 0 (any value ≥ 1 works: a longer prompt goes alone). With ``kvlb serve --workers N`` all
@@ -339,6 +341,14 @@ class LimitConfig:
     ``kvlb_admission_shed_total{reason="tenant_tokenizing"}``); the waiters are at most the tenant's
     slots (``max_inflight_per_tenant``). The default tenant (no header) is one tenant here too. Unset
     (the default): off. 1..``max_inflight``; per worker (the threads are each worker's own)."""
+    prefill_tokens_per_s: float | None = None
+    """Prompt tokens a second the engines are assumed to prefill, for
+    ``max_inflight_prompt_tokens_per_tenant`` only: a non-streaming request (kvlb sees no first
+    token of an answer that comes whole) gives its prompt tokens back ``prompt tokens / this``
+    seconds after it is sent to a replica, instead of at its end, so that its tenant's allowance
+    bounds prefill, not generations. An estimate: a replica with a queue prefills later, and the
+    tenant's next prompts may then go before this one is prefilled; set it to the slowest replica's
+    rate, or below. Unset (the default): held to the request's end. > 0 (tokens/s)."""
     max_queued_per_tenant: int | None = None
     """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
@@ -910,6 +920,12 @@ class Settings:
             raise ConfigError(
                 "limits.max_inflight_prompt_tokens_per_tenant must be >= 0 (0: off), "
                 f"got {limits.max_inflight_prompt_tokens_per_tenant}"
+            )
+        if limits.prefill_tokens_per_s is not None and not (
+            limits.prefill_tokens_per_s > 0 and math.isfinite(limits.prefill_tokens_per_s)
+        ):
+            raise ConfigError(
+                f"limits.prefill_tokens_per_s must be a finite number > 0, got {limits.prefill_tokens_per_s}"
             )
         if limits.max_tokenizing_per_tenant is not None and not (
             1 <= limits.max_tokenizing_per_tenant <= limits.max_inflight

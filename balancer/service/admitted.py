@@ -11,6 +11,8 @@ request's side of it. Split from :mod:`balancer.service.dispatch` on 2026-12-01.
 
 from __future__ import annotations
 
+import asyncio
+
 from balancer.service.admission import (
     MAX_BYTES,
     TENANT_INFLIGHT,
@@ -36,6 +38,7 @@ class Admitted:
     __slots__ = (
         "body_bytes",
         "deadline",
+        "prompt_release",
         "prompt_tokens",
         "slot",
         "state",
@@ -62,6 +65,9 @@ class Admitted:
         self.prompt_tokens = 0
         """Prompt tokens it holds of its tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
         (:meth:`take_prompt_tokens`), given back at the replica's first chunk or on exit."""
+        self.prompt_release: asyncio.TimerHandle | None = None
+        """The timer giving back :attr:`prompt_tokens` at the estimated end of a non-streaming
+        request's prefill (:meth:`give_back_prompt_tokens_after`), cancelled when they are given back."""
         self.tokenizing_bytes = 0
         """The part of :attr:`body_bytes` held while it is tokenized in a thread, for its parsed form
         and the tokenizer's work (:meth:`try_hold_tokenizing`)."""
@@ -215,9 +221,21 @@ class Admitted:
             raise
         self.prompt_tokens = prompt_tokens
 
+    def give_back_prompt_tokens_after(self, delay_s: float) -> None:
+        """Give back its prompt tokens in ``delay_s`` seconds (the estimated end of the prefill of a
+        request whose answer comes whole: kvlb sees no first token of it,
+        ``limits.prefill_tokens_per_s``), or earlier at the first chunk or its end."""
+        if self.prompt_tokens and self.prompt_release is None:
+            self.prompt_release = asyncio.get_running_loop().call_later(delay_s, self.give_back_prompt_tokens)
+
     def give_back_prompt_tokens(self) -> None:
         """Give back the prompt tokens it holds of its tenant's allowance (the replica's first chunk is
-        in: its prefill is done), letting the tenant's waiters at the token gate in."""
+        in, or the estimated end of its prefill passed: :meth:`give_back_prompt_tokens_after`), letting
+        the tenant's waiters at the token gate in."""
+        release = self.prompt_release
+        if release is not None:
+            self.prompt_release = None
+            release.cancel()
         if self.prompt_tokens and self.tenant is not None:
             self.state.admission.give_back_prompt_tokens(self.tenant, self.prompt_tokens)
         self.prompt_tokens = 0

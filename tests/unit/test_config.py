@@ -126,6 +126,7 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             ["limits.max_inflight_prompt_tokens_per_tenant=-1"],
             r"limits.max_inflight_prompt_tokens_per_tenant must be >= 0 \(0: off\), got -1",
         ),
+        (["limits.prefill_tokens_per_s=0"], "limits.prefill_tokens_per_s must be a finite number > 0"),
         (["limits.max_tokenizing_per_tenant=0"], "limits.max_tokenizing_per_tenant must be in 1..limits"),
         (
             ["limits.max_inflight=4", "limits.max_tokenizing_per_tenant=5"],
