@@ -60,6 +60,7 @@ from balancer.service.spec_share import SpeculationShare
 from balancer.service.state import Pool, ServiceState
 from balancer.service.tenant_rate import SharedRates, TenantRates, burst_per_worker, per_worker
 from balancer.service.tls import server_ssl_context
+from balancer.service.tokenizer_gate import TokenizerGate
 from balancer.sources.build import RelayRole
 from balancer.tasks import cancel_all, spawn
 from balancer.tokenizer.default import default_tokenizer
@@ -238,6 +239,8 @@ class Balancer:
             self.key_watcher.on_rotated = self._key_rotated
         self.metrics.token_id_memo.source = lambda: state.token_id_memo
         state.tenant_rates = self._tenant_rates()
+        if limits.max_tokenizing_per_tenant is not None:
+            state.tokenizer_gate = TokenizerGate(limits.max_tokenizing_per_tenant, limits.queue_timeout_s)
         for model in pools:
             state.decisions.ring(model)  # its gauges exist from the start
         self.metrics.index_tables.source = lambda: {  # read at scrape time: a mirror installs its own

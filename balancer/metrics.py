@@ -237,6 +237,7 @@ class _AdmissionCollectors:
     admission_tenant_rate_evictions_total: Counter
     admission_tenant_rate_buckets: Gauge
     admission_prompt_token_waits_total: Counter
+    admission_tokenizing_waits_total: Counter
     admission_answer_overflow_total: Counter
     admission_parse_holds_total: Counter
 
@@ -252,9 +253,17 @@ def _admission_collectors(reg: CollectorRegistry) -> _AdmissionCollectors:
             "full: queue full or waited too long), tenant_queue (the tenant's "
             "limits.max_queued_per_tenant full), tenant_inflight (waited too long for a slot of the "
             "tenant's limits.max_inflight_per_tenant), tenant_prompt_tokens (waited too long, then "
-            "429, for room in the tenant's limits.max_inflight_prompt_tokens_per_tenant), tenant_rate "
+            "429, for room in the tenant's limits.max_inflight_prompt_tokens_per_tenant), tenant_tokenizing "
+            "(waited too long, then 503, for a turn of the tenant's limits.max_tokenizing_per_tenant), "
+            "tenant_rate "
             "(the tenant's limits.tenant_rate_per_s bucket empty, 429 before the body is read).",
             ["reason"],
+        ),
+        admission_tokenizing_waits_total=counter(
+            "kvlb_admission_tokenizing_waits_total",
+            "Requests to be tokenized in a thread that found their tenant's "
+            "limits.max_tokenizing_per_tenant turns taken and waited for one (let in later or "
+            "refused: shed_total reason tenant_tokenizing).",
         ),
         admission_prompt_token_waits_total=counter(
             "kvlb_admission_prompt_token_waits_total",

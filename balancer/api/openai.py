@@ -262,9 +262,22 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         if state.admission.limits.max_inflight_prompt_tokens_per_tenant is not None:  # off: no await
             await admission.take_prompt_tokens(len(token_ids))
         await admission.wait_for_replica(pool)
+        if admission.prompt_tokens and job.whole_answer:
+            release_after_prefill(state, admission)
         headers = forwardable_headers(request.headers, request_id)
         deliver = functools.partial(relay, request, state, job, admission)
         return await dispatch(state, job, headers, request[OUTCOME], deliver)
+
+
+def release_after_prefill(state: ServiceState, admission: Admitted) -> None:
+    """A request whose answer comes whole (no first token is seen before its end) gives back its
+    prompt tokens of its tenant's ``limits.max_inflight_prompt_tokens_per_tenant`` at the estimated
+    end of its prefill: ``prompt tokens / limits.prefill_tokens_per_s`` seconds from now, as it is
+    sent to a replica (unset: at its end). An estimate: a replica with a queue ahead of it prefills
+    it later, and the tenant's next prompt may then go before this one is prefilled."""
+    rate = state.settings.limits.prefill_tokens_per_s
+    if rate:
+        admission.give_back_prompt_tokens_after(admission.prompt_tokens / rate)
 
 
 def rate_before_body(request: web.Request) -> None:
@@ -441,6 +454,12 @@ class TokenizingHold(Protocol):
     """What holds a request's bytes while it is tokenized in a thread
     (:class:`~balancer.service.admitted.Admitted`)."""
 
+    def try_enter_tokenizer(self) -> bool: ...
+
+    async def enter_tokenizer(self) -> None: ...
+
+    def leave_tokenizer(self) -> None: ...
+
     def try_hold_tokenizing(self, tokenizing_bytes: int) -> bool: ...
 
     async def hold_tokenizing(self, tokenizing_bytes: int) -> None: ...
@@ -474,35 +493,47 @@ class Reparsed:
 async def tokenize_held(
     admission: TokenizingHold, pool: Pool, form: Reparsed, max_prompt_tokens: int
 ) -> array[int]:
-    """:func:`tokenize_in_thread` of ``form``'s request, holding :func:`tokenizing_hold_bytes`
-    meanwhile (from the admission queue's tokenizing holds: at once, else waiting without its
-    parsed form, made again once the bytes are held), given back once the thread returns. A text
-    or chat the tokenizer encodes in pieces first holds for pieces of :func:`piece_hold_chars`; if
-    one of its pieces would be longer (:class:`~balancer.tokenizer.cuts.LongPiece`, raised before
-    the thread encoded that text or segment; for a chat also a rendered text longer than its
-    ``text_chars``), it gives that back and holds the whole encode's estimate, queued again as any hold
-    (its turn comes once the holds taken before are given back: every such hold is a request in a
+    """:func:`tokenize_in_thread` of ``form``'s request, within a turn of its tenant in the
+    tokenizer's threads (``limits.max_tokenizing_per_tenant``: taken first, waiting without its
+    parsed form when the tenant has none free; given back once the thread returns), holding
+    :func:`tokenizing_hold_bytes` meanwhile (from the admission queue's tokenizing holds: at
+    once, else waiting without its parsed form, made again once the bytes are held), given back
+    once the thread returns. A text or chat the tokenizer encodes in pieces first holds for
+    pieces of :func:`piece_hold_chars`; if one of its pieces would be longer
+    (:class:`~balancer.tokenizer.cuts.LongPiece`, raised before the thread encoded that text or
+    segment; for a chat also a rendered text longer than its ``text_chars``), it gives that back
+    and holds the whole encode's estimate, queued again as any hold (its turn comes once the holds
+    taken before are given back: every such hold is a request in a
     tokenizer thread, which waits for nothing here)."""
-    parsed = form.take()
-    max_piece_chars = piece_hold_chars(pool.tokenizer, parsed)
-    tokenizer_max_tokens = pool.tokenizer.limits.max_prompt_tokens
-    while True:
-        hold_bytes = tokenizing_hold_bytes(parsed, max_piece_chars, tokenizer_max_tokens)
-        if not admission.try_hold_tokenizing(hold_bytes):
-            del parsed  # not kept while it waits for its bytes: parsed again once they are held
-            form.parsed = None
-            if form.drop is not None:
-                form.drop()
-            await admission.hold_tokenizing(hold_bytes)
-            parsed = form.parsed = form.make()
-        try:
-            token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens, max_piece_chars)
-        except LongPiece:
+    if not admission.try_enter_tokenizer():
+        form.parsed = None  # not kept while it waits for its tenant's turn: parsed again after
+        if form.drop is not None:
+            form.drop()
+        await admission.enter_tokenizer()
+    try:
+        parsed = form.take()
+        form.parsed = parsed
+        max_piece_chars = piece_hold_chars(pool.tokenizer, parsed)
+        tokenizer_max_tokens = pool.tokenizer.limits.max_prompt_tokens
+        while True:
+            hold_bytes = tokenizing_hold_bytes(parsed, max_piece_chars, tokenizer_max_tokens)
+            if not admission.try_hold_tokenizing(hold_bytes):
+                del parsed  # not kept while it waits for its bytes: parsed again once they are held
+                form.parsed = None
+                if form.drop is not None:
+                    form.drop()
+                await admission.hold_tokenizing(hold_bytes)
+                parsed = form.parsed = form.make()
+            try:
+                token_ids = await tokenize_in_thread(pool, parsed, max_prompt_tokens, max_piece_chars)
+            except LongPiece:
+                admission.give_back_tokenizing()
+                max_piece_chars = None
+                continue
             admission.give_back_tokenizing()
-            max_piece_chars = None
-            continue
-        admission.give_back_tokenizing()
-        return token_ids
+            return token_ids
+    finally:
+        admission.leave_tokenizer()
 
 
 async def hold_parse(admission: TokenizingHold, parse_bytes: int, state: ServiceState, face: str) -> None:

@@ -382,15 +382,35 @@ class LimitConfig:
     admitting at the same instant can put a tenant at most N - 1 over), like ``max_inflight``."""
     max_inflight_prompt_tokens_per_tenant: int | None = None
     """Prompt tokens (after tokenization) of one tenant's requests in flight at once, counted from
-    tokenization to the replica's first answer chunk (a stream's first token: its prefill is done)
-    or the request's end; a request over its tenant's allowance waits behind the
-    tenant's earlier ones (its slot held) while other tenants' requests go on, until
+    tokenization to the replica's first answer chunk (a stream's first token: its prefill is done),
+    for a non-streaming request (its answer comes whole, at its end) the estimated end of its
+    prefill when ``prefill_tokens_per_s`` is set, or the request's end; a request over its tenant's
+    allowance waits behind the tenant's earlier ones (its slot held) while other tenants' requests go
+    on, until
     ``queue_timeout_s`` → 429 with Retry-After (``kvlb_admission_shed_total{reason=
     "tenant_prompt_tokens"}``). A prompt larger than the cap runs alone. Unset or 0 (the default):
     off. ≥ 0 (any value ≥ 1 works: a longer prompt goes alone). With ``kvlb serve --workers N`` all
     workers together (the shared load table, ``load_share_tenant_slots``; a waiter sees tokens given
     back on another worker within 50 ms, and workers letting prompts of one tenant in at the same
     instant can put it at most one prompt per other worker over)."""
+    max_tokenizing_per_tenant: int | None = None
+    """Requests of one tenant tokenized in the tokenizer's threads at once, per worker (a long text or
+    chat, over 4,096 characters, is tokenized in one of the worker's threads: as many as its cores
+    plus 4, which run without the GIL and take the cores from the event loop that serves every
+    tenant). One more of that tenant waits, its slot held and its parsed form dropped, behind the
+    tenant's earlier ones, while other tenants' requests go on, until ``queue_timeout_s`` → 503 with
+    Retry-After (``kvlb_admission_tokenizing_waits_total``,
+    ``kvlb_admission_shed_total{reason="tenant_tokenizing"}``); the waiters are at most the tenant's
+    slots (``max_inflight_per_tenant``). The default tenant (no header) is one tenant here too. Unset
+    (the default): off. 1..``max_inflight``; per worker (the threads are each worker's own)."""
+    prefill_tokens_per_s: float | None = None
+    """Prompt tokens a second the engines are assumed to prefill, for
+    ``max_inflight_prompt_tokens_per_tenant`` only: a non-streaming request (kvlb sees no first
+    token of an answer that comes whole) gives its prompt tokens back ``prompt tokens / this``
+    seconds after it is sent to a replica, instead of at its end, so that its tenant's allowance
+    bounds prefill, not generations. An estimate: a replica with a queue prefills later, and the
+    tenant's next prompts may then go before this one is prefilled; set it to the slowest replica's
+    rate, or below. Unset (the default): held to the request's end. > 0 (tokens/s)."""
     max_queued_per_tenant: int | None = None
     """Requests of one tenant waiting at once (for admission or a replica slot); one more of that
     tenant → 429 with Retry-After at once (``kvlb_admission_shed_total{reason="tenant_queue"}``).
@@ -403,7 +423,8 @@ class LimitConfig:
     tenant_rate_per_s: float = 0.0
     """Requests a second one tenant may start, checked first, before its body is read (a token
     bucket of ``tenant_burst`` requests refilled at this rate; the tenant is the ``tenant_header``
-    value, no header: the default tenant, which has a bucket too); one more → 429 with Retry-After,
+    value; no header: the default tenant, exempt unless ``tenant_rate_default_tenant``); one more → 429
+    with Retry-After,
     the seconds until its bucket has a token again, rounded up
     (``kvlb_admission_shed_total{reason="tenant_rate"}``,
     ``kvlb_admission_tenant_rate_limited_total{bucket}``). A refused request costs about 80 µs of
@@ -412,6 +433,12 @@ class LimitConfig:
     time any worker set for it (the shared load table's tenant slots, ``load_share_tenant_slots``),
     so a tenant gets its whole rate on one connection or on many, and workers letting the same
     tenant in at the same instant can let at most one request per other worker too many in."""
+    tenant_rate_default_tenant: bool = False
+    """Whether ``tenant_rate_per_s`` holds the default tenant too (requests without a tenant header,
+    all in one bucket of ``tenant_rate_per_s``, shared by all workers). Off (the default): they are
+    not rate-limited, so that a service whose clients send no header is not held, as a whole, to one
+    tenant's rate (before 2026-12-01 they were). On: a flood without a header is held like any
+    tenant's (``kvlb_admission_shed_total{reason="tenant_rate"}``)."""
     tenant_burst: int | None = None
     """Requests a tenant may start at once after being idle (the bucket's depth, ≥ 1). Unset: one
     second's worth, ``ceil(tenant_rate_per_s)``. Per worker as ``tenant_rate_per_s`` (rounded up)."""
@@ -977,6 +1004,19 @@ class Settings:
             raise ConfigError(
                 "limits.max_inflight_prompt_tokens_per_tenant must be >= 0 (0: off), "
                 f"got {limits.max_inflight_prompt_tokens_per_tenant}"
+            )
+        if limits.prefill_tokens_per_s is not None and not (
+            limits.prefill_tokens_per_s > 0 and math.isfinite(limits.prefill_tokens_per_s)
+        ):
+            raise ConfigError(
+                f"limits.prefill_tokens_per_s must be a finite number > 0, got {limits.prefill_tokens_per_s}"
+            )
+        if limits.max_tokenizing_per_tenant is not None and not (
+            1 <= limits.max_tokenizing_per_tenant <= limits.max_inflight
+        ):
+            raise ConfigError(
+                "limits.max_tokenizing_per_tenant must be in 1..limits.max_inflight "
+                f"({limits.max_inflight}), got {limits.max_tokenizing_per_tenant}"
             )
         if (
             limits.max_queued_per_tenant is not None

@@ -11,6 +11,8 @@ request's side of it. Split from :mod:`balancer.service.dispatch` on 2026-12-01.
 
 from __future__ import annotations
 
+import asyncio
+
 from balancer.routing.router import every_replica_full
 from balancer.service.admission import (
     MAX_BYTES,
@@ -22,6 +24,7 @@ from balancer.service.admission import (
     Tenant,
 )
 from balancer.service.state import Pool, ServiceState
+from balancer.service.tokenizer_gate import TENANT_TOKENIZING
 
 
 class Admitted:
@@ -36,11 +39,13 @@ class Admitted:
     __slots__ = (
         "body_bytes",
         "deadline",
+        "prompt_release",
         "prompt_tokens",
         "slot",
         "state",
         "tenant",
         "tenant_name",
+        "tokenizer_turn",
         "tokenizing_bytes",
     )
 
@@ -61,9 +66,15 @@ class Admitted:
         self.prompt_tokens = 0
         """Prompt tokens it holds of its tenant's ``limits.max_inflight_prompt_tokens_per_tenant``
         (:meth:`take_prompt_tokens`), given back at the replica's first chunk or on exit."""
+        self.prompt_release: asyncio.TimerHandle | None = None
+        """The timer giving back :attr:`prompt_tokens` at the estimated end of a non-streaming
+        request's prefill (:meth:`give_back_prompt_tokens_after`), cancelled when they are given back."""
         self.tokenizing_bytes = 0
         """The part of :attr:`body_bytes` held while it is tokenized in a thread, for its parsed form
         and the tokenizer's work (:meth:`try_hold_tokenizing`)."""
+        self.tokenizer_turn = False
+        """Whether it holds a turn of its tenant's ``limits.max_tokenizing_per_tenant``
+        (:meth:`try_enter_tokenizer`)."""
 
     async def __aenter__(self) -> Admitted:
         admission = self.state.admission
@@ -89,6 +100,8 @@ class Admitted:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self.tokenizer_turn:
+            self.leave_tokenizer()
         if self.slot:
             self.give_back_prompt_tokens()
             self.state.admission.leave(self.body_bytes, self.tenant, self.tokenizing_bytes)
@@ -136,6 +149,40 @@ class Admitted:
         self.body_bytes += tokenizing_bytes
         self.tokenizing_bytes += tokenizing_bytes
 
+    def try_enter_tokenizer(self) -> bool:
+        """Take a turn of its tenant in the tokenizer's threads (``limits.max_tokenizing_per_tenant``)
+        if one is free, or if there is no such bound (off, or no slot); ``False``: drop the parsed
+        form and :meth:`enter_tokenizer`."""
+        gate = self.state.tokenizer_gate
+        if gate is None or self.tenant is None:
+            return True
+        if not gate.try_enter(self.tenant):
+            return False
+        self.tokenizer_turn = True
+        return True
+
+    async def enter_tokenizer(self) -> None:
+        """Take a turn as :meth:`try_enter_tokenizer`, waiting behind the tenant's earlier waiters
+        within the request's deadline (then 503 with Retry-After,
+        ``kvlb_admission_shed_total{reason="tenant_tokenizing"}``)."""
+        gate = self.state.tokenizer_gate
+        if gate is None or self.tenant is None:
+            return
+        self.state.metrics.admission_tokenizing_waits_total.inc()
+        try:
+            await gate.enter(self.tenant, self.deadline)
+        except AdmissionRefused as exc:
+            _count_refusal(self.state, exc, "max_inflight")
+            raise
+        self.tokenizer_turn = True
+
+    def leave_tokenizer(self) -> None:
+        """Give back its turn in the tokenizer's threads (the thread returned)."""
+        gate = self.state.tokenizer_gate
+        if self.tokenizer_turn and gate is not None and self.tenant is not None:
+            gate.leave(self.tenant)
+        self.tokenizer_turn = False
+
     def give_back_tokenizing(self) -> None:
         """Give back what it holds for its parsed form and the tokenizer's work (tokenized: the form
         is dropped, the tokenizer's thread done)."""
@@ -175,9 +222,21 @@ class Admitted:
             raise
         self.prompt_tokens = prompt_tokens
 
+    def give_back_prompt_tokens_after(self, delay_s: float) -> None:
+        """Give back its prompt tokens in ``delay_s`` seconds (the estimated end of the prefill of a
+        request whose answer comes whole: kvlb sees no first token of it,
+        ``limits.prefill_tokens_per_s``), or earlier at the first chunk or its end."""
+        if self.prompt_tokens and self.prompt_release is None:
+            self.prompt_release = asyncio.get_running_loop().call_later(delay_s, self.give_back_prompt_tokens)
+
     def give_back_prompt_tokens(self) -> None:
         """Give back the prompt tokens it holds of its tenant's allowance (the replica's first chunk is
-        in: its prefill is done), letting the tenant's waiters at the token gate in."""
+        in, or the estimated end of its prefill passed: :meth:`give_back_prompt_tokens_after`), letting
+        the tenant's waiters at the token gate in."""
+        release = self.prompt_release
+        if release is not None:
+            self.prompt_release = None
+            release.cancel()
         if self.prompt_tokens and self.tenant is not None:
             self.state.admission.give_back_prompt_tokens(self.tenant, self.prompt_tokens)
         self.prompt_tokens = 0
@@ -213,14 +272,15 @@ def admitted(state: ServiceState, body_bytes: int = 0, tenant: str | None = None
 
 def tenant_rate_refusal(state: ServiceState, tenant: str | None, now: float) -> AdmissionRefused | None:
     """Take a token of ``tenant``'s bucket of ``limits.tenant_rate_per_s`` (the ``tenant_header``
-    value; ``None``: the default tenant) at ``now``, before anything else is done for the request:
+    value; ``None`` or empty: the default tenant, exempt unless ``limits.tenant_rate_default_tenant``)
+    at ``now``, before anything else is done for the request:
     ``None`` (go on), or the refusal to answer (429, ``retry_after_s`` the wait for a token), counted
     in ``kvlb_admission_shed_total{reason="tenant_rate"}`` and
     ``kvlb_admission_tenant_rate_limited_total{bucket}``. Returned, not raised: the HTTP face writes
     it at once (a flood of refusals costs the least CPU that way). Off (``state.tenant_rates`` is
     ``None``): ``None``."""
     rates = state.tenant_rates
-    if rates is None:
+    if rates is None or (not tenant and not state.settings.limits.tenant_rate_default_tenant):
         return None
     shared = state.tenant_rate_share
     wait_s = rates.check(tenant, now) if shared is None else shared.check(rates, tenant, now)
@@ -261,10 +321,10 @@ def held(state: ServiceState, body_bytes: int) -> Admitted:
 
 def _count_refusal(state: ServiceState, exc: AdmissionRefused, full_reason: str) -> None:
     """``kvlb_admission_shed_total``: ``body_bytes`` for every refusal for want of bytes (429 or 503),
-    ``tenant_queue`` / ``tenant_inflight`` / ``tenant_prompt_tokens`` for a tenant's own caps
-    (429 / 503 / 429), else ``full_reason``
+    ``tenant_queue`` / ``tenant_inflight`` / ``tenant_prompt_tokens`` / ``tenant_tokenizing`` for a
+    tenant's own caps (429 / 503 / 429 / 503), else ``full_reason``
     for a full queue and ``queue_timeout`` for a wait too long."""
-    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT, TENANT_PROMPT_TOKENS):
+    if exc.limit in (MAX_BYTES, TENANT_QUEUE, TENANT_INFLIGHT, TENANT_PROMPT_TOKENS, TENANT_TOKENIZING):
         reason = exc.limit
     else:
         reason = full_reason if exc.reason == "queue_full" else exc.reason

@@ -26,6 +26,7 @@ from balancer.service.decisions import DecisionLog
 from balancer.service.policy_control import PolicyControl
 from balancer.service.series import SeriesSampler
 from balancer.service.tenant_rate import SharedRates, TenantRates
+from balancer.service.tokenizer_gate import TokenizerGate
 from balancer.sources.pipeline import IngestView, ReplicaIngestStatus
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.tokenizer.tokenizer import Tokenizer
@@ -74,6 +75,8 @@ class ServiceState:
     """The bounded admission queue of ``limits.max_inflight`` / ``limits.max_queued``."""
     tenant_rates: TenantRates | None = None
     """The per-tenant buckets of ``limits.tenant_rate_per_s`` (:func:`check_tenant_rate`); ``None``: off."""
+    tokenizer_gate: TokenizerGate | None = None
+    """The tenants' turns in the tokenizer's threads (``limits.max_tokenizing_per_tenant``); ``None``: off."""
     tenant_rate_share: SharedRates | None = None
     """With ``kvlb serve --workers N``: the buckets' times shared with the other workers (the shared
     load table); ``None``: this worker's buckets are all."""

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 import grpc
 import pytest
 from grpc_harness import failure, grpc_running, token_request
-from kvlb_harness import MODEL, read_answer, running, shared_deepseek
+from kvlb_harness import MODEL, metric, read_answer, running, shared_deepseek
 
 from balancer.tokenizer.tokenizer import Tokenizer
 
@@ -112,3 +112,25 @@ async def test_with_expect_100_continue_the_rate_is_checked_before_the_body_is_a
         assert status == 429, raw
         assert headers["connection"] == "close" and headers["retry-after"] == "2", headers
         assert "limits.tenant_rate_per_s" in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize("opt_in", [False, True])
+async def test_the_default_tenant_is_exempt_from_the_rate_unless_opted_in(
+    tokenizer: Tokenizer, opt_in: bool
+) -> None:
+    """Requests without a tenant header (a service without tenants) are not held to one tenant's
+    rate unless ``limits.tenant_rate_default_tenant`` says so (before 2026-12-01, h-tenantfollow,
+    they always were: the whole service at ``tenant_rate_per_s``); a named tenant is held either way."""
+    async with running(tokenizer, 1, limits__tenant_rate_default_tenant=opt_in, **LIMITS) as h:
+        body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1}
+        unnamed = [(await h.post("/v1/completions", body)).status for _ in range(4)]
+        unnamed.append((await h.post("/v1/completions", body, headers={HEADER: ""})).status)
+        named = [(await h.post("/v1/completions", body, headers={HEADER: "a"})).status for _ in range(2)]
+        shed = await metric(h, "kvlb_admission_shed_total", reason="tenant_rate")
+    assert named == [200, 429], named
+    if opt_in:  # one bucket of depth 1 for all of them, refilled every 2 s
+        assert unnamed == [200, 429, 429, 429, 429], unnamed
+        assert shed == 5
+    else:
+        assert unnamed == [200] * 5, unnamed
+        assert shed == 1

@@ -35,3 +35,29 @@ def test_tenant_rate_smoke_measures_a_refusal() -> None:
     (run_,) = run("--refusals", "--runs", "rate", "--seconds", "1", "--loops", "8")["runs"]
     assert run_["noisy_statuses"].get("429", 0) > 0, run_
     assert run_["cpu_us_per_refusal"] is not None and run_["cpu_us_per_refusal"] > 0, run_
+
+
+def test_tenant_rate_smoke_runs_the_walk_scenarios() -> None:
+    """Three of the walk's other scenarios, those with code of their own (text prompts tokenized in
+    threads, bursts cut by the client, streams on raw sockets), one run each at a smoke size (a
+    ``kvlb serve`` and a noisy client process per scenario: 40 s at a load of 20 on 2 cores), with
+    ``limits.max_tokenizing_per_tenant``; the JSON document and the table (stderr) name every
+    scenario, the quiet tenant is served in each. The others' requests are checked in
+    ``tests/unit/test_tenant_noise.py``."""
+    noises = ["huge", "bursts", "streams"]
+    completed = subprocess.run(
+        [sys.executable, "-m", "loadtests.tenant_rate", "--noise", ",".join(noises), "--runs", "tokenizing",
+         "--seconds", "0.5", "--loops", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )  # fmt: skip
+    runs = json.loads(completed.stdout)["runs"]
+    assert [run_["noise"] for run_ in runs] == noises
+    for run_ in runs:
+        assert run_["mode"] == "tokenizing"
+        assert run_["with"]["statuses"].get("200", 0) > 0, run_
+        assert sum(run_["noisy_statuses"].values()) > 0, run_
+    table_rows = [line for line in completed.stderr.splitlines() if line.startswith("| ")]
+    assert [row.split(" (")[0] for row in table_rows[1:]] == ["| " + noise for noise in noises], table_rows

@@ -129,6 +129,12 @@ def test_config_file_from_env(tmp_path: Path) -> None:
             ["limits.max_inflight_prompt_tokens_per_tenant=-1"],
             r"limits.max_inflight_prompt_tokens_per_tenant must be >= 0 \(0: off\), got -1",
         ),
+        (["limits.prefill_tokens_per_s=0"], "limits.prefill_tokens_per_s must be a finite number > 0"),
+        (["limits.max_tokenizing_per_tenant=0"], "limits.max_tokenizing_per_tenant must be in 1..limits"),
+        (
+            ["limits.max_inflight=4", "limits.max_tokenizing_per_tenant=5"],
+            r"limits.max_tokenizing_per_tenant must be in 1..limits.max_inflight \(4\), got 5",
+        ),
         (["limits.max_tenants=0"], "limits.max_tenants must be in 1..65536"),
         (["limits.tenant_rate_per_s=-1"], r"limits.tenant_rate_per_s must be a finite number >= 0"),
         (["limits.tenant_rate_per_s=inf"], r"limits.tenant_rate_per_s must be a finite number >= 0"),
@@ -285,6 +291,10 @@ def test_the_tenant_header_moved_out_of_console_and_its_old_name_still_works() -
     capped = config.load(sets=["limits.max_inflight_per_tenant=3", "limits.max_queued_per_tenant=0"], env={})
     assert (capped.limits.max_inflight_per_tenant, capped.limits.max_queued_per_tenant) == (3, 0)
     assert default.limits.max_inflight_prompt_tokens_per_tenant is None
+    assert default.limits.max_tokenizing_per_tenant is None
+    assert default.limits.tenant_rate_default_tenant is False  # the default tenant: no rate unless opted in
+    opted = config.load(sets=["limits.tenant_rate_default_tenant=true"], env={})
+    assert opted.limits.tenant_rate_default_tenant is True
     tokens = config.load(sets=["limits.max_inflight_prompt_tokens_per_tenant=16000"], env={})
     assert tokens.limits.max_inflight_prompt_tokens_per_tenant == 16000
     assert default.limits.tenant_rate_per_s == 0.0 and default.limits.tenant_burst is None  # off
