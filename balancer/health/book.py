@@ -114,6 +114,23 @@ class KeptDrain:
     """What it costs, estimated (:func:`kept_drain_bytes`)."""
 
 
+@dataclass(frozen=True, slots=True)
+class KeptDrainListing:
+    """A drain kept for a replica no pool lists, as ``GET /admin/replicas``' ``kept_drains`` shows it."""
+
+    replica: str
+    note: DrainNote | None
+    """Who drained it, when and why (``None`` when not known)."""
+    removed_at_wall_ts: float
+    """When discovery removed it, Unix seconds (in fleet mode on Redis's clock)."""
+    expires_at_wall_ts: float
+    """When it is forgotten (``health_drain_keep_s`` after the removal), on the same clock."""
+    source: Literal["memory", "redis"]
+    """Where it is kept: this process's health book, or the fleet's ``<prefix>:drained``."""
+    clock_offset_s: float = 0.0
+    """That clock minus this process's wall clock, seconds (0 for ``memory``)."""
+
+
 def kept_drain_bytes(replica: ReplicaId, note: DrainNote | None) -> int:
     """The estimated bytes of one kept drain: its strings (UTF-8 as an upper bound of Python's
     compact strings plus a fixed overhead)."""
@@ -211,6 +228,37 @@ class HealthBook:
             del self.kept_drains[replica]
             self.kept_drains_bytes -= kept.size_bytes
 
+    def kept_listing(self, now: float, wall: float) -> list[KeptDrainListing]:
+        """The kept drains not expired at ``now`` (monotonic; ``wall``: the same moment in Unix s)."""
+        return [
+            KeptDrainListing(
+                replica,
+                kept.note,
+                kept.removed_at_wall_ts,
+                wall + kept.removed_at + self.drain_keep_s - now,
+                "memory",
+            )
+            for replica, kept in self.kept_drains.items()
+            if now - kept.removed_at <= self.drain_keep_s
+        ]
+
+    def adopt_kept(
+        self, replica: ReplicaId, note: DrainNote | None, removed_at_wall_ts: float, now: float, wall: float
+    ) -> bool:
+        """Keep a sibling worker's kept drain of ``replica`` (a restarted worker catching up), as if
+        removed here at ``removed_at_wall_ts`` (``now`` monotonic, ``wall`` the same moment in Unix
+        s); ``False`` when it is listed here, its time is over, or this book keeps a newer one."""
+        removed_at = now - max(0.0, wall - removed_at_wall_ts)
+        if self.drain_keep_s <= 0 or replica in self.replicas or now - removed_at > self.drain_keep_s:
+            return False
+        held = self.kept_drains.get(replica)
+        if held is not None and held.removed_at_wall_ts >= removed_at_wall_ts:
+            return False
+        self.forget_kept(replica)
+        kept = KeptDrain(note, removed_at_wall_ts, removed_at, kept_drain_bytes(replica, note))
+        self._keep(replica, kept)
+        return True
+
     def forget_kept(self, replica: ReplicaId) -> KeptDrain | None:
         """End the kept drain of ``replica`` (an undrain of a replica not listed); ``None`` if none."""
         kept = self.kept_drains.pop(replica, None)
@@ -248,15 +296,24 @@ class HealthBook:
         if self.drain_keep_s <= 0:
             return None
         kept = KeptDrain(rec.drain, wall, now, kept_drain_bytes(replica, rec.drain))
+        self._keep(replica, kept)
+        return kept
+
+    def _keep(self, replica: ReplicaId, kept: KeptDrain) -> None:
+        """Add ``kept``, the oldest kept drains dropped past the count and byte bounds. The table
+        stays in removal order (the oldest first: :meth:`expire_kept` stops at the first one not
+        expired): an adopted drain older than the newest goes in its place."""
         while self.kept_drains and (
             len(self.kept_drains) >= MAX_KEPT_DRAINS
             or self.kept_drains_bytes + kept.size_bytes > MAX_KEPT_DRAIN_BYTES
         ):
             self.forget_kept(next(iter(self.kept_drains)))
             self.kept_drains_dropped += 1
+        newest = next(reversed(self.kept_drains.values()), None)
         self.kept_drains[replica] = kept
         self.kept_drains_bytes += kept.size_bytes
-        return kept
+        if newest is not None and kept.removed_at < newest.removed_at:
+            self.kept_drains = dict(sorted(self.kept_drains.items(), key=lambda item: item[1].removed_at))
 
     def routable(self, now: float, among: Iterable[ReplicaId] | None = None) -> list[ReplicaId]:
         """Replicas that may take a new request now (order preserved)."""

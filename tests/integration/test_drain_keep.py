@@ -10,6 +10,7 @@ removed, and in memory it ended with the removal.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,25 @@ async def entry(client: Any, replica: str) -> dict[str, Any] | None:
     return None if raw is None else strict_json.loads(raw)
 
 
+async def kept_on_both_faces(setup: Any) -> tuple[dict[str, dict[str, Any]], dict[str, pb.KeptDrain]]:
+    """The drains kept for removed replicas, by id, as ``GET /admin/replicas`` and gRPC
+    ``ListReplicas`` list them (h-fleetfollow2: listed by neither before)."""
+    async with setup.session.get(f"{setup.balancer.url}/admin/replicas") as response:
+        assert response.status == 200, await response.text()
+        answer = await response.json()
+    assert answer["kept_drains_total"] == len(answer["kept_drains"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.balancer.grpc_port}") as channel:
+        listed = await pb_grpc.AdminStub(channel).ListReplicas(pb.ListReplicasRequest())
+    assert listed.kept_drains_total == len(listed.kept_drains)
+    return {k["id"]: k for k in answer["kept_drains"]}, {k.id: k for k in listed.kept_drains}
+
+
+async def redis_now(client: Any) -> float:
+    """Redis's clock (``TIME``), the one the keep time counts on."""
+    seconds, micros = await client.time()
+    return int(seconds) + int(micros) / 1e6
+
+
 def remove(sync: DrainSync, replica: ReplicaId, wall: float) -> None:
     """What the service's discovery does to the book when it removes ``replica``."""
     sync.health.remove(replica, now=1.0, wall=wall)
@@ -69,45 +89,56 @@ def remove(sync: DrainSync, replica: ReplicaId, wall: float) -> None:
 async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_pruned(
     redis_server: RedisServer,
 ) -> None:
+    """The keep time counts on Redis's clock (``TIME``), so this test waits it out (1 s)."""
     client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     clock = Clock()
+    keep_s = 1.0
     await client.delete(KEY)
     try:
-        a = balancer(client, clock, 3600.0, R1)
-        b = balancer(client, clock, 3600.0, R1)
+        a = balancer(client, clock, keep_s, R1)
+        b = balancer(client, clock, keep_s, R1)
         await a.sync()  # seeds the hash
         assert await a.commit(R1, NOTE)
         await a.sync()
         await b.sync()
         assert a.health.replicas[R1].draining and b.health.replicas[R1].draining
 
-        # A's discovery removes it: its entry gains the removal time; B still lists it, so it stays
-        # drained there and B's next sync clears the time
+        # A's discovery removes it: its entry gains the removal time (Redis's); B still lists it, so
+        # it stays drained there and B's next sync clears the time
         remove(a, R1, clock.now)
-        await a.mark_removed(R1, clock.now)
-        assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": clock.now}
+        await a.mark_removed(R1)
+        removed_at = await redis_now(client)
+        stored = await entry(client, R1)
+        assert stored is not None and abs(stored.pop("removed_at_wall_ts") - removed_at) < 1.0
+        assert stored == NOTE.to_json()
         await a.sync()
         await b.sync()  # every poll_s (0.5 s by default)
         assert b.health.replicas[R1].draining
         # re-listed: the removal time is cleared (kept as where the drain was kept from)
-        assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": clock.now}
-        clock.now += 7200.0  # past the keep time since A's removal
+        stored = await entry(client, R1)
+        assert (
+            stored is not None
+            and "removed_at_wall_ts" not in stored
+            and "kept_from_removal_wall_ts" in stored
+        )
+        await asyncio.sleep(keep_s + 0.2)  # past the keep time since A's removal
         await a.sync()
         assert await entry(client, R1) is not None  # B lists it: A does not prune it
 
         # B's discovery removes it too; re-added on A within the keep time: drained, and says so
         remove(b, R1, clock.now)
-        await b.mark_removed(R1, clock.now)
-        removed_at = clock.now
-        clock.now += 600.0
+        await b.mark_removed(R1)
+        removed_at = float((await entry(client, R1) or {})["removed_at_wall_ts"])
         await a.sync()
         await b.sync()
+        assert [kept.replica for kept in a.kept_drains()] == [R1]  # listed nowhere: kept by the fleet
         a.health.add(R1, probe_ok=True, now=2.0)
         await a.sync()
+        assert a.kept_drains() == []
         record = a.health.replicas[R1]
         assert record.draining and record.drain == NOTE and record.kept_from_removal_wall_ts == removed_at
         assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": removed_at}
-        c = balancer(client, clock, 3600.0, R1)  # another worker, whose sync comes after A's clearing
+        c = balancer(client, clock, keep_s, R1)  # another worker, whose sync comes after A's clearing
         await c.sync()
         assert (
             c.health.replicas[R1].draining and c.health.replicas[R1].kept_from_removal_wall_ts == removed_at
@@ -115,8 +146,10 @@ async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_prune
 
         # removed everywhere, and kept longer than health_drain_keep_s: pruned by a sync
         remove(a, R1, clock.now)
-        await a.mark_removed(R1, clock.now)
-        clock.now += 3600.5
+        await a.mark_removed(R1)
+        await b.sync()
+        assert await entry(client, R1) is not None  # within the keep time
+        await asyncio.sleep(keep_s + 0.2)
         await b.sync()
         assert await entry(client, R1) is None
         a.health.add(R1, probe_ok=True, now=2.0)
@@ -139,9 +172,9 @@ async def test_older_entries_stay_a_prune_is_bounded_and_an_unlisted_id_can_be_u
         await a.sync()
         old = strict_json.dumps({"by": "token:1a2b3c4d@10.0.0.7", "at": 1_795_000_000.5})
         await client.hset(KEY, "old-release", old)  # a release before 732957c wrote it
-        await a.mark_removed(ReplicaId("old-release"), clock.now)
+        await a.mark_removed(ReplicaId("old-release"))
         assert await client.hget(KEY, "old-release") == old  # left as it was: kept until undrained
-        expired = {**NOTE.to_json(), "removed_at_wall_ts": clock.now - 61.0}
+        expired = {**NOTE.to_json(), "removed_at_wall_ts": await redis_now(client) - 61.0}
         await client.hset(
             KEY, mapping={f"gone-{i}": strict_json.dumps(expired) for i in range(MAX_PRUNES_PER_SYNC + 5)}
         )
@@ -197,8 +230,20 @@ async def test_without_redis_a_drain_outlives_the_removal_and_an_unlisted_id_can
             assert response.status == 200, await response.text()
         write([])
         await wait_for("r1 removed", r1_gone, timeout_s=10)
+        http_kept, grpc_kept = await kept_on_both_faces(setup)
+        assert list(http_kept) == ["r1"] and list(grpc_kept) == ["r1"], http_kept
+        kept = http_kept["r1"]
+        assert kept["source"] == "memory" and kept["drain"]["reason"] == "node repair", kept
+        assert kept["text"].startswith("drained (kept from before its removal at "), kept
+        keep_s = setup.balancer.settings.health_drain_keep_s
+        assert kept["expires_at_wall_ts"] == pytest.approx(kept["removed_at_wall_ts"] + keep_s, abs=1.0)
+        assert 0 <= kept["removed_at_age_s"] < 10 and keep_s - 10 < kept["expires_in_s"] <= keep_s, kept
+        assert grpc_kept["r1"].text == kept["text"] and grpc_kept["r1"].source == "memory"
+        assert grpc_kept["r1"].removed_at_wall_ts == kept["removed_at_wall_ts"]
+        assert dict(grpc_kept["r1"].drain)["reason"] == "node repair"
         write([extra])
         await wait_for("r1 discovered again", r1_listed, timeout_s=10)
+        assert (await kept_on_both_faces(setup)) == ({}, {})  # listed again: not a kept drain
         r1 = (await setup.views())["r1"]
         assert r1["health"]["draining"] and not r1["routable"], r1
         assert r1["health"]["drain"]["reason"] == "node repair", r1
@@ -233,7 +278,7 @@ async def test_a_redis_that_lost_its_data_gets_the_kept_drains_back(redis_server
         await a.sync()
         assert a.health.replicas[R1].draining
         remove(a, R1, 1_796_000_050.0)
-        await a.mark_removed(R1, 1_796_000_050.0)
+        await a.mark_removed(R1)
         await client.delete(KEY)  # a restart without persistence
         await a.sync()  # the seed
         assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": 1_796_000_050.0}
@@ -258,6 +303,7 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
         "redis__url": redis_server.url,
         "redis__key_prefix": "dkb",
         "redis__policy_poll_s": 0.1,
+        "listen__grpc_port": 0,
     }
     client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
 
@@ -288,6 +334,15 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
             await wait_for("r1 removed", r1_gone, timeout_s=10)
             stored = strict_json.loads(await client.hget("dkb:drained", "r1"))
             assert stored["reason"] == "node repair" and isinstance(stored["removed_at_wall_ts"], float)
+
+            async def kept_in_redis() -> bool:
+                return (await kept_on_both_faces(setup))[0].get("r1", {}).get("source") == "redis"
+
+            await wait_for("the fleet's kept drain listed", kept_in_redis, timeout_s=5)
+            http_kept, grpc_kept = await kept_on_both_faces(setup)
+            assert http_kept["r1"]["removed_at_wall_ts"] == stored["removed_at_wall_ts"]
+            assert http_kept["r1"]["drain"]["reason"] == "node repair"
+            assert grpc_kept["r1"].source == "redis" and grpc_kept["r1"].text == http_kept["r1"]["text"]
 
             write([extra])
             await wait_for("r1 discovered again", r1_listed, timeout_s=10)
