@@ -1,7 +1,7 @@
 """The fleet's drained replicas as one balancer last read them from Redis (pure: no I/O, no clock).
 
 :class:`DrainedMirror` holds ``<prefix>:drained``'s entries (replica id → its JSON text) as of the
-change version it read (``<prefix>:drained:version``), so that a sync reads only the entries changed
+change version it read (``{<prefix>:drained}:version``), so that a sync reads only the entries changed
 since (:class:`~balancer.fleet.drain_sync.DrainSync`), and indexes the entries that carry a removal
 time (a drain kept after its replica's removal): the prune and ``GET /admin/replicas``'
 ``kept_drains`` read that index, not the whole hash. Times are Redis's (``TIME``), passed in as

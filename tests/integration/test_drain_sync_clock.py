@@ -16,16 +16,19 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 from prometheus_client import CollectorRegistry
+from redis_cluster import RedisClusterProcs
 from redis_server import RedisServer
 
 from balancer import strict_json
+from balancer.config import RedisConfig
 from balancer.fleet.drain_sync import FULL_READ_EVERY_SYNCS, MAX_CHANGE_LOG, DrainSync
+from balancer.fleet.runtime import redis_client
 from balancer.health.book import DrainNote, HealthBook
 from balancer.metrics import Metrics
 from balancer.types import ReplicaId
 
 PREFIX = "dc"
-KEYS = [f"{PREFIX}:drained", f"{PREFIX}:drained:version", f"{PREFIX}:drained:changes"]
+KEYS = [f"{PREFIX}:drained", f"{{{PREFIX}:drained}}:version", f"{{{PREFIX}:drained}}:changes"]
 NOTE = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1_796_000_000.0, reason="disk swap")
 R1 = ReplicaId("web-1")
 DAY_S = 86_400.0
@@ -156,6 +159,31 @@ async def test_a_sync_reads_only_what_changed_and_the_whole_hash_when_it_must(
         await a.commit(ReplicaId("other"), None)
         await b.sync()  # then the change log again
         assert b.full_reads == reads + 1 and "other" not in b.mirror.entries
+    finally:
+        await client.delete(*KEYS)
+        await client.aclose()
+
+
+@pytest.mark.redis
+async def test_the_drains_scripts_run_on_a_redis_cluster(redis_cluster: RedisClusterProcs) -> None:
+    """The three keys of a drain script share one slot (a hash tag): on a 3-master Redis Cluster a
+    drain, its removal mark and the change log's read work as on one server (without the hash tag:
+    ``CROSSSLOT``, every drain refused)."""
+    client = redis_client(RedisConfig(url=redis_cluster.url, cluster=True), decode=True)
+    try:
+        a = balancer(client, 60.0, R1)
+        b = balancer(client, 60.0, R1)
+        await a.sync()  # the seed
+        assert await a.commit(R1, NOTE)
+        await b.sync()
+        await b.sync()
+        assert b.health.replicas[R1].draining and b.full_reads == 1  # the second: the change log
+        a.health.remove(R1, now=1.0, wall=time.time())
+        await a.mark_removed(R1)
+        b.health.remove(R1)  # B's discovery dropped it too
+        await b.sync()
+        assert [kept.replica for kept in b.kept_drains()] == [R1] and b.full_reads == 1
+        assert len({redis_cluster.master_port(key) for key in KEYS}) == 1
     finally:
         await client.delete(*KEYS)
         await client.aclose()
