@@ -1,9 +1,10 @@
 """The Lua scripts of the fleet's drains in Redis (:class:`~balancer.fleet.drain_sync.DrainSync`).
 
 Each runs on three keys: ``KEYS[1]`` the drained HASH ``<prefix>:drained``, ``KEYS[2]`` the version
-HASH ``{<prefix>:drained}:version`` (``version``, ``epoch``, ``floor``) and ``KEYS[3]`` the change
-log ZSET ``{<prefix>:drained}:changes`` (replica id → the version of its entry's last change), all in
-one Redis Cluster slot (the hash tag is the first key's whole name). The writers
+HASH ``<prefix>:drained:version{<prefix>:drained}`` (``version``, ``epoch``, ``floor``) and
+``KEYS[3]`` the change log ZSET ``<prefix>:drained:changes{<prefix>:drained}`` (replica id → the
+version of its entry's last change), all in one Redis Cluster slot (the hash tag is the first key's
+whole name) and under ``<prefix>:``. The writers
 (:data:`WRITE`, :data:`SWAP`, :data:`SEED`, :data:`START`) replace a key of another type (garbage)
 and log what they change; :data:`READ` is read-only and answers Redis's ``TIME`` with the entries
 changed since a version, or says that the whole hash must be read. The meaning of the entries and of

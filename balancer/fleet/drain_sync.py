@@ -14,17 +14,19 @@ to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at 
 
 A sync reads only what changed (since 2026-12-01, h-fleetfollow2; before, the whole hash at every
 message and poll: 21–32 ms for 10,000 entries). Every write of this release also bumps the version
-in ``{<prefix>:drained}:version`` (a HASH: ``version``, ``epoch``, ``floor``) and records each entry
-it changed in ``{<prefix>:drained}:changes`` (a ZSET: replica id → the version of its last change, the
-newest :data:`MAX_CHANGE_LOG` kept; ``floor`` is the newest version trimmed away). A sync runs one
-read-only script that answers Redis's ``TIME``, the version, and the entries changed since the
-version this balancer last read (:class:`~balancer.fleet.drained_entries.DrainedMirror` keeps them;
-the braces are a hash tag: with Redis Cluster the three keys are in one slot, as a script needs);
-it reads the whole hash instead when it has not read it yet, when the epoch changed (Redis lost the
-keys: a write that finds the hash absent or garbage starts a new epoch), when its version is older
-than ``floor`` or more than :data:`MAX_CHANGES_PER_SYNC` entries changed, when a message came and the
-version did not move (a balancer of an older release wrote: it bumps no version), and every
-:data:`FULL_READ_EVERY_SYNCS` syncs in any case (an older release's write whose message was lost).
+in ``<prefix>:drained:version{<prefix>:drained}`` (a HASH: ``version``, ``epoch``, ``floor``) and
+records each entry it changed in ``<prefix>:drained:changes{<prefix>:drained}`` (a ZSET: replica id
+→ the version of its last change, the newest :data:`MAX_CHANGE_LOG` kept; ``floor`` is the newest
+version trimmed away). A sync runs one read-only script that answers Redis's ``TIME``, the version,
+and the entries changed since the version this balancer last read
+(:class:`~balancer.fleet.drained_entries.DrainedMirror` keeps them; the braces are a hash tag: with
+Redis Cluster the three keys are in one slot, as a script needs, and all three match an ACL's
+``~<prefix>:*``); it reads the whole hash instead when it has not read it yet, when the epoch
+changed (Redis lost the keys: a write that finds the hash absent or garbage starts a new epoch),
+when its version is older than ``floor`` or more than :data:`MAX_CHANGES_PER_SYNC` entries changed,
+when a message came and the version did not move (a balancer of an older release wrote: it bumps no
+version), and every :data:`FULL_READ_EVERY_SYNCS` syncs in any case (an older release's write whose
+message was lost).
 
 An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
 so a Redis restart without persistence leaves drained replicas drained, with their notes. A key of
@@ -87,8 +89,8 @@ MAX_PRUNE_SCAN = 512
 """Most removed entries of replicas not listed here one sync looks at for an expired removal time,
 taking up where the previous sync stopped."""
 MAX_CHANGE_LOG = 4096
-"""Most members of ``{<prefix>:drained}:changes`` (about 100 B of Redis each with a short id); the
-oldest go first and a balancer that has not read them reads the whole hash once."""
+"""Most members of ``<prefix>:drained:changes{<prefix>:drained}`` (about 100 B of Redis each with a
+short id); the oldest go first and a balancer that has not read them reads the whole hash once."""
 MAX_CHANGES_PER_SYNC = 1024
 """Most changed entries one sync reads by id; more changed: it reads the whole hash instead."""
 FULL_READ_EVERY_SYNCS = 60
@@ -129,8 +131,9 @@ class DrainSync:
         self.client = client
         self.health = health
         self.key = f"{key_prefix}:drained"
-        # the hash tag puts both in <prefix>:drained's slot (Redis Cluster: a script's keys share one)
-        self.keys = [self.key, f"{{{self.key}}}:version", f"{{{self.key}}}:changes"]
+        # under <prefix>: (an ACL's ~<prefix>:* covers them), and in <prefix>:drained's slot by their
+        # hash tag (Redis Cluster: a script's keys share one)
+        self.keys = [self.key, f"{self.key}:version{{{self.key}}}", f"{self.key}:changes{{{self.key}}}"]
         self.channel = f"{key_prefix}:drained:changed"
         self.poll_s = poll_s
         self._metrics = metrics

@@ -1,13 +1,13 @@
 """The fleet's drained replicas as one balancer last read them from Redis (pure: no I/O, no clock).
 
 :class:`DrainedMirror` holds ``<prefix>:drained``'s entries (replica id → its JSON text) as of the
-change version it read (``{<prefix>:drained}:version``), so that a sync reads only the entries changed
-since (:class:`~balancer.fleet.drain_sync.DrainSync`), and indexes the entries that carry a removal
-time (a drain kept after its replica's removal): the prune and ``GET /admin/replicas``'
-``kept_drains`` read that index, not the whole hash. Times are Redis's (``TIME``), passed in as
-``now_s``: the removal stamp and the prune's comparison are on one clock, whatever the balancers'
-wall clocks say (until 2026-12-01, h-fleetfollow2, each balancer compared its own wall clock with
-the time another had written).
+change version it read (``<prefix>:drained:version{<prefix>:drained}``), so that a sync reads only
+the entries changed since (:class:`~balancer.fleet.drain_sync.DrainSync`), and indexes the entries
+that carry a removal time (a drain kept after its replica's removal): the prune and ``GET
+/admin/replicas``' ``kept_drains`` read that index, not the whole hash. Times are Redis's
+(``TIME``), passed in as ``now_s``: the removal stamp and the prune's comparison are on one clock,
+whatever the balancers' wall clocks say (until 2026-12-01, h-fleetfollow2, each balancer compared
+its own wall clock with the time another had written).
 
 The entries' format (:func:`note_of`, :func:`removal_of`) is described in
 :mod:`balancer.fleet.drain_sync`.

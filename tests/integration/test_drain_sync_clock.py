@@ -28,7 +28,11 @@ from balancer.metrics import Metrics
 from balancer.types import ReplicaId
 
 PREFIX = "dc"
-KEYS = [f"{PREFIX}:drained", f"{{{PREFIX}:drained}}:version", f"{{{PREFIX}:drained}}:changes"]
+KEYS = [
+    f"{PREFIX}:drained",
+    f"{PREFIX}:drained:version{{{PREFIX}:drained}}",
+    f"{PREFIX}:drained:changes{{{PREFIX}:drained}}",
+]
 NOTE = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1_796_000_000.0, reason="disk swap")
 R1 = ReplicaId("web-1")
 DAY_S = 86_400.0
