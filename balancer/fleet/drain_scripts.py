@@ -130,30 +130,39 @@ return {meta[1], tonumber(meta[2])}
 READ = """
 -- KEYS[1]: drained HASH, KEYS[2]: version HASH, KEYS[3]: change-log ZSET. ARGV[1]: the epoch and
 -- ARGV[2] the version the reader has; ARGV[3]: most changed entries it reads by id. -> {TIME's
--- seconds, its microseconds, epoch, version, 1 when the reader must read the whole hash, the
--- changed ids, their entries (nil: deleted)}
+-- seconds, its microseconds, epoch, version, why the reader must read the whole hash ('' when it
+-- need not: 'first', 'epoch', 'trimmed', 'changes'), the changed ids, their entries (nil: deleted)}
 local t = redis.call('TIME')
 if redis.call('TYPE', KEYS[1])['ok'] ~= 'hash' or redis.call('TYPE', KEYS[2])['ok'] ~= 'hash' then
-  return {t[1], t[2], '', 0, 1}
+  if ARGV[1] == '' then
+    return {t[1], t[2], '', 0, 'first'}
+  end
+  return {t[1], t[2], '', 0, 'epoch'} -- the keys are gone (Redis lost its data) or garbage
 end
 local z = redis.call('TYPE', KEYS[3])['ok']
 local meta = redis.call('HMGET', KEYS[2], 'epoch', 'version', 'floor')
 local epoch, version, floor = meta[1], tonumber(meta[2]) or 0, tonumber(meta[3]) or 0
 local last = tonumber(ARGV[2])
-if not epoch or epoch ~= ARGV[1] or version < last or floor > last or (z ~= 'zset' and z ~= 'none') then
-  return {t[1], t[2], epoch or '', version, 1}
+if not epoch or ARGV[1] == '' then
+  return {t[1], t[2], epoch or '', version, 'first'}
+end
+if epoch ~= ARGV[1] or version < last or (z ~= 'zset' and z ~= 'none') then
+  return {t[1], t[2], epoch, version, 'epoch'}
+end
+if floor > last then
+  return {t[1], t[2], epoch, version, 'trimmed'}
 end
 if version == last then
-  return {t[1], t[2], epoch, version, 0}
+  return {t[1], t[2], epoch, version, ''}
 end
 local most = tonumber(ARGV[3])
 local ids = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. last, '+inf', 'LIMIT', 0, most + 1)
 if #ids > most then
-  return {t[1], t[2], epoch, version, 1}
+  return {t[1], t[2], epoch, version, 'changes'}
 end
 local entries = {}
 if #ids > 0 then
   entries = redis.call('HMGET', KEYS[1], unpack(ids))
 end
-return {t[1], t[2], epoch, version, 0, ids, entries}
+return {t[1], t[2], epoch, version, '', ids, entries}
 """

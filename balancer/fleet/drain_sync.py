@@ -93,6 +93,11 @@ MAX_CHANGE_LOG = 4096
 short id); the oldest go first and a balancer that has not read them reads the whole hash once."""
 MAX_CHANGES_PER_SYNC = 1024
 """Most changed entries one sync reads by id; more changed: it reads the whole hash instead."""
+WHOLE_READ_REASONS = ("first", "epoch", "trimmed", "changes", "unversioned", "periodic")
+"""Why a sync reads the whole hash (``kvlb_redis_drain_whole_reads_total{reason}``): its first read
+(or no change log yet), a new epoch (Redis lost the keys), the log trimmed past its version, more
+than :data:`MAX_CHANGES_PER_SYNC` changes, a message without a version move (an older release wrote),
+the periodic read (:data:`FULL_READ_EVERY_SYNCS`)."""
 FULL_READ_EVERY_SYNCS = 60
 """A sync reads the whole hash at least once in this many (30 s at ``redis.policy_poll_s: 0.5``):
 the bound on how late a write of an older release (which bumps no version) whose message was lost
@@ -158,6 +163,8 @@ class DrainSync:
         self.redis_clock_offset_s = 0.0
         """Redis's ``TIME`` minus this balancer's wall clock at the last sync, seconds."""
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+        for reason in WHOLE_READ_REASONS:
+            metrics.redis_drain_whole_reads_total.labels(reason)
 
     # ------------------------------------------------------------------ local → Redis
 
@@ -251,11 +258,14 @@ class DrainSync:
         reply = await self._read(keys=self.keys, args=[mirror.epoch, mirror.version, MAX_CHANGES_PER_SYNC])
         now_s = int(reply[0]) + int(reply[1]) / 1e6  # Redis's clock: the fleet's one
         self.redis_clock_offset_s = now_s - self._wall_clock()
-        epoch, version, whole = str(reply[2]), int(reply[3]), bool(int(reply[4]))
+        epoch, version, why = str(reply[2]), int(reply[3]), str(reply[4])
         self._syncs_since_full += 1
-        if message and version == mirror.version and epoch == mirror.epoch:
-            whole = True  # a change without a version: a balancer of an older release wrote
-        if whole or self._syncs_since_full >= FULL_READ_EVERY_SYNCS:
+        if not why and message and version == mirror.version:
+            why = "unversioned"  # a change without a version: a balancer of an older release wrote
+        if not why and self._syncs_since_full >= FULL_READ_EVERY_SYNCS:
+            why = "periodic"
+        if why:
+            self._metrics.redis_drain_whole_reads_total.labels(why).inc()
             if not epoch:  # no change log yet (a hash of an older release's), or no hash
                 started = await self._start(keys=self.keys, args=[MAX_CHANGE_LOG])
                 epoch, version = str(started[0]), int(started[1])

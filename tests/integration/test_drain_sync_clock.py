@@ -163,6 +163,15 @@ async def test_a_sync_reads_only_what_changed_and_the_whole_hash_when_it_must(
         await a.commit(ReplicaId("other"), None)
         await b.sync()  # then the change log again
         assert b.full_reads == reads + 1 and "other" not in b.mirror.entries
+        registry = b._metrics.registry
+        counted = {
+            reason: registry.get_sample_value("kvlb_redis_drain_whole_reads_total", {"reason": reason})
+            for reason in ("first", "epoch", "trimmed", "changes", "unversioned", "periodic")
+        }
+        # epoch: the sync that found the keys gone (and seeded), then the one that read the seed
+        assert counted == {
+            "first": 1.0, "epoch": 2.0, "trimmed": 1.0, "changes": 0.0, "unversioned": 1.0, "periodic": 1.0
+        }  # fmt: skip
     finally:
         await client.delete(*KEYS)
         await client.aclose()
