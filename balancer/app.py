@@ -206,6 +206,7 @@ class Balancer:
             decisions=self._decision_log(),
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
             token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
+            wall_clock=self.options.wall_clock,
         )
         self.metrics.token_id_memo.source = lambda: state.token_id_memo
         state.tenant_rates = self._tenant_rates()

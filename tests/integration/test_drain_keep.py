@@ -11,14 +11,16 @@ removed, and in memory it ended with the removal.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from kvlb_harness import MODEL, replica_entry, wait_for
+from kvlb_harness import MODEL, replica_entry, settings_for, shared_deepseek, wait_for, wait_ready
 from prometheus_client import CollectorRegistry
 from redis_server import RedisServer
 from test_discovery_app import balancer_over, two_replicas
@@ -26,9 +28,11 @@ from test_discovery_app import balancer_over, two_replicas
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
+from balancer.app import Balancer
 from balancer.fleet.drain_sync import MAX_PRUNES_PER_SYNC, DrainSync
 from balancer.health.book import DrainNote, HealthBook
 from balancer.metrics import Metrics
+from balancer.serve_options import ServeOptions
 from balancer.types import ReplicaId
 from replicas.sim.replica import Replica
 
@@ -363,3 +367,114 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
     finally:
         await client.delete("dkb:drained")
         await client.aclose()
+
+
+@pytest.mark.redis
+async def test_two_balancers_with_skewed_clocks_keep_a_drain_for_the_keep_time_on_redis_clock(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two real balancers on one ``redis-server``, A's wall clock 10 days behind, B's 10 days ahead,
+    each with its own discovery file, ``health_drain_keep_s: 3``. r1 is drained, B's discovery drops
+    it, then A's: the drain is kept (listed by both as a ``redis`` kept drain) for the keep time on
+    Redis's clock, then pruned. Before h-fleetfollow2, A stamped the removal 10 days back and B
+    (20 days past it) deleted the entry at its next sync."""
+    keep_s = 3.0
+    redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+    def files(name: str) -> tuple[Path, dict[str, Any]]:
+        listed = tmp_path / f"{name}.yaml"
+        listed.write_text("pools: []\n")
+        return listed, {
+            "discovery__kind": "file",
+            "discovery__file": str(listed),
+            "discovery__reload_interval_s": 0.1,
+            "redis__url": redis_server.url,
+            "redis__key_prefix": "dks",
+            "redis__policy_poll_s": 0.1,
+            "health_drain_keep_s": keep_s,
+        }
+
+    def write(path: Path, replicas: list[Replica]) -> None:
+        fresh = path.with_suffix(".new")
+        entries = [replica_entry(r) for r in replicas]
+        fresh.write_text(yaml.safe_dump({"pools": [{"model": MODEL, "replicas": entries}]}))
+        fresh.replace(path)
+
+    file_a, overrides_a = files("a")
+    file_b, overrides_b = files("b")
+    balancers: list[Balancer] = []
+    try:
+        async with (
+            two_replicas(**overrides_a) as (static, extra, settings_a),
+            aiohttp.ClientSession() as session,
+        ):
+            settings_b = settings_for([static], limits__speculative_ttl_s=0.001, **overrides_b)
+            for settings, skew_s in ((settings_a, -10 * 86_400.0), (settings_b, 10 * 86_400.0)):
+                options = ServeOptions(wall_clock=lambda skew_s=skew_s: time.time() + skew_s)
+                balancer = Balancer(settings, tokenizers={MODEL: shared_deepseek()}, options=options)
+                balancers.append(balancer)
+                await balancer.start()
+                await wait_ready(session, balancer.url)
+            a, b = balancers
+
+            async def answer(on: Balancer) -> dict[str, Any]:
+                async with session.get(f"{on.url}/admin/replicas") as response:
+                    assert response.status == 200, await response.text()
+                    return dict(await response.json())
+
+            async def r1_draining_on_both() -> bool:
+                for on in (a, b):
+                    views = {v["id"]: v for v in (await answer(on))["replicas"]}
+                    if "r1" not in views or not views["r1"]["health"]["draining"]:
+                        return False
+                return True
+
+            write(file_a, [extra])
+            write(file_b, [extra])
+            await wait_for("r1 listed on both", lambda: answer_lists(answer, a, b, "r1"), timeout_s=10)
+            async with session.post(f"{a.url}/admin/replicas/r1/drain", json={"reason": "disk swap"}) as sent:
+                assert sent.status == 200, await sent.text()
+            await wait_for("r1 drained on both", r1_draining_on_both, timeout_s=10)
+
+            write(file_b, [])  # B's discovery drops it first: A still lists it and clears the time
+
+            async def cleared() -> bool:
+                raw = await redis.hget("dks:drained", "r1")
+                return raw is not None and "kept_from_removal_wall_ts" in strict_json.loads(raw)
+
+            await wait_for("A to clear B's removal", cleared, timeout_s=10)
+            write(file_a, [])  # then A's: removed everywhere
+
+            async def removed() -> bool:
+                raw = await redis.hget("dks:drained", "r1")
+                return raw is not None and "removed_at_wall_ts" in strict_json.loads(raw)
+
+            await wait_for("A's removal mark", removed, timeout_s=10)
+            stamped = float(strict_json.loads(await redis.hget("dks:drained", "r1"))["removed_at_wall_ts"])
+            assert abs(stamped - await redis_now(redis)) < 5.0  # Redis's clock, not A's (10 days back)
+            await asyncio.sleep(0.5)  # both balancers synced several times (every 0.1 s)
+            assert await redis.hget("dks:drained", "r1") is not None  # B, 20 days past A's clock, kept it
+            for on in (a, b):
+                kept = {k["id"]: k for k in (await answer(on))["kept_drains"]}
+                assert kept["r1"]["source"] == "redis" and 0 < kept["r1"]["expires_in_s"] <= keep_s, kept
+                assert kept["r1"]["drain"]["reason"] == "disk swap"
+
+            async def pruned() -> bool:
+                return await redis.hget("dks:drained", "r1") is None
+
+            await wait_for("the prune after the keep time", pruned, timeout_s=keep_s + 10)
+            assert await redis_now(redis) - stamped > keep_s  # not before the keep time on Redis's clock
+    finally:
+        for balancer in balancers:
+            await balancer.stop()
+        await redis.delete(
+            "dks:drained", "dks:drained:version{dks:drained}", "dks:drained:changes{dks:drained}"
+        )
+        await redis.aclose()
+
+
+async def answer_lists(answer: Any, a: Balancer, b: Balancer, replica: str) -> bool:
+    for on in (a, b):
+        if replica not in {v["id"] for v in (await answer(on))["replicas"]}:
+            return False
+    return True
