@@ -234,6 +234,7 @@ class Balancer:
             decisions=self._decision_log(),
             audit=AuditLog(settings.console.audit_log_size, self.metrics.console_audit_dropped_total.inc),
             token_id_memo=TokenIdMemo(limits.token_id_memo_runs),
+            wall_clock=self.options.wall_clock,
         )
         if self.key_watcher is not None:
             self.key_watcher.on_rotated = self._key_rotated

@@ -773,6 +773,7 @@ class _RedisCollectors:
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
     redis_snapshots_total: Counter
+    redis_drain_whole_reads_total: Counter
 
 
 def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
@@ -858,6 +859,12 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
             "kvlb_redis_snapshots_total",
             "Mirror table snapshots written to or loaded from Redis (op=write|load).",
             ["op"],
+        ),
+        redis_drain_whole_reads_total=counter(
+            "kvlb_redis_drain_whole_reads_total",
+            "Drain syncs that read the whole <prefix>:drained hash instead of the entries changed since"
+            " the last, by reason (first, epoch, trimmed, changes, unversioned, periodic).",
+            ["reason"],
         ),
     )
 

@@ -7,6 +7,8 @@ its arguments and decide whether to re-execute itself on jemalloc without import
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -19,6 +21,9 @@ class ServeOptions:
     (their load released, their upstream connections closed)."""
     worker: WorkerRole | None = None
     """Set when this process is one of ``kvlb serve --workers N`` (:mod:`balancer.cli.workers`)."""
+    wall_clock: Callable[[], float] = time.time
+    """This process's wall clock, Unix seconds (``ServiceState.wall_clock``: the times it shows and
+    stamps; a test gives two balancers skewed clocks). The fleet's shared times are Redis's ``TIME``."""
 
 
 @dataclass(frozen=True, slots=True)

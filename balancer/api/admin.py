@@ -11,7 +11,8 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
   returns the full decision with every replica's cost terms. Nothing is committed. The
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, prediction accuracy (the
-  last receipts), event status (lag, last resync) and scrape status.
+  last receipts), event status (lag, last resync) and scrape status; and ``kept_drains``, the drains
+  kept for replicas discovery removed (:func:`kept_drain_views`).
 * ``GET /admin/replicas/{id}/blocks?limit=``: the block keys the index routing reads holds for one
   replica, per DP rank (confirmed blocks only, no speculative entry; at most ``limit`` a rank,
   default :data:`DEFAULT_BLOCKS_LIMIT`, at most :data:`MAX_BLOCKS_LIMIT`), as 16 hex digits: what
@@ -23,7 +24,7 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
 * ``GET /admin/fleet``: with Redis, this balancer's fleet view (members, its leases, mirrors);
   ``{"fleet": null}`` when embedded.
 
-:func:`change_policy`, :func:`explain_raw`, :func:`replica_views` and :func:`set_draining` do the
+:func:`change_policy`, :func:`explain_raw`, :func:`replicas_answer` and :func:`set_draining` do the
 work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc.admin`) calls the same code.
 """
 
@@ -54,7 +55,7 @@ from balancer.api.parsing import (
 )
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError, DrainCommitError
-from balancer.health.book import DrainNote, kept_text
+from balancer.health.book import DrainNote, KeptDrainListing, kept_text
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
 from balancer.routing.router import RoutePlan
@@ -252,8 +253,52 @@ def left_out(state: ServiceState, replicas: Iterable[str], plan: RoutePlan) -> d
 
 async def list_replicas(request: web.Request) -> web.Response:
     check_query(request.query, NO_QUERY)
-    state = request.app[STATE]
-    return web.json_response({"replicas": replica_views(state)}, dumps=strict_json.dumps)
+    return web.json_response(replicas_answer(request.app[STATE]), dumps=strict_json.dumps)
+
+
+def replicas_answer(state: ServiceState) -> dict[str, Any]:
+    """``GET /admin/replicas``' answer: the replicas listed, and the drains kept for those no pool
+    lists (:func:`kept_drain_views`)."""
+    kept, total = kept_drain_views(state)
+    return {"replicas": replica_views(state), "kept_drains": kept, "kept_drains_total": total}
+
+
+MAX_LISTED_KEPT_DRAINS = 1_000
+"""Most kept drains ``GET /admin/replicas`` lists (the newest removals; ``kept_drains_total`` counts
+them all): about 400 B of JSON each."""
+
+
+def kept_drain_views(state: ServiceState) -> tuple[list[dict[str, Any]], int]:
+    """The drains kept for replicas no pool lists (drained, then removed by discovery): each replica
+    added again under its id before ``expires_at_wall_ts`` comes back drained. This process's own
+    (``source: memory``) and, in fleet mode, the fleet's in Redis (``source: redis``, which wins: the
+    fleet's are the ones applied), newest removal first, at most :data:`MAX_LISTED_KEPT_DRAINS`; and
+    how many there are."""
+    now, wall = state.monotonic(), state.wall_clock()
+    listed = {kept.replica: kept for kept in state.health.kept_listing(now, wall)}
+    if state.fleet_kept_drains is not None:
+        listed.update((kept.replica, kept) for kept in state.fleet_kept_drains())
+    for pool in state.pools.values():
+        for replica in pool.replicas:
+            listed.pop(replica, None)
+    ordered = sorted(listed.values(), key=lambda kept: kept.removed_at_wall_ts, reverse=True)
+    return [kept_drain_view(kept, wall) for kept in ordered[:MAX_LISTED_KEPT_DRAINS]], len(ordered)
+
+
+def kept_drain_view(kept: KeptDrainListing, wall: float) -> dict[str, Any]:
+    """One kept drain: ``id``, its ``drain`` note, ``removed_at_wall_ts`` and its age,
+    ``expires_at_wall_ts`` and ``expires_in_s``, ``source`` and the ``text`` the log shows."""
+    now = wall + kept.clock_offset_s  # on the clock the times are on
+    return {
+        "id": kept.replica,
+        "drain": None if kept.note is None else _ages(kept.note.to_json(), now),
+        "removed_at_wall_ts": kept.removed_at_wall_ts,
+        "removed_at_age_s": round(now - kept.removed_at_wall_ts, 3),
+        "expires_at_wall_ts": kept.expires_at_wall_ts,
+        "expires_in_s": round(kept.expires_at_wall_ts - now, 3),
+        "source": kept.source,
+        "text": kept_text(kept.note, kept.removed_at_wall_ts),
+    }
 
 
 def replica_views(state: ServiceState) -> list[dict[str, Any]]:

@@ -18,7 +18,9 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
 * ``GET /admin/replicas``: this worker's view of each replica (health, drains, the shared load and
   in-flight count, its index and event status, as every worker's are alike) with the ``prediction``
   of every worker's receipts (:func:`merge_predictions`): each worker keeps the receipts of the
-  requests it routed. gRPC ``Admin.ListReplicas`` answers the same (:func:`grpc_replicas`).
+  requests it routed; and every worker's ``kept_drains`` (each discovers, so removes, on its own),
+  one per replica id, its newest removal (:func:`merge_kept_drains`). gRPC ``Admin.ListReplicas``
+  answers the same (:func:`grpc_replicas`).
 * ``GET /admin/audit``: one entry per policy version (:func:`_merge_audit`): a worker restarted
   after a change adopted the policy from a sibling but not its audit log.
 * ``POST /admin/whatif``: every worker replays its own decisions with the same body; the answers
@@ -39,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from balancer import strict_json
-from balancer.api.admin import SERIES_HISTOGRAMS, series_histograms
+from balancer.api.admin import MAX_LISTED_KEPT_DRAINS, SERIES_HISTOGRAMS, series_histograms
 from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY, since_ids
 from balancer.api.errors import ApiError
 from balancer.api.parsing import decimal_integer
@@ -134,17 +136,17 @@ def grpc_whatif(
 
 def grpc_replicas(
     siblings: Siblings, admin_token: str | None
-) -> Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]]:
+) -> Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]:
     """What :attr:`ServiceState.replicas_gather` calls for ``Admin.ListReplicas`` (gRPC has no HTTP
     middleware): this worker's views with every worker's receipts, with the ``workers`` and
     ``workers_missing``, as ``GET /admin/replicas`` answers."""
 
-    async def gather_replicas(local: list[dict[str, Any]]) -> dict[str, Any]:
+    async def gather_replicas(local: dict[str, Any]) -> dict[str, Any]:
         headers = {"Content-Type": "application/json"}
         if admin_token is not None:
             headers["Authorization"] = f"Bearer {admin_token}"
         answers, missing = await _ask(siblings, "GET", "/admin/replicas", b"", headers, None)
-        answers[siblings.index] = {"replicas": local}
+        answers[siblings.index] = local
         order = sorted(answers)
         merged = _merge_replicas(answers[siblings.index], [answers[i] for i in order])
         merged["workers"] = order
@@ -234,7 +236,8 @@ def _merge_audit(answers: dict[int, Any], raw_limit: str | None) -> dict[str, An
 
 
 def _merge_replicas(local: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """``local``'s replica views, each with the ``prediction`` of every worker's receipts."""
+    """``local``'s replica views, each with the ``prediction`` of every worker's receipts, and every
+    worker's kept drains (:func:`merge_kept_drains`)."""
     by_id: dict[str, list[dict[str, Any]]] = {}
     for answer in answers:
         for view in answer["replicas"]:
@@ -243,7 +246,30 @@ def _merge_replicas(local: dict[str, Any], answers: list[dict[str, Any]]) -> dic
     views = [
         {**view, "prediction": merge_predictions(by_id.get(view["id"], []))} for view in local["replicas"]
     ]
-    return {"replicas": views}
+    listed = {view["id"] for view in views}
+    kept, total = merge_kept_drains(answers, listed)
+    return {"replicas": views, "kept_drains": kept, "kept_drains_total": total}
+
+
+def merge_kept_drains(answers: list[dict[str, Any]], listed: set[str]) -> tuple[list[dict[str, Any]], int]:
+    """The workers' ``kept_drains`` as one list: per replica id not ``listed`` by the answering
+    worker, the newest removal (a ``redis`` one first: the fleet's), newest first, at most
+    :data:`~balancer.api.admin.MAX_LISTED_KEPT_DRAINS`; and the total (at least the largest worker's
+    ``kept_drains_total``: a worker lists its newest only). An answer without them (a worker of a
+    release before h-fleetfollow2) adds none."""
+    by_id: dict[str, dict[str, Any]] = {}
+    total = 0
+    for answer in answers:
+        total = max(total, int(answer.get("kept_drains_total") or 0))
+        for kept in answer.get("kept_drains") or ():
+            held = by_id.get(kept["id"])
+            rank = (kept.get("source") == "redis", kept["removed_at_wall_ts"])
+            if kept["id"] not in listed and (
+                held is None or rank > (held.get("source") == "redis", held["removed_at_wall_ts"])
+            ):
+                by_id[kept["id"]] = kept
+    ordered = sorted(by_id.values(), key=lambda kept: kept["removed_at_wall_ts"], reverse=True)
+    return ordered[:MAX_LISTED_KEPT_DRAINS], max(total, len(ordered))
 
 
 def merge_predictions(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -321,7 +321,9 @@ def _admin_paths() -> dict[str, Any]:
         },
         "/admin/replicas": {
             "get": {
-                "summary": "Health, load, index and event status per replica",
+                "summary": "Health, load, index and event status per replica; kept_drains: the drains"
+                " kept for replicas discovery removed (id, drain, removed_at_wall_ts, expires_at_wall_ts,"
+                " source, text; newest 1,000) and kept_drains_total",
                 **admin,
                 "responses": {"200": ok, **_errors(400, 401)},
             }

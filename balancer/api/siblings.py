@@ -11,9 +11,9 @@ A request on the shared port reaches one worker. Two things must still read as o
   change's reason and ``x-kvlb-actor``, so every worker's audit log has it.
   Embedded mode only: with Redis the policy already travels through the fleet. A sibling that
   cannot be reached in :data:`SIBLING_TIMEOUT_S` is logged. A worker the supervisor restarts asks a
-  sibling for the policy in force and the drained replicas (:meth:`Siblings.catch_up`) before it
-  serves. A change made through gRPC (``Admin.SetPolicy``, ``Admin.DrainReplica``) is sent the
-  same way (:func:`grpc_fan_out`, ``ServiceState.admin_fan_out``).
+  sibling for the policy in force, the drained replicas and the drains it keeps for removed
+  replicas (:func:`catch_up`) before it serves. A change made through gRPC (``Admin.SetPolicy``,
+  ``Admin.DrainReplica``) is sent the same way (:func:`grpc_fan_out`, ``ServiceState.admin_fan_out``).
 * **The console's reads** (``/admin/decisions``, ``/admin/series``, ``/admin/whatif``): answered
   for every worker by :mod:`balancer.api.gathered`.
 * **``GET /metrics``**: the receiving worker answers with every worker's series, each sample labelled
@@ -35,6 +35,7 @@ import os
 import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -196,20 +197,39 @@ async def catch_up(siblings: Siblings, state: ServiceState) -> bool:
                 float(view["updated_at"]),
             )
         )
-        for replica in strict_json.loads(listed[1])["replicas"]:
+        answer_replicas = strict_json.loads(listed[1])
+        for replica in answer_replicas["replicas"]:
             health = replica.get("health") or {}
             if health.get("draining"):
                 note = DrainNote.from_json(health.get("drain"))
                 if not state.health.set_draining(ReplicaId(replica["id"]), True, note):  # not found yet
                     state.health.keep_drain(ReplicaId(replica["id"]), True, note, state.monotonic())
+        adopted = adopt_kept_drains(state, answer_replicas.get("kept_drains") or [])
         log.info(
-            "worker %d: policy version %s and drains taken from worker %d",
+            "worker %d: policy version %s, drains and %d kept drains taken from worker %d",
             siblings.index,
             view["version"],
+            adopted,
             index,
         )
         return True
     return False
+
+
+def adopt_kept_drains(state: ServiceState, kept_drains: list[dict[str, Any]]) -> int:
+    """Keep a sibling's kept drains of its own (``source: memory``; the fleet's are in Redis) for
+    the replicas discovery removed before this worker restarted, oldest removal first; how many.
+    Until 2026-12-01 (h-fleetfollow2) a restarted worker had none: a replica added again after its
+    restart came back undrained there and drained on its siblings."""
+    now, wall, adopted = state.monotonic(), state.wall_clock(), 0
+    for kept in sorted(kept_drains, key=lambda kept: float(kept["removed_at_wall_ts"])):
+        if kept.get("source") != "memory":
+            continue
+        drain = kept.get("drain")
+        note = None if drain is None else DrainNote.from_json(drain)
+        replica, removed = ReplicaId(str(kept["id"])), float(kept["removed_at_wall_ts"])
+        adopted += state.health.adopt_kept(replica, note, removed, now, wall)
+    return adopted
 
 
 def sibling_middleware(

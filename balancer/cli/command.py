@@ -492,7 +492,7 @@ def run_admin(args: argparse.Namespace) -> int:
         return 1
     table = None if getattr(args, "json", True) else TABLES.get(args.admin_command)
     if getattr(args, "table", False) and isinstance(answer, dict):
-        print(replicas_table(answer.get("replicas", [])))
+        print(replicas_table(answer.get("replicas", []), answer.get("kept_drains") or []))
     elif table is not None and not (args.admin_command == "decisions" and args.id is not None):
         print(table(answer))
     else:
@@ -515,12 +515,13 @@ REPLICAS_COLUMNS = (
 """The columns of ``kvlb admin replicas --table``."""
 
 
-def replicas_table(views: list[dict[str, Any]]) -> str:
+def replicas_table(views: list[dict[str, Any]], kept_drains: list[dict[str, Any]] | None = None) -> str:
     """``/admin/replicas`` as one line per replica: whether it takes traffic (and why not), the
     prediction accuracy over its last receipts (exact share, share within one block), its event lag,
     the age of its last resync and the state of its event streams (:func:`events_cell`); then one
-    line per drained replica, per replica whose engine serves another model (with the fix) and per
-    event source with a problem (:func:`event_problems`)."""
+    line per drained replica, per drain kept for a removed replica (:func:`kept_drain_line`), per
+    replica whose engine serves another model (with the fix) and per event source with a problem
+    (:func:`event_problems`)."""
 
     def cell(value: Any) -> str:
         if value is None:
@@ -560,7 +561,19 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
         for view in views
         if (view.get("health") or {}).get("model_mismatch")
     ]
-    return "\n".join(table + drained + wrong_model + event_problems(views))
+    kept = [kept_drain_line(entry) for entry in kept_drains or ()]
+    return "\n".join(table + drained + kept + wrong_model + event_problems(views))
+
+
+def kept_drain_line(kept: dict[str, Any]) -> str:
+    """``<replica> (removed): <the kept text>; forgotten in <s> s unless added again``."""
+    left = kept.get("expires_in_s")
+    when = (
+        ""
+        if not isinstance(left, int | float)
+        else f"; forgotten in {max(0.0, left):.0f} s unless added again"
+    )
+    return f"{kept.get('id')} (removed): {kept.get('text')}{when}"
 
 
 def _drained_line(view: dict[str, Any]) -> str:

@@ -8,9 +8,25 @@ drain or undrain made through any balancer's admin API (HTTP or gRPC) is written
 applied locally only once Redis took it (:meth:`DrainSync.commit`, ``HealthBook`` through
 ``ServiceState.drain_committer``): when Redis refuses it, the call is refused (503) and applied
 nowhere, as a policy change is. The script publishes the change on ``<prefix>:drained:changed``;
-every balancer, and every worker of ``kvlb serve --workers N``, reads the hash at each message and
-every ``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its
-replicas to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
+every balancer, and every worker of ``kvlb serve --workers N``, syncs at each message and every
+``poll_s`` (``redis.policy_poll_s``, in case a message was lost) and drains or undrains its replicas
+to match, so a drain reaches the whole fleet within milliseconds, ``poll_s`` at worst.
+
+A sync reads only what changed (since 2026-12-01, h-fleetfollow2; before, the whole hash at every
+message and poll: 21–32 ms for 10,000 entries). Every write of this release also bumps the version
+in ``<prefix>:drained:version{<prefix>:drained}`` (a HASH: ``version``, ``epoch``, ``floor``) and
+records each entry it changed in ``<prefix>:drained:changes{<prefix>:drained}`` (a ZSET: replica id
+→ the version of its last change, the newest :data:`MAX_CHANGE_LOG` kept; ``floor`` is the newest
+version trimmed away). A sync runs one read-only script that answers Redis's ``TIME``, the version,
+and the entries changed since the version this balancer last read
+(:class:`~balancer.fleet.drained_entries.DrainedMirror` keeps them; the braces are a hash tag: with
+Redis Cluster the three keys are in one slot, as a script needs, and all three match an ACL's
+``~<prefix>:*``); it reads the whole hash instead when it has not read it yet, when the epoch
+changed (Redis lost the keys: a write that finds the hash absent or garbage starts a new epoch),
+when its version is older than ``floor`` or more than :data:`MAX_CHANGES_PER_SYNC` entries changed,
+when a message came and the version did not move (a balancer of an older release wrote: it bumps no
+version), and every :data:`FULL_READ_EVERY_SYNCS` syncs in any case (an older release's write whose
+message was lost).
 
 An absent hash (a fresh Redis, or one that lost its data) is seeded with this balancer's own drains,
 so a Redis restart without persistence leaves drained replicas drained, with their notes. A key of
@@ -20,15 +36,19 @@ drained and not undrained.
 
 A drain belongs to the replica id and outlives its removal by ``health_drain_keep_s`` (as in memory,
 :class:`~balancer.health.book.HealthBook`): the balancer whose discovery removes a drained replica
-adds ``"removed_at_wall_ts"`` (Unix s) to its entry (:meth:`DrainSync.mark_removed`); a balancer that
+adds ``"removed_at_wall_ts"`` (Unix s, Redis's ``TIME``: one clock for the fleet since h-fleetfollow2;
+before, the removing balancer's wall clock, compared with the pruning one's) to its entry
+(:meth:`DrainSync.mark_removed`); a balancer that
 still lists the replica keeps it drained and clears that time at its next sync (a ConfigMap reaches
 pods up to a minute apart), leaving ``"kept_from_removal_wall_ts"`` (the same time) in its place;
-an entry whose removal time is more than ``health_drain_keep_s`` old is
+an entry whose removal time is more than ``health_drain_keep_s`` before Redis's ``TIME`` is
 deleted by the next sync of any balancer that does not list the replica, at most
 :data:`MAX_PRUNES_PER_SYNC` per sync. Each of these writes is a compare-and-set on the entry as read,
 so a drain, undrain or clearing meanwhile wins. Entries without the time (written before this
 release, or by it before the removal) stay until undrained, as before; the older readers ignore the
-extra field (``9963daf`` reads only the field's presence, ``732957c`` on only the note's keys).
+extra field (``9963daf`` reads only the field's presence, ``732957c`` on only the note's keys) and
+the two extra keys. The drains kept for replicas no pool lists here are listed by
+:meth:`DrainSync.kept_drains` (``GET /admin/replicas``' ``kept_drains``).
 """
 
 from __future__ import annotations
@@ -43,83 +63,45 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from balancer import strict_json
 from balancer.errors import DrainCommitError
-from balancer.health.book import DrainNote, HealthBook
+from balancer.fleet.drain_scripts import READ, SEED, START, SWAP, WRITE
+from balancer.fleet.drained_entries import (
+    KEPT_FROM,
+    MARKER,
+    REMOVED_AT,
+    DrainedMirror,
+    RemovedEntry,
+    note_of,
+    removal_of,
+)
+from balancer.health.book import DrainNote, HealthBook, KeptDrainListing
 from balancer.index.redis.client import REDIS_ERRORS, RedisClient, follow_channel, read_hash
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
-from balancer.service.audit import DEFAULT_ACTOR
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-MARKER = ""
-"""The hash's marker field (no replica id is empty): present once a balancer wrote the hash."""
-REMOVED_AT = "removed_at_wall_ts"
-"""The key of an entry's removal time (Unix s), written by the balancer whose discovery removed it."""
-KEPT_FROM = "kept_from_removal_wall_ts"
-"""The key that replaces :data:`REMOVED_AT` when a balancer lists the replica again: the drain was
-kept from before that removal (``health.drain_kept`` on every balancer and worker, whichever of them
-cleared the removal time first)."""
+__all__ = ["KEPT_FROM", "MARKER", "REMOVED_AT", "DrainSync", "not_stored"]
+
 MAX_PRUNES_PER_SYNC = 32
 """Most expired entries one sync deletes (the rest go at the next syncs): bounds a sync's writes."""
 MAX_PRUNE_SCAN = 512
-"""Most entries of replicas not listed here one sync looks at for an expired removal time, taking up
-where the previous sync stopped: bounds the JSON parsing on the event loop (measured, 10,000 entries
-with a removal time parsed at every sync took the sync from 32 to 113 ms at load 4.5 on 2 cores)."""
-
-_REPLACE_GARBAGE = """
--- KEYS[1]: drained HASH. A key of another type (garbage written over it) is deleted: `repaired`
-local repaired = 0
-local t = redis.call('TYPE', KEYS[1])['ok']
-if t ~= 'hash' and t ~= 'none' then
-  redis.call('DEL', KEYS[1])
-  repaired = 1
-end
-"""
-
-_WRITE = (
-    _REPLACE_GARBAGE
-    + """
--- ARGV[1]: replica, ARGV[2]: its entry (JSON), '' to undrain it; ARGV[3]: the channel told of the
--- change. -> {1 if the key was repaired, 1 if the entry was there (an undrain) or a drain}
-redis.call('HSET', KEYS[1], '', '1')
-local existed = 1
-if ARGV[2] ~= '' then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-else
-  existed = redis.call('HDEL', KEYS[1], ARGV[1])
-end
-redis.pcall('PUBLISH', ARGV[3], ARGV[1]) -- refused (an ACL user without the channel): the polls follow it
-return {repaired, existed}
-"""
-)
-
-_SWAP = """
--- KEYS[1]: drained HASH. ARGV[1]: replica, ARGV[2]: its entry as read, ARGV[3]: the entry to write
--- ('' deletes it). Written only if the entry is still the one read. -> 1 if written
-if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then
-  return 0
-end
-if ARGV[3] == '' then
-  redis.call('HDEL', KEYS[1], ARGV[1])
-else
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-end
-return 1
-"""
-
-_SEED = (
-    _REPLACE_GARBAGE
-    + """
--- ARGV: pairs of a replica id this balancer has drained and its note (JSON). Adds them (keeping
--- entries already there) and the marker. -> 1 if the key was repaired
-for i = 1, #ARGV, 2 do
-  redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1])
-end
-redis.call('HSET', KEYS[1], '', '1')
-return repaired
-"""
-)
+"""Most removed entries of replicas not listed here one sync looks at for an expired removal time,
+taking up where the previous sync stopped."""
+MAX_CHANGE_LOG = 4096
+"""Most members of ``<prefix>:drained:changes{<prefix>:drained}`` (about 100 B of Redis each with a
+short id); the oldest go first and a balancer that has not read them reads the whole hash once."""
+MAX_CHANGES_PER_SYNC = 1024
+"""Most changed entries one sync reads by id; more changed: it reads the whole hash instead."""
+WHOLE_READ_REASONS = ("first", "epoch", "trimmed", "changes", "unversioned", "periodic")
+"""Why a sync reads the whole hash (``kvlb_redis_drain_whole_reads_total{reason}``): its first read
+(or no change log yet), a new epoch (Redis lost the keys), the log trimmed past its version, more
+than :data:`MAX_CHANGES_PER_SYNC` changes, a message without a version move (an older release wrote),
+the periodic read (:data:`FULL_READ_EVERY_SYNCS`)."""
+FULL_READ_EVERY_SYNCS = 60
+"""A sync reads the whole hash at least once in this many (30 s at ``redis.policy_poll_s: 0.5``):
+the bound on how late a write of an older release (which bumps no version) whose message was lost
+is seen."""
 
 
 def not_stored(what: str, exc: BaseException) -> str:
@@ -132,44 +114,6 @@ def not_stored(what: str, exc: BaseException) -> str:
             "reach every balancer once Redis answers, so read it back before trying again"
         )
     return f"{what} not changed: Redis did not store it ({exc})"
-
-
-def _note(entry: str) -> DrainNote | None:
-    """The note of a hash entry (``None`` for one seeded without a note, or damaged). An entry of a
-    release before ``732957c`` (``{"by": <caller>, "at": <Unix s>}``, which a balancer of that release
-    still writes in a mixed fleet during a rolling upgrade or a rollback) reads as the note this
-    release writes for the same call: the caller it names, no actor given (``admin``), no reason.
-    Until 2026-12-01 (h-upgrade) such a drain showed no note at all on the new balancers."""
-    try:
-        raw = strict_json.loads(entry)
-    except (ValueError, RecursionError):
-        return None
-    return DrainNote.from_json(raw) or _previous_note(raw)
-
-
-def _previous_note(raw: object) -> DrainNote | None:
-    """The note of a previous release's entry ``{"by": <caller>, "at": <Unix s>}``, else ``None``."""
-    if not isinstance(raw, dict) or set(raw) != {"by", "at"}:
-        return None
-    caller, at = raw["by"], raw["at"]
-    if not isinstance(caller, str) or isinstance(at, bool) or not isinstance(at, int | float):
-        return None
-    return DrainNote(DEFAULT_ACTOR, caller, float(at), None)
-
-
-def _removal(entry: str, key: str = REMOVED_AT) -> tuple[dict[str, object], float] | None:
-    """An entry with its removal time (``key``: :data:`REMOVED_AT`, or :data:`KEPT_FROM`): its JSON
-    object and that time; ``None`` for any other."""
-    if key not in entry:  # most entries: no parse
-        return None
-    try:
-        raw = strict_json.loads(entry)
-    except (ValueError, RecursionError):
-        return None
-    at = raw.get(key) if isinstance(raw, dict) else None
-    if isinstance(at, bool) or not isinstance(at, int | float):
-        return None
-    return raw, float(at)
 
 
 class DrainSync:
@@ -187,10 +131,14 @@ class DrainSync:
         monotonic: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
-        """``client`` must decode responses."""
+        """``client`` must decode responses. ``wall_clock`` is this balancer's (the difference to
+        Redis's ``TIME`` is :attr:`redis_clock_offset_s`)."""
         self.client = client
         self.health = health
         self.key = f"{key_prefix}:drained"
+        # under <prefix>: (an ACL's ~<prefix>:* covers them), and in <prefix>:drained's slot by their
+        # hash tag (Redis Cluster: a script's keys share one)
+        self.keys = [self.key, f"{self.key}:version{{{self.key}}}", f"{self.key}:changes{{{self.key}}}"]
         self.channel = f"{key_prefix}:drained:changed"
         self.poll_s = poll_s
         self._metrics = metrics
@@ -199,13 +147,24 @@ class DrainSync:
         """Local commits started: a read taken before one is not applied (it may predate it)."""
         self._writing = 0
         self._lock = asyncio.Lock()
-        self._write = client.register_script(_WRITE)
-        self._seed_script = client.register_script(_SEED)
-        self._swap = client.register_script(_SWAP)
+        self._write = client.register_script(WRITE)
+        self._seed_script = client.register_script(SEED)
+        self._swap_script = client.register_script(SWAP)
+        self._read = client.register_script(READ)
+        self._start = client.register_script(START)
         self._wall_clock = wall_clock
-        self._prune_from = 0
-        """Where in the hash's entries the next sync's prune window starts."""
+        self.mirror = DrainedMirror()
+        """The hash as last read (the entries changed since are read at the next sync)."""
+        self._message = False
+        """A change message came since the last sync."""
+        self._syncs_since_full = 0
+        self.full_reads = 0
+        """Syncs that read the whole hash (the others read the changed entries only)."""
+        self.redis_clock_offset_s = 0.0
+        """Redis's ``TIME`` minus this balancer's wall clock at the last sync, seconds."""
         self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+        for reason in WHOLE_READ_REASONS:
+            metrics.redis_drain_whole_reads_total.labels(reason)
 
     # ------------------------------------------------------------------ local → Redis
 
@@ -218,7 +177,9 @@ class DrainSync:
         try:
             entry = "" if note is None else strict_json.dumps(note.to_json())
             async with self._lock:
-                repaired, existed = await self._write(keys=[self.key], args=[replica, entry, self.channel])
+                repaired, existed = await self._write(
+                    keys=self.keys, args=[replica, entry, self.channel, MAX_CHANGE_LOG]
+                )
         except REDIS_ERRORS as exc:
             self._failed(exc)
             raise DrainCommitError(not_stored("replica", exc)) from exc
@@ -228,21 +189,26 @@ class DrainSync:
         self._repaired(repaired)
         return bool(existed)
 
-    async def mark_removed(self, replica: ReplicaId, wall: float) -> None:
-        """Discovery removed ``replica`` here while drained: add its removal time ``wall`` (Unix s)
+    async def _swap(self, replica: str, read: str, written: str) -> bool:
+        """Write ``written`` (``""``: delete) over ``replica``'s entry if it is still ``read``."""
+        return bool(await self._swap_script(keys=self.keys, args=[replica, read, written, MAX_CHANGE_LOG]))
+
+    async def mark_removed(self, replica: ReplicaId) -> None:
+        """Discovery removed ``replica`` here while drained: add its removal time (Redis's ``TIME``)
         to its entry, so that the entry is pruned ``health_drain_keep_s`` later unless a balancer
         lists it again. An entry of an older release (``{"by", "at"}``, or damaged) is left as it is
         (kept until undrained, as that release does); a Redis error is logged and counted (the entry
         then stays until undrained)."""
         try:
             entry = await cast("Any", self.client.hget(self.key, replica))
-            if entry is None or _removal(entry) is not None:
+            if entry is None or removal_of(entry) is not None:
                 return
             raw = strict_json.loads(entry)
             if not isinstance(raw, dict) or (raw and DrainNote.from_json(raw) is None):
                 return
-            marked = strict_json.dumps({**raw, REMOVED_AT: wall})
-            await self._swap(keys=[self.key], args=[replica, entry, marked])
+            seconds, micros = await cast("Any", self.client.time())
+            marked = strict_json.dumps({**raw, REMOVED_AT: int(seconds) + int(micros) / 1e6})
+            await self._swap(replica, entry, marked)
         except (ValueError, RecursionError):
             return
         except REDIS_ERRORS as exc:
@@ -261,16 +227,21 @@ class DrainSync:
             if rec.draining:
                 entries[str(replica)] = {} if rec.drain is None else rec.drain.to_json()
         drained = sorted(entries)
-        args = [item for replica in drained for item in (replica, strict_json.dumps(entries[replica]))]
-        self._repaired(await self._seed_script(keys=[self.key], args=args))
+        args: list[str | int] = [MAX_CHANGE_LOG]
+        args += [item for replica in drained for item in (replica, strict_json.dumps(entries[replica]))]
+        self._repaired(await self._seed_script(keys=self.keys, args=args))
         log.info("drained replicas seeded into Redis: %s", ", ".join(drained) or "none")
 
     def _repaired(self, repaired: object) -> None:
         if repaired:
             self._metrics.redis_wrongtype_keys_total.inc()
-            log.warning("drained-replicas key %s held garbage: rewritten", self.key)
+            log.warning("drained-replicas keys %s held garbage: rewritten", ", ".join(self.keys))
 
     # ------------------------------------------------------------------ Redis → local
+
+    def on_message(self) -> None:
+        """A change message came (the next sync reads the whole hash if the version did not move)."""
+        self._message = True
 
     async def sync(self) -> None:
         """Drain and undrain this balancer's replicas as Redis says (seed it when it has nothing).
@@ -282,17 +253,46 @@ class DrainSync:
 
     async def _sync(self) -> None:
         writes = self._writes
-        raw = await read_hash(self.client, self.key)  # {} for garbage: the seed replaces it with ours
-        if MARKER not in raw:
-            await self._seed()
+        message, self._message = self._message, False
+        mirror = self.mirror
+        reply = await self._read(keys=self.keys, args=[mirror.epoch, mirror.version, MAX_CHANGES_PER_SYNC])
+        now_s = int(reply[0]) + int(reply[1]) / 1e6  # Redis's clock: the fleet's one
+        self.redis_clock_offset_s = now_s - self._wall_clock()
+        epoch, version, why = str(reply[2]), int(reply[3]), str(reply[4])
+        self._syncs_since_full += 1
+        if not why and message and version == mirror.version:
+            why = "unversioned"  # a change without a version: a balancer of an older release wrote
+        if not why and self._syncs_since_full >= FULL_READ_EVERY_SYNCS:
+            why = "periodic"
+        if why:
+            self._metrics.redis_drain_whole_reads_total.labels(why).inc()
+            if not epoch:  # no change log yet (a hash of an older release's), or no hash
+                started = await self._start(keys=self.keys, args=[MAX_CHANGE_LOG])
+                epoch, version = str(started[0]), int(started[1])
+            raw = await read_hash(self.client, self.key)  # {} for garbage: the seed replaces it
+            if MARKER not in raw:
+                await self._seed()
+                return
+            if self._writing or writes != self._writes:
+                return  # a local change is on its way: the next poll reads it back
+            mirror.replace(raw, epoch, version)
+            self._syncs_since_full = 0
+            self.full_reads += 1
+        elif self._writing or writes != self._writes:
             return
-        if self._writing or writes != self._writes:
-            return  # a local change is on its way: the next poll reads it back
+        elif version != mirror.version:
+            ids, entries = reply[5], reply[6]
+            mirror.apply(dict(zip(ids, entries, strict=True)), epoch, version)
+        await self._apply(mirror.entries)
+        await self._prune(now_s)
+
+    async def _apply(self, raw: dict[str, str]) -> None:
+        """Drain and undrain the replicas listed here as ``raw`` (the hash as read) says."""
         listed = self.health.replicas
         for replica, record in list(listed.items()):
             draining = replica in raw
-            note = _note(raw[replica]) if draining else None
-            removal = _removal(raw[replica]) if draining else None
+            note = note_of(raw[replica]) if draining else None
+            removal = removal_of(raw[replica]) if draining else None
             if record.draining != draining or record.drain != note:
                 changed = record.draining != draining
                 self.health.set_draining(replica, draining, note)
@@ -302,41 +302,57 @@ class DrainSync:
                 record.kept_from_removal_wall_ts = removal[1]  # the fleet's latest removal
                 relisted = {k: v for k, v in removal[0].items() if k != REMOVED_AT}
                 relisted[KEPT_FROM] = removal[1]
-                await self._swap(keys=[self.key], args=[replica, raw[replica], strict_json.dumps(relisted)])
-            elif draining and (kept := _removal(raw[replica], KEPT_FROM)) is not None:
+                await self._swap(replica, raw[replica], strict_json.dumps(relisted))
+            elif draining and (kept := removal_of(raw[replica], KEPT_FROM)) is not None:
                 record.kept_from_removal_wall_ts = kept[1]  # another balancer or worker cleared it
         for replica in [r for r in self.health.kept_drains if r not in raw]:
             self.health.forget_kept(replica)  # undrained through another balancer, or pruned
-        await self._prune(raw)
 
-    async def _prune(self, raw: dict[str, str]) -> None:
+    async def _prune(self, now_s: float) -> None:
         """Delete the entries of replicas not listed here whose removal is more than
-        ``health_drain_keep_s`` old: at most :data:`MAX_PRUNES_PER_SYNC` of the next
-        :data:`MAX_PRUNE_SCAN` entries (a window that moves on at each sync)."""
-        now, keep_s, pruned = self._wall_clock(), self.health.drain_keep_s, 0
-        entries = list(raw.items())
-        start = self._prune_from % len(entries) if entries else 0
-        window = (entries[start:] + entries[:start])[:MAX_PRUNE_SCAN]
-        self._prune_from = start + len(window)
-        for replica, entry in window:
-            if replica in self.health.replicas or (removal := _removal(entry)) is None:
-                continue
-            if now - removal[1] <= keep_s:
-                continue
-            if await self._swap(keys=[self.key], args=[replica, entry, ""]):
+        ``health_drain_keep_s`` before ``now_s`` (Redis's ``TIME``): at most
+        :data:`MAX_PRUNES_PER_SYNC` of the next :data:`MAX_PRUNE_SCAN` removed entries."""
+        due = self.mirror.prune_candidates(
+            self.health.replicas,
+            now_s,
+            self.health.drain_keep_s,
+            scan=MAX_PRUNE_SCAN,
+            limit=MAX_PRUNES_PER_SYNC,
+        )
+        for entry in due:
+            if await self._swap(entry.replica, entry.entry, ""):
                 log.info(
                     "replica %s: its drain, kept since its removal %.0f s ago, is forgotten",
-                    replica,
-                    now - removal[1],
+                    entry.replica,
+                    now_s - entry.removed_at_s,
                 )
-            pruned += 1
-            if pruned >= MAX_PRUNES_PER_SYNC:
-                return
+
+    def kept_drains(self) -> list[RemovedEntry]:
+        """The drains the fleet keeps for replicas no pool lists here, newest removal first, as of
+        the last sync (their times on Redis's clock: :attr:`redis_clock_offset_s`)."""
+        return self.mirror.kept(self.health.replicas)
+
+    def kept_listing(self) -> list[KeptDrainListing]:
+        """:meth:`kept_drains` as ``GET /admin/replicas``' ``kept_drains`` lists them."""
+        keep_s, offset = self.health.drain_keep_s, self.redis_clock_offset_s
+        return [
+            KeptDrainListing(
+                kept.replica,
+                note_of(kept.entry),
+                kept.removed_at_s,
+                kept.removed_at_s + keep_s,
+                "redis",
+                offset,
+            )
+            for kept in self.kept_drains()
+        ]
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Read the drained replicas at each change message and every ``poll_s`` (a message may be
-        lost: pub/sub is fire-and-forget) until ``stop`` is set."""
-        await follow_channel(self.client, self.channel, self.poll_s, self.sync, self._failed, stop)
+        """Sync at each change message and every ``poll_s`` (a message may be lost: pub/sub is
+        fire-and-forget) until ``stop`` is set."""
+        await follow_channel(
+            self.client, self.channel, self.poll_s, self.sync, self._failed, stop, on_message=self.on_message
+        )
 
     def _failed(self, exc: BaseException) -> None:
         self._on_redis(exc)

@@ -298,6 +298,7 @@ class FleetRuntime:
             wall_clock=state.wall_clock,
         )
         state.drain_committer = self.drains.commit
+        state.fleet_kept_drains = self.drains.kept_listing
         self.snapshots = SnapshotKeeper(
             self.raw,
             owner=self.instance,
@@ -506,6 +507,8 @@ class FleetRuntime:
             await self.policy.aclose()
         if self.drains is not None and self.state.drain_committer == self.drains.commit:
             self.state.drain_committer = None
+        if self.drains is not None and self.state.fleet_kept_drains == self.drains.kept_listing:
+            self.state.fleet_kept_drains = None
         await self.text.aclose()
         await self.raw.aclose()
 

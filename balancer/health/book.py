@@ -20,16 +20,42 @@ and the replica added again under that id within that time comes back drained
 (:attr:`ReplicaHealth.kept_from_removal_wall_ts` says so). At most :data:`MAX_KEPT_DRAINS` such
 records and :data:`MAX_KEPT_DRAIN_BYTES` bytes are kept, the oldest removal dropped first
 (``kvlb_replica_kept_drains_dropped_total``); :meth:`HealthBook.forget_kept` (an undrain) ends one.
+The note and the kept records are :mod:`balancer.health.drains`.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
+from balancer.health.drains import (
+    MAX_KEPT_DRAIN_BYTES,
+    MAX_KEPT_DRAINS,
+    DrainNote,
+    KeptDrain,
+    KeptDrainListing,
+    kept_drain_bytes,
+    kept_text,
+)
 from balancer.types import ReplicaId
+
+__all__ = [
+    "MAX_KEPT_DRAINS",
+    "MAX_KEPT_DRAIN_BYTES",
+    "MAX_PENDING_DRAINS",
+    "PENDING_DRAIN_S",
+    "PROBES_FAILING",
+    "BreakerConfig",
+    "BreakerState",
+    "DrainNote",
+    "HealthBook",
+    "KeptDrain",
+    "KeptDrainListing",
+    "ReplicaHealth",
+    "kept_drain_bytes",
+    "kept_text",
+]
 
 BreakerState = Literal["closed", "open", "half_open"]
 
@@ -39,15 +65,6 @@ every 2 s by default; a Kubernetes watch is quicker)."""
 MAX_PENDING_DRAINS = 64
 """Most drains kept for replicas not discovered yet; the oldest goes first
 (``kvlb_replica_pending_drains_dropped_total``)."""
-
-
-MAX_KEPT_DRAINS = 4096
-"""Most drains kept for replicas discovery removed (:meth:`HealthBook.remove`); the oldest removal
-goes first (``kvlb_replica_kept_drains_dropped_total``)."""
-MAX_KEPT_DRAIN_BYTES = 4 * 1024 * 1024
-"""Most bytes (:func:`kept_drain_bytes`) of such kept drains; the oldest removal goes first."""
-_KEPT_OVERHEAD_BYTES = 400
-"""What one kept drain costs besides its strings (the record, the table's slot), measured roughly."""
 
 
 PROBES_FAILING = "failing health probes"
@@ -63,70 +80,6 @@ class BreakerConfig:
     probe_timeouts_to_drop: int = 2
     """Consecutive timed-out health probes after which a live replica stops taking traffic (≥ 1;
     ``health_timeouts_to_drop``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class DrainNote:
-    """Who drained a replica, when and why: shown by ``GET /admin/replicas`` and, in fleet mode,
-    stored with the drain in Redis so that every balancer shows the same one."""
-
-    by: str
-    """The actor (``x-kvlb-actor``, ``admin`` when not given)."""
-    caller: str
-    """Who made the call: a token fingerprint and address (never the token)."""
-    at_wall_ts: float
-    """When, in Unix seconds."""
-    reason: str | None = None
-    """Why, as given (at most 500 characters), or ``None``."""
-
-    def to_json(self) -> dict[str, Any]:
-        return {"by": self.by, "caller": self.caller, "at_wall_ts": self.at_wall_ts, "reason": self.reason}
-
-    def replayed(self) -> dict[str, Any]:
-        """What a sibling worker is sent with the drain (the actor travels in ``x-kvlb-actor``)."""
-        return {"reason": self.reason, "caller": self.caller, "at_wall_ts": self.at_wall_ts}
-
-    @classmethod
-    def from_json(cls, raw: object) -> DrainNote | None:
-        """The note of :meth:`to_json`; ``None`` for anything else (an entry written before notes, or
-        damaged)."""
-        if not isinstance(raw, Mapping):
-            return None
-        by, caller, at, reason = (raw.get(k) for k in ("by", "caller", "at_wall_ts", "reason"))
-        if not isinstance(by, str) or not isinstance(caller, str) or not isinstance(reason, str | None):
-            return None
-        if isinstance(at, bool) or not isinstance(at, int | float):
-            return None
-        return cls(by, caller, float(at), reason)
-
-
-@dataclass(frozen=True, slots=True)
-class KeptDrain:
-    """The drain of a replica that discovery removed: "drained, removed at ``removed_at_wall_ts``"."""
-
-    note: DrainNote | None
-    """Who drained it, when and why (``None`` when not known)."""
-    removed_at_wall_ts: float
-    """When discovery removed it, in Unix seconds (shown)."""
-    removed_at: float
-    """The same on the caller's monotonic clock, seconds (the keep time counts from it)."""
-    size_bytes: int
-    """What it costs, estimated (:func:`kept_drain_bytes`)."""
-
-
-def kept_drain_bytes(replica: ReplicaId, note: DrainNote | None) -> int:
-    """The estimated bytes of one kept drain: its strings (UTF-8 as an upper bound of Python's
-    compact strings plus a fixed overhead)."""
-    strings = (replica,) if note is None else (replica, note.by, note.caller, note.reason or "")
-    return _KEPT_OVERHEAD_BYTES + sum(len(text.encode("utf-8", "surrogatepass")) for text in strings)
-
-
-def kept_text(note: DrainNote | None, removed_at_wall_ts: float) -> str:
-    """``drained (kept from before its removal at <UTC time> by <actor>: <reason>)``."""
-    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(removed_at_wall_ts))
-    if note is None:
-        return f"drained (kept from before its removal at {when})"
-    return f"drained (kept from before its removal at {when} by {note.by}: {note.reason or '-'})"
 
 
 @dataclass(slots=True)
@@ -211,6 +164,37 @@ class HealthBook:
             del self.kept_drains[replica]
             self.kept_drains_bytes -= kept.size_bytes
 
+    def kept_listing(self, now: float, wall: float) -> list[KeptDrainListing]:
+        """The kept drains not expired at ``now`` (monotonic; ``wall``: the same moment in Unix s)."""
+        return [
+            KeptDrainListing(
+                replica,
+                kept.note,
+                kept.removed_at_wall_ts,
+                wall + kept.removed_at + self.drain_keep_s - now,
+                "memory",
+            )
+            for replica, kept in self.kept_drains.items()
+            if now - kept.removed_at <= self.drain_keep_s
+        ]
+
+    def adopt_kept(
+        self, replica: ReplicaId, note: DrainNote | None, removed_at_wall_ts: float, now: float, wall: float
+    ) -> bool:
+        """Keep a sibling worker's kept drain of ``replica`` (a restarted worker catching up), as if
+        removed here at ``removed_at_wall_ts`` (``now`` monotonic, ``wall`` the same moment in Unix
+        s); ``False`` when it is listed here, its time is over, or this book keeps a newer one."""
+        removed_at = now - max(0.0, wall - removed_at_wall_ts)
+        if self.drain_keep_s <= 0 or replica in self.replicas or now - removed_at > self.drain_keep_s:
+            return False
+        held = self.kept_drains.get(replica)
+        if held is not None and held.removed_at_wall_ts >= removed_at_wall_ts:
+            return False
+        self.forget_kept(replica)
+        kept = KeptDrain(note, removed_at_wall_ts, removed_at, kept_drain_bytes(replica, note))
+        self._keep(replica, kept)
+        return True
+
     def forget_kept(self, replica: ReplicaId) -> KeptDrain | None:
         """End the kept drain of ``replica`` (an undrain of a replica not listed); ``None`` if none."""
         kept = self.kept_drains.pop(replica, None)
@@ -248,15 +232,24 @@ class HealthBook:
         if self.drain_keep_s <= 0:
             return None
         kept = KeptDrain(rec.drain, wall, now, kept_drain_bytes(replica, rec.drain))
+        self._keep(replica, kept)
+        return kept
+
+    def _keep(self, replica: ReplicaId, kept: KeptDrain) -> None:
+        """Add ``kept``, the oldest kept drains dropped past the count and byte bounds. The table
+        stays in removal order (the oldest first: :meth:`expire_kept` stops at the first one not
+        expired): an adopted drain older than the newest goes in its place."""
         while self.kept_drains and (
             len(self.kept_drains) >= MAX_KEPT_DRAINS
             or self.kept_drains_bytes + kept.size_bytes > MAX_KEPT_DRAIN_BYTES
         ):
             self.forget_kept(next(iter(self.kept_drains)))
             self.kept_drains_dropped += 1
+        newest = next(reversed(self.kept_drains.values()), None)
         self.kept_drains[replica] = kept
         self.kept_drains_bytes += kept.size_bytes
-        return kept
+        if newest is not None and kept.removed_at < newest.removed_at:
+            self.kept_drains = dict(sorted(self.kept_drains.items(), key=lambda item: item[1].removed_at))
 
     def routable(self, now: float, among: Iterable[ReplicaId] | None = None) -> list[ReplicaId]:
         """Replicas that may take a new request now (order preserved)."""

@@ -191,7 +191,7 @@ class ReplicaLifecycle:
                 state.health.drain_keep_s,
             )
         if drained and self.fleet is not None and self.fleet.drains is not None:
-            await self.fleet.drains.mark_removed(replica, state.wall_clock())
+            await self.fleet.drains.mark_removed(replica)
         return True
 
     async def _tear_down(self, pool: Pool, replica: ReplicaId) -> None:

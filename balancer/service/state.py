@@ -16,7 +16,7 @@ from typing import Any
 
 from balancer.config import ReplicaConfig, Settings
 from balancer.config.settings import Secret
-from balancer.health.book import DrainNote, HealthBook
+from balancer.health.book import DrainNote, HealthBook, KeptDrainListing
 from balancer.load.scraper import MetricsScraper
 from balancer.metrics import Metrics
 from balancer.routing.router import PoolRouter
@@ -101,11 +101,14 @@ class ServiceState:
     """``(body, answer)``: this worker's ``Admin.WhatIf`` answer to the JSON ``body`` merged with the
     sibling workers' replays of it (``kvlb serve --workers N``; HTTP goes through the siblings
     middleware). ``None``: one process."""
-    replicas_gather: Callable[[list[dict[str, Any]]], Awaitable[dict[str, Any]]] | None = None
-    """``(views)``: ``{"replicas", "workers", "workers_missing"}``, this worker's ``Admin.ListReplicas``
-    replica views with the ``prediction`` of every sibling worker's receipts, as ``GET /admin/replicas``
-    answers (``kvlb serve --workers N``; HTTP goes through the siblings middleware). ``None``: one
-    process."""
+    replicas_gather: Callable[[dict[str, Any]], Awaitable[dict[str, Any]]] | None = None
+    """``(answer)``: ``{"replicas", "kept_drains", "kept_drains_total", "workers", "workers_missing"}``,
+    this worker's ``Admin.ListReplicas`` answer with the ``prediction`` of every sibling worker's
+    receipts and every worker's kept drains, as ``GET /admin/replicas`` answers (``kvlb serve
+    --workers N``; HTTP goes through the siblings middleware). ``None``: one process."""
+    fleet_kept_drains: Callable[[], list[KeptDrainListing]] | None = None
+    """The drains the fleet keeps in Redis for replicas no pool lists here (set by the fleet);
+    ``None``: embedded (only :attr:`health`'s own)."""
     drain_committer: Callable[[ReplicaId, DrainNote | None], Awaitable[bool]] | None = None
     """``(replica, note)``: a drain (with who, when and why) or, ``None``, an undrain. Set by the
     fleet (Redis), stores a drain or undrain for every balancer before it is applied here; raises

@@ -10,14 +10,17 @@ removed, and in memory it ended with the removal.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import redis.asyncio as aioredis
 import yaml
-from kvlb_harness import MODEL, replica_entry, wait_for
+from kvlb_harness import MODEL, replica_entry, settings_for, shared_deepseek, wait_for, wait_ready
 from prometheus_client import CollectorRegistry
 from redis_server import RedisServer
 from test_discovery_app import balancer_over, two_replicas
@@ -25,9 +28,11 @@ from test_discovery_app import balancer_over, two_replicas
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
+from balancer.app import Balancer
 from balancer.fleet.drain_sync import MAX_PRUNES_PER_SYNC, DrainSync
 from balancer.health.book import DrainNote, HealthBook
 from balancer.metrics import Metrics
+from balancer.serve_options import ServeOptions
 from balancer.types import ReplicaId
 from replicas.sim.replica import Replica
 
@@ -60,6 +65,25 @@ async def entry(client: Any, replica: str) -> dict[str, Any] | None:
     return None if raw is None else strict_json.loads(raw)
 
 
+async def kept_on_both_faces(setup: Any) -> tuple[dict[str, dict[str, Any]], dict[str, pb.KeptDrain]]:
+    """The drains kept for removed replicas, by id, as ``GET /admin/replicas`` and gRPC
+    ``ListReplicas`` list them (h-fleetfollow2: listed by neither before)."""
+    async with setup.session.get(f"{setup.balancer.url}/admin/replicas") as response:
+        assert response.status == 200, await response.text()
+        answer = await response.json()
+    assert answer["kept_drains_total"] == len(answer["kept_drains"])
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{setup.balancer.grpc_port}") as channel:
+        listed = await pb_grpc.AdminStub(channel).ListReplicas(pb.ListReplicasRequest())
+    assert listed.kept_drains_total == len(listed.kept_drains)
+    return {k["id"]: k for k in answer["kept_drains"]}, {k.id: k for k in listed.kept_drains}
+
+
+async def redis_now(client: Any) -> float:
+    """Redis's clock (``TIME``), the one the keep time counts on."""
+    seconds, micros = await client.time()
+    return int(seconds) + int(micros) / 1e6
+
+
 def remove(sync: DrainSync, replica: ReplicaId, wall: float) -> None:
     """What the service's discovery does to the book when it removes ``replica``."""
     sync.health.remove(replica, now=1.0, wall=wall)
@@ -69,45 +93,56 @@ def remove(sync: DrainSync, replica: ReplicaId, wall: float) -> None:
 async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_pruned(
     redis_server: RedisServer,
 ) -> None:
+    """The keep time counts on Redis's clock (``TIME``), so this test waits it out (1 s)."""
     client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
     clock = Clock()
+    keep_s = 1.0
     await client.delete(KEY)
     try:
-        a = balancer(client, clock, 3600.0, R1)
-        b = balancer(client, clock, 3600.0, R1)
+        a = balancer(client, clock, keep_s, R1)
+        b = balancer(client, clock, keep_s, R1)
         await a.sync()  # seeds the hash
         assert await a.commit(R1, NOTE)
         await a.sync()
         await b.sync()
         assert a.health.replicas[R1].draining and b.health.replicas[R1].draining
 
-        # A's discovery removes it: its entry gains the removal time; B still lists it, so it stays
-        # drained there and B's next sync clears the time
+        # A's discovery removes it: its entry gains the removal time (Redis's); B still lists it, so
+        # it stays drained there and B's next sync clears the time
         remove(a, R1, clock.now)
-        await a.mark_removed(R1, clock.now)
-        assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": clock.now}
+        await a.mark_removed(R1)
+        removed_at = await redis_now(client)
+        stored = await entry(client, R1)
+        assert stored is not None and abs(stored.pop("removed_at_wall_ts") - removed_at) < 1.0
+        assert stored == NOTE.to_json()
         await a.sync()
         await b.sync()  # every poll_s (0.5 s by default)
         assert b.health.replicas[R1].draining
         # re-listed: the removal time is cleared (kept as where the drain was kept from)
-        assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": clock.now}
-        clock.now += 7200.0  # past the keep time since A's removal
+        stored = await entry(client, R1)
+        assert (
+            stored is not None
+            and "removed_at_wall_ts" not in stored
+            and "kept_from_removal_wall_ts" in stored
+        )
+        await asyncio.sleep(keep_s + 0.2)  # past the keep time since A's removal
         await a.sync()
         assert await entry(client, R1) is not None  # B lists it: A does not prune it
 
         # B's discovery removes it too; re-added on A within the keep time: drained, and says so
         remove(b, R1, clock.now)
-        await b.mark_removed(R1, clock.now)
-        removed_at = clock.now
-        clock.now += 600.0
+        await b.mark_removed(R1)
+        removed_at = float((await entry(client, R1) or {})["removed_at_wall_ts"])
         await a.sync()
         await b.sync()
+        assert [kept.replica for kept in a.kept_drains()] == [R1]  # listed nowhere: kept by the fleet
         a.health.add(R1, probe_ok=True, now=2.0)
         await a.sync()
+        assert a.kept_drains() == []
         record = a.health.replicas[R1]
         assert record.draining and record.drain == NOTE and record.kept_from_removal_wall_ts == removed_at
         assert (await entry(client, R1)) == {**NOTE.to_json(), "kept_from_removal_wall_ts": removed_at}
-        c = balancer(client, clock, 3600.0, R1)  # another worker, whose sync comes after A's clearing
+        c = balancer(client, clock, keep_s, R1)  # another worker, whose sync comes after A's clearing
         await c.sync()
         assert (
             c.health.replicas[R1].draining and c.health.replicas[R1].kept_from_removal_wall_ts == removed_at
@@ -115,8 +150,10 @@ async def test_a_removed_replicas_drain_is_kept_while_listed_anywhere_then_prune
 
         # removed everywhere, and kept longer than health_drain_keep_s: pruned by a sync
         remove(a, R1, clock.now)
-        await a.mark_removed(R1, clock.now)
-        clock.now += 3600.5
+        await a.mark_removed(R1)
+        await b.sync()
+        assert await entry(client, R1) is not None  # within the keep time
+        await asyncio.sleep(keep_s + 0.2)
         await b.sync()
         assert await entry(client, R1) is None
         a.health.add(R1, probe_ok=True, now=2.0)
@@ -139,9 +176,9 @@ async def test_older_entries_stay_a_prune_is_bounded_and_an_unlisted_id_can_be_u
         await a.sync()
         old = strict_json.dumps({"by": "token:1a2b3c4d@10.0.0.7", "at": 1_795_000_000.5})
         await client.hset(KEY, "old-release", old)  # a release before 732957c wrote it
-        await a.mark_removed(ReplicaId("old-release"), clock.now)
+        await a.mark_removed(ReplicaId("old-release"))
         assert await client.hget(KEY, "old-release") == old  # left as it was: kept until undrained
-        expired = {**NOTE.to_json(), "removed_at_wall_ts": clock.now - 61.0}
+        expired = {**NOTE.to_json(), "removed_at_wall_ts": await redis_now(client) - 61.0}
         await client.hset(
             KEY, mapping={f"gone-{i}": strict_json.dumps(expired) for i in range(MAX_PRUNES_PER_SYNC + 5)}
         )
@@ -197,8 +234,20 @@ async def test_without_redis_a_drain_outlives_the_removal_and_an_unlisted_id_can
             assert response.status == 200, await response.text()
         write([])
         await wait_for("r1 removed", r1_gone, timeout_s=10)
+        http_kept, grpc_kept = await kept_on_both_faces(setup)
+        assert list(http_kept) == ["r1"] and list(grpc_kept) == ["r1"], http_kept
+        kept = http_kept["r1"]
+        assert kept["source"] == "memory" and kept["drain"]["reason"] == "node repair", kept
+        assert kept["text"].startswith("drained (kept from before its removal at "), kept
+        keep_s = setup.balancer.settings.health_drain_keep_s
+        assert kept["expires_at_wall_ts"] == pytest.approx(kept["removed_at_wall_ts"] + keep_s, abs=1.0)
+        assert 0 <= kept["removed_at_age_s"] < 10 and keep_s - 10 < kept["expires_in_s"] <= keep_s, kept
+        assert grpc_kept["r1"].text == kept["text"] and grpc_kept["r1"].source == "memory"
+        assert grpc_kept["r1"].removed_at_wall_ts == kept["removed_at_wall_ts"]
+        assert dict(grpc_kept["r1"].drain)["reason"] == "node repair"
         write([extra])
         await wait_for("r1 discovered again", r1_listed, timeout_s=10)
+        assert (await kept_on_both_faces(setup)) == ({}, {})  # listed again: not a kept drain
         r1 = (await setup.views())["r1"]
         assert r1["health"]["draining"] and not r1["routable"], r1
         assert r1["health"]["drain"]["reason"] == "node repair", r1
@@ -233,7 +282,7 @@ async def test_a_redis_that_lost_its_data_gets_the_kept_drains_back(redis_server
         await a.sync()
         assert a.health.replicas[R1].draining
         remove(a, R1, 1_796_000_050.0)
-        await a.mark_removed(R1, 1_796_000_050.0)
+        await a.mark_removed(R1)
         await client.delete(KEY)  # a restart without persistence
         await a.sync()  # the seed
         assert (await entry(client, R1)) == {**NOTE.to_json(), "removed_at_wall_ts": 1_796_000_050.0}
@@ -258,6 +307,7 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
         "redis__url": redis_server.url,
         "redis__key_prefix": "dkb",
         "redis__policy_poll_s": 0.1,
+        "listen__grpc_port": 0,
     }
     client = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
 
@@ -289,6 +339,15 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
             stored = strict_json.loads(await client.hget("dkb:drained", "r1"))
             assert stored["reason"] == "node repair" and isinstance(stored["removed_at_wall_ts"], float)
 
+            async def kept_in_redis() -> bool:
+                return (await kept_on_both_faces(setup))[0].get("r1", {}).get("source") == "redis"
+
+            await wait_for("the fleet's kept drain listed", kept_in_redis, timeout_s=5)
+            http_kept, grpc_kept = await kept_on_both_faces(setup)
+            assert http_kept["r1"]["removed_at_wall_ts"] == stored["removed_at_wall_ts"]
+            assert http_kept["r1"]["drain"]["reason"] == "node repair"
+            assert grpc_kept["r1"].source == "redis" and grpc_kept["r1"].text == http_kept["r1"]["text"]
+
             write([extra])
             await wait_for("r1 discovered again", r1_listed, timeout_s=10)
 
@@ -308,3 +367,114 @@ async def test_with_redis_the_balancers_discovery_marks_the_removal_and_a_relist
     finally:
         await client.delete("dkb:drained")
         await client.aclose()
+
+
+@pytest.mark.redis
+async def test_two_balancers_with_skewed_clocks_keep_a_drain_for_the_keep_time_on_redis_clock(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two real balancers on one ``redis-server``, A's wall clock 10 days behind, B's 10 days ahead,
+    each with its own discovery file, ``health_drain_keep_s: 3``. r1 is drained, B's discovery drops
+    it, then A's: the drain is kept (listed by both as a ``redis`` kept drain) for the keep time on
+    Redis's clock, then pruned. Before h-fleetfollow2, A stamped the removal 10 days back and B
+    (20 days past it) deleted the entry at its next sync."""
+    keep_s = 3.0
+    redis = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+
+    def files(name: str) -> tuple[Path, dict[str, Any]]:
+        listed = tmp_path / f"{name}.yaml"
+        listed.write_text("pools: []\n")
+        return listed, {
+            "discovery__kind": "file",
+            "discovery__file": str(listed),
+            "discovery__reload_interval_s": 0.1,
+            "redis__url": redis_server.url,
+            "redis__key_prefix": "dks",
+            "redis__policy_poll_s": 0.1,
+            "health_drain_keep_s": keep_s,
+        }
+
+    def write(path: Path, replicas: list[Replica]) -> None:
+        fresh = path.with_suffix(".new")
+        entries = [replica_entry(r) for r in replicas]
+        fresh.write_text(yaml.safe_dump({"pools": [{"model": MODEL, "replicas": entries}]}))
+        fresh.replace(path)
+
+    file_a, overrides_a = files("a")
+    file_b, overrides_b = files("b")
+    balancers: list[Balancer] = []
+    try:
+        async with (
+            two_replicas(**overrides_a) as (static, extra, settings_a),
+            aiohttp.ClientSession() as session,
+        ):
+            settings_b = settings_for([static], limits__speculative_ttl_s=0.001, **overrides_b)
+            for settings, skew_s in ((settings_a, -10 * 86_400.0), (settings_b, 10 * 86_400.0)):
+                options = ServeOptions(wall_clock=lambda skew_s=skew_s: time.time() + skew_s)
+                balancer = Balancer(settings, tokenizers={MODEL: shared_deepseek()}, options=options)
+                balancers.append(balancer)
+                await balancer.start()
+                await wait_ready(session, balancer.url)
+            a, b = balancers
+
+            async def answer(on: Balancer) -> dict[str, Any]:
+                async with session.get(f"{on.url}/admin/replicas") as response:
+                    assert response.status == 200, await response.text()
+                    return dict(await response.json())
+
+            async def r1_draining_on_both() -> bool:
+                for on in (a, b):
+                    views = {v["id"]: v for v in (await answer(on))["replicas"]}
+                    if "r1" not in views or not views["r1"]["health"]["draining"]:
+                        return False
+                return True
+
+            write(file_a, [extra])
+            write(file_b, [extra])
+            await wait_for("r1 listed on both", lambda: answer_lists(answer, a, b, "r1"), timeout_s=10)
+            async with session.post(f"{a.url}/admin/replicas/r1/drain", json={"reason": "disk swap"}) as sent:
+                assert sent.status == 200, await sent.text()
+            await wait_for("r1 drained on both", r1_draining_on_both, timeout_s=10)
+
+            write(file_b, [])  # B's discovery drops it first: A still lists it and clears the time
+
+            async def cleared() -> bool:
+                raw = await redis.hget("dks:drained", "r1")
+                return raw is not None and "kept_from_removal_wall_ts" in strict_json.loads(raw)
+
+            await wait_for("A to clear B's removal", cleared, timeout_s=10)
+            write(file_a, [])  # then A's: removed everywhere
+
+            async def removed() -> bool:
+                raw = await redis.hget("dks:drained", "r1")
+                return raw is not None and "removed_at_wall_ts" in strict_json.loads(raw)
+
+            await wait_for("A's removal mark", removed, timeout_s=10)
+            stamped = float(strict_json.loads(await redis.hget("dks:drained", "r1"))["removed_at_wall_ts"])
+            assert abs(stamped - await redis_now(redis)) < 5.0  # Redis's clock, not A's (10 days back)
+            await asyncio.sleep(0.5)  # both balancers synced several times (every 0.1 s)
+            assert await redis.hget("dks:drained", "r1") is not None  # B, 20 days past A's clock, kept it
+            for on in (a, b):
+                kept = {k["id"]: k for k in (await answer(on))["kept_drains"]}
+                assert kept["r1"]["source"] == "redis" and 0 < kept["r1"]["expires_in_s"] <= keep_s, kept
+                assert kept["r1"]["drain"]["reason"] == "disk swap"
+
+            async def pruned() -> bool:
+                return await redis.hget("dks:drained", "r1") is None
+
+            await wait_for("the prune after the keep time", pruned, timeout_s=keep_s + 10)
+            assert await redis_now(redis) - stamped > keep_s  # not before the keep time on Redis's clock
+    finally:
+        for balancer in balancers:
+            await balancer.stop()
+        await redis.delete(
+            "dks:drained", "dks:drained:version{dks:drained}", "dks:drained:changes{dks:drained}"
+        )
+        await redis.aclose()
+
+
+async def answer_lists(answer: Any, a: Balancer, b: Balancer, replica: str) -> bool:
+    for on in (a, b):
+        if replica not in {v["id"] for v in (await answer(on))["replicas"]}:
+            return False
+    return True

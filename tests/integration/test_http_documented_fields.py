@@ -24,10 +24,16 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "http-api.md"
 TOKEN = "doc-token"
 WORKERS_ONLY = {"worker", "workers", "workers_missing"}
 """Fields of a ``kvlb serve --workers N`` answer only (tests/e2e/test_serve_workers*.py)."""
+KEPT_DRAIN_ONLY = {
+    "removed_at_wall_ts", "removed_at_age_s", "expires_at_wall_ts", "expires_in_s", "source", "memory",
+    "redis", "text",
+}  # fmt: skip
+"""The keys of a ``kept_drains`` entry (and its ``source`` values): no replica is removed here;
+``tests/integration/test_drain_keep.py`` reads them from real answers, on both faces."""
 NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("PUT", "/admin/policy"): {"admin", "reason"},  # the actor's default; a body field
     ("POST", "/admin/explain"): {"draining", "full"},  # left_out's values (others: no such replica here)
-    ("GET", "/admin/replicas"): {"null", "ok", "error", "silent"} | WORKERS_ONLY,  # + the table cells
+    ("GET", "/admin/replicas"): {"null", "ok", "error", "silent"} | WORKERS_ONLY | KEPT_DRAIN_ONLY,  # + cells
     ("POST", "/admin/replicas/{id}/drain"): {"null", "health_drain_keep_s"},  # + a setting
     ("POST", "/admin/whatif"): {"last"} | WORKERS_ONLY,  # a body field
     ("GET", "/admin/decisions"): {"i", "since_id"} | WORKERS_ONLY,  # query words

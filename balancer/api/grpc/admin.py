@@ -21,7 +21,7 @@ from balancer.api.admin import (
     drain_view,
     explain_raw,
     policy_choices,
-    replica_views,
+    replicas_answer,
     set_draining,
 )
 from balancer.api.console import run_whatif
@@ -30,6 +30,7 @@ from balancer.api.grpc.calls import WEIGHTS_METADATA, Call, method_handler
 from balancer.api.grpc.messages import (
     decision_message,
     dict_of,
+    kept_drain_message,
     openai_call,
     policy_message,
     replica_message,
@@ -93,13 +94,15 @@ class AdminService:
         )
 
     async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> pb.ListReplicasResponse:
-        answer: dict[str, Any] = {"replicas": replica_views(self.state)}
-        if self.state.replicas_gather is not None:  # every worker's receipts, as GET /admin/replicas
-            answer = await self.state.replicas_gather(answer["replicas"])
+        answer = replicas_answer(self.state)
+        if self.state.replicas_gather is not None:  # every worker's, as GET /admin/replicas
+            answer = await self.state.replicas_gather(answer)
         return pb.ListReplicasResponse(
             replicas=[replica_message(view) for view in answer["replicas"]],
             workers=answer.get("workers", ()),
             workers_missing=answer.get("workers_missing", ()),
+            kept_drains=[kept_drain_message(kept) for kept in answer["kept_drains"]],
+            kept_drains_total=answer["kept_drains_total"],
         )
 
     async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:

@@ -366,6 +366,23 @@ def replica_message(view: Mapping[str, Any]) -> pb.Replica:
     return message
 
 
+def kept_drain_message(view: Mapping[str, Any]) -> pb.KeptDrain:
+    """One kept drain as ``GET /admin/replicas``' ``kept_drains`` shows it
+    (:func:`~balancer.api.admin.kept_drain_view`)."""
+    message = pb.KeptDrain(
+        id=view["id"],
+        removed_at_wall_ts=view["removed_at_wall_ts"],
+        removed_at_age_s=view["removed_at_age_s"],
+        expires_at_wall_ts=view["expires_at_wall_ts"],
+        expires_in_s=view["expires_in_s"],
+        source=view["source"],
+        text=view["text"],
+    )
+    if view.get("drain") is not None:
+        message.drain.CopyFrom(struct_of(view["drain"]))
+    return message
+
+
 def _source_message(source: Mapping[str, Any]) -> pb.EventSourceStatus:
     return pb.EventSourceStatus(
         kind=source["kind"],

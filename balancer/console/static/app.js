@@ -321,7 +321,16 @@
     if (info === null || info === undefined) meta += " · embedded index (no Redis fleet)";
     else if (Array.isArray(info.members)) meta += " · Redis fleet of " + info.members.length + " balancers";
     else meta += " · Redis fleet";
+    const kept = replicas.kept_drains || [];
+    if (kept.length) meta += " · " + (replicas.kept_drains_total || kept.length) + " drains kept for removed replicas";
     setText("fleet-meta", meta);
+    // the drains kept for replicas discovery removed: each comes back drained if added again in time
+    const keptList = $("fleet-kept-drains");
+    clear(keptList);
+    for (const entry of kept) {
+      const left = typeof entry.expires_in_s === "number" ? "; forgotten in " + fmtSeconds(Math.max(0, entry.expires_in_s)) + " unless added again" : "";
+      keptList.append(el("li", { "data-replica": entry.id, text: entry.id + " (removed): " + entry.text + left }));
+    }
     setText("fleet-updated", "updated " + new Date().toLocaleTimeString("en-GB", { hour12: false }));
   }
 

@@ -223,9 +223,12 @@ async def follow_channel(
     sync: Callable[[], Awaitable[None]],
     failed: Callable[[BaseException], None],
     stop: asyncio.Event,
+    *,
+    on_message: Callable[[], None] = lambda: None,
 ) -> None:
     """Run ``sync`` at each message on ``channel`` and every ``poll_s`` (a message may be lost:
-    pub/sub is fire-and-forget) until ``stop`` is set. A Redis error goes to ``failed``, then the
+    pub/sub is fire-and-forget) until ``stop`` is set; ``on_message`` is called before the ``sync``
+    of a message. A Redis error goes to ``failed``, then the
     subscription is made again after a backoff (``poll_s`` doubling up to 5 s). A server that refuses
     the channel (an ACL user without ``&<channel>``; Redis 7 grants no channel by default) is no
     Redis failure: it is logged once and ``sync`` runs every ``poll_s`` without a subscription from
@@ -246,8 +249,8 @@ async def follow_channel(
                 if pubsub is None:
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), poll_s)
-                else:
-                    await _on_channel(pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s))
+                elif await _on_channel(pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)):
+                    on_message()
                 await sync()  # a message or the periodic check
         except _ChannelRefused as exc:
             subscribe = False
