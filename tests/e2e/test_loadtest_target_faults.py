@@ -285,6 +285,29 @@ async def test_a_target_without_models_gets_an_invalid_report_saying_pass_model(
     assert "**Invalid at the offered rate**: no request sent" in (out / "report.md").read_text()
 
 
+async def test_capacity_target_without_models_writes_its_report_and_names_the_flag(tmp_path: Path) -> None:
+    """``kvlb capacity --target`` where ``GET /v1/models`` answers 404 and no ``--model``: exit 1, one
+    line naming ``--model``, no request sent, and ``capacity.json`` written with no point and the
+    reason. Before (2026-12-01, h-capfollow): exit 1 and the line, but no report at all."""
+    async with misbehaving_target(auth="Bearer k", list_models=False) as target:
+        out = tmp_path / "capacity"
+        code, _, stderr = await _kvlb(
+            "capacity", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "20",
+            "--header", "Authorization: Bearer k", "--out", str(out),
+        )  # fmt: skip
+    assert code == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("kvlb capacity: GET http://127.0.0.1:") and last.endswith("HTTP 404; pass --model")
+    assert target.chats == 0
+    report = json.loads((out / "capacity.json").read_text())
+    assert report["meta"]["error"] == last.removeprefix("kvlb capacity: ")
+    assert report["meta"]["model"] is None and report["meta"]["interrupted"] is None
+    [row] = report["routers"]
+    assert row["points"] == [] and row["capacity_rate"] is None and row["invalid"] == report["meta"]["error"]
+    assert (out / "capacity.md").exists()
+
+
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
 async def test_capacity_target_on_a_signal_writes_the_points_measured(
     signum: signal.Signals, tmp_path: Path
