@@ -33,6 +33,7 @@ import aiohttp
 import yaml
 
 from loadtests.faults.soak import add_soak_arguments, soak_campaign
+from loadtests.flag_checks import refuse_below_one, refuse_not_above
 from loadtests.fleet.processes import (
     EmulatorHandle,
     attach_emulator,
@@ -63,6 +64,7 @@ from loadtests.workloads import (
     poisson_arrivals,
     with_arrivals,
 )
+from loadtests.workloads.mooncake import check_order
 from replicas.sim.profiles import PROFILES
 
 
@@ -186,14 +188,40 @@ def build_workload(args: argparse.Namespace, capacity_tokens: int | None, replic
 def check_workload(args: argparse.Namespace) -> None:
     """Build the workload and draw its first request before any replica starts, so that an unknown
     workload, a bad ``--param`` or a missing ``--trace`` is a ``ValueError`` at once (it was found
-    after the fleet of ``--replicas`` had started, about 5 s later, exit 1)."""
+    after the fleet of ``--replicas`` had started, about 5 s later, exit 1). A trace's rows to be
+    replayed are read once (:func:`~loadtests.workloads.mooncake.check_order`: a bad row or one out
+    of timestamp order is refused here; before 2026-12-01 it was found after the fleet started)."""
     workload = build_workload(args, None, args.replicas)
     try:
+        if isinstance(workload, MooncakeWorkload):
+            check_order(workload.path, offset=workload.offset, limit=workload.limit)
         next(iter(workload.generate(random.Random(args.seed))), None)
     except OSError as exc:
         raise ValueError(f"--trace {args.trace}: {exc.strerror or exc}") from None
     except TypeError as exc:  # a --param of the wrong type
         raise ValueError(f"workload {args.workload!r}: {exc}") from None
+
+
+def check_numbers(args: argparse.Namespace) -> None:
+    """Refuse, with one line naming the flag, counts and scales no run can use (``ValueError``, exit 2
+    before anything starts): before 2026-12-01 ``--replicas 0`` started no replica and failed with
+    ``min() arg is an empty sequence`` (exit 1), and ``--processes 0`` ran and wrote a report of no
+    completed request (exit 0)."""
+    refuse_below_one(
+        {
+            "--replicas": args.replicas,
+            "--processes": args.processes,
+            "--requests": args.requests,
+            "--kv-capacity-tokens": args.kv_capacity_tokens,
+            "--max-context-tokens": args.max_context_tokens,
+            "--max-input-tokens": args.max_input_tokens,
+            "--max-tokens-cap": args.max_tokens_cap,
+        }
+    )
+    if args.trace_offset < 0:
+        raise ValueError(f"--trace-offset must be >= 0, got {args.trace_offset}")
+    refuse_not_above("--time-scale", args.time_scale, 0)
+    refuse_not_above("--trace-time-scale", args.trace_time_scale, 0)
 
 
 def build_specs(workload: Workload, args: argparse.Namespace) -> list[RequestSpec]:
@@ -399,6 +427,7 @@ def run(args: argparse.Namespace) -> int:
     if args.netns and not args.in_netns:
         return _reexec_in_netns()
     try:
+        check_numbers(args)
         if args.target and args.duration is not None:
             raise ValueError("--target and --duration (soak) do not go together")
         if args.target:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from balancer.policy.registry import POLICY_WEIGHTS, weights_read
 from loadtests.simulate import SimConfig, SimRequest, simulate
 from loadtests.simulate.report import format_value
 from loadtests.stats import Summary
@@ -64,6 +65,33 @@ def _value(text: str) -> float | None:
     if text.lower() in ("null", "none", "off"):
         return None
     return float(text)
+
+
+def grid_for_policy(policy: str, given: Grid | None, default: Grid) -> Grid:
+    """The grid ``kvlb tune`` sweeps for ``policy``: ``given`` (``--grid``) when the policy reads
+    every weight in it, else ``ValueError`` naming those it does not read; without ``--grid``,
+    ``default`` narrowed to the weights the policy reads (``POLICY_WEIGHTS``), and ``ValueError``
+    when none is left. Before 2026-12-01 ``--policy round_robin`` swept the 36 points of the
+    default grid, every one routing alike, and recommended a weight line for it."""
+    read = weights_read(policy)
+    if not read:
+        movable = ", ".join(name for name, names in POLICY_WEIGHTS.items() if names)
+        raise ValueError(f"policy {policy} reads no weight: nothing to tune (weights move {movable})")
+    if given is not None:
+        unread = [name for name in given if name not in read]
+        if unread:
+            raise ValueError(
+                f"--grid {', '.join(unread)}: policy {policy} does not read "
+                f"{'it' if len(unread) == 1 else 'them'} (it reads {', '.join(sorted(read))})"
+            )
+        return given
+    narrowed = {name: values for name, values in default.items() if name in read}
+    if not narrowed:
+        raise ValueError(
+            f"policy {policy} reads none of the default grid's weights ({', '.join(default)}): "
+            f"pass --grid with {' / '.join(sorted(read))}"
+        )
+    return narrowed
 
 
 def grid_points(grid: Grid) -> list[dict[str, float | None]]:

@@ -38,7 +38,8 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,19 +71,22 @@ from loadtests.capacity.target import (
     add_target_arguments,
     check_target_args,
     gate,
+    model_of,
     search_target,
     sigterm_as_sigint,
     stopped_by,
 )
+from loadtests.flag_checks import refuse_below_one, refuse_not_above
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES
 from loadtests.simulate import SimRequest
 from loadtests.simulate.oracle import DEFAULT_LOAD_BOUND_S
-from loadtests.target import EXIT_INTERRUPTED
+from loadtests.target import EXIT_INTERRUPTED, EXIT_SLO_MISSED
 from loadtests.target_access import redact_argv, redact_url
 from loadtests.workloads import (
     MooncakeWorkload,
+    RequestSpec,
     TenantsWorkload,
     Workload,
     make_workload,
@@ -91,6 +95,10 @@ from loadtests.workloads import (
 )
 from replicas.sim.profiles import PROFILES
 
+CHAT_MEMO_MAX = 4096
+"""Distinct chats whose token ids ``kvlb capacity`` remembers while it builds a stream of chat prompts."""
+DEFAULT_MAX_HELD_TOKENS = 1 << 28
+"""``--max-held-tokens``'s default: 268,435,456 token ids, 1 GiB at 4 bytes each."""
 DEFAULT_ROUTERS = ("kvlb", "round_robin", "least_load", "sglang_cache_aware", "oracle")
 SMOKE: dict[str, Any] = {
     "workload": "tenants",
@@ -124,20 +132,24 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add("--max-input-tokens", type=int, default=8000, help="trace: prompts cut to this (8000)")
     add("--max-tokens-cap", type=int, default=32, help="trace: cap on completion tokens (32)")
     add("--requests", type=int, default=None, help="requests (default: the trace's rows; workloads 600)")
+    add("--max-held-tokens", type=int, default=DEFAULT_MAX_HELD_TOKENS,
+        help="the stream's prompts are held once, 4 bytes a token id: refuse a stream whose prompts "
+        f"pass this many token ids (default {DEFAULT_MAX_HELD_TOKENS:,}: 1 GiB)")  # fmt: skip
     add("--routers", default=",".join(DEFAULT_ROUTERS),
         help="comma-separated: kvlb, round_robin, least_load, power_of_two, kvlb:<policy>[+w=v], "
         "sglang_cache_aware (simulated as sglang_threshold); simulator only: oracle (its plan on MIN "
         "engines), oracle_lru (its plan on LRU engines), <kvlb router>@min (on MIN engines)")  # fmt: skip
-    add("--replicas", type=int, default=8, help="replicas (8)")
+    add("--replicas", type=int, default=None, help="replicas (8; --smoke: 2)")
     add("--profile", choices=sorted(PROFILES), default="h100-llama3-8b", help="replica profile")
     add("--kv-capacity-tokens", type=int, default=None, help="per-replica KV pool (default: the profile's)")
-    add("--slo-ttft-p90", default="2s", help="TTFT p90 bound, model time (2s; --smoke without --trace: 0.3s)")
+    add("--slo-ttft-p90", default=None, help="TTFT p90 bound, model time (2s; --smoke without --trace: 0.3s)")
     add("--slo-ttft-p99", default=None, help="also a TTFT p99 bound, e.g. 4s")
     add("--max-error-rate", type=float, default=0.001, help="error rate bound (0.001)")
     add("--start-rate", type=float, default=None, help="first rate tried (default: 2 per replica)")
-    add("--growth", type=float, default=1.5, help="rate step while bracketing (1.5)")
-    add("--rel-tol", type=float, default=0.05, help="bisect until the bracket is this narrow (0.05)")
-    add("--max-points", type=int, default=14, help="simulations per router at most (14)")
+    add("--growth", type=float, default=None, help="rate step while bracketing (1.5; --smoke: 3)")
+    add("--rel-tol", type=float, default=None,
+        help="bisect until the bracket is this narrow (0.05; --smoke: 0.25)")  # fmt: skip
+    add("--max-points", type=int, default=None, help="simulations per router at most (14; --smoke: 8)")
     add("--oracle-load-bound-s", type=float, default=DEFAULT_LOAD_BOUND_S,
         help=f"the oracle's prefill-backlog bound, s ({DEFAULT_LOAD_BOUND_S})")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of the workload, arrivals and routing")
@@ -204,15 +216,21 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="fleet: `kvlb serve --workers` of every kvlb router (default 1: the simulator models one "
         "router process; 0: kvlb's own default, the cores)")  # fmt: skip
     add("--out", type=Path, default=None, help="output folder (default capacity-results/<workload>-<time>)")
-    add("--smoke", action="store_true", help="tiny preset for CI (2 replicas, 120 short requests)")
+    add("--smoke", action="store_true",
+        help="tiny preset for CI (2 replicas, 120 short requests, at most 8 points, --rel-tol 0.25, "
+        "--growth 3); a flag given explicitly wins over the preset")  # fmt: skip
     add("--json", action="store_true", help="print the JSON report on stdout")
     add_target_arguments(parser)
     parser.set_defaults(handler=run)
 
 
 def build_stream(args: argparse.Namespace) -> tuple[Workload, Stream]:
-    from loadtests.command import spec_token_ids
-
+    """The workload and its stream: one pass over the specs, each prompt kept as 4-byte token ids
+    (``array('I')``) and their total bounded by ``--max-held-tokens`` (``ValueError`` naming the
+    request past it); the specs themselves are not kept but regenerated for the fleet's and the
+    target's runs (``Stream.specs_of``: deterministic in ``--seed``). Before 2026-12-01 the
+    stream held every spec's prompt twice as Python ints (about 52 bytes a token: 1.03 GB of peak
+    RSS for the repo's 3,993-row trace)."""
     params = dict(SMOKE["params"]) if args.smoke else {}
     params |= _params(args.param)
     workload: Workload
@@ -234,19 +252,68 @@ def build_stream(args: argparse.Namespace) -> tuple[Workload, Stream]:
             profile = PROFILES[args.profile]
             kv = args.kv_capacity_tokens or profile.kv_capacity_tokens
             workload = workload.for_capacity(kv, replicas=args.replicas)
-    specs = list(itertools.islice(workload.generate(random.Random(args.seed)), args.requests))
-    if not specs:
+
+    def specs_of(count: int | None) -> list[RequestSpec]:
+        return list(itertools.islice(_specs(workload, args.seed, args.requests), count))
+
+    requests: list[SimRequest] = []
+    held_tokens = 0
+    tokens_of = _token_ids()
+    for spec in _specs(workload, args.seed, args.requests):
+        prompt = tokens_of(spec)
+        held_tokens += len(prompt)
+        if held_tokens > args.max_held_tokens:
+            raise ValueError(
+                f"the stream's prompts pass --max-held-tokens {args.max_held_tokens} token ids "
+                f"({prompt.itemsize} bytes each) at request {len(requests) + 1}: pass a lower "
+                "--requests, or raise --max-held-tokens"
+            )
+        requests.append(SimRequest(prompt, spec.max_tokens, spec.arrival_s or 0.0, spec.session_id))
+    if not requests:
         raise ValueError("the workload produced no requests")
-    if specs[0].arrival_s is None:
-        specs = list(with_arrivals(specs, poisson_arrivals(1.0, random.Random(args.seed + 1))))
-    span = max(s.arrival_s or 0.0 for s in specs)
-    base_rate = len(specs) / span if span > 0 else 1.0
-    prompts = spec_token_ids(specs)
-    requests = [
-        SimRequest(p, s.max_tokens, s.arrival_s or 0.0, s.session_id)
-        for p, s in zip(prompts, specs, strict=True)
-    ]
-    return workload, Stream(specs, requests, base_rate)
+    span = max(r.arrival_s for r in requests)
+    base_rate = len(requests) / span if span > 0 else 1.0
+    return workload, Stream(requests, base_rate, specs_of)
+
+
+def _specs(workload: Workload, seed: int, requests: int | None) -> Iterator[RequestSpec]:
+    """The workload's first ``requests`` specs (all when ``None``), with Poisson arrivals (1/s, from
+    ``seed + 1``) when they have none: the same specs on every call."""
+    generated = itertools.islice(workload.generate(random.Random(seed)), requests)
+    first = next(generated, None)
+    if first is None:
+        return
+    specs: Iterator[RequestSpec] = itertools.chain((first,), generated)
+    if first.arrival_s is None:
+        specs = with_arrivals(specs, poisson_arrivals(1.0, random.Random(seed + 1)))
+    yield from specs
+
+
+def _token_ids() -> Callable[[RequestSpec], array[int]]:
+    """Spec → the token ids the replicas will see, as ``array('I')`` (a chat through the fleet's
+    default tokenizer, loaded at the first chat; the last :data:`CHAT_MEMO_MAX` distinct chats
+    remembered, so a chat repeated by many requests is tokenized once and held once; the bound of
+    ``--max-held-tokens`` counts it per request all the same)."""
+    memo: dict[tuple[Any, ...], array[int]] = {}
+    tokenizer: Any = None
+
+    def tokens_of(spec: RequestSpec) -> array[int]:
+        nonlocal tokenizer
+        if spec.prompt_token_ids is not None:
+            return array("I", spec.prompt_token_ids)
+        key = tuple(spec.messages or ())
+        found = memo.get(key)
+        if found is None:
+            if tokenizer is None:
+                from balancer.tokenizer.default import default_tokenizer
+
+                tokenizer = default_tokenizer()
+            if len(memo) >= CHAT_MEMO_MAX:
+                memo.clear()
+            found = memo[key] = array("I", tokenizer.encode_chat([m.to_json() for m in spec.messages or ()]))
+        return found
+
+    return tokens_of
 
 
 def _params(pairs: Sequence[str]) -> dict[str, Any]:
@@ -283,19 +350,30 @@ def write_png(report: dict[str, Any], path: Path) -> bool:
     return True
 
 
+PRESETS: dict[str, tuple[Any, Any]] = {
+    "replicas": (8, SMOKE["replicas"]),
+    "max_points": (14, 8),
+    "rel_tol": (0.05, 0.25),
+    "growth": (1.5, 3.0),
+}
+"""Flag (its ``args`` name) → (its default, ``--smoke``'s value); a flag given explicitly keeps its value."""
+
+
 def apply_presets(args: argparse.Namespace) -> None:
-    """``--smoke``'s shape, and the default request count of a workload. ``--smoke`` tightens the
-    default SLO to 0.3 s for its 120 short requests on 2 replicas, but not with ``--trace``: the
-    trace's prompts (up to 8,000 tokens) missed 0.3 s at every rate down to 0.002 req/s, so the
-    README's ``kvlb capacity --trace ... --smoke`` found no capacity for any router (2026-11-30)."""
+    """``--smoke``'s shape, and the default request count of a workload. A flag given explicitly
+    wins over the preset (before 2026-12-01 ``--smoke`` replaced ``--replicas``, ``--max-points``,
+    ``--rel-tol`` and ``--growth`` without a word, so ``--smoke --replicas 0`` ran). ``--smoke``
+    tightens the default SLO to 0.3 s for its 120 short requests on 2 replicas, but not with
+    ``--trace``: the trace's prompts (up to 8,000 tokens) missed 0.3 s at every rate down to
+    0.002 req/s, so the README's ``kvlb capacity --trace ... --smoke`` found no capacity for any
+    router (2026-11-30)."""
+    for name, (default, smoke) in PRESETS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, smoke if args.smoke else default)
+    if args.slo_ttft_p90 is None:
+        args.slo_ttft_p90 = "0.3s" if args.smoke and args.trace is None else "2s"
     if args.smoke:
-        args.requests = args.requests or SMOKE["requests"]
-        args.replicas = SMOKE["replicas"]
-        args.max_points = min(args.max_points, 8)
-        args.rel_tol = max(args.rel_tol, 0.25)
-        args.growth = max(args.growth, 3.0)
-        if args.slo_ttft_p90 == "2s" and args.trace is None:
-            args.slo_ttft_p90 = "0.3s"
+        args.requests = SMOKE["requests"] if args.requests is None else args.requests
     elif args.requests is None and args.trace is None:
         args.requests = 600
 
@@ -370,27 +448,35 @@ def _run(args: argparse.Namespace) -> int:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse, with one line naming the flag, numbers no search can use (``ValueError``)."""
-    at_least_one = {
-        "--replicas": args.replicas,
-        "--requests": args.requests,
-        "--max-points": args.max_points,
-        "--max-input-tokens": args.max_input_tokens,
-        "--max-tokens-cap": args.max_tokens_cap,
-        "--kv-capacity-tokens": args.kv_capacity_tokens,
-        "--confirm-requests": args.confirm_requests,
-        "--confirm-repeats": args.confirm_repeats,
-    }
-    for flag, value in at_least_one.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
+    refuse_below_one(
+        {
+            "--replicas": args.replicas,
+            "--requests": args.requests,
+            "--max-input-tokens": args.max_input_tokens,
+            "--max-tokens-cap": args.max_tokens_cap,
+            "--kv-capacity-tokens": args.kv_capacity_tokens,
+            "--confirm-requests": args.confirm_requests,
+            "--confirm-repeats": args.confirm_repeats,
+            "--processes": args.processes,
+            "--max-held-tokens": args.max_held_tokens,
+        }
+    )
+    if args.max_points < 2:  # the search needs a bracket: one pass and one fail
+        raise ValueError(f"--max-points must be >= 2, got {args.max_points}")
     if args.trace_offset < 0:
         raise ValueError(f"--trace-offset must be >= 0, got {args.trace_offset}")
-    if args.start_rate is not None and not (math.isfinite(args.start_rate) and args.start_rate > 0):
-        raise ValueError(f"--start-rate must be a finite number > 0 (req/s), got {args.start_rate}")
-    if not (math.isfinite(args.growth) and args.growth > 1):
-        raise ValueError(f"--growth must be a finite number > 1, got {args.growth}")
-    if not (math.isfinite(args.rel_tol) and args.rel_tol > 0):
-        raise ValueError(f"--rel-tol must be a finite number > 0, got {args.rel_tol}")
+    if args.kvlb_workers < 0:
+        raise ValueError(f"--kvlb-workers must be >= 0 (0: kvlb's own default), got {args.kvlb_workers}")
+    if args.confirm_sim_draws < 0:
+        raise ValueError(f"--confirm-sim-draws must be >= 0, got {args.confirm_sim_draws}")
+    if not (math.isfinite(args.oracle_load_bound_s) and args.oracle_load_bound_s >= 0):
+        raise ValueError(
+            f"--oracle-load-bound-s must be a finite number >= 0, got {args.oracle_load_bound_s}"
+        )
+    refuse_not_above("--time-scale", args.time_scale, 0)
+    refuse_not_above("--start-rate", args.start_rate, 0, "req/s")
+    refuse_not_above("--growth", args.growth, 1)
+    refuse_not_above("--rel-tol", args.rel_tol, 0)
 
 
 def _search_and_report(
@@ -512,7 +598,21 @@ def _search_and_report(
     )
     report["diagnosis"] = diagnosis
     _write_report(args, report, out, log)
-    return 0
+    return no_capacity_exit(searches, log)
+
+
+def no_capacity_exit(searches: dict[str, Search], log: Callable[[str], None]) -> int:
+    """The exit code of a written report: :data:`EXIT_SLO_MISSED` (3, as ``--target --slo-gate``'s
+    miss) when a router's search met the SLO at no rate tried (its capacity is missing from the
+    report), with one line naming those routers; else 0. Before 2026-12-01 it was 0 either way."""
+    missing = [name for name, found in searches.items() if found.capacity is None]
+    if not missing:
+        return 0
+    log(
+        f"kvlb capacity: no rate tried met the SLO for {', '.join(missing)}: "
+        f"exit {EXIT_SLO_MISSED} (the report is written)"
+    )
+    return EXIT_SLO_MISSED
 
 
 def _run_target(
@@ -528,36 +628,53 @@ def _run_target(
 ) -> int:
     """``--target``: every point a real run at the URL (:mod:`loadtests.capacity.target`); after
     SIGINT or SIGTERM (``received`` names a SIGTERM) the report of the points measured so far, exit
-    130 or 143."""
-    interrupted = None
+    130 or 143. A target that names no model (``GET /v1/models``; without ``--model``) or answers no
+    request of a point stops the search with exit 1 and one line (the first says to pass
+    ``--model``), and the report is written all the same: the points measured before (none for the
+    models), the reason in ``meta.error`` and the row's ``invalid`` (before 2026-12-01: no report)."""
+    interrupted = error = model = None
+    found = Search((), None, None)
     try:
-        found = search_target(args, lambda rate, limit: stream.specs_at(rate, limit, 1.0), slo, start, log)
+        model = model_of(args)
+        specs_at = functools.partial(_specs_at_wall, stream)
+        found = search_target(args, model, specs_at, slo, start, log)
     except SearchInterrupted as stop:
         found, interrupted = (
             stop.search,
             f"stopped by {stopped_by(received).name} after {len(stop.search.points)} points",
         )
-    except (TargetDown, ValueError, OSError) as exc:
-        print(f"kvlb capacity: {exc}", file=sys.stderr)
-        return 1
+    except TargetDown as down:
+        found, error = down.search, str(down)
+    except (ValueError, OSError) as exc:  # GET /v1/models named no model, or could not be read
+        error = str(exc)
     meta = {
         "command": _command_line(),
         "started": started,
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "target": redact_url(args.target),
+        "model": model,
         "workload": {"name": workload.name, **dataclasses.asdict(workload)},  # type: ignore[call-overload]
-        "requests_per_point": min(args.target_requests, len(stream.specs)),
+        "requests_per_point": min(args.target_requests, len(stream.requests)),
         "base_rate_per_s": stream.base_rate,
         "search": {"start_rate": start, "rel_tol": args.rel_tol, "max_points": args.max_points},
         "slo_gate_rate": args.slo_gate,
         "interrupted": interrupted,
+        "error": error,
     }
-    report = build_report(meta, slo, {"target": found}, [])
+    report = build_report(meta, slo, {"target": found}, [], invalid={"target": error} if error else None)
     _write_report(args, report, out, log)
+    if error:
+        print(f"kvlb capacity: {error}", file=sys.stderr)
+        return 1
     if interrupted:
         log(f"kvlb capacity: {interrupted}: the report holds those (partial results)")
         return EXIT_INTERRUPTED + stopped_by(received).value
     return gate(found, args, log)
+
+
+def _specs_at_wall(stream: Stream, rate: float, limit: int) -> list[RequestSpec]:
+    """The first ``limit`` specs at ``rate``, arrivals in wall seconds (``--target``: no time scale)."""
+    return stream.specs_at(rate, limit, 1.0)
 
 
 def _command_line() -> str:

@@ -148,7 +148,7 @@ async def confirm_on_fleet(
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
     bands: dict[str, list[dict[str, Any]]] = {}
-    limit = min(args.confirm_requests, len(stream.specs))
+    limit = min(args.confirm_requests, len(stream.requests))
     drive = DriveOptions(
         concurrency=open_loop_cap(DriveOptions().concurrency, limit),
         seed=args.seed,

@@ -135,7 +135,8 @@ def markdown(report: Mapping[str, Any]) -> str:
             for p in r.get("confirmed", ())
         )
         if r.get("invalid"):
-            fleet = f"invalid on the fleet: {r['invalid']}" + (f" ({fleet})" if fleet else "")
+            where = "at the target" if (report.get("meta") or {}).get("target") else "on the fleet"
+            fleet = f"invalid {where}: {r['invalid']}" + (f" ({fleet})" if fleet else "")
         lines.append(
             f"| {r['name']} | {_fmt(r['capacity_rate'])} | {_fmt(r['first_failing_rate'])} "
             f"| {_fmt(r['vs_round_robin'])} | {_fmt(r['vs_best_peer'])} "

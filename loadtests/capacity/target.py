@@ -11,12 +11,14 @@ does not meet the SLO either: no pass at a rate the client never sent. The clien
 the point's request count at least (:func:`loadtests.capacity.confirm.open_loop_cap`), so it never
 holds a launch back. With ``--slo-gate RATE`` the command exits
 :data:`loadtests.target.EXIT_SLO_MISSED` when the capacity found is below ``RATE``, so a rollout can be
-gated on "this deployment still serves N req/s within the SLO"; it exits
-:data:`loadtests.target.EXIT_CLIENT_BEHIND` instead when the lowest failing rate's point was invalid
-by the client (the search's bracket was the client's, not the target's). SIGINT or SIGTERM stops
-the search: the report holds the points measured before it (the one in flight is lost),
-``meta.interrupted`` says so, and the command exits :data:`loadtests.target.EXIT_INTERRUPTED` + the
-signal's number (130, 143). SIGTERM takes SIGINT's path (:func:`sigterm_as_sigint`).
+gated on "this deployment still serves N req/s within the SLO"; without it, a search that met the
+SLO at no rate exits :data:`loadtests.target.EXIT_SLO_MISSED` all the same (2026-12-01, branch
+h-capfollow). It exits :data:`loadtests.target.EXIT_CLIENT_BEHIND` instead when the lowest failing
+rate's point was invalid by the client (the search's bracket was the client's, not the target's).
+SIGINT or SIGTERM stops the search: the report holds the points measured before it (the one in
+flight is lost), ``meta.interrupted`` says so, and the command exits
+:data:`loadtests.target.EXIT_INTERRUPTED` + the signal's number (130, 143). SIGTERM takes SIGINT's
+path (:func:`sigterm_as_sigint`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from loadtests.capacity.confirm import open_loop_cap
 from loadtests.capacity.search import RatePoint, Search, Slo, point_of, search
 from loadtests.client_lag import lag_bound_s, no_schedule
 from loadtests.driver import REPLICA_HEADER, run_open_loop
+from loadtests.flag_checks import refuse_not_above
 from loadtests.runs import Progress
 from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED
 from loadtests.target_access import SECRET_MASK, check_target_url, first_model, target_headers
@@ -64,7 +67,8 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     add("--target-requests", type=int, default=200, help="--target: requests per offered rate (200)")
     add("--target-timeout-s", type=float, default=120.0, help="--target: per request (120)")
     add("--slo-gate", type=float, default=None, metavar="RATE",
-        help=f"--target: exit {EXIT_SLO_MISSED} when the capacity found is below RATE req/s")  # fmt: skip
+        help=f"--target: exit {EXIT_SLO_MISSED} when the capacity found is below RATE req/s (without it: "
+        "when no rate met the SLO)")  # fmt: skip
 
 
 def measure_target(
@@ -119,17 +123,25 @@ def measure_target(
             + (f"; INVALID: {note}" if note else "")
         )
         if summary.ok == 0:
-            raise TargetDown(f"no request succeeded at {rate:.3g}/s: {result.records[0].error}")
+            raise TargetDown(f"no request succeeded at {rate:.3g}/s: {result.records[0].error}", point)
         return point
 
     return measure
 
 
 class TargetDown(RuntimeError):
-    """The target answered no request of a point: the search stops."""
+    """The target answered no request of a point: the search stops. ``point`` is that point;
+    :func:`search_target` raises it again with ``search``, the points measured, that one included."""
+
+    def __init__(self, message: str, point: RatePoint | None = None, search: Search | None = None) -> None:
+        super().__init__(message)
+        self.point = point
+        self.search = search if search is not None else Search((), None, None)
 
 
 def model_of(args: argparse.Namespace) -> str:
+    """``--model``, else the first model of the target's ``GET /v1/models`` (``ValueError`` saying
+    to pass ``--model`` when it names none)."""
     if args.model:
         return str(args.model)
 
@@ -142,6 +154,7 @@ def model_of(args: argparse.Namespace) -> str:
 
 def search_target(
     args: argparse.Namespace,
+    model: str,
     specs_at: Callable[[float, int], list[Any]],
     slo: Slo,
     start: float,
@@ -149,8 +162,8 @@ def search_target(
 ) -> Search:
     """The search at the URL; on SIGINT (``KeyboardInterrupt``; SIGTERM too within
     :func:`sigterm_as_sigint`) :class:`SearchInterrupted` with the points measured so far (the point
-    in flight is lost)."""
-    measure = measure_target(args, specs_at, model_of(args), log, slo)
+    in flight is lost); :class:`TargetDown` with the points measured, the failed one included."""
+    measure = measure_target(args, specs_at, model, log, slo)
     measured: list[RatePoint] = []
 
     def keep(rate: float) -> RatePoint:
@@ -162,6 +175,9 @@ def search_target(
         return search(keep, slo, start, growth=args.growth, rel_tol=args.rel_tol, max_points=args.max_points)
     except KeyboardInterrupt:
         raise SearchInterrupted(partial_search(measured, slo)) from None
+    except TargetDown as down:
+        points = [*measured, *([] if down.point is None else [down.point])]
+        raise TargetDown(str(down), down.point, partial_search(points, slo)) from None
 
 
 class SearchInterrupted(Exception):
@@ -212,6 +228,7 @@ def check_target_args(args: argparse.Namespace) -> None:
     """``ValueError`` for a bad ``--target`` argument, before a request goes out (exit 2)."""
     check_target_url(args.target)
     target_headers(args)
+    refuse_not_above("--slo-gate", args.slo_gate, 0, "req/s")
     if not args.target_requests > 0:
         raise ValueError(f"--target-requests must be > 0, got {args.target_requests}")
     timeout_s = args.target_timeout_s
@@ -220,16 +237,21 @@ def check_target_args(args: argparse.Namespace) -> None:
 
 
 def gate(found: Search, args: argparse.Namespace, log: Callable[[str], None]) -> int:
-    """The exit code: the SLO gate on the capacity found (module docstring)."""
+    """The exit code: the SLO gate on the capacity found (module docstring); without ``--slo-gate``
+    a search that met the SLO at no rate misses it all the same (exit 3, or 4 when the lowest failing
+    rate's point was the client's), as ``kvlb capacity``'s simulator search does."""
     for point in found.points:
         if point.invalid is not None:
             log(f"target @ {point.rate:.3g}/s is no measurement: {point.invalid}")
     if args.slo_gate is None:
-        return 0
-    ok = found.capacity is not None and found.capacity >= args.slo_gate
-    log(f"capacity {found.capacity} req/s against the gate {args.slo_gate}: {'met' if ok else 'MISSED'}")
-    if ok:
-        return 0
+        if found.capacity is not None:
+            return 0
+        log(f"kvlb capacity: no rate tried met the SLO: exit {EXIT_SLO_MISSED} (the report is written)")
+    else:
+        ok = found.capacity is not None and found.capacity >= args.slo_gate
+        log(f"capacity {found.capacity} req/s against the gate {args.slo_gate}: {'met' if ok else 'MISSED'}")
+        if ok:
+            return 0
     failing = found.point_at(found.first_fail)
     if failing is not None and failing.invalid is not None:
         log(

@@ -26,6 +26,7 @@ from balancer.errors import ConfigError
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import POLICY_NAMES
 from loadtests import tune
+from loadtests.flag_checks import refuse_below_one, refuse_not_above
 from loadtests.simulate import SimConfig, SimRequest, Simulation, trace_requests, workload_requests
 from loadtests.simulate.bound import pooled_ttfts
 from loadtests.simulate.oracle import BeladySimulation
@@ -186,19 +187,17 @@ def name_values(items: list[str], what: str) -> dict[str, Any]:
 
 def check_numbers(args: argparse.Namespace) -> None:
     """Refuse, with one line naming the flag, the numeric flags no run can use (``ValueError``)."""
-    positive = {
-        "--replicas": args.replicas,
-        "--requests": args.requests,
-        "--page-size": args.page_size,
-        "--kv-capacity-tokens": args.kv_capacity_tokens,
-        "--max-input-tokens": args.max_input_tokens,
-        "--max-tokens-cap": args.max_tokens_cap,
-    }
-    for flag, value in positive.items():
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be >= 1, got {value}")
-    if args.rate is not None and not (math.isfinite(args.rate) and args.rate > 0):
-        raise ValueError(f"--rate must be a finite number > 0 (requests/s), got {args.rate}")
+    refuse_below_one(
+        {
+            "--replicas": args.replicas,
+            "--requests": args.requests,
+            "--page-size": args.page_size,
+            "--kv-capacity-tokens": args.kv_capacity_tokens,
+            "--max-input-tokens": args.max_input_tokens,
+            "--max-tokens-cap": args.max_tokens_cap,
+        }
+    )
+    refuse_not_above("--rate", args.rate, 0, "requests/s")
     for flag, seconds in (
         ("--scrape-interval-s", args.scrape_interval_s),
         ("--event-delay-s", args.event_delay_s),
@@ -427,12 +426,14 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def _tune(args: argparse.Namespace) -> int:
     try:
-        inputs = build_inputs(args, materialise=True)
         grid = (
-            tune.parse_grid(args.grid)
-            if args.grid
-            else dict(tune.SMOKE_GRID if args.smoke else tune.DEFAULT_GRID)
+            tune.grid_for_policy(  # before the stream is built: a grid the policy ignores is refused at once
+                args.policy,
+                tune.parse_grid(args.grid) if args.grid else None,
+                dict(tune.SMOKE_GRID if args.smoke else tune.DEFAULT_GRID),
+            )
         )
+        inputs = build_inputs(args, materialise=True)
         if not (math.isfinite(args.max_imbalance) and args.max_imbalance >= 1):
             raise ValueError(
                 "--max-imbalance must be a finite number >= 1 (max/mean replica requests), "

@@ -16,6 +16,7 @@ import base64
 import json
 import os
 import signal
+import socket
 import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -283,6 +284,53 @@ async def test_a_target_without_models_gets_an_invalid_report_saying_pass_model(
     assert report["summary"]["requests"] == 0 and report["meta"]["requests"] == 5
     assert (out / "requests.jsonl").read_text() == ""
     assert "**Invalid at the offered rate**: no request sent" in (out / "report.md").read_text()
+
+
+async def test_capacity_target_without_models_writes_its_report_and_names_the_flag(tmp_path: Path) -> None:
+    """``kvlb capacity --target`` where ``GET /v1/models`` answers 404 and no ``--model``: exit 1, one
+    line naming ``--model``, no request sent, and ``capacity.json`` written with no point and the
+    reason. Before (2026-12-01, h-capfollow): exit 1 and the line, but no report at all."""
+    async with misbehaving_target(auth="Bearer k", list_models=False) as target:
+        out = tmp_path / "capacity"
+        code, _, stderr = await _kvlb(
+            "capacity", "--target", f"http://{target.url}", *WORKLOAD, "--requests", "20",
+            "--header", "Authorization: Bearer k", "--out", str(out),
+        )  # fmt: skip
+    assert code == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("kvlb capacity: GET http://127.0.0.1:") and last.endswith("HTTP 404; pass --model")
+    assert target.chats == 0
+    report = json.loads((out / "capacity.json").read_text())
+    assert report["meta"]["error"] == last.removeprefix("kvlb capacity: ")
+    assert report["meta"]["model"] is None and report["meta"]["interrupted"] is None
+    [row] = report["routers"]
+    assert row["points"] == [] and row["capacity_rate"] is None and row["invalid"] == report["meta"]["error"]
+    assert (out / "capacity.md").exists()
+
+
+async def test_capacity_target_where_no_request_succeeds_writes_the_point(tmp_path: Path) -> None:
+    """Nothing listens at the URL (``--model`` given, so no models request): the first point's five
+    requests all fail, exit 1, and ``capacity.json`` holds that point and the reason. Before
+    (2026-12-01, h-capfollow): exit 1 and one line, no report."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    out = tmp_path / "capacity"
+    code, _, stderr = await _kvlb(
+        "capacity", "--target", f"http://127.0.0.1:{port}", "--model", "m", *WORKLOAD, "--requests", "5",
+        "--target-requests", "5", "--target-timeout-s", "5", "--out", str(out),
+    )  # fmt: skip
+    assert code == 1, stderr[-3000:]
+    assert "Traceback" not in stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("kvlb capacity: no request succeeded at ")
+    report = json.loads((out / "capacity.json").read_text())
+    assert report["meta"]["error"] == last.removeprefix("kvlb capacity: ") and report["meta"]["model"] == "m"
+    [row] = report["routers"]
+    [point] = row["points"]
+    assert (point["requests"], point["errors"], point["meets_slo"]) == (5, 5, False)
+    assert row["capacity_rate"] is None and row["first_failing_rate"] == point["rate"]
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)

@@ -66,6 +66,36 @@ def trace(tmp_path: Path) -> Path:
             ("tune", "--no-plot", "--min-hit-rate", "2"),
             "kvlb tune: --min-hit-rate must be in [0, 1], got 2.0",
         ),
+        # before (2026-12-01, h-capfollow): --smoke put 2 in place of --replicas 0 and ran
+        (("capacity", "--smoke", "--replicas", "0"), "kvlb capacity: --replicas must be >= 1, got 0"),
+        # before: a ValueError traceback out of the search
+        (("capacity", "--max-points", "1"), "kvlb capacity: --max-points must be >= 2, got 1"),
+        (("capacity", "--processes", "0"), "kvlb capacity: --processes must be >= 1, got 0"),
+        (
+            ("capacity", "--time-scale", "0"),
+            "kvlb capacity: --time-scale must be a finite number > 0, got 0.0",
+        ),
+        # before: the flag did not exist and every prompt was held as Python ints
+        (
+            ("capacity", "--max-held-tokens", "1000"),
+            "kvlb capacity: the stream's prompts pass --max-held-tokens 1000 token ids (4 bytes each) "
+            "at request 2: pass a lower --requests, or raise --max-held-tokens",
+        ),
+        # before: no replica started, then "min() arg is an empty sequence", exit 1
+        (("loadtest", "--replicas", "0"), "kvlb loadtest: --replicas must be >= 1, got 0"),
+        # before: ran and wrote a report of no completed request, exit 0
+        (("loadtest", "--processes", "0"), "kvlb loadtest: --processes must be >= 1, got 0"),
+        # before: the 36 default points swept, every one routing alike, and a recommendation
+        (
+            ("tune", "--no-plot", "--policy", "round_robin"),
+            "kvlb tune: policy round_robin reads no weight: nothing to tune (weights move cost, "
+            "sglang_threshold)",
+        ),
+        (
+            ("tune", "--no-plot", "--policy", "sglang_threshold", "--grid", "overlap_credit=0,1"),
+            "kvlb tune: --grid overlap_credit: policy sglang_threshold does not read it (it reads "
+            "balance_abs_threshold, balance_rel_threshold, cache_threshold)",
+        ),
     ],
 )
 def test_an_unusable_number_is_one_line(
@@ -158,3 +188,39 @@ def test_tune_plot_path_is_checked_first_and_written_as_given(
     assert code == 0
     assert json.loads(capsys.readouterr().out)["plot"] == str(plot)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not plot.with_suffix(".png").exists()
+
+
+def test_capacity_with_no_rate_meeting_the_slo_exits_3_with_the_report(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # before (2026-12-01, h-capfollow): "no rate tried met the SLO" and exit 0, so a CI job had to
+    # read the report to tell
+    out = tmp_path / "out"
+    argv = ["capacity", "--smoke", "--routers", "round_robin", "--slo-ttft-p90", "0.0001", "--out", str(out)]
+    assert main(argv) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert (
+        err[-1] == "kvlb capacity: no rate tried met the SLO for round_robin: exit 3 (the report is written)"
+    )
+    report = json.loads((out / "capacity.json").read_text("utf-8"))
+    assert [r["capacity_rate"] for r in report["routers"]] == [None]
+    assert (out / "capacity.md").exists() and (out / "ttft_vs_rate.svg").exists()
+
+
+def test_loadtest_refuses_an_unsorted_trace_before_its_fleet_starts(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # before (2026-12-01, h-capfollow): the fleet started (about 5 s), then the replay found row 2,
+    # exit 1
+    rows = [{"timestamp": t, "input_length": 600, "output_length": 4, "hash_ids": [t]} for t in (5, 1, 9)]
+    unsorted = tmp_path / "unsorted.jsonl"
+    unsorted.write_text("".join(json.dumps(r) + "\n" for r in rows), "utf-8")
+    argv = ["loadtest", "--workload", "mooncake", "--trace", str(unsorted), "--routers", "round_robin",
+            "--replicas", "1", "--processes", "1", "--requests", "3",
+            "--out", str(tmp_path / "out")]  # fmt: skip
+    assert main(argv) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"kvlb loadtest: {unsorted}: trace row 2: timestamp 1 ms is earlier than the row before it (5 ms); "
+        "a trace must be in arrival order (sort it by timestamp)"
+    ]
+    assert not (tmp_path / "out").exists()

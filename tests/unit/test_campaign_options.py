@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from loadtests.capacity.command import apply_presets
 from loadtests.command import drive_options, register
 from loadtests.fleet.processes import EmulatorOptions, emulator_options
 from loadtests.runs import DriveOptions
@@ -37,7 +38,9 @@ def test_loadtest_options_carry_every_fleet_flag() -> None:
 
 def test_defaults_are_the_emulator_options_defaults() -> None:
     assert emulator_options(_parse("loadtest")) == EmulatorOptions()
-    assert emulator_options(_parse("capacity")) == EmulatorOptions()
+    capacity = _parse("capacity")
+    apply_presets(capacity)  # --replicas defaults to None until then (a preset, not an override)
+    assert emulator_options(capacity) == EmulatorOptions()
 
 
 def test_capacity_has_no_context_limit_flag_and_gets_the_profiles() -> None:

@@ -176,7 +176,7 @@ def _overflowing_stream() -> Stream:
     params = {"prompt_format": "tokens", "tenants": 16, "users_per_tenant": 3, "context_tokens": 1536,
               "question_tokens": 128, "max_tokens": 16}  # fmt: skip
     requests = list(workload_requests("tenants", params, requests=240, rate_per_s=16.0, seed=1))
-    return Stream([], requests, 16.0)
+    return Stream(requests, 16.0)
 
 
 def test_sim_router_names_the_oracle_replays_and_min_engine_variants() -> None:
@@ -285,6 +285,66 @@ def test_smoke_tightens_the_slo_for_its_short_workload_but_not_for_a_trace() -> 
     chosen = _capacity_args("--smoke", "--slo-ttft-p90", "1s")
     apply_presets(chosen)
     assert chosen.slo_ttft_p90 == "1s"
+
+
+def test_a_flag_given_explicitly_wins_over_the_smoke_preset() -> None:
+    """Before (2026-12-01, h-capfollow) ``--smoke`` put 2, 8, 0.25 and 3 in place of whatever
+    ``--replicas``, ``--max-points``, ``--rel-tol`` and ``--growth`` said (and 0.3 s in place of an
+    explicit ``--slo-ttft-p90 2s``)."""
+    from loadtests.capacity.command import apply_presets
+
+    preset = _capacity_args("--smoke")
+    apply_presets(preset)
+    assert (preset.replicas, preset.max_points, preset.rel_tol, preset.growth) == (2, 8, 0.25, 3.0)
+    given = _capacity_args("--smoke", "--replicas", "4", "--max-points", "3", "--rel-tol", "0.1",
+                           "--growth", "2", "--slo-ttft-p90", "2s")  # fmt: skip
+    apply_presets(given)
+    assert (given.replicas, given.max_points, given.rel_tol, given.growth) == (4, 3, 0.1, 2.0)
+    assert given.slo_ttft_p90 == "2s"
+    plain = _capacity_args()
+    apply_presets(plain)
+    assert (plain.replicas, plain.max_points, plain.rel_tol, plain.growth) == (8, 14, 0.05, 1.5)
+    assert (plain.slo_ttft_p90, plain.requests) == ("2s", 600)
+
+
+def test_the_stream_holds_each_prompt_once_as_4_byte_ids_and_regenerates_the_specs() -> None:
+    """Before (2026-12-01, h-capfollow) the stream held every spec (its prompt a tuple of ints) and
+    a list copy of each prompt: 1.03 GB of peak RSS for the repo's trace, 0.42-0.44 GB after."""
+    from array import array
+
+    from loadtests.capacity.command import apply_presets, build_stream
+
+    args = _capacity_args("--smoke", "--requests", "30")
+    apply_presets(args)
+    _, stream = build_stream(args)
+    assert len(stream.requests) == 30
+    assert all(isinstance(r.token_ids, array) and r.token_ids.itemsize == 4 for r in stream.requests)
+    specs = stream.specs_at(stream.base_rate, 12, 1.0)
+    assert [s.prompt_token_ids for s in specs] == [tuple(r.token_ids) for r in stream.requests[:12]]
+    assert [s.arrival_s for s in specs] == pytest.approx([r.arrival_s for r in stream.requests[:12]])
+    assert stream.specs_at(2 * stream.base_rate, 12, 1.0) == stream.specs_at(2 * stream.base_rate, 12, 1.0)
+    assert [r.arrival_s for r in stream.each_at(4.0, 5)] == [r.arrival_s for r in stream.at(4.0, 5)]
+
+
+def test_capacity_target_without_a_capacity_misses_the_slo_with_or_without_the_gate() -> None:
+    """Before (2026-12-01, h-capfollow) ``--target`` without ``--slo-gate`` exited 0 when no rate met
+    the SLO; now 3, as the simulator's search and as the gate, and 4 when the client made the miss."""
+    from loadtests.capacity.target import gate
+    from loadtests.target import EXIT_CLIENT_BEHIND, EXIT_SLO_MISSED
+
+    def failing(rate: float, invalid: str | None = None) -> RatePoint:
+        return RatePoint(rate, "target", 10, 10, None, None, None, None, 0, 0, invalid=invalid)
+
+    passing = RatePoint(1.0, "target", 10, 0, 0.1, 0.2, 0.3, 0.5, 100, 50)
+    lines: list[str] = []
+    no_gate, gated = argparse.Namespace(slo_gate=None), argparse.Namespace(slo_gate=0.5)
+    assert gate(Search((passing, failing(2.0)), 1.0, 2.0), no_gate, lines.append) == 0
+    assert gate(Search((failing(0.5),), None, 0.5), no_gate, lines.append) == EXIT_SLO_MISSED
+    assert lines[-1] == "kvlb capacity: no rate tried met the SLO: exit 3 (the report is written)"
+    assert gate(Search((failing(0.5),), None, 0.5), gated, lines.append) == EXIT_SLO_MISSED
+    behind = Search((failing(0.5, "client behind"),), None, 0.5)
+    assert gate(behind, no_gate, lines.append) == EXIT_CLIENT_BEHIND
+    assert gate(behind, gated, lines.append) == EXIT_CLIENT_BEHIND
 
 
 def test_a_search_that_met_the_slo_at_no_rate_says_so() -> None:
