@@ -499,7 +499,8 @@ class RedisConfig:
     """Ingestion lease lifetime without renewal (seconds): a dead balancer's replicas are taken over
     this long (plus up to ``tick_s``) after its last renewal."""
     tick_s: float = 1.0
-    """Period of heartbeats, lease renewals and take-overs, snapshot checks (seconds); < lease_ttl_s / 2."""
+    """Period of heartbeats, lease renewals and take-overs, snapshot checks (seconds); at most
+    ``lease_ttl_s`` / 2."""
     stream_maxlen: int = 10_000
     """Approximate length of each key space's applied-event stream (batches). A mirror further behind
     rebuilds from the latest snapshot (counted)."""
@@ -770,7 +771,7 @@ class Settings:
     ``<prefix>:drained`` entry is pruned unless a balancer listed the replica again meanwhile). 0:
     forgotten at the removal. Default 1 day."""
     log_level: str = "INFO"
-    """Python logging level name."""
+    """Python logging level name (any case)."""
     allocator: Literal["auto", "system", "jemalloc"] = "auto"
     """Memory allocator of ``kvlb serve``: ``auto`` (jemalloc when :attr:`jemalloc_library` is
     installed, else the system allocator), ``system`` (the C library's ``malloc``) or ``jemalloc``
