@@ -135,14 +135,15 @@ _ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 
 
 def markdown_text(docstring: str) -> str:
-    """A reST-flavoured docstring as Markdown: ````x```` → ```x```, ``:attr:`~a.b``` → ```b```."""
+    """A reST-flavoured docstring as Markdown: ````x```` → ```x```, ``:attr:`~a.b``` → ```b```, and
+    Python's ````None```` as YAML writes it (```null```)."""
 
     def name(match: re.Match[str]) -> str:
         target = match.group(1)
         return f"`{target.rsplit('.', 1)[-1] if '~' in match.group(0) else target}`"
 
     text = _ROLE.sub(name, docstring)
-    return text.replace("``", "`")
+    return text.replace("``None``", "``null``").replace("``", "`")
 
 
 def _is_secret_type(tp: Any) -> bool:

@@ -59,6 +59,12 @@ def test_the_committed_reference_is_up_to_date() -> None:
     )
 
 
+def test_kvlb_config_reference_prints_the_committed_doc() -> None:
+    printed = kvlb("config", "reference")
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == DOC.read_text(encoding="utf-8")
+
+
 def test_the_reference_is_deterministic() -> None:
     source = inspect.getsource(settings_module)
     assert render_markdown(source) == render_markdown(source)
