@@ -1,7 +1,7 @@
 """The numeric ranges and named choices of kvlb's settings, as data (pure).
 
-One table, two readers: :meth:`balancer.config.settings.Settings.validate` checks every entry of
-:data:`BOUNDS` (:func:`check_bounds`, :func:`check_bound`), and the configuration reference
+One table, two readers: the settings' ``validate`` methods check every entry of :data:`BOUNDS`
+(:func:`check_section`, :func:`check_bound` for the entries of lists), and the configuration reference
 (:mod:`balancer.config.reference`, ``docs/configuration.md``) prints them. A new setting with a range
 gets its entry here, not an ``if`` in ``validate``: then the reference shows the range the loader
 enforces. Checks that are not a range (URL shapes, files set together, CORS origins) stay in the
@@ -189,14 +189,15 @@ def resolve(root: Any, dotted: str) -> Any:
     return node
 
 
-def check_bound(path: str, value: Any, where: str, root: Any) -> None:
+def check_bound(path: str, value: Any, where: str, section: Any, prefix: str = "") -> None:
     """Raise :class:`ConfigError` ``<where> must be <range>, got <value>`` when ``value`` is outside
-    the range of ``path`` (``root``: the settings a named bound is read from)."""
+    the range of ``path``; a bound naming another setting is read from ``section``, the settings
+    at ``prefix`` (``""``: the whole :class:`Settings`; ``limits``: its ``limits``)."""
     bound = BOUNDS[path]
     if value is None:
         return
-    low = resolve(root, bound.low) if isinstance(bound.low, str) else bound.low
-    high = resolve(root, bound.high) if isinstance(bound.high, str) else bound.high
+    low = _named(bound.low, section, prefix)
+    high = _named(bound.high, section, prefix)
     if high is not None:
         high = high * bound.high_factor
     if not bound.holds(value, low, high):
@@ -206,9 +207,20 @@ def check_bound(path: str, value: Any, where: str, root: Any) -> None:
         raise ConfigError(f"{where} must be {text}, got {value}")
 
 
-def check_bounds(root: Any) -> None:
-    """Check every entry of :data:`BOUNDS` outside the lists of ``root`` (a :class:`Settings`);
-    the list entries' are checked per entry, naming it (:func:`check_bound`)."""
+def _named(limit: Limit | None, section: Any, prefix: str) -> float | None:
+    if not isinstance(limit, str):
+        return limit
+    if prefix and not limit.startswith(f"{prefix}."):
+        raise ValueError(f"bound {limit} is outside section {prefix}")  # pragma: no cover - table bug
+    value: float = resolve(section, limit.removeprefix(f"{prefix}.") if prefix else limit)
+    return value
+
+
+def check_section(section: Any, prefix: str) -> None:
+    """Check the :data:`BOUNDS` entries of the settings directly in ``section``, the dataclass at
+    ``prefix`` (``"limits"``; ``""``: the top-level scalars of :class:`Settings`). A bound naming
+    another setting names one of the same section."""
     for path in BOUNDS:
-        if "[]" not in path:
-            check_bound(path, resolve(root, path), path, root)
+        parent, _, name = path.rpartition(".")
+        if parent == prefix:
+            check_bound(path, getattr(section, name), path, section, prefix)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
-from balancer.config.bounds import CHOICES, check_bound, check_bounds
+from balancer.config.bounds import CHOICES, check_bound, check_section
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights, make_policy
 
@@ -182,6 +182,7 @@ class ListenConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
+        check_section(self, "listen")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
         if len(self.cors_allow_origins) > CORS_MAX_ORIGINS:
@@ -518,6 +519,7 @@ class RedisConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
+        check_section(self, "redis")
         if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError("redis.url must start with redis:// or rediss://")
         if self.url is not None:
@@ -567,6 +569,7 @@ class PolicyConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unknown policy or a weight out of its range (the
         policies are pure: checking them builds nothing)."""
+        check_section(self, "policy")
         make_policy(self.name)
         PolicyWeights.from_dict(self.weights)
 
@@ -607,6 +610,7 @@ class DiscoveryConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
+        check_section(self, "discovery")
         if self.kind == "file" and not self.file:
             raise ConfigError("discovery.file is required when discovery.kind is file")
         if not self.api_url.startswith(("http://", "https://")):
@@ -655,6 +659,10 @@ class ConsoleConfig:
     series_max_replicas: int = 256
     """Replica names counted per interval; requests to more are counted under ``(other)``; 1..100000."""
 
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``)."""
+        check_section(self, "console")
+
 
 @dataclass(frozen=True, slots=True)
 class SloConfig:
@@ -672,6 +680,10 @@ class SloConfig:
     """Share of requests whose first token should come within :attr:`ttft_s`, in (0, 1);
     ``KvlbTtftSloMissed`` pages when more than ``1 - ttft_target_ratio`` of them took longer over
     10 minutes (50 requests or more)."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``)."""
+        check_section(self, "slo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -702,6 +714,10 @@ class UpstreamConfig:
     bad one is refused (``kvlb_upstream_api_key_rejected_total``) and the old key kept. An engine
     refusing the key (401, 403, 407) has its file re-read at once, at most once a second. Keys from
     ``api_key_env`` never change in a running process."""
+
+    def validate(self) -> None:
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``)."""
+        check_section(self, "upstream")
 
 
 def _claim_event_endpoints(replica: ReplicaConfig, claimed: dict[str, tuple[str, str]]) -> None:
@@ -796,7 +812,7 @@ class Settings:
             if pool.model in models:
                 raise ConfigError(f"pools: model {pool.model!r} appears twice")
             models.add(pool.model)
-            check_bound("pools[].approx_ttl_s", pool.approx_ttl_s, f"pools[{pool.model}].approx_ttl_s", self)
+            check_bound("pools[].approx_ttl_s", pool.approx_ttl_s, f"pools[{pool.model}].approx_ttl_s", pool)
             for rep in pool.replicas:
                 if rep.id in seen:
                     raise ConfigError(f"pools[{pool.model}].replicas: id {rep.id!r} appears twice")
@@ -805,12 +821,14 @@ class Settings:
                     raise ConfigError(f"replica {rep.id}: url must be http(s)://, got {rep.url!r}")
                 for name in ("block_size", "dp_size"):
                     value = getattr(rep, name)
-                    check_bound(f"pools[].replicas[].{name}", value, f"replica {rep.id}: {name}", self)
+                    check_bound(f"pools[].replicas[].{name}", value, f"replica {rep.id}: {name}", rep)
                 if rep.events is not None and not rep.events.startswith(("tcp://", "ipc://")):
                     raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
                 if pool.kv_events:
                     _claim_event_endpoints(rep, claimed)
-        check_bounds(self)
+        check_section(self, "")
+        check_section(self.timeouts, "timeouts")
+        check_section(self.limits, "limits")
         self.listen.validate()
         self.policy.validate()
         if self.log_level.upper() not in CHOICES["log_level"]:
@@ -823,6 +841,9 @@ class Settings:
             )
         if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
             raise ConfigError("tenant_header must be a header name (letters, digits, '-', '_')")
+        self.upstream.validate()
         self.redis.validate()
         self.discovery.validate()
+        self.console.validate()
+        self.slo.validate()
         return self

@@ -124,6 +124,25 @@ def test_the_loader_refuses_a_value_just_outside_the_documented_range(path: str)
             load(None, [f"{path}={value}"], env={})
 
 
+@pytest.mark.parametrize(
+    ("entry", "where"),
+    [
+        ("{model: m, approx_ttl_s: 0}", "pools[m].approx_ttl_s must be > 0, got 0"),
+        (
+            "{model: m, replicas: [{id: a, url: 'http://h:1', block_size: 4097}]}",
+            "replica a: block_size must be in",
+        ),
+        (
+            "{model: m, replicas: [{id: a, url: 'http://h:1', dp_size: 0}]}",
+            "replica a: dp_size must be in [1, 64]",
+        ),
+    ],
+)
+def test_the_loader_checks_the_ranges_of_list_entries(entry: str, where: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(where)):
+        load(None, [f"pools=[{entry}]"], env={})
+
+
 def test_every_environment_name_sets_its_setting() -> None:
     for item in FIELDS:
         if item.environment is None:
