@@ -203,7 +203,8 @@ def check_bound(path: str, value: Any, where: str, section: Any, prefix: str = "
     if not bound.holds(value, low, high):
         text = bound.text()
         if isinstance(bound.low, str) or isinstance(bound.high, str):
-            text += f" (here [{_number(low or 0)}, {_number(high or 0)}])"
+            here = Bound(low, high, bound.low_open, bound.high_open).text().removeprefix("in ")
+            text += f" (here {here})"
         raise ConfigError(f"{where} must be {text}, got {value}")
 
 
