@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto redis browser lint typecheck test test-fast faults test-real demo bench clean
+.PHONY: install proto redis browser lint typecheck test test-fast faults test-real demo bench clean docs-config
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ browser:
 	@{ command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } || \
 	{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; } || \
 	echo "make: chromium and chromium-driver could not be installed: the browser test will be skipped"
+
+# docs/configuration.md is generated from the settings' dataclasses and their ranges
+# (balancer/config/settings.py, balancer/config/bounds.py): run this after changing a setting.
+docs-config: $(STAMP)
+	$(PY) -m balancer config reference > docs/configuration.md
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -34,7 +34,7 @@ import yaml
 from balancer import strict_json
 from balancer.cli.early_signals import NO_RELOAD, exec_keeping_signals
 from balancer.config import Settings, allocator_environ, config_file, load, one_thread_per_encode
-from balancer.config.settings import LOG_LEVELS
+from balancer.config.bounds import LOG_LEVELS
 from balancer.errors import ConfigError
 from balancer.serve_options import ServeOptions, WorkerRole
 

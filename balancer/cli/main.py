@@ -1,9 +1,10 @@
 """The ``kvlb`` command line (I/O shell).
 
-The service's own commands (``serve``, ``admin``: :mod:`balancer.cli.command`) are registered here
-directly. Every other command is a tool that plugs itself in: an installed entry point of the group
-``kvlb.commands`` (``[project.entry-points."kvlb.commands"]`` in ``pyproject.toml``) naming a
-``register(subparsers)`` function. The service never imports its tools. Tools are listed after the
+The service's own commands (``serve``, ``admin``: :mod:`balancer.cli.command`; ``config``:
+:mod:`balancer.cli.config_command`) are registered here directly. Every other command is a tool
+that plugs itself in: an installed entry point of the group ``kvlb.commands``
+(``[project.entry-points."kvlb.commands"]`` in ``pyproject.toml``) naming a ``register(subparsers)``
+function. The service never imports its tools. Tools are listed after the
 service's commands, by entry-point name; a tool that fails to load is reported on stderr and left
 out, so a broken tool never breaks ``kvlb serve``. A service command (``kvlb serve …``, ``kvlb admin
 …``) loads no tool at all: importing them (the load-test machinery) slowed every ``kvlb serve``
@@ -43,9 +44,10 @@ def installed_tools() -> list[EntryPoint]:
 
 
 def build_parser(tools: Iterable[EntryPoint] | None = None) -> argparse.ArgumentParser:
-    """The ``kvlb`` parser: ``serve`` and ``admin``, then ``tools`` (default: :func:`installed_tools`)
-    by name. A tool that fails to load or to register is reported on stderr and left out."""
-    from balancer.cli import command
+    """The ``kvlb`` parser: ``serve``, ``admin`` and ``config``, then ``tools`` (default:
+    :func:`installed_tools`) by name. A tool that fails to load or to register is reported on stderr
+    and left out."""
+    from balancer.cli import command, config_command
 
     parser = argparse.ArgumentParser(
         prog="kvlb",
@@ -53,6 +55,7 @@ def build_parser(tools: Iterable[EntryPoint] | None = None) -> argparse.Argument
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     command.register(subparsers)
+    config_command.register(subparsers)
     for tool in sorted(installed_tools() if tools is None else tools, key=lambda tool: tool.name):
         try:
             register: Register = tool.load()
@@ -65,8 +68,9 @@ def build_parser(tools: Iterable[EntryPoint] | None = None) -> argparse.Argument
     return parser
 
 
-SERVICE_COMMANDS = frozenset({"serve", "admin"})
-"""The commands of :mod:`balancer.cli.command`: their command lines load no tool."""
+SERVICE_COMMANDS = frozenset({"serve", "admin", "config"})
+"""The commands of :mod:`balancer.cli.command` and :mod:`balancer.cli.config_command`: their
+command lines load no tool."""
 
 
 def tools_for(command: str | None) -> list[EntryPoint] | None:

@@ -146,12 +146,28 @@ SERVICE_LINK = re.compile(
 nested setting has, and no top-level setting ends so."""
 
 
+ENV_PREFIX = "KVLB_"
+"""The prefix of every setting's environment variable."""
+
+
+def environment_name(dotted: str) -> str:
+    """The environment variable the loader reads setting ``dotted`` from (``listen.port`` →
+    ``KVLB_LISTEN__PORT``): the inverse of :func:`setting_path`. A list's entries have none (their
+    list is set whole: ``KVLB_POOLS='[{model: m, ...}]'``)."""
+    return ENV_PREFIX + dotted.upper().replace(".", "__")
+
+
+def setting_path(variable: str) -> str:
+    """The dotted setting a ``KVLB_*`` variable sets (``KVLB_LISTEN__PORT`` → ``listen.port``)."""
+    return variable[len(ENV_PREFIX) :].lower().replace("__", ".")
+
+
 def merge_overrides(base: Mapping[str, Any], env: Mapping[str, str], sets: Sequence[str]) -> dict[str, Any]:
     """Apply ``KVLB_A__B=v`` environment entries, then ``a.b=v`` strings, onto a copy of ``base``."""
     tree: dict[str, Any] = _deep_copy(base)
     for key, raw in sorted(env.items()):
-        if key.startswith("KVLB_") and key != "KVLB_CONFIG" and not SERVICE_LINK.fullmatch(key):
-            _set_path(tree, key[5:].lower().replace("__", "."), _parse_value(raw))
+        if key.startswith(ENV_PREFIX) and key != "KVLB_CONFIG" and not SERVICE_LINK.fullmatch(key):
+            _set_path(tree, setting_path(key), _parse_value(raw))
     for item in sets:
         name, sep, raw = item.partition("=")
         if not sep:

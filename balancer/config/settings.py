@@ -8,12 +8,12 @@ loader, and the only reader of ``os.environ``, is :func:`balancer.config.loader.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import urlsplit
 
+from balancer.config.bounds import CHOICES, check_bound, check_section
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights, make_policy
 
@@ -30,11 +30,6 @@ def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
         return f"tcp://{host}:{parts.port + dp_rank}"
     return f"{endpoint}_dp{dp_rank}"
 
-
-PORT_MAX = 65_535
-"""Highest TCP port (a bound port beyond it would wrap around to another one)."""
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-"""The logging level names :attr:`Settings.log_level` takes (any case)."""
 
 EngineKind = Literal["sglang", "vllm", "trtllm"]
 CORS_MAX_ORIGINS = 64
@@ -187,6 +182,7 @@ class ListenConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
+        check_section(self, "listen")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
         if len(self.cors_allow_origins) > CORS_MAX_ORIGINS:
@@ -210,9 +206,6 @@ class ListenConfig:
                     f"listen.cors_allow_origins: {origin[:300]!r} is not an origin: scheme://host[:port],"
                     " no path or trailing slash (or '*')"
                 )
-        for name, port in (("listen.port", self.port), ("listen.grpc_port", self.grpc_port)):
-            if port is not None and not 0 <= port <= PORT_MAX:
-                raise ConfigError(f"{name} must be in [0, {PORT_MAX}], got {port}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,12 +253,6 @@ class TimeoutConfig:
     before. > 0."""
 
 
-MAX_INFLIGHT_BODY_BYTES = 2**40
-"""Largest ``limits.max_inflight_body_bytes`` (1 TiB: in effect, no budget)."""
-MAX_SEGMENT_CACHE_BYTES = 16 * 1024**3
-"""Largest ``limits.segment_cache_bytes`` (16 GiB)."""
-
-
 @dataclass(frozen=True, slots=True)
 class LimitConfig:
     max_body_bytes: int = 8 * 1024 * 1024
@@ -280,7 +267,7 @@ class LimitConfig:
     8 MiB body needs chunks of 2 KiB or more. A body that arrived whole before its handler ran is
     not counted (its parse is spent). > 0."""
     max_prompt_tokens: int = 262_144
-    """Largest accepted prompt after tokenisation; larger → 400."""
+    """Largest accepted prompt, in tokens after tokenisation; larger → 400."""
     max_n: int = 128
     """Largest OpenAI ``n`` (sequences generated for one prompt) a request may ask for (1..65,536;
     OpenAI's own API allows 128); more → 400 naming ``n``. Each sequence counts in
@@ -540,7 +527,8 @@ class RedisConfig:
     """Ingestion lease lifetime without renewal (seconds): a dead balancer's replicas are taken over
     this long (plus up to ``tick_s``) after its last renewal."""
     tick_s: float = 1.0
-    """Period of heartbeats, lease renewals and take-overs, snapshot checks (seconds); < lease_ttl_s / 2."""
+    """Period of heartbeats, lease renewals and take-overs, snapshot checks (seconds); at most
+    ``lease_ttl_s`` / 2."""
     stream_maxlen: int = 10_000
     """Approximate length of each key space's applied-event stream (batches). A mirror further behind
     rebuilds from the latest snapshot (counted)."""
@@ -558,6 +546,7 @@ class RedisConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
+        check_section(self, "redis")
         if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
             raise ConfigError("redis.url must start with redis:// or rediss://")
         if self.url is not None:
@@ -571,15 +560,6 @@ class RedisConfig:
             raise ConfigError("redis.cluster: the URL's database must be 0 (Redis Cluster has only db 0)")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
             raise ConfigError("redis.key_prefix must be non-empty, without braces")
-        for name in ("lease_ttl_s", "tick_s", "snapshot_interval_s", "replica_timeout_s", "policy_poll_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"redis.{name} must be > 0, got {getattr(self, name)}")
-        if self.socket_timeout_s <= 0:
-            raise ConfigError("redis.socket_timeout_s must be > 0")
-        if self.tick_s * 2 > self.lease_ttl_s:
-            raise ConfigError("redis.tick_s must be at most half of redis.lease_ttl_s")
-        if self.stream_maxlen < 100:
-            raise ConfigError("redis.stream_maxlen must be >= 100")
 
 
 _ESCAPE_HINT = "(a password with '/', '?', '#' or '@' goes percent-encoded: '/' as %2F, '@' as %40)"
@@ -616,6 +596,7 @@ class PolicyConfig:
     def validate(self) -> None:
         """Raise :class:`ConfigError` for an unknown policy or a weight out of its range (the
         policies are pure: checking them builds nothing)."""
+        check_section(self, "policy")
         make_policy(self.name)
         PolicyWeights.from_dict(self.weights)
 
@@ -656,13 +637,9 @@ class DiscoveryConfig:
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""
+        check_section(self, "discovery")
         if self.kind == "file" and not self.file:
             raise ConfigError("discovery.file is required when discovery.kind is file")
-        for name in ("reload_interval_s", "watch_timeout_s", "request_timeout_s", "backoff_max_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"discovery.{name} must be > 0, got {getattr(self, name)}")
-        if self.max_replicas < 1:
-            raise ConfigError("discovery.max_replicas must be >= 1")
         if not self.api_url.startswith(("http://", "https://")):
             raise ConfigError("discovery.api_url must be http(s)://")
 
@@ -711,22 +688,8 @@ class ConsoleConfig:
     """Replica names counted per interval; requests to more are counted under ``(other)``; 1..100000."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field."""
-        if not 0 <= self.decision_ring_size <= 1_000_000:
-            raise ConfigError("console.decision_ring_size must be in 0..1000000")
-        if self.decision_ring_bytes <= 0:
-            raise ConfigError("console.decision_ring_bytes must be > 0")
-        if self.audit_log_size < 1:
-            raise ConfigError("console.audit_log_size must be >= 1")
-        if self.whatif_max_entries < 1:
-            raise ConfigError("console.whatif_max_entries must be >= 1")
-        if not 1 <= self.whatif_max_cache_marks <= 10_000_000:
-            raise ConfigError("console.whatif_max_cache_marks must be in 1..10000000")
-        if not 0.5 <= self.series_interval_s <= 3600:
-            raise ConfigError("console.series_interval_s must be in [0.5, 3600]")
-        for name in ("series_intervals", "series_ttft_samples", "series_max_replicas"):
-            if not 1 <= getattr(self, name) <= 100_000:
-                raise ConfigError(f"console.{name} must be in [1, 100000]")
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``)."""
+        check_section(self, "console")
 
 
 @dataclass(frozen=True, slots=True)
@@ -747,11 +710,8 @@ class SloConfig:
     10 minutes (50 requests or more)."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field."""
-        if not 0.001 <= self.ttft_s <= 3600:
-            raise ConfigError(f"slo.ttft_s must be in [0.001, 3600], got {self.ttft_s}")
-        if not 0 < self.ttft_target_ratio < 1:
-            raise ConfigError(f"slo.ttft_target_ratio must be in (0, 1), got {self.ttft_target_ratio}")
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``)."""
+        check_section(self, "slo")
 
 
 @dataclass(frozen=True, slots=True)
@@ -784,18 +744,8 @@ class UpstreamConfig:
     ``api_key_env`` never change in a running process."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field."""
-        bounds = {
-            "api_key_poll_s": (self.api_key_poll_s, 0.0, 3600.0),
-            "max_connections": (self.max_connections, 1, 65_536),
-            "max_idle_per_host": (self.max_idle_per_host, 0, 65_536),
-            "idle_ttl_s": (self.idle_ttl_s, 0.1, 3600.0),
-            "max_header_bytes": (self.max_header_bytes, 1024, 16 * 1024 * 1024),
-            "max_headers": (self.max_headers, 1, 10_000),
-        }
-        for name, (value, low, high) in bounds.items():
-            if not low <= value <= high:
-                raise ConfigError(f"upstream.{name} must be in [{low}, {high}], got {value}")
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``)."""
+        check_section(self, "upstream")
 
 
 def _claim_event_endpoints(replica: ReplicaConfig, claimed: dict[str, tuple[str, str]]) -> None:
@@ -865,7 +815,7 @@ class Settings:
     ``<prefix>:drained`` entry is pruned unless a balancer listed the replica again meanwhile). 0:
     forgotten at the removal. Default 1 day."""
     log_level: str = "INFO"
-    """Python logging level name."""
+    """Python logging level name (any case)."""
     allocator: Literal["auto", "system", "jemalloc"] = "auto"
     """Memory allocator of ``kvlb serve``: ``auto`` (jemalloc when :attr:`jemalloc_library` is
     installed, else the system allocator), ``system`` (the C library's ``malloc``) or ``jemalloc``
@@ -890,161 +840,32 @@ class Settings:
             if pool.model in models:
                 raise ConfigError(f"pools: model {pool.model!r} appears twice")
             models.add(pool.model)
-            if pool.approx_ttl_s <= 0:
-                raise ConfigError(f"pools[{pool.model}].approx_ttl_s must be > 0, got {pool.approx_ttl_s}")
+            check_bound("pools[].approx_ttl_s", pool.approx_ttl_s, f"pools[{pool.model}].approx_ttl_s", pool)
             for rep in pool.replicas:
                 if rep.id in seen:
                     raise ConfigError(f"pools[{pool.model}].replicas: id {rep.id!r} appears twice")
                 seen.add(rep.id)
                 if not rep.url.startswith(("http://", "https://")):
                     raise ConfigError(f"replica {rep.id}: url must be http(s)://, got {rep.url!r}")
-                if not 1 <= rep.block_size <= 4096:
-                    raise ConfigError(f"replica {rep.id}: block_size must be in 1..4096")
-                if not 1 <= rep.dp_size <= 64:
-                    raise ConfigError(f"replica {rep.id}: dp_size must be in 1..64")
+                for name in ("block_size", "dp_size"):
+                    value = getattr(rep, name)
+                    check_bound(f"pools[].replicas[].{name}", value, f"replica {rep.id}: {name}", rep)
                 if rep.events is not None and not rep.events.startswith(("tcp://", "ipc://")):
                     raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
                 if pool.kv_events:
                     _claim_event_endpoints(rep, claimed)
-        positive = {
-            "limits.max_body_bytes": self.limits.max_body_bytes,
-            "limits.max_body_chunks": self.limits.max_body_chunks,
-            "limits.max_inflight": self.limits.max_inflight,
-            "limits.max_inflight_per_replica": self.limits.max_inflight_per_replica,
-            "limits.event_queue_size": self.limits.event_queue_size,
-            "limits.max_event_blocks": self.limits.max_event_blocks,
-            "limits.event_queue_bytes": self.limits.event_queue_bytes,
-            "limits.event_message_bytes": self.limits.event_message_bytes,
-            "limits.relay_history_bytes": self.limits.relay_history_bytes,
-            "limits.index_capacity_blocks": self.limits.index_capacity_blocks,
-            "limits.max_speculative_keys": self.limits.max_speculative_keys,
-            "timeouts.connect_s": self.timeouts.connect_s,
-            "timeouts.first_byte_s": self.timeouts.first_byte_s,
-            "timeouts.idle_s": self.timeouts.idle_s,
-            "timeouts.total_s": self.timeouts.total_s,
-            "timeouts.client_idle_s": self.timeouts.client_idle_s,
-            "timeouts.client_write_stall_s": self.timeouts.client_write_stall_s,
-            "timeouts.body_read_s": self.timeouts.body_read_s,
-            "timeouts.body_rate_grace_s": self.timeouts.body_rate_grace_s,
-        }
-        for name, value in positive.items():
-            if value <= 0:
-                raise ConfigError(f"{name} must be > 0, got {value}")
-        if self.timeouts.body_min_rate_bytes_per_s < 0:
-            raise ConfigError(
-                "timeouts.body_min_rate_bytes_per_s must be ≥ 0, "
-                f"got {self.timeouts.body_min_rate_bytes_per_s}"
-            )
-        if not 0 <= self.health_ready_wait_s <= 3600:
-            raise ConfigError(f"health_ready_wait_s must be in [0, 3600], got {self.health_ready_wait_s}")
-        if not 1 <= self.health_timeouts_to_drop <= 10:
-            raise ConfigError(f"health_timeouts_to_drop must be in 1..10, got {self.health_timeouts_to_drop}")
-        if not 0 <= self.health_drain_keep_s <= 2_592_000:
-            raise ConfigError(f"health_drain_keep_s must be in [0, 2592000], got {self.health_drain_keep_s}")
-        if not 1 <= self.limits.load_share_slots <= 1_048_576:
-            raise ConfigError(
-                f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"
-            )
-        if not 1 <= self.limits.load_share_tenant_slots <= 65_536:
-            raise ConfigError(
-                "limits.load_share_tenant_slots must be in 1..65536, "
-                f"got {self.limits.load_share_tenant_slots}"
-            )
-        if self.limits.max_retries < 0:
-            raise ConfigError("limits.max_retries must be >= 0")
-        if not 1 <= self.limits.max_n <= 65_536:
-            raise ConfigError(f"limits.max_n must be in 1..65536, got {self.limits.max_n}")
-        if not 0 <= self.limits.token_id_memo_runs <= 1_048_576:
-            raise ConfigError(
-                f"limits.token_id_memo_runs must be in 0..1048576, got {self.limits.token_id_memo_runs}"
-            )
-        if not 1 <= self.limits.max_reserved_bytes <= MAX_INFLIGHT_BODY_BYTES:
-            raise ConfigError(
-                f"limits.max_reserved_bytes must be in 1..{MAX_INFLIGHT_BODY_BYTES}, "
-                f"got {self.limits.max_reserved_bytes}"
-            )
-        if not 0 <= self.limits.segment_cache_bytes <= MAX_SEGMENT_CACHE_BYTES:
-            raise ConfigError(
-                f"limits.segment_cache_bytes must be in 0..{MAX_SEGMENT_CACHE_BYTES}, "
-                f"got {self.limits.segment_cache_bytes}"
-            )
-        if not 0.0 <= self.limits.gap_hold_s <= 60.0:
-            raise ConfigError(f"limits.gap_hold_s must be in 0..60, got {self.limits.gap_hold_s}")
-        if not 0.0 <= self.limits.gap_keep_s <= 60.0:
-            raise ConfigError(f"limits.gap_keep_s must be in 0..60, got {self.limits.gap_keep_s}")
+        check_section(self, "")
+        check_section(self.timeouts, "timeouts")
+        check_section(self.limits, "limits")
         self.listen.validate()
         self.policy.validate()
-        if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+        if self.log_level.upper() not in CHOICES["log_level"]:
+            levels = ", ".join(CHOICES["log_level"])
+            raise ConfigError(f"log_level must be one of {levels}, got {self.log_level!r}")
         library = self.jemalloc_library
         if not library or len(library) > 4096 or any(c.isspace() or c == ":" for c in library):
             raise ConfigError(
                 f"jemalloc_library must be a soname or path without whitespace or ':', got {library!r}"
-            )
-        if not self.limits.max_body_bytes <= self.limits.max_inflight_body_bytes <= MAX_INFLIGHT_BODY_BYTES:
-            raise ConfigError(
-                "limits.max_inflight_body_bytes must be in limits.max_body_bytes "
-                f"({self.limits.max_body_bytes})..{MAX_INFLIGHT_BODY_BYTES} (2**40), "
-                f"got {self.limits.max_inflight_body_bytes}"
-            )
-        if self.limits.max_queued < 0 or self.limits.queue_timeout_s <= 0:
-            raise ConfigError("limits.max_queued must be >= 0 and limits.queue_timeout_s > 0")
-        limits = self.limits
-        if (
-            limits.max_inflight_per_tenant is not None
-            and not 1 <= limits.max_inflight_per_tenant <= limits.max_inflight
-        ):
-            raise ConfigError(
-                f"limits.max_inflight_per_tenant must be in 1..limits.max_inflight ({limits.max_inflight}), "
-                f"got {limits.max_inflight_per_tenant}"
-            )
-        if limits.max_inflight_prompt_tokens_per_tenant is not None and (
-            limits.max_inflight_prompt_tokens_per_tenant < 0
-        ):
-            raise ConfigError(
-                "limits.max_inflight_prompt_tokens_per_tenant must be >= 0 (0: off), "
-                f"got {limits.max_inflight_prompt_tokens_per_tenant}"
-            )
-        if limits.prefill_tokens_per_s is not None and not (
-            limits.prefill_tokens_per_s > 0 and math.isfinite(limits.prefill_tokens_per_s)
-        ):
-            raise ConfigError(
-                f"limits.prefill_tokens_per_s must be a finite number > 0, got {limits.prefill_tokens_per_s}"
-            )
-        if limits.max_tokenizing_per_tenant is not None and not (
-            1 <= limits.max_tokenizing_per_tenant <= limits.max_inflight
-        ):
-            raise ConfigError(
-                "limits.max_tokenizing_per_tenant must be in 1..limits.max_inflight "
-                f"({limits.max_inflight}), got {limits.max_tokenizing_per_tenant}"
-            )
-        if (
-            limits.max_queued_per_tenant is not None
-            and not 0 <= limits.max_queued_per_tenant <= limits.max_queued
-        ):
-            raise ConfigError(
-                f"limits.max_queued_per_tenant must be in 0..limits.max_queued ({limits.max_queued}), "
-                f"got {limits.max_queued_per_tenant}"
-            )
-        if not 1 <= limits.max_tenants <= 65_536:
-            raise ConfigError(f"limits.max_tenants must be in 1..65536, got {limits.max_tenants}")
-        if not (limits.tenant_rate_per_s >= 0 and math.isfinite(limits.tenant_rate_per_s)):
-            raise ConfigError(
-                "limits.tenant_rate_per_s must be a finite number >= 0 (0: off), "
-                f"got {limits.tenant_rate_per_s}"
-            )
-        if limits.tenant_burst is not None and not 1 <= limits.tenant_burst <= 1_000_000:
-            raise ConfigError(f"limits.tenant_burst must be in 1..1000000, got {limits.tenant_burst}")
-        if not 1 <= limits.tenant_rate_tenants <= 1_048_576:
-            raise ConfigError(
-                f"limits.tenant_rate_tenants must be in 1..1048576, got {limits.tenant_rate_tenants}"
-            )
-        if limits.tenant_rate_new_per_s is not None and not (
-            limits.tenant_rate_new_per_s > 0 and math.isfinite(limits.tenant_rate_new_per_s)
-        ):
-            raise ConfigError(
-                "limits.tenant_rate_new_per_s must be a finite number > 0, "
-                f"got {limits.tenant_rate_new_per_s}"
             )
         if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
             raise ConfigError("tenant_header must be a header name (letters, digits, '-', '_')")

@@ -13,7 +13,7 @@ from balancer.cli.main import COMMAND_GROUP, build_parser, installed_tools, main
 from loadtests.emulate import COMMAND as EMULATE
 
 EVERY_COMMAND = [
-    "serve", "admin", "bench", "demo", "emulate", "sim", "loadtest", "capacity", "simulate", "tune",
+    "serve", "admin", "config", "bench", "demo", "emulate", "sim", "loadtest", "capacity", "simulate", "tune",
 ]  # fmt: skip
 """The service's commands, then each tool's by entry-point name (``emulate`` adds ``sim``,
 ``loadtest`` adds ``capacity``, ``simulate`` adds ``tune``)."""
@@ -51,7 +51,7 @@ def test_a_broken_tool_is_reported_and_the_rest_still_work(capsys: pytest.Captur
 
 
 def test_the_service_commands_need_no_tool(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _commands([]) == ["serve", "admin"]
+    assert _commands([]) == ["serve", "admin", "config"]
     assert capsys.readouterr().err == ""
 
 

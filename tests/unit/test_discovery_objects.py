@@ -112,7 +112,7 @@ def test_pod_endpoint_needs_running_ip_and_no_deletion() -> None:
         ({"engine": "sglang"}, None, 30000, "no discovery.default_model"),
         ({"engine": "sglang"}, "m", None, "no port named http"),
         ({"engine": "sglang", "dp-size": "two"}, "m", 30000, "not an integer"),
-        ({"engine": "sglang", "dp-size": "65"}, "m", 30000, "dp_size must be in 1..64"),
+        ({"engine": "sglang", "dp-size": "65"}, "m", 30000, r"dp_size must be in \[1, 64\]"),
         ({"engine": "vllm", "block-size": "0"}, "m", 30000, "block_size"),
     ],
 )
