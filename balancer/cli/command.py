@@ -33,7 +33,7 @@ import yaml
 
 from balancer import strict_json
 from balancer.cli.early_signals import NO_RELOAD, exec_keeping_signals
-from balancer.config import Settings, allocator_environ, config_file, load, one_thread_per_encode
+from balancer.config import Settings, allocator_environ, load_with_source, one_thread_per_encode
 from balancer.config.settings import LOG_LEVELS
 from balancer.errors import ConfigError
 from balancer.serve_options import ServeOptions, WorkerRole
@@ -170,7 +170,7 @@ def log_allocator(settings: Settings, on_jemalloc: bool) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        settings = load(args.config, args.set)
+        settings, source = load_with_source(args.config, args.set)
     except ConfigError as exc:
         print(f"kvlb serve: {exc}", file=sys.stderr)
         return 2
@@ -218,9 +218,7 @@ def run_serve(args: argparse.Namespace) -> int:
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise
 
-        supervise_run = supervise(
-            settings, args.workers, worker_argv(args), args.shutdown_grace_s, config_file(args.config)
-        )
+        supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s, source)
         try:
             _runner(not args.no_uvloop)(supervise_run)
         except ConfigError as exc:
