@@ -195,12 +195,16 @@ def load_with_source(
     path: str | Path | None = None,
     sets: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    data: bytes | None = None,
 ) -> tuple[Settings, SettingsSource | None]:
-    """:func:`load`, and the file's bytes it parsed (``None`` without a file)."""
+    """:func:`load`, and the file's bytes it parsed (``None`` without a file). ``data``: the file's
+    bytes as read before (by the image ``kvlb serve`` re-executed itself from), not read again."""
     environ = dict(os.environ) if env is None else dict(env)
     file = config_file(path, environ)
     source = None
-    if file is not None:
+    if file is not None and data is not None:
+        source = SettingsSource(file, data)
+    elif file is not None:
         try:
             source = SettingsSource(file, Path(file).read_bytes())
         except OSError as exc:

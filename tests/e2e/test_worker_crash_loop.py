@@ -20,13 +20,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import tokenizers
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from serve_harness import HoldingEngine, start_serve, stop
 
 from balancer.cli.workers import Supervisor
-from balancer.config import WorkersConfig, load_with_source
+from balancer.config import Settings, WorkersConfig, jemalloc_found, load_with_source
 
 FAST = WorkersConfig(
     restart_backoff_s=0.05,
@@ -220,12 +221,19 @@ def feed_fifo(fifo: Path, first: bytes, later: bytes, opens: int) -> None:
             time.sleep(0.01)
 
 
-async def test_the_workers_read_the_bytes_the_supervisor_parsed_not_the_file_again(tmp_path: Path) -> None:
+@pytest.mark.parametrize("allocator", ["system", "auto"])
+async def test_the_workers_read_the_bytes_the_supervisor_parsed_not_the_file_again(
+    tmp_path: Path, allocator: str
+) -> None:
     """The settings file gives other bytes at each read (a FIFO: ``--config <(...)``, or a file edited
-    between the supervisor's read and its copy, here made certain). Every worker must serve what the
-    supervisor parsed. Before 2026-12-01 (h-lifecycle3) the supervisor copied the file again at its
-    start: here that failed (``cannot read config``, exit 2); a regular file edited in those
-    milliseconds gave the workers the edit."""
+    between the supervisor's read and its copy, here made certain). Every worker must serve what was
+    read first. Before 2026-12-01 (h-lifecycle3) the supervisor copied the file again at its start:
+    here that failed (``cannot read config``, exit 2); a regular file edited in those milliseconds
+    gave the workers the edit. With ``allocator: auto`` and jemalloc installed ``kvlb serve``
+    re-executes itself, and the new image read the file again: the later bytes (from a pipe,
+    nothing: it served no pool, on the default port)."""
+    if allocator == "auto" and not jemalloc_found(Settings().jemalloc_library):
+        pytest.skip("jemalloc is not installed: kvlb serve does not re-execute itself")
     engine = HoldingEngine()
     await engine.start()
     fifo = tmp_path / "kvlb.yaml"
@@ -234,7 +242,7 @@ async def test_the_workers_read_the_bytes_the_supervisor_parsed_not_the_file_aga
 
     def settings(model: str) -> bytes:
         pools = [{"model": model, "kv_events": False, "replicas": replicas}]
-        top = {"listen": {"host": "127.0.0.1", "port": 0}, "allocator": "system", "pools": pools}
+        top = {"listen": {"host": "127.0.0.1", "port": 0}, "allocator": allocator, "pools": pools}
         return yaml.safe_dump(top).encode()
 
     feeder = asyncio.create_task(
