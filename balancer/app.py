@@ -450,16 +450,17 @@ class Balancer:
 
     def _report_crash_loops(self, state: ServiceState) -> None:
         """With ``--workers N``: ``/readyz`` (degraded) and ``kvlb_process_workers_crash_looping`` read
-        the supervisor's record of the workers that cannot start (:mod:`balancer.worker_record`)."""
+        the supervisor's record of the workers that cannot start or keep dying
+        (:mod:`balancer.worker_record`), at the time of asking."""
         worker = self.options.worker
         if worker is None or worker.count < 2:
             return
         run_dir = worker.run_dir
-        state.degraded_checks.append(lambda: crash_loop_reasons(read_record(run_dir)))
+        state.degraded_checks.append(lambda: crash_loop_reasons(read_record(run_dir), time.monotonic()))
 
         def crash_looping() -> int:
             record = read_record(run_dir)
-            return 0 if record is None else len(record.crash_looping())
+            return 0 if record is None else len(record.crash_looping(time.monotonic()))
 
         self.metrics.process_workers_crash_looping.set_function(crash_looping)
 

@@ -743,8 +743,9 @@ def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
         ),
         process_workers_crash_looping=gauge(
             "kvlb_process_workers_crash_looping",
-            "Workers of kvlb serve --workers N that exited give_up_after_failed_starts times in a row "
-            "before serving, by the supervisor's record, read at scrape time (0 for --workers 1).",
+            "Workers of kvlb serve --workers N in a crash loop: workers.crash_loop_exits exits within "
+            "workers.restart_window_s, or as many in a row before serving, by the supervisor's record, "
+            "read at scrape time (0 for --workers 1).",
         ),
         log_suppressed_total=counter(
             "kvlb_log_suppressed_total",

@@ -33,7 +33,7 @@ import yaml
 
 from balancer import strict_json
 from balancer.cli.early_signals import NO_RELOAD, exec_keeping_signals
-from balancer.config import Settings, allocator_environ, config_file, load, one_thread_per_encode
+from balancer.config import Settings, allocator_environ, load_with_source, one_thread_per_encode
 from balancer.config.bounds import LOG_LEVELS
 from balancer.errors import ConfigError
 from balancer.serve_options import ServeOptions, WorkerRole
@@ -93,6 +93,7 @@ def _register_serve(subparsers: SubParsers) -> None:
     parser.add_argument("--load-table", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker-restarts", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--supervisor-pid", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--settings-fd", type=int, default=None, help=argparse.SUPPRESS)
     parser.set_defaults(handler=run_serve)
 
 
@@ -168,9 +169,32 @@ def log_allocator(settings: Settings, on_jemalloc: bool) -> None:
         log.info("allocator: system (allocator: system)")
 
 
+def settings_memfd(data: bytes) -> int:
+    """An inheritable in-memory file holding ``data``, at offset 0: the settings file's bytes as this
+    image read them, for the image ``kvlb serve`` re-executes itself as (``--settings-fd``)."""
+    descriptor = os.memfd_create("kvlb-settings", 0)
+    with open(descriptor, "wb", closefd=False) as file:
+        file.write(data)
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    os.set_inheritable(descriptor, True)
+    return descriptor
+
+
+def read_settings_fd(descriptor: int | None) -> bytes | None:
+    """The bytes of ``--settings-fd`` (closed once read); ``None`` without it."""
+    if descriptor is None:
+        return None
+    try:
+        with open(descriptor, "rb") as file:
+            return file.read()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the settings handed over on fd {descriptor}: {exc}") from None
+
+
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        settings = load(args.config, args.set)
+        given = read_settings_fd(args.settings_fd)
+        settings, source = load_with_source(args.config, args.set, data=given)
     except ConfigError as exc:
         print(f"kvlb serve: {exc}", file=sys.stderr)
         return 2
@@ -178,7 +202,10 @@ def run_serve(args: argparse.Namespace) -> int:
     if reexec is not None:  # before anything else: the process image is replaced
         sys.stdout.flush()
         sys.stderr.flush()  # SIGTERM and SIGINT stay blocked until the new image handles them
-        exec_keeping_signals(sys.executable, [sys.executable, "-m", "balancer", *sys.argv[1:]], reexec)
+        argv = [sys.executable, "-m", "balancer", *sys.argv[1:]]
+        if source is not None:  # the new image parses the same bytes: the file is not read again
+            argv += ["--settings-fd", str(settings_memfd(source.data))]
+        exec_keeping_signals(sys.executable, argv, reexec)
     level = (args.log_level or settings.log_level).upper()
     if level not in LOG_LEVELS:
         choices = ", ".join(LOG_LEVELS)
@@ -218,9 +245,7 @@ def run_serve(args: argparse.Namespace) -> int:
     elif args.workers > 1:
         from balancer.cli.workers import WorkerStartError, supervise
 
-        supervise_run = supervise(
-            settings, args.workers, worker_argv(args), args.shutdown_grace_s, config_file(args.config)
-        )
+        supervise_run = supervise(settings, args.workers, worker_argv(args), args.shutdown_grace_s, source)
         try:
             _runner(not args.no_uvloop)(supervise_run)
         except ConfigError as exc:

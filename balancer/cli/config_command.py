@@ -51,13 +51,21 @@ def register(subparsers: SubParsers) -> None:
 # The handlers import what they use: ``kvlb serve`` builds this parser too, and needs none of it.
 
 
-def _reference(args: argparse.Namespace) -> int:
+def settings_source() -> str:
+    """The source text of every module that defines a settings section (for their docstrings):
+    :mod:`balancer.config.settings` and the sections it imports (:mod:`balancer.config.workers`)."""
     import inspect
 
     from balancer.config import settings as settings_module
+    from balancer.config import workers as workers_module
+
+    return "\n".join(inspect.getsource(module) for module in (settings_module, workers_module))
+
+
+def _reference(args: argparse.Namespace) -> int:
     from balancer.config.reference import render_markdown
 
-    sys.stdout.write(render_markdown(inspect.getsource(settings_module)))
+    sys.stdout.write(render_markdown(settings_source()))
     return 0
 
 

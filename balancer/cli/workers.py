@@ -9,10 +9,11 @@ another program holds fails the start once, before any worker runs.
 
 Each worker is ``python -m balancer serve`` with the same settings and a :class:`WorkerRole`
 (``--worker-index``, ``--listen-fd``, ``--run-dir``, all hidden options). The same settings: the
-supervisor copies the settings file into its run dir at start and every worker, a restarted one too,
-reads that copy, so an edit of the file (a ConfigMap updated under a running pod) takes effect at
-the next start of ``kvlb serve``, for all the workers at once, never for one restarted worker
-alone. Each worker is a whole balancer with its
+supervisor writes the very bytes of the settings file it parsed into its run dir at start (never
+the file read again: an edit meanwhile would give the workers other settings than its own) and every
+worker, a restarted one too, reads that copy, so an edit of the file (a ConfigMap updated under a
+running pod) takes effect at the next start of ``kvlb serve``, for all the workers at once, never
+for one restarted worker alone. Each worker is a whole balancer with its
 own index, fed by its own subscriptions to every ZMQ engine (a PUB fans out to every SUB), so all
 workers hold the same index. A TRT-LLM drain is destructive, so worker 0 alone drains each TRT-LLM
 engine and republishes every drained body on ``ipc://<run dir>/trtllm-<replica>.ipc``; the other
@@ -26,15 +27,18 @@ worker exits (its requests went with it) and removes the table when it stops.
 The supervisor prints ``{"kvlb": "serving", "url": ..., "workers": N}`` once every worker announced
 itself (a worker that exits before it announced itself fails the start: :class:`WorkerStartError`, as
 a settings error that only a worker finds, e.g. a ``listen.grpc_port`` in use, would fail every
-restart too), restarts a worker that exits (after ``restart_backoff_s``, doubling up to
-``max_restart_backoff_s`` while it keeps dying within ``stable_after_s``; each restart is logged, and
-the worker's count is passed to the new process, which exports it as ``kvlb_process_restarts_total``),
-and keeps each worker's restarts and failed starts (exits before it announced itself) in its record
-(:mod:`balancer.worker_record`), which the workers that serve read for ``/metrics`` and ``/readyz``.
-A worker that failed ``give_up_after_failed_starts`` times in a row is in a crash loop: logged as an
-error at each restart while the others serve; once every worker is, the supervisor gives up and
-``kvlb serve`` exits non-zero (:class:`WorkerStartError`), so the orchestrator restarts the pod and
-shows the loop (Kubernetes' CrashLoopBackOff). On SIGTERM/SIGINT it forwards the signal to every
+restart too), restarts a worker that exits (the settings' ``workers`` section,
+:class:`~balancer.config.WorkersConfig`: after ``restart_backoff_s``, doubling with each exit of
+that worker within ``restart_window_s`` up to ``max_restart_backoff_s``,
+:mod:`balancer.worker_restarts`; each restart is logged, and the worker's count is passed to the new
+process, which exports it as ``kvlb_process_restarts_total``),
+and keeps each worker's restarts, failed starts (exits before it announced itself) and newest exit
+times in its record (:mod:`balancer.worker_record`), which the workers that serve read for
+``/metrics`` and ``/readyz``. A worker that exited ``crash_loop_exits`` times within the window
+(serving in between or not), or as many times in a row before serving, is in a crash loop: logged
+as an error at each restart while the others serve; once every worker is, the supervisor gives up
+and ``kvlb serve`` exits non-zero (:class:`WorkerStartError`), so the orchestrator restarts the pod
+and shows the loop (Kubernetes' CrashLoopBackOff). On SIGTERM/SIGINT it forwards the signal to every
 worker, closes its own copy of the listening socket (so that, once the workers have closed theirs,
 a new connection is refused instead of waiting in the kernel's queue for a worker that will never
 accept it) and waits for them (each drains its in-flight requests within ``--shutdown-grace-s``;
@@ -54,23 +58,25 @@ import socket
 import sys
 import tempfile
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from balancer import strict_json
 from balancer.cli.early_signals import NO_RELOAD
-from balancer.config import Settings
-from balancer.errors import BalancerError, ConfigError, bind_error
+from balancer.config import Settings, SettingsSource, WorkersConfig
+from balancer.errors import BalancerError, bind_error
 from balancer.load.share import LoadTable
 from balancer.worker_record import WorkerRecord, write_record
+from balancer.worker_restarts import crash_looping, exits_kept, recent_exits, restart_delay_s
 
 log = logging.getLogger(__name__)
 
 
 class WorkerStartError(BalancerError):
     """The workers did not all start: one exited before it announced itself, or they took longer than
-    ``start_timeout_s``; or, later, every worker failed ``give_up_after_failed_starts`` starts in a
-    row. ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this message."""
+    ``start_timeout_s``; or, later, every worker was in a crash loop (``workers.crash_loop_exits``).
+    ``kvlb serve`` stops the others and exits with :attr:`exit_status` and this message."""
 
     def __init__(self, message: str, exit_status: int = 1, *, others_stopped: bool = True) -> None:
         super().__init__(message)
@@ -78,26 +84,6 @@ class WorkerStartError(BalancerError):
         """2 when the worker refused its settings (it exited 2, as ``kvlb serve`` does), else 1."""
         self.others_stopped = others_stopped
         """Whether other workers were running, and were stopped (not so once every worker gave up)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SupervisorSettings:
-    """How the supervisor starts and restarts workers."""
-
-    start_timeout_s: float = 120.0
-    """Most seconds a worker may take to announce itself (it loads a tokenizer first)."""
-    restart_backoff_s: float = 0.5
-    """Delay (seconds) before restarting a worker that exited; doubles while it keeps dying."""
-    max_restart_backoff_s: float = 30.0
-    """Cap (seconds) of the restart delay."""
-    stable_after_s: float = 30.0
-    """A worker that ran this long (seconds) before exiting is restarted after the initial delay."""
-    kill_after_s: float = 10.0
-    """Seconds past the shutdown grace before a worker still alive is killed (SIGKILL)."""
-    give_up_after_failed_starts: int = 5
-    """Exits in a row before announcing itself (≥ 1) from which a worker is in a crash loop; once
-    every worker is, the supervisor stops and exits non-zero. With the default backoff, 5 failed
-    starts take about 16 s of delays plus 5 starts (docs/reliability.md, "Fixed since")."""
 
 
 @dataclass(slots=True)
@@ -110,6 +96,8 @@ class _Worker:
     """Exits in a row before it announced itself (0 once it serves)."""
     last_exit: int = 0
     backoff_s: float = 0.0
+    exit_times: deque[float] = field(default_factory=deque)
+    """Its newest exits (``time.monotonic()``), at most :func:`~balancer.worker_restarts.exits_kept`."""
     url: str = ""
     reader: asyncio.Task[None] | None = None
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -154,6 +142,22 @@ SETTINGS_COPY = "settings.yaml"
 """The run dir's copy of the settings file the supervisor started with: what every worker reads."""
 
 
+def write_settings_copy(run_dir: str, source: SettingsSource) -> str:
+    """Write the bytes the supervisor parsed (``source.data``, not the file as it is now) to
+    :data:`SETTINGS_COPY` in ``run_dir`` (owner-only: it may name key files) and return its path;
+    :class:`WorkerStartError` when it cannot be written (a full disk)."""
+    copy = os.path.join(run_dir, SETTINGS_COPY)
+    try:
+        descriptor = os.open(copy, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with open(descriptor, "wb") as file:
+            file.write(source.data)
+    except OSError as exc:
+        raise WorkerStartError(
+            f"cannot write the workers' copy of {source.path} in {run_dir}: {exc}"
+        ) from None
+    return copy
+
+
 SETTINGS_ERROR_MARK = "settings-error"
 """A file in the run dir: the first worker to fail on a settings error creates it and prints the
 error; the others, which load the same settings and fail the same way, exit without printing it."""
@@ -183,21 +187,23 @@ class Supervisor:
         count: int,
         worker_argv: Sequence[str],
         *,
-        supervisor: SupervisorSettings | None = None,
+        supervisor: WorkersConfig | None = None,
         shutdown_grace_s: float = 30.0,
-        config_file: str | None = None,
+        config_source: SettingsSource | None = None,
     ) -> None:
         """``worker_argv`` is ``kvlb serve``'s own options but the settings file (``--set``, log
-        level, grace); ``config_file`` the settings file ``settings`` were read from, if any."""
+        level, grace); ``config_source`` the settings file ``settings`` were parsed from, if any, with
+        the bytes parsed; ``supervisor`` replaces ``settings.workers`` (tests)."""
         self.settings = settings
-        self.config_file = config_file
+        self.config_source = config_source
         self._config_copy: str | None = None
-        """The run dir's copy of :attr:`config_file`, which the workers read."""
+        """The run dir's copy of :attr:`config_source`'s bytes, which the workers read."""
         self.count = count
         self.worker_argv = list(worker_argv)
-        self.config = supervisor or SupervisorSettings()
+        self.config = supervisor or settings.workers
         self.shutdown_grace_s = shutdown_grace_s
-        self.workers = [_Worker(i) for i in range(count)]
+        kept = exits_kept(self.config)
+        self.workers = [_Worker(i, exit_times=deque(maxlen=kept)) for i in range(count)]
         self.url = ""
         self.grpc_port: int | None = None
         self.run_dir = ""
@@ -222,7 +228,9 @@ class Supervisor:
         record = WorkerRecord(
             tuple(w.restarts for w in self.workers),
             tuple(w.failed_starts for w in self.workers),
-            self.config.give_up_after_failed_starts,
+            self.config.crash_loop_exits,
+            tuple(tuple(w.exit_times) for w in self.workers),
+            self.config.restart_window_s,
         )
         try:
             write_record(self.run_dir, record)
@@ -238,13 +246,8 @@ class Supervisor:
     async def start(self) -> None:
         listen = self.settings.listen
         self.run_dir = tempfile.mkdtemp(prefix="kvlb-workers-")
-        if self.config_file is not None:  # every worker, a restarted one too, reads the start's settings
-            copy = os.path.join(self.run_dir, SETTINGS_COPY)
-            try:
-                shutil.copyfile(self.config_file, copy)
-            except OSError as exc:
-                raise ConfigError(f"cannot read config {self.config_file}: {exc.strerror}") from None
-            self._config_copy = copy
+        if self.config_source is not None:  # every worker, a restarted one too, reads the start's settings
+            self._config_copy = write_settings_copy(self.run_dir, self.config_source)
         limits = self.settings.limits
         self.load_table = LoadTable(self.count, limits.load_share_slots, limits.load_share_tenant_slots)
         self._sock = listening_socket(listen.host, listen.port)
@@ -316,7 +319,8 @@ class Supervisor:
             self.load_table.zero_row(worker.index)  # its requests died with it
         if self._stopping:
             return
-        ran_s = time.monotonic() - worker.started_at
+        now = time.monotonic()
+        ran_s = now - worker.started_at
         worker.last_exit = code
         if not self._serving:  # a worker that cannot start (its error is on stderr) would again
             if not self.start_failure:
@@ -327,34 +331,27 @@ class Supervisor:
                 )
             self._start_failed.set()
             return
-        if ran_s >= self.config.stable_after_s or worker.backoff_s == 0:
-            worker.backoff_s = self.config.restart_backoff_s
-        else:
-            worker.backoff_s = min(self.config.max_restart_backoff_s, worker.backoff_s * 2)
+        worker.exit_times.append(now)
+        recent = recent_exits(worker.exit_times, now, self.config.restart_window_s)
+        worker.backoff_s = restart_delay_s(recent, self.config)
         worker.restarts += 1
         if not worker.ready.is_set():
             worker.failed_starts += 1
         self._record()
-        limit = self.config.give_up_after_failed_starts
-        if all(w.failed_starts >= limit for w in self.workers):
-            times = f"{limit} time{'s' if limit > 1 else ''}"
-            self.give_up_reason = (
-                f"every worker exited {times} in a row before serving (worker {worker.index} last "
-                f"exited with {code} after {ran_s:.1f}s; its error is above): giving up"
-            )
+        looping = crash_looping(recent, worker.failed_starts, self.config)
+        if all(self._crash_looping(w, now) for w in self.workers):
+            self.give_up_reason = self._give_up_reason(worker, code, ran_s, now)
             log.error("%s", self.give_up_reason)
             self.gave_up.set()
             return
         log.log(
-            logging.ERROR if worker.failed_starts >= limit else logging.WARNING,
+            logging.ERROR if looping else logging.WARNING,
             "worker %d (pid %d) exited with %d after %.1fs%s; restarting in %.1fs (restart %d)",
             worker.index,
             process.pid,
             code,
             ran_s,
-            f", {worker.failed_starts} times in a row before serving: a crash loop"
-            if worker.failed_starts >= limit
-            else "",
+            f", {self._loop_words(worker, now)}: a crash loop" if looping else "",
             worker.backoff_s,
             worker.restarts,
         )
@@ -363,6 +360,28 @@ class Supervisor:
             with contextlib.suppress(OSError):  # a restart that fails reports its own error
                 os.remove(os.path.join(self.run_dir, SETTINGS_ERROR_MARK))
             await self._spawn(worker)
+
+    def _crash_looping(self, worker: _Worker, now: float) -> bool:
+        recent = recent_exits(worker.exit_times, now, self.config.restart_window_s)
+        return crash_looping(recent, worker.failed_starts, self.config)
+
+    def _loop_words(self, worker: _Worker, now: float) -> str:
+        """How ``worker`` is in its crash loop: its failed starts in a row, else its recent exits."""
+        if worker.failed_starts >= self.config.crash_loop_exits:
+            return f"{worker.failed_starts} times in a row before serving"
+        recent = recent_exits(worker.exit_times, now, self.config.restart_window_s)
+        return f"{recent} exits in the last {self.config.restart_window_s:g} s"
+
+    def _give_up_reason(self, worker: _Worker, code: int, ran_s: float, now: float) -> str:
+        limit = self.config.crash_loop_exits
+        last = f"worker {worker.index} last exited with {code} after {ran_s:.1f}s"
+        if all(w.failed_starts >= limit for w in self.workers):
+            times = f"{limit} time{'s' if limit > 1 else ''}"
+            return (
+                f"every worker exited {times} in a row before serving ({last}; its error is above): giving up"
+            )
+        loops = "; ".join(f"worker {w.index}: {self._loop_words(w, now)}" for w in self.workers)
+        return f"every worker is in a crash loop ({loops}; {last}): giving up"
 
     def pids(self) -> list[int]:
         """The live workers' process ids, by index (0 for one being restarted)."""
@@ -409,7 +428,7 @@ async def supervise(
     count: int,
     worker_argv: Sequence[str],
     shutdown_grace_s: float,
-    config_file: str | None = None,
+    config_source: SettingsSource | None = None,
 ) -> None:
     """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up. A signal
     while they start stops them; a failed start raises :class:`WorkerStartError` (or
@@ -420,7 +439,7 @@ async def supervise(
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, log.warning, NO_RELOAD)  # the workers ignore theirs too
     supervisor = Supervisor(
-        settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s, config_file=config_file
+        settings, count, worker_argv, shutdown_grace_s=shutdown_grace_s, config_source=config_source
     )
     try:
         starting = asyncio.create_task(supervisor.start(), name="kvlb-workers-start")

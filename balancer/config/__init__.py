@@ -4,11 +4,13 @@ the environment). Import from here: ``from balancer.config import ReplicaConfig`
 
 from balancer.config.loader import (
     TOKENIZERS_PARALLELISM,
+    SettingsSource,
     allocator_environ,
     config_file,
     from_mapping,
     jemalloc_found,
     load,
+    load_with_source,
     merge_overrides,
     one_thread_per_encode,
 )
@@ -29,6 +31,7 @@ from balancer.config.settings import (
     UpstreamConfig,
     endpoint_for_rank,
 )
+from balancer.config.workers import WorkersConfig
 
 __all__ = [
     "TOKENIZERS_PARALLELISM",
@@ -43,15 +46,18 @@ __all__ = [
     "RedisConfig",
     "ReplicaConfig",
     "Settings",
+    "SettingsSource",
     "SloConfig",
     "TimeoutConfig",
     "UpstreamConfig",
+    "WorkersConfig",
     "allocator_environ",
     "config_file",
     "endpoint_for_rank",
     "from_mapping",
     "jemalloc_found",
     "load",
+    "load_with_source",
     "merge_overrides",
     "one_thread_per_encode",
 ]

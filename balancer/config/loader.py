@@ -187,24 +187,62 @@ def config_file(path: str | Path | None = None, env: Mapping[str, str] | None = 
     return (os.environ if env is None else env).get("KVLB_CONFIG")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class SettingsSource:
+    """The settings file as :func:`load_with_source` read it: what the settings were parsed from."""
+
+    path: str
+    """The file's name as given (``--config`` or ``$KVLB_CONFIG``)."""
+    data: bytes
+    """Its bytes, read once: the supervisor of ``kvlb serve --workers N`` hands these very bytes to
+    its workers, never the file as it is later (an edit meanwhile would give them other settings)."""
+
+
 def load(
     path: str | Path | None = None,
     sets: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
 ) -> Settings:
     """Read the YAML file (or ``$KVLB_CONFIG``), apply env and ``--set`` overrides, validate."""
+    return load_with_source(path, sets, env)[0]
+
+
+def load_with_source(
+    path: str | Path | None = None,
+    sets: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    data: bytes | None = None,
+) -> tuple[Settings, SettingsSource | None]:
+    """:func:`load`, and the file's bytes it parsed (``None`` without a file). ``data``: the file's
+    bytes as read before (by the image ``kvlb serve`` re-executed itself from), not read again."""
     environ = dict(os.environ) if env is None else dict(env)
     file = config_file(path, environ)
-    raw: Any = {}
-    if file is not None:
+    source = None
+    if file is not None and data is not None:
+        source = SettingsSource(file, data)
+    elif file is not None:
         try:
-            raw = yaml.safe_load(Path(file).read_text(encoding="utf-8")) or {}
+            source = SettingsSource(file, Path(file).read_bytes())
         except OSError as exc:
             raise ConfigError(f"cannot read config {file}: {exc.strerror}") from None
+    return parse_settings(source, sets, environ), source
+
+
+def parse_settings(
+    source: SettingsSource | None, sets: Sequence[str], environ: Mapping[str, str]
+) -> Settings:
+    """The settings of ``source`` (none: the defaults) with ``environ``'s ``KVLB_*`` and ``sets``
+    applied, validated, API keys read (from the files and variables the settings name)."""
+    raw: Any = {}
+    if source is not None:
+        try:
+            raw = yaml.safe_load(source.data.decode("utf-8")) or {}
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"config {source.path} is not UTF-8 text: {exc}") from None
         except yaml.YAMLError as exc:
-            raise ConfigError(f"config {file} is not valid YAML: {exc}") from None
+            raise ConfigError(f"config {source.path} is not valid YAML: {exc}") from None
     if not isinstance(raw, Mapping):
-        raise ConfigError(f"config {file}: top level must be a mapping")
+        raise ConfigError(f"config {source.path if source else None}: top level must be a mapping")
     settings: Settings = from_mapping(Settings, moved_keys(merge_overrides(raw, environ, sets)))
     return with_api_keys(settings.validate(), environ)
 

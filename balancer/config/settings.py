@@ -14,6 +14,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from balancer.config.bounds import CHOICES, check_bound, check_section
+from balancer.config.workers import WorkersConfig
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights, make_policy
 
@@ -784,6 +785,8 @@ class Settings:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     console: ConsoleConfig = field(default_factory=ConsoleConfig)
     slo: SloConfig = field(default_factory=SloConfig)
+    workers: WorkersConfig = field(default_factory=WorkersConfig)
+    """How ``kvlb serve --workers N`` restarts its workers (:mod:`balancer.config.workers`)."""
     tenant_header: str = "x-kvlb-tenant"
     """Request header naming the request's tenant (HTTP header; gRPC metadata key of the same name,
     lower-case); case-insensitive; values longer than 128 characters are cut; no header: the
@@ -874,4 +877,5 @@ class Settings:
         self.discovery.validate()
         self.console.validate()
         self.slo.validate()
+        check_section(self.workers, "workers")
         return self

@@ -15,22 +15,29 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import tokenizers
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from serve_harness import HoldingEngine
+from serve_harness import HoldingEngine, start_serve, stop
 
-from balancer.cli.workers import Supervisor, SupervisorSettings
-from balancer.config import load
+from balancer.cli.workers import Supervisor
+from balancer.config import Settings, WorkersConfig, jemalloc_found, load_with_source
 
-FAST = SupervisorSettings(
-    restart_backoff_s=0.05, max_restart_backoff_s=0.2, give_up_after_failed_starts=1, kill_after_s=2.0
+FAST = WorkersConfig(
+    restart_backoff_s=0.05,
+    max_restart_backoff_s=0.2,
+    restart_window_s=0.001,
+    crash_loop_exits=2,
+    kill_after_s=2.0,
 )
-"""Short delays, and a crash loop from the first failed start (each takes a worker's imports)."""
+"""Short delays, and a crash loop from the second failed start in a row (each takes a worker's
+imports; the window is too short for two exits: tests/e2e/test_worker_restarts.py covers it)."""
 
 
 def holding_config(tmp: Path, engine: HoldingEngine, **pool: Any) -> Path:
@@ -39,6 +46,12 @@ def holding_config(tmp: Path, engine: HoldingEngine, **pool: Any) -> Path:
     config = tmp / "kvlb.yaml"
     config.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, "pools": pools}))
     return config
+
+
+def supervised(config: Path) -> Supervisor:
+    """A supervisor of two workers reading ``config`` (the bytes it parsed), with :data:`FAST`."""
+    settings, source = load_with_source(str(config), [])
+    return Supervisor(settings, 2, [], supervisor=FAST, config_source=source)
 
 
 def samples(text: str, name: str) -> dict[str, float]:
@@ -72,7 +85,7 @@ async def test_a_worker_that_cannot_start_is_counted_and_all_of_them_make_the_su
     words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     words.save(str(tokenizer))
     config = holding_config(tmp_path, engine, tokenizer=str(tokenizer))
-    supervisor = Supervisor(load(str(config), []), 2, [], supervisor=FAST, config_file=str(config))
+    supervisor = supervised(config)
     try:
         async with asyncio.timeout(60):
             await supervisor.start()
@@ -100,7 +113,7 @@ async def test_a_worker_that_cannot_start_is_counted_and_all_of_them_make_the_su
             await supervisor.gave_up.wait()
         error = supervisor.give_up_error()
         assert error.exit_status == 2, error  # settings errors, as `kvlb serve` exits on its own
-        assert "every worker exited 1 time in a row before serving" in str(error)
+        assert "every worker exited 2 times in a row before serving" in str(error)
     finally:
         await supervisor.stop()
         await engine.stop()
@@ -167,7 +180,7 @@ async def test_a_restarted_worker_reads_the_settings_its_supervisor_started_with
     engine = HoldingEngine()
     await engine.start()
     config = holding_config(tmp_path, engine)
-    supervisor = Supervisor(load(str(config), []), 2, [], supervisor=FAST, config_file=str(config))
+    supervisor = supervised(config)
     try:
         async with asyncio.timeout(60):
             await supervisor.start()
@@ -190,4 +203,72 @@ async def test_a_restarted_worker_reads_the_settings_its_supervisor_started_with
         assert models == {0: ["sim-test"], 1: ["sim-test"]}
     finally:
         await supervisor.stop()
+        await engine.stop()
+
+
+def feed_fifo(fifo: Path, first: bytes, later: bytes, opens: int) -> None:
+    """Answer each of the next ``opens`` readers of ``fifo``: ``first`` to the first, ``later`` to
+    the others (blocks until a reader opens it; the test unblocks it at its end). Before the second,
+    waits (bounded) until the first reader closed its end, so that it reads ``first`` alone."""
+    for index in range(opens):
+        with contextlib.suppress(BrokenPipeError), fifo.open("wb") as file:  # the test's unblocking
+            file.write(first if index == 0 else later)
+        for _ in range(3000 if index == 0 else 0):  # 30 s at most
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader still has it open
+            except OSError:  # ENXIO: no reader
+                break
+            time.sleep(0.01)
+
+
+@pytest.mark.parametrize("allocator", ["system", "auto"])
+async def test_the_workers_read_the_bytes_the_supervisor_parsed_not_the_file_again(
+    tmp_path: Path, allocator: str
+) -> None:
+    """The settings file gives other bytes at each read (a FIFO: ``--config <(...)``, or a file edited
+    between the supervisor's read and its copy, here made certain). Every worker must serve what was
+    read first. Before 2026-12-01 (h-lifecycle3) the supervisor copied the file again at its start:
+    here that failed (``cannot read config``, exit 2); a regular file edited in those milliseconds
+    gave the workers the edit. With ``allocator: auto`` and jemalloc installed ``kvlb serve``
+    re-executes itself, and the new image read the file again: the later bytes (from a pipe,
+    nothing: it served no pool, on the default port)."""
+    if allocator == "auto" and not jemalloc_found(Settings().jemalloc_library):
+        pytest.skip("jemalloc is not installed: kvlb serve does not re-execute itself")
+    engine = HoldingEngine()
+    await engine.start()
+    fifo = tmp_path / "kvlb.yaml"
+    os.mkfifo(fifo)
+    replicas = [{"id": "h-0", "url": engine.url}]
+
+    def settings(model: str) -> bytes:
+        pools = [{"model": model, "kv_events": False, "replicas": replicas}]
+        top = {"listen": {"host": "127.0.0.1", "port": 0}, "allocator": allocator, "pools": pools}
+        return yaml.safe_dump(top).encode()
+
+    feeder = asyncio.create_task(
+        asyncio.to_thread(feed_fifo, fifo, settings("first-read"), settings("later-read"), 4)
+    )
+    serve = None
+    try:
+        serve = await start_serve(tmp_path, fifo, "--workers", "2")
+        models: dict[int, list[str]] = {}
+        async with aiohttp.ClientSession() as session:
+            for index, pid in enumerate(serve.info["worker_pids"]):
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")  # noqa: ASYNC240
+                run_dir = Path(argv[argv.index(b"--run-dir") + 1].decode())
+                private = (run_dir / f"worker-{index}.url").read_text()
+                async with session.get(private + "/v1/models", headers={"x-kvlb-sibling": "1"}) as response:
+                    models[index] = sorted(m["id"] for m in (await response.json())["data"])
+        assert models == {0: ["first-read"], 1: ["first-read"]}
+    finally:
+        if serve is not None:
+            await stop(serve)
+        for _ in range(200):  # let the feeder's pending opens through (bounded)
+            if feeder.done():
+                break
+            with contextlib.suppress(OSError):
+                os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+            await asyncio.sleep(0.02)
+        async with asyncio.timeout(5):
+            await feeder
         await engine.stop()

@@ -5,7 +5,6 @@ check`` prints no secret."""
 
 from __future__ import annotations
 
-import inspect
 import math
 import re
 import subprocess
@@ -14,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from balancer.cli.config_command import settings_source
 from balancer.config import Settings, load, merge_overrides
-from balancer.config import settings as settings_module
 from balancer.config.bounds import BOUNDS, CHOICES, resolve
 from balancer.config.loader import SERVICE_LINK
 from balancer.config.reference import effective_tree, render_markdown, sections
@@ -24,7 +23,7 @@ from balancer.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
 
-FIELDS = [item for section in sections(inspect.getsource(settings_module)) for item in section.fields]
+FIELDS = [item for section in sections(settings_source()) for item in section.fields]
 DOCUMENTED = {item.path: item for item in FIELDS}
 
 UNIT_WORDS = re.compile(
@@ -52,7 +51,7 @@ def kvlb(*argv: str, stdin: str | None = None) -> subprocess.CompletedProcess[st
 
 
 def test_the_committed_reference_is_up_to_date() -> None:
-    expected = render_markdown(inspect.getsource(settings_module))
+    expected = render_markdown(settings_source())
     assert DOC.read_text(encoding="utf-8") == expected, (
         "docs/configuration.md is out of date with balancer/config/settings.py or bounds.py: "
         "regenerate it with `make docs-config` (kvlb config reference > docs/configuration.md)"
@@ -66,7 +65,7 @@ def test_kvlb_config_reference_prints_the_committed_doc() -> None:
 
 
 def test_the_reference_is_deterministic() -> None:
-    source = inspect.getsource(settings_module)
+    source = settings_source()
     assert render_markdown(source) == render_markdown(source)
 
 
