@@ -8,9 +8,10 @@ out of the answer so that a client that did not ask for usage sees what its engi
 ``"stream_options":{"include_usage":true}`` written before its closing brace (one copy of the body,
 no JSON round trip); a body whose ``stream_options`` is an object without ``include_usage: true``
 (``{"continuous_usage_stats": true}``, ``{"include_usage": false}``) is decoded and encoded again
-with ``include_usage`` set and its other options as the client wrote them (the only case with a
-second JSON round trip). A body whose ``stream_options`` is something else, or whose
-``include_usage`` is not a boolean, is left as it is (the engine refuses it, as without kvlb).
+with ``include_usage`` set and its other options as the client wrote them, and so is one whose
+``stream_options`` is ``null`` (the only cases with a second JSON round trip). A body whose
+``stream_options`` is something else, or whose ``include_usage`` is not a boolean, is left as it is
+(the engine refuses it, as without kvlb).
 
 **The answer** (:class:`UsageStrip`): OpenAI's engines answer the option with one last event before
 ``data: [DONE]`` whose ``choices`` is empty and whose ``usage`` is an object (vLLM's and SGLang's
@@ -39,8 +40,9 @@ StreamUsage = Literal["asked", "missing", "merge", "leave"]
 """What a request says about usage on its stream:
 
 * ``asked``: not a stream, or ``stream_options.include_usage`` is ``true``: the body goes as it came;
-* ``missing``: a stream without ``stream_options`` (or with ``null``): the option is written in;
-* ``merge``: a stream whose ``stream_options`` is an object without ``include_usage: true``;
+* ``missing``: a stream without ``stream_options``: the option is written in;
+* ``merge``: a stream whose ``stream_options`` is ``null`` or an object without ``include_usage:
+  true``: the body is written again;
 * ``leave``: a stream whose ``stream_options`` (or its ``include_usage``) has a wrong type: the
   engine answers it (a 400), kvlb does not touch it."""
 UnaskedUsage = Literal["absent", "null"]
@@ -63,8 +65,10 @@ def stream_usage_of(stream: bool, options: Any, present: bool) -> StreamUsage:
     """Classify a request by its ``stream`` and ``stream_options`` (``present``: the key is there)."""
     if not stream:
         return "asked"
-    if not present or options is None:
+    if not present:
         return "missing"
+    if options is None:
+        return "merge"  # written again without the null (no duplicate key)
     if not isinstance(options, Mapping):
         return "leave"
     include = options.get("include_usage")
@@ -84,7 +88,7 @@ def with_stream_usage(body: bytes, usage: StreamUsage) -> bytes | None:
     if usage == "merge":
         try:
             decoded = msgspec.json.decode(body)
-            decoded["stream_options"] = {**decoded["stream_options"], "include_usage": True}
+            decoded["stream_options"] = {**(decoded["stream_options"] or {}), "include_usage": True}
             return strict_json.dumps(decoded, separators=(",", ":")).encode("utf-8")
         except (msgspec.DecodeError, ValueError, TypeError, KeyError):
             return None

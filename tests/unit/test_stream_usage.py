@@ -24,7 +24,7 @@ DONE = b"data: [DONE]\n\n"
     ("body", "expected"),
     [
         ({"stream": True}, "missing"),
-        ({"stream": True, "stream_options": None}, "missing"),
+        ({"stream": True, "stream_options": None}, "merge"),
         ({"stream": True, "stream_options": {"include_usage": True}}, "asked"),
         ({"stream": True, "stream_options": {"include_usage": False}}, "merge"),
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "merge"),
@@ -65,6 +65,8 @@ def test_a_body_with_other_options_keeps_them() -> None:
     assert out is not None
     assert json.loads(out)["stream_options"] == {"continuous_usage_stats": True, "include_usage": True}
     assert with_stream_usage(raw, "asked") is None and with_stream_usage(raw, "leave") is None
+    null = json.dumps({"model": "m", "stream": True, "stream_options": None}).encode()
+    assert json.loads(with_stream_usage(null, "merge") or b"")["stream_options"] == {"include_usage": True}
 
 
 def test_the_usage_event_goes_and_everything_else_is_the_same_bytes() -> None:
