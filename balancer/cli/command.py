@@ -560,7 +560,12 @@ def replicas_table(views: list[dict[str, Any]]) -> str:
         for view in views
         if (view.get("health") or {}).get("model_mismatch")
     ]
-    return "\n".join(table + drained + wrong_model + event_problems(views))
+    key_refused = [
+        f"{view.get('id')}: {view['health']['key_refused']}"
+        for view in views
+        if (view.get("health") or {}).get("key_refused")
+    ]
+    return "\n".join(table + drained + key_refused + wrong_model + event_problems(views))
 
 
 def _drained_line(view: dict[str, Any]) -> str:
@@ -625,6 +630,8 @@ def routable_cell(view: dict[str, Any]) -> str:
         return "no:draining"
     if health.get("probe_ok") is False:
         return "no:probe-failing"
+    if health.get("key_refused"):
+        return "no:key-refused"
     if health.get("model_mismatch"):
         return "no:wrong-model"
     breaker = health.get("breaker")
