@@ -405,7 +405,13 @@ class Balancer:
         router.tracker()  # built once every key space exists (its block size is the pool's smallest)
         replicas = {ReplicaId(r.id): r for r in config.replicas}
         return Pool(
-            config.model, router, tokenizer, replicas, kv_events=config.kv_events, api_key=config.api_key
+            config.model,
+            router,
+            tokenizer,
+            replicas,
+            kv_events=config.kv_events,
+            api_key=config.api_key,
+            stream_usage=config.stream_usage,
         )
 
     async def _start_replicas(self, state: ServiceState) -> None:

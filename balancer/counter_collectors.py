@@ -209,7 +209,8 @@ class KeyMemoCollector(Collector):
 class UpstreamCountersCollector(Collector):
     """The upstream client's :class:`~balancer.upstream.client.UpstreamCounters`, read at scrape time:
     ``kvlb_upstream_protocol_errors_total{reason}``, ``kvlb_upstream_stale_retries_total`` and
-    ``kvlb_upstream_pool_waits_total``. ``source`` is set by the composition root once the client
+    ``kvlb_upstream_pool_waits_total``, ``kvlb_upstream_usage_events_dropped_total`` and
+    ``kvlb_upstream_usage_unfiltered_events_total``. ``source`` is set by the composition root once the client
     exists (nothing is counted before)."""
 
     def __init__(self) -> None:
@@ -237,9 +238,22 @@ class UpstreamCountersCollector(Collector):
             "Requests that waited for a free upstream connection (upstream.max_connections in use).",
             value=counters.pool_waits,
         )
+        yield CounterMetricFamily(
+            "kvlb_upstream_usage_events_dropped",
+            "Usage-only events taken out of streams whose client did not ask for usage "
+            "(pools[].stream_usage).",
+            value=counters.usage_events_dropped,
+        )
+        yield CounterMetricFamily(
+            "kvlb_upstream_usage_unfiltered_events",
+            "Stream events passed on without the usage filter: longer than its bound before their end.",
+            value=counters.usage_unfiltered_events,
+        )
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         """The families without samples (what the registry checks names against)."""
         yield CounterMetricFamily("kvlb_upstream_protocol_errors", "", labels=["reason"])
         yield CounterMetricFamily("kvlb_upstream_stale_retries", "")
         yield CounterMetricFamily("kvlb_upstream_pool_waits", "")
+        yield CounterMetricFamily("kvlb_upstream_usage_events_dropped", "")
+        yield CounterMetricFamily("kvlb_upstream_usage_unfiltered_events", "")

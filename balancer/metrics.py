@@ -627,6 +627,7 @@ class _ReplicaCollectors:
     replica_healthy: Gauge
     replica_breaker_open: Gauge
     replica_model_mismatch: Gauge
+    replica_key_refused: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
     replica_pending_drains_dropped_total: Counter
@@ -678,6 +679,13 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "1 while the replica's circuit breaker is not closed: open (refusing requests after "
             "breaker failures in a row, or failing probes) or half-open (waiting for a trial request to "
             "succeed); 0 once closed.",
+            ["replica"],
+        ),
+        replica_key_refused=gauge(
+            "kvlb_replica_key_refused",
+            "1 while the replica's engine refuses kvlb's API key on GET /v1/models (vLLM's --api-key "
+            "guards /v1/* only, so its probes pass): the replica is out of routing until the engine "
+            "accepts the key; 0 otherwise (also where the list is not read: SGLang, TRT-LLM).",
             ["replica"],
         ),
         replica_model_mismatch=gauge(

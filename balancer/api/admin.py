@@ -408,6 +408,7 @@ def _replica_view(
             "consecutive_failures": record.consecutive_failures,
             "last_error": record.last_error,
             "model_mismatch": record.model_mismatch,
+            "key_refused": record.key_refused,
             "last_probe_age_s": None
             if record.last_probe_at is None
             else round(now - record.last_probe_at, 3),

@@ -96,6 +96,8 @@ def refresh_gauges(state: ServiceState) -> None:
             record = state.health.replicas.get(replica)
             mismatch = record is not None and record.model_mismatch is not None
             metrics.replica_model_mismatch.labels(replica).set(1 if mismatch else 0)
+            refused = record is not None and record.key_refused is not None
+            metrics.replica_key_refused.labels(replica).set(1 if refused else 0)
     metrics.index_blocks.labels("unique").set(unique)
     metrics.index_blocks.labels("held").set(held)
     metrics.index_blocks.labels("speculative").set(speculative)

@@ -81,6 +81,7 @@ from balancer.api.parsing import (
     parse_weights_header,
 )
 from balancer.config import TimeoutConfig
+from balancer.engines.registry import engine_spec
 from balancer.errors import UpstreamError
 from balancer.index.hashing import TOKEN_ID_BYTES, compact_ids
 from balancer.policy import PolicyWeights
@@ -100,6 +101,7 @@ from balancer.service.state import Pool, ServiceState
 from balancer.tokenizer.cuts import LongPiece
 from balancer.tokenizer.tokenizer import TokenizeError, Tokenizer
 from balancer.upstream.client import forwardable_headers
+from balancer.upstream.stream_usage import UsageStrip, with_stream_usage
 
 log = logging.getLogger(__name__)
 
@@ -240,7 +242,13 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             del parsed  # only ``form`` holds it: dropped while it waits for its bytes, parsed again after
             token_ids = await tokenize_held(admission, pool, form, limits.max_prompt_tokens)
             parsed = form.take()
+            del form  # it holds the body as it came
         admission.add(TOKEN_ID_BYTES * len(token_ids))
+        usage_added = False
+        if pool.stream_usage and parsed.stream_usage in ("missing", "merge"):
+            asked = with_stream_usage(body, parsed.stream_usage)
+            if asked is not None:
+                body, usage_added = asked, True
         request_id = request[REQUEST_ID]
         job = Forward(
             pool,
@@ -255,6 +263,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             tenant,
             whole_answer=not parsed.stream,
             sequences=parsed.sequences,
+            usage_added=usage_added,
         )
         # Parsed tiny chat messages keep up to 8.7 times their bytes (docs/reliability.md, "Memory"):
         # nothing below reads them, so they must not live as long as the answer streams.
@@ -760,20 +769,26 @@ async def _relay_stream(
     stream = opened.stream
     response = _DeferredHeadResponse(status=stream.status, headers=headers)
     writes = HttpWrites(request, relay_deadline(state, job), state.settings.timeouts.client_write_stall_s)
+    strip = usage_strip(job, lease) if job.usage_added and stream.status == 200 else None
     try:
         await response.prepare(request)
         try:
             async with writes:
+                first = opened.first if strip is None else strip.feed(opened.first)
                 if stream.finished:  # the whole answer is in: headers, body and its end in one write
-                    await writes.write_eof(response, opened.first)
+                    await writes.write_eof(response, first if strip is None else first + strip.close())
                     return response
-                await writes.write(response, opened.first)
+                if first:
+                    await writes.write(response, first)
                 async for chunk in opened.chunks:
+                    if strip is not None:
+                        chunk = strip.feed(chunk)
                     if stream.finished:  # the last chunk goes out with the end of the stream
-                        await writes.write_eof(response, chunk)
+                        await writes.write_eof(response, chunk if strip is None else chunk + strip.close())
                         return response
-                    await writes.write(response, chunk)
-                await writes.write_eof(response)
+                    if chunk:
+                        await writes.write(response, chunk)
+                await writes.write_eof(response, b"" if strip is None else strip.close())
                 return response
         except (UpstreamError, TimeoutError) as exc:
             if writes.writing:  # the client stopped reading: nothing more can reach it
@@ -792,7 +807,20 @@ async def _relay_stream(
     except TimeoutError:  # the error event or the end not taken within ERROR_EVENT_TIMEOUT_S
         outcome.status = "499"
         drop_connection(request)
+    finally:
+        if strip is not None:
+            counters = state.upstream.counters
+            counters.usage_events_dropped += strip.dropped_events
+            counters.usage_unfiltered_events += strip.unfiltered_events
     return response
+
+
+def usage_strip(job: Forward, lease: Lease) -> UsageStrip:
+    """The filter of a stream whose usage kvlb asked for and its client did not: the usage goes,
+    written as the replica's engine writes a chunk without it."""
+    replica = job.pool.replicas.get(lease.replica)
+    unasked = engine_spec(replica.engine).unasked_stream_usage if replica is not None else "absent"
+    return UsageStrip(unasked)
 
 
 def client_stalled(request: web.Request, state: ServiceState, writes: ClientWrites) -> None:

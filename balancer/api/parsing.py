@@ -36,6 +36,7 @@ from balancer.tokenizer.token_ids import (
     worth_a_lookup,
 )
 from balancer.tokenizer.tokenizer import first_surrogate
+from balancer.upstream.stream_usage import StreamUsage, stream_usage_of
 
 RequestKind = Literal["chat", "completions"]
 
@@ -80,6 +81,9 @@ class ParsedRequest:
     packed: array[int] | None = field(default=None, compare=False, repr=False)
     """With ``ids_checked``: the same ids as an ``array('I')``, made by the range check itself (the
     array that :func:`~balancer.index.hashing.compact_ids` would make of ``prompt``)."""
+    stream_usage: StreamUsage = "asked"
+    """What the request says about usage on its stream (``stream_options.include_usage``): whether
+    kvlb must ask the engine for it (:func:`~balancer.upstream.stream_usage.with_stream_usage`)."""
     parsed_bytes: int = 0
     """Estimated bytes of the Python objects this request keeps of its body, in bytes: a text
     prompt's ``str``, or a chat's messages and chat kwargs (:func:`json_text_size`). 0 for token
@@ -105,6 +109,7 @@ class _CompletionBody(msgspec.Struct):
     max_completion_tokens: Any = None
     user: Any = None
     n: Any = None
+    stream_options: Any = msgspec.UNSET
 
 
 class _RawPromptBody(msgspec.Struct):
@@ -117,6 +122,7 @@ class _RawPromptBody(msgspec.Struct):
     max_completion_tokens: Any = None
     user: Any = None
     n: Any = None
+    stream_options: Any = msgspec.UNSET
 
 
 _OBJECT_DECODER = msgspec.json.Decoder(dict[str, Any])
@@ -369,6 +375,8 @@ def _completion_common(body: _CompletionBody | _RawPromptBody) -> dict[str, Any]
         "user": body.user,
         "n": body.n,
     }
+    if body.stream_options is not msgspec.UNSET:
+        fields["stream_options"] = body.stream_options
     return _common(fields)
 
 
@@ -382,9 +390,11 @@ def _common(body: Mapping[str, Any]) -> dict[str, Any]:
         stream = False
     elif not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean")
+    options = body.get("stream_options")
     return {
         "model": model,
         "stream": stream,
+        "stream_usage": stream_usage_of(stream, options, "stream_options" in body),
         "max_tokens": _max_tokens(body),
         "session_key": _optional_str(body, "user"),
         "sequences": _sequences(body),

@@ -586,8 +586,13 @@ def replicas_table(views: list[dict[str, Any]], kept_drains: list[dict[str, Any]
         for view in views
         if (view.get("health") or {}).get("model_mismatch")
     ]
+    key_refused = [
+        f"{view.get('id')}: {view['health']['key_refused']}"
+        for view in views
+        if (view.get("health") or {}).get("key_refused")
+    ]
     kept = [kept_drain_line(entry) for entry in kept_drains or ()]
-    return "\n".join(table + drained + kept + wrong_model + event_problems(views))
+    return "\n".join(table + drained + kept + key_refused + wrong_model + event_problems(views))
 
 
 def kept_drain_line(kept: dict[str, Any]) -> str:
@@ -663,6 +668,8 @@ def routable_cell(view: dict[str, Any]) -> str:
         return "no:draining"
     if health.get("probe_ok") is False:
         return "no:probe-failing"
+    if health.get("key_refused"):
+        return "no:key-refused"
     if health.get("model_mismatch"):
         return "no:wrong-model"
     breaker = health.get("breaker")

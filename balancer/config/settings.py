@@ -156,6 +156,12 @@ class PoolConfig:
     """Default of ``replicas[].api_key_env`` for the pool's replicas (as ``api_key_file``)."""
     api_key: Secret | None = field(default=None, repr=False)
     """The pool's default key, filled in by the config loader; it cannot be written in the config."""
+    stream_usage: bool = True
+    """Whether kvlb asks the pool's engines for usage on every stream it forwards: a streaming request
+    without ``stream_options.include_usage: true`` gets it (its other stream options kept as the
+    client wrote them), and the usage the client did not ask for is taken out of the answer, so that
+    every stream gives a receipt (``cached_tokens``). ``false``: bodies go byte for byte, and streams
+    whose client did not ask give none (for an engine that refuses the option)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -532,4 +532,5 @@ SPEC = EngineSpec(
     ),
     resync_on_unclean_takeover=False,
     block_hashes=page_hashes,
+    unasked_stream_usage="null",
 )

@@ -19,6 +19,7 @@ from balancer.errors import ConfigError
 from balancer.index.hashing import AlignMode
 from balancer.load.scrape import ScrapeTarget
 from balancer.types import EngineHash
+from balancer.upstream.stream_usage import UnaskedUsage
 
 if TYPE_CHECKING:
     from balancer.config import EngineKind
@@ -75,6 +76,12 @@ class EngineSpec:
     answer any name (their chat and completion handlers do not read the request's ``model``), and
     list their model under a name the pool need not use (SGLang: the model path unless
     ``--served-model-name``): a mismatch there says nothing."""
+    unasked_stream_usage: UnaskedUsage = "absent"
+    """How the engine writes a stream's chunk without usage: no ``usage`` member (``absent``: vLLM,
+    whose chunks are dumped with ``exclude_unset``, and TensorRT-LLM, ``exclude_none``) or
+    ``"usage":null`` (``null``: SGLang, which dumps every field). kvlb asks every stream for usage
+    (``pools[].stream_usage``) and writes a chunk that carries usage the client did not ask for back
+    this way (:class:`~balancer.upstream.stream_usage.UsageStrip`)."""
     block_hashes: BlockHashes | None = None
     """The engine's own hashes of the full blocks of a plain token sequence (no LoRA, no salt, text
     only), when kvlb can reproduce them; the router uses them only for a replica whose events agreed

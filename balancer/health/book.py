@@ -2,7 +2,8 @@
 
 A replica is routable when its breaker is closed (or half-open for one trial), its health probes say
 it is live, its engine serves its pool's model (when the engine's list was read and it refuses other
-names: :attr:`ReplicaHealth.model_mismatch`), and it is not draining. A probe answered with anything
+names: :attr:`ReplicaHealth.model_mismatch`), the engine accepts kvlb's key where that is checked
+(:attr:`ReplicaHealth.key_refused`), and it is not draining. A probe answered with anything
 but 200, or refused, takes it out at once; probes that *timed out* take it out only after
 ``probe_timeouts_to_drop`` of them in a row: a timeout is ambiguous (a hung engine, or a stalled
 host or balancer, which times out every replica's probe at once). A good probe puts it back. Request
@@ -105,6 +106,11 @@ class ReplicaHealth:
     """Why the engine answers every request for the pool's model 404 (it lists other models), as
     the prober last read it; ``None``: it serves the pool's model, or that is not known. Such a
     replica is out of routing until the engine serves the pool's model."""
+    key_refused: str | None = None
+    """Why the engine refuses kvlb (401, 403, 407 on its ``GET /v1/models``, which vLLM guards with
+    its ``--api-key`` while its ``/health`` and ``/metrics`` pass): ``engine refuses kvlb's key
+    (<where the key is read>)``, as the prober last read it; ``None``: it accepts kvlb, or that is
+    not known. Such a replica is out of routing until the engine accepts kvlb's key."""
 
     def state(self, now: float, config: BreakerConfig) -> BreakerState:
         if self.opened_at is None:
@@ -259,6 +265,8 @@ class HealthBook:
             rec = self.replicas.get(name)
             if rec is None or rec.draining or not rec.probe_ok or rec.model_mismatch is not None:
                 continue
+            if rec.key_refused is not None:
+                continue
             state = rec.state(now, self.config)
             if state == "open" or (state == "half_open" and rec.trial_in_flight):
                 continue
@@ -270,7 +278,13 @@ class HealthBook:
         be routable undrained)."""
         for name in among:
             rec = self.replicas.get(name)
-            if rec is not None and rec.draining and rec.probe_ok and rec.model_mismatch is None:
+            if (
+                rec is not None
+                and rec.draining
+                and rec.probe_ok
+                and rec.model_mismatch is None
+                and rec.key_refused is None
+            ):
                 state = rec.state(now, self.config)
                 if state == "closed" or (state == "half_open" and not rec.trial_in_flight):
                     return True
@@ -278,8 +292,8 @@ class HealthBook:
 
     def unroutable_reason(self, replica: ReplicaId, now: float) -> str | None:
         """Why :meth:`routable` leaves ``replica`` out now (``None``: it does not): ``unknown``,
-        ``draining``, ``failing health probes``, ``serves another model``, ``breaker open`` or
-        ``breaker trial in flight``."""
+        ``draining``, ``failing health probes``, ``engine refuses kvlb's key (<source>)``, ``serves
+        another model``, ``breaker open`` or ``breaker trial in flight``."""
         rec = self.replicas.get(replica)
         if rec is None:
             return "unknown"
@@ -287,6 +301,8 @@ class HealthBook:
             return "draining"
         if not rec.probe_ok:
             return PROBES_FAILING
+        if rec.key_refused is not None:
+            return rec.key_refused
         if rec.model_mismatch is not None:
             return "serves another model"
         state = rec.state(now, self.config)
@@ -370,6 +386,16 @@ class HealthBook:
         if rec is None or rec.model_mismatch == mismatch:
             return False
         rec.model_mismatch = mismatch
+        return True
+
+    def set_key_refused(self, replica: ReplicaId, refused: str | None) -> bool:
+        """Record that the replica's engine refuses kvlb's key (``refused``: why, in the words of
+        :meth:`unroutable_reason`; ``None``: it accepts it, or that is not known): the replica leaves
+        routing while it is set. Returns whether that changed."""
+        rec = self.replicas.get(replica)
+        if rec is None or rec.key_refused == refused:
+            return False
+        rec.key_refused = refused
         return True
 
     def set_draining(self, replica: ReplicaId, draining: bool, note: DrainNote | None = None) -> bool:

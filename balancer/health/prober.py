@@ -15,6 +15,15 @@ probe): a list that does not name the pool's model takes the replica out of rout
 (:meth:`~balancer.health.book.HealthBook.set_model_mismatch`, a warning once), and it comes back at
 the first probe whose list names it. An engine without the endpoint, or a list that does not parse,
 is not judged (routable as before); a read that fails (timeout, refused) keeps the last verdict.
+
+The same read tells whether the engine accepts kvlb's key: vLLM's ``--api-key`` guards only
+``/v1/*`` (SGLang's does not guard ``/health`` either), so with a wrong key the ``/health`` probe
+passes while every request is refused. Given ``key_check`` (the balancer does, for every engine), the
+list is read at the same times without a model too, for its refusal only. A 401, 403 or 407 there
+takes the replica out of routing (:meth:`~balancer.health.book.HealthBook.set_key_refused`:
+``engine refuses kvlb's key (<source>)``, a warning once) and wakes the key watcher; the list is
+read again at every probe while it refuses, and at the first probe after the key changed (a
+rotation), whatever the verdict; the first answer that is not a refusal puts the replica back.
 """
 
 from __future__ import annotations
@@ -34,7 +43,12 @@ from balancer.errors import ConfigError
 from balancer.health.book import HealthBook
 from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.types import ReplicaId
-from balancer.upstream.auth import REFUSED_CALLER_STATUSES, engine_auth_headers, refused_caller
+from balancer.upstream.auth import (
+    REFUSED_CALLER_STATUSES,
+    engine_auth_headers,
+    key_refused_reason,
+    refused_caller,
+)
 
 log = logging.getLogger(__name__)
 
@@ -83,11 +97,15 @@ class HealthProber:
         model: str | None = None,
         monotonic: Callable[[], float] = time.monotonic,
         api_key: Secret | None = None,
+        key_check: bool = False,
     ) -> None:
         """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
         replica turns healthy, at every probe while the engine lists other models, and every
         ``settings.models_recheck_s`` (``None``: not checked). ``api_key``: the replica's own key,
-        sent with every probe and model check."""
+        sent with every probe and model check. ``key_check``: read ``/v1/models`` as the model
+        check does (the same times) also without ``model``, for its refusal only (an engine
+        whose names are not judged: SGLang, TRT-LLM behind a proxy)."""
+        self._key_check = key_check or model is not None
         self._api_key = api_key
         self.replica = replica
         self.model = model
@@ -103,6 +121,8 @@ class HealthProber:
         self._last_ok: bool | None = None
         self._models_read_at: float | None = None
         """When the engine's model list was last asked for (monotonic seconds; ``None``: never)."""
+        self._checked_key: str | None = None if api_key is None else api_key.value
+        """The key the last model check sent (a rotated key is checked at the next probe)."""
 
     async def run(self) -> None:
         """Probe at once, then every ``interval_s``; never raises but for cancellation."""
@@ -117,8 +137,14 @@ class HealthProber:
         ok = error is None
         if (
             ok
-            and self.model is not None
-            and (ok != self._last_ok or self._mismatched() or self._recheck_due())
+            and self._key_check
+            and (
+                ok != self._last_ok
+                or self._mismatched()
+                or self._refused()
+                or self._key_rotated()
+                or self._recheck_due()
+            )
         ):
             await self._check_models(self.model)  # before the replica counts as live
         self._health.on_probe(self.replica, ok, self._monotonic(), error, timed_out=timed_out)
@@ -142,6 +168,14 @@ class HealthProber:
             self._monotonic() - self._models_read_at >= self.settings.models_recheck_s
         )
 
+    def _refused(self) -> bool:
+        record = self._health.replicas.get(self.replica)
+        return record is not None and record.key_refused is not None
+
+    def _key_rotated(self) -> bool:
+        """The key changed since the last model check (the key watcher rotated it): check again now."""
+        return self._api_key is not None and self._api_key.value != self._checked_key
+
     def _mismatched(self) -> bool:
         record = self._health.replicas.get(self.replica)
         return record is not None and record.model_mismatch is not None
@@ -164,11 +198,12 @@ class HealthProber:
         except (aiohttp.ClientError, OSError) as exc:
             return f"{self.settings.path}: {type(exc).__name__}", False
 
-    async def _check_models(self, model: str) -> None:
+    async def _check_models(self, model: str | None) -> None:
         """Read the engine's model list; take the replica out of routing while it does not name
         ``model``, back in once it does (each said once)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         self._models_read_at = self._monotonic()
+        self._checked_key = None if self._api_key is None else self._api_key.value
         try:
             async with self._session.get(
                 self._models_url, timeout=timeout, headers=engine_auth_headers(self._api_key)
@@ -176,13 +211,16 @@ class HealthProber:
                 if response.status in REFUSED_CALLER_STATUSES:
                     if self._api_key is not None:
                         self._api_key.refused()
-                    log.warning(
-                        "replica %s: GET %s: %s",
-                        self.replica,
-                        MODELS_PATH,
-                        refused_caller(response.status, self._api_key),
-                    )
+                    if self._health.set_key_refused(self.replica, key_refused_reason(self._api_key)):
+                        log.warning(
+                            "replica %s is out of routing: GET %s: %s",
+                            self.replica,
+                            MODELS_PATH,
+                            refused_caller(response.status, self._api_key),
+                        )
                     return
+                if self._health.set_key_refused(self.replica, None):
+                    log.info("replica %s: its engine accepts kvlb's key: back in routing", self.replica)
                 if response.status != 200:
                     served = None  # an engine without the endpoint says nothing about its names
                 else:
@@ -191,6 +229,8 @@ class HealthProber:
         except (TimeoutError, aiohttp.ClientError, OSError, BodyTooLarge):
             return  # not read this time: the last verdict stands
         self.served_models = served
+        if model is None:
+            return  # read for the key only: the names are not judged
         was = self._mismatched()
         mismatch = None
         if served and model not in served:

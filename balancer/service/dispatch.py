@@ -61,7 +61,8 @@ class Forward:
     max_tokens: int
     """Completion tokens asked for; 0 when absent."""
     body: bytes
-    """The client's body, forwarded byte for byte."""
+    """The client's body, forwarded byte for byte, but for ``stream_options.include_usage`` when
+    kvlb asked the engine for usage (:attr:`usage_added`)."""
     path: str
     request_id: str
     arrived: float
@@ -74,6 +75,9 @@ class Forward:
     ``timeouts.first_byte_s`` (:func:`open_first`)."""
     sequences: int = 1
     """OpenAI's ``n``: sequences the engine generates, each up to ``max_tokens`` (decode load)."""
+    usage_added: bool = False
+    """kvlb added ``stream_options.include_usage`` the client did not ask for (``pools[].stream_usage``):
+    the relay takes the usage back out of the answer (:class:`~balancer.upstream.stream_usage.UsageStrip`)."""
 
 
 @dataclass(slots=True)

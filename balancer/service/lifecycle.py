@@ -269,6 +269,7 @@ class ReplicaLifecycle:
             settings=self._probe,
             model=pool.model if engine_spec(config.engine).checks_model_name else None,
             api_key=config.api_key,
+            key_check=True,
         )
         tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
 

@@ -59,6 +59,8 @@ class Pool:
     api_key: Secret | None = None
     """The pool's default engine API key (``pools[].api_key_file``/``api_key_env``), given to the
     discovered replicas that have none of their own."""
+    stream_usage: bool = True
+    """Whether every stream asks its engine for usage (``pools[].stream_usage``)."""
 
 
 @dataclass(slots=True)

@@ -35,3 +35,10 @@ def refused_caller(status: int, api_key: Secret | None) -> str:
         f"replica answered {status}, refusing kvlb's API key (from {api_key.source}), not the client:"
         " is it the key the engine was started with?"
     )
+
+
+def key_refused_reason(api_key: Secret | None) -> str:
+    """Why a replica whose engine refuses kvlb (401, 403, 407 on a guarded path) is out of routing,
+    naming where the key came from, never the key."""
+    source = "none sent: set api_key_file or api_key_env" if api_key is None else api_key.source
+    return f"engine refuses kvlb's key ({source})"

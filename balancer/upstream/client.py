@@ -100,6 +100,11 @@ class UpstreamCounters:
     """Requests resent on a fresh connection because a reused one closed before any response byte."""
     pool_waits: int = 0
     """Requests that found ``max_connections`` in use and waited for one."""
+    usage_events_dropped: int = 0
+    """Usage-only events taken out of streams whose client did not ask for usage
+    (:class:`~balancer.upstream.stream_usage.UsageStrip`)."""
+    usage_unfiltered_events: int = 0
+    """Stream events passed on unfiltered: longer than the filter's bound before their end."""
 
 
 class UpstreamStream:

@@ -5,8 +5,9 @@ and a real balancer reads the key from a file or an environment variable named i
 * with the right key every call kvlb makes passes: requests, health probes, the load scrape
   (SGLang's ``/get_load`` is guarded), TRT-LLM's ``/kv_cache_events`` drain (its blocks reach the
   index); ``/admin/replicas`` says where the key came from, never the key;
-* with a wrong key the client gets the clear 502 naming the key's source, the replica's scrape
-  ``last_error`` names it too, and the key is in no answer;
+* with a wrong key the replica is out of routing (its ``/v1/models`` refuses the key) and the client
+  gets a 503 naming the key's source, the replica's scrape ``last_error`` names it too, and the key
+  is in no answer;
 * the loader refuses a key written in the config, a missing variable, an empty file, both sources.
 """
 
@@ -118,6 +119,10 @@ async def test_every_call_to_a_keyed_engine_carries_its_key(tmp_path: Path, kind
         zctx.destroy(linger=0)
 
 
+async def key_refused(session: aiohttp.ClientSession, url: str) -> bool:
+    return (await admin_replicas(session, url))[1]["keyed"]["health"]["key_refused"] is not None
+
+
 @pytest.mark.parametrize("kind", ["sglang", "trtllm"])
 async def test_a_wrong_key_is_a_clear_502_and_the_replicas_last_error_names_it(
     tmp_path: Path, kind: str
@@ -129,11 +134,15 @@ async def test_a_wrong_key_is_a_clear_502_and_the_replicas_last_error_names_it(
         async with started(engine("keyed", kind, KEY), zctx) as replica, aiohttp.ClientSession() as session:
             entry = {**replica_entry(replica), "api_key_file": str(key_file)}
             async with balancer_for(tmp_path, [entry], {}, {}) as balancer:
-                await wait_ready(session, balancer.url)
+                # its /health passes, its /v1/models refuses the key: out of routing, saying why
+                # (before 2026-12-01, h-usage: routable, and each request a 502 naming the key file)
+                async with asyncio.timeout(10):
+                    while not await key_refused(session, balancer.url):  # noqa: ASYNC110 - another server
+                        await asyncio.sleep(0.05)
                 async with session.post(balancer.url + "/v1/completions", json=BODY) as response:
-                    assert response.status == 502, await response.text()
+                    assert response.status == 503, await response.text()
                     message = (await response.json())["error"]["message"]
-                assert f"refusing kvlb's API key (from api_key_file {key_file})" in message
+                assert f"engine refuses kvlb's key (api_key_file {key_file})" in message
                 assert WRONG not in message
                 async with asyncio.timeout(10):
                     while True:

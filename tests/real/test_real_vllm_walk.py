@@ -278,9 +278,12 @@ def test_a_wrong_engine_key_is_said_as_kvlbs_not_the_clients(walk: Walk, report:
         "scrape_last_error": (view["scrape"] or {}).get("last_error"),
         "health_last_error": view["health"]["last_error"],
         "models_refused_logged": "GET /v1/models: replica answered 401" in log,
+        "key_refused": view["health"]["key_refused"],
     }
-    assert status == 502, text
-    assert "refusing kvlb's API key" in text and "not the client" in text and "not-the-key" not in text
+    # out of routing since 2026-12-01 (h-usage): its /v1/models refuses the key (a 502 before)
+    assert status == 503, text
+    assert "engine refuses kvlb's key (api_key_file" in text and "not-the-key" not in text
+    assert view["health"]["key_refused"] is not None and view["routable"] is False
     assert "GET /v1/models: replica answered 401" in log
 
 

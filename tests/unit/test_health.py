@@ -163,6 +163,20 @@ def test_an_engine_serving_another_model_is_out_of_routing_until_it_serves_the_p
     assert hb.routable(2.0) == [A] and hb.unroutable_reason(A, 2.0) is None
 
 
+def test_an_engine_refusing_kvlbs_key_is_out_of_routing_until_it_accepts_it() -> None:
+    hb = book()
+    reason = "engine refuses kvlb's key (api_key_file /keys/a)"
+    assert hb.set_key_refused(A, reason)
+    assert not hb.set_key_refused(A, reason)  # no change
+    hb.on_probe(A, True, 1.0)  # its probes pass (vLLM guards /v1/* only): it stays out
+    assert hb.routable(1.0) == [B] and hb.unroutable_reason(A, 1.0) == reason
+    hb.set_draining(A, True)
+    assert not hb.drained_only(1.0, [A])  # out for its key too
+    hb.set_draining(A, False)
+    assert hb.set_key_refused(A, None)
+    assert hb.routable(2.0) == [A, B] and hb.unroutable_reason(A, 2.0) is None
+
+
 def test_a_kept_drain_applies_to_its_replica_when_it_comes_within_its_time_and_is_bounded() -> None:
     book = HealthBook()
     note = DrainNote(by="ops", caller="anonymous@127.0.0.1", at_wall_ts=1.0, reason="rollout")

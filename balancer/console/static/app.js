@@ -203,6 +203,7 @@
     if (view.routable) return ["healthy", "ok"];
     if (health.breaker && health.breaker !== "closed") return ["breaker " + health.breaker, "bad"];
     if (health.probe_ok === false) return ["probe failing", "bad"];
+    if (health.key_refused) return ["key refused", "bad"];
     if (health.model_mismatch) return ["wrong model", "bad"];
     return ["not routable", "bad"];
   }
@@ -215,7 +216,7 @@
       const when = typeof drain.at_wall_ts === "number" ? " at " + fmtDateTime(drain.at_wall_ts) : "";
       return "drained by " + drain.by + " (" + drain.caller + ")" + when + ": " + (drain.reason || "no reason given");
     }
-    return health.model_mismatch || health.last_error || "";
+    return health.key_refused || health.model_mismatch || health.last_error || "";
   }
 
   // Prediction accuracy, when kvlb reports it: /admin/replicas' "prediction" (the engines' receipts
