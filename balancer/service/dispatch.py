@@ -372,7 +372,8 @@ def on_relayed(
     metrics = state.metrics
     policy = lease.plan.decision.policy
     replica = metrics.replica_label(lease.replica)
-    metrics.children.of(metrics.e2e_seconds, replica, policy).observe(state.monotonic() - job.arrived)
+    elapsed_s = state.monotonic() - job.arrived
+    metrics.children.of(metrics.e2e_seconds, job.pool.model, replica, policy).observe(elapsed_s)
 
 
 def on_answered(state: ServiceState, lease: Lease, stream: UpstreamStream) -> None:
