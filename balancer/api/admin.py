@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,7 @@ from balancer.errors import ConfigError, DrainCommitError
 from balancer.health.book import DrainNote, kept_text
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
+from balancer.routing.left_out import left_out_names
 from balancer.routing.router import RoutePlan
 from balancer.service.audit import DEFAULT_ACTOR, MAX_ACTOR_CHARS, MAX_REASON_CHARS, AuditEntry
 from balancer.service.dispatch import Forward, select
@@ -182,7 +183,9 @@ class Explained:
     left_out: dict[str, str] = dataclasses.field(default_factory=dict)
     """The pool's replicas that were not candidates, and why (``draining``, ``failing health
     probes``, ``breaker open``, ``breaker trial in flight``, or ``full``: at
-    ``limits.max_inflight_per_replica``): they have no row in the terms."""
+    ``limits.max_inflight_per_replica``), as the router's selection found them
+    (:attr:`RoutePlan.left_out <balancer.routing.router.RoutePlan.left_out>`): they have no row in
+    the terms."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -233,21 +236,7 @@ async def explain_raw(
         sequences=parsed.sequences,
     )
     plan = select(state, job)
-    return Explained(pool.model, kind, weights, plan, left_out(state, pool.replicas, plan))
-
-
-def left_out(state: ServiceState, replicas: Iterable[str], plan: RoutePlan) -> dict[str, str]:
-    """The replicas of a pool that ``plan``'s policy did not score, and why."""
-    if plan.inputs is not None:
-        scored = set(plan.inputs.request.candidates)
-    else:
-        scored = {terms.replica for terms in plan.decision.terms}
-    now = state.monotonic()
-    out: dict[str, str] = {}
-    for replica in replicas:
-        if replica not in scored:
-            out[replica] = state.health.unroutable_reason(ReplicaId(replica), now) or "full"
-    return out
+    return Explained(pool.model, kind, weights, plan, left_out_names(plan.left_out))
 
 
 async def list_replicas(request: web.Request) -> web.Response:

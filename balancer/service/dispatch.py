@@ -165,6 +165,7 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
             state.wall_clock(),
             decode_blocks=plan.decode_blocks,
             sequences=plan.sequences,
+            left_out=plan.left_out,
         )
         # the spans of its load (the what-if moves it for them): a partial, no closure cell kept
         lease.on_phase = partial(state.decisions.on_phase, job.pool.model, record.id, plan.inputs.load.now)

@@ -31,6 +31,7 @@ NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("POST", "/admin/replicas/{id}/drain"): {"null", "health_drain_keep_s"},  # + a setting
     ("POST", "/admin/whatif"): {"last"} | WORKERS_ONLY,  # a body field
     ("GET", "/admin/decisions"): {"i", "since_id"} | WORKERS_ONLY,  # query words
+    ("GET", "/admin/decisions/{id}"): {"draining", "full"},  # left_out's values
     ("GET", "/admin/audit"): WORKERS_ONLY,
     ("GET", "/admin/series"): {"minutes", "ttft_histograms", "null"} | WORKERS_ONLY,  # query words
 }
