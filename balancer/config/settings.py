@@ -837,6 +837,12 @@ class Settings:
     under its name), the same with and without Redis; after it the drain is forgotten (in Redis, the
     ``<prefix>:drained`` entry is pruned unless a balancer listed the replica again meanwhile). 0:
     forgotten at the removal. Default 1 day."""
+    events_stalled_hint_s: float = 30.0
+    """Seconds (0..86,400) a replica that has published KV events may go without an event batch
+    while it computes new prompt blocks (its answers' ``cached_tokens`` below the prompt: blocks it
+    stores and publishes) in requests decided after its last batch, before ``/admin/replicas`` gives
+    it an ``events.hint`` (its publisher stopped; ``kvlb admin replicas --table``: ``stalled``). 0:
+    no such hint. Noticed within 1.25 × this after the first such decision."""
     log_level: str = "INFO"
     """Python logging level name."""
     allocator: Literal["auto", "system", "jemalloc"] = "auto"
@@ -914,6 +920,10 @@ class Settings:
             raise ConfigError(f"health_timeouts_to_drop must be in 1..10, got {self.health_timeouts_to_drop}")
         if not 0 <= self.health_drain_keep_s <= 2_592_000:
             raise ConfigError(f"health_drain_keep_s must be in [0, 2592000], got {self.health_drain_keep_s}")
+        if not 0 <= self.events_stalled_hint_s <= 86_400:
+            raise ConfigError(
+                f"events_stalled_hint_s must be in [0, 86400], got {self.events_stalled_hint_s}"
+            )
         if not 1 <= self.limits.load_share_slots <= 1_048_576:
             raise ConfigError(
                 f"limits.load_share_slots must be in 1..1048576, got {self.limits.load_share_slots}"

@@ -243,6 +243,12 @@ class Lease:
         (:meth:`PoolRouter.settle_receipt`)."""
         return self._router.settle_receipt(self, reported_tokens, now)
 
+    def mark_computed(self, blocks: int, routed_wall_s: float, spacing_s: float) -> None:
+        """The engine computed ``blocks`` new prompt blocks for this request, decided at
+        ``routed_wall_s`` (wall clock): kept in the pool's
+        :class:`~balancer.routing.receipts.ComputedMarks`."""
+        self._router.receipts.computed.add(self.replica, routed_wall_s, blocks, spacing_s)
+
     def release(self, now: float) -> bool:
         """The request ended (or was abandoned); ``False`` when it was already released."""
         if self._released:

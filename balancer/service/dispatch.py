@@ -407,6 +407,10 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     computed = computed_blocks(lease.plan, receipt.reported_blocks)
     if computed > 0:
         child(metrics.computed_prompt_blocks_total, replica).inc(computed)
+        stalled_hint_s = state.settings.events_stalled_hint_s
+        if stalled_hint_s > 0:  # when: its decision, before the engine computed and published them
+            routed_wall_s = state.wall_clock() - (state.monotonic() - lease.routed_at)
+            lease.mark_computed(computed, routed_wall_s, stalled_hint_s / 4)
     if receipt.exact:
         child(metrics.receipts_exact_total, replica).inc()
     if receipt.within_one_block:
