@@ -67,7 +67,7 @@ async def test_a_publisher_that_stopped_after_publishing_gets_a_hint(tmp_path: P
     config = write_config(tmp_path, sims_list, health_interval_s=0.2, events_stalled_hint_s=BOUND_S)
     serve: Child | None = None
     try:
-        serve = await start_serve(tmp_path, config)
+        serve = await start_serve(tmp_path, config, "--workers", "2")
         url = str(serve.info["url"])
         async with aiohttp.ClientSession() as session:
             await wait_ready(session, url)
@@ -96,19 +96,15 @@ async def test_a_publisher_that_stopped_after_publishing_gets_a_hint(tmp_path: P
             assert stalled["stalled_s"] >= BOUND_S
             assert stalled["hint"].startswith("no KV event batch for ") and "publisher" in stalled["hint"]
             assert views["sim-0"]["events"]["hint"] is None and views["sim-0"]["events"]["stalled_s"] is None
-            # the table: its own subprocess; one run in about five said ``ok`` for sim-1 while the
-            # views just before and after it said stalled (not explained: docs/reliability.md, open
-            # points, h-srefollow), so it is asked up to five times
-            for _ in range(5):
-                text = await table(url)
-                rows = {
-                    line.split()[0]: line.split()
-                    for line in text.splitlines()
-                    if line.startswith("sim-") and " events: " not in line
-                }
-                if rows["sim-1"][-1] == "stalled":
-                    break
-                await asyncio.sleep(0.2)
+            # the table: its own subprocess, whose connection may reach the other worker of the
+            # two (`kvlb serve`'s default here), which routed none of the computed requests: the
+            # answer gathers every worker's (it said ``ok`` in about one run in five before)
+            text = await table(url)
+            rows = {
+                line.split()[0]: line.split()
+                for line in text.splitlines()
+                if line.startswith("sim-") and " events: " not in line
+            }
             assert rows["sim-1"][-1] == "stalled" and rows["sim-0"][-1] == "ok", text
             assert "sim-1 events: no KV event batch for " in text, text
     finally:
