@@ -199,8 +199,9 @@ def _http_collectors(reg: CollectorRegistry, ttft_slo_s: float) -> _HttpCollecto
         ),
         e2e_seconds=histogram(
             "kvlb_http_e2e_seconds",
-            "Time from request arrival to the last byte sent to the client.",
-            ["replica", "policy"],
+            "Time from request arrival to the last byte sent to the client, by pool (its model), "
+            "replica and policy.",
+            ["pool", "replica", "policy"],
             buckets=_LATENCY_BUCKETS_S,
         ),
         inflight_requests=gauge("kvlb_http_inflight_requests", "Requests being served now."),

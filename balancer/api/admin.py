@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,12 +58,14 @@ from balancer.errors import ConfigError, DrainCommitError
 from balancer.health.book import DrainNote, KeptDrainListing, kept_text
 from balancer.policy import POLICY_NAMES, PolicyWeights
 from balancer.policy.base import OPTIONAL_WEIGHTS, WEIGHT_RANGES
+from balancer.routing.left_out import left_out_names
+from balancer.routing.receipts import ComputedMarks
 from balancer.routing.router import RoutePlan
 from balancer.service.audit import DEFAULT_ACTOR, MAX_ACTOR_CHARS, MAX_REASON_CHARS, AuditEntry
 from balancer.service.dispatch import Forward, select
 from balancer.service.policy_control import PolicyCommitError, PolicyView
 from balancer.service.state import Pool, ServiceState
-from balancer.sources.base import silent_stream_hint
+from balancer.sources.base import SourceStatus, last_batch_wall_s, silent_stream_hint, stalled_stream_hint
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
@@ -183,7 +185,9 @@ class Explained:
     left_out: dict[str, str] = dataclasses.field(default_factory=dict)
     """The pool's replicas that were not candidates, and why (``draining``, ``failing health
     probes``, ``breaker open``, ``breaker trial in flight``, or ``full``: at
-    ``limits.max_inflight_per_replica``): they have no row in the terms."""
+    ``limits.max_inflight_per_replica``), as the router's selection found them
+    (:attr:`RoutePlan.left_out <balancer.routing.router.RoutePlan.left_out>`): they have no row in
+    the terms."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -234,21 +238,7 @@ async def explain_raw(
         sequences=parsed.sequences,
     )
     plan = select(state, job)
-    return Explained(pool.model, kind, weights, plan, left_out(state, pool.replicas, plan))
-
-
-def left_out(state: ServiceState, replicas: Iterable[str], plan: RoutePlan) -> dict[str, str]:
-    """The replicas of a pool that ``plan``'s policy did not score, and why."""
-    if plan.inputs is not None:
-        scored = set(plan.inputs.request.candidates)
-    else:
-        scored = {terms.replica for terms in plan.decision.terms}
-    now = state.monotonic()
-    out: dict[str, str] = {}
-    for replica in replicas:
-        if replica not in scored:
-            out[replica] = state.health.unroutable_reason(ReplicaId(replica), now) or "full"
-    return out
+    return Explained(pool.model, kind, weights, plan, left_out_names(plan.left_out))
 
 
 async def list_replicas(request: web.Request) -> web.Response:
@@ -324,12 +314,38 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
             status = ingest.get(replica_id)
             view["events"] = None if status is None else _ages(dataclasses.asdict(status), wall)
             if status is not None:
-                answered = pool.router.receipts.stats(replica_id).receipts
-                view["events"]["hint"] = silent_stream_hint(status.sources, answered)
+                receipts = pool.router.receipts
+                view["events"]["hint"] = silent_stream_hint(
+                    status.sources, receipts.stats(replica_id).receipts
+                )
+                view["events"]["stalled_s"] = None
+                stalled = _stalled(state, receipts.computed, replica_id, status.sources, wall)
+                if stalled is not None and view["events"]["hint"] is None:
+                    view["events"]["stalled_s"], view["events"]["hint"] = stalled
             scraper = state.scrapers.get(replica_id)
             view["scrape"] = None if scraper is None else _ages(dataclasses.asdict(scraper.status()), wall)
             views.append(view)
     return views
+
+
+def _stalled(
+    state: ServiceState,
+    computed: ComputedMarks,
+    replica: ReplicaId,
+    sources: Sequence[SourceStatus],
+    wall: float,
+) -> tuple[float, str] | None:
+    """``(seconds, hint)`` when ``replica`` computed new blocks in requests decided after its last
+    event batch, the first longer than ``events_stalled_hint_s`` ago (a publisher that stopped)."""
+    bound_s = state.settings.events_stalled_hint_s
+    last_batch = last_batch_wall_s(sources)
+    if bound_s <= 0 or last_batch is None:
+        return None  # never published: silent_stream_hint's case
+    since = computed.since(replica, last_batch)
+    if since is None:
+        return None
+    hint = stalled_stream_hint(since.blocks, since.first_wall_s, wall, bound_s)
+    return None if hint is None else (round(wall - since.first_wall_s, 3), hint)
 
 
 BLOCKS_PARAMS = frozenset({"limit"})

@@ -35,6 +35,7 @@ from balancer.api.openai import read_body
 from balancer.api.parsing import NO_QUERY, check_query, decimal_integer, parse_json_object, weights_from
 from balancer.errors import ConfigError
 from balancer.policy import make_policy
+from balancer.routing.left_out import left_out_names
 from balancer.service.decisions import (
     MAX_TENANT_CHARS,
     DecisionRecord,
@@ -228,6 +229,7 @@ def record_detail(record: DecisionRecord) -> dict[str, Any]:
         "held_s": record.held_s,
         "weights": record.weights.to_dict(),
         "decision": dataclasses.asdict(record.decision),
+        "left_out": left_out_names(record.left_out),
         "inputs": {
             "candidates": list(inputs.request.candidates),
             "request_blocks": inputs.request.request_blocks,

@@ -236,16 +236,29 @@ def _merge_audit(answers: dict[int, Any], raw_limit: str | None) -> dict[str, An
 
 
 def _merge_replicas(local: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, Any]:
-    """``local``'s replica views, each with the ``prediction`` of every worker's receipts, and every
+    """``local``'s replica views, each with the ``prediction`` of every worker's receipts and the
+    stalled publisher's ``events.hint`` of the worker that has waited longest (each worker keeps
+    the receipts of its own requests, so only those that routed the computed blocks know), and every
     worker's kept drains (:func:`merge_kept_drains`)."""
     by_id: dict[str, list[dict[str, Any]]] = {}
+    stalled: dict[str, dict[str, Any]] = {}
     for answer in answers:
         for view in answer["replicas"]:
             if view.get("prediction") is not None:
                 by_id.setdefault(view["id"], []).append(view["prediction"])
-    views = [
-        {**view, "prediction": merge_predictions(by_id.get(view["id"], []))} for view in local["replicas"]
-    ]
+            events = view.get("events") or {}
+            if events.get("stalled_s") is not None:
+                known = stalled.get(view["id"])
+                if known is None or events["stalled_s"] > known["stalled_s"]:
+                    stalled[view["id"]] = events
+    views = []
+    for view in local["replicas"]:
+        merged = {**view, "prediction": merge_predictions(by_id.get(view["id"], []))}
+        events = view.get("events")
+        longest = stalled.get(view["id"])
+        if events is not None and longest is not None:
+            merged["events"] = {**events, "hint": longest["hint"], "stalled_s": longest["stalled_s"]}
+        views.append(merged)
     listed = {view["id"] for view in views}
     kept, total = merge_kept_drains(answers, listed)
     return {"replicas": views, "kept_drains": kept, "kept_drains_total": total}

@@ -625,8 +625,10 @@ EVENT_PROBLEM_S = 300.0
 
 def events_cell(view: dict[str, Any]) -> str:
     """``ok``, ``not-connected`` (a ZMQ source without a publisher: nothing listens, or no PUB),
-    ``error`` (a problem seen within :data:`EVENT_PROBLEM_S`) or ``silent`` (the engine answered
-    requests but published nothing: ``events.hint``); ``-`` without event sources."""
+    ``error`` (a problem seen within :data:`EVENT_PROBLEM_S`), ``silent`` (the engine answered
+    requests but published nothing: ``events.hint``) or ``stalled`` (it published, then computed new
+    blocks for longer than ``events_stalled_hint_s`` with no batch since: ``events.stalled_s``);
+    ``-`` without event sources."""
     sources = (view.get("events") or {}).get("sources") or []
     if not sources:
         return "-"
@@ -636,7 +638,10 @@ def events_cell(view: dict[str, Any]) -> str:
         age = source.get("last_error_age_s")
         if source.get("last_error") and isinstance(age, int | float) and age < EVENT_PROBLEM_S:
             return "error"
-    return "silent" if (view.get("events") or {}).get("hint") else "ok"
+    events = view.get("events") or {}
+    if events.get("stalled_s") is not None:
+        return "stalled"
+    return "silent" if events.get("hint") else "ok"
 
 
 def event_problems(views: list[dict[str, Any]]) -> list[str]:

@@ -174,6 +174,7 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType(
         "health_ready_wait_s": Bound(0, 3600),
         "health_timeouts_to_drop": Bound(1, 10),
         "health_drain_keep_s": Bound(0, 2_592_000),
+        "events_stalled_hint_s": Bound(0, 86_400),
     }
 )
 """Every numeric setting's range, by dotted YAML path (``pools[].replicas[].dp_size`` for the

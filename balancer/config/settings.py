@@ -823,6 +823,12 @@ class Settings:
     under its name), the same with and without Redis; after it the drain is forgotten (in Redis, the
     ``<prefix>:drained`` entry is pruned unless a balancer listed the replica again meanwhile). 0:
     forgotten at the removal. Default 1 day."""
+    events_stalled_hint_s: float = 30.0
+    """Seconds (0..86,400) a replica that has published KV events may go without an event batch
+    while it computes new prompt blocks (its answers' ``cached_tokens`` below the prompt: blocks it
+    stores and publishes) in requests decided after its last batch, before ``/admin/replicas`` gives
+    it an ``events.hint`` (its publisher stopped; ``kvlb admin replicas --table``: ``stalled``). 0:
+    no such hint. Noticed within 1.25 × this after the first such decision."""
     log_level: str = "INFO"
     """Python logging level name (any case)."""
     allocator: Literal["auto", "system", "jemalloc"] = "auto"

@@ -14,7 +14,9 @@ replica's blocks and names the keys they disagree on:
 What the router does with them is :meth:`PoolRouter.settle_receipt
 <balancer.routing.router.PoolRouter.settle_receipt>`. :class:`ReceiptBook` keeps the last
 ``window`` errors of each replica for ``/admin/replicas`` (bounded: one window per replica of the
-pool, forgotten with the replica).
+pool, forgotten with the replica), and when the replica last computed new prompt blocks
+(:class:`ComputedMarks`), which tells a publisher that stopped from an engine that had nothing to
+publish.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from balancer.types import BlockKey, ReplicaId
 
 RECEIPT_WINDOW = 256
 """Receipts kept per replica for its accuracy in ``/admin/replicas`` (the last ones)."""
+COMPUTED_MARKS = 16
+"""Marks :class:`ComputedMarks` keeps per replica (the newest; each spans at least its spacing)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +134,8 @@ class ReceiptBook:
             raise ValueError(f"window must be > 0, got {window}")
         self.window = window
         self._errors: dict[ReplicaId, _Window] = {}
+        self.computed = ComputedMarks()
+        """When each replica last computed new prompt blocks (its own receipts)."""
 
     def record(self, receipt: Receipt) -> None:
         errors = self._errors.get(receipt.replica)
@@ -158,6 +164,7 @@ class ReceiptBook:
 
     def forget(self, replica: ReplicaId) -> None:
         self._errors.pop(replica, None)
+        self.computed.forget(replica)
 
 
 class _Window:
@@ -184,3 +191,55 @@ class _Window:
             self.exact += sign
         if -1 <= error <= 1:
             self.within_one_block += sign
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedSince:
+    """What a replica computed in the requests decided after a moment (:meth:`ComputedMarks.since`)."""
+
+    first_wall_s: float
+    """Wall-clock seconds of the earliest of those decisions kept (at most one spacing late)."""
+    blocks: int
+    """New prompt blocks those requests computed (at least: a mark that began before the moment is
+    not counted)."""
+
+
+class ComputedMarks:
+    """When each replica was given requests that computed new prompt blocks (their receipts' reported
+    ``cached_tokens`` below the prompt's reusable blocks): marks of ``(decision wall time, blocks)``,
+    a new one only once the newest is ``spacing_s`` old, the newest :data:`COMPUTED_MARKS` kept per
+    replica. An engine that computed blocks stores them and publishes them: no event batch after such
+    a decision, for long, means its publisher stopped. The marks kept span at least
+    ``(COMPUTED_MARKS - 1) × spacing_s``, so the earliest decision after a batch is found at most one
+    spacing late while the batch is younger than that."""
+
+    def __init__(self, max_marks: int = COMPUTED_MARKS) -> None:
+        if max_marks <= 0:
+            raise ValueError(f"max_marks must be > 0, got {max_marks}")
+        self.max_marks = max_marks
+        self._marks: dict[ReplicaId, deque[list[float]]] = {}
+
+    def add(self, replica: ReplicaId, decided_wall_s: float, blocks: int, spacing_s: float) -> None:
+        """A request decided at ``decided_wall_s`` computed ``blocks`` new prompt blocks on ``replica``."""
+        if blocks <= 0:
+            return
+        marks = self._marks.get(replica)
+        if marks is None:
+            marks = self._marks[replica] = deque(maxlen=self.max_marks)
+        if marks and decided_wall_s - marks[-1][0] < spacing_s:
+            marks[-1][1] += blocks  # within the newest mark's span (or decided before it: later is safe)
+        else:
+            marks.append([decided_wall_s, float(blocks)])
+
+    def since(self, replica: ReplicaId, after_wall_s: float) -> ComputedSince | None:
+        """The marks of ``replica`` that began after ``after_wall_s``; ``None``: none."""
+        marks = self._marks.get(replica)
+        if not marks:
+            return None
+        later = [mark for mark in marks if mark[0] > after_wall_s]
+        if not later:
+            return None
+        return ComputedSince(first_wall_s=later[0][0], blocks=int(sum(mark[1] for mark in later)))
+
+    def forget(self, replica: ReplicaId) -> None:
+        self._marks.pop(replica, None)

@@ -50,6 +50,7 @@ from balancer.index.table import PrefixTable
 from balancer.load.tracker import LoadConfig, LoadCounts, LoadSnapshot, LoadTracker
 from balancer.policy.base import Policy, PolicyInputs, PolicyWeights, RouteRequest
 from balancer.policy.cost import ShareAverage
+from balancer.routing.left_out import ALREADY_TRIED, FULL, LeftOut, reason_code
 from balancer.routing.receipts import ReceiptBook, Settled, read_receipt
 from balancer.types import BlockKey, Decision, EngineHash, Overlap, ReplicaId
 
@@ -94,6 +95,10 @@ class RoutePlan:
     receipt may then compute the engine's own hashes of its cached blocks; else empty."""
     sequences: int = 1
     """OpenAI's ``n`` of the request (its ``decode_blocks`` count them)."""
+    left_out: LeftOut = ()
+    """The pool's replicas that were not candidates, each with its reason's code
+    (:mod:`balancer.routing.left_out`), as :meth:`PoolRouter.candidates` found them; empty when every
+    replica was a candidate (or the plan was made from candidates given)."""
 
 
 def every_replica_full(model: str, cap: int) -> str:
@@ -237,6 +242,12 @@ class Lease:
         """The engine reported ``reported_tokens`` cached: check the prediction, correct the index
         (:meth:`PoolRouter.settle_receipt`)."""
         return self._router.settle_receipt(self, reported_tokens, now)
+
+    def mark_computed(self, blocks: int, routed_wall_s: float, spacing_s: float) -> None:
+        """The engine computed ``blocks`` new prompt blocks for this request, decided at
+        ``routed_wall_s`` (wall clock): kept in the pool's
+        :class:`~balancer.routing.receipts.ComputedMarks`."""
+        self._router.receipts.computed.add(self.replica, routed_wall_s, blocks, spacing_s)
 
     def release(self, now: float) -> bool:
         """The request ended (or was abandoned); ``False`` when it was already released."""
@@ -423,7 +434,16 @@ class PoolRouter:
         """Routable replicas not in ``exclude`` and below their in-flight cap (every worker's
         requests counted, :meth:`in_flight_total`). Raises :class:`NoReplicasAvailable` when none is
         routable, :class:`Overloaded` when all are full."""
-        routable = [r for r in self.routable(now) if r not in exclude]
+        return self.candidates_left_out(now, exclude)[0]
+
+    def candidates_left_out(
+        self, now: float, exclude: Collection[ReplicaId] = ()
+    ) -> tuple[list[ReplicaId], LeftOut]:
+        """:meth:`candidates`, and the pool's other replicas with the code of why each was left out
+        (:mod:`balancer.routing.left_out`): the health book's reason, ``already tried`` or ``full``.
+        Reasons are looked up only for the replicas left out (none in the usual case)."""
+        routable_all = self.routable(now)
+        routable = [r for r in routable_all if r not in exclude] if exclude else routable_all
         if not routable:
             why = self._why_none(now, exclude)
             raise NoReplicasAvailable(f"no healthy replica serves model {self.model!r}{why}")
@@ -433,7 +453,25 @@ class PoolRouter:
         if not eligible:
             message = every_replica_full(self.model, cap)
             raise Overloaded(message, FULL_RETRY_AFTER_S)
-        return eligible
+        if len(eligible) == len(self.space_of):
+            return eligible, ()
+        return eligible, self._left_out(now, set(routable_all), set(eligible), exclude)
+
+    def _left_out(
+        self, now: float, routable: set[ReplicaId], eligible: set[ReplicaId], exclude: Collection[ReplicaId]
+    ) -> LeftOut:
+        out: list[tuple[ReplicaId, int]] = []
+        for replica in self.space_of:
+            if replica in eligible:
+                continue
+            if replica not in routable:
+                reason = self.health.unroutable_reason(replica, now) if self.health is not None else None
+                out.append((replica, reason_code(reason)))
+            elif replica in exclude:
+                out.append((replica, ALREADY_TRIED))
+            else:
+                out.append((replica, FULL))
+        return tuple(out)
 
     def why_unroutable(self, now: float) -> str:
         """Why the pool's replicas are not routable, as counts: `` (2 failing health probes, 1
@@ -455,10 +493,12 @@ class PoolRouter:
         return " (" + ", ".join(f"{count} {reason}" for reason, count in counted) + ")"
 
     def select(self, request: PoolRequest, now: float) -> RoutePlan:
-        """The decision for ``request`` among :meth:`candidates`, committing nothing."""
+        """The decision for ``request`` among :meth:`candidates`, committing nothing; the plan
+        keeps the replicas left out and why (:attr:`RoutePlan.left_out`)."""
+        candidates, left_out = self.candidates_left_out(now, request.exclude)
         return self.plan(
             request.token_ids,
-            self.candidates(now, request.exclude),
+            candidates,
             request.policy,
             request.weights,
             self.rng,
@@ -467,6 +507,7 @@ class PoolRouter:
             request_id=request.request_id,
             max_tokens=request.max_tokens,
             sequences=request.sequences,
+            left_out=left_out,
         )
 
     def route(self, request: PoolRequest, now: float) -> Lease:
@@ -519,8 +560,10 @@ class PoolRouter:
         sequences: int = 1,
         lora_name: str | None = None,
         cache_salt: str | None = None,
+        left_out: LeftOut = (),
     ) -> RoutePlan:
-        """Choose a replica among ``candidates`` (side-effect free apart from TTL expiry)."""
+        """Choose a replica among ``candidates`` (side-effect free apart from TTL expiry);
+        ``left_out``: the pool's other replicas and why (kept in the plan as it is)."""
         ref_bs = self.reference_block_size
         merged: dict[ReplicaId, int] = {}
         ranks: dict[ReplicaId, int] = {}
@@ -589,6 +632,7 @@ class PoolRouter:
             inputs=PolicyInputs(route, overlap_all, snapshot),
             token_ids=token_ids if lora_name is None and cache_salt is None else (),
             sequences=max(1, sequences),
+            left_out=left_out,
         )
 
     def _spaces_for(self, candidates: Collection[ReplicaId]) -> list[KeySpace]:

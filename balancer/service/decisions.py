@@ -32,6 +32,7 @@ from typing import Any, NamedTuple, overload
 from balancer.frozen import quick_init
 from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.policy.base import PolicyInputs, PolicyWeights, RouteRequest
+from balancer.routing.left_out import LeftOut
 from balancer.types import CostTerms, Decision, Overlap, ReplicaId
 
 ENTRY_BASE_BYTES = 1_200
@@ -39,6 +40,10 @@ ENTRY_BASE_BYTES = 1_200
 decision objects and their empty dicts (measured with tracemalloc, tests/unit/test_decisions.py)."""
 REPLICA_BYTES = 700
 """Estimated bytes per replica in one record: its cost terms, its load and its dict entries."""
+LEFT_OUT_BYTES = 80
+"""Estimated bytes per replica a record left out (:attr:`DecisionRecord.left_out`: a pair of its id
+and a small int code, about 64 B and its slot as the router builds it; 19 B traced packed, with
+ids of 9 characters: tests/unit/test_decisions.py)."""
 MARK_BYTES = 100
 """Estimated bytes per prefix mark of a record (``RouteRequest.prefix_marks``: a tuple of two ints
 and its slot, about 90 B as the router builds it; 10 to 18 B packed)."""
@@ -77,18 +82,26 @@ class DecisionRecord:
     held_s: float | None = None
     """Seconds from the decision to the release of its load (the request's end, or its failure);
     ``None`` while it is in flight."""
+    left_out: LeftOut = ()
+    """The pool's replicas that were not candidates, each with its reason's code
+    (:mod:`balancer.routing.left_out`: draining, failing health probes, breaker open, full, …)."""
 
     @property
     def replica(self) -> ReplicaId:
         return self.decision.replica
 
 
-def estimate_bytes(inputs: PolicyInputs, decision: Decision, tenant: str | None) -> int:
+def estimate_bytes(
+    inputs: PolicyInputs, decision: Decision, tenant: str | None, left_out: LeftOut = ()
+) -> int:
     """A record's estimated size: :data:`ENTRY_BASE_BYTES` + :data:`REPLICA_BYTES` per replica named
-    by its terms or its load snapshot + :data:`MARK_BYTES` per prefix mark, plus its strings."""
+    by its terms or its load snapshot + :data:`MARK_BYTES` per prefix mark + :data:`LEFT_OUT_BYTES`
+    per replica left out, plus its strings."""
     replicas = len(decision.terms) + len(inputs.load.replicas)
     extra = len(tenant or "") + len(inputs.request.session_key or "") + len(inputs.request.request_id or "")
     extra += MARK_BYTES * len(inputs.request.prefix_marks)
+    if left_out:
+        extra += LEFT_OUT_BYTES * len(left_out)
     return ENTRY_BASE_BYTES + REPLICA_BYTES * replicas + extra
 
 
@@ -159,6 +172,7 @@ def pack(record: DecisionRecord) -> PackedRecord:
         tuple(map(_LOAD_VALUES, load.replicas.values())),
         _DECISION_OTHERS(decision),
         tuple(map(_TERMS_VALUES, decision.terms)),
+        record.left_out,
     )
     packed: bytes | DecisionRecord
     try:
@@ -195,6 +209,7 @@ def unpack(entry: PackedRecord) -> DecisionRecord:
         loads,
         decision_others,
         terms,
+        left_out,
     ) = marshal.loads(entry.packed)
     snapshot = list(snapshot_others)
     snapshot.insert(
@@ -219,6 +234,7 @@ def unpack(entry: PackedRecord) -> DecisionRecord:
         sequences=sequences,
         prefill_s=entry.prefill_s,
         held_s=entry.held_s,
+        left_out=left_out,
     )
 
 
@@ -403,8 +419,10 @@ class DecisionLog:
         wall_ts: float,
         decode_blocks: int = 0,
         sequences: int = 1,
+        left_out: LeftOut = (),
     ) -> DecisionRecord:
-        """Append one committed decision to ``pool``'s ring; returns the record (with its id)."""
+        """Append one committed decision to ``pool``'s ring; returns the record (with its id).
+        ``left_out``: the pool's replicas that were not candidates, and why (codes)."""
         self._next_id += self._id_step
         if tenant is not None and len(tenant) > MAX_TENANT_CHARS:
             tenant = tenant[:MAX_TENANT_CHARS]
@@ -419,9 +437,10 @@ class DecisionLog:
             decision=decision,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached_tokens,
-            nbytes=estimate_bytes(inputs, decision, tenant),
+            nbytes=estimate_bytes(inputs, decision, tenant, left_out),
             decode_blocks=decode_blocks,
             sequences=sequences,
+            left_out=left_out,
         )
         by_count, by_bytes = self.ring(pool).append(pack(record))
         if self._on_evict is not None and (by_count or by_bytes):

@@ -169,6 +169,7 @@ def record_commit(state: ServiceState, job: Forward, lease: Lease) -> None:
             state.wall_clock(),
             decode_blocks=plan.decode_blocks,
             sequences=plan.sequences,
+            left_out=plan.left_out,
         )
         # the spans of its load (the what-if moves it for them): a partial, no closure cell kept
         lease.on_phase = partial(state.decisions.on_phase, job.pool.model, record.id, plan.inputs.load.now)
@@ -376,7 +377,8 @@ def on_relayed(
     metrics = state.metrics
     policy = lease.plan.decision.policy
     replica = metrics.replica_label(lease.replica)
-    metrics.children.of(metrics.e2e_seconds, replica, policy).observe(state.monotonic() - job.arrived)
+    elapsed_s = state.monotonic() - job.arrived
+    metrics.children.of(metrics.e2e_seconds, job.pool.model, replica, policy).observe(elapsed_s)
 
 
 def on_answered(state: ServiceState, lease: Lease, stream: UpstreamStream) -> None:
@@ -409,6 +411,10 @@ def record_receipt(state: ServiceState, lease: Lease, cached_tokens: int) -> Set
     computed = computed_blocks(lease.plan, receipt.reported_blocks)
     if computed > 0:
         child(metrics.computed_prompt_blocks_total, replica).inc(computed)
+        stalled_hint_s = state.settings.events_stalled_hint_s
+        if stalled_hint_s > 0:  # when: its decision, before the engine computed and published them
+            routed_wall_s = state.wall_clock() - (state.monotonic() - lease.routed_at)
+            lease.mark_computed(computed, routed_wall_s, stalled_hint_s / 4)
     if receipt.exact:
         child(metrics.receipts_exact_total, replica).inc()
     if receipt.within_one_block:

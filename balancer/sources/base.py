@@ -271,6 +271,32 @@ def silent_stream_hint(sources: Sequence[SourceStatus], answered: int) -> str | 
     )
 
 
+def last_batch_wall_s(sources: Sequence[SourceStatus]) -> float | None:
+    """Our wall clock when the newest KV event batch of any of a replica's sources came (``None``:
+    none since kvlb connected)."""
+    times = [s.last_event_wall_ts for s in sources if s.last_event_wall_ts is not None]
+    return max(times) if times else None
+
+
+def stalled_stream_hint(
+    computed_blocks: int, first_computed_wall_s: float, now_wall_s: float, bound_s: float
+) -> str | None:
+    """Why a replica that has published KV events needs a look: requests decided after its last
+    batch, the first ``now_wall_s - first_computed_wall_s`` seconds ago, computed
+    ``computed_blocks`` new prompt blocks (its answers' ``cached_tokens``), which an engine with its
+    prefix cache on stores and publishes, and no batch came since. ``None`` within ``bound_s``
+    (``events_stalled_hint_s``) or when nothing was computed."""
+    waited_s = now_wall_s - first_computed_wall_s
+    if computed_blocks <= 0 or bound_s <= 0 or waited_s < bound_s:
+        return None
+    return (
+        f"no KV event batch for {waited_s:.0f} s while the engine computed {computed_blocks} new "
+        "prompt blocks (its answers' cached_tokens) in requests decided since its last batch: its "
+        "event publisher stopped or the stream is lost (is the engine's publisher still running, "
+        "and the replica's endpoint and topic its own?); routing predicts from receipts meanwhile"
+    )
+
+
 def resyncs_in(events: tuple[KvEvent, ...] | list[KvEvent]) -> list[Resync]:
     """The ``Resync`` events among ``events`` (decoders emit their own, e.g. TRT-LLM ``created``)."""
     return [event for event in events if isinstance(event, Resync)]

@@ -44,6 +44,11 @@ def quantiles(metric: str) -> list[Target]:
     ]
 
 
+def pool_p90(metric: str) -> str:
+    """The 90th percentile of the histogram ``metric`` per pool (the ``pool`` label: its model)."""
+    return f"histogram_quantile(0.9, sum by (le, pool) (rate({metric}_bucket{{{SEL}}}[{R}])))"
+
+
 PREDICTED = rate("kvlb_route_predicted_cached_tokens_total")
 REPORTED = rate("kvlb_route_reported_cached_tokens_total")
 TTFT_P90 = (
@@ -61,6 +66,10 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
          [(rate("kvlb_http_requests_total", "status", API), "{{status}}")], ""),
         ("Time to first token", "s", quantiles("kvlb_http_ttft_seconds"), ""),
         ("End to end latency", "s", quantiles("kvlb_http_e2e_seconds"), ""),
+        ("p90 latency by pool", "s",
+         [(pool_p90("kvlb_http_ttft_seconds"), "{{pool}} first token"),
+          (pool_p90("kvlb_http_e2e_seconds"), "{{pool}} end to end")],
+         "A pool is a configured model: one line each, whatever the replicas."),
         ("In flight", "short", [(f"sum(kvlb_http_inflight_requests{{{SEL}}})", "requests")], ""),
         ("Shed requests/s (admission)", "reqps",
          [(rate("kvlb_admission_shed_total", "reason"), "{{reason}}")], ""),

@@ -114,8 +114,8 @@ def test_every_queried_metric_is_in_the_registry() -> None:
 
 
 def test_every_queried_label_and_rate_fits_the_metric() -> None:
-    """A matcher names a label the metric has (or one Prometheus or ``--workers`` adds), and
-    ``rate``/``increase`` read counters (or histogram parts), never a gauge."""
+    """A matcher or a ``sum by`` names a label the metric has (or one Prometheus or ``--workers``
+    adds), and ``rate``/``increase`` read counters (or histogram parts), never a gauge."""
     metrics = Metrics.create()
     families: dict[str, tuple[str, set[str]]] = {}
     for item in fields(metrics):
@@ -131,6 +131,11 @@ def test_every_queried_label_and_rate_fits_the_metric() -> None:
             if name in families:
                 used = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", matchers))
                 assert used <= families[name][1] | added, (name, used, query)
+        for grouped in re.finditer(r"\bby \(([^()]*)\) \((?:rate|increase)\(([a-z_:][\w:]*)", query):
+            by, name = grouped.groups()
+            if name in families:  # a sum by a label the metric lacks folds every series into one
+                wanted = {label.strip() for label in by.split(",") if label.strip()}
+                assert wanted <= families[name][1] | added, (name, wanted, query)
         for read in re.finditer(r"\b(rate|increase)\(([a-z_:][\w:]*)", query):
             name = read.group(2)
             kind = families[name][0] if name in families else "counter"  # the process collector's

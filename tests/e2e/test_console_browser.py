@@ -504,7 +504,9 @@ async def test_console_in_a_real_browser(tmp_path: Path, monkeypatch: pytest.Mon
     assert "Decision" in seen["explanation"] and "request " in seen["explanation"]
     assert seen["drain_title"].startswith("drained by sre-on-call (token:")
     assert seen["drain_title"].endswith("UTC: node maintenance") and TOKEN not in seen["drain_title"]
-    assert seen["left_out"].startswith("Not candidates") and seen["left_out"].endswith(f": {replica_ids[0]}.")
+    # with why, from the record (since h-srefollow): not guessed from the pool's present replicas
+    left_out = f"Not candidates when it was decided: {replica_ids[0]} (draining)."
+    assert seen["left_out"] == left_out, seen["left_out"]
     assert "[0, 1000]" in seen["decode_range"]
     assert "hit rate" in seen["whatif_hit"] and "%" in seen["whatif_hit"]
     assert "decisions that change" in seen["whatif"]

@@ -90,6 +90,7 @@ async def test_route_names_the_holder_of_a_hot_prefix_and_reserves_only_when_ask
             assert sorted(terms) == ["r0", "r1"]
             assert terms[holder].overlap_blocks == 8 and terms[holder].cost < terms[_other(holder)].cost
         assert (await g.http.replica_view(holder))["inflight"] == 0  # nothing was committed
+        assert dict(routed.left_out) == {}  # every replica was a candidate
 
         reserve = pb.RouteRequest(request=token_request(PREFIX, request_id="sidecar-1"), reserve=True)
         routed = await g.balancer.Route(reserve)
@@ -234,3 +235,11 @@ async def test_dry_runs_leave_round_robins_rotation_where_it_is(tokenizer: Token
         assert reserved.replica_id == went[1]
         assert (await g.http.admin("POST", "/admin/explain", body))["decision"]["replica"] == went[2]
         await g.balancer.Release(pb.ReleaseRequest(request_id=reserved.request_id))
+
+
+async def test_route_says_why_a_replica_was_not_a_candidate(tokenizer: Tokenizer) -> None:
+    """``RouteResponse.left_out`` (since 2026-12-01, h-srefollow), as the recorded decision's."""
+    async with grpc_running(tokenizer) as g:
+        await g.http.admin("POST", "/admin/replicas/r1/drain", {"reason": "maintenance"})
+        routed = await g.balancer.Route(pb.RouteRequest(request=token_request(PREFIX)))
+        assert routed.replica_id == "r0" and dict(routed.left_out) == {"r1": "draining"}

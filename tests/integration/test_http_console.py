@@ -64,6 +64,7 @@ async def test_decisions_whatif_and_audit(tokenizer: Tokenizer) -> None:
         assert status == 200 and one["decision"]["replica"] == chosen[-1]
         assert {t["replica"] for t in one["decision"]["terms"]} == {"r0", "r1"}
         assert one["inputs"]["candidates"] == ["r0", "r1"]
+        assert one["left_out"] == {}  # every replica was a candidate
         # the spans of its load, kept at its first token and its release (the what-if moves it for them)
         assert 0.0 <= one["prefill_s"] <= one["held_s"] < 60.0, one
 
@@ -315,3 +316,22 @@ async def test_a_long_tenant_header_value_finds_its_decisions(tokenizer: Tokeniz
             assert [d["tenant"] for d in found["decisions"]] == [long_tenant[:128]] * 2
         status, short = await _call(h, "GET", "/admin/decisions?tenant=short")
         assert status == 200 and len(short["decisions"]) == 1
+
+
+async def test_a_recorded_decision_says_why_a_replica_was_not_a_candidate(tokenizer: Tokenizer) -> None:
+    """The SRE walk of 2026-12-01: a decision named the replicas left out, not why (only
+    ``/admin/explain`` said why, for the present). The record keeps why: after the drain is undone
+    the decision still says ``draining``, while a dry run now leaves nobody out."""
+    async with running(tokenizer, 3, auth__admin_token=TOKEN) as h:
+        status, _ = await _call(h, "POST", "/admin/replicas/r2/drain", {"reason": "maintenance"})
+        assert status == 200
+        await _send(h, list(range(2000, 2064)))
+        status, listed = await _call(h, "GET", "/admin/decisions?limit=1")
+        assert status == 200
+        status, _ = await _call(h, "POST", "/admin/replicas/r2/undrain")
+        assert status == 200
+        status, one = await _call(h, "GET", f"/admin/decisions/{listed['decisions'][0]['id']}")
+        assert status == 200 and one["left_out"] == {"r2": "draining"}, one
+        assert one["inputs"]["candidates"] == ["r0", "r1"]
+        status, now = await _call(h, "POST", "/admin/explain", {"model": MODEL, "prompt": "hello"})
+        assert status == 200 and now["left_out"] == {}

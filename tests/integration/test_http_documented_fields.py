@@ -33,10 +33,14 @@ KEPT_DRAIN_ONLY = {
 NOT_FIELDS: dict[tuple[str, str], set[str]] = {
     ("PUT", "/admin/policy"): {"admin", "reason"},  # the actor's default; a body field
     ("POST", "/admin/explain"): {"draining", "full"},  # left_out's values (others: no such replica here)
-    ("GET", "/admin/replicas"): {"null", "ok", "error", "silent"} | WORKERS_ONLY | KEPT_DRAIN_ONLY,  # + cells
+    ("GET", "/admin/replicas"): {"null", "ok", "error", "silent", "stalled"}  # + the table cells
+    | {"cached_tokens", "events_stalled_hint_s"}  # a usage field, a setting
+    | WORKERS_ONLY
+    | KEPT_DRAIN_ONLY,
     ("POST", "/admin/replicas/{id}/drain"): {"null", "health_drain_keep_s"},  # + a setting
     ("POST", "/admin/whatif"): {"last"} | WORKERS_ONLY,  # a body field
     ("GET", "/admin/decisions"): {"i", "since_id"} | WORKERS_ONLY,  # query words
+    ("GET", "/admin/decisions/{id}"): {"draining", "full"},  # left_out's values
     ("GET", "/admin/audit"): WORKERS_ONLY,
     ("GET", "/admin/series"): {"minutes", "ttft_histograms", "null"} | WORKERS_ONLY,  # query words
 }

@@ -47,6 +47,7 @@ async def test_the_slo_rule_reads_the_configured_slo(
         assert metric_value(text, "kvlb_slo_ttft_seconds", le=label) == ttft_s
         assert metric_value(text, "kvlb_slo_ttft_target_ratio") == 0.95
         assert metric_value(text, "kvlb_http_ttft_seconds_count", pool=MODEL) == 72
+        assert metric_value(text, "kvlb_http_e2e_seconds_count", pool=MODEL) == 72
         bucket = metric_value(text, "kvlb_http_ttft_seconds_bucket", pool=MODEL, le=label)
         assert bucket == (0 if missed else 72), text
         share = Evaluator(store).instant(slo_rule(), 60.0 * 11)

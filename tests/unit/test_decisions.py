@@ -12,14 +12,16 @@ from enum import IntEnum
 
 import pytest
 
+from balancer.errors import Overloaded
 from balancer.events import Stored
 from balancer.health.book import HealthBook
 from balancer.index.hashing import pack_tokens
 from balancer.load.tracker import EngineStats
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import POLICY_NAMES, make_policy
+from balancer.routing.left_out import LEFT_OUT_REASONS, left_out_names
 from balancer.routing.router import PoolRequest, PoolRouter, RouteLimits
-from balancer.service.decisions import DecisionLog, DecisionRecord
+from balancer.service.decisions import LEFT_OUT_BYTES, DecisionLog, DecisionRecord
 from balancer.service.whatif import replay
 from balancer.types import EngineHash, ReplicaId
 
@@ -342,3 +344,52 @@ def test_a_ring_recorded_under_the_previous_default_replays_under_both_defaults(
     fresh = "300 of 300 decisions were recorded with the ramp's memory off"
     assert any(note.startswith(fresh) for note in now.notes)
     assert not any("another ramp_memory_s" in note for note in now.notes)
+
+
+def test_a_record_keeps_why_each_replica_was_not_a_candidate() -> None:
+    """The router's plan names the replicas it left out with a code per reason (drained, probes
+    failing, breaker open, full, already tried), and the record keeps them packed, read back equal."""
+    health = HealthBook()
+    for replica in REPLICAS:
+        health.add(replica, probe_ok=True)
+    limits = RouteLimits(max_inflight_per_replica=1, speculative_ttl_s=2.0)
+    pool = PoolRouter("m", health=health, route_limits=limits, rng=random.Random(0))
+    extra = ReplicaId("r4")
+    health.add(extra, probe_ok=True)
+    for replica in [*REPLICAS, extra]:
+        pool.add_replica(replica, 16, "plain")
+    health.set_draining(REPLICAS[0], True)
+    health.on_probe(REPLICAS[1], False, 1.0, "refused")
+    for _ in range(health.config.failure_threshold):
+        health.on_failure(REPLICAS[2], 1.0, "500")
+    log = DecisionLog(100, 1 << 30)
+    instance, weights = make_policy("cost"), PolicyWeights()
+    first = pool.route(PoolRequest(list(range(64)), instance, weights, "q0"), 1.0)
+    assert first.plan.left_out == (
+        (REPLICAS[0], LEFT_OUT_REASONS.index("draining")),
+        (REPLICAS[1], LEFT_OUT_REASONS.index("failing health probes")),
+        (REPLICAS[2], LEFT_OUT_REASONS.index("breaker open")),
+    )
+    busy = first.replica  # its one slot taken: full for the next request
+    other = REPLICAS[3] if busy == extra else extra
+    request = PoolRequest(list(range(64)), instance, weights, "q1", exclude=frozenset({other}))
+    with pytest.raises(Overloaded):
+        pool.route(request, 1.0)
+    plan = pool.select(PoolRequest(list(range(64)), instance, weights, "q2"), 1.0)
+    assert plan.decision.replica == other
+    assert dict(plan.left_out)[busy] == LEFT_OUT_REASONS.index("full")
+    first.release(1.0)
+    plan = pool.select(PoolRequest(list(range(64)), instance, weights, "q3", exclude=frozenset({busy})), 1.0)
+    assert dict(plan.left_out)[busy] == LEFT_OUT_REASONS.index("already tried")
+    assert plan.inputs is not None
+    record = log.record("m", plan.inputs, plan.decision, weights, 64, 0, None, 1.0, left_out=plan.left_out)
+    assert isinstance(log.ring("m").entries[-1].packed, bytes)
+    assert log.find(record.id) == record
+    assert left_out_names(record.left_out) == {
+        "r0": "draining",
+        "r1": "failing health probes",
+        "r2": "breaker open",
+        busy: "already tried",
+    }
+    bare = log.record("m", plan.inputs, plan.decision, weights, 64, 0, None, 1.0)
+    assert record.nbytes == bare.nbytes + 4 * LEFT_OUT_BYTES

@@ -10,7 +10,7 @@ from balancer.events import Stored
 from balancer.index.hashing import pack_tokens
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
-from balancer.routing.receipts import ReceiptBook, read_receipt
+from balancer.routing.receipts import ComputedMarks, ReceiptBook, read_receipt
 from balancer.routing.router import (
     PoolRequest,
     PoolRouter,
@@ -19,6 +19,7 @@ from balancer.routing.router import (
     computed_blocks,
     reusable_blocks,
 )
+from balancer.sources.base import stalled_stream_hint
 from balancer.types import BlockKey, Decision, EngineHash, ReplicaId
 
 A, B = ReplicaId("a"), ReplicaId("b")
@@ -305,3 +306,33 @@ def test_computed_blocks_count_what_the_engine_stored_anew_never_the_last_tokens
     assert computed_blocks(plan(70, 4), 1) == 3
     assert computed_blocks(plan(70, 4), 4) == 0  # more reported than reusable: none
     assert computed_blocks(plan(10, 0), 0) == 0
+
+
+def test_computed_marks_find_the_first_decision_after_a_batch_within_one_spacing() -> None:
+    """Marks of requests that computed new blocks: a new one once the newest is a spacing old, the
+    newest 16 kept (so they span 15 spacings); ``since`` counts the marks after a batch."""
+    marks = ComputedMarks()
+    r = ReplicaId("r0")
+    assert marks.since(r, 0.0) is None
+    marks.add(r, 10.0, 0, 1.0)  # nothing computed: no mark
+    assert marks.since(r, 0.0) is None
+    for k in range(100):  # a request every 0.25 s from t=10 to 34.75, 3 blocks each: a mark a second
+        marks.add(r, 10.0 + 0.25 * k, 3, 1.0)
+    since = marks.since(r, 0.0)
+    assert since is not None and since.first_wall_s == 19.0  # 25 marks made, the newest 16 kept
+    after = marks.since(r, 31.5)
+    assert after is not None and (after.first_wall_s, after.blocks) == (32.0, 3 * 4 * 3)
+    assert marks.since(r, 34.9) is None  # a batch after every mark: nothing computed since
+    marks.add(r, 12.0, 5, 1.0)  # a request decided long ago, answered late: merged into the newest
+    after = marks.since(r, 31.5)
+    assert after is not None and after.blocks == 3 * 4 * 3 + 5
+    marks.forget(r)
+    assert marks.since(r, 0.0) is None
+
+
+def test_stalled_stream_hint_waits_for_its_bound() -> None:
+    assert stalled_stream_hint(10, 100.0, 129.0, 30.0) is None
+    assert stalled_stream_hint(0, 100.0, 200.0, 30.0) is None
+    assert stalled_stream_hint(10, 100.0, 200.0, 0.0) is None  # off
+    hint = stalled_stream_hint(10, 100.0, 130.0, 30.0)
+    assert hint is not None and hint.startswith("no KV event batch for 30 s while the engine computed 10 ")

@@ -76,6 +76,7 @@ from balancer.api.parse_cost import PARSE_HOLD_MIN_BYTES, chat_convert_bytes
 from balancer.api.parsing import ParsedRequest
 from balancer.errors import ConfigError, UpstreamError, bind_error
 from balancer.index.hashing import TOKEN_ID_BYTES
+from balancer.routing.left_out import left_out_names
 from balancer.routing.router import Lease, RoutePlan
 from balancer.service.dispatch import (
     Forward,
@@ -515,6 +516,7 @@ class BalancerService:
             predicted_cached_tokens=plan.cached_tokens,
             decision=decision_message(decision),
             reserved=request.reserve,
+            left_out=left_out_names(plan.left_out),
         )
 
     async def release(self, request: pb.ReleaseRequest, call: Call) -> pb.ReleaseResponse:

@@ -762,12 +762,18 @@
       target.append(el("div", { class: "scroll" }, el("table", { id: "explanation-terms" }, el("thead", {}, head), el("tbody", {}, ...rows))));
       target.append(el("p", { class: "muted", text: "cost = prefill + duplication + interference + admission + held roots charge + decode + queue, in blocks; the lowest cost wins (docs/policies.md)." }));
     }
-    // the pool's replicas the policy did not score: drained, down or full when it decided (or added since)
-    const candidates = d.inputs && Array.isArray(d.inputs.candidates) ? new Set(d.inputs.candidates) : null;
-    if (candidates) {
-      const leftOut = Object.entries(state.replicaPools)
-        .filter(([replica, pool]) => pool === d.pool && !candidates.has(replica))
-        .map(([replica]) => replica);
+    // the pool's replicas the policy did not score, and why (the record keeps why since 2026-12-01;
+    // an older balancer's record names them by the pool's present replicas, without a reason)
+    if (d.left_out && typeof d.left_out === "object" && Object.keys(d.left_out).length) {
+      const why = Object.entries(d.left_out).map(([replica, reason]) => replica + " (" + reason + ")");
+      target.append(el("p", { id: "explanation-left-out", text: "Not candidates when it was decided: " + why.join(", ") + "." }));
+    } else if (!d.left_out) {
+      const candidates = d.inputs && Array.isArray(d.inputs.candidates) ? new Set(d.inputs.candidates) : null;
+      const leftOut = candidates
+        ? Object.entries(state.replicaPools)
+            .filter(([replica, pool]) => pool === d.pool && !candidates.has(replica))
+            .map(([replica]) => replica)
+        : [];
       if (leftOut.length) {
         target.append(
           el("p", { id: "explanation-left-out", text: "Not candidates (drained, down or full when it was decided, or added since): " + leftOut.join(", ") + "." })
