@@ -121,12 +121,13 @@ def test_every_operation_conforms(
 
 
 def negative_series_case_without_authorization() -> schemathesis.Case:
-    """A negative ``GET /admin/series`` case whose ``minutes`` is an object and whose ``Authorization``
-    header is removed: the first one a derandomized draw finds (about a dozen draws)."""
+    """A negative ``GET /admin/series`` case whose ``Authorization`` header is removed: the first one a
+    derandomized draw finds (about one draw in three; the caller sets its ``minutes``). Until
+    2026-12-01 it also asked for ``minutes`` drawn as an object, which the draws of that day's
+    document reached only after 3,513 of them (none in the 2,000 allowed)."""
 
     def wanted(case: schemathesis.Case) -> bool:
-        minutes = (case.query or {}).get("minutes")
-        return isinstance(minutes, dict) and "Authorization" not in (case.headers or {})
+        return "Authorization" not in (case.headers or {})
 
     strategy = schema["/admin/series"]["GET"].as_strategy(generation_mode=GenerationMode.NEGATIVE)
     found: schemathesis.Case = find(
