@@ -37,7 +37,7 @@ FAST = WorkersConfig(
     kill_after_s=2.0,
 )
 """Short delays, and a crash loop from the second failed start in a row (each takes a worker's
-imports; the window is too short for two exits: tests/e2e/test_worker_restarts.py covers it)."""
+imports; the window is too short for two exits: tests/e2e/test_serve_worker_restarts.py covers it)."""
 
 
 def holding_config(tmp: Path, engine: HoldingEngine, **pool: Any) -> Path:

@@ -328,7 +328,7 @@ def test_n_and_include_usage_give_usage_and_receipts(walk: Walk, report: dict[st
     second = _chat(walk, request, n=2, temperature=0.8)
     streamed = _stream(walk, request, n=2, temperature=0.8, stream_options={"include_usage": True})
     plain_stream = _stream(walk, request, n=2, temperature=0.8)
-    after = _wait_view(walk.kvlb, lambda v: v["vllm-key"]["prediction"]["receipts"] >= receipts + 3)
+    after = _wait_view(walk.kvlb, lambda v: v["vllm-key"]["prediction"]["receipts"] >= receipts + 4)
     usage = second["answer"]["usage"]
     report["n_and_usage"] = {
         "n2_choices": len(second["answer"]["choices"]),
@@ -347,11 +347,13 @@ def test_n_and_include_usage_give_usage_and_receipts(walk: Walk, report: dict[st
     cached = streamed["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and abs(cached - streamed["predicted"]) <= BLOCK
     assert plain_stream["choice_indexes"] == [0, 1]
+    assert plain_stream["usage"] is None  # kvlb asked the engine for it and took it out (h-usage)
     # The first n=2 answer's 224 cached tokens are the second sequence's hit on the blocks the first
     # one had just computed: not an index miss (until h-realvllm, a receipt error of 7 blocks).
     assert first["predicted"] == 0 and first["cached"] > 0
-    assert report["n_and_usage"]["exact_receipts_added"] == 3  # the stream without usage has none
-    assert report["n_and_usage"]["receipts_added"] == 3
+    # every stream gives a receipt since h-usage, the one whose client did not ask for usage too
+    assert report["n_and_usage"]["exact_receipts_added"] == 4
+    assert report["n_and_usage"]["receipts_added"] == 4
 
 
 def _receipts(view: dict[str, Any]) -> tuple[int, int]:
