@@ -67,16 +67,30 @@ async def fresh_status(url: str) -> int:
 
 
 async def seconds_until_every_request_succeeds(url: str) -> float:
-    """Seconds until the first success, then ``CONFIRM_REQUESTS`` more on fresh connections all
-    succeed (both workers' keys rotated)."""
+    """Seconds until the first of ``CONFIRM_REQUESTS`` successes in a row on fresh connections
+    (both workers' keys rotated, the replica back in both), all within ``RECOVERY_BOUND_S``. The
+    workers recover apart: one that read the new key while the old engine ran left it as refusing
+    its key until a probe after the restart, so its requests are 503 for a moment after the
+    other's first success (seen in .ci/run on 2026-12-01: ``[200, 200, 503, 200, 503, 200, ...]``)."""
     start = time.monotonic()
-    async with asyncio.timeout(RECOVERY_BOUND_S):
-        while await fresh_status(url) != 200:  # noqa: ASYNC110 - polls other processes
-            await asyncio.sleep(0.05)
-    took = time.monotonic() - start
-    statuses = [await fresh_status(url) for _ in range(CONFIRM_REQUESTS)]
-    assert statuses == [200] * CONFIRM_REQUESTS, statuses
-    return took
+    streak_start = start
+    streak = 0
+    statuses: list[int] = []
+    try:
+        async with asyncio.timeout(RECOVERY_BOUND_S):
+            while streak < CONFIRM_REQUESTS:
+                status = await fresh_status(url)
+                statuses = [*statuses[-31:], status]
+                if status != 200:
+                    streak = 0
+                    await asyncio.sleep(0.05)
+                    continue
+                if streak == 0:
+                    streak_start = time.monotonic()
+                streak += 1
+    except TimeoutError:
+        raise AssertionError(f"no {CONFIRM_REQUESTS} successes in a row: {statuses}") from None
+    return streak_start - start
 
 
 async def test_a_rotated_key_reaches_every_worker_without_a_restart(tmp_path: Path) -> None:
