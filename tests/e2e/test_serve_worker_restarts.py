@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import tokenizers
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
@@ -117,6 +118,7 @@ def logged_delays(serve: Child) -> list[tuple[float, int]]:
     return [(float(m[1]), int(m[2])) for m in line.finditer(text)]
 
 
+@pytest.mark.faults_long  # make faults: 14 s of worker starts, past make test's budget
 async def test_a_worker_that_serves_then_keeps_dying_backs_off_is_a_crash_loop_and_recovers(
     tmp_path: Path,
 ) -> None:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 
 def run(*args: str) -> dict[str, Any]:
     completed = subprocess.run(
@@ -37,6 +39,7 @@ def test_tenant_rate_smoke_measures_a_refusal() -> None:
     assert run_["cpu_us_per_refusal"] is not None and run_["cpu_us_per_refusal"] > 0, run_
 
 
+@pytest.mark.faults_long  # make faults: 18 s of three scenarios; the flood's smoke stays in make test
 def test_tenant_rate_smoke_runs_the_walk_scenarios() -> None:
     """Three of the walk's other scenarios, those with code of their own (text prompts tokenized in
     threads, bursts cut by the client, streams on raw sockets), one run each at a smoke size (a
