@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install proto redis browser lint typecheck test test-fast faults test-real demo bench clean docs-config
+.PHONY: install proto redis browser tini lint typecheck test test-fast faults test-real demo bench clean docs-config
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -46,6 +46,14 @@ browser:
 	{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends chromium chromium-driver; } || \
 	echo "make: chromium and chromium-driver could not be installed: the browser test will be skipped"
 
+# The image runs kvlb under Debian's tini (the Dockerfile's ENTRYPOINT); the PID 1 tests
+# (tests/e2e/test_serve_pid1.py) run it so too, in a PID namespace of their own. When it cannot be
+# installed, they are skipped and pytest's summary says why.
+tini:
+	@command -v tini >/dev/null 2>&1 || \
+	{ $(SUDO) apt-get update -q && $(SUDO) apt-get install -y -q --no-install-recommends tini; } || \
+	echo "make: tini could not be installed: the PID 1 tests will be skipped"
+
 # docs/configuration.md is generated from the settings' dataclasses and their ranges
 # (balancer/config/settings.py, balancer/config/bounds.py): run this after changing a setting.
 docs-config: $(STAMP)
@@ -64,7 +72,7 @@ typecheck: $(STAMP) proto
 # this 2-core machine (2026-11-30); pytest rewrote every test module's asserts at each run as well.
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
-test: $(STAMP) proto redis browser lint typecheck
+test: $(STAMP) proto redis browser tini lint typecheck
 	$(PYTEST) -q -p no:cacheprovider
 
 test-fast: $(STAMP) proto
