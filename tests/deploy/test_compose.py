@@ -32,9 +32,16 @@ def docker_entrypoint() -> list[str]:
     return entrypoint
 
 
+IMAGE_INIT = ["tini", "--"]
+"""The image's PID 1, before every kvlb command (the Dockerfile's ``ENTRYPOINT``)."""
+
+
 def argv(service: dict[str, Any]) -> list[str]:
-    """The service's process command line (entrypoint, else the image's, then the command)."""
-    return list(service.get("entrypoint") or docker_entrypoint()) + list(service.get("command") or [])
+    """The service's kvlb command line (entrypoint, else the image's, then the command) after the
+    image's init, which every service of the image keeps."""
+    command = list(service.get("entrypoint") or docker_entrypoint()) + list(service.get("command") or [])
+    assert command[: len(IMAGE_INIT)] == IMAGE_INIT, command
+    return command[len(IMAGE_INIT) :]
 
 
 def test_compose_file_validates() -> None:

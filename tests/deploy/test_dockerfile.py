@@ -43,10 +43,35 @@ def test_runtime_stage_is_slim_non_root_and_serves() -> None:
     users = [step.args for step in runtime if step.name == "USER"]
     assert users and users[-1].split(":")[0] not in ("0", "root")
     entrypoint = [step.args for step in runtime if step.name == "ENTRYPOINT"]
-    assert json.loads(entrypoint[-1]) == ["kvlb", "serve"]
+    assert json.loads(entrypoint[-1]) == ["tini", "--", "kvlb", "serve"]  # tini is PID 1, not kvlb
     assert any(step.name == "COPY" and step.args.startswith("--from=build /opt/kvlb") for step in runtime)
     build = [step for step in steps if step.stage == 0]
     assert any(step.name == "RUN" and step.args.startswith("kvlb-install /opt/kvlb") for step in build)
+
+
+def runtime_packages() -> dict[str, str]:
+    """What the runtime stage's ``apt-get install`` installs: package -> pinned version ("" unpinned)."""
+    steps = instructions(DOCKERFILE.read_text())
+    final = max(step.stage for step in steps)
+    packages: dict[str, str] = {}
+    for step in steps:
+        if step.stage != final or step.name != "RUN":
+            continue
+        for command in step.args.split("&&"):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                for word in words[2:]:
+                    if not word.startswith("-"):
+                        name, _, version = word.partition("=")
+                        packages[name] = version
+    return packages
+
+
+def test_runtime_packages_are_pinned_and_tini_is_among_them() -> None:
+    """tini (the ENTRYPOINT's PID 1) comes from Debian, pinned as libjemalloc2 is: bookworm's versions."""
+    packages = runtime_packages()
+    assert packages == {"libjemalloc2": "5.3.0-1", "tini": "0.19.0-1+b3"}
+    assert all(packages.values()), packages
 
 
 def build_copies() -> list[tuple[str, str]]:

@@ -153,7 +153,8 @@ def test_rbac_grants_only_what_discovery_needs() -> None:
 def test_balancer_command_and_config_load_as_kvlb_would(tmp_path: Path) -> None:
     resources = rendered("dev")
     kvlb = container(find(resources, "Deployment", "kvlb"), "kvlb")
-    args = build_parser().parse_args(["serve", *kvlb["args"]])  # the image's entrypoint is `kvlb serve`
+    assert "command" not in kvlb  # it would replace the image's entrypoint: `tini -- kvlb serve`
+    args = build_parser().parse_args(["serve", *kvlb["args"]])
     assert args.config == "/etc/kvlb/config.yaml"
     path = tmp_path / "config.yaml"
     path.write_text(config_data(resources, "kvlb-config", "config.yaml"))
