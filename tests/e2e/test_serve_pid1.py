@@ -59,8 +59,8 @@ ORPHAN_SLEEP_S = 0.3
 @functools.cache
 def namespace_form() -> tuple[tuple[str, ...] | None, str]:
     """The first of :data:`NAMESPACE_FORMS` allowed here, else ``None`` and why not."""
-    if shutil.which("unshare") is None:
-        return None, "unshare (util-linux) is not installed"
+    if shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return None, "unshare and nsenter (util-linux) are not installed"
     refusals = []
     for form in NAMESPACE_FORMS:
         try:
