@@ -224,6 +224,17 @@ SUBMESSAGES = {"load": "load", "prediction": "prediction", "scrape": "scrape"}
 AGE_TOLERANCE_S = 2.0
 """How far a time-dependent field (``*_age_s``, ``stalled_s``) may move between the HTTP and the gRPC
 call of one comparison (seconds)."""
+QUEUE = ("pending_prefill_reqs", "running_reqs", "waiting_reqs")
+"""kvlb's sequences not at their first token, the engine's running and waiting requests (scraped)."""
+
+
+def queued(load: dict[str, Any]) -> bool:
+    """The 6 held requests are kvlb's load and the engine's, some of them in its queue (the engine
+    admits what its 256-token KV pool takes)."""
+    pending, running, waiting = (load[k] for k in QUEUE)
+    return pending == 6 and waiting is not None and waiting > 0 and running + waiting == 6
+
+
 AGES = frozenset({"events_stalled_s", "events_last_resync_age_s", "stats_age_s", "last_ok_age_s"})
 """Times that grow between the HTTP and the gRPC call of one comparison."""
 COUNTERS = frozenset({"consecutive_failures", "scrapes", "errors"})
@@ -274,9 +285,13 @@ async def until(
     session: aiohttp.ClientSession, url: str, ready: Callable[[dict[str, dict[str, Any]]], bool]
 ) -> None:
     """Polls ``GET /admin/replicas`` until ``ready`` of its views (by id), within :data:`WAIT_S`."""
-    async with asyncio.timeout(WAIT_S):
-        while not ready(await views(session, url)):  # noqa: ASYNC110 - polls the balancer's answer
-            await asyncio.sleep(0.05)
+    seen: dict[str, dict[str, Any]] = {}
+    try:
+        async with asyncio.timeout(WAIT_S):
+            while not ready(seen := await views(session, url)):  # noqa: ASYNC110 - polls the balancer
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        raise AssertionError(f"not within {WAIT_S} s; the last views: {seen}") from None
 
 
 async def complete(session: aiohttp.ClientSession, url: str, tag: int, count: int) -> list[str]:
@@ -350,3 +365,22 @@ async def test_grpc_types_the_key_refusal_the_stalled_publisher_and_the_load(tmp
             r.id: r for r in (await admin.ListReplicas(pb.ListReplicasRequest(), metadata=ADMIN)).replicas
         }
         assert (listed["s1"].load.pending_prefill_reqs, listed["s1"].inflight) == (0, 0)
+
+        # the engine's queue: s1 so slow that no step ends, 6 requests more than its KV pool takes
+        async with session.post(engines[1].url + "/admin/faults", json={"slowdown": 1e6}) as response:
+            assert response.status == 200, await response.text()
+        held = [asyncio.create_task(complete(session, balancer.url, 90 + i, 1)) for i in range(6)]
+        try:
+            await until(session, balancer.url, lambda v: queued(v["s1"]["load"]))
+            http_views = await views(session, balancer.url)
+            listed = {
+                r.id: r for r in (await admin.ListReplicas(pb.ListReplicasRequest(), metadata=ADMIN)).replicas
+            }
+            for replica_id, replica in listed.items():
+                assert_typed_as_http(replica, http_views[replica_id])
+            load = listed["s1"].load
+            assert queued({k: getattr(load, k) for k in QUEUE}), load
+        finally:
+            for task in held:
+                task.cancel()
+            await asyncio.gather(*held, return_exceptions=True)
