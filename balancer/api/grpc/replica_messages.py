@@ -67,13 +67,22 @@ def load_message(load: Mapping[str, Any]) -> pb.ReplicaLoad:
         pending_prefill_blocks=load["pending_prefill_blocks"],
         active_decode_seqs=load["active_decode_seqs"],
         active_decode_blocks=load["active_decode_blocks"],
-        waiting_reqs=load.get("waiting_reqs"),
-        running_reqs=load.get("running_reqs"),
+        waiting_reqs=_reported(load.get("waiting_reqs")),
+        running_reqs=_reported(load.get("running_reqs")),
         kv_usage=load.get("kv_usage"),
         stats_age_s=load.get("stats_age_s"),
         capacity_blocks=load.get("capacity_blocks"),
         peer_reqs=load.get("peer_reqs") or 0,
     )
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _reported(count: int | None) -> int | None:
+    """An engine's count as it reported it (a scraped gauge is not checked: it may be negative or
+    huge), within ``int64`` so that an odd report never fails the call."""
+    return None if count is None else min(INT64_MAX, max(INT64_MIN, int(count)))
 
 
 def prediction_message(prediction: Mapping[str, Any]) -> pb.Prediction:
