@@ -1,6 +1,8 @@
 """The gRPC admin answers carry the facts of their HTTP twins (``GET /admin/replicas``, ``GET
 /admin/policy``, ``POST /admin/explain``), over a real balancer with its gRPC server and two emulated
-vLLM engines: r0 serves another model name than its pool, r1 needs an API key and is drained."""
+vLLM engines: r0 serves another model name than its pool, r1 needs an API key and is drained. A
+second rig types the rest (h-grpcfields): k0's vLLM refuses kvlb's key, s1's SGLang stops publishing
+while it computes, holds a reserved request of ``n = 3``, then a queue."""
 
 from __future__ import annotations
 
