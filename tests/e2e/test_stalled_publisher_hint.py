@@ -3,8 +3,9 @@ walk's ``stall``, h-opsfollow): ``kvlb emulate`` with two SGLang engines and a r
 Once sim-1's batches are lost for good (``drop_events`` 1, not kept for replay) it goes on
 computing new prompt blocks (its answers' ``cached_tokens``) with no batch: after
 ``events_stalled_hint_s`` its ``/admin/replicas`` view has an ``events.hint`` and ``stalled_s``, and
-``kvlb admin replicas --table`` says ``stalled`` (before 2026-12-01, h-srefollow: ``ok``, no hint).
-sim-0, which publishes what it computes, has neither.
+``kvlb admin replicas --table`` says ``stalled`` (before 2026-12-01, h-srefollow: ``ok``, no hint),
+as does gRPC ``ListReplicas``' ``events_stalled_s`` whichever worker answers (h-grpcfields). sim-0,
+which publishes what it computes, has neither.
 """
 
 from __future__ import annotations
@@ -16,12 +17,16 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
+from procs_free import free_port
 from serve_harness import MODEL, Child, start_serve, stop, wait_ready, write_config
 
 sys.path.append(str(Path(__file__).resolve().parent))
 from test_alert_walk_replicas import emulate, fault
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
 from balancer.tokenizer.default import deepseek_tokenizer_file
 
 pytestmark = pytest.mark.skipif(
@@ -64,7 +69,11 @@ async def table(url: str) -> str:
 
 async def test_a_publisher_that_stopped_after_publishing_gets_a_hint(tmp_path: Path) -> None:
     sims, sims_list = await emulate(tmp_path, "sglang", 2)
-    config = write_config(tmp_path, sims_list, health_interval_s=0.2, events_stalled_hint_s=BOUND_S)
+    grpc_port = free_port()
+    listen = {"host": "127.0.0.1", "port": 0, "grpc_port": grpc_port}
+    config = write_config(
+        tmp_path, sims_list, listen=listen, health_interval_s=0.2, events_stalled_hint_s=BOUND_S
+    )
     serve: Child | None = None
     try:
         serve = await start_serve(tmp_path, config, "--workers", "2")
@@ -107,6 +116,17 @@ async def test_a_publisher_that_stopped_after_publishing_gets_a_hint(tmp_path: P
             }
             assert rows["sim-1"][-1] == "stalled" and rows["sim-0"][-1] == "ok", text
             assert "sim-1 events: no KV event batch for " in text, text
+            for _ in range(4):  # a new channel each time: its connection reaches either worker
+                async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                    answer = await pb_grpc.AdminStub(channel).ListReplicas(
+                        pb.ListReplicasRequest(), timeout=10
+                    )
+                listed = {replica.id: replica for replica in answer.replicas}
+                assert list(answer.workers) == [0, 1], answer.workers
+                assert listed["sim-1"].events_stalled_s >= BOUND_S, listed["sim-1"]
+                assert listed["sim-1"].events_hint.startswith("no KV event batch for ")
+                assert not listed["sim-0"].HasField("events_stalled_s")
+                assert not listed["sim-0"].HasField("events_hint")
     finally:
         if serve is not None:
             await stop(serve)

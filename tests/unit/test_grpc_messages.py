@@ -14,6 +14,7 @@ from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
 from balancer.api.grpc.messages import decision_message, openai_call, read_chunk, received_ids
+from balancer.api.grpc.replica_messages import replica_message
 from balancer.api.parsing import parse_request
 from balancer.tokenizer.token_ids import TokenIdMemo
 from balancer.types import CostTerms, Decision, ReplicaId
@@ -323,3 +324,44 @@ def test_every_cost_term_has_its_field_in_the_grpc_message() -> None:
     for name in names:
         value = getattr(terms, name)
         assert getattr(message, name) == ("" if value is None else value), name
+
+
+def bare_view(**load: Any) -> dict[str, Any]:
+    """A replica's ``GET /admin/replicas`` view as a replica with no health record, events nor
+    scraper shows it (:func:`~balancer.api.admin.replica_views`), with ``load`` laid over an idle one."""
+    idle = {
+        "replica": "r0", "pending_prefill_reqs": 0, "pending_prefill_tokens": 0,
+        "pending_prefill_blocks": 0.0, "active_decode_seqs": 0, "active_decode_blocks": 0,
+        "waiting_reqs": None, "running_reqs": None, "kv_usage": None, "stats_age_s": None,
+        "capacity_blocks": None, "peer_reqs": 0,
+    }  # fmt: skip
+    prediction = {"receipts": 0, "accuracy": None, "within_one_block": None, "mean_error_blocks": None}
+    return {
+        "id": "r0", "model": "m", "url": "http://127.0.0.1:1", "engine": "vllm", "block_size": 16,
+        "dp_size": 1, "api_key": None, "inflight": 0, "health": None, "routable": False,
+        "unroutable": "failing health probes", "load": {**idle, **load}, "index": {"blocks": 0},
+        "prediction": prediction, "events": None, "scrape": None,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reported", "typed"), [(-3, -3), (10**12, 10**12), (10**30, 2**63 - 1), (-(10**30), -(2**63))]
+)
+def test_an_engines_odd_queue_report_is_typed_as_reported_and_never_fails_the_call(
+    reported: int, typed: int
+) -> None:
+    """A scraped gauge is not checked (``vllm:num_requests_waiting -3`` is read as -3): the typed
+    ``waiting_reqs`` and ``running_reqs`` say it (within ``int64``) where a ``uint32`` raised, which
+    would make ``ListReplicas`` fail for every replica."""
+    message = replica_message(bare_view(waiting_reqs=reported, running_reqs=reported))
+    assert (message.load.waiting_reqs, message.load.running_reqs) == (typed, typed)
+
+
+def test_a_replica_with_nothing_known_has_its_optional_fields_unset() -> None:
+    message = replica_message(bare_view())
+    for name in ("key_refused", "events_stalled_s", "probe_ok", "events_last_lag_s", "scrape", "drain"):
+        assert not message.HasField(name), name
+    for name in ("waiting_reqs", "running_reqs", "kv_usage", "stats_age_s", "capacity_blocks"):
+        assert not message.load.HasField(name), name
+    assert not message.prediction.HasField("accuracy") and message.prediction.receipts == 0
+    assert message.unroutable == "failing health probes" and message.consecutive_failures == 0

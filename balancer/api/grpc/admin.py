@@ -30,13 +30,12 @@ from balancer.api.grpc.calls import WEIGHTS_METADATA, Call, method_handler
 from balancer.api.grpc.messages import (
     decision_message,
     dict_of,
-    kept_drain_message,
     openai_call,
     policy_message,
-    replica_message,
     struct_of,
     value_of,
 )
+from balancer.api.grpc.replica_messages import kept_drain_message, replica_message
 from balancer.service.state import ServiceState
 from balancer.types import ReplicaId
 

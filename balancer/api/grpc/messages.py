@@ -14,8 +14,9 @@
   the request's bytes hold them when they are at hand (``Generate``: :func:`received_ids`).
 * :func:`read_chunk`: what a ``GenerateChunk`` carries besides the raw JSON of one event payload
   (the replica's stream is split into payloads by :class:`balancer.upstream.sse.SseEvents`).
-* :func:`decision_message`, :func:`policy_message`, :func:`replica_message`, :func:`struct_of`:
-  kvlb's objects (and the admin API's JSON views of them) as messages.
+* :func:`decision_message`, :func:`policy_message`, :func:`struct_of`: kvlb's objects (and the
+  admin API's JSON views of them) as messages (a replica's view:
+  :mod:`balancer.api.grpc.replica_messages`).
 """
 
 from __future__ import annotations
@@ -333,70 +334,6 @@ def policy_message(view: PolicyView, choices: Mapping[str, Any] | None = None) -
         for name, weight_range in choices["ranges"].items():
             message.ranges[name].CopyFrom(pb.WeightRange(**weight_range))
     return message
-
-
-def replica_message(view: Mapping[str, Any]) -> pb.Replica:
-    """One replica as ``GET /admin/replicas`` shows it (:func:`~balancer.api.admin.replica_views`):
-    the typed fields read from that view, and the whole view as ``details``."""
-    health: Mapping[str, Any] = view.get("health") or {}
-    events: Mapping[str, Any] = view.get("events") or {}
-    message = pb.Replica(
-        id=view["id"],
-        model=view["model"],
-        url=view["url"],
-        engine=view["engine"],
-        block_size=view["block_size"],
-        routable=view["routable"],
-        draining=bool(health.get("draining", False)),
-        inflight=view["inflight"],
-        index_blocks=view["index"]["blocks"],
-        details=struct_of(view),
-        unroutable=view.get("unroutable"),
-        model_mismatch=health.get("model_mismatch"),
-        drain_kept=health.get("drain_kept"),
-        api_key_source=view.get("api_key"),
-        breaker=health.get("breaker") or "",
-        health_last_error=health.get("last_error"),
-        dp_size=view.get("dp_size") or 1,
-        events_hint=events.get("hint"),
-        event_sources=[_source_message(source) for source in events.get("sources") or ()],
-    )
-    if health.get("drain") is not None:
-        message.drain.CopyFrom(struct_of(health["drain"]))
-    return message
-
-
-def kept_drain_message(view: Mapping[str, Any]) -> pb.KeptDrain:
-    """One kept drain as ``GET /admin/replicas``' ``kept_drains`` shows it
-    (:func:`~balancer.api.admin.kept_drain_view`)."""
-    message = pb.KeptDrain(
-        id=view["id"],
-        removed_at_wall_ts=view["removed_at_wall_ts"],
-        removed_at_age_s=view["removed_at_age_s"],
-        expires_at_wall_ts=view["expires_at_wall_ts"],
-        expires_in_s=view["expires_in_s"],
-        source=view["source"],
-        text=view["text"],
-    )
-    if view.get("drain") is not None:
-        message.drain.CopyFrom(struct_of(view["drain"]))
-    return message
-
-
-def _source_message(source: Mapping[str, Any]) -> pb.EventSourceStatus:
-    return pb.EventSourceStatus(
-        kind=source["kind"],
-        endpoint=source["endpoint"],
-        dp_rank=source.get("dp_rank"),
-        connected=source.get("connected"),
-        last_error=source.get("last_error"),
-        last_error_age_s=source.get("last_error_age_s"),
-        last_event_age_s=source.get("last_event_age_s"),
-        messages=source["messages"],
-        gaps=source["gaps"],
-        resyncs=source["resyncs"],
-        decode_errors=source["decode_errors"],
-    )
 
 
 def struct_of(data: Mapping[str, Any]) -> struct_pb2.Struct:

@@ -277,6 +277,7 @@ async def prepare(
         call.request_id,
         arrived,
         call.metadata.get(state.settings.tenant_header.lower()),
+        sequences=parsed.sequences,  # OpenAI's ``n`` (``extra_json``): the load counts every sequence
     )
 
 
