@@ -8,8 +8,9 @@ health probe had taken a stopped vLLM out of routing (h-realvllm). :class:`Repla
 the answer together with two signs that none will come:
 
 * the SUB's monitor reports ``EVENT_DISCONNECTED`` (the publisher's process is gone, or its
-  connection): read here, and kept in :attr:`ReplayWatch.stash` for the source's monitor handling,
-  which then drops the blocks as for any disconnect;
+  connection), looked for every :data:`MONITOR_SLICE_S` while the replay waits: read here, and kept
+  in :attr:`ReplayWatch.stash` for the source's monitor handling, which then drops the blocks as for
+  any disconnect;
 * :meth:`ReplayWatch.engine_gone`: the replica's health probe found nothing listening at the engine
   (its connection refused or dropped: not a timeout, which a hung or slow engine also gives). The
   probe runs on the request loop; the call reaches this watch on the ingest loop through
@@ -18,17 +19,18 @@ the answer together with two signs that none will come:
   *poll* is started (it would only wait out its timeout too); a live message, a new connection or a
   good probe (:meth:`ReplayWatch.engine_back`) ends that.
 
-Either sign raises :class:`EngineGone` in the waiting replay at once; the source logs that the
-engine went away instead of blaming the endpoint. The watch touches no clock; every wait it adds is
-bounded by the replay's own ``asyncio.timeout``.
+Either sign raises :class:`EngineGone` in the waiting replay; the source logs that the engine went
+away instead of blaming the endpoint. The watch reads no clock itself (its slices are the loop's
+timers); every wait it adds is bounded by the replay's own ``asyncio.timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
+from asyncio import FIRST_COMPLETED
 from collections import deque
 from collections.abc import Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import zmq
 import zmq.asyncio
@@ -37,8 +39,13 @@ from zmq.utils.monitor import _MonitorMessage, parse_monitor_message
 T = TypeVar("T")
 
 MAX_STASHED_EVENTS = 64
-"""Most monitor events one replay reads off the SUB's monitor (and stashes) before it stops watching
-the monitor; each connection gives a handful."""
+"""Most monitor events read off the SUB's monitor (and stashed) at one look; a connection gives a
+handful."""
+MONITOR_SLICE_S = 0.05
+"""How often (seconds) a replay waiting for its answer looks whether the SUB's monitor holds an
+event: the longest a publisher's disconnect waits to end the replay."""
+MAX_SLICES = 100_000
+"""Most such looks in one wait (83 minutes of them): the replay's own timeout ends it first."""
 
 
 class EngineGone(Exception):
@@ -82,7 +89,11 @@ class ReplayWatch:
     async def until_gone(self, pending: Awaitable[T]) -> T:
         """``pending``'s result (a DEALER's send or receive future), unless the engine goes away
         first: then :class:`EngineGone`, and ``pending`` is cancelled (ZMQ takes a cancelled
-        receive back off its queue; the caller closes the DEALER of a replay that did not end)."""
+        receive back off its queue; the caller closes the DEALER of a replay that did not end).
+        The probe's signal ends the wait at once; the monitor is looked at every
+        :data:`MONITOR_SLICE_S` (a ZMQ poll of the monitor socket per wait cost a replay poll a sixth
+        more CPU of the ingest loop, ``loadtests/bench/replay_poll.py``; the slices cost nothing
+        measurable)."""
         future = asyncio.ensure_future(pending)
         if future.done():
             return future.result()  # an answer already there (most frames of a long replay)
@@ -93,32 +104,25 @@ class ReplayWatch:
         if gone is None:
             gone = self._gone = asyncio.get_running_loop().create_future()
         try:
-            for _ in range(MAX_STASHED_EVENTS):
-                watched: set[asyncio.Future[Any]] = {future, gone}
-                readable = self._monitor_readable()
-                if readable is not None:
-                    watched.add(readable)
-                try:
-                    await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    if readable is not None:
-                        readable.cancel()
+            for _ in range(MAX_SLICES):
+                await asyncio.wait((future, gone), timeout=MONITOR_SLICE_S, return_when=FIRST_COMPLETED)
                 if future.done():
                     return future.result()
                 if gone.done():
                     raise EngineGone(gone.result())
-                if await self._read_monitor():
+                if self._monitor_readable() and await self._read_monitor():
                     raise EngineGone("its publisher disconnected")
-            return await future  # a monitor this busy is no longer watched (bounded)
+            return await future  # past MAX_SLICES (the caller's timeout ends the wait long before)
         finally:
             if not future.done():
                 future.cancel()
 
-    def _monitor_readable(self) -> asyncio.Future[Any] | None:
+    def _monitor_readable(self) -> bool:
         monitor = self.monitor
         if monitor is None or monitor.closed:
-            return None
-        return asyncio.ensure_future(monitor.poll(timeout=None))
+            return False
+        events = monitor.getsockopt(zmq.EVENTS)
+        return isinstance(events, int) and bool(events & zmq.POLLIN)
 
     async def _read_monitor(self) -> bool:
         """Stash the monitor events queued now; ``True`` when one is the publisher's disconnect."""

@@ -40,9 +40,14 @@ publisher from 0. This source keeps the stream in order:
   (``kvlb_events_disconnects_total``) and logged as a disconnect (rate-limited),
   ``Resync(rank, "disconnect")`` drops the rank's blocks at once, the SUB is reopened (libzmq does not
   reconnect after the protocol error of an oversize message) and the next connection asks the replay
-  socket for everything from seq 0. Whether the publisher restarted is logged once it is known: a
-  batch at the old last seq with another payload, a seq below it, or a new epoch means a new process
-  ("restarted"); the same payload at that seq means the same one ("reconnected"). This is also what
+  socket for everything from seq 0. A replay request waiting on the engine when it goes (a poll, a
+  catch-up, a gap) ends at once, logged as the engine having gone away, not at its timeout blaming
+  the replay endpoint: the SUB's monitor is watched while it waits, and the replica's health probe,
+  finding nothing listening at the engine, tells the source so across the thread boundary
+  (:mod:`balancer.sources.replay_watch`; no poll starts until the engine is back). Whether the
+  publisher restarted is logged once it is known: a batch at the old last seq with another payload,
+  a seq below it, or a new epoch means a new process ("restarted"); the same payload at that seq
+  means the same one ("reconnected"). This is also what
   catches a crash and restart whose new seq happens to land above the old one.
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
