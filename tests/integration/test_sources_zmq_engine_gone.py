@@ -167,3 +167,40 @@ async def test_the_probe_ends_a_replay_poll_waiting_on_a_gone_engine(
         await ingest.aclose()
         await health.stop()
         await publisher.aclose()
+
+
+async def test_a_replica_removed_while_a_replay_poll_waits_leaves_at_once(
+    ctx: zmq.asyncio.Context, thread: IngestThread
+) -> None:
+    """Removal (discovery, a pool reload) cancels the source's task on the ingest loop: a poll
+    waiting on a stalled replay socket does not hold it (unchanged by h-replaycancel: checked)."""
+    publisher = Publisher(ctx)
+    metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    assert thread.zmq is not None
+    source = ZmqEventSource(
+        REPLICA,
+        publisher.endpoint,
+        ctx=thread.zmq,
+        decoder=SglangDecoder(block_size=BLOCK),
+        metrics=metrics,
+        topic=TOPIC,
+        replay_endpoint=publisher.replay_endpoint,
+        settings=STALLED,
+    )
+    ingest = ThreadedIngest(thread, EventIngest(index, metrics=metrics))  # type: ignore[arg-type]
+    await ingest.add_replica(REPLICA, "sglang", [source])
+    try:
+        await ingest.start()
+        await publisher.wait_subscribed()
+        await publisher.pages(3)
+        await eventually(lambda: source.status().last_seq == 2, timeout_s=5.0)
+        publisher.replay_gate = asyncio.Event()  # never set
+        asked = len(publisher.replay_requests)
+        await eventually(lambda: len(publisher.replay_requests) > asked, timeout_s=5.0)  # a poll waits
+        started = time.monotonic()
+        await ingest.remove_replica(REPLICA)
+        assert time.monotonic() - started < CUT_BOUND_S
+        assert REPLICA not in ingest.status()
+    finally:
+        await ingest.aclose()
+        await publisher.aclose()
