@@ -36,7 +36,7 @@ DECODE_ERROR_REASONS: Final = (
 decoders and sources, ``event`` (a malformed event in a good message) and ``internal`` (a decoder bug)."""
 REPLAY_OUTCOMES: Final = ("filled", "empty", "partial", "failed")
 """Every ``outcome`` of ``kvlb_events_replays_total``."""
-REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
+REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed", "abandoned")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
 DRAIN_OUTCOMES: Final = ("events", "empty", "failed", "disabled")
 """Every ``outcome`` of ``kvlb_events_drains_total`` (the TRT-LLM drain)."""
@@ -526,7 +526,8 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
         events_replay_polls_total=counter(
             "kvlb_events_replay_polls_total",
             "Replay requests sent while a ZMQ publisher's live stream was silent, by outcome (new: it "
-            "held batches the live stream lost; nothing; failed).",
+            "held batches the live stream lost; nothing; failed; abandoned: the engine went away while "
+            "it waited).",
             ["replica", "outcome"],
         ),
         events_drains_total=counter(

@@ -334,6 +334,17 @@ class FleetRuntime:
             await self._start_space(self._space_entry(model, block_size, mode, space))
         self.leases.add(self._fleet_replica(replica, space))
 
+    def engine_gone(self, replica: ReplicaId, why: str) -> None:
+        """``replica``'s health probe found nothing listening at its engine: the sources of this
+        balancer's holding, if any, stop waiting on it (a signal to the ingest thread, at once)."""
+        for entry in self._spaces:
+            entry.ingest.engine_gone(replica, why)
+
+    def engine_back(self, replica: ReplicaId) -> None:
+        """``replica``'s health probe passes again after :meth:`engine_gone`."""
+        for entry in self._spaces:
+            entry.ingest.engine_back(replica)
+
     async def remove_replica(self, replica: ReplicaId) -> bool:
         """A replica that left: if this balancer ingests it, its ingest stops, its blocks are dropped
         fleet-wide, its lease, position and generation deleted. ``True`` when it held the lease."""

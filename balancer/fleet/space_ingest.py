@@ -63,6 +63,13 @@ class SpaceIngest:
     def status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
         return self._ingest.status()
 
+    def engine_gone(self, replica: ReplicaId, why: str) -> None:
+        """``replica``'s probe found nothing listening at its engine (a signal: returns at once)."""
+        self._ingest.engine_gone(replica, why)
+
+    def engine_back(self, replica: ReplicaId) -> None:
+        self._ingest.engine_back(replica)
+
     async def take(
         self,
         replica: ReplicaId,

@@ -24,6 +24,13 @@ takes the replica out of routing (:meth:`~balancer.health.book.HealthBook.set_ke
 ``engine refuses kvlb's key (<source>)``, a warning once) and wakes the key watcher; the list is
 read again at every probe while it refuses, and at the first probe after the key changed (a
 rotation), whatever the verdict; the first answer that is not a refusal puts the replica back.
+
+Given an ``engine_watch`` (the balancer's ingest, or its fleet runtime), a probe whose connection
+was refused or dropped (nothing listens at the engine: it stopped or crashed; not a timeout, which a
+hung or slow engine gives too) tells the replica's event sources at once, once per spell
+(:meth:`EngineWatch.engine_gone`), and the first good probe after it tells them it is back: a
+replay request waiting on the engine ends then instead of running into its timeout
+(:mod:`balancer.sources.replay_watch`). The call only posts a signal to the ingest thread.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
@@ -58,6 +66,15 @@ MAX_MODELS_BYTES = 256 * 1024
 checked."""
 MAX_NAME_CHARS = 128
 """Characters of each served model name kept in the mismatch's text (at most 8 names are named)."""
+
+
+class EngineWatch(Protocol):
+    """Who hears that a replica's engine is gone or back (the ingest's handle, the fleet runtime).
+    Both calls return at once: they post a signal, they do not wait on the ingest."""
+
+    def engine_gone(self, replica: ReplicaId, why: str) -> None: ...
+
+    def engine_back(self, replica: ReplicaId) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,13 +115,18 @@ class HealthProber:
         monotonic: Callable[[], float] = time.monotonic,
         api_key: Secret | None = None,
         key_check: bool = False,
+        engine_watch: EngineWatch | None = None,
     ) -> None:
         """``model``: the pool's model, checked against the engine's ``/v1/models`` each time the
         replica turns healthy, at every probe while the engine lists other models, and every
         ``settings.models_recheck_s`` (``None``: not checked). ``api_key``: the replica's own key,
         sent with every probe and model check. ``key_check``: read ``/v1/models`` as the model
         check does (the same times) also without ``model``, for its refusal only (an engine
-        whose names are not judged: SGLang, TRT-LLM behind a proxy)."""
+        whose names are not judged: SGLang, TRT-LLM behind a proxy). ``engine_watch``: told when a
+        probe finds nothing listening at the engine, and when a probe passes after that."""
+        self._engine_watch = engine_watch
+        self._engine_gone = False
+        """The watch was told the engine is gone, and not yet that it is back."""
         self._key_check = key_check or model is not None
         self._api_key = api_key
         self.replica = replica
@@ -133,7 +155,7 @@ class HealthProber:
             await asyncio.sleep(max(0.0, self.settings.interval_s - elapsed_s))
 
     async def probe_once(self) -> bool:
-        error, timed_out = await self._probe()
+        error, timed_out, gone = await self._probe()
         ok = error is None
         if (
             ok
@@ -148,6 +170,7 @@ class HealthProber:
         ):
             await self._check_models(self.model)  # before the replica counts as live
         self._health.on_probe(self.replica, ok, self._monotonic(), error, timed_out=timed_out)
+        self._tell_watch(ok, gone, error)
         if ok != self._last_ok:
             if ok:
                 log.info("replica %s is healthy", self.replica)
@@ -162,6 +185,19 @@ class HealthProber:
                 )
         self._last_ok = ok
         return ok
+
+    def _tell_watch(self, ok: bool, gone: bool, error: str | None) -> None:
+        """Tell the engine watch of a spell in which nothing listens at the engine (once), and of
+        the first good probe after it."""
+        watch = self._engine_watch
+        if watch is None:
+            return
+        if gone and not self._engine_gone:
+            self._engine_gone = True
+            watch.engine_gone(self.replica, f"its health probe: {error}")
+        elif ok and self._engine_gone:
+            self._engine_gone = False
+            watch.engine_back(self.replica)
 
     def _recheck_due(self) -> bool:
         return self._models_read_at is None or (
@@ -180,23 +216,28 @@ class HealthProber:
         record = self._health.replicas.get(self.replica)
         return record is not None and record.model_mismatch is not None
 
-    async def _probe(self) -> tuple[str | None, bool]:
-        """``(None, False)`` when healthy, else why not and whether the probe timed out."""
+    async def _probe(self) -> tuple[str | None, bool, bool]:
+        """``(None, False, False)`` when healthy, else why not, whether the probe timed out, and
+        whether nothing listens at the engine (its connection refused, reset or dropped)."""
         timeout = aiohttp.ClientTimeout(total=self.settings.timeout_s)
         try:
             headers = engine_auth_headers(self._api_key)  # per call: the key may rotate
             async with self._session.get(self.url, timeout=timeout, headers=headers) as response:
                 if response.status == 200:
-                    return None, False
+                    return None, False, False
                 if response.status in REFUSED_CALLER_STATUSES:
                     if self._api_key is not None:
                         self._api_key.refused()  # re-read a rotated key now
-                    return f"{self.settings.path}: {refused_caller(response.status, self._api_key)}", False
-                return f"{self.settings.path} answered {response.status}", False
+                    refused = refused_caller(response.status, self._api_key)
+                    return f"{self.settings.path}: {refused}", False, False
+                return f"{self.settings.path} answered {response.status}", False, False
         except TimeoutError:
-            return f"{self.settings.path} timed out after {self.settings.timeout_s}s", True
-        except (aiohttp.ClientError, OSError) as exc:
-            return f"{self.settings.path}: {type(exc).__name__}", False
+            return f"{self.settings.path} timed out after {self.settings.timeout_s}s", True, False
+        except (aiohttp.ClientConnectionError, OSError) as exc:  # nothing listens, or it went
+            gone = not isinstance(exc, aiohttp.ClientSSLError)  # a TLS refusal: something listens
+            return f"{self.settings.path}: {type(exc).__name__}", False, gone
+        except aiohttp.ClientError as exc:
+            return f"{self.settings.path}: {type(exc).__name__}", False, False
 
     async def _check_models(self, model: str | None) -> None:
         """Read the engine's model list; take the replica out of routing while it does not name

@@ -38,7 +38,7 @@ from balancer.discovery import Discovery, DiscoveryEvent, ReplicaAdded
 from balancer.engines.registry import engine_spec
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import kept_text
-from balancer.health.prober import HealthProber, ProbeSettings
+from balancer.health.prober import EngineWatch, HealthProber, ProbeSettings
 from balancer.index.memory import MemoryIndex
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
@@ -270,8 +270,17 @@ class ReplicaLifecycle:
             model=pool.model if engine_spec(config.engine).checks_model_name else None,
             api_key=config.api_key,
             key_check=True,
+            engine_watch=self._engine_watch(pool, replica),
         )
         tasks.append(spawn(prober.run(), f"kvlb-probe-{replica}"))
+
+    def _engine_watch(self, pool: Pool, replica: ReplicaId) -> EngineWatch | None:
+        """Who hears from ``replica``'s prober that its engine is gone or back: the sources of the
+        ingest that holds it (the fleet runtime's, or its key space's embedded ingest)."""
+        if self.fleet is not None:
+            return self.fleet
+        space = pool.router.space_of.get(replica)
+        return None if space is None else self.ingests.get(id(space))
 
     # ------------------------------------------------------------------ shutdown
 

@@ -40,6 +40,7 @@ import zmq.asyncio
 from balancer.sources.base import EventSource, Gate, IngestBatch, SourceStatus
 from balancer.sources.pipeline import (
     ConsumingSource,
+    EngineWatchingSource,
     EventIngest,
     GatedSource,
     ReplicaIngestStatus,
@@ -213,6 +214,22 @@ class ThreadedIngest:
             lambda: self.ingest.remove_replica(replica, drop_index=drop_index, drain_s=drain_s)
         )
 
+    def engine_gone(self, replica: ReplicaId, why: str) -> None:
+        """Tell ``replica``'s sources, on the ingest loop, that its health probe found nothing
+        listening at the engine. Returns at once (a signal, not a call: the request loop's probe
+        does not wait on the ingest thread); the sources' sockets are touched only on their loop."""
+        loop = self.thread.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the thread stopped meanwhile: nothing to tell
+                loop.call_soon_threadsafe(self.ingest.engine_gone, replica, why)
+
+    def engine_back(self, replica: ReplicaId) -> None:
+        """Tell ``replica``'s sources that its health probe passes again (returns at once)."""
+        loop = self.thread.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the thread stopped meanwhile: nothing to tell
+                loop.call_soon_threadsafe(self.ingest.engine_back, replica)
+
     async def start(self) -> None:
         await self.thread.call(self.ingest.start)
 
@@ -249,6 +266,14 @@ class _Yielding:
     def finish(self) -> None:
         if isinstance(self.source, ConsumingSource):
             self.source.finish()
+
+    def engine_gone(self, why: str) -> None:
+        if isinstance(self.source, EngineWatchingSource):
+            self.source.engine_gone(why)
+
+    def engine_back(self) -> None:
+        if isinstance(self.source, EngineWatchingSource):
+            self.source.engine_back()
 
     @property
     def exchanging(self) -> bool:

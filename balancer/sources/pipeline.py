@@ -435,6 +435,21 @@ FINISH_POLL_S = 0.01
 
 
 @runtime_checkable
+class EngineWatchingSource(Protocol):
+    """A source that waits on the engine in ways the replica's health probe can cut short (a ZMQ
+    replay request): told on the ingest loop when the probe finds nothing listening at the engine
+    (:mod:`balancer.sources.replay_watch`)."""
+
+    def engine_gone(self, why: str) -> None:
+        """The probe found nothing listening at the engine: stop waiting on it now."""
+        ...
+
+    def engine_back(self) -> None:
+        """The probe passes again."""
+        ...
+
+
+@runtime_checkable
 class GatedSource(Protocol):
     """A source that sheds messages while its replica's CPU budget is spent."""
 
@@ -521,6 +536,22 @@ class EventIngest:
         while any(s.exchanging for s in consuming) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(FINISH_POLL_S)
         return all(s.settled and not s.exchanging for s in consuming)
+
+    def engine_gone(self, replica: ReplicaId, why: str) -> None:
+        """``replica``'s health probe found nothing listening at its engine (``why``): its sources
+        stop waiting on the engine (a replay in flight ends at once). A no-op for a replica not
+        ingested here."""
+        entry = self._replicas.get(replica)
+        for source in () if entry is None else entry.sources:
+            if isinstance(source, EngineWatchingSource):
+                source.engine_gone(why)
+
+    def engine_back(self, replica: ReplicaId) -> None:
+        """``replica``'s health probe passes again after :meth:`engine_gone`."""
+        entry = self._replicas.get(replica)
+        for source in () if entry is None else entry.sources:
+            if isinstance(source, EngineWatchingSource):
+                source.engine_back()
 
     def pipeline(self, replica: ReplicaId) -> ReplicaPipeline | None:
         """The pipeline of ``replica`` while it ingests."""

@@ -40,9 +40,14 @@ publisher from 0. This source keeps the stream in order:
   (``kvlb_events_disconnects_total``) and logged as a disconnect (rate-limited),
   ``Resync(rank, "disconnect")`` drops the rank's blocks at once, the SUB is reopened (libzmq does not
   reconnect after the protocol error of an oversize message) and the next connection asks the replay
-  socket for everything from seq 0. Whether the publisher restarted is logged once it is known: a
-  batch at the old last seq with another payload, a seq below it, or a new epoch means a new process
-  ("restarted"); the same payload at that seq means the same one ("reconnected"). This is also what
+  socket for everything from seq 0. A replay request waiting on the engine when it goes (a poll, a
+  catch-up, a gap) ends at once, logged as the engine having gone away, not at its timeout blaming
+  the replay endpoint: the SUB's monitor is watched while it waits, and the replica's health probe,
+  finding nothing listening at the engine, tells the source so across the thread boundary
+  (:mod:`balancer.sources.replay_watch`; no poll starts until the engine is back). Whether the
+  publisher restarted is logged once it is known: a batch at the old last seq with another payload,
+  a seq below it, or a new epoch means a new process ("restarted"); the same payload at that seq
+  means the same one ("reconnected"). This is also what
   catches a crash and restart whose new seq happens to land above the old one.
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
@@ -106,6 +111,7 @@ from balancer.sources.base import (
     report_malformed,
 )
 from balancer.sources.read_ahead import ReadAhead
+from balancer.sources.replay_watch import EngineGone, ReplayWatch
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
@@ -238,6 +244,23 @@ class ZmqEventSource:
         """What was read off the SUB and not yet handled, and why the last message was shed."""
         self._backlog_dropped = False
         """A flood was dropped with the SUB: the next live seq shows how many messages went with it."""
+        self._watch = ReplayWatch()
+        """What ends a replay before its timeout: the publisher's disconnect, the probe's verdict."""
+        self._dropping = False
+        """The publisher's connection dropped and its last messages are being handled: no replay
+        (the rank's blocks are dropped right after them)."""
+        self._abandoned = False
+        """The last replay ended because the engine went away (:class:`EngineGone`)."""
+
+    def engine_gone(self, why: str) -> None:
+        """The replica's health probe found nothing listening at the engine (``why``): a replay in
+        flight ends at once, and no replay poll starts until the engine is back. Call on the ingest
+        loop (:meth:`~balancer.sources.pipeline.EventIngest.engine_gone`)."""
+        self._watch.engine_gone(why)
+
+    def engine_back(self) -> None:
+        """The replica's health probe passes again: replay polls resume."""
+        self._watch.engine_back()
 
     def status(self) -> SourceStatus:
         return self._counters.status(
@@ -255,15 +278,18 @@ class ZmqEventSource:
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         while True:
             sub, monitor = self._open_sub()
+            self._watch.monitor = monitor
             poller = zmq.asyncio.Poller()
             poller.register(sub, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             dropped = False
             try:
                 while True:
-                    timeout_ms = 0 if self._ahead.pending else self._poll_timeout_ms()
+                    stashed = bool(self._watch.stash)  # monitor events a replay read meanwhile
+                    timeout_ms = 0 if self._ahead.pending or stashed else self._poll_timeout_ms()
                     ready = dict(await poller.poll(timeout=timeout_ms))
-                    if monitor in ready:  # first: a new connection's catch-up merges the queued live
+                    # first: a new connection's catch-up merges the queued live
+                    if monitor in ready or self._watch.stash:
                         await self._on_monitor(monitor, sub, emit)
                     if sub in ready or self._ahead.pending:
                         backoff.reset()
@@ -292,6 +318,8 @@ class ZmqEventSource:
                 )
             finally:
                 self._ahead.reader = None  # a shadow: it must not outlive the SUB
+                self._watch.reset()
+                self._dropping = False
                 self._handshaken = False
                 sub.disable_monitor()
                 monitor.close(linger=0)
@@ -306,6 +334,8 @@ class ZmqEventSource:
         """How long to wait for a message before the next replay poll (``None``: no poll)."""
         if self.replay_endpoint is None or self._backlog_dropped or self._replay_on_connect:
             return None  # after a dropped flood, no position to poll from; unconnected, no publisher
+        if self._watch.away is not None:  # the engine is away: look again later whether it is back
+            return max(1, int(self.settings.replay_poll_max_s * 1000))
         left_s = self._heard_at + self._poll_interval_s - time.monotonic()
         return max(1, int(left_s * 1000) + 1)
 
@@ -319,6 +349,7 @@ class ZmqEventSource:
             self.replay_endpoint is not None
             and not self._backlog_dropped
             and not self._replay_on_connect  # not connected yet (or again): its catch-up comes first
+            and self._watch.away is None  # its probe finds nothing listening: the poll would wait out
             and time.monotonic() - self._heard_at >= self._poll_interval_s
         )
 
@@ -327,6 +358,8 @@ class ZmqEventSource:
         before = self._last_seq
         found, complete = await self._replay(self._expected(), emit, live=sub, poll=True)
         outcome = "new" if found else ("nothing" if complete else "failed")
+        if self._abandoned and not found:
+            outcome = "abandoned"  # the engine went away meanwhile
         self._metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
         if found:  # not a gap in itself: the live copies of these batches may only be late
             log.debug(
@@ -382,10 +415,13 @@ class ZmqEventSource:
         replay would stack the new process's blocks on the dead one's. Every new connection (the
         first one too) starts with that catch-up."""
         while True:
-            try:
-                event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
-            except zmq.Again:
-                return
+            if self._watch.stash:  # read by a replay that waited meanwhile, and older than the rest
+                event = self._watch.stash.popleft()
+            else:
+                try:
+                    event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
+                except zmq.Again:
+                    return
             kind = event["event"]
             if kind == zmq.EVENT_CONNECT_RETRIED:
                 self._connection_problem("zmq_connect_refused", CONNECT_REFUSED)
@@ -393,6 +429,7 @@ class ZmqEventSource:
                 self._refused_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._handshaken = False
+                self._dropping = True
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
                 self._metrics.events_disconnects_total.labels(self.replica).inc()
                 self._warnings.warning(
@@ -413,6 +450,7 @@ class ZmqEventSource:
                 raise _Reopen  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._handshaken = True
+                self._watch.engine_back()  # a publisher is there (again)
                 self._connection_problems_over()
                 if self._replay_on_connect:  # a new connection: catch up (once it is a PUB's)
                     self._replay_on_connect = False
@@ -573,6 +611,8 @@ class ZmqEventSource:
         assert batch.seq is not None
         self._counters.messages += 1
         self._heard(time.monotonic())
+        if self._watch.away is not None:
+            self._watch.engine_back()  # it publishes: its replay socket may answer
         seq = batch.seq
         dropped, self._backlog_dropped = self._backlog_dropped, False
         if batch.epoch is not None:
@@ -745,6 +785,9 @@ class ZmqEventSource:
         A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
         shows lost batches (``partial``)."""
         assert self.replay_endpoint is not None
+        self._abandoned = False
+        if self._dropping:  # the publisher's connection dropped: its blocks go right after this
+            return False, False
         try:
             return await self._replay_from(start_seq, emit, live, poll=poll)
         finally:
@@ -762,9 +805,10 @@ class ZmqEventSource:
         try:
             async with asyncio.timeout(self.settings.replay_timeout_s):
                 # A DEALER with no peer yet holds the send: keep it inside the time budget.
-                await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
+                request = [b"", start_seq.to_bytes(SEQ_BYTES, "big")]
+                await self._watch.until_gone(dealer.send_multipart(request))
                 for _ in range(self.settings.replay_max_batches):
-                    frames = await dealer.recv_multipart()
+                    frames = await self._watch.until_gone(dealer.recv_multipart())
                     if _is_replay_end(frames):
                         complete = True
                         self._warnings.resolved("replay_timeout", f"{self.replica}/{self.dp_rank}")
@@ -772,6 +816,15 @@ class ZmqEventSource:
                     seq = await self._on_replayed(frames, emit, live if first_seq is None else None)
                     if first_seq is None:
                         first_seq = seq
+        except EngineGone as gone:
+            self._abandoned = True
+            log.info(
+                "replica %s rank %d: replay from %d abandoned: the engine went away (%s)",
+                self.replica,
+                self.dp_rank,
+                start_seq,
+                gone.why,
+            )
         except TimeoutError:
             timeout_s = self.settings.replay_timeout_s
             text = REPLAY_SILENT.format(endpoint=self.replay_endpoint, timeout_s=timeout_s)

@@ -85,3 +85,51 @@ async def test_timeouts_503_and_refusals(replica: Scripted) -> None:
         await replica.stop()  # nothing listens: refused
         assert not await prober.probe_once() and health.routable(0.0) == []
         assert health.replicas[A].probe_timeouts == 0
+
+
+class Watch:
+    """Records what the prober tells the replica's event sources (the ingest's side of the seam)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def engine_gone(self, replica: ReplicaId, why: str) -> None:
+        self.calls.append(f"gone {replica}: {why}")
+
+    def engine_back(self, replica: ReplicaId) -> None:
+        self.calls.append(f"back {replica}")
+
+
+async def test_the_engine_watch_hears_of_nothing_listening_once_and_of_the_next_good_probe(
+    replica: Scripted,
+) -> None:
+    """A refused connection is the engine gone (said once per spell); a timeout or a 503 is not (an
+    engine that is there, hung or unhealthy); the first good probe after it says it is back."""
+    url = await replica.start()
+    health = HealthBook(BreakerConfig(failure_threshold=10, probe_timeouts_to_drop=1))
+    health.add(A)
+    watch = Watch()
+    async with aiohttp.ClientSession() as session:
+        prober = HealthProber(
+            A,
+            url,
+            session=session,
+            health=health,
+            settings=ProbeSettings(interval_s=1.0, timeout_s=TIMEOUT_S),
+            engine_watch=watch,
+        )
+        assert await prober.probe_once()
+        replica.mode = "slow"
+        assert not await prober.probe_once()
+        replica.mode = "503"
+        assert not await prober.probe_once()
+        assert watch.calls == []
+        await replica.stop()
+        assert not await prober.probe_once()
+        assert not await prober.probe_once()
+        assert watch.calls == ["gone a: its health probe: /health: ClientConnectorError"]
+        replica.mode = "ok"
+        await replica.start()
+        assert await prober.probe_once()
+        assert await prober.probe_once()
+        assert watch.calls[1:] == ["back a"]
