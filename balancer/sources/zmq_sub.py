@@ -187,7 +187,12 @@ class ZmqEventSource:
         self._ctx = ctx
         self._decoder = decoder
         self._metrics = metrics
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=metrics.log_causes_forgotten_total,
+        )
         self._engine = decoder.engine
         self._want = resume_seq if resume_seq is not None else 0
         self._caught_up_from: int | None = None
