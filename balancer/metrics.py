@@ -41,7 +41,7 @@ REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
 DRAIN_OUTCOMES: Final = ("events", "empty", "failed", "disabled")
 """Every ``outcome`` of ``kvlb_events_drains_total`` (the TRT-LLM drain)."""
-SHED_CAUSES: Final = ("budget", "behind", "backlog")
+SHED_CAUSES: Final = ("budget", "behind", "backlog", "frames")
 """Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.read_ahead.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
 """Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
@@ -567,8 +567,9 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_shed_runs_total",
             "Runs of shed event messages (each resyncs the rank once), by what started the run: budget "
             "(the replica's ingestion CPU budget spent, or its queue over half full), behind (the "
-            "source read for zmq max_behind_s without finding its socket empty) or backlog (it found "
-            "more than zmq max_backlog_bytes queued).",
+            "source read for zmq max_behind_s without finding its socket empty), backlog (it found "
+            "more than zmq max_backlog_bytes queued) or frames (a message of more than 8 frames, read "
+            "no further: the SUB is dropped with the rest of it and reopened).",
             ["replica", "cause"],
         ),
         events_relay_history_trimmed_total=counter(

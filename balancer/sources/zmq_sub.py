@@ -52,6 +52,10 @@ publisher from 0. This source keeps the stream in order:
   of the run's first accepted shed message, and the run is counted by its cause
   (``kvlb_events_shed_runs_total``). Its payload is unknown, so it cannot tell a duplicate from a
   restarted publisher's batch at the same seq: such a message resyncs the rank too.
+* **Messages of many frames.** ZMQ bounds a frame's size and the pipe's messages, not a message's
+  frames; the read-ahead reads at most ``MAX_MESSAGE_FRAMES`` of one. A message with more is shed
+  (cause ``frames``: its seq taken in order, the run's resync) and the SUB dropped with the rest of
+  it, as a flood is (below).
 * **Floods.** Before decoding a message the source takes everything queued on the SUB off the
   socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``:
   :mod:`balancer.sources.read_ahead`). A backlog over that bound (cause ``backlog``), or one the
@@ -105,7 +109,7 @@ from balancer.sources.base import (
     count_decoded,
     report_malformed,
 )
-from balancer.sources.read_ahead import ReadAhead
+from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ReadAhead
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
@@ -149,6 +153,18 @@ REPLAY_SILENT = (
     "or it is not the engine's replay ROUTER): lost batches resync the rank instead"
 )
 """The ``last_error`` of a source whose replay request went unanswered."""
+
+
+async def _recv_reply(dealer: zmq.asyncio.Socket) -> list[bytes]:
+    """One replay reply, read frame by frame up to ``MAX_MESSAGE_FRAMES`` (a reply has 3 or 4);
+    raises ``EventDecodeError("frame")`` for a longer one, whose other frames are left unread (the
+    replay then ends unclean, and its DEALER is closed with them)."""
+    frames: list[zmq.Frame] = [await dealer.recv(copy=False)]
+    while frames[-1].more:
+        if len(frames) == MAX_MESSAGE_FRAMES:
+            raise EventDecodeError("frame", f"replay reply of more than {MAX_MESSAGE_FRAMES} frames")
+        frames.append(await dealer.recv(copy=False))
+    return [frame.bytes for frame in frames]
 
 
 def _is_replay_end(frames: Sequence[bytes]) -> bool:
@@ -355,10 +371,14 @@ class ZmqEventSource:
     ) -> None:
         """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn).
         ``may_drop``: a flood is dropped with the SUB (:meth:`_drop_backlog`); elsewhere (a catch-up,
-        the last messages of a lost connection) its messages are shed one by one."""
+        the last messages of a lost connection) its messages are shed one by one. A message of too
+        many frames shed where the SUB could not be dropped is dropped with it at the next turn here
+        (the rest of that message is still on the SUB, to be read by no one)."""
         for _ in range(limit):
             read = self._ahead.read(self.gate)
             if read is None:
+                if may_drop and self._ahead.refused:
+                    self._drop_backlog(emit)
                 return
             await self._on_message(*read, emit)
             if may_drop and read[1] and self._ahead.shed_cause != "budget":
@@ -680,15 +700,27 @@ class ZmqEventSource:
         if self._shedding:
             return
         self._shedding = True
-        self._metrics.events_shed_runs_total.labels(self.replica, self._ahead.shed_cause).inc()
-        self._warnings.warning(
-            "events_shed",
-            self.replica,
-            "replica %s rank %d: events arrive faster than its ingestion budget allows; "
-            "dropping messages undecoded and resyncing",
-            self.replica,
-            self.dp_rank,
-        )
+        cause = self._ahead.shed_cause
+        self._metrics.events_shed_runs_total.labels(self.replica, cause).inc()
+        if cause == "frames":
+            self._warnings.warning(
+                "events_frames",
+                self.replica,
+                "replica %s rank %d: a message of more than %d frames (no engine sends one): read no "
+                "further, dropped with the SUB, resyncing",
+                self.replica,
+                self.dp_rank,
+                MAX_MESSAGE_FRAMES,
+            )
+        else:
+            self._warnings.warning(
+                "events_shed",
+                self.replica,
+                "replica %s rank %d: events arrive faster than its ingestion budget allows; "
+                "dropping messages undecoded and resyncing",
+                self.replica,
+                self.dp_rank,
+            )
         self._resync(emit, "overflow")
 
     def _note_incarnation(self, batch: DecodedBatch, digest: int | None, *, live: bool) -> None:
@@ -769,7 +801,7 @@ class ZmqEventSource:
                 # A DEALER with no peer yet holds the send: keep it inside the time budget.
                 await dealer.send_multipart([b"", start_seq.to_bytes(SEQ_BYTES, "big")])
                 for _ in range(self.settings.replay_max_batches):
-                    frames = await dealer.recv_multipart()
+                    frames = await _recv_reply(dealer)
                     if _is_replay_end(frames):
                         complete = True
                         self._warnings.resolved("replay_timeout", f"{self.replica}/{self.dp_rank}")
@@ -790,6 +822,8 @@ class ZmqEventSource:
                 start_seq,
                 text,
             )
+        except EventDecodeError as exc:  # a reply of too many frames: the DEALER goes with its rest
+            self._decode_failed(exc)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
                 raise
