@@ -33,6 +33,10 @@ ShedCause = Literal["budget", "behind", "backlog", "frames"]
 """Why a source sheds: its replica's CPU budget is spent (or its queue over half full), it has
 read for ``max_behind_s`` without finding its socket empty, it found more than
 ``max_backlog_bytes`` queued, or the message has more than :data:`MAX_MESSAGE_FRAMES` frames."""
+FRAME_COST_BYTES = 200
+"""What a frame read ahead holds besides its bytes, counted against ``max_backlog_bytes``: its
+``zmq.Frame`` and its share of the message's list (200 B traced a frame of no bytes, 2026-12-01),
+so that messages of few bytes cannot fill the read-ahead's memory while its byte count stays low."""
 MAX_MESSAGE_FRAMES = 8
 """Frames of a SUB message read at most: an engine's live message has 3 (``[topic, seq, payload]``);
 one of 4 to 8 still reaches the decoder, which refuses it (``kvlb_events_decode_errors_total``)."""
@@ -93,7 +97,7 @@ class ReadAhead:
                     self.refused = True
                     break
                 parts.append(reader.recv(zmq.NOBLOCK, copy=False))
-            size = sum(len(part) for part in parts)
+            size = sum(len(part) for part in parts) + FRAME_COST_BYTES * len(parts)
             ahead.append((parts, size, self.refused))
             self._ahead_bytes += size
             if self.refused:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import zmq
 import zmq.asyncio
@@ -22,6 +23,8 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
     publisher_fixture,
     running,
 )
+
+from balancer.sources.read_ahead import ReadAhead
 
 LIMIT = 4096
 SMALL = dataclasses.replace(FAST, max_message_bytes=LIMIT)
@@ -137,3 +140,34 @@ async def test_a_replay_reply_of_many_frames_ends_the_replay_and_the_gap_resyncs
         frame_errors = {"replica": REPLICA, "engine": "sglang", "reason": "frame"}
         assert rig.metric("kvlb_events_decode_errors_total", frame_errors) == 1
         assert rig.metric("kvlb_events_replays_total", {"replica": REPLICA, "outcome": "failed"}) == 1
+
+
+def test_the_read_ahead_counts_what_a_frame_holds_besides_its_bytes() -> None:
+    """``max_backlog_bytes`` bounds the read-ahead's memory: messages of few bytes hold more than
+    their bytes (a ``zmq.Frame`` each, about 200 B). 200 messages of 8 bytes (1.6 kB of bytes,
+    120 kB held) queued past an 8 KiB bound are a flood: the next one is shed for ``backlog``. The
+    bytes alone never reached the bound, and the read-ahead read the whole queue into Python."""
+    settings = dataclasses.replace(FAST, max_message_bytes=4096, max_backlog_bytes=8192)
+    sync = zmq.Context()
+    pub, sub = sync.socket(zmq.PUB), sync.socket(zmq.SUB)
+    try:
+        port = pub.bind_to_random_port("tcp://127.0.0.1")
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{port}")
+        ahead = ReadAhead(settings)
+        ahead.reader = sub
+        deadline = time.monotonic() + 5.0
+        while not zmq.select([sub], [], [], 0.05)[0]:  # until the subscription is in force
+            assert time.monotonic() < deadline, "no subscription"
+            pub.send_multipart([b"", (0).to_bytes(8, "big"), b""])
+        while ahead.read(None) is not None:  # the probes
+            pass
+        for seq in range(1, 201):
+            pub.send_multipart([b"", seq.to_bytes(8, "big"), b""])
+        time.sleep(0.3)  # all 200 arrive (a few kB on the loopback)
+        read = ahead.read(None)
+        assert read is not None and read[1] and ahead.shed_cause == "backlog"
+    finally:
+        pub.close(linger=0)
+        sub.close(linger=0)
+        sync.term()
