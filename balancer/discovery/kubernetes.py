@@ -13,8 +13,10 @@ Two tasks share the state of the watched objects:
   whose GET fails keeps its previous replica and is retried after ``retry_s``.
 
 Bursts of watch events coalesce into one reconcile. Objects held are capped at 4 × ``max_replicas``
-and at ``max_object_bytes`` of what is kept of them (:func:`kept_bytes`); an object over either cap
-is not kept (``over_cap``, ``over_cap_bytes``: ``kvlb_discovery_objects_over_cap_total{bound}``).
+and at ``max_object_bytes`` of what is kept of them and of the pods' annotations read for a slice's
+endpoints (:func:`kept_bytes`); an object over either cap is not kept, nor a pod's annotations over
+the bytes (its replica is not added) (``over_cap``, ``over_cap_bytes``:
+``kvlb_discovery_objects_over_cap_total{bound}``).
 """
 
 from __future__ import annotations
@@ -77,8 +79,9 @@ class KubernetesDiscovery:
         self._publisher = ReplicaPublisher("kubernetes", config.max_replicas)
         self._max_objects = 4 * config.max_replicas
         self._objects: dict[str, dict[str, Any]] = {}
-        self._object_bytes: dict[str, int] = {}
-        """Name → :func:`kept_bytes` of its kept object; they add up to ``_held_bytes``."""
+        self._sizes: dict[tuple[str, str], int] = {}
+        """``("object", name)`` → :func:`kept_bytes` of its kept object, ``("pod", name)`` → of the
+        pod's annotations read for a slice's endpoint; they add up to ``_held_bytes``."""
         self._held_bytes = 0
         self._bytes_warned = False
         self._resource_version: str | None = None
@@ -171,7 +174,9 @@ class KubernetesDiscovery:
         if len(items) > self._max_objects:
             self.counters["over_cap"] += len(items) - self._max_objects
             log.warning("kubernetes discovery: %d objects match; keeping %d", len(items), self._max_objects)
-        self._objects, self._object_bytes, self._held_bytes = {}, {}, 0
+        for name in self._objects:
+            self._held_bytes -= self._sizes.pop(("object", name), 0)
+        self._objects = {}
         self._bytes_warned = False  # one line a list, and one a watch (below), while over the cap
         for obj in items[: self._max_objects]:
             self._keep(_name(obj), self._kept(obj))
@@ -215,29 +220,37 @@ class KubernetesDiscovery:
         """Keep ``kept`` under ``name`` (replacing its previous version) if it fits in
         ``max_object_bytes``; one that does not is not kept, and its previous version goes too (its
         replica is removed rather than left as it was)."""
-        size = kept_bytes(kept)
-        held = self._held_bytes - self._object_bytes.get(name, 0)
-        if held + size > self.config.max_object_bytes:
+        if self._fits(("object", name), kept):
+            self._objects[name] = kept
+        else:
             self._drop(name)
-            self.counters["over_cap_bytes"] += 1
-            if not self._bytes_warned:
-                self._bytes_warned = True
-                log.warning(
-                    "kubernetes discovery: %s (%d B kept) does not fit in discovery.max_object_bytes "
-                    "(%d B, %d held): not kept (kvlb_discovery_objects_over_cap_total counts the rest)",
-                    name,
-                    size,
-                    self.config.max_object_bytes,
-                    held,
-                )
-            return
-        self._objects[name] = kept
-        self._object_bytes[name] = size
-        self._held_bytes = held + size
 
     def _drop(self, name: str) -> None:
         self._objects.pop(name, None)
-        self._held_bytes -= self._object_bytes.pop(name, 0)
+        self._held_bytes -= self._sizes.pop(("object", name), 0)
+
+    def _fits(self, key: tuple[str, str], kept: object) -> bool:
+        """Count ``kept`` under ``key`` (in place of what was counted there) if it fits in
+        ``max_object_bytes`` with the rest held; else count it over the cap (``False``)."""
+        size = kept_bytes(kept)
+        held = self._held_bytes - self._sizes.pop(key, 0)
+        if held + size <= self.config.max_object_bytes:
+            self._sizes[key] = size
+            self._held_bytes = held + size
+            return True
+        self._held_bytes = held
+        self.counters["over_cap_bytes"] += 1
+        if not self._bytes_warned:
+            self._bytes_warned = True
+            log.warning(
+                "kubernetes discovery: %s %s (%d B kept) does not fit in discovery.max_object_bytes "
+                "(%d B, %d held): not kept (kvlb_discovery_objects_over_cap_total counts the rest)",
+                *key,
+                size,
+                self.config.max_object_bytes,
+                held,
+            )
+        return False
 
     def _kept(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """What reconciling reads of ``obj`` (:func:`kept_pod`, :func:`kept_slice`): the objects
@@ -298,6 +311,7 @@ class KubernetesDiscovery:
         wanted = {e.pod: e.pod_uid for e in endpoints}
         for name in [n for n in self._annotations if n not in wanted]:
             del self._annotations[name]
+            self._held_bytes -= self._sizes.pop(("pod", name), 0)
         missing = [
             n for n, uid in wanted.items() if n not in self._annotations or self._annotations[n][0] != uid
         ]
@@ -316,9 +330,10 @@ class KubernetesDiscovery:
             elif isinstance(result, BaseException):
                 raise result
             elif result is not None:  # None: the pod is gone and the slice will follow
-                self._annotations[name] = (
-                    wanted[name],
-                    pod_annotations(result, self.config.annotation_prefix),
-                )
+                kept = pod_annotations(result, self.config.annotation_prefix)
+                if self._fits(("pod", name), kept):
+                    self._annotations[name] = (wanted[name], kept)
+                else:  # not added (its annotations unknown), asked again at the next change
+                    self._annotations.pop(name, None)
         known = {name: entry[1] for name, entry in self._annotations.items() if name in wanted}
         return known, failed

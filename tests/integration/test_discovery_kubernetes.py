@@ -433,3 +433,30 @@ async def test_kept_objects_are_bounded_in_bytes_and_both_caps_are_exported(
         assert 'kvlb_discovery_objects_over_cap_total{bound="count"} 2.0' in scraped  # 6 for 4 kept
     finally:
         await stop(task)
+
+
+async def test_pod_annotations_read_for_slices_count_in_the_byte_cap(
+    kube: FakeKubeApi, token_file: Path
+) -> None:
+    """With EndpointSlices, discovery reads each endpoint's pod once and keeps its ``kvlb.io/``
+    annotations: those count in ``discovery.max_object_bytes`` too. A pod whose annotations do not
+    fit is not added (counted under ``bound="bytes"``); the same pod, recreated small, is."""
+    kube.put(PODS, make_pod("sglang-0", "uid-0", "10.244.1.17"))
+    kube.put(PODS, _annotated("sglang-1", "uid-1", "10.244.2.23", 80_000))
+    kube.put(SLICES, make_slice(("sglang-0", "uid-0", "10.244.1.17"), ("sglang-1", "uid-1", "10.244.2.23")))
+    recorder = Recorder()
+    discovery, task = start(kube, token_file, recorder, max_object_bytes=64 * 1024)
+    try:
+        await recorder.count(1)
+        await until("the big pod refused", lambda: discovery.over_cap()["bytes"] >= 1)
+        assert sorted(discovery.current()) == ["sglang-0"]
+        held = discovery.status()["object_bytes"]
+        assert isinstance(held, int) and held < 16 * 1024  # the slice and one pod's annotations
+        kube.put(PODS, make_pod("sglang-1", "uid-1b", "10.244.2.23"))  # recreated small
+        kube.put(
+            SLICES, make_slice(("sglang-0", "uid-0", "10.244.1.17"), ("sglang-1", "uid-1b", "10.244.2.23"))
+        )
+        await recorder.wait("sglang-1 added", lambda: ReplicaId("sglang-1") in discovery.current())
+        assert discovery.over_cap()["count"] == 0
+    finally:
+        await stop(task)
