@@ -257,3 +257,26 @@ class UpstreamCountersCollector(Collector):
         yield CounterMetricFamily("kvlb_upstream_pool_waits", "")
         yield CounterMetricFamily("kvlb_upstream_usage_events_dropped", "")
         yield CounterMetricFamily("kvlb_upstream_usage_unfiltered_events", "")
+
+
+class DropsCollector(Collector):
+    """One counter family of what a bounded structure dropped at its cap, counted in plain ints by
+    pure code and read at scrape time: ``source`` maps each value of the one label to its count (set
+    by whoever builds the structures; nothing is exported before)."""
+
+    def __init__(self, name: str, documentation: str, label: str) -> None:
+        """``name`` without ``_total`` (``prometheus_client`` adds it)."""
+        self.name = name
+        self.documentation = documentation
+        self.label = label
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=[self.label])
+        for value, count in self.source().items():
+            family.add_metric([value], count)
+        yield family
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        """The family without samples (what the registry checks names against)."""
+        yield CounterMetricFamily(self.name, "", labels=[self.label])

@@ -6,11 +6,12 @@ first, useful line and fills disks. :class:`RepeatLimiter` lets the first occurr
 through, then lets through one line per ``interval_s`` that carries the number of occurrences held
 back since the last line. It reads no clock (``now`` is passed in) and remembers at most
 ``max_causes`` causes (the least recently seen is forgotten first: it then logs again at its next
-occurrence, which is harmless).
+occurrence, which is harmless; :attr:`RepeatLimiter.evicted` names the cause forgotten).
 
-:class:`LimitedWarnings` wires a limiter to a logger and the counter
-``kvlb_log_suppressed_total{cause}``: ``cause`` is a fixed name per call site (bounded label values);
-``subject`` (a replica id, a stream) tells apart causes that are limited separately.
+:class:`LimitedWarnings` wires a limiter to a logger and the counters
+``kvlb_log_suppressed_total{cause}`` and ``kvlb_log_causes_forgotten_total{cause}``: ``cause`` is a
+fixed name per call site (bounded label values); ``subject`` (a replica id, a stream) tells apart
+causes that are limited separately.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class _Cause:
 class RepeatLimiter:
     """Decides, per cause, whether an occurrence is logged (pure; ``now`` in seconds, monotonic)."""
 
-    __slots__ = ("_causes", "interval_s", "max_causes")
+    __slots__ = ("_causes", "evicted", "forgotten", "interval_s", "max_causes")
 
     def __init__(
         self, *, interval_s: float = DEFAULT_INTERVAL_S, max_causes: int = DEFAULT_MAX_CAUSES
@@ -52,6 +53,10 @@ class RepeatLimiter:
         self.interval_s = interval_s
         self.max_causes = max_causes
         self._causes: OrderedDict[str, _Cause] = OrderedDict()
+        self.forgotten = 0
+        """Causes dropped at ``max_causes``, least recently seen first."""
+        self.evicted: str | None = None
+        """The cause the last :meth:`occur` dropped at ``max_causes`` (``None``: it dropped none)."""
 
     def __len__(self) -> int:
         return len(self._causes)
@@ -59,11 +64,13 @@ class RepeatLimiter:
     def occur(self, cause: str, now: float) -> int | None:
         """One occurrence of ``cause`` at ``now``: ``None`` when it is to be held back, else the
         number of occurrences held back since the cause's last logged line (0 the first time)."""
+        self.evicted = None
         entry = self._causes.get(cause)
         if entry is None:
             self._causes[cause] = _Cause(now)
             if len(self._causes) > self.max_causes:
-                self._causes.popitem(last=False)
+                self.evicted = self._causes.popitem(last=False)[0]
+                self.forgotten += 1
             return 0
         self._causes.move_to_end(cause)
         if now - entry.logged_at < self.interval_s:
@@ -89,12 +96,15 @@ class LimitedWarnings:
         *,
         clock: Callable[[], float],
         limiter: RepeatLimiter | None = None,
+        forgotten: Counter | None = None,
     ) -> None:
         """``suppressed`` is ``kvlb_log_suppressed_total`` (label ``cause``; ``None`` counts nothing,
-        for tools without metrics); ``clock`` is monotonic seconds."""
+        for tools without metrics); ``forgotten`` is ``kvlb_log_causes_forgotten_total`` (label
+        ``cause``, the forgotten one's; ``None`` counts nothing); ``clock`` is monotonic seconds."""
         self.logger = logger
-        self.limiter = limiter or RepeatLimiter()
+        self.limiter = limiter if limiter is not None else RepeatLimiter()  # an empty one is falsy
         self._suppressed = suppressed
+        self._forgotten = forgotten
         self._clock = clock
 
     def warning(
@@ -103,7 +113,10 @@ class LimitedWarnings:
         """Log ``message % args`` at WARNING unless ``cause`` for ``subject`` was logged within the
         limiter's interval; ``True`` when a line was written. A line after held-back occurrences ends
         with how many there were."""
-        held_back = self.limiter.occur(f"{cause}\x00{subject}", self._clock())
+        limiter = self.limiter
+        held_back = limiter.occur(f"{cause}\x00{subject}", self._clock())
+        if limiter.evicted is not None and self._forgotten is not None:
+            self._forgotten.labels(limiter.evicted.partition("\x00")[0]).inc()
         if held_back is None:
             if self._suppressed is not None:
                 self._suppressed.labels(cause).inc()

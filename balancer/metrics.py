@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.utils import floatToGoString
 
 from balancer.counter_collectors import (
+    DropsCollector,
     KeyMemoCollector,
     LoadTrackerCollector,
     SegmentCacheCollector,
@@ -40,7 +41,7 @@ REPLAY_POLL_OUTCOMES: Final = ("new", "nothing", "failed", "abandoned")
 """Every ``outcome`` of ``kvlb_events_replay_polls_total``."""
 DRAIN_OUTCOMES: Final = ("events", "empty", "failed", "disabled")
 """Every ``outcome`` of ``kvlb_events_drains_total`` (the TRT-LLM drain)."""
-SHED_CAUSES: Final = ("budget", "behind", "backlog")
+SHED_CAUSES: Final = ("budget", "behind", "backlog", "frames")
 """Every ``cause`` of ``kvlb_events_shed_runs_total`` (``balancer.sources.read_ahead.ShedCause``)."""
 RESYNC_REASONS: Final[tuple[str, ...]] = get_args(ResyncReason)
 """Every ``reason`` of ``kvlb_events_resyncs_total`` (the reasons of :class:`balancer.events.Resync`)."""
@@ -98,18 +99,22 @@ class RemovedReplicas:
     """The replica ids removed from their pools lately (at most :data:`REMOVED_REPLICAS_REMEMBERED`,
     the oldest out first): a request routed to one of them, still in flight when it was removed, is
     counted under :data:`REMOVED_REPLICA_LABEL` when it ends (:meth:`label`). An id added again
-    leaves the list."""
+    leaves the list. ``forgotten`` (``kvlb_replica_removed_ids_forgotten_total``) counts the ids
+    dropped at the cap; ``None`` counts nothing."""
 
-    __slots__ = ("_ids",)
+    __slots__ = ("_forgotten", "_ids")
 
-    def __init__(self) -> None:
+    def __init__(self, forgotten: Counter | None = None) -> None:
         self._ids: OrderedDict[str, None] = OrderedDict()
+        self._forgotten = forgotten
 
     def add(self, replica: str) -> None:
         self._ids[replica] = None
         self._ids.move_to_end(replica)
         while len(self._ids) > REMOVED_REPLICAS_REMEMBERED:
             self._ids.popitem(last=False)
+            if self._forgotten is not None:
+                self._forgotten.inc()
 
     def discard(self, replica: str) -> None:
         self._ids.pop(replica, None)
@@ -493,6 +498,7 @@ class _EventsCollectors:
     events_shed_runs_total: Counter
     events_relay_history_trimmed_total: Counter
     events_disconnects_total: Counter
+    events_decoder_forgotten_total: Counter
     events_lag_seconds: Gauge
     events_applied_batches_total: Counter
 
@@ -562,8 +568,9 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_shed_runs_total",
             "Runs of shed event messages (each resyncs the rank once), by what started the run: budget "
             "(the replica's ingestion CPU budget spent, or its queue over half full), behind (the "
-            "source read for zmq max_behind_s without finding its socket empty) or backlog (it found "
-            "more than zmq max_backlog_bytes queued).",
+            "source read for zmq max_behind_s without finding its socket empty), backlog (it found "
+            "more than zmq max_backlog_bytes queued) or frames (a message of more than 8 frames, read "
+            "no further: the SUB is dropped with the rest of it and reopened).",
             ["replica", "cause"],
         ),
         events_relay_history_trimmed_total=counter(
@@ -576,6 +583,13 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_disconnects_total",
             "Dropped connections to a ZMQ event publisher: the engine went away, the network failed, or "
             "ZMQ refused a message over limits.event_message_bytes (the rank resyncs, the SUB is reopened).",
+            ["replica"],
+        ),
+        events_decoder_forgotten_total=counter(
+            "kvlb_events_decoder_forgotten_total",
+            "Entries of a replica's decoder memory dropped, oldest first, at its cap: TRT-LLM's "
+            "partial-block hashes past max_partial_hashes (65,536; a forgotten one's later removal "
+            "reaches the index as an unknown hash, and its block's update as a plain store).",
             ["replica"],
         ),
         events_lag_seconds=gauge(
@@ -634,6 +648,7 @@ class _ReplicaCollectors:
     scrape_errors_total: Counter
     replica_pending_drains_dropped_total: Counter
     replica_kept_drains_dropped_total: Counter
+    replica_removed_ids_forgotten_total: Counter
     load_share_overflow_replicas_total: Counter
     load_share_overflow_tenants_total: Counter
     load_share_torn_reads_total: Counter
@@ -718,6 +733,12 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "Drains of replicas discovery removed, kept for their id (health_drain_keep_s), dropped "
             "before their time for newer ones (at most 4,096 kept and 4 MiB).",
         ),
+        replica_removed_ids_forgotten_total=counter(
+            "kvlb_replica_removed_ids_forgotten_total",
+            "Ids of replicas removed from their pools forgotten, oldest first, past the 4,096 kept "
+            "(REMOVED_REPLICAS_REMEMBERED): a request still in flight on a forgotten one brings its "
+            'series back under its own replica label instead of replica="(removed)".',
+        ),
     )
 
 
@@ -735,6 +756,7 @@ class _ProcessCollectors:
     process_restarts_total: Counter
     process_workers_crash_looping: Gauge
     log_suppressed_total: Counter
+    log_causes_forgotten_total: Counter
 
 
 def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
@@ -760,6 +782,13 @@ def _process_collectors(reg: CollectorRegistry) -> _ProcessCollectors:
         log_suppressed_total=counter(
             "kvlb_log_suppressed_total",
             "Repeated warnings held back by the log rate limiter (balancer/log_limit.py), by cause.",
+            ["cause"],
+        ),
+        log_causes_forgotten_total=counter(
+            "kvlb_log_causes_forgotten_total",
+            "Causes (a call site's cause and its subject, a replica) the log rate limiter forgot, "
+            "least recently seen first, past its 1,024 a limiter; by the forgotten one's cause. A "
+            "forgotten cause's next occurrence is logged at once, its held-back count lost.",
             ["cause"],
         ),
     )
@@ -999,6 +1028,10 @@ class Metrics(
     key_memos: KeyMemoCollector
     segment_caches: SegmentCacheCollector
     load_trackers: LoadTrackerCollector
+    parent_hints_dropped: DropsCollector
+    """``kvlb_redis_parent_hints_dropped_total{space}``: the fleet runtime sets its source."""
+    discovery_over_cap: DropsCollector
+    """``kvlb_discovery_objects_over_cap_total{bound}``: set when discovery starts."""
     children: Children = field(default_factory=Children)
     """The request path's ``labels()`` children, memoised (:class:`Children`)."""
     removed: RemovedReplicas = field(default_factory=RemovedReplicas)
@@ -1018,6 +1051,7 @@ class Metrics(
         self.removed.discard(replica)
         if events:
             self.events_applied_batches_total.labels(replica)
+            self.events_decoder_forgotten_total.labels(replica)
         for reason in DECODE_ERROR_REASONS:
             self.events_decode_errors_total.labels(replica, engine, reason)
         for kind, status in APPLIED_OUTCOMES:
@@ -1103,21 +1137,41 @@ class Metrics(
         reg.register(segment_caches)
         load_trackers = LoadTrackerCollector()
         reg.register(load_trackers)
+        parent_hints_dropped = DropsCollector(
+            "kvlb_redis_parent_hints_dropped",
+            "Parent hints (engine hash to key, what this writer last stored per cache) dropped, oldest "
+            "first, past parent_hints_per_cache (65,536 a cache), by key space: a parent whose hint "
+            "went costs APPLY one retry, never a wrong key.",
+            "space",
+        )
+        reg.register(parent_hints_dropped)
+        discovery_over_cap = DropsCollector(
+            "kvlb_discovery_objects_over_cap",
+            "Kubernetes objects (pods or EndpointSlices) discovery did not keep, by the bound that "
+            "refused them: count (4 x discovery.max_replicas objects kept) or bytes "
+            "(discovery.max_object_bytes of kept objects); their replicas are not added.",
+            "bound",
+        )
+        reg.register(discovery_over_cap)
+        replica_collectors = _replica_collectors(reg)
         metrics = cls(
             registry=reg,
+            removed=RemovedReplicas(replica_collectors.replica_removed_ids_forgotten_total),
             index_tables=tables,
             upstream_connections=connections,
             token_id_memo=token_id_memo,
             key_memos=key_memos,
             segment_caches=segment_caches,
             load_trackers=load_trackers,
+            parent_hints_dropped=parent_hints_dropped,
+            discovery_over_cap=discovery_over_cap,
             **_fields(_http_collectors(reg, ttft_slo_s)),
             **_fields(_admission_collectors(reg)),
             **_fields(_upstream_collectors(reg)),
             **_fields(_route_collectors(reg)),
             **_fields(_events_collectors(reg)),
             **_fields(_index_collectors(reg)),
-            **_fields(_replica_collectors(reg)),
+            **_fields(replica_collectors),
             **_fields(_process_collectors(reg)),
             **_fields(_redis_collectors(reg)),
             **_fields(_console_collectors(reg)),

@@ -25,7 +25,10 @@ every part; naming parts runs only those:
 * ``discovery``: what Kubernetes discovery keeps of a pod and an EndpointSlice (the fixtures of
   ``tests/fixtures/k8s/``, trimmed real objects), whole and as
   :func:`~balancer.discovery.k8s_objects.kept_pod` and
-  :func:`~balancer.discovery.k8s_objects.kept_slice` keep them (each parsed, kept, the rest freed);
+  :func:`~balancer.discovery.k8s_objects.kept_slice` keep them (each parsed, kept, the rest freed),
+  with what :func:`~balancer.discovery.k8s_objects.kept_bytes` counts of each kept one (the figure
+  ``discovery.max_object_bytes`` bounds); also a slice of 1,000 endpoints (Kubernetes' most) and a
+  pod with 64 KiB of ``kvlb.io/`` annotations, made from the fixtures;
 * ``audit``: :class:`~balancer.service.audit.AuditLog`, a change of every weight with the longest
   reason and actor.
 
@@ -45,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from balancer.api.middleware import MAX_REQUEST_ID_CHARS
-from balancer.discovery.k8s_objects import kept_pod, kept_slice
+from balancer.discovery.k8s_objects import kept_bytes, kept_pod, kept_slice
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.index.hashing import MEMO_CHUNK_BLOCKS, KeyMemo
 from balancer.index.redis.plan import BatchPlan, ParentHints
@@ -260,17 +263,41 @@ def _kept(text: str, count: int, keep: Callable[[dict[str, Any]], object]) -> ob
     return [keep(json.loads(text)) for _ in range(count)]
 
 
+def _large_objects() -> dict[str, str]:
+    """A slice of 1,000 endpoints and a pod with 64 KiB of the prefix's annotations, from the
+    fixtures (distinct names, addresses and UIDs, as a real one has)."""
+    slice_obj = json.loads((K8S_FIXTURES / "endpointslice-sglang.json").read_text())
+    endpoint = slice_obj["endpoints"][0]
+    endpoints = []
+    for n in range(1000):
+        item = json.loads(json.dumps(endpoint))
+        item["addresses"] = [f"10.{n // 250}.{n % 250}.17"]
+        item["targetRef"].update(name=f"sglang-{n}", uid=f"9f1c2d3e-0000-4000-8000-{n:012d}")
+        item["hostname"] = f"sglang-{n}"
+        endpoints.append(item)
+    slice_obj["endpoints"] = endpoints
+    pod = json.loads((K8S_FIXTURES / "pod-sglang-0.json").read_text())
+    pod["metadata"]["annotations"].update({f"kvlb.io/extra-{n}": "x" * 1000 for n in range(64)})
+    return {"slice of 1,000 endpoints": json.dumps(slice_obj), "pod, 64 KiB of annotations": json.dumps(pod)}
+
+
 def discovery() -> None:
-    count = 4096
-    keeps: dict[str, Callable[[dict[str, Any]], object]] = {
-        "pod-sglang-0.json": _kept_pod,
-        "endpointslice-sglang.json": kept_slice,
+    keeps: dict[str, tuple[str, Callable[[dict[str, Any]], object]]] = {
+        "pod-sglang-0.json": ((K8S_FIXTURES / "pod-sglang-0.json").read_text(), _kept_pod),
+        "endpointslice-sglang.json": ((K8S_FIXTURES / "endpointslice-sglang.json").read_text(), kept_slice),
     }
-    for name, keep in keeps.items():
-        text = (K8S_FIXTURES / name).read_text()
+    large = _large_objects()
+    keeps["slice of 1,000 endpoints"] = (large["slice of 1,000 endpoints"], kept_slice)
+    keeps["pod, 64 KiB of annotations"] = (large["pod, 64 KiB of annotations"], _kept_pod)
+    for name, (text, keep) in keeps.items():
+        count = 4096 if len(text) < 100_000 else 64
         whole = per_entry(functools.partial(_parsed, text, count), count)
         kept = per_entry(functools.partial(_kept, text, count, keep), count)
-        print(f"discovery {name}: {len(text)} B of JSON: whole {whole:.0f} B an object, kept {kept:.0f} B")
+        counted = kept_bytes(keep(json.loads(text)))
+        print(
+            f"discovery {name}: {len(text)} B of JSON: whole {whole:.0f} B an object, kept {kept:.0f} B, "
+            f"kept_bytes {counted} B ({counted / kept:.2f}x)"
+        )
 
 
 def audit() -> None:

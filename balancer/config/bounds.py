@@ -154,6 +154,7 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType(
         "discovery.request_timeout_s": _GT0,
         "discovery.backoff_max_s": _GT0,
         "discovery.max_replicas": _GE1,
+        "discovery.max_object_bytes": Bound(64 * 1024, 16 * 1024**3),
         "console.decision_ring_size": Bound(0, 1_000_000),
         "console.decision_ring_bytes": _GT0,
         "console.audit_log_size": _GE1,

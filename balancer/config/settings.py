@@ -641,6 +641,12 @@ class DiscoveryConfig:
     """``kind: kubernetes``: longest wait between retries after an API error (exponential from 0.5 s)."""
     max_replicas: int = 1024
     """Most discovered replicas; the rest are skipped and logged."""
+    max_object_bytes: int = 64 * 1024 * 1024
+    """``kind: kubernetes``: bytes of the pods or EndpointSlices discovery keeps (what it reads of
+    each, counted by ``kept_bytes``: about 3.4 kB a pod, 1.3 kB an endpoint of a slice) and of the
+    ``annotation_prefix`` annotations it reads of each slice endpoint's pod; an object or a pod's
+    annotations that do not fit are not kept, the replica not added
+    (``kvlb_discovery_objects_over_cap_total{bound="bytes"}``). In [64 KiB, 16 GiB]."""
 
     def validate(self) -> None:
         """Raise :class:`ConfigError` naming the first bad field."""

@@ -25,6 +25,7 @@ merely not ready stays (kvlb's own health probes keep it out of routing without 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -171,6 +172,23 @@ def kept_pod(pod: Mapping[str, Any], prefix: str) -> dict[str, Any]:
         "status": _subset(pod.get("status") or {}, ("phase", "podIP")),
         "spec": kept_spec,
     }
+
+
+def kept_bytes(kept: object) -> int:
+    """The bytes a kept object holds, on the high side: ``sys.getsizeof`` of each dict, list, string
+    and number in it, a string shared by several counted each time (``discovery.max_object_bytes``
+    adds these up)."""
+    total = 0
+    stack = [kept]
+    while stack:
+        item = stack.pop()
+        total += sys.getsizeof(item)
+        if isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return total
 
 
 def _kept_endpoint(item: Mapping[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,11 @@ Two tasks share the state of the watched objects:
   reads the annotations of pods it has not seen (one GET per pod incarnation, 8 at a time). A pod
   whose GET fails keeps its previous replica and is retried after ``retry_s``.
 
-Bursts of watch events coalesce into one reconcile. Objects held are capped at 4 × ``max_replicas``.
+Bursts of watch events coalesce into one reconcile. Objects held are capped at 4 × ``max_replicas``
+and at ``max_object_bytes`` of what is kept of them and of the pods' annotations read for a slice's
+endpoints (:func:`kept_bytes`); an object over either cap is not kept, nor a pod's annotations over
+the bytes (its replica is not added) (``over_cap``, ``over_cap_bytes``:
+``kvlb_discovery_objects_over_cap_total{bound}``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from balancer.discovery.k8s_objects import (
     build_replicas,
     endpoint_from_pod,
     endpoints_from_slices,
+    kept_bytes,
     kept_pod,
     kept_slice,
     pod_annotations,
@@ -74,13 +79,26 @@ class KubernetesDiscovery:
         self._publisher = ReplicaPublisher("kubernetes", config.max_replicas)
         self._max_objects = 4 * config.max_replicas
         self._objects: dict[str, dict[str, Any]] = {}
+        self._sizes: dict[tuple[str, str], int] = {}
+        """``("object", name)`` → :func:`kept_bytes` of its kept object, ``("pod", name)`` → of the
+        pod's annotations read for a slice's endpoint; they add up to ``_held_bytes``."""
+        self._held_bytes = 0
+        self._bytes_warned = False
         self._resource_version: str | None = None
         self._dirty = asyncio.Event()
         self._needs_retry = False
         self._annotations: dict[str, tuple[str, dict[str, str]]] = {}
         """Pod name → (pod UID asked for, its annotations): one GET per pod incarnation."""
         self._skipped: dict[str, str] = {}
-        self.counters = {"lists": 0, "watches": 0, "expired": 0, "errors": 0, "events": 0, "over_cap": 0}
+        self.counters = {
+            "lists": 0,
+            "watches": 0,
+            "expired": 0,
+            "errors": 0,
+            "events": 0,
+            "over_cap": 0,
+            "over_cap_bytes": 0,
+        }
         self.last_error: str | None = None
 
     @property
@@ -101,9 +119,14 @@ class KubernetesDiscovery:
             resource_version=self._resource_version,
             skipped=dict(self._skipped),
             last_error=self.last_error,
+            object_bytes=self._held_bytes,
             **self.counters,
         )
         return status
+
+    def over_cap(self) -> dict[str, int]:
+        """Objects not kept, by the cap that refused them (``kvlb_discovery_objects_over_cap_total``)."""
+        return {"count": self.counters["over_cap"], "bytes": self.counters["over_cap_bytes"]}
 
     async def run(self, emit: Emit) -> None:
         """List, watch and reconcile until cancelled."""
@@ -151,7 +174,12 @@ class KubernetesDiscovery:
         if len(items) > self._max_objects:
             self.counters["over_cap"] += len(items) - self._max_objects
             log.warning("kubernetes discovery: %d objects match; keeping %d", len(items), self._max_objects)
-        self._objects = {_name(obj): self._kept(obj) for obj in items[: self._max_objects]}
+        for name in self._objects:
+            self._held_bytes -= self._sizes.pop(("object", name), 0)
+        self._objects = {}
+        self._bytes_warned = False  # one line a list, and one a watch (below), while over the cap
+        for obj in items[: self._max_objects]:
+            self._keep(_name(obj), self._kept(obj))
         self._resource_version = result.resource_version
         self.counters["lists"] += 1
         self._dirty.set()
@@ -160,6 +188,7 @@ class KubernetesDiscovery:
         """One watch request; ``True`` if it delivered at least one event."""
         assert self._resource_version is not None
         self.counters["watches"] += 1
+        self._bytes_warned = False
         delivered = False
         path, selector = self.collection_path, self.config.label_selector
         async for event in api.watch(path, selector, self._resource_version, self.config.watch_timeout_s):
@@ -180,12 +209,48 @@ class KubernetesDiscovery:
             if name not in self._objects and len(self._objects) >= self._max_objects:
                 self.counters["over_cap"] += 1
                 return
-            self._objects[name] = self._kept(obj)
+            self._keep(name, self._kept(obj))
         elif kind == "DELETED":
-            self._objects.pop(name, None)
+            self._drop(name)
         else:  # BOOKMARK (only moves the version) or a type we do not know
             return
         self._dirty.set()
+
+    def _keep(self, name: str, kept: dict[str, Any]) -> None:
+        """Keep ``kept`` under ``name`` (replacing its previous version) if it fits in
+        ``max_object_bytes``; one that does not is not kept, and its previous version goes too (its
+        replica is removed rather than left as it was)."""
+        if self._fits(("object", name), kept):
+            self._objects[name] = kept
+        else:
+            self._drop(name)
+
+    def _drop(self, name: str) -> None:
+        self._objects.pop(name, None)
+        self._held_bytes -= self._sizes.pop(("object", name), 0)
+
+    def _fits(self, key: tuple[str, str], kept: object) -> bool:
+        """Count ``kept`` under ``key`` (in place of what was counted there) if it fits in
+        ``max_object_bytes`` with the rest held; else count it over the cap (``False``)."""
+        size = kept_bytes(kept)
+        held = self._held_bytes - self._sizes.pop(key, 0)
+        if held + size <= self.config.max_object_bytes:
+            self._sizes[key] = size
+            self._held_bytes = held + size
+            return True
+        self._held_bytes = held
+        self.counters["over_cap_bytes"] += 1
+        if not self._bytes_warned:
+            self._bytes_warned = True
+            log.warning(
+                "kubernetes discovery: %s %s (%d B kept) does not fit in discovery.max_object_bytes "
+                "(%d B, %d held): not kept (kvlb_discovery_objects_over_cap_total counts the rest)",
+                *key,
+                size,
+                self.config.max_object_bytes,
+                held,
+            )
+        return False
 
     def _kept(self, obj: Mapping[str, Any]) -> dict[str, Any]:
         """What reconciling reads of ``obj`` (:func:`kept_pod`, :func:`kept_slice`): the objects
@@ -246,6 +311,7 @@ class KubernetesDiscovery:
         wanted = {e.pod: e.pod_uid for e in endpoints}
         for name in [n for n in self._annotations if n not in wanted]:
             del self._annotations[name]
+            self._held_bytes -= self._sizes.pop(("pod", name), 0)
         missing = [
             n for n, uid in wanted.items() if n not in self._annotations or self._annotations[n][0] != uid
         ]
@@ -264,9 +330,10 @@ class KubernetesDiscovery:
             elif isinstance(result, BaseException):
                 raise result
             elif result is not None:  # None: the pod is gone and the slice will follow
-                self._annotations[name] = (
-                    wanted[name],
-                    pod_annotations(result, self.config.annotation_prefix),
-                )
+                kept = pod_annotations(result, self.config.annotation_prefix)
+                if self._fits(("pod", name), kept):
+                    self._annotations[name] = (wanted[name], kept)
+                else:  # not added (its annotations unknown), asked again at the next change
+                    self._annotations.pop(name, None)
         known = {name: entry[1] for name, entry in self._annotations.items() if name in wanted}
         return known, failed

@@ -38,7 +38,9 @@ class DecodedBatch:
     ``positions`` maps each DP rank the message held events of to the last per-event id of that rank
     in it (TRT-LLM's ``event_id``, ignored and malformed events included), so that a balancer taking
     the replica over can check that what it drains next follows on (empty when the transport numbers
-    messages instead: ``seq``).
+    messages instead: ``seq``). ``forgotten`` counts the entries of the decoder's per-stream memory
+    dropped at its cap while decoding this message (TRT-LLM's partial-block hashes past
+    ``max_partial_hashes``), for ``kvlb_events_decoder_forgotten_total``.
     """
 
     events: list[KvEvent]
@@ -49,6 +51,7 @@ class DecodedBatch:
     ignored: int = 0
     errors: tuple[str, ...] = field(default_factory=tuple)
     positions: dict[int, int] = field(default_factory=dict)
+    forgotten: int = 0
 
 
 class Decoder(Protocol):

@@ -222,8 +222,10 @@ class TrtllmDecoder:
     ) -> None:
         """``tokens_per_block`` must equal the engine's; ``max_partial_hashes`` caps the remembered
         partial-block hashes over all ranks (the oldest is forgotten first, counted in
-        ``partial_overflow``; a forgotten one's removal then reaches the index as an unknown hash,
-        which it ignores); ``max_dp_ranks`` bounds ``attention_dp_rank`` (larger is malformed)."""
+        ``partial_overflow`` and in each batch's ``forgotten``, exported as
+        ``kvlb_events_decoder_forgotten_total``; a forgotten one's removal then reaches the index as
+        an unknown hash, which it ignores); ``max_dp_ranks`` bounds ``attention_dp_rank`` (larger is
+        malformed)."""
         for name, value in (
             ("tokens_per_block", tokens_per_block),
             ("max_partial_hashes", max_partial_hashes),
@@ -245,6 +247,7 @@ class TrtllmDecoder:
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch:
         """Decode one drain; raises ``EventDecodeError`` when the body is not a JSON list."""
         body = _parse_body(frames)
+        overflow_before = self.partial_overflow
         out = _Out()
         errors: list[str] = []
         for index, raw in enumerate(body):
@@ -253,7 +256,13 @@ class TrtllmDecoder:
             except _Malformed as exc:
                 errors.append(f"event {index}: {exc}")
         positions = {rank: self._ranks[rank].last_event_id for rank in out.ranks}
-        return DecodedBatch(events=out.events, ignored=out.ignored, errors=tuple(errors), positions=positions)
+        return DecodedBatch(
+            events=out.events,
+            ignored=out.ignored,
+            errors=tuple(errors),
+            positions=positions,
+            forgotten=self.partial_overflow - overflow_before,
+        )
 
     def resume_after(self, positions: Mapping[int, int]) -> None:
         """Rank → the last ``event_id`` a previous consumer of this engine's drain applied: that

@@ -162,7 +162,9 @@ class DrainSync:
         """Syncs that read the whole hash (the others read the changed entries only)."""
         self.redis_clock_offset_s = 0.0
         """Redis's ``TIME`` minus this balancer's wall clock at the last sync, seconds."""
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+        self._warnings = LimitedWarnings(
+            log, metrics.log_suppressed_total, clock=monotonic, forgotten=metrics.log_causes_forgotten_total
+        )
         for reason in WHOLE_READ_REASONS:
             metrics.redis_drain_whole_reads_total.labels(reason)
 

@@ -168,7 +168,12 @@ class LeaseManager:
         self._members_key = members_key
         self._health = health
         self._metrics = metrics
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=metrics.log_causes_forgotten_total,
+        )
         self._build_sources = build_sources
         self._on_redis = on_redis
         self._lost: dict[ReplicaId, int] = {}

@@ -125,7 +125,9 @@ class PolicySync:
         """Whether a policy was read from Redis yet: what the first read adopts replaces the
         configured one, and may span several versions."""
         self._lock = asyncio.Lock()
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+        self._warnings = LimitedWarnings(
+            log, metrics.log_suppressed_total, clock=monotonic, forgotten=metrics.log_causes_forgotten_total
+        )
         control.committer = self.commit
 
     @property

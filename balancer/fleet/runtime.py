@@ -169,12 +169,20 @@ class FleetRuntime:
         self._eviction_risk: str | None = None
         """Why Redis may evict kvlb's keys (its ``maxmemory-policy``), or ``None``."""
         self._eviction_checked_at = 0.0
-        self._warnings = LimitedWarnings(log, state.metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            state.metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=state.metrics.log_causes_forgotten_total,
+        )
         self.leases: LeaseManager | None = None
         self.policy: PolicySync | None = None
         self.drains: DrainSync | None = None
         self.snapshots: SnapshotKeeper | None = None
         self._seen_repairs = 0
+        state.metrics.parent_hints_dropped.source = lambda: {
+            entry.name: entry.index.hints_dropped for entry in self._spaces
+        }
 
     # ------------------------------------------------------------------ building
 
@@ -224,6 +232,7 @@ class FleetRuntime:
             # the mirror follows the Redis index, which clears a rank at every gap: no gap hold
             limits=dataclasses.replace(space.table.limits, gap_hold_s=0.0),
             suppressed=state.metrics.log_suppressed_total, between_entries=yield_gil,
+            forgotten=state.metrics.log_causes_forgotten_total,
         )  # fmt: skip
         entry = _Space(name, space, index, ingest, SpaceMirror(self.thread, mirror, _installer(space), name))
         self._spaces.append(entry)

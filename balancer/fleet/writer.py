@@ -109,7 +109,12 @@ class FencedWriter:
         self._on_redis = on_redis
         self._retry = retry or RetrySettings()
         self._wall_clock = wall_clock
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=metrics.log_causes_forgotten_total,
+        )
         self.thread: str | None = None
         """Name of the thread the last write ran on (``None`` before the first): the ingest thread
         in a running balancer (``/admin/fleet`` shows it; tests check it)."""

@@ -210,12 +210,15 @@ def count_decode_error(metrics: Metrics, engine: str, replica: ReplicaId, exc: E
 
 
 def count_decoded(metrics: Metrics, engine: str, replica: ReplicaId, batch: DecodedBatch) -> None:
-    """Count what a good message still lost: malformed events and events ignored on purpose."""
+    """Count what a good message still lost: malformed events and events ignored on purpose; and
+    what its decoder forgot at a cap (``kvlb_events_decoder_forgotten_total``)."""
     if batch.errors:
         metrics.events_decode_errors_total.labels(replica, engine, PER_EVENT_ERROR).inc(len(batch.errors))
         log.debug("replica %s: %d malformed events, first: %s", replica, len(batch.errors), batch.errors[0])
     if batch.ignored:
         metrics.events_applied_total.labels(engine, "other", "ignored").inc(batch.ignored)
+    if batch.forgotten:
+        metrics.events_decoder_forgotten_total.labels(replica).inc(batch.forgotten)
 
 
 def report_malformed(

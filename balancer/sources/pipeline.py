@@ -203,7 +203,9 @@ class ReplicaPipeline:
         self._queue: asyncio.Queue[tuple[IngestBatch, int]] = asyncio.Queue(self.settings.queue_max_batches)
         self.queued_bytes = 0
         """:func:`batch_bytes` of the queued batches."""
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+        self._warnings = LimitedWarnings(
+            log, metrics.log_suppressed_total, clock=monotonic, forgotten=metrics.log_causes_forgotten_total
+        )
         self._unsure_ranks: set[int] = set()
         self.overflows = 0
         self.applied_batches = 0

@@ -152,7 +152,12 @@ class TrtllmPoller:
         self._session = session
         self._decoder = decoder
         self._metrics = metrics
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=metrics.log_causes_forgotten_total,
+        )
         self._engine = decoder.engine
         self._interval_s = self.settings.min_interval_s
         self._backoff = Backoff(self.settings.error_backoff_initial_s, self.settings.error_backoff_max_s)

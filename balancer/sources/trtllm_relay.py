@@ -269,7 +269,12 @@ class RelaySource:
         self._decoder = decoder
         self._metrics = metrics
         self._engine = decoder.engine
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=metrics.log_causes_forgotten_total,
+        )
         self._max_message_bytes = max_message_bytes
         self._catch_up_timeout_s = catch_up_timeout_s
         self._counters = SourceCounters()

@@ -36,7 +36,8 @@ class ZmqSourceSettings:
     is cleared again by its run's resync (0.25 s was measured: it did not improve the other pools'
     p99s, ``docs/benchmark-history.md``, "The event flood, round 2"). Must be > 0."""
     max_backlog_bytes: int = 32 * 1024 * 1024
-    """Most bytes of messages the source reads ahead of its decoding (bytes): it takes everything
+    """Most bytes of messages the source reads ahead of its decoding (bytes; a frame counts 200 B
+    besides its own, what its ``zmq.Frame`` holds): it takes everything
     queued on the SUB off the socket before decoding the next message, and a backlog larger than
     this is a flood at once, without waiting ``max_behind_s``: the message at hand and everything
     after it are dropped undecoded (the rank resyncs once, a run counted in

@@ -57,6 +57,10 @@ publisher from 0. This source keeps the stream in order:
   of the run's first accepted shed message, and the run is counted by its cause
   (``kvlb_events_shed_runs_total``). Its payload is unknown, so it cannot tell a duplicate from a
   restarted publisher's batch at the same seq: such a message resyncs the rank too.
+* **Messages of many frames.** ZMQ bounds a frame's size and the pipe's messages, not a message's
+  frames; the read-ahead reads at most ``MAX_MESSAGE_FRAMES`` of one. A message with more is shed
+  (cause ``frames``: its seq taken in order, the run's resync) and the SUB dropped with the rest of
+  it, as a flood is (below).
 * **Floods.** Before decoding a message the source takes everything queued on the SUB off the
   socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``:
   :mod:`balancer.sources.read_ahead`). A backlog over that bound (cause ``backlog``), or one the
@@ -110,7 +114,7 @@ from balancer.sources.base import (
     count_decoded,
     report_malformed,
 )
-from balancer.sources.read_ahead import ReadAhead
+from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ReadAhead
 from balancer.sources.replay_watch import EngineGone, ReplayWatch
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
@@ -157,6 +161,20 @@ REPLAY_SILENT = (
 """The ``last_error`` of a source whose replay request went unanswered."""
 
 
+async def _recv_reply(dealer: zmq.asyncio.Socket, first: zmq.Frame) -> list[bytes]:
+    """One replay reply from its ``first`` frame (awaited by the caller, which may give up on it:
+    ZMQ delivers a message's frames together, so the rest are there once the first is), read frame
+    by frame up to ``MAX_MESSAGE_FRAMES`` (a reply has 3 or 4); raises ``EventDecodeError("frame")``
+    for a longer one, whose other frames are left unread (the replay then ends unclean, and its
+    DEALER is closed with them)."""
+    frames: list[zmq.Frame] = [first]
+    while frames[-1].more:
+        if len(frames) == MAX_MESSAGE_FRAMES:
+            raise EventDecodeError("frame", f"replay reply of more than {MAX_MESSAGE_FRAMES} frames")
+        frames.append(await dealer.recv(copy=False))
+    return [frame.bytes for frame in frames]
+
+
 def _is_replay_end(frames: Sequence[bytes]) -> bool:
     """The end of a replay: ``[b"", seq -1, b""]`` (SGLang) or ``[b"", b"", seq -1, b""]`` (vLLM)."""
     return len(frames) in (3, 4) and frames[0] == b"" and frames[-2] == REPLAY_END and frames[-1] == b""
@@ -193,7 +211,12 @@ class ZmqEventSource:
         self._ctx = ctx
         self._decoder = decoder
         self._metrics = metrics
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=time.monotonic)
+        self._warnings = LimitedWarnings(
+            log,
+            metrics.log_suppressed_total,
+            clock=time.monotonic,
+            forgotten=metrics.log_causes_forgotten_total,
+        )
         self._engine = decoder.engine
         self._want = resume_seq if resume_seq is not None else 0
         self._caught_up_from: int | None = None
@@ -383,10 +406,14 @@ class ZmqEventSource:
     ) -> None:
         """Handle the messages queued on ``sub`` now (at most ``limit``, so the monitor gets a turn).
         ``may_drop``: a flood is dropped with the SUB (:meth:`_drop_backlog`); elsewhere (a catch-up,
-        the last messages of a lost connection) its messages are shed one by one."""
+        the last messages of a lost connection) its messages are shed one by one. A message of too
+        many frames shed where the SUB could not be dropped is dropped with it at the next turn here
+        (the rest of that message is still on the SUB, to be read by no one)."""
         for _ in range(limit):
             read = self._ahead.read(self.gate)
             if read is None:
+                if may_drop and self._ahead.refused:
+                    self._drop_backlog(emit)
                 return
             await self._on_message(*read, emit)
             if may_drop and read[1] and self._ahead.shed_cause != "budget":
@@ -715,15 +742,27 @@ class ZmqEventSource:
         if self._shedding:
             return
         self._shedding = True
-        self._metrics.events_shed_runs_total.labels(self.replica, self._ahead.shed_cause).inc()
-        self._warnings.warning(
-            "events_shed",
-            self.replica,
-            "replica %s rank %d: events arrive faster than its ingestion budget allows; "
-            "dropping messages undecoded and resyncing",
-            self.replica,
-            self.dp_rank,
-        )
+        cause = self._ahead.shed_cause
+        self._metrics.events_shed_runs_total.labels(self.replica, cause).inc()
+        if cause == "frames":
+            self._warnings.warning(
+                "events_frames",
+                self.replica,
+                "replica %s rank %d: a message of more than %d frames (no engine sends one): read no "
+                "further, dropped with the SUB, resyncing",
+                self.replica,
+                self.dp_rank,
+                MAX_MESSAGE_FRAMES,
+            )
+        else:
+            self._warnings.warning(
+                "events_shed",
+                self.replica,
+                "replica %s rank %d: events arrive faster than its ingestion budget allows; "
+                "dropping messages undecoded and resyncing",
+                self.replica,
+                self.dp_rank,
+            )
         self._resync(emit, "overflow")
 
     def _note_incarnation(self, batch: DecodedBatch, digest: int | None, *, live: bool) -> None:
@@ -808,7 +847,8 @@ class ZmqEventSource:
                 request = [b"", start_seq.to_bytes(SEQ_BYTES, "big")]
                 await self._watch.until_gone(dealer.send_multipart(request))
                 for _ in range(self.settings.replay_max_batches):
-                    frames = await self._watch.until_gone(dealer.recv_multipart())
+                    first = await self._watch.until_gone(dealer.recv(copy=False))
+                    frames = await _recv_reply(dealer, first)
                     if _is_replay_end(frames):
                         complete = True
                         self._warnings.resolved("replay_timeout", f"{self.replica}/{self.dp_rank}")
@@ -838,6 +878,8 @@ class ZmqEventSource:
                 start_seq,
                 text,
             )
+        except EventDecodeError as exc:  # a reply of too many frames: the DEALER goes with its rest
+            self._decode_failed(exc)
         except zmq.ZMQError as exc:
             if exc.errno == zmq.ETERM:
                 raise

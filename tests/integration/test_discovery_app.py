@@ -210,6 +210,9 @@ async def test_kubernetes_discovery_adds_then_removes_a_replica() -> None:
             assert setup.balancer.replicas is not None
             assert setup.balancer.replicas.discovery is not None
             assert setup.balancer.replicas.discovery.status()["removed"] == 1
+            scraped = await setup.get("/metrics")  # the caps of the objects it keeps, exported
+            assert 'kvlb_discovery_objects_over_cap_total{bound="count"} 0.0' in scraped
+            assert 'kvlb_discovery_objects_over_cap_total{bound="bytes"} 0.0' in scraped
 
 
 async def test_a_request_ending_after_its_replica_left_brings_back_no_series(tmp_path: Path) -> None:

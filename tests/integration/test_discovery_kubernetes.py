@@ -12,9 +12,11 @@ from typing import Any
 
 import pytest
 from fake_kube_api import NAMESPACE, PODS, SLICES, TOKEN, FakeKubeApi, fixture, serving
+from prometheus_client import generate_latest
 
 from balancer.config import DiscoveryConfig
 from balancer.discovery import DiscoveryEvent, KubernetesDiscovery, ReplicaAdded, ReplicaRemoved
+from balancer.metrics import Metrics
 from balancer.types import ReplicaId
 
 SLICE = "sglang-engines-x7k2p"
@@ -373,5 +375,88 @@ async def test_discovery_keeps_only_what_it_reads_of_each_object(kube: FakeKubeA
             "sglang-1 replaced", lambda: discovery.current()[ReplicaId("sglang-1")].instance == "uid-1b"
         )
         assert len(json.dumps(discovery._objects["sglang-1"])) < 2048
+    finally:
+        await stop(task)
+
+
+def _annotated(name: str, uid: str, ip: str, annotation_bytes: int) -> dict[str, Any]:
+    """A pod whose ``kvlb.io/`` annotations (which discovery keeps) hold ``annotation_bytes``."""
+    pod = make_pod(name, uid, ip)
+    pod["metadata"]["annotations"].update(
+        {f"kvlb.io/extra-{n}": "x" * 1000 for n in range(annotation_bytes // 1000)}
+    )
+    return pod
+
+
+async def test_kept_objects_are_bounded_in_bytes_and_both_caps_are_exported(
+    kube: FakeKubeApi, token_file: Path
+) -> None:
+    """``discovery.max_object_bytes`` bounds what discovery keeps (by ``kept_bytes``): an object
+    that does not fit is not kept and its replica not added, or removed when a watch event makes it
+    too big; ``kvlb_discovery_objects_over_cap_total{bound}`` counts those refused for bytes and for
+    the count cap (4 × ``max_replicas``), which was only in the discovery's status."""
+    for number in range(3):
+        kube.put(PODS, make_pod(f"sglang-{number}", f"uid-{number}", f"10.244.1.{number + 1}"))
+    kube.put(PODS, _annotated("sglang-big", "uid-big", "10.244.1.9", 80_000))
+    recorder = Recorder()
+    discovery, task = start(kube, token_file, recorder, resource="pods", max_object_bytes=64 * 1024)
+    metrics = Metrics.create()
+    metrics.discovery_over_cap.source = discovery.over_cap
+    sample = metrics.registry.get_sample_value
+    try:
+        await recorder.count(3)
+        assert sorted(discovery.current()) == [f"sglang-{n}" for n in range(3)]
+        assert sample("kvlb_discovery_objects_over_cap_total", {"bound": "bytes"}) == 1
+        assert sample("kvlb_discovery_objects_over_cap_total", {"bound": "count"}) == 0
+        held = discovery.status()["object_bytes"]
+        assert isinstance(held, int) and 3 * 2_000 < held <= 64 * 1024
+        kube.put(PODS, _annotated("sglang-1", "uid-1", "10.244.1.2", 62_000))  # grows past the cap
+        events = await recorder.count(4)
+        assert events[3] == ReplicaRemoved(MODEL, "sglang-1", "gone")  # type: ignore[arg-type]
+        assert sample("kvlb_discovery_objects_over_cap_total", {"bound": "bytes"}) == 2
+        kube.put(PODS, make_pod("sglang-1", "uid-1", "10.244.1.2"))  # small again: kept
+        await recorder.wait("sglang-1 back", lambda: ReplicaId("sglang-1") in discovery.current())
+        assert discovery.status()["object_bytes"] == held
+    finally:
+        await stop(task)
+    kube.objects[PODS].clear()
+    for number in range(6):
+        kube.put(PODS, make_pod(f"p-{number}", f"uid-p{number}", f"10.244.2.{number + 1}"))
+    recorder = Recorder()
+    discovery, task = start(kube, token_file, recorder, resource="pods", max_replicas=1)
+    metrics = Metrics.create()
+    metrics.discovery_over_cap.source = discovery.over_cap
+    try:
+        await recorder.count(1)
+        await until("a list", lambda: discovery.status()["lists"] == 1)
+        scraped = generate_latest(metrics.registry).decode()
+        assert 'kvlb_discovery_objects_over_cap_total{bound="count"} 2.0' in scraped  # 6 for 4 kept
+    finally:
+        await stop(task)
+
+
+async def test_pod_annotations_read_for_slices_count_in_the_byte_cap(
+    kube: FakeKubeApi, token_file: Path
+) -> None:
+    """With EndpointSlices, discovery reads each endpoint's pod once and keeps its ``kvlb.io/``
+    annotations: those count in ``discovery.max_object_bytes`` too. A pod whose annotations do not
+    fit is not added (counted under ``bound="bytes"``); the same pod, recreated small, is."""
+    kube.put(PODS, make_pod("sglang-0", "uid-0", "10.244.1.17"))
+    kube.put(PODS, _annotated("sglang-1", "uid-1", "10.244.2.23", 80_000))
+    kube.put(SLICES, make_slice(("sglang-0", "uid-0", "10.244.1.17"), ("sglang-1", "uid-1", "10.244.2.23")))
+    recorder = Recorder()
+    discovery, task = start(kube, token_file, recorder, max_object_bytes=64 * 1024)
+    try:
+        await recorder.count(1)
+        await until("the big pod refused", lambda: discovery.over_cap()["bytes"] >= 1)
+        assert sorted(discovery.current()) == ["sglang-0"]
+        held = discovery.status()["object_bytes"]
+        assert isinstance(held, int) and held < 16 * 1024  # the slice and one pod's annotations
+        kube.put(PODS, make_pod("sglang-1", "uid-1b", "10.244.2.23"))  # recreated small
+        kube.put(
+            SLICES, make_slice(("sglang-0", "uid-0", "10.244.1.17"), ("sglang-1", "uid-1b", "10.244.2.23"))
+        )
+        await recorder.wait("sglang-1 added", lambda: ReplicaId("sglang-1") in discovery.current())
+        assert discovery.over_cap()["count"] == 0
     finally:
         await stop(task)

@@ -9,6 +9,7 @@ speculative entries with expiry, a tiny LRU budget) and requires identical resul
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict
@@ -25,6 +26,7 @@ from balancer.index.memory import MemoryIndex
 from balancer.index.redis.client import RedisClient
 from balancer.index.redis.index import RedisIndex, StaleGenerationError
 from balancer.index.redis.schema import RedisIndexSettings
+from balancer.metrics import Metrics
 from balancer.types import EngineHash, ReplicaId
 
 pytestmark = pytest.mark.redis
@@ -260,3 +262,29 @@ async def _pools_stay_apart(redis_cluster: RedisClusterProcs, client: RedisClien
         assert (await index.stats()).held_blocks == 3 + indexes.index(index)
     await indexes[0].drop_replica(a)
     assert [(await index.stats()).held_blocks for index in indexes] == [0, 4, 5]
+
+
+async def test_parent_hints_dropped_at_the_cap_are_exported(redis_server: RedisServer) -> None:
+    """The writer's parent hints keep ``parent_hints_per_cache`` a cache, oldest out first; each one
+    dropped is counted and exported as ``kvlb_redis_parent_hints_dropped_total{space}`` (they went
+    uncounted). A dropped hint costs ``APPLY`` a retry, never a wrong key: the chain still stores."""
+    settings = dataclasses.replace(fresh_settings(), parent_hints_per_cache=4)
+    index = RedisIndex.from_url(redis_server.url, HASHER, settings)
+    metrics = Metrics.create()
+    metrics.parent_hints_dropped.source = lambda: {settings.pool: index.hints_dropped}
+    a = ReplicaId("a")
+    try:
+        assert (await index.apply(a, [chain(0, 3)], 0.0)).stored_blocks == 3
+        assert (
+            metrics.registry.get_sample_value(
+                "kvlb_redis_parent_hints_dropped_total", {"space": settings.pool}
+            )
+            == 0
+        )
+        assert (await index.apply(a, [chain(3, 7, parent=2)], 1.0)).stored_blocks == 7
+        assert index.hints_dropped == 6  # 10 blocks stored, 4 hinted
+        assert (await index.apply(a, [chain(0, 2, parent=1, base_hash=100)], 2.0)).stored_blocks == 2
+        sample = metrics.registry.get_sample_value
+        assert sample("kvlb_redis_parent_hints_dropped_total", {"space": settings.pool}) == 8
+    finally:
+        await index.aclose()

@@ -20,6 +20,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from procs_free import free_port
+from prometheus_client import generate_latest
 from recording_index import RecordingIndex
 from waiting import eventually
 
@@ -251,6 +252,26 @@ async def test_a_drain_over_the_byte_limit_is_dropped_and_the_gap_resyncs(
         assert rig.of(Stored)[1].engine_hashes == (99,)
 
 
+async def test_partial_hashes_forgotten_at_the_cap_are_exported(
+    session: aiohttp.ClientSession, engine: FakeEngine
+) -> None:
+    """The decoder's memory of partial-block hashes drops its oldest past ``max_partial_hashes``;
+    each one dropped is counted in ``kvlb_events_decoder_forgotten_total{replica}`` (it was only in
+    ``TrtllmDecoder.partial_overflow``, which nothing exported)."""
+    port = await engine.start()
+    partials = [stored(1 + n, None, block(200 + n, 8 * n, count=2)) for n in range(5)]
+    engine.pending = [created(0), *partials, stored(6, None, block(81, 0))]
+    decoder = TrtllmDecoder(tokens_per_block=TPB, max_partial_hashes=2)
+    async with ingesting(session, port, decoder=decoder) as (_, rig):
+        forgotten = {"replica": REPLICA}
+        assert rig.metrics.registry.get_sample_value("kvlb_events_decoder_forgotten_total", forgotten) == 0
+        await eventually(lambda: len(rig.of(Stored)) == 1)
+        assert decoder.partial_overflow == 3
+        assert rig.metrics.registry.get_sample_value("kvlb_events_decoder_forgotten_total", forgotten) == 3
+        scraped = generate_latest(rig.metrics.registry).decode()
+        assert f'kvlb_events_decoder_forgotten_total{{replica="{REPLICA}"}} 3.0' in scraped
+
+
 async def test_interval_adapts_to_traffic(session: aiohttp.ClientSession, engine: FakeEngine) -> None:
     port = await engine.start()
     poller = TrtllmPoller(
@@ -273,15 +294,19 @@ async def test_interval_adapts_to_traffic(session: aiohttp.ClientSession, engine
 
 @contextlib.asynccontextmanager
 async def ingesting(
-    session: aiohttp.ClientSession, port: int, settings: PollSettings = FAST
+    session: aiohttp.ClientSession,
+    port: int,
+    settings: PollSettings = FAST,
+    decoder: TrtllmDecoder | None = None,
 ) -> AsyncIterator[tuple[EventIngest, Rig]]:
     """A running EventIngest with one poller."""
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
+    metrics.init_replica(REPLICA, "trtllm", replays=False)
     poller = TrtllmPoller(
         REPLICA,
         f"http://127.0.0.1:{port}/",
         session=session,
-        decoder=TrtllmDecoder(tokens_per_block=TPB),
+        decoder=decoder or TrtllmDecoder(tokens_per_block=TPB),
         metrics=metrics,
         settings=settings,
     )

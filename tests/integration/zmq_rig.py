@@ -87,6 +87,8 @@ class Publisher:
         """The ROUTER identity of each replay request's connection, in order."""
         self.replay_served = asyncio.Event()
         """Set once a replay request has been answered in full (END sent)."""
+        self.extra_frames: dict[int, list[bytes]] = {}
+        """Frames the replay socket sends after a seq's payload (none sends any: a broken publisher)."""
         self.replay_gate: asyncio.Event | None = None
         """When set to an event, each replay request is answered only once it is set (from the buffer
         as it is then): a slow replay socket, while live messages queue on the subscriber."""
@@ -135,7 +137,8 @@ class Publisher:
                 await self.replay_gate.wait()
             for seq, payload in list(self.buffer):
                 if seq >= start_seq:
-                    await self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
+                    extra = self.extra_frames.get(seq, [])
+                    await self.router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload, *extra])
             await self.router.send_multipart([identity, b"", END, b""])
             self.replay_served.set()
 

@@ -3,7 +3,9 @@ interval with the count held back; bounded causes; held-back occurrences counted
 
 from __future__ import annotations
 
+import ast
 import logging
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -106,3 +108,42 @@ def test_limited_warnings_log_once_count_the_rest_and_summarise(caplog: pytest.L
         assert warnings.warning("other", "r2", "another subject too")
         assert not warnings.warning("other", "r2", "but not twice")
     assert len(caplog.records) == 3
+
+
+def test_causes_forgotten_at_the_cap_are_counted_by_their_cause(caplog: pytest.LogCaptureFixture) -> None:
+    """The limiter drops its least recently seen cause past ``max_causes``; each drop is counted in
+    ``kvlb_log_causes_forgotten_total{cause}`` under the dropped one's cause (not its subject, a
+    replica id: the label stays bounded), and the forgotten subject logs again at once."""
+    metrics = Metrics.create(CollectorRegistry())
+    logger = logging.getLogger("kvlb.test.forgotten")
+    warnings = LimitedWarnings(
+        logger,
+        metrics.log_suppressed_total,
+        clock=lambda: 0.0,
+        limiter=RepeatLimiter(max_causes=2),
+        forgotten=metrics.log_causes_forgotten_total,
+    )
+    sample = metrics.registry.get_sample_value
+    with caplog.at_level(logging.WARNING, logger="kvlb.test.forgotten"):
+        assert warnings.warning("zmq_disconnected", "r0/0", "r0 down")
+        assert warnings.warning("zmq_disconnected", "r1/0", "r1 down")
+        assert sample("kvlb_log_causes_forgotten_total", {"cause": "zmq_disconnected"}) is None
+        assert warnings.warning("replay_timeout", "r2/0", "r2 silent")  # the third: r0's goes
+        assert sample("kvlb_log_causes_forgotten_total", {"cause": "zmq_disconnected"}) == 1
+        assert warnings.warning("zmq_disconnected", "r0/0", "r0 down again")  # forgotten: logged at once
+        assert sample("kvlb_log_causes_forgotten_total", {"cause": "zmq_disconnected"}) == 2  # r1's went
+        assert not warnings.warning("replay_timeout", "r2/0", "r2 silent")
+    assert warnings.limiter.forgotten == 2 and len(warnings.limiter) == 2
+
+
+def test_every_limited_warnings_of_the_service_counts_what_it_forgets() -> None:
+    """Each ``LimitedWarnings`` that ``balancer/`` builds is given ``forgotten`` (or the causes its
+    limiter drops at the cap would go uncounted again)."""
+    root = Path(__file__).resolve().parents[2] / "balancer"
+    calls = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "LimitedWarnings":
+                calls.append((path.name, {keyword.arg for keyword in node.keywords}))
+    assert len(calls) >= 10
+    assert [name for name, keywords in calls if "forgotten" not in keywords] == []

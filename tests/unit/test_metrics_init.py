@@ -182,3 +182,20 @@ def test_a_removed_replica_labels_late_requests_as_removed_within_a_bound() -> N
     assert len(metrics.removed) == REMOVED_REPLICAS_REMEMBERED
     assert metrics.replica_label("pod-0") == "pod-0"  # the oldest went
     assert metrics.replica_label(f"pod-{REMOVED_REPLICAS_REMEMBERED}") == REMOVED_REPLICA_LABEL
+
+
+def test_removed_replica_ids_forgotten_at_the_cap_are_counted() -> None:
+    """The removed ids past ``REMOVED_REPLICAS_REMEMBERED`` are dropped oldest first, and each drop is
+    counted in ``kvlb_replica_removed_ids_forgotten_total`` (it was counted nowhere)."""
+    metrics = Metrics.create()
+    forgotten = "kvlb_replica_removed_ids_forgotten_total"
+    for i in range(REMOVED_REPLICAS_REMEMBERED):
+        metrics.forget_replica(f"pod-{i}")
+    assert metrics.registry.get_sample_value(forgotten) == 0
+    for i in range(REMOVED_REPLICAS_REMEMBERED, REMOVED_REPLICAS_REMEMBERED + 3):
+        metrics.forget_replica(f"pod-{i}")
+    assert metrics.registry.get_sample_value(forgotten) == 3
+    assert f"{forgotten} 3.0" in exported(metrics)
+    assert (
+        metrics.replica_label("pod-2") == "pod-2" and metrics.replica_label("pod-3") == REMOVED_REPLICA_LABEL
+    )

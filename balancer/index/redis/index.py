@@ -529,6 +529,11 @@ class RedisIndex:
         value = await cast("Any", self.client.hget(self.keys.generations, replica))
         return 0 if value is None else int(value)
 
+    @property
+    def hints_dropped(self) -> int:
+        """Parent hints dropped past ``parent_hints_per_cache`` (:class:`ParentHints`)."""
+        return self._hints.dropped
+
     async def counters(self) -> dict[str, int]:
         """Cumulative counters kept in Redis (evictions, stale writes, speculative outcomes)."""
         raw = await cast("Any", self.client.hgetall(self.keys.counters))

@@ -118,19 +118,21 @@ class Mirror:
         limits: TableLimits | None = None,
         on_table: Callable[[PrefixTable], None] | None = None,
         suppressed: Counter | None = None,
+        forgotten: Counter | None = None,
         between_entries: Callable[[], None] | None = None,
     ) -> None:
         """``clock`` gives ``now`` for the local table (the routing clock: speculative entries are
-        local). ``on_table`` is called with each newly built table once it is complete, on the loop
-        that runs the mirror. Repeated Redis errors and undecodable entries are logged once, then once
-        a minute with the count, which ``suppressed`` (``kvlb_log_suppressed_total``) counts too.
-        ``between_entries`` is called after each entry applied while tailing or replaying."""
+                local). ``on_table`` is called with each newly built table once it is complete, on the loop
+                that runs the mirror. Repeated Redis errors and undecodable entries are logged once, then once
+                a minute with the count, which ``suppressed`` (``kvlb_log_suppressed_total``) counts too
+        (``forgotten``: ``kvlb_log_causes_forgotten_total``, the limiter's causes dropped at its cap).
+                ``between_entries`` is called after each entry applied while tailing or replaying."""
         self.client = client
         self.hasher = hasher
         self.settings = settings
         self.mirror = mirror or MirrorSettings()
         self.counters = MirrorCounters()
-        self._warnings = LimitedWarnings(log, suppressed, clock=time.monotonic)
+        self._warnings = LimitedWarnings(log, suppressed, clock=time.monotonic, forgotten=forgotten)
         self.limits = limits or TableLimits(capacity_blocks=settings.capacity_blocks)
         self.table = self._new_table()
         """The local copy; replaced by a fresh one on a warm start (read it through this attribute)."""

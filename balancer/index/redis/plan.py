@@ -118,11 +118,14 @@ class ParentHints:
 
     Only a hint: ``APPLY`` verifies each one used against Redis before writing, so a stale entry
     (another writer, a drop, an eviction's map compaction) costs one retry, never a wrong key.
+    ``dropped`` counts the hints dropped past the cap (``kvlb_redis_parent_hints_dropped_total``).
     """
 
     def __init__(self, per_cache: int) -> None:
         self._per_cache = per_cache
         self._caches: dict[tuple[str, int], dict[int, int]] = {}
+        self.dropped = 0
+        """Hints dropped, oldest first, past ``per_cache`` (a cache's own clears are not counted)."""
 
     def take(self, replica: str, outside: dict[int, set[int]]) -> Parents:
         """Remove from ``outside`` the parents hinted for ``replica``; return those hints."""
@@ -165,6 +168,7 @@ class ParentHints:
             if excess > 0:
                 for eh in list(islice(cache, excess)):
                     del cache[eh]
+                self.dropped += excess
 
     def forget(self, replica: str) -> None:
         for cache in [c for c in self._caches if c[0] == replica]:
