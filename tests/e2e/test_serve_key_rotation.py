@@ -3,13 +3,13 @@ key file is updated (the kubelet's ``..data`` symlink swap, then a rename), then
 restarted on the same ports with the new key. Requests succeed again within a bounded time on both
 workers (each polls the file itself), without a restart of kvlb, and the key is in no log line.
 
-Its time is the processes' starts (a supervisor and two workers, three emulator starts: 7-9 s of
-CPU in all), not its waits: each recovery took 0.1-0.3 s (2026-12-01). The key poll stays at 1 s:
-the engine restarts within it, so a worker may not have polled yet when the new engine refuses its
-old key and re-reads the file then (a path a shorter poll would make rare). The workers load a
-word-level tokenizer of two words (the prompts are token ids) rather than the default DeepSeek-V3
-one (0.4 s of CPU each to load), and the emulator runs 20 times faster than the modelled GPU. One
-worker is covered in process by ``tests/integration/test_engine_key_rotation.py``.
+Its time is the processes' starts (a supervisor and two workers, three emulator starts: the whole
+pytest run took 6.5-9 s of CPU), not its waits: each recovery took 0.06-0.32 s (2026-12-01). The key
+poll stays at 1 s: the engine restarts within it, so a worker may not have polled yet when the new
+engine refuses its old key and re-reads the file then (a path a shorter poll would make rare). The
+workers load a word-level tokenizer of two words (the prompts are token ids) rather than the default
+DeepSeek-V3 one (0.4 s of CPU each to load), and the emulator runs 20 times faster than the
+modelled GPU. One worker is covered in process by ``tests/integration/test_engine_key_rotation.py``.
 """
 
 from __future__ import annotations
