@@ -663,8 +663,8 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "kvlb_replica_load",
             "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage|"
             "peer_inflight). inflight, pending_prefill_tokens and decode_blocks are this worker's own "
-            "(sum over workers); peer_inflight is the other workers' in-flight requests as this "
-            "worker's policy reads them (--workers N). inflight counts sequences: a request its n.",
+            "(sum over workers); peer_inflight is the other workers' in-flight sequences as this "
+            "worker's policy reads them (--workers N). Both count sequences: a request its n.",
             ["replica", "kind"],
         ),
         load_share_overflow_replicas_total=counter(

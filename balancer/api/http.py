@@ -83,7 +83,7 @@ def refresh_gauges(state: ServiceState) -> None:
             gauge = metrics.replica_load
             gauge.labels(replica, "inflight").set(pool.router.in_flight(replica))
             if shared is not None:
-                gauge.labels(replica, "peer_inflight").set(shared.of(replica).peer_reqs)
+                gauge.labels(replica, "peer_inflight").set(shared.of(replica).peer_seqs)
             gauge.labels(replica, "pending_prefill_tokens").set(load.pending_prefill_tokens)
             gauge.labels(replica, "decode_blocks").set(load.active_decode_blocks)
             if load.waiting_reqs is not None:

@@ -4,7 +4,8 @@ Each result goes to :meth:`balancer.health.book.HealthBook.on_probe` with ``time
 the replica live (a replica is not routable before its first good probe), anything else (status,
 timeout, refused connection) counts against its circuit breaker and takes the replica out of
 routing, a timeout only from the book's ``probe_timeouts_to_drop``-th in a row. Transitions are
-logged once, not every period.
+logged once, not every period; a replica whose probe passes while its engine refuses kvlb's key or
+serves another model (below) is logged as answering its probe but out of routing, not as healthy.
 
 When it is given the pool's model (an engine whose spec ``checks_model_name``: vLLM, which answers
 every request for another name 404; SGLang and TRT-LLM serve any name), a good probe of a replica
@@ -173,7 +174,15 @@ class HealthProber:
         self._tell_watch(ok, gone, error)
         if ok != self._last_ok:
             if ok:
-                log.info("replica %s is healthy", self.replica)
+                kept_out = self._kept_out()
+                if kept_out is None:
+                    log.info("replica %s is healthy", self.replica)
+                else:
+                    log.info(
+                        "replica %s answers its health probe but stays out of routing: %s",
+                        self.replica,
+                        kept_out,
+                    )
             else:
                 record = self._health.replicas.get(self.replica)
                 kept = record is not None and record.probe_ok
@@ -198,6 +207,14 @@ class HealthProber:
         elif ok and self._engine_gone:
             self._engine_gone = False
             watch.engine_back(self.replica)
+
+    def _kept_out(self) -> str | None:
+        """Why the replica stays out of routing although its probe passes (its engine refuses
+        kvlb's key, or serves another model), ``None`` when nothing but the probe decides."""
+        record = self._health.replicas.get(self.replica)
+        if record is None:
+            return None
+        return record.key_refused if record.key_refused is not None else record.model_mismatch
 
     def _recheck_due(self) -> bool:
         return self._models_read_at is None or (

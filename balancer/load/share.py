@@ -10,7 +10,7 @@ with one row per worker; each worker writes only its own row (single writer, no 
 others' rows.
 
 A row is a header ``[seq, used, admitted, tenant_seq, tenant_used]``, ``limits.load_share_slots``
-replica slots ``[key, prefill_reqs, prefill_tokens, decode_seqs, decode_blocks]`` and
+replica slots ``[key, prefill_seqs, prefill_tokens, decode_seqs, decode_blocks]`` and
 ``limits.load_share_tenant_slots`` tenant slots ``[key, admitted, prompt_tokens, rate_tat_ns]``,
 all int64 in the host's byte order (the table never leaves the host). After the rows, the table ends with its
 layout (:data:`LAYOUT_WORDS`: :data:`LAYOUT`, the replica slots and the tenant slots a row has),
@@ -296,7 +296,7 @@ class LoadShare:
         shm = self._shm
         if shm is None:
             return
-        idle = counts.prefill_reqs <= 0 and counts.decode_seqs <= 0
+        idle = counts.prefill_seqs <= 0 and counts.decode_seqs <= 0
         found = self._slots.find(key, not idle)
         if found is None:
             return
@@ -310,7 +310,7 @@ class LoadShare:
             self._slots.release(key, slot)
         else:
             c = counts
-            SLOT.pack_into(buf, at, key, c.prefill_reqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
+            SLOT.pack_into(buf, at, key, c.prefill_seqs, c.prefill_tokens, c.decode_seqs, c.decode_blocks)
         if fresh:
             words[row + USED_WORD] = self._slots.used
         self._seq += 1

@@ -100,7 +100,7 @@ class ReplicaLoad:
     """
 
     replica: ReplicaId
-    pending_prefill_reqs: int = 0
+    pending_prefill_seqs: int = 0
     """Sequences routed and not at their first token (a request counts its OpenAI ``n``)."""
     pending_prefill_tokens: int = 0
     pending_prefill_blocks: float = 0.0
@@ -115,24 +115,24 @@ class ReplicaLoad:
     capacity_blocks: float | None = None
     """KV pool size in blocks of the snapshot's block size, from the last scrape that reported it
     (``None`` when never reported). Unlike the other scraped fields it is not dropped when stale."""
-    peer_reqs: int = 0
-    """Of :attr:`in_flight_reqs`, the requests the other workers of this ``kvlb serve --workers N``
+    peer_seqs: int = 0
+    """Of :attr:`in_flight_seqs`, the sequences the other workers of this ``kvlb serve --workers N``
     committed (0 with one worker). The router-tracked fields above already include them."""
 
     @property
-    def in_flight_reqs(self) -> int:
+    def in_flight_seqs(self) -> int:
         """Sequences this balancer (all its workers) has on the replica (prefill + decode): each
         request counts its OpenAI ``n``, as the engines count it in ``running_reqs`` and
         ``waiting_reqs`` (an ``n = 8`` request is 8 in the engine's batch)."""
-        return self.pending_prefill_reqs + self.active_decode_seqs
+        return self.pending_prefill_seqs + self.active_decode_seqs
 
     @property
-    def request_load(self) -> int:
-        """``in_flight_reqs + waiting_reqs`` (waiting counts 0 when unknown): the request-count
+    def seq_load(self) -> int:
+        """``in_flight_seqs + waiting_reqs`` (waiting counts 0 when unknown): the sequence-count
         load the baseline policies compare, in sequences on both sides. A request this balancer
         sent that is still queued in the engine counts twice, which deliberately penalises
         queueing."""
-        return self.in_flight_reqs + (self.waiting_reqs or 0)
+        return self.in_flight_seqs + (self.waiting_reqs or 0)
 
 
 @quick_init
@@ -156,7 +156,7 @@ class LoadCounts(NamedTuple):
     :meth:`LoadTracker.snapshot`). Counts are ≥ 0; blocks are the pool's reference blocks. A named
     tuple: built for every slot read from the shared table, so cheap to make."""
 
-    prefill_reqs: int = 0
+    prefill_seqs: int = 0
     """Sequences of the requests routed and not yet at their first token: a request counts its
     OpenAI ``n`` (the engine schedules that many), 1 without."""
     prefill_tokens: int = 0
@@ -167,9 +167,9 @@ class LoadCounts(NamedTuple):
     """Their KV blocks (prompt + ``max_tokens``, in the pool's reference block size)."""
 
     @property
-    def reqs(self) -> int:
+    def seqs(self) -> int:
         """Sequences in flight (prefill + decode): requests, each counted ``n`` times."""
-        return self.prefill_reqs + self.decode_seqs
+        return self.prefill_seqs + self.decode_seqs
 
 
 IDLE = LoadCounts()
@@ -207,7 +207,7 @@ class _Reservation:
 
 @dataclass(slots=True)
 class _Totals:
-    prefill_reqs: int = 0
+    prefill_seqs: int = 0
     prefill_tokens: int = 0
     decode_seqs: int = 0
     decode_blocks: int = 0
@@ -217,14 +217,14 @@ class _Totals:
             self.decode_seqs += sign * res.sequences
             self.decode_blocks += sign * res.decode_blocks
         else:
-            self.prefill_reqs += sign * res.sequences
+            self.prefill_seqs += sign * res.sequences
             self.prefill_tokens += sign * res.prefill_tokens
 
     def is_zero(self) -> bool:
-        return self.prefill_reqs == 0 and self.decode_seqs == 0
+        return self.prefill_seqs == 0 and self.decode_seqs == 0
 
     def counts(self) -> LoadCounts:
-        return LoadCounts(self.prefill_reqs, self.prefill_tokens, self.decode_seqs, self.decode_blocks)
+        return LoadCounts(self.prefill_seqs, self.prefill_tokens, self.decode_seqs, self.decode_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,7 +338,7 @@ class LoadTracker:
         """Sequences held on ``replica`` now, in prefill or decode (as of the last expiry): each
         reservation counts its ``sequences``."""
         totals = self._totals.get(replica)
-        return 0 if totals is None else totals.prefill_reqs + totals.decode_seqs
+        return 0 if totals is None else totals.prefill_seqs + totals.decode_seqs
 
     def observe(self, replica: ReplicaId, stats: EngineStats, now: float) -> bool:
         """Record one scrape of ``replica``'s engine stats. Out-of-range values are sanitised:
@@ -372,7 +372,7 @@ class LoadTracker:
 
     def snapshot(self, now: float, peers: Mapping[ReplicaId, LoadCounts] | None = None) -> LoadSnapshot:
         """Per-replica load at ``now`` (expires stale reservations first). ``peers``: the load the
-        other workers committed, per replica, added to this tracker's own (``peer_reqs`` says how
+        other workers committed, per replica, added to this tracker's own (``peer_seqs`` says how
         much of the in-flight count is theirs); negative peer counts count as 0."""
         self.expire(now)
         block_size = self.config.block_size_tokens
@@ -383,15 +383,15 @@ class LoadTracker:
         for replica in names:
             mine = self._totals.get(replica)
             if mine is None:
-                prefill_reqs = prefill_tokens = decode_seqs = decode_blocks = 0
+                prefill_seqs = prefill_tokens = decode_seqs = decode_blocks = 0
             else:
-                prefill_reqs, prefill_tokens = mine.prefill_reqs, mine.prefill_tokens
+                prefill_seqs, prefill_tokens = mine.prefill_seqs, mine.prefill_tokens
                 decode_seqs, decode_blocks = mine.decode_seqs, mine.decode_blocks
-            peer_reqs = 0
+            peer_seqs = 0
             peer = peers.get(replica) if peers else None
             if peer is not None:  # as combine(), without the intermediate objects
-                peer_reqs = max(0, peer.prefill_reqs) + max(0, peer.decode_seqs)
-                prefill_reqs += max(0, peer.prefill_reqs)
+                peer_seqs = max(0, peer.prefill_seqs) + max(0, peer.decode_seqs)
+                prefill_seqs += max(0, peer.prefill_seqs)
                 prefill_tokens += max(0, peer.prefill_tokens)
                 decode_seqs += max(0, peer.decode_seqs)
                 decode_blocks += max(0, peer.decode_blocks)
@@ -404,12 +404,12 @@ class LoadTracker:
             capacity = self._capacity_tokens.get(replica)
             replicas[replica] = ReplicaLoad(
                 replica=replica,
-                pending_prefill_reqs=prefill_reqs,
+                pending_prefill_seqs=prefill_seqs,
                 pending_prefill_tokens=prefill_tokens,
                 pending_prefill_blocks=prefill_tokens / block_size,
                 active_decode_seqs=decode_seqs,
                 active_decode_blocks=decode_blocks,
-                peer_reqs=peer_reqs,
+                peer_seqs=peer_seqs,
                 waiting_reqs=stats.waiting_reqs,
                 running_reqs=stats.running_reqs,
                 kv_usage=stats.kv_usage,
@@ -446,7 +446,7 @@ def combine(own: LoadCounts, peers: LoadCounts) -> LoadCounts:
     """``own`` plus the other workers' ``peers`` (a negative peer count, from a corrupt or torn row,
     counts as 0)."""
     return LoadCounts(
-        own.prefill_reqs + max(0, peers.prefill_reqs),
+        own.prefill_seqs + max(0, peers.prefill_seqs),
         own.prefill_tokens + max(0, peers.prefill_tokens),
         own.decode_seqs + max(0, peers.decode_seqs),
         own.decode_blocks + max(0, peers.decode_blocks),

@@ -1,6 +1,6 @@
 """Baseline policies that ignore the block cost, for comparison in ``loadtests/`` (pure).
 
-"Load" here is :attr:`ReplicaLoad.request_load <balancer.load.tracker.ReplicaLoad.request_load>`:
+"Load" here is :attr:`ReplicaLoad.seq_load <balancer.load.tracker.ReplicaLoad.seq_load>`:
 ``requests_r = in_flight_r + waiting_r``, the requests this balancer has in flight on ``r`` (prefill
 and decode, router-tracked) plus the engine's scraped queue (0 when unknown or stale). Every
 baseline fills :class:`~balancer.types.CostTerms` with the load fields; ``cost`` is the score it
@@ -96,7 +96,7 @@ def least_load(
 ) -> Decision:
     """``argmin_r requests_r`` (random tie-break), reported under ``policy``'s name."""
     candidates = candidates_of(request)
-    cost = {r: float(load.of(r).request_load) for r in candidates}
+    cost = {r: float(load.of(r).seq_load) for r in candidates}
     chosen = pick_min(list(cost.items()), rng)
     terms = _terms(request, overlap, load, candidates, cost=cost)
     return decide(policy, chosen, request, overlap, load, terms, reason + tie_note(list(cost.items())))
@@ -135,7 +135,7 @@ class PowerOfTwo:
     ) -> Decision:
         candidates = candidates_of(request)
         sampled = candidates if len(candidates) <= 2 else rng.sample(candidates, 2)
-        cost = {r: float(load.of(r).request_load) for r in sampled}
+        cost = {r: float(load.of(r).seq_load) for r in sampled}
         chosen = pick_min([(r, cost[r]) for r in sampled], rng)
         excluded = {r: "not sampled" for r in candidates if r not in cost}
         terms = _terms(request, overlap, load, candidates, cost=cost, excluded=excluded)

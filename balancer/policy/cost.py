@@ -224,7 +224,7 @@ def busy_share(loads: Sequence[ReplicaLoad]) -> tuple[int, float]:
     first token), and their share of ``loads`` (0 when empty): the fleet's load as
     :func:`loaded_credit` sees it. Each replica prefills one batch at a time, so the share of
     replicas with prefill queued estimates the fleet's prefill utilisation."""
-    busy = sum(1 for load in loads if load.pending_prefill_reqs > 0)
+    busy = sum(1 for load in loads if load.pending_prefill_seqs > 0)
     return busy, busy / len(loads) if loads else 0.0
 
 

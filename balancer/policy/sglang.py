@@ -48,7 +48,7 @@ class SglangThreshold:
         rng: random.Random,
     ) -> Decision:
         candidates = candidates_of(request)
-        requests = {r: float(load.of(r).request_load) for r in candidates}
+        requests = {r: float(load.of(r).seq_load) for r in candidates}
         matched = {r: overlap_blocks(overlap, r, request.request_blocks) for r in candidates}
         low, high = min(requests.values()), max(requests.values())
         best = max(matched.values())

@@ -405,7 +405,7 @@ class PoolRouter:
     def _in_flight_with(self, replica: ReplicaId, peers: Mapping[ReplicaId, LoadCounts]) -> int:
         own = self.tracker().in_flight(replica)
         peer = peers.get(replica)
-        return own if peer is None else own + max(0, peer.prefill_reqs) + max(0, peer.decode_seqs)
+        return own if peer is None else own + max(0, peer.prefill_seqs) + max(0, peer.decode_seqs)
 
     def load_snapshot(self, now: float) -> LoadSnapshot:
         """The load the policy reads: this router's reservations plus the other workers' (when

@@ -45,13 +45,13 @@ whose placement the replay changed; the default of the tracker's ``max_tracked_r
 class _Counts:
     """One replica's load change (replayed minus recorded), in the tracker's units."""
 
-    prefill_reqs: int = 0
+    prefill_seqs: int = 0
     prefill_tokens: int = 0
     decode_seqs: int = 0
     decode_blocks: int = 0
 
     def is_zero(self) -> bool:
-        return not (self.prefill_reqs or self.prefill_tokens or self.decode_seqs or self.decode_blocks)
+        return not (self.prefill_seqs or self.prefill_tokens or self.decode_seqs or self.decode_blocks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,7 +115,7 @@ class ReplayLoad:
             tokens = max(0, base.pending_prefill_tokens + change.prefill_tokens)
             replicas[replica] = ReplicaLoad(
                 replica=replica,
-                pending_prefill_reqs=max(0, base.pending_prefill_reqs + change.prefill_reqs),
+                pending_prefill_seqs=max(0, base.pending_prefill_seqs + change.prefill_seqs),
                 pending_prefill_tokens=tokens,
                 pending_prefill_blocks=tokens / block_size,
                 active_decode_seqs=max(0, base.active_decode_seqs + change.decode_seqs),
@@ -125,7 +125,7 @@ class ReplayLoad:
                 kv_usage=base.kv_usage,
                 stats_age_s=base.stats_age_s,
                 capacity_blocks=base.capacity_blocks,
-                peer_reqs=base.peer_reqs,
+                peer_seqs=base.peer_seqs,
             )
         return LoadSnapshot(now=snapshot.now, block_size_tokens=block_size, replicas=replicas)
 
@@ -194,13 +194,15 @@ class ReplayLoad:
             self._change(entry.replayed, sign, sign * entry.replayed_prefill_tokens, 0, 0)
             self._change(entry.recorded, -sign, -sign * entry.recorded_prefill_tokens, 0, 0)
 
-    def _change(self, replica: ReplicaId, reqs: int, tokens: int, seqs: int, blocks: int) -> None:
+    def _change(
+        self, replica: ReplicaId, prefill_seqs: int, tokens: int, decode_seqs: int, blocks: int
+    ) -> None:
         counts = self.changes.get(replica)
         if counts is None:
             counts = self.changes[replica] = _Counts()
-        counts.prefill_reqs += reqs
+        counts.prefill_seqs += prefill_seqs
         counts.prefill_tokens += tokens
-        counts.decode_seqs += seqs
+        counts.decode_seqs += decode_seqs
         counts.decode_blocks += blocks
         if counts.is_zero():
             del self.changes[replica]

@@ -16,7 +16,7 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   replicas over the KV-usage ceiling are skipped when picking the least loaded (if every replica is
   over it, the full set is used, as the guard then lifts), and the imbalance guard's floor is the
   least loaded eligible replica, which is always in the set. ``least_load`` is pruned the same way
-  on ``request_load``. With the duplication charge a replica without the prefix also pays
+  on ``seq_load``. With the duplication charge a replica without the prefix also pays
   ``w_prefill·w_dup·request_blocks·pressure_r``, so replicas also sit in 8 pressure bands (each its
   own heap) and a band is scanned only while its least load plus the charge at the band's lowest
   pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
@@ -280,7 +280,7 @@ class SimRouter:
         if policy == "cost" and exact:
             return lambda load: base_load(load, weights)
         if policy == "least_load":
-            return lambda load: float(load.request_load)
+            return lambda load: float(load.seq_load)
         return None
 
     def planned_average(self, now: float) -> ShareAverage | None:
@@ -322,7 +322,7 @@ class SimRouter:
             key = self._key(load)
             if self._ramp:
                 is_open = self.inflight[replica] < self.cap
-                flags = (is_open, is_open and load.pending_prefill_reqs > 0)
+                flags = (is_open, is_open and load.pending_prefill_seqs > 0)
                 was_open, was_prefilling = self._open.get(replica, (False, False))
                 self._open_count += flags[0] - was_open
                 self._prefilling_count += flags[1] - was_prefilling

@@ -345,7 +345,7 @@ async def test_a_request_in_flight_on_one_worker_is_in_the_others_load_view(tmp_
             view = next(
                 v for v in (await fresh_get(url + "/admin/replicas"))["replicas"] if v["id"] == replica
             )
-            assert view["load"]["pending_prefill_reqs"] + view["load"]["active_decode_seqs"] == 1, view
+            assert view["load"]["pending_prefill_seqs"] + view["load"]["active_decode_seqs"] == 1, view
 
         os.kill(serve.info["worker_pids"][int(holder)], signal.SIGKILL)
         await asyncio.gather(held, return_exceptions=True)  # it died with its worker

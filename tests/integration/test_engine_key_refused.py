@@ -5,6 +5,7 @@ kvlb its probe passes) and a real balancer reading its key from a file.
 * with the wrong key the replica is out of routing, saying why (``/admin/replicas``' ``unroutable``
   and ``health.key_refused``, the 503 of explain and of a request, the CLI table,
   ``kvlb_replica_key_refused``), logged once, and no request reaches it;
+* the passing ``/health`` probe is logged as answering but out of routing, not as healthy;
 * the key file rotated to the engine's key puts it back (the key watcher's poll, then the next
   probe), and requests pass.
 """
@@ -127,6 +128,11 @@ async def test_an_engine_refusing_kvlbs_key_leaves_routing_until_the_key_rotates
             await asyncio.sleep(0.5)  # several probes, each reading the list again
             said = [r for r in caplog.records if "is out of routing" in r.getMessage()]
             assert len(said) == 1 and "refusing kvlb's API key" in said[0].getMessage()
+            # the passing probe is not logged as "healthy": the log says it stays out, and why
+            lines = [r.getMessage() for r in caplog.records]
+            assert not [line for line in lines if line.endswith("is healthy")], lines
+            probe = f"replica r0 answers its health probe but stays out of routing: {reason}"
+            assert lines.count(probe) == 1, lines
 
             key_file.write_text(KEY, encoding="utf-8")  # the rotation
             view = await until(session, balancer.url, routable=True)

@@ -485,9 +485,13 @@ async def test_an_engine_serving_another_model_name_than_its_pool_leaves_routing
                 body = {"model": MODEL, "prompt": list(range(start, start + 39)), "max_tokens": 1}
                 async with session.post(balancer.url + "/v1/completions", json=body) as response:
                     assert response.status == 200, await response.text()
-            said = [r.getMessage() for r in caplog.records if "out of routing" in r.getMessage()]
+            said = [r.getMessage() for r in caplog.records if "is out of routing" in r.getMessage()]
             assert len(said) == 1, said
             assert said[0].startswith("replica r0 is out of routing: the engine serves"), said
+            lines = [r.getMessage() for r in caplog.records]  # its passing probe: not "healthy"
+            assert "replica r0 is healthy" not in lines and "replica r1 is healthy" in lines, lines
+            probe = f"replica r0 answers its health probe but stays out of routing: {mismatch}"
+            assert lines.count(probe) == 1, lines
 
             async with session.post(
                 replicas[0].url + "/admin/faults", json={"served_model": None}

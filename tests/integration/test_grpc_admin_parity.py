@@ -226,7 +226,7 @@ SUBMESSAGES = {"load": "load", "prediction": "prediction", "scrape": "scrape"}
 AGE_TOLERANCE_S = 2.0
 """How far a time-dependent field (``*_age_s``, ``stalled_s``) may move between the HTTP and the gRPC
 call of one comparison (seconds)."""
-QUEUE = ("pending_prefill_reqs", "running_reqs", "waiting_reqs")
+QUEUE = ("pending_prefill_seqs", "running_reqs", "waiting_reqs")
 """kvlb's sequences not at their first token, the engine's running and waiting requests (scraped)."""
 
 
@@ -354,10 +354,10 @@ async def test_grpc_types_the_key_refusal_the_stalled_publisher_and_the_load(tmp
         assert k0.key_refused == refused == k0.unroutable and k0.probe_ok and WRONG not in str(k0)
         assert not s1.HasField("key_refused") and not k0.HasField("events_stalled_s")
         assert s1.events_stalled_s >= BOUND_S and s1.events_hint.startswith("no KV event batch for ")
-        assert (s1.load.pending_prefill_reqs, s1.inflight) == (3, 3)  # the reservation: n = 3 sequences
+        assert (s1.load.pending_prefill_seqs, s1.inflight) == (3, 3)  # the reservation: n = 3 sequences
         assert s1.load.pending_prefill_tokens == routed.prompt_tokens - routed.predicted_cached_tokens > 0
         assert s1.load.HasField("waiting_reqs") and s1.load.HasField("stats_age_s")  # scraped
-        assert k0.load.pending_prefill_reqs == 0 and k0.prediction.receipts == 0
+        assert k0.load.pending_prefill_seqs == 0 and k0.prediction.receipts == 0
         assert not k0.prediction.HasField("accuracy")
         assert s1.prediction.receipts >= 6 and s1.prediction.HasField("accuracy")
         assert s1.scrape.scrapes > 0 and s1.scrape.url.startswith(engines[1].url)
@@ -366,7 +366,7 @@ async def test_grpc_types_the_key_refusal_the_stalled_publisher_and_the_load(tmp
         listed = {
             r.id: r for r in (await admin.ListReplicas(pb.ListReplicasRequest(), metadata=ADMIN)).replicas
         }
-        assert (listed["s1"].load.pending_prefill_reqs, listed["s1"].inflight) == (0, 0)
+        assert (listed["s1"].load.pending_prefill_seqs, listed["s1"].inflight) == (0, 0)
 
         # the engine's queue: s1 so slow that no step ends, 6 requests more than its KV pool takes
         async with session.post(engines[1].url + "/admin/faults", json={"slowdown": 1e6}) as response:

@@ -96,13 +96,13 @@ async def test_route_names_the_holder_of_a_hot_prefix_and_reserves_only_when_ask
         routed = await g.balancer.Route(reserve)
         assert routed.reserved and routed.request_id == "sidecar-1" and routed.replica_id == holder
         view = await g.http.replica_view(holder)
-        assert view["inflight"] == 1 and view["load"]["pending_prefill_reqs"] == 1
+        assert view["inflight"] == 1 and view["load"]["pending_prefill_seqs"] == 1
         duplicate = await failure(g.balancer.Route(reserve))
         assert duplicate.code() == grpc.StatusCode.ALREADY_EXISTS
         released = await g.balancer.Release(pb.ReleaseRequest(request_id="sidecar-1"))
         assert released.replica_id == holder
         view = await g.http.replica_view(holder)
-        assert view["inflight"] == 0 and view["load"]["pending_prefill_reqs"] == 0
+        assert view["inflight"] == 0 and view["load"]["pending_prefill_seqs"] == 0
         again = await failure(g.balancer.Release(pb.ReleaseRequest(request_id="sidecar-1")))
         assert again.code() == grpc.StatusCode.NOT_FOUND and "sidecar-1" in again.details()
 

@@ -72,7 +72,7 @@ async def test_replica_crash_mid_stream_ends_with_an_error_event_and_frees_its_l
         assert error["code"] == 502 and holder in error["message"]
         view = await h.replica_view(holder)
         assert view["inflight"] == 0
-        assert view["load"]["pending_prefill_reqs"] == 0 and view["load"]["active_decode_seqs"] == 0
+        assert view["load"]["pending_prefill_seqs"] == 0 and view["load"]["active_decode_seqs"] == 0
         async with h.session.get(h.url + "/metrics") as response:
             text = await response.text()
         assert metric_value(text, "kvlb_http_requests_total", status="stream_error", replica=holder) == 1

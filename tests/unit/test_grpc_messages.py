@@ -330,10 +330,10 @@ def bare_view(**load: Any) -> dict[str, Any]:
     """A replica's ``GET /admin/replicas`` view as a replica with no health record, events nor
     scraper shows it (:func:`~balancer.api.admin.replica_views`), with ``load`` laid over an idle one."""
     idle = {
-        "replica": "r0", "pending_prefill_reqs": 0, "pending_prefill_tokens": 0,
+        "replica": "r0", "pending_prefill_seqs": 0, "pending_prefill_tokens": 0,
         "pending_prefill_blocks": 0.0, "active_decode_seqs": 0, "active_decode_blocks": 0,
         "waiting_reqs": None, "running_reqs": None, "kv_usage": None, "stats_age_s": None,
-        "capacity_blocks": None, "peer_reqs": 0,
+        "capacity_blocks": None, "peer_seqs": 0,
     }  # fmt: skip
     prediction = {"receipts": 0, "accuracy": None, "within_one_block": None, "mean_error_blocks": None}
     return {

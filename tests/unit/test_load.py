@@ -33,14 +33,14 @@ def test_lifecycle_moves_request_from_prefill_to_decode_then_away() -> None:
     assert t.reserve("r1", A, prefill_tokens=40, decode_blocks=5, now=0.0)
 
     load = t.snapshot(1.0).of(A)
-    assert (load.pending_prefill_reqs, load.pending_prefill_tokens) == (1, 40)
+    assert (load.pending_prefill_seqs, load.pending_prefill_tokens) == (1, 40)
     assert load.pending_prefill_blocks == pytest.approx(40 / 16)
     assert (load.active_decode_seqs, load.active_decode_blocks) == (0, 0)
-    assert load.in_flight_reqs == 1
+    assert load.in_flight_seqs == 1
 
     assert t.first_token("r1", now=2.0)
     load = t.snapshot(2.0).of(A)
-    assert (load.pending_prefill_reqs, load.pending_prefill_tokens, load.pending_prefill_blocks) == (0, 0, 0)
+    assert (load.pending_prefill_seqs, load.pending_prefill_tokens, load.pending_prefill_blocks) == (0, 0, 0)
     assert (load.active_decode_seqs, load.active_decode_blocks) == (1, 5)
 
     assert t.release("r1", now=3.0)
@@ -71,7 +71,7 @@ def test_cancel_during_prefill_removes_prefill_tokens() -> None:
     t.reserve("r2", A, 50, 4, now=0.0)
     assert t.release("r1", now=0.5)
     load = t.snapshot(0.5).of(A)
-    assert (load.pending_prefill_reqs, load.pending_prefill_tokens) == (1, 50)
+    assert (load.pending_prefill_seqs, load.pending_prefill_tokens) == (1, 50)
 
 
 def test_double_release_and_unknown_ids_are_harmless() -> None:
@@ -118,7 +118,7 @@ def test_stale_reservations_expire_after_max_age() -> None:
     t = tracker(max_age_s=10.0)
     t.reserve("old", A, 16, 1, now=0.0)
     t.reserve("new", A, 32, 1, now=5.0)
-    assert t.snapshot(9.9).of(A).pending_prefill_reqs == 2
+    assert t.snapshot(9.9).of(A).pending_prefill_seqs == 2
     assert t.snapshot(10.0).of(A).pending_prefill_tokens == 32
     assert t.stats().expired_total == 1
     assert not t.release("old", now=10.0)
@@ -131,7 +131,7 @@ def test_first_token_refreshes_the_age() -> None:
     t.reserve("r2", A, 16, 2, now=1.0)
     t.first_token("r1", now=8.0)
     load = t.snapshot(15.0).of(A)  # r2 (last touched at 1) expired, r1 (touched at 8) not
-    assert (load.pending_prefill_reqs, load.active_decode_seqs) == (0, 1)
+    assert (load.pending_prefill_seqs, load.active_decode_seqs) == (0, 1)
     assert t.expire(18.0) == 1
     assert t.snapshot(18.0).replicas == {}
 
@@ -155,12 +155,12 @@ def test_scraped_stats_have_an_age_and_go_stale() -> None:
     fresh = t.snapshot(14.0).of(A)
     assert (fresh.running_reqs, fresh.waiting_reqs, fresh.kv_usage) == (3, 2, 0.5)
     assert fresh.stats_age_s == pytest.approx(4.0)
-    assert fresh.request_load == 2  # nothing in flight from this balancer + 2 waiting
+    assert fresh.seq_load == 2  # nothing in flight from this balancer + 2 waiting
 
     stale = t.snapshot(15.5).of(A)
     assert (stale.running_reqs, stale.waiting_reqs, stale.kv_usage) == (None, None, None)
     assert stale.stats_age_s == pytest.approx(5.5)
-    assert stale.request_load == 0
+    assert stale.seq_load == 0
 
 
 def test_pool_size_is_kept_once_reported_and_never_goes_stale() -> None:
@@ -269,7 +269,7 @@ def test_totals_always_match_the_live_requests(ops: list[tuple[str, int, Replica
         load = snap.of(replica)
         assert load.pending_prefill_tokens == sum(p for _, p, _, d in mine if not d)
         assert load.active_decode_blocks == sum(b for _, _, b, d in mine if d)
-        assert load.in_flight_reqs == len(mine)
+        assert load.in_flight_seqs == len(mine)
     for request_id in list(live):
         assert t.release(request_id, now=len(ops))
     assert t.snapshot(len(ops)).replicas == {}
@@ -282,18 +282,18 @@ def test_peer_counts_add_to_the_own_view_and_say_their_share() -> None:
     t = tracker(block_size_tokens=16)
     t.reserve("r1", A, prefill_tokens=160, decode_blocks=20, now=0.0)
     peers = {
-        A: LoadCounts(prefill_reqs=2, prefill_tokens=320, decode_seqs=1, decode_blocks=30),
+        A: LoadCounts(prefill_seqs=2, prefill_tokens=320, decode_seqs=1, decode_blocks=30),
         B: LoadCounts(decode_seqs=3, decode_blocks=90),
     }
     snap = t.snapshot(1.0, peers)
     a, b = snap.of(A), snap.of(B)
-    assert (a.pending_prefill_reqs, a.pending_prefill_tokens, a.pending_prefill_blocks) == (3, 480, 30.0)
-    assert (a.active_decode_seqs, a.active_decode_blocks, a.in_flight_reqs, a.peer_reqs) == (1, 30, 4, 3)
-    assert (b.in_flight_reqs, b.active_decode_blocks, b.peer_reqs) == (3, 90, 3)
+    assert (a.pending_prefill_seqs, a.pending_prefill_tokens, a.pending_prefill_blocks) == (3, 480, 30.0)
+    assert (a.active_decode_seqs, a.active_decode_blocks, a.in_flight_seqs, a.peer_seqs) == (1, 30, 4, 3)
+    assert (b.in_flight_seqs, b.active_decode_blocks, b.peer_seqs) == (3, 90, 3)
     own = t.snapshot(1.0).of(A)
-    assert (own.in_flight_reqs, own.peer_reqs, t.in_flight(A)) == (1, 0, 1)
-    torn = t.snapshot(1.0, {A: LoadCounts(prefill_reqs=-5, prefill_tokens=-99)}).of(A)
-    assert (torn.pending_prefill_reqs, torn.pending_prefill_tokens, torn.peer_reqs) == (1, 160, 0)
+    assert (own.in_flight_seqs, own.peer_seqs, t.in_flight(A)) == (1, 0, 1)
+    torn = t.snapshot(1.0, {A: LoadCounts(prefill_seqs=-5, prefill_tokens=-99)}).of(A)
+    assert (torn.pending_prefill_seqs, torn.pending_prefill_tokens, torn.peer_seqs) == (1, 160, 0)
     assert combine(LoadCounts(1, 2, 3, 4), LoadCounts(10, 20, 30, 40)) == LoadCounts(11, 22, 33, 44)
 
 

@@ -165,7 +165,7 @@ def test_rows_read_whole_while_another_process_writes() -> None:
         while writer.poll() is None:
             counts = reader.reader("m")([A]).get(A)
             if counts is not None:
-                n = counts.prefill_reqs
+                n = counts.prefill_seqs
                 assert counts == LoadCounts(n, 100 * n, n, 7 * n)
                 reads += 1
         writes = int(writer.stdout.read().split()[0])
@@ -224,11 +224,11 @@ def test_a_request_routed_by_one_worker_weighs_in_the_others_policy(table: LoadT
     assert plan.decision.replica == other
     assert plan.inputs is not None
     seen = plan.inputs.load.of(loaded)
-    assert (seen.pending_prefill_reqs, seen.pending_prefill_tokens, seen.peer_reqs) == (1, 4096, 1)
+    assert (seen.pending_prefill_seqs, seen.pending_prefill_tokens, seen.peer_seqs) == (1, 4096, 1)
     assert second.in_flight(loaded) == 0  # its own part (``/metrics``)
     assert second.in_flight_total(loaded) == 1  # what the per-replica cap reads
     lease.release(now=1.2)
-    assert second.load_snapshot(1.3).of(loaded).in_flight_reqs == 0
+    assert second.load_snapshot(1.3).of(loaded).in_flight_seqs == 0
     w0.close()
     w1.close()
 

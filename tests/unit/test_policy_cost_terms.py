@@ -91,7 +91,7 @@ def reference_terms(
 loads = st.builds(
     ReplicaLoad,
     replica=st.sampled_from(REPLICAS),
-    pending_prefill_reqs=st.integers(0, 5),
+    pending_prefill_seqs=st.integers(0, 5),
     pending_prefill_tokens=st.integers(0, 5000),
     pending_prefill_blocks=st.floats(0, 400),
     active_decode_seqs=st.integers(0, 60),

@@ -74,8 +74,8 @@ def test_the_config_file_and_environment_restore_the_previous_default() -> None:
 
 def busy_fleet() -> list[ReplicaLoad]:
     return [
-        ReplicaLoad(A, pending_prefill_reqs=1, pending_prefill_blocks=12.0),
-        ReplicaLoad(B, pending_prefill_reqs=1, pending_prefill_blocks=1.0),
+        ReplicaLoad(A, pending_prefill_seqs=1, pending_prefill_blocks=12.0),
+        ReplicaLoad(B, pending_prefill_seqs=1, pending_prefill_blocks=1.0),
     ]
 
 

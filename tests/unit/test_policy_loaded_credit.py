@@ -17,7 +17,7 @@ A, B, C, D = ReplicaId("a"), ReplicaId("b"), ReplicaId("c"), ReplicaId("d")
 
 
 def busy(replica: ReplicaId, blocks: float) -> ReplicaLoad:
-    return ReplicaLoad(replica, pending_prefill_reqs=1, pending_prefill_blocks=blocks)
+    return ReplicaLoad(replica, pending_prefill_seqs=1, pending_prefill_blocks=blocks)
 
 
 @pytest.mark.parametrize(

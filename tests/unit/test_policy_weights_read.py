@@ -39,7 +39,7 @@ def _fleets(count: int) -> list[tuple[RouteRequest, Overlap, LoadSnapshot]]:
         loads = {
             r: ReplicaLoad(
                 r,
-                pending_prefill_reqs=rng.randint(0, 4),
+                pending_prefill_seqs=rng.randint(0, 4),
                 pending_prefill_blocks=float(rng.randint(0, 400)),
                 active_decode_seqs=rng.randint(0, 30),
                 active_decode_blocks=rng.randint(0, 900),

@@ -30,7 +30,7 @@ BLOCK = 16
 
 
 def _busy(replica: ReplicaId, blocks: float = 4.0) -> ReplicaLoad:
-    return ReplicaLoad(replica, pending_prefill_reqs=1, pending_prefill_blocks=blocks)
+    return ReplicaLoad(replica, pending_prefill_seqs=1, pending_prefill_blocks=blocks)
 
 
 def _decide(

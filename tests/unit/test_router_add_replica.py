@@ -21,13 +21,13 @@ def test_a_new_key_space_keeps_the_tracker_and_other_replicas_load() -> None:
 
     assert router.tracker() is tracker
     load = router.tracker().snapshot(2.0).of(A)
-    assert (load.pending_prefill_reqs, load.pending_prefill_tokens) == (1, 64)
+    assert (load.pending_prefill_seqs, load.pending_prefill_tokens) == (1, 64)
     assert (load.running_reqs, load.waiting_reqs, load.kv_usage) == (3, 2, 0.5)
     assert router.tracker().config.block_size_tokens == 8 == router.reference_block_size
     assert load.pending_prefill_blocks == 64 / 8
     # the request reserved before the change still releases normally
     assert router.tracker().release("req-1", 3.0)
-    assert router.tracker().snapshot(3.0).of(A).in_flight_reqs == 0
+    assert router.tracker().snapshot(3.0).of(A).in_flight_seqs == 0
 
 
 def test_same_or_larger_block_size_changes_nothing_and_removal_forgets_only_that_replica() -> None:
@@ -41,5 +41,5 @@ def test_same_or_larger_block_size_changes_nothing_and_removal_forgets_only_that
     tracker.reserve("req-c", C, 32, 2, 1.0)
     router.remove_replica(C)
     snapshot = tracker.snapshot(2.0)
-    assert snapshot.of(A).in_flight_reqs == 1 and snapshot.of(C).in_flight_reqs == 0
+    assert snapshot.of(A).in_flight_seqs == 1 and snapshot.of(C).in_flight_seqs == 0
     assert C not in router.space_of and C not in router.spaces[(32, "trtllm")].replicas

@@ -50,7 +50,7 @@ def test_route_commits_and_the_lease_releases_once() -> None:
     lease = router.route(request(), now=1.0)
     assert lease.replica == B and lease.plan.cached_tokens == 8 * 16
     assert (router.in_flight(A), router.in_flight(B)) == (0, 1)
-    assert router.tracker().snapshot(1.0).of(B).pending_prefill_reqs == 1
+    assert router.tracker().snapshot(1.0).of(B).pending_prefill_seqs == 1
     lease.first_token(now=1.5)
     assert router.tracker().snapshot(1.5).of(B).active_decode_seqs == 1
     assert lease.release(now=2.0) and not lease.release(now=2.1)
@@ -145,13 +145,13 @@ def test_an_n_request_counts_its_sequences_in_the_cap_and_the_baselines_load() -
     full = lease.replica
     other = B if full == A else A
     assert router.in_flight(full) == 8 and router.in_flight_total(full) == 8
-    assert router.tracker().snapshot(1.0).of(full).pending_prefill_reqs == 8
+    assert router.tracker().snapshot(1.0).of(full).pending_prefill_seqs == 8
     assert router.candidates(1.0) == [other]
     lease.first_token(now=1.1)
     assert router.tracker().snapshot(1.1).of(full).active_decode_seqs == 8
     ones = [PoolRequest(PROMPT, make_policy("least_load"), PolicyWeights(), f"one-{i}") for i in range(7)]
     assert {router.route(one, now=1.2).replica for one in ones} == {other}  # 7 of 8 taken on the other
-    assert router.tracker().snapshot(1.2).of(other).request_load == 7
+    assert router.tracker().snapshot(1.2).of(other).seq_load == 7
     last = PoolRequest(PROMPT, make_policy("least_load"), PolicyWeights(), "one-7", sequences=2)
     assert router.route(last, now=1.3).replica == other  # under the cap: it may go n - 1 over
     with pytest.raises(Overloaded, match="sequences in flight"):

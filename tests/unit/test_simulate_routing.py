@@ -284,7 +284,7 @@ def test_plan_weights_carry_the_fleet_wide_ramp() -> None:
         router, _ = _fleet(seed, "cost", weights)
         full = router._full()
         loads = [router.tracker.load_of(r, 1.0) for r in full]
-        share = sum(1 for x in loads if x.pending_prefill_reqs > 0) / len(full)
+        share = sum(1 for x in loads if x.pending_prefill_seqs > 0) / len(full)
         given = router.plan_weights()
         assert given.overlap_credit_loaded is None
         assert given.overlap_credit == pytest.approx(loaded_credit(1.0, 3.0, share))

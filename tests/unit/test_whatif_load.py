@@ -45,13 +45,13 @@ def test_a_moved_load_leaves_its_replica_for_the_new_one_for_the_recorded_spans(
     )
     assert moved and load.held == 1
     during = load.load(LoadSnapshot(0.5, 16, {R0: ReplicaLoad(R0, 1, 128, 8.0)}))
-    assert during.of(R0).pending_prefill_reqs == 0 and during.of(R0).pending_prefill_tokens == 0
-    assert during.of(R1).pending_prefill_reqs == 1 and during.of(R1).pending_prefill_tokens == 64
+    assert during.of(R0).pending_prefill_seqs == 0 and during.of(R0).pending_prefill_tokens == 0
+    assert during.of(R1).pending_prefill_seqs == 1 and during.of(R1).pending_prefill_tokens == 64
     assert during.of(R1).pending_prefill_blocks == 4.0
     decoding = load.load(
         LoadSnapshot(2.0, 16, {R0: ReplicaLoad(R0, active_decode_seqs=1, active_decode_blocks=10)})
     )
-    assert decoding.of(R0).active_decode_blocks == 0 and decoding.of(R0).pending_prefill_reqs == 0
+    assert decoding.of(R0).active_decode_blocks == 0 and decoding.of(R0).pending_prefill_seqs == 0
     assert decoding.of(R1).active_decode_seqs == 1 and decoding.of(R1).active_decode_blocks == 6
     after = LoadSnapshot(3.0, 16, {})
     assert load.load(after) is after and load.held == 0 and not load.changes
@@ -77,7 +77,7 @@ def test_an_unchanged_decision_moves_nothing_and_the_bound_is_counted() -> None:
         held_s=None,
     )
     late = forever.load(LoadSnapshot(1e6, 16, {}))
-    assert late.of(R1).pending_prefill_reqs == 1 and late.of(R0).pending_prefill_reqs == 0
+    assert late.of(R1).pending_prefill_seqs == 1 and late.of(R0).pending_prefill_seqs == 0
 
 
 def router() -> PoolRouter:

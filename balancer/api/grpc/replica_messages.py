@@ -62,7 +62,7 @@ def replica_message(view: Mapping[str, Any]) -> pb.Replica:
 def load_message(load: Mapping[str, Any]) -> pb.ReplicaLoad:
     """A replica's ``load`` (:class:`~balancer.load.tracker.ReplicaLoad` as a dict)."""
     return pb.ReplicaLoad(
-        pending_prefill_reqs=load["pending_prefill_reqs"],
+        pending_prefill_seqs=load["pending_prefill_seqs"],
         pending_prefill_tokens=load["pending_prefill_tokens"],
         pending_prefill_blocks=load["pending_prefill_blocks"],
         active_decode_seqs=load["active_decode_seqs"],
@@ -72,7 +72,7 @@ def load_message(load: Mapping[str, Any]) -> pb.ReplicaLoad:
         kv_usage=load.get("kv_usage"),
         stats_age_s=load.get("stats_age_s"),
         capacity_blocks=load.get("capacity_blocks"),
-        peer_reqs=load.get("peer_reqs") or 0,
+        peer_seqs=load.get("peer_seqs") or 0,
     )
 
 
