@@ -59,7 +59,12 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   ranks would change nothing here.
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
-  candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
+  candidate list (O(fleet) per request). The keys of ``least_load`` (``request_load``) and of
+  ``cost`` with ``queue_weight`` > 0 read the scraped waiting queue: they are renewed at each
+  scrape and once that scrape is older than the tracker's ``stale_after_s``, when the policy reads
+  the queue as unknown (0; before 2026-12-01 a stale queue stayed in the key until the replica's
+  next touch). ``queue_weight`` changes nothing in the pruning of the other policies.
+  ``tests/unit/test_simulate_routing.py`` checks the pruned
   choice against the full one, decision by decision (and, with the held-roots charge, ties drawn
   alike).
 """
@@ -67,6 +72,7 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -243,8 +249,17 @@ class SimRouter:
         """The KV usage last given to :meth:`observe` and when: the policy's guard reads the same."""
         self.counters = RoutingCounters()
         self._key = self._prune_key(policy, weights) if prune else None
-        self._scraped_key = self._key is not None and (policy == "least_load" or weights.queue_weight > 0)
-        """Whether the pruning key reads scraped gauges (the waiting queue)."""
+        self._scraped_key = self._key is not None and (
+            policy == "least_load" or (policy == "cost" and weights.queue_weight > 0)
+        )
+        """Whether the pruning key reads a scraped gauge, the engine's waiting queue: ``least_load``'s
+        ``request_load`` always, ``cost``'s ``base_load`` with ``queue_weight`` > 0; no other policy
+        has a key (it gets the full list). Such a key is renewed at each scrape and when the scrape
+        goes stale (:meth:`_expire_scrapes`)."""
+        self._scrapes_due: list[tuple[float, ReplicaId]] = []
+        """When ``_scraped_key``: a heap of (scrape time, replica) of the scrapes not yet stale."""
+        self._scraped_at: dict[ReplicaId, float] = {}
+        """When ``_scraped_key``: each replica's last scrape time."""
         self._order = LoadOrder(random.Random(rng.getrandbits(64)))
         self._dup = self._key is not None and policy == "cost" and weights.duplication_weight > 0
         """Whether the cost has the duplication charge: replicas then also sit in pressure bands."""
@@ -466,12 +481,25 @@ class SimRouter:
         found = [(count, replica) for replica, count in counts.items() if eligible(replica)]
         return min(found) if found else None
 
+    def _expire_scrapes(self, now: float) -> None:
+        """Renew the key of every replica whose last scrape went stale by ``now``: the policy then
+        reads its waiting queue as unknown (0), as the tracker's snapshot gives it (older than
+        ``stale_after_s``), and a key that kept the stale queue would leave the replica out of the
+        pruned set while the full list chooses it (before 2026-12-01, h-capfollow2)."""
+        due, stale_after_s = self._scrapes_due, self.tracker.config.stale_after_s
+        while due and now - due[0][0] > stale_after_s:
+            at, replica = heapq.heappop(due)
+            if self._scraped_at.get(replica) == at:  # not scraped again since
+                self._touch(replica, now)
+
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
         cap = self.cap
         inflight = self.inflight
         if self._key is None:
             return self._full()
+        if self._scraped_key:
+            self._expire_scrapes(now)
         ceiling = self.weights.kv_usage_ceiling if self.policy.name == "cost" else None
 
         stale_before = now - self.tracker.config.stale_after_s
@@ -574,4 +602,6 @@ class SimRouter:
         if self._dup:
             self._repressure(replica, now)
         if self._scraped_key:
+            self._scraped_at[replica] = now
+            heapq.heappush(self._scrapes_due, (now, replica))
             self._touch(replica, now)
