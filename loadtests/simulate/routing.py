@@ -16,7 +16,9 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   replicas over the KV-usage ceiling are skipped when picking the least loaded (if every replica is
   over it, the full set is used, as the guard then lifts), and the imbalance guard's floor is the
   least loaded eligible replica, which is always in the set. ``least_load`` is pruned the same way
-  on ``request_load``. With the duplication charge a replica without the prefix also pays
+  on ``request_load``, its set holding every replica of the least count as well and handed over
+  in the full list's order, so its tie draw is the full list's (exact, decision for decision;
+  since 2026-12-01, h-capfollow2). With the duplication charge a replica without the prefix also pays
   ``w_prefill·w_dup·request_blocks·pressure_r``, so replicas also sit in 8 pressure bands (each its
   own heap) and a band is scanned only while its least load plus the charge at the band's lowest
   pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
@@ -109,6 +111,11 @@ PRESSURE_BANDS = 8
 TIE_SLACK = 4 * TIE_TOLERANCE
 """Relative cost slack within which a scanned replica is kept for the policy (``_least_scan``): four
 times the policy's own tie tolerance, so float noise between the two sums never drops a tie."""
+
+
+def _key_itself(key: float, _: ReplicaId) -> float:
+    """A replica's cost when it is its heap key (``least_load``)."""
+    return key
 
 
 class ShardedTracker(LoadTracker):
@@ -256,6 +263,11 @@ class SimRouter:
         ``request_load`` always, ``cost``'s ``base_load`` with ``queue_weight`` > 0; no other policy
         has a key (it gets the full list). Such a key is renewed at each scrape and when the scrape
         goes stale (:meth:`_expire_scrapes`)."""
+        self._counts_tie = self._key is not None and policy == "least_load"
+        """Whether the key is ``least_load``'s request count, whose ties are common: the set then
+        holds every replica of the least count, in the full list's order, so that the policy's tie
+        draw picks what it picks over the full list (before 2026-12-01, h-capfollow2: the ``k``
+        least of the heap's random order, the same distribution but other draws)."""
         self._scrapes_due: list[tuple[float, ReplicaId]] = []
         """When ``_scraped_key``: a heap of (scrape time, replica) of the scrapes not yet stale."""
         self._scraped_at: dict[ReplicaId, float] = {}
@@ -377,6 +389,8 @@ class SimRouter:
         that few (:meth:`_fewest_roots`)."""
         if self._interference or roots is not None:
             return self._least_scan(token_ids, eligible, now, roots)
+        if self._counts_tie:  # every replica of the least count too (counts are whole: 0.5 parts them)
+            return self._order.least(self.prune_k, eligible, _key_itself, offset=-0.5)[0]
         if not self._dup:
             return self._order.least(self.prune_k, eligible)[0]
         keyed = self._order.least_keyed(self.prune_k, eligible)
@@ -526,7 +540,7 @@ class SimRouter:
         chosen = dict.fromkeys(holders)
         chosen.update(dict.fromkeys(least))
         self.counters.pruned += 1
-        if roots is not None:  # in the full list's order: a tie is then drawn as over the full list
+        if roots is not None or self._counts_tie:  # in the full list's order: a tie is drawn as over it
             position = self._position
             return sorted((r for r in chosen if inflight[r] < cap), key=position.__getitem__)
         return [r for r in chosen if inflight[r] < cap]
