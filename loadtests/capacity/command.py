@@ -555,6 +555,7 @@ def _search_and_report(
             )
         except ChildFailed as failed:  # every child it started is stopped (start_emulator)
             fleet_error = f"the emulated fleet did not start: {failed.one_line()}"
+            processes = [{"name": failed.name, "pid": failed.pid, "exit_code": failed.exit_code}]
     meta = {
         "command": _command_line(),
         "started": started,

@@ -87,6 +87,7 @@ def test_a_fleet_that_does_not_start_is_one_line_exit_1_and_nothing_left(
         assert said.group(2) == ": exit 1 (the report is written, no fleet run)"
         report = json.loads((out / "capacity.json").read_text())
         assert report["meta"]["confirmed_on_fleet"] is False
+        assert report["meta"]["processes"] == [{"name": "fleet-0", "pid": int(said.group(1)), "exit_code": 1}]
         assert report["meta"]["fleet_error"] == last.removeprefix("kvlb capacity: ").removesuffix(
             said.group(2)
         )
