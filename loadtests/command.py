@@ -34,6 +34,7 @@ import yaml
 
 from loadtests.faults.soak import add_soak_arguments, soak_campaign
 from loadtests.flag_checks import refuse_below_one, refuse_not_above
+from loadtests.fleet.child_process import ChildFailed
 from loadtests.fleet.processes import (
     EmulatorHandle,
     attach_emulator,
@@ -458,6 +459,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         return asyncio.run(_cancel_on_sigterm(campaign))
+    except ChildFailed as failed:  # the fleet did not start; start_emulator stopped what it started
+        print(f"kvlb loadtest: the emulated fleet did not start: {failed.one_line()}", file=sys.stderr)
+        return 1
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"kvlb loadtest: {exc}", file=sys.stderr)
         return 1

@@ -5,6 +5,9 @@ second) and, for ``allocator: auto`` with jemalloc installed, after re-executing
 before then used to end it with the default action (exit 143, killed by SIGTERM; a traceback for
 SIGINT). :func:`install` is the first thing ``kvlb serve`` does: until the loop's own handlers replace
 these, either signal ends the process with 0 at once (nothing serves yet, nothing is lost).
+A tool's command line instead takes SIGINT as ``KeyboardInterrupt`` from the start
+(:func:`take_sigint`): :func:`balancer.cli.main.main` makes one that comes before the tool's own
+handling (while the tools are imported) one line and exit 130.
 SIGHUP is ignored from the start (:data:`NO_RELOAD`): kvlb has no reload, and its default action
 killed the supervisor of ``--workers N``, whose workers the kernel then SIGKILLs, cutting every stream.
 :func:`exec_keeping_signals` re-executes with both signals blocked, so one that arrives while the
@@ -43,6 +46,15 @@ def install() -> None:
         signal.signal(sig, _exit_at_once)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, EARLY_SIGNALS)
+
+
+def take_sigint() -> None:
+    """For a tool's command line (``kvlb tune …``, ``kvlb capacity …``): unblock SIGINT, so that one
+    blocked across the process's start (as :func:`exec_keeping_signals` does) is taken now, while
+    :func:`balancer.cli.main.main` handles it, rather than whenever the tool's code unblocks it
+    (never). Its handler stays the interpreter's (``KeyboardInterrupt``, or ignored when the process
+    was started with SIGINT ignored)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))
 
 
 def exec_keeping_signals(executable: str, argv: Sequence[str], environ: Mapping[str, str]) -> NoReturn:

@@ -84,11 +84,45 @@ def tools_for(command: str | None) -> list[EntryPoint] | None:
     return named or None
 
 
+EXIT_SIGINT = 128 + 2
+"""The exit code of a tool's command line stopped by SIGINT that the tool did not handle itself."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """``kvlb …``. When the process is a tool's command line (``argv`` is ``None``, the command not
+    a service command), a SIGINT that reaches here (during the imports of the tools, which took
+    seconds at a load of 12, or from a tool that does not handle it) is one line, ``kvlb TOOL:
+    stopped by SIGINT``, and exit 130; before 2026-12-01 (h-capfollow2) it was a
+    ``KeyboardInterrupt`` traceback (exit -2)."""
     given = list(sys.argv[1:] if argv is None else argv)
     command = given[0] if given else None
     if command == "serve" and argv is None:  # the process is kvlb serve: before the imports
         early_signals.install()
+    if argv is not None or command in SERVICE_COMMANDS:
+        return _main(given, command)
+    try:
+        early_signals.take_sigint()  # inside: one blocked across the start is taken here
+        code = _main(given, command)
+    except KeyboardInterrupt:
+        named = f" {command}" if command and not command.startswith("-") else ""
+        print(f"kvlb{named}: stopped by SIGINT", file=sys.stderr)
+        code = EXIT_SIGINT
+    forget_keyboard_interrupt()  # caught here or by the tool (its own line and 130): the code stands
+    return code
+
+
+def forget_keyboard_interrupt() -> None:
+    """After a ``KeyboardInterrupt`` was caught: make sure the interpreter exits with the code
+    returned. CPython marks one raised in code run from a string (``exec`` or ``eval`` of source,
+    which ``dataclasses`` runs for every class it decorates, so during most imports) as unhandled
+    even when it is caught, and a program run with ``-m`` (``python -m balancer``) then kills
+    itself with SIGINT at exit (exit -2) whatever it returned; the next string it runs clears
+    the mark (``run_eval_code_obj`` in ``Python/pythonrun.c``). Seen 2026-12-01: a SIGINT
+    0.45-0.5 s into ``kvlb tune`` printed its one line and exited -2 in 3 of 10 tries."""
+    eval("0")  # a constant: only clears the mark
+
+
+def _main(given: list[str], command: str | None) -> int:
     tools = tools_for(command)
     parser = build_parser(tools)
     if tools and command not in _commands_of(parser):  # the tool did not register its namesake

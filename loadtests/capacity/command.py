@@ -77,6 +77,7 @@ from loadtests.capacity.target import (
     stopped_by,
 )
 from loadtests.flag_checks import refuse_below_one, refuse_not_above
+from loadtests.fleet.child_process import ChildFailed
 from loadtests.kvlb_timers import WALL_TIMERS_HELP, fleet_sets_of
 from loadtests.oracle import prefix_reuse_bound
 from loadtests.peers import PEER_NAMES
@@ -99,6 +100,11 @@ CHAT_MEMO_MAX = 4096
 """Distinct chats whose token ids ``kvlb capacity`` remembers while it builds a stream of chat prompts."""
 DEFAULT_MAX_HELD_TOKENS = 1 << 28
 """``--max-held-tokens``'s default: 268,435,456 token ids, 1 GiB at 4 bytes each."""
+EXIT_FLEET_FAILED = 1
+"""``--confirm``'s emulated fleet did not start (a child exited, stayed silent or could not be
+started): one line naming it, its exit code and its stderr's last lines, the report of the
+simulator's searches written (``meta.fleet_error``). The code of ``--target``'s run that measured
+nothing and of ``kvlb loadtest``'s failed run. Before 2026-12-01 (h-capfollow2) a traceback."""
 DEFAULT_ROUTERS = ("kvlb", "round_robin", "least_load", "sglang_cache_aware", "oracle")
 SMOKE: dict[str, Any] = {
     "workload": "tenants",
@@ -541,8 +547,15 @@ def _search_and_report(
     invalid: dict[str, str] = {}
     processes: list[dict[str, Any]] = []
     bands: dict[str, list[dict[str, Any]]] = {}
+    fleet_error = None
     if args.confirm:
-        confirmed, invalid, processes, bands = asyncio.run(confirm_on_fleet(args, stream, searches, out, log))
+        try:
+            confirmed, invalid, processes, bands = asyncio.run(
+                confirm_on_fleet(args, stream, searches, out, log)
+            )
+        except ChildFailed as failed:  # every child it started is stopped (start_emulator)
+            fleet_error = f"the emulated fleet did not start: {failed.one_line()}"
+            processes = [{"name": failed.name, "pid": failed.pid, "exit_code": failed.exit_code}]
     meta = {
         "command": _command_line(),
         "started": started,
@@ -556,7 +569,8 @@ def _search_and_report(
             "kv_capacity_tokens": profile.kv_capacity_tokens,
         },
         "simulated_as": {n: simulated_as(n) for n in names},
-        "confirmed_on_fleet": bool(args.confirm),
+        "confirmed_on_fleet": bool(args.confirm) and fleet_error is None,
+        "fleet_error": fleet_error,
         "confirm_requests": min(args.confirm_requests, len(stream.requests)) if args.confirm else None,
         "confirm_sim_draws": args.confirm_sim_draws if args.confirm else None,
         "confirm_sim_jitter_ms": args.confirm_sim_jitter_ms if args.confirm else None,
@@ -598,6 +612,9 @@ def _search_and_report(
     )
     report["diagnosis"] = diagnosis
     _write_report(args, report, out, log)
+    if fleet_error is not None:
+        log(f"kvlb capacity: {fleet_error}: exit {EXIT_FLEET_FAILED} (the report is written, no fleet run)")
+        return EXIT_FLEET_FAILED
     return no_capacity_exit(searches, log)
 
 

@@ -119,6 +119,7 @@ def markdown(report: Mapping[str, Any]) -> str:
         f"Best peer: {report.get('best_peer') or '-'}. Rates in requests/s offered (model time).",
         "",
         *_fleet_kvlb_lines(report.get("meta") or {}),
+        *_fleet_error_lines(report.get("meta") or {}),
         "| router | capacity req/s | first failing | vs round robin | vs best peer | TTFT p90 s at capacity "
         "| hit rate | saved prefill / oracle's | measured on the fleet |",
         "|---|---|---|---|---|---|---|---|---|",
@@ -214,6 +215,14 @@ def _invalid_point_lines(report: Mapping[str, Any]) -> list[str]:
         if lines
         else []
     )
+
+
+def _fleet_error_lines(meta: Mapping[str, Any]) -> list[str]:
+    """Why ``--confirm`` measured nothing on the fleet (``meta.fleet_error``: it did not start)."""
+    error = meta.get("fleet_error")
+    if not error:
+        return []
+    return [f"**Not confirmed on the fleet**: {error}. The searches below are the simulator's.", ""]
 
 
 def _fleet_kvlb_lines(meta: Mapping[str, Any]) -> list[str]:

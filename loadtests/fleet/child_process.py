@@ -33,11 +33,56 @@ STOP_TIMEOUT_S = 10.0
 """How long a child may take to exit after SIGTERM before it is killed."""
 LOG_TAIL_LINES = 20
 """How many stderr lines a failure shows by default."""
+ONE_LINE_TAIL_LINES = 3
+"""How many of those :meth:`ChildFailed.one_line` puts on its line."""
+ONE_LINE_MAX_CHARS = 400
+"""About how long :meth:`ChildFailed.one_line` may be."""
 _CLOCK_TICKS_PER_S = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 class ChildFailed(RuntimeError):
-    """A child process exited or stayed silent before announcing itself."""
+    """A child process exited or stayed silent before announcing itself (or could not be started).
+
+    ``str()`` is the reason and the stderr's last :data:`LOG_TAIL_LINES` lines (several lines);
+    :meth:`one_line` says the same on one line, for a command's last word."""
+
+    def __init__(
+        self,
+        name: str,
+        pid: int | None,
+        reason: str,
+        *,
+        exit_code: int | None = None,
+        stderr_path: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.pid = pid
+        """The child's pid (``None``: it could not be started)."""
+        self.reason = reason
+        self.exit_code = exit_code
+        """Its exit code when it exited by itself (``None``: stayed silent and was stopped, or never ran)."""
+        self.stderr_path = stderr_path
+        self.tail = log_tail(stderr_path) if stderr_path is not None else ""
+        """The last :data:`LOG_TAIL_LINES` lines of its stderr, read when it failed."""
+        started = f"pid {pid}" if pid is not None else "no process"
+        tail = f"\n{self.tail}" if self.tail else ""
+        super().__init__(f"{name} did not start ({started}): {reason}{tail}")
+
+    def one_line(self, lines: int = ONE_LINE_TAIL_LINES, max_chars: int = ONE_LINE_MAX_CHARS) -> str:
+        """``fleet-0 (pid 12): exited with code 1 before announcing itself; its stderr (PATH) ends:
+        LINE | LINE``: the child, why, and its stderr's last ``lines`` non-blank lines, the whole
+        cut to about ``max_chars`` characters (the start of the tail goes first)."""
+        started = f"pid {self.pid}" if self.pid is not None else "no process"
+        text = f"{self.name} ({started}): {self.reason}"
+        last = [line.strip() for line in self.tail.splitlines() if line.strip()][-lines:]
+        if last:
+            where = f" ({self.stderr_path})" if self.stderr_path is not None else ""
+            ends = " | ".join(last)
+            room = max(40, max_chars - len(text))
+            if len(ends) > room:
+                ends = "..." + ends[len(ends) - room + 3 :]
+            text += f"; its stderr{where} ends: {ends}"
+        return text
 
 
 def python_module(module: str, *args: str) -> list[str]:
@@ -120,10 +165,11 @@ async def spawn(
     try:
         child.info = await _read_announcement(process, ready_key, timeout_s)
     except BaseException as exc:
+        exited = process.returncode  # before the stop: None when it stayed silent
         await child.stop()
         if isinstance(exc, Exception):
-            reason = f"{name} did not start (pid {process.pid}): {exc}"
-            raise ChildFailed(f"{reason}\n{child.log_tail()}") from None
+            failed = ChildFailed(name, process.pid, str(exc), exit_code=exited, stderr_path=stderr_path)
+            raise failed from None
         raise
     return child
 

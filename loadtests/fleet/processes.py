@@ -26,7 +26,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from loadtests.fleet.child_process import Child, spawn, stop_all
+from loadtests.fleet.child_process import Child, ChildFailed, spawn, stop_all
 from loadtests.kvlb_timers import model_time_weights
 from loadtests.peers import PEER_ENV, RouterSpec, peer_command
 from replicas.sim.ports import free_port_run
@@ -112,7 +112,10 @@ class EmulatorHandle:
 
 
 async def start_emulator(options: EmulatorOptions, logs: Path) -> EmulatorHandle:
-    """Start ``options.replicas`` replicas of ``options.engine`` over ``options.processes`` children."""
+    """Start ``options.replicas`` replicas of ``options.engine`` over ``options.processes`` children.
+    A child that exits, stays silent or cannot be started raises :class:`ChildFailed` (its
+    :meth:`~ChildFailed.one_line` names it, its exit code and its stderr's last lines), after every
+    child started is stopped."""
     processes = max(1, min(options.processes, options.replicas))
     per_child, extra = divmod(options.replicas, processes)
     handle = EmulatorHandle([])
@@ -127,14 +130,18 @@ async def start_emulator(options: EmulatorOptions, logs: Path) -> EmulatorHandle
                 *_child_args(options, offset, count),
             ]
             name = f"fleet-{index}"
-            child = await spawn(
-                name,
-                argv,
-                logs / f"{name}.log",
-                ready_key="replicas",
-                timeout_s=START_TIMEOUT_S,
-                env=os.environ,
-            )
+            try:
+                child = await spawn(
+                    name,
+                    argv,
+                    logs / f"{name}.log",
+                    ready_key="replicas",
+                    timeout_s=START_TIMEOUT_S,
+                    env=os.environ,
+                )
+            except OSError as exc:  # no process at all (fork or exec refused)
+                log = logs / f"{name}.log"
+                raise ChildFailed(name, None, exc.strerror or str(exc), stderr_path=log) from None
             handle.children.append(child)
             handle.replicas.extend(child.info["replicas"])
             offset += count

@@ -16,7 +16,9 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   replicas over the KV-usage ceiling are skipped when picking the least loaded (if every replica is
   over it, the full set is used, as the guard then lifts), and the imbalance guard's floor is the
   least loaded eligible replica, which is always in the set. ``least_load`` is pruned the same way
-  on ``seq_load``. With the duplication charge a replica without the prefix also pays
+  on ``seq_load``, its set holding every replica of the least count as well and handed over
+  in the full list's order, so its tie draw is the full list's (exact, decision for decision;
+  since 2026-12-01, h-capfollow2). With the duplication charge a replica without the prefix also pays
   ``w_prefill·w_dup·request_blocks·pressure_r``, so replicas also sit in 8 pressure bands (each its
   own heap) and a band is scanned only while its least load plus the charge at the band's lowest
   pressure may still undercut the best candidate seen (``SimRouter._least``). Exactness holds up to
@@ -59,7 +61,12 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
   ranks would change nothing here.
   Temperature > 0 samples over every eligible replica, and ``round_robin``, ``random``,
   ``power_of_two``, ``session`` and ``sglang_threshold`` look at the whole set, so they get the full
-  candidate list (O(fleet) per request). ``tests/unit/test_simulate_routing.py`` checks the pruned
+  candidate list (O(fleet) per request). The keys of ``least_load`` (``seq_load``) and of
+  ``cost`` with ``queue_weight`` > 0 read the scraped waiting queue: they are renewed at each
+  scrape and once that scrape is older than the tracker's ``stale_after_s``, when the policy reads
+  the queue as unknown (0; before 2026-12-01 a stale queue stayed in the key until the replica's
+  next touch). ``queue_weight`` changes nothing in the pruning of the other policies.
+  ``tests/unit/test_simulate_routing.py`` checks the pruned
   choice against the full one, decision by decision (and, with the held-roots charge, ties drawn
   alike).
 """
@@ -67,6 +74,7 @@ prefix table, policy and load accounting as ``kvlb serve`` — with two changes 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import random
 from collections.abc import Callable, Mapping, Sequence
@@ -103,6 +111,11 @@ PRESSURE_BANDS = 8
 TIE_SLACK = 4 * TIE_TOLERANCE
 """Relative cost slack within which a scanned replica is kept for the policy (``_least_scan``): four
 times the policy's own tie tolerance, so float noise between the two sums never drops a tie."""
+
+
+def _key_itself(key: float, _: ReplicaId) -> float:
+    """A replica's cost when it is its heap key (``least_load``)."""
+    return key
 
 
 class ShardedTracker(LoadTracker):
@@ -243,8 +256,22 @@ class SimRouter:
         """The KV usage last given to :meth:`observe` and when: the policy's guard reads the same."""
         self.counters = RoutingCounters()
         self._key = self._prune_key(policy, weights) if prune else None
-        self._scraped_key = self._key is not None and (policy == "least_load" or weights.queue_weight > 0)
-        """Whether the pruning key reads scraped gauges (the waiting queue)."""
+        self._scraped_key = self._key is not None and (
+            policy == "least_load" or (policy == "cost" and weights.queue_weight > 0)
+        )
+        """Whether the pruning key reads a scraped gauge, the engine's waiting queue: ``least_load``'s
+        ``seq_load`` always, ``cost``'s ``base_load`` with ``queue_weight`` > 0; no other policy
+        has a key (it gets the full list). Such a key is renewed at each scrape and when the scrape
+        goes stale (:meth:`_expire_scrapes`)."""
+        self._counts_tie = self._key is not None and policy == "least_load"
+        """Whether the key is ``least_load``'s request count, whose ties are common: the set then
+        holds every replica of the least count, in the full list's order, so that the policy's tie
+        draw picks what it picks over the full list (before 2026-12-01, h-capfollow2: the ``k``
+        least of the heap's random order, the same distribution but other draws)."""
+        self._scrapes_due: list[tuple[float, ReplicaId]] = []
+        """When ``_scraped_key``: a heap of (scrape time, replica) of the scrapes not yet stale."""
+        self._scraped_at: dict[ReplicaId, float] = {}
+        """When ``_scraped_key``: each replica's last scrape time."""
         self._order = LoadOrder(random.Random(rng.getrandbits(64)))
         self._dup = self._key is not None and policy == "cost" and weights.duplication_weight > 0
         """Whether the cost has the duplication charge: replicas then also sit in pressure bands."""
@@ -362,6 +389,8 @@ class SimRouter:
         that few (:meth:`_fewest_roots`)."""
         if self._interference or roots is not None:
             return self._least_scan(token_ids, eligible, now, roots)
+        if self._counts_tie:  # every replica of the least count too (counts are whole: 0.5 parts them)
+            return self._order.least(self.prune_k, eligible, _key_itself, offset=-0.5)[0]
         if not self._dup:
             return self._order.least(self.prune_k, eligible)[0]
         keyed = self._order.least_keyed(self.prune_k, eligible)
@@ -466,12 +495,25 @@ class SimRouter:
         found = [(count, replica) for replica, count in counts.items() if eligible(replica)]
         return min(found) if found else None
 
+    def _expire_scrapes(self, now: float) -> None:
+        """Renew the key of every replica whose last scrape went stale by ``now``: the policy then
+        reads its waiting queue as unknown (0), as the tracker's snapshot gives it (older than
+        ``stale_after_s``), and a key that kept the stale queue would leave the replica out of the
+        pruned set while the full list chooses it (before 2026-12-01, h-capfollow2)."""
+        due, stale_after_s = self._scrapes_due, self.tracker.config.stale_after_s
+        while due and now - due[0][0] > stale_after_s:
+            at, replica = heapq.heappop(due)
+            if self._scraped_at.get(replica) == at:  # not scraped again since
+                self._touch(replica, now)
+
     def candidates(self, token_ids: Sequence[int], now: float) -> list[ReplicaId]:
         """What the policy is given: pruned when exact (module docstring), else every open replica."""
         cap = self.cap
         inflight = self.inflight
         if self._key is None:
             return self._full()
+        if self._scraped_key:
+            self._expire_scrapes(now)
         ceiling = self.weights.kv_usage_ceiling if self.policy.name == "cost" else None
 
         stale_before = now - self.tracker.config.stale_after_s
@@ -498,7 +540,7 @@ class SimRouter:
         chosen = dict.fromkeys(holders)
         chosen.update(dict.fromkeys(least))
         self.counters.pruned += 1
-        if roots is not None:  # in the full list's order: a tie is then drawn as over the full list
+        if roots is not None or self._counts_tie:  # in the full list's order: a tie is drawn as over it
             position = self._position
             return sorted((r for r in chosen if inflight[r] < cap), key=position.__getitem__)
         return [r for r in chosen if inflight[r] < cap]
@@ -574,4 +616,6 @@ class SimRouter:
         if self._dup:
             self._repressure(replica, now)
         if self._scraped_key:
+            self._scraped_at[replica] = now
+            heapq.heappush(self._scrapes_due, (now, replica))
             self._touch(replica, now)

@@ -144,41 +144,76 @@ def test_a_bad_trace_line_is_one_line_from_every_tool(
         ]
 
 
-def _cpu_s(pid: int) -> float:
-    """The process's user and system CPU seconds so far (``/proc/<pid>/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text("ascii").rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _has_open(pid: int, path: Path) -> bool:
+    """Whether process ``pid`` holds ``path`` open (``/proc/<pid>/fd``)."""
+    try:
+        links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+    except OSError:  # gone, or an fd closed while listed
+        return False
+    return str(path) in links
 
 
 @pytest.mark.parametrize("command", ["simulate", "tune"])
-def test_sigint_mid_run_is_one_line_and_exit_130(command: str) -> None:
-    # before: a KeyboardInterrupt traceback from wherever the simulation was
-    argv = [sys.executable, "-m", "balancer", command, "--trace", str(TRACE), "--requests", "200000"]
-    child = subprocess.Popen(
-        [*argv, *(["--no-plot"] if command == "tune" else ["--json"])],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+def test_sigint_mid_run_is_one_line_and_exit_130(command: str, tmp_path: Path) -> None:
+    # before: a KeyboardInterrupt traceback from wherever the simulation was. The SIGINT goes once
+    # the tool says it runs (tune: its first point on stderr; simulate: the trace open, which it
+    # streams through the run), not after a time: at load 12 a SIGINT 3 s after the start came
+    # while the tools were still imported (h-capfollow's report; that case is the next test)
+    requests = "200000" if command == "simulate" else "20000"  # tune's sweep: points of 20,000 each
+    argv = [sys.executable, "-m", "balancer", command, "--trace", str(TRACE), "--requests", requests]
+    out, err = tmp_path / "out", tmp_path / "err"
+    with out.open("w") as stdout, err.open("w") as stderr:
+        child = subprocess.Popen(
+            [*argv, *(["--no-plot"] if command == "tune" else ["--json"])],
+            stdout=stdout,
+            stderr=stderr,
+            cwd=REPO,
+        )
     try:
-        # inside the trace reading or the run (both are covered): 1.5 s of the child's own CPU, not
-        # of wall time, which a loaded machine spent on the interpreter's start (a SIGINT there is
-        # the default action's, exit -2: seen at load 12)
-        deadline = time.monotonic() + 60
-        while child.poll() is None and _cpu_s(child.pid) < 1.5 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert child.poll() is None and time.monotonic() < deadline
+        deadline = time.monotonic() + 120
+        while child.poll() is None and time.monotonic() < deadline:
+            if _has_open(child.pid, TRACE) if command == "simulate" else "point 1/" in err.read_text():
+                break
+            time.sleep(0.01)
+        assert child.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
         child.send_signal(signal.SIGINT)
-        out, err = child.communicate(timeout=60)
+        child.wait(timeout=60)
     finally:
         if child.poll() is None:
             child.kill()
             child.wait(timeout=10)
-    assert child.returncode == 130, err
+    said = err.read_text()
+    assert child.returncode == 130, said[-3000:]
+    assert "Traceback" not in said and out.read_text() == ""
+    expected = "(no report)" if command == "simulate" else "(no recommendation)"
+    assert said.splitlines()[-1] == f"kvlb {command}: stopped by SIGINT {expected}"  # the tool's own
+
+
+def _block_sigint() -> None:  # in the child, before exec: the mask survives it
+    signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT,))
+
+
+@pytest.mark.parametrize("command", ["simulate", "tune"])
+def test_sigint_during_start_up_is_one_line_and_exit_130(command: str) -> None:
+    # A Ctrl-C while the command line still imports the tools: before (h-capfollow2) the
+    # interpreter's KeyboardInterrupt traceback and exit -2, as h-capfollow saw at load 12. Made
+    # deterministic: the child starts with SIGINT blocked and pending, and the command line takes
+    # it where it unblocks it, before it imports any tool (before the fix, never: the run went on)
+    argv = [sys.executable, "-m", "balancer", command, "--trace", str(TRACE), "--requests", "50"]
+    argv += ["--no-plot", "--grid", "overlap_credit=1"] if command == "tune" else ["--json"]
+    child = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, preexec_fn=_block_sigint
+    )
+    try:
+        child.send_signal(signal.SIGINT)  # exec has happened (Popen waits for it): pending in the child
+        out, err = child.communicate(timeout=120)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(timeout=10)
+    assert child.returncode == 130, err[-3000:]
     assert "Traceback" not in err and out == ""
-    expected = "stopped by SIGINT (no report)" if command == "simulate" else "stopped by SIGINT"
-    assert err.splitlines()[-1].startswith(f"kvlb {command}: {expected}")
+    assert err.splitlines() == [f"kvlb {command}: stopped by SIGINT"]
 
 
 def test_tune_plot_path_is_checked_first_and_written_as_given(
@@ -235,3 +270,25 @@ def test_loadtest_refuses_an_unsorted_trace_before_its_fleet_starts(
         "a trace must be in arrival order (sort it by timestamp)"
     ]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_caught_keyboard_interrupt_from_a_string_keeps_the_exit_code(forget: bool, tmp_path: Path) -> None:
+    # CPython marks a KeyboardInterrupt raised in code run from a string (dataclasses' exec, in
+    # most imports) as unhandled even when caught, and a module run with -m (python -m balancer)
+    # then exits -2 whatever it returned: 3 of 10 SIGINTs 0.45-0.5 s into `kvlb tune` printed the
+    # one line and exited -2 (h-capfollow2). main's catch clears the mark (forget_keyboard_interrupt);
+    # without it the quirk shows.
+    (tmp_path / "quirk.py").write_text(
+        "from balancer.cli.main import forget_keyboard_interrupt\n"
+        "try:\n"
+        "    exec('raise KeyboardInterrupt')\n"
+        "except KeyboardInterrupt:\n"
+        f"    {'forget_keyboard_interrupt()' if forget else 'pass'}\n"
+        "raise SystemExit(130)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "quirk"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == (130 if forget else -signal.SIGINT), done.stderr

@@ -41,6 +41,15 @@ async def test_a_child_that_exits_first_fails_with_its_code_and_stderr(tmp_path:
     assert message.startswith("quitter did not start (pid ")
     assert "exited with code 3 before announcing itself" in message
     assert message.endswith("bad flag")
+    # one line for a command's last word (h-capfollow2): the child, its exit code, its stderr's end
+    assert failed.value.exit_code == 3
+    line = failed.value.one_line()
+    assert "\n" not in line
+    pid = failed.value.pid
+    assert line == (
+        f"quitter (pid {pid}): exited with code 3 before announcing itself; "
+        f"its stderr ({tmp_path / 'quitter.stderr'}) ends: bad flag"
+    )
 
 
 async def test_a_silent_child_is_stopped_after_the_start_timeout(tmp_path: Path) -> None:
