@@ -19,6 +19,13 @@ Aggregation over series: a series is one DP rank when it carries a ``dp``/``dp_r
 ranks report the same scheduler) are merged by ``max``; ranks are then summed for counts and
 averaged for fractions.
 
+Range checks (:mod:`balancer.load.gauge_checks`): every figure read has a kind (a request count, a
+token or block count, a fraction, a lifetime counter); a gauge with a sample out of its kind's range
+(NaN for a count, ±Inf, negative, a fraction for a count, above a sanity limit, a usage above 1 or
+below 0) is dropped
+whole (its field is ``None``: unknown, as when not reported) and listed in
+:attr:`ScrapedLoad.rejected`; the other fields of the report are kept.
+
 A :class:`ScrapeTarget` pairs an endpoint with the parser of its body; each engine's spec
 (:mod:`balancer.engines`) lists its targets in the order :mod:`balancer.load.scraper` tries them.
 """
@@ -32,6 +39,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from balancer.errors import BalancerError
+from balancer.load.gauge_checks import Kind, Rejection, rejected
 from balancer.load.tracker import EngineStats
 
 RANK_LABELS = ("dp", "dp_rank", "engine", "attention_dp_rank")
@@ -57,6 +65,8 @@ class ScrapedLoad:
     cache_hit_rate: float | None = None
     """0..1; SGLang's recent rate, vLLM's lifetime hits/queries, TRT-LLM's ``cacheHitRate``."""
     dp_ranks: int = 1
+    rejected: tuple[Rejection, ...] = ()
+    """Figures of the report out of range, dropped (their fields are ``None``): one per gauge."""
 
     def engine_stats(self) -> EngineStats:
         """The part :meth:`balancer.load.tracker.LoadTracker.observe` takes."""
@@ -107,11 +117,11 @@ def with_metrics_path(targets: Iterable[ScrapeTarget], metrics_path: str | None)
 # --- Prometheus text -----------------------------------------------------------------------------
 
 
-def parse_prometheus(text: str, names: Collection[str]) -> Samples:
+def parse_prometheus(text: str, names: Collection[str], *, keep_nan: bool = False) -> Samples:
     """Samples of the metrics named in ``names`` (exact names), as ``{name: [(labels, value)]}``.
 
-    Comment lines, other metrics and NaN values are skipped; a malformed line of a wanted metric
-    raises :class:`ScrapeError`.
+    Comment lines, other metrics and NaN values (unless ``keep_nan``) are skipped; a malformed line
+    of a wanted metric raises :class:`ScrapeError`.
     """
     wanted = frozenset(names)
     out: Samples = {}
@@ -128,7 +138,7 @@ def parse_prometheus(text: str, names: Collection[str]) -> Samples:
             continue
         labels, rest = _split_labels(line, brace) if has_labels else ({}, line[len(name) :])
         value = _sample_value(rest, line)
-        if not math.isnan(value):
+        if keep_nan or not math.isnan(value):
             out.setdefault(name, []).append((labels, value))
     return out
 
@@ -177,6 +187,40 @@ def _sample_value(rest: str, line: str) -> float:
         raise ScrapeError(f"bad value in line {line[:120]!r}") from None
 
 
+def _checked(samples: Samples, kinds: Mapping[str, Kind], rejections: list[Rejection]) -> Samples:
+    """``samples`` without each gauge of ``kinds`` that holds a sample out of its kind's range (the
+    first such sample of each is appended to ``rejections``); gauges not in ``kinds`` are kept.
+
+    A NaN fraction is no sample (a rate of 0/0: a rank that served nothing yet), as Prometheus
+    means it; a NaN count is refused."""
+    good: Samples = {}
+    for name, series in samples.items():
+        kind = kinds.get(name)
+        bad = None
+        if kind == "fraction":
+            series = [(labels, value) for labels, value in series if not math.isnan(value)]
+            if not series:
+                continue
+        if kind is not None:
+            bad = next((r for r in (rejected(name, value, kind) for _, value in series) if r), None)
+        if bad is None:
+            good[name] = series
+        else:
+            rejections.append(bad)
+    return good
+
+
+def _fraction(gauge: str, value: float | None, rejections: list[Rejection]) -> float | None:
+    """A derived fraction (a ratio of two checked figures), refused when above 1."""
+    if value is None:
+        return None
+    bad = rejected(gauge, value, "fraction")
+    if bad is not None:
+        rejections.append(bad)
+        return None
+    return value
+
+
 def _per_rank(series: Iterable[tuple[Labels, float]]) -> dict[str, float]:
     """One value per DP rank: series of the same rank (TP/PP replicas of it) merge by max."""
     ranks: dict[str, float] = {}
@@ -204,23 +248,40 @@ def _rank_count(samples: Samples, name: str) -> int:
     return max(1, len(_per_rank(samples.get(name, ()))))
 
 
-_SGLANG_GAUGES = (
-    "num_running_reqs",
-    "num_queue_reqs",
-    "token_usage",
-    "cache_hit_rate",
-    "num_used_tokens",
-    "max_total_num_tokens",
-)
+_SGLANG_GAUGES: dict[str, Kind] = {
+    "num_running_reqs": "requests",
+    "num_queue_reqs": "requests",
+    "token_usage": "fraction",
+    "cache_hit_rate": "fraction",
+    "num_used_tokens": "tokens",
+    "max_total_num_tokens": "tokens",
+}
+
+
+def _prefixed(prefixes: Iterable[str], gauges: Mapping[str, Kind]) -> dict[str, Kind]:
+    return {prefix + gauge: kind for prefix in prefixes for gauge, kind in gauges.items()}
+
+
+def _checked_prometheus(
+    text: str, kinds: Mapping[str, Kind], prefixes: Iterable[str], required: str
+) -> tuple[str, Samples, list[Rejection]]:
+    """The prefix in use (the first whose ``required`` gauge has a sample), the samples of the gauges
+    of ``kinds`` with every gauge holding a sample out of range dropped (NaN included, so that it is
+    refused), and those rejections. Raises :class:`ScrapeError` when no prefix has ``required``."""
+    samples = parse_prometheus(text, kinds.keys(), keep_nan=True)
+    prefix = next((p for p in prefixes if samples.get(p + required)), None)
+    if prefix is None:
+        raise ScrapeError(f"no {' / '.join(p + required for p in prefixes)} in the metrics")
+    rejections: list[Rejection] = []
+    return prefix, _checked(samples, kinds, rejections), rejections
 
 
 def parse_sglang_prometheus(text: str) -> ScrapedLoad:
     """SGLang ``/metrics`` (either prefix). Raises :class:`ScrapeError` without ``num_running_reqs``."""
-    names = [prefix + gauge for prefix in ("sglang:", "sglang_") for gauge in _SGLANG_GAUGES]
-    samples = parse_prometheus(text, names)
-    prefix = next((p for p in ("sglang:", "sglang_") if samples.get(p + "num_running_reqs")), None)
-    if prefix is None:
-        raise ScrapeError("no sglang:num_running_reqs / sglang_num_running_reqs in the metrics")
+    prefixes = ("sglang:", "sglang_")
+    prefix, samples, rejections = _checked_prometheus(
+        text, _prefixed(prefixes, _SGLANG_GAUGES), prefixes, "num_running_reqs"
+    )
     return ScrapedLoad(
         running_reqs=_count(_sum(samples, prefix + "num_running_reqs")),
         waiting_reqs=_count(_sum(samples, prefix + "num_queue_reqs")),
@@ -229,41 +290,44 @@ def parse_sglang_prometheus(text: str) -> ScrapedLoad:
         capacity_tokens=_count(_sum(samples, prefix + "max_total_num_tokens")),
         cache_hit_rate=_mean(samples, prefix + "cache_hit_rate"),
         dp_ranks=_rank_count(samples, prefix + "num_running_reqs"),
+        rejected=tuple(rejections),
     )
+
+
+_VLLM_GAUGES: dict[str, Kind] = {
+    "num_requests_running": "requests",
+    "num_requests_waiting": "requests",
+    "kv_cache_usage_perc": "fraction",  # despite its name a fraction: "1 means 100 percent usage"
+    "gpu_cache_usage_perc": "fraction",
+    "prefix_cache_hits_total": "counter",
+    "prefix_cache_queries_total": "counter",
+    "gpu_prefix_cache_hit_rate": "fraction",
+}
+"""vLLM's gauges (``vllm:`` prefix); ``vllm:cache_config_info`` is read for its labels only."""
 
 
 def parse_vllm_prometheus(text: str) -> ScrapedLoad:
     """vLLM ``/metrics``. Raises :class:`ScrapeError` without ``vllm:num_requests_running``."""
-    samples = parse_prometheus(
-        text,
-        (
-            "vllm:num_requests_running",
-            "vllm:num_requests_waiting",
-            "vllm:kv_cache_usage_perc",
-            "vllm:gpu_cache_usage_perc",
-            "vllm:prefix_cache_hits_total",
-            "vllm:prefix_cache_queries_total",
-            "vllm:gpu_prefix_cache_hit_rate",
-            "vllm:cache_config_info",
-        ),
-    )
-    if not samples.get("vllm:num_requests_running"):
-        raise ScrapeError("no vllm:num_requests_running in the metrics")
+    kinds = _prefixed(("vllm:",), _VLLM_GAUGES)
+    _, samples, rejections = _checked_prometheus(text, kinds, ("vllm:",), "num_requests_running")
+    info = parse_prometheus(text, ("vllm:cache_config_info",))
     usage = _mean(samples, "vllm:kv_cache_usage_perc")
     if usage is None:
         usage = _mean(samples, "vllm:gpu_cache_usage_perc")
     hits = _sum(samples, "vllm:prefix_cache_hits_total")
     queries = _sum(samples, "vllm:prefix_cache_queries_total")
     hit_rate = hits / queries if hits is not None and queries else None
+    hit_rate = _fraction("vllm:prefix_cache_hits_total", hit_rate, rejections)  # more hits than queries
     if hit_rate is None:
         hit_rate = _mean(samples, "vllm:gpu_prefix_cache_hit_rate")
     return ScrapedLoad(
         running_reqs=_count(_sum(samples, "vllm:num_requests_running")),
         waiting_reqs=_count(_sum(samples, "vllm:num_requests_waiting")),
         kv_usage=usage,
-        capacity_tokens=_vllm_capacity_tokens(samples.get("vllm:cache_config_info", ())),
+        capacity_tokens=_vllm_capacity_tokens(info.get("vllm:cache_config_info", ())),
         cache_hit_rate=hit_rate,
         dp_ranks=_rank_count(samples, "vllm:num_requests_running"),
+        rejected=tuple(rejections),
     )
 
 
@@ -279,24 +343,23 @@ def _vllm_capacity_tokens(series: Iterable[tuple[Labels, float]]) -> int | None:
     return sum(per_engine.values()) or None
 
 
-_TRTLLM_GAUGES = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_utilization",
-    "kv_cache_hit_rate",
-    "kv_cache_used_blocks",
-    "kv_cache_max_blocks",
-    "kv_cache_tokens_per_block",
-)
+_TRTLLM_GAUGES: dict[str, Kind] = {
+    "num_requests_running": "requests",
+    "num_requests_waiting": "requests",
+    "kv_cache_utilization": "fraction",
+    "kv_cache_hit_rate": "fraction",
+    "kv_cache_used_blocks": "tokens",
+    "kv_cache_max_blocks": "tokens",
+    "kv_cache_tokens_per_block": "tokens",
+}
 
 
 def parse_trtllm_prometheus(text: str) -> ScrapedLoad:
     """TRT-LLM ``/prometheus/metrics`` (``trtllm_``, or ``trtllm:`` as relabelled by Dynamo)."""
-    names = [prefix + gauge for prefix in ("trtllm_", "trtllm:") for gauge in _TRTLLM_GAUGES]
-    samples = parse_prometheus(text, names)
-    prefix = next((p for p in ("trtllm_", "trtllm:") if samples.get(p + "num_requests_running")), None)
-    if prefix is None:
-        raise ScrapeError("no trtllm_num_requests_running in the metrics")
+    prefixes = ("trtllm_", "trtllm:")
+    prefix, samples, rejections = _checked_prometheus(
+        text, _prefixed(prefixes, _TRTLLM_GAUGES), prefixes, "num_requests_running"
+    )
     per_block = _mean(samples, prefix + "kv_cache_tokens_per_block")
     used = _sum(samples, prefix + "kv_cache_used_blocks")
     total = _sum(samples, prefix + "kv_cache_max_blocks")
@@ -308,32 +371,65 @@ def parse_trtllm_prometheus(text: str) -> ScrapedLoad:
         capacity_tokens=_count(total * per_block) if total is not None and per_block else None,
         cache_hit_rate=_mean(samples, prefix + "kv_cache_hit_rate"),
         dp_ranks=_rank_count(samples, prefix + "num_requests_running"),
+        rejected=tuple(rejections),
     )
 
 
 # --- JSON ----------------------------------------------------------------------------------------
 
 
-def _num(obj: Mapping[str, Any], *keys: str) -> float | None:
-    """The first of ``keys`` present in ``obj`` as a finite number (bools are not numbers)."""
+def _num(obj: Mapping[str, Any], *keys: str) -> tuple[str, float] | None:
+    """The first of ``keys`` present in ``obj`` and its value as a float (NaN, ±Inf and huge
+    integers included, for :func:`_column` to refuse). A value that is not a number (bools are not)
+    raises :class:`ScrapeError`: the report is not of the shape expected."""
     for key in keys:
         value = obj.get(key)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float):
             raise ScrapeError(f"{key} is not a number: {value!r:.40}")
-        return float(value)
+        try:
+            return key, float(value)
+        except OverflowError:  # an integer beyond a double's range
+            return key, math.inf if value > 0 else -math.inf
     return None
 
 
-def _total(rows: list[Mapping[str, Any]], *keys: str) -> float | None:
-    values = [v for v in (_num(row, *keys) for row in rows) if v is not None]
+def _column(
+    rows: list[Mapping[str, Any]], kind: Kind, rejections: list[Rejection], *keys: str, where: str = ""
+) -> list[float] | None:
+    """The values of ``keys`` over ``rows`` (rows without any of them left out); ``None`` when one
+    is out of ``kind``'s range (the first such one is appended to ``rejections`` as
+    ``where + key``)."""
+    values: list[float] = []
+    for row in rows:
+        found = _num(row, *keys)
+        if found is None or (kind == "fraction" and math.isnan(found[1])):  # NaN rate: none (0/0)
+            continue
+        bad = rejected(where + found[0], found[1], kind)
+        if bad is not None:
+            rejections.append(bad)
+            return None
+        values.append(found[1])
+    return values
+
+
+def _total(
+    rows: list[Mapping[str, Any]], kind: Kind, rejections: list[Rejection], *keys: str, where: str = ""
+) -> float | None:
+    values = _column(rows, kind, rejections, *keys, where=where)
     return sum(values) if values else None
 
 
-def _average(rows: list[Mapping[str, Any]], *keys: str) -> float | None:
-    values = [v for v in (_num(row, *keys) for row in rows) if v is not None]
+def _average(
+    rows: list[Mapping[str, Any]], kind: Kind, rejections: list[Rejection], *keys: str, where: str = ""
+) -> float | None:
+    values = _column(rows, kind, rejections, *keys, where=where)
     return sum(values) / len(values) if values else None
+
+
+def _present(rows: list[Mapping[str, Any]], key: str) -> bool:
+    return any(row.get(key) is not None for row in rows)
 
 
 def _rows(value: object, what: str) -> list[Mapping[str, Any]]:
@@ -347,39 +443,47 @@ def parse_sglang_loads(body: object) -> ScrapedLoad:
     if isinstance(body, dict) and "loads" in body:
         return _sglang_v1_loads(_rows(body["loads"], "loads"))
     if isinstance(body, dict) and "load" in body:
-        return ScrapedLoad(used_tokens=_count(_num(body, "load")))
+        rejections: list[Rejection] = []
+        used = _total([body], "tokens", rejections, "load")
+        return ScrapedLoad(used_tokens=_count(used), rejected=tuple(rejections))
     if isinstance(body, list):
         return _sglang_get_load(_rows(body, "get_load"))
     raise ScrapeError(f"unknown SGLang load shape: {type(body).__name__}")
 
 
 def _sglang_v1_loads(rows: list[Mapping[str, Any]]) -> ScrapedLoad:
-    running = _total(rows, "num_running_reqs")
-    if running is None:
+    if not _present(rows, "num_running_reqs"):
         raise ScrapeError("/v1/loads rows lack num_running_reqs")
+    out: list[Rejection] = []
     return ScrapedLoad(
-        running_reqs=_count(running),
-        waiting_reqs=_count(_total(rows, "num_waiting_reqs")),
-        kv_usage=_average(rows, "token_usage"),
-        used_tokens=_count(_total(rows, "num_used_tokens")),
-        capacity_tokens=_count(_total(rows, "max_total_num_tokens", "num_total_tokens")),
-        cache_hit_rate=_average(rows, "cache_hit_rate"),
+        running_reqs=_count(_total(rows, "requests", out, "num_running_reqs")),
+        waiting_reqs=_count(_total(rows, "requests", out, "num_waiting_reqs")),
+        kv_usage=_average(rows, "fraction", out, "token_usage"),
+        used_tokens=_count(_total(rows, "tokens", out, "num_used_tokens")),
+        capacity_tokens=_count(_total(rows, "tokens", out, "max_total_num_tokens", "num_total_tokens")),
+        cache_hit_rate=_average(rows, "fraction", out, "cache_hit_rate"),
         dp_ranks=len(rows),
+        rejected=tuple(out),
     )
 
 
 def _sglang_get_load(rows: list[Mapping[str, Any]]) -> ScrapedLoad:
     """``/get_load`` per-rank list: ``num_reqs`` counts running + waiting."""
-    total = _total(rows, "num_reqs")
-    waiting = _total(rows, "num_waiting_reqs")
-    if total is None:
+    if not _present(rows, "num_reqs"):
         raise ScrapeError("/get_load rows lack num_reqs")
-    running = total - waiting if waiting is not None else None
+    out: list[Rejection] = []
+    total = _total(rows, "requests", out, "num_reqs")
+    waiting = _total(rows, "requests", out, "num_waiting_reqs")
+    running = total - waiting if total is not None and waiting is not None else None
+    if running is not None and running < 0:  # more waiting than requests
+        out.append(Rejection("num_reqs - num_waiting_reqs", repr(running), "negative"))
+        running = None
     return ScrapedLoad(
         running_reqs=_count(running),
         waiting_reqs=_count(waiting),
-        used_tokens=_count(_total(rows, "num_tokens")),
+        used_tokens=_count(_total(rows, "tokens", out, "num_tokens")),
         dp_ranks=len(rows),
+        rejected=tuple(out),
     )
 
 
@@ -398,19 +502,22 @@ def parse_trtllm_iteration_stats(body: object) -> ScrapedLoad | None:
             raise ScrapeError("iteration stats hold a non-object")
         newest[item.get("attentionDpRank", 0)] = item  # later iterations overwrite earlier ones
     rows = list(newest.values())
-    running = _total(rows, "numActiveRequests")
-    if running is None:
+    if not _present(rows, "numActiveRequests"):
         raise ScrapeError("iteration stats lack numActiveRequests")
+    out: list[Rejection] = []
     kv_rows = [row["kvCacheStats"] for row in rows if isinstance(row.get("kvCacheStats"), dict)]
-    used = _total(kv_rows, "usedNumBlocks")
-    capacity = _total(kv_rows, "maxNumBlocks")
-    per_block = _average(kv_rows, "tokensPerBlock")
+    kv = "kvCacheStats."
+    used = _total(kv_rows, "tokens", out, "usedNumBlocks", where=kv)
+    capacity = _total(kv_rows, "tokens", out, "maxNumBlocks", where=kv)
+    per_block = _average(kv_rows, "tokens", out, "tokensPerBlock", where=kv)
+    usage = used / capacity if used is not None and capacity else None
     return ScrapedLoad(
-        running_reqs=_count(running),
-        waiting_reqs=_count(_total(rows, "numQueuedRequests")),
-        kv_usage=used / capacity if used is not None and capacity else None,
+        running_reqs=_count(_total(rows, "requests", out, "numActiveRequests")),
+        waiting_reqs=_count(_total(rows, "requests", out, "numQueuedRequests")),
+        kv_usage=_fraction(kv + "usedNumBlocks", usage, out),  # more used blocks than blocks
         used_tokens=_count(used * per_block) if used is not None and per_block else None,
         capacity_tokens=_count(capacity * per_block) if capacity is not None and per_block else None,
-        cache_hit_rate=_average(kv_rows, "cacheHitRate"),
+        cache_hit_rate=_average(kv_rows, "fraction", out, "cacheHitRate", where=kv),
         dp_ranks=len(rows),
+        rejected=tuple(out),
     )
