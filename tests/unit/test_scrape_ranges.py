@@ -16,12 +16,11 @@ from balancer.load.gauge_checks import MAX_REQUESTS, MAX_TOKENS, Rejection, chec
 from balancer.load.scrape import (
     ScrapedLoad,
     ScrapeError,
-    parse_sglang_loads,
     parse_sglang_prometheus,
-    parse_trtllm_iteration_stats,
     parse_trtllm_prometheus,
     parse_vllm_prometheus,
 )
+from balancer.load.scrape_json import parse_sglang_loads, parse_trtllm_iteration_stats
 
 BAD_COUNTS = [
     ("-3", "negative"),
