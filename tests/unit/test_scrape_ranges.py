@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -223,3 +224,14 @@ def test_limits_are_inclusive() -> None:
     assert check(1.0 + 1e-12, "fraction") is None  # rounding of used / total
     assert check(1.0 + 1e-6, "fraction") == "above_limit"
     assert check(-0.0, "requests") is None
+
+
+@pytest.mark.parametrize(
+    ("parse", "capture"),
+    [(parse_sglang_prometheus, "sglang-0.5.23-cpu.txt"), (parse_vllm_prometheus, "vllm-0.32.0-cpu.txt")],
+)
+def test_real_engine_captures_have_nothing_refused(parse: Prom, capture: str) -> None:
+    """The checks refuse no figure of a real engine's ``/metrics`` (captured from the engines)."""
+    text = (Path(__file__).resolve().parents[1] / "fixtures" / "metrics" / capture).read_text()
+    load = parse(text)
+    assert load.rejected == () and load.running_reqs is not None and load.kv_usage is not None
