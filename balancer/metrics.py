@@ -29,6 +29,7 @@ from balancer.counter_collectors import (
     UpstreamCountersCollector,
 )
 from balancer.events import ResyncReason
+from balancer.load.gauge_checks import REASONS as REJECTED_VALUE_REASONS
 
 DECODE_ERROR_REASONS: Final = (
     "frame", "msgpack", "json", "schema", "stream", "replay_end", "event", "internal",
@@ -646,6 +647,7 @@ class _ReplicaCollectors:
     replica_key_refused: Gauge
     pool_routable_replicas: Gauge
     scrape_errors_total: Counter
+    scrape_rejected_values_total: Counter
     replica_pending_drains_dropped_total: Counter
     replica_kept_drains_dropped_total: Counter
     replica_removed_ids_forgotten_total: Counter
@@ -722,6 +724,13 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
             "kvlb_scrape_errors_total",
             "Failed engine metric scrapes, by replica.",
             ["replica"],
+        ),
+        scrape_rejected_values_total=counter(
+            "kvlb_scrape_rejected_values_total",
+            "Figures of an engine's load report out of range (a NaN or negative count, a fraction "
+            "for a count, +Inf, above a sanity limit, a usage outside 0..1), by replica and reason: "
+            "each is dropped (that field reads unknown) and the rest of the report is kept.",
+            ["replica", "reason"],
         ),
         replica_pending_drains_dropped_total=counter(
             "kvlb_replica_pending_drains_dropped_total",
@@ -1069,6 +1078,8 @@ class Metrics(
             counter.labels(replica)
         for reason in RESYNC_REASONS:
             self.events_resyncs_total.labels(replica, reason)
+        for reason in REJECTED_VALUE_REASONS:
+            self.scrape_rejected_values_total.labels(replica, reason)
         if replays:  # the ZMQ transports: they also shed (kvlb_events_shed_total)
             self.events_shed_total.labels(replica)
             for cause in SHED_CAUSES:

@@ -51,10 +51,10 @@ from balancer.index.hashing import pack_tokens
 from balancer.load.scrape import (
     ScrapeTarget,
     json_parser,
-    parse_sglang_loads,
     parse_sglang_prometheus,
     text_parser,
 )
+from balancer.load.scrape_json import parse_sglang_loads
 from balancer.types import U64_MASK, EngineHash
 
 SEQ_BYTES = 8

@@ -77,10 +77,10 @@ from balancer.index.hashing import pack_tokens
 from balancer.load.scrape import (
     ScrapeTarget,
     json_parser,
-    parse_trtllm_iteration_stats,
     parse_trtllm_prometheus,
     text_parser,
 )
+from balancer.load.scrape_json import parse_trtllm_iteration_stats
 from balancer.types import U64_MASK, EngineHash, to_u64
 
 _HEX = re.compile(r"[0-9a-fA-F]{1,128}")

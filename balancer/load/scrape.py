@@ -19,6 +19,16 @@ Aggregation over series: a series is one DP rank when it carries a ``dp``/``dp_r
 ranks report the same scheduler) are merged by ``max``; ranks are then summed for counts and
 averaged for fractions.
 
+Range checks (:mod:`balancer.load.gauge_checks`): every figure read has a kind (a request count, a
+token or block count, a fraction, a lifetime counter); a gauge with a sample out of its kind's range
+(NaN for a count, ±Inf, negative, a fraction for a count, above a sanity limit, a usage above 1 or
+below 0) is dropped
+whole (its field is ``None``: unknown, as when not reported) and listed in
+:attr:`ScrapedLoad.rejected`; the other fields of the report are kept.
+
+The JSON reports (SGLang's ``/v1/loads`` and ``/get_load``, TRT-LLM's iteration stats) are parsed in
+:mod:`balancer.load.scrape_json`.
+
 A :class:`ScrapeTarget` pairs an endpoint with the parser of its body; each engine's spec
 (:mod:`balancer.engines`) lists its targets in the order :mod:`balancer.load.scraper` tries them.
 """
@@ -29,9 +39,9 @@ import json
 import math
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
 from balancer.errors import BalancerError
+from balancer.load.gauge_checks import Kind, Rejection, rejected
 from balancer.load.tracker import EngineStats
 
 RANK_LABELS = ("dp", "dp_rank", "engine", "attention_dp_rank")
@@ -57,6 +67,8 @@ class ScrapedLoad:
     cache_hit_rate: float | None = None
     """0..1; SGLang's recent rate, vLLM's lifetime hits/queries, TRT-LLM's ``cacheHitRate``."""
     dp_ranks: int = 1
+    rejected: tuple[Rejection, ...] = ()
+    """Figures of the report out of range, dropped (their fields are ``None``): one per gauge."""
 
     def engine_stats(self) -> EngineStats:
         """The part :meth:`balancer.load.tracker.LoadTracker.observe` takes."""
@@ -107,11 +119,11 @@ def with_metrics_path(targets: Iterable[ScrapeTarget], metrics_path: str | None)
 # --- Prometheus text -----------------------------------------------------------------------------
 
 
-def parse_prometheus(text: str, names: Collection[str]) -> Samples:
+def parse_prometheus(text: str, names: Collection[str], *, keep_nan: bool = False) -> Samples:
     """Samples of the metrics named in ``names`` (exact names), as ``{name: [(labels, value)]}``.
 
-    Comment lines, other metrics and NaN values are skipped; a malformed line of a wanted metric
-    raises :class:`ScrapeError`.
+    Comment lines, other metrics and NaN values (unless ``keep_nan``) are skipped; a malformed line
+    of a wanted metric raises :class:`ScrapeError`.
     """
     wanted = frozenset(names)
     out: Samples = {}
@@ -128,7 +140,7 @@ def parse_prometheus(text: str, names: Collection[str]) -> Samples:
             continue
         labels, rest = _split_labels(line, brace) if has_labels else ({}, line[len(name) :])
         value = _sample_value(rest, line)
-        if not math.isnan(value):
+        if keep_nan or not math.isnan(value):
             out.setdefault(name, []).append((labels, value))
     return out
 
@@ -177,6 +189,40 @@ def _sample_value(rest: str, line: str) -> float:
         raise ScrapeError(f"bad value in line {line[:120]!r}") from None
 
 
+def _checked(samples: Samples, kinds: Mapping[str, Kind], rejections: list[Rejection]) -> Samples:
+    """``samples`` without each gauge of ``kinds`` that holds a sample out of its kind's range (the
+    first such sample of each is appended to ``rejections``); gauges not in ``kinds`` are kept.
+
+    A NaN fraction is no sample (a rate of 0/0: a rank that served nothing yet), as Prometheus
+    means it; a NaN count is refused."""
+    good: Samples = {}
+    for name, series in samples.items():
+        kind = kinds.get(name)
+        bad = None
+        if kind == "fraction":
+            series = [(labels, value) for labels, value in series if not math.isnan(value)]
+            if not series:
+                continue
+        if kind is not None:
+            bad = next((r for r in (rejected(name, value, kind) for _, value in series) if r), None)
+        if bad is None:
+            good[name] = series
+        else:
+            rejections.append(bad)
+    return good
+
+
+def checked_fraction(gauge: str, value: float | None, rejections: list[Rejection]) -> float | None:
+    """A derived fraction (a ratio of two checked figures), refused when above 1."""
+    if value is None:
+        return None
+    bad = rejected(gauge, value, "fraction")
+    if bad is not None:
+        rejections.append(bad)
+        return None
+    return value
+
+
 def _per_rank(series: Iterable[tuple[Labels, float]]) -> dict[str, float]:
     """One value per DP rank: series of the same rank (TP/PP replicas of it) merge by max."""
     ranks: dict[str, float] = {}
@@ -196,7 +242,8 @@ def _mean(samples: Samples, name: str) -> float | None:
     return sum(ranks.values()) / len(ranks) if ranks else None
 
 
-def _count(value: float | None) -> int | None:
+def count_of(value: float | None) -> int | None:
+    """A checked count as an ``int`` (``None`` stays ``None``)."""
     return None if value is None else round(value)
 
 
@@ -204,66 +251,88 @@ def _rank_count(samples: Samples, name: str) -> int:
     return max(1, len(_per_rank(samples.get(name, ()))))
 
 
-_SGLANG_GAUGES = (
-    "num_running_reqs",
-    "num_queue_reqs",
-    "token_usage",
-    "cache_hit_rate",
-    "num_used_tokens",
-    "max_total_num_tokens",
-)
+_SGLANG_GAUGES: dict[str, Kind] = {
+    "num_running_reqs": "requests",
+    "num_queue_reqs": "requests",
+    "token_usage": "fraction",
+    "cache_hit_rate": "fraction",
+    "num_used_tokens": "tokens",
+    "max_total_num_tokens": "tokens",
+}
+
+
+def _prefixed(prefixes: Iterable[str], gauges: Mapping[str, Kind]) -> dict[str, Kind]:
+    return {prefix + gauge: kind for prefix in prefixes for gauge, kind in gauges.items()}
+
+
+def _checked_prometheus(
+    text: str, kinds: Mapping[str, Kind], prefixes: Iterable[str], required: str
+) -> tuple[str, Samples, list[Rejection]]:
+    """The prefix in use (the first whose ``required`` gauge has a sample), the samples of the gauges
+    of ``kinds`` with every gauge holding a sample out of range dropped (NaN included, so that it is
+    refused), and those rejections. Raises :class:`ScrapeError` when no prefix has ``required``."""
+    samples = parse_prometheus(text, kinds.keys(), keep_nan=True)
+    prefix = next((p for p in prefixes if samples.get(p + required)), None)
+    if prefix is None:
+        raise ScrapeError(f"no {' / '.join(p + required for p in prefixes)} in the metrics")
+    rejections: list[Rejection] = []
+    return prefix, _checked(samples, kinds, rejections), rejections
 
 
 def parse_sglang_prometheus(text: str) -> ScrapedLoad:
     """SGLang ``/metrics`` (either prefix). Raises :class:`ScrapeError` without ``num_running_reqs``."""
-    names = [prefix + gauge for prefix in ("sglang:", "sglang_") for gauge in _SGLANG_GAUGES]
-    samples = parse_prometheus(text, names)
-    prefix = next((p for p in ("sglang:", "sglang_") if samples.get(p + "num_running_reqs")), None)
-    if prefix is None:
-        raise ScrapeError("no sglang:num_running_reqs / sglang_num_running_reqs in the metrics")
+    prefixes = ("sglang:", "sglang_")
+    prefix, samples, rejections = _checked_prometheus(
+        text, _prefixed(prefixes, _SGLANG_GAUGES), prefixes, "num_running_reqs"
+    )
     return ScrapedLoad(
-        running_reqs=_count(_sum(samples, prefix + "num_running_reqs")),
-        waiting_reqs=_count(_sum(samples, prefix + "num_queue_reqs")),
+        running_reqs=count_of(_sum(samples, prefix + "num_running_reqs")),
+        waiting_reqs=count_of(_sum(samples, prefix + "num_queue_reqs")),
         kv_usage=_mean(samples, prefix + "token_usage"),
-        used_tokens=_count(_sum(samples, prefix + "num_used_tokens")),
-        capacity_tokens=_count(_sum(samples, prefix + "max_total_num_tokens")),
+        used_tokens=count_of(_sum(samples, prefix + "num_used_tokens")),
+        capacity_tokens=count_of(_sum(samples, prefix + "max_total_num_tokens")),
         cache_hit_rate=_mean(samples, prefix + "cache_hit_rate"),
         dp_ranks=_rank_count(samples, prefix + "num_running_reqs"),
+        rejected=tuple(rejections),
     )
+
+
+_VLLM_GAUGES: dict[str, Kind] = {
+    "num_requests_running": "requests",
+    "num_requests_waiting": "requests",
+    "kv_cache_usage_perc": "fraction",  # despite its name a fraction: "1 means 100 percent usage"
+    "gpu_cache_usage_perc": "fraction",
+    "prefix_cache_hits_total": "counter",
+    "prefix_cache_queries_total": "counter",
+    "gpu_prefix_cache_hit_rate": "fraction",
+}
+"""vLLM's gauges (``vllm:`` prefix); ``vllm:cache_config_info`` is read for its labels only."""
 
 
 def parse_vllm_prometheus(text: str) -> ScrapedLoad:
     """vLLM ``/metrics``. Raises :class:`ScrapeError` without ``vllm:num_requests_running``."""
-    samples = parse_prometheus(
-        text,
-        (
-            "vllm:num_requests_running",
-            "vllm:num_requests_waiting",
-            "vllm:kv_cache_usage_perc",
-            "vllm:gpu_cache_usage_perc",
-            "vllm:prefix_cache_hits_total",
-            "vllm:prefix_cache_queries_total",
-            "vllm:gpu_prefix_cache_hit_rate",
-            "vllm:cache_config_info",
-        ),
-    )
-    if not samples.get("vllm:num_requests_running"):
-        raise ScrapeError("no vllm:num_requests_running in the metrics")
+    kinds = _prefixed(("vllm:",), _VLLM_GAUGES)
+    _, samples, rejections = _checked_prometheus(text, kinds, ("vllm:",), "num_requests_running")
+    info = parse_prometheus(text, ("vllm:cache_config_info",))
     usage = _mean(samples, "vllm:kv_cache_usage_perc")
     if usage is None:
         usage = _mean(samples, "vllm:gpu_cache_usage_perc")
     hits = _sum(samples, "vllm:prefix_cache_hits_total")
     queries = _sum(samples, "vllm:prefix_cache_queries_total")
     hit_rate = hits / queries if hits is not None and queries else None
+    hit_rate = checked_fraction(
+        "vllm:prefix_cache_hits_total", hit_rate, rejections
+    )  # more hits than queries
     if hit_rate is None:
         hit_rate = _mean(samples, "vllm:gpu_prefix_cache_hit_rate")
     return ScrapedLoad(
-        running_reqs=_count(_sum(samples, "vllm:num_requests_running")),
-        waiting_reqs=_count(_sum(samples, "vllm:num_requests_waiting")),
+        running_reqs=count_of(_sum(samples, "vllm:num_requests_running")),
+        waiting_reqs=count_of(_sum(samples, "vllm:num_requests_waiting")),
         kv_usage=usage,
-        capacity_tokens=_vllm_capacity_tokens(samples.get("vllm:cache_config_info", ())),
+        capacity_tokens=_vllm_capacity_tokens(info.get("vllm:cache_config_info", ())),
         cache_hit_rate=hit_rate,
         dp_ranks=_rank_count(samples, "vllm:num_requests_running"),
+        rejected=tuple(rejections),
     )
 
 
@@ -279,138 +348,33 @@ def _vllm_capacity_tokens(series: Iterable[tuple[Labels, float]]) -> int | None:
     return sum(per_engine.values()) or None
 
 
-_TRTLLM_GAUGES = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_utilization",
-    "kv_cache_hit_rate",
-    "kv_cache_used_blocks",
-    "kv_cache_max_blocks",
-    "kv_cache_tokens_per_block",
-)
+_TRTLLM_GAUGES: dict[str, Kind] = {
+    "num_requests_running": "requests",
+    "num_requests_waiting": "requests",
+    "kv_cache_utilization": "fraction",
+    "kv_cache_hit_rate": "fraction",
+    "kv_cache_used_blocks": "tokens",
+    "kv_cache_max_blocks": "tokens",
+    "kv_cache_tokens_per_block": "tokens",
+}
 
 
 def parse_trtllm_prometheus(text: str) -> ScrapedLoad:
     """TRT-LLM ``/prometheus/metrics`` (``trtllm_``, or ``trtllm:`` as relabelled by Dynamo)."""
-    names = [prefix + gauge for prefix in ("trtllm_", "trtllm:") for gauge in _TRTLLM_GAUGES]
-    samples = parse_prometheus(text, names)
-    prefix = next((p for p in ("trtllm_", "trtllm:") if samples.get(p + "num_requests_running")), None)
-    if prefix is None:
-        raise ScrapeError("no trtllm_num_requests_running in the metrics")
+    prefixes = ("trtllm_", "trtllm:")
+    prefix, samples, rejections = _checked_prometheus(
+        text, _prefixed(prefixes, _TRTLLM_GAUGES), prefixes, "num_requests_running"
+    )
     per_block = _mean(samples, prefix + "kv_cache_tokens_per_block")
     used = _sum(samples, prefix + "kv_cache_used_blocks")
     total = _sum(samples, prefix + "kv_cache_max_blocks")
     return ScrapedLoad(
-        running_reqs=_count(_sum(samples, prefix + "num_requests_running")),
-        waiting_reqs=_count(_sum(samples, prefix + "num_requests_waiting")),
+        running_reqs=count_of(_sum(samples, prefix + "num_requests_running")),
+        waiting_reqs=count_of(_sum(samples, prefix + "num_requests_waiting")),
         kv_usage=_mean(samples, prefix + "kv_cache_utilization"),
-        used_tokens=_count(used * per_block) if used is not None and per_block else None,
-        capacity_tokens=_count(total * per_block) if total is not None and per_block else None,
+        used_tokens=count_of(used * per_block) if used is not None and per_block else None,
+        capacity_tokens=count_of(total * per_block) if total is not None and per_block else None,
         cache_hit_rate=_mean(samples, prefix + "kv_cache_hit_rate"),
         dp_ranks=_rank_count(samples, prefix + "num_requests_running"),
-    )
-
-
-# --- JSON ----------------------------------------------------------------------------------------
-
-
-def _num(obj: Mapping[str, Any], *keys: str) -> float | None:
-    """The first of ``keys`` present in ``obj`` as a finite number (bools are not numbers)."""
-    for key in keys:
-        value = obj.get(key)
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-            raise ScrapeError(f"{key} is not a number: {value!r:.40}")
-        return float(value)
-    return None
-
-
-def _total(rows: list[Mapping[str, Any]], *keys: str) -> float | None:
-    values = [v for v in (_num(row, *keys) for row in rows) if v is not None]
-    return sum(values) if values else None
-
-
-def _average(rows: list[Mapping[str, Any]], *keys: str) -> float | None:
-    values = [v for v in (_num(row, *keys) for row in rows) if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _rows(value: object, what: str) -> list[Mapping[str, Any]]:
-    if not isinstance(value, list) or not value or not all(isinstance(row, dict) for row in value):
-        raise ScrapeError(f"{what} is not a non-empty list of objects")
-    return value
-
-
-def parse_sglang_loads(body: object) -> ScrapedLoad:
-    """SGLang ``/v1/loads`` (``{"loads": [...]}``) or any of the three ``/get_load`` shapes."""
-    if isinstance(body, dict) and "loads" in body:
-        return _sglang_v1_loads(_rows(body["loads"], "loads"))
-    if isinstance(body, dict) and "load" in body:
-        return ScrapedLoad(used_tokens=_count(_num(body, "load")))
-    if isinstance(body, list):
-        return _sglang_get_load(_rows(body, "get_load"))
-    raise ScrapeError(f"unknown SGLang load shape: {type(body).__name__}")
-
-
-def _sglang_v1_loads(rows: list[Mapping[str, Any]]) -> ScrapedLoad:
-    running = _total(rows, "num_running_reqs")
-    if running is None:
-        raise ScrapeError("/v1/loads rows lack num_running_reqs")
-    return ScrapedLoad(
-        running_reqs=_count(running),
-        waiting_reqs=_count(_total(rows, "num_waiting_reqs")),
-        kv_usage=_average(rows, "token_usage"),
-        used_tokens=_count(_total(rows, "num_used_tokens")),
-        capacity_tokens=_count(_total(rows, "max_total_num_tokens", "num_total_tokens")),
-        cache_hit_rate=_average(rows, "cache_hit_rate"),
-        dp_ranks=len(rows),
-    )
-
-
-def _sglang_get_load(rows: list[Mapping[str, Any]]) -> ScrapedLoad:
-    """``/get_load`` per-rank list: ``num_reqs`` counts running + waiting."""
-    total = _total(rows, "num_reqs")
-    waiting = _total(rows, "num_waiting_reqs")
-    if total is None:
-        raise ScrapeError("/get_load rows lack num_reqs")
-    running = total - waiting if waiting is not None else None
-    return ScrapedLoad(
-        running_reqs=_count(running),
-        waiting_reqs=_count(waiting),
-        used_tokens=_count(_total(rows, "num_tokens")),
-        dp_ranks=len(rows),
-    )
-
-
-def parse_trtllm_iteration_stats(body: object) -> ScrapedLoad | None:
-    """TRT-LLM ``/metrics`` JSON: the newest iteration of each attention-DP rank, summed.
-
-    Returns ``None`` for an empty list (no iteration ran since the last drain: the engine is idle).
-    """
-    if not isinstance(body, list):
-        raise ScrapeError(f"iteration stats must be a list, got {type(body).__name__}")
-    if not body:
-        return None
-    newest: dict[object, Mapping[str, Any]] = {}
-    for item in body:
-        if not isinstance(item, dict):
-            raise ScrapeError("iteration stats hold a non-object")
-        newest[item.get("attentionDpRank", 0)] = item  # later iterations overwrite earlier ones
-    rows = list(newest.values())
-    running = _total(rows, "numActiveRequests")
-    if running is None:
-        raise ScrapeError("iteration stats lack numActiveRequests")
-    kv_rows = [row["kvCacheStats"] for row in rows if isinstance(row.get("kvCacheStats"), dict)]
-    used = _total(kv_rows, "usedNumBlocks")
-    capacity = _total(kv_rows, "maxNumBlocks")
-    per_block = _average(kv_rows, "tokensPerBlock")
-    return ScrapedLoad(
-        running_reqs=_count(running),
-        waiting_reqs=_count(_total(rows, "numQueuedRequests")),
-        kv_usage=used / capacity if used is not None and capacity else None,
-        used_tokens=_count(used * per_block) if used is not None and per_block else None,
-        capacity_tokens=_count(capacity * per_block) if capacity is not None and per_block else None,
-        cache_hit_rate=_average(kv_rows, "cacheHitRate"),
-        dp_ranks=len(rows),
+        rejected=tuple(rejections),
     )

@@ -3,7 +3,10 @@
 Each engine's spec (:mod:`balancer.engines`) lists its load endpoints in order; a 404 moves to the
 next one (remembered), so an SGLang without ``/v1/loads`` falls back to ``/metrics``. Every result
 goes to the ``observe`` callback (``LoadTracker.observe``) with ``time.monotonic()``; failures count
-in ``kvlb_scrape_errors_total{replica}`` and the loop goes on at the same interval.
+in ``kvlb_scrape_errors_total{replica}`` and the loop goes on at the same interval. A figure out of
+range in a report that parsed (:mod:`balancer.load.gauge_checks`) is dropped by the parser, counted in
+``kvlb_scrape_rejected_values_total{replica, reason}``, logged through the log limiter (the first,
+then one line a minute per replica) and kept as the status' ``last_rejection``.
 
 TRT-LLM's ``/metrics`` is a drain of iteration stats like ``/kv_cache_events``: one consumer only. An
 empty drain means no iteration ran since the last scrape, reported as 0 running and 0 waiting.
@@ -23,8 +26,10 @@ import aiohttp
 from balancer.config.settings import Secret
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
+from balancer.load.gauge_checks import Rejection
 from balancer.load.scrape import ScrapedLoad, ScrapeError, with_metrics_path
 from balancer.load.tracker import EngineStats
+from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.http import BodyTooLarge, read_capped
 from balancer.types import ReplicaId
@@ -75,6 +80,11 @@ class ScraperStatus:
     last_ok_wall_ts: float | None
     last: ScrapedLoad | None
     last_error: str | None
+    rejected_values: int
+    """Figures refused since the start (each also in ``kvlb_scrape_rejected_values_total``)."""
+    last_rejection: Rejection | None
+    """The last figure refused (gauge, value as read, reason); ``None`` when none ever was."""
+    last_rejection_wall_ts: float | None
 
 
 class MetricsScraper:
@@ -115,6 +125,10 @@ class MetricsScraper:
         self._last: ScrapedLoad | None = None
         self._last_ok_wall_ts: float | None = None
         self._last_error: str | None = None
+        self._rejected_values = 0
+        self._last_rejection: Rejection | None = None
+        self._last_rejection_wall_ts: float | None = None
+        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
 
     def status(self) -> ScraperStatus:
         return ScraperStatus(
@@ -125,6 +139,9 @@ class MetricsScraper:
             last_ok_wall_ts=self._last_ok_wall_ts,
             last=self._last,
             last_error=self._last_error,
+            rejected_values=self._rejected_values,
+            last_rejection=self._last_rejection,
+            last_rejection_wall_ts=self._last_rejection_wall_ts,
         )
 
     async def run(self) -> None:
@@ -156,8 +173,25 @@ class MetricsScraper:
         self._last_error = None
         self._last = load
         self._last_ok_wall_ts = time.time()
+        if load.rejected:
+            self._rejections(load.rejected)
         self._observe(self.replica, load.engine_stats(), self._monotonic())
         return load
+
+    def _rejections(self, rejections: tuple[Rejection, ...]) -> None:
+        """Count, keep and log (limited) the figures the parser refused."""
+        for rejection in rejections:
+            self._metrics.scrape_rejected_values_total.labels(self.replica, rejection.reason).inc()
+        self._rejected_values += len(rejections)
+        self._last_rejection = rejections[-1]
+        self._last_rejection_wall_ts = self._last_ok_wall_ts
+        self._warnings.warning(
+            "scrape_rejected_value",
+            self.replica,
+            "replica %s: load report figures out of range, read as unknown: %s",
+            self.replica,
+            "; ".join(f"{r.gauge} {r.value} ({r.reason})" for r in rejections),
+        )
 
     async def scrape_once(self) -> ScrapedLoad:
         """Fetch and parse the load report, trying the next endpoint on 404. Raises on failure."""

@@ -122,7 +122,11 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("TTFT p90 per replica", "s", [(TTFT_P90, "{{replica}}")],
          "Alert KvlbReplicaSlow at a mean over 4 times the fastest replica's, KvlbTtftSloMissed when "
          "over 10% of first tokens take over 2.5 s."),
-        ("Scrape errors/s", "short", [(rate("kvlb_scrape_errors_total", "replica", REP), "{{replica}}")], ""),
+        ("Scrape errors and refused figures/s", "short", [
+            (rate("kvlb_scrape_errors_total", "replica", REP), "{{replica}}"),
+            (rate("kvlb_scrape_rejected_values_total", "replica, reason", REP),
+             "{{replica}} refused {{reason}}"),
+        ], "Refused: figures of a report that parsed but were out of range (read as unknown)."),
     ]),
     ("Index and events", [
         ("Index blocks", "short", [(f"max by (kind) (kvlb_index_blocks{{{SEL}}})", "{{kind}}")],

@@ -176,3 +176,40 @@ async def test_timeout_and_connection_refused_count_as_errors(session: aiohttp.C
         assert tracker.snapshot(time.monotonic()).of(REPLICA).running_reqs is None
     finally:
         await engine.stop()
+
+
+async def test_out_of_range_figures_are_counted_logged_once_and_kept_in_the_status(
+    session: aiohttp.ClientSession, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trtllm ``/metrics`` drain with a negative queue, three times (branch h-gauges): each counted,
+    one warning (the log limiter holds the next two back), the last in the status; the running
+    count of the same report reaches the tracker."""
+    drain = [{"numActiveRequests": 4, "numQueuedRequests": -3, "kvCacheStats": {"usedNumBlocks": 1}}]
+    engine, url = await serve({"/metrics": lambda: (200, json.dumps(drain))})
+    try:
+        tracker, metrics = LoadTracker(), Metrics.create()
+        scraper = scraper_for(url, "trtllm", session, tracker, metrics)
+        caplog.set_level("WARNING", logger="balancer.load.scraper")
+        for _ in range(3):
+            load = await scraper.scrape_and_observe()
+            assert load is not None and load.waiting_reqs is None and load.running_reqs == 4
+        labels = {"replica": REPLICA, "reason": "negative"}
+        assert metrics.registry.get_sample_value("kvlb_scrape_rejected_values_total", labels) == 3
+        held = metrics.registry.get_sample_value(
+            "kvlb_log_suppressed_total", {"cause": "scrape_rejected_value"}
+        )
+        assert held == 2
+        warnings = [r.getMessage() for r in caplog.records if "out of range" in r.getMessage()]
+        assert warnings == [
+            "replica r0: load report figures out of range, read as unknown: numQueuedRequests -3.0 (negative)"
+        ]
+        status = scraper.status()
+        assert status.errors == 0 and status.rejected_values == 3 and status.last_rejection is not None
+        assert (status.last_rejection.gauge, status.last_rejection.reason) == (
+            "numQueuedRequests",
+            "negative",
+        )
+        observed = tracker.snapshot(time.monotonic()).of(REPLICA)
+        assert observed.running_reqs == 4 and observed.waiting_reqs is None
+    finally:
+        await engine.stop()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 from pathlib import Path
+from typing import get_args
 
 from prometheus_client import generate_latest
 
@@ -18,6 +19,7 @@ from balancer.events import Stored
 from balancer.index.hashing import MEMO_CHUNK_BLOCKS, BlockHasher, KeyMemo, pack_tokens
 from balancer.index.slots import TableCounters, TableLimits
 from balancer.index.table import PrefixTable
+from balancer.load.gauge_checks import REASONS, Reason
 from balancer.metrics import (
     APPLIED_OUTCOMES,
     DECODE_ERROR_REASONS,
@@ -64,6 +66,17 @@ def test_a_registered_replica_has_every_counter_at_zero() -> None:
         assert (
             f'kvlb_events_replays_total{{outcome="{outcome}",replica="t0"}}' not in text
         )  # no replay socket
+
+
+def test_a_registered_replica_has_every_rejected_value_reason_at_zero() -> None:
+    """``kvlb_scrape_rejected_values_total{replica, reason}`` (branch h-gauges): every reason the
+    range check can give, at 0 from the registration."""
+    assert set(REASONS) == set(get_args(Reason))
+    metrics = Metrics.create()
+    metrics.init_replica("r0", "vllm", replays=True)
+    text = exported(metrics)
+    for reason in REASONS:
+        assert f'kvlb_scrape_rejected_values_total{{reason="{reason}",replica="r0"}} 0.0' in text
 
 
 def test_init_keeps_counts_already_made() -> None:

@@ -16,12 +16,11 @@ from balancer.load.scrape import (
     ScrapedLoad,
     ScrapeError,
     parse_prometheus,
-    parse_sglang_loads,
     parse_sglang_prometheus,
-    parse_trtllm_iteration_stats,
     parse_trtllm_prometheus,
     parse_vllm_prometheus,
 )
+from balancer.load.scrape_json import parse_sglang_loads, parse_trtllm_iteration_stats
 from balancer.load.tracker import EngineStats
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"
