@@ -138,6 +138,9 @@ class Mirror:
         """``table`` behind the async ``PrefixIndex`` facade (replaced with it)."""
         self.last_id = "0-0"
         self.last_number = 0
+        self.bytes_read = 0
+        """Bytes of the stream entries read so far (their fields' names and values, as
+        ``stream_max_bytes`` counts them): the snapshot keeper's measure of how far the stream moved."""
         self.epoch: bytes | None = None
         """The stream epoch of the last entry applied (``None``: none seen, or an older writer's)."""
         self.partial = False
@@ -355,6 +358,8 @@ class Mirror:
             )  # fmt: skip
 
     def _decode(self, entry_id: Any, fields: Any) -> StreamEntry | None:
+        if isinstance(fields, dict):
+            self.bytes_read += sum(len(name) + len(value) for name, value in fields.items())
         try:
             return decode_entry(entry_id, fields)
         except EventDecodeError as exc:
