@@ -21,8 +21,8 @@ and replays only the entries after it; with no usable snapshot it replays every 
 (``XRANGE``). It then tails with ``XREAD BLOCK``.
 
 Entries are numbered consecutively (field ``n``). A mirror that finds entries missing (trimmed by
-``MAXLEN ~`` before it read them, or a Redis that lost its data) warm-starts again and counts a
-resync; so does one that reads another stream epoch (field ``g``): a stream restarted within the
+``MAXLEN ~`` or the byte bound before it read them, or a Redis that lost its data) warm-starts again
+and counts a resync; so does one that reads another stream epoch (field ``g``): a stream restarted within the
 millisecond of the last entry read reuses IDs ``XREAD`` then skips, and its numbering may land right
 after the last number read. A stream trimmed before any snapshot covered it yields a *partial*
 mirror: blocks stored before the oldest retained entry stay unknown until an engine stores them
