@@ -14,8 +14,10 @@ import time
 from collections.abc import AsyncIterator
 
 import pytest
+from kvlb_harness import metric_value, shared_deepseek, wait_for
 from redis_cluster import RedisTarget
-from redis_server import fresh_settings
+from redis_server import RedisServer, fresh_settings
+from test_redis_fleet import completion, fleet, holding_all
 from test_redis_index import HASHER
 
 from balancer.events import Removed, Stored
@@ -200,3 +202,56 @@ async def test_the_snapshot_keeper_writes_by_bytes(text_client: RedisClient, raw
     late = Mirror(raw_client, HASHER, settings, time.monotonic, MirrorSettings(read_count=64, block_ms=50))
     await late.warm_start()
     assert late.counters.snapshots_loaded == 1 and not late.partial
+
+
+async def test_a_balancer_counts_its_byte_trims_in_its_metric(redis_server: RedisServer) -> None:
+    """``kvlb_redis_stream_byte_trimmed_entries_total{space}`` on a real balancer with
+    ``redis.stream_max_bytes`` at its floor (1 MiB): another writer fills the stream to just under
+    the bound, then the balancer's own appends (its engines' events) trim and count."""
+    async with fleet(
+        RedisTarget("server", redis_server.url), shared_deepseek(), balancers=1,
+        redis__stream_max_bytes=1 << 20,
+    ) as f:  # fmt: skip
+        (a,) = f.balancers
+        runtime, _ = await holding_all(a)
+        space = runtime._spaces[0]
+        assert space.index.settings.stream_max_bytes == 1 << 20
+        pad = RedisIndex.from_url(redis_server.url, space.index.hasher, space.index.settings)
+        sizes = pad.keys.stream_sizes
+        block = space.index.hasher.block_size
+
+        async def held() -> int:
+            first, last = await pad.client.lindex(sizes, 0), await pad.client.lindex(sizes, -1)
+            return int(last.split()[2]) - int(first.split()[1]) if first and last else 0
+
+        try:
+            first = 10**9
+            for _ in range(200):  # whole segments of 512 blocks, about 8 kB each
+                if await held() >= (1 << 20) - 40_000:
+                    break
+                hashes = tuple(EngineHash(first + i) for i in range(2048))
+                await pad.apply(
+                    ReplicaId("pad"), [Stored(0, None, hashes, bytes(4 * block * 2048), block)], 0.0
+                )
+                first += 2048
+            for _ in range(2_000):  # then entries of about 70 B
+                if await held() >= (1 << 20) - 300:
+                    break
+                await pad.apply(ReplicaId("pad"), [Removed(0, (EngineHash(7),))], 0.0)
+            assert (1 << 20) - 300 <= await held() <= 1 << 20
+            assert pad.stream_byte_trims == 0
+            suffix = iter(range(100_000, 101_000))
+
+            async def counted() -> bool:
+                await f.post(a, "/v1/completions", completion([next(suffix)] * 8))  # 2 new blocks
+                async with f.session.get(a.url + "/metrics") as response:
+                    text = await response.text()
+                return (
+                    metric_value(text, "kvlb_redis_stream_byte_trimmed_entries_total", space=space.name) >= 1
+                )
+
+            await wait_for("the balancer's appends to trim for bytes", counted, timeout_s=15)
+            assert (await pad.counters())["stream_byte_trims"] >= 1
+            assert await held() <= 1 << 20
+        finally:
+            await pad.aclose()
