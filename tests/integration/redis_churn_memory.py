@@ -90,8 +90,8 @@ async def run(args: argparse.Namespace) -> None:
 
 async def report(client: Any, index: RedisIndex, step: int, elapsed_s: float) -> None:
     memory = await client.info("memory")
-    stream = await client.memory_usage(index.keys.stream) or 0
-    sizes = await client.memory_usage(f"{index.keys.prefix}evbytes") or 0
+    stream = await client.memory_usage(index.keys.stream, samples=0) or 0  # every node: exact
+    sizes = await client.memory_usage(f"{index.keys.prefix}evbytes", samples=0) or 0
     counters = await index.counters()
     print(
         f"{step} {memory['used_memory'] / 1e6:.2f} {await client.dbsize()} "

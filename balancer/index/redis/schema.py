@@ -53,7 +53,7 @@ class RedisIndexSettings:
     ``stream_maxlen``: each append trims the oldest entries, exactly (``XTRIM MINID``), until the
     rest fit, keeping the newest entry whatever its size; entries trimmed for this reason are
     counted (``ctr.stream_byte_trims``). The sizes are kept in the ``evbytes`` list (about 35 B of
-    Redis an entry). Redis's memory for the stream is about 1.2 × this (1.18 × measured). 0: no
+    Redis an entry). Redis's memory for the stream is about 1.2–1.25 × this (measured). 0: no
     byte bound (the count alone, as before 2026-12-01)."""
     max_script_blocks: int = 512
     """Blocks (engine hashes of ``Stored`` and ``Removed``, or map entries emptied by a clear) one
