@@ -818,6 +818,7 @@ class _RedisCollectors:
     redis_mirror_resyncs_total: Counter
     redis_mirror_skipped_entries_total: Counter
     redis_wrongtype_keys_total: Counter
+    redis_stream_byte_trimmed_entries_total: Counter
     redis_mirror_partial: Gauge
     redis_replicas_dropped_total: Counter
     redis_policy_updates_total: Counter
@@ -888,6 +889,12 @@ def _redis_collectors(reg: CollectorRegistry) -> _RedisCollectors:
             "kvlb_redis_wrongtype_keys_total",
             "Keys of kvlb's namespace found holding another type (garbage written over them), deleted"
             " and rebuilt by this balancer's next write.",
+        ),
+        redis_stream_byte_trimmed_entries_total=counter(
+            "kvlb_redis_stream_byte_trimmed_entries_total",
+            "Stream entries this balancer's appends trimmed because the key space's stream passed"
+            " redis.stream_max_bytes (before stream_maxlen), by key space.",
+            ["space"],
         ),
         redis_mirror_partial=gauge(
             "kvlb_redis_mirror_partial",

@@ -145,6 +145,7 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType(
         "redis.lease_ttl_s": _GT0,
         "redis.tick_s": Bound(0, "redis.lease_ttl_s", low_open=True, high_factor=0.5),
         "redis.stream_maxlen": Bound(100),
+        "redis.stream_max_bytes": Bound(1 << 20, 1 << 40),
         "redis.snapshot_interval_s": _GT0,
         "redis.replica_timeout_s": _GT0,
         "redis.policy_poll_s": _GT0,

@@ -539,6 +539,13 @@ class RedisConfig:
     stream_maxlen: int = 10_000
     """Approximate length of each key space's applied-event stream (batches). A mirror further behind
     rebuilds from the latest snapshot (counted)."""
+    stream_max_bytes: int = 64 * 1024 * 1024
+    """Bytes of each key space's applied-event stream (its entries' fields), besides
+    ``stream_maxlen``: each append trims the oldest entries until the rest fit, keeping the newest
+    (``kvlb_redis_stream_byte_trimmed_entries_total``); 1 MiB to 1 TiB. Redis's memory for the
+    stream is about 1.2–1.25 × this (measured with 4.4 kB entries: the allocator's size classes,
+    the stream's node headers), plus about 35 B an entry for the sizes list (docs/redis-schema.md,
+    "Size")."""
     snapshot_interval_s: float = 60.0
     """Longest time between two table snapshots of a changing key space (seconds); snapshots are also
     written every ``stream_maxlen / 4`` entries."""

@@ -134,6 +134,7 @@ class _Space:
     seen_entries: int = 0
     seen_resyncs: int = 0
     seen_skipped: int = 0
+    seen_byte_trims: int = 0
 
 
 class FleetRuntime:
@@ -208,6 +209,7 @@ class FleetRuntime:
                 key_prefix=config.key_prefix,
                 capacity_blocks=space.table.limits.capacity_blocks,
                 stream_maxlen=config.stream_maxlen,
+                stream_max_bytes=config.stream_max_bytes,
             )
         except ValueError as exc:
             raise ConfigError(f"pool {model!r}: {exc}") from None
@@ -313,6 +315,7 @@ class FleetRuntime:
             owner=self.instance,
             interval_s=config.snapshot_interval_s,
             every_entries=config.stream_maxlen // 4,
+            every_bytes=config.stream_max_bytes // 4,
             ttl_s=config.lease_ttl_s,
             metrics=state.metrics,
         )
@@ -455,6 +458,11 @@ class FleetRuntime:
             skipped = metrics.redis_mirror_skipped_entries_total.labels(entry.name)
             skipped.inc(counters.decode_errors - entry.seen_skipped)
             entry.seen_skipped = counters.decode_errors
+            trims = entry.index.stream_byte_trims
+            metrics.redis_stream_byte_trimmed_entries_total.labels(entry.name).inc(
+                trims - entry.seen_byte_trims
+            )
+            entry.seen_byte_trims = trims
             metrics.redis_mirror_partial.labels(entry.name).set(1 if mirror.partial else 0)
 
     def redis_down(self) -> bool:

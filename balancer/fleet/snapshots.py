@@ -3,9 +3,11 @@
 A starting balancer's mirror loads the latest snapshot and replays only the stream entries after it
 (:mod:`balancer.index.redis.mirror`), which is what makes a warm start fast and complete even once the
 stream has been trimmed. The writer of a key space holds its ``snaplease`` key (``SET NX PX``,
-renewed each tick). It writes when its mirror moved on by ``every_entries`` entries since the last
-snapshot (a quarter of the stream's length by default, so a snapshot is always younger than the
-oldest retained entry at ordinary rates), or ``interval_s`` after the last one if anything changed.
+renewed each tick). It writes when its mirror moved on by ``every_entries`` entries or
+``every_bytes`` bytes of entries since the last snapshot (a quarter of the stream's length and of
+its byte bound by default, so a snapshot is always younger than the oldest retained entry at
+ordinary rates, whichever bound trims first), or ``interval_s`` after the last one if anything
+changed.
 
 Writing runs where the mirror runs (in fleet mode the ingest thread: :mod:`balancer.fleet.space_mirror`).
 Only the copy of the table is made under the table's lock, tens of milliseconds per million blocks
@@ -45,6 +47,9 @@ class SnapshotSource(Protocol):
     def last_number(self) -> int: ...
 
     @property
+    def bytes_read(self) -> int: ...
+
+    @property
     def ready(self) -> asyncio.Event: ...
 
     async def write_snapshot(self) -> int: ...
@@ -56,6 +61,7 @@ class _Space:
     keys: RedisKeys
     written_number: int = -1
     written_at: float = 0.0
+    written_bytes: int = 0
 
 
 class SnapshotKeeper:
@@ -70,11 +76,14 @@ class SnapshotKeeper:
         every_entries: int,
         ttl_s: float,
         metrics: Metrics,
+        every_bytes: int = 0,
     ) -> None:
+        """``every_bytes`` 0: no snapshot by bytes."""
         self.client = client
         self.owner = owner
         self.interval_s = interval_s
         self.every_entries = max(1, every_entries)
+        self.every_bytes = every_bytes
         self.ttl_ms = max(1, round(ttl_s * 1000))
         self.written = 0
         self._metrics = metrics
@@ -95,14 +104,18 @@ class SnapshotKeeper:
                 continue
             if space.written_number < 0:  # just took it: the last snapshot is not older than this
                 space.written_number, space.written_at = mirror.last_number, now
+                space.written_bytes = mirror.bytes_read
                 continue
             moved = mirror.last_number - space.written_number
+            by_bytes = 0 < self.every_bytes <= mirror.bytes_read - space.written_bytes
             due = moved >= self.every_entries or (moved != 0 and now - space.written_at >= self.interval_s)
+            due = due or (moved != 0 and by_bytes)
             if not mirror.ready.is_set() or not due:
                 continue
             started = time.perf_counter()
+            read = mirror.bytes_read  # (read first: the mirror may move on while the snapshot is made)
             size = await mirror.write_snapshot()
-            space.written_number, space.written_at = mirror.last_number, now
+            space.written_number, space.written_at, space.written_bytes = mirror.last_number, now, read
             self.written += 1
             self._metrics.redis_snapshots_total.labels("write").inc()
             log.info(

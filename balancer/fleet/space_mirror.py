@@ -103,6 +103,10 @@ class SpaceMirror:
         return self.mirror.last_number
 
     @property
+    def bytes_read(self) -> int:
+        return self.mirror.bytes_read
+
+    @property
     def partial(self) -> bool:
         return self.mirror.partial
 

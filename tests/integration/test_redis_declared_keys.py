@@ -75,7 +75,7 @@ async def test_apply_whose_keys_moved_writes_nothing_and_asks_for_a_retry(client
     # (the caller's read is stale) must refuse before writing anything.
     apply = client.register_script(scripts.APPLY)
     mk = index.keys.engine_map(cache_id(A, 0))
-    args = [index.keys.prefix, A, "", 100, 99, 512, 0, b"", "", 0, "R", 0, "0000000000000001"]
+    args = [index.keys.prefix, A, "", 100, 99, 512, 0, 0, b"", "", 0, "R", 0, "0000000000000001"]
     reply = await apply(
         keys=[*index.keys.fixed, index.keys.ranks(A), index.keys.speculative(A), mk], args=args
     )

@@ -114,6 +114,9 @@ class RedisIndex:
         self.repaired_keys = 0
         """Keys of the pool found holding another type (garbage written over them) and deleted by
         this index's scripts (``ctr.wrongtype_<key>`` in Redis; ``docs/redis-schema.md``)."""
+        self.stream_byte_trims = 0
+        """Stream entries this index's appends trimmed because the stream passed
+        ``stream_max_bytes`` (``ctr.stream_byte_trims`` counts every writer's)."""
         self.key_retries = 0
         """Script calls retried because a key they had to touch was not declared: the state moved
         between the read that names the keys and the script (another writer)."""
@@ -198,7 +201,8 @@ class RedisIndex:
         head += [self.settings.capacity_blocks, self.settings.evict_target_blocks]
         head.append(self.settings.max_script_blocks)
         maxlen = self.settings.stream_maxlen
-        head += [maxlen, encode_batch(events) if maxlen else b"", "" if seq is None else seq]
+        head += [maxlen, self.settings.stream_max_bytes]
+        head += [encode_batch(events) if maxlen else b"", "" if seq is None else seq]
         stale_hint = False
         plan = plan_batch(self.hasher, events, {**hinted, **await self._fetch_parents(replica, outside)})
         if not plan.ops and generation is None and seq is None:
@@ -225,6 +229,7 @@ class RedisIndex:
             raise BalancerError(f"replica {replica!r}: the keys of a batch kept changing")
         self._refused(replica, reply, generation, expect_seq)
         self.repaired_keys += int(reply[7])
+        self.stream_byte_trims += int(reply[10])
         self._hints.learn(replica, plan)
         result = plan.result
         result.stored_blocks += reply[2]
@@ -471,7 +476,7 @@ class RedisIndex:
         ranks = await self._ranks(replica)
         for rank in ranks:
             released += await self._clear_steps(replica, int(rank))
-        args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen]
+        args: _Args = [self.keys.prefix, replica, self.settings.stream_maxlen, self.settings.stream_max_bytes]
         for _attempt in range(_ATTEMPTS):
             ranks = sorted(
                 cast("set[str]", await cast("Any", self.client.smembers(self.keys.ranks(replica))))
@@ -491,6 +496,7 @@ class RedisIndex:
         else:
             raise BalancerError(f"replica {replica!r}: its keys kept changing during the drop")
         self.repaired_keys += int(reply[3])
+        self.stream_byte_trims += int(reply[4])
         return released + int(reply[1])
 
     async def _ranks(self, replica: ReplicaId) -> list[str]:
@@ -518,10 +524,17 @@ class RedisIndex:
             part = list(dict.fromkeys(keys[start : start + step]))
             joined = hex_u64s(part)
             blocks = [self.keys.block(key) for key in split_hex(joined)]
-            args: _Args = [prefix, replica, self.settings.stream_maxlen, joined]
+            args: _Args = [
+                prefix,
+                replica,
+                self.settings.stream_maxlen,
+                self.settings.stream_max_bytes,
+                joined,
+            ]
             reply = cast("list[int]", await self._drop_blocks(keys=[*fixed, *blocks], args=args))
             dropped += int(reply[0])
             self.repaired_keys += int(reply[1])
+            self.stream_byte_trims += int(reply[2])
         return dropped
 
     async def generation(self, replica: ReplicaId) -> int:

@@ -21,8 +21,8 @@ and replays only the entries after it; with no usable snapshot it replays every 
 (``XRANGE``). It then tails with ``XREAD BLOCK``.
 
 Entries are numbered consecutively (field ``n``). A mirror that finds entries missing (trimmed by
-``MAXLEN ~`` before it read them, or a Redis that lost its data) warm-starts again and counts a
-resync; so does one that reads another stream epoch (field ``g``): a stream restarted within the
+``MAXLEN ~`` or the byte bound before it read them, or a Redis that lost its data) warm-starts again
+and counts a resync; so does one that reads another stream epoch (field ``g``): a stream restarted within the
 millisecond of the last entry read reuses IDs ``XREAD`` then skips, and its numbering may land right
 after the last number read. A stream trimmed before any snapshot covered it yields a *partial*
 mirror: blocks stored before the oldest retained entry stay unknown until an engine stores them
@@ -140,6 +140,9 @@ class Mirror:
         """``table`` behind the async ``PrefixIndex`` facade (replaced with it)."""
         self.last_id = "0-0"
         self.last_number = 0
+        self.bytes_read = 0
+        """Bytes of the stream entries read so far (their fields' names and values, as
+        ``stream_max_bytes`` counts them): the snapshot keeper's measure of how far the stream moved."""
         self.epoch: bytes | None = None
         """The stream epoch of the last entry applied (``None``: none seen, or an older writer's)."""
         self.partial = False
@@ -357,6 +360,8 @@ class Mirror:
             )  # fmt: skip
 
     def _decode(self, entry_id: Any, fields: Any) -> StreamEntry | None:
+        if isinstance(fields, dict):
+            self.bytes_read += sum(len(name) + len(value) for name, value in fields.items())
         try:
             return decode_entry(entry_id, fields)
         except EventDecodeError as exc:

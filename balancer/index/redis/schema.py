@@ -48,6 +48,13 @@ class RedisIndexSettings:
     Each entry carries its batch's tokens (about 4 B per token), so 10k batches of 32 blocks of 16
     tokens take about 25 MB. A mirror that falls further behind than this resyncs (counted).
     0 disables the stream (no mirrors)."""
+    stream_max_bytes: int = 64 * 1024 * 1024
+    """Bytes of the stream's entries (their fields' names and values) kept, besides
+    ``stream_maxlen``: each append trims the oldest entries, exactly (``XTRIM MINID``), until the
+    rest fit, keeping the newest entry whatever its size; entries trimmed for this reason are
+    counted (``ctr.stream_byte_trims``). The sizes are kept in the ``evbytes`` list (about 35 B of
+    Redis an entry). Redis's memory for the stream is about 1.2–1.25 × this (measured). 0: no
+    byte bound (the count alone, as before 2026-12-01)."""
     max_script_blocks: int = 512
     """Blocks (engine hashes of ``Stored`` and ``Removed``, or map entries emptied by a clear) one
     script call may touch. A longer batch is applied in several calls, each with its own stream
@@ -59,7 +66,12 @@ class RedisIndexSettings:
             raise ValueError(f"pool must be non-empty without braces, got {self.pool!r}")
         if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
             raise ValueError(f"key_prefix must be non-empty without braces, got {self.key_prefix!r}")
-        counts = (self.max_speculative_keys, self.parent_hints_per_cache, self.stream_maxlen)
+        counts = (
+            self.max_speculative_keys,
+            self.parent_hints_per_cache,
+            self.stream_maxlen,
+            self.stream_max_bytes,
+        )
         if self.capacity_blocks <= 0 or self.max_script_blocks <= 0 or min(counts) < 0:
             raise ValueError(f"invalid Redis index settings: {self}")
 
@@ -81,7 +93,7 @@ class RedisKeys:
     @property
     def fixed(self) -> list[str]:
         """The keys every index script declares (``KEYS[1]`` = :attr:`counters` routes the call)."""
-        names = ("lru", "held", "spec", "replicas", "tick", "gen", "seq", "events")
+        names = ("lru", "held", "spec", "replicas", "tick", "gen", "seq", "events", "evbytes")
         return [self.counters, *(self.prefix + name for name in names)]
 
     @property
@@ -130,6 +142,13 @@ class RedisKeys:
     def stream(self) -> str:
         """STREAM: applied event batches of the pool, tailed by every balancer's mirror."""
         return f"{self.prefix}events"
+
+    @property
+    def stream_sizes(self) -> str:
+        """LIST: ``<entry id> <start> <end>`` of each stream entry appended under a byte bound, oldest
+        first: the running byte offsets of its fields, so the stream's bytes are the last ``end``
+        minus the first ``start`` (``stream_max_bytes``; ``docs/redis-schema.md``)."""
+        return f"{self.prefix}evbytes"
 
     def lease(self, replica: ReplicaId) -> str:
         """STRING with a PX expiry: owner token of ``replica``'s ingestion lease."""

@@ -197,11 +197,60 @@ local function map_declared(mk, fields, missing)
   return ok
 end
 
--- append to the pool's event stream (maxlen 0: no stream); fields r, n (consecutive), g (the
--- stream's epoch: the server's TIME in microseconds when its numbering started, so a mirror tells
--- a stream restarted within the millisecond of its last read from the one it read), then `extra`
-local function publish(maxlen, replica, extra)
-  if maxlen <= 0 then return end
+-- The stream's byte bound. `evbytes` lists "<entry id> <start> <end>" for each entry appended under
+-- it, oldest first: the running byte offsets of the entry's fields (names and values), so the
+-- stream's bytes are the last `end` minus the first `start`. Entries an older release appended are
+-- not listed (their bytes go uncounted, under `maxlen` alone) and go with the first listed entry
+-- after them. Returns how many entries were trimmed because of the bytes.
+local EVBYTES = P .. 'evbytes'
+local TRIM_STEP = 4096  -- entries one call may trim (a lowered bound is reached over a few calls)
+
+local function sized(s)  -- a listed entry: id, start, end (nil for anything else)
+  local id, a, b = string.match(s or '', '^(%d+%-%d+) (%d+) (%d+)$')
+  return id, tonumber(a), tonumber(b)
+end
+
+local function id_after(a, b)  -- whether stream ID `a` comes after `b`
+  local am, as = string.match(a, '^(%d+)-(%d+)$')
+  local bm, bs = string.match(b, '^(%d+)-(%d+)$')
+  am, as, bm, bs = tonumber(am), tonumber(as), tonumber(bm), tonumber(bs)
+  if am ~= bm then return am > bm end
+  return as > bs
+end
+
+local function bound_bytes(id, size, fresh, maxlen, maxbytes)
+  repair(EVBYTES, 'list', 'evbytes')
+  local last_id, _, last = sized(call('LINDEX', EVBYTES, -1))
+  -- a new numbering, an unreadable tail or one not before this entry: the list is of another stream
+  if fresh or not last or not id_after(id, last_id) then
+    call('DEL', EVBYTES)
+    last = 0
+  end
+  local n = call('RPUSH', EVBYTES, string.format('%s %d %d', id, last, last + size))  -- %d: no 1e+14
+  local top = last + size
+  local trimmed, popped = 0, 0
+  while n > 1 and popped < TRIM_STEP do
+    local _, start = sized(call('LINDEX', EVBYTES, 0))
+    local over = start == nil or n > maxlen or top - start > maxbytes
+    if not over then break end
+    if start ~= nil and n <= maxlen then trimmed = trimmed + 1 end
+    call('LPOP', EVBYTES)
+    n = n - 1
+    popped = popped + 1
+  end
+  local head = popped > 0 and sized(call('LINDEX', EVBYTES, 0))
+  if head then call('XTRIM', P .. 'events', 'MINID', head) end
+  if trimmed > 0 then call('HINCRBY', CTR, 'stream_byte_trims', trimmed) end
+  return trimmed
+end
+
+-- append to the pool's event stream (maxlen 0: no stream), within `maxlen` entries and, when
+-- `maxbytes` > 0, `maxbytes` bytes; fields r, n (consecutive), g (the stream's epoch: the server's
+-- TIME in microseconds when its numbering started, so a mirror tells a stream restarted within the
+-- millisecond of its last read from the one it read), then `extra`.
+-- Returns the entries trimmed because of the bytes.
+local function publish(maxlen, maxbytes, replica, extra)
+  if maxlen <= 0 then return 0 end
   local n = call('HINCRBY', CTR, 'stream_entries', 1)
   local epoch = n ~= 1 and call('HGET', CTR, 'stream_epoch')
   if not epoch then  -- a new numbering, or one started by a release that kept no epoch
@@ -209,7 +258,12 @@ local function publish(maxlen, replica, extra)
     epoch = now[1] .. string.format('%06d', tonumber(now[2]))
     call('HSET', CTR, 'stream_epoch', epoch)
   end
-  call('XADD', P .. 'events', 'MAXLEN', '~', maxlen, '*', 'r', replica, 'n', n, 'g', epoch, unpack(extra))
+  local fields = {'r', replica, 'n', n, 'g', epoch, unpack(extra)}
+  local id = call('XADD', P .. 'events', 'MAXLEN', '~', maxlen, '*', unpack(fields))
+  if maxbytes <= 0 then return 0 end
+  local size = 0
+  for _, v in ipairs(fields) do size = size + #tostring(v) end
+  return bound_bytes(id, size, n == 1, maxlen, maxbytes)
 end
 
 -- the writer's fence: '' = unfenced; 'g' = generation g; 'g|text' also requires seq[replica] == text.
@@ -326,7 +380,8 @@ return #dead
 
 _APPLY_BODY = """
 -- ARGV: prefix, replica, generation ('' = unfenced; 'g|text' also requires seq[replica] == text),
---       capacity, target, limit, stream maxlen, stream payload, engine seq ('' = none), n_checks,
+--       capacity, target, limit, stream maxlen, stream max bytes, stream payload, engine seq ('' =
+--       none), n_checks,
 --       n_checks x (rank, engine hash, expected key or ''), ops...
 -- ops: 'S' rank parent expected ehs keys | 'R' rank ehs | 'C' rank
 -- KEYS: fixed, ranks:<replica>, s:<replica>, m:<cid> of every rank named, b:<key> of every key the
@@ -335,7 +390,7 @@ _APPLY_BODY = """
 --       the head of `lru` and s:<r> of the replicas in `spec` (an eviction stops at an undeclared
 --       block: the caller's EVICT goes on).
 -- returns {0, 0, stored, removed, unknown, evicted, skipped, keys repaired, unique blocks,
---          {cache ids that lost a block to an eviction}} |
+--          {cache ids that lost a block to an eviction}, stream entries trimmed for bytes} |
 --         {1, current generation} | {2, 0} (a stale parent hint) | {3, 0} (the stored seq is not the
 --         expected one) | {4, 0, {undeclared keys}} (a key the batch touches is not declared:
 --         nothing written; the caller declares them and calls again)
@@ -343,9 +398,9 @@ local REPLICA = ARGV[2]
 local refused = fence(REPLICA, ARGV[3])
 if refused then return refused end
 local CAPACITY, TARGET, LIMIT = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
-local NCHECKS = tonumber(ARGV[10])
-local FIRST_OP = 11 + 3 * NCHECKS
-for j = 11, FIRST_OP - 1, 3 do  -- the writer's parent hints, checked before any write
+local NCHECKS = tonumber(ARGV[11])
+local FIRST_OP = 12 + 3 * NCHECKS
+for j = 12, FIRST_OP - 1, 3 do  -- the writer's parent hints, checked before any write
   local mk = P .. 'm:' .. REPLICA .. '#' .. ARGV[j]
   if not D[mk] then return {4, 0, {mk}} end
   if (call('HGET', mk, ARGV[j + 1]) or '') ~= ARGV[j + 2] then
@@ -471,10 +526,10 @@ while i <= #ARGV do
   end
 end
 finish()
-if ARGV[9] ~= '' then call('HSET', P .. 'seq', REPLICA, ARGV[9]) end
-publish(tonumber(ARGV[7]), REPLICA, {'e', ARGV[8]})
+if ARGV[10] ~= '' then call('HSET', P .. 'seq', REPLICA, ARGV[10]) end
+local trimmed = publish(tonumber(ARGV[7]), tonumber(ARGV[8]), REPLICA, {'e', ARGV[9]})
 return {0, 0, res.stored, res.removed, res.unknown, res.evicted, res.skipped, repaired,
-        call('ZCARD', LRU), touched_list()}
+        call('ZCARD', LRU), touched_list(), trimmed}
 """
 
 _SPECULATE_BODY = """
@@ -521,10 +576,11 @@ return {0, taken, call('ZCARD', LRU)}
 """
 
 _DROP_BODY = """
--- ARGV: prefix, replica, stream maxlen
+-- ARGV: prefix, replica, stream maxlen, stream max bytes
 -- KEYS: fixed, ranks:<replica>, s:<replica>, m:<cid> of each of its ranks, b:<key> of every value of
 --       those maps and of every speculative entry of the replica.
--- returns {0, holdings dropped, new generation, keys repaired} | {4, 0, 0, 0} (undeclared: nothing)
+-- returns {0, holdings dropped, new generation, keys repaired, stream entries trimmed for bytes} |
+--         {4, 0, 0, 0} (undeclared: nothing)
 local REPLICA = ARGV[2]
 repair(P .. 'gen', 'hash', 'gen')
 local rk = P .. 'ranks:' .. REPLICA
@@ -558,8 +614,8 @@ call('SREM', REPLICAS, REPLICA)
 local gen = (tonumber(call('HGET', P .. 'gen', REPLICA) or call('HGET', CTR, 'gen_floor')) or 0) + 1
 call('HSET', P .. 'gen', REPLICA, gen)
 finish()
-publish(tonumber(ARGV[3]), REPLICA, {'d', 1})
-return {0, dropped, gen, repaired}
+local trimmed = publish(tonumber(ARGV[3]), tonumber(ARGV[4]), REPLICA, {'d', 1})
+return {0, dropped, gen, repaired, trimmed}
 """
 
 _CLEAR_STEP_BODY = """
@@ -596,18 +652,20 @@ return {0, call('HLEN', mk), released, repaired}
 """
 
 _DROP_BLOCKS_BODY = """
--- ARGV: prefix, replica, stream maxlen, keys (hex, concatenated; at most max_script_blocks)
--- KEYS (all declared): ctr, lru, held, spec, replicas, tick, gen, seq, events (the pool's fixed keys),
---       ranks:<replica>, then b:<key> of every key of ARGV[4], in that order.
+-- ARGV: prefix, replica, stream maxlen, stream max bytes, keys (hex, concatenated; at most
+--       max_script_blocks)
+-- KEYS (all declared): ctr, lru, held, spec, replicas, tick, gen, seq, events, evbytes (the pool's
+--       fixed keys), ranks:<replica>, then b:<key> of every key of ARGV[5], in that order.
 -- Forgets the replica's real holdings of these keys on every rank (receipts: the blocks past the
 -- point the engine reported). Speculative fields, other holders and the engine-hash maps stay (a
 -- map entry of a dropped key is stale, as after an eviction; compaction is left to later calls).
--- Publishes the keys ('x') when any went. returns {holdings dropped, keys repaired}
-local REPLICA, JOINED = ARGV[2], ARGV[4]
+-- Publishes the keys ('x') when any went.
+-- returns {holdings dropped, keys repaired, stream entries trimmed for bytes}
+local REPLICA, JOINED = ARGV[2], ARGV[5]
 local keys = split16(JOINED)
 local FIRST = #KEYS - #keys  -- KEYS[FIRST + i] is the block of keys[i]
 local dropped = 0
-for _, rank in ipairs(call('SMEMBERS', KEYS[10])) do
+for _, rank in ipairs(call('SMEMBERS', P .. 'ranks:' .. REPLICA)) do
   local cid = REPLICA .. '#' .. rank
   local n = 0
   for i, key in ipairs(keys) do
@@ -623,8 +681,9 @@ for _, rank in ipairs(call('SMEMBERS', KEYS[10])) do
   end
 end
 finish()
-if dropped > 0 then publish(tonumber(ARGV[3]), REPLICA, {'x', JOINED}) end
-return {dropped, repaired}
+local trimmed = 0
+if dropped > 0 then trimmed = publish(tonumber(ARGV[3]), tonumber(ARGV[4]), REPLICA, {'x', JOINED}) end
+return {dropped, repaired, trimmed}
 """
 
 APPLY = PRELUDE + _APPLY_BODY

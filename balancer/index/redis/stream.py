@@ -9,7 +9,8 @@ Stream entry fields (bytes):
 
 * ``r``: the replica.
 * ``n``: the entry's number, consecutive across the pool (1, 2, ...). A jump means entries were
-  trimmed (``MAXLEN ~``) before the reader saw them.
+  trimmed (``MAXLEN ~``, or ``MINID`` by the byte bound ``stream_max_bytes``) before the reader
+  saw them.
 * ``g``: the stream's epoch, the Redis server's ``TIME`` in microseconds (digits) when its numbering
   started (``ctr.stream_epoch``). Another value means the stream restarted (a ``FLUSHALL``, a restart
   without data) even where its IDs and numbers look like a continuation. Absent in entries written
