@@ -326,8 +326,32 @@ TOGETHER: tuple[Together, ...] = (
 one section (or one list entry's settings)."""
 
 
-def _parent(path: str) -> str:
-    return path.rpartition(".")[0]
+def _split(path: str) -> tuple[str, str]:
+    """``("pools[].replicas[]", "url")`` of ``pools[].replicas[].url``; ``("", "tenant_header")``."""
+    parent, _, name = path.rpartition(".")
+    return parent, name
+
+
+def _shapes_at() -> Mapping[str, tuple[tuple[str, str, Shape], ...]]:
+    grouped: dict[str, list[tuple[str, str, Shape]]] = {}
+    for path, shape in SHAPES.items():
+        parent, name = _split(path)
+        grouped.setdefault(parent, []).append((path, name, shape))
+    return MappingProxyType({parent: tuple(items) for parent, items in grouped.items()})
+
+
+def _together_at() -> Mapping[str, tuple[tuple[str, str, Together], ...]]:
+    grouped: dict[str, list[tuple[str, str, Together]]] = {}
+    for rule in TOGETHER:
+        parent, first = _split(rule.first.path)
+        grouped.setdefault(parent, []).append((first, _split(rule.second.path)[1], rule))
+    return MappingProxyType({parent: tuple(items) for parent, items in grouped.items()})
+
+
+_SHAPES_AT = _shapes_at()
+""":data:`SHAPES` by section (read-only, built once from the table): (path, name, shape)."""
+_TOGETHER_AT = _together_at()
+""":data:`TOGETHER` by section (read-only, built once from the table): (first, second, rule)."""
 
 
 def check_rules(section: Any, prefix: str, entry: str = "") -> None:
@@ -335,18 +359,11 @@ def check_rules(section: Any, prefix: str, entry: str = "") -> None:
     ``section``, the dataclass at ``prefix`` (``"redis"``, ``"pools[].replicas[]"``; ``""``: the
     top-level scalars of :class:`Settings`). ``entry`` names a list entry in the messages
     (``replica a``, ``pools[m]``); outside lists the setting's path does."""
-    for path, shape in SHAPES.items():
-        if _parent(path) != prefix:
-            continue
-        name = path.rpartition(".")[2]
+    for path, name, shape in _SHAPES_AT.get(prefix, ()):
         value = getattr(section, name)
         problem = None if value is None else shape.problem(value)
         if problem is not None:
             raise ConfigError(f"{entry}: {name}{problem}" if entry else f"{path}{problem}")
-    for rule in TOGETHER:
-        if _parent(rule.first.path) != prefix:
-            continue
-        first = getattr(section, rule.first.path.rpartition(".")[2])
-        second = getattr(section, rule.second.path.rpartition(".")[2])
-        if not rule.holds(first, second):
+    for first, second, rule in _TOGETHER_AT.get(prefix, ()):
+        if not rule.holds(getattr(section, first), getattr(section, second)):
             raise ConfigError(f"{entry}: {rule.message}" if entry else rule.message)
