@@ -2,6 +2,7 @@
 :mod:`~balancer.config.loader` (defaults → YAML → ``KVLB_*`` environment → ``--set``; the only reader of
 the environment). Import from here: ``from balancer.config import ReplicaConfig``."""
 
+from balancer.config.across import endpoint_for_rank
 from balancer.config.loader import (
     TOKENIZERS_PARALLELISM,
     SettingsSource,
@@ -29,7 +30,6 @@ from balancer.config.settings import (
     SloConfig,
     TimeoutConfig,
     UpstreamConfig,
-    endpoint_for_rank,
 )
 from balancer.config.workers import WorkersConfig
 

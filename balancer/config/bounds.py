@@ -4,8 +4,8 @@ One table, two readers: the settings' ``validate`` methods check every entry of 
 (:func:`check_section`, :func:`check_bound` for the entries of lists), and the configuration reference
 (:mod:`balancer.config.reference`, ``docs/configuration.md``) prints them. A new setting with a range
 gets its entry here, not an ``if`` in ``validate``: then the reference shows the range the loader
-enforces. Checks that are not a range (URL shapes, files set together, CORS origins) stay in the
-``validate`` methods and are described in the field's docstring.
+enforces. Rules that are not a range (URL shapes, files set together, CORS origins) are the tables
+of :mod:`balancer.config.rules`, read the same two ways.
 """
 
 from __future__ import annotations

@@ -1,9 +1,11 @@
 """The shape of kvlb's settings (pure): :class:`Settings` and one frozen dataclass per YAML section.
 
 Each field's docstring gives its unit and what happens at its limit; ``validate()`` methods raise
-:class:`ConfigError` naming the first bad field. Nothing here reads files or the environment: the one
-loader, and the only reader of ``os.environ``, is :func:`balancer.config.loader.load`; the package
-:mod:`balancer.config` re-exports every name.
+:class:`ConfigError` naming the first bad field, running the tables of :mod:`balancer.config.bounds`
+(ranges), :mod:`balancer.config.rules` (shapes, settings that go together) and
+:mod:`balancer.config.across` (checks across list entries). Nothing here reads files or the
+environment: the one loader, and the only reader of ``os.environ``, is
+:func:`balancer.config.loader.load`; the package :mod:`balancer.config` re-exports every name.
 """
 
 from __future__ import annotations
@@ -11,32 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import urlsplit
 
+from balancer.config.across import ACROSS
 from balancer.config.bounds import CHOICES, check_bound, check_section
+from balancer.config.rules import check_rules
 from balancer.config.workers import WorkersConfig
 from balancer.errors import ConfigError
 from balancer.policy import PolicyWeights, make_policy
 
-
-def endpoint_for_rank(endpoint: str, dp_rank: int) -> str:
-    """The endpoint of DP rank ``dp_rank``: TCP port + rank; ``ipc://`` paths get ``_dp{rank}``."""
-    if dp_rank == 0:
-        return endpoint
-    if endpoint.startswith("tcp://"):
-        parts = urlsplit(endpoint)
-        if parts.port is None:
-            raise ConfigError(f"endpoint {endpoint!r} has no port")
-        host = endpoint[len("tcp://") : endpoint.rindex(":")]
-        return f"tcp://{host}:{parts.port + dp_rank}"
-    return f"{endpoint}_dp{dp_rank}"
-
-
 EngineKind = Literal["sglang", "vllm", "trtllm"]
-CORS_MAX_ORIGINS = 64
-"""Most entries of ``listen.cors_allow_origins``."""
-CORS_MAX_ORIGIN_CHARS = 256
-"""Longest entry of ``listen.cors_allow_origins`` (characters)."""
 
 API_KEY_MAX_BYTES = 4096
 """Longest engine API key :func:`balancer.config.loader.load` reads (bytes, after stripping)."""
@@ -188,31 +173,10 @@ class ListenConfig:
     "include"``); kvlb's keys travel in ``Authorization``, which needs no credentials mode."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field."""
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``; its
+        shapes and the settings that go together: ``rules.SHAPES``, ``rules.TOGETHER``)."""
         check_section(self, "listen")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ConfigError("listen.tls_cert_file and listen.tls_key_file must be set together")
-        if len(self.cors_allow_origins) > CORS_MAX_ORIGINS:
-            raise ConfigError(f"listen.cors_allow_origins: at most {CORS_MAX_ORIGINS} origins")
-        for origin in self.cors_allow_origins:
-            if origin == "*":
-                if self.cors_allow_credentials:
-                    raise ConfigError(
-                        "listen.cors_allow_origins: '*' is not allowed with cors_allow_credentials"
-                        " (browsers refuse it): list the origins"
-                    )
-                continue
-            parts = urlsplit(origin) if len(origin) <= CORS_MAX_ORIGIN_CHARS else None
-            if (
-                parts is None
-                or parts.scheme not in ("http", "https")
-                or not parts.netloc
-                or f"{parts.scheme}://{parts.netloc}" != origin
-            ):
-                raise ConfigError(
-                    f"listen.cors_allow_origins: {origin[:300]!r} is not an origin: scheme://host[:port],"
-                    " no path or trailing slash (or '*')"
-                )
+        check_rules(self, "listen")
 
 
 @dataclass(frozen=True, slots=True)
@@ -559,40 +523,10 @@ class RedisConfig:
     """Timeout of one Redis call or connect (seconds); at the limit the call counts as an error."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field."""
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``; its
+        shapes and the settings that go together: ``rules.SHAPES``, ``rules.TOGETHER``)."""
         check_section(self, "redis")
-        if self.url is not None and not self.url.startswith(("redis://", "rediss://")):
-            raise ConfigError("redis.url must start with redis:// or rediss://")
-        if self.url is not None:
-            _check_redis_url(self.url)
-        if self.tls_ca_file is not None and not (self.url or "").startswith("rediss://"):
-            # until 2026-12-01 ignored: a redis:// URL then sent the password in the clear
-            raise ConfigError("redis.tls_ca_file needs a rediss:// redis.url (redis:// is not encrypted)")
-        if self.cluster and self.url is None:
-            raise ConfigError("redis.cluster needs redis.url (a seed node of the cluster)")
-        if self.cluster and self.url is not None and urlsplit(self.url).path.strip("/") not in ("", "0"):
-            raise ConfigError("redis.cluster: the URL's database must be 0 (Redis Cluster has only db 0)")
-        if not self.key_prefix or "{" in self.key_prefix or "}" in self.key_prefix:
-            raise ConfigError("redis.key_prefix must be non-empty, without braces")
-
-
-_ESCAPE_HINT = "(a password with '/', '?', '#' or '@' goes percent-encoded: '/' as %2F, '@' as %40)"
-
-
-def _check_redis_url(url: str) -> None:
-    """A ``redis://`` URL's host, port and database, checked without naming its password. Until
-    2026-12-01 a port that is not a number (often a password with an unencoded ``/``) stopped
-    ``kvlb serve`` with redis-py's traceback, and a database that is not one was taken as 0."""
-    parts = urlsplit(url)
-    try:
-        parts.port  # noqa: B018 - parsing it is the check
-    except ValueError:
-        raise ConfigError(f"redis.url: the port is not a number in 0..65535 {_ESCAPE_HINT}") from None
-    if not parts.hostname:
-        raise ConfigError(f"redis.url names no host {_ESCAPE_HINT}")
-    database = parts.path.strip("/")
-    if database and not database.isdigit():
-        raise ConfigError(f"redis.url: the database (after the port) must be a number {_ESCAPE_HINT}")
+        check_rules(self, "redis")
 
 
 @dataclass(frozen=True, slots=True)
@@ -656,12 +590,10 @@ class DiscoveryConfig:
     (``kvlb_discovery_objects_over_cap_total{bound="bytes"}``). In [64 KiB, 16 GiB]."""
 
     def validate(self) -> None:
-        """Raise :class:`ConfigError` naming the first bad field."""
+        """Raise :class:`ConfigError` naming the first bad field (its ranges: ``bounds.BOUNDS``; its
+        shapes and the settings that go together: ``rules.SHAPES``, ``rules.TOGETHER``)."""
         check_section(self, "discovery")
-        if self.kind == "file" and not self.file:
-            raise ConfigError("discovery.file is required when discovery.kind is file")
-        if not self.api_url.startswith(("http://", "https://")):
-            raise ConfigError("discovery.api_url must be http(s)://")
+        check_rules(self, "discovery")
 
 
 @dataclass(frozen=True, slots=True)
@@ -768,29 +700,6 @@ class UpstreamConfig:
         check_section(self, "upstream")
 
 
-def _claim_event_endpoints(replica: ReplicaConfig, claimed: dict[str, tuple[str, str]]) -> None:
-    """Record the ZMQ endpoints ``replica``'s event sources connect to (events and replay, every DP
-    rank) in ``claimed`` (endpoint → replica id, which claim); raises :class:`ConfigError` when
-    another replica claimed one already: one engine's events would be credited to both. Endpoints
-    are compared as written (``localhost`` and ``127.0.0.1`` differ). Ranks of one replica that run
-    into each other (events rank 1 on the replay port) are left to the sources, which say so at
-    run time (a peer that refuses the handshake): refusing them here would drop a Kubernetes pod
-    whose rank 0 works."""
-    for kind, endpoint in (("events", replica.events), ("replay", replica.replay)):
-        if endpoint is None:
-            continue
-        for rank in range(replica.dp_size):
-            address = endpoint_for_rank(endpoint, rank).lower()
-            who = f"replica {replica.id} rank {rank} {kind}"
-            owner, other = claimed.setdefault(address, (replica.id, who))
-            if owner != replica.id:
-                raise ConfigError(
-                    f"{who} endpoint {address} is also {other}'s: each engine rank publishes on its "
-                    "own ports (rank r on port + r), so one engine's events would be credited to "
-                    "two replicas; check the replicas' events, replay and dp_size"
-                )
-
-
 @dataclass(frozen=True, slots=True)
 class Settings:
     listen: ListenConfig = field(default_factory=ListenConfig)
@@ -861,27 +770,16 @@ class Settings:
 
     def validate(self) -> Settings:
         """Cross-field checks; returns ``self`` or raises :class:`ConfigError` naming the field."""
-        seen: set[str] = set()
-        models: set[str] = set()
-        claimed: dict[str, tuple[str, str]] = {}
         for pool in self.pools:
-            if pool.model in models:
-                raise ConfigError(f"pools: model {pool.model!r} appears twice")
-            models.add(pool.model)
             check_bound("pools[].approx_ttl_s", pool.approx_ttl_s, f"pools[{pool.model}].approx_ttl_s", pool)
+            check_rules(pool, "pools[]", f"pools[{pool.model}]")
             for rep in pool.replicas:
-                if rep.id in seen:
-                    raise ConfigError(f"pools[{pool.model}].replicas: id {rep.id!r} appears twice")
-                seen.add(rep.id)
-                if not rep.url.startswith(("http://", "https://")):
-                    raise ConfigError(f"replica {rep.id}: url must be http(s)://, got {rep.url!r}")
+                check_rules(rep, "pools[].replicas[]", f"replica {rep.id}")
                 for name in ("block_size", "dp_size"):
                     value = getattr(rep, name)
                     check_bound(f"pools[].replicas[].{name}", value, f"replica {rep.id}: {name}", rep)
-                if rep.events is not None and not rep.events.startswith(("tcp://", "ipc://")):
-                    raise ConfigError(f"replica {rep.id}: events must be tcp:// or ipc://")
-                if pool.kv_events:
-                    _claim_event_endpoints(rep, claimed)
+        for rule in ACROSS:
+            rule.check(self)
         check_section(self, "")
         check_section(self.timeouts, "timeouts")
         check_section(self.limits, "limits")
@@ -890,13 +788,7 @@ class Settings:
         if self.log_level.upper() not in CHOICES["log_level"]:
             levels = ", ".join(CHOICES["log_level"])
             raise ConfigError(f"log_level must be one of {levels}, got {self.log_level!r}")
-        library = self.jemalloc_library
-        if not library or len(library) > 4096 or any(c.isspace() or c == ":" for c in library):
-            raise ConfigError(
-                f"jemalloc_library must be a soname or path without whitespace or ':', got {library!r}"
-            )
-        if not self.tenant_header or not all(c.isalnum() or c in "-_" for c in self.tenant_header):
-            raise ConfigError("tenant_header must be a header name (letters, digits, '-', '_')")
+        check_rules(self, "")
         self.upstream.validate()
         self.redis.validate()
         self.discovery.validate()

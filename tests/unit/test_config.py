@@ -170,6 +170,21 @@ def test_config_file_from_env(tmp_path: Path) -> None:
         (["redis.url=redis://h:6379/0", "redis.tls_ca_file=/ca.crt"], "tls_ca_file needs a rediss://"),
         (["redis.tls_ca_file=/ca.crt"], "tls_ca_file needs a rediss://"),
         (["pools=[{model: m, replicas: [{id: a, url: 'ftp://x'}]}]"], "url must be http"),
+        # until 2026-12-01 (h-configrules) these were accepted and failed only at run time, or never
+        (
+            ["pools=[{model: m, replicas: [{id: a, url: 'http://'}]}]"],
+            r"replica a: url must be http\(s\)://host",
+        ),
+        (
+            ["pools=[{model: m, replicas: [{id: a, url: 'http://h:1', replay: 'udp://h:1'}]}]"],
+            "replica a: replay must be tcp://host:port or ipc://path, got 'udp://h:1'",
+        ),
+        (
+            ["pools=[{model: m, replicas: [{id: a, url: 'http://h:1', events: 'tcp://h'}]}]"],
+            "replica a: events must be tcp://host:port or ipc://path",
+        ),
+        (["tenant_header=x-tenánt"], "tenant_header must be a header name"),
+        (["discovery.api_url=https://"], r"discovery.api_url must be http\(s\)://"),
         (["pools=[{model: m, replicas: [{id: a, url: 'http://x', engine: foo}]}]"], "must be one of"),
         (
             ["pools=[{model: m, replicas: [{id: a, url: 'http://x'}, {id: a, url: 'http://y'}]}]"],
