@@ -71,16 +71,19 @@ SPECULATIVE_TTL_S = 2.0
 """``limits.speculative_ttl_s``'s default, scaled by ``--time-scale``."""
 IDLE_TTL_S = 15.0
 """``upstream.idle_ttl_s``'s default, scaled by ``--time-scale`` (at most 3,600)."""
-_TOTALS = re.compile(rb"^(?:totals|summary):\s+(\d+)", re.MULTILINE)
+_TOTALS = re.compile(rb"^(?:totals|summary):\s+([\d ]+)$", re.MULTILINE)
+_EVENTS = re.compile(rb"^events:\s+([\w ]+)$", re.MULTILINE)
 
 
-def valgrind_argv(out_dir: Path, argv: list[str]) -> list[str]:
-    """``argv`` under callgrind, instrumentation off until switched on, output ``out_dir/cg.<pid>``."""
+def valgrind_argv(out_dir: Path, argv: list[str], cache_sim: bool = False) -> list[str]:
+    """``argv`` under callgrind, instrumentation off until switched on, output ``out_dir/cg.<pid>``
+    (with ``cache_sim``, the simulated caches' misses counted too)."""
     return [
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
         "--trace-children=yes",
+        *(["--cache-sim=yes"] if cache_sim else []),
         f"--callgrind-out-file={out_dir}/cg.%p",
         *argv,
     ]
@@ -91,13 +94,14 @@ def control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=CONTROL_TIMEOUT_S)
 
 
-def dumped_instructions(out_dir: Path, pid: int) -> int:
-    """The instruction total of the first dump of process ``pid`` (``cg.<pid>.1``)."""
+def dumped_events(out_dir: Path, pid: int) -> dict[str, int]:
+    """Each event's total in the first dump of process ``pid`` (``cg.<pid>.1``): ``Ir``, the
+    instructions, and with ``--cache-sim`` the simulated misses (``D1mr``, ``DLmr``, ...)."""
     data = (out_dir / f"cg.{pid}.1").read_bytes()
-    found = _TOTALS.search(data)
-    if found is None:
+    names, totals = _EVENTS.search(data), _TOTALS.search(data)
+    if names is None or totals is None:
         raise RuntimeError(f"no totals in {out_dir}/cg.{pid}.1")
-    return int(found.group(1))
+    return dict(zip(names.group(1).decode().split(), map(int, totals.group(1).split()), strict=False))
 
 
 async def wait_routable(url: str, replicas: int) -> None:
@@ -124,7 +128,7 @@ def scaled_config(config: dict[str, Any], scale: float) -> dict[str, Any]:
 
 
 async def start_measured(
-    path: str, upstream_urls: list[str], out_dir: Path, children: list[Child], scale: float
+    path: str, upstream_urls: list[str], out_dir: Path, children: list[Child], scale: float, cache_sim: bool
 ) -> Child:
     """Start ``path`` under callgrind in front of ``upstream_urls``; appended to ``children``."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -132,7 +136,7 @@ async def start_measured(
         argv = python_module("loadtests.bench.overhead.servers", "forward", "--upstream", upstream_urls[0])
         child = await spawn(
             path,
-            valgrind_argv(out_dir, argv),
+            valgrind_argv(out_dir, argv, cache_sim),
             out_dir / "forward.stderr",
             ready_key="bench_server",
             timeout_s=READY_TIMEOUT_S,
@@ -148,7 +152,7 @@ async def start_measured(
         argv = python_module("balancer", "serve", "--config", str(config), "--workers", "1", "--set", grpc)
         child = await spawn(
             path,
-            valgrind_argv(out_dir, argv),
+            valgrind_argv(out_dir, argv, cache_sim),
             out_dir / "kvlb.stderr",
             ready_key="kvlb",
             timeout_s=READY_TIMEOUT_S,
@@ -162,7 +166,11 @@ async def start_measured(
     listing = [{"url": u} for u in upstream_urls]
     argv = peer_command(spec, port=port, metrics_port=metrics_port, replicas=listing, model=MODEL)
     child = await spawn(
-        path, valgrind_argv(out_dir, argv), out_dir / f"{path}.log", ready_key=None, env={**env, **PEER_ENV}
+        path,
+        valgrind_argv(out_dir, argv, cache_sim),
+        out_dir / f"{path}.log",
+        ready_key=None,
+        env={**env, **PEER_ENV},
     )
     children.append(child)
     url = f"http://127.0.0.1:{port}"
@@ -194,7 +202,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         children.append(upstream)
         upstream_urls = [str(u) for u in upstream.info["urls"]]
-        measured = await start_measured(args.path, upstream_urls, out_dir, children, args.time_scale)
+        measured = await start_measured(
+            args.path, upstream_urls, out_dir, children, args.time_scale, args.cache_sim
+        )
         url = str(measured.info["url"]) + url_path
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -207,7 +217,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             elapsed_s = time.monotonic() - started
             await asyncio.to_thread(control, "-d", str(measured.pid))
             await asyncio.to_thread(control, "-i", "off", str(measured.pid))
-        total = dumped_instructions(out_dir, measured.pid)
+        events = dumped_events(out_dir, measured.pid)
     finally:
         await stop_all(children)
     return {
@@ -215,8 +225,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "kind": args.kind,
         "requests": args.requests,
         "warmup": args.warmup,
-        "instructions": total,
-        "instructions_per_request": round(total / args.requests),
+        "instructions": events["Ir"],
+        "instructions_per_request": round(events["Ir"] / args.requests),
+        "per_request": {name: round(value / args.requests) for name, value in events.items()},
         "window_s": round(elapsed_s, 1),
         "time_scale": args.time_scale,
         "dump": str(out_dir / f"cg.{measured.pid}.1"),
@@ -236,6 +247,9 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=100.0,
         help="kvlb's timer periods × this (default 100: valgrind's slowdown; see the docstring)",
+    )
+    parser.add_argument(
+        "--cache-sim", action="store_true", help="count the simulated caches' misses too (slower)"
     )
     parser.add_argument("--out", help="directory for the callgrind files (default: a new temp dir)")
     args = parser.parse_args(argv)
