@@ -21,7 +21,8 @@ speculative blocks (``limits.speculative_ttl_s``, 2 s) would expire between two 
 that live traffic sends again within milliseconds (the expiry's passes counted where live runs have
 none), and the health probes (every 5 s) would run every 25 requests instead of every 2,000. So
 kvlb's timer periods are multiplied by ``--time-scale`` (default 100: the speculative entries' life,
-the health probes' period, the idle upstream connections' life, the last at most 3,600 s). The count
+the health probes' period, the connect and probe timeout, the idle upstream connections' life, the
+last at most 3,600 s). The count
 includes whatever the process did in the window besides the requests (its timers, the garbage
 collector), so it moves by about a percent from run to run; the hashing seed is fixed
 (``PYTHONHASHSEED=0``) for every path::
@@ -69,6 +70,8 @@ READY_TIMEOUT_S = 600.0
 CONTROL_TIMEOUT_S = 60.0
 SPECULATIVE_TTL_S = 2.0
 """``limits.speculative_ttl_s``'s default, scaled by ``--time-scale``."""
+CONNECT_S = 2.0
+"""``timeouts.connect_s``'s default (also the health probes' timeout), scaled by ``--time-scale``."""
 IDLE_TTL_S = 15.0
 """``upstream.idle_ttl_s``'s default, scaled by ``--time-scale`` (at most 3,600)."""
 _TOTALS = re.compile(rb"^(?:totals|summary):\s+([\d ]+)$", re.MULTILINE)
@@ -119,10 +122,13 @@ async def wait_routable(url: str, replicas: int) -> None:
 def scaled_config(config: dict[str, Any], scale: float) -> dict[str, Any]:
     """The bench's ``kvlb serve`` settings with its clocks' periods × ``scale`` (see the module
     docstring): the speculative entries' life, the health probes' period, the idle connections'
-    life."""
+    life, the connect and health probe timeout."""
     limits = config.setdefault("limits", {})
     limits["speculative_ttl_s"] = SPECULATIVE_TTL_S * scale
     config["health_interval_s"] = float(config["health_interval_s"]) * scale
+    # the probes' (and the upstream connections') timeout: a first probe timed out under valgrind
+    # would leave the replicas out until the next one, a scaled period later
+    config.setdefault("timeouts", {})["connect_s"] = CONNECT_S * scale
     config.setdefault("upstream", {})["idle_ttl_s"] = min(3600.0, IDLE_TTL_S * scale)
     return config
 
