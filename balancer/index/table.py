@@ -690,8 +690,13 @@ class PrefixTable(GapRecovery):
             if not expiries.count(expiry_s):
                 continue
             due = list(compress(keys, map(eq, repeat(expiry_s), expiries)))
-            pop = spec.expiry.pop
-            expired = len(due) - sum(pop(key, None) is None for key in due)  # a key listed twice: once
+            # the pops at C speed (a deque of no length drops what they give back), counted by the
+            # dict's size: a key listed twice is popped once (a generator under ``sum`` took 7% of
+            # a token-id request's instructions)
+            expiry = spec.expiry
+            listed = len(expiry)
+            deque(map(expiry.pop, due, repeat(None)), maxlen=0)
+            expired = listed - len(expiry)
             spec.forget(due)
             self._spec_count -= expired
             self.counters.speculative_expired += expired

@@ -158,6 +158,23 @@ def test_expiry_also_runs_on_apply_and_counts() -> None:
     assert t.counters.speculative_expired == 2
 
 
+def test_expiry_counts_a_key_listed_twice_once() -> None:
+    """A heap entry listing a key twice: the key is popped and counted once (the pops' count is the
+    expiry dict's shrinkage, not the listing's length)."""
+    t = table()
+    keys = tuple(HASHER.request_keys(toks(3)))
+    t.add_speculative(A, (*keys, keys[1]), 1.0, 0.0)
+    t.add_speculative(B, keys[:2], 3.0, 0.0)
+    t.apply(C, [], 2.0)  # A's entry is due, B's not yet
+    assert t.counters.speculative_expired == 3
+    assert t.stats().speculative_entries == 2
+    held = blocks(t, toks(3), now=2.0)
+    assert (held[B], held.get(A, 0)) == (2, 0)
+    t.apply(C, [], 4.0)
+    assert t.counters.speculative_expired == 5
+    assert t.stats().speculative_entries == 0 and t.stats().unique_blocks == 0
+
+
 def test_a_replayed_store_then_clear_leaves_a_routed_requests_entry() -> None:
     """The fresh-kvlb replay (docs/loadtest-history.md, 2026-11-29, items 5-6): a request is routed to A
     (speculative entries), A's replayed history then stores the same blocks and clears them. The
