@@ -14,6 +14,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,7 +53,7 @@ def values_and_keys(value: Any) -> int:
     return count
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(JSON_VALUES, st.booleans(), st.sampled_from(["utf-8", "utf-16", "utf-32"]))
 def test_the_values_bound_is_never_below_the_values_and_keys(
     value: Any, compact: bool, encoding: str
