@@ -114,6 +114,7 @@ def test_ring_is_bounded_in_bytes() -> None:
     assert ring.stats.evicted_bytes == 7 and ring.stats.evicted_count == 0
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 def test_byte_estimate_covers_what_a_record_holds() -> None:
     """tracemalloc: the ring's estimate is at least what 500 records (4 replicas) really hold beyond
     what the router allocates anyway for the same decisions (2,000 until 2026-12-01: the held bytes
