@@ -82,11 +82,16 @@ test-fast: $(STAMP) proto
 # fuzzing, the alert walks; rewrites the figures of docs/reliability.md. `make test` runs a short
 # version of it (not the alert walks: the rules' own tests, tests/deploy, run there).
 FAULTS_OUT := build/faults-results
+# tests/unit's property and fuzz tests whose example counts scale with KVLBTEST_UNIT_FUZZ_SHARE
+# (tests/unit/fuzz_examples.py): a quarter in `make test`, the full counts here.
+UNIT_FUZZ := $(addprefix tests/unit/,test_sglang_decoder_fuzz.py test_trtllm_decoder_fuzz.py \
+	test_index_locked.py test_index_table.py test_piece_hold.py test_token_ids.py \
+	test_policy_cost_terms.py test_parse_cost.py test_prompt_cuts.py)
 faults: $(STAMP) proto redis
 	rm -rf $(FAULTS_OUT)
 	KVLBTEST_RESULTS=$(FAULTS_OUT) KVLBTEST_FUZZ_PAYLOADS=100000 KVLBTEST_SCHEMATHESIS_EXAMPLES=200 \
-		KVLBTEST_GRPC_FUZZ_CALLS=3000 KVLBTEST_TEXT_FUZZ_EXAMPLES=1000 \
-		$(PYTEST) -q -p no:cacheprovider tests/fuzz; fuzz=$$?; \
+		KVLBTEST_GRPC_FUZZ_CALLS=3000 KVLBTEST_TEXT_FUZZ_EXAMPLES=1000 KVLBTEST_UNIT_FUZZ_SHARE=1 \
+		$(PYTEST) -q -p no:cacheprovider tests/fuzz $(UNIT_FUZZ); fuzz=$$?; \
 	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PYTEST) -q -p no:cacheprovider -m faults_long tests/faults tests/e2e/test_alert_walk.py \
 		tests/e2e/test_alert_walk_replicas.py tests/e2e/test_serve_worker_restarts.py \
 		tests/integration/test_tenant_rate_smoke.py; \

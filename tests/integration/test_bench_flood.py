@@ -10,9 +10,10 @@ import pytest
 from loadtests.bench.flood import SMOKE, format_report, measure
 
 
-@pytest.mark.parametrize(
-    ("workers", "redis"), [(1, False), (2, False), pytest.param(1, True, marks=pytest.mark.redis)]
-)
+# Two runs (three until 2026-12-01: 1 worker, 2 workers, 1 worker on Redis): the bench's two options,
+# ``workers`` and ``redis``, both taken by the second run; kvlb's own two-worker ingest without Redis is
+# tests/e2e/test_serve_workers.py's.
+@pytest.mark.parametrize(("workers", "redis"), [(1, False), pytest.param(2, True, marks=pytest.mark.redis)])
 async def test_smoke_run_reports_every_field(workers: int, redis: bool) -> None:
     # phases of at least 0.75 s instead of the smoke's 1.5 (the flood's phase lasts until kvlb took
     # every batch whatever its floor): each phase still has its requests and probes, 1.5 s less a run

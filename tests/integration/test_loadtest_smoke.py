@@ -25,6 +25,9 @@ pytestmark = [
 ]
 
 REQUESTS = 30
+RATE = 40
+"""Requests per second of each router's run (20 until 2026-12-01): the 30 requests in 0.75 s instead of
+1.5 s; nothing below asserts a timing or a rate."""
 ROUTERS = ("kvlb", "round_robin", "kvlb_no_events")
 FIELDS_PER_ROUTER = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "e2e_p50_s", "e2e_p90_s",
@@ -40,7 +43,7 @@ def _run_loadtest(out: Path) -> subprocess.CompletedProcess[str]:
         sys.executable, "-m", "balancer", "loadtest",
         "--replicas", "2", "--processes", "1", "--profile", "h100-llama3-8b",
         "--kv-capacity-tokens", "8192", "--routers", ",".join(ROUTERS),
-        "--requests", str(REQUESTS), "--rate", "20", "--seed", "7",
+        "--requests", str(REQUESTS), "--rate", str(RATE), "--seed", "7",
         "--param", "tenants=4", "--param", "users_per_tenant=2", "--param", "context_tokens=400",
         "--param", "question_tokens=50", "--param", "max_tokens=8",
         "--max-duration-s", "120", "--timeout-s", "60", "--out", str(out),

@@ -47,6 +47,7 @@ def check_kvlb(report: dict[str, Any]) -> None:
         assert kvlb[name] > 0
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 def test_smoke_json_has_every_field(capsys: pytest.CaptureFixture[str]) -> None:
     report = json.loads(run_bench(capsys, "--json"))
     check_kvlb(report)
@@ -69,6 +70,7 @@ def test_smoke_json_has_every_field(capsys: pytest.CaptureFixture[str]) -> None:
         assert "not installed" in dynamo["reason"]
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 def test_without_dynamo_the_bench_carries_on(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

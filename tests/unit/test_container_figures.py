@@ -15,6 +15,7 @@ def test_an_unknown_part_gets_the_parts_and_exit_2(capsys: pytest.CaptureFixture
     assert "parts: segments, limiter" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 def test_the_small_parts_print_a_size_an_entry(capsys: pytest.CaptureFixture[str]) -> None:
     assert container_figures.main(["limiter", "removed", "receipts"]) == 0
     lines = capsys.readouterr().out.splitlines()

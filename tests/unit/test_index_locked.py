@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -225,7 +226,7 @@ def _events(draw: st.DrawFn) -> list[KvEvent]:
     return events
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     batches=st.lists(_events(), min_size=1, max_size=4),
     slice_blocks=st.integers(min_value=1, max_value=40),

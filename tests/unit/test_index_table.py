@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -472,7 +473,7 @@ def _run(t: PrefixTable, op: tuple[object, ...], now: float) -> object:
     return None
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(st.lists(_OPS, max_size=40), st.sampled_from((6, 10, 64)))
 def test_deferred_lru_reinserts_match_reinserting_at_each_add(
     ops: list[tuple[object, ...]], capacity: int
@@ -539,7 +540,7 @@ def _naive_walk(holders: dict[int, int], keys: Sequence[int], mask: int) -> list
     return sorted(by_depth.items())
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=examples(500), deadline=None)
 @given(
     st.dictionaries(
         st.integers(0, 9), st.integers(1, 2**9 - 1) | st.sampled_from((1, 3, 2**70 + 1)), max_size=10
@@ -632,7 +633,7 @@ class _ScanningTable(PrefixTable):
             self._evict()
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     st.lists(_OPS, max_size=40),
     st.sampled_from((6, 10, 64)),

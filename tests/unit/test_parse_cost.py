@@ -14,6 +14,7 @@ import tracemalloc
 from typing import Any
 
 import pytest
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -52,7 +53,7 @@ def values_and_keys(value: Any) -> int:
     return count
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(JSON_VALUES, st.booleans(), st.sampled_from(["utf-8", "utf-16", "utf-32"]))
 def test_the_values_bound_is_never_below_the_values_and_keys(
     value: Any, compact: bool, encoding: str
@@ -126,6 +127,7 @@ WORST = {
 }
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 @pytest.mark.parametrize("name", sorted(WORST))
 def test_the_json_estimate_is_above_what_the_parse_costs(name: str) -> None:
     kind, raw = WORST[name]
@@ -135,6 +137,7 @@ def test_the_json_estimate_is_above_what_the_parse_costs(name: str) -> None:
     assert peak <= estimate <= max(12 * peak, 4 * len(raw)), (peak, estimate)
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 def test_the_look_for_lone_surrogates_builds_no_path_per_item() -> None:
     """A UTF-16 body is walked for lone surrogates: that walk made a path string and a tuple for every
     item (1.4 M empty objects: 274 MB, 33 times the body); it now only looks, then names the place."""

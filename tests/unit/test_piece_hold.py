@@ -20,6 +20,7 @@ import json
 import random
 
 import pytest
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as RustTokenizer
@@ -71,7 +72,7 @@ def reference_pieces(text: str, min_chars: int) -> list[int]:
     return lengths
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(
     TEXTS,
     st.integers(0, 40),

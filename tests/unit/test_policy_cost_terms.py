@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -120,7 +121,7 @@ weights = st.builds(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     load=loads,
     overlap=st.integers(0, 600),
@@ -158,7 +159,7 @@ def test_cost_terms_match_the_keyword_model(
     assert repr(got) == repr(want)  # every field, in its own type (1 and 1.0 told apart)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     per_replica=st.lists(loads, min_size=4, max_size=4),
     overlaps=st.lists(st.integers(-5, 700), min_size=4, max_size=4),

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import AddedToken as RustAddedToken
@@ -206,7 +207,7 @@ def test_every_character_after_a_newline_or_before_a_space_cuts_deepseek_alike()
 
 
 @pytest.mark.parametrize("name", [name for name in RUST if name != "deepseek-v3-template"])
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(text=TEXTS, limit=LIMITS, offset=OFFSETS, piece_chars=PIECES, special=st.booleans())
 def test_a_text_is_refused_only_when_over_and_gets_the_whole_texts_ids(
     name: str, text: str, limit: int | None, offset: int, piece_chars: int, special: bool
@@ -217,7 +218,7 @@ def test_a_text_is_refused_only_when_over_and_gets_the_whole_texts_ids(
 
 
 @pytest.mark.parametrize("name", list(RUST))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     contents=st.lists(TEXTS, min_size=1, max_size=4),
     limit=LIMITS,

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import msgpack
+from fuzz_examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sglang_frames import SEQ, TOKENS, stored
@@ -81,7 +82,7 @@ _stored_like = st.builds(
 _events = st.lists(_stored_like | _values, max_size=4)
 
 
-@settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(800), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.one_of(st.none(), _scalars),
     _events,
@@ -95,7 +96,7 @@ def test_fuzz_structured_payloads_never_raise_anything_else(
     decode_or_reject([b"kv", SEQ, msgpack.packb(envelope)])
 
 
-@settings(max_examples=1500, deadline=None)
+@settings(max_examples=examples(1500), deadline=None)
 @given(
     st.lists(st.binary(max_size=24), max_size=4),
     st.integers(min_value=0, max_value=200),

@@ -123,6 +123,7 @@ def test_bad_limits_are_refused() -> None:
         TenantRates(rate_per_s=1.0, burst=1, max_tenants=1, new_rate_per_s=0.0)
 
 
+@pytest.mark.usefixtures("frozen_heap")  # its gc.collect() walks only what it made
 def test_a_bucket_weighs_at_most_bucket_bytes() -> None:
     """The heaviest keys (128 characters of 4 bytes each) in a full table of 4,096, traced."""
     count = 4096

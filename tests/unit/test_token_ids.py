@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import msgspec
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +75,7 @@ def prompt_texts(draw: st.DrawFn, shared: list[int]) -> str:
 SHARED = [7, 123456, 0, 4294967295, 42, 99999, 1, 128000, 5, 31]
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400), deadline=None)
 @given(
     texts=st.lists(prompt_texts(SHARED), min_size=1, max_size=4),
     run_bytes=st.integers(1, 24),
@@ -380,7 +381,7 @@ def known_bodies(draw: st.DrawFn) -> bytes:
     return ("{" + ", ".join(fields) + tail).encode()
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(
     bodies=st.lists(known_bodies(), min_size=1, max_size=6),
     rounds=st.integers(3, 6),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from trtllm_fake import U64, FakeTrtllm, decode, partial_hashes, summary
@@ -36,7 +37,7 @@ def check_invariants(decoder: TrtllmDecoder, batch: DecodedBatch, body_events: i
 # --------------------------------------------------------------------------- random streams
 
 
-@settings(max_examples=150, deadline=None, database=None)
+@settings(max_examples=examples(150), deadline=None, database=None)
 @given(st.data())
 def test_random_streams_decode_as_the_encoder_expects(data: st.DataObject) -> None:
     tpb = data.draw(st.sampled_from([1, 2, 4]), label="tpb")
@@ -172,7 +173,7 @@ _EVENT = st.one_of(
 )
 
 
-@settings(max_examples=1000, deadline=None, database=None)
+@settings(max_examples=examples(1000), deadline=None, database=None)
 @given(st.lists(st.lists(_EVENT, max_size=8), min_size=1, max_size=3))
 def test_fuzz_event_shapes_never_escape(drains: list[list[Any]]) -> None:
     decoder = TrtllmDecoder(tokens_per_block=4, max_partial_hashes=4, max_dp_ranks=3)
@@ -180,7 +181,7 @@ def test_fuzz_event_shapes_never_escape(drains: list[list[Any]]) -> None:
         check_invariants(decoder, decode(decoder, body), len(body))
 
 
-@settings(max_examples=400, deadline=None, database=None)
+@settings(max_examples=examples(400), deadline=None, database=None)
 @given(_JSON)
 def test_fuzz_any_json_body(body: Any) -> None:
     decoder = TrtllmDecoder()
@@ -192,7 +193,7 @@ def test_fuzz_any_json_body(body: Any) -> None:
         check_invariants(decoder, batch, len(body))
 
 
-@settings(max_examples=500, deadline=None, database=None)
+@settings(max_examples=examples(500), deadline=None, database=None)
 @given(st.binary(max_size=64) | st.builds(lambda b: b"[" + b, st.binary(max_size=32)))
 def test_fuzz_raw_bytes(frame: bytes) -> None:
     decoder = TrtllmDecoder()
