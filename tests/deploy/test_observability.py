@@ -194,6 +194,10 @@ def test_the_python_evaluator_fails_a_wrong_rule() -> None:
         ("KvlbLeasesLost", ">= 3", ">= 30"),
         ("KvlbReplicaServesAnotherModel", "== 1", "== 2"),
         ("KvlbHighErrorRate", "queue_timeout|tenant_inflight", "no_such_reason"),
+        ("KvlbReplicaLoadFiguresRejected", "[10m]", "[40m]"),
+        ("KvlbEventPublisherBadFrames", "max by (replica)", "sum by (replica)"),
+        ("KvlbRedisMirrorResyncing", ">= 3", ">= 30"),
+        ("KvlbDiscoveryObjectsOverCap", "> 0", ">= 0"),
     ):
         rules = [
             {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule
