@@ -152,7 +152,7 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
             (ingested("kvlb_events_queue_overflow_total", "replica"), "{{replica}} overflow"),
             (ingested("kvlb_events_shed_runs_total", "replica, cause"), "{{replica}} shed run {{cause}}"),
         ], "As one ingester counts them. Alert KvlbEventResyncStorm over 3 in 10 minutes, "
-           "KvlbEventPublisherBadFrames at 3 shed runs of cause frames in 15 minutes."),
+           "KvlbEventPublisherBadFrames at any shed run of cause frames in an hour."),
         ("Decode errors and skipped events", "short", [
             (ingested("kvlb_events_decode_errors_total", "replica, reason"), "{{replica}} decode {{reason}}"),
             (rate("kvlb_index_skipped_total", "reason"), "skipped {{reason}}"),

@@ -243,7 +243,7 @@ def test_the_python_evaluator_fails_a_wrong_rule() -> None:
         ("KvlbReplicaServesAnotherModel", "== 1", "== 2"),
         ("KvlbHighErrorRate", "queue_timeout|tenant_inflight", "no_such_reason"),
         ("KvlbReplicaLoadFiguresRejected", "[10m]", "[40m]"),
-        ("KvlbEventPublisherBadFrames", "max by (replica)", "sum by (replica)"),
+        ("KvlbEventPublisherBadFrames", 'cause="frames"', 'cause="budget"'),
         ("KvlbRedisMirrorResyncing", ">= 3", ">= 30"),
         ("KvlbDiscoveryObjectsOverCap", "> 0", ">= 0"),
     ):
