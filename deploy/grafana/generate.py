@@ -126,7 +126,13 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
             (rate("kvlb_scrape_errors_total", "replica", REP), "{{replica}}"),
             (rate("kvlb_scrape_rejected_values_total", "replica, reason", REP),
              "{{replica}} refused {{reason}}"),
-        ], "Refused: figures of a report that parsed but were out of range (read as unknown)."),
+        ], "Refused: figures of a report that parsed but were out of range (read as unknown). Alert "
+           "KvlbReplicaLoadFiguresRejected when a replica's go on for 30 minutes."),
+        ("Discovery objects left out/s", "short", [
+            (f"max by (bound) (rate(kvlb_discovery_objects_over_cap_total{{{SEL}}}[{R}]))",
+             "over {{bound}} cap"),
+        ], "Kubernetes objects refused for discovery's count or bytes cap: their replicas are not "
+           "routed to. Alert KvlbDiscoveryObjectsOverCap."),
     ]),
     ("Index and events", [
         ("Index blocks", "short", [(f"max by (kind) (kvlb_index_blocks{{{SEL}}})", "{{kind}}")],
@@ -144,7 +150,9 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
         ("Resyncs and queue overflows", "short", [
             (ingested("kvlb_events_resyncs_total", "replica, reason"), "{{replica}} resync {{reason}}"),
             (ingested("kvlb_events_queue_overflow_total", "replica"), "{{replica}} overflow"),
-        ], "As one ingester counts them. Alert KvlbEventResyncStorm over 3 in 10 minutes."),
+            (ingested("kvlb_events_shed_runs_total", "replica, cause"), "{{replica}} shed run {{cause}}"),
+        ], "As one ingester counts them. Alert KvlbEventResyncStorm over 3 in 10 minutes, "
+           "KvlbEventPublisherBadFrames at any shed run of cause frames in an hour."),
         ("Decode errors and skipped events", "short", [
             (ingested("kvlb_events_decode_errors_total", "replica, reason"), "{{replica}} decode {{reason}}"),
             (rate("kvlb_index_skipped_total", "reason"), "skipped {{reason}}"),
@@ -169,6 +177,12 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
             (f"max by (space) (kvlb_redis_mirror_lag_seconds{{{SEL}}})", "lag s {{space}}"),
             (f"max (kvlb_redis_fleet_members{{{SEL}}})", "balancers"),
         ], "Mirror lag: our clock minus the last applied stream entry's Redis time."),
+        ("Mirror rebuilds and stream trims/s", "short", [
+            (f"max by (instance, space) (rate(kvlb_redis_mirror_resyncs_total{{{SEL}}}[{R}]))",
+             "{{instance}} rebuilds {{space}}"),
+            (rate("kvlb_redis_stream_byte_trimmed_entries_total", "space"), "trimmed for bytes {{space}}"),
+        ], "Alert KvlbRedisMirrorResyncing at 3 rebuilds of one mirror in 15 minutes; trims for bytes "
+           "rising with them: raise redis.stream_max_bytes."),
     ]),
     ("Balancer process", [
         ("CPU per balancer", "percentunit",

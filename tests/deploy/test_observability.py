@@ -19,7 +19,9 @@ from typing import Any
 import pytest
 import yaml
 from manifests import DEPLOY, K8S
+from procs_free import free_port
 from prometheus_client import Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from promeval import run_rule_tests
 from promql import exposed_series, metric_names
 
@@ -142,10 +144,11 @@ def test_every_queried_label_and_rate_fits_the_metric() -> None:
             assert kind == "counter" or name.endswith(("_bucket", "_count", "_sum")), (name, query)
 
 
-def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> None:
+def served_metrics(tmp_path: Path, config_text: str) -> str:
+    """``/metrics`` of a ``kvlb serve`` started with ``config_text``, then stopped."""
     pytest.importorskip("balancer.app", reason="kvlb serve is not available")
     config = tmp_path / "kvlb.yaml"
-    config.write_text("listen: {host: 127.0.0.1, port: 0}\nscrape_interval_s: 0\n")
+    config.write_text(config_text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVLB_")}
     process = subprocess.Popen(
         [sys.executable, "-m", "balancer", "serve", "--config", str(config), "--no-uvloop"],
@@ -168,10 +171,55 @@ def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> Non
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+    return exposition
+
+
+def test_every_queried_metric_is_served_by_a_running_kvlb(tmp_path: Path) -> None:
+    exposition = served_metrics(tmp_path, "listen: {host: 127.0.0.1, port: 0}\nscrape_interval_s: 0\n")
     exposed = exposed_series(exposition)
     missing = queried_names() - exposed - FLEET_ONLY
     assert not missing, f"queried but not on a running kvlb's /metrics: {sorted(missing)}"
     assert not FLEET_ONLY & exposed, "a balancer without Redis exports kvlb_redis_up (reads as an outage)"
+
+
+NO_SAMPLES_WITHOUT = {
+    "kvlb_redis_lease_events_total": "redis.url (fleet mode)",
+    "kvlb_redis_errors_total": "redis.url (fleet mode)",
+    "kvlb_admission_shed_total": "a first request shed (its reasons are not written at 0 at the start)",
+}
+"""Families whose matched label values this balancer does not export before what is named happens
+(checked elsewhere: tests/integration, the alert walks)."""
+
+
+def test_every_label_value_the_rules_match_is_served_by_a_running_kvlb(tmp_path: Path) -> None:
+    """Each ``name{label="value"}`` an alert rule matches exactly (``cause="frames"``,
+    ``outcome="nothing"``, ``status="error"``, ...) is a series a running kvlb serves from its start,
+    with a ZMQ replica and a TRT-LLM one configured (their engines down): a rule matching a label value
+    kvlb never writes (a typo, a renamed reason) reads nothing and can never fire."""
+    dead = [free_port() for _ in range(4)]
+    config = (
+        "listen: {host: 127.0.0.1, port: 0}\nscrape_interval_s: 0\npools:\n  - model: m\n    replicas:\n"
+        f'      - {{id: zmq-0, url: "http://127.0.0.1:{dead[0]}", engine: sglang, block_size: 16,'
+        f' events: "tcp://127.0.0.1:{dead[1]}", replay: "tcp://127.0.0.1:{dead[2]}"}}\n'
+        f'      - {{id: trt-0, url: "http://127.0.0.1:{dead[3]}", engine: trtllm, block_size: 32}}\n'
+    )
+    served = [
+        (sample.name, sample.labels)
+        for family in text_string_to_metric_families(served_metrics(tmp_path, config))
+        for sample in family.samples
+    ]
+    checked = set()
+    for rule in alert_rules():
+        for selector in re.finditer(r"([a-z_:][\w:]*)\{([^{}]*)\}", rule["expr"]):
+            name, matchers = selector.groups()
+            wanted = dict(re.findall(r'(\w+)\s*=\s*"([^"]*)"', matchers))  # = only: not =~ != !~
+            if not wanted or name in NO_SAMPLES_WITHOUT:
+                continue
+            found = any(n == name and wanted.items() <= labels.items() for n, labels in served)
+            assert found, f"{rule['alert']}: no {name} series with {wanted} on a running kvlb"
+            checked.add((name, tuple(sorted(wanted.items()))))
+    assert ("kvlb_events_shed_runs_total", (("cause", "frames"),)) in checked
+    assert ("kvlb_events_replay_polls_total", (("outcome", "nothing"),)) in checked
 
 
 def test_alert_rule_tests_pass_on_the_python_evaluator() -> None:
@@ -194,6 +242,10 @@ def test_the_python_evaluator_fails_a_wrong_rule() -> None:
         ("KvlbLeasesLost", ">= 3", ">= 30"),
         ("KvlbReplicaServesAnotherModel", "== 1", "== 2"),
         ("KvlbHighErrorRate", "queue_timeout|tenant_inflight", "no_such_reason"),
+        ("KvlbReplicaLoadFiguresRejected", "[10m]", "[40m]"),
+        ("KvlbEventPublisherBadFrames", 'cause="frames"', 'cause="budget"'),
+        ("KvlbRedisMirrorResyncing", ">= 3", ">= 30"),
+        ("KvlbDiscoveryObjectsOverCap", "> 0", ">= 0"),
     ):
         rules = [
             {**rule, "expr": rule["expr"].replace(right, wrong)} if rule["alert"] == name else rule
