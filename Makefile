@@ -93,7 +93,7 @@ faults: $(STAMP) proto redis
 		KVLBTEST_GRPC_FUZZ_CALLS=3000 KVLBTEST_TEXT_FUZZ_EXAMPLES=1000 KVLBTEST_UNIT_FUZZ_SHARE=1 \
 		$(PYTEST) -q -p no:cacheprovider tests/fuzz $(UNIT_FUZZ); fuzz=$$?; \
 	KVLBTEST_RESULTS=$(FAULTS_OUT) $(PYTEST) -q -p no:cacheprovider -m faults_long tests/faults tests/e2e/test_alert_walk.py \
-		tests/e2e/test_alert_walk_replicas.py tests/e2e/test_serve_worker_restarts.py \
+		tests/e2e/test_alert_walk_replicas.py tests/e2e/test_alert_walk_publisher.py tests/e2e/test_serve_worker_restarts.py \
 		tests/integration/test_tenant_rate_smoke.py; \
 	faults=$$?; $(PY) tests/faults/report.py $(FAULTS_OUT) docs/reliability.md; \
 	exit $$(( fuzz || faults ))
