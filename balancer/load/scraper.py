@@ -128,7 +128,9 @@ class MetricsScraper:
         self._rejected_values = 0
         self._last_rejection: Rejection | None = None
         self._last_rejection_wall_ts: float | None = None
-        self._warnings = LimitedWarnings(log, metrics.log_suppressed_total, clock=monotonic)
+        self._warnings = LimitedWarnings(
+            log, metrics.log_suppressed_total, clock=monotonic, forgotten=metrics.log_causes_forgotten_total
+        )
 
     def status(self) -> ScraperStatus:
         return ScraperStatus(
