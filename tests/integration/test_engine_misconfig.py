@@ -49,6 +49,7 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 
 from balancer.app import Balancer
 from balancer.cli.command import replicas_table
+from balancer.engines.registry import engine_spec
 from balancer.engines.sglang import SglangDecoder
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Stored
@@ -322,6 +323,7 @@ async def test_an_engine_of_another_kind_than_configured_is_named_as_the_suspect
                     REPLICA,
                     replica.url,
                     engine,
+                    engine_spec(engine).scrape_targets,
                     session=session,
                     observe=lambda *args: None,
                     metrics=Metrics.create(),
