@@ -476,6 +476,7 @@ SPEC = EngineSpec(
     bigram_align_mode="trtllm",
     default_block_size=32,
     transport="http_drain",
+    drain_path="/kv_cache_events",
     scrape_targets=SCRAPE_TARGETS,
     resync_on_unclean_takeover=True,
     block_hashes=v1_block_hashes,

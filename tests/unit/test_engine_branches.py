@@ -140,8 +140,6 @@ ALLOWED_WORDS: dict[tuple[str, str], str] = {
     ("policy/registry.py", "sglang_"): "the sglang_threshold policy's name in the policy registry",
     ("sources/trtllm_poll.py", "trtllm_"): "the trtllm_poll config section named in the HTTP drain "
     "poller's own setting errors (a transport's settings, not an engine's report)",
-    ("sources/trtllm_poll.py", "/kv_cache_events"): "the http_drain transport's endpoint: the "
-    "transport is the drain of this path (EngineSpec.transport), only TRT-LLM speaks it today",
     ("metrics.py", "/kv_cache_events"): "the help text of kvlb_events_drains_total, which counts "
     "the http_drain transport's calls",
     ("sources/trtllm_relay.py", "trtllm_"): "the relay source's kind (trtllm_relay), a label of the "
