@@ -1,14 +1,22 @@
 """The engines kvlb speaks, one module per engine (pure: no I/O, no clock, no module state).
 
 * :mod:`balancer.engines.sglang`: SGLang's ZMQ frames ``[topic, seq, msgpack]`` (the decoder vLLM
-  shares) and SGLang's spec.
-* :mod:`balancer.engines.vllm`: vLLM's spec (SGLang's decoder, vLLM's own load reports).
-* :mod:`balancer.engines.trtllm`: TRT-LLM ``POST /kv_cache_events`` JSON drains and TRT-LLM's spec.
+  shares) and SGLang's spec; :mod:`~balancer.engines.sglang_typed` its typed msgpack schema,
+  :mod:`~balancer.engines.sglang_load` the parsers of its load reports (``/v1/loads``,
+  ``/get_load``, ``sglang:``/``sglang_`` metrics).
+* :mod:`balancer.engines.vllm`: vLLM's spec (SGLang's decoder) and the parser of its load report
+  (``vllm:`` metrics).
+* :mod:`balancer.engines.trtllm`: TRT-LLM ``POST /kv_cache_events`` JSON drains and TRT-LLM's spec;
+  :mod:`~balancer.engines.trtllm_load` the parsers of its load reports (iteration stats,
+  ``trtllm_`` metrics).
 
 Each engine module defines ``SPEC``, an :class:`~balancer.engines.spec.EngineSpec` holding every
 engine-specific choice (decoder, hash alignment, default block size, event transport, load scrape
 targets, lease takeover); :mod:`balancer.engines.registry` maps engine names to them. Nothing outside
-this package branches on an engine's name. This module holds the decoder seam shared by every engine.
+this package branches on an engine's name or spells an engine's metric names or report fields
+(``tests/unit/test_engine_branches.py`` checks both); the generic parts the engines' load parsers are
+built from (the Prometheus text parser, the range checks, ``ScrapedLoad``) are in
+:mod:`balancer.load.scrape`. This module holds the decoder seam shared by every engine.
 
 A decoder turns engine bytes into engine-neutral events. It may keep per-stream state (TRT-LLM
 remembers partial blocks and ``event_id`` per rank), but it never does I/O and never reads a clock. A

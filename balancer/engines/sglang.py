@@ -29,8 +29,9 @@ decoder (:func:`chain_decoder`) also merges each run of one-block stores, each t
 next (SGLang publishes one per page), into one ``Stored(chained=True)``.
 
 SGLang's spec: plain alignment (EAGLE: bigram pages), 16 tokens per page by default, ZMQ events per DP
-rank with replay, load from ``/v1/loads`` (else Prometheus ``/metrics``, else ``/get_load``), and its
-page hashes (:func:`page_hashes`), with which receipts teach the index pages whose events were lost.
+rank with replay, load from ``/v1/loads`` (else Prometheus ``/metrics``, else ``/get_load``: parsed
+in :mod:`balancer.engines.sglang_load`), and its page hashes (:func:`page_hashes`), with which
+receipts teach the index pages whose events were lost.
 """
 
 from __future__ import annotations
@@ -43,18 +44,12 @@ from typing import Any, cast
 import msgpack
 
 from balancer.engines import DecodedBatch
+from balancer.engines.sglang_load import SCRAPE_TARGETS
 from balancer.engines.sglang_typed import TypedEvent, TypedStored, chain_runs, decode_typed, fields_of
 from balancer.engines.spec import EngineSpec
 from balancer.errors import EventDecodeError
 from balancer.events import Cleared, KvEvent, Removed, Stored
 from balancer.index.hashing import pack_tokens
-from balancer.load.scrape import (
-    ScrapeTarget,
-    json_parser,
-    parse_sglang_prometheus,
-    text_parser,
-)
-from balancer.load.scrape_json import parse_sglang_loads
 from balancer.types import U64_MASK, EngineHash
 
 SEQ_BYTES = 8
@@ -525,11 +520,7 @@ SPEC = EngineSpec(
     bigram_align_mode="bigram",
     default_block_size=16,
     transport="zmq",
-    scrape_targets=(
-        ScrapeTarget("/v1/loads?include=core,memory", json_parser(parse_sglang_loads)),
-        ScrapeTarget("/metrics", text_parser(parse_sglang_prometheus), prometheus=True),
-        ScrapeTarget("/get_load", json_parser(parse_sglang_loads)),
-    ),
+    scrape_targets=SCRAPE_TARGETS,
     resync_on_unclean_takeover=False,
     block_hashes=page_hashes,
     unasked_stream_usage="null",

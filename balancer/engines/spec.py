@@ -87,7 +87,13 @@ class EngineSpec:
     only), when kvlb can reproduce them; the router uses them only for a replica whose events agreed
     with them (receipts then teach the index blocks with their engine hashes). ``None``: cannot."""
 
+    drain_path: str | None = None
+    """The path (on the replica's HTTP URL) of the ``http_drain`` transport's ``POST`` endpoint
+    (TRT-LLM: ``/kv_cache_events``); required with that transport, ``None`` with another."""
+
     def __post_init__(self) -> None:
+        if (self.transport == "http_drain") != bool(self.drain_path):
+            raise ConfigError(f"engine {self.name}: drain_path is needed with the http_drain transport only")
         if self.default_block_size <= 0:
             raise ConfigError(f"engine {self.name}: default_block_size must be > 0")
         if not self.scrape_targets:

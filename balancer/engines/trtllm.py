@@ -57,7 +57,8 @@ it only for a replica whose own events agreed with it (:meth:`PoolRouter.settle_
 TRT-LLM's spec: blocks over ``prompt[:-1]``, 32 tokens per block by default, events from the HTTP
 drain (one consumer; the drained events cannot be replayed, so a lease takeover checks the first
 ``event_id`` of each rank against the stored one and resyncs the rank on a gap), and
-load from the ``/metrics`` iteration-stats drain, else Prometheus ``/prometheus/metrics``.
+load from the ``/metrics`` iteration-stats drain, else Prometheus ``/prometheus/metrics`` (both
+parsed in :mod:`balancer.engines.trtllm_load`).
 """
 
 from __future__ import annotations
@@ -71,16 +72,10 @@ from typing import Any
 
 from balancer.engines import DecodedBatch
 from balancer.engines.spec import EngineSpec
+from balancer.engines.trtllm_load import SCRAPE_TARGETS
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import KvEvent, Removed, Resync, ResyncReason, Stored
 from balancer.index.hashing import pack_tokens
-from balancer.load.scrape import (
-    ScrapeTarget,
-    json_parser,
-    parse_trtllm_prometheus,
-    text_parser,
-)
-from balancer.load.scrape_json import parse_trtllm_iteration_stats
 from balancer.types import U64_MASK, EngineHash, to_u64
 
 _HEX = re.compile(r"[0-9a-fA-F]{1,128}")
@@ -481,10 +476,8 @@ SPEC = EngineSpec(
     bigram_align_mode="trtllm",
     default_block_size=32,
     transport="http_drain",
-    scrape_targets=(
-        ScrapeTarget("/metrics", json_parser(parse_trtllm_iteration_stats)),
-        ScrapeTarget("/prometheus/metrics", text_parser(parse_trtllm_prometheus), prometheus=True),
-    ),
+    drain_path="/kv_cache_events",
+    scrape_targets=SCRAPE_TARGETS,
     resync_on_unclean_takeover=True,
     block_hashes=v1_block_hashes,
 )

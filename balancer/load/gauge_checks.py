@@ -3,10 +3,11 @@
 An engine's ``/metrics`` is input from outside: a bug, a half-written exposition or a proxy in the
 way can report a queue of ``-3``, ``NaN`` or ``+Inf`` requests, ``1e300`` of them, ``2.5`` of them,
 or a KV usage of ``1.7``. Each scraped figure has a :data:`Kind`; :func:`check` says why a value is
-out of its kind's range (``None``: in range). The parsers of :mod:`balancer.load.scrape` drop a
-gauge with any bad sample (its field of :class:`~balancer.load.scrape.ScrapedLoad` is then
-``None``: unknown, as when the engine does not report it) and list a :class:`Rejection`; the
-scraper counts it in ``kvlb_scrape_rejected_values_total{replica, reason}`` and logs it.
+out of its kind's range (``None``: in range). The engines' parsers (:mod:`balancer.engines`, built
+on :mod:`balancer.load.scrape`) drop a gauge with any bad sample (its field of
+:class:`~balancer.load.scrape.ScrapedLoad` is then ``None``: unknown, as when the engine does not
+report it) and list a :class:`Rejection`; the scraper counts it in
+``kvlb_scrape_rejected_values_total{replica, reason}`` and logs it.
 
 The limits are sanity bounds far above any real engine, not tuning: a replica running 10 million
 requests, or holding 10^12 tokens of KV cache, is a wrong figure.

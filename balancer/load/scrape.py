@@ -1,36 +1,27 @@
-"""Parsers of engine load reports (pure: text/JSON in, :class:`ScrapedLoad` out; no I/O, no clock).
+"""The generic half of load scraping (pure: text/JSON in, :class:`ScrapedLoad` out; no I/O, no clock).
 
-What each engine reports, and how it becomes one load per replica:
-
-* **SGLang** Prometheus ``/metrics`` (prefix ``sglang:`` through v0.5.3, ``sglang_`` later):
-  ``num_running_reqs``, ``num_queue_reqs``, ``token_usage`` (0..1), ``cache_hit_rate``,
-  ``num_used_tokens``, ``max_total_num_tokens``. ``/v1/loads`` JSON (``loads[]`` per DP rank) and the
-  three ``/get_load`` shapes (``{"load": n}``; a list per rank of ``num_reqs`` = running + waiting,
-  ``num_waiting_reqs``, ``num_tokens``).
-* **vLLM** Prometheus: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-  ``vllm:kv_cache_usage_perc`` (older ``vllm:gpu_cache_usage_perc``), prefix-cache hit counters,
-  the pool size from ``vllm:cache_config_info``'s ``num_gpu_blocks`` and ``block_size`` labels.
-* **TRT-LLM** ``/metrics`` JSON iteration stats (a drained list; the newest element per attention-DP
-  rank counts): ``numActiveRequests``, ``numQueuedRequests``, ``kvCacheStats.usedNumBlocks /
-  maxNumBlocks``; or Prometheus ``/prometheus/metrics`` (``trtllm_`` prefix).
+What is here serves every engine: :class:`ScrapedLoad` (one engine's own view of its load),
+:class:`ScrapeTarget` (an endpoint and the parser of its body), :class:`ScrapeError`, the Prometheus
+text parser (:func:`parse_prometheus`), the range checks of a gauge's samples
+(:func:`checked_samples`, :func:`checked_prometheus`, by :mod:`balancer.load.gauge_checks`) and the
+aggregation over DP ranks. Each engine's own parsers (its metric names, their kinds, its JSON report
+shapes) live next to its spec under :mod:`balancer.engines` (:mod:`balancer.engines.sglang_load`,
+:func:`balancer.engines.vllm.parse_vllm_prometheus`, :mod:`balancer.engines.trtllm_load`) and are
+built from these parts; the generic helpers of JSON reports are in :mod:`balancer.load.scrape_json`.
 
 Aggregation over series: a series is one DP rank when it carries a ``dp``/``dp_rank``/``engine``/
 ``attention_dp_rank`` label, else all series share rank "". Series of the same rank (other TP/PP
-ranks report the same scheduler) are merged by ``max``; ranks are then summed for counts and
-averaged for fractions.
+ranks report the same scheduler) are merged by ``max`` (:func:`rank_values`); ranks are then summed
+for counts (:func:`rank_sum`) and averaged for fractions (:func:`rank_mean`).
 
 Range checks (:mod:`balancer.load.gauge_checks`): every figure read has a kind (a request count, a
 token or block count, a fraction, a lifetime counter); a gauge with a sample out of its kind's range
 (NaN for a count, ±Inf, negative, a fraction for a count, above a sanity limit, a usage above 1 or
-below 0) is dropped
-whole (its field is ``None``: unknown, as when not reported) and listed in
+below 0) is dropped whole (its field is ``None``: unknown, as when not reported) and listed in
 :attr:`ScrapedLoad.rejected`; the other fields of the report are kept.
 
-The JSON reports (SGLang's ``/v1/loads`` and ``/get_load``, TRT-LLM's iteration stats) are parsed in
-:mod:`balancer.load.scrape_json`.
-
-A :class:`ScrapeTarget` pairs an endpoint with the parser of its body; each engine's spec
-(:mod:`balancer.engines`) lists its targets in the order :mod:`balancer.load.scraper` tries them.
+Each engine's spec (:mod:`balancer.engines`) lists its :class:`ScrapeTarget` s in the order
+:mod:`balancer.load.scraper` tries them.
 """
 
 from __future__ import annotations
@@ -189,7 +180,7 @@ def _sample_value(rest: str, line: str) -> float:
         raise ScrapeError(f"bad value in line {line[:120]!r}") from None
 
 
-def _checked(samples: Samples, kinds: Mapping[str, Kind], rejections: list[Rejection]) -> Samples:
+def checked_samples(samples: Samples, kinds: Mapping[str, Kind], rejections: list[Rejection]) -> Samples:
     """``samples`` without each gauge of ``kinds`` that holds a sample out of its kind's range (the
     first such sample of each is appended to ``rejections``); gauges not in ``kinds`` are kept.
 
@@ -223,7 +214,7 @@ def checked_fraction(gauge: str, value: float | None, rejections: list[Rejection
     return value
 
 
-def _per_rank(series: Iterable[tuple[Labels, float]]) -> dict[str, float]:
+def rank_values(series: Iterable[tuple[Labels, float]]) -> dict[str, float]:
     """One value per DP rank: series of the same rank (TP/PP replicas of it) merge by max."""
     ranks: dict[str, float] = {}
     for labels, value in series:
@@ -232,13 +223,15 @@ def _per_rank(series: Iterable[tuple[Labels, float]]) -> dict[str, float]:
     return ranks
 
 
-def _sum(samples: Samples, name: str) -> float | None:
-    ranks = _per_rank(samples.get(name, ()))
+def rank_sum(samples: Samples, name: str) -> float | None:
+    """The sum over DP ranks of gauge ``name`` (a count); ``None`` when it has no sample."""
+    ranks = rank_values(samples.get(name, ()))
     return sum(ranks.values()) if ranks else None
 
 
-def _mean(samples: Samples, name: str) -> float | None:
-    ranks = _per_rank(samples.get(name, ()))
+def rank_mean(samples: Samples, name: str) -> float | None:
+    """The mean over DP ranks of gauge ``name`` (a fraction); ``None`` when it has no sample."""
+    ranks = rank_values(samples.get(name, ()))
     return sum(ranks.values()) / len(ranks) if ranks else None
 
 
@@ -247,25 +240,17 @@ def count_of(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
-def _rank_count(samples: Samples, name: str) -> int:
-    return max(1, len(_per_rank(samples.get(name, ()))))
+def rank_count(samples: Samples, name: str) -> int:
+    """How many DP ranks report gauge ``name`` (at least 1)."""
+    return max(1, len(rank_values(samples.get(name, ()))))
 
 
-_SGLANG_GAUGES: dict[str, Kind] = {
-    "num_running_reqs": "requests",
-    "num_queue_reqs": "requests",
-    "token_usage": "fraction",
-    "cache_hit_rate": "fraction",
-    "num_used_tokens": "tokens",
-    "max_total_num_tokens": "tokens",
-}
-
-
-def _prefixed(prefixes: Iterable[str], gauges: Mapping[str, Kind]) -> dict[str, Kind]:
+def prefixed(prefixes: Iterable[str], gauges: Mapping[str, Kind]) -> dict[str, Kind]:
+    """Every gauge of ``gauges`` under every prefix of ``prefixes``, with its kind."""
     return {prefix + gauge: kind for prefix in prefixes for gauge, kind in gauges.items()}
 
 
-def _checked_prometheus(
+def checked_prometheus(
     text: str, kinds: Mapping[str, Kind], prefixes: Iterable[str], required: str
 ) -> tuple[str, Samples, list[Rejection]]:
     """The prefix in use (the first whose ``required`` gauge has a sample), the samples of the gauges
@@ -276,105 +261,4 @@ def _checked_prometheus(
     if prefix is None:
         raise ScrapeError(f"no {' / '.join(p + required for p in prefixes)} in the metrics")
     rejections: list[Rejection] = []
-    return prefix, _checked(samples, kinds, rejections), rejections
-
-
-def parse_sglang_prometheus(text: str) -> ScrapedLoad:
-    """SGLang ``/metrics`` (either prefix). Raises :class:`ScrapeError` without ``num_running_reqs``."""
-    prefixes = ("sglang:", "sglang_")
-    prefix, samples, rejections = _checked_prometheus(
-        text, _prefixed(prefixes, _SGLANG_GAUGES), prefixes, "num_running_reqs"
-    )
-    return ScrapedLoad(
-        running_reqs=count_of(_sum(samples, prefix + "num_running_reqs")),
-        waiting_reqs=count_of(_sum(samples, prefix + "num_queue_reqs")),
-        kv_usage=_mean(samples, prefix + "token_usage"),
-        used_tokens=count_of(_sum(samples, prefix + "num_used_tokens")),
-        capacity_tokens=count_of(_sum(samples, prefix + "max_total_num_tokens")),
-        cache_hit_rate=_mean(samples, prefix + "cache_hit_rate"),
-        dp_ranks=_rank_count(samples, prefix + "num_running_reqs"),
-        rejected=tuple(rejections),
-    )
-
-
-_VLLM_GAUGES: dict[str, Kind] = {
-    "num_requests_running": "requests",
-    "num_requests_waiting": "requests",
-    "kv_cache_usage_perc": "fraction",  # despite its name a fraction: "1 means 100 percent usage"
-    "gpu_cache_usage_perc": "fraction",
-    "prefix_cache_hits_total": "counter",
-    "prefix_cache_queries_total": "counter",
-    "gpu_prefix_cache_hit_rate": "fraction",
-}
-"""vLLM's gauges (``vllm:`` prefix); ``vllm:cache_config_info`` is read for its labels only."""
-
-
-def parse_vllm_prometheus(text: str) -> ScrapedLoad:
-    """vLLM ``/metrics``. Raises :class:`ScrapeError` without ``vllm:num_requests_running``."""
-    kinds = _prefixed(("vllm:",), _VLLM_GAUGES)
-    _, samples, rejections = _checked_prometheus(text, kinds, ("vllm:",), "num_requests_running")
-    info = parse_prometheus(text, ("vllm:cache_config_info",))
-    usage = _mean(samples, "vllm:kv_cache_usage_perc")
-    if usage is None:
-        usage = _mean(samples, "vllm:gpu_cache_usage_perc")
-    hits = _sum(samples, "vllm:prefix_cache_hits_total")
-    queries = _sum(samples, "vllm:prefix_cache_queries_total")
-    hit_rate = hits / queries if hits is not None and queries else None
-    hit_rate = checked_fraction(
-        "vllm:prefix_cache_hits_total", hit_rate, rejections
-    )  # more hits than queries
-    if hit_rate is None:
-        hit_rate = _mean(samples, "vllm:gpu_prefix_cache_hit_rate")
-    return ScrapedLoad(
-        running_reqs=count_of(_sum(samples, "vllm:num_requests_running")),
-        waiting_reqs=count_of(_sum(samples, "vllm:num_requests_waiting")),
-        kv_usage=usage,
-        capacity_tokens=_vllm_capacity_tokens(info.get("vllm:cache_config_info", ())),
-        cache_hit_rate=hit_rate,
-        dp_ranks=_rank_count(samples, "vllm:num_requests_running"),
-        rejected=tuple(rejections),
-    )
-
-
-def _vllm_capacity_tokens(series: Iterable[tuple[Labels, float]]) -> int | None:
-    """Pool size from ``vllm:cache_config_info``'s ``num_gpu_blocks`` × ``block_size`` labels, summed
-    over engines (DP ranks); ``None`` when a label is missing or not a positive integer."""
-    per_engine: dict[str, int] = {}
-    for labels, _ in series:
-        blocks, size = labels.get("num_gpu_blocks", ""), labels.get("block_size", "")
-        if not (blocks.isdigit() and size.isdigit()) or int(blocks) * int(size) <= 0:
-            return None
-        per_engine[labels.get("engine", "")] = int(blocks) * int(size)
-    return sum(per_engine.values()) or None
-
-
-_TRTLLM_GAUGES: dict[str, Kind] = {
-    "num_requests_running": "requests",
-    "num_requests_waiting": "requests",
-    "kv_cache_utilization": "fraction",
-    "kv_cache_hit_rate": "fraction",
-    "kv_cache_used_blocks": "tokens",
-    "kv_cache_max_blocks": "tokens",
-    "kv_cache_tokens_per_block": "tokens",
-}
-
-
-def parse_trtllm_prometheus(text: str) -> ScrapedLoad:
-    """TRT-LLM ``/prometheus/metrics`` (``trtllm_``, or ``trtllm:`` as relabelled by Dynamo)."""
-    prefixes = ("trtllm_", "trtllm:")
-    prefix, samples, rejections = _checked_prometheus(
-        text, _prefixed(prefixes, _TRTLLM_GAUGES), prefixes, "num_requests_running"
-    )
-    per_block = _mean(samples, prefix + "kv_cache_tokens_per_block")
-    used = _sum(samples, prefix + "kv_cache_used_blocks")
-    total = _sum(samples, prefix + "kv_cache_max_blocks")
-    return ScrapedLoad(
-        running_reqs=count_of(_sum(samples, prefix + "num_requests_running")),
-        waiting_reqs=count_of(_sum(samples, prefix + "num_requests_waiting")),
-        kv_usage=_mean(samples, prefix + "kv_cache_utilization"),
-        used_tokens=count_of(used * per_block) if used is not None and per_block else None,
-        capacity_tokens=count_of(total * per_block) if total is not None and per_block else None,
-        cache_hit_rate=_mean(samples, prefix + "kv_cache_hit_rate"),
-        dp_ranks=_rank_count(samples, prefix + "num_requests_running"),
-        rejected=tuple(rejections),
-    )
+    return prefix, checked_samples(samples, kinds, rejections), rejections

@@ -1,6 +1,8 @@
-"""Periodic scrape of one replica's own load report (does I/O; parsing is in :mod:`balancer.load.scrape`).
+"""Periodic scrape of one replica's own load report (does I/O; each engine's parsers are in
+:mod:`balancer.engines`, built on :mod:`balancer.load.scrape`).
 
-Each engine's spec (:mod:`balancer.engines`) lists its load endpoints in order; a 404 moves to the
+Each engine's spec (:mod:`balancer.engines`) lists its load endpoints in order (the caller hands them
+over: nothing in :mod:`balancer.load` imports :mod:`balancer.engines`); a 404 moves to the
 next one (remembered), so an SGLang without ``/v1/loads`` falls back to ``/metrics``. Every result
 goes to the ``observe`` callback (``LoadTracker.observe``) with ``time.monotonic()``; failures count
 in ``kvlb_scrape_errors_total{replica}`` and the loop goes on at the same interval. A figure out of
@@ -18,16 +20,15 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
 
 from balancer.config.settings import Secret
-from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError
 from balancer.load.gauge_checks import Rejection
-from balancer.load.scrape import ScrapedLoad, ScrapeError, with_metrics_path
+from balancer.load.scrape import ScrapedLoad, ScrapeError, ScrapeTarget, with_metrics_path
 from balancer.load.tracker import EngineStats
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -90,8 +91,10 @@ class ScraperStatus:
 class MetricsScraper:
     """Scrapes one replica every ``interval_s`` and reports to ``observe``.
 
-    ``engine`` names the spec whose scrape targets are tried (an unknown one raises ``ConfigError``);
-    ``metrics_path``, when set, replaces the path of its Prometheus targets; ``api_key``, the replica's
+    ``targets`` are the engine's load endpoints in the order tried (its spec's ``scrape_targets``:
+    the caller reads the spec, so that this package never imports :mod:`balancer.engines`);
+    ``engine`` names the engine in error messages; ``metrics_path``, when set, replaces the path of
+    its Prometheus targets; ``api_key``, the replica's
     own key, is sent with every scrape."""
 
     def __init__(
@@ -99,6 +102,7 @@ class MetricsScraper:
         replica: ReplicaId,
         base_url: str,
         engine: str,
+        targets: Sequence[ScrapeTarget],
         *,
         session: aiohttp.ClientSession,
         observe: Observe,
@@ -114,7 +118,9 @@ class MetricsScraper:
         self.settings = settings or ScrapeSettings()
         self.settings.validate()
         self.engine = engine
-        self._targets = with_metrics_path(engine_spec(engine).scrape_targets, metrics_path)
+        if not targets:
+            raise ConfigError(f"engine {engine}: no scrape targets")
+        self._targets = with_metrics_path(targets, metrics_path)
         self._target = 0
         self._session = session
         self._observe = observe

@@ -252,6 +252,7 @@ class ReplicaLifecycle:
                 replica,
                 config.url,
                 config.engine,
+                engine_spec(config.engine).scrape_targets,
                 session=self._session,
                 observe=pool.router.tracker().observe,
                 metrics=self.state.metrics,

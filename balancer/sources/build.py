@@ -97,9 +97,11 @@ def build_sources(
             tap = RelayPublisher(
                 endpoint, zmq_ctx, replica=replica_id, metrics=metrics, history_bytes=relay.history_bytes
             )
+        assert spec.drain_path is not None  # EngineSpec checks it with the http_drain transport
         poller = TrtllmPoller(
             replica_id,
             replica.url,
+            path=spec.drain_path,
             session=session,
             decoder=decoder,
             metrics=metrics,

@@ -1,4 +1,5 @@
-"""Poller of TRT-LLM's ``POST /kv_cache_events`` drain for one replica (does I/O).
+"""Poller of TRT-LLM's ``POST /kv_cache_events`` drain for one replica (does I/O; the path is the
+engine spec's ``drain_path``).
 
 Each POST returns, and removes from the engine, every event buffered since the last one: the poller
 must be the only consumer of that replica (with Redis, its ingestion lease: ``docs/redis-fleet.md``).
@@ -53,8 +54,6 @@ from balancer.types import ReplicaId
 from balancer.upstream.auth import REFUSED_CALLER_STATUSES, engine_auth_headers, refused_caller
 
 log = logging.getLogger(__name__)
-
-EVENTS_PATH = "/kv_cache_events"
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +128,7 @@ class TrtllmPoller:
         replica: ReplicaId,
         base_url: str,
         *,
+        path: str,
         session: aiohttp.ClientSession,
         decoder: Decoder,
         metrics: Metrics,
@@ -136,7 +136,8 @@ class TrtllmPoller:
         tap: DrainTap | None = None,
         api_key: Secret | None = None,
     ) -> None:
-        """``session`` is shared and owned by the caller; ``decoder`` is this stream's own
+        """``path``: the drain's endpoint on ``base_url`` (the engine spec's ``drain_path``);
+        ``session`` is shared and owned by the caller; ``decoder`` is this stream's own
         (stateful) ``TrtllmDecoder``; ``tap`` gets every drained body that held something, and
         a disconnect marker when a refused drain drops the ranks (the relay to the other workers,
         :mod:`balancer.sources.trtllm_relay`); ``api_key``, the replica's own key, is sent with every
@@ -146,7 +147,7 @@ class TrtllmPoller:
         self.gate: Gate | None = None
         """The replica's ingestion CPU budget (set by the ingest); while spent, drains wait."""
         self.replica = replica
-        self.url = base_url.rstrip("/") + EVENTS_PATH
+        self.url = base_url.rstrip("/") + path
         self.settings = settings or PollSettings()
         self.settings.validate()
         self._session = session

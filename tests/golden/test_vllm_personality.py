@@ -25,8 +25,8 @@ from emulated_replica import started
 from wire_hashes import vllm_block_hashes
 
 from balancer.engines.registry import engine_spec
+from balancer.engines.vllm import parse_vllm_prometheus
 from balancer.events import Removed, Stored
-from balancer.load.scrape import parse_vllm_prometheus
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica

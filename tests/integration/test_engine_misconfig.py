@@ -49,7 +49,9 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 
 from balancer.app import Balancer
 from balancer.cli.command import replicas_table
+from balancer.engines.registry import engine_spec
 from balancer.engines.sglang import SglangDecoder
+from balancer.engines.trtllm import SPEC as TRTLLM_SPEC
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Stored
 from balancer.health.book import HealthBook
@@ -65,6 +67,8 @@ from replicas.sim.config import ReplicaConfig
 from replicas.sim.faults import FaultSettings
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
+
+TRTLLM_DRAIN_PATH = TRTLLM_SPEC.drain_path or ""
 
 LOGGER = "balancer.sources"
 eventually = functools.partial(waiting.eventually, timeout_s=10.0, poll_s=0.01)
@@ -159,6 +163,7 @@ async def test_a_trtllm_engine_with_smaller_blocks_is_not_silently_all_partial(
             source = TrtllmPoller(
                 REPLICA,
                 replica.url,
+                path=TRTLLM_DRAIN_PATH,
                 session=session,
                 decoder=TrtllmDecoder(tokens_per_block=16),
                 metrics=Metrics.create(),
@@ -310,7 +315,12 @@ async def test_an_engine_of_another_kind_than_configured_is_named_as_the_suspect
             aiohttp.ClientSession() as session,
         ):
             poller = TrtllmPoller(
-                REPLICA, sgl.url, session=session, decoder=TrtllmDecoder(16), metrics=Metrics.create()
+                REPLICA,
+                sgl.url,
+                path=TRTLLM_DRAIN_PATH,
+                session=session,
+                decoder=TrtllmDecoder(16),
+                metrics=Metrics.create(),
             )
             await poller.poll_once(lambda batch: None)
             assert poller.status().disabled
@@ -322,6 +332,7 @@ async def test_an_engine_of_another_kind_than_configured_is_named_as_the_suspect
                     REPLICA,
                     replica.url,
                     engine,
+                    engine_spec(engine).scrape_targets,
                     session=session,
                     observe=lambda *args: None,
                     metrics=Metrics.create(),

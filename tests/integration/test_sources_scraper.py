@@ -14,7 +14,9 @@ import pytest
 from aiohttp import web
 from waiting import eventually
 
-from balancer.load.scrape import parse_sglang_prometheus, parse_vllm_prometheus
+from balancer.engines.registry import engine_spec
+from balancer.engines.sglang_load import parse_sglang_prometheus
+from balancer.engines.vllm import parse_vllm_prometheus
 from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.load.tracker import LoadTracker
 from balancer.metrics import Metrics
@@ -74,7 +76,14 @@ def scraper_for(
     url: str, engine: str, session: aiohttp.ClientSession, tracker: LoadTracker, metrics: Metrics
 ) -> MetricsScraper:
     return MetricsScraper(
-        REPLICA, url, engine, session=session, observe=tracker.observe, metrics=metrics, settings=FAST
+        REPLICA,
+        url,
+        engine,
+        engine_spec(engine).scrape_targets,
+        session=session,
+        observe=tracker.observe,
+        metrics=metrics,
+        settings=FAST,
     )
 
 

@@ -24,6 +24,7 @@ from prometheus_client import generate_latest
 from recording_index import RecordingIndex
 from waiting import eventually
 
+from balancer.engines.trtllm import SPEC as TRTLLM_SPEC
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Removed, Resync, Stored
 from balancer.metrics import Metrics
@@ -31,6 +32,8 @@ from balancer.sources.base import IngestBatch
 from balancer.sources.pipeline import EventIngest
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.types import EngineHash, ReplicaId
+
+TRTLLM_DRAIN_PATH = TRTLLM_SPEC.drain_path or ""
 
 REPLICA = ReplicaId("trt-0")
 TPB = 4
@@ -277,6 +280,7 @@ async def test_interval_adapts_to_traffic(session: aiohttp.ClientSession, engine
     poller = TrtllmPoller(
         REPLICA,
         f"http://127.0.0.1:{port}",
+        path=TRTLLM_DRAIN_PATH,
         session=session,
         decoder=TrtllmDecoder(tokens_per_block=TPB),
         metrics=Metrics.create(),
@@ -305,6 +309,7 @@ async def ingesting(
     poller = TrtllmPoller(
         REPLICA,
         f"http://127.0.0.1:{port}/",
+        path=TRTLLM_DRAIN_PATH,
         session=session,
         decoder=decoder or TrtllmDecoder(tokens_per_block=TPB),
         metrics=metrics,
@@ -373,7 +378,7 @@ async def test_a_graceful_stop_after_a_timed_out_drain_is_unclean(
     )
     metrics, index = Metrics.create(), RecordingIndex(REPLICA)
     poller = TrtllmPoller(
-        REPLICA, f"http://127.0.0.1:{port}/", session=session,
+        REPLICA, f"http://127.0.0.1:{port}/", path=TRTLLM_DRAIN_PATH, session=session,
         decoder=TrtllmDecoder(tokens_per_block=TPB), metrics=metrics, settings=settings,
     )  # fmt: skip
     ingest = EventIngest(index, metrics=metrics)  # type: ignore[arg-type]

@@ -19,6 +19,7 @@ from procs_free import free_port
 from recording_index import RecordingIndex
 from waiting import eventually
 
+from balancer.engines.trtllm import SPEC as TRTLLM_SPEC
 from balancer.engines.trtllm import TrtllmDecoder
 from balancer.events import Resync, Stored
 from balancer.metrics import Metrics
@@ -29,6 +30,8 @@ from balancer.types import ReplicaId
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
 from replicas.sim.replica import Replica
+
+TRTLLM_DRAIN_PATH = TRTLLM_SPEC.drain_path or ""
 
 REPLICA = ReplicaId("trt-0")
 TPB = 8
@@ -59,6 +62,7 @@ def emulated_poller(
     return TrtllmPoller(
         REPLICA,
         f"http://127.0.0.1:{port}",
+        path=TRTLLM_DRAIN_PATH,
         session=session,
         decoder=TrtllmDecoder(tokens_per_block=TPB),
         metrics=metrics,

@@ -124,3 +124,14 @@ def test_a_spec_checks_its_own_fields() -> None:
     with pytest.raises(ConfigError, match="no scrape targets"):
         dataclasses.replace(sglang, scrape_targets=())
     assert isinstance(dataclasses.replace(sglang, default_block_size=8), EngineSpec)
+
+
+def test_the_drain_path_goes_with_the_http_drain_transport() -> None:
+    trtllm = engine_spec("trtllm")
+    assert (trtllm.transport, trtllm.drain_path) == ("http_drain", "/kv_cache_events")
+    for name in ("sglang", "vllm"):
+        assert (engine_spec(name).transport, engine_spec(name).drain_path) == ("zmq", None)
+    with pytest.raises(ConfigError, match="drain_path"):
+        dataclasses.replace(trtllm, drain_path=None)
+    with pytest.raises(ConfigError, match="drain_path"):
+        dataclasses.replace(engine_spec("sglang"), drain_path="/kv_cache_events")

@@ -57,6 +57,11 @@ RULES = (
         ("balancer.service", "balancer.api", "balancer.sources", "balancer.fleet", "balancer.upstream"),
     ),
     Rule(
+        "load parsing is generic: the engines build on it, it reaches no engine",
+        "balancer.load",
+        ("balancer.engines",),
+    ),
+    Rule(
         "the upstream response parser does no I/O",
         "balancer.upstream.http1",
         ("asyncio", "socket", "ssl", "aiohttp", "balancer.upstream.connections", "balancer.upstream.client"),

@@ -12,15 +12,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from balancer.load.scrape import (
-    ScrapedLoad,
-    ScrapeError,
-    parse_prometheus,
-    parse_sglang_prometheus,
-    parse_trtllm_prometheus,
-    parse_vllm_prometheus,
-)
-from balancer.load.scrape_json import parse_sglang_loads, parse_trtllm_iteration_stats
+from balancer.engines.sglang_load import parse_sglang_loads, parse_sglang_prometheus
+from balancer.engines.trtllm_load import parse_trtllm_iteration_stats, parse_trtllm_prometheus
+from balancer.engines.vllm import parse_vllm_prometheus
+from balancer.load.scrape import ScrapedLoad, ScrapeError, parse_prometheus
 from balancer.load.tracker import EngineStats
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "metrics"

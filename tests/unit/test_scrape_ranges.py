@@ -13,15 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from balancer.engines.sglang_load import parse_sglang_loads, parse_sglang_prometheus
+from balancer.engines.trtllm_load import parse_trtllm_iteration_stats, parse_trtllm_prometheus
+from balancer.engines.vllm import parse_vllm_prometheus
 from balancer.load.gauge_checks import MAX_REQUESTS, MAX_TOKENS, Rejection, check
-from balancer.load.scrape import (
-    ScrapedLoad,
-    ScrapeError,
-    parse_sglang_prometheus,
-    parse_trtllm_prometheus,
-    parse_vllm_prometheus,
-)
-from balancer.load.scrape_json import parse_sglang_loads, parse_trtllm_iteration_stats
+from balancer.load.scrape import ScrapedLoad, ScrapeError
 
 BAD_COUNTS = [
     ("-3", "negative"),
