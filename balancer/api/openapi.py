@@ -524,6 +524,7 @@ _WHATIF_ANSWER: dict[str, Any] = {
         "model": {
             "type": "object",
             "description": "What the replay's models did: load_moved (decisions whose load moved), "
+            "load_moved_seqs (their sequences, each counting its n), "
             "evicted_marks (prefix marks evicted where the replay overfilled a replica's pool)",
         },
         "elapsed_s": {"type": "number"},

@@ -11,7 +11,10 @@ predicted replica share on a small ``tenants`` stream was 25.5 points (docs/oper
 one for the span the real request held it, as the router's :class:`~balancer.load.tracker.LoadTracker`
 counts it: its uncached prompt tokens as pending prefill until its first token
 (:attr:`DecisionRecord.prefill_s <balancer.service.decisions.DecisionRecord.prefill_s>`), then its
-KV blocks as decode load until its release (``held_s``). Each later decision reads the recorded
+KV blocks as decode load until its release (``held_s``), as its OpenAI ``n`` sequences
+(:attr:`DecisionRecord.sequences <balancer.service.decisions.DecisionRecord.sequences>`) in both
+phases, as the tracker and the baselines' ``seq_load`` count them; its recorded decode blocks
+already hold ``n × max_tokens``. Each later decision reads the recorded
 snapshot with those moves applied (:meth:`ReplayLoad.load`, at the snapshot's own ``now``). The
 sizes on the replayed side follow the replayed prediction: a request that finds less of its prompt
 cached there prefills (and holds) that many more tokens. A decision replayed as recorded moves
@@ -36,9 +39,10 @@ from balancer.load.tracker import LoadSnapshot, ReplicaLoad
 from balancer.types import Decision, ReplicaId
 
 MAX_LOAD_MOVES = 65_536
-"""Moves held at once at most (432 B a move traced with its two events: 28 MB at the bound). A move is
-held while its request's load was (its ``held_s``), so this bounds the requests in flight at once
-whose placement the replay changed; the default of the tracker's ``max_tracked_requests``."""
+"""Moves held at once at most (about 440 B a move traced with its two events, 8 B of them the
+``sequences`` slot: 29 MB at the bound). A move is held while its request's load was (its
+``held_s``), so this bounds the requests in flight at once whose placement the replay changed; the
+default of the tracker's ``max_tracked_requests``."""
 
 
 @dataclass(slots=True)
@@ -65,6 +69,8 @@ class LoadMove:
     replayed_prefill_tokens: int
     recorded_decode_blocks: int
     replayed_decode_blocks: int
+    sequences: int
+    """OpenAI's ``n`` of the request: the sequences it counts in either phase (at least 1)."""
     first_token_at: float
     """When its prefill load became decode load (``inf``: never within the window)."""
     released_at: float
@@ -88,6 +94,8 @@ class ReplayLoad:
     """Decisions with a load to move that were not moved, :attr:`max_moves` being held."""
     moved: int = 0
     """Decisions whose load was moved (the count of :meth:`move` calls that changed something)."""
+    moved_seqs: int = 0
+    """Sequences of those decisions (each counts its OpenAI ``n``)."""
     _seq: int = 0
 
     def advance(self, now: float) -> None:
@@ -140,12 +148,15 @@ class ReplayLoad:
         block_size: int,
         prefill_s: float | None,
         held_s: float | None,
+        sequences: int = 1,
     ) -> bool:
         """Move a decision made at ``now`` from ``recorded`` to ``replayed``. ``prefill_tokens`` and
         ``decode_blocks``: what the router reserved for the recorded decision (uncached prompt
         tokens; KV blocks of ``block_size`` tokens); the replayed side's differ by the tokens its
         prediction finds cached more or less. ``prefill_s``/``held_s``: the recorded spans (``None``:
-        not reached in the window). ``False`` when nothing moves (the same replica and sizes, or a
+        not reached in the window). ``sequences``: the request's OpenAI ``n`` (the recorded
+        ``decode_blocks`` count its ``n × max_tokens``), moved as that many sequences in the
+        prefill and decode counts. ``False`` when nothing moves (the same replica and sizes, or a
         load already gone), or when :attr:`max_moves` are held (counted)."""
         shift = recorded.cached_tokens - replayed.cached_tokens
         if recorded.replica == replayed.replica and shift == 0:
@@ -160,6 +171,7 @@ class ReplayLoad:
         if self.held >= self.max_moves:
             self.unmodelled += 1
             return False
+        seqs = max(1, sequences)
         entry = LoadMove(
             recorded.replica,
             replayed.replica,
@@ -167,6 +179,7 @@ class ReplayLoad:
             replayed_prefill,
             decode_blocks,
             replayed_decode,
+            seqs,
             first_token_at,
             released_at,
         )
@@ -174,6 +187,7 @@ class ReplayLoad:
         self._apply(entry, decoding=decoding, sign=+1)
         self.held += 1
         self.moved += 1
+        self.moved_seqs += seqs
         if not decoding and first_token_at < released_at:
             self._push(first_token_at, False, entry)
         if released_at < math.inf:
@@ -187,12 +201,13 @@ class ReplayLoad:
     def _apply(self, entry: LoadMove, *, decoding: bool, sign: int) -> None:
         """Add (``sign`` +1) or take back (-1) ``entry``'s change in one phase: its replayed load
         on the replayed replica, less its recorded load on the recorded one."""
+        seqs = sign * entry.sequences
         if decoding:
-            self._change(entry.replayed, 0, 0, sign, sign * entry.replayed_decode_blocks)
-            self._change(entry.recorded, 0, 0, -sign, -sign * entry.recorded_decode_blocks)
+            self._change(entry.replayed, 0, 0, seqs, sign * entry.replayed_decode_blocks)
+            self._change(entry.recorded, 0, 0, -seqs, -sign * entry.recorded_decode_blocks)
         else:
-            self._change(entry.replayed, sign, sign * entry.replayed_prefill_tokens, 0, 0)
-            self._change(entry.recorded, -sign, -sign * entry.recorded_prefill_tokens, 0, 0)
+            self._change(entry.replayed, seqs, sign * entry.replayed_prefill_tokens, 0, 0)
+            self._change(entry.recorded, -seqs, -sign * entry.recorded_prefill_tokens, 0, 0)
 
     def _change(
         self, replica: ReplicaId, prefill_seqs: int, tokens: int, decode_seqs: int, blocks: int

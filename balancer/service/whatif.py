@@ -139,7 +139,8 @@ class WhatIfResult:
     :func:`merge_answers` can say them for several workers' replays."""
     model: dict[str, int] = field(default_factory=dict)
     """What the replay's models did (``load_moved``: decisions whose load moved to their replayed
-    replica or changed size there; ``evicted_marks``: prefix marks evicted where the replay filled a
+    replica or changed size there; ``load_moved_seqs``: their sequences, each counting its OpenAI
+    ``n``; ``evicted_marks``: prefix marks evicted where the replay filled a
     replica's pool beyond the real run): they depend on the replay's own decisions, so several
     workers' replays add theirs up."""
 
@@ -220,6 +221,7 @@ def replay(
             block_size=inputs.load.block_size_tokens,
             prefill_s=record.prefill_s,
             held_s=record.held_s,
+            sequences=record.sequences,
         )
         if record.held_s is None:
             in_flight += 1
@@ -293,7 +295,7 @@ def replay(
             "load_unmodelled": load.unmodelled,
             "in_flight": in_flight,
         },
-        model={"load_moved": load.moved, "evicted_marks": cache.evicted},
+        model={"load_moved": load.moved, "load_moved_seqs": load.moved_seqs, "evicted_marks": cache.evicted},
     )
 
 

@@ -6,7 +6,9 @@ sequence, ``index`` 0..n-1, streamed chunks naming theirs, usage adding their co
 * the decision counts the decode load of every sequence: ``/admin/explain`` and the decision ring
   (``/admin/decisions/{id}``) say ``sequences`` and ``decode_blocks`` (uncached prompt +
   ``n × max_tokens``);
-* a bad ``n`` is a 400 naming it, and so is one over ``limits.max_n``.
+* a bad ``n`` is a 400 naming it, and so is one over ``limits.max_n``;
+* ``POST /admin/whatif`` moves a changed decision's load as its ``n`` sequences
+  (``model.load_moved_seqs``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 import aiohttp
 import zmq.asyncio
 from emulated_replica import started
-from kvlb_harness import MODEL, replica_entry, sse_payloads, wait_ready
+from kvlb_harness import MODEL, replica_entry, running, sse_payloads, wait_ready
 from settings_tree import settings_from
 
 from balancer.app import Balancer
@@ -122,3 +124,20 @@ async def test_an_n_over_limits_max_n_is_a_400_naming_it() -> None:
         status, raw = await post(session, url + "/v1/completions", body)
         assert status == 200, raw
         assert len(json.loads(raw)["choices"]) == 4
+
+
+async def test_the_whatif_moves_a_changed_decision_as_its_n_sequences() -> None:
+    """Six ``n = 4`` requests of one prompt on two emulated engines, replayed with round robin: the
+    decisions it changes (or resizes) move their load as 4 sequences each, not 1."""
+    async with running(TokenIdTokenizer(), 2, time_scale=20.0, page_size=BLOCK) as h:
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "n": 4}
+        for _ in range(6):
+            answer = await h.post("/v1/completions", body)
+            assert answer.status == 200, answer.body
+        listed = (await h.admin("GET", "/admin/decisions?limit=10"))["decisions"]
+        assert len(listed) == 6
+        detail = await h.admin("GET", f"/admin/decisions/{listed[0]['id']}")
+        assert detail["sequences"] == 4 and detail["held_s"] is not None
+        result = await h.admin("POST", "/admin/whatif", {"policy": "round_robin", "sample": 10})
+        assert result["decisions"] == 6 and result["model"]["load_moved"] >= 1, result
+        assert result["model"]["load_moved_seqs"] == 4 * result["model"]["load_moved"], result["model"]

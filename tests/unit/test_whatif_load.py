@@ -201,3 +201,83 @@ def test_the_spans_find_their_record_in_any_ring_and_skip_an_evicted_one() -> No
     assert spans == {6: (0.25, None), 10: (None, None), 12: (None, 0.5)}
     log.on_phase("b", 14, 6.0, 6.5, True)
     assert [(r.id, r.held_s) for r in log.ring("b").snapshot()] == [(2, None), (8, None), (14, 0.5)]
+
+
+def test_a_moved_request_of_n_sequences_moves_its_n_sequences() -> None:
+    """A request of OpenAI ``n = 4`` counts 4 sequences in the live load (the cap, the baselines'
+    ``seq_load``, the interference term) and decode blocks for its uncached prompt plus
+    ``4 × max_tokens``: moved, all of it leaves its recorded replica for the replayed one."""
+    load = ReplayLoad()
+    # recorded on r0: 128 uncached tokens, then (128 + 4 × 64) / 16 = 24 decode blocks
+    moved = load.move(
+        0.0,
+        decided(R0),
+        decided(R1),
+        prefill_tokens=128,
+        decode_blocks=24,
+        block_size=16,
+        prefill_s=1.0,
+        held_s=3.0,
+        sequences=4,
+    )
+    assert moved and load.moved == 1 and load.moved_seqs == 4
+    during = load.load(LoadSnapshot(0.5, 16, {R0: ReplicaLoad(R0, 4, 128, 8.0)}))
+    assert during.of(R1).pending_prefill_seqs == 4 and during.of(R1).pending_prefill_tokens == 128
+    assert during.of(R0).pending_prefill_seqs == 0 and during.of(R0).pending_prefill_tokens == 0
+    assert during.of(R1).seq_load == 4 and during.of(R0).seq_load == 0
+    decoding = load.load(
+        LoadSnapshot(2.0, 16, {R0: ReplicaLoad(R0, active_decode_seqs=4, active_decode_blocks=24)})
+    )
+    assert decoding.of(R1).active_decode_seqs == 4 and decoding.of(R1).active_decode_blocks == 24
+    assert decoding.of(R0).active_decode_seqs == 0 and decoding.of(R0).active_decode_blocks == 0
+    after = LoadSnapshot(3.0, 16, {})
+    assert load.load(after) is after and not load.changes
+
+
+def test_the_replay_moves_the_recorded_n_of_each_decision() -> None:
+    """W warms a context on "home"; X (the context + more) is in flight there; A, ``n = 4`` on the
+    context, joins home; B, a new prompt, goes to the other replica. Replayed with ``least_load``,
+    A goes to the other replica (home has X) and takes its 4 sequences there: B then finds home
+    (1 sequence) less loaded than the other (4) and goes home. Moving one sequence per decision,
+    the replay saw home at 4 and the other at 1 and kept B where it was."""
+    weights = PolicyWeights(root_weight=0.0)
+    log, pool, policy = DecisionLog(100, 1 << 30), router(), make_policy("cost")
+    context = list(range(10_000, 10_000 + 1024))
+
+    def route(tokens: list[int], request_id: str, now: float, n: int = 1) -> Lease:
+        request = PoolRequest(tokens, policy, weights, request_id, max_tokens=64, sequences=n)
+        lease = pool.route(request, now)
+        plan = lease.plan
+        assert plan.inputs is not None
+        record = log.record(
+            "m",
+            plan.inputs,
+            plan.decision,
+            weights,
+            plan.prompt_tokens,
+            plan.cached_tokens,
+            None,
+            now,
+            decode_blocks=plan.decode_blocks,
+            sequences=plan.sequences,
+        )
+        lease.on_phase = partial(log.on_phase, "m", record.id, plan.inputs.load.now)
+        return lease
+
+    w = route(context, "w", 0.0)
+    w.first_token(0.01)
+    w.release(0.02)
+    home = w.replica
+    other = R1 if home == R0 else R0
+    x = route(context + list(range(1, 321)), "x", 0.5)
+    a = route(context + list(range(500, 628)), "a", 1.0, n=4)
+    b = route(list(range(90_000, 91_024)), "b", 1.2)
+    assert (x.replica, a.replica, b.replica) == (home, home, other)
+    records = log.ring("m").snapshot()
+    assert [r.sequences for r in records] == [1, 1, 4, 1]
+    assert records[3].inputs.load.of(home).seq_load == 5  # X and A's 4 sequences, as recorded
+
+    result = replay("m", records, make_policy("least_load"), weights, sample=10)
+    moved = {entry["id"]: entry["after"]["replica"] for entry in result.sample}
+    assert moved == {records[2].id: other, records[3].id: home}
+    assert result.model["load_moved"] == 2 and result.model["load_moved_seqs"] == 5
