@@ -85,7 +85,8 @@ publisher from 0. This source keeps the stream in order:
 This module is the subscription loop and the stream's order (seq, gaps, restarts, shedding, the
 catch-up merge). Its parts: :mod:`balancer.sources.zmq_connection` (the SUB, its monitor, the
 connection's handshake and the events endpoint's problems), :mod:`balancer.sources.zmq_replay` (the
-replay exchange over the DEALER), :mod:`balancer.sources.replay_watch` (what ends a replay early),
+replay exchange over the DEALER), :mod:`balancer.sources.replay_poll` (when a silent stream's
+replay poll is due), :mod:`balancer.sources.replay_watch` (what ends a replay early),
 :mod:`balancer.sources.read_ahead` (what the SUB queued, and which message to shed). The connection
 and the replay client log under this module's logger, as the source's own.
 """
@@ -95,7 +96,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 
@@ -120,6 +120,7 @@ from balancer.sources.base import (
     report_malformed,
 )
 from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ReadAhead
+from balancer.sources.replay_poll import ReplayPollSchedule
 from balancer.sources.replay_watch import ReplayWatch
 from balancer.sources.zmq_connection import (
     DropBacklog,
@@ -205,13 +206,13 @@ class ZmqEventSource:
         self._lost: tuple[int, int | None, str | None] | None = None
         """(last seq, its payload digest, epoch) when the connection dropped, until a batch shows
         whether the publisher restarted."""
-        self._poll_interval_s = self.settings.replay_poll_min_s
-        self._heard_at = time.monotonic()
-        """When the live stream (or a poll that found batches) last brought something, or the last
-        poll was answered."""
-        self._batch_at = -math.inf
-        """When the live stream (or a poll that found batches) last brought something: while it is
-        within ``replay_poll_busy_s`` the poll interval does not double."""
+        self._polls = ReplayPollSchedule(
+            self.settings.replay_poll_min_s,
+            self.settings.replay_poll_max_s,
+            self.settings.replay_poll_busy_s,
+            time.monotonic(),
+        )
+        """When the silent live stream's next replay poll is due."""
         self._counters = SourceCounters()
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
@@ -335,8 +336,7 @@ class ZmqEventSource:
             return None  # after a dropped flood, no position to poll from; unconnected, no publisher
         if self._watch.away is not None:  # the engine is away: look again later whether it is back
             return max(1, int(self.settings.replay_poll_max_s * 1000))
-        left_s = self._heard_at + self._poll_interval_s - time.monotonic()
-        return max(1, int(left_s * 1000) + 1)
+        return self._polls.timeout_ms(time.monotonic())
 
     def _poll_due(self) -> bool:
         """Before the first batch too (polled from the wanted seq, 0 or the resume point): a batch
@@ -349,7 +349,7 @@ class ZmqEventSource:
             and not self._backlog_dropped
             and not self._replay_on_connect  # not connected yet (or again): its catch-up comes first
             and self._watch.away is None  # its probe finds nothing listening: the poll would wait out
-            and time.monotonic() - self._heard_at >= self._poll_interval_s
+            and self._polls.due(time.monotonic())
         )
 
     async def _poll_replay(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
@@ -364,18 +364,12 @@ class ZmqEventSource:
             log.debug(
                 "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
             )
-            self._heard(time.monotonic())
+            self._polls.heard(time.monotonic())
         else:
-            self._heard_at = now = time.monotonic()
-            if now - self._batch_at >= self.settings.replay_poll_busy_s:
-                self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
+            self._polls.answered_empty(time.monotonic())
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
-
-    def _heard(self, now: float) -> None:
-        self._heard_at = self._batch_at = now
-        self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(
         self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000, *, may_drop: bool = False
@@ -565,7 +559,7 @@ class ZmqEventSource:
         order the SUB received it."""
         assert batch.seq is not None
         self._counters.messages += 1
-        self._heard(time.monotonic())
+        self._polls.heard(time.monotonic())
         if self._watch.away is not None:
             self._watch.engine_back()  # it publishes: its replay socket may answer
         seq = batch.seq
