@@ -83,12 +83,19 @@ publisher from 0. This source keeps the stream in order:
   a warning, the first at once, then once a minute.
 
 This module is the subscription loop and the stream's order (seq, gaps, restarts, shedding, the
-catch-up merge). Its parts: :mod:`balancer.sources.zmq_connection` (the SUB, its monitor, the
-connection's handshake and the events endpoint's problems), :mod:`balancer.sources.zmq_replay` (the
-replay exchange over the DEALER), :mod:`balancer.sources.replay_poll` (when a silent stream's
-replay poll is due), :mod:`balancer.sources.replay_watch` (what ends a replay early),
-:mod:`balancer.sources.read_ahead` (what the SUB queued, and which message to shed). The connection
-and the replay client log under this module's logger, as the source's own.
+catch-up merge). Its parts, each in its own module:
+
+* :mod:`balancer.sources.zmq_connection`: the SUB, its monitor, the connection's handshake and the
+  events endpoint's problems;
+* :mod:`balancer.sources.zmq_replay`: the replay exchange over the DEALER;
+* :mod:`balancer.sources.replay_poll`: when a silent stream's replay poll is due (pure);
+* :mod:`balancer.sources.replay_watch`: what ends a replay before its timeout;
+* :mod:`balancer.sources.zmq_incarnation`: whether a publisher that dropped its connection
+  restarted, said once a batch shows it;
+* :mod:`balancer.sources.read_ahead`: what the SUB queued, and which message to shed.
+
+The connection, the replay client and the incarnation check log under this module's logger, as
+the source's own.
 """
 
 from __future__ import annotations
@@ -130,6 +137,7 @@ from balancer.sources.zmq_connection import (
     next_monitor_event,
     open_sub,
 )
+from balancer.sources.zmq_incarnation import Incarnation
 from balancer.sources.zmq_replay import SEQ_BYTES, ReplayClient
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
@@ -203,9 +211,8 @@ class ZmqEventSource:
         """A live message read during a catch-up that is newer than the replay's first batch."""
         self._last_digest: int | None = None
         """The payload digest of the last batch taken (``None``: none, or it was shed)."""
-        self._lost: tuple[int, int | None, str | None] | None = None
-        """(last seq, its payload digest, epoch) when the connection dropped, until a batch shows
-        whether the publisher restarted."""
+        self._incarnation = Incarnation(replica, dp_rank, log)
+        """After a lost connection: whether the publisher restarted, logged once a batch shows it."""
         self._polls = ReplayPollSchedule(
             self.settings.replay_poll_min_s,
             self.settings.replay_poll_max_s,
@@ -437,7 +444,7 @@ class ZmqEventSource:
                 )
                 if self._live_last is not None or self._last_seq is not None:
                     if self._last_seq is not None:
-                        self._lost = (self._last_seq, self._last_digest, self._epoch)
+                        self._incarnation.disconnected(self._last_seq, self._last_digest, self._epoch)
                     self._forget(emit, "disconnect")
                 self._replay_on_connect = self.replay_endpoint is not None
                 raise ReopenSub  # ZMQ would not reconnect after a protocol error (an oversized message)
@@ -460,9 +467,9 @@ class ZmqEventSource:
             _, complete = await self._replay(start, emit, live=sub)
         finally:
             self._catching_up = False
-        lost = self._lost
+        lost = self._incarnation.lost
         if lost is not None and complete and self._last_seq is not None and self._last_seq < lost[0]:
-            self._restarted(f"its newest batch is seq {self._last_seq}, it had reached {lost[0]}")
+            self._incarnation.restarted(f"its newest batch is seq {self._last_seq}, it had reached {lost[0]}")
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
@@ -608,12 +615,8 @@ class ZmqEventSource:
 
     def _restart(self, emit: Emit, reason: ResyncReason) -> None:
         """The stream shows a new incarnation of the publisher (seq regression, new epoch)."""
-        self._restarted(f"{reason} after seq {self._last_seq}")
+        self._incarnation.restarted(f"{reason} after seq {self._last_seq}")
         self._forget(emit, reason)
-
-    def _restarted(self, why: str) -> None:
-        self._lost = None
-        log.info("replica %s rank %d: publisher restarted (%s)", self.replica, self.dp_rank, why)
 
     def _forget(self, emit: Emit, reason: ResyncReason) -> None:
         """Drop the rank's blocks and stream state: the next batch is taken as a fresh start."""
@@ -634,8 +637,8 @@ class ZmqEventSource:
         malformed and ignored events are counted here, once, whichever copy (live or replayed)
         arrived first. ``digest`` ``None``: a shed message (no events), whose run resyncs here."""
         assert batch.seq is not None
-        if self._lost is not None:
-            self._note_incarnation(batch, digest, live=live)
+        if self._incarnation.lost is not None:
+            self._incarnation.note(batch, digest, live=live)
         if batch.seq > self._expected():
             self._resync(emit, "gap")
         if digest is None:
@@ -686,38 +689,6 @@ class ZmqEventSource:
                 self.dp_rank,
             )
         self._resync(emit, "overflow")
-
-    def _note_incarnation(self, batch: DecodedBatch, digest: int | None, *, live: bool) -> None:
-        """After a lost connection: log whether the publisher restarted, once a batch shows it (a
-        shed batch at the old last seq cannot: the next batch decides)."""
-        assert self._lost is not None and batch.seq is not None
-        old_seq, old_digest, old_epoch = self._lost
-        if batch.epoch is not None and old_epoch is not None and batch.epoch != old_epoch:
-            self._restarted("a new epoch after the disconnect")
-        elif batch.seq == old_seq and (digest is None or old_digest is None):
-            pass
-        elif batch.seq == old_seq and digest != old_digest:
-            self._restarted(f"seq {old_seq} holds another batch than before the disconnect")
-        elif batch.seq == old_seq:
-            self._lost = None
-            log.info(
-                "replica %s rank %d: publisher reconnected, same process (seq %d unchanged)",
-                self.replica,
-                self.dp_rank,
-                old_seq,
-            )
-        elif batch.seq < old_seq and live:
-            self._restarted(f"live seq {batch.seq}, it had reached {old_seq}")
-        elif batch.seq > old_seq:
-            self._lost = None
-            log.info(
-                "replica %s rank %d: publisher reconnected at seq %d (it had reached %d; whether it "
-                "restarted is unknown)",
-                self.replica,
-                self.dp_rank,
-                batch.seq,
-                old_seq,
-            )
 
     def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
         """Events with this source's rank when the envelope names none (the port decides the rank)."""
