@@ -92,7 +92,9 @@ catch-up merge). Its parts, each in its own module:
 * :mod:`balancer.sources.replay_watch`: what ends a replay before its timeout;
 * :mod:`balancer.sources.zmq_incarnation`: whether a publisher that dropped its connection
   restarted, said once a batch shows it;
-* :mod:`balancer.sources.read_ahead`: what the SUB queued, and which message to shed.
+* :mod:`balancer.sources.read_ahead`: what the SUB queued, and which message to shed;
+* :mod:`balancer.sources.zmq_messages`: a message decoded (charged to the budget), shed, or counted
+  as unusable.
 
 The connection, the replay client and the incarnation check log under this module's logger, as
 the source's own.
@@ -112,7 +114,6 @@ import zmq.asyncio
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
 from balancer.events import KvEvent, Resync, ResyncReason
-from balancer.gc_tuning import collections_paused
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -122,7 +123,6 @@ from balancer.sources.base import (
     IngestBatch,
     SourceCounters,
     SourceStatus,
-    count_decode_error,
     count_decoded,
     report_malformed,
 )
@@ -138,7 +138,8 @@ from balancer.sources.zmq_connection import (
     open_sub,
 )
 from balancer.sources.zmq_incarnation import Incarnation
-from balancer.sources.zmq_replay import SEQ_BYTES, ReplayClient
+from balancer.sources.zmq_messages import MessageReader
+from balancer.sources.zmq_replay import ReplayClient
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
@@ -178,7 +179,6 @@ class ZmqEventSource:
         self.settings = settings or ZmqSourceSettings()
         self.settings.validate()
         self._ctx = ctx
-        self._decoder = decoder
         self._metrics = metrics
         self._warnings = LimitedWarnings(
             log,
@@ -221,11 +221,13 @@ class ZmqEventSource:
         )
         """When the silent live stream's next replay poll is due."""
         self._counters = SourceCounters()
+        self._messages = MessageReader(
+            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings
+        )
+        """Each message decoded, shed or counted as unusable."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
-        self.shed = 0
-        """Messages dropped undecoded (the budget was spent, or a flood)."""
         self._ahead = ReadAhead(self.settings)
         """What was read off the SUB and not yet handled, and why the last message was shed."""
         self._backlog_dropped = False
@@ -254,10 +256,15 @@ class ZmqEventSource:
                 counters=self._counters,
                 warnings=self._warnings,
                 log=log,
-                decode_failed=self._decode_failed,
+                decode_failed=self._messages.decode_failed,
             )
         )
         """The replay requests' DEALER and exchange (``None``: no replay endpoint)."""
+
+    @property
+    def shed(self) -> int:
+        """Messages dropped undecoded (the budget was spent, or a flood)."""
+        return self._messages.shed
 
     def engine_gone(self, why: str) -> None:
         """The replica's health probe found nothing listening at the engine (``why``): a replay in
@@ -483,7 +490,7 @@ class ZmqEventSource:
             if read is None:
                 return
             frames, shed = read
-            taken = self._take(frames, shed)
+            taken = self._messages.take(frames, shed, self.gate)
             if taken is None:
                 continue
             batch, digest = taken
@@ -502,60 +509,8 @@ class ZmqEventSource:
         self._ahead.reader = zmq.Socket.shadow(sub.underlying)
         return sub, monitor
 
-    def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
-        try:
-            with collections_paused():  # the decoded envelope dies within: no collection inside
-                batch = self._decoder.decode(frames)
-        except EventDecodeError as exc:
-            self._decode_failed(exc)
-            return None
-        except Exception as exc:  # a decoder bug on odd input must not stop ingestion
-            self._warnings.warning(
-                "decoder_failed", self.replica, "replica %s: decoder failed", self.replica, exc_info=exc
-            )
-            self._decode_failed(exc)
-            return None
-        if batch.seq is None:
-            self._decode_failed(EventDecodeError("frame", "message has no sequence number"))
-            return None
-        return batch
-
-    def _shed(self, frames: Sequence[bytes]) -> DecodedBatch | None:
-        """A message dropped undecoded (the replica's CPU budget is spent): only its seq is read, so
-        the stream stays in order without a replay. The rank resyncs when the first shed message of
-        a run is accepted (:meth:`_accept`), at its place in the stream."""
-        if len(frames) < 3 or len(frames[1]) != SEQ_BYTES:
-            return None
-        self._count_shed(1)
-        return DecodedBatch([], seq=int.from_bytes(frames[1], "big"))
-
-    def _count_shed(self, messages: int) -> None:
-        self.shed += messages
-        self._metrics.events_shed_total.labels(self.replica).inc(messages)
-
-    def _take(self, frames: Sequence[bytes], shed: bool) -> tuple[DecodedBatch, int | None] | None:
-        """One live message decoded (its decode charged to the ``gate``) or shed, with its payload's
-        digest (``None``: shed, the payload is unknown); ``None`` when it is unusable."""
-        gate = self.gate
-        if shed:
-            batch = self._shed(frames)
-        elif gate is None:
-            batch = self._decode(frames)
-        else:
-            started = time.thread_time()
-            batch = self._decode(frames)
-            gate.charge(time.thread_time() - started)
-        if batch is None or batch.seq is None:
-            return None
-        return batch, None if shed else hash(frames[-1])
-
-    def _decode_failed(self, exc: Exception) -> None:
-        self._counters.decode_errors += 1
-        count_decode_error(self._metrics, self._engine, self.replica, exc)
-        report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
-
     async def _on_message(self, frames: Sequence[bytes], shed: bool, emit: Emit) -> None:
-        taken = self._take(frames, shed)
+        taken = self._messages.take(frames, shed, self.gate)
         if taken is not None:
             await self._on_live(taken[0], taken[1], emit)
 
@@ -587,7 +542,7 @@ class ZmqEventSource:
         expected = self._expected()
         if dropped and seq > expected and self._last_seq is not None:
             # The messages before it went with the dropped flood (its run resynced the rank).
-            self._count_shed(seq - expected)
+            self._messages.count_shed(seq - expected)
             self._last_seq = seq - 1
             expected = seq
         if seq < expected:
@@ -760,9 +715,9 @@ class ZmqEventSource:
         (vLLM ≥ 0.32); returns its seq (``None`` when unusable). ``live``: the first batch of a
         catch-up, when older live messages may wait on the SUB."""
         if len(frames) not in (3, 4) or frames[0] != b"":
-            self._decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
+            self._messages.decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
             return None
-        batch = self._decode(frames[1:])
+        batch = self._messages.decode(frames[1:])
         if batch is None or batch.seq is None:
             return None
         digest = hash(frames[-1])
