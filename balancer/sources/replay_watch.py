@@ -1,6 +1,6 @@
 """What ends a ZMQ replay exchange before its timeout: the engine went away (I/O: reads a monitor).
 
-A replay request (:mod:`balancer.sources.zmq_sub`) waits up to ``replay_timeout_s`` for the
+A replay request (:mod:`balancer.sources.zmq_replay`) waits up to ``replay_timeout_s`` for the
 engine's answer. An engine that goes away meanwhile never answers: the wait ran into its timeout,
 blamed the replay endpoint for it, and the publisher's disconnect, queued on the SUB's monitor
 behind the wait, was acted on (the replica's blocks dropped) only after it: 1.4–1.9 s after the

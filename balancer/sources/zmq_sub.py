@@ -81,6 +81,23 @@ publisher from 0. This source keeps the stream in order:
   refused connect (nothing listens) is said too; both, and malformed events, a silent replay socket
   and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
   a warning, the first at once, then once a minute.
+
+This module is the subscription loop and the stream's order (seq, gaps, restarts, shedding, the
+catch-up merge). Its parts, each in its own module:
+
+* :mod:`balancer.sources.zmq_connection`: the SUB, its monitor, the connection's handshake and the
+  events endpoint's problems;
+* :mod:`balancer.sources.zmq_replay`: the replay exchange over the DEALER;
+* :mod:`balancer.sources.replay_poll`: when a silent stream's replay poll is due (pure);
+* :mod:`balancer.sources.replay_watch`: what ends a replay before its timeout;
+* :mod:`balancer.sources.zmq_incarnation`: whether a publisher that dropped its connection
+  restarted, said once a batch shows it;
+* :mod:`balancer.sources.read_ahead`: what the SUB queued, and which message to shed;
+* :mod:`balancer.sources.zmq_messages`: a message decoded (charged to the budget), shed, or counted
+  as unusable.
+
+The connection, the replay client and the incarnation check log under this module's logger, as
+the source's own.
 """
 
 from __future__ import annotations
@@ -88,19 +105,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
-from typing import NoReturn
 
 import zmq
 import zmq.asyncio
-from zmq.utils.monitor import parse_monitor_message
 
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
 from balancer.events import KvEvent, Resync, ResyncReason
-from balancer.gc_tuning import collections_paused
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -110,74 +123,31 @@ from balancer.sources.base import (
     IngestBatch,
     SourceCounters,
     SourceStatus,
-    count_decode_error,
     count_decoded,
     report_malformed,
 )
 from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ReadAhead
-from balancer.sources.replay_watch import EngineGone, ReplayWatch
+from balancer.sources.replay_poll import ReplayPollSchedule
+from balancer.sources.replay_watch import ReplayWatch
+from balancer.sources.zmq_connection import (
+    DropBacklog,
+    HandshakeRefused,
+    ReopenSub,
+    SubConnection,
+    next_monitor_event,
+    open_sub,
+)
+from balancer.sources.zmq_incarnation import Incarnation
+from balancer.sources.zmq_messages import MessageReader
+from balancer.sources.zmq_replay import ReplayClient
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
 
-SEQ_BYTES = 8
-REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
 MAX_REPLAYED_DIGESTS = 4096
 """Payload digests a catch-up keeps (its newest batches), to tell a live duplicate from a batch of a
 restarted publisher at the same seq; dropped at the first live message."""
-
-
-class _Reopen(Exception):
-    """The SUB lost its publisher: open a fresh socket (libzmq does not reconnect a connection it
-    dropped for a protocol error, such as a message over ``ZMQ_MAXMSGSIZE``)."""
-
-
-class _DropBacklog(_Reopen):
-    """A flood: close the SUB, so libzmq drops what it still holds, and open a fresh one."""
-
-
-class _Refused(Exception):
-    """The peer took the TCP connection but not the ZMQ handshake (it is no PUB): open a fresh
-    SUB after the reconnect backoff (libzmq does not retry after that protocol error)."""
-
-
-HANDSHAKE_REFUSED = (
-    "{endpoint} accepted the TCP connection but refused the ZMQ handshake: it is not a PUB socket "
-    "(is it the replay endpoint, or the two swapped? the events endpoint is the engine's PUB, the "
-    "replay endpoint its ROUTER), or not ZMQ at all"
-)
-"""The ``last_error`` of a source whose events endpoint answers, but not as a publisher."""
-CONNECT_REFUSED = (
-    "nothing accepts connections at {endpoint} (retrying): check that the engine publishes KV "
-    "events (SGLang --kv-events-config / vLLM --kv-events-config with publisher zmq) on this "
-    "host and port, and that the port is this replica's events (+ its DP rank)"
-)
-"""The ``last_error`` of a source whose events endpoint refuses connections (or an engine down)."""
-REPLAY_SILENT = (
-    "the replay endpoint {endpoint} did not answer within {timeout_s:g} s (nothing listens there, "
-    "or it is not the engine's replay ROUTER): lost batches resync the rank instead"
-)
-"""The ``last_error`` of a source whose replay request went unanswered."""
-
-
-async def _recv_reply(dealer: zmq.asyncio.Socket, first: zmq.Frame) -> list[bytes]:
-    """One replay reply from its ``first`` frame (awaited by the caller, which may give up on it:
-    ZMQ delivers a message's frames together, so the rest are there once the first is), read frame
-    by frame up to ``MAX_MESSAGE_FRAMES`` (a reply has 3 or 4); raises ``EventDecodeError("frame")``
-    for a longer one, whose other frames are left unread (the replay then ends unclean, and its
-    DEALER is closed with them)."""
-    frames: list[zmq.Frame] = [first]
-    while frames[-1].more:
-        if len(frames) == MAX_MESSAGE_FRAMES:
-            raise EventDecodeError("frame", f"replay reply of more than {MAX_MESSAGE_FRAMES} frames")
-        frames.append(await dealer.recv(copy=False))
-    return [frame.bytes for frame in frames]
-
-
-def _is_replay_end(frames: Sequence[bytes]) -> bool:
-    """The end of a replay: ``[b"", seq -1, b""]`` (SGLang) or ``[b"", b"", seq -1, b""]`` (vLLM)."""
-    return len(frames) in (3, 4) and frames[0] == b"" and frames[-2] == REPLAY_END and frames[-1] == b""
 
 
 class ZmqEventSource:
@@ -209,7 +179,6 @@ class ZmqEventSource:
         self.settings = settings or ZmqSourceSettings()
         self.settings.validate()
         self._ctx = ctx
-        self._decoder = decoder
         self._metrics = metrics
         self._warnings = LimitedWarnings(
             log,
@@ -242,27 +211,23 @@ class ZmqEventSource:
         """A live message read during a catch-up that is newer than the replay's first batch."""
         self._last_digest: int | None = None
         """The payload digest of the last batch taken (``None``: none, or it was shed)."""
-        self._lost: tuple[int, int | None, str | None] | None = None
-        """(last seq, its payload digest, epoch) when the connection dropped, until a batch shows
-        whether the publisher restarted."""
-        self._poll_interval_s = self.settings.replay_poll_min_s
-        self._heard_at = time.monotonic()
-        """When the live stream (or a poll that found batches) last brought something, or the last
-        poll was answered."""
-        self._batch_at = -math.inf
-        """When the live stream (or a poll that found batches) last brought something: while it is
-        within ``replay_poll_busy_s`` the poll interval does not double."""
-        self._dealer: zmq.asyncio.Socket | None = None
-        """The replay DEALER, kept between requests (:meth:`_replay_dealer`)."""
+        self._incarnation = Incarnation(replica, dp_rank, log)
+        """After a lost connection: whether the publisher restarted, logged once a batch shows it."""
+        self._polls = ReplayPollSchedule(
+            self.settings.replay_poll_min_s,
+            self.settings.replay_poll_max_s,
+            self.settings.replay_poll_busy_s,
+            time.monotonic(),
+        )
+        """When the silent live stream's next replay poll is due."""
         self._counters = SourceCounters()
-        self._handshaken = False
-        """The SUB's connection completed its ZMQ handshake with a PUB (``EVENT_HANDSHAKE_SUCCEEDED``):
-        the connection this source counts as connected (``SourceStatus.connected``)."""
+        self._messages = MessageReader(
+            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings
+        )
+        """Each message decoded, shed or counted as unusable."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
         self._shedding = False
-        self.shed = 0
-        """Messages dropped undecoded (the budget was spent, or a flood)."""
         self._ahead = ReadAhead(self.settings)
         """What was read off the SUB and not yet handled, and why the last message was shed."""
         self._backlog_dropped = False
@@ -274,6 +239,32 @@ class ZmqEventSource:
         (the rank's blocks are dropped right after them)."""
         self._abandoned = False
         """The last replay ended because the engine went away (:class:`EngineGone`)."""
+        self._link = SubConnection(
+            replica, dp_rank, endpoint, counters=self._counters, warnings=self._warnings, log=log
+        )
+        """The SUB's connection as its monitor reports it: handshaken, refused, not listening."""
+        self._replayer = (
+            None
+            if replay_endpoint is None
+            else ReplayClient(
+                replica,
+                dp_rank,
+                replay_endpoint,
+                ctx=ctx,
+                settings=self.settings,
+                watch=self._watch,
+                counters=self._counters,
+                warnings=self._warnings,
+                log=log,
+                decode_failed=self._messages.decode_failed,
+            )
+        )
+        """The replay requests' DEALER and exchange (``None``: no replay endpoint)."""
+
+    @property
+    def shed(self) -> int:
+        """Messages dropped undecoded (the budget was spent, or a flood)."""
+        return self._messages.shed
 
     def engine_gone(self, why: str) -> None:
         """The replica's health probe found nothing listening at the engine (``why``): a replay in
@@ -293,7 +284,7 @@ class ZmqEventSource:
             dp_rank=self.dp_rank,
             last_seq=self._last_seq,
             epoch=self._epoch,
-            connected=self._handshaken,
+            connected=self._link.handshaken,
         )
 
     async def run(self, emit: Emit) -> None:
@@ -319,11 +310,11 @@ class ZmqEventSource:
                         await self._drain(sub, emit, may_drop=True)
                     elif not ready and self._poll_due():
                         await self._poll_replay(sub, emit)
-            except _DropBacklog:
+            except DropBacklog:
                 dropped = True
-            except _Refused:
+            except HandshakeRefused:
                 pass  # the backoff below: a fresh SUB at once would be refused at once, in a loop
-            except _Reopen:
+            except ReopenSub:
                 backoff.reset()
                 continue  # a fresh socket at once (``finally`` closes this one); ZMQ paces the connects
             except zmq.ZMQError as exc:
@@ -343,7 +334,7 @@ class ZmqEventSource:
                 self._ahead.reader = None  # a shadow: it must not outlive the SUB
                 self._watch.reset()
                 self._dropping = False
-                self._handshaken = False
+                self._link.handshaken = False
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
@@ -359,8 +350,7 @@ class ZmqEventSource:
             return None  # after a dropped flood, no position to poll from; unconnected, no publisher
         if self._watch.away is not None:  # the engine is away: look again later whether it is back
             return max(1, int(self.settings.replay_poll_max_s * 1000))
-        left_s = self._heard_at + self._poll_interval_s - time.monotonic()
-        return max(1, int(left_s * 1000) + 1)
+        return self._polls.timeout_ms(time.monotonic())
 
     def _poll_due(self) -> bool:
         """Before the first batch too (polled from the wanted seq, 0 or the resume point): a batch
@@ -373,7 +363,7 @@ class ZmqEventSource:
             and not self._backlog_dropped
             and not self._replay_on_connect  # not connected yet (or again): its catch-up comes first
             and self._watch.away is None  # its probe finds nothing listening: the poll would wait out
-            and time.monotonic() - self._heard_at >= self._poll_interval_s
+            and self._polls.due(time.monotonic())
         )
 
     async def _poll_replay(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
@@ -388,18 +378,12 @@ class ZmqEventSource:
             log.debug(
                 "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
             )
-            self._heard(time.monotonic())
+            self._polls.heard(time.monotonic())
         else:
-            self._heard_at = now = time.monotonic()
-            if now - self._batch_at >= self.settings.replay_poll_busy_s:
-                self._poll_interval_s = min(self.settings.replay_poll_max_s, 2 * self._poll_interval_s)
+            self._polls.answered_empty(time.monotonic())
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
-
-    def _heard(self, now: float) -> None:
-        self._heard_at = self._batch_at = now
-        self._poll_interval_s = self.settings.replay_poll_min_s
 
     async def _drain(
         self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000, *, may_drop: bool = False
@@ -430,7 +414,7 @@ class ZmqEventSource:
         self._shed_run(emit)  # a no-op when the shed message started the run
         self._ahead.clear()
         self._backlog_dropped = True
-        raise _DropBacklog
+        raise DropBacklog
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Connection events of the SUB. A dropped TCP connection means the publisher's process went
@@ -442,20 +426,16 @@ class ZmqEventSource:
         replay would stack the new process's blocks on the dead one's. Every new connection (the
         first one too) starts with that catch-up."""
         while True:
-            if self._watch.stash:  # read by a replay that waited meanwhile, and older than the rest
-                event = self._watch.stash.popleft()
-            else:
-                try:
-                    event = parse_monitor_message(await monitor.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    return
+            event = await next_monitor_event(monitor, self._watch)
+            if event is None:
+                return
             kind = event["event"]
             if kind == zmq.EVENT_CONNECT_RETRIED:
-                self._connection_problem("zmq_connect_refused", CONNECT_REFUSED)
-            elif kind == zmq.EVENT_DISCONNECTED and not self._handshaken:
-                self._refused_handshake()
+                self._link.connect_refused()
+            elif kind == zmq.EVENT_DISCONNECTED and not self._link.handshaken:
+                self._link.refused_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
-                self._handshaken = False
+                self._link.handshaken = False
                 self._dropping = True
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
                 self._metrics.events_disconnects_total.labels(self.replica).inc()
@@ -471,51 +451,17 @@ class ZmqEventSource:
                 )
                 if self._live_last is not None or self._last_seq is not None:
                     if self._last_seq is not None:
-                        self._lost = (self._last_seq, self._last_digest, self._epoch)
+                        self._incarnation.disconnected(self._last_seq, self._last_digest, self._epoch)
                     self._forget(emit, "disconnect")
                 self._replay_on_connect = self.replay_endpoint is not None
-                raise _Reopen  # ZMQ would not reconnect after a protocol error (an oversized message)
+                raise ReopenSub  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._handshaken = True
+                self._link.handshaken = True
                 self._watch.engine_back()  # a publisher is there (again)
-                self._connection_problems_over()
+                self._link.problems_over()
                 if self._replay_on_connect:  # a new connection: catch up (once it is a PUB's)
                     self._replay_on_connect = False
                     await self._catch_up(sub, emit)
-
-    def _connection_problem(self, cause: str, template: str) -> None:
-        """A problem with the events endpoint itself: ``template`` (naming the endpoint) becomes the
-        source's ``last_error`` and a warning under ``cause`` (once, then once a minute). A refused
-        connect (``zmq_connect_refused``, ZMQ retries by itself) means nothing listens there: a wrong
-        port, an engine without KV events, or one down or still starting."""
-        text = template.format(endpoint=self.endpoint)
-        self._counters.note_error(text, time.time())
-        subject = f"{self.replica}/{self.dp_rank}"
-        self._warnings.warning(cause, subject, "replica %s rank %d: %s", self.replica, self.dp_rank, text)
-
-    def _refused_handshake(self) -> NoReturn:
-        """The TCP connection dropped before a ZMQ handshake with a PUB: the peer is another
-        socket type (a ROUTER: the replay endpoint; a SUB) or no ZMQ; nothing was received, so
-        there is no stream state to drop. The SUB is reopened after the backoff."""
-        self._counters.transport_errors += 1
-        self._connection_problem("zmq_handshake_refused", HANDSHAKE_REFUSED)
-        raise _Refused
-
-    def _connection_problems_over(self) -> None:
-        """A handshake succeeded: the next refusal warns at once again."""
-        subject = f"{self.replica}/{self.dp_rank}"
-        for cause in ("zmq_connect_refused", "zmq_handshake_refused"):
-            self._warnings.resolved(cause, subject)
-        if self._counters.last_error in (
-            CONNECT_REFUSED.format(endpoint=self.endpoint),
-            HANDSHAKE_REFUSED.format(endpoint=self.endpoint),
-        ):
-            log.info(
-                "replica %s rank %d: connected to the publisher at %s",
-                self.replica,
-                self.dp_rank,
-                self.endpoint,
-            )
 
     async def _catch_up(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Replay everything the publisher still holds from the wanted seq, merged with the live
@@ -528,9 +474,9 @@ class ZmqEventSource:
             _, complete = await self._replay(start, emit, live=sub)
         finally:
             self._catching_up = False
-        lost = self._lost
+        lost = self._incarnation.lost
         if lost is not None and complete and self._last_seq is not None and self._last_seq < lost[0]:
-            self._restarted(f"its newest batch is seq {self._last_seq}, it had reached {lost[0]}")
+            self._incarnation.restarted(f"its newest batch is seq {self._last_seq}, it had reached {lost[0]}")
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
@@ -544,7 +490,7 @@ class ZmqEventSource:
             if read is None:
                 return
             frames, shed = read
-            taken = self._take(frames, shed)
+            taken = self._messages.take(frames, shed, self.gate)
             if taken is None:
                 continue
             batch, digest = taken
@@ -555,78 +501,16 @@ class ZmqEventSource:
             await self._on_live(batch, digest, emit, may_replay=False)
 
     def _open_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
-        """A SUB and its monitor; the monitor exists before the connect, so that no connection (and
-        its catch-up) is missed."""
+        """A SUB and its monitor (:func:`~balancer.sources.zmq_connection.open_sub`), read ahead."""
         self._ahead.clear()  # a fresh socket has no backlog of ours
         if self._replay_on_connect:  # what the engine published before this is history
             self._connected_wall_s = time.time()
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.settings.rcvhwm)
-        sub.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
-        sub.setsockopt(zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000)))
-        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        monitor = sub.get_monitor_socket(
-            zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-        )
-        sub.connect(self.endpoint)
+        sub, monitor = open_sub(self._ctx, self.endpoint, self.topic, self.settings)
         self._ahead.reader = zmq.Socket.shadow(sub.underlying)
         return sub, monitor
 
-    def _decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
-        try:
-            with collections_paused():  # the decoded envelope dies within: no collection inside
-                batch = self._decoder.decode(frames)
-        except EventDecodeError as exc:
-            self._decode_failed(exc)
-            return None
-        except Exception as exc:  # a decoder bug on odd input must not stop ingestion
-            self._warnings.warning(
-                "decoder_failed", self.replica, "replica %s: decoder failed", self.replica, exc_info=exc
-            )
-            self._decode_failed(exc)
-            return None
-        if batch.seq is None:
-            self._decode_failed(EventDecodeError("frame", "message has no sequence number"))
-            return None
-        return batch
-
-    def _shed(self, frames: Sequence[bytes]) -> DecodedBatch | None:
-        """A message dropped undecoded (the replica's CPU budget is spent): only its seq is read, so
-        the stream stays in order without a replay. The rank resyncs when the first shed message of
-        a run is accepted (:meth:`_accept`), at its place in the stream."""
-        if len(frames) < 3 or len(frames[1]) != SEQ_BYTES:
-            return None
-        self._count_shed(1)
-        return DecodedBatch([], seq=int.from_bytes(frames[1], "big"))
-
-    def _count_shed(self, messages: int) -> None:
-        self.shed += messages
-        self._metrics.events_shed_total.labels(self.replica).inc(messages)
-
-    def _take(self, frames: Sequence[bytes], shed: bool) -> tuple[DecodedBatch, int | None] | None:
-        """One live message decoded (its decode charged to the ``gate``) or shed, with its payload's
-        digest (``None``: shed, the payload is unknown); ``None`` when it is unusable."""
-        gate = self.gate
-        if shed:
-            batch = self._shed(frames)
-        elif gate is None:
-            batch = self._decode(frames)
-        else:
-            started = time.thread_time()
-            batch = self._decode(frames)
-            gate.charge(time.thread_time() - started)
-        if batch is None or batch.seq is None:
-            return None
-        return batch, None if shed else hash(frames[-1])
-
-    def _decode_failed(self, exc: Exception) -> None:
-        self._counters.decode_errors += 1
-        count_decode_error(self._metrics, self._engine, self.replica, exc)
-        report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
-
     async def _on_message(self, frames: Sequence[bytes], shed: bool, emit: Emit) -> None:
-        taken = self._take(frames, shed)
+        taken = self._messages.take(frames, shed, self.gate)
         if taken is not None:
             await self._on_live(taken[0], taken[1], emit)
 
@@ -637,7 +521,7 @@ class ZmqEventSource:
         order the SUB received it."""
         assert batch.seq is not None
         self._counters.messages += 1
-        self._heard(time.monotonic())
+        self._polls.heard(time.monotonic())
         if self._watch.away is not None:
             self._watch.engine_back()  # it publishes: its replay socket may answer
         seq = batch.seq
@@ -658,7 +542,7 @@ class ZmqEventSource:
         expected = self._expected()
         if dropped and seq > expected and self._last_seq is not None:
             # The messages before it went with the dropped flood (its run resynced the rank).
-            self._count_shed(seq - expected)
+            self._messages.count_shed(seq - expected)
             self._last_seq = seq - 1
             expected = seq
         if seq < expected:
@@ -686,12 +570,8 @@ class ZmqEventSource:
 
     def _restart(self, emit: Emit, reason: ResyncReason) -> None:
         """The stream shows a new incarnation of the publisher (seq regression, new epoch)."""
-        self._restarted(f"{reason} after seq {self._last_seq}")
+        self._incarnation.restarted(f"{reason} after seq {self._last_seq}")
         self._forget(emit, reason)
-
-    def _restarted(self, why: str) -> None:
-        self._lost = None
-        log.info("replica %s rank %d: publisher restarted (%s)", self.replica, self.dp_rank, why)
 
     def _forget(self, emit: Emit, reason: ResyncReason) -> None:
         """Drop the rank's blocks and stream state: the next batch is taken as a fresh start."""
@@ -712,8 +592,8 @@ class ZmqEventSource:
         malformed and ignored events are counted here, once, whichever copy (live or replayed)
         arrived first. ``digest`` ``None``: a shed message (no events), whose run resyncs here."""
         assert batch.seq is not None
-        if self._lost is not None:
-            self._note_incarnation(batch, digest, live=live)
+        if self._incarnation.lost is not None:
+            self._incarnation.note(batch, digest, live=live)
         if batch.seq > self._expected():
             self._resync(emit, "gap")
         if digest is None:
@@ -765,38 +645,6 @@ class ZmqEventSource:
             )
         self._resync(emit, "overflow")
 
-    def _note_incarnation(self, batch: DecodedBatch, digest: int | None, *, live: bool) -> None:
-        """After a lost connection: log whether the publisher restarted, once a batch shows it (a
-        shed batch at the old last seq cannot: the next batch decides)."""
-        assert self._lost is not None and batch.seq is not None
-        old_seq, old_digest, old_epoch = self._lost
-        if batch.epoch is not None and old_epoch is not None and batch.epoch != old_epoch:
-            self._restarted("a new epoch after the disconnect")
-        elif batch.seq == old_seq and (digest is None or old_digest is None):
-            pass
-        elif batch.seq == old_seq and digest != old_digest:
-            self._restarted(f"seq {old_seq} holds another batch than before the disconnect")
-        elif batch.seq == old_seq:
-            self._lost = None
-            log.info(
-                "replica %s rank %d: publisher reconnected, same process (seq %d unchanged)",
-                self.replica,
-                self.dp_rank,
-                old_seq,
-            )
-        elif batch.seq < old_seq and live:
-            self._restarted(f"live seq {batch.seq}, it had reached {old_seq}")
-        elif batch.seq > old_seq:
-            self._lost = None
-            log.info(
-                "replica %s rank %d: publisher reconnected at seq %d (it had reached %d; whether it "
-                "restarted is unknown)",
-                self.replica,
-                self.dp_rank,
-                batch.seq,
-                old_seq,
-            )
-
     def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
         """Events with this source's rank when the envelope names none (the port decides the rank)."""
         if batch.dp_rank is None:
@@ -823,7 +671,7 @@ class ZmqEventSource:
         Returns whether any batch came and whether the answer was complete (its end marker arrived).
         A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
         shows lost batches (``partial``)."""
-        assert self.replay_endpoint is not None
+        assert self._replayer is not None
         self._abandoned = False
         if self._dropping:  # the publisher's connection dropped: its blocks go right after this
             return False, False
@@ -835,65 +683,20 @@ class ZmqEventSource:
     async def _replay_from(
         self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None, *, poll: bool
     ) -> tuple[bool, bool]:
-        assert self.replay_endpoint is not None
+        """One exchange (:class:`~balancer.sources.zmq_replay.ReplayClient`), its replies taken by
+        :meth:`_on_replayed` (the first with the ``live`` SUB), then counted."""
+        assert self._replayer is not None
         if not poll:
             self._counters.replays += 1
-        dealer = self._replay_dealer()
         first_seq: int | None = None
-        complete = False
-        try:
-            async with asyncio.timeout(self.settings.replay_timeout_s):
-                # A DEALER with no peer yet holds the send: keep it inside the time budget.
-                request = [b"", start_seq.to_bytes(SEQ_BYTES, "big")]
-                await self._watch.until_gone(dealer.send_multipart(request))
-                for _ in range(self.settings.replay_max_batches):
-                    first = await self._watch.until_gone(dealer.recv(copy=False))
-                    frames = await _recv_reply(dealer, first)
-                    if _is_replay_end(frames):
-                        complete = True
-                        self._warnings.resolved("replay_timeout", f"{self.replica}/{self.dp_rank}")
-                        break
-                    seq = await self._on_replayed(frames, emit, live if first_seq is None else None)
-                    if first_seq is None:
-                        first_seq = seq
-        except EngineGone as gone:
-            self._abandoned = True
-            log.info(
-                "replica %s rank %d: replay from %d abandoned: the engine went away (%s)",
-                self.replica,
-                self.dp_rank,
-                start_seq,
-                gone.why,
-            )
-        except TimeoutError:
-            timeout_s = self.settings.replay_timeout_s
-            text = REPLAY_SILENT.format(endpoint=self.replay_endpoint, timeout_s=timeout_s)
-            self._counters.note_error(text, time.time())
-            self._warnings.warning(
-                "replay_timeout",
-                f"{self.replica}/{self.dp_rank}",
-                "replica %s rank %d: replay from %d: %s",
-                self.replica,
-                self.dp_rank,
-                start_seq,
-                text,
-            )
-        except EventDecodeError as exc:  # a reply of too many frames: the DEALER goes with its rest
-            self._decode_failed(exc)
-        except zmq.ZMQError as exc:
-            if exc.errno == zmq.ETERM:
-                raise
-            self._warnings.warning(
-                "replay_failed",
-                f"{self.replica}/{self.dp_rank}",
-                "replica %s rank %d: replay failed: %s",
-                self.replica,
-                self.dp_rank,
-                exc,
-            )
-        finally:
-            if not complete:  # an answer may still be on its way: it must not be read as the next one
-                self._close_dealer()
+
+        async def on_reply(frames: list[bytes]) -> None:
+            nonlocal first_seq
+            seq = await self._on_replayed(frames, emit, live if first_seq is None else None)
+            if first_seq is None:
+                first_seq = seq
+
+        complete, self._abandoned = await self._replayer.request(start_seq, on_reply)
         lossy = first_seq is not None and (first_seq > start_seq or not complete)
         if not poll or lossy:  # a poll that found nothing, or everything, is counted by its caller only
             if poll:
@@ -901,28 +704,9 @@ class ZmqEventSource:
             self._count_replay(start_seq, first_seq, complete)
         return first_seq is not None, complete
 
-    def _replay_dealer(self) -> zmq.asyncio.Socket:
-        """The DEALER of this source's replay requests, kept between them: a poll costs one request
-        and its answer, not a TCP connection and a ZMTP handshake on both sides (about half the
-        event loop's CPU per poll and a third of the process's, ``loadtests/bench/replay_poll.py``).
-        Closed after any exchange that did not end with the end marker (its answer may still come),
-        and with the SUB (a lost connection, an error, shutdown)."""
-        assert self.replay_endpoint is not None
-        if self._dealer is None:
-            dealer = self._ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.settings.max_message_bytes)
-            dealer.setsockopt(
-                zmq.RECONNECT_IVL_MAX, max(1, int(self.settings.publisher_reconnect_max_s * 1000))
-            )
-            dealer.connect(self.replay_endpoint)
-            self._dealer = dealer
-        return self._dealer
-
     def _close_dealer(self) -> None:
-        dealer, self._dealer = self._dealer, None
-        if dealer is not None:
-            dealer.close(linger=0)
+        if self._replayer is not None:
+            self._replayer.close()
 
     async def _on_replayed(
         self, frames: Sequence[bytes], emit: Emit, live: zmq.asyncio.Socket | None
@@ -931,9 +715,9 @@ class ZmqEventSource:
         (vLLM ≥ 0.32); returns its seq (``None`` when unusable). ``live``: the first batch of a
         catch-up, when older live messages may wait on the SUB."""
         if len(frames) not in (3, 4) or frames[0] != b"":
-            self._decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
+            self._messages.decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
             return None
-        batch = self._decode(frames[1:])
+        batch = self._messages.decode(frames[1:])
         if batch is None or batch.seq is None:
             return None
         digest = hash(frames[-1])
