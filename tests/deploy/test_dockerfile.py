@@ -115,6 +115,7 @@ def stage_sources(destination: Path) -> None:
             shutil.copy2(ROOT / path, out)
 
 
+@pytest.mark.faults_long
 @pytest.mark.slow
 def test_install_step_works_in_a_fresh_venv(tmp_path: Path) -> None:
     source = tmp_path / "src"

