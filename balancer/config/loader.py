@@ -265,8 +265,7 @@ def with_api_keys(settings: Settings, environ: Mapping[str, str]) -> Settings:
 
 
 def _api_key(config: PoolConfig | ReplicaConfig, where: str, environ: Mapping[str, str]) -> Secret | None:
-    if config.api_key_file is not None and config.api_key_env is not None:
-        raise ConfigError(f"{where}: set api_key_file or api_key_env, not both")
+    """The key ``config`` names (``validate`` has refused naming both, `rules.TOGETHER`)."""
     if config.api_key_file is not None:
         source = f"api_key_file {config.api_key_file}"
         try:
