@@ -173,6 +173,7 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType(
         "workers.restart_window_s": Bound(0, 86_400, low_open=True),
         "workers.crash_loop_exits": Bound(1, 1000),
         "workers.kill_after_s": Bound(0, 600),
+        "health_models_recheck_s": Bound(1, 86_400),
         "health_ready_wait_s": Bound(0, 3600),
         "health_timeouts_to_drop": Bound(1, 10),
         "health_drain_keep_s": Bound(0, 2_592_000),

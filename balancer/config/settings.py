@@ -725,6 +725,13 @@ class Settings:
     """Engine metrics scrape period per replica; 0 disables scraping (router-side load only)."""
     health_interval_s: float = 2.0
     """Health probe period per replica."""
+    health_models_recheck_s: float = 30.0
+    """Seconds (1..86,400) after which a good health probe of a routable replica reads its engine's
+    ``GET /v1/models`` again: a vLLM engine renamed without failing a probe (its requests get 404)
+    leaves routing within about this long plus one ``health_interval_s``, and so does an engine of
+    any kind that starts refusing kvlb's key (SGLang and TRT-LLM serve any model name: their list
+    is read for the key only). Costs one small GET per replica per this period. Until 2026-12-01 a
+    constant (30 s) of the prober."""
     health_ready_wait_s: float = 60.0
     """Seconds from start (0..3600) during which ``/readyz`` (and gRPC health) waits for every pool
     to have a healthy replica, so that a new pod takes traffic once its replicas were probed. Once

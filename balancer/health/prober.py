@@ -11,8 +11,9 @@ When it is given the pool's model (an engine whose spec ``checks_model_name``: v
 every request for another name 404; SGLang and TRT-LLM serve any name), a good probe of a replica
 that was not healthy reads ``GET <url>/v1/models`` (bounded in time and bytes) *before* the replica
 counts as live, and so does every good probe while the engine lists other models, and one every
-``models_recheck_s`` (30 s) while it serves the pool's model (an engine renamed without failing a
-probe): a list that does not name the pool's model takes the replica out of routing
+``models_recheck_s`` (the setting ``health_models_recheck_s``, 30 s by default) while it serves
+the pool's model (an engine renamed without failing a probe): a list that does not name the
+pool's model takes the replica out of routing
 (:meth:`~balancer.health.book.HealthBook.set_model_mismatch`, a warning once), and it comes back at
 the first probe whose list names it. An engine without the endpoint, or a list that does not parse,
 is not judged (routable as before); a read that fails (timeout, refused) keeps the last verdict.

@@ -90,7 +90,9 @@ class ReplicaLifecycle:
             else ScrapeSettings(interval_s=interval_s, timeout_s=max(1.0, min(interval_s, 5.0)))
         )
         self._probe = ProbeSettings(
-            interval_s=settings.health_interval_s, timeout_s=max(1.0, settings.timeouts.connect_s)
+            interval_s=settings.health_interval_s,
+            timeout_s=max(1.0, settings.timeouts.connect_s),
+            models_recheck_s=settings.health_models_recheck_s,
         )
         self._ingest_settings = IngestSettings(
             queue_max_batches=settings.limits.event_queue_size,

@@ -568,6 +568,57 @@ async def test_an_engine_renamed_without_failing_a_probe_leaves_routing_at_the_n
         zctx.destroy(linger=0)
 
 
+async def test_the_models_recheck_period_is_the_setting() -> None:
+    """``health_models_recheck_s`` reaches the balancer's probers: with 1 s, a vLLM engine renamed
+    without failing a probe leaves routing within a few seconds (its requests would get 404), and
+    comes back once it serves the pool's name again. Until 2026-12-01 the period was the prober's
+    constant 30 s whatever the settings said."""
+    zctx = zmq.asyncio.Context()
+    balancer: Balancer | None = None
+    config = ReplicaConfig(name="r0", engine="vllm", profile=get_profile("cpu-test"), page_size=16)
+    replica = Replica(config, TokenIdTokenizer(), zctx)
+    try:
+        await replica.start()
+        tree = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "pools": [{"model": MODEL, "replicas": [replica_entry(replica)]}],
+            "health_interval_s": 0.2,
+            "health_models_recheck_s": 1.0,
+        }
+        balancer = Balancer(settings_from(tree, {}), tokenizers={MODEL: TokenIdTokenizer()})
+        await balancer.start()
+        async with aiohttp.ClientSession() as session:
+            await wait_ready(session, balancer.url)
+
+            async def routable() -> bool:
+                async with session.get(balancer.url + "/admin/replicas") as response:
+                    assert response.status == 200
+                    return bool((await response.json())["replicas"][0]["routable"])
+
+            async def rename(name: str | None) -> None:
+                async with session.post(replica.url + "/admin/faults", json={"served_model": name}) as r:
+                    assert r.status == 200
+
+            async def settled(want: bool, within_s: float) -> None:
+                started_at = time.monotonic()
+                while time.monotonic() - started_at < within_s:
+                    if await routable() is want:
+                        return
+                    await asyncio.sleep(0.05)
+                raise AssertionError(f"routable is not {want} within {within_s} s")
+
+            assert await routable()
+            await rename("llama-3")
+            await settled(False, 6.0)  # 1 s + a probe period (+ a loaded machine's slack); 30 s before
+            await rename(None)
+            await settled(True, 6.0)
+    finally:
+        if balancer is not None:
+            await balancer.stop()
+        await replica.stop()
+        zctx.destroy(linger=0)
+
+
 async def test_only_the_vllm_emulator_refuses_a_model_it_does_not_serve() -> None:
     """The emulator models each engine's name check: vLLM answers a request for another model than
     it serves 404 (``The model `x` does not exist.``), SGLang and trtllm-serve answer any name."""
