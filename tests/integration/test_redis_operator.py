@@ -87,6 +87,45 @@ async def test_an_acl_user_without_channels_changes_policy_and_drains(
         server.stop()
 
 
+async def test_channels_granted_while_a_balancer_polls_are_followed_without_a_restart(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A balancer whose ACL user has no channel follows the policy and drains by polling; once the
+    operator grants the channels (``ACL SETUSER kvlb &kvlb:*``) it subscribes within
+    ``RESUBSCRIBE_POLLS`` polls (2 s at 0.1 s a poll): the server counts its subscriptions, and one
+    INFO line per channel says so. Until 2026-12-01 (h-smallfollow) only a restart subscribed."""
+    caplog.set_level(logging.INFO, logger="balancer.index.redis.client")
+    server = start_server()
+    channels = ("kvlb:policy:changed", "kvlb:drained:changed")
+    try:
+        with redis.Redis(host="127.0.0.1", port=server.port, decode_responses=True) as admin:
+            admin.execute_command("ACL", "SETUSER", "kvlb", "on", ">pw", "~kvlb:*", "+@all")
+            url = f"redis://kvlb:pw@127.0.0.1:{server.port}/0"
+
+            def subscribers() -> list[int]:
+                return [int(count) for _, count in admin.pubsub_numsub(*channels)]
+
+            async with (
+                completion_replica(_unused) as replica_url,
+                balancer_over(replica_url, redis={"url": url, **FAST, "policy_poll_s": 0.1}) as (one, _),
+            ):
+                await asyncio.sleep(1.0)  # 10 polls: refused, polling
+                assert subscribers() == [0, 0]
+                admin.execute_command("ACL", "SETUSER", "kvlb", "&kvlb:*")
+
+                async def subscribed() -> bool:
+                    return subscribers() == [1, 1]
+
+                await wait_for("the balancer subscribes to both channels", subscribed, timeout_s=8.0)
+                assert one.fleet is not None and not one.fleet.redis_down()
+        lines = [r.getMessage() for r in caplog.records]
+        for channel in channels:
+            assert sum(line.startswith(f"redis refuses channel {channel} ") for line in lines) == 1, lines
+            assert lines.count(f"redis grants channel {channel} now: following it at once") == 1, lines
+    finally:
+        server.stop()
+
+
 async def test_a_read_only_replica_as_the_url_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     """A replica of the fleet's Redis given as ``redis.url`` by mistake answers reads and refuses
     every write (``READONLY``): the balancer stays ready on its mirrors, ``/readyz`` quotes the

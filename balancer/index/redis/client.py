@@ -216,6 +216,12 @@ async def _on_channel(call: Awaitable[Any]) -> Any:
         raise _ChannelRefused(str(exc)) from exc
 
 
+RESUBSCRIBE_POLLS = 20
+"""After the server refused a channel, :func:`follow_channel` tries to subscribe again once every
+this many polls (10 s at the default ``redis.policy_poll_s`` of 0.5 s): at most one refused
+``SUBSCRIBE`` per 20 polls (5 % more calls than the polls alone)."""
+
+
 async def follow_channel(
     client: RedisClient,
     channel: str,
@@ -231,11 +237,15 @@ async def follow_channel(
     of a message. A Redis error goes to ``failed``, then the
     subscription is made again after a backoff (``poll_s`` doubling up to 5 s). A server that refuses
     the channel (an ACL user without ``&<channel>``; Redis 7 grants no channel by default) is no
-    Redis failure: it is logged once and ``sync`` runs every ``poll_s`` without a subscription from
-    then on. Until 2026-12-01 the refusal came between two ``sync`` calls that worked, so the loop
-    logged it and reconnected every ``poll_s``, and showed Redis as failing."""
+    Redis failure: it is logged once and ``sync`` runs every ``poll_s`` without a subscription,
+    trying to subscribe again every :data:`RESUBSCRIBE_POLLS` polls; once the channel is granted
+    the next try subscribes (an INFO line) and messages are followed at once. Until 2026-12-01 the
+    refusal came between two ``sync`` calls that worked, so the loop logged it and reconnected
+    every ``poll_s``, and showed Redis as failing; and until a later change the same day a refused
+    channel was polled until a restart, however long after it was granted."""
     delay_s = poll_s
     subscribe = True
+    refused = False
     while not stop.is_set():
         pubsub = None
         try:
@@ -243,22 +253,33 @@ async def follow_channel(
                 await initialized(client)
                 pubsub = client.pubsub()
                 await _on_channel(pubsub.subscribe(channel))
+                if refused:
+                    refused = False
+                    log.info("redis grants channel %s now: following it at once", channel)
             await sync()
             delay_s = poll_s
+            polls = 0
             while not stop.is_set():
                 if pubsub is None:
+                    if polls >= RESUBSCRIBE_POLLS:
+                        subscribe = True
+                        break
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stop.wait(), poll_s)
+                    polls += 1
                 elif await _on_channel(pubsub.get_message(ignore_subscribe_messages=True, timeout=poll_s)):
                     on_message()
                 await sync()  # a message or the periodic check
         except _ChannelRefused as exc:
             subscribe = False
-            log.warning(
-                "redis refuses channel %s (%s): following it by polling every %g s instead of at once; "
-                "grant the channel to kvlb's user (ACL &%s) and restart to follow it at once",
-                channel, exc, poll_s, channel,
-            )  # fmt: skip
+            if not refused:
+                refused = True
+                log.warning(
+                    "redis refuses channel %s (%s): following it by polling every %g s instead of at once; "
+                    "grant the channel to kvlb's user (ACL &%s): kvlb tries to subscribe again every "
+                    "%d polls",
+                    channel, exc, poll_s, channel, RESUBSCRIBE_POLLS,
+                )  # fmt: skip
         except REDIS_ERRORS as exc:
             failed(exc)
             with contextlib.suppress(TimeoutError):
