@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.atomic_files import write_lines_atomic, write_text_atomic
 from loadtests.client_lag import FIELDS as CLIENT_FIELDS
 from loadtests.client_lag import no_schedule
 from loadtests.runs import RouterRun
@@ -304,7 +305,7 @@ def build_report(
 
 
 def write_json(report: Mapping[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(report, indent=1, sort_keys=False) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(report, indent=1, sort_keys=False) + "\n")
 
 
 def write_records(runs: Sequence[RouterRun], out: Path) -> list[Path]:
@@ -315,9 +316,7 @@ def write_records(runs: Sequence[RouterRun], out: Path) -> list[Path]:
             continue
         safe = "".join(c if c.isalnum() or c in "-_." else "-" for c in run.spec.name)
         path = out / f"requests-{safe}.jsonl"
-        with path.open("w", encoding="utf-8") as file:
-            for record in run.result.records:
-                file.write(json.dumps(record.to_dict()) + "\n")
+        write_lines_atomic(path, (json.dumps(record.to_dict()) + "\n" for record in run.result.records))
         paths.append(path)
     return paths
 
@@ -464,4 +463,4 @@ def markdown(report: Mapping[str, Any], plots: Sequence[str], plots_note: str | 
 def write_markdown(
     report: Mapping[str, Any], path: Path, plots: Sequence[str], plots_note: str | None
 ) -> None:
-    path.write_text(markdown(report, plots, plots_note), encoding="utf-8")
+    write_text_atomic(path, markdown(report, plots, plots_note))

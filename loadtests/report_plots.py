@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.atomic_files import save_figure_atomic
+
 NO_MATPLOTLIB = "Plots skipped: matplotlib is not installed (pip install 'kvlb[report]')."
 
 
@@ -57,7 +59,7 @@ def _ttft_cdf(entries: Sequence[Mapping[str, Any]], path: Path) -> Path:
     axes.grid(True, which="both", alpha=0.3)
     axes.legend()
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure_atomic(figure, path, dpi=110)
     plt.close(figure)
     return path
 
@@ -79,7 +81,7 @@ def _hit_rate(entries: Sequence[Mapping[str, Any]], oracle: Mapping[str, Any] | 
     axes.tick_params(axis="x", labelrotation=20)
     axes.legend(loc="lower right", framealpha=0.9)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    save_figure_atomic(figure, path, dpi=110)
     plt.close(figure)
     return path
 
@@ -108,7 +110,7 @@ def _load_over_time(entries: Sequence[Mapping[str, Any]], path: Path) -> Path:
     figure.legend(handles, labels, loc="lower center", ncol=min(8, len(labels)), fontsize=8)
     figure.suptitle("Per-replica load over time")
     figure.tight_layout(rect=(0, 0.05, 1, 0.97))
-    figure.savefig(path, dpi=100)
+    save_figure_atomic(figure, path, dpi=100)
     plt.close(figure)
     return path
 

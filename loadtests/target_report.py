@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.atomic_files import save_figure_atomic, write_lines_atomic, write_text_atomic
 from loadtests.client_lag import summary_line
 from loadtests.driver import RunResult
 from loadtests.stats import RequestRecord, Summary
@@ -48,12 +49,10 @@ def write_report(
     """``report.json``, ``requests.jsonl``, the plots (unless not ``plots``) and ``report.md`` in
     ``out``; the table on stderr."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    with (out / "requests.jsonl").open("w", encoding="utf-8") as sink:
-        for record in result.records:
-            sink.write(json.dumps(record.to_dict()) + "\n")
+    write_text_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
+    write_lines_atomic(out / "requests.jsonl", (json.dumps(r.to_dict()) + "\n" for r in result.records))
     drawn, note = write_target_plots(result, summary, out) if plots else ([], "Plots skipped (--no-plots).")
-    (out / "report.md").write_text(markdown(report, drawn, note), encoding="utf-8")
+    write_text_atomic(out / "report.md", markdown(report, drawn, note))
     print(table(report), file=sys.stderr)
 
 
@@ -206,7 +205,7 @@ def write_target_plots(result: RunResult, summary: Summary, out: Path) -> tuple[
         axes.set_title("TTFT CDF")
         axes.grid(True, which="both", alpha=0.3)
         figure.tight_layout()
-        figure.savefig(out / "ttft_cdf.png", dpi=100)
+        save_figure_atomic(figure, out / "ttft_cdf.png", dpi=100)
         plt.close(figure)
         paths.append(str(out / "ttft_cdf.png"))
     if summary.replica_share:
@@ -217,7 +216,7 @@ def write_target_plots(result: RunResult, summary: Summary, out: Path) -> tuple[
         axes.set_title("Requests per replica (x-kvlb-replica)")
         axes.tick_params(axis="x", rotation=45)
         figure.tight_layout()
-        figure.savefig(out / "replica_share.png", dpi=100)
+        save_figure_atomic(figure, out / "replica_share.png", dpi=100)
         plt.close(figure)
         paths.append(str(out / "replica_share.png"))
     return paths, None if paths else "Plots skipped: no request succeeded."

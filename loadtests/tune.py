@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from balancer.policy.registry import POLICY_WEIGHTS, weights_read
+from loadtests.atomic_files import save_figure_atomic
 from loadtests.simulate import SimConfig, SimRequest, simulate
 from loadtests.simulate.report import format_value
 from loadtests.stats import Summary
@@ -262,6 +263,6 @@ def write_plot(points: Sequence[Point], best: Point | None, path: Path) -> bool:
     ax.set_title("kvlb tune: policy weights (x = misses the SLO)")
     ax.legend(loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110, format="png")  # the path as given (without a suffix matplotlib adds .png)
+    save_figure_atomic(fig, path, dpi=110, format="png")  # the path as given, whatever its suffix
     plt.close(fig)
     return True

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from loadtests.atomic_files import save_figure_atomic, write_text_atomic
 from loadtests.capacity.confirm import confirm_on_fleet, kvlb_workers
 from loadtests.capacity.report import build_report, markdown, routed_points, svg_plot
 from loadtests.capacity.retimed import (
@@ -351,7 +352,7 @@ def write_png(report: dict[str, Any], path: Path) -> bool:
     axes.set_xlabel("offered rate, req/s")
     axes.set_ylabel("TTFT p90, s")
     axes.legend()
-    figure.savefig(path, dpi=110)
+    save_figure_atomic(figure, path, dpi=110)
     plt.close(figure)
     return True
 
@@ -709,9 +710,9 @@ def _write_report(
     """The report's files in ``out`` (``capacity.json``, ``capacity.md``, ``ttft_vs_rate.svg``, and
     ``ttft_vs_rate.png`` with matplotlib), and on stdout the JSON (``--json``) or the markdown's
     summary."""
-    (out / "capacity.json").write_text(json.dumps(report, indent=1) + "\n", "utf-8")
-    (out / "capacity.md").write_text(markdown(report), "utf-8")
-    (out / "ttft_vs_rate.svg").write_text(svg_plot(report), "utf-8")
+    write_text_atomic(out / "capacity.json", json.dumps(report, indent=1) + "\n")
+    write_text_atomic(out / "capacity.md", markdown(report))
+    write_text_atomic(out / "ttft_vs_rate.svg", svg_plot(report))
     png = write_png(report, out / "ttft_vs_rate.png")
     if args.json:
         print(json.dumps(report, indent=1))

@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtests.atomic_files import write_lines_atomic, write_text_atomic
 from loadtests.capacity.agreement import RequestRow, compare, followers, rows_of
 from loadtests.capacity.band import passing, verdict
 from loadtests.capacity.report import ratio
@@ -181,7 +182,7 @@ async def confirm_on_fleet(
                     (out / "decisions").mkdir(exist_ok=True)
                     rows = sim_decision_rows(kept[0], specs, fleet.names)
                     text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in rows)
-                    (out / "decisions" / f"{_slug(name)}-{rate:g}-sim.jsonl").write_text(text, "utf-8")
+                    write_text_atomic(out / "decisions" / f"{_slug(name)}-{rate:g}-sim.jsonl", text)
                 band = None
                 if args.confirm_sim_draws > 0:
                     band = sim_band(args, name, stream, rate, limit)
@@ -225,7 +226,7 @@ async def confirm_on_fleet(
                 if decision_rows is not None:
                     (out / "decisions").mkdir(exist_ok=True)
                     text = "".join(json.dumps(d, sort_keys=True) + "\n" for d in decision_rows)
-                    (out / "decisions" / slug).write_text(text, "utf-8")
+                    write_text_atomic(out / "decisions" / slug, text)
                 point = dataclasses.replace(point, extra=extra)
                 confirmed.setdefault(name, []).append(point)
         for (name, rate), point_of in prepared.items():
@@ -401,7 +402,7 @@ async def _read_decisions(session: Any, url: str) -> dict[str, Any]:
 
 
 def _write_rows(path: Path, rows: Sequence[RequestRow]) -> None:
-    path.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows), "utf-8")
+    write_lines_atomic(path, (json.dumps(dataclasses.asdict(r)) + "\n" for r in rows))
 
 
 def _slug(name: str) -> str:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loadtests.atomic_files import save_figure_atomic, write_text_atomic
+
 NO_MATPLOTLIB = "Plot skipped: matplotlib is not installed (pip install 'kvlb[report]')."
 MAX_ROWS = 60
 """Rows of the over-time table in ``report.md`` (every sample is in ``report.json``)."""
@@ -81,8 +83,8 @@ def judge(figures: Mapping[str, Any], limits: GrowthLimits) -> dict[str, Any]:
 
 def write_report(report: Mapping[str, Any], out: Path, plots: bool = True) -> None:
     note = "Plot skipped (--no-plots)." if not plots else write_plot(report, out / PLOT)
-    (out / "report.json").write_text(json.dumps(report, indent=1) + "\n", encoding="utf-8")
-    (out / "report.md").write_text(markdown(report, note), encoding="utf-8")
+    write_text_atomic(out / "report.json", json.dumps(report, indent=1) + "\n")
+    write_text_atomic(out / "report.md", markdown(report, note))
 
 
 def _s(value: float | None) -> str:
@@ -201,7 +203,7 @@ def write_plot(report: Mapping[str, Any], path: Path) -> str | None:
     grid[-1].set_xlabel("s since start (red lines: faults)")
     figure.suptitle("kvlb soak: resources over time")
     figure.tight_layout()
-    figure.savefig(path, dpi=100)
+    save_figure_atomic(figure, path, dpi=100)
     plt.close(figure)
     return None
 

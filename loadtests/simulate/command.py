@@ -26,6 +26,7 @@ from balancer.errors import ConfigError
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import POLICY_NAMES
 from loadtests import tune
+from loadtests.atomic_files import write_text_atomic
 from loadtests.flag_checks import refuse_below_one, refuse_not_above
 from loadtests.simulate import SimConfig, SimRequest, Simulation, trace_requests, workload_requests
 from loadtests.simulate.bound import pooled_ttfts
@@ -357,7 +358,7 @@ def _simulate(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=2)
     if args.output is not None:
         try:
-            args.output.write_text(text + "\n", "utf-8")
+            write_text_atomic(args.output, text + "\n")
         except OSError as exc:
             print(f"kvlb simulate: --output {args.output}: {exc.strerror or exc}", file=sys.stderr)
             code = 2

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtests.atomic_files import write_text_atomic
 from loadtests.fleet.processes import emulator_options, read_capacity, start_emulator
 from loadtests.peers import RouterSpec, parse_router
 from loadtests.runs import RouterRun, run_router
@@ -196,7 +197,7 @@ def table(check: dict[str, Any]) -> str:
 
 def write_check(check: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(check, indent=2, allow_nan=False) + "\n")
+    write_text_atomic(path, json.dumps(check, indent=2, allow_nan=False) + "\n")
 
 
 async def whatif_campaign(args: argparse.Namespace, out: Path) -> int:
