@@ -39,6 +39,7 @@ from balancer.config import PoolConfig, Settings
 from balancer.discovery import Discovery, KubernetesDiscovery, build_discovery
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError, bind_error
+from balancer.fleet.redis_checks import check_database
 from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import BreakerConfig, HealthBook
 from balancer.index.locked import LockedPrefixTable
@@ -193,6 +194,8 @@ class Balancer:
 
     async def _start(self) -> None:
         settings = self.settings
+        if settings.redis.url is not None:  # before the pools' tokenizers: kvlb serve stops with exit 2
+            await check_database(settings.redis)
         health = HealthBook(
             BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop),
             drain_keep_s=settings.health_drain_keep_s,

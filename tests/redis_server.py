@@ -71,7 +71,9 @@ class RedisServer:
             client.flushall()
 
 
-def start_server(port: int | None = None, data_dir: Path | None = None) -> RedisServer:
+def start_server(
+    port: int | None = None, data_dir: Path | None = None, extra_args: Sequence[str] = ()
+) -> RedisServer:
     """Start a fresh server; ``pytest.skip`` if the binary is missing. With ``data_dir`` it keeps an
     append-only file there, so a restart on the same port and dir keeps the data. ``appendfsync no``:
     Redis writes the file before every reply and leaves the flush to the kernel, which a SIGKILL of
@@ -87,6 +89,7 @@ def start_server(port: int | None = None, data_dir: Path | None = None) -> Redis
         argv += ["--appendonly", "no"]
     else:
         argv += ["--appendonly", "yes", "--appendfsync", "no", "--dir", str(data_dir)]
+    argv += list(extra_args)  # more of the server's options (``--databases 4``)
     process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     server = RedisServer(process, port)
     deadline = time.monotonic() + _START_TIMEOUT_S

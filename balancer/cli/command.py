@@ -276,6 +276,10 @@ async def serve(settings: Settings, options: ServeOptions) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # before the service's imports (a second or so)
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, log.warning, NO_RELOAD)
+    if settings.redis.url is not None:  # before the service's imports and tokenizers (seconds)
+        from balancer.fleet.redis_checks import check_database
+
+        await check_database(settings.redis)
     from balancer.app import Balancer
     from balancer.gc_tuning import settle_after_start
 

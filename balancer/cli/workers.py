@@ -432,7 +432,12 @@ async def supervise(
 ) -> None:
     """Run ``count`` workers until SIGTERM/SIGINT, printing the serving line once all are up. A signal
     while they start stops them; a failed start raises :class:`WorkerStartError` (or
-    :class:`~balancer.errors.ConfigError` for a port it cannot bind) once they are stopped."""
+    :class:`~balancer.errors.ConfigError` for a port it cannot bind) once they are stopped; a
+    ``redis.url`` database the server does not have is a ``ConfigError`` before any worker starts."""
+    if settings.redis.url is not None:
+        from balancer.fleet.redis_checks import check_database
+
+        await check_database(settings.redis)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

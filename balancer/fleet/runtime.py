@@ -58,7 +58,13 @@ from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import DrainSync
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
-from balancer.fleet.redis_checks import check_tls_ca_file, eviction_risk, read_policies, redis_trouble
+from balancer.fleet.redis_checks import (
+    check_tls_ca_file,
+    eviction_risk,
+    read_policies,
+    redis_trouble,
+    url_database,
+)
 from balancer.fleet.snapshots import SnapshotKeeper
 from balancer.fleet.space_ingest import SpaceIngest
 from balancer.fleet.space_mirror import SpaceMirror
@@ -476,7 +482,8 @@ class FleetRuntime:
         reasons = []
         if self.redis_down():
             error = self._redis_failure()
-            reasons.append(f"{redis_trouble(error)}: routing on the local mirrors, ingesters buffering")
+            trouble = redis_trouble(error, url_database(self.config.url or ""))
+            reasons.append(f"{trouble}: routing on the local mirrors, ingesters buffering")
         if self._eviction_risk is not None:
             reasons.append(self._eviction_risk)
         reasons += [

@@ -126,6 +126,33 @@ async def test_channels_granted_while_a_balancer_polls_are_followed_without_a_re
         server.stop()
 
 
+async def test_a_database_gone_after_start_is_named_in_readyz() -> None:
+    """The server restarted with fewer databases (``--databases 4``, then 2) under a balancer of
+    database 3: ``/readyz`` names ``redis.url``'s database (a balancer started against it refuses
+    to start: tests/e2e/test_serve_redis_database.py). Before 2026-12-01 (h-smallfollow) it quoted
+    the bare ``DB index is out of range``."""
+    server = start_server(extra_args=["--databases", "4"])
+    try:
+        url = f"redis://127.0.0.1:{server.port}/3"
+        async with (
+            completion_replica(_unused) as replica_url,
+            balancer_over(replica_url, redis={"url": url, **FAST}) as (balancer, session),
+        ):
+            assert (await _json(session, balancer, "/readyz")).get("degraded", []) == []
+            port = server.port
+            server.stop()
+            server = start_server(port=port, extra_args=["--databases", "2"])
+            named = "redis refuses kvlb's calls (redis.url: database 3 is not on the server)"
+
+            async def said() -> bool:
+                ready = await _json(session, balancer, "/readyz")  # 200: ready on its mirrors
+                return any(reason.startswith(named) for reason in ready.get("degraded", []))
+
+            await wait_for("/readyz names the database", said, timeout_s=8.0)
+    finally:
+        server.stop()
+
+
 async def test_a_read_only_replica_as_the_url_is_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     """A replica of the fleet's Redis given as ``redis.url`` by mistake answers reads and refuses
     every write (``READONLY``): the balancer stays ready on its mirrors, ``/readyz`` quotes the

@@ -12,7 +12,7 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from balancer.fleet.redis_checks import redis_trouble
+from balancer.fleet.redis_checks import database_missing, redis_trouble, url_database
 from balancer.fleet.runtime import instance_name
 
 
@@ -44,3 +44,16 @@ def test_readyz_tells_a_refusing_redis_from_an_unreachable_one() -> None:
         ResponseError("OOM command not allowed when used memory > 'maxmemory'.\n" + "x" * 500)
     )
     assert oom.startswith("redis refuses kvlb's calls (OOM command not allowed") and len(oom) < 200
+
+
+def test_the_url_s_database_is_read_as_redis_py_reads_it() -> None:
+    assert [url_database(u) for u in ("redis://h:1", "redis://h:1/", "redis://h:1/3", "rediss://h/12")] == [
+        0, 0, 3, 12,
+    ]  # fmt: skip
+    assert url_database("redis://h:1?db=5") == 5
+    refused = redis_trouble(ResponseError("DB index is out of range"), database=9)
+    assert refused == "redis refuses kvlb's calls (redis.url: database 9 is not on the server)"
+    assert database_missing(9, 4) == (
+        "redis.url: database 9 is not on the server (DB index is out of range): the server has 4 "
+        "(0..3; its `databases` setting)"
+    )
