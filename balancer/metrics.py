@@ -1126,9 +1126,10 @@ class Metrics(
 
     def set_replica_load(self, replica: str, kind: LoadKind, value: float) -> None:
         """Set one load figure of ``replica``: its gauge named by its unit (:data:`LOAD_KIND_METRICS`)
-        and, while it is kept, the deprecated ``kvlb_replica_load{kind}``, to the same value."""
-        self._load_gauge(kind).labels(replica).set(value)
-        self.replica_load.labels(replica, kind).set(value)
+        and, while it is kept, the deprecated ``kvlb_replica_load{kind}``, to the same value (both
+        children memoised in :attr:`children`, which :meth:`forget_replica` clears with them)."""
+        self.children.of(self._load_gauge(kind), replica).set(value)
+        self.children.of(self.replica_load, replica, kind).set(value)
 
     def _load_gauge(self, kind: LoadKind) -> Gauge:
         match kind:
