@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from functools import partial
-from typing import Any, Final, TypeVar, cast, get_args
+from typing import Any, Final, Literal, TypeVar, cast, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.utils import floatToGoString
@@ -54,6 +54,21 @@ APPLIED_OUTCOMES: Final = (
 """Every ``(type, status)`` of ``kvlb_events_applied_total``."""
 
 _Collector = TypeVar("_Collector", Counter, Gauge, Histogram)
+
+LoadKind = Literal[
+    "inflight", "peer_inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage"
+]
+"""A ``kind`` of the deprecated ``kvlb_replica_load``."""
+LOAD_KIND_METRICS: Final[Mapping[LoadKind, str]] = {
+    "inflight": "kvlb_replica_inflight_seqs",
+    "peer_inflight": "kvlb_replica_peer_inflight_seqs",
+    "pending_prefill_tokens": "kvlb_replica_pending_prefill_tokens",
+    "decode_blocks": "kvlb_replica_decode_blocks",
+    "waiting": "kvlb_replica_waiting_seqs",
+    "kv_usage": "kvlb_replica_kv_usage_ratio",
+}
+"""Each ``kind`` of the deprecated ``kvlb_replica_load`` (one name for sequences, tokens, blocks and a
+ratio) and the metric named by its unit that replaces it (:meth:`Metrics.set_replica_load` sets both)."""
 
 
 class Children:
@@ -641,6 +656,12 @@ def _index_collectors(reg: CollectorRegistry) -> _IndexCollectors:
 @dataclass(frozen=True)
 class _ReplicaCollectors:
     replica_load: Gauge
+    replica_inflight_seqs: Gauge
+    replica_peer_inflight_seqs: Gauge
+    replica_pending_prefill_tokens: Gauge
+    replica_decode_blocks: Gauge
+    replica_waiting_seqs: Gauge
+    replica_kv_usage_ratio: Gauge
     replica_healthy: Gauge
     replica_breaker_open: Gauge
     replica_model_mismatch: Gauge
@@ -663,11 +684,55 @@ def _replica_collectors(reg: CollectorRegistry) -> _ReplicaCollectors:
     return _ReplicaCollectors(
         replica_load=gauge(
             "kvlb_replica_load",
-            "Per-replica load (kind=inflight|pending_prefill_tokens|decode_blocks|waiting|kv_usage|"
-            "peer_inflight). inflight, pending_prefill_tokens and decode_blocks are this worker's own "
-            "(sum over workers); peer_inflight is the other workers' in-flight sequences as this "
-            "worker's policy reads them (--workers N). Both count sequences: a request its n.",
+            "DEPRECATED since 2026-12-01, kept for one release (docs/operations.md, Upgrades): one "
+            "metric per unit replaces it, with the same values. Per-replica load by kind: "
+            "inflight (kvlb_replica_inflight_seqs), peer_inflight (kvlb_replica_peer_inflight_seqs), "
+            "pending_prefill_tokens (kvlb_replica_pending_prefill_tokens), decode_blocks "
+            "(kvlb_replica_decode_blocks), waiting (kvlb_replica_waiting_seqs), kv_usage "
+            "(kvlb_replica_kv_usage_ratio).",
             ["replica", "kind"],
+        ),
+        replica_inflight_seqs=gauge(
+            "kvlb_replica_inflight_seqs",
+            "Sequences this worker routed to the replica and holds in prefill or decode (a request "
+            "counts its OpenAI n): this worker's own part, sum over workers (--workers N). Replaces "
+            'kvlb_replica_load{kind="inflight"}.',
+            ["replica"],
+        ),
+        replica_peer_inflight_seqs=gauge(
+            "kvlb_replica_peer_inflight_seqs",
+            "Sequences the other workers of kvlb serve --workers N hold on the replica, as this "
+            "worker's policy reads them from the shared load table (a request counts its n); only "
+            'with --workers N (N > 1). Replaces kvlb_replica_load{kind="peer_inflight"}.',
+            ["replica"],
+        ),
+        replica_pending_prefill_tokens=gauge(
+            "kvlb_replica_pending_prefill_tokens",
+            "Uncached prompt tokens of the requests this worker routed to the replica that are not "
+            "at their first token yet: this worker's own part, sum over workers. "
+            'Replaces kvlb_replica_load{kind="pending_prefill_tokens"}.',
+            ["replica"],
+        ),
+        replica_decode_blocks=gauge(
+            "kvlb_replica_decode_blocks",
+            "KV blocks (of the pool's reference block size) the requests this worker routed to the "
+            "replica hold while decoding (uncached prompt plus n x max_tokens): this worker's own "
+            'part, sum over workers. Replaces kvlb_replica_load{kind="decode_blocks"}.',
+            ["replica"],
+        ),
+        replica_waiting_seqs=gauge(
+            "kvlb_replica_waiting_seqs",
+            "Sequences waiting in the engine's own queue, as its last scrape reported them (an n = 8 "
+            "request is 8); absent until an engine reports it. Every worker scrapes the same engine: "
+            'max over workers. Replaces kvlb_replica_load{kind="waiting"}.',
+            ["replica"],
+        ),
+        replica_kv_usage_ratio=gauge(
+            "kvlb_replica_kv_usage_ratio",
+            "Used share of the engine's KV pool, 0 to 1, as its last scrape reported it; absent "
+            "until an engine reports it. Every worker scrapes the same engine: max over workers. "
+            'Replaces kvlb_replica_load{kind="kv_usage"}.',
+            ["replica"],
         ),
         load_share_overflow_replicas_total=counter(
             "kvlb_load_share_overflow_replicas_total",
@@ -1058,6 +1123,28 @@ class Metrics(
         once that replica left its pool (a request in flight at the removal would otherwise bring
         back the series :meth:`forget_replica` removed, one set per removed replica id)."""
         return self.removed.label(replica)
+
+    def set_replica_load(self, replica: str, kind: LoadKind, value: float) -> None:
+        """Set one load figure of ``replica``: its gauge named by its unit (:data:`LOAD_KIND_METRICS`)
+        and, while it is kept, the deprecated ``kvlb_replica_load{kind}``, to the same value (both
+        children memoised in :attr:`children`, which :meth:`forget_replica` clears with them)."""
+        self.children.of(self._load_gauge(kind), replica).set(value)
+        self.children.of(self.replica_load, replica, kind).set(value)
+
+    def _load_gauge(self, kind: LoadKind) -> Gauge:
+        match kind:
+            case "inflight":
+                return self.replica_inflight_seqs
+            case "peer_inflight":
+                return self.replica_peer_inflight_seqs
+            case "pending_prefill_tokens":
+                return self.replica_pending_prefill_tokens
+            case "decode_blocks":
+                return self.replica_decode_blocks
+            case "waiting":
+                return self.replica_waiting_seqs
+            case "kv_usage":
+                return self.replica_kv_usage_ratio
 
     def init_replica(self, replica: str, engine: str, *, replays: bool, events: bool = True) -> None:
         """Give every known label set of one replica's counters (and its engine's) a sample at 0, so

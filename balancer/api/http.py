@@ -80,16 +80,15 @@ def refresh_gauges(state: ServiceState) -> None:
         metrics.pool_routable_replicas.labels(pool.model).set(len(routable))
         for replica in pool.replicas:
             load = snapshot.of(replica)
-            gauge = metrics.replica_load
-            gauge.labels(replica, "inflight").set(pool.router.in_flight(replica))
+            metrics.set_replica_load(replica, "inflight", pool.router.in_flight(replica))
             if shared is not None:
-                gauge.labels(replica, "peer_inflight").set(shared.of(replica).peer_seqs)
-            gauge.labels(replica, "pending_prefill_tokens").set(load.pending_prefill_tokens)
-            gauge.labels(replica, "decode_blocks").set(load.active_decode_blocks)
+                metrics.set_replica_load(replica, "peer_inflight", shared.of(replica).peer_seqs)
+            metrics.set_replica_load(replica, "pending_prefill_tokens", load.pending_prefill_tokens)
+            metrics.set_replica_load(replica, "decode_blocks", load.active_decode_blocks)
             if load.waiting_reqs is not None:
-                gauge.labels(replica, "waiting").set(load.waiting_reqs)
+                metrics.set_replica_load(replica, "waiting", load.waiting_reqs)
             if load.kv_usage is not None:
-                gauge.labels(replica, "kv_usage").set(load.kv_usage)
+                metrics.set_replica_load(replica, "kv_usage", load.kv_usage)
             metrics.replica_healthy.labels(replica).set(1 if replica in routable else 0)
             breaker = state.health.breaker_state(replica, now)
             metrics.replica_breaker_open.labels(replica).set(0 if breaker in (None, "closed") else 1)

@@ -33,8 +33,11 @@ def ingested(metric: str, by: str) -> str:
     return f"max by ({by}) (rate({metric}{{{REP}}}[{R}]))"
 
 
-def load(kind: str, how: str = "sum") -> str:
-    return f'{how} by (replica) (kvlb_replica_load{{{REP}, kind="{kind}"}})'
+def load(metric: str, how: str = "sum") -> str:
+    """``how by (replica) (metric)``: a replica's load gauge (``kvlb_replica_<name>_<unit>``). A
+    worker's own part of the load (in flight, prefill, decode) sums over ``--workers N``; what every
+    worker scrapes from the same engine (queue, KV usage) takes the ``max``."""
+    return f"{how} by (replica) ({metric}{{{REP}}})"
 
 
 def quantiles(metric: str) -> list[Target]:
@@ -103,15 +106,17 @@ ROWS: list[tuple[str, list[tuple[str, str, list[Target], str]]]] = [
     ("Replicas", [
         ("Routed requests/s per replica", "reqps",
          [(rate("kvlb_route_decisions_total", "replica", REP), "{{replica}}")], ""),
-        ("In flight per replica", "short", [(load("inflight"), "{{replica}}")], ""),
+        ("Sequences in flight per replica", "short",
+         [(load("kvlb_replica_inflight_seqs"), "{{replica}}")], ""),
         ("Pending prefill tokens per replica", "short",
-         [(load("pending_prefill_tokens"), "{{replica}}")], ""),
-        ("Decode blocks per replica", "short", [(load("decode_blocks"), "{{replica}}")], ""),
+         [(load("kvlb_replica_pending_prefill_tokens"), "{{replica}}")], ""),
+        ("Decode blocks per replica", "short", [(load("kvlb_replica_decode_blocks"), "{{replica}}")], ""),
         ("Index blocks per replica", "short",
          [(f"max by (replica) (kvlb_index_replica_blocks{{{REP}}})", "{{replica}}")],
          "Blocks the index says each replica's caches hold; flat at the engine's capacity once full."),
         ("Engine queue and KV usage", "short",
-         [(load("waiting", "max"), "{{replica}} waiting"), (load("kv_usage", "max"), "{{replica}} kv usage")],
+         [(load("kvlb_replica_waiting_seqs", "max"), "{{replica}} waiting"),
+          (load("kvlb_replica_kv_usage_ratio", "max"), "{{replica}} kv usage")],
          "Scraped from the engines."),
         ("Healthy replicas", "short",
          [(f"min by (replica) (kvlb_replica_healthy{{{REP}}})", "{{replica}}"),

@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from promeval import run_rule_tests
 from promql import exposed_series, metric_names
 
+from balancer.console import STATIC_FILES, read_static
 from balancer.metrics import Metrics
 
 DASHBOARD = DEPLOY / "grafana" / "kvlb-dashboard.json"
@@ -101,6 +102,23 @@ def test_runbook_anchors_exist() -> None:
     }
     for item in alert_rules():
         assert item["annotations"]["runbook"].split("#")[1] in anchors, item["alert"]
+
+
+DEPRECATED = {"kvlb_replica_load": "one gauge per unit: kvlb_replica_inflight_seqs, ... (h-loadmetric)"}
+"""Metrics kvlb still exports for one release, which nothing it ships may read."""
+
+
+def test_nothing_shipped_reads_a_deprecated_metric() -> None:
+    """No dashboard query or alert rule names a deprecated metric, nor does any other file kvlb ships
+    for its deployment (the PrometheusRule, Compose, the image) or the console's page."""
+    assert not queried_names() & set(DEPRECATED), sorted(queried_names() & set(DEPRECATED))
+    shipped = [path for path in sorted(DEPLOY.rglob("*")) if path.is_file()]
+    assert ALERTS in shipped and DASHBOARD in shipped and K8S / "base" / "prometheusrule.yaml" in shipped
+    texts = {str(path.relative_to(DEPLOY)): path.read_bytes() for path in shipped}
+    texts |= {f"console/{name}": read_static(name) for name in STATIC_FILES}
+    for name in DEPRECATED:
+        readers = [where for where, text in texts.items() if name.encode() in text]
+        assert not readers, f"{name} is deprecated ({DEPRECATED[name]}) but read by {readers}"
 
 
 FLEET_ONLY = {"kvlb_redis_up"}

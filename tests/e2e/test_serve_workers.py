@@ -267,13 +267,30 @@ async def check_kill_under_load(url: str, serve: Child) -> None:
     assert versions == {(2, 0.5)}
 
 
-def load_by_worker(text: str, replica: str) -> dict[tuple[str, str], float]:
-    """``kvlb_replica_load`` of ``replica`` in a gathered ``/metrics``: (worker, kind) → value."""
+LOAD_BY_UNIT = {
+    "kvlb_replica_inflight_seqs": "inflight",
+    "kvlb_replica_peer_inflight_seqs": "peer_inflight",
+    "kvlb_replica_pending_prefill_tokens": "pending_prefill_tokens",
+    "kvlb_replica_decode_blocks": "decode_blocks",
+    "kvlb_replica_waiting_seqs": "waiting",
+    "kvlb_replica_kv_usage_ratio": "kv_usage",
+}
+"""The replica load gauges named by their units, and the ``kind`` of the deprecated
+``kvlb_replica_load`` each replaces."""
+
+
+def load_by_worker(text: str, replica: str, deprecated: bool = False) -> dict[tuple[str, str], float]:
+    """The load gauges of ``replica`` in a gathered ``/metrics``: (worker, kind) → value, read from
+    the gauges named by their units, or (``deprecated``) from ``kvlb_replica_load{kind}``."""
     found: dict[tuple[str, str], float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == "kvlb_replica_load" and sample.labels.get("replica") == replica:
+            if sample.labels.get("replica") != replica:
+                continue
+            if deprecated and sample.name == "kvlb_replica_load":
                 found[(sample.labels["worker"], sample.labels["kind"])] = sample.value
+            elif not deprecated and sample.name in LOAD_BY_UNIT:
+                found[(sample.labels["worker"], LOAD_BY_UNIT[sample.name])] = sample.value
     return found
 
 
@@ -292,9 +309,11 @@ async def wait_for_load(url: str, replica: str, want: dict[tuple[str, str], floa
 
 async def test_a_request_in_flight_on_one_worker_is_in_the_others_load_view(tmp_path: Path) -> None:
     """``--workers 2``: a chat held open on one worker counts in the other worker's view of the
-    replica's load (``peer_inflight`` in its ``/metrics``, ``load`` in every ``/admin/replicas``
-    answer), not in its own part (``inflight``); when the holding worker is SIGKILLed, the
-    supervisor zeroes its row and the other worker no longer counts the dead request."""
+    replica's load (``kvlb_replica_peer_inflight_seqs`` in its ``/metrics``, ``load`` in every
+    ``/admin/replicas`` answer), not in its own part (``kvlb_replica_inflight_seqs``), each gauge
+    with the value of the deprecated ``kvlb_replica_load{kind}`` of its worker; when the holding
+    worker is SIGKILLed, the supervisor zeroes its row and the other worker no longer counts the
+    dead request."""
     engine = HoldingEngine()
     await engine.start()
     replica = "hold-0"
@@ -334,13 +353,18 @@ async def test_a_request_in_flight_on_one_worker_is_in_the_others_load_view(tmp_
         async with asyncio.timeout(10):
             await engine.held.wait()
         seen: dict[tuple[str, str], float] = {}
+        text = ""
         async with asyncio.timeout(VIEWS_TIMEOUT_S):
             while {seen.get((w, "inflight")) for w in "01"} != {0.0, 1.0}:
-                seen = load_by_worker(await fetch_text(url + "/metrics"), replica)
+                text = await fetch_text(url + "/metrics")
+                seen = load_by_worker(text, replica)
                 await asyncio.sleep(0.05)
         holder = "0" if seen[("0", "inflight")] == 1.0 else "1"
         other = "1" if holder == "0" else "0"
         assert seen[(holder, "peer_inflight")] == 0.0 and seen[(other, "peer_inflight")] == 1.0, seen
+        # the gauges named by their units carry, worker by worker, what the deprecated one does
+        assert seen == load_by_worker(text, replica, deprecated=True)
+        assert {kind for _, kind in seen} >= {"inflight", "peer_inflight", "pending_prefill_tokens"}, seen
         for _ in range(8):  # fresh connections: either worker answers, both count the request
             view = next(
                 v for v in (await fresh_get(url + "/admin/replicas"))["replicas"] if v["id"] == replica

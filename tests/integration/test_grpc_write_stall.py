@@ -51,7 +51,7 @@ async def test_a_generate_call_whose_client_stops_reading_ends_at_the_bound() ->
         assert time.monotonic() - began < STALL_S * 1.25 + 3.0
         text = await metrics_text(session, balancer.url)
         assert metric_value(text, "kvlb_http_inflight_requests") == 0
-        assert metric_value(text, "kvlb_replica_load", replica="r0", kind="inflight") == 0
+        assert metric_value(text, "kvlb_replica_inflight_seqs", replica="r0") == 0
         assert metric_value(text, "kvlb_admission_body_bytes") == 0
         async with asyncio.timeout(5.0):
             while not streams.ended_by_kvlb:  # noqa: ASYNC110 - another component's state

@@ -179,7 +179,7 @@ async def test_clients_that_stop_reading_a_stream_are_dropped_within_the_bound()
             dropped_after = [time.monotonic() - sent for _, sent in sockets]
             text = await metrics_text(session, balancer.url)
             assert metric_value(text, "kvlb_http_inflight_requests") == 0
-            assert metric_value(text, "kvlb_replica_load", replica="r0", kind="inflight") == 0
+            assert metric_value(text, "kvlb_replica_inflight_seqs", replica="r0") == 0
             assert metric_value(text, "kvlb_admission_body_bytes") == 0
             assert metric_value(text, "kvlb_http_requests_total", status="499") == 2
             # within the bound (1.25 times it: the check's period) plus the time to fill the buffers
