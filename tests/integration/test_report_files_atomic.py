@@ -36,6 +36,9 @@ from pathlib import Path
 from loadtests.atomic_files import write_lines_atomic
 
 path, lines, signal_after, pause_s = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4])
+# a shell without job control starts background commands with SIGINT ignored, and Python then
+# keeps it ignored: a test run from such a job would see the signal do nothing
+signal.signal(signal.SIGINT, signal.default_int_handler)
 if signal_after >= 0:
     from loadtests.capacity.target import sigterm_as_sigint
 else:  # the run to the end: no signal comes (and the import costs a second on a loaded machine)
