@@ -37,6 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.events import KvEvent, Resync, Stored, event_blocks, split_chained
+from balancer.gc_tuning import thread_cpu_s
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -107,13 +108,13 @@ class OwnCpu(Generic[T]):
         sent: Any = None
         thrown: BaseException | None = None
         while True:
-            started = time.thread_time()
+            started = thread_cpu_s()
             try:
                 yielded = steps.send(sent) if thrown is None else steps.throw(thrown)
             except StopIteration as done:
                 return cast(T, done.value)
             finally:
-                self.cpu_s += time.thread_time() - started
+                self.cpu_s += thread_cpu_s() - started
             try:
                 sent, thrown = (yield yielded), None
             except GeneratorExit:
