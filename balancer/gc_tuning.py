@@ -18,13 +18,21 @@ young container, so the ~32 requests in flight were walked about once per five r
   decoded envelope), so collections ran in the middle of it, found them all alive, and promoted them
   to the older generations, until a full collection (70–270 ms with the console's decision ring,
   holding the GIL: every request waited) ran every few dozen messages of a flood.
+* :func:`thread_cpu_s` is ``time.thread_time`` less the collections this thread ran: what the
+  ingestion budget charges (:mod:`balancer.sources.budget`). A collection is the interpreter's
+  work on every thread's garbage, triggered by whichever allocation crosses the threshold; charged
+  to the replica whose apply happened to trigger it, one full collection could spend its budget
+  and shed its events.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
+import time
 from collections.abc import Iterator
+from typing import Any
 
 
 def settle_after_start() -> None:
@@ -48,3 +56,39 @@ def collections_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+class _Collections(threading.local):
+    """This thread's collections: CPU seconds spent in them, and when the running one began."""
+
+    def __init__(self) -> None:
+        self.cpu_s = 0.0
+        self.started: float | None = None
+
+
+_COLLECTIONS = _Collections()
+_HOOK_LOCK = threading.Lock()
+
+
+def _on_collection(phase: str, info: dict[str, Any]) -> None:
+    """``gc.callbacks`` hook: runs on the thread that collects, around each collection."""
+    if phase == "start":
+        _COLLECTIONS.started = time.thread_time()
+    elif _COLLECTIONS.started is not None:
+        _COLLECTIONS.cpu_s += time.thread_time() - _COLLECTIONS.started
+        _COLLECTIONS.started = None
+
+
+def _hooked() -> None:
+    if _on_collection not in gc.callbacks:
+        with _HOOK_LOCK:
+            if _on_collection not in gc.callbacks:
+                gc.callbacks.append(_on_collection)
+
+
+def thread_cpu_s() -> float:
+    """This thread's CPU time (seconds, ``time.thread_time``) less what it spent in collections
+    since the first call in the process: differences of it time a step's own work. The hook it
+    installs (``gc.callbacks``, once per process) costs two clock reads a collection."""
+    _hooked()
+    return time.thread_time() - _COLLECTIONS.cpu_s

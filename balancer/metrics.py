@@ -584,7 +584,8 @@ def _events_collectors(reg: CollectorRegistry) -> _EventsCollectors:
             "kvlb_events_shed_runs_total",
             "Runs of shed event messages (each resyncs the rank once), by what started the run: budget "
             "(the replica's ingestion CPU budget spent, or its queue over half full), behind (the "
-            "source read for zmq max_behind_s without finding its socket empty), backlog (it found "
+            "source read for limits.event_max_behind_s, at least 16 messages, without finding its "
+            "socket empty; pauses of the process not counted), backlog (it found "
             "more than zmq max_backlog_bytes queued) or frames (a message of more than 8 frames, read "
             "no further: the SUB is dropped with the rest of it and reopened).",
             ["replica", "cause"],

@@ -428,6 +428,22 @@ class LimitConfig:
     largest TRT-LLM drain body. ZMQ drops the connection of a publisher that sends a larger message:
     a disconnect (``kvlb_events_disconnects_total``), then a resync; a larger drain body is dropped
     and the next drain's ``event_id`` gap resyncs."""
+    event_ingest_cpu_share: float = 0.25
+    """CPU seconds a second that one replica's event ingestion (decoding its messages, applying them
+    to the index) may spend, as a token bucket refilled at this rate: past it the replica's sources
+    shed messages undecoded and its ranks resync (``kvlb_events_shed_runs_total{cause="budget"}``),
+    so a flooding engine costs at most this share of a core and the request loop keeps the rest.
+    Collections of the garbage collector are not charged. > 0 (CPU s/s); ``.inf`` turns the budget
+    off."""
+    event_ingest_cpu_burst_s: float = 0.5
+    """CPU seconds of ingestion one replica may save up while quiet and spend at once (the bucket's
+    size): a burst of events costing less is never shed. (0, 60] CPU seconds."""
+    event_max_behind_s: float = 1.0
+    """Longest a ZMQ source may keep reading without finding its socket empty (seconds of reading;
+    each gap over 0.1 s between two reads, a pause of the process, is not counted, and a run of fewer
+    than 16 messages is never behind): past it the publisher sends faster than kvlb ingests, and
+    the backlog is dropped with the socket (``kvlb_events_shed_runs_total{cause="behind"}``, one
+    resync). Bounds how stale the index gets in a flood. (0, 60] seconds."""
     relay_history_bytes: int = 32 * 1024 * 1024
     """``kvlb serve --workers N``: drain bodies of one TRT-LLM replica that worker 0 keeps (bytes,
     the bodies as drained) so that a worker that starts, restarts or reconnects later catches up on

@@ -79,9 +79,9 @@ from balancer.log_limit import LimitedWarnings
 from balancer.routing.router import KeySpace
 from balancer.service.state import ServiceState
 from balancer.sources.base import EventSource
-from balancer.sources.build import build_sources, poll_settings_for, zmq_settings_for
+from balancer.sources.build import build_sources, ingest_settings_for, poll_settings_for, zmq_settings_for
 from balancer.sources.ingest_thread import IngestThread, yield_gil
-from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.sources.pipeline import EventIngest
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
@@ -226,12 +226,7 @@ class FleetRuntime:
             on_lost=self._lost_threadsafe,
             on_redis=self._redis_reporter(f"writer {name}"),
         )
-        limits = state.settings.limits
-        ingest_settings = IngestSettings(
-            queue_max_batches=limits.event_queue_size,
-            queue_max_bytes=limits.event_queue_bytes,
-            max_event_blocks=limits.max_event_blocks,
-        )
+        ingest_settings = ingest_settings_for(state.settings.limits)
         ingest = SpaceIngest(
             self.thread, writer, EventIngest(writer, metrics=state.metrics, settings=ingest_settings)
         )

@@ -44,9 +44,15 @@ from balancer.load.scraper import MetricsScraper, ScrapeSettings
 from balancer.routing.router import KeySpace
 from balancer.service.state import Pool, ServiceState
 from balancer.sources.base import EventSource
-from balancer.sources.build import RelayRole, build_sources, poll_settings_for, zmq_settings_for
+from balancer.sources.build import (
+    RelayRole,
+    build_sources,
+    ingest_settings_for,
+    poll_settings_for,
+    zmq_settings_for,
+)
 from balancer.sources.ingest_thread import IngestThread, ThreadedIngest
-from balancer.sources.pipeline import EventIngest, IngestSettings
+from balancer.sources.pipeline import EventIngest
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
 
@@ -94,11 +100,7 @@ class ReplicaLifecycle:
             timeout_s=max(1.0, settings.timeouts.connect_s),
             models_recheck_s=settings.health_models_recheck_s,
         )
-        self._ingest_settings = IngestSettings(
-            queue_max_batches=settings.limits.event_queue_size,
-            max_event_blocks=settings.limits.max_event_blocks,
-            queue_max_bytes=settings.limits.event_queue_bytes,
-        )
+        self._ingest_settings = ingest_settings_for(settings.limits)
 
     # ------------------------------------------------------------------ static replicas
 

@@ -69,6 +69,10 @@ class Gate(Protocol):
 
     def charge(self, cpu_s: float) -> None: ...
 
+    def spent(self) -> str:
+        """Why it does not admit now, in figures (for the shed warning)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class SourceStatus:

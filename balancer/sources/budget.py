@@ -46,6 +46,11 @@ class CpuBudget:
         self._refill(now)
         return self._tokens_s > 0
 
+    def level_s(self, now: float) -> float:
+        """CPU seconds left in the bucket at ``now`` (below zero: the debt)."""
+        self._refill(now)
+        return self._tokens_s
+
     def charge(self, cpu_s: float, now: float) -> None:
         """Spend ``cpu_s`` (it may go below zero: the debt is paid back before the next work)."""
         self._refill(now)

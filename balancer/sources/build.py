@@ -20,6 +20,7 @@ from balancer.engines import ResumableDecoder
 from balancer.engines.registry import engine_spec
 from balancer.metrics import Metrics
 from balancer.sources.base import EventSource
+from balancer.sources.pipeline import IngestSettings
 from balancer.sources.trtllm_poll import PollSettings, TrtllmPoller
 from balancer.sources.trtllm_relay import RelayPublisher, RelaySource, relay_endpoint
 from balancer.sources.zmq_settings import ZmqSourceSettings, endpoint_for_rank
@@ -41,9 +42,27 @@ class RelayRole:
 
 
 def zmq_settings_for(limits: LimitConfig) -> ZmqSourceSettings:
-    """The ZMQ source settings the configured limits ask for (``limits.event_message_bytes``)."""
+    """The ZMQ source settings the configured limits ask for (``limits.event_message_bytes``,
+    ``limits.event_max_behind_s``)."""
     backlog = max(ZmqSourceSettings().max_backlog_bytes, limits.event_message_bytes)
-    return ZmqSourceSettings(max_message_bytes=limits.event_message_bytes, max_backlog_bytes=backlog)
+    return ZmqSourceSettings(
+        max_message_bytes=limits.event_message_bytes,
+        max_backlog_bytes=backlog,
+        max_behind_s=limits.event_max_behind_s,
+    )
+
+
+def ingest_settings_for(limits: LimitConfig) -> IngestSettings:
+    """Each replica's ingestion queue and CPU budget as the configured limits ask
+    (``limits.event_queue_*``, ``limits.max_event_blocks``, ``limits.event_ingest_cpu_*``); used by
+    the embedded ingest and by each key space of fleet mode alike."""
+    return IngestSettings(
+        queue_max_batches=limits.event_queue_size,
+        queue_max_bytes=limits.event_queue_bytes,
+        max_event_blocks=limits.max_event_blocks,
+        cpu_share=limits.event_ingest_cpu_share,
+        cpu_burst_s=limits.event_ingest_cpu_burst_s,
+    )
 
 
 def poll_settings_for(limits: LimitConfig) -> PollSettings:

@@ -37,6 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
 from balancer.errors import BalancerError, ConfigError
 from balancer.events import KvEvent, Resync, Stored, event_blocks, split_chained
+from balancer.gc_tuning import thread_cpu_s
 from balancer.index.base import ApplyResult, PrefixIndex
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -107,13 +108,13 @@ class OwnCpu(Generic[T]):
         sent: Any = None
         thrown: BaseException | None = None
         while True:
-            started = time.thread_time()
+            started = thread_cpu_s()
             try:
                 yielded = steps.send(sent) if thrown is None else steps.throw(thrown)
             except StopIteration as done:
                 return cast(T, done.value)
             finally:
-                self.cpu_s += time.thread_time() - started
+                self.cpu_s += thread_cpu_s() - started
             try:
                 sent, thrown = (yield yielded), None
             except GeneratorExit:
@@ -231,6 +232,24 @@ class ReplicaPipeline:
         ):
             return False
         return self.budget is None or self.budget.allows(self._monotonic())
+
+    def spent(self) -> str:
+        """Why :meth:`admits` says no, in figures (the shed warning's ``budget`` cause)."""
+        settings = self.settings
+        if (
+            self._queue.qsize() * 2 > settings.queue_max_batches
+            or self.queued_bytes * 2 > settings.queue_max_bytes
+        ):
+            return (
+                f"its event queue is over half full ({self._queue.qsize()} of {settings.queue_max_batches} "
+                f"batches, {self.queued_bytes} of {settings.queue_max_bytes} bytes)"
+            )
+        if self.budget is None:
+            return "its ingestion budget is off"
+        return (
+            f"its ingestion CPU budget is spent ({self.budget.level_s(self._monotonic()):.3f} s left of a "
+            f"{settings.cpu_burst_s:g} s burst at {settings.cpu_share:g} CPU s/s)"
+        )
 
     def charge(self, cpu_s: float) -> None:
         """Count ``cpu_s`` of decoding or applying against the replica's budget."""

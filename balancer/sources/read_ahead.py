@@ -5,9 +5,9 @@ Before a message is handled, :class:`ReadAhead` takes everything queued on the S
 undecoded (zero-copy frames), until the socket is empty or more than ``max_backlog_bytes`` were taken.
 The next message is then shed, its payload never copied out of ZMQ (only topic and seq are read), in
 a flood (more than ``max_backlog_bytes`` were found queued: cause ``backlog``; or the source has read
-for ``max_behind_s`` without finding the socket empty: ``behind``) or while the replica's CPU budget
-is spent (the ``gate``: ``budget``). What a shed message does to the stream (its seq taken in order,
-one resync per run, a flood dropped with the SUB) is
+for ``max_behind_s`` without finding the socket empty, :class:`BehindClock`: ``behind``) or while the
+replica's CPU budget is spent (the ``gate``: ``budget``). What a shed message does to the stream
+(its seq taken in order, one resync per run, a flood dropped with the SUB) is
 :class:`~balancer.sources.zmq_sub.ZmqEventSource`'s.
 
 A message is read frame by frame, at most :data:`MAX_MESSAGE_FRAMES`: ZMQ bounds each frame
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 import zmq
@@ -40,6 +41,62 @@ so that messages of few bytes cannot fill the read-ahead's memory while its byte
 MAX_MESSAGE_FRAMES = 8
 """Frames of a SUB message read at most: an engine's live message has 3 (``[topic, seq, payload]``);
 one of 4 to 8 still reaches the decoder, which refuses it (``kvlb_events_decode_errors_total``)."""
+MIN_BEHIND_MESSAGES = 16
+"""Messages a run must have handled before it can be ``behind``: a run of fewer is a burst, not a
+flood, however long the process was paused in it. A flood handles far more in ``max_behind_s``
+(1 s): the traced floods of ``docs/benchmark-history.md`` ("The event flood, round 2") decoded 24-96
+messages in their first second (5 in 0.13 s at load 4.8) and shed thousands, and the ``behind``
+test of ``tests/integration/test_sources_budget.py`` queues 400."""
+MAX_READ_GAP_S = 0.1
+"""Most of the wall time between two reads of a run that counts towards ``max_behind_s`` (seconds):
+a longer gap is the process paused (a collection, a core taken away on a loaded machine, the event
+loop busy elsewhere), not the source falling behind its publisher. A flood's reads come 2-20 ms
+apart (the traced floods' wall time a message, 3.97-20.5 ms at its p50)."""
+
+
+@dataclass(slots=True)
+class BehindClock:
+    """How long a source has been reading without finding its socket empty, and whether that makes it
+    ``behind`` (pure: takes ``now``). Each gap between two reads counts up to :data:`MAX_READ_GAP_S`,
+    and a run is ``behind`` only past ``max_behind_s`` of that and :data:`MIN_BEHIND_MESSAGES`
+    handled: one pause of the process in a burst of a few messages is not a flood (before
+    2026-12-01 it was, and a replica that sent one prompt's events shed them and resynced)."""
+
+    max_behind_s: float
+    """The ``behind`` threshold (seconds of reading, ``zmq.max_behind_s``)."""
+    reading_s: float = 0.0
+    """Time counted in the current run (seconds; each gap capped at :data:`MAX_READ_GAP_S`)."""
+    handled: int = 0
+    """Messages read in the current run before the one at hand."""
+    paused_s: float = 0.0
+    """Wall time of the run's gaps not counted (seconds past :data:`MAX_READ_GAP_S` in each)."""
+    _last_read_at: float | None = field(default=None, repr=False)
+
+    def read(self, now: float) -> bool:
+        """A message read at ``now``: whether the run is now ``behind``."""
+        last = self._last_read_at
+        if last is not None:
+            gap_s = max(0.0, now - last)
+            self.reading_s += min(gap_s, MAX_READ_GAP_S)
+            self.paused_s += max(0.0, gap_s - MAX_READ_GAP_S)
+            self.handled += 1
+        self._last_read_at = now
+        return self.handled >= MIN_BEHIND_MESSAGES and self.reading_s > self.max_behind_s
+
+    def reset(self) -> None:
+        """The socket was found empty (or a replay ran): the next read starts a new run."""
+        self.reading_s = 0.0
+        self.handled = 0
+        self.paused_s = 0.0
+        self._last_read_at = None
+
+    def explain(self) -> str:
+        """Why the run is behind, for the shed warning."""
+        return (
+            f"read for {self.reading_s:.2f} s (max_behind_s {self.max_behind_s:g} s; gaps over "
+            f"{MAX_READ_GAP_S:g} s, {self.paused_s:.2f} s in all, not counted) without finding the socket "
+            f"empty, {self.handled} messages handled in the run"
+        )
 
 
 class ReadAhead:
@@ -48,8 +105,9 @@ class ReadAhead:
     __slots__ = (
         "_ahead",
         "_ahead_bytes",
-        "_behind_since",
+        "_behind",
         "_flood",
+        "_flood_bytes",
         "_settings",
         "reader",
         "refused",
@@ -60,8 +118,8 @@ class ReadAhead:
         self._settings = settings
         self.shed_cause: ShedCause = "budget"
         """Why the last message was shed (counted once per run by the source)."""
-        self._behind_since: float | None = None
-        """When the current run of reads without an empty socket began (``None``: caught up)."""
+        self._behind = BehindClock(settings.max_behind_s)
+        """The current run of reads without an empty socket."""
         self.reader: zmq.Socket[bytes] | None = None
         """A synchronous shadow of the SUB: the read-ahead's plain non-blocking reads."""
         self._ahead: deque[tuple[list[zmq.Frame], int, bool]] = deque()
@@ -73,6 +131,8 @@ class ReadAhead:
         self._ahead_bytes = 0
         self._flood = False
         """The read-ahead found more than ``max_backlog_bytes`` queued, and has not been empty since."""
+        self._flood_bytes = 0
+        """What the read-ahead held when it found the flood (bytes)."""
 
     @property
     def pending(self) -> bool:
@@ -102,16 +162,32 @@ class ReadAhead:
             self._ahead_bytes += size
             if self.refused:
                 return
+        if not self._flood:
+            self._flood_bytes = self._ahead_bytes
         self._flood = True
 
     def caught_up(self) -> None:
-        self._behind_since = None
+        self._behind.reset()
         self._flood = False
 
     def not_behind(self) -> None:
         """Start the ``max_behind_s`` clock afresh (time spent replaying is not a backlog of the
         live stream)."""
-        self._behind_since = None
+        self._behind.reset()
+
+    def explain(self) -> str:
+        """Why the last message was shed (``behind``, ``backlog``, ``frames``), in figures; the
+        ``budget`` cause is the gate's to explain."""
+        if self.shed_cause == "behind":
+            return self._behind.explain()
+        if self.shed_cause == "backlog":
+            return (
+                f"{self._flood_bytes} bytes queued on the socket, over max_backlog_bytes "
+                f"{self._settings.max_backlog_bytes}"
+            )
+        if self.shed_cause == "frames":
+            return f"a message of more than {MAX_MESSAGE_FRAMES} frames"
+        return "the replica's ingestion budget is spent"
 
     def drained(self) -> bool:
         """Whether nothing is left to handle (the read-ahead and the socket empty); if so, caught up."""
@@ -124,21 +200,20 @@ class ReadAhead:
     def read(self, gate: Gate | None) -> tuple[list[bytes], bool] | None:
         """The next message queued on the SUB and whether to shed it (``None``: the socket is empty).
         A message is shed in a flood (the read-ahead found more than ``max_backlog_bytes``, or the
-        source has read for ``max_behind_s`` without finding the socket empty) or while the
+        source has read for ``max_behind_s`` without finding the socket empty, :class:`BehindClock`)
+        or while the
         replica's budget is spent (``gate``); a shed message's payload is never copied out of
         ZMQ (only topic and seq are read)."""
         if self.drained():
             return None
         parts, size, refused = self._ahead.popleft()
         self._ahead_bytes -= size
-        now = time.monotonic()
-        if self._behind_since is None:
-            self._behind_since = now
+        behind = self._behind.read(time.monotonic())
         if refused:
             self.shed_cause = "frames"
         elif self._flood:
             self.shed_cause = "backlog"
-        elif now - self._behind_since > self._settings.max_behind_s:
+        elif behind:
             self.shed_cause = "behind"
         elif gate is not None and not gate.admits():
             self.shed_cause = "budget"

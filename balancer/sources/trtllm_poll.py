@@ -35,6 +35,7 @@ from balancer.config.settings import Secret
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import ConfigError, EventDecodeError
 from balancer.events import Resync
+from balancer.gc_tuning import thread_cpu_s
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -323,12 +324,12 @@ class TrtllmPoller:
         return delay_s
 
     def _decode(self, body: bytes) -> DecodedBatch | None:
-        started = time.thread_time()
+        started = thread_cpu_s()
         try:
             return self._decode_body(body)
         finally:
             if self.gate is not None:
-                self.gate.charge(time.thread_time() - started)
+                self.gate.charge(thread_cpu_s() - started)
 
     def _decode_body(self, body: bytes) -> DecodedBatch | None:
         try:

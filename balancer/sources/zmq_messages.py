@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
-from balancer.gc_tuning import collections_paused
+from balancer.gc_tuning import collections_paused, thread_cpu_s
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import Gate, SourceCounters, count_decode_error, report_malformed
@@ -90,9 +90,9 @@ class MessageReader:
         elif gate is None:
             batch = self.decode(frames)
         else:
-            started = time.thread_time()
+            started = thread_cpu_s()
             batch = self.decode(frames)
-            gate.charge(time.thread_time() - started)
+            gate.charge(thread_cpu_s() - started)
         if batch is None or batch.seq is None:
             return None
         return batch, None if shed else hash(frames[-1])

@@ -27,7 +27,11 @@ class ZmqSourceSettings:
     disconnected by ZMQ (then a resync; the source opens a fresh socket, as libzmq does not
     reconnect after that protocol error). Bounds one message in memory. Must be ≥ 1."""
     max_behind_s: float = 1.0
-    """Longest the source may keep reading without ever finding the socket empty (seconds): past it
+    """Longest the source may keep reading without ever finding the socket empty (seconds;
+    ``limits.event_max_behind_s``; each gap between two reads counts at most
+    :data:`~balancer.sources.read_ahead.MAX_READ_GAP_S`, and a run of fewer than
+    :data:`~balancer.sources.read_ahead.MIN_BEHIND_MESSAGES` is never behind: a pause of the process
+    is not a flood): past it
     the publisher sends faster than kvlb decodes and applies, so the message at hand is shed (the
     rank resyncs once, ``kvlb_events_shed_total``, a run counted in
     ``kvlb_events_shed_runs_total{cause="behind"}``) and the rest of the backlog is dropped with the

@@ -635,13 +635,17 @@ class ZmqEventSource:
                 MAX_MESSAGE_FRAMES,
             )
         else:
+            gate = self.gate
+            why = gate.spent() if cause == "budget" and gate is not None else self._ahead.explain()
             self._warnings.warning(
                 "events_shed",
                 self.replica,
-                "replica %s rank %d: events arrive faster than its ingestion budget allows; "
-                "dropping messages undecoded and resyncing",
+                "replica %s rank %d: shedding events (cause %s: %s); dropping messages undecoded and "
+                "resyncing",
                 self.replica,
                 self.dp_rank,
+                cause,
+                why,
             )
         self._resync(emit, "overflow")
 

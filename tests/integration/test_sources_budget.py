@@ -54,7 +54,7 @@ def test_the_budget_refills_at_its_share_up_to_its_burst() -> None:
 
 
 async def test_a_spent_budget_sheds_messages_undecoded_and_resyncs_once(
-    ctx: zmq.asyncio.Context, publisher: Publisher
+    ctx: zmq.asyncio.Context, publisher: Publisher, caplog: pytest.LogCaptureFixture
 ) -> None:
     metrics = Metrics.create()
     index = RecordingIndex(REPLICA)
@@ -91,6 +91,10 @@ async def test_a_spent_budget_sheds_messages_undecoded_and_resyncs_once(
             for c in ("budget", "behind")
         ]
         assert runs == [1.0, 0.0]  # one run, started by the budget
+        # the warning names the cause with the budget's figures (since 2026-12-01)
+        (warning,) = [r.getMessage() for r in caplog.records if "shedding events" in r.getMessage()]
+        assert "(cause budget: its ingestion CPU budget is spent (" in warning
+        assert "s left of a 1e-09 s burst at 1e-09 CPU s/s)" in warning
     finally:
         await ingest.aclose()
 
@@ -106,6 +110,9 @@ class Switch:
 
     def charge(self, cpu_s: float) -> None:
         return None
+
+    def spent(self) -> str:
+        return "the test closed it"
 
 
 async def test_shed_messages_keep_restart_detection_by_seq(
