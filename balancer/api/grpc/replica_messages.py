@@ -98,13 +98,21 @@ def prediction_message(prediction: Mapping[str, Any]) -> pb.Prediction:
 def scrape_message(scrape: Mapping[str, Any]) -> pb.ScrapeStatus:
     """A replica's ``scrape`` (:class:`~balancer.load.scraper.ScraperStatus` with its ages), but its
     last scraped figures (``last``: in ``details``; ``load`` has what routing read of them)."""
-    return pb.ScrapeStatus(
+    message = pb.ScrapeStatus(
         url=scrape["url"],
         scrapes=scrape["scrapes"],
         errors=scrape["errors"],
         last_ok_age_s=scrape.get("last_ok_age_s"),
         last_error=scrape.get("last_error"),
+        rejected_values=scrape.get("rejected_values") or 0,
+        last_rejection_age_s=scrape.get("last_rejection_age_s"),
     )
+    rejection: Mapping[str, Any] | None = scrape.get("last_rejection")
+    if rejection is not None:
+        message.last_rejection.CopyFrom(
+            pb.ScrapeRejection(gauge=rejection["gauge"], value=rejection["value"], reason=rejection["reason"])
+        )
+    return message
 
 
 def kept_drain_message(view: Mapping[str, Any]) -> pb.KeptDrain:
