@@ -16,6 +16,7 @@ from google.protobuf import json_format, struct_pb2
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
+from balancer.api.grpc.admin import REPLICAS_PER_STEP, replica_messages
 from balancer.api.grpc.messages import decision_message, openai_call, read_chunk, received_ids, struct_of
 from balancer.api.grpc.replica_messages import replica_message
 from balancer.api.parsing import parse_request
@@ -417,3 +418,20 @@ def test_struct_of_gives_what_the_json_way_gave_for_what_it_does_not_take(data: 
         assert str(raised.value) == str(exc)
     else:
         assert struct_of(data) == before
+
+
+def test_list_replicas_builds_its_messages_a_few_at_a_time_with_the_loop_let_run_between() -> None:
+    """``ListReplicas`` (h-grpclist) makes ``REPLICAS_PER_STEP`` messages, then lets the loop run: 25
+    replicas are built in three steps (two yields), into the messages :func:`replica_message` makes."""
+    views = [{**bare_view(), "id": f"r{index}"} for index in range(25)]
+    steps = replica_messages(views)
+    yields = 0
+    while True:
+        try:
+            steps.send(None)
+        except StopIteration as done:
+            built: list[pb.Replica] = done.value
+            break
+        yields += 1
+    assert REPLICAS_PER_STEP == 10 and yields == 2
+    assert built == [replica_message(view) for view in views]

@@ -357,11 +357,20 @@ class _NotPlain(Exception):
 
 
 def _fill_struct(struct: struct_pb2.Struct, data: Mapping[str, Any]) -> None:
+    """The scalars most views hold set here (a call a leaf less), the rest by :func:`_fill_value`."""
     fields = struct.fields
     for key, value in data.items():
         if not isinstance(key, str):  # json writes 1, 1.5, True, None as keys: the JSON way
             raise _NotPlain(key)
-        _fill_value(fields[key], value)
+        kind = type(value)
+        if value is None:
+            fields[key].null_value = struct_pb2.NULL_VALUE
+        elif kind is int:
+            fields[key].number_value = value
+        elif kind is str:
+            fields[key].string_value = value
+        else:
+            _fill_value(fields[key], value)
 
 
 def _fill_value(target: struct_pb2.Value, value: Any) -> None:
