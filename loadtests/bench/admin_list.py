@@ -2,7 +2,7 @@
 benchmark; prints a table and one line of JSON, or the JSON only with ``--json``).
 
 A real :class:`~balancer.app.Balancer` serves gRPC and HTTP on 127.0.0.1 in this process, in front of
-``--replicas`` static vLLM entries answered by one aiohttp application of this process (a port each:
+``--replicas`` static vLLM entries answered by one aiohttp application of a child process (a port each:
 ``/health``, ``/v1/models`` and a ``/metrics`` whose queue gauge is ``-3`` on every tenth replica, so
 their ``scrape`` holds a refused figure) and a ZMQ PUB each (their event sources connect; nothing is
 published). A client in a child process (this module with ``--client``) makes ``--calls`` calls of
@@ -109,21 +109,15 @@ def _metrics(waiting: str) -> str:
     )
 
 
-@contextlib.asynccontextmanager
-async def running(count: int, interval_s: float = 1.0) -> AsyncIterator[Any]:
-    """The fleet's fakes and a started balancer over them (yielded), all stopped on exit; it scrapes
-    every ``interval_s`` and probes every two."""
+async def serve_fleet(count: int) -> None:
+    """The fleet's child (``--fleet N``): ``count`` fakes, their replica entries printed as one line
+    of JSON, served until its standard input closes."""
     import zmq
     import zmq.asyncio
-
-    from balancer.app import Balancer
-    from balancer.config import Settings, from_mapping
-    from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
     zctx = zmq.asyncio.Context()
     pubs: list[zmq.asyncio.Socket] = []
     runner, urls = await _fleet_app(count)
-    balancer: Balancer | None = None
     try:
         replicas = []
         for index, url in enumerate(urls):
@@ -133,9 +127,35 @@ async def running(count: int, interval_s: float = 1.0) -> AsyncIterator[Any]:
             entry = {"id": f"r{index:03d}", "url": url, "engine": "vllm", "block_size": 16}
             entry["events"] = f"tcp://127.0.0.1:{port}"
             replicas.append(entry)
+        print(json.dumps(replicas), flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    finally:
+        await runner.cleanup()
+        for pub in pubs:
+            pub.close(linger=0)
+        zctx.term()
+
+
+@contextlib.asynccontextmanager
+async def running(count: int, interval_s: float = 1.0) -> AsyncIterator[Any]:
+    """The fleet's fakes (in a child process: their work is not on the balancer's loop) and a
+    started balancer over them (yielded), all stopped on exit; it scrapes every ``interval_s`` and
+    probes every two."""
+    from balancer.app import Balancer
+    from balancer.config import Settings, from_mapping
+    from balancer.tokenizer.tokenizer import TokenIdTokenizer
+
+    command = [sys.executable, "-m", "loadtests.bench.admin_list", "--fleet", str(count)]
+    child = await asyncio.create_subprocess_exec(*command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    balancer: Balancer | None = None
+    try:
+        assert child.stdout is not None
+        line = await asyncio.wait_for(child.stdout.readline(), timeout=120)
+        if not line:
+            raise RuntimeError(f"the fleet's child exited with {await child.wait()}")
         tree: dict[str, Any] = {
             "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": 0},
-            "pools": [{"model": MODEL, "replicas": replicas}],
+            "pools": [{"model": MODEL, "replicas": json.loads(line)}],
             "health_interval_s": 2 * interval_s,
             "scrape_interval_s": interval_s,
         }
@@ -146,10 +166,13 @@ async def running(count: int, interval_s: float = 1.0) -> AsyncIterator[Any]:
     finally:
         if balancer is not None:
             await balancer.stop()
-        await runner.cleanup()
-        for pub in pubs:
-            pub.close(linger=0)
-        zctx.term()
+        if child.stdin is not None:
+            child.stdin.close()
+        try:
+            await asyncio.wait_for(child.wait(), timeout=10)
+        except TimeoutError:
+            child.kill()
+            await child.wait()
 
 
 async def _settled(balancer: Any, count: int, timeout_s: float = 60.0) -> None:
@@ -328,11 +351,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--client", choices=("grpc", "http"), help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
+    parser.add_argument("--fleet", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not (1 <= args.replicas <= 1000 and 1 <= args.calls <= 100_000 and 0 <= args.warmup <= 10_000):
         parser.error("--replicas 1..1000, --calls 1..100000, --warmup 0..10000")
     if not (0 <= args.pause_ms <= 10_000 and 0.05 <= args.interval_s <= 10):
         parser.error("--pause-ms 0..10000, --interval-s 0.05..10")
+    if args.fleet:
+        asyncio.run(serve_fleet(args.fleet))
+        return 0
     if args.client:
         return client(args.client, args.target, args.calls, args.warmup, args.pause_ms)
     selector = TimedSelector()
