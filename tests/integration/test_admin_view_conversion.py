@@ -15,8 +15,10 @@ from google.protobuf import json_format, struct_pb2
 from kvlb_harness import MODEL, running, wait_for
 
 from balancer import strict_json
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.admin import replicas_answer
 from balancer.api.grpc.messages import struct_of
+from balancer.api.grpc.replica_messages import replica_message
 from balancer.api.plain import plain_dict
 from balancer.service.state import ServiceState
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
@@ -46,6 +48,12 @@ def assert_converted_as_before(state: ServiceState) -> int:
         made, before = struct_of(view), json_way(view)
         assert made == before
         assert made.SerializeToString(deterministic=True) == before.SerializeToString(deterministic=True)
+    for view in answer["replicas"]:  # details as ListReplicas makes it: in place, in the answer
+        made = replica_message(view, pb.ListReplicasResponse().replicas.add()).details
+        assert made == json_way(view)
+        assert made.SerializeToString(deterministic=True) == json_way(view).SerializeToString(
+            deterministic=True
+        )
     return len(answer["replicas"])
 
 

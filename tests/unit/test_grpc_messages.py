@@ -424,14 +424,15 @@ def test_list_replicas_builds_its_messages_a_few_at_a_time_with_the_loop_let_run
     """``ListReplicas`` (h-grpclist) makes ``REPLICAS_PER_STEP`` messages, then lets the loop run: 25
     replicas are built in three steps (two yields), into the messages :func:`replica_message` makes."""
     views = [{**bare_view(), "id": f"r{index}"} for index in range(25)]
-    steps = replica_messages(views)
-    yields = 0
+    answer = pb.ListReplicasResponse()
+    steps = replica_messages(views, answer)
+    built = []
     while True:
         try:
             steps.send(None)
-        except StopIteration as done:
-            built: list[pb.Replica] = done.value
+        except StopIteration:
             break
-        yields += 1
-    assert REPLICAS_PER_STEP == 10 and yields == 2
-    assert built == [replica_message(view) for view in views]
+        built.append(len(answer.replicas))
+    assert REPLICAS_PER_STEP == 10 and built == [10, 20] and len(answer.replicas) == 25
+    assert list(answer.replicas) == [replica_message(view) for view in views]
+    assert list(answer.replicas) == [replica_message(view, pb.Replica()) for view in views]

@@ -47,15 +47,15 @@ about 0.1 ms of CPU each (0.25 on a loaded machine), so a list of 100 replicas h
 ten short stretches, not one long one (2026-12-01, h-grpclist)."""
 
 
-async def replica_messages(views: list[dict[str, Any]]) -> list[pb.Replica]:
+async def replica_messages(views: list[dict[str, Any]], answer: pb.ListReplicasResponse) -> None:
     """``GET /admin/replicas``' replica views (already made: a consistent list, which nothing else
-    changes) as messages, :data:`REPLICAS_PER_STEP` at a time with the loop let run in between."""
-    messages: list[pb.Replica] = []
+    changes) as ``answer``'s ``replicas``, made in place (not copied there),
+    :data:`REPLICAS_PER_STEP` at a time with the loop let run in between."""
     for start in range(0, len(views), REPLICAS_PER_STEP):
         if start:
             await asyncio.sleep(0)
-        messages.extend(replica_message(view) for view in views[start : start + REPLICAS_PER_STEP])
-    return messages
+        for view in views[start : start + REPLICAS_PER_STEP]:
+            replica_message(view, answer.replicas.add())
 
 
 class AdminService:
@@ -112,13 +112,14 @@ class AdminService:
         answer = replicas_answer(self.state)
         if self.state.replicas_gather is not None:  # every worker's, as GET /admin/replicas
             answer = await self.state.replicas_gather(answer)
-        return pb.ListReplicasResponse(
-            replicas=await replica_messages(answer["replicas"]),
+        response = pb.ListReplicasResponse(
             workers=answer.get("workers", ()),
             workers_missing=answer.get("workers_missing", ()),
             kept_drains=[kept_drain_message(kept) for kept in answer["kept_drains"]],
             kept_drains_total=answer["kept_drains_total"],
         )
+        await replica_messages(answer["replicas"], response)
+        return response
 
     async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:
         if not request.replica_id:

@@ -344,12 +344,18 @@ def struct_of(data: Mapping[str, Any]) -> struct_pb2.Struct:
     way does not take (a key that is not a string, a value of no JSON type, a string protobuf
     refuses) goes the JSON way, which converts or refuses it as it always did."""
     struct = struct_pb2.Struct()
+    fill_struct(struct, data)
+    return struct
+
+
+def fill_struct(struct: struct_pb2.Struct, data: Mapping[str, Any]) -> None:
+    """Set ``struct`` (empty: a message's field, filled where it is instead of copied into it) to
+    what :func:`struct_of` gives of ``data``."""
     try:
         _fill_struct(struct, data)
     except Exception:  # the JSON way gives the answer (or the error) it always gave
-        struct = struct_pb2.Struct()
+        struct.Clear()
         json_format.ParseDict(json.loads(strict_json.dumps(data)), struct)
-    return struct
 
 
 class _NotPlain(Exception):
