@@ -38,7 +38,11 @@ def _plain(value: Any) -> Any:
     if names is None and dataclasses.is_dataclass(kind):
         names = _FIELD_NAMES[kind] = tuple(field.name for field in dataclasses.fields(kind))
     if names is not None:
-        return {name: _plain(getattr(value, name)) for name in names}
+        out: dict[str, Any] = {}
+        for name in names:
+            item = getattr(value, name)
+            out[name] = item if type(item) in _ATOMS else _plain(item)  # most leaves: no call
+        return out
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple, as asdict
         return kind(*[_plain(item) for item in value])
     if isinstance(value, list | tuple):
