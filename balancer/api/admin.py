@@ -53,6 +53,7 @@ from balancer.api.parsing import (
     parse_weights_header,
     weights_from,
 )
+from balancer.api.plain import plain_dict
 from balancer.config import ReplicaConfig
 from balancer.errors import ConfigError, DrainCommitError
 from balancer.health.book import DrainNote, KeptDrainListing, kept_text
@@ -308,11 +309,11 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
             view["unroutable"] = (
                 None if replica_id in routable else state.health.unroutable_reason(replica_id, now)
             )
-            view["load"] = dataclasses.asdict(snapshot.of(replica_id))
+            view["load"] = plain_dict(snapshot.of(replica_id))
             view["index"] = {"blocks": blocks.get(replica_id, 0)}
             view["prediction"] = prediction_view(pool, replica_id)
             status = ingest.get(replica_id)
-            view["events"] = None if status is None else _ages(dataclasses.asdict(status), wall)
+            view["events"] = None if status is None else _ages(plain_dict(status), wall)
             if status is not None:
                 receipts = pool.router.receipts
                 view["events"]["hint"] = silent_stream_hint(
@@ -323,7 +324,7 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
                 if stalled is not None and view["events"]["hint"] is None:
                     view["events"]["stalled_s"], view["events"]["hint"] = stalled
             scraper = state.scrapers.get(replica_id)
-            view["scrape"] = None if scraper is None else _ages(dataclasses.asdict(scraper.status()), wall)
+            view["scrape"] = None if scraper is None else _ages(plain_dict(scraper.status()), wall)
             views.append(view)
     return views
 
@@ -446,7 +447,7 @@ def _ages(record: dict[str, Any], wall: float) -> dict[str, Any]:
     """Adds ``*_age_s`` next to every ``*_wall_ts`` field (recursively into lists of records)."""
     out: dict[str, Any] = {}
     for key, value in record.items():
-        if isinstance(value, list | tuple):
+        if isinstance(value, (list, tuple)):  # a tuple: faster than list | tuple here
             value = [_ages(v, wall) if isinstance(v, dict) else v for v in value]
         out[key] = value
         if key.endswith("_wall_ts"):

@@ -18,10 +18,14 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
+import grpc
 import pytest
 from aiohttp import web
+from google.protobuf import json_format
 from kvlb_harness import MODEL, metric_value, wait_for, wait_ready
 
+from balancer._proto.kvlb.v1 import balancer_pb2 as pb
+from balancer._proto.kvlb.v1 import balancer_pb2_grpc as pb_grpc
 from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
@@ -142,3 +146,63 @@ async def test_an_engine_reporting_a_bad_queue_does_not_poison_routing(waiting: 
 
         async with session.post(balancer.url + "/v1/completions", json=COMPLETION) as response:
             assert response.status == 200  # routing goes on
+
+
+async def test_grpc_list_replicas_types_the_refused_figures_as_http_shows_them() -> None:
+    """``ScrapeStatus.rejected_values``, ``last_rejection`` and ``last_rejection_age_s`` (branch
+    h-grpclist) say what ``GET /admin/replicas``' ``scrape`` says, and what the same answer's
+    ``details`` holds; a replica with nothing refused has them unset."""
+    async with AsyncExitStack() as stack:
+        bad = await stack.enter_async_context(vllm_replica(vllm_metrics("-3", "0.25")))
+        good = await stack.enter_async_context(vllm_replica(vllm_metrics("2.0", "0.25")))
+        replicas = [
+            {"id": name, "url": url, "engine": "vllm", "block_size": 16}
+            for name, url in (("r0", bad), ("r1", good))
+        ]
+        tree: dict[str, Any] = {
+            "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": 0},
+            "pools": [{"model": MODEL, "replicas": replicas}],
+            "health_interval_s": 0.2,
+            "scrape_interval_s": 0.2,
+        }
+        balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+        await balancer.start()
+        stack.push_async_callback(balancer.stop)
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        await wait_ready(session, balancer.url)
+
+        async def views() -> dict[str, Any]:
+            listed = (await admin(session, balancer.url, "GET", "/admin/replicas"))["replicas"]
+            return {view["id"]: view for view in listed}
+
+        async def refused_twice() -> bool:
+            return (await views())["r0"]["scrape"]["rejected_values"] >= 2
+
+        await wait_for("two refused figures of r0", refused_twice)
+        channel = await stack.enter_async_context(
+            grpc.aio.insecure_channel(f"127.0.0.1:{balancer.grpc_port}")
+        )
+        before = await views()
+        listed = await pb_grpc.AdminStub(channel).ListReplicas(pb.ListReplicasRequest(), timeout=10)
+        after = await views()
+        typed = {replica.id: replica for replica in listed.replicas}
+
+        scrape = typed["r0"].scrape
+        assert scrape.HasField("last_rejection") and scrape.HasField("last_rejection_age_s")
+        http = after["r0"]["scrape"]
+        assert before["r0"]["scrape"]["rejected_values"] <= scrape.rejected_values <= http["rejected_values"]
+        rejection = json_format.MessageToDict(scrape.last_rejection, preserving_proto_field_name=True)
+        assert rejection == http["last_rejection"] == before["r0"]["scrape"]["last_rejection"]
+        assert rejection == {"gauge": "vllm:num_requests_waiting", "value": "-3.0", "reason": "negative"}
+        assert 0 <= scrape.last_rejection_age_s <= http["last_rejection_age_s"]
+        details = json_format.MessageToDict(typed["r0"].details)["scrape"]
+        assert scrape.rejected_values == details["rejected_values"]
+        assert rejection == details["last_rejection"]
+        assert scrape.last_rejection_age_s == details["last_rejection_age_s"]
+
+        honest = typed["r1"].scrape
+        assert (
+            after["r1"]["scrape"]["rejected_values"] == 0 and after["r1"]["scrape"]["last_rejection"] is None
+        )
+        assert honest.rejected_values == 0 and honest.scrapes >= 2
+        assert not honest.HasField("last_rejection") and not honest.HasField("last_rejection_age_s")

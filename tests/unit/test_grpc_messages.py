@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 import itertools
 import json
+import math
 from array import array
 from typing import Any
 
 import pytest
+from google.protobuf import json_format, struct_pb2
 
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
-from balancer.api.grpc.messages import decision_message, openai_call, read_chunk, received_ids
+from balancer.api.grpc.admin import REPLICAS_PER_STEP, replica_messages
+from balancer.api.grpc.messages import decision_message, openai_call, read_chunk, received_ids, struct_of
 from balancer.api.grpc.replica_messages import replica_message
 from balancer.api.parsing import parse_request
 from balancer.tokenizer.token_ids import TokenIdMemo
@@ -365,3 +369,70 @@ def test_a_replica_with_nothing_known_has_its_optional_fields_unset() -> None:
         assert not message.load.HasField(name), name
     assert not message.prediction.HasField("accuracy") and message.prediction.receipts == 0
     assert message.unroutable == "failing health probes" and message.consecutive_failures == 0
+
+
+class Level(enum.IntEnum):
+    HIGH = 3
+
+
+class Colour(enum.StrEnum):
+    RED = "red"
+
+
+def json_way(data: Any) -> struct_pb2.Struct:
+    """What ``struct_of`` gave before h-grpclist: ``data`` written as strict JSON and read back."""
+    struct = struct_pb2.Struct()
+    json_format.ParseDict(json.loads(strict_json.dumps(data)), struct)
+    return struct
+
+
+EDGES: list[Any] = [
+    {"empty_list": [], "empty_dict": {}, "nested": [[], [{}], ()], "tuple": (1, 2.5, None, True, "s")},
+    {"nan": math.nan, "inf": math.inf, "minus_inf": -math.inf, "in_list": [math.nan, 1.0], "zero": -0.0},
+    {"big": 10**20, "small": -(2**63), "fraction": 0.1, "true": True, "false": False, "none": None},
+    {"int_enum": Level.HIGH, "str_enum": Colour.RED, "text": 'é\u2028"\\\n', "": "empty key"},
+    {"deep": {"a": {"b": {"c": [{"d": [1, {"e": None}]}]}}}},
+]
+
+
+@pytest.mark.parametrize("data", EDGES)
+def test_struct_of_sets_what_the_json_way_set(data: Any) -> None:
+    """``struct_of`` sets the ``Struct`` field by field (h-grpclist): the same message, the same
+    bytes, as the strict-JSON round trip it replaced (a non-finite float a null, an empty list or
+    object present and empty, an enum its value)."""
+    made, before = struct_of(data), json_way(data)
+    assert made == before
+    assert made.SerializeToString(deterministic=True) == before.SerializeToString(deterministic=True)
+    assert made.SerializeToString() == before.SerializeToString()
+
+
+@pytest.mark.parametrize("data", [{1: "int key", None: "none key"}, {"x": {1, 2}}, {"x": "\ud800"}])
+def test_struct_of_gives_what_the_json_way_gave_for_what_it_does_not_take(data: Any) -> None:
+    """A key that is not a string is converted as ``json`` converts it; a set, or a lone surrogate
+    (which protobuf refuses), fails as it failed."""
+    try:
+        before: Any = json_way(data)
+    except Exception as exc:  # the error itself is compared
+        with pytest.raises(type(exc)) as raised:
+            struct_of(data)
+        assert str(raised.value) == str(exc)
+    else:
+        assert struct_of(data) == before
+
+
+def test_list_replicas_builds_its_messages_a_few_at_a_time_with_the_loop_let_run_between() -> None:
+    """``ListReplicas`` (h-grpclist) makes ``REPLICAS_PER_STEP`` messages, then lets the loop run: 25
+    replicas are built in three steps (two yields), into the messages :func:`replica_message` makes."""
+    views = [{**bare_view(), "id": f"r{index}"} for index in range(25)]
+    answer = pb.ListReplicasResponse()
+    steps = replica_messages(views, answer)
+    built = []
+    while True:
+        try:
+            steps.send(None)
+        except StopIteration:
+            break
+        built.append(len(answer.replicas))
+    assert REPLICAS_PER_STEP == 10 and built == [10, 20] and len(answer.replicas) == 25
+    assert list(answer.replicas) == [replica_message(view) for view in views]
+    assert list(answer.replicas) == [replica_message(view, pb.Replica()) for view in views]

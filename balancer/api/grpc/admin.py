@@ -6,6 +6,7 @@ Behind ``auth.admin_token`` when it is set (:func:`balancer.api.grpc.calls.autho
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 from urllib.parse import quote
 
@@ -40,6 +41,21 @@ from balancer.service.state import ServiceState
 from balancer.types import ReplicaId
 
 ADMIN_SERVICE: str = pb.DESCRIPTOR.services_by_name["Admin"].full_name
+REPLICAS_PER_STEP = 10
+"""Replica messages ``ListReplicas`` builds in one go before it lets the event loop run other work:
+about 0.17 ms of CPU each (100 took 17 ms at load 9 on a 2-core machine), so a list of 100 replicas
+holds the loop for ten short stretches after its views, not one long one (2026-12-01, h-grpclist)."""
+
+
+async def replica_messages(views: list[dict[str, Any]], answer: pb.ListReplicasResponse) -> None:
+    """``GET /admin/replicas``' replica views (already made: a consistent list, which nothing else
+    changes) as ``answer``'s ``replicas``, made in place (not copied there),
+    :data:`REPLICAS_PER_STEP` at a time with the loop let run in between."""
+    for start in range(0, len(views), REPLICAS_PER_STEP):
+        if start:
+            await asyncio.sleep(0)
+        for view in views[start : start + REPLICAS_PER_STEP]:
+            replica_message(view, answer.replicas.add())
 
 
 class AdminService:
@@ -96,13 +112,14 @@ class AdminService:
         answer = replicas_answer(self.state)
         if self.state.replicas_gather is not None:  # every worker's, as GET /admin/replicas
             answer = await self.state.replicas_gather(answer)
-        return pb.ListReplicasResponse(
-            replicas=[replica_message(view) for view in answer["replicas"]],
+        response = pb.ListReplicasResponse(
             workers=answer.get("workers", ()),
             workers_missing=answer.get("workers_missing", ()),
             kept_drains=[kept_drain_message(kept) for kept in answer["kept_drains"]],
             kept_drains_total=answer["kept_drains_total"],
         )
+        await replica_messages(answer["replicas"], response)
+        return response
 
     async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:
         if not request.replica_id:

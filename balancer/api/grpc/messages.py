@@ -337,10 +337,101 @@ def policy_message(view: PolicyView, choices: Mapping[str, Any] | None = None) -
 
 
 def struct_of(data: Mapping[str, Any]) -> struct_pb2.Struct:
-    """A JSON-like mapping as a ``google.protobuf.Struct`` (numbers become doubles)."""
+    """A JSON-like mapping as a ``google.protobuf.Struct`` (numbers become doubles): the message
+    ``json_format.ParseDict`` makes of ``json.loads(strict_json.dumps(data))`` (a non-finite float
+    is a null, a tuple a list), set field by field without that round trip (a quarter of its
+    time or less: it took most of a ``ListReplicas`` answer, 2026-12-01, h-grpclist). Whatever the direct
+    way does not take (a key that is not a string, a value of no JSON type, a string protobuf
+    refuses) goes the JSON way, which converts or refuses it as it always did."""
     struct = struct_pb2.Struct()
-    json_format.ParseDict(json.loads(strict_json.dumps(data)), struct)
+    fill_struct(struct, data)
     return struct
+
+
+def fill_struct(struct: struct_pb2.Struct, data: Mapping[str, Any]) -> None:
+    """Set ``struct`` (empty: a message's field, filled where it is instead of copied into it) to
+    what :func:`struct_of` gives of ``data``."""
+    try:
+        _fill_struct(struct, data)
+    except Exception:  # the JSON way gives the answer (or the error) it always gave
+        struct.Clear()
+        json_format.ParseDict(json.loads(strict_json.dumps(data)), struct)
+
+
+class _NotPlain(Exception):
+    """A key or value :func:`_fill_value` leaves to the JSON way."""
+
+
+def _fill_struct(struct: struct_pb2.Struct, data: Mapping[str, Any]) -> None:
+    """The scalars most views hold set here (a call a leaf less), the rest by :func:`_fill_value`."""
+    fields = struct.fields
+    for key, value in data.items():
+        if not isinstance(key, str):  # json writes 1, 1.5, True, None as keys: the JSON way
+            raise _NotPlain(key)
+        kind = type(value)
+        if value is None:
+            fields[key].null_value = struct_pb2.NULL_VALUE
+        elif kind is int:
+            fields[key].number_value = value
+        elif kind is str:
+            fields[key].string_value = value
+        else:
+            _fill_value(fields[key], value)
+
+
+def _fill_value(target: struct_pb2.Value, value: Any) -> None:
+    """Set ``target`` as ``json_format`` sets it from ``value`` written and read back as JSON. The
+    exact types first (the common case); subclasses in the order ``json``'s encoder checks them."""
+    kind = type(value)
+    if kind is str:
+        target.string_value = value
+    elif kind is float:
+        if math.isfinite(value):
+            target.number_value = value
+        else:
+            target.null_value = struct_pb2.NULL_VALUE
+    elif kind is int:
+        target.number_value = value
+    elif value is None:
+        target.null_value = struct_pb2.NULL_VALUE
+    elif kind is bool:
+        target.bool_value = value
+    elif kind is dict:
+        struct = target.struct_value
+        struct.SetInParent()  # an empty one is an empty Struct, not an unset value
+        _fill_struct(struct, value)
+    elif kind is list or kind is tuple:
+        _fill_list(target, value)
+    else:
+        _fill_subclass(target, value)
+
+
+def _fill_list(target: struct_pb2.Value, items: list[Any] | tuple[Any, ...]) -> None:
+    values = target.list_value
+    values.SetInParent()
+    add = values.values.add
+    for item in items:
+        _fill_value(add(), item)
+
+
+def _fill_subclass(target: struct_pb2.Value, value: Any) -> None:
+    """A subclass of a JSON type, as ``json`` writes it: a ``str``'s characters, an ``int``'s or a
+    ``float``'s number (an ``IntEnum`` is its number), a ``dict``'s items, a ``list``'s or a
+    ``tuple``'s items; anything else is the JSON way's to refuse."""
+    if isinstance(value, str):
+        target.string_value = str.__str__(value)
+    elif isinstance(value, int):
+        target.number_value = int.__int__(value)
+    elif isinstance(value, float):
+        _fill_value(target, float.__float__(value))
+    elif isinstance(value, list | tuple):
+        _fill_list(target, value)
+    elif isinstance(value, dict):
+        struct = target.struct_value
+        struct.SetInParent()
+        _fill_struct(struct, value)
+    else:
+        raise _NotPlain(type(value).__name__)
 
 
 def value_of(data: object) -> struct_pb2.Value:

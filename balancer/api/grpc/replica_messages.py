@@ -13,12 +13,14 @@ from collections.abc import Mapping
 from typing import Any
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.grpc.messages import struct_of
+from balancer.api.grpc.messages import fill_struct, struct_of
 
 
-def replica_message(view: Mapping[str, Any]) -> pb.Replica:
+def replica_message(view: Mapping[str, Any], into: pb.Replica | None = None) -> pb.Replica:
     """One replica as ``GET /admin/replicas`` shows it (:func:`~balancer.api.admin.replica_views`):
-    the typed fields read from that view, and the whole view as ``details``."""
+    the typed fields read from that view, and the whole view as ``details``; made in ``into`` (an
+    empty message: an answer's ``replicas.add()``) when given, so that ``details``, most of its
+    bytes, is set where it is sent rather than copied there."""
     health: Mapping[str, Any] = view.get("health") or {}
     events: Mapping[str, Any] = view.get("events") or {}
     message = pb.Replica(
@@ -31,7 +33,6 @@ def replica_message(view: Mapping[str, Any]) -> pb.Replica:
         draining=bool(health.get("draining", False)),
         inflight=view["inflight"],
         index_blocks=view["index"]["blocks"],
-        details=struct_of(view),
         unroutable=view.get("unroutable"),
         model_mismatch=health.get("model_mismatch"),
         drain_kept=health.get("drain_kept"),
@@ -56,6 +57,11 @@ def replica_message(view: Mapping[str, Any]) -> pb.Replica:
         message.prediction.CopyFrom(prediction_message(view["prediction"]))
     if view.get("scrape") is not None:
         message.scrape.CopyFrom(scrape_message(view["scrape"]))
+    if into is not None:
+        into.MergeFrom(message)  # the typed fields: a small copy
+        message = into
+    message.details.SetInParent()  # present, as a copied Struct was, even if empty
+    fill_struct(message.details, view)
     return message
 
 
@@ -98,13 +104,21 @@ def prediction_message(prediction: Mapping[str, Any]) -> pb.Prediction:
 def scrape_message(scrape: Mapping[str, Any]) -> pb.ScrapeStatus:
     """A replica's ``scrape`` (:class:`~balancer.load.scraper.ScraperStatus` with its ages), but its
     last scraped figures (``last``: in ``details``; ``load`` has what routing read of them)."""
-    return pb.ScrapeStatus(
+    message = pb.ScrapeStatus(
         url=scrape["url"],
         scrapes=scrape["scrapes"],
         errors=scrape["errors"],
         last_ok_age_s=scrape.get("last_ok_age_s"),
         last_error=scrape.get("last_error"),
+        rejected_values=scrape.get("rejected_values") or 0,
+        last_rejection_age_s=scrape.get("last_rejection_age_s"),
     )
+    rejection: Mapping[str, Any] | None = scrape.get("last_rejection")
+    if rejection is not None:
+        message.last_rejection.CopyFrom(
+            pb.ScrapeRejection(gauge=rejection["gauge"], value=rejection["value"], reason=rejection["reason"])
+        )
+    return message
 
 
 def kept_drain_message(view: Mapping[str, Any]) -> pb.KeptDrain:
