@@ -76,9 +76,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         high = RedisIndex(text, HASHER, _with_bytes(base, args.from_bytes))
         next_hash = 1
         fill_began = time.monotonic()
-        for i in range(args.entries):
-            await high.apply(REPLICA, batch(next_hash, args.blocks), float(i))
-            next_hash += args.blocks
+        for first in range(0, args.entries, args.fill_concurrency):  # one replica per concurrent append
+            appends = []
+            for k in range(min(args.fill_concurrency, args.entries - first)):
+                replica = ReplicaId(f"fill-{k}")
+                appends.append(high.apply(replica, batch(next_hash, args.blocks), float(first)))
+                next_hash += args.blocks
+            await asyncio.gather(*appends)
         fill_s = time.monotonic() - fill_began
         entries, before = await fields_bytes(raw, high.keys.stream)
         await text.config_set("slowlog-log-slower-than", 0)
@@ -159,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--maxlen", type=int, default=10_000, help="redis.stream_maxlen of both")
     parser.add_argument("--entries", type=int, default=10_000, help="appends under the first bound")
     parser.add_argument("--blocks", type=int, default=96, help="16-token blocks per entry")
+    parser.add_argument("--fill-concurrency", type=int, default=1, help="appends at once while filling")
     parser.add_argument("--json", action="store_true", help="the JSON report only")
     args = parser.parse_args(argv)
     result = asyncio.run(run(args))
