@@ -206,7 +206,7 @@ local EVBYTES = P .. 'evbytes'
 -- One call trims at most TRIM_STEP entries and TRIM_BYTES bytes of fields (at least one entry): the
 -- cut is found by a binary search over the list's starts (they grow along it), then `LTRIM` and
 -- `XTRIM … MINID` drop the entries in C. Until 2026-12-01 (h-streamreal) a loop popped one element a
--- time, 4,096 at most: a bound lowered from 64 MiB to 1 MiB took 3 appends of 26-35 ms each.
+-- time, 4,096 at most: a bound lowered from 64 MiB to 1 MiB took 3 appends (docs/reliability.md).
 local TRIM_STEP = 65536
 local TRIM_BYTES = 67108864
 
