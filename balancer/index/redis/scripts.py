@@ -204,7 +204,7 @@ end
 -- after them. Returns how many entries were trimmed because of the bytes.
 local EVBYTES = P .. 'evbytes'
 -- One call trims at most TRIM_STEP entries and TRIM_BYTES bytes of fields (at least one entry): the
--- cut is found by a binary search over the list's starts (they grow along it), then `LTRIM` and
+-- cut is found by a search over the list's starts (they grow along it), then `LTRIM` and
 -- `XTRIM … MINID` drop the entries in C. Until 2026-12-01 (h-streamreal) a loop popped one element a
 -- time, 4,096 at most: a bound lowered from 64 MiB to 1 MiB took 3 appends (docs/reliability.md).
 local TRIM_STEP = 65536
@@ -220,12 +220,20 @@ local function start_at(i)  -- the start of the list's element i (nil when unrea
   return a
 end
 
-local function first_true(lo, hi, test)  -- the first i in [lo, hi] where `test` holds (false, then
-  while lo <= hi do                      -- true along the range); hi + 1 when none
-    local mid = math.floor((lo + hi) / 2)
-    if test(mid) then hi = mid - 1 else lo = mid + 1 end
+-- The first i in [lo, hi] where `test` holds (false, then true along the range), hi + 1 when none:
+-- probes lo, lo + 1, lo + 2, lo + 4, ... then halves the last gap, so an answer near the head (an
+-- append that trims one or two entries) costs two or three reads of the list's head.
+local function first_true(lo, hi, test)
+  local known_false, step, probe = lo - 1, 1, lo
+  while probe <= hi and not test(probe) do
+    known_false, probe, step = probe, lo + step, step * 2
   end
-  return lo
+  local a, b = known_false + 1, math.min(probe, hi + 1) - 1  -- b + 1 holds (or is hi + 1)
+  while a <= b do
+    local mid = math.floor((a + b) / 2)
+    if test(mid) then b = mid - 1 else a = mid + 1 end
+  end
+  return a
 end
 
 local function id_after(a, b)  -- whether stream ID `a` comes after `b`
