@@ -523,9 +523,9 @@ class RedisConfig:
     """Bytes of each key space's applied-event stream (its entries' fields), besides
     ``stream_maxlen``: each append trims the oldest entries until the rest fit, keeping the newest
     (``kvlb_redis_stream_byte_trimmed_entries_total``); 1 MiB to 1 TiB. Redis's memory for the
-    stream is about 1.2–1.25 × this (measured with 4.4 kB entries: the allocator's size classes,
-    the stream's node headers), plus about 35 B an entry for the sizes list (docs/redis-schema.md,
-    "Size")."""
+    stream is about 1.2–1.25 × this (measured with entries of 2.2 to 21 kB: 1.17–1.24 ×, lower for
+    larger entries; the allocator's size classes, the stream's node headers), plus about 35 B an
+    entry for the sizes list (docs/redis-schema.md, "Size")."""
     snapshot_interval_s: float = 60.0
     """Longest time between two table snapshots of a changing key space (seconds); snapshots are also
     written every ``stream_maxlen / 4`` entries."""

@@ -9,6 +9,7 @@ oldest entries until the fields of the rest fit in ``stream_max_bytes``; the siz
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -131,6 +132,27 @@ async def test_a_mirror_behind_the_byte_trim_rebuilds(
     assert mirror.counters.resyncs == 1
     assert mirror.partial
     assert mirror.last_number == (await writer.counters())["stream_entries"] == 41
+
+
+@pytest.mark.faults_long  # 10-15 s a target: 5,000 appends to fill
+async def test_a_bound_lowered_a_lot_is_reached_in_one_append(
+    text_client: RedisClient, raw_client: RedisClient
+) -> None:
+    """A restart with a much lower bound: the next append trims the stream down to it at once. Until
+    2026-12-01 (h-streamreal) one call popped 4,096 entries at most, one at a time, so 5,000 small
+    entries took two appends (and 64 MiB to 1 MiB three, of 26-35 ms of script each under load)."""
+    high = RedisIndex(text_client, HASHER, settings_of(1 << 20))
+    for first in range(0, 5_000, 100):  # one block an entry, about 150 B: 0.75 MB, no trim
+        appends = [high.apply(ReplicaId(f"r{k}"), [store(first + k + 1, 1)], 0.0) for k in range(100)]
+        await asyncio.gather(*appends)
+    assert await text_client.xlen(high.keys.stream) == 5_000
+    assert high.stream_byte_trims == 0
+    low = RedisIndex(text_client, HASHER, dataclasses.replace(high.settings, stream_max_bytes=10_000))
+    await low.apply(A, [store(900_001, 1)], 1.0)
+    sizes = await retained_bytes(raw_client, low.keys.stream)
+    assert sum(sizes) <= 10_000 < sum(sizes) + max(sizes)  # as many as fit, after one append
+    assert low.stream_byte_trims == 5_001 - len(sizes)
+    assert await text_client.llen(low.keys.stream_sizes) == len(sizes)
 
 
 async def test_entries_of_an_older_release_are_trimmed_with_the_listed_ones(
