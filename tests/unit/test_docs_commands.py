@@ -1,7 +1,8 @@
-"""The documents' ``kvlb`` command lines still parse: every ``kvlb …`` (or ``python -m balancer …``)
-line of a fenced shell block in the README, ``deploy/README.md`` and ``docs/`` is given to the real
-``kvlb`` parser (the service's commands and every tool's, :func:`balancer.cli.main.build_parser`),
-and a command, subcommand, flag or choice it no longer knows fails this test with the document's
+"""The documents' ``kvlb`` command lines still parse, and their settings files load: every ``kvlb
+…`` (or ``python -m balancer …``) line of a fenced shell block in the README, ``deploy/README.md``
+and ``docs/`` is given to the real ``kvlb`` parser (the service's commands and every tool's,
+:func:`balancer.cli.main.build_parser`), and a command, subcommand, flag or choice it no longer
+knows fails this test with the document's
 line. A new user copies these lines first (the new user's walk of 2026-12-01, h-newuser); the flags
 of the tools moved often, and nothing else read the documents' copies of them.
 
@@ -11,7 +12,8 @@ are not in the document). Placeholders are allowed: ``<the tenants flags>`` and 
 --seed 2]`` are dropped, ``<dir>/capacity.json`` is read as ``X/capacity.json`` and ``--out <tmp>``
 as ``--out X``, and a value refused by its type (``--seed N``, ``--rate R``) passes
 when it is a capital placeholder. The command is cut at the first shell operator (``>``, ``|``,
-``&&``, ``;``). Nothing is run.
+``&&``, ``;``). Nothing is run. Each fenced ``yaml`` block that is a whole settings file (a mapping
+with ``pools``) goes through the settings loader, as ``kvlb config check`` does.
 """
 
 from __future__ import annotations
@@ -25,7 +27,11 @@ import shlex
 from collections.abc import Iterator
 from pathlib import Path
 
+import yaml
+
 from balancer.cli.main import build_parser, chosen_parser
+from balancer.config.loader import SettingsSource, parse_settings
+from balancer.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -36,6 +42,23 @@ _OPERATORS = {">", ">>", "|", "&&", "||", ";", "2>", "2>&1", "&"}
 _ANGLE_PLACEHOLDER = re.compile(r"<[^<>]*>")
 _MARK = "PLACEHOLDER"
 _PLACEHOLDER_REFUSAL = re.compile(r"invalid (?:\w+ value|choice): '([A-Z][A-Z_]{0,7})'")
+
+
+def yaml_blocks(text: str) -> Iterator[tuple[int, str]]:
+    """``(line number of the fence, text)`` of every fenced ``yaml`` block."""
+    fence = ""
+    lines: list[str] = []
+    start = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        match = _FENCE.match(line)
+        if not fence:
+            if match and match.group(2).strip() == "yaml":
+                fence, lines, start = match.group(1), [], number
+        elif match and match.group(1).startswith(fence) and not match.group(2).strip():
+            fence = ""
+            yield start, "\n".join(lines)
+        else:
+            lines.append(line)
 
 
 def shell_lines(text: str) -> Iterator[tuple[int, str]]:
@@ -125,12 +148,7 @@ def refused_commands(relpath: str, text: str) -> list[str]:
 
 
 def test_every_documented_kvlb_command_line_parses() -> None:
-    documents = [
-        path.relative_to(ROOT).as_posix()
-        for path in sorted(
-            [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "deploy").rglob("*.md")]
-        )
-    ]
+    documents = documents_read()
     assert "README.md" in documents and "docs/loadtest.md" in documents and "docs/simulate.md" in documents
     checked = sum(
         1
@@ -145,6 +163,45 @@ def test_every_documented_kvlb_command_line_parses() -> None:
         for finding in refused_commands(relpath, (ROOT / relpath).read_text("utf-8"))
     ]
     assert not found, "\n".join(found)
+
+
+def documents_read() -> list[str]:
+    """The README and every Markdown file of ``docs/`` and ``deploy/``, repository-relative."""
+    paths = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "deploy").rglob("*.md")]
+    return [path.relative_to(ROOT).as_posix() for path in sorted(paths)]
+
+
+def refused_configs(relpath: str, text: str) -> tuple[int, list[str]]:
+    """How many whole settings files (a YAML mapping with ``pools``) the document shows, and what the
+    settings loader says of those it refuses. One that reads an engine key (``api_key_file``, a
+    secret's path on the reader's machine) is not loaded."""
+    checked, found = 0, []
+    for number, block in yaml_blocks(text):
+        tree = yaml.safe_load(block)
+        if not isinstance(tree, dict) or "pools" not in tree or "api_key_file" in block:
+            continue
+        checked += 1
+        try:
+            parse_settings(SettingsSource(f"{relpath}:{number}", block.encode()), (), {})
+        except ConfigError as exc:
+            found.append(f"{relpath}:{number}: {exc}")
+    return checked, found
+
+
+def test_every_documented_settings_file_loads() -> None:
+    """``kvlb config check`` on each settings file of the documents (the minimal ``kvlb.yaml`` of
+    http-api.md, the vLLM fleet of emulator.md, ...) passes."""
+    checked, found = 0, []
+    for path in sorted(
+        [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "deploy").rglob("*.md")]
+    ):
+        count, refused = refused_configs(path.relative_to(ROOT).as_posix(), path.read_text("utf-8"))
+        checked, found = checked + count, found + refused
+    assert checked >= 4, checked  # 4 on 2026-12-01
+    assert not found, "\n".join(found)
+    bad = "```yaml\npools:\n  - model: m\n    replicas: [{id: a, url: 'http://h:1', engine: sglang}]\n"
+    assert refused_configs("docs/a.md", bad + "listen: {port: 1}\n```\n") == (1, [])
+    assert refused_configs("docs/a.md", bad + "listen: {prot: 1}\n```\n")[1] != []  # a misspelt key
 
 
 def test_the_checker_finds_a_gone_flag_a_gone_command_and_a_bad_choice() -> None:
