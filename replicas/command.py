@@ -44,7 +44,7 @@ _PASSTHROUGH = {
     "host_cache_blocks": "--host-cache-blocks", "metrics_prefix": "--metrics-prefix",
     "default_max_tokens": "--default-max-tokens", "drop_events": "--drop-events", "slowdown": "--slowdown",
     "crash_after_chunks": "--crash-after-chunks", "seed": "--seed", "log_level": "--log-level",
-    "eviction": "--eviction", "api_key": "--api-key",
+    "eviction": "--eviction", "api_key": "--api-key", "served_model_name": "--served-model-name",
 }  # fmt: skip
 _PASSTHROUGH_FLAGS = {
     "fail_health": "--fail-health",
@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--slowdown", type=float, default=1.0, help="fault: step-time multiplier")
     add("--fail-health", action="store_true", help="fault: health endpoints answer 503")
     add("--crash-after-chunks", type=int, default=None, help="fault: cut streams after N chunks")
+    add("--served-model-name", default=None, metavar="NAME",
+        help="serve under this model name instead of the profile's, as the engines' own flag (a vLLM "
+             "replica answers 404 for any other name; SGLang and TRT-LLM serve any name)")  # fmt: skip
     add("--seed", type=int, default=0, help="seed of fault randomness")
     add("--api-key", default=None, help="refuse calls without 'Authorization: Bearer <key>' (401) on the "
         "paths the engine guards, as vLLM's and SGLang's --api-key do; with --engine trtllm (trtllm-serve "
@@ -157,6 +160,7 @@ class EmulateCommand:
             slowdown=args.slowdown,
             fail_health=args.fail_health,
             crash_after_chunks=args.crash_after_chunks,
+            served_model=args.served_model_name,
         )
         template = template_config(
             profile=args.profile,

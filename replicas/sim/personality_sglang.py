@@ -137,7 +137,7 @@ class _SglangRoutes:
         info = {
             "model_path": config.model_path or profile.model,
             "tokenizer_path": config.model_path or profile.model,
-            "served_model_name": profile.model,
+            "served_model_name": ctx.model,
             "host": config.host,
             "port": config.http_port,
             "page_size": config.block_size,
@@ -174,7 +174,7 @@ class _SglangRoutes:
             {
                 "model_path": path,
                 "tokenizer_path": path,
-                "served_model_name": config.profile.model,
+                "served_model_name": self.ctx.model,
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": "default",

@@ -134,7 +134,7 @@ class Replica:
             "name": self.config.name,
             "engine": self.config.engine,
             "url": self.url,
-            "model": self.config.profile.model,
+            "model": self.ctx.model,
             "profile": self.config.profile.name,
             "dp_size": self.config.dp_size,
             "block_size": self.config.block_size,

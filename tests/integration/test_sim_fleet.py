@@ -3,6 +3,7 @@ its deprecated name ``kvlb sim``; ``python -m replicas.command`` alone)."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
@@ -13,7 +14,9 @@ import aiohttp
 import pytest
 
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
+from loadtests.emulate import COMMAND as EMULATE
 from loadtests.emulator_measure import cpu_seconds
+from replicas.command import add_arguments
 from replicas.emulator import Emulator, EmulatorSpec, ProcessEmulator, template_config
 from replicas.sim.ports import free_port_run
 
@@ -70,6 +73,50 @@ async def test_kvlb_emulate_process_lists_idles_cheaply_and_stops_on_sigterm() -
         assert idle_per_replica < IDLE_CPU_LIMIT
         process.send_signal(signal.SIGTERM)
         async with asyncio.timeout(10):
+            assert await process.wait() == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+
+
+async def test_kvlb_emulate_served_model_name_is_the_model_a_vllm_fleet_serves() -> None:
+    """``--served-model-name``, as vLLM's own flag (passed on to ``--processes`` children): the listing,
+    ``GET /v1/models`` and the answers name it, and a vLLM replica answers 404 for the profile's name.
+    Without it a kvlb pool named otherwise (``examples/kvlb.yaml``'s ``kvlb-demo``) had every emulated
+    vLLM replica out of routing, and the prober's fix, the engine's ``--served-model-name``, did not
+    exist here (the new user's walk, 2026-12-01)."""
+    args = ["--replicas", "1", "--engine", "vllm", "--profile", "cpu-test"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    children = EMULATE.spec_from_args(parser.parse_args([*args, "--served-model-name", "kvlb-demo"]))
+    assert "--served-model-name kvlb-demo" in " ".join(children.extra_args)  # what --processes N pass on
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "balancer", "emulate", *args, "--tokenizer", "none",
+        "--served-model-name", "kvlb-demo", stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert process.stdout is not None
+        lines: list[str] = []
+        async with asyncio.timeout(60):
+            while not (lines and lines[-1].startswith("{")):
+                line = await process.stdout.readline()
+                assert line, "kvlb emulate ended before its listing"
+                lines.append(line.decode().strip())
+        replicas: list[dict[str, Any]] = json.loads(lines[-1])["replicas"]
+        assert [r["model"] for r in replicas] == ["kvlb-demo"]
+        async with aiohttp.ClientSession() as session:
+            for replica in replicas:
+                async with session.get(replica["url"] + "/v1/models") as response:
+                    assert [m["id"] for m in (await response.json())["data"]] == ["kvlb-demo"]
+                for model, status in (("kvlb-demo", 200), ("sim-test", 404)):  # cpu-test's own name
+                    body = {"model": model, "prompt": [1, 2, 3, 4, 5], "max_tokens": 3}
+                    async with session.post(replica["url"] + "/v1/completions", json=body) as response:
+                        assert response.status == status, (model, await response.text())
+                        if status == 200:
+                            assert (await response.json())["model"] == "kvlb-demo"
+        process.send_signal(signal.SIGTERM)
+        async with asyncio.timeout(20):
             assert await process.wait() == 0
     finally:
         if process.returncode is None:
