@@ -281,9 +281,11 @@ async def test_a_cap_below_the_in_flight_peak_holds_the_schedule_back(server: Fa
     free_lag = send_lag(free.records)
     assert free_lag is not None and all(r.outcome == "ok" for r in free.records)
     assert cap == 40 and free.slot_waits == 0 and server.peak_in_flight > 30
-    # the median launch is on time; the tail is left out: on a loaded CI machine the client's own
-    # event loop once stalled 0.4 s (lag p90 0.34 s) with no slot wait, which is not the cap's doing
-    assert free_lag.p50_s < 0.05 and free_lag.p50_s < lag.p50_s / 5
+    # the median launch is on time (a few ms here; 0.2 s leaves room for a machine 3 times slower,
+    # the capped run's median is over 1 s late); the tail is left out: on a loaded CI machine the
+    # client's own event loop once stalled 0.4 s (lag p90 0.34 s) with no slot wait, which is not
+    # the cap's doing
+    assert free_lag.p50_s < 0.2 and free_lag.p50_s < lag.p50_s / 5
 
 
 async def test_open_loop_needs_arrival_times(server: FakeServer) -> None:
