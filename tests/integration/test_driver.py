@@ -228,7 +228,9 @@ async def test_max_duration_cancels_in_flight_requests_and_leaves_no_tasks(serve
     started = time.monotonic()
     result = await _open(_endless(0.05), server, model="slow", max_duration_s=0.4, timeout_s=30.0)
     elapsed_s = time.monotonic() - started
-    assert 0.4 <= elapsed_s < 1.5 and result.stop_reason == "max_duration"
+    # the requests take 10 s: well under that, the run was cut at its 0.4 s (4 s is room for a
+    # machine several times slower)
+    assert 0.4 <= elapsed_s < 4.0 and result.stop_reason == "max_duration"
     assert 5 <= len(result.records) <= 10
     assert all(r.outcome == "cancelled" for r in result.records)
     assert result.summary().errors == 0 and result.summary().cancelled == len(result.records)
