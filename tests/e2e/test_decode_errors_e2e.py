@@ -97,7 +97,7 @@ async def test_decode_errors_name_the_replica_and_leave_with_it(tmp_path: Path) 
                 }
             )
         )
-        serve = await start_serve(tmp_path, config)
+        serve = await start_serve(tmp_path, config, "--workers", "1")
         url = str(serve.info["url"])
         async with aiohttp.ClientSession() as session, asyncio.timeout(DEADLINE_S):
             seq = 0

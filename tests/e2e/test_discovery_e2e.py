@@ -157,9 +157,13 @@ async def test_file_discovery_adds_and_removes_a_replica(tmp_path: Path) -> None
             # truncated by a writer (``cat > file``) and read before the new text is in: the last
             # good set is kept (until 2026-12-01 an empty file removed every replica it had added)
             replica_file.write_text("")
-            await asyncio.sleep(1.0)  # five polls
+
+            async def said_empty() -> bool:  # a poll read the empty file (every 0.2 s)
+                return "is empty" in serve.stderr.read_text(errors="replace")
+
+            await eventually("the empty file's warning", said_empty)
+            await asyncio.sleep(0.4)  # two polls more of the empty file
             assert (await kvlb.views())[name]["routable"]
-            assert "is empty" in serve.stderr.read_text(errors="replace"), serve.log_tail()
 
             # the file no longer lists it: it leaves routing and the index
             write_atomically(replica_file, {"pools": []})

@@ -37,7 +37,7 @@ async def kvlb(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
     serve = None
     try:
         sims = list(await asyncio.gather(*(start_sim(i, tmp_path, time_scale=0.2) for i in range(2))))
-        serve = await start_serve(tmp_path, write_config(tmp_path, sims))
+        serve = await start_serve(tmp_path, write_config(tmp_path, sims), "--workers", "1")
         yield str(serve.info["url"])
     finally:
         for child in [*([serve] if serve else []), *sims]:

@@ -94,7 +94,7 @@ def thread_names(pid: int) -> list[str]:
 async def test_the_default_runs_on_jemalloc_once_when_it_is_installed(sim: Child, tmp_path: Path) -> None:
     serve = None
     try:
-        serve = await start_serve(tmp_path, write_config(tmp_path, [sim]))
+        serve = await start_serve(tmp_path, write_config(tmp_path, [sim]), "--workers", "1")
         pid = serve.process.pid
         assert maps_jemalloc(pid)
         assert preloads(pid).count("libjemalloc.so.2") == 1  # re-executed once
@@ -117,7 +117,7 @@ async def test_system_or_a_missing_library_keeps_the_system_allocator(
     top = {key: missing if value == "MISSING" else value for key, value in top.items()}
     serve = None
     try:
-        serve = await start_serve(tmp_path, write_config(tmp_path, [sim], **top))
+        serve = await start_serve(tmp_path, write_config(tmp_path, [sim], **top), "--workers", "1")
         assert not maps_jemalloc(serve.process.pid)
         assert preloads(serve.process.pid) == []
         assert await one_chat(serve.info["url"]) == 200
@@ -133,7 +133,7 @@ async def test_jemalloc_asked_for_but_missing_is_a_warning(sim: Child, tmp_path:
     serve = None
     try:
         config = write_config(tmp_path, [sim], allocator="jemalloc", jemalloc_library=missing)
-        serve = await start_serve(tmp_path, config)
+        serve = await start_serve(tmp_path, config, "--workers", "1")
         assert not maps_jemalloc(serve.process.pid)
         assert await one_chat(serve.info["url"]) == 200
         assert (

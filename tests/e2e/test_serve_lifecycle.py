@@ -136,8 +136,9 @@ async def test_sigterm_refuses_new_connections_lets_the_stream_finish_and_exits_
 
 
 GRACE_S = 2.0
-STOP_MARGIN_S = 1.0
-"""What the stop may take past the grace (the rest of the shutdown: 0.03 to 0.14 s measured)."""
+STOP_MARGIN_S = 1.5
+"""What the stop may take past the grace (the rest of the shutdown: 0.03 to 0.14 s measured; room
+for a machine several times slower, still short of the second grace the bug waited)."""
 
 
 @pytest.mark.parametrize("workers", ["1", "2"])

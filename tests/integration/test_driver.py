@@ -228,7 +228,9 @@ async def test_max_duration_cancels_in_flight_requests_and_leaves_no_tasks(serve
     started = time.monotonic()
     result = await _open(_endless(0.05), server, model="slow", max_duration_s=0.4, timeout_s=30.0)
     elapsed_s = time.monotonic() - started
-    assert 0.4 <= elapsed_s < 1.5 and result.stop_reason == "max_duration"
+    # the requests take 10 s: well under that, the run was cut at its 0.4 s (4 s is room for a
+    # machine several times slower)
+    assert 0.4 <= elapsed_s < 4.0 and result.stop_reason == "max_duration"
     assert 5 <= len(result.records) <= 10
     assert all(r.outcome == "cancelled" for r in result.records)
     assert result.summary().errors == 0 and result.summary().cancelled == len(result.records)
@@ -271,7 +273,9 @@ async def test_a_cap_below_the_in_flight_peak_holds_the_schedule_back(server: Fa
     capped = await _open(schedule(), server, concurrency_cap=8)
     lag = send_lag(capped.records)
     assert lag is not None and all(r.outcome == "ok" for r in capped.records)
-    assert capped.slot_waits >= 20 and server.peak_in_flight == 8
+    # launches waited for the cap (32 of 40 on time; fewer when a loaded client sends late: 13 at
+    # load 13 with two busy loops, 2026-12-01) and never passed it
+    assert capped.slot_waits > 0 and server.peak_in_flight == 8
     assert lag.max_s > 0.5 and lag.sent_rate_per_s < 0.7 * lag.scheduled_rate_per_s
     check = capped.client_check()
     assert check is not None and check.behind and check.slot_waits == capped.slot_waits
@@ -281,9 +285,11 @@ async def test_a_cap_below_the_in_flight_peak_holds_the_schedule_back(server: Fa
     free_lag = send_lag(free.records)
     assert free_lag is not None and all(r.outcome == "ok" for r in free.records)
     assert cap == 40 and free.slot_waits == 0 and server.peak_in_flight > 30
-    # the median launch is on time; the tail is left out: on a loaded CI machine the client's own
-    # event loop once stalled 0.4 s (lag p90 0.34 s) with no slot wait, which is not the cap's doing
-    assert free_lag.p50_s < 0.05 and free_lag.p50_s < lag.p50_s / 5
+    # the median launch is on time (a few ms here; 0.2 s leaves room for a machine 3 times slower,
+    # the capped run's median is over 1 s late); the tail is left out: on a loaded CI machine the
+    # client's own event loop once stalled 0.4 s (lag p90 0.34 s) with no slot wait, which is not
+    # the cap's doing
+    assert free_lag.p50_s < 0.2 and free_lag.p50_s < lag.p50_s / 5
 
 
 async def test_open_loop_needs_arrival_times(server: FakeServer) -> None:

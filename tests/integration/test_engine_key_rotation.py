@@ -171,7 +171,7 @@ async def test_an_engines_401_rereads_the_key_at_once_without_polling(tmp_path: 
                 await asyncio.sleep(0.3)
                 replica = await restarted(first, NEW, zctx)
                 took = await seconds_until_ok(session, balancer.url)
-                assert took < 3.0, took
+                assert took < 6.0, took  # well under a second here; without the re-read, never
                 text = await metrics_text(session, balancer.url)
                 assert metric_value(text, "kvlb_upstream_api_key_rereads_total", trigger="refused") >= 1
                 assert metric_value(text, "kvlb_upstream_api_key_rotations_total") == 1
@@ -209,7 +209,7 @@ async def test_a_file_updated_after_the_engine_is_seen_at_the_next_refusal(tmp_p
                 took = time.monotonic() - start
                 assert took < 2.0, took  # a check at most a second after the swap, not the reads' 2 s+
                 # the breaker the old key's refusals opened tries at once, not 5 s after it opened
-                assert await seconds_until_ok(session, balancer.url) < 0.5
+                assert await seconds_until_ok(session, balancer.url) < 2.5  # at once here; the wait was 5 s
             finally:
                 await balancer.stop()
                 if replica is not first:

@@ -139,11 +139,11 @@ async def test_a_client_leaving_a_whole_answer_stops_the_engine(tokenizer: Token
         writer.close()
         await writer.wait_closed()
         del reader
-        # Within a second, not the ~10 s the answer would take.
+        # Well before the ~10 s the answer would take (well under a second on a quiet machine).
         open_requests = lambda: replica.ctx.open_requests  # noqa: E731
-        await eventually(lambda: open_requests() == 0, timeout_s=1.5, seen=open_requests)
+        await eventually(lambda: open_requests() == 0, timeout_s=4.0, seen=open_requests)
         scheduler = replica.engine.ranks[0].scheduler
-        await eventually(lambda: not scheduler.busy, timeout_s=1.0)
+        await eventually(lambda: not scheduler.busy, timeout_s=4.0)
         view = await h.replica_view("r0")
         assert view["inflight"] == 0
 

@@ -21,6 +21,7 @@ import pytest
 import zmq.asyncio
 from grpc_harness import failure, grpc_running, token_request
 from kvlb_harness import MODEL, metric_value, settings_for, shared_deepseek, wait_ready
+from waiting import eventually
 
 from balancer.app import Balancer
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
@@ -139,7 +140,9 @@ async def test_grpc_calls_count_their_prompt_tokens_until_their_first_token() ->
         a = ((HEADER, "tenant-a"),)
         first = g.balancer.Generate(token_request(list(range(1, 201)), max_tokens=40), metadata=a)
         try:
-            await asyncio.sleep(0.1)  # tokenized, its 200 tokens held; its prefill takes ~1.3 s
+            # at the replica: tokenized and admitted, its 200 tokens held; its prefill takes ~1.3 s
+            replica = g.http.replicas[0]
+            await eventually(lambda: replica.ctx.open_requests == 1, timeout_s=10.0)
             second = g.balancer.Generate(token_request([11, 12, 13], max_tokens=1), metadata=a)
             error = await failure(second.read())
             assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

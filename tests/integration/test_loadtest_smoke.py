@@ -46,7 +46,7 @@ def _run_loadtest(out: Path) -> subprocess.CompletedProcess[str]:
         "--requests", str(REQUESTS), "--rate", str(RATE), "--seed", "7",
         "--param", "tenants=4", "--param", "users_per_tenant=2", "--param", "context_tokens=400",
         "--param", "question_tokens=50", "--param", "max_tokens=8",
-        "--max-duration-s", "120", "--timeout-s", "60", "--out", str(out),
+        "--max-duration-s", "120", "--timeout-s", "60", "--kvlb-workers", "1", "--out", str(out),
     ]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, check=False)

@@ -141,8 +141,8 @@ async def test_polls_keep_one_replay_connection_until_an_answer_is_late(ctx: zmq
             await publisher.wait_subscribed()
             await publisher.pages(1)
             await rig.settle(0)
-            await asyncio.sleep(0.3)
-            assert len(publisher.replay_requests) >= 4  # the catch-up, then polls
+            # the catch-up, then polls (every 0.05 s while busy)
+            await eventually(lambda: len(publisher.replay_requests) >= 4, timeout_s=5.0)
             assert len(set(publisher.replay_peers)) == 1, publisher.replay_requests
             publisher.replay_gate = asyncio.Event()  # the replay socket stops answering
             await publisher.publish([page(publisher.seq)], drop=True)
