@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,10 @@ RATE = 40
 """Requests per second of each router's run (20 until 2026-12-01): the 30 requests in 0.75 s instead of
 1.5 s; nothing below asserts a timing or a rate."""
 ROUTERS = ("kvlb", "round_robin", "kvlb_no_events")
+CLIENT_BEHIND = re.compile(r"client behind its schedule \(.*\): not a valid measurement at .*", re.S)
+"""The note of a run the report calls invalid only because the open-loop client fell behind its
+schedule (a loaded machine: at load 13 here, round robin's 30 requests at 40/s were; the
+run itself was whole, and the report is right not to take its figures as a measurement)."""
 FIELDS_PER_ROUTER = (
     "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "itl_p50_s", "itl_p90_s", "e2e_p50_s", "e2e_p90_s",
     "output_tok_per_s", "req_per_s", "hit_rate", "request_imbalance", "load_imbalance", "errors",
@@ -65,7 +70,9 @@ def test_both_routers_complete_every_request(smoke: tuple[Path, dict[str, object
     routers = {entry["name"]: entry for entry in report["routers"]}  # type: ignore[attr-defined]
     assert tuple(routers) == ROUTERS
     for name, entry in routers.items():
-        assert entry["status"] == "ok", (name, entry["note"])
+        if entry["status"] != "ok":  # only a client behind its schedule (below) is forgiven
+            assert entry["status"] == "invalid" and entry["client_behind"], (name, entry["note"])
+            assert CLIENT_BEHIND.fullmatch(entry["note"]), (name, entry["note"])
         assert (entry["requests"], entry["ok"], entry["errors"], entry["cancelled"]) == (
             REQUESTS,
             REQUESTS,
@@ -87,8 +94,12 @@ def test_report_has_every_field(smoke: tuple[Path, dict[str, object]]) -> None:
         assert len(entry["ttft_s"]) == REQUESTS
         assert entry["load_series"] and all(entry["load_series"].values())
     kvlb, rr, _ = report["routers"]  # type: ignore[misc]
-    assert rr["vs_round_robin"]["ttft_p90_s"] == pytest.approx(1.0)
-    assert kvlb["vs_round_robin"]["ttft_p90_s"] == pytest.approx(kvlb["ttft_p90_s"] / rr["ttft_p90_s"])
+    if "invalid" in (kvlb["status"], rr["status"]):  # a client behind its schedule: no ratio
+        assert kvlb["vs_round_robin"] is None
+    else:
+        assert rr["vs_round_robin"]["ttft_p90_s"] == pytest.approx(1.0)
+        ratio = kvlb["ttft_p90_s"] / rr["ttft_p90_s"]
+        assert kvlb["vs_round_robin"]["ttft_p90_s"] == pytest.approx(ratio)
     oracle = report["oracle"]  # type: ignore[index]
     assert 0 < oracle["hit_rate"] <= oracle["unbounded_hit_rate"] <= 1
     markdown = (out / "report.md").read_text()
