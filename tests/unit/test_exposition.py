@@ -4,6 +4,8 @@
 on real registries (kvlb's own :class:`balancer.metrics.Metrics` with 50 replicas, and a plain one
 with every kind of sample it meets) and change them between renders: values, removed children,
 children added again (a new ``_created``), escaping, NaN, infinities, large and negative values.
+The merge of ``kvlb serve --workers N`` (:func:`balancer.exposition.merge_rendered`) writes what the
+parser-based merge writes, from the same texts.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from balancer.exposition import Exposition
+from balancer.api.siblings import absent_worker_metrics, merge_metrics, merge_parsed
+from balancer.exposition import Exposition, merge_rendered
 from balancer.metrics import LOAD_KIND_METRICS, Metrics
 
 REPLICAS = 50
@@ -123,3 +126,43 @@ def test_kvlb_metrics_of_many_replicas_render_alike_and_forget_removed_series() 
     metrics.init_replica("replica-000", "vllm", replays=True)  # added again
     metrics.set_replica_load("replica-000", "kv_usage", 0.25)
     assert exposition.render() == generate_latest(metrics.registry)
+
+
+def _odd_registry() -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(_Timestamped())
+    gauge = Gauge("level_ratio", "A level.", ["replica"], registry=registry)
+    gauge.labels('esc"a\\pe\n').set(math.inf)
+    gauge.labels("big").set(1.5e9)
+    Histogram("wait_seconds", "Waits.", ["pool"], registry=registry).labels("m").observe(0.3)
+    Counter("bare_total", "An unlabelled counter.", registry=registry).inc(3)
+    Summary("size_bytes", "Sizes.", registry=registry).observe(10)
+    return registry
+
+
+def test_the_workers_merge_writes_what_the_parsed_merge_writes() -> None:
+    metrics = Metrics.create()
+    for i in range(20):
+        metrics.init_replica(f"replica-{i:03d}", "vllm", replays=True)
+        metrics.set_replica_load(f"replica-{i:03d}", "kv_usage", i / 20)
+    texts = {
+        2: generate_latest(metrics.registry).decode(),
+        0: generate_latest(_odd_registry()).decode(),
+        1: absent_worker_metrics(4),
+        3: Exposition(metrics.registry).render().decode(),
+    }
+    merged = merge_rendered(texts)
+    assert merged is not None
+    assert merged == merge_parsed(texts)
+    assert merge_metrics(texts) == merged
+
+
+def test_a_text_not_as_kvlb_renders_it_is_parsed() -> None:
+    odd = "# HELP x_total Things.\n# TYPE x_total counter\nx_total 1.0\ny_untyped 2.0\n"
+    texts = {0: odd, 1: absent_worker_metrics(0)}
+    assert merge_rendered(texts) is None
+    assert merge_metrics(texts) == merge_parsed(texts)
+    info = CollectorRegistry()
+    Info("build", "Build facts.", registry=info).info({"version": "1"})
+    texts = {0: generate_latest(info).decode()}
+    assert merge_metrics(texts) == merge_parsed(texts)
