@@ -4,7 +4,8 @@
 * ``GET /readyz``: 200 once every pool has a healthy replica and the event sources run (and, with
   Redis, every mirror is warm); else 503 with the reasons (readiness). ``degraded`` lists what
   still works around a problem, e.g. Redis unreachable while routing goes on from the mirrors.
-* ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first).
+* ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first),
+  rendered by :class:`balancer.exposition.Exposition`.
 * ``GET /openapi.json``: the API description.
 * ``GET /ui/``: the web console's static page (:mod:`balancer.api.webui`), unless
   ``console.ui_enabled`` is off.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from balancer import strict_json
 from balancer.api.admin import add_admin_routes
@@ -25,7 +26,11 @@ from balancer.api.middleware import CORS, STATE, add_cors_headers, kvlb_middlewa
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
 from balancer.api.webui import add_ui_routes
+from balancer.exposition import Exposition
 from balancer.service.state import ServiceState
+
+EXPOSITION: web.AppKey[Exposition] = web.AppKey("exposition", Exposition)
+"""The renderer of ``/metrics`` (:mod:`balancer.exposition`: keeps each series' text between scrapes)."""
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -48,7 +53,7 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     refresh_gauges(state)
-    body = generate_latest(state.metrics.registry)
+    body = request.app[EXPOSITION].render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -106,6 +111,7 @@ def build_web_app(state: ServiceState) -> web.Application:
     """The web application for ``state``; lifecycle (tasks, sessions) belongs to the caller."""
     app = web.Application(middlewares=[kvlb_middleware], client_max_size=state.settings.limits.max_body_bytes)
     app[STATE] = state
+    app[EXPOSITION] = Exposition(state.metrics.registry)
     cors = CorsPolicy.of(state.settings.listen, state.settings.tenant_header)
     if cors is not None:
         app[CORS] = cors

@@ -44,6 +44,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from balancer import strict_json
 from balancer.api.admin import ACTOR_HEADER, POLICY_REASON, SIBLING_HEADER
 from balancer.api.gathered import gather, gathered_view
+from balancer.exposition import merge_rendered
 from balancer.health.book import DrainNote
 from balancer.metrics import PROCESS_RESTARTS_HELP
 from balancer.policy import PolicyWeights
@@ -342,7 +343,15 @@ def absent_worker_metrics(restarts: int) -> str:
 
 
 def merge_metrics(texts: dict[int, str]) -> str:
-    """Prometheus text of several workers as one exposition, every sample labelled ``worker``."""
+    """Prometheus text of several workers as one exposition, every sample labelled ``worker``:
+    :func:`balancer.exposition.merge_rendered` where every text is as kvlb renders it (the same
+    bytes, without parsing), else :func:`merge_parsed`."""
+    merged = merge_rendered(texts)
+    return merged if merged is not None else merge_parsed(texts)
+
+
+def merge_parsed(texts: dict[int, str]) -> str:
+    """:func:`merge_metrics` by ``prometheus_client``'s text parser (any valid exposition)."""
     order: list[str] = []
     families: dict[str, tuple[str, str, list[str]]] = {}
     for index in sorted(texts):

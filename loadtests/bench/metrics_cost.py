@@ -1,0 +1,168 @@
+"""In-process benchmark of one ``/metrics`` render at a fleet size: ``generate_latest`` against
+:class:`balancer.exposition.Exposition`, and the merge of ``kvlb serve --workers 2``.
+
+Not part of ``kvlb bench``: a probe of the rendering alone, on a bare registry (no server, no load),
+for comparing the two renderers in one process and two revisions (with ``PYTHONPATH`` at each tree:
+on a tree without :mod:`balancer.exposition` only ``generate_latest`` is measured).
+
+Two registries of :class:`balancer.metrics.Metrics` with ``--replicas`` replicas (ZMQ transports):
+
+* ``load``: only the per-replica load figures (:meth:`~balancer.metrics.Metrics.set_replica_load`,
+  every kind), what the round of 2026-12-01 (h-loadmetric) measured;
+* ``full``: every replica also registered (:meth:`~balancer.metrics.Metrics.init_replica`'s counters at
+  0), its health gauges set and, with ``--observed`` (default 1), one request's TTFT, end-to-end
+  time and prediction error observed (a histogram child each): what ``/metrics`` holds after traffic.
+
+Figures (ms, best and median of ``--repeats`` renders): ``generate_latest``; ``exposition`` (a kept
+:class:`Exposition`, after one first render, whose time is ``exposition_first``); ``merge_2`` (the
+gathering worker's :func:`balancer.api.siblings.merge_metrics` of two workers' texts). Bytes and
+samples of one render. The process's own collector (CPU seconds) is left out so two renders compare.
+
+    PYTHONPATH=$PWD python -m loadtests.bench.metrics_cost --replicas 200 [--repeats 30] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+
+from balancer.api.siblings import merge_metrics
+from balancer.metrics import Metrics
+
+try:  # absent on a tree from before 2026-12-01 (h-metricscost)
+    from balancer.exposition import Exposition
+except ImportError:  # pragma: no cover - an old tree
+    Exposition = None  # type: ignore[assignment,misc]
+
+
+LOAD_KINDS = ("inflight", "peer_inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage")
+"""The kinds of ``kvlb_replica_load`` (``balancer.metrics.LoadKind``; spelled out to run on a tree from
+before h-loadmetric, which set ``kvlb_replica_load`` alone)."""
+
+
+def set_load(metrics: Metrics, replica: str, kind: str, value: float) -> None:
+    """Set one load figure as the tree's ``refresh_gauges`` does."""
+    setter = getattr(metrics, "set_replica_load", None)
+    if setter is not None:
+        setter(replica, kind, value)
+    else:  # a tree from before h-loadmetric
+        metrics.replica_load.labels(replica, kind).set(value)
+
+
+def build(replicas: int, full: bool, observed: int) -> CollectorRegistry:
+    """A registry of ``replicas`` replicas (see the module docstring), the process collector left out."""
+    metrics = Metrics.create()
+    for collector in list(metrics.registry._collector_to_names):
+        if isinstance(collector, ProcessCollector):
+            metrics.registry.unregister(collector)
+    for i in range(replicas):
+        replica = f"replica-{i:03d}"
+        if full:
+            metrics.init_replica(replica, "vllm", replays=True)
+            metrics.replica_healthy.labels(replica).set(1)
+            metrics.replica_breaker_open.labels(replica).set(0)
+            metrics.replica_model_mismatch.labels(replica).set(0)
+            metrics.replica_key_refused.labels(replica).set(0)
+            metrics.index_replica_blocks.labels(replica).set(i * 10)
+            for _ in range(observed):
+                metrics.ttft_seconds.labels("model", replica, "kv_aware").observe(0.2)
+                metrics.e2e_seconds.labels("model", replica, "kv_aware").observe(1.5)
+                metrics.prediction_error_blocks.labels(replica).observe(0)
+                metrics.requests_total.labels("chat", "200", replica, "kv_aware").inc()
+        for n, kind in enumerate(LOAD_KINDS):
+            set_load(metrics, replica, kind, float(i + n) * (0.01 if kind == "kv_usage" else 3))
+    return metrics.registry
+
+
+def timed(call: Callable[[], object], repeats: int) -> dict[str, float]:
+    """Best and median of ``repeats`` calls, in ms."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - start) * 1e3)
+    return {"best_ms": round(min(times), 2), "median_ms": round(statistics.median(times), 2)}
+
+
+def measure(replicas: int, repeats: int, observed: int) -> dict[str, Any]:
+    """Every figure of the module docstring, by registry."""
+    out: dict[str, Any] = {}
+    for name, full in (("load", False), ("full", True)):
+        registry = build(replicas, full, observed)
+        text = generate_latest(registry)
+        row: dict[str, Any] = {
+            "bytes": len(text),
+            "samples": sum(1 for line in text.splitlines() if line and not line.startswith(b"#")),
+            "generate_latest": timed(lambda r=registry: generate_latest(r), repeats),  # type: ignore[misc]
+        }
+        if Exposition is not None:
+            exposition = Exposition(registry)
+            start = time.perf_counter()
+            same = exposition.render() == text
+            row["exposition_first_ms"] = round((time.perf_counter() - start) * 1e3, 2)
+            row["exposition"] = timed(exposition.render, repeats)
+            row["exposition_same_bytes"] = same
+        decoded = text.decode()
+        row["merge_2"] = timed(lambda d=decoded: merge_metrics({0: d, 1: d}), max(1, repeats // 3))  # type: ignore[misc]
+        out[name] = row
+    return out
+
+
+def table(result: dict[str, Any]) -> str:
+    """The figures as a Markdown table."""
+    lines = [
+        "| registry | samples | bytes | generate_latest best / median ms | exposition best / median ms "
+        "(first) | merge of 2 workers best / median ms |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("load", "full"):
+        row = result["registries"][name]
+        gen = row["generate_latest"]
+        exp = row.get("exposition")
+        exp_text = (
+            f"{exp['best_ms']} / {exp['median_ms']} ({row['exposition_first_ms']})" if exp else "absent"
+        )
+        merge = row["merge_2"]
+        lines.append(
+            f"| {name} | {row['samples']:,} | {row['bytes']:,} | {gen['best_ms']} / {gen['median_ms']} | "
+            f"{exp_text} | {merge['best_ms']} / {merge['median_ms']} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--replicas", type=int, default=200, help="replicas in each registry (1..5000)")
+    parser.add_argument("--repeats", type=int, default=30, help="renders timed per figure (1..1000)")
+    parser.add_argument("--observed", type=int, default=1, help="requests observed per replica (0..100)")
+    parser.add_argument("--json", action="store_true", help="print the JSON only")
+    args = parser.parse_args(argv)
+    if not 1 <= args.replicas <= 5000 or not 1 <= args.repeats <= 1000 or not 0 <= args.observed <= 100:
+        parser.error("--replicas 1..5000, --repeats 1..1000, --observed 0..100")
+    started = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    result = {
+        "started_utc": started,
+        "load_average": list(os.getloadavg()),
+        "command": " ".join(["python -m loadtests.bench.metrics_cost", *sys.argv[1:]]),
+        "replicas": args.replicas,
+        "repeats": args.repeats,
+        "observed": args.observed,
+        "registries": measure(args.replicas, args.repeats, args.observed),
+    }
+    print(json.dumps(result, indent=2))
+    if not args.json:
+        print(table(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
