@@ -43,7 +43,8 @@ _LETTERS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxy
 
 def split_words(text: str) -> list[str]:
     """``text`` cut before every space that follows an ASCII letter (a safe cut of
-    :mod:`balancer.tokenizer.cuts`): the pieces, end to end, are ``text``; none is empty."""
+    :mod:`balancer.tokenizer.cuts`): the pieces, end to end, are ``text``; none is empty unless
+    ``text`` is (an empty piece gets no ids: :meth:`WordMemo.ids` then answers ``None``)."""
     parts = text.split(" ")
     words: list[str] = []
     current = parts[0]
