@@ -265,6 +265,11 @@ class Balancer:
             for pool in pools.values()
             if isinstance(pool.tokenizer, HfTokenizer) and (cache := pool.tokenizer.segment_cache) is not None
         }
+        self.metrics.segment_caches.words = lambda: {
+            pool.tokenizer.name: memo
+            for pool in pools.values()
+            if isinstance(pool.tokenizer, HfTokenizer) and (memo := pool.tokenizer.word_memo) is not None
+        }
         self._share_load(pools, state)
         self._report_crash_loops(state)
         for pool in pools.values():

@@ -22,6 +22,7 @@ from balancer.index.slots import TableCounters
 from balancer.load.tracker import LoadTrackerStats
 from balancer.tokenizer.segments import SegmentCache
 from balancer.tokenizer.token_ids import TokenIdMemo
+from balancer.tokenizer.words import WordMemo
 from balancer.upstream.client import UpstreamCounters
 from balancer.upstream.http1 import PARSE_ERROR_REASONS
 
@@ -127,10 +128,15 @@ class SegmentCacheCollector(Collector):
     ``kvlb_tokenizer_segment_cache_refused_total{tokenizer}`` (segments over a quarter of either
     cap, encoded every time), ``kvlb_tokenizer_segment_cache_{hits,misses}_total{tokenizer}`` and the
     gauges ``kvlb_tokenizer_segment_cache_bytes`` and ``kvlb_tokenizer_segment_cache_tokens``.
-    ``source`` is set by the composition root once the pools exist (nothing is exported before)."""
+    ``source`` is set by the composition root once the pools exist (nothing is exported before).
+    Beside each cache, its tokenizer's :class:`~balancer.tokenizer.words.WordMemo` (``words``):
+    ``kvlb_tokenizer_word_memo_{hits,misses,evictions}_total{tokenizer}`` (new texts found word by
+    word, texts with words missing, words dropped for the memo's bounds) and the gauge
+    ``kvlb_tokenizer_word_memo_bytes``."""
 
     def __init__(self) -> None:
         self.source: Callable[[], Mapping[str, SegmentCache]] = dict
+        self.words: Callable[[], Mapping[str, WordMemo]] = dict
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         caches = self.source()
@@ -166,6 +172,7 @@ class SegmentCacheCollector(Collector):
         yield from counters.values()
         yield held_bytes
         yield held_tokens
+        yield from _word_memo_families(self.words())
 
     def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         """The families without samples (what the registry checks names against)."""
@@ -174,6 +181,35 @@ class SegmentCacheCollector(Collector):
             yield CounterMetricFamily(f"kvlb_tokenizer_segment_cache_{name}", "", labels=["tokenizer"])
         yield GaugeMetricFamily("kvlb_tokenizer_segment_cache_bytes", "", labels=["tokenizer"])
         yield GaugeMetricFamily("kvlb_tokenizer_segment_cache_tokens", "", labels=["tokenizer"])
+        for name in WORD_MEMO_COUNTERS:
+            yield CounterMetricFamily(f"kvlb_tokenizer_word_memo_{name}", "", labels=["tokenizer"])
+        yield GaugeMetricFamily("kvlb_tokenizer_word_memo_bytes", "", labels=["tokenizer"])
+
+
+WORD_MEMO_COUNTERS = ("hits", "misses", "evictions")
+
+
+def _word_memo_families(
+    memos: Mapping[str, WordMemo],
+) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+    """The word memos' families (:class:`SegmentCacheCollector`)."""
+    counters = {
+        name: CounterMetricFamily(
+            f"kvlb_tokenizer_word_memo_{name}",
+            f"New chat text encoded word by word: {name} of the word memo.",
+            labels=["tokenizer"],
+        )
+        for name in WORD_MEMO_COUNTERS
+    }
+    held = GaugeMetricFamily(
+        "kvlb_tokenizer_word_memo_bytes", "Bytes the word memo counts.", labels=["tokenizer"]
+    )
+    for name, memo in memos.items():
+        for counter, family in counters.items():
+            family.add_metric([name], getattr(memo, counter))
+        held.add_metric([name], memo.held_bytes)
+    yield from counters.values()
+    yield held
 
 
 class KeyMemoCollector(Collector):

@@ -108,7 +108,18 @@ class Splitter:
 
     def split_chunks(self, chunks: Iterable[str]) -> list[str] | None:
         """:meth:`split` of ``"".join(chunks)``, without joining them; ``None`` when a split token
-        could straddle two chunks (then split the joined text).
+        could straddle two chunks (then split the joined text). :meth:`split_chunk_parts` with each
+        piece made of several chunks' text joined."""
+        pieces = self.split_chunk_parts(chunks)
+        if pieces is None:
+            return None
+        return [piece if type(piece) is str else "".join(piece) for piece in pieces]
+
+    def split_chunk_parts(self, chunks: Iterable[str]) -> list[str | tuple[str, ...]] | None:
+        """:meth:`split_chunks`, but a piece between tokens that several chunks make (a system
+        prompt and the template's ``"\\n\\n"`` after it) comes as the tuple of its parts, not
+        joined: :meth:`SegmentCache.peek_packed_parts` finds a cached one without the join's copy
+        (46,603 characters a request for a shared 8k-token system prompt).
 
         A chat template's output comes as such chunks (its literals, each message's content): the
         long ones are the message texts themselves, whose split finds nothing to cut (often without
@@ -121,7 +132,7 @@ class Splitter:
         tokens that meet at a boundary are joined into one piece, as the joined text has them.
         """
         ids, longest, keep = self.ids, self.longest, self.longest - 1
-        pieces: list[str] = []
+        pieces: list[str | tuple[str, ...]] = []
         text: list[str] = []  # the parts of the piece between tokens under way
         tail = ""  # the last ``keep`` characters of the chunks so far
         for chunk in chunks:
@@ -138,7 +149,7 @@ class Splitter:
             for piece in found:
                 if len(piece) <= longest and piece in ids:
                     if text:
-                        pieces.append(text[0] if len(text) == 1 else "".join(text))
+                        pieces.append(text[0] if len(text) == 1 else tuple(text))
                         text = []
                     pieces.append(piece)
                 else:
@@ -146,7 +157,7 @@ class Splitter:
             if keep:
                 tail = chunk[-keep:] if len(chunk) >= keep else (tail + chunk)[-keep:]
         if text:
-            pieces.append(text[0] if len(text) == 1 else "".join(text))
+            pieces.append(text[0] if len(text) == 1 else tuple(text))
         return pieces
 
     def _may_straddle(self, tail: str) -> bool:
@@ -267,6 +278,30 @@ def _shape(segment: str) -> tuple[int, str, str]:
     return len(segment), segment[:SHAPE_CHARS], segment[-SHAPE_CHARS:]
 
 
+def _parts_shape(parts: tuple[str, ...]) -> tuple[int, str, str]:
+    """:func:`_shape` of ``"".join(parts)``, without joining them."""
+    head = tail = ""
+    for part in parts:
+        head += part[: SHAPE_CHARS - len(head)]
+        if len(head) >= SHAPE_CHARS:
+            break
+    for part in reversed(parts):
+        tail = part[len(tail) - SHAPE_CHARS :] + tail
+        if len(tail) >= SHAPE_CHARS:
+            break
+    return sum(map(len, parts)), head, tail
+
+
+def _spells(key: str, parts: tuple[str, ...]) -> bool:
+    """Whether ``key == "".join(parts)``, compared in place (``str.startswith`` at each part's offset)."""
+    at = 0
+    for part in parts:
+        if not key.startswith(part, at):
+            return False
+        at += len(part)
+    return at == len(key)
+
+
 SEGMENT_ENTRY_BYTES = 700
 """What a cached segment costs besides its text (``sys.getsizeof``), its ids' pointers (8 bytes each)
 and its ``u32`` copy (``sys.getsizeof`` of the array, once made): the ids' tuple header, the dict
@@ -361,8 +396,30 @@ class SegmentCache:
                 return None
             self._entries.move_to_end(key)
             made = self._arrays.get(key)
-        if made is not None:
-            return made
+        return made if made is not None else self._first_array(key, found)
+
+    def peek_packed_parts(self, parts: tuple[str, ...]) -> array[int] | None:
+        """:meth:`peek_packed` of ``"".join(parts)`` when their shape names the stored key equal to
+        them (compared in place): found without the join's copy and the joined text's hash. ``None``
+        otherwise (a miss, or a hit stored without its shape): then join them and call
+        :meth:`peek_packed`, which finds those too."""
+        if self.max_tokens <= 0 or self.max_bytes <= 0:
+            return None
+        shape = _parts_shape(parts)
+        if shape[0] < self.min_chars:
+            return None
+        with self._lock:
+            key = self._shapes.get(shape)
+            if key is None or not _spells(key, parts):
+                return None
+            found = self._entries[key]  # a shape's key is an entry's (dropped with it)
+            self._entries.move_to_end(key)
+            made = self._arrays.get(key)
+        return made if made is not None else self._first_array(key, found)
+
+    def _first_array(self, key: str, found: tuple[int, ...]) -> array[int]:
+        """The ``u32`` copy of the entry ``key`` (``found``) at its first packed hit, kept unless the
+        entry was evicted meanwhile."""
         made = array("I", found)
         with self._lock:
             if self._entries.get(key) is found and key not in self._arrays:  # not evicted meanwhile
@@ -476,19 +533,27 @@ def encode_segmented_packed(
 
 
 def encode_pieces_packed(
-    pieces: Sequence[str],
+    pieces: Sequence[str | tuple[str, ...]],
     splitter: Splitter,
     cache: SegmentCache,
     encode: Callable[[str], list[int]],
     max_new_chars: int | None = None,
 ) -> array[int] | None:
     """:func:`encode_segmented_packed` of the text ``pieces`` (from :meth:`Splitter.split` or
-    :meth:`Splitter.split_chunks`) make: each cached piece is looked up once (hashing and comparing
-    a long system prompt is most of a hit's cost), then copied as bytes."""
+    :meth:`Splitter.split_chunk_parts`) make: each cached piece is looked up once (hashing and
+    comparing a long system prompt is most of a hit's cost), then copied as bytes; a piece given as
+    its parts is joined only when :meth:`SegmentCache.peek_packed_parts` does not find it."""
     lookup, longest = splitter.ids, splitter.longest
     parts: list[int | array[int] | str] = []
     new_chars = hits = 0
     for piece in pieces:
+        if not isinstance(piece, str):
+            found = cache.peek_packed_parts(piece)
+            if found is not None:
+                hits += 1
+                parts.append(found)
+                continue
+            piece = "".join(piece)
         token_id = lookup.get(piece) if len(piece) <= longest else None
         if token_id is not None:
             parts.append(token_id)

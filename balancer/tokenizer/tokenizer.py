@@ -37,6 +37,7 @@ from balancer.tokenizer.segments import (
     encode_segmented,
 )
 from balancer.tokenizer.self_checks import adds_no_tokens, checked_cuts, checked_splitter, chunks_split_alike
+from balancer.tokenizer.words import WordMemo, checked_words
 
 MAX_REASON_CHARS = 200
 """Longest tokenizer error text passed on to a client."""
@@ -312,6 +313,7 @@ class HfTokenizer:
         "_segments",
         "_splitter",
         "_tokenizer",
+        "_words",
         "limits",
     )
 
@@ -342,6 +344,11 @@ class HfTokenizer:
         """Whether a long text is encoded in pieces (:mod:`balancer.tokenizer.cuts`)."""
         self._cuts_special = self._cuts and adds_no_tokens(self._tokenizer.post_processor)
         """... also with special tokens (the post-processor adds none)."""
+        self._words = (
+            checked_words(WordMemo(self._encode_offsets), self._raw) if self._chunked and self._cuts else None
+        )
+        """A new piece of a chat found by :meth:`encode_chat_if_cached` (a user message), word by word
+        (:mod:`balancer.tokenizer.words`): only where the safe cuts hold for this tokenizer."""
 
     def _added(self) -> list[AddedToken]:
         return [
@@ -363,6 +370,23 @@ class HfTokenizer:
 
     def _raw(self, text: str) -> list[int]:
         return self._ids(text, add_special_tokens=False)
+
+    def _encode_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids of ``text`` (no special tokens) and each id's characters, for :class:`WordMemo`
+        (``Tokenizer.encode`` holds the GIL: only for the short texts encoded on the event loop)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
+    def _raw_words(self, text: str) -> list[int]:
+        """:meth:`_raw`, word by word from :attr:`_words` where it can."""
+        words = self._words
+        ids = words.ids(text) if words is not None else None
+        return self._raw(text) if ids is None else ids
+
+    @property
+    def word_memo(self) -> WordMemo | None:
+        """The memo of words :meth:`encode_chat_if_cached` encodes new text with (``None``: off)."""
+        return self._words
 
     def _ids(self, text: str, add_special_tokens: bool) -> list[int]:
         """Ids of ``text``, encoded with the GIL released.
@@ -520,20 +544,24 @@ class HfTokenizer:
         rendered chat miss the segment cache (a shared system prompt or earlier turns are hits), else
         ``None``. Renders and splits the chat either way: cheap next to encoding.
 
-        The rendered chat is split chunk by chunk (:meth:`Splitter.split_chunks`), not joined: the
+        The rendered chat is split chunk by chunk (:meth:`Splitter.split_chunk_parts`), not joined: the
         joined text would be a new two-byte-a-character string to scan, slice and copy (about 30 µs
         of the 40 µs this took for an 8k-token chat). That needs the load-time self-check
         (:func:`~balancer.tokenizer.self_checks.chunks_split_alike`) to have passed and no token to
-        straddle two chunks; otherwise the joined text is split."""
+        straddle two chunks; otherwise the joined text is split. A piece that several chunks make
+        (the system prompt and the ``"\\n\\n"`` after it) is looked up in the cache by its parts
+        and joined only when it misses."""
         splitter = self._splitter
         if splitter is None:
             return None
         chunks = self._render_chunks(messages, **chat_kwargs)
-        pieces = splitter.split_chunks(chunks) if self._chunked else None
+        pieces: Sequence[str | tuple[str, ...]] | None = None
+        if self._chunked:
+            pieces = splitter.split_chunk_parts(chunks)
         if pieces is None:
             pieces = splitter.split(chunks[0] if len(chunks) == 1 else "".join(chunks))
         with encode_errors(chunks):
-            ids = encode_pieces_packed(pieces, splitter, self._segments, self._raw, max_new_chars)
+            ids = encode_pieces_packed(pieces, splitter, self._segments, self._raw_words, max_new_chars)
         if ids is not None:
             self.limits.check_tokens(len(ids))
         return ids

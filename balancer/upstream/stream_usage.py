@@ -6,10 +6,11 @@ out of the answer so that a client that did not ask for usage sees what its engi
 **The request** (:func:`stream_usage_of`, :func:`with_stream_usage`): a streaming request whose
 ``stream_options.include_usage`` is not ``true`` gets it. A body without ``stream_options`` has
 ``"stream_options":{"include_usage":true}`` written before its closing brace (one copy of the body,
-no JSON round trip); a body whose ``stream_options`` is an object without ``include_usage: true``
-(``{"continuous_usage_stats": true}``, ``{"include_usage": false}``) is decoded and encoded again
-with ``include_usage`` set and its other options as the client wrote them, and so is one whose
-``stream_options`` is ``null`` (the only cases with a second JSON round trip). A body whose
+no slice of it, no JSON round trip); a body whose ``stream_options`` is an object without
+``include_usage: true`` (``{"continuous_usage_stats": true}``, ``{"include_usage": false}``) is
+decoded and encoded again with ``include_usage`` set and its other options as the client wrote
+them, and so is one whose ``stream_options`` is ``null`` (the only cases with a second JSON round
+trip). A body whose
 ``stream_options`` is something else, or whose ``include_usage`` is not a boolean, is left as it is
 (the engine refuses it, as without kvlb).
 
@@ -84,7 +85,8 @@ def with_stream_usage(body: bytes, usage: StreamUsage) -> bytes | None:
     is left as it is (``usage`` is ``asked`` or ``leave``, or the body cannot be written again)."""
     if usage == "missing":
         end = len(body.rstrip(_SPACE))
-        return b"".join((body[: end - 1], b",", _OPTION, body[end - 1 :]))
+        # the head through a memoryview: ``join`` copies it once (a slice would copy it first)
+        return b"".join((memoryview(body)[: end - 1], b",", _OPTION, body[end - 1 :]))
     if usage == "merge":
         try:
             decoded = msgspec.json.decode(body)

@@ -5,6 +5,7 @@ filter, on the event shapes of vLLM, SGLang and TensorRT-LLM (their ``serving_ch
 from __future__ import annotations
 
 import json
+import tracemalloc
 
 import pytest
 
@@ -55,6 +56,19 @@ def test_a_body_without_options_gets_them_before_its_brace_and_nothing_else_chan
         == b'{"model": "m", "prompt": "x \\u00e9", "stream": true,"stream_options":{"include_usage":true}}\n'
     )
     assert json.loads(out)["stream_options"] == {"include_usage": True}
+
+
+def test_writing_the_option_in_copies_the_body_once() -> None:
+    """The body is copied into the new one, not sliced first: a 4 MB body peaks at one new copy."""
+    raw = b'{"model": "m", "stream": true, "prompt": "' + b"x" * 4_000_000 + b'"}'
+    tracemalloc.start()
+    try:
+        out = with_stream_usage(raw, "missing")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert out is not None and out.endswith(b',"stream_options":{"include_usage":true}}')
+    assert peak < 1.5 * len(raw)  # a slice of the head, then the join: 2 copies (8 MB)
 
 
 def test_a_body_with_other_options_keeps_them() -> None:
