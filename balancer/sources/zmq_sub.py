@@ -82,9 +82,13 @@ publisher from 0. This source keeps the stream in order:
   and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
   a warning, the first at once, then once a minute.
 
-This module is the subscription loop and the stream's order (seq, gaps, restarts, shedding, the
-catch-up merge). Its parts, each in its own module:
+This module is the async shell: the subscription loop, its sockets, polls, reconnects and the
+catch-up's merge of replayed and queued live messages. What each message does to the stream (the
+next seq, a duplicate, a gap to replay, a restart, a shed run's one resync, a dropped flood) is
+decided by :class:`~balancer.sources.zmq_order.StreamOrder` (pure), whose actions it applies. Its
+parts, each in its own module:
 
+* :mod:`balancer.sources.zmq_order`: the stream's order (pure: seqs and digests in, actions out);
 * :mod:`balancer.sources.zmq_connection`: the SUB, its monitor, the connection's handshake and the
   events endpoint's problems;
 * :mod:`balancer.sources.zmq_replay`: the replay exchange over the DEALER;
@@ -103,7 +107,6 @@ the source's own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -113,7 +116,7 @@ import zmq.asyncio
 
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
-from balancer.events import KvEvent, Resync
+from balancer.events import Resync
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -126,7 +129,7 @@ from balancer.sources.base import (
     count_decoded,
     report_malformed,
 )
-from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ReadAhead
+from balancer.sources.read_ahead import ReadAhead
 from balancer.sources.replay_poll import ReplayPollSchedule
 from balancer.sources.replay_watch import ReplayWatch
 from balancer.sources.zmq_connection import (
@@ -196,7 +199,6 @@ class ZmqEventSource:
         self._engine = decoder.engine
         self._order = StreamOrder(resume_seq if resume_seq is not None else 0)
         """The stream's position and what each message does to it (pure)."""
-        self._rank_warned = False
         self._replay_on_connect = replay_endpoint is not None
         """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
         start (whatever the resume point) and after every lost connection."""
@@ -219,7 +221,7 @@ class ZmqEventSource:
         """When the silent live stream's next replay poll is due."""
         self._counters = SourceCounters()
         self._messages = MessageReader(
-            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings
+            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings, log=log
         )
         """Each message decoded, shed or counted as unusable."""
         self.gate: Gate | None = None
@@ -567,53 +569,14 @@ class ZmqEventSource:
             connected = self._connected_wall_s
             history = not live and (connected is None or (batch.timestamp or 0.0) < connected)
             engine_ts = None if history else batch.timestamp
-            emit(IngestBatch(tuple(self._ranked(batch)), engine_ts, batch.seq, self.dp_rank))
+            events = self._messages.ranked(batch, self.dp_rank, self.endpoint)
+            emit(IngestBatch(tuple(events), engine_ts, batch.seq, self.dp_rank))
 
     def _shed_run_started(self) -> None:
         """A run of shed messages starts (its resync follows): counted by its cause, and said."""
-        cause = self._ahead.shed_cause
-        self._metrics.events_shed_runs_total.labels(self.replica, cause).inc()
-        if cause == "frames":
-            self._warnings.warning(
-                "events_frames",
-                self.replica,
-                "replica %s rank %d: a message of more than %d frames (no engine sends one): read no "
-                "further, dropped with the SUB, resyncing",
-                self.replica,
-                self.dp_rank,
-                MAX_MESSAGE_FRAMES,
-            )
-        else:
-            gate = self.gate
-            why = gate.spent() if cause == "budget" and gate is not None else self._ahead.explain()
-            self._warnings.warning(
-                "events_shed",
-                self.replica,
-                "replica %s rank %d: shedding events (cause %s: %s); dropping messages undecoded and "
-                "resyncing",
-                self.replica,
-                self.dp_rank,
-                cause,
-                why,
-            )
-
-    def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
-        """Events with this source's rank when the envelope names none (the port decides the rank)."""
-        if batch.dp_rank is None:
-            if self.dp_rank == 0:
-                return batch.events
-            return [dataclasses.replace(event, dp_rank=self.dp_rank) for event in batch.events]
-        if batch.dp_rank != self.dp_rank:
-            text = (
-                f"the publisher at {self.endpoint} says data_parallel_rank {batch.dp_rank}, this source "
-                f"is rank {self.dp_rank} (port + rank): its events go to rank {batch.dp_rank}; check "
-                "the replica's events port and dp_size against the engine's"
-            )
-            self._counters.note_error(text, time.time())
-            if not self._rank_warned:
-                self._rank_warned = True
-                log.warning("replica %s: %s", self.replica, text)
-        return batch.events
+        cause, gate = self._ahead.shed_cause, self.gate
+        why = gate.spent() if cause == "budget" and gate is not None else self._ahead.explain()
+        self._messages.shed_run_started(self.dp_rank, cause, why)
 
     async def _replay(
         self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None = None, *, poll: bool = False
