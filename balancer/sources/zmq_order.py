@@ -130,6 +130,17 @@ class StreamOrder:
     ) -> tuple[tuple[Action, ...], Live]:
         """One live message, in the order the SUB received it (``digest`` ``None``: shed;
         ``may_replay``: a gap may be replayed now)."""
+        live_last = self.live_last
+        if (
+            live_last is not None
+            and seq == live_last + 1 == self.expected()
+            and (epoch is None or epoch == self.epoch)
+            and not self.backlog_dropped
+            and self._caught_up_from is None
+            and not self._replayed
+        ):  # the common case, the next batch in order: nothing below can apply
+            self.live_last = seq
+            return NO_ACTIONS, Live.TAKE
         out: list[Action] = []
         dropped, self.backlog_dropped = self.backlog_dropped, False
         if epoch is not None:
