@@ -15,7 +15,9 @@ digest (``None``: shed, its payload unknown) and does what it answers. It decide
   After a dropped flood the next live seq says how many messages went with it: counted as shed,
   taken in order, without a gap.
 * **A batch taken** (:meth:`StreamOrder.accept`): what it skips is lost (``Resync(rank, "gap")``);
-  a shed one resyncs the rank once per run of shed messages (``"overflow"``).
+  a shed one resyncs the rank once per run of shed messages (``"overflow"``), at the stream position
+  of the run's first one taken. A shed message's payload is unknown, so it cannot tell a duplicate
+  from a restarted publisher's batch at a seq the catch-up replayed: such a message resyncs too.
 * **A replayed batch** (:meth:`StreamOrder.replayed`): taken when at or after the next wanted seq;
   a catch-up keeps the newest ``MAX_REPLAYED_DIGESTS`` digests, to tell the first live message's
   duplicate from a restarted publisher's batch at the same seq.

@@ -7,18 +7,16 @@ publisher from 0. This source keeps the stream in order:
   after a lost connection) the replay socket is asked at once for everything it still holds from the
   seq wanted (0, or the ``resume_seq`` given to the constructor; the publisher answers from the
   earliest batch it kept), so an idle engine's existing cache reaches the index without waiting for
-  its next batch. Live messages queue on the SUB meanwhile and are merged by seq: a replayed batch
-  is taken when it is the next wanted; when the buffer no longer reaches back to the wanted seq,
-  the live messages queued below its first seq are taken first (they are older); what neither holds
-  becomes ``Resync(rank, "gap")``; live messages the replay already delivered are dropped as
-  duplicates (by seq, and by content: a live batch whose seq was replayed with another payload is a
-  new incarnation of the publisher, ``Resync(rank, "restart")``). An answer with nothing at or after
-  the wanted seq counts as ``empty``.
+  its next batch. Live messages queue on the SUB meanwhile and are merged by seq: when the buffer no
+  longer reaches back to the wanted seq, the live messages queued below its first seq are taken
+  first (they are older), the first at or above it after the answer. Which copy is taken, which is
+  a duplicate, and when a live copy shows a restarted publisher (another payload at a replayed seq)
+  is :mod:`balancer.sources.zmq_order`'s. An answer with nothing at or after the wanted seq counts
+  as ``empty``.
 * **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over the
   source's DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and
   count; the DEALER is kept for the next request, and replaced after one that did not end cleanly.
-  Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
-  ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
+  What replay cannot fill becomes ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
 * **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
   asked for anything after the last batch taken, or, before the first one, once connected and
   caught up, from the wanted seq (0 or the resume point). The interval doubles while the answers hold
@@ -52,11 +50,9 @@ publisher from 0. This source keeps the stream in order:
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
   :mod:`balancer.sources.budget`). Of a shed message only the seq is read, and it goes through the
-  same ordering as a decoded one (duplicates, gaps, the catch-up merge, restart detection), so the
-  seq still advances and no replay is asked; the rank resyncs once per run, at the stream position
-  of the run's first accepted shed message, and the run is counted by its cause
-  (``kvlb_events_shed_runs_total``). Its payload is unknown, so it cannot tell a duplicate from a
-  restarted publisher's batch at the same seq: such a message resyncs the rank too.
+  same ordering as a decoded one (:mod:`balancer.sources.zmq_order`: the rank resyncs once per run,
+  at the run's first shed message taken in order), so no replay is asked; the run is counted by its
+  cause (``kvlb_events_shed_runs_total``).
 * **Messages of many frames.** ZMQ bounds a frame's size and the pipe's messages, not a message's
   frames; the read-ahead reads at most ``MAX_MESSAGE_FRAMES`` of one. A message with more is shed
   (cause ``frames``: its seq taken in order, the run's resync) and the SUB dropped with the rest of
