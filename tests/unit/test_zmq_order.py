@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from fuzz_examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -237,7 +238,7 @@ class Shell:
         self.taken.append(seq)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(st.lists(st.sampled_from([PUBLISH, PUBLISH_LOST, DELIVER, POLL]), max_size=60), st.booleans())
 def test_any_interleaving_of_live_and_replayed_copies_takes_each_batch_once_in_order(
     steps: list[int], catch_up: bool
