@@ -96,6 +96,10 @@ class Live(Enum):
     :meth:`StreamOrder.delivered`."""
 
 
+TAKE, DUPLICATE, REPLAY = Live.TAKE, Live.DUPLICATE, Live.REPLAY
+"""The verdicts as module constants (a hot path's comparison need not look up the enum)."""
+
+
 class StreamOrder:
     """The stream position of one publisher (one replica, one DP rank) and what each message does
     to it."""
@@ -132,10 +136,11 @@ class StreamOrder:
     ) -> tuple[tuple[Action, ...], Live]:
         """One live message, in the order the SUB received it (``digest`` ``None``: shed;
         ``may_replay``: a gap may be replayed now)."""
-        live_last = self.live_last
+        live_last, last_seq = self.live_last, self.last_seq
         if (
             live_last is not None
-            and seq == live_last + 1 == self.expected()
+            and last_seq is not None
+            and seq == live_last + 1 == last_seq + 1
             and (epoch is None or epoch == self.epoch)
             and not self.backlog_dropped
             and self._caught_up_from is None

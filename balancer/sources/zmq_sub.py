@@ -139,11 +139,12 @@ from balancer.sources.zmq_connection import (
 from balancer.sources.zmq_incarnation import Incarnation
 from balancer.sources.zmq_messages import MessageReader
 from balancer.sources.zmq_order import (
+    DUPLICATE,
+    REPLAY,
     Action,
     Duplicate,
     FloodLost,
     Gap,
-    Live,
     Restarted,
     Resynced,
     ShedRunStarted,
@@ -517,9 +518,9 @@ class ZmqEventSource:
         )
         if actions:
             self._apply(actions, emit)
-        if verdict is Live.DUPLICATE:
+        if verdict is DUPLICATE:
             return
-        if verdict is Live.REPLAY:
+        if verdict is REPLAY:
             await self._replay(self._order.expected(), emit)
             if self._order.delivered(batch.seq):
                 return  # the replay delivered it
