@@ -86,7 +86,7 @@ FAULTS_OUT := build/faults-results
 # (tests/unit/fuzz_examples.py): a quarter in `make test`, the full counts here.
 UNIT_FUZZ := $(addprefix tests/unit/,test_sglang_decoder_fuzz.py test_trtllm_decoder_fuzz.py \
 	test_index_locked.py test_index_table.py test_piece_hold.py test_token_ids.py \
-	test_policy_cost_terms.py test_parse_cost.py test_prompt_cuts.py)
+	test_policy_cost_terms.py test_parse_cost.py test_prompt_cuts.py test_zmq_order.py)
 faults: $(STAMP) proto redis
 	rm -rf $(FAULTS_OUT)
 	KVLBTEST_RESULTS=$(FAULTS_OUT) KVLBTEST_FUZZ_PAYLOADS=100000 KVLBTEST_SCHEMATHESIS_EXAMPLES=200 \

@@ -6,21 +6,26 @@ replica's ingestion budget (the ``gate``), or, when the budget is spent or the m
 flood, shed: only its seq is read, so the stream stays in order without a replay
 (``kvlb_events_shed_total``). A message that cannot be decoded, or has no seq, is counted
 (``kvlb_events_decode_errors_total``) and reported as malformed; a decoder that raises anything
-else is a bug on odd input, warned about, and does not stop ingestion. Where the batch goes in the
-stream is the source's.
+else is a bug on odd input, warned about, and does not stop ingestion. A run of shed messages is
+counted by its cause and said here; a batch's events get the source's DP rank when the envelope
+names none. Where the batch goes in the stream is the source's (:mod:`balancer.sources.zmq_order`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
+from balancer.events import KvEvent
 from balancer.gc_tuning import collections_paused, thread_cpu_s
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import Gate, SourceCounters, count_decode_error, report_malformed
+from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ShedCause
 from balancer.sources.zmq_replay import SEQ_BYTES
 from balancer.types import ReplicaId
 
@@ -37,15 +42,19 @@ class MessageReader:
         metrics: Metrics,
         counters: SourceCounters,
         warnings: LimitedWarnings,
+        log: logging.Logger,
     ) -> None:
+        """``log``: the source's logger (what is said here is said as the source's)."""
         self.replica = replica
         self._decoder = decoder
         self._engine = decoder.engine
         self._metrics = metrics
         self._counters = counters
         self._warnings = warnings
+        self._log = log
         self.shed = 0
         """Messages dropped undecoded (the budget was spent, or a flood)."""
+        self._rank_warned = False
 
     def decode(self, frames: Sequence[bytes]) -> DecodedBatch | None:
         """``frames`` decoded (``None``: unusable, counted)."""
@@ -102,3 +111,48 @@ class MessageReader:
         self._counters.decode_errors += 1
         count_decode_error(self._metrics, self._engine, self.replica, exc)
         report_malformed(self._counters, self._warnings, self.replica, None, time.time(), undecodable=exc)
+
+    def shed_run_started(self, dp_rank: int, cause: ShedCause, why: str) -> None:
+        """A run of shed messages of rank ``dp_rank`` starts (the source resyncs the rank): counted
+        by its ``cause`` and said (``why``: what spent the budget, or the read-ahead's account)."""
+        self._metrics.events_shed_runs_total.labels(self.replica, cause).inc()
+        if cause == "frames":
+            self._warnings.warning(
+                "events_frames",
+                self.replica,
+                "replica %s rank %d: a message of more than %d frames (no engine sends one): read no "
+                "further, dropped with the SUB, resyncing",
+                self.replica,
+                dp_rank,
+                MAX_MESSAGE_FRAMES,
+            )
+        else:
+            self._warnings.warning(
+                "events_shed",
+                self.replica,
+                "replica %s rank %d: shedding events (cause %s: %s); dropping messages undecoded and "
+                "resyncing",
+                self.replica,
+                dp_rank,
+                cause,
+                why,
+            )
+
+    def ranked(self, batch: DecodedBatch, dp_rank: int, endpoint: str) -> list[KvEvent]:
+        """The events of a batch of the source of rank ``dp_rank`` (publisher at ``endpoint``), with
+        that rank when the envelope names none (the port decides the rank)."""
+        if batch.dp_rank is None:
+            if dp_rank == 0:
+                return batch.events
+            return [dataclasses.replace(event, dp_rank=dp_rank) for event in batch.events]
+        if batch.dp_rank != dp_rank:
+            text = (
+                f"the publisher at {endpoint} says data_parallel_rank {batch.dp_rank}, this source "
+                f"is rank {dp_rank} (port + rank): its events go to rank {batch.dp_rank}; check "
+                "the replica's events port and dp_size against the engine's"
+            )
+            self._counters.note_error(text, time.time())
+            if not self._rank_warned:
+                self._rank_warned = True
+                self._log.warning("replica %s: %s", self.replica, text)
+        return batch.events

@@ -7,18 +7,16 @@ publisher from 0. This source keeps the stream in order:
   after a lost connection) the replay socket is asked at once for everything it still holds from the
   seq wanted (0, or the ``resume_seq`` given to the constructor; the publisher answers from the
   earliest batch it kept), so an idle engine's existing cache reaches the index without waiting for
-  its next batch. Live messages queue on the SUB meanwhile and are merged by seq: a replayed batch
-  is taken when it is the next wanted; when the buffer no longer reaches back to the wanted seq,
-  the live messages queued below its first seq are taken first (they are older); what neither holds
-  becomes ``Resync(rank, "gap")``; live messages the replay already delivered are dropped as
-  duplicates (by seq, and by content: a live batch whose seq was replayed with another payload is a
-  new incarnation of the publisher, ``Resync(rank, "restart")``). An answer with nothing at or after
-  the wanted seq counts as ``empty``.
+  its next batch. Live messages queue on the SUB meanwhile and are merged by seq: when the buffer no
+  longer reaches back to the wanted seq, the live messages queued below its first seq are taken
+  first (they are older), the first at or above it after the answer. Which copy is taken, which is
+  a duplicate, and when a live copy shows a restarted publisher (another payload at a replayed seq)
+  is :mod:`balancer.sources.zmq_order`'s. An answer with nothing at or after the wanted seq counts
+  as ``empty``.
 * **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over the
   source's DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and
   count; the DEALER is kept for the next request, and replaced after one that did not end cleanly.
-  Replayed batches newer than ``last`` are taken in order; what replay cannot fill becomes
-  ``Resync(rank, "gap")``. Live messages queued meanwhile are then dropped by seq as duplicates.
+  What replay cannot fill becomes ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
 * **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
   asked for anything after the last batch taken, or, before the first one, once connected and
   caught up, from the wanted seq (0 or the resume point). The interval doubles while the answers hold
@@ -52,11 +50,9 @@ publisher from 0. This source keeps the stream in order:
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
   :mod:`balancer.sources.budget`). Of a shed message only the seq is read, and it goes through the
-  same ordering as a decoded one (duplicates, gaps, the catch-up merge, restart detection), so the
-  seq still advances and no replay is asked; the rank resyncs once per run, at the stream position
-  of the run's first accepted shed message, and the run is counted by its cause
-  (``kvlb_events_shed_runs_total``). Its payload is unknown, so it cannot tell a duplicate from a
-  restarted publisher's batch at the same seq: such a message resyncs the rank too.
+  same ordering as a decoded one (:mod:`balancer.sources.zmq_order`: the rank resyncs once per run,
+  at the run's first shed message taken in order), so no replay is asked; the run is counted by its
+  cause (``kvlb_events_shed_runs_total``).
 * **Messages of many frames.** ZMQ bounds a frame's size and the pipe's messages, not a message's
   frames; the read-ahead reads at most ``MAX_MESSAGE_FRAMES`` of one. A message with more is shed
   (cause ``frames``: its seq taken in order, the run's resync) and the SUB dropped with the rest of
@@ -82,9 +78,13 @@ publisher from 0. This source keeps the stream in order:
   and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
   a warning, the first at once, then once a minute.
 
-This module is the subscription loop and the stream's order (seq, gaps, restarts, shedding, the
-catch-up merge). Its parts, each in its own module:
+This module is the async shell: the subscription loop, its sockets, polls, reconnects and the
+catch-up's merge of replayed and queued live messages. What each message does to the stream (the
+next seq, a duplicate, a gap to replay, a restart, a shed run's one resync, a dropped flood) is
+decided by :class:`~balancer.sources.zmq_order.StreamOrder` (pure), whose actions it applies. Its
+parts, each in its own module:
 
+* :mod:`balancer.sources.zmq_order`: the stream's order (pure: seqs and digests in, actions out);
 * :mod:`balancer.sources.zmq_connection`: the SUB, its monitor, the connection's handshake and the
   events endpoint's problems;
 * :mod:`balancer.sources.zmq_replay`: the replay exchange over the DEALER;
@@ -103,7 +103,6 @@ the source's own.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -113,7 +112,7 @@ import zmq.asyncio
 
 from balancer.engines import DecodedBatch, Decoder
 from balancer.errors import EventDecodeError
-from balancer.events import KvEvent, Resync, ResyncReason
+from balancer.events import Resync
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
@@ -126,7 +125,7 @@ from balancer.sources.base import (
     count_decoded,
     report_malformed,
 )
-from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES, ReadAhead
+from balancer.sources.read_ahead import ReadAhead
 from balancer.sources.replay_poll import ReplayPollSchedule
 from balancer.sources.replay_watch import ReplayWatch
 from balancer.sources.zmq_connection import (
@@ -139,15 +138,23 @@ from balancer.sources.zmq_connection import (
 )
 from balancer.sources.zmq_incarnation import Incarnation
 from balancer.sources.zmq_messages import MessageReader
+from balancer.sources.zmq_order import (
+    DUPLICATE,
+    REPLAY,
+    Action,
+    Duplicate,
+    FloodLost,
+    Gap,
+    Restarted,
+    Resynced,
+    ShedRunStarted,
+    StreamOrder,
+)
 from balancer.sources.zmq_replay import ReplayClient
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
 log = logging.getLogger(__name__)
-
-MAX_REPLAYED_DIGESTS = 4096
-"""Payload digests a catch-up keeps (its newest batches), to tell a live duplicate from a batch of a
-restarted publisher at the same seq; dropped at the first live message."""
 
 
 class ZmqEventSource:
@@ -187,14 +194,8 @@ class ZmqEventSource:
             forgotten=metrics.log_causes_forgotten_total,
         )
         self._engine = decoder.engine
-        self._want = resume_seq if resume_seq is not None else 0
-        self._caught_up_from: int | None = None
-        """The seq a catch-up replay started at, until the first live message: a live seq below it
-        means the engine restarted meanwhile (everything published since we subscribed is newer)."""
-        self._last_seq: int | None = None
-        self._live_last: int | None = None
-        self._epoch: str | None = None
-        self._rank_warned = False
+        self._order = StreamOrder(resume_seq if resume_seq is not None else 0)
+        """The stream's position and what each message does to it (pure)."""
         self._replay_on_connect = replay_endpoint is not None
         """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
         start (whatever the resume point) and after every lost connection."""
@@ -204,13 +205,8 @@ class ZmqEventSource:
         at the connection's monitor event, which a busy loop reads late: the catch-up starts once the
         handshake is done, when the engine may already be publishing to us, and those batches, read
         back from the replay socket, are no history."""
-        self._catching_up = False
-        self._replayed: dict[int, int] = {}
-        """seq → payload digest of the current catch-up's batches (at most ``MAX_REPLAYED_DIGESTS``)."""
         self._held: tuple[DecodedBatch, int | None] | None = None
         """A live message read during a catch-up that is newer than the replay's first batch."""
-        self._last_digest: int | None = None
-        """The payload digest of the last batch taken (``None``: none, or it was shed)."""
         self._incarnation = Incarnation(replica, dp_rank, log)
         """After a lost connection: whether the publisher restarted, logged once a batch shows it."""
         self._polls = ReplayPollSchedule(
@@ -222,16 +218,13 @@ class ZmqEventSource:
         """When the silent live stream's next replay poll is due."""
         self._counters = SourceCounters()
         self._messages = MessageReader(
-            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings
+            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings, log=log
         )
         """Each message decoded, shed or counted as unusable."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
-        self._shedding = False
         self._ahead = ReadAhead(self.settings)
         """What was read off the SUB and not yet handled, and why the last message was shed."""
-        self._backlog_dropped = False
-        """A flood was dropped with the SUB: the next live seq shows how many messages went with it."""
         self._watch = ReplayWatch()
         """What ends a replay before its timeout: the publisher's disconnect, the probe's verdict."""
         self._dropping = False
@@ -282,8 +275,8 @@ class ZmqEventSource:
             self.replica,
             self.endpoint,
             dp_rank=self.dp_rank,
-            last_seq=self._last_seq,
-            epoch=self._epoch,
+            last_seq=self._order.last_seq,
+            epoch=self._order.epoch,
             connected=self._link.handshaken,
         )
 
@@ -346,7 +339,7 @@ class ZmqEventSource:
 
     def _poll_timeout_ms(self) -> int | None:
         """How long to wait for a message before the next replay poll (``None``: no poll)."""
-        if self.replay_endpoint is None or self._backlog_dropped or self._replay_on_connect:
+        if self.replay_endpoint is None or self._order.backlog_dropped or self._replay_on_connect:
             return None  # after a dropped flood, no position to poll from; unconnected, no publisher
         if self._watch.away is not None:  # the engine is away: look again later whether it is back
             return max(1, int(self.settings.replay_poll_max_s * 1000))
@@ -360,7 +353,7 @@ class ZmqEventSource:
         is a new lease holder's."""
         return (
             self.replay_endpoint is not None
-            and not self._backlog_dropped
+            and not self._order.backlog_dropped
             and not self._replay_on_connect  # not connected yet (or again): its catch-up comes first
             and self._watch.away is None  # its probe finds nothing listening: the poll would wait out
             and self._polls.due(time.monotonic())
@@ -368,8 +361,8 @@ class ZmqEventSource:
 
     async def _poll_replay(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """The live stream is silent: ask the replay socket for anything after the last batch."""
-        before = self._last_seq
-        found, complete = await self._replay(self._expected(), emit, live=sub, poll=True)
+        before = self._order.last_seq
+        found, complete = await self._replay(self._order.expected(), emit, live=sub, poll=True)
         outcome = "new" if found else ("nothing" if complete else "failed")
         if self._abandoned and not found:
             outcome = "abandoned"  # the engine went away meanwhile
@@ -411,9 +404,8 @@ class ZmqEventSource:
         the read-ahead and have the SUB reopened, so that libzmq frees the rest of the backlog (and
         the publisher what it still queued for us) without this thread reading it. The next live
         message's seq counts what went (:meth:`_on_live`)."""
-        self._shed_run(emit)  # a no-op when the shed message started the run
+        self._apply(self._order.drop_backlog(), emit)  # nothing when the shed message started the run
         self._ahead.clear()
-        self._backlog_dropped = True
         raise DropBacklog
 
     async def _on_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket, emit: Emit) -> None:
@@ -449,10 +441,10 @@ class ZmqEventSource:
                     self.endpoint,
                     self.settings.max_message_bytes,
                 )
-                if self._live_last is not None or self._last_seq is not None:
-                    if self._last_seq is not None:
-                        self._incarnation.disconnected(self._last_seq, self._last_digest, self._epoch)
-                    self._forget(emit, "disconnect")
+                lost, actions = self._order.disconnected()
+                if lost is not None:
+                    self._incarnation.disconnected(*lost)
+                self._apply(actions, emit)
                 self._replay_on_connect = self.replay_endpoint is not None
                 raise ReopenSub  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
@@ -466,17 +458,14 @@ class ZmqEventSource:
     async def _catch_up(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
         """Replay everything the publisher still holds from the wanted seq, merged with the live
         messages the SUB queued meanwhile (``_on_replayed``, ``_take_live_below``)."""
-        start = self._expected()
-        self._caught_up_from = start
-        self._catching_up = True
-        self._replayed = {}
+        start = self._order.catch_up_started()
         try:
             _, complete = await self._replay(start, emit, live=sub)
         finally:
-            self._catching_up = False
-        lost = self._incarnation.lost
-        if lost is not None and complete and self._last_seq is not None and self._last_seq < lost[0]:
-            self._incarnation.restarted(f"its newest batch is seq {self._last_seq}, it had reached {lost[0]}")
+            self._order.catch_up_ended()
+        lost, last_seq = self._incarnation.lost, self._order.last_seq
+        if lost is not None and complete and last_seq is not None and last_seq < lost[0]:
+            self._incarnation.restarted(f"its newest batch is seq {last_seq}, it had reached {lost[0]}")
         held, self._held = self._held, None
         if held is not None:
             await self._on_live(held[0], held[1], emit)
@@ -524,84 +513,47 @@ class ZmqEventSource:
         self._polls.heard(time.monotonic())
         if self._watch.away is not None:
             self._watch.engine_back()  # it publishes: its replay socket may answer
-        seq = batch.seq
-        dropped, self._backlog_dropped = self._backlog_dropped, False
-        if batch.epoch is not None:
-            if self._epoch is not None and batch.epoch != self._epoch:
-                self._restart(emit, "epoch")
-            self._epoch = batch.epoch
-        caught_up_from, self._caught_up_from = self._caught_up_from, None
-        went_back = self._live_last is not None and seq <= self._live_last
-        below_catch_up = caught_up_from is not None and self._last_seq is not None and seq < caught_up_from
-        replayed = self._replayed.get(seq) if self._live_last is None else None
-        self._replayed = {}
-        changed = replayed is not None and digest is not None and replayed != digest
-        if went_back or below_catch_up or changed:
-            self._restart(emit, "restart")
-        self._live_last = seq
-        expected = self._expected()
-        if dropped and seq > expected and self._last_seq is not None:
-            # The messages before it went with the dropped flood (its run resynced the rank).
-            self._messages.count_shed(seq - expected)
-            self._last_seq = seq - 1
-            expected = seq
-        if seq < expected:
-            if self._last_seq is not None:
-                self._counters.duplicates += 1  # already taken from a replay
-                if digest is None and replayed is not None:
-                    # Shed: its payload cannot tell a duplicate from a restarted publisher's batch.
-                    self._shed_run(emit)
-                return
-            # No state, and the engine is behind our resume point: it restarted meanwhile.
-            self._resync(emit, "restart")
-            self._want = expected = seq
-        if seq > expected:
-            if self._last_seq is not None:
-                self._counters.gaps += 1
-                self._metrics.events_seq_gaps_total.labels(self.replica).inc()
-            if may_replay and self.replay_endpoint is not None:
-                await self._replay(expected, emit)
-            if seq < self._expected():
+        actions, verdict = self._order.live(
+            batch.seq, digest, batch.epoch, may_replay=may_replay and self.replay_endpoint is not None
+        )
+        if actions:
+            self._apply(actions, emit)
+        if verdict is DUPLICATE:
+            return
+        if verdict is REPLAY:
+            await self._replay(self._order.expected(), emit)
+            if self._order.delivered(batch.seq):
                 return  # the replay delivered it
         self._accept(batch, digest, emit, live=True)
 
-    def _expected(self) -> int:
-        return self._want if self._last_seq is None else self._last_seq + 1
-
-    def _restart(self, emit: Emit, reason: ResyncReason) -> None:
-        """The stream shows a new incarnation of the publisher (seq regression, new epoch)."""
-        self._incarnation.restarted(f"{reason} after seq {self._last_seq}")
-        self._forget(emit, reason)
-
-    def _forget(self, emit: Emit, reason: ResyncReason) -> None:
-        """Drop the rank's blocks and stream state: the next batch is taken as a fresh start."""
-        self._resync(emit, reason)
-        self._last_seq = None
-        self._live_last = None
-        self._last_digest = None
-        self._replayed = {}
-        self._want = 0
-        self._backlog_dropped = False  # the next batch is a fresh start, not a dropped flood's next
-
-    def _resync(self, emit: Emit, reason: ResyncReason) -> None:
-        self._counters.resyncs += 1
-        emit(IngestBatch((Resync(self.dp_rank, reason),)))
+    def _apply(self, actions: Sequence[Action], emit: Emit) -> None:
+        """Do what the stream's order asks (:mod:`balancer.sources.zmq_order`), in order."""
+        for action in actions:
+            if isinstance(action, Resynced):
+                self._counters.resyncs += 1
+                emit(IngestBatch((Resync(self.dp_rank, action.reason),)))
+            elif isinstance(action, Restarted):
+                self._incarnation.restarted(action.why)
+            elif isinstance(action, Duplicate):
+                self._counters.duplicates += 1
+            elif isinstance(action, Gap):
+                self._counters.gaps += 1
+                self._metrics.events_seq_gaps_total.labels(self.replica).inc()
+            elif isinstance(action, FloodLost):
+                self._messages.count_shed(action.messages)
+            elif isinstance(action, ShedRunStarted):
+                self._shed_run_started()
 
     def _accept(self, batch: DecodedBatch, digest: int | None, emit: Emit, *, live: bool) -> None:
-        """Take ``batch`` as the next in order; anything skipped before it is lost: resync. Its
-        malformed and ignored events are counted here, once, whichever copy (live or replayed)
-        arrived first. ``digest`` ``None``: a shed message (no events), whose run resyncs here."""
+        """Take ``batch`` as the next in order (:meth:`StreamOrder.accept`). Its malformed and ignored
+        events are counted here, once, whichever copy (live or replayed) arrived first. ``digest``
+        ``None``: a shed message (no events)."""
         assert batch.seq is not None
         if self._incarnation.lost is not None:
             self._incarnation.note(batch, digest, live=live)
-        if batch.seq > self._expected():
-            self._resync(emit, "gap")
-        if digest is None:
-            self._shed_run(emit)
-        else:
-            self._shedding = False
-        self._last_seq = batch.seq
-        self._last_digest = digest
+        actions = self._order.accept(batch.seq, digest)
+        if actions:
+            self._apply(actions, emit)
         self._counters.decode_errors += len(batch.errors)
         count_decoded(self._metrics, self._engine, self.replica, batch)
         if batch.errors:
@@ -614,58 +566,14 @@ class ZmqEventSource:
             connected = self._connected_wall_s
             history = not live and (connected is None or (batch.timestamp or 0.0) < connected)
             engine_ts = None if history else batch.timestamp
-            emit(IngestBatch(tuple(self._ranked(batch)), engine_ts, batch.seq, self.dp_rank))
+            events = self._messages.ranked(batch, self.dp_rank, self.endpoint)
+            emit(IngestBatch(tuple(events), engine_ts, batch.seq, self.dp_rank))
 
-    def _shed_run(self, emit: Emit) -> None:
-        """A shed message taken in order: the first of a run resyncs the rank (its lost removals
-        could otherwise leave stale blocks), the rest of the run need not."""
-        if self._shedding:
-            return
-        self._shedding = True
-        cause = self._ahead.shed_cause
-        self._metrics.events_shed_runs_total.labels(self.replica, cause).inc()
-        if cause == "frames":
-            self._warnings.warning(
-                "events_frames",
-                self.replica,
-                "replica %s rank %d: a message of more than %d frames (no engine sends one): read no "
-                "further, dropped with the SUB, resyncing",
-                self.replica,
-                self.dp_rank,
-                MAX_MESSAGE_FRAMES,
-            )
-        else:
-            gate = self.gate
-            why = gate.spent() if cause == "budget" and gate is not None else self._ahead.explain()
-            self._warnings.warning(
-                "events_shed",
-                self.replica,
-                "replica %s rank %d: shedding events (cause %s: %s); dropping messages undecoded and "
-                "resyncing",
-                self.replica,
-                self.dp_rank,
-                cause,
-                why,
-            )
-        self._resync(emit, "overflow")
-
-    def _ranked(self, batch: DecodedBatch) -> list[KvEvent]:
-        """Events with this source's rank when the envelope names none (the port decides the rank)."""
-        if batch.dp_rank is None:
-            if self.dp_rank == 0:
-                return batch.events
-            return [dataclasses.replace(event, dp_rank=self.dp_rank) for event in batch.events]
-        if batch.dp_rank != self.dp_rank:
-            text = (
-                f"the publisher at {self.endpoint} says data_parallel_rank {batch.dp_rank}, this source "
-                f"is rank {self.dp_rank} (port + rank): its events go to rank {batch.dp_rank}; check "
-                "the replica's events port and dp_size against the engine's"
-            )
-            self._counters.note_error(text, time.time())
-            if not self._rank_warned:
-                self._rank_warned = True
-                log.warning("replica %s: %s", self.replica, text)
-        return batch.events
+    def _shed_run_started(self) -> None:
+        """A run of shed messages starts (its resync follows): counted by its cause, and said."""
+        cause, gate = self._ahead.shed_cause, self.gate
+        why = gate.spent() if cause == "budget" and gate is not None else self._ahead.explain()
+        self._messages.shed_run_started(self.dp_rank, cause, why)
 
     async def _replay(
         self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None = None, *, poll: bool = False
@@ -725,18 +633,14 @@ class ZmqEventSource:
         if batch is None or batch.seq is None:
             return None
         digest = hash(frames[-1])
-        if live is not None and batch.seq > self._expected():
+        if live is not None and batch.seq > self._order.expected():
             await self._take_live_below(live, batch.seq, emit)
-        if self._catching_up:
-            if len(self._replayed) >= MAX_REPLAYED_DIGESTS:
-                del self._replayed[next(iter(self._replayed))]
-            self._replayed[batch.seq] = digest
-        if batch.seq >= self._expected():
+        if self._order.replayed(batch.seq, digest):
             self._accept(batch, digest, emit, live=False)
         return batch.seq
 
     def _count_replay(self, start_seq: int, first_seq: int | None, complete: bool) -> None:
-        if first_seq is None and complete and self._last_seq is None:
+        if first_seq is None and complete and self._order.last_seq is None:
             outcome = "empty"  # a catch-up found nothing newer than the resume point
         elif first_seq is None:
             outcome = "failed"
@@ -747,7 +651,7 @@ class ZmqEventSource:
         if outcome not in ("filled", "empty"):
             self._counters.replay_failures += 1
         self._metrics.events_replays_total.labels(self.replica, outcome).inc()
-        if outcome == "partial" and first_seq is not None and first_seq > start_seq and not self._catching_up:
+        if first_seq is not None and first_seq > start_seq and not self._order.catching_up:
             self._warnings.warning(
                 "replay_partial",
                 f"{self.replica}/{self.dp_rank}",

@@ -27,10 +27,17 @@ from zmq_rig import (  # noqa: F401  (pytest fixtures)
 from balancer.sources.read_ahead import ReadAhead
 
 LIMIT = 4096
-SMALL = dataclasses.replace(FAST, max_message_bytes=LIMIT)
+SMALL = dataclasses.replace(FAST, max_message_bytes=LIMIT, replay_timeout_s=3.0)
+"""The oversize replay reply ends its replay only at this timeout; the catch-up's answer, which must
+not time out under load (it would count as a second ``failed`` replay), is given 3 s rather than 1."""
+PATIENT = dataclasses.replace(FAST, replay_timeout_s=30.0)
+"""For replays that end on their answer (a reply of too many frames, an empty catch-up): a busy
+machine must not end them at the timeout first (FAST's 1 s was missed at load 14)."""
+WAIT_S = 30.0
+"""Waits that end on their condition: long enough for a loaded machine."""
 
 
-async def resubscribed(publisher: Publisher, timeout_s: float = 5.0) -> None:
+async def resubscribed(publisher: Publisher, timeout_s: float = WAIT_S) -> None:
     """Wait for the source's new SUB to subscribe. The publisher must be verbose
     (``XPUB_VERBOSE``): the new socket may subscribe before the XPUB has dropped the old connection,
     and a plain XPUB passes up only a topic's first subscriber."""
@@ -44,16 +51,16 @@ async def test_an_oversize_message_is_refused_counted_resynced_and_the_next_one_
 ) -> None:
     publisher.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=SMALL) as rig:
-        await publisher.wait_subscribed()
+        await publisher.wait_subscribed(WAIT_S)
         await publisher.pages(3)
-        await rig.settle(2)
+        await rig.settle(2, timeout_s=WAIT_S)
         # 64 kB in one frame, live only (never in the replay buffer), with the next seq.
         oversize = [TOPIC, publisher.seq.to_bytes(8, "big"), b"\x00" * (16 * LIMIT)]
         await publisher.pub.send_multipart(oversize)
-        await eventually(lambda: rig.index.resyncs() == [(0, "disconnect")])
+        await eventually(lambda: rig.index.resyncs() == [(0, "disconnect")], timeout_s=WAIT_S)
         await resubscribed(publisher)
         await publisher.pages(2)
-        await rig.settle(4)
+        await rig.settle(4, timeout_s=WAIT_S)
         assert rig.index.timeline() == [1, 2, 3, "disconnect", 1, 2, 3, 4, 5]
         assert rig.metric("kvlb_events_disconnects_total", {"replica": REPLICA}) == 1
         assert rig.metric("kvlb_events_resyncs_total", {"replica": REPLICA, "reason": "disconnect"}) == 1
@@ -72,13 +79,13 @@ async def test_an_oversize_replay_reply_ends_the_replay_and_the_gap_resyncs(
     """The DEALER has the same limit: an oversize replayed batch ends that replay within its
     timeout; what it could not fill resyncs and the live stream goes on."""
     async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=SMALL) as rig:
-        await publisher.wait_subscribed()
+        await publisher.wait_subscribed(WAIT_S)
         await publisher.pages(2)
-        await rig.settle(1)
+        await rig.settle(1, timeout_s=WAIT_S)
         publisher.buffer.append((publisher.seq, b"\x00" * (16 * LIMIT)))  # lost live, oversize in replay
         publisher.seq += 1
         await publisher.pages(1)
-        await rig.settle(3)
+        await rig.settle(3, timeout_s=WAIT_S)
         assert rig.index.timeline() == [1, 2, "gap", 4]
         assert publisher.replay_requests == [0, 2]  # the connection's catch-up, then the gap's
         assert rig.metric("kvlb_events_replays_total", {"replica": REPLICA, "outcome": "failed"}) == 1
@@ -98,19 +105,19 @@ async def test_a_message_of_many_frames_is_read_no_further_shed_and_its_sub_drop
     resync), counts it as a shed run of cause ``frames`` and drops the SUB with the rest of it; the
     next messages are taken in order after the reopen, with no replay of the refused seq."""
     publisher.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
-    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=FAST) as rig:
-        await publisher.wait_subscribed()
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=PATIENT) as rig:
+        await publisher.wait_subscribed(WAIT_S)
         await publisher.pages(3)
-        await rig.settle(2)
+        await rig.settle(2, timeout_s=WAIT_S)
         seq = publisher.seq
         publisher.buffer.append((seq, b"\x00"))  # the replay would have it, unused: no replay asked
         publisher.seq += 1
         many = [TOPIC, seq.to_bytes(8, "big"), b"\x00", *([b""] * MANY_FRAMES)]
         await publisher.pub.send_multipart(many)
-        await eventually(lambda: rig.index.resyncs() == [(0, "overflow")])
+        await eventually(lambda: rig.index.resyncs() == [(0, "overflow")], timeout_s=WAIT_S)
         await resubscribed(publisher)
         await publisher.pages(2)
-        await rig.settle(5)
+        await rig.settle(5, timeout_s=WAIT_S)
         assert rig.index.timeline() == [1, 2, 3, "overflow", 5, 6]
         labels = {"replica": REPLICA}
         assert rig.metric("kvlb_events_shed_total", labels) == 1
@@ -127,14 +134,14 @@ async def test_a_replay_reply_of_many_frames_ends_the_replay_and_the_gap_resyncs
     """The replay DEALER reads a reply frame by frame too: one of more than ``MAX_MESSAGE_FRAMES``
     is refused as a ``frame`` decode error after those frames, the replay ends unclean (its DEALER
     closed with the rest), what it could not fill resyncs and the live stream goes on."""
-    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=FAST) as rig:
-        await publisher.wait_subscribed()
+    async with running(ctx, publisher.endpoint, publisher.replay_endpoint, settings=PATIENT) as rig:
+        await publisher.wait_subscribed(WAIT_S)
         await publisher.pages(2)
-        await rig.settle(1)
+        await rig.settle(1, timeout_s=WAIT_S)
         lost = await publisher.publish([page(publisher.seq)], drop=True)  # lost live
         publisher.extra_frames[lost] = [b""] * MANY_FRAMES
         await publisher.pages(1)
-        await rig.settle(3)
+        await rig.settle(3, timeout_s=WAIT_S)
         assert rig.index.timeline() == [1, 2, "gap", 4]
         assert publisher.replay_requests == [0, 2]  # the connection's catch-up, then the gap's
         frame_errors = {"replica": REPLICA, "engine": "sglang", "reason": "frame"}
