@@ -81,12 +81,18 @@ async def seconds_until_ok(session: aiohttp.ClientSession, url: str) -> float:
     return time.monotonic() - start
 
 
-async def balancer_for(tmp_path: Path, entry: dict[str, Any], poll_s: float) -> Balancer:
+async def balancer_for(
+    tmp_path: Path,
+    entry: dict[str, Any],
+    poll_s: float,
+    health_interval_s: float = 0.1,
+    scrape_interval_s: float = 0.1,
+) -> Balancer:
     tree = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": [{"model": MODEL, "replicas": [entry]}],
-        "health_interval_s": 0.1,
-        "scrape_interval_s": 0.1,
+        "health_interval_s": health_interval_s,
+        "scrape_interval_s": scrape_interval_s,
         "policy": {"name": "round_robin"},
         "upstream": {"api_key_poll_s": poll_s},
     }
@@ -188,13 +194,20 @@ async def test_a_file_updated_after_the_engine_is_seen_at_the_next_refusal(tmp_p
     reads back off: the next one 4 s after the third), then the file is updated: the next refusal's
     check (a second at most) sees the new stamp and reads it, whatever the back-off of the reads,
     and the replica's breaker, opened by the refusals, lets a trial through at once. About 8 s: the
-    back-off has to grow past the bound for the test to tell the two apart."""
+    back-off has to grow past the bound for the test to tell the two apart.
+
+    The replica stays in routing through the restart (its refusals are the requests' and the
+    scrapes'): the prober probes once, at start. A probe that saw the engine down would, at its
+    next good probe, read ``/v1/models`` with the old key, get 401 and take the replica out at once
+    as refusing kvlb's key (every request a 503, no breaker); on a loaded machine the restart spans a
+    0.1 s probe period often enough. That path is the next test's."""
     keys = KeyDir(tmp_path, OLD)
     zctx = zmq.asyncio.Context()
     try:
         async with started(engine("sglang", OLD), zctx) as first, aiohttp.ClientSession() as session:
             entry = {**replica_entry(first), "api_key_file": str(keys.path)}
-            balancer = await balancer_for(tmp_path, entry, poll_s=0)  # no poll: only refusals check
+            # no poll: only refusals check; one probe, at start (see above)
+            balancer = await balancer_for(tmp_path, entry, poll_s=0, health_interval_s=60.0)
             replica = first
             try:
                 await wait_ready(session, balancer.url)
