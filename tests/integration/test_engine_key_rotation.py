@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,17 @@ def engine(kind: str, api_key: str) -> ReplicaConfig:
     )
 
 
-async def restarted(replica: Replica, api_key: str, zctx: zmq.asyncio.Context) -> Replica:
-    """``replica`` stopped and a new one started on the same ports with ``api_key``."""
+async def restarted(
+    replica: Replica,
+    api_key: str,
+    zctx: zmq.asyncio.Context,
+    while_down: Callable[[], Awaitable[None]] | None = None,
+) -> Replica:
+    """``replica`` stopped and a new one started on the same ports with ``api_key`` (after
+    ``while_down``, when given)."""
     await replica.stop()
+    if while_down is not None:
+        await while_down()
     for attempt in range(40):  # ZMQ closes the old sockets in its own thread: their ports free soon
         fresh = Replica(dataclasses.replace(replica.config, api_key=api_key), TokenIdTokenizer(), zctx)
         try:
@@ -81,12 +90,18 @@ async def seconds_until_ok(session: aiohttp.ClientSession, url: str) -> float:
     return time.monotonic() - start
 
 
-async def balancer_for(tmp_path: Path, entry: dict[str, Any], poll_s: float) -> Balancer:
+async def balancer_for(
+    tmp_path: Path,
+    entry: dict[str, Any],
+    poll_s: float,
+    health_interval_s: float = 0.1,
+    scrape_interval_s: float = 0.1,
+) -> Balancer:
     tree = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": [{"model": MODEL, "replicas": [entry]}],
-        "health_interval_s": 0.1,
-        "scrape_interval_s": 0.1,
+        "health_interval_s": health_interval_s,
+        "scrape_interval_s": scrape_interval_s,
         "policy": {"name": "round_robin"},
         "upstream": {"api_key_poll_s": poll_s},
     }
@@ -100,6 +115,18 @@ async def balancer_for(tmp_path: Path, entry: dict[str, Any], poll_s: float) -> 
 async def metrics_text(session: aiohttp.ClientSession, url: str) -> str:
     async with session.get(url + "/metrics") as response:
         return await response.text()
+
+
+async def until_view(
+    session: aiohttp.ClientSession, url: str, holds: Callable[[dict[str, Any]], bool]
+) -> None:
+    """Wait (bounded) until the balancer's ``/admin/replicas`` view of its replica ``holds``."""
+    async with asyncio.timeout(RECOVERY_TIMEOUT_S):
+        while True:
+            async with session.get(url + "/admin/replicas") as response:
+                if holds((await response.json())["replicas"][0]):
+                    return
+            await asyncio.sleep(0.05)
 
 
 async def until_metric(
@@ -188,13 +215,20 @@ async def test_a_file_updated_after_the_engine_is_seen_at_the_next_refusal(tmp_p
     reads back off: the next one 4 s after the third), then the file is updated: the next refusal's
     check (a second at most) sees the new stamp and reads it, whatever the back-off of the reads,
     and the replica's breaker, opened by the refusals, lets a trial through at once. About 8 s: the
-    back-off has to grow past the bound for the test to tell the two apart."""
+    back-off has to grow past the bound for the test to tell the two apart.
+
+    The replica stays in routing through the restart (its refusals are the requests' and the
+    scrapes'): the prober probes once, at start. A probe that saw the engine down would, at its
+    next good probe, read ``/v1/models`` with the old key, get 401 and take the replica out at once
+    as refusing kvlb's key (every request a 503, no breaker); on a loaded machine the restart spans a
+    0.1 s probe period often enough. That path is the next test's."""
     keys = KeyDir(tmp_path, OLD)
     zctx = zmq.asyncio.Context()
     try:
         async with started(engine("sglang", OLD), zctx) as first, aiohttp.ClientSession() as session:
             entry = {**replica_entry(first), "api_key_file": str(keys.path)}
-            balancer = await balancer_for(tmp_path, entry, poll_s=0)  # no poll: only refusals check
+            # no poll: only refusals check; one probe, at start (see above)
+            balancer = await balancer_for(tmp_path, entry, poll_s=0, health_interval_s=60.0)
             replica = first
             try:
                 await wait_ready(session, balancer.url)
@@ -210,6 +244,46 @@ async def test_a_file_updated_after_the_engine_is_seen_at_the_next_refusal(tmp_p
                 assert took < 2.0, took  # a check at most a second after the swap, not the reads' 2 s+
                 # the breaker the old key's refusals opened tries at once, not 5 s after it opened
                 assert await seconds_until_ok(session, balancer.url) < 2.5  # at once here; the wait was 5 s
+            finally:
+                await balancer.stop()
+                if replica is not first:
+                    await replica.stop()
+    finally:
+        zctx.destroy(linger=0)
+
+
+async def test_a_replica_out_for_refusing_the_key_rereads_the_file_updated_later(tmp_path: Path) -> None:
+    """A probe saw the engine down, and it came back with a new key: the next good probe reads
+    ``/v1/models`` with the old key, gets 401 and takes the replica out as refusing kvlb's key (503 at
+    once, no request reaches it). With no poll and no scrape, the prober's reads of the list (one
+    per probe while it refuses) are the only refusals left: the file updated a while after the
+    take-out is still read at the next one's check (a second at most), and the next probe, with the
+    new key, puts the replica back."""
+    keys = KeyDir(tmp_path, OLD)
+    zctx = zmq.asyncio.Context()
+    try:
+        async with started(engine("sglang", OLD), zctx) as first, aiohttp.ClientSession() as session:
+            entry = {**replica_entry(first), "api_key_file": str(keys.path)}
+            balancer = await balancer_for(tmp_path, entry, poll_s=0, scrape_interval_s=0)
+            replica = first
+            url = balancer.url
+            try:
+                await wait_ready(session, url)
+
+                async def seen_down() -> None:
+                    await until_view(session, url, lambda view: not view["health"]["probe_ok"])
+
+                replica = await restarted(first, NEW, zctx, while_down=seen_down)
+                await until_view(session, url, lambda view: view["health"]["key_refused"] is not None)
+                assert await post_status(session, url) == 503
+                await asyncio.sleep(1.5)  # the take-out's refusal had its check and read; the file unchanged
+                keys.swap(NEW)
+                start = time.monotonic()
+                await until_metric(session, url, "kvlb_upstream_api_key_rotations_total", 1)
+                took = time.monotonic() - start
+                assert took < 2.0, took  # a check at most a second after the swap
+                assert await seconds_until_ok(session, url) < 2.5  # the next probe (0.1 s) checks the new key
+                await until_view(session, url, lambda view: view["health"]["key_refused"] is None)
             finally:
                 await balancer.stop()
                 if replica is not first:
