@@ -82,6 +82,37 @@ async def admin(session: aiohttp.ClientSession, url: str, method: str, path: str
         return await response.json()
 
 
+async def bad_and_good(
+    stack: AsyncExitStack, bad_metrics: str, *, scrape_interval_s: float, grpc: bool = False
+) -> tuple[Balancer, aiohttp.ClientSession]:
+    """A ready balancer over ``r0`` (a vLLM replica serving ``bad_metrics``) and ``r1`` (an honest one),
+    with a session to it; both stopped with ``stack``."""
+    bad = await stack.enter_async_context(vllm_replica(bad_metrics))
+    good = await stack.enter_async_context(vllm_replica(vllm_metrics("2.0", "0.25")))
+    replicas = [
+        {"id": name, "url": url, "engine": "vllm", "block_size": 16}
+        for name, url in (("r0", bad), ("r1", good))
+    ]
+    tree: dict[str, Any] = {
+        "listen": {"host": "127.0.0.1", "port": 0, **({"grpc_port": 0} if grpc else {})},
+        "pools": [{"model": MODEL, "replicas": replicas}],
+        "health_interval_s": 0.2,
+        "scrape_interval_s": scrape_interval_s,
+    }
+    balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
+    await balancer.start()
+    stack.push_async_callback(balancer.stop)
+    session = await stack.enter_async_context(aiohttp.ClientSession())
+    await wait_ready(session, balancer.url)
+    return balancer, session
+
+
+async def replica_views(session: aiohttp.ClientSession, balancer: Balancer) -> dict[str, Any]:
+    """``GET /admin/replicas``' views by replica id."""
+    listed = (await admin(session, balancer.url, "GET", "/admin/replicas"))["replicas"]
+    return {view["id"]: view for view in listed}
+
+
 @pytest.mark.parametrize(
     ("waiting", "reason"),
     [
@@ -94,27 +125,10 @@ async def admin(session: aiohttp.ClientSession, url: str, method: str, path: str
 )
 async def test_an_engine_reporting_a_bad_queue_does_not_poison_routing(waiting: str, reason: str) -> None:
     async with AsyncExitStack() as stack:
-        bad = await stack.enter_async_context(vllm_replica(vllm_metrics(waiting, "1.5")))
-        good = await stack.enter_async_context(vllm_replica(vllm_metrics("2.0", "0.25")))
-        replicas = [
-            {"id": name, "url": url, "engine": "vllm", "block_size": 16}
-            for name, url in (("r0", bad), ("r1", good))
-        ]
-        tree: dict[str, Any] = {
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "pools": [{"model": MODEL, "replicas": replicas}],
-            "health_interval_s": 0.2,
-            "scrape_interval_s": 0.1,
-        }
-        balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
-        await balancer.start()
-        stack.push_async_callback(balancer.stop)
-        session = await stack.enter_async_context(aiohttp.ClientSession())
-        await wait_ready(session, balancer.url)
+        balancer, session = await bad_and_good(stack, vllm_metrics(waiting, "1.5"), scrape_interval_s=0.1)
 
         async def views() -> dict[str, Any]:
-            listed = (await admin(session, balancer.url, "GET", "/admin/replicas"))["replicas"]
-            return {view["id"]: view for view in listed}
+            return await replica_views(session, balancer)
 
         async def scraped_twice() -> bool:
             return all(
@@ -153,27 +167,12 @@ async def test_grpc_list_replicas_types_the_refused_figures_as_http_shows_them()
     h-grpclist) say what ``GET /admin/replicas``' ``scrape`` says, and what the same answer's
     ``details`` holds; a replica with nothing refused has them unset."""
     async with AsyncExitStack() as stack:
-        bad = await stack.enter_async_context(vllm_replica(vllm_metrics("-3", "0.25")))
-        good = await stack.enter_async_context(vllm_replica(vllm_metrics("2.0", "0.25")))
-        replicas = [
-            {"id": name, "url": url, "engine": "vllm", "block_size": 16}
-            for name, url in (("r0", bad), ("r1", good))
-        ]
-        tree: dict[str, Any] = {
-            "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": 0},
-            "pools": [{"model": MODEL, "replicas": replicas}],
-            "health_interval_s": 0.2,
-            "scrape_interval_s": 0.2,
-        }
-        balancer = Balancer(from_mapping(Settings, tree).validate(), tokenizers={MODEL: TokenIdTokenizer()})
-        await balancer.start()
-        stack.push_async_callback(balancer.stop)
-        session = await stack.enter_async_context(aiohttp.ClientSession())
-        await wait_ready(session, balancer.url)
+        balancer, session = await bad_and_good(
+            stack, vllm_metrics("-3", "0.25"), scrape_interval_s=0.2, grpc=True
+        )
 
         async def views() -> dict[str, Any]:
-            listed = (await admin(session, balancer.url, "GET", "/admin/replicas"))["replicas"]
-            return {view["id"]: view for view in listed}
+            return await replica_views(session, balancer)
 
         async def refused_twice() -> bool:
             return (await views())["r0"]["scrape"]["rejected_values"] >= 2
