@@ -30,6 +30,7 @@ work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc.admin`)
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import math
@@ -244,7 +245,7 @@ async def explain_raw(
 
 async def list_replicas(request: web.Request) -> web.Response:
     check_query(request.query, NO_QUERY)
-    return web.json_response(replicas_answer(request.app[STATE]), dumps=strict_json.dumps)
+    return web.json_response(text=await replicas_body(request.app[STATE]))
 
 
 def replicas_answer(state: ServiceState) -> dict[str, Any]:
@@ -292,25 +293,47 @@ def kept_drain_view(kept: KeptDrainListing, wall: float) -> dict[str, Any]:
     }
 
 
-def replica_views(state: ServiceState) -> list[dict[str, Any]]:
+Listed = tuple[Pool, ReplicaConfig]
+"""A replica as a listing walks it: its pool and its entry there."""
+
+
+def listed_replicas(state: ServiceState) -> list[Listed]:
+    """The replicas the pools list now, in their order: a copy, which a listing made in steps
+    (:func:`replicas_in_steps`) walks while discovery may change the pools."""
+    return [(pool, config) for pool in state.pools.values() for config in pool.replicas.values()]
+
+
+def replica_views(state: ServiceState, listed: Sequence[Listed] | None = None) -> list[dict[str, Any]]:
+    """``GET /admin/replicas``' view of each replica of ``listed`` (``None``: all the pools list now),
+    each whole at one instant. A replica its pool no longer lists (removed since ``listed`` was
+    copied) is left out, and so is one whose health record is gone (being removed:
+    :class:`~balancer.service.lifecycle.ReplicaLifecycle` removes the record first and the pool's
+    entry last), as if listed after its removal; the pool's entry as it is now is shown."""
     now = state.monotonic()
     wall = state.wall_clock()
-    ingest = state.ingest_status()
+    current: dict[str, tuple[Pool, list[ReplicaConfig]]] = {}
+    names: list[ReplicaId] = []
+    for pool, config in listed_replicas(state) if listed is None else listed:
+        replica_id = ReplicaId(config.id)
+        entry = pool.replicas.get(replica_id)
+        if entry is not None and replica_id in state.health.replicas:
+            current.setdefault(pool.model, (pool, []))[1].append(entry)
+            names.append(replica_id)
+    ingest = state.ingest_status(None if listed is None else names)
     views = []
-    for pool in state.pools.values():
-        snapshot = pool.router.load_snapshot(now)
-        blocks: dict[ReplicaId, int] = {}
-        for space in pool.router.spaces.values():
-            blocks.update(space.table.stats().blocks_by_replica)
-        routable = set(state.health.routable(now, pool.replicas))
-        for replica_id, config in pool.replicas.items():
+    for pool, configs in current.values():
+        among = [ReplicaId(config.id) for config in configs]
+        snapshot = pool.router.load_snapshot(now, None if listed is None else among)
+        spaces = list(pool.router.spaces.values())
+        routable = set(state.health.routable(now, among))
+        for replica_id, config in zip(among, configs, strict=True):
             view = _replica_view(state, pool, config, now, wall)
             view["routable"] = replica_id in routable
             view["unroutable"] = (
                 None if replica_id in routable else state.health.unroutable_reason(replica_id, now)
             )
             view["load"] = plain_dict(snapshot.of(replica_id))
-            view["index"] = {"blocks": blocks.get(replica_id, 0)}
+            view["index"] = {"blocks": sum(space.table.held_blocks(replica_id) for space in spaces)}
             view["prediction"] = prediction_view(pool, replica_id)
             status = ingest.get(replica_id)
             view["events"] = None if status is None else _ages(plain_dict(status), wall)
@@ -327,6 +350,51 @@ def replica_views(state: ServiceState) -> list[dict[str, Any]]:
             view["scrape"] = None if scraper is None else _ages(plain_dict(scraper.status()), wall)
             views.append(view)
     return views
+
+
+VIEWS_PER_STEP = 5
+"""Replica views :func:`replicas_in_steps` makes (and ``GET /admin/replicas`` encodes) in one go
+before it lets the event loop run other work: about 0.04 ms of CPU each (0.2 ms for five, 0.4 ms
+for ten, and 0.18 ms to encode ten as JSON, median, at load 11 on a 2-core machine), where the 100
+views of the bench made in one go took 3.8 ms (at load 2; 2026-12-01, h-listreplicas)."""
+
+
+async def replica_views_in_steps(state: ServiceState) -> list[dict[str, Any]]:
+    """:func:`replica_views` of the replicas listed now (copied first), :data:`VIEWS_PER_STEP` at a
+    time with the loop let run in between: each view is whole at its step's instant, and a
+    replica removed meanwhile is left out (:func:`replica_views`)."""
+    listed = listed_replicas(state)
+    views: list[dict[str, Any]] = []
+    for start in range(0, len(listed), VIEWS_PER_STEP):
+        if start:
+            await asyncio.sleep(0)
+        views.extend(replica_views(state, listed[start : start + VIEWS_PER_STEP]))
+    return views
+
+
+async def replicas_in_steps(state: ServiceState) -> dict[str, Any]:
+    """:func:`replicas_answer`, its replica views made a few at a time
+    (:func:`replica_views_in_steps`); the kept drains after them, in one go."""
+    views = await replica_views_in_steps(state)
+    kept, total = kept_drain_views(state)
+    return {"replicas": views, "kept_drains": kept, "kept_drains_total": total}
+
+
+async def replicas_body(state: ServiceState) -> str:
+    """``GET /admin/replicas``' body: ``strict_json.dumps`` of :func:`replicas_answer`, the same
+    text, its replicas made and encoded :data:`VIEWS_PER_STEP` at a time with the loop let run in
+    between (:func:`replica_views_in_steps`)."""
+    listed = listed_replicas(state)
+    parts: list[str] = []
+    for start in range(0, len(listed), VIEWS_PER_STEP):
+        if start:
+            await asyncio.sleep(0)
+        views = replica_views(state, listed[start : start + VIEWS_PER_STEP])
+        if views:
+            parts.append(strict_json.dumps(views)[1:-1])  # the list's items, without its brackets
+    kept, total = kept_drain_views(state)
+    rest = strict_json.dumps({"kept_drains": kept, "kept_drains_total": total})
+    return '{"replicas": [' + ", ".join(parts) + "], " + rest[1:]
 
 
 def _stalled(

@@ -20,7 +20,7 @@ writer's live state. ``status`` reads the ingest counters without a hop (a point
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from balancer.events import Resync
@@ -60,8 +60,8 @@ class SpaceIngest:
     async def aclose(self) -> None:
         await self._ingest.aclose()
 
-    def status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
-        return self._ingest.status()
+    def status(self, only: Collection[ReplicaId] | None = None) -> dict[ReplicaId, ReplicaIngestStatus]:
+        return self._ingest.status(only)
 
     def engine_gone(self, replica: ReplicaId, why: str) -> None:
         """``replica``'s probe found nothing listening at its engine (a signal: returns at once)."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -370,16 +370,24 @@ class LoadTracker:
         totals = self._totals.get(replica)
         return IDLE if totals is None else totals.counts()
 
-    def snapshot(self, now: float, peers: Mapping[ReplicaId, LoadCounts] | None = None) -> LoadSnapshot:
+    def snapshot(
+        self,
+        now: float,
+        peers: Mapping[ReplicaId, LoadCounts] | None = None,
+        only: Collection[ReplicaId] | None = None,
+    ) -> LoadSnapshot:
         """Per-replica load at ``now`` (expires stale reservations first). ``peers``: the load the
         other workers committed, per replica, added to this tracker's own (``peer_seqs`` says how
-        much of the in-flight count is theirs); negative peer counts count as 0."""
+        much of the in-flight count is theirs); negative peer counts count as 0. ``only``: these
+        replicas' alone (a listing made a few replicas at a time); ``None``: every replica's."""
         self.expire(now)
         block_size = self.config.block_size_tokens
         replicas: dict[ReplicaId, ReplicaLoad] = {}
         names = self._totals.keys() | self._scrapes.keys()
         if peers:
             names |= peers.keys()
+        if only is not None:
+            names &= set(only)
         for replica in names:
             mine = self._totals.get(replica)
             if mine is None:

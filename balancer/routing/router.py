@@ -407,11 +407,11 @@ class PoolRouter:
         peer = peers.get(replica)
         return own if peer is None else own + max(0, peer.prefill_seqs) + max(0, peer.decode_seqs)
 
-    def load_snapshot(self, now: float) -> LoadSnapshot:
+    def load_snapshot(self, now: float, only: Collection[ReplicaId] | None = None) -> LoadSnapshot:
         """The load the policy reads: this router's reservations plus the other workers' (when
-        :attr:`peer_load` is set), and the scraped engine stats."""
+        :attr:`peer_load` is set), and the scraped engine stats; ``only``: these replicas' alone."""
         peers = self.peer_load(self.space_of) if self.peer_load is not None else None
-        return self.tracker().snapshot(now, peers)
+        return self.tracker().snapshot(now, peers, only)
 
     def routable(self, now: float) -> list[ReplicaId]:
         """The pool's replicas that may take a request now (health), in registration order."""

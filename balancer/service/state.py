@@ -10,7 +10,7 @@ router (its load tracker's reservations).
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,10 +144,13 @@ class ServiceState:
                 return pool.kv_events
         return True
 
-    def ingest_status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
+    def ingest_status(
+        self, only: Collection[ReplicaId] | None = None
+    ) -> dict[ReplicaId, ReplicaIngestStatus]:
+        """Every ingest's replicas' status (of those ``only`` names when given)."""
         out: dict[ReplicaId, ReplicaIngestStatus] = {}
         for ingest in self.ingests:
-            out.update(ingest.status())
+            out.update(ingest.status(only))
         return out
 
     def readiness(self, now: float) -> list[str]:

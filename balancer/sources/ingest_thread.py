@@ -31,7 +31,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import TypeVar
 
 import aiohttp
@@ -237,11 +237,12 @@ class ThreadedIngest:
         if self.thread.loop is not None:
             await self.thread.call(self.ingest.aclose)
 
-    def status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
-        """A point-in-time copy of the ingest counters (read without the ingest loop)."""
+    def status(self, only: Collection[ReplicaId] | None = None) -> dict[ReplicaId, ReplicaIngestStatus]:
+        """A point-in-time copy of the ingest counters (read without the ingest loop; of the
+        replicas ``only`` names when given)."""
         for _ in range(3):  # the ingest thread may add a replica meanwhile: retry the dict walk
             try:
-                return self.ingest.status()
+                return self.ingest.status(only)
             except RuntimeError:
                 continue
         return {}

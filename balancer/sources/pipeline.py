@@ -31,7 +31,7 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Generic, Protocol, TypeVar, cast, runtime_checkable
 
@@ -481,7 +481,9 @@ class IngestView(Protocol):
     """What the service reads of an ingest: :class:`EventIngest`, or its handle on the ingest
     thread (:class:`~balancer.sources.ingest_thread.ThreadedIngest`)."""
 
-    def status(self) -> dict[ReplicaId, ReplicaIngestStatus]: ...
+    def status(self, only: Collection[ReplicaId] | None = None) -> dict[ReplicaId, ReplicaIngestStatus]:
+        """The ingest state of each replica it ingests (of those ``only`` names; ``None``: all)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -593,8 +595,13 @@ class EventIngest:
         for entry in reversed(list(self._replicas.values())):
             await cancel_all(entry.tasks)
 
-    def status(self) -> dict[ReplicaId, ReplicaIngestStatus]:
-        """Ingest state of every replica (queue, overflows, applies, each source's stream state)."""
+    def status(self, only: Collection[ReplicaId] | None = None) -> dict[ReplicaId, ReplicaIngestStatus]:
+        """Ingest state of every replica (queue, overflows, applies, each source's stream state); of
+        those ``only`` names when given (a listing made a few replicas at a time)."""
+        if only is None:
+            entries = list(self._replicas.items())
+        else:
+            entries = [(r, e) for r in only if (e := self._replicas.get(r)) is not None]
         return {
             replica: ReplicaIngestStatus(
                 replica=replica,
@@ -609,7 +616,7 @@ class EventIngest:
                 last_lag_s=entry.pipeline.last_lag_s,
                 last_resync_wall_ts=entry.pipeline.last_resync_wall_ts,
             )
-            for replica, entry in self._replicas.items()
+            for replica, entry in entries
         }
 
     def _start(self, entry: _Replica) -> None:

@@ -77,7 +77,7 @@ import dataclasses
 import heapq
 import math
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 from balancer.errors import NoReplicasAvailable, Overloaded
 from balancer.events import KvEvent
@@ -183,8 +183,15 @@ class ShardedTracker(LoadTracker):
         shard = self._shards.pop(replica, None)
         return 0 if shard is None else shard.forget(replica)
 
-    def snapshot(self, now: float, peers: Mapping[ReplicaId, LoadCounts] | None = None) -> LoadSnapshot:
+    def snapshot(
+        self,
+        now: float,
+        peers: Mapping[ReplicaId, LoadCounts] | None = None,
+        only: Collection[ReplicaId] | None = None,
+    ) -> LoadSnapshot:
         replicas = self._shards.keys() if self.focus is None else self.focus
+        if only is not None:
+            replicas = [replica for replica in replicas if replica in only]
         loads: dict[ReplicaId, ReplicaLoad] = {}
         for replica in replicas:  # like LoadTracker: replicas without any data are absent
             shard = self._shards.get(replica)

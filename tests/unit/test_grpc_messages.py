@@ -16,7 +16,7 @@ from google.protobuf import json_format, struct_pb2
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
 from balancer.api.errors import ApiError
-from balancer.api.grpc.admin import REPLICAS_PER_STEP, replica_messages
+from balancer.api.grpc.admin import REPLICAS_PER_STEP, replica_parts
 from balancer.api.grpc.messages import decision_message, openai_call, read_chunk, received_ids, struct_of
 from balancer.api.grpc.replica_messages import replica_message
 from balancer.api.parsing import parse_request
@@ -420,19 +420,23 @@ def test_struct_of_gives_what_the_json_way_gave_for_what_it_does_not_take(data: 
         assert struct_of(data) == before
 
 
-def test_list_replicas_builds_its_messages_a_few_at_a_time_with_the_loop_let_run_between() -> None:
-    """``ListReplicas`` (h-grpclist) makes ``REPLICAS_PER_STEP`` messages, then lets the loop run: 25
-    replicas are built in three steps (two yields), into the messages :func:`replica_message` makes."""
-    views = [{**bare_view(), "id": f"r{index}"} for index in range(25)]
-    answer = pb.ListReplicasResponse()
-    steps = replica_messages(views, answer)
-    built = []
+def test_list_replicas_makes_and_encodes_its_messages_a_few_at_a_time_with_the_loop_let_run_between() -> None:
+    """``ListReplicas`` makes ``REPLICAS_PER_STEP`` messages and encodes them, then lets the loop run
+    (h-grpclist; h-listreplicas: encoded in the step): 12 replicas are built in three steps (two
+    yields), and the parts laid end to end read as one answer holding the messages
+    :func:`replica_message` makes, in order."""
+    views = [{**bare_view(), "id": f"r{index}"} for index in range(12)]
+    steps = replica_parts(views)
+    yields = 0
     while True:
         try:
             steps.send(None)
-        except StopIteration:
+        except StopIteration as done:
+            parts = done.value
             break
-        built.append(len(answer.replicas))
-    assert REPLICAS_PER_STEP == 10 and built == [10, 20] and len(answer.replicas) == 25
+        yields += 1
+    assert REPLICAS_PER_STEP == 5 and yields == 2 and len(parts) == 3
+    answer = pb.ListReplicasResponse.FromString(b"".join(parts))
+    assert [len(pb.ListReplicasResponse.FromString(part).replicas) for part in parts] == [5, 5, 2]
     assert list(answer.replicas) == [replica_message(view) for view in views]
     assert list(answer.replicas) == [replica_message(view, pb.Replica()) for view in views]

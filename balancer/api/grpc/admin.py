@@ -22,7 +22,7 @@ from balancer.api.admin import (
     drain_view,
     explain_raw,
     policy_choices,
-    replicas_answer,
+    replicas_in_steps,
     set_draining,
 )
 from balancer.api.console import run_whatif
@@ -41,21 +41,30 @@ from balancer.service.state import ServiceState
 from balancer.types import ReplicaId
 
 ADMIN_SERVICE: str = pb.DESCRIPTOR.services_by_name["Admin"].full_name
-REPLICAS_PER_STEP = 10
-"""Replica messages ``ListReplicas`` builds in one go before it lets the event loop run other work:
-about 0.17 ms of CPU each (100 took 17 ms at load 9 on a 2-core machine), so a list of 100 replicas
-holds the loop for ten short stretches after its views, not one long one (2026-12-01, h-grpclist)."""
+REPLICAS_PER_STEP = 5
+"""Replica messages ``ListReplicas`` builds and encodes in one go before it lets the event loop run
+other work: five took 0.27 ms of CPU, encoding included (median, load 11 on a 2-core machine), so a
+list of 100 replicas holds the loop for twenty short stretches after its views (made as many at a
+time: :func:`~balancer.api.admin.replica_views_in_steps`), not one long one (h-grpclist, 2026-12-01:
+ten, not encoded; h-listreplicas: five, each step's messages encoded in it)."""
 
 
-async def replica_messages(views: list[dict[str, Any]], answer: pb.ListReplicasResponse) -> None:
-    """``GET /admin/replicas``' replica views (already made: a consistent list, which nothing else
-    changes) as ``answer``'s ``replicas``, made in place (not copied there),
-    :data:`REPLICAS_PER_STEP` at a time with the loop let run in between."""
+async def replica_parts(views: list[dict[str, Any]]) -> list[bytes]:
+    """``GET /admin/replicas``' replica views (already made: a list nothing else changes) as encoded
+    ``ListReplicasResponse`` messages holding :data:`REPLICAS_PER_STEP` replicas each, made and
+    encoded one at a time with the loop let run in between. Encoded messages of one type laid end
+    to end are one message whose repeated fields hold them all in order (protobuf's merge), so the
+    parts joined, after the answer's other fields, are the whole answer, and grpc has nothing left
+    to encode in one go."""
+    parts: list[bytes] = []
     for start in range(0, len(views), REPLICAS_PER_STEP):
         if start:
             await asyncio.sleep(0)
+        chunk = pb.ListReplicasResponse()
         for view in views[start : start + REPLICAS_PER_STEP]:
-            replica_message(view, answer.replicas.add())
+            replica_message(view, chunk.replicas.add())
+        parts.append(chunk.SerializeToString())
+    return parts
 
 
 class AdminService:
@@ -108,18 +117,20 @@ class AdminService:
             decode_blocks=plan.decode_blocks,
         )
 
-    async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> pb.ListReplicasResponse:
-        answer = replicas_answer(self.state)
+    async def list_replicas(self, request: pb.ListReplicasRequest, call: Call) -> bytes:
+        """The ``ListReplicasResponse`` already encoded (:func:`replica_parts`): its views and its
+        messages made a few replicas at a time, the loop let run in between."""
+        answer = await replicas_in_steps(self.state)
         if self.state.replicas_gather is not None:  # every worker's, as GET /admin/replicas
             answer = await self.state.replicas_gather(answer)
-        response = pb.ListReplicasResponse(
+        head = pb.ListReplicasResponse(
             workers=answer.get("workers", ()),
             workers_missing=answer.get("workers_missing", ()),
             kept_drains=[kept_drain_message(kept) for kept in answer["kept_drains"]],
             kept_drains_total=answer["kept_drains_total"],
         )
-        await replica_messages(answer["replicas"], response)
-        return response
+        parts = await replica_parts(answer["replicas"])
+        return b"".join([head.SerializeToString(), *parts])
 
     async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:
         if not request.replica_id:

@@ -343,7 +343,11 @@ def method_handler(
             trailers.append(("retry-after", str(max(1, math.ceil(error.retry_after_s)))))
         await context.abort(error.code, wire_text(error.message), trailing_metadata=tuple(trailers))
 
-    serializer = response_type.SerializeToString
+    def serializer(answer: Message | bytes) -> bytes:
+        """The answer's bytes: a method may return them already encoded (``ListReplicas`` encodes
+        its answer a few replicas at a time, so that grpc does not in one go)."""
+        return answer if isinstance(answer, bytes) else response_type.SerializeToString(answer)
+
     # stream-request handlers: the message is read by receive(), after the reservation
     if streaming:
         return grpc.stream_stream_rpc_method_handler(handle, response_serializer=serializer)
