@@ -12,7 +12,9 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
   ``x-kvlb-weights`` header is honoured here whatever ``auth.allow_weight_override`` says.
 * ``GET /admin/replicas``: health, breaker, draining, load, index blocks, prediction accuracy (the
   last receipts), event status (lag, last resync) and scrape status; and ``kept_drains``, the drains
-  kept for replicas discovery removed (:func:`kept_drain_views`).
+  kept for replicas discovery removed (:func:`kept_drain_views`). Made and encoded
+  :data:`VIEWS_PER_STEP` replicas at a time with the event loop let run in between, from a copy of
+  the replica list (:func:`replicas_body`; a replica removed meanwhile is left out).
 * ``GET /admin/replicas/{id}/blocks?limit=``: the block keys the index routing reads holds for one
   replica, per DP rank (confirmed blocks only, no speculative entry; at most ``limit`` a rank,
   default :data:`DEFAULT_BLOCKS_LIMIT`, at most :data:`MAX_BLOCKS_LIMIT`), as 16 hex digits: what
@@ -24,8 +26,9 @@ applied at once, bumps the version and is logged at INFO with who made it and wh
 * ``GET /admin/fleet``: with Redis, this balancer's fleet view (members, its leases, mirrors);
   ``{"fleet": null}`` when embedded.
 
-:func:`change_policy`, :func:`explain_raw`, :func:`replicas_answer` and :func:`set_draining` do the
-work without aiohttp, so the gRPC admin service (:mod:`balancer.api.grpc.admin`) calls the same code.
+:func:`change_policy`, :func:`explain_raw`, :func:`replicas_answer` (in steps:
+:func:`replicas_in_steps`) and :func:`set_draining` do the work without aiohttp, so the gRPC admin
+service (:mod:`balancer.api.grpc.admin`) calls the same code.
 """
 
 from __future__ import annotations
