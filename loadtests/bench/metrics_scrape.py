@@ -5,11 +5,13 @@ A real :class:`balancer.app.Balancer` on 127.0.0.1 with one pool of ``--replicas
 all pointing at one emulated vLLM replica (:mod:`replicas.sim`; ``kv_events: false``, so no event
 sources: every replica is registered, its counters at 0, and probed once at the start), scraped
 over HTTP from the same event loop. A loop-lag probe (a task sleeping 0.5 ms again and again)
-records the longest gap between two of its turns during each scrape: the loop's longest hold.
+records the longest gap between two of its turns during each scrape: the loop's longest hold (in
+wall time, and in the loop thread's CPU time, which the machine's load does not stretch).
 The first scrape after the start builds what the renderer keeps; the others reuse it.
 
 Runs against whichever ``balancer`` is on ``PYTHONPATH`` (for two revisions side by side, copy this
-file into the other tree). Figures: first scrape (ms, hold ms), then the median and maximum of
+file into the other tree). Figures: the first scrape (its time and the loop thread's CPU time
+meanwhile, its longest hold in wall and CPU time, ms), then the median and maximum of each over
 ``--scrapes`` more.
 
     PYTHONPATH=$PWD python -m loadtests.bench.metrics_scrape --replicas 200 [--scrapes 10] [--json]
@@ -48,22 +50,26 @@ READY_TIMEOUT_S = 30.0
 
 class LoopLag:
     """A task on the running loop that sleeps :data:`PROBE_S` in turn and keeps the longest gap
-    between two turns since :meth:`reset` (s)."""
+    between two turns since :meth:`reset` (s), in wall time and in the loop thread's CPU time
+    (``time.thread_time``: what the loop ran between two turns, without the time the process waited
+    for a core on a loaded machine)."""
 
     def __init__(self) -> None:
         self.longest_s = 0.0
+        self.longest_cpu_s = 0.0
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
-        last = time.perf_counter()
+        last, last_cpu = time.perf_counter(), time.thread_time()
         while True:
             await asyncio.sleep(PROBE_S)
-            now = time.perf_counter()
+            now, now_cpu = time.perf_counter(), time.thread_time()
             self.longest_s = max(self.longest_s, now - last)
-            last = now
+            self.longest_cpu_s = max(self.longest_cpu_s, now_cpu - last_cpu)
+            last, last_cpu = now, now_cpu
 
     def reset(self) -> None:
-        self.longest_s = 0.0
+        self.longest_s = self.longest_cpu_s = 0.0
 
     @asynccontextmanager
     async def running(self) -> AsyncIterator[LoopLag]:
@@ -126,15 +132,22 @@ async def fleet(replicas: int) -> AsyncIterator[tuple[Balancer, aiohttp.ClientSe
 
 
 async def scrape(session: aiohttp.ClientSession, url: str, lag: LoopLag) -> dict[str, float]:
-    """One ``GET /metrics``: its time, the loop's longest hold meanwhile (ms) and its bytes."""
+    """One ``GET /metrics``: its time and the loop thread's CPU time meanwhile, the loop's longest
+    hold (wall and CPU, ms), and its bytes."""
     await asyncio.sleep(0.01)  # let the probe run a few turns first
     lag.reset()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     async with session.get(url + "/metrics") as response:
         body = await response.read()
         assert response.status == 200, response.status
-    took = time.perf_counter() - start
-    return {"scrape_ms": round(took * 1e3, 2), "hold_ms": round(lag.longest_s * 1e3, 2), "bytes": len(body)}
+    took, took_cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+    return {
+        "scrape_ms": round(took * 1e3, 2),
+        "scrape_cpu_ms": round(took_cpu * 1e3, 2),
+        "hold_ms": round(lag.longest_s * 1e3, 2),
+        "hold_cpu_ms": round(lag.longest_cpu_s * 1e3, 2),
+        "bytes": len(body),
+    }
 
 
 async def measure(replicas: int, scrapes: int) -> dict[str, Any]:
@@ -142,14 +155,11 @@ async def measure(replicas: int, scrapes: int) -> dict[str, Any]:
     async with fleet(replicas) as (balancer, session), LoopLag().running() as lag:
         first = await scrape(session, balancer.url, lag)
         rest = [await scrape(session, balancer.url, lag) for _ in range(scrapes)]
-    times = [row["scrape_ms"] for row in rest]
-    holds = [row["hold_ms"] for row in rest]
-    return {
-        "first": first,
-        "scrape_ms": {"median": statistics.median(times), "max": max(times)},
-        "hold_ms": {"median": statistics.median(holds), "max": max(holds)},
-        "bytes": rest[-1]["bytes"],
-    }
+    out: dict[str, Any] = {"first": first, "bytes": rest[-1]["bytes"]}
+    for figure in ("scrape_ms", "scrape_cpu_ms", "hold_ms", "hold_cpu_ms"):
+        values = [row[figure] for row in rest]
+        out[figure] = {"median": statistics.median(values), "max": max(values)}
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -169,11 +179,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     }
     print(json.dumps(result, indent=2))
     if not args.json:
-        first, times, holds = result["first"], result["scrape_ms"], result["hold_ms"]
+        first = result["first"]
         print(
-            f"first scrape {first['scrape_ms']} ms (hold {first['hold_ms']} ms); "
-            f"then scrape median {times['median']} / max {times['max']} ms, "
-            f"hold median {holds['median']} / max {holds['max']} ms; {result['bytes']:,} bytes"
+            f"first scrape {first['scrape_ms']} ms (CPU {first['scrape_cpu_ms']}), longest hold "
+            f"{first['hold_ms']} ms (CPU {first['hold_cpu_ms']}); then (median / max): "
+            + ", ".join(
+                f"{figure} {result[figure]['median']} / {result[figure]['max']}"
+                for figure in ("scrape_ms", "scrape_cpu_ms", "hold_ms", "hold_cpu_ms")
+            )
+            + f"; {result['bytes']:,} bytes"
         )
     return result
 
