@@ -3,8 +3,10 @@ time and the longest the event loop was held while it ran (what a request waits 
 
 A real :class:`balancer.app.Balancer` on 127.0.0.1 with one pool of ``--replicas`` replica entries,
 all pointing at one emulated vLLM replica (:mod:`replicas.sim`; ``kv_events: false``, so no event
-sources: every replica is registered, its counters at 0, and probed once at the start), scraped
-over HTTP from the same event loop. A loop-lag probe (a task sleeping 0.5 ms again and again)
+sources: every replica is registered, its counters at 0, and probed once at the start), its
+start-up heap frozen as ``kvlb serve`` freezes it (``balancer.gc_tuning.settle_after_start``: else
+a full collection of it, ~90 ms, lands in the first scrape), scraped over HTTP from the same event
+loop. A loop-lag probe (a task sleeping 0.5 ms again and again)
 records the longest gap between two of its turns during each scrape: the loop's longest hold (in
 wall time, and in the loop thread's CPU time, which the machine's load does not stretch).
 The first scrape after the start builds what the renderer keeps; the others reuse it.
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -36,6 +39,7 @@ import zmq.asyncio
 
 from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
+from balancer.gc_tuning import settle_after_start
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
@@ -123,7 +127,11 @@ async def fleet(replicas: int) -> AsyncIterator[tuple[Balancer, aiohttp.ClientSe
                         if response.status == 200:
                             break
                     await asyncio.sleep(0.05)
-            yield balancer, session
+            settle_after_start()  # as ``kvlb serve`` does once started: the start-up heap frozen
+            try:
+                yield balancer, session
+            finally:
+                gc.unfreeze()  # a test process goes on: its later garbage is collected as usual
     finally:
         if balancer is not None:
             await balancer.stop()
