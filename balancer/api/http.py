@@ -6,8 +6,8 @@
   still works around a problem, e.g. Redis unreachable while routing goes on from the mirrors.
 * ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first),
   rendered by :class:`balancer.exposition.Exposition`. Both run in steps of a few ms, the loop
-  serving other requests between two (:func:`stepwise`): at 200 replicas a scrape writes some
-  30,000 samples.
+  serving other requests between two (:func:`balancer.tasks.stepwise`): at 200 replicas a scrape
+  writes some 30,000 samples.
 * ``GET /openapi.json``: the API description.
 * ``GET /ui/``: the web console's static page (:mod:`balancer.api.webui`), unless
   ``console.ui_enabled`` is off.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Generator
-from typing import Final, TypeVar, cast
+from typing import Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -32,6 +32,7 @@ from balancer.api.openapi import openapi_document
 from balancer.api.webui import add_ui_routes
 from balancer.exposition import Exposition
 from balancer.service.state import ServiceState
+from balancer.tasks import stepwise
 
 EXPOSITION: web.AppKey[Exposition] = web.AppKey("exposition", Exposition)
 """The renderer of ``/metrics`` (:mod:`balancer.exposition`: keeps each series' text between scrapes)."""
@@ -61,20 +62,8 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-_T = TypeVar("_T")
 REFRESH_STEP_REPLICAS: Final = 50
 """Replicas whose gauges :func:`refresh_steps` sets between two yields (about 10 gauges each)."""
-
-
-async def stepwise(steps: Generator[None, None, _T]) -> _T:
-    """Run ``steps`` to its end, letting the loop run its other callbacks (requests, I/O) between two
-    steps; returns what it returns."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return cast(_T, done.value)
-        await asyncio.sleep(0)
 
 
 async def openapi(request: web.Request) -> web.Response:

@@ -29,7 +29,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from balancer.api.siblings import absent_worker_metrics, merge_metrics, merge_parsed
-from balancer.exposition import Exposition, merge_rendered
+from balancer.exposition import Exposition, merge_rendered, merge_rendered_steps
 from balancer.metrics import LOAD_KIND_METRICS, Metrics
 
 REPLICAS = 50
@@ -219,6 +219,16 @@ def test_the_workers_merge_writes_what_the_parsed_merge_writes() -> None:
     assert merged is not None
     assert merged == merge_parsed(texts)
     assert merge_metrics(texts) == merged
+    steps = merge_rendered_steps(texts, step=100)
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            assert done.value == merged
+            break
+        yields += 1
+    assert yields >= sum(text.count("\n") for text in texts.values()) // 100 - 1
 
 
 def test_a_text_not_as_kvlb_renders_it_is_parsed() -> None:
