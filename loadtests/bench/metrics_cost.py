@@ -15,7 +15,8 @@ Two registries of :class:`balancer.metrics.Metrics` with ``--replicas`` replicas
 
 Figures (ms, best and median of ``--repeats`` renders): ``generate_latest``; ``exposition`` (a kept
 :class:`Exposition`, after one first render, whose time is ``exposition_first``); ``merge_2`` (the
-gathering worker's :func:`balancer.api.siblings.merge_metrics` of two workers' texts). Bytes and
+gathering worker's :func:`balancer.api.siblings.merge_metrics` of two workers' texts; and, on a tree
+that merges in steps, its longest step, wall / CPU). Bytes and
 samples of one render. The process's own collector (CPU seconds) is left out so two renders compare;
 the registry is built, then frozen out of the collector's walks (``gc.freeze``, as ``kvlb serve``
 does after its start), so that a full collection does not land in one render rather than another.
@@ -51,6 +52,10 @@ try:  # absent on a tree from before 2026-12-01 (h-metricscost)
     from balancer.exposition import Exposition
 except ImportError:  # pragma: no cover - an old tree
     Exposition = None  # type: ignore[assignment,misc]
+try:  # absent on a tree from before 2026-12-01 (h-metrics200)
+    from balancer.exposition import merge_rendered_steps
+except ImportError:  # pragma: no cover - an old tree
+    merge_rendered_steps = None  # type: ignore[assignment]
 
 
 LOAD_KINDS = ("inflight", "peer_inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage")
@@ -121,7 +126,7 @@ def timed(
     return {"best_ms": round(min(times), 2), "median_ms": round(statistics.median(times), 2)}
 
 
-def longest_step(steps: Generator[None, None, bytes]) -> tuple[float, float]:
+def longest_step(steps: Generator[None, None, object]) -> tuple[float, float]:
     """The longest step of a render in steps, in wall time and in this thread's CPU time (ms: on a
     loaded machine the wall time of a step includes the time the process waited for a core)."""
     wall = cpu = 0.0
@@ -176,6 +181,9 @@ def measure(replicas: int, repeats: int, observed: int) -> dict[str, Any]:
                 row["changed_same_bytes"] = exposition.render() == generate_latest(registry)
         decoded = text.decode()
         row["merge_2"] = timed(lambda d=decoded: merge_metrics({0: d, 1: d}), max(1, repeats // 3))  # type: ignore[misc]
+        if merge_rendered_steps is not None:
+            wall, cpu = longest_step(merge_rendered_steps({0: decoded, 1: decoded}))
+            row["merge_2_longest_step_ms"] = {"wall": wall, "cpu": cpu}
         out[name] = row
     return out
 
@@ -195,6 +203,10 @@ def table(result: dict[str, Any]) -> str:
             f"{exp['best_ms']} / {exp['median_ms']} ({row['exposition_first_ms']})" if exp else "absent"
         )
         merge = row["merge_2"]
+        merge_text = f"{merge['best_ms']} / {merge['median_ms']}"
+        merge_step = row.get("merge_2_longest_step_ms")
+        if merge_step is not None:
+            merge_text += f"; longest step {merge_step['wall']} / {merge_step['cpu']}"
         steps = row.get("longest_step_ms")
         if steps is not None:
             first, later = steps["first"], steps["later"]
@@ -204,7 +216,7 @@ def table(result: dict[str, Any]) -> str:
             )
         lines.append(
             f"| {name} | {row['samples']:,} | {row['bytes']:,} | {gen['best_ms']} / {gen['median_ms']} | "
-            f"{exp_text} | {merge['best_ms']} / {merge['median_ms']} |"
+            f"{exp_text} | {merge_text} |"
         )
     changed = result["registries"]["full"].get("changed")
     if changed is not None:
