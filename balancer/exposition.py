@@ -235,8 +235,9 @@ def _number(value: float) -> str:
     return repr(value)
 
 
-MERGE_STEP_LINES: Final = 2_000
-"""Lines :func:`merge_rendered_steps` reads between two yields (about 2 µs each on an idle core)."""
+MERGE_STEP_LINES: Final = 1_000
+"""Lines :func:`merge_rendered_steps` reads between two yields: 2,000 took up to 10–11 ms of CPU at
+load 8–9 on 2 shared cores (``python -m loadtests.bench.metrics_cost``, ``merge_2_longest_step_ms``)."""
 
 
 def merge_rendered(texts: Mapping[int, str]) -> str | None:
