@@ -166,7 +166,7 @@ async def measure(replicas: int, scrapes: int) -> dict[str, Any]:
     out: dict[str, Any] = {"first": first, "bytes": rest[-1]["bytes"]}
     for figure in ("scrape_ms", "scrape_cpu_ms", "hold_ms", "hold_cpu_ms"):
         values = [row[figure] for row in rest]
-        out[figure] = {"median": statistics.median(values), "max": max(values)}
+        out[figure] = {"median": round(statistics.median(values), 2), "max": max(values)}
     return out
 
 
