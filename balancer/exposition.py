@@ -314,7 +314,14 @@ def merge_rendered_steps(
             except ValueError:
                 return None
             lines.append(f"{labelled} {_number(value)}")
-    out: list[str] = []
+    yield
+    out: list[str] = []  # each family's text, joined a step at a time (the whole join took ~10 ms)
     for name in order:
-        out.extend(families[name])
-    return "\n".join(out) + "\n"
+        lines = families.pop(name)  # its lines freed in this step too, not all at the end
+        out.append("\n".join(lines))
+        read += len(lines)
+        if read >= step:
+            read = 0
+            yield
+    out.append("")  # the final newline, without copying the whole text once more
+    return "\n".join(out)
