@@ -32,8 +32,9 @@ STEP_WORK: Final = 500
 """The work between two yields of :func:`render_family` (and :class:`balancer.exposition.Exposition`'s
 steps): about one unit a sample line written afresh (a few µs: more for the first, whose label text
 is built), one a child whose kept lines are written again, one per 20 values of a family checked
-unchanged. A step of 500 took at most 8 ms at load 11 on 2 shared cores
-(``python -m loadtests.bench.metrics_cost``, ``longest_step_ms``)."""
+unchanged. At 200 replicas and load 5 on 2 shared cores a step of 500 took at most 2.7–4.7 ms of
+CPU in later renders and 7.1–12.4 ms in a first one (``python -m loadtests.bench.metrics_cost``,
+``longest_step_ms``, 2026-12-01)."""
 UNCHANGED_VALUES_A_UNIT: Final = 20
 """How many values of a family compared with the last scrape's make one unit of :data:`STEP_WORK`."""
 
