@@ -3,8 +3,9 @@
 A real :class:`balancer.app.Balancer` on 127.0.0.1 over 200 replica entries of one emulated vLLM
 replica (``loadtests.bench.metrics_scrape``'s fleet), scraped over HTTP while a loop-lag probe runs
 on the same loop. Before 2026-12-01 (h-metrics200) the handler rendered the whole registry in one
-go: the first scrape (which builds the kept texts) held the loop 0.2–0.5 s, the later ones 25–60
-ms on a loaded machine. Now it renders in steps of a few ms. A hold is counted in the loop thread's
+go: the first scrape (which builds the kept texts) held the loop 0.12–0.64 s (108–159 ms of CPU),
+the later ones 41–288 ms (median; 36–63 ms of CPU), at load 5–12 on 2 shared cores. Now it renders
+in steps of a few ms. A hold is counted in the loop thread's
 CPU time (``time.thread_time`` between two turns of the probe: what the loop ran, not the time the
 process waited for a core, which on a loaded machine can be longer than any bound); the bound is
 generous: 100 ms for any one hold, against the old first scrape's hundreds.
