@@ -1,25 +1,29 @@
-"""The ``/metrics`` text of a registry, as ``prometheus_client.generate_latest`` writes it, but cheaper.
+"""The ``/metrics`` text of a registry, as ``prometheus_client.generate_latest`` writes it, but cheaper
+and in steps.
 
 ``generate_latest`` builds a ``Metric`` with a label dict per sample (``collect()``), then formats
 every sample's line from scratch: it sorts the labels, checks and escapes every label name and value
 and the metric name (regular expressions), and writes the value with ``floatToGoString``, all pure
-Python on the event loop. At 200 replicas kvlb exports some 20,000 samples: hundreds of ms a scrape
-on a loaded machine (``python -m loadtests.bench.metrics_cost``). Between two scrapes the label sets
-hardly change, only the values, so :class:`Exposition` keeps, from one scrape to the next, the text
-of each sample line up to its value (``name{labels} ``): per child of a ``Counter``, ``Gauge`` or
-``Histogram`` (read directly, without ``collect()``), per sample of any other collector; and the text
-of each value of 1e6 or more (the ``_created`` timestamps, constant). The output is byte-identical to
-``generate_latest``'s with its default (underscores) escaping (``tests/unit/test_exposition.py``).
+Python on the event loop. At 200 replicas kvlb exports some 30,000 samples, most of them per-replica
+counters at 0 and their constant ``_created`` timestamps: hundreds of ms a scrape on a loaded
+machine (``python -m loadtests.bench.metrics_cost``). :class:`Exposition` keeps, from one scrape to
+the next, the text of each ``Counter``, ``Gauge`` and ``Histogram`` family (read from the children
+directly, without ``collect()``: :mod:`balancer.exposition_families`), written again whole when none
+of its values changed, child by child else; and, for any other collector, the text of each sample
+line up to its value (``name{labels} ``). It renders in steps (:meth:`Exposition.steps`) that the
+``/metrics`` handler runs with the loop's other work between them. The output is byte-identical to
+``generate_latest``'s with its default (underscores) escaping (``tests/unit/test_exposition.py``;
+one exception: :mod:`balancer.exposition_families`).
 
-Bounded: what it keeps is what the last scrape wrote (each scrape builds it anew from the previous
-one), so a series removed from the registry (:meth:`balancer.metrics.Metrics.forget_replica`) leaves
-it at the next scrape. Not thread-safe: one instance per registry, called from one thread (the loop).
+Bounded: what it keeps is what the last scrape wrote (each scrape keeps anew what it wrote), so a
+series removed from the registry (:meth:`balancer.metrics.Metrics.forget_replica`) leaves it at the
+next scrape. Not thread-safe: one instance per registry, called from one thread (the loop).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import Final, cast
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -28,6 +32,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
+
+from balancer.exposition_families import STEP_WORK, KeptFamily, Work, render_family
 
 _ESCAPING: Final = openmetrics.UNDERSCORES
 """``generate_latest``'s default escaping of metric and label names (what ``/metrics`` serves)."""
@@ -72,57 +78,58 @@ _TYPE_NAMES: Final = {
 
 
 _FAST_TYPES: Final = (Counter, Gauge, Histogram)
-"""The collector classes whose children's sample names and labels never change (only their values),
-so their text up to the value is kept per child: their samples are read from each child directly,
-without the ``Metric`` and label dicts ``collect()`` builds. A subclass takes the generic path."""
-
-_ChildKey = tuple[object, tuple[str, ...]]
-_ChildText = tuple[tuple[str, str | None], ...]
-"""Each sample of a child: its text up to the value and its OpenMetrics suffix (else ``None``)."""
+"""The collector classes whose children's sample names and labels never change (only their values):
+:mod:`balancer.exposition_families` keeps each family's text and reads its values from the children
+directly. A subclass takes the generic path (``collect()``)."""
 
 
 class Exposition:
-    """Renders one registry as ``generate_latest`` does, keeping each sample's text up to its value
-    from the previous :meth:`render` (see the module docstring). :attr:`prefixes` is how many
-    samples' texts it keeps (those of the last render: about 100 B each)."""
+    """Renders one registry as ``generate_latest`` does, keeping each family's and sample's text from
+    the previous render (see the module docstring). :meth:`steps` renders in steps (for the event
+    loop); :meth:`render` all at once. :attr:`prefixes` is how many samples' label texts it keeps
+    (those of the last render: about 100 B each)."""
 
-    __slots__ = ("_children", "_large", "_prefixes", "_registry")
+    __slots__ = ("_families", "_prefixes", "_registry", "_step")
 
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, step: int = STEP_WORK) -> None:
         self._registry = registry
         self._prefixes: dict[_PrefixKey, str] = {}
-        self._children: dict[_ChildKey, _ChildText] = {}
-        self._large: dict[float, str] = {}
+        self._families: dict[MetricWrapperBase, KeptFamily] = {}
+        self._step = step
 
     @property
     def prefixes(self) -> int:
-        return len(self._prefixes) + sum(len(text) for text in self._children.values())
-
-    @property
-    def numbers(self) -> int:
-        """How many texts of values of 1e6 or more (the ``_created`` timestamps) it keeps."""
-        return len(self._large)
+        return len(self._prefixes) + sum(family.prefixes for family in self._families.values())
 
     def render(self) -> bytes:
         """The registry's exposition now (UTF-8), byte for byte what ``generate_latest`` returns."""
-        old, old_children = self._prefixes, self._children
+        steps = self.steps()
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return cast(bytes, done.value)
+
+    def steps(self) -> Generator[None, None, bytes]:
+        """:meth:`render` in steps: yields after about ``step`` units of work (:data:`STEP_WORK`: a
+        few ms), between two families or two children, and returns the text. Between two steps the
+        registry may change (a series added or removed, a value set): the text is then of some
+        moment between the first step and the last, each sample as it was when its family was
+        written. Two renders may run at once (two scrapes): each keeps what it wrote, family by
+        family, the last one's staying."""
+        old = self._prefixes
         new: dict[_PrefixKey, str] = {}
-        new_children: dict[_ChildKey, _ChildText] = {}
-        old_large: dict[float, str] = self._large
-        new_large: dict[float, str] = {}
+        large: dict[float, str] = {}
+        work = Work(self._step)
 
         def number(value: float) -> str:
-            """``floatToGoString(value)``: ``repr`` below 1e6, whose text Go writes alike; above, the
-            text kept from the last render (a ``_created`` timestamp keeps its value)."""
+            """``floatToGoString(value)``: ``repr`` below 1e6, whose text Go writes alike."""
             d = float(value)
             if -1e6 < d < 1e6:
                 return repr(d)
-            text = new_large.get(d)
+            text = large.get(d)
             if text is None:
-                text = old_large.get(d)
-                if text is None:
-                    text = _to_go(d)
-                new_large[d] = text
+                text = large[d] = _to_go(d)
             return text
 
         output: list[str] = []
@@ -151,45 +158,8 @@ class Exposition:
             append(_type(shown, _TYPE_NAMES.get(kind, kind)))
             return {name + suffix: suffix for suffix in _OM_SUFFIXES}
 
-        def om_families(name: str, documentation: str, om_samples: dict[str, list[str]]) -> None:
-            for suffix, lines in sorted(om_samples.items()):
-                append(_help(name + suffix, documentation))
-                append(_type(name + suffix, "gauge"))
-                output.extend(lines)
-
-        def fast(collector: MetricWrapperBase) -> None:
-            metric: Metric = collector._get_metric()  # type: ignore[no-untyped-call]
-            suffixed = family(metric.name, metric.type, metric.documentation)
-            om_samples: dict[str, list[str]] = {}
-            labelnames: tuple[str, ...] = collector._labelnames
-            children: list[tuple[tuple[str, ...], MetricWrapperBase]]
-            if labelnames:
-                with collector._lock:
-                    children = [(tuple(values), child) for values, child in collector._metrics.items()]
-            else:
-                children = [((), collector)]
-            for values, child in children:
-                key = (collector, values)
-                text = new_children.get(key) or old_children.get(key)
-                samples = tuple(child._child_samples())
-                if text is None or len(text) != len(samples):
-                    series = list(zip(labelnames, values, strict=True))
-                    text = tuple(
-                        (
-                            _prefix(collector._name + s.name, dict(series + list(s.labels.items()))),
-                            suffixed.get(collector._name + s.name),
-                        )
-                        for s in samples
-                    )
-                new_children[key] = text
-                for (prefix, suffix), sample in zip(text, samples, strict=True):
-                    if suffix is None:
-                        append(f"{prefix}{number(sample.value)}\n")
-                    else:
-                        om_samples.setdefault(suffix, []).append(f"{prefix}{number(sample.value)}\n")
-            om_families(metric.name, metric.documentation, om_samples)
-
-        def generic(metrics: Iterable[Metric]) -> None:
+        def generic(metrics: Iterable[Metric]) -> bool:
+            """Append ``metrics``' text to ``chunks``; ``True`` when a step is done."""
             for metric in metrics:
                 suffixed = family(metric.name, metric.type, metric.documentation)
                 om_samples: dict[str, list[str]] = {}
@@ -199,8 +169,16 @@ class Exposition:
                         append(line(sample))
                     else:
                         om_samples.setdefault(suffix, []).append(line(sample))
-                om_families(metric.name, metric.documentation, om_samples)
+                for suffix, lines in sorted(om_samples.items()):
+                    append(_help(metric.name + suffix, metric.documentation))
+                    append(_type(metric.name + suffix, "gauge"))
+                    output.extend(lines)
+            chunks.append("".join(output).encode("utf-8"))
+            written = len(output)
+            output.clear()
+            return work.add(written)
 
+        chunks: list[bytes] = []
         registry = self._registry
         with registry._lock:
             collectors = list(registry._collector_to_names)
@@ -209,13 +187,33 @@ class Exposition:
             )
         if target_info is not None:
             generic([target_info])
+        families: dict[MetricWrapperBase, KeptFamily] = {}
         for collector in collectors:
-            if type(collector) in _FAST_TYPES:
-                fast(cast(MetricWrapperBase, collector))
+            if type(collector) not in _FAST_TYPES:
+                if generic(collector.collect()):
+                    yield
             else:
-                generic(collector.collect())
-        self._prefixes, self._children, self._large = new, new_children, new_large
-        return "".join(output).encode("utf-8")
+                wrapper = cast(MetricWrapperBase, collector)
+                kept = yield from render_family(
+                    wrapper, self._families.get(wrapper), chunks, work, (number, _prefix, _headers)
+                )
+                if kept is not None:
+                    families[wrapper] = kept
+                elif generic(wrapper.collect()):  # values in PROMETHEUS_MULTIPROC_DIR files
+                    yield
+        self._prefixes, self._families = new, families
+        return b"".join(chunks)
+
+
+def _headers(collector: MetricWrapperBase) -> tuple[str, str]:
+    """The HELP and TYPE lines of ``collector``'s family and of its ``_created`` family."""
+    metric: Metric = collector._get_metric()  # type: ignore[no-untyped-call]
+    name, documentation = metric.name, metric.documentation
+    shown = name + "_total" if metric.type == "counter" else name
+    return (
+        _help(shown, documentation) + _type(shown, metric.type),
+        _help(name + "_created", documentation) + _type(name + "_created", "gauge"),
+    )
 
 
 _ALLOWED_SUFFIXES: Final = {
@@ -237,6 +235,11 @@ def _number(value: float) -> str:
     return repr(value)
 
 
+MERGE_STEP_LINES: Final = 1_000
+"""Lines :func:`merge_rendered_steps` reads between two yields: 2,000 took up to 10–11 ms of CPU at
+load 8–9 on 2 shared cores (``python -m loadtests.bench.metrics_cost``, ``merge_2_longest_step_ms``)."""
+
+
 def merge_rendered(texts: Mapping[int, str]) -> str | None:
     """The expositions of several workers as one, each sample labelled ``worker``: what
     :func:`balancer.api.siblings.merge_metrics` writes, byte for byte, from texts as
@@ -245,6 +248,20 @@ def merge_rendered(texts: Mapping[int, str]) -> str | None:
     copied (they are escaped alike on both sides); values are read and written again (``1.7e+09``
     becomes ``1700000000.0``) and timestamps dropped, as the parser-based merge does. ``None`` when
     a text is not in that shape (a line it does not expect): the caller then parses."""
+    steps = merge_rendered_steps(texts)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(str | None, done.value)
+
+
+def merge_rendered_steps(
+    texts: Mapping[int, str], step: int = MERGE_STEP_LINES
+) -> Generator[None, None, str | None]:
+    """:func:`merge_rendered` in steps: yields after every ``step`` lines read (for the event loop:
+    two workers' texts at 200 replicas are some 63,000 lines)."""
+    read = 0
     order: list[str] = []
     families: dict[str, list[str]] = {}
     for index in sorted(texts):
@@ -253,6 +270,10 @@ def merge_rendered(texts: Mapping[int, str]) -> str | None:
         help_line: str | None = None
         allowed: tuple[str, ...] = ()
         for raw in texts[index].split("\n"):
+            read += 1
+            if read >= step:
+                read = 0
+                yield
             line = raw.strip()
             if not line:
                 continue
@@ -293,7 +314,14 @@ def merge_rendered(texts: Mapping[int, str]) -> str | None:
             except ValueError:
                 return None
             lines.append(f"{labelled} {_number(value)}")
-    out: list[str] = []
+    yield
+    out: list[str] = []  # each family's text, joined a step at a time (the whole join took ~10 ms)
     for name in order:
-        out.extend(families[name])
-    return "\n".join(out) + "\n"
+        lines = families.pop(name)  # its lines freed in this step too, not all at the end
+        out.append("\n".join(lines))
+        read += len(lines)
+        if read >= step:
+            read = 0
+            yield
+    out.append("")  # the final newline, without copying the whole text once more
+    return "\n".join(out)

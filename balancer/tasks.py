@@ -4,16 +4,31 @@ Every long-running task of kvlb (event sources and appliers, scrapers, probers, 
 loops) runs until its owner cancels it. :func:`spawn` starts one with :func:`report_exit` attached: a
 task that died with an exception is logged as an error, one that ended by itself at info level (a
 ZMQ source ends when its context terminates, a fleet loop when its stop event is set).
+:func:`stepwise` runs a long piece of pure work written as a generator of steps, giving the loop a
+turn between two (the ``/metrics`` render and the workers' merge).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Coroutine, Generator, Sequence
+from typing import Any, TypeVar, cast
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+
+async def stepwise(steps: Generator[None, None, _T]) -> _T:
+    """Run ``steps`` to its end, letting the loop run its other callbacks (requests, I/O) between two
+    steps; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(_T, done.value)
+        await asyncio.sleep(0)
 
 
 def spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -5,7 +5,9 @@
   Redis, every mirror is warm); else 503 with the reasons (readiness). ``degraded`` lists what
   still works around a problem, e.g. Redis unreachable while routing goes on from the mirrors.
 * ``GET /metrics``: Prometheus text of the injected registry (point-in-time gauges refreshed first),
-  rendered by :class:`balancer.exposition.Exposition`.
+  rendered by :class:`balancer.exposition.Exposition`. Both run in steps of a few ms, the loop
+  serving other requests between two (:func:`balancer.tasks.stepwise`): at 200 replicas a scrape
+  writes some 30,000 samples.
 * ``GET /openapi.json``: the API description.
 * ``GET /ui/``: the web console's static page (:mod:`balancer.api.webui`), unless
   ``console.ui_enabled`` is off.
@@ -14,6 +16,8 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Generator
+from typing import Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -28,6 +32,7 @@ from balancer.api.openapi import openapi_document
 from balancer.api.webui import add_ui_routes
 from balancer.exposition import Exposition
 from balancer.service.state import ServiceState
+from balancer.tasks import stepwise
 
 EXPOSITION: web.AppKey[Exposition] = web.AppKey("exposition", Exposition)
 """The renderer of ``/metrics`` (:mod:`balancer.exposition`: keeps each series' text between scrapes)."""
@@ -52,9 +57,13 @@ async def readyz(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    refresh_gauges(state)
-    body = request.app[EXPOSITION].render()
+    await stepwise(refresh_steps(state))
+    body = await stepwise(request.app[EXPOSITION].steps())
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+REFRESH_STEP_REPLICAS: Final = 50
+"""Replicas whose gauges :func:`refresh_steps` sets between two yields (about 10 gauges each)."""
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -62,13 +71,24 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 def refresh_gauges(state: ServiceState) -> None:
+    """:func:`refresh_steps` at once."""
+    for _ in refresh_steps(state):
+        pass
+
+
+def refresh_steps(state: ServiceState) -> Generator[None, None, None]:
     """Set the gauges that are views of current state: index size, replica load and health, and the
-    event loop's task count (called on the loop, by the ``/metrics`` handler)."""
+    event loop's task count (on the loop, by the ``/metrics`` handler); yields after every
+    :data:`REFRESH_STEP_REPLICAS` replicas. A pool's figures are read before its first replica's
+    gauges are set; after a yield, a replica that left its pool meanwhile is skipped (its series
+    were removed with it: setting one would bring it back for good)."""
     metrics = state.metrics
+    child = metrics.children.of
+    done = 0
     metrics.process_asyncio_tasks.set(len(asyncio.all_tasks()))
     now = state.monotonic()
     unique = held = speculative = 0
-    for pool in state.pools.values():
+    for pool in list(state.pools.values()):
         by_replica = dict.fromkeys(pool.replicas, 0)
         for space in pool.router.spaces.values():
             stats = space.table.stats()
@@ -78,12 +98,15 @@ def refresh_gauges(state: ServiceState) -> None:
             for replica, blocks in stats.blocks_by_replica.items():
                 by_replica[replica] = by_replica.get(replica, 0) + blocks
         for replica, blocks in by_replica.items():
-            metrics.index_replica_blocks.labels(replica).set(blocks)
+            child(metrics.index_replica_blocks, replica).set(blocks)
         snapshot = pool.router.tracker().snapshot(now)  # this worker's own: summable over workers
         shared = pool.router.load_snapshot(now) if pool.router.peer_load is not None else None
         routable = set(state.health.routable(now, pool.replicas))
         metrics.pool_routable_replicas.labels(pool.model).set(len(routable))
-        for replica in pool.replicas:
+        yielded = False
+        for replica in list(pool.replicas):
+            if yielded and (replica not in pool.replicas or state.pools.get(pool.model) is not pool):
+                continue
             load = snapshot.of(replica)
             metrics.set_replica_load(replica, "inflight", pool.router.in_flight(replica))
             if shared is not None:
@@ -94,14 +117,18 @@ def refresh_gauges(state: ServiceState) -> None:
                 metrics.set_replica_load(replica, "waiting", load.waiting_reqs)
             if load.kv_usage is not None:
                 metrics.set_replica_load(replica, "kv_usage", load.kv_usage)
-            metrics.replica_healthy.labels(replica).set(1 if replica in routable else 0)
+            child(metrics.replica_healthy, replica).set(1 if replica in routable else 0)
             breaker = state.health.breaker_state(replica, now)
-            metrics.replica_breaker_open.labels(replica).set(0 if breaker in (None, "closed") else 1)
+            child(metrics.replica_breaker_open, replica).set(0 if breaker in (None, "closed") else 1)
             record = state.health.replicas.get(replica)
             mismatch = record is not None and record.model_mismatch is not None
-            metrics.replica_model_mismatch.labels(replica).set(1 if mismatch else 0)
+            child(metrics.replica_model_mismatch, replica).set(1 if mismatch else 0)
             refused = record is not None and record.key_refused is not None
-            metrics.replica_key_refused.labels(replica).set(1 if refused else 0)
+            child(metrics.replica_key_refused, replica).set(1 if refused else 0)
+            done += 1
+            if done % REFRESH_STEP_REPLICAS == 0:
+                yield
+                yielded = True
     metrics.index_blocks.labels("unique").set(unique)
     metrics.index_blocks.labels("held").set(held)
     metrics.index_blocks.labels("speculative").set(speculative)

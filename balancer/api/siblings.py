@@ -20,7 +20,8 @@ A request on the shared port reaches one worker. Two things must still read as o
   ``worker="<index>"`` (a sum over workers is a PromQL ``sum without (worker)``). A worker that does
   not answer in time is left out of that scrape (logged), but for its ``kvlb_process_restarts_total``,
   taken from the supervisor's record (:mod:`balancer.worker_record`): a worker that dies before it
-  serves is counted too.
+  serves is counted too. The texts are merged in steps (:func:`balancer.exposition.merge_rendered_steps`),
+  the loop serving other requests between two.
 
 Each worker also serves the app on a private port (127.0.0.1, ephemeral) and writes its URL to
 ``<run dir>/worker-<index>.url``; the siblings read those files at each fan-out, so a restarted
@@ -44,12 +45,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from balancer import strict_json
 from balancer.api.admin import ACTOR_HEADER, POLICY_REASON, SIBLING_HEADER
 from balancer.api.gathered import gather, gathered_view
-from balancer.exposition import merge_rendered
+from balancer.exposition import merge_rendered, merge_rendered_steps
 from balancer.health.book import DrainNote
 from balancer.metrics import PROCESS_RESTARTS_HELP
 from balancer.policy import PolicyWeights
 from balancer.service.policy_control import PolicyView
 from balancer.service.state import ServiceState
+from balancer.tasks import stepwise
 from balancer.types import ReplicaId
 from balancer.worker_record import read_record
 
@@ -325,8 +327,9 @@ async def _gathered_metrics(request: web.Request, handler: Handler, siblings: Si
         for index, restarts in enumerate(record.restarts):
             if index not in texts and index < siblings.count:
                 texts[index] = absent_worker_metrics(restarts)
+    merged = await stepwise(merge_rendered_steps(texts))  # the loop runs between its steps
     return web.Response(
-        text=merge_metrics(texts),
+        text=merged if merged is not None else merge_parsed(texts),
         content_type="text/plain",
         charset="utf-8",
         headers={"X-Kvlb-Workers": str(len(texts))},

@@ -15,8 +15,17 @@ Two registries of :class:`balancer.metrics.Metrics` with ``--replicas`` replicas
 
 Figures (ms, best and median of ``--repeats`` renders): ``generate_latest``; ``exposition`` (a kept
 :class:`Exposition`, after one first render, whose time is ``exposition_first``); ``merge_2`` (the
-gathering worker's :func:`balancer.api.siblings.merge_metrics` of two workers' texts). Bytes and
-samples of one render. The process's own collector (CPU seconds) is left out so two renders compare.
+gathering worker's :func:`balancer.api.siblings.merge_metrics` of two workers' texts; and, on a tree
+that merges in steps, its longest step, wall / CPU). Bytes and
+samples of one render. The process's own collector (CPU seconds) is left out so two renders compare;
+the registry is built, then frozen out of the collector's walks (``gc.freeze``, as ``kvlb serve``
+does after its start), so that a full collection does not land in one render rather than another.
+On a tree whose :class:`Exposition` renders in steps (2026-12-01, h-metrics200): the longest step of
+the first render and of the later ones (``longest_step_ms``: what the event loop is held at most; in
+wall time and in the thread's CPU time, which the machine's load does not stretch),
+and, in ``full``, ``changed``: a render after one more request of each replica was observed (its
+TTFT, end-to-end time, prediction error and request count: every per-replica family of the request
+path changed), with ``generate_latest`` of the same registry state.
 
     PYTHONPATH=$PWD python -m loadtests.bench.metrics_cost --replicas 200 [--repeats 30] [--json]
 """
@@ -25,12 +34,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
@@ -42,6 +52,10 @@ try:  # absent on a tree from before 2026-12-01 (h-metricscost)
     from balancer.exposition import Exposition
 except ImportError:  # pragma: no cover - an old tree
     Exposition = None  # type: ignore[assignment,misc]
+try:  # absent on a tree from before 2026-12-01 (h-metrics200)
+    from balancer.exposition import merge_rendered_steps
+except ImportError:  # pragma: no cover - an old tree
+    merge_rendered_steps = None  # type: ignore[assignment]
 
 
 LOAD_KINDS = ("inflight", "peer_inflight", "pending_prefill_tokens", "decode_blocks", "waiting", "kv_usage")
@@ -83,14 +97,49 @@ def build(replicas: int, full: bool, observed: int) -> CollectorRegistry:
     return metrics.registry
 
 
-def timed(call: Callable[[], object], repeats: int) -> dict[str, float]:
-    """Best and median of ``repeats`` calls, in ms."""
+def observe_requests(registry: CollectorRegistry, replicas: int, round_: int) -> None:
+    """One more request of each replica, as :func:`build` observes them (``round_`` varies the values)."""
+    collectors = registry._names_to_collectors
+    ttft = collectors["kvlb_http_ttft_seconds"]
+    e2e = collectors["kvlb_http_e2e_seconds"]
+    error = collectors["kvlb_route_prediction_error_blocks"]
+    requests = collectors["kvlb_http_requests_total"]
+    for i in range(replicas):
+        replica = f"replica-{i:03d}"
+        ttft.labels("model", replica, "kv_aware").observe(0.05 * (round_ % 7))  # type: ignore[attr-defined]
+        e2e.labels("model", replica, "kv_aware").observe(0.5 + round_ % 5)  # type: ignore[attr-defined]
+        error.labels(replica).observe(round_ % 3 - 1)  # type: ignore[attr-defined]
+        requests.labels("chat", "200", replica, "kv_aware").inc()  # type: ignore[attr-defined]
+
+
+def timed(
+    call: Callable[[], object], repeats: int, before: Callable[[int], None] | None = None
+) -> dict[str, float]:
+    """Best and median of ``repeats`` calls, in ms (``before(i)`` called untimed before each)."""
     times = []
-    for _ in range(repeats):
+    for i in range(repeats):
+        if before is not None:
+            before(i)
         start = time.perf_counter()
         call()
         times.append((time.perf_counter() - start) * 1e3)
     return {"best_ms": round(min(times), 2), "median_ms": round(statistics.median(times), 2)}
+
+
+def longest_step(steps: Generator[None, None, object]) -> tuple[float, float]:
+    """The longest step of a render in steps, in wall time and in this thread's CPU time (ms: on a
+    loaded machine the wall time of a step includes the time the process waited for a core)."""
+    wall = cpu = 0.0
+    while True:
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        try:
+            next(steps)
+        except StopIteration:
+            break
+        finally:
+            wall = max(wall, time.perf_counter() - start)
+            cpu = max(cpu, time.thread_time() - start_cpu)
+    return round(wall * 1e3, 2), round(cpu * 1e3, 2)
 
 
 def measure(replicas: int, repeats: int, observed: int) -> dict[str, Any]:
@@ -98,6 +147,8 @@ def measure(replicas: int, repeats: int, observed: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, full in (("load", False), ("full", True)):
         registry = build(replicas, full, observed)
+        gc.collect()
+        gc.freeze()  # what ``kvlb serve`` does after its start (balancer.gc_tuning.settle_after_start)
         text = generate_latest(registry)
         row: dict[str, Any] = {
             "bytes": len(text),
@@ -111,8 +162,28 @@ def measure(replicas: int, repeats: int, observed: int) -> dict[str, Any]:
             row["exposition_first_ms"] = round((time.perf_counter() - start) * 1e3, 2)
             row["exposition"] = timed(exposition.render, repeats)
             row["exposition_same_bytes"] = same
+            if hasattr(exposition, "steps"):
+                first = longest_step(Exposition(registry).steps())
+                later = [longest_step(exposition.steps()) for _ in range(repeats)]
+                row["longest_step_ms"] = {
+                    "first": {"wall": first[0], "cpu": first[1]},
+                    "later": {"wall": max(w for w, _ in later), "cpu": max(c for _, c in later)},
+                }
+            if full:
+
+                def observe(i: int, r: CollectorRegistry = registry) -> None:
+                    observe_requests(r, replicas, i + 1)
+
+                row["changed"] = {
+                    "generate_latest": timed(lambda r=registry: generate_latest(r), repeats, observe),  # type: ignore[misc]
+                    "exposition": timed(exposition.render, repeats, observe),
+                }
+                row["changed_same_bytes"] = exposition.render() == generate_latest(registry)
         decoded = text.decode()
         row["merge_2"] = timed(lambda d=decoded: merge_metrics({0: d, 1: d}), max(1, repeats // 3))  # type: ignore[misc]
+        if merge_rendered_steps is not None:
+            wall, cpu = longest_step(merge_rendered_steps({0: decoded, 1: decoded}))
+            row["merge_2_longest_step_ms"] = {"wall": wall, "cpu": cpu}
         out[name] = row
     return out
 
@@ -132,9 +203,27 @@ def table(result: dict[str, Any]) -> str:
             f"{exp['best_ms']} / {exp['median_ms']} ({row['exposition_first_ms']})" if exp else "absent"
         )
         merge = row["merge_2"]
+        merge_text = f"{merge['best_ms']} / {merge['median_ms']}"
+        merge_step = row.get("merge_2_longest_step_ms")
+        if merge_step is not None:
+            merge_text += f"; longest step {merge_step['wall']} / {merge_step['cpu']}"
+        steps = row.get("longest_step_ms")
+        if steps is not None:
+            first, later = steps["first"], steps["later"]
+            exp_text += (
+                f"; longest step (wall / CPU) {first['wall']} / {first['cpu']} first, "
+                f"{later['wall']} / {later['cpu']} later"
+            )
         lines.append(
             f"| {name} | {row['samples']:,} | {row['bytes']:,} | {gen['best_ms']} / {gen['median_ms']} | "
-            f"{exp_text} | {merge['best_ms']} / {merge['median_ms']} |"
+            f"{exp_text} | {merge_text} |"
+        )
+    changed = result["registries"]["full"].get("changed")
+    if changed is not None:
+        gen, exp = changed["generate_latest"], changed["exposition"]
+        lines.append(
+            f"\nAfter one more request of each replica: generate_latest {gen['best_ms']} / "
+            f"{gen['median_ms']} ms, exposition {exp['best_ms']} / {exp['median_ms']} ms (best / median)"
         )
     return "\n".join(lines)
 

@@ -4,7 +4,8 @@ real :class:`~balancer.app.Balancer` in front of two emulated SGLang replicas on
 
 Checked: every figure of the deprecated ``kvlb_replica_load{kind}`` has its gauge named by its unit,
 with the same value, while a request is in flight (engine stalled: queued in the engine, not at its
-first token); and a replica that leaves its pool (file discovery) takes the series of both away.
+first token); and a replica that leaves its pool (file discovery) takes the series of both away, also
+when it leaves between two steps of a scrape's refresh (``balancer.api.http.refresh_steps``).
 """
 
 from __future__ import annotations
@@ -16,11 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 import yaml
 import zmq.asyncio
 from kvlb_harness import MODEL, replica_entry, settings_for, shared_deepseek, wait_for, wait_ready
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from balancer.api import http
 from balancer.app import Balancer
 from replicas.sim.config import ReplicaConfig
 from replicas.sim.profiles import get_profile
@@ -173,3 +177,35 @@ async def test_the_unit_gauges_carry_the_load_figures_and_leave_with_their_repli
             assert {replica for replica, _ in new} == {"r0"}, new
             assert new == old
             await asyncio.sleep(0.2)
+
+
+async def test_a_replica_removed_between_two_steps_of_a_refresh_stays_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(http, "REFRESH_STEP_REPLICAS", 1)  # a step after each replica
+    async with fleet(tmp_path) as (balancer, _session, replica_file, r1):
+        state = balancer.state
+        assert state is not None
+        pool = state.pools[MODEL]
+        replica_file.write_text(
+            yaml.safe_dump({"pools": [{"model": MODEL, "replicas": [replica_entry(r1)]}]})
+        )
+
+        async def listed() -> bool:
+            return "r1" in pool.replicas
+
+        await wait_for("r1 discovered", listed, timeout_s=10)
+        assert list(pool.replicas) == ["r0", "r1"]
+        steps = http.refresh_steps(state)
+        next(steps)  # r0's gauges set; r1's next
+        replica_file.write_text("pools: []\n")
+
+        async def removed() -> bool:
+            return "r1" not in pool.replicas
+
+        await wait_for("r1 removed", removed, timeout_s=10)
+        for _ in steps:
+            pass
+        text = generate_latest(state.metrics.registry).decode()
+        assert 'replica="r0"' in text
+        assert 'replica="r1"' not in text  # not set again for a replica gone meanwhile

@@ -18,3 +18,8 @@ def test_the_bench_reports_both_renderers_and_the_merge(capsys: pytest.CaptureFi
         for figure in ("generate_latest", "exposition", "merge_2"):
             assert set(row[figure]) == {"best_ms", "median_ms"}
     assert result["registries"]["full"]["samples"] > result["registries"]["load"]["samples"]
+    full = result["registries"]["full"]
+    assert full["changed_same_bytes"] is True  # after more requests observed, still generate_latest's text
+    assert set(full["changed"]) == {"generate_latest", "exposition"}
+    assert set(full["longest_step_ms"]) == {"first", "later"}
+    assert set(full["longest_step_ms"]["first"]) == {"wall", "cpu"}

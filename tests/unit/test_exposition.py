@@ -11,6 +11,8 @@ parser-based merge writes, from the same texts.
 from __future__ import annotations
 
 import math
+from collections.abc import Generator
+from typing import cast
 
 from prometheus_client import (
     CollectorRegistry,
@@ -27,7 +29,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from balancer.api.siblings import absent_worker_metrics, merge_metrics, merge_parsed
-from balancer.exposition import Exposition, merge_rendered
+from balancer.exposition import Exposition, merge_rendered, merge_rendered_steps
 from balancer.metrics import LOAD_KIND_METRICS, Metrics
 
 REPLICAS = 50
@@ -128,6 +130,68 @@ def test_kvlb_metrics_of_many_replicas_render_alike_and_forget_removed_series() 
     assert exposition.render() == generate_latest(metrics.registry)
 
 
+def _run(steps: Generator[None, None, bytes]) -> tuple[bytes, int]:
+    """The text a render in steps returns, and how many times it yielded."""
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(bytes, done.value), yields
+        yields += 1
+
+
+def test_renders_in_steps_and_two_at_once_write_what_generate_latest_writes() -> None:
+    metrics = Metrics.create()
+    _without_process(metrics.registry)
+    for i in range(REPLICAS):
+        metrics.init_replica(f"replica-{i:03d}", "vllm", replays=True)
+        metrics.ttft_seconds.labels("m", f"replica-{i:03d}", "kv").observe(i / 10)
+    expected = generate_latest(metrics.registry)
+    exposition = Exposition(metrics.registry, step=100)
+    text, yields = _run(exposition.steps())
+    assert text == expected and yields >= 50  # the first render: every label text built
+    text, yields = _run(exposition.steps())
+    assert text == expected and yields >= 1  # unchanged: the families' kept texts
+    for i in range(0, REPLICAS, 3):
+        metrics.ttft_seconds.labels("m", f"replica-{i:03d}", "kv").observe(1.0)
+        metrics.events_seq_gaps_total.labels(f"replica-{i:03d}").inc()
+    expected = generate_latest(metrics.registry)
+    first, second = exposition.steps(), exposition.steps()
+    out: dict[int, bytes] = {}
+    while len(out) < 2:  # two scrapes at once, their steps alternating
+        for index, steps in enumerate((first, second)):
+            if index not in out:
+                try:
+                    next(steps)
+                except StopIteration as done:
+                    out[index] = done.value
+    assert out[0] == out[1] == expected
+    assert exposition.render() == expected
+
+
+def test_a_gauge_given_a_function_a_counter_reset_and_a_child_replaced_after_a_render() -> None:
+    registry = CollectorRegistry()
+    gauge = Gauge("level_ratio", "A level.", ["replica"], registry=registry)
+    counter = Counter("things", "Things counted.", ["replica"], registry=registry)
+    for i in range(5):
+        gauge.labels(f"r{i}").set(i)
+        counter.labels(f"r{i}").inc(i)
+    exposition = Exposition(registry)
+    assert exposition.render() == generate_latest(registry)
+    level = [7.5]
+    gauge.labels("r2").set_function(lambda: level[0])
+    assert exposition.render() == generate_latest(registry)
+    level[0] = 8.5
+    counter.labels("r1").reset()  # same child, a new _created
+    assert exposition.render() == generate_latest(registry)
+    counter.remove("r3")
+    counter.labels("r3")  # a new child at 0 where one at 3 was
+    gauge.remove("r4")
+    gauge.labels("r4").set(4)  # a new child, the same value
+    assert exposition.render() == generate_latest(registry)
+
+
 def _odd_registry() -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(_Timestamped())
@@ -155,6 +219,16 @@ def test_the_workers_merge_writes_what_the_parsed_merge_writes() -> None:
     assert merged is not None
     assert merged == merge_parsed(texts)
     assert merge_metrics(texts) == merged
+    steps = merge_rendered_steps(texts, step=100)
+    yields = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            assert done.value == merged
+            break
+        yields += 1
+    assert yields >= sum(text.count("\n") for text in texts.values()) // 100 - 1
 
 
 def test_a_text_not_as_kvlb_renders_it_is_parsed() -> None:
