@@ -96,8 +96,8 @@ faults: $(STAMP) proto redis
 		tests/e2e/test_alert_walk_replicas.py tests/e2e/test_alert_walk_publisher.py tests/e2e/test_serve_worker_restarts.py \
 		tests/integration/test_http_tenant_prompt_tokens.py tests/integration/test_capacity_smoke.py tests/deploy/test_dockerfile.py \
 		tests/integration/test_tenant_rate_smoke.py tests/integration/test_bench_admin_list.py tests/integration/test_admin_list_hold.py \
-		tests/integration/test_redis_level.py tests/integration/test_redis_stream_bytes.py \
-		tests/integration/test_metrics_scrape_hold.py; \
+		tests/integration/test_redis_level.py tests/integration/test_redis_stream_bytes.py tests/integration/test_metrics_scrape_hold.py \
+		tests/unit/test_prompt_cuts.py; \
 	faults=$$?; $(PY) tests/faults/report.py $(FAULTS_OUT) docs/reliability.md; \
 	exit $$(( fuzz || faults ))
 

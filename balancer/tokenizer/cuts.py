@@ -11,8 +11,11 @@ working memory of one piece instead of the whole text's.
 
 **Safe cuts.** A position ``p`` (``0 < p < len(text)``) is a cut when
 
-* ``text[p - 1]`` is ``"\\n"`` and ``text[p]`` is not whitespace (``str.isspace``), or
-* ``text[p - 1]`` is an ASCII letter and ``text[p]`` is a space (``" "``).
+* ``text[p - 1]`` is ``"\\n"`` and ``text[p]`` is not whitespace (``str.isspace``) (a *newline
+  cut*), or
+* ``text[p - 1]`` is not whitespace and ``text[p]`` is a space (``" "``) (a *space cut*: after a
+  letter, a digit, a mark, punctuation, a symbol, CJK, a control or format character, anything but
+  whitespace; until 2026-12-01, h-perf19, only after an ASCII letter).
 
 **Why the pieces' ids are the whole's** (``ids(text) == ids(text[:p]) + ids(text[p:])``, without
 special tokens), for a Hugging Face fast tokenizer that :func:`cuts_apply` accepts. ``tokenizers``
@@ -34,35 +37,52 @@ So the ids are the same when the pieces' pre-tokens, end to end, are the whole's
    characters, one piece at a time) as the last stage if any. For each stage, with ``S`` the piece
    around ``p`` it is given:
 
-   * ``\\p{N}{1,3}`` (digits, Isolated): ``text[p - 1]`` is no digit, so no run of digits, hence no
-     match, spans ``p``; the runs, cut in threes from their start, are the same on either side.
-     Only a gap (the text between matches) may span ``p``: cut there, it is the same text.
-   * ``[一-龥぀-ゟ゠-ヿ]+`` (CJK, Isolated): ``text[p - 1]`` is not one of those, so likewise.
+   * ``\\p{N}{1,3}`` (digits, Isolated): at a newline cut ``text[p - 1]``, at a space cut
+     ``text[p]``, is no digit, so no run of digits, hence no match, spans ``p``; the runs, cut in
+     threes from their start, are the same on either side (a run that ends at ``p - 1`` is cut in
+     threes from the same start in ``text[:p]``). Only a gap (the text between matches) may span
+     ``p``: cut there, it is the same text.
+   * ``[一-龥぀-ゟ゠-ヿ]+`` (CJK, Isolated): one side of ``p`` (``"\\n"`` or ``" "``) is not one
+     of those, so likewise.
    * ``Whitespace`` (``\\w+|[^\\w\\s]+``) and ``WhitespaceSplit``: the pre-tokens hold no
      whitespace, and ``text[p - 1]`` (``"\\n"``) or ``text[p]`` (``" "``) is whitespace, so no
      pre-token spans ``p``; a greedy run before ``p`` stops at that whitespace either way.
    * DeepSeek-V3's main regex, ``R = [!"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+ |
      [^\\r\\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+ | ?[\\p{P}\\p{S}]+[\\r\\n]* | \\s*[\\r\\n]+ |
      \\s+(?!\\S) | \\s+`` (Isolated; found left to right, the first alternative that matches wins,
-     no look-behind, no empty match). Every character is matched by some alternative, so the match
-     ``m`` holding ``p - 1`` exists. *Newline cut:* the only atoms that take a ``"\\n"`` are ``\\s``
-     and ``[\\r\\n]``, after which ``R``'s alternatives hold only more ``\\s`` or ``[\\r\\n]`` (the
-     letters of the second alternative may follow only a character that is not ``\\r\\n``). So ``m``
-     ends at ``p`` (``text[p]`` is not whitespace), and every atom of ``R`` that looks at
-     ``text[p]`` after taking the ``"\\n"`` fails there exactly as it fails at the end of
-     ``text[:p]``, but for the look-ahead of ``\\s+(?!\\S)``; that alternative is never tried on a
-     run of whitespace that holds a newline, since ``\\s*[\\r\\n]+`` before it matches it. *Space
-     cut:* the only atoms that take an ASCII letter are ``[A-Za-z]`` and ``[\\p{L}\\p{M}]``, each
-     the last atom of its alternative, repeated; ``m`` ends at ``p`` and their repeat stops at
-     ``text[p]`` (a space) as at the end of ``text[:p]``. Either way ``p`` is a match boundary in
-     ``S``, the matches before it are those of ``S[:p]``, and those after it, found from ``p`` with
-     no look-behind, are those of ``S[p:]``: the cut is *closed*, no piece of this stage spans it,
-     and later stages see each side alone.
+     no look-behind, no empty match). *Newline cut:* a ``"\\n"`` is always in a match
+     (``\\s*[\\r\\n]+`` matches from it), so the match ``m`` holding ``p - 1`` exists; the only
+     atoms that take a ``"\\n"`` are ``\\s`` and ``[\\r\\n]``, after which ``R``'s alternatives
+     hold only more ``\\s`` or ``[\\r\\n]`` (the letters of the second alternative may follow
+     only a character that is not ``\\r\\n``). So ``m`` ends at ``p`` (``text[p]`` is not
+     whitespace), and every atom of ``R`` that looks at ``text[p]`` after taking the ``"\\n"``
+     fails there exactly as it fails at the end of ``text[:p]``, but for the look-ahead of
+     ``\\s+(?!\\S)``; that alternative is never tried on a run of whitespace that holds a
+     newline, since ``\\s*[\\r\\n]+`` before it matches it. *Space cut:* ``c = text[p - 1]``
+     is not whitespace, so no atom ``\\s`` takes it (nor ``[\\r\\n]``, nor the space of
+     `` ?``). An atom that takes ``c`` is one of ``R``'s character classes (the leading
+     punctuation of the first alternative, ``[^\\r\\n\\p{L}\\p{P}\\p{S}]``, ``[A-Za-z]``,
+     ``[\\p{L}\\p{M}]``, ``[\\p{P}\\p{S}]``); what its alternative may take after it is
+     ``[A-Za-z]``, ``[\\p{L}\\p{M}]``, ``[\\p{P}\\p{S}]`` or ``[\\r\\n]``, and a space is none of
+     them. So no match holds both ``c`` and ``text[p]``: a match holding ``c`` ends at ``p``; if
+     none holds it (``c`` alone is matched by no alternative, e.g. a format character such as
+     U+200D before a space), ``c`` lies in a gap, and a match starts at ``p`` (``\\s+`` at least
+     takes the space), so the gap ends there. And the matches from before ``p`` are decided by
+     ``text[:p]`` alone: none ends after ``p``; the only look-ahead, of ``\\s+(?!\\S)``, follows
+     whitespace only, so a match of it ends before ``c`` and looks at ``c`` at most; and a regex
+     without anchors, look-behind or look-ahead past its end finds in a prefix exactly the
+     matches (and failures) it finds in the whole text that end within the prefix, tried in the
+     same order. Either way ``p`` is a match boundary (or a gap's end) in ``S``, the matches
+     before it are those of ``S[:p]``, and those after it, found from ``p`` with no look-behind,
+     are those of ``S[p:]``: the cut is *closed*, no piece of this stage spans it, and later
+     stages see each side alone.
 
    Whitespace in that proof is ``\\s`` of Oniguruma (Unicode ``White_Space``); ``str.isspace`` is
    true for every such character (and for a few more, which only means fewer cuts), which
    ``tests/unit/test_prompt_cuts.py`` checks; it also checks both cuts on DeepSeek-V3 beside every
-   code point up to U+3100, every separator, control and format character and every 101st other.
+   code point up to U+3100, every separator, control and format character and every 101st other
+   (for the space cut, each of those before the space, in several contexts), and that the rules
+   cut nowhere else it found unsafe (between a character and a newline, between two spaces).
 4. *Model.* Each pre-token on its own (BPE without dropout, which would make ids random).
 5. *Post-processor.* None or ``ByteLevel`` add no tokens. With another (a template adding BOS)
    the pieces are used only for a text encoded without special tokens (a rendered chat).
@@ -72,8 +92,9 @@ and uses the pieces only if they agree, as it does for its segment cache; the pr
 ``tests/unit/test_prompt_cuts.py`` compare the verdict and the ids with a whole encode on many texts
 near a small limit, for every tokenizer the tests have. A tokenizer this module does not accept
 (SentencePiece-like ones whose pre-tokenizer leaves the text whole, a normaliser, another regex) is
-encoded whole, as before. A text with no safe cut (all CJK, emoji, digits, one line of symbols) is
-encoded whole too: for those, BPE runs over runs of text that no cut can split exactly.
+encoded whole, as before. A text with no safe cut (no space after a character that is not
+whitespace, no newline before one: all CJK, say) is encoded whole too: for those, BPE runs over
+runs of text that no cut can split exactly.
 
 **The pieces' memory.** A caller that held memory for pieces of at most ``max_chars`` characters
 (the request path: ``balancer.api.openai.piece_hold_chars``) passes that bound to
@@ -95,9 +116,9 @@ long is encoded whole. What may be encoded past the limit before a text is refus
 for ASCII words (10,740 tokens), 106–133 ms for random latin-1 bytes (71,566 tokens), on the
 default tokenizer (2026-11-30 18:54 UTC, load 4.5)."""
 
-CUT = re.compile(r"\n(?!\s)|[A-Za-z](?= )")
-"""A safe cut is the end of a match: a newline before a character that is not whitespace, or an
-ASCII letter before a space."""
+CUT = re.compile(r"\n(?!\s)|\S(?= )")
+"""A safe cut is the end of a match: a newline before a character that is not whitespace, or a
+character that is not whitespace before a space (Python's ``\\s``, ``str.isspace``)."""
 
 DEEPSEEK_DIGITS = r"\p{N}{1,3}"
 DEEPSEEK_CJK = "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+"

@@ -7,20 +7,23 @@ cost per pre-token and per call (the regex split, the byte-level mapping, the of
 Words recur across messages far more than messages do, and :mod:`balancer.tokenizer.cuts` proves,
 for the tokenizers it accepts (checked again against a whole encode when one loads), that a text's
 ids are the ids of the pieces between its *safe cuts*, end to end: ``ids(text) == ids(text[:p]) +
-ids(text[p:])`` at each cut ``p``. :func:`split_words` cuts a text at one kind of safe cut, an ASCII
-letter before a space (``"Say hello, world"`` → ``"Say"``, ``" hello, world"``; fewer cuts than the
-proof allows only make longer pieces), and :class:`WordMemo` answers it from the memo when it holds
-every piece: the same ids as the whole encode, for a split and a dict lookup per piece.
+ids(text[p:])`` at each cut ``p``. :func:`split_words` cuts a text at one kind of safe cut, a
+character that is not whitespace before a space (``"Say hello, world"`` → ``"Say"``, ``" hello,"``,
+``" world"``; until 2026-12-01, h-perf19, only an ASCII letter before a space, which left ``" 199:
+result"`` one piece; fewer cuts than the proof allows only make longer pieces), and
+:class:`WordMemo` answers it from the memo when it holds every piece: the same ids as the whole
+encode, for a split and a dict lookup per piece.
 
 When pieces are missing, they are joined in their order and encoded once, with character offsets
-(``Tokenizer.encode``): each junction is again an ASCII letter before a space (a missing piece that
-is not the text's last ends with the letter of the cut after it, one that is not its first starts
-with the space), so that text's ids are the missing pieces' ids end to end, and each piece gets the
-ids whose first character lies in it (no token spans a cut, since each cut is a pre-token boundary).
-The memo keeps them. One call for all of them: ``tokenizers`` has a fixed cost per call, and
-encoding 55 words one call each cost about 3.5 times one encode of their text (393 µs against 114 µs
-of CPU, 2026-12-01 16:00 UTC). If the offsets do not split as expected (no ids for a piece), the
-caller encodes the text whole (:meth:`WordMemo.ids` answers ``None``).
+(``Tokenizer.encode``): each junction is again a character that is not whitespace before a space
+(a missing piece that is not the text's last ends with the character of the cut after it, one that
+is not its first starts with the space), so that text's ids are the missing pieces' ids end to
+end, and each piece gets the ids whose first character lies in it (no token spans a cut, since each
+cut is a pre-token boundary). The memo keeps them. One call for all of them: ``tokenizers`` has a
+fixed cost per call, and encoding 55 words one call each cost about 3.5 times one encode of their
+text (393 µs against 114 µs of CPU, 2026-12-01 16:00 UTC). If the offsets do not split as
+expected (no ids for a piece), the caller encodes the text whole (:meth:`WordMemo.ids` answers
+``None``).
 
 Bounds: at most ``max_words`` pieces and ``max_bytes`` bytes (:func:`word_bytes` of each: its text,
 its ids with their int objects, the entry), each piece at most ``max_word_chars`` characters (a
@@ -38,18 +41,18 @@ from collections.abc import Callable, Sequence
 from itertools import chain, islice
 from typing import Final
 
-_LETTERS: Final = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
-
 
 def split_words(text: str) -> list[str]:
-    """``text`` cut before every space that follows an ASCII letter (a safe cut of
-    :mod:`balancer.tokenizer.cuts`): the pieces, end to end, are ``text``; none is empty unless
-    ``text`` is (an empty piece gets no ids: :meth:`WordMemo.ids` then answers ``None``)."""
+    """``text`` cut before every space that follows a character that is not whitespace
+    (``str.isspace``; a safe cut of :mod:`balancer.tokenizer.cuts`): the pieces, end to end, are
+    ``text``; none is empty unless ``text`` is (an empty piece gets no ids: :meth:`WordMemo.ids`
+    then answers ``None``). A part of ``text.split(" ")`` that is empty (two spaces in a row) or
+    ends with whitespace joins the next one."""
     parts = text.split(" ")
     words: list[str] = []
     current = parts[0]
     for part in islice(parts, 1, None):
-        if current and current[-1] in _LETTERS:
+        if current and not current[-1].isspace():
             words.append(current)
             current = " " + part
         else:

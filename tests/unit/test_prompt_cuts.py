@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import sys
 import unicodedata
 from collections.abc import Callable
@@ -204,6 +205,78 @@ def test_every_character_after_a_newline_or_before_a_space_cuts_deepseek_alike()
         heads = ids([before])[0]
         tails = ids([f"{after}{c}y z\n" for c in kept])
         assert [c for c, whole, tail in zip(kept, wholes, tails, strict=True) if whole != heads + tail] == []
+
+
+def unsafe_cuts(rust: RustTokenizer, texts: list[str], cut: re.Pattern[str]) -> list[tuple[str, int]]:
+    """Each ``(text, p)`` where ``cut`` cuts ``text`` (a match's end ``p``, ``0 < p < len(text)``)
+    and the pieces' ids, end to end, are not the whole text's (no special tokens)."""
+    found = [(text, m.end()) for text in texts for m in cut.finditer(text) if 0 < m.end() < len(text)]
+
+    def ids(parts: list[str]) -> list[list[int]]:
+        return [e.ids for e in rust.encode_batch_fast(parts, add_special_tokens=False)]
+
+    wholes = ids([text for text, _ in found])
+    heads = ids([text[:at] for text, at in found])
+    tails = ids([text[at:] for text, at in found])
+    return [at for at, w, h, t in zip(found, wholes, heads, tails, strict=True) if w != h + t]
+
+
+def not_whitespace() -> list[str]:
+    """The characters of :func:`test_every_character_after_a_newline_or_before_a_space_cuts_deepseek_alike`
+    that ``str.isspace`` calls not whitespace: what may stand before a space cut."""
+    return [
+        chr(point)
+        for point in range(sys.maxunicode + 1)
+        if not 0xD800 <= point < 0xE000
+        and not chr(point).isspace()
+        and (point < 0x3100 or point % 101 == 0 or unicodedata.category(chr(point)) in SEPARATORS)
+    ]
+
+
+def space_cuts_alike(contexts: list[tuple[str, str]], befores: list[str]) -> None:
+    """Every character before the space in each ``(head, tail)`` context (``CUT`` cuts after it,
+    and every cut it makes there is safe), and after the space behind each of ``befores``."""
+    rust, chars = deepseek(), not_whitespace()
+    assert len(chars) > 20_000
+    for head, tail in contexts:
+        texts = [f"{head}{c}{tail}" for c in chars]
+        assert [t for t in texts if len(head) + 1 not in {m.end() for m in CUT.finditer(t)}] == []
+        assert unsafe_cuts(rust, texts, CUT) == []
+    for before in befores:
+        assert unsafe_cuts(rust, [f"({before} {c}y z\n" for c in chars], CUT) == []
+
+
+def test_a_space_after_any_character_but_whitespace_cuts_deepseek_alike() -> None:
+    """The space cut (before h-perf19 only after an ASCII letter): ``CUT`` cuts after every
+    character but whitespace before a space, and each such cut is safe."""
+    space_cuts_alike([("x", " y")], [])
+
+
+@pytest.mark.faults_long
+def test_a_space_after_any_character_cuts_deepseek_alike_in_every_context() -> None:
+    """The same in contexts that end runs of each kind before the character (letters, whitespace,
+    a newline, punctuation, digits, CJK, a mark, a tab) and start them after the space (one space or
+    two, a newline, punctuation, digits, CJK, emoji), and with every character after the space
+    behind one of each kind (about 70 s)."""
+    contexts = [(" ", "  y"), ("\n", " \nz"), (".", " ."), ("1", " 12"), ("\u4e2d", " \u6587")]
+    contexts += [("\u0301", " \u0301"), ("'", " 's"), ("", " "), ("\t", " \U0001f600")]
+    befores = [".", "1", "\u4e2d", "\u0301", "\u200d", "\U0001f600", "\x1c", "\u00ad"]
+    space_cuts_alike(contexts, befores)
+
+
+def test_the_cuts_the_proof_rules_out_are_unsafe_and_never_made() -> None:
+    """The checker above finds what a cut rule gets wrong: a rule that also cut between a character
+    and a newline, or between whitespace and a space, would split pre-tokens DeepSeek-V3 keeps
+    whole (``".\\n"``, ``"  "``, ``" \\t"``); ``CUT`` makes none of those cuts."""
+    rust = deepseek()
+    texts = [".\nx", "a   b", "a \t b", "x \u00a0 y", "1 \n", "a. \n", "word.\nnext", "so   far"]
+    too_many = re.compile(r"\n(?!\s)|\S(?=\s)|\s(?=\s)")  # also before any whitespace
+    assert {text for text, _ in unsafe_cuts(rust, texts, too_many)} == set(texts)
+    assert unsafe_cuts(rust, texts, CUT) == []
+    # after the newline, then each letter before a space; none inside the runs of whitespace
+    assert [m.end() for m in CUT.finditer(".\nx a   b \t c")] == [2, 3, 5, 9]
+    cuts = [m.end() for m in CUT.finditer("Question 199: result (sic) \u4e2d \u200d end")]
+    assert cuts == [8, 13, 20, 26, 28, 30]  # after a letter, a colon, a parenthesis, CJK, U+200D
 
 
 @pytest.mark.parametrize("name", [name for name in RUST if name != "deepseek-v3-template"])

@@ -63,6 +63,24 @@ def test_a_new_user_message_of_known_words_is_found_in_the_memo() -> None:
             assert memo.hits > hits or memo.misses > 0
 
 
+def test_words_are_cut_after_any_character_but_whitespace_before_a_space() -> None:
+    """The space cut after punctuation, digits, CJK and emoji too (before h-perf19 only after an
+    ASCII letter, so ``" 199: result"`` was one piece): a message whose only new text is its number
+    encodes just that, and a known word behind new punctuation is found."""
+    text = "Question 199: result, (sic) 漢 😀 x  two\t end"
+    assert split_words(text) == ["Question", " 199:", " result,", " (sic)", " 漢", " 😀", " x", "  two\t end"]
+    encoded: list[str] = []
+
+    def encode_offsets(text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoded.append(text)
+        return TOKENIZER._encode_offsets(text)
+
+    memo = WordMemo(encode_offsets)
+    assert memo.ids("Question 198: result, early. autumn!") == _plain("Question 198: result, early. autumn!")
+    assert memo.ids("Question 199: early. result, autumn!") == _plain("Question 199: early. result, autumn!")
+    assert encoded[1:] == [" 199:"] and memo.hits == 0 and memo.misses == 2
+
+
 def test_the_memo_keeps_to_its_bounds_and_counts_what_it_drops() -> None:
     memo = WordMemo(TOKENIZER._encode_offsets, max_words=50, max_bytes=10**9)
     text = " ".join(f"w{n}x" for n in range(200))
