@@ -31,7 +31,7 @@ method of :class:`ReplayMerge`:
 Every replay but a poll that found nothing or everything is counted in
 ``kvlb_events_replays_total`` (``filled``, ``partial``, ``failed``, ``empty``) and the source's
 counters; a partial one outside a catch-up is said (rate-limited). No replay is asked while the
-publisher's lost connection's last messages are handled (:meth:`ReplayMerge.connection_lost`). A
+publisher's lost connection's last messages are handled (:attr:`ReplayMerge.dropping`). A
 replay waiting on the engine when it goes (a poll, a catch-up, a gap) ends at once, logged as the
 engine having gone away, not at its timeout blaming the replay endpoint: the SUB's monitor is
 watched while it waits, and the replica's health probe, finding nothing listening at the engine,
@@ -143,25 +143,20 @@ class ReplayMerge:
         """The replay requests' DEALER and exchange."""
         self.catch_up_due = True
         """Ask for everything from the wanted seq at the SUB's next connection: at start (whatever
-        the resume point) and after every lost connection (:meth:`connection_lost`)."""
-        self._dropping = False
+        the resume point) and after every lost connection (set by the shell)."""
+        self.dropping = False
         """The publisher's connection dropped and its last messages are being handled: no replay
-        (the rank's blocks are dropped right after them)."""
+        (the rank's blocks are dropped right after them). Set by the shell, cleared by
+        :meth:`closed`."""
         self._abandoned = False
         """The last replay ended because the engine went away (:class:`EngineGone`)."""
         self._held: tuple[DecodedBatch, int | None] | None = None
         """A live message read during a catch-up or poll that is newer than the answer's first
         batch: taken after the answer."""
 
-    def connection_lost(self) -> None:
-        """The SUB's connection dropped: no replay while its last messages are handled, and a
-        catch-up at the next connection."""
-        self._dropping = True
-        self.catch_up_due = True
-
     def closed(self) -> None:
         """The SUB is closed (a lost connection, an error, shutdown): so is the DEALER."""
-        self._dropping = False
+        self.dropping = False
         self._client.close()
 
     def poll_timeout_ms(self) -> int | None:
@@ -254,7 +249,7 @@ class ReplayMerge:
         A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
         shows lost batches (``partial``)."""
         self._abandoned = False
-        if self._dropping:  # the publisher's connection dropped: its blocks go right after this
+        if self.dropping:  # the publisher's connection dropped: its blocks go right after this
             return False, False
         try:
             return await self._replay_from(start_seq, emit, live, poll=poll)

@@ -372,8 +372,9 @@ class ZmqEventSource:
                 self._link.refused_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._link.handshaken = False
-                if self._replays is not None:
-                    self._replays.connection_lost()  # no replay now, a catch-up at the next connection
+                replays = self._replays
+                if replays is not None:
+                    replays.dropping = True  # no replay while its last messages are handled
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
                 self._metrics.events_disconnects_total.labels(self.replica).inc()
                 self._warnings.warning(
@@ -390,6 +391,8 @@ class ZmqEventSource:
                 if lost is not None:
                     self._incarnation.disconnected(*lost)
                 self._apply(actions, emit)
+                if replays is not None:
+                    replays.catch_up_due = True  # at the next connection
                 raise ReopenSub  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link.handshaken = True
