@@ -168,11 +168,12 @@ class ReplayMerge:
         return self._polls.timeout_ms(time.monotonic())
 
     def poll_due(self) -> bool:
-        """Before the first batch too (polled from the wanted seq, 0 or the resume point): a batch
-        lost live right after the catch-up (a subscription not yet in force at the publisher, a
-        high-water mark) was otherwise noticed only at the next live message, which an idle engine
-        may never send: its blocks missed from the index meanwhile, fleet-wide when this source
-        is a new lease holder's."""
+        """Whether a poll is due now: the live stream silent for the interval, the connection caught
+        up, no dropped flood's count pending, the engine not away. Before the first batch too
+        (polled from the wanted seq, 0 or the resume point): a batch lost live right after the
+        catch-up (a subscription not yet in force at the publisher, a high-water mark) was otherwise
+        noticed only at the next live message, which an idle engine may never send: its blocks
+        missed from the index meanwhile, fleet-wide when this source is a new lease holder's."""
         return (
             not self._order.backlog_dropped
             and not self.catch_up_due  # not connected yet (or again): its catch-up comes first
@@ -217,6 +218,7 @@ class ReplayMerge:
         await self._take_held(emit)
 
     async def _take_held(self, emit: Emit) -> None:
+        """After an answer: the live message held during it (:meth:`_take_live_below`), if any."""
         held, self._held = self._held, None
         if held is not None:
             await self._shell.take_live(held[0], held[1], emit)
