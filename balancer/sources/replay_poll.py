@@ -5,7 +5,8 @@ A source (:mod:`balancer.sources.zmq_sub`) whose live stream has been silent for
 doubles while the answers hold nothing, up to ``replay_poll_max_s``, but only once
 ``replay_poll_busy_s`` has passed since the publisher's last batch: a busy engine's next burst comes
 soon and must find the interval short. :class:`ReplayPollSchedule` keeps those times; whether a poll
-may start at all (a replay endpoint, a connection caught up, the engine not away) is the source's.
+may start at all (a replay endpoint, a connection caught up, the engine not away) is the source's
+replays' (:meth:`~balancer.sources.zmq_replay_merge.ReplayMerge.poll_due`).
 """
 
 from __future__ import annotations

@@ -1,13 +1,14 @@
 """The replay client of a ZMQ source (does I/O): one request to the engine's replay ROUTER, its answer.
 
-:class:`~balancer.sources.zmq_sub.ZmqEventSource` asks the publisher's replay socket for the
+:class:`~balancer.sources.zmq_sub.ZmqEventSource`'s replays
+(:class:`~balancer.sources.zmq_replay_merge.ReplayMerge`) ask the publisher's replay socket for the
 batches it still holds from a seq (at a new connection, for a gap, when the live stream is silent).
 This module is the exchange itself, over a DEALER kept between requests: the request
 ``[b"", seq8]``, the replies ``[b"", seq8, payload]`` (SGLang) or ``[b"", topic, seq8, payload]``
 (vLLM ≥ 0.32) read frame by frame up to ``MAX_MESSAGE_FRAMES``, until the end marker (seq ``-1``),
 bounded by ``replay_timeout_s`` and ``replay_max_batches``, ended early when the engine goes away
 (:mod:`balancer.sources.replay_watch`). What a reply means for the stream (its seq, duplicates,
-gaps) is the source's: each reply goes to the caller's ``on_reply``.
+gaps) is the caller's: each reply goes to its ``on_reply``.
 """
 
 from __future__ import annotations

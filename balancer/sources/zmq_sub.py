@@ -5,29 +5,17 @@ publisher from 0. This source keeps the stream in order:
 
 * **Start, late join, reconnect.** On every new connection of the SUB (the first one, and each one
   after a lost connection) the replay socket is asked at once for everything it still holds from the
-  seq wanted (0, or the ``resume_seq`` given to the constructor; the publisher answers from the
-  earliest batch it kept), so an idle engine's existing cache reaches the index without waiting for
-  its next batch. Live messages queue on the SUB meanwhile and are merged by seq: when the buffer no
-  longer reaches back to the wanted seq, the live messages queued below its first seq are taken
-  first (they are older), the first at or above it after the answer. Which copy is taken, which is
-  a duplicate, and when a live copy shows a restarted publisher (another payload at a replayed seq)
-  is :mod:`balancer.sources.zmq_order`'s. An answer with nothing at or after the wanted seq counts
-  as ``empty``.
+  seq wanted (0, or the ``resume_seq`` given to the constructor), so an idle engine's existing cache
+  reaches the index without waiting for its next batch; the live messages queued on the SUB
+  meanwhile are merged with the answer by seq (:mod:`balancer.sources.zmq_replay_merge`).
 * **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over the
-  source's DEALER (``[b"", seq8]`` → ``[b"", seq8, payload]``… until seq ``-1``), bounded in time and
-  count; the DEALER is kept for the next request, and replaced after one that did not end cleanly.
-  What replay cannot fill becomes ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
-* **Silence.** When the live stream has been silent for ``replay_poll_min_s`` the replay socket is
-  asked for anything after the last batch taken, or, before the first one, once connected and
-  caught up, from the wanted seq (0 or the resume point). The interval doubles while the answers hold
-  nothing, up to ``replay_poll_max_s``, but only once ``replay_poll_busy_s`` has passed since the
-  publisher's last batch: a busy engine's next burst comes soon and must find the interval short.
-  A publisher that goes on publishing while its live messages are lost (a PUB high-water mark, a
-  stalled connection, a subscription not yet in force right after the catch-up) is then read from
-  its replay buffer: the index stays exact instead of waiting for the next live message to show a
-  gap the buffer may no longer cover.
-  Counted in ``kvlb_events_replay_polls_total`` (a poll that finds the buffer past the wanted seq is
-  also a ``partial`` replay, and a gap resync).
+  source's DEALER (:mod:`balancer.sources.zmq_replay`), bounded in time and count. What replay
+  cannot fill becomes ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
+* **Silence.** When the live stream has been silent for ``replay_poll_min_s`` (up to
+  ``replay_poll_max_s`` while the answers hold nothing: :mod:`balancer.sources.replay_poll`) the
+  replay socket is asked for anything after the last batch taken, or, before the first one, once
+  connected and caught up, from the wanted seq: a publisher whose live messages are lost is read
+  from its replay buffer (``kvlb_events_replay_polls_total``).
 * **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
   previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
   handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
@@ -38,15 +26,11 @@ publisher from 0. This source keeps the stream in order:
   (``kvlb_events_disconnects_total``) and logged as a disconnect (rate-limited),
   ``Resync(rank, "disconnect")`` drops the rank's blocks at once, the SUB is reopened (libzmq does not
   reconnect after the protocol error of an oversize message) and the next connection asks the replay
-  socket for everything from seq 0. A replay request waiting on the engine when it goes (a poll, a
-  catch-up, a gap) ends at once, logged as the engine having gone away, not at its timeout blaming
-  the replay endpoint: the SUB's monitor is watched while it waits, and the replica's health probe,
-  finding nothing listening at the engine, tells the source so across the thread boundary
-  (:mod:`balancer.sources.replay_watch`; no poll starts until the engine is back). Whether the
-  publisher restarted is logged once it is known: a batch at the old last seq with another payload,
-  a seq below it, or a new epoch means a new process ("restarted"); the same payload at that seq
-  means the same one ("reconnected"). This is also what
-  catches a crash and restart whose new seq happens to land above the old one.
+  socket for everything from seq 0. A replay waiting on the engine when it goes ends at once
+  (:mod:`balancer.sources.zmq_replay_merge`). Whether the publisher restarted is logged once it is
+  known: a batch at the old last seq with another payload, a seq below it, or a new epoch means a
+  new process ("restarted"); the same payload at that seq means the same one ("reconnected"). This
+  is also what catches a crash and restart whose new seq happens to land above the old one.
 * **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
   replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
   :mod:`balancer.sources.budget`). Of a shed message only the seq is read, and it goes through the
@@ -78,15 +62,17 @@ publisher from 0. This source keeps the stream in order:
   and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
   a warning, the first at once, then once a minute.
 
-This module is the async shell: the subscription loop, its sockets, polls, reconnects and the
-catch-up's merge of replayed and queued live messages. What each message does to the stream (the
-next seq, a duplicate, a gap to replay, a restart, a shed run's one resync, a dropped flood) is
-decided by :class:`~balancer.sources.zmq_order.StreamOrder` (pure), whose actions it applies. Its
-parts, each in its own module:
+This module is the async shell: the subscription loop, its SUB and monitor, reconnects, and the
+live messages. What each message does to the stream (the next seq, a duplicate, a gap to
+replay, a restart, a shed run's one resync, a dropped flood) is decided by
+:class:`~balancer.sources.zmq_order.StreamOrder` (pure), whose actions it applies. Its parts, each
+in its own module:
 
 * :mod:`balancer.sources.zmq_order`: the stream's order (pure: seqs and digests in, actions out);
 * :mod:`balancer.sources.zmq_connection`: the SUB, its monitor, the connection's handshake and the
   events endpoint's problems;
+* :mod:`balancer.sources.zmq_replay_merge`: the catch-up, gap and poll replays, each answer merged
+  with the live messages queued on the SUB, and counted;
 * :mod:`balancer.sources.zmq_replay`: the replay exchange over the DEALER;
 * :mod:`balancer.sources.replay_poll`: when a silent stream's replay poll is due (pure);
 * :mod:`balancer.sources.replay_watch`: what ends a replay before its timeout;
@@ -96,8 +82,8 @@ parts, each in its own module:
 * :mod:`balancer.sources.zmq_messages`: a message decoded (charged to the budget), shed, or counted
   as unusable.
 
-The connection, the replay client and the incarnation check log under this module's logger, as
-the source's own.
+The connection, the replays, the replay client and the incarnation check log under this module's
+logger, as the source's own.
 """
 
 from __future__ import annotations
@@ -111,7 +97,6 @@ import zmq
 import zmq.asyncio
 
 from balancer.engines import DecodedBatch, Decoder
-from balancer.errors import EventDecodeError
 from balancer.events import Resync
 from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
@@ -150,7 +135,7 @@ from balancer.sources.zmq_order import (
     ShedRunStarted,
     StreamOrder,
 )
-from balancer.sources.zmq_replay import ReplayClient
+from balancer.sources.zmq_replay_merge import ReplayMerge
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
 
@@ -196,17 +181,12 @@ class ZmqEventSource:
         self._engine = decoder.engine
         self._order = StreamOrder(resume_seq if resume_seq is not None else 0)
         """The stream's position and what each message does to it (pure)."""
-        self._replay_on_connect = replay_endpoint is not None
-        """Ask the replay socket for everything from the wanted seq at the SUB's next connection: at
-        start (whatever the resume point) and after every lost connection."""
         self._connected_wall_s: float | None = None
         """Our wall clock when the SUB that is to catch up was opened (:meth:`_open_sub`): a replayed
         batch published before it is history, and stays out of the lag gauge. Taken at the open, not
         at the connection's monitor event, which a busy loop reads late: the catch-up starts once the
         handshake is done, when the engine may already be publishing to us, and those batches, read
         back from the replay socket, are no history."""
-        self._held: tuple[DecodedBatch, int | None] | None = None
-        """A live message read during a catch-up that is newer than the replay's first batch."""
         self._incarnation = Incarnation(replica, dp_rank, log)
         """After a lost connection: whether the publisher restarted, logged once a batch shows it."""
         self._polls = ReplayPollSchedule(
@@ -227,32 +207,33 @@ class ZmqEventSource:
         """What was read off the SUB and not yet handled, and why the last message was shed."""
         self._watch = ReplayWatch()
         """What ends a replay before its timeout: the publisher's disconnect, the probe's verdict."""
-        self._dropping = False
-        """The publisher's connection dropped and its last messages are being handled: no replay
-        (the rank's blocks are dropped right after them)."""
-        self._abandoned = False
-        """The last replay ended because the engine went away (:class:`EngineGone`)."""
         self._link = SubConnection(
             replica, dp_rank, endpoint, counters=self._counters, warnings=self._warnings, log=log
         )
         """The SUB's connection as its monitor reports it: handshaken, refused, not listening."""
-        self._replayer = (
+        self._replays = (
             None
             if replay_endpoint is None
-            else ReplayClient(
+            else ReplayMerge(
                 replica,
                 dp_rank,
                 replay_endpoint,
+                shell=self,
                 ctx=ctx,
                 settings=self.settings,
+                order=self._order,
+                ahead=self._ahead,
+                messages=self._messages,
+                incarnation=self._incarnation,
+                polls=self._polls,
                 watch=self._watch,
+                metrics=metrics,
                 counters=self._counters,
                 warnings=self._warnings,
                 log=log,
-                decode_failed=self._messages.decode_failed,
             )
         )
-        """The replay requests' DEALER and exchange (``None``: no replay endpoint)."""
+        """The catch-up, gap and poll replays, merged into the stream (``None``: no replay endpoint)."""
 
     @property
     def shed(self) -> int:
@@ -284,6 +265,7 @@ class ZmqEventSource:
         """Receive until cancelled (or the context is terminated); reopen the socket on errors."""
         backoff = Backoff(self.settings.reconnect_initial_s, self.settings.reconnect_max_s)
         while True:
+            replays = self._replays
             sub, monitor = self._open_sub()
             self._watch.monitor = monitor
             poller = zmq.asyncio.Poller()
@@ -293,7 +275,10 @@ class ZmqEventSource:
             try:
                 while True:
                     stashed = bool(self._watch.stash)  # monitor events a replay read meanwhile
-                    timeout_ms = 0 if self._ahead.pending or stashed else self._poll_timeout_ms()
+                    if self._ahead.pending or stashed:
+                        timeout_ms: int | None = 0
+                    else:  # until the next replay poll (``None``: none)
+                        timeout_ms = None if replays is None else replays.poll_timeout_ms()
                     ready = dict(await poller.poll(timeout=timeout_ms))
                     # first: a new connection's catch-up merges the queued live
                     if monitor in ready or self._watch.stash:
@@ -301,8 +286,8 @@ class ZmqEventSource:
                     if sub in ready or self._ahead.pending:
                         backoff.reset()
                         await self._drain(sub, emit, may_drop=True)
-                    elif not ready and self._poll_due():
-                        await self._poll_replay(sub, emit)
+                    elif not ready and replays is not None and replays.poll_due():
+                        await replays.poll(sub, emit)
             except DropBacklog:
                 dropped = True
             except HandshakeRefused:
@@ -326,57 +311,16 @@ class ZmqEventSource:
             finally:
                 self._ahead.reader = None  # a shadow: it must not outlive the SUB
                 self._watch.reset()
-                self._dropping = False
                 self._link.handshaken = False
                 sub.disable_monitor()
                 monitor.close(linger=0)
                 sub.close(linger=0)
-                self._close_dealer()
+                if replays is not None:
+                    replays.closed()
             if dropped:  # away for a while: what the flood sends meanwhile is dropped by the publisher
                 await asyncio.sleep(self.settings.flood_pause_s)
                 continue
             await asyncio.sleep(backoff.next_delay())
-
-    def _poll_timeout_ms(self) -> int | None:
-        """How long to wait for a message before the next replay poll (``None``: no poll)."""
-        if self.replay_endpoint is None or self._order.backlog_dropped or self._replay_on_connect:
-            return None  # after a dropped flood, no position to poll from; unconnected, no publisher
-        if self._watch.away is not None:  # the engine is away: look again later whether it is back
-            return max(1, int(self.settings.replay_poll_max_s * 1000))
-        return self._polls.timeout_ms(time.monotonic())
-
-    def _poll_due(self) -> bool:
-        """Before the first batch too (polled from the wanted seq, 0 or the resume point): a batch
-        lost live right after the catch-up (a subscription not yet in force at the publisher, a
-        high-water mark) was otherwise noticed only at the next live message, which an idle engine
-        may never send: its blocks missed from the index meanwhile, fleet-wide when this source
-        is a new lease holder's."""
-        return (
-            self.replay_endpoint is not None
-            and not self._order.backlog_dropped
-            and not self._replay_on_connect  # not connected yet (or again): its catch-up comes first
-            and self._watch.away is None  # its probe finds nothing listening: the poll would wait out
-            and self._polls.due(time.monotonic())
-        )
-
-    async def _poll_replay(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
-        """The live stream is silent: ask the replay socket for anything after the last batch."""
-        before = self._order.last_seq
-        found, complete = await self._replay(self._order.expected(), emit, live=sub, poll=True)
-        outcome = "new" if found else ("nothing" if complete else "failed")
-        if self._abandoned and not found:
-            outcome = "abandoned"  # the engine went away meanwhile
-        self._metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
-        if found:  # not a gap in itself: the live copies of these batches may only be late
-            log.debug(
-                "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
-            )
-            self._polls.heard(time.monotonic())
-        else:
-            self._polls.answered_empty(time.monotonic())
-        held, self._held = self._held, None
-        if held is not None:
-            await self._on_live(held[0], held[1], emit)
 
     async def _drain(
         self, sub: zmq.asyncio.Socket, emit: Emit, limit: int = 1_000, *, may_drop: bool = False
@@ -403,7 +347,7 @@ class ZmqEventSource:
         """A flood: its first message was shed (and resynced the rank, if it was taken in order); drop
         the read-ahead and have the SUB reopened, so that libzmq frees the rest of the backlog (and
         the publisher what it still queued for us) without this thread reading it. The next live
-        message's seq counts what went (:meth:`_on_live`)."""
+        message's seq counts what went (:meth:`take_live`)."""
         self._apply(self._order.drop_backlog(), emit)  # nothing when the shed message started the run
         self._ahead.clear()
         raise DropBacklog
@@ -428,7 +372,9 @@ class ZmqEventSource:
                 self._link.refused_handshake()
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._link.handshaken = False
-                self._dropping = True
+                replays = self._replays
+                if replays is not None:
+                    replays.dropping = True  # no replay while its last messages are handled
                 await self._drain(sub, emit, limit=self.settings.rcvhwm)
                 self._metrics.events_disconnects_total.labels(self.replica).inc()
                 self._warnings.warning(
@@ -445,54 +391,20 @@ class ZmqEventSource:
                 if lost is not None:
                     self._incarnation.disconnected(*lost)
                 self._apply(actions, emit)
-                self._replay_on_connect = self.replay_endpoint is not None
+                if replays is not None:
+                    replays.catch_up_due = True  # at the next connection
                 raise ReopenSub  # ZMQ would not reconnect after a protocol error (an oversized message)
             elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._link.handshaken = True
                 self._watch.engine_back()  # a publisher is there (again)
                 self._link.problems_over()
-                if self._replay_on_connect:  # a new connection: catch up (once it is a PUB's)
-                    self._replay_on_connect = False
-                    await self._catch_up(sub, emit)
-
-    async def _catch_up(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
-        """Replay everything the publisher still holds from the wanted seq, merged with the live
-        messages the SUB queued meanwhile (``_on_replayed``, ``_take_live_below``)."""
-        start = self._order.catch_up_started()
-        try:
-            _, complete = await self._replay(start, emit, live=sub)
-        finally:
-            self._order.catch_up_ended()
-        lost, last_seq = self._incarnation.lost, self._order.last_seq
-        if lost is not None and complete and last_seq is not None and last_seq < lost[0]:
-            self._incarnation.restarted(f"its newest batch is seq {last_seq}, it had reached {lost[0]}")
-        held, self._held = self._held, None
-        if held is not None:
-            await self._on_live(held[0], held[1], emit)
-
-    async def _take_live_below(self, sub: zmq.asyncio.Socket, limit: int, emit: Emit) -> None:
-        """During a catch-up whose replay starts at ``limit``, above the wanted seq: take the live
-        messages queued below ``limit`` first (they are older), keep the first one at or above it
-        for after the replay. These are shed as :meth:`_drain`'s would be."""
-        for _ in range(self.settings.rcvhwm):
-            read = self._ahead.read(self.gate)
-            if read is None:
-                return
-            frames, shed = read
-            taken = self._messages.take(frames, shed, self.gate)
-            if taken is None:
-                continue
-            batch, digest = taken
-            assert batch.seq is not None
-            if batch.seq >= limit:
-                self._held = (batch, digest)
-                return
-            await self._on_live(batch, digest, emit, may_replay=False)
+                if self._replays is not None and self._replays.catch_up_due:  # a new connection
+                    await self._replays.catch_up(sub, emit)  # (once it is a PUB's)
 
     def _open_sub(self) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket]:
         """A SUB and its monitor (:func:`~balancer.sources.zmq_connection.open_sub`), read ahead."""
         self._ahead.clear()  # a fresh socket has no backlog of ours
-        if self._replay_on_connect:  # what the engine published before this is history
+        if self._replays is not None and self._replays.catch_up_due:  # what came before is history
             self._connected_wall_s = time.time()
         sub, monitor = open_sub(self._ctx, self.endpoint, self.topic, self.settings)
         self._ahead.reader = zmq.Socket.shadow(sub.underlying)
@@ -501,27 +413,29 @@ class ZmqEventSource:
     async def _on_message(self, frames: Sequence[bytes], shed: bool, emit: Emit) -> None:
         taken = self._messages.take(frames, shed, self.gate)
         if taken is not None:
-            await self._on_live(taken[0], taken[1], emit)
+            await self.take_live(taken[0], taken[1], emit)
 
-    async def _on_live(
+    async def take_live(
         self, batch: DecodedBatch, digest: int | None, emit: Emit, *, may_replay: bool = True
     ) -> None:
         """One live message (``digest``: of its payload; ``None``: shed, the payload unknown), in the
-        order the SUB received it."""
+        order the SUB received it (:class:`~balancer.sources.zmq_replay_merge.ReplayShell`)."""
         assert batch.seq is not None
         self._counters.messages += 1
         self._polls.heard(time.monotonic())
         if self._watch.away is not None:
             self._watch.engine_back()  # it publishes: its replay socket may answer
+        replays = self._replays
         actions, verdict = self._order.live(
-            batch.seq, digest, batch.epoch, may_replay=may_replay and self.replay_endpoint is not None
+            batch.seq, digest, batch.epoch, may_replay=may_replay and replays is not None
         )
         if actions:
             self._apply(actions, emit)
         if verdict is DUPLICATE:
             return
         if verdict is REPLAY:
-            await self._replay(self._order.expected(), emit)
+            assert replays is not None  # ``may_replay``
+            await replays.fill_gap(emit)
             if self._order.delivered(batch.seq):
                 return  # the replay delivered it
         self._accept(batch, digest, emit, live=True)
@@ -543,6 +457,10 @@ class ZmqEventSource:
                 self._messages.count_shed(action.messages)
             elif isinstance(action, ShedRunStarted):
                 self._shed_run_started()
+
+    def take_replayed(self, batch: DecodedBatch, digest: int, emit: Emit) -> None:
+        """A replayed batch the stream takes (:class:`~balancer.sources.zmq_replay_merge.ReplayShell`)."""
+        self._accept(batch, digest, emit, live=False)
 
     def _accept(self, batch: DecodedBatch, digest: int | None, emit: Emit, *, live: bool) -> None:
         """Take ``batch`` as the next in order (:meth:`StreamOrder.accept`). Its malformed and ignored
@@ -574,94 +492,3 @@ class ZmqEventSource:
         cause, gate = self._ahead.shed_cause, self.gate
         why = gate.spent() if cause == "budget" and gate is not None else self._ahead.explain()
         self._messages.shed_run_started(self.dp_rank, cause, why)
-
-    async def _replay(
-        self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None = None, *, poll: bool = False
-    ) -> tuple[bool, bool]:
-        """Ask the replay socket for every batch from ``start_seq`` and take the new ones in order;
-        ``live`` (a catch-up or a poll) is the SUB whose queued messages merge with the answer.
-        Returns whether any batch came and whether the answer was complete (its end marker arrived).
-        A ``poll`` is counted by its caller, and in ``kvlb_events_replays_total`` only when it
-        shows lost batches (``partial``)."""
-        assert self._replayer is not None
-        self._abandoned = False
-        if self._dropping:  # the publisher's connection dropped: its blocks go right after this
-            return False, False
-        try:
-            return await self._replay_from(start_seq, emit, live, poll=poll)
-        finally:
-            self._ahead.not_behind()  # time spent replaying is not a backlog of the live stream
-
-    async def _replay_from(
-        self, start_seq: int, emit: Emit, live: zmq.asyncio.Socket | None, *, poll: bool
-    ) -> tuple[bool, bool]:
-        """One exchange (:class:`~balancer.sources.zmq_replay.ReplayClient`), its replies taken by
-        :meth:`_on_replayed` (the first with the ``live`` SUB), then counted."""
-        assert self._replayer is not None
-        if not poll:
-            self._counters.replays += 1
-        first_seq: int | None = None
-
-        async def on_reply(frames: list[bytes]) -> None:
-            nonlocal first_seq
-            seq = await self._on_replayed(frames, emit, live if first_seq is None else None)
-            if first_seq is None:
-                first_seq = seq
-
-        complete, self._abandoned = await self._replayer.request(start_seq, on_reply)
-        lossy = first_seq is not None and (first_seq > start_seq or not complete)
-        if not poll or lossy:  # a poll that found nothing, or everything, is counted by its caller only
-            if poll:
-                self._counters.replays += 1
-            self._count_replay(start_seq, first_seq, complete)
-        return first_seq is not None, complete
-
-    def _close_dealer(self) -> None:
-        if self._replayer is not None:
-            self._replayer.close()
-
-    async def _on_replayed(
-        self, frames: Sequence[bytes], emit: Emit, live: zmq.asyncio.Socket | None
-    ) -> int | None:
-        """Take one replayed ``[b"", seq8, payload]`` (SGLang) or ``[b"", topic, seq8, payload]``
-        (vLLM ≥ 0.32); returns its seq (``None`` when unusable). ``live``: the first batch of a
-        catch-up, when older live messages may wait on the SUB."""
-        if len(frames) not in (3, 4) or frames[0] != b"":
-            self._messages.decode_failed(EventDecodeError("frame", f"replay reply has {len(frames)} frames"))
-            return None
-        batch = self._messages.decode(frames[1:])
-        if batch is None or batch.seq is None:
-            return None
-        digest = hash(frames[-1])
-        if live is not None and batch.seq > self._order.expected():
-            await self._take_live_below(live, batch.seq, emit)
-        if self._order.replayed(batch.seq, digest):
-            self._accept(batch, digest, emit, live=False)
-        return batch.seq
-
-    def _count_replay(self, start_seq: int, first_seq: int | None, complete: bool) -> None:
-        if first_seq is None and complete and self._order.last_seq is None:
-            outcome = "empty"  # a catch-up found nothing newer than the resume point
-        elif first_seq is None:
-            outcome = "failed"
-        elif first_seq > start_seq or not complete:
-            outcome = "partial"
-        else:
-            outcome = "filled"
-        if outcome not in ("filled", "empty"):
-            self._counters.replay_failures += 1
-        self._metrics.events_replays_total.labels(self.replica, outcome).inc()
-        if first_seq is not None and first_seq > start_seq and not self._order.catching_up:
-            self._warnings.warning(
-                "replay_partial",
-                f"{self.replica}/{self.dp_rank}",
-                "replica %s rank %d: replay from %d found the publisher's buffer starting at %d: "
-                "batches %d-%d are lost, the rank resyncs",
-                self.replica,
-                self.dp_rank,
-                start_seq,
-                first_seq,
-                start_seq,
-                first_seq - 1,
-            )
-        log.debug("replica %s rank %d: replay from %d %s", self.replica, self.dp_rank, start_seq, outcome)

@@ -98,7 +98,11 @@ def test_the_known_decode_error_reasons_cover_every_reason_in_the_code() -> None
 
 
 def test_the_known_replay_outcomes_cover_the_subscriber() -> None:
-    text = (Path(balancer.__file__).resolve().parent / "sources" / "zmq_sub.py").read_text(encoding="utf-8")
+    """The outcomes the ZMQ source's replays count (``sources/zmq_replay_merge.py``, read as text)
+    are the ones :meth:`Metrics.init_replica` sets at 0, and the other way round."""
+    text = (Path(balancer.__file__).resolve().parent / "sources" / "zmq_replay_merge.py").read_text(
+        encoding="utf-8"
+    )
     polls = set(
         re.findall(r'"([a-z_]+)" if found else \("([a-z_]+)" if complete else "([a-z_]+)"\)', text)[0]
     )
