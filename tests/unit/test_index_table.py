@@ -558,6 +558,10 @@ def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[in
     same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
     t._holders = same
     assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
+    # a key missing before a held last key: the masks read by ``itemgetter`` fall back to ``get``
+    gap = {key: value for key, value in same.items() if key != keys[len(keys) // 2]} if keys else {}
+    t._holders = gap
+    assert t._walk(keys, mask) == _naive_walk(gap, keys, mask)
     # the shortcut after the first missing key: a shared prefix, then a new prompt's tail
     prefix = {key: same[key] for key in keys[: len(keys) // 2]}
     tail = [key + 100 for key in keys[len(keys) // 2 :]]
