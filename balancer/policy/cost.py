@@ -359,7 +359,10 @@ def root_charge_prompts(weights: PolicyWeights, held_roots: int, fewest_roots: i
     eligible one). 0 when ``fewest_roots`` is unknown."""
     if fewest_roots is None or weights.root_weight <= 0:
         return 0.0
-    return min(weights.root_cap_prompts, weights.root_weight * max(0, held_roots - fewest_roots))
+    extra = held_roots - fewest_roots
+    charge = weights.root_weight * (extra if extra > 0 else 0)  # min/max as comparisons: overlap_blocks
+    cap = weights.root_cap_prompts
+    return charge if charge < cap else cap
 
 
 def cost_terms(
@@ -381,7 +384,8 @@ def cost_terms(
     ``fewest_roots`` the least held by an eligible candidate (:func:`root_charge_prompts`)."""
     waiting = float(load.waiting_reqs or 0)
     pending = load.pending_prefill_blocks
-    shared = min(pending, min(credit, 1.0) * speculative)
+    offered = (1.0 if credit > 1.0 else credit) * speculative  # min/max as comparisons: overlap_blocks
+    shared = offered if offered < pending else pending
     survival = 1.0  # what overlap_survival gives with the discount off
     if weights.eviction_risk_weight > 0:
         survival = overlap_survival(

@@ -56,7 +56,6 @@ MAX_EVENT_BYTES: Final = 256 * 1024
 _OPTION: Final = b'"stream_options":{"include_usage":true}'
 _USAGE_OBJECT: Final = re.compile(rb'"usage"\s*:\s*\{')
 _EMPTY_CHOICES: Final = re.compile(rb'"choices"\s*:\s*\[\s*\]')
-_EVENT_END: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _SPACE: Final = b" \t\r\n"
 _ENDS: Final = (b"\n\n", b"\r\n\r\n", b"\r\r")
 """An event's end at a chunk's end (a chunk ending so holds no unfinished event)."""
@@ -121,11 +120,9 @@ class UsageStrip:
         pending += chunk
         out: list[bytes] = []
         start = 0
-        for end in _EVENT_END.finditer(pending):
-            if end.end() == len(pending) and end.group() == b"\r\r":
-                break  # maybe the start of a CRLF CRLF: decide with the next chunk
-            out.append(self._event(bytes(pending[start : end.end()])))
-            start = end.end()
+        for end in event_ends(pending):
+            out.append(self._event(bytes(pending[start:end])))
+            start = end
         del pending[:start]
         if len(pending) > self._max_event_bytes:
             self.unfiltered_events += 1
@@ -159,6 +156,34 @@ class UsageStrip:
         if after.startswith(b","):
             return event[:start] + after[1:]
         return event
+
+
+def event_ends(data: bytes | bytearray) -> list[int]:
+    r"""Where the complete events of ``data`` end: just past each blank line, as ``finditer`` of
+    ``\r\n\r\n|\n\n|\r\r`` finds them (leftmost first; no two of the three can start at one
+    place), less a ``\r\r`` that ends ``data`` (maybe the start of a CRLF CRLF: the next chunk
+    decides). Found with three byte searches, each run again only once passed (the regex tried its
+    forms at every byte: 32,000 instructions for the bench's 600-byte last chunk)."""
+    ends: list[int] = []
+    find = data.find
+    crlf, lf, cr = find(b"\r\n\r\n"), find(b"\n\n"), find(b"\r\r")
+    while True:  # the leftmost of the three (no two can start at one place)
+        start, end = crlf, crlf + 4
+        if lf >= 0 and (start < 0 or lf < start):
+            start, end = lf, lf + 2
+        if cr >= 0 and (start < 0 or cr < start):
+            if cr + 2 == len(data):
+                return ends
+            start, end = cr, cr + 2
+        if start < 0:
+            return ends
+        ends.append(end)
+        if 0 <= crlf < end:
+            crlf = find(b"\r\n\r\n", end)
+        if 0 <= lf < end:
+            lf = find(b"\n\n", end)
+        if 0 <= cr < end:
+            cr = find(b"\r\r", end)
 
 
 def _usage_only(event: bytes) -> bool:

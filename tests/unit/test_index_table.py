@@ -558,6 +558,18 @@ def test_walk_matches_a_slot_by_slot_scan(holders: dict[int, int], keys: list[in
     same = {key: holders.get(keys[0], 1) if keys else 1 for key in keys}  # the shortcut's case
     t._holders = same
     assert t._walk(keys, mask) == _naive_walk(same, keys, mask)
+    # a held prefix, a missing key, held keys, a missing last key: where halving stops may not be
+    # the first missing key (the read by ``itemgetter`` then falls back to ``get``)
+    for cut in range(len(keys)):
+        for later in range(cut + 1, len(keys) + 1):
+            held = {key: same[key] for key in keys[:cut]} | {key: same[key] for key in keys[later:-1]}
+            held = {key: mask for key, mask in held.items() if key not in keys[cut:later] + keys[-1:]}
+            t._holders = held
+            assert t._walk(keys, mask) == _naive_walk(held, keys, mask)
+    # a key missing before a held last key: the masks read by ``itemgetter`` fall back to ``get``
+    gap = {key: value for key, value in same.items() if key != keys[len(keys) // 2]} if keys else {}
+    t._holders = gap
+    assert t._walk(keys, mask) == _naive_walk(gap, keys, mask)
     # the shortcut after the first missing key: a shared prefix, then a new prompt's tail
     prefix = {key: same[key] for key in keys[: len(keys) // 2]}
     tail = [key + 100 for key in keys[len(keys) // 2 :]]

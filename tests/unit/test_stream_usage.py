@@ -4,13 +4,15 @@ filter, on the event shapes of vLLM, SGLang and TensorRT-LLM (their ``serving_ch
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 import tracemalloc
 
 import pytest
 
 from balancer.api.parsing import parse_request
-from balancer.upstream.stream_usage import UsageStrip, stream_usage_of, with_stream_usage
+from balancer.upstream.stream_usage import UsageStrip, event_ends, stream_usage_of, with_stream_usage
 
 USAGE = (
     b'{"prompt_tokens":9,"total_tokens":11,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":8}}'
@@ -135,3 +137,26 @@ def test_an_event_past_the_bound_passes_unfiltered() -> None:
     assert strip.feed(big) == big
     assert strip.unfiltered_events == 1
     assert strip.feed(b"\n\n") == b"\n\n"
+
+
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def _regex_ends(data: bytes) -> list[int]:
+    """The events' ends as the usage filter found them with a regex before ``event_ends``."""
+    ends = []
+    for end in _EVENT_END.finditer(data):
+        if end.end() == len(data) and end.group() == b"\r\r":
+            break  # maybe the start of a CRLF CRLF
+        ends.append(end.end())
+    return ends
+
+
+def test_event_ends_are_where_the_blank_line_regex_ends_them() -> None:
+    """Every text of up to 8 bytes of CR, LF and a letter (and a bytearray of it): the same ends as
+    ``finditer`` of ``\\r\\n\\r\\n|\\n\\n|\\r\\r``, a trailing CR CR left for the next chunk."""
+    for size in range(9):
+        for text in itertools.product(b"\r\na", repeat=size):
+            data = bytes(text)
+            assert event_ends(data) == _regex_ends(data), data
+            assert event_ends(bytearray(data)) == _regex_ends(data), data

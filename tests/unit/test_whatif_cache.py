@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from balancer.health.book import HealthBook
 from balancer.index.marks import mark_positions, prefix_marks
 from balancer.policy.base import PolicyWeights
@@ -34,6 +36,17 @@ def test_mark_positions_are_every_prompts_own_and_bounded() -> None:
     assert set(mark_positions(100)) - {100} <= set(mark_positions(1000))
     marks = prefix_marks(keys(1, 40), 32, 16)  # keys of 32-token blocks, reference blocks of 16
     assert marks[0] == (2, 1) and marks[-1] == (80, 40)
+
+
+@pytest.mark.parametrize(("key_block", "reference_block"), [(16, 16), (32, 16), (16, 32)])
+def test_prefix_marks_are_the_keys_at_mark_positions(key_block: int, reference_block: int) -> None:
+    """The marks, cut from the lengths every prompt shares and picked in one pass, are the keys at
+    ``mark_positions`` of every prompt length from 0 to 1,100 blocks (tuples and lists of keys)."""
+    for blocks in range(1101):
+        chain = keys(7_000_000 + blocks, blocks)
+        want = tuple((p * key_block // reference_block, chain[p - 1]) for p in mark_positions(blocks))
+        assert prefix_marks(chain, key_block, reference_block) == want
+        assert prefix_marks(tuple(chain), key_block, reference_block) == want
 
 
 def test_a_moved_prefix_warms_its_new_replica_and_leaves_the_old_one() -> None:
