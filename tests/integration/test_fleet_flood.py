@@ -36,7 +36,12 @@ from replicas.wire.sglang import KvEventEncoder
 pytestmark = pytest.mark.redis
 
 BLOCK = 16
-BATCHES = 200
+BATCHES = 100
+"""Batches of the flood: 50,000 events (100,000 until 2026-12-01, 10.5 of the test's 16 s at load
+12). The checks that tell a flood handled on the loop from one on the ingest thread are the threads
+the writer and the mirrors name, whatever the flood's size; this one still takes seconds to ingest
+(several lease TTLs of 1.5 s and ticks of 0.25 s, in which a loop stalled by it would lose the lease
+and keep the other pool's requests and probes waiting)."""
 EVENTS_PER_BATCH = 500
 BOUND_S = 5.0
 """Longest any one request or probe of the other pool may take during the flood (generous: an
