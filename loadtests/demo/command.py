@@ -94,6 +94,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--seed", type=int, help=f"seed of prompts and arrival times (default {defaults.seed})"
     )
+    parser.add_argument(
+        "--kvlb-workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="`kvlb serve --workers` of the demo's kvlb (default: kvlb's own, one per core)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.add_argument(
         "--linger-on-terminal",
@@ -123,6 +130,8 @@ def shape_from_args(args: argparse.Namespace) -> DemoShape:
         changes["seed"] = args.seed
     if args.engines is not None:
         changes["engines"] = args.engines
+    if args.kvlb_workers is not None:
+        changes["kvlb_workers"] = args.kvlb_workers
     return replace(shape, **changes)
 
 
@@ -175,6 +184,9 @@ def run(args: argparse.Namespace) -> int:
     shape = shape_from_args(args)
     if shape.requests < 1 or shape.rate_per_s <= 0 or not 0 <= args.linger <= 86_400:
         print("kvlb demo: --requests must be >= 1, --rate > 0 and --linger in 0..86400", file=sys.stderr)
+        return 2
+    if shape.kvlb_workers is not None and shape.kvlb_workers < 1:
+        print(f"kvlb demo: --kvlb-workers must be >= 1, got {shape.kvlb_workers}", file=sys.stderr)
         return 2
     if args.linger_on_terminal and args.linger > 0 and not (sys.stdin.isatty() and sys.stderr.isatty()):
         print(

@@ -92,6 +92,8 @@ class DemoShape:
     """Most requests in flight at once (the open-loop driver's cap)."""
     seed: int = 1
     """Seed of the prompts and the arrival times (both runs get the same stream)."""
+    kvlb_workers: int | None = None
+    """``kvlb serve --workers`` (``None``: kvlb's own default, one per core)."""
 
 
 SMOKE = DemoShape(
@@ -185,6 +187,8 @@ class Demo:
         config.write_text(yaml.safe_dump(kvlb_settings(self.model, self.fleet, self.admin_token)))
         config.chmod(0o600)  # it holds the admin token
         argv = python_module("balancer", "serve", "--config", str(config))
+        if shape.kvlb_workers is not None:
+            argv += ["--workers", str(shape.kvlb_workers)]
         kvlb = await spawn("kvlb", argv, self.log_dir / "kvlb.stderr", ready_key="kvlb")
         self.children.append(kvlb)
         self.kvlb_url = str(kvlb.info["url"])

@@ -21,7 +21,7 @@ import grpc
 import pytest
 import yaml
 from procs_free import free_port
-from serve_harness import start_serve, start_sim, stop
+from serve_harness import Child, start_serve, start_sim, stop
 from test_discovery_e2e import entry, eventually, write_atomically
 
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
@@ -43,9 +43,13 @@ async def fresh_get(url: str) -> Any:
 
 
 async def test_kept_drains_are_listed_gathered_and_survive_a_worker_restart(tmp_path: Path) -> None:
-    sims = [await start_sim(0, tmp_path), await start_sim(1, tmp_path)]
+    # both at once; one that started is stopped below when the other did not
+    started = await asyncio.gather(start_sim(0, tmp_path), start_sim(1, tmp_path), return_exceptions=True)
+    sims = [child for child in started if isinstance(child, Child)]
     serve = None
     try:
+        for failed in (result for result in started if isinstance(result, BaseException)):
+            raise failed
         replica_file = tmp_path / "replicas.yaml"
         listed = {"pools": [{"model": "sim-test", "replicas": [entry(sims[1].info)]}]}
         unlisted: dict[str, Any] = {"pools": [{"model": "sim-test", "replicas": []}]}

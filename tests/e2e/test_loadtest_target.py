@@ -44,12 +44,12 @@ async def kvlb(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
             await stop(child)
 
 
-async def _loadtest(out: Path, url: str, *extra: str) -> tuple[int, str]:
+async def _loadtest(out: Path, url: str, *extra: str, requests: int = 24) -> tuple[int, str]:
     argv = [
         sys.executable, "-m", "balancer", "loadtest", "--target", url, "--workload", "tenants",
         "--param", "tenants=3", "--param", "users_per_tenant=2", "--param", "context_tokens=200",
         "--param", "question_tokens=20", "--param", "max_tokens=6",
-        "--requests", "24", "--rate", "12", "--seed", "5", "--timeout-s", "60",
+        "--requests", str(requests), "--rate", "12", "--seed", "5", "--timeout-s", "60",
         "--max-duration-s", "120", "--out", str(out), *extra,
     ]  # fmt: skip
     process = await asyncio.create_subprocess_exec(
@@ -82,8 +82,11 @@ async def test_drives_a_live_kvlb_and_reports_what_the_job_needs(kvlb: str, tmp_
     assert (out / "ttft_cdf.png").exists() and (out / "replica_share.png").exists()
     assert "target" in stderr and "SLO error_rate" in stderr  # the table and the progress bar
 
+    # a bound no request meets: 6 requests and no plots do (24 with plots until 2026-12-01)
     missed = tmp_path / "missed"
-    code, stderr = await _loadtest(missed, kvlb, "--slo", "ttft_p50_s=0.001ms", "--model", MODEL)
+    code, stderr = await _loadtest(
+        missed, kvlb, "--slo", "ttft_p50_s=0.001ms", "--model", MODEL, "--no-plots", requests=6
+    )
     assert code == EXIT_SLO_MISSED, stderr[-3000:]
     report = json.loads((missed / "report.json").read_text())
     assert report["slo_met"] is False and report["slo"][0]["value"] > report["slo"][0]["bound"]
@@ -133,8 +136,8 @@ async def test_capacity_searches_a_live_kvlb_for_real(kvlb: str, tmp_path: Path)
 
 async def test_a_target_that_answers_nothing_is_a_failed_run(tmp_path: Path) -> None:
     code, stderr = await _loadtest(
-        tmp_path / "dead", "http://127.0.0.1:9", "--model", "m", "--timeout-s", "5"
-    )
+        tmp_path / "dead", "http://127.0.0.1:9", "--model", "m", "--timeout-s", "5", "--no-plots", requests=4
+    )  # 4 refused requests say it as 24 did (until 2026-12-01, with plots: 2 s of schedule)
     assert code == 1, stderr[-2000:]
     report = json.loads((tmp_path / "dead" / "report.json").read_text())
     assert report["summary"]["ok"] == 0 and report["errors"]  # the first failures say why

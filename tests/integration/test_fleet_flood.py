@@ -36,7 +36,12 @@ from replicas.wire.sglang import KvEventEncoder
 pytestmark = pytest.mark.redis
 
 BLOCK = 16
-BATCHES = 200
+BATCHES = 100
+"""Batches of the flood: 50,000 events (100,000 until 2026-12-01: 5.3-5.6 s from the first publish
+to the queue's end at load 2.8, against 1.9-2.3 s now). The checks that tell a flood handled on the
+loop from one on the ingest thread are the threads the writer and the mirrors name, whatever the
+flood's size; this one still outlasts a lease TTL of 1.5 s and several ticks of 0.25 s, in which a
+loop stalled by it would lose the lease and keep the other pool's requests and probes waiting."""
 EVENTS_PER_BATCH = 500
 BOUND_S = 5.0
 """Longest any one request or probe of the other pool may take during the flood (generous: an

@@ -9,7 +9,7 @@ from importlib.metadata import EntryPoint
 
 import pytest
 
-from balancer.cli.main import COMMAND_GROUP, build_parser, installed_tools, main
+from balancer.cli.main import COMMAND_GROUP, TOOL_OF_COMMAND, build_parser, installed_tools, main
 from loadtests.emulate import COMMAND as EMULATE
 
 EVERY_COMMAND = [
@@ -94,22 +94,36 @@ def test_kvlb_serve_imports_neither_a_tool_nor_the_service_before_it_runs() -> N
 
 
 def test_a_tools_command_loads_only_its_own_tool() -> None:
+    tools = ("loadtests.bench.command", "loadtests.command", "loadtests.demo.command", "loadtests.emulate")
     probe = (
         "import sys\n"
         "from balancer.cli.main import main\n"
         "code = main(sys.argv[1:])\n"
-        "print(sorted(m for m in ('loadtests.command', 'loadtests.demo.command') if m in sys.modules))\n"
+        f"print(sorted(m for m in {tools!r} + ('loadtests.simulate.command',) if m in sys.modules))\n"
         "raise SystemExit(code)\n"
     )
     argv = ["--replicas", "1", "--slowdown", "0", "--tokenizer", "none"]  # an invalid fault setting
-    for command, loaded in (("emulate", "[]"), ("sim", "['loadtests.command', 'loadtests.demo.command']")):
+    # `sim`, `capacity` and `tune`, which their tools add beside their namesakes, load that tool only
+    # (before 2026-12-01 every tool: `kvlb capacity` imported the load test and the demo and the bench)
+    for command, more, loaded in (
+        ("emulate", argv, ["loadtests.emulate"]),
+        ("sim", argv, ["loadtests.emulate"]),
+        ("capacity", ["--max-points", "1"], ["loadtests.command"]),
+        ("tune", ["--no-plot", "--rate", "0"], ["loadtests.simulate.command"]),
+    ):
         done = subprocess.run(
-            [sys.executable, "-c", probe, command, *argv],
+            [sys.executable, "-c", probe, command, *more],
             capture_output=True,
             text=True,
             timeout=60,
             check=False,
         )
-        # `sim`, an alias no tool is named after, loads every tool and runs as `emulate`
-        assert done.returncode == 2 and "slowdown" in done.stderr, done.stderr
-        assert done.stdout.splitlines() == [loaded]
+        assert done.returncode == 2 and f"kvlb {command}" in done.stderr, done.stderr
+        assert done.stdout.splitlines() == [str(loaded)], command
+
+
+def test_each_command_named_for_a_tool_is_registered_by_that_tool() -> None:
+    tools = {tool.name: tool for tool in installed_tools()}
+    for command, name in TOOL_OF_COMMAND.items():
+        assert command not in tools  # a tool of its own name would be loaded first
+        assert command in _commands([tools[name]]), (command, name)
