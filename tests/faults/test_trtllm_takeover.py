@@ -13,7 +13,9 @@ dead one drained. It need not throw the index away for that: Redis stores, with 
 * The same gap, then the requests of before the kill again: the engine reuses their blocks and, as
   TRT-LLM does, stores nothing new for them, so no event ever names them again. The survivor's
   receipts (``cached_tokens``) teach them back to its mirror's table (without it the replica stayed
-  at the few blocks stored after the gap for good, ``docs/reliability.md``, h-fleetfollow).
+  at the few blocks stored after the gap for good, ``docs/reliability.md``, h-fleetfollow). They
+  teach once the engine's hashes they compute have matched the index's blocks (16 blocks): the
+  same requests sent again before the kill, once their first sending is in the survivor's index.
 * Redis holds positions without an ``event_id`` (written by a kvlb from before they were stored; the
   test rewrites them so): nothing to check against, so the survivor resyncs the replica's ranks at
   the takeover (``reason="lease"``), and its index claims nothing the engine lacks.
@@ -101,11 +103,17 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, cas
             survivor = urls[1 - holder]
             f.checked = [survivor]
             await _send(f, survivor, 0, 6)  # 30 blocks: the engine keeps all 64 of its pool
-            if case == "reused_after_gap":  # cache hits whose receipts check kvlb's block hashes
-                await _send(f, survivor, 0, 6)
 
             async def equal() -> bool:
                 return (await f.compare())[0]
+
+            if case == "reused_after_gap":  # cache hits whose receipts check kvlb's block hashes
+                # A receipt checks the hashes only against blocks the survivor's index holds, and
+                # receipts teach only once 16 blocks matched (router.HASH_TRUST_BLOCKS). Sent before
+                # the holder's drain of the first six reached the survivor's mirror, these matched
+                # nothing, and after the gap nothing they name is held: no receipt ever taught.
+                await _until("the index to match the engine before the cache hits", equal)
+                await _send(f, survivor, 0, 6)  # 6 receipts of 4 blocks each: 24 matched
 
             await _until("the index to match the engine before the kill", equal)
             before = (await f.engine_blocks() or {})["r0"]
@@ -134,6 +142,13 @@ async def test_a_killed_holders_trtllm_replica_is_taken_over(tmp_path: Path, cas
                 return await _resyncs(f, survivor) > resyncs
 
             await _until("the resync", resynced)
+
+            async def cleared() -> bool:  # the index held all of `before` until the clear reached it
+                return (await f.index_blocks(survivor))["r0"] < before
+
+            # Counted where the survivor writes; its mirror applies the clear from the stream later,
+            # and the old blocks, all still cached, pass the checks below until it does.
+            await _until("the survivor's mirror to apply the clear", cleared)
             async with f.session.get(survivor + "/metrics") as response:
                 text = await response.text()
             reason, other = ("lease", "gap") if case == "no_event_ids" else ("gap", "lease")
