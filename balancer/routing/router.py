@@ -121,7 +121,9 @@ HASH_TRUST_BLOCKS = 16
 """Blocks whose computed engine hash must have matched the replica's own events (and none
 mismatched) before receipts teach the index blocks under computed hashes."""
 HASH_CHECK_RECEIPTS = 256
-"""Receipts a replica's hashes are checked on before kvlb gives up trusting them (none matched)."""
+"""Receipts a replica's hashes are checked on before kvlb gives up trusting them (none matched).
+Only a receipt that found at least one block the index holds by its key counts: one whose blocks it
+holds none of can show neither a match nor a mismatch."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -796,5 +798,11 @@ class PoolRouter:
         found, wrong, learned = space.table.learn_blocks(
             replica, found_keys, hashes, lease.routed_at, hold=trusted
         )
-        self._hash_trust[replica] = (-1, checked + 1) if wrong else (matched + found, checked + 1)
+        if wrong:
+            self._hash_trust[replica] = (-1, checked + 1)
+        elif found or trusted or space.table.held_prefix(replica, found_keys):
+            self._hash_trust[replica] = (matched + found, checked + 1)
+        # else the index held none of the found blocks by its key (the receipt came before their
+        # events, or after a clear): it shows neither a match nor a mismatch, so it does not count
+        # towards HASH_CHECK_RECEIPTS (a held block that no computed hash names still does)
         return learned

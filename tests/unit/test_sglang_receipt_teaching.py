@@ -18,7 +18,7 @@ from balancer.index.hashing import pack_tokens
 from balancer.index.slots import TableLimits
 from balancer.policy.base import PolicyWeights
 from balancer.policy.registry import make_policy
-from balancer.routing.router import HASH_TRUST_BLOCKS, PoolRequest, PoolRouter
+from balancer.routing.router import HASH_CHECK_RECEIPTS, HASH_TRUST_BLOCKS, PoolRequest, PoolRouter
 from balancer.types import EngineHash, ReplicaId, to_u64
 
 R = ReplicaId("r0")
@@ -107,3 +107,36 @@ def test_a_store_under_pages_a_gap_lost_is_applied_from_a_routed_request_without
     before_gap = router()  # the same without a gap: nothing noted, the store is skipped
     before_gap.route(PoolRequest(prompt, POLICY, PolicyWeights(), "q"), 0.0).release(0.1)
     assert before_gap.space_of[R].table.apply(R, [child], 0.2).skipped_unknown_parent == 1
+
+
+def test_receipts_of_blocks_the_index_never_held_do_not_use_up_the_check() -> None:
+    """Receipts whose pages the index holds none of (they came before the pages' events, or after a
+    clear) show neither a match nor a mismatch: however many, the replica's hashes are still
+    trusted once its events and receipts agree."""
+    r = router()
+    table = r.space_of[R].table
+    now = 0.0
+    for i in range(HASH_CHECK_RECEIPTS + 10):  # reused pages whose stores the index never saw
+        serve(r, [8, i, *range(200, 218)], 20, now)
+        now += 0.01
+    assert r.hash_trust(R) is None
+    for i in range(HASH_TRUST_BLOCKS // 4 + 1):
+        prompt = [7, i, *range(100, 118)]
+        table.apply(R, [stored(prompt)], now)
+        serve(r, prompt, 20, now)
+        now += 0.1
+    assert r.hash_trust(R) is True
+
+
+def test_receipts_of_held_blocks_no_computed_hash_names_give_the_replica_up() -> None:
+    """The pages are held (by their key) under hashes kvlb does not compute: every receipt counts,
+    and after ``HASH_CHECK_RECEIPTS`` of them the replica's hashes are given up."""
+    r = router()
+    table = r.space_of[R].table
+    for i in range(HASH_CHECK_RECEIPTS):
+        prompt = [7, i, *range(100, 118)]
+        other = tuple(EngineHash(h ^ 1) for h in engine_pages(prompt))
+        table.apply(R, [Stored(0, None, other, pack_tokens(prompt), PAGE)], i * 0.01)
+        assert r.hash_trust(R) is None
+        serve(r, prompt, 20, i * 0.01)
+    assert r.hash_trust(R) is False
