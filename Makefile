@@ -72,8 +72,18 @@ typecheck: $(STAMP) proto
 # this 2-core machine (2026-11-30); pytest rewrote every test module's asserts at each run as well.
 PYTEST := PYTHONDONTWRITEBYTECODE= $(PY) -m pytest
 
+# `make test`'s pytest runs in two parts (docs/testing.md, "How the suite runs"): every test not
+# marked `serial` on TEST_WORKERS pytest-xdist workers, a whole file to a worker (`--dist loadfile`:
+# a module's fixtures start once), then the `serial` tests alone. Both parts always run; the target
+# fails if either did (pytest's 5, no test selected, counts as a pass). TEST_WORKERS=0 runs the
+# first part in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) proto redis browser tini lint typecheck
-	$(PYTEST) -q -p no:cacheprovider
+	$(PYTEST) -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile -m "not serial"; par=$$?; \
+	$(PYTEST) -q -p no:cacheprovider -m serial; ser=$$?; [ $$ser = 5 ] && ser=0; \
+	echo "make test: parallel part (-n $(TEST_WORKERS)) exit $$par, serial part exit $$ser:" \
+		"$$( (( par || ser )) && echo FAILED || echo passed)"; \
+	exit $$(( par || ser ))
 
 test-fast: $(STAMP) proto
 	$(PYTEST) -q -p no:cacheprovider -x -m "not slow"

@@ -261,6 +261,7 @@ async def test_request_timeout_and_concurrency_cap(server: FakeServer) -> None:
     assert max(lags) > 0.1  # the last ones waited for two earlier rounds of ~60 ms
 
 
+@pytest.mark.serial  # 40 launches 20 ms apart must all be in flight within 1 s: a busy neighbour delays them
 async def test_a_cap_below_the_in_flight_peak_holds_the_schedule_back(server: FakeServer) -> None:
     """40 requests 20 ms apart, each in flight over 1 s (1,000 prompt tokens): the schedule's own
     peak is every request at once. A cap of 8 makes the ninth and later launches wait for requests

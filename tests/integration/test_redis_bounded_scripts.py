@@ -124,6 +124,7 @@ async def worst_ping_during(
     return max(latencies), longest, took, len(latencies)
 
 
+@pytest.mark.serial  # PING latency while a script runs: a neighbour worker's CPU adds to it
 @pytest.mark.parametrize("capacity", [1_000_000, EVICT_CAPACITY], ids=["fits", "evicts"])
 async def test_ping_answers_within_50ms_while_a_maximal_event_applies(
     client: aioredis.Redis, redis_server: RedisServer, capacity: int

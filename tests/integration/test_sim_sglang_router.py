@@ -43,7 +43,7 @@ async def test_sglang_router_round_robins_over_emulated_replicas() -> None:
             env=env, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL,
         )  # fmt: skip
         try:
-            served = await _route_through(f"http://127.0.0.1:{router_port}", count=6)
+            served = await _route_through(f"http://127.0.0.1:{router_port}", count=6, workers=len(urls))
         finally:
             router.terminate()
             async with asyncio.timeout(10):
@@ -51,16 +51,21 @@ async def test_sglang_router_round_robins_over_emulated_replicas() -> None:
     assert served == Counter({"sim-0": 3, "sim-1": 3})
 
 
-async def _route_through(router_url: str, count: int) -> Counter[str]:
-    """Wait until the router has registered workers, then send ``count`` chat requests."""
+async def _route_through(router_url: str, count: int, workers: int) -> Counter[str]:
+    """Wait until the router has registered all ``workers`` as healthy, then send ``count`` chat
+    requests. It registers them one at a time and answers ``/v1/models`` from the first: a wait on
+    that sent the first requests to one replica (4 and 2 of 6 at load 7 under pytest-xdist,
+    2026-12-01)."""
     body = {"model": "sim-test", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
     served: Counter[str] = Counter()
     async with aiohttp.ClientSession() as session:
         async with asyncio.timeout(30):
-            while True:  # the router answers 503 until it has registered a worker
+            while True:  # ``/workers`` lists the registered workers (none until the first is)
                 try:
-                    async with session.get(router_url + "/v1/models") as response:
-                        if response.status == 200 and json.loads(await response.text()).get("data"):
+                    async with session.get(router_url + "/workers") as response:
+                        listed = json.loads(await response.text()) if response.status == 200 else {}
+                        healthy = [w for w in listed.get("workers", []) if w.get("is_healthy")]
+                        if len(healthy) == workers:
                             break
                 except aiohttp.ClientConnectionError:
                     pass
