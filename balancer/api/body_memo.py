@@ -17,16 +17,16 @@ It serves identical repeated bodies only: a chat that differs in one byte (a new
 different ``user``, ``stream`` or ``max_tokens``) is a miss and costs what it did plus a digest of
 its last kilobyte (:data:`GUESS_TAIL_BYTES`): only a body whose tail, length and kind were seen
 before is digested whole and looked up, so a body is kept from its second sight, and bodies never
-sent again cost neither a whole digest nor an entry and an eviction. Only bodies that
-parsed and tokenized without error are kept: a bad body is never found and gets its 4xx from the
-fresh parse.
+sent again cost neither a whole digest nor an entry and an eviction. Only bodies that parsed and
+tokenized on the event loop without error are kept: a bad body is never found and gets its 4xx
+from the fresh parse.
 
-Bounded in entries and in bytes: at most ``max_entries`` bodies and ``max_bytes`` of their ids plus
-:data:`ENTRY_OVERHEAD_BYTES` each, least recently used out first (``evictions``, exported as
-``kvlb_http_body_memo_evictions_total``); a body whose ids alone pass ``max_bytes`` is not kept
-(``too_large``). Like :class:`~balancer.index.hashing.KeyMemo`, a hit trusts the 128-bit digest and
-the length; a collision would route the request by another body's ids, and its own bytes still go
-to the engine.
+Bounded in entries and in bytes: at most ``max_entries`` bodies and ``max_bytes`` of their ids,
+their model and ``user`` strings, plus :data:`ENTRY_OVERHEAD_BYTES` each, least recently used out
+first (``evictions``, exported as ``kvlb_http_body_memo_evictions_total``); a body whose entry alone
+passes ``max_bytes`` is not kept (``too_large``). Like :class:`~balancer.index.hashing.KeyMemo`, a
+hit trusts the 128-bit digest and the length; a collision would route the request by another body's
+ids, and its own bytes still go to the engine.
 """
 
 from __future__ import annotations
@@ -156,7 +156,9 @@ class BodyMemo:
         (a first sight, or the memo off) is not kept."""
         if key is None or key in self._entries:
             return
-        size = token_ids.itemsize * len(token_ids) + ENTRY_OVERHEAD_BYTES
+        # the model and ``user`` strings are the client's, of any length: counted at a byte a character
+        size = token_ids.itemsize * len(token_ids) + ENTRY_OVERHEAD_BYTES + len(parsed.model)
+        size += len(parsed.session_key or "")
         if size > self.max_bytes:
             self.too_large += 1
             return

@@ -147,11 +147,11 @@ def test_bounded_in_entries_least_recently_used_out_first() -> None:
     assert len(memo) == 3 and memo.evictions == 2
     kept = [memo.find(memo.key(raw, "chat")) is not None for raw in raws]
     assert kept == [True, False, False, True, True]
-    assert memo.bytes == 3 * (8 * 4 + ENTRY_OVERHEAD_BYTES)
+    assert memo.bytes == 3 * (8 * 4 + ENTRY_OVERHEAD_BYTES + len("m"))  # ids, entry, model
 
 
 def test_bounded_in_bytes_and_a_body_too_large_is_counted_not_kept() -> None:
-    per_entry = 100 * 4 + ENTRY_OVERHEAD_BYTES
+    per_entry = 100 * 4 + ENTRY_OVERHEAD_BYTES + len("m")
     memo = BodyMemo(100, 2 * per_entry + 10)
     raws = [_raw({"model": "m", "messages": [{"role": "user", "content": f"Q{i}"}]}) for i in range(4)]
     for raw in raws:
@@ -160,6 +160,13 @@ def test_bounded_in_bytes_and_a_body_too_large_is_counted_not_kept() -> None:
     big = _raw({"model": "m", "messages": [{"role": "user", "content": "long"}]})
     _seen_twice(memo, big, ids=_ids(1000))
     assert memo.too_large == 1 and memo.find(memo.key(big, "chat")) is None and len(memo) == 2
+
+
+def test_a_long_user_string_counts_against_the_bytes() -> None:
+    memo = BodyMemo(100, 4 * 8 + ENTRY_OVERHEAD_BYTES + 5_000)
+    raw = _raw({"model": "m", "messages": [{"role": "user", "content": "Q"}], "user": "u" * 10_000})
+    _seen_twice(memo, raw)
+    assert memo.too_large == 1 and len(memo) == 0
 
 
 def test_the_first_sights_kept_are_bounded_too() -> None:
