@@ -82,6 +82,44 @@ class TokenIdMemoCollector(Collector):
             yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
 
 
+class BodyMemoCollector(Collector):
+    """The HTTP body memo's counters (:meth:`balancer.api.body_memo.BodyMemo.counts`), read at
+    scrape time: ``kvlb_http_body_memo_{hits,misses,evictions,too_large}_total`` (bodies found,
+    looked up and not found, forgotten at ``limits.body_memo_entries``/``body_memo_bytes``, and not
+    kept because their ids alone pass ``body_memo_bytes``), with the gauges
+    ``kvlb_http_body_memo_entries`` and ``kvlb_http_body_memo_held_bytes``. ``source`` is set by the
+    web application once the memo exists (zeros before)."""
+
+    COUNTERS: Final = ("hits", "misses", "evictions", "too_large")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counts = self.source()
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(
+                f"kvlb_http_body_memo_{name}",
+                f"Whole request bodies: {name.replace('_', ' ')} of the body memo.",
+                value=counts.get(name, 0),
+            )
+        yield GaugeMetricFamily(
+            "kvlb_http_body_memo_entries", "Bodies the body memo holds.", value=counts.get("entries", 0)
+        )
+        yield GaugeMetricFamily(
+            "kvlb_http_body_memo_held_bytes",
+            "Bytes counted of the body memo's entries.",
+            value=counts.get("held_bytes", 0),
+        )
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"kvlb_http_body_memo_{name}", "")
+        yield GaugeMetricFamily("kvlb_http_body_memo_entries", "")
+        yield GaugeMetricFamily("kvlb_http_body_memo_held_bytes", "")
+
+
 class LoadTrackerCollector(Collector):
     """Every pool's :class:`~balancer.load.tracker.LoadTracker` counters, read at scrape time:
     ``kvlb_load_tracker_overflow_total{pool}`` (reservations dropped, oldest first, for a new one

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.utils import floatToGoString
 
 from balancer.counter_collectors import (
+    BodyMemoCollector,
     DropsCollector,
     KeyMemoCollector,
     LoadTrackerCollector,
@@ -1107,6 +1108,7 @@ class Metrics(
     index_tables: TableCountersCollector
     upstream_connections: UpstreamCountersCollector
     token_id_memo: TokenIdMemoCollector
+    body_memo: BodyMemoCollector
     key_memos: KeyMemoCollector
     segment_caches: SegmentCacheCollector
     load_trackers: LoadTrackerCollector
@@ -1237,6 +1239,8 @@ class Metrics(
         reg.register(connections)
         token_id_memo = TokenIdMemoCollector()
         reg.register(token_id_memo)
+        body_memo = BodyMemoCollector()
+        reg.register(body_memo)
         key_memos = KeyMemoCollector()
         reg.register(key_memos)
         segment_caches = SegmentCacheCollector()
@@ -1266,6 +1270,7 @@ class Metrics(
             index_tables=tables,
             upstream_connections=connections,
             token_id_memo=token_id_memo,
+            body_memo=body_memo,
             key_memos=key_memos,
             segment_caches=segment_caches,
             load_trackers=load_trackers,

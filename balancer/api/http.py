@@ -24,9 +24,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from balancer import strict_json
 from balancer.api.admin import add_admin_routes
+from balancer.api.body_memo import BodyMemo
 from balancer.api.console import add_console_routes
 from balancer.api.cors import CorsPolicy
-from balancer.api.middleware import CORS, STATE, add_cors_headers, kvlb_middleware
+from balancer.api.middleware import BODY_MEMO, CORS, STATE, add_cors_headers, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
 from balancer.api.webui import add_ui_routes
@@ -139,6 +140,9 @@ def build_web_app(state: ServiceState) -> web.Application:
     app = web.Application(middlewares=[kvlb_middleware], client_max_size=state.settings.limits.max_body_bytes)
     app[STATE] = state
     app[EXPOSITION] = Exposition(state.metrics.registry)
+    limits = state.settings.limits
+    body_memo = app[BODY_MEMO] = BodyMemo(limits.body_memo_entries, limits.body_memo_bytes)
+    state.metrics.body_memo.source = body_memo.counts
     cors = CorsPolicy.of(state.settings.listen, state.settings.tenant_header)
     if cors is not None:
         app[CORS] = cors

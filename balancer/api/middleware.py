@@ -36,6 +36,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from balancer.api.body_memo import BodyMemo
 from balancer.api.cors import CorsPolicy, cors_path, is_preflight
 from balancer.api.errors import ApiError, error_response, from_balancer_error, too_large
 from balancer.config import AuthConfig
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 STATE = web.AppKey("kvlb_state", ServiceState)
+BODY_MEMO = web.AppKey("kvlb_body_memo", BodyMemo)
+"""The application's memo of whole request bodies (:func:`~balancer.api.http.build_web_app` sizes it
+from ``limits.body_memo_entries``/``body_memo_bytes``; one per process)."""
 """The service state the app serves (set by :func:`balancer.api.http.build_web_app`)."""
 CORS = web.AppKey("kvlb_cors", CorsPolicy)
 """The app's CORS policy; absent when ``listen.cors_allow_origins`` is empty."""

@@ -71,7 +71,7 @@ from aiohttp.http_exceptions import TransferEncodingError
 from balancer import strict_json
 from balancer.api.client_writes import ClientWrites, HttpWrites, drop_connection
 from balancer.api.errors import ApiError, refusal_response, retry_after, too_large
-from balancer.api.middleware import OUTCOME, RATE_TAKEN, REQUEST_ID, STATE, expect_continue
+from balancer.api.middleware import BODY_MEMO, OUTCOME, RATE_TAKEN, REQUEST_ID, STATE, expect_continue
 from balancer.api.parse_cost import json_parse_bytes
 from balancer.api.parsing import (
     ParsedRequest,
@@ -224,19 +224,34 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
     async with admitted(state, held or 0, tenant) as admission:
         hold = admission.hold if held is None else None
         body = await read_body(request, max_bytes, state.settings.timeouts, hold)
-        parse_bytes = json_parse_bytes(body)  # 0 under 256 KiB: nothing counted, nothing held
-        if parse_bytes:
-            await hold_parse(admission, parse_bytes, state, "http")
-            try:
+        body_memo = request.app[BODY_MEMO]
+        body_key = body_memo.key(body, kind)
+        remembered = body_memo.find(body_key)  # the same bytes parsed and tokenized before
+        if remembered is not None:
+            parsed = remembered.parsed
+            check_sequences(parsed, limits.max_n)
+            pool = find_pool(state, parsed.model)
+            if pool.tokenizer is not remembered.tokenizer:  # the pool was built again since
+                remembered = None
+        if remembered is None:
+            parse_bytes = json_parse_bytes(body)  # 0 under 256 KiB: nothing counted, nothing held
+            if parse_bytes:
+                await hold_parse(admission, parse_bytes, state, "http")
+                try:
+                    parsed = parse_request(body, kind, state.token_id_memo)
+                finally:
+                    admission.give_back_tokenizing()
+            else:
                 parsed = parse_request(body, kind, state.token_id_memo)
-            finally:
-                admission.give_back_tokenizing()
-        else:
-            parsed = parse_request(body, kind, state.token_id_memo)
-        check_sequences(parsed, limits.max_n)  # before the tokenizer's work
-        pool = find_pool(state, parsed.model)
+            check_sequences(parsed, limits.max_n)  # before the tokenizer's work
+            pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
-        token_ids = tokenize_inline(pool, parsed, limits.max_prompt_tokens)
+        if remembered is not None:
+            token_ids: array[int] | None = _checked(remembered.token_ids, limits.max_prompt_tokens)
+        else:
+            token_ids = tokenize_inline(pool, parsed, limits.max_prompt_tokens)
+            if token_ids is not None:
+                body_memo.note(body_key, parsed, pool.tokenizer, token_ids)
         if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
             form = Reparsed(parsed, functools.partial(parse_request, body, kind, state.token_id_memo))
             del parsed  # only ``form`` holds it: dropped while it waits for its bytes, parsed again after

@@ -251,6 +251,15 @@ class LimitConfig:
     most 4 kB a run: 6 to 17 MB at the default). gRPC prompts' runs of 1 kB of packed ids share the
     count, with their JSON text: about 3.8 kB a run, at most 8.2 kB (34 MB at the default if all
     were). 0 turns it off. 0..1,048,576; per process."""
+    body_memo_entries: int = 1024
+    """Whole ``/v1/chat/completions`` and ``/v1/completions`` bodies (HTTP) whose parsed fields and
+    token ids are remembered by a digest of their bytes, so that a body sent again byte for byte (a
+    retry, a fan-out, a load test) is neither decoded nor tokenized again; kept from a body's second
+    sight, least recently used out first (``kvlb_http_body_memo_evictions_total``). Bodies that
+    differ in any byte gain nothing. 0 turns it off. 0..1,048,576; per process."""
+    body_memo_bytes: int = 32 * 1024 * 1024
+    """Bytes the body memo (``body_memo_entries``) holds at most: 4 bytes a token id plus 512 an
+    entry (an 8k-token prompt about 33 kB). 0 turns it off. 0..16 GiB; per process."""
     segment_cache_bytes: int = 128 * 1024 * 1024
     """Bytes each tokenizer's segment cache holds at most (the ids of long chat messages, system
     prompts and earlier turns, kept so they are tokenized once; 2,000,000 ids at most): each segment's

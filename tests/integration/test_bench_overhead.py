@@ -87,16 +87,21 @@ async def test_smoke_run_reports_every_field() -> None:
         assert run["route_decision"]["count"] == routed
         assert run["route_decision"]["mean_us"] > 0
         assert set(run["token_id_memo"]) == {"hits", "misses", "evictions"}
-    # the memo: repeated id prompts are found whole after the warm-up; shared ones decode their tails;
+        assert set(run["body_memo"]) == {"hits", "misses", "evictions"}
+    # the memos: shared id prompts decode their tails;
     # gRPC token ids come packed from the message, their runs of packed varints found as well
     for kind in ("chat_shared", "chat", "chat_cold"):
         assert report["runs"][kind]["token_id_memo"] == {"hits": 0, "misses": 0, "evictions": 0}
-    repeated, shared, grpc_ids = (
-        report["runs"]["tokens"]["token_id_memo"],
+    shared, grpc_ids = (
         report["runs"]["tokens_shared"]["token_id_memo"],
         report["runs"]["grpc_tokens"]["token_id_memo"],
     )
-    assert repeated["hits"] > 0 and shared["hits"] > 0 and shared["misses"] > 0
+    # repeated bodies are found whole by the body memo from their second sight (their runs decoded,
+    # then kept, before it), so the runs memo's hits come from the shared kinds
+    assert shared["hits"] > 0 and shared["misses"] > 0
+    for kind in ("tokens", "chat"):
+        assert report["runs"][kind]["body_memo"]["hits"] > 0
+    assert report["runs"]["chat_shared"]["body_memo"]["hits"] == 0
     assert grpc_ids["hits"] > 0 and grpc_ids["evictions"] == 0
     assert report["shape"]["workers"] == [1, 2]
     for kind in kinds:

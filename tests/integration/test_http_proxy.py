@@ -91,7 +91,7 @@ async def test_token_ids_sent_again_are_found_in_the_memo_and_routed_alike(token
     replica that holds it, and a prompt sharing only its first runs is routed from the right ids."""
     prompt = [4_000_000_000 + i * 7919 for i in range(200)]  # 2.4 kB of JSON: two runs
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 1}
-    async with running(tokenizer) as h:
+    async with running(tokenizer, limits__body_memo_entries=0) as h:  # the runs memo, not the bodies one
         holder = await h.warm(prompt)
         answers = [await h.post("/v1/completions", body) for _ in range(3)]
         assert all(a.status == 200 for a in answers), answers[0].body

@@ -297,6 +297,12 @@ def _kind_lines(kind: str, run: Mapping[str, Any]) -> list[str]:
             f"  kvlb token-id memo runs: {memo['hits']:,} found, {memo['misses']:,} decoded, "
             f"{memo['evictions']:,} evicted"
         )
+    bodies = run.get("body_memo")
+    if bodies is not None and any(bodies.values()):
+        lines.append(
+            f"  kvlb body memo: {bodies['hits']:,} bodies found, {bodies['misses']:,} not found, "
+            f"{bodies['evictions']:,} evicted"
+        )
     decision = run["route_decision"]
     lines.append(
         f"  kvlb route decision (kvlb_route_decision_seconds): mean {_num(decision['mean_us'], 1)} µs, "

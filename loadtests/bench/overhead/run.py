@@ -46,7 +46,9 @@ round takes bodies no earlier one took). Reported per kind and phase: latency
 p50/p90/p99 per path, the added latency of each proxy (its percentile minus the direct path's), req/s,
 each proxy process's CPU per request from ``/proc`` (so the rate one fully busy core routes), and the
 route-decision time from kvlb's own ``kvlb_route_decision_seconds`` histogram, and the runs of its
-token-id memo found, decoded and evicted (``kvlb_tokenizer_token_id_memo_*_total``). The tokenizer's
+token-id memo found, decoded and evicted (``kvlb_tokenizer_token_id_memo_*_total``), and the whole
+bodies its body memo found, did not find and evicted (``kvlb_http_body_memo_*_total``: the repeated
+kinds' bodies are found from their second sight, so they measure the memo, not a parse). The tokenizer's
 time is measured here, on a tokenizer with its segment cache off (every sample a full encode; for
 ``chat_cold`` also in the ``sequential`` and ``spaced`` phases' own turns, on the same bodies) and for
 ``chat_shared`` prompts on kvlb's inline path (``encode_chat_if_cached``) once their system prompts
@@ -125,6 +127,8 @@ MEMO_COUNTERS = tuple(
     f"kvlb_tokenizer_token_id_memo_{name}_total" for name in ("hits", "misses", "evictions")
 )
 """kvlb's token-id memo counters (runs of prompt text found, decoded, forgotten), reported per kind."""
+BODY_MEMO_COUNTERS = tuple(f"kvlb_http_body_memo_{name}_total" for name in ("hits", "misses", "evictions"))
+"""kvlb's body memo counters (whole HTTP bodies found, not found, forgotten), reported per kind."""
 
 
 # ------------------------------------------------------------------------------------ processes
@@ -348,6 +352,10 @@ async def measure_kind(
     result["route_decision"] = decision_figures(histogram_delta(*decisions))
     memo = {name: metric_value(after, name) - metric_value(before, name) for name in MEMO_COUNTERS}
     result["token_id_memo"] = {name.split("_")[-2]: round(value) for name, value in memo.items()}
+    bodies_found = {
+        name: metric_value(after, name) - metric_value(before, name) for name in BODY_MEMO_COUNTERS
+    }
+    result["body_memo"] = {name.split("_")[-2]: round(value) for name, value in bodies_found.items()}
     return result
 
 
