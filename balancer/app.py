@@ -35,7 +35,7 @@ from balancer.api.http import build_web_app
 from balancer.api.inflight import InflightRequests
 from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
 from balancer.config import PoolConfig, Settings
-from balancer.discovery import Discovery, KubernetesDiscovery, build_discovery
+from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError, bind_error
 from balancer.health.book import BreakerConfig, HealthBook
@@ -453,6 +453,8 @@ class Balancer:
         state.sources_started_at = state.monotonic()
         discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
         if discovery is not None:
+            from balancer.discovery.kubernetes import KubernetesDiscovery  # lazy: a discovery only
+
             if isinstance(discovery, KubernetesDiscovery):  # the caps of the objects it keeps
                 self.metrics.discovery_over_cap.source = discovery.over_cap
             replicas.start_discovery(discovery)

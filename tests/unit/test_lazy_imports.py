@@ -1,6 +1,7 @@
 """``kvlb serve`` imports only what its configuration uses: an embedded start (no ``redis.url``, no
-``listen.grpc_port``) imports neither the Redis client nor gRPC (31–36 ms and 14–18 ms of every
-start before 2026-12-01); a start with a gRPC port still imports and serves it."""
+``listen.grpc_port``, static discovery) imports neither the Redis client nor gRPC nor the Kubernetes
+discovery (31–36 ms, 14–18 ms and about 15 ms of every start before 2026-12-01); a start with a gRPC
+port still imports and serves it."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from balancer.app import Balancer
 from balancer.config import Settings, from_mapping
 from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
-HEAVY = ("redis", "grpc", "grpc_health", "grpc_reflection", "balancer.fleet.runtime")
+HEAVY = (
+    "redis", "grpc", "grpc_health", "grpc_reflection", "balancer.fleet.runtime",
+    "balancer.discovery.kubernetes",
+)
 
 
 async def main() -> None:
@@ -50,7 +54,7 @@ def _probe(mode: str) -> dict[str, object]:
     return result
 
 
-def test_an_embedded_start_imports_neither_redis_nor_grpc() -> None:
+def test_an_embedded_static_start_imports_neither_redis_nor_grpc_nor_kubernetes() -> None:
     assert _probe("embedded") == {"imported": [], "started": [], "grpc_port": False}
 
 
