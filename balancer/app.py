@@ -23,7 +23,7 @@ import socket
 import time
 from collections.abc import Coroutine, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import zmq.asyncio
@@ -31,16 +31,13 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 
 from balancer.api.gathered import grpc_replicas, grpc_whatif
-from balancer.api.grpc.server import GrpcServer
 from balancer.api.http import build_web_app
 from balancer.api.inflight import InflightRequests
 from balancer.api.siblings import Siblings, catch_up, grpc_fan_out, sibling_middleware
 from balancer.config import PoolConfig, Settings
-from balancer.discovery import Discovery, KubernetesDiscovery, build_discovery
+from balancer.discovery import Discovery, build_discovery
 from balancer.engines.registry import engine_spec
 from balancer.errors import ConfigError, bind_error
-from balancer.fleet.redis_checks import check_database
-from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import BreakerConfig, HealthBook
 from balancer.index.locked import LockedPrefixTable
 from balancer.index.slots import TableLimits
@@ -77,6 +74,11 @@ from balancer.types import ReplicaId
 from balancer.upstream.client import UpstreamClient
 from balancer.upstream.keys import KeyWatcher
 from balancer.worker_record import crash_loop_reasons, read_record
+
+if TYPE_CHECKING:  # imported where configured (fleet mode, a gRPC port): a start without them skips
+    # the Redis client and gRPC (tests/unit/test_lazy_imports.py)
+    from balancer.api.grpc.server import GrpcServer
+    from balancer.fleet.runtime import FleetRuntime
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +197,8 @@ class Balancer:
     async def _start(self) -> None:
         settings = self.settings
         if settings.redis.url is not None:  # before the pools' tokenizers: kvlb serve stops with exit 2
+            from balancer.fleet.redis_checks import check_database  # lazy: Redis only
+
             await check_database(settings.redis)
         health = HealthBook(
             BreakerConfig(probe_timeouts_to_drop=settings.health_timeouts_to_drop),
@@ -436,6 +440,8 @@ class Balancer:
         )
         if self.settings.redis.url is not None:  # fleet mode: leases decide who ingests what
             index = None if worker is None or worker.count < 2 else worker.index
+            from balancer.fleet.runtime import FleetRuntime  # lazy: Redis only
+
             # the writers run on the ingest thread
             self.fleet = FleetRuntime(state, thread=replicas.thread, worker=index)
             await self.fleet.start()
@@ -447,6 +453,8 @@ class Balancer:
         state.sources_started_at = state.monotonic()
         discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
         if discovery is not None:
+            from balancer.discovery.kubernetes import KubernetesDiscovery  # lazy: a discovery only
+
             if isinstance(discovery, KubernetesDiscovery):  # the caps of the objects it keeps
                 self.metrics.discovery_over_cap.source = discovery.over_cap
             replicas.start_discovery(discovery)
@@ -545,6 +553,8 @@ class Balancer:
         port = self.settings.listen.grpc_port
         if port is None:
             return
+        from balancer.api.grpc.server import GrpcServer  # lazy: a gRPC port only
+
         self._grpc = GrpcServer(state, reuse_port=self.options.worker is not None)
         self.grpc_port = await self._grpc.start(self.settings.listen.host, port)
         log.info("kvlb serving gRPC on %s:%d", self.settings.listen.host, self.grpc_port)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from balancer.config import Settings
 from balancer.discovery.base import (
@@ -28,8 +29,10 @@ from balancer.discovery.base import (
 )
 from balancer.discovery.file import FileDiscovery
 from balancer.discovery.kube_api import SERVICE_ACCOUNT_DIR
-from balancer.discovery.kubernetes import KubernetesDiscovery
 from balancer.errors import ConfigError
+
+if TYPE_CHECKING:  # imported when asked for: a start without Kubernetes discovery skips its modules
+    from balancer.discovery.kubernetes import KubernetesDiscovery
 
 __all__ = [
     "Discovered",
@@ -43,6 +46,15 @@ __all__ = [
     "build_discovery",
     "diff_replicas",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``KubernetesDiscovery`` on first use (:func:`build_discovery` imports it for its kind only)."""
+    if name == "KubernetesDiscovery":
+        from balancer.discovery.kubernetes import KubernetesDiscovery
+
+        return KubernetesDiscovery
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def build_discovery(
@@ -70,6 +82,8 @@ def build_discovery(
                 f"discovery.namespace is not set and {service_account_dir}/namespace is unreadable "
                 f"({exc.strerror}): set discovery.namespace"
             ) from None
+    from balancer.discovery.kubernetes import KubernetesDiscovery
+
     return KubernetesDiscovery(
         config,
         namespace=namespace,

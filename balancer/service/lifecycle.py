@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import aiohttp
 import zmq.asyncio
@@ -36,7 +37,6 @@ import zmq.asyncio
 from balancer.config import ReplicaConfig
 from balancer.discovery import Discovery, DiscoveryEvent, ReplicaAdded
 from balancer.engines.registry import engine_spec
-from balancer.fleet.runtime import FleetRuntime
 from balancer.health.book import kept_text
 from balancer.health.prober import EngineWatch, HealthProber, ProbeSettings
 from balancer.index.memory import MemoryIndex
@@ -55,6 +55,9 @@ from balancer.sources.ingest_thread import IngestThread, ThreadedIngest
 from balancer.sources.pipeline import EventIngest
 from balancer.tasks import cancel_all, spawn
 from balancer.types import ReplicaId
+
+if TYPE_CHECKING:  # fleet mode only: a start without Redis does not import its client
+    from balancer.fleet.runtime import FleetRuntime
 
 log = logging.getLogger(__name__)
 
