@@ -5,9 +5,9 @@ second) and, for ``allocator: auto`` with jemalloc installed, after re-executing
 before then used to end it with the default action (exit 143, killed by SIGTERM; a traceback for
 SIGINT). :func:`install` is the first thing ``kvlb serve`` does: until the loop's own handlers replace
 these, either signal ends the process with 0 at once (nothing serves yet, nothing is lost).
-A tool's command line instead takes SIGINT as ``KeyboardInterrupt`` from the start
-(:func:`take_sigint`): :func:`balancer.cli.main.main` makes one that comes before the tool's own
-handling (while the tools are imported) one line and exit 130.
+A tool's command line instead takes SIGINT as ``KeyboardInterrupt`` from the start, even when it
+was started with SIGINT ignored (:func:`take_sigint`): :func:`balancer.cli.main.main` makes one that
+comes before the tool's own handling (while the tools are imported) one line and exit 130.
 SIGHUP is ignored from the start (:data:`NO_RELOAD`): kvlb has no reload, and its default action
 killed the supervisor of ``--workers N``, whose workers the kernel then SIGKILLs, cutting every stream.
 :func:`exec_keeping_signals` re-executes with both signals blocked, so one that arrives while the
@@ -49,11 +49,15 @@ def install() -> None:
 
 
 def take_sigint() -> None:
-    """For a tool's command line (``kvlb tune …``, ``kvlb capacity …``): unblock SIGINT, so that one
+    """For a tool's command line (``kvlb tune …``, ``kvlb capacity …``): SIGINT raises
+    ``KeyboardInterrupt`` (the interpreter's handler, installed here), then unblock it, so that one
     blocked across the process's start (as :func:`exec_keeping_signals` does) is taken now, while
     :func:`balancer.cli.main.main` handles it, rather than whenever the tool's code unblocks it
-    (never). Its handler stays the interpreter's (``KeyboardInterrupt``, or ignored when the process
-    was started with SIGINT ignored)."""
+    (never). The handler is installed even when the process was started with SIGINT ignored (a
+    shell's ``&`` without job control, a CI step's background job): Python then installs none, and
+    ``kvlb capacity`` ignored the SIGINT meant to stop it and write its points (2026-12-01,
+    h-sigcap). SIGHUP is left as inherited (``nohup`` keeps its meaning)."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT,))
 
 

@@ -155,11 +155,17 @@ async def _kvlb(
     env: dict[str, str] | None = None,
     interrupt_when: asyncio.Event | None = None,
     signum: signal.Signals = signal.SIGINT,
+    sigint_ignored: bool = False,
 ) -> tuple[int, str, str]:
     """``python -m balancer ARGV``: exit code, stdout, stderr. With ``interrupt_when``, ``signum``
-    (SIGINT) once it is set."""
+    (SIGINT) once it is set. With ``sigint_ignored`` the command starts with SIGINT ignored, as a
+    shell's ``&`` without job control starts it (``sh``'s ``trap '' INT``, kept across its ``exec``);
+    else with what this process inherited."""
+    command = [sys.executable, "-m", "balancer", *argv]
+    if sigint_ignored:
+        command = ["sh", "-c", "trap '' INT; exec \"$@\"", "sh", *command]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "balancer", *argv,
+        *command,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
     )  # fmt: skip
     try:
@@ -333,13 +339,19 @@ async def test_capacity_target_where_no_request_succeeds_writes_the_point(tmp_pa
     assert row["capacity_rate"] is None and row["first_failing_rate"] == point["rate"]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+@pytest.mark.parametrize(
+    ("signum", "sigint_ignored"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["SIGINT", "SIGTERM", "SIGINT-ignored-at-start"],
+)
 async def test_capacity_target_on_a_signal_writes_the_points_measured(
-    signum: signal.Signals, tmp_path: Path
+    signum: signal.Signals, sigint_ignored: bool, tmp_path: Path
 ) -> None:
     """The first point (10 requests) passes, the second hangs: SIGINT or SIGTERM then. Before the
     fix: exit 1 with a traceback and no capacity.json on SIGINT; on SIGTERM (until 2026-12-01) the
-    default action, no capacity.json and exit -15."""
+    default action, no capacity.json and exit -15. Started with SIGINT ignored (a background job
+    of a shell without job control, ``nohup`` in a script), until 2026-12-01 (h-sigcap) it ignored
+    the SIGINT and was still running 60 s later."""
     async with misbehaving_target(auth="Bearer k", hang="after10") as target:
         out = tmp_path / "capacity"
         code, _, stderr = await _kvlb(
@@ -347,6 +359,7 @@ async def test_capacity_target_on_a_signal_writes_the_points_measured(
             "--target-requests", "10", "--slo-ttft-p90", "5", "--target-timeout-s", "30",
             "--api-key-env", "LOADTEST_KEY", "--out", str(out),
             env={"LOADTEST_KEY": "k"}, interrupt_when=target.arrived, signum=signum,
+            sigint_ignored=sigint_ignored,
         )  # fmt: skip
     assert code == 128 + signum.value, stderr[-3000:]
     assert "Traceback" not in stderr
