@@ -264,8 +264,10 @@ them all): about 400 B of JSON each."""
 
 
 def kept_drain_views(state: ServiceState) -> tuple[list[dict[str, Any]], int]:
-    """The drains kept for replicas no pool lists (drained, then removed by discovery): each replica
-    added again under its id before ``expires_at_wall_ts`` comes back drained. This process's own
+    """The drains kept for replicas not listed (drained, then removed by discovery): each replica
+    added again under its id before ``expires_at_wall_ts`` comes back drained. A replica being
+    removed (its health record gone, its pool entry not yet) is listed here, as :func:`replica_views`
+    leaves it out: a replica is in one of the two lists, never in neither (h-keptdrains). This process's own
     (``source: memory``) and, in fleet mode, the fleet's in Redis (``source: redis``, which wins: the
     fleet's are the ones applied), newest removal first, at most :data:`MAX_LISTED_KEPT_DRAINS`; and
     how many there are."""
@@ -275,7 +277,8 @@ def kept_drain_views(state: ServiceState) -> tuple[list[dict[str, Any]], int]:
         listed.update((kept.replica, kept) for kept in state.fleet_kept_drains())
     for pool in state.pools.values():
         for replica in pool.replicas:
-            listed.pop(replica, None)
+            if replica in state.health.replicas:  # one being removed is listed here, not as a view
+                listed.pop(replica, None)
     ordered = sorted(listed.values(), key=lambda kept: kept.removed_at_wall_ts, reverse=True)
     return [kept_drain_view(kept, wall) for kept in ordered[:MAX_LISTED_KEPT_DRAINS]], len(ordered)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,6 @@ import aiohttp
 import grpc
 import pytest
 import yaml
-from procs_free import free_port
 from serve_harness import Child, start_serve, start_sim, stop
 from test_discovery_e2e import entry, eventually, write_atomically
 
@@ -42,6 +42,19 @@ async def fresh_get(url: str) -> Any:
         return await response.json()
 
 
+async def grpc_port_of(serve: Child) -> int:
+    """The gRPC port every worker logs it serves on (the supervisor's pick for ``grpc_port: 0``)."""
+    ports: set[str] = set()
+
+    async def logged() -> bool:
+        ports.update(re.findall(r"kvlb serving gRPC on 127\.0\.0\.1:(\d+)", serve.stderr.read_text()))
+        return bool(ports)
+
+    await eventually("the gRPC port logged", logged)
+    assert len(ports) == 1, ports
+    return int(ports.pop())
+
+
 async def test_kept_drains_are_listed_gathered_and_survive_a_worker_restart(tmp_path: Path) -> None:
     # both at once; one that started is stopped below when the other did not
     started = await asyncio.gather(start_sim(0, tmp_path), start_sim(1, tmp_path), return_exceptions=True)
@@ -54,9 +67,10 @@ async def test_kept_drains_are_listed_gathered_and_survive_a_worker_restart(tmp_
         listed = {"pools": [{"model": "sim-test", "replicas": [entry(sims[1].info)]}]}
         unlisted: dict[str, Any] = {"pools": [{"model": "sim-test", "replicas": []}]}
         write_atomically(replica_file, listed)
-        grpc_port = free_port()
         config = {
-            "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": grpc_port},
+            # 0: the supervisor reserves a free port for its workers (a port picked free here could
+            # be given to another run's workers before ours bound it, and SO_REUSEPORT would share it)
+            "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": 0},
             "pools": [{"model": "sim-test", "replicas": [entry(sims[0].info)]}],
             "discovery": {"kind": "file", "file": str(replica_file), "reload_interval_s": 0.2},
             "health_interval_s": 1.0,
@@ -65,6 +79,7 @@ async def test_kept_drains_are_listed_gathered_and_survive_a_worker_restart(tmp_
         path.write_text(yaml.safe_dump(config))
         serve = await start_serve(tmp_path, path, "--workers", "2")
         url = str(serve.info["url"])
+        grpc_port = await grpc_port_of(serve)
 
         async def sim1_on_every_read(draining: bool | None) -> bool:
             for _ in range(READS):
@@ -100,7 +115,13 @@ async def test_kept_drains_are_listed_gathered_and_survive_a_worker_restart(tmp_
         assert answer["kept_drains_total"] == 1
         async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
             over_grpc = await pb_grpc.AdminStub(channel).ListReplicas(pb.ListReplicasRequest())
-        assert [k.id for k in over_grpc.kept_drains] == ["sim-1"] and over_grpc.kept_drains_total == 1
+        # listed by every worker once its record of sim-1 is gone (h-keptdrains: before, not until its
+        # removal's last step, and a gathered read whose sibling did not answer could list none)
+        assert [k.id for k in over_grpc.kept_drains] == ["sim-1"] and over_grpc.kept_drains_total == 1, (
+            list(over_grpc.workers),
+            list(over_grpc.workers_missing),
+            [r.id for r in over_grpc.replicas],
+        )
         assert over_grpc.kept_drains[0].text == kept["text"]
 
         os.kill(serve.info["worker_pids"][1], signal.SIGKILL)
