@@ -99,8 +99,14 @@ async def test_a_crash_is_logged_as_a_disconnect_then_as_a_restart_when_the_new_
             await new.pages(2)  # before kvlb reconnects: the catch-up brings them
             await rig.settle(1)
             assert rig.index.timeline() == [1, 2, 3, 4, 5, "disconnect", 1, 2]
-            messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
-            restarted = [m for m in messages if "restarted" in m]
-            assert len(restarted) == 1 and "it had reached 4" in restarted[0], messages
+
+            def restarted() -> list[str]:
+                messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
+                return [m for m in messages if "restarted" in m]
+
+            # the catch-up logs the restart once its replay is over, which can be a loop turn after
+            # the replayed batches are applied
+            await eventually(lambda: bool(restarted()), seen=lambda: caplog.messages)
+            assert len(restarted()) == 1 and "it had reached 4" in restarted()[0], caplog.messages
         finally:
             await new.aclose()
