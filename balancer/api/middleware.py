@@ -47,10 +47,10 @@ log = logging.getLogger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 STATE = web.AppKey("kvlb_state", ServiceState)
+"""The service state the app serves (set by :func:`balancer.api.http.build_web_app`)."""
 BODY_MEMO = web.AppKey("kvlb_body_memo", BodyMemo)
 """The application's memo of whole request bodies (:func:`~balancer.api.http.build_web_app` sizes it
 from ``limits.body_memo_entries``/``body_memo_bytes``; one per process)."""
-"""The service state the app serves (set by :func:`balancer.api.http.build_web_app`)."""
 CORS = web.AppKey("kvlb_cors", CorsPolicy)
 """The app's CORS policy; absent when ``listen.cors_allow_origins`` is empty."""
 REQUEST_ID = web.RequestKey("kvlb_request_id", str)

@@ -48,6 +48,7 @@ MARK_BYTES = 100
 """Estimated bytes per prefix mark of a record (``RouteRequest.prefix_marks``: a tuple of two ints
 and its slot, about 90 B as the router builds it; 10 to 18 B packed)."""
 MAX_TENANT_CHARS = 128
+"""A tenant header value is cut to this many characters."""
 MARSHAL_VERSION = 2
 """The ``marshal`` format a record is packed in. From version 3 ``marshal`` notes every object it
 writes that has another reference (small ints, shared strings, a prompt's block keys) in a table, so
@@ -55,7 +56,6 @@ that a second sight is written as a back-reference: for a record's few hundred v
 cost more than it saved. A 8k-token prompt's record (56 prefix marks of 64-bit keys) took 110,000
 instructions to pack at version 4, 84,000 at version 2, about 17% more bytes (unread by the byte
 bound, which is an estimate). ``marshal.loads`` reads every version."""
-"""A tenant header value is cut to this many characters."""
 
 
 @quick_init
