@@ -15,6 +15,15 @@ more one at a time, dumps the counts (``callgrind_control -d``) and prints the p
 prompts' token ids; ``chat_shared`` takes a new body per request (one of 32 shared system prompts,
 a new user message), in the bench's order.
 
+With ``--concurrency N`` the warm-up and the counted requests are sent by ``N`` clients that each
+keep one request in flight, as the bench's concurrent phase does (32 there): the count then includes
+what concurrency adds to a request (young collections of the garbage collector, walked while other
+requests' objects are alive; the loop's timers), which one request at a time never shows. Under
+valgrind the process's threads run one at a time, so what the count cannot show is what concurrency
+does to the time each instruction takes (caches, wakeups). ``--separate-threads`` writes one dump per
+thread and adds each thread's instructions per request to the JSON (``thread_instructions_per_request``,
+callgrind's thread numbers, 1 the main thread's).
+
 Valgrind runs kvlb some 50–100× slower than it runs live (a request takes 150–250 ms instead of
 1–3 ms), and kvlb's clocks do not slow down with it: at the bench's settings a routed request's
 speculative blocks (``limits.speculative_ttl_s``, 2 s) would expire between two sights of a prompt
@@ -28,7 +37,7 @@ collector), so it moves by about a percent from run to run; the hashing seed is 
 (``PYTHONHASHSEED=0``) for every path::
 
     PYTHONPATH=$PWD python -m loadtests.bench.request_cost --path kvlb --kind chat_shared \\
-        [--warmup 160] [--requests 200] [--out DIR]
+        [--warmup 160] [--requests 200] [--concurrency 32] [--separate-threads] [--out DIR]
     callgrind_annotate --inclusive=yes DIR/cg.<pid>.1 | head -60   # the C functions' shares
 
 Needs ``valgrind`` and ``callgrind_control`` on ``PATH``; the probe runs for minutes (valgrind runs
@@ -47,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +78,10 @@ KINDS = ("tokens", "chat_shared", "chat")
 READY_TIMEOUT_S = 600.0
 """How long a server under valgrind may take to start (kvlb loads its tokenizer first)."""
 CONTROL_TIMEOUT_S = 60.0
+REQUEST_TIMEOUT_S = 600.0
+"""One request's bound: at ``--concurrency`` 32 a request under valgrind waits for 31 others."""
+MAX_CONCURRENCY = 100
+"""Most ``--concurrency`` clients: aiohttp's default pool of connections per session."""
 SPECULATIVE_TTL_S = 2.0
 """``limits.speculative_ttl_s``'s default, scaled by ``--time-scale``."""
 CONNECT_S = 2.0
@@ -78,15 +92,19 @@ _TOTALS = re.compile(rb"^(?:totals|summary):\s+([\d ]+)$", re.MULTILINE)
 _EVENTS = re.compile(rb"^events:\s+([\w ]+)$", re.MULTILINE)
 
 
-def valgrind_argv(out_dir: Path, argv: list[str], cache_sim: bool = False) -> list[str]:
+def valgrind_argv(
+    out_dir: Path, argv: list[str], cache_sim: bool = False, separate_threads: bool = False
+) -> list[str]:
     """``argv`` under callgrind, instrumentation off until switched on, output ``out_dir/cg.<pid>``
-    (with ``cache_sim``, the simulated caches' misses counted too)."""
+    (with ``cache_sim``, the simulated caches' misses counted too; with ``separate_threads``, one
+    dump per thread, ``cg.<pid>.1-<thread>``)."""
     return [
         "valgrind",
         "--tool=callgrind",
         "--instr-atstart=no",
         "--trace-children=yes",
         *(["--cache-sim=yes"] if cache_sim else []),
+        *(["--separate-threads=yes"] if separate_threads else []),
         f"--callgrind-out-file={out_dir}/cg.%p",
         *argv,
     ]
@@ -97,14 +115,40 @@ def control(*args: str) -> None:
     subprocess.run(["callgrind_control", *args], check=True, capture_output=True, timeout=CONTROL_TIMEOUT_S)
 
 
-def dumped_events(out_dir: Path, pid: int) -> dict[str, int]:
-    """Each event's total in the first dump of process ``pid`` (``cg.<pid>.1``): ``Ir``, the
-    instructions, and with ``--cache-sim`` the simulated misses (``D1mr``, ``DLmr``, ...)."""
-    data = (out_dir / f"cg.{pid}.1").read_bytes()
+def _file_events(path: Path) -> dict[str, int]:
+    data = path.read_bytes()
     names, totals = _EVENTS.search(data), _TOTALS.search(data)
     if names is None or totals is None:
-        raise RuntimeError(f"no totals in {out_dir}/cg.{pid}.1")
+        raise RuntimeError(f"no totals in {path}")
     return dict(zip(names.group(1).decode().split(), map(int, totals.group(1).split()), strict=False))
+
+
+def dumped_events(out_dir: Path, pid: int) -> dict[str, int]:
+    """Each event's total in the first dump of process ``pid`` (``cg.<pid>.1``): ``Ir``, the
+    instructions, and with ``--cache-sim`` the simulated misses (``D1mr``, ``DLmr``, ...). With
+    ``--separate-threads`` the threads' dumps (``cg.<pid>.1-<thread>``) summed."""
+    whole = out_dir / f"cg.{pid}.1"
+    if whole.exists():
+        return _file_events(whole)
+    totals: dict[str, int] = {}
+    for events in dumped_thread_events(out_dir, pid).values():
+        for name, value in events.items():
+            totals[name] = totals.get(name, 0) + value
+    if not totals:
+        raise RuntimeError(f"no totals in {whole}")
+    return totals
+
+
+def dumped_thread_events(out_dir: Path, pid: int) -> dict[int, dict[str, int]]:
+    """Each thread's events in the first dump of process ``pid`` with ``--separate-threads``
+    (``cg.<pid>.1-<thread>``, callgrind's thread numbers from 1, the main thread's); empty without."""
+    prefix = f"cg.{pid}.1-"
+    threads = {}
+    for path in out_dir.glob(prefix + "*"):
+        suffix = path.name[len(prefix) :]
+        if suffix.isdigit():
+            threads[int(suffix)] = _file_events(path)
+    return dict(sorted(threads.items()))
 
 
 async def wait_routable(url: str, replicas: int) -> None:
@@ -134,7 +178,13 @@ def scaled_config(config: dict[str, Any], scale: float) -> dict[str, Any]:
 
 
 async def start_measured(
-    path: str, upstream_urls: list[str], out_dir: Path, children: list[Child], scale: float, cache_sim: bool
+    path: str,
+    upstream_urls: list[str],
+    out_dir: Path,
+    children: list[Child],
+    scale: float,
+    cache_sim: bool,
+    separate_threads: bool = False,
 ) -> Child:
     """Start ``path`` under callgrind in front of ``upstream_urls``; appended to ``children``."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
@@ -142,7 +192,7 @@ async def start_measured(
         argv = python_module("loadtests.bench.overhead.servers", "forward", "--upstream", upstream_urls[0])
         child = await spawn(
             path,
-            valgrind_argv(out_dir, argv, cache_sim),
+            valgrind_argv(out_dir, argv, cache_sim, separate_threads),
             out_dir / "forward.stderr",
             ready_key="bench_server",
             timeout_s=READY_TIMEOUT_S,
@@ -158,7 +208,7 @@ async def start_measured(
         argv = python_module("balancer", "serve", "--config", str(config), "--workers", "1", "--set", grpc)
         child = await spawn(
             path,
-            valgrind_argv(out_dir, argv, cache_sim),
+            valgrind_argv(out_dir, argv, cache_sim, separate_threads),
             out_dir / "kvlb.stderr",
             ready_key="kvlb",
             timeout_s=READY_TIMEOUT_S,
@@ -173,7 +223,7 @@ async def start_measured(
     argv = peer_command(spec, port=port, metrics_port=metrics_port, replicas=listing, model=MODEL)
     child = await spawn(
         path,
-        valgrind_argv(out_dir, argv, cache_sim),
+        valgrind_argv(out_dir, argv, cache_sim, separate_threads),
         out_dir / f"{path}.log",
         ready_key=None,
         env={**env, **PEER_ENV},
@@ -187,6 +237,20 @@ async def start_measured(
             await asyncio.sleep(0.5)
     child.info["url"] = url
     return child
+
+
+async def clients(
+    session: aiohttp.ClientSession, url: str, bodies: Sequence[bytes], indices: range, concurrency: int
+) -> None:
+    """Send ``bodies[i % len(bodies)]`` for each ``i`` of ``indices``, in order, from ``concurrency``
+    clients that each keep one request in flight (as the bench's concurrent phase does)."""
+    taken = iter(indices)
+
+    async def client() -> None:
+        for index in taken:
+            await send(session, url, bodies[index % len(bodies)])
+
+    await asyncio.gather(*(client() for _ in range(min(concurrency, len(indices)) or 1)))
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -208,32 +272,34 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
         children.append(upstream)
         upstream_urls = [str(u) for u in upstream.info["urls"]]
-        measured = await start_measured(
-            args.path, upstream_urls, out_dir, children, args.time_scale, args.cache_sim
-        )
+        tracing = (args.time_scale, args.cache_sim, args.separate_threads)
+        measured = await start_measured(args.path, upstream_urls, out_dir, children, *tracing)
         url = str(measured.info["url"]) + url_path
-        timeout = aiohttp.ClientTimeout(total=120)
+        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            for index in range(args.warmup):
-                await send(session, url, bodies[index % len(bodies)])
+            await clients(session, url, bodies, range(args.warmup), args.concurrency)
             await asyncio.to_thread(control, "-i", "on", str(measured.pid))
             started = time.monotonic()
-            for index in range(args.warmup, needed):
-                await send(session, url, bodies[index % len(bodies)])
+            await clients(session, url, bodies, range(args.warmup, needed), args.concurrency)
             elapsed_s = time.monotonic() - started
             await asyncio.to_thread(control, "-d", str(measured.pid))
             await asyncio.to_thread(control, "-i", "off", str(measured.pid))
         events = dumped_events(out_dir, measured.pid)
     finally:
         await stop_all(children)
+    threads = dumped_thread_events(out_dir, measured.pid)
     return {
         "path": args.path,
         "kind": args.kind,
         "requests": args.requests,
         "warmup": args.warmup,
+        "concurrency": args.concurrency,
         "instructions": events["Ir"],
         "instructions_per_request": round(events["Ir"] / args.requests),
         "per_request": {name: round(value / args.requests) for name, value in events.items()},
+        "thread_instructions_per_request": {
+            str(thread): round(events["Ir"] / args.requests) for thread, events in threads.items()
+        },
         "window_s": round(elapsed_s, 1),
         "time_scale": args.time_scale,
         "dump": str(out_dir / f"cg.{measured.pid}.1"),
@@ -257,10 +323,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--cache-sim", action="store_true", help="count the simulated caches' misses too (slower)"
     )
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="clients keeping one request in flight each, warm-up and counted (default 1: one at a time)",
+    )
+    parser.add_argument(
+        "--separate-threads",
+        action="store_true",
+        help="one callgrind dump per thread; the JSON adds each thread's instructions per request",
+    )
     parser.add_argument("--out", help="directory for the callgrind files (default: a new temp dir)")
     args = parser.parse_args(argv)
     if args.requests < 1 or args.warmup < 0 or not 1 <= args.requests + args.warmup <= 10_000:
         parser.error("--requests must be >= 1 and --warmup >= 0, at most 10,000 together")
+    if not 1 <= args.concurrency <= MAX_CONCURRENCY:
+        parser.error(f"--concurrency must be in [1, {MAX_CONCURRENCY}]")
     for tool in ("valgrind", "callgrind_control"):
         if shutil.which(tool) is None:
             parser.error(f"{tool} is not on PATH")
