@@ -195,7 +195,7 @@ class FaultRig:
         took 0.11-0.13 s a check on a loaded machine after a Redis restart, the churning engines
         moved within nearly every one, and no check counted for 3-4 s. Until 2026-12-01 a replica
         had one try a check, so a check counted only when all three engines stood still within
-        their one try: after a Redis restart at load 6-24, 1 in 14 to 1 in 3 of the checks made
+        their one try: after a Redis restart at load 6-24, 1 in 14 to 3 in 8 of the checks made
         once kvlb had written its queued batches counted (11 diagnosed runs), and 13 of 26 with
         three tries (one run, load 24). A retry starts right after the engine changed, so it
         favours readings where kvlb's index has not caught up yet, never ones where it has."""
