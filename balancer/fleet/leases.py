@@ -326,13 +326,18 @@ class LeaseManager:
     async def _retake(self, replica: ReplicaId) -> bool:
         """A lease that expired while Redis was unreachable (longer than ``ttl_s``) may still be free.
         Take it back and keep the running pipeline, with the events it holds, when nobody wrote the
-        replica meanwhile: Redis holds exactly our last positions. Else the replica is given up and
-        taken anew like any other (a TRT-LLM drain then resyncs)."""
+        replica meanwhile: Redis holds exactly our last positions. The generation stays the one the
+        writer uses when nobody took the lease since (until 2026-12-01 it was bumped, which refused
+        the writer's own write in flight, and that write, the batches queued during the outage, was
+        sent again: up to 0.7 s a replica after a Redis restart under load). Else the replica is
+        given up and taken anew like any other (a TRT-LLM drain then resyncs)."""
         entry = self.replicas[replica]
         holding = await entry.ingest.holding(replica)
         if holding is None or holding.lost:
             return False
-        grant = await entry.lease.acquire()
+        # Kept when nobody took the lease since: the write in flight (the batches queued during
+        # the outage) then lands instead of being fenced and sent again
+        grant = await entry.lease.acquire(keep_generation=holding.generation)
         if not grant.acquired:
             return False
         # Compared on the ingest loop, where a write may have landed since ``holding`` was read
@@ -340,7 +345,8 @@ class LeaseManager:
             return False  # written by another, or fenced meanwhile: given up like any lost lease
         self.held[replica].generation = grant.generation
         self._metrics.redis_lease_events_total.labels("retaken").inc()
-        log.info("lease of %s expired and taken back (generation %d)", replica, grant.generation)
+        kept = "kept" if grant.generation == holding.generation else "new"
+        log.info("lease of %s expired and taken back (generation %d, %s)", replica, grant.generation, kept)
         return True
 
     async def _spread(self) -> None:

@@ -7,9 +7,11 @@ index's event order. The lease is a Redis string ``lease:<replica>`` = owner tok
 * ``acquire`` takes a free (or expired) lease, or refreshes the caller's own. Taking it from nobody
   **bumps the replica's generation** in the same script, so a previous owner that lost the lease
   (paused, partitioned) gets :class:`~balancer.index.redis.index.StaleGenerationError` on its next
-  write instead of interleaving with the new owner. The grant carries that generation and the last
-  engine sequence number applied (``RedisIndex.apply(..., seq=)`` stores it with each batch), so
-  the new owner resumes (or replays) from there.
+  write instead of interleaving with the new owner. An owner taking its own expired lease back
+  while the stored generation is still the one it writes with keeps it (``keep_generation``):
+  nobody held the lease in between, so there is nobody to fence. The grant carries the generation
+  and the last engine sequence number applied (``RedisIndex.apply(..., seq=)`` stores it with each
+  batch), so the new owner resumes (or replays) from there.
 * Positions are stored as text, ``rank:seq`` pairs joined by commas (``-`` when the engine has no
   sequence numbers, e.g. a TRT-LLM drain; a bare integer is rank 0's), then ``@`` and the number of
   writes so far (each write's text is unique, so a writer can tell whether its own write landed).
@@ -64,9 +66,9 @@ end
 _ACQUIRE = (
     _REPAIR
     + """
--- KEYS: counters, lease, gen, seq; ARGV: replica, owner, ttl_ms
+-- KEYS: counters, lease, gen, seq; ARGV: replica, owner, ttl_ms, kept generation ('' = none)
 -- -> {acquired, generation, last seq or '', keys repaired}
-local R, OWNER, TTL = ARGV[1], ARGV[2], ARGV[3]
+local R, OWNER, TTL, KEEP = ARGV[1], ARGV[2], ARGV[3], ARGV[4] or ''
 local lk, GEN, SEQ = KEYS[2], KEYS[3], KEYS[4]
 repair(GEN, 'hash', 'gen')
 repair(SEQ, 'hash', 'seq')
@@ -82,7 +84,14 @@ elseif holder then
   return {0, 0, '', fixed}
 else
   redis.call('SET', lk, OWNER, 'PX', TTL)
-  gen = next_generation(GEN, R)
+  -- Taken back by the holder whose generation is still the stored one: nobody took the lease
+  -- since (each taker bumps it), so there is no other writer to fence, and our own write in
+  -- flight with that generation must land, not be refused and sent again
+  if KEEP ~= '' and redis.call('HGET', GEN, R) == KEEP then
+    gen = tonumber(KEEP)
+  else
+    gen = next_generation(GEN, R)
+  end
 end
 return {1, gen, redis.call('HGET', SEQ, R) or '', fixed}
 """
@@ -225,10 +234,18 @@ class IngestionLease:
         self._release = client.register_script(_RELEASE)
         self._retire = client.register_script(_RETIRE)
 
-    async def acquire(self) -> LeaseGrant:
-        """Take the lease if it is free or already ours (a new holder bumps the generation)."""
+    async def acquire(self, keep_generation: int | None = None) -> LeaseGrant:
+        """Take the lease if it is free or already ours (a new holder bumps the generation).
+
+        ``keep_generation``: the generation this owner still writes with, for a lease of its own
+        that expired (Redis unreachable longer than the TTL): if it is still the stored one, nobody
+        took the lease since (each taker bumps it), and the lease is taken back *without* a bump, so
+        the owner's write in flight lands instead of being refused as stale and sent again (after a
+        Redis restart under load that redo cost up to 0.7 s a replica, 2026-12-01). Otherwise the
+        generation is bumped as for any new holder."""
         keys = [*self._anchor, self._key, self.keys.generations, self.keys.applied_seq]
-        args: list[str | int] = [self.replica, self.owner, self.settings.ttl_ms]
+        kept = "" if keep_generation is None else str(keep_generation)
+        args: list[str | int] = [self.replica, self.owner, self.settings.ttl_ms, kept]
         ok, generation, seq, fixed = cast("list[Any]", await self._acquire(keys=keys, args=args))
         self.repaired_keys += int(fixed)
         if ok:
