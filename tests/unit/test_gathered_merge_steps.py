@@ -1,0 +1,179 @@
+"""The gathered views of ``kvlb serve --workers N`` merged in steps (h-workersmerge): on the same
+workers' answers, decoding, merging and encoding in steps (:func:`~balancer.strict_json.loads_steps`,
+:func:`~balancer.api.gathered.merge_replicas_steps`, :func:`~balancer.api.gathered.merge_decisions_steps`,
+:func:`~balancer.strict_json.dumps_steps`) gives the very bytes the one-go merge of the tree before
+gave (copied below as it was: ``one_go_*``), and pauses every :data:`MERGED_PER_STEP` items."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Generator
+from typing import Any
+
+import pytest
+
+from balancer import strict_json
+from balancer.api.admin import MAX_LISTED_KEPT_DRAINS
+from balancer.api.console import DEFAULT_LIMIT
+from balancer.api.gathered import (
+    MERGED_PER_STEP,
+    merge_decisions_steps,
+    merge_predictions,
+    merge_replicas_steps,
+)
+from balancer.service.decisions import next_since
+
+
+def run(steps: Generator[None, None, Any]) -> tuple[Any, int]:
+    pauses = 0
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value, pauses
+        pauses += 1
+
+
+# -- the tree before's one-go merges (4bae7758, balancer/api/gathered.py), unchanged --------------
+
+
+def one_go_merge_replicas(local: dict[str, Any], answers: list[dict[str, Any]]) -> dict[str, Any]:
+    by_id: dict[str, list[dict[str, Any]]] = {}
+    stalled: dict[str, dict[str, Any]] = {}
+    for answer in answers:
+        for view in answer["replicas"]:
+            if view.get("prediction") is not None:
+                by_id.setdefault(view["id"], []).append(view["prediction"])
+            events = view.get("events") or {}
+            if events.get("stalled_s") is not None:
+                known = stalled.get(view["id"])
+                if known is None or events["stalled_s"] > known["stalled_s"]:
+                    stalled[view["id"]] = events
+    views = []
+    for view in local["replicas"]:
+        merged = {**view, "prediction": merge_predictions(by_id.get(view["id"], []))}
+        events = view.get("events")
+        longest = stalled.get(view["id"])
+        if events is not None and longest is not None:
+            merged["events"] = {**events, "hint": longest["hint"], "stalled_s": longest["stalled_s"]}
+        views.append(merged)
+    listed = {view["id"] for view in views}
+    kept, total = one_go_merge_kept_drains(answers, listed)
+    return {"replicas": views, "kept_drains": kept, "kept_drains_total": total}
+
+
+def one_go_merge_kept_drains(
+    answers: list[dict[str, Any]], listed: set[str]
+) -> tuple[list[dict[str, Any]], int]:
+    by_id: dict[str, dict[str, Any]] = {}
+    total = 0
+    for answer in answers:
+        total = max(total, int(answer.get("kept_drains_total") or 0))
+        for kept in answer.get("kept_drains") or ():
+            held = by_id.get(kept["id"])
+            rank = (kept.get("source") == "redis", kept["removed_at_wall_ts"])
+            if kept["id"] not in listed and (
+                held is None or rank > (held.get("source") == "redis", held["removed_at_wall_ts"])
+            ):
+                by_id[kept["id"]] = kept
+    ordered = sorted(by_id.values(), key=lambda kept: kept["removed_at_wall_ts"], reverse=True)
+    return ordered[:MAX_LISTED_KEPT_DRAINS], max(total, len(ordered))
+
+
+def one_go_merge_decisions(
+    answers: dict[int, Any], raw_limit: str | None, since: tuple[int, ...], workers: int
+) -> dict[str, Any]:
+    limit = DEFAULT_LIMIT if raw_limit is None else int(raw_limit)
+    listed = [{**d, "worker": index} for index, answer in answers.items() for d in answer["decisions"]]
+    listed.sort(key=lambda d: (d["ts"], d["id"]), reverse=True)
+    kept = listed[:limit]
+    cursor = next_since(since, workers, ((d["worker"], d["id"]) for d in kept))
+    return {"decisions": kept, "next_since_id": cursor}
+
+
+# -- the workers' answers -------------------------------------------------------------------------
+
+
+def replica_view(rng: random.Random, replica: str) -> dict[str, Any]:
+    receipts = rng.choice([0, 0, 3, 17, 250])
+    stalled = rng.choice([None, None, round(rng.uniform(1, 90), 3)])
+    return {
+        "id": replica,
+        "model": "m",
+        "url": f"http://127.0.0.1:{rng.randrange(1024, 65535)}",
+        "inflight": rng.randrange(5),
+        "health": {"probe_ok": rng.random() < 0.9, "last_probe_age_s": round(rng.uniform(0, 3), 3)},
+        "load": {"running_reqs": rng.randrange(9), "kv_usage": rng.random(), "stats_age_s": rng.random()},
+        "prediction": {
+            "receipts": receipts,
+            "accuracy": None if receipts == 0 else rng.random(),
+            "within_one_block": None if receipts == 0 else rng.random(),
+            "mean_error_blocks": None if receipts == 0 else round(rng.uniform(0, 4), 3),
+        },
+        "events": rng.choice(
+            [
+                None,
+                {"queued_batches": 0, "hint": None, "stalled_s": None, "sources": [{"kind": "zmq"}]},
+                {"queued_batches": 1, "hint": f"stalled {stalled}", "stalled_s": stalled, "sources": []},
+            ]
+        ),
+        "scrape": {"scrapes": rng.randrange(100), "last": {"rejected": [{"gauge": "g", "value": "-3.0"}]}},
+    }
+
+
+def kept_drain(rng: random.Random, replica: str) -> dict[str, Any]:
+    return {
+        "id": replica,
+        "drain": {"by": "ops", "reason": "é ✓ \u2028", "at_wall_ts": 1.7e9},
+        "removed_at_wall_ts": rng.choice([1.7e9, 1.7e9 + rng.randrange(1000)]),
+        "expires_in_s": rng.uniform(0, 3600),
+        "source": rng.choice(["memory", "redis"]),
+    }
+
+
+def worker_answer(rng: random.Random, replicas: int, kept: int) -> dict[str, Any]:
+    views = [replica_view(rng, f"r{index:03d}") for index in range(replicas)]
+    ids = [f"r{index:03d}" for index in rng.sample(range(replicas + kept), kept)]  # some listed ones
+    drains = [kept_drain(rng, replica) for replica in ids]
+    return {"replicas": views, "kept_drains": drains, "kept_drains_total": kept + rng.randrange(3)}
+
+
+@pytest.mark.parametrize(("seed", "replicas", "kept"), [(1, 0, 0), (2, 3, 2), (3, 100, 40), (4, 200, 1000)])
+def test_gathered_replicas_in_steps_are_the_one_go_answer(seed: int, replicas: int, kept: int) -> None:
+    rng = random.Random(seed)
+    bodies = [strict_json.dumps(worker_answer(rng, replicas, kept)).encode("utf-8") for _ in range(3)]
+
+    answers = [strict_json.loads(body) for body in bodies]  # the tree before: all in one go
+    before = one_go_merge_replicas(answers[0], answers)
+    before["workers"], before["workers_missing"] = [0, 1, 2], []
+    expected = strict_json.dumps(before)
+
+    decoded = [run(strict_json.loads_steps(body))[0] for body in bodies]
+    merged, pauses = run(merge_replicas_steps(decoded[0], decoded))
+    walked = 4 * replicas + sum(len(answer["kept_drains"]) for answer in decoded)
+    assert pauses == sum(n // MERGED_PER_STEP for n in (3 * replicas, replicas, walked - 4 * replicas))
+    merged["workers"], merged["workers_missing"] = [0, 1, 2], []
+    text, _ = run(strict_json.dumps_steps(merged))
+    assert text == expected
+    assert len(json.loads(text)["replicas"]) == replicas
+
+
+@pytest.mark.parametrize(("per_worker", "limit"), [(0, None), (7, "3"), (1000, "1000"), (1000, None)])
+def test_gathered_decisions_in_steps_are_the_one_go_answer(per_worker: int, limit: str | None) -> None:
+    rng = random.Random(per_worker)
+    answers: dict[int, Any] = {}
+    for worker in (1, 0):
+        ts = sorted((round(rng.uniform(0, 50), 1) for _ in range(per_worker)), reverse=True)
+        answers[worker] = {
+            "decisions": [
+                {"id": 1 + worker + 2 * i, "ts": t, "replica": f"r{i % 9}", "cost": rng.random()}
+                for i, t in enumerate(ts)
+            ]
+        }
+    since = (0, 3)
+    expected = one_go_merge_decisions(answers, limit, since, 2)
+    merged, pauses = run(merge_decisions_steps(answers, limit, since, 2))
+    assert merged == expected
+    assert strict_json.dumps(merged) == strict_json.dumps(expected)
+    assert pauses == 2 * per_worker // MERGED_PER_STEP
