@@ -22,8 +22,9 @@ saw it; and the answer's bytes.
 With ``--workers N`` (2..8) the balancer of this process is worker 0 of ``kvlb serve --workers N``
 (:class:`~balancer.serve_options.WorkerRole`, its own listening socket) and workers 1 … N-1 are real
 ``kvlb serve`` worker processes over the same replicas (``--worker-index``, a run directory of their
-own); the clients call worker 0, which gathers its siblings' answers (:mod:`balancer.api.gathered`):
-what is measured is the answering worker's loop, the merge included.
+own; no gRPC port: worker 0's gathers over HTTP); the clients call worker 0, which gathers its
+siblings' answers (:mod:`balancer.api.gathered`): what is measured is the answering worker's loop,
+the merge included.
 
     python -m loadtests.bench.admin_list [--replicas 100] [--calls 200] [--warmup 20] [--workers 1] [--json]
 """
@@ -203,7 +204,9 @@ async def _siblings(tree: dict[str, Any], workers: int, run_dir: str) -> AsyncIt
     """Workers 1 … ``workers - 1`` of ``kvlb serve --workers N`` (this process standing for their
     supervisor), each with a listening socket of its own, serving until exit (SIGTERM)."""
     config = os.path.join(run_dir, "bench-config.json")  # JSON is YAML
-    await asyncio.to_thread(Path(config).write_text, json.dumps(tree), "utf-8")
+    # no gRPC port: one picked with SO_REUSEPORT may be worker 0's, which would share its calls
+    listen = {**tree["listen"], "grpc_port": None}
+    await asyncio.to_thread(Path(config).write_text, json.dumps({**tree, "listen": listen}), "utf-8")
     children: list[asyncio.subprocess.Process] = []
     listeners: list[socket.socket] = []
     try:
