@@ -14,7 +14,7 @@ as ``/metrics`` does (:mod:`balancer.api.siblings`):
 * ``GET /admin/series``: the workers' intervals summed (:func:`~balancer.service.series.merge_series`);
   each worker is asked for its TTFT histograms (``ttft_histograms=1``), which add, so the TTFT
   percentiles are the service's. Answers that cannot be merged leave this worker's own
-  (:func:`_merge_series`).
+  (:func:`_merge_series_steps`).
 * ``GET /admin/replicas``: this worker's view of each replica (health, drains, the shared load and
   in-flight count, its index and event status, as every worker's are alike) with the ``prediction``
   of every worker's receipts (:func:`merge_predictions`): each worker keeps the receipts of the
@@ -52,7 +52,7 @@ from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY, sin
 from balancer.api.errors import ApiError
 from balancer.api.parsing import decimal_integer
 from balancer.service.decisions import next_since
-from balancer.service.series import merge_series
+from balancer.service.series import merge_series, merge_series_steps
 from balancer.service.whatif import merge_answers
 from balancer.tasks import stepwise
 
@@ -109,7 +109,8 @@ async def gather(request: web.Request, handler: Handler, siblings: Siblings) -> 
     elif request.path == "/admin/replicas":
         merged = await stepwise(merge_replicas_steps(local, [answers[i] for i in order]))
     else:
-        merged, order, missing = _merge_series(answers, order, missing, siblings.index, request.query)
+        steps = _merge_series_steps(answers, order, missing, siblings.index, request.query)
+        merged, order, missing = await stepwise(steps)
     merged["workers"] = order
     merged["workers_missing"] = missing
     return web.json_response(text=await stepwise(strict_json.dumps_steps(merged)))
@@ -204,16 +205,17 @@ async def _ask(
     return answers, missing
 
 
-def _merge_series(
+def _merge_series_steps(
     answers: dict[int, Any], order: list[int], missing: list[int], own: int, query: Mapping[str, str]
-) -> tuple[dict[str, Any], list[int], list[int]]:
+) -> Generator[None, None, tuple[dict[str, Any], list[int], list[int]]]:
     """The workers' series merged, with the workers in it and those missing; when a sibling's answer
     cannot be merged (a worker of another kvlb version, restarted by the supervisor after an
     upgrade: rows without a ``ttft_histogram``), this worker's own answer alone, the others named
     missing (logged), never a 5xx."""
     histograms = series_histograms(query)
     try:
-        return merge_series([answers[i] for i in order], ttft_histograms=histograms), order, missing
+        merged = yield from merge_series_steps([answers[i] for i in order], ttft_histograms=histograms)
+        return merged, order, missing
     except (KeyError, TypeError, ValueError) as exc:
         log.warning("workers %s: series not merged (%r); this worker's alone", order, exc)
         others = [i for i in order if i != own]

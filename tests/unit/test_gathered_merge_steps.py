@@ -16,6 +16,8 @@ from one_go_merges import one_go_merge_decisions, one_go_merge_replicas
 
 from balancer import strict_json
 from balancer.api.gathered import MERGED_PER_STEP, merge_decisions_steps, merge_replicas_steps
+from balancer.service.log_histogram import LogHistogram
+from balancer.service.series import ROWS_PER_STEP, merge_series, merge_series_steps
 
 
 def run(steps: Generator[None, None, Any]) -> tuple[Any, int]:
@@ -113,3 +115,32 @@ def test_gathered_decisions_in_steps_are_the_one_go_answer(per_worker: int, limi
     assert merged == expected
     assert strict_json.dumps(merged) == strict_json.dumps(expected)
     assert pauses == 2 * per_worker // MERGED_PER_STEP
+
+
+def test_gathered_series_in_steps_pause_between_rows_and_add_as_before() -> None:
+    rows = 45
+    answers = [
+        {
+            "now": 1000.0 + worker,
+            "interval_s": 10.0,
+            "intervals": [
+                {
+                    "ts": 10.0 * i,
+                    "requests": 2,
+                    "prompt_tokens": 100,
+                    "predicted_cached_tokens": 40,
+                    "reported_prompt_tokens": 100,
+                    "reported_cached_tokens": 30,
+                    "replicas": {f"r{worker}": 1, "r9": 1},
+                    "ttft_histogram": LogHistogram().to_json(),
+                }
+                for i in range(rows)
+            ],
+        }
+        for worker in (0, 1)
+    ]
+    merged, pauses = run(merge_series_steps(answers))
+    assert pauses == rows // ROWS_PER_STEP
+    assert merged == merge_series(answers) and merged["now"] == 1001.0
+    assert [row["replicas"] for row in merged["intervals"]] == [{"r0": 1, "r1": 1, "r9": 2}] * rows
+    assert all(row["requests"] == 4 and row["predicted_hit_rate"] == 0.4 for row in merged["intervals"])
