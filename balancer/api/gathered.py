@@ -31,7 +31,8 @@ Each answer lists the ``workers`` in it and the ``workers_missing``: a sibling t
 is left out and logged, never a 5xx.
 
 The answering worker's loop serves requests too: every answer is decoded
-(:func:`~balancer.strict_json.loads_steps`), merged (:data:`MERGED_PER_STEP` items a step) and
+(:func:`~balancer.strict_json.loads_steps`), merged (:data:`MERGED_PER_STEP` items a step; the
+series :data:`~balancer.service.series.ROWS_PER_STEP` intervals) and
 encoded (:func:`~balancer.strict_json.dumps_steps`) a bounded piece at a time, the loop let run in
 between (:func:`~balancer.tasks.stepwise`), as ``/metrics``' merge is; until 2026-12-01
 (h-workersmerge) each was done in one go, tens of ms of CPU for 100-200 replicas.
