@@ -107,7 +107,8 @@ faults: $(STAMP) proto redis
 		tests/integration/test_http_tenant_prompt_tokens.py tests/integration/test_capacity_smoke.py tests/deploy/test_dockerfile.py \
 		tests/integration/test_tenant_rate_smoke.py tests/integration/test_bench_admin_list.py tests/integration/test_admin_list_hold.py \
 		tests/integration/test_redis_level.py tests/integration/test_redis_stream_bytes.py tests/integration/test_metrics_scrape_hold.py \
-		tests/unit/test_prompt_cuts.py; \
+		tests/unit/test_prompt_cuts.py tests/integration/test_admin_list_hold_workers.py \
+		tests/e2e/test_serve_workers_gathered_steps.py tests/integration/test_kept_drains_in_steps.py; \
 	faults=$$?; $(PY) tests/faults/report.py $(FAULTS_OUT) docs/reliability.md; \
 	exit $$(( fuzz || faults ))
 

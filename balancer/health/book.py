@@ -170,8 +170,11 @@ class HealthBook:
             del self.kept_drains[replica]
             self.kept_drains_bytes -= kept.size_bytes
 
-    def kept_listing(self, now: float, wall: float) -> list[KeptDrainListing]:
-        """The kept drains not expired at ``now`` (monotonic; ``wall``: the same moment in Unix s)."""
+    def kept_listing(
+        self, now: float, wall: float, among: Iterable[tuple[ReplicaId, KeptDrain]] | None = None
+    ) -> list[KeptDrainListing]:
+        """The kept drains not expired at ``now`` (monotonic; ``wall``: the same moment in Unix s), of
+        ``among`` (a copy of some of :attr:`kept_drains`' items, listed a few at a time) or all."""
         return [
             KeptDrainListing(
                 replica,
@@ -180,7 +183,7 @@ class HealthBook:
                 wall + kept.removed_at + self.drain_keep_s - now,
                 "memory",
             )
-            for replica, kept in self.kept_drains.items()
+            for replica, kept in (self.kept_drains.items() if among is None else among)
             if now - kept.removed_at <= self.drain_keep_s
         ]
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -210,13 +210,37 @@ def merge_series(answers: list[dict[str, Any]], *, ttft_histograms: bool = False
     sum: the figures one worker with all the traffic would give, at the same error. The first
     answer gives the interval length and the number of intervals listed (the newest ones). The rows
     keep their ``ttft_histogram`` only with ``ttft_histograms``. ``ValueError`` for a row whose
-    ``ttft_histogram`` is not one."""
+    ``ttft_histogram`` is not one. In one go: :func:`merge_series_steps` pauses between rows."""
+    steps = merge_series_steps(answers, ttft_histograms=ttft_histograms)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            merged: dict[str, Any] = done.value
+            return merged
+
+
+ROWS_PER_STEP = 10
+"""Merged intervals :func:`merge_series_steps` makes between two pauses (up to ``series_intervals``,
+180 by default, each with up to ``series_max_replicas`` counts and two TTFT histograms to add)."""
+
+
+def merge_series_steps(
+    answers: list[dict[str, Any]], *, ttft_histograms: bool = False
+) -> Generator[None, None, dict[str, Any]]:
+    """:func:`merge_series` as a generator of steps (the gathered ``GET /admin/series`` runs it on
+    the event loop, :func:`balancer.tasks.stepwise`): a pause every :data:`ROWS_PER_STEP` merged
+    intervals."""
     first = answers[0]
     parts: dict[float, list[dict[str, Any]]] = {}
     for answer in answers:
         for row in answer["intervals"]:
             parts.setdefault(row["ts"], []).append(row)
-    listed = [_merged_row(parts[ts], ttft_histograms) for ts in sorted(parts)[-len(first["intervals"]) :]]
+    listed: list[dict[str, Any]] = []
+    for ts in sorted(parts)[-len(first["intervals"]) :]:
+        listed.append(_merged_row(parts[ts], ttft_histograms))
+        if len(listed) % ROWS_PER_STEP == 0:
+            yield
     now = max(answer["now"] for answer in answers)
     return {**first, "now": now, "intervals": listed}
 

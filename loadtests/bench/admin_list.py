@@ -19,7 +19,14 @@ without the time the machine's other processes took the core meanwhile), and ``b
 begun within it added (scrapes and probes answered meanwhile included); ``latency_ms`` as the client
 saw it; and the answer's bytes.
 
-    python -m loadtests.bench.admin_list [--replicas 100] [--calls 200] [--warmup 20] [--json]
+With ``--workers N`` (2..8) the balancer of this process is worker 0 of ``kvlb serve --workers N``
+(:class:`~balancer.serve_options.WorkerRole`, its own listening socket) and workers 1 … N-1 are real
+``kvlb serve`` worker processes over the same replicas (``--worker-index``, a run directory of their
+own; no gRPC port: worker 0's gathers over HTTP); the clients call worker 0, which gathers its
+siblings' answers (:mod:`balancer.api.gathered`): what is measured is the answering worker's loop,
+the merge included.
+
+    python -m loadtests.bench.admin_list [--replicas 100] [--calls 200] [--warmup 20] [--workers 1] [--json]
 """
 
 from __future__ import annotations
@@ -30,11 +37,15 @@ import contextlib
 import json
 import os
 import selectors
+import signal
+import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -137,42 +148,97 @@ async def serve_fleet(count: int) -> None:
 
 
 @contextlib.asynccontextmanager
-async def running(count: int, interval_s: float = 1.0) -> AsyncIterator[Any]:
+async def running(count: int, interval_s: float = 1.0, workers: int = 1) -> AsyncIterator[Any]:
     """The fleet's fakes (in a child process: their work is not on the balancer's loop) and a
     started balancer over them (yielded), all stopped on exit; it scrapes every ``interval_s`` and
-    probes every two."""
+    probes every two. ``workers`` > 1: the balancer is worker 0 of that many, the others ``kvlb
+    serve`` worker processes (:func:`_siblings`)."""
     from balancer.app import Balancer
     from balancer.config import Settings, from_mapping
+    from balancer.serve_options import ServeOptions, WorkerRole
     from balancer.tokenizer.tokenizer import TokenIdTokenizer
 
     command = [sys.executable, "-m", "loadtests.bench.admin_list", "--fleet", str(count)]
     child = await asyncio.create_subprocess_exec(*command, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     balancer: Balancer | None = None
-    try:
-        assert child.stdout is not None
-        line = await asyncio.wait_for(child.stdout.readline(), timeout=120)
-        if not line:
-            raise RuntimeError(f"the fleet's child exited with {await child.wait()}")
-        tree: dict[str, Any] = {
-            "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": 0},
-            "pools": [{"model": MODEL, "replicas": json.loads(line)}],
-            "health_interval_s": 2 * interval_s,
-            "scrape_interval_s": interval_s,
-        }
-        settings = from_mapping(Settings, tree).validate()
-        balancer = Balancer(settings, tokenizers={MODEL: TokenIdTokenizer()})
-        await balancer.start()
-        yield balancer
-    finally:
-        if balancer is not None:
-            await balancer.stop()
-        if child.stdin is not None:
-            child.stdin.close()
+    with contextlib.ExitStack() as stack:
         try:
-            await asyncio.wait_for(child.wait(), timeout=10)
-        except TimeoutError:
-            child.kill()
-            await child.wait()
+            assert child.stdout is not None
+            line = await asyncio.wait_for(child.stdout.readline(), timeout=120)
+            if not line:
+                raise RuntimeError(f"the fleet's child exited with {await child.wait()}")
+            tree: dict[str, Any] = {
+                "listen": {"host": "127.0.0.1", "port": 0, "grpc_port": 0},
+                "pools": [{"model": MODEL, "replicas": json.loads(line)}],
+                "health_interval_s": 2 * interval_s,
+                "scrape_interval_s": interval_s,
+            }
+            settings = from_mapping(Settings, tree).validate()
+            options = ServeOptions()
+            if workers > 1:
+                run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvlb-bench-workers-"))
+                listener = stack.enter_context(socket.create_server(("127.0.0.1", 0)))
+                role = WorkerRole(0, workers, os.dup(listener.fileno()), run_dir)
+                options = ServeOptions(worker=role)
+            balancer = Balancer(settings, tokenizers={MODEL: TokenIdTokenizer()}, options=options)
+            await balancer.start()
+            if workers > 1:
+                async with _siblings(tree, workers, run_dir):
+                    yield balancer
+            else:
+                yield balancer
+        finally:
+            if balancer is not None:
+                await balancer.stop()
+            if child.stdin is not None:
+                child.stdin.close()
+            try:
+                await asyncio.wait_for(child.wait(), timeout=10)
+            except TimeoutError:
+                child.kill()
+                await child.wait()
+
+
+@contextlib.asynccontextmanager
+async def _siblings(tree: dict[str, Any], workers: int, run_dir: str) -> AsyncIterator[None]:
+    """Workers 1 … ``workers - 1`` of ``kvlb serve --workers N`` (this process standing for their
+    supervisor), each with a listening socket of its own, serving until exit (SIGTERM)."""
+    config = os.path.join(run_dir, "bench-config.json")  # JSON is YAML
+    # no gRPC port: one picked with SO_REUSEPORT may be worker 0's, which would share its calls
+    listen = {**tree["listen"], "grpc_port": None}
+    await asyncio.to_thread(Path(config).write_text, json.dumps({**tree, "listen": listen}), "utf-8")
+    children: list[asyncio.subprocess.Process] = []
+    listeners: list[socket.socket] = []
+    try:
+        for index in range(1, workers):
+            listener = socket.create_server(("127.0.0.1", 0))
+            listeners.append(listener)
+            argv = [sys.executable, "-m", "balancer", "serve", "--config", config, "--log-level", "error"]
+            argv += ["--workers", str(workers), "--worker-index", str(index), "--run-dir", run_dir]
+            argv += ["--listen-fd", str(listener.fileno()), "--supervisor-pid", str(os.getpid())]
+            children.append(
+                await asyncio.create_subprocess_exec(
+                    *argv, stdout=subprocess.PIPE, pass_fds=(listener.fileno(),)
+                )
+            )
+        for sibling in children:
+            assert sibling.stdout is not None
+            line = await asyncio.wait_for(sibling.stdout.readline(), timeout=120)
+            if b'"serving"' not in line:
+                raise RuntimeError(f"a sibling worker did not start ({line[:200]!r})")
+        yield
+    finally:
+        for sibling in children:
+            if sibling.returncode is None:
+                sibling.send_signal(signal.SIGTERM)
+        for sibling in children:
+            try:
+                await asyncio.wait_for(sibling.wait(), timeout=30)
+            except TimeoutError:
+                sibling.kill()
+                await sibling.wait()
+        for listener in listeners:
+            listener.close()
 
 
 async def _settled(balancer: Any, count: int, timeout_s: float = 60.0) -> None:
@@ -193,6 +259,22 @@ async def _settled(balancer: Any, count: int, timeout_s: float = 60.0) -> None:
             return
         await asyncio.sleep(0.2)
     raise TimeoutError(f"the {count} replicas were not probed and scraped within {timeout_s} s")
+
+
+async def _gathered(url: str, count: int, workers: int, timeout_s: float = 60.0) -> None:
+    """Until ``GET /admin/replicas`` on ``url`` is every worker's and lists every replica probed."""
+    import aiohttp
+
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            async with session.get(url + "/admin/replicas") as response:
+                answer = await response.json()
+            probed = sum(1 for view in answer["replicas"] if (view["health"] or {}).get("probe_ok"))
+            if answer.get("workers") == list(range(workers)) and probed == count:
+                return
+            await asyncio.sleep(0.2)
+    raise TimeoutError(f"the {workers} workers did not all answer within {timeout_s} s")
 
 
 def _client_command(kind: str, target: str, calls: int, warmup: int, pause_ms: float) -> list[str]:
@@ -286,13 +368,23 @@ def _summary(values: Sequence[float]) -> dict[str, float]:
 
 
 async def measure(
-    replicas: int, calls: int, warmup: int, pause_ms: float, selector: TimedSelector, interval_s: float = 1.0
+    replicas: int,
+    calls: int,
+    warmup: int,
+    pause_ms: float,
+    selector: TimedSelector,
+    interval_s: float = 1.0,
+    workers: int = 1,
 ) -> dict[str, Any]:
-    """The report: per kind (``grpc``, ``http``), the per-call figures and the answer's bytes."""
-    async with running(replicas, interval_s) as balancer:
+    """The report: per kind (``grpc``, ``http``), the per-call figures and the answer's bytes;
+    ``workers`` > 1: worker 0's, gathering its siblings' (see the module docstring)."""
+    async with running(replicas, interval_s, workers) as balancer:
         await _settled(balancer, replicas)
+        if workers > 1:
+            await _gathered(balancer.url, replicas, workers)
         report: dict[str, Any] = {
             "replicas": replicas,
+            "workers": workers,
             "calls": calls,
             "warmup": warmup,
             "pause_ms": pause_ms,
@@ -319,7 +411,8 @@ async def measure(
 
 def format_report(report: dict[str, Any]) -> str:
     lines = [
-        f"{report['replicas']} replicas, {report['calls']} calls of each after {report['warmup']} "
+        f"{report['replicas']} replicas, {report.get('workers', 1)} worker(s), {report['calls']} calls of "
+        f"each after {report['warmup']} "
         f"warm-up, {report['pause_ms']} ms apart; {report['utc']}, load {report['load']}",
         f"{'call':<22}{'hold p50':>10}{'hold p99':>10}{'cpu p50':>10}{'cpu p99':>10}{'busy p50':>10}"
         f"{'busy p99':>10}{'lat p50':>10}{'lat p99':>10}{'bytes':>10}",
@@ -345,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=200, help="measured calls of each kind (1..100000)")
     parser.add_argument("--warmup", type=int, default=20, help="calls of each kind before (0..10000)")
     parser.add_argument("--pause-ms", type=float, default=20.0, help="between two calls (0..10000)")
+    parser.add_argument("--workers", type=int, default=1, help="worker 0 of N answers, gathering (1..8)")
     parser.add_argument("--json", action="store_true", help="print the JSON report only")
     parser.add_argument(
         "--interval-s", type=float, default=1.0, help="scrape interval (0.05..10; probes: 2x)"
@@ -355,8 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (1 <= args.replicas <= 1000 and 1 <= args.calls <= 100_000 and 0 <= args.warmup <= 10_000):
         parser.error("--replicas 1..1000, --calls 1..100000, --warmup 0..10000")
-    if not (0 <= args.pause_ms <= 10_000 and 0.05 <= args.interval_s <= 10):
-        parser.error("--pause-ms 0..10000, --interval-s 0.05..10")
+    if not (0 <= args.pause_ms <= 10_000 and 0.05 <= args.interval_s <= 10 and 1 <= args.workers <= 8):
+        parser.error("--pause-ms 0..10000, --interval-s 0.05..10, --workers 1..8")
     if args.fleet:
         asyncio.run(serve_fleet(args.fleet))
         return 0
@@ -364,7 +458,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return client(args.client, args.target, args.calls, args.warmup, args.pause_ms)
     selector = TimedSelector()
     with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
-        measured = measure(args.replicas, args.calls, args.warmup, args.pause_ms, selector, args.interval_s)
+        measured = measure(
+            args.replicas, args.calls, args.warmup, args.pause_ms, selector, args.interval_s, args.workers
+        )
         report = runner.run(measured)
     from loadtests.bench.command import print_report
 

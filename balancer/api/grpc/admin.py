@@ -67,6 +67,26 @@ async def replica_parts(views: list[dict[str, Any]]) -> list[bytes]:
     return parts
 
 
+KEPT_DRAINS_PER_STEP = 20
+"""Kept drain messages ``ListReplicas`` builds and encodes in one go (up to 1,000 are listed, each
+with its ``drain`` as a ``Struct``) before it lets the loop run other work (h-workersmerge)."""
+
+
+async def kept_drain_parts(views: list[dict[str, Any]]) -> list[bytes]:
+    """The kept drains' views as encoded ``ListReplicasResponse`` messages of
+    :data:`KEPT_DRAINS_PER_STEP` each, the loop let run in between (laid end to end, one message
+    whose ``kept_drains`` holds them all in order, as :func:`replica_parts`)."""
+    parts: list[bytes] = []
+    for start in range(0, len(views), KEPT_DRAINS_PER_STEP):
+        if start:
+            await asyncio.sleep(0)
+        chunk = pb.ListReplicasResponse(
+            kept_drains=[kept_drain_message(kept) for kept in views[start : start + KEPT_DRAINS_PER_STEP]]
+        )
+        parts.append(chunk.SerializeToString())
+    return parts
+
+
 class AdminService:
     """GetPolicy, SetPolicy, Explain, ListReplicas, DrainReplica, WhatIf."""
 
@@ -126,11 +146,11 @@ class AdminService:
         head = pb.ListReplicasResponse(
             workers=answer.get("workers", ()),
             workers_missing=answer.get("workers_missing", ()),
-            kept_drains=[kept_drain_message(kept) for kept in answer["kept_drains"]],
             kept_drains_total=answer["kept_drains_total"],
         )
+        kept = await kept_drain_parts(answer["kept_drains"])
         parts = await replica_parts(answer["replicas"])
-        return b"".join([head.SerializeToString(), *parts])
+        return b"".join([head.SerializeToString(), *kept, *parts])
 
     async def drain_replica(self, request: pb.DrainReplicaRequest, call: Call) -> pb.DrainReplicaResponse:
         if not request.replica_id:
