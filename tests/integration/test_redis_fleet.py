@@ -30,6 +30,7 @@ import zmq.asyncio
 from kvlb_harness import MODEL, metric_value, running, settings_for, shared_deepseek, wait_for, wait_ready
 from redis_cluster import RedisClusterProcs, RedisTarget
 from redis_server import RedisServer
+from unstalled import Unstalled
 
 from balancer.app import Balancer
 from balancer.fleet.leases import LeaseManager
@@ -232,7 +233,7 @@ async def test_balancers_share_one_index_and_one_policy(
         await wait_for("leases spread 2 + 2", spread, timeout_s=10)
         _, headers = await f.post(a, "/v1/completions", completion([1, 2, 3]))
         holder = headers["x-kvlb-replica"]
-        started = time.monotonic()
+        started = Unstalled()  # the balancers' loop (this process's) stalled by a loaded machine: not counted
 
         async def both_see_it() -> bool:
             for balancer in (a, b):
@@ -242,7 +243,7 @@ async def test_balancers_share_one_index_and_one_policy(
             return True
 
         await wait_for("both balancers to see the holder's 8 blocks", both_see_it)
-        assert time.monotonic() - started < 1.0
+        assert started.seconds() < 1.0
         explained_a, _ = await f.post(a, "/admin/explain", completion([9]))
         explained_b, _ = await f.post(b, "/admin/explain", completion([9]))
         assert overlaps(explained_a) == overlaps(explained_b)
@@ -260,14 +261,14 @@ async def test_balancers_share_one_index_and_one_policy(
         # a policy change through one balancer reaches the other within 1 s, same version
         before = (await f.get(b, "/admin/policy"))["version"]
         await f.post(a, "/admin/policy", {"weights": {"prefill_weight": 2.5}}, method="PUT")
-        started = time.monotonic()
+        started = Unstalled()
 
         async def adopted() -> bool:
             view = await f.get(b, "/admin/policy")
             return bool(view["weights"]["prefill_weight"] == 2.5)
 
         await wait_for("the policy change to reach the other balancer", adopted)
-        assert time.monotonic() - started < 1.0
+        assert started.seconds() < 1.0
         view_a, view_b = await f.get(a, "/admin/policy"), await f.get(b, "/admin/policy")
         assert view_a["version"] == view_b["version"] == before + 1
 
@@ -742,13 +743,13 @@ async def test_a_drain_reaches_the_fleet_outlives_a_redis_flush_or_is_refused(
             body = {"reason": "node maintenance"}
             async with f.session.post(a.url + "/admin/replicas/r0/drain", json=body, headers=headers) as sent:
                 assert sent.status == 200, await sent.text()
-            started = time.monotonic()
+            started = Unstalled()  # the balancers' loop stalled by a loaded machine: not counted
 
             async def b_drains_r0() -> bool:
                 return (await draining(b))["r0"]
 
             await wait_for("the drain to reach the other balancer", b_drains_r0, timeout_s=3)
-            assert time.monotonic() - started < 1.0
+            assert started.seconds() < 1.0
             # who drained it, when and why: the same on both (the SRE walk's open point)
             (note_a,), (note_b,) = [list((await notes(x)).values()) for x in (a, b)]
             assert (note_b["by"], note_b["reason"]) == ("alice", "node maintenance")

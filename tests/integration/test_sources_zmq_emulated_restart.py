@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -19,6 +18,7 @@ import waiting
 import zmq.asyncio
 from emulated_replica import started
 from recording_index import RecordingIndex
+from unstalled import Unstalled
 
 from balancer.engines.sglang import SglangDecoder
 from balancer.events import Resync, Stored
@@ -103,9 +103,9 @@ async def test_a_crashed_engine_is_dropped_at_once_and_its_restart_logged(
             async with emulated(ports, zctx) as replica:
                 await complete(session, replica, list(range(100, 117)))
                 await eventually(lambda: stored_pages(index.events) >= 4)
-            stopped = time.monotonic()  # the process is gone, and its cache with it
+            stopped = Unstalled()  # the process is gone, and its cache with it
             await eventually(lambda: Resync(0, "disconnect") in index.events)
-            assert time.monotonic() - stopped < 1.0
+            assert stopped.seconds() < 1.0  # a loaded machine's stall of this loop not counted
             messages = [r.getMessage() for r in caplog.records if r.name == LOGGER]
             assert any("disconnected" in m for m in messages) and not any("restarted" in m for m in messages)
             seen = len(index.events)

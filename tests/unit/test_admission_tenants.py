@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from unstalled import Unstalled
 
 from balancer.service.admission import (
     DEFAULT_TENANT_KEY,
@@ -365,11 +366,10 @@ async def test_the_other_workers_requests_of_a_tenant_count_against_its_cap() ->
     assert not waiting.done() and gate.queued == 1 and a.inflight == 1
     assert gate.try_enter(0, b) and gate.try_enter(0, b)  # A's waiter holds nobody back
     assert not gate.try_enter(0, a)  # nor does a newcomer of A pass A's waiter
-    loop = asyncio.get_running_loop()
-    freed_at = loop.time()
+    freed = Unstalled()  # a loaded machine's stall of this process is not the gate's wait
     elsewhere.counts[ka] = 0  # the other worker's request of A ended
     await waiting
-    assert loop.time() - freed_at < 3 * RECHECK_S and a.inflight == 2
+    assert freed.seconds() < 3 * RECHECK_S and a.inflight == 2
     kb = tenant_key("b")
     assert elsewhere.published == [(ka, 1), (kb, 1), (kb, 2), (ka, 2)]
     for tenant in (a, a, b, b):

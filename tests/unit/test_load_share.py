@@ -15,6 +15,7 @@ from multiprocessing import shared_memory
 from random import Random
 
 import pytest
+from unstalled import Unstalled
 
 from balancer.errors import ConfigError, Overloaded
 from balancer.load.share import (
@@ -642,11 +643,11 @@ async def test_max_inflight_prompt_tokens_per_tenant_counts_every_workers_prompt
     await asyncio.sleep(0.15)
     assert not waiting.done() and a1.prompt_tokens == 0
     assert not await second.take_prompt_tokens(second.tenant("b"), 900, loop.time() + 1)  # B goes on
-    freed_at = loop.time()
+    freed = Unstalled()  # a loaded machine's stall of this process is not the gate's wait
     first.give_back_prompt_tokens(a0, 800)
     async with asyncio.timeout(1.0):
         assert await waiting  # it waited
-    assert loop.time() - freed_at < 3 * RECHECK_S
+    assert freed.seconds() < 3 * RECHECK_S
     assert (w0.peer_tenant_prompt_tokens(KA), w1.peer_tenant_prompt_tokens(KA)) == (300, 0)
     with pytest.raises(AdmissionRefused) as late:  # 300 of A on the second worker: 800 more do not fit
         await first.take_prompt_tokens(a0, 800, loop.time() + 0.15)
