@@ -9,9 +9,10 @@ method of :class:`ReplayMerge`:
   answers from the earliest batch it kept). Live messages queue on the SUB meanwhile and are merged
   by seq: when the buffer no longer reaches back to the wanted seq, the live messages queued below
   its first seq are taken first (they are older), the first at or above it is held for after the
-  answer (the rule is the order's, pure: :func:`~balancer.sources.zmq_order.queued_live`). An answer with nothing at or after the wanted seq counts as ``empty``. A catch-up that
-  finds the buffer's newest batch below the seq the publisher had reached before its connection
-  dropped shows a restarted publisher (:mod:`balancer.sources.zmq_incarnation`).
+  answer (the rule is the order's, pure: :func:`~balancer.sources.zmq_order.queued_live`). An
+  answer with nothing at or after the wanted seq counts as ``empty``. A catch-up that finds the
+  buffer's newest batch below the seq the publisher had reached before its connection dropped
+  shows a restarted publisher (:mod:`balancer.sources.zmq_incarnation`).
 * **A gap** (:meth:`ReplayMerge.fill_gap`; a live seq beyond the next wanted one, e.g. PUB
   high-water-mark drops): replay from the next wanted seq. What it cannot fill becomes
   ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
