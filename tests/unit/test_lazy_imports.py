@@ -71,7 +71,7 @@ def test_a_configured_grpc_port_still_imports_and_serves_grpc() -> None:
 
 def test_a_file_discovery_start_does_not_import_kubernetes(tmp_path: Path) -> None:
     """The app asks the discovery itself for its caps (``Discovery.over_cap``), not whether it is
-    Kubernetes's: before 2026-12-02 any configured discovery imported the Kubernetes module."""
+    Kubernetes's: before h-zmqparts (2026-12-01) any configured discovery imported the Kubernetes module."""
     replica_file = tmp_path / "replicas.yaml"
     replica_file.write_text("pools: []\n", "utf-8")
     result = _probe("file", str(replica_file))
