@@ -115,9 +115,7 @@ class ZmqEventSource:
         back from the replay socket, are no history."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
-        self._link = SubConnection(
-            replica, dp_rank, endpoint, counters=self._counters, warnings=self._warnings, log=log
-        )
+        self._link = SubConnection(parts, endpoint)
         """The SUB's connection as its monitor reports it: handshaken, refused, not listening."""
         self._replays = (
             None if replay_endpoint is None else ReplayMerge(parts, replay_endpoint, shell=self, ctx=ctx)
