@@ -4,7 +4,10 @@
 messages) and :class:`~balancer.sources.zmq_replay_merge.ReplayMerge` (its replays) work on one
 stream: the same order, read-ahead, message reader, publisher incarnation, poll schedule, engine
 watch, counters and warnings. :class:`ZmqSourceParts` holds them, built once per source by
-:meth:`ZmqSourceParts.build`, so that each takes the one object instead of each part by name.
+:meth:`ZmqSourceParts.build`, so that each takes the one object instead of each part by name; so do
+the replays' client (:class:`~balancer.sources.zmq_replay.ReplayClient`) and the SUB's connection
+(:class:`~balancer.sources.zmq_connection.SubConnection`), which report under the source's counters,
+warnings and logger.
 """
 
 from __future__ import annotations
