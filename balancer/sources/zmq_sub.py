@@ -99,6 +99,7 @@ class ZmqEventSource:
         parts = ZmqSourceParts.build(
             replica, dp_rank, decoder=decoder, metrics=metrics, settings=self.settings, want=want, log=log
         )
+        # the parts by name (each documented in ZmqSourceParts): one look-up each on the message path
         self._warnings = parts.warnings
         self._counters = parts.counters
         self._order = parts.order
