@@ -453,10 +453,7 @@ class Balancer:
         state.sources_started_at = state.monotonic()
         discovery = self._discovery if self._discovery is not None else build_discovery(self.settings)
         if discovery is not None:
-            from balancer.discovery.kubernetes import KubernetesDiscovery  # lazy: a discovery only
-
-            if isinstance(discovery, KubernetesDiscovery):  # the caps of the objects it keeps
-                self.metrics.discovery_over_cap.source = discovery.over_cap
+            self.metrics.discovery_over_cap.source = discovery.over_cap  # the caps of what it keeps
             replicas.start_discovery(discovery)
 
     def _share_speculation(self, state: ServiceState, replicas: ReplicaLifecycle, run_dir: str) -> None:

@@ -71,6 +71,12 @@ class Discovery(Protocol):
         """A JSON-ready view for ``/admin`` and logs (kind, counts, last error)."""
         ...
 
+    def over_cap(self) -> Mapping[str, int]:
+        """The objects it did not keep, by the bound that refused them (``count``, ``bytes``), for
+        ``kvlb_discovery_objects_over_cap_total{bound}``, read at scrape time; empty for a discovery
+        that keeps no objects of its own (the family then has no samples)."""
+        ...
+
 
 def diff_replicas(
     old: Mapping[ReplicaId, Discovered], new: Mapping[ReplicaId, Discovered]

@@ -112,6 +112,11 @@ class FileDiscovery:
         )
         return status
 
+    def over_cap(self) -> Mapping[str, int]:
+        """Nothing: the file is read whole, no objects are kept (replicas over
+        ``discovery.max_replicas`` are in :meth:`status`, ``skipped_over_cap``)."""
+        return {}
+
     async def run(self, emit: Emit) -> None:
         """Check the file now and then every ``reload_interval_s`` until cancelled."""
         while True:

@@ -19,7 +19,6 @@ connection) is the source's; the exceptions here tell its run loop how to open t
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import NoReturn
 
@@ -27,11 +26,9 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import _MonitorMessage, parse_monitor_message
 
-from balancer.log_limit import LimitedWarnings
-from balancer.sources.base import SourceCounters
 from balancer.sources.replay_watch import ReplayWatch
+from balancer.sources.zmq_parts import ZmqSourceParts
 from balancer.sources.zmq_settings import ZmqSourceSettings
-from balancer.types import ReplicaId
 
 
 class ReopenSub(Exception):
@@ -94,24 +91,16 @@ async def next_monitor_event(monitor: zmq.asyncio.Socket, watch: ReplayWatch) ->
 
 class SubConnection:
     """What the monitor said of the current SUB's connection, and the events endpoint's problems
-    (they go to the source's ``counters``, ``warnings`` and ``log``)."""
+    (they go to the source's counters, warnings and logger)."""
 
-    def __init__(
-        self,
-        replica: ReplicaId,
-        dp_rank: int,
-        endpoint: str,
-        *,
-        counters: SourceCounters,
-        warnings: LimitedWarnings,
-        log: logging.Logger,
-    ) -> None:
-        self.replica = replica
-        self.dp_rank = dp_rank
+    def __init__(self, parts: ZmqSourceParts, endpoint: str) -> None:
+        """``parts``: the source's; ``endpoint``: the publisher's events endpoint."""
+        self.replica = parts.replica
+        self.dp_rank = parts.dp_rank
         self.endpoint = endpoint
-        self._counters = counters
-        self._warnings = warnings
-        self._log = log
+        self._counters = parts.counters
+        self._warnings = parts.warnings
+        self._log = parts.log
         self.handshaken = False
         """The SUB's connection completed its ZMQ handshake with a PUB (``EVENT_HANDSHAKE_SUCCEEDED``):
         the connection this source counts as connected (``SourceStatus.connected``)."""

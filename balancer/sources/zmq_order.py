@@ -21,6 +21,10 @@ digest (``None``: shed, its payload unknown) and does what it answers. It decide
 * **A replayed batch** (:meth:`StreamOrder.replayed`): taken when at or after the next wanted seq;
   a catch-up keeps the newest ``MAX_REPLAYED_DIGESTS`` digests, to tell the first live message's
   duplicate from a restarted publisher's batch at the same seq.
+* **A catch-up's merge** (:func:`reads_queued_live`, :func:`queued_live`): when the publisher's
+  buffer no longer reaches back to the next wanted seq, the live messages queued on the SUB below
+  the answer's first seq are taken first (they are older), the first at or above it is held for
+  after the answer.
 * **A lost connection** (:meth:`StreamOrder.disconnected`): the rank's blocks dropped
   (``"disconnect"``), the next batch a fresh start from seq 0.
 
@@ -98,6 +102,32 @@ class Live(Enum):
 
 TAKE, DUPLICATE, REPLAY = Live.TAKE, Live.DUPLICATE, Live.REPLAY
 """The verdicts as module constants (a hot path's comparison need not look up the enum)."""
+
+
+class Queued(Enum):
+    """Where a live message queued on the SUB goes when a catch-up's (or poll's) answer starts above
+    the next wanted seq (:func:`reads_queued_live`)."""
+
+    BEFORE = "before"
+    """Older than the answer's first batch: taken now, before the answer (a gap before it is not
+    replayed: the answer is under way)."""
+    AFTER = "after"
+    """At or above the answer's first batch: held for after the answer; the messages queued behind
+    it stay on the SUB."""
+
+
+def reads_queued_live(expected: int, answer_first: int) -> bool:
+    """Whether the live messages queued on the SUB are read before a catch-up's (or poll's) answer
+    whose first batch is ``answer_first``, the stream wanting ``expected`` next: only when the
+    publisher's buffer no longer reaches back to ``expected``, so that queued live messages may be
+    older than the answer (otherwise the answer comes first and their live copies are duplicates)."""
+    return answer_first > expected
+
+
+def queued_live(seq: int, answer_first: int) -> Queued:
+    """A queued live message's place (:func:`reads_queued_live`): taken before an answer whose
+    first batch is ``answer_first`` when it is older, else held for after it."""
+    return Queued.BEFORE if seq < answer_first else Queued.AFTER
 
 
 class StreamOrder:

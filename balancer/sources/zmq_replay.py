@@ -14,20 +14,19 @@ gaps) is the caller's: each reply goes to its ``on_reply``.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import zmq
 import zmq.asyncio
 
 from balancer.errors import EventDecodeError
-from balancer.log_limit import LimitedWarnings
-from balancer.sources.base import SourceCounters
 from balancer.sources.read_ahead import MAX_MESSAGE_FRAMES
-from balancer.sources.replay_watch import EngineGone, ReplayWatch
-from balancer.sources.zmq_settings import ZmqSourceSettings
-from balancer.types import ReplicaId
+from balancer.sources.replay_watch import EngineGone
+
+if TYPE_CHECKING:  # the parts import this module (zmq_messages reads SEQ_BYTES here)
+    from balancer.sources.zmq_parts import ZmqSourceParts
 
 SEQ_BYTES = 8
 REPLAY_END = (-1).to_bytes(SEQ_BYTES, "big", signed=True)
@@ -61,34 +60,21 @@ def is_replay_end(frames: Sequence[bytes]) -> bool:
 class ReplayClient:
     """The replay requests of one source (one replica, one DP rank); lives on the ingest loop.
 
-    Its problems are the source's: they go to the source's ``counters``, ``warnings`` and ``log``
-    (so they read as the source's, under its logger), a reply of too many frames to
-    ``decode_failed``."""
+    Its problems are the source's: they go to the source's counters, warnings and log (so they read
+    as the source's, under its logger), a reply of too many frames to its message reader."""
 
-    def __init__(
-        self,
-        replica: ReplicaId,
-        dp_rank: int,
-        endpoint: str,
-        *,
-        ctx: zmq.asyncio.Context,
-        settings: ZmqSourceSettings,
-        watch: ReplayWatch,
-        counters: SourceCounters,
-        warnings: LimitedWarnings,
-        log: logging.Logger,
-        decode_failed: Callable[[Exception], None],
-    ) -> None:
-        self.replica = replica
-        self.dp_rank = dp_rank
+    def __init__(self, parts: ZmqSourceParts, endpoint: str, *, ctx: zmq.asyncio.Context) -> None:
+        """``parts``: the source's; ``endpoint``: the publisher's replay socket."""
+        self.replica = parts.replica
+        self.dp_rank = parts.dp_rank
         self.endpoint = endpoint
         self._ctx = ctx
-        self._settings = settings
-        self._watch = watch
-        self._counters = counters
-        self._warnings = warnings
-        self._log = log
-        self._decode_failed = decode_failed
+        self._settings = parts.settings
+        self._watch = parts.watch
+        self._counters = parts.counters
+        self._warnings = parts.warnings
+        self._log = parts.log
+        self._decode_failed = parts.messages.decode_failed
         self._dealer: zmq.asyncio.Socket | None = None
         """The replay DEALER, kept between requests (:meth:`_replay_dealer`)."""
 

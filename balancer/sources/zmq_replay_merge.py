@@ -9,9 +9,10 @@ method of :class:`ReplayMerge`:
   answers from the earliest batch it kept). Live messages queue on the SUB meanwhile and are merged
   by seq: when the buffer no longer reaches back to the wanted seq, the live messages queued below
   its first seq are taken first (they are older), the first at or above it is held for after the
-  answer. An answer with nothing at or after the wanted seq counts as ``empty``. A catch-up that
-  finds the buffer's newest batch below the seq the publisher had reached before its connection
-  dropped shows a restarted publisher (:mod:`balancer.sources.zmq_incarnation`).
+  answer (the rule is the order's, pure: :func:`~balancer.sources.zmq_order.queued_live`). An
+  answer with nothing at or after the wanted seq counts as ``empty``. A catch-up that finds the
+  buffer's newest batch below the seq the publisher had reached before its connection dropped
+  shows a restarted publisher (:mod:`balancer.sources.zmq_incarnation`).
 * **A gap** (:meth:`ReplayMerge.fill_gap`; a live seq beyond the next wanted one, e.g. PUB
   high-water-mark drops): replay from the next wanted seq. What it cannot fill becomes
   ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
@@ -40,13 +41,15 @@ tells the source so across the thread boundary (:mod:`balancer.sources.replay_wa
 The exchange itself (the DEALER, its frames, timeout and abandon) is
 :class:`~balancer.sources.zmq_replay.ReplayClient`'s, owned here; which replayed batch the stream
 takes is :class:`~balancer.sources.zmq_order.StreamOrder`'s (pure); a batch taken goes back to the
-shell (:class:`ReplayShell`), which applies the order's actions and emits it. What is said here is
-said under the source's logger, as the source's.
+shell (:class:`ReplayShell`), which applies the order's actions and emits it. The source's parts
+(its order, read-ahead, message reader, incarnation, poll schedule, engine watch, counters,
+warnings, logger) are shared with the shell as one
+:class:`~balancer.sources.zmq_parts.ZmqSourceParts`; what is said here is said under the source's
+logger, as the source's.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -56,18 +59,10 @@ import zmq.asyncio
 
 from balancer.engines import DecodedBatch
 from balancer.errors import EventDecodeError
-from balancer.log_limit import LimitedWarnings
-from balancer.metrics import Metrics
-from balancer.sources.base import Emit, Gate, SourceCounters
-from balancer.sources.read_ahead import ReadAhead
-from balancer.sources.replay_poll import ReplayPollSchedule
-from balancer.sources.replay_watch import ReplayWatch
-from balancer.sources.zmq_incarnation import Incarnation
-from balancer.sources.zmq_messages import MessageReader
-from balancer.sources.zmq_order import StreamOrder
+from balancer.sources.base import Emit, Gate
+from balancer.sources.zmq_order import Queued, queued_live, reads_queued_live
+from balancer.sources.zmq_parts import ZmqSourceParts
 from balancer.sources.zmq_replay import ReplayClient
-from balancer.sources.zmq_settings import ZmqSourceSettings
-from balancer.types import ReplicaId
 
 
 class ReplayShell(Protocol):
@@ -91,55 +86,21 @@ class ReplayMerge:
     """The replays of one source (one replica, one DP rank); lives on the ingest loop."""
 
     def __init__(
-        self,
-        replica: ReplicaId,
-        dp_rank: int,
-        endpoint: str,
-        *,
-        shell: ReplayShell,
-        ctx: zmq.asyncio.Context,
-        settings: ZmqSourceSettings,
-        order: StreamOrder,
-        ahead: ReadAhead,
-        messages: MessageReader,
-        incarnation: Incarnation,
-        polls: ReplayPollSchedule,
-        watch: ReplayWatch,
-        metrics: Metrics,
-        counters: SourceCounters,
-        warnings: LimitedWarnings,
-        log: logging.Logger,
+        self, parts: ZmqSourceParts, endpoint: str, *, shell: ReplayShell, ctx: zmq.asyncio.Context
     ) -> None:
-        """The source's parts, shared with it: its stream ``order``, its read-ahead of the SUB
-        (``ahead``), its ``messages`` reader, its publisher's ``incarnation``, its ``polls``
-        schedule, its ``watch`` of the engine, and its ``counters``, ``warnings`` and ``log``."""
-        self.replica = replica
-        self.dp_rank = dp_rank
+        """``parts``: the source's, shared with its shell (its stream order, read-ahead, message
+        reader, publisher incarnation, poll schedule, engine watch, counters, warnings and log);
+        ``endpoint``: the publisher's replay socket."""
+        self.replica = parts.replica
+        self.dp_rank = parts.dp_rank
+        self._parts = parts
         self._shell = shell
-        self._rcvhwm = settings.rcvhwm
-        self._order = order
-        self._ahead = ahead
-        self._messages = messages
-        self._incarnation = incarnation
-        self._polls = polls
-        self._watch = watch
-        self._poll_max_s = settings.replay_poll_max_s
-        self._metrics = metrics
-        self._counters = counters
-        self._warnings = warnings
-        self._log = log
-        self._client = ReplayClient(
-            replica,
-            dp_rank,
-            endpoint,
-            ctx=ctx,
-            settings=settings,
-            watch=watch,
-            counters=counters,
-            warnings=warnings,
-            log=log,
-            decode_failed=messages.decode_failed,
-        )
+        self._order = parts.order
+        self._ahead = parts.ahead
+        self._messages = parts.messages
+        self._counters = parts.counters
+        self._log = parts.log
+        self._client = ReplayClient(parts, endpoint, ctx=ctx)
         """The replay requests' DEALER and exchange."""
         self.catch_up_due = True
         """Ask for everything from the wanted seq at the SUB's next connection: at start (whatever
@@ -159,26 +120,28 @@ class ReplayMerge:
         self.dropping = False
         self._client.close()
 
-    def poll_timeout_ms(self) -> int | None:
-        """How long to wait for a live message before the next poll (``None``: no poll)."""
+    def poll_timeout_ms(self, now: float) -> int | None:
+        """How long to wait, from ``now`` (monotonic seconds), for a live message before the next
+        poll (``None``: no poll)."""
         if self._order.backlog_dropped or self.catch_up_due:
             return None  # after a dropped flood, no position to poll from; unconnected, no publisher
-        if self._watch.away is not None:  # the engine is away: look again later whether it is back
-            return max(1, int(self._poll_max_s * 1000))
-        return self._polls.timeout_ms(time.monotonic())
+        if self._parts.watch.away is not None:  # the engine is away: look again later whether it is back
+            return max(1, int(self._parts.settings.replay_poll_max_s * 1000))
+        return self._parts.polls.timeout_ms(now)
 
-    def poll_due(self) -> bool:
-        """Whether a poll is due now: the live stream silent for the interval, the connection caught
-        up, no dropped flood's count pending, the engine not away. Before the first batch too
-        (polled from the wanted seq, 0 or the resume point): a batch lost live right after the
-        catch-up (a subscription not yet in force at the publisher, a high-water mark) was otherwise
-        noticed only at the next live message, which an idle engine may never send: its blocks
-        missed from the index meanwhile, fleet-wide when this source is a new lease holder's."""
+    def poll_due(self, now: float) -> bool:
+        """Whether a poll is due at ``now`` (monotonic seconds): the live stream silent for the
+        interval, the connection caught up, no dropped flood's count pending, the engine not away.
+        Before the first batch too (polled from the wanted seq, 0 or the resume point): a batch
+        lost live right after the catch-up (a subscription not yet in force at the publisher, a
+        high-water mark) was otherwise noticed only at the next live message, which an idle engine
+        may never send: its blocks missed from the index meanwhile, fleet-wide when this source is
+        a new lease holder's."""
         return (
             not self._order.backlog_dropped
             and not self.catch_up_due  # not connected yet (or again): its catch-up comes first
-            and self._watch.away is None  # its probe finds nothing listening: the poll would wait out
-            and self._polls.due(time.monotonic())
+            and self._parts.watch.away is None  # the probe finds nothing listening: it would wait out
+            and self._parts.polls.due(now)
         )
 
     async def catch_up(self, sub: zmq.asyncio.Socket, emit: Emit) -> None:
@@ -191,9 +154,10 @@ class ReplayMerge:
             _, complete = await self._replay(start, emit, live=sub)
         finally:
             self._order.catch_up_ended()
-        lost, last_seq = self._incarnation.lost, self._order.last_seq
+        incarnation = self._parts.incarnation
+        lost, last_seq = incarnation.lost, self._order.last_seq
         if lost is not None and complete and last_seq is not None and last_seq < lost[0]:
-            self._incarnation.restarted(f"its newest batch is seq {last_seq}, it had reached {lost[0]}")
+            incarnation.restarted(f"its newest batch is seq {last_seq}, it had reached {lost[0]}")
         await self._take_held(emit)
 
     async def fill_gap(self, emit: Emit) -> None:
@@ -207,14 +171,14 @@ class ReplayMerge:
         outcome = "new" if found else ("nothing" if complete else "failed")
         if self._abandoned and not found:
             outcome = "abandoned"  # the engine went away meanwhile
-        self._metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
+        self._parts.metrics.events_replay_polls_total.labels(self.replica, outcome).inc()
         if found:  # not a gap in itself: the live copies of these batches may only be late
             self._log.debug(
                 "replica %s rank %d: a poll found batches after seq %s", self.replica, self.dp_rank, before
             )
-            self._polls.heard(time.monotonic())
+            self._parts.polls.heard(time.monotonic())
         else:
-            self._polls.answered_empty(time.monotonic())
+            self._parts.polls.answered_empty(time.monotonic())
         await self._take_held(emit)
 
     async def _take_held(self, emit: Emit) -> None:
@@ -223,11 +187,12 @@ class ReplayMerge:
         if held is not None:
             await self._shell.take_live(held[0], held[1], emit)
 
-    async def _take_live_below(self, sub: zmq.asyncio.Socket, limit: int, emit: Emit) -> None:
-        """During a catch-up (or poll) whose answer starts at ``limit``, above the wanted seq: take
-        the live messages queued below ``limit`` first (they are older), hold the first one at or
-        above it for after the answer. These are shed as the shell's drain would shed them."""
-        for _ in range(self._rcvhwm):
+    async def _take_live_below(self, limit: int, emit: Emit) -> None:
+        """During a catch-up (or poll) whose answer starts at ``limit``, above the wanted seq: the
+        live messages queued on the SUB in the order's merge (:func:`queued_live`): those below
+        ``limit`` taken first (they are older), the first at or above it held for after the answer.
+        These are shed as the shell's drain would shed them."""
+        for _ in range(self._parts.settings.rcvhwm):
             read = self._ahead.read(self._shell.gate)
             if read is None:
                 return
@@ -237,7 +202,7 @@ class ReplayMerge:
                 continue
             batch, digest = taken
             assert batch.seq is not None
-            if batch.seq >= limit:
+            if queued_live(batch.seq, limit) is Queued.AFTER:
                 self._held = (batch, digest)
                 return
             await self._shell.take_live(batch, digest, emit, may_replay=False)
@@ -294,8 +259,8 @@ class ReplayMerge:
         if batch is None or batch.seq is None:
             return None
         digest = hash(frames[-1])
-        if live is not None and batch.seq > self._order.expected():
-            await self._take_live_below(live, batch.seq, emit)
+        if live is not None and reads_queued_live(self._order.expected(), batch.seq):
+            await self._take_live_below(batch.seq, emit)
         if self._order.replayed(batch.seq, digest):
             self._shell.take_replayed(batch, digest, emit)
         return batch.seq
@@ -311,9 +276,9 @@ class ReplayMerge:
             outcome = "filled"
         if outcome not in ("filled", "empty"):
             self._counters.replay_failures += 1
-        self._metrics.events_replays_total.labels(self.replica, outcome).inc()
+        self._parts.metrics.events_replays_total.labels(self.replica, outcome).inc()
         if first_seq is not None and first_seq > start_seq and not self._order.catching_up:
-            self._warnings.warning(
+            self._parts.warnings.warning(
                 "replay_partial",
                 f"{self.replica}/{self.dp_rank}",
                 "replica %s rank %d: replay from %d found the publisher's buffer starting at %d: "

@@ -1,89 +1,18 @@
-"""ZMQ subscriber for one SGLang/vLLM publisher (one DP rank), with DEALER replay (does I/O).
+"""ZMQ subscriber for one SGLang/vLLM publisher (one DP rank): the source's async shell (does I/O).
 
-The engine PUBlishes ``[topic, seq (8 bytes big-endian), msgpack batch]``; ``seq`` counts batches per
-publisher from 0. This source keeps the stream in order:
-
-* **Start, late join, reconnect.** On every new connection of the SUB (the first one, and each one
-  after a lost connection) the replay socket is asked at once for everything it still holds from the
-  seq wanted (0, or the ``resume_seq`` given to the constructor), so an idle engine's existing cache
-  reaches the index without waiting for its next batch; the live messages queued on the SUB
-  meanwhile are merged with the answer by seq (:mod:`balancer.sources.zmq_replay_merge`).
-* **Gap** (seq > last + 1, e.g. PUB high-water-mark drops): replay from ``last + 1`` over the
-  source's DEALER (:mod:`balancer.sources.zmq_replay`), bounded in time and count. What replay
-  cannot fill becomes ``Resync(rank, "gap")`` (:mod:`balancer.sources.zmq_order`).
-* **Silence.** When the live stream has been silent for ``replay_poll_min_s`` (up to
-  ``replay_poll_max_s`` while the answers hold nothing: :mod:`balancer.sources.replay_poll`) the
-  replay socket is asked for anything after the last batch taken, or, before the first one, once
-  connected and caught up, from the wanted seq: a publisher whose live messages are lost is read
-  from its replay buffer (``kvlb_events_replay_polls_total``).
-* **Restart.** The live stream itself only moves forward, so a live seq that does not exceed the
-  previous live seq means the publisher restarted: ``Resync(rank, "restart")``, then the message is
-  handled as a fresh start (replaying from 0 if it is not seq 0). A new SGLang epoch in the topic
-  metadata is the same with reason ``"epoch"``.
-* **Lost connection.** A socket monitor sees the SUB's TCP connection drop: the publisher's process
-  died (its cache with it), the network failed, or ZMQ refused a message over ``max_message_bytes``
-  (``ZMQ_MAXMSGSIZE``; the monitor does not say which). The disconnect is counted
-  (``kvlb_events_disconnects_total``) and logged as a disconnect (rate-limited),
-  ``Resync(rank, "disconnect")`` drops the rank's blocks at once, the SUB is reopened (libzmq does not
-  reconnect after the protocol error of an oversize message) and the next connection asks the replay
-  socket for everything from seq 0. A replay waiting on the engine when it goes ends at once
-  (:mod:`balancer.sources.zmq_replay_merge`). Whether the publisher restarted is logged once it is
-  known: a batch at the old last seq with another payload, a seq below it, or a new epoch means a
-  new process ("restarted"); the same payload at that seq means the same one ("reconnected"). This
-  is also what catches a crash and restart whose new seq happens to land above the old one.
-* **Shedding.** A message is read but dropped undecoded (``kvlb_events_shed_total``) while the
-  replica's ingestion CPU budget is spent or its queue is over half full (the ``gate``,
-  :mod:`balancer.sources.budget`). Of a shed message only the seq is read, and it goes through the
-  same ordering as a decoded one (:mod:`balancer.sources.zmq_order`: the rank resyncs once per run,
-  at the run's first shed message taken in order), so no replay is asked; the run is counted by its
-  cause (``kvlb_events_shed_runs_total``).
-* **Messages of many frames.** ZMQ bounds a frame's size and the pipe's messages, not a message's
-  frames; the read-ahead reads at most ``MAX_MESSAGE_FRAMES`` of one. A message with more is shed
-  (cause ``frames``: its seq taken in order, the run's resync) and the SUB dropped with the rest of
-  it, as a flood is (below).
-* **Floods.** Before decoding a message the source takes everything queued on the SUB off the
-  socket (a read-ahead of zero-copy frames, bounded by ``max_backlog_bytes``:
-  :mod:`balancer.sources.read_ahead`). A backlog over that bound (cause ``backlog``), or one the
-  source has not come to the end of within ``max_behind_s`` (cause ``behind``), is a flood: the
-  message at hand is shed (the run's resync), the read-ahead is dropped, and the SUB is closed, so
-  that libzmq frees the rest of the backlog and the publisher the messages it still queued for us,
-  instead of this thread reading them one GIL hand-over at a time;
-  it is reopened ``flood_pause_s`` later (what the flood sends meanwhile the publisher drops: a
-  flood's tail, sent to a fresh connection at once, was decoded again until it too was a backlog).
-  The next live message's seq shows how many were dropped: they are counted as shed and it is taken
-  in order, without a gap or a replay (no replay poll asks for them meanwhile).
-* Bad messages are counted (``kvlb_events_decode_errors_total``) and skipped; socket errors reopen
-  the socket after a backoff. ZMQ connects lazily, so an engine may start after the balancer.
-* **A wrong endpoint.** A connection counts once its ZMQ handshake with a PUB succeeded
-  (``EVENT_HANDSHAKE_SUCCEEDED``; :attr:`SourceStatus.connected`), and the catch-up waits for it.
-  A peer that takes the TCP connection but drops it before the handshake is no PUB (the replay
-  ROUTER given as ``events``, the two swapped): said, and retried after the reconnect backoff. A
-  refused connect (nothing listens) is said too; both, and malformed events, a silent replay socket
-  and a publisher of another DP rank, become the source's ``last_error`` (``/admin/replicas``) and
-  a warning, the first at once, then once a minute.
-
-This module is the async shell: the subscription loop, its SUB and monitor, reconnects, and the
-live messages. What each message does to the stream (the next seq, a duplicate, a gap to
-replay, a restart, a shed run's one resync, a dropped flood) is decided by
-:class:`~balancer.sources.zmq_order.StreamOrder` (pure), whose actions it applies. Its parts, each
-in its own module:
-
-* :mod:`balancer.sources.zmq_order`: the stream's order (pure: seqs and digests in, actions out);
-* :mod:`balancer.sources.zmq_connection`: the SUB, its monitor, the connection's handshake and the
-  events endpoint's problems;
-* :mod:`balancer.sources.zmq_replay_merge`: the catch-up, gap and poll replays, each answer merged
-  with the live messages queued on the SUB, and counted;
-* :mod:`balancer.sources.zmq_replay`: the replay exchange over the DEALER;
-* :mod:`balancer.sources.replay_poll`: when a silent stream's replay poll is due (pure);
-* :mod:`balancer.sources.replay_watch`: what ends a replay before its timeout;
-* :mod:`balancer.sources.zmq_incarnation`: whether a publisher that dropped its connection
-  restarted, said once a batch shows it;
-* :mod:`balancer.sources.read_ahead`: what the SUB queued, and which message to shed;
-* :mod:`balancer.sources.zmq_messages`: a message decoded (charged to the budget), shed, or counted
-  as unusable.
-
-The connection, the replays, the replay client and the incarnation check log under this module's
-logger, as the source's own.
+The engine PUBlishes ``[topic, seq (8 bytes big-endian), msgpack batch]``; ``seq`` counts batches
+per publisher from 0. :class:`ZmqEventSource` is the shell of the source that keeps that stream in
+order: the subscription loop, its SUB and monitor (a new connection's catch-up, a lost connection's
+resync and reopened SUB, a refused connect or handshake), the live messages drained off the SUB
+(shed while the budget is spent, a flood dropped with the SUB), and what the stream's order
+(:class:`~balancer.sources.zmq_order.StreamOrder`, pure) answers for each, applied: resyncs, counts,
+the restart log, a batch accepted and emitted with its lag rule. Its replays (catch-up, gap, poll)
+are :class:`~balancer.sources.zmq_replay_merge.ReplayMerge`'s; the parts both share (order,
+read-ahead, message reader, incarnation, poll schedule, engine watch, counters, warnings) are one
+:class:`~balancer.sources.zmq_parts.ZmqSourceParts`. What the whole source does, case by case (start,
+gap, silence, restart, lost connection, shedding, floods, a wrong endpoint), and which module holds
+each part: :mod:`balancer.sources` and docs/architecture.md ("One ZMQ source, case by case"). The
+parts log under this module's logger, as the source's own.
 """
 
 from __future__ import annotations
@@ -98,21 +27,16 @@ import zmq.asyncio
 
 from balancer.engines import DecodedBatch, Decoder
 from balancer.events import Resync
-from balancer.log_limit import LimitedWarnings
 from balancer.metrics import Metrics
 from balancer.sources.base import (
     Backoff,
     Emit,
     Gate,
     IngestBatch,
-    SourceCounters,
     SourceStatus,
     count_decoded,
     report_malformed,
 )
-from balancer.sources.read_ahead import ReadAhead
-from balancer.sources.replay_poll import ReplayPollSchedule
-from balancer.sources.replay_watch import ReplayWatch
 from balancer.sources.zmq_connection import (
     DropBacklog,
     HandshakeRefused,
@@ -121,8 +45,6 @@ from balancer.sources.zmq_connection import (
     next_monitor_event,
     open_sub,
 )
-from balancer.sources.zmq_incarnation import Incarnation
-from balancer.sources.zmq_messages import MessageReader
 from balancer.sources.zmq_order import (
     DUPLICATE,
     REPLAY,
@@ -133,8 +55,8 @@ from balancer.sources.zmq_order import (
     Restarted,
     Resynced,
     ShedRunStarted,
-    StreamOrder,
 )
+from balancer.sources.zmq_parts import ZmqSourceParts
 from balancer.sources.zmq_replay_merge import ReplayMerge
 from balancer.sources.zmq_settings import ZmqSourceSettings
 from balancer.types import ReplicaId
@@ -172,66 +94,32 @@ class ZmqEventSource:
         self.settings.validate()
         self._ctx = ctx
         self._metrics = metrics
-        self._warnings = LimitedWarnings(
-            log,
-            metrics.log_suppressed_total,
-            clock=time.monotonic,
-            forgotten=metrics.log_causes_forgotten_total,
-        )
         self._engine = decoder.engine
-        self._order = StreamOrder(resume_seq if resume_seq is not None else 0)
-        """The stream's position and what each message does to it (pure)."""
+        want = resume_seq if resume_seq is not None else 0
+        parts = ZmqSourceParts.build(
+            replica, dp_rank, decoder=decoder, metrics=metrics, settings=self.settings, want=want, log=log
+        )
+        # the parts by name (each documented in ZmqSourceParts): one look-up each on the message path
+        self._warnings = parts.warnings
+        self._counters = parts.counters
+        self._order = parts.order
+        self._incarnation = parts.incarnation
+        self._polls = parts.polls
+        self._messages = parts.messages
+        self._ahead = parts.ahead
+        self._watch = parts.watch
         self._connected_wall_s: float | None = None
         """Our wall clock when the SUB that is to catch up was opened (:meth:`_open_sub`): a replayed
         batch published before it is history, and stays out of the lag gauge. Taken at the open, not
         at the connection's monitor event, which a busy loop reads late: the catch-up starts once the
         handshake is done, when the engine may already be publishing to us, and those batches, read
         back from the replay socket, are no history."""
-        self._incarnation = Incarnation(replica, dp_rank, log)
-        """After a lost connection: whether the publisher restarted, logged once a batch shows it."""
-        self._polls = ReplayPollSchedule(
-            self.settings.replay_poll_min_s,
-            self.settings.replay_poll_max_s,
-            self.settings.replay_poll_busy_s,
-            time.monotonic(),
-        )
-        """When the silent live stream's next replay poll is due."""
-        self._counters = SourceCounters()
-        self._messages = MessageReader(
-            replica, decoder, metrics=metrics, counters=self._counters, warnings=self._warnings, log=log
-        )
-        """Each message decoded, shed or counted as unusable."""
         self.gate: Gate | None = None
         """The replica's CPU budget (set by the ingest): while spent, messages are shed undecoded."""
-        self._ahead = ReadAhead(self.settings)
-        """What was read off the SUB and not yet handled, and why the last message was shed."""
-        self._watch = ReplayWatch()
-        """What ends a replay before its timeout: the publisher's disconnect, the probe's verdict."""
-        self._link = SubConnection(
-            replica, dp_rank, endpoint, counters=self._counters, warnings=self._warnings, log=log
-        )
+        self._link = SubConnection(parts, endpoint)
         """The SUB's connection as its monitor reports it: handshaken, refused, not listening."""
         self._replays = (
-            None
-            if replay_endpoint is None
-            else ReplayMerge(
-                replica,
-                dp_rank,
-                replay_endpoint,
-                shell=self,
-                ctx=ctx,
-                settings=self.settings,
-                order=self._order,
-                ahead=self._ahead,
-                messages=self._messages,
-                incarnation=self._incarnation,
-                polls=self._polls,
-                watch=self._watch,
-                metrics=metrics,
-                counters=self._counters,
-                warnings=self._warnings,
-                log=log,
-            )
+            None if replay_endpoint is None else ReplayMerge(parts, replay_endpoint, shell=self, ctx=ctx)
         )
         """The catch-up, gap and poll replays, merged into the stream (``None``: no replay endpoint)."""
 
@@ -278,7 +166,7 @@ class ZmqEventSource:
                     if self._ahead.pending or stashed:
                         timeout_ms: int | None = 0
                     else:  # until the next replay poll (``None``: none)
-                        timeout_ms = None if replays is None else replays.poll_timeout_ms()
+                        timeout_ms = None if replays is None else replays.poll_timeout_ms(time.monotonic())
                     ready = dict(await poller.poll(timeout=timeout_ms))
                     # first: a new connection's catch-up merges the queued live
                     if monitor in ready or self._watch.stash:
@@ -286,7 +174,7 @@ class ZmqEventSource:
                     if sub in ready or self._ahead.pending:
                         backoff.reset()
                         await self._drain(sub, emit, may_drop=True)
-                    elif not ready and replays is not None and replays.poll_due():
+                    elif not ready and replays is not None and replays.poll_due(time.monotonic()):
                         await replays.poll(sub, emit)
             except DropBacklog:
                 dropped = True
