@@ -140,22 +140,28 @@ LATE_STEP_S = 0.02
 
 
 async def test_cached_prefix_makes_ttft_faster_by_the_modelled_amount() -> None:
+    """Three 400-token prompts, each sent cold and then warm (396 tokens reused): the least cold TTFT
+    less the least warm one is the modelled saving. One pair alone was at the mercy of one late step
+    or HTTP hop on a loaded machine (a difference off by more than 30% in 2 runs of 7 at load 7-10);
+    the least of three takes what the load adds off both sides, as the scale test does."""
     scale = 4.0
-    prompt = list(range(1000, 1400))  # 400 tokens; the warm request reuses 396 of them
+    prompts = [list(range(1000 + 400 * k, 1400 + 400 * k)) for k in range(3)]
     cold_model = isolated_ttft_s(TIMED, prompt_tokens=400, cached_tokens=0)
     warm_model = isolated_ttft_s(TIMED, prompt_tokens=400, cached_tokens=396)
+    colds, warms = [], []
     async with running(profile=TIMED, time_scale=scale) as (replica, session):
         url = replica.url + "/v1/completions"
-        cold, _ = await stream(session, url, {"prompt": prompt, "max_tokens": 2})
-        warm, _ = await stream(session, url, {"prompt": prompt, "max_tokens": 2})
+        for prompt in prompts:
+            colds.append((await stream(session, url, {"prompt": prompt, "max_tokens": 2}))[0])
+            warms.append((await stream(session, url, {"prompt": prompt, "max_tokens": 2}))[0])
         records = await (await session.get(replica.url + "/admin/requests")).json()
-    assert [r["cached_tokens"] for r in records] == [0, 396]
+    assert [r["cached_tokens"] for r in records] == [0, 396] * len(prompts)
     # The model's TTFT, in wall time, never less; a step the loaded machine started late adds
     # to it (a CI run saw 2.9 ms for a warm 1 ms), up to LATE_STEP_S.
-    for record, model_s in zip(records, (cold_model, warm_model), strict=True):
+    for record, model_s in zip(records, (cold_model, warm_model) * len(prompts), strict=True):
         assert model_s / scale * 0.95 <= record["modelled_ttft_s"] <= model_s / scale * 1.05 + LATE_STEP_S
     saved = (cold_model - warm_model) / scale  # 49.5 ms of wall time
-    assert cold - warm == pytest.approx(saved, rel=0.3)
+    assert min(colds) - min(warms) == pytest.approx(saved, rel=0.3), (colds, warms)
 
 
 async def test_time_scale_shrinks_wall_clock_ttft() -> None:
