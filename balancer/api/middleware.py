@@ -15,6 +15,11 @@
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
   OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
+* In flight: the request's task is kept in the service's :class:`~balancer.api.inflight.InflightRequests`
+  from the middleware's first line to its last, so shutdown cancels it at ``shutdown_grace_s``.
+  One middleware for all of it: aiohttp adds a layer of its own as soon as an app has any, and each
+  more costs a ``partial``, a coroutine and an ``await`` a request (docs/benchmark-history.md,
+  round 22).
 * ``Expect: 100-continue`` on a route that takes a body (:func:`expect_continue`, which aiohttp runs
   before any middleware): what the headers alone refuse (a ``Content-Length`` over
   ``limits.max_body_bytes``, a missing key or token, a foreign ``Origin``, a serving request's tenant
