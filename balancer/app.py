@@ -486,8 +486,7 @@ class Balancer:
         self.metrics.process_workers_crash_looping.set_function(crash_looping)
 
     async def _start_http(self, state: ServiceState) -> None:
-        app = build_web_app(state)
-        app.middlewares.insert(0, self._inflight.middleware)
+        app = build_web_app(state, self._inflight)
         worker = self.options.worker
         if worker is not None and worker.count > 1:
             self._siblings = Siblings(

@@ -27,6 +27,7 @@ from balancer.api.admin import add_admin_routes
 from balancer.api.body_memo import BodyMemo
 from balancer.api.console import add_console_routes
 from balancer.api.cors import CorsPolicy
+from balancer.api.inflight import InflightRequests
 from balancer.api.middleware import BODY_MEMO, CORS, STATE, add_cors_headers, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
@@ -135,15 +136,19 @@ def refresh_steps(state: ServiceState) -> Generator[None, None, None]:
     metrics.index_blocks.labels("speculative").set(speculative)
 
 
-def build_web_app(state: ServiceState) -> web.Application:
-    """The web application for ``state``; lifecycle (tasks, sessions) belongs to the caller."""
-    app = web.Application(middlewares=[kvlb_middleware], client_max_size=state.settings.limits.max_body_bytes)
+def build_web_app(state: ServiceState, inflight: InflightRequests | None = None) -> web.Application:
+    """The web application for ``state``; lifecycle (tasks, sessions) belongs to the caller, which
+    passes ``inflight`` to have every request's task kept there (its shutdown cancels them)."""
+    cors = CorsPolicy.of(state.settings.listen, state.settings.tenant_header)
+    app = web.Application(
+        middlewares=[kvlb_middleware(state, cors, inflight)],
+        client_max_size=state.settings.limits.max_body_bytes,
+    )
     app[STATE] = state
     app[EXPOSITION] = Exposition(state.metrics.registry)
     limits = state.settings.limits
     body_memo = app[BODY_MEMO] = BodyMemo(limits.body_memo_entries, limits.body_memo_bytes)
     state.metrics.body_memo.source = body_memo.counts
-    cors = CorsPolicy.of(state.settings.listen, state.settings.tenant_header)
     if cors is not None:
         app[CORS] = cors
         app.on_response_prepare.append(add_cors_headers)

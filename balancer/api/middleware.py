@@ -15,6 +15,11 @@
 * Errors: :class:`~balancer.api.errors.ApiError`, kvlb's own errors and aiohttp's HTTP errors become
   OpenAI-shaped JSON; anything unexpected is logged with its traceback and becomes a generic 500.
 * ``kvlb_http_requests_total{endpoint,status,replica,policy}`` is counted here, once per request.
+* In flight: the request's task is kept in the service's :class:`~balancer.api.inflight.InflightRequests`
+  from the middleware's first line to its last, so shutdown cancels it at ``shutdown_grace_s``.
+  One middleware for all of it: aiohttp adds a layer of its own as soon as an app has any, and each
+  more costs a ``partial``, a coroutine and an ``await`` a request (docs/benchmark-history.md,
+  round 22).
 * ``Expect: 100-continue`` on a route that takes a body (:func:`expect_continue`, which aiohttp runs
   before any middleware): what the headers alone refuse (a ``Content-Length`` over
   ``limits.max_body_bytes``, a missing key or token, a foreign ``Origin``, a serving request's tenant
@@ -31,14 +36,18 @@ import hashlib
 import hmac
 import logging
 import os
+from asyncio import current_task
 from collections.abc import Awaitable, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from balancer.api.body_memo import BodyMemo
 from balancer.api.cors import CorsPolicy, cors_path, is_preflight
 from balancer.api.errors import ApiError, error_response, from_balancer_error, too_large
+from balancer.api.inflight import InflightRequests
 from balancer.config import AuthConfig
 from balancer.service.state import Outcome, ServiceState
 
@@ -260,49 +269,72 @@ async def add_cors_headers(request: web.Request, response: web.StreamResponse) -
         response.headers.update(cors.answer_headers(origin))
 
 
-@web.middleware
-async def kvlb_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    state: ServiceState = request.app[STATE]
-    request_id = request_id_of(request)
-    request[REQUEST_ID] = request_id
-    outcome = request[OUTCOME] = Outcome()
-    status = "500"
-    try:
+def kvlb_middleware(
+    state: ServiceState, cors: CorsPolicy | None = None, inflight: InflightRequests | None = None
+) -> Middleware:
+    """The app's one middleware of its own (see the module doc): request id, CORS preflight, auth,
+    origin, error mapping and ``kvlb_http_requests_total``, and, with ``inflight``, the request's
+    task kept in it for the whole of the middleware (outermost: :mod:`balancer.api.inflight`). One
+    coroutine a request where two middlewares made two (each a ``partial``, a coroutine and an
+    ``await`` more), the state, CORS policy and auth settings read once here instead of from the app
+    on every request."""
+    auth = state.settings.auth
+    metrics = state.metrics
+    child = metrics.children.of
+    requests_total = metrics.requests_total
+    replica_label = metrics.replica_label
+    tasks: set[asyncio.Task[Any]] = inflight.tasks if inflight is not None else set()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        task = current_task()
+        if task is not None:
+            tasks.add(task)
         try:
-            cors = request.app.get(CORS)
-            if cors is not None and cors_path(request.path) and is_preflight(request.method, request.headers):
-                response = preflight(cors, request)
-            else:
-                check_auth(request, state.settings.auth)
-                check_origin(request)
-                response = await handler(request)
-        except asyncio.CancelledError:
-            status = "499"
-            raise
-        except web.HTTPException as exc:
-            if exc.status < 400:
-                raise
-            kept = {k: v for k, v in exc.headers.items() if k.lower() in _KEPT_ERROR_HEADERS}
-            response = error_response(ApiError(exc.status, _explain(request, exc), headers=kept), request_id)
-        except Exception as exc:
-            error = from_balancer_error(exc)
-            if error is None:
-                log.exception("request %s: unexpected error on %s", request_id, request.path)
-                error = ApiError(500, "internal error; see the balancer log for request " + request_id)
-            response = error_response(error, request_id)
-            if error.close:
-                await answer_and_close(request, response)
-        status = str(response.status)
-    finally:
-        label = outcome.status or status
-        metrics = state.metrics
-        metrics.children.of(
-            metrics.requests_total,
-            _endpoint(request),
-            label,
-            metrics.replica_label(outcome.replica),
-            outcome.policy,
-        ).inc()
-    if not response.prepared:
-        response.headers.setdefault("x-request-id", request_id)
-    return response
+            request_id = request_id_of(request)
+            method = request.method
+            request[REQUEST_ID] = request_id
+            outcome = request[OUTCOME] = Outcome()
+            status = "500"
+            try:
+                try:
+                    if cors is not None and cors_path(request.path) and is_preflight(method, request.headers):
+                        response = preflight(cors, request)
+                    else:
+                        check_auth(request, auth)
+                        check_origin(request)
+                        response = await handler(request)
+                except asyncio.CancelledError:
+                    status = "499"
+                    raise
+                except web.HTTPException as exc:
+                    if exc.status < 400:
+                        raise
+                    kept = {k: v for k, v in exc.headers.items() if k.lower() in _KEPT_ERROR_HEADERS}
+                    response = error_response(
+                        ApiError(exc.status, _explain(request, exc), headers=kept), request_id
+                    )
+                except Exception as exc:
+                    error = from_balancer_error(exc)
+                    if error is None:
+                        log.exception("request %s: unexpected error on %s", request_id, request.path)
+                        error = ApiError(
+                            500, f"internal error; see the balancer log for request {request_id}"
+                        )
+                    response = error_response(error, request_id)
+                    if error.close:
+                        await answer_and_close(request, response)
+                status = str(response.status)
+            finally:
+                replica = replica_label(outcome.replica)
+                child(
+                    requests_total, _endpoint(request), outcome.status or status, replica, outcome.policy
+                ).inc()
+            if not response.prepared:
+                response.headers.setdefault("x-request-id", request_id)
+            return response
+        finally:
+            if task is not None:
+                tasks.discard(task)
+
+    return middleware
