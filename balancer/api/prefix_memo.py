@@ -20,9 +20,10 @@ refused (any error then comes from the whole decode, as before), ``T`` holding a
 (the synthetic's own) or a key the prefix holds (a duplicate: the whole decode keeps the last). So
 :meth:`PrefixMemo.decode` gives what :func:`~balancer.api.parsing.decode_object` gives, for every body.
 
-Where a prefix may end is found without decoding: the last ``},{`` or ``}, {`` of the body (compact
-and ``json.dumps`` separators; a chat's new message is at its end, so for ``[system, user]`` that is
-the system message's end, for a multi-turn chat the end of its history). Bodies are grouped by a
+Where a prefix may end is found without decoding: the last ``},{`` or ``}, {`` (compact and
+``json.dumps`` separators) before the body's last ``"role"`` (its last message's: keys such as
+``tools`` after ``messages`` hold none). A chat's new message is its last, so for ``[system, user]``
+that is the system message's end, for a multi-turn chat the end of its history. Bodies are grouped by a
 digest of their first :data:`HEAD_BYTES`; a head seen once is only noted (two generations of at most
 ``max_entries`` each), so a body never sent again costs that digest. From a head's second sight, a
 body not found proposes its boundary (a pending entry: the prefix's length and XXH3-128 digest); a
@@ -245,8 +246,10 @@ class PrefixMemo:
         return True
 
     def _propose(self, head: int, raw: bytes) -> None:
-        """Note where ``raw``'s prefix may end (its last message boundary) as a pending entry."""
-        end = max(raw.rfind(boundary) for boundary in _BOUNDARIES) + 1
+        """Note where ``raw``'s prefix may end (the boundary before its last message) as a pending
+        entry."""
+        last = raw.rfind(b'"role"')  # in the last message, before any "tools" after the messages
+        end = max(raw.rfind(boundary, 0, last) for boundary in _BOUNDARIES) + 1 if last > 0 else 0
         if end < MIN_PREFIX_BYTES:
             return
         key = (end, _xxh3_128(memoryview(raw)[:end]))

@@ -111,8 +111,14 @@ def test_bodies_the_join_could_answer_otherwise_are_decoded_whole() -> None:
 
 def test_a_prefix_whose_state_is_not_proved_is_refused_and_not_proposed_again() -> None:
     memo = PrefixMemo(16, 1 << 24)
-    # the last "}, {" is inside the user's message: a prefix ending in a string, not after a message
-    bodies = [_body(f"see {{a}}, {{b}} {i}") for i in range(6)]
+    # the last "}, {" before the last "role" is in the user's message: a prefix ending in a string
+    system = {"role": "system", "content": SYSTEM}
+    bodies = [
+        json.dumps(
+            {"model": "m", "messages": [system, {"content": f"see {{a}}, {{b}} {i}", "role": "user"}]}
+        ).encode()
+        for i in range(6)
+    ]
     for raw in bodies:
         assert _answer(memo.decode, raw) == _answer(decode_object, raw)
     assert memo.refused == 1 and memo.learned == 0 and memo.hits == 0 and len(memo) == 0
@@ -227,3 +233,26 @@ def test_a_body_with_a_known_prefix_decodes_as_a_whole_decode(prefix: str, tails
         assert _answer(lambda r: parse_request(r, "chat", known=memo.decode_known), raw) == _answer(
             lambda r: parse_request(r, "chat"), raw
         )
+
+
+def test_tools_after_the_messages_do_not_hide_the_system_prompt() -> None:
+    memo = PrefixMemo(16, 1 << 24)
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {}}} for i in range(3)]
+    bodies = [_body(f"q{i}", tools=tools) for i in range(5)]  # "}, {" in the tools, after the messages
+    for raw in bodies:
+        assert _answer(memo.decode, raw) == _answer(decode_object, raw)
+    assert memo.learned == 1 and memo.hits == 3 and memo.refused == 0
+
+
+def test_a_prefix_ending_in_another_array_than_messages_is_refused() -> None:
+    memo = PrefixMemo(16, 1 << 24)
+    # the last "role" (where the new message is looked for) is in "x", after "messages", which ends
+    # with the very string the proof appends: only the other arrays' check tells the two apart
+    head = b'{"model": "m", "messages": [{"role": "system", "content": "' + SYSTEM.encode() + b'"}, '
+    bodies = [
+        head + b'"\\u0000kvlb-prefix-memo"], "x": [{"role": "a"}, {"role": "' + str(i).encode() + b'"}]}'
+        for i in range(5)
+    ]
+    for raw in bodies:
+        assert _answer(memo.decode, raw) == _answer(decode_object, raw)
+    assert memo.refused == 1 and memo.learned == 0 and memo.hits == 0
