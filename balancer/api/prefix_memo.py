@@ -225,17 +225,13 @@ class PrefixMemo:
             or _depth_over(decoded, MAX_PREFIX_DEPTH)
         ):
             self.refused += 1
-            self._drop(key)
-            if len(self._refused) >= self.max_entries:
-                self._refused_before = self._refused
-                self._refused = set()
-            self._refused.add(key)
+            self._refuse(key)
             return False
         del messages[-1]
         size = json_text_size(decoded)[1] + ENTRY_OVERHEAD_BYTES
         if size > self.max_bytes:
             self.too_large += 1
-            self._drop(key)
+            self._refuse(key)
             return False
         entry.fields = decoded
         self.bytes += size - entry.size
@@ -244,6 +240,15 @@ class PrefixMemo:
         self._entries.move_to_end(key)
         self._evict(keep=1)
         return True
+
+    def _refuse(self, key: PrefixKey) -> None:
+        """Drop the pending ``key`` and note it, so that it is not proposed (and decoded) again
+        (two generations of at most ``max_entries`` each)."""
+        self._drop(key)
+        if len(self._refused) >= self.max_entries:
+            self._refused_before = self._refused
+            self._refused = set()
+        self._refused.add(key)
 
     def _propose(self, head: int, raw: bytes) -> None:
         """Note where ``raw``'s prefix may end (the boundary before its last message) as a pending
