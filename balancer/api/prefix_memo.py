@@ -316,15 +316,24 @@ def _fresh(value: Any) -> Any:
     new copies of its strings that are not ASCII (a memcpy each): once read as UTF-8 (by the
     tokenizer, an encoder) a string keeps that form and ``sys.getsizeof`` counts it, so a shared one
     would weigh more in :func:`~balancer.api.parsing.json_text_size` than the same string decoded
-    fresh. ASCII strings (their UTF-8 is their own bytes) and numbers are shared."""
+    fresh (:func:`_fresh_str`). Numbers are shared."""
     kind = type(value)
     if kind is str:
-        return value if value.isascii() else "".join((value, ""))
+        return _fresh_str(value)
     if kind is dict:
-        return {key if key.isascii() else "".join((key, "")): _fresh(item) for key, item in value.items()}
+        return {_fresh_str(key): _fresh(item) for key, item in value.items()}
     if kind is list:
         return [_fresh(item) for item in value]
     return value
+
+
+def _fresh_str(text: str) -> str:
+    """``text`` as a whole decode would give it: a new copy, unless it is ASCII (its UTF-8 is its own
+    bytes) or one character of Latin-1 (the decoder gives CPython's shared object for it, whose
+    size is then that object's, UTF-8 kept or not)."""
+    if text.isascii() or (len(text) == 1 and text <= "\xff"):
+        return text
+    return "".join((text, ""))
 
 
 def _depth_over(value: Any, limit: int) -> bool:

@@ -259,3 +259,27 @@ def test_a_prefix_ending_in_another_array_than_messages_is_refused() -> None:
     for raw in bodies:
         assert _answer(memo.decode, raw) == _answer(decode_object, raw)
     assert memo.refused == 1 and memo.learned == 0 and memo.hits == 0
+
+
+def test_sizes_are_a_whole_decodes_once_the_strings_were_read_as_utf8() -> None:
+    # ``sys.getsizeof`` of a string counts its UTF-8 form once something asked for it (the tokenizer,
+    # an encoder): the memo's strings are read so with each request, a whole decode's are new, but
+    # for one Latin-1 character the decoder gives CPython's shared string, read so or not
+    memo = PrefixMemo(16, 1 << 24)
+
+    def chat(question: str) -> bytes:
+        messages = [
+            {"role": "system", "content": SYSTEM + "缓存"},
+            {"role": "user", "content": "é"},
+            {"role": "assistant", "content": "ü 汉"},
+            {"role": "user", "content": question},
+        ]
+        return json.dumps({"model": "m", "messages": messages}, ensure_ascii=False).encode()
+
+    _learned(memo, chat("q0"))
+    for index in range(3):
+        raw = chat(f"q{index + 1}")
+        msgspec.json.encode(memo.decode(raw))  # every string read as UTF-8, the memo's included
+        msgspec.json.encode(["é", "ü"])
+        assert parse_request(raw, "chat", known=memo.decode_known) == parse_request(raw, "chat")
+    assert memo.hits == 7
