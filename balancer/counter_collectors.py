@@ -120,6 +120,48 @@ class BodyMemoCollector(Collector):
         yield GaugeMetricFamily("kvlb_http_body_memo_held_bytes", "")
 
 
+class PrefixMemoCollector(Collector):
+    """The HTTP prefix memo's counters (:meth:`balancer.api.prefix_memo.PrefixMemo.counts`), read at
+    scrape time: ``kvlb_http_prefix_memo_{hits,misses,learned,refused,fallbacks,evictions,too_large}_total``
+    (chat bodies whose tail alone was decoded; bodies of 2 kB or more with no known prefix; prefixes
+    kept; proposed prefixes whose decoder state was not proved; bodies with a known prefix decoded
+    whole; prefixes forgotten at ``limits.prefix_memo_entries``/``prefix_memo_bytes``; prefixes not
+    kept because their fields alone pass ``prefix_memo_bytes``), with the gauges
+    ``kvlb_http_prefix_memo_entries`` and ``kvlb_http_prefix_memo_held_bytes``. ``source`` is set by
+    the web application once the memo exists (zeros before)."""
+
+    COUNTERS: Final = ("hits", "misses", "learned", "refused", "fallbacks", "evictions", "too_large")
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counts = self.source()
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(
+                f"kvlb_http_prefix_memo_{name}",
+                f"Chat body prefixes: {name.replace('_', ' ')} of the prefix memo.",
+                value=counts.get(name, 0),
+            )
+        yield GaugeMetricFamily(
+            "kvlb_http_prefix_memo_entries",
+            "Prefixes the prefix memo holds (pending ones included).",
+            value=counts.get("entries", 0),
+        )
+        yield GaugeMetricFamily(
+            "kvlb_http_prefix_memo_held_bytes",
+            "Bytes counted of the prefix memo's entries.",
+            value=counts.get("held_bytes", 0),
+        )
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"kvlb_http_prefix_memo_{name}", "")
+        yield GaugeMetricFamily("kvlb_http_prefix_memo_entries", "")
+        yield GaugeMetricFamily("kvlb_http_prefix_memo_held_bytes", "")
+
+
 class LoadTrackerCollector(Collector):
     """Every pool's :class:`~balancer.load.tracker.LoadTracker` counters, read at scrape time:
     ``kvlb_load_tracker_overflow_total{pool}`` (reservations dropped, oldest first, for a new one

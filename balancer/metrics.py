@@ -24,6 +24,7 @@ from balancer.counter_collectors import (
     DropsCollector,
     KeyMemoCollector,
     LoadTrackerCollector,
+    PrefixMemoCollector,
     SegmentCacheCollector,
     TableCountersCollector,
     TokenIdMemoCollector,
@@ -1109,6 +1110,7 @@ class Metrics(
     upstream_connections: UpstreamCountersCollector
     token_id_memo: TokenIdMemoCollector
     body_memo: BodyMemoCollector
+    prefix_memo: PrefixMemoCollector
     key_memos: KeyMemoCollector
     segment_caches: SegmentCacheCollector
     load_trackers: LoadTrackerCollector
@@ -1241,6 +1243,8 @@ class Metrics(
         reg.register(token_id_memo)
         body_memo = BodyMemoCollector()
         reg.register(body_memo)
+        prefix_memo = PrefixMemoCollector()
+        reg.register(prefix_memo)
         key_memos = KeyMemoCollector()
         reg.register(key_memos)
         segment_caches = SegmentCacheCollector()
@@ -1271,6 +1275,7 @@ class Metrics(
             upstream_connections=connections,
             token_id_memo=token_id_memo,
             body_memo=body_memo,
+            prefix_memo=prefix_memo,
             key_memos=key_memos,
             segment_caches=segment_caches,
             load_trackers=load_trackers,

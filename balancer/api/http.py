@@ -28,9 +28,10 @@ from balancer.api.body_memo import BodyMemo
 from balancer.api.console import add_console_routes
 from balancer.api.cors import CorsPolicy
 from balancer.api.inflight import InflightRequests
-from balancer.api.middleware import BODY_MEMO, CORS, STATE, add_cors_headers, kvlb_middleware
+from balancer.api.middleware import BODY_MEMO, CORS, PREFIX_MEMO, STATE, add_cors_headers, kvlb_middleware
 from balancer.api.openai import add_openai_routes
 from balancer.api.openapi import openapi_document
+from balancer.api.prefix_memo import PrefixMemo
 from balancer.api.webui import add_ui_routes
 from balancer.exposition import Exposition
 from balancer.service.state import ServiceState
@@ -149,6 +150,8 @@ def build_web_app(state: ServiceState, inflight: InflightRequests | None = None)
     limits = state.settings.limits
     body_memo = app[BODY_MEMO] = BodyMemo(limits.body_memo_entries, limits.body_memo_bytes)
     state.metrics.body_memo.source = body_memo.counts
+    prefix_memo = app[PREFIX_MEMO] = PrefixMemo(limits.prefix_memo_entries, limits.prefix_memo_bytes)
+    state.metrics.prefix_memo.source = prefix_memo.counts
     if cors is not None:
         app[CORS] = cors
         app.on_response_prepare.append(add_cors_headers)

@@ -48,6 +48,7 @@ from balancer.api.body_memo import BodyMemo
 from balancer.api.cors import CorsPolicy, cors_path, is_preflight
 from balancer.api.errors import ApiError, error_response, from_balancer_error, too_large
 from balancer.api.inflight import InflightRequests
+from balancer.api.prefix_memo import PrefixMemo
 from balancer.config import AuthConfig
 from balancer.service.state import Outcome, ServiceState
 
@@ -60,6 +61,9 @@ STATE = web.AppKey("kvlb_state", ServiceState)
 BODY_MEMO = web.AppKey("kvlb_body_memo", BodyMemo)
 """The application's memo of whole request bodies (:func:`~balancer.api.http.build_web_app` sizes it
 from ``limits.body_memo_entries``/``body_memo_bytes``; one per process)."""
+PREFIX_MEMO = web.AppKey("kvlb_prefix_memo", PrefixMemo)
+"""The application's memo of chat body prefixes (:func:`~balancer.api.http.build_web_app` sizes it
+from ``limits.prefix_memo_entries``/``prefix_memo_bytes``; one per process)."""
 CORS = web.AppKey("kvlb_cors", CorsPolicy)
 """The app's CORS policy; absent when ``listen.cors_allow_origins`` is empty."""
 REQUEST_ID = web.RequestKey("kvlb_request_id", str)

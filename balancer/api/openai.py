@@ -71,7 +71,15 @@ from aiohttp.http_exceptions import TransferEncodingError
 from balancer import strict_json
 from balancer.api.client_writes import ClientWrites, HttpWrites, drop_connection
 from balancer.api.errors import ApiError, refusal_response, retry_after, too_large
-from balancer.api.middleware import BODY_MEMO, OUTCOME, RATE_TAKEN, REQUEST_ID, STATE, expect_continue
+from balancer.api.middleware import (
+    BODY_MEMO,
+    OUTCOME,
+    PREFIX_MEMO,
+    RATE_TAKEN,
+    REQUEST_ID,
+    STATE,
+    expect_continue,
+)
 from balancer.api.parse_cost import json_parse_bytes
 from balancer.api.parsing import (
     ParsedRequest,
@@ -227,6 +235,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
         body_memo = request.app[BODY_MEMO]
         body_key = body_memo.key(body, kind)
         remembered = body_memo.find(body_key)  # the same bytes parsed and tokenized before
+        known = request.app[PREFIX_MEMO].decode_known  # a chat's known prefix not decoded again
         if remembered is not None:
             parsed = remembered.parsed
             check_sequences(parsed, limits.max_n)
@@ -238,11 +247,11 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             if parse_bytes:
                 await hold_parse(admission, parse_bytes, state, "http")
                 try:
-                    parsed = parse_request(body, kind, state.token_id_memo)
+                    parsed = parse_request(body, kind, state.token_id_memo, known)
                 finally:
                     admission.give_back_tokenizing()
             else:
-                parsed = parse_request(body, kind, state.token_id_memo)
+                parsed = parse_request(body, kind, state.token_id_memo, known)
             check_sequences(parsed, limits.max_n)  # before the tokenizer's work
             pool = find_pool(state, parsed.model)
         weights = request_weights(request, state)
@@ -253,7 +262,7 @@ async def _serve(request: web.Request, kind: RequestKind, path: str) -> web.Stre
             if token_ids is not None:
                 body_memo.note(body_key, parsed, pool.tokenizer, token_ids)
         if token_ids is None:  # to a thread: its parsed form and the tokenizer's work are held
-            form = Reparsed(parsed, functools.partial(parse_request, body, kind, state.token_id_memo))
+            form = Reparsed(parsed, functools.partial(parse_request, body, kind, state.token_id_memo, known))
             del parsed  # only ``form`` holds it: dropped while it waits for its bytes, parsed again after
             token_ids = await tokenize_held(admission, pool, form, limits.max_prompt_tokens)
             parsed = form.take()

@@ -17,7 +17,7 @@ import re
 import sys
 from array import array
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -143,6 +143,15 @@ def decode_object(raw: bytes) -> dict[str, Any]:
         return parse_json_object(raw)
 
 
+def fast_decode(raw: bytes) -> dict[str, Any] | None:
+    """``raw`` as a JSON object by ``msgspec`` alone, or ``None`` when it refuses it (then only
+    :func:`decode_object` may answer, for its errors)."""
+    try:
+        return _OBJECT_DECODER.decode(raw)
+    except _FAST_DECODE_ERRORS:
+        return None
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """``raw`` as a JSON object, or 400."""
     if not raw:
@@ -232,11 +241,21 @@ def holds_lone_surrogate(value: Any) -> bool:
     return False
 
 
-def parse_request(raw: bytes, kind: RequestKind, memo: TokenIdMemo | None = None) -> ParsedRequest:
+def parse_request(
+    raw: bytes,
+    kind: RequestKind,
+    memo: TokenIdMemo | None = None,
+    known: Callable[[bytes], dict[str, Any] | None] | None = None,
+) -> ParsedRequest:
     """Validate the fields routing reads; other fields are the engine's business. With ``memo``,
-    token ids are decoded through it (:func:`~balancer.tokenizer.token_ids.decode_token_ids`)."""
+    token ids are decoded through it (:func:`~balancer.tokenizer.token_ids.decode_token_ids`). With
+    ``known``, a chat body is first offered to it (the HTTP face's
+    :meth:`~balancer.api.prefix_memo.PrefixMemo.decode_known`: what :func:`decode_object` gives, or
+    ``None``), then decoded whole when it gives ``None``."""
     if kind == "completions" and (fast := typed_completion(raw, memo)) is not None:
         return fast
+    if kind == "chat" and known is not None and (body := known(raw)) is not None:
+        return parse_body(body, kind)
     return parse_body(decode_object(raw), kind)
 
 

@@ -115,6 +115,8 @@ BOUNDS: Mapping[str, Bound] = MappingProxyType(
         "limits.token_id_memo_runs": Bound(0, 1_048_576),
         "limits.body_memo_entries": Bound(0, 1_048_576),
         "limits.body_memo_bytes": Bound(0, 16 * 1024 * 1024 * 1024),
+        "limits.prefix_memo_entries": Bound(0, 1_048_576),
+        "limits.prefix_memo_bytes": Bound(0, 16 * 1024 * 1024 * 1024),
         "limits.segment_cache_bytes": Bound(0, MAX_SEGMENT_CACHE_BYTES),
         "limits.max_reserved_bytes": Bound(1, MAX_INFLIGHT_BODY_BYTES),
         "limits.max_inflight": _GT0,

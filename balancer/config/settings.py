@@ -260,6 +260,17 @@ class LimitConfig:
     body_memo_bytes: int = 32 * 1024 * 1024
     """Bytes the body memo (``body_memo_entries``) holds at most: 4 bytes a token id plus 512 an
     entry (an 8k-token prompt about 33 kB). 0 turns it off. 0..16 GiB; per process."""
+    prefix_memo_entries: int = 256
+    """Prefixes of ``/v1/chat/completions`` bodies (HTTP, 2 kB or more, ending after a message:
+    a shared system prompt, a chat's earlier turns) whose decoded fields are remembered, so that a
+    body beginning with the same bytes decodes only the rest (the answer is a whole decode's);
+    proposed from a body's second sight of its first 256 bytes, kept from the prefix's second sight,
+    least recently used out first (``kvlb_http_prefix_memo_evictions_total``). 0 turns it off.
+    0..1,048,576; per process."""
+    prefix_memo_bytes: int = 64 * 1024 * 1024
+    """Bytes the prefix memo (``prefix_memo_entries``) holds at most: its prefixes' decoded fields
+    (about their JSON text plus 50 bytes a string, 1, 2 or 4 bytes a character) plus 512 an entry.
+    0 turns it off. 0..16 GiB; per process."""
     segment_cache_bytes: int = 128 * 1024 * 1024
     """Bytes each tokenizer's segment cache holds at most (the ids of long chat messages, system
     prompts and earlier turns, kept so they are tokenized once; 2,000,000 ids at most): each segment's
