@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from balancer.api.admin import MAX_LISTED_KEPT_DRAINS
+from balancer.api.admin_replicas import MAX_LISTED_KEPT_DRAINS
 from balancer.api.console import DEFAULT_LIMIT
 from balancer.api.gathered import merge_predictions
 from balancer.service.decisions import next_since

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING, Any, cast
 from aiohttp import web
 
 from balancer import strict_json
-from balancer.api.admin import MAX_LISTED_KEPT_DRAINS, SERIES_HISTOGRAMS, series_histograms
+from balancer.api.admin_replicas import MAX_LISTED_KEPT_DRAINS
+from balancer.api.admin_series import SERIES_HISTOGRAMS, series_histograms
 from balancer.api.console import DEFAULT_LIMIT, DEFAULT_SAMPLE, WHATIF_BODY, since_ids
 from balancer.api.errors import ApiError
 from balancer.api.parsing import decimal_integer
@@ -317,7 +318,7 @@ def merge_kept_drains_steps(
 ) -> Generator[None, None, tuple[list[dict[str, Any]], int]]:
     """The workers' ``kept_drains`` as one list: per replica id not ``listed`` by the answering
     worker, the newest removal (a ``redis`` one first: the fleet's), newest first, at most
-    :data:`~balancer.api.admin.MAX_LISTED_KEPT_DRAINS`; and the total (at least the largest worker's
+    :data:`~balancer.api.admin_replicas.MAX_LISTED_KEPT_DRAINS`; and the total (at least the largest worker's
     ``kept_drains_total``: a worker lists its newest only). An answer without them (a worker of a
     release before h-fleetfollow2) adds none."""
     by_id: dict[str, dict[str, Any]] = {}

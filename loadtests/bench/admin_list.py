@@ -243,7 +243,7 @@ async def _siblings(tree: dict[str, Any], workers: int, run_dir: str) -> AsyncIt
 
 async def _settled(balancer: Any, count: int, timeout_s: float = 60.0) -> None:
     """Until every replica was probed, scraped twice and (every tenth) refused a figure."""
-    from balancer.api.admin import replicas_answer
+    from balancer.api.admin_replicas import replicas_answer
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

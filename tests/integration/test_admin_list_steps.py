@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 
 from balancer import strict_json
-from balancer.api.admin import VIEWS_PER_STEP, replicas_answer, replicas_body, replicas_in_steps
+from balancer.api.admin_replicas import VIEWS_PER_STEP, replicas_answer, replicas_body, replicas_in_steps
 from balancer.types import ReplicaId
 from loadtests.bench.admin_list import MODEL, _settled, running
 

@@ -16,7 +16,7 @@ from kvlb_harness import MODEL, running, wait_for
 
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.admin import replicas_answer
+from balancer.api.admin_replicas import replicas_answer
 from balancer.api.grpc.messages import struct_of
 from balancer.api.grpc.replica_messages import replica_message
 from balancer.api.plain import plain_dict

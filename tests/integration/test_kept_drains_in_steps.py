@@ -11,7 +11,7 @@ import pytest
 
 from balancer import strict_json
 from balancer._proto.kvlb.v1 import balancer_pb2 as pb
-from balancer.api.admin import (
+from balancer.api.admin_replicas import (
     KEPT_PER_STEP,
     MAX_LISTED_KEPT_DRAINS,
     VIEWS_PER_STEP,

@@ -332,7 +332,8 @@ def test_every_cost_term_has_its_field_in_the_grpc_message() -> None:
 
 def bare_view(**load: Any) -> dict[str, Any]:
     """A replica's ``GET /admin/replicas`` view as a replica with no health record, events nor
-    scraper shows it (:func:`~balancer.api.admin.replica_views`), with ``load`` laid over an idle one."""
+    scraper shows it (:func:`~balancer.api.admin_replicas.replica_views`), with ``load`` laid over
+    an idle one."""
     idle = {
         "replica": "r0", "pending_prefill_seqs": 0, "pending_prefill_tokens": 0,
         "pending_prefill_blocks": 0.0, "active_decode_seqs": 0, "active_decode_blocks": 0,

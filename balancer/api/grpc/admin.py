@@ -1,5 +1,7 @@
-"""``kvlb.v1.Admin`` (I/O): the admin API of :mod:`balancer.api.admin` over gRPC, through the same
-functions (policy changes are versioned and audited the same way, whichever transport made them).
+"""``kvlb.v1.Admin`` (I/O): the admin API of :mod:`balancer.api.admin` (and
+:mod:`~balancer.api.admin_explain`, :mod:`~balancer.api.admin_replicas`, :mod:`~balancer.api.console`)
+over gRPC, through the same functions (policy changes are versioned and audited the same way,
+whichever transport made them).
 
 Behind ``auth.admin_token`` when it is set (:func:`balancer.api.grpc.calls.authorize`).
 """
@@ -20,11 +22,11 @@ from balancer.api.admin import (
     change_policy,
     drain_note,
     drain_view,
-    explain_raw,
     policy_choices,
-    replicas_in_steps,
     set_draining,
 )
+from balancer.api.admin_explain import explain_raw
+from balancer.api.admin_replicas import replicas_in_steps
 from balancer.api.console import run_whatif
 from balancer.api.errors import ApiError
 from balancer.api.grpc.calls import WEIGHTS_METADATA, Call, method_handler
@@ -45,7 +47,7 @@ REPLICAS_PER_STEP = 5
 """Replica messages ``ListReplicas`` builds and encodes in one go before it lets the event loop run
 other work: five took 0.27 ms of CPU, encoding included (median, load 11 on a 2-core machine), so a
 list of 100 replicas holds the loop for twenty short stretches after its views (made as many at a
-time: :func:`~balancer.api.admin.replica_views_in_steps`), not one long one (h-grpclist, 2026-12-01:
+time: :func:`~balancer.api.admin_replicas.replica_views_in_steps`), not one long one (h-grpclist, 2026-12-01:
 ten, not encoded; h-listreplicas: five, each step's messages encoded in it)."""
 
 

@@ -17,7 +17,7 @@ from balancer.api.grpc.messages import fill_struct, struct_of
 
 
 def replica_message(view: Mapping[str, Any], into: pb.Replica | None = None) -> pb.Replica:
-    """One replica as ``GET /admin/replicas`` shows it (:func:`~balancer.api.admin.replica_views`):
+    """One replica as ``GET /admin/replicas`` shows it (:func:`~balancer.api.admin_replicas.replica_views`):
     the typed fields read from that view, and the whole view as ``details``; made in ``into`` (an
     empty message: an answer's ``replicas.add()``) when given, so that ``details``, most of its
     bytes, is set where it is sent rather than copied there."""
@@ -92,7 +92,7 @@ def _reported(count: int | None) -> int | None:
 
 
 def prediction_message(prediction: Mapping[str, Any]) -> pb.Prediction:
-    """A replica's ``prediction`` (:func:`~balancer.api.admin.prediction_view`)."""
+    """A replica's ``prediction`` (:func:`~balancer.api.admin_replicas.prediction_view`)."""
     return pb.Prediction(
         receipts=prediction["receipts"],
         accuracy=prediction.get("accuracy"),
@@ -123,7 +123,7 @@ def scrape_message(scrape: Mapping[str, Any]) -> pb.ScrapeStatus:
 
 def kept_drain_message(view: Mapping[str, Any]) -> pb.KeptDrain:
     """One kept drain as ``GET /admin/replicas``' ``kept_drains`` shows it
-    (:func:`~balancer.api.admin.kept_drain_view`)."""
+    (:func:`~balancer.api.admin_replicas.kept_drain_view`)."""
     message = pb.KeptDrain(
         id=view["id"],
         removed_at_wall_ts=view["removed_at_wall_ts"],
