@@ -14,6 +14,7 @@ flapping Redis (reads answered, writes refused) costs a writer at most two attem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -81,7 +82,7 @@ class RedisBack:
             self.wakes += 1
             self.woke_at = time.monotonic()
         for loop, future in sleepers:
-            if not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # its loop closed meanwhile (shutdown)
                 loop.call_soon_threadsafe(_resolve, future)
 
     async def sleep(self, seconds: float) -> bool:
