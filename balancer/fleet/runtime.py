@@ -58,6 +58,7 @@ from balancer.errors import ConfigError
 from balancer.fleet.drain_sync import DrainSync
 from balancer.fleet.leases import FleetReplica, LeaseManager, LeaseTiming
 from balancer.fleet.policy_sync import PolicySync
+from balancer.fleet.redis_back import RedisBack
 from balancer.fleet.redis_checks import (
     check_tls_ca_file,
     eviction_risk,
@@ -163,6 +164,8 @@ class FleetRuntime:
         self.thread = thread
         self._loop: asyncio.AbstractEventLoop | None = None
         """The request loop (set by :meth:`start`): a fenced writer's news is handed over to it."""
+        self.redis_back = RedisBack()
+        """Wakes the writers sleeping in their error backoff when any component's Redis call works."""
         self._redis_lock = threading.Lock()
         """Guards ``_redis_results``: the writers (ingest thread) and the request loop set them."""
         self._spaces: list[_Space] = []
@@ -225,6 +228,7 @@ class FleetRuntime:
             metrics=state.metrics,
             on_lost=self._lost_threadsafe,
             on_redis=self._redis_reporter(f"writer {name}"),
+            redis_back=self.redis_back,
         )
         ingest_settings = ingest_settings_for(state.settings.limits)
         ingest = SpaceIngest(
@@ -382,11 +386,14 @@ class FleetRuntime:
         called on both loops (the writers' on the ingest thread). Each component keeps its own last
         result: until 2026-12-01 one shared "last call wins" verdict let the reads that worked (a
         Redis out of memory or read-only refuses writes only) clear the failures of the writes, so
-        ``/readyz`` and ``kvlb_redis_up`` showed the trouble a quarter of the time."""
+        ``/readyz`` and ``kvlb_redis_up`` showed the trouble a quarter of the time. A call that
+        worked also wakes the writers sleeping in their backoff (:mod:`balancer.fleet.redis_back`)."""
 
         def report(error: BaseException | None) -> None:
             with self._redis_lock:
                 self._redis_results[component] = (time.monotonic(), error)
+            if error is None:
+                self.redis_back.succeeded()
 
         return report
 

@@ -5,7 +5,8 @@ It stands between :class:`~balancer.sources.pipeline.ReplicaPipeline` and the ke
 knows the generation to write with and the engine positions applied so far, and stores the new
 positions in the same atomic call as the batch (so the next holder resumes exactly after it).
 
-* **Redis unreachable.** ``apply`` retries the same batch with exponential backoff. Meanwhile the
+* **Redis unreachable.** ``apply`` retries the same batch with exponential backoff, cut short when
+  another Redis call of this balancer works again (:mod:`balancer.fleet.redis_back`). Meanwhile the
   pipeline's bounded queue fills; when it overflows, its content is replaced by ``Resync`` for the
   ranks it touched (``kvlb_events_queue_overflow_total``). So ingesters buffer, bounded, then resync.
 * **Exactly once.** Each write also requires the positions stored by the previous one
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 
 from balancer.errors import BalancerError
 from balancer.events import KvEvent
+from balancer.fleet.redis_back import Backoff, RedisBack, RetrySettings
 from balancer.index.base import ApplyResult, HeldKeys, IndexStats
 from balancer.index.redis.client import REDIS_ERRORS
 from balancer.index.redis.index import PositionMismatchError, RedisIndex, StaleGenerationError
@@ -53,15 +55,6 @@ log = logging.getLogger(__name__)
 
 class LeaseLostError(BalancerError):
     """This balancer no longer ingests the replica (its lease went to another one)."""
-
-
-@dataclass(frozen=True, slots=True)
-class RetrySettings:
-    initial_s: float = 0.05
-    """First wait after a failed write (seconds); doubles per consecutive failure."""
-    max_s: float = 0.5
-    """Longest wait between two attempts while Redis is unreachable (seconds): also how late, at
-    most, the queued batches start going out once Redis is back."""
 
 
 @dataclass(slots=True)
@@ -97,17 +90,20 @@ class FencedWriter:
         on_lost: Callable[[ReplicaId, int], None],
         on_redis: Callable[[BaseException | None], None] = lambda error: None,
         retry: RetrySettings | None = None,
+        redis_back: RedisBack | None = None,
         wall_clock: Callable[[], float] = time.time,
     ) -> None:
         """``on_lost(replica, generation)`` is told that the holding of ``replica`` that wrote with
         ``generation`` is lost; ``on_redis(error)`` how each Redis call went (``None``: it worked), for
-        the degraded state."""
+        the degraded state. ``redis_back`` wakes the attempts sleeping in their backoff once another
+        call works (``None``: each waits its backoff out)."""
         self.index = index
         self.holdings: dict[ReplicaId, Holding] = {}
         self._metrics = metrics
         self._on_lost = on_lost
         self._on_redis = on_redis
         self._retry = retry or RetrySettings()
+        self._redis_back = redis_back
         self._wall_clock = wall_clock
         self._warnings = LimitedWarnings(
             log,
@@ -165,7 +161,8 @@ class FencedWriter:
     ) -> ApplyResult:
         """:meth:`apply_at`'s attempts until one lands: fenced writes adopt our own new generation,
         failed ones are retried with backoff (raises once the replica is lost)."""
-        delay_s = self._retry.initial_s
+        backoff = Backoff(self._retry)
+        woken = False
         started = time.perf_counter()
         while True:
             try:
@@ -195,7 +192,7 @@ class FencedWriter:
                 self._on_redis(exc)
                 self._metrics.redis_errors_total.labels("writer").inc()
                 self._metrics.redis_apply_retries_total.inc()
-                if delay_s == self._retry.initial_s:  # once per batch, and batches queue up: limited
+                if backoff.failures == 0:  # once per batch, and batches queue up: limited
                     self._warnings.warning(
                         "redis_write_failed",
                         replica,
@@ -203,8 +200,7 @@ class FencedWriter:
                         replica,
                         exc,
                     )
-                await asyncio.sleep(delay_s)
-                delay_s = min(self._retry.max_s, delay_s * 2)
+                woken = await self._wait(backoff, backoff.failed(time.monotonic(), woken=woken))
                 self._holding(replica)  # raises once the lease went away meanwhile
                 continue
             self._on_redis(None)
@@ -213,6 +209,13 @@ class FencedWriter:
             holding.writes += 1
             self._metrics.redis_apply_seconds.observe(time.perf_counter() - started)
             return result
+
+    async def _wait(self, backoff: Backoff, wait_s: float) -> bool:
+        """Sleep ``wait_s`` after a failed attempt, or less if woken; ``True`` if woken."""
+        if self._redis_back is None or not backoff.wakeable:
+            await asyncio.sleep(wait_s)
+            return False
+        return await self._redis_back.sleep(wait_s)
 
     def _holding(self, replica: ReplicaId) -> Holding:
         holding = self.holdings.get(replica)
