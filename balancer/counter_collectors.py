@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import fields
-from typing import Final
+from typing import ClassVar, Final
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -82,7 +82,51 @@ class TokenIdMemoCollector(Collector):
             yield CounterMetricFamily(f"kvlb_tokenizer_token_id_memo_{name}", "")
 
 
-class BodyMemoCollector(Collector):
+class _MemoCollector(Collector):
+    """A request memo's counters and gauges, read at scrape time from ``source`` (the memo's
+    ``counts()``): ``kvlb_http_<MEMO>_<counter>_total`` for each of ``COUNTERS``, with the gauges
+    ``kvlb_http_<MEMO>_entries`` and ``kvlb_http_<MEMO>_held_bytes``. ``source`` is set by the web
+    application once the memo exists (zeros before)."""
+
+    MEMO: ClassVar[str]
+    """The memo's name in its families (``body_memo``)."""
+    COUNTERS: ClassVar[tuple[str, ...]]
+    """The counters ``counts()`` gives, each a ``_total`` family."""
+    WHAT: ClassVar[str]
+    """What the counters count, for their help text."""
+    ENTRIES_HELP: ClassVar[str]
+    """The help text of the ``_entries`` gauge."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Mapping[str, int]] = dict
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        counts = self.source()
+        memo = self.MEMO
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(
+                f"kvlb_http_{memo}_{name}",
+                f"{self.WHAT}: {name.replace('_', ' ')} of the {memo.replace('_', ' ')}.",
+                value=counts.get(name, 0),
+            )
+        yield GaugeMetricFamily(
+            f"kvlb_http_{memo}_entries", self.ENTRIES_HELP, value=counts.get("entries", 0)
+        )
+        yield GaugeMetricFamily(
+            f"kvlb_http_{memo}_held_bytes",
+            f"Bytes counted of the {memo.replace('_', ' ')}'s entries.",
+            value=counts.get("held_bytes", 0),
+        )
+
+    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The families without samples (what the registry checks names against)."""
+        for name in self.COUNTERS:
+            yield CounterMetricFamily(f"kvlb_http_{self.MEMO}_{name}", "")
+        yield GaugeMetricFamily(f"kvlb_http_{self.MEMO}_entries", "")
+        yield GaugeMetricFamily(f"kvlb_http_{self.MEMO}_held_bytes", "")
+
+
+class BodyMemoCollector(_MemoCollector):
     """The HTTP body memo's counters (:meth:`balancer.api.body_memo.BodyMemo.counts`), read at
     scrape time: ``kvlb_http_body_memo_{hits,misses,evictions,too_large}_total`` (bodies found,
     looked up and not found, forgotten at ``limits.body_memo_entries``/``body_memo_bytes``, and not
@@ -90,37 +134,13 @@ class BodyMemoCollector(Collector):
     ``kvlb_http_body_memo_entries`` and ``kvlb_http_body_memo_held_bytes``. ``source`` is set by the
     web application once the memo exists (zeros before)."""
 
-    COUNTERS: Final = ("hits", "misses", "evictions", "too_large")
-
-    def __init__(self) -> None:
-        self.source: Callable[[], Mapping[str, int]] = dict
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        counts = self.source()
-        for name in self.COUNTERS:
-            yield CounterMetricFamily(
-                f"kvlb_http_body_memo_{name}",
-                f"Whole request bodies: {name.replace('_', ' ')} of the body memo.",
-                value=counts.get(name, 0),
-            )
-        yield GaugeMetricFamily(
-            "kvlb_http_body_memo_entries", "Bodies the body memo holds.", value=counts.get("entries", 0)
-        )
-        yield GaugeMetricFamily(
-            "kvlb_http_body_memo_held_bytes",
-            "Bytes counted of the body memo's entries.",
-            value=counts.get("held_bytes", 0),
-        )
-
-    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """The families without samples (what the registry checks names against)."""
-        for name in self.COUNTERS:
-            yield CounterMetricFamily(f"kvlb_http_body_memo_{name}", "")
-        yield GaugeMetricFamily("kvlb_http_body_memo_entries", "")
-        yield GaugeMetricFamily("kvlb_http_body_memo_held_bytes", "")
+    MEMO = "body_memo"
+    COUNTERS = ("hits", "misses", "evictions", "too_large")
+    WHAT = "Whole request bodies"
+    ENTRIES_HELP = "Bodies the body memo holds."
 
 
-class PrefixMemoCollector(Collector):
+class PrefixMemoCollector(_MemoCollector):
     """The HTTP prefix memo's counters (:meth:`balancer.api.prefix_memo.PrefixMemo.counts`), read at
     scrape time: ``kvlb_http_prefix_memo_{hits,misses,learned,refused,fallbacks,evictions,too_large}_total``
     (chat bodies whose tail alone was decoded; bodies of 2 kB or more with no known prefix; prefixes
@@ -130,36 +150,10 @@ class PrefixMemoCollector(Collector):
     ``kvlb_http_prefix_memo_entries`` and ``kvlb_http_prefix_memo_held_bytes``. ``source`` is set by
     the web application once the memo exists (zeros before)."""
 
-    COUNTERS: Final = ("hits", "misses", "learned", "refused", "fallbacks", "evictions", "too_large")
-
-    def __init__(self) -> None:
-        self.source: Callable[[], Mapping[str, int]] = dict
-
-    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        counts = self.source()
-        for name in self.COUNTERS:
-            yield CounterMetricFamily(
-                f"kvlb_http_prefix_memo_{name}",
-                f"Chat body prefixes: {name.replace('_', ' ')} of the prefix memo.",
-                value=counts.get(name, 0),
-            )
-        yield GaugeMetricFamily(
-            "kvlb_http_prefix_memo_entries",
-            "Prefixes the prefix memo holds (pending ones included).",
-            value=counts.get("entries", 0),
-        )
-        yield GaugeMetricFamily(
-            "kvlb_http_prefix_memo_held_bytes",
-            "Bytes counted of the prefix memo's entries.",
-            value=counts.get("held_bytes", 0),
-        )
-
-    def describe(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        """The families without samples (what the registry checks names against)."""
-        for name in self.COUNTERS:
-            yield CounterMetricFamily(f"kvlb_http_prefix_memo_{name}", "")
-        yield GaugeMetricFamily("kvlb_http_prefix_memo_entries", "")
-        yield GaugeMetricFamily("kvlb_http_prefix_memo_held_bytes", "")
+    MEMO = "prefix_memo"
+    COUNTERS = ("hits", "misses", "learned", "refused", "fallbacks", "evictions", "too_large")
+    WHAT = "Chat body prefixes"
+    ENTRIES_HELP = "Prefixes the prefix memo holds (pending ones included)."
 
 
 class LoadTrackerCollector(Collector):
