@@ -34,6 +34,7 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from balancer.exposition_families import STEP_WORK, KeptFamily, Work, render_family
+from balancer.tasks import at_once
 
 _ESCAPING: Final = openmetrics.UNDERSCORES
 """``generate_latest``'s default escaping of metric and label names (what ``/metrics`` serves)."""
@@ -103,12 +104,7 @@ class Exposition:
 
     def render(self) -> bytes:
         """The registry's exposition now (UTF-8), byte for byte what ``generate_latest`` returns."""
-        steps = self.steps()
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return cast(bytes, done.value)
+        return at_once(self.steps())
 
     def steps(self) -> Generator[None, None, bytes]:
         """:meth:`render` in steps: yields after about ``step`` units of work (:data:`STEP_WORK`: a
@@ -248,12 +244,7 @@ def merge_rendered(texts: Mapping[int, str]) -> str | None:
     copied (they are escaped alike on both sides); values are read and written again (``1.7e+09``
     becomes ``1700000000.0``) and timestamps dropped, as the parser-based merge does. ``None`` when
     a text is not in that shape (a line it does not expect): the caller then parses."""
-    steps = merge_rendered_steps(texts)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return cast(str | None, done.value)
+    return at_once(merge_rendered_steps(texts))
 
 
 def merge_rendered_steps(

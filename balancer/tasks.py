@@ -5,7 +5,8 @@ loops) runs until its owner cancels it. :func:`spawn` starts one with :func:`rep
 task that died with an exception is logged as an error, one that ended by itself at info level (a
 ZMQ source ends when its context terminates, a fleet loop when its stop event is set).
 :func:`stepwise` runs a long piece of pure work written as a generator of steps, giving the loop a
-turn between two (the ``/metrics`` render and the workers' merge).
+turn between two (the ``/metrics`` render and the workers' merge); :func:`at_once` runs one without
+a pause (a caller off the loop, or one whose input is small).
 """
 
 from __future__ import annotations
@@ -29,6 +30,15 @@ async def stepwise(steps: Generator[None, None, _T]) -> _T:
         except StopIteration as done:
             return cast(_T, done.value)
         await asyncio.sleep(0)
+
+
+def at_once(steps: Generator[None, None, _T]) -> _T:
+    """What a generator of steps returns, run without a pause."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(_T, done.value)
 
 
 def spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Awaitable, Callable, Generator, Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -56,7 +56,7 @@ from balancer.api.parsing import decimal_integer
 from balancer.service.decisions import next_since
 from balancer.service.series import merge_series, merge_series_steps
 from balancer.service.whatif import merge_answers
-from balancer.tasks import stepwise
+from balancer.tasks import at_once, stepwise
 
 if TYPE_CHECKING:
     from balancer.api.siblings import Handler, Siblings
@@ -263,16 +263,7 @@ def _merge_decisions(
     answers: dict[int, Any], raw_limit: str | None, since: tuple[int, ...], workers: int
 ) -> dict[str, Any]:
     """:func:`merge_decisions_steps` in one go."""
-    return _at_once(merge_decisions_steps(answers, raw_limit, since, workers))
-
-
-def _at_once(steps: Generator[None, None, dict[str, Any]]) -> dict[str, Any]:
-    """What a generator of steps returns, run without a pause."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return cast(dict[str, Any], done.value)
+    return at_once(merge_decisions_steps(answers, raw_limit, since, workers))
 
 
 def merge_replicas_steps(

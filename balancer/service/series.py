@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from balancer.service.log_histogram import BUCKETS, MIN_S, RATIO, RELATIVE_ERROR, LogHistogram
+from balancer.tasks import at_once
 
 OTHER_REPLICAS = "(other)"
 """The replica name intervals count requests under once ``series_max_replicas`` names are used."""
@@ -211,13 +212,7 @@ def merge_series(answers: list[dict[str, Any]], *, ttft_histograms: bool = False
     answer gives the interval length and the number of intervals listed (the newest ones). The rows
     keep their ``ttft_histogram`` only with ``ttft_histograms``. ``ValueError`` for a row whose
     ``ttft_histogram`` is not one. In one go: :func:`merge_series_steps` pauses between rows."""
-    steps = merge_series_steps(answers, ttft_histograms=ttft_histograms)
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            merged: dict[str, Any] = done.value
-            return merged
+    return at_once(merge_series_steps(answers, ttft_histograms=ttft_histograms))
 
 
 ROWS_PER_STEP = 10

@@ -8,27 +8,16 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Generator
 from typing import Any
 
 import pytest
 from one_go_merges import one_go_merge_decisions, one_go_merge_replicas
+from step_runs import run_steps
 
 from balancer import strict_json
 from balancer.api.gathered import MERGED_PER_STEP, merge_decisions_steps, merge_replicas_steps
 from balancer.service.log_histogram import LogHistogram
 from balancer.service.series import ROWS_PER_STEP, merge_series, merge_series_steps
-
-
-def run(steps: Generator[None, None, Any]) -> tuple[Any, int]:
-    pauses = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value, pauses
-        pauses += 1
-
 
 # -- the workers' answers -------------------------------------------------------------------------
 
@@ -87,12 +76,12 @@ def test_gathered_replicas_in_steps_are_the_one_go_answer(seed: int, replicas: i
     before["workers"], before["workers_missing"] = [0, 1, 2], []
     expected = strict_json.dumps(before)
 
-    decoded = [run(strict_json.loads_steps(body))[0] for body in bodies]
-    merged, pauses = run(merge_replicas_steps(decoded[0], decoded))
+    decoded = [run_steps(strict_json.loads_steps(body))[0] for body in bodies]
+    merged, pauses = run_steps(merge_replicas_steps(decoded[0], decoded))
     walked = 4 * replicas + sum(len(answer["kept_drains"]) for answer in decoded)
     assert pauses == sum(n // MERGED_PER_STEP for n in (3 * replicas, replicas, walked - 4 * replicas))
     merged["workers"], merged["workers_missing"] = [0, 1, 2], []
-    text, _ = run(strict_json.dumps_steps(merged))
+    text, _ = run_steps(strict_json.dumps_steps(merged))
     assert text == expected
     assert len(json.loads(text)["replicas"]) == replicas
 
@@ -111,7 +100,7 @@ def test_gathered_decisions_in_steps_are_the_one_go_answer(per_worker: int, limi
         }
     since = (0, 3)
     expected = one_go_merge_decisions(answers, limit, since, 2)
-    merged, pauses = run(merge_decisions_steps(answers, limit, since, 2))
+    merged, pauses = run_steps(merge_decisions_steps(answers, limit, since, 2))
     assert merged == expected
     assert strict_json.dumps(merged) == strict_json.dumps(expected)
     assert pauses == 2 * per_worker // MERGED_PER_STEP
@@ -139,7 +128,7 @@ def test_gathered_series_in_steps_pause_between_rows_and_add_as_before() -> None
         }
         for worker in (0, 1)
     ]
-    merged, pauses = run(merge_series_steps(answers))
+    merged, pauses = run_steps(merge_series_steps(answers))
     assert pauses == rows // ROWS_PER_STEP
     assert merged == merge_series(answers) and merged["now"] == 1001.0
     assert [row["replicas"] for row in merged["intervals"]] == [{"r0": 1, "r1": 1, "r9": 2}] * rows

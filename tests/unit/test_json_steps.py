@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Generator
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from step_runs import run_steps
 
 from balancer import strict_json
 
@@ -35,17 +35,6 @@ DOCUMENTS = (
 )
 
 
-def run(steps: Generator[None, None, Any]) -> tuple[Any, int]:
-    """What ``steps`` returns, and how many times it paused."""
-    pauses = 0
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value, pauses
-        pauses += 1
-
-
 def spaced(text: str) -> str:
     """``text`` with JSON whitespace around every structural character outside strings."""
     out: list[str] = []
@@ -66,9 +55,9 @@ def spaced(text: str) -> str:
 @given(DOCUMENTS, st.integers(min_value=1, max_value=64))
 def test_steps_decode_and_encode_as_one_go(value: Any, step_chars: int) -> None:
     text = strict_json.dumps(value)
-    assert run(strict_json.dumps_steps(value, step_chars))[0] == text
+    assert run_steps(strict_json.dumps_steps(value, step_chars))[0] == text
     for form in (text, text.encode("utf-8"), spaced(text), spaced(text).encode("utf-8")):
-        assert run(strict_json.loads_steps(form, step_chars))[0] == strict_json.loads(form)
+        assert run_steps(strict_json.loads_steps(form, step_chars))[0] == strict_json.loads(form)
 
 
 BAD = [
@@ -100,25 +89,25 @@ def test_a_bad_document_is_refused_as_in_one_go(text: str) -> None:
     with pytest.raises(ValueError) as one_go:
         strict_json.loads(text)
     with pytest.raises(ValueError) as stepped:
-        run(strict_json.loads_steps(text, 1))
+        run_steps(strict_json.loads_steps(text, 1))
     assert type(stepped.value) is type(one_go.value)
 
 
 def test_duplicate_keys_and_non_finite_floats_as_in_one_go() -> None:
     text = '{"a": [1], "b": 2, "a": [3, 4]}'
-    assert run(strict_json.loads_steps(text, 1))[0] == json.loads(text) == {"a": [3, 4], "b": 2}
+    assert run_steps(strict_json.loads_steps(text, 1))[0] == json.loads(text) == {"a": [3, 4], "b": 2}
     value = {"x": [1.5, math.inf, {"y": math.nan}], "z": -math.inf}
-    assert run(strict_json.dumps_steps(value, 1))[0] == strict_json.dumps(value)
+    assert run_steps(strict_json.dumps_steps(value, 1))[0] == strict_json.dumps(value)
 
 
 def test_a_large_document_is_cut_into_steps_of_about_step_chars() -> None:
     views = [{"id": f"r{i:03d}", "health": {"probe_ok": True, "age_s": i / 7}} for i in range(200)]
     value = {"replicas": views, "kept_drains": views[:50], "kept_drains_total": 50, "workers": [0, 1]}
     text = strict_json.dumps(value)
-    decoded, pauses = run(strict_json.loads_steps(text, 1024))
+    decoded, pauses = run_steps(strict_json.loads_steps(text, 1024))
     assert decoded == value
     assert len(text) // 1024 - 2 <= pauses <= len(text) // 1024 + 2, (pauses, len(text))
-    encoded, pauses = run(strict_json.dumps_steps(value, 1024))
+    encoded, pauses = run_steps(strict_json.dumps_steps(value, 1024))
     assert encoded == text
     assert len(text) // 1024 - 2 <= pauses <= len(text) // 1024 + 2, (pauses, len(text))
-    assert run(strict_json.loads_steps(text))[1] >= len(text) // strict_json.STEP_CHARS - 1
+    assert run_steps(strict_json.loads_steps(text))[1] >= len(text) // strict_json.STEP_CHARS - 1
